@@ -1,0 +1,165 @@
+# shardd — top-level build.
+#
+#   make                 build the daemon, the client libraries, the tools, the examples
+#   make test            install missing packages (make deps), build, run every suite
+#   make train           the main job: a real training run through the daemon (README)
+#   make test-gpu        CUDA kernel and cuda-backend tests (skip cleanly without a GPU)
+#   make install PREFIX=/usr/local DESTDIR=
+#   make SANITIZE=1      ASan + UBSan build (out of tree in build-san/)
+#   make CUDA=auto|0|1   build the cuda backend when nvcc and nccl.h are found (auto)
+#
+# Python: the tests and the Python client run under Debian's /usr/bin/python3
+# (python3-numpy, python3-pytest, python3-torch from apt, installed by make deps).
+
+CC       ?= gcc
+CFLAGS   ?= -O2 -g -Wall -Wextra
+override CFLAGS += -std=gnu11 -Werror -fPIC -pthread -MMD -MP -I. -Iproto -Ikernels -Iclient
+LDFLAGS  ?=
+LDLIBS   := -luring -ljansson -lpthread -lm
+PREFIX   ?= /usr/local
+DESTDIR  ?=
+PYTHON   ?= /usr/bin/python3
+CUDA     ?= auto
+CUDA_HOME ?= /usr/local/cuda
+NVCC     ?= $(CUDA_HOME)/bin/nvcc
+NVCCFLAGS ?= -O3 -lineinfo
+VERSION  := 0.1.0
+
+ifeq ($(SANITIZE),1)
+BUILD    ?= build-san
+override CFLAGS += -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
+override LDFLAGS += -fsanitize=address,undefined
+else
+BUILD    ?= build
+endif
+
+# ---------------------------------------------------------------- CUDA ---
+ifeq ($(CUDA),auto)
+HAVE_CUDA := $(shell test -x $(NVCC) && test -f $(CUDA_HOME)/include/nccl.h && echo 1 || echo 0)
+else
+HAVE_CUDA := $(CUDA)
+endif
+ifeq ($(HAVE_CUDA),1)
+override CFLAGS += -DSHARDD_HAVE_CUDA=1 -I$(CUDA_HOME)/include
+CUDA_LDLIBS := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lnccl -lcudart -lcuda
+endif
+
+# ------------------------------------------------------------- sources ---
+KERNEL_SRC  := $(wildcard kernels/*.c)
+KERNEL_CU   := $(if $(filter 1,$(HAVE_CUDA)),$(wildcard kernels/*.cu))
+DAEMON_SRC  := $(filter-out daemon/main.c $(if $(filter 1,$(HAVE_CUDA)),,daemon/backend_cuda%.c),$(wildcard daemon/*.c))
+CLIENT_SRC  := $(wildcard client/*.c)
+SHARDCTL_SRC := $(wildcard tools/shardctl/*.c)
+BENCH_SRC   := $(wildcard tools/shardbench/*.c)
+EXAMPLE_SRC := $(wildcard client/examples/*.c)
+UNIT_SRC    := $(wildcard tests/unit/test_*.c)
+INTEG_SRC   := $(wildcard tests/integration/test_*.c)
+TESTLIB_SRC := $(wildcard tests/lib/*.c)
+
+obj = $(patsubst %.c,$(BUILD)/%.o,$(1))
+
+KERNEL_OBJ  := $(call obj,$(KERNEL_SRC)) $(patsubst %.cu,$(BUILD)/%.cu.o,$(KERNEL_CU))
+DAEMON_OBJ  := $(call obj,$(DAEMON_SRC))
+CLIENT_OBJ  := $(call obj,$(CLIENT_SRC))
+TESTLIB_OBJ := $(call obj,$(TESTLIB_SRC))
+
+LIBKERNELS  := $(BUILD)/libshardd_kernels.a
+LIBDAEMON   := $(BUILD)/libshardd_daemon.a
+LIBCLIENT_A := $(BUILD)/libshardd.a
+LIBCLIENT_SO := $(BUILD)/libshardd.so
+SHARDD      := $(BUILD)/shardd
+SHARDCTL    := $(if $(SHARDCTL_SRC),$(BUILD)/shardctl)
+SHARDBENCH  := $(if $(BENCH_SRC),$(BUILD)/shardbench)
+EXAMPLES    := $(patsubst client/examples/%.c,$(BUILD)/examples/%,$(EXAMPLE_SRC))
+UNIT_BIN    := $(patsubst tests/%.c,$(BUILD)/tests/%,$(UNIT_SRC))
+INTEG_BIN   := $(patsubst tests/%.c,$(BUILD)/tests/%,$(INTEG_SRC))
+
+.PHONY: all test test-c test-python test-gpu train deps deps-check install clean
+all: $(SHARDD) $(LIBCLIENT_A) $(LIBCLIENT_SO) $(SHARDCTL) $(SHARDBENCH) $(EXAMPLES) $(BUILD)/shardd.pc
+
+$(BUILD)/%.o: %.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -c $< -o $@
+
+$(BUILD)/%.cu.o: %.cu
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) -Xcompiler -fPIC -I. -Iproto -Ikernels -c $< -o $@
+
+$(LIBKERNELS): $(KERNEL_OBJ)
+	$(AR) rcs $@ $^
+
+$(LIBDAEMON): $(DAEMON_OBJ)
+	$(AR) rcs $@ $^
+
+$(LIBCLIENT_A): $(CLIENT_OBJ)
+	$(AR) rcs $@ $^
+
+$(LIBCLIENT_SO): $(CLIENT_OBJ)
+	$(CC) $(LDFLAGS) -shared -Wl,-soname,libshardd.so.0 -o $@ $^ -lpthread
+
+$(SHARDD): $(BUILD)/daemon/main.o $(LIBDAEMON) $(LIBKERNELS)
+	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS) $(CUDA_LDLIBS)
+
+$(BUILD)/shardctl: $(call obj,$(SHARDCTL_SRC)) $(LIBCLIENT_A)
+	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
+
+$(BUILD)/shardbench: $(call obj,$(BENCH_SRC)) $(LIBCLIENT_A) $(LIBKERNELS)
+	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS) $(CUDA_LDLIBS)
+
+$(BUILD)/examples/%: $(BUILD)/client/examples/%.o $(LIBCLIENT_A)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $^ -lpthread -lm
+
+$(BUILD)/tests/%: $(BUILD)/tests/%.o $(TESTLIB_OBJ) $(LIBDAEMON) $(LIBCLIENT_A) $(LIBKERNELS)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $^ -lcriterion $(LDLIBS) $(CUDA_LDLIBS)
+
+$(BUILD)/shardd.pc: Makefile
+	@mkdir -p $(dir $@)
+	printf 'prefix=%s\nlibdir=$${prefix}/lib\nincludedir=$${prefix}/include\n\nName: shardd\nDescription: client library of the shardd ZeRO-3 parameter server\nVersion: %s\nLibs: -L$${libdir} -lshardd\nLibs.private: -lpthread\nCflags: -I$${includedir}\n' '$(PREFIX)' '$(VERSION)' > $@
+
+# ---------------------------------------------------------------- deps ---
+deps:
+	tools/setup/deps.sh install
+
+deps-check:
+	@tools/setup/deps.sh check || tools/setup/deps.sh install
+
+# ---------------------------------------------------------------- test ---
+# Each Criterion binary runs on its own; every test in it carries a timeout.
+test: deps-check
+	$(MAKE) all $(UNIT_BIN) $(INTEG_BIN)
+	$(MAKE) test-c test-python
+
+test-c: $(UNIT_BIN) $(INTEG_BIN) $(SHARDD) $(EXAMPLES)
+	@set -e; for t in $(UNIT_BIN) $(INTEG_BIN); do \
+		echo "== $$t"; SHARDD_BIN=$(abspath $(SHARDD)) SHARDD_BUILD=$(abspath $(BUILD)) $$t --jobs 1; \
+	done
+
+test-python: all
+	@if [ -d tests/python ]; then \
+		SHARDD_BIN=$(abspath $(SHARDD)) SHARDD_BUILD=$(abspath $(BUILD)) \
+		PYTHONPATH=$(abspath client/python) $(PYTHON) -m pytest -q tests/python; \
+	fi
+
+test-gpu: all
+	tools/setup/test_gpu.sh $(BUILD) $(HAVE_CUDA)
+
+train: deps-check
+	$(MAKE) all
+	tools/train.sh $(BUILD)
+
+# ------------------------------------------------------------- install ---
+install: all
+	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/include
+	install -m 755 $(SHARDD) $(SHARDCTL) $(SHARDBENCH) $(DESTDIR)$(PREFIX)/bin/
+	install -m 644 $(LIBCLIENT_A) $(DESTDIR)$(PREFIX)/lib/
+	install -m 755 $(LIBCLIENT_SO) $(DESTDIR)$(PREFIX)/lib/libshardd.so.0
+	ln -sf libshardd.so.0 $(DESTDIR)$(PREFIX)/lib/libshardd.so
+	install -m 644 client/shardd.h proto/shardd_proto.h $(DESTDIR)$(PREFIX)/include/
+	install -m 644 $(BUILD)/shardd.pc $(DESTDIR)$(PREFIX)/lib/pkgconfig/
+
+clean:
+	rm -rf build build-san
+
+-include $(shell find $(BUILD) -name '*.d' 2>/dev/null)

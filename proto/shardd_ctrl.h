@@ -1,0 +1,243 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Control-plane framing over a SOCK_SEQPACKET socket (PROTOCOL.md
+ * "Control messages"): a message is a struct shardd_msg_hdr and `length`
+ * payload bytes, split into datagrams of at most SHARDD_CTRL_CHUNK bytes.
+ * File descriptors ride on the first datagram only. libc only.
+ */
+#ifndef SHARDD_CTRL_H
+#define SHARDD_CTRL_H
+
+#include <errno.h>
+#include <poll.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include "shardd_proto.h"
+
+#define SHARDD_CTRL_MAX_FDS 8
+
+/*
+ * Send one message. `fds` (may be NULL) travel with SCM_RIGHTS on the first
+ * datagram. Returns 0 or -errno (-EMSGSIZE when len > SHARDD_CTRL_MAX).
+ */
+static inline int shardd_ctrl_send(int sock, uint16_t type, uint32_t seq, const void *payload,
+				   uint32_t len, const int *fds, int nfds)
+{
+	struct shardd_msg_hdr hdr = {
+		.magic = SHARDD_MAGIC, .type = type, .flags = 0, .length = len, .seq = seq,
+	};
+	union {
+		char buf[CMSG_SPACE(sizeof(int) * SHARDD_CTRL_MAX_FDS)];
+		struct cmsghdr align;
+	} ctl;
+	const uint8_t *p = payload;
+	uint32_t sent = 0;
+	int first = 1;
+
+	if (len > SHARDD_CTRL_MAX)
+		return -EMSGSIZE;
+	if (nfds < 0 || nfds > SHARDD_CTRL_MAX_FDS)
+		return -EINVAL;
+	do {
+		struct iovec iov[2];
+		struct msghdr mh = { .msg_iov = iov };
+		uint32_t room = SHARDD_CTRL_CHUNK - (first ? sizeof(hdr) : 0);
+		uint32_t n = len - sent < room ? len - sent : room;
+		ssize_t r;
+
+		if (first) {
+			iov[mh.msg_iovlen++] = (struct iovec){ &hdr, sizeof(hdr) };
+			if (nfds > 0) {
+				struct cmsghdr *c;
+
+				memset(&ctl, 0, sizeof(ctl));
+				mh.msg_control = ctl.buf;
+				mh.msg_controllen = CMSG_SPACE(sizeof(int) * (size_t)nfds);
+				c = CMSG_FIRSTHDR(&mh);
+				c->cmsg_level = SOL_SOCKET;
+				c->cmsg_type = SCM_RIGHTS;
+				c->cmsg_len = CMSG_LEN(sizeof(int) * (size_t)nfds);
+				memcpy(CMSG_DATA(c), fds, sizeof(int) * (size_t)nfds);
+			}
+		}
+		if (n)
+			iov[mh.msg_iovlen++] = (struct iovec){ (void *)(p + sent), n };
+		do
+			r = sendmsg(sock, &mh, MSG_NOSIGNAL);
+		while (r < 0 && errno == EINTR);
+		if (r < 0)
+			return -errno;
+		sent += n;
+		first = 0;
+	} while (sent < len);
+	return 0;
+}
+
+/* Reassembly state of one incoming message. */
+struct shardd_ctrl_rx {
+	struct shardd_msg_hdr hdr;  /* valid once a message started */
+	uint8_t *payload;           /* hdr.length bytes, malloc'd; owned by the caller once complete */
+	uint32_t have;              /* payload bytes received so far */
+	int      started;           /* 1 while a message is being reassembled */
+	int      fds[SHARDD_CTRL_MAX_FDS]; /* received with the first datagram */
+	int      nfds;
+};
+
+/* Release whatever `rx` holds (payload and unclaimed fds) and reset it. */
+static inline void shardd_ctrl_rx_reset(struct shardd_ctrl_rx *rx)
+{
+	for (int i = 0; i < rx->nfds; i++)
+		close(rx->fds[i]);
+	free(rx->payload);
+	memset(rx, 0, sizeof(*rx));
+}
+
+/*
+ * Feed one received datagram (`data`, `n` bytes, with `fds`). Returns 1 when
+ * the message is complete (hdr, payload, fds valid; the caller takes them
+ * and calls shardd_ctrl_rx_reset after clearing what it took), 0 when more
+ * datagrams are needed, or a negative error: -SHARDD_E_MAGIC (wrong magic),
+ * -SHARDD_E_MALFORMED (short header, or more bytes than announced),
+ * -EMSGSIZE (length over `max_len`), -ENOMEM. On error the fds are closed.
+ */
+static inline int shardd_ctrl_rx_feed(struct shardd_ctrl_rx *rx, const uint8_t *data, size_t n,
+				      const int *fds, int nfds, uint32_t max_len)
+{
+	if (!rx->started) {
+		if (n < sizeof(rx->hdr)) {
+			for (int i = 0; i < nfds; i++)
+				close(fds[i]);
+			return -SHARDD_E_MALFORMED;
+		}
+		memcpy(&rx->hdr, data, sizeof(rx->hdr));
+		data += sizeof(rx->hdr);
+		n -= sizeof(rx->hdr);
+		rx->started = 1;
+		for (int i = 0; i < nfds && i < SHARDD_CTRL_MAX_FDS; i++)
+			rx->fds[rx->nfds++] = fds[i];
+		for (int i = SHARDD_CTRL_MAX_FDS; i < nfds; i++)
+			close(fds[i]);
+		if (rx->hdr.magic != SHARDD_MAGIC)
+			return -SHARDD_E_MAGIC;
+		if (rx->hdr.length > max_len)
+			return -EMSGSIZE;
+		if (rx->hdr.length) {
+			rx->payload = malloc(rx->hdr.length);
+			if (!rx->payload)
+				return -ENOMEM;
+		}
+	} else {
+		for (int i = 0; i < nfds; i++)
+			close(fds[i]);
+		if (nfds)
+			return -SHARDD_E_MALFORMED;
+	}
+	if (n > rx->hdr.length - rx->have)
+		return -SHARDD_E_MALFORMED;
+	if (n)
+		memcpy(rx->payload + rx->have, data, n);
+	rx->have += (uint32_t)n;
+	return rx->have == rx->hdr.length;
+}
+
+/*
+ * Receive one datagram from `sock` into `buf` (SHARDD_CTRL_CHUNK bytes) and
+ * its fds. Returns bytes received, 0 on EOF, or -errno (-EAGAIN on a
+ * non-blocking socket with nothing to read). MSG_CMSG_CLOEXEC is set.
+ */
+static inline ssize_t shardd_ctrl_recv_dgram(int sock, uint8_t *buf, int *fds, int *nfds)
+{
+	union {
+		char buf[CMSG_SPACE(sizeof(int) * SHARDD_CTRL_MAX_FDS)];
+		struct cmsghdr align;
+	} ctl;
+	struct iovec iov = { buf, SHARDD_CTRL_CHUNK };
+	struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1,
+			     .msg_control = ctl.buf, .msg_controllen = sizeof(ctl.buf) };
+	ssize_t r;
+
+	*nfds = 0;
+	do
+		r = recvmsg(sock, &mh, MSG_CMSG_CLOEXEC);
+	while (r < 0 && errno == EINTR);
+	if (r < 0)
+		return -errno;
+	for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
+		if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+			int k = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+
+			for (int i = 0; i < k; i++) {
+				int fd;
+
+				memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+				if (*nfds < SHARDD_CTRL_MAX_FDS)
+					fds[(*nfds)++] = fd;
+				else
+					close(fd);
+			}
+		}
+	}
+	if (mh.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) {
+		for (int i = 0; i < *nfds; i++)
+			close(fds[i]);
+		*nfds = 0;
+		return -EMSGSIZE;
+	}
+	return r;
+}
+
+/*
+ * Blocking receive of one whole message, each datagram waited for at most
+ * `timeout_ms` (-1: forever). Returns 0 (rx complete), -ECONNRESET on EOF,
+ * -ETIMEDOUT, or another negative error from shardd_ctrl_rx_feed().
+ * `rx` must be zeroed; on error it is reset.
+ */
+static inline int shardd_ctrl_recv(int sock, struct shardd_ctrl_rx *rx, int timeout_ms)
+{
+	uint8_t *buf = malloc(SHARDD_CTRL_CHUNK);
+	int ret;
+
+	if (!buf)
+		return -ENOMEM;
+	for (;;) {
+		struct pollfd pfd = { .fd = sock, .events = POLLIN };
+		int fds[SHARDD_CTRL_MAX_FDS], nfds;
+		ssize_t n;
+
+		ret = poll(&pfd, 1, timeout_ms);
+		if (ret < 0 && errno == EINTR)
+			continue;
+		if (ret < 0) {
+			ret = -errno;
+			break;
+		}
+		if (ret == 0) {
+			ret = -ETIMEDOUT;
+			break;
+		}
+		n = shardd_ctrl_recv_dgram(sock, buf, fds, &nfds);
+		if (n == 0) {
+			ret = -ECONNRESET;
+			break;
+		}
+		if (n < 0) {
+			ret = (int)n;
+			break;
+		}
+		ret = shardd_ctrl_rx_feed(rx, buf, (size_t)n, fds, nfds, SHARDD_CTRL_MAX);
+		if (ret != 0)
+			break;
+	}
+	free(buf);
+	if (ret == 1)
+		return 0;
+	shardd_ctrl_rx_reset(rx);
+	return ret;
+}
+
+#endif /* SHARDD_CTRL_H */

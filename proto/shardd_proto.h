@@ -1,0 +1,376 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * shardd wire and shared-memory protocol.
+ *
+ * Every struct here has a fixed little-endian layout, checked with
+ * _Static_assert below; proto/PROTOCOL.md documents each field. This header
+ * includes libc only, so any client (C, or another language reading
+ * PROTOCOL.md) can speak the protocol without libshardd.
+ */
+#ifndef SHARDD_PROTO_H
+#define SHARDD_PROTO_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* ------------------------------------------------------------------ */
+/* Constants                                                           */
+/* ------------------------------------------------------------------ */
+
+#define SHARDD_MAGIC        0x44524853u /* "SHRD" as little-endian bytes */
+#define SHARDD_RING_MAGIC   0x474e4952u /* "RING" */
+#define SHARDD_PROTO_MAJOR  1           /* incompatible changes bump this */
+#define SHARDD_PROTO_MINOR  0           /* compatible additions bump this */
+
+#define SHARDD_NAME_MAX      64  /* job and group names, NUL included */
+#define SHARDD_PARAM_NAME_MAX 80 /* param names, NUL included */
+#define SHARDD_MAX_DIMS      8   /* param rank */
+#define SHARDD_MAX_WORLD     1024 /* replicate * shard */
+#define SHARDD_MAX_PARAMS    65536 /* params in one group */
+#define SHARDD_ALIGN         64  /* every param offset in every buffer */
+
+/*
+ * A control message larger than one datagram is split: the first datagram
+ * holds the header and the first payload bytes, each following datagram
+ * holds only payload bytes, every datagram at most SHARDD_CTRL_CHUNK bytes.
+ * Receivers reassemble until hdr.length payload bytes have arrived.
+ */
+#define SHARDD_CTRL_CHUNK    (60u * 1024u)
+#define SHARDD_CTRL_MAX      (64u * 1024u * 1024u) /* payload limit */
+
+#define SHARDD_RING_ENTRIES_DEFAULT 1024 /* SQ and CQ each, power of two */
+#define SHARDD_RING_MSG_SIZE        256  /* error text slot per CQ entry */
+#define SHARDD_CACHELINE            64
+
+/* ------------------------------------------------------------------ */
+/* Enumerations                                                        */
+/* ------------------------------------------------------------------ */
+
+enum shardd_dtype {
+	SHARDD_DTYPE_NONE = 0, /* "not set" in policies: FSDP2's None */
+	SHARDD_DTYPE_FP32 = 1,
+	SHARDD_DTYPE_BF16 = 2,
+	SHARDD_DTYPE_FP16 = 3,
+	SHARDD_DTYPE_COUNT     /* codes >= this are invalid */
+};
+
+enum shardd_backend {
+	SHARDD_BACKEND_HOST = 1,
+	SHARDD_BACKEND_CUDA = 2,
+};
+
+enum shardd_op {
+	SHARDD_OP_NOP       = 1, /* completes at once: latency probe */
+	SHARDD_OP_BARRIER   = 2, /* job-wide, keyed by sqe.step */
+	SHARDD_OP_UNSHARD   = 3, /* collective over the shard group, by step */
+	SHARDD_OP_REDUCE    = 4, /* collective over the shard group (+replicas) */
+	SHARDD_OP_RESHARD   = 5, /* drop this rank's hold on the unsharded copy */
+	SHARDD_OP_ZERO_GRAD = 6, /* this rank's sharded grads: zero, "absent" */
+	SHARDD_OP_COUNT
+};
+
+/* sqe.flags for SHARDD_OP_REDUCE */
+#define SHARDD_REDUCE_ALL_REDUCE (1u << 0) /* HSDP: all-reduce across replicas now */
+#define SHARDD_REDUCE_FLAGS_MASK (SHARDD_REDUCE_ALL_REDUCE)
+
+/*
+ * Error codes. Calls and completions report 0 or a negative value: either
+ * -errno or -SHARDD_E*. Project codes start at 1000, above every errno.
+ */
+enum shardd_error {
+	SHARDD_E_BASE       = 1000,
+	SHARDD_E_MAGIC      = 1001, /* wrong magic in a message or ring */
+	SHARDD_E_VERSION    = 1002, /* protocol major version differs */
+	SHARDD_E_MALFORMED  = 1003, /* truncated or malformed message */
+	SHARDD_E_PERM       = 1004, /* peer credentials not allowed */
+	SHARDD_E_RANK_TAKEN = 1005, /* another live client holds this rank */
+	SHARDD_E_MESH       = 1006, /* mesh differs from the job's */
+	SHARDD_E_INVALID    = 1007, /* a field has an invalid value */
+	SHARDD_E_TIMEOUT    = 1008, /* collective timeout: ranks missing */
+	SHARDD_E_PEER_DIED  = 1009, /* a rank of the rendezvous died */
+	SHARDD_E_MISMATCH   = 1010, /* ranks disagree on step, flags or spec */
+	SHARDD_E_SHUTDOWN   = 1011, /* the daemon is shutting down */
+	SHARDD_E_NOGROUP    = 1012, /* unknown group id or name */
+	SHARDD_E_STATE      = 1013, /* op not allowed in this state */
+	SHARDD_E_NOMEM      = 1014, /* daemon could not allocate */
+	SHARDD_E_BACKEND    = 1015, /* backend failure (message says which) */
+	SHARDD_E_NOJOB      = 1016, /* unknown job (admin) */
+	SHARDD_E_MAX
+};
+
+/* Control message types */
+enum shardd_msg_type {
+	SHARDD_MSG_HELLO          = 1,  /* client -> daemon */
+	SHARDD_MSG_WELCOME        = 2,  /* daemon -> client, fds: ring, doorbell */
+	SHARDD_MSG_ERROR          = 3,  /* daemon -> client */
+	SHARDD_MSG_GOODBYE        = 4,  /* client -> daemon, no reply */
+	SHARDD_MSG_REGISTER_GROUP = 5,  /* client -> daemon */
+	SHARDD_MSG_OPEN_GROUP     = 6,  /* client -> daemon */
+	SHARDD_MSG_GROUP          = 7,  /* daemon -> client, fds: 4 buffers */
+	SHARDD_MSG_ADMIN          = 8,  /* client -> daemon, JSON payload */
+	SHARDD_MSG_ADMIN_REPLY    = 9,  /* daemon -> client, JSON payload */
+	SHARDD_MSG_COUNT
+};
+
+/* ------------------------------------------------------------------ */
+/* Control plane                                                       */
+/* ------------------------------------------------------------------ */
+
+/* Every control message starts with this header. */
+struct shardd_msg_hdr {
+	uint32_t magic;  /* SHARDD_MAGIC */
+	uint16_t type;   /* enum shardd_msg_type */
+	uint16_t flags;  /* zero */
+	uint32_t length; /* payload bytes after the header, all datagrams */
+	uint32_t seq;    /* request number; a reply echoes it */
+};
+
+#define SHARDD_HELLO_DEVICE_HOST (-1)
+
+struct shardd_hello {
+	uint16_t major;      /* SHARDD_PROTO_MAJOR of the client */
+	uint16_t minor;      /* SHARDD_PROTO_MINOR of the client */
+	uint32_t pid;        /* client pid, for pidfd liveness */
+	char     job[SHARDD_NAME_MAX]; /* NUL-terminated job name */
+	uint32_t rank;       /* global rank = replica * shard + shard_rank */
+	uint32_t replicate;  /* mesh rows (1 for plain FSDP) */
+	uint32_t shard;      /* mesh columns: shard group size */
+	int32_t  device;     /* CUDA device ordinal; SHARDD_HELLO_DEVICE_HOST */
+	uint32_t sq_entries; /* requested SQ/CQ size; 0 = default */
+	uint32_t flags;      /* zero */
+	uint8_t  rsvd[16];   /* zero */
+};
+
+struct shardd_welcome {
+	uint16_t major;       /* daemon's SHARDD_PROTO_MAJOR */
+	uint16_t minor;       /* daemon's SHARDD_PROTO_MINOR */
+	uint32_t client_id;   /* daemon-wide id of this connection */
+	uint32_t backend;     /* enum shardd_backend */
+	uint32_t sq_entries;  /* SQ capacity, power of two */
+	uint32_t cq_entries;  /* CQ capacity, power of two, >= sq_entries */
+	uint32_t daemon_pid;
+	uint64_t ring_size;   /* bytes of the ring memfd (fd 0) */
+	uint32_t collective_timeout_ms;
+	uint32_t rsvd0;
+	uint8_t  rsvd[24];
+};
+
+/* SHARDD_MSG_ERROR payload: code, then msg_len bytes of UTF-8 text. */
+struct shardd_error_msg {
+	int32_t  code;     /* negative: -SHARDD_E* or -errno */
+	uint32_t msg_len;  /* bytes of text following, no NUL */
+};
+
+/* Initial values of a group's params: who writes them. */
+enum shardd_init {
+	SHARDD_INIT_ZERO  = 0, /* shards start zeroed; each rank writes its own */
+};
+
+/* One param of a group, as registered. */
+struct shardd_param_spec {
+	char     name[SHARDD_PARAM_NAME_MAX]; /* NUL-terminated, unique */
+	uint32_t dtype;     /* enum shardd_dtype, the param's original dtype */
+	uint32_t ndim;      /* 0..SHARDD_MAX_DIMS */
+	uint32_t shard_dim; /* FSDP2 Shard(i): 0 by default, < ndim */
+	uint32_t flags;     /* zero */
+	uint64_t shape[SHARDD_MAX_DIMS]; /* first ndim used, rest zero */
+};
+
+/* SHARDD_MSG_REGISTER_GROUP payload: this, then nparams param specs. */
+struct shardd_register_group {
+	char     name[SHARDD_NAME_MAX]; /* NUL-terminated group name */
+	uint32_t nparams;      /* 1..SHARDD_MAX_PARAMS */
+	uint32_t param_dtype;  /* MixedPrecisionPolicy.param_dtype or NONE */
+	uint32_t reduce_dtype; /* MixedPrecisionPolicy.reduce_dtype or NONE */
+	uint32_t init;         /* enum shardd_init */
+	uint32_t flags;        /* zero */
+	uint32_t rsvd;
+};
+
+/* SHARDD_MSG_OPEN_GROUP payload. */
+struct shardd_open_group {
+	char     name[SHARDD_NAME_MAX];
+};
+
+/* Where one param lives in each buffer, for the receiving rank. */
+struct shardd_param_layout {
+	uint64_t unsharded_offset; /* bytes into the unsharded buffer */
+	uint64_t unsharded_bytes;  /* numel * sizeof(param dtype used) */
+	uint64_t grad_offset;      /* bytes into this rank's grad buffer */
+	uint64_t grad_bytes;       /* numel * sizeof(grad dtype) */
+	uint64_t shard_offset;     /* bytes into this rank's flat shard and sharded grad */
+	uint64_t shard_bytes;      /* shard numel * sizeof(orig dtype), padding included */
+	uint64_t shard_row_begin;  /* first row (along shard_dim) of the shard */
+	uint64_t shard_rows_valid; /* rows of real data; the rest is padding */
+};
+
+/*
+ * SHARDD_MSG_GROUP payload: this, then nparams param layouts, with four
+ * fds in this order: unsharded (read-only), grad (rw), flat shard (rw),
+ * sharded grad (rw). Sizes below are the mapping sizes.
+ */
+struct shardd_group_reply {
+	uint32_t group_id;        /* nonzero, used in sqe.group */
+	uint32_t nparams;
+	uint32_t param_dtype;     /* dtype of the unsharded buffer, per param if NONE */
+	uint32_t reduce_dtype;    /* as registered */
+	uint32_t grad_dtype;      /* dtype of the grad buffer; NONE if params differ */
+	uint32_t shard_world;     /* shard group size used for the layout */
+	uint64_t unsharded_size;  /* bytes */
+	uint64_t grad_size;       /* bytes */
+	uint64_t shard_size;      /* bytes of the flat shard, also of the sharded grad */
+	uint64_t rsvd[2];
+};
+
+/* ------------------------------------------------------------------ */
+/* Data plane: the ring region                                         */
+/* ------------------------------------------------------------------ */
+
+/* Submission queue entry: client -> daemon. */
+struct shardd_sqe {
+	uint8_t  op;        /* enum shardd_op */
+	uint8_t  rsvd0[3];  /* zero */
+	uint32_t group;     /* group id; zero for nop and barrier */
+	uint64_t step;      /* step number (barrier number for barrier) */
+	uint64_t user_data; /* echoed in the completion */
+	uint32_t flags;     /* per-op flags, e.g. SHARDD_REDUCE_* */
+	uint32_t rsvd1;     /* zero */
+	uint64_t rsvd2[4];  /* zero */
+};
+
+/* Completion queue entry: daemon -> client. */
+struct shardd_cqe {
+	uint64_t user_data; /* from the sqe */
+	int32_t  res;       /* 0 or negative error */
+	uint8_t  op;        /* from the sqe */
+	uint8_t  has_msg;   /* 1: error text in the message slot of this index */
+	uint16_t rsvd0;
+	uint32_t group;     /* from the sqe */
+	uint32_t rsvd1;
+	uint64_t step;      /* from the sqe */
+	uint64_t rsvd2[4];
+};
+
+/* ring flags, written by the daemon */
+#define SHARDD_RING_NEED_WAKEUP (1u << 0) /* daemon sleeps: ring the doorbell */
+#define SHARDD_RING_DEAD        (1u << 1) /* daemon gone or detached this ring */
+
+/*
+ * Ring header, at offset 0 of the ring memfd. Each line is written by one
+ * side only; the owner is in the comment.
+ */
+struct shardd_ring_hdr {
+	/* line 0: immutable once version is published (daemon) */
+	uint32_t magic;       /* SHARDD_RING_MAGIC */
+	uint32_t version;     /* major << 16 | minor; written last, release */
+	uint32_t sq_entries;
+	uint32_t cq_entries;
+	uint32_t sq_off;      /* bytes from the region start to SQ entries */
+	uint32_t cq_off;
+	uint32_t msg_off;     /* cq_entries * SHARDD_RING_MSG_SIZE bytes */
+	uint32_t msg_size;    /* SHARDD_RING_MSG_SIZE */
+	uint64_t region_size;
+	uint32_t daemon_pid;
+	uint32_t client_id;
+	uint8_t  pad0[16];
+	/* line 1 (daemon) */
+	uint32_t sq_head;     /* SQ entries consumed */
+	uint8_t  pad1[60];
+	/* line 2 (client) */
+	uint32_t sq_tail;     /* SQ entries published */
+	uint8_t  pad2[60];
+	/* line 3 (client) */
+	uint32_t cq_head;     /* CQ entries consumed */
+	uint32_t cq_waiters;  /* client threads futex-waiting on cq_tail */
+	uint8_t  pad3[56];
+	/* line 4 (daemon): cq_tail is the futex word */
+	uint32_t cq_tail;     /* CQ entries published */
+	uint8_t  pad4[60];
+	/* line 5 (daemon) */
+	uint32_t flags;       /* SHARDD_RING_* */
+	uint32_t daemon_last_op;   /* last op the daemon took from this SQ */
+	uint64_t daemon_last_step; /* its step */
+	uint64_t daemon_heartbeat_ns; /* CLOCK_MONOTONIC of the last loop turn */
+	uint8_t  pad5[40];
+	/* line 6 (client) */
+	uint32_t client_last_op;   /* last op the client submitted */
+	uint32_t rsvd6;
+	uint64_t client_last_step;
+	uint8_t  pad6[48];
+	/* line 7: spare */
+	uint8_t  pad7[64];
+};
+
+/* ------------------------------------------------------------------ */
+/* Layout checks                                                       */
+/* ------------------------------------------------------------------ */
+
+_Static_assert(sizeof(struct shardd_msg_hdr) == 16, "msg_hdr");
+_Static_assert(sizeof(struct shardd_hello) == 112, "hello");
+_Static_assert(offsetof(struct shardd_hello, job) == 8, "hello.job");
+_Static_assert(offsetof(struct shardd_hello, rank) == 72, "hello.rank");
+_Static_assert(offsetof(struct shardd_hello, device) == 84, "hello.device");
+_Static_assert(sizeof(struct shardd_welcome) == 64, "welcome");
+_Static_assert(offsetof(struct shardd_welcome, ring_size) == 24, "welcome.ring_size");
+_Static_assert(sizeof(struct shardd_error_msg) == 8, "error_msg");
+_Static_assert(sizeof(struct shardd_param_spec) == 160, "param_spec");
+_Static_assert(offsetof(struct shardd_param_spec, shape) == 96, "param_spec.shape");
+_Static_assert(sizeof(struct shardd_register_group) == 88, "register_group");
+_Static_assert(sizeof(struct shardd_open_group) == 64, "open_group");
+_Static_assert(sizeof(struct shardd_param_layout) == 64, "param_layout");
+_Static_assert(sizeof(struct shardd_group_reply) == 64, "group_reply");
+_Static_assert(offsetof(struct shardd_group_reply, unsharded_size) == 24, "group_reply.unsharded_size");
+_Static_assert(sizeof(struct shardd_sqe) == 64, "sqe");
+_Static_assert(offsetof(struct shardd_sqe, step) == 8, "sqe.step");
+_Static_assert(offsetof(struct shardd_sqe, user_data) == 16, "sqe.user_data");
+_Static_assert(offsetof(struct shardd_sqe, flags) == 24, "sqe.flags");
+_Static_assert(sizeof(struct shardd_cqe) == 64, "cqe");
+_Static_assert(offsetof(struct shardd_cqe, res) == 8, "cqe.res");
+_Static_assert(offsetof(struct shardd_cqe, group) == 16, "cqe.group");
+_Static_assert(offsetof(struct shardd_cqe, step) == 24, "cqe.step");
+_Static_assert(sizeof(struct shardd_ring_hdr) == 8 * SHARDD_CACHELINE, "ring_hdr");
+_Static_assert(offsetof(struct shardd_ring_hdr, sq_head) == 1 * SHARDD_CACHELINE, "ring_hdr.sq_head");
+_Static_assert(offsetof(struct shardd_ring_hdr, sq_tail) == 2 * SHARDD_CACHELINE, "ring_hdr.sq_tail");
+_Static_assert(offsetof(struct shardd_ring_hdr, cq_head) == 3 * SHARDD_CACHELINE, "ring_hdr.cq_head");
+_Static_assert(offsetof(struct shardd_ring_hdr, cq_tail) == 4 * SHARDD_CACHELINE, "ring_hdr.cq_tail");
+_Static_assert(offsetof(struct shardd_ring_hdr, flags) == 5 * SHARDD_CACHELINE, "ring_hdr.flags");
+_Static_assert(offsetof(struct shardd_ring_hdr, client_last_op) == 6 * SHARDD_CACHELINE, "ring_hdr.client_last_op");
+
+/* Bytes of one element of a dtype; 0 for NONE and unknown codes. */
+static inline size_t shardd_dtype_size(uint32_t dtype)
+{
+	switch (dtype) {
+	case SHARDD_DTYPE_FP32: return 4;
+	case SHARDD_DTYPE_BF16: return 2;
+	case SHARDD_DTYPE_FP16: return 2;
+	default: return 0;
+	}
+}
+
+/* Lower-case name of a dtype, or NULL for an unknown code. */
+static inline const char *shardd_dtype_name(uint32_t dtype)
+{
+	switch (dtype) {
+	case SHARDD_DTYPE_NONE: return "none";
+	case SHARDD_DTYPE_FP32: return "fp32";
+	case SHARDD_DTYPE_BF16: return "bf16";
+	case SHARDD_DTYPE_FP16: return "fp16";
+	default: return NULL;
+	}
+}
+
+/* Lower-case name of an op, or NULL for an unknown code. */
+static inline const char *shardd_op_name(uint32_t op)
+{
+	switch (op) {
+	case SHARDD_OP_NOP: return "nop";
+	case SHARDD_OP_BARRIER: return "barrier";
+	case SHARDD_OP_UNSHARD: return "unshard";
+	case SHARDD_OP_REDUCE: return "reduce";
+	case SHARDD_OP_RESHARD: return "reshard";
+	case SHARDD_OP_ZERO_GRAD: return "zero_grad";
+	default: return NULL;
+	}
+}
+
+#endif /* SHARDD_PROTO_H */

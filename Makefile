@@ -22,7 +22,8 @@ PYTHON   ?= /usr/bin/python3
 CUDA     ?= auto
 CUDA_HOME ?= /usr/local/cuda
 NVCC     ?= $(CUDA_HOME)/bin/nvcc
-NVCCFLAGS ?= -O3 -lineinfo
+# sm_90 (H100/H200) machine code plus PTX for newer GPUs.
+NVCCFLAGS ?= -O3 -lineinfo -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
 VERSION  := 0.1.0
 
 ifeq ($(SANITIZE),1)
@@ -41,7 +42,9 @@ HAVE_CUDA := $(CUDA)
 endif
 ifeq ($(HAVE_CUDA),1)
 override CFLAGS += -DSHARDD_HAVE_CUDA=1 -I$(CUDA_HOME)/include
-CUDA_LDLIBS := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lnccl -lcudart -lcuda
+# No -lcuda: libcuda.so.1 exists only where a driver is installed, and shardd
+# must start without one. Driver-API calls go through cudaGetDriverEntryPoint.
+CUDA_LDLIBS := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lnccl -lcudart -lstdc++
 endif
 
 # ------------------------------------------------------------- sources ---
@@ -54,6 +57,7 @@ BENCH_SRC   := $(wildcard tools/shardbench/*.c)
 EXAMPLE_SRC := $(wildcard client/examples/*.c)
 UNIT_SRC    := $(wildcard tests/unit/test_*.c)
 INTEG_SRC   := $(wildcard tests/integration/test_*.c)
+GPU_SRC     := $(if $(filter 1,$(HAVE_CUDA)),$(wildcard tests/gpu/test_*.c))
 TESTLIB_SRC := $(wildcard tests/lib/*.c)
 
 obj = $(patsubst %.c,$(BUILD)/%.o,$(1))
@@ -73,6 +77,7 @@ SHARDBENCH  := $(if $(BENCH_SRC),$(BUILD)/shardbench)
 EXAMPLES    := $(patsubst client/examples/%.c,$(BUILD)/examples/%,$(EXAMPLE_SRC))
 UNIT_BIN    := $(patsubst tests/%.c,$(BUILD)/tests/%,$(UNIT_SRC))
 INTEG_BIN   := $(patsubst tests/%.c,$(BUILD)/tests/%,$(INTEG_SRC))
+GPU_BIN     := $(patsubst tests/%.c,$(BUILD)/tests/%,$(GPU_SRC))
 
 .PHONY: all test test-c test-python test-gpu train deps deps-check install clean
 all: $(SHARDD) $(LIBCLIENT_A) $(LIBCLIENT_SO) $(SHARDCTL) $(SHARDBENCH) $(EXAMPLES) $(BUILD)/shardd.pc
@@ -142,8 +147,8 @@ test-python: all
 		PYTHONPATH=$(abspath client/python) $(PYTHON) -m pytest -q tests/python; \
 	fi
 
-test-gpu: all
-	tools/setup/test_gpu.sh $(BUILD) $(HAVE_CUDA)
+test-gpu: all $(GPU_BIN)
+	tools/setup/test_gpu.sh $(BUILD) $(HAVE_CUDA) $(GPU_BIN)
 
 train: deps-check
 	$(MAKE) all
@@ -161,5 +166,8 @@ install: all
 
 clean:
 	rm -rf build build-san
+
+# Build fragments owned by a tool's folder (e.g. the MPI comparator of shardbench).
+include $(wildcard tools/*/*.mk)
 
 -include $(shell find $(BUILD) -name '*.d' 2>/dev/null)

@@ -1,19 +1,28 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * The arithmetic of shardd: every byte the daemon moves for an op goes
- * through these calls. CPU versions (kernels/*.c) work on host memory on
- * the calling thread; the daemon splits large ranges across its worker
- * pool. CUDA versions (kernels/*.cu, shardd_cuda_kernels.h) take the same
- * arguments on device memory plus a stream.
+ * through these calls. CPU versions (the .c files of kernels/) work on
+ * host memory on the calling thread; the daemon splits large ranges across
+ * its worker pool. CUDA versions (the .cu files, shardd_cuda_kernels.h)
+ * take the same arguments on device memory plus a stream.
  *
  * Dtype codes are enum shardd_dtype from proto/shardd_proto.h. Casts round
- * to nearest even; NaN stays NaN (quiet) and Inf stays Inf.
+ * to nearest even; NaN stays NaN (quiet) and Inf stays Inf. Pointers must
+ * be aligned to their dtype's element size. The calls keep no state, so
+ * threads may run them concurrently on disjoint ranges.
  */
 #ifndef SHARDD_KERNELS_H
 #define SHARDD_KERNELS_H
 
 #include <stddef.h>
 #include <stdint.h>
+
+/*
+ * Elements the CPU kernels process at a time: their fp32 stack buffers
+ * (2 KiB each) stay in L1, and loops of this constant length vectorise.
+ * Callers splitting work across threads should split on multiples of it.
+ */
+#define SHARDD_K_BLOCK 512
 
 /* Scalar conversions (round to nearest even, NaN and Inf kept). */
 uint16_t shardd_f32_to_bf16(float f);
@@ -23,6 +32,17 @@ float    shardd_f16_to_f32(uint16_t h);
 
 /* Round an fp32 value to `dtype` and back (identity for fp32). */
 float shardd_round_to(uint32_t dtype, float f);
+
+/*
+ * Block conversions through fp32, the working precision of every kernel:
+ * dst[i] = src[i] widened (exact for every dtype), dst[i] = src[i] rounded
+ * to dst_dtype, and x[i] = shardd_round_to(dtype, x[i]), for i < n. The
+ * optimizer and the daemon's copy paths build on these; buffers must not
+ * overlap.
+ */
+void shardd_k_to_f32(float *dst, const void *src, uint32_t src_dtype, size_t n);
+void shardd_k_from_f32(void *dst, uint32_t dst_dtype, const float *src, size_t n);
+void shardd_k_round(float *x, uint32_t dtype, size_t n);
 
 /* dst[i] = cast(src[i]) for i < n. dst and src must not overlap unless equal dtypes and equal pointers. */
 void shardd_k_cast(void *dst, uint32_t dst_dtype, const void *src, uint32_t src_dtype, size_t n);

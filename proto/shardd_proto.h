@@ -13,6 +13,11 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* C++ (nvcc, C++ clients) spells C11's _Static_assert as static_assert. */
+#if defined(__cplusplus) && !defined(_Static_assert)
+#define _Static_assert static_assert
+#endif
+
 /* ------------------------------------------------------------------ */
 /* Constants                                                           */
 /* ------------------------------------------------------------------ */

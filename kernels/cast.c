@@ -1,0 +1,428 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Casts between fp32, bf16 and fp16: scalar conversions and the block
+ * conversions every other kernel is built from.
+ *
+ * Speed: the bf16 loops are plain integer loops over restrict pointers that
+ * gcc -O2 vectorises, built for the baseline ISA and for AVX2 and picked at
+ * run time; -O2's "very cheap" cost model only vectorises loops whose trip
+ * count is a known multiple of the vector width, so each loop is run over
+ * constant SHARDD_K_BLOCK-element blocks (BLOCKED below) and a short tail.
+ * fp16 uses the F16C instructions where the CPU has them
+ * (checked at run time, so one binary runs everywhere) and a portable
+ * integer conversion otherwise; both round to nearest even and give the same
+ * bits, which test_kernels checks over every fp16 value.
+ *
+ * Pointers must be aligned to their dtype's size. Nothing here keeps state,
+ * so concurrent calls on disjoint ranges are safe.
+ */
+#include <string.h>
+
+#include "shardd_kernels.h"
+#include "shardd_proto.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define SHARDD_HAVE_X86 1
+#endif
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/*
+ * Run fn(dst + i, src + i, len) over n elements: whole blocks with a
+ * constant length (vectorised), then the tail.
+ */
+#define BLOCKED(fn, dst, src, n)                                               \
+	do {                                                                   \
+		size_t i_ = 0;                                                 \
+		for (; i_ + SHARDD_K_BLOCK <= (n); i_ += SHARDD_K_BLOCK)       \
+			fn((dst) + i_, (src) + i_, SHARDD_K_BLOCK);            \
+		fn((dst) + i_, (src) + i_, (n) - i_);                          \
+	} while (0)
+
+ALWAYS_INLINE uint32_t f32_bits(float f)
+{
+	uint32_t u;
+
+	memcpy(&u, &f, sizeof(u));
+	return u;
+}
+
+ALWAYS_INLINE float bits_f32(uint32_t u)
+{
+	float f;
+
+	memcpy(&f, &u, sizeof(f));
+	return f;
+}
+
+/* ------------------------------------------------------------- bf16 --- */
+
+/*
+ * bf16 is the top half of an fp32. Rounding to nearest even adds 0x7fff plus
+ * the lowest kept bit, so a tie rounds toward the even neighbour and a
+ * carry moves into the exponent (the largest finite values round to Inf,
+ * as they must). A NaN is truncated with its quiet bit set, so a payload
+ * that lives only in the low half cannot turn it into Inf.
+ */
+ALWAYS_INLINE uint16_t bf16_from_bits(uint32_t u)
+{
+	uint32_t is_nan = (u & 0x7fffffffu) > 0x7f800000u;
+	uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+	uint32_t quiet = (u >> 16) | 0x40u;
+
+	return (uint16_t)(is_nan ? quiet : rounded);
+}
+
+/* Widening is exact; a NaN comes back quiet. */
+ALWAYS_INLINE uint32_t bf16_to_bits(uint16_t h)
+{
+	uint32_t is_nan = (h & 0x7fffu) > 0x7f80u;
+
+	return ((uint32_t)h << 16) | (is_nan ? 0x00400000u : 0u);
+}
+
+ALWAYS_INLINE void bf16_load_n(float *restrict d, const uint16_t *restrict s, size_t n)
+{
+	for (size_t i = 0; i < n; i++)
+		d[i] = bits_f32(bf16_to_bits(s[i]));
+}
+
+ALWAYS_INLINE void bf16_store_n(uint16_t *restrict d, const float *restrict s, size_t n)
+{
+	for (size_t i = 0; i < n; i++)
+		d[i] = bf16_from_bits(f32_bits(s[i]));
+}
+
+ALWAYS_INLINE void bf16_round_n(float *restrict x, const float *restrict unused, size_t n)
+{
+	(void)unused;
+	for (size_t i = 0; i < n; i++)
+		x[i] = bits_f32(bf16_to_bits(bf16_from_bits(f32_bits(x[i]))));
+}
+
+/*
+ * The bf16 block loops, built twice: for the baseline ISA and for AVX2
+ * (twice the vector width), picked at run time.
+ */
+#define BF16_BLOCKS(isa, attr)                                                     \
+	attr static void bf16_load_##isa(float *restrict d, const uint16_t *restrict s, \
+					 size_t n)                                       \
+	{                                                                          \
+		BLOCKED(bf16_load_n, d, s, n);                                     \
+	}                                                                          \
+	attr static void bf16_store_##isa(uint16_t *restrict d, const float *restrict s, \
+					  size_t n)                                      \
+	{                                                                          \
+		BLOCKED(bf16_store_n, d, s, n);                                    \
+	}                                                                          \
+	attr static void bf16_round_##isa(float *x, size_t n)                      \
+	{                                                                          \
+		BLOCKED(bf16_round_n, x, (const float *)NULL, n);                  \
+	}
+
+BF16_BLOCKS(base, )
+#ifdef SHARDD_HAVE_X86
+BF16_BLOCKS(avx2, __attribute__((target("avx2"))))
+#endif
+
+/* ------------------------------------------------------------- fp16 --- */
+
+/*
+ * Portable fp32 -> fp16, round to nearest even: fp16 keeps 10 of fp32's 23
+ * mantissa bits and has exponents -14..15, so normal results are a rebias
+ * and a rounded shift, values from 65520 up round to Inf (65520 is the tie
+ * between 65504 and 2^16, and 65504's mantissa is odd), and values below
+ * 2^-14 become subnormals: the value in units of 2^-24, rounded to even.
+ */
+ALWAYS_INLINE uint16_t f16_from_bits(uint32_t u)
+{
+	uint32_t sign = (u >> 16) & 0x8000u;
+	uint32_t a = u & 0x7fffffffu;
+	uint32_t e, m, shift, q, rem, half;
+
+	if (a > 0x7f800000u)
+		return (uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
+	if (a >= 0x477ff000u)
+		return (uint16_t)(sign | 0x7c00u);
+	if (a >= 0x38800000u) {
+		/* Exponent bias 127 -> 15: subtract 112 << 23. */
+		uint32_t r = a - 0x38000000u;
+
+		return (uint16_t)(sign | ((r + 0xfffu + ((r >> 13) & 1u)) >> 13));
+	}
+	e = a >> 23;
+	/* Below 2^-25 the result is zero; 2^-25 itself ties to the even zero. */
+	if (e < 102)
+		return (uint16_t)sign;
+	m = (a & 0x7fffffu) | 0x800000u;
+	shift = 126 - e; /* 14..24: value / 2^-24 = m >> shift */
+	q = m >> shift;
+	rem = m & ((1u << shift) - 1u);
+	half = 1u << (shift - 1u);
+	q += (rem > half) | ((rem == half) & q & 1u);
+	return (uint16_t)(sign | q);
+}
+
+/* fp16 -> fp32 is exact; a NaN comes back quiet with its payload on top. */
+ALWAYS_INLINE float f16_to_f32_portable(uint16_t h)
+{
+	uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+	uint32_t e = (h >> 10) & 0x1fu;
+	uint32_t m = h & 0x3ffu;
+	float f;
+
+	if (e == 0x1f)
+		return bits_f32(sign | 0x7f800000u | (m << 13) | (m ? 0x00400000u : 0u));
+	if (e != 0)
+		return bits_f32(sign | ((e + 112u) << 23) | (m << 13));
+	/* Subnormal or zero: m * 2^-24, exact in fp32. */
+	f = (float)m * 0x1p-24f;
+	return sign ? -f : f;
+}
+
+static void f16_load_portable(float *restrict d, const uint16_t *restrict s, size_t n)
+{
+	for (size_t i = 0; i < n; i++)
+		d[i] = f16_to_f32_portable(s[i]);
+}
+
+static void f16_store_portable(uint16_t *restrict d, const float *restrict s, size_t n)
+{
+	for (size_t i = 0; i < n; i++)
+		d[i] = f16_from_bits(f32_bits(s[i]));
+}
+
+static void f16_round_portable(float *x, size_t n)
+{
+	for (size_t i = 0; i < n; i++)
+		x[i] = f16_to_f32_portable(f16_from_bits(f32_bits(x[i])));
+}
+
+#ifdef SHARDD_HAVE_X86
+/*
+ * F16C: vcvtps2ph with an explicit round-to-nearest-even immediate (so
+ * MXCSR's rounding mode does not matter) handles subnormals, overflow to
+ * Inf and NaN the way the portable code does; vcvtph2ps is exact and
+ * quiets NaNs. Tails go through the portable code.
+ */
+#define F16C_TARGET __attribute__((target("avx,f16c")))
+#define F16C_ROUND (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+
+F16C_TARGET static void f16_load_f16c(float *restrict d, const uint16_t *restrict s, size_t n)
+{
+	size_t i = 0;
+
+	for (; i + 8 <= n; i += 8) {
+		__m128i h = _mm_loadu_si128((const __m128i *)(const void *)(s + i));
+
+		_mm256_storeu_ps(d + i, _mm256_cvtph_ps(h));
+	}
+	f16_load_portable(d + i, s + i, n - i);
+}
+
+F16C_TARGET static void f16_store_f16c(uint16_t *restrict d, const float *restrict s, size_t n)
+{
+	size_t i = 0;
+
+	for (; i + 8 <= n; i += 8) {
+		__m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(s + i), F16C_ROUND);
+
+		_mm_storeu_si128((__m128i *)(void *)(d + i), h);
+	}
+	f16_store_portable(d + i, s + i, n - i);
+}
+
+F16C_TARGET static void f16_round_f16c(float *x, size_t n)
+{
+	size_t i = 0;
+
+	for (; i + 8 <= n; i += 8) {
+		__m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(x + i), F16C_ROUND);
+
+		_mm256_storeu_ps(x + i, _mm256_cvtph_ps(h));
+	}
+	f16_round_portable(x + i, n - i);
+}
+
+/* __builtin_cpu_supports reads data set up by libgcc before main: no race. */
+static int have_f16c(void)
+{
+	return __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+}
+
+static int have_avx2(void)
+{
+	return __builtin_cpu_supports("avx2");
+}
+#endif
+
+static void bf16_load(float *restrict d, const uint16_t *restrict s, size_t n)
+{
+#ifdef SHARDD_HAVE_X86
+	if (have_avx2()) {
+		bf16_load_avx2(d, s, n);
+		return;
+	}
+#endif
+	bf16_load_base(d, s, n);
+}
+
+static void bf16_store(uint16_t *restrict d, const float *restrict s, size_t n)
+{
+#ifdef SHARDD_HAVE_X86
+	if (have_avx2()) {
+		bf16_store_avx2(d, s, n);
+		return;
+	}
+#endif
+	bf16_store_base(d, s, n);
+}
+
+static void bf16_round(float *x, size_t n)
+{
+#ifdef SHARDD_HAVE_X86
+	if (have_avx2()) {
+		bf16_round_avx2(x, n);
+		return;
+	}
+#endif
+	bf16_round_base(x, n);
+}
+
+static void f16_load(float *restrict d, const uint16_t *restrict s, size_t n)
+{
+#ifdef SHARDD_HAVE_X86
+	if (have_f16c()) {
+		f16_load_f16c(d, s, n);
+		return;
+	}
+#endif
+	f16_load_portable(d, s, n);
+}
+
+static void f16_store(uint16_t *restrict d, const float *restrict s, size_t n)
+{
+#ifdef SHARDD_HAVE_X86
+	if (have_f16c()) {
+		f16_store_f16c(d, s, n);
+		return;
+	}
+#endif
+	f16_store_portable(d, s, n);
+}
+
+static void f16_round(float *x, size_t n)
+{
+#ifdef SHARDD_HAVE_X86
+	if (have_f16c()) {
+		f16_round_f16c(x, n);
+		return;
+	}
+#endif
+	f16_round_portable(x, n);
+}
+
+/* ----------------------------------------------------------- scalars --- */
+
+uint16_t shardd_f32_to_bf16(float f)
+{
+	return bf16_from_bits(f32_bits(f));
+}
+
+float shardd_bf16_to_f32(uint16_t h)
+{
+	return bits_f32(bf16_to_bits(h));
+}
+
+uint16_t shardd_f32_to_f16(float f)
+{
+	return f16_from_bits(f32_bits(f));
+}
+
+float shardd_f16_to_f32(uint16_t h)
+{
+	return f16_to_f32_portable(h);
+}
+
+float shardd_round_to(uint32_t dtype, float f)
+{
+	switch (dtype) {
+	case SHARDD_DTYPE_BF16: return shardd_bf16_to_f32(shardd_f32_to_bf16(f));
+	case SHARDD_DTYPE_FP16: return shardd_f16_to_f32(shardd_f32_to_f16(f));
+	default: return f;
+	}
+}
+
+/* ------------------------------------------------------------ blocks --- */
+
+void shardd_k_to_f32(float *dst, const void *src, uint32_t src_dtype, size_t n)
+{
+	switch (src_dtype) {
+	case SHARDD_DTYPE_BF16:
+		bf16_load(dst, src, n);
+		break;
+	case SHARDD_DTYPE_FP16:
+		f16_load(dst, src, n);
+		break;
+	default:
+		memcpy(dst, src, n * sizeof(float));
+		break;
+	}
+}
+
+void shardd_k_from_f32(void *dst, uint32_t dst_dtype, const float *src, size_t n)
+{
+	switch (dst_dtype) {
+	case SHARDD_DTYPE_BF16:
+		bf16_store(dst, src, n);
+		break;
+	case SHARDD_DTYPE_FP16:
+		f16_store(dst, src, n);
+		break;
+	default:
+		memcpy(dst, src, n * sizeof(float));
+		break;
+	}
+}
+
+void shardd_k_round(float *x, uint32_t dtype, size_t n)
+{
+	switch (dtype) {
+	case SHARDD_DTYPE_BF16:
+		bf16_round(x, n);
+		break;
+	case SHARDD_DTYPE_FP16:
+		f16_round(x, n);
+		break;
+	default:
+		break;
+	}
+}
+
+void shardd_k_cast(void *dst, uint32_t dst_dtype, const void *src, uint32_t src_dtype, size_t n)
+{
+	size_t dsz = shardd_dtype_size(dst_dtype), ssz = shardd_dtype_size(src_dtype);
+	float buf[SHARDD_K_BLOCK];
+
+	if (dst_dtype == src_dtype) {
+		if (dst != src)
+			memcpy(dst, src, n * dsz);
+		return;
+	}
+	if (src_dtype == SHARDD_DTYPE_FP32) {
+		shardd_k_from_f32(dst, dst_dtype, src, n);
+		return;
+	}
+	if (dst_dtype == SHARDD_DTYPE_FP32) {
+		shardd_k_to_f32(dst, src, src_dtype, n);
+		return;
+	}
+	/* bf16 <-> fp16: widening is exact, so this rounds once. */
+	for (size_t i = 0; i < n; i += SHARDD_K_BLOCK) {
+		size_t len = n - i < SHARDD_K_BLOCK ? n - i : SHARDD_K_BLOCK;
+
+		shardd_k_to_f32(buf, (const char *)src + i * ssz, src_dtype, len);
+		shardd_k_from_f32((char *)dst + i * dsz, dst_dtype, buf, len);
+	}
+}

@@ -1,0 +1,618 @@
+# SPDX-License-Identifier: MIT
+"""A rank's attachment to shardd (Client) and its parameter groups (Group),
+in pure Python: the same protocol libshardd speaks, no C extension."""
+
+import collections
+import errno
+import mmap
+import os
+import select
+import socket
+import threading
+import time
+
+import numpy as np
+
+from . import ctrl
+from . import dtypes as D
+from . import proto as P
+from .ring import Ring, RingError
+
+USER_DATA_RESERVED = 1 << 63   # user_data with this bit is reserved for the sync wrappers
+CONNECT_TIMEOUT_S = 10.0       # handshake timeout when none is given
+SPIN_ITERATIONS = 200          # cq_ready checks before sleeping; Python spins slowly
+SLEEP_SLICE_S = 0.05           # longest futex sleep between daemon liveness checks
+SYNC_GRACE_S = 10.0            # sync ops wait the collective timeout plus this
+
+
+class ShardError(Exception):
+    """A failed shardd call.
+
+    .code  0 > code: -errno or -SHARDD_E_* (as in the C API)
+    .name  the code's name: 'SHARDD_E_TIMEOUT', 'ECONNRESET', ...
+    .text  what failed, with the daemon's own message when it sent one
+    """
+
+    def __init__(self, code, text):
+        self.code = code
+        self.name = P.error_name(code)
+        self.text = text
+        super().__init__(f"{text} [{self.name}]")
+
+
+class DaemonGone(ShardError, ConnectionResetError):
+    """The daemon died or dropped this client (code -ECONNRESET)."""
+
+
+def _error(code, text):
+    if code == -errno.ECONNRESET:
+        return DaemonGone(code, text)
+    return ShardError(code, text)
+
+
+def default_socket_path():
+    """$SHARDD_SOCKET, else $XDG_RUNTIME_DIR/shardd/shardd.sock, else /run/shardd/shardd.sock."""
+    env = os.environ.get("SHARDD_SOCKET")
+    if env:
+        return env
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg:
+        return os.path.join(xdg, "shardd", "shardd.sock")
+    return "/run/shardd/shardd.sock"
+
+
+def _cstr(s, size, what):
+    b = s.encode("utf-8") if isinstance(s, str) else bytes(s)
+    if not b or len(b) >= size or b"\0" in b:
+        raise ValueError(f"{what} {s!r} must be 1..{size - 1} bytes without NUL")
+    return b
+
+
+def _parse_error(payload):
+    if len(payload) < P.ERROR_MSG.size:
+        return -P.E_MALFORMED, f"ERROR message of {len(payload)} bytes is truncated"
+    code, n = P.ERROR_MSG.unpack_from(payload)
+    text = payload[P.ERROR_MSG.size:P.ERROR_MSG.size + n].decode("utf-8", "replace")
+    if code >= 0:
+        code = -P.E_MALFORMED
+    return code, text
+
+
+class Param:
+    """A param spec: name, shardd dtype code, shape, shard_dim."""
+
+    __slots__ = ("name", "dtype", "shape", "shard_dim")
+
+    def __init__(self, name, dtype, shape, shard_dim=0):
+        self.name = name
+        self.dtype = D.dtype_code(dtype)
+        self.shape = tuple(int(s) for s in shape)
+        self.shard_dim = int(shard_dim)
+        if self.dtype == P.DTYPE_NONE:
+            raise ValueError(f"param {name!r}: dtype must be fp32, bf16 or fp16")
+        if len(self.shape) > P.MAX_DIMS:
+            raise ValueError(f"param {name!r}: {len(self.shape)} dims, at most {P.MAX_DIMS}")
+        if self.shape and not 0 <= self.shard_dim < len(self.shape):
+            raise ValueError(f"param {name!r}: shard_dim {shard_dim} out of range for shape {self.shape}")
+
+    def pack(self):
+        shape = list(self.shape) + [0] * (P.MAX_DIMS - len(self.shape))
+        return P.PARAM_SPEC.pack(_cstr(self.name, P.PARAM_NAME_MAX, "param name"), self.dtype,
+                                 len(self.shape), self.shard_dim if self.shape else 0, 0, *shape)
+
+
+class Client:
+    """One attachment of one rank to the daemon (shardd_connect).
+
+    Thread-safe: calls are serialised by a lock. Use as a context manager or
+    call close()."""
+
+    def __init__(self, job, rank, shard, replicate=1, socket_path=None, device=P.HELLO_DEVICE_HOST,
+                 ring_entries=0, timeout=CONNECT_TIMEOUT_S, _major=P.PROTO_MAJOR):
+        self.job = job
+        self.rank = rank
+        self.shard = shard
+        self.replicate = replicate
+        self.socket_path = socket_path or default_socket_path()
+        self._lock = threading.RLock()
+        self._stash = collections.deque()
+        self._seq = 0
+        self._next_sync = 0
+        self._sock = None
+        self._doorbell = -1
+        self._ring_mem = None
+        self.ring = None
+        self.daemon_text = ""
+        self.groups = []
+        try:
+            self._connect(device, ring_entries, timeout, _major)
+        except BaseException:
+            self._teardown()
+            raise
+
+    def _connect(self, device, ring_entries, timeout, major):
+        where = f"attach job '{self.job}' rank {self.rank} to {self.socket_path}"
+        job = _cstr(self.job, P.NAME_MAX, "job name")
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            self._sock.settimeout(timeout)
+            self._sock.connect(self.socket_path)
+            self._sock.settimeout(None)
+        except OSError as e:
+            code = -(e.errno or errno.ETIMEDOUT)
+            raise _error(code, f"{where}: {e.strerror or 'connect timed out'}; is shardd running "
+                               f"(--socket PATH, or set SHARDD_SOCKET)?") from None
+        hello = P.HELLO.pack(major, P.PROTO_MINOR, os.getpid(), job, self.rank, self.replicate,
+                             self.shard, device, ring_entries, 0, bytes(16))
+        mtype, payload, fds = self._request(P.MSG_HELLO, hello, timeout, P.MSG_WELCOME, where)
+        try:
+            if len(payload) < P.WELCOME.size or len(fds) != 2:
+                raise _error(-P.E_MALFORMED, f"{where}: WELCOME of {len(payload)} bytes with "
+                                             f"{len(fds)} fds, expected {P.WELCOME.size} bytes and 2 fds")
+            (w_major, w_minor, self.client_id, self.backend, self.sq_entries, self.cq_entries,
+             self.daemon_pid, ring_size, self.collective_timeout_ms, _r0, _r) = P.WELCOME.unpack_from(payload)
+            if w_major != P.PROTO_MAJOR:
+                raise _error(-P.E_VERSION, f"{where}: daemon speaks protocol {w_major}.{w_minor}, "
+                                           f"this client {P.PROTO_MAJOR}.{P.PROTO_MINOR}")
+            st = os.fstat(fds[0])
+            if st.st_size < ring_size or ring_size < P.RING_HDR_SIZE:
+                raise _error(-errno.EBADMSG, f"{where}: ring memfd is {st.st_size} bytes, "
+                                             f"WELCOME says {ring_size}")
+            self._ring_mem = mmap.mmap(fds[0], ring_size, mmap.MAP_SHARED,
+                                       mmap.PROT_READ | mmap.PROT_WRITE)
+            self._doorbell = fds[1]
+            fds[1] = -1
+            try:
+                self.ring = Ring(self._ring_mem, ring_size)
+            except RingError as e:
+                raise _error(e.code, f"{where}: {e}") from None
+        finally:
+            for fd in fds:
+                if fd >= 0:
+                    os.close(fd)
+
+    # ------------------------------------------------------------ control
+    def _request(self, mtype, payload, timeout, want, where):
+        """Send one control request, return its reply (type, payload, fds)."""
+        with self._lock:
+            if self._sock is None:
+                raise _error(-errno.ENOTCONN, f"{where}: client is closed")
+            self._seq = (self._seq + 1) & 0xFFFFFFFF or 1
+            seq = self._seq
+            try:
+                ctrl.send_msg(self._sock, mtype, seq, payload)
+                while True:
+                    rtype, rseq, rpayload, rfds = ctrl.recv_msg(self._sock, timeout)
+                    if rtype == P.MSG_ERROR:
+                        for fd in rfds:
+                            os.close(fd)
+                        code, text = _parse_error(rpayload)
+                        if rseq in (seq, 0):
+                            raise _error(code, f"{where}: daemon: {text}")
+                        self.daemon_text = text
+                        continue
+                    if rseq != seq or rtype != want:
+                        for fd in rfds:
+                            os.close(fd)
+                        raise _error(-P.E_MALFORMED, f"{where}: daemon replied "
+                                     f"{P.MSG_NAMES.get(rtype, rtype)} seq {rseq}, expected "
+                                     f"{P.MSG_NAMES[want]} seq {seq}")
+                    return rtype, rpayload, rfds
+            except ctrl.CtrlError as e:
+                if e.code == -errno.ECONNRESET and self.daemon_text:
+                    raise _error(e.code, f"{where}: {e}: daemon: {self.daemon_text}") from None
+                raise _error(e.code, f"{where}: {e}") from None
+
+    def _sync_timeout(self):
+        return None if not self.collective_timeout_ms else self.collective_timeout_ms / 1000 + SYNC_GRACE_S
+
+    def register_group(self, name, params, param_dtype=None, reduce_dtype=None):
+        """Register a group (collective over the job's ranks) and map its buffers.
+        params: list of Param or (name, dtype, shape[, shard_dim]) tuples."""
+        specs = [p if isinstance(p, Param) else Param(*p) for p in params]
+        if not 1 <= len(specs) <= P.MAX_PARAMS:
+            raise ValueError(f"group {name!r}: {len(specs)} params, 1..{P.MAX_PARAMS} allowed")
+        pd, rd = D.dtype_code(param_dtype), D.dtype_code(reduce_dtype)
+        payload = P.REGISTER_GROUP.pack(_cstr(name, P.NAME_MAX, "group name"), len(specs), pd, rd,
+                                        P.INIT_ZERO, 0, 0) + b"".join(p.pack() for p in specs)
+        where = f"register group '{name}'"
+        _t, reply, fds = self._request(P.MSG_REGISTER_GROUP, payload, self._sync_timeout(),
+                                       P.MSG_GROUP, where)
+        g = Group(self, name, reply, fds, specs, where)
+        self.groups.append(g)
+        return g
+
+    def open_group(self, name):
+        """Open a group some rank registered, by name (no param names or shapes)."""
+        where = f"open group '{name}'"
+        payload = P.OPEN_GROUP.pack(_cstr(name, P.NAME_MAX, "group name"))
+        _t, reply, fds = self._request(P.MSG_OPEN_GROUP, payload, self._sync_timeout(),
+                                       P.MSG_GROUP, where)
+        g = Group(self, name, reply, fds, None, where)
+        self.groups.append(g)
+        return g
+
+    # ------------------------------------------------------------ data plane
+    def submit(self, op, group=0, step=0, flags=0, user_data=0):
+        """Queue one op; its completion echoes user_data. Returns False when the
+        SQ is full (reap completions, then retry)."""
+        if op not in P.OP_NAMES:
+            raise ValueError(f"op {op} is not a shardd op")
+        if user_data & USER_DATA_RESERVED or not 0 <= user_data < 1 << 64:
+            raise ValueError(f"user_data {user_data:#x}: bit 63 is reserved for the sync ops")
+        with self._lock:
+            return self._submit(op, group, step, flags, user_data)
+
+    def _submit(self, op, group, step, flags, user_data):
+        if self.ring is None:
+            raise _error(-errno.ENOTCONN, "submit: client is closed")
+        if not self.ring.sq_push(op, group, step, user_data, flags):
+            return False
+        if self.ring.needs_wakeup():
+            try:
+                os.eventfd_write(self._doorbell, 1)
+            except OSError as e:
+                raise _error(-(e.errno or errno.EIO), f"ring the doorbell: {e.strerror}") from None
+        return True
+
+    def poll(self):
+        """Reap one completion without waiting, or None."""
+        with self._lock:
+            if self._stash:
+                return self._stash.popleft()
+            return self._pop()
+
+    def _pop(self):
+        try:
+            if self.ring.cq_ready():
+                return self.ring.cq_pop()
+        except RingError as e:
+            raise _error(e.code, str(e)) from None
+        return None
+
+    def wait(self, timeout=None):
+        """Reap one completion, waiting up to timeout seconds (None: while the
+        daemon lives). Raises ShardError ETIMEDOUT, DaemonGone."""
+        with self._lock:
+            if self._stash:
+                return self._stash.popleft()
+            return self._wait_one(timeout, "wait for a completion")
+
+    def _daemon_alive(self):
+        """False when the control socket shows EOF/hangup or the ring says DEAD."""
+        if self.ring.flags & P.RING_DEAD:
+            return False
+        p = select.poll()
+        p.register(self._sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+        for _fd, ev in p.poll(0):
+            if ev & (select.POLLHUP | select.POLLERR):
+                return False
+            if ev & select.POLLIN:
+                try:
+                    _t, _s, payload, fds = ctrl.recv_msg(self._sock, 0)
+                except ctrl.CtrlError:
+                    return False
+                for fd in fds:
+                    os.close(fd)
+                if _t == P.MSG_ERROR:
+                    self.daemon_text = _parse_error(payload)[1]
+        return True
+
+    def _wait_one(self, timeout, what):
+        if self.ring is None:
+            raise _error(-errno.ENOTCONN, f"{what}: client is closed")
+        c = self._pop()
+        if c:
+            return c
+        for _ in range(SPIN_ITERATIONS):
+            c = self._pop()
+            if c:
+                return c
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            seen = self.ring.cq_tail()
+            c = self._pop()
+            if c:
+                return c
+            if not self._daemon_alive():
+                text = f"{what}: the daemon (pid {self.daemon_pid}) is gone or dropped this client"
+                if self.daemon_text:
+                    text += f": daemon: {self.daemon_text}"
+                raise _error(-errno.ECONNRESET, text)
+            left = SLEEP_SLICE_S
+            if deadline is not None:
+                left = min(left, deadline - time.monotonic())
+                if left <= 0:
+                    st = self.ring.status()
+                    raise _error(-errno.ETIMEDOUT, f"{what}: no completion within {timeout:g} s "
+                                 f"(daemon last took {P.OP_NAMES.get(st['daemon_last_op'], 'nothing')} "
+                                 f"step {st['daemon_last_step']}, {st['sq_pending']} submissions "
+                                 f"not yet taken)")
+            r = self.ring.cq_wait(seen, left)
+            if r not in (0, -errno.ETIMEDOUT, -errno.EINTR):
+                raise _error(r, f"{what}: futex wait failed")
+
+    def run(self, op, group=0, step=0, flags=0, where=None):
+        """Submit one op, wait for its own completion (others are kept for
+        poll/wait) and raise ShardError when it failed."""
+        what = where or f"{P.OP_NAMES[op]}(step {step})"
+        with self._lock:
+            self._next_sync += 1
+            ud = USER_DATA_RESERVED | self._next_sync
+            timeout = self._sync_timeout()
+            while not self._submit(op, group, step, flags, ud):
+                self._stash.append(self._wait_one(timeout, what))
+            while True:
+                c = self._wait_one(timeout, what)
+                if c.user_data == ud:
+                    break
+                self._stash.append(c)
+        if c.res < 0:
+            text = f"{what}: {P.error_text(c.res)}"
+            if c.msg:
+                text = f"{what}: daemon: {c.msg}"
+            raise _error(c.res, text)
+        return c
+
+    def run_many(self, ops):
+        """Submit several ops at once (the daemon runs ops on different groups
+        concurrently), wait for all of them, then raise the first failure.
+        ops: iterable of (op, group, step, flags, where)."""
+        ops = list(ops)
+        done = {}
+        with self._lock:
+            timeout = self._sync_timeout()
+            pending = {}
+            for op, group, step, flags, where in ops:
+                self._next_sync += 1
+                ud = USER_DATA_RESERVED | self._next_sync
+                pending[ud] = where
+                while not self._submit(op, group, step, flags, ud):
+                    c = self._wait_one(timeout, where)
+                    if c.user_data in pending:
+                        done[c.user_data] = c
+                    else:
+                        self._stash.append(c)
+            while len(done) < len(pending):
+                c = self._wait_one(timeout, ", ".join(w for u, w in pending.items() if u not in done))
+                if c.user_data in pending:
+                    done[c.user_data] = c
+                else:
+                    self._stash.append(c)
+        for ud, where in pending.items():
+            c = done[ud]
+            if c.res < 0:
+                raise _error(c.res, f"{where}: daemon: {c.msg}" if c.msg
+                             else f"{where}: {P.error_text(c.res)}")
+        return [done[ud] for ud in pending]
+
+    def nop(self):
+        self.run(P.OP_NOP, where="nop")
+
+    def barrier(self, number):
+        self.run(P.OP_BARRIER, step=number, where=f"barrier {number}")
+
+    def ring_status(self):
+        with self._lock:
+            return self.ring.status()
+
+    # ------------------------------------------------------------ teardown
+    def close(self):
+        """Say GOODBYE and release the ring and the connection. Group buffers
+        stay mapped until their groups (and numpy views) are gone."""
+        with self._lock:
+            if self._sock is not None:
+                try:
+                    ctrl.send_msg(self._sock, P.MSG_GOODBYE, 0)
+                except ctrl.CtrlError:
+                    pass
+            self._teardown()
+
+    def _teardown(self):
+        if self.ring is not None:
+            self.ring.release()
+            self.ring = None
+        if self._ring_mem is not None:
+            self._ring_mem.close()
+            self._ring_mem = None
+        if self._doorbell >= 0:
+            os.close(self._doorbell)
+            self._doorbell = -1
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self._teardown()
+        except Exception:
+            pass
+
+
+class Group:
+    """A registered or opened group: its layout and its four buffer mappings.
+
+    Views returned by unsharded()/grad()/shard()/shard_grad() are numpy arrays
+    over the shared memory (no copy); they keep the mapping alive."""
+
+    UNSHARDED, GRAD, SHARD, SHARD_GRAD = range(4)
+
+    def __init__(self, client, name, reply, fds, specs, where):
+        self.client = client
+        self.name = name
+        self.maps = [None] * 4
+        try:
+            if len(reply) < P.GROUP_REPLY.size or len(fds) != 4:
+                raise _error(-P.E_MALFORMED, f"{where}: GROUP reply of {len(reply)} bytes with "
+                                             f"{len(fds)} fds, expected >= {P.GROUP_REPLY.size} and 4")
+            (self.id, self.nparams, self.param_dtype, self.reduce_dtype, self.grad_dtype,
+             self.shard_world, self.unsharded_size, self.grad_size, self.shard_size,
+             _r0, _r1) = P.GROUP_REPLY.unpack_from(reply)
+            want = P.GROUP_REPLY.size + self.nparams * P.PARAM_LAYOUT.size
+            if len(reply) != want or (specs is not None and len(specs) != self.nparams):
+                raise _error(-P.E_MALFORMED, f"{where}: GROUP reply of {len(reply)} bytes for "
+                                             f"{self.nparams} params, expected {want}")
+            self.layouts = [P.PARAM_LAYOUT.unpack_from(reply, P.GROUP_REPLY.size + i * 64)
+                            for i in range(self.nparams)]
+            self.params = specs
+            sizes = (self.unsharded_size, self.grad_size, self.shard_size, self.shard_size)
+            for i, (fd, size) in enumerate(zip(fds, sizes)):
+                if size == 0:
+                    continue
+                if os.fstat(fd).st_size < size:
+                    raise _error(-errno.EBADMSG, f"{where}: buffer {i} memfd is smaller than "
+                                                 f"the {size} bytes the reply announces")
+                prot = mmap.PROT_READ if i == self.UNSHARDED else mmap.PROT_READ | mmap.PROT_WRITE
+                self.maps[i] = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
+            self._check_layouts(where)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _check_layouts(self, where):
+        """Every view must lie inside its mapping: the reply is daemon input."""
+        sizes = (self.unsharded_size, self.grad_size, self.shard_size)
+        for i, lay in enumerate(self.layouts):
+            for (off, n), size in zip(((lay[0], lay[1]), (lay[2], lay[3]), (lay[4], lay[5])), sizes):
+                if off + n > size:
+                    raise _error(-P.E_MALFORMED, f"{where}: param {i} range [{off}, {off + n}) "
+                                                 f"is outside its {size}-byte buffer")
+
+    # ------------------------------------------------------------ params
+    def index(self, name):
+        if self.params is None:
+            raise ShardError(-errno.ENOENT, f"group '{self.name}' was opened: param names unknown")
+        for i, p in enumerate(self.params):
+            if p.name == name:
+                return i
+        raise ShardError(-errno.ENOENT, f"group '{self.name}' has no param '{name}'")
+
+    def _i(self, param):
+        i = self.index(param) if isinstance(param, str) else int(param)
+        if not 0 <= i < self.nparams:
+            raise IndexError(f"group '{self.name}': param {param} out of range 0..{self.nparams - 1}")
+        return i
+
+    def _unsharded_dtype(self, i):
+        if self.param_dtype != P.DTYPE_NONE:
+            return self.param_dtype
+        if self.params is not None:
+            return self.params[i].dtype
+        return self.grad_dtype
+
+    def _grad_dtype(self, i):
+        return self._unsharded_dtype(i)
+
+    def _view(self, buf, off, nbytes, code, shape):
+        m = self.maps[buf]
+        dt = np.dtype(np.uint8) if code == P.DTYPE_NONE else D.numpy_dtype(code)
+        if m is None:
+            return np.zeros(0, dt)
+        a = np.frombuffer(m, dtype=dt, count=nbytes // dt.itemsize, offset=off)
+        if shape is not None and int(np.prod(shape, dtype=np.int64)) == a.size:
+            a = a.reshape(shape)
+        return a
+
+    def unsharded(self, param):
+        """Read-only view of the unsharded param (param_dtype; bf16: uint16 bits)."""
+        i = self._i(param)
+        lay = self.layouts[i]
+        shape = self.params[i].shape if self.params else None
+        return self._view(self.UNSHARDED, lay[0], lay[1], self._unsharded_dtype(i), shape)
+
+    def grad(self, param):
+        """Writable view of this rank's unsharded gradient of the param (grad dtype)."""
+        i = self._i(param)
+        lay = self.layouts[i]
+        shape = self.params[i].shape if self.params else None
+        return self._view(self.GRAD, lay[2], lay[3], self._grad_dtype(i), shape)
+
+    def _shard_shape(self, i):
+        if self.params is None:
+            return None
+        p = self.params[i]
+        item = P.DTYPE_SIZES[p.dtype]
+        if not p.shape:
+            return (self.layouts[i][5] // item,)
+        other = int(np.prod([s for d, s in enumerate(p.shape) if d != p.shard_dim], dtype=np.int64))
+        rows = self.layouts[i][5] // item // max(other, 1)
+        return tuple(rows if d == p.shard_dim else s for d, s in enumerate(p.shape))
+
+    def _orig_dtype(self, i):
+        return self.params[i].dtype if self.params is not None else P.DTYPE_NONE
+
+    def shard(self, param):
+        """Writable view of this rank's shard (original dtype, padding rows included)."""
+        i = self._i(param)
+        lay = self.layouts[i]
+        return self._view(self.SHARD, lay[4], lay[5], self._orig_dtype(i), self._shard_shape(i))
+
+    def shard_grad(self, param):
+        """View of this rank's sharded gradient (original dtype, shard shape)."""
+        i = self._i(param)
+        lay = self.layouts[i]
+        return self._view(self.SHARD_GRAD, lay[4], lay[5], self._orig_dtype(i), self._shard_shape(i))
+
+    def shard_rows(self, param):
+        """(first row along shard_dim, rows of real data) of this rank's shard."""
+        lay = self.layouts[self._i(param)]
+        return lay[6], lay[7]
+
+    def load_full(self, param, full):
+        """Copy this rank's rows of `full` (the whole param, its shape, its dtype;
+        a bf16 param also takes float32, rounded) into the flat shard; zero the padding."""
+        i = self._i(param)
+        if self.params is None:
+            raise ShardError(-P.E_STATE, f"group '{self.name}' was opened: shapes unknown")
+        p = self.params[i]
+        full = np.asarray(full)
+        if p.dtype == P.DTYPE_BF16 and full.dtype == np.float32:
+            full = D.fp32_to_bf16(full)
+        full = full.astype(D.numpy_dtype(p.dtype), copy=False)
+        if full.size != int(np.prod(p.shape, dtype=np.int64)):
+            raise ValueError(f"param '{p.name}': {full.size} elements, shape {p.shape} expected")
+        full = full.reshape(p.shape if p.shape else (1,))
+        dim = p.shard_dim if p.shape else 0
+        s = np.moveaxis(self.shard(i), dim, 0)
+        f = np.moveaxis(full, dim, 0)
+        begin, valid = self.shard_rows(i)
+        s[:valid] = f[begin:begin + valid]
+        s[valid:] = 0
+
+    # ------------------------------------------------------------ ops
+    def _where(self, op, step):
+        return f"{P.OP_NAMES[op]}(group '{self.name}', step {step})"
+
+    def unshard(self, step):
+        self.client.run(P.OP_UNSHARD, self.id, step, 0, self._where(P.OP_UNSHARD, step))
+
+    def reduce(self, step, flags=0):
+        self.client.run(P.OP_REDUCE, self.id, step, flags, self._where(P.OP_REDUCE, step))
+
+    def reshard(self, step=0):
+        self.client.run(P.OP_RESHARD, self.id, step, 0, self._where(P.OP_RESHARD, step))
+
+    def zero_grad(self):
+        self.client.run(P.OP_ZERO_GRAD, self.id, 0, 0, f"zero_grad(group '{self.name}')")
+
+    def submit(self, op, step=0, flags=0, user_data=0):
+        """Asynchronous op on this group; reap with client.wait()/poll()."""
+        return self.client.submit(op, self.id, step, flags, user_data)
+
+    def close(self):
+        """Unmap the buffers; mappings still viewed by numpy arrays stay until
+        those arrays are gone."""
+        for i, m in enumerate(self.maps):
+            if m is None:
+                continue
+            try:
+                m.close()
+            except BufferError:
+                pass
+            self.maps[i] = None

@@ -1,0 +1,195 @@
+# SPDX-License-Identifier: MIT
+"""The shardd protocol in Python: constants, enumerations and the fixed
+little-endian layouts of proto/shardd_proto.h.
+
+Every layout below is a :mod:`struct` format whose size is checked against the
+C header's ``_Static_assert`` at import time, so a drift between the two is an
+ImportError, not a silent corruption.
+"""
+
+import errno as _errno
+import struct
+
+MAGIC = 0x44524853        # "SHRD"
+RING_MAGIC = 0x474E4952   # "RING"
+PROTO_MAJOR = 1
+PROTO_MINOR = 0
+
+NAME_MAX = 64
+PARAM_NAME_MAX = 80
+MAX_DIMS = 8
+MAX_WORLD = 1024
+MAX_PARAMS = 65536
+ALIGN = 64
+
+CTRL_CHUNK = 60 * 1024
+CTRL_MAX = 64 * 1024 * 1024
+CTRL_MAX_FDS = 8
+
+RING_ENTRIES_DEFAULT = 1024
+RING_MSG_SIZE = 256
+CACHELINE = 64
+
+HELLO_DEVICE_HOST = -1
+
+# enum shardd_dtype
+DTYPE_NONE = 0
+DTYPE_FP32 = 1
+DTYPE_BF16 = 2
+DTYPE_FP16 = 3
+DTYPE_COUNT = 4
+
+DTYPE_NAMES = {DTYPE_NONE: "none", DTYPE_FP32: "fp32", DTYPE_BF16: "bf16", DTYPE_FP16: "fp16"}
+DTYPE_SIZES = {DTYPE_FP32: 4, DTYPE_BF16: 2, DTYPE_FP16: 2}
+
+# enum shardd_backend
+BACKEND_HOST = 1
+BACKEND_CUDA = 2
+
+# enum shardd_op
+OP_NOP = 1
+OP_BARRIER = 2
+OP_UNSHARD = 3
+OP_REDUCE = 4
+OP_RESHARD = 5
+OP_ZERO_GRAD = 6
+OP_COUNT = 7
+
+OP_NAMES = {OP_NOP: "nop", OP_BARRIER: "barrier", OP_UNSHARD: "unshard",
+            OP_REDUCE: "reduce", OP_RESHARD: "reshard", OP_ZERO_GRAD: "zero_grad"}
+
+REDUCE_ALL_REDUCE = 1 << 0
+REDUCE_FLAGS_MASK = REDUCE_ALL_REDUCE
+
+# enum shardd_error
+E_BASE = 1000
+E_MAGIC = 1001
+E_VERSION = 1002
+E_MALFORMED = 1003
+E_PERM = 1004
+E_RANK_TAKEN = 1005
+E_MESH = 1006
+E_INVALID = 1007
+E_TIMEOUT = 1008
+E_PEER_DIED = 1009
+E_MISMATCH = 1010
+E_SHUTDOWN = 1011
+E_NOGROUP = 1012
+E_STATE = 1013
+E_NOMEM = 1014
+E_BACKEND = 1015
+E_NOJOB = 1016
+
+ERROR_NAMES = {
+    E_MAGIC: "SHARDD_E_MAGIC", E_VERSION: "SHARDD_E_VERSION",
+    E_MALFORMED: "SHARDD_E_MALFORMED", E_PERM: "SHARDD_E_PERM",
+    E_RANK_TAKEN: "SHARDD_E_RANK_TAKEN", E_MESH: "SHARDD_E_MESH",
+    E_INVALID: "SHARDD_E_INVALID", E_TIMEOUT: "SHARDD_E_TIMEOUT",
+    E_PEER_DIED: "SHARDD_E_PEER_DIED", E_MISMATCH: "SHARDD_E_MISMATCH",
+    E_SHUTDOWN: "SHARDD_E_SHUTDOWN", E_NOGROUP: "SHARDD_E_NOGROUP",
+    E_STATE: "SHARDD_E_STATE", E_NOMEM: "SHARDD_E_NOMEM",
+    E_BACKEND: "SHARDD_E_BACKEND", E_NOJOB: "SHARDD_E_NOJOB",
+}
+
+# enum shardd_msg_type
+MSG_HELLO = 1
+MSG_WELCOME = 2
+MSG_ERROR = 3
+MSG_GOODBYE = 4
+MSG_REGISTER_GROUP = 5
+MSG_OPEN_GROUP = 6
+MSG_GROUP = 7
+MSG_ADMIN = 8
+MSG_ADMIN_REPLY = 9
+
+MSG_NAMES = {MSG_HELLO: "HELLO", MSG_WELCOME: "WELCOME", MSG_ERROR: "ERROR",
+             MSG_GOODBYE: "GOODBYE", MSG_REGISTER_GROUP: "REGISTER_GROUP",
+             MSG_OPEN_GROUP: "OPEN_GROUP", MSG_GROUP: "GROUP", MSG_ADMIN: "ADMIN",
+             MSG_ADMIN_REPLY: "ADMIN_REPLY"}
+
+INIT_ZERO = 0
+
+# ring flags (written by the daemon)
+RING_NEED_WAKEUP = 1 << 0
+RING_DEAD = 1 << 1
+
+# ---------------------------------------------------------------- layouts
+
+MSG_HDR = struct.Struct("<IHHII")                 # magic type flags length seq
+HELLO = struct.Struct("<HHI64sIIIiII16s")         # major minor pid job rank replicate shard device sq_entries flags rsvd
+WELCOME = struct.Struct("<HHIIIIIQII24s")         # major minor client_id backend sq cq daemon_pid ring_size timeout rsvd0 rsvd
+ERROR_MSG = struct.Struct("<iI")                  # code msg_len
+PARAM_SPEC = struct.Struct("<80sIIII8Q")          # name dtype ndim shard_dim flags shape[8]
+REGISTER_GROUP = struct.Struct("<64sIIIIII")      # name nparams param_dtype reduce_dtype init flags rsvd
+OPEN_GROUP = struct.Struct("<64s")
+PARAM_LAYOUT = struct.Struct("<8Q")               # see ParamLayout
+GROUP_REPLY = struct.Struct("<IIIIIIQQQ2Q")
+SQE = struct.Struct("<B3xIQQII4Q")                # op group step user_data flags rsvd1 rsvd2[4]
+CQE = struct.Struct("<QiBBHIIQ4Q")                # user_data res op has_msg rsvd0 group rsvd1 step rsvd2[4]
+RING_HDR_SIZE = 8 * CACHELINE
+
+# Byte offsets of the ring header fields (struct shardd_ring_hdr).
+RH_MAGIC = 0
+RH_VERSION = 4
+RH_SQ_ENTRIES = 8
+RH_CQ_ENTRIES = 12
+RH_SQ_OFF = 16
+RH_CQ_OFF = 20
+RH_MSG_OFF = 24
+RH_MSG_SIZE = 28
+RH_REGION_SIZE = 32
+RH_DAEMON_PID = 40
+RH_CLIENT_ID = 44
+RH_SQ_HEAD = 1 * CACHELINE
+RH_SQ_TAIL = 2 * CACHELINE
+RH_CQ_HEAD = 3 * CACHELINE
+RH_CQ_WAITERS = 3 * CACHELINE + 4
+RH_CQ_TAIL = 4 * CACHELINE
+RH_FLAGS = 5 * CACHELINE
+RH_DAEMON_LAST_OP = 5 * CACHELINE + 4
+RH_DAEMON_LAST_STEP = 5 * CACHELINE + 8
+RH_DAEMON_HEARTBEAT_NS = 5 * CACHELINE + 16
+RH_CLIENT_LAST_OP = 6 * CACHELINE
+RH_CLIENT_LAST_STEP = 6 * CACHELINE + 8
+
+for _s, _n in ((MSG_HDR, 16), (HELLO, 112), (WELCOME, 64), (ERROR_MSG, 8),
+               (PARAM_SPEC, 160), (REGISTER_GROUP, 88), (OPEN_GROUP, 64),
+               (PARAM_LAYOUT, 64), (GROUP_REPLY, 64), (SQE, 64), (CQE, 64)):
+    if _s.size != _n:
+        raise ImportError(f"shardd.proto: layout {_s.format!r} is {_s.size} bytes, "
+                          f"shardd_proto.h says {_n}")
+
+
+def ring_region_size(sq_entries, cq_entries):
+    """Bytes of a ring region with these capacities (shardd_ring_region_size)."""
+    return RING_HDR_SIZE + sq_entries * SQE.size + cq_entries * (CQE.size + RING_MSG_SIZE)
+
+
+def error_name(code):
+    """Name of 0, -errno or -SHARDD_E_* : 'SHARDD_E_TIMEOUT', 'ECONNRESET', 'OK'."""
+    if code == 0:
+        return "OK"
+    c = -code if code < 0 else code
+    if c in ERROR_NAMES:
+        return ERROR_NAMES[c]
+    return _errno.errorcode.get(c, f"error {code}")
+
+
+def error_text(code):
+    """Short human description of a code, like shardd_strerror()."""
+    import os
+    c = -code if code < 0 else code
+    texts = {
+        E_MAGIC: "wrong magic number", E_VERSION: "protocol major version differs",
+        E_MALFORMED: "truncated or malformed message", E_PERM: "peer credentials not allowed",
+        E_RANK_TAKEN: "another live client holds this rank", E_MESH: "mesh differs from the job's",
+        E_INVALID: "a field has an invalid value", E_TIMEOUT: "collective timeout: ranks missing",
+        E_PEER_DIED: "a rank of the rendezvous died",
+        E_MISMATCH: "ranks disagree on step, flags or spec",
+        E_SHUTDOWN: "the daemon is shutting down", E_NOGROUP: "unknown group id or name",
+        E_STATE: "op not allowed in this state", E_NOMEM: "daemon could not allocate",
+        E_BACKEND: "backend failure", E_NOJOB: "unknown job",
+    }
+    if c in texts:
+        return texts[c]
+    return os.strerror(c)

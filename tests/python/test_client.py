@@ -1,0 +1,319 @@
+# SPDX-License-Identifier: MIT
+"""The pure-Python client against a real shardd: handshake, ring round trips,
+groups, unshard/reduce numbers against numpy, failure paths."""
+
+import errno
+import os
+import signal
+
+import numpy as np
+import pytest
+
+import shardd
+from shardd import proto as P
+from conftest import Daemon, job_name, run_ranks
+from reference import shard_of, shard_rows
+
+SPECS = [("w", "fp32", (5, 3)), ("b", "fp32", (7,)), ("s", "fp32", ()),
+         shardd.Param("t", "fp32", (2, 6), shard_dim=1)]
+
+
+def full_values(seed):
+    rng = np.random.default_rng(seed)
+    out = []
+    for p in SPECS:
+        shape = p.shape if isinstance(p, shardd.Param) else p[2]
+        # multiples of 1/64 in [-4, 4]: sums of a few stay exact in fp32
+        out.append((rng.integers(-256, 256, size=shape) / 64).astype(np.float32))
+    return out
+
+
+def attach(daemon, request, rank, world, **kw):
+    return shardd.Client(job=job_name(request), rank=rank, shard=world,
+                         socket_path=daemon.socket, **kw)
+
+
+def test_attach_maps_a_valid_ring(daemon, request):
+    with attach(daemon, request, 0, 1) as c:
+        assert c.backend == P.BACKEND_HOST
+        assert c.sq_entries and c.sq_entries & (c.sq_entries - 1) == 0
+        assert c.cq_entries >= c.sq_entries
+        st = c.ring_status()
+        assert st["sq_entries"] == c.sq_entries and st["sq_pending"] == 0
+        assert c.ring.client_id == c.client_id
+        assert c.daemon_pid == daemon.proc.pid
+
+
+def test_hello_with_another_major_version_raises_version_error(daemon, request):
+    with pytest.raises(shardd.ShardError) as ei:
+        attach(daemon, request, 0, 1, _major=P.PROTO_MAJOR + 1)
+    assert ei.value.code == -P.E_VERSION
+    assert ei.value.name == "SHARDD_E_VERSION"
+    assert "daemon:" in str(ei.value)
+
+
+def test_second_client_for_a_live_rank_raises_rank_taken(daemon, request):
+    with attach(daemon, request, 0, 2):
+        with pytest.raises(shardd.ShardError) as ei:
+            attach(daemon, request, 0, 2)
+    assert ei.value.code == -P.E_RANK_TAKEN
+
+
+def test_hello_with_another_mesh_than_the_job_raises_mesh_error(daemon, request):
+    with attach(daemon, request, 0, 2):
+        with pytest.raises(shardd.ShardError) as ei:
+            attach(daemon, request, 1, 3)
+    assert ei.value.code == -P.E_MESH
+
+
+def test_rank_outside_the_mesh_is_rejected(daemon, request):
+    with pytest.raises(shardd.ShardError) as ei:
+        attach(daemon, request, 4, 2)
+    # shardd_proto.h does not pin which of the two a bad hello field gets.
+    assert ei.value.code in (-P.E_INVALID, -P.E_MALFORMED)
+    assert "hello.rank = 4" in ei.value.text
+
+
+def test_connect_to_a_missing_socket_names_the_path(tmp_path):
+    path = str(tmp_path / "nothing.sock")
+    with pytest.raises(shardd.ShardError) as ei:
+        shardd.Client(job="j", rank=0, shard=1, socket_path=path)
+    assert ei.value.code == -errno.ENOENT and path in str(ei.value)
+
+
+def test_nop_round_trips_sync_and_async(daemon, request):
+    with attach(daemon, request, 0, 1) as c:
+        for _ in range(200):
+            c.nop()
+        n = min(64, c.sq_entries)
+        for i in range(n):
+            assert c.submit(shardd.OP_NOP, user_data=1000 + i)
+        got = sorted(c.wait(timeout=5).user_data for _ in range(n))
+        assert got == list(range(1000, 1000 + n))
+        assert c.poll() is None
+
+
+def test_reserved_user_data_bit_is_refused(daemon, request):
+    with attach(daemon, request, 0, 1) as c:
+        with pytest.raises(ValueError):
+            c.submit(shardd.OP_NOP, user_data=shardd.USER_DATA_RESERVED | 1)
+
+
+def test_unknown_op_gets_an_error_completion_not_a_hang(daemon, request):
+    with attach(daemon, request, 0, 1) as c:
+        c.ring.sq_push(77, 0, 0, 5, 0)
+        if c.ring.needs_wakeup():
+            os.eventfd_write(c._doorbell, 1)
+        comp = c.wait(timeout=5)
+        assert comp.user_data == 5 and comp.res < 0 and "77" in comp.msg
+        c.nop()
+
+
+def test_barrier_waits_for_every_rank(daemon, request):
+    clients = [attach(daemon, request, r, 3) for r in range(3)]
+    try:
+        for n in range(1, 4):
+            run_ranks(lambda r: clients[r].barrier(n), 3)
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_register_then_open_gives_the_same_group(daemon, request):
+    world = 3
+    clients = [attach(daemon, request, r, world) for r in range(world)]
+    try:
+        groups = run_ranks(lambda r: clients[r].register_group("g", SPECS), world)
+        ids = {g.id for g in groups}
+        assert len(ids) == 1 and 0 not in ids
+        for r, g in enumerate(groups):
+            assert g.nparams == len(SPECS) and g.shard_world == world
+            for i, lay in enumerate(g.layouts):
+                assert all(off % P.ALIGN == 0 for off in (lay[0], lay[2], lay[4]))
+            b, v, _rows = shard_rows(5, world, r)
+            assert g.shard_rows("w") == (b, v)
+            assert g.shard("w").shape == (2, 3) and g.shard("t").shape == (2, 2)
+            assert not g.unsharded("w").flags.writeable
+        opened = clients[1].open_group("g")
+        assert opened.id == groups[1].id and opened.layouts == groups[1].layouts
+        with pytest.raises(shardd.ShardError) as ei:
+            clients[0].open_group("no-such-group")
+        assert ei.value.code == -P.E_NOGROUP
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_unshard_gathers_fp32_shards_exactly(daemon, request):
+    world = 3
+    fulls = full_values(1)
+    clients = [attach(daemon, request, r, world) for r in range(world)]
+    try:
+        groups = run_ranks(lambda r: clients[r].register_group("g", SPECS), world)
+        for r, g in enumerate(groups):
+            for i, f in enumerate(fulls):
+                g.load_full(i, f)
+                dim = SPECS[i].shard_dim if isinstance(SPECS[i], shardd.Param) else 0
+                np.testing.assert_array_equal(g.shard(i), shard_of(f, world, r, dim))
+        run_ranks(lambda r: groups[r].unshard(0), world)
+        for g in groups:
+            for i, f in enumerate(fulls):
+                np.testing.assert_array_equal(g.unsharded(i), f)
+        run_ranks(lambda r: groups[r].reshard(0), world)
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_reduce_averages_fp32_grads_and_accumulates_until_zero_grad(daemon, request):
+    world = 3
+    fulls = full_values(2)
+    clients = [attach(daemon, request, r, world) for r in range(world)]
+    rng = np.random.default_rng(3)
+    try:
+        groups = run_ranks(lambda r: clients[r].register_group("g", SPECS), world)
+        expect = [np.zeros_like(f) for f in fulls]
+        for step in range(3):
+            if step == 2:
+                run_ranks(lambda r: groups[r].zero_grad(), world)
+                for g in groups:
+                    for i in range(len(fulls)):
+                        assert not g.shard_grad(i).any()
+                expect = [np.zeros_like(f) for f in fulls]
+            grads = [[(rng.integers(-64, 64, size=f.shape) / 8).astype(np.float32) for f in fulls]
+                     for _ in range(world)]
+            for r, g in enumerate(groups):
+                for i in range(len(fulls)):
+                    g.grad(i)[...] = grads[r][i]
+            run_ranks(lambda r: groups[r].reduce(step), world)
+            for i in range(len(fulls)):
+                total = np.zeros_like(fulls[i])
+                for r in range(world):
+                    total = total + grads[r][i]
+                expect[i] = expect[i] + total / np.float32(world)
+            for r, g in enumerate(groups):
+                for i in range(len(fulls)):
+                    dim = SPECS[i].shard_dim if isinstance(SPECS[i], shardd.Param) else 0
+                    np.testing.assert_array_equal(g.shard_grad(i), shard_of(expect[i], world, r, dim),
+                                                  err_msg=f"param {i} rank {r} step {step}")
+    finally:
+        for c in clients:
+            c.close()
+
+
+@pytest.mark.parametrize("reduce_dtype", [None, "fp32"])
+def test_bf16_param_dtype_rounds_unshard_and_reduce(daemon, request, reduce_dtype):
+    world = 2
+    rng = np.random.default_rng(4)
+    specs = [("w", "fp32", (9, 5)), ("b", "fp32", (3,))]
+    fulls = [rng.standard_normal(s[2]).astype(np.float32) for s in specs]
+    clients = [attach(daemon, request, r, world) for r in range(world)]
+    try:
+        groups = run_ranks(lambda r: clients[r].register_group(
+            "g", specs, param_dtype="bf16", reduce_dtype=reduce_dtype), world)
+        g0 = groups[0]
+        assert g0.param_dtype == P.DTYPE_BF16 and g0.grad_dtype == P.DTYPE_BF16
+        for g in groups:
+            for i, f in enumerate(fulls):
+                g.load_full(i, f)
+        run_ranks(lambda r: groups[r].unshard(0), world)
+        for g in groups:
+            for i, f in enumerate(fulls):
+                u = g.unsharded(i)
+                assert u.dtype == np.uint16
+                np.testing.assert_array_equal(u, shardd.fp32_to_bf16(f))
+        grads = [[shardd.fp32_to_bf16(rng.standard_normal(f.shape).astype(np.float32))
+                  for f in fulls] for _ in range(world)]
+        for r, g in enumerate(groups):
+            for i in range(len(fulls)):
+                g.grad(i)[...] = grads[r][i]
+        run_ranks(lambda r: groups[r].reduce(0), world)
+        for i, f in enumerate(fulls):
+            total = shardd.bf16_to_fp32(grads[0][i]) + shardd.bf16_to_fp32(grads[1][i])
+            avg = total / np.float32(world)
+            if reduce_dtype is None:   # reduce in bf16: one rounding of the result
+                avg = shardd.bf16_to_fp32(shardd.fp32_to_bf16(avg))
+            for r, g in enumerate(groups):
+                sg = g.shard_grad(i)
+                assert sg.dtype == np.float32
+                np.testing.assert_array_equal(sg, shard_of(avg, world, r))
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_bf16_helpers_round_to_nearest_even_and_keep_nan_inf():
+    x = np.array([1.0, 1.0 + 2**-8, 1.0 + 3 * 2**-8, -0.0, np.inf, -np.inf, np.nan,
+                  np.finfo(np.float32).max], dtype=np.float32)
+    b = shardd.fp32_to_bf16(x)
+    # ties go to the even mantissa: 1+2^-8 down to 1, 1+3*2^-8 up to 1+2^-6
+    assert list(b[:6]) == [0x3F80, 0x3F80, 0x3F82, 0x8000, 0x7F80, 0xFF80]
+    assert np.isnan(shardd.bf16_to_fp32(b[6:7]))[0]
+    assert b[7] == 0x7F80          # fp32 max rounds past bf16 max to +inf
+    np.testing.assert_array_equal(shardd.bf16_to_fp32(b[:6]), [1.0, 1.0, 1.0 + 2**-6, -0.0,
+                                                               np.inf, -np.inf])
+
+
+def test_reduce_with_different_steps_fails_every_rank_naming_them(daemon, request):
+    world = 2
+    clients = [attach(daemon, request, r, world) for r in range(world)]
+    try:
+        groups = run_ranks(lambda r: clients[r].register_group("g", SPECS[:1]), world)
+
+        def reduce(r):
+            with pytest.raises(shardd.ShardError) as ei:
+                groups[r].reduce(5 + r)
+            return ei.value
+
+        errs = run_ranks(reduce, world)
+        for e in errs:
+            assert e.code == -P.E_MISMATCH, e
+            assert "rank" in e.text
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_op_on_unknown_group_gets_an_error_completion(daemon, request):
+    with attach(daemon, request, 0, 1) as c:
+        with pytest.raises(shardd.ShardError) as ei:
+            c.run(shardd.OP_UNSHARD, group=999, step=0, where="unshard(group 999)")
+        assert ei.value.code == -P.E_NOGROUP and "999" in ei.value.text
+
+
+@pytest.mark.timeout_s(40)
+def test_daemon_death_raises_daemon_gone_instead_of_hanging():
+    d = Daemon()
+    try:
+        clients = [shardd.Client(job="death", rank=r, shard=2, socket_path=d.socket)
+                   for r in range(2)]
+        # rank 1 never arrives: the barrier is pending when the daemon dies
+        assert clients[0].submit(shardd.OP_BARRIER, step=1, user_data=1)
+        d.proc.send_signal(signal.SIGKILL)
+        d.proc.wait(timeout=10)
+        with pytest.raises(shardd.DaemonGone) as ei:
+            clients[0].wait(timeout=15)
+        assert ei.value.code == -errno.ECONNRESET
+        with pytest.raises(shardd.DaemonGone):
+            clients[1].nop()
+        for c in clients:
+            c.close()
+    finally:
+        d.stop()
+
+
+def test_peer_goodbye_fails_the_waiting_unshard_with_peer_died(daemon, request):
+    clients = [attach(daemon, request, r, 2) for r in range(2)]
+    try:
+        groups = run_ranks(lambda r: clients[r].register_group("g", SPECS[:1]), 2)
+        assert groups[0].submit(shardd.OP_UNSHARD, step=0, user_data=9)
+        # wait (real event, bounded by the test timeout) until the daemon took it
+        while clients[0].ring_status()["sq_pending"]:
+            pass
+        clients[1].close()
+        comp = clients[0].wait(timeout=10)
+        assert comp.user_data == 9 and comp.res == -P.E_PEER_DIED
+        assert "rank 1" in comp.msg
+    finally:
+        for c in clients:
+            c.close()

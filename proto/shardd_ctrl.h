@@ -98,7 +98,8 @@ static inline void shardd_ctrl_rx_reset(struct shardd_ctrl_rx *rx)
 }
 
 /*
- * Feed one received datagram (`data`, `n` bytes, with `fds`). Returns 1 when
+ * Feed one received datagram (`data`, `n` bytes, with `nfds` <=
+ * SHARDD_CTRL_MAX_FDS fds, as shardd_ctrl_recv_dgram delivers). Returns 1 when
  * the message is complete (hdr, payload, fds valid; the caller takes them
  * and calls shardd_ctrl_rx_reset after clearing what it took), 0 when more
  * datagrams are needed, or a negative error: -SHARDD_E_MAGIC (wrong magic),
@@ -118,10 +119,8 @@ static inline int shardd_ctrl_rx_feed(struct shardd_ctrl_rx *rx, const uint8_t *
 		data += sizeof(rx->hdr);
 		n -= sizeof(rx->hdr);
 		rx->started = 1;
-		for (int i = 0; i < nfds && i < SHARDD_CTRL_MAX_FDS; i++)
+		for (int i = 0; i < nfds; i++)
 			rx->fds[rx->nfds++] = fds[i];
-		for (int i = SHARDD_CTRL_MAX_FDS; i < nfds; i++)
-			close(fds[i]);
 		if (rx->hdr.magic != SHARDD_MAGIC)
 			return -SHARDD_E_MAGIC;
 		if (rx->hdr.length > max_len)

@@ -1,0 +1,401 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Attaching to the daemon: socket path, HELLO/WELCOME handshake, ring
+ * mapping, control requests, liveness of the connection, GOODBYE.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+static int64_t now_ms(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static const char *msg_type_name(uint32_t type)
+{
+	switch (type) {
+	case SHARDD_MSG_HELLO: return "HELLO";
+	case SHARDD_MSG_WELCOME: return "WELCOME";
+	case SHARDD_MSG_ERROR: return "ERROR";
+	case SHARDD_MSG_GOODBYE: return "GOODBYE";
+	case SHARDD_MSG_REGISTER_GROUP: return "REGISTER_GROUP";
+	case SHARDD_MSG_OPEN_GROUP: return "OPEN_GROUP";
+	case SHARDD_MSG_GROUP: return "GROUP";
+	case SHARDD_MSG_ADMIN: return "ADMIN";
+	case SHARDD_MSG_ADMIN_REPLY: return "ADMIN_REPLY";
+	default: return "unknown";
+	}
+}
+
+/* --------------------------------------------------------------------- */
+/* Control messages                                                      */
+/* --------------------------------------------------------------------- */
+
+/* The text of an ERROR message, or -SHARDD_E_MALFORMED. */
+static int parse_error_msg(const struct shardd_ctrl_rx *rx, struct shardd_error_msg *em,
+			   const char **text)
+{
+	if (rx->hdr.length < sizeof(*em))
+		return shardd_err_set(-SHARDD_E_MALFORMED,
+				      "daemon sent an ERROR of %u bytes, shorter than its %zu-byte header",
+				      rx->hdr.length, sizeof(*em));
+	memcpy(em, rx->payload, sizeof(*em));
+	if (em->msg_len != rx->hdr.length - sizeof(*em))
+		return shardd_err_set(-SHARDD_E_MALFORMED,
+				      "daemon's ERROR announces %u bytes of text but carries %zu",
+				      em->msg_len, rx->hdr.length - sizeof(*em));
+	if (em->code >= 0 || em->code == INT32_MIN)
+		return shardd_err_set(-SHARDD_E_MALFORMED,
+				      "daemon's ERROR carries code %d, not a negative error code",
+				      em->code);
+	*text = (const char *)rx->payload + sizeof(*em);
+	return 0;
+}
+
+/* Keep the text of an ERROR that answers no request: it explains a close. */
+static void remember_daemon_text(struct shardd_client *c, const struct shardd_ctrl_rx *rx)
+{
+	struct shardd_error_msg em;
+	const char *text = NULL;
+
+	if (parse_error_msg(rx, &em, &text) == 0) {
+		c->daemon_code = em.code;
+		snprintf(c->daemon_text, sizeof(c->daemon_text), "%.*s", (int)em.msg_len, text);
+	}
+}
+
+static int connection_closed(struct shardd_client *c)
+{
+	if (c->daemon_text[0])
+		return shardd_err_set(-ECONNRESET, "daemon closed the connection: %s",
+				      c->daemon_text);
+	return shardd_err_set(-ECONNRESET,
+			      "daemon closed the connection (stopped or crashed; see its log)");
+}
+
+int shardd_client_request(struct shardd_client *c, uint16_t type, const void *payload,
+			  uint32_t len, int timeout_ms, uint16_t want, struct shardd_ctrl_rx *rx)
+{
+	int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
+	uint32_t seq = ++c->seq;
+	int reset_seen = 0;
+	int ret;
+
+	ret = shardd_ctrl_send(c->sock, type, seq, payload, len, NULL, 0);
+	/* A daemon that refused us (e.g. at accept) and closed left its ERROR to read. */
+	if (ret == -EPIPE || ret == -ECONNRESET)
+		ret = 0;
+	if (ret == -EAGAIN)
+		return shardd_err_set(-ETIMEDOUT,
+				      "send %s: the daemon took no data for %d ms (is it stuck?)",
+				      msg_type_name(type), c->send_timeout_ms);
+	if (ret < 0)
+		return shardd_err_set(ret, "send %s: %s", msg_type_name(type),
+				      shardd_strerror(ret));
+	for (;;) {
+		int left = -1;
+		struct shardd_error_msg em;
+		const char *text = NULL;
+
+		if (deadline >= 0) {
+			int64_t d = deadline - now_ms();
+
+			left = d > 0 ? (int)d : 0;
+		}
+		memset(rx, 0, sizeof(*rx));
+		ret = shardd_ctrl_recv(c->sock, rx, reset_seen ? 0 : left);
+		/*
+		 * A peer that closes with our request unread makes the next recv fail
+		 * with ECONNRESET even though its last messages still wait in our queue:
+		 * read once more before deciding the connection is gone.
+		 */
+		if (ret == -ECONNRESET && !reset_seen) {
+			reset_seen = 1;
+			continue;
+		}
+		if (ret == -ETIMEDOUT && reset_seen)
+			ret = -ECONNRESET;
+		/* Refused before our request was read (credentials): its ERROR is the answer. */
+		if (ret == -ECONNRESET && c->daemon_code)
+			return shardd_err_set(c->daemon_code, "daemon: %s", c->daemon_text);
+		if (ret == -ECONNRESET)
+			return connection_closed(c);
+		if (ret == -ETIMEDOUT)
+			return shardd_err_set(-ETIMEDOUT, "no reply to %s from the daemon within %d ms",
+					      msg_type_name(type), timeout_ms);
+		if (ret < 0)
+			return shardd_err_set(ret, "receive the reply to %s: %s",
+					      msg_type_name(type), shardd_strerror(ret));
+		if (rx->hdr.seq != seq) {
+			/* A late answer to an abandoned request, or a notice before a close. */
+			if (rx->hdr.type == SHARDD_MSG_ERROR)
+				remember_daemon_text(c, rx);
+			shardd_ctrl_rx_reset(rx);
+			continue;
+		}
+		if (rx->hdr.type == SHARDD_MSG_ERROR) {
+			ret = parse_error_msg(rx, &em, &text);
+			if (ret == 0)
+				ret = shardd_err_set(em.code, "daemon: %.*s", (int)em.msg_len, text);
+			shardd_ctrl_rx_reset(rx);
+			return ret;
+		}
+		if (rx->hdr.type != want) {
+			ret = shardd_err_set(-SHARDD_E_MALFORMED,
+					     "daemon answered %s with message type %u (%s), want %s",
+					     msg_type_name(type), rx->hdr.type,
+					     msg_type_name(rx->hdr.type), msg_type_name(want));
+			shardd_ctrl_rx_reset(rx);
+			return ret;
+		}
+		return 0;
+	}
+}
+
+int shardd_client_check_alive(struct shardd_client *c)
+{
+	uint32_t flags = atomic_load_explicit(SHARDD_ATOMIC32(&c->ring.hdr->flags),
+					      memory_order_relaxed);
+	struct pollfd p = { .fd = c->sock, .events = POLLIN };
+	int ready = poll(&p, 1, 0);
+
+	/* A closed socket first: it tells a stopped daemon from a detached ring. */
+	if (ready > 0 && (p.revents & POLLIN)) {
+		struct shardd_ctrl_rx rx = { 0 };
+		int ret = shardd_ctrl_recv(c->sock, &rx, 100);
+
+		if (ret == -ECONNRESET)
+			return connection_closed(c);
+		if (ret == 0) {
+			/* No request is outstanding: only a notice before a close can come. */
+			if (rx.hdr.type == SHARDD_MSG_ERROR)
+				remember_daemon_text(c, &rx);
+			shardd_ctrl_rx_reset(&rx);
+		}
+	}
+	if (ready > 0 && (p.revents & (POLLHUP | POLLERR)))
+		return connection_closed(c);
+	if (flags & SHARDD_RING_DEAD)
+		return shardd_err_set(-ECONNRESET,
+				      "daemon detached this client (client id %u, job '%s' rank %u)",
+				      c->welcome.client_id, c->job, c->rank);
+	return 0;
+}
+
+/* --------------------------------------------------------------------- */
+/* Attach                                                                */
+/* --------------------------------------------------------------------- */
+
+static int resolve_socket_path(const char *given, char *out, size_t len)
+{
+	const char *env = getenv("SHARDD_SOCKET");
+	const char *xdg = getenv("XDG_RUNTIME_DIR");
+	int n;
+
+	if (given)
+		n = snprintf(out, len, "%s", given);
+	else if (env && *env)
+		n = snprintf(out, len, "%s", env);
+	else if (xdg && *xdg)
+		n = snprintf(out, len, "%s/shardd/shardd.sock", xdg);
+	else
+		n = snprintf(out, len, "/run/shardd/shardd.sock");
+	if (n < 0 || (size_t)n >= len)
+		return shardd_err_set(-ENAMETOOLONG,
+				      "socket path '%s' is %d bytes, the limit is %zu; use a shorter path",
+				      out, n, len - 1);
+	return 0;
+}
+
+static int open_socket(struct shardd_client *c, int timeout_ms)
+{
+	struct sockaddr_un addr = { .sun_family = AF_UNIX };
+	struct timeval tv = { .tv_sec = timeout_ms / 1000, .tv_usec = timeout_ms % 1000 * 1000 };
+	int ret;
+
+	c->sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+	if (c->sock < 0)
+		return shardd_err_set(-errno, "socket: %s", strerror(errno));
+	/* Bounds connect() on a full backlog and every later send. */
+	if (setsockopt(c->sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv)) < 0)
+		return shardd_err_set(-errno, "setsockopt SO_SNDTIMEO: %s", strerror(errno));
+	c->send_timeout_ms = timeout_ms;
+	memcpy(addr.sun_path, c->socket_path, sizeof(addr.sun_path));
+	if (connect(c->sock, (struct sockaddr *)&addr, sizeof(addr)) == 0)
+		return 0;
+	ret = errno == EAGAIN || errno == EINPROGRESS ? -ETIMEDOUT : -errno;
+	if (ret == -ENOENT || ret == -ECONNREFUSED)
+		return shardd_err_set(ret,
+				      "connect to %s: %s (is shardd running? start it, or point "
+				      "SHARDD_SOCKET at its socket)", c->socket_path, strerror(-ret));
+	return shardd_err_set(ret, "connect to %s: %s", c->socket_path, shardd_strerror(ret));
+}
+
+/* Check a WELCOME and its two fds, then map and attach the ring. */
+static int map_ring(struct shardd_client *c, struct shardd_ctrl_rx *rx)
+{
+	struct shardd_welcome *w = &c->welcome;
+	struct stat st;
+	int seals, ret;
+	void *mem;
+
+	if (rx->hdr.length < sizeof(*w))
+		return shardd_err_set(-SHARDD_E_MALFORMED, "WELCOME of %u bytes, want at least %zu",
+				      rx->hdr.length, sizeof(*w));
+	memcpy(w, rx->payload, sizeof(*w));
+	if (rx->nfds != 2)
+		return shardd_err_set(-SHARDD_E_MALFORMED,
+				      "WELCOME carries %d fds, want 2 (ring, doorbell)", rx->nfds);
+	if (w->major != SHARDD_PROTO_MAJOR)
+		return shardd_err_set(-SHARDD_E_VERSION,
+				      "daemon speaks protocol %u.%u, this libshardd %u.%u; "
+				      "use a matching libshardd", w->major, w->minor,
+				      SHARDD_PROTO_MAJOR, SHARDD_PROTO_MINOR);
+	if (!shardd_is_pow2(w->sq_entries) || !shardd_is_pow2(w->cq_entries) ||
+	    w->cq_entries < w->sq_entries)
+		return shardd_err_set(-SHARDD_E_MALFORMED,
+				      "WELCOME sq_entries %u cq_entries %u: want powers of two, cq >= sq",
+				      w->sq_entries, w->cq_entries);
+	if (fstat(rx->fds[0], &st) < 0)
+		return shardd_err_set(-errno, "fstat ring fd: %s", strerror(errno));
+	if (w->ring_size < shardd_ring_region_size(w->sq_entries, w->cq_entries) ||
+	    w->ring_size > (uint64_t)st.st_size || w->ring_size > SIZE_MAX)
+		return shardd_err_set(-SHARDD_E_MALFORMED,
+				      "WELCOME ring_size %llu: the ring fd has %lld bytes and %u/%u "
+				      "entries need %llu", (unsigned long long)w->ring_size,
+				      (long long)st.st_size, w->sq_entries, w->cq_entries,
+				      (unsigned long long)shardd_ring_region_size(w->sq_entries,
+										 w->cq_entries));
+	/* Without the shrink seal the daemon could truncate the ring under us (SIGBUS). */
+	seals = fcntl(rx->fds[0], F_GET_SEALS);
+	if (seals < 0 || !(seals & F_SEAL_SHRINK))
+		return shardd_err_set(-SHARDD_E_MALFORMED,
+				      "ring fd is not a memfd sealed against shrinking (seals %d)",
+				      seals);
+	mem = mmap(NULL, (size_t)w->ring_size, PROT_READ | PROT_WRITE, MAP_SHARED, rx->fds[0], 0);
+	if (mem == MAP_FAILED)
+		return shardd_err_set(-errno, "mmap ring of %llu bytes: %s",
+				      (unsigned long long)w->ring_size, strerror(errno));
+	c->ring_mem = mem;
+	c->ring_size = w->ring_size;
+	ret = shardd_ring_attach(&c->ring, mem, w->ring_size);
+	if (ret < 0)
+		return shardd_err_set(ret, "attach ring: %s", shardd_strerror(ret));
+	if (c->ring.hdr->sq_entries != w->sq_entries || c->ring.hdr->cq_entries != w->cq_entries)
+		return shardd_err_set(-SHARDD_E_MALFORMED,
+				      "ring header has %u/%u entries, WELCOME said %u/%u",
+				      c->ring.hdr->sq_entries, c->ring.hdr->cq_entries,
+				      w->sq_entries, w->cq_entries);
+	/* Take the doorbell out of rx; the ring fd is closed with it, the mapping stays. */
+	c->doorbell = rx->fds[1];
+	rx->nfds = 1;
+	return 0;
+}
+
+static void client_free(struct shardd_client *c)
+{
+	if (c->ring_mem)
+		munmap(c->ring_mem, (size_t)c->ring_size);
+	if (c->doorbell >= 0)
+		close(c->doorbell);
+	if (c->sock >= 0)
+		close(c->sock);
+	free(c->stash.v);
+	free(c);
+}
+
+int shardd_connect(const struct shardd_attach_opts *o, struct shardd_client **out)
+{
+	struct shardd_hello hello = { 0 };
+	struct shardd_ctrl_rx rx = { 0 };
+	struct shardd_client *c;
+	int timeout_ms, ret;
+
+	shardd_err_clear();
+	if (!o || !out)
+		return shardd_err_set(-EINVAL, "connect: NULL %s", o ? "out" : "opts");
+	if (!o->job || strnlen(o->job, SHARDD_NAME_MAX) >= SHARDD_NAME_MAX)
+		return shardd_err_set(-EINVAL, "connect: job name %s; give a name shorter than %d bytes",
+				      o->job ? "too long" : "missing", SHARDD_NAME_MAX);
+	if (o->timeout_ms < 0)
+		return shardd_err_set(-EINVAL, "connect: timeout_ms %d is negative", o->timeout_ms);
+	timeout_ms = o->timeout_ms ? o->timeout_ms : SHARDD_CONNECT_TIMEOUT_MS;
+	c = calloc(1, sizeof(*c));
+	if (!c)
+		return shardd_err_set(-ENOMEM, "connect: out of memory");
+	c->sock = -1;
+	c->doorbell = -1;
+	snprintf(c->job, sizeof(c->job), "%s", o->job);
+	c->rank = o->rank;
+	c->replicate = o->replicate;
+	c->shard = o->shard;
+	ret = resolve_socket_path(o->socket_path, c->socket_path, sizeof(c->socket_path));
+	if (ret < 0)
+		goto err;
+	ret = open_socket(c, timeout_ms);
+	if (ret < 0)
+		goto err;
+	hello.major = SHARDD_PROTO_MAJOR;
+	hello.minor = SHARDD_PROTO_MINOR;
+	hello.pid = (uint32_t)getpid();
+	memcpy(hello.job, c->job, sizeof(hello.job));
+	hello.rank = o->rank;
+	hello.replicate = o->replicate;
+	hello.shard = o->shard;
+	hello.device = o->device;
+	hello.sq_entries = o->ring_entries;
+	ret = shardd_client_request(c, SHARDD_MSG_HELLO, &hello, sizeof(hello), timeout_ms,
+				    SHARDD_MSG_WELCOME, &rx);
+	if (ret < 0)
+		goto err;
+	ret = map_ring(c, &rx);
+	shardd_ctrl_rx_reset(&rx);
+	if (ret < 0)
+		goto err;
+	*out = c;
+	return 0;
+err:
+	shardd_err_wrap(ret, "attach job '%s' rank %u (mesh %ux%u) at %s", o->job, o->rank,
+			o->replicate, o->shard, c->socket_path[0] ? c->socket_path : "(no path)");
+	client_free(c);
+	return ret;
+}
+
+void shardd_close(struct shardd_client *c)
+{
+	if (!c)
+		return;
+	/* Best effort: a daemon that is already gone needs no goodbye. */
+	shardd_ctrl_send(c->sock, SHARDD_MSG_GOODBYE, ++c->seq, NULL, 0, NULL, 0);
+	client_free(c);
+}
+
+int shardd_client_id(const struct shardd_client *c)
+{
+	return (int)c->welcome.client_id;
+}
+
+uint32_t shardd_collective_timeout_ms(const struct shardd_client *c)
+{
+	return c->welcome.collective_timeout_ms;
+}
+
+uint32_t shardd_ring_entries(const struct shardd_client *c)
+{
+	return c->welcome.sq_entries;
+}

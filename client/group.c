@@ -1,0 +1,480 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Groups on the client side: registration and opening, checking the
+ * daemon's layout reply against the fds it came with, mapping the four
+ * buffers, and copying a rank's shard out of a full tensor.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+static const char *const buf_name[SHARDD_BUF_COUNT] = {
+	[SHARDD_BUF_UNSHARDED] = "unsharded",
+	[SHARDD_BUF_GRAD] = "grad",
+	[SHARDD_BUF_SHARD] = "flat shard",
+	[SHARDD_BUF_SHARD_GRAD] = "sharded grad",
+};
+
+/*
+ * Where one param's shard sits in the full tensor, by FSDP2's padded
+ * chunking along shard_dim: the tensor is outer x dim x inner elements,
+ * this rank holds rows [begin, begin + rows) of dim, of which `valid`
+ * are real data (dim-0 padding; Shard(i > 0) is even, so always all).
+ */
+struct shardd_shard_geometry {
+	uint64_t numel;
+	uint64_t outer;
+	uint64_t dim;
+	uint64_t inner;
+	uint64_t rows;
+	uint64_t begin;
+	uint64_t valid;
+	uint64_t shard_numel;
+};
+
+static int geometry(const struct shardd_param_spec *p, uint32_t world, uint32_t shard_rank,
+		    struct shardd_shard_geometry *geo)
+{
+	uint64_t numel = 1;
+
+	memset(geo, 0, sizeof(*geo));
+	if (p->ndim > SHARDD_MAX_DIMS || (p->ndim ? p->shard_dim >= p->ndim : p->shard_dim != 0))
+		return -ERANGE;
+	for (uint32_t i = 0; i < p->ndim; i++)
+		if (__builtin_mul_overflow(numel, p->shape[i], &numel))
+			return -EOVERFLOW;
+	/* Byte counts of up to 8-byte elements must fit too. */
+	if (numel > UINT64_MAX / 8)
+		return -EOVERFLOW;
+	geo->numel = numel;
+	geo->outer = 1;
+	geo->inner = 1;
+	geo->dim = 1; /* a 0-d param is a 1-row tensor */
+	if (p->ndim) {
+		geo->dim = p->shape[p->shard_dim];
+		for (uint32_t i = 0; i < p->shard_dim; i++)
+			geo->outer *= p->shape[i];
+		for (uint32_t i = p->shard_dim + 1; i < p->ndim; i++)
+			geo->inner *= p->shape[i];
+	}
+	if (p->shard_dim == 0) {
+		geo->rows = geo->dim / world + (geo->dim % world != 0);
+	} else {
+		if (geo->dim % world)
+			return -EINVAL;
+		geo->rows = geo->dim / world;
+	}
+	geo->begin = (uint64_t)shard_rank * geo->rows;
+	geo->valid = geo->dim > geo->begin ? geo->dim - geo->begin : 0;
+	if (geo->valid > geo->rows)
+		geo->valid = geo->rows;
+	/* rows <= dim + world and outer * dim * inner did not overflow above. */
+	if (__builtin_mul_overflow(geo->outer * geo->rows, geo->inner, &geo->shard_numel))
+		return -EOVERFLOW;
+	return 0;
+}
+
+/* --------------------------------------------------------------------- */
+/* Checking and mapping a GROUP reply                                    */
+/* --------------------------------------------------------------------- */
+
+static int check_range(const struct shardd_group *g, uint32_t i, const char *field,
+		       uint64_t off, uint64_t bytes, enum shardd_group_buf b)
+{
+	uint64_t size = g->buf[b].size;
+
+	if (off % SHARDD_ALIGN || off > size || bytes > size - off)
+		return shardd_err_set(-SHARDD_E_MALFORMED,
+				      "param %u: %s_offset %llu + %llu bytes does not fit the "
+				      "%llu-byte %s buffer at %d-byte alignment", i, field,
+				      (unsigned long long)off, (unsigned long long)bytes,
+				      (unsigned long long)size, buf_name[b], SHARDD_ALIGN);
+	return 0;
+}
+
+static int check_bytes(uint32_t i, const char *name, const char *field, uint64_t got,
+		       uint64_t want)
+{
+	if (got != want)
+		return shardd_err_set(-SHARDD_E_MALFORMED,
+				      "param %u '%s': daemon's %s is %llu, FSDP2 sharding gives %llu",
+				      i, name, field, (unsigned long long)got,
+				      (unsigned long long)want);
+	return 0;
+}
+
+/* A registered param's layout must be what its shape and the mesh imply. */
+static int check_against_spec(const struct shardd_group *g, uint32_t i)
+{
+	const struct shardd_param_spec *p = &g->specs[i];
+	const struct shardd_param_layout *l = &g->layouts[i];
+	uint32_t world = g->info.shard_world;
+	uint32_t full_dtype = g->info.param_dtype != SHARDD_DTYPE_NONE ? g->info.param_dtype
+								      : p->dtype;
+	size_t esz = shardd_dtype_size(p->dtype), full_esz = shardd_dtype_size(full_dtype);
+	struct shardd_shard_geometry geo;
+	int ret;
+
+	if (!esz || !full_esz)
+		return shardd_err_set(-SHARDD_E_MALFORMED,
+				      "param %u '%s': daemon accepted dtype %u / param_dtype %u, "
+				      "which this libshardd does not know", i, p->name, p->dtype,
+				      g->info.param_dtype);
+	ret = geometry(p, world, g->client->rank % world, &geo);
+	if (ret < 0)
+		return shardd_err_set(-SHARDD_E_MALFORMED,
+				      "param %u '%s': daemon accepted a shape that %s", i, p->name,
+				      ret == -EOVERFLOW ? "overflows 64 bits"
+				      : ret == -ERANGE ? "has shard_dim outside its dims"
+				      : "does not split evenly along its shard dim");
+	ret = check_bytes(i, p->name, "unsharded_bytes", l->unsharded_bytes, geo.numel * full_esz);
+	if (!ret)
+		ret = check_bytes(i, p->name, "grad_bytes", l->grad_bytes, geo.numel * full_esz);
+	if (!ret)
+		ret = check_bytes(i, p->name, "shard_bytes", l->shard_bytes, geo.shard_numel * esz);
+	if (!ret)
+		ret = check_bytes(i, p->name, "shard_row_begin", l->shard_row_begin, geo.begin);
+	if (!ret)
+		ret = check_bytes(i, p->name, "shard_rows_valid", l->shard_rows_valid, geo.valid);
+	return ret;
+}
+
+static int map_buffer(struct shardd_group *g, enum shardd_group_buf b, int fd, uint64_t size)
+{
+	int prot = b == SHARDD_BUF_UNSHARDED ? PROT_READ : PROT_READ | PROT_WRITE;
+	struct stat st;
+	int seals;
+	void *addr;
+
+	if (fstat(fd, &st) < 0)
+		return shardd_err_set(-errno, "fstat %s fd: %s", buf_name[b], strerror(errno));
+	if (size > (uint64_t)st.st_size || size > SIZE_MAX)
+		return shardd_err_set(-SHARDD_E_MALFORMED,
+				      "reply says the %s buffer has %llu bytes, its fd has %lld",
+				      buf_name[b], (unsigned long long)size, (long long)st.st_size);
+	g->buf[b].size = size;
+	if (!size)
+		return 0;
+	/* Without the shrink seal the daemon could truncate it under us (SIGBUS). */
+	seals = fcntl(fd, F_GET_SEALS);
+	if (seals < 0 || !(seals & F_SEAL_SHRINK))
+		return shardd_err_set(-SHARDD_E_MALFORMED,
+				      "%s fd is not a memfd sealed against shrinking (seals %d)",
+				      buf_name[b], seals);
+	addr = mmap(NULL, (size_t)size, prot, MAP_SHARED, fd, 0);
+	if (addr == MAP_FAILED)
+		return shardd_err_set(-errno, "mmap %s buffer of %llu bytes: %s", buf_name[b],
+				      (unsigned long long)size, strerror(errno));
+	g->buf[b].addr = addr;
+	return 0;
+}
+
+/* Fill g from a GROUP reply; `want_nparams` 0 accepts any count. */
+static int group_from_reply(struct shardd_group *g, const struct shardd_ctrl_rx *rx,
+			    uint32_t want_nparams)
+{
+	struct shardd_group_reply *info = &g->info;
+	uint64_t sizes[SHARDD_BUF_COUNT];
+	size_t want_len;
+	int ret;
+
+	if (rx->hdr.length < sizeof(*info))
+		return shardd_err_set(-SHARDD_E_MALFORMED, "GROUP reply of %u bytes, want at least %zu",
+				      rx->hdr.length, sizeof(*info));
+	memcpy(info, rx->payload, sizeof(*info));
+	if (!info->nparams || info->nparams > SHARDD_MAX_PARAMS ||
+	    (want_nparams && info->nparams != want_nparams))
+		return shardd_err_set(-SHARDD_E_MALFORMED, "GROUP reply has %u params, want %u",
+				      info->nparams, want_nparams ? want_nparams : SHARDD_MAX_PARAMS);
+	want_len = sizeof(*info) + (size_t)info->nparams * sizeof(struct shardd_param_layout);
+	if (rx->hdr.length != want_len)
+		return shardd_err_set(-SHARDD_E_MALFORMED,
+				      "GROUP reply of %u bytes, %u params need %zu",
+				      rx->hdr.length, info->nparams, want_len);
+	if (!info->group_id)
+		return shardd_err_set(-SHARDD_E_MALFORMED, "GROUP reply has group id 0");
+	if (!info->shard_world || info->shard_world != g->client->shard)
+		return shardd_err_set(-SHARDD_E_MALFORMED,
+				      "GROUP reply has shard_world %u, the mesh's shard size is %u",
+				      info->shard_world, g->client->shard);
+	if (rx->nfds != SHARDD_BUF_COUNT)
+		return shardd_err_set(-SHARDD_E_MALFORMED, "GROUP reply carries %d fds, want %d",
+				      rx->nfds, SHARDD_BUF_COUNT);
+	g->layouts = malloc(sizeof(*g->layouts) * info->nparams);
+	if (!g->layouts)
+		return shardd_err_set(-ENOMEM, "%u param layouts: out of memory", info->nparams);
+	memcpy(g->layouts, rx->payload + sizeof(*info), sizeof(*g->layouts) * info->nparams);
+	sizes[SHARDD_BUF_UNSHARDED] = info->unsharded_size;
+	sizes[SHARDD_BUF_GRAD] = info->grad_size;
+	sizes[SHARDD_BUF_SHARD] = info->shard_size;
+	sizes[SHARDD_BUF_SHARD_GRAD] = info->shard_size;
+	for (int b = 0; b < SHARDD_BUF_COUNT; b++) {
+		ret = map_buffer(g, (enum shardd_group_buf)b, rx->fds[b], sizes[b]);
+		if (ret < 0)
+			return ret;
+	}
+	for (uint32_t i = 0; i < info->nparams; i++) {
+		const struct shardd_param_layout *l = &g->layouts[i];
+
+		ret = check_range(g, i, "unsharded", l->unsharded_offset, l->unsharded_bytes,
+				  SHARDD_BUF_UNSHARDED);
+		if (!ret)
+			ret = check_range(g, i, "grad", l->grad_offset, l->grad_bytes, SHARDD_BUF_GRAD);
+		if (!ret)
+			ret = check_range(g, i, "shard", l->shard_offset, l->shard_bytes,
+					  SHARDD_BUF_SHARD);
+		if (!ret && g->specs)
+			ret = check_against_spec(g, i);
+		if (ret < 0)
+			return ret;
+	}
+	return 0;
+}
+
+void shardd_group_close(struct shardd_group *g)
+{
+	if (!g)
+		return;
+	for (int b = 0; b < SHARDD_BUF_COUNT; b++)
+		if (g->buf[b].addr)
+			munmap(g->buf[b].addr, (size_t)g->buf[b].size);
+	free(g->layouts);
+	free(g->specs);
+	free(g);
+}
+
+/* Send a REGISTER_GROUP or OPEN_GROUP request, take the reply into a new group. */
+static int group_request(struct shardd_client *c, const char *name, uint16_t type,
+			 const void *payload, uint32_t len, struct shardd_param_spec *specs,
+			 uint32_t nparams, int timeout_ms, struct shardd_group **out)
+{
+	struct shardd_ctrl_rx rx = { 0 };
+	struct shardd_group *g;
+	int ret;
+
+	g = calloc(1, sizeof(*g));
+	if (!g) {
+		free(specs);
+		return shardd_err_set(-ENOMEM, "out of memory");
+	}
+	g->client = c;
+	g->specs = specs;
+	snprintf(g->name, sizeof(g->name), "%s", name);
+	ret = shardd_client_request(c, type, payload, len, timeout_ms, SHARDD_MSG_GROUP, &rx);
+	if (ret < 0)
+		goto err;
+	ret = group_from_reply(g, &rx, nparams);
+	shardd_ctrl_rx_reset(&rx);
+	if (ret < 0)
+		goto err;
+	*out = g;
+	return 0;
+err:
+	shardd_group_close(g);
+	return ret;
+}
+
+static int check_name(const char *name, size_t max, const char *what)
+{
+	if (!name)
+		return shardd_err_set(-EINVAL, "%s name missing", what);
+	if (strnlen(name, max) >= max)
+		return shardd_err_set(-ENAMETOOLONG, "%s name '%.*s...' is longer than %zu bytes",
+				      what, 32, name, max - 1);
+	return 0;
+}
+
+int shardd_group_register(struct shardd_client *c, const char *name,
+			  const struct shardd_param_desc *params, uint32_t nparams,
+			  const struct shardd_policy *policy, struct shardd_group **out)
+{
+	uint32_t ct = c->welcome.collective_timeout_ms;
+	struct shardd_register_group *reg = NULL;
+	struct shardd_param_spec *specs = NULL;
+	size_t len;
+	int ret;
+
+	shardd_err_clear();
+	ret = check_name(name, SHARDD_NAME_MAX, "group");
+	if (ret < 0)
+		return shardd_err_wrap(ret, "register group");
+	if (!nparams || nparams > SHARDD_MAX_PARAMS || !params) {
+		ret = shardd_err_set(-EINVAL, "nparams %u: a group has 1..%d params", nparams,
+				     SHARDD_MAX_PARAMS);
+		goto err;
+	}
+	len = sizeof(*reg) + sizeof(*specs) * nparams;
+	reg = calloc(1, len);
+	specs = calloc(nparams, sizeof(*specs));
+	if (!reg || !specs) {
+		ret = shardd_err_set(-ENOMEM, "%u param specs: out of memory", nparams);
+		goto err;
+	}
+	memcpy(reg->name, name, strlen(name));
+	reg->nparams = nparams;
+	reg->param_dtype = policy ? policy->param_dtype : SHARDD_DTYPE_NONE;
+	reg->reduce_dtype = policy ? policy->reduce_dtype : SHARDD_DTYPE_NONE;
+	reg->init = SHARDD_INIT_ZERO;
+	for (uint32_t i = 0; i < nparams; i++) {
+		const struct shardd_param_desc *d = &params[i];
+		struct shardd_param_spec *p = &specs[i];
+
+		ret = check_name(d->name, SHARDD_PARAM_NAME_MAX, "param");
+		if (ret < 0) {
+			shardd_err_wrap(ret, "param %u", i);
+			goto err;
+		}
+		if (d->ndim > SHARDD_MAX_DIMS) {
+			ret = shardd_err_set(-EINVAL, "param %u '%s': ndim %u, at most %d", i,
+					     d->name, d->ndim, SHARDD_MAX_DIMS);
+			goto err;
+		}
+		memcpy(p->name, d->name, strlen(d->name));
+		p->dtype = d->dtype;
+		p->ndim = d->ndim;
+		p->shard_dim = d->shard_dim;
+		memcpy(p->shape, d->shape, sizeof(p->shape[0]) * d->ndim);
+	}
+	memcpy(reg + 1, specs, sizeof(*specs) * nparams);
+	/* The daemon answers once every rank registered, or fails at its collective timeout. */
+	ret = group_request(c, name, SHARDD_MSG_REGISTER_GROUP, reg, (uint32_t)len, specs, nparams,
+			    ct ? (int)(ct + 5000) : -1, out);
+	specs = NULL;
+	if (ret < 0)
+		goto err;
+	free(reg);
+	return 0;
+err:
+	free(specs);
+	free(reg);
+	return shardd_err_wrap(ret, "register group '%s'", name);
+}
+
+int shardd_group_open(struct shardd_client *c, const char *name, struct shardd_group **out)
+{
+	struct shardd_open_group req = { { 0 } };
+	int ret;
+
+	shardd_err_clear();
+	ret = check_name(name, SHARDD_NAME_MAX, "group");
+	if (ret < 0)
+		return shardd_err_wrap(ret, "open group");
+	memcpy(req.name, name, strlen(name));
+	ret = group_request(c, name, SHARDD_MSG_OPEN_GROUP, &req, sizeof(req), NULL, 0,
+			    SHARDD_CONNECT_TIMEOUT_MS, out);
+	if (ret < 0)
+		return shardd_err_wrap(ret, "open group '%s'", name);
+	return 0;
+}
+
+/* --------------------------------------------------------------------- */
+/* Accessors                                                             */
+/* --------------------------------------------------------------------- */
+
+uint32_t shardd_group_id(const struct shardd_group *g)
+{
+	return g->info.group_id;
+}
+
+uint32_t shardd_group_nparams(const struct shardd_group *g)
+{
+	return g->info.nparams;
+}
+
+const struct shardd_group_reply *shardd_group_info(const struct shardd_group *g)
+{
+	return &g->info;
+}
+
+const struct shardd_param_layout *shardd_group_layout(const struct shardd_group *g,
+						      uint32_t param)
+{
+	return param < g->info.nparams ? &g->layouts[param] : NULL;
+}
+
+int shardd_group_find(const struct shardd_group *g, const char *param_name)
+{
+	if (!g->specs || !param_name)
+		return -ENOENT;
+	for (uint32_t i = 0; i < g->info.nparams; i++)
+		if (strncmp(g->specs[i].name, param_name, SHARDD_PARAM_NAME_MAX) == 0)
+			return (int)i;
+	return -ENOENT;
+}
+
+static void *at(const struct shardd_group *g, enum shardd_group_buf b, uint32_t param,
+		uint64_t offset)
+{
+	if (param >= g->info.nparams || !g->buf[b].addr)
+		return NULL;
+	return (char *)g->buf[b].addr + offset;
+}
+
+const void *shardd_group_unsharded(const struct shardd_group *g, uint32_t param)
+{
+	return param < g->info.nparams
+		? at(g, SHARDD_BUF_UNSHARDED, param, g->layouts[param].unsharded_offset) : NULL;
+}
+
+void *shardd_group_grad(const struct shardd_group *g, uint32_t param)
+{
+	return param < g->info.nparams
+		? at(g, SHARDD_BUF_GRAD, param, g->layouts[param].grad_offset) : NULL;
+}
+
+void *shardd_group_shard(const struct shardd_group *g, uint32_t param)
+{
+	return param < g->info.nparams
+		? at(g, SHARDD_BUF_SHARD, param, g->layouts[param].shard_offset) : NULL;
+}
+
+void *shardd_group_shard_grad(const struct shardd_group *g, uint32_t param)
+{
+	return param < g->info.nparams
+		? at(g, SHARDD_BUF_SHARD_GRAD, param, g->layouts[param].shard_offset) : NULL;
+}
+
+int shardd_group_load_full(struct shardd_group *g, uint32_t param, const void *full)
+{
+	const struct shardd_param_spec *p;
+	struct shardd_shard_geometry geo;
+	const char *src = full;
+	char *dst;
+	size_t esz, chunk;
+
+	shardd_err_clear();
+	if (param >= g->info.nparams || !full)
+		return shardd_err_set(-EINVAL, "load param %u of group '%s' (%u params)%s", param,
+				      g->name, g->info.nparams, full ? "" : ": no data");
+	if (!g->specs)
+		return shardd_err_set(-SHARDD_E_STATE,
+				      "load param %u of group '%s': the group was opened by name, "
+				      "so its shapes are unknown; register it instead", param,
+				      g->name);
+	p = &g->specs[param];
+	/* Registration checked the shape and the layout against each other. */
+	geometry(p, g->info.shard_world, g->client->rank % g->info.shard_world, &geo);
+	esz = shardd_dtype_size(p->dtype);
+	dst = shardd_group_shard(g, param);
+	if (!dst)
+		return 0;
+	chunk = (size_t)(geo.rows * geo.inner * esz);
+	for (uint64_t o = 0; o < geo.outer; o++) {
+		size_t have = (size_t)(geo.valid * geo.inner * esz);
+
+		/* A rank wholly in the padding has no source rows: nothing to point at. */
+		if (have)
+			memcpy(dst + o * chunk, src + (o * geo.dim + geo.begin) * geo.inner * esz,
+			       have);
+		memset(dst + o * chunk + have, 0, chunk - have);
+	}
+	return 0;
+}

@@ -1,0 +1,101 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * libshardd internals shared by its modules: the handle structs and the
+ * error-context helpers. Not installed; symbols here are hidden in the .so.
+ */
+#ifndef SHARDD_CLIENT_INTERNAL_H
+#define SHARDD_CLIENT_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/un.h>
+
+#include "shardd.h"
+#include "shardd_ctrl.h"
+#include "shardd_ring.h"
+
+#define SHARDD_HIDDEN __attribute__((visibility("hidden")))
+
+/* Completions reaped while a sync wrapper waited for its own: a FIFO. */
+struct shardd_stash {
+	struct shardd_completion *v; /* cap slots */
+	uint32_t head;               /* index of the oldest */
+	uint32_t count;
+	uint32_t cap;                /* 0 or a power of two */
+};
+
+struct shardd_client {
+	int                   sock;      /* SOCK_SEQPACKET control connection */
+	int                   doorbell;  /* eventfd the daemon sleeps on */
+	void                 *ring_mem;  /* ring_size bytes, MAP_SHARED rw */
+	uint64_t              ring_size;
+	struct shardd_ring    ring;
+	struct shardd_welcome welcome;
+	uint32_t              seq;       /* last control request number */
+	int                   send_timeout_ms; /* SO_SNDTIMEO of sock */
+	uint64_t              next_sync; /* counter of sync wrappers' user_data */
+	struct shardd_stash   stash;
+	int32_t               daemon_code; /* unsolicited ERROR's code, 0 when none came */
+	char                  daemon_text[SHARDD_RING_MSG_SIZE]; /* and its text */
+	char                  job[SHARDD_NAME_MAX];
+	uint32_t              rank;
+	uint32_t              replicate;
+	uint32_t              shard;
+	char                  socket_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
+};
+
+/* One mapped buffer of a group. */
+struct shardd_mapping {
+	void    *addr; /* NULL when size is 0 */
+	uint64_t size;
+};
+
+enum shardd_group_buf {
+	SHARDD_BUF_UNSHARDED = 0,
+	SHARDD_BUF_GRAD,
+	SHARDD_BUF_SHARD,
+	SHARDD_BUF_SHARD_GRAD,
+	SHARDD_BUF_COUNT
+};
+
+struct shardd_group {
+	struct shardd_client       *client;
+	char                        name[SHARDD_NAME_MAX];
+	struct shardd_group_reply   info;
+	struct shardd_param_layout *layouts; /* info.nparams */
+	struct shardd_param_spec   *specs;   /* info.nparams, NULL for an opened group */
+	struct shardd_mapping       buf[SHARDD_BUF_COUNT];
+};
+
+/*
+ * error.c: the thread-local context chain. Public calls clear it on entry,
+ * the place a failure starts sets it, each layer above prefixes its own
+ * context. Set and wrap return `err`.
+ */
+SHARDD_HIDDEN void shardd_err_clear(void);
+SHARDD_HIDDEN int shardd_err_set(int err, const char *fmt, ...)
+	__attribute__((format(printf, 2, 3)));
+SHARDD_HIDDEN int shardd_err_wrap(int err, const char *fmt, ...)
+	__attribute__((format(printf, 2, 3)));
+
+/*
+ * client.c: send one control request and receive its reply, waiting up to
+ * timeout_ms (-1: while the daemon lives). An ERROR reply becomes its code
+ * with "daemon: <text>" as the error context. On success `rx` holds a
+ * reply of type `want` (payload and fds owned by the caller).
+ */
+SHARDD_HIDDEN int shardd_client_request(struct shardd_client *c, uint16_t type,
+					const void *payload, uint32_t len, int timeout_ms,
+					uint16_t want, struct shardd_ctrl_rx *rx);
+
+/*
+ * client.c: is the daemon still there? 0, or -ECONNRESET with the reason
+ * (connection closed, ring marked dead). Reads a pending notice ERROR.
+ */
+SHARDD_HIDDEN int shardd_client_check_alive(struct shardd_client *c);
+
+/* ops.c: submit one op and wait for its own completion; returns its res. */
+SHARDD_HIDDEN int shardd_client_op_sync(struct shardd_client *c, uint32_t op, uint32_t group,
+					uint64_t step, uint32_t flags, const char *what);
+
+#endif /* SHARDD_CLIENT_INTERNAL_H */

@@ -1,0 +1,453 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Ops through the ring: submission with the doorbell, reaping of
+ * completions (spin, then futex sleep in slices with a liveness check in
+ * between), and the synchronous wrappers.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+/* A ring round trip costs ~0.35 us spinning, ~10 us through a futex wake-up. */
+#define SHARDD_SPIN_ITERS    2000
+#define SHARDD_WAIT_SLICE_MS 50
+/* Sync ops wait this much past the daemon's collective timeout, which fails them first. */
+#define SHARDD_SYNC_GRACE_MS 10000
+
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+	__builtin_ia32_pause();
+#elif defined(__aarch64__)
+	__asm__ __volatile__("yield" ::: "memory");
+#else
+	atomic_signal_fence(memory_order_seq_cst);
+#endif
+}
+
+static int64_t now_ms(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static const char *op_name(uint32_t op)
+{
+	const char *n = shardd_op_name(op);
+
+	return n ? n : "unknown op";
+}
+
+/* --------------------------------------------------------------------- */
+/* Stash: completions reaped while a sync op waited for its own          */
+/* --------------------------------------------------------------------- */
+
+static int stash_push(struct shardd_stash *s, const struct shardd_completion *cp)
+{
+	if (s->count == s->cap) {
+		uint32_t cap = s->cap ? s->cap * 2 : 16;
+		struct shardd_completion *v = malloc(sizeof(*v) * cap);
+
+		if (!v || cap < s->cap) {
+			free(v);
+			return shardd_err_set(-ENOMEM, "keep %u unreaped completions: out of memory",
+					      s->count + 1);
+		}
+		for (uint32_t i = 0; i < s->count; i++)
+			v[i] = s->v[(s->head + i) & (s->cap - 1)];
+		free(s->v);
+		s->v = v;
+		s->head = 0;
+		s->cap = cap;
+	}
+	s->v[(s->head + s->count) & (s->cap - 1)] = *cp;
+	s->count++;
+	return 0;
+}
+
+static int stash_pop(struct shardd_stash *s, struct shardd_completion *out)
+{
+	if (!s->count)
+		return 0;
+	*out = s->v[s->head];
+	s->head = (s->head + 1) & (s->cap - 1);
+	s->count--;
+	return 1;
+}
+
+/* --------------------------------------------------------------------- */
+/* Ring                                                                  */
+/* --------------------------------------------------------------------- */
+
+static int ring_doorbell(struct shardd_client *c)
+{
+	uint64_t one = 1;
+	ssize_t n;
+
+	do
+		n = write(c->doorbell, &one, sizeof(one));
+	while (n < 0 && errno == EINTR);
+	/* EAGAIN: the counter is saturated, so a wake-up is pending anyway. */
+	if (n < 0 && errno != EAGAIN)
+		return shardd_err_set(-errno, "write the doorbell eventfd: %s", strerror(errno));
+	return 0;
+}
+
+static int corrupt_cq(struct shardd_client *c)
+{
+	struct shardd_ring_hdr *h = c->ring.hdr;
+
+	return shardd_err_set(-EBADMSG,
+			      "completion queue corrupt: cq_tail %u runs more than %u entries "
+			      "ahead of cq_head %u", atomic_load(SHARDD_ATOMIC32(&h->cq_tail)),
+			      h->cq_entries, atomic_load(SHARDD_ATOMIC32(&h->cq_head)));
+}
+
+static int submit_sqe(struct shardd_client *c, uint32_t op, uint32_t group, uint64_t step,
+		      uint32_t flags, uint64_t user_data)
+{
+	struct shardd_ring_hdr *h = c->ring.hdr;
+	struct shardd_sqe sqe = {
+		.op = (uint8_t)op, .group = group, .step = step, .user_data = user_data,
+		.flags = flags,
+	};
+	int ret;
+
+	if (op == 0 || op > UINT8_MAX)
+		return shardd_err_set(-EINVAL, "op %u is out of range 1..%u", op, UINT8_MAX);
+	ret = shardd_sq_push(&c->ring, &sqe);
+	if (ret == -EAGAIN)
+		return shardd_err_set(-EAGAIN,
+				      "submission queue full (%u entries waiting for the daemon); "
+				      "reap completions, then submit again", h->sq_entries);
+	/* Line 6 is ours; the daemon and shardctl read it only to show who is behind. */
+	atomic_store_explicit(SHARDD_ATOMIC32(&h->client_last_op), op, memory_order_relaxed);
+	__atomic_store_n(&h->client_last_step, step, __ATOMIC_RELAXED);
+	if (shardd_ring_needs_wakeup(&c->ring))
+		return ring_doorbell(c);
+	return 0;
+}
+
+/* Pop one CQ entry into *out: 1, 0 when there is none, or -EBADMSG. */
+static int cq_take(struct shardd_client *c, struct shardd_completion *out)
+{
+	struct shardd_ring_hdr *h = c->ring.hdr;
+	int64_t n = shardd_cq_ready(&c->ring);
+	struct shardd_cqe cqe;
+
+	if (n < 0)
+		return corrupt_cq(c);
+	if (n == 0)
+		return 0;
+	shardd_cq_pop(&c->ring, &cqe, out->msg, sizeof(out->msg));
+	out->user_data = cqe.user_data;
+	out->res = cqe.res;
+	out->op = cqe.op;
+	out->group = cqe.group;
+	out->step = cqe.step;
+	/*
+	 * A daemon that stopped taking SQ entries because our CQ was full may
+	 * sleep on the doorbell: the slot we just freed is news for it.
+	 */
+	if (atomic_load_explicit(SHARDD_ATOMIC32(&h->sq_tail), memory_order_relaxed) !=
+	    atomic_load_explicit(SHARDD_ATOMIC32(&h->sq_head), memory_order_acquire) &&
+	    shardd_ring_needs_wakeup(&c->ring)) {
+		int ret = ring_doorbell(c);
+
+		if (ret < 0)
+			return ret;
+	}
+	return 1;
+}
+
+/* Spin a bounded while for a completion: >0 ready, 0 none, -EBADMSG. */
+static int spin_cq(struct shardd_client *c)
+{
+	for (int i = 0; i < SHARDD_SPIN_ITERS; i++) {
+		int64_t n = shardd_cq_ready(&c->ring);
+
+		if (n < 0)
+			return corrupt_cq(c);
+		if (n > 0)
+			return 1;
+		cpu_relax();
+	}
+	return 0;
+}
+
+/*
+ * Sleep on the CQ tail for one slice (at most SHARDD_WAIT_SLICE_MS and the
+ * deadline, -1 = none), then check that the daemon lives. Returns 0 (a
+ * completion came or the slice ended), -ETIMEDOUT (deadline passed),
+ * -ECONNRESET, or another negative code.
+ */
+static int sleep_cq(struct shardd_client *c, int64_t deadline)
+{
+	int64_t slice = SHARDD_WAIT_SLICE_MS;
+	struct timespec ts;
+	uint32_t seen;
+	int64_t n;
+	int ret;
+
+	if (deadline >= 0) {
+		int64_t left = deadline - now_ms();
+
+		if (left <= 0)
+			return -ETIMEDOUT;
+		if (left < slice)
+			slice = left;
+	}
+	/* The value we sleep on must be read before the re-check, or a push is missed. */
+	seen = atomic_load_explicit(SHARDD_ATOMIC32(&c->ring.hdr->cq_tail), memory_order_acquire);
+	n = shardd_cq_ready(&c->ring);
+	if (n < 0)
+		return corrupt_cq(c);
+	if (n > 0)
+		return 0;
+	ts.tv_sec = slice / 1000;
+	ts.tv_nsec = slice % 1000 * 1000000;
+	ret = shardd_cq_wait(&c->ring, seen, &ts);
+	if (ret < 0 && ret != -ETIMEDOUT && ret != -EINTR)
+		return shardd_err_set(ret, "futex wait on the completion queue: %s",
+				      shardd_strerror(ret));
+	n = shardd_cq_ready(&c->ring);
+	if (n < 0)
+		return corrupt_cq(c);
+	/* Completions pushed before a daemon died are still delivered first. */
+	if (n > 0)
+		return 0;
+	return shardd_client_check_alive(c);
+}
+
+/* Describe where the ring stands, for timeout messages. */
+static void ring_where(struct shardd_client *c, char *buf, size_t len)
+{
+	struct shardd_ring_status st;
+
+	if (shardd_ring_status(c, &st) < 0) {
+		snprintf(buf, len, "ring counters corrupt");
+		return;
+	}
+	snprintf(buf, len, "the daemon last took %s step %llu from this ring; %u submissions "
+		 "not taken yet", st.daemon_last_op ? op_name(st.daemon_last_op) : "nothing",
+		 (unsigned long long)st.daemon_last_step, st.sq_pending);
+}
+
+/* --------------------------------------------------------------------- */
+/* Public: asynchronous ops                                              */
+/* --------------------------------------------------------------------- */
+
+int shardd_submit(struct shardd_client *c, uint32_t op, uint32_t group, uint64_t step,
+		  uint32_t flags, uint64_t user_data)
+{
+	shardd_err_clear();
+	if (user_data & SHARDD_USER_DATA_RESERVED)
+		return shardd_err_set(-EINVAL,
+				      "submit %s: user_data %#llx has bit 63 set, which libshardd "
+				      "reserves for its sync calls", op_name(op),
+				      (unsigned long long)user_data);
+	return submit_sqe(c, op, group, step, flags, user_data);
+}
+
+static int poll_one(struct shardd_client *c, struct shardd_completion *out)
+{
+	for (;;) {
+		int ret;
+
+		if (stash_pop(&c->stash, out))
+			return 0;
+		ret = cq_take(c, out);
+		if (ret <= 0)
+			return ret ? ret : -EAGAIN;
+		/* A sync call that gave up (timeout, reset) left its completion: not the caller's. */
+		if (!(out->user_data & SHARDD_USER_DATA_RESERVED))
+			return 0;
+	}
+}
+
+int shardd_poll(struct shardd_client *c, struct shardd_completion *out)
+{
+	shardd_err_clear();
+	return poll_one(c, out);
+}
+
+int shardd_wait(struct shardd_client *c, struct shardd_completion *out, int timeout_ms)
+{
+	int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
+	char where[160];
+	int ret;
+
+	shardd_err_clear();
+	ret = poll_one(c, out);
+	if (ret != -EAGAIN)
+		return ret;
+	ret = timeout_ms == 0 ? 0 : spin_cq(c);
+	while (ret == 0 || ret == 1) {
+		ret = poll_one(c, out);
+		if (ret != -EAGAIN)
+			return ret;
+		ret = sleep_cq(c, deadline);
+	}
+	if (ret == -ETIMEDOUT) {
+		ring_where(c, where, sizeof(where));
+		/* Nothing came: tell the caller whether the daemon at least lives. */
+		ret = shardd_client_check_alive(c);
+		if (ret == 0)
+			ret = shardd_err_set(-ETIMEDOUT, "no completion within %d ms; %s",
+					     timeout_ms, where);
+	}
+	return ret;
+}
+
+/* --------------------------------------------------------------------- */
+/* Public: synchronous ops                                               */
+/* --------------------------------------------------------------------- */
+
+/* Move completions to the stash until `want` arrives (1, in *cp) or the CQ is empty (0). */
+static int reap_until(struct shardd_client *c, uint64_t want, struct shardd_completion *cp)
+{
+	for (;;) {
+		int ret = cq_take(c, cp);
+
+		if (ret <= 0)
+			return ret;
+		if (cp->user_data == want)
+			return 1;
+		if (cp->user_data & SHARDD_USER_DATA_RESERVED)
+			continue;
+		ret = stash_push(&c->stash, cp);
+		if (ret < 0)
+			return ret;
+	}
+}
+
+int shardd_client_op_sync(struct shardd_client *c, uint32_t op, uint32_t group, uint64_t step,
+			  uint32_t flags, const char *what)
+{
+	uint32_t ct = c->welcome.collective_timeout_ms;
+	int64_t deadline = ct ? now_ms() + ct + SHARDD_SYNC_GRACE_MS : -1;
+	uint64_t ud = SHARDD_USER_DATA_RESERVED | (++c->next_sync & ~SHARDD_USER_DATA_RESERVED);
+	struct shardd_completion cp;
+	char where[160];
+	int ret;
+
+	shardd_err_clear();
+	/* A full SQ drains as the daemon works; reap meanwhile so its CQ never fills. */
+	while ((ret = submit_sqe(c, op, group, step, flags, ud)) == -EAGAIN) {
+		ret = reap_until(c, ud, &cp);
+		if (ret == 0)
+			ret = sleep_cq(c, deadline);
+		if (ret < 0)
+			goto err;
+	}
+	if (ret < 0)
+		goto err;
+	for (;;) {
+		ret = reap_until(c, ud, &cp);
+		if (ret < 0)
+			goto err;
+		if (ret == 1)
+			break;
+		ret = spin_cq(c);
+		if (ret == 0)
+			ret = sleep_cq(c, deadline);
+		if (ret < 0)
+			goto err;
+	}
+	if (cp.res < 0) {
+		if (cp.msg[0])
+			shardd_err_set(cp.res, "daemon: %s", cp.msg);
+		else
+			shardd_err_set(cp.res, "daemon: %s", shardd_strerror(cp.res));
+		return shardd_err_wrap(cp.res, "%s", what);
+	}
+	return cp.res;
+err:
+	if (ret == -ETIMEDOUT) {
+		ring_where(c, where, sizeof(where));
+		shardd_err_set(ret, "no completion within %u ms (the daemon's collective timeout "
+			       "+ %d s); %s", ct + SHARDD_SYNC_GRACE_MS,
+			       SHARDD_SYNC_GRACE_MS / 1000, where);
+	}
+	return shardd_err_wrap(ret, "%s", what);
+}
+
+int shardd_nop(struct shardd_client *c)
+{
+	return shardd_client_op_sync(c, SHARDD_OP_NOP, 0, 0, 0, "nop");
+}
+
+int shardd_barrier(struct shardd_client *c, uint64_t barrier_number)
+{
+	char what[64];
+
+	snprintf(what, sizeof(what), "barrier %llu", (unsigned long long)barrier_number);
+	return shardd_client_op_sync(c, SHARDD_OP_BARRIER, 0, barrier_number, 0, what);
+}
+
+static int group_op(struct shardd_group *g, uint32_t op, uint64_t step, uint32_t flags)
+{
+	char what[SHARDD_NAME_MAX + 96];
+
+	snprintf(what, sizeof(what), "%s group '%s' (id %u) step %llu", op_name(op), g->name,
+		 g->info.group_id, (unsigned long long)step);
+	return shardd_client_op_sync(g->client, op, g->info.group_id, step, flags, what);
+}
+
+int shardd_unshard(struct shardd_group *g, uint64_t step)
+{
+	return group_op(g, SHARDD_OP_UNSHARD, step, 0);
+}
+
+int shardd_reduce(struct shardd_group *g, uint64_t step, uint32_t flags)
+{
+	return group_op(g, SHARDD_OP_REDUCE, step, flags);
+}
+
+int shardd_reshard(struct shardd_group *g, uint64_t step)
+{
+	return group_op(g, SHARDD_OP_RESHARD, step, 0);
+}
+
+int shardd_zero_grad(struct shardd_group *g)
+{
+	return group_op(g, SHARDD_OP_ZERO_GRAD, 0, 0);
+}
+
+/* --------------------------------------------------------------------- */
+/* Public: diagnostics                                                   */
+/* --------------------------------------------------------------------- */
+
+int shardd_ring_status(const struct shardd_client *c, struct shardd_ring_status *st)
+{
+	struct shardd_ring_hdr *h = c->ring.hdr;
+	uint32_t sq_tail = atomic_load_explicit(SHARDD_ATOMIC32(&h->sq_tail), memory_order_relaxed);
+	uint32_t sq_head = atomic_load_explicit(SHARDD_ATOMIC32(&h->sq_head), memory_order_acquire);
+	uint32_t cq_tail = atomic_load_explicit(SHARDD_ATOMIC32(&h->cq_tail), memory_order_acquire);
+	uint32_t cq_head = atomic_load_explicit(SHARDD_ATOMIC32(&h->cq_head), memory_order_relaxed);
+
+	memset(st, 0, sizeof(*st));
+	st->sq_entries = h->sq_entries;
+	st->cq_entries = h->cq_entries;
+	if (sq_tail - sq_head > h->sq_entries || cq_tail - cq_head > h->cq_entries)
+		return -EBADMSG;
+	st->sq_pending = sq_tail - sq_head;
+	st->cq_ready = cq_tail - cq_head;
+	st->flags = atomic_load_explicit(SHARDD_ATOMIC32(&h->flags), memory_order_relaxed);
+	st->daemon_last_op = atomic_load_explicit(SHARDD_ATOMIC32(&h->daemon_last_op),
+						  memory_order_relaxed);
+	st->daemon_last_step = __atomic_load_n(&h->daemon_last_step, __ATOMIC_RELAXED);
+	st->daemon_heartbeat_ns = __atomic_load_n(&h->daemon_heartbeat_ns, __ATOMIC_RELAXED);
+	st->client_last_op = atomic_load_explicit(SHARDD_ATOMIC32(&h->client_last_op),
+						  memory_order_relaxed);
+	st->client_last_step = __atomic_load_n(&h->client_last_step, __ATOMIC_RELAXED);
+	return 0;
+}

@@ -1,0 +1,236 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * libshardd: the C client of shardd, the per-node ZeRO-3 parameter server.
+ *
+ * A trainer process ("rank") attaches to the daemon with shardd_connect(),
+ * registers its parameter groups and gets their buffers as shared memory,
+ * then submits ops (unshard, reduce, reshard, zero_grad, nop, barrier)
+ * through a shared-memory ring and reaps their completions.
+ *
+ * Return values: every call that can fail returns 0 (or a documented
+ * non-negative value) or a negative error code, either -errno or
+ * -SHARDD_E_* from shardd_proto.h. shardd_strerror() names a code;
+ * shardd_last_error() gives the calling thread's full context chain of the
+ * last failure, including the daemon's own message text.
+ *
+ * Threading: a client handle, and the groups opened through it, are used by
+ * one thread at a time (callers serialize); different handles are
+ * independent and may be used from different threads at once. Buffer
+ * mappings of a group stay valid until shardd_group_close(), even after
+ * the client handle is closed. Close every group before or after its
+ * client, but use a group's ops only while its client is open.
+ */
+#ifndef SHARDD_H
+#define SHARDD_H
+
+#include <stdint.h>
+
+#include "shardd_proto.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* user_data values with this bit set are reserved for the sync wrappers. */
+#define SHARDD_USER_DATA_RESERVED (1ull << 63)
+
+/* Handshake timeout used when shardd_attach_opts.timeout_ms is 0. */
+#define SHARDD_CONNECT_TIMEOUT_MS 10000
+
+/* ------------------------------------------------------------------ */
+/* Structs                                                             */
+/* ------------------------------------------------------------------ */
+
+struct shardd_client; /* opaque: one attachment of one rank */
+struct shardd_group;  /* opaque: one group's layout and buffer mappings */
+
+struct shardd_attach_opts {
+	const char *socket_path; /* NULL: $SHARDD_SOCKET, else the default path */
+	const char *job;         /* job name, shorter than SHARDD_NAME_MAX */
+	uint32_t rank;           /* global rank = replica * shard + shard_rank */
+	uint32_t replicate;      /* mesh rows (1 for plain FSDP) */
+	uint32_t shard;          /* mesh columns: shard group size */
+	int32_t device;          /* CUDA device ordinal, or SHARDD_HELLO_DEVICE_HOST */
+	uint32_t ring_entries;   /* SQ/CQ capacity to ask for; 0: the daemon's default */
+	int timeout_ms;          /* handshake timeout; 0: SHARDD_CONNECT_TIMEOUT_MS */
+};
+
+/* One param of a group to register. */
+struct shardd_param_desc {
+	const char *name;   /* unique in the group, shorter than SHARDD_PARAM_NAME_MAX */
+	uint32_t dtype;     /* enum shardd_dtype: the param's original dtype */
+	uint32_t ndim;      /* 0..SHARDD_MAX_DIMS */
+	uint64_t shape[SHARDD_MAX_DIMS]; /* first ndim used */
+	uint32_t shard_dim; /* FSDP2 Shard(i); 0 for the default dim-0 sharding */
+};
+
+/* FSDP2 MixedPrecisionPolicy; SHARDD_DTYPE_NONE = unset. */
+struct shardd_policy {
+	uint32_t param_dtype;
+	uint32_t reduce_dtype;
+};
+
+/* One reaped completion. */
+struct shardd_completion {
+	uint64_t user_data; /* as submitted */
+	int32_t  res;       /* 0 or a negative error code */
+	uint32_t op;        /* enum shardd_op */
+	uint32_t group;     /* group id, 0 for nop and barrier */
+	uint64_t step;      /* as submitted */
+	char     msg[SHARDD_RING_MSG_SIZE]; /* daemon's error text, "" when none */
+};
+
+/* Snapshot of a client's ring, for diagnosing who is behind. */
+struct shardd_ring_status {
+	uint32_t sq_entries;        /* SQ capacity */
+	uint32_t cq_entries;        /* CQ capacity */
+	uint32_t sq_pending;        /* submitted, not yet taken by the daemon */
+	uint32_t cq_ready;          /* completed, not yet reaped */
+	uint32_t flags;             /* SHARDD_RING_* as the daemon last wrote them */
+	uint32_t daemon_last_op;    /* last op the daemon took from this SQ */
+	uint64_t daemon_last_step;
+	uint64_t daemon_heartbeat_ns; /* CLOCK_MONOTONIC of the daemon's last loop turn */
+	uint32_t client_last_op;    /* last op this client submitted */
+	uint64_t client_last_step;
+};
+
+/* ------------------------------------------------------------------ */
+/* Attach                                                              */
+/* ------------------------------------------------------------------ */
+
+/*
+ * Connect to the daemon, say HELLO for (job, rank, mesh) and map the ring.
+ * Returns 0 and *out, or a negative code: -SHARDD_E_* from the daemon's
+ * ERROR reply (its text is in shardd_last_error()), -ETIMEDOUT, -errno.
+ */
+int shardd_connect(const struct shardd_attach_opts *o, struct shardd_client **out);
+
+/* Say GOODBYE, unmap the ring, close the connection. NULL is a no-op. */
+void shardd_close(struct shardd_client *c);
+
+/* Daemon-wide id of this connection, from the WELCOME. */
+int shardd_client_id(const struct shardd_client *c);
+
+/* The daemon's collective timeout in ms (0: none). */
+uint32_t shardd_collective_timeout_ms(const struct shardd_client *c);
+
+/* SQ capacity: how many submissions may be in flight at once. */
+uint32_t shardd_ring_entries(const struct shardd_client *c);
+
+/* Fill *st from the ring header. Returns 0 or -EBADMSG (corrupt counters). */
+int shardd_ring_status(const struct shardd_client *c, struct shardd_ring_status *st);
+
+/* ------------------------------------------------------------------ */
+/* Groups                                                              */
+/* ------------------------------------------------------------------ */
+
+/*
+ * Register a group (collective: the daemon answers once every rank of the
+ * job has registered it, or fails after its collective timeout) and map its
+ * buffers. Returns 0 and *out, or a negative code with shardd_last_error().
+ */
+int shardd_group_register(struct shardd_client *c, const char *name,
+			  const struct shardd_param_desc *params, uint32_t nparams,
+			  const struct shardd_policy *policy, struct shardd_group **out);
+
+/*
+ * Open a group some rank registered, by name, and map its buffers. The
+ * GROUP reply carries layouts, not param names or shapes, so an opened
+ * group answers shardd_group_find() with -ENOENT and
+ * shardd_group_load_full() with -SHARDD_E_STATE.
+ */
+int shardd_group_open(struct shardd_client *c, const char *name, struct shardd_group **out);
+
+/* Unmap the group's buffers and free it. NULL is a no-op. */
+void shardd_group_close(struct shardd_group *g);
+
+uint32_t shardd_group_id(const struct shardd_group *g);
+uint32_t shardd_group_nparams(const struct shardd_group *g);
+const struct shardd_group_reply *shardd_group_info(const struct shardd_group *g);
+
+/* Layout of param `param`, or NULL when out of range. */
+const struct shardd_param_layout *shardd_group_layout(const struct shardd_group *g,
+						      uint32_t param);
+
+/* Index of the param named `param_name`, or -ENOENT. */
+int shardd_group_find(const struct shardd_group *g, const char *param_name);
+
+/*
+ * Where param `param` lives in each mapping, or NULL when out of range:
+ * the unsharded tensor (read-only, param_dtype), this rank's unsharded
+ * gradient (grad dtype), its shard in the flat shard (original dtype,
+ * padding rows included) and its sharded grad.
+ */
+const void *shardd_group_unsharded(const struct shardd_group *g, uint32_t param);
+void *shardd_group_grad(const struct shardd_group *g, uint32_t param);
+void *shardd_group_shard(const struct shardd_group *g, uint32_t param);
+void *shardd_group_shard_grad(const struct shardd_group *g, uint32_t param);
+
+/*
+ * Copy this rank's shard of param `param` out of `full`, the whole tensor in
+ * the param's own dtype and original shape (row-major), into the flat
+ * shard; padding rows are zeroed. Handles Shard(i > 0). Returns 0, -EINVAL
+ * (param out of range) or -SHARDD_E_STATE (group opened, shape unknown).
+ */
+int shardd_group_load_full(struct shardd_group *g, uint32_t param, const void *full);
+
+/* ------------------------------------------------------------------ */
+/* Ops: asynchronous                                                   */
+/* ------------------------------------------------------------------ */
+
+/*
+ * Queue one op; its completion echoes user_data. Returns 0, -EAGAIN when
+ * the SQ is full (reap completions, then retry) or -EINVAL (op outside
+ * 1..255, user_data with SHARDD_USER_DATA_RESERVED set). The daemon checks
+ * everything else and answers a bad op with an error completion.
+ */
+int shardd_submit(struct shardd_client *c, uint32_t op, uint32_t group, uint64_t step,
+		  uint32_t flags, uint64_t user_data);
+
+/* Reap one completion without waiting: 0 and *out, -EAGAIN when none, -EBADMSG. */
+int shardd_poll(struct shardd_client *c, struct shardd_completion *out);
+
+/*
+ * Reap one completion, waiting up to timeout_ms (< 0: no limit, while the
+ * daemon lives; 0: check once). Returns 0 and *out, -ETIMEDOUT,
+ * -ECONNRESET (the daemon is gone or detached this client) or -EBADMSG.
+ */
+int shardd_wait(struct shardd_client *c, struct shardd_completion *out, int timeout_ms);
+
+/* ------------------------------------------------------------------ */
+/* Ops: synchronous                                                    */
+/* ------------------------------------------------------------------ */
+
+/*
+ * Each submits one op, waits for that op's completion (completions of
+ * other ops that arrive meanwhile are kept for shardd_poll/shardd_wait)
+ * and returns its res: 0, the daemon's error (text in shardd_last_error()),
+ * -ECONNRESET, or -ETIMEDOUT when no completion came within the daemon's
+ * collective timeout + 10 s.
+ */
+int shardd_nop(struct shardd_client *c);
+int shardd_barrier(struct shardd_client *c, uint64_t barrier_number);
+int shardd_unshard(struct shardd_group *g, uint64_t step);
+int shardd_reduce(struct shardd_group *g, uint64_t step, uint32_t flags);
+int shardd_reshard(struct shardd_group *g, uint64_t step);
+int shardd_zero_grad(struct shardd_group *g);
+
+/* ------------------------------------------------------------------ */
+/* Errors                                                              */
+/* ------------------------------------------------------------------ */
+
+/* Text for 0, -errno or -SHARDD_E_*; never NULL. */
+const char *shardd_strerror(int err);
+
+/*
+ * The calling thread's last failure with its context chain, e.g.
+ * "register group 'layer3': daemon: param 'w' dtype 9: unknown dtype".
+ * "" when nothing failed yet. Valid until the thread's next libshardd call.
+ */
+const char *shardd_last_error(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* SHARDD_H */

@@ -1,0 +1,134 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Integration-test harness: a real shardd ($SHARDD_BIN) on a socket in a
+ * temporary directory, client processes forked from the test, and bounded
+ * waits on real events (the daemon's readiness line, pidfds, pipes). No
+ * call here sleeps to synchronise; every wait has a deadline.
+ *
+ * Calls return 0 or a negative errno and print what went wrong to stderr
+ * (with the daemon's log when the daemon is involved), so a test asserts
+ * on the code and the reason is in its output.
+ */
+#ifndef SHARDD_TEST_HARNESS_H
+#define SHARDD_TEST_HARNESS_H
+
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include "shardd.h"
+
+#define HARNESS_START_TIMEOUT_MS 10000
+#define HARNESS_STOP_TIMEOUT_MS  10000
+
+struct harness_daemon {
+	int             started;      /* start ran: lock, cond and log are initialised */
+	pid_t           pid;
+	char            dir[64];      /* temporary directory, removed by stop */
+	char            socket[96];   /* dir/shardd.sock */
+	int             out_fd;       /* read end of the daemon's stdout and stderr */
+	pthread_t       drain;        /* copies out_fd into log until EOF */
+	int             drain_live;
+	pthread_mutex_t lock;
+	pthread_cond_t  cond;
+	char           *log;          /* everything the daemon printed, NUL-terminated */
+	size_t          log_len;
+	size_t          log_cap;
+	int             ready;        /* the readiness line was seen */
+	int             eof;          /* the daemon closed its output */
+};
+
+/*
+ * Start $SHARDD_BIN --socket DIR/shardd.sock --foreground --log-level warn,
+ * then the NULL-terminated `extra` arguments (may be NULL), and wait up to
+ * HARNESS_START_TIMEOUT_MS for its "shardd: ready on PATH" line.
+ */
+int harness_daemon_start(struct harness_daemon *d, const char *const *extra);
+
+/*
+ * Send `sig` to the daemon and wait up to timeout_ms for it to exit; on
+ * timeout kill it with SIGKILL and return -ETIMEDOUT. Returns the wait
+ * status (>= 0) otherwise. Then reads the rest of its output (kept for
+ * harness_daemon_dump_log) and removes the directory. Safe to call on a
+ * daemon already stopped, or never started: 0.
+ */
+int harness_daemon_stop_sig(struct harness_daemon *d, int sig, int timeout_ms);
+
+/* SIGTERM, HARNESS_STOP_TIMEOUT_MS. */
+int harness_daemon_stop(struct harness_daemon *d);
+
+/* Print the daemon's log so far to stderr, under a banner. */
+void harness_daemon_dump_log(struct harness_daemon *d);
+
+/* Attach (job, rank) of a replicate x shard mesh to the daemon. */
+int harness_attach(const struct harness_daemon *d, const char *job, uint32_t rank,
+		   uint32_t replicate, uint32_t shard, struct shardd_client **out);
+
+/*
+ * Fork a child that runs fn(arg) and _exit()s with its return value (no
+ * atexit handlers of the test framework run in it). Returns the pid or -errno.
+ */
+pid_t harness_fork(int (*fn)(void *), void *arg);
+
+/*
+ * Wait up to timeout_ms for `pid` (a child) to exit, through a pidfd.
+ * Returns 0 and *status, -ETIMEDOUT (the child is left running), -errno.
+ */
+int harness_wait_pid(pid_t pid, int timeout_ms, int *status);
+
+/* harness_wait_pid, then SIGKILL and reap when it timed out. */
+int harness_wait_or_kill(pid_t pid, int timeout_ms, int *status);
+
+/* "exited with 3", "killed by signal 9": for assertion messages. */
+const char *harness_status_str(int status);
+
+/*
+ * Run argv (argv[0] a path) with stdout and stderr into `out` (NUL-
+ * terminated, truncated to len), waiting up to timeout_ms. Returns 0 and
+ * the wait status in *status, or a negative errno.
+ */
+int harness_run(const char *const *argv, int timeout_ms, int *status, char *out, size_t len);
+
+/* Read exactly len bytes from fd within timeout_ms: 0, -ETIMEDOUT, -EPIPE (EOF), -errno. */
+int harness_read_full(int fd, void *buf, size_t len, int timeout_ms);
+
+/* Write one byte: a go/ready signal between processes. 0 or -errno. */
+int harness_signal(int fd, char byte);
+
+/* Raw control connection (no handshake): fd or -errno. */
+int harness_raw_connect(const char *socket_path);
+
+/*
+ * Receive one whole control message on a raw connection within timeout_ms.
+ * For an ERROR, *code and text (NUL-terminated, truncated to len) are
+ * filled and 0 is returned; another type gives -ENOMSG with *type set;
+ * EOF gives -ECONNRESET.
+ */
+int harness_recv_error(int fd, int timeout_ms, uint16_t *type, int32_t *code, char *text,
+		       size_t len);
+
+/* Wait up to timeout_ms for the peer to close a raw connection: 0, -ETIMEDOUT, -EPROTO (data came). */
+int harness_expect_eof(int fd, int timeout_ms);
+
+/* Milliseconds on CLOCK_MONOTONIC. */
+int64_t harness_now_ms(void);
+
+/*
+ * In a forked child: report a failed check on stderr and return 1 from
+ * the child's function (its exit status).
+ */
+#define CHILD_CHECK(cond, ...)                                                           \
+	do {                                                                             \
+		if (!(cond)) {                                                           \
+			fprintf(stderr, "child %d: %s:%d: check failed: %s: ", (int)getpid(), \
+				__FILE__, __LINE__, #cond);                              \
+			fprintf(stderr, __VA_ARGS__);                                    \
+			fputc('\n', stderr);                                             \
+			return 1;                                                        \
+		}                                                                        \
+	} while (0)
+
+#endif /* SHARDD_TEST_HARNESS_H */

@@ -25,6 +25,7 @@ NVCC     ?= $(CUDA_HOME)/bin/nvcc
 # sm_90 (H100/H200) machine code plus PTX for newer GPUs.
 NVCCFLAGS ?= -O3 -lineinfo -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
 VERSION  := 0.1.0
+override CFLAGS += -DSHARDD_VERSION='"$(VERSION)"'
 
 ifeq ($(SANITIZE),1)
 BUILD    ?= build-san

@@ -1,0 +1,238 @@
+/* SPDX-License-Identifier: MIT */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine.h"
+#include "job.h"
+#include "log.h"
+#include "server.h"
+#include "session.h"
+
+struct shardd_job *shardd_job_find(const char *name)
+{
+	for (struct shardd_job *j = server.jobs; j; j = j->next)
+		if (strcmp(j->name, name) == 0)
+			return j;
+	return NULL;
+}
+
+int shardd_job_create(const char *name, uint32_t replicate, uint32_t shard,
+		      struct shardd_job **out)
+{
+	uint32_t all[SHARDD_MAX_WORLD];
+	struct shardd_job *j;
+	int ret = -ENOMEM;
+
+	j = calloc(1, sizeof(*j));
+	if (!j)
+		return -ENOMEM;
+	snprintf(j->name, sizeof(j->name), "%s", name);
+	j->replicate = replicate;
+	j->shard = shard;
+	j->world = replicate * shard;
+	j->ranks = calloc(j->world, sizeof(*j->ranks));
+	if (!j->ranks)
+		goto err_free;
+	for (uint32_t r = 0; r < j->world; r++)
+		all[r] = r;
+	ret = shardd_rdv_init(&j->barrier, all, j->world);
+	if (ret < 0)
+		goto err_free;
+	ret = shardd_engine_job_create(server.engine, j, j->name, replicate, shard, &j->ejob);
+	if (ret < 0)
+		goto err_rdv;
+	j->next = server.jobs;
+	if (server.jobs)
+		server.jobs->prev = j;
+	server.jobs = j;
+	shardd_log_info("job '%s' created: mesh %ux%u", j->name, replicate, shard);
+	*out = j;
+	return 0;
+
+err_rdv:
+	shardd_rdv_free(&j->barrier);
+err_free:
+	free(j->ranks);
+	free(j);
+	return ret;
+}
+
+/* "rank 3" or "ranks 0,1,3" for a comma-separated list of `n` ranks. */
+static void rank_phrase(char *buf, size_t len, const char *list, uint32_t n)
+{
+	snprintf(buf, len, "%s %s", n == 1 ? "rank" : "ranks", list);
+}
+
+/*
+ * End the barrier in progress: every arrived rank gets (res, msg). The
+ * rendezvous is reset before any completion is pushed, so a client dropped
+ * while we complete it (corrupt ring) finds no barrier to fail again.
+ */
+static void barrier_finish(struct shardd_job *j, int res, const char *msg)
+{
+	uint32_t done[SHARDD_MAX_WORLD];
+	uint32_t n = 0;
+
+	for (uint32_t i = 0; i < j->barrier.nexpected; i++)
+		if (j->barrier.arrived[i])
+			done[n++] = j->barrier.ranks[i];
+	shardd_rdv_reset(&j->barrier);
+	for (uint32_t i = 0; i < n; i++) {
+		struct shardd_job_rank *jr = &j->ranks[done[i]];
+		struct shardd_session *s = shardd_job_session(j, done[i], jr->barrier_token);
+
+		if (s)
+			shardd_session_complete(s, &jr->barrier_sqe, res, msg);
+	}
+}
+
+void shardd_job_shutdown(struct shardd_job *j)
+{
+	if (j->barrier.active)
+		barrier_finish(j, -SHARDD_E_SHUTDOWN, "shardd is shutting down");
+}
+
+void shardd_job_destroy(struct shardd_job *j)
+{
+	shardd_job_shutdown(j);
+	/* The engine fails what it still holds through the callbacks, to live sessions. */
+	shardd_engine_job_destroy(j->ejob);
+	for (uint32_t r = 0; r < j->world; r++)
+		if (j->ranks[r].session)
+			j->ranks[r].session->job = NULL;
+	if (j->prev)
+		j->prev->next = j->next;
+	else
+		server.jobs = j->next;
+	if (j->next)
+		j->next->prev = j->prev;
+	shardd_log_info("job '%s' ended", j->name);
+	shardd_rdv_free(&j->barrier);
+	free(j->ranks);
+	free(j);
+}
+
+void shardd_job_attach(struct shardd_job *j, uint32_t rank, struct shardd_session *s)
+{
+	struct shardd_job_rank *jr = &j->ranks[rank];
+
+	jr->session = s;
+	jr->pid = (uint32_t)s->cred.pid;
+	jr->attached_once = 1;
+	jr->goodbye = 0;
+	j->nattached++;
+}
+
+struct shardd_session *shardd_job_session(struct shardd_job *j, uint32_t rank, uint64_t token)
+{
+	struct shardd_session *s;
+
+	if (rank >= j->world)
+		return NULL;
+	s = j->ranks[rank].session;
+	return s && s->id == token ? s : NULL;
+}
+
+void shardd_job_detach(struct shardd_job *j, uint32_t rank, int goodbye, const char *why)
+{
+	struct shardd_job_rank *jr = &j->ranks[rank];
+	uint64_t token;
+	int all_goodbye = 1;
+
+	if (!jr->session)
+		return;
+	token = jr->session->id;
+	/* Clear the slot first: completions for this client from here on are dropped. */
+	jr->session = NULL;
+	jr->goodbye = goodbye;
+	j->nattached--;
+	if (j->barrier.active) {
+		char present[1024], who[1100], msg[1400];
+		uint64_t step = j->barrier.step;
+
+		shardd_rdv_leave(&j->barrier, rank);
+		if (j->barrier.narrived) {
+			shardd_rdv_present(&j->barrier, present, sizeof(present));
+			rank_phrase(who, sizeof(who), present, j->barrier.narrived);
+			snprintf(msg, sizeof(msg), "barrier %llu: rank %u (pid %u) %s; %s %s waiting",
+				 (unsigned long long)step, rank, jr->pid, why, who,
+				 j->barrier.narrived == 1 ? "was" : "were");
+			shardd_log_warn("job '%s': %s", j->name, msg);
+			barrier_finish(j, -SHARDD_E_PEER_DIED, msg);
+		} else {
+			shardd_rdv_reset(&j->barrier);
+		}
+	}
+	shardd_engine_rank_gone(j->ejob, rank, token);
+	for (uint32_t r = 0; r < j->world; r++)
+		if (!j->ranks[r].goodbye)
+			all_goodbye = 0;
+	if (all_goodbye)
+		shardd_job_destroy(j);
+}
+
+void shardd_job_barrier(struct shardd_job *j, uint32_t rank, const struct shardd_sqe *sqe)
+{
+	struct shardd_job_rank *jr = &j->ranks[rank];
+	struct shardd_session *s = jr->session;
+	char why[256], msg[1400];
+	int ret;
+
+	ret = shardd_rdv_arrive(&j->barrier, rank, sqe->step, 0, shardd_now_ns(),
+				server.collective_timeout_ns, why, sizeof(why));
+	if (ret == -EINVAL) {
+		snprintf(msg, sizeof(msg), "barrier %llu: rank %u already waits in barrier %llu",
+			 (unsigned long long)sqe->step, rank, (unsigned long long)j->barrier.step);
+		shardd_session_complete(s, sqe, -SHARDD_E_STATE, msg);
+		return;
+	}
+	if (ret == SHARDD_RDV_MISMATCH) {
+		char failing[1024];
+		size_t off = 0;
+
+		/* Every arrived rank and the newcomer, ascending: all of them fail. */
+		failing[0] = '\0';
+		for (uint32_t i = 0; i < j->barrier.nexpected && off < sizeof(failing); i++) {
+			uint32_t r = j->barrier.ranks[i];
+
+			if (j->barrier.arrived[i] || r == rank)
+				off += (size_t)snprintf(failing + off, sizeof(failing) - off, "%s%u",
+							off ? "," : "", r);
+		}
+		snprintf(msg, sizeof(msg),
+			 "barrier mismatch: rank %u submitted barrier %llu but rank %u submitted "
+			 "barrier %llu; failing ranks %s",
+			 rank, (unsigned long long)sqe->step, j->barrier.first_rank,
+			 (unsigned long long)j->barrier.step, failing);
+		shardd_log_warn("job '%s': %s", j->name, msg);
+		barrier_finish(j, -SHARDD_E_MISMATCH, msg);
+		shardd_session_complete(s, sqe, -SHARDD_E_MISMATCH, msg);
+		return;
+	}
+	jr->barrier_token = s->id;
+	jr->barrier_sqe = *sqe;
+	if (ret == SHARDD_RDV_COMPLETE)
+		barrier_finish(j, 0, NULL);
+}
+
+void shardd_job_cron(struct shardd_job *j, uint64_t now_ns)
+{
+	char missing[1024], present[1024], who_missing[1100], who_present[1100], msg[2400];
+	uint32_t nmissing;
+
+	if (!shardd_rdv_expired(&j->barrier, now_ns))
+		return;
+	nmissing = j->barrier.nexpected - j->barrier.narrived;
+	shardd_rdv_missing(&j->barrier, missing, sizeof(missing));
+	shardd_rdv_present(&j->barrier, present, sizeof(present));
+	rank_phrase(who_missing, sizeof(who_missing), missing, nmissing);
+	rank_phrase(who_present, sizeof(who_present), present, j->barrier.narrived);
+	snprintf(msg, sizeof(msg), "barrier %llu: %s did not arrive within %g s; %s %s waiting",
+		 (unsigned long long)j->barrier.step, who_missing, server.cfg.collective_timeout_s,
+		 who_present, j->barrier.narrived == 1 ? "is" : "are");
+	shardd_log_warn("job '%s': %s", j->name, msg);
+	barrier_finish(j, -SHARDD_E_TIMEOUT, msg);
+}

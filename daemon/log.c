@@ -1,0 +1,65 @@
+/* SPDX-License-Identifier: MIT */
+#define _GNU_SOURCE
+#include <stdio.h>
+#include <string.h>
+#include <sys/time.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "log.h"
+
+int shardd_log_threshold = SHARDD_LOG_INFO;
+
+static const char *const level_names[] = { "error", "warn", "info", "debug" };
+
+int shardd_log_level_parse(const char *name)
+{
+	for (int i = 0; i < (int)(sizeof(level_names) / sizeof(level_names[0])); i++)
+		if (strcmp(name, level_names[i]) == 0)
+			return i;
+	return -1;
+}
+
+const char *shardd_log_level_name(int level)
+{
+	if (level < 0 || level > SHARDD_LOG_DEBUG)
+		return "?";
+	return level_names[level];
+}
+
+void shardd_vlog(int level, const char *fmt, va_list ap)
+{
+	char line[1024];
+	struct timeval tv;
+	struct tm tm;
+	size_t off;
+	int n;
+
+	if (level > shardd_log_threshold)
+		return;
+	gettimeofday(&tv, NULL);
+	localtime_r(&tv.tv_sec, &tm);
+	off = strftime(line, sizeof(line), "%Y-%m-%d %H:%M:%S", &tm);
+	n = snprintf(line + off, sizeof(line) - off, ".%03ld shardd[%d] %s: ",
+		     (long)(tv.tv_usec / 1000), (int)getpid(), shardd_log_level_name(level));
+	if (n > 0)
+		off += (size_t)n;
+	n = vsnprintf(line + off, sizeof(line) - off, fmt, ap);
+	if (n > 0)
+		off += (size_t)n;
+	if (off > sizeof(line) - 2)
+		off = sizeof(line) - 2;
+	line[off++] = '\n';
+	/* One write per line so lines from worker threads never interleave. */
+	if (write(STDERR_FILENO, line, off) < 0)
+		return;
+}
+
+void shardd_log(int level, const char *fmt, ...)
+{
+	va_list ap;
+
+	va_start(ap, fmt);
+	shardd_vlog(level, fmt, ap);
+	va_end(ap);
+}

@@ -1,0 +1,289 @@
+/* SPDX-License-Identifier: MIT */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <poll.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/timerfd.h>
+#include <unistd.h>
+
+#include <liburing.h>
+
+#include "log.h"
+#include "loop.h"
+
+#define LOOP_ENTRIES 256 /* io_uring SQ size; the CQ is twice that and never drops */
+#define LOOP_BATCH   64  /* completions taken per peek */
+
+struct shardd_loop_event {
+	struct shardd_loop_event *next, *prev; /* every live or draining event */
+	int            fd;
+	uint32_t       events;
+	shardd_file_fn fn;
+	void          *arg;
+	shardd_timer_fn timer_fn; /* timers: fd is our timerfd */
+	void          *timer_arg;
+	int            armed;     /* a poll request is in the kernel */
+	int            multishot; /* that request is multishot */
+	int            dead;      /* deleted: free once the request is gone */
+	int            in_call;   /* its callback is running */
+};
+
+struct shardd_loop {
+	struct io_uring ring;
+	struct shardd_loop_event *events;
+	int      stop;
+	int      no_multishot;   /* the kernel refused IORING_POLL_ADD_MULTI once */
+	shardd_before_sleep_fn before_sleep;
+	shardd_after_sleep_fn  after_sleep;
+	void    *hook_arg;
+};
+
+/* An SQE, submitting queued ones first when the SQ is full. */
+static struct io_uring_sqe *loop_sqe(struct shardd_loop *l)
+{
+	struct io_uring_sqe *sqe = io_uring_get_sqe(&l->ring);
+
+	while (!sqe) {
+		int ret = io_uring_submit(&l->ring);
+
+		if (ret < 0 && ret != -EINTR && ret != -EAGAIN && ret != -EBUSY) {
+			/* Nothing sane remains: the loop cannot be driven without its ring. */
+			shardd_log_error("io_uring_submit: %s", strerror(-ret));
+			abort();
+		}
+		sqe = io_uring_get_sqe(&l->ring);
+	}
+	return sqe;
+}
+
+static void loop_arm(struct shardd_loop *l, struct shardd_loop_event *ev)
+{
+	struct io_uring_sqe *sqe = loop_sqe(l);
+
+	if (l->no_multishot) {
+		io_uring_prep_poll_add(sqe, ev->fd, ev->events);
+		ev->multishot = 0;
+	} else {
+		io_uring_prep_poll_multishot(sqe, ev->fd, ev->events);
+		ev->multishot = 1;
+	}
+	io_uring_sqe_set_data(sqe, ev);
+	ev->armed = 1;
+}
+
+static void loop_unlink_free(struct shardd_loop *l, struct shardd_loop_event *ev)
+{
+	if (ev->prev)
+		ev->prev->next = ev->next;
+	else
+		l->events = ev->next;
+	if (ev->next)
+		ev->next->prev = ev->prev;
+	if (ev->timer_fn)
+		close(ev->fd);
+	free(ev);
+}
+
+int shardd_loop_create(struct shardd_loop **out)
+{
+	struct io_uring_params p = { 0 };
+	struct shardd_loop *l = calloc(1, sizeof(*l));
+	int ret;
+
+	if (!l)
+		return -ENOMEM;
+	ret = io_uring_queue_init_params(LOOP_ENTRIES, &l->ring, &p);
+	if (ret < 0) {
+		shardd_log_error("io_uring_queue_init: %s (is io_uring disabled? see "
+				 "/proc/sys/kernel/io_uring_disabled)", strerror(-ret));
+		free(l);
+		return ret;
+	}
+	*out = l;
+	return 0;
+}
+
+void shardd_loop_destroy(struct shardd_loop *l)
+{
+	if (!l)
+		return;
+	/* Tearing down the ring cancels every request; no CQE is read after this. */
+	io_uring_queue_exit(&l->ring);
+	while (l->events)
+		loop_unlink_free(l, l->events);
+	free(l);
+}
+
+int shardd_loop_add_fd(struct shardd_loop *l, int fd, uint32_t events, shardd_file_fn fn,
+		       void *arg, struct shardd_loop_event **out)
+{
+	struct shardd_loop_event *ev = calloc(1, sizeof(*ev));
+
+	if (!ev)
+		return -ENOMEM;
+	ev->fd = fd;
+	ev->events = events | POLLHUP | POLLERR;
+	ev->fn = fn;
+	ev->arg = arg;
+	ev->next = l->events;
+	if (l->events)
+		l->events->prev = ev;
+	l->events = ev;
+	loop_arm(l, ev);
+	if (out)
+		*out = ev;
+	return 0;
+}
+
+static void loop_timer_fired(void *arg, int fd, uint32_t revents)
+{
+	struct shardd_loop_event *ev = arg;
+	uint64_t expirations;
+
+	(void)revents;
+	/* Drain the count so the poll goes quiet until the next period. */
+	if (read(fd, &expirations, sizeof(expirations)) != sizeof(expirations))
+		return;
+	ev->timer_fn(ev->timer_arg);
+}
+
+int shardd_loop_add_timer(struct shardd_loop *l, unsigned period_ms, shardd_timer_fn fn,
+			  void *arg, struct shardd_loop_event **out)
+{
+	struct itimerspec its = {
+		.it_interval = { period_ms / 1000, (long)(period_ms % 1000) * 1000000L },
+		.it_value    = { period_ms / 1000, (long)(period_ms % 1000) * 1000000L },
+	};
+	struct shardd_loop_event *ev;
+	int fd, ret;
+
+	fd = timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
+	if (fd < 0)
+		return -errno;
+	if (timerfd_settime(fd, 0, &its, NULL) < 0) {
+		ret = -errno;
+		goto err_close;
+	}
+	ret = shardd_loop_add_fd(l, fd, POLLIN, loop_timer_fired, NULL, &ev);
+	if (ret < 0)
+		goto err_close;
+	/* The file callback gets the event itself; the timer's own argument rides on it. */
+	ev->arg = ev;
+	ev->timer_fn = fn;
+	ev->timer_arg = arg;
+	if (out)
+		*out = ev;
+	return 0;
+
+err_close:
+	close(fd);
+	return ret;
+}
+
+void shardd_loop_del(struct shardd_loop *l, struct shardd_loop_event *ev)
+{
+	if (!ev || ev->dead)
+		return;
+	ev->dead = 1;
+	if (ev->armed) {
+		/* The request pins the file; cancel it and free the event on its last CQE. */
+		struct io_uring_sqe *sqe = loop_sqe(l);
+
+		io_uring_prep_poll_remove(sqe, (__u64)(uintptr_t)ev);
+		io_uring_sqe_set_data(sqe, NULL);
+	} else if (!ev->in_call) {
+		loop_unlink_free(l, ev);
+	}
+}
+
+void shardd_loop_set_sleep_hooks(struct shardd_loop *l, shardd_before_sleep_fn before,
+				 shardd_after_sleep_fn after, void *arg)
+{
+	l->before_sleep = before;
+	l->after_sleep = after;
+	l->hook_arg = arg;
+}
+
+void shardd_loop_stop(struct shardd_loop *l)
+{
+	l->stop = 1;
+}
+
+static void loop_dispatch(struct shardd_loop *l, struct shardd_loop_event *ev, int32_t res,
+			  uint32_t cqe_flags)
+{
+	/* Without F_MORE this was the request's last completion. */
+	if (!(cqe_flags & IORING_CQE_F_MORE))
+		ev->armed = 0;
+	if (res == -EINVAL && ev->multishot && !l->no_multishot) {
+		/* Kernel without multishot poll: use one-shot polls, re-armed after each event. */
+		l->no_multishot = 1;
+		shardd_log_debug("io_uring: no multishot poll, re-arming one-shot polls");
+	} else if (res < 0 && res != -ECANCELED && !ev->dead) {
+		/* A poll that fails for another reason reports an error event to the owner. */
+		res = POLLERR;
+	}
+	if (res >= 0 && !ev->dead) {
+		ev->in_call = 1;
+		ev->fn(ev->arg, ev->fd, (uint32_t)res);
+		ev->in_call = 0;
+	}
+	if (ev->dead) {
+		if (!ev->armed)
+			loop_unlink_free(l, ev);
+	} else if (!ev->armed) {
+		loop_arm(l, ev);
+	}
+}
+
+/* Take every completion now in the CQ and dispatch it. Returns how many. */
+static unsigned loop_process(struct shardd_loop *l)
+{
+	unsigned total = 0;
+
+	for (;;) {
+		struct io_uring_cqe *cqes[LOOP_BATCH];
+		struct { void *data; int32_t res; uint32_t flags; } done[LOOP_BATCH];
+		unsigned n = io_uring_peek_batch_cqe(&l->ring, cqes, LOOP_BATCH);
+
+		if (!n)
+			break;
+		/* Copy out and release the slots first: callbacks may queue new requests. */
+		for (unsigned i = 0; i < n; i++) {
+			done[i].data = io_uring_cqe_get_data(cqes[i]);
+			done[i].res = cqes[i]->res;
+			done[i].flags = cqes[i]->flags;
+		}
+		io_uring_cq_advance(&l->ring, n);
+		for (unsigned i = 0; i < n; i++)
+			if (done[i].data)
+				loop_dispatch(l, done[i].data, done[i].res, done[i].flags);
+		total += n;
+	}
+	return total;
+}
+
+int shardd_loop_run(struct shardd_loop *l)
+{
+	l->stop = 0;
+	while (!l->stop) {
+		int may_sleep = l->before_sleep ? l->before_sleep(l->hook_arg) : 1;
+		int ret;
+
+		if (l->stop)
+			break;
+		if (may_sleep)
+			ret = io_uring_submit_and_wait(&l->ring, 1);
+		else
+			ret = io_uring_submit(&l->ring);
+		if (ret < 0 && ret != -EINTR && ret != -EAGAIN && ret != -EBUSY && ret != -ETIME) {
+			shardd_log_error("io_uring_submit_and_wait: %s", strerror(-ret));
+			return ret;
+		}
+		if (may_sleep && l->after_sleep)
+			l->after_sleep(l->hook_arg);
+		loop_process(l);
+	}
+	return 0;
+}

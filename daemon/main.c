@@ -1,0 +1,219 @@
+/* SPDX-License-Identifier: MIT */
+#define _GNU_SOURCE
+/*
+ * shardd: the per-node ZeRO-3 parameter server. main() only reads the flags
+ * and hands over to server.c; every global lives there, so tests can link
+ * the daemon's modules without this file.
+ */
+#include <errno.h>
+#include <grp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "log.h"
+#include "server.h"
+
+static void usage(FILE *f)
+{
+	char def[sizeof(((struct shardd_config *)0)->socket_path)];
+
+	shardd_default_socket_path(def, sizeof(def));
+	fprintf(f,
+		"Usage: shardd [OPTIONS]\n"
+		"Per-node ZeRO-3 (FSDP2) parameter server: trainer processes attach over a Unix\n"
+		"socket and a shared-memory ring and run unshard/reduce/reshard through it.\n"
+		"\n"
+		"shardd always runs in the foreground and logs to stderr: run it under systemd\n"
+		"or another supervisor. It prints 'shardd: ready on PATH' once it accepts clients,\n"
+		"and shuts down cleanly on SIGTERM or SIGINT.\n"
+		"\n"
+		"Options:\n"
+		"  --socket PATH              listen on PATH (default %s;\n"
+		"                             $XDG_RUNTIME_DIR/shardd/shardd.sock, else\n"
+		"                             /run/shardd/shardd.sock)\n"
+		"  --backend host|cuda        where buffers live (default host)\n"
+		"  --collective-timeout SECS  fail a collective or barrier that waits longer\n"
+		"                             than SECS, naming the missing ranks (default %g)\n"
+		"  --workers N                engine worker threads (default: online cores)\n"
+		"  --allow-gid GID            also accept clients of group GID (number or name;\n"
+		"                             repeatable); by default only shardd's own uid\n"
+		"  --log-level LEVEL          error, warn, info or debug (default info)\n"
+		"  --foreground               accepted for supervisors; shardd never daemonizes\n"
+		"  --version                  print the version and exit\n"
+		"  --help                     print this help and exit\n",
+		def, SHARDD_TIMEOUT_DEFAULT_S);
+}
+
+static int usage_error(const char *fmt, const char *a, const char *b)
+{
+	fprintf(stderr, "shardd: ");
+	fprintf(stderr, fmt, a, b);
+	fprintf(stderr, "\nTry 'shardd --help'.\n");
+	return 2;
+}
+
+/* Parse a decimal unsigned in [lo, hi]. 0 or -1. */
+static int parse_uint(const char *s, unsigned long lo, unsigned long hi, unsigned long *out)
+{
+	char *end;
+	unsigned long v;
+
+	if (!*s || *s == '-' || *s == '+')
+		return -1;
+	errno = 0;
+	v = strtoul(s, &end, 10);
+	if (errno || *end || v < lo || v > hi)
+		return -1;
+	*out = v;
+	return 0;
+}
+
+/* Apply one flag with its value (NULL for flags without). 0, or 2 after a usage error. */
+static int apply_flag(struct shardd_config *cfg, const char *flag, const char *val)
+{
+	unsigned long v;
+
+	if (strcmp(flag, "--socket") == 0) {
+		if (!*val)
+			return usage_error("%s: the path is empty%s", flag, "");
+		if (strlen(val) >= sizeof(cfg->socket_path)) {
+			char lim[64];
+
+			snprintf(lim, sizeof(lim), "%zu", sizeof(cfg->socket_path) - 1);
+			return usage_error("--socket: the path is longer than %s bytes: %s", lim, val);
+		}
+		snprintf(cfg->socket_path, sizeof(cfg->socket_path), "%s", val);
+	} else if (strcmp(flag, "--log-level") == 0) {
+		int level = shardd_log_level_parse(val);
+
+		if (level < 0)
+			return usage_error("--log-level: '%s' is not one of %s", val,
+					   "error, warn, info, debug");
+		cfg->log_level = level;
+	} else if (strcmp(flag, "--backend") == 0) {
+		if (strcmp(val, "host") == 0)
+			cfg->backend = SHARDD_BACKEND_HOST;
+		else if (strcmp(val, "cuda") == 0)
+			cfg->backend = SHARDD_BACKEND_CUDA;
+		else
+			return usage_error("--backend: '%s' is not one of %s", val, "host, cuda");
+	} else if (strcmp(flag, "--collective-timeout") == 0) {
+		char *end;
+		double t;
+
+		errno = 0;
+		t = strtod(val, &end);
+		if (errno || end == val || *end || !(t > 0) || t > SHARDD_TIMEOUT_MAX_S)
+			return usage_error("--collective-timeout: '%s' is not a number of seconds "
+					   "in (0, %s]", val, "604800");
+		cfg->collective_timeout_s = t;
+	} else if (strcmp(flag, "--workers") == 0) {
+		if (parse_uint(val, 1, 4096, &v) < 0)
+			return usage_error("--workers: '%s' is not a thread count in [1, %s]", val,
+					   "4096");
+		cfg->workers = (unsigned)v;
+	} else if (strcmp(flag, "--allow-gid") == 0) {
+		gid_t gid;
+
+		if (parse_uint(val, 0, (gid_t)-1 - 1, &v) == 0) {
+			gid = (gid_t)v;
+		} else {
+			struct group *g = getgrnam(val);
+
+			if (!g)
+				return usage_error("--allow-gid: '%s' is neither a gid nor a group "
+						   "name%s", val, "");
+			gid = g->gr_gid;
+		}
+		if (cfg->nallow_gids == SHARDD_MAX_ALLOW_GIDS)
+			return usage_error("--allow-gid: more than %s groups (at '%s')", "32", val);
+		cfg->allow_gids[cfg->nallow_gids++] = gid;
+	} else if (strcmp(flag, "--foreground") == 0) {
+		/* shardd never forks into the background; the flag is for supervisors' habits. */
+	} else {
+		return usage_error("unknown flag '%s'%s", flag, "");
+	}
+	return 0;
+}
+
+/* Flags that take a value, as "--flag VALUE" or "--flag=VALUE". */
+static int takes_value(const char *flag)
+{
+	static const char *const with_value[] = {
+		"--socket", "--log-level", "--backend", "--collective-timeout", "--workers",
+		"--allow-gid",
+	};
+
+	for (size_t i = 0; i < sizeof(with_value) / sizeof(with_value[0]); i++)
+		if (strcmp(flag, with_value[i]) == 0)
+			return 1;
+	return 0;
+}
+
+int main(int argc, char **argv)
+{
+	struct shardd_config cfg;
+	int ret;
+
+	shardd_config_defaults(&cfg);
+	for (int i = 1; i < argc; i++) {
+		char flag[64];
+		const char *arg = argv[i], *val = NULL, *eq;
+
+		if (strcmp(arg, "--help") == 0 || strcmp(arg, "-h") == 0) {
+			usage(stdout);
+			return 0;
+		}
+		if (strcmp(arg, "--version") == 0) {
+			printf("shardd %s (protocol %d.%d, backends: host%s)\n", SHARDD_VERSION,
+			       SHARDD_PROTO_MAJOR, SHARDD_PROTO_MINOR,
+#ifdef SHARDD_HAVE_CUDA
+			       ", cuda"
+#else
+			       ""
+#endif
+			       );
+			return 0;
+		}
+		if (strncmp(arg, "--", 2) != 0)
+			return usage_error("unexpected argument '%s'%s", arg, "");
+		eq = strchr(arg, '=');
+		if (eq && (size_t)(eq - arg) < sizeof(flag)) {
+			snprintf(flag, sizeof(flag), "%.*s", (int)(eq - arg), arg);
+			val = eq + 1;
+		} else {
+			snprintf(flag, sizeof(flag), "%s", arg);
+		}
+		if (takes_value(flag)) {
+			if (!val) {
+				if (i + 1 >= argc)
+					return usage_error("%s needs a value%s", flag, "");
+				val = argv[++i];
+			}
+		} else if (val) {
+			if (strcmp(flag, "--foreground") == 0)
+				return usage_error("%s takes no value%s", flag, "");
+			return usage_error("unknown flag '%s'%s", arg, "");
+		}
+		ret = apply_flag(&cfg, flag, val);
+		if (ret)
+			return ret;
+	}
+
+#ifndef SHARDD_HAVE_CUDA
+	if (cfg.backend == SHARDD_BACKEND_CUDA) {
+		fprintf(stderr, "shardd: --backend cuda: this shardd was built without CUDA "
+			"(rebuild where nvcc and NCCL are installed, e.g. make CUDA=1), or use "
+			"--backend host\n");
+		return 1;
+	}
+#endif
+	ret = shardd_server_init(&cfg);
+	if (ret < 0) {
+		shardd_server_shutdown();
+		return 1;
+	}
+	return shardd_server_run();
+}

@@ -1,0 +1,182 @@
+/* SPDX-License-Identifier: MIT */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "rendezvous.h"
+
+static int cmp_u32(const void *a, const void *b)
+{
+	uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+
+	return (x > y) - (x < y);
+}
+
+int shardd_rdv_init(struct shardd_rdv *r, const uint32_t *ranks, uint32_t n)
+{
+	memset(r, 0, sizeof(*r));
+	if (n == 0)
+		return -EINVAL;
+	r->ranks = malloc(sizeof(*r->ranks) * n);
+	r->arrived = calloc(n, sizeof(*r->arrived));
+	if (!r->ranks || !r->arrived)
+		goto err_nomem;
+	memcpy(r->ranks, ranks, sizeof(*r->ranks) * n);
+	qsort(r->ranks, n, sizeof(*r->ranks), cmp_u32);
+	for (uint32_t i = 1; i < n; i++)
+		if (r->ranks[i] == r->ranks[i - 1])
+			goto err_inval;
+	r->nexpected = n;
+	return 0;
+
+err_inval:
+	shardd_rdv_free(r);
+	return -EINVAL;
+err_nomem:
+	shardd_rdv_free(r);
+	return -ENOMEM;
+}
+
+void shardd_rdv_free(struct shardd_rdv *r)
+{
+	free(r->ranks);
+	free(r->arrived);
+	memset(r, 0, sizeof(*r));
+}
+
+void shardd_rdv_reset(struct shardd_rdv *r)
+{
+	if (r->arrived)
+		memset(r->arrived, 0, r->nexpected);
+	r->narrived = 0;
+	r->step = 0;
+	r->flags = 0;
+	r->first_rank = 0;
+	r->deadline_ns = 0;
+	r->active = 0;
+}
+
+/* Index of `rank` in the expected set, or -1. */
+static int64_t rdv_index(const struct shardd_rdv *r, uint32_t rank)
+{
+	uint32_t lo = 0, hi = r->nexpected;
+
+	while (lo < hi) {
+		uint32_t mid = lo + (hi - lo) / 2;
+
+		if (r->ranks[mid] == rank)
+			return mid;
+		if (r->ranks[mid] < rank)
+			lo = mid + 1;
+		else
+			hi = mid;
+	}
+	return -1;
+}
+
+int shardd_rdv_expects(const struct shardd_rdv *r, uint32_t rank)
+{
+	return rdv_index(r, rank) >= 0;
+}
+
+int shardd_rdv_has_arrived(const struct shardd_rdv *r, uint32_t rank)
+{
+	int64_t i = rdv_index(r, rank);
+
+	return i >= 0 && r->arrived[i];
+}
+
+int shardd_rdv_arrive(struct shardd_rdv *r, uint32_t rank, uint64_t step, uint32_t flags,
+		      uint64_t now_ns, uint64_t timeout_ns, char *why, size_t whylen)
+{
+	int64_t i = rdv_index(r, rank);
+
+	if (whylen)
+		why[0] = '\0';
+	if (i < 0) {
+		snprintf(why, whylen, "rank %u is not part of this rendezvous", rank);
+		return -EINVAL;
+	}
+	if (r->arrived[i]) {
+		snprintf(why, whylen, "rank %u submitted step %llu while its step %llu is still waiting",
+			 rank, (unsigned long long)step, (unsigned long long)r->step);
+		return -EINVAL;
+	}
+	if (!r->active) {
+		r->active = 1;
+		r->step = step;
+		r->flags = flags;
+		r->first_rank = rank;
+		r->deadline_ns = timeout_ns > UINT64_MAX - now_ns ? UINT64_MAX : now_ns + timeout_ns;
+	} else if (r->step != step || r->flags != flags) {
+		snprintf(why, whylen,
+			 "rank %u submitted step %llu flags 0x%x but rank %u submitted step %llu flags 0x%x",
+			 rank, (unsigned long long)step, flags, r->first_rank,
+			 (unsigned long long)r->step, r->flags);
+		return SHARDD_RDV_MISMATCH;
+	}
+	r->arrived[i] = 1;
+	r->narrived++;
+	return r->narrived == r->nexpected ? SHARDD_RDV_COMPLETE : SHARDD_RDV_WAIT;
+}
+
+int shardd_rdv_leave(struct shardd_rdv *r, uint32_t rank)
+{
+	int64_t i = rdv_index(r, rank);
+
+	if (i < 0 || !r->arrived[i])
+		return 0;
+	r->arrived[i] = 0;
+	r->narrived--;
+	return 1;
+}
+
+int shardd_rdv_expired(const struct shardd_rdv *r, uint64_t now_ns)
+{
+	return r->active && now_ns >= r->deadline_ns;
+}
+
+/* Comma-separated list of expected ranks whose arrived flag equals `want`. */
+static void rdv_list(const struct shardd_rdv *r, uint8_t want, char *buf, size_t len)
+{
+	size_t off = 0;
+
+	if (!len)
+		return;
+	buf[0] = '\0';
+	for (uint32_t i = 0; i < r->nexpected; i++) {
+		int n;
+
+		if (r->arrived[i] != want)
+			continue;
+		n = snprintf(buf + off, len - off, "%s%u", off ? "," : "", r->ranks[i]);
+		if (n < 0 || (size_t)n >= len - off) {
+			/* Truncated: end with "..." where it fits, so a reader sees the list is longer. */
+			if (len >= 4)
+				memcpy(buf + len - 4, "...", 4);
+			return;
+		}
+		off += (size_t)n;
+	}
+}
+
+void shardd_rdv_missing(const struct shardd_rdv *r, char *buf, size_t len)
+{
+	rdv_list(r, 0, buf, len);
+}
+
+void shardd_rdv_present(const struct shardd_rdv *r, char *buf, size_t len)
+{
+	rdv_list(r, 1, buf, len);
+}
+
+uint64_t shardd_now_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}

@@ -1,0 +1,69 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Rendezvous: "these ranks must all arrive with the same key" (step, flags).
+ * Plain data, no threads, no callbacks: the owner (job barrier, engine
+ * collectives) calls arrive/expired and acts on the result. Used from the
+ * loop thread only.
+ */
+#ifndef SHARDD_RENDEZVOUS_H
+#define SHARDD_RENDEZVOUS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+struct shardd_rdv {
+	uint32_t  nexpected;   /* ranks expected */
+	uint32_t *ranks;       /* expected ranks, ascending (owned) */
+	uint8_t  *arrived;     /* per expected index: 1 if arrived */
+	uint32_t  narrived;
+	uint64_t  step;        /* key of the first arrival */
+	uint32_t  flags;       /* flags of the first arrival */
+	uint32_t  first_rank;  /* who set the key */
+	uint64_t  deadline_ns; /* first arrival + timeout (CLOCK_MONOTONIC) */
+	int       active;      /* at least one arrival */
+};
+
+enum {
+	SHARDD_RDV_WAIT     = 0, /* arrival recorded, others still missing */
+	SHARDD_RDV_COMPLETE = 1, /* every expected rank arrived with the key */
+	SHARDD_RDV_MISMATCH = 2, /* key differs from the first arrival's */
+};
+
+/*
+ * Expect `n` ranks (copied, sorted ascending, must be distinct).
+ * Returns 0, -EINVAL (n == 0 or duplicates) or -ENOMEM.
+ */
+int shardd_rdv_init(struct shardd_rdv *r, const uint32_t *ranks, uint32_t n);
+void shardd_rdv_free(struct shardd_rdv *r);
+/* Forget arrivals, keep the expected set. */
+void shardd_rdv_reset(struct shardd_rdv *r);
+
+/*
+ * Arrival of `rank` with key (step, flags) at `now_ns`; the first arrival
+ * sets the key and the deadline now_ns + timeout_ns. Returns SHARDD_RDV_WAIT,
+ * SHARDD_RDV_COMPLETE, SHARDD_RDV_MISMATCH (arrival not recorded; `why` names
+ * both ranks and keys) or -EINVAL (rank not expected, or arrived twice; `why`
+ * says which). The owner resets the rendezvous after COMPLETE or MISMATCH.
+ */
+int shardd_rdv_arrive(struct shardd_rdv *r, uint32_t rank, uint64_t step, uint32_t flags,
+		      uint64_t now_ns, uint64_t timeout_ns, char *why, size_t whylen);
+/*
+ * Forget the arrival of `rank` (its client is gone), so that present/missing
+ * lists no longer count it. Returns 1 when it had arrived, else 0.
+ */
+int shardd_rdv_leave(struct shardd_rdv *r, uint32_t rank);
+/* 1 when active and past its deadline, else 0. */
+int shardd_rdv_expired(const struct shardd_rdv *r, uint64_t now_ns);
+/* 1 when `rank` is expected and has arrived, else 0. */
+int shardd_rdv_has_arrived(const struct shardd_rdv *r, uint32_t rank);
+/* 1 when `rank` is in the expected set, else 0. */
+int shardd_rdv_expects(const struct shardd_rdv *r, uint32_t rank);
+
+/* "3,5": ranks not yet arrived / arrived, comma separated; "" when none. */
+void shardd_rdv_missing(const struct shardd_rdv *r, char *buf, size_t len);
+void shardd_rdv_present(const struct shardd_rdv *r, char *buf, size_t len);
+
+/* CLOCK_MONOTONIC in nanoseconds. */
+uint64_t shardd_now_ns(void);
+
+#endif /* SHARDD_RENDEZVOUS_H */

@@ -1,0 +1,428 @@
+/* SPDX-License-Identifier: MIT */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "engine.h"
+#include "job.h"
+#include "log.h"
+#include "loop.h"
+#include "rendezvous.h"
+#include "server.h"
+#include "session.h"
+
+/* ------------------------------------------------------------------ */
+/* Globals                                                             */
+/* ------------------------------------------------------------------ */
+
+struct shardd_server server = { .listen_fd = -1, .signal_fd = -1 };
+
+/* ------------------------------------------------------------------ */
+/* Config                                                              */
+/* ------------------------------------------------------------------ */
+
+void shardd_default_socket_path(char *buf, size_t len)
+{
+	const char *xdg = getenv("XDG_RUNTIME_DIR");
+
+	if (xdg && *xdg)
+		snprintf(buf, len, "%s/shardd/shardd.sock", xdg);
+	else
+		snprintf(buf, len, "/run/shardd/shardd.sock");
+}
+
+void shardd_config_defaults(struct shardd_config *cfg)
+{
+	memset(cfg, 0, sizeof(*cfg));
+	shardd_default_socket_path(cfg->socket_path, sizeof(cfg->socket_path));
+	cfg->log_level = SHARDD_LOG_INFO;
+	cfg->backend = SHARDD_BACKEND_HOST;
+	cfg->collective_timeout_s = SHARDD_TIMEOUT_DEFAULT_S;
+	cfg->workers = 0;
+}
+
+/* ------------------------------------------------------------------ */
+/* Engine callbacks                                                    */
+/* ------------------------------------------------------------------ */
+
+static void server_engine_complete(void *job_ctx, uint32_t rank, uint64_t token,
+				   const struct shardd_sqe *sqe, int res, const char *msg)
+{
+	struct shardd_job *j = job_ctx;
+	struct shardd_session *s = shardd_job_session(j, rank, token);
+
+	if (!s) {
+		shardd_log_debug("job '%s' rank %u: dropping the completion of %s (step %llu): "
+				 "its client %llu is gone", j->name, rank,
+				 shardd_op_name(sqe->op) ? shardd_op_name(sqe->op) : "?",
+				 (unsigned long long)sqe->step, (unsigned long long)token);
+		return;
+	}
+	shardd_session_complete(s, sqe, res, msg);
+}
+
+static void server_engine_reply(void *job_ctx, uint32_t rank, uint64_t token, uint32_t seq,
+				int res, const char *msg, const struct shardd_group_reply *reply,
+				const struct shardd_param_layout *layouts, const int *fds, int nfds)
+{
+	struct shardd_job *j = job_ctx;
+	struct shardd_session *s = shardd_job_session(j, rank, token);
+
+	if (!s) {
+		shardd_log_debug("job '%s' rank %u: dropping a group reply: its client %llu is gone",
+				 j->name, rank, (unsigned long long)token);
+		return;
+	}
+	shardd_session_send_group(s, seq, res, msg, reply, layouts, fds, nfds);
+}
+
+/* ------------------------------------------------------------------ */
+/* Loop callbacks: signals, engine, cron, sleep hooks                  */
+/* ------------------------------------------------------------------ */
+
+static void server_signal(void *arg, int fd, uint32_t revents)
+{
+	struct signalfd_siginfo si;
+
+	(void)arg;
+	(void)revents;
+	if (read(fd, &si, sizeof(si)) != sizeof(si))
+		return;
+	shardd_log_info("received %s, shutting down",
+			si.ssi_signo == SIGINT ? "SIGINT" : "SIGTERM");
+	shardd_loop_stop(server.loop);
+}
+
+static void server_engine_ready(void *arg, int fd, uint32_t revents)
+{
+	(void)arg;
+	(void)fd;
+	(void)revents;
+	shardd_engine_drain(server.engine);
+}
+
+static void server_heartbeat(uint64_t now_ns)
+{
+	server.last_heartbeat_ns = now_ns;
+	for (struct shardd_session *s = server.sessions; s; s = s->next)
+		if (s->state == SHARDD_SESSION_ATTACHED)
+			/* Diagnostics only: clients and shardctl read it to see the loop turn. */
+			atomic_store_explicit((_Atomic uint64_t *)(void *)&s->ring.hdr->daemon_heartbeat_ns,
+					      now_ns, memory_order_relaxed);
+}
+
+static void server_cron(void *arg)
+{
+	uint64_t now = shardd_now_ns();
+	struct shardd_job *j = server.jobs;
+
+	(void)arg;
+	while (j) {
+		/* A timed-out barrier never ends its job, but read next first all the same. */
+		struct shardd_job *next = j->next;
+
+		shardd_job_cron(j, now);
+		j = next;
+	}
+	shardd_engine_cron(server.engine, now);
+	server_heartbeat(now);
+}
+
+void shardd_server_schedule_reap(void)
+{
+	server.need_reap = 1;
+}
+
+void shardd_server_note_work(uint64_t now_ns)
+{
+	server.last_work_ns = now_ns;
+}
+
+/*
+ * Before the loop may block: serve every ring, stay awake while work was
+ * seen within the spin window, else announce sleep (NEED_WAKEUP) on every
+ * ring and re-check, so a submission racing with us is never missed.
+ */
+static int server_before_sleep(void *arg)
+{
+	uint64_t now = shardd_now_ns();
+	unsigned taken = 0;
+	int wake = 0;
+
+	(void)arg;
+	if (server.need_reap) {
+		server.need_reap = 0;
+		shardd_session_reap();
+	}
+	for (struct shardd_session *s = server.sessions; s; s = s->next)
+		if (s->state == SHARDD_SESSION_ATTACHED)
+			taken += shardd_session_service(s);
+	if (taken)
+		server.last_work_ns = now;
+	if (now - server.last_heartbeat_ns >= SHARDD_HEARTBEAT_PERIOD_NS)
+		server_heartbeat(now);
+	if (server.need_reap || now - server.last_work_ns < SHARDD_SPIN_WINDOW_NS)
+		return 0;
+	for (struct shardd_session *s = server.sessions; s; s = s->next)
+		if (shardd_session_prepare_sleep(s))
+			wake = 1;
+	if (!wake)
+		return 1;
+	for (struct shardd_session *s = server.sessions; s; s = s->next)
+		if (s->state == SHARDD_SESSION_ATTACHED)
+			shardd_ring_clear_wakeup(&s->ring);
+	server.last_work_ns = now;
+	return 0;
+}
+
+static void server_after_sleep(void *arg)
+{
+	(void)arg;
+	for (struct shardd_session *s = server.sessions; s; s = s->next)
+		if (s->state == SHARDD_SESSION_ATTACHED)
+			shardd_ring_clear_wakeup(&s->ring);
+}
+
+/* ------------------------------------------------------------------ */
+/* Init                                                                */
+/* ------------------------------------------------------------------ */
+
+/* Create the socket's directory (mode 0700) if missing. 0 or -1 after printing why. */
+static int socket_dir_prepare(const char *path)
+{
+	char dir[sizeof(server.cfg.socket_path)];
+	struct stat st;
+	char *slash;
+
+	snprintf(dir, sizeof(dir), "%s", path);
+	slash = strrchr(dir, '/');
+	if (!slash || slash == dir)
+		return 0;
+	*slash = '\0';
+	if (mkdir(dir, 0700) == 0)
+		return 0;
+	if (errno != EEXIST) {
+		fprintf(stderr, "shardd: cannot create the socket directory %s: %s\n", dir,
+			strerror(errno));
+		return -1;
+	}
+	if (stat(dir, &st) < 0) {
+		fprintf(stderr, "shardd: %s: %s\n", dir, strerror(errno));
+		return -1;
+	}
+	if (!S_ISDIR(st.st_mode)) {
+		fprintf(stderr, "shardd: %s exists and is not a directory; remove it or pass "
+			"--socket elsewhere\n", dir);
+		return -1;
+	}
+	return 0;
+}
+
+/*
+ * Is a daemon already serving `path`? 1 (printed), 0 (free: a stale socket
+ * was removed), -1 (printed: cannot use the path).
+ */
+static int socket_check_live(const char *path)
+{
+	struct sockaddr_un sa = { .sun_family = AF_UNIX };
+	struct stat st;
+	int fd, live = 0;
+
+	if (lstat(path, &st) < 0) {
+		if (errno == ENOENT)
+			return 0;
+		fprintf(stderr, "shardd: %s: %s\n", path, strerror(errno));
+		return -1;
+	}
+	if (!S_ISSOCK(st.st_mode)) {
+		fprintf(stderr, "shardd: %s exists and is not a socket; remove it or pass --socket "
+			"elsewhere\n", path);
+		return -1;
+	}
+	fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+	if (fd < 0) {
+		fprintf(stderr, "shardd: socket: %s\n", strerror(errno));
+		return -1;
+	}
+	memcpy(sa.sun_path, path, strlen(path) + 1);
+	if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0) {
+		struct ucred cred;
+		socklen_t len = sizeof(cred);
+
+		if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0 && cred.pid > 0)
+			fprintf(stderr, "shardd: another daemon already serves %s (pid %d)\n", path,
+				(int)cred.pid);
+		else
+			fprintf(stderr, "shardd: another daemon already serves %s\n", path);
+		live = 1;
+	} else if (errno == ECONNREFUSED) {
+		/* Nobody listens: a daemon died without unlinking. Replace it. */
+		if (unlink(path) < 0 && errno != ENOENT) {
+			fprintf(stderr, "shardd: cannot remove the stale socket %s: %s\n", path,
+				strerror(errno));
+			live = -1;
+		} else {
+			shardd_log_info("removed stale socket %s", path);
+		}
+	} else {
+		fprintf(stderr, "shardd: cannot probe %s: %s\n", path, strerror(errno));
+		live = -1;
+	}
+	close(fd);
+	return live;
+}
+
+static int socket_listen(const char *path)
+{
+	struct sockaddr_un sa = { .sun_family = AF_UNIX };
+	int fd;
+
+	fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+	if (fd < 0) {
+		fprintf(stderr, "shardd: socket: %s\n", strerror(errno));
+		return -1;
+	}
+	memcpy(sa.sun_path, path, strlen(path) + 1);
+	if (bind(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
+		fprintf(stderr, "shardd: cannot bind %s: %s%s\n", path, strerror(errno),
+			errno == EADDRINUSE ? " (another daemon started at the same time?)" : "");
+		close(fd);
+		return -1;
+	}
+	server.socket_bound = 1;
+	if (listen(fd, SOMAXCONN) < 0) {
+		fprintf(stderr, "shardd: cannot listen on %s: %s\n", path, strerror(errno));
+		close(fd);
+		return -1;
+	}
+	return fd;
+}
+
+/* SIGTERM and SIGINT arrive on a signalfd; block them before any thread exists. */
+static int signals_setup(void)
+{
+	sigset_t set;
+
+	signal(SIGPIPE, SIG_IGN);
+	sigemptyset(&set);
+	sigaddset(&set, SIGTERM);
+	sigaddset(&set, SIGINT);
+	if (sigprocmask(SIG_BLOCK, &set, NULL) < 0)
+		return -errno;
+	server.signal_fd = signalfd(-1, &set, SFD_NONBLOCK | SFD_CLOEXEC);
+	return server.signal_fd < 0 ? -errno : 0;
+}
+
+int shardd_server_init(const struct shardd_config *cfg)
+{
+	struct shardd_engine_config ecfg;
+	int ret;
+
+	server.cfg = *cfg;
+	server.uid = getuid();
+	server.pid = getpid();
+	server.next_client_id = 1;
+	server.collective_timeout_ns = (uint64_t)(cfg->collective_timeout_s * 1e9);
+	shardd_log_threshold = cfg->log_level;
+
+	ret = signals_setup();
+	if (ret < 0) {
+		fprintf(stderr, "shardd: cannot set up signal handling: %s\n", strerror(-ret));
+		return ret;
+	}
+	if (socket_dir_prepare(cfg->socket_path) < 0)
+		return -EINVAL;
+	ret = socket_check_live(cfg->socket_path);
+	if (ret != 0)
+		return -EADDRINUSE;
+
+	memset(&ecfg, 0, sizeof(ecfg));
+	ecfg.backend = cfg->backend;
+	ecfg.collective_timeout_ms = (uint32_t)(server.collective_timeout_ns / 1000000u);
+	ecfg.workers = cfg->workers;
+	ecfg.complete = server_engine_complete;
+	ecfg.reply = server_engine_reply;
+	ret = shardd_engine_create(&ecfg, &server.engine);
+	if (ret < 0) {
+		fprintf(stderr, "shardd: cannot start the %s backend (see the error above)\n",
+			cfg->backend == SHARDD_BACKEND_CUDA ? "cuda" : "host");
+		return ret;
+	}
+
+	server.listen_fd = socket_listen(cfg->socket_path);
+	if (server.listen_fd < 0)
+		return -EADDRINUSE;
+	ret = shardd_loop_create(&server.loop);
+	if (ret < 0) {
+		fprintf(stderr, "shardd: cannot create the io_uring event loop: %s\n", strerror(-ret));
+		return ret;
+	}
+	if ((ret = shardd_loop_add_fd(server.loop, server.listen_fd, POLLIN,
+				      shardd_session_accept, NULL, NULL)) < 0 ||
+	    (ret = shardd_loop_add_fd(server.loop, server.signal_fd, POLLIN, server_signal,
+				      NULL, NULL)) < 0 ||
+	    (ret = shardd_loop_add_fd(server.loop, shardd_engine_event_fd(server.engine), POLLIN,
+				      server_engine_ready, NULL, NULL)) < 0 ||
+	    (ret = shardd_loop_add_timer(server.loop, SHARDD_CRON_PERIOD_MS, server_cron, NULL,
+					 NULL)) < 0) {
+		fprintf(stderr, "shardd: cannot register with the event loop: %s\n", strerror(-ret));
+		return ret;
+	}
+	shardd_loop_set_sleep_hooks(server.loop, server_before_sleep, server_after_sleep, NULL);
+	shardd_log_info("shardd %s (protocol %d.%d), pid %d, backend %s, collective timeout %g s",
+			SHARDD_VERSION, SHARDD_PROTO_MAJOR, SHARDD_PROTO_MINOR, (int)server.pid,
+			cfg->backend == SHARDD_BACKEND_CUDA ? "cuda" : "host",
+			cfg->collective_timeout_s);
+	/* Tests and supervisors wait for exactly this line. */
+	fprintf(stderr, "shardd: ready on %s\n", cfg->socket_path);
+	fflush(stderr);
+	return 0;
+}
+
+/* ------------------------------------------------------------------ */
+/* Run and shutdown                                                    */
+/* ------------------------------------------------------------------ */
+
+int shardd_server_run(void)
+{
+	int ret = shardd_loop_run(server.loop);
+
+	shardd_server_shutdown();
+	return ret < 0 ? 1 : 0;
+}
+
+void shardd_server_shutdown(void)
+{
+	server.shutting_down = 1;
+	/* Jobs first: barriers and engine ops fail with -SHARDD_E_SHUTDOWN into live rings. */
+	while (server.jobs)
+		shardd_job_destroy(server.jobs);
+	for (struct shardd_session *s = server.sessions; s; s = s->next)
+		shardd_session_close(s, "shardd is shutting down");
+	shardd_session_reap();
+	shardd_loop_destroy(server.loop);
+	server.loop = NULL;
+	if (server.engine)
+		shardd_engine_destroy(server.engine);
+	server.engine = NULL;
+	if (server.listen_fd >= 0)
+		close(server.listen_fd);
+	server.listen_fd = -1;
+	if (server.socket_bound && unlink(server.cfg.socket_path) < 0 && errno != ENOENT)
+		shardd_log_warn("cannot remove %s: %s", server.cfg.socket_path, strerror(errno));
+	server.socket_bound = 0;
+	if (server.signal_fd >= 0)
+		close(server.signal_fd);
+	server.signal_fd = -1;
+}

@@ -1,0 +1,83 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The daemon as a whole: its configuration, the listening socket, the event
+ * loop, the op engine, and the lists of sessions (connected clients) and
+ * jobs. One global `server`, touched by the loop thread only.
+ */
+#ifndef SHARDD_SERVER_H
+#define SHARDD_SERVER_H
+
+#include <stdint.h>
+#include <sys/types.h>
+#include <sys/un.h>
+
+#include "shardd_proto.h"
+
+/* SHARDD_VERSION comes from the Makefile (-DSHARDD_VERSION), the one place it is set. */
+
+#define SHARDD_MAX_ALLOW_GIDS        32      /* --allow-gid may repeat this often */
+#define SHARDD_CRON_PERIOD_MS        100     /* barrier and collective timeouts, heartbeats */
+#define SHARDD_SPIN_WINDOW_NS        50000   /* keep polling rings this long after work */
+#define SHARDD_HEARTBEAT_PERIOD_NS   1000000 /* ring heartbeats at most this often */
+#define SHARDD_TIMEOUT_DEFAULT_S     300.0   /* --collective-timeout */
+#define SHARDD_TIMEOUT_MAX_S         604800.0 /* one week; fits the welcome's u32 ms */
+#define SHARDD_SEND_TIMEOUT_MS       1000    /* a client that does not read is dropped */
+
+struct shardd_loop;
+struct shardd_loop_event;
+struct shardd_engine;
+struct shardd_session;
+struct shardd_job;
+
+struct shardd_config {
+	char     socket_path[sizeof(((struct sockaddr_un *)0)->sun_path)]; /* --socket */
+	int      log_level;             /* --log-level: enum shardd_log_level */
+	uint32_t backend;               /* --backend: enum shardd_backend */
+	double   collective_timeout_s;  /* --collective-timeout */
+	unsigned workers;               /* --workers; 0 = online cores */
+	gid_t    allow_gids[SHARDD_MAX_ALLOW_GIDS]; /* --allow-gid */
+	unsigned nallow_gids;
+};
+
+struct shardd_server {
+	struct shardd_config cfg;
+	uint64_t collective_timeout_ns;
+	uid_t    uid;                  /* clients must run as this uid (or an allowed gid) */
+	pid_t    pid;
+	int      listen_fd;            /* -1 when not listening */
+	int      signal_fd;            /* SIGTERM, SIGINT */
+	int      socket_bound;         /* we created socket_path: unlink it on exit */
+	struct shardd_loop   *loop;
+	struct shardd_engine *engine;
+	struct shardd_session *sessions;  /* every connected client, dead ones until reaped */
+	struct shardd_job     *jobs;
+	uint32_t next_client_id;       /* client ids start at 1; 0 is never used */
+	uint64_t last_work_ns;         /* the last time a ring had work: spin window */
+	uint64_t last_heartbeat_ns;
+	int      shutting_down;
+	int      need_reap;            /* some session is dead and waits to be freed */
+};
+
+extern struct shardd_server server;
+
+/* Defaults of every flag (socket path from $XDG_RUNTIME_DIR). */
+void shardd_config_defaults(struct shardd_config *cfg);
+/* Default socket path into buf: $XDG_RUNTIME_DIR/shardd/shardd.sock or /run/shardd/shardd.sock. */
+void shardd_default_socket_path(char *buf, size_t len);
+
+/*
+ * Bind the socket, create the engine and the loop. Returns 0, or a negative
+ * error after printing why on stderr (the caller exits 1).
+ */
+int shardd_server_init(const struct shardd_config *cfg);
+/* Serve until SIGTERM/SIGINT, then shut down cleanly. Returns the exit status. */
+int shardd_server_run(void);
+/* Fail everything in flight, close every client, free all. Safe after a failed init. */
+void shardd_server_shutdown(void);
+
+/* A session died or detached: free it at the next safe point of the loop. */
+void shardd_server_schedule_reap(void);
+/* Note that some ring had work now (keeps the spin window open). */
+void shardd_server_note_work(uint64_t now_ns);
+
+#endif /* SHARDD_SERVER_H */

@@ -1,0 +1,959 @@
+/* SPDX-License-Identifier: MIT */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "admin.h"
+#include "engine.h"
+#include "job.h"
+#include "log.h"
+#include "loop.h"
+#include "server.h"
+#include "session.h"
+
+#define SQ_ENTRIES_MIN 8
+#define SQ_ENTRIES_MAX 65536
+#define CQ_PER_SQ      2 /* CQ twice the SQ: a client that reaps late rarely stalls intake */
+#define SHARDD_HANDSHAKE_MSG_MAX (1u << 20) /* payload limit before the WELCOME */
+
+/* One datagram at a time, loop thread only. */
+static uint8_t dgram_buf[SHARDD_CTRL_CHUNK];
+
+/* ------------------------------------------------------------------ */
+/* Naming a session in logs                                            */
+/* ------------------------------------------------------------------ */
+
+/* "client 3 (pid 1234)" or "client 3 (job 'j' rank 1, pid 1234)". */
+static const char *session_name(const struct shardd_session *s, char *buf, size_t len)
+{
+	if (s->job)
+		snprintf(buf, len, "client %u (job '%s' rank %u, pid %d)", s->id, s->job->name,
+			 s->rank, (int)s->cred.pid);
+	else
+		snprintf(buf, len, "client %u (pid %d)", s->id, (int)s->cred.pid);
+	return buf;
+}
+
+/* ------------------------------------------------------------------ */
+/* Control replies                                                     */
+/* ------------------------------------------------------------------ */
+
+/*
+ * Send SHARDD_MSG_ERROR (code, text). The socket has SO_SNDTIMEO, so a client
+ * that never reads costs the loop at most that long. Returns 0 or -errno.
+ */
+static int session_send_error(struct shardd_session *s, uint32_t seq, int code, const char *text)
+{
+	struct {
+		struct shardd_error_msg hdr;
+		char text[1024];
+	} m;
+	size_t n = strnlen(text, sizeof(m.text));
+
+	m.hdr.code = code;
+	m.hdr.msg_len = (uint32_t)n;
+	memcpy(m.text, text, n);
+	return shardd_ctrl_send(s->fd, SHARDD_MSG_ERROR, seq, &m,
+				(uint32_t)(sizeof(m.hdr) + n), NULL, 0);
+}
+
+/* Reply an error to a request and keep serving the session. */
+static void __attribute__((format(printf, 4, 5)))
+session_reply_error(struct shardd_session *s, uint32_t seq, int code, const char *fmt, ...)
+{
+	char text[1024], name[160];
+	va_list ap;
+
+	va_start(ap, fmt);
+	vsnprintf(text, sizeof(text), fmt, ap);
+	va_end(ap);
+	shardd_log_info("%s: request failed: %s", session_name(s, name, sizeof(name)), text);
+	if (session_send_error(s, seq, code, text) < 0)
+		shardd_session_close(s, "did not read its error reply");
+}
+
+/* Reply an error, then close the connection (handshake and framing errors). */
+static void __attribute__((format(printf, 4, 5)))
+session_reject(struct shardd_session *s, uint32_t seq, int code, const char *fmt, ...)
+{
+	char text[1024], name[160];
+	va_list ap;
+
+	va_start(ap, fmt);
+	vsnprintf(text, sizeof(text), fmt, ap);
+	va_end(ap);
+	shardd_log_warn("%s rejected: %s", session_name(s, name, sizeof(name)), text);
+	session_send_error(s, seq, code, text);
+	shardd_session_close(s, "rejected");
+}
+
+void shardd_session_send_group(struct shardd_session *s, uint32_t seq, int res, const char *msg,
+			       const struct shardd_group_reply *reply,
+			       const struct shardd_param_layout *layouts, const int *fds, int nfds)
+{
+	uint64_t len;
+	uint8_t *buf;
+	int ret;
+
+	if (s->state != SHARDD_SESSION_ATTACHED)
+		return;
+	if (res < 0) {
+		session_reply_error(s, seq, res, "%s", msg && *msg ? msg : "group request failed");
+		return;
+	}
+	len = sizeof(*reply) + (uint64_t)reply->nparams * sizeof(*layouts);
+	if (len > SHARDD_CTRL_MAX) {
+		session_reply_error(s, seq, -SHARDD_E_INVALID,
+				    "group reply of %u params is %llu bytes, over the %u-byte message limit",
+				    reply->nparams, (unsigned long long)len, SHARDD_CTRL_MAX);
+		return;
+	}
+	buf = malloc(len);
+	if (!buf) {
+		session_reply_error(s, seq, -SHARDD_E_NOMEM, "shardd is out of memory (%llu bytes)",
+				    (unsigned long long)len);
+		return;
+	}
+	memcpy(buf, reply, sizeof(*reply));
+	if (reply->nparams)
+		memcpy(buf + sizeof(*reply), layouts, (size_t)reply->nparams * sizeof(*layouts));
+	ret = shardd_ctrl_send(s->fd, SHARDD_MSG_GROUP, seq, buf, (uint32_t)len, fds, nfds);
+	free(buf);
+	if (ret < 0) {
+		char why[128];
+
+		snprintf(why, sizeof(why), "could not be sent its group reply: %s", strerror(-ret));
+		shardd_session_close(s, why);
+	}
+}
+
+/* ------------------------------------------------------------------ */
+/* Lifetime                                                            */
+/* ------------------------------------------------------------------ */
+
+static void session_readable(void *arg, int fd, uint32_t revents);
+
+static int pidfd_open_pid(pid_t pid)
+{
+#ifdef SYS_pidfd_open
+	return (int)syscall(SYS_pidfd_open, pid, 0);
+#else
+	(void)pid;
+	errno = ENOSYS;
+	return -1;
+#endif
+}
+
+/* May a client with these credentials attach? */
+static int cred_allowed(const struct shardd_session *s)
+{
+	gid_t groups[64];
+	socklen_t len = sizeof(groups);
+
+	if (s->cred.uid == server.uid)
+		return 1;
+	for (unsigned i = 0; i < server.cfg.nallow_gids; i++)
+		if (s->cred.gid == server.cfg.allow_gids[i])
+			return 1;
+	/* Supplementary groups count too, where the kernel reports them. */
+	if (server.cfg.nallow_gids &&
+	    getsockopt(s->fd, SOL_SOCKET, SO_PEERGROUPS, groups, &len) == 0) {
+		for (size_t g = 0; g < len / sizeof(gid_t); g++)
+			for (unsigned i = 0; i < server.cfg.nallow_gids; i++)
+				if (groups[g] == server.cfg.allow_gids[i])
+					return 1;
+	}
+	return 0;
+}
+
+static void session_new(int fd)
+{
+	struct timeval tv = { SHARDD_SEND_TIMEOUT_MS / 1000, (SHARDD_SEND_TIMEOUT_MS % 1000) * 1000 };
+	struct ucred cred;
+	socklen_t len = sizeof(cred);
+	struct shardd_session *s;
+
+	s = calloc(1, sizeof(*s));
+	if (!s) {
+		shardd_log_error("out of memory accepting a client; closing its connection");
+		close(fd);
+		return;
+	}
+	s->fd = fd;
+	s->pidfd = -1;
+	s->doorbell_fd = -1;
+	s->id = server.next_client_id++;
+	if (server.next_client_id == 0)
+		server.next_client_id = 1;
+	s->next = server.sessions;
+	if (server.sessions)
+		server.sessions->prev = s;
+	server.sessions = s;
+	if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0) {
+		shardd_log_error("client %u: SO_PEERCRED: %s; closing its connection", s->id,
+				 strerror(errno));
+		shardd_session_close(s, "has no peer credentials");
+		return;
+	}
+	s->cred.pid = cred.pid;
+	s->cred.uid = cred.uid;
+	s->cred.gid = cred.gid;
+	if (setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv)) < 0) {
+		shardd_log_error("client %u: SO_SNDTIMEO: %s", s->id, strerror(errno));
+		shardd_session_close(s, "could not be set up");
+		return;
+	}
+	if (!cred_allowed(s)) {
+		session_reject(s, 0, -SHARDD_E_PERM,
+			       "uid %u is not allowed: shardd runs as uid %u; start the client as "
+			       "uid %u or run shardd with --allow-gid %u",
+			       (unsigned)s->cred.uid, (unsigned)server.uid, (unsigned)server.uid,
+			       (unsigned)s->cred.gid);
+		return;
+	}
+	if (shardd_loop_add_fd(server.loop, fd, POLLIN | POLLRDHUP, session_readable, s,
+			       &s->sock_ev) < 0) {
+		shardd_session_close(s, "could not be registered with the event loop");
+		return;
+	}
+	shardd_log_debug("client %u connected: pid %d uid %u", s->id, (int)s->cred.pid,
+			 (unsigned)s->cred.uid);
+}
+
+void shardd_session_accept(void *arg, int fd, uint32_t revents)
+{
+	(void)arg;
+	(void)revents;
+	for (;;) {
+		int c = accept4(fd, NULL, NULL, SOCK_CLOEXEC);
+
+		if (c < 0) {
+			if (errno == EINTR || errno == ECONNABORTED)
+				continue;
+			if (errno != EAGAIN && errno != EWOULDBLOCK)
+				shardd_log_error("accept on %s: %s", server.cfg.socket_path,
+						 strerror(errno));
+			return;
+		}
+		session_new(c);
+	}
+}
+
+static void session_end(struct shardd_session *s, int goodbye, const char *why)
+{
+	char name[160];
+
+	if (s->state == SHARDD_SESSION_DEAD)
+		return;
+	if (s->state == SHARDD_SESSION_ATTACHED)
+		shardd_log_info("%s detached: %s", session_name(s, name, sizeof(name)), why);
+	else
+		shardd_log_debug("%s closed: %s", session_name(s, name, sizeof(name)), why);
+	s->state = SHARDD_SESSION_DEAD;
+	if (s->job) {
+		struct shardd_job *j = s->job;
+
+		s->job = NULL;
+		shardd_job_detach(j, s->rank, goodbye, why);
+	}
+	if (s->ring_mem) {
+		/* Tell a client that looks at the ring rather than the socket; wake its waiters. */
+		atomic_fetch_or_explicit(SHARDD_ATOMIC32(&s->ring.hdr->flags), SHARDD_RING_DEAD,
+					 memory_order_release);
+		shardd_futex(&s->ring.hdr->cq_tail, FUTEX_WAKE, INT_MAX, NULL);
+	}
+	shardd_loop_del(server.loop, s->sock_ev);
+	shardd_loop_del(server.loop, s->pidfd_ev);
+	shardd_loop_del(server.loop, s->doorbell_ev);
+	s->sock_ev = s->pidfd_ev = s->doorbell_ev = NULL;
+	if (s->fd >= 0)
+		close(s->fd);
+	if (s->pidfd >= 0)
+		close(s->pidfd);
+	if (s->doorbell_fd >= 0)
+		close(s->doorbell_fd);
+	s->fd = s->pidfd = s->doorbell_fd = -1;
+	shardd_ctrl_rx_reset(&s->rx);
+	shardd_server_schedule_reap();
+}
+
+void shardd_session_close(struct shardd_session *s, const char *why)
+{
+	session_end(s, 0, why);
+}
+
+void shardd_session_reap(void)
+{
+	struct shardd_session *s = server.sessions;
+
+	while (s) {
+		struct shardd_session *next = s->next;
+
+		if (s->state == SHARDD_SESSION_DEAD) {
+			if (s->prev)
+				s->prev->next = s->next;
+			else
+				server.sessions = s->next;
+			if (s->next)
+				s->next->prev = s->prev;
+			if (s->ring_mem)
+				munmap(s->ring_mem, s->ring_size);
+			free(s);
+		}
+		s = next;
+	}
+}
+
+int shardd_session_peer_gone(struct shardd_session *s)
+{
+	struct pollfd p[2] = {
+		{ .fd = s->fd, .events = POLLRDHUP },
+		{ .fd = s->pidfd, .events = POLLIN },
+	};
+
+	if (s->state == SHARDD_SESSION_DEAD)
+		return 1;
+	if (poll(p, s->pidfd >= 0 ? 2 : 1, 0) < 0)
+		return 0;
+	return (p[0].revents & (POLLHUP | POLLRDHUP | POLLERR)) || (p[1].revents & POLLIN);
+}
+
+static void session_pidfd_readable(void *arg, int fd, uint32_t revents)
+{
+	(void)fd;
+	(void)revents;
+	shardd_session_close(arg, "died (process exited)");
+}
+
+static void session_doorbell(void *arg, int fd, uint32_t revents)
+{
+	uint64_t count;
+
+	(void)arg;
+	(void)revents;
+	/* Reset the eventfd; the ring itself is served before the loop sleeps again. */
+	if (read(fd, &count, sizeof(count)) == sizeof(count))
+		shardd_server_note_work(shardd_now_ns());
+}
+
+/* ------------------------------------------------------------------ */
+/* Handshake                                                           */
+/* ------------------------------------------------------------------ */
+
+/* Validate the job name of a hello: NUL-terminated, non-empty, printable ASCII. */
+static int hello_job_ok(struct shardd_session *s, uint32_t seq, const struct shardd_hello *h)
+{
+	size_t n = strnlen(h->job, sizeof(h->job));
+
+	if (n == sizeof(h->job)) {
+		session_reject(s, seq, -SHARDD_E_INVALID,
+			       "hello.job is not NUL-terminated within %d bytes", SHARDD_NAME_MAX);
+		return 0;
+	}
+	if (n == 0) {
+		session_reject(s, seq, -SHARDD_E_INVALID, "hello.job is empty: name the job");
+		return 0;
+	}
+	for (size_t i = 0; i < n; i++) {
+		unsigned char c = (unsigned char)h->job[i];
+
+		if (c < 0x20 || c > 0x7e) {
+			session_reject(s, seq, -SHARDD_E_INVALID,
+				       "hello.job byte %zu = 0x%02x: job names are printable ASCII",
+				       i, c);
+			return 0;
+		}
+	}
+	return 1;
+}
+
+/* Validate every field of a hello that does not depend on existing jobs. */
+static int hello_fields_ok(struct shardd_session *s, uint32_t seq, const struct shardd_hello *h)
+{
+	uint64_t world = (uint64_t)h->replicate * h->shard;
+
+	if (!hello_job_ok(s, seq, h))
+		return 0;
+	if (h->pid != (uint32_t)s->cred.pid) {
+		session_reject(s, seq, -SHARDD_E_INVALID,
+			       "hello.pid = %u but the socket's peer is pid %d", h->pid,
+			       (int)s->cred.pid);
+		return 0;
+	}
+	if (h->replicate == 0 || h->shard == 0) {
+		session_reject(s, seq, -SHARDD_E_INVALID, "hello.%s = 0: must be at least 1",
+			       h->replicate == 0 ? "replicate" : "shard");
+		return 0;
+	}
+	if (world > SHARDD_MAX_WORLD) {
+		session_reject(s, seq, -SHARDD_E_INVALID,
+			       "hello mesh %ux%u = %llu ranks exceeds the limit of %d", h->replicate,
+			       h->shard, (unsigned long long)world, SHARDD_MAX_WORLD);
+		return 0;
+	}
+	if (h->rank >= world) {
+		session_reject(s, seq, -SHARDD_E_INVALID,
+			       "hello.rank = %u: mesh %ux%u has ranks 0..%llu", h->rank, h->replicate,
+			       h->shard, (unsigned long long)world - 1);
+		return 0;
+	}
+	if (h->sq_entries != 0 && (!shardd_is_pow2(h->sq_entries) ||
+				   h->sq_entries < SQ_ENTRIES_MIN || h->sq_entries > SQ_ENTRIES_MAX)) {
+		session_reject(s, seq, -SHARDD_E_INVALID,
+			       "hello.sq_entries = %u: must be 0 (default %d) or a power of two in "
+			       "[%d, %d]", h->sq_entries, SHARDD_RING_ENTRIES_DEFAULT, SQ_ENTRIES_MIN,
+			       SQ_ENTRIES_MAX);
+		return 0;
+	}
+	if (h->device < SHARDD_HELLO_DEVICE_HOST) {
+		session_reject(s, seq, -SHARDD_E_INVALID,
+			       "hello.device = %d: must be %d (host) or a CUDA device ordinal",
+			       h->device, SHARDD_HELLO_DEVICE_HOST);
+		return 0;
+	}
+	if (h->flags) {
+		session_reject(s, seq, -SHARDD_E_INVALID, "hello.flags = 0x%x: reserved, must be 0",
+			       h->flags);
+		return 0;
+	}
+	for (size_t i = 0; i < sizeof(h->rsvd); i++) {
+		if (h->rsvd[i]) {
+			session_reject(s, seq, -SHARDD_E_INVALID,
+				       "hello.rsvd[%zu] = 0x%x: reserved, must be 0", i, h->rsvd[i]);
+			return 0;
+		}
+	}
+	return 1;
+}
+
+/*
+ * The ring region: a sealed memfd (the client can neither shrink nor grow
+ * it under our mapping), formatted and mapped. Returns the memfd or -errno.
+ */
+static int session_ring_create(struct shardd_session *s, uint32_t sq_entries, uint32_t cq_entries)
+{
+	uint64_t size = shardd_ring_region_size(sq_entries, cq_entries);
+	int fd, ret;
+
+	fd = memfd_create("shardd-ring", MFD_ALLOW_SEALING | MFD_CLOEXEC);
+	if (fd < 0)
+		return -errno;
+	if (ftruncate(fd, (off_t)size) < 0 ||
+	    fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) < 0) {
+		ret = -errno;
+		goto err_close;
+	}
+	s->ring_mem = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	if (s->ring_mem == MAP_FAILED) {
+		s->ring_mem = NULL;
+		ret = -errno;
+		goto err_close;
+	}
+	s->ring_size = size;
+	ret = shardd_ring_format(s->ring_mem, size, sq_entries, cq_entries,
+				 (uint32_t)server.pid, s->id);
+	if (ret == 0)
+		ret = shardd_ring_attach(&s->ring, s->ring_mem, size);
+	if (ret < 0)
+		goto err_close;
+	return fd;
+
+err_close:
+	close(fd);
+	return ret;
+}
+
+static void session_hello(struct shardd_session *s, const struct shardd_msg_hdr *hdr,
+			  const uint8_t *payload, uint32_t len)
+{
+	struct shardd_hello h;
+	struct shardd_welcome w;
+	struct shardd_job *job;
+	uint32_t sq_entries;
+	int created = 0, ringfd = -1, ret;
+	char name[160];
+	int fds[2];
+
+	/* The version comes first: a newer client may send a longer hello. */
+	if (len >= 4) {
+		uint16_t major, minor;
+
+		memcpy(&major, payload, sizeof(major));
+		memcpy(&minor, payload + 2, sizeof(minor));
+		if (major != SHARDD_PROTO_MAJOR) {
+			session_reject(s, hdr->seq, -SHARDD_E_VERSION,
+				       "client speaks protocol %u.%u, shardd speaks %d.%d", major,
+				       minor, SHARDD_PROTO_MAJOR, SHARDD_PROTO_MINOR);
+			return;
+		}
+	}
+	if (len != sizeof(h)) {
+		session_reject(s, hdr->seq, -SHARDD_E_MALFORMED,
+			       "hello is %u bytes, expected %zu", len, sizeof(h));
+		return;
+	}
+	memcpy(&h, payload, sizeof(h));
+	if (!hello_fields_ok(s, hdr->seq, &h))
+		return;
+
+	job = shardd_job_find(h.job);
+	if (job) {
+		struct shardd_session *old;
+
+		if (job->replicate != h.replicate || job->shard != h.shard) {
+			session_reject(s, hdr->seq, -SHARDD_E_MESH,
+				       "job '%s' has mesh %ux%u, hello asked for %ux%u", job->name,
+				       job->replicate, job->shard, h.replicate, h.shard);
+			return;
+		}
+		old = job->ranks[h.rank].session;
+		/* A restarted trainer may be faster than the old one's EOF: look now. */
+		if (old && shardd_session_peer_gone(old))
+			shardd_session_close(old, "died (found gone when the rank re-attached)");
+		/* Closing the old client never ends the job: it did not say goodbye. */
+		old = job->ranks[h.rank].session;
+		if (old) {
+			session_reject(s, hdr->seq, -SHARDD_E_RANK_TAKEN,
+				       "job '%s' rank %u is already attached (client %u, pid %d)",
+				       job->name, h.rank, old->id, (int)old->cred.pid);
+			return;
+		}
+	}
+
+	s->pidfd = pidfd_open_pid(s->cred.pid);
+	if (s->pidfd < 0 && errno != ENOSYS) {
+		session_reject(s, hdr->seq, -errno, "pidfd_open(%d): %s", (int)s->cred.pid,
+			       strerror(errno));
+		return;
+	}
+	sq_entries = h.sq_entries ? h.sq_entries : SHARDD_RING_ENTRIES_DEFAULT;
+	ringfd = session_ring_create(s, sq_entries, sq_entries * CQ_PER_SQ);
+	if (ringfd < 0) {
+		session_reject(s, hdr->seq, -SHARDD_E_NOMEM, "cannot create the ring (%u entries): %s",
+			       sq_entries, strerror(-ringfd));
+		return;
+	}
+	s->doorbell_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+	if (s->doorbell_fd < 0) {
+		ret = -errno;
+		session_reject(s, hdr->seq, ret, "cannot create the doorbell eventfd: %s",
+			       strerror(-ret));
+		goto out;
+	}
+	if (!job) {
+		ret = shardd_job_create(h.job, h.replicate, h.shard, &job);
+		if (ret < 0) {
+			session_reject(s, hdr->seq, ret == -ENOMEM ? -SHARDD_E_NOMEM : ret,
+				       "cannot create job '%s': %s", h.job,
+				       ret == -ENOMEM ? "out of memory" : "the engine refused it");
+			goto out;
+		}
+		created = 1;
+	}
+
+	memset(&w, 0, sizeof(w));
+	w.major = SHARDD_PROTO_MAJOR;
+	w.minor = SHARDD_PROTO_MINOR;
+	w.client_id = s->id;
+	w.backend = server.cfg.backend;
+	w.sq_entries = sq_entries;
+	w.cq_entries = sq_entries * CQ_PER_SQ;
+	w.daemon_pid = (uint32_t)server.pid;
+	w.ring_size = s->ring_size;
+	w.collective_timeout_ms = (uint32_t)(server.collective_timeout_ns / 1000000u);
+	fds[0] = ringfd;
+	fds[1] = s->doorbell_fd;
+	ret = shardd_ctrl_send(s->fd, SHARDD_MSG_WELCOME, hdr->seq, &w, sizeof(w), fds, 2);
+	if (ret < 0) {
+		char why[128];
+
+		snprintf(why, sizeof(why), "could not be sent its welcome: %s", strerror(-ret));
+		if (created)
+			shardd_job_destroy(job);
+		shardd_session_close(s, why);
+		goto out;
+	}
+
+	s->state = SHARDD_SESSION_ATTACHED;
+	s->job = job;
+	s->rank = h.rank;
+	s->stats.attached_ns = shardd_now_ns();
+	shardd_job_attach(job, h.rank, s);
+	if (shardd_loop_add_fd(server.loop, s->doorbell_fd, POLLIN, session_doorbell, s,
+			       &s->doorbell_ev) < 0 ||
+	    (s->pidfd >= 0 && shardd_loop_add_fd(server.loop, s->pidfd, POLLIN,
+						 session_pidfd_readable, s, &s->pidfd_ev) < 0)) {
+		shardd_session_close(s, "could not be registered with the event loop");
+		goto out;
+	}
+	shardd_log_info("%s attached: mesh %ux%u, ring %u/%u entries, device %d",
+			session_name(s, name, sizeof(name)), h.replicate, h.shard, sq_entries,
+			sq_entries * CQ_PER_SQ, h.device);
+	/* The client may have submitted already; serve its ring before sleeping. */
+	shardd_server_note_work(shardd_now_ns());
+out:
+	/* The client holds its own copy of the ring fd now; our mapping stays. */
+	close(ringfd);
+}
+
+/* ------------------------------------------------------------------ */
+/* Control messages                                                    */
+/* ------------------------------------------------------------------ */
+
+static void session_dispatch(struct shardd_session *s, const struct shardd_msg_hdr *hdr,
+			     const uint8_t *payload, uint32_t len, int nfds)
+{
+	int attached = s->state == SHARDD_SESSION_ATTACHED;
+
+	if (hdr->flags) {
+		session_reject(s, hdr->seq, -SHARDD_E_MALFORMED,
+			       "message header flags = 0x%x: reserved, must be 0", hdr->flags);
+		return;
+	}
+	if (nfds) {
+		session_reject(s, hdr->seq, -SHARDD_E_MALFORMED,
+			       "message type %u carries %d file descriptor(s); clients send none",
+			       hdr->type, nfds);
+		return;
+	}
+	if (hdr->type == SHARDD_MSG_ADMIN) {
+		shardd_admin_handle(s, hdr->seq, payload, len);
+		return;
+	}
+	if (!attached && hdr->type != SHARDD_MSG_HELLO) {
+		session_reject(s, hdr->seq, -SHARDD_E_STATE,
+			       "message type %u before HELLO: send HELLO (type %d) first", hdr->type,
+			       SHARDD_MSG_HELLO);
+		return;
+	}
+	switch (hdr->type) {
+	case SHARDD_MSG_HELLO:
+		if (attached)
+			session_reply_error(s, hdr->seq, -SHARDD_E_STATE,
+					    "already attached as job '%s' rank %u; HELLO is sent once",
+					    s->job ? s->job->name : "?", s->rank);
+		else
+			session_hello(s, hdr, payload, len);
+		return;
+	case SHARDD_MSG_REGISTER_GROUP:
+		if (s->job)
+			shardd_engine_register_group(s->job->ejob, s->rank, s->id, hdr->seq,
+						     payload, len);
+		return;
+	case SHARDD_MSG_OPEN_GROUP:
+		if (s->job)
+			shardd_engine_open_group(s->job->ejob, s->rank, s->id, hdr->seq, payload, len);
+		return;
+	case SHARDD_MSG_GOODBYE:
+		session_end(s, 1, "said goodbye");
+		return;
+	default:
+		session_reply_error(s, hdr->seq, -SHARDD_E_INVALID,
+				    "message type %u is not a request a client can send", hdr->type);
+		return;
+	}
+}
+
+/*
+ * Why shardd_ctrl_rx_feed() refused a datagram of `n` bytes with `nfds` fds,
+ * given whether a message had `started` and how much of it was missing.
+ */
+static void feed_error(char *buf, size_t len, int err, int started, uint32_t missing,
+		       uint32_t max_len, const struct shardd_ctrl_rx *rx, size_t n, int nfds)
+{
+	if (err == -SHARDD_E_MAGIC)
+		snprintf(buf, len, "message magic 0x%08x is not SHARDD_MAGIC 0x%08x", rx->hdr.magic,
+			 SHARDD_MAGIC);
+	else if (err == -EMSGSIZE)
+		snprintf(buf, len, "hdr.length = %u exceeds the limit of %u bytes (1 MiB before "
+			 "the WELCOME, 64 MiB after)", rx->hdr.length, max_len);
+	else if (err == -ENOMEM)
+		snprintf(buf, len, "shardd is out of memory for a %u-byte message", rx->hdr.length);
+	else if (!started && n < sizeof(struct shardd_msg_hdr))
+		snprintf(buf, len, "datagram of %zu bytes is shorter than the %zu-byte header", n,
+			 sizeof(struct shardd_msg_hdr));
+	else if (started && nfds)
+		snprintf(buf, len, "%d file descriptor(s) on a continuation datagram", nfds);
+	else
+		snprintf(buf, len, "datagram carries more payload than hdr.length announced "
+			 "(%u bytes were still missing)", started ? missing : rx->hdr.length);
+}
+
+static void session_readable(void *arg, int fd, uint32_t revents)
+{
+	struct shardd_session *s = arg;
+
+	(void)revents;
+	while (s->state != SHARDD_SESSION_DEAD) {
+		struct pollfd p = { .fd = fd, .events = POLLIN };
+		int fds[SHARDD_CTRL_MAX_FDS], nfds, ret, started;
+		struct shardd_msg_hdr hdr;
+		uint8_t *payload;
+		uint32_t len, missing, max_len;
+		ssize_t n;
+
+		/* Receive only what is there: the socket stays blocking for SO_SNDTIMEO sends. */
+		if (poll(&p, 1, 0) <= 0 || !(p.revents & (POLLIN | POLLHUP | POLLERR)))
+			return;
+		n = shardd_ctrl_recv_dgram(fd, dgram_buf, fds, &nfds);
+		if (n == 0) {
+			shardd_session_close(s, "died (connection closed)");
+			return;
+		}
+		if (n == -EAGAIN || n == -EWOULDBLOCK)
+			return;
+		if (n == -EMSGSIZE) {
+			session_reject(s, 0, -SHARDD_E_MALFORMED,
+				       "datagram larger than %u bytes (SHARDD_CTRL_CHUNK)",
+				       SHARDD_CTRL_CHUNK);
+			return;
+		}
+		if (n < 0) {
+			char why[96];
+
+			snprintf(why, sizeof(why), "connection error: %s", strerror((int)-n));
+			shardd_session_close(s, why);
+			return;
+		}
+		started = s->rx.started;
+		missing = s->rx.hdr.length - s->rx.have;
+		/* Before the handshake only HELLO and small ADMIN requests make sense. */
+		max_len = s->state == SHARDD_SESSION_ATTACHED ? SHARDD_CTRL_MAX :
+			  SHARDD_HANDSHAKE_MSG_MAX;
+		ret = shardd_ctrl_rx_feed(&s->rx, dgram_buf, (size_t)n, fds, nfds, max_len);
+		if (ret < 0) {
+			char why[256];
+
+			feed_error(why, sizeof(why), ret, started, missing, max_len, &s->rx, (size_t)n,
+				   nfds);
+			session_reject(s, s->rx.started ? s->rx.hdr.seq : 0,
+				       ret == -ENOMEM ? -SHARDD_E_NOMEM :
+				       ret == -SHARDD_E_MAGIC ? ret : -SHARDD_E_MALFORMED,
+				       "bad control message: %s", why);
+			return;
+		}
+		if (ret == 0)
+			continue;
+		/* Take the message out of the reassembly state; its fds are closed with it. */
+		hdr = s->rx.hdr;
+		payload = s->rx.payload;
+		len = s->rx.have;
+		nfds = s->rx.nfds;
+		s->rx.payload = NULL;
+		session_dispatch(s, &hdr, payload, len, nfds);
+		free(payload);
+		shardd_ctrl_rx_reset(&s->rx);
+	}
+}
+
+/* ------------------------------------------------------------------ */
+/* Data plane                                                          */
+/* ------------------------------------------------------------------ */
+
+/* A client that corrupted its own ring's indices: it is dropped, everyone else goes on. */
+static void session_ring_corrupt(struct shardd_session *s, const char *which)
+{
+	struct shardd_ring_hdr *h = s->ring.hdr;
+	char name[160], why[256];
+
+	/* Snapshot for the message only; the client may be rewriting them as we read. */
+	snprintf(why, sizeof(why),
+		 "was disconnected: ring %s index is corrupt (sq head %u tail %u, cq head %u tail %u)",
+		 which,
+		 atomic_load_explicit(SHARDD_ATOMIC32(&h->sq_head), memory_order_relaxed),
+		 atomic_load_explicit(SHARDD_ATOMIC32(&h->sq_tail), memory_order_relaxed),
+		 atomic_load_explicit(SHARDD_ATOMIC32(&h->cq_head), memory_order_relaxed),
+		 atomic_load_explicit(SHARDD_ATOMIC32(&h->cq_tail), memory_order_relaxed));
+	shardd_log_error("%s %s", session_name(s, name, sizeof(name)), why);
+	shardd_session_close(s, why);
+}
+
+/* CQ slots free for new reservations, clamped to our own idea of the capacity. */
+static int64_t session_cq_room(struct shardd_session *s)
+{
+	int64_t space = shardd_cq_space(&s->ring);
+
+	if (space < 0)
+		return space;
+	/* The header is shared memory: never trust a capacity the client could rewrite. */
+	if (space > (int64_t)s->ring.cq_mask + 1)
+		space = (int64_t)s->ring.cq_mask + 1;
+	return space - s->inflight;
+}
+
+void shardd_session_complete(struct shardd_session *s, const struct shardd_sqe *sqe, int res,
+			     const char *msg)
+{
+	struct shardd_cqe cqe;
+	char name[160];
+
+	if (s->state != SHARDD_SESSION_ATTACHED)
+		return;
+	if (s->inflight == 0) {
+		shardd_log_error("%s: completion of %s (step %llu) without a reserved CQ slot; dropped",
+				 session_name(s, name, sizeof(name)),
+				 shardd_op_name(sqe->op) ? shardd_op_name(sqe->op) : "?",
+				 (unsigned long long)sqe->step);
+		return;
+	}
+	if (shardd_cq_space(&s->ring) <= 0) {
+		session_ring_corrupt(s, "CQ head");
+		return;
+	}
+	memset(&cqe, 0, sizeof(cqe));
+	cqe.user_data = sqe->user_data;
+	cqe.res = res;
+	cqe.op = sqe->op;
+	cqe.group = sqe->group;
+	cqe.step = sqe->step;
+	if (res < 0 && (!msg || !*msg))
+		msg = res <= -SHARDD_E_BASE ? "shardd error" : strerror(-res);
+	shardd_cq_push(&s->ring, &cqe, res < 0 ? msg : NULL);
+	s->inflight--;
+	s->stats.ops_completed++;
+	if (res < 0)
+		s->stats.ops_failed++;
+	s->stats.last_completed_op = sqe->op;
+	s->stats.last_completed_step = sqe->step;
+}
+
+/* Fail an entry that does not validate; the message names the field and value. */
+static void __attribute__((format(printf, 3, 4)))
+session_fail_sqe(struct shardd_session *s, const struct shardd_sqe *sqe, const char *fmt, ...)
+{
+	char msg[SHARDD_RING_MSG_SIZE];
+	va_list ap;
+
+	va_start(ap, fmt);
+	vsnprintf(msg, sizeof(msg), fmt, ap);
+	va_end(ap);
+	shardd_session_complete(s, sqe, -SHARDD_E_INVALID, msg);
+}
+
+/* Reserved fields are zero; nop and barrier carry no group and no flags. Returns 1 if valid. */
+static int sqe_valid(struct shardd_session *s, const struct shardd_sqe *sqe)
+{
+	if (sqe->op == 0 || sqe->op >= SHARDD_OP_COUNT) {
+		session_fail_sqe(s, sqe, "op %u is not a shardd op", sqe->op);
+		return 0;
+	}
+	for (int i = 0; i < 3; i++) {
+		if (sqe->rsvd0[i]) {
+			session_fail_sqe(s, sqe, "sqe.rsvd0[%d] = 0x%x: reserved, must be 0", i,
+					 sqe->rsvd0[i]);
+			return 0;
+		}
+	}
+	if (sqe->rsvd1) {
+		session_fail_sqe(s, sqe, "sqe.rsvd1 = 0x%x: reserved, must be 0", sqe->rsvd1);
+		return 0;
+	}
+	for (int i = 0; i < 4; i++) {
+		if (sqe->rsvd2[i]) {
+			session_fail_sqe(s, sqe, "sqe.rsvd2[%d] = 0x%llx: reserved, must be 0", i,
+					 (unsigned long long)sqe->rsvd2[i]);
+			return 0;
+		}
+	}
+	if (sqe->op == SHARDD_OP_NOP || sqe->op == SHARDD_OP_BARRIER) {
+		if (sqe->group) {
+			session_fail_sqe(s, sqe, "sqe.group = %u: must be 0 for %s", sqe->group,
+					 shardd_op_name(sqe->op));
+			return 0;
+		}
+		if (sqe->flags) {
+			session_fail_sqe(s, sqe, "sqe.flags = 0x%x: %s takes no flags", sqe->flags,
+					 shardd_op_name(sqe->op));
+			return 0;
+		}
+	}
+	return 1;
+}
+
+static void session_take(struct shardd_session *s, const struct shardd_sqe *sqe)
+{
+	if (!sqe_valid(s, sqe))
+		return;
+	switch (sqe->op) {
+	case SHARDD_OP_NOP:
+		shardd_session_complete(s, sqe, 0, NULL);
+		return;
+	case SHARDD_OP_BARRIER:
+		shardd_job_barrier(s->job, s->rank, sqe);
+		return;
+	default:
+		shardd_engine_submit(s->job->ejob, s->rank, s->id, sqe);
+		return;
+	}
+}
+
+int shardd_session_prepare_sleep(struct shardd_session *s)
+{
+	if (s->state != SHARDD_SESSION_ATTACHED)
+		return 0;
+	if (!shardd_ring_prepare_sleep(&s->ring))
+		return 0;
+	if (session_cq_room(s) > 0)
+		return 1;
+	/*
+	 * Entries wait for CQ room that only the client can free by reaping:
+	 * keep NEED_WAKEUP set so that its reap rings the doorbell.
+	 */
+	atomic_fetch_or_explicit(SHARDD_ATOMIC32(&s->ring.hdr->flags), SHARDD_RING_NEED_WAKEUP,
+				 memory_order_relaxed);
+	/*
+	 * Flag store before the cq_head load; pairs with the client's reap
+	 * (cq_head store, full fence, flag load): one of us sees the other.
+	 */
+	atomic_thread_fence(memory_order_seq_cst);
+	return session_cq_room(s) > 0;
+}
+
+unsigned shardd_session_service(struct shardd_session *s)
+{
+	uint32_t budget = s->ring.sq_mask + 1; /* one SQ's worth per turn: fairness */
+	unsigned taken = 0;
+
+	while (s->state == SHARDD_SESSION_ATTACHED && s->job && taken < budget) {
+		struct shardd_sqe sqe;
+		int64_t ready = shardd_sq_ready(&s->ring);
+		int64_t room;
+
+		if (ready < 0) {
+			session_ring_corrupt(s, "SQ tail");
+			break;
+		}
+		if (ready == 0)
+			break;
+		room = session_cq_room(s);
+		if (room < 0 && shardd_cq_space(&s->ring) < 0) {
+			session_ring_corrupt(s, "CQ head");
+			break;
+		}
+		if (room <= 0)
+			break;
+		shardd_sq_pop(&s->ring, &sqe);
+		s->inflight++;
+		s->stats.ops_taken++;
+		s->stats.last_taken_op = sqe.op;
+		s->stats.last_taken_step = sqe.step;
+		/* Diagnostics only (shardctl, a stuck client): relaxed is enough. */
+		atomic_store_explicit(SHARDD_ATOMIC32(&s->ring.hdr->daemon_last_op), sqe.op,
+				      memory_order_relaxed);
+		atomic_store_explicit((_Atomic uint64_t *)(void *)&s->ring.hdr->daemon_last_step,
+				      sqe.step, memory_order_relaxed);
+		session_take(s, &sqe);
+		taken++;
+	}
+	return taken;
+}

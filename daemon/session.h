@@ -1,0 +1,117 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * A session: one connected client. It starts in the handshake (peer
+ * credentials, HELLO), then owns the client's ring region and doorbell,
+ * serves its control messages and takes its ring entries, and delivers
+ * completions. The connection's life is the client's life: EOF on the socket
+ * or the client's pidfd turning readable ends the session at once.
+ */
+#ifndef SHARDD_SESSION_H
+#define SHARDD_SESSION_H
+
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "shardd_ctrl.h"
+#include "shardd_proto.h"
+#include "shardd_ring.h"
+
+struct shardd_job;
+struct shardd_loop_event;
+
+/* The client's credentials, from SO_PEERCRED. */
+struct shardd_peer {
+	pid_t pid;
+	uid_t uid;
+	gid_t gid;
+};
+
+enum shardd_session_state {
+	SHARDD_SESSION_HANDSHAKE = 0, /* connected, no HELLO accepted yet */
+	SHARDD_SESSION_ATTACHED  = 1, /* welcomed: rank of a job, ring live */
+	SHARDD_SESSION_DEAD      = 2, /* closed; freed at the next reap */
+};
+
+/* Per-session counters, for shardctl. */
+struct shardd_session_stats {
+	uint64_t ops_taken;          /* SQ entries taken */
+	uint64_t ops_completed;      /* CQ entries pushed */
+	uint64_t ops_failed;         /* of those, with res < 0 */
+	uint32_t last_taken_op;
+	uint64_t last_taken_step;
+	uint32_t last_completed_op;
+	uint64_t last_completed_step;
+	uint64_t attached_ns;        /* CLOCK_MONOTONIC of the welcome */
+};
+
+struct shardd_session {
+	struct shardd_session *next, *prev; /* server.sessions */
+	uint32_t id;                 /* client_id of the welcome; the engine token */
+	int      state;              /* enum shardd_session_state */
+	int      fd;                 /* control socket */
+	struct shardd_peer cred;     /* SO_PEERCRED at accept */
+	struct shardd_loop_event *sock_ev;
+	struct shardd_ctrl_rx rx;    /* control message being reassembled */
+	/* attached state */
+	struct shardd_job *job;
+	uint32_t rank;
+	int      pidfd;              /* -1 when the kernel has no pidfd_open */
+	struct shardd_loop_event *pidfd_ev;
+	int      doorbell_fd;        /* eventfd the client writes when we sleep */
+	struct shardd_loop_event *doorbell_ev;
+	void    *ring_mem;           /* our mapping of the ring memfd */
+	uint64_t ring_size;
+	struct shardd_ring ring;
+	uint32_t inflight;           /* taken entries whose completion is not pushed yet */
+	struct shardd_session_stats stats;
+};
+
+/* Accept every pending connection on the listening socket (loop callback). */
+void shardd_session_accept(void *arg, int fd, uint32_t revents);
+
+/*
+ * Take entries from the session's SQ while its CQ has unreserved room.
+ * Returns the number taken (0 when none or when the session is dead).
+ */
+unsigned shardd_session_service(struct shardd_session *s);
+/*
+ * The loop is about to sleep: set NEED_WAKEUP on the ring and re-check it.
+ * Returns 1 when entries that can be taken arrived meanwhile (do not
+ * sleep), else 0. Entries stalled on a full CQ keep NEED_WAKEUP set, so the
+ * client's next reap rings the doorbell.
+ */
+int shardd_session_prepare_sleep(struct shardd_session *s);
+
+/*
+ * Push the completion of a taken entry (releases its CQ reservation). `msg`
+ * (may be NULL) is the error text. A client whose ring is corrupt is
+ * disconnected.
+ */
+void shardd_session_complete(struct shardd_session *s, const struct shardd_sqe *sqe, int res,
+			     const char *msg);
+
+/*
+ * Send the reply of a group registration or open: SHARDD_MSG_GROUP with the
+ * four fds, or SHARDD_MSG_ERROR when res < 0. A failed send drops the client.
+ */
+void shardd_session_send_group(struct shardd_session *s, uint32_t seq, int res, const char *msg,
+			       const struct shardd_group_reply *reply,
+			       const struct shardd_param_layout *layouts, const int *fds, int nfds);
+
+/*
+ * Is the client behind this session gone (socket hung up, process exited)?
+ * Checked without waiting, so a rank can re-attach even when the loop has
+ * not yet seen its old client's EOF.
+ */
+int shardd_session_peer_gone(struct shardd_session *s);
+
+/*
+ * End the session: detach it from its job (the engine and the barrier learn
+ * that the rank is gone), mark its ring dead, close its descriptors. `why` is
+ * logged. The memory is freed at the next reap.
+ */
+void shardd_session_close(struct shardd_session *s, const char *why);
+/* Free every dead session. */
+void shardd_session_reap(void);
+
+#endif /* SHARDD_SESSION_H */

@@ -1,0 +1,241 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * daemon/rendezvous.c: "these ranks must all arrive with the same key".
+ * Arrivals, completion, key mismatch, duplicates and strangers, deadlines,
+ * and the rank lists that end up in error messages people read.
+ */
+#define _GNU_SOURCE
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "daemon/rendezvous.h"
+
+#define SEC 1000000000ull
+
+static void rdv_of(struct shardd_rdv *r, const uint32_t *ranks, uint32_t n)
+{
+	cr_assert_eq(shardd_rdv_init(r, ranks, n), 0);
+}
+
+Test(rendezvous, completes_when_every_expected_rank_arrived_with_the_same_key, .timeout = 5)
+{
+	const uint32_t ranks[] = { 0, 1, 2, 3 };
+	struct shardd_rdv r;
+	char why[128];
+
+	rdv_of(&r, ranks, 4);
+	cr_assert_eq(shardd_rdv_arrive(&r, 2, 7, 1, 100, SEC, why, sizeof(why)), SHARDD_RDV_WAIT);
+	cr_assert_eq(shardd_rdv_arrive(&r, 0, 7, 1, 200, SEC, why, sizeof(why)), SHARDD_RDV_WAIT);
+	cr_assert_eq(shardd_rdv_arrive(&r, 3, 7, 1, 300, SEC, why, sizeof(why)), SHARDD_RDV_WAIT);
+	cr_assert_eq(r.narrived, 3);
+	cr_assert_eq(shardd_rdv_arrive(&r, 1, 7, 1, 400, SEC, why, sizeof(why)),
+		     SHARDD_RDV_COMPLETE);
+	cr_assert_eq(r.step, 7);
+	cr_assert_eq(r.flags, 1);
+	cr_assert_eq(r.first_rank, 2);
+	shardd_rdv_free(&r);
+}
+
+Test(rendezvous, key_and_deadline_come_from_the_first_arrival, .timeout = 5)
+{
+	const uint32_t ranks[] = { 4, 5 };
+	struct shardd_rdv r;
+	char why[128];
+
+	rdv_of(&r, ranks, 2);
+	cr_assert_eq(r.active, 0);
+	cr_assert_eq(shardd_rdv_arrive(&r, 5, 12, 0, 1000, 30 * SEC, why, sizeof(why)),
+		     SHARDD_RDV_WAIT);
+	cr_assert_eq(r.active, 1);
+	cr_assert_eq(r.first_rank, 5);
+	cr_assert_eq(r.step, 12);
+	cr_assert_eq(r.deadline_ns, 1000 + 30 * SEC);
+	shardd_rdv_free(&r);
+}
+
+Test(rendezvous, expected_ranks_are_sorted_and_duplicates_refused, .timeout = 5)
+{
+	const uint32_t unsorted[] = { 9, 3, 6 };
+	const uint32_t dup[] = { 1, 2, 1 };
+	struct shardd_rdv r;
+
+	rdv_of(&r, unsorted, 3);
+	cr_assert_eq(r.ranks[0], 3);
+	cr_assert_eq(r.ranks[1], 6);
+	cr_assert_eq(r.ranks[2], 9);
+	cr_assert_eq(shardd_rdv_expects(&r, 6), 1);
+	cr_assert_eq(shardd_rdv_expects(&r, 7), 0);
+	shardd_rdv_free(&r);
+	cr_assert_eq(shardd_rdv_init(&r, dup, 3), -EINVAL);
+	cr_assert_eq(shardd_rdv_init(&r, dup, 0), -EINVAL);
+}
+
+Test(rendezvous, different_step_is_a_mismatch_naming_both_ranks_and_keys, .timeout = 5)
+{
+	const uint32_t ranks[] = { 0, 1, 2 };
+	struct shardd_rdv r;
+	char why[256];
+
+	rdv_of(&r, ranks, 3);
+	cr_assert_eq(shardd_rdv_arrive(&r, 0, 5, 1, 0, SEC, why, sizeof(why)), SHARDD_RDV_WAIT);
+	cr_assert_eq(shardd_rdv_arrive(&r, 2, 6, 0, 0, SEC, why, sizeof(why)),
+		     SHARDD_RDV_MISMATCH);
+	cr_assert_str_eq(why, "rank 2 submitted step 6 flags 0x0 but rank 0 submitted step 5 flags 0x1");
+	/* The mismatching arrival is not recorded: the owner fails and resets. */
+	cr_assert_eq(r.narrived, 1);
+	cr_assert_eq(shardd_rdv_has_arrived(&r, 2), 0);
+	shardd_rdv_free(&r);
+}
+
+Test(rendezvous, same_step_with_different_flags_is_a_mismatch, .timeout = 5)
+{
+	const uint32_t ranks[] = { 0, 1 };
+	struct shardd_rdv r;
+	char why[256];
+
+	rdv_of(&r, ranks, 2);
+	cr_assert_eq(shardd_rdv_arrive(&r, 1, 3, 0, 0, SEC, why, sizeof(why)), SHARDD_RDV_WAIT);
+	cr_assert_eq(shardd_rdv_arrive(&r, 0, 3, 1, 0, SEC, why, sizeof(why)),
+		     SHARDD_RDV_MISMATCH);
+	cr_assert_str_eq(why, "rank 0 submitted step 3 flags 0x1 but rank 1 submitted step 3 flags 0x0");
+	shardd_rdv_free(&r);
+}
+
+Test(rendezvous, arriving_twice_is_refused_and_says_which_step_waits, .timeout = 5)
+{
+	const uint32_t ranks[] = { 0, 1 };
+	struct shardd_rdv r;
+	char why[256];
+
+	rdv_of(&r, ranks, 2);
+	cr_assert_eq(shardd_rdv_arrive(&r, 1, 8, 0, 0, SEC, why, sizeof(why)), SHARDD_RDV_WAIT);
+	cr_assert_eq(shardd_rdv_arrive(&r, 1, 9, 0, 0, SEC, why, sizeof(why)), -EINVAL);
+	cr_assert_str_eq(why, "rank 1 submitted step 9 while its step 8 is still waiting");
+	cr_assert_eq(r.narrived, 1);
+	shardd_rdv_free(&r);
+}
+
+Test(rendezvous, a_rank_outside_the_expected_set_is_refused, .timeout = 5)
+{
+	const uint32_t ranks[] = { 0, 2 };
+	struct shardd_rdv r;
+	char why[256];
+
+	rdv_of(&r, ranks, 2);
+	cr_assert_eq(shardd_rdv_arrive(&r, 1, 0, 0, 0, SEC, why, sizeof(why)), -EINVAL);
+	cr_assert_str_eq(why, "rank 1 is not part of this rendezvous");
+	cr_assert_eq(r.active, 0);
+	shardd_rdv_free(&r);
+}
+
+Test(rendezvous, expires_only_when_active_and_at_its_deadline, .timeout = 5)
+{
+	const uint32_t ranks[] = { 0, 1 };
+	struct shardd_rdv r;
+	char why[128];
+
+	rdv_of(&r, ranks, 2);
+	cr_assert_eq(shardd_rdv_expired(&r, UINT64_MAX), 0);
+	shardd_rdv_arrive(&r, 0, 1, 0, 10 * SEC, 5 * SEC, why, sizeof(why));
+	cr_assert_eq(shardd_rdv_expired(&r, 15 * SEC - 1), 0);
+	cr_assert_eq(shardd_rdv_expired(&r, 15 * SEC), 1);
+	shardd_rdv_reset(&r);
+	cr_assert_eq(shardd_rdv_expired(&r, 100 * SEC), 0);
+	shardd_rdv_free(&r);
+}
+
+Test(rendezvous, huge_timeout_saturates_instead_of_wrapping, .timeout = 5)
+{
+	const uint32_t ranks[] = { 0, 1 };
+	struct shardd_rdv r;
+	char why[128];
+
+	rdv_of(&r, ranks, 2);
+	shardd_rdv_arrive(&r, 0, 1, 0, 10 * SEC, UINT64_MAX, why, sizeof(why));
+	cr_assert_eq(r.deadline_ns, UINT64_MAX);
+	cr_assert_eq(shardd_rdv_expired(&r, 20 * SEC), 0);
+	shardd_rdv_free(&r);
+}
+
+Test(rendezvous, missing_and_present_list_ranks_ascending, .timeout = 5)
+{
+	const uint32_t ranks[] = { 5, 0, 3, 1 };
+	struct shardd_rdv r;
+	char why[128], missing[64], present[64];
+
+	rdv_of(&r, ranks, 4);
+	shardd_rdv_missing(&r, missing, sizeof(missing));
+	shardd_rdv_present(&r, present, sizeof(present));
+	cr_assert_str_eq(missing, "0,1,3,5");
+	cr_assert_str_eq(present, "");
+	shardd_rdv_arrive(&r, 3, 1, 0, 0, SEC, why, sizeof(why));
+	shardd_rdv_arrive(&r, 0, 1, 0, 0, SEC, why, sizeof(why));
+	shardd_rdv_missing(&r, missing, sizeof(missing));
+	shardd_rdv_present(&r, present, sizeof(present));
+	cr_assert_str_eq(missing, "1,5");
+	cr_assert_str_eq(present, "0,3");
+	shardd_rdv_free(&r);
+}
+
+Test(rendezvous, a_list_too_long_for_the_buffer_ends_with_dots, .timeout = 5)
+{
+	uint32_t ranks[100];
+	struct shardd_rdv r;
+	char missing[16];
+
+	for (uint32_t i = 0; i < 100; i++)
+		ranks[i] = 100 + i;
+	rdv_of(&r, ranks, 100);
+	shardd_rdv_missing(&r, missing, sizeof(missing));
+	/* "100,101,102,10" cut, then "..." in the last bytes. */
+	cr_assert_eq(strlen(missing), sizeof(missing) - 1);
+	cr_assert_str_eq(missing, "100,101,102,...");
+	shardd_rdv_free(&r);
+}
+
+Test(rendezvous, leave_forgets_an_arrival_of_a_gone_rank, .timeout = 5)
+{
+	const uint32_t ranks[] = { 0, 1, 2 };
+	struct shardd_rdv r;
+	char why[128], present[64];
+
+	rdv_of(&r, ranks, 3);
+	shardd_rdv_arrive(&r, 0, 4, 0, 0, SEC, why, sizeof(why));
+	shardd_rdv_arrive(&r, 2, 4, 0, 0, SEC, why, sizeof(why));
+	cr_assert_eq(shardd_rdv_leave(&r, 2), 1);
+	cr_assert_eq(shardd_rdv_leave(&r, 1), 0);
+	cr_assert_eq(r.narrived, 1);
+	shardd_rdv_present(&r, present, sizeof(present));
+	cr_assert_str_eq(present, "0");
+	shardd_rdv_free(&r);
+}
+
+Test(rendezvous, reset_keeps_the_expected_set_for_the_next_round, .timeout = 5)
+{
+	const uint32_t ranks[] = { 0, 1 };
+	struct shardd_rdv r;
+	char why[128];
+
+	rdv_of(&r, ranks, 2);
+	shardd_rdv_arrive(&r, 0, 1, 0, 0, SEC, why, sizeof(why));
+	cr_assert_eq(shardd_rdv_arrive(&r, 1, 1, 0, 0, SEC, why, sizeof(why)),
+		     SHARDD_RDV_COMPLETE);
+	shardd_rdv_reset(&r);
+	cr_assert_eq(r.narrived, 0);
+	cr_assert_eq(r.active, 0);
+	cr_assert_eq(shardd_rdv_arrive(&r, 1, 2, 0, 0, SEC, why, sizeof(why)), SHARDD_RDV_WAIT);
+	cr_assert_eq(r.first_rank, 1);
+	cr_assert_eq(shardd_rdv_arrive(&r, 0, 2, 0, 0, SEC, why, sizeof(why)),
+		     SHARDD_RDV_COMPLETE);
+	shardd_rdv_free(&r);
+}
+
+Test(rendezvous, now_is_monotonic, .timeout = 5)
+{
+	uint64_t a = shardd_now_ns(), b = shardd_now_ns();
+
+	cr_assert_gt(a, 0);
+	cr_assert_geq(b, a);
+}

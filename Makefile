@@ -81,6 +81,8 @@ INTEG_BIN   := $(patsubst tests/%.c,$(BUILD)/tests/%,$(INTEG_SRC))
 GPU_BIN     := $(patsubst tests/%.c,$(BUILD)/tests/%,$(GPU_SRC))
 
 .PHONY: all test test-c test-python test-gpu train deps deps-check install clean
+# Keep objects that pattern chains would delete as intermediates (and rebuild every time).
+.SECONDARY:
 all: $(SHARDD) $(LIBCLIENT_A) $(LIBCLIENT_SO) $(SHARDCTL) $(SHARDBENCH) $(EXAMPLES) $(BUILD)/shardd.pc
 
 $(BUILD)/%.o: %.c

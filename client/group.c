@@ -177,6 +177,43 @@ static int map_buffer(struct shardd_group *g, enum shardd_group_buf b, int fd, u
 	return 0;
 }
 
+/*
+ * Take the param specs of a GROUP reply. A registering rank must get back
+ * exactly what it sent; an opening rank learns names, dtypes and shapes.
+ */
+static int specs_from_reply(struct shardd_group *g, const uint8_t *at)
+{
+	uint32_t n = g->info.nparams;
+	struct shardd_param_spec *specs = malloc(sizeof(*specs) * n);
+
+	if (!specs)
+		return shardd_err_set(-ENOMEM, "%u param specs: out of memory", n);
+	memcpy(specs, at, sizeof(*specs) * n);
+	for (uint32_t i = 0; i < n; i++) {
+		const struct shardd_param_spec *p = &specs[i];
+
+		if (strnlen(p->name, sizeof(p->name)) == sizeof(p->name) || !shardd_dtype_size(p->dtype) ||
+		    p->ndim > SHARDD_MAX_DIMS || (p->ndim && p->shard_dim >= p->ndim)) {
+			free(specs);
+			return shardd_err_set(-SHARDD_E_MALFORMED,
+					      "GROUP reply: param %u spec is invalid (dtype %u, ndim %u, "
+					      "shard_dim %u)", i, p->dtype, p->ndim, p->shard_dim);
+		}
+		/* Bytes past a name's NUL are not part of the spec: another rank may differ there. */
+		if (g->specs && (strcmp(p->name, g->specs[i].name) != 0 ||
+				 memcmp(&p->dtype, &g->specs[i].dtype,
+					sizeof(*p) - offsetof(struct shardd_param_spec, dtype)) != 0)) {
+			free(specs);
+			return shardd_err_set(-SHARDD_E_MALFORMED,
+					      "GROUP reply: param %u ('%s') differs from the registered spec",
+					      i, p->name);
+		}
+	}
+	free(g->specs);
+	g->specs = specs;
+	return 0;
+}
+
 /* Fill g from a GROUP reply; `want_nparams` 0 accepts any count. */
 static int group_from_reply(struct shardd_group *g, const struct shardd_ctrl_rx *rx,
 			    uint32_t want_nparams)
@@ -194,7 +231,8 @@ static int group_from_reply(struct shardd_group *g, const struct shardd_ctrl_rx 
 	    (want_nparams && info->nparams != want_nparams))
 		return shardd_err_set(-SHARDD_E_MALFORMED, "GROUP reply has %u params, want %u",
 				      info->nparams, want_nparams ? want_nparams : SHARDD_MAX_PARAMS);
-	want_len = sizeof(*info) + (size_t)info->nparams * sizeof(struct shardd_param_layout);
+	want_len = sizeof(*info) + (size_t)info->nparams *
+		   (sizeof(struct shardd_param_layout) + sizeof(struct shardd_param_spec));
 	if (rx->hdr.length != want_len)
 		return shardd_err_set(-SHARDD_E_MALFORMED,
 				      "GROUP reply of %u bytes, %u params need %zu",
@@ -212,6 +250,10 @@ static int group_from_reply(struct shardd_group *g, const struct shardd_ctrl_rx 
 	if (!g->layouts)
 		return shardd_err_set(-ENOMEM, "%u param layouts: out of memory", info->nparams);
 	memcpy(g->layouts, rx->payload + sizeof(*info), sizeof(*g->layouts) * info->nparams);
+	ret = specs_from_reply(g, rx->payload + sizeof(*info) +
+				  sizeof(*g->layouts) * info->nparams);
+	if (ret < 0)
+		return ret;
 	sizes[SHARDD_BUF_UNSHARDED] = info->unsharded_size;
 	sizes[SHARDD_BUF_GRAD] = info->grad_size;
 	sizes[SHARDD_BUF_SHARD] = info->shard_size;
@@ -231,7 +273,7 @@ static int group_from_reply(struct shardd_group *g, const struct shardd_ctrl_rx 
 		if (!ret)
 			ret = check_range(g, i, "shard", l->shard_offset, l->shard_bytes,
 					  SHARDD_BUF_SHARD);
-		if (!ret && g->specs)
+		if (!ret)
 			ret = check_against_spec(g, i);
 		if (ret < 0)
 			return ret;
@@ -454,11 +496,6 @@ int shardd_group_load_full(struct shardd_group *g, uint32_t param, const void *f
 	if (param >= g->info.nparams || !full)
 		return shardd_err_set(-EINVAL, "load param %u of group '%s' (%u params)%s", param,
 				      g->name, g->info.nparams, full ? "" : ": no data");
-	if (!g->specs)
-		return shardd_err_set(-SHARDD_E_STATE,
-				      "load param %u of group '%s': the group was opened by name, "
-				      "so its shapes are unknown; register it instead", param,
-				      g->name);
 	p = &g->specs[param];
 	/* Registration checked the shape and the layout against each other. */
 	geometry(p, g->info.shard_world, g->client->rank % g->info.shard_world, &geo);

@@ -63,7 +63,7 @@ struct shardd_group {
 	char                        name[SHARDD_NAME_MAX];
 	struct shardd_group_reply   info;
 	struct shardd_param_layout *layouts; /* info.nparams */
-	struct shardd_param_spec   *specs;   /* info.nparams, NULL for an opened group */
+	struct shardd_param_spec   *specs;   /* info.nparams, from the GROUP reply */
 	struct shardd_mapping       buf[SHARDD_BUF_COUNT];
 };
 

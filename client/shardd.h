@@ -134,10 +134,10 @@ int shardd_group_register(struct shardd_client *c, const char *name,
 			  const struct shardd_policy *policy, struct shardd_group **out);
 
 /*
- * Open a group some rank registered, by name, and map its buffers. The
- * GROUP reply carries layouts, not param names or shapes, so an opened
- * group answers shardd_group_find() with -ENOENT and
- * shardd_group_load_full() with -SHARDD_E_STATE.
+ * Open a group some rank registered, by name, and map its buffers (a rank
+ * re-attaching after a crash). The GROUP reply carries the registered param
+ * specs, so shardd_group_find() and shardd_group_load_full() work as on a
+ * registered group.
  */
 int shardd_group_open(struct shardd_client *c, const char *name, struct shardd_group **out);
 
@@ -169,8 +169,8 @@ void *shardd_group_shard_grad(const struct shardd_group *g, uint32_t param);
 /*
  * Copy this rank's shard of param `param` out of `full`, the whole tensor in
  * the param's own dtype and original shape (row-major), into the flat
- * shard; padding rows are zeroed. Handles Shard(i > 0). Returns 0, -EINVAL
- * (param out of range) or -SHARDD_E_STATE (group opened, shape unknown).
+ * shard; padding rows are zeroed. Handles Shard(i > 0). Returns 0 or -EINVAL
+ * (param out of range, or no data).
  */
 int shardd_group_load_full(struct shardd_group *g, uint32_t param, const void *full);
 

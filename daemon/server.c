@@ -74,7 +74,8 @@ static void server_engine_complete(void *job_ctx, uint32_t rank, uint64_t token,
 
 static void server_engine_reply(void *job_ctx, uint32_t rank, uint64_t token, uint32_t seq,
 				int res, const char *msg, const struct shardd_group_reply *reply,
-				const struct shardd_param_layout *layouts, const int *fds, int nfds)
+				const struct shardd_param_layout *layouts,
+				const struct shardd_param_spec *specs, const int *fds, int nfds)
 {
 	struct shardd_job *j = job_ctx;
 	struct shardd_session *s = shardd_job_session(j, rank, token);
@@ -84,7 +85,7 @@ static void server_engine_reply(void *job_ctx, uint32_t rank, uint64_t token, ui
 				 j->name, rank, (unsigned long long)token);
 		return;
 	}
-	shardd_session_send_group(s, seq, res, msg, reply, layouts, fds, nfds);
+	shardd_session_send_group(s, seq, res, msg, reply, layouts, specs, fds, nfds);
 }
 
 /* ------------------------------------------------------------------ */

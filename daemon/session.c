@@ -99,7 +99,8 @@ session_reject(struct shardd_session *s, uint32_t seq, int code, const char *fmt
 
 void shardd_session_send_group(struct shardd_session *s, uint32_t seq, int res, const char *msg,
 			       const struct shardd_group_reply *reply,
-			       const struct shardd_param_layout *layouts, const int *fds, int nfds)
+			       const struct shardd_param_layout *layouts,
+			       const struct shardd_param_spec *specs, const int *fds, int nfds)
 {
 	uint64_t len;
 	uint8_t *buf;
@@ -111,7 +112,7 @@ void shardd_session_send_group(struct shardd_session *s, uint32_t seq, int res, 
 		session_reply_error(s, seq, res, "%s", msg && *msg ? msg : "group request failed");
 		return;
 	}
-	len = sizeof(*reply) + (uint64_t)reply->nparams * sizeof(*layouts);
+	len = sizeof(*reply) + (uint64_t)reply->nparams * (sizeof(*layouts) + sizeof(*specs));
 	if (len > SHARDD_CTRL_MAX) {
 		session_reply_error(s, seq, -SHARDD_E_INVALID,
 				    "group reply of %u params is %llu bytes, over the %u-byte message limit",
@@ -125,8 +126,9 @@ void shardd_session_send_group(struct shardd_session *s, uint32_t seq, int res, 
 		return;
 	}
 	memcpy(buf, reply, sizeof(*reply));
-	if (reply->nparams)
-		memcpy(buf + sizeof(*reply), layouts, (size_t)reply->nparams * sizeof(*layouts));
+	memcpy(buf + sizeof(*reply), layouts, (size_t)reply->nparams * sizeof(*layouts));
+	memcpy(buf + sizeof(*reply) + (size_t)reply->nparams * sizeof(*layouts), specs,
+	       (size_t)reply->nparams * sizeof(*specs));
 	ret = shardd_ctrl_send(s->fd, SHARDD_MSG_GROUP, seq, buf, (uint32_t)len, fds, nfds);
 	free(buf);
 	if (ret < 0) {

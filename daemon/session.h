@@ -96,7 +96,8 @@ void shardd_session_complete(struct shardd_session *s, const struct shardd_sqe *
  */
 void shardd_session_send_group(struct shardd_session *s, uint32_t seq, int res, const char *msg,
 			       const struct shardd_group_reply *reply,
-			       const struct shardd_param_layout *layouts, const int *fds, int nfds);
+			       const struct shardd_param_layout *layouts,
+			       const struct shardd_param_spec *specs, const int *fds, int nfds);
 
 /*
  * Is the client behind this session gone (socket hung up, process exited)?

@@ -210,9 +210,11 @@ struct shardd_param_layout {
 };
 
 /*
- * SHARDD_MSG_GROUP payload: this, then nparams param layouts, with four
- * fds in this order: unsharded (read-only), grad (rw), flat shard (rw),
- * sharded grad (rw). Sizes below are the mapping sizes.
+ * SHARDD_MSG_GROUP payload: this, then nparams param layouts, then the
+ * nparams param specs as registered (so a rank that opens a group by name
+ * learns names, dtypes and shapes), with four fds in this order: unsharded
+ * (read-only), grad (rw), flat shard (rw), sharded grad (rw). Sizes below
+ * are the mapping sizes.
  */
 struct shardd_group_reply {
 	uint32_t group_id;        /* nonzero, used in sqe.group */

@@ -136,6 +136,11 @@ def test_register_then_open_gives_the_same_group(daemon, request):
             assert not g.unsharded("w").flags.writeable
         opened = clients[1].open_group("g")
         assert opened.id == groups[1].id and opened.layouts == groups[1].layouts
+        # The GROUP reply echoes the registered specs: an opened group knows its params.
+        assert [(p.name, p.shape) for p in opened.params] == \
+            [(p.name, p.shape) for p in groups[1].params]
+        assert opened.index("t") == groups[1].index("t")
+        assert opened.shard("w").shape == groups[1].shard("w").shape
         with pytest.raises(shardd.ShardError) as ei:
             clients[0].open_group("no-such-group")
         assert ei.value.code == -P.E_NOGROUP

@@ -95,6 +95,14 @@ class Param:
         if self.shape and not 0 <= self.shard_dim < len(self.shape):
             raise ValueError(f"param {name!r}: shard_dim {shard_dim} out of range for shape {self.shape}")
 
+    @classmethod
+    def unpack_from(cls, buf, offset):
+        """A spec as the daemon echoes it in a GROUP reply."""
+        name, dtype, ndim, shard_dim, _flags, *shape = P.PARAM_SPEC.unpack_from(buf, offset)
+        if ndim > P.MAX_DIMS:
+            raise ValueError(f"param spec at byte {offset}: ndim {ndim} > {P.MAX_DIMS}")
+        return cls(name.split(b"\0", 1)[0].decode(), dtype, shape[:ndim], shard_dim)
+
     def pack(self):
         shape = list(self.shape) + [0] * (P.MAX_DIMS - len(self.shape))
         return P.PARAM_SPEC.pack(_cstr(self.name, P.PARAM_NAME_MAX, "param name"), self.dtype,
@@ -454,13 +462,22 @@ class Group:
             (self.id, self.nparams, self.param_dtype, self.reduce_dtype, self.grad_dtype,
              self.shard_world, self.unsharded_size, self.grad_size, self.shard_size,
              _r0, _r1) = P.GROUP_REPLY.unpack_from(reply)
-            want = P.GROUP_REPLY.size + self.nparams * P.PARAM_LAYOUT.size
+            # reply header, nparams layouts, then the nparams specs as registered
+            specs_at = P.GROUP_REPLY.size + self.nparams * P.PARAM_LAYOUT.size
+            want = specs_at + self.nparams * P.PARAM_SPEC.size
             if len(reply) != want or (specs is not None and len(specs) != self.nparams):
                 raise _error(-P.E_MALFORMED, f"{where}: GROUP reply of {len(reply)} bytes for "
                                              f"{self.nparams} params, expected {want}")
             self.layouts = [P.PARAM_LAYOUT.unpack_from(reply, P.GROUP_REPLY.size + i * 64)
                             for i in range(self.nparams)]
-            self.params = specs
+            try:
+                self.params = [Param.unpack_from(reply, specs_at + i * P.PARAM_SPEC.size)
+                               for i in range(self.nparams)]
+            except ValueError as e:
+                raise _error(-P.E_MALFORMED, f"{where}: GROUP reply: {e}") from None
+            if specs is not None and [(p.name, p.dtype, p.shape, p.shard_dim) for p in specs] != \
+                    [(p.name, p.dtype, p.shape, p.shard_dim) for p in self.params]:
+                raise _error(-P.E_MALFORMED, f"{where}: GROUP reply specs differ from the registered ones")
             sizes = (self.unsharded_size, self.grad_size, self.shard_size, self.shard_size)
             for i, (fd, size) in enumerate(zip(fds, sizes)):
                 if size == 0:
@@ -486,8 +503,6 @@ class Group:
 
     # ------------------------------------------------------------ params
     def index(self, name):
-        if self.params is None:
-            raise ShardError(-errno.ENOENT, f"group '{self.name}' was opened: param names unknown")
         for i, p in enumerate(self.params):
             if p.name == name:
                 return i
@@ -502,20 +517,18 @@ class Group:
     def _unsharded_dtype(self, i):
         if self.param_dtype != P.DTYPE_NONE:
             return self.param_dtype
-        if self.params is not None:
-            return self.params[i].dtype
-        return self.grad_dtype
+        return self.params[i].dtype
 
     def _grad_dtype(self, i):
         return self._unsharded_dtype(i)
 
     def _view(self, buf, off, nbytes, code, shape):
         m = self.maps[buf]
-        dt = np.dtype(np.uint8) if code == P.DTYPE_NONE else D.numpy_dtype(code)
+        dt = D.numpy_dtype(code)
         if m is None:
             return np.zeros(0, dt)
         a = np.frombuffer(m, dtype=dt, count=nbytes // dt.itemsize, offset=off)
-        if shape is not None and int(np.prod(shape, dtype=np.int64)) == a.size:
+        if int(np.prod(shape, dtype=np.int64)) == a.size:
             a = a.reshape(shape)
         return a
 
@@ -523,19 +536,17 @@ class Group:
         """Read-only view of the unsharded param (param_dtype; bf16: uint16 bits)."""
         i = self._i(param)
         lay = self.layouts[i]
-        shape = self.params[i].shape if self.params else None
+        shape = self.params[i].shape
         return self._view(self.UNSHARDED, lay[0], lay[1], self._unsharded_dtype(i), shape)
 
     def grad(self, param):
         """Writable view of this rank's unsharded gradient of the param (grad dtype)."""
         i = self._i(param)
         lay = self.layouts[i]
-        shape = self.params[i].shape if self.params else None
+        shape = self.params[i].shape
         return self._view(self.GRAD, lay[2], lay[3], self._grad_dtype(i), shape)
 
     def _shard_shape(self, i):
-        if self.params is None:
-            return None
         p = self.params[i]
         item = P.DTYPE_SIZES[p.dtype]
         if not p.shape:
@@ -545,7 +556,7 @@ class Group:
         return tuple(rows if d == p.shard_dim else s for d, s in enumerate(p.shape))
 
     def _orig_dtype(self, i):
-        return self.params[i].dtype if self.params is not None else P.DTYPE_NONE
+        return self.params[i].dtype
 
     def shard(self, param):
         """Writable view of this rank's shard (original dtype, padding rows included)."""
@@ -568,8 +579,6 @@ class Group:
         """Copy this rank's rows of `full` (the whole param, its shape, its dtype;
         a bf16 param also takes float32, rounded) into the flat shard; zero the padding."""
         i = self._i(param)
-        if self.params is None:
-            raise ShardError(-P.E_STATE, f"group '{self.name}' was opened: shapes unknown")
         p = self.params[i]
         full = np.asarray(full)
         if p.dtype == P.DTYPE_BF16 and full.dtype == np.float32:

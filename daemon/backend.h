@@ -1,0 +1,106 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Backend table: where a group's buffers live and who moves their bytes.
+ *
+ * The engine decides what an op computes (which buffers, which shard, which
+ * reduce math, in what order); a backend decides how: host memory and CPU
+ * kernels on the worker pool (backend_host.c), or device memory and device
+ * kernels / NCCL (a cuda backend, same table). Buffers are opaque handles
+ * with an fd to export, so the engine never touches memory itself.
+ *
+ * Calls are made from pool threads, one call at a time per buffer; a call
+ * returns when its result is visible to clients (a device backend waits on
+ * its stream or records an event the trainer waits on before returning).
+ * Every call returns 0 or a negative errno / -SHARDD_E_*.
+ */
+#ifndef SHARDD_BACKEND_H
+#define SHARDD_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "daemon/layout.h"
+#include "shardd_kernels.h"
+#include "shardd_proto.h"
+
+struct shardd_backend_ctx;
+struct shardd_pool;
+
+/* One buffer of a group. */
+struct shardd_buf {
+	uint64_t bytes; /* size as allocated (and as a client maps it) */
+	int      fd;    /* the handle clients receive a duplicate of; -1 when unallocated */
+	void    *priv;  /* the backend's own state: a host mapping, a device pointer */
+};
+
+/*
+ * Operand holding one shard of every param of a group: the flat shard, the
+ * sharded grad, or an HSDP partial reduce-scatter output.
+ */
+struct shardd_shard_view {
+	struct shardd_buf *buf;
+	const uint64_t    *offsets; /* per param: bytes into buf where its shard starts */
+	uint32_t           dtype;   /* elements' dtype; SHARDD_DTYPE_NONE: each param's own dtype */
+};
+
+/* FSDP2 all-gather + copy-out of one shard group into its unsharded buffer. */
+struct shardd_unshard_args {
+	const struct shardd_layout *layout;
+	uint32_t nshards;                  /* S: shard ranks 0..S-1 in order */
+	struct shardd_buf *const *shards;  /* flat shards, layout shard offsets, params' dtypes */
+	struct shardd_buf *unsharded;      /* out: each param in its unsharded dtype, padding dropped */
+};
+
+enum shardd_reduce_src {
+	/* Inputs are unsharded grad buffers (layout grad offsets, grad dtype): a
+	   reduce-scatter, this call computing the output of shard `shard_rank`. */
+	SHARDD_REDUCE_SRC_GRAD  = 1,
+	/* Inputs are shard views: the HSDP all-reduce across replicas. */
+	SHARDD_REDUCE_SRC_SHARD = 2,
+};
+
+/*
+ * One output shard of a collective reduction, per element as
+ * shardd_k_reduce: out = [accumulate] cast(math(inputs) [+ add]).
+ * Only valid rows are reduced; the output's padding rows become zero.
+ */
+struct shardd_reduce_args {
+	const struct shardd_layout *layout;
+	uint32_t src;                          /* enum shardd_reduce_src */
+	uint32_t nin;
+	struct shardd_buf *const *grads;       /* SRC_GRAD: nin grad buffers */
+	const struct shardd_shard_view *views; /* SRC_SHARD: nin views */
+	uint32_t shard_rank;                   /* which shard's rows are reduced */
+	uint32_t in_dtype;                     /* SRC_SHARD: dtype of the views (reduce dtype) */
+	const struct shardd_shard_view *out;
+	const struct shardd_shard_view *add;   /* addend in math.reduce_dtype, or NULL; may equal out */
+	int accumulate;                        /* add into out instead of assigning */
+	struct shardd_reduce_math math;        /* math.add is ignored: `add` says where */
+};
+
+struct shardd_backend_ops {
+	const char *name;
+	/* A zero-filled buffer of `bytes` (> 0); `what` names it in errors ("grad of rank 3"). */
+	int  (*alloc)(struct shardd_backend_ctx *b, uint64_t bytes, const char *what,
+		      struct shardd_buf *out);
+	/* Also takes a buffer never allocated (fd -1, priv NULL): a no-op. */
+	void (*free)(struct shardd_backend_ctx *b, struct shardd_buf *buf);
+	/* A new fd for a client (the caller closes it); readonly: the client cannot write. */
+	int  (*export_fd)(struct shardd_backend_ctx *b, const struct shardd_buf *buf, int readonly);
+	int  (*unshard)(struct shardd_backend_ctx *b, const struct shardd_unshard_args *a);
+	int  (*reduce)(struct shardd_backend_ctx *b, const struct shardd_reduce_args *a);
+	/* Zero `bytes` bytes at `offset`. */
+	int  (*zero)(struct shardd_backend_ctx *b, struct shardd_buf *buf, uint64_t offset,
+		     uint64_t bytes);
+	void (*destroy)(struct shardd_backend_ctx *b);
+};
+
+/* Every backend's state begins with this (enum shardd_backend names the kinds). */
+struct shardd_backend_ctx {
+	const struct shardd_backend_ops *ops;
+};
+
+/* The host backend: memfd buffers, CPU kernels split across `pool`. 0 or -ENOMEM. */
+int shardd_backend_host_create(struct shardd_pool *pool, struct shardd_backend_ctx **out);
+
+#endif /* SHARDD_BACKEND_H */

@@ -1,0 +1,390 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Host backend: buffers are sealed memfds mapped in the daemon, clients map
+ * the same pages; kernels run on host pointers, split across the worker
+ * pool.
+ *
+ * An op is planned as a list of pieces (a cast of part of one shard, a
+ * chunk-cat of some outer indices, a reduction of part of one block, a
+ * padding fill), each at most HOST_GRAIN elements, grouped into batches of
+ * about HOST_GRAIN elements of work; the pool runs the batches in parallel.
+ * Many small params share a batch, one large param spans many.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "daemon/backend.h"
+#include "daemon/pool.h"
+
+/* Elements of work per batch: large enough to amortize a claim, small enough to balance 2..64 cores. */
+#define HOST_GRAIN ((uint64_t)1 << 15)
+/* Bytes per range of a parallel zero-fill. */
+#define HOST_ZERO_GRAIN ((size_t)1 << 20)
+
+struct host_backend {
+	struct shardd_backend_ctx base;
+	struct shardd_pool *pool;
+};
+
+enum host_piece_kind {
+	PIECE_CAST = 1,  /* unshard, dim 0: part of shard `chunk`'s valid rows */
+	PIECE_CHUNK_CAT, /* unshard, Shard(i > 0): outer indices [block, block + n) */
+	PIECE_REDUCE,    /* reduce: part of outer index `block`'s valid rows */
+	PIECE_ZERO,      /* reduce: padding rows of the output shard */
+};
+
+struct host_piece {
+	uint32_t kind;
+	uint32_t param;
+	uint32_t chunk; /* CAST: shard rank */
+	uint64_t block; /* CHUNK_CAT: first outer index; REDUCE: outer index */
+	uint64_t begin; /* first element within the chunk, block or shard */
+	uint64_t n;     /* elements (CHUNK_CAT: outer indices) */
+};
+
+struct host_plan {
+	struct host_piece *pieces;
+	size_t npieces, cap;
+	size_t *batches; /* batch b is pieces [batches[b], batches[b + 1]) */
+	size_t nbatches, bcap;
+	uint64_t weight; /* work in the open batch */
+};
+
+struct host_op {
+	const struct shardd_unshard_args *unshard;
+	const struct shardd_reduce_args *reduce;
+	const struct host_plan *plan;
+};
+
+static inline uint8_t *host_ptr(const struct shardd_buf *b)
+{
+	return b->priv;
+}
+
+static int plan_add(struct host_plan *pl, const struct host_piece *pc, uint64_t weight)
+{
+	if (pl->npieces == pl->cap) {
+		size_t cap = pl->cap ? pl->cap * 2 : 256;
+		struct host_piece *np = realloc(pl->pieces, cap * sizeof(*np));
+
+		if (!np)
+			return -ENOMEM;
+		pl->pieces = np;
+		pl->cap = cap;
+	}
+	if (pl->nbatches + 2 > pl->bcap) {
+		size_t cap = pl->bcap ? pl->bcap * 2 : 64;
+		size_t *nb = realloc(pl->batches, cap * sizeof(*nb));
+
+		if (!nb)
+			return -ENOMEM;
+		pl->batches = nb;
+		pl->bcap = cap;
+	}
+	if (pl->weight == 0)
+		pl->batches[pl->nbatches] = pl->npieces;
+	pl->pieces[pl->npieces++] = *pc;
+	pl->weight += weight ? weight : 1;
+	if (pl->weight >= HOST_GRAIN) {
+		pl->nbatches++;
+		pl->weight = 0;
+	}
+	return 0;
+}
+
+/* Close the open batch; afterwards batches[nbatches] ends the last one. */
+static void plan_close(struct host_plan *pl)
+{
+	if (pl->weight) {
+		pl->nbatches++;
+		pl->weight = 0;
+	}
+	if (pl->batches)
+		pl->batches[pl->nbatches] = pl->npieces;
+}
+
+static void plan_free(struct host_plan *pl)
+{
+	free(pl->pieces);
+	free(pl->batches);
+}
+
+/* Add [0, n) of a piece template in pieces of at most HOST_GRAIN elements of weight `unit` each. */
+static int plan_split(struct host_plan *pl, struct host_piece pc, uint64_t n, uint64_t unit)
+{
+	uint64_t step = HOST_GRAIN / unit ? HOST_GRAIN / unit : 1;
+	uint64_t base = pc.kind == PIECE_CHUNK_CAT ? pc.block : pc.begin;
+	int ret;
+
+	for (uint64_t at = 0; at < n; at += step) {
+		pc.n = n - at < step ? n - at : step;
+		if (pc.kind == PIECE_CHUNK_CAT)
+			pc.block = base + at;
+		else
+			pc.begin = base + at;
+		ret = plan_add(pl, &pc, pc.n * unit);
+		if (ret)
+			return ret;
+	}
+	return 0;
+}
+
+static void host_run_piece_unshard(const struct shardd_unshard_args *a, const struct host_piece *pc)
+{
+	const struct shardd_layout_param *p = &a->layout->params[pc->param];
+	size_t us = shardd_dtype_size(p->unsharded_dtype), ds = shardd_dtype_size(p->dtype);
+	uint8_t *dst = host_ptr(a->unsharded) + p->unsharded_offset;
+	uint64_t chunk = p->rows * p->inner;
+
+	if (pc->kind == PIECE_CAST) {
+		const uint8_t *src = host_ptr(a->shards[pc->chunk]) + p->shard_offset;
+
+		shardd_k_cast(dst + (pc->chunk * chunk + pc->begin) * us, p->unsharded_dtype,
+			      src + pc->begin * ds, p->dtype, pc->n);
+	} else {
+		const void *src[SHARDD_MAX_WORLD];
+
+		for (uint32_t r = 0; r < a->nshards; r++)
+			src[r] = host_ptr(a->shards[r]) + p->shard_offset + pc->block * chunk * ds;
+		shardd_k_chunk_cat(dst + pc->block * a->nshards * chunk * us, p->unsharded_dtype, src,
+				   p->dtype, a->nshards, pc->n, chunk);
+	}
+}
+
+static inline uint32_t view_dtype(const struct shardd_shard_view *v, const struct shardd_layout_param *p)
+{
+	return v->dtype != SHARDD_DTYPE_NONE ? v->dtype : p->dtype;
+}
+
+static void host_run_piece_reduce(const struct shardd_reduce_args *a, const struct host_piece *pc)
+{
+	const struct shardd_layout_param *p = &a->layout->params[pc->param];
+	uint32_t odt = view_dtype(a->out, p);
+	size_t os = shardd_dtype_size(odt);
+	uint64_t at = pc->block * p->rows * p->inner + pc->begin; /* element in the output shard */
+	uint8_t *out = host_ptr(a->out->buf) + a->out->offsets[pc->param] + at * os;
+	const void *in[SHARDD_MAX_WORLD];
+	struct shardd_reduce_math m = a->math;
+	uint32_t idt;
+
+	if (pc->kind == PIECE_ZERO) {
+		shardd_k_zero(out, pc->n * os);
+		return;
+	}
+	if (a->src == SHARDD_REDUCE_SRC_GRAD) {
+		/* Shard s of the unsharded grad: rows [s*rows, s*rows + valid) of shard_dim, per outer index. */
+		uint64_t e = pc->block * p->dim * p->inner + (uint64_t)a->shard_rank * p->rows * p->inner +
+			     pc->begin;
+		size_t gs = shardd_dtype_size(p->grad_dtype);
+
+		idt = p->grad_dtype;
+		for (uint32_t k = 0; k < a->nin; k++)
+			in[k] = host_ptr(a->grads[k]) + p->grad_offset + e * gs;
+	} else {
+		idt = a->in_dtype;
+		for (uint32_t k = 0; k < a->nin; k++)
+			in[k] = host_ptr(a->views[k].buf) + a->views[k].offsets[pc->param] +
+				at * shardd_dtype_size(idt);
+	}
+	m.add = a->add ? host_ptr(a->add->buf) + a->add->offsets[pc->param] +
+				 at * shardd_dtype_size(a->math.reduce_dtype)
+		       : NULL;
+	shardd_k_reduce(out, odt, a->accumulate, in, a->nin, idt, pc->n, &m);
+}
+
+static void host_run_batches(void *arg, size_t begin, size_t end)
+{
+	const struct host_op *op = arg;
+
+	for (size_t b = begin; b < end; b++) {
+		for (size_t i = op->plan->batches[b]; i < op->plan->batches[b + 1]; i++) {
+			if (op->unshard)
+				host_run_piece_unshard(op->unshard, &op->plan->pieces[i]);
+			else
+				host_run_piece_reduce(op->reduce, &op->plan->pieces[i]);
+		}
+	}
+}
+
+static int host_unshard(struct shardd_backend_ctx *b, const struct shardd_unshard_args *a)
+{
+	struct host_backend *hb = (struct host_backend *)b;
+	struct host_plan pl = { 0 };
+	struct host_op op = { .unshard = a, .plan = &pl };
+	int ret = 0;
+
+	for (uint32_t i = 0; i < a->layout->nparams && !ret; i++) {
+		const struct shardd_layout_param *p = &a->layout->params[i];
+		struct host_piece pc = { .param = i };
+
+		if (p->shard_dim == 0) {
+			pc.kind = PIECE_CAST;
+			for (uint32_t s = 0; s < a->nshards && !ret; s++) {
+				pc.chunk = s;
+				ret = plan_split(&pl, pc, shardd_layout_rows_valid(p, s) * p->inner, 1);
+			}
+		} else {
+			pc.kind = PIECE_CHUNK_CAT;
+			ret = plan_split(&pl, pc, p->outer, (uint64_t)a->nshards * p->rows * p->inner);
+		}
+	}
+	if (!ret) {
+		plan_close(&pl);
+		shardd_pool_for(hb->pool, pl.nbatches, 1, host_run_batches, &op);
+	}
+	plan_free(&pl);
+	return ret;
+}
+
+static int host_reduce(struct shardd_backend_ctx *b, const struct shardd_reduce_args *a)
+{
+	struct host_backend *hb = (struct host_backend *)b;
+	struct host_plan pl = { 0 };
+	struct host_op op = { .reduce = a, .plan = &pl };
+	int ret = 0;
+
+	if (a->nin == 0 || a->nin > SHARDD_MAX_WORLD)
+		return -EINVAL;
+	for (uint32_t i = 0; i < a->layout->nparams && !ret; i++) {
+		const struct shardd_layout_param *p = &a->layout->params[i];
+		uint64_t valid = shardd_layout_rows_valid(p, a->shard_rank);
+		struct host_piece pc = { .param = i, .kind = PIECE_REDUCE };
+
+		for (uint64_t o = 0; o < p->outer && !ret; o++) {
+			pc.block = o;
+			ret = plan_split(&pl, pc, valid * p->inner, a->nin);
+		}
+		if (!ret && valid < p->rows) {
+			/* Padding rows exist for dim 0 only, where outer == 1. */
+			pc.kind = PIECE_ZERO;
+			pc.block = 0;
+			pc.begin = valid * p->inner;
+			ret = plan_split(&pl, pc, (p->rows - valid) * p->inner, 1);
+		}
+	}
+	if (!ret) {
+		plan_close(&pl);
+		shardd_pool_for(hb->pool, pl.nbatches, 1, host_run_batches, &op);
+	}
+	plan_free(&pl);
+	return ret;
+}
+
+struct host_zero {
+	uint8_t *dst;
+};
+
+static void host_zero_range(void *arg, size_t begin, size_t end)
+{
+	struct host_zero *z = arg;
+
+	shardd_k_zero(z->dst + begin, end - begin);
+}
+
+static int host_zero(struct shardd_backend_ctx *b, struct shardd_buf *buf, uint64_t offset, uint64_t bytes)
+{
+	struct host_backend *hb = (struct host_backend *)b;
+	struct host_zero z = { .dst = host_ptr(buf) + offset };
+
+	if (offset > buf->bytes || bytes > buf->bytes - offset)
+		return -EINVAL;
+	shardd_pool_for(hb->pool, bytes, HOST_ZERO_GRAIN, host_zero_range, &z);
+	return 0;
+}
+
+static int host_alloc(struct shardd_backend_ctx *b, uint64_t bytes, const char *what, struct shardd_buf *out)
+{
+	char name[96];
+	void *map;
+	int fd, ret;
+
+	(void)b;
+	out->fd = -1;
+	out->priv = NULL;
+	out->bytes = 0;
+	if (bytes == 0 || bytes > SIZE_MAX / 2)
+		return -EINVAL;
+	snprintf(name, sizeof(name), "shardd:%s", what);
+	fd = memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
+	if (fd < 0)
+		return -errno;
+	if (ftruncate(fd, (off_t)bytes) < 0)
+		goto err_errno;
+	/* Clients map these pages: no one may shrink them under the daemon's mapping. */
+	if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) < 0)
+		goto err_errno;
+	map = mmap(NULL, (size_t)bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	if (map == MAP_FAILED)
+		goto err_errno;
+	out->fd = fd;
+	out->priv = map;
+	out->bytes = bytes;
+	return 0;
+
+err_errno:
+	ret = -errno;
+	close(fd);
+	return ret;
+}
+
+static void host_free(struct shardd_backend_ctx *b, struct shardd_buf *buf)
+{
+	(void)b;
+	if (buf->priv)
+		munmap(buf->priv, (size_t)buf->bytes);
+	if (buf->fd >= 0)
+		close(buf->fd);
+	buf->priv = NULL;
+	buf->fd = -1;
+	buf->bytes = 0;
+}
+
+static int host_export_fd(struct shardd_backend_ctx *b, const struct shardd_buf *buf, int readonly)
+{
+	char path[64];
+	int fd;
+
+	(void)b;
+	if (!readonly) {
+		fd = fcntl(buf->fd, F_DUPFD_CLOEXEC, 0);
+		return fd < 0 ? -errno : fd;
+	}
+	/* A new open file description opened read-only: the client can never map it writable. */
+	snprintf(path, sizeof(path), "/proc/self/fd/%d", buf->fd);
+	fd = open(path, O_RDONLY | O_CLOEXEC);
+	return fd < 0 ? -errno : fd;
+}
+
+static void host_destroy(struct shardd_backend_ctx *b)
+{
+	free(b);
+}
+
+static const struct shardd_backend_ops host_ops = {
+	.name = "host",
+	.alloc = host_alloc,
+	.free = host_free,
+	.export_fd = host_export_fd,
+	.unshard = host_unshard,
+	.reduce = host_reduce,
+	.zero = host_zero,
+	.destroy = host_destroy,
+};
+
+int shardd_backend_host_create(struct shardd_pool *pool, struct shardd_backend_ctx **out)
+{
+	struct host_backend *hb = calloc(1, sizeof(*hb));
+
+	if (!hb)
+		return -ENOMEM;
+	hb->base.ops = &host_ops;
+	hb->pool = pool;
+	*out = &hb->base;
+	return 0;
+}

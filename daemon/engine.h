@@ -1,0 +1,96 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The op engine: registered groups and the FSDP2 collectives on them.
+ *
+ * The loop thread hands the engine control messages (register / open group)
+ * and ring entries (unshard, reduce, reshard, zero_grad). Rendezvous
+ * bookkeeping happens on the loop thread; the arithmetic runs on the worker
+ * pool through a backend table (backend.h), so the engine knows nothing of
+ * memory kinds. Finished ops are queued and signalled on an eventfd; the loop
+ * calls shardd_engine_drain, which delivers them through the callbacks below.
+ */
+#ifndef SHARDD_ENGINE_H
+#define SHARDD_ENGINE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "shardd_proto.h"
+
+struct shardd_engine;       /* one per daemon: backend, worker pool, finished-op queue */
+struct shardd_engine_job;   /* one per job: its groups and their rendezvous */
+
+/*
+ * Callbacks run on the loop thread, from inside engine calls (submit,
+ * register, drain, cron, rank_gone, job_destroy); they may submit more ops
+ * but must not destroy the job or the engine.
+ */
+/* Deliver a completion for an op submitted with engine_submit (loop thread only). */
+typedef void (*shardd_engine_complete_fn)(void *job_ctx, uint32_t rank, uint64_t token,
+		const struct shardd_sqe *sqe, int res, const char *msg);
+/* Deliver a register/open reply (loop thread only). On success res == 0, reply/layouts/specs/fds
+   valid for the duration of the call (the callee sends them; fds are closed by the engine
+   after the call returns). On failure res < 0 and msg says why; the pointers are NULL. */
+typedef void (*shardd_engine_reply_fn)(void *job_ctx, uint32_t rank, uint64_t token, uint32_t seq,
+		int res, const char *msg, const struct shardd_group_reply *reply,
+		const struct shardd_param_layout *layouts, const struct shardd_param_spec *specs,
+		const int *fds, int nfds);
+
+struct shardd_engine_config {
+	uint32_t backend;                 /* enum shardd_backend */
+	uint32_t collective_timeout_ms;
+	unsigned workers;                 /* worker threads; 0 = number of online cores */
+	shardd_engine_complete_fn complete;
+	shardd_engine_reply_fn reply;
+};
+
+/* 0 or -errno / -SHARDD_E_BACKEND (logged with shardd_log). */
+int  shardd_engine_create(const struct shardd_engine_config *cfg, struct shardd_engine **out);
+void shardd_engine_destroy(struct shardd_engine *e);
+/* Readable when finished ops wait: the loop then calls drain. */
+int  shardd_engine_event_fd(struct shardd_engine *e);
+/* Loop thread: deliver finished ops via the callbacks. */
+void shardd_engine_drain(struct shardd_engine *e);
+/* Fail rendezvous past their deadline (call every ~100 ms). */
+void shardd_engine_cron(struct shardd_engine *e, uint64_t now_ns);
+
+/* 0, -ENOMEM or -SHARDD_E_INVALID (mesh out of range). */
+int  shardd_engine_job_create(struct shardd_engine *e, void *job_ctx, const char *job_name,
+		uint32_t replicate, uint32_t shard, struct shardd_engine_job **out);
+/* Pending ops fail with -SHARDD_E_SHUTDOWN via callbacks before it returns. */
+void shardd_engine_job_destroy(struct shardd_engine_job *j);
+
+/* Control plane: payload of SHARDD_MSG_REGISTER_GROUP / OPEN_GROUP (untrusted, validated
+   here). Reply via the reply cb, now or later. */
+void shardd_engine_register_group(struct shardd_engine_job *j, uint32_t rank, uint64_t token,
+		uint32_t seq, const void *payload, size_t len);
+void shardd_engine_open_group(struct shardd_engine_job *j, uint32_t rank, uint64_t token,
+		uint32_t seq, const void *payload, size_t len);
+/* Data plane: sqe already copied into daemon memory; op is UNSHARD, REDUCE, RESHARD or
+   ZERO_GRAD. Completes via the complete cb, now or later. */
+void shardd_engine_submit(struct shardd_engine_job *j, uint32_t rank, uint64_t token,
+		const struct shardd_sqe *sqe);
+/* The rank's client (this token) is gone (EOF, death, goodbye): fail rendezvous it was part
+   of (others get -SHARDD_E_PEER_DIED naming it), drop its holds. Its shards stay. */
+void shardd_engine_rank_gone(struct shardd_engine_job *j, uint32_t rank, uint64_t token);
+
+/* ---- Introspection for admin requests (loop thread only; results valid until the next engine call) ---- */
+
+struct shardd_group;
+struct shardd_rdv;
+
+/* Group ids of the job run 1..ngroups; an id whose registration failed has no group. */
+uint32_t shardd_engine_job_ngroups(const struct shardd_engine_job *j);
+/* The group with this id (complete or still registering), or NULL. */
+const struct shardd_group *shardd_engine_job_group(const struct shardd_engine_job *j, uint32_t id);
+/* 1 when every rank registered group `id` and its buffers exist, else 0. */
+int shardd_engine_group_complete(const struct shardd_engine_job *j, uint32_t id);
+/*
+ * The i-th rendezvous of group `id` that some rank has arrived at (i from 0):
+ * *op is 0 for the registration, else SHARDD_OP_UNSHARD or SHARDD_OP_REDUCE.
+ * 0, or -ENOENT past the last one (or no such group).
+ */
+int shardd_engine_group_pending(const struct shardd_engine_job *j, uint32_t id, uint32_t i,
+				uint32_t *op, const struct shardd_rdv **rdv);
+
+#endif /* SHARDD_ENGINE_H */

@@ -1,0 +1,361 @@
+/* SPDX-License-Identifier: MIT */
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "daemon/group.h"
+
+__attribute__((format(printf, 4, 5)))
+static int group_error(int code, char *err, size_t errlen, const char *fmt, ...)
+{
+	va_list ap;
+
+	if (err && errlen) {
+		va_start(ap, fmt);
+		vsnprintf(err, errlen, fmt, ap);
+		va_end(ap);
+	}
+	return code;
+}
+
+static const char *dtype_str(uint32_t dtype)
+{
+	const char *n = shardd_dtype_name(dtype);
+
+	return n ? n : "unknown";
+}
+
+int shardd_group_parse(const void *payload, size_t len, struct shardd_register_group *hdr,
+		       struct shardd_param_spec **specs, char *err, size_t errlen)
+{
+	struct shardd_param_spec *s;
+	size_t want;
+
+	*specs = NULL;
+	if (!payload || len < sizeof(*hdr))
+		return group_error(-SHARDD_E_MALFORMED, err, errlen,
+				   "register group: payload is %zu bytes, shorter than its %zu-byte header",
+				   len, sizeof(*hdr));
+	/* The payload may sit at any alignment: copy before reading fields. */
+	memcpy(hdr, payload, sizeof(*hdr));
+	if (!memchr(hdr->name, '\0', sizeof(hdr->name)))
+		return group_error(-SHARDD_E_INVALID, err, errlen,
+				   "register group: name is not NUL-terminated within %d bytes",
+				   SHARDD_NAME_MAX);
+	if (!hdr->name[0])
+		return group_error(-SHARDD_E_INVALID, err, errlen, "register group: name is empty");
+	if (hdr->nparams == 0 || hdr->nparams > SHARDD_MAX_PARAMS)
+		return group_error(-SHARDD_E_INVALID, err, errlen,
+				   "register group '%s': nparams = %u; a group holds 1..%d params",
+				   hdr->name, hdr->nparams, SHARDD_MAX_PARAMS);
+	want = sizeof(*hdr) + (size_t)hdr->nparams * sizeof(struct shardd_param_spec);
+	if (len != want)
+		return group_error(-SHARDD_E_MALFORMED, err, errlen,
+				   "register group '%s': payload is %zu bytes but nparams = %u needs %zu",
+				   hdr->name, len, hdr->nparams, want);
+	if (hdr->param_dtype >= SHARDD_DTYPE_COUNT)
+		return group_error(-SHARDD_E_INVALID, err, errlen,
+				   "register group '%s': param_dtype = %u is not a dtype (none = 0, fp32 = 1, bf16 = 2, fp16 = 3)",
+				   hdr->name, hdr->param_dtype);
+	if (hdr->reduce_dtype >= SHARDD_DTYPE_COUNT)
+		return group_error(-SHARDD_E_INVALID, err, errlen,
+				   "register group '%s': reduce_dtype = %u is not a dtype (none = 0, fp32 = 1, bf16 = 2, fp16 = 3)",
+				   hdr->name, hdr->reduce_dtype);
+	if (hdr->init != SHARDD_INIT_ZERO)
+		return group_error(-SHARDD_E_INVALID, err, errlen,
+				   "register group '%s': init = %u; only SHARDD_INIT_ZERO (0) exists",
+				   hdr->name, hdr->init);
+	if (hdr->flags || hdr->rsvd)
+		return group_error(-SHARDD_E_INVALID, err, errlen,
+				   "register group '%s': flags = 0x%x, rsvd = %u; both must be 0",
+				   hdr->name, hdr->flags, hdr->rsvd);
+	s = malloc((size_t)hdr->nparams * sizeof(*s));
+	if (!s)
+		return -ENOMEM;
+	memcpy(s, (const uint8_t *)payload + sizeof(*hdr), (size_t)hdr->nparams * sizeof(*s));
+	*specs = s;
+	return 0;
+}
+
+static uint64_t align_up(uint64_t n)
+{
+	return (n + SHARDD_ALIGN - 1) & ~(uint64_t)(SHARDD_ALIGN - 1);
+}
+
+/* Grad dtypes: uniform or not, and the set FSDP2 names in its error. */
+static void group_grad_dtypes(struct shardd_group *g)
+{
+	uint8_t seen[SHARDD_DTYPE_COUNT] = { 0 };
+	size_t off = 0;
+	int n = 0;
+
+	g->grad_dtype = g->layout.params[0].grad_dtype;
+	off += (size_t)snprintf(g->grad_dtypes, sizeof(g->grad_dtypes), "{");
+	for (uint32_t i = 0; i < g->layout.nparams; i++) {
+		uint32_t d = g->layout.params[i].grad_dtype;
+
+		if (d != g->grad_dtype)
+			g->grad_dtype = SHARDD_DTYPE_NONE;
+		if (seen[d])
+			continue;
+		seen[d] = 1;
+		off += (size_t)snprintf(g->grad_dtypes + off, sizeof(g->grad_dtypes) - off, "%s%s",
+					n++ ? ", " : "", dtype_str(d));
+	}
+	snprintf(g->grad_dtypes + off, sizeof(g->grad_dtypes) - off, "}");
+}
+
+int shardd_group_create(uint32_t id, const struct shardd_register_group *hdr,
+			struct shardd_param_spec *specs, uint32_t replicate, uint32_t shard,
+			struct shardd_group **out, char *err, size_t errlen)
+{
+	struct shardd_group *g;
+	uint32_t world = replicate * shard;
+	char lerr[384];
+	int ret;
+
+	g = calloc(1, sizeof(*g));
+	if (!g)
+		return -ENOMEM;
+	ret = shardd_layout_build(specs, hdr->nparams, shard, hdr->param_dtype, &g->layout, lerr,
+				  sizeof(lerr));
+	if (ret) {
+		if (ret == -ENOMEM)
+			snprintf(lerr, sizeof(lerr), "out of memory");
+		group_error(ret, err, errlen, "register group '%s': %s", hdr->name, lerr);
+		free(g);
+		return ret;
+	}
+	g->id = id;
+	memcpy(g->name, hdr->name, sizeof(g->name));
+	g->hdr = *hdr;
+	g->replicate = replicate;
+	g->shard = shard;
+	g->world = world;
+	group_grad_dtypes(g);
+	g->reduce_dtype = hdr->reduce_dtype != SHARDD_DTYPE_NONE ? hdr->reduce_dtype : g->grad_dtype;
+
+	g->shard_offsets = calloc(hdr->nparams, sizeof(*g->shard_offsets));
+	g->partial_offsets = calloc(hdr->nparams, sizeof(*g->partial_offsets));
+	g->unsharded = calloc(replicate, sizeof(*g->unsharded));
+	g->shards = calloc(world, sizeof(*g->shards));
+	g->sharded_grads = calloc(world, sizeof(*g->sharded_grads));
+	g->grads = calloc(world, sizeof(*g->grads));
+	g->partials = calloc(world, sizeof(*g->partials));
+	g->grad_present = calloc(world, 1);
+	g->partial_present = calloc(world, 1);
+	g->holds = calloc(world, 1);
+	if (!g->shard_offsets || !g->partial_offsets || !g->unsharded || !g->shards ||
+	    !g->sharded_grads || !g->grads || !g->partials || !g->grad_present ||
+	    !g->partial_present || !g->holds) {
+		g->specs = NULL;
+		shardd_group_destroy(g, NULL);
+		return -ENOMEM;
+	}
+	for (uint32_t r = 0; r < world; r++)
+		g->shards[r].fd = g->sharded_grads[r].fd = g->grads[r].fd = g->partials[r].fd = -1;
+	for (uint32_t u = 0; u < replicate; u++)
+		g->unsharded[u].fd = -1;
+	for (uint32_t i = 0; i < hdr->nparams; i++) {
+		const struct shardd_layout_param *p = &g->layout.params[i];
+
+		g->shard_offsets[i] = p->shard_offset;
+		/* Partials exist only with a replicate dim and a uniform grad dtype (else reduce fails). */
+		if (replicate > 1 && g->reduce_dtype != SHARDD_DTYPE_NONE) {
+			g->partial_offsets[i] = g->partial_size;
+			g->partial_size = align_up(g->partial_size +
+						   p->shard_numel * shardd_dtype_size(g->reduce_dtype));
+		}
+	}
+	if (replicate > 1 && g->reduce_dtype != SHARDD_DTYPE_NONE && g->partial_size == 0)
+		g->partial_size = SHARDD_ALIGN;
+	g->specs = specs;
+	*out = g;
+	return 0;
+}
+
+static void shape_str(const struct shardd_param_spec *s, char *buf, size_t len)
+{
+	size_t off = (size_t)snprintf(buf, len, "[");
+
+	for (uint32_t d = 0; d < s->ndim && d < SHARDD_MAX_DIMS && off < len; d++)
+		off += (size_t)snprintf(buf + off, len - off, "%s%llu", d ? ", " : "",
+					(unsigned long long)s->shape[d]);
+	if (off < len)
+		snprintf(buf + off, len - off, "]");
+}
+
+int shardd_group_compare(const struct shardd_group *g, const struct shardd_register_group *hdr,
+			 const struct shardd_param_spec *specs, uint32_t rank, uint32_t first_rank,
+			 char *why, size_t whylen)
+{
+	const char *field = NULL;
+	char mine[128], theirs[128];
+	uint32_t i;
+
+#define HDR_DIFF(f, fmt, conv)                                                           \
+	if (!field && hdr->f != g->hdr.f) {                                              \
+		field = #f;                                                              \
+		snprintf(mine, sizeof(mine), fmt, conv(hdr->f));                         \
+		snprintf(theirs, sizeof(theirs), fmt, conv(g->hdr.f));                   \
+	}
+#define AS_IS(x) (x)
+	HDR_DIFF(nparams, "%u", AS_IS)
+	HDR_DIFF(param_dtype, "%s", dtype_str)
+	HDR_DIFF(reduce_dtype, "%s", dtype_str)
+#undef HDR_DIFF
+#undef AS_IS
+	if (field) {
+		snprintf(why, whylen,
+			 "register group '%s': %s differs: %s from rank %u but %s from rank %u",
+			 g->name, field, mine, rank, theirs, first_rank);
+		return 1;
+	}
+	for (i = 0; i < hdr->nparams; i++) {
+		const struct shardd_param_spec *a = &specs[i], *b = &g->specs[i];
+
+		if (strncmp(a->name, b->name, sizeof(a->name))) {
+			field = "name";
+			snprintf(mine, sizeof(mine), "'%.*s'", (int)sizeof(a->name), a->name);
+			snprintf(theirs, sizeof(theirs), "'%s'", b->name);
+		} else if (a->dtype != b->dtype) {
+			field = "dtype";
+			snprintf(mine, sizeof(mine), "%s", dtype_str(a->dtype));
+			snprintf(theirs, sizeof(theirs), "%s", dtype_str(b->dtype));
+		} else if (a->ndim != b->ndim || memcmp(a->shape, b->shape, sizeof(a->shape))) {
+			field = "shape";
+			shape_str(a, mine, sizeof(mine));
+			shape_str(b, theirs, sizeof(theirs));
+		} else if (a->shard_dim != b->shard_dim) {
+			field = "shard_dim";
+			snprintf(mine, sizeof(mine), "%u", a->shard_dim);
+			snprintf(theirs, sizeof(theirs), "%u", b->shard_dim);
+		} else if (a->flags != b->flags) {
+			field = "flags";
+			snprintf(mine, sizeof(mine), "0x%x", a->flags);
+			snprintf(theirs, sizeof(theirs), "0x%x", b->flags);
+		}
+		if (field) {
+			snprintf(why, whylen,
+				 "register group '%s': param #%u '%s' differs in %s: %s from rank %u but %s from rank %u",
+				 g->name, i, b->name, field, mine, rank, theirs, first_rank);
+			return 1;
+		}
+	}
+	return 0;
+}
+
+int shardd_group_alloc(struct shardd_group *g, struct shardd_backend_ctx *b, char *err, size_t errlen)
+{
+	const struct shardd_backend_ops *ops = b->ops;
+	char what[160];
+	int ret = 0;
+
+	for (uint32_t u = 0; u < g->replicate && !ret; u++) {
+		snprintf(what, sizeof(what), "%s.unsharded.%u", g->name, u);
+		ret = ops->alloc(b, g->layout.unsharded_size, what, &g->unsharded[u]);
+	}
+	for (uint32_t r = 0; r < g->world && !ret; r++) {
+		snprintf(what, sizeof(what), "%s.shard.%u", g->name, r);
+		ret = ops->alloc(b, g->layout.shard_size, what, &g->shards[r]);
+		if (ret)
+			break;
+		snprintf(what, sizeof(what), "%s.sharded_grad.%u", g->name, r);
+		ret = ops->alloc(b, g->layout.shard_size, what, &g->sharded_grads[r]);
+		if (ret)
+			break;
+		snprintf(what, sizeof(what), "%s.grad.%u", g->name, r);
+		ret = ops->alloc(b, g->layout.grad_size, what, &g->grads[r]);
+		if (ret || !g->partial_size)
+			continue;
+		snprintf(what, sizeof(what), "%s.partial.%u", g->name, r);
+		ret = ops->alloc(b, g->partial_size, what, &g->partials[r]);
+	}
+	g->allocated = 1;
+	if (ret) {
+		group_error(ret, err, errlen,
+			    "register group '%s': the %s backend could not allocate buffer %s: %s",
+			    g->name, ops->name, what, ret > -SHARDD_E_BASE ? strerror(-ret) : "backend error");
+	}
+	return ret;
+}
+
+int shardd_group_reply(const struct shardd_group *g, struct shardd_backend_ctx *b, uint32_t rank,
+		       struct shardd_group_reply *reply, struct shardd_param_layout *layouts,
+		       int fds[SHARDD_GROUP_NFDS])
+{
+	const struct shardd_buf *bufs[SHARDD_GROUP_NFDS] = {
+		&g->unsharded[rank / g->shard], &g->grads[rank], &g->shards[rank], &g->sharded_grads[rank],
+	};
+	uint32_t shard_rank = rank % g->shard;
+	int k, ret;
+
+	memset(reply, 0, sizeof(*reply));
+	reply->group_id = g->id;
+	reply->nparams = g->hdr.nparams;
+	reply->param_dtype = g->hdr.param_dtype;
+	reply->reduce_dtype = g->hdr.reduce_dtype;
+	reply->grad_dtype = g->grad_dtype;
+	reply->shard_world = g->shard;
+	reply->unsharded_size = g->layout.unsharded_size;
+	reply->grad_size = g->layout.grad_size;
+	reply->shard_size = g->layout.shard_size;
+	for (uint32_t i = 0; i < g->hdr.nparams; i++) {
+		const struct shardd_layout_param *p = &g->layout.params[i];
+
+		layouts[i] = (struct shardd_param_layout){
+			.unsharded_offset = p->unsharded_offset,
+			.unsharded_bytes = p->numel * shardd_dtype_size(p->unsharded_dtype),
+			.grad_offset = p->grad_offset,
+			.grad_bytes = p->numel * shardd_dtype_size(p->grad_dtype),
+			.shard_offset = p->shard_offset,
+			.shard_bytes = p->shard_numel * shardd_dtype_size(p->dtype),
+			.shard_row_begin = (uint64_t)shard_rank * p->rows,
+			.shard_rows_valid = shardd_layout_rows_valid(p, shard_rank),
+		};
+	}
+	for (k = 0; k < SHARDD_GROUP_NFDS; k++) {
+		ret = b->ops->export_fd(b, bufs[k], k == 0);
+		if (ret < 0)
+			goto err_close;
+		fds[k] = ret;
+	}
+	return 0;
+
+err_close:
+	while (k-- > 0)
+		close(fds[k]);
+	return ret;
+}
+
+void shardd_group_destroy(struct shardd_group *g, struct shardd_backend_ctx *b)
+{
+	if (!g)
+		return;
+	if (g->allocated) {
+		for (uint32_t u = 0; u < g->replicate; u++)
+			b->ops->free(b, &g->unsharded[u]);
+		for (uint32_t r = 0; r < g->world; r++) {
+			b->ops->free(b, &g->shards[r]);
+			b->ops->free(b, &g->sharded_grads[r]);
+			b->ops->free(b, &g->grads[r]);
+			b->ops->free(b, &g->partials[r]);
+		}
+	}
+	shardd_layout_free(&g->layout);
+	free(g->specs);
+	free(g->shard_offsets);
+	free(g->partial_offsets);
+	free(g->unsharded);
+	free(g->shards);
+	free(g->sharded_grads);
+	free(g->grads);
+	free(g->partials);
+	free(g->grad_present);
+	free(g->partial_present);
+	free(g->holds);
+	free(g);
+}

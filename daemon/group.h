@@ -1,0 +1,93 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * A registered parameter group (FSDP2's FSDPParamGroup): its spec as the
+ * first rank registered it, its layout, its buffers on the backend and the
+ * per-rank state the ops keep (grads present, HSDP partials, holds on the
+ * unsharded copy). The collectives on it live in engine.c.
+ */
+#ifndef SHARDD_GROUP_H
+#define SHARDD_GROUP_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "daemon/backend.h"
+#include "daemon/layout.h"
+#include "shardd_proto.h"
+
+/* The four buffers a rank receives, in SHARDD_MSG_GROUP's fd order. */
+#define SHARDD_GROUP_NFDS 4
+
+struct shardd_group {
+	uint32_t id;                        /* nonzero; sqe.group */
+	char     name[SHARDD_NAME_MAX];
+	struct shardd_register_group hdr;   /* the first registration's header */
+	struct shardd_param_spec *specs;    /* its params (hdr.nparams) */
+	uint32_t replicate, shard, world;   /* mesh R x S, world = R * S */
+	struct shardd_layout layout;        /* built for the shard group size S */
+	uint32_t grad_dtype;                /* uniform grad dtype, NONE when params differ */
+	uint32_t reduce_dtype;              /* policy reduce_dtype, else grad_dtype */
+	char     grad_dtypes[64];           /* "{fp32, bf16}": the distinct grad dtypes, in order */
+	uint64_t *shard_offsets;            /* per param: bytes into a flat shard / sharded grad */
+	uint64_t *partial_offsets;          /* per param: bytes into an HSDP partial (reduce dtype) */
+	uint64_t partial_size;              /* bytes of one partial; 0 without a replicate dim */
+
+	int allocated;                      /* buffers below exist */
+	struct shardd_buf *unsharded;       /* [replicate]: one per shard group, lent read-only */
+	struct shardd_buf *shards;          /* [world]: flat shards, params' dtypes */
+	struct shardd_buf *sharded_grads;   /* [world]: reduce outputs, params' dtypes */
+	struct shardd_buf *grads;           /* [world]: unsharded grads, grad dtype */
+	struct shardd_buf *partials;        /* [world] when replicate > 1: reduce-scatter sums kept for the all-reduce */
+
+	/* Written only by the group's running task: tasks of a group run one at a time. */
+	uint8_t *grad_present;              /* [world]: sharded grad holds a value (accumulate into it) */
+	uint8_t *partial_present;           /* [world]: partial holds a reduce-scatter output */
+
+	/* Loop thread only. */
+	uint8_t *holds;                     /* [world]: rank holds its replica's unsharded copy */
+};
+
+/*
+ * Validate a SHARDD_MSG_REGISTER_GROUP payload (untrusted) and copy it out:
+ * *hdr, and *specs (malloc'd, hdr->nparams entries; the caller frees).
+ * Param fields are checked by shardd_layout_build. Returns 0,
+ * -SHARDD_E_MALFORMED or -SHARDD_E_INVALID with `err` naming the field and
+ * value, or -ENOMEM.
+ */
+int shardd_group_parse(const void *payload, size_t len, struct shardd_register_group *hdr,
+		       struct shardd_param_spec **specs, char *err, size_t errlen);
+
+/*
+ * A group from a parsed registration for a mesh R x S: builds the layout
+ * (its errors are returned with their text) and takes ownership of `specs`
+ * on success. No buffers yet. 0, -SHARDD_E_INVALID or -ENOMEM.
+ */
+int shardd_group_create(uint32_t id, const struct shardd_register_group *hdr,
+			struct shardd_param_spec *specs, uint32_t replicate, uint32_t shard,
+			struct shardd_group **out, char *err, size_t errlen);
+
+/*
+ * 0 when `hdr`/`specs` (registered by `rank`) equal the group's spec
+ * (registered by `first_rank`), else 1 with `why` naming the first differing
+ * param, the field, both values and both ranks.
+ */
+int shardd_group_compare(const struct shardd_group *g, const struct shardd_register_group *hdr,
+			 const struct shardd_param_spec *specs, uint32_t rank, uint32_t first_rank,
+			 char *why, size_t whylen);
+
+/* Allocate every buffer (zero-filled). 0 or the backend's error, with `err` naming the buffer. */
+int shardd_group_alloc(struct shardd_group *g, struct shardd_backend_ctx *b, char *err, size_t errlen);
+
+/*
+ * The SHARDD_MSG_GROUP reply for `rank`: *reply, layouts[nparams], and
+ * SHARDD_GROUP_NFDS new fds (unsharded read-only, grad, flat shard, sharded
+ * grad) the caller closes. 0 or -errno (no fd left open).
+ */
+int shardd_group_reply(const struct shardd_group *g, struct shardd_backend_ctx *b, uint32_t rank,
+		       struct shardd_group_reply *reply, struct shardd_param_layout *layouts,
+		       int fds[SHARDD_GROUP_NFDS]);
+
+/* Free the buffers and the group. */
+void shardd_group_destroy(struct shardd_group *g, struct shardd_backend_ctx *b);
+
+#endif /* SHARDD_GROUP_H */

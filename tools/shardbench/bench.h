@@ -1,0 +1,160 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * shardbench internals: the options every benchmark reads, and the calls
+ * each module (one per benchmark, plus the daemon it runs against and the
+ * Open MPI comparator) offers to main.c. docs/BENCHMARKS.md explains what
+ * each table means and how its bandwidths are derived.
+ */
+#ifndef SHARDBENCH_H
+#define SHARDBENCH_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+#include <time.h>
+
+#include "shardd_proto.h"
+
+#define BENCH_MIB (1024ull * 1024ull)
+#define BENCH_GIB (1024ull * BENCH_MIB)
+
+/* Command-line options shared by every benchmark (nccl-tests' letters). */
+struct bench_opts {
+	uint64_t    min_bytes;   /* -b: first size of the sweep */
+	uint64_t    max_bytes;   /* -e: last size of the sweep */
+	uint64_t    factor;      /* -f: size multiplication factor, >= 2 */
+	int         warmup;      /* -w: untimed iterations per size */
+	int         iters;       /* -n: timed iterations per size (ring: samples) */
+	int         iters_set;   /* -n was given (the ring picks its own default) */
+	int         check;       /* -c: check results (1) or not (0) */
+	uint32_t    dtype;       /* -d: param_dtype of the benchmark group */
+	uint32_t    ranks;       /* -r: rank processes */
+	uint64_t    idle_us;     /* --idle-us: gap before each sleeping ring sample */
+	const char *socket_path; /* --socket: a running daemon, or NULL */
+	const char *shardd_path; /* --shardd: daemon binary to start */
+	const char *mpi_path;    /* --mpi: the shardbench_mpi comparator */
+	const char *self_dir;    /* directory of this binary */
+};
+
+/* Same-run memory-bandwidth roofline (roofline.c). */
+struct bench_roofline {
+	double   copy_gbs;  /* a[i] = b[i]: 2 streams */
+	double   add_gbs;   /* a[i] = b[i] + c[i]: 3 streams */
+	unsigned threads;   /* one per online core, as the daemon's worker pool */
+	uint64_t array_bytes;
+	uint64_t wrong;     /* elements whose value was wrong after a kernel */
+};
+
+/* One row of the Open MPI comparator's output (mpi_compare.c). */
+struct bench_mpi_row {
+	uint64_t bytes;    /* size(B) as shardbench counts it */
+	double   time_us;  /* mean over iterations of (last end - first start) */
+	uint64_t wrong;
+};
+
+struct bench_mpi_table {
+	struct bench_mpi_row *rows;
+	size_t                nrows;
+	char                  dtype[8];  /* the MPI datatype it moved: fp32, u16 */
+	int                   available; /* 0: not built or mpirun missing */
+	char                  why[256];  /* when not available or failed */
+};
+
+/* The daemon the benchmarks talk to (daemon_proc.c). */
+struct bench_daemon {
+	pid_t pid;              /* > 0 when shardbench started it */
+	char  dir[64];          /* its temporary directory */
+	char  socket_path[128]; /* where clients connect */
+	char  log_path[128];    /* its stdout and stderr */
+};
+
+/* ---- measure.c ------------------------------------------------------- */
+
+/* CLOCK_MONOTONIC in ns: one clock for every process of the machine. */
+static inline uint64_t bench_now_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* Nearest-rank percentile (0 < p <= 100) of n sorted values. */
+uint64_t bench_percentile(const uint64_t *sorted, size_t n, double p);
+void bench_sort_u64(uint64_t *v, size_t n);
+/* "256M", "1G", "64K", "4096" -> bytes. Returns 0 or -EINVAL. */
+int bench_parse_size(const char *s, uint64_t *out);
+/* Human size for table comments: "256 MiB". */
+void bench_format_size(uint64_t bytes, char *buf, size_t len);
+/* Wait up to timeout_ms for `pid` to exit; returns its wait status or -ETIMEDOUT. */
+int bench_wait_pid(pid_t pid, int timeout_ms);
+
+/* ---- values.c -------------------------------------------------------- */
+
+/* Element i of a param (seed picks the input set): small integers, exact in every dtype. */
+float bench_param_value(uint64_t i, uint32_t seed);
+/* Element i of rank `rank`'s gradient: in [-8, 7], so means over <= 8 ranks are exact. */
+float bench_grad_value(uint64_t i, uint32_t rank, uint32_t seed);
+/* Element codecs for values exact in `dtype` (zero or normal), independent of kernels/. */
+void  bench_store_exact(void *buf, uint32_t dtype, uint64_t i, float v);
+float bench_load_exact(const void *buf, uint32_t dtype, uint64_t i);
+
+/* ---- roofline.c ------------------------------------------------------ */
+
+/*
+ * STREAM-style copy and add over three arrays of `array_bytes` each on
+ * `threads` threads; best of `iters` runs. Prints its table when `print`.
+ * Returns 0 or -errno.
+ */
+int bench_roofline_measure(uint64_t array_bytes, int iters, int print,
+			   struct bench_roofline *out);
+unsigned bench_worker_threads(void);
+
+/* ---- daemon_proc.c --------------------------------------------------- */
+
+/* Start `shardd` on a temporary socket and wait until it accepts. 0 or -errno. */
+int bench_daemon_start(const char *shardd_path, struct bench_daemon *d);
+/* Stop a daemon bench_daemon_start() started; a no-op for --socket. */
+void bench_daemon_stop(struct bench_daemon *d);
+
+/* ---- mpi_compare.c --------------------------------------------------- */
+
+/*
+ * Run `mpirun -np ranks shardbench_mpi <op> ...` over the sweep of `o` and
+ * collect its rows. op is "allgather" or "reduce_scatter". Never fails the
+ * caller: t->available says whether rows exist, t->why why not.
+ */
+void bench_mpi_run(const struct bench_opts *o, const char *op, struct bench_mpi_table *t);
+const struct bench_mpi_row *bench_mpi_find(const struct bench_mpi_table *t, uint64_t bytes);
+void bench_mpi_free(struct bench_mpi_table *t);
+
+/* ---- collective.c ---------------------------------------------------- */
+
+enum bench_collective {
+	BENCH_UNSHARD = 0,
+	BENCH_REDUCE  = 1,
+};
+
+/*
+ * The unshard or reduce sweep through the daemon at `socket_path` with
+ * o->ranks forked rank processes; prints its table. Returns 0, or a
+ * negative code when a rank failed (its message is printed).
+ */
+int bench_collective_run(const struct bench_opts *o, enum bench_collective which,
+			 const char *socket_path, const struct bench_roofline *roof);
+
+/* ---- ring.c ---------------------------------------------------------- */
+
+/*
+ * Nop round trips, spinning and sleeping, against a socket ping-pong.
+ * daemon_pid > 0 (a daemon shardbench started): pin its loop thread and
+ * this client to different cores for the ring modes.
+ */
+int bench_ring_run(const struct bench_opts *o, const char *socket_path, pid_t daemon_pid);
+
+/* ---- gpu.c ----------------------------------------------------------- */
+
+/* CUDA kernels against cudaMemcpy device-to-device; 0 and "# no GPU" without one. */
+int bench_gpu_run(const struct bench_opts *o);
+
+#endif /* SHARDBENCH_H */

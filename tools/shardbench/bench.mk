@@ -1,0 +1,23 @@
+# shardbench's Open MPI comparator (tools/shardbench/mpi/), included by the
+# top Makefile. Built only where mpicc exists; shardbench prints
+# "# Open MPI comparator not built" and leaves vsMPI empty otherwise.
+
+MPICC ?= mpicc
+HAVE_MPICC := $(shell command -v $(MPICC) >/dev/null 2>&1 && echo 1 || echo 0)
+
+ifeq ($(HAVE_MPICC),1)
+BENCH_MPI_SRC := $(wildcard tools/shardbench/mpi/*.c)
+BENCH_MPI_OBJ := $(patsubst %.c,$(BUILD)/%.o,$(BENCH_MPI_SRC))
+
+all: $(BUILD)/shardbench_mpi
+
+# shardbench runs the comparator from its own directory: build both together.
+$(BUILD)/shardbench: | $(BUILD)/shardbench_mpi
+
+$(BUILD)/tools/shardbench/mpi/%.o: tools/shardbench/mpi/%.c
+	@mkdir -p $(dir $@)
+	$(MPICC) $(CFLAGS) -c $< -o $@
+
+$(BUILD)/shardbench_mpi: $(BENCH_MPI_OBJ)
+	$(MPICC) $(LDFLAGS) -o $@ $^ -lm
+endif

@@ -1,0 +1,607 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * `shardbench unshard` and `shardbench reduce`: the two collectives through
+ * the real daemon, with o->ranks forked rank processes that each attach
+ * with libshardd, register one group of one 1-D fp32 param per size (a new
+ * job per size, so the daemon frees the previous one), write their inputs
+ * and run warm-up + timed iterations, each started by a job barrier.
+ *
+ * Time of one iteration = last rank's completion - first rank's submit
+ * (CLOCK_MONOTONIC is one clock for every process); a row shows the mean
+ * over the timed iterations. A last, untimed iteration on fresh inputs is
+ * checked element by element (-c 1), so a stale or wrong answer shows in
+ * #wrong. docs/BENCHMARKS.md derives every column.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "bench.h"
+#include "shardd.h"
+
+/* A size with no word from some rank for this long is declared stuck. */
+#define COLL_PROGRESS_TIMEOUT_MS (300 * 1000)
+#define COLL_MSG_MAX 512
+#define COLL_TARGET_MIN_BYTES (64 * BENCH_MIB)
+#define COLL_TARGET_ROOF 85.0
+#define COLL_TARGET_MPI  5.0
+
+struct coll_sample {
+	uint64_t t0; /* before the submit */
+	uint64_t t1; /* after the completion */
+};
+
+struct coll_rank_state {
+	int32_t err;                /* 0, or the code of the call that failed */
+	char    msg[COLL_MSG_MAX];  /* what failed, with the daemon's text */
+};
+
+/* Results the rank processes write; one MAP_SHARED region, laid out once before fork. */
+struct coll_shared {
+	uint32_t                nranks;
+	uint32_t                nsizes;
+	uint32_t                total;   /* warm-up + timed iterations */
+	struct coll_rank_state *state;   /* [rank] */
+	uint64_t               *wrong;   /* [size][rank] */
+	struct coll_sample     *samples; /* [size][rank][iter] */
+	void                   *base;
+	size_t                  len;
+};
+
+/* What a rank tells the parent after each size; one atomic pipe write. */
+struct coll_note {
+	uint16_t rank;
+	uint16_t size_index;
+	int32_t  ok;
+};
+
+struct coll_rank_ctx {
+	const struct bench_opts *o;
+	enum bench_collective    which;
+	const char              *socket_path;
+	const uint64_t          *sizes;
+	struct coll_shared      *sh;
+	uint32_t                 rank;
+	pid_t                    parent;
+};
+
+static const char *coll_name(enum bench_collective w)
+{
+	return w == BENCH_UNSHARD ? "unshard" : "reduce";
+}
+
+/* ---- inputs and checks (values in values.c) --------------------------- */
+
+/* This rank's rows of the param into its flat shard (fp32), padding zeroed. */
+static void write_shard(struct shardd_group *g, const struct shardd_param_layout *l,
+			uint32_t seed)
+{
+	float *shard = shardd_group_shard(g, 0);
+	uint64_t j, n = l->shard_bytes / sizeof(float);
+
+	for (j = 0; j < n; j++)
+		shard[j] = j < l->shard_rows_valid ? bench_param_value(l->shard_row_begin + j, seed) : 0.0f;
+}
+
+static void write_grad(struct shardd_group *g, uint32_t dtype, uint64_t count, uint32_t rank,
+		       uint32_t seed)
+{
+	void *grad = shardd_group_grad(g, 0);
+	uint64_t i;
+
+	for (i = 0; i < count; i++)
+		bench_store_exact(grad, dtype, i, bench_grad_value(i, rank, seed));
+}
+
+/* Unsharded elements this rank checks: its 1/S slice of the one shared copy. */
+static uint64_t check_unsharded(struct shardd_group *g, uint32_t dtype, uint64_t count,
+				uint32_t rank, uint32_t nranks, uint32_t seed)
+{
+	const void *u = shardd_group_unsharded(g, 0);
+	uint64_t i, lo = count / nranks * rank;
+	uint64_t hi = rank + 1 == nranks ? count : lo + count / nranks, wrong = 0;
+
+	for (i = lo; i < hi; i++)
+		wrong += bench_load_exact(u, dtype, i) != bench_param_value(i, seed);
+	return wrong;
+}
+
+/* This rank's sharded grad (fp32) against the mean of every rank's grad. */
+static uint64_t check_shard_grad(struct shardd_group *g, const struct shardd_param_layout *l,
+				 uint32_t nranks, uint32_t seed)
+{
+	const float *sg = shardd_group_shard_grad(g, 0);
+	uint64_t j, wrong = 0;
+	uint32_t r;
+
+	for (j = 0; j < l->shard_rows_valid; j++) {
+		float sum = 0.0f;
+
+		for (r = 0; r < nranks; r++)
+			sum += bench_grad_value(l->shard_row_begin + j, r, seed);
+		wrong += sg[j] != sum / (float)nranks;
+	}
+	return wrong;
+}
+
+/* ---- one rank process ------------------------------------------------- */
+
+static int rank_fail(struct coll_rank_ctx *x, int err, const char *what, uint64_t bytes)
+{
+	struct coll_rank_state *st = &x->sh->state[x->rank];
+	const char *why = shardd_last_error();
+	char human[32];
+
+	bench_format_size(bytes, human, sizeof(human));
+	st->err = err;
+	snprintf(st->msg, sizeof(st->msg), "rank %u: %s at size %s: %s", x->rank, what, human,
+		 why && why[0] ? why : shardd_strerror(err));
+	return err;
+}
+
+/* The op of this benchmark, then what undoes it for the next iteration. */
+static int run_op(struct coll_rank_ctx *x, struct shardd_group *g, uint64_t step,
+		  uint64_t *t0, uint64_t *t1, uint64_t bytes)
+{
+	char what[96];
+	int ret;
+
+	*t0 = bench_now_ns();
+	ret = x->which == BENCH_UNSHARD ? shardd_unshard(g, step) : shardd_reduce(g, step, 0);
+	*t1 = bench_now_ns();
+	if (ret) {
+		snprintf(what, sizeof(what), "%s(step %llu)", coll_name(x->which),
+			 (unsigned long long)step);
+		return rank_fail(x, ret, what, bytes);
+	}
+	return 0;
+}
+
+static int undo_op(struct coll_rank_ctx *x, struct shardd_group *g, uint64_t step,
+		   uint64_t bytes)
+{
+	char what[96];
+	int ret;
+
+	/* Reshard releases this rank's hold; zero_grad makes the next reduce assign, not add. */
+	ret = x->which == BENCH_UNSHARD ? shardd_reshard(g, step) : shardd_zero_grad(g);
+	if (ret) {
+		snprintf(what, sizeof(what), "%s(step %llu)",
+			 x->which == BENCH_UNSHARD ? "reshard" : "zero_grad",
+			 (unsigned long long)step);
+		return rank_fail(x, ret, what, bytes);
+	}
+	return 0;
+}
+
+static int rank_size(struct coll_rank_ctx *x, uint32_t k)
+{
+	const struct bench_opts *o = x->o;
+	struct coll_shared *sh = x->sh;
+	uint64_t bytes = x->sizes[k], count = bytes / shardd_dtype_size(o->dtype);
+	struct coll_sample *samples = sh->samples + ((size_t)k * sh->nranks + x->rank) * sh->total;
+	struct shardd_client *c = NULL;
+	struct shardd_group *g = NULL;
+	const struct shardd_param_layout *l;
+	char job[SHARDD_NAME_MAX], what[128];
+	uint64_t barrier = 1, step = 1, t0, t1;
+	uint32_t it;
+	int ret;
+	struct shardd_attach_opts ao = {
+		.socket_path = x->socket_path,
+		.job = job,
+		.rank = x->rank,
+		.replicate = 1,
+		.shard = o->ranks,
+		.device = SHARDD_HELLO_DEVICE_HOST,
+	};
+	struct shardd_param_desc param = {
+		.name = "w",
+		.dtype = SHARDD_DTYPE_FP32,
+		.ndim = 1,
+		.shape = { count },
+	};
+	struct shardd_policy policy = {
+		.param_dtype = o->dtype == SHARDD_DTYPE_FP32 ? SHARDD_DTYPE_NONE : o->dtype,
+		.reduce_dtype = SHARDD_DTYPE_NONE,
+	};
+
+	snprintf(job, sizeof(job), "shardbench.%d.%s.%u", (int)x->parent, coll_name(x->which), k);
+	ret = shardd_connect(&ao, &c);
+	if (ret) {
+		snprintf(what, sizeof(what), "attach to %s as rank %u of job '%s'",
+			 x->socket_path, x->rank, job);
+		return rank_fail(x, ret, what, bytes);
+	}
+	ret = shardd_group_register(c, "bench", &param, 1, &policy, &g);
+	if (ret) {
+		rank_fail(x, ret, "register group 'bench'", bytes);
+		goto out;
+	}
+	l = shardd_group_layout(g, 0);
+	if (x->which == BENCH_UNSHARD)
+		write_shard(g, l, 1);
+	else
+		write_grad(g, o->dtype, count, x->rank, 1);
+
+	for (it = 0; it < sh->total; it++, step++) {
+		/* Every rank starts the iteration together: the first submit starts the clock. */
+		ret = shardd_barrier(c, barrier++);
+		if (ret) {
+			rank_fail(x, ret, "barrier", bytes);
+			goto out;
+		}
+		ret = run_op(x, g, step, &samples[it].t0, &samples[it].t1, bytes);
+		if (!ret)
+			ret = undo_op(x, g, step, bytes);
+		if (ret)
+			goto out;
+	}
+	if (o->check) {
+		/* Fresh inputs, so an op that did nothing leaves the previous answer and fails. */
+		if (x->which == BENCH_UNSHARD)
+			write_shard(g, l, 2);
+		else
+			write_grad(g, o->dtype, count, x->rank, 2);
+		ret = shardd_barrier(c, barrier++);
+		if (ret) {
+			rank_fail(x, ret, "barrier", bytes);
+			goto out;
+		}
+		ret = run_op(x, g, step, &t0, &t1, bytes);
+		if (ret)
+			goto out;
+		sh->wrong[(size_t)k * sh->nranks + x->rank] = x->which == BENCH_UNSHARD
+			? check_unsharded(g, o->dtype, count, x->rank, o->ranks, 2)
+			: check_shard_grad(g, l, o->ranks, 2);
+		ret = undo_op(x, g, step, bytes);
+	}
+out:
+	shardd_group_close(g);
+	shardd_close(c);
+	return ret;
+}
+
+static int rank_main(struct coll_rank_ctx *x, int notify_fd)
+{
+	uint32_t k;
+	int ret = 0;
+
+	for (k = 0; k < x->sh->nsizes && !ret; k++) {
+		struct coll_note note = { .rank = (uint16_t)x->rank, .size_index = (uint16_t)k };
+
+		ret = rank_size(x, k);
+		note.ok = ret == 0;
+		/* A note is smaller than PIPE_BUF: one write, never interleaved with another rank's. */
+		if (write(notify_fd, &note, sizeof(note)) != (ssize_t)sizeof(note))
+			return 1;
+	}
+	return ret ? 1 : 0;
+}
+
+/* ---- the parent: sweep, collect, print -------------------------------- */
+
+static int shared_map(struct coll_shared *sh, uint32_t nranks, uint32_t nsizes, uint32_t total)
+{
+	size_t st = sizeof(struct coll_rank_state) * nranks;
+	size_t wr = sizeof(uint64_t) * nranks * nsizes;
+	size_t sa = sizeof(struct coll_sample) * (size_t)nranks * nsizes * total;
+	char *p;
+
+	sh->len = st + wr + sa;
+	/* Shared, not private: the rank processes write here after fork. */
+	p = mmap(NULL, sh->len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+	if (p == MAP_FAILED)
+		return -errno;
+	sh->base = p;
+	sh->nranks = nranks;
+	sh->nsizes = nsizes;
+	sh->total = total;
+	sh->state = (struct coll_rank_state *)p;
+	sh->wrong = (uint64_t *)(p + st);
+	sh->samples = (struct coll_sample *)(p + st + wr);
+	return 0;
+}
+
+/* Mean over timed iterations of (last completion - first submit), in us. */
+static double size_time_us(const struct coll_shared *sh, const struct bench_opts *o, uint32_t k)
+{
+	double sum = 0;
+	uint32_t it, r;
+
+	for (it = (uint32_t)o->warmup; it < sh->total; it++) {
+		uint64_t first = UINT64_MAX, last = 0;
+
+		for (r = 0; r < sh->nranks; r++) {
+			const struct coll_sample *s = &sh->samples[((size_t)k * sh->nranks + r) * sh->total + it];
+
+			first = s->t0 < first ? s->t0 : first;
+			last = s->t1 > last ? s->t1 : last;
+		}
+		sum += (double)(last - first);
+	}
+	return sum / o->iters / 1000.0;
+}
+
+/* Bytes the op must move through memory for one size (docs/BENCHMARKS.md). */
+static double moved_bytes(enum bench_collective w, uint64_t count, uint32_t dtype, uint32_t S)
+{
+	double in_fp32 = (double)count * sizeof(float);
+	double d = (double)count * (double)shardd_dtype_size(dtype);
+
+	if (w == BENCH_UNSHARD)
+		return in_fp32 + d;   /* read S fp32 shards, write the unsharded copy */
+	return (double)S * d + in_fp32; /* read S grad buffers, write S fp32 sharded grads */
+}
+
+struct coll_summary {
+	double   busbw_sum;
+	uint32_t rows;
+	double   worst_roof;  /* over sizes >= COLL_TARGET_MIN_BYTES */
+	double   worst_mpi;
+	uint32_t target_rows;
+	uint32_t mpi_rows;
+	uint64_t wrong;
+	uint64_t mpi_wrong;
+};
+
+static void print_row(const struct bench_opts *o, enum bench_collective w,
+		      const struct coll_shared *sh, uint32_t k, uint64_t bytes,
+		      const struct bench_roofline *roof, const struct bench_mpi_table *mpi,
+		      struct coll_summary *sum)
+{
+	uint64_t count = bytes / shardd_dtype_size(o->dtype), wrong = 0;
+	double us = size_time_us(sh, o, k);
+	double algbw = (double)bytes / (us * 1000.0);
+	double busbw = algbw * (double)(o->ranks - 1) / (double)o->ranks;
+	double roof_gbs = w == BENCH_UNSHARD ? roof->copy_gbs : roof->add_gbs;
+	double pct = moved_bytes(w, count, o->dtype, o->ranks) / (us * 1000.0) / roof_gbs * 100.0;
+	const struct bench_mpi_row *m = bench_mpi_find(mpi, bytes);
+	char mpi_us[24] = "-", vs[24] = "-", wr[24] = "-";
+	uint32_t r;
+
+	for (r = 0; r < sh->nranks; r++)
+		wrong += sh->wrong[(size_t)k * sh->nranks + r];
+	if (m) {
+		sum->mpi_wrong += m->wrong;
+		snprintf(mpi_us, sizeof(mpi_us), "%.1f", m->time_us);
+		snprintf(vs, sizeof(vs), "%.2f", m->time_us / us);
+	}
+	if (o->check)
+		snprintf(wr, sizeof(wr), "%llu", (unsigned long long)wrong);
+	printf("%12llu %12llu %6s %12.1f %12.2f %12.2f %7.1f %12s %7s %7s\n",
+	       (unsigned long long)bytes, (unsigned long long)count, shardd_dtype_name(o->dtype),
+	       us, algbw, busbw, pct, mpi_us, vs, wr);
+	fflush(stdout);
+	sum->busbw_sum += busbw;
+	sum->rows++;
+	sum->wrong += wrong;
+	if (bytes >= COLL_TARGET_MIN_BYTES) {
+		sum->worst_roof = sum->target_rows && sum->worst_roof < pct ? sum->worst_roof : pct;
+		sum->target_rows++;
+		if (m) {
+			double v = m->time_us / us;
+
+			sum->worst_mpi = sum->mpi_rows && sum->worst_mpi < v ? sum->worst_mpi : v;
+			sum->mpi_rows++;
+		}
+	}
+}
+
+static void print_header(const struct bench_opts *o, enum bench_collective w,
+			 const struct bench_roofline *roof, const struct bench_mpi_table *mpi)
+{
+	const char *d = shardd_dtype_name(o->dtype);
+
+	printf("#\n# shardbench %s: %u rank processes, one 1-D param per size (fp32 shards,"
+	       " param_dtype %s), warm-up %d, iterations %d, check %d\n",
+	       coll_name(w), o->ranks, d, o->warmup, o->iters, o->check);
+	if (w == BENCH_UNSHARD)
+		printf("# moves: S fp32 shards in + the unsharded %s copy out = count*(4+%zu) B;"
+		       " roofline: copy %.2f GB/s (same run)\n", d, shardd_dtype_size(o->dtype),
+		       roof->copy_gbs);
+	else
+		printf("# moves: S %s grad buffers in + S fp32 sharded grads out = count*(S*%zu+4) B;"
+		       " roofline: add %.2f GB/s (same run)\n", d, shardd_dtype_size(o->dtype),
+		       roof->add_gbs);
+	if (mpi->available)
+		printf("# vsMPI: Open MPI %s among %u processes, same sizes, MPI datatype %s\n",
+		       w == BENCH_UNSHARD ? "MPI_Allgather" : "MPI_Reduce_scatter_block(SUM)",
+		       o->ranks, mpi->dtype);
+	else
+		printf("# Open MPI comparator not built (%s)\n", mpi->why);
+	printf("# target: >= %.0f %%roof and >= %.0fx vsMPI for sizes >= 64 MiB\n",
+	       COLL_TARGET_ROOF, COLL_TARGET_MPI);
+	printf("#\n# %10s %12s %6s %12s %12s %12s %7s %12s %7s %7s\n", "size(B)", "count", "type",
+	       "time(us)", "algbw(GB/s)", "busbw(GB/s)", "%roof", "mpi(us)", "vsMPI", "#wrong");
+	fflush(stdout);
+}
+
+static void print_summary(const struct coll_summary *s)
+{
+	if (s->rows)
+		printf("# Avg bus bandwidth    : %.3f GB/s\n", s->busbw_sum / s->rows);
+	if (s->target_rows) {
+		int roof_ok = s->worst_roof >= COLL_TARGET_ROOF;
+		int mpi_ok = s->mpi_rows && s->worst_mpi >= COLL_TARGET_MPI;
+
+		printf("# target (sizes >= 64 MiB): worst %%roof %.1f (%s), ", s->worst_roof,
+		       roof_ok ? "met" : "MISSED");
+		if (s->mpi_rows)
+			printf("worst vsMPI %.2fx (%s)\n", s->worst_mpi, mpi_ok ? "met" : "MISSED");
+		else
+			printf("vsMPI not measured\n");
+	} else {
+		printf("# target (sizes >= 64 MiB): no such size in this sweep; use -e 64M or more\n");
+	}
+	if (s->wrong)
+		printf("# WRONG RESULTS: %llu elements\n", (unsigned long long)s->wrong);
+	if (s->mpi_wrong)
+		printf("# the Open MPI comparator got %llu elements wrong: its times are suspect\n",
+		       (unsigned long long)s->mpi_wrong);
+	fflush(stdout);
+}
+
+static int build_sizes(const struct bench_opts *o, uint64_t **out, uint32_t *n)
+{
+	size_t esize = shardd_dtype_size(o->dtype);
+	uint64_t b, *v = NULL;
+	uint32_t cnt = 0;
+
+	for (b = o->min_bytes; b <= o->max_bytes; b = b > UINT64_MAX / o->factor ? UINT64_MAX : b * o->factor) {
+		uint64_t *nv;
+
+		if (b % (esize * o->ranks)) {
+			printf("# %llu bytes: not a multiple of %u %s elements, skipped\n",
+			       (unsigned long long)b, o->ranks, shardd_dtype_name(o->dtype));
+			continue;
+		}
+		nv = realloc(v, (cnt + 1) * sizeof(*v));
+		if (!nv) {
+			free(v);
+			return -ENOMEM;
+		}
+		v = nv;
+		v[cnt++] = b;
+		if (b == UINT64_MAX)
+			break;
+	}
+	*out = v;
+	*n = cnt;
+	return 0;
+}
+
+int bench_collective_run(const struct bench_opts *o, enum bench_collective which,
+			 const char *socket_path, const struct bench_roofline *roof)
+{
+	struct bench_mpi_table mpi = { 0 };
+	struct coll_shared sh = { 0 };
+	struct coll_summary sum = { 0 };
+	uint64_t *sizes = NULL;
+	uint32_t nsizes = 0, r, next_row = 0, *reported = NULL;
+	pid_t *pids = NULL;
+	int fds[2] = { -1, -1 }, ret, failed = 0, status;
+
+	ret = build_sizes(o, &sizes, &nsizes);
+	if (ret || nsizes == 0) {
+		fprintf(stderr, "shardbench: %s: no size to run in -b %llu -e %llu\n",
+			coll_name(which), (unsigned long long)o->min_bytes,
+			(unsigned long long)o->max_bytes);
+		ret = ret ? ret : -EINVAL;
+		goto out;
+	}
+	/* MPI first, while the daemon idles: each side gets the machine to itself. */
+	bench_mpi_run(o, which == BENCH_UNSHARD ? "allgather" : "reduce_scatter", &mpi);
+
+	ret = shared_map(&sh, o->ranks, nsizes, (uint32_t)(o->warmup + o->iters));
+	if (ret)
+		goto out;
+	pids = calloc(o->ranks, sizeof(*pids));
+	reported = calloc(o->ranks, sizeof(*reported));
+	if (!pids || !reported || pipe2(fds, O_CLOEXEC)) {
+		ret = -ENOMEM;
+		goto out;
+	}
+	print_header(o, which, roof, &mpi);
+	for (r = 0; r < o->ranks; r++) {
+		struct coll_rank_ctx x = {
+			.o = o, .which = which, .socket_path = socket_path, .sizes = sizes,
+			.sh = &sh, .rank = r, .parent = getpid(),
+		};
+
+		/* Unflushed stdio would be printed again by every child. */
+		fflush(NULL);
+		pids[r] = fork();
+		if (pids[r] < 0) {
+			ret = -errno;
+			fprintf(stderr, "shardbench: fork of rank %u: %s\n", r, strerror(errno));
+			failed = 1;
+			break;
+		}
+		if (pids[r] == 0) {
+			close(fds[0]);
+			_exit(rank_main(&x, fds[1]));
+		}
+	}
+	close(fds[1]);
+	fds[1] = -1;
+
+	/* Rows print as soon as every rank has reported the size; a silent rank is named. */
+	while (!failed && next_row < nsizes) {
+		struct pollfd pfd = { .fd = fds[0], .events = POLLIN };
+		struct coll_note note;
+		ssize_t n;
+		int rc = poll(&pfd, 1, COLL_PROGRESS_TIMEOUT_MS);
+
+		if (rc < 0 && errno == EINTR)
+			continue;
+		if (rc == 0) {
+			printf("# %s stuck: no rank finished size %llu within %d s; missing ranks:",
+			       coll_name(which), (unsigned long long)sizes[next_row],
+			       COLL_PROGRESS_TIMEOUT_MS / 1000);
+			for (r = 0; r < o->ranks; r++)
+				if (reported[r] <= next_row)
+					printf(" %u", r);
+			printf("\n");
+			ret = -ETIMEDOUT;
+			break;
+		}
+		n = read(fds[0], &note, sizeof(note));
+		if (n != (ssize_t)sizeof(note) || note.rank >= o->ranks) {
+			printf("# %s: rank processes exited before size %llu\n", coll_name(which),
+			       (unsigned long long)sizes[next_row]);
+			ret = -ECHILD;
+			break;
+		}
+		if (!note.ok) {
+			printf("# %s FAILED: %s\n", coll_name(which), sh.state[note.rank].msg);
+			ret = sh.state[note.rank].err ? sh.state[note.rank].err : -EIO;
+			break;
+		}
+		reported[note.rank] = note.size_index + 1u;
+		for (;;) {
+			for (r = 0; r < o->ranks && reported[r] > next_row; r++)
+				;
+			if (r < o->ranks || next_row >= nsizes)
+				break;
+			print_row(o, which, &sh, next_row, sizes[next_row], roof, &mpi, &sum);
+			next_row++;
+		}
+	}
+	if (sum.rows)
+		print_summary(&sum);
+	if (!ret && sum.wrong)
+		ret = -EIO;
+	for (r = 0; r < o->ranks; r++) {
+		if (pids[r] <= 0)
+			continue;
+		/* Survivors of a failed sweep would wait on a collective that never comes. */
+		if (ret)
+			kill(pids[r], SIGKILL);
+		status = bench_wait_pid(pids[r], 30000);
+		if (status == -ETIMEDOUT) {
+			kill(pids[r], SIGKILL);
+			bench_wait_pid(pids[r], 30000);
+		}
+	}
+out:
+	if (fds[0] >= 0)
+		close(fds[0]);
+	if (fds[1] >= 0)
+		close(fds[1]);
+	if (sh.base)
+		munmap(sh.base, sh.len);
+	free(reported);
+	free(pids);
+	free(sizes);
+	bench_mpi_free(&mpi);
+	return ret;
+}

@@ -1,0 +1,306 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * shardbench: how fast shardd moves parameters, in nccl-tests' format.
+ *
+ *   shardbench [options] roofline|unshard|reduce|ring|gpu|all
+ *
+ * Without --socket it starts its own `shardd` (next to this binary, or
+ * --shardd PATH) on a temporary socket and stops it at the end. Every
+ * benchmark checks its results (#wrong). docs/BENCHMARKS.md explains the
+ * tables.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <getopt.h>
+#include <limits.h>
+#include <libgen.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "bench.h"
+
+/* Roofline arrays: 8x the 32 MiB L3 of the machines this runs on, and over any L3 we know. */
+#define ROOF_ARRAY_BYTES (256 * BENCH_MIB)
+#define ROOF_ITERS       20
+
+enum bench_cmd { CMD_ALL, CMD_ROOFLINE, CMD_UNSHARD, CMD_REDUCE, CMD_RING, CMD_GPU };
+
+static void usage(FILE *f)
+{
+	fprintf(f,
+"usage: shardbench [options] roofline|unshard|reduce|ring|gpu|all   (default: all)\n"
+"\n"
+"  roofline   STREAM-style copy and add, one thread per core (the daemon's pool)\n"
+"  unshard    all-gather + cast through the daemon, against the roofline and MPI_Allgather\n"
+"  reduce     reduce-scatter of grads, against the roofline and MPI_Reduce_scatter_block\n"
+"  ring       nop round trip through the ring (spinning, sleeping) against a socket\n"
+"  gpu        CUDA kernels against cudaMemcpy device-to-device (also: --gpu)\n"
+"  all        roofline, unshard, reduce, ring (and gpu when built with CUDA)\n"
+"\n"
+"  -b SIZE        first size (default 1M); K, M, G suffixes\n"
+"  -e SIZE        last size (default 256M; the full sweep is -e 1G)\n"
+"  -f FACTOR      size multiplication factor (default 2)\n"
+"  -w N           warm-up iterations per size (default 1)\n"
+"  -n N           timed iterations per size (default 5; ring: samples)\n"
+"  -c 0|1         check every result (default 1)\n"
+"  -d DTYPE       param_dtype: fp32, bf16 or fp16 (default bf16; shards are fp32)\n"
+"  -r N           rank processes: 1, 2, 4 or 8 (default 2)\n"
+"  --socket PATH  use the daemon listening there instead of starting one\n"
+"  --shardd PATH  daemon binary to start (default: shardd next to shardbench)\n"
+"  --mpi PATH     Open MPI comparator (default: shardbench_mpi next to shardbench)\n"
+"  --idle-us N    ring: idle gap before each sleeping sample (default 2000)\n"
+"  --gpu          same as the gpu subcommand\n"
+"  -h, --help     this text\n");
+}
+
+static int parse_int(const char *s, int lo, int hi, int *out)
+{
+	char *end;
+	long v;
+
+	errno = 0;
+	v = strtol(s, &end, 10);
+	if (errno || end == s || *end || v < lo || v > hi)
+		return -EINVAL;
+	*out = (int)v;
+	return 0;
+}
+
+static int parse_dtype(const char *s, uint32_t *out)
+{
+	uint32_t d;
+
+	for (d = SHARDD_DTYPE_FP32; d < SHARDD_DTYPE_COUNT; d++) {
+		if (!strcmp(s, shardd_dtype_name(d))) {
+			*out = d;
+			return 0;
+		}
+	}
+	return -EINVAL;
+}
+
+static int bad_option(const char *opt, const char *value, const char *want)
+{
+	fprintf(stderr, "shardbench: %s %s: expected %s (see --help)\n", opt, value, want);
+	return 2;
+}
+
+static int parse_cmd(const char *s, enum bench_cmd *cmd)
+{
+	static const struct { const char *name; enum bench_cmd cmd; } cmds[] = {
+		{ "all", CMD_ALL }, { "roofline", CMD_ROOFLINE }, { "unshard", CMD_UNSHARD },
+		{ "reduce", CMD_REDUCE }, { "ring", CMD_RING }, { "gpu", CMD_GPU },
+	};
+	size_t i;
+
+	for (i = 0; i < sizeof(cmds) / sizeof(cmds[0]); i++) {
+		if (!strcmp(s, cmds[i].name)) {
+			*cmd = cmds[i].cmd;
+			return 0;
+		}
+	}
+	return -EINVAL;
+}
+
+/* Parse argv into *o and *cmd. Returns 0, 1 (--help printed) or 2 (usage error). */
+static int parse_args(int argc, char **argv, struct bench_opts *o, enum bench_cmd *cmd)
+{
+	enum { OPT_SOCKET = 256, OPT_SHARDD, OPT_MPI, OPT_IDLE, OPT_GPU };
+	static const struct option longopts[] = {
+		{ "socket", required_argument, NULL, OPT_SOCKET },
+		{ "shardd", required_argument, NULL, OPT_SHARDD },
+		{ "mpi", required_argument, NULL, OPT_MPI },
+		{ "idle-us", required_argument, NULL, OPT_IDLE },
+		{ "gpu", no_argument, NULL, OPT_GPU },
+		{ "help", no_argument, NULL, 'h' },
+		{ NULL, 0, NULL, 0 },
+	};
+	int c, v, gpu = 0;
+
+	while ((c = getopt_long(argc, argv, "b:e:f:w:n:c:d:r:h", longopts, NULL)) != -1) {
+		switch (c) {
+		case 'b':
+			if (bench_parse_size(optarg, &o->min_bytes))
+				return bad_option("-b", optarg, "a size such as 1M");
+			break;
+		case 'e':
+			if (bench_parse_size(optarg, &o->max_bytes))
+				return bad_option("-e", optarg, "a size such as 1G");
+			break;
+		case 'f':
+			if (parse_int(optarg, 2, 1 << 20, &v))
+				return bad_option("-f", optarg, "an integer factor >= 2");
+			o->factor = (uint64_t)v;
+			break;
+		case 'w':
+			if (parse_int(optarg, 0, 1000000, &o->warmup))
+				return bad_option("-w", optarg, "a count >= 0");
+			break;
+		case 'n':
+			if (parse_int(optarg, 1, 10000000, &o->iters))
+				return bad_option("-n", optarg, "a count >= 1");
+			o->iters_set = 1;
+			break;
+		case 'c':
+			if (parse_int(optarg, 0, 1, &o->check))
+				return bad_option("-c", optarg, "0 or 1");
+			break;
+		case 'd':
+			if (parse_dtype(optarg, &o->dtype))
+				return bad_option("-d", optarg, "fp32, bf16 or fp16");
+			break;
+		case 'r':
+			if (parse_int(optarg, 1, 8, &v) || (v & (v - 1)))
+				return bad_option("-r", optarg, "1, 2, 4 or 8");
+			o->ranks = (uint32_t)v;
+			break;
+		case OPT_SOCKET:
+			o->socket_path = optarg;
+			break;
+		case OPT_SHARDD:
+			o->shardd_path = optarg;
+			break;
+		case OPT_MPI:
+			o->mpi_path = optarg;
+			break;
+		case OPT_IDLE:
+			if (parse_int(optarg, 0, 10000000, &v))
+				return bad_option("--idle-us", optarg, "microseconds >= 0");
+			o->idle_us = (uint64_t)v;
+			break;
+		case OPT_GPU:
+			gpu = 1;
+			break;
+		case 'h':
+			usage(stdout);
+			return 1;
+		default:
+			usage(stderr);
+			return 2;
+		}
+	}
+	*cmd = gpu ? CMD_GPU : CMD_ALL;
+	if (optind < argc && parse_cmd(argv[optind++], cmd))
+		return bad_option("subcommand", argv[optind - 1],
+				  "roofline, unshard, reduce, ring, gpu or all");
+	if (optind < argc)
+		return bad_option("argument", argv[optind], "one subcommand");
+	if (o->min_bytes > o->max_bytes) {
+		fprintf(stderr, "shardbench: -b %llu is larger than -e %llu\n",
+			(unsigned long long)o->min_bytes, (unsigned long long)o->max_bytes);
+		return 2;
+	}
+	return 0;
+}
+
+/* Directory of this binary: where make puts shardd and shardbench_mpi beside it. */
+static void find_self_dir(char *buf, size_t len)
+{
+	char exe[PATH_MAX];
+	ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+
+	if (n <= 0) {
+		snprintf(buf, len, ".");
+		return;
+	}
+	exe[n] = '\0';
+	snprintf(buf, len, "%s", dirname(exe));
+}
+
+static void print_machine(const struct bench_opts *o)
+{
+	char model[256] = "unknown CPU", line[512];
+	long pages = sysconf(_SC_PHYS_PAGES), psize = sysconf(_SC_PAGESIZE);
+	FILE *f = fopen("/proc/cpuinfo", "r");
+
+	while (f && fgets(line, sizeof(line), f)) {
+		char *colon = strchr(line, ':');
+
+		if (!strncmp(line, "model name", 10) && colon) {
+			snprintf(model, sizeof(model), "%s", colon + 2);
+			model[strcspn(model, "\n")] = '\0';
+			break;
+		}
+	}
+	if (f)
+		fclose(f);
+	printf("# shardbench: %s, %u online cores, %.1f GiB memory; ranks %u, dtype %s\n",
+	       model, bench_worker_threads(),
+	       (double)pages * (double)psize / (double)BENCH_GIB, o->ranks,
+	       shardd_dtype_name(o->dtype));
+}
+
+int main(int argc, char **argv)
+{
+	struct bench_opts o = {
+		.min_bytes = BENCH_MIB,
+		.max_bytes = 256 * BENCH_MIB,
+		.factor = 2,
+		.warmup = 1,
+		.iters = 5,
+		.check = 1,
+		.dtype = SHARDD_DTYPE_BF16,
+		.ranks = 2,
+		.idle_us = 2000,
+	};
+	struct bench_daemon d = { 0 };
+	struct bench_roofline roof = { 0 };
+	char self_dir[PATH_MAX], shardd_default[PATH_MAX + 16];
+	const char *socket_path;
+	enum bench_cmd cmd;
+	int ret, rc, failed = 0;
+
+	ret = parse_args(argc, argv, &o, &cmd);
+	if (ret)
+		return ret == 1 ? 0 : ret;
+	find_self_dir(self_dir, sizeof(self_dir));
+	o.self_dir = self_dir;
+	snprintf(shardd_default, sizeof(shardd_default), "%s/shardd", self_dir);
+	if (!o.shardd_path)
+		o.shardd_path = shardd_default;
+
+	print_machine(&o);
+	if (cmd == CMD_GPU)
+		return bench_gpu_run(&o) ? 1 : 0;
+
+	/* The roofline runs before the daemon starts, so nothing else competes for memory. */
+	ret = bench_roofline_measure(ROOF_ARRAY_BYTES, ROOF_ITERS, 1, &roof);
+	if (ret)
+		return 1;
+	if (roof.wrong)
+		failed = 1;
+	if (cmd == CMD_ROOFLINE)
+		return failed;
+
+	socket_path = o.socket_path;
+	if (!socket_path) {
+		ret = bench_daemon_start(o.shardd_path, &d);
+		if (ret)
+			return 1;
+		socket_path = d.socket_path;
+		printf("# daemon: %s --socket %s (started by shardbench)\n", o.shardd_path,
+		       socket_path);
+	} else {
+		printf("# daemon: the one on %s\n", socket_path);
+	}
+	fflush(stdout);
+
+	if (cmd == CMD_ALL || cmd == CMD_UNSHARD) {
+		rc = bench_collective_run(&o, BENCH_UNSHARD, socket_path, &roof);
+		failed |= rc != 0;
+	}
+	if (cmd == CMD_ALL || cmd == CMD_REDUCE) {
+		rc = bench_collective_run(&o, BENCH_REDUCE, socket_path, &roof);
+		failed |= rc != 0;
+	}
+	if (cmd == CMD_ALL || cmd == CMD_RING) {
+		rc = bench_ring_run(&o, socket_path, d.pid);
+		failed |= rc != 0;
+	}
+	bench_daemon_stop(&d);
+	if (cmd == CMD_ALL)
+		failed |= bench_gpu_run(&o) != 0;
+	return failed;
+}

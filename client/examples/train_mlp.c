@@ -366,12 +366,14 @@ static void usage(FILE *f)
 "  --socket PATH     daemon socket (default: $SHARDD_SOCKET, else the default path)\n"
 "  --job NAME        job name (default '%s')\n"
 "  --dump FILE       write the final params as raw little-endian fp32: per layer\n"
-"                    fc0, fc1, fc2 the weight (out x in, row-major) then the bias\n"
+"                    fc0, fc1, fc2 the weight (out x in, row-major) then the bias;\n"
+"                    with --rank, rank 0 writes it\n"
 "  --kill-rank R --kill-step T\n"
-"                    (tests) rank R raises SIGKILL right before submitting the\n"
-"                    reduce of fc0 at step T; the survivors fail that step, the\n"
-"                    supervisor restarts rank R with --resume-step T and\n"
-"                    everyone retries step T\n"
+"                    (tests) at step T every rank meets at a barrier, the others\n"
+"                    after submitting their reduce of fc0; rank R then raises\n"
+"                    SIGKILL instead of submitting it. The survivors' reduce\n"
+"                    fails naming rank R, the supervisor restarts rank R with\n"
+"                    --resume-step T, and every rank retries step T\n"
 "  --resume-step T   re-attach to a running job (groups opened, not registered)\n"
 "                    and join the retry of step T\n"
 "  --attempt A       with --resume-step: the attempt number of the retry (default 1)\n",
@@ -771,6 +773,33 @@ static void rank_sgd(struct rank *rk)
 }
 
 /*
+ * The planned crash of --kill-rank R --kill-step T, in place of submitting
+ * the reduce of fc0 at step T. Every rank meets at barrier op_key(T, 0, 1)
+ * first, the survivors after submitting their reduce: the daemon takes a
+ * ring's entries in order, so once the barrier completes it holds every
+ * survivor's arrival in that reduce, and rank R dies while they wait in it.
+ * Without the barrier a survivor could submit after the daemon noticed the
+ * death and wait for the collective timeout instead. Returns nonzero when
+ * the step failed (survivors), never returns in rank R.
+ */
+static int rank_kill_point(struct rank *rk, uint64_t t)
+{
+	const uint64_t kb = op_key(t, 0, 1);
+
+	if (!rk->kill_armed && rank_submit(rk, SHARDD_OP_REDUCE, 0, kb, 0) < 0)
+		return 1;
+	if (rank_sync_op(rk, SHARDD_OP_BARRIER, MLP_LAYERS, kb) < 0)
+		return 1;
+	if (rk->kill_armed) {
+		fprintf(stderr, "train_mlp: rank %u: raising SIGKILL instead of reduce(group '%s', step %" PRIu64 ")\n",
+			rk->rank, mlp_group_names[0], kb);
+		fflush(NULL);
+		raise(SIGKILL);
+	}
+	return 0;
+}
+
+/*
  * One attempt of training step t. On success the rank's shards hold the
  * step's update. On failure nothing was applied: SGD runs only after every
  * reduce of the step succeeded, so a retried step starts from the same
@@ -809,10 +838,10 @@ static int rank_step(struct rank *rk, uint64_t t, uint32_t attempt, double *loss
 			       shardd_group_grad(rk->g[l], 0), shardd_group_grad(rk->g[l], 1));
 		if (rank_submit(rk, SHARDD_OP_RESHARD, l, kb, 0) < 0 || rk->failed)
 			break;
-		if (rk->kill_armed && t == rk->o->kill_step && attempt == 0 && l == 0) {
-			/* The planned crash: every other rank is in (or entering) this reduce. */
-			fflush(NULL);
-			raise(SIGKILL);
+		if (l == 0 && attempt == 0 && rk->o->kill_rank >= 0 && t == rk->o->kill_step) {
+			if (rank_kill_point(rk, t))
+				break;
+			continue;
 		}
 		if (rank_submit(rk, SHARDD_OP_REDUCE, l, kb, 0) < 0)
 			break;
@@ -938,8 +967,8 @@ static int rank_groups(struct rank *rk)
 	return ret;
 }
 
-/* The final params, from one more unshard; rank 0 writes them. */
-static int rank_dump(struct rank *rk)
+/* The final params, from one more unshard; rank 0 writes them when --dump was given. */
+static int rank_final(struct rank *rk)
 {
 	const float *w[MLP_LAYERS], *b[MLP_LAYERS];
 	const uint64_t key = op_key(rk->o->steps, 0, 0);
@@ -955,7 +984,7 @@ static int rank_dump(struct rank *rk)
 		w[l] = shardd_group_unsharded(rk->g[l], 0);
 		b[l] = shardd_group_unsharded(rk->g[l], 1);
 	}
-	if (rk->rank == 0)
+	if (rk->rank == 0 && rk->o->dump)
 		ret = dump_write(rk->o->dump, w, b);
 	for (uint32_t l = 0; l < MLP_LAYERS; l++)
 		if (rank_submit(rk, SHARDD_OP_RESHARD, l, key, 0) < 0)
@@ -1021,8 +1050,8 @@ static int rank_main(const struct opts *o, uint32_t rank, int report_fd, int kil
 		if (ret < 0)
 			goto out;
 	}
-	if (o->dump)
-		ret = rank_dump(rk);
+	/* Every rank takes part: the final unshard is a collective even where only rank 0 dumps. */
+	ret = rank_final(rk);
 out:
 	for (uint32_t l = 0; l < MLP_LAYERS; l++)
 		shardd_group_close(rk->g[l]);
@@ -1056,7 +1085,6 @@ static pid_t spawn_rank(struct opts *o, uint32_t rank, int report_rd, int report
 		int ret;
 
 		close(report_rd);
-		/* Ranks other than 0 have nothing to dump: rank 0 writes the file. */
 		ret = rank_main(o, rank, report_wr, kill_armed);
 		fflush(NULL);
 		_exit(ret < 0 ? 1 : 0);
@@ -1185,6 +1213,7 @@ static int spawn_main(struct opts *o)
 					r, o->kill_step, o->kill_step);
 				ro.resume_step = (int64_t)o->kill_step;
 				ro.attempt = 1;
+				ro.kill_rank = -1;
 				ch[r].restarted = 1;
 				ch[r].pid = spawn_rank(&ro, r, pipefd[0], pipefd[1], 0);
 				if (ch[r].pid > 0)

@@ -344,6 +344,7 @@ int shardd_connect(const struct shardd_attach_opts *o, struct shardd_client **ou
 	c->rank = o->rank;
 	c->replicate = o->replicate;
 	c->shard = o->shard;
+	c->device = o->device;
 	ret = resolve_socket_path(o->socket_path, c->socket_path, sizeof(c->socket_path));
 	if (ret < 0)
 		goto err;
@@ -398,4 +399,9 @@ uint32_t shardd_collective_timeout_ms(const struct shardd_client *c)
 uint32_t shardd_ring_entries(const struct shardd_client *c)
 {
 	return c->welcome.sq_entries;
+}
+
+uint32_t shardd_backend(const struct shardd_client *c)
+{
+	return c->welcome.backend;
 }

@@ -14,6 +14,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "cuda_import.h"
 #include "internal.h"
 
 static const char *const buf_name[SHARDD_BUF_COUNT] = {
@@ -147,12 +148,32 @@ static int check_against_spec(const struct shardd_group *g, uint32_t i)
 	return ret;
 }
 
+/* Cuda backend: the fd is a device allocation, imported on this rank's device. */
+static int map_cuda_buffer(struct shardd_group *g, enum shardd_group_buf b, int fd, uint64_t size)
+{
+	struct shardd_cuda_mapping m;
+	int ret;
+
+	g->buf[b].size = size;
+	if (!size)
+		return 0;
+	ret = shardd_cuda_import(fd, g->client->device, size, &m);
+	if (ret < 0)
+		return shardd_err_wrap(ret, "map %s buffer", buf_name[b]);
+	g->buf[b].addr = (void *)(uintptr_t)m.ptr;
+	g->buf[b].cuda_size = m.size;
+	return 0;
+}
+
 static int map_buffer(struct shardd_group *g, enum shardd_group_buf b, int fd, uint64_t size)
 {
 	int prot = b == SHARDD_BUF_UNSHARDED ? PROT_READ : PROT_READ | PROT_WRITE;
 	struct stat st;
 	int seals;
 	void *addr;
+
+	if (g->client->welcome.backend == SHARDD_BACKEND_CUDA)
+		return map_cuda_buffer(g, b, fd, size);
 
 	if (fstat(fd, &st) < 0)
 		return shardd_err_set(-errno, "fstat %s fd: %s", buf_name[b], strerror(errno));
@@ -285,9 +306,16 @@ void shardd_group_close(struct shardd_group *g)
 {
 	if (!g)
 		return;
-	for (int b = 0; b < SHARDD_BUF_COUNT; b++)
-		if (g->buf[b].addr)
+	for (int b = 0; b < SHARDD_BUF_COUNT; b++) {
+		if (g->buf[b].cuda_size) {
+			struct shardd_cuda_mapping m = { (uint64_t)(uintptr_t)g->buf[b].addr,
+							 g->buf[b].cuda_size };
+
+			shardd_cuda_unmap(&m);
+		} else if (g->buf[b].addr) {
 			munmap(g->buf[b].addr, (size_t)g->buf[b].size);
+		}
+	}
 	free(g->layouts);
 	free(g->specs);
 	free(g);
@@ -496,6 +524,11 @@ int shardd_group_load_full(struct shardd_group *g, uint32_t param, const void *f
 	if (param >= g->info.nparams || !full)
 		return shardd_err_set(-EINVAL, "load param %u of group '%s' (%u params)%s", param,
 				      g->name, g->info.nparams, full ? "" : ": no data");
+	if (g->buf[SHARDD_BUF_SHARD].cuda_size)
+		return shardd_err_set(-ENOTSUP,
+				      "load param %u of group '%s': the daemon runs the cuda backend, so "
+				      "the flat shard is device memory; copy this rank's rows into "
+				      "shardd_group_shard() with cudaMemcpy", param, g->name);
 	p = &g->specs[param];
 	/* Registration checked the shape and the layout against each other. */
 	geometry(p, g->info.shard_world, g->client->rank % g->info.shard_world, &geo);

@@ -41,13 +41,15 @@ struct shardd_client {
 	uint32_t              rank;
 	uint32_t              replicate;
 	uint32_t              shard;
+	int32_t               device;    /* hello.device: where cuda-backend buffers are mapped */
 	char                  socket_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
 };
 
 /* One mapped buffer of a group. */
 struct shardd_mapping {
-	void    *addr; /* NULL when size is 0 */
+	void    *addr;      /* NULL when size is 0; a device address under the cuda backend */
 	uint64_t size;
+	uint64_t cuda_size; /* cuda backend: bytes mapped on the device (size rounded up); 0: a host mmap */
 };
 
 enum shardd_group_buf {

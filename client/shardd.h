@@ -117,6 +117,13 @@ uint32_t shardd_collective_timeout_ms(const struct shardd_client *c);
 /* SQ capacity: how many submissions may be in flight at once. */
 uint32_t shardd_ring_entries(const struct shardd_client *c);
 
+/*
+ * The daemon's backend (enum shardd_backend). SHARDD_BACKEND_CUDA: group
+ * buffers are device memory on this rank's device (opts.device), and the
+ * shardd_group_* pointers are device addresses.
+ */
+uint32_t shardd_backend(const struct shardd_client *c);
+
 /* Fill *st from the ring header. Returns 0 or -EBADMSG (corrupt counters). */
 int shardd_ring_status(const struct shardd_client *c, struct shardd_ring_status *st);
 
@@ -159,7 +166,11 @@ int shardd_group_find(const struct shardd_group *g, const char *param_name);
  * Where param `param` lives in each mapping, or NULL when out of range:
  * the unsharded tensor (read-only, param_dtype), this rank's unsharded
  * gradient (grad dtype), its shard in the flat shard (original dtype,
- * padding rows included) and its sharded grad.
+ * padding rows included) and its sharded grad. Under the cuda backend these
+ * are device addresses, and the unsharded tensor is read-only by convention
+ * only (the device cannot enforce it): never write it. A completion means
+ * the daemon's results are in device memory; finish writing shards and
+ * grads (synchronise the stream) before submitting the op that reads them.
  */
 const void *shardd_group_unsharded(const struct shardd_group *g, uint32_t param);
 void *shardd_group_grad(const struct shardd_group *g, uint32_t param);
@@ -169,8 +180,9 @@ void *shardd_group_shard_grad(const struct shardd_group *g, uint32_t param);
 /*
  * Copy this rank's shard of param `param` out of `full`, the whole tensor in
  * the param's own dtype and original shape (row-major), into the flat
- * shard; padding rows are zeroed. Handles Shard(i > 0). Returns 0 or -EINVAL
- * (param out of range, or no data).
+ * shard; padding rows are zeroed. Handles Shard(i > 0). Returns 0, -EINVAL
+ * (param out of range, or no data) or -ENOTSUP (cuda backend: the flat
+ * shard is device memory; copy the rows with cudaMemcpy).
  */
 int shardd_group_load_full(struct shardd_group *g, uint32_t param, const void *full);
 

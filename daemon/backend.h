@@ -80,8 +80,13 @@ struct shardd_reduce_args {
 
 struct shardd_backend_ops {
 	const char *name;
-	/* A zero-filled buffer of `bytes` (> 0); `what` names it in errors ("grad of rank 3"). */
-	int  (*alloc)(struct shardd_backend_ctx *b, uint64_t bytes, const char *what,
+	/*
+	 * A zero-filled buffer of `bytes` (> 0) for the rank(s) on CUDA device
+	 * `device` (their hello.device; SHARDD_HELLO_DEVICE_HOST when none is
+	 * named; the host backend ignores it); `what` names it in errors
+	 * ("grad of rank 3").
+	 */
+	int  (*alloc)(struct shardd_backend_ctx *b, uint64_t bytes, int32_t device, const char *what,
 		      struct shardd_buf *out);
 	/* Also takes a buffer never allocated (fd -1, priv NULL): a no-op. */
 	void (*free)(struct shardd_backend_ctx *b, struct shardd_buf *buf);

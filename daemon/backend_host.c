@@ -298,13 +298,15 @@ static int host_zero(struct shardd_backend_ctx *b, struct shardd_buf *buf, uint6
 	return 0;
 }
 
-static int host_alloc(struct shardd_backend_ctx *b, uint64_t bytes, const char *what, struct shardd_buf *out)
+static int host_alloc(struct shardd_backend_ctx *b, uint64_t bytes, int32_t device, const char *what,
+		      struct shardd_buf *out)
 {
 	char name[96];
 	void *map;
 	int fd, ret;
 
 	(void)b;
+	(void)device;
 	out->fd = -1;
 	out->priv = NULL;
 	out->bytes = 0;

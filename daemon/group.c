@@ -248,7 +248,8 @@ int shardd_group_compare(const struct shardd_group *g, const struct shardd_regis
 	return 0;
 }
 
-int shardd_group_alloc(struct shardd_group *g, struct shardd_backend_ctx *b, char *err, size_t errlen)
+int shardd_group_alloc(struct shardd_group *g, struct shardd_backend_ctx *b, const int32_t *devices,
+		       char *err, size_t errlen)
 {
 	const struct shardd_backend_ops *ops = b->ops;
 	char what[160];
@@ -256,23 +257,23 @@ int shardd_group_alloc(struct shardd_group *g, struct shardd_backend_ctx *b, cha
 
 	for (uint32_t u = 0; u < g->replicate && !ret; u++) {
 		snprintf(what, sizeof(what), "%s.unsharded.%u", g->name, u);
-		ret = ops->alloc(b, g->layout.unsharded_size, what, &g->unsharded[u]);
+		ret = ops->alloc(b, g->layout.unsharded_size, devices[u * g->shard], what, &g->unsharded[u]);
 	}
 	for (uint32_t r = 0; r < g->world && !ret; r++) {
 		snprintf(what, sizeof(what), "%s.shard.%u", g->name, r);
-		ret = ops->alloc(b, g->layout.shard_size, what, &g->shards[r]);
+		ret = ops->alloc(b, g->layout.shard_size, devices[r], what, &g->shards[r]);
 		if (ret)
 			break;
 		snprintf(what, sizeof(what), "%s.sharded_grad.%u", g->name, r);
-		ret = ops->alloc(b, g->layout.shard_size, what, &g->sharded_grads[r]);
+		ret = ops->alloc(b, g->layout.shard_size, devices[r], what, &g->sharded_grads[r]);
 		if (ret)
 			break;
 		snprintf(what, sizeof(what), "%s.grad.%u", g->name, r);
-		ret = ops->alloc(b, g->layout.grad_size, what, &g->grads[r]);
+		ret = ops->alloc(b, g->layout.grad_size, devices[r], what, &g->grads[r]);
 		if (ret || !g->partial_size)
 			continue;
 		snprintf(what, sizeof(what), "%s.partial.%u", g->name, r);
-		ret = ops->alloc(b, g->partial_size, what, &g->partials[r]);
+		ret = ops->alloc(b, g->partial_size, devices[r], what, &g->partials[r]);
 	}
 	g->allocated = 1;
 	if (ret) {

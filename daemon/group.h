@@ -75,8 +75,14 @@ int shardd_group_compare(const struct shardd_group *g, const struct shardd_regis
 			 const struct shardd_param_spec *specs, uint32_t rank, uint32_t first_rank,
 			 char *why, size_t whylen);
 
-/* Allocate every buffer (zero-filled). 0 or the backend's error, with `err` naming the buffer. */
-int shardd_group_alloc(struct shardd_group *g, struct shardd_backend_ctx *b, char *err, size_t errlen);
+/*
+ * Allocate every buffer (zero-filled) on the device of the rank that uses it
+ * (`devices`: [world], each rank's hello.device; an unsharded buffer goes to
+ * its replica's first rank's device). 0 or the backend's error, with `err`
+ * naming the buffer.
+ */
+int shardd_group_alloc(struct shardd_group *g, struct shardd_backend_ctx *b, const int32_t *devices,
+		       char *err, size_t errlen);
 
 /*
  * The SHARDD_MSG_GROUP reply for `rank`: *reply, layouts[nparams], and

@@ -456,6 +456,10 @@ class Group:
         self.name = name
         self.maps = [None] * 4
         try:
+            if client.backend != P.BACKEND_HOST:
+                raise _error(-errno.ENOTSUP, f"{where}: the daemon runs the cuda backend, whose "
+                                             f"buffers are device memory; the Python client maps "
+                                             f"host buffers only (use --backend host)")
             if len(reply) < P.GROUP_REPLY.size or len(fds) != 4:
                 raise _error(-P.E_MALFORMED, f"{where}: GROUP reply of {len(reply)} bytes with "
                                              f"{len(fds)} fds, expected >= {P.GROUP_REPLY.size} and 4")

@@ -1,0 +1,216 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Import of the cuda backend's buffers (cuda_import.h).
+ *
+ * The driver is reached through dlopen("libcuda.so.1") and its own
+ * cuGetProcAddress, never by linking: a host-only trainer must load
+ * libshardd where no NVIDIA driver exists. libcuda.so.1 is what every
+ * CUDA program on the machine already loads (the runtime libraries of
+ * PyTorch included), so no toolkit needs to be on the loader's path.
+ *
+ * The size mapped is the buffer's size rounded up to the device's minimum
+ * granularity for a POSIX-fd allocation: exactly what the daemon allocated
+ * (daemon/backend_cuda.c rounds the same way on the same device).
+ */
+#include <errno.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "cuda_import.h"
+
+#ifdef SHARDD_HAVE_CUDA
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <dlfcn.h>
+#include <pthread.h>
+
+/* The ABI asked of cuGetProcAddress: the PFN_*_v10020 virtual memory calls as of CUDA 12.0. */
+#define CUDA_DRIVER_ABI 12000
+
+static struct {
+	PFN_cuInit_v2000                          init;
+	PFN_cuGetErrorString_v6000                get_error_string;
+	PFN_cuMemGetAllocationGranularity_v10020  granularity;
+	PFN_cuMemImportFromShareableHandle_v10020 import_handle;
+	PFN_cuMemRelease_v10020                   release;
+	PFN_cuMemAddressReserve_v10020            address_reserve;
+	PFN_cuMemAddressFree_v10020               address_free;
+	PFN_cuMemMap_v10020                       map;
+	PFN_cuMemUnmap_v10020                     unmap;
+	PFN_cuMemSetAccess_v10020                 set_access;
+} drv;
+
+static pthread_once_t drv_once = PTHREAD_ONCE_INIT;
+static int  drv_status;         /* 0 once every entry point resolved and cuInit succeeded */
+static char drv_error[256];     /* why not, when drv_status < 0 */
+
+static void drv_load(void)
+{
+	PFN_cuGetProcAddress_v12000 get_proc;
+	CUdriverProcAddressQueryResult found;
+	void *lib, *fn;
+	CUresult r;
+
+	drv_status = -SHARDD_E_BACKEND;
+	lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+	if (!lib) {
+		snprintf(drv_error, sizeof(drv_error), "no NVIDIA driver: dlopen libcuda.so.1: %s", dlerror());
+		return;
+	}
+	/* cuda.h maps cuGetProcAddress to this name, so every driver from 12.0 on exports it. */
+	fn = dlsym(lib, "cuGetProcAddress_v2");
+	if (!fn) {
+		snprintf(drv_error, sizeof(drv_error),
+			 "the NVIDIA driver is older than CUDA 12.0 (no cuGetProcAddress_v2); update it");
+		return;
+	}
+	/* dlsym's void * becomes a function pointer as POSIX specifies; so do the entry points below. */
+	get_proc = (PFN_cuGetProcAddress_v12000)fn;
+#define DRV_RESOLVE(field, name)                                                                  \
+	do {                                                                                      \
+		r = get_proc(name, &fn, CUDA_DRIVER_ABI, CU_GET_PROC_ADDRESS_DEFAULT, &found);    \
+		if (r != CUDA_SUCCESS || found != CU_GET_PROC_ADDRESS_SUCCESS || !fn) {           \
+			snprintf(drv_error, sizeof(drv_error),                                    \
+				 "the NVIDIA driver does not provide %s (CUresult %d, status %d)", \
+				 name, (int)r, (int)found);                                       \
+			return;                                                           \
+		}                                                                         \
+		drv.field = (__typeof__(drv.field))fn;                                    \
+	} while (0)
+	DRV_RESOLVE(init, "cuInit");
+	DRV_RESOLVE(get_error_string, "cuGetErrorString");
+	DRV_RESOLVE(granularity, "cuMemGetAllocationGranularity");
+	DRV_RESOLVE(import_handle, "cuMemImportFromShareableHandle");
+	DRV_RESOLVE(release, "cuMemRelease");
+	DRV_RESOLVE(address_reserve, "cuMemAddressReserve");
+	DRV_RESOLVE(address_free, "cuMemAddressFree");
+	DRV_RESOLVE(map, "cuMemMap");
+	DRV_RESOLVE(unmap, "cuMemUnmap");
+	DRV_RESOLVE(set_access, "cuMemSetAccess");
+#undef DRV_RESOLVE
+	r = drv.init(0);
+	if (r != CUDA_SUCCESS) {
+		snprintf(drv_error, sizeof(drv_error), "cuInit failed (CUresult %d)", (int)r);
+		return;
+	}
+	/* libcuda stays loaded for the life of the process: mappings made through it outlive any call. */
+	drv_status = 0;
+}
+
+static int drv_fail(CUresult r, const char *what, int device, uint64_t bytes)
+{
+	const char *s = NULL;
+
+	if (drv.get_error_string(r, &s) != CUDA_SUCCESS || !s)
+		s = "unknown driver error";
+	return shardd_err_set(r == CUDA_ERROR_OUT_OF_MEMORY ? -ENOMEM : -SHARDD_E_BACKEND,
+			      "import a cuda buffer of %llu bytes on device %d: %s: %s (CUresult %d)",
+			      (unsigned long long)bytes, device, what, s, (int)r);
+}
+
+int shardd_cuda_import(int fd, int device, uint64_t bytes, struct shardd_cuda_mapping *out)
+{
+	CUmemGenericAllocationHandle handle;
+	CUmemAllocationProp prop;
+	CUmemAccessDesc access;
+	CUdeviceptr ptr = 0;
+	size_t gran = 0, size;
+	CUresult r;
+	int ret;
+
+	out->ptr = 0;
+	out->size = 0;
+	if (device < 0 || bytes == 0 || bytes > SIZE_MAX / 2)
+		return shardd_err_set(-EINVAL, "import a cuda buffer of %llu bytes on device %d: %s",
+				      (unsigned long long)bytes, device,
+				      device < 0 ? "the client attached without a CUDA device (hello.device)"
+						 : "bad size");
+	pthread_once(&drv_once, drv_load);
+	if (drv_status)
+		return shardd_err_set(drv_status, "the daemon runs the cuda backend: %s", drv_error);
+
+	/* The daemon's allocation properties: the granularity must be the one it rounded with. */
+	memset(&prop, 0, sizeof(prop));
+	prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+	prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+	prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+	prop.location.id = device;
+	r = drv.granularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+	if (r != CUDA_SUCCESS)
+		return drv_fail(r, "cuMemGetAllocationGranularity", device, bytes);
+	if (gran == 0)
+		return shardd_err_set(-SHARDD_E_BACKEND, "device %d reports an allocation granularity of 0",
+				      device);
+	size = (size_t)(bytes + gran - 1) / gran * gran;
+
+	/* A POSIX fd handle travels as the fd's value in the pointer argument. */
+	r = drv.import_handle(&handle, (void *)(uintptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+	if (r != CUDA_SUCCESS)
+		return drv_fail(r, "cuMemImportFromShareableHandle", device, bytes);
+	r = drv.address_reserve(&ptr, size, gran, 0, 0);
+	if (r != CUDA_SUCCESS) {
+		ret = drv_fail(r, "cuMemAddressReserve", device, bytes);
+		goto err_release;
+	}
+	r = drv.map(ptr, size, 0, handle, 0);
+	if (r != CUDA_SUCCESS) {
+		ret = drv_fail(r, "cuMemMap", device, bytes);
+		goto err_address;
+	}
+	memset(&access, 0, sizeof(access));
+	access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+	access.location.id = device;
+	access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+	r = drv.set_access(ptr, size, &access, 1);
+	if (r != CUDA_SUCCESS) {
+		ret = drv_fail(r, "cuMemSetAccess", device, bytes);
+		goto err_unmap;
+	}
+	/* The mapping holds the memory from here; the handle is no longer needed. */
+	drv.release(handle);
+	out->ptr = ptr;
+	out->size = size;
+	return 0;
+
+err_unmap:
+	drv.unmap(ptr, size);
+err_address:
+	drv.address_free(ptr, size);
+err_release:
+	drv.release(handle);
+	return ret;
+}
+
+void shardd_cuda_unmap(struct shardd_cuda_mapping *m)
+{
+	/* A mapping exists only after drv_load succeeded. */
+	if (m->ptr) {
+		drv.unmap((CUdeviceptr)m->ptr, (size_t)m->size);
+		drv.address_free((CUdeviceptr)m->ptr, (size_t)m->size);
+	}
+	m->ptr = 0;
+	m->size = 0;
+}
+
+#else /* !SHARDD_HAVE_CUDA */
+
+int shardd_cuda_import(int fd, int device, uint64_t bytes, struct shardd_cuda_mapping *out)
+{
+	(void)fd;
+	out->ptr = 0;
+	out->size = 0;
+	return shardd_err_set(-ENOTSUP,
+			      "import a cuda buffer of %llu bytes on device %d: the daemon runs the cuda "
+			      "backend but this libshardd was built without CUDA (rebuild with make CUDA=1)",
+			      (unsigned long long)bytes, device);
+}
+
+void shardd_cuda_unmap(struct shardd_cuda_mapping *m)
+{
+	m->ptr = 0;
+	m->size = 0;
+}
+
+#endif /* SHARDD_HAVE_CUDA */

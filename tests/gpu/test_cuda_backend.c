@@ -1,0 +1,374 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The cuda backend against the host backend (CPU kernels) on the same
+ * inputs: every op through the backend table, results copied back from
+ * the device and compared bit for bit (the CUDA kernels promise the CPU's
+ * numerics; inputs are finite, so no NaN payload can differ). Also the
+ * export/import path a client takes: a buffer exported as an fd and
+ * imported with client/cuda_import.c sees the daemon's bytes and writes.
+ * Skips without a CUDA device.
+ */
+#include <criterion/criterion.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "cuda_import.h"
+#include "daemon/backend.h"
+#include "daemon/backend_cuda.h"
+#include "daemon/layout.h"
+#include "daemon/pool.h"
+#include "shardd_kernels.h"
+
+#define WORLD 3
+
+static struct shardd_backend_ctx *cuda_be, *host_be;
+static struct shardd_pool *pool;
+
+static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
+
+static uint64_t rng(void)
+{
+	rng_state ^= rng_state >> 12;
+	rng_state ^= rng_state << 25;
+	rng_state ^= rng_state >> 27;
+	return rng_state * 0x2545f4914f6cdd1dull;
+}
+
+#define CUDA_OK(call) cr_assert_eq((call), cudaSuccess, "%s failed", #call)
+
+static void setup(void)
+{
+	char err[256];
+	int n = 0;
+
+	if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0)
+		cr_skip_test("no CUDA device visible");
+	cr_assert_eq(shardd_backend_cuda_create(&cuda_be, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(shardd_pool_create(2, &pool), 0);
+	cr_assert_eq(shardd_backend_host_create(pool, &host_be), 0);
+}
+
+static void teardown(void)
+{
+	if (host_be)
+		host_be->ops->destroy(host_be);
+	if (pool)
+		shardd_pool_destroy(pool);
+	if (cuda_be)
+		cuda_be->ops->destroy(cuda_be);
+	host_be = cuda_be = NULL;
+	pool = NULL;
+}
+
+/* The same buffer on both backends; `host` maps the host one. */
+struct pair {
+	struct shardd_buf h, d;
+	uint8_t *host;
+	uint64_t bytes;
+};
+
+static void pair_alloc(struct pair *p, uint64_t bytes, const char *what)
+{
+	p->bytes = bytes;
+	cr_assert_eq(host_be->ops->alloc(host_be, bytes, SHARDD_HELLO_DEVICE_HOST, what, &p->h), 0);
+	cr_assert_eq(cuda_be->ops->alloc(cuda_be, bytes, 0, what, &p->d), 0, "cuda alloc of %s", what);
+	p->host = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, p->h.fd, 0);
+	cr_assert_neq(p->host, MAP_FAILED);
+}
+
+static void pair_free(struct pair *p)
+{
+	munmap(p->host, p->bytes);
+	host_be->ops->free(host_be, &p->h);
+	cuda_be->ops->free(cuda_be, &p->d);
+}
+
+/* Copy the host contents to the device: both backends start from the same bytes. */
+static void pair_sync_to_device(struct pair *p)
+{
+	CUDA_OK(cudaMemcpy(shardd_backend_cuda_ptr(&p->d), p->host, p->bytes, cudaMemcpyHostToDevice));
+}
+
+/* Device bytes equal to the host backend's, or the first differing byte is named. */
+static void pair_expect_same(const struct pair *p, const char *what)
+{
+	uint8_t *got = malloc(p->bytes);
+
+	cr_assert_not_null(got);
+	CUDA_OK(cudaMemcpy(got, shardd_backend_cuda_ptr(&p->d), p->bytes, cudaMemcpyDeviceToHost));
+	for (uint64_t i = 0; i < p->bytes; i++)
+		if (got[i] != p->host[i])
+			cr_assert_fail("%s: byte %llu of %llu: cpu 0x%02x, cuda 0x%02x", what,
+				       (unsigned long long)i, (unsigned long long)p->bytes, p->host[i], got[i]);
+	free(got);
+}
+
+/* Random finite values on a grid (exact sums of few terms), as `dtype`, n elements at dst. */
+static void fill_values(void *dst, uint32_t dtype, uint64_t n)
+{
+	for (uint64_t i = 0; i < n; i++) {
+		float v = ldexpf((float)((int64_t)(rng() % 20001) - 10000), -6);
+
+		shardd_k_cast((char *)dst + i * shardd_dtype_size(dtype), dtype, &v, SHARDD_DTYPE_FP32, 1);
+	}
+}
+
+/*
+ * A group of three params for a shard group of WORLD: dim-0 sharding with
+ * padding rows (fp32 and bf16) and a Shard(1) param (chunk-cat).
+ */
+static void build_layout(struct shardd_layout *l, uint32_t param_dtype)
+{
+	struct shardd_param_spec specs[3];
+	char err[256];
+
+	memset(specs, 0, sizeof(specs));
+	strcpy(specs[0].name, "w");
+	specs[0].dtype = SHARDD_DTYPE_FP32;
+	specs[0].ndim = 2;
+	specs[0].shape[0] = 7;
+	specs[0].shape[1] = 33;
+	strcpy(specs[1].name, "b");
+	specs[1].dtype = SHARDD_DTYPE_BF16;
+	specs[1].ndim = 1;
+	specs[1].shape[0] = 1001;
+	strcpy(specs[2].name, "m");
+	specs[2].dtype = SHARDD_DTYPE_FP32;
+	specs[2].ndim = 3;
+	specs[2].shard_dim = 1;
+	specs[2].shape[0] = 4;
+	specs[2].shape[1] = 6;
+	specs[2].shape[2] = 5;
+	cr_assert_eq(shardd_layout_build(specs, 3, WORLD, param_dtype, l, err, sizeof(err)), 0, "%s", err);
+}
+
+Test(cuda_backend, exported_buffer_imports_with_the_daemons_bytes, .timeout = 60, .init = setup,
+     .fini = teardown)
+{
+	const uint64_t bytes = 3 * 1000 * 1000 + 17; /* not a multiple of any granularity */
+	struct shardd_cuda_mapping m;
+	struct shardd_buf buf;
+	uint8_t *want = malloc(bytes), *got = malloc(bytes);
+	int fd;
+
+	cr_assert(want && got);
+	cr_assert_eq(cuda_be->ops->alloc(cuda_be, bytes, 0, "roundtrip", &buf), 0);
+	cr_assert_eq(buf.bytes, bytes);
+	cr_assert_geq(buf.fd, 0);
+	fd = cuda_be->ops->export_fd(cuda_be, &buf, 1);
+	cr_assert_geq(fd, 0);
+	cr_assert_eq(shardd_cuda_import(fd, 0, bytes, &m), 0, "import: %s", shardd_last_error());
+	close(fd);
+	cr_assert_neq(m.ptr, 0);
+	cr_assert_geq(m.size, bytes);
+
+	/* New buffers are zero, seen through the client's mapping. */
+	CUDA_OK(cudaMemcpy(got, (void *)(uintptr_t)m.ptr, bytes, cudaMemcpyDeviceToHost));
+	for (uint64_t i = 0; i < bytes; i++)
+		cr_assert_eq(got[i], 0, "byte %llu of a new buffer is 0x%02x", (unsigned long long)i, got[i]);
+
+	/* The daemon writes, the client reads. */
+	for (uint64_t i = 0; i < bytes; i++)
+		want[i] = (uint8_t)rng();
+	CUDA_OK(cudaMemcpy(shardd_backend_cuda_ptr(&buf), want, bytes, cudaMemcpyHostToDevice));
+	CUDA_OK(cudaMemcpy(got, (void *)(uintptr_t)m.ptr, bytes, cudaMemcpyDeviceToHost));
+	cr_assert_eq(memcmp(want, got, bytes), 0, "the client's mapping does not show the daemon's bytes");
+
+	/* The client writes (its grads), the daemon reads. */
+	for (uint64_t i = 0; i < bytes; i++)
+		want[i] = (uint8_t)rng();
+	CUDA_OK(cudaMemcpy((void *)(uintptr_t)m.ptr, want, bytes, cudaMemcpyHostToDevice));
+	CUDA_OK(cudaMemcpy(got, shardd_backend_cuda_ptr(&buf), bytes, cudaMemcpyDeviceToHost));
+	cr_assert_eq(memcmp(want, got, bytes), 0, "the daemon does not see the client's writes");
+
+	/* zero(offset, bytes) clears exactly that range. */
+	cr_assert_eq(cuda_be->ops->zero(cuda_be, &buf, 4096, 100000), 0);
+	memset(want + 4096, 0, 100000);
+	CUDA_OK(cudaMemcpy(got, (void *)(uintptr_t)m.ptr, bytes, cudaMemcpyDeviceToHost));
+	cr_assert_eq(memcmp(want, got, bytes), 0, "zero(4096, 100000) changed other bytes or missed some");
+	cr_assert_eq(cuda_be->ops->zero(cuda_be, &buf, bytes - 10, 11), -EINVAL);
+
+	shardd_cuda_unmap(&m);
+	cuda_be->ops->free(cuda_be, &buf);
+	free(want);
+	free(got);
+}
+
+static void unshard_case(uint32_t param_dtype)
+{
+	struct shardd_layout l;
+	struct pair shards[WORLD], unsharded;
+	struct shardd_buf *hs[WORLD], *ds[WORLD];
+
+	build_layout(&l, param_dtype);
+	for (int s = 0; s < WORLD; s++) {
+		pair_alloc(&shards[s], l.shard_size, "shard");
+		for (uint32_t i = 0; i < l.nparams; i++)
+			fill_values(shards[s].host + l.params[i].shard_offset, l.params[i].dtype,
+				    l.params[i].shard_numel);
+		pair_sync_to_device(&shards[s]);
+		hs[s] = &shards[s].h;
+		ds[s] = &shards[s].d;
+	}
+	pair_alloc(&unsharded, l.unsharded_size, "unsharded");
+
+	struct shardd_unshard_args ha = { .layout = &l, .nshards = WORLD, .shards = hs, .unsharded = &unsharded.h };
+	struct shardd_unshard_args da = { .layout = &l, .nshards = WORLD, .shards = ds, .unsharded = &unsharded.d };
+
+	cr_assert_eq(host_be->ops->unshard(host_be, &ha), 0);
+	cr_assert_eq(cuda_be->ops->unshard(cuda_be, &da), 0);
+	pair_expect_same(&unsharded, "unsharded buffer");
+
+	pair_free(&unsharded);
+	for (int s = 0; s < WORLD; s++)
+		pair_free(&shards[s]);
+	shardd_layout_free(&l);
+}
+
+Test(cuda_backend, unshard_matches_host_backend, .timeout = 60, .init = setup, .fini = teardown)
+{
+	unshard_case(SHARDD_DTYPE_NONE);
+}
+
+Test(cuda_backend, unshard_with_bf16_param_dtype_matches_host_backend, .timeout = 60, .init = setup,
+     .fini = teardown)
+{
+	unshard_case(SHARDD_DTYPE_BF16);
+}
+
+/*
+ * Reduce-scatter of WORLD grad buffers into every shard's sharded grad,
+ * twice (assign, then accumulate), with `math`.
+ */
+static void reduce_scatter_case(uint32_t param_dtype, const struct shardd_reduce_math *math)
+{
+	struct shardd_layout l;
+	struct pair grads[WORLD], out[WORLD];
+	struct shardd_buf *hg[WORLD], *dg[WORLD];
+	uint64_t offsets[3];
+
+	build_layout(&l, param_dtype);
+	for (uint32_t i = 0; i < l.nparams; i++)
+		offsets[i] = l.params[i].shard_offset;
+	for (int r = 0; r < WORLD; r++) {
+		pair_alloc(&out[r], l.shard_size, "sharded grad");
+		pair_alloc(&grads[r], l.grad_size, "grad");
+		hg[r] = &grads[r].h;
+		dg[r] = &grads[r].d;
+	}
+	for (int round = 0; round < 2; round++) {
+		for (int r = 0; r < WORLD; r++) {
+			for (uint32_t i = 0; i < l.nparams; i++)
+				fill_values(grads[r].host + l.params[i].grad_offset, l.params[i].grad_dtype,
+					    l.params[i].numel);
+			pair_sync_to_device(&grads[r]);
+		}
+		for (uint32_t s = 0; s < WORLD; s++) {
+			struct shardd_shard_view hv = { &out[s].h, offsets, SHARDD_DTYPE_NONE };
+			struct shardd_shard_view dv = { &out[s].d, offsets, SHARDD_DTYPE_NONE };
+			struct shardd_reduce_args a = {
+				.layout = &l, .src = SHARDD_REDUCE_SRC_GRAD, .nin = WORLD, .shard_rank = s,
+				.accumulate = round, .math = *math,
+			};
+
+			a.grads = hg;
+			a.out = &hv;
+			cr_assert_eq(host_be->ops->reduce(host_be, &a), 0);
+			a.grads = dg;
+			a.out = &dv;
+			cr_assert_eq(cuda_be->ops->reduce(cuda_be, &a), 0);
+		}
+		for (int s = 0; s < WORLD; s++)
+			pair_expect_same(&out[s], round ? "accumulated sharded grad" : "sharded grad");
+	}
+	for (int r = 0; r < WORLD; r++) {
+		pair_free(&grads[r]);
+		pair_free(&out[r]);
+	}
+	shardd_layout_free(&l);
+}
+
+Test(cuda_backend, reduce_scatter_fp32_average_matches_host_backend, .timeout = 60, .init = setup,
+     .fini = teardown)
+{
+	struct shardd_reduce_math m = { .reduce_dtype = SHARDD_DTYPE_FP32, .pre = 1, .avg = WORLD, .post = 1 };
+
+	reduce_scatter_case(SHARDD_DTYPE_NONE, &m);
+}
+
+Test(cuda_backend, reduce_scatter_fp16_divide_factors_match_host_backend, .timeout = 60, .init = setup,
+     .fini = teardown)
+{
+	double pre, post;
+	struct shardd_reduce_math m = { .reduce_dtype = SHARDD_DTYPE_FP16, .avg = 1 };
+
+	shardd_divide_factors(WORLD, SHARDD_DTYPE_FP16, &pre, &post);
+	m.pre = (float)pre;
+	m.post = (float)post;
+	reduce_scatter_case(SHARDD_DTYPE_BF16, &m);
+}
+
+/*
+ * The HSDP all-reduce: shard views in the reduce dtype (fp32, at offsets
+ * of their own) into the sharded grad, with an addend view.
+ */
+Test(cuda_backend, all_reduce_of_shard_views_with_addend_matches_host_backend, .timeout = 60,
+     .init = setup, .fini = teardown)
+{
+	const uint32_t nin = 2;
+	struct shardd_layout l;
+	struct pair views[2], add, out;
+	uint64_t offsets[3], out_offsets[3], vbytes = 0;
+	struct shardd_shard_view hv[2], dv[2];
+	struct shardd_reduce_math m = { .reduce_dtype = SHARDD_DTYPE_FP32, .pre = 1, .avg = 2, .post = 1 };
+
+	build_layout(&l, SHARDD_DTYPE_NONE);
+	for (uint32_t i = 0; i < l.nparams; i++) {
+		offsets[i] = vbytes;
+		vbytes += (l.params[i].shard_numel * 4 + 63) / 64 * 64;
+		out_offsets[i] = l.params[i].shard_offset;
+	}
+	for (uint32_t k = 0; k < nin + 1; k++) {
+		struct pair *p = k < nin ? &views[k] : &add;
+
+		pair_alloc(p, vbytes, "partial");
+		for (uint32_t i = 0; i < l.nparams; i++)
+			fill_values(p->host + offsets[i], SHARDD_DTYPE_FP32, l.params[i].shard_numel);
+		pair_sync_to_device(p);
+		if (k < nin) {
+			hv[k] = (struct shardd_shard_view){ &p->h, offsets, SHARDD_DTYPE_FP32 };
+			dv[k] = (struct shardd_shard_view){ &p->d, offsets, SHARDD_DTYPE_FP32 };
+		}
+	}
+	pair_alloc(&out, l.shard_size, "sharded grad");
+
+	struct shardd_shard_view hadd = { &add.h, offsets, SHARDD_DTYPE_FP32 };
+	struct shardd_shard_view dadd = { &add.d, offsets, SHARDD_DTYPE_FP32 };
+	struct shardd_shard_view hout = { &out.h, out_offsets, SHARDD_DTYPE_NONE };
+	struct shardd_shard_view dout = { &out.d, out_offsets, SHARDD_DTYPE_NONE };
+	struct shardd_reduce_args a = {
+		.layout = &l, .src = SHARDD_REDUCE_SRC_SHARD, .nin = nin, .shard_rank = WORLD - 1,
+		.in_dtype = SHARDD_DTYPE_FP32, .math = m,
+	};
+
+	a.views = hv;
+	a.add = &hadd;
+	a.out = &hout;
+	cr_assert_eq(host_be->ops->reduce(host_be, &a), 0);
+	a.views = dv;
+	a.add = &dadd;
+	a.out = &dout;
+	cr_assert_eq(cuda_be->ops->reduce(cuda_be, &a), 0);
+	pair_expect_same(&out, "all-reduced sharded grad");
+
+	for (uint32_t k = 0; k < nin; k++)
+		pair_free(&views[k]);
+	pair_free(&add);
+	pair_free(&out);
+	shardd_layout_free(&l);
+}

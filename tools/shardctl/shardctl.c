@@ -1,0 +1,516 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * shardctl: the command line of shardd's admin requests. Each command is
+ * one SHARDD_MSG_ADMIN request on a fresh connection (no HELLO) and one
+ * SHARDD_MSG_ADMIN_REPLY; --json prints the reply as it came, otherwise
+ * render.c prints it for people. Exit status: 0 done, 1 the daemon or the
+ * connection failed, 2 usage error.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <getopt.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <jansson.h>
+
+#include "shardctl.h"
+/*
+ * gcc 12 at -O2 inlines shardd_ctrl_recv() and flags the loop that closes
+ * surplus fds (never entered: recv_dgram caps nfds) as out of bounds.
+ */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Warray-bounds"
+#include "shardd_ctrl.h"
+#pragma GCC diagnostic pop
+#include "shardd_proto.h"
+
+#define REPLY_TIMEOUT_MS 10000 /* the daemon answers from its loop: seconds mean it is stuck */
+
+static const char usage_text[] =
+	"Usage: shardctl [--socket PATH] [--json] COMMAND [ARGS]\n"
+	"Inspect a running shardd: jobs, ranks, groups, buffer contents, op statistics.\n"
+	"Every command is read-only.\n"
+	"\n"
+	"Commands:\n"
+	"  status                 version, backend, uptime, socket, memory held by kind\n"
+	"  jobs                   jobs with their mesh, attached ranks, groups, memory\n"
+	"  ranks [JOB]            per rank: pid, attached since, last op and step submitted,\n"
+	"                         taken and completed, ops in flight, how many steps it is\n"
+	"                         behind the furthest rank, the collective it waits in:\n"
+	"                         which rank is stuck\n"
+	"  groups [JOB]           per group: params, bytes, unsharded holders, pending\n"
+	"                         collectives (arrived and missing ranks), HSDP partials\n"
+	"  show GROUP             per param: name, dtype, shape, shard rows, offsets\n"
+	"  dump GROUP PARAM       min, max, mean, L2 norm, NaN and Inf counts of one param\n"
+	"                         in one buffer, then its first values. A racy snapshot:\n"
+	"                         the buffer is read while training may be writing it\n"
+	"  stats                  per op: count, failures, bytes, latency mean/p50/p99/max\n"
+	"                         (daemon taking the SQ entry to pushing the completion;\n"
+	"                         p50/p99 from log2 buckets, exact to a factor of two)\n"
+	"  watch                  status, ranks and stats, refreshed (Ctrl-C ends it)\n"
+	"  metrics                Prometheus text exposition of the same numbers\n"
+	"\n"
+	"Options:\n"
+	"  --socket PATH          shardd's socket (default $SHARDD_SOCKET, else\n"
+	"                         $XDG_RUNTIME_DIR/shardd/shardd.sock, else\n"
+	"                         /run/shardd/shardd.sock)\n"
+	"  --json                 print the daemon's JSON reply (watch: one object a line)\n"
+	"  --job NAME             show, dump: the job, when several have the group\n"
+	"  --rank R               dump: whose buffer (default 0)\n"
+	"  --what param|grad|unsharded\n"
+	"                         dump: the rank's shard (default), its sharded grad, or\n"
+	"                         its replica's unsharded copy\n"
+	"  --rows A:B             dump: rows A..B-1 of the leading dim (default: the rows\n"
+	"                         holding data, padding excluded)\n"
+	"  --limit N              dump: values to print (default 64, at most 65536);\n"
+	"                         statistics always cover every selected row\n"
+	"  --interval S           watch: seconds between refreshes (default 1)\n"
+	"  --count N              watch: stop after N refreshes (default: never)\n"
+	"  --help                 print this help\n";
+
+struct opts {
+	char socket[sizeof(((struct sockaddr_un *)0)->sun_path)];
+	int json;
+	const char *job;
+	long long rank;
+	const char *what;
+	const char *rows;
+	long long limit;
+	double interval;
+	long long count;
+};
+
+static int usage_error(const char *fmt, const char *arg)
+{
+	fprintf(stderr, "shardctl: ");
+	fprintf(stderr, fmt, arg);
+	fprintf(stderr, "\nTry 'shardctl --help'.\n");
+	return 2;
+}
+
+static void default_socket(char *buf, size_t len)
+{
+	const char *env = getenv("SHARDD_SOCKET");
+	const char *xdg = getenv("XDG_RUNTIME_DIR");
+
+	if (env && *env)
+		snprintf(buf, len, "%s", env);
+	else if (xdg && *xdg)
+		snprintf(buf, len, "%s/shardd/shardd.sock", xdg);
+	else
+		snprintf(buf, len, "/run/shardd/shardd.sock");
+}
+
+/* ------------------------------------------------------------------ */
+/* Talking to the daemon                                               */
+/* ------------------------------------------------------------------ */
+
+/* Print a failure; with --json also as {"ok": false, ...} on stdout. */
+static void __attribute__((format(printf, 3, 4)))
+fail(const struct opts *o, int code, const char *fmt, ...)
+{
+	char text[2048];
+	va_list ap;
+
+	va_start(ap, fmt);
+	vsnprintf(text, sizeof(text), fmt, ap);
+	va_end(ap);
+	fprintf(stderr, "shardctl: %s\n", text);
+	if (o->json) {
+		json_t *j = json_pack("{s:b, s:s, s:i}", "ok", 0, "error", text, "code", code);
+
+		if (j) {
+			json_dumpf(j, stdout, JSON_COMPACT);
+			fputc('\n', stdout);
+			json_decref(j);
+		}
+	}
+}
+
+static int connect_daemon(const struct opts *o)
+{
+	struct sockaddr_un addr = { .sun_family = AF_UNIX };
+	struct stat st;
+	int fd, err;
+
+	snprintf(addr.sun_path, sizeof(addr.sun_path), "%s", o->socket);
+	fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+	if (fd < 0) {
+		fail(o, -errno, "socket: %s", strerror(errno));
+		return -1;
+	}
+	if (connect(fd, (struct sockaddr *)&addr, sizeof(addr)) == 0)
+		return fd;
+	err = errno;
+	close(fd);
+	if (err == EACCES || err == EPERM) {
+		if (stat(o->socket, &st) == 0)
+			fail(o, -err, "permission denied at %s (connect: %s): the socket belongs to "
+			     "uid %u, mode %03o, and shardctl runs as uid %u; run shardctl as "
+			     "shardd's user", o->socket, strerror(err), (unsigned)st.st_uid,
+			     (unsigned)(st.st_mode & 0777), (unsigned)getuid());
+		else
+			fail(o, -err, "permission denied at %s (connect: %s): a directory on the "
+			     "path is not searchable by uid %u; run shardctl as shardd's user",
+			     o->socket, strerror(err), (unsigned)getuid());
+	} else {
+		fail(o, -err, "no shardd at %s (connect: %s); start one with `shardd --socket %s` "
+		     "or pass --socket", o->socket, strerror(err), o->socket);
+	}
+	return -1;
+}
+
+/*
+ * One request on its own connection: the reply object (ok or not), or NULL
+ * after printing why there is none.
+ */
+static json_t *request(const struct opts *o, json_t *req)
+{
+	struct shardd_ctrl_rx rx = { 0 };
+	json_error_t jerr;
+	json_t *reply = NULL;
+	char *text = json_dumps(req, JSON_COMPACT);
+	int fd, ret;
+
+	if (!text) {
+		fail(o, -ENOMEM, "out of memory");
+		return NULL;
+	}
+	fd = connect_daemon(o);
+	if (fd < 0)
+		goto out;
+	ret = shardd_ctrl_send(fd, SHARDD_MSG_ADMIN, 1, text, (uint32_t)strlen(text), NULL, 0);
+	if (ret < 0 && ret != -EPIPE && ret != -ECONNRESET) {
+		fail(o, ret, "cannot send to shardd at %s: %s", o->socket, strerror(-ret));
+		goto out;
+	}
+	/* After EPIPE the daemon may still have sent why it closed: read it. */
+	ret = shardd_ctrl_recv(fd, &rx, REPLY_TIMEOUT_MS);
+	if (ret == -ETIMEDOUT) {
+		fail(o, ret, "shardd at %s did not answer within %d s: its event loop may be stuck",
+		     o->socket, REPLY_TIMEOUT_MS / 1000);
+		goto out;
+	}
+	if (ret < 0) {
+		fail(o, ret, "shardd at %s closed the connection without a reply (%s)", o->socket,
+		     ret == -ECONNRESET ? "EOF" : strerror(-ret));
+		goto out;
+	}
+	if (rx.hdr.type == SHARDD_MSG_ERROR && rx.have >= sizeof(struct shardd_error_msg)) {
+		struct shardd_error_msg em;
+		size_t n;
+
+		memcpy(&em, rx.payload, sizeof(em));
+		n = rx.have - sizeof(em) < em.msg_len ? rx.have - sizeof(em) : em.msg_len;
+		fail(o, em.code, "shardd at %s refused: %.*s", o->socket, (int)n,
+		     (const char *)rx.payload + sizeof(em));
+		goto out;
+	}
+	if (rx.hdr.type != SHARDD_MSG_ADMIN_REPLY) {
+		fail(o, -SHARDD_E_MALFORMED, "shardd at %s answered with message type %u, not an "
+		     "admin reply (%d): is it an older shardd?", o->socket, rx.hdr.type,
+		     SHARDD_MSG_ADMIN_REPLY);
+		goto out;
+	}
+	reply = json_loadb((const char *)rx.payload, rx.have, 0, &jerr);
+	if (!reply || !json_is_object(reply)) {
+		fail(o, -SHARDD_E_MALFORMED, "shardd's reply is not a JSON object: %s", jerr.text);
+		json_decref(reply);
+		reply = NULL;
+	}
+out:
+	shardd_ctrl_rx_reset(&rx);
+	if (fd >= 0)
+		close(fd);
+	free(text);
+	return reply;
+}
+
+/* 0 when the reply says ok; else print its error and return 1. */
+static int reply_failed(const json_t *r)
+{
+	if (json_is_true(json_object_get(r, "ok")))
+		return 0;
+	fprintf(stderr, "shardctl: %s\n",
+		json_string_value(json_object_get(r, "error")) ?
+		json_string_value(json_object_get(r, "error")) : "shardd reported a failure");
+	return 1;
+}
+
+static void print_json(const json_t *r, size_t flags)
+{
+	json_dumpf(r, stdout, flags);
+	fputc('\n', stdout);
+	fflush(stdout);
+}
+
+/* ------------------------------------------------------------------ */
+/* Commands                                                            */
+/* ------------------------------------------------------------------ */
+
+typedef void (*render_fn)(FILE *, const json_t *);
+
+/* Send `req` (taken), print the reply with `render` or as JSON. Exit status. */
+static int run_one(const struct opts *o, json_t *req, render_fn render)
+{
+	json_t *r;
+	int ret;
+
+	if (!req) {
+		fail(o, -ENOMEM, "out of memory");
+		return 1;
+	}
+	r = request(o, req);
+	json_decref(req);
+	if (!r)
+		return 1;
+	if (o->json) {
+		/* The error on stderr first: who merges both streams gets the JSON last. */
+		ret = reply_failed(r);
+		print_json(r, JSON_INDENT(2));
+	} else {
+		ret = reply_failed(r);
+		if (!ret) {
+			if (render)
+				render(stdout, r);
+			else
+				fputs(json_string_value(json_object_get(r, "text")) ?
+				      json_string_value(json_object_get(r, "text")) : "", stdout);
+		}
+	}
+	json_decref(r);
+	return ret;
+}
+
+static json_t *cmd_req(const char *cmd)
+{
+	return json_pack("{s:s}", "cmd", cmd);
+}
+
+/* req["job"] = job when given. */
+static json_t *with_job(json_t *req, const char *job)
+{
+	if (req && job && json_object_set_new(req, "job", json_string(job))) {
+		json_decref(req);
+		return NULL;
+	}
+	return req;
+}
+
+static int parse_rows(const char *s, long long *a, long long *b)
+{
+	char *end;
+
+	errno = 0;
+	*a = strtoll(s, &end, 10);
+	if (errno || end == s || *end != ':' || *a < 0)
+		return -1;
+	s = end + 1;
+	*b = strtoll(s, &end, 10);
+	if (errno || end == s || *end || *b < *a)
+		return -1;
+	return 0;
+}
+
+static int cmd_dump(const struct opts *o, const char *group, const char *param)
+{
+	json_t *req = with_job(json_pack("{s:s, s:s, s:s, s:s, s:I, s:I}", "cmd", "dump",
+					 "group", group, "param", param,
+					 "what", o->what ? o->what : "param",
+					 "rank", (json_int_t)o->rank, "limit", (json_int_t)o->limit),
+			       o->job);
+
+	if (req && o->rows) {
+		long long a, b;
+
+		if (parse_rows(o->rows, &a, &b) < 0) {
+			json_decref(req);
+			return usage_error("--rows '%s': expected A:B with 0 <= A <= B", o->rows);
+		}
+		if (json_object_set_new(req, "rows", json_pack("[I, I]", (json_int_t)a,
+							       (json_int_t)b))) {
+			json_decref(req);
+			req = NULL;
+		}
+	}
+	return run_one(o, req, shardctl_render_dump);
+}
+
+static int cmd_watch(const struct opts *o)
+{
+	struct timespec ts = { (time_t)o->interval,
+			       (long)((o->interval - (double)(time_t)o->interval) * 1e9) };
+	int tty = isatty(STDOUT_FILENO), ret = 0;
+	json_t *reqs[3] = { cmd_req("status"), cmd_req("ranks"), cmd_req("stats") };
+
+	if (!reqs[0] || !reqs[1] || !reqs[2]) {
+		fail(o, -ENOMEM, "out of memory");
+		ret = 1;
+	}
+	for (long long n = 0; !ret && (o->count <= 0 || n < o->count); n++) {
+		json_t *st, *rk, *sa;
+		int bad;
+
+		if (n)
+			nanosleep(&ts, NULL);
+		st = request(o, reqs[0]);
+		rk = st ? request(o, reqs[1]) : NULL;
+		sa = rk ? request(o, reqs[2]) : NULL;
+		bad = !sa || reply_failed(st) || reply_failed(rk) || reply_failed(sa);
+		if (!bad && o->json) {
+			json_t *all = json_pack("{s:O, s:O, s:O}", "status", st, "ranks", rk,
+						"stats", sa);
+
+			if (all)
+				print_json(all, JSON_COMPACT);
+			json_decref(all);
+		} else if (!bad) {
+			/* Clear the screen only for a terminal: a pipe gets plain frames. */
+			if (tty)
+				fputs("\033[H\033[2J", stdout);
+			else if (n)
+				fputc('\n', stdout);
+			shardctl_render_status(stdout, st);
+			fputc('\n', stdout);
+			shardctl_render_ranks(stdout, rk);
+			fputc('\n', stdout);
+			shardctl_render_stats(stdout, sa);
+			fflush(stdout);
+		}
+		json_decref(st);
+		json_decref(rk);
+		json_decref(sa);
+		ret = bad;
+	}
+	for (int i = 0; i < 3; i++)
+		json_decref(reqs[i]);
+	return ret;
+}
+
+/* ------------------------------------------------------------------ */
+/* main                                                                */
+/* ------------------------------------------------------------------ */
+
+enum { OPT_SOCKET = 256, OPT_JSON, OPT_JOB, OPT_RANK, OPT_WHAT, OPT_ROWS, OPT_LIMIT,
+       OPT_INTERVAL, OPT_COUNT, OPT_HELP };
+
+static int parse_ll(const char *flag, const char *s, long long lo, long long hi, long long *out)
+{
+	char *end;
+
+	errno = 0;
+	*out = strtoll(s, &end, 10);
+	if (errno || end == s || *end || *out < lo || *out > hi) {
+		fprintf(stderr, "shardctl: %s '%s': expected an integer in [%lld, %lld]\n"
+			"Try 'shardctl --help'.\n", flag, s, lo, hi);
+		return -1;
+	}
+	return 0;
+}
+
+int main(int argc, char **argv)
+{
+	static const struct option longopts[] = {
+		{ "socket", required_argument, NULL, OPT_SOCKET },
+		{ "json", no_argument, NULL, OPT_JSON },
+		{ "job", required_argument, NULL, OPT_JOB },
+		{ "rank", required_argument, NULL, OPT_RANK },
+		{ "what", required_argument, NULL, OPT_WHAT },
+		{ "rows", required_argument, NULL, OPT_ROWS },
+		{ "limit", required_argument, NULL, OPT_LIMIT },
+		{ "interval", required_argument, NULL, OPT_INTERVAL },
+		{ "count", required_argument, NULL, OPT_COUNT },
+		{ "help", no_argument, NULL, OPT_HELP },
+		{ NULL, 0, NULL, 0 },
+	};
+	struct opts o = { .limit = 64, .interval = 1.0 };
+	const char *cmd;
+	char **pos;
+	int npos, c;
+
+	default_socket(o.socket, sizeof(o.socket));
+	opterr = 0;
+	/* GNU getopt permutes: options may come before or after the command's arguments. */
+	while ((c = getopt_long(argc, argv, "h", longopts, NULL)) != -1) {
+		char *end;
+
+		switch (c) {
+		case OPT_SOCKET:
+			if (!*optarg || strlen(optarg) >= sizeof(o.socket))
+				return usage_error("--socket '%s': empty or longer than the 107 bytes "
+						   "a Unix socket path may have", optarg);
+			snprintf(o.socket, sizeof(o.socket), "%s", optarg);
+			break;
+		case OPT_JSON: o.json = 1; break;
+		case OPT_JOB: o.job = optarg; break;
+		case OPT_WHAT: o.what = optarg; break;
+		case OPT_ROWS: o.rows = optarg; break;
+		case OPT_RANK:
+			if (parse_ll("--rank", optarg, 0, SHARDD_MAX_WORLD - 1, &o.rank) < 0)
+				return 2;
+			break;
+		case OPT_LIMIT:
+			if (parse_ll("--limit", optarg, 0, 65536, &o.limit) < 0)
+				return 2;
+			break;
+		case OPT_COUNT:
+			if (parse_ll("--count", optarg, 1, 1000000000, &o.count) < 0)
+				return 2;
+			break;
+		case OPT_INTERVAL:
+			errno = 0;
+			o.interval = strtod(optarg, &end);
+			if (errno || end == optarg || *end || !(o.interval >= 0.01) ||
+			    o.interval > 86400)
+				return usage_error("--interval '%s': expected seconds in [0.01, 86400]",
+						   optarg);
+			break;
+		case 'h':
+		case OPT_HELP:
+			fputs(usage_text, stdout);
+			return 0;
+		default:
+			return usage_error("unknown option '%s'", argv[optind - 1]);
+		}
+	}
+	if (optind >= argc)
+		return usage_error("%s", "no command given");
+	cmd = argv[optind];
+	pos = argv + optind + 1;
+	npos = argc - optind - 1;
+
+	if (strcmp(cmd, "status") == 0 && npos == 0)
+		return run_one(&o, cmd_req("status"), shardctl_render_status);
+	if (strcmp(cmd, "jobs") == 0 && npos == 0)
+		return run_one(&o, cmd_req("jobs"), shardctl_render_jobs);
+	if (strcmp(cmd, "ranks") == 0 && npos <= 1)
+		return run_one(&o, with_job(cmd_req("ranks"), npos ? pos[0] : o.job),
+			       shardctl_render_ranks);
+	if (strcmp(cmd, "groups") == 0 && npos <= 1)
+		return run_one(&o, with_job(cmd_req("groups"), npos ? pos[0] : o.job),
+			       shardctl_render_groups);
+	if (strcmp(cmd, "show") == 0 && npos == 1)
+		return run_one(&o, with_job(json_pack("{s:s, s:s}", "cmd", "show", "group", pos[0]),
+					    o.job), shardctl_render_show);
+	if (strcmp(cmd, "dump") == 0 && npos == 2)
+		return cmd_dump(&o, pos[0], pos[1]);
+	if (strcmp(cmd, "stats") == 0 && npos == 0)
+		return run_one(&o, cmd_req("stats"), shardctl_render_stats);
+	if (strcmp(cmd, "metrics") == 0 && npos == 0)
+		return run_one(&o, cmd_req("metrics"), NULL);
+	if (strcmp(cmd, "watch") == 0 && npos == 0)
+		return cmd_watch(&o);
+	if (strcmp(cmd, "status") == 0 || strcmp(cmd, "jobs") == 0 || strcmp(cmd, "ranks") == 0 ||
+	    strcmp(cmd, "groups") == 0 || strcmp(cmd, "show") == 0 || strcmp(cmd, "dump") == 0 ||
+	    strcmp(cmd, "stats") == 0 || strcmp(cmd, "metrics") == 0 || strcmp(cmd, "watch") == 0)
+		return usage_error("wrong number of arguments for '%s'", cmd);
+	return usage_error("unknown command '%s'", cmd);
+}

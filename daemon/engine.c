@@ -25,6 +25,9 @@
 #include <unistd.h>
 
 #include "daemon/backend.h"
+#ifdef SHARDD_HAVE_CUDA
+#include "daemon/backend_cuda.h"
+#endif
 #include "daemon/engine.h"
 #include "daemon/group.h"
 #include "daemon/log.h"
@@ -110,6 +113,8 @@ struct shardd_engine_job {
 	void *ctx;
 	char name[SHARDD_NAME_MAX];
 	uint32_t replicate, shard, world;
+	int32_t *devices;            /* [world]: each rank's hello.device, where its buffers go */
+	uint8_t *gone;               /* [world]: the rank's client left and it has not attached again */
 	struct eng_group **groups;   /* index = group id - 1; NULL once a registration failed */
 	uint32_t ngroups, cap;
 	struct shardd_engine_job *prev, *next;
@@ -248,7 +253,29 @@ static int coll_arrive(struct eng_group *eg, struct eng_coll *c, const struct en
 		return 0;
 	}
 	c->ops[op->rank - c->base] = *op;
-	return ret == SHARDD_RDV_COMPLETE;
+	if (ret == SHARDD_RDV_COMPLETE)
+		return 1;
+	/*
+	 * A rank whose client left cannot arrive until it attaches again:
+	 * waiting for it would only end at the collective timeout, so the ranks
+	 * here learn at once who is missing and can retry once it is back.
+	 */
+	for (uint32_t i = 0; i < c->rdv.nexpected; i++) {
+		uint32_t r = c->base + i;
+
+		if (!c->rdv.arrived[i] && eg->j->gone[r]) {
+			char what[160];
+
+			coll_what(eg, c, what, sizeof(what));
+			shardd_rdv_present(&c->rdv, ranks, sizeof(ranks));
+			fmt(msg, sizeof(msg),
+			    "shardd: rank %u left (its client is gone) before %s; failed for %s %s; retry once it attached again",
+			    r, what, plural_rank(ranks), ranks);
+			coll_fail(eg, c, -SHARDD_E_PEER_DIED, msg, UINT32_MAX);
+			return 0;
+		}
+	}
+	return 0;
 }
 
 /* ------------------------------------------------------------------ */
@@ -537,16 +564,31 @@ static void deferred_fail(struct eng_group *eg, uint32_t rank, int res, const ch
 /* Engine                                                              */
 /* ------------------------------------------------------------------ */
 
+#ifdef SHARDD_HAVE_CUDA
+/* The cuda backend; its error is logged as it words it (which flag, why, the fix). */
+static int engine_backend_cuda(struct shardd_backend_ctx **out)
+{
+	char err[256];
+	int ret = shardd_backend_cuda_create(out, err, sizeof(err));
+
+	if (ret)
+		shardd_log_error("%s", err);
+	return ret;
+}
+#endif
+
 int shardd_engine_create(const struct shardd_engine_config *cfg, struct shardd_engine **out)
 {
 	struct shardd_engine *e;
 	int ret;
 
+#ifndef SHARDD_HAVE_CUDA
 	if (cfg->backend == SHARDD_BACKEND_CUDA) {
 		shardd_log_error("shardd: the cuda backend is not available in this build; use --backend host");
 		return -SHARDD_E_BACKEND;
 	}
-	if (cfg->backend != SHARDD_BACKEND_HOST) {
+#endif
+	if (cfg->backend != SHARDD_BACKEND_HOST && cfg->backend != SHARDD_BACKEND_CUDA) {
 		shardd_log_error("shardd: backend %u is not a backend (host = %d, cuda = %d)",
 				 cfg->backend, SHARDD_BACKEND_HOST, SHARDD_BACKEND_CUDA);
 		return -SHARDD_E_BACKEND;
@@ -569,7 +611,12 @@ int shardd_engine_create(const struct shardd_engine_config *cfg, struct shardd_e
 	ret = shardd_pool_create(cfg->workers, &e->pool);
 	if (ret)
 		goto err_efd;
-	ret = shardd_backend_host_create(e->pool, &e->backend);
+#ifdef SHARDD_HAVE_CUDA
+	if (cfg->backend == SHARDD_BACKEND_CUDA)
+		ret = engine_backend_cuda(&e->backend);
+	else
+#endif
+		ret = shardd_backend_host_create(e->pool, &e->backend);
 	if (ret)
 		goto err_pool;
 	*out = e;
@@ -583,7 +630,9 @@ err_free:
 	pthread_cond_destroy(&e->finished);
 	pthread_mutex_destroy(&e->lock);
 	free(e);
-	shardd_log_error("shardd: cannot start the op engine: %s", strerror(-ret));
+	/* A backend error was logged in the backend's own words. */
+	if (ret != -SHARDD_E_BACKEND)
+		shardd_log_error("shardd: cannot start the op engine: %s", strerror(-ret));
 	return ret;
 }
 
@@ -654,6 +703,16 @@ int shardd_engine_job_create(struct shardd_engine *e, void *job_ctx, const char 
 	j = calloc(1, sizeof(*j));
 	if (!j)
 		return -ENOMEM;
+	j->devices = malloc(sizeof(*j->devices) * replicate * shard);
+	j->gone = calloc(replicate * shard, sizeof(*j->gone));
+	if (!j->devices || !j->gone) {
+		free(j->devices);
+		free(j->gone);
+		free(j);
+		return -ENOMEM;
+	}
+	for (uint32_t r = 0; r < replicate * shard; r++)
+		j->devices[r] = SHARDD_HELLO_DEVICE_HOST;
 	j->e = e;
 	j->ctx = job_ctx;
 	snprintf(j->name, sizeof(j->name), "%s", job_name);
@@ -783,7 +842,17 @@ void shardd_engine_job_destroy(struct shardd_engine_job *j)
 	if (j->next)
 		j->next->prev = j->prev;
 	free(j->groups);
+	free(j->devices);
+	free(j->gone);
 	free(j);
+}
+
+void shardd_engine_rank_attached(struct shardd_engine_job *j, uint32_t rank, int32_t device)
+{
+	if (rank >= j->world)
+		return;
+	j->devices[rank] = device;
+	j->gone[rank] = 0;
 }
 
 static struct eng_group *group_by_name(struct shardd_engine_job *j, const char *name)
@@ -904,7 +973,7 @@ static void reg_finish(struct eng_group *eg)
 	char err[384], msg[ENGINE_MSG_MAX];
 	int ret;
 
-	ret = shardd_group_alloc(eg->g, j->e->backend, err, sizeof(err));
+	ret = shardd_group_alloc(eg->g, j->e->backend, j->devices, err, sizeof(err));
 	if (ret) {
 		fmt(msg, sizeof(msg), "shardd: %s", err);
 		reg_fail(eg, ret, msg, UINT32_MAX);
@@ -1290,6 +1359,7 @@ void shardd_engine_rank_gone(struct shardd_engine_job *j, uint32_t rank, uint64_
 
 	if (rank >= j->world)
 		return;
+	j->gone[rank] = 1;
 	for (uint32_t i = 0; i < j->ngroups; i++) {
 		struct eng_group *eg = j->groups[i];
 

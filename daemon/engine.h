@@ -73,6 +73,10 @@ void shardd_engine_submit(struct shardd_engine_job *j, uint32_t rank, uint64_t t
 /* The rank's client (this token) is gone (EOF, death, goodbye): fail rendezvous it was part
    of (others get -SHARDD_E_PEER_DIED naming it), drop its holds. Its shards stay. */
 void shardd_engine_rank_gone(struct shardd_engine_job *j, uint32_t rank, uint64_t token);
+/* The rank attached (again), naming CUDA device `device` (hello.device): groups registered from
+   now on put its buffers there, and collectives wait for it again after it left. A rank out of
+   the mesh is ignored (the session validated it). */
+void shardd_engine_rank_attached(struct shardd_engine_job *j, uint32_t rank, int32_t device);
 
 /* ---- Introspection for admin requests (loop thread only; results valid until the next engine call) ---- */
 

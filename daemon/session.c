@@ -18,6 +18,7 @@
 #include "job.h"
 #include "log.h"
 #include "loop.h"
+#include "metrics.h"
 #include "server.h"
 #include "session.h"
 
@@ -310,6 +311,7 @@ void shardd_session_reap(void)
 				s->next->prev = s->prev;
 			if (s->ring_mem)
 				munmap(s->ring_mem, s->ring_size);
+			shardd_op_clock_free(&s->clock);
 			free(s);
 		}
 		s = next;
@@ -545,6 +547,12 @@ static void session_hello(struct shardd_session *s, const struct shardd_msg_hdr 
 			       sq_entries, strerror(-ringfd));
 		return;
 	}
+	/* Every taken entry holds a CQ slot, so at most cq_entries are timed at once. */
+	if (shardd_op_clock_init(&s->clock, sq_entries * CQ_PER_SQ) < 0) {
+		session_reject(s, hdr->seq, -SHARDD_E_NOMEM, "out of memory for the op clock of "
+			       "%u entries", sq_entries * CQ_PER_SQ);
+		goto out;
+	}
 	s->doorbell_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
 	if (s->doorbell_fd < 0) {
 		ret = -errno;
@@ -591,6 +599,7 @@ static void session_hello(struct shardd_session *s, const struct shardd_msg_hdr 
 	s->rank = h.rank;
 	s->stats.attached_ns = shardd_now_ns();
 	shardd_job_attach(job, h.rank, s);
+	shardd_engine_rank_attached(job->ejob, h.rank, h.device);
 	if (shardd_loop_add_fd(server.loop, s->doorbell_fd, POLLIN, session_doorbell, s,
 			       &s->doorbell_ev) < 0 ||
 	    (s->pidfd >= 0 && shardd_loop_add_fd(server.loop, s->pidfd, POLLIN,
@@ -821,6 +830,8 @@ void shardd_session_complete(struct shardd_session *s, const struct shardd_sqe *
 	if (res < 0 && (!msg || !*msg))
 		msg = res <= -SHARDD_E_BASE ? "shardd error" : strerror(-res);
 	shardd_cq_push(&s->ring, &cqe, res < 0 ? msg : NULL);
+	shardd_metrics_op_done(sqe->op, res, shardd_metrics_op_bytes(s->job, sqe),
+			       shardd_op_clock_stop(&s->clock, sqe, shardd_now_ns()));
 	s->inflight--;
 	s->stats.ops_completed++;
 	if (res < 0)
@@ -945,6 +956,7 @@ unsigned shardd_session_service(struct shardd_session *s)
 		if (room <= 0)
 			break;
 		shardd_sq_pop(&s->ring, &sqe);
+		shardd_op_clock_start(&s->clock, &sqe, shardd_now_ns());
 		s->inflight++;
 		s->stats.ops_taken++;
 		s->stats.last_taken_op = sqe.op;

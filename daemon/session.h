@@ -12,6 +12,7 @@
 #include <stdint.h>
 #include <sys/types.h>
 
+#include "metrics.h"
 #include "shardd_ctrl.h"
 #include "shardd_proto.h"
 #include "shardd_ring.h"
@@ -63,6 +64,7 @@ struct shardd_session {
 	uint64_t ring_size;
 	struct shardd_ring ring;
 	uint32_t inflight;           /* taken entries whose completion is not pushed yet */
+	struct shardd_op_clock clock; /* take times of those entries: op latency */
 	struct shardd_session_stats stats;
 };
 

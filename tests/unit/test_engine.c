@@ -1136,9 +1136,28 @@ Test(engine, rank_gone_fails_others_naming_it_and_keeps_shards, .timeout = 30)
 	memset(&og, 0, sizeof(og));
 	snprintf(og.name, sizeof(og.name), "g");
 	unmap_rank(&env->grp[id], 2);
+	shardd_engine_rank_attached(env->j, 2, SHARDD_HELLO_DEVICE_HOST);
 	shardd_engine_open_group(env->j, 2, 102, 1, &og, sizeof(og));
 	cr_assert_eq(memcmp(env->grp[id].map[2].shard, &v, 4), 0);
 	all_ranks(env, SHARDD_OP_UNSHARD, id, 2, 0);
+	env_free(env);
+}
+
+Test(engine, collective_after_a_rank_left_fails_at_once_until_it_attaches_again, .timeout = 30)
+{
+	struct t_env *env = env_new(1, 3, 60000);
+	uint32_t id = small_group(env, "g");
+
+	shardd_engine_rank_gone(env->j, 1, 101);
+	/* Rank 1 cannot arrive: rank 0 must not wait out the 60 s collective timeout. */
+	submit(env, 0, SHARDD_OP_REDUCE, id, 7, 0);
+	cr_assert_eq(wait_cq(env, 1, WAIT_MS), 0);
+	cr_assert_eq(env->cq[0].res, -SHARDD_E_PEER_DIED);
+	cr_assert(strstr(env->cq[0].msg, "rank 1 left") && strstr(env->cq[0].msg, "reduce(group 'g', step 7)") &&
+		  strstr(env->cq[0].msg, "failed for rank 0"), "%s", env->cq[0].msg);
+	/* Once it attached again the collective waits for it and completes. */
+	shardd_engine_rank_attached(env->j, 1, SHARDD_HELLO_DEVICE_HOST);
+	all_ranks(env, SHARDD_OP_REDUCE, id, 7, 0);
 	env_free(env);
 }
 
@@ -1157,6 +1176,7 @@ Test(engine, rank_gone_fails_a_pending_registration_and_the_all_reduce, .timeout
 		cr_assert(strstr(env->rep[r].msg, "rank 3 left") && strstr(env->rep[r].msg, "ranks 0,1"),
 			  "%s", env->rep[r].msg);
 	}
+	shardd_engine_rank_attached(env->j, 3, SHARDD_HELLO_DEVICE_HOST);
 	id = register_all(env, "g", &sp);
 	/* The HSDP all-reduce spans both replicas: a death in replica 1 fails replica 0's ranks. */
 	submit(env, 0, SHARDD_OP_REDUCE, id, 1, SHARDD_REDUCE_ALL_REDUCE);

@@ -19,6 +19,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <criterion/criterion.h>
+
 #include "harness.h"
 #include "shardd_ctrl.h"
 
@@ -386,6 +388,7 @@ int harness_daemon_start(struct harness_daemon *d, const char *const *extra)
 
 int harness_daemon_stop_sig(struct harness_daemon *d, int sig, int timeout_ms)
 {
+	pid_t pid = d->pid;
 	int status = 0, ret = 0;
 
 	if (!d->started)
@@ -410,6 +413,19 @@ int harness_daemon_stop_sig(struct harness_daemon *d, int sig, int timeout_ms)
 		nftw(d->dir, rm_entry, 8, FTW_DEPTH | FTW_PHYS);
 		d->dir[0] = '\0';
 	}
+	/*
+	 * Under SANITIZE=1 the daemon reports memory errors and leaks on its
+	 * stderr, which only the harness sees: every suite that stops a daemon
+	 * fails on such a report.
+	 */
+	if (d->log && (strstr(d->log, "ERROR: AddressSanitizer") ||
+		       strstr(d->log, "ERROR: LeakSanitizer") || strstr(d->log, "runtime error:"))) {
+		harness_daemon_dump_log(d);
+		cr_assert_fail("shardd (pid %d) reported a sanitizer error: its log is above", (int)pid);
+	}
+	free(d->log);
+	d->log = NULL;
+	d->log_len = d->log_cap = 0;
 	return ret;
 }
 

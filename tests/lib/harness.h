@@ -51,9 +51,10 @@ int harness_daemon_start(struct harness_daemon *d, const char *const *extra);
 /*
  * Send `sig` to the daemon and wait up to timeout_ms for it to exit; on
  * timeout kill it with SIGKILL and return -ETIMEDOUT. Returns the wait
- * status (>= 0) otherwise. Then reads the rest of its output (kept for
- * harness_daemon_dump_log) and removes the directory. Safe to call on a
- * daemon already stopped, or never started: 0.
+ * status (>= 0) otherwise. Then reads the rest of its output, fails the
+ * calling Criterion test if it holds a sanitizer report (printing it),
+ * frees it (dump the log before stopping) and removes the directory. Safe
+ * to call on a daemon already stopped, or never started: 0.
  */
 int harness_daemon_stop_sig(struct harness_daemon *d, int sig, int timeout_ms);
 

@@ -160,7 +160,7 @@ train: deps-check
 # ------------------------------------------------------------- install ---
 install: all
 	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/include
-	install -m 755 $(SHARDD) $(SHARDCTL) $(SHARDBENCH) $(DESTDIR)$(PREFIX)/bin/
+	install -m 755 $(SHARDD) $(SHARDCTL) $(SHARDBENCH) $(wildcard $(BUILD)/shardbench_mpi) $(DESTDIR)$(PREFIX)/bin/
 	install -m 644 $(LIBCLIENT_A) $(DESTDIR)$(PREFIX)/lib/
 	install -m 755 $(LIBCLIENT_SO) $(DESTDIR)$(PREFIX)/lib/libshardd.so.0
 	ln -sf libshardd.so.0 $(DESTDIR)$(PREFIX)/lib/libshardd.so

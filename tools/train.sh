@@ -14,8 +14,13 @@
 # exit path.
 set -euo pipefail
 
+usage="usage: tools/train.sh BUILD   (the build directory, e.g. build; TRAIN_RANKS, TRAIN_STEPS)"
+if [[ $# -eq 1 && $1 == --help ]]; then
+	echo "$usage"
+	exit 0
+fi
 if [[ $# -ne 1 ]]; then
-	echo "usage: tools/train.sh BUILD   (the build directory, e.g. build)" >&2
+	echo "$usage" >&2
 	exit 2
 fi
 build=$1

@@ -121,6 +121,12 @@ int main(int argc, char **argv)
 	uint64_t steps;
 	int ret;
 
+	if (argc == 2 && strcmp(argv[1], "--help") == 0) {
+		printf("usage: %s SOCKET JOB RANK WORLD STEPS OUTDIR\n"
+		       "One C rank of the C/Python interop job of tests/python/test_interop.py.\n",
+		       argv[0]);
+		return 0;
+	}
 	if (argc != 7) {
 		fprintf(stderr, "usage: %s SOCKET JOB RANK WORLD STEPS OUTDIR\n", argv[0]);
 		return 2;

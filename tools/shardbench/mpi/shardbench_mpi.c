@@ -179,6 +179,13 @@ int main(int argc, char **argv)
 	void *send = NULL, *recv = NULL;
 	int rank, np, ret = 0;
 
+	if (argc == 2 && strcmp(argv[1], "--help") == 0) {
+		printf("usage: mpirun -np N shardbench_mpi allgather|reduce_scatter -b MIN -e MAX "
+		       "-f FACTOR -w WARMUP -n ITERS -c 0|1 -d fp32|bf16|fp16\n"
+		       "Open MPI's MPI_Allgather / MPI_Reduce_scatter_block on the sizes of a "
+		       "shardbench sweep; shardbench runs it and compares.\n");
+		return 0;
+	}
 	MPI_Init(&argc, &argv);
 	MPI_Comm_rank(MPI_COMM_WORLD, &rank);
 	MPI_Comm_size(MPI_COMM_WORLD, &np);

@@ -18,6 +18,7 @@ $(BUILD)/tools/shardbench/mpi/%.o: tools/shardbench/mpi/%.c
 	@mkdir -p $(dir $@)
 	$(MPICC) $(CFLAGS) -c $< -o $@
 
-$(BUILD)/shardbench_mpi: $(BENCH_MPI_OBJ)
+# measure.o: the size parsing shardbench itself uses, so both read -b/-e alike.
+$(BUILD)/shardbench_mpi: $(BENCH_MPI_OBJ) $(BUILD)/tools/shardbench/measure.o
 	$(MPICC) $(LDFLAGS) -o $@ $^ -lm
 endif

@@ -26,42 +26,14 @@
 
 #include <mpi.h>
 
+#include "tools/shardbench/bench.h"
+
 struct mpi_opts {
 	const char *op;
 	uint64_t    min_bytes, max_bytes, factor;
 	int         warmup, iters, check;
 	size_t      dsize; /* bytes per element of the benchmark dtype */
 };
-
-static uint64_t now_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
-static int parse_size(const char *s, uint64_t *out)
-{
-	char *end;
-	unsigned long long v;
-	uint64_t mult = 1;
-
-	errno = 0;
-	v = strtoull(s, &end, 10);
-	if (errno || end == s)
-		return -EINVAL;
-	if (*end == 'K' || *end == 'k')
-		mult = 1024ull, end++;
-	else if (*end == 'M' || *end == 'm')
-		mult = 1024ull * 1024ull, end++;
-	else if (*end == 'G' || *end == 'g')
-		mult = 1024ull * 1024ull * 1024ull, end++;
-	if (*end != '\0' || v == 0 || v > UINT64_MAX / mult)
-		return -EINVAL;
-	*out = v * mult;
-	return 0;
-}
 
 static int parse_args(int argc, char **argv, struct mpi_opts *o)
 {
@@ -77,11 +49,11 @@ static int parse_args(int argc, char **argv, struct mpi_opts *o)
 		int bad = 0;
 
 		if (!strcmp(f, "-b"))
-			bad = parse_size(v, &o->min_bytes);
+			bad = bench_parse_size(v, &o->min_bytes);
 		else if (!strcmp(f, "-e"))
-			bad = parse_size(v, &o->max_bytes);
+			bad = bench_parse_size(v, &o->max_bytes);
 		else if (!strcmp(f, "-f"))
-			bad = parse_size(v, &o->factor);
+			bad = bench_parse_size(v, &o->factor);
 		else if (!strcmp(f, "-w"))
 			o->warmup = atoi(v);
 		else if (!strcmp(f, "-n"))
@@ -135,12 +107,12 @@ static double run_size(const struct mpi_opts *o, int rank, int np, uint64_t byte
 
 	for (it = 0; it < total; it++) {
 		MPI_Barrier(MPI_COMM_WORLD);
-		t0[it] = now_ns();
+		t0[it] = bench_now_ns();
 		if (ag)
 			MPI_Allgather(send, (int)chunk, type, recv, (int)chunk, type, MPI_COMM_WORLD);
 		else
 			MPI_Reduce_scatter_block(send, recv, (int)chunk, type, MPI_SUM, MPI_COMM_WORLD);
-		t1[it] = now_ns();
+		t1[it] = bench_now_ns();
 	}
 	/* First start and last end of every iteration, over all ranks. */
 	MPI_Allreduce(MPI_IN_PLACE, t0, total, MPI_UINT64_T, MPI_MIN, MPI_COMM_WORLD);

@@ -5,12 +5,29 @@
  * sum in fp32, average, HSDP partial add, post-divide, cast to the param's
  * dtype, accumulate.
  *
- * One pass over memory: the range is walked in SHARDD_K_BLOCK-element
- * blocks; for each block every input is read once into an fp32 stack
- * buffer and summed into an fp32 accumulator, and the output is written
- * once. The fp32 loops are plain loops of constant length (full blocks)
- * that gcc -O2 vectorises.
+ * One pass over memory: every input element is read once and every output
+ * element written once. Two implementations give the same bits:
+ *
+ * - AVX-512 (picked at run time): the whole formula runs on 16 elements in
+ *   registers at a time, every step of it fused, so the only memory traffic
+ *   is the inputs and the output. Measured on the Zen 5 CI machine, the
+ *   block version below ran at ~1.7 G elements/s per core on 2 bf16
+ *   inputs, L1-resident (it converts, rounds and adds in separate passes
+ *   through L1 buffers), far short of what the memory can feed; fused, the
+ *   reduce is bound by memory bandwidth.
+ * - Portable: the range is walked in SHARDD_K_BLOCK-element blocks; for
+ *   each block every input is read once into an fp32 stack buffer and
+ *   summed into an fp32 accumulator, and the output is written once. The
+ *   fp32 loops are plain loops of constant length (full blocks) that gcc
+ *   -O2 vectorises.
+ *
+ * The AVX-512 version multiplies by the reciprocal where a divisor is a
+ * power of two (a division costs several times a multiply): that
+ * reciprocal is exact, so both are the same real number, rounded once to
+ * the same fp32.
  */
+#include <string.h>
+
 #include "shardd_kernels.h"
 #include "shardd_proto.h"
 
@@ -53,8 +70,8 @@ static void divide_round(float *x, float by, uint32_t rd, size_t n)
 	}
 }
 
-void shardd_k_reduce(void *out, uint32_t out_dtype, int accumulate, const void *const *in,
-		     uint32_t nin, uint32_t in_dtype, size_t n, const struct shardd_reduce_math *m)
+static void reduce_portable(void *out, uint32_t out_dtype, int accumulate, const void *const *in,
+			    uint32_t nin, uint32_t in_dtype, size_t n, const struct shardd_reduce_math *m)
 {
 	size_t isz = shardd_dtype_size(in_dtype), osz = shardd_dtype_size(out_dtype);
 	size_t rsz = shardd_dtype_size(m->reduce_dtype);
@@ -105,4 +122,288 @@ void shardd_k_reduce(void *out, uint32_t out_dtype, int accumulate, const void *
 		}
 		shardd_k_from_f32((char *)out + base * osz, out_dtype, acc, len);
 	}
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,f16c")))
+#define AVX512_INLINE AVX512_TARGET ALWAYS_INLINE
+/* Round to nearest even, exceptions suppressed, whatever MXCSR says. */
+#define RNE_SAE (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+
+/*
+ * Arithmetic through the explicit-rounding intrinsics: gcc may fuse a
+ * plain _mm512_mul_ps and _mm512_add_ps into one FMA (-ffp-contract=fast
+ * is its default in GNU C, and AVX-512F implies FMA), which rounds once
+ * where the formula rounds twice. These builtins are never contracted.
+ */
+#define ADD_512(a, b) _mm512_add_round_ps((a), (b), RNE_SAE)
+#define MUL_512(a, b) _mm512_mul_round_ps((a), (b), RNE_SAE)
+#define DIV_512(a, b) _mm512_div_round_ps((a), (b), RNE_SAE)
+
+/* What the formula does, decided once per call; the loop body tests these. */
+enum {
+	RV_ROUND_IN = 1 << 0, /* round inputs to reduce_dtype */
+	RV_PRE = 1 << 1,      /* pre-divide */
+	RV_AVG = 1 << 2,      /* divide the sum */
+	RV_ADD = 1 << 3,      /* add the partial */
+	RV_POST = 1 << 4,     /* post-divide */
+	RV_ACC = 1 << 5,      /* accumulate into out */
+	RV_PRE_MUL = 1 << 6,  /* the divisor is a power of two: multiply by its reciprocal */
+	RV_AVG_MUL = 1 << 7,
+	RV_POST_MUL = 1 << 8,
+};
+
+struct rv_args {
+	void *out;
+	const void *const *in;
+	const void *add;
+	size_t n;
+	uint32_t nin;
+	float pre, avg, post; /* divisors, or their reciprocals under RV_*_MUL */
+};
+
+/* A power of two whose reciprocal is a normal fp32 (so that it is exact). */
+static int exact_reciprocal(float f)
+{
+	uint32_t u, e;
+
+	memcpy(&u, &f, sizeof(u));
+	e = (u >> 23) & 0xffu;
+	return (u & 0x7fffffu) == 0 && e >= 1 && e <= 253;
+}
+
+/* Widen bf16 bits (in the low halves of 32-bit lanes) to fp32; a NaN comes back quiet. */
+AVX512_INLINE __m512 bf16_widen_512(__m512i h)
+{
+	__m512i u = _mm512_slli_epi32(h, 16);
+	__mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+						_mm512_set1_epi32(0x7f800000));
+
+	return _mm512_castsi512_ps(_mm512_mask_or_epi32(u, nan, u, _mm512_set1_epi32(0x00400000)));
+}
+
+/*
+ * Round fp32 lanes to bf16, to nearest even (the scalar bf16_from_bits of
+ * cast.c, on 16 lanes), the result in the top halves of the lanes; a NaN is
+ * truncated with its quiet bit set. Not vcvtneps2bf16: it flushes
+ * subnormals to zero.
+ */
+AVX512_INLINE __m512i bf16_round_hi_512(__m512 x)
+{
+	__m512i u = _mm512_castps_si512(x);
+	__mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+						_mm512_set1_epi32(0x7f800000));
+	__m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+	__m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+
+	r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x00400000));
+	return _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
+}
+
+AVX512_INLINE __m512 load_512(const void *p, uint32_t dt, __mmask16 k)
+{
+	switch (dt) {
+	case SHARDD_DTYPE_BF16:
+		return bf16_widen_512(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)));
+	case SHARDD_DTYPE_FP16:
+		return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, p));
+	default:
+		return _mm512_maskz_loadu_ps(k, p);
+	}
+}
+
+/* x rounded to dt and widened back (shardd_round_to on 16 lanes). */
+AVX512_INLINE __m512 round_512(__m512 x, uint32_t dt)
+{
+	switch (dt) {
+	case SHARDD_DTYPE_BF16:
+		return _mm512_castsi512_ps(bf16_round_hi_512(x));
+	case SHARDD_DTYPE_FP16:
+		return _mm512_cvtph_ps(_mm512_cvtps_ph(x, RNE_SAE));
+	default:
+		return x;
+	}
+}
+
+AVX512_INLINE void store_512(void *p, uint32_t dt, __m512 x, __mmask16 k)
+{
+	switch (dt) {
+	case SHARDD_DTYPE_BF16:
+		_mm256_mask_storeu_epi16(p, k, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_round_hi_512(x), 16)));
+		break;
+	case SHARDD_DTYPE_FP16:
+		_mm256_mask_storeu_epi16(p, k, _mm512_cvtps_ph(x, RNE_SAE));
+		break;
+	default:
+		_mm512_mask_storeu_ps(p, k, x);
+		break;
+	}
+}
+
+AVX512_INLINE __m512 divide_512(__m512 x, float by, int mul)
+{
+	return mul ? MUL_512(x, _mm512_set1_ps(by)) : DIV_512(x, _mm512_set1_ps(by));
+}
+
+/* Input k's 16 lanes at element i, rounded and pre-divided as the formula says. */
+AVX512_INLINE __m512 input_512(const struct rv_args *a, uint32_t k, size_t i, uint32_t idt, uint32_t rd,
+			       unsigned f, __mmask16 mk)
+{
+	__m512 x = load_512((const char *)a->in[k] + i * shardd_dtype_size(idt), idt, mk);
+
+	if (f & RV_ROUND_IN)
+		x = round_512(x, rd);
+	if (f & RV_PRE)
+		x = round_512(divide_512(x, a->pre, f & RV_PRE_MUL), rd);
+	return x;
+}
+
+/*
+ * The formula on 16 elements at i (mk: the lanes that exist). Every step
+ * of shardd_k_reduce's formula in its order, each rounding where the
+ * portable code rounds.
+ */
+AVX512_INLINE void reduce_16(const struct rv_args *a, size_t i, uint32_t idt, uint32_t rd, uint32_t odt,
+			     unsigned f, uint32_t nin, __mmask16 mk)
+{
+	char *out = (char *)a->out + i * shardd_dtype_size(odt);
+	/* The sum starts from x_0, not from +0, so that inputs that are all -0 sum to -0. */
+	__m512 s = input_512(a, 0, i, idt, rd, f, mk);
+
+	for (uint32_t k = 1; k < nin; k++)
+		s = ADD_512(s, input_512(a, k, i, idt, rd, f, mk));
+	if (f & RV_AVG)
+		s = divide_512(s, a->avg, f & RV_AVG_MUL);
+	s = round_512(s, rd);
+	if (f & RV_ADD) {
+		__m512 p = load_512((const char *)a->add + i * shardd_dtype_size(rd), rd, mk);
+
+		s = round_512(ADD_512(s, p), rd);
+	}
+	if (f & RV_POST)
+		s = round_512(divide_512(s, a->post, f & RV_POST_MUL), rd);
+	if (f & RV_ACC)
+		s = ADD_512(round_512(s, odt), load_512(out, odt, mk));
+	store_512(out, odt, s, mk);
+}
+
+/*
+ * The loop, inlined into each caller below so that callers that pass
+ * constants get a body with the dtype switches and flag tests folded away.
+ */
+AVX512_INLINE void reduce_loop_512(const struct rv_args *a, uint32_t idt, uint32_t rd, uint32_t odt,
+				   unsigned f, uint32_t nin)
+{
+	size_t i = 0;
+
+	for (; i + 16 <= a->n; i += 16)
+		reduce_16(a, i, idt, rd, odt, f, nin, (__mmask16)0xffff);
+	if (i < a->n)
+		reduce_16(a, i, idt, rd, odt, f, nin, (__mmask16)((1u << (a->n - i)) - 1u));
+}
+
+/* FSDP2's common cases, specialised: bf16 grads reduced in bf16 into fp32 sharded grads, and fp32. */
+AVX512_TARGET static void reduce_bf16_avg_f32(const struct rv_args *a, unsigned f)
+{
+	switch (f) {
+	case RV_AVG | RV_AVG_MUL:
+		reduce_loop_512(a, SHARDD_DTYPE_BF16, SHARDD_DTYPE_BF16, SHARDD_DTYPE_FP32, RV_AVG | RV_AVG_MUL,
+				a->nin);
+		break;
+	case RV_AVG | RV_AVG_MUL | RV_ACC:
+		reduce_loop_512(a, SHARDD_DTYPE_BF16, SHARDD_DTYPE_BF16, SHARDD_DTYPE_FP32,
+				RV_AVG | RV_AVG_MUL | RV_ACC, a->nin);
+		break;
+	default:
+		reduce_loop_512(a, SHARDD_DTYPE_BF16, SHARDD_DTYPE_BF16, SHARDD_DTYPE_FP32, f, a->nin);
+		break;
+	}
+}
+
+AVX512_TARGET static void reduce_f32_avg_f32(const struct rv_args *a, unsigned f)
+{
+	switch (f) {
+	case RV_AVG | RV_AVG_MUL:
+		reduce_loop_512(a, SHARDD_DTYPE_FP32, SHARDD_DTYPE_FP32, SHARDD_DTYPE_FP32, RV_AVG | RV_AVG_MUL,
+				a->nin);
+		break;
+	case RV_AVG | RV_AVG_MUL | RV_ACC:
+		reduce_loop_512(a, SHARDD_DTYPE_FP32, SHARDD_DTYPE_FP32, SHARDD_DTYPE_FP32,
+				RV_AVG | RV_AVG_MUL | RV_ACC, a->nin);
+		break;
+	default:
+		reduce_loop_512(a, SHARDD_DTYPE_FP32, SHARDD_DTYPE_FP32, SHARDD_DTYPE_FP32, f, a->nin);
+		break;
+	}
+}
+
+/* Every other combination: the same body with the dtypes and flags tested in the loop. */
+AVX512_TARGET static void reduce_any_512(const struct rv_args *a, uint32_t idt, uint32_t rd, uint32_t odt,
+					 unsigned f)
+{
+	reduce_loop_512(a, idt, rd, odt, f, a->nin);
+}
+
+static int have_avx512(void)
+{
+	/* __builtin_cpu_supports reads data set up by libgcc before main: no race. */
+	return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+	       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c");
+}
+
+/* Set up and run the AVX-512 reduce. */
+static void reduce_avx512(void *out, uint32_t out_dtype, int accumulate, const void *const *in, uint32_t nin,
+			  uint32_t in_dtype, size_t n, const struct shardd_reduce_math *m)
+{
+	uint32_t rd = m->reduce_dtype;
+	struct rv_args a = { .out = out, .in = in, .add = m->add, .n = n, .nin = nin,
+			     .pre = m->pre, .avg = m->avg, .post = m->post };
+	unsigned f = 0;
+
+	if (rd != SHARDD_DTYPE_FP32 && rd != in_dtype)
+		f |= RV_ROUND_IN;
+	if (m->pre > 1.0f)
+		f |= RV_PRE;
+	if (m->avg != 1.0f)
+		f |= RV_AVG;
+	if (m->add)
+		f |= RV_ADD;
+	if (m->post > 1.0f)
+		f |= RV_POST;
+	if (accumulate)
+		f |= RV_ACC;
+	if ((f & RV_PRE) && exact_reciprocal(a.pre)) {
+		f |= RV_PRE_MUL;
+		a.pre = 1.0f / a.pre;
+	}
+	if ((f & RV_AVG) && exact_reciprocal(a.avg)) {
+		f |= RV_AVG_MUL;
+		a.avg = 1.0f / a.avg;
+	}
+	if ((f & RV_POST) && exact_reciprocal(a.post)) {
+		f |= RV_POST_MUL;
+		a.post = 1.0f / a.post;
+	}
+
+	if (in_dtype == SHARDD_DTYPE_BF16 && rd == SHARDD_DTYPE_BF16 && out_dtype == SHARDD_DTYPE_FP32)
+		reduce_bf16_avg_f32(&a, f);
+	else if (in_dtype == SHARDD_DTYPE_FP32 && rd == SHARDD_DTYPE_FP32 && out_dtype == SHARDD_DTYPE_FP32)
+		reduce_f32_avg_f32(&a, f);
+	else
+		reduce_any_512(&a, in_dtype, rd, out_dtype, f);
+}
+#endif
+
+void shardd_k_reduce(void *out, uint32_t out_dtype, int accumulate, const void *const *in,
+		     uint32_t nin, uint32_t in_dtype, size_t n, const struct shardd_reduce_math *m)
+{
+#if defined(__x86_64__) || defined(__i386__)
+	if (have_avx512()) {
+		reduce_avx512(out, out_dtype, accumulate, in, nin, in_dtype, n, m);
+		return;
+	}
+#endif
+	reduce_portable(out, out_dtype, accumulate, in, nin, in_dtype, n, m);
 }

@@ -38,6 +38,57 @@ static json_t *reply_ok(void)
 	return json_pack("{s:b}", "ok", 1);
 }
 
+/*
+ * Replace, in place, each byte that does not begin a well-formed UTF-8
+ * sequence with '?'. jansson refuses strings that are not UTF-8, and ours
+ * may not be: group and param names are whatever bytes a client registered,
+ * and a long text cut at its buffer's end may end inside a character.
+ */
+static void utf8_scrub(char *s)
+{
+	unsigned char *p = (unsigned char *)s;
+
+	while (*p) {
+		unsigned c = *p, n = 0, lo = 0x80, hi = 0xbf, k;
+		int ok;
+
+		if (c < 0x80) {
+			p++;
+			continue;
+		}
+		if (c >= 0xc2 && c <= 0xdf) {
+			n = 1;
+		} else if (c >= 0xe0 && c <= 0xef) {
+			n = 2;
+			lo = c == 0xe0 ? 0xa0 : 0x80; /* no overlong forms */
+			hi = c == 0xed ? 0x9f : 0xbf; /* no surrogates */
+		} else if (c >= 0xf0 && c <= 0xf4) {
+			n = 3;
+			lo = c == 0xf0 ? 0x90 : 0x80;
+			hi = c == 0xf4 ? 0x8f : 0xbf; /* nothing above U+10FFFF */
+		}
+		/* A NUL fails the first check, so nothing past the string is read. */
+		ok = n > 0;
+		for (k = 1; ok && k <= n; k++)
+			ok = k == 1 ? p[k] >= lo && p[k] <= hi : p[k] >= 0x80 && p[k] <= 0xbf;
+		if (!ok) {
+			*p++ = '?';
+			continue;
+		}
+		p += n + 1;
+	}
+}
+
+/* A name a client chose (group, param), as a JSON string whatever its bytes. */
+static json_t *json_name(const char *name)
+{
+	char buf[SHARDD_PARAM_NAME_MAX];
+
+	snprintf(buf, sizeof(buf), "%s", name);
+	utf8_scrub(buf);
+	return json_string(buf);
+}
+
 static json_t *__attribute__((format(printf, 2, 3))) reply_err(int code, const char *fmt, ...)
 {
 	char text[1024];
@@ -46,6 +97,7 @@ static json_t *__attribute__((format(printf, 2, 3))) reply_err(int code, const c
 	va_start(ap, fmt);
 	vsnprintf(text, sizeof(text), fmt, ap);
 	va_end(ap);
+	utf8_scrub(text);
 	return json_pack("{s:b, s:s, s:i}", "ok", 0, "error", text, "code", code);
 }
 
@@ -418,7 +470,7 @@ static json_t *json_rdv(const char *what, const char *group, const struct shardd
 		if (append(rdv->arrived[i] ? arrived : missing, json_integer(rdv->ranks[i])))
 			goto err;
 	if (put(o, "op", json_string(what)) ||
-	    (group && put(o, "group", json_string(group))) ||
+	    (group && put(o, "group", json_name(group))) ||
 	    put(o, "step", json_u64(rdv->step)) ||
 	    put(o, "flags", json_integer(rdv->flags)) ||
 	    put(o, "arrived", json_incref(arrived)) ||
@@ -611,7 +663,7 @@ static json_t *json_group(const struct shardd_job *j, uint32_t id, const struct 
 			  "grad", (json_int_t)g->layout.grad_size,
 			  "shard", (json_int_t)g->layout.shard_size);
 	if (put(o, "id", json_integer(id)) ||
-	    put(o, "name", json_string(g->name)) ||
+	    put(o, "name", json_name(g->name)) ||
 	    put(o, "job", json_string(j->name)) ||
 	    put(o, "nparams", json_integer(g->hdr.nparams)) ||
 	    put(o, "complete", json_boolean(shardd_engine_group_complete(j->ejob, id))) ||
@@ -713,7 +765,7 @@ static json_t *json_param(const struct shardd_group *g, uint32_t i)
 		if (append(valid, json_u64(shardd_layout_rows_valid(lp, r))))
 			goto err;
 	if (put(o, "index", json_integer(i)) ||
-	    put(o, "name", json_string(sp->name)) ||
+	    put(o, "name", json_name(sp->name)) ||
 	    put(o, "dtype", json_dtype(lp->dtype)) ||
 	    put(o, "unsharded_dtype", json_dtype(lp->unsharded_dtype)) ||
 	    put(o, "grad_dtype", json_dtype(lp->grad_dtype)) ||
@@ -1012,7 +1064,7 @@ static json_t *cmd_dump(const json_t *req)
 		goto out;
 	r = reply_ok();
 	if (put(r, "job", json_string(j->name)) ||
-	    put(r, "group", json_string(g->name)) ||
+	    put(r, "group", json_name(g->name)) ||
 	    put(r, "param", json_string(pname)) ||
 	    put(r, "rank", json_u64(rank)) ||
 	    put(r, "what", json_string(what)) ||

@@ -207,15 +207,33 @@ static void coll_free(struct eng_coll *c)
 	c->ops = NULL;
 }
 
-/* Fail every op that arrived at `c` except `skip_rank`'s (UINT32_MAX: none), and reset it. */
+/*
+ * Fail every op that arrived at `c` except `skip_rank`'s (UINT32_MAX: none), and reset it.
+ *
+ * A completion may drop its client (a corrupt CQ), and the rank's departure
+ * fails this collective again from shardd_engine_rank_gone(): each op
+ * therefore leaves the rendezvous before its completion is pushed (and the
+ * rendezvous is reset once empty, before the last one), so the nested call
+ * finds only the ops not yet completed and none is completed twice. An op
+ * that arrived meanwhile (a released deferred op) is kept, not wiped.
+ */
 static void coll_fail(struct eng_group *eg, struct eng_coll *c, int res, const char *msg,
 		      uint32_t skip_rank)
 {
 	for (uint32_t i = 0; i < c->rdv.nexpected; i++) {
-		if (c->rdv.arrived[i] && c->base + i != skip_rank)
-			complete(eg->j, &c->ops[i], res, msg);
+		struct eng_op op;
+
+		if (!c->rdv.arrived[i])
+			continue;
+		op = c->ops[i];
+		shardd_rdv_leave(&c->rdv, c->base + i);
+		if (c->rdv.narrived == 0)
+			shardd_rdv_reset(&c->rdv);
+		if (c->base + i != skip_rank)
+			complete(eg->j, &op, res, msg);
 	}
-	shardd_rdv_reset(&c->rdv);
+	if (c->rdv.narrived == 0)
+		shardd_rdv_reset(&c->rdv);
 }
 
 /* "unshard(group 'g', step 5)" of the collective's key */
@@ -926,16 +944,24 @@ err_msg:
 	return ret;
 }
 
-/* Fail a pending registration for every rank that arrived, and forget the group. */
+/*
+ * Fail a pending registration for every rank that arrived, and forget the group.
+ *
+ * The group leaves the job before any reply is sent: a reply that cannot be
+ * sent drops its client, whose departure (shardd_engine_rank_gone) would
+ * otherwise find this group still pending, fail it again and free it under
+ * this loop.
+ */
 static void reg_fail(struct eng_group *eg, int res, const char *msg, uint32_t skip_rank)
 {
 	struct shardd_engine_job *j = eg->j;
 
+	j->groups[eg->g->id - 1] = NULL;
 	for (uint32_t r = 0; r < j->world; r++) {
 		if (r != skip_rank && shardd_rdv_has_arrived(&eg->reg, r))
 			reply_err(j, r, eg->regs[r].token, eg->regs[r].seq, res, msg);
 	}
-	group_free(eg);
+	group_destroy(eg, j);
 }
 
 static void reply_group(struct eng_group *eg, uint32_t rank, uint64_t token, uint32_t seq)
@@ -1032,8 +1058,13 @@ void shardd_engine_register_group(struct shardd_engine_job *j, uint32_t rank, ui
 	} else if (shardd_group_compare(eg->g, &hdr, specs, rank, eg->first_rank, why, sizeof(why))) {
 		shardd_rdv_present(&eg->reg, ranks, sizeof(ranks));
 		fmt(msg, sizeof(msg), "shardd: %s; registration failed for ranks %s,%u", why, ranks, rank);
-		reply_err(j, rank, token, seq, -SHARDD_E_MISMATCH, msg);
+		/*
+		 * The group is failed before this rank is answered: a reply that
+		 * cannot be sent drops the rank, and its departure must not find
+		 * (and free) the group we are still failing.
+		 */
 		reg_fail(eg, -SHARDD_E_MISMATCH, msg, UINT32_MAX);
+		reply_err(j, rank, token, seq, -SHARDD_E_MISMATCH, msg);
 		goto out;
 	}
 	ret = shardd_rdv_arrive(&eg->reg, rank, 0, 0, shardd_now_ns(), j->e->timeout_ns, why, sizeof(why));

@@ -753,6 +753,18 @@ static void session_readable(void *arg, int fd, uint32_t revents)
 				       "bad control message: %s", why);
 			return;
 		}
+		if (ret == 0 && s->rx.nfds) {
+			/*
+			 * Clients never send fds: refuse them now, not when the message
+			 * completes. Kept while we wait for the rest, a client's own
+			 * socket passed to us would hold its connection open, and its
+			 * hang-up would never reach us.
+			 */
+			session_reject(s, s->rx.hdr.seq, -SHARDD_E_MALFORMED,
+				       "message type %u carries %d file descriptor(s); clients send none",
+				       s->rx.hdr.type, s->rx.nfds);
+			return;
+		}
 		if (ret == 0)
 			continue;
 		/* Take the message out of the reassembly state; its fds are closed with it. */

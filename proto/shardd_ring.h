@@ -129,7 +129,8 @@ static inline int shardd_sq_push(struct shardd_ring *r, const struct shardd_sqe 
 	uint32_t tail = atomic_load_explicit(SHARDD_ATOMIC32(&h->sq_tail), memory_order_relaxed);
 	uint32_t head = atomic_load_explicit(SHARDD_ATOMIC32(&h->sq_head), memory_order_acquire);
 
-	if (tail - head >= h->sq_entries)
+	/* Capacities come from our own copy: the shared header is writable by the peer. */
+	if (tail - head >= r->sq_mask + 1)
 		return -EAGAIN;
 	r->sq[tail & r->sq_mask] = *sqe;
 	/* Publish the entry before the tail: the daemon reads tail with acquire. */
@@ -163,7 +164,11 @@ static inline int64_t shardd_sq_ready(struct shardd_ring *r)
 	uint32_t tail = atomic_load_explicit(SHARDD_ATOMIC32(&h->sq_tail), memory_order_acquire);
 	uint32_t head = atomic_load_explicit(SHARDD_ATOMIC32(&h->sq_head), memory_order_relaxed);
 
-	if (tail - head > h->sq_entries)
+	/*
+	 * The capacity is our own copy, never the header's: a client could
+	 * rewrite hdr->sq_entries to hide a corrupt tail.
+	 */
+	if (tail - head > r->sq_mask + 1)
 		return -EBADMSG;
 	return tail - head;
 }
@@ -216,9 +221,10 @@ static inline int64_t shardd_cq_space(struct shardd_ring *r)
 	uint32_t tail = atomic_load_explicit(SHARDD_ATOMIC32(&h->cq_tail), memory_order_relaxed);
 	uint32_t head = atomic_load_explicit(SHARDD_ATOMIC32(&h->cq_head), memory_order_acquire);
 
-	if (tail - head > h->cq_entries)
+	/* Our own copy of the capacity: the client can rewrite hdr->cq_entries. */
+	if (tail - head > r->cq_mask + 1)
 		return -EBADMSG;
-	return (int64_t)h->cq_entries - (tail - head);
+	return (int64_t)r->cq_mask + 1 - (tail - head);
 }
 
 static inline long shardd_futex(uint32_t *word, int op, uint32_t val,
@@ -266,7 +272,8 @@ static inline int64_t shardd_cq_ready(struct shardd_ring *r)
 	uint32_t tail = atomic_load_explicit(SHARDD_ATOMIC32(&h->cq_tail), memory_order_acquire);
 	uint32_t head = atomic_load_explicit(SHARDD_ATOMIC32(&h->cq_head), memory_order_relaxed);
 
-	if (tail - head > h->cq_entries)
+	/* Our own copy of the capacity, as the daemon's header fields are not re-read. */
+	if (tail - head > r->cq_mask + 1)
 		return -EBADMSG;
 	return tail - head;
 }

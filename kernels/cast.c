@@ -213,6 +213,7 @@ AVX512_TARGET static void bf16_round_avx512(float *x, size_t n)
 	k = (__mmask16)((1u << (n - i)) - 1u);
 	_mm512_mask_storeu_ps(x + i, k, bf16_round_512(_mm512_maskz_loadu_ps(k, x + i)));
 }
+
 #endif
 
 /* ------------------------------------------------------------- fp16 --- */
@@ -430,6 +431,66 @@ static void f16_round(float *x, size_t n)
 	f16_round_portable(x, n);
 }
 
+#ifdef SHARDD_HAVE_X86
+/*
+ * Streaming (non-temporal) casts for shardd_k_cast_stream: whole 64-byte
+ * lines of dst go straight to memory through the write-combining buffers,
+ * so the CPU never reads the old line (the write-allocate read a normal
+ * store pays: a third of a memory-bound fp32 -> bf16 cast's traffic) and
+ * the output does not evict the inputs from the caches. A streaming store
+ * needs an aligned line: the elements before dst's first 64-byte boundary
+ * and the tail after its last one go through the plain loops.
+ */
+#define STREAM_LINE 64
+
+/* Elements of `size` bytes before p reaches a STREAM_LINE boundary, at most n. */
+ALWAYS_INLINE size_t stream_head(const void *p, size_t size, size_t n)
+{
+	size_t head = ((STREAM_LINE - ((uintptr_t)p & (STREAM_LINE - 1))) & (STREAM_LINE - 1)) / size;
+
+	return head < n ? head : n;
+}
+
+AVX512_TARGET ALWAYS_INLINE __m512i join_256(__m256i lo, __m256i hi)
+{
+	return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+AVX512_TARGET static void bf16_store_stream_avx512(uint16_t *restrict d, const float *restrict s, size_t n)
+{
+	size_t i = stream_head(d, sizeof(*d), n);
+
+	bf16_store_avx512(d, s, i);
+	for (; i + 32 <= n; i += 32)
+		_mm512_stream_si512((void *)(d + i), join_256(bf16_narrow_512(_mm512_loadu_ps(s + i)),
+							      bf16_narrow_512(_mm512_loadu_ps(s + i + 16))));
+	bf16_store_avx512(d + i, s + i, n - i);
+}
+
+/* vcvtps2ph with the F16C loops' rounding immediate: the same bits. */
+AVX512_TARGET static void f16_store_stream_avx512(uint16_t *restrict d, const float *restrict s, size_t n)
+{
+	size_t i = stream_head(d, sizeof(*d), n);
+
+	f16_store(d, s, i);
+	for (; i + 32 <= n; i += 32)
+		_mm512_stream_si512((void *)(d + i), join_256(_mm512_cvtps_ph(_mm512_loadu_ps(s + i), F16C_ROUND),
+							      _mm512_cvtps_ph(_mm512_loadu_ps(s + i + 16),
+									      F16C_ROUND)));
+	f16_store(d + i, s + i, n - i);
+}
+
+AVX512_TARGET static void copy_stream_avx512(char *restrict d, const char *restrict s, size_t bytes)
+{
+	size_t i = stream_head(d, 1, bytes);
+
+	memcpy(d, s, i);
+	for (; i + STREAM_LINE <= bytes; i += STREAM_LINE)
+		_mm512_stream_si512((void *)(d + i), _mm512_loadu_si512((const void *)(s + i)));
+	memcpy(d + i, s + i, bytes - i);
+}
+#endif
+
 /* ----------------------------------------------------------- scalars --- */
 
 uint16_t shardd_f32_to_bf16(float f)
@@ -532,4 +593,41 @@ void shardd_k_cast(void *dst, uint32_t dst_dtype, const void *src, uint32_t src_
 		shardd_k_to_f32(buf, (const char *)src + i * ssz, src_dtype, len);
 		shardd_k_from_f32((char *)dst + i * dsz, dst_dtype, buf, len);
 	}
+}
+
+/*
+ * The AVX-512 streaming casts: 1 when it did the cast (and fenced), 0 for
+ * a dtype pair it leaves to the plain cast (the widening ones, whose output
+ * is rarely the large side of an op).
+ */
+#ifdef SHARDD_HAVE_X86
+AVX512_TARGET static int cast_stream_avx512(void *dst, uint32_t dst_dtype, const void *src, uint32_t src_dtype, size_t n)
+{
+	if (dst_dtype == src_dtype) {
+		if (dst != src)
+			copy_stream_avx512(dst, src, n * shardd_dtype_size(dst_dtype));
+	} else if (src_dtype == SHARDD_DTYPE_FP32 && dst_dtype == SHARDD_DTYPE_BF16) {
+		bf16_store_stream_avx512(dst, src, n);
+	} else if (src_dtype == SHARDD_DTYPE_FP32 && dst_dtype == SHARDD_DTYPE_FP16) {
+		f16_store_stream_avx512(dst, src, n);
+	} else {
+		return 0;
+	}
+	/*
+	 * Streaming stores are weakly ordered: without this fence they may
+	 * become visible after a later store, such as the lock release or
+	 * completion that tells another thread or process the output is ready.
+	 */
+	_mm_sfence();
+	return 1;
+}
+#endif
+
+void shardd_k_cast_stream(void *dst, uint32_t dst_dtype, const void *src, uint32_t src_dtype, size_t n)
+{
+#ifdef SHARDD_HAVE_X86
+	if (have_avx512() && cast_stream_avx512(dst, dst_dtype, src, src_dtype, n))
+		return;
+#endif
+	shardd_k_cast(dst, dst_dtype, src, src_dtype, n);
 }

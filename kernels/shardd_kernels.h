@@ -85,6 +85,19 @@ void shardd_k_reduce(void *out, uint32_t out_dtype, int accumulate, const void *
 		     uint32_t nin, uint32_t in_dtype, size_t n, const struct shardd_reduce_math *m);
 
 /*
+ * shardd_k_cast and shardd_k_reduce with non-temporal (streaming) stores
+ * where the CPU has them (AVX-512; elsewhere the plain call): the output
+ * goes around the caches, which saves the read of every output line a
+ * normal store causes and keeps the inputs cached. For outputs much larger
+ * than the last-level cache that no one reads right away. The same bits
+ * as the plain calls. Each call ends with a store fence, so its writes are
+ * ordered before anything the caller publishes afterwards. CPU only.
+ */
+void shardd_k_cast_stream(void *dst, uint32_t dst_dtype, const void *src, uint32_t src_dtype, size_t n);
+void shardd_k_reduce_stream(void *out, uint32_t out_dtype, int accumulate, const void *const *in,
+			    uint32_t nin, uint32_t in_dtype, size_t n, const struct shardd_reduce_math *m);
+
+/*
  * FSDP2's _get_gradient_divide_factors for a data-parallel size n and a
  * reduce dtype: fp32/bf16 -> *pre = *post = 0 (meaning: AVG, no factors);
  * fp16 -> the power-of-two pre factor and post = n / pre, exactly as the

@@ -360,6 +360,47 @@ Test(cast, every_dtype_pair_and_odd_lengths_match_the_reference, .timeout = 10)
 	}
 }
 
+Test(cast, stream_equals_plain_cast_on_odd_lengths_and_misaligned_pointers, .timeout = 20)
+{
+	static const size_t lens[] = { 0, 1, 15, 31, 32, 33, 63, 64, 65, 1000, 4099 };
+	enum { MAXN = 4099, GUARD = 64 };
+	uint8_t *src = malloc(MAXN * 4 + 64), *plain = malloc(MAXN * 4 + 2 * GUARD + 64);
+	uint8_t *streamed = malloc(MAXN * 4 + 2 * GUARD + 64);
+
+	for (size_t i = 0; i < MAXN * 4 + 64; i += 4) {
+		uint32_t u = f32_bits(random_float());
+
+		memcpy(src + i, &u, 4);
+	}
+	for (size_t a = 0; a < 3; a++) for (size_t b = 0; b < 3; b++)
+	for (size_t l = 0; l < sizeof(lens) / sizeof(lens[0]); l++)
+	for (size_t off = 0; off < 64; off += 2) {
+		uint32_t sd = dtypes[a], dd = dtypes[b];
+		size_t n = lens[l], ssz = shardd_dtype_size(sd), dsz = shardd_dtype_size(dd);
+		/* Offsets of whole elements: dst from every alignment to a cache line, src shifted too. */
+		size_t doff = off / dsz * dsz, soff = (off * 3) % 64 / ssz * ssz;
+		size_t bytes = n * dsz + 2 * GUARD;
+
+		memset(plain, 0xab, bytes + doff);
+		memset(streamed, 0xab, bytes + doff);
+		shardd_k_cast(plain + GUARD + doff, dd, src + soff, sd, n);
+		shardd_k_cast_stream(streamed + GUARD + doff, dd, src + soff, sd, n);
+		/* Guards included: nothing outside [0, n) is written. */
+		cr_assert(memcmp(plain, streamed, bytes + doff) == 0,
+			  "%s -> %s n=%zu dst offset %zu src offset %zu: streamed bytes differ",
+			  shardd_dtype_name(sd), shardd_dtype_name(dd), n, doff, soff);
+		for (size_t i = 0; i < GUARD + doff; i++)
+			cr_assert_eq(streamed[i], 0xab, "%s -> %s n=%zu wrote before dst", shardd_dtype_name(sd),
+				     shardd_dtype_name(dd), n);
+		for (size_t i = GUARD + doff + n * dsz; i < bytes + doff; i++)
+			cr_assert_eq(streamed[i], 0xab, "%s -> %s n=%zu wrote past the end", shardd_dtype_name(sd),
+				     shardd_dtype_name(dd), n);
+	}
+	free(src);
+	free(plain);
+	free(streamed);
+}
+
 Test(cast, zero_clears_exactly_the_range, .timeout = 5)
 {
 	uint8_t buf[300];
@@ -600,6 +641,69 @@ Test(reduce, accumulate_adds_into_output_and_may_alias_add, .timeout = 5)
 
 		cr_expect_eq(acc[i], want, "[%d] %g, want %g", i, (double)acc[i], (double)want);
 	}
+}
+
+Test(reduce, stream_equals_plain_reduce_on_odd_lengths_and_misaligned_outputs, .timeout = 30)
+{
+	static const size_t lens[] = { 1, 15, 16, 17, 40, 1029 };
+	static const struct { float pre, avg, post; } maths[] = { { 1, 4, 1 }, { 1, 6, 1 }, { 4, 1, 1.5f } };
+	enum { MAXN = 1029, GUARD = 64, SLACK = 64 };
+	uint8_t *in[8], *add = malloc(MAXN * 4), *init = malloc(MAXN * 4 + SLACK);
+	uint8_t *plain = malloc(MAXN * 4 + 2 * GUARD + SLACK), *streamed = malloc(MAXN * 4 + 2 * GUARD + SLACK);
+
+	for (uint32_t k = 0; k < 8; k++) {
+		in[k] = malloc(MAXN * 4);
+		for (size_t i = 0; i < MAXN; i++)
+			store(SHARDD_DTYPE_FP32, in[k], i, ldexp((double)((int64_t)(rng() % 8191) - 4095), -6));
+	}
+	for (size_t i = 0; i < MAXN; i++)
+		store(SHARDD_DTYPE_FP32, add, i, ldexp((double)((int64_t)(rng() % 8191) - 4095), -6));
+	for (size_t i = 0; i < MAXN * 4 + SLACK; i++)
+		init[i] = (uint8_t)rng();
+
+	for (uint32_t nin = 1; nin <= 8; nin += 1 + (nin >= 2)) /* 1, 2, 4, 6, 8 */
+	for (size_t a = 0; a < 3; a++) for (size_t b = 0; b < 3; b++) for (size_t c = 0; c < 3; c++)
+	for (int opt = 0; opt < 4; opt++) {
+		uint32_t idt = dtypes[a], rd = dtypes[b], od = dtypes[c];
+		size_t osz = shardd_dtype_size(od);
+		size_t n = lens[(nin + a + b + c + (size_t)opt) % 6];
+		/* Output offset in elements: every alignment of a 64-byte vector, rotated. */
+		size_t doff = ((nin * 7 + a * 5 + b * 3 + c + (size_t)opt) % (64 / osz)) * osz;
+		size_t bytes = n * osz + 2 * GUARD + doff;
+		const void *ins[8];
+		uint8_t inb[8][MAXN * 4];
+		uint8_t addb[MAXN * 4];
+		struct shardd_reduce_math m = { .reduce_dtype = rd, .pre = maths[(a + c) % 3].pre,
+						.avg = maths[(a + c) % 3].avg, .add = (opt & 2) ? addb : NULL,
+						.post = maths[(a + c) % 3].post };
+
+		/* Inputs in their dtype; the add in reduce_dtype; the old output from random bytes, rounded. */
+		for (uint32_t k = 0; k < nin; k++) {
+			for (size_t i = 0; i < n; i++)
+				store(idt, inb[k], i, ref_round(idt, load(SHARDD_DTYPE_FP32, in[k], i)));
+			ins[k] = inb[k];
+		}
+		for (size_t i = 0; i < n; i++)
+			store(rd, addb, i, ref_round(rd, load(SHARDD_DTYPE_FP32, add, i)));
+		memset(plain, 0xab, bytes);
+		for (size_t i = 0; i < n; i++)
+			store(od, plain + GUARD + doff, i,
+			      ref_round(od, ldexp((double)((int64_t)init[i] - 128), -3)));
+		memcpy(streamed, plain, bytes);
+
+		shardd_k_reduce(plain + GUARD + doff, od, opt & 1, ins, nin, idt, n, &m);
+		shardd_k_reduce_stream(streamed + GUARD + doff, od, opt & 1, ins, nin, idt, n, &m);
+		cr_assert(memcmp(plain, streamed, bytes) == 0,
+			  "in %s rd %s out %s nin=%u n=%zu out offset %zu acc=%d add=%d: streamed bytes differ",
+			  shardd_dtype_name(idt), shardd_dtype_name(rd), shardd_dtype_name(od), nin, n, doff,
+			  opt & 1, (opt >> 1) & 1);
+	}
+	for (uint32_t k = 0; k < 8; k++)
+		free(in[k]);
+	free(add);
+	free(init);
+	free(plain);
+	free(streamed);
 }
 
 /* ---------------------------------------------------- divide factors --- */

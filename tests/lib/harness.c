@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/un.h>
@@ -59,17 +60,31 @@ static int left_ms(int64_t deadline)
 /* Processes                                                           */
 /* ------------------------------------------------------------------ */
 
+/*
+ * In a child of `parent`: die with it. A test that fails an assertion exits
+ * at once; its daemon and client children must not outlive it.
+ */
+static void die_with_parent(pid_t parent)
+{
+	prctl(PR_SET_PDEATHSIG, SIGTERM);
+	/* The parent may have exited before prctl: then nobody will signal us. */
+	if (getppid() != parent)
+		_exit(127);
+}
+
 pid_t harness_fork(int (*fn)(void *), void *arg)
 {
-	pid_t pid;
+	pid_t parent = getpid(), pid;
 
 	fflush(stdout);
 	fflush(stderr);
 	pid = fork();
 	if (pid < 0)
 		return -errno;
-	if (pid == 0)
+	if (pid == 0) {
+		die_with_parent(parent);
 		_exit(fn(arg));
+	}
 	return pid;
 }
 
@@ -154,8 +169,8 @@ static void read_until_eof(int fd, int64_t deadline, char *out, size_t len)
 int harness_run(const char *const *argv, int timeout_ms, int *status, char *out, size_t len)
 {
 	int64_t deadline = harness_now_ms() + timeout_ms;
+	pid_t parent = getpid(), pid;
 	int fds[2];
-	pid_t pid;
 	int ret;
 
 	if (pipe2(fds, O_CLOEXEC) < 0)
@@ -168,6 +183,7 @@ int harness_run(const char *const *argv, int timeout_ms, int *status, char *out,
 		return ret;
 	}
 	if (pid == 0) {
+		die_with_parent(parent);
 		dup2(fds[1], STDOUT_FILENO);
 		dup2(fds[1], STDERR_FILENO);
 		execv(argv[0], (char *const *)argv);
@@ -295,6 +311,7 @@ int harness_daemon_start(struct harness_daemon *d, const char *const *extra)
 	const char *argv[32];
 	struct timespec until;
 	int argc = 0, out[2], ret = 0;
+	pid_t parent;
 
 	if (d->started) {
 		harness_daemon_stop_sig(d, SIGKILL, HARNESS_STOP_TIMEOUT_MS);
@@ -345,6 +362,7 @@ int harness_daemon_start(struct harness_daemon *d, const char *const *extra)
 	}
 	fflush(stdout);
 	fflush(stderr);
+	parent = getpid();
 	d->pid = fork();
 	if (d->pid < 0) {
 		ret = -errno;
@@ -354,6 +372,7 @@ int harness_daemon_start(struct harness_daemon *d, const char *const *extra)
 		return ret;
 	}
 	if (d->pid == 0) {
+		die_with_parent(parent);
 		dup2(out[1], STDOUT_FILENO);
 		dup2(out[1], STDERR_FILENO);
 		/* Clients are other processes: a SIGPIPE-ignoring test must not change the daemon. */

@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -61,7 +62,7 @@ int bench_daemon_start(const char *shardd_path, struct bench_daemon *d)
 {
 	uint64_t deadline;
 	int logfd, ret, status;
-	pid_t pid;
+	pid_t parent, pid;
 
 	memset(d, 0, sizeof(*d));
 	snprintf(d->dir, sizeof(d->dir), "/tmp/shardbench.XXXXXX");
@@ -86,6 +87,7 @@ int bench_daemon_start(const char *shardd_path, struct bench_daemon *d)
 		goto err_dir;
 	}
 	fflush(NULL);
+	parent = getpid();
 	pid = fork();
 	if (pid < 0) {
 		ret = -errno;
@@ -93,6 +95,10 @@ int bench_daemon_start(const char *shardd_path, struct bench_daemon *d)
 		goto err_dir;
 	}
 	if (pid == 0) {
+		/* A shardbench killed mid-run must not leave its daemon behind. */
+		prctl(PR_SET_PDEATHSIG, SIGTERM);
+		if (getppid() != parent)
+			_exit(127);
 		dup2(logfd, STDOUT_FILENO);
 		dup2(logfd, STDERR_FILENO);
 		execl(shardd_path, shardd_path, "--socket", d->socket_path, (char *)NULL);

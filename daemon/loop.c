@@ -34,6 +34,7 @@ struct shardd_loop {
 	struct shardd_loop_event *events;
 	int      stop;
 	int      no_multishot;   /* the kernel refused IORING_POLL_ADD_MULTI once */
+	unsigned setup_flags;    /* IORING_SETUP_* the kernel accepted */
 	shardd_before_sleep_fn before_sleep;
 	shardd_after_sleep_fn  after_sleep;
 	void    *hook_arg;
@@ -85,21 +86,46 @@ static void loop_unlink_free(struct shardd_loop *l, struct shardd_loop_event *ev
 	free(ev);
 }
 
+/*
+ * Task-work modes, best first. A poll completion (a doorbell, a socket) is
+ * posted by task work on the loop thread. With DEFER_TASKRUN (6.1+, needs
+ * SINGLE_ISSUER: only the loop thread touches the ring) that work waits for
+ * our next io_uring_enter and the sleeping loop is woken directly, with no
+ * signal-style notification interrupting it while it spins on the rings.
+ * COOP_TASKRUN (5.19+) drops the interrupting IPI only. TASKRUN_FLAG makes
+ * the kernel raise IORING_SQ_TASKRUN when work is pending, so a spinning turn
+ * enters the kernel only then.
+ */
+static const unsigned loop_setup_flags[] = {
+	IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN | IORING_SETUP_TASKRUN_FLAG,
+	IORING_SETUP_COOP_TASKRUN | IORING_SETUP_TASKRUN_FLAG,
+	0,
+};
+
 int shardd_loop_create(struct shardd_loop **out)
 {
-	struct io_uring_params p = { 0 };
 	struct shardd_loop *l = calloc(1, sizeof(*l));
-	int ret;
+	int ret = -EINVAL;
 
 	if (!l)
 		return -ENOMEM;
-	ret = io_uring_queue_init_params(LOOP_ENTRIES, &l->ring, &p);
+	for (size_t i = 0; i < sizeof(loop_setup_flags) / sizeof(loop_setup_flags[0]); i++) {
+		struct io_uring_params p = { .flags = loop_setup_flags[i] };
+
+		/* Older kernels refuse flags they do not know with EINVAL: try the next mode. */
+		ret = io_uring_queue_init_params(LOOP_ENTRIES, &l->ring, &p);
+		if (ret != -EINVAL) {
+			l->setup_flags = loop_setup_flags[i];
+			break;
+		}
+	}
 	if (ret < 0) {
 		shardd_log_error("io_uring_queue_init: %s (is io_uring disabled? see "
 				 "/proc/sys/kernel/io_uring_disabled)", strerror(-ret));
 		free(l);
 		return ret;
 	}
+	shardd_log_debug("io_uring: setup flags 0x%x", l->setup_flags);
 	*out = l;
 	return 0;
 }
@@ -275,6 +301,9 @@ int shardd_loop_run(struct shardd_loop *l)
 			break;
 		if (may_sleep)
 			ret = io_uring_submit_and_wait(&l->ring, 1);
+		else if (IO_URING_READ_ONCE(*l->ring.sq.kflags) & IORING_SQ_TASKRUN)
+			/* Deferred task work posts its completions only inside io_uring_enter. */
+			ret = io_uring_submit_and_get_events(&l->ring);
 		else
 			ret = io_uring_submit(&l->ring);
 		if (ret < 0 && ret != -EINTR && ret != -EAGAIN && ret != -EBUSY && ret != -ETIME) {

@@ -8,6 +8,8 @@
  *
  * Single-threaded: every callback runs on the thread that calls
  * shardd_loop_run(). A callback may add or delete any event, its own included.
+ * The thread that creates the loop is the only one that may call into it
+ * (the io_uring is IORING_SETUP_SINGLE_ISSUER where the kernel has it).
  */
 #ifndef SHARDD_LOOP_H
 #define SHARDD_LOOP_H

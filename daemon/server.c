@@ -145,9 +145,42 @@ void shardd_server_schedule_reap(void)
 	server.need_reap = 1;
 }
 
+void shardd_server_schedule_close(void)
+{
+	server.need_close = 1;
+}
+
 void shardd_server_note_work(uint64_t now_ns)
 {
 	server.last_work_ns = now_ns;
+}
+
+/* Take entries from every attached ring; keeps the spin window open when some had work. */
+static void server_service(uint64_t now)
+{
+	unsigned taken = 0;
+
+	for (struct shardd_session *s = server.sessions; s; s = s->next)
+		if (s->state == SHARDD_SESSION_ATTACHED)
+			taken += shardd_session_service(s);
+	if (taken)
+		server.last_work_ns = now;
+}
+
+/*
+ * The loop's safe point, between event callbacks: close the sessions found
+ * broken while the engine pushed to them, then free the dead ones.
+ */
+static void server_close_and_reap(void)
+{
+	if (server.need_close) {
+		server.need_close = 0;
+		shardd_session_close_marked();
+	}
+	if (server.need_reap) {
+		server.need_reap = 0;
+		shardd_session_reap();
+	}
 }
 
 /*
@@ -158,22 +191,15 @@ void shardd_server_note_work(uint64_t now_ns)
 static int server_before_sleep(void *arg)
 {
 	uint64_t now = shardd_now_ns();
-	unsigned taken = 0;
 	int wake = 0;
 
 	(void)arg;
-	if (server.need_reap) {
-		server.need_reap = 0;
-		shardd_session_reap();
-	}
-	for (struct shardd_session *s = server.sessions; s; s = s->next)
-		if (s->state == SHARDD_SESSION_ATTACHED)
-			taken += shardd_session_service(s);
-	if (taken)
-		server.last_work_ns = now;
+	server_close_and_reap();
+	server_service(now);
 	if (now - server.last_heartbeat_ns >= SHARDD_HEARTBEAT_PERIOD_NS)
 		server_heartbeat(now);
-	if (server.need_reap || now - server.last_work_ns < SHARDD_SPIN_WINDOW_NS)
+	/* Sessions marked closing by that service are closed on the next turn, without sleeping. */
+	if (server.need_close || server.need_reap || now - server.last_work_ns < SHARDD_SPIN_WINDOW_NS)
 		return 0;
 	for (struct shardd_session *s = server.sessions; s; s = s->next)
 		if (shardd_session_prepare_sleep(s))
@@ -187,12 +213,19 @@ static int server_before_sleep(void *arg)
 	return 0;
 }
 
+/*
+ * Woken up: the usual reason is a doorbell, so serve the rings before
+ * anything else. The submission that rang is completed before the loop
+ * reads the doorbell eventfd and dispatches the other events, which keeps
+ * those system calls off the sleeping round trip.
+ */
 static void server_after_sleep(void *arg)
 {
 	(void)arg;
 	for (struct shardd_session *s = server.sessions; s; s = s->next)
 		if (s->state == SHARDD_SESSION_ATTACHED)
 			shardd_ring_clear_wakeup(&s->ring);
+	server_service(shardd_now_ns());
 }
 
 /* ------------------------------------------------------------------ */

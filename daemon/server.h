@@ -56,6 +56,7 @@ struct shardd_server {
 	uint64_t last_heartbeat_ns;
 	int      shutting_down;
 	int      need_reap;            /* some session is dead and waits to be freed */
+	int      need_close;           /* some session is marked closing (shardd_session_close_later) */
 };
 
 extern struct shardd_server server;
@@ -77,6 +78,8 @@ void shardd_server_shutdown(void);
 
 /* A session died or detached: free it at the next safe point of the loop. */
 void shardd_server_schedule_reap(void);
+/* A session was marked closing: close it at the next safe point of the loop. */
+void shardd_server_schedule_close(void);
 /* Note that some ring had work now (keeps the spin window open). */
 void shardd_server_note_work(uint64_t now_ns);
 

@@ -80,7 +80,7 @@ session_reply_error(struct shardd_session *s, uint32_t seq, int code, const char
 	va_end(ap);
 	shardd_log_info("%s: request failed: %s", session_name(s, name, sizeof(name)), text);
 	if (session_send_error(s, seq, code, text) < 0)
-		shardd_session_close(s, "did not read its error reply");
+		shardd_session_close_later(s, "did not read its error reply");
 }
 
 /* Reply an error, then close the connection (handshake and framing errors). */
@@ -107,7 +107,7 @@ void shardd_session_send_group(struct shardd_session *s, uint32_t seq, int res, 
 	uint8_t *buf;
 	int ret;
 
-	if (s->state != SHARDD_SESSION_ATTACHED)
+	if (s->state != SHARDD_SESSION_ATTACHED || s->closing)
 		return;
 	if (res < 0) {
 		session_reply_error(s, seq, res, "%s", msg && *msg ? msg : "group request failed");
@@ -136,7 +136,7 @@ void shardd_session_send_group(struct shardd_session *s, uint32_t seq, int res, 
 		char why[128];
 
 		snprintf(why, sizeof(why), "could not be sent its group reply: %s", strerror(-ret));
-		shardd_session_close(s, why);
+		shardd_session_close_later(s, why);
 	}
 }
 
@@ -295,6 +295,23 @@ void shardd_session_close(struct shardd_session *s, const char *why)
 	session_end(s, 0, why);
 }
 
+void shardd_session_close_later(struct shardd_session *s, const char *why)
+{
+	if (s->state == SHARDD_SESSION_DEAD || s->closing)
+		return;
+	s->closing = 1;
+	snprintf(s->closing_why, sizeof(s->closing_why), "%s", why);
+	shardd_server_schedule_close();
+}
+
+void shardd_session_close_marked(void)
+{
+	/* Closing never frees (that is the reap), so the list stays walkable. */
+	for (struct shardd_session *s = server.sessions; s; s = s->next)
+		if (s->closing && s->state != SHARDD_SESSION_DEAD)
+			session_end(s, 0, s->closing_why);
+}
+
 void shardd_session_reap(void)
 {
 	struct shardd_session *s = server.sessions;
@@ -325,7 +342,7 @@ int shardd_session_peer_gone(struct shardd_session *s)
 		{ .fd = s->pidfd, .events = POLLIN },
 	};
 
-	if (s->state == SHARDD_SESSION_DEAD)
+	if (s->state == SHARDD_SESSION_DEAD || s->closing)
 		return 1;
 	if (poll(p, s->pidfd >= 0 ? 2 : 1, 0) < 0)
 		return 0;
@@ -705,7 +722,8 @@ static void session_readable(void *arg, int fd, uint32_t revents)
 	struct shardd_session *s = arg;
 
 	(void)revents;
-	while (s->state != SHARDD_SESSION_DEAD) {
+	/* A session marked closing takes no more requests; the loop closes it next. */
+	while (s->state != SHARDD_SESSION_DEAD && !s->closing) {
 		struct pollfd p = { .fd = fd, .events = POLLIN };
 		int fds[SHARDD_CTRL_MAX_FDS], nfds, ret, started;
 		struct shardd_msg_hdr hdr;
@@ -798,7 +816,7 @@ static void session_ring_corrupt(struct shardd_session *s, const char *which)
 		 atomic_load_explicit(SHARDD_ATOMIC32(&h->cq_head), memory_order_relaxed),
 		 atomic_load_explicit(SHARDD_ATOMIC32(&h->cq_tail), memory_order_relaxed));
 	shardd_log_error("%s %s", session_name(s, name, sizeof(name)), why);
-	shardd_session_close(s, why);
+	shardd_session_close_later(s, why);
 }
 
 /* CQ slots free for new reservations, clamped to our own idea of the capacity. */
@@ -820,7 +838,8 @@ void shardd_session_complete(struct shardd_session *s, const struct shardd_sqe *
 	struct shardd_cqe cqe;
 	char name[160];
 
-	if (s->state != SHARDD_SESSION_ATTACHED)
+	/* A closing session's client is being dropped: its completions go nowhere. */
+	if (s->state != SHARDD_SESSION_ATTACHED || s->closing)
 		return;
 	if (s->inflight == 0) {
 		shardd_log_error("%s: completion of %s (step %llu) without a reserved CQ slot; dropped",
@@ -924,7 +943,7 @@ static void session_take(struct shardd_session *s, const struct shardd_sqe *sqe)
 
 int shardd_session_prepare_sleep(struct shardd_session *s)
 {
-	if (s->state != SHARDD_SESSION_ATTACHED)
+	if (s->state != SHARDD_SESSION_ATTACHED || s->closing)
 		return 0;
 	if (!shardd_ring_prepare_sleep(&s->ring))
 		return 0;
@@ -949,7 +968,7 @@ unsigned shardd_session_service(struct shardd_session *s)
 	uint32_t budget = s->ring.sq_mask + 1; /* one SQ's worth per turn: fairness */
 	unsigned taken = 0;
 
-	while (s->state == SHARDD_SESSION_ATTACHED && s->job && taken < budget) {
+	while (s->state == SHARDD_SESSION_ATTACHED && !s->closing && s->job && taken < budget) {
 		struct shardd_sqe sqe;
 		int64_t ready = shardd_sq_ready(&s->ring);
 		int64_t room;

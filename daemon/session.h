@@ -66,6 +66,8 @@ struct shardd_session {
 	uint32_t inflight;           /* taken entries whose completion is not pushed yet */
 	struct shardd_op_clock clock; /* take times of those entries: op latency */
 	struct shardd_session_stats stats;
+	int      closing;            /* found broken mid-push: closed at the loop's next safe point */
+	char     closing_why[256];   /* why, logged when it is closed */
 };
 
 /* Accept every pending connection on the listening socket (loop callback). */
@@ -86,15 +88,17 @@ int shardd_session_prepare_sleep(struct shardd_session *s);
 
 /*
  * Push the completion of a taken entry (releases its CQ reservation). `msg`
- * (may be NULL) is the error text. A client whose ring is corrupt is
- * disconnected.
+ * (may be NULL) is the error text. A client whose ring is corrupt is marked
+ * closing (shardd_session_close_later); completions to a closing session are
+ * dropped.
  */
 void shardd_session_complete(struct shardd_session *s, const struct shardd_sqe *sqe, int res,
 			     const char *msg);
 
 /*
  * Send the reply of a group registration or open: SHARDD_MSG_GROUP with the
- * four fds, or SHARDD_MSG_ERROR when res < 0. A failed send drops the client.
+ * four fds, or SHARDD_MSG_ERROR when res < 0. A failed send marks the client
+ * closing.
  */
 void shardd_session_send_group(struct shardd_session *s, uint32_t seq, int res, const char *msg,
 			       const struct shardd_group_reply *reply,
@@ -114,6 +118,16 @@ int shardd_session_peer_gone(struct shardd_session *s);
  * logged. The memory is freed at the next reap.
  */
 void shardd_session_close(struct shardd_session *s, const char *why);
+/*
+ * A session found broken while the engine, a barrier or the ring service
+ * pushes to it (a failed send, a corrupt ring): stop using it now and close
+ * it at the loop's next safe point (shardd_session_close_marked), so that no
+ * engine loop sees a rank detach in the middle of its own iteration. `why`
+ * is kept for the close; the first reason wins.
+ */
+void shardd_session_close_later(struct shardd_session *s, const char *why);
+/* Close every session marked closing (loop thread, between event callbacks). */
+void shardd_session_close_marked(void);
 /* Free every dead session. */
 void shardd_session_reap(void);
 

@@ -14,8 +14,15 @@
 
 #include "internal.h"
 
-/* A ring round trip costs ~0.35 us spinning, ~10 us through a futex wake-up. */
-#define SHARDD_SPIN_ITERS    2000
+/*
+ * A ring round trip costs ~0.35 us spinning; waking a sleeping daemon on
+ * another core costs 30-80 us on the VMs measured (docs/BENCHMARKS.md), so
+ * a client that gives up sooner pays a second wake-up for its own futex.
+ * The budget is time, not iterations: a pause instruction costs 10-140 ns
+ * depending on the CPU.
+ */
+#define SHARDD_SPIN_NS       150000
+#define SHARDD_SPIN_CHECK    64     /* iterations between clock reads */
 #define SHARDD_WAIT_SLICE_MS 50
 /* Sync ops wait this much past the daemon's collective timeout, which fails them first. */
 #define SHARDD_SYNC_GRACE_MS 10000
@@ -31,12 +38,17 @@ static inline void cpu_relax(void)
 #endif
 }
 
-static int64_t now_ms(void)
+static int64_t now_ns(void)
 {
 	struct timespec ts;
 
 	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+	return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static int64_t now_ms(void)
+{
+	return now_ns() / 1000000;
 }
 
 static const char *op_name(uint32_t op)
@@ -171,16 +183,19 @@ static int cq_take(struct shardd_client *c, struct shardd_completion *out)
 /* Spin a bounded while for a completion: >0 ready, 0 none, -EBADMSG. */
 static int spin_cq(struct shardd_client *c)
 {
-	for (int i = 0; i < SHARDD_SPIN_ITERS; i++) {
+	int64_t until = now_ns() + SHARDD_SPIN_NS;
+
+	for (unsigned i = 1;; i++) {
 		int64_t n = shardd_cq_ready(&c->ring);
 
 		if (n < 0)
 			return corrupt_cq(c);
 		if (n > 0)
 			return 1;
+		if (i % SHARDD_SPIN_CHECK == 0 && now_ns() >= until)
+			return 0;
 		cpu_relax();
 	}
-	return 0;
 }
 
 /*

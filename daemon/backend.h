@@ -8,7 +8,8 @@
  * kernels / NCCL (a cuda backend, same table). Buffers are opaque handles
  * with an fd to export, so the engine never touches memory itself.
  *
- * Calls are made from pool threads, one call at a time per buffer; a call
+ * Calls are made from pool threads (host: also the loop thread, for small
+ * tasks), one call at a time per buffer; a call
  * returns when its result is visible to clients (a device backend waits on
  * its stream or records an event the trainer waits on before returning).
  * Every call returns 0 or a negative errno / -SHARDD_E_*.

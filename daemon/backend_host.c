@@ -24,7 +24,16 @@
 
 /* Elements of work per batch: large enough to amortize a claim, small enough to balance 2..64 cores. */
 #define HOST_GRAIN ((uint64_t)1 << 15)
-/* Bytes per range of a parallel zero-fill. */
+/*
+ * An op of at most this much work runs on the calling thread alone: 128 Ki
+ * elements is about 10 us of fp32->bf16 cast on the 2-core CI VM, less
+ * than the 30-60 us a sleeping worker takes to wake, so a helper would
+ * arrive after the work is done. It covers every task the engine runs on
+ * its loop thread (ENGINE_INLINE_MAX_BYTES, at least 2 bytes per element
+ * of work), so those never wake a worker.
+ */
+#define HOST_SOLO_WORK (4 * HOST_GRAIN)
+/* Bytes per range of a parallel zero-fill: a zero of at most one range wakes no worker. */
 #define HOST_ZERO_GRAIN ((size_t)1 << 20)
 /*
  * An op whose output is at least this large writes it with streaming
@@ -64,6 +73,7 @@ struct host_plan {
 	size_t *batches; /* batch b is pieces [batches[b], batches[b + 1]) */
 	size_t nbatches, bcap;
 	uint64_t weight; /* work in the open batch */
+	uint64_t total;  /* work in all batches */
 };
 
 struct host_op {
@@ -101,7 +111,9 @@ static int plan_add(struct host_plan *pl, const struct host_piece *pc, uint64_t 
 	if (pl->weight == 0)
 		pl->batches[pl->nbatches] = pl->npieces;
 	pl->pieces[pl->npieces++] = *pc;
-	pl->weight += weight ? weight : 1;
+	weight = weight ? weight : 1;
+	pl->weight += weight;
+	pl->total += weight;
 	if (pl->weight >= HOST_GRAIN) {
 		pl->nbatches++;
 		pl->weight = 0;
@@ -229,6 +241,15 @@ static void host_run_batches(void *arg, size_t begin, size_t end)
 	}
 }
 
+/* Run a closed plan: on the calling thread alone when small (HOST_SOLO_WORK), else across the pool. */
+static void host_run_plan(struct host_backend *hb, struct host_op *op)
+{
+	if (op->plan->total <= HOST_SOLO_WORK)
+		host_run_batches(op, 0, op->plan->nbatches);
+	else
+		shardd_pool_for(hb->pool, op->plan->nbatches, 1, host_run_batches, op);
+}
+
 static int host_unshard(struct shardd_backend_ctx *b, const struct shardd_unshard_args *a)
 {
 	struct host_backend *hb = (struct host_backend *)b;
@@ -254,7 +275,7 @@ static int host_unshard(struct shardd_backend_ctx *b, const struct shardd_unshar
 	if (!ret) {
 		plan_close(&pl);
 		op.stream = a->layout->unsharded_size >= HOST_STREAM_MIN_BYTES;
-		shardd_pool_for(hb->pool, pl.nbatches, 1, host_run_batches, &op);
+		host_run_plan(hb, &op);
 	}
 	plan_free(&pl);
 	return ret;
@@ -292,7 +313,7 @@ static int host_reduce(struct shardd_backend_ctx *b, const struct shardd_reduce_
 		plan_close(&pl);
 		/* Accumulating reads every output line anyway: nothing to save. */
 		op.stream = !a->accumulate && out_bytes >= HOST_STREAM_MIN_BYTES;
-		shardd_pool_for(hb->pool, pl.nbatches, 1, host_run_batches, &op);
+		host_run_plan(hb, &op);
 	}
 	plan_free(&pl);
 	return ret;

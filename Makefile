@@ -45,7 +45,9 @@ ifeq ($(HAVE_CUDA),1)
 override CFLAGS += -DSHARDD_HAVE_CUDA=1 -I$(CUDA_HOME)/include
 # No -lcuda: libcuda.so.1 exists only where a driver is installed, and shardd
 # must start without one. Driver-API calls go through cudaGetDriverEntryPoint.
-CUDA_LDLIBS := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lnccl -lcudart -lstdc++
+# (nccl.h is required above for the NCCL collectives still to come; nothing
+# calls NCCL yet, so it is not linked.)
+CUDA_LDLIBS := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lstdc++
 endif
 
 # ------------------------------------------------------------- sources ---

@@ -44,9 +44,11 @@ endif
 ifeq ($(HAVE_CUDA),1)
 override CFLAGS += -DSHARDD_HAVE_CUDA=1 -I$(CUDA_HOME)/include
 # No -lcuda: libcuda.so.1 exists only where a driver is installed, and shardd
-# must start without one. Driver-API calls go through cudaGetDriverEntryPoint.
-# (nccl.h is required above for the NCCL collectives still to come; nothing
-# calls NCCL yet, so it is not linked.)
+# must start without one. The daemon resolves driver-API calls through
+# cudaGetDriverEntryPointByVersion, libshardd through dlopen("libcuda.so.1").
+# nccl.h is part of the CUDA=auto test because issue #5 asks for it (the
+# multi-GPU collectives of that issue); no code calls NCCL yet, so the
+# library is not linked.
 CUDA_LDLIBS := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lstdc++
 endif
 

@@ -18,14 +18,6 @@
 
 #include "internal.h"
 
-static int64_t now_ms(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
 static const char *msg_type_name(uint32_t type)
 {
 	switch (type) {
@@ -91,7 +83,7 @@ static int connection_closed(struct shardd_client *c)
 int shardd_client_request(struct shardd_client *c, uint16_t type, const void *payload,
 			  uint32_t len, int timeout_ms, uint16_t want, struct shardd_ctrl_rx *rx)
 {
-	int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
+	int64_t deadline = timeout_ms < 0 ? -1 : shardd_client_now_ms() + timeout_ms;
 	uint32_t seq = ++c->seq;
 	int reset_seen = 0;
 	int ret;
@@ -113,7 +105,7 @@ int shardd_client_request(struct shardd_client *c, uint16_t type, const void *pa
 		const char *text = NULL;
 
 		if (deadline >= 0) {
-			int64_t d = deadline - now_ms();
+			int64_t d = deadline - shardd_client_now_ms();
 
 			left = d > 0 ? (int)d : 0;
 		}
@@ -292,7 +284,6 @@ static int map_ring(struct shardd_client *c, struct shardd_ctrl_rx *rx)
 		return shardd_err_set(-errno, "mmap ring of %llu bytes: %s",
 				      (unsigned long long)w->ring_size, strerror(errno));
 	c->ring_mem = mem;
-	c->ring_size = w->ring_size;
 	ret = shardd_ring_attach(&c->ring, mem, w->ring_size);
 	if (ret < 0)
 		return shardd_err_set(ret, "attach ring: %s", shardd_strerror(ret));
@@ -310,7 +301,7 @@ static int map_ring(struct shardd_client *c, struct shardd_ctrl_rx *rx)
 static void client_free(struct shardd_client *c)
 {
 	if (c->ring_mem)
-		munmap(c->ring_mem, (size_t)c->ring_size);
+		munmap(c->ring_mem, (size_t)c->welcome.ring_size);
 	if (c->doorbell >= 0)
 		close(c->doorbell);
 	if (c->sock >= 0)
@@ -342,7 +333,6 @@ int shardd_connect(const struct shardd_attach_opts *o, struct shardd_client **ou
 	c->doorbell = -1;
 	snprintf(c->job, sizeof(c->job), "%s", o->job);
 	c->rank = o->rank;
-	c->replicate = o->replicate;
 	c->shard = o->shard;
 	c->device = o->device;
 	ret = resolve_socket_path(o->socket_path, c->socket_path, sizeof(c->socket_path));

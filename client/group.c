@@ -41,14 +41,13 @@ struct shardd_shard_geometry {
 	uint64_t shard_numel;
 };
 
+/* `p` passed specs_from_reply(): ndim and shard_dim are in range. */
 static int geometry(const struct shardd_param_spec *p, uint32_t world, uint32_t shard_rank,
 		    struct shardd_shard_geometry *geo)
 {
 	uint64_t numel = 1;
 
 	memset(geo, 0, sizeof(*geo));
-	if (p->ndim > SHARDD_MAX_DIMS || (p->ndim ? p->shard_dim >= p->ndim : p->shard_dim != 0))
-		return -ERANGE;
 	for (uint32_t i = 0; i < p->ndim; i++)
 		if (__builtin_mul_overflow(numel, p->shape[i], &numel))
 			return -EOVERFLOW;
@@ -134,7 +133,6 @@ static int check_against_spec(const struct shardd_group *g, uint32_t i)
 		return shardd_err_set(-SHARDD_E_MALFORMED,
 				      "param %u '%s': daemon accepted a shape that %s", i, p->name,
 				      ret == -EOVERFLOW ? "overflows 64 bits"
-				      : ret == -ERANGE ? "has shard_dim outside its dims"
 				      : "does not split evenly along its shard dim");
 	ret = check_bytes(i, p->name, "unsharded_bytes", l->unsharded_bytes, geo.numel * full_esz);
 	if (!ret)
@@ -214,7 +212,8 @@ static int specs_from_reply(struct shardd_group *g, const uint8_t *at)
 		const struct shardd_param_spec *p = &specs[i];
 
 		if (strnlen(p->name, sizeof(p->name)) == sizeof(p->name) || !shardd_dtype_size(p->dtype) ||
-		    p->ndim > SHARDD_MAX_DIMS || (p->ndim && p->shard_dim >= p->ndim)) {
+		    p->ndim > SHARDD_MAX_DIMS ||
+		    (p->ndim ? p->shard_dim >= p->ndim : p->shard_dim != 0)) {
 			free(specs);
 			return shardd_err_set(-SHARDD_E_MALFORMED,
 					      "GROUP reply: param %u spec is invalid (dtype %u, ndim %u, "
@@ -480,36 +479,34 @@ int shardd_group_find(const struct shardd_group *g, const char *param_name)
 	return -ENOENT;
 }
 
-static void *at(const struct shardd_group *g, enum shardd_group_buf b, uint32_t param,
-		uint64_t offset)
+/* Byte `offset` of buffer `b`; NULL when the buffer is empty (size 0). */
+static void *at(const struct shardd_group *g, enum shardd_group_buf b, uint64_t offset)
 {
-	if (param >= g->info.nparams || !g->buf[b].addr)
-		return NULL;
-	return (char *)g->buf[b].addr + offset;
+	return g->buf[b].addr ? (char *)g->buf[b].addr + offset : NULL;
 }
 
 const void *shardd_group_unsharded(const struct shardd_group *g, uint32_t param)
 {
 	return param < g->info.nparams
-		? at(g, SHARDD_BUF_UNSHARDED, param, g->layouts[param].unsharded_offset) : NULL;
+		? at(g, SHARDD_BUF_UNSHARDED, g->layouts[param].unsharded_offset) : NULL;
 }
 
 void *shardd_group_grad(const struct shardd_group *g, uint32_t param)
 {
 	return param < g->info.nparams
-		? at(g, SHARDD_BUF_GRAD, param, g->layouts[param].grad_offset) : NULL;
+		? at(g, SHARDD_BUF_GRAD, g->layouts[param].grad_offset) : NULL;
 }
 
 void *shardd_group_shard(const struct shardd_group *g, uint32_t param)
 {
 	return param < g->info.nparams
-		? at(g, SHARDD_BUF_SHARD, param, g->layouts[param].shard_offset) : NULL;
+		? at(g, SHARDD_BUF_SHARD, g->layouts[param].shard_offset) : NULL;
 }
 
 void *shardd_group_shard_grad(const struct shardd_group *g, uint32_t param)
 {
 	return param < g->info.nparams
-		? at(g, SHARDD_BUF_SHARD_GRAD, param, g->layouts[param].shard_offset) : NULL;
+		? at(g, SHARDD_BUF_SHARD_GRAD, g->layouts[param].shard_offset) : NULL;
 }
 
 int shardd_group_load_full(struct shardd_group *g, uint32_t param, const void *full)

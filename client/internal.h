@@ -9,6 +9,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <sys/un.h>
+#include <time.h>
 
 #include "shardd.h"
 #include "shardd_ctrl.h"
@@ -27,8 +28,7 @@ struct shardd_stash {
 struct shardd_client {
 	int                   sock;      /* SOCK_SEQPACKET control connection */
 	int                   doorbell;  /* eventfd the daemon sleeps on */
-	void                 *ring_mem;  /* ring_size bytes, MAP_SHARED rw */
-	uint64_t              ring_size;
+	void                 *ring_mem;  /* welcome.ring_size bytes, MAP_SHARED rw */
 	struct shardd_ring    ring;
 	struct shardd_welcome welcome;
 	uint32_t              seq;       /* last control request number */
@@ -39,7 +39,6 @@ struct shardd_client {
 	char                  daemon_text[SHARDD_RING_MSG_SIZE]; /* and its text */
 	char                  job[SHARDD_NAME_MAX];
 	uint32_t              rank;
-	uint32_t              replicate;
 	uint32_t              shard;
 	int32_t               device;    /* hello.device: where cuda-backend buffers are mapped */
 	char                  socket_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
@@ -68,6 +67,20 @@ struct shardd_group {
 	struct shardd_param_spec   *specs;   /* info.nparams, from the GROUP reply */
 	struct shardd_mapping       buf[SHARDD_BUF_COUNT];
 };
+
+/* CLOCK_MONOTONIC, for the deadlines of waits. */
+static inline int64_t shardd_client_now_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static inline int64_t shardd_client_now_ms(void)
+{
+	return shardd_client_now_ns() / 1000000;
+}
 
 /*
  * error.c: the thread-local context chain. Public calls clear it on entry,

@@ -38,19 +38,6 @@ static inline void cpu_relax(void)
 #endif
 }
 
-static int64_t now_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
-static int64_t now_ms(void)
-{
-	return now_ns() / 1000000;
-}
-
 static const char *op_name(uint32_t op)
 {
 	const char *n = shardd_op_name(op);
@@ -120,7 +107,7 @@ static int corrupt_cq(struct shardd_client *c)
 	return shardd_err_set(-EBADMSG,
 			      "completion queue corrupt: cq_tail %u runs more than %u entries "
 			      "ahead of cq_head %u", atomic_load(SHARDD_ATOMIC32(&h->cq_tail)),
-			      h->cq_entries, atomic_load(SHARDD_ATOMIC32(&h->cq_head)));
+			      c->ring.cq_mask + 1, atomic_load(SHARDD_ATOMIC32(&h->cq_head)));
 }
 
 static int submit_sqe(struct shardd_client *c, uint32_t op, uint32_t group, uint64_t step,
@@ -139,7 +126,7 @@ static int submit_sqe(struct shardd_client *c, uint32_t op, uint32_t group, uint
 	if (ret == -EAGAIN)
 		return shardd_err_set(-EAGAIN,
 				      "submission queue full (%u entries waiting for the daemon); "
-				      "reap completions, then submit again", h->sq_entries);
+				      "reap completions, then submit again", c->ring.sq_mask + 1);
 	/* Line 6 is ours; the daemon and shardctl read it only to show who is behind. */
 	atomic_store_explicit(SHARDD_ATOMIC32(&h->client_last_op), op, memory_order_relaxed);
 	__atomic_store_n(&h->client_last_step, step, __ATOMIC_RELAXED);
@@ -151,7 +138,6 @@ static int submit_sqe(struct shardd_client *c, uint32_t op, uint32_t group, uint
 /* Pop one CQ entry into *out: 1, 0 when there is none, or -EBADMSG. */
 static int cq_take(struct shardd_client *c, struct shardd_completion *out)
 {
-	struct shardd_ring_hdr *h = c->ring.hdr;
 	int64_t n = shardd_cq_ready(&c->ring);
 	struct shardd_cqe cqe;
 
@@ -169,9 +155,7 @@ static int cq_take(struct shardd_client *c, struct shardd_completion *out)
 	 * A daemon that stopped taking SQ entries because our CQ was full may
 	 * sleep on the doorbell: the slot we just freed is news for it.
 	 */
-	if (atomic_load_explicit(SHARDD_ATOMIC32(&h->sq_tail), memory_order_relaxed) !=
-	    atomic_load_explicit(SHARDD_ATOMIC32(&h->sq_head), memory_order_acquire) &&
-	    shardd_ring_needs_wakeup(&c->ring)) {
+	if (shardd_sq_ready(&c->ring) != 0 && shardd_ring_needs_wakeup(&c->ring)) {
 		int ret = ring_doorbell(c);
 
 		if (ret < 0)
@@ -183,7 +167,7 @@ static int cq_take(struct shardd_client *c, struct shardd_completion *out)
 /* Spin a bounded while for a completion: >0 ready, 0 none, -EBADMSG. */
 static int spin_cq(struct shardd_client *c)
 {
-	int64_t until = now_ns() + SHARDD_SPIN_NS;
+	int64_t until = shardd_client_now_ns() + SHARDD_SPIN_NS;
 
 	for (unsigned i = 1;; i++) {
 		int64_t n = shardd_cq_ready(&c->ring);
@@ -192,7 +176,7 @@ static int spin_cq(struct shardd_client *c)
 			return corrupt_cq(c);
 		if (n > 0)
 			return 1;
-		if (i % SHARDD_SPIN_CHECK == 0 && now_ns() >= until)
+		if (i % SHARDD_SPIN_CHECK == 0 && shardd_client_now_ns() >= until)
 			return 0;
 		cpu_relax();
 	}
@@ -213,7 +197,7 @@ static int sleep_cq(struct shardd_client *c, int64_t deadline)
 	int ret;
 
 	if (deadline >= 0) {
-		int64_t left = deadline - now_ms();
+		int64_t left = deadline - shardd_client_now_ms();
 
 		if (left <= 0)
 			return -ETIMEDOUT;
@@ -296,7 +280,7 @@ int shardd_poll(struct shardd_client *c, struct shardd_completion *out)
 
 int shardd_wait(struct shardd_client *c, struct shardd_completion *out, int timeout_ms)
 {
-	int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
+	int64_t deadline = timeout_ms < 0 ? -1 : shardd_client_now_ms() + timeout_ms;
 	char where[160];
 	int ret;
 
@@ -348,7 +332,7 @@ int shardd_client_op_sync(struct shardd_client *c, uint32_t op, uint32_t group, 
 			  uint32_t flags, const char *what)
 {
 	uint32_t ct = c->welcome.collective_timeout_ms;
-	int64_t deadline = ct ? now_ms() + ct + SHARDD_SYNC_GRACE_MS : -1;
+	int64_t deadline = ct ? shardd_client_now_ms() + ct + SHARDD_SYNC_GRACE_MS : -1;
 	uint64_t ud = SHARDD_USER_DATA_RESERVED | (++c->next_sync & ~SHARDD_USER_DATA_RESERVED);
 	struct shardd_completion cp;
 	char where[160];
@@ -444,18 +428,17 @@ int shardd_zero_grad(struct shardd_group *g)
 int shardd_ring_status(const struct shardd_client *c, struct shardd_ring_status *st)
 {
 	struct shardd_ring_hdr *h = c->ring.hdr;
-	uint32_t sq_tail = atomic_load_explicit(SHARDD_ATOMIC32(&h->sq_tail), memory_order_relaxed);
-	uint32_t sq_head = atomic_load_explicit(SHARDD_ATOMIC32(&h->sq_head), memory_order_acquire);
-	uint32_t cq_tail = atomic_load_explicit(SHARDD_ATOMIC32(&h->cq_tail), memory_order_acquire);
-	uint32_t cq_head = atomic_load_explicit(SHARDD_ATOMIC32(&h->cq_head), memory_order_relaxed);
+	/* The ring's own checks, against our copies of the capacities. */
+	int64_t sq_pending = shardd_sq_ready(&c->ring);
+	int64_t cq_ready = shardd_cq_ready(&c->ring);
 
 	memset(st, 0, sizeof(*st));
-	st->sq_entries = h->sq_entries;
-	st->cq_entries = h->cq_entries;
-	if (sq_tail - sq_head > h->sq_entries || cq_tail - cq_head > h->cq_entries)
+	st->sq_entries = c->ring.sq_mask + 1;
+	st->cq_entries = c->ring.cq_mask + 1;
+	if (sq_pending < 0 || cq_ready < 0)
 		return -EBADMSG;
-	st->sq_pending = sq_tail - sq_head;
-	st->cq_ready = cq_tail - cq_head;
+	st->sq_pending = (uint32_t)sq_pending;
+	st->cq_ready = (uint32_t)cq_ready;
 	st->flags = atomic_load_explicit(SHARDD_ATOMIC32(&h->flags), memory_order_relaxed);
 	st->daemon_last_op = atomic_load_explicit(SHARDD_ATOMIC32(&h->daemon_last_op),
 						  memory_order_relaxed);

@@ -104,7 +104,8 @@ static inline void shardd_ctrl_rx_reset(struct shardd_ctrl_rx *rx)
  * and calls shardd_ctrl_rx_reset after clearing what it took), 0 when more
  * datagrams are needed, or a negative error: -SHARDD_E_MAGIC (wrong magic),
  * -SHARDD_E_MALFORMED (short header, or more bytes than announced),
- * -EMSGSIZE (length over `max_len`), -ENOMEM. On error the fds are closed.
+ * -EMSGSIZE (length over `max_len`), -ENOMEM. On error, fds that `rx` did
+ * not take are closed; shardd_ctrl_rx_reset() releases those it took.
  */
 static inline int shardd_ctrl_rx_feed(struct shardd_ctrl_rx *rx, const uint8_t *data, size_t n,
 				      const int *fds, int nfds, uint32_t max_len)

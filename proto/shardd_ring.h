@@ -156,9 +156,10 @@ static inline int shardd_ring_needs_wakeup(struct shardd_ring *r)
 
 /*
  * Entries waiting in the SQ: >= 0, or -EBADMSG when the client's tail is
- * more than a ring ahead of our head (a corrupt or hostile client).
+ * more than a ring ahead of the daemon's head (a corrupt or hostile client).
+ * Read-only, so the client may ask too (diagnostics, doorbell decisions).
  */
-static inline int64_t shardd_sq_ready(struct shardd_ring *r)
+static inline int64_t shardd_sq_ready(const struct shardd_ring *r)
 {
 	struct shardd_ring_hdr *h = r->hdr;
 	uint32_t tail = atomic_load_explicit(SHARDD_ATOMIC32(&h->sq_tail), memory_order_acquire);
@@ -266,7 +267,7 @@ static inline void shardd_cq_push(struct shardd_ring *r, const struct shardd_cqe
 /* ---------------- client: consumption of the CQ ---------------- */
 
 /* Completions waiting: >= 0, or -EBADMSG when the daemon's tail is corrupt. */
-static inline int64_t shardd_cq_ready(struct shardd_ring *r)
+static inline int64_t shardd_cq_ready(const struct shardd_ring *r)
 {
 	struct shardd_ring_hdr *h = r->hdr;
 	uint32_t tail = atomic_load_explicit(SHARDD_ATOMIC32(&h->cq_tail), memory_order_acquire);

@@ -67,7 +67,7 @@ exec 3<"$tmp/daemon.log"
 
 ready=0
 deadline=$((SECONDS + ready_timeout_s))
-while (( SECONDS < deadline )) && IFS= read -r -t "$ready_timeout_s" -u 3 line; do
+while (( SECONDS < deadline )) && IFS= read -r -t "$((deadline - SECONDS))" -u 3 line; do
 	printf '%s\n' "$line" >&2
 	if [[ $line == "shardd: ready on "* ]]; then
 		ready=1

@@ -666,7 +666,7 @@ static int rank_reap(struct rank *rk)
 			if (rk->ops[i].used && !rk->ops[i].done)
 				n += snprintf(pending + n, sizeof(pending) - n, "%s%s", n ? ", " : "",
 					      op_what(&rk->ops[i], what, sizeof(what)));
-		rank_fail(rk, ret, "no completion within %d ms while waiting for %s: %s",
+		rank_fail(rk, ret, "waiting up to %d ms for %s: %s",
 			  rk->wait_ms, pending, shardd_last_error()[0] ? shardd_last_error() : shardd_strerror(ret));
 		return ret;
 	}
@@ -708,17 +708,18 @@ static int rank_submit(struct rank *rk, uint32_t op, uint32_t layer, uint64_t st
 	}
 	*f = (struct inflight){ .used = 1, .op = op, .layer = layer, .step = step };
 	while ((ret = shardd_submit(rk->c, op, group, step, flags, (uint64_t)slot + 1)) == -EAGAIN) {
-		ret = rank_reap(rk);
+		ret = rank_reap(rk); /* reports its own failure */
 		if (ret < 0)
-			break;
+			goto err;
 	}
 	if (ret < 0) {
-		if (ret != rk->failed)
-			rank_fail(rk, ret, "submit %s: %s", op_what(f, what, sizeof(what)), shardd_last_error());
-		f->used = 0;
-		return ret;
+		rank_fail(rk, ret, "submit %s: %s", op_what(f, what, sizeof(what)), shardd_last_error());
+		goto err;
 	}
 	return slot;
+err:
+	f->used = 0;
+	return ret;
 }
 
 /* Wait for the op in `slot`, free the slot; its result. */
@@ -1166,15 +1167,16 @@ static int spawn_main(struct opts *o)
 		}
 		live++;
 	}
-	/* Children's liveness is watched through pidfds, reports through the pipe. */
+	/*
+	 * Children's liveness is watched through pidfds (pfd[r + 1]; -1, which
+	 * poll skips, once rank r is gone), reports through the pipe.
+	 */
 	while (live > 0) {
-		uint32_t np = 1;
-
 		pfd[0] = (struct pollfd){ .fd = pipefd[0], .events = POLLIN };
 		for (uint32_t r = 0; r < n; r++)
-			if (ch[r].pid > 0)
-				pfd[np++] = (struct pollfd){ .fd = ch[r].pidfd, .events = POLLIN };
-		if (poll(pfd, np, -1) < 0) {
+			pfd[r + 1] = (struct pollfd){ .fd = ch[r].pid > 0 ? ch[r].pidfd : -1,
+						      .events = POLLIN };
+		if (poll(pfd, n + 1, -1) < 0) {
 			if (errno == EINTR)
 				continue;
 			fprintf(stderr, "train_mlp: poll: %s\n", strerror(errno));
@@ -1190,9 +1192,8 @@ static int spawn_main(struct opts *o)
 		}
 		for (uint32_t r = 0; r < n; r++) {
 			int st;
-			struct pollfd probe = { .fd = ch[r].pidfd, .events = POLLIN };
 
-			if (ch[r].pid <= 0 || poll(&probe, 1, 0) <= 0)
+			if (ch[r].pid <= 0 || !pfd[r + 1].revents)
 				continue;
 			if (waitpid(ch[r].pid, &st, 0) < 0) {
 				fprintf(stderr, "train_mlp: waitpid(rank %u): %s\n", r, strerror(errno));

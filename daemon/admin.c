@@ -186,12 +186,12 @@ static json_t *no_job(const char *name)
 
 static const struct shardd_group *group_by_id(const struct shardd_job *j, uint32_t id)
 {
-	return j->ejob ? shardd_engine_job_group(j->ejob, id) : NULL;
+	return shardd_engine_job_group(j->ejob, id);
 }
 
 static uint32_t job_ngroups(const struct shardd_job *j)
 {
-	return j->ejob ? shardd_engine_job_ngroups(j->ejob) : 0;
+	return shardd_engine_job_ngroups(j->ejob);
 }
 
 static const struct shardd_group *group_by_name(const struct shardd_job *j, const char *name,
@@ -221,8 +221,8 @@ static void group_names(const struct shardd_job *j, char *buf, size_t len)
 	}
 }
 
-/* The job named by req's optional "job"; NULL with *err when none fits. */
-static struct shardd_job *arg_job(const json_t *req, int required_if_many, json_t **err)
+/* The job named by req's optional "job"; NULL when absent, or with *err when none fits. */
+static struct shardd_job *arg_job(const json_t *req, json_t **err)
 {
 	const json_t *v = json_object_get(req, "job");
 	struct shardd_job *j;
@@ -238,13 +238,7 @@ static struct shardd_job *arg_job(const json_t *req, int required_if_many, json_
 			*err = no_job(json_string_value(v));
 		return j;
 	}
-	if (!required_if_many)
-		return NULL;
-	if (!server.jobs) {
-		*err = reply_err(-SHARDD_E_NOJOB, "shardd has no jobs (no rank attached yet)");
-		return NULL;
-	}
-	return server.jobs;
+	return NULL;
 }
 
 /*
@@ -359,44 +353,6 @@ static json_t *json_memory(const struct shardd_memory_use *m)
 /* status, jobs                                                        */
 /* ------------------------------------------------------------------ */
 
-/* Seconds since this process started, from its start time in /proc (boot-relative ticks). */
-static double process_uptime_s(void)
-{
-	char buf[1024], *p;
-	unsigned long long start = 0;
-	struct timespec now;
-	long hz = sysconf(_SC_CLK_TCK);
-	FILE *f = fopen("/proc/self/stat", "r");
-	size_t n;
-
-	if (!f)
-		return 0;
-	n = fread(buf, 1, sizeof(buf) - 1, f);
-	fclose(f);
-	buf[n] = 0;
-	/* Field 2 (comm) may hold spaces; the fields after it follow its ')'. */
-	p = strrchr(buf, ')');
-	if (!p || hz <= 0)
-		return 0;
-	/* After ") " come fields 3..: starttime is field 22, i.e. the 20th from here. */
-	p++;
-	for (int field = 3; field <= 22 && p; field++) {
-		while (*p == ' ')
-			p++;
-		if (field == 22)
-			start = strtoull(p, NULL, 10);
-		else
-			p = strchr(p, ' ');
-	}
-	clock_gettime(CLOCK_BOOTTIME, &now);
-	return (double)now.tv_sec + now.tv_nsec / 1e9 - (double)start / (double)hz;
-}
-
-static const char *backend_name(uint32_t b)
-{
-	return b == SHARDD_BACKEND_HOST ? "host" : b == SHARDD_BACKEND_CUDA ? "cuda" : "unknown";
-}
-
 static json_t *cmd_status(const json_t *req)
 {
 	struct shardd_memory_use m;
@@ -417,9 +373,9 @@ static json_t *cmd_status(const json_t *req)
 	    put(r, "protocol", json_string(proto)) ||
 	    put(r, "pid", json_integer(server.pid)) ||
 	    put(r, "uid", json_integer(server.uid)) ||
-	    put(r, "backend", json_string(backend_name(server.cfg.backend))) ||
+	    put(r, "backend", json_string(shardd_backend_name(server.cfg.backend))) ||
 	    put(r, "socket", json_string(server.cfg.socket_path)) ||
-	    put(r, "uptime_s", json_real(process_uptime_s())) ||
+	    put(r, "uptime_s", json_real((double)(shardd_now_ns() - server.start_ns) / 1e9)) ||
 	    put(r, "collective_timeout_s", json_real(server.cfg.collective_timeout_s)) ||
 	    put(r, "jobs", json_integer(njobs)) ||
 	    put(r, "ranks_attached", json_integer(nattached)) ||
@@ -695,7 +651,7 @@ static json_t *per_job(const json_t *req, json_t *(*fn)(const struct shardd_job 
 {
 	uint64_t now = shardd_now_ns();
 	json_t *r, *arr, *err;
-	struct shardd_job *only = arg_job(req, 0, &err);
+	struct shardd_job *only = arg_job(req, &err);
 
 	if (err)
 		return err;
@@ -792,7 +748,7 @@ static struct shardd_job *arg_group(const json_t *req, const struct shardd_group
 				    uint32_t *id, json_t **err)
 {
 	const json_t *v = json_object_get(req, "group");
-	struct shardd_job *j = arg_job(req, 0, err);
+	struct shardd_job *j = arg_job(req, err);
 
 	if (*err)
 		return NULL;
@@ -960,7 +916,7 @@ static int dump_read(const struct dump_view *v, uint64_t a, uint64_t b, uint64_t
 					 "cannot read the %s buffer at byte %" PRIu64 ": %s (a %s "
 					 "backend buffer is read through its fd)", v->what, off,
 					 got < 0 ? strerror(errno) : "short read",
-					 backend_name(server.cfg.backend));
+					 shardd_backend_name(server.cfg.backend));
 			return -1;
 		}
 		shardd_k_to_f32(f, raw, v->dtype, k);
@@ -1196,25 +1152,22 @@ void shardd_admin_handle(struct shardd_session *s, uint32_t seq, const void *pay
 {
 	json_t *r = shardd_admin_exec(payload, len, s->cred.uid);
 	char *text = r ? json_dumps(r, JSON_COMPACT) : NULL;
+	size_t n = text ? strlen(text) : 0;
+	char fallback[160];
+	const char *out = text;
 	int ret;
 
 	json_decref(r);
-	if (!text) {
-		static const char oom[] = "{\"ok\":false,\"error\":\"shardd is out of memory for the "
-					  "reply\",\"code\":-1014}";
-
-		ret = shardd_ctrl_send(s->fd, SHARDD_MSG_ADMIN_REPLY, seq, oom, sizeof(oom) - 1,
-				       NULL, 0);
-	} else if (strlen(text) > SHARDD_CTRL_MAX) {
-		static const char big[] = "{\"ok\":false,\"error\":\"reply exceeds the 64 MiB message "
-					  "limit: ask for fewer values\",\"code\":-1007}";
-
-		ret = shardd_ctrl_send(s->fd, SHARDD_MSG_ADMIN_REPLY, seq, big, sizeof(big) - 1,
-				       NULL, 0);
-	} else {
-		ret = shardd_ctrl_send(s->fd, SHARDD_MSG_ADMIN_REPLY, seq, text,
-				       (uint32_t)strlen(text), NULL, 0);
+	if (!text || n > SHARDD_CTRL_MAX) {
+		/* Built without jansson: no memory was left for the reply, or it is too big to send. */
+		n = (size_t)snprintf(fallback, sizeof(fallback),
+				     "{\"ok\":false,\"error\":\"%s\",\"code\":%d}",
+				     text ? "reply exceeds the 64 MiB message limit: ask for fewer values"
+					  : "shardd is out of memory for the reply",
+				     text ? -SHARDD_E_INVALID : -SHARDD_E_NOMEM);
+		out = fallback;
 	}
+	ret = shardd_ctrl_send(s->fd, SHARDD_MSG_ADMIN_REPLY, seq, out, (uint32_t)n, NULL, 0);
 	free(text);
 	if (ret < 0) {
 		char why[128];

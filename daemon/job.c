@@ -89,15 +89,10 @@ static void barrier_finish(struct shardd_job *j, int res, const char *msg)
 	}
 }
 
-void shardd_job_shutdown(struct shardd_job *j)
+void shardd_job_destroy(struct shardd_job *j)
 {
 	if (j->barrier.active)
 		barrier_finish(j, -SHARDD_E_SHUTDOWN, "shardd is shutting down");
-}
-
-void shardd_job_destroy(struct shardd_job *j)
-{
-	shardd_job_shutdown(j);
 	/* The engine fails what it still holds through the callbacks, to live sessions. */
 	shardd_engine_job_destroy(j->ejob);
 	for (uint32_t r = 0; r < j->world; r++)

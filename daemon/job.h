@@ -61,7 +61,5 @@ struct shardd_session *shardd_job_session(struct shardd_job *j, uint32_t rank, u
 void shardd_job_barrier(struct shardd_job *j, uint32_t rank, const struct shardd_sqe *sqe);
 /* Fail a barrier waiting past the collective timeout. */
 void shardd_job_cron(struct shardd_job *j, uint64_t now_ns);
-/* Fail a waiting barrier with -SHARDD_E_SHUTDOWN. */
-void shardd_job_shutdown(struct shardd_job *j);
 
 #endif /* SHARDD_JOB_H */

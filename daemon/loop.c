@@ -242,10 +242,14 @@ static void loop_dispatch(struct shardd_loop *l, struct shardd_loop_event *ev, i
 	/* Without F_MORE this was the request's last completion. */
 	if (!(cqe_flags & IORING_CQE_F_MORE))
 		ev->armed = 0;
-	if (res == -EINVAL && ev->multishot && !l->no_multishot) {
-		/* Kernel without multishot poll: use one-shot polls, re-armed after each event. */
+	if (res == -EINVAL && ev->multishot) {
+		/*
+		 * Kernel without multishot poll: use one-shot polls, re-armed after
+		 * each event. Every event armed before we knew fails the same way.
+		 */
+		if (!l->no_multishot)
+			shardd_log_debug("io_uring: no multishot poll, re-arming one-shot polls");
 		l->no_multishot = 1;
-		shardd_log_debug("io_uring: no multishot poll, re-arming one-shot polls");
 	} else if (res < 0 && res != -ECANCELED && !ev->dead) {
 		/* A poll that fails for another reason reports an error event to the owner. */
 		res = POLLERR;
@@ -263,11 +267,9 @@ static void loop_dispatch(struct shardd_loop *l, struct shardd_loop_event *ev, i
 	}
 }
 
-/* Take every completion now in the CQ and dispatch it. Returns how many. */
-static unsigned loop_process(struct shardd_loop *l)
+/* Take every completion now in the CQ and dispatch it. */
+static void loop_process(struct shardd_loop *l)
 {
-	unsigned total = 0;
-
 	for (;;) {
 		struct io_uring_cqe *cqes[LOOP_BATCH];
 		struct { void *data; int32_t res; uint32_t flags; } done[LOOP_BATCH];
@@ -285,9 +287,7 @@ static unsigned loop_process(struct shardd_loop *l)
 		for (unsigned i = 0; i < n; i++)
 			if (done[i].data)
 				loop_dispatch(l, done[i].data, done[i].res, done[i].flags);
-		total += n;
 	}
-	return total;
 }
 
 int shardd_loop_run(struct shardd_loop *l)

@@ -7,6 +7,7 @@
  */
 #include <errno.h>
 #include <grp.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -46,10 +47,17 @@ static void usage(FILE *f)
 		def, SHARDD_TIMEOUT_DEFAULT_S);
 }
 
-static int usage_error(const char *fmt, const char *a, const char *b)
+#define WORKERS_MAX 4096 /* --workers */
+
+/* Print "shardd: <message>" and a pointer to --help; returns the exit status 2. */
+static int __attribute__((format(printf, 1, 2))) usage_error(const char *fmt, ...)
 {
+	va_list ap;
+
 	fprintf(stderr, "shardd: ");
-	fprintf(stderr, fmt, a, b);
+	va_start(ap, fmt);
+	vfprintf(stderr, fmt, ap);
+	va_end(ap);
 	fprintf(stderr, "\nTry 'shardd --help'.\n");
 	return 2;
 }
@@ -77,20 +85,17 @@ static int apply_flag(struct shardd_config *cfg, const char *flag, const char *v
 
 	if (strcmp(flag, "--socket") == 0) {
 		if (!*val)
-			return usage_error("%s: the path is empty%s", flag, "");
-		if (strlen(val) >= sizeof(cfg->socket_path)) {
-			char lim[64];
-
-			snprintf(lim, sizeof(lim), "%zu", sizeof(cfg->socket_path) - 1);
-			return usage_error("--socket: the path is longer than %s bytes: %s", lim, val);
-		}
+			return usage_error("%s: the path is empty", flag);
+		if (strlen(val) >= sizeof(cfg->socket_path))
+			return usage_error("--socket: the path is longer than %zu bytes: %s",
+					   sizeof(cfg->socket_path) - 1, val);
 		snprintf(cfg->socket_path, sizeof(cfg->socket_path), "%s", val);
 	} else if (strcmp(flag, "--log-level") == 0) {
 		int level = shardd_log_level_parse(val);
 
 		if (level < 0)
-			return usage_error("--log-level: '%s' is not one of %s", val,
-					   "error, warn, info, debug");
+			return usage_error("--log-level: '%s' is not one of error, warn, info, debug",
+					   val);
 		cfg->log_level = level;
 	} else if (strcmp(flag, "--backend") == 0) {
 		if (strcmp(val, "host") == 0)
@@ -98,7 +103,7 @@ static int apply_flag(struct shardd_config *cfg, const char *flag, const char *v
 		else if (strcmp(val, "cuda") == 0)
 			cfg->backend = SHARDD_BACKEND_CUDA;
 		else
-			return usage_error("--backend: '%s' is not one of %s", val, "host, cuda");
+			return usage_error("--backend: '%s' is not one of host, cuda", val);
 	} else if (strcmp(flag, "--collective-timeout") == 0) {
 		char *end;
 		double t;
@@ -107,12 +112,12 @@ static int apply_flag(struct shardd_config *cfg, const char *flag, const char *v
 		t = strtod(val, &end);
 		if (errno || end == val || *end || !(t > 0) || t > SHARDD_TIMEOUT_MAX_S)
 			return usage_error("--collective-timeout: '%s' is not a number of seconds "
-					   "in (0, %s]", val, "604800");
+					   "in (0, %g]", val, SHARDD_TIMEOUT_MAX_S);
 		cfg->collective_timeout_s = t;
 	} else if (strcmp(flag, "--workers") == 0) {
-		if (parse_uint(val, 1, 4096, &v) < 0)
-			return usage_error("--workers: '%s' is not a thread count in [1, %s]", val,
-					   "4096");
+		if (parse_uint(val, 1, WORKERS_MAX, &v) < 0)
+			return usage_error("--workers: '%s' is not a thread count in [1, %d]", val,
+					   WORKERS_MAX);
 		cfg->workers = (unsigned)v;
 	} else if (strcmp(flag, "--allow-gid") == 0) {
 		gid_t gid;
@@ -124,16 +129,17 @@ static int apply_flag(struct shardd_config *cfg, const char *flag, const char *v
 
 			if (!g)
 				return usage_error("--allow-gid: '%s' is neither a gid nor a group "
-						   "name%s", val, "");
+						   "name", val);
 			gid = g->gr_gid;
 		}
 		if (cfg->nallow_gids == SHARDD_MAX_ALLOW_GIDS)
-			return usage_error("--allow-gid: more than %s groups (at '%s')", "32", val);
+			return usage_error("--allow-gid: more than %d groups (at '%s')",
+					   SHARDD_MAX_ALLOW_GIDS, val);
 		cfg->allow_gids[cfg->nallow_gids++] = gid;
 	} else if (strcmp(flag, "--foreground") == 0) {
 		/* shardd never forks into the background; the flag is for supervisors' habits. */
 	} else {
-		return usage_error("unknown flag '%s'%s", flag, "");
+		return usage_error("unknown flag '%s'", flag);
 	}
 	return 0;
 }
@@ -178,7 +184,7 @@ int main(int argc, char **argv)
 			return 0;
 		}
 		if (strncmp(arg, "--", 2) != 0)
-			return usage_error("unexpected argument '%s'%s", arg, "");
+			return usage_error("unexpected argument '%s'", arg);
 		eq = strchr(arg, '=');
 		if (eq && (size_t)(eq - arg) < sizeof(flag)) {
 			snprintf(flag, sizeof(flag), "%.*s", (int)(eq - arg), arg);
@@ -189,13 +195,13 @@ int main(int argc, char **argv)
 		if (takes_value(flag)) {
 			if (!val) {
 				if (i + 1 >= argc)
-					return usage_error("%s needs a value%s", flag, "");
+					return usage_error("%s needs a value", flag);
 				val = argv[++i];
 			}
 		} else if (val) {
 			if (strcmp(flag, "--foreground") == 0)
-				return usage_error("%s takes no value%s", flag, "");
-			return usage_error("unknown flag '%s'%s", arg, "");
+				return usage_error("%s takes no value", flag);
+			return usage_error("unknown flag '%s'", arg);
 		}
 		ret = apply_flag(&cfg, flag, val);
 		if (ret)

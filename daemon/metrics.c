@@ -110,7 +110,7 @@ uint64_t shardd_metrics_op_bytes(const struct shardd_job *j, const struct shardd
 {
 	const struct shardd_group *g;
 
-	if (!j || !j->ejob || (sqe->op != SHARDD_OP_UNSHARD && sqe->op != SHARDD_OP_REDUCE))
+	if (!j || (sqe->op != SHARDD_OP_UNSHARD && sqe->op != SHARDD_OP_REDUCE))
 		return 0;
 	g = shardd_engine_job_group(j->ejob, sqe->group);
 	if (!g)

@@ -5,8 +5,7 @@
  * took its SQ entry to the moment its completion was pushed.
  *
  * Latency goes into a fixed histogram of log2 buckets: bucket i counts
- * latencies in [2^i, 2^(i+1)) ns (bucket 0 also takes 0 ns), the last bucket
- * everything above. A quantile is reported as the upper edge of the bucket
+ * latencies in [2^i, 2^(i+1)) ns, the last bucket everything above. A quantile is reported as the upper edge of the bucket
  * holding it, clamped to the largest latency seen, so p50/p99 are exact to
  * within a factor of two and cost nothing on the hot path.
  *

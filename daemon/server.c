@@ -42,6 +42,12 @@ void shardd_default_socket_path(char *buf, size_t len)
 		snprintf(buf, len, "/run/shardd/shardd.sock");
 }
 
+const char *shardd_backend_name(uint32_t backend)
+{
+	return backend == SHARDD_BACKEND_HOST ? "host" :
+	       backend == SHARDD_BACKEND_CUDA ? "cuda" : "unknown";
+}
+
 void shardd_config_defaults(struct shardd_config *cfg)
 {
 	memset(cfg, 0, sizeof(*cfg));
@@ -155,6 +161,14 @@ void shardd_server_note_work(uint64_t now_ns)
 	server.last_work_ns = now_ns;
 }
 
+/* Awake: clear NEED_WAKEUP on every attached ring so clients stop ringing. */
+static void server_rings_awake(void)
+{
+	for (struct shardd_session *s = server.sessions; s; s = s->next)
+		if (s->state == SHARDD_SESSION_ATTACHED)
+			shardd_ring_clear_wakeup(&s->ring);
+}
+
 /* Take entries from every attached ring; keeps the spin window open when some had work. */
 static void server_service(uint64_t now)
 {
@@ -206,9 +220,7 @@ static int server_before_sleep(void *arg)
 			wake = 1;
 	if (!wake)
 		return 1;
-	for (struct shardd_session *s = server.sessions; s; s = s->next)
-		if (s->state == SHARDD_SESSION_ATTACHED)
-			shardd_ring_clear_wakeup(&s->ring);
+	server_rings_awake();
 	server.last_work_ns = now;
 	return 0;
 }
@@ -222,9 +234,7 @@ static int server_before_sleep(void *arg)
 static void server_after_sleep(void *arg)
 {
 	(void)arg;
-	for (struct shardd_session *s = server.sessions; s; s = s->next)
-		if (s->state == SHARDD_SESSION_ATTACHED)
-			shardd_ring_clear_wakeup(&s->ring);
+	server_rings_awake();
 	server_service(shardd_now_ns());
 }
 
@@ -366,6 +376,7 @@ int shardd_server_init(const struct shardd_config *cfg)
 	server.cfg = *cfg;
 	server.uid = getuid();
 	server.pid = getpid();
+	server.start_ns = shardd_now_ns();
 	server.next_client_id = 1;
 	server.collective_timeout_ns = (uint64_t)(cfg->collective_timeout_s * 1e9);
 	shardd_log_threshold = cfg->log_level;
@@ -390,7 +401,7 @@ int shardd_server_init(const struct shardd_config *cfg)
 	ret = shardd_engine_create(&ecfg, &server.engine);
 	if (ret < 0) {
 		fprintf(stderr, "shardd: cannot start the %s backend (see the error above)\n",
-			cfg->backend == SHARDD_BACKEND_CUDA ? "cuda" : "host");
+			shardd_backend_name(cfg->backend));
 		return ret;
 	}
 
@@ -416,8 +427,7 @@ int shardd_server_init(const struct shardd_config *cfg)
 	shardd_loop_set_sleep_hooks(server.loop, server_before_sleep, server_after_sleep, NULL);
 	shardd_log_info("shardd %s (protocol %d.%d), pid %d, backend %s, collective timeout %g s",
 			SHARDD_VERSION, SHARDD_PROTO_MAJOR, SHARDD_PROTO_MINOR, (int)server.pid,
-			cfg->backend == SHARDD_BACKEND_CUDA ? "cuda" : "host",
-			cfg->collective_timeout_s);
+			shardd_backend_name(cfg->backend), cfg->collective_timeout_s);
 	/* Tests and supervisors wait for exactly this line. */
 	fprintf(stderr, "shardd: ready on %s\n", cfg->socket_path);
 	fflush(stderr);
@@ -438,7 +448,6 @@ int shardd_server_run(void)
 
 void shardd_server_shutdown(void)
 {
-	server.shutting_down = 1;
 	/* Jobs first: barriers and engine ops fail with -SHARDD_E_SHUTDOWN into live rings. */
 	while (server.jobs)
 		shardd_job_destroy(server.jobs);

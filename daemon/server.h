@@ -44,6 +44,7 @@ struct shardd_server {
 	uint64_t collective_timeout_ns;
 	uid_t    uid;                  /* clients must run as this uid (or an allowed gid) */
 	pid_t    pid;
+	uint64_t start_ns;             /* CLOCK_MONOTONIC at init: uptime */
 	int      listen_fd;            /* -1 when not listening */
 	int      signal_fd;            /* SIGTERM, SIGINT */
 	int      socket_bound;         /* we created socket_path: unlink it on exit */
@@ -54,7 +55,6 @@ struct shardd_server {
 	uint32_t next_client_id;       /* client ids start at 1; 0 is never used */
 	uint64_t last_work_ns;         /* the last time a ring had work: spin window */
 	uint64_t last_heartbeat_ns;
-	int      shutting_down;
 	int      need_reap;            /* some session is dead and waits to be freed */
 	int      need_close;           /* some session is marked closing (shardd_session_close_later) */
 };
@@ -65,6 +65,8 @@ extern struct shardd_server server;
 void shardd_config_defaults(struct shardd_config *cfg);
 /* Default socket path into buf: $XDG_RUNTIME_DIR/shardd/shardd.sock or /run/shardd/shardd.sock. */
 void shardd_default_socket_path(char *buf, size_t len);
+/* "host", "cuda" (enum shardd_backend), or "unknown". */
+const char *shardd_backend_name(uint32_t backend);
 
 /*
  * Bind the socket, create the engine and the loop. Returns 0, or a negative

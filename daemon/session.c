@@ -335,7 +335,12 @@ void shardd_session_reap(void)
 	}
 }
 
-int shardd_session_peer_gone(struct shardd_session *s)
+/*
+ * Is the client behind this session gone (socket hung up, process exited)?
+ * Checked without waiting, so a rank can re-attach even when the loop has
+ * not yet seen its old client's EOF.
+ */
+static int session_peer_gone(struct shardd_session *s)
 {
 	struct pollfd p[2] = {
 		{ .fd = s->fd, .events = POLLRDHUP },
@@ -539,7 +544,7 @@ static void session_hello(struct shardd_session *s, const struct shardd_msg_hdr 
 		}
 		old = job->ranks[h.rank].session;
 		/* A restarted trainer may be faster than the old one's EOF: look now. */
-		if (old && shardd_session_peer_gone(old))
+		if (old && session_peer_gone(old))
 			shardd_session_close(old, "died (found gone when the rank re-attached)");
 		/* Closing the old client never ends the job: it did not say goodbye. */
 		old = job->ranks[h.rank].session;
@@ -819,17 +824,18 @@ static void session_ring_corrupt(struct shardd_session *s, const char *which)
 	shardd_session_close_later(s, why);
 }
 
-/* CQ slots free for new reservations, clamped to our own idea of the capacity. */
+/*
+ * CQ slots free for new reservations: >= 0, or -EBADMSG when the client's
+ * CQ head is corrupt.
+ */
 static int64_t session_cq_room(struct shardd_session *s)
 {
 	int64_t space = shardd_cq_space(&s->ring);
 
 	if (space < 0)
 		return space;
-	/* The header is shared memory: never trust a capacity the client could rewrite. */
-	if (space > (int64_t)s->ring.cq_mask + 1)
-		space = (int64_t)s->ring.cq_mask + 1;
-	return space - s->inflight;
+	/* A client that moved its head back shrinks the space under our reservations: no room. */
+	return space > s->inflight ? space - s->inflight : 0;
 }
 
 void shardd_session_complete(struct shardd_session *s, const struct shardd_sqe *sqe, int res,
@@ -980,11 +986,11 @@ unsigned shardd_session_service(struct shardd_session *s)
 		if (ready == 0)
 			break;
 		room = session_cq_room(s);
-		if (room < 0 && shardd_cq_space(&s->ring) < 0) {
+		if (room < 0) {
 			session_ring_corrupt(s, "CQ head");
 			break;
 		}
-		if (room <= 0)
+		if (room == 0)
 			break;
 		shardd_sq_pop(&s->ring, &sqe);
 		shardd_op_clock_start(&s->clock, &sqe, shardd_now_ns());

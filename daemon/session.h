@@ -106,13 +106,6 @@ void shardd_session_send_group(struct shardd_session *s, uint32_t seq, int res, 
 			       const struct shardd_param_spec *specs, const int *fds, int nfds);
 
 /*
- * Is the client behind this session gone (socket hung up, process exited)?
- * Checked without waiting, so a rank can re-attach even when the loop has
- * not yet seen its old client's EOF.
- */
-int shardd_session_peer_gone(struct shardd_session *s);
-
-/*
  * End the session: detach it from its job (the engine and the barrier learn
  * that the rank is gone), mark its ring dead, close its descriptors. `why` is
  * logged. The memory is freed at the next reap.

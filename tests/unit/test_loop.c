@@ -181,7 +181,7 @@ Test(loop, event_deleting_itself_is_not_called_again_and_fd_can_close, .timeout 
 	pipe_free(&p);
 }
 
-Test(loop, timer_fires_every_period_until_deleted, .timeout = 10)
+Test(loop, timer_fires_again_every_period, .timeout = 10)
 {
 	struct shardd_loop *l;
 	struct counter c = { .stop_after = 5 };

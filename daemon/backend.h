@@ -44,6 +44,13 @@ struct shardd_shard_view {
 	uint32_t           dtype;   /* elements' dtype; SHARDD_DTYPE_NONE: each param's own dtype */
 };
 
+/* The dtype of param `p`'s elements in view `v`. */
+static inline uint32_t shardd_shard_view_dtype(const struct shardd_shard_view *v,
+					       const struct shardd_layout_param *p)
+{
+	return v->dtype != SHARDD_DTYPE_NONE ? v->dtype : p->dtype;
+}
+
 /* FSDP2 all-gather + copy-out of one shard group into its unsharded buffer. */
 struct shardd_unshard_args {
 	const struct shardd_layout *layout;

@@ -13,7 +13,7 @@
  *
  * A device allocation has no per-importer protection: the fd of the
  * unsharded buffer lets a client map it writable. The host backend's
- * read-only guarantee becomes a convention here (docs: README_cuda.md).
+ * read-only guarantee becomes a convention here (docs/CUDA.md).
  *
  * Work: one non-blocking stream per device. Every call queues its kernels
  * and waits for the stream before returning, so a completion means the
@@ -405,16 +405,11 @@ static int cuda_unshard(struct shardd_backend_ctx *b, const struct shardd_unshar
 	return cuda_finish(d, ret, "unshard");
 }
 
-static inline uint32_t view_dtype(const struct shardd_shard_view *v, const struct shardd_layout_param *p)
-{
-	return v->dtype != SHARDD_DTYPE_NONE ? v->dtype : p->dtype;
-}
-
 /* Queue the reduction of one param's valid rows, one launch per outer index, and zero its padding. */
 static int cuda_reduce_param(const struct shardd_reduce_args *a, uint32_t i, cudaStream_t stream)
 {
 	const struct shardd_layout_param *p = &a->layout->params[i];
-	uint32_t odt = view_dtype(a->out, p);
+	uint32_t odt = shardd_shard_view_dtype(a->out, p);
 	size_t os = shardd_dtype_size(odt), rs = shardd_dtype_size(a->math.reduce_dtype);
 	uint64_t valid = shardd_layout_rows_valid(p, a->shard_rank);
 	const void *in[SHARDD_CUDA_MAX_INPUTS];

@@ -183,15 +183,10 @@ static void host_run_piece_unshard(const struct shardd_unshard_args *a, const st
 	}
 }
 
-static inline uint32_t view_dtype(const struct shardd_shard_view *v, const struct shardd_layout_param *p)
-{
-	return v->dtype != SHARDD_DTYPE_NONE ? v->dtype : p->dtype;
-}
-
 static void host_run_piece_reduce(const struct shardd_reduce_args *a, const struct host_piece *pc, int stream)
 {
 	const struct shardd_layout_param *p = &a->layout->params[pc->param];
-	uint32_t odt = view_dtype(a->out, p);
+	uint32_t odt = shardd_shard_view_dtype(a->out, p);
 	size_t os = shardd_dtype_size(odt);
 	uint64_t at = pc->block * p->rows * p->inner + pc->begin; /* element in the output shard */
 	uint8_t *out = host_ptr(a->out->buf) + a->out->offsets[pc->param] + at * os;
@@ -296,7 +291,7 @@ static int host_reduce(struct shardd_backend_ctx *b, const struct shardd_reduce_
 		uint64_t valid = shardd_layout_rows_valid(p, a->shard_rank);
 		struct host_piece pc = { .param = i, .kind = PIECE_REDUCE };
 
-		out_bytes += p->shard_numel * shardd_dtype_size(view_dtype(a->out, p));
+		out_bytes += p->shard_numel * shardd_dtype_size(shardd_shard_view_dtype(a->out, p));
 		for (uint64_t o = 0; o < p->outer && !ret; o++) {
 			pc.block = o;
 			ret = plan_split(&pl, pc, valid * p->inner, a->nin);
@@ -319,25 +314,19 @@ static int host_reduce(struct shardd_backend_ctx *b, const struct shardd_reduce_
 	return ret;
 }
 
-struct host_zero {
-	uint8_t *dst;
-};
-
+/* `arg`: the first byte to zero. */
 static void host_zero_range(void *arg, size_t begin, size_t end)
 {
-	struct host_zero *z = arg;
-
-	shardd_k_zero(z->dst + begin, end - begin);
+	shardd_k_zero((uint8_t *)arg + begin, end - begin);
 }
 
 static int host_zero(struct shardd_backend_ctx *b, struct shardd_buf *buf, uint64_t offset, uint64_t bytes)
 {
 	struct host_backend *hb = (struct host_backend *)b;
-	struct host_zero z = { .dst = host_ptr(buf) + offset };
 
 	if (offset > buf->bytes || bytes > buf->bytes - offset)
 		return -EINVAL;
-	shardd_pool_for(hb->pool, bytes, HOST_ZERO_GRAIN, host_zero_range, &z);
+	shardd_pool_for(hb->pool, bytes, HOST_ZERO_GRAIN, host_zero_range, host_ptr(buf) + offset);
 	return 0;
 }
 

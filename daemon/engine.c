@@ -243,8 +243,6 @@ static void coll_fail(struct eng_group *eg, struct eng_coll *c, int res, const c
 		if (c->base + i != skip_rank)
 			complete(eg->j, &op, res, msg);
 	}
-	if (c->rdv.narrived == 0)
-		shardd_rdv_reset(&c->rdv);
 }
 
 /* "unshard(group 'g', step 5)" of the collective's key */
@@ -615,6 +613,12 @@ static int rank_busy(const struct eng_group *eg, uint32_t rank)
 	       (eg->ar.ops && shardd_rdv_has_arrived(&eg->ar.rdv, rank));
 }
 
+/* 1 when `op` (a zero_grad or reshard) must not overtake `rank`'s collective still gathering. */
+static int op_must_wait(const struct eng_group *eg, uint32_t rank, uint32_t op)
+{
+	return (op == SHARDD_OP_ZERO_GRAD || op == SHARDD_OP_RESHARD) && rank_busy(eg, rank);
+}
+
 /* 0, or -ENOMEM (the op was not kept). */
 static int deferred_push(struct eng_group *eg, const struct eng_op *op)
 {
@@ -944,6 +948,12 @@ void shardd_engine_rank_attached(struct shardd_engine_job *j, uint32_t rank, int
 		return;
 	j->devices[rank] = device;
 	j->gone[rank] = 0;
+}
+
+/* The group with this id (a sqe's or an admin request's: any value), or NULL. */
+static struct eng_group *group_by_id(const struct shardd_engine_job *j, uint32_t id)
+{
+	return id >= 1 && id <= j->ngroups ? j->groups[id - 1] : NULL;
 }
 
 static struct eng_group *group_by_name(struct shardd_engine_job *j, const char *name)
@@ -1362,9 +1372,7 @@ static void group_flush(struct eng_group *eg)
 			struct eng_deferred *d;
 
 			while ((d = eg->dhead[r])) {
-				uint32_t op = d->op.sqe.op;
-
-				if ((op == SHARDD_OP_ZERO_GRAD || op == SHARDD_OP_RESHARD) && rank_busy(eg, r))
+				if (op_must_wait(eg, r, d->op.sqe.op))
 					break;
 				eg->dhead[r] = d->next;
 				if (!eg->dhead[r])
@@ -1394,7 +1402,8 @@ void shardd_engine_submit(struct shardd_engine_job *j, uint32_t rank, uint64_t t
 {
 	struct eng_op op = { .rank = rank, .token = token, .sqe = *sqe };
 	const char *name = shardd_op_name(sqe->op);
-	struct eng_group *eg = NULL;
+	struct eng_group *eg;
+	uint32_t unknown;
 	char msg[ENGINE_MSG_MAX];
 
 	if (rank >= j->world) {
@@ -1414,24 +1423,22 @@ void shardd_engine_submit(struct shardd_engine_job *j, uint32_t rank, uint64_t t
 		complete(j, &op, -SHARDD_E_INVALID, msg);
 		return;
 	}
-	if (sqe->group >= 1 && sqe->group <= j->ngroups)
-		eg = j->groups[sqe->group - 1];
+	eg = group_by_id(j, sqe->group);
 	if (!eg || !eg->complete) {
 		fmt(msg, sizeof(msg), "shardd: %s: group id %u is not a registered group of job '%s'",
 		    name, sqe->group, j->name);
 		complete(j, &op, -SHARDD_E_NOGROUP, msg);
 		return;
 	}
-	if (sqe->op == SHARDD_OP_REDUCE ? (sqe->flags & ~SHARDD_REDUCE_FLAGS_MASK) != 0 : sqe->flags != 0) {
+	unknown = sqe->flags & ~(sqe->op == SHARDD_OP_REDUCE ? (uint32_t)SHARDD_REDUCE_FLAGS_MASK : 0u);
+	if (unknown) {
 		fmt(msg, sizeof(msg), "shardd: %s(group '%s'): flags = 0x%x has unknown bits 0x%x",
-		    name, eg->g->name, sqe->flags,
-		    sqe->op == SHARDD_OP_REDUCE ? sqe->flags & ~SHARDD_REDUCE_FLAGS_MASK : sqe->flags);
+		    name, eg->g->name, sqe->flags, unknown);
 		complete(j, &op, -SHARDD_E_INVALID, msg);
 		return;
 	}
-	/* A zero_grad or reshard must not overtake the rank's collective still gathering. */
-	if (eg->dhead[rank] ||
-	    ((sqe->op == SHARDD_OP_ZERO_GRAD || sqe->op == SHARDD_OP_RESHARD) && rank_busy(eg, rank))) {
+	/* Kept back: a zero_grad or reshard behind its rank's collective, and any op behind a kept one. */
+	if (eg->dhead[rank] || op_must_wait(eg, rank, sqe->op)) {
 		if (deferred_push(eg, &op)) {
 			fmt(msg, sizeof(msg), "shardd: %s(group '%s'): the daemon is out of memory", name, eg->g->name);
 			complete(j, &op, -SHARDD_E_NOMEM, msg);
@@ -1497,25 +1504,34 @@ void shardd_engine_rank_gone(struct shardd_engine_job *j, uint32_t rank, uint64_
 	}
 }
 
+/* "shardd: ranks 2,3 never <did> within 30 s; rank 0 is waiting" for an expired rendezvous. */
+static void expired_msg(const struct shardd_engine *e, const struct shardd_rdv *rdv, const char *did,
+			char *msg, size_t len)
+{
+	char missing[160], present[160], within[32];
+
+	shardd_rdv_missing(rdv, missing, sizeof(missing));
+	shardd_rdv_present(rdv, present, sizeof(present));
+	timeout_str(e, within, sizeof(within));
+	fmt(msg, len, "shardd: %s %s never %s within %s; %s %s %s waiting", plural_rank(missing), missing,
+	    did, within, plural_rank(present), present, strchr(present, ',') ? "are" : "is");
+}
+
 static void coll_cron(struct eng_group *eg, struct eng_coll *c, uint64_t now_ns)
 {
-	char what[160], missing[160], present[160], within[32], msg[ENGINE_MSG_MAX];
+	char what[160], did[192], msg[ENGINE_MSG_MAX];
 
 	if (!c->ops || !shardd_rdv_expired(&c->rdv, now_ns))
 		return;
 	coll_what(eg, c, what, sizeof(what));
-	shardd_rdv_missing(&c->rdv, missing, sizeof(missing));
-	shardd_rdv_present(&c->rdv, present, sizeof(present));
-	timeout_str(eg->j->e, within, sizeof(within));
-	fmt(msg, sizeof(msg), "shardd: %s %s never submitted %s within %s; %s %s %s waiting",
-	    plural_rank(missing), missing, what, within, plural_rank(present), present,
-	    strchr(present, ',') ? "are" : "is");
+	fmt(did, sizeof(did), "submitted %s", what);
+	expired_msg(eg->j->e, &c->rdv, did, msg, sizeof(msg));
 	coll_fail(eg, c, -SHARDD_E_TIMEOUT, msg, UINT32_MAX);
 }
 
 void shardd_engine_cron(struct shardd_engine *e, uint64_t now_ns)
 {
-	char missing[160], present[160], within[32], msg[ENGINE_MSG_MAX];
+	char did[192], msg[ENGINE_MSG_MAX];
 
 	for (struct shardd_engine_job *j = e->jobs; j; j = j->next) {
 		for (uint32_t i = 0; i < j->ngroups; i++) {
@@ -1526,13 +1542,8 @@ void shardd_engine_cron(struct shardd_engine *e, uint64_t now_ns)
 			if (!eg->complete) {
 				if (!shardd_rdv_expired(&eg->reg, now_ns))
 					continue;
-				shardd_rdv_missing(&eg->reg, missing, sizeof(missing));
-				shardd_rdv_present(&eg->reg, present, sizeof(present));
-				timeout_str(e, within, sizeof(within));
-				fmt(msg, sizeof(msg),
-				    "shardd: %s %s never registered group '%s' within %s; %s %s %s waiting",
-				    plural_rank(missing), missing, eg->g->name, within, plural_rank(present),
-				    present, strchr(present, ',') ? "are" : "is");
+				fmt(did, sizeof(did), "registered group '%s'", eg->g->name);
+				expired_msg(e, &eg->reg, did, msg, sizeof(msg));
 				reg_fail(eg, -SHARDD_E_TIMEOUT, msg, UINT32_MAX);
 				continue;
 			}
@@ -1553,11 +1564,6 @@ void shardd_engine_cron(struct shardd_engine *e, uint64_t now_ns)
 uint32_t shardd_engine_job_ngroups(const struct shardd_engine_job *j)
 {
 	return j->ngroups;
-}
-
-static const struct eng_group *group_by_id(const struct shardd_engine_job *j, uint32_t id)
-{
-	return id >= 1 && id <= j->ngroups ? j->groups[id - 1] : NULL;
 }
 
 const struct shardd_group *shardd_engine_job_group(const struct shardd_engine_job *j, uint32_t id)

@@ -151,11 +151,6 @@ void shardd_pool_destroy(struct shardd_pool *p)
 	free(p);
 }
 
-unsigned shardd_pool_threads(const struct shardd_pool *p)
-{
-	return p->nthreads;
-}
-
 void shardd_pool_submit(struct shardd_pool *p, struct shardd_pool_task *t)
 {
 	pthread_mutex_lock(&p->lock);
@@ -191,7 +186,7 @@ static void pool_helper_fn(struct shardd_pool_task *t)
 	struct shardd_pool *p = pf->pool;
 
 	pool_for_run(pf);
-	/* The last touch of pf: once outstanding drops, the caller may return and free it. */
+	/* The last touch of pf: once outstanding drops, the caller may return and its stack frame go. */
 	pthread_mutex_lock(&p->lock);
 	pf->outstanding--;
 	pthread_cond_broadcast(&p->helper_done);
@@ -201,7 +196,8 @@ static void pool_helper_fn(struct shardd_pool_task *t)
 void shardd_pool_for(struct shardd_pool *p, size_t n, size_t grain,
 		     void (*fn)(void *arg, size_t begin, size_t end), void *arg)
 {
-	struct pool_for *pf;
+	/* On the stack: this call returns only once no helper touches it. */
+	struct pool_for pf;
 	size_t nranges, nhelpers;
 
 	if (n == 0)
@@ -214,43 +210,41 @@ void shardd_pool_for(struct shardd_pool *p, size_t n, size_t grain,
 		nhelpers = p->nthreads;
 	if (nhelpers > POOL_FOR_MAX_HELPERS)
 		nhelpers = POOL_FOR_MAX_HELPERS;
-	pf = nhelpers ? malloc(sizeof(*pf)) : NULL;
-	if (!pf) {
-		/* One range, or no memory for helpers: the caller does it all. */
+	if (!nhelpers) {
+		/* One range: the caller does it all. */
 		fn(arg, 0, n);
 		return;
 	}
-	pf->pool = p;
-	pf->fn = fn;
-	pf->arg = arg;
-	pf->n = n;
-	pf->grain = grain;
-	pf->nranges = nranges;
-	atomic_init(&pf->next, 0);
-	pf->outstanding = (unsigned)nhelpers;
+	pf.pool = p;
+	pf.fn = fn;
+	pf.arg = arg;
+	pf.n = n;
+	pf.grain = grain;
+	pf.nranges = nranges;
+	atomic_init(&pf.next, 0);
+	pf.outstanding = (unsigned)nhelpers;
 
 	pthread_mutex_lock(&p->lock);
 	for (size_t i = 0; i < nhelpers; i++) {
-		pf->helpers[i].pf = pf;
-		pf->helpers[i].task.fn = pool_helper_fn;
+		pf.helpers[i].pf = &pf;
+		pf.helpers[i].task.fn = pool_helper_fn;
 		/* Helpers go first: they finish work already started, ahead of new ops. */
-		queue_push(p, &pf->helpers[i].task, 1);
+		queue_push(p, &pf.helpers[i].task, 1);
 	}
 	pthread_cond_broadcast(&p->work);
 	pthread_mutex_unlock(&p->lock);
 
-	pool_for_run(pf);
+	pool_for_run(&pf);
 
 	/* Helpers no worker took are withdrawn; those running finish their range. */
 	pthread_mutex_lock(&p->lock);
 	for (size_t i = 0; i < nhelpers; i++) {
-		if (pf->helpers[i].task.queued) {
-			queue_unlink(p, &pf->helpers[i].task);
-			pf->outstanding--;
+		if (pf.helpers[i].task.queued) {
+			queue_unlink(p, &pf.helpers[i].task);
+			pf.outstanding--;
 		}
 	}
-	while (pf->outstanding)
+	while (pf.outstanding)
 		pthread_cond_wait(&p->helper_done, &p->lock);
 	pthread_mutex_unlock(&p->lock);
-	free(pf);
 }

@@ -25,7 +25,6 @@ struct shardd_pool_task {
 int shardd_pool_create(unsigned threads, struct shardd_pool **out);
 /* Stop and join the workers. No task may be queued or running. */
 void shardd_pool_destroy(struct shardd_pool *p);
-unsigned shardd_pool_threads(const struct shardd_pool *p);
 
 /* Queue `t` (fn set by the caller); a worker runs t->fn(t) once. */
 void shardd_pool_submit(struct shardd_pool *p, struct shardd_pool_task *t);

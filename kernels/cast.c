@@ -24,6 +24,8 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+
+#include "bf16_avx512.h"
 #define SHARDD_HAVE_X86 1
 #endif
 
@@ -128,47 +130,11 @@ BF16_BLOCKS(avx2, __attribute__((target("avx2"))))
 
 /*
  * The bf16 loops by hand in AVX-512 (16 lanes, masked tails, no blends of
- * 16-bit halves): the same integer steps as bf16_from_bits/bf16_to_bits.
- * gcc's AVX2 code for bf16_store_n widens, blends and packs; this one
- * converts 16 elements in a handful of instructions, so a cast is bound
- * by memory, not by the core. Not vcvtneps2bf16 (AVX512_BF16): it flushes
- * subnormals to zero.
+ * 16-bit halves), on the lane helpers of bf16_avx512.h. gcc's AVX2 code for
+ * bf16_store_n widens, blends and packs; this one converts 16 elements in a
+ * handful of instructions, so a cast is bound by memory, not by the core.
  */
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl")))
-
-/* Lanes that hold a NaN. */
-AVX512_TARGET ALWAYS_INLINE __mmask16 nan_lanes(__m512i u)
-{
-	return _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-				       _mm512_set1_epi32(0x7f800000));
-}
-
-/* fp32 bits rounded to bf16, in the top halves of the lanes (a NaN: truncated, quiet bit set). */
-AVX512_TARGET ALWAYS_INLINE __m512i bf16_round_bits_512(__m512i u)
-{
-	__m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-	__m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
-
-	r = _mm512_mask_or_epi32(r, nan_lanes(u), u, _mm512_set1_epi32(0x00400000));
-	return _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
-}
-
-AVX512_TARGET ALWAYS_INLINE __m512 bf16_widen_512(__m256i h)
-{
-	__m512i u = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
-
-	return _mm512_castsi512_ps(_mm512_mask_or_epi32(u, nan_lanes(u), u, _mm512_set1_epi32(0x00400000)));
-}
-
-AVX512_TARGET ALWAYS_INLINE __m512 bf16_round_512(__m512 x)
-{
-	return _mm512_castsi512_ps(bf16_round_bits_512(_mm512_castps_si512(x)));
-}
-
-AVX512_TARGET ALWAYS_INLINE __m256i bf16_narrow_512(__m512 x)
-{
-	return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_round_bits_512(_mm512_castps_si512(x)), 16));
-}
 
 /*
  * Whole vectors use plain loads and stores and only the tail a masked

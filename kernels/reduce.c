@@ -127,6 +127,8 @@ static void reduce_portable(void *out, uint32_t out_dtype, int accumulate, const
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 
+#include "bf16_avx512.h"
+
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,f16c")))
 #define AVX512_INLINE AVX512_TARGET ALWAYS_INLINE
 /* Round to nearest even, exceptions suppressed, whatever MXCSR says. */
@@ -174,39 +176,11 @@ static int exact_reciprocal(float f)
 	return (u & 0x7fffffu) == 0 && e >= 1 && e <= 253;
 }
 
-/* Widen bf16 bits (in the low halves of 32-bit lanes) to fp32; a NaN comes back quiet. */
-AVX512_INLINE __m512 bf16_widen_512(__m512i h)
-{
-	__m512i u = _mm512_slli_epi32(h, 16);
-	__mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-						_mm512_set1_epi32(0x7f800000));
-
-	return _mm512_castsi512_ps(_mm512_mask_or_epi32(u, nan, u, _mm512_set1_epi32(0x00400000)));
-}
-
-/*
- * Round fp32 lanes to bf16, to nearest even (the scalar bf16_from_bits of
- * cast.c, on 16 lanes), the result in the top halves of the lanes; a NaN is
- * truncated with its quiet bit set. Not vcvtneps2bf16: it flushes
- * subnormals to zero.
- */
-AVX512_INLINE __m512i bf16_round_hi_512(__m512 x)
-{
-	__m512i u = _mm512_castps_si512(x);
-	__mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-						_mm512_set1_epi32(0x7f800000));
-	__m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-	__m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
-
-	r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x00400000));
-	return _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
-}
-
 AVX512_INLINE __m512 load_512(const void *p, uint32_t dt, __mmask16 k)
 {
 	switch (dt) {
 	case SHARDD_DTYPE_BF16:
-		return bf16_widen_512(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)));
+		return bf16_widen_512(_mm256_maskz_loadu_epi16(k, p));
 	case SHARDD_DTYPE_FP16:
 		return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, p));
 	default:
@@ -219,7 +193,7 @@ AVX512_INLINE __m512 round_512(__m512 x, uint32_t dt)
 {
 	switch (dt) {
 	case SHARDD_DTYPE_BF16:
-		return _mm512_castsi512_ps(bf16_round_hi_512(x));
+		return bf16_round_512(x);
 	case SHARDD_DTYPE_FP16:
 		return _mm512_cvtph_ps(_mm512_cvtps_ph(x, RNE_SAE));
 	default:
@@ -231,7 +205,7 @@ AVX512_INLINE void store_512(void *p, uint32_t dt, __m512 x, __mmask16 k)
 {
 	switch (dt) {
 	case SHARDD_DTYPE_BF16:
-		_mm256_mask_storeu_epi16(p, k, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_round_hi_512(x), 16)));
+		_mm256_mask_storeu_epi16(p, k, bf16_narrow_512(x));
 		break;
 	case SHARDD_DTYPE_FP16:
 		_mm256_mask_storeu_epi16(p, k, _mm512_cvtps_ph(x, RNE_SAE));
@@ -251,7 +225,7 @@ AVX512_INLINE void store_stream_512(void *p, uint32_t dt, __m512 x)
 {
 	switch (dt) {
 	case SHARDD_DTYPE_BF16:
-		_mm256_stream_si256(p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_round_hi_512(x), 16)));
+		_mm256_stream_si256(p, bf16_narrow_512(x));
 		break;
 	case SHARDD_DTYPE_FP16:
 		_mm256_stream_si256(p, _mm512_cvtps_ph(x, RNE_SAE));

@@ -181,9 +181,8 @@ uint64_t ref_rows_valid(const struct ref_dims *d, uint32_t s)
 	return d->dim - begin < d->rows ? d->dim - begin : d->rows;
 }
 
-void ref_shard(const struct ref_dims *d, uint32_t S, uint32_t s, const double *full, double *out)
+void ref_shard(const struct ref_dims *d, uint32_t s, const double *full, double *out)
 {
-	(void)S;
 	for (uint64_t o = 0; o < d->outer; o++)
 		for (uint64_t r = 0; r < d->rows; r++)
 			for (uint64_t i = 0; i < d->inner; i++) {

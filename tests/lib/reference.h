@@ -46,7 +46,7 @@ struct ref_dims {
 void     ref_dims(const struct ref_param *p, uint32_t S, struct ref_dims *d);
 uint64_t ref_rows_valid(const struct ref_dims *d, uint32_t s);
 /* Shard s of the full tensor `full` (numel values): shard_numel values, zero past the last row. */
-void     ref_shard(const struct ref_dims *d, uint32_t S, uint32_t s, const double *full, double *out);
+void     ref_shard(const struct ref_dims *d, uint32_t s, const double *full, double *out);
 
 /* A value and how far a correct fp32-accumulating implementation may be from it. */
 struct ref_val {

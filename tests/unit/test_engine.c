@@ -419,7 +419,7 @@ static void write_shards(struct t_env *env, uint32_t id, const struct t_spec *sp
 
 			ref_dims(&p, env->S, &d);
 			sh = calloc(d.shard_numel + 1, sizeof(*sh));
-			ref_shard(&d, env->S, r % env->S, full[(r / env->S) * sp->nparams + i], sh);
+			ref_shard(&d, r % env->S, full[(r / env->S) * sp->nparams + i], sh);
 			for (uint64_t e = 0; e < d.shard_numel; e++)
 				ref_store(g->map[r].shard + g->layouts[r][i].shard_offset + e * ref_dtype_size(p.dtype),
 					  p.dtype, sh[e]);

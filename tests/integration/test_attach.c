@@ -33,11 +33,7 @@ static void start_daemon(void)
 
 static void stop_daemon(void)
 {
-	int status = harness_daemon_stop(&daemon_);
-
-	cr_expect(status >= 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0,
-		  "shardd did not exit cleanly on SIGTERM: %s",
-		  status < 0 ? strerror(-status) : harness_status_str(status));
+	harness_daemon_stop_expect_clean(&daemon_);
 }
 
 TestSuite(attach, .init = start_daemon, .fini = stop_daemon, .timeout = 30);

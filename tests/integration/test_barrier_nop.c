@@ -29,11 +29,7 @@ static struct harness_daemon daemon_;
 /* Tests that stopped the daemon themselves leave nothing to stop: status 0. */
 static void stop_daemon(void)
 {
-	int status = harness_daemon_stop(&daemon_);
-
-	cr_expect(status >= 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0,
-		  "shardd did not exit cleanly on SIGTERM: %s",
-		  status < 0 ? strerror(-status) : harness_status_str(status));
+	harness_daemon_stop_expect_clean(&daemon_);
 }
 
 TestSuite(barrier_nop, .fini = stop_daemon, .timeout = 60);

@@ -46,23 +46,6 @@ static struct harness_daemon daemon_;
 /* The daemon                                                          */
 /* ------------------------------------------------------------------ */
 
-static const char *const sanitizer_marks[] = {
-	"ERROR: AddressSanitizer", "runtime error:", "ERROR: LeakSanitizer", NULL,
-};
-
-/* The first sanitizer report in the daemon's log, or NULL. */
-static const char *log_sanitizer_report(void)
-{
-	const char *hit = NULL;
-
-	pthread_mutex_lock(&daemon_.lock);
-	for (int i = 0; daemon_.log && sanitizer_marks[i] && !hit; i++)
-		if (strstr(daemon_.log, sanitizer_marks[i]))
-			hit = sanitizer_marks[i];
-	pthread_mutex_unlock(&daemon_.lock);
-	return hit;
-}
-
 static int log_contains(const char *needle)
 {
 	int found;
@@ -82,17 +65,10 @@ static void start_daemon(void)
 	cr_assert_eq(harness_daemon_start(&daemon_, extra), 0, "shardd did not start");
 }
 
+/* The harness fails the suite on a sanitizer report in the daemon's log. */
 static void stop_daemon(void)
 {
-	int status = harness_daemon_stop(&daemon_);
-	const char *report = log_sanitizer_report();
-
-	if (report || status < 0 || !WIFEXITED(status) || WEXITSTATUS(status) != 0)
-		harness_daemon_dump_log(&daemon_);
-	cr_expect_null(report, "the daemon's log holds a sanitizer report ('%s')", report);
-	cr_expect(status >= 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0,
-		  "shardd did not exit cleanly on SIGTERM: %s",
-		  status < 0 ? strerror(-status) : harness_status_str(status));
+	harness_daemon_stop_expect_clean(&daemon_);
 }
 
 TestSuite(hostile, .init = start_daemon, .fini = stop_daemon, .timeout = 30);
@@ -108,7 +84,7 @@ static void assert_daemon_alive(void)
 		harness_daemon_dump_log(&daemon_);
 	cr_assert_eq(si.si_pid, 0, "shardd (pid %d) died: code %d status %d", (int)daemon_.pid,
 		     si.si_code, si.si_status);
-	report = log_sanitizer_report();
+	report = harness_daemon_sanitizer_report(&daemon_);
 	if (report)
 		harness_daemon_dump_log(&daemon_);
 	cr_assert_null(report, "the daemon's log holds a sanitizer report ('%s')", report);

@@ -79,15 +79,6 @@ static void start_daemon(struct harness_daemon *d)
 	cr_assert_eq(harness_daemon_start(d, NULL), 0, "shardd did not start (log above)");
 }
 
-/* SIGTERM; the daemon must exit 0. */
-static void stop_daemon(struct harness_daemon *d)
-{
-	int st = harness_daemon_stop(d);
-
-	cr_expect(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0,
-		  "shardd did not exit 0 after SIGTERM: %s", st < 0 ? strerror(-st) : harness_status_str(st));
-}
-
 /* The "step N loss X" lines of a run, in order; how many. */
 static int parse_losses(const char *out, double *loss, int max)
 {
@@ -191,7 +182,7 @@ static void parity(unsigned world, double *fsdp_loss, double *ref_loss)
 	snprintf(what, sizeof(what), "world %u, %d steps", world, TRAIN_STEPS);
 	expect_params_match(p.got, p.ref, what);
 	paths_remove(&p);
-	stop_daemon(&d);
+	harness_daemon_stop_expect_clean(&d);
 }
 
 /* The per-step mean losses agree too: they are computed from the same params. */
@@ -286,5 +277,5 @@ Test(train, rank_killed_mid_reduce_restarts_and_run_matches_reference, .timeout 
 	expect_params_match(p.got, p.ref, "world 4, rank 2 killed at step 7");
 	expect_losses_match(loss, ref_loss, "world 4, rank 2 killed at step 7");
 	paths_remove(&p);
-	stop_daemon(&d);
+	harness_daemon_stop_expect_clean(&d);
 }

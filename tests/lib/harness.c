@@ -405,10 +405,34 @@ int harness_daemon_start(struct harness_daemon *d, const char *const *extra)
 	return ret;
 }
 
-int harness_daemon_stop_sig(struct harness_daemon *d, int sig, int timeout_ms)
+const char *harness_daemon_sanitizer_report(struct harness_daemon *d)
+{
+	static const char *const marks[] = {
+		"ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "runtime error:", NULL,
+	};
+	const char *hit = NULL;
+
+	if (!d->started)
+		return NULL;
+	pthread_mutex_lock(&d->lock);
+	for (int i = 0; d->log && marks[i] && !hit; i++)
+		if (strstr(d->log, marks[i]))
+			hit = marks[i];
+	pthread_mutex_unlock(&d->lock);
+	return hit;
+}
+
+static int exited_zero(int status)
+{
+	return status >= 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
+/* harness_daemon_stop_sig; with expect_clean also cr_expect exit status 0. */
+static int daemon_stop(struct harness_daemon *d, int sig, int timeout_ms, int expect_clean)
 {
 	pid_t pid = d->pid;
-	int status = 0, ret = 0;
+	int status = 0, ret = 0, dumped = 0;
+	const char *report;
 
 	if (!d->started)
 		return 0;
@@ -432,15 +456,23 @@ int harness_daemon_stop_sig(struct harness_daemon *d, int sig, int timeout_ms)
 		nftw(d->dir, rm_entry, 8, FTW_DEPTH | FTW_PHYS);
 		d->dir[0] = '\0';
 	}
+	if (expect_clean && !exited_zero(ret)) {
+		harness_daemon_dump_log(d);
+		dumped = 1;
+		cr_expect_fail("shardd (pid %d) did not exit cleanly on signal %d: %s", (int)pid, sig,
+			       ret < 0 ? strerror(-ret) : harness_status_str(ret));
+	}
 	/*
 	 * Under SANITIZE=1 the daemon reports memory errors and leaks on its
 	 * stderr, which only the harness sees: every suite that stops a daemon
 	 * fails on such a report.
 	 */
-	if (d->log && (strstr(d->log, "ERROR: AddressSanitizer") ||
-		       strstr(d->log, "ERROR: LeakSanitizer") || strstr(d->log, "runtime error:"))) {
-		harness_daemon_dump_log(d);
-		cr_assert_fail("shardd (pid %d) reported a sanitizer error: its log is above", (int)pid);
+	report = harness_daemon_sanitizer_report(d);
+	if (report) {
+		if (!dumped)
+			harness_daemon_dump_log(d);
+		cr_assert_fail("shardd (pid %d) reported a sanitizer error ('%s'): its log is above",
+			       (int)pid, report);
 	}
 	free(d->log);
 	d->log = NULL;
@@ -448,9 +480,19 @@ int harness_daemon_stop_sig(struct harness_daemon *d, int sig, int timeout_ms)
 	return ret;
 }
 
+int harness_daemon_stop_sig(struct harness_daemon *d, int sig, int timeout_ms)
+{
+	return daemon_stop(d, sig, timeout_ms, 0);
+}
+
 int harness_daemon_stop(struct harness_daemon *d)
 {
-	return harness_daemon_stop_sig(d, SIGTERM, HARNESS_STOP_TIMEOUT_MS);
+	return daemon_stop(d, SIGTERM, HARNESS_STOP_TIMEOUT_MS, 0);
+}
+
+void harness_daemon_stop_expect_clean(struct harness_daemon *d)
+{
+	daemon_stop(d, SIGTERM, HARNESS_STOP_TIMEOUT_MS, 1);
 }
 
 int harness_attach(const struct harness_daemon *d, const char *job, uint32_t rank,

@@ -61,6 +61,15 @@ int harness_daemon_stop_sig(struct harness_daemon *d, int sig, int timeout_ms);
 /* SIGTERM, HARNESS_STOP_TIMEOUT_MS. */
 int harness_daemon_stop(struct harness_daemon *d);
 
+/*
+ * harness_daemon_stop, expecting (cr_expect) exit status 0 (or a daemon
+ * the test already stopped); prints the daemon's log first when not.
+ */
+void harness_daemon_stop_expect_clean(struct harness_daemon *d);
+
+/* The first sanitizer report marker in the daemon's log so far, or NULL. */
+const char *harness_daemon_sanitizer_report(struct harness_daemon *d);
+
 /* Print the daemon's log so far to stderr, under a banner. */
 void harness_daemon_dump_log(struct harness_daemon *d);
 

@@ -369,7 +369,6 @@ struct transfer {
 	uint64_t got;       /* entries consumed */
 	uint64_t bad_at;    /* first sequence number that arrived wrong, or UINT64_MAX */
 	uint64_t bad_value;
-	uint64_t full;      /* pushes refused with -EAGAIN */
 	int64_t  corrupt;   /* a negative ready count seen */
 };
 
@@ -393,10 +392,8 @@ static void *sq_producer(void *arg)
 	for (uint64_t i = 0; i < t->n; i++) {
 		struct shardd_sqe e = sqe_for(i);
 
-		while (shardd_sq_push(t->r, &e) == -EAGAIN) {
-			t->full++;
+		while (shardd_sq_push(t->r, &e) == -EAGAIN)
 			relax(&misses);
-		}
 	}
 	return NULL;
 }
@@ -461,10 +458,8 @@ static void *cq_producer(void *arg)
 	for (uint64_t i = 0; i < t->n; i++) {
 		struct shardd_cqe e = cqe_for(i);
 
-		while (shardd_cq_space(t->r) <= 0) {
-			t->full++;
+		while (shardd_cq_space(t->r) <= 0)
 			relax(&misses);
-		}
 		snprintf(msg, sizeof(msg), "failure number %llu", (unsigned long long)i);
 		shardd_cq_push(t->r, &e, e.res ? msg : NULL);
 	}

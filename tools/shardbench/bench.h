@@ -88,6 +88,8 @@ int bench_parse_size(const char *s, uint64_t *out);
 void bench_format_size(uint64_t bytes, char *buf, size_t len);
 /* Wait up to timeout_ms for `pid` to exit; returns its wait status or -ETIMEDOUT. */
 int bench_wait_pid(pid_t pid, int timeout_ms);
+/* bench_wait_pid; on -ETIMEDOUT SIGKILL `pid` and wait as long again. Its wait status or -errno. */
+int bench_reap_pid(pid_t pid, int timeout_ms);
 
 /* ---- values.c -------------------------------------------------------- */
 

@@ -488,7 +488,7 @@ int bench_collective_run(const struct bench_opts *o, enum bench_collective which
 	uint64_t *sizes = NULL;
 	uint32_t nsizes = 0, r, next_row = 0, *reported = NULL;
 	pid_t *pids = NULL;
-	int fds[2] = { -1, -1 }, ret, failed = 0, status;
+	int fds[2] = { -1, -1 }, ret;
 
 	ret = build_sizes(o, &sizes, &nsizes);
 	if (ret || nsizes == 0) {
@@ -523,7 +523,6 @@ int bench_collective_run(const struct bench_opts *o, enum bench_collective which
 		if (pids[r] < 0) {
 			ret = -errno;
 			fprintf(stderr, "shardbench: fork of rank %u: %s\n", r, strerror(errno));
-			failed = 1;
 			break;
 		}
 		if (pids[r] == 0) {
@@ -535,7 +534,7 @@ int bench_collective_run(const struct bench_opts *o, enum bench_collective which
 	fds[1] = -1;
 
 	/* Rows print as soon as every rank has reported the size; a silent rank is named. */
-	while (!failed && next_row < nsizes) {
+	while (!ret && next_row < nsizes) {
 		struct pollfd pfd = { .fd = fds[0], .events = POLLIN };
 		struct coll_note note;
 		ssize_t n;
@@ -586,11 +585,7 @@ int bench_collective_run(const struct bench_opts *o, enum bench_collective which
 		/* Survivors of a failed sweep would wait on a collective that never comes. */
 		if (ret)
 			kill(pids[r], SIGKILL);
-		status = bench_wait_pid(pids[r], 30000);
-		if (status == -ETIMEDOUT) {
-			kill(pids[r], SIGKILL);
-			bench_wait_pid(pids[r], 30000);
-		}
+		bench_reap_pid(pids[r], 30000);
 	}
 out:
 	if (fds[0] >= 0)

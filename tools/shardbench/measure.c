@@ -5,6 +5,7 @@
  */
 #include <errno.h>
 #include <poll.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/syscall.h>
@@ -99,5 +100,16 @@ int bench_wait_pid(pid_t pid, int timeout_ms)
 	while (rc < 0 && errno == EINTR);
 	if (rc < 0)
 		return -errno;
+	return status;
+}
+
+int bench_reap_pid(pid_t pid, int timeout_ms)
+{
+	int status = bench_wait_pid(pid, timeout_ms);
+
+	if (status == -ETIMEDOUT) {
+		kill(pid, SIGKILL);
+		status = bench_wait_pid(pid, timeout_ms);
+	}
 	return status;
 }

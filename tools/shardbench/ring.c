@@ -15,12 +15,10 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <sched.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include "bench.h"
@@ -167,7 +165,7 @@ static void socket_echo(int fd)
 static int run_socket(uint64_t idle_us, struct ring_result *r, size_t warmup)
 {
 	char out[RING_MSG_BYTES], in[RING_MSG_BYTES];
-	int sv[2], ret = 0, status;
+	int sv[2], ret = 0;
 	size_t i;
 	pid_t pid;
 
@@ -206,11 +204,7 @@ static int run_socket(uint64_t idle_us, struct ring_result *r, size_t warmup)
 	}
 	/* EOF ends the echo process. */
 	close(sv[0]);
-	status = bench_wait_pid(pid, 10000);
-	if (status == -ETIMEDOUT) {
-		kill(pid, SIGKILL);
-		bench_wait_pid(pid, 10000);
-	}
+	bench_reap_pid(pid, 10000);
 	return ret;
 }
 

@@ -67,8 +67,8 @@ static void *roof_worker(void *arg)
 	size_t per = r->nvec / r->threads;
 	size_t lo = per * t->id;
 	size_t hi = t->id + 1 == r->threads ? r->nvec : lo + per;
-	const bench_vec one = { 0 }, zero = { 0 };
-	bench_vec ones = one + 1.0f, twos = one + 2.0f;
+	const bench_vec zero = { 0 };
+	bench_vec ones = zero + 1.0f, twos = zero + 2.0f;
 	uint64_t t0 = 0;
 	size_t i;
 	int k, it;

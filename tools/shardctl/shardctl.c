@@ -22,14 +22,7 @@
 #include <jansson.h>
 
 #include "shardctl.h"
-/*
- * gcc 12 at -O2 inlines shardd_ctrl_recv() and flags the loop that closes
- * surplus fds (never entered: recv_dgram caps nfds) as out of bounds.
- */
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Warray-bounds"
 #include "shardd_ctrl.h"
-#pragma GCC diagnostic pop
 #include "shardd_proto.h"
 
 #define REPLY_TIMEOUT_MS 10000 /* the daemon answers from its loop: seconds mean it is stuck */
@@ -272,20 +265,15 @@ static int run_one(const struct opts *o, json_t *req, render_fn render)
 	json_decref(req);
 	if (!r)
 		return 1;
-	if (o->json) {
-		/* The error on stderr first: who merges both streams gets the JSON last. */
-		ret = reply_failed(r);
+	/* The error on stderr first: who merges both streams gets the JSON last. */
+	ret = reply_failed(r);
+	if (o->json)
 		print_json(r, JSON_INDENT(2));
-	} else {
-		ret = reply_failed(r);
-		if (!ret) {
-			if (render)
-				render(stdout, r);
-			else
-				fputs(json_string_value(json_object_get(r, "text")) ?
-				      json_string_value(json_object_get(r, "text")) : "", stdout);
-		}
-	}
+	else if (!ret && render)
+		render(stdout, r);
+	else if (!ret)
+		fputs(json_string_value(json_object_get(r, "text")) ?
+		      json_string_value(json_object_get(r, "text")) : "", stdout);
 	json_decref(r);
 	return ret;
 }

@@ -309,9 +309,6 @@ class Client:
     def _wait_one(self, timeout, what):
         if self.ring is None:
             raise _error(-errno.ENOTCONN, f"{what}: client is closed")
-        c = self._pop()
-        if c:
-            return c
         for _ in range(SPIN_ITERATIONS):
             c = self._pop()
             if c:
@@ -344,23 +341,7 @@ class Client:
         """Submit one op, wait for its own completion (others are kept for
         poll/wait) and raise ShardError when it failed."""
         what = where or f"{P.OP_NAMES[op]}(step {step})"
-        with self._lock:
-            self._next_sync += 1
-            ud = USER_DATA_RESERVED | self._next_sync
-            timeout = self._sync_timeout()
-            while not self._submit(op, group, step, flags, ud):
-                self._stash.append(self._wait_one(timeout, what))
-            while True:
-                c = self._wait_one(timeout, what)
-                if c.user_data == ud:
-                    break
-                self._stash.append(c)
-        if c.res < 0:
-            text = f"{what}: {P.error_text(c.res)}"
-            if c.msg:
-                text = f"{what}: daemon: {c.msg}"
-            raise _error(c.res, text)
-        return c
+        return self.run_many([(op, group, step, flags, what)])[0]
 
     def run_many(self, ops):
         """Submit several ops at once (the daemon runs ops on different groups
@@ -472,7 +453,7 @@ class Group:
             if len(reply) != want or (specs is not None and len(specs) != self.nparams):
                 raise _error(-P.E_MALFORMED, f"{where}: GROUP reply of {len(reply)} bytes for "
                                              f"{self.nparams} params, expected {want}")
-            self.layouts = [P.PARAM_LAYOUT.unpack_from(reply, P.GROUP_REPLY.size + i * 64)
+            self.layouts = [P.PARAM_LAYOUT.unpack_from(reply, P.GROUP_REPLY.size + i * P.PARAM_LAYOUT.size)
                             for i in range(self.nparams)]
             try:
                 self.params = [Param.unpack_from(reply, specs_at + i * P.PARAM_SPEC.size)

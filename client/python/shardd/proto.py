@@ -8,6 +8,7 @@ ImportError, not a silent corruption.
 """
 
 import errno as _errno
+import os as _os
 import struct
 
 MAGIC = 0x44524853        # "SHRD"
@@ -175,21 +176,20 @@ def error_name(code):
     return _errno.errorcode.get(c, f"error {code}")
 
 
+ERROR_TEXTS = {
+    E_MAGIC: "wrong magic number", E_VERSION: "protocol major version differs",
+    E_MALFORMED: "truncated or malformed message", E_PERM: "peer credentials not allowed",
+    E_RANK_TAKEN: "another live client holds this rank", E_MESH: "mesh differs from the job's",
+    E_INVALID: "a field has an invalid value", E_TIMEOUT: "collective timeout: ranks missing",
+    E_PEER_DIED: "a rank of the rendezvous died",
+    E_MISMATCH: "ranks disagree on step, flags or spec",
+    E_SHUTDOWN: "the daemon is shutting down", E_NOGROUP: "unknown group id or name",
+    E_STATE: "op not allowed in this state", E_NOMEM: "daemon could not allocate",
+    E_BACKEND: "backend failure", E_NOJOB: "unknown job",
+}
+
+
 def error_text(code):
     """Short human description of a code, like shardd_strerror()."""
-    import os
     c = -code if code < 0 else code
-    texts = {
-        E_MAGIC: "wrong magic number", E_VERSION: "protocol major version differs",
-        E_MALFORMED: "truncated or malformed message", E_PERM: "peer credentials not allowed",
-        E_RANK_TAKEN: "another live client holds this rank", E_MESH: "mesh differs from the job's",
-        E_INVALID: "a field has an invalid value", E_TIMEOUT: "collective timeout: ranks missing",
-        E_PEER_DIED: "a rank of the rendezvous died",
-        E_MISMATCH: "ranks disagree on step, flags or spec",
-        E_SHUTDOWN: "the daemon is shutting down", E_NOGROUP: "unknown group id or name",
-        E_STATE: "op not allowed in this state", E_NOMEM: "daemon could not allocate",
-        E_BACKEND: "backend failure", E_NOJOB: "unknown job",
-    }
-    if c in texts:
-        return texts[c]
-    return os.strerror(c)
+    return ERROR_TEXTS.get(c) or _os.strerror(c)

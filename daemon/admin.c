@@ -1155,7 +1155,6 @@ void shardd_admin_handle(struct shardd_session *s, uint32_t seq, const void *pay
 	size_t n = text ? strlen(text) : 0;
 	char fallback[160];
 	const char *out = text;
-	int ret;
 
 	json_decref(r);
 	if (!text || n > SHARDD_CTRL_MAX) {
@@ -1167,12 +1166,7 @@ void shardd_admin_handle(struct shardd_session *s, uint32_t seq, const void *pay
 				     text ? -SHARDD_E_INVALID : -SHARDD_E_NOMEM);
 		out = fallback;
 	}
-	ret = shardd_ctrl_send(s->fd, SHARDD_MSG_ADMIN_REPLY, seq, out, (uint32_t)n, NULL, 0);
+	/* Queued when the socket is full; a client that never reads is dropped (session.h). */
+	shardd_session_send(s, SHARDD_MSG_ADMIN_REPLY, seq, out, (uint32_t)n, NULL, 0);
 	free(text);
-	if (ret < 0) {
-		char why[128];
-
-		snprintf(why, sizeof(why), "could not be sent its admin reply: %s", strerror(-ret));
-		shardd_session_close(s, why);
-	}
 }

@@ -37,6 +37,9 @@ static void usage(FILE *f)
 		"  --backend host|cuda        where buffers live (default host)\n"
 		"  --collective-timeout SECS  fail a collective or barrier that waits longer\n"
 		"                             than SECS, naming the missing ranks (default %g)\n"
+		"  --handshake-timeout SECS   close a connection that sent no complete message\n"
+		"                             (HELLO or an admin request) within SECS of\n"
+		"                             connecting (default %g)\n"
 		"  --workers N                engine worker threads (default: online cores)\n"
 		"  --allow-gid GID            also accept clients of group GID (number or name;\n"
 		"                             repeatable); by default only shardd's own uid\n"
@@ -44,7 +47,7 @@ static void usage(FILE *f)
 		"  --foreground               accepted for supervisors; shardd never daemonizes\n"
 		"  --version                  print the version and exit\n"
 		"  --help                     print this help and exit\n",
-		def, SHARDD_TIMEOUT_DEFAULT_S);
+		def, SHARDD_TIMEOUT_DEFAULT_S, SHARDD_HANDSHAKE_TIMEOUT_DEFAULT_S);
 }
 
 #define WORKERS_MAX 4096 /* --workers */
@@ -78,6 +81,21 @@ static int parse_uint(const char *s, unsigned long lo, unsigned long hi, unsigne
 	return 0;
 }
 
+/* A timeout flag's value: seconds in (0, SHARDD_TIMEOUT_MAX_S]. 0, or 2 after a usage error. */
+static int parse_seconds(const char *flag, const char *val, double *out)
+{
+	char *end;
+	double t;
+
+	errno = 0;
+	t = strtod(val, &end);
+	if (errno || end == val || *end || !(t > 0) || t > SHARDD_TIMEOUT_MAX_S)
+		return usage_error("%s: '%s' is not a number of seconds in (0, %g]", flag, val,
+				   SHARDD_TIMEOUT_MAX_S);
+	*out = t;
+	return 0;
+}
+
 /* Apply one flag with its value (NULL for flags without). 0, or 2 after a usage error. */
 static int apply_flag(struct shardd_config *cfg, const char *flag, const char *val)
 {
@@ -105,15 +123,9 @@ static int apply_flag(struct shardd_config *cfg, const char *flag, const char *v
 		else
 			return usage_error("--backend: '%s' is not one of host, cuda", val);
 	} else if (strcmp(flag, "--collective-timeout") == 0) {
-		char *end;
-		double t;
-
-		errno = 0;
-		t = strtod(val, &end);
-		if (errno || end == val || *end || !(t > 0) || t > SHARDD_TIMEOUT_MAX_S)
-			return usage_error("--collective-timeout: '%s' is not a number of seconds "
-					   "in (0, %g]", val, SHARDD_TIMEOUT_MAX_S);
-		cfg->collective_timeout_s = t;
+		return parse_seconds(flag, val, &cfg->collective_timeout_s);
+	} else if (strcmp(flag, "--handshake-timeout") == 0) {
+		return parse_seconds(flag, val, &cfg->handshake_timeout_s);
 	} else if (strcmp(flag, "--workers") == 0) {
 		if (parse_uint(val, 1, WORKERS_MAX, &v) < 0)
 			return usage_error("--workers: '%s' is not a thread count in [1, %d]", val,
@@ -148,8 +160,8 @@ static int apply_flag(struct shardd_config *cfg, const char *flag, const char *v
 static int takes_value(const char *flag)
 {
 	static const char *const with_value[] = {
-		"--socket", "--log-level", "--backend", "--collective-timeout", "--workers",
-		"--allow-gid",
+		"--socket", "--log-level", "--backend", "--collective-timeout",
+		"--handshake-timeout", "--workers", "--allow-gid",
 	};
 
 	for (size_t i = 0; i < sizeof(with_value) / sizeof(with_value[0]); i++)

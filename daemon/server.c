@@ -55,6 +55,7 @@ void shardd_config_defaults(struct shardd_config *cfg)
 	cfg->log_level = SHARDD_LOG_INFO;
 	cfg->backend = SHARDD_BACKEND_HOST;
 	cfg->collective_timeout_s = SHARDD_TIMEOUT_DEFAULT_S;
+	cfg->handshake_timeout_s = SHARDD_HANDSHAKE_TIMEOUT_DEFAULT_S;
 	cfg->workers = 0;
 }
 
@@ -143,6 +144,7 @@ static void server_cron(void *arg)
 		j = next;
 	}
 	shardd_engine_cron(server.engine, now);
+	shardd_session_cron(now);
 	server_heartbeat(now);
 }
 
@@ -198,22 +200,39 @@ static void server_close_and_reap(void)
 }
 
 /*
- * Before the loop may block: serve every ring, stay awake while work was
- * seen within the spin window, else announce sleep (NEED_WAKEUP) on every
- * ring and re-check, so a submission racing with us is never missed.
+ * Read on from the sockets that held more datagrams than one turn's budget
+ * (their poll may not fire again). Returns 1 while some still do.
+ */
+static int server_read_backlogs(void)
+{
+	int more = 0;
+
+	for (struct shardd_session *s = server.sessions; s; s = s->next)
+		if (s->read_backlog && shardd_session_read_backlog(s))
+			more = 1;
+	return more;
+}
+
+/*
+ * Before the loop may block: read the control backlogs, serve every ring,
+ * stay awake while work was seen within the spin window, else announce
+ * sleep (NEED_WAKEUP) on every ring and re-check, so a submission racing
+ * with us is never missed.
  */
 static int server_before_sleep(void *arg)
 {
 	uint64_t now = shardd_now_ns();
-	int wake = 0;
+	int wake = 0, backlog;
 
 	(void)arg;
 	server_close_and_reap();
+	backlog = server_read_backlogs();
 	server_service(now);
 	if (now - server.last_heartbeat_ns >= SHARDD_HEARTBEAT_PERIOD_NS)
 		server_heartbeat(now);
 	/* Sessions marked closing by that service are closed on the next turn, without sleeping. */
-	if (server.need_close || server.need_reap || now - server.last_work_ns < SHARDD_SPIN_WINDOW_NS)
+	if (backlog || server.need_close || server.need_reap ||
+	    now - server.last_work_ns < SHARDD_SPIN_WINDOW_NS)
 		return 0;
 	for (struct shardd_session *s = server.sessions; s; s = s->next)
 		if (shardd_session_prepare_sleep(s))
@@ -379,6 +398,7 @@ int shardd_server_init(const struct shardd_config *cfg)
 	server.start_ns = shardd_now_ns();
 	server.next_client_id = 1;
 	server.collective_timeout_ns = (uint64_t)(cfg->collective_timeout_s * 1e9);
+	server.handshake_timeout_ns = (uint64_t)(cfg->handshake_timeout_s * 1e9);
 	shardd_log_threshold = cfg->log_level;
 
 	ret = signals_setup();
@@ -425,9 +445,10 @@ int shardd_server_init(const struct shardd_config *cfg)
 		return ret;
 	}
 	shardd_loop_set_sleep_hooks(server.loop, server_before_sleep, server_after_sleep, NULL);
-	shardd_log_info("shardd %s (protocol %d.%d), pid %d, backend %s, collective timeout %g s",
-			SHARDD_VERSION, SHARDD_PROTO_MAJOR, SHARDD_PROTO_MINOR, (int)server.pid,
-			shardd_backend_name(cfg->backend), cfg->collective_timeout_s);
+	shardd_log_info("shardd %s (protocol %d.%d), pid %d, backend %s, collective timeout %g s, "
+			"handshake timeout %g s", SHARDD_VERSION, SHARDD_PROTO_MAJOR,
+			SHARDD_PROTO_MINOR, (int)server.pid, shardd_backend_name(cfg->backend),
+			cfg->collective_timeout_s, cfg->handshake_timeout_s);
 	/* Tests and supervisors wait for exactly this line. */
 	fprintf(stderr, "shardd: ready on %s\n", cfg->socket_path);
 	fflush(stderr);

@@ -21,7 +21,7 @@
 #define SHARDD_HEARTBEAT_PERIOD_NS   1000000 /* ring heartbeats at most this often */
 #define SHARDD_TIMEOUT_DEFAULT_S     300.0   /* --collective-timeout */
 #define SHARDD_TIMEOUT_MAX_S         604800.0 /* one week; fits the welcome's u32 ms */
-#define SHARDD_SEND_TIMEOUT_MS       1000    /* a client that does not read is dropped */
+#define SHARDD_HANDSHAKE_TIMEOUT_DEFAULT_S 10.0 /* --handshake-timeout: first message due */
 
 struct shardd_loop;
 struct shardd_loop_event;
@@ -34,6 +34,7 @@ struct shardd_config {
 	int      log_level;             /* --log-level: enum shardd_log_level */
 	uint32_t backend;               /* --backend: enum shardd_backend */
 	double   collective_timeout_s;  /* --collective-timeout */
+	double   handshake_timeout_s;   /* --handshake-timeout */
 	unsigned workers;               /* --workers; 0 = online cores */
 	gid_t    allow_gids[SHARDD_MAX_ALLOW_GIDS]; /* --allow-gid */
 	unsigned nallow_gids;
@@ -42,6 +43,7 @@ struct shardd_config {
 struct shardd_server {
 	struct shardd_config cfg;
 	uint64_t collective_timeout_ns;
+	uint64_t handshake_timeout_ns;  /* a connection with no complete message by then is closed */
 	uid_t    uid;                  /* clients must run as this uid (or an allowed gid) */
 	pid_t    pid;
 	uint64_t start_ns;             /* CLOCK_MONOTONIC at init: uptime */

@@ -46,14 +46,174 @@ static const char *session_name(const struct shardd_session *s, char *buf, size_
 }
 
 /* ------------------------------------------------------------------ */
-/* Control replies                                                     */
+/* Output queue                                                        */
 /* ------------------------------------------------------------------ */
 
 /*
- * Send SHARDD_MSG_ERROR (code, text). The socket has SO_SNDTIMEO, so a client
- * that never reads costs the loop at most that long. Returns 0 or -errno.
+ * One message not yet sent: header and payload framed in one buffer, so
+ * that its datagrams are its SHARDD_CTRL_CHUNK-sized slices in order.
  */
-static int session_send_error(struct shardd_session *s, uint32_t seq, int code, const char *text)
+struct shardd_session_out {
+	struct shardd_session_out *next;
+	uint32_t len;                      /* framed bytes: header + payload */
+	uint32_t off;                      /* bytes sent so far, at a datagram boundary */
+	int      fds[SHARDD_CTRL_MAX_FDS]; /* ours (duplicated); ride on the first datagram */
+	int      nfds;                     /* 0 once the first datagram is sent */
+	uint8_t  buf[];
+};
+
+static void session_out_free(struct shardd_session_out *m)
+{
+	for (int i = 0; i < m->nfds; i++)
+		close(m->fds[i]);
+	free(m);
+}
+
+/* Drop every queued reply and stop watching for POLLOUT (the session is ending). */
+static void session_out_clear(struct shardd_session *s)
+{
+	while (s->out_head) {
+		struct shardd_session_out *m = s->out_head;
+
+		s->out_head = m->next;
+		session_out_free(m);
+	}
+	s->out_tail = NULL;
+	s->out_bytes = 0;
+	shardd_loop_del(server.loop, s->out_ev);
+	s->out_ev = NULL;
+}
+
+static void session_writable(void *arg, int fd, uint32_t revents);
+
+/*
+ * Send queued datagrams until the socket is full (MSG_DONTWAIT: the loop
+ * never waits for a client), and watch for POLLOUT only while some remain.
+ * A client that hung up or is gone is marked closing.
+ */
+static void session_flush(struct shardd_session *s)
+{
+	char why[128];
+
+	while (s->out_head) {
+		struct shardd_session_out *m = s->out_head;
+		uint32_t left = m->len - m->off;
+		struct iovec iov = { m->buf + m->off,
+				     left < SHARDD_CTRL_CHUNK ? left : SHARDD_CTRL_CHUNK };
+		ssize_t r = shardd_ctrl_send_dgram(s->fd, &iov, 1, m->fds, m->nfds, MSG_DONTWAIT);
+
+		if (r == -EAGAIN || r == -EWOULDBLOCK)
+			break;
+		if (r < 0) {
+			snprintf(why, sizeof(why), "could not be sent its replies: %s",
+				 strerror((int)-r));
+			shardd_session_close_later(s, why);
+			return;
+		}
+		/* The kernel holds its own references to the fds now. */
+		for (int i = 0; i < m->nfds; i++)
+			close(m->fds[i]);
+		m->nfds = 0;
+		m->off += (uint32_t)iov.iov_len;
+		s->out_bytes -= iov.iov_len;
+		if (m->off == m->len) {
+			s->out_head = m->next;
+			if (!s->out_head)
+				s->out_tail = NULL;
+			free(m);
+		}
+	}
+	if (s->out_head && !s->out_ev) {
+		if (shardd_loop_add_fd(server.loop, s->fd, POLLOUT, session_writable, s,
+				       &s->out_ev) < 0)
+			shardd_session_close_later(s, "could not be registered with the event loop "
+						   "for its replies");
+	} else if (!s->out_head && s->out_ev) {
+		shardd_loop_del(server.loop, s->out_ev);
+		s->out_ev = NULL;
+	}
+}
+
+static void session_writable(void *arg, int fd, uint32_t revents)
+{
+	struct shardd_session *s = arg;
+
+	(void)fd;
+	(void)revents;
+	/* A hang-up (POLLHUP, POLLERR) shows as a send error, which closes the session. */
+	if (s->state != SHARDD_SESSION_DEAD && !s->closing)
+		session_flush(s);
+}
+
+int shardd_session_send(struct shardd_session *s, uint16_t type, uint32_t seq,
+			const void *payload, uint32_t len, const int *fds, int nfds)
+{
+	struct shardd_msg_hdr hdr = {
+		.magic = SHARDD_MAGIC, .type = type, .flags = 0, .length = len, .seq = seq,
+	};
+	uint64_t total = sizeof(hdr) + (uint64_t)len;
+	struct shardd_session_out *m;
+	char name[160], why[256];
+	int ret;
+
+	if (s->state == SHARDD_SESSION_DEAD || s->closing)
+		return -ECONNRESET;
+	if (len > SHARDD_CTRL_MAX || nfds < 0 || nfds > SHARDD_CTRL_MAX_FDS)
+		return -EINVAL;
+	if (s->out_bytes + total > SHARDD_SESSION_OUT_MAX) {
+		snprintf(why, sizeof(why), "does not read its replies: %llu bytes wait to be sent "
+			 "and a %llu-byte reply would pass the limit of %llu",
+			 (unsigned long long)s->out_bytes, (unsigned long long)total,
+			 SHARDD_SESSION_OUT_MAX);
+		shardd_log_warn("%s %s; dropping it", session_name(s, name, sizeof(name)), why);
+		shardd_session_close_later(s, why);
+		return -ENOBUFS;
+	}
+	m = malloc(sizeof(*m) + total);
+	if (!m) {
+		ret = -ENOMEM;
+		goto err;
+	}
+	m->next = NULL;
+	m->len = (uint32_t)total;
+	m->off = 0;
+	m->nfds = 0;
+	memcpy(m->buf, &hdr, sizeof(hdr));
+	if (len)
+		memcpy(m->buf + sizeof(hdr), payload, len);
+	/* Duplicates: the caller keeps its fds, the queue may outlive them. */
+	for (int i = 0; i < nfds; i++) {
+		m->fds[i] = fcntl(fds[i], F_DUPFD_CLOEXEC, 0);
+		if (m->fds[i] < 0) {
+			ret = -errno;
+			session_out_free(m);
+			goto err;
+		}
+		m->nfds++;
+	}
+	if (s->out_tail)
+		s->out_tail->next = m;
+	else
+		s->out_head = m;
+	s->out_tail = m;
+	s->out_bytes += total;
+	session_flush(s);
+	return s->closing ? -ECONNRESET : 0;
+
+err:
+	snprintf(why, sizeof(why), "could not be queued a %llu-byte reply: %s",
+		 (unsigned long long)total, strerror(-ret));
+	shardd_log_error("%s %s", session_name(s, name, sizeof(name)), why);
+	shardd_session_close_later(s, why);
+	return ret;
+}
+
+/* ------------------------------------------------------------------ */
+/* Control replies                                                     */
+/* ------------------------------------------------------------------ */
+
+/* Send SHARDD_MSG_ERROR (code, text) through the output queue. */
+static void session_send_error(struct shardd_session *s, uint32_t seq, int code, const char *text)
 {
 	struct {
 		struct shardd_error_msg hdr;
@@ -64,8 +224,7 @@ static int session_send_error(struct shardd_session *s, uint32_t seq, int code, 
 	m.hdr.code = code;
 	m.hdr.msg_len = (uint32_t)n;
 	memcpy(m.text, text, n);
-	return shardd_ctrl_send(s->fd, SHARDD_MSG_ERROR, seq, &m,
-				(uint32_t)(sizeof(m.hdr) + n), NULL, 0);
+	shardd_session_send(s, SHARDD_MSG_ERROR, seq, &m, (uint32_t)(sizeof(m.hdr) + n), NULL, 0);
 }
 
 /* Reply an error to a request and keep serving the session. */
@@ -79,11 +238,14 @@ session_reply_error(struct shardd_session *s, uint32_t seq, int code, const char
 	vsnprintf(text, sizeof(text), fmt, ap);
 	va_end(ap);
 	shardd_log_info("%s: request failed: %s", session_name(s, name, sizeof(name)), text);
-	if (session_send_error(s, seq, code, text) < 0)
-		shardd_session_close_later(s, "did not read its error reply");
+	session_send_error(s, seq, code, text);
 }
 
-/* Reply an error, then close the connection (handshake and framing errors). */
+/*
+ * Reply an error, then close the connection (handshake and framing errors).
+ * The error goes out only if the socket takes it at once: closing drops
+ * whatever is still queued.
+ */
 static void __attribute__((format(printf, 4, 5)))
 session_reject(struct shardd_session *s, uint32_t seq, int code, const char *fmt, ...)
 {
@@ -105,7 +267,6 @@ void shardd_session_send_group(struct shardd_session *s, uint32_t seq, int res, 
 {
 	uint64_t len;
 	uint8_t *buf;
-	int ret;
 
 	if (s->state != SHARDD_SESSION_ATTACHED || s->closing)
 		return;
@@ -130,14 +291,8 @@ void shardd_session_send_group(struct shardd_session *s, uint32_t seq, int res, 
 	memcpy(buf + sizeof(*reply), layouts, (size_t)reply->nparams * sizeof(*layouts));
 	memcpy(buf + sizeof(*reply) + (size_t)reply->nparams * sizeof(*layouts), specs,
 	       (size_t)reply->nparams * sizeof(*specs));
-	ret = shardd_ctrl_send(s->fd, SHARDD_MSG_GROUP, seq, buf, (uint32_t)len, fds, nfds);
+	shardd_session_send(s, SHARDD_MSG_GROUP, seq, buf, (uint32_t)len, fds, nfds);
 	free(buf);
-	if (ret < 0) {
-		char why[128];
-
-		snprintf(why, sizeof(why), "could not be sent its group reply: %s", strerror(-ret));
-		shardd_session_close_later(s, why);
-	}
 }
 
 /* ------------------------------------------------------------------ */
@@ -181,7 +336,6 @@ static int cred_allowed(const struct shardd_session *s)
 
 static void session_new(int fd)
 {
-	struct timeval tv = { SHARDD_SEND_TIMEOUT_MS / 1000, (SHARDD_SEND_TIMEOUT_MS % 1000) * 1000 };
 	struct ucred cred;
 	socklen_t len = sizeof(cred);
 	struct shardd_session *s;
@@ -195,6 +349,7 @@ static void session_new(int fd)
 	s->fd = fd;
 	s->pidfd = -1;
 	s->doorbell_fd = -1;
+	s->connected_ns = shardd_now_ns();
 	s->id = server.next_client_id++;
 	if (server.next_client_id == 0)
 		server.next_client_id = 1;
@@ -211,11 +366,6 @@ static void session_new(int fd)
 	s->cred.pid = cred.pid;
 	s->cred.uid = cred.uid;
 	s->cred.gid = cred.gid;
-	if (setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv)) < 0) {
-		shardd_log_error("client %u: SO_SNDTIMEO: %s", s->id, strerror(errno));
-		shardd_session_close(s, "could not be set up");
-		return;
-	}
 	if (!cred_allowed(s)) {
 		session_reject(s, 0, -SHARDD_E_PERM,
 			       "uid %u is not allowed: shardd runs as uid %u; start the client as "
@@ -287,6 +437,8 @@ static void session_end(struct shardd_session *s, int goodbye, const char *why)
 		close(s->doorbell_fd);
 	s->fd = s->pidfd = s->doorbell_fd = -1;
 	shardd_ctrl_rx_reset(&s->rx);
+	session_out_clear(s);
+	s->read_backlog = 0;
 	shardd_server_schedule_reap();
 }
 
@@ -605,14 +757,10 @@ static void session_hello(struct shardd_session *s, const struct shardd_msg_hdr 
 	w.collective_timeout_ms = (uint32_t)(server.collective_timeout_ns / 1000000u);
 	fds[0] = ringfd;
 	fds[1] = s->doorbell_fd;
-	ret = shardd_ctrl_send(s->fd, SHARDD_MSG_WELCOME, hdr->seq, &w, sizeof(w), fds, 2);
-	if (ret < 0) {
-		char why[128];
-
-		snprintf(why, sizeof(why), "could not be sent its welcome: %s", strerror(-ret));
+	if (shardd_session_send(s, SHARDD_MSG_WELCOME, hdr->seq, &w, sizeof(w), fds, 2) < 0) {
+		/* The session is marked closing; the job it would have created goes. */
 		if (created)
 			shardd_job_destroy(job);
-		shardd_session_close(s, why);
 		goto out;
 	}
 
@@ -722,24 +870,31 @@ static void feed_error(char *buf, size_t len, int err, int started, uint32_t mis
 			 "(%u bytes were still missing)", started ? missing : rx->hdr.length);
 }
 
-static void session_readable(void *arg, int fd, uint32_t revents)
+/*
+ * Read and serve the datagrams waiting on the session's socket, at most
+ * SHARDD_SESSION_READ_BUDGET of them; past it, read_backlog asks the
+ * server to read on next turn (the poll may not fire again for data that
+ * is already there).
+ */
+static void session_read(struct shardd_session *s)
 {
-	struct shardd_session *s = arg;
+	unsigned budget = SHARDD_SESSION_READ_BUDGET;
 
-	(void)revents;
+	s->read_backlog = 0;
 	/* A session marked closing takes no more requests; the loop closes it next. */
 	while (s->state != SHARDD_SESSION_DEAD && !s->closing) {
-		struct pollfd p = { .fd = fd, .events = POLLIN };
 		int fds[SHARDD_CTRL_MAX_FDS], nfds, ret, started;
 		struct shardd_msg_hdr hdr;
 		uint8_t *payload;
 		uint32_t len, missing, max_len;
 		ssize_t n;
 
-		/* Receive only what is there: the socket stays blocking for SO_SNDTIMEO sends. */
-		if (poll(&p, 1, 0) <= 0 || !(p.revents & (POLLIN | POLLHUP | POLLERR)))
+		if (budget-- == 0) {
+			s->read_backlog = 1;
 			return;
-		n = shardd_ctrl_recv_dgram(fd, dgram_buf, fds, &nfds);
+		}
+		/* Receive only what is there: the loop never waits for a client. */
+		n = shardd_ctrl_recv_dgram(s->fd, dgram_buf, fds, &nfds, MSG_DONTWAIT);
 		if (n == 0) {
 			shardd_session_close(s, "died (connection closed)");
 			return;
@@ -791,6 +946,7 @@ static void session_readable(void *arg, int fd, uint32_t revents)
 		if (ret == 0)
 			continue;
 		/* Take the message out of the reassembly state; its fds are closed with it. */
+		s->spoke = 1;
 		hdr = s->rx.hdr;
 		payload = s->rx.payload;
 		len = s->rx.have;
@@ -799,6 +955,36 @@ static void session_readable(void *arg, int fd, uint32_t revents)
 		session_dispatch(s, &hdr, payload, len, nfds);
 		free(payload);
 		shardd_ctrl_rx_reset(&s->rx);
+	}
+}
+
+static void session_readable(void *arg, int fd, uint32_t revents)
+{
+	(void)fd;
+	(void)revents;
+	session_read(arg);
+}
+
+int shardd_session_read_backlog(struct shardd_session *s)
+{
+	session_read(s);
+	return s->read_backlog;
+}
+
+void shardd_session_cron(uint64_t now_ns)
+{
+	for (struct shardd_session *s = server.sessions; s; s = s->next) {
+		char name[160], why[128];
+
+		if (s->state != SHARDD_SESSION_HANDSHAKE || s->closing || s->spoke ||
+		    now_ns - s->connected_ns < server.handshake_timeout_ns)
+			continue;
+		snprintf(why, sizeof(why), "sent no complete message (HELLO or an admin request) "
+			 "within %g s of connecting", server.cfg.handshake_timeout_s);
+		shardd_log_warn("%s %s: closing it (see --handshake-timeout)",
+				session_name(s, name, sizeof(name)), why);
+		/* Closing never frees (that is the reap), so the list stays walkable. */
+		shardd_session_close(s, why);
 	}
 }
 

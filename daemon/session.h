@@ -19,6 +19,15 @@
 
 struct shardd_job;
 struct shardd_loop_event;
+struct shardd_session_out;
+
+/*
+ * Bytes of replies a session may have queued because its client does not
+ * read them (the largest message is 64 MiB); past this the client is dropped.
+ */
+#define SHARDD_SESSION_OUT_MAX     (64ull * 1024 * 1024)
+/* Datagrams read from one session per loop turn: a flooding client cannot starve the rest. */
+#define SHARDD_SESSION_READ_BUDGET 64
 
 /* The client's credentials, from SO_PEERCRED. */
 struct shardd_peer {
@@ -53,6 +62,12 @@ struct shardd_session {
 	struct shardd_peer cred;     /* SO_PEERCRED at accept */
 	struct shardd_loop_event *sock_ev;
 	struct shardd_ctrl_rx rx;    /* control message being reassembled */
+	int      read_backlog;       /* the last read stopped at the budget: read on next turn */
+	uint64_t connected_ns;       /* CLOCK_MONOTONIC of the accept: handshake timeout */
+	int      spoke;              /* a complete message arrived: no handshake timeout */
+	struct shardd_session_out *out_head, *out_tail; /* replies not sent yet, in order */
+	uint64_t out_bytes;          /* their unsent bytes, <= SHARDD_SESSION_OUT_MAX */
+	struct shardd_loop_event *out_ev; /* POLLOUT, registered while out_head is set */
 	/* attached state */
 	struct shardd_job *job;
 	uint32_t rank;
@@ -96,9 +111,21 @@ void shardd_session_complete(struct shardd_session *s, const struct shardd_sqe *
 			     const char *msg);
 
 /*
+ * Send a control message to the session's client without ever blocking:
+ * what the socket does not take now is queued, in order, and sent when it
+ * turns writable (the fds are duplicated and stay with the message's first
+ * datagram). Returns 0 (sent or queued), -EINVAL (len over
+ * SHARDD_CTRL_MAX or nfds out of range: nothing sent), or another negative
+ * errno with the session marked closing: its client hung up, is gone, or
+ * let more than SHARDD_SESSION_OUT_MAX bytes of replies pile up (logged,
+ * naming it).
+ */
+int shardd_session_send(struct shardd_session *s, uint16_t type, uint32_t seq,
+			const void *payload, uint32_t len, const int *fds, int nfds);
+
+/*
  * Send the reply of a group registration or open: SHARDD_MSG_GROUP with the
- * four fds, or SHARDD_MSG_ERROR when res < 0. A failed send marks the client
- * closing.
+ * four fds, or SHARDD_MSG_ERROR when res < 0 (shardd_session_send).
  */
 void shardd_session_send_group(struct shardd_session *s, uint32_t seq, int res, const char *msg,
 			       const struct shardd_group_reply *reply,
@@ -121,6 +148,17 @@ void shardd_session_close(struct shardd_session *s, const char *why);
 void shardd_session_close_later(struct shardd_session *s, const char *why);
 /* Close every session marked closing (loop thread, between event callbacks). */
 void shardd_session_close_marked(void);
+/*
+ * Read on from a session whose last read stopped at
+ * SHARDD_SESSION_READ_BUDGET (loop thread, between event callbacks).
+ * Returns 1 when datagrams are still waiting after this turn's budget.
+ */
+int shardd_session_read_backlog(struct shardd_session *s);
+/*
+ * Close every connection that sent no complete message (no HELLO, no
+ * admin request) within the handshake timeout of connecting, naming its pid.
+ */
+void shardd_session_cron(uint64_t now_ns);
 /* Free every dead session. */
 void shardd_session_reap(void);
 

@@ -22,8 +22,45 @@
 #define SHARDD_CTRL_MAX_FDS 8
 
 /*
- * Send one message. `fds` (may be NULL) travel with SCM_RIGHTS on the first
- * datagram. Returns 0 or -errno (-EMSGSIZE when len > SHARDD_CTRL_MAX).
+ * Send one datagram: `iov` (its bytes at most SHARDD_CTRL_CHUNK), with `fds`
+ * (may be NULL) by SCM_RIGHTS. `flags` are sendmsg's (MSG_DONTWAIT for a
+ * sender that must never block); MSG_NOSIGNAL is always added. Returns the
+ * bytes sent (a SOCK_SEQPACKET datagram goes whole or not at all) or -errno.
+ */
+static inline ssize_t shardd_ctrl_send_dgram(int sock, struct iovec *iov, int iovcnt,
+					     const int *fds, int nfds, int flags)
+{
+	union {
+		char buf[CMSG_SPACE(sizeof(int) * SHARDD_CTRL_MAX_FDS)];
+		struct cmsghdr align;
+	} ctl;
+	struct msghdr mh = { .msg_iov = iov, .msg_iovlen = (size_t)iovcnt };
+	ssize_t r;
+
+	if (nfds < 0 || nfds > SHARDD_CTRL_MAX_FDS)
+		return -EINVAL;
+	if (nfds > 0) {
+		struct cmsghdr *c;
+
+		memset(&ctl, 0, sizeof(ctl));
+		mh.msg_control = ctl.buf;
+		mh.msg_controllen = CMSG_SPACE(sizeof(int) * (size_t)nfds);
+		c = CMSG_FIRSTHDR(&mh);
+		c->cmsg_level = SOL_SOCKET;
+		c->cmsg_type = SCM_RIGHTS;
+		c->cmsg_len = CMSG_LEN(sizeof(int) * (size_t)nfds);
+		memcpy(CMSG_DATA(c), fds, sizeof(int) * (size_t)nfds);
+	}
+	do
+		r = sendmsg(sock, &mh, flags | MSG_NOSIGNAL);
+	while (r < 0 && errno == EINTR);
+	return r < 0 ? -errno : r;
+}
+
+/*
+ * Send one message, blocking until every datagram is sent. `fds` (may be
+ * NULL) travel with SCM_RIGHTS on the first datagram. Returns 0 or -errno
+ * (-EMSGSIZE when len > SHARDD_CTRL_MAX).
  */
 static inline int shardd_ctrl_send(int sock, uint16_t type, uint32_t seq, const void *payload,
 				   uint32_t len, const int *fds, int nfds)
@@ -31,10 +68,6 @@ static inline int shardd_ctrl_send(int sock, uint16_t type, uint32_t seq, const 
 	struct shardd_msg_hdr hdr = {
 		.magic = SHARDD_MAGIC, .type = type, .flags = 0, .length = len, .seq = seq,
 	};
-	union {
-		char buf[CMSG_SPACE(sizeof(int) * SHARDD_CTRL_MAX_FDS)];
-		struct cmsghdr align;
-	} ctl;
 	const uint8_t *p = payload;
 	uint32_t sent = 0;
 	int first = 1;
@@ -45,33 +78,18 @@ static inline int shardd_ctrl_send(int sock, uint16_t type, uint32_t seq, const 
 		return -EINVAL;
 	do {
 		struct iovec iov[2];
-		struct msghdr mh = { .msg_iov = iov };
+		int iovcnt = 0;
 		uint32_t room = SHARDD_CTRL_CHUNK - (first ? sizeof(hdr) : 0);
 		uint32_t n = len - sent < room ? len - sent : room;
 		ssize_t r;
 
-		if (first) {
-			iov[mh.msg_iovlen++] = (struct iovec){ &hdr, sizeof(hdr) };
-			if (nfds > 0) {
-				struct cmsghdr *c;
-
-				memset(&ctl, 0, sizeof(ctl));
-				mh.msg_control = ctl.buf;
-				mh.msg_controllen = CMSG_SPACE(sizeof(int) * (size_t)nfds);
-				c = CMSG_FIRSTHDR(&mh);
-				c->cmsg_level = SOL_SOCKET;
-				c->cmsg_type = SCM_RIGHTS;
-				c->cmsg_len = CMSG_LEN(sizeof(int) * (size_t)nfds);
-				memcpy(CMSG_DATA(c), fds, sizeof(int) * (size_t)nfds);
-			}
-		}
+		if (first)
+			iov[iovcnt++] = (struct iovec){ &hdr, sizeof(hdr) };
 		if (n)
-			iov[mh.msg_iovlen++] = (struct iovec){ (void *)(p + sent), n };
-		do
-			r = sendmsg(sock, &mh, MSG_NOSIGNAL);
-		while (r < 0 && errno == EINTR);
+			iov[iovcnt++] = (struct iovec){ (void *)(p + sent), n };
+		r = shardd_ctrl_send_dgram(sock, iov, iovcnt, first ? fds : NULL, first ? nfds : 0, 0);
 		if (r < 0)
-			return -errno;
+			return (int)r;
 		sent += n;
 		first = 0;
 	} while (sent < len);
@@ -81,8 +99,9 @@ static inline int shardd_ctrl_send(int sock, uint16_t type, uint32_t seq, const 
 /* Reassembly state of one incoming message. */
 struct shardd_ctrl_rx {
 	struct shardd_msg_hdr hdr;  /* valid once a message started */
-	uint8_t *payload;           /* hdr.length bytes, malloc'd; owned by the caller once complete */
+	uint8_t *payload;           /* malloc'd; hdr.length bytes, owned by the caller once complete */
 	uint32_t have;              /* payload bytes received so far */
+	uint32_t cap;               /* bytes allocated at payload: grows with have, <= hdr.length */
 	int      started;           /* 1 while a message is being reassembled */
 	int      fds[SHARDD_CTRL_MAX_FDS]; /* received with the first datagram */
 	int      nfds;
@@ -106,6 +125,11 @@ static inline void shardd_ctrl_rx_reset(struct shardd_ctrl_rx *rx)
  * -SHARDD_E_MALFORMED (short header, or more bytes than announced),
  * -EMSGSIZE (length over `max_len`), -ENOMEM. On error, fds that `rx` did
  * not take are closed; shardd_ctrl_rx_reset() releases those it took.
+ *
+ * The payload buffer grows as datagrams arrive (doubling, capped at the
+ * announced length), never to the announced length up front: a peer that
+ * announces a large message and sends little of it makes the receiver
+ * hold at most twice what it sent.
  */
 static inline int shardd_ctrl_rx_feed(struct shardd_ctrl_rx *rx, const uint8_t *data, size_t n,
 				      const int *fds, int nfds, uint32_t max_len)
@@ -126,11 +150,6 @@ static inline int shardd_ctrl_rx_feed(struct shardd_ctrl_rx *rx, const uint8_t *
 			return -SHARDD_E_MAGIC;
 		if (rx->hdr.length > max_len)
 			return -EMSGSIZE;
-		if (rx->hdr.length) {
-			rx->payload = malloc(rx->hdr.length);
-			if (!rx->payload)
-				return -ENOMEM;
-		}
 	} else {
 		for (int i = 0; i < nfds; i++)
 			close(fds[i]);
@@ -139,6 +158,21 @@ static inline int shardd_ctrl_rx_feed(struct shardd_ctrl_rx *rx, const uint8_t *
 	}
 	if (n > rx->hdr.length - rx->have)
 		return -SHARDD_E_MALFORMED;
+	if (rx->have + n > rx->cap) {
+		/* have + n <= hdr.length (checked above), so the cap never passes it. */
+		uint64_t cap = 2 * (uint64_t)rx->cap;
+		uint8_t *p;
+
+		if (cap > rx->hdr.length)
+			cap = rx->hdr.length;
+		if (cap < rx->have + n)
+			cap = rx->have + n;
+		p = realloc(rx->payload, (size_t)cap);
+		if (!p)
+			return -ENOMEM;
+		rx->payload = p;
+		rx->cap = (uint32_t)cap;
+	}
 	if (n)
 		memcpy(rx->payload + rx->have, data, n);
 	rx->have += (uint32_t)n;
@@ -147,10 +181,12 @@ static inline int shardd_ctrl_rx_feed(struct shardd_ctrl_rx *rx, const uint8_t *
 
 /*
  * Receive one datagram from `sock` into `buf` (SHARDD_CTRL_CHUNK bytes) and
- * its fds. Returns bytes received, 0 on EOF, or -errno (-EAGAIN on a
- * non-blocking socket with nothing to read). MSG_CMSG_CLOEXEC is set.
+ * its fds. `flags` are recvmsg's (MSG_DONTWAIT for a receiver that must
+ * never block); MSG_CMSG_CLOEXEC is always added. Returns bytes received,
+ * 0 on EOF, or -errno (-EAGAIN when MSG_DONTWAIT found nothing to read).
  */
-static inline ssize_t shardd_ctrl_recv_dgram(int sock, uint8_t *buf, int *fds, int *nfds)
+static inline ssize_t shardd_ctrl_recv_dgram(int sock, uint8_t *buf, int *fds, int *nfds,
+					     int flags)
 {
 	union {
 		char buf[CMSG_SPACE(sizeof(int) * SHARDD_CTRL_MAX_FDS)];
@@ -163,7 +199,7 @@ static inline ssize_t shardd_ctrl_recv_dgram(int sock, uint8_t *buf, int *fds, i
 
 	*nfds = 0;
 	do
-		r = recvmsg(sock, &mh, MSG_CMSG_CLOEXEC);
+		r = recvmsg(sock, &mh, flags | MSG_CMSG_CLOEXEC);
 	while (r < 0 && errno == EINTR);
 	if (r < 0)
 		return -errno;
@@ -220,7 +256,7 @@ static inline int shardd_ctrl_recv(int sock, struct shardd_ctrl_rx *rx, int time
 			ret = -ETIMEDOUT;
 			break;
 		}
-		n = shardd_ctrl_recv_dgram(sock, buf, fds, &nfds);
+		n = shardd_ctrl_recv_dgram(sock, buf, fds, &nfds, 0);
 		if (n == 0) {
 			ret = -ECONNRESET;
 			break;

@@ -19,6 +19,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <unistd.h>
 
 #include "daemon/layout.h"
 #include "shardd_kernels.h"
@@ -33,6 +34,20 @@ struct shardd_buf {
 	int      fd;    /* the handle clients receive a duplicate of; -1 when unallocated */
 	void    *priv;  /* the backend's own state: a host mapping, a device pointer */
 };
+
+/*
+ * End of a backend's free: close the exported fd and leave the buffer
+ * unallocated (fd -1, priv NULL), the state free accepts again as a no-op.
+ * The backend has released what priv pointed to before.
+ */
+static inline void shardd_buf_forget(struct shardd_buf *buf)
+{
+	if (buf->fd >= 0)
+		close(buf->fd);
+	buf->priv = NULL;
+	buf->fd = -1;
+	buf->bytes = 0;
+}
 
 /*
  * Operand holding one shard of every param of a group: the flat shard, the

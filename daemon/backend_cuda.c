@@ -329,11 +329,7 @@ static void cuda_free(struct shardd_backend_ctx *b, struct shardd_buf *buf)
 		cb->drv.release(cu->handle);
 		free(cu);
 	}
-	if (buf->fd >= 0)
-		close(buf->fd);
-	buf->priv = NULL;
-	buf->fd = -1;
-	buf->bytes = 0;
+	shardd_buf_forget(buf);
 }
 
 /*

@@ -372,11 +372,7 @@ static void host_free(struct shardd_backend_ctx *b, struct shardd_buf *buf)
 	(void)b;
 	if (buf->priv)
 		munmap(buf->priv, (size_t)buf->bytes);
-	if (buf->fd >= 0)
-		close(buf->fd);
-	buf->priv = NULL;
-	buf->fd = -1;
-	buf->bytes = 0;
+	shardd_buf_forget(buf);
 }
 
 static int host_export_fd(struct shardd_backend_ctx *b, const struct shardd_buf *buf, int readonly)

@@ -155,7 +155,7 @@ test-python: all
 	fi
 
 test-gpu: all $(GPU_BIN)
-	tools/setup/test_gpu.sh $(BUILD) $(HAVE_CUDA) $(GPU_BIN)
+	SHARDD_BIN=$(abspath $(SHARDD)) tools/setup/test_gpu.sh $(abspath $(BUILD)) $(HAVE_CUDA) $(GPU_BIN)
 
 train: deps-check
 	$(MAKE) all

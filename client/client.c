@@ -16,6 +16,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "cuda_import.h"
 #include "internal.h"
 
 static const char *msg_type_name(uint32_t type)
@@ -300,6 +301,7 @@ static int map_ring(struct shardd_client *c, struct shardd_ctrl_rx *rx)
 
 static void client_free(struct shardd_client *c)
 {
+	shardd_cuda_fences_free(c->fences);
 	if (c->ring_mem)
 		munmap(c->ring_mem, (size_t)c->welcome.ring_size);
 	if (c->doorbell >= 0)

@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * Import of the cuda backend's buffers (cuda_import.h).
+ * Import of the cuda backend's buffers, and the client's half of stream
+ * fences (cuda_import.h).
  *
  * The driver is reached through dlopen("libcuda.so.1") and its own
  * cuGetProcAddress, never by linking: a host-only trainer must load
@@ -15,6 +16,7 @@
 #include <errno.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cuda_import.h"
@@ -40,6 +42,18 @@ static struct {
 	PFN_cuMemMap_v10020                       map;
 	PFN_cuMemUnmap_v10020                     unmap;
 	PFN_cuMemSetAccess_v10020                 set_access;
+	PFN_cuDeviceGet_v2000                     device_get;
+	PFN_cuDevicePrimaryCtxRetain_v7000        ctx_retain;
+	PFN_cuDevicePrimaryCtxRelease_v11000      ctx_release;
+	PFN_cuCtxPushCurrent_v4000                ctx_push;
+	PFN_cuCtxPopCurrent_v4000                 ctx_pop;
+	PFN_cuEventCreate_v2000                   event_create;
+	PFN_cuEventDestroy_v4000                  event_destroy;
+	PFN_cuIpcGetEventHandle_v4010             ipc_get_event;
+	PFN_cuIpcOpenEventHandle_v4010            ipc_open_event;
+	PFN_cuEventRecord_v2000                   event_record;
+	PFN_cuStreamWaitEvent_v3020               stream_wait_event;
+	PFN_cuEventSynchronize_v2000              event_synchronize;
 } drv;
 
 static pthread_once_t drv_once = PTHREAD_ONCE_INIT;
@@ -89,6 +103,18 @@ static void drv_load(void)
 	DRV_RESOLVE(map, "cuMemMap");
 	DRV_RESOLVE(unmap, "cuMemUnmap");
 	DRV_RESOLVE(set_access, "cuMemSetAccess");
+	DRV_RESOLVE(device_get, "cuDeviceGet");
+	DRV_RESOLVE(ctx_retain, "cuDevicePrimaryCtxRetain");
+	DRV_RESOLVE(ctx_release, "cuDevicePrimaryCtxRelease");
+	DRV_RESOLVE(ctx_push, "cuCtxPushCurrent");
+	DRV_RESOLVE(ctx_pop, "cuCtxPopCurrent");
+	DRV_RESOLVE(event_create, "cuEventCreate");
+	DRV_RESOLVE(event_destroy, "cuEventDestroy");
+	DRV_RESOLVE(ipc_get_event, "cuIpcGetEventHandle");
+	DRV_RESOLVE(ipc_open_event, "cuIpcOpenEventHandle");
+	DRV_RESOLVE(event_record, "cuEventRecord");
+	DRV_RESOLVE(stream_wait_event, "cuStreamWaitEvent");
+	DRV_RESOLVE(event_synchronize, "cuEventSynchronize");
 #undef DRV_RESOLVE
 	r = drv.init(0);
 	if (r != CUDA_SUCCESS) {
@@ -194,6 +220,195 @@ void shardd_cuda_unmap(struct shardd_cuda_mapping *m)
 	m->size = 0;
 }
 
+/* ---------------- fences ---------------- */
+
+/*
+ * Events live in the device's primary context, the one the runtime (and so
+ * PyTorch) uses: the trainer's streams are there, and the legacy default
+ * stream (a NULL stream) is the current context's.
+ */
+struct shardd_cuda_fences {
+	int       device;
+	CUcontext ctx;       /* the device's primary context, retained */
+	uint32_t  nrecord;   /* ours, one per SQ slot */
+	uint32_t  nwait;     /* the daemon's, one per CQ slot; 0 until opened */
+	CUevent  *record;
+	CUevent  *wait;
+};
+
+static int fence_fail(CUresult r, const char *what, int device)
+{
+	const char *s = NULL;
+
+	if (drv.get_error_string(r, &s) != CUDA_SUCCESS || !s)
+		s = "unknown driver error";
+	return shardd_err_set(r == CUDA_ERROR_OUT_OF_MEMORY ? -ENOMEM : -SHARDD_E_BACKEND,
+			      "stream fences on device %d: %s: %s (CUresult %d)", device, what, s, (int)r);
+}
+
+static int fence_push(struct shardd_cuda_fences *f)
+{
+	CUresult r = drv.ctx_push(f->ctx);
+
+	return r == CUDA_SUCCESS ? 0 : fence_fail(r, "cuCtxPushCurrent", f->device);
+}
+
+static void fence_pop(void)
+{
+	CUcontext ctx;
+
+	drv.ctx_pop(&ctx);
+}
+
+void shardd_cuda_fences_free(struct shardd_cuda_fences *f)
+{
+	if (!f)
+		return;
+	if (f->ctx && fence_push(f) == 0) {
+		/* An event that queued work still records or waits on lives until that work is done. */
+		for (uint32_t i = 0; i < f->nrecord; i++)
+			if (f->record[i])
+				drv.event_destroy(f->record[i]);
+		for (uint32_t i = 0; i < f->nwait; i++)
+			if (f->wait[i])
+				drv.event_destroy(f->wait[i]);
+		fence_pop();
+	}
+	if (f->ctx) {
+		CUdevice dev;
+
+		if (drv.device_get(&dev, f->device) == CUDA_SUCCESS)
+			drv.ctx_release(dev);
+	}
+	free(f->record);
+	free(f->wait);
+	free(f);
+}
+
+int shardd_cuda_fences_create(int device, uint32_t nrecord, struct shardd_cuda_ipc_handle *handles,
+			      struct shardd_cuda_fences **out)
+{
+	struct shardd_cuda_fences *f;
+	CUdevice dev;
+	CUresult r;
+	int ret;
+
+	_Static_assert(sizeof(CUipcEventHandle) == sizeof(struct shardd_cuda_ipc_handle),
+		       "an event handle travels as struct shardd_cuda_ipc_handle");
+	*out = NULL;
+	if (device < 0)
+		return shardd_err_set(-EINVAL, "stream fences: this client attached without a CUDA "
+				      "device (opts.device = %d); attach with its stream's device",
+				      device);
+	pthread_once(&drv_once, drv_load);
+	if (drv_status)
+		return shardd_err_set(drv_status, "stream fences: %s", drv_error);
+	f = calloc(1, sizeof(*f));
+	if (f)
+		f->record = calloc(nrecord, sizeof(*f->record));
+	if (!f || !f->record) {
+		shardd_cuda_fences_free(f);
+		return shardd_err_set(-ENOMEM, "stream fences: out of memory for %u events", nrecord);
+	}
+	f->device = device;
+	r = drv.device_get(&dev, device);
+	if (r == CUDA_SUCCESS)
+		r = drv.ctx_retain(&f->ctx, dev);
+	if (r != CUDA_SUCCESS) {
+		f->ctx = NULL;
+		ret = fence_fail(r, "the device's primary context", device);
+		goto err;
+	}
+	ret = fence_push(f);
+	if (ret)
+		goto err;
+	for (uint32_t i = 0; i < nrecord; i++) {
+		CUipcEventHandle h;
+
+		r = drv.event_create(&f->record[i], CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING);
+		if (r != CUDA_SUCCESS) {
+			f->record[i] = NULL;
+			ret = fence_fail(r, "cuEventCreate", device);
+			break;
+		}
+		f->nrecord = i + 1;
+		r = drv.ipc_get_event(&h, f->record[i]);
+		if (r != CUDA_SUCCESS) {
+			ret = fence_fail(r, "cuIpcGetEventHandle", device);
+			break;
+		}
+		memcpy(&handles[i], &h, sizeof(h));
+	}
+	fence_pop();
+	if (ret)
+		goto err;
+	*out = f;
+	return 0;
+
+err:
+	shardd_cuda_fences_free(f);
+	return ret;
+}
+
+int shardd_cuda_fences_open(struct shardd_cuda_fences *f, uint32_t nwait,
+			    const struct shardd_cuda_ipc_handle *handles)
+{
+	int ret;
+
+	f->wait = calloc(nwait, sizeof(*f->wait));
+	if (!f->wait)
+		return shardd_err_set(-ENOMEM, "stream fences: out of memory for %u events", nwait);
+	ret = fence_push(f);
+	if (ret)
+		return ret;
+	for (uint32_t i = 0; i < nwait && !ret; i++) {
+		CUipcEventHandle h;
+		CUresult r;
+
+		memcpy(&h, &handles[i], sizeof(h));
+		r = drv.ipc_open_event(&f->wait[i], h);
+		if (r != CUDA_SUCCESS) {
+			f->wait[i] = NULL;
+			ret = fence_fail(r, "cuIpcOpenEventHandle of the daemon's event", f->device);
+		}
+		f->nwait = i + 1;
+	}
+	fence_pop();
+	return ret;
+}
+
+int shardd_cuda_fence_record(struct shardd_cuda_fences *f, uint32_t slot, void *stream)
+{
+	CUresult r;
+	int ret = fence_push(f);
+
+	if (ret)
+		return ret;
+	r = drv.event_record(f->record[slot], (CUstream)stream);
+	fence_pop();
+	return r == CUDA_SUCCESS ? 0 : fence_fail(r, "cuEventRecord on the client's stream", f->device);
+}
+
+int shardd_cuda_fence_wait(struct shardd_cuda_fences *f, uint32_t slot, int on_stream, void *stream)
+{
+	CUresult r;
+	int ret;
+
+	if (slot >= f->nwait || !f->wait[slot])
+		return shardd_err_set(-EPROTO, "stream fences: the daemon fenced CQ slot %u, which has "
+				      "no event (%u opened)", slot, f->nwait);
+	ret = fence_push(f);
+	if (ret)
+		return ret;
+	if (on_stream)
+		r = drv.stream_wait_event((CUstream)stream, f->wait[slot], 0);
+	else
+		r = drv.event_synchronize(f->wait[slot]);
+	fence_pop();
+	return r == CUDA_SUCCESS ? 0 : fence_fail(r, on_stream ? "cuStreamWaitEvent" : "cuEventSynchronize",
+						  f->device);
+}
+
 #else /* !SHARDD_HAVE_CUDA */
 
 int shardd_cuda_import(int fd, int device, uint64_t bytes, struct shardd_cuda_mapping *out)
@@ -211,6 +426,49 @@ void shardd_cuda_unmap(struct shardd_cuda_mapping *m)
 {
 	m->ptr = 0;
 	m->size = 0;
+}
+
+/* Fences are never made in this build, so only their creation can be called. */
+int shardd_cuda_fences_create(int device, uint32_t nrecord, struct shardd_cuda_ipc_handle *handles,
+			      struct shardd_cuda_fences **out)
+{
+	(void)nrecord;
+	(void)handles;
+	*out = NULL;
+	return shardd_err_set(-ENOTSUP, "stream fences on device %d: the daemon runs the cuda "
+			      "backend but this libshardd was built without CUDA (rebuild with "
+			      "make CUDA=1)", device);
+}
+
+void shardd_cuda_fences_free(struct shardd_cuda_fences *f)
+{
+	(void)f;
+}
+
+int shardd_cuda_fences_open(struct shardd_cuda_fences *f, uint32_t nwait,
+			    const struct shardd_cuda_ipc_handle *handles)
+{
+	(void)f;
+	(void)nwait;
+	(void)handles;
+	return -ENOTSUP;
+}
+
+int shardd_cuda_fence_record(struct shardd_cuda_fences *f, uint32_t slot, void *stream)
+{
+	(void)f;
+	(void)slot;
+	(void)stream;
+	return -ENOTSUP;
+}
+
+int shardd_cuda_fence_wait(struct shardd_cuda_fences *f, uint32_t slot, int on_stream, void *stream)
+{
+	(void)f;
+	(void)slot;
+	(void)on_stream;
+	(void)stream;
+	return -ENOTSUP;
 }
 
 #endif /* SHARDD_HAVE_CUDA */

@@ -32,4 +32,30 @@ SHARDD_HIDDEN int shardd_cuda_import(int fd, int device, uint64_t bytes, struct 
 /* Unmap; also takes a mapping that holds nothing (ptr 0). */
 SHARDD_HIDDEN void shardd_cuda_unmap(struct shardd_cuda_mapping *m);
 
+/*
+ * Stream fences (shardd_set_stream): interprocess events in the primary
+ * context of the rank's device. Ours, one per SQ slot, are recorded on the
+ * trainer's stream before a submission; the daemon's, one per CQ slot, are
+ * waited on when a completion is reaped.
+ */
+struct shardd_cuda_fences;
+
+/* Make `nrecord` events on `device`; their handles go to `handles`. 0 or a code with context. */
+SHARDD_HIDDEN int shardd_cuda_fences_create(int device, uint32_t nrecord,
+					    struct shardd_cuda_ipc_handle *handles,
+					    struct shardd_cuda_fences **out);
+/* Open the daemon's `nwait` events. 0 or a code with context; free `f` either way. */
+SHARDD_HIDDEN int shardd_cuda_fences_open(struct shardd_cuda_fences *f, uint32_t nwait,
+					  const struct shardd_cuda_ipc_handle *handles);
+/* Also takes NULL. */
+SHARDD_HIDDEN void shardd_cuda_fences_free(struct shardd_cuda_fences *f);
+/* Record our event of SQ slot `slot` on `stream` (a CUstream; NULL: the legacy default stream). */
+SHARDD_HIDDEN int shardd_cuda_fence_record(struct shardd_cuda_fences *f, uint32_t slot, void *stream);
+/*
+ * The daemon's event of CQ slot `slot`: make `stream` wait on it
+ * (on_stream), or wait for it on this thread.
+ */
+SHARDD_HIDDEN int shardd_cuda_fence_wait(struct shardd_cuda_fences *f, uint32_t slot, int on_stream,
+					 void *stream);
+
 #endif /* SHARDD_CLIENT_CUDA_IMPORT_H */

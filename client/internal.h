@@ -25,6 +25,8 @@ struct shardd_stash {
 	uint32_t cap;                /* 0 or a power of two */
 };
 
+struct shardd_cuda_fences;
+
 struct shardd_client {
 	int                   sock;      /* SOCK_SEQPACKET control connection */
 	int                   doorbell;  /* eventfd the daemon sleeps on */
@@ -41,6 +43,9 @@ struct shardd_client {
 	uint32_t              rank;
 	uint32_t              shard;
 	int32_t               device;    /* hello.device: where cuda-backend buffers are mapped */
+	struct shardd_cuda_fences *fences; /* stream.c: events of both rings, NULL until a stream is set */
+	void                 *stream;    /* the CUstream ops are ordered with, while stream_set */
+	int                   stream_set;
 	char                  socket_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
 };
 
@@ -108,6 +113,20 @@ SHARDD_HIDDEN int shardd_client_request(struct shardd_client *c, uint16_t type,
  * (connection closed, ring marked dead). Reads a pending notice ERROR.
  */
 SHARDD_HIDDEN int shardd_client_check_alive(struct shardd_client *c);
+
+/*
+ * stream.c: with a stream set, record the event of SQ slot `slot` on it and
+ * fence `sqe`; without, nothing. 0 or a code with context.
+ */
+SHARDD_HIDDEN int shardd_client_fence_submit(struct shardd_client *c, uint32_t slot,
+					     struct shardd_sqe *sqe);
+/*
+ * stream.c: a fenced completion in CQ slot `slot`, before the slot is
+ * released: order the stream after the op (or, with none set now, wait
+ * here). A failure becomes the completion's error.
+ */
+SHARDD_HIDDEN void shardd_client_fence_reap(struct shardd_client *c, uint32_t slot,
+					    struct shardd_completion *cp);
 
 /* ops.c: submit one op and wait for its own completion; returns its res. */
 SHARDD_HIDDEN int shardd_client_op_sync(struct shardd_client *c, uint32_t op, uint32_t group,

@@ -118,15 +118,22 @@ static int submit_sqe(struct shardd_client *c, uint32_t op, uint32_t group, uint
 		.op = (uint8_t)op, .group = group, .step = step, .user_data = user_data,
 		.flags = flags,
 	};
+	int64_t slot;
 	int ret;
 
 	if (op == 0 || op > UINT8_MAX)
 		return shardd_err_set(-EINVAL, "op %u is out of range 1..%u", op, UINT8_MAX);
-	ret = shardd_sq_push(&c->ring, &sqe);
-	if (ret == -EAGAIN)
+	slot = shardd_sq_next_slot(&c->ring);
+	if (slot < 0)
 		return shardd_err_set(-EAGAIN,
 				      "submission queue full (%u entries waiting for the daemon); "
 				      "reap completions, then submit again", c->ring.sq_mask + 1);
+	/* The slot is free, so the daemon is done with its event: record it for this entry. */
+	ret = shardd_client_fence_submit(c, (uint32_t)slot, &sqe);
+	if (ret < 0)
+		return shardd_err_wrap(ret, "submit %s", op_name(op));
+	/* Cannot fail: only this thread pushes, and the slot was free. */
+	shardd_sq_push(&c->ring, &sqe);
 	/* Line 6 is ours; the daemon and shardctl read it only to show who is behind. */
 	atomic_store_explicit(SHARDD_ATOMIC32(&h->client_last_op), op, memory_order_relaxed);
 	__atomic_store_n(&h->client_last_step, step, __ATOMIC_RELAXED);
@@ -140,17 +147,22 @@ static int cq_take(struct shardd_client *c, struct shardd_completion *out)
 {
 	int64_t n = shardd_cq_ready(&c->ring);
 	struct shardd_cqe cqe;
+	uint32_t slot;
 
 	if (n < 0)
 		return corrupt_cq(c);
 	if (n == 0)
 		return 0;
-	shardd_cq_pop(&c->ring, &cqe, out->msg, sizeof(out->msg));
+	slot = shardd_cq_peek(&c->ring, &cqe, out->msg, sizeof(out->msg));
 	out->user_data = cqe.user_data;
 	out->res = cqe.res;
 	out->op = cqe.op;
 	out->group = cqe.group;
 	out->step = cqe.step;
+	/* Before the release: the daemon records this slot's event again once it is free. */
+	if (cqe.fence)
+		shardd_client_fence_reap(c, slot, out);
+	shardd_cq_release(&c->ring);
 	/*
 	 * A daemon that stopped taking SQ entries because our CQ was full may
 	 * sleep on the doorbell: the slot we just freed is news for it.

@@ -168,9 +168,10 @@ int shardd_group_find(const struct shardd_group *g, const char *param_name);
  * gradient (grad dtype), its shard in the flat shard (original dtype,
  * padding rows included) and its sharded grad. Under the cuda backend these
  * are device addresses, and the unsharded tensor is read-only by convention
- * only (the device cannot enforce it): never write it. A completion means
- * the daemon's results are in device memory; finish writing shards and
- * grads (synchronise the stream) before submitting the op that reads them.
+ * only (the device cannot enforce it): never write it. Without a stream
+ * (shardd_set_stream), a completion means the daemon's results are in
+ * device memory, and shards and grads must be written (the stream
+ * synchronised) before submitting the op that reads them.
  */
 const void *shardd_group_unsharded(const struct shardd_group *g, uint32_t param);
 void *shardd_group_grad(const struct shardd_group *g, uint32_t param);
@@ -226,6 +227,33 @@ int shardd_unshard(struct shardd_group *g, uint64_t step);
 int shardd_reduce(struct shardd_group *g, uint64_t step, uint32_t flags);
 int shardd_reshard(struct shardd_group *g, uint64_t step);
 int shardd_zero_grad(struct shardd_group *g);
+
+/* ------------------------------------------------------------------ */
+/* Stream ordering (cuda backend)                                      */
+/* ------------------------------------------------------------------ */
+
+/*
+ * Order this rank's ops with `stream` (a CUstream / cudaStream_t on the
+ * rank's device, opts.device; NULL is that device's legacy default
+ * stream) instead of CPU waits:
+ * - each submission first records an event on `stream`, and the daemon's
+ *   work for the op waits for it: finish nothing before submitting;
+ * - each completion, whichever call reaps it, makes `stream` wait for the
+ *   op's device work before the call returns it. A completion then comes
+ *   as soon as the daemon has queued the work: work queued on `stream`
+ *   after the reap sees the results; other streams must wait on `stream`.
+ * The first call sets up the events (one per ring slot each way, one
+ * control round trip); later calls switch streams. Returns 0, -ENOTSUP
+ * (host backend, or a libshardd built without CUDA), or a negative code
+ * with shardd_last_error().
+ */
+int shardd_set_stream(struct shardd_client *c, void *stream);
+
+/*
+ * Back to CPU ordering: a completion means the results are in memory (one
+ * of an op submitted while a stream was set is waited for when reaped).
+ */
+void shardd_clear_stream(struct shardd_client *c);
 
 /* ------------------------------------------------------------------ */
 /* Errors                                                              */

@@ -9,10 +9,12 @@
  * with an fd to export, so the engine never touches memory itself.
  *
  * Calls are made from pool threads (host: also the loop thread, for small
- * tasks), one call at a time per buffer; a call
- * returns when its result is visible to clients (a device backend waits on
- * its stream or records an event the trainer waits on before returning).
- * Every call returns 0 or a negative errno / -SHARDD_E_*.
+ * tasks), one call at a time per buffer. A backend with `sync` queues the
+ * work of unshard, reduce and zero on its device and returns; the results
+ * are visible to clients after `sync`, or to a client stream that waited
+ * on a fence signalled after the call. A backend without `sync` returns
+ * when the results are visible. Every call returns 0 or a negative errno /
+ * -SHARDD_E_*.
  */
 #ifndef SHARDD_BACKEND_H
 #define SHARDD_BACKEND_H
@@ -26,6 +28,7 @@
 #include "shardd_proto.h"
 
 struct shardd_backend_ctx;
+struct shardd_fences;
 struct shardd_pool;
 
 /* One buffer of a group. */
@@ -120,6 +123,29 @@ struct shardd_backend_ops {
 	/* Zero `bytes` bytes at `offset`. */
 	int  (*zero)(struct shardd_backend_ctx *b, struct shardd_buf *buf, uint64_t offset,
 		     uint64_t bytes);
+	/*
+	 * Wait until the work queued so far on the device holding `on` has
+	 * finished. NULL in a backend whose calls finish before returning.
+	 */
+	int  (*sync)(struct shardd_backend_ctx *b, const struct shardd_buf *on);
+	/*
+	 * Fences order the backend's device work with one client stream
+	 * (SHARDD_MSG_STREAM), with no CPU wait on either side. Open: import
+	 * the client's `nwait` interprocess events, made on CUDA device
+	 * `device`, and make `nsignal` of our own there, whose handles go to
+	 * `signal_events`. 0, or a negative code with the reason in `err`.
+	 * All four are NULL in a backend without devices.
+	 */
+	int  (*fences_open)(struct shardd_backend_ctx *b, int32_t device, uint32_t nwait,
+			    const struct shardd_cuda_ipc_handle *wait_events, uint32_t nsignal,
+			    struct shardd_cuda_ipc_handle *signal_events, struct shardd_fences **out,
+			    char *err, size_t errlen);
+	/* Work queued on the device from now on waits for the client's last record of event `slot`. */
+	int  (*fence_wait)(struct shardd_backend_ctx *b, struct shardd_fences *f, uint32_t slot);
+	/* Record our event `slot` after all work queued on the device so far. */
+	int  (*fence_signal)(struct shardd_backend_ctx *b, struct shardd_fences *f, uint32_t slot);
+	/* Also takes NULL. Work already queued that uses the events still completes. */
+	void (*fences_close)(struct shardd_backend_ctx *b, struct shardd_fences *f);
 	void (*destroy)(struct shardd_backend_ctx *b);
 };
 

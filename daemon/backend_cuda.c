@@ -15,11 +15,12 @@
  * unsharded buffer lets a client map it writable. The host backend's
  * read-only guarantee becomes a convention here (docs/CUDA.md).
  *
- * Work: one non-blocking stream per device. Every call queues its kernels
- * and waits for the stream before returning, so a completion means the
- * result is in device memory (backend.h's contract). Interprocess events,
- * which would let the trainer's stream wait instead of a CPU, are a later
- * step. A buffer lives on the device its rank named in its hello (the
+ * Work: one non-blocking stream per device. Unshard, reduce and zero queue
+ * their kernels and return; the engine calls `sync` before a completion
+ * that promises results in memory, and a client that set a stream gets
+ * fences instead: interprocess events (cudaEventInterprocess) that its
+ * stream records before an op and waits on after it, so neither side
+ * waits on a CPU. A buffer lives on the device its rank named in its hello (the
  * unsharded buffer on its replica's first rank's device). Several ranks on
  * one device (the single-GPU case) are served with device copies and
  * kernels; ranks on different devices would need NCCL, which this backend
@@ -82,6 +83,14 @@ struct cuda_backend {
 	int ndevices;
 	pthread_mutex_t lock;         /* device set-up */
 	struct cuda_device *devices;  /* [ndevices] */
+};
+
+/* One session's fences (backend.h): events on the session's device, indexed by ring slot. */
+struct shardd_fences {
+	int          device;
+	uint32_t     nwait, nsignal;
+	cudaEvent_t *wait;   /* [nwait]: the client's events, opened; NULL where not (yet) opened */
+	cudaEvent_t *signal; /* [nsignal]: ours, exported to the client */
 };
 
 /* What buf->priv points to. */
@@ -219,13 +228,17 @@ void *shardd_backend_cuda_ptr(const struct shardd_buf *buf)
 	return buf->priv ? dptr(buf, 0) : NULL;
 }
 
-/* Wait for the stream; `ret` is the result of queueing the work. */
-static int cuda_finish(struct cuda_device *d, int ret, const char *what)
+/* Wait for everything queued on the device's stream. */
+static int cuda_stream_sync(struct cuda_device *d, const char *what)
 {
 	cudaError_t e = cudaStreamSynchronize(d->stream);
 
-	if (e != cudaSuccess)
-		return cuda_rt_fail(what, e);
+	return e == cudaSuccess ? 0 : cuda_rt_fail(what, e);
+}
+
+/* `ret`: the result of queueing an op's kernels. Their execution is checked by sync or a fence. */
+static int cuda_queued(int ret, const char *what)
+{
 	if (ret)
 		shardd_log_error("shardd: cuda backend: %s: a kernel launch failed (%d)", what, ret);
 	return ret;
@@ -293,7 +306,9 @@ static int cuda_alloc(struct shardd_backend_ctx *b, uint64_t bytes, int32_t devi
 		goto err_close;
 	}
 	/* Buffers start zeroed (backend.h); physical pages from cuMemCreate do not. */
-	ret = cuda_finish(d, shardd_cuda_zero((void *)(uintptr_t)cu->ptr, cu->size, d->stream), ctx);
+	ret = cuda_queued(shardd_cuda_zero((void *)(uintptr_t)cu->ptr, cu->size, d->stream), ctx);
+	if (!ret)
+		ret = cuda_stream_sync(d, ctx);
 	if (ret)
 		goto err_close;
 	out->fd = fd;
@@ -319,10 +334,16 @@ static void cuda_free(struct shardd_backend_ctx *b, struct shardd_buf *buf)
 	struct cuda_backend *cb = (struct cuda_backend *)b;
 	struct cuda_buf *cu = buf->priv;
 
-	/* Every call waited for its stream, so no queued work still uses the memory. */
 	if (cu) {
-		/* Driver calls act on the calling thread's current context. */
-		(void)cudaSetDevice(cu->device);
+		struct cuda_device *d;
+
+		/*
+		 * Queued work may still use the memory: wait for it. The device
+		 * was set up by the allocation, so this also makes it current,
+		 * as the driver calls below need.
+		 */
+		if (cuda_device_get(cb, cu->device, &d) == 0)
+			(void)cuda_stream_sync(d, "free a buffer");
 		cb->drv.unmap(cu->ptr, cu->size);
 		cb->drv.address_free(cu->ptr, cu->size);
 		/* Clients that imported the fd keep the physical memory alive until they unmap it. */
@@ -398,7 +419,7 @@ static int cuda_unshard(struct shardd_backend_ctx *b, const struct shardd_unshar
 						    src, p->dtype, a->nshards, p->outer, chunk, d->stream);
 		}
 	}
-	return cuda_finish(d, ret, "unshard");
+	return cuda_queued(ret, "unshard");
 }
 
 /* Queue the reduction of one param's valid rows, one launch per outer index, and zero its padding. */
@@ -461,7 +482,7 @@ static int cuda_reduce(struct shardd_backend_ctx *b, const struct shardd_reduce_
 		return ret;
 	for (uint32_t i = 0; i < a->layout->nparams && !ret; i++)
 		ret = cuda_reduce_param(a, i, d->stream);
-	return cuda_finish(d, ret, "reduce");
+	return cuda_queued(ret, "reduce");
 }
 
 static int cuda_zero(struct shardd_backend_ctx *b, struct shardd_buf *buf, uint64_t offset, uint64_t bytes)
@@ -475,7 +496,145 @@ static int cuda_zero(struct shardd_backend_ctx *b, struct shardd_buf *buf, uint6
 	ret = cuda_device_get(cb, cbuf(buf)->device, &d);
 	if (ret)
 		return ret;
-	return cuda_finish(d, shardd_cuda_zero(dptr(buf, offset), (size_t)bytes, d->stream), "zero");
+	return cuda_queued(shardd_cuda_zero(dptr(buf, offset), (size_t)bytes, d->stream), "zero");
+}
+
+static int cuda_sync(struct shardd_backend_ctx *b, const struct shardd_buf *on)
+{
+	struct cuda_backend *cb = (struct cuda_backend *)b;
+	struct cuda_device *d;
+	int ret = cuda_device_get(cb, cbuf(on)->device, &d);
+
+	return ret ? ret : cuda_stream_sync(d, "wait for an op's kernels");
+}
+
+/* ------------------------------------------------------------------ */
+/* Fences                                                              */
+/* ------------------------------------------------------------------ */
+
+static void cuda_fences_close(struct shardd_backend_ctx *b, struct shardd_fences *f)
+{
+	(void)b;
+	if (!f)
+		return;
+	/*
+	 * The events were made or opened with this device current. A destroyed
+	 * event that queued work still records or waits on lives until that work
+	 * is done (cudaEventDestroy), so no sync is needed first.
+	 */
+	(void)cudaSetDevice(f->device);
+	for (uint32_t i = 0; i < f->nwait; i++)
+		if (f->wait[i])
+			cudaEventDestroy(f->wait[i]);
+	for (uint32_t i = 0; i < f->nsignal; i++)
+		if (f->signal[i])
+			cudaEventDestroy(f->signal[i]);
+	free(f->wait);
+	free(f->signal);
+	free(f);
+}
+
+static int cuda_fences_open(struct shardd_backend_ctx *b, int32_t device, uint32_t nwait,
+			    const struct shardd_cuda_ipc_handle *wait_events, uint32_t nsignal,
+			    struct shardd_cuda_ipc_handle *signal_events, struct shardd_fences **out,
+			    char *err, size_t errlen)
+{
+	struct cuda_backend *cb = (struct cuda_backend *)b;
+	struct shardd_fences *f;
+	struct cuda_device *d;
+	cudaError_t e = cudaSuccess;
+	uint32_t i;
+	int ret;
+
+	_Static_assert(sizeof(cudaIpcEventHandle_t) == sizeof(struct shardd_cuda_ipc_handle),
+		       "an event handle travels as struct shardd_cuda_ipc_handle");
+	*out = NULL;
+	ret = cuda_device_get(cb, device, &d);
+	if (ret) {
+		snprintf(err, errlen, "device %d cannot be used (see the daemon's log)", device);
+		return ret;
+	}
+	f = calloc(1, sizeof(*f));
+	if (f) {
+		f->wait = calloc(nwait, sizeof(*f->wait));
+		f->signal = calloc(nsignal, sizeof(*f->signal));
+	}
+	if (!f || !f->wait || !f->signal) {
+		snprintf(err, errlen, "out of memory for %u + %u events", nwait, nsignal);
+		ret = -ENOMEM;
+		goto err;
+	}
+	f->device = device;
+	f->nwait = nwait;
+	f->nsignal = nsignal;
+	for (i = 0; i < nwait && e == cudaSuccess; i++) {
+		cudaIpcEventHandle_t h;
+
+		memcpy(&h, &wait_events[i], sizeof(h));
+		e = cudaIpcOpenEventHandle(&f->wait[i], h);
+		if (e != cudaSuccess) {
+			f->wait[i] = NULL; /* not opened: close skips it */
+			snprintf(err, errlen, "open the client's event of SQ slot %u: %s (%s)", i,
+				 cudaGetErrorString(e), cudaGetErrorName(e));
+		}
+	}
+	for (i = 0; i < nsignal && e == cudaSuccess; i++) {
+		cudaIpcEventHandle_t h;
+
+		e = cudaEventCreateWithFlags(&f->signal[i], cudaEventInterprocess | cudaEventDisableTiming);
+		if (e != cudaSuccess)
+			f->signal[i] = NULL;
+		else
+			e = cudaIpcGetEventHandle(&h, f->signal[i]);
+		if (e == cudaSuccess)
+			memcpy(&signal_events[i], &h, sizeof(h));
+		else
+			snprintf(err, errlen, "make the event of CQ slot %u: %s (%s)", i,
+				 cudaGetErrorString(e), cudaGetErrorName(e));
+	}
+	if (e != cudaSuccess) {
+		shardd_log_error("shardd: cuda backend: stream fences on device %d: %s", device, err);
+		ret = -SHARDD_E_BACKEND;
+		goto err;
+	}
+	*out = f;
+	return 0;
+
+err:
+	cuda_fences_close(b, f);
+	return ret;
+}
+
+static int cuda_fence_wait(struct shardd_backend_ctx *b, struct shardd_fences *f, uint32_t slot)
+{
+	struct cuda_backend *cb = (struct cuda_backend *)b;
+	struct cuda_device *d;
+	cudaError_t e;
+	int ret;
+
+	if (slot >= f->nwait)
+		return -EINVAL;
+	ret = cuda_device_get(cb, f->device, &d);
+	if (ret)
+		return ret;
+	e = cudaStreamWaitEvent(d->stream, f->wait[slot], 0);
+	return e == cudaSuccess ? 0 : cuda_rt_fail("wait on a client's stream event", e);
+}
+
+static int cuda_fence_signal(struct shardd_backend_ctx *b, struct shardd_fences *f, uint32_t slot)
+{
+	struct cuda_backend *cb = (struct cuda_backend *)b;
+	struct cuda_device *d;
+	cudaError_t e;
+	int ret;
+
+	if (slot >= f->nsignal)
+		return -EINVAL;
+	ret = cuda_device_get(cb, f->device, &d);
+	if (ret)
+		return ret;
+	e = cudaEventRecord(f->signal[slot], d->stream);
+	return e == cudaSuccess ? 0 : cuda_rt_fail("record a stream event for a client", e);
 }
 
 /* ------------------------------------------------------------------ */
@@ -506,6 +665,11 @@ static const struct shardd_backend_ops cuda_ops = {
 	.unshard = cuda_unshard,
 	.reduce = cuda_reduce,
 	.zero = cuda_zero,
+	.sync = cuda_sync,
+	.fences_open = cuda_fences_open,
+	.fence_wait = cuda_fence_wait,
+	.fence_signal = cuda_fence_signal,
+	.fences_close = cuda_fences_close,
 	.destroy = cuda_destroy,
 };
 

@@ -541,6 +541,34 @@ static int task_unshard(struct eng_task *t)
 	return b->ops->unshard(b, &a);
 }
 
+/*
+ * 1 when every completion of the task goes to a client stream that waits on
+ * the daemon's fence (SHARDD_FENCE_SIGNAL): queueing the work is enough.
+ */
+static int task_fenced(const struct eng_task *t)
+{
+	for (uint32_t i = 0; i < t->nops; i++)
+		if (!(t->ops[i].sqe.fence & SHARDD_FENCE_SIGNAL))
+			return 0;
+	return 1;
+}
+
+/* A buffer on the device that runs the task: every buffer of a task shares it (backend_cuda.c). */
+static const struct shardd_buf *task_device_buf(const struct eng_task *t)
+{
+	const struct shardd_group *g = t->eg->g;
+
+	switch (t->kind) {
+	case TASK_UNSHARD:
+	case TASK_REDUCE_PARTIAL:
+		return &g->shards[t->replica * g->shard];
+	case TASK_REDUCE:
+		return &g->shards[0];
+	default:
+		return &g->sharded_grads[t->rank];
+	}
+}
+
 /* The arithmetic of one task, on a pool thread or (task_inline) the loop thread; sets res and msg. */
 static void task_exec(struct eng_task *t)
 {
@@ -568,6 +596,9 @@ static void task_exec(struct eng_task *t)
 			g->grad_present[t->rank] = 0;
 		break;
 	}
+	/* A completion without a fence promises the results are in memory. */
+	if (!ret && b->ops->sync && !task_fenced(t))
+		ret = b->ops->sync(b, task_device_buf(t));
 	t->res = ret;
 	if (ret)
 		fmt(t->msg, sizeof(t->msg), "shardd: %s(group '%s', step %llu): the %s backend failed: %s",
@@ -736,6 +767,11 @@ void shardd_engine_destroy(struct shardd_engine *e)
 	pthread_cond_destroy(&e->finished);
 	pthread_mutex_destroy(&e->lock);
 	free(e);
+}
+
+struct shardd_backend_ctx *shardd_engine_backend(struct shardd_engine *e)
+{
+	return e->backend;
 }
 
 int shardd_engine_event_fd(struct shardd_engine *e)

@@ -50,6 +50,8 @@ struct shardd_engine_config {
 /* 0 or -errno / -SHARDD_E_BACKEND (logged with shardd_log). */
 int  shardd_engine_create(const struct shardd_engine_config *cfg, struct shardd_engine **out);
 void shardd_engine_destroy(struct shardd_engine *e);
+/* The backend that holds every job's buffers (sessions open their fences through it). */
+struct shardd_backend_ctx *shardd_engine_backend(struct shardd_engine *e);
 /* Readable when finished ops wait: the loop then calls drain. */
 int  shardd_engine_event_fd(struct shardd_engine *e);
 /* Loop thread: deliver finished ops via the callbacks. */

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "admin.h"
+#include "backend.h"
 #include "engine.h"
 #include "job.h"
 #include "log.h"
@@ -439,6 +440,12 @@ static void session_end(struct shardd_session *s, int goodbye, const char *why)
 	shardd_ctrl_rx_reset(&s->rx);
 	session_out_clear(s);
 	s->read_backlog = 0;
+	if (s->fences) {
+		struct shardd_backend_ctx *b = shardd_engine_backend(server.engine);
+
+		b->ops->fences_close(b, s->fences);
+		s->fences = NULL;
+	}
 	shardd_server_schedule_reap();
 }
 
@@ -767,6 +774,7 @@ static void session_hello(struct shardd_session *s, const struct shardd_msg_hdr 
 	s->state = SHARDD_SESSION_ATTACHED;
 	s->job = job;
 	s->rank = h.rank;
+	s->device = h.device;
 	s->stats.attached_ns = shardd_now_ns();
 	shardd_job_attach(job, h.rank, s);
 	shardd_engine_rank_attached(job->ejob, h.rank, h.device);
@@ -790,6 +798,85 @@ out:
 /* ------------------------------------------------------------------ */
 /* Control messages                                                    */
 /* ------------------------------------------------------------------ */
+
+/*
+ * SHARDD_MSG_STREAM: import the client's per-SQ-slot events and answer
+ * with ours, one per CQ slot (shardd_proto.h). Once per connection.
+ */
+static void session_stream(struct shardd_session *s, uint32_t seq, const uint8_t *payload,
+			   uint32_t len)
+{
+	struct shardd_backend_ctx *b = shardd_engine_backend(server.engine);
+	uint32_t nsq = s->ring.sq_mask + 1, ncq = s->ring.cq_mask + 1;
+	size_t hsz = sizeof(struct shardd_cuda_ipc_handle);
+	struct shardd_stream_reply *rep;
+	struct shardd_stream_req req;
+	char err[512];
+	size_t rlen;
+
+	if (!b->ops->fences_open) {
+		session_reply_error(s, seq, -ENOTSUP,
+				    "stream fences need --backend cuda; this shardd runs --backend %s, "
+				    "whose completions already mean the results are in memory",
+				    b->ops->name);
+		return;
+	}
+	if (s->fences) {
+		session_reply_error(s, seq, -SHARDD_E_STATE,
+				    "this connection set up its stream fences already; STREAM is sent once");
+		return;
+	}
+	if (s->device < 0) {
+		session_reply_error(s, seq, -SHARDD_E_INVALID,
+				    "stream fences: this rank attached with hello.device = %d; attach "
+				    "with the CUDA device its stream runs on", s->device);
+		return;
+	}
+	if (len < sizeof(req)) {
+		session_reply_error(s, seq, -SHARDD_E_MALFORMED,
+				    "STREAM payload of %u bytes is shorter than its %zu-byte header", len,
+				    sizeof(req));
+		return;
+	}
+	memcpy(&req, payload, sizeof(req));
+	if (req.rsvd) {
+		session_reply_error(s, seq, -SHARDD_E_INVALID,
+				    "stream.rsvd = 0x%x: reserved, must be 0", req.rsvd);
+		return;
+	}
+	if (req.nevents != nsq) {
+		session_reply_error(s, seq, -SHARDD_E_INVALID,
+				    "stream.nevents = %u: must be %u, one event per SQ slot", req.nevents,
+				    nsq);
+		return;
+	}
+	if (len != sizeof(req) + (uint64_t)nsq * hsz) {
+		session_reply_error(s, seq, -SHARDD_E_MALFORMED,
+				    "STREAM payload of %u bytes: a header and %u event handles take %zu",
+				    len, nsq, sizeof(req) + nsq * hsz);
+		return;
+	}
+	rlen = sizeof(*rep) + ncq * hsz;
+	rep = calloc(1, rlen);
+	if (!rep) {
+		session_reply_error(s, seq, -SHARDD_E_NOMEM,
+				    "stream fences: out of memory for %u event handles", ncq);
+		return;
+	}
+	err[0] = '\0';
+	if (b->ops->fences_open(b, s->device, nsq,
+				(const struct shardd_cuda_ipc_handle *)(payload + sizeof(req)), ncq,
+				(struct shardd_cuda_ipc_handle *)(rep + 1), &s->fences, err,
+				sizeof(err)) < 0) {
+		session_reply_error(s, seq, -SHARDD_E_BACKEND, "stream fences on device %d: %s",
+				    s->device, err[0] ? err : "the backend failed");
+		free(rep);
+		return;
+	}
+	rep->nevents = ncq;
+	shardd_session_send(s, SHARDD_MSG_STREAM_REPLY, seq, rep, (uint32_t)rlen, NULL, 0);
+	free(rep);
+}
 
 static void session_dispatch(struct shardd_session *s, const struct shardd_msg_hdr *hdr,
 			     const uint8_t *payload, uint32_t len, int nfds)
@@ -834,6 +921,9 @@ static void session_dispatch(struct shardd_session *s, const struct shardd_msg_h
 	case SHARDD_MSG_OPEN_GROUP:
 		if (s->job)
 			shardd_engine_open_group(s->job->ejob, s->rank, s->id, hdr->seq, payload, len);
+		return;
+	case SHARDD_MSG_STREAM:
+		session_stream(s, hdr->seq, payload, len);
 		return;
 	case SHARDD_MSG_GOODBYE:
 		session_end(s, 1, "said goodbye");
@@ -1050,6 +1140,19 @@ void shardd_session_complete(struct shardd_session *s, const struct shardd_sqe *
 	cqe.op = sqe->op;
 	cqe.group = sqe->group;
 	cqe.step = sqe->step;
+	if ((sqe->fence & SHARDD_FENCE_SIGNAL) && s->fences) {
+		struct shardd_backend_ctx *b = shardd_engine_backend(server.engine);
+		uint32_t slot = shardd_cq_next_slot(&s->ring);
+
+		/* The client's stream waits on this record before it frees the slot for the next one. */
+		if (b->ops->fence_signal(b, s->fences, slot) == 0) {
+			cqe.fence = 1;
+		} else if (res == 0) {
+			res = -SHARDD_E_BACKEND;
+			msg = "the op's work is queued, but signalling its stream event failed (see the "
+			      "daemon's log): synchronise the device before reading the results";
+		}
+	}
 	if (res < 0 && (!msg || !*msg))
 		msg = res <= -SHARDD_E_BASE ? "shardd error" : strerror(-res);
 	shardd_cq_push(&s->ring, &cqe, res < 0 ? msg : NULL);
@@ -1083,7 +1186,7 @@ static int sqe_valid(struct shardd_session *s, const struct shardd_sqe *sqe)
 		session_fail_sqe(s, sqe, "op %u is not a shardd op", sqe->op);
 		return 0;
 	}
-	for (int i = 0; i < 3; i++) {
+	for (int i = 0; i < (int)sizeof(sqe->rsvd0); i++) {
 		if (sqe->rsvd0[i]) {
 			session_fail_sqe(s, sqe, "sqe.rsvd0[%d] = 0x%x: reserved, must be 0", i,
 					 sqe->rsvd0[i]);
@@ -1114,6 +1217,40 @@ static int sqe_valid(struct shardd_session *s, const struct shardd_sqe *sqe)
 		}
 	}
 	return 1;
+}
+
+/*
+ * The fence of the entry in SQ slot `slot`: with SHARDD_FENCE_WAIT, device
+ * work queued from now on waits for the client's stream. Runs before the
+ * slot goes back to the client, which re-records the slot's event only
+ * after that. 0, or -1 with `why` naming the field and value.
+ */
+static int session_fence_wait(struct shardd_session *s, const struct shardd_sqe *sqe,
+			      uint32_t slot, char *why, size_t len)
+{
+	struct shardd_backend_ctx *b;
+
+	if (!sqe->fence)
+		return 0;
+	if (sqe->fence & ~SHARDD_FENCE_MASK) {
+		snprintf(why, len, "sqe.fence = 0x%x has unknown bits 0x%x", sqe->fence,
+			 sqe->fence & ~SHARDD_FENCE_MASK);
+		return -1;
+	}
+	if (!s->fences) {
+		snprintf(why, len, "sqe.fence = 0x%x, but this connection has no stream fences "
+			 "(send SHARDD_MSG_STREAM first)", sqe->fence);
+		return -1;
+	}
+	if (!(sqe->fence & SHARDD_FENCE_WAIT))
+		return 0;
+	b = shardd_engine_backend(server.engine);
+	if (b->ops->fence_wait(b, s->fences, slot) < 0) {
+		snprintf(why, len, "sqe.fence: waiting on the stream event of SQ slot %u failed in "
+			 "the %s backend (see the daemon's log)", slot, b->ops->name);
+		return -1;
+	}
+	return 0;
 }
 
 static void session_take(struct shardd_session *s, const struct shardd_sqe *sqe)
@@ -1164,6 +1301,8 @@ unsigned shardd_session_service(struct shardd_session *s)
 		struct shardd_sqe sqe;
 		int64_t ready = shardd_sq_ready(&s->ring);
 		int64_t room;
+		char why[SHARDD_RING_MSG_SIZE];
+		int fenced;
 
 		if (ready < 0) {
 			session_ring_corrupt(s, "SQ tail");
@@ -1178,7 +1317,8 @@ unsigned shardd_session_service(struct shardd_session *s)
 		}
 		if (room == 0)
 			break;
-		shardd_sq_pop(&s->ring, &sqe);
+		fenced = session_fence_wait(s, &sqe, shardd_sq_peek(&s->ring, &sqe), why, sizeof(why));
+		shardd_sq_release(&s->ring);
 		shardd_op_clock_start(&s->clock, &sqe, shardd_now_ns());
 		s->inflight++;
 		s->stats.ops_taken++;
@@ -1189,7 +1329,10 @@ unsigned shardd_session_service(struct shardd_session *s)
 				      memory_order_relaxed);
 		atomic_store_explicit((_Atomic uint64_t *)(void *)&s->ring.hdr->daemon_last_step,
 				      sqe.step, memory_order_relaxed);
-		session_take(s, &sqe);
+		if (fenced < 0)
+			session_fail_sqe(s, &sqe, "%s", why);
+		else
+			session_take(s, &sqe);
 		taken++;
 	}
 	return taken;

@@ -71,6 +71,8 @@ struct shardd_session {
 	/* attached state */
 	struct shardd_job *job;
 	uint32_t rank;
+	int32_t  device;             /* hello.device */
+	struct shardd_fences *fences; /* SHARDD_MSG_STREAM's events, NULL until then */
 	int      pidfd;              /* -1 when the kernel has no pidfd_open */
 	struct shardd_loop_event *pidfd_ev;
 	int      doorbell_fd;        /* eventfd the client writes when we sleep */

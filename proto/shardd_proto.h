@@ -25,7 +25,7 @@
 #define SHARDD_MAGIC        0x44524853u /* "SHRD" as little-endian bytes */
 #define SHARDD_RING_MAGIC   0x474e4952u /* "RING" */
 #define SHARDD_PROTO_MAJOR  1           /* incompatible changes bump this */
-#define SHARDD_PROTO_MINOR  0           /* compatible additions bump this */
+#define SHARDD_PROTO_MINOR  1           /* compatible additions bump this */
 
 #define SHARDD_NAME_MAX      64  /* job and group names, NUL included */
 #define SHARDD_PARAM_NAME_MAX 80 /* param names, NUL included */
@@ -114,6 +114,8 @@ enum shardd_msg_type {
 	SHARDD_MSG_GROUP          = 7,  /* daemon -> client, fds: 4 buffers */
 	SHARDD_MSG_ADMIN          = 8,  /* client -> daemon, JSON payload */
 	SHARDD_MSG_ADMIN_REPLY    = 9,  /* daemon -> client, JSON payload */
+	SHARDD_MSG_STREAM         = 10, /* client -> daemon: its fence events (cuda backend) */
+	SHARDD_MSG_STREAM_REPLY   = 11, /* daemon -> client: the daemon's fence events */
 	SHARDD_MSG_COUNT
 };
 
@@ -197,6 +199,37 @@ struct shardd_open_group {
 	char     name[SHARDD_NAME_MAX];
 };
 
+/* An opaque CUDA IPC handle (cudaIpcEventHandle_t / CUipcEventHandle). */
+struct shardd_cuda_ipc_handle {
+	uint8_t bytes[64];
+};
+
+/*
+ * SHARDD_MSG_STREAM payload: this, then nevents handles of interprocess
+ * CUDA events the client created on its device, one per SQ slot
+ * (nevents == the welcome's sq_entries). The client records event i on
+ * its stream before it publishes an entry in SQ slot i with
+ * SHARDD_FENCE_WAIT; the daemon's stream waits on it before the op reads
+ * the rank's buffers. Answered by SHARDD_MSG_STREAM_REPLY or ERROR; sent
+ * at most once per connection.
+ */
+struct shardd_stream_req {
+	uint32_t nevents;
+	uint32_t rsvd;    /* zero */
+};
+
+/*
+ * SHARDD_MSG_STREAM_REPLY payload: this, then nevents handles of the
+ * daemon's interprocess events, one per CQ slot (nevents == cq_entries).
+ * A completion in CQ slot i with cqe.fence set follows a record of event i
+ * on the daemon's stream after the op's work: the client's stream waits on
+ * it before the client releases the slot.
+ */
+struct shardd_stream_reply {
+	uint32_t nevents;
+	uint32_t rsvd;    /* zero */
+};
+
 /* Where one param lives in each buffer, for the receiving rank. */
 struct shardd_param_layout {
 	uint64_t unsharded_offset; /* bytes into the unsharded buffer */
@@ -234,9 +267,15 @@ struct shardd_group_reply {
 /* ------------------------------------------------------------------ */
 
 /* Submission queue entry: client -> daemon. */
+/* sqe.fence: ordering with the client's stream (after SHARDD_MSG_STREAM) */
+#define SHARDD_FENCE_WAIT   (1u << 0) /* the op waits on the client's event of this SQ slot */
+#define SHARDD_FENCE_SIGNAL (1u << 1) /* complete when queued; signal the event of the CQ slot */
+#define SHARDD_FENCE_MASK   (SHARDD_FENCE_WAIT | SHARDD_FENCE_SIGNAL)
+
 struct shardd_sqe {
 	uint8_t  op;        /* enum shardd_op */
-	uint8_t  rsvd0[3];  /* zero */
+	uint8_t  fence;     /* SHARDD_FENCE_*; zero: ordered by the CPU */
+	uint8_t  rsvd0[2];  /* zero */
 	uint32_t group;     /* group id; zero for nop and barrier */
 	uint64_t step;      /* step number (barrier number for barrier) */
 	uint64_t user_data; /* echoed in the completion */
@@ -251,7 +290,8 @@ struct shardd_cqe {
 	int32_t  res;       /* 0 or negative error */
 	uint8_t  op;        /* from the sqe */
 	uint8_t  has_msg;   /* 1: error text in the message slot of this index */
-	uint16_t rsvd0;
+	uint8_t  fence;     /* 1: the daemon recorded its event of this CQ slot after the op */
+	uint8_t  rsvd0;
 	uint32_t group;     /* from the sqe */
 	uint32_t rsvd1;
 	uint64_t step;      /* from the sqe */
@@ -328,11 +368,16 @@ _Static_assert(sizeof(struct shardd_param_layout) == 64, "param_layout");
 _Static_assert(sizeof(struct shardd_group_reply) == 64, "group_reply");
 _Static_assert(offsetof(struct shardd_group_reply, unsharded_size) == 24, "group_reply.unsharded_size");
 _Static_assert(sizeof(struct shardd_sqe) == 64, "sqe");
+_Static_assert(offsetof(struct shardd_sqe, fence) == 1, "sqe.fence");
 _Static_assert(offsetof(struct shardd_sqe, step) == 8, "sqe.step");
 _Static_assert(offsetof(struct shardd_sqe, user_data) == 16, "sqe.user_data");
 _Static_assert(offsetof(struct shardd_sqe, flags) == 24, "sqe.flags");
 _Static_assert(sizeof(struct shardd_cqe) == 64, "cqe");
 _Static_assert(offsetof(struct shardd_cqe, res) == 8, "cqe.res");
+_Static_assert(offsetof(struct shardd_cqe, fence) == 14, "cqe.fence");
+_Static_assert(sizeof(struct shardd_cuda_ipc_handle) == 64, "cuda_ipc_handle");
+_Static_assert(sizeof(struct shardd_stream_req) == 8, "stream_req");
+_Static_assert(sizeof(struct shardd_stream_reply) == 8, "stream_reply");
 _Static_assert(offsetof(struct shardd_cqe, group) == 16, "cqe.group");
 _Static_assert(offsetof(struct shardd_cqe, step) == 24, "cqe.step");
 _Static_assert(sizeof(struct shardd_ring_hdr) == 8 * SHARDD_CACHELINE, "ring_hdr");

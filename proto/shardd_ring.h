@@ -120,10 +120,10 @@ static inline int shardd_ring_attach(struct shardd_ring *r, void *region, uint64
 /* ---------------- client: submission ---------------- */
 
 /*
- * Copy `sqe` into the SQ and publish it. Returns 0, or -EAGAIN when the SQ
- * is full. Does not ring the doorbell: see shardd_ring_needs_wakeup().
+ * The SQ slot the next shardd_sq_push() fills, or -EAGAIN when the SQ is
+ * full. Only the client pushes, so the answer holds until its next push.
  */
-static inline int shardd_sq_push(struct shardd_ring *r, const struct shardd_sqe *sqe)
+static inline int64_t shardd_sq_next_slot(const struct shardd_ring *r)
 {
 	struct shardd_ring_hdr *h = r->hdr;
 	uint32_t tail = atomic_load_explicit(SHARDD_ATOMIC32(&h->sq_tail), memory_order_relaxed);
@@ -132,7 +132,22 @@ static inline int shardd_sq_push(struct shardd_ring *r, const struct shardd_sqe 
 	/* Capacities come from our own copy: the shared header is writable by the peer. */
 	if (tail - head >= r->sq_mask + 1)
 		return -EAGAIN;
-	r->sq[tail & r->sq_mask] = *sqe;
+	return tail & r->sq_mask;
+}
+
+/*
+ * Copy `sqe` into the SQ and publish it. Returns 0, or -EAGAIN when the SQ
+ * is full. Does not ring the doorbell: see shardd_ring_needs_wakeup().
+ */
+static inline int shardd_sq_push(struct shardd_ring *r, const struct shardd_sqe *sqe)
+{
+	struct shardd_ring_hdr *h = r->hdr;
+	uint32_t tail = atomic_load_explicit(SHARDD_ATOMIC32(&h->sq_tail), memory_order_relaxed);
+	int64_t slot = shardd_sq_next_slot(r);
+
+	if (slot < 0)
+		return (int)slot;
+	r->sq[slot] = *sqe;
 	/* Publish the entry before the tail: the daemon reads tail with acquire. */
 	atomic_store_explicit(SHARDD_ATOMIC32(&h->sq_tail), tail + 1, memory_order_release);
 	return 0;
@@ -176,14 +191,27 @@ static inline int64_t shardd_sq_ready(const struct shardd_ring *r)
 
 /*
  * Copy the next SQ entry into `out` (daemon memory, validated afterwards)
- * and release its slot. Call only when shardd_sq_ready() > 0.
+ * and return its slot index; the slot stays the daemon's until
+ * shardd_sq_release(). Call only when shardd_sq_ready() > 0.
  */
-static inline void shardd_sq_pop(struct shardd_ring *r, struct shardd_sqe *out)
+static inline uint32_t shardd_sq_peek(const struct shardd_ring *r, struct shardd_sqe *out)
+{
+	uint32_t head = atomic_load_explicit(SHARDD_ATOMIC32(&r->hdr->sq_head), memory_order_relaxed);
+
+	memcpy(out, &r->sq[head & r->sq_mask], sizeof(*out));
+	return head & r->sq_mask;
+}
+
+/*
+ * Hand the peeked slot back to the client. Whatever the daemon must do
+ * before the client may reuse the slot (wait on the slot's fence event)
+ * comes first.
+ */
+static inline void shardd_sq_release(struct shardd_ring *r)
 {
 	struct shardd_ring_hdr *h = r->hdr;
 	uint32_t head = atomic_load_explicit(SHARDD_ATOMIC32(&h->sq_head), memory_order_relaxed);
 
-	memcpy(out, &r->sq[head & r->sq_mask], sizeof(*out));
 	/* The copy is done before the slot is handed back to the client. */
 	atomic_store_explicit(SHARDD_ATOMIC32(&h->sq_head), head + 1, memory_order_release);
 }
@@ -234,6 +262,13 @@ static inline long shardd_futex(uint32_t *word, int op, uint32_t val,
 	return syscall(SYS_futex, word, op, val, timeout, NULL, 0);
 }
 
+/* The CQ slot the daemon's next shardd_cq_push() fills (only the daemon pushes). */
+static inline uint32_t shardd_cq_next_slot(const struct shardd_ring *r)
+{
+	return atomic_load_explicit(SHARDD_ATOMIC32(&r->hdr->cq_tail), memory_order_relaxed) &
+	       r->cq_mask;
+}
+
 /*
  * Publish one completion; `msg` (may be NULL) is copied into the message
  * slot of the same index, truncated to msg_size - 1 bytes. The caller has
@@ -281,14 +316,13 @@ static inline int64_t shardd_cq_ready(const struct shardd_ring *r)
 
 /*
  * Copy the next completion into `out` and its text (if any) into `msg`
- * (`msg_len` bytes, may be 0), then release the slot. Call only when
- * shardd_cq_ready() > 0.
+ * (`msg_len` bytes, may be 0) and return its slot index; the slot stays the
+ * client's until shardd_cq_release(). Call only when shardd_cq_ready() > 0.
  */
-static inline void shardd_cq_pop(struct shardd_ring *r, struct shardd_cqe *out, char *msg,
-				 size_t msg_len)
+static inline uint32_t shardd_cq_peek(const struct shardd_ring *r, struct shardd_cqe *out, char *msg,
+				      size_t msg_len)
 {
-	struct shardd_ring_hdr *h = r->hdr;
-	uint32_t head = atomic_load_explicit(SHARDD_ATOMIC32(&h->cq_head), memory_order_relaxed);
+	uint32_t head = atomic_load_explicit(SHARDD_ATOMIC32(&r->hdr->cq_head), memory_order_relaxed);
 	uint32_t slot = head & r->cq_mask;
 
 	memcpy(out, &r->cq[slot], sizeof(*out));
@@ -303,6 +337,19 @@ static inline void shardd_cq_pop(struct shardd_ring *r, struct shardd_cqe *out, 
 			msg[n] = '\0';
 		}
 	}
+	return slot;
+}
+
+/*
+ * Hand the peeked completion's slot back to the daemon. Whatever the client
+ * must do before the daemon may reuse the slot (queue its stream's wait on
+ * the slot's fence event) comes first.
+ */
+static inline void shardd_cq_release(struct shardd_ring *r)
+{
+	struct shardd_ring_hdr *h = r->hdr;
+	uint32_t head = atomic_load_explicit(SHARDD_ATOMIC32(&h->cq_head), memory_order_relaxed);
+
 	/* Entry and text copied before the slot goes back to the daemon. */
 	atomic_store_explicit(SHARDD_ATOMIC32(&h->cq_head), head + 1, memory_order_release);
 }

@@ -92,6 +92,8 @@ static void pair_free(struct pair *p)
 static void pair_sync_to_device(struct pair *p)
 {
 	CUDA_OK(cudaMemcpy(shardd_backend_cuda_ptr(&p->d), p->host, p->bytes, cudaMemcpyHostToDevice));
+	/* A pageable copy may still be in flight, and the backend's stream does not wait for it. */
+	CUDA_OK(cudaDeviceSynchronize());
 }
 
 /* Device bytes equal to the host backend's, or the first differing byte is named. */
@@ -100,6 +102,8 @@ static void pair_expect_same(const struct pair *p, const char *what)
 	uint8_t *got = malloc(p->bytes);
 
 	cr_assert_not_null(got);
+	/* The backend only queued the op: wait as the engine does before an unfenced completion. */
+	cr_assert_eq(cuda_be->ops->sync(cuda_be, &p->d), 0);
 	CUDA_OK(cudaMemcpy(got, shardd_backend_cuda_ptr(&p->d), p->bytes, cudaMemcpyDeviceToHost));
 	for (uint64_t i = 0; i < p->bytes; i++)
 		if (got[i] != p->host[i])
@@ -187,7 +191,9 @@ Test(cuda_backend, exported_buffer_imports_with_the_daemons_bytes, .timeout = 60
 	cr_assert_eq(memcmp(want, got, bytes), 0, "the daemon does not see the client's writes");
 
 	/* zero(offset, bytes) clears exactly that range. */
+	CUDA_OK(cudaDeviceSynchronize());
 	cr_assert_eq(cuda_be->ops->zero(cuda_be, &buf, 4096, 100000), 0);
+	cr_assert_eq(cuda_be->ops->sync(cuda_be, &buf), 0);
 	memset(want + 4096, 0, 100000);
 	CUDA_OK(cudaMemcpy(got, (void *)(uintptr_t)m.ptr, bytes, cudaMemcpyDeviceToHost));
 	cr_assert_eq(memcmp(want, got, bytes), 0, "zero(4096, 100000) changed other bytes or missed some");

@@ -321,6 +321,26 @@ Test(attach, good_client_gets_a_ring_and_its_nops_answered, .timeout = 30)
 	shardd_close(c);
 }
 
+Test(attach, stream_ordering_is_refused_on_the_host_backend_and_ops_go_on, .timeout = 30)
+{
+	struct shardd_attach_opts o = {
+		.socket_path = daemon_.socket, .job = "nostream", .rank = 0, .replicate = 1, .shard = 1,
+		.device = 0,
+	};
+	struct shardd_client *c = NULL;
+
+	cr_assert_eq(shardd_connect(&o, &c), 0, "%s", shardd_last_error());
+	cr_assert_eq(shardd_backend(c), SHARDD_BACKEND_HOST);
+	cr_assert_eq(shardd_set_stream(c, NULL), -ENOTSUP);
+	cr_assert_not_null(strstr(shardd_last_error(), "host backend"), "%s", shardd_last_error());
+	/* Nothing was set: ops go out unfenced, which the daemon would refuse otherwise. */
+	for (int i = 0; i < 10; i++)
+		cr_assert_eq(shardd_nop(c), 0, "nop %d: %s", i, shardd_last_error());
+	shardd_clear_stream(c);
+	cr_assert_eq(shardd_barrier(c, 1), 0, "%s", shardd_last_error());
+	shardd_close(c);
+}
+
 Test(attach, socket_from_the_environment_is_used_when_no_path_is_given, .timeout = 30)
 {
 	struct shardd_attach_opts o = {

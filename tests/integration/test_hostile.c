@@ -457,7 +457,8 @@ static int raw_reap(struct raw *r, struct shardd_cqe *cqe, char *msg, int timeou
 		if (n < 0)
 			return -EBADMSG;
 		if (n > 0) {
-			shardd_cq_pop(&r->ring, cqe, msg, SHARDD_RING_MSG_SIZE);
+			shardd_cq_peek(&r->ring, cqe, msg, SHARDD_RING_MSG_SIZE);
+			shardd_cq_release(&r->ring);
 			/* The daemon may wait for CQ room: our reap must wake it. */
 			raw_kick(r);
 			return 0;
@@ -655,6 +656,8 @@ Test(hostile, bad_ring_entries_each_get_one_error_completion_naming_field_and_va
 		  "group id 4294967295" },
 		{ sqe_of(SHARDD_OP_RESHARD, gid + 1, 0, 0, 0), -SHARDD_E_NOGROUP, "group id" },
 		{ sqe_of(SHARDD_OP_RESHARD, gid, 0, 0, 0), -SHARDD_E_STATE, "no unsharded copy" },
+		{ sqe_of(SHARDD_OP_NOP, 0, 0, 0, 0), -SHARDD_E_INVALID, "sqe.fence = 0x3, but" },
+		{ sqe_of(SHARDD_OP_UNSHARD, gid, 1, 0, 0), -SHARDD_E_INVALID, "unknown bits 0x80" },
 	};
 	size_t n = sizeof(cases) / sizeof(cases[0]);
 	uint8_t seen[64] = { 0 };
@@ -663,6 +666,8 @@ Test(hostile, bad_ring_entries_each_get_one_error_completion_naming_field_and_va
 	cases[4].sqe.rsvd1 = 0x77;
 	cases[5].sqe.rsvd2[3] = 0xdead;
 	cases[13].sqe.rsvd2[0] = 0x1;
+	cases[19].sqe.fence = SHARDD_FENCE_WAIT | SHARDD_FENCE_SIGNAL; /* no STREAM sent */
+	cases[20].sqe.fence = 0x81;
 	/* All at once: a batch of bad entries, completions matched by user_data. */
 	for (size_t i = 0; i < n; i++) {
 		cases[i].sqe.user_data = 1000 + i;
@@ -1176,6 +1181,9 @@ Test(hostile, bad_requests_after_hello_get_errors_and_the_session_goes_on)
 		     "open: unknown name lists the groups");
 	send_msg(r.fd, SHARDD_MSG_OPEN_GROUP, 26, NULL, 0);
 	expect_error(r.fd, 26, -SHARDD_E_MALFORMED, NEEDLES("0 bytes"), "open: empty");
+	send_msg(r.fd, SHARDD_MSG_STREAM, 27, NULL, 0);
+	expect_error(r.fd, 27, -ENOTSUP, NEEDLES("--backend cuda", "--backend host"),
+		     "stream fences on the host backend");
 
 	/* After all that the session still serves ring and control requests. */
 	raw_nop_ok(&r, 1);

@@ -109,7 +109,8 @@ Test(proto, sqe_and_cqe_layout, .timeout = 5)
 {
 	cr_assert_eq(sizeof(struct shardd_sqe), 64);
 	cr_assert_eq(OFF(shardd_sqe, op), 0);
-	cr_assert_eq(OFF(shardd_sqe, rsvd0), 1);
+	cr_assert_eq(OFF(shardd_sqe, fence), 1);
+	cr_assert_eq(OFF(shardd_sqe, rsvd0), 2);
 	cr_assert_eq(OFF(shardd_sqe, group), 4);
 	cr_assert_eq(OFF(shardd_sqe, step), 8);
 	cr_assert_eq(OFF(shardd_sqe, user_data), 16);
@@ -122,7 +123,8 @@ Test(proto, sqe_and_cqe_layout, .timeout = 5)
 	cr_assert_eq(OFF(shardd_cqe, res), 8);
 	cr_assert_eq(OFF(shardd_cqe, op), 12);
 	cr_assert_eq(OFF(shardd_cqe, has_msg), 13);
-	cr_assert_eq(OFF(shardd_cqe, rsvd0), 14);
+	cr_assert_eq(OFF(shardd_cqe, fence), 14);
+	cr_assert_eq(OFF(shardd_cqe, rsvd0), 15);
 	cr_assert_eq(OFF(shardd_cqe, group), 16);
 	cr_assert_eq(OFF(shardd_cqe, rsvd1), 20);
 	cr_assert_eq(OFF(shardd_cqe, step), 24);

@@ -69,6 +69,19 @@ static struct shardd_cqe cqe_for(uint64_t i)
 /* Format and attach                                                   */
 /* ------------------------------------------------------------------ */
 
+/* Consumers with nothing to do between the copy and the release. */
+static void sq_pop(struct shardd_ring *r, struct shardd_sqe *out)
+{
+	shardd_sq_peek(r, out);
+	shardd_sq_release(r);
+}
+
+static void cq_pop(struct shardd_ring *r, struct shardd_cqe *out, char *msg, size_t msg_len)
+{
+	shardd_cq_peek(r, out, msg, msg_len);
+	shardd_cq_release(r);
+}
+
 Test(ring, attach_sees_the_formatted_layout, .timeout = 5)
 {
 	struct region reg = region_new(8, 16);
@@ -201,10 +214,10 @@ static uint64_t lap(struct shardd_ring *r, uint64_t seq, uint32_t k)
 		struct shardd_cqe cout, cwant = cqe_for(seq + j);
 		char msg[16];
 
-		shardd_sq_pop(r, &out);
+		sq_pop(r, &out);
 		cr_assert_eq(memcmp(&out, &want, sizeof(out)), 0, "sqe %llu",
 			     (unsigned long long)(seq + j));
-		shardd_cq_pop(r, &cout, msg, sizeof(msg));
+		cq_pop(r, &cout, msg, sizeof(msg));
 		cr_assert_eq(cout.user_data, cwant.user_data);
 		cr_assert_eq(cout.res, cwant.res);
 		cr_assert_eq(cout.op, cwant.op);
@@ -259,9 +272,42 @@ Test(ring, full_sq_refuses_with_eagain_until_the_daemon_pops, .timeout = 5)
 		cr_assert_eq(shardd_sq_push(&r, &e), 0);
 	cr_assert_eq(shardd_sq_push(&r, &e), -EAGAIN);
 	cr_assert_eq(r.hdr->sq_tail, 4, "a refused push must not move the tail");
-	shardd_sq_pop(&r, &out);
+	sq_pop(&r, &out);
 	cr_assert_eq(shardd_sq_push(&r, &e), 0);
 	cr_assert_eq(shardd_sq_push(&r, &e), -EAGAIN);
+	region_free(&reg);
+}
+
+Test(ring, peeked_slots_stay_taken_until_released, .timeout = 5)
+{
+	struct region reg;
+	struct shardd_ring r;
+	struct shardd_sqe e = sqe_for(7), out;
+	struct shardd_cqe c = cqe_for(9), cout;
+
+	ring_new(&reg, &r, 2, 2);
+	cr_assert_eq(shardd_sq_next_slot(&r), 0);
+	cr_assert_eq(shardd_sq_push(&r, &e), 0);
+	cr_assert_eq(shardd_sq_next_slot(&r), 1);
+	cr_assert_eq(shardd_sq_push(&r, &e), 0);
+	cr_assert_eq(shardd_sq_next_slot(&r), -EAGAIN);
+	/* The daemon's copy does not free the slot: the client cannot reuse it yet. */
+	cr_assert_eq(shardd_sq_peek(&r, &out), 0);
+	cr_assert_eq(out.user_data, e.user_data);
+	cr_assert_eq(shardd_sq_next_slot(&r), -EAGAIN);
+	cr_assert_eq(shardd_sq_ready(&r), 2);
+	shardd_sq_release(&r);
+	cr_assert_eq(shardd_sq_next_slot(&r), 0, "slot 0 comes back after the release");
+	cr_assert_eq(shardd_sq_peek(&r, &out), 1);
+
+	shardd_cq_push(&r, &c, NULL);
+	shardd_cq_push(&r, &c, NULL);
+	cr_assert_eq(shardd_cq_peek(&r, &cout, NULL, 0), 0);
+	cr_assert_eq(cout.user_data, c.user_data);
+	cr_assert_eq(shardd_cq_space(&r), 0, "a peeked completion still holds its slot");
+	shardd_cq_release(&r);
+	cr_assert_eq(shardd_cq_space(&r), 1);
+	cr_assert_eq(shardd_cq_peek(&r, &cout, NULL, 0), 1);
 	region_free(&reg);
 }
 
@@ -277,7 +323,7 @@ Test(ring, cq_space_counts_down_and_back_up, .timeout = 5)
 		shardd_cq_push(&r, &e, NULL);
 	}
 	cr_assert_eq(shardd_cq_space(&r), 0);
-	shardd_cq_pop(&r, &out, NULL, 0);
+	cq_pop(&r, &out, NULL, 0);
 	cr_assert_eq(shardd_cq_space(&r), 1);
 	region_free(&reg);
 }
@@ -326,10 +372,10 @@ Test(ring, completion_text_travels_in_the_slot_of_its_entry, .timeout = 5)
 
 	shardd_cq_push(&r, &e, "rank 3 died in barrier 7");
 	shardd_cq_push(&r, &e, long_msg);
-	shardd_cq_pop(&r, &out, msg, sizeof(msg));
+	cq_pop(&r, &out, msg, sizeof(msg));
 	cr_assert_eq(out.has_msg, 1);
 	cr_assert_str_eq(msg, "rank 3 died in barrier 7");
-	shardd_cq_pop(&r, &out, msg, sizeof(msg));
+	cq_pop(&r, &out, msg, sizeof(msg));
 	cr_assert_eq(out.has_msg, 1);
 	cr_assert_eq(strlen(msg), SHARDD_RING_MSG_SIZE - 1, "truncated to the slot");
 	cr_assert_eq(msg[0], 'x');
@@ -337,22 +383,22 @@ Test(ring, completion_text_travels_in_the_slot_of_its_entry, .timeout = 5)
 	/* Slot 0 again: no text this time, and the old text must not show through. */
 	shardd_cq_push(&r, &e, NULL);
 	shardd_cq_push(&r, &e, "");
-	shardd_cq_pop(&r, &out, msg, sizeof(msg));
+	cq_pop(&r, &out, msg, sizeof(msg));
 	cr_assert_eq(out.has_msg, 0);
 	cr_assert_str_eq(msg, "");
-	shardd_cq_pop(&r, &out, msg, sizeof(msg));
+	cq_pop(&r, &out, msg, sizeof(msg));
 	cr_assert_eq(out.has_msg, 0);
 	cr_assert_str_eq(msg, "");
 
 	/* A caller's short buffer gets a terminated prefix. */
 	shardd_cq_push(&r, &e, "0123456789abcdef");
-	shardd_cq_pop(&r, &out, small, sizeof(small));
+	cq_pop(&r, &out, small, sizeof(small));
 	cr_assert_str_eq(small, "012345678");
 	/* A forged has_msg over an unterminated slot still yields a bounded string. */
 	memset(r.msg + 256, 'y', 256);
 	shardd_cq_push(&r, &e, NULL);
 	r.cq[1].has_msg = 1;
-	shardd_cq_pop(&r, &out, msg, sizeof(msg));
+	cq_pop(&r, &out, msg, sizeof(msg));
 	cr_assert_eq(strlen(msg), SHARDD_RING_MSG_SIZE - 1);
 	region_free(&reg);
 }
@@ -415,7 +461,7 @@ static void *sq_consumer(void *arg)
 			relax(&misses);
 			continue;
 		}
-		shardd_sq_pop(t->r, &out);
+		sq_pop(t->r, &out);
 		want = sqe_for(t->got);
 		if (t->bad_at == UINT64_MAX && memcmp(&out, &want, sizeof(out)) != 0) {
 			t->bad_at = t->got;
@@ -484,7 +530,7 @@ static void *cq_consumer(void *arg)
 			relax(&misses);
 			continue;
 		}
-		shardd_cq_pop(t->r, &out, msg, sizeof(msg));
+		cq_pop(t->r, &out, msg, sizeof(msg));
 		want = cqe_for(t->got);
 		snprintf(want_msg, sizeof(want_msg), "failure number %llu",
 			 (unsigned long long)t->got);
@@ -537,7 +583,7 @@ Test(ring, prepare_sleep_sets_need_wakeup_only_on_an_empty_sq, .timeout = 5)
 	cr_assert_eq(shardd_sq_push(&r, &e), 0);
 	cr_assert_eq(shardd_ring_prepare_sleep(&r), 1, "an entry is waiting: do not sleep");
 	cr_assert_eq(shardd_ring_needs_wakeup(&r), 0);
-	shardd_sq_pop(&r, &out);
+	sq_pop(&r, &out);
 	/* The DEAD flag shares the word and survives set and clear of NEED_WAKEUP. */
 	r.hdr->flags = SHARDD_RING_DEAD;
 	cr_assert_eq(shardd_ring_prepare_sleep(&r), 0);
@@ -590,7 +636,7 @@ static void *pingpong_daemon(void *arg)
 		uint64_t v;
 
 		if (shardd_sq_ready(pp->r) > 0) {
-			shardd_sq_pop(pp->r, &in);
+			sq_pop(pp->r, &in);
 			if (shardd_cq_space(pp->r) <= 0) {
 				pp->daemon_err = -ENOSPC;
 				return NULL;
@@ -648,7 +694,7 @@ static void *pingpong_client(void *arg)
 				return NULL;
 			}
 		}
-		shardd_cq_pop(pp->r, &out, NULL, 0);
+		cq_pop(pp->r, &out, NULL, 0);
 		if (out.user_data != i && pp->bad_at == UINT64_MAX)
 			pp->bad_at = i;
 		pp->answered++;

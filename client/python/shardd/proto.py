@@ -125,8 +125,8 @@ REGISTER_GROUP = struct.Struct("<64sIIIIII")      # name nparams param_dtype red
 OPEN_GROUP = struct.Struct("<64s")
 PARAM_LAYOUT = struct.Struct("<8Q")               # see ParamLayout
 GROUP_REPLY = struct.Struct("<IIIIIIQQQ2Q")
-SQE = struct.Struct("<B3xIQQII4Q")                # op group step user_data flags rsvd1 rsvd2[4]
-CQE = struct.Struct("<QiBBHIIQ4Q")                # user_data res op has_msg rsvd0 group rsvd1 step rsvd2[4]
+SQE = struct.Struct("<B3xIQQII4Q")                # op (fence=0: no streams here, rsvd0) group step user_data flags rsvd1 rsvd2[4]
+CQE = struct.Struct("<QiBBHIIQ4Q")                # user_data res op has_msg (fence, rsvd0: unused) group rsvd1 step rsvd2[4]
 RING_HDR_SIZE = 8 * CACHELINE
 
 # Byte offsets of the ring header fields (struct shardd_ring_hdr).

@@ -114,8 +114,11 @@ unsigned bench_worker_threads(void);
 
 /* ---- daemon_proc.c --------------------------------------------------- */
 
-/* Start `shardd` on a temporary socket and wait until it accepts. 0 or -errno. */
-int bench_daemon_start(const char *shardd_path, struct bench_daemon *d);
+/*
+ * Start `shardd --backend backend` (NULL: host) on a temporary socket and
+ * wait until it accepts. 0 or -errno.
+ */
+int bench_daemon_start(const char *shardd_path, const char *backend, struct bench_daemon *d);
 /* Stop a daemon bench_daemon_start() started; a no-op for --socket. */
 void bench_daemon_stop(struct bench_daemon *d);
 
@@ -158,5 +161,15 @@ int bench_ring_run(const struct bench_opts *o, const char *socket_path, pid_t da
 
 /* CUDA kernels against cudaMemcpy device-to-device; 0 and "# no GPU" without one. */
 int bench_gpu_run(const struct bench_opts *o);
+
+/* ---- gpu_ops.c ------------------------------------------------------- */
+
+/*
+ * Unshard and reduce latency through `shardd --backend cuda` (started
+ * here) with o->ranks rank processes on device 0: submit to "the trainer's
+ * stream may proceed", with and without a stream set. 0 and a "skipped"
+ * line without CUDA or a GPU.
+ */
+int bench_gpu_ops_run(const struct bench_opts *o);
 
 #endif /* SHARDBENCH_H */

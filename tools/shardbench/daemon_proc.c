@@ -58,7 +58,7 @@ static int daemon_accepts(const char *path)
 	return ok;
 }
 
-int bench_daemon_start(const char *shardd_path, struct bench_daemon *d)
+int bench_daemon_start(const char *shardd_path, const char *backend, struct bench_daemon *d)
 {
 	uint64_t deadline;
 	int logfd, ret, status;
@@ -101,7 +101,8 @@ int bench_daemon_start(const char *shardd_path, struct bench_daemon *d)
 			_exit(127);
 		dup2(logfd, STDOUT_FILENO);
 		dup2(logfd, STDERR_FILENO);
-		execl(shardd_path, shardd_path, "--socket", d->socket_path, (char *)NULL);
+		execl(shardd_path, shardd_path, "--socket", d->socket_path, "--backend",
+		      backend ? backend : "host", (char *)NULL);
 		fprintf(stderr, "shardbench: exec %s: %s\n", shardd_path, strerror(errno));
 		_exit(127);
 	}

@@ -36,7 +36,8 @@ static void usage(FILE *f)
 "  unshard    all-gather + cast through the daemon, against the roofline and MPI_Allgather\n"
 "  reduce     reduce-scatter of grads, against the roofline and MPI_Reduce_scatter_block\n"
 "  ring       nop round trip through the ring (spinning, sleeping) against a socket\n"
-"  gpu        CUDA kernels against cudaMemcpy device-to-device (also: --gpu)\n"
+"  gpu        CUDA kernels against cudaMemcpy device-to-device, and unshard/reduce\n"
+"             latency through shardd --backend cuda (also: --gpu)\n"
 "  all        roofline, unshard, reduce, ring (and gpu when built with CUDA)\n"
 "\n"
 "  -b SIZE        first size (default 1M); K, M, G suffixes\n"
@@ -263,7 +264,7 @@ int main(int argc, char **argv)
 
 	print_machine(&o);
 	if (cmd == CMD_GPU)
-		return bench_gpu_run(&o) ? 1 : 0;
+		return bench_gpu_run(&o) || bench_gpu_ops_run(&o) ? 1 : 0;
 
 	/* The roofline runs before the daemon starts, so nothing else competes for memory. */
 	ret = bench_roofline_measure(ROOF_ARRAY_BYTES, ROOF_ITERS, 1, &roof);
@@ -276,7 +277,7 @@ int main(int argc, char **argv)
 
 	socket_path = o.socket_path;
 	if (!socket_path) {
-		ret = bench_daemon_start(o.shardd_path, &d);
+		ret = bench_daemon_start(o.shardd_path, NULL, &d);
 		if (ret)
 			return 1;
 		socket_path = d.socket_path;
@@ -301,6 +302,6 @@ int main(int argc, char **argv)
 	}
 	bench_daemon_stop(&d);
 	if (cmd == CMD_ALL)
-		failed |= bench_gpu_run(&o) != 0;
+		failed |= bench_gpu_run(&o) != 0 || bench_gpu_ops_run(&o) != 0;
 	return failed;
 }

@@ -1,0 +1,285 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * `shardbench gpu`, second table: unshard and reduce through a real
+ * `shardd --backend cuda`, o->ranks rank processes sharing device 0.
+ *
+ * Per op, rank 0 reports the p50 and p99 over o->iters of:
+ * - proceed: from the submit until the sync call returns, which is when
+ *   the trainer may queue work that uses the results. Without a stream
+ *   (mode cpu) the daemon finished the kernels first; with one (mode
+ *   stream) the daemon completes as soon as its kernels are queued and
+ *   the trainer's stream waits on the daemon's event.
+ * - done: from the submit until the results are in device memory, seen
+ *   through an event recorded on the trainer's stream after the op.
+ * Every rank checks the gathered values (unshard) and the averaged
+ * gradient (reduce) of its last iteration.
+ */
+#include <stdio.h>
+
+#include "bench.h"
+
+#ifdef SHARDD_HAVE_CUDA
+
+#include <errno.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cuda_runtime.h>
+
+#include "shardd.h"
+
+#define RANK_TIMEOUT_MS 600000
+
+enum { MODE_CPU, MODE_STREAM, NMODES };
+enum { OP_UNSHARD, OP_REDUCE, NOPS };
+
+struct rank_ctx {
+	const struct bench_opts *o;
+	uint32_t rank;
+	struct shardd_client *c;
+	cudaStream_t s;
+	cudaEvent_t ev;
+	uint64_t *proceed, *done; /* [iters] ns */
+	float *host;              /* staging for fills and checks */
+};
+
+#define RANK_CUDA(call)                                                                    \
+	do {                                                                               \
+		cudaError_t e_ = (call);                                                   \
+		if (e_ != cudaSuccess) {                                                   \
+			fprintf(stderr, "shardbench gpu: rank %u: %s: %s\n", x->rank, #call, \
+				cudaGetErrorString(e_));                                   \
+			return -1;                                                         \
+		}                                                                          \
+	} while (0)
+
+#define RANK_SHARDD(call)                                                                  \
+	do {                                                                               \
+		if ((call) < 0) {                                                          \
+			fprintf(stderr, "shardbench gpu: rank %u: %s: %s\n", x->rank, #call, \
+				shardd_last_error());                                      \
+			return -1;                                                         \
+		}                                                                          \
+	} while (0)
+
+/* One timed op; on return the results are in device memory and the stream is idle. */
+static int rank_op(struct rank_ctx *x, struct shardd_group *g, int op, uint64_t step, int i)
+{
+	uint64_t t0 = bench_now_ns();
+
+	if (op == OP_UNSHARD)
+		RANK_SHARDD(shardd_unshard(g, step));
+	else
+		RANK_SHARDD(shardd_reduce(g, step, 0));
+	x->proceed[i] = bench_now_ns() - t0;
+	RANK_CUDA(cudaEventRecord(x->ev, x->s));
+	RANK_CUDA(cudaEventSynchronize(x->ev));
+	x->done[i] = bench_now_ns() - t0;
+	if (op == OP_UNSHARD)
+		RANK_SHARDD(shardd_reshard(g, step));
+	else
+		RANK_SHARDD(shardd_zero_grad(g));
+	return 0;
+}
+
+/* The last iteration's results: every shard gathered, the gradients averaged. */
+static int rank_check(struct rank_ctx *x, struct shardd_group *g, int op, uint64_t numel)
+{
+	uint32_t world = x->o->ranks;
+	uint64_t per = numel / world;
+	float want;
+
+	if (op == OP_UNSHARD) {
+		RANK_CUDA(cudaMemcpy(x->host, shardd_group_unsharded(g, 0), numel * sizeof(float),
+				     cudaMemcpyDeviceToHost));
+		for (uint64_t i = 0; i < numel; i++) {
+			want = (float)(i / per + 1);
+			if (x->host[i] != want) {
+				fprintf(stderr, "shardbench gpu: rank %u: unsharded[%llu] = %g, want %g\n",
+					x->rank, (unsigned long long)i, x->host[i], want);
+				return -1;
+			}
+		}
+		return 0;
+	}
+	RANK_CUDA(cudaMemcpy(x->host, shardd_group_shard_grad(g, 0), per * sizeof(float),
+			     cudaMemcpyDeviceToHost));
+	/* Rank r's gradient is r + 1 everywhere: the mean of 1..world. */
+	want = (float)(world + 1) / 2.0f;
+	for (uint64_t i = 0; i < per; i++) {
+		if (x->host[i] != want) {
+			fprintf(stderr, "shardbench gpu: rank %u: sharded grad[%llu] = %g, want %g\n",
+				x->rank, (unsigned long long)i, x->host[i], want);
+			return -1;
+		}
+	}
+	return 0;
+}
+
+static void print_row(const struct rank_ctx *x, uint64_t bytes, int op, int mode)
+{
+	int n = x->o->iters;
+
+	bench_sort_u64(x->proceed, (size_t)n);
+	bench_sort_u64(x->done, (size_t)n);
+	printf("%12llu %8s %7s %12.1f %12.1f %12.1f %12.1f\n", (unsigned long long)bytes,
+	       op == OP_UNSHARD ? "unshard" : "reduce", mode == MODE_CPU ? "cpu" : "stream",
+	       bench_percentile(x->proceed, (size_t)n, 50) / 1e3,
+	       bench_percentile(x->proceed, (size_t)n, 99) / 1e3,
+	       bench_percentile(x->done, (size_t)n, 50) / 1e3,
+	       bench_percentile(x->done, (size_t)n, 99) / 1e3);
+	fflush(stdout);
+}
+
+/* One size: a group of one fp32 param, both ops, both modes. */
+static int rank_size(struct rank_ctx *x, uint64_t bytes, uint64_t *step)
+{
+	const struct bench_opts *o = x->o;
+	uint64_t numel = bytes / sizeof(float), per = numel / o->ranks;
+	struct shardd_param_desc p = { .name = "w", .dtype = SHARDD_DTYPE_FP32, .ndim = 1,
+				       .shape = { numel } };
+	struct shardd_group *g = NULL;
+	char name[32];
+	int ret = 0;
+
+	snprintf(name, sizeof(name), "size%llu", (unsigned long long)bytes);
+	RANK_SHARDD(shardd_group_register(x->c, name, &p, 1, NULL, &g));
+	for (uint64_t i = 0; i < numel; i++)
+		x->host[i] = (float)(x->rank + 1);
+	/* The shard and the whole gradient hold rank + 1: the gathered tensor is 1..world by shard. */
+	RANK_CUDA(cudaMemcpy(shardd_group_shard(g, 0), x->host, per * sizeof(float),
+			     cudaMemcpyHostToDevice));
+	RANK_CUDA(cudaMemcpy(shardd_group_grad(g, 0), x->host, numel * sizeof(float),
+			     cudaMemcpyHostToDevice));
+	/* A pageable copy may still be in flight when cudaMemcpy returns. */
+	RANK_CUDA(cudaDeviceSynchronize());
+	for (int mode = 0; mode < NMODES && !ret; mode++) {
+		if (mode == MODE_STREAM)
+			RANK_SHARDD(shardd_set_stream(x->c, x->s));
+		else
+			shardd_clear_stream(x->c);
+		for (int op = 0; op < NOPS && !ret; op++) {
+			for (int i = 0; i < o->warmup && !ret; i++)
+				ret = rank_op(x, g, op, ++*step, 0);
+			for (int i = 0; i < o->iters && !ret; i++)
+				ret = rank_op(x, g, op, ++*step, i);
+			if (!ret && op == OP_REDUCE) {
+				/* Measured reduces each followed a zero_grad: one more leaves the last result. */
+				RANK_SHARDD(shardd_reduce(g, ++*step, 0));
+				RANK_CUDA(cudaStreamSynchronize(x->s));
+			}
+			if (!ret && op == OP_UNSHARD) {
+				RANK_SHARDD(shardd_unshard(g, ++*step));
+				RANK_CUDA(cudaStreamSynchronize(x->s));
+			}
+			if (!ret && o->check)
+				ret = rank_check(x, g, op, numel);
+			if (!ret && op == OP_UNSHARD)
+				RANK_SHARDD(shardd_reshard(g, *step));
+			if (!ret && op == OP_REDUCE)
+				RANK_SHARDD(shardd_zero_grad(g));
+			if (!ret && x->rank == 0)
+				print_row(x, bytes, op, mode);
+		}
+	}
+	shardd_clear_stream(x->c);
+	shardd_group_close(g);
+	return ret;
+}
+
+static int rank_main(const struct bench_opts *o, const char *socket_path, uint32_t rank)
+{
+	struct shardd_attach_opts ao = {
+		.socket_path = socket_path, .job = "shardbench-gpu", .rank = rank, .replicate = 1,
+		.shard = o->ranks, .device = 0,
+	};
+	struct rank_ctx ctx = { .o = o, .rank = rank }, *x = &ctx;
+	uint64_t step = 0;
+	int ret = 0;
+
+	x->proceed = calloc((size_t)o->iters, sizeof(uint64_t));
+	x->done = calloc((size_t)o->iters, sizeof(uint64_t));
+	if (!x->proceed || !x->done)
+		return -1;
+	RANK_CUDA(cudaSetDevice(0));
+	RANK_CUDA(cudaStreamCreateWithFlags(&x->s, cudaStreamNonBlocking));
+	RANK_CUDA(cudaEventCreateWithFlags(&x->ev, cudaEventDisableTiming));
+	RANK_CUDA(cudaMallocHost((void **)&x->host, o->max_bytes));
+	RANK_SHARDD(shardd_connect(&ao, &x->c));
+	for (uint64_t bytes = o->min_bytes; bytes <= o->max_bytes && !ret; bytes *= o->factor) {
+		if (bytes % (o->ranks * sizeof(float)) == 0)
+			ret = rank_size(x, bytes, &step);
+		if (bytes > UINT64_MAX / o->factor)
+			break;
+	}
+	shardd_close(x->c);
+	return ret;
+}
+
+int bench_gpu_ops_run(const struct bench_opts *o)
+{
+	struct bench_daemon d;
+	pid_t pids[64];
+	uint32_t started = 0;
+	int n = 0, failed = 0;
+
+	if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+		printf("#\n# shardbench gpu ops: no CUDA device: skipped\n");
+		return 0;
+	}
+	if (o->ranks < 1 || o->ranks > sizeof(pids) / sizeof(pids[0])) {
+		fprintf(stderr, "shardbench gpu ops: -r %u: 1 to %zu ranks\n", o->ranks,
+			sizeof(pids) / sizeof(pids[0]));
+		return -1;
+	}
+	if (bench_daemon_start(o->shardd_path, "cuda", &d))
+		return -1;
+	printf("#\n# shardbench gpu ops: shardd --backend cuda, %u ranks on device 0, fp32, "
+	       "warm-up %d, iterations %d\n", o->ranks, o->warmup, o->iters);
+	printf("# proceed: submit -> the sync call returns (the trainer may queue dependent work); "
+	       "done: submit -> results in device memory\n");
+	printf("# mode cpu: no stream (the daemon syncs before completing); stream: "
+	       "shardd_set_stream (fences)\n");
+	printf("# %10s %8s %7s %12s %12s %12s %12s\n", "size(B)", "op", "mode", "proceed_p50",
+	       "proceed_p99", "done_p50", "done_p99");
+	fflush(stdout);
+	for (; started < o->ranks; started++) {
+		pid_t parent = getpid();
+
+		pids[started] = fork();
+		if (pids[started] < 0) {
+			failed = 1;
+			break;
+		}
+		if (pids[started] == 0) {
+			/* A shardbench killed mid-run takes its ranks along. */
+			prctl(PR_SET_PDEATHSIG, SIGKILL);
+			_exit(getppid() == parent && rank_main(o, d.socket_path, started) == 0 ? 0 : 1);
+		}
+	}
+	for (uint32_t r = 0; r < started; r++) {
+		int status = bench_reap_pid(pids[r], RANK_TIMEOUT_MS);
+
+		if (status < 0 || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+			fprintf(stderr, "shardbench gpu ops: rank %u failed (status %d)\n", r, status);
+			failed = 1;
+		}
+	}
+	bench_daemon_stop(&d);
+	return failed ? -1 : 0;
+}
+
+#else /* !SHARDD_HAVE_CUDA */
+
+int bench_gpu_ops_run(const struct bench_opts *o)
+{
+	(void)o;
+	printf("#\n# shardbench gpu ops: built without CUDA: skipped\n");
+	return 0;
+}
+
+#endif

@@ -333,17 +333,19 @@ static void cuda_free(struct shardd_backend_ctx *b, struct shardd_buf *buf)
 }
 
 /*
- * A duplicate of the exported fd. `readonly` cannot be honoured: whoever
- * holds the fd may map the allocation read-write (see the file comment).
+ * How a client receives a buffer: a duplicate of the exported fd.
+ * `readonly` cannot be honoured: whoever holds the fd may map the
+ * allocation read-write (see the file comment).
  */
-static int cuda_export_fd(struct shardd_backend_ctx *b, const struct shardd_buf *buf, int readonly)
+static int cuda_export_buf(struct shardd_backend_ctx *b, const struct shardd_buf *buf, int readonly,
+			   struct shardd_buf_export *out)
 {
-	int fd;
-
 	(void)b;
 	(void)readonly;
-	fd = fcntl(buf->fd, F_DUPFD_CLOEXEC, 0);
-	return fd < 0 ? -errno : fd;
+	memset(out, 0, sizeof(*out));
+	out->kind = SHARDD_EXPORT_FD;
+	out->fd = fcntl(buf->fd, F_DUPFD_CLOEXEC, 0);
+	return out->fd < 0 ? -errno : 0;
 }
 
 /* ------------------------------------------------------------------ */
@@ -502,7 +504,7 @@ static const struct shardd_backend_ops cuda_ops = {
 	.name = "cuda",
 	.alloc = cuda_alloc,
 	.free = cuda_free,
-	.export_fd = cuda_export_fd,
+	.export_buf = cuda_export_buf,
 	.unshard = cuda_unshard,
 	.reduce = cuda_reduce,
 	.zero = cuda_zero,

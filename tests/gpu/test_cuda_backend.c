@@ -152,18 +152,19 @@ Test(cuda_backend, exported_buffer_imports_with_the_daemons_bytes, .timeout = 60
 {
 	const uint64_t bytes = 3 * 1000 * 1000 + 17; /* not a multiple of any granularity */
 	struct shardd_cuda_mapping m;
+	struct shardd_buf_export ex;
 	struct shardd_buf buf;
 	uint8_t *want = malloc(bytes), *got = malloc(bytes);
-	int fd;
 
 	cr_assert(want && got);
 	cr_assert_eq(cuda_be->ops->alloc(cuda_be, bytes, 0, "roundtrip", &buf), 0);
 	cr_assert_eq(buf.bytes, bytes);
 	cr_assert_geq(buf.fd, 0);
-	fd = cuda_be->ops->export_fd(cuda_be, &buf, 1);
-	cr_assert_geq(fd, 0);
-	cr_assert_eq(shardd_cuda_import(fd, 0, bytes, &m), 0, "import: %s", shardd_last_error());
-	close(fd);
+	cr_assert_eq(cuda_be->ops->export_buf(cuda_be, &buf, 1, &ex), 0);
+	cr_assert_eq(ex.kind, SHARDD_EXPORT_FD);
+	cr_assert_geq(ex.fd, 0);
+	cr_assert_eq(shardd_cuda_import(ex.fd, 0, bytes, &m), 0, "import: %s", shardd_last_error());
+	close(ex.fd);
 	cr_assert_neq(m.ptr, 0);
 	cr_assert_geq(m.size, bytes);
 

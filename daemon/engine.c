@@ -654,10 +654,10 @@ static void deferred_fail(struct eng_group *eg, uint32_t rank, int res, const ch
 
 #ifdef SHARDD_HAVE_CUDA
 /* The cuda backend; its error is logged as it words it (which flag, why, the fix). */
-static int engine_backend_cuda(struct shardd_backend_ctx **out)
+static int engine_backend_cuda(uint32_t cuda_export, struct shardd_backend_ctx **out)
 {
 	char err[256];
-	int ret = shardd_backend_cuda_create(out, err, sizeof(err));
+	int ret = shardd_backend_cuda_create(cuda_export, out, err, sizeof(err));
 
 	if (ret)
 		shardd_log_error("%s", err);
@@ -701,7 +701,7 @@ int shardd_engine_create(const struct shardd_engine_config *cfg, struct shardd_e
 		goto err_efd;
 #ifdef SHARDD_HAVE_CUDA
 	if (cfg->backend == SHARDD_BACKEND_CUDA)
-		ret = engine_backend_cuda(&e->backend);
+		ret = engine_backend_cuda(cfg->cuda_export, &e->backend);
 	else
 #endif
 		ret = shardd_backend_host_create(e->pool, &e->backend);

@@ -42,6 +42,7 @@ typedef void (*shardd_engine_reply_fn)(void *job_ctx, uint32_t rank, uint64_t to
 
 struct shardd_engine_config {
 	uint32_t backend;                 /* enum shardd_backend */
+	uint32_t cuda_export;             /* cuda backend: enum shardd_cuda_export (backend_cuda.h) */
 	uint32_t collective_timeout_ms;
 	unsigned workers;                 /* worker threads; 0 = number of online cores */
 	shardd_engine_complete_fn complete;

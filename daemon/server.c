@@ -415,6 +415,7 @@ int shardd_server_init(const struct shardd_config *cfg)
 
 	memset(&ecfg, 0, sizeof(ecfg));
 	ecfg.backend = cfg->backend;
+	ecfg.cuda_export = cfg->cuda_export;
 	ecfg.collective_timeout_ms = (uint32_t)(server.collective_timeout_ns / 1000000u);
 	ecfg.workers = cfg->workers;
 	ecfg.complete = server_engine_complete;

@@ -9,9 +9,12 @@
  * CUDA program on the machine already loads (the runtime libraries of
  * PyTorch included), so no toolkit needs to be on the loader's path.
  *
- * The size mapped is the buffer's size rounded up to the device's minimum
- * granularity for a POSIX-fd allocation: exactly what the daemon allocated
- * (daemon/backend_cuda.c rounds the same way on the same device).
+ * An fd buffer is mapped with the buffer's size rounded up to the
+ * device's minimum granularity for a POSIX-fd allocation: exactly what the
+ * daemon allocated (daemon/backend_cuda.c rounds the same way on the same
+ * device). A legacy IPC handle is opened in the device's primary context,
+ * which stays retained while the mapping lives; the driver maps the whole
+ * allocation, at least the buffer's size, and the group uses that size.
  */
 #include <errno.h>
 #include <stdint.h>
@@ -28,12 +31,24 @@
 #include <dlfcn.h>
 #include <pthread.h>
 
-/* The ABI asked of cuGetProcAddress: the PFN_*_v10020 virtual memory calls as of CUDA 12.0. */
+/*
+ * The ABI asked of cuGetProcAddress: the PFN_*_v10020 virtual memory calls
+ * as of CUDA 12.0, and the newest versions of the context and IPC calls
+ * at 12.0 (cuIpcOpenMemHandle_v2 of CUDA 11.0, which counts repeated opens
+ * of a handle in one context instead of failing them).
+ */
 #define CUDA_DRIVER_ABI 12000
 
 static struct {
 	PFN_cuInit_v2000                          init;
 	PFN_cuGetErrorString_v6000                get_error_string;
+	PFN_cuDeviceGet_v2000                     device_get;
+	PFN_cuDevicePrimaryCtxRetain_v7000        primary_ctx_retain;
+	PFN_cuDevicePrimaryCtxRelease_v11000      primary_ctx_release;
+	PFN_cuCtxPushCurrent_v4000                ctx_push;
+	PFN_cuCtxPopCurrent_v4000                 ctx_pop;
+	PFN_cuIpcOpenMemHandle_v11000             ipc_open;
+	PFN_cuIpcCloseMemHandle_v4010             ipc_close;
 	PFN_cuMemGetAllocationGranularity_v10020  granularity;
 	PFN_cuMemImportFromShareableHandle_v10020 import_handle;
 	PFN_cuMemRelease_v10020                   release;
@@ -42,11 +57,6 @@ static struct {
 	PFN_cuMemMap_v10020                       map;
 	PFN_cuMemUnmap_v10020                     unmap;
 	PFN_cuMemSetAccess_v10020                 set_access;
-	PFN_cuDeviceGet_v2000                     device_get;
-	PFN_cuDevicePrimaryCtxRetain_v7000        ctx_retain;
-	PFN_cuDevicePrimaryCtxRelease_v11000      ctx_release;
-	PFN_cuCtxPushCurrent_v4000                ctx_push;
-	PFN_cuCtxPopCurrent_v4000                 ctx_pop;
 	PFN_cuEventCreate_v2000                   event_create;
 	PFN_cuEventDestroy_v4000                  event_destroy;
 	PFN_cuIpcGetEventHandle_v4010             ipc_get_event;
@@ -95,6 +105,13 @@ static void drv_load(void)
 	} while (0)
 	DRV_RESOLVE(init, "cuInit");
 	DRV_RESOLVE(get_error_string, "cuGetErrorString");
+	DRV_RESOLVE(device_get, "cuDeviceGet");
+	DRV_RESOLVE(primary_ctx_retain, "cuDevicePrimaryCtxRetain");
+	DRV_RESOLVE(primary_ctx_release, "cuDevicePrimaryCtxRelease");
+	DRV_RESOLVE(ctx_push, "cuCtxPushCurrent");
+	DRV_RESOLVE(ctx_pop, "cuCtxPopCurrent");
+	DRV_RESOLVE(ipc_open, "cuIpcOpenMemHandle");
+	DRV_RESOLVE(ipc_close, "cuIpcCloseMemHandle");
 	DRV_RESOLVE(granularity, "cuMemGetAllocationGranularity");
 	DRV_RESOLVE(import_handle, "cuMemImportFromShareableHandle");
 	DRV_RESOLVE(release, "cuMemRelease");
@@ -103,11 +120,6 @@ static void drv_load(void)
 	DRV_RESOLVE(map, "cuMemMap");
 	DRV_RESOLVE(unmap, "cuMemUnmap");
 	DRV_RESOLVE(set_access, "cuMemSetAccess");
-	DRV_RESOLVE(device_get, "cuDeviceGet");
-	DRV_RESOLVE(ctx_retain, "cuDevicePrimaryCtxRetain");
-	DRV_RESOLVE(ctx_release, "cuDevicePrimaryCtxRelease");
-	DRV_RESOLVE(ctx_push, "cuCtxPushCurrent");
-	DRV_RESOLVE(ctx_pop, "cuCtxPopCurrent");
 	DRV_RESOLVE(event_create, "cuEventCreate");
 	DRV_RESOLVE(event_destroy, "cuEventDestroy");
 	DRV_RESOLVE(ipc_get_event, "cuIpcGetEventHandle");
@@ -136,6 +148,46 @@ static int drv_fail(CUresult r, const char *what, int device, uint64_t bytes)
 			      (unsigned long long)bytes, device, what, s, (int)r);
 }
 
+/* 0 when a buffer of `bytes` can be imported on `device`: the arguments and the driver. */
+static int import_check(int device, uint64_t bytes)
+{
+	if (device < 0 || bytes == 0 || bytes > SIZE_MAX / 2)
+		return shardd_err_set(-EINVAL, "import a cuda buffer of %llu bytes on device %d: %s",
+				      (unsigned long long)bytes, device,
+				      device < 0 ? "the client attached without a CUDA device (hello.device)"
+						 : "bad size");
+	pthread_once(&drv_once, drv_load);
+	if (drv_status)
+		return shardd_err_set(drv_status, "the daemon runs the cuda backend: %s", drv_error);
+	return 0;
+}
+
+/*
+ * Make `dev`'s primary context current on this thread, on top of whatever
+ * the caller had (with a retain of its own, which primary_ctx_pop releases).
+ */
+static CUresult primary_ctx_push(CUdevice dev)
+{
+	CUcontext ctx;
+	CUresult r = drv.primary_ctx_retain(&ctx, dev);
+
+	if (r != CUDA_SUCCESS)
+		return r;
+	r = drv.ctx_push(ctx);
+	if (r != CUDA_SUCCESS)
+		drv.primary_ctx_release(dev);
+	return r;
+}
+
+/* Back to the caller's current context. */
+static void primary_ctx_pop(CUdevice dev)
+{
+	CUcontext popped;
+
+	drv.ctx_pop(&popped);
+	drv.primary_ctx_release(dev);
+}
+
 int shardd_cuda_import(int fd, int device, uint64_t bytes, struct shardd_cuda_mapping *out)
 {
 	CUmemGenericAllocationHandle handle;
@@ -146,16 +198,10 @@ int shardd_cuda_import(int fd, int device, uint64_t bytes, struct shardd_cuda_ma
 	CUresult r;
 	int ret;
 
-	out->ptr = 0;
-	out->size = 0;
-	if (device < 0 || bytes == 0 || bytes > SIZE_MAX / 2)
-		return shardd_err_set(-EINVAL, "import a cuda buffer of %llu bytes on device %d: %s",
-				      (unsigned long long)bytes, device,
-				      device < 0 ? "the client attached without a CUDA device (hello.device)"
-						 : "bad size");
-	pthread_once(&drv_once, drv_load);
-	if (drv_status)
-		return shardd_err_set(drv_status, "the daemon runs the cuda backend: %s", drv_error);
+	memset(out, 0, sizeof(*out));
+	ret = import_check(device, bytes);
+	if (ret)
+		return ret;
 
 	/* The daemon's allocation properties: the granularity must be the one it rounded with. */
 	memset(&prop, 0, sizeof(prop));
@@ -198,6 +244,8 @@ int shardd_cuda_import(int fd, int device, uint64_t bytes, struct shardd_cuda_ma
 	drv.release(handle);
 	out->ptr = ptr;
 	out->size = size;
+	out->kind = SHARDD_EXPORT_FD;
+	out->device = device;
 	return 0;
 
 err_unmap:
@@ -209,15 +257,72 @@ err_release:
 	return ret;
 }
 
+int shardd_cuda_import_ipc(const struct shardd_cuda_ipc_handle *handle, int device, uint64_t bytes,
+			   struct shardd_cuda_mapping *out)
+{
+	CUipcMemHandle h;
+	CUdeviceptr ptr = 0;
+	CUcontext ctx, popped;
+	CUdevice dev;
+	CUresult r;
+	int ret;
+
+	_Static_assert(sizeof(h) == sizeof(handle->bytes), "CUipcMemHandle is 64 bytes");
+	memset(out, 0, sizeof(*out));
+	ret = import_check(device, bytes);
+	if (ret)
+		return ret;
+	r = drv.device_get(&dev, device);
+	if (r != CUDA_SUCCESS)
+		return drv_fail(r, "cuDeviceGet", device, bytes);
+	/* This retain is the mapping's: it keeps the context the memory is mapped in alive. */
+	r = drv.primary_ctx_retain(&ctx, dev);
+	if (r != CUDA_SUCCESS)
+		return drv_fail(r, "cuDevicePrimaryCtxRetain", device, bytes);
+	/* On top of the caller's current context, which the pop below restores. */
+	r = drv.ctx_push(ctx);
+	if (r != CUDA_SUCCESS) {
+		ret = drv_fail(r, "cuCtxPushCurrent", device, bytes);
+		goto err_release;
+	}
+	memcpy(&h, handle->bytes, sizeof(h));
+	/* Memory of another device than this rank's is reached through peer access, enabled as needed. */
+	r = drv.ipc_open(&ptr, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+	drv.ctx_pop(&popped);
+	if (r != CUDA_SUCCESS) {
+		ret = drv_fail(r, "cuIpcOpenMemHandle", device, bytes);
+		goto err_release;
+	}
+	out->ptr = ptr;
+	out->size = bytes;
+	out->kind = SHARDD_EXPORT_CUDA_IPC;
+	out->device = device;
+	return 0;
+
+err_release:
+	drv.primary_ctx_release(dev);
+	return ret;
+}
+
 void shardd_cuda_unmap(struct shardd_cuda_mapping *m)
 {
+	CUdevice dev;
+
 	/* A mapping exists only after drv_load succeeded. */
-	if (m->ptr) {
+	if (m->ptr && m->kind == SHARDD_EXPORT_CUDA_IPC) {
+		/* The handle is closed in the context that opened it; then the mapping's retain goes. */
+		if (drv.device_get(&dev, m->device) == CUDA_SUCCESS) {
+			if (primary_ctx_push(dev) == CUDA_SUCCESS) {
+				drv.ipc_close((CUdeviceptr)m->ptr);
+				primary_ctx_pop(dev);
+			}
+			drv.primary_ctx_release(dev);
+		}
+	} else if (m->ptr) {
 		drv.unmap((CUdeviceptr)m->ptr, (size_t)m->size);
 		drv.address_free((CUdeviceptr)m->ptr, (size_t)m->size);
 	}
-	m->ptr = 0;
-	m->size = 0;
+	memset(m, 0, sizeof(*m));
 }
 
 /* ---------------- fences ---------------- */
@@ -278,7 +383,7 @@ void shardd_cuda_fences_free(struct shardd_cuda_fences *f)
 		CUdevice dev;
 
 		if (drv.device_get(&dev, f->device) == CUDA_SUCCESS)
-			drv.ctx_release(dev);
+			drv.primary_ctx_release(dev);
 	}
 	free(f->record);
 	free(f->wait);
@@ -313,7 +418,7 @@ int shardd_cuda_fences_create(int device, uint32_t nrecord, struct shardd_cuda_i
 	f->device = device;
 	r = drv.device_get(&dev, device);
 	if (r == CUDA_SUCCESS)
-		r = drv.ctx_retain(&f->ctx, dev);
+		r = drv.primary_ctx_retain(&f->ctx, dev);
 	if (r != CUDA_SUCCESS) {
 		f->ctx = NULL;
 		ret = fence_fail(r, "the device's primary context", device);
@@ -411,21 +516,31 @@ int shardd_cuda_fence_wait(struct shardd_cuda_fences *f, uint32_t slot, int on_s
 
 #else /* !SHARDD_HAVE_CUDA */
 
-int shardd_cuda_import(int fd, int device, uint64_t bytes, struct shardd_cuda_mapping *out)
+static int no_cuda(int device, uint64_t bytes, struct shardd_cuda_mapping *out)
 {
-	(void)fd;
-	out->ptr = 0;
-	out->size = 0;
+	memset(out, 0, sizeof(*out));
 	return shardd_err_set(-ENOTSUP,
 			      "import a cuda buffer of %llu bytes on device %d: the daemon runs the cuda "
 			      "backend but this libshardd was built without CUDA (rebuild with make CUDA=1)",
 			      (unsigned long long)bytes, device);
 }
 
+int shardd_cuda_import(int fd, int device, uint64_t bytes, struct shardd_cuda_mapping *out)
+{
+	(void)fd;
+	return no_cuda(device, bytes, out);
+}
+
+int shardd_cuda_import_ipc(const struct shardd_cuda_ipc_handle *handle, int device, uint64_t bytes,
+			   struct shardd_cuda_mapping *out)
+{
+	(void)handle;
+	return no_cuda(device, bytes, out);
+}
+
 void shardd_cuda_unmap(struct shardd_cuda_mapping *m)
 {
-	m->ptr = 0;
-	m->size = 0;
+	memset(m, 0, sizeof(*m));
 }
 
 /* Fences are never made in this build, so only their creation can be called. */

@@ -1,8 +1,9 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * Groups on the client side: registration and opening, checking the
- * daemon's layout reply against the fds it came with, mapping the four
- * buffers, and copying a rank's shard out of a full tensor.
+ * daemon's layout reply against the fds and CUDA IPC handles it came with,
+ * mapping the four buffers, and copying a rank's shard out of a full
+ * tensor.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -16,6 +17,8 @@
 
 #include "cuda_import.h"
 #include "internal.h"
+
+_Static_assert(SHARDD_BUF_COUNT == SHARDD_GROUP_BUFS, "a group maps every buffer of a GROUP reply");
 
 static const char *const buf_name[SHARDD_BUF_COUNT] = {
 	[SHARDD_BUF_UNSHARDED] = "unsharded",
@@ -146,8 +149,12 @@ static int check_against_spec(const struct shardd_group *g, uint32_t i)
 	return ret;
 }
 
-/* Cuda backend: the fd is a device allocation, imported on this rank's device. */
-static int map_cuda_buffer(struct shardd_group *g, enum shardd_group_buf b, int fd, uint64_t size)
+/*
+ * Cuda backend: a device allocation, imported on this rank's device from
+ * its fd, or from its CUDA IPC handle when `ipc` is not NULL.
+ */
+static int map_cuda_buffer(struct shardd_group *g, enum shardd_group_buf b, int fd,
+			   const struct shardd_cuda_ipc_handle *ipc, uint64_t size)
 {
 	struct shardd_cuda_mapping m;
 	int ret;
@@ -155,11 +162,16 @@ static int map_cuda_buffer(struct shardd_group *g, enum shardd_group_buf b, int 
 	g->buf[b].size = size;
 	if (!size)
 		return 0;
-	ret = shardd_cuda_import(fd, g->client->device, size, &m);
+	if (ipc)
+		ret = shardd_cuda_import_ipc(ipc, g->client->device, size, &m);
+	else
+		ret = shardd_cuda_import(fd, g->client->device, size, &m);
 	if (ret < 0)
 		return shardd_err_wrap(ret, "map %s buffer", buf_name[b]);
 	g->buf[b].addr = (void *)(uintptr_t)m.ptr;
 	g->buf[b].cuda_size = m.size;
+	g->buf[b].cuda_kind = m.kind;
+	g->buf[b].cuda_device = m.device;
 	return 0;
 }
 
@@ -171,7 +183,7 @@ static int map_buffer(struct shardd_group *g, enum shardd_group_buf b, int fd, u
 	void *addr;
 
 	if (g->client->welcome.backend == SHARDD_BACKEND_CUDA)
-		return map_cuda_buffer(g, b, fd, size);
+		return map_cuda_buffer(g, b, fd, NULL, size);
 
 	if (fstat(fd, &st) < 0)
 		return shardd_err_set(-errno, "fstat %s fd: %s", buf_name[b], strerror(errno));
@@ -234,14 +246,53 @@ static int specs_from_reply(struct shardd_group *g, const uint8_t *at)
 	return 0;
 }
 
+int shardd_group_check_exports(const struct shardd_group_reply *info, uint32_t backend, int nfds,
+			       size_t tail)
+{
+	int want_fds = 0, nipc = 0;
+
+	for (int b = 0; b < SHARDD_GROUP_BUFS; b++) {
+		uint32_t kind = info->export_kind[b];
+
+		if (kind >= SHARDD_EXPORT_COUNT)
+			return shardd_err_set(-SHARDD_E_MALFORMED,
+					      "GROUP reply: export_kind[%d] = %u is not an export kind "
+					      "(fd = %d, cuda ipc = %d)", b, kind, SHARDD_EXPORT_FD,
+					      SHARDD_EXPORT_CUDA_IPC);
+		if (kind == SHARDD_EXPORT_CUDA_IPC && backend != SHARDD_BACKEND_CUDA)
+			return shardd_err_set(-SHARDD_E_MALFORMED,
+					      "GROUP reply: export_kind[%d] = %u (cuda ipc) for the %s "
+					      "buffer, but the daemon's backend is %u, not cuda (%d)", b, kind,
+					      buf_name[b], backend, SHARDD_BACKEND_CUDA);
+		if (kind == SHARDD_EXPORT_FD)
+			want_fds++;
+		else
+			nipc++;
+	}
+	if (nfds != want_fds)
+		return shardd_err_set(-SHARDD_E_MALFORMED,
+				      "GROUP reply carries %d fds, but its export_kind {%u, %u, %u, %u} "
+				      "says %d buffers travel as fds", nfds, info->export_kind[0],
+				      info->export_kind[1], info->export_kind[2], info->export_kind[3],
+				      want_fds);
+	if (tail != (size_t)nipc * sizeof(struct shardd_cuda_ipc_handle))
+		return shardd_err_set(-SHARDD_E_MALFORMED,
+				      "GROUP reply has %zu bytes after its param specs, but its export_kind "
+				      "{%u, %u, %u, %u} says %d CUDA IPC handles of %zu bytes follow", tail,
+				      info->export_kind[0], info->export_kind[1], info->export_kind[2],
+				      info->export_kind[3], nipc, sizeof(struct shardd_cuda_ipc_handle));
+	return nipc;
+}
+
 /* Fill g from a GROUP reply; `want_nparams` 0 accepts any count. */
 static int group_from_reply(struct shardd_group *g, const struct shardd_ctrl_rx *rx,
 			    uint32_t want_nparams)
 {
 	struct shardd_group_reply *info = &g->info;
 	uint64_t sizes[SHARDD_BUF_COUNT];
-	size_t want_len;
-	int ret;
+	const uint8_t *handles;
+	size_t specs_end;
+	int ret, fi = 0, hi = 0;
 
 	if (rx->hdr.length < sizeof(*info))
 		return shardd_err_set(-SHARDD_E_MALFORMED, "GROUP reply of %u bytes, want at least %zu",
@@ -251,21 +302,23 @@ static int group_from_reply(struct shardd_group *g, const struct shardd_ctrl_rx 
 	    (want_nparams && info->nparams != want_nparams))
 		return shardd_err_set(-SHARDD_E_MALFORMED, "GROUP reply has %u params, want %u",
 				      info->nparams, want_nparams ? want_nparams : SHARDD_MAX_PARAMS);
-	want_len = sizeof(*info) + (size_t)info->nparams *
-		   (sizeof(struct shardd_param_layout) + sizeof(struct shardd_param_spec));
-	if (rx->hdr.length != want_len)
+	specs_end = sizeof(*info) + (size_t)info->nparams *
+		    (sizeof(struct shardd_param_layout) + sizeof(struct shardd_param_spec));
+	if (rx->hdr.length < specs_end)
 		return shardd_err_set(-SHARDD_E_MALFORMED,
-				      "GROUP reply of %u bytes, %u params need %zu",
-				      rx->hdr.length, info->nparams, want_len);
+				      "GROUP reply of %u bytes, %u params need %zu before any CUDA IPC handle",
+				      rx->hdr.length, info->nparams, specs_end);
 	if (!info->group_id)
 		return shardd_err_set(-SHARDD_E_MALFORMED, "GROUP reply has group id 0");
 	if (!info->shard_world || info->shard_world != g->client->shard)
 		return shardd_err_set(-SHARDD_E_MALFORMED,
 				      "GROUP reply has shard_world %u, the mesh's shard size is %u",
 				      info->shard_world, g->client->shard);
-	if (rx->nfds != SHARDD_BUF_COUNT)
-		return shardd_err_set(-SHARDD_E_MALFORMED, "GROUP reply carries %d fds, want %d",
-				      rx->nfds, SHARDD_BUF_COUNT);
+	ret = shardd_group_check_exports(info, g->client->welcome.backend, rx->nfds,
+					 rx->hdr.length - specs_end);
+	if (ret < 0)
+		return ret;
+	handles = rx->payload + specs_end;
 	g->layouts = malloc(sizeof(*g->layouts) * info->nparams);
 	if (!g->layouts)
 		return shardd_err_set(-ENOMEM, "%u param layouts: out of memory", info->nparams);
@@ -278,8 +331,17 @@ static int group_from_reply(struct shardd_group *g, const struct shardd_ctrl_rx 
 	sizes[SHARDD_BUF_GRAD] = info->grad_size;
 	sizes[SHARDD_BUF_SHARD] = info->shard_size;
 	sizes[SHARDD_BUF_SHARD_GRAD] = info->shard_size;
+	/* fds and handles each come in buffer order, for the buffers of their kind. */
 	for (int b = 0; b < SHARDD_BUF_COUNT; b++) {
-		ret = map_buffer(g, (enum shardd_group_buf)b, rx->fds[b], sizes[b]);
+		struct shardd_cuda_ipc_handle h;
+
+		if (info->export_kind[b] == SHARDD_EXPORT_FD) {
+			ret = map_buffer(g, (enum shardd_group_buf)b, rx->fds[fi++], sizes[b]);
+		} else {
+			/* The payload may sit at any alignment: copy the handle out. */
+			memcpy(&h, handles + (size_t)hi++ * sizeof(h), sizeof(h));
+			ret = map_cuda_buffer(g, (enum shardd_group_buf)b, -1, &h, sizes[b]);
+		}
 		if (ret < 0)
 			return ret;
 	}
@@ -308,7 +370,8 @@ void shardd_group_close(struct shardd_group *g)
 	for (int b = 0; b < SHARDD_BUF_COUNT; b++) {
 		if (g->buf[b].cuda_size) {
 			struct shardd_cuda_mapping m = { (uint64_t)(uintptr_t)g->buf[b].addr,
-							 g->buf[b].cuda_size };
+							 g->buf[b].cuda_size, g->buf[b].cuda_kind,
+							 g->buf[b].cuda_device };
 
 			shardd_cuda_unmap(&m);
 		} else if (g->buf[b].addr) {

@@ -53,7 +53,9 @@ struct shardd_client {
 struct shardd_mapping {
 	void    *addr;      /* NULL when size is 0; a device address under the cuda backend */
 	uint64_t size;
-	uint64_t cuda_size; /* cuda backend: bytes mapped on the device (size rounded up); 0: a host mmap */
+	uint64_t cuda_size; /* cuda backend: shardd_cuda_mapping.size; 0: a host mmap */
+	uint32_t cuda_kind; /* cuda backend: how it was imported (enum shardd_export_kind) */
+	int32_t  cuda_device; /* cuda backend: the device it was imported on */
 };
 
 enum shardd_group_buf {
@@ -127,6 +129,17 @@ SHARDD_HIDDEN int shardd_client_fence_submit(struct shardd_client *c, uint32_t s
  */
 SHARDD_HIDDEN void shardd_client_fence_reap(struct shardd_client *c, uint32_t slot,
 					    struct shardd_completion *cp);
+
+/*
+ * group.c: check how a GROUP reply's buffers travel: every info->export_kind
+ * known and allowed under `backend` (CUDA IPC only under the cuda backend),
+ * `nfds` fds for the FD buffers, and `tail` payload bytes after the param
+ * specs holding exactly the CUDA IPC handles. Returns the number of
+ * handles, or -SHARDD_E_MALFORMED with the error context naming the field
+ * and the value.
+ */
+SHARDD_HIDDEN int shardd_group_check_exports(const struct shardd_group_reply *info,
+					     uint32_t backend, int nfds, size_t tail);
 
 /* ops.c: submit one op and wait for its own completion; returns its res. */
 SHARDD_HIDDEN int shardd_client_op_sync(struct shardd_client *c, uint32_t op, uint32_t group,

@@ -18,7 +18,9 @@
  * independent and may be used from different threads at once. Buffer
  * mappings of a group stay valid until shardd_group_close(), even after
  * the client handle is closed. Close every group before or after its
- * client, but use a group's ops only while its client is open.
+ * client, but use a group's ops only while its client is open. (Under
+ * the cuda backend's legacy IPC export, the memory also ends when the
+ * daemon ends the job: docs/CUDA.md.)
  */
 #ifndef SHARDD_H
 #define SHARDD_H

@@ -304,7 +304,7 @@ static uint64_t bufs_bytes(const struct shardd_buf *b, uint32_t n)
 	uint64_t sum = 0;
 
 	for (uint32_t i = 0; b && i < n; i++)
-		if (b[i].fd >= 0)
+		if (shardd_buf_allocated(&b[i]))
 			sum += b[i].bytes;
 	return sum;
 }
@@ -901,9 +901,15 @@ static int dump_read(const struct dump_view *v, uint64_t a, uint64_t b, uint64_t
 	float f[SHARDD_K_BLOCK];
 	uint64_t first = a * v->row_elems, n = (b - a) * v->row_elems, done = 0;
 
-	if (v->buf->fd < 0) {
+	if (!shardd_buf_allocated(v->buf)) {
 		*err = reply_err(-SHARDD_E_STATE, "the %s buffer is not allocated yet: every rank must "
 				 "register the group first", v->what);
+		return -1;
+	}
+	if (v->buf->fd < 0) {
+		*err = reply_err(-SHARDD_E_BACKEND, "the %s buffer has no fd to read: the %s backend "
+				 "exports it as a CUDA IPC handle (dump reads host-readable buffers)",
+				 v->what, shardd_backend_name(server.cfg.backend));
 		return -1;
 	}
 	while (done < n) {

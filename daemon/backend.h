@@ -6,7 +6,8 @@
  * reduce math, in what order); a backend decides how: host memory and CPU
  * kernels on the worker pool (backend_host.c), or device memory and device
  * kernels / NCCL (a cuda backend, same table). Buffers are opaque handles
- * with an fd to export, so the engine never touches memory itself.
+ * that a backend exports to clients (an fd, or a CUDA IPC handle), so the
+ * engine never touches memory itself.
  *
  * Calls are made from pool threads (host: also the loop thread, for small
  * tasks), one call at a time per buffer. A backend with `sync` queues the
@@ -31,17 +32,25 @@ struct shardd_backend_ctx;
 struct shardd_fences;
 struct shardd_pool;
 
-/* One buffer of a group. */
+/*
+ * One buffer of a group. It is allocated exactly when priv is not NULL: a
+ * buffer exported as a CUDA IPC handle is allocated and has no fd.
+ */
 struct shardd_buf {
 	uint64_t bytes; /* size as allocated (and as a client maps it) */
-	int      fd;    /* the handle clients receive a duplicate of; -1 when unallocated */
-	void    *priv;  /* the backend's own state: a host mapping, a device pointer */
+	int      fd;    /* exported as an fd: clients receive duplicates of it; else -1 */
+	void    *priv;  /* the backend's own state (a host mapping, a device buffer); NULL: unallocated */
 };
 
+static inline int shardd_buf_allocated(const struct shardd_buf *buf)
+{
+	return buf->priv != NULL;
+}
+
 /*
- * End of a backend's free: close the exported fd and leave the buffer
- * unallocated (fd -1, priv NULL), the state free accepts again as a no-op.
- * The backend has released what priv pointed to before.
+ * End of a backend's free: close the exported fd if there is one and leave
+ * the buffer unallocated (priv NULL, fd -1), the state free accepts again
+ * as a no-op. The backend has released what priv pointed to before.
  */
 static inline void shardd_buf_forget(struct shardd_buf *buf)
 {
@@ -104,6 +113,13 @@ struct shardd_reduce_args {
 	struct shardd_reduce_math math;        /* math.add is ignored: `add` says where */
 };
 
+/* How one buffer travels to a client (a GROUP reply's export_kind and what goes with it). */
+struct shardd_buf_export {
+	uint32_t kind;                     /* enum shardd_export_kind */
+	int      fd;                       /* SHARDD_EXPORT_FD: a new fd the caller closes; else -1 */
+	struct shardd_cuda_ipc_handle ipc; /* SHARDD_EXPORT_CUDA_IPC: the handle */
+};
+
 struct shardd_backend_ops {
 	const char *name;
 	/*
@@ -114,10 +130,15 @@ struct shardd_backend_ops {
 	 */
 	int  (*alloc)(struct shardd_backend_ctx *b, uint64_t bytes, int32_t device, const char *what,
 		      struct shardd_buf *out);
-	/* Also takes a buffer never allocated (fd -1, priv NULL): a no-op. */
+	/* Also takes a buffer never allocated (priv NULL, fd -1): a no-op. */
 	void (*free)(struct shardd_backend_ctx *b, struct shardd_buf *buf);
-	/* A new fd for a client (the caller closes it); readonly: the client cannot write. */
-	int  (*export_fd)(struct shardd_backend_ctx *b, const struct shardd_buf *buf, int readonly);
+	/*
+	 * How a client receives an allocated `buf`: a new fd (readonly: the
+	 * client cannot write through it, where the backend can enforce that)
+	 * or a CUDA IPC handle. 0 or -errno; out->fd is -1 unless 0 and kind FD.
+	 */
+	int  (*export_buf)(struct shardd_backend_ctx *b, const struct shardd_buf *buf, int readonly,
+			   struct shardd_buf_export *out);
 	int  (*unshard)(struct shardd_backend_ctx *b, const struct shardd_unshard_args *a);
 	int  (*reduce)(struct shardd_backend_ctx *b, const struct shardd_reduce_args *a);
 	/* Zero `bytes` bytes at `offset`. */

@@ -3,16 +3,27 @@
  * Cuda backend: a group's buffers live in device memory; the kernels of
  * shardd_cuda_kernels.h move their bytes.
  *
- * Memory: the driver's virtual memory API. cuMemCreate makes a physical
- * allocation that can be exported as a POSIX file descriptor
- * (cuMemExportToShareableHandle), which travels to clients over the same
- * SCM_RIGHTS path as a host memfd; the daemon maps it at an address range
- * of its own (cuMemAddressReserve, cuMemMap, cuMemSetAccess). Sizes are
- * rounded up to the device's minimum allocation granularity; a client
- * importing the fd rounds the same way (client/cuda_import.c).
+ * Memory, in one of two export kinds chosen per device when it is set up
+ * (--cuda-export auto|fd|ipc; auto takes fd where the device can):
  *
- * A device allocation has no per-importer protection: the fd of the
- * unsharded buffer lets a client map it writable. The host backend's
+ * - fd (SHARDD_EXPORT_FD): the driver's virtual memory API. cuMemCreate
+ *   makes a physical allocation that can be exported as a POSIX file
+ *   descriptor (cuMemExportToShareableHandle), which travels to clients
+ *   over the same SCM_RIGHTS path as a host memfd; the daemon maps it at an
+ *   address range of its own (cuMemAddressReserve, cuMemMap,
+ *   cuMemSetAccess). Sizes are rounded up to the device's minimum
+ *   allocation granularity; a client importing the fd rounds the same way
+ *   (client/cuda_import.c). A client's mapping keeps the memory alive after
+ *   the daemon frees it.
+ * - ipc (SHARDD_EXPORT_CUDA_IPC), for devices without that API or without
+ *   POSIX fd handles: each buffer is its own cudaMalloc of exactly its
+ *   size, exported with cudaIpcGetMemHandle; the 64-byte handle travels in
+ *   the GROUP reply's payload and a client opens it with
+ *   cuIpcOpenMemHandle. The memory goes when the daemon frees it, open or
+ *   not (docs/CUDA.md).
+ *
+ * A device allocation has no per-importer protection: the fd or handle of
+ * the unsharded buffer lets a client map it writable. The host backend's
  * read-only guarantee becomes a convention here (docs/CUDA.md).
  *
  * Work: one non-blocking stream per device. Unshard, reduce and zero queue
@@ -59,6 +70,7 @@ struct cuda_driver {
 	PFN_cuGetErrorString_v6000                 get_error_string;
 	PFN_cuDeviceGet_v2000                      device_get;
 	PFN_cuDeviceGetAttribute_v2000             device_get_attribute;
+	PFN_cuDeviceGetName_v2000                  device_get_name;
 	PFN_cuMemGetAllocationGranularity_v10020   granularity;
 	PFN_cuMemCreate_v10020                     create;
 	PFN_cuMemRelease_v10020                    release;
@@ -73,13 +85,15 @@ struct cuda_driver {
 /* Per device, set up on its first allocation. */
 struct cuda_device {
 	int          ready;
+	uint32_t     export_kind; /* enum shardd_export_kind of every buffer on the device */
 	cudaStream_t stream;      /* every kernel of this backend on the device */
-	size_t       granularity; /* minimum allocation granularity, bytes */
+	size_t       granularity; /* fd kind: minimum allocation granularity, bytes */
 };
 
 struct cuda_backend {
 	struct shardd_backend_ctx base;
 	struct cuda_driver drv;
+	uint32_t mode;                /* --cuda-export: enum shardd_cuda_export */
 	int ndevices;
 	pthread_mutex_t lock;         /* device set-up */
 	struct cuda_device *devices;  /* [ndevices] */
@@ -95,11 +109,17 @@ struct shardd_fences {
 
 /* What buf->priv points to. */
 struct cuda_buf {
-	CUdeviceptr                  ptr;    /* the daemon's mapping */
-	size_t                       size;   /* reserved and mapped: bytes rounded to the granularity */
-	CUmemGenericAllocationHandle handle;
+	uint32_t                     kind;   /* enum shardd_export_kind: its device's */
+	CUdeviceptr                  ptr;    /* the daemon's address: fd kind a mapping, ipc the cudaMalloc base */
+	size_t                       size;   /* fd: reserved and mapped, bytes rounded to the granularity;
+						ipc: allocated, the buffer's bytes */
+	CUmemGenericAllocationHandle handle; /* fd kind */
+	struct shardd_cuda_ipc_handle ipc;   /* ipc kind: from cudaIpcGetMemHandle */
 	int                          device;
 };
+
+_Static_assert(sizeof(cudaIpcMemHandle_t) == sizeof(struct shardd_cuda_ipc_handle),
+	       "a CUDA IPC handle travels as struct shardd_cuda_ipc_handle");
 
 /* Where the buffers of a rank that named no device (SHARDD_HELLO_DEVICE_HOST) go. */
 #define CUDA_DEFAULT_DEVICE 0
@@ -112,7 +132,7 @@ static int cuda_rt_fail(const char *what, cudaError_t e)
 {
 	shardd_log_error("shardd: cuda backend: %s: %s (%s)", what, cudaGetErrorString(e),
 			 cudaGetErrorName(e));
-	return -SHARDD_E_BACKEND;
+	return e == cudaErrorMemoryAllocation ? -ENOMEM : -SHARDD_E_BACKEND;
 }
 
 static int cuda_drv_fail(const struct cuda_backend *cb, const char *what, CUresult r)
@@ -138,15 +158,64 @@ static void cuda_prop(CUmemAllocationProp *prop, int device)
 	prop->location.id = device;
 }
 
-/* First use of `device`: check it can export fds, make its stream. Caller holds cb->lock. */
+static const char *cuda_export_mode_name(uint32_t mode)
+{
+	return mode == SHARDD_CUDA_EXPORT_FD ? "fd" : mode == SHARDD_CUDA_EXPORT_IPC ? "ipc" : "auto";
+}
+
+static const char *yes_no(int v)
+{
+	return v ? "yes" : "no";
+}
+
+/*
+ * The export kind of `device` under cb->mode, from what it supports: fd
+ * needs the virtual memory API with POSIX fd handles, legacy IPC needs
+ * unified addressing (cuIpcGetMemHandle's condition on Linux). 0 and *kind,
+ * or -SHARDD_E_BACKEND after logging why and which flag would work.
+ */
+static int cuda_export_choose(const struct cuda_backend *cb, int device, const char *name, int vmm,
+			      int posix_fd, int uva, uint32_t *kind)
+{
+	int fd_ok = vmm && posix_fd;
+
+	if (cb->mode != SHARDD_CUDA_EXPORT_IPC && fd_ok) {
+		*kind = SHARDD_EXPORT_FD;
+		return 0;
+	}
+	if (cb->mode != SHARDD_CUDA_EXPORT_FD && uva) {
+		*kind = SHARDD_EXPORT_CUDA_IPC;
+		return 0;
+	}
+	if (cb->mode == SHARDD_CUDA_EXPORT_FD)
+		shardd_log_error("shardd: cuda backend: device %d (%s) cannot export memory as file "
+				 "descriptors (virtual memory management %s, POSIX fd handles %s); use "
+				 "--cuda-export auto or ipc, or --backend host", device, name, yes_no(vmm),
+				 yes_no(posix_fd));
+	else if (cb->mode == SHARDD_CUDA_EXPORT_IPC)
+		shardd_log_error("shardd: cuda backend: device %d (%s) cannot export legacy CUDA IPC "
+				 "handles (no unified addressing); use --cuda-export auto or fd, or "
+				 "--backend host", device, name);
+	else
+		shardd_log_error("shardd: cuda backend: device %d (%s) can export memory neither as file "
+				 "descriptors (virtual memory management %s, POSIX fd handles %s) nor as "
+				 "legacy CUDA IPC handles (unified addressing no); use --backend host",
+				 device, name, yes_no(vmm), yes_no(posix_fd));
+	return -SHARDD_E_BACKEND;
+}
+
+/*
+ * First use of `device`: choose how its buffers are exported (logged once),
+ * make its stream. Caller holds cb->lock.
+ */
 static int cuda_device_setup(struct cuda_backend *cb, int device, struct cuda_device *d)
 {
 	CUmemAllocationProp prop;
 	CUdevice dev;
 	CUresult r;
 	cudaError_t e;
-	int vmm = 0, posix_fd = 0;
-	char what[96];
+	int vmm = 0, posix_fd = 0, uva = 0, ret;
+	char what[96], name[256];
 
 	snprintf(what, sizeof(what), "set up device %d", device);
 	e = cudaSetDevice(device);
@@ -154,34 +223,45 @@ static int cuda_device_setup(struct cuda_backend *cb, int device, struct cuda_de
 		return cuda_rt_fail(what, e);
 	r = cb->drv.device_get(&dev, device);
 	if (r == CUDA_SUCCESS)
+		r = cb->drv.device_get_name(name, (int)sizeof(name), dev);
+	if (r == CUDA_SUCCESS)
 		r = cb->drv.device_get_attribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
 						 dev);
 	if (r == CUDA_SUCCESS)
 		r = cb->drv.device_get_attribute(&posix_fd,
 						 CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
 						 dev);
+	if (r == CUDA_SUCCESS)
+		r = cb->drv.device_get_attribute(&uva, CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING, dev);
 	if (r != CUDA_SUCCESS)
 		return cuda_drv_fail(cb, what, r);
-	if (!vmm || !posix_fd) {
-		shardd_log_error("shardd: cuda backend: device %d cannot export memory as file descriptors "
-				 "(virtual memory management %s, POSIX fd handles %s); use --backend host",
-				 device, vmm ? "yes" : "no", posix_fd ? "yes" : "no");
-		return -SHARDD_E_BACKEND;
-	}
-	cuda_prop(&prop, device);
-	r = cb->drv.granularity(&d->granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
-	if (r != CUDA_SUCCESS)
-		return cuda_drv_fail(cb, what, r);
-	if (d->granularity == 0) {
-		shardd_log_error("shardd: cuda backend: device %d reports an allocation granularity of 0",
-				 device);
-		return -SHARDD_E_BACKEND;
+	/* The driver writes a NUL-terminated name; make sure of it before printing. */
+	name[sizeof(name) - 1] = '\0';
+	ret = cuda_export_choose(cb, device, name, vmm, posix_fd, uva, &d->export_kind);
+	if (ret)
+		return ret;
+	if (d->export_kind == SHARDD_EXPORT_FD) {
+		cuda_prop(&prop, device);
+		r = cb->drv.granularity(&d->granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+		if (r != CUDA_SUCCESS)
+			return cuda_drv_fail(cb, what, r);
+		if (d->granularity == 0) {
+			shardd_log_error("shardd: cuda backend: device %d reports an allocation granularity of 0",
+					 device);
+			return -SHARDD_E_BACKEND;
+		}
 	}
 	/* Non-blocking: the legacy default stream of other threads must not serialise with ours. */
 	e = cudaStreamCreateWithFlags(&d->stream, cudaStreamNonBlocking);
 	if (e != cudaSuccess)
 		return cuda_rt_fail(what, e);
 	d->ready = 1;
+	shardd_log_info("cuda backend: device %d (%s) exports its buffers as %s (--cuda-export %s; "
+			"virtual memory management %s, POSIX fd handles %s, unified addressing %s)",
+			device, name,
+			d->export_kind == SHARDD_EXPORT_FD ? "POSIX file descriptors of cuMemCreate allocations"
+							   : "legacy CUDA IPC handles of cudaMalloc allocations",
+			cuda_export_mode_name(cb->mode), yes_no(vmm), yes_no(posix_fd), yes_no(uva));
 	return 0;
 }
 
@@ -244,16 +324,132 @@ static int cuda_queued(int ret, const char *what)
 	return ret;
 }
 
+/*
+ * An fd-kind allocation of cu->size bytes: physical memory, mapped
+ * read-write at an address range of the daemon's, and its exported fd in
+ * *fd. 0, or an error with nothing left allocated.
+ */
+static int cuda_alloc_vmm(struct cuda_backend *cb, struct cuda_device *d, const char *ctx,
+			  struct cuda_buf *cu, int *fd)
+{
+	CUmemAccessDesc access;
+	CUmemAllocationProp prop;
+	CUresult r;
+	int ret;
+
+	*fd = -1;
+	cuda_prop(&prop, cu->device);
+	r = cb->drv.create(&cu->handle, cu->size, &prop, 0);
+	if (r != CUDA_SUCCESS)
+		return cuda_drv_fail(cb, ctx, r);
+	r = cb->drv.address_reserve(&cu->ptr, cu->size, d->granularity, 0, 0);
+	if (r != CUDA_SUCCESS) {
+		ret = cuda_drv_fail(cb, ctx, r);
+		goto err_release;
+	}
+	r = cb->drv.map(cu->ptr, cu->size, 0, cu->handle, 0);
+	if (r != CUDA_SUCCESS) {
+		ret = cuda_drv_fail(cb, ctx, r);
+		goto err_address;
+	}
+	memset(&access, 0, sizeof(access));
+	access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+	access.location.id = cu->device;
+	access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+	r = cb->drv.set_access(cu->ptr, cu->size, &access, 1);
+	if (r == CUDA_SUCCESS)
+		r = cb->drv.export_handle(fd, cu->handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+	if (r != CUDA_SUCCESS) {
+		ret = cuda_drv_fail(cb, ctx, r);
+		goto err_unmap;
+	}
+	/* The driver does not promise FD_CLOEXEC; nothing the daemon runs may inherit a buffer. */
+	if (fcntl(*fd, F_SETFD, FD_CLOEXEC) < 0) {
+		ret = -errno;
+		goto err_close;
+	}
+	return 0;
+
+err_close:
+	close(*fd);
+	*fd = -1;
+err_unmap:
+	cb->drv.unmap(cu->ptr, cu->size);
+err_address:
+	cb->drv.address_free(cu->ptr, cu->size);
+err_release:
+	cb->drv.release(cu->handle);
+	return ret;
+}
+
+/*
+ * An ipc-kind allocation of cu->size bytes on the current device and its
+ * handle. Each buffer is its own cudaMalloc, so cu->ptr is the allocation's
+ * base: cudaIpcGetMemHandle exports a whole allocation, and a client's
+ * cuIpcOpenMemHandle maps it at its base, where every layout offset of the
+ * GROUP reply counts from (DESIGN: legacy IPC must export the base). 0, or
+ * an error with nothing left allocated.
+ */
+static int cuda_alloc_ipc(const char *ctx, struct cuda_buf *cu)
+{
+	cudaIpcMemHandle_t h;
+	void *p = NULL;
+	cudaError_t e;
+	int ret;
+
+	e = cudaMalloc(&p, cu->size);
+	if (e != cudaSuccess)
+		goto err;
+	e = cudaIpcGetMemHandle(&h, p);
+	if (e != cudaSuccess) {
+		cudaFree(p);
+		goto err;
+	}
+	memcpy(cu->ipc.bytes, &h, sizeof(cu->ipc.bytes));
+	cu->ptr = (CUdeviceptr)(uintptr_t)p;
+	return 0;
+
+err:
+	ret = cuda_rt_fail(ctx, e);
+	/* The runtime keeps a failed call as this thread's last error: the next launch check must not see it. */
+	(void)cudaGetLastError();
+	return ret;
+}
+
+/* Give back what cuda_alloc_vmm or cuda_alloc_ipc allocated. No queued work may still use it. */
+static void cuda_release(struct cuda_backend *cb, struct cuda_buf *cu)
+{
+	cudaError_t e;
+
+	/* Driver and runtime calls act on the calling thread's current device's context. */
+	(void)cudaSetDevice(cu->device);
+	if (cu->kind == SHARDD_EXPORT_FD) {
+		cb->drv.unmap(cu->ptr, cu->size);
+		cb->drv.address_free(cu->ptr, cu->size);
+		/* Clients that imported the fd keep the physical memory alive until they unmap it. */
+		cb->drv.release(cu->handle);
+		return;
+	}
+	/*
+	 * Legacy IPC keeps nothing alive for importers: a client that still has
+	 * the handle open must not touch it after this (cuIpcOpenMemHandle calls
+	 * that undefined behaviour); docs/CUDA.md tells trainers to close first.
+	 */
+	e = cudaFree((void *)(uintptr_t)cu->ptr);
+	if (e != cudaSuccess) {
+		shardd_log_warn("shardd: cuda backend: cudaFree of a buffer on device %d: %s", cu->device,
+				cudaGetErrorString(e));
+		(void)cudaGetLastError();
+	}
+}
+
 static int cuda_alloc(struct shardd_backend_ctx *b, uint64_t bytes, int32_t device, const char *what,
 		      struct shardd_buf *out)
 {
 	struct cuda_backend *cb = (struct cuda_backend *)b;
-	CUmemAccessDesc access;
-	CUmemAllocationProp prop;
 	struct cuda_device *d;
 	struct cuda_buf *cu;
 	int fd = -1, ret;
-	CUresult r;
 	char ctx[224];
 
 	out->fd = -1;
@@ -270,60 +466,34 @@ static int cuda_alloc(struct shardd_backend_ctx *b, uint64_t bytes, int32_t devi
 	if (!cu)
 		return -ENOMEM;
 	cu->device = device;
-	cu->size = (size_t)(bytes + d->granularity - 1) / d->granularity * d->granularity;
+	cu->kind = d->export_kind;
 	snprintf(ctx, sizeof(ctx), "allocate %s (%llu bytes on device %d)", what,
 		 (unsigned long long)bytes, device);
-	cuda_prop(&prop, device);
-	r = cb->drv.create(&cu->handle, cu->size, &prop, 0);
-	if (r != CUDA_SUCCESS) {
-		ret = cuda_drv_fail(cb, ctx, r);
+	if (cu->kind == SHARDD_EXPORT_FD) {
+		cu->size = (size_t)(bytes + d->granularity - 1) / d->granularity * d->granularity;
+		ret = cuda_alloc_vmm(cb, d, ctx, cu, &fd);
+	} else {
+		/* No granularity here: a client maps exactly the size its GROUP reply gives. */
+		cu->size = (size_t)bytes;
+		ret = cuda_alloc_ipc(ctx, cu);
+	}
+	if (ret)
 		goto err_free;
-	}
-	r = cb->drv.address_reserve(&cu->ptr, cu->size, d->granularity, 0, 0);
-	if (r != CUDA_SUCCESS) {
-		ret = cuda_drv_fail(cb, ctx, r);
-		goto err_release;
-	}
-	r = cb->drv.map(cu->ptr, cu->size, 0, cu->handle, 0);
-	if (r != CUDA_SUCCESS) {
-		ret = cuda_drv_fail(cb, ctx, r);
-		goto err_address;
-	}
-	memset(&access, 0, sizeof(access));
-	access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-	access.location.id = device;
-	access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-	r = cb->drv.set_access(cu->ptr, cu->size, &access, 1);
-	if (r == CUDA_SUCCESS)
-		r = cb->drv.export_handle(&fd, cu->handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
-	if (r != CUDA_SUCCESS) {
-		ret = cuda_drv_fail(cb, ctx, r);
-		goto err_unmap;
-	}
-	/* The driver does not promise FD_CLOEXEC; nothing the daemon runs may inherit a buffer. */
-	if (fcntl(fd, F_SETFD, FD_CLOEXEC) < 0) {
-		ret = -errno;
-		goto err_close;
-	}
-	/* Buffers start zeroed (backend.h); physical pages from cuMemCreate do not. */
+	/* Buffers start zeroed (backend.h); neither cuMemCreate's pages nor cudaMalloc's are. */
 	ret = cuda_queued(shardd_cuda_zero((void *)(uintptr_t)cu->ptr, cu->size, d->stream), ctx);
 	if (!ret)
 		ret = cuda_stream_sync(d, ctx);
 	if (ret)
-		goto err_close;
+		goto err_release;
 	out->fd = fd;
 	out->priv = cu;
 	out->bytes = bytes;
 	return 0;
 
-err_close:
-	close(fd);
-err_unmap:
-	cb->drv.unmap(cu->ptr, cu->size);
-err_address:
-	cb->drv.address_free(cu->ptr, cu->size);
 err_release:
-	cb->drv.release(cu->handle);
+	if (fd >= 0)
+		close(fd);
+	cuda_release(cb, cu);
 err_free:
 	free(cu);
 	return ret;
@@ -337,34 +507,38 @@ static void cuda_free(struct shardd_backend_ctx *b, struct shardd_buf *buf)
 	if (cu) {
 		struct cuda_device *d;
 
-		/*
-		 * Queued work may still use the memory: wait for it. The device
-		 * was set up by the allocation, so this also makes it current,
-		 * as the driver calls below need.
-		 */
+		/* Ops only queue their kernels: wait for those that may still use the memory. */
 		if (cuda_device_get(cb, cu->device, &d) == 0)
 			(void)cuda_stream_sync(d, "free a buffer");
-		cb->drv.unmap(cu->ptr, cu->size);
-		cb->drv.address_free(cu->ptr, cu->size);
-		/* Clients that imported the fd keep the physical memory alive until they unmap it. */
-		cb->drv.release(cu->handle);
+		cuda_release(cb, cu);
 		free(cu);
 	}
 	shardd_buf_forget(buf);
 }
 
 /*
- * A duplicate of the exported fd. `readonly` cannot be honoured: whoever
- * holds the fd may map the allocation read-write (see the file comment).
+ * How a client receives a buffer: as its device's export kind says, a
+ * duplicate of the exported fd or the IPC handle (which only another
+ * process can open). `readonly` cannot be honoured by either: whoever holds
+ * the fd or the handle may map the allocation read-write (see the file
+ * comment).
  */
-static int cuda_export_fd(struct shardd_backend_ctx *b, const struct shardd_buf *buf, int readonly)
+static int cuda_export_buf(struct shardd_backend_ctx *b, const struct shardd_buf *buf, int readonly,
+			   struct shardd_buf_export *out)
 {
-	int fd;
+	const struct cuda_buf *cu = cbuf(buf);
 
 	(void)b;
 	(void)readonly;
-	fd = fcntl(buf->fd, F_DUPFD_CLOEXEC, 0);
-	return fd < 0 ? -errno : fd;
+	memset(out, 0, sizeof(*out));
+	out->kind = cu->kind;
+	out->fd = -1;
+	if (cu->kind == SHARDD_EXPORT_CUDA_IPC) {
+		out->ipc = cu->ipc;
+		return 0;
+	}
+	out->fd = fcntl(buf->fd, F_DUPFD_CLOEXEC, 0);
+	return out->fd < 0 ? -errno : 0;
 }
 
 /* ------------------------------------------------------------------ */
@@ -661,7 +835,7 @@ static const struct shardd_backend_ops cuda_ops = {
 	.name = "cuda",
 	.alloc = cuda_alloc,
 	.free = cuda_free,
-	.export_fd = cuda_export_fd,
+	.export_buf = cuda_export_buf,
 	.unshard = cuda_unshard,
 	.reduce = cuda_reduce,
 	.zero = cuda_zero,
@@ -689,13 +863,19 @@ static int cuda_symbol(const char *name, void **fn, char *err, size_t errlen)
 	return -SHARDD_E_BACKEND;
 }
 
-int shardd_backend_cuda_create(struct shardd_backend_ctx **out, char *err, size_t errlen)
+int shardd_backend_cuda_create(uint32_t mode, struct shardd_backend_ctx **out, char *err,
+			       size_t errlen)
 {
 	struct cuda_backend *cb;
 	cudaError_t e;
 	void *fn;
 	int n = 0, ret;
 
+	if (mode != SHARDD_CUDA_EXPORT_AUTO && mode != SHARDD_CUDA_EXPORT_FD && mode != SHARDD_CUDA_EXPORT_IPC) {
+		snprintf(err, errlen, "shardd: --cuda-export: mode %u is not one of auto (%d), fd (%d), ipc (%d)",
+			 mode, SHARDD_CUDA_EXPORT_AUTO, SHARDD_CUDA_EXPORT_FD, SHARDD_CUDA_EXPORT_IPC);
+		return -SHARDD_E_BACKEND;
+	}
 	e = cudaGetDeviceCount(&n);
 	if (e != cudaSuccess || n <= 0) {
 		snprintf(err, errlen, "shardd: --backend cuda: no CUDA device usable (cudaGetDeviceCount: %s); "
@@ -719,6 +899,7 @@ int shardd_backend_cuda_create(struct shardd_backend_ctx **out, char *err, size_
 	CUDA_RESOLVE(get_error_string, "cuGetErrorString");
 	CUDA_RESOLVE(device_get, "cuDeviceGet");
 	CUDA_RESOLVE(device_get_attribute, "cuDeviceGetAttribute");
+	CUDA_RESOLVE(device_get_name, "cuDeviceGetName");
 	CUDA_RESOLVE(granularity, "cuMemGetAllocationGranularity");
 	CUDA_RESOLVE(create, "cuMemCreate");
 	CUDA_RESOLVE(release, "cuMemRelease");
@@ -730,6 +911,7 @@ int shardd_backend_cuda_create(struct shardd_backend_ctx **out, char *err, size_
 	CUDA_RESOLVE(export_handle, "cuMemExportToShareableHandle");
 #undef CUDA_RESOLVE
 	cb->base.ops = &cuda_ops;
+	cb->mode = mode;
 	cb->ndevices = n;
 	pthread_mutex_init(&cb->lock, NULL);
 	*out = &cb->base;

@@ -2,8 +2,10 @@
 /*
  * The cuda backend (backend_cuda.c): group buffers in device memory,
  * exported to clients as POSIX file descriptors of the driver's virtual
- * memory API, unshard/reduce/zero with the CUDA kernels. Built only with
- * SHARDD_HAVE_CUDA (make CUDA=auto|1).
+ * memory API or, where a device cannot do that, as legacy CUDA IPC
+ * handles; unshard/reduce/zero with the CUDA kernels. Built only with
+ * SHARDD_HAVE_CUDA (make CUDA=auto|1); this header declares nothing that
+ * needs CUDA, so main.c parses --cuda-export in every build.
  */
 #ifndef SHARDD_BACKEND_CUDA_H
 #define SHARDD_BACKEND_CUDA_H
@@ -12,12 +14,21 @@
 
 #include "daemon/backend.h"
 
+/* --cuda-export: how the cuda backend allocates and exports buffers. */
+enum shardd_cuda_export {
+	SHARDD_CUDA_EXPORT_AUTO = 0, /* per device at its set-up: fd where it can, else ipc */
+	SHARDD_CUDA_EXPORT_FD   = 1, /* cuMemCreate with POSIX fd handles; the fd travels */
+	SHARDD_CUDA_EXPORT_IPC  = 2, /* cudaMalloc + cudaIpcGetMemHandle; the handle travels */
+};
+
 /*
  * 0, or -SHARDD_E_BACKEND with `err` saying why (no driver, no device, a
- * driver without the virtual memory API), or -ENOMEM. Touches no device:
- * a device is set up when its first buffer is allocated.
+ * driver without the virtual memory API), or -ENOMEM. `mode` is an enum
+ * shardd_cuda_export. Touches no device: a device is set up, and its
+ * export kind chosen, when its first buffer is allocated.
  */
-int shardd_backend_cuda_create(struct shardd_backend_ctx **out, char *err, size_t errlen);
+int shardd_backend_cuda_create(uint32_t mode, struct shardd_backend_ctx **out, char *err,
+			       size_t errlen);
 
 /* The daemon's device address of a buffer this backend allocated, or NULL (tools and tests). */
 void *shardd_backend_cuda_ptr(const struct shardd_buf *buf);

@@ -375,20 +375,25 @@ static void host_free(struct shardd_backend_ctx *b, struct shardd_buf *buf)
 	shardd_buf_forget(buf);
 }
 
-static int host_export_fd(struct shardd_backend_ctx *b, const struct shardd_buf *buf, int readonly)
+/* Every host buffer travels as its memfd. */
+static int host_export_buf(struct shardd_backend_ctx *b, const struct shardd_buf *buf, int readonly,
+			   struct shardd_buf_export *out)
 {
 	char path[64];
 	int fd;
 
 	(void)b;
+	memset(out, 0, sizeof(*out));
+	out->kind = SHARDD_EXPORT_FD;
 	if (!readonly) {
 		fd = fcntl(buf->fd, F_DUPFD_CLOEXEC, 0);
-		return fd < 0 ? -errno : fd;
+	} else {
+		/* A new open file description opened read-only: the client can never map it writable. */
+		snprintf(path, sizeof(path), "/proc/self/fd/%d", buf->fd);
+		fd = open(path, O_RDONLY | O_CLOEXEC);
 	}
-	/* A new open file description opened read-only: the client can never map it writable. */
-	snprintf(path, sizeof(path), "/proc/self/fd/%d", buf->fd);
-	fd = open(path, O_RDONLY | O_CLOEXEC);
-	return fd < 0 ? -errno : fd;
+	out->fd = fd;
+	return fd < 0 ? -errno : 0;
 }
 
 static void host_destroy(struct shardd_backend_ctx *b)
@@ -400,7 +405,7 @@ static const struct shardd_backend_ops host_ops = {
 	.name = "host",
 	.alloc = host_alloc,
 	.free = host_free,
-	.export_fd = host_export_fd,
+	.export_buf = host_export_buf,
 	.unshard = host_unshard,
 	.reduce = host_reduce,
 	.zero = host_zero,

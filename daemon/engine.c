@@ -160,7 +160,7 @@ static void fmt(char *buf, size_t len, const char *f, ...)
 static void reply_err(struct shardd_engine_job *j, uint32_t rank, uint64_t token, uint32_t seq,
 		      int res, const char *msg)
 {
-	j->e->cfg.reply(j->ctx, rank, token, seq, res, msg, NULL, NULL, NULL, NULL, 0);
+	j->e->cfg.reply(j->ctx, rank, token, seq, res, msg, NULL, NULL, NULL, NULL, 0, NULL, 0);
 }
 
 static void complete(struct shardd_engine_job *j, const struct eng_op *op, int res, const char *msg)
@@ -685,10 +685,10 @@ static void deferred_fail(struct eng_group *eg, uint32_t rank, int res, const ch
 
 #ifdef SHARDD_HAVE_CUDA
 /* The cuda backend; its error is logged as it words it (which flag, why, the fix). */
-static int engine_backend_cuda(struct shardd_backend_ctx **out)
+static int engine_backend_cuda(uint32_t cuda_export, struct shardd_backend_ctx **out)
 {
 	char err[256];
-	int ret = shardd_backend_cuda_create(out, err, sizeof(err));
+	int ret = shardd_backend_cuda_create(cuda_export, out, err, sizeof(err));
 
 	if (ret)
 		shardd_log_error("%s", err);
@@ -732,7 +732,7 @@ int shardd_engine_create(const struct shardd_engine_config *cfg, struct shardd_e
 		goto err_efd;
 #ifdef SHARDD_HAVE_CUDA
 	if (cfg->backend == SHARDD_BACKEND_CUDA)
-		ret = engine_backend_cuda(&e->backend);
+		ret = engine_backend_cuda(cfg->cuda_export, &e->backend);
 	else
 #endif
 		ret = shardd_backend_host_create(e->pool, &e->backend);
@@ -1088,7 +1088,7 @@ static void reply_group(struct eng_group *eg, uint32_t rank, uint64_t token, uin
 	struct shardd_engine_job *j = eg->j;
 	struct shardd_group_reply reply;
 	struct shardd_param_layout *layouts;
-	int fds[SHARDD_GROUP_NFDS];
+	struct shardd_group_export ex;
 	char msg[ENGINE_MSG_MAX];
 	int ret;
 
@@ -1098,16 +1098,15 @@ static void reply_group(struct eng_group *eg, uint32_t rank, uint64_t token, uin
 		reply_err(j, rank, token, seq, -SHARDD_E_NOMEM, msg);
 		return;
 	}
-	ret = shardd_group_reply(eg->g, j->e->backend, rank, &reply, layouts, fds);
+	ret = shardd_group_reply(eg->g, j->e->backend, rank, &reply, layouts, &ex);
 	if (ret) {
 		fmt(msg, sizeof(msg), "shardd: group '%s': cannot export its buffers to rank %u: %s",
 		    eg->g->name, rank, strerror(-ret));
 		reply_err(j, rank, token, seq, ret, msg);
 	} else {
 		j->e->cfg.reply(j->ctx, rank, token, seq, 0, NULL, &reply, layouts, eg->g->specs,
-				fds, SHARDD_GROUP_NFDS);
-		for (int k = 0; k < SHARDD_GROUP_NFDS; k++)
-			close(fds[k]);
+				ex.fds, ex.nfds, ex.ipc, ex.nipc);
+		shardd_group_export_close(&ex);
 	}
 	free(layouts);
 }

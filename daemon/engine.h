@@ -31,16 +31,18 @@ struct shardd_engine_job;   /* one per job: its groups and their rendezvous */
 /* Deliver a completion for an op submitted with engine_submit (loop thread only). */
 typedef void (*shardd_engine_complete_fn)(void *job_ctx, uint32_t rank, uint64_t token,
 		const struct shardd_sqe *sqe, int res, const char *msg);
-/* Deliver a register/open reply (loop thread only). On success res == 0, reply/layouts/specs/fds
+/* Deliver a register/open reply (loop thread only). On success res == 0, reply/layouts/specs/fds/ipc
    valid for the duration of the call (the callee sends them; fds are closed by the engine
-   after the call returns). On failure res < 0 and msg says why; the pointers are NULL. */
+   after the call returns): the fds and CUDA IPC handles of the buffers, each in buffer
+   order, as reply->export_kind says. On failure res < 0 and msg says why; the pointers are NULL. */
 typedef void (*shardd_engine_reply_fn)(void *job_ctx, uint32_t rank, uint64_t token, uint32_t seq,
 		int res, const char *msg, const struct shardd_group_reply *reply,
 		const struct shardd_param_layout *layouts, const struct shardd_param_spec *specs,
-		const int *fds, int nfds);
+		const int *fds, int nfds, const struct shardd_cuda_ipc_handle *ipc, int nipc);
 
 struct shardd_engine_config {
 	uint32_t backend;                 /* enum shardd_backend */
+	uint32_t cuda_export;             /* cuda backend: enum shardd_cuda_export (backend_cuda.h) */
 	uint32_t collective_timeout_ms;
 	unsigned workers;                 /* worker threads; 0 = number of online cores */
 	shardd_engine_complete_fn complete;

@@ -155,6 +155,7 @@ int shardd_group_create(uint32_t id, const struct shardd_register_group *hdr,
 		shardd_group_destroy(g, NULL);
 		return -ENOMEM;
 	}
+	/* Unallocated (priv NULL from calloc) and no fd for shardd_buf_forget to close. */
 	for (uint32_t r = 0; r < world; r++)
 		g->shards[r].fd = g->sharded_grads[r].fd = g->grads[r].fd = g->partials[r].fd = -1;
 	for (uint32_t u = 0; u < replicate; u++)
@@ -286,14 +287,16 @@ int shardd_group_alloc(struct shardd_group *g, struct shardd_backend_ctx *b, con
 
 int shardd_group_reply(const struct shardd_group *g, struct shardd_backend_ctx *b, uint32_t rank,
 		       struct shardd_group_reply *reply, struct shardd_param_layout *layouts,
-		       int fds[SHARDD_GROUP_NFDS])
+		       struct shardd_group_export *ex)
 {
 	const struct shardd_buf *bufs[SHARDD_GROUP_NFDS] = {
 		&g->unsharded[rank / g->shard], &g->grads[rank], &g->shards[rank], &g->sharded_grads[rank],
 	};
 	uint32_t shard_rank = rank % g->shard;
-	int k, ret;
+	struct shardd_buf_export one;
+	int ret;
 
+	memset(ex, 0, sizeof(*ex));
 	memset(reply, 0, sizeof(*reply));
 	reply->group_id = g->id;
 	reply->nparams = g->hdr.nparams;
@@ -318,18 +321,28 @@ int shardd_group_reply(const struct shardd_group *g, struct shardd_backend_ctx *
 			.shard_rows_valid = shardd_layout_rows_valid(p, shard_rank),
 		};
 	}
-	for (k = 0; k < SHARDD_GROUP_NFDS; k++) {
-		ret = b->ops->export_fd(b, bufs[k], k == 0);
+	for (int k = 0; k < SHARDD_GROUP_NFDS; k++) {
+		ret = b->ops->export_buf(b, bufs[k], k == 0, &one);
 		if (ret < 0)
 			goto err_close;
-		fds[k] = ret;
+		reply->export_kind[k] = (uint8_t)one.kind;
+		if (one.kind == SHARDD_EXPORT_FD)
+			ex->fds[ex->nfds++] = one.fd;
+		else
+			ex->ipc[ex->nipc++] = one.ipc;
 	}
 	return 0;
 
 err_close:
-	while (k-- > 0)
-		close(fds[k]);
+	shardd_group_export_close(ex);
 	return ret;
+}
+
+void shardd_group_export_close(struct shardd_group_export *ex)
+{
+	for (int i = 0; i < ex->nfds; i++)
+		close(ex->fds[i]);
+	ex->nfds = 0;
 }
 
 void shardd_group_destroy(struct shardd_group *g, struct shardd_backend_ctx *b)

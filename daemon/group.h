@@ -15,8 +15,20 @@
 #include "daemon/layout.h"
 #include "shardd_proto.h"
 
-/* The four buffers a rank receives, in SHARDD_MSG_GROUP's fd order. */
-#define SHARDD_GROUP_NFDS 4
+/* The four buffers a rank receives, in SHARDD_MSG_GROUP's buffer order: at most this many fds. */
+#define SHARDD_GROUP_NFDS SHARDD_GROUP_BUFS
+
+/*
+ * What travels with a rank's GROUP reply besides the reply's export_kind:
+ * the fds of the buffers exported as fds and the handles of those exported
+ * as CUDA IPC handles, each in buffer order.
+ */
+struct shardd_group_export {
+	int fds[SHARDD_GROUP_NFDS]; /* new fds; shardd_group_export_close closes them */
+	int nfds;
+	struct shardd_cuda_ipc_handle ipc[SHARDD_GROUP_NFDS];
+	int nipc;
+};
 
 struct shardd_group {
 	uint32_t id;                        /* nonzero; sqe.group */
@@ -32,7 +44,7 @@ struct shardd_group {
 	uint64_t *partial_offsets;          /* per param: bytes into an HSDP partial (reduce dtype) */
 	uint64_t partial_size;              /* bytes of one partial; 0 without a replicate dim */
 
-	int allocated;                      /* buffers below exist */
+	int allocated;                      /* buffers below were allocated (each: shardd_buf_allocated) */
 	struct shardd_buf *unsharded;       /* [replicate]: one per shard group, lent read-only */
 	struct shardd_buf *shards;          /* [world]: flat shards, params' dtypes */
 	struct shardd_buf *sharded_grads;   /* [world]: reduce outputs, params' dtypes */
@@ -85,13 +97,18 @@ int shardd_group_alloc(struct shardd_group *g, struct shardd_backend_ctx *b, con
 		       char *err, size_t errlen);
 
 /*
- * The SHARDD_MSG_GROUP reply for `rank`: *reply, layouts[nparams], and
- * SHARDD_GROUP_NFDS new fds (unsharded read-only, grad, flat shard, sharded
- * grad) the caller closes. 0 or -errno (no fd left open).
+ * The SHARDD_MSG_GROUP reply for `rank`: *reply (export_kind included),
+ * layouts[nparams], and in *ex how each buffer (unsharded read-only, grad,
+ * flat shard, sharded grad) travels: a new fd the caller closes
+ * (shardd_group_export_close) or a CUDA IPC handle. 0 or -errno (no fd
+ * left open).
  */
 int shardd_group_reply(const struct shardd_group *g, struct shardd_backend_ctx *b, uint32_t rank,
 		       struct shardd_group_reply *reply, struct shardd_param_layout *layouts,
-		       int fds[SHARDD_GROUP_NFDS]);
+		       struct shardd_group_export *ex);
+
+/* Close the fds of a reply's export. */
+void shardd_group_export_close(struct shardd_group_export *ex);
 
 /* Free the buffers and the group. */
 void shardd_group_destroy(struct shardd_group *g, struct shardd_backend_ctx *b);

@@ -13,6 +13,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "backend_cuda.h"
 #include "log.h"
 #include "server.h"
 
@@ -35,6 +36,11 @@ static void usage(FILE *f)
 		"                             $XDG_RUNTIME_DIR/shardd/shardd.sock, else\n"
 		"                             /run/shardd/shardd.sock)\n"
 		"  --backend host|cuda        where buffers live (default host)\n"
+		"  --cuda-export auto|fd|ipc  how the cuda backend hands buffers to trainers:\n"
+		"                             fd (virtual memory API, POSIX file descriptors),\n"
+		"                             ipc (cudaMalloc, legacy CUDA IPC handles), or\n"
+		"                             auto: fd where the device supports it, else ipc,\n"
+		"                             chosen per device (default auto; --backend cuda only)\n"
 		"  --collective-timeout SECS  fail a collective or barrier that waits longer\n"
 		"                             than SECS, naming the missing ranks (default %g)\n"
 		"  --handshake-timeout SECS   close a connection that sent no complete message\n"
@@ -96,8 +102,12 @@ static int parse_seconds(const char *flag, const char *val, double *out)
 	return 0;
 }
 
-/* Apply one flag with its value (NULL for flags without). 0, or 2 after a usage error. */
-static int apply_flag(struct shardd_config *cfg, const char *flag, const char *val)
+/*
+ * Apply one flag with its value (NULL for flags without). 0, or 2 after a
+ * usage error. *cuda_export_given is set when --cuda-export is seen.
+ */
+static int apply_flag(struct shardd_config *cfg, const char *flag, const char *val,
+		      int *cuda_export_given)
 {
 	unsigned long v;
 
@@ -122,6 +132,16 @@ static int apply_flag(struct shardd_config *cfg, const char *flag, const char *v
 			cfg->backend = SHARDD_BACKEND_CUDA;
 		else
 			return usage_error("--backend: '%s' is not one of host, cuda", val);
+	} else if (strcmp(flag, "--cuda-export") == 0) {
+		if (strcmp(val, "auto") == 0)
+			cfg->cuda_export = SHARDD_CUDA_EXPORT_AUTO;
+		else if (strcmp(val, "fd") == 0)
+			cfg->cuda_export = SHARDD_CUDA_EXPORT_FD;
+		else if (strcmp(val, "ipc") == 0)
+			cfg->cuda_export = SHARDD_CUDA_EXPORT_IPC;
+		else
+			return usage_error("--cuda-export: '%s' is not one of auto, fd, ipc", val);
+		*cuda_export_given = 1;
 	} else if (strcmp(flag, "--collective-timeout") == 0) {
 		return parse_seconds(flag, val, &cfg->collective_timeout_s);
 	} else if (strcmp(flag, "--handshake-timeout") == 0) {
@@ -160,7 +180,7 @@ static int apply_flag(struct shardd_config *cfg, const char *flag, const char *v
 static int takes_value(const char *flag)
 {
 	static const char *const with_value[] = {
-		"--socket", "--log-level", "--backend", "--collective-timeout",
+		"--socket", "--log-level", "--backend", "--cuda-export", "--collective-timeout",
 		"--handshake-timeout", "--workers", "--allow-gid",
 	};
 
@@ -173,7 +193,7 @@ static int takes_value(const char *flag)
 int main(int argc, char **argv)
 {
 	struct shardd_config cfg;
-	int ret;
+	int cuda_export_given = 0, ret;
 
 	shardd_config_defaults(&cfg);
 	for (int i = 1; i < argc; i++) {
@@ -215,10 +235,14 @@ int main(int argc, char **argv)
 				return usage_error("%s takes no value", flag);
 			return usage_error("unknown flag '%s'", arg);
 		}
-		ret = apply_flag(&cfg, flag, val);
+		ret = apply_flag(&cfg, flag, val, &cuda_export_given);
 		if (ret)
 			return ret;
 	}
+	/* Flags come in any order: only now is the backend known. */
+	if (cuda_export_given && cfg.backend != SHARDD_BACKEND_CUDA)
+		return usage_error("--cuda-export applies to --backend cuda only; the backend is %s",
+				   shardd_backend_name(cfg.backend));
 
 #ifndef SHARDD_HAVE_CUDA
 	if (cfg.backend == SHARDD_BACKEND_CUDA) {

@@ -82,7 +82,8 @@ static void server_engine_complete(void *job_ctx, uint32_t rank, uint64_t token,
 static void server_engine_reply(void *job_ctx, uint32_t rank, uint64_t token, uint32_t seq,
 				int res, const char *msg, const struct shardd_group_reply *reply,
 				const struct shardd_param_layout *layouts,
-				const struct shardd_param_spec *specs, const int *fds, int nfds)
+				const struct shardd_param_spec *specs, const int *fds, int nfds,
+				const struct shardd_cuda_ipc_handle *ipc, int nipc)
 {
 	struct shardd_job *j = job_ctx;
 	struct shardd_session *s = shardd_job_session(j, rank, token);
@@ -92,7 +93,7 @@ static void server_engine_reply(void *job_ctx, uint32_t rank, uint64_t token, ui
 				 j->name, rank, (unsigned long long)token);
 		return;
 	}
-	shardd_session_send_group(s, seq, res, msg, reply, layouts, specs, fds, nfds);
+	shardd_session_send_group(s, seq, res, msg, reply, layouts, specs, fds, nfds, ipc, nipc);
 }
 
 /* ------------------------------------------------------------------ */
@@ -414,6 +415,7 @@ int shardd_server_init(const struct shardd_config *cfg)
 
 	memset(&ecfg, 0, sizeof(ecfg));
 	ecfg.backend = cfg->backend;
+	ecfg.cuda_export = cfg->cuda_export;
 	ecfg.collective_timeout_ms = (uint32_t)(server.collective_timeout_ns / 1000000u);
 	ecfg.workers = cfg->workers;
 	ecfg.complete = server_engine_complete;

@@ -33,6 +33,7 @@ struct shardd_config {
 	char     socket_path[sizeof(((struct sockaddr_un *)0)->sun_path)]; /* --socket */
 	int      log_level;             /* --log-level: enum shardd_log_level */
 	uint32_t backend;               /* --backend: enum shardd_backend */
+	uint32_t cuda_export;           /* --cuda-export: enum shardd_cuda_export (backend_cuda.h) */
 	double   collective_timeout_s;  /* --collective-timeout */
 	double   handshake_timeout_s;   /* --handshake-timeout */
 	unsigned workers;               /* --workers; 0 = online cores */

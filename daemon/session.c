@@ -264,7 +264,8 @@ session_reject(struct shardd_session *s, uint32_t seq, int code, const char *fmt
 void shardd_session_send_group(struct shardd_session *s, uint32_t seq, int res, const char *msg,
 			       const struct shardd_group_reply *reply,
 			       const struct shardd_param_layout *layouts,
-			       const struct shardd_param_spec *specs, const int *fds, int nfds)
+			       const struct shardd_param_spec *specs, const int *fds, int nfds,
+			       const struct shardd_cuda_ipc_handle *ipc, int nipc)
 {
 	uint64_t len;
 	uint8_t *buf;
@@ -275,7 +276,8 @@ void shardd_session_send_group(struct shardd_session *s, uint32_t seq, int res, 
 		session_reply_error(s, seq, res, "%s", msg && *msg ? msg : "group request failed");
 		return;
 	}
-	len = sizeof(*reply) + (uint64_t)reply->nparams * (sizeof(*layouts) + sizeof(*specs));
+	len = sizeof(*reply) + (uint64_t)reply->nparams * (sizeof(*layouts) + sizeof(*specs)) +
+	      (uint64_t)nipc * sizeof(*ipc);
 	if (len > SHARDD_CTRL_MAX) {
 		session_reply_error(s, seq, -SHARDD_E_INVALID,
 				    "group reply of %u params is %llu bytes, over the %u-byte message limit",
@@ -292,6 +294,9 @@ void shardd_session_send_group(struct shardd_session *s, uint32_t seq, int res, 
 	memcpy(buf + sizeof(*reply), layouts, (size_t)reply->nparams * sizeof(*layouts));
 	memcpy(buf + sizeof(*reply) + (size_t)reply->nparams * sizeof(*layouts), specs,
 	       (size_t)reply->nparams * sizeof(*specs));
+	/* The CUDA IPC handles end the payload, after the specs, in buffer order (PROTOCOL.md 3.7). */
+	if (nipc)
+		memcpy(buf + len - (size_t)nipc * sizeof(*ipc), ipc, (size_t)nipc * sizeof(*ipc));
 	shardd_session_send(s, SHARDD_MSG_GROUP, seq, buf, (uint32_t)len, fds, nfds);
 	free(buf);
 }

@@ -127,12 +127,14 @@ int shardd_session_send(struct shardd_session *s, uint16_t type, uint32_t seq,
 
 /*
  * Send the reply of a group registration or open: SHARDD_MSG_GROUP with the
- * four fds, or SHARDD_MSG_ERROR when res < 0 (shardd_session_send).
+ * fds of its fd-exported buffers and, after the specs, the handles of its
+ * CUDA IPC ones; or SHARDD_MSG_ERROR when res < 0 (shardd_session_send).
  */
 void shardd_session_send_group(struct shardd_session *s, uint32_t seq, int res, const char *msg,
 			       const struct shardd_group_reply *reply,
 			       const struct shardd_param_layout *layouts,
-			       const struct shardd_param_spec *specs, const int *fds, int nfds);
+			       const struct shardd_param_spec *specs, const int *fds, int nfds,
+			       const struct shardd_cuda_ipc_handle *ipc, int nipc);
 
 /*
  * End the session: detach it from its job (the engine and the barrier learn

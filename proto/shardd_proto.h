@@ -103,6 +103,17 @@ enum shardd_error {
 	SHARDD_E_MAX
 };
 
+/*
+ * How one buffer of a GROUP reply travels (shardd_group_reply.export_kind).
+ * Zero is what the host backend always sends, so a reply whose kinds are all
+ * zero means what it meant before the field existed: four fds.
+ */
+enum shardd_export_kind {
+	SHARDD_EXPORT_FD       = 0, /* an fd in the message's SCM_RIGHTS: a memfd, or a cuda VMM fd */
+	SHARDD_EXPORT_CUDA_IPC = 1, /* no fd: a struct shardd_cuda_ipc_handle in the payload */
+	SHARDD_EXPORT_COUNT         /* codes >= this are invalid */
+};
+
 /* Control message types */
 enum shardd_msg_type {
 	SHARDD_MSG_HELLO          = 1,  /* client -> daemon */
@@ -199,7 +210,15 @@ struct shardd_open_group {
 	char     name[SHARDD_NAME_MAX];
 };
 
-/* An opaque CUDA IPC handle (cudaIpcEventHandle_t / CUipcEventHandle). */
+/* Buffers of a GROUP reply: unsharded, grad, flat shard, sharded grad, in this order. */
+#define SHARDD_GROUP_BUFS 4
+
+/*
+ * An opaque 64-byte CUDA IPC handle: a legacy memory handle
+ * (cudaIpcMemHandle_t, the driver's CUipcMemHandle, opened with
+ * cuIpcOpenMemHandle) or an event handle (cudaIpcEventHandle_t /
+ * CUipcEventHandle). Spelled out here so that proto/ needs no CUDA header.
+ */
 struct shardd_cuda_ipc_handle {
 	uint8_t bytes[64];
 };
@@ -245,9 +264,11 @@ struct shardd_param_layout {
 /*
  * SHARDD_MSG_GROUP payload: this, then nparams param layouts, then the
  * nparams param specs as registered (so a rank that opens a group by name
- * learns names, dtypes and shapes), with four fds in this order: unsharded
- * (read-only), grad (rw), flat shard (rw), sharded grad (rw). Sizes below
- * are the mapping sizes.
+ * learns names, dtypes and shapes), then one struct shardd_cuda_ipc_handle
+ * per buffer of kind SHARDD_EXPORT_CUDA_IPC, in buffer order. The message
+ * carries one fd per buffer of kind SHARDD_EXPORT_FD, in buffer order:
+ * unsharded (read-only), grad (rw), flat shard (rw), sharded grad (rw).
+ * Sizes below are the mapping sizes.
  */
 struct shardd_group_reply {
 	uint32_t group_id;        /* nonzero, used in sqe.group */
@@ -259,7 +280,9 @@ struct shardd_group_reply {
 	uint64_t unsharded_size;  /* bytes */
 	uint64_t grad_size;       /* bytes */
 	uint64_t shard_size;      /* bytes of the flat shard, also of the sharded grad */
-	uint64_t rsvd[2];
+	uint8_t  export_kind[SHARDD_GROUP_BUFS]; /* per buffer, enum shardd_export_kind */
+	uint32_t rsvd0;           /* zero */
+	uint64_t rsvd;            /* zero */
 };
 
 /* ------------------------------------------------------------------ */
@@ -367,6 +390,10 @@ _Static_assert(sizeof(struct shardd_open_group) == 64, "open_group");
 _Static_assert(sizeof(struct shardd_param_layout) == 64, "param_layout");
 _Static_assert(sizeof(struct shardd_group_reply) == 64, "group_reply");
 _Static_assert(offsetof(struct shardd_group_reply, unsharded_size) == 24, "group_reply.unsharded_size");
+_Static_assert(offsetof(struct shardd_group_reply, export_kind) == 48, "group_reply.export_kind");
+_Static_assert(offsetof(struct shardd_group_reply, rsvd0) == 52, "group_reply.rsvd0");
+_Static_assert(offsetof(struct shardd_group_reply, rsvd) == 56, "group_reply.rsvd");
+_Static_assert(sizeof(struct shardd_cuda_ipc_handle) == 64, "cuda_ipc_handle");
 _Static_assert(sizeof(struct shardd_sqe) == 64, "sqe");
 _Static_assert(offsetof(struct shardd_sqe, fence) == 1, "sqe.fence");
 _Static_assert(offsetof(struct shardd_sqe, step) == 8, "sqe.step");

@@ -4,9 +4,12 @@
  * inputs: every op through the backend table, results copied back from
  * the device and compared bit for bit (the CUDA kernels promise the CPU's
  * numerics; inputs are finite, so no NaN payload can differ). Also the
- * export/import path a client takes: a buffer exported as an fd and
- * imported with client/cuda_import.c sees the daemon's bytes and writes.
- * Skips without a CUDA device.
+ * export/import paths a client takes: a buffer exported as an fd
+ * (--cuda-export fd) and imported with client/cuda_import.c sees the
+ * daemon's bytes and writes; a buffer exported as a legacy CUDA IPC handle
+ * (--cuda-export ipc) is imported by a forked child process (the exporting
+ * process cannot open its own handle) that sees the same. Skips without a
+ * CUDA device.
  */
 #include <criterion/criterion.h>
 #include <cuda_runtime.h>
@@ -23,6 +26,7 @@
 #include "daemon/layout.h"
 #include "daemon/pool.h"
 #include "shardd_kernels.h"
+#include "tests/lib/harness.h"
 
 #define WORLD 3
 
@@ -41,16 +45,33 @@ static uint64_t rng(void)
 
 #define CUDA_OK(call) cr_assert_eq((call), cudaSuccess, "%s failed", #call)
 
-static void setup(void)
+/* Both backends, the cuda one with --cuda-export `mode`. */
+static void setup_mode(uint32_t mode)
 {
 	char err[256];
 	int n = 0;
 
 	if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0)
 		cr_skip_test("no CUDA device visible");
-	cr_assert_eq(shardd_backend_cuda_create(&cuda_be, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(shardd_backend_cuda_create(mode, &cuda_be, err, sizeof(err)), 0, "%s", err);
 	cr_assert_eq(shardd_pool_create(2, &pool), 0);
 	cr_assert_eq(shardd_backend_host_create(pool, &host_be), 0);
+}
+
+/* The daemon's default: fd on a device that supports it (every current GPU), else ipc. */
+static void setup(void)
+{
+	setup_mode(SHARDD_CUDA_EXPORT_AUTO);
+}
+
+static void setup_fd(void)
+{
+	setup_mode(SHARDD_CUDA_EXPORT_FD);
+}
+
+static void setup_ipc(void)
+{
+	setup_mode(SHARDD_CUDA_EXPORT_IPC);
 }
 
 static void teardown(void)
@@ -151,23 +172,24 @@ static void build_layout(struct shardd_layout *l, uint32_t param_dtype)
 	cr_assert_eq(shardd_layout_build(specs, 3, WORLD, param_dtype, l, err, sizeof(err)), 0, "%s", err);
 }
 
-Test(cuda_backend, exported_buffer_imports_with_the_daemons_bytes, .timeout = 60, .init = setup,
+Test(cuda_backend, exported_buffer_imports_with_the_daemons_bytes, .timeout = 60, .init = setup_fd,
      .fini = teardown)
 {
 	const uint64_t bytes = 3 * 1000 * 1000 + 17; /* not a multiple of any granularity */
 	struct shardd_cuda_mapping m;
+	struct shardd_buf_export ex;
 	struct shardd_buf buf;
 	uint8_t *want = malloc(bytes), *got = malloc(bytes);
-	int fd;
 
 	cr_assert(want && got);
 	cr_assert_eq(cuda_be->ops->alloc(cuda_be, bytes, 0, "roundtrip", &buf), 0);
 	cr_assert_eq(buf.bytes, bytes);
 	cr_assert_geq(buf.fd, 0);
-	fd = cuda_be->ops->export_fd(cuda_be, &buf, 1);
-	cr_assert_geq(fd, 0);
-	cr_assert_eq(shardd_cuda_import(fd, 0, bytes, &m), 0, "import: %s", shardd_last_error());
-	close(fd);
+	cr_assert_eq(cuda_be->ops->export_buf(cuda_be, &buf, 1, &ex), 0);
+	cr_assert_eq(ex.kind, SHARDD_EXPORT_FD);
+	cr_assert_geq(ex.fd, 0);
+	cr_assert_eq(shardd_cuda_import(ex.fd, 0, bytes, &m), 0, "import: %s", shardd_last_error());
+	close(ex.fd);
 	cr_assert_neq(m.ptr, 0);
 	cr_assert_geq(m.size, bytes);
 
@@ -245,6 +267,13 @@ Test(cuda_backend, unshard_with_bf16_param_dtype_matches_host_backend, .timeout 
      .fini = teardown)
 {
 	unshard_case(SHARDD_DTYPE_BF16);
+}
+
+/* Legacy IPC buffers are cudaMalloc'd, not granularity-rounded: the kernels see the same layout. */
+Test(cuda_backend, unshard_on_ipc_buffers_matches_host_backend, .timeout = 60, .init = setup_ipc,
+     .fini = teardown)
+{
+	unshard_case(SHARDD_DTYPE_NONE);
 }
 
 /*
@@ -377,4 +406,220 @@ Test(cuda_backend, all_reduce_of_shard_views_with_addend_matches_host_backend, .
 	pair_free(&add);
 	pair_free(&out);
 	shardd_layout_free(&l);
+}
+
+/* ------------------------------------------------------------------ */
+/* Legacy IPC export, imported by another process                      */
+/* ------------------------------------------------------------------ */
+
+#define IPC_BYTES   ((uint64_t)3 * 1000 * 1000 + 17) /* an odd size: no rounding hides a bug */
+#define IPC_ZERO_AT 4096
+#define IPC_ZERO_N  100000
+#define IPC_WAIT_MS 30000
+
+/* Byte i of pattern `salt`, written by one process and checked by the other. */
+static uint8_t pattern(uint64_t i, unsigned salt)
+{
+	uint64_t x = (i + 1) * 0x9e3779b97f4a7c15ull + salt;
+
+	x ^= x >> 29;
+	return (uint8_t)(x ^ (x >> 17));
+}
+
+/* Expected byte i: 0 for salt 0 and inside [zero_at, zero_at + zero_n), else pattern(i, salt). */
+static uint8_t expected(uint64_t i, unsigned salt, uint64_t zero_at, uint64_t zero_n)
+{
+	return salt == 0 || (i >= zero_at && i < zero_at + zero_n) ? 0 : pattern(i, salt);
+}
+
+/* What the parent sends the child first: the handle a GROUP reply would carry, and the size. */
+struct ipc_offer {
+	struct shardd_cuda_ipc_handle handle;
+	uint64_t bytes;
+};
+
+struct ipc_pipes {
+	int in;         /* child reads the offer and the parent's go bytes */
+	int out;        /* child writes one byte per step done */
+	int parents[2]; /* the parent's ends: closed in the child, so each side sees the other's EOF */
+};
+
+/* In the child: the device bytes at `ptr` are what `expected` says; 0, else the first bad index + 1. */
+static uint64_t child_mismatch(uint64_t ptr, uint64_t n, unsigned salt, uint64_t zero_at, uint64_t zero_n)
+{
+	uint8_t *got = malloc(n);
+	uint64_t bad = 0;
+
+	if (!got || cudaMemcpy(got, (void *)(uintptr_t)ptr, n, cudaMemcpyDeviceToHost) != cudaSuccess) {
+		free(got);
+		return n + 1;
+	}
+	for (uint64_t i = 0; i < n && !bad; i++)
+		if (got[i] != expected(i, salt, zero_at, zero_n))
+			bad = i + 1;
+	free(got);
+	return bad;
+}
+
+/* In the child: wait for the parent's go byte `want`. */
+static int child_await(int fd, char want)
+{
+	char c = 0;
+
+	return harness_read_full(fd, &c, 1, IPC_WAIT_MS) == 0 && c == want ? 0 : -1;
+}
+
+/*
+ * The importing process, a trainer's stand-in: open the handle through
+ * libshardd, read the daemon's bytes, write its own, open the handle a
+ * second time (a group opened again in one process) and close both. It
+ * touches CUDA only after the fork, as a process forked from one that
+ * initialised CUDA could not use it.
+ */
+static int ipc_child(void *arg)
+{
+	const struct ipc_pipes *p = arg;
+	struct shardd_cuda_mapping m, again;
+	struct ipc_offer offer;
+	uint64_t bad, n;
+	uint8_t *mine;
+	int ret;
+
+	close(p->parents[0]);
+	close(p->parents[1]);
+	CHILD_CHECK(harness_read_full(p->in, &offer, sizeof(offer), IPC_WAIT_MS) == 0, "no offer");
+	n = offer.bytes;
+	ret = shardd_cuda_import_ipc(&offer.handle, 0, n, &m);
+	CHILD_CHECK(ret == 0, "import: %d %s", ret, shardd_last_error());
+	CHILD_CHECK(m.ptr != 0 && m.size == n && m.kind == SHARDD_EXPORT_CUDA_IPC && m.device == 0,
+		    "mapping ptr 0x%llx size %llu kind %u device %d", (unsigned long long)m.ptr,
+		    (unsigned long long)m.size, m.kind, m.device);
+	bad = child_mismatch(m.ptr, n, 0, 0, 0);
+	CHILD_CHECK(bad == 0, "byte %llu of a new buffer is not 0", (unsigned long long)bad - 1);
+	CHILD_CHECK(harness_signal(p->out, 'z') == 0, "signal z");
+
+	/* The daemon writes, the client reads. */
+	CHILD_CHECK(child_await(p->in, 'w') == 0, "no go after the daemon's write");
+	bad = child_mismatch(m.ptr, n, 1, 0, 0);
+	CHILD_CHECK(bad == 0, "byte %llu differs from the daemon's write", (unsigned long long)bad - 1);
+
+	/* The client writes (its grads), the daemon reads. */
+	mine = malloc(n);
+	CHILD_CHECK(mine != NULL, "malloc");
+	for (uint64_t i = 0; i < n; i++)
+		mine[i] = pattern(i, 2);
+	CHILD_CHECK(cudaMemcpy((void *)(uintptr_t)m.ptr, mine, n, cudaMemcpyHostToDevice) == cudaSuccess,
+		    "write through the mapping");
+	/* A copy from pageable memory may return before its DMA lands: wait before telling the daemon. */
+	CHILD_CHECK(cudaDeviceSynchronize() == cudaSuccess, "synchronize after the write");
+	free(mine);
+	CHILD_CHECK(harness_signal(p->out, 'c') == 0, "signal c");
+
+	/* The daemon's zero of a sub-range shows, the rest keeps the client's bytes. */
+	CHILD_CHECK(child_await(p->in, 'Z') == 0, "no go after the daemon's zero");
+	bad = child_mismatch(m.ptr, n, 2, IPC_ZERO_AT, IPC_ZERO_N);
+	CHILD_CHECK(bad == 0, "byte %llu wrong after zero(%d, %d)", (unsigned long long)bad - 1,
+		    IPC_ZERO_AT, IPC_ZERO_N);
+
+	/*
+	 * A second import of the same handle shares the mapping (the driver
+	 * counts opens in one context), and closing one leaves the other.
+	 */
+	ret = shardd_cuda_import_ipc(&offer.handle, 0, n, &again);
+	CHILD_CHECK(ret == 0, "second import: %d %s", ret, shardd_last_error());
+	CHILD_CHECK(again.ptr == m.ptr, "second import at 0x%llx, first at 0x%llx",
+		    (unsigned long long)again.ptr, (unsigned long long)m.ptr);
+	shardd_cuda_unmap(&m);
+	CHILD_CHECK(m.ptr == 0, "unmap leaves ptr 0x%llx", (unsigned long long)m.ptr);
+	bad = child_mismatch(again.ptr, n, 2, IPC_ZERO_AT, IPC_ZERO_N);
+	CHILD_CHECK(bad == 0, "after closing the first import, byte %llu of the second is wrong",
+		    (unsigned long long)bad - 1);
+	shardd_cuda_unmap(&again);
+	CHILD_CHECK(harness_signal(p->out, 'd') == 0, "signal d");
+	return 0;
+}
+
+/* In the parent: the child's step byte `want`, or fail naming how the child ended. */
+static void expect_step(int fd, pid_t child, char want, const char *step)
+{
+	int status = 0;
+	char c = 0;
+
+	if (harness_read_full(fd, &c, 1, IPC_WAIT_MS) == 0 && c == want)
+		return;
+	cr_assert_eq(harness_wait_or_kill(child, IPC_WAIT_MS, &status), 0);
+	cr_assert_fail("the importing child did not finish '%s': it %s (its check is on stderr)", step,
+		       harness_status_str(status));
+}
+
+Test(cuda_backend, ipc_exported_buffer_imports_in_another_process_with_the_daemons_bytes,
+     .timeout = 120, .fini = teardown)
+{
+	int to_child[2], from_child[2], status = 0, n = 0;
+	struct ipc_pipes pipes;
+	struct shardd_buf_export ex;
+	struct ipc_offer offer;
+	struct shardd_buf buf;
+	uint8_t *host = malloc(IPC_BYTES);
+	pid_t child;
+
+	cr_assert_not_null(host);
+	cr_assert_eq(pipe(to_child), 0);
+	cr_assert_eq(pipe(from_child), 0);
+	pipes = (struct ipc_pipes){ to_child[0], from_child[1], { to_child[1], from_child[0] } };
+	/* Fork before this process touches CUDA: the child could not use it after. */
+	child = harness_fork(ipc_child, &pipes);
+	cr_assert_gt(child, 0);
+	close(to_child[0]);
+	close(from_child[1]);
+	if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+		close(to_child[1]);
+		harness_wait_or_kill(child, IPC_WAIT_MS, &status);
+		cr_skip_test("no CUDA device visible");
+	}
+	setup_ipc();
+
+	/* Allocated, exactly sized, no fd: it travels as a handle. */
+	cr_assert_eq(cuda_be->ops->alloc(cuda_be, IPC_BYTES, 0, "ipc roundtrip", &buf), 0);
+	cr_assert(shardd_buf_allocated(&buf));
+	cr_assert_eq(buf.fd, -1);
+	cr_assert_eq(buf.bytes, IPC_BYTES);
+	cr_assert_eq(cuda_be->ops->export_buf(cuda_be, &buf, 1, &ex), 0);
+	cr_assert_eq(ex.kind, SHARDD_EXPORT_CUDA_IPC);
+	cr_assert_eq(ex.fd, -1);
+
+	offer.handle = ex.ipc;
+	offer.bytes = IPC_BYTES;
+	cr_assert_eq(write(to_child[1], &offer, sizeof(offer)), (ssize_t)sizeof(offer));
+	expect_step(from_child[0], child, 'z', "a new buffer reads zero");
+
+	for (uint64_t i = 0; i < IPC_BYTES; i++)
+		host[i] = pattern(i, 1);
+	CUDA_OK(cudaMemcpy(shardd_backend_cuda_ptr(&buf), host, IPC_BYTES, cudaMemcpyHostToDevice));
+	/* A copy from pageable memory may return before its DMA lands: wait before telling the child. */
+	CUDA_OK(cudaDeviceSynchronize());
+	cr_assert_eq(harness_signal(to_child[1], 'w'), 0);
+	expect_step(from_child[0], child, 'c', "read the daemon's bytes, write its own");
+
+	CUDA_OK(cudaMemcpy(host, shardd_backend_cuda_ptr(&buf), IPC_BYTES, cudaMemcpyDeviceToHost));
+	for (uint64_t i = 0; i < IPC_BYTES; i++)
+		if (host[i] != pattern(i, 2))
+			cr_assert_fail("byte %llu: the daemon does not see the client's write",
+				       (unsigned long long)i);
+	cr_assert_eq(cuda_be->ops->zero(cuda_be, &buf, IPC_ZERO_AT, IPC_ZERO_N), 0);
+	/* The backend only queued the zero: wait for it before the child looks. */
+	cr_assert_eq(cuda_be->ops->sync(cuda_be, &buf), 0);
+	cr_assert_eq(harness_signal(to_child[1], 'Z'), 0);
+	expect_step(from_child[0], child, 'd', "see the zero, open the handle twice, close both");
+
+	cr_assert_eq(harness_wait_or_kill(child, IPC_WAIT_MS, &status), 0);
+	cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "the importing child %s",
+		  harness_status_str(status));
+	/* Freed only now: legacy IPC memory goes with the daemon's free, open or not. */
+	cuda_be->ops->free(cuda_be, &buf);
+	cr_assert(!shardd_buf_allocated(&buf));
+	cr_assert_eq(buf.fd, -1);
+	close(to_child[1]);
+	close(from_child[0]);
+	free(host);
 }

@@ -5,6 +5,7 @@ groups, unshard/reduce numbers against numpy, failure paths."""
 import errno
 import os
 import signal
+import types
 
 import numpy as np
 import pytest
@@ -147,6 +148,41 @@ def test_register_then_open_gives_the_same_group(daemon, request):
     finally:
         for c in clients:
             c.close()
+
+
+def test_group_reply_with_a_cuda_ipc_buffer_is_refused_naming_the_field():
+    """A GROUP reply whose unsharded buffer travels as a CUDA IPC handle (no
+    fd) cannot be mapped by the Python client: it says which field, which
+    value, and why, and closes the fds that came with it. No daemon sends
+    this on the host backend, so the reply is built here."""
+    layout = P.PARAM_LAYOUT.pack(0, 4, 0, 4, 0, 4, 0, 1)
+    spec = P.PARAM_SPEC.pack(b"w", P.DTYPE_FP32, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0)
+    kinds = bytes([P.EXPORT_CUDA_IPC, P.EXPORT_FD, P.EXPORT_FD, P.EXPORT_FD])
+    header = P.GROUP_REPLY.pack(1, 1, P.DTYPE_NONE, P.DTYPE_NONE, P.DTYPE_FP32, 1,
+                                64, 64, 64, kinds, 0, 0)
+    reply = header + layout + spec + bytes(P.CUDA_IPC_HANDLE_SIZE)
+    fds = [os.memfd_create(f"buf{i}") for i in range(3)]
+    for fd in fds:
+        os.ftruncate(fd, 64)
+    fake_client = types.SimpleNamespace(backend=P.BACKEND_HOST)
+    with pytest.raises(shardd.ShardError) as ei:
+        shardd.Group(fake_client, "g", reply, fds, None, "register group 'g'")
+    assert ei.value.code == -errno.ENOTSUP
+    assert "export_kind[0] = 1 (cuda ipc)" in str(ei.value)
+    assert "--backend host" in str(ei.value)
+    for fd in fds:
+        with pytest.raises(OSError) as closed:
+            os.fstat(fd)
+        assert closed.value.errno == errno.EBADF
+
+    # An unknown kind is a malformed reply, not a missing feature.
+    header = P.GROUP_REPLY.pack(1, 1, P.DTYPE_NONE, P.DTYPE_NONE, P.DTYPE_FP32, 1,
+                                64, 64, 64, bytes([0, 0, 7, 0]), 0, 0)
+    fds = [os.memfd_create(f"buf{i}") for i in range(4)]
+    with pytest.raises(shardd.ShardError) as ei:
+        shardd.Group(fake_client, "g", header + layout + spec, fds, None, "open group 'g'")
+    assert ei.value.code == -P.E_MALFORMED
+    assert "export_kind[2] = 7 (unknown kind)" in str(ei.value)
 
 
 def test_unshard_gathers_fp32_shards_exactly(daemon, request):

@@ -100,7 +100,8 @@ static int has_seals(int fd)
 
 static void on_reply(void *ctx, uint32_t rank, uint64_t token, uint32_t seq, int res, const char *msg,
 		     const struct shardd_group_reply *reply, const struct shardd_param_layout *layouts,
-		     const struct shardd_param_spec *specs, const int *fds, int nfds)
+		     const struct shardd_param_spec *specs, const int *fds, int nfds,
+		     const struct shardd_cuda_ipc_handle *ipc, int nipc)
 {
 	struct t_env *env = ctx;
 	struct t_reply *rp = &env->rep[rank];
@@ -116,7 +117,12 @@ static void on_reply(void *ctx, uint32_t rank, uint64_t token, uint32_t seq, int
 	snprintf(rp->msg, sizeof(rp->msg), "%s", msg ? msg : "");
 	if (res)
 		return;
+	/* The host backend sends every buffer as an fd: export kinds all zero, no IPC handle. */
 	cr_assert_eq(nfds, 4);
+	cr_assert_eq(nipc, 0);
+	(void)ipc;
+	for (int k = 0; k < SHARDD_GROUP_BUFS; k++)
+		cr_assert_eq(reply->export_kind[k], SHARDD_EXPORT_FD, "export_kind[%d]", k);
 	cr_assert_not_null(specs, "a GROUP reply carries the registered param specs");
 	cr_assert_leq(reply->group_id, MAXG);
 	rp->group_id = reply->group_id;

@@ -102,7 +102,11 @@ Test(proto, group_messages_layout, .timeout = 5)
 	cr_assert_eq(OFF(shardd_group_reply, unsharded_size), 24);
 	cr_assert_eq(OFF(shardd_group_reply, grad_size), 32);
 	cr_assert_eq(OFF(shardd_group_reply, shard_size), 40);
-	cr_assert_eq(OFF(shardd_group_reply, rsvd), 48);
+	cr_assert_eq(OFF(shardd_group_reply, export_kind), 48);
+	cr_assert_eq(sizeof(((struct shardd_group_reply *)0)->export_kind), SHARDD_GROUP_BUFS);
+	cr_assert_eq(OFF(shardd_group_reply, rsvd0), 52);
+	cr_assert_eq(OFF(shardd_group_reply, rsvd), 56);
+	cr_assert_eq(sizeof(struct shardd_cuda_ipc_handle), 64);
 }
 
 Test(proto, sqe_and_cqe_layout, .timeout = 5)
@@ -191,6 +195,10 @@ Test(proto, constants_have_their_documented_values, .timeout = 5)
 	cr_assert_eq(SHARDD_MSG_REGISTER_GROUP, 5);
 	cr_assert_eq(SHARDD_MSG_OPEN_GROUP, 6);
 	cr_assert_eq(SHARDD_MSG_GROUP, 7);
+	cr_assert_eq(SHARDD_GROUP_BUFS, 4);
+	/* Zero is an fd: the host backend's replies keep the meaning they had before the field. */
+	cr_assert_eq(SHARDD_EXPORT_FD, 0);
+	cr_assert_eq(SHARDD_EXPORT_CUDA_IPC, 1);
 	cr_assert_eq(SHARDD_E_MAGIC, 1001);
 	cr_assert_eq(SHARDD_E_NOJOB, 1016);
 	/* Project codes must never collide with an errno. */

@@ -441,12 +441,24 @@ class Group:
                 raise _error(-errno.ENOTSUP, f"{where}: the daemon runs the cuda backend, whose "
                                              f"buffers are device memory; the Python client maps "
                                              f"host buffers only (use --backend host)")
-            if len(reply) < P.GROUP_REPLY.size or len(fds) != 4:
-                raise _error(-P.E_MALFORMED, f"{where}: GROUP reply of {len(reply)} bytes with "
-                                             f"{len(fds)} fds, expected >= {P.GROUP_REPLY.size} and 4")
+            if len(reply) < P.GROUP_REPLY.size:
+                raise _error(-P.E_MALFORMED, f"{where}: GROUP reply of {len(reply)} bytes, "
+                                             f"expected >= {P.GROUP_REPLY.size}")
             (self.id, self.nparams, self.param_dtype, self.reduce_dtype, self.grad_dtype,
              self.shard_world, self.unsharded_size, self.grad_size, self.shard_size,
-             _r0, _r1) = P.GROUP_REPLY.unpack_from(reply)
+             export_kind, _r0, _r1) = P.GROUP_REPLY.unpack_from(reply)
+            # Every buffer must be an fd (kind 0): a CUDA IPC handle is device memory.
+            for i, kind in enumerate(export_kind):
+                if kind != P.EXPORT_FD:
+                    known = kind in P.EXPORT_NAMES
+                    raise _error(-errno.ENOTSUP if known else -P.E_MALFORMED,
+                                 f"{where}: GROUP reply: export_kind[{i}] = {kind} "
+                                 f"({P.EXPORT_NAMES.get(kind, 'unknown kind')}): the Python client "
+                                 f"maps buffers that travel as fds (kind 0) only"
+                                 + (", not device memory (use --backend host)" if known else ""))
+            if len(fds) != P.GROUP_BUFS:
+                raise _error(-P.E_MALFORMED, f"{where}: GROUP reply carries {len(fds)} fds, "
+                                             f"expected {P.GROUP_BUFS}")
             # reply header, nparams layouts, then the nparams specs as registered
             specs_at = P.GROUP_REPLY.size + self.nparams * P.PARAM_LAYOUT.size
             want = specs_at + self.nparams * P.PARAM_SPEC.size

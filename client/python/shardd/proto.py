@@ -47,6 +47,13 @@ DTYPE_SIZES = {DTYPE_FP32: 4, DTYPE_BF16: 2, DTYPE_FP16: 2}
 BACKEND_HOST = 1
 BACKEND_CUDA = 2
 
+# enum shardd_export_kind: how each buffer of a GROUP reply travels
+EXPORT_FD = 0        # an fd in SCM_RIGHTS (every buffer of the host backend)
+EXPORT_CUDA_IPC = 1  # no fd: a 64-byte CUDA IPC handle after the param specs
+EXPORT_NAMES = {EXPORT_FD: "fd", EXPORT_CUDA_IPC: "cuda ipc"}
+GROUP_BUFS = 4       # unsharded, grad, flat shard, sharded grad
+CUDA_IPC_HANDLE_SIZE = 64
+
 # enum shardd_op
 OP_NOP = 1
 OP_BARRIER = 2
@@ -124,7 +131,7 @@ PARAM_SPEC = struct.Struct("<80sIIII8Q")          # name dtype ndim shard_dim fl
 REGISTER_GROUP = struct.Struct("<64sIIIIII")      # name nparams param_dtype reduce_dtype init flags rsvd
 OPEN_GROUP = struct.Struct("<64s")
 PARAM_LAYOUT = struct.Struct("<8Q")               # see ParamLayout
-GROUP_REPLY = struct.Struct("<IIIIIIQQQ2Q")
+GROUP_REPLY = struct.Struct("<IIIIIIQQQ4sIQ")    # ... shard_size export_kind[4] rsvd0 rsvd
 SQE = struct.Struct("<B3xIQQII4Q")                # op (fence=0: no streams here, rsvd0) group step user_data flags rsvd1 rsvd2[4]
 CQE = struct.Struct("<QiBBHIIQ4Q")                # user_data res op has_msg (fence, rsvd0: unused) group rsvd1 step rsvd2[4]
 RING_HDR_SIZE = 8 * CACHELINE

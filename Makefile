@@ -120,7 +120,7 @@ $(BUILD)/shardbench: $(call obj,$(BENCH_SRC)) $(LIBCLIENT_A) $(LIBKERNELS)
 
 $(BUILD)/examples/%: $(BUILD)/client/examples/%.o $(LIBCLIENT_A)
 	@mkdir -p $(dir $@)
-	$(CC) $(LDFLAGS) -o $@ $^ -lpthread -lm
+	$(CC) $(LDFLAGS) -o $@ $^ -lpthread -lm $(CUDA_LDLIBS)
 
 $(BUILD)/tests/%: $(BUILD)/tests/%.o $(TESTLIB_OBJ) $(LIBDAEMON) $(LIBCLIENT_A) $(LIBKERNELS)
 	@mkdir -p $(dir $@)

@@ -64,6 +64,8 @@ static struct {
 	PFN_cuEventRecord_v2000                   event_record;
 	PFN_cuStreamWaitEvent_v3020               stream_wait_event;
 	PFN_cuEventSynchronize_v2000              event_synchronize;
+	PFN_cuMemcpyHtoD_v3020                    memcpy_htod;
+	PFN_cuCtxSynchronize_v2000                ctx_synchronize;
 } drv;
 
 static pthread_once_t drv_once = PTHREAD_ONCE_INIT;
@@ -127,6 +129,8 @@ static void drv_load(void)
 	DRV_RESOLVE(event_record, "cuEventRecord");
 	DRV_RESOLVE(stream_wait_event, "cuStreamWaitEvent");
 	DRV_RESOLVE(event_synchronize, "cuEventSynchronize");
+	DRV_RESOLVE(memcpy_htod, "cuMemcpyHtoD");
+	DRV_RESOLVE(ctx_synchronize, "cuCtxSynchronize");
 #undef DRV_RESOLVE
 	r = drv.init(0);
 	if (r != CUDA_SUCCESS) {
@@ -323,6 +327,32 @@ void shardd_cuda_unmap(struct shardd_cuda_mapping *m)
 		drv.address_free((CUdeviceptr)m->ptr, (size_t)m->size);
 	}
 	memset(m, 0, sizeof(*m));
+}
+
+int shardd_cuda_copy_in(int device, uint64_t dst, const void *src, uint64_t bytes)
+{
+	CUdevice dev;
+	CUresult r;
+
+	pthread_once(&drv_once, drv_load);
+	if (drv_status)
+		return shardd_err_set(drv_status, "copy %llu bytes to device %d: %s",
+				      (unsigned long long)bytes, device, drv_error);
+	r = drv.device_get(&dev, device);
+	if (r != CUDA_SUCCESS)
+		return drv_fail(r, "cuDeviceGet", device, bytes);
+	r = primary_ctx_push(dev);
+	if (r != CUDA_SUCCESS)
+		return drv_fail(r, "the device's primary context", device, bytes);
+	/*
+	 * A copy from pageable memory may return before its DMA lands, and the
+	 * daemon's stream does not wait for this context's work: wait here.
+	 */
+	r = drv.memcpy_htod((CUdeviceptr)dst, src, (size_t)bytes);
+	if (r == CUDA_SUCCESS)
+		r = drv.ctx_synchronize();
+	primary_ctx_pop(dev);
+	return r == CUDA_SUCCESS ? 0 : drv_fail(r, "cuMemcpyHtoD", device, bytes);
 }
 
 /* ---------------- fences ---------------- */
@@ -541,6 +571,15 @@ int shardd_cuda_import_ipc(const struct shardd_cuda_ipc_handle *handle, int devi
 void shardd_cuda_unmap(struct shardd_cuda_mapping *m)
 {
 	memset(m, 0, sizeof(*m));
+}
+
+int shardd_cuda_copy_in(int device, uint64_t dst, const void *src, uint64_t bytes)
+{
+	(void)dst;
+	(void)src;
+	return shardd_err_set(-ENOTSUP, "copy %llu bytes to device %d: this libshardd was built "
+			      "without CUDA (rebuild with make CUDA=1)", (unsigned long long)bytes,
+			      device);
 }
 
 /* Fences are never made in this build, so only their creation can be called. */

@@ -52,6 +52,12 @@ SHARDD_HIDDEN int shardd_cuda_import_ipc(const struct shardd_cuda_ipc_handle *ha
 SHARDD_HIDDEN void shardd_cuda_unmap(struct shardd_cuda_mapping *m);
 
 /*
+ * Copy `bytes` of host memory to device address `dst` on `device`, and
+ * wait until they are there. 0 or a code with context.
+ */
+SHARDD_HIDDEN int shardd_cuda_copy_in(int device, uint64_t dst, const void *src, uint64_t bytes);
+
+/*
  * Stream fences (shardd_set_stream): interprocess events in the primary
  * context of the rank's device. Ours, one per SQ slot, are recorded on the
  * trainer's stream before a submission; the daemon's, one per CQ slot, are

@@ -574,29 +574,31 @@ void *shardd_group_shard_grad(const struct shardd_group *g, uint32_t param)
 
 int shardd_group_load_full(struct shardd_group *g, uint32_t param, const void *full)
 {
+	const struct shardd_mapping *m = &g->buf[SHARDD_BUF_SHARD];
 	const struct shardd_param_spec *p;
 	struct shardd_shard_geometry geo;
 	const char *src = full;
-	char *dst;
+	char *dst, *shard;
 	size_t esz, chunk;
+	int ret = 0;
 
 	shardd_err_clear();
 	if (param >= g->info.nparams || !full)
 		return shardd_err_set(-EINVAL, "load param %u of group '%s' (%u params)%s", param,
 				      g->name, g->info.nparams, full ? "" : ": no data");
-	if (g->buf[SHARDD_BUF_SHARD].cuda_size)
-		return shardd_err_set(-ENOTSUP,
-				      "load param %u of group '%s': the daemon runs the cuda backend, so "
-				      "the flat shard is device memory; copy this rank's rows into "
-				      "shardd_group_shard() with cudaMemcpy", param, g->name);
 	p = &g->specs[param];
 	/* Registration checked the shape and the layout against each other. */
 	geometry(p, g->info.shard_world, g->client->rank % g->info.shard_world, &geo);
 	esz = shardd_dtype_size(p->dtype);
-	dst = shardd_group_shard(g, param);
-	if (!dst)
+	shard = shardd_group_shard(g, param);
+	if (!shard)
 		return 0;
 	chunk = (size_t)(geo.rows * geo.inner * esz);
+	/* Device memory: the rows are laid out in host memory first, then copied in one go. */
+	dst = m->cuda_size ? malloc(geo.outer * chunk) : shard;
+	if (!dst)
+		return shardd_err_set(-ENOMEM, "load param %u of group '%s': out of memory for "
+				      "%zu bytes of staging", param, g->name, (size_t)(geo.outer * chunk));
 	for (uint64_t o = 0; o < geo.outer; o++) {
 		size_t have = (size_t)(geo.valid * geo.inner * esz);
 
@@ -606,5 +608,12 @@ int shardd_group_load_full(struct shardd_group *g, uint32_t param, const void *f
 			       have);
 		memset(dst + o * chunk + have, 0, chunk - have);
 	}
-	return 0;
+	if (dst != shard) {
+		ret = shardd_cuda_copy_in(m->cuda_device, (uint64_t)(uintptr_t)shard, dst,
+					  geo.outer * chunk);
+		free(dst);
+		if (ret < 0)
+			shardd_err_wrap(ret, "load param %u of group '%s'", param, g->name);
+	}
+	return ret;
 }

@@ -183,9 +183,11 @@ void *shardd_group_shard_grad(const struct shardd_group *g, uint32_t param);
 /*
  * Copy this rank's shard of param `param` out of `full`, the whole tensor in
  * the param's own dtype and original shape (row-major), into the flat
- * shard; padding rows are zeroed. Handles Shard(i > 0). Returns 0, -EINVAL
- * (param out of range, or no data) or -ENOTSUP (cuda backend: the flat
- * shard is device memory; copy the rows with cudaMemcpy).
+ * shard; padding rows are zeroed. Handles Shard(i > 0). Under the cuda
+ * backend `full` is host memory all the same: the rows are copied to the
+ * device, and are there when the call returns. Returns 0, -EINVAL (param
+ * out of range, or no data), -ENOMEM, or a CUDA failure with
+ * shardd_last_error().
  */
 int shardd_group_load_full(struct shardd_group *g, uint32_t param, const void *full);
 

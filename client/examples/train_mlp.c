@@ -29,6 +29,12 @@
  * of the mean loss over the union (equal batch sizes), which is what the
  * reduce computes.
  *
+ * Backends: on the host backend the ranks compute on the group buffers'
+ * mappings directly. On the cuda backend (--device N) those are device
+ * memory; the model still runs on the CPU, so each rank copies an
+ * unsharded layer to host memory after its unshard, its grads to the
+ * device before its reduce, and its shard around the SGD update.
+ *
  * Dump format (--dump FILE): raw little-endian fp32, for each layer in order
  * fc0, fc1, fc2: weight (out x in, row-major), then bias (out). 32*64+64 +
  * 64*64+64 + 64*1+1 = 6337 floats.
@@ -51,6 +57,10 @@
 #include <unistd.h>
 
 #include "shardd.h"
+
+#ifdef SHARDD_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
 
 /* ------------------------------------------------------------------ */
 /* Model and run constants                                             */
@@ -342,15 +352,16 @@ struct opts {
 	uint64_t kill_step;    /* --kill-step T */
 	int64_t resume_step;   /* --resume-step T; -1: fresh start */
 	uint32_t attempt;      /* --attempt A: with --resume-step, the attempt to join */
+	int32_t device;        /* --device N; SHARDD_HELLO_DEVICE_HOST: none */
 };
 
 static void usage(FILE *f)
 {
 	fprintf(f,
 "usage: train_mlp --spawn N [--steps K] [--socket PATH] [--job NAME] [--dump FILE]\n"
-"                 [--kill-rank R --kill-step T]\n"
+"                 [--device N] [--kill-rank R --kill-step T]\n"
 "       train_mlp --rank R --world N [--steps K] [--socket PATH] [--job NAME] [--dump FILE]\n"
-"                 [--resume-step T [--attempt A]]\n"
+"                 [--device N] [--resume-step T [--attempt A]]\n"
 "       train_mlp --reference --world N [--steps K] [--dump FILE]\n"
 "\n"
 "Trains a 32-64-64-1 tanh MLP on a fixed random teacher, FSDP2-style, through\n"
@@ -365,6 +376,8 @@ static void usage(FILE *f)
 "  --steps K         training steps (default %d)\n"
 "  --socket PATH     daemon socket (default: $SHARDD_SOCKET, else the default path)\n"
 "  --job NAME        job name (default '%s')\n"
+"  --device N        attach on CUDA device N: needed when the daemon runs\n"
+"                    --backend cuda (the buffers are then device memory)\n"
 "  --dump FILE       write the final params as raw little-endian fp32: per layer\n"
 "                    fc0, fc1, fc2 the weight (out x in, row-major) then the bias;\n"
 "                    with --rank, rank 0 writes it\n"
@@ -410,6 +423,7 @@ static int opts_parse(int argc, char **argv, struct opts *o)
 		{ "kill-step", required_argument, NULL, 'T' },
 		{ "resume-step", required_argument, NULL, 'U' },
 		{ "attempt", required_argument, NULL, 'A' },
+		{ "device", required_argument, NULL, 'D' },
 		{ "help", no_argument, NULL, 'h' },
 		{ NULL, 0, NULL, 0 },
 	};
@@ -423,6 +437,7 @@ static int opts_parse(int argc, char **argv, struct opts *o)
 	o->kill_rank = -1;
 	o->resume_step = -1;
 	o->attempt = 1;
+	o->device = SHARDD_HELLO_DEVICE_HOST;
 	while ((c = getopt_long(argc, argv, "h", longopts, NULL)) != -1) {
 		switch (c) {
 		case 's':
@@ -464,6 +479,11 @@ static int opts_parse(int argc, char **argv, struct opts *o)
 			if (parse_u64(optarg, "--resume-step", 1u << 24, &v))
 				goto bad;
 			o->resume_step = (int64_t)v;
+			break;
+		case 'D':
+			if (parse_u64(optarg, "--device", 1023, &v))
+				goto bad;
+			o->device = (int32_t)v;
 			break;
 		case 'A':
 			if (parse_u64(optarg, "--attempt", MLP_MAX_ATTEMPTS - 1, &v) || v == 0)
@@ -618,6 +638,9 @@ struct rank {
 	char fail_msg[512];
 	struct teacher tc;
 	struct mlp_work wk;
+	int cuda;                     /* the daemon runs the cuda backend */
+	void *unsharded[MLP_LAYERS];  /* cuda: host copies of the unsharded buffers */
+	void *grad[MLP_LAYERS];       /* cuda: host copies of the grad buffers */
 };
 
 static const char *op_what(const struct inflight *f, char *buf, size_t len)
@@ -647,6 +670,76 @@ static void rank_fail(struct rank *rk, int res, const char *fmt, ...)
 		rk->failed = res;
 		snprintf(rk->fail_msg, sizeof(rk->fail_msg), "%s", text);
 	}
+}
+
+/* ------------------------------------------------------------------ */
+/* Group buffers seen from this process                                */
+/* ------------------------------------------------------------------ */
+
+/*
+ * Copy n bytes between this process's memory and a cuda-backend group
+ * buffer (device memory), finished before returning: without a stream set
+ * (shardd_set_stream), the daemon's work does not wait for this process's
+ * copies. 0, or the error recorded with rank_fail.
+ */
+static int rank_copy(struct rank *rk, void *dst, const void *src, size_t n, int to_device)
+{
+#ifdef SHARDD_HAVE_CUDA
+	cudaError_t e = cudaMemcpy(dst, src, n, to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost);
+
+	if (e == cudaSuccess)
+		e = cudaDeviceSynchronize();
+	if (e == cudaSuccess)
+		return 0;
+	rank_fail(rk, -EIO, "copying %zu bytes %s the device failed: %s", n, to_device ? "to" : "from",
+		  cudaGetErrorString(e));
+#else
+	(void)dst;
+	(void)src;
+	(void)to_device;
+	rank_fail(rk, -ENOTSUP, "copying %zu bytes of device memory: this train_mlp was built "
+		  "without CUDA", n);
+#endif
+	return rk->failed;
+}
+
+/* Param i of layer l's unsharded params, where the CPU reads them. */
+static const float *rank_unsharded(const struct rank *rk, uint32_t l, uint32_t i)
+{
+	if (!rk->cuda)
+		return shardd_group_unsharded(rk->g[l], i);
+	return (const float *)((const char *)rk->unsharded[l] +
+			       shardd_group_layout(rk->g[l], i)->unsharded_offset);
+}
+
+/* Param i of layer l's grads, where the CPU writes them. */
+static float *rank_grad(const struct rank *rk, uint32_t l, uint32_t i)
+{
+	if (!rk->cuda)
+		return shardd_group_grad(rk->g[l], i);
+	return (float *)((char *)rk->grad[l] + shardd_group_layout(rk->g[l], i)->grad_offset);
+}
+
+/* After layer l's unshard completed: cuda, copy the gathered params where rank_unsharded reads. */
+static int rank_fetch_unsharded(struct rank *rk, uint32_t l)
+{
+	const char *dev = shardd_group_unsharded(rk->g[l], 0);
+
+	if (!rk->cuda)
+		return 0;
+	return rank_copy(rk, rk->unsharded[l], dev - shardd_group_layout(rk->g[l], 0)->unsharded_offset,
+			 (size_t)shardd_group_info(rk->g[l])->unsharded_size, 0);
+}
+
+/* Before layer l's reduce: cuda, copy the grads backward wrote where the daemon reads them. */
+static int rank_put_grad(struct rank *rk, uint32_t l)
+{
+	char *dev = shardd_group_grad(rk->g[l], 0);
+
+	if (!rk->cuda)
+		return 0;
+	return rank_copy(rk, dev - shardd_group_layout(rk->g[l], 0)->grad_offset, rk->grad[l],
+			 (size_t)shardd_group_info(rk->g[l])->grad_size, 1);
 }
 
 /* Reap one completion into its in-flight slot. 0 or the wait's error. */
@@ -758,19 +851,42 @@ static int rank_sync_op(struct rank *rk, uint32_t op, uint32_t layer, uint64_t s
 	return slot < 0 ? slot : rank_wait(rk, slot);
 }
 
-static void rank_sgd(struct rank *rk)
+/* p -= lr * grad over n floats: the whole shard, padding included (its grad is zero). */
+static void sgd(float *p, const float *gr, uint64_t n)
+{
+	for (uint64_t k = 0; k < n; k++)
+		p[k] -= MLP_LR * gr[k];
+}
+
+/* SGD on this rank's flat shards; cuda: through host copies of the shard and its grad. */
+static int rank_sgd(struct rank *rk)
 {
 	for (uint32_t l = 0; l < MLP_LAYERS; l++) {
 		for (uint32_t i = 0; i < 2; i++) {
 			float *p = shardd_group_shard(rk->g[l], i);
-			const float *gr = shardd_group_shard_grad(rk->g[l], i);
-			uint64_t n = shardd_group_layout(rk->g[l], i)->shard_bytes / sizeof(float);
+			float *gr = shardd_group_shard_grad(rk->g[l], i);
+			size_t bytes = (size_t)shardd_group_layout(rk->g[l], i)->shard_bytes;
+			float *hp, *hg;
 
-			/* Over the whole shard, padding included: its grad is zero. */
-			for (uint64_t k = 0; k < n; k++)
-				p[k] -= MLP_LR * gr[k];
+			if (!rk->cuda) {
+				sgd(p, gr, bytes / sizeof(float));
+				continue;
+			}
+			hp = malloc(bytes);
+			hg = malloc(bytes);
+			if (!hp || !hg)
+				rank_fail(rk, -ENOMEM, "out of memory for a %zu-byte shard", bytes);
+			else if (!rank_copy(rk, hp, p, bytes, 0) && !rank_copy(rk, hg, gr, bytes, 0)) {
+				sgd(hp, hg, bytes / sizeof(float));
+				rank_copy(rk, p, hp, bytes, 1);
+			}
+			free(hp);
+			free(hg);
+			if (rk->failed)
+				return rk->failed;
 		}
 	}
+	return 0;
 }
 
 /*
@@ -818,10 +934,10 @@ static int rank_step(struct rank *rk, uint64_t t, uint32_t attempt, double *loss
 	/* Forward: unshard layer l+1 while layer l computes, reshard after use. */
 	slot = rank_submit(rk, SHARDD_OP_UNSHARD, 0, kf, 0);
 	for (uint32_t l = 0; l < MLP_LAYERS && slot >= 0; l++) {
-		if (rank_wait(rk, slot) < 0)
+		if (rank_wait(rk, slot) < 0 || rank_fetch_unsharded(rk, l))
 			break;
 		slot = l + 1 < MLP_LAYERS ? rank_submit(rk, SHARDD_OP_UNSHARD, l + 1, kf, 0) : 0;
-		layer_forward(wk, l, shardd_group_unsharded(rk->g[l], 0), shardd_group_unsharded(rk->g[l], 1));
+		layer_forward(wk, l, rank_unsharded(rk, l, 0), rank_unsharded(rk, l, 1));
 		if (rank_submit(rk, SHARDD_OP_RESHARD, l, kf, 0) < 0)
 			break;
 	}
@@ -832,12 +948,11 @@ static int rank_step(struct rank *rk, uint64_t t, uint32_t attempt, double *loss
 	/* Backward: unshard again (new key), prefetch l-1, reduce each layer's grads. */
 	slot = rank_submit(rk, SHARDD_OP_UNSHARD, MLP_LAYERS - 1, kb, 0);
 	for (uint32_t l = MLP_LAYERS; l-- > 0 && slot >= 0;) {
-		if (rank_wait(rk, slot) < 0)
+		if (rank_wait(rk, slot) < 0 || rank_fetch_unsharded(rk, l))
 			break;
 		slot = l > 0 ? rank_submit(rk, SHARDD_OP_UNSHARD, l - 1, kb, 0) : 0;
-		layer_backward(wk, l, shardd_group_unsharded(rk->g[l], 0),
-			       shardd_group_grad(rk->g[l], 0), shardd_group_grad(rk->g[l], 1));
-		if (rank_submit(rk, SHARDD_OP_RESHARD, l, kb, 0) < 0 || rk->failed)
+		layer_backward(wk, l, rank_unsharded(rk, l, 0), rank_grad(rk, l, 0), rank_grad(rk, l, 1));
+		if (rank_put_grad(rk, l) || rank_submit(rk, SHARDD_OP_RESHARD, l, kb, 0) < 0 || rk->failed)
 			break;
 		if (l == 0 && attempt == 0 && rk->o->kill_rank >= 0 && t == rk->o->kill_step) {
 			if (rank_kill_point(rk, t))
@@ -850,7 +965,8 @@ static int rank_step(struct rank *rk, uint64_t t, uint32_t attempt, double *loss
 	if (rank_drain(rk))
 		return rk->failed;
 
-	rank_sgd(rk);
+	if (rank_sgd(rk))
+		return rk->failed;
 	for (uint32_t l = 0; l < MLP_LAYERS; l++)
 		if (rank_sync_op(rk, SHARDD_OP_ZERO_GRAD, l, 0) < 0)
 			return rk->failed;
@@ -901,7 +1017,7 @@ static int rank_connect(struct rank *rk)
 		.rank = rk->rank,
 		.replicate = 1,
 		.shard = rk->o->world,
-		.device = SHARDD_HELLO_DEVICE_HOST,
+		.device = rk->o->device,
 	};
 	struct timespec pause = { .tv_nsec = 10 * 1000 * 1000 };
 	int ret;
@@ -912,10 +1028,38 @@ static int rank_connect(struct rank *rk)
 			break;
 		nanosleep(&pause, NULL);
 	}
-	if (ret < 0)
+	if (ret < 0) {
 		fprintf(stderr, "train_mlp: rank %u: attach to job '%s' failed: %s\n",
 			rk->rank, rk->o->job, shardd_last_error());
-	return ret;
+		return ret;
+	}
+	rk->cuda = shardd_backend(rk->c) == SHARDD_BACKEND_CUDA;
+	if (rk->cuda && rk->o->device < 0) {
+		fprintf(stderr, "train_mlp: rank %u: the daemon runs --backend cuda: give --device N\n",
+			rk->rank);
+		return -EINVAL;
+	}
+#ifdef SHARDD_HAVE_CUDA
+	if (rk->cuda && cudaSetDevice(rk->o->device) != cudaSuccess) {
+		fprintf(stderr, "train_mlp: rank %u: cudaSetDevice(%d) failed\n", rk->rank, rk->o->device);
+		return -ENODEV;
+	}
+#endif
+	return 0;
+}
+
+/* cuda: host copies of every layer's unsharded and grad buffers. */
+static int rank_host_copies(struct rank *rk)
+{
+	for (uint32_t l = 0; l < MLP_LAYERS && rk->cuda; l++) {
+		rk->unsharded[l] = malloc((size_t)shardd_group_info(rk->g[l])->unsharded_size);
+		rk->grad[l] = malloc((size_t)shardd_group_info(rk->g[l])->grad_size);
+		if (!rk->unsharded[l] || !rk->grad[l]) {
+			fprintf(stderr, "train_mlp: rank %u: out of memory for host copies\n", rk->rank);
+			return -ENOMEM;
+		}
+	}
+	return 0;
 }
 
 static int rank_groups(struct rank *rk)
@@ -982,8 +1126,10 @@ static int rank_final(struct rank *rk)
 	if (rank_drain(rk))
 		return rk->failed;
 	for (uint32_t l = 0; l < MLP_LAYERS; l++) {
-		w[l] = shardd_group_unsharded(rk->g[l], 0);
-		b[l] = shardd_group_unsharded(rk->g[l], 1);
+		if (rank_fetch_unsharded(rk, l))
+			return rk->failed;
+		w[l] = rank_unsharded(rk, l, 0);
+		b[l] = rank_unsharded(rk, l, 1);
 	}
 	if (rk->rank == 0 && rk->o->dump)
 		ret = dump_write(rk->o->dump, w, b);
@@ -1016,6 +1162,8 @@ static int rank_main(const struct opts *o, uint32_t rank, int report_fd, int kil
 		goto out;
 	rk->wait_ms = (int)shardd_collective_timeout_ms(rk->c) + 10000;
 	ret = rank_groups(rk);
+	if (ret == 0)
+		ret = rank_host_copies(rk);
 	if (ret < 0)
 		goto out;
 
@@ -1054,8 +1202,11 @@ static int rank_main(const struct opts *o, uint32_t rank, int report_fd, int kil
 	/* Every rank takes part: the final unshard is a collective even where only rank 0 dumps. */
 	ret = rank_final(rk);
 out:
-	for (uint32_t l = 0; l < MLP_LAYERS; l++)
+	for (uint32_t l = 0; l < MLP_LAYERS; l++) {
 		shardd_group_close(rk->g[l]);
+		free(rk->unsharded[l]);
+		free(rk->grad[l]);
+	}
 	shardd_close(rk->c);
 	free(rk);
 	return ret;

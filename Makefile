@@ -46,9 +46,10 @@ override CFLAGS += -DSHARDD_HAVE_CUDA=1 -I$(CUDA_HOME)/include
 # No -lcuda: libcuda.so.1 exists only where a driver is installed, and shardd
 # must start without one. The daemon resolves driver-API calls through
 # cudaGetDriverEntryPointByVersion, libshardd through dlopen("libcuda.so.1").
-# nccl.h is part of the CUDA=auto test because issue #5 asks for it (the
-# multi-GPU collectives of that issue); no code calls NCCL yet, so the
-# library is not linked.
+# nccl.h is part of the CUDA=auto test: the cuda backend's collectives across
+# GPUs are written against it, but libnccl.so.2 is not linked either: the
+# daemon opens it with dlopen at the first such collective, so shardd runs
+# where NCCL is absent (daemon/backend_cuda_nccl.c).
 CUDA_LDLIBS := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lstdc++
 endif
 

@@ -315,7 +315,7 @@ static void group_memory(const struct shardd_group *g, struct shardd_memory_use 
 		return;
 	m->shards += bufs_bytes(g->shards, g->world);
 	m->sharded_grads += bufs_bytes(g->sharded_grads, g->world);
-	m->unsharded += bufs_bytes(g->unsharded, g->replicate);
+	m->unsharded += bufs_bytes(g->unsharded, g->world);
 	m->grads += bufs_bytes(g->grads, g->world);
 	m->partials += bufs_bytes(g->partials, g->world);
 }
@@ -859,7 +859,7 @@ static int dump_view(const struct shardd_group *g, uint32_t pi, uint32_t rank, c
 	memcpy(shape, sp->shape, sizeof(shape));
 	v->what = what;
 	if (strcmp(what, "unsharded") == 0) {
-		v->buf = &g->unsharded[rank / g->shard];
+		v->buf = shardd_group_unsharded(g, rank);
 		v->offset = lp->unsharded_offset;
 		v->dtype = lp->unsharded_dtype;
 		numel = lp->numel;
@@ -873,7 +873,7 @@ static int dump_view(const struct shardd_group *g, uint32_t pi, uint32_t rank, c
 	} else {
 		*err = reply_err(-SHARDD_E_INVALID,
 				 "\"what\" = '%s': one of param (the rank's shard), grad (its sharded "
-				 "grad), unsharded (its replica's unsharded copy)", what);
+				 "grad), unsharded (the unsharded copy it reads)", what);
 		return -1;
 	}
 	v->nrows = sp->ndim ? shape[0] : 1;

@@ -78,39 +78,65 @@ static inline uint32_t shardd_shard_view_dtype(const struct shardd_shard_view *v
 	return v->dtype != SHARDD_DTYPE_NONE ? v->dtype : p->dtype;
 }
 
-/* FSDP2 all-gather + copy-out of one shard group into its unsharded buffer. */
+/*
+ * Per-job state of a backend (the cuda backend's NCCL communicators); the
+ * engine opens it with the job and passes it with every collective.
+ */
+struct shardd_backend_job;
+
+/*
+ * FSDP2 all-gather + copy-out of one shard group into its unsharded
+ * buffers. Each shard rank has an output; ranks that share one unsharded
+ * buffer have the same pointer there, and a backend writes each distinct
+ * buffer once.
+ */
 struct shardd_unshard_args {
+	struct shardd_backend_job *job;
 	const struct shardd_layout *layout;
-	uint32_t nshards;                  /* S: shard ranks 0..S-1 in order */
-	struct shardd_buf *const *shards;  /* flat shards, layout shard offsets, params' dtypes */
-	struct shardd_buf *unsharded;      /* out: each param in its unsharded dtype, padding dropped */
+	uint32_t nshards;                    /* S: shard ranks 0..S-1 in order */
+	struct shardd_buf *const *shards;    /* [S] flat shards, layout shard offsets, params' dtypes */
+	struct shardd_buf *const *unsharded; /* [S] out: each param in its unsharded dtype, padding dropped */
+	char *err;                           /* out: why the call failed, for the op's completion; */
+	size_t errlen;                       /* the backend may leave it empty */
 };
 
 enum shardd_reduce_src {
 	/* Inputs are unsharded grad buffers (layout grad offsets, grad dtype): a
-	   reduce-scatter, this call computing the output of shard `shard_rank`. */
+	   reduce-scatter; member k's output is shard k's rows of the result. */
 	SHARDD_REDUCE_SRC_GRAD  = 1,
-	/* Inputs are shard views: the HSDP all-reduce across replicas. */
+	/* Inputs are shard views: the HSDP all-reduce across replicas; every
+	   member's output is the whole result (shard `shard_rank`'s rows). */
 	SHARDD_REDUCE_SRC_SHARD = 2,
 };
 
 /*
- * One output shard of a collective reduction, per element as
- * shardd_k_reduce: out = [accumulate] cast(math(inputs) [+ add]).
- * Only valid rows are reduced; the output's padding rows become zero.
+ * One collective reduction over `n` members (the ranks of a shard group,
+ * or of a replicate group), each with an input and an output, per element
+ * as shardd_k_reduce: out_k = [accumulate_k] cast(math(inputs) [+ add_k]).
+ * Only valid rows are reduced; the outputs' padding rows become zero. A
+ * backend may reduce in place in SRC_SHARD views (NCCL's all-reduce does):
+ * their contents are undefined afterwards.
  */
 struct shardd_reduce_args {
+	struct shardd_backend_job *job;
 	const struct shardd_layout *layout;
 	uint32_t src;                          /* enum shardd_reduce_src */
-	uint32_t nin;
-	struct shardd_buf *const *grads;       /* SRC_GRAD: nin grad buffers */
-	const struct shardd_shard_view *views; /* SRC_SHARD: nin views */
-	uint32_t shard_rank;                   /* which shard's rows are reduced */
+	uint32_t n;                            /* members */
+	struct shardd_buf *const *grads;       /* SRC_GRAD: [n] grad buffers of shard ranks 0..n-1 */
+	const struct shardd_shard_view *views; /* SRC_SHARD: [n] */
+	uint32_t shard_rank;                   /* SRC_SHARD: which shard's rows the views hold */
 	uint32_t in_dtype;                     /* SRC_SHARD: dtype of the views (reduce dtype) */
-	const struct shardd_shard_view *out;
-	const struct shardd_shard_view *add;   /* addend in math.reduce_dtype, or NULL; may equal out */
-	int accumulate;                        /* add into out instead of assigning */
-	struct shardd_reduce_math math;        /* math.add is ignored: `add` says where */
+	const struct shardd_shard_view *outs;  /* [n] */
+	const struct shardd_shard_view *adds;  /* [n] addends in math.reduce_dtype (buf NULL: none; may
+						  equal the output), or NULL: none at all */
+	const uint8_t *accumulate;             /* [n]: add into out_k instead of assigning */
+	/* SRC_GRAD: one shard in math.reduce_dtype (shardd_placement_reduce_shard), the block
+	   a backend that reduces through a staging buffer lays each shard out as. */
+	const uint64_t *reduce_offsets;
+	uint64_t reduce_shard_size;
+	struct shardd_reduce_math math;        /* math.add is ignored: `adds` says where */
+	char *err;                             /* out: why the call failed, for the op's completion; */
+	size_t errlen;                         /* the backend may leave it empty */
 };
 
 /* How one buffer travels to a client (a GROUP reply's export_kind and what goes with it). */
@@ -145,10 +171,12 @@ struct shardd_backend_ops {
 	int  (*zero)(struct shardd_backend_ctx *b, struct shardd_buf *buf, uint64_t offset,
 		     uint64_t bytes);
 	/*
-	 * Wait until the work queued so far on the device holding `on` has
-	 * finished. NULL in a backend whose calls finish before returning.
+	 * Wait until the work queued so far on every device that holds one of
+	 * the `n` buffers `on` has finished; on failure `err` may say why.
+	 * NULL in a backend whose calls finish before returning.
 	 */
-	int  (*sync)(struct shardd_backend_ctx *b, const struct shardd_buf *on);
+	int  (*sync)(struct shardd_backend_ctx *b, const struct shardd_buf *const *on, uint32_t n, char *err,
+		     size_t errlen);
 	/*
 	 * Fences order the backend's device work with one client stream
 	 * (SHARDD_MSG_STREAM), with no CPU wait on either side. Open: import
@@ -167,6 +195,20 @@ struct shardd_backend_ops {
 	int  (*fence_signal)(struct shardd_backend_ctx *b, struct shardd_fences *f, uint32_t slot);
 	/* Also takes NULL. Work already queued that uses the events still completes. */
 	void (*fences_close)(struct shardd_backend_ctx *b, struct shardd_fences *f);
+	/*
+	 * Collectives whose ranks sit on different devices (a shard group or a
+	 * replicate group planned SHARDD_PLACE_NCCL, placement.h): 0 when this
+	 * backend can run them, else -SHARDD_E_BACKEND with `err` saying why
+	 * and what to do. NULL in a backend that ignores devices (host).
+	 */
+	int  (*multi_device)(struct shardd_backend_ctx *b, char *err, size_t errlen);
+	/*
+	 * A job's state, passed with its collectives (`job` of the args) and
+	 * closed when the job ends, after its groups' buffers were freed.
+	 * Both NULL in a backend that keeps none (host: the args' job is NULL).
+	 */
+	int  (*job_open)(struct shardd_backend_ctx *b, const char *job, struct shardd_backend_job **out);
+	void (*job_close)(struct shardd_backend_ctx *b, struct shardd_backend_job *bj);
 	void (*destroy)(struct shardd_backend_ctx *b);
 };
 

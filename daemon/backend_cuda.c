@@ -32,11 +32,25 @@
  * fences instead: interprocess events (cudaEventInterprocess) that its
  * stream records before an op and waits on after it, so neither side
  * waits on a CPU. A buffer lives on the device its rank named in its hello (the
- * unsharded buffer on its replica's first rank's device). Several ranks on
- * one device (the single-GPU case) are served with device copies and
- * kernels; ranks on different devices would need NCCL, which this backend
- * does not drive yet, so an op whose buffers sit on different devices fails
- * with an error saying so.
+ * unsharded buffer on its replica's first rank's device, or each rank's own
+ * where its shard group runs NCCL).
+ *
+ * Collectives (placement.h): the members of an op (a shard group, or a
+ * replicate group) all on one device are served with device copies and
+ * kernels on that device's stream; members on pairwise distinct devices
+ * with NCCL (backend_cuda_nccl.c), through a second stream per device: the
+ * device's NCCL stream waits for an event recorded on its stream after the
+ * op's inputs (copy-in kernels, or the client's fence), NCCL runs there,
+ * and the device's stream waits for an event recorded after the collective
+ * before the copy-out kernels. So the device's stream orders everything as
+ * before (sync, fences), and no kernel of another op ever enters a stream
+ * NCCL is still queueing into (non-blocking communicators forbid that). An
+ * NCCL op is queued whole (copy-in, collective, copy-out, on every device)
+ * under one daemon-wide lock: NCCL collectives reach every device's
+ * streams in one order, so two of them can never wait for each other
+ * across devices. Its staging buffer is per device (S flat shards for an
+ * all-gather, S shards in the reduce dtype for a reduce-scatter), grown to
+ * the largest op and used under that lock only.
  *
  * The daemon links libcudart but not libcuda (which exists only where a
  * driver is installed): driver calls go through entry points that the
@@ -48,15 +62,21 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "daemon/backend.h"
 #include "daemon/backend_cuda.h"
+#include "daemon/backend_cuda_nccl.h"
 #include "daemon/log.h"
+#include "daemon/placement.h"
+#include "daemon/rendezvous.h"
 #include "shardd_cuda_kernels.h"
 
 /*
@@ -88,15 +108,35 @@ struct cuda_device {
 	uint32_t     export_kind; /* enum shardd_export_kind of every buffer on the device */
 	cudaStream_t stream;      /* every kernel of this backend on the device */
 	size_t       granularity; /* fd kind: minimum allocation granularity, bytes */
+	/* NCCL, made at the device's first collective across devices; used under nccl_lock. */
+	int          nccl_ready;
+	cudaStream_t nccl_stream; /* NCCL's collectives on the device */
+	cudaEvent_t  staged;      /* on stream: the op's inputs are ready; nccl_stream waits on it */
+	cudaEvent_t  collected;   /* on nccl_stream: the collective is done; stream waits on it */
+	struct shardd_buf staging;
+	/* Set once nccl_ready: waits on the device are bounded by the collective timeout. */
+	atomic_int   nccl_used;
 };
 
 struct cuda_backend {
 	struct shardd_backend_ctx base;
 	struct cuda_driver drv;
 	uint32_t mode;                /* --cuda-export: enum shardd_cuda_export */
+	uint64_t timeout_ns;          /* the collective timeout: bounds every wait on NCCL */
 	int ndevices;
 	pthread_mutex_t lock;         /* device set-up */
 	struct cuda_device *devices;  /* [ndevices] */
+	/*
+	 * Every NCCL call, and each NCCL op queued whole (backend_cuda_nccl.h).
+	 * Taken before `lock` where both are held.
+	 */
+	pthread_mutex_t nccl_lock;
+	struct shardd_nccl *nccl;     /* the communicators of every job */
+};
+
+/* A job's state: its name, and the key of its communicators. */
+struct shardd_backend_job {
+	char name[SHARDD_NAME_MAX];
 };
 
 /* One session's fences (backend.h): events on the session's device, indexed by ring slot. */
@@ -121,8 +161,28 @@ struct cuda_buf {
 _Static_assert(sizeof(cudaIpcMemHandle_t) == sizeof(struct shardd_cuda_ipc_handle),
 	       "a CUDA IPC handle travels as struct shardd_cuda_ipc_handle");
 
-/* Where the buffers of a rank that named no device (SHARDD_HELLO_DEVICE_HOST) go. */
-#define CUDA_DEFAULT_DEVICE 0
+/*
+ * How often a wait on a device that runs NCCL collectives asks the
+ * communicators for asynchronous errors, and how long it sleeps between
+ * looks at the stream.
+ */
+#define CUDA_NCCL_CHECK_NS 10000000ull
+#define CUDA_WAIT_POLL_NS  20000
+
+/* This thread holds nccl_lock: a wait it makes checks the communicators without taking it again. */
+static _Thread_local int nccl_lock_held;
+
+static void nccl_lock(struct cuda_backend *cb)
+{
+	pthread_mutex_lock(&cb->nccl_lock);
+	nccl_lock_held = 1;
+}
+
+static void nccl_unlock(struct cuda_backend *cb)
+{
+	nccl_lock_held = 0;
+	pthread_mutex_unlock(&cb->nccl_lock);
+}
 
 /* ------------------------------------------------------------------ */
 /* Errors                                                              */
@@ -316,6 +376,66 @@ static int cuda_stream_sync(struct cuda_device *d, const char *what)
 	return e == cudaSuccess ? 0 : cuda_rt_fail(what, e);
 }
 
+/*
+ * Wait for everything queued on the stream of `device` (current on this
+ * thread). A device that runs NCCL collectives is polled instead, so that
+ * a collective that never ends cannot hang the wait: its communicators are
+ * asked for asynchronous errors every CUDA_NCCL_CHECK_NS, and at the
+ * collective timeout every clique with a member on the device is aborted
+ * (NCCL then stops its kernels). 0, or an error with `err` (may be NULL)
+ * naming the device and the communicators.
+ */
+static int cuda_device_wait(struct cuda_backend *cb, int device, struct cuda_device *d, const char *what,
+			    char *err, size_t errlen)
+{
+	struct timespec pause = { 0, CUDA_WAIT_POLL_NS };
+	uint64_t now, deadline, check;
+	cudaError_t e;
+	char why[512];
+
+	if (!atomic_load_explicit(&d->nccl_used, memory_order_relaxed))
+		return cuda_stream_sync(d, what);
+	now = shardd_now_ns();
+	deadline = now + cb->timeout_ns;
+	check = now + CUDA_NCCL_CHECK_NS;
+	for (;;) {
+		e = cudaStreamQuery(d->stream);
+		if (e == cudaSuccess)
+			return 0;
+		if (e != cudaErrorNotReady)
+			return cuda_rt_fail(what, e);
+		/* Not ready is no failure: leave no trace of it for the next launch check. */
+		(void)cudaGetLastError();
+		now = shardd_now_ns();
+		if (now >= check) {
+			int late = now >= deadline;
+			uint32_t aborted;
+
+			if (!nccl_lock_held)
+				pthread_mutex_lock(&cb->nccl_lock);
+			aborted = shardd_nccl_check_device(cb->nccl, device, late, why, sizeof(why));
+			if (!nccl_lock_held)
+				pthread_mutex_unlock(&cb->nccl_lock);
+			if (aborted) {
+				shardd_log_error("shardd: cuda backend: %s: device %d: %s; aborted %u NCCL "
+						 "communicator set(s): %s", what, device,
+						 late ? "its work did not finish within the collective timeout"
+						      : "NCCL reported an error", aborted, why);
+				if (err)
+					snprintf(err, errlen, "device %d %s; its NCCL communicators were aborted: %s",
+						 device, late ? "did not finish within the collective timeout"
+							      : "reported an NCCL error", why);
+				return -SHARDD_E_BACKEND;
+			}
+			/* No collective left on the device: what remains are kernels, which end. */
+			if (late)
+				return cuda_stream_sync(d, what);
+			check = now + CUDA_NCCL_CHECK_NS;
+		}
+		nanosleep(&pause, NULL);
+	}
+}
+
 /* `ret`: the result of queueing an op's kernels. Their execution is checked by sync or a fence. */
 static int cuda_queued(int ret, const char *what)
 {
@@ -457,8 +577,7 @@ static int cuda_alloc(struct shardd_backend_ctx *b, uint64_t bytes, int32_t devi
 	out->bytes = 0;
 	if (bytes == 0 || bytes > SIZE_MAX / 2)
 		return -EINVAL;
-	if (device == SHARDD_HELLO_DEVICE_HOST)
-		device = CUDA_DEFAULT_DEVICE;
+	device = shardd_placement_device(device);
 	ret = cuda_device_get(cb, device, &d);
 	if (ret)
 		return ret;
@@ -482,7 +601,7 @@ static int cuda_alloc(struct shardd_backend_ctx *b, uint64_t bytes, int32_t devi
 	/* Buffers start zeroed (backend.h); neither cuMemCreate's pages nor cudaMalloc's are. */
 	ret = cuda_queued(shardd_cuda_zero((void *)(uintptr_t)cu->ptr, cu->size, d->stream), ctx);
 	if (!ret)
-		ret = cuda_stream_sync(d, ctx);
+		ret = cuda_device_wait(cb, device, d, ctx, NULL, 0);
 	if (ret)
 		goto err_release;
 	out->fd = fd;
@@ -509,7 +628,7 @@ static void cuda_free(struct shardd_backend_ctx *b, struct shardd_buf *buf)
 
 		/* Ops only queue their kernels: wait for those that may still use the memory. */
 		if (cuda_device_get(cb, cu->device, &d) == 0)
-			(void)cuda_stream_sync(d, "free a buffer");
+			(void)cuda_device_wait(cb, cu->device, d, "free a buffer", NULL, 0);
 		cuda_release(cb, cu);
 		free(cu);
 	}
@@ -545,64 +664,313 @@ static int cuda_export_buf(struct shardd_backend_ctx *b, const struct shardd_buf
 /* Ops                                                                 */
 /* ------------------------------------------------------------------ */
 
-/* 0 when every buffer of an op lives on `device`; else the error of a multi-device op. */
-static int cuda_same_device(const struct shardd_buf *b, int device, const char *op)
+/*
+ * An op's failure that the op's completion names: `err` (the args') gets
+ * the text, the log gets it with the op. Returns `ret`.
+ */
+__attribute__((format(printf, 5, 6)))
+static int cuda_op_fail(int ret, char *err, size_t errlen, const char *op, const char *fmt, ...)
+{
+	char text[512];
+	va_list ap;
+
+	va_start(ap, fmt);
+	vsnprintf(text, sizeof(text), fmt, ap);
+	va_end(ap);
+	shardd_log_error("shardd: cuda backend: %s: %s", op, text);
+	if (err && errlen)
+		snprintf(err, errlen, "%s", text);
+	return ret;
+}
+
+/* 0 when member k's buffer `b` (`role`) sits on `device`, the member's device; else the error. */
+static int cuda_on_device(const struct shardd_buf *b, int device, uint32_t k, const char *role, char *err,
+			  size_t errlen, const char *op)
 {
 	if (cbuf(b)->device == device)
 		return 0;
-	shardd_log_error("shardd: cuda backend: %s spans devices %d and %d; ranks of one group on "
-			 "different GPUs need NCCL, which this backend does not drive yet: run them on "
-			 "one device or use --backend host", op, device, cbuf(b)->device);
-	return -SHARDD_E_BACKEND;
+	return cuda_op_fail(-SHARDD_E_BACKEND, err, errlen, op,
+			    "member %u's %s is on device %d but its input on device %d: an op's buffers of "
+			    "one rank must share its device", k, role, cbuf(b)->device, device);
 }
 
-static int cuda_unshard(struct shardd_backend_ctx *b, const struct shardd_unshard_args *a)
+/*
+ * How the `n` members of an op sit, from the devices of their inputs:
+ * SHARED (all on devices[0]) or NCCL; MIXED, which registration refuses
+ * (placement.h), fails here too.
+ */
+static int cuda_placement(const int32_t *devices, uint32_t n, const char *op, char *err, size_t errlen,
+			  uint32_t *kind)
 {
-	struct cuda_backend *cb = (struct cuda_backend *)b;
-	const void *src[SHARDD_MAX_WORLD];
-	int device = cbuf(a->unsharded)->device;
-	struct cuda_device *d;
-	int ret;
+	*kind = shardd_placement_classify(devices, n);
+	if (*kind != SHARDD_PLACE_MIXED)
+		return 0;
+	return cuda_op_fail(-SHARDD_E_BACKEND, err, errlen, op,
+			    "its %u ranks' buffers partly share GPUs (devices %d and %d, ...): all must be on "
+			    "one GPU or each on its own", n, devices[0], devices[1]);
+}
 
-	if (a->nshards == 0 || a->nshards > SHARDD_MAX_WORLD)
-		return -EINVAL;
-	for (uint32_t s = 0; s < a->nshards; s++) {
-		ret = cuda_same_device(a->shards[s], device, "unshard");
-		if (ret)
-			return ret;
-	}
-	ret = cuda_device_get(cb, device, &d);
-	if (ret)
-		return ret;
-	for (uint32_t i = 0; i < a->layout->nparams && !ret; i++) {
-		const struct shardd_layout_param *p = &a->layout->params[i];
+/*
+ * Copy-out of an all-gather into `out`: param by param, shard s's rows from
+ * flat shard s at src[s] (device addresses), cast to the unsharded dtype,
+ * padding rows dropped (dim 0), or chunk-cat (Shard(i > 0)).
+ */
+static int cuda_copy_out(const struct shardd_layout *l, uint32_t nshards, uint8_t *const *src,
+			 const struct shardd_buf *out, cudaStream_t stream)
+{
+	const void *chunks[SHARDD_MAX_WORLD];
+	int ret = 0;
+
+	for (uint32_t i = 0; i < l->nparams && !ret; i++) {
+		const struct shardd_layout_param *p = &l->params[i];
 		size_t us = shardd_dtype_size(p->unsharded_dtype);
 		uint64_t chunk = p->rows * p->inner; /* elements of one shard of this param */
 
 		if (p->shard_dim == 0) {
 			/* Shard s is rows [s*rows, s*rows + valid) of the param: one cast, padding dropped. */
-			for (uint32_t s = 0; s < a->nshards && !ret; s++)
-				ret = shardd_cuda_cast(dptr(a->unsharded, p->unsharded_offset + s * chunk * us),
-						       p->unsharded_dtype, dptr(a->shards[s], p->shard_offset),
-						       p->dtype, shardd_layout_rows_valid(p, s) * p->inner,
-						       d->stream);
+			for (uint32_t s = 0; s < nshards && !ret; s++)
+				ret = shardd_cuda_cast(dptr(out, p->unsharded_offset + s * chunk * us),
+						       p->unsharded_dtype, src[s] + p->shard_offset, p->dtype,
+						       shardd_layout_rows_valid(p, s) * p->inner, stream);
 		} else {
-			for (uint32_t s = 0; s < a->nshards; s++)
-				src[s] = dptr(a->shards[s], p->shard_offset);
-			ret = shardd_cuda_chunk_cat(dptr(a->unsharded, p->unsharded_offset), p->unsharded_dtype,
-						    src, p->dtype, a->nshards, p->outer, chunk, d->stream);
+			for (uint32_t s = 0; s < nshards; s++)
+				chunks[s] = src[s] + p->shard_offset;
+			ret = shardd_cuda_chunk_cat(dptr(out, p->unsharded_offset), p->unsharded_dtype, chunks,
+						    p->dtype, nshards, p->outer, chunk, stream);
 		}
+	}
+	return ret;
+}
+
+/* ---- NCCL ops: everything under nccl_lock ---- */
+
+/* The members of one NCCL op: their devices, NCCL streams and staging buffers. */
+struct cuda_nccl_op {
+	struct shardd_nccl_clique *clique;
+	const int32_t *devices;                     /* [n]: member k's device, NCCL rank k */
+	uint32_t n;
+	struct cuda_device *d[SHARDD_MAX_WORLD];
+	uint8_t *staging[SHARDD_MAX_WORLD];         /* NULL without staging */
+	void *streams[SHARDD_MAX_WORLD];            /* NCCL streams */
+};
+
+/* Make `device`'s NCCL stream and events once; `device` is current. */
+static int cuda_nccl_device(struct cuda_device *d)
+{
+	cudaError_t e;
+
+	if (d->nccl_ready)
+		return 0;
+	/* Non-blocking, as the device's stream: no implicit sync with the legacy default stream. */
+	e = cudaStreamCreateWithFlags(&d->nccl_stream, cudaStreamNonBlocking);
+	if (e != cudaSuccess)
+		return cuda_rt_fail("make an NCCL stream", e);
+	e = cudaEventCreateWithFlags(&d->staged, cudaEventDisableTiming);
+	if (e == cudaSuccess) {
+		e = cudaEventCreateWithFlags(&d->collected, cudaEventDisableTiming);
+		if (e != cudaSuccess)
+			cudaEventDestroy(d->staged);
+	}
+	if (e != cudaSuccess) {
+		cudaStreamDestroy(d->nccl_stream);
+		return cuda_rt_fail("make the events of an NCCL stream", e);
+	}
+	d->nccl_ready = 1;
+	atomic_store_explicit(&d->nccl_used, 1, memory_order_relaxed);
+	return 0;
+}
+
+/* `device`'s staging buffer, grown to at least `bytes`. */
+static int cuda_staging(struct cuda_backend *cb, int device, struct cuda_device *d, uint64_t bytes,
+			uint8_t **out)
+{
+	char what[96];
+	int ret;
+
+	if (d->staging.bytes < bytes) {
+		/* Waits for the work queued on the device, the last op's use of the old buffer with it. */
+		cuda_free(&cb->base, &d->staging);
+		snprintf(what, sizeof(what), "the NCCL staging buffer of device %d", device);
+		ret = cuda_alloc(&cb->base, bytes, device, what, &d->staging);
+		if (ret)
+			return ret;
+	}
+	*out = dptr(&d->staging, 0);
+	return 0;
+}
+
+/*
+ * Start an NCCL op of `job` over members on `devices` (pairwise distinct):
+ * each device ready for NCCL with a staging buffer of `staging` bytes (0:
+ * none), and the job's clique over the devices. 0, or an error with `err`.
+ */
+static int nccl_op_begin(struct cuda_backend *cb, struct shardd_backend_job *job, const int32_t *devices,
+			 uint32_t n, uint64_t staging, struct cuda_nccl_op *op, char *err, size_t errlen)
+{
+	int ret;
+
+	/* Communicators belong to a job: a call without one (tools, tests) has none to use. */
+	if (!job) {
+		snprintf(err, errlen, "a collective across devices needs the job its communicators belong to");
+		return -EINVAL;
+	}
+	op->devices = devices;
+	op->n = n;
+	for (uint32_t k = 0; k < n; k++) {
+		op->staging[k] = NULL;
+		ret = cuda_device_get(cb, devices[k], &op->d[k]);
+		if (!ret)
+			ret = cuda_nccl_device(op->d[k]);
+		if (!ret && staging)
+			ret = cuda_staging(cb, devices[k], op->d[k], staging, &op->staging[k]);
+		if (ret) {
+			snprintf(err, errlen, "device %d cannot take part in NCCL collectives (see the daemon's log)",
+				 devices[k]);
+			return ret;
+		}
+		op->streams[k] = op->d[k]->nccl_stream;
+	}
+	return shardd_nccl_clique(cb->nccl, job, job->name, devices, n, &op->clique, err, errlen);
+}
+
+/*
+ * Hand the op to NCCL (`to_nccl`: each NCCL stream waits for the work
+ * queued so far on its device's stream, the op's inputs) or back (each
+ * device's stream waits for its NCCL stream, the collective).
+ */
+static int nccl_op_handover(struct cuda_nccl_op *op, int to_nccl)
+{
+	cudaError_t e = cudaSuccess;
+
+	for (uint32_t k = 0; k < op->n && e == cudaSuccess; k++) {
+		struct cuda_device *d = op->d[k];
+		cudaEvent_t ev = to_nccl ? d->staged : d->collected;
+
+		/* An event is recorded on a stream of its own device. */
+		e = cudaSetDevice(op->devices[k]);
+		if (e == cudaSuccess)
+			e = cudaEventRecord(ev, to_nccl ? d->stream : d->nccl_stream);
+		if (e == cudaSuccess)
+			e = cudaStreamWaitEvent(to_nccl ? d->nccl_stream : d->stream, ev, 0);
+	}
+	return e == cudaSuccess ? 0 : cuda_rt_fail("order a device's stream with its NCCL stream", e);
+}
+
+/* "devices 0,1" */
+static void devices_str(const int32_t *devices, uint32_t n, char *buf, size_t len)
+{
+	size_t off = (size_t)snprintf(buf, len, "devices");
+
+	for (uint32_t k = 0; k < n && off < len; k++)
+		off += (size_t)snprintf(buf + off, len - off, "%s%d", k ? "," : " ", devices[k]);
+}
+
+/*
+ * Unshard of a shard group whose ranks sit on distinct devices: the flat
+ * shards all-gathered as bytes into each device's staging buffer, then
+ * copied out into each rank's own unsharded buffer on its device.
+ */
+static int cuda_unshard_nccl(struct cuda_backend *cb, const struct shardd_unshard_args *a,
+			     const int32_t *devices)
+{
+	const struct shardd_layout *l = a->layout;
+	uint32_t n = a->nshards;
+	struct cuda_nccl_op op;
+	void *send[SHARDD_MAX_WORLD], *recv[SHARDD_MAX_WORLD];
+	uint8_t *src[SHARDD_MAX_WORLD];
+	char why[512] = "", devs[128];
+	int ret = 0;
+
+	for (uint32_t k = 0; k < n && !ret; k++)
+		ret = cuda_on_device(a->unsharded[k], devices[k], k, "unsharded buffer", a->err, a->errlen,
+				     "unshard");
+	if (ret)
+		return ret;
+	nccl_lock(cb);
+	ret = nccl_op_begin(cb, a->job, devices, n, shardd_placement_staging_bytes(n, l->shard_size, 0), &op,
+			    why, sizeof(why));
+	if (!ret)
+		ret = nccl_op_handover(&op, 1);
+	for (uint32_t k = 0; k < n && !ret; k++) {
+		send[k] = dptr(a->shards[k], 0);
+		recv[k] = op.staging[k];
+	}
+	if (!ret)
+		ret = shardd_nccl_collective(cb->nccl, op.clique, SHARDD_NCCL_ALL_GATHER, send, recv,
+					     l->shard_size, SHARDD_DTYPE_NONE, op.streams, why, sizeof(why));
+	if (!ret)
+		ret = nccl_op_handover(&op, 0);
+	/* Each device copies out of its own staging buffer, where shard s sits at s x shard_size. */
+	for (uint32_t k = 0; k < n && !ret; k++) {
+		for (uint32_t s = 0; s < n; s++)
+			src[s] = op.staging[k] + s * l->shard_size;
+		ret = cudaSetDevice(devices[k]) == cudaSuccess ? 0 : -SHARDD_E_BACKEND;
+		if (!ret)
+			ret = cuda_queued(cuda_copy_out(l, n, src, a->unsharded[k], op.d[k]->stream), "unshard");
+	}
+	nccl_unlock(cb);
+	if (ret) {
+		devices_str(devices, n, devs, sizeof(devs));
+		cuda_op_fail(ret, a->err, a->errlen, "unshard", "all-gather on %s: %s", devs,
+			     why[0] ? why : "a CUDA call failed (see the daemon's log)");
+	}
+	return ret;
+}
+
+static int cuda_unshard(struct shardd_backend_ctx *b, const struct shardd_unshard_args *a)
+{
+	struct cuda_backend *cb = (struct cuda_backend *)b;
+	int32_t devices[SHARDD_MAX_WORLD];
+	uint8_t *src[SHARDD_MAX_WORLD];
+	struct cuda_device *d;
+	uint32_t kind;
+	int ret = 0;
+
+	if (a->nshards == 0 || a->nshards > SHARDD_MAX_WORLD)
+		return -EINVAL;
+	for (uint32_t s = 0; s < a->nshards; s++)
+		devices[s] = cbuf(a->shards[s])->device;
+	ret = cuda_placement(devices, a->nshards, "unshard", a->err, a->errlen, &kind);
+	if (ret)
+		return ret;
+	if (kind == SHARDD_PLACE_NCCL)
+		return cuda_unshard_nccl(cb, a, devices);
+	for (uint32_t s = 0; s < a->nshards && !ret; s++)
+		ret = cuda_on_device(a->unsharded[s], devices[0], s, "unsharded buffer", a->err, a->errlen,
+				     "unshard");
+	if (!ret)
+		ret = cuda_device_get(cb, devices[0], &d);
+	if (ret)
+		return ret;
+	for (uint32_t s = 0; s < a->nshards; s++)
+		src[s] = dptr(a->shards[s], 0);
+	/* Each distinct output once: ranks that share an unsharded buffer alias it. */
+	for (uint32_t s = 0; s < a->nshards && !ret; s++) {
+		uint32_t t = 0;
+
+		while (t < s && a->unsharded[t] != a->unsharded[s])
+			t++;
+		if (t == s)
+			ret = cuda_copy_out(a->layout, a->nshards, src, a->unsharded[s], d->stream);
 	}
 	return cuda_queued(ret, "unshard");
 }
 
-/* Queue the reduction of one param's valid rows, one launch per outer index, and zero its padding. */
-static int cuda_reduce_param(const struct shardd_reduce_args *a, uint32_t i, cudaStream_t stream)
+/* Member k's addend view, or NULL. */
+static const struct shardd_shard_view *reduce_add(const struct shardd_reduce_args *a, uint32_t k)
+{
+	return a->adds && a->adds[k].buf ? &a->adds[k] : NULL;
+}
+
+/* Queue member k's output of param i on one device, one launch per outer index, and zero its padding. */
+static int cuda_reduce_param(const struct shardd_reduce_args *a, uint32_t k, uint32_t i, cudaStream_t stream)
 {
 	const struct shardd_layout_param *p = &a->layout->params[i];
-	uint32_t odt = shardd_shard_view_dtype(a->out, p);
+	const struct shardd_shard_view *out = &a->outs[k], *add = reduce_add(a, k);
+	uint32_t shard_rank = a->src == SHARDD_REDUCE_SRC_GRAD ? k : a->shard_rank;
+	uint32_t odt = shardd_shard_view_dtype(out, p);
 	size_t os = shardd_dtype_size(odt), rs = shardd_dtype_size(a->math.reduce_dtype);
-	uint64_t valid = shardd_layout_rows_valid(p, a->shard_rank);
+	uint64_t valid = shardd_layout_rows_valid(p, shard_rank);
 	const void *in[SHARDD_CUDA_MAX_INPUTS];
 	struct shardd_reduce_math m = a->math;
 	uint32_t idt = a->src == SHARDD_REDUCE_SRC_GRAD ? p->grad_dtype : a->in_dtype;
@@ -614,48 +982,208 @@ static int cuda_reduce_param(const struct shardd_reduce_args *a, uint32_t i, cud
 
 		if (a->src == SHARDD_REDUCE_SRC_GRAD) {
 			/* Shard s of the unsharded grad: rows [s*rows, s*rows + valid) of shard_dim. */
-			uint64_t e = o * p->dim * p->inner + (uint64_t)a->shard_rank * p->rows * p->inner;
+			uint64_t e = o * p->dim * p->inner + (uint64_t)shard_rank * p->rows * p->inner;
 
-			for (uint32_t k = 0; k < a->nin; k++)
-				in[k] = dptr(a->grads[k], p->grad_offset + e * is);
+			for (uint32_t j = 0; j < a->n; j++)
+				in[j] = dptr(a->grads[j], p->grad_offset + e * is);
 		} else {
-			for (uint32_t k = 0; k < a->nin; k++)
-				in[k] = dptr(a->views[k].buf, a->views[k].offsets[i] + at * is);
+			for (uint32_t j = 0; j < a->n; j++)
+				in[j] = dptr(a->views[j].buf, a->views[j].offsets[i] + at * is);
 		}
-		m.add = a->add ? dptr(a->add->buf, a->add->offsets[i] + at * rs) : NULL;
-		ret = shardd_cuda_reduce(dptr(a->out->buf, a->out->offsets[i] + at * os), odt, a->accumulate,
-					 in, a->nin, idt, valid * p->inner, &m, stream);
+		m.add = add ? dptr(add->buf, add->offsets[i] + at * rs) : NULL;
+		ret = shardd_cuda_reduce(dptr(out->buf, out->offsets[i] + at * os), odt, a->accumulate[k], in,
+					 a->n, idt, valid * p->inner, &m, stream);
 	}
 	/* Padding rows exist for dim 0 only, where outer == 1. */
 	if (!ret && valid < p->rows)
-		ret = shardd_cuda_zero(dptr(a->out->buf, a->out->offsets[i] + valid * p->inner * os),
+		ret = shardd_cuda_zero(dptr(out->buf, out->offsets[i] + valid * p->inner * os),
 				       (p->rows - valid) * p->inner * os, stream);
+	return ret;
+}
+
+/*
+ * Copy-in of a reduce-scatter on member k's device: its grad rows of every
+ * destination shard s, cast to the reduce dtype and pre-divided (FSDP2's
+ * fp16 factor), into block s of its staging buffer (rank-major: the block
+ * NCCL rank s receives the sum of).
+ */
+static int nccl_copy_in(const struct shardd_reduce_args *a, uint32_t k, uint8_t *staging, cudaStream_t stream)
+{
+	const struct shardd_reduce_math pre = {
+		.reduce_dtype = a->math.reduce_dtype, .pre = a->math.pre, .avg = 1, .post = 1,
+	};
+	uint32_t rd = a->math.reduce_dtype;
+	size_t rs = shardd_dtype_size(rd);
+	int ret = 0;
+
+	for (uint32_t s = 0; s < a->n && !ret; s++) {
+		for (uint32_t i = 0; i < a->layout->nparams && !ret; i++) {
+			const struct shardd_layout_param *p = &a->layout->params[i];
+			uint64_t n = shardd_layout_rows_valid(p, s) * p->inner;
+			size_t gs = shardd_dtype_size(p->grad_dtype);
+
+			for (uint64_t o = 0; o < p->outer && !ret; o++) {
+				uint8_t *dst = staging + s * a->reduce_shard_size + a->reduce_offsets[i] +
+					       o * p->rows * p->inner * rs;
+				const void *src = dptr(a->grads[k], p->grad_offset +
+							   (o * p->dim + (uint64_t)s * p->rows) * p->inner * gs);
+
+				/* x = round(round(g) / pre), as every input of the host's reduce. */
+				if (pre.pre > 1)
+					ret = shardd_cuda_reduce(dst, rd, 0, &src, 1, p->grad_dtype, n, &pre, stream);
+				else
+					ret = shardd_cuda_cast(dst, rd, src, p->grad_dtype, n, stream);
+			}
+		}
+	}
+	return ret;
+}
+
+/*
+ * After the collective, member k's output from its sum at `sum` (one shard
+ * in the reduce dtype, laid out as `offsets`, of shard `shard_rank`):
+ * out = [accumulate] cast(round(round(sum / avg) [+ add]) / post), valid
+ * rows only, padding rows zeroed: one kernel (a reduce of one input) per
+ * param and outer index.
+ */
+static int nccl_post(const struct shardd_reduce_args *a, uint32_t k, const uint8_t *sum,
+		     const uint64_t *offsets, uint32_t shard_rank, cudaStream_t stream)
+{
+	const struct shardd_shard_view *out = &a->outs[k], *add = reduce_add(a, k);
+	struct shardd_reduce_math m = a->math;
+	size_t rs = shardd_dtype_size(m.reduce_dtype);
+	int ret = 0;
+
+	/* The inputs were pre-divided before the sum. */
+	m.pre = 1;
+	for (uint32_t i = 0; i < a->layout->nparams && !ret; i++) {
+		const struct shardd_layout_param *p = &a->layout->params[i];
+		uint32_t odt = shardd_shard_view_dtype(out, p);
+		size_t os = shardd_dtype_size(odt);
+		uint64_t valid = shardd_layout_rows_valid(p, shard_rank);
+
+		for (uint64_t o = 0; o < p->outer && !ret; o++) {
+			uint64_t at = o * p->rows * p->inner;
+			const void *in = sum + offsets[i] + at * rs;
+
+			m.add = add ? dptr(add->buf, add->offsets[i] + at * rs) : NULL;
+			ret = shardd_cuda_reduce(dptr(out->buf, out->offsets[i] + at * os), odt, a->accumulate[k],
+						 &in, 1, m.reduce_dtype, valid * p->inner, &m, stream);
+		}
+		if (!ret && valid < p->rows)
+			ret = shardd_cuda_zero(dptr(out->buf, out->offsets[i] + valid * p->inner * os),
+					       (p->rows - valid) * p->inner * os, stream);
+	}
+	return ret;
+}
+
+/*
+ * Reduce of members on distinct devices. SRC_GRAD (a shard group's
+ * reduce-scatter): copy-in into each device's staging buffer, an in-place
+ * ncclReduceScatter with ncclSum in the reduce dtype (member k's block k),
+ * then the post kernel into its output. SRC_SHARD (a replicate group's
+ * all-reduce of HSDP partials): an in-place ncclAllReduce of each member's
+ * view buffer, then the post kernel. Summation order and rounding are
+ * NCCL's (in the reduce dtype), not the host's (docs/CUDA.md).
+ */
+static int cuda_reduce_nccl(struct cuda_backend *cb, const struct shardd_reduce_args *a,
+			    const int32_t *devices)
+{
+	uint32_t rd = a->math.reduce_dtype, n = a->n, grad = a->src == SHARDD_REDUCE_SRC_GRAD;
+	size_t rs = shardd_dtype_size(rd);
+	uint64_t shard_bytes = a->reduce_shard_size;
+	void *send[SHARDD_MAX_WORLD], *recv[SHARDD_MAX_WORLD];
+	struct cuda_nccl_op op;
+	char why[512] = "", devs[128];
+	int ret = 0;
+
+	if (!rs || !a->reduce_offsets || !shard_bytes || shard_bytes % rs ||
+	    (!grad && (a->in_dtype != rd || a->math.pre > 1)))
+		return cuda_op_fail(-EINVAL, a->err, a->errlen, "reduce",
+				    "NCCL reduce of %u members: reduce dtype %u, shard of %llu bytes, inputs in "
+				    "dtype %u with pre-divide %g: the shard must hold whole elements, and an "
+				    "all-reduce takes shards in the reduce dtype, divided before", n, rd,
+				    (unsigned long long)shard_bytes, a->in_dtype, (double)a->math.pre);
+	for (uint32_t k = 0; k < n && !ret; k++) {
+		ret = cuda_on_device(a->outs[k].buf, devices[k], k, "output", a->err, a->errlen, "reduce");
+		if (!ret && reduce_add(a, k))
+			ret = cuda_on_device(a->adds[k].buf, devices[k], k, "addend", a->err, a->errlen, "reduce");
+		if (!ret && !grad && a->views[k].buf->bytes < shard_bytes)
+			ret = cuda_op_fail(-EINVAL, a->err, a->errlen, "reduce",
+					   "member %u's view buffer holds %llu bytes, less than a shard's %llu", k,
+					   (unsigned long long)a->views[k].buf->bytes, (unsigned long long)shard_bytes);
+	}
+	if (ret)
+		return ret;
+	nccl_lock(cb);
+	ret = nccl_op_begin(cb, a->job, devices, n,
+			    grad ? shardd_placement_staging_bytes(n, 0, shard_bytes) : 0, &op, why, sizeof(why));
+	for (uint32_t k = 0; k < n && !ret && grad; k++) {
+		ret = cudaSetDevice(devices[k]) == cudaSuccess ? 0 : -SHARDD_E_BACKEND;
+		if (!ret)
+			ret = cuda_queued(nccl_copy_in(a, k, op.staging[k], op.d[k]->stream), "reduce");
+	}
+	if (!ret)
+		ret = nccl_op_handover(&op, 1);
+	for (uint32_t k = 0; k < n && !ret; k++) {
+		/* In place: NCCL rank k's block k of its staging buffer, or the whole view buffer. */
+		send[k] = grad ? (void *)op.staging[k] : dptr(a->views[k].buf, 0);
+		recv[k] = grad ? (void *)(op.staging[k] + k * shard_bytes) : send[k];
+	}
+	if (!ret)
+		ret = shardd_nccl_collective(cb->nccl, op.clique,
+					     grad ? SHARDD_NCCL_REDUCE_SCATTER : SHARDD_NCCL_ALL_REDUCE, send, recv,
+					     shard_bytes / rs, rd, op.streams, why, sizeof(why));
+	if (!ret)
+		ret = nccl_op_handover(&op, 0);
+	for (uint32_t k = 0; k < n && !ret; k++) {
+		ret = cudaSetDevice(devices[k]) == cudaSuccess ? 0 : -SHARDD_E_BACKEND;
+		if (!ret)
+			ret = cuda_queued(grad ? nccl_post(a, k, recv[k], a->reduce_offsets, k, op.d[k]->stream)
+					       : nccl_post(a, k, recv[k], a->views[k].offsets, a->shard_rank,
+							   op.d[k]->stream),
+					  "reduce");
+	}
+	nccl_unlock(cb);
+	if (ret) {
+		devices_str(devices, n, devs, sizeof(devs));
+		cuda_op_fail(ret, a->err, a->errlen, "reduce", "%s on %s: %s",
+			     grad ? "reduce-scatter" : "all-reduce", devs,
+			     why[0] ? why : "a CUDA call failed (see the daemon's log)");
+	}
 	return ret;
 }
 
 static int cuda_reduce(struct shardd_backend_ctx *b, const struct shardd_reduce_args *a)
 {
 	struct cuda_backend *cb = (struct cuda_backend *)b;
-	int device = cbuf(a->out->buf)->device;
+	int32_t devices[SHARDD_MAX_WORLD];
 	struct cuda_device *d;
+	uint32_t kind;
 	int ret = 0;
 
-	if (a->nin == 0 || a->nin > SHARDD_CUDA_MAX_INPUTS) {
-		shardd_log_error("shardd: cuda backend: reduce of %u inputs: the kernels take 1 to %d",
-				 a->nin, SHARDD_CUDA_MAX_INPUTS);
+	if (a->n == 0 || a->n > SHARDD_MAX_WORLD)
 		return -EINVAL;
-	}
-	for (uint32_t k = 0; k < a->nin && !ret; k++)
-		ret = cuda_same_device(a->src == SHARDD_REDUCE_SRC_GRAD ? a->grads[k] : a->views[k].buf,
-				       device, "reduce");
-	if (!ret && a->add)
-		ret = cuda_same_device(a->add->buf, device, "reduce");
-	if (!ret)
-		ret = cuda_device_get(cb, device, &d);
+	for (uint32_t k = 0; k < a->n; k++)
+		devices[k] = cbuf(a->src == SHARDD_REDUCE_SRC_GRAD ? a->grads[k] : a->views[k].buf)->device;
+	ret = cuda_placement(devices, a->n, "reduce", a->err, a->errlen, &kind);
 	if (ret)
 		return ret;
-	for (uint32_t i = 0; i < a->layout->nparams && !ret; i++)
-		ret = cuda_reduce_param(a, i, d->stream);
+	if (kind == SHARDD_PLACE_NCCL)
+		return cuda_reduce_nccl(cb, a, devices);
+	if (a->n > SHARDD_CUDA_MAX_INPUTS)
+		return cuda_op_fail(-EINVAL, a->err, a->errlen, "reduce",
+				    "%u inputs on one device: the kernels take 1 to %d", a->n, SHARDD_CUDA_MAX_INPUTS);
+	for (uint32_t k = 0; k < a->n && !ret; k++) {
+		ret = cuda_on_device(a->outs[k].buf, devices[0], k, "output", a->err, a->errlen, "reduce");
+		if (!ret && reduce_add(a, k))
+			ret = cuda_on_device(a->adds[k].buf, devices[0], k, "addend", a->err, a->errlen, "reduce");
+	}
+	if (!ret)
+		ret = cuda_device_get(cb, devices[0], &d);
+	for (uint32_t k = 0; k < a->n && !ret; k++)
+		for (uint32_t i = 0; i < a->layout->nparams && !ret; i++)
+			ret = cuda_reduce_param(a, k, i, d->stream);
 	return cuda_queued(ret, "reduce");
 }
 
@@ -673,13 +1201,27 @@ static int cuda_zero(struct shardd_backend_ctx *b, struct shardd_buf *buf, uint6
 	return cuda_queued(shardd_cuda_zero(dptr(buf, offset), (size_t)bytes, d->stream), "zero");
 }
 
-static int cuda_sync(struct shardd_backend_ctx *b, const struct shardd_buf *on)
+static int cuda_sync(struct shardd_backend_ctx *b, const struct shardd_buf *const *on, uint32_t n, char *err,
+		     size_t errlen)
 {
 	struct cuda_backend *cb = (struct cuda_backend *)b;
 	struct cuda_device *d;
-	int ret = cuda_device_get(cb, cbuf(on)->device, &d);
+	int ret = 0;
 
-	return ret ? ret : cuda_stream_sync(d, "wait for an op's kernels");
+	/* Each device once: most ops have every buffer on one. */
+	for (uint32_t k = 0; k < n && !ret; k++) {
+		int device = cbuf(on[k])->device;
+		uint32_t j = 0;
+
+		while (j < k && cbuf(on[j])->device != device)
+			j++;
+		if (j < k)
+			continue;
+		ret = cuda_device_get(cb, device, &d);
+		if (!ret)
+			ret = cuda_device_wait(cb, device, d, "wait for an op's kernels", err, errlen);
+	}
+	return ret;
 }
 
 /* ------------------------------------------------------------------ */
@@ -812,6 +1354,38 @@ static int cuda_fence_signal(struct shardd_backend_ctx *b, struct shardd_fences 
 }
 
 /* ------------------------------------------------------------------ */
+/* Jobs                                                                */
+/* ------------------------------------------------------------------ */
+
+static int cuda_multi_device(struct shardd_backend_ctx *b, char *err, size_t errlen)
+{
+	(void)b;
+	return shardd_nccl_load(err, errlen);
+}
+
+static int cuda_job_open(struct shardd_backend_ctx *b, const char *job, struct shardd_backend_job **out)
+{
+	struct shardd_backend_job *bj = calloc(1, sizeof(*bj));
+
+	(void)b;
+	if (!bj)
+		return -ENOMEM;
+	snprintf(bj->name, sizeof(bj->name), "%s", job);
+	*out = bj;
+	return 0;
+}
+
+static void cuda_job_close(struct shardd_backend_ctx *b, struct shardd_backend_job *bj)
+{
+	struct cuda_backend *cb = (struct cuda_backend *)b;
+
+	nccl_lock(cb);
+	shardd_nccl_job_end(cb->nccl, bj);
+	nccl_unlock(cb);
+	free(bj);
+}
+
+/* ------------------------------------------------------------------ */
 /* Create and destroy                                                  */
 /* ------------------------------------------------------------------ */
 
@@ -819,13 +1393,26 @@ static void cuda_destroy(struct shardd_backend_ctx *b)
 {
 	struct cuda_backend *cb = (struct cuda_backend *)b;
 
+	/* Staging buffers first: freeing one waits on its device, which may ask the communicators. */
+	for (int i = 0; i < cb->ndevices; i++)
+		cuda_free(b, &cb->devices[i].staging);
+	shardd_nccl_destroy(cb->nccl);
 	for (int i = 0; i < cb->ndevices; i++) {
-		if (!cb->devices[i].ready)
+		struct cuda_device *d = &cb->devices[i];
+
+		if (!d->ready)
 			continue;
-		/* A stream belongs to its device's context: destroy it with that device current. */
-		if (cudaSetDevice(i) == cudaSuccess)
-			cudaStreamDestroy(cb->devices[i].stream);
+		/* A stream or event belongs to its device's context: destroy it with that device current. */
+		if (cudaSetDevice(i) != cudaSuccess)
+			continue;
+		cudaStreamDestroy(d->stream);
+		if (d->nccl_ready) {
+			cudaStreamDestroy(d->nccl_stream);
+			cudaEventDestroy(d->staged);
+			cudaEventDestroy(d->collected);
+		}
 	}
+	pthread_mutex_destroy(&cb->nccl_lock);
 	pthread_mutex_destroy(&cb->lock);
 	free(cb->devices);
 	free(cb);
@@ -844,6 +1431,9 @@ static const struct shardd_backend_ops cuda_ops = {
 	.fence_wait = cuda_fence_wait,
 	.fence_signal = cuda_fence_signal,
 	.fences_close = cuda_fences_close,
+	.multi_device = cuda_multi_device,
+	.job_open = cuda_job_open,
+	.job_close = cuda_job_close,
 	.destroy = cuda_destroy,
 };
 
@@ -863,8 +1453,8 @@ static int cuda_symbol(const char *name, void **fn, char *err, size_t errlen)
 	return -SHARDD_E_BACKEND;
 }
 
-int shardd_backend_cuda_create(uint32_t mode, struct shardd_backend_ctx **out, char *err,
-			       size_t errlen)
+int shardd_backend_cuda_create(uint32_t mode, uint64_t timeout_ns, struct shardd_backend_ctx **out,
+			       char *err, size_t errlen)
 {
 	struct cuda_backend *cb;
 	cudaError_t e;
@@ -886,8 +1476,11 @@ int shardd_backend_cuda_create(uint32_t mode, struct shardd_backend_ctx **out, c
 	if (!cb)
 		goto err_nomem;
 	cb->devices = calloc((size_t)n, sizeof(*cb->devices));
-	if (!cb->devices)
+	if (!cb->devices || shardd_nccl_create(timeout_ns, &cb->nccl))
 		goto err_nomem;
+	/* Unallocated, and no fd for shardd_buf_forget to close. */
+	for (int i = 0; i < n; i++)
+		cb->devices[i].staging.fd = -1;
 	/* A driver entry point comes back as void *, converted to its PFN type as POSIX's dlsym. */
 #define CUDA_RESOLVE(field, name)                                            \
 	do {                                                                 \
@@ -912,8 +1505,10 @@ int shardd_backend_cuda_create(uint32_t mode, struct shardd_backend_ctx **out, c
 #undef CUDA_RESOLVE
 	cb->base.ops = &cuda_ops;
 	cb->mode = mode;
+	cb->timeout_ns = timeout_ns;
 	cb->ndevices = n;
 	pthread_mutex_init(&cb->lock, NULL);
+	pthread_mutex_init(&cb->nccl_lock, NULL);
 	*out = &cb->base;
 	return 0;
 
@@ -921,8 +1516,10 @@ err_nomem:
 	snprintf(err, errlen, "shardd: --backend cuda: out of memory for the backend of %d devices", n);
 	ret = -ENOMEM;
 err_free:
-	if (cb)
+	if (cb) {
+		shardd_nccl_destroy(cb->nccl);
 		free(cb->devices);
+	}
 	free(cb);
 	return ret;
 }

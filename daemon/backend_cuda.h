@@ -11,6 +11,7 @@
 #define SHARDD_BACKEND_CUDA_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "daemon/backend.h"
 
@@ -24,11 +25,13 @@ enum shardd_cuda_export {
 /*
  * 0, or -SHARDD_E_BACKEND with `err` saying why (no driver, no device, a
  * driver without the virtual memory API), or -ENOMEM. `mode` is an enum
- * shardd_cuda_export. Touches no device: a device is set up, and its
- * export kind chosen, when its first buffer is allocated.
+ * shardd_cuda_export; `timeout_ns` (the collective timeout) bounds every
+ * wait on NCCL. Touches no device: a device is set up, and its export
+ * kind chosen, when its first buffer is allocated; NCCL is loaded at the
+ * first collective across devices.
  */
-int shardd_backend_cuda_create(uint32_t mode, struct shardd_backend_ctx **out, char *err,
-			       size_t errlen);
+int shardd_backend_cuda_create(uint32_t mode, uint64_t timeout_ns, struct shardd_backend_ctx **out,
+			       char *err, size_t errlen);
 
 /* The daemon's device address of a buffer this backend allocated, or NULL (tools and tests). */
 void *shardd_backend_cuda_ptr(const struct shardd_buf *buf);

@@ -81,6 +81,11 @@ struct host_op {
 	const struct shardd_reduce_args *reduce;
 	const struct host_plan *plan;
 	int stream; /* write the output with streaming stores */
+	/* The output this run writes: an unshard's (distinct) unsharded buffer, or member k of a reduce. */
+	struct shardd_buf *unsharded;
+	const struct shardd_shard_view *out, *add; /* add: NULL for none */
+	uint32_t shard_rank;                       /* reduce: the rows of out */
+	int accumulate;
 };
 
 static inline uint8_t *host_ptr(const struct shardd_buf *b)
@@ -158,18 +163,19 @@ static int plan_split(struct host_plan *pl, struct host_piece pc, uint64_t n, ui
 	return 0;
 }
 
-static void host_run_piece_unshard(const struct shardd_unshard_args *a, const struct host_piece *pc, int stream)
+static void host_run_piece_unshard(const struct host_op *op, const struct host_piece *pc)
 {
+	const struct shardd_unshard_args *a = op->unshard;
 	const struct shardd_layout_param *p = &a->layout->params[pc->param];
 	size_t us = shardd_dtype_size(p->unsharded_dtype), ds = shardd_dtype_size(p->dtype);
-	uint8_t *dst = host_ptr(a->unsharded) + p->unsharded_offset;
+	uint8_t *dst = host_ptr(op->unsharded) + p->unsharded_offset;
 	uint64_t chunk = p->rows * p->inner;
 
 	if (pc->kind == PIECE_CAST) {
 		const uint8_t *src = host_ptr(a->shards[pc->chunk]) + p->shard_offset;
 		uint8_t *to = dst + (pc->chunk * chunk + pc->begin) * us;
 
-		if (stream)
+		if (op->stream)
 			shardd_k_cast_stream(to, p->unsharded_dtype, src + pc->begin * ds, p->dtype, pc->n);
 		else
 			shardd_k_cast(to, p->unsharded_dtype, src + pc->begin * ds, p->dtype, pc->n);
@@ -183,13 +189,14 @@ static void host_run_piece_unshard(const struct shardd_unshard_args *a, const st
 	}
 }
 
-static void host_run_piece_reduce(const struct shardd_reduce_args *a, const struct host_piece *pc, int stream)
+static void host_run_piece_reduce(const struct host_op *op, const struct host_piece *pc)
 {
+	const struct shardd_reduce_args *a = op->reduce;
 	const struct shardd_layout_param *p = &a->layout->params[pc->param];
-	uint32_t odt = shardd_shard_view_dtype(a->out, p);
+	uint32_t odt = shardd_shard_view_dtype(op->out, p);
 	size_t os = shardd_dtype_size(odt);
 	uint64_t at = pc->block * p->rows * p->inner + pc->begin; /* element in the output shard */
-	uint8_t *out = host_ptr(a->out->buf) + a->out->offsets[pc->param] + at * os;
+	uint8_t *out = host_ptr(op->out->buf) + op->out->offsets[pc->param] + at * os;
 	const void *in[SHARDD_MAX_WORLD];
 	struct shardd_reduce_math m = a->math;
 	uint32_t idt;
@@ -200,26 +207,26 @@ static void host_run_piece_reduce(const struct shardd_reduce_args *a, const stru
 	}
 	if (a->src == SHARDD_REDUCE_SRC_GRAD) {
 		/* Shard s of the unsharded grad: rows [s*rows, s*rows + valid) of shard_dim, per outer index. */
-		uint64_t e = pc->block * p->dim * p->inner + (uint64_t)a->shard_rank * p->rows * p->inner +
+		uint64_t e = pc->block * p->dim * p->inner + (uint64_t)op->shard_rank * p->rows * p->inner +
 			     pc->begin;
 		size_t gs = shardd_dtype_size(p->grad_dtype);
 
 		idt = p->grad_dtype;
-		for (uint32_t k = 0; k < a->nin; k++)
+		for (uint32_t k = 0; k < a->n; k++)
 			in[k] = host_ptr(a->grads[k]) + p->grad_offset + e * gs;
 	} else {
 		idt = a->in_dtype;
-		for (uint32_t k = 0; k < a->nin; k++)
+		for (uint32_t k = 0; k < a->n; k++)
 			in[k] = host_ptr(a->views[k].buf) + a->views[k].offsets[pc->param] +
 				at * shardd_dtype_size(idt);
 	}
-	m.add = a->add ? host_ptr(a->add->buf) + a->add->offsets[pc->param] +
-				 at * shardd_dtype_size(a->math.reduce_dtype)
-		       : NULL;
-	if (stream)
-		shardd_k_reduce_stream(out, odt, a->accumulate, in, a->nin, idt, pc->n, &m);
+	m.add = op->add ? host_ptr(op->add->buf) + op->add->offsets[pc->param] +
+				  at * shardd_dtype_size(a->math.reduce_dtype)
+			: NULL;
+	if (op->stream)
+		shardd_k_reduce_stream(out, odt, op->accumulate, in, a->n, idt, pc->n, &m);
 	else
-		shardd_k_reduce(out, odt, a->accumulate, in, a->nin, idt, pc->n, &m);
+		shardd_k_reduce(out, odt, op->accumulate, in, a->n, idt, pc->n, &m);
 }
 
 static void host_run_batches(void *arg, size_t begin, size_t end)
@@ -229,9 +236,9 @@ static void host_run_batches(void *arg, size_t begin, size_t end)
 	for (size_t b = begin; b < end; b++) {
 		for (size_t i = op->plan->batches[b]; i < op->plan->batches[b + 1]; i++) {
 			if (op->unshard)
-				host_run_piece_unshard(op->unshard, &op->plan->pieces[i], op->stream);
+				host_run_piece_unshard(op, &op->plan->pieces[i]);
 			else
-				host_run_piece_reduce(op->reduce, &op->plan->pieces[i], op->stream);
+				host_run_piece_reduce(op, &op->plan->pieces[i]);
 		}
 	}
 }
@@ -270,31 +277,44 @@ static int host_unshard(struct shardd_backend_ctx *b, const struct shardd_unshar
 	if (!ret) {
 		plan_close(&pl);
 		op.stream = a->layout->unsharded_size >= HOST_STREAM_MIN_BYTES;
-		host_run_plan(hb, &op);
+		/* Each distinct output once: ranks that share an unsharded buffer alias it. */
+		for (uint32_t s = 0; s < a->nshards; s++) {
+			uint32_t t = 0;
+
+			while (t < s && a->unsharded[t] != a->unsharded[s])
+				t++;
+			if (t < s)
+				continue;
+			op.unsharded = a->unsharded[s];
+			host_run_plan(hb, &op);
+		}
 	}
 	plan_free(&pl);
 	return ret;
 }
 
-static int host_reduce(struct shardd_backend_ctx *b, const struct shardd_reduce_args *a)
+/* Plan and run member k's output of a reduce. */
+static int host_reduce_one(struct host_backend *hb, const struct shardd_reduce_args *a, uint32_t k)
 {
-	struct host_backend *hb = (struct host_backend *)b;
 	struct host_plan pl = { 0 };
-	struct host_op op = { .reduce = a, .plan = &pl };
+	struct host_op op = {
+		.reduce = a, .plan = &pl, .out = &a->outs[k],
+		.add = a->adds && a->adds[k].buf ? &a->adds[k] : NULL,
+		.shard_rank = a->src == SHARDD_REDUCE_SRC_GRAD ? k : a->shard_rank,
+		.accumulate = a->accumulate[k],
+	};
 	uint64_t out_bytes = 0;
 	int ret = 0;
 
-	if (a->nin == 0 || a->nin > SHARDD_MAX_WORLD)
-		return -EINVAL;
 	for (uint32_t i = 0; i < a->layout->nparams && !ret; i++) {
 		const struct shardd_layout_param *p = &a->layout->params[i];
-		uint64_t valid = shardd_layout_rows_valid(p, a->shard_rank);
+		uint64_t valid = shardd_layout_rows_valid(p, op.shard_rank);
 		struct host_piece pc = { .param = i, .kind = PIECE_REDUCE };
 
-		out_bytes += p->shard_numel * shardd_dtype_size(shardd_shard_view_dtype(a->out, p));
+		out_bytes += p->shard_numel * shardd_dtype_size(shardd_shard_view_dtype(op.out, p));
 		for (uint64_t o = 0; o < p->outer && !ret; o++) {
 			pc.block = o;
-			ret = plan_split(&pl, pc, valid * p->inner, a->nin);
+			ret = plan_split(&pl, pc, valid * p->inner, a->n);
 		}
 		if (!ret && valid < p->rows) {
 			/* Padding rows exist for dim 0 only, where outer == 1. */
@@ -307,10 +327,22 @@ static int host_reduce(struct shardd_backend_ctx *b, const struct shardd_reduce_
 	if (!ret) {
 		plan_close(&pl);
 		/* Accumulating reads every output line anyway: nothing to save. */
-		op.stream = !a->accumulate && out_bytes >= HOST_STREAM_MIN_BYTES;
+		op.stream = !op.accumulate && out_bytes >= HOST_STREAM_MIN_BYTES;
 		host_run_plan(hb, &op);
 	}
 	plan_free(&pl);
+	return ret;
+}
+
+static int host_reduce(struct shardd_backend_ctx *b, const struct shardd_reduce_args *a)
+{
+	struct host_backend *hb = (struct host_backend *)b;
+	int ret = 0;
+
+	if (a->n == 0 || a->n > SHARDD_MAX_WORLD)
+		return -EINVAL;
+	for (uint32_t k = 0; k < a->n && !ret; k++)
+		ret = host_reduce_one(hb, a, k);
 	return ret;
 }
 

@@ -33,6 +33,7 @@
 #include "daemon/engine.h"
 #include "daemon/group.h"
 #include "daemon/log.h"
+#include "daemon/placement.h"
 #include "daemon/pool.h"
 #include "daemon/rendezvous.h"
 
@@ -80,6 +81,7 @@ struct eng_task {
 	int finished;                /* on the finished list; under engine lock */
 	int res;
 	char msg[ENGINE_MSG_MAX];
+	char why[320];               /* the backend's reason of a failure, or empty */
 	uint32_t nops;
 	struct eng_op ops[];         /* completions to deliver */
 };
@@ -125,6 +127,7 @@ struct shardd_engine_job {
 	char name[SHARDD_NAME_MAX];
 	uint32_t replicate, shard, world;
 	int32_t *devices;            /* [world]: each rank's hello.device, where its buffers go */
+	struct shardd_backend_job *bj; /* the backend's state of the job (NCCL communicators), or NULL */
 	uint8_t *gone;               /* [world]: the rank's client left and it has not attached again */
 	struct eng_group **groups;   /* index = group id - 1; NULL once a registration failed */
 	uint32_t ngroups, cap;
@@ -441,17 +444,22 @@ static void reduce_math(const struct shardd_group *g, uint32_t n, struct shardd_
 	ar->post = (float)post;
 }
 
-/* Reduce-scatter of replica u's grads; shard s's output goes to `out` (+ `add`). */
-static int task_reduce_scatter(struct eng_task *t, uint32_t u, uint32_t s,
-			       const struct shardd_shard_view *out, const struct shardd_shard_view *add,
-			       int accumulate, const struct shardd_reduce_math *m)
+/*
+ * Reduce-scatter of replica u's grads: shard s's output goes to outs[s] (+
+ * adds[s] where given), accumulated where accumulate[s].
+ */
+static int task_reduce_scatter(struct eng_task *t, uint32_t u, const struct shardd_shard_view *outs,
+			       const struct shardd_shard_view *adds, const uint8_t *accumulate,
+			       const struct shardd_reduce_math *m)
 {
 	struct shardd_group *g = t->eg->g;
 	struct shardd_backend_ctx *b = t->eg->j->e->backend;
 	struct shardd_buf *grads[SHARDD_MAX_WORLD];
 	struct shardd_reduce_args a = {
-		.layout = &g->layout, .src = SHARDD_REDUCE_SRC_GRAD, .nin = g->shard, .grads = grads,
-		.shard_rank = s, .out = out, .add = add, .accumulate = accumulate, .math = *m,
+		.job = t->eg->j->bj, .layout = &g->layout, .src = SHARDD_REDUCE_SRC_GRAD, .n = g->shard,
+		.grads = grads, .outs = outs, .adds = adds, .accumulate = accumulate,
+		.reduce_offsets = g->reduce_offsets, .reduce_shard_size = g->reduce_shard_size, .math = *m,
+		.err = t->why, .errlen = sizeof(t->why),
 	};
 
 	for (uint32_t k = 0; k < g->shard; k++)
@@ -459,21 +467,24 @@ static int task_reduce_scatter(struct eng_task *t, uint32_t u, uint32_t s,
 	return b->ops->reduce(b, &a);
 }
 
-/* HSDP: every replica's reduce-scatter output of every shard added into its partial. */
+/* HSDP: replica u's reduce-scatter output of every shard added into its partial. */
 static int task_partials(struct eng_task *t, uint32_t u, const struct shardd_reduce_math *m)
 {
 	struct shardd_group *g = t->eg->g;
-	int ret = 0;
+	struct shardd_shard_view outs[SHARDD_MAX_WORLD], adds[SHARDD_MAX_WORLD];
+	uint8_t assign[SHARDD_MAX_WORLD] = { 0 };
+	int ret;
 
-	for (uint32_t s = 0; s < g->shard && !ret; s++) {
+	for (uint32_t s = 0; s < g->shard; s++) {
 		uint32_t r = u * g->shard + s;
-		struct shardd_shard_view pv = { &g->partials[r], g->partial_offsets, g->reduce_dtype };
 
+		outs[s] = (struct shardd_shard_view){ &g->partials[r], g->reduce_offsets, g->reduce_dtype };
 		/* partial = round(rs + partial): FSDP2 accumulates in the reduce dtype before any all-reduce. */
-		ret = task_reduce_scatter(t, u, s, &pv, g->partial_present[r] ? &pv : NULL, 0, m);
-		if (!ret)
-			g->partial_present[r] = 1;
+		adds[s] = g->partial_present[r] ? outs[s] : (struct shardd_shard_view){ 0 };
 	}
+	ret = task_reduce_scatter(t, u, outs, adds, assign, m);
+	if (!ret)
+		memset(&g->partial_present[u * g->shard], 1, g->shard);
 	return ret;
 }
 
@@ -481,7 +492,8 @@ static int task_reduce(struct eng_task *t)
 {
 	struct shardd_group *g = t->eg->g;
 	struct shardd_backend_ctx *b = t->eg->j->e->backend;
-	struct shardd_shard_view views[SHARDD_MAX_WORLD];
+	struct shardd_shard_view views[SHARDD_MAX_WORLD], outs[SHARDD_MAX_WORLD];
+	uint8_t accumulate[SHARDD_MAX_WORLD];
 	struct shardd_reduce_math rs, ar;
 	int ret = 0;
 
@@ -489,13 +501,11 @@ static int task_reduce(struct eng_task *t)
 		/* No replicate dim: one collective, pre- and post-divided (fp16) alike. */
 		reduce_math(g, g->shard, &rs, &ar);
 		rs.post = ar.post;
-		for (uint32_t s = 0; s < g->shard && !ret; s++) {
-			struct shardd_shard_view out = { &g->sharded_grads[s], g->shard_offsets, SHARDD_DTYPE_NONE };
-
-			ret = task_reduce_scatter(t, 0, s, &out, NULL, g->grad_present[s], &rs);
-			if (!ret)
-				g->grad_present[s] = 1;
-		}
+		for (uint32_t s = 0; s < g->shard; s++)
+			outs[s] = (struct shardd_shard_view){ &g->sharded_grads[s], g->shard_offsets, SHARDD_DTYPE_NONE };
+		ret = task_reduce_scatter(t, 0, outs, NULL, g->grad_present, &rs);
+		if (!ret)
+			memset(g->grad_present, 1, g->shard);
 		return ret;
 	}
 
@@ -503,23 +513,26 @@ static int task_reduce(struct eng_task *t)
 	reduce_math(g, g->world, &rs, &ar);
 	for (uint32_t u = 0; u < g->replicate && !ret; u++)
 		ret = task_partials(t, u, &rs);
+	/* The all-reduce of each shard index over its replicate group: every replica gets the sum. */
 	for (uint32_t s = 0; s < g->shard && !ret; s++) {
-		for (uint32_t v = 0; v < g->replicate; v++)
-			views[v] = (struct shardd_shard_view){ &g->partials[v * g->shard + s],
-							       g->partial_offsets, g->reduce_dtype };
-		for (uint32_t u = 0; u < g->replicate && !ret; u++) {
-			uint32_t r = u * g->shard + s;
-			struct shardd_shard_view out = { &g->sharded_grads[r], g->shard_offsets, SHARDD_DTYPE_NONE };
-			struct shardd_reduce_args a = {
-				.layout = &g->layout, .src = SHARDD_REDUCE_SRC_SHARD, .nin = g->replicate,
-				.views = views, .shard_rank = s, .in_dtype = g->reduce_dtype, .out = &out,
-				.accumulate = g->grad_present[r], .math = ar,
-			};
+		struct shardd_reduce_args a = {
+			.job = t->eg->j->bj, .layout = &g->layout, .src = SHARDD_REDUCE_SRC_SHARD,
+			.n = g->replicate, .views = views, .shard_rank = s, .in_dtype = g->reduce_dtype,
+			.outs = outs, .accumulate = accumulate, .reduce_offsets = g->reduce_offsets,
+			.reduce_shard_size = g->reduce_shard_size, .math = ar, .err = t->why,
+			.errlen = sizeof(t->why),
+		};
 
-			ret = b->ops->reduce(b, &a);
-			if (!ret)
-				g->grad_present[r] = 1;
+		for (uint32_t u = 0; u < g->replicate; u++) {
+			uint32_t r = u * g->shard + s;
+
+			views[u] = (struct shardd_shard_view){ &g->partials[r], g->reduce_offsets, g->reduce_dtype };
+			outs[u] = (struct shardd_shard_view){ &g->sharded_grads[r], g->shard_offsets, SHARDD_DTYPE_NONE };
+			accumulate[u] = g->grad_present[r];
 		}
+		ret = b->ops->reduce(b, &a);
+		for (uint32_t u = 0; u < g->replicate && !ret; u++)
+			g->grad_present[u * g->shard + s] = 1;
 	}
 	/* The partials went into this all-reduce: the next microbatch starts afresh. */
 	memset(g->partial_present, 0, g->world);
@@ -530,14 +543,18 @@ static int task_unshard(struct eng_task *t)
 {
 	struct shardd_group *g = t->eg->g;
 	struct shardd_backend_ctx *b = t->eg->j->e->backend;
-	struct shardd_buf *shards[SHARDD_MAX_WORLD];
+	struct shardd_buf *shards[SHARDD_MAX_WORLD], *unsharded[SHARDD_MAX_WORLD];
 	struct shardd_unshard_args a = {
-		.layout = &g->layout, .nshards = g->shard, .shards = shards,
-		.unsharded = &g->unsharded[t->replica],
+		.job = t->eg->j->bj, .layout = &g->layout, .nshards = g->shard, .shards = shards,
+		.unsharded = unsharded, .err = t->why, .errlen = sizeof(t->why),
 	};
 
-	for (uint32_t s = 0; s < g->shard; s++)
-		shards[s] = &g->shards[t->replica * g->shard + s];
+	for (uint32_t s = 0; s < g->shard; s++) {
+		uint32_t r = t->replica * g->shard + s;
+
+		shards[s] = &g->shards[r];
+		unsharded[s] = shardd_group_unsharded(g, r);
+	}
 	return b->ops->unshard(b, &a);
 }
 
@@ -553,20 +570,33 @@ static int task_fenced(const struct eng_task *t)
 	return 1;
 }
 
-/* A buffer on the device that runs the task: every buffer of a task shares it (backend_cuda.c). */
-static const struct shardd_buf *task_device_buf(const struct eng_task *t)
+/*
+ * The buffers a task writes, into `bufs`; returns how many. The devices
+ * that hold them are those that ran its work (NCCL: every rank's own).
+ */
+static uint32_t task_outputs(const struct eng_task *t, const struct shardd_buf **bufs)
 {
 	const struct shardd_group *g = t->eg->g;
+	uint32_t n = 0;
 
 	switch (t->kind) {
 	case TASK_UNSHARD:
+		for (uint32_t s = 0; s < g->shard; s++)
+			bufs[n++] = shardd_group_unsharded(g, t->replica * g->shard + s);
+		break;
 	case TASK_REDUCE_PARTIAL:
-		return &g->shards[t->replica * g->shard];
+		for (uint32_t s = 0; s < g->shard; s++)
+			bufs[n++] = &g->partials[t->replica * g->shard + s];
+		break;
 	case TASK_REDUCE:
-		return &g->shards[0];
+		for (uint32_t r = 0; r < g->world; r++)
+			bufs[n++] = &g->sharded_grads[r];
+		break;
 	default:
-		return &g->sharded_grads[t->rank];
+		bufs[n++] = &g->sharded_grads[t->rank];
+		break;
 	}
+	return n;
 }
 
 /* The arithmetic of one task, on a pool thread or (task_inline) the loop thread; sets res and msg. */
@@ -597,13 +627,16 @@ static void task_exec(struct eng_task *t)
 		break;
 	}
 	/* A completion without a fence promises the results are in memory. */
-	if (!ret && b->ops->sync && !task_fenced(t))
-		ret = b->ops->sync(b, task_device_buf(t));
+	if (!ret && b->ops->sync && !task_fenced(t)) {
+		const struct shardd_buf *outs[SHARDD_MAX_WORLD];
+
+		ret = b->ops->sync(b, outs, task_outputs(t, outs), t->why, sizeof(t->why));
+	}
 	t->res = ret;
 	if (ret)
 		fmt(t->msg, sizeof(t->msg), "shardd: %s(group '%s', step %llu): the %s backend failed: %s",
 		    shardd_op_name(t->ops[0].sqe.op), g->name, (unsigned long long)t->ops[0].sqe.step,
-		    b->ops->name, ret > -SHARDD_E_BASE ? strerror(-ret) : "backend error");
+		    b->ops->name, t->why[0] ? t->why : ret > -SHARDD_E_BASE ? strerror(-ret) : "backend error");
 }
 
 /* Pool thread: run one task, then hand it to the loop. */
@@ -685,10 +718,10 @@ static void deferred_fail(struct eng_group *eg, uint32_t rank, int res, const ch
 
 #ifdef SHARDD_HAVE_CUDA
 /* The cuda backend; its error is logged as it words it (which flag, why, the fix). */
-static int engine_backend_cuda(uint32_t cuda_export, struct shardd_backend_ctx **out)
+static int engine_backend_cuda(uint32_t cuda_export, uint64_t timeout_ns, struct shardd_backend_ctx **out)
 {
 	char err[256];
-	int ret = shardd_backend_cuda_create(cuda_export, out, err, sizeof(err));
+	int ret = shardd_backend_cuda_create(cuda_export, timeout_ns, out, err, sizeof(err));
 
 	if (ret)
 		shardd_log_error("%s", err);
@@ -732,7 +765,7 @@ int shardd_engine_create(const struct shardd_engine_config *cfg, struct shardd_e
 		goto err_efd;
 #ifdef SHARDD_HAVE_CUDA
 	if (cfg->backend == SHARDD_BACKEND_CUDA)
-		ret = engine_backend_cuda(cfg->cuda_export, &e->backend);
+		ret = engine_backend_cuda(cfg->cuda_export, e->timeout_ns, &e->backend);
 	else
 #endif
 		ret = shardd_backend_host_create(e->pool, &e->backend);
@@ -823,7 +856,9 @@ void shardd_engine_drain(struct shardd_engine *e)
 int shardd_engine_job_create(struct shardd_engine *e, void *job_ctx, const char *job_name,
 			     uint32_t replicate, uint32_t shard, struct shardd_engine_job **out)
 {
+	struct shardd_backend_ctx *b = e->backend;
 	struct shardd_engine_job *j;
+	int ret;
 
 	if (replicate == 0 || shard == 0 || replicate > SHARDD_MAX_WORLD ||
 	    shard > SHARDD_MAX_WORLD / replicate) {
@@ -836,11 +871,14 @@ int shardd_engine_job_create(struct shardd_engine *e, void *job_ctx, const char 
 		return -ENOMEM;
 	j->devices = malloc(sizeof(*j->devices) * replicate * shard);
 	j->gone = calloc(replicate * shard, sizeof(*j->gone));
-	if (!j->devices || !j->gone) {
+	ret = !j->devices || !j->gone ? -ENOMEM : 0;
+	if (!ret && b->ops->job_open)
+		ret = b->ops->job_open(b, job_name, &j->bj);
+	if (ret) {
 		free(j->devices);
 		free(j->gone);
 		free(j);
-		return -ENOMEM;
+		return ret;
 	}
 	for (uint32_t r = 0; r < replicate * shard; r++)
 		j->devices[r] = SHARDD_HELLO_DEVICE_HOST;
@@ -972,6 +1010,9 @@ void shardd_engine_job_destroy(struct shardd_engine_job *j)
 		e->jobs = j->next;
 	if (j->next)
 		j->next->prev = j->prev;
+	/* After the groups: their buffers are freed, so no collective of the job is queued any more. */
+	if (j->bj)
+		e->backend->ops->job_close(e->backend, j->bj);
 	free(j->groups);
 	free(j->devices);
 	free(j->gone);
@@ -1111,13 +1152,54 @@ static void reply_group(struct eng_group *eg, uint32_t rank, uint64_t token, uin
 	free(layouts);
 }
 
+/*
+ * Where the group's collectives run (placement.h): refuse ranks of a shard
+ * or replicate group that partly share devices, and collectives across
+ * devices that the backend cannot run. 0 with *planned set when `pl`
+ * holds the plan (0: the backend ignores devices, and every replica shares
+ * one unsharded buffer), or an error with `err`.
+ */
+static int reg_place(struct eng_group *eg, struct shardd_placement *pl, int *planned, char *err,
+		     size_t errlen)
+{
+	struct shardd_engine_job *j = eg->j;
+	struct shardd_backend_ctx *b = j->e->backend;
+	char why[320];
+	int ret;
+
+	*planned = 0;
+	if (!b->ops->multi_device)
+		return 0;
+	ret = shardd_placement_plan(eg->g->name, j->devices, j->replicate, j->shard, pl, err, errlen);
+	if (ret)
+		return ret;
+	*planned = 1;
+	if (!pl->nccl)
+		return 0;
+	ret = b->ops->multi_device(b, why, sizeof(why));
+	if (ret)
+		fmt(err, errlen, "register group '%s': its ranks sit on different GPUs, where collectives need NCCL: %s",
+		    eg->g->name, why);
+	return ret;
+}
+
 static void reg_finish(struct eng_group *eg)
 {
 	struct shardd_engine_job *j = eg->j;
-	char err[384], msg[ENGINE_MSG_MAX];
-	int ret;
+	struct shardd_placement *pl;
+	char err[ENGINE_MSG_MAX], msg[ENGINE_MSG_MAX];
+	int planned = 0, ret;
 
-	ret = shardd_group_alloc(eg->g, j->e->backend, j->devices, err, sizeof(err));
+	pl = malloc(sizeof(*pl));
+	if (!pl) {
+		fmt(msg, sizeof(msg), "shardd: register group '%s': the daemon is out of memory", eg->g->name);
+		reg_fail(eg, -SHARDD_E_NOMEM, msg, UINT32_MAX);
+		return;
+	}
+	ret = reg_place(eg, pl, &planned, err, sizeof(err));
+	if (!ret)
+		ret = shardd_group_alloc(eg->g, j->e->backend, j->devices, planned ? pl : NULL, err, sizeof(err));
+	free(pl);
 	if (ret) {
 		fmt(msg, sizeof(msg), "shardd: %s", err);
 		reg_fail(eg, ret, msg, UINT32_MAX);

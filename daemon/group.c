@@ -80,11 +80,6 @@ int shardd_group_parse(const void *payload, size_t len, struct shardd_register_g
 	return 0;
 }
 
-static uint64_t align_up(uint64_t n)
-{
-	return (n + SHARDD_ALIGN - 1) & ~(uint64_t)(SHARDD_ALIGN - 1);
-}
-
 /* Grad dtypes: uniform or not, and the set FSDP2 names in its error. */
 static void group_grad_dtypes(struct shardd_group *g)
 {
@@ -139,8 +134,9 @@ int shardd_group_create(uint32_t id, const struct shardd_register_group *hdr,
 	g->reduce_dtype = hdr->reduce_dtype != SHARDD_DTYPE_NONE ? hdr->reduce_dtype : g->grad_dtype;
 
 	g->shard_offsets = calloc(hdr->nparams, sizeof(*g->shard_offsets));
-	g->partial_offsets = calloc(hdr->nparams, sizeof(*g->partial_offsets));
-	g->unsharded = calloc(replicate, sizeof(*g->unsharded));
+	g->reduce_offsets = calloc(hdr->nparams, sizeof(*g->reduce_offsets));
+	g->unsharded_own = calloc(replicate, 1);
+	g->unsharded = calloc(world, sizeof(*g->unsharded));
 	g->shards = calloc(world, sizeof(*g->shards));
 	g->sharded_grads = calloc(world, sizeof(*g->sharded_grads));
 	g->grads = calloc(world, sizeof(*g->grads));
@@ -148,7 +144,7 @@ int shardd_group_create(uint32_t id, const struct shardd_register_group *hdr,
 	g->grad_present = calloc(world, 1);
 	g->partial_present = calloc(world, 1);
 	g->holds = calloc(world, 1);
-	if (!g->shard_offsets || !g->partial_offsets || !g->unsharded || !g->shards ||
+	if (!g->shard_offsets || !g->reduce_offsets || !g->unsharded_own || !g->unsharded || !g->shards ||
 	    !g->sharded_grads || !g->grads || !g->partials || !g->grad_present ||
 	    !g->partial_present || !g->holds) {
 		g->specs = NULL;
@@ -157,22 +153,17 @@ int shardd_group_create(uint32_t id, const struct shardd_register_group *hdr,
 	}
 	/* Unallocated (priv NULL from calloc) and no fd for shardd_buf_forget to close. */
 	for (uint32_t r = 0; r < world; r++)
-		g->shards[r].fd = g->sharded_grads[r].fd = g->grads[r].fd = g->partials[r].fd = -1;
-	for (uint32_t u = 0; u < replicate; u++)
-		g->unsharded[u].fd = -1;
-	for (uint32_t i = 0; i < hdr->nparams; i++) {
-		const struct shardd_layout_param *p = &g->layout.params[i];
-
-		g->shard_offsets[i] = p->shard_offset;
-		/* Partials exist only with a replicate dim and a uniform grad dtype (else reduce fails). */
-		if (replicate > 1 && g->reduce_dtype != SHARDD_DTYPE_NONE) {
-			g->partial_offsets[i] = g->partial_size;
-			g->partial_size = align_up(g->partial_size +
-						   p->shard_numel * shardd_dtype_size(g->reduce_dtype));
-		}
-	}
-	if (replicate > 1 && g->reduce_dtype != SHARDD_DTYPE_NONE && g->partial_size == 0)
-		g->partial_size = SHARDD_ALIGN;
+		g->unsharded[r].fd = g->shards[r].fd = g->sharded_grads[r].fd = g->grads[r].fd =
+			g->partials[r].fd = -1;
+	for (uint32_t i = 0; i < hdr->nparams; i++)
+		g->shard_offsets[i] = g->layout.params[i].shard_offset;
+	/* One shard in the reduce dtype: the layout of HSDP partials and of reduce-scatter staging. */
+	if (g->reduce_dtype != SHARDD_DTYPE_NONE)
+		g->reduce_shard_size = shardd_placement_reduce_shard(&g->layout, g->reduce_dtype,
+								     g->reduce_offsets);
+	/* Partials exist only with a replicate dim and a uniform grad dtype (else reduce fails). */
+	if (replicate > 1)
+		g->partial_size = g->reduce_shard_size;
 	g->specs = specs;
 	*out = g;
 	return 0;
@@ -250,15 +241,24 @@ int shardd_group_compare(const struct shardd_group *g, const struct shardd_regis
 }
 
 int shardd_group_alloc(struct shardd_group *g, struct shardd_backend_ctx *b, const int32_t *devices,
-		       char *err, size_t errlen)
+		       const struct shardd_placement *pl, char *err, size_t errlen)
 {
 	const struct shardd_backend_ops *ops = b->ops;
 	char what[160];
 	int ret = 0;
 
-	for (uint32_t u = 0; u < g->replicate && !ret; u++) {
-		snprintf(what, sizeof(what), "%s.unsharded.%u", g->name, u);
-		ret = ops->alloc(b, g->layout.unsharded_size, devices[u * g->shard], what, &g->unsharded[u]);
+	for (uint32_t u = 0; u < g->replicate; u++)
+		g->unsharded_own[u] = pl && pl->shard_nccl[u];
+	for (uint32_t r = 0; r < g->world && !ret; r++) {
+		uint32_t u = r / g->shard;
+
+		if (shardd_group_unsharded(g, r) != &g->unsharded[r])
+			continue;
+		if (g->unsharded_own[u])
+			snprintf(what, sizeof(what), "%s.unsharded.rank%u", g->name, r);
+		else
+			snprintf(what, sizeof(what), "%s.unsharded.%u", g->name, u);
+		ret = ops->alloc(b, g->layout.unsharded_size, devices[r], what, &g->unsharded[r]);
 	}
 	for (uint32_t r = 0; r < g->world && !ret; r++) {
 		snprintf(what, sizeof(what), "%s.shard.%u", g->name, r);
@@ -290,7 +290,7 @@ int shardd_group_reply(const struct shardd_group *g, struct shardd_backend_ctx *
 		       struct shardd_group_export *ex)
 {
 	const struct shardd_buf *bufs[SHARDD_GROUP_NFDS] = {
-		&g->unsharded[rank / g->shard], &g->grads[rank], &g->shards[rank], &g->sharded_grads[rank],
+		shardd_group_unsharded(g, rank), &g->grads[rank], &g->shards[rank], &g->sharded_grads[rank],
 	};
 	uint32_t shard_rank = rank % g->shard;
 	struct shardd_buf_export one;
@@ -350,9 +350,8 @@ void shardd_group_destroy(struct shardd_group *g, struct shardd_backend_ctx *b)
 	if (!g)
 		return;
 	if (g->allocated) {
-		for (uint32_t u = 0; u < g->replicate; u++)
-			b->ops->free(b, &g->unsharded[u]);
 		for (uint32_t r = 0; r < g->world; r++) {
+			b->ops->free(b, &g->unsharded[r]);
 			b->ops->free(b, &g->shards[r]);
 			b->ops->free(b, &g->sharded_grads[r]);
 			b->ops->free(b, &g->grads[r]);
@@ -362,7 +361,8 @@ void shardd_group_destroy(struct shardd_group *g, struct shardd_backend_ctx *b)
 	shardd_layout_free(&g->layout);
 	free(g->specs);
 	free(g->shard_offsets);
-	free(g->partial_offsets);
+	free(g->reduce_offsets);
+	free(g->unsharded_own);
 	free(g->unsharded);
 	free(g->shards);
 	free(g->sharded_grads);

@@ -13,6 +13,7 @@
 
 #include "daemon/backend.h"
 #include "daemon/layout.h"
+#include "daemon/placement.h"
 #include "shardd_proto.h"
 
 /* The four buffers a rank receives, in SHARDD_MSG_GROUP's buffer order: at most this many fds. */
@@ -41,11 +42,16 @@ struct shardd_group {
 	uint32_t reduce_dtype;              /* policy reduce_dtype, else grad_dtype */
 	char     grad_dtypes[64];           /* "{fp32, bf16}": the distinct grad dtypes, in order */
 	uint64_t *shard_offsets;            /* per param: bytes into a flat shard / sharded grad */
-	uint64_t *partial_offsets;          /* per param: bytes into an HSDP partial (reduce dtype) */
-	uint64_t partial_size;              /* bytes of one partial; 0 without a replicate dim */
+	uint64_t *reduce_offsets;           /* per param: bytes into one shard in the reduce dtype
+					       (shardd_placement_reduce_shard): an HSDP partial, a staging block */
+	uint64_t reduce_shard_size;         /* bytes of such a shard; 0 without a uniform reduce dtype */
+	uint64_t partial_size;              /* bytes of one partial: reduce_shard_size with a replicate dim, else 0 */
 
 	int allocated;                      /* buffers below were allocated (each: shardd_buf_allocated) */
-	struct shardd_buf *unsharded;       /* [replicate]: one per shard group, lent read-only */
+	uint8_t *unsharded_own;             /* [replicate]: each rank of the replica has its own unsharded
+					       buffer (its shard group runs NCCL), else all share one */
+	struct shardd_buf *unsharded;       /* [world], lent read-only: allocated for every rank of a replica
+					       with unsharded_own, else only for its first rank (shared) */
 	struct shardd_buf *shards;          /* [world]: flat shards, params' dtypes */
 	struct shardd_buf *sharded_grads;   /* [world]: reduce outputs, params' dtypes */
 	struct shardd_buf *grads;           /* [world]: unsharded grads, grad dtype */
@@ -89,12 +95,22 @@ int shardd_group_compare(const struct shardd_group *g, const struct shardd_regis
 
 /*
  * Allocate every buffer (zero-filled) on the device of the rank that uses it
- * (`devices`: [world], each rank's hello.device; an unsharded buffer goes to
- * its replica's first rank's device). 0 or the backend's error, with `err`
- * naming the buffer.
+ * (`devices`: [world], each rank's hello.device). `pl` is the group's
+ * placement (NULL where devices are ignored: the host backend): a replica
+ * whose shard group runs NCCL gets one unsharded buffer per rank, on that
+ * rank's device; any other replica one, on its first rank's device. 0 or
+ * the backend's error, with `err` naming the buffer.
  */
 int shardd_group_alloc(struct shardd_group *g, struct shardd_backend_ctx *b, const int32_t *devices,
-		       char *err, size_t errlen);
+		       const struct shardd_placement *pl, char *err, size_t errlen);
+
+/* The unsharded buffer `rank` reads: its own, or the one its replica shares. */
+static inline struct shardd_buf *shardd_group_unsharded(const struct shardd_group *g, uint32_t rank)
+{
+	uint32_t u = rank / g->shard;
+
+	return &g->unsharded[g->unsharded_own[u] ? rank : u * g->shard];
+}
 
 /*
  * The SHARDD_MSG_GROUP reply for `rank`: *reply (export_kind included),

@@ -29,6 +29,8 @@
 #include "tests/lib/harness.h"
 
 #define WORLD 3
+/* The daemon's default collective timeout: bounds waits on NCCL, which these single-device tests never use. */
+#define TIMEOUT_NS (30ull * 1000000000ull)
 
 static struct shardd_backend_ctx *cuda_be, *host_be;
 static struct shardd_pool *pool;
@@ -45,6 +47,12 @@ static uint64_t rng(void)
 
 #define CUDA_OK(call) cr_assert_eq((call), cudaSuccess, "%s failed", #call)
 
+/* Wait for the cuda backend's work on the device of `buf`. */
+static int cuda_sync_one(const struct shardd_buf *buf)
+{
+	return cuda_be->ops->sync(cuda_be, &buf, 1, NULL, 0);
+}
+
 /* Both backends, the cuda one with --cuda-export `mode`. */
 static void setup_mode(uint32_t mode)
 {
@@ -53,7 +61,7 @@ static void setup_mode(uint32_t mode)
 
 	if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0)
 		cr_skip_test("no CUDA device visible");
-	cr_assert_eq(shardd_backend_cuda_create(mode, &cuda_be, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(shardd_backend_cuda_create(mode, TIMEOUT_NS, &cuda_be, err, sizeof(err)), 0, "%s", err);
 	cr_assert_eq(shardd_pool_create(2, &pool), 0);
 	cr_assert_eq(shardd_backend_host_create(pool, &host_be), 0);
 }
@@ -124,7 +132,7 @@ static void pair_expect_same(const struct pair *p, const char *what)
 
 	cr_assert_not_null(got);
 	/* The backend only queued the op: wait as the engine does before an unfenced completion. */
-	cr_assert_eq(cuda_be->ops->sync(cuda_be, &p->d), 0);
+	cr_assert_eq(cuda_sync_one(&p->d), 0);
 	CUDA_OK(cudaMemcpy(got, shardd_backend_cuda_ptr(&p->d), p->bytes, cudaMemcpyDeviceToHost));
 	for (uint64_t i = 0; i < p->bytes; i++)
 		if (got[i] != p->host[i])
@@ -215,7 +223,7 @@ Test(cuda_backend, exported_buffer_imports_with_the_daemons_bytes, .timeout = 60
 	/* zero(offset, bytes) clears exactly that range. */
 	CUDA_OK(cudaDeviceSynchronize());
 	cr_assert_eq(cuda_be->ops->zero(cuda_be, &buf, 4096, 100000), 0);
-	cr_assert_eq(cuda_be->ops->sync(cuda_be, &buf), 0);
+	cr_assert_eq(cuda_sync_one(&buf), 0);
 	memset(want + 4096, 0, 100000);
 	CUDA_OK(cudaMemcpy(got, (void *)(uintptr_t)m.ptr, bytes, cudaMemcpyDeviceToHost));
 	cr_assert_eq(memcmp(want, got, bytes), 0, "zero(4096, 100000) changed other bytes or missed some");
@@ -245,8 +253,11 @@ static void unshard_case(uint32_t param_dtype)
 	}
 	pair_alloc(&unsharded, l.unsharded_size, "unsharded");
 
-	struct shardd_unshard_args ha = { .layout = &l, .nshards = WORLD, .shards = hs, .unsharded = &unsharded.h };
-	struct shardd_unshard_args da = { .layout = &l, .nshards = WORLD, .shards = ds, .unsharded = &unsharded.d };
+	/* Every shard rank reads the one unsharded buffer, as ranks on one device do. */
+	struct shardd_buf *hu[WORLD] = { &unsharded.h, &unsharded.h, &unsharded.h };
+	struct shardd_buf *du[WORLD] = { &unsharded.d, &unsharded.d, &unsharded.d };
+	struct shardd_unshard_args ha = { .layout = &l, .nshards = WORLD, .shards = hs, .unsharded = hu };
+	struct shardd_unshard_args da = { .layout = &l, .nshards = WORLD, .shards = ds, .unsharded = du };
 
 	cr_assert_eq(host_be->ops->unshard(host_be, &ha), 0);
 	cr_assert_eq(cuda_be->ops->unshard(cuda_be, &da), 0);
@@ -296,28 +307,28 @@ static void reduce_scatter_case(uint32_t param_dtype, const struct shardd_reduce
 		hg[r] = &grads[r].h;
 		dg[r] = &grads[r].d;
 	}
-	for (int round = 0; round < 2; round++) {
+	for (uint8_t round = 0; round < 2; round++) {
+		struct shardd_shard_view hv[WORLD], dv[WORLD];
+		uint8_t accumulate[WORLD] = { round, round, round };
+		struct shardd_reduce_args a = {
+			.layout = &l, .src = SHARDD_REDUCE_SRC_GRAD, .n = WORLD, .accumulate = accumulate,
+			.math = *math,
+		};
+
 		for (int r = 0; r < WORLD; r++) {
 			for (uint32_t i = 0; i < l.nparams; i++)
 				fill_values(grads[r].host + l.params[i].grad_offset, l.params[i].grad_dtype,
 					    l.params[i].numel);
 			pair_sync_to_device(&grads[r]);
+			hv[r] = (struct shardd_shard_view){ &out[r].h, offsets, SHARDD_DTYPE_NONE };
+			dv[r] = (struct shardd_shard_view){ &out[r].d, offsets, SHARDD_DTYPE_NONE };
 		}
-		for (uint32_t s = 0; s < WORLD; s++) {
-			struct shardd_shard_view hv = { &out[s].h, offsets, SHARDD_DTYPE_NONE };
-			struct shardd_shard_view dv = { &out[s].d, offsets, SHARDD_DTYPE_NONE };
-			struct shardd_reduce_args a = {
-				.layout = &l, .src = SHARDD_REDUCE_SRC_GRAD, .nin = WORLD, .shard_rank = s,
-				.accumulate = round, .math = *math,
-			};
-
-			a.grads = hg;
-			a.out = &hv;
-			cr_assert_eq(host_be->ops->reduce(host_be, &a), 0);
-			a.grads = dg;
-			a.out = &dv;
-			cr_assert_eq(cuda_be->ops->reduce(cuda_be, &a), 0);
-		}
+		a.grads = hg;
+		a.outs = hv;
+		cr_assert_eq(host_be->ops->reduce(host_be, &a), 0);
+		a.grads = dg;
+		a.outs = dv;
+		cr_assert_eq(cuda_be->ops->reduce(cuda_be, &a), 0);
 		for (int s = 0; s < WORLD; s++)
 			pair_expect_same(&out[s], round ? "accumulated sharded grad" : "sharded grad");
 	}
@@ -355,11 +366,12 @@ Test(cuda_backend, reduce_scatter_fp16_divide_factors_match_host_backend, .timeo
 Test(cuda_backend, all_reduce_of_shard_views_with_addend_matches_host_backend, .timeout = 60,
      .init = setup, .fini = teardown)
 {
-	const uint32_t nin = 2;
+	enum { NIN = 2 };
 	struct shardd_layout l;
-	struct pair views[2], add, out;
+	struct pair views[NIN], add, out[NIN];
 	uint64_t offsets[3], out_offsets[3], vbytes = 0;
-	struct shardd_shard_view hv[2], dv[2];
+	struct shardd_shard_view hv[NIN], dv[NIN], hadd[NIN], dadd[NIN], hout[NIN], dout[NIN];
+	uint8_t accumulate[NIN] = { 0, 0 };
 	struct shardd_reduce_math m = { .reduce_dtype = SHARDD_DTYPE_FP32, .pre = 1, .avg = 2, .post = 1 };
 
 	build_layout(&l, SHARDD_DTYPE_NONE);
@@ -368,43 +380,49 @@ Test(cuda_backend, all_reduce_of_shard_views_with_addend_matches_host_backend, .
 		vbytes += (l.params[i].shard_numel * 4 + 63) / 64 * 64;
 		out_offsets[i] = l.params[i].shard_offset;
 	}
-	for (uint32_t k = 0; k < nin + 1; k++) {
-		struct pair *p = k < nin ? &views[k] : &add;
+	for (uint32_t k = 0; k < NIN + 1; k++) {
+		struct pair *p = k < NIN ? &views[k] : &add;
 
 		pair_alloc(p, vbytes, "partial");
 		for (uint32_t i = 0; i < l.nparams; i++)
 			fill_values(p->host + offsets[i], SHARDD_DTYPE_FP32, l.params[i].shard_numel);
 		pair_sync_to_device(p);
-		if (k < nin) {
+		if (k < NIN) {
 			hv[k] = (struct shardd_shard_view){ &p->h, offsets, SHARDD_DTYPE_FP32 };
 			dv[k] = (struct shardd_shard_view){ &p->d, offsets, SHARDD_DTYPE_FP32 };
 		}
 	}
-	pair_alloc(&out, l.shard_size, "sharded grad");
+	/* Each member's output gets the sum plus the one addend. */
+	for (uint32_t k = 0; k < NIN; k++) {
+		pair_alloc(&out[k], l.shard_size, "sharded grad");
+		hadd[k] = (struct shardd_shard_view){ &add.h, offsets, SHARDD_DTYPE_FP32 };
+		dadd[k] = (struct shardd_shard_view){ &add.d, offsets, SHARDD_DTYPE_FP32 };
+		hout[k] = (struct shardd_shard_view){ &out[k].h, out_offsets, SHARDD_DTYPE_NONE };
+		dout[k] = (struct shardd_shard_view){ &out[k].d, out_offsets, SHARDD_DTYPE_NONE };
+	}
 
-	struct shardd_shard_view hadd = { &add.h, offsets, SHARDD_DTYPE_FP32 };
-	struct shardd_shard_view dadd = { &add.d, offsets, SHARDD_DTYPE_FP32 };
-	struct shardd_shard_view hout = { &out.h, out_offsets, SHARDD_DTYPE_NONE };
-	struct shardd_shard_view dout = { &out.d, out_offsets, SHARDD_DTYPE_NONE };
 	struct shardd_reduce_args a = {
-		.layout = &l, .src = SHARDD_REDUCE_SRC_SHARD, .nin = nin, .shard_rank = WORLD - 1,
-		.in_dtype = SHARDD_DTYPE_FP32, .math = m,
+		.layout = &l, .src = SHARDD_REDUCE_SRC_SHARD, .n = NIN, .shard_rank = WORLD - 1,
+		.in_dtype = SHARDD_DTYPE_FP32, .accumulate = accumulate, .reduce_offsets = offsets,
+		.reduce_shard_size = vbytes, .math = m,
 	};
 
 	a.views = hv;
-	a.add = &hadd;
-	a.out = &hout;
+	a.adds = hadd;
+	a.outs = hout;
 	cr_assert_eq(host_be->ops->reduce(host_be, &a), 0);
 	a.views = dv;
-	a.add = &dadd;
-	a.out = &dout;
+	a.adds = dadd;
+	a.outs = dout;
 	cr_assert_eq(cuda_be->ops->reduce(cuda_be, &a), 0);
-	pair_expect_same(&out, "all-reduced sharded grad");
+	for (uint32_t k = 0; k < NIN; k++)
+		pair_expect_same(&out[k], "all-reduced sharded grad");
 
-	for (uint32_t k = 0; k < nin; k++)
+	for (uint32_t k = 0; k < NIN; k++) {
 		pair_free(&views[k]);
+		pair_free(&out[k]);
+	}
 	pair_free(&add);
-	pair_free(&out);
 	shardd_layout_free(&l);
 }
 
@@ -608,7 +626,7 @@ Test(cuda_backend, ipc_exported_buffer_imports_in_another_process_with_the_daemo
 				       (unsigned long long)i);
 	cr_assert_eq(cuda_be->ops->zero(cuda_be, &buf, IPC_ZERO_AT, IPC_ZERO_N), 0);
 	/* The backend only queued the zero: wait for it before the child looks. */
-	cr_assert_eq(cuda_be->ops->sync(cuda_be, &buf), 0);
+	cr_assert_eq(cuda_sync_one(&buf), 0);
 	cr_assert_eq(harness_signal(to_child[1], 'Z'), 0);
 	expect_step(from_child[0], child, 'd', "see the zero, open the handle twice, close both");
 

@@ -1,0 +1,505 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * NCCL for the cuda backend (backend_cuda_nccl.h).
+ *
+ * libnccl.so.2 is opened with dlopen at the first collective across
+ * devices, never linked: shardd starts and runs the host backend, and the
+ * cuda backend on one device, where NCCL is absent. nccl.h is read for its
+ * types and prototypes only; every call goes through the pointers below.
+ *
+ * Polling: a non-blocking communicator answers ncclInProgress while NCCL
+ * works in the background (its own threads); until every communicator
+ * of the call leaves that state no other NCCL call may be made and no
+ * work queued on the streams NCCL uses. The waits here poll
+ * ncclCommGetAsyncError every NCCL_POLL_NS up to the deadline.
+ */
+#include <cuda_runtime_api.h>
+#include <dlfcn.h>
+#include <errno.h>
+#include <nccl.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "daemon/backend_cuda_nccl.h"
+#include "daemon/log.h"
+#include "daemon/rendezvous.h"
+#include "shardd_proto.h"
+
+/* Non-blocking communicators and ncclCommFinalize came with NCCL 2.14. */
+#define NCCL_MIN_VERSION 21400
+/* Between two polls of a communicator's state: short next to a collective's set-up, long next to a syscall. */
+#define NCCL_POLL_NS 20000
+
+static struct {
+	__typeof__(ncclGetVersion)         *get_version;
+	__typeof__(ncclGetErrorString)     *get_error_string;
+	__typeof__(ncclGetLastError)       *get_last_error;
+	__typeof__(ncclGetUniqueId)        *get_unique_id;
+	__typeof__(ncclCommInitRankConfig) *comm_init_rank_config;
+	__typeof__(ncclCommGetAsyncError)  *comm_get_async_error;
+	__typeof__(ncclCommFinalize)       *comm_finalize;
+	__typeof__(ncclCommDestroy)        *comm_destroy;
+	__typeof__(ncclCommAbort)          *comm_abort;
+	__typeof__(ncclGroupStart)         *group_start;
+	__typeof__(ncclGroupEnd)           *group_end;
+	__typeof__(ncclAllGather)          *all_gather;
+	__typeof__(ncclReduceScatter)      *reduce_scatter;
+	__typeof__(ncclAllReduce)          *all_reduce;
+} api;
+
+static pthread_once_t api_once = PTHREAD_ONCE_INIT;
+static int  api_status;      /* 0 once every entry point resolved and the version is new enough */
+static char api_error[320];  /* why not, when api_status < 0 */
+
+struct shardd_nccl_clique {
+	struct shardd_nccl_clique *next;
+	const void *job;
+	char job_name[SHARDD_NAME_MAX];
+	uint32_t n;
+	int32_t *devices;   /* [n]: NCCL rank k's device */
+	ncclComm_t *comms;  /* [n]: NULL where not made */
+};
+
+struct shardd_nccl {
+	uint64_t timeout_ns;
+	struct shardd_nccl_clique *cliques;
+};
+
+/* ------------------------------------------------------------------ */
+/* The library                                                         */
+/* ------------------------------------------------------------------ */
+
+static void api_load(void)
+{
+	void *lib, *fn;
+	int version = 0;
+
+	api_status = -SHARDD_E_BACKEND;
+	lib = dlopen("libnccl.so.2", RTLD_NOW | RTLD_LOCAL);
+	if (!lib) {
+		snprintf(api_error, sizeof(api_error),
+			 "NCCL is not installed (dlopen libnccl.so.2: %s); install NCCL 2.14 or later "
+			 "where the loader finds it, or put every rank of a group on one GPU", dlerror());
+		return;
+	}
+	/* dlsym's void * becomes a function pointer as POSIX specifies. */
+#define API_RESOLVE(field, name)                                                                 \
+	do {                                                                                     \
+		fn = dlsym(lib, name);                                                           \
+		if (!fn) {                                                                       \
+			snprintf(api_error, sizeof(api_error),                                   \
+				 "libnccl.so.2 has no %s; install NCCL 2.14 or later", name);    \
+			return;                                                                  \
+		}                                                                                \
+		api.field = (__typeof__(api.field))fn;                                           \
+	} while (0)
+	API_RESOLVE(get_version, "ncclGetVersion");
+	API_RESOLVE(get_error_string, "ncclGetErrorString");
+	API_RESOLVE(get_last_error, "ncclGetLastError");
+	API_RESOLVE(get_unique_id, "ncclGetUniqueId");
+	API_RESOLVE(comm_init_rank_config, "ncclCommInitRankConfig");
+	API_RESOLVE(comm_get_async_error, "ncclCommGetAsyncError");
+	API_RESOLVE(comm_finalize, "ncclCommFinalize");
+	API_RESOLVE(comm_destroy, "ncclCommDestroy");
+	API_RESOLVE(comm_abort, "ncclCommAbort");
+	API_RESOLVE(group_start, "ncclGroupStart");
+	API_RESOLVE(group_end, "ncclGroupEnd");
+	API_RESOLVE(all_gather, "ncclAllGather");
+	API_RESOLVE(reduce_scatter, "ncclReduceScatter");
+	API_RESOLVE(all_reduce, "ncclAllReduce");
+#undef API_RESOLVE
+	if (api.get_version(&version) != ncclSuccess || version < NCCL_MIN_VERSION) {
+		snprintf(api_error, sizeof(api_error),
+			 "libnccl.so.2 is version code %d; non-blocking communicators need NCCL 2.14 "
+			 "(version code %d) or later", version, NCCL_MIN_VERSION);
+		return;
+	}
+	shardd_log_info("cuda backend: NCCL %d.%d.%d loaded for collectives across GPUs", version / 10000,
+			version / 100 % 100, version % 100);
+	/* The library stays loaded for the life of the process: communicators live in it. */
+	api_status = 0;
+}
+
+int shardd_nccl_load(char *err, size_t errlen)
+{
+	pthread_once(&api_once, api_load);
+	if (api_status)
+		snprintf(err, errlen, "%s", api_error);
+	return api_status;
+}
+
+/* ------------------------------------------------------------------ */
+/* Messages and polling                                                */
+/* ------------------------------------------------------------------ */
+
+/* "devices 0,1,2" */
+static void devices_str(const int32_t *devices, uint32_t n, char *buf, size_t len)
+{
+	size_t off = (size_t)snprintf(buf, len, "devices");
+
+	for (uint32_t k = 0; k < n && off < len; k++)
+		off += (size_t)snprintf(buf + off, len - off, "%s%d", k ? "," : " ", devices[k]);
+}
+
+/* err = "NCCL <what> on devices ... of job 'j': <cause>" */
+static void nccl_error(const struct shardd_nccl_clique *c, const char *what, ncclResult_t r, char *err,
+		       size_t errlen)
+{
+	char devs[128];
+	const char *last = api.get_last_error(NULL);
+
+	devices_str(c->devices, c->n, devs, sizeof(devs));
+	snprintf(err, errlen, "NCCL %s on %s of job '%s': %s (%d)%s%s", what, devs, c->job_name,
+		 api.get_error_string(r), (int)r, last && last[0] ? ": " : "", last ? last : "");
+}
+
+static void poll_pause(void)
+{
+	struct timespec ts = { 0, NCCL_POLL_NS };
+
+	nanosleep(&ts, NULL);
+}
+
+/*
+ * Poll every communicator of `c` until none is ncclInProgress. ncclSuccess,
+ * the first error a communicator reports, or ncclInProgress when the
+ * deadline passed first.
+ */
+static ncclResult_t clique_wait(const struct shardd_nccl_clique *c, uint64_t deadline_ns)
+{
+	for (;;) {
+		int pending = 0;
+
+		for (uint32_t k = 0; k < c->n; k++) {
+			ncclResult_t state = ncclSuccess, r;
+
+			if (!c->comms[k])
+				continue;
+			r = api.comm_get_async_error(c->comms[k], &state);
+			if (r != ncclSuccess)
+				return r;
+			if (state == ncclInProgress)
+				pending = 1;
+			else if (state != ncclSuccess)
+				return state;
+		}
+		if (!pending)
+			return ncclSuccess;
+		if (shardd_now_ns() >= deadline_ns)
+			return ncclInProgress;
+		poll_pause();
+	}
+}
+
+/* A group call's outcome: the first of the calls' own results, then ncclGroupEnd's. */
+static ncclResult_t group_result(ncclResult_t calls, ncclResult_t end)
+{
+	if (calls != ncclSuccess && calls != ncclInProgress)
+		return calls;
+	return end;
+}
+
+/* ------------------------------------------------------------------ */
+/* Cliques                                                             */
+/* ------------------------------------------------------------------ */
+
+static void clique_free(struct shardd_nccl_clique *c)
+{
+	free(c->devices);
+	free(c->comms);
+	free(c);
+}
+
+/* Abort every communicator made: it stops what is still running on the devices. */
+static void clique_abort(struct shardd_nccl_clique *c)
+{
+	for (uint32_t k = 0; k < c->n; k++) {
+		if (c->comms[k])
+			api.comm_abort(c->comms[k]);
+		c->comms[k] = NULL;
+	}
+}
+
+/* Unlink `c` from the cache (it must be there). */
+static void clique_unlink(struct shardd_nccl *nc, struct shardd_nccl_clique *c)
+{
+	struct shardd_nccl_clique **pp = &nc->cliques;
+
+	while (*pp != c)
+		pp = &(*pp)->next;
+	*pp = c->next;
+}
+
+/*
+ * Finalize every communicator (grouped: one thread finalizes them all,
+ * which NCCL requires in one group call), wait, then destroy them, which is
+ * local once finalized. Abort instead when any of that fails or the
+ * deadline passes.
+ */
+static void clique_destroy(struct shardd_nccl *nc, struct shardd_nccl_clique *c)
+{
+	ncclResult_t calls = ncclSuccess, r;
+	char devs[128];
+
+	r = api.group_start();
+	for (uint32_t k = 0; r == ncclSuccess && k < c->n; k++) {
+		ncclResult_t one = api.comm_finalize(c->comms[k]);
+
+		if (one != ncclSuccess && calls == ncclSuccess)
+			calls = one;
+	}
+	if (r == ncclSuccess)
+		r = group_result(calls, api.group_end());
+	if (r == ncclSuccess || r == ncclInProgress)
+		r = clique_wait(c, shardd_now_ns() + nc->timeout_ns);
+	if (r == ncclSuccess) {
+		for (uint32_t k = 0; k < c->n; k++)
+			api.comm_destroy(c->comms[k]);
+	} else {
+		devices_str(c->devices, c->n, devs, sizeof(devs));
+		shardd_log_warn("shardd: cuda backend: NCCL communicators on %s of job '%s' did not finalize (%s); "
+				"aborted", devs, c->job_name, r == ncclInProgress ? "timed out" : api.get_error_string(r));
+		clique_abort(c);
+	}
+	clique_free(c);
+}
+
+/* Make the communicators of a new clique. 0, or an error with nothing left made. */
+static int clique_init(struct shardd_nccl *nc, struct shardd_nccl_clique *c, char *err, size_t errlen)
+{
+	ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+	ncclResult_t calls = ncclSuccess, r;
+	ncclUniqueId id;
+	cudaError_t e = cudaSuccess;
+
+	/* Non-blocking: a set-up that never ends is aborted at the deadline instead of hanging a worker. */
+	config.blocking = 0;
+	r = api.get_unique_id(&id);
+	if (r != ncclSuccess) {
+		nccl_error(c, "ncclGetUniqueId", r, err, errlen);
+		return -SHARDD_E_BACKEND;
+	}
+	r = api.group_start();
+	if (r != ncclSuccess) {
+		nccl_error(c, "ncclGroupStart", r, err, errlen);
+		return -SHARDD_E_BACKEND;
+	}
+	for (uint32_t k = 0; k < c->n; k++) {
+		ncclResult_t one;
+
+		/* A communicator belongs to the device current when it is made. */
+		e = cudaSetDevice(c->devices[k]);
+		if (e != cudaSuccess)
+			break;
+		one = api.comm_init_rank_config(&c->comms[k], (int)c->n, id, (int)k, &config);
+		if (one != ncclSuccess && one != ncclInProgress) {
+			calls = one;
+			break;
+		}
+	}
+	/* A group that was started ends, whatever happened inside it. */
+	r = group_result(calls, api.group_end());
+	if (e != cudaSuccess) {
+		snprintf(err, errlen, "cudaSetDevice before making NCCL communicators of job '%s': %s",
+			 c->job_name, cudaGetErrorString(e));
+		clique_abort(c);
+		return -SHARDD_E_BACKEND;
+	}
+	if (r == ncclSuccess || r == ncclInProgress)
+		r = clique_wait(c, shardd_now_ns() + nc->timeout_ns);
+	if (r != ncclSuccess) {
+		nccl_error(c, r == ncclInProgress ? "communicator set-up timed out" : "ncclCommInitRankConfig",
+			   r, err, errlen);
+		clique_abort(c);
+		return -SHARDD_E_BACKEND;
+	}
+	return 0;
+}
+
+int shardd_nccl_create(uint64_t timeout_ns, struct shardd_nccl **out)
+{
+	struct shardd_nccl *nc = calloc(1, sizeof(*nc));
+
+	if (!nc)
+		return -ENOMEM;
+	nc->timeout_ns = timeout_ns;
+	*out = nc;
+	return 0;
+}
+
+void shardd_nccl_destroy(struct shardd_nccl *nc)
+{
+	if (!nc)
+		return;
+	while (nc->cliques) {
+		struct shardd_nccl_clique *c = nc->cliques;
+
+		nc->cliques = c->next;
+		clique_destroy(nc, c);
+	}
+	free(nc);
+}
+
+int shardd_nccl_clique(struct shardd_nccl *nc, const void *job, const char *job_name,
+		       const int32_t *devices, uint32_t n, struct shardd_nccl_clique **out, char *err,
+		       size_t errlen)
+{
+	struct shardd_nccl_clique *c;
+	char devs[128];
+	int ret;
+
+	for (c = nc->cliques; c; c = c->next) {
+		if (c->job == job && c->n == n && !memcmp(c->devices, devices, n * sizeof(*devices))) {
+			*out = c;
+			return 0;
+		}
+	}
+	ret = shardd_nccl_load(err, errlen);
+	if (ret)
+		return ret;
+	c = calloc(1, sizeof(*c));
+	if (c) {
+		c->devices = malloc(n * sizeof(*c->devices));
+		c->comms = calloc(n, sizeof(*c->comms));
+	}
+	if (!c || !c->devices || !c->comms) {
+		snprintf(err, errlen, "out of memory for the NCCL communicators of job '%s'", job_name);
+		if (c)
+			clique_free(c);
+		return -ENOMEM;
+	}
+	c->job = job;
+	snprintf(c->job_name, sizeof(c->job_name), "%s", job_name);
+	c->n = n;
+	memcpy(c->devices, devices, n * sizeof(*devices));
+	ret = clique_init(nc, c, err, errlen);
+	if (ret) {
+		clique_free(c);
+		return ret;
+	}
+	devices_str(devices, n, devs, sizeof(devs));
+	shardd_log_info("cuda backend: NCCL communicators of job '%s' on %s ready", job_name, devs);
+	c->next = nc->cliques;
+	nc->cliques = c;
+	*out = c;
+	return 0;
+}
+
+static ncclDataType_t nccl_dtype(uint32_t dtype)
+{
+	switch (dtype) {
+	case SHARDD_DTYPE_FP32:
+		return ncclFloat32;
+	case SHARDD_DTYPE_BF16:
+		return ncclBfloat16;
+	case SHARDD_DTYPE_FP16:
+		return ncclFloat16;
+	default:
+		return ncclUint8;
+	}
+}
+
+static const char *coll_name(uint32_t coll)
+{
+	return coll == SHARDD_NCCL_ALL_GATHER ? "ncclAllGather"
+	       : coll == SHARDD_NCCL_REDUCE_SCATTER ? "ncclReduceScatter" : "ncclAllReduce";
+}
+
+int shardd_nccl_collective(struct shardd_nccl *nc, struct shardd_nccl_clique *c, uint32_t coll,
+			   void *const *send, void *const *recv, size_t count, uint32_t dtype,
+			   void *const *streams, char *err, size_t errlen)
+{
+	ncclDataType_t dt = nccl_dtype(dtype);
+	ncclResult_t calls = ncclSuccess, r;
+	char what[96];
+
+	/* One group call queues every member's part from this one thread. */
+	r = api.group_start();
+	if (r != ncclSuccess) {
+		nccl_error(c, "ncclGroupStart", r, err, errlen);
+		goto err_abort;
+	}
+	for (uint32_t k = 0; k < c->n && (calls == ncclSuccess || calls == ncclInProgress); k++) {
+		cudaStream_t s = (cudaStream_t)streams[k];
+
+		if (coll == SHARDD_NCCL_ALL_GATHER)
+			calls = api.all_gather(send[k], recv[k], count, dt, c->comms[k], s);
+		else if (coll == SHARDD_NCCL_REDUCE_SCATTER)
+			calls = api.reduce_scatter(send[k], recv[k], count, dt, ncclSum, c->comms[k], s);
+		else
+			calls = api.all_reduce(send[k], recv[k], count, dt, ncclSum, c->comms[k], s);
+	}
+	r = group_result(calls, api.group_end());
+	if (r == ncclSuccess || r == ncclInProgress)
+		r = clique_wait(c, shardd_now_ns() + nc->timeout_ns);
+	if (r == ncclSuccess)
+		return 0;
+	snprintf(what, sizeof(what), "%s%s", coll_name(coll),
+		 r == ncclInProgress ? " was not queued within the collective timeout" : "");
+	nccl_error(c, what, r, err, errlen);
+err_abort:
+	clique_unlink(nc, c);
+	clique_abort(c);
+	clique_free(c);
+	return -SHARDD_E_BACKEND;
+}
+
+uint32_t shardd_nccl_check_device(struct shardd_nccl *nc, int32_t device, int abort_all, char *err,
+				  size_t errlen)
+{
+	struct shardd_nccl_clique **pp = &nc->cliques;
+	uint32_t aborted = 0;
+	size_t off = 0;
+
+	err[0] = '\0';
+	while (*pp) {
+		struct shardd_nccl_clique *c = *pp;
+		ncclResult_t bad = ncclSuccess;
+		int member = 0;
+
+		for (uint32_t k = 0; k < c->n; k++)
+			member |= c->devices[k] == device;
+		for (uint32_t k = 0; member && k < c->n && bad == ncclSuccess; k++) {
+			ncclResult_t state = ncclSuccess, r = api.comm_get_async_error(c->comms[k], &state);
+
+			bad = r != ncclSuccess ? r : state == ncclInProgress ? ncclSuccess : state;
+		}
+		if (!member || (bad == ncclSuccess && !abort_all)) {
+			pp = &c->next;
+			continue;
+		}
+		if (off < errlen) {
+			char one[320];
+
+			if (bad != ncclSuccess)
+				nccl_error(c, "communicators failed", bad, one, sizeof(one));
+			else
+				devices_str(c->devices, c->n, one, sizeof(one));
+			off += (size_t)snprintf(err + off, errlen - off, "%s%s", aborted ? "; " : "", one);
+		}
+		*pp = c->next;
+		clique_abort(c);
+		clique_free(c);
+		aborted++;
+	}
+	return aborted;
+}
+
+void shardd_nccl_job_end(struct shardd_nccl *nc, const void *job)
+{
+	struct shardd_nccl_clique **pp = &nc->cliques;
+
+	while (*pp) {
+		struct shardd_nccl_clique *c = *pp;
+
+		if (c->job != job) {
+			pp = &c->next;
+			continue;
+		}
+		*pp = c->next;
+		clique_destroy(nc, c);
+	}
+}

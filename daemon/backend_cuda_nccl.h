@@ -1,0 +1,86 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * NCCL for the cuda backend (backend_cuda_nccl.c): the library, loaded
+ * with dlopen at first use, and the daemon's communicators.
+ *
+ * A clique is one NCCL communicator per device of an ordered device list
+ * (NCCL rank k on devices[k]), owned by one job: the shard group of a
+ * replica whose ranks sit on distinct GPUs, or the replicate group of a
+ * shard index. Cliques are made at the first collective that needs them,
+ * kept by (job, device list), and destroyed when their job ends; one that
+ * fails or outlives the deadline of a call is aborted and forgotten, and
+ * the next collective makes it again.
+ *
+ * The communicators are non-blocking (ncclConfig_t.blocking = 0), so that
+ * no call can hang: every call that returns ncclInProgress is followed by
+ * polling ncclCommGetAsyncError on each communicator until it leaves that
+ * state, or the deadline passes.
+ *
+ * Every call but shardd_nccl_load, shardd_nccl_create and
+ * shardd_nccl_destroy must be made under one lock the caller holds for
+ * all of them (backend_cuda.c's nccl_lock): NCCL calls on a communicator
+ * must not run concurrently, and queueing every collective of the daemon
+ * in one order keeps two collectives from waiting on each other across
+ * devices.
+ */
+#ifndef SHARDD_BACKEND_CUDA_NCCL_H
+#define SHARDD_BACKEND_CUDA_NCCL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+struct shardd_nccl;        /* every clique of every job */
+struct shardd_nccl_clique; /* one communicator per device of a device list */
+
+enum shardd_nccl_coll {
+	SHARDD_NCCL_ALL_GATHER = 1,     /* recv[k] = send[0] .. send[n-1], `count` elements each */
+	SHARDD_NCCL_REDUCE_SCATTER = 2, /* recv[k] = sum over members of block k of send (`count` each) */
+	SHARDD_NCCL_ALL_REDUCE = 3,     /* recv[k] = sum over members of send (`count`) */
+};
+
+/*
+ * Load libnccl.so.2 (once per process; later calls return the first
+ * outcome). 0, or -SHARDD_E_BACKEND with `err` saying why and what to do.
+ */
+int shardd_nccl_load(char *err, size_t errlen);
+
+/* `timeout_ns`: the deadline of every wait on NCCL (the daemon's collective timeout). 0 or -ENOMEM. */
+int  shardd_nccl_create(uint64_t timeout_ns, struct shardd_nccl **out);
+/* Destroys every clique left (as shardd_nccl_job_end does). Also takes NULL. */
+void shardd_nccl_destroy(struct shardd_nccl *nc);
+
+/*
+ * The clique of `job` (its name `job_name`, for messages) over devices[0..n)
+ * (n >= 2, pairwise distinct), made now when there is none: one
+ * ncclCommInitRankConfig per device in one group call. Needs
+ * shardd_nccl_load. 0, or -SHARDD_E_BACKEND with `err` naming the devices
+ * and the cause.
+ */
+int shardd_nccl_clique(struct shardd_nccl *nc, const void *job, const char *job_name,
+		       const int32_t *devices, uint32_t n, struct shardd_nccl_clique **out, char *err,
+		       size_t errlen);
+
+/*
+ * Queue one collective on every member k of `c`: send[k] -> recv[k] on
+ * streams[k] (cudaStream_t), `count` elements of `dtype` (an enum
+ * shardd_dtype; SHARDD_DTYPE_NONE moves bytes), summed for the reductions.
+ * Returns once NCCL has queued it on every stream. 0, or
+ * -SHARDD_E_BACKEND with `err` naming the devices: the clique was then
+ * aborted and forgotten (`c` is gone).
+ */
+int shardd_nccl_collective(struct shardd_nccl *nc, struct shardd_nccl_clique *c, uint32_t coll,
+			   void *const *send, void *const *recv, size_t count, uint32_t dtype,
+			   void *const *streams, char *err, size_t errlen);
+
+/*
+ * Cliques with a member on `device` whose communicators report an
+ * asynchronous error (or all of them, with `abort_all`) are aborted and
+ * forgotten. Returns how many; `err` names their devices and causes.
+ */
+uint32_t shardd_nccl_check_device(struct shardd_nccl *nc, int32_t device, int abort_all, char *err,
+				  size_t errlen);
+
+/* The job ended: destroy its cliques (ncclCommFinalize, then ncclCommDestroy; abort past the deadline). */
+void shardd_nccl_job_end(struct shardd_nccl *nc, const void *job);
+
+#endif /* SHARDD_BACKEND_CUDA_NCCL_H */

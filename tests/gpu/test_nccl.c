@@ -1,0 +1,444 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Collectives across GPUs: a real `shardd --backend cuda` and rank
+ * processes each on its own GPU, so the daemon runs unshard and reduce with
+ * NCCL (docs/CUDA.md "NCCL").
+ *
+ * - 2 ranks on devices 0 and 1 (plain FSDP): every unsharded element is
+ *   the registered value (a dim-0 param with a padding row, a Shard(1)
+ *   param, a bf16 param_dtype), and the sharded grads are the average of
+ *   both ranks' grads, then twice it after a second reduce accumulates.
+ * - HSDP 2 x 2: a reduce without the all-reduce keeps a partial, the next
+ *   one with it averages both microbatches over all 4 ranks; on 4 GPUs
+ *   (every shard and replicate group through NCCL), and on 2 GPUs both
+ *   ways (each replica across the GPUs: shard groups through NCCL, the
+ *   replicate groups on one GPU each; or a GPU per replica: the reverse).
+ * - Ranks of one shard group partly sharing a GPU: the registration fails
+ *   for every rank, naming the ranks and devices (needs one GPU only: the
+ *   refusal comes before any allocation).
+ *
+ * Tolerance: NCCL sums in the reduce dtype, rounding at every hop, where
+ * the host sums in fp32 and rounds once. Against the exact average (in
+ * double) an element may be off by N x steps ulps of the reduce dtype at
+ * the magnitude of steps x the sum of |grads| (N ranks, steps reduces),
+ * plus one fp32 ulp of the result per step for the cast and the
+ * accumulation. Padding rows must be exactly zero, and gathered values
+ * exact.
+ *
+ * The test process itself never touches CUDA (it counts GPUs in a child),
+ * so that the rank processes it forks may. Skips with fewer GPUs than a
+ * test needs.
+ */
+#define _GNU_SOURCE
+#include <criterion/criterion.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+
+#include "shardd.h"
+#include "tests/lib/harness.h"
+#include "tests/lib/reference.h"
+
+#define CHILD_WAIT_MS 180000
+#define MAX_RANKS     4
+#define MAX_NUMEL     4096
+
+static struct harness_daemon daemon_;
+
+/* ------------------------------------------------------------------ */
+/* Daemon and GPUs                                                     */
+/* ------------------------------------------------------------------ */
+
+/* Exit status: the number of GPUs visible (0 when CUDA fails). */
+static int count_main(void *arg)
+{
+	int n = 0;
+
+	(void)arg;
+	if (cudaGetDeviceCount(&n) != cudaSuccess)
+		n = 0;
+	return n > 64 ? 64 : n;
+}
+
+static int visible_gpus(void)
+{
+	int status = 0;
+	pid_t pid = harness_fork(count_main, NULL);
+
+	if (pid < 0 || harness_wait_or_kill(pid, 60000, &status) < 0 || !WIFEXITED(status))
+		return 0;
+	return WEXITSTATUS(status);
+}
+
+static void start_daemon(int need)
+{
+	const char *extra[] = { "--backend", "cuda", NULL };
+	int n = visible_gpus();
+
+	if (n < need)
+		cr_skip_test("needs %d GPU%s, %d visible", need, need > 1 ? "s" : "", n);
+	signal(SIGPIPE, SIG_IGN);
+	cr_assert_eq(harness_daemon_start(&daemon_, extra), 0, "shardd --backend cuda did not start");
+}
+
+static void start_1(void)
+{
+	start_daemon(1);
+}
+
+static void start_2(void)
+{
+	start_daemon(2);
+}
+
+static void start_4(void)
+{
+	start_daemon(4);
+}
+
+static void stop_daemon(void)
+{
+	harness_daemon_stop_expect_clean(&daemon_);
+}
+
+/* ------------------------------------------------------------------ */
+/* Values                                                              */
+/* ------------------------------------------------------------------ */
+
+/* A group of the test: its params and policy. */
+struct tgroup {
+	const char *name;
+	const struct shardd_param_desc *params;
+	uint32_t nparams;
+	struct shardd_policy policy;
+};
+
+/* w: 1001 rows over 2 shards leaves a padding row; t: Shard(1), a chunk-cat. */
+static const struct shardd_param_desc dense_params[] = {
+	{ .name = "w", .dtype = SHARDD_DTYPE_FP32, .ndim = 2, .shape = { 1001, 3 } },
+	{ .name = "t", .dtype = SHARDD_DTYPE_FP32, .ndim = 2, .shape = { 4, 6 }, .shard_dim = 1 },
+};
+/* fp32 params gathered as bf16, reduced in bf16 (grads in the param_dtype). */
+static const struct shardd_param_desc half_params[] = {
+	{ .name = "v", .dtype = SHARDD_DTYPE_FP32, .ndim = 1, .shape = { 257 } },
+};
+
+static const struct tgroup dense = { "dense", dense_params, 2, { 0, 0 } };
+static const struct tgroup half = { "half", half_params, 1, { SHARDD_DTYPE_BF16, 0 } };
+
+static uint64_t numel_of(const struct shardd_param_desc *p)
+{
+	uint64_t n = 1;
+
+	for (uint32_t d = 0; d < p->ndim; d++)
+		n *= p->shape[d];
+	return n;
+}
+
+static struct ref_param ref_of(const struct shardd_param_desc *p)
+{
+	struct ref_param r = { .ndim = p->ndim, .shard_dim = p->shard_dim, .dtype = p->dtype };
+
+	memcpy(r.shape, p->shape, sizeof(p->shape));
+	return r;
+}
+
+/* The registered value of element i of param `pi` (representable in fp32). */
+static double param_value(uint32_t pi, uint64_t i)
+{
+	return ref_round(3.0 * sin(0.01 * (double)i + pi), SHARDD_DTYPE_FP32);
+}
+
+/* Rank r's grad of element i of param `pi`, representable in `dtype`. */
+static double grad_value(uint32_t pi, uint32_t r, uint64_t i, uint32_t dtype)
+{
+	return ref_round((r + 1) * cos(0.013 * (double)i + 0.7 * r + pi), dtype);
+}
+
+/* ------------------------------------------------------------------ */
+/* Rank processes                                                      */
+/* ------------------------------------------------------------------ */
+
+struct rank_args {
+	const char *job;
+	uint32_t rank, replicate, shard;
+	int32_t device;
+	int hsdp;                 /* reduce step 1 without the all-reduce, step 2 with it */
+	const struct tgroup *groups[2];
+	uint32_t ngroups;
+};
+
+#define CHECK_CUDA(call)                                                                         \
+	do {                                                                                     \
+		cudaError_t e_ = (call);                                                         \
+		CHILD_CHECK(e_ == cudaSuccess, "%s: %s", #call, cudaGetErrorString(e_));         \
+	} while (0)
+
+#define CHECK_SHARDD(call)                                                                       \
+	do {                                                                                     \
+		int r_ = (call);                                                                 \
+		CHILD_CHECK(r_ >= 0, "%s: %d %s", #call, r_, shardd_last_error());               \
+	} while (0)
+
+/* Every element of every param of `g` as gathered: the registered values, cast to the unsharded dtype. */
+static int check_unsharded(const struct rank_args *a, const struct tgroup *tg, struct shardd_group *g)
+{
+	static uint8_t host[MAX_NUMEL * 4];
+
+	for (uint32_t pi = 0; pi < tg->nparams; pi++) {
+		const struct shardd_param_layout *l = shardd_group_layout(g, pi);
+		uint32_t udt = tg->policy.param_dtype ? tg->policy.param_dtype : tg->params[pi].dtype;
+		uint64_t n = numel_of(&tg->params[pi]);
+
+		CHILD_CHECK(l->unsharded_bytes == n * ref_dtype_size(udt) && l->unsharded_bytes <= sizeof(host),
+			    "param %u: %llu unsharded bytes", pi, (unsigned long long)l->unsharded_bytes);
+		CHECK_CUDA(cudaMemcpy(host, shardd_group_unsharded(g, pi), l->unsharded_bytes,
+				      cudaMemcpyDeviceToHost));
+		for (uint64_t i = 0; i < n; i++) {
+			double got = ref_load(host + i * ref_dtype_size(udt), udt);
+			double want = ref_round(param_value(pi, i), udt);
+
+			CHILD_CHECK(got == want, "rank %u group '%s' param %u element %llu: unsharded %g, want %g",
+				    a->rank, tg->name, pi, (unsigned long long)i, got, want);
+		}
+	}
+	return 0;
+}
+
+/* This rank's grads of every param of `g`, written to its grad buffer. */
+static int write_grads(const struct rank_args *a, const struct tgroup *tg, struct shardd_group *g)
+{
+	static uint8_t host[MAX_NUMEL * 4];
+
+	for (uint32_t pi = 0; pi < tg->nparams; pi++) {
+		uint32_t gdt = tg->policy.param_dtype ? tg->policy.param_dtype : tg->params[pi].dtype;
+		uint64_t n = numel_of(&tg->params[pi]);
+
+		for (uint64_t i = 0; i < n; i++)
+			ref_store(host + i * ref_dtype_size(gdt), gdt, grad_value(pi, a->rank, i, gdt));
+		CHECK_CUDA(cudaMemcpy(shardd_group_grad(g, pi), host, n * ref_dtype_size(gdt),
+				      cudaMemcpyHostToDevice));
+	}
+	return 0;
+}
+
+/*
+ * This rank's sharded grads after `steps` reduces of the same grads: steps
+ * x the average over every rank, within the tolerance of the file comment;
+ * padding rows zero.
+ */
+static int check_sharded_grads(const struct rank_args *a, const struct tgroup *tg, struct shardd_group *g,
+			       uint32_t steps)
+{
+	static double sum[MAX_NUMEL], mag[MAX_NUMEL], want[MAX_NUMEL], wmag[MAX_NUMEL];
+	static float got[MAX_NUMEL];
+	uint32_t world = a->replicate * a->shard, s = a->rank % a->shard;
+
+	for (uint32_t pi = 0; pi < tg->nparams; pi++) {
+		const struct shardd_param_layout *l = shardd_group_layout(g, pi);
+		struct ref_param rp = ref_of(&tg->params[pi]);
+		uint32_t gdt = tg->policy.param_dtype ? tg->policy.param_dtype : tg->params[pi].dtype;
+		uint32_t rd = tg->policy.reduce_dtype ? tg->policy.reduce_dtype : gdt;
+		uint64_t n = numel_of(&tg->params[pi]);
+		struct ref_dims d;
+
+		ref_dims(&rp, a->shard, &d);
+		CHILD_CHECK(l->shard_bytes == d.shard_numel * 4 && d.shard_numel <= MAX_NUMEL,
+			    "param %u: %llu shard bytes", pi, (unsigned long long)l->shard_bytes);
+		for (uint64_t i = 0; i < n; i++) {
+			sum[i] = mag[i] = 0;
+			for (uint32_t r = 0; r < world; r++) {
+				sum[i] += grad_value(pi, r, i, gdt);
+				mag[i] += fabs(grad_value(pi, r, i, gdt));
+			}
+		}
+		ref_shard(&d, s, sum, want);
+		ref_shard(&d, s, mag, wmag);
+		CHECK_CUDA(cudaMemcpy(got, shardd_group_shard_grad(g, pi), l->shard_bytes, cudaMemcpyDeviceToHost));
+		for (uint64_t j = 0; j < d.shard_numel; j++) {
+			/* Shard rows past the param's last row (dim 0) are padding. */
+			int pad = d.outer == 1 && j / d.inner >= ref_rows_valid(&d, s);
+			double w = pad ? 0 : steps * want[j] / world;
+			double tol = pad ? 0
+					 : (double)world * steps * ref_ulp(steps * wmag[j], rd) +
+					   steps * ref_ulp(fabs(w), SHARDD_DTYPE_FP32);
+
+			CHILD_CHECK(fabs((double)got[j] - w) <= tol,
+				    "rank %u group '%s' param %u shard element %llu%s: %.9g, want %.9g within %.3g",
+				    a->rank, tg->name, pi, (unsigned long long)j, pad ? " (padding)" : "",
+				    (double)got[j], w, tol);
+		}
+	}
+	return 0;
+}
+
+static int rank_main(void *arg)
+{
+	const struct rank_args *a = arg;
+	struct shardd_attach_opts o = {
+		.socket_path = daemon_.socket, .job = a->job, .rank = a->rank, .replicate = a->replicate,
+		.shard = a->shard, .device = a->device,
+	};
+	static float full[MAX_NUMEL];
+	struct shardd_group *g[2] = { NULL, NULL };
+	struct shardd_client *c = NULL;
+
+	CHECK_CUDA(cudaSetDevice(a->device));
+	CHECK_SHARDD(shardd_connect(&o, &c));
+	for (uint32_t k = 0; k < a->ngroups; k++) {
+		const struct tgroup *tg = a->groups[k];
+
+		CHECK_SHARDD(shardd_group_register(c, tg->name, tg->params, tg->nparams, &tg->policy, &g[k]));
+		for (uint32_t pi = 0; pi < tg->nparams; pi++) {
+			for (uint64_t i = 0; i < numel_of(&tg->params[pi]); i++)
+				full[i] = (float)param_value(pi, i);
+			CHECK_SHARDD(shardd_group_load_full(g[k], pi, full));
+		}
+	}
+	for (uint32_t k = 0; k < a->ngroups; k++) {
+		CHECK_SHARDD(shardd_unshard(g[k], 1));
+		if (check_unsharded(a, a->groups[k], g[k]))
+			return 1;
+		CHECK_SHARDD(shardd_reshard(g[k], 1));
+		if (write_grads(a, a->groups[k], g[k]))
+			return 1;
+		if (a->hsdp) {
+			/* Microbatch 1 stays a partial; microbatch 2 adds to it, then all-reduces. */
+			CHECK_SHARDD(shardd_reduce(g[k], 1, 0));
+			CHECK_SHARDD(shardd_reduce(g[k], 2, SHARDD_REDUCE_ALL_REDUCE));
+			if (check_sharded_grads(a, a->groups[k], g[k], 2))
+				return 1;
+			continue;
+		}
+		CHECK_SHARDD(shardd_reduce(g[k], 1, 0));
+		if (check_sharded_grads(a, a->groups[k], g[k], 1))
+			return 1;
+		/* The sharded grad exists now: the next reduce accumulates into it. */
+		CHECK_SHARDD(shardd_reduce(g[k], 2, 0));
+		if (check_sharded_grads(a, a->groups[k], g[k], 2))
+			return 1;
+	}
+	for (uint32_t k = 0; k < a->ngroups; k++)
+		shardd_group_close(g[k]);
+	shardd_close(c);
+	return 0;
+}
+
+/* Fork every rank, wait for all, dump the daemon's log if one failed. */
+static void run_ranks(struct rank_args *args, uint32_t n)
+{
+	pid_t pids[MAX_RANKS];
+
+	for (uint32_t r = 0; r < n; r++) {
+		pids[r] = harness_fork(rank_main, &args[r]);
+		cr_assert_gt(pids[r], 0, "fork rank %u", r);
+	}
+	for (uint32_t r = 0; r < n; r++) {
+		int status = 0, ret = harness_wait_or_kill(pids[r], CHILD_WAIT_MS, &status);
+
+		if (ret < 0 || !WIFEXITED(status) || WEXITSTATUS(status) != 0)
+			harness_daemon_dump_log(&daemon_);
+		cr_assert_eq(ret, 0, "rank %u did not finish: %s", r, strerror(-ret));
+		cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "rank %u %s", r,
+			  harness_status_str(status));
+	}
+}
+
+Test(nccl, two_ranks_on_two_gpus_gather_and_average_through_nccl, .init = start_2, .fini = stop_daemon,
+     .timeout = 240)
+{
+	struct rank_args args[2];
+
+	for (uint32_t r = 0; r < 2; r++)
+		args[r] = (struct rank_args){ .job = "nccl2", .rank = r, .replicate = 1, .shard = 2,
+					      .device = (int32_t)r, .groups = { &dense, &half }, .ngroups = 2 };
+	run_ranks(args, 2);
+}
+
+/* HSDP 2 x 2, rank r on devices[r]. */
+static void hsdp_case(const char *job, const int32_t *devices)
+{
+	struct rank_args args[4];
+
+	for (uint32_t r = 0; r < 4; r++)
+		args[r] = (struct rank_args){ .job = job, .rank = r, .replicate = 2, .shard = 2,
+					      .device = devices[r], .hsdp = 1, .groups = { &dense },
+					      .ngroups = 1 };
+	run_ranks(args, 4);
+}
+
+Test(nccl, hsdp_2x2_on_four_gpus_keeps_the_partial_then_all_reduces_across_replicas, .init = start_4,
+     .fini = stop_daemon, .timeout = 240)
+{
+	const int32_t devices[4] = { 0, 1, 2, 3 };
+
+	hsdp_case("hsdp4", devices);
+}
+
+Test(nccl, hsdp_2x2_with_each_replica_across_two_gpus_gathers_through_nccl, .init = start_2,
+     .fini = stop_daemon, .timeout = 240)
+{
+	const int32_t devices[4] = { 0, 1, 0, 1 };
+
+	hsdp_case("hsdp_across", devices);
+}
+
+Test(nccl, hsdp_2x2_with_a_gpu_per_replica_all_reduces_through_nccl, .init = start_2, .fini = stop_daemon,
+     .timeout = 240)
+{
+	const int32_t devices[4] = { 0, 0, 1, 1 };
+
+	hsdp_case("hsdp_per_gpu", devices);
+}
+
+/* ------------------------------------------------------------------ */
+/* Refusal                                                             */
+/* ------------------------------------------------------------------ */
+
+/* Rank `rank` of 3 on device 0, 0 or 1: its registration must fail, naming who shares what. */
+static int mixed_main(void *arg)
+{
+	uint32_t rank = (uint32_t)(uintptr_t)arg;
+	struct shardd_attach_opts o = {
+		.socket_path = daemon_.socket, .job = "mixed", .rank = rank, .replicate = 1, .shard = 3,
+		.device = rank == 2 ? 1 : 0,
+	};
+	struct shardd_client *c = NULL;
+	struct shardd_group *g = NULL;
+	const char *why;
+	int ret;
+
+	CHECK_SHARDD(shardd_connect(&o, &c));
+	ret = shardd_group_register(c, dense.name, dense.params, dense.nparams, NULL, &g);
+	why = shardd_last_error();
+	CHILD_CHECK(ret < 0, "rank %u: a shard group on devices 0,0,1 was registered", rank);
+	CHILD_CHECK(strstr(why, "ranks 0 and 1 share device 0") && strstr(why, "rank 2 is on device 1") &&
+			    strstr(why, "opts.device"),
+		    "rank %u: the refusal must name the ranks, their devices and the fix: %s", rank, why);
+	shardd_close(c);
+	return 0;
+}
+
+Test(nccl, shard_group_partly_sharing_a_gpu_is_refused_at_registration, .init = start_1, .fini = stop_daemon,
+     .timeout = 120)
+{
+	pid_t pids[3];
+
+	for (uintptr_t r = 0; r < 3; r++) {
+		pids[r] = harness_fork(mixed_main, (void *)r);
+		cr_assert_gt(pids[r], 0, "fork rank %u", (unsigned)r);
+	}
+	for (int r = 0; r < 3; r++) {
+		int status = 0, ret = harness_wait_or_kill(pids[r], CHILD_WAIT_MS, &status);
+
+		if (ret < 0 || !WIFEXITED(status) || WEXITSTATUS(status) != 0)
+			harness_daemon_dump_log(&daemon_);
+		cr_assert_eq(ret, 0, "rank %d did not finish: %s", r, strerror(-ret));
+		cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "rank %d %s", r,
+			  harness_status_str(status));
+	}
+}

@@ -7,7 +7,13 @@
 uint32_t shardd_placement_classify(const int32_t *devices, uint32_t n)
 {
 	int shared = 0, distinct = 0;
+	uint32_t same = 1;
 
+	/* Every op on one GPU asks this: answer the common case in one pass. */
+	while (same < n && devices[same] == devices[0])
+		same++;
+	if (same >= n)
+		return SHARDD_PLACE_SHARED;
 	for (uint32_t i = 1; i < n; i++) {
 		for (uint32_t j = 0; j < i; j++) {
 			if (devices[i] == devices[j])

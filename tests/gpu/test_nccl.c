@@ -53,31 +53,10 @@ static struct harness_daemon daemon_;
 /* Daemon and GPUs                                                     */
 /* ------------------------------------------------------------------ */
 
-/* Exit status: the number of GPUs visible (0 when CUDA fails). */
-static int count_main(void *arg)
-{
-	int n = 0;
-
-	(void)arg;
-	if (cudaGetDeviceCount(&n) != cudaSuccess)
-		n = 0;
-	return n > 64 ? 64 : n;
-}
-
-static int visible_gpus(void)
-{
-	int status = 0;
-	pid_t pid = harness_fork(count_main, NULL);
-
-	if (pid < 0 || harness_wait_or_kill(pid, 60000, &status) < 0 || !WIFEXITED(status))
-		return 0;
-	return WEXITSTATUS(status);
-}
-
 static void start_daemon(int need)
 {
 	const char *extra[] = { "--backend", "cuda", NULL };
-	int n = visible_gpus();
+	int n = harness_cuda_devices();
 
 	if (n < need)
 		cr_skip_test("needs %d GPU%s, %d visible", need, need > 1 ? "s" : "", n);

@@ -9,15 +9,12 @@
  * descriptors and legacy CUDA IPC handles. Skips without a GPU.
  */
 #include <criterion/criterion.h>
-#include <cuda_runtime.h>
 
 #include "tests/lib/train.h"
 
 static void need_gpu(void)
 {
-	int n = 0;
-
-	if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0)
+	if (harness_cuda_devices() == 0)
 		cr_skip_test("no CUDA device visible");
 }
 

@@ -21,6 +21,9 @@
 #include <unistd.h>
 
 #include <criterion/criterion.h>
+#ifdef SHARDD_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
 
 #include "harness.h"
 #include "shardd_ctrl.h"
@@ -575,3 +578,26 @@ int harness_expect_eof(int fd, int timeout_ms)
 		return 0;
 	return -EPROTO;
 }
+
+#ifdef SHARDD_HAVE_CUDA
+/* Exit status: the number of GPUs visible (0 when CUDA fails). */
+static int cuda_count_main(void *arg)
+{
+	int n = 0;
+
+	(void)arg;
+	if (cudaGetDeviceCount(&n) != cudaSuccess)
+		n = 0;
+	return n > 64 ? 64 : n;
+}
+
+int harness_cuda_devices(void)
+{
+	int status = 0;
+	pid_t pid = harness_fork(cuda_count_main, NULL);
+
+	if (pid < 0 || harness_wait_or_kill(pid, 60000, &status) < 0 || !WIFEXITED(status))
+		return 0;
+	return WEXITSTATUS(status);
+}
+#endif

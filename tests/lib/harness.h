@@ -141,4 +141,14 @@ int64_t harness_now_ms(void);
 		}                                                                        \
 	} while (0)
 
+#ifdef SHARDD_HAVE_CUDA
+/*
+ * GPUs visible to CUDA, counted in a child process: a process that
+ * initialises CUDA cannot hand it to the children it forks, so tests that
+ * fork rank processes using CUDA must never touch it themselves. 0 when
+ * CUDA fails.
+ */
+int harness_cuda_devices(void);
+#endif
+
 #endif /* SHARDD_TEST_HARNESS_H */

@@ -168,7 +168,8 @@ int bench_gpu_run(const struct bench_opts *o);
  * Unshard and reduce latency through `shardd --backend cuda` (started
  * here) with o->ranks rank processes on device 0: submit to "the trainer's
  * stream may proceed", with and without a stream set. 0 and a "skipped"
- * line without CUDA or a GPU.
+ * line without CUDA or a GPU. It forks rank processes that use CUDA, so
+ * it must run before this process touches CUDA (bench_gpu_run).
  */
 int bench_gpu_ops_run(const struct bench_opts *o);
 

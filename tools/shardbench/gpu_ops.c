@@ -220,14 +220,33 @@ static int rank_main(const struct bench_opts *o, const char *socket_path, uint32
 	return ret;
 }
 
+/*
+ * GPUs visible, counted in a child: the rank processes are forked from this
+ * one, and a process that initialised CUDA cannot hand it to its children.
+ */
+static int visible_gpus(void)
+{
+	pid_t pid;
+	int n = 0, status;
+
+	fflush(NULL);
+	pid = fork();
+	if (pid < 0)
+		return 0;
+	if (pid == 0)
+		_exit(cudaGetDeviceCount(&n) == cudaSuccess && n > 0 ? (n > 64 ? 64 : n) : 0);
+	status = bench_reap_pid(pid, RANK_TIMEOUT_MS);
+	return status >= 0 && WIFEXITED(status) ? WEXITSTATUS(status) : 0;
+}
+
 int bench_gpu_ops_run(const struct bench_opts *o)
 {
 	struct bench_daemon d;
 	pid_t pids[64];
 	uint32_t started = 0;
-	int n = 0, failed = 0;
+	int failed = 0;
 
-	if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+	if (visible_gpus() == 0) {
 		printf("#\n# shardbench gpu ops: no CUDA device: skipped\n");
 		return 0;
 	}

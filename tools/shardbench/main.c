@@ -263,8 +263,12 @@ int main(int argc, char **argv)
 		o.shardd_path = shardd_default;
 
 	print_machine(&o);
-	if (cmd == CMD_GPU)
-		return bench_gpu_run(&o) || bench_gpu_ops_run(&o) ? 1 : 0;
+	if (cmd == CMD_GPU) {
+		/* The ops table forks CUDA ranks: it runs before this process touches CUDA. */
+		failed = bench_gpu_ops_run(&o) != 0;
+		failed |= bench_gpu_run(&o) != 0;
+		return failed;
+	}
 
 	/* The roofline runs before the daemon starts, so nothing else competes for memory. */
 	ret = bench_roofline_measure(ROOF_ARRAY_BYTES, ROOF_ITERS, 1, &roof);
@@ -301,7 +305,9 @@ int main(int argc, char **argv)
 		failed |= rc != 0;
 	}
 	bench_daemon_stop(&d);
-	if (cmd == CMD_ALL)
-		failed |= bench_gpu_run(&o) != 0 || bench_gpu_ops_run(&o) != 0;
+	if (cmd == CMD_ALL) {
+		failed |= bench_gpu_ops_run(&o) != 0;
+		failed |= bench_gpu_run(&o) != 0;
+	}
 	return failed;
 }

@@ -310,21 +310,7 @@ static int rank_main(void *arg)
 /* Fork every rank, wait for all, dump the daemon's log if one failed. */
 static void run_ranks(struct rank_args *args, uint32_t n)
 {
-	pid_t pids[MAX_RANKS];
-
-	for (uint32_t r = 0; r < n; r++) {
-		pids[r] = harness_fork(rank_main, &args[r]);
-		cr_assert_gt(pids[r], 0, "fork rank %u", r);
-	}
-	for (uint32_t r = 0; r < n; r++) {
-		int status = 0, ret = harness_wait_or_kill(pids[r], CHILD_WAIT_MS, &status);
-
-		if (ret < 0 || !WIFEXITED(status) || WEXITSTATUS(status) != 0)
-			harness_daemon_dump_log(&daemon_);
-		cr_assert_eq(ret, 0, "rank %u did not finish: %s", r, strerror(-ret));
-		cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "rank %u %s", r,
-			  harness_status_str(status));
-	}
+	harness_run_children(rank_main, args, sizeof(*args), n, CHILD_WAIT_MS, &daemon_);
 }
 
 Test(nccl, two_ranks_on_two_gpus_gather_and_average_through_nccl, .init = start_2, .fini = stop_daemon,
@@ -381,7 +367,7 @@ Test(nccl, hsdp_2x2_with_a_gpu_per_replica_all_reduces_through_nccl, .init = sta
 /* Rank `rank` of 3 on device 0, 0 or 1: its registration must fail, naming who shares what. */
 static int mixed_main(void *arg)
 {
-	uint32_t rank = (uint32_t)(uintptr_t)arg;
+	uint32_t rank = *(const uint32_t *)arg;
 	struct shardd_attach_opts o = {
 		.socket_path = daemon_.socket, .job = "mixed", .rank = rank, .replicate = 1, .shard = 3,
 		.device = rank == 2 ? 1 : 0,
@@ -405,19 +391,7 @@ static int mixed_main(void *arg)
 Test(nccl, shard_group_partly_sharing_a_gpu_is_refused_at_registration, .init = start_1, .fini = stop_daemon,
      .timeout = 120)
 {
-	pid_t pids[3];
+	uint32_t ranks[3] = { 0, 1, 2 };
 
-	for (uintptr_t r = 0; r < 3; r++) {
-		pids[r] = harness_fork(mixed_main, (void *)r);
-		cr_assert_gt(pids[r], 0, "fork rank %u", (unsigned)r);
-	}
-	for (int r = 0; r < 3; r++) {
-		int status = 0, ret = harness_wait_or_kill(pids[r], CHILD_WAIT_MS, &status);
-
-		if (ret < 0 || !WIFEXITED(status) || WEXITSTATUS(status) != 0)
-			harness_daemon_dump_log(&daemon_);
-		cr_assert_eq(ret, 0, "rank %d did not finish: %s", r, strerror(-ret));
-		cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "rank %d %s", r,
-			  harness_status_str(status));
-	}
+	harness_run_children(mixed_main, ranks, sizeof(ranks[0]), 3, CHILD_WAIT_MS, &daemon_);
 }

@@ -189,21 +189,8 @@ static void run_ranks(const char *job, int stream0, int stream1)
 		{ job, 0, stream0 },
 		{ job, 1, stream1 },
 	};
-	pid_t pids[WORLD];
 
-	for (int r = 0; r < WORLD; r++) {
-		pids[r] = harness_fork(rank_main, &args[r]);
-		cr_assert_gt(pids[r], 0, "fork rank %d", r);
-	}
-	for (int r = 0; r < WORLD; r++) {
-		int status = 0, ret = harness_wait_or_kill(pids[r], CHILD_WAIT_MS, &status);
-
-		if (ret < 0 || !WIFEXITED(status) || WEXITSTATUS(status) != 0)
-			harness_daemon_dump_log(&daemon_);
-		cr_assert_eq(ret, 0, "rank %d did not finish: %s", r, strerror(-ret));
-		cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "rank %d %s", r,
-			  harness_status_str(status));
-	}
+	harness_run_children(rank_main, args, sizeof(args[0]), WORLD, CHILD_WAIT_MS, &daemon_);
 }
 
 Test(stream_fences, fenced_ranks_read_gathered_and_reduced_values_without_cpu_waits)

@@ -579,6 +579,28 @@ int harness_expect_eof(int fd, int timeout_ms)
 	return -EPROTO;
 }
 
+void harness_run_children(int (*fn)(void *), void *args, size_t stride, uint32_t n, int timeout_ms,
+			  struct harness_daemon *d)
+{
+	pid_t *pids = calloc(n, sizeof(*pids));
+
+	cr_assert_not_null(pids);
+	for (uint32_t i = 0; i < n; i++) {
+		pids[i] = harness_fork(fn, (char *)args + i * stride);
+		cr_assert_gt(pids[i], 0, "fork child %u: %s", i, strerror(-pids[i]));
+	}
+	for (uint32_t i = 0; i < n; i++) {
+		int status = 0, ret = harness_wait_or_kill(pids[i], timeout_ms, &status);
+
+		if ((ret < 0 || !WIFEXITED(status) || WEXITSTATUS(status) != 0) && d)
+			harness_daemon_dump_log(d);
+		cr_assert_eq(ret, 0, "child %u did not finish: %s", i, strerror(-ret));
+		cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "child %u %s", i,
+			  harness_status_str(status));
+	}
+	free(pids);
+}
+
 #ifdef SHARDD_HAVE_CUDA
 /* Exit status: the number of GPUs visible (0 when CUDA fails). */
 static int cuda_count_main(void *arg)

@@ -84,6 +84,14 @@ int harness_attach(const struct harness_daemon *d, const char *job, uint32_t ran
 pid_t harness_fork(int (*fn)(void *), void *arg);
 
 /*
+ * Fork n children, child i running fn(args + i * stride), and wait up to
+ * timeout_ms for each; assert (Criterion) that each exited 0, printing the
+ * log of daemon `d` (may be NULL) first when one did not.
+ */
+void harness_run_children(int (*fn)(void *), void *args, size_t stride, uint32_t n, int timeout_ms,
+			  struct harness_daemon *d);
+
+/*
  * Wait up to timeout_ms for `pid` (a child) to exit, through a pidfd.
  * Returns 0 and *status, -ETIMEDOUT (the child is left running), -errno.
  */

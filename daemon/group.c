@@ -289,7 +289,7 @@ int shardd_group_reply(const struct shardd_group *g, struct shardd_backend_ctx *
 		       struct shardd_group_reply *reply, struct shardd_param_layout *layouts,
 		       struct shardd_group_export *ex)
 {
-	const struct shardd_buf *bufs[SHARDD_GROUP_NFDS] = {
+	const struct shardd_buf *bufs[SHARDD_GROUP_BUFS] = {
 		shardd_group_unsharded(g, rank), &g->grads[rank], &g->shards[rank], &g->sharded_grads[rank],
 	};
 	uint32_t shard_rank = rank % g->shard;
@@ -321,7 +321,7 @@ int shardd_group_reply(const struct shardd_group *g, struct shardd_backend_ctx *
 			.shard_rows_valid = shardd_layout_rows_valid(p, shard_rank),
 		};
 	}
-	for (int k = 0; k < SHARDD_GROUP_NFDS; k++) {
+	for (int k = 0; k < SHARDD_GROUP_BUFS; k++) {
 		ret = b->ops->export_buf(b, bufs[k], k == 0, &one);
 		if (ret < 0)
 			goto err_close;

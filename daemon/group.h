@@ -16,18 +16,15 @@
 #include "daemon/placement.h"
 #include "shardd_proto.h"
 
-/* The four buffers a rank receives, in SHARDD_MSG_GROUP's buffer order: at most this many fds. */
-#define SHARDD_GROUP_NFDS SHARDD_GROUP_BUFS
-
 /*
  * What travels with a rank's GROUP reply besides the reply's export_kind:
  * the fds of the buffers exported as fds and the handles of those exported
  * as CUDA IPC handles, each in buffer order.
  */
 struct shardd_group_export {
-	int fds[SHARDD_GROUP_NFDS]; /* new fds; shardd_group_export_close closes them */
+	int fds[SHARDD_GROUP_BUFS]; /* new fds; shardd_group_export_close closes them */
 	int nfds;
-	struct shardd_cuda_ipc_handle ipc[SHARDD_GROUP_NFDS];
+	struct shardd_cuda_ipc_handle ipc[SHARDD_GROUP_BUFS];
 	int nipc;
 };
 

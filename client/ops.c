@@ -132,8 +132,8 @@ static int submit_sqe(struct shardd_client *c, uint32_t op, uint32_t group, uint
 	ret = shardd_client_fence_submit(c, (uint32_t)slot, &sqe);
 	if (ret < 0)
 		return shardd_err_wrap(ret, "submit %s", op_name(op));
-	/* Cannot fail: only this thread pushes, and the slot was free. */
-	shardd_sq_push(&c->ring, &sqe);
+	/* Only this thread pushes: the slot is still the next one, and free. */
+	shardd_sq_publish(&c->ring, (uint32_t)slot, &sqe);
 	/* Line 6 is ours; the daemon and shardctl read it only to show who is behind. */
 	atomic_store_explicit(SHARDD_ATOMIC32(&h->client_last_op), op, memory_order_relaxed);
 	__atomic_store_n(&h->client_last_step, step, __ATOMIC_RELAXED);

@@ -120,7 +120,7 @@ static inline int shardd_ring_attach(struct shardd_ring *r, void *region, uint64
 /* ---------------- client: submission ---------------- */
 
 /*
- * The SQ slot the next shardd_sq_push() fills, or -EAGAIN when the SQ is
+ * The SQ slot the next push fills, or -EAGAIN when the SQ is
  * full. Only the client pushes, so the answer holds until its next push.
  */
 static inline int64_t shardd_sq_next_slot(const struct shardd_ring *r)
@@ -136,20 +136,31 @@ static inline int64_t shardd_sq_next_slot(const struct shardd_ring *r)
 }
 
 /*
+ * Copy `sqe` into `slot`, which shardd_sq_next_slot() returned with no push
+ * since, and publish it. For a client that must act on the slot first
+ * (record its fence event); shardd_sq_push() does both steps.
+ */
+static inline void shardd_sq_publish(struct shardd_ring *r, uint32_t slot, const struct shardd_sqe *sqe)
+{
+	struct shardd_ring_hdr *h = r->hdr;
+	uint32_t tail = atomic_load_explicit(SHARDD_ATOMIC32(&h->sq_tail), memory_order_relaxed);
+
+	r->sq[slot] = *sqe;
+	/* Publish the entry before the tail: the daemon reads tail with acquire. */
+	atomic_store_explicit(SHARDD_ATOMIC32(&h->sq_tail), tail + 1, memory_order_release);
+}
+
+/*
  * Copy `sqe` into the SQ and publish it. Returns 0, or -EAGAIN when the SQ
  * is full. Does not ring the doorbell: see shardd_ring_needs_wakeup().
  */
 static inline int shardd_sq_push(struct shardd_ring *r, const struct shardd_sqe *sqe)
 {
-	struct shardd_ring_hdr *h = r->hdr;
-	uint32_t tail = atomic_load_explicit(SHARDD_ATOMIC32(&h->sq_tail), memory_order_relaxed);
 	int64_t slot = shardd_sq_next_slot(r);
 
 	if (slot < 0)
 		return (int)slot;
-	r->sq[slot] = *sqe;
-	/* Publish the entry before the tail: the daemon reads tail with acquire. */
-	atomic_store_explicit(SHARDD_ATOMIC32(&h->sq_tail), tail + 1, memory_order_release);
+	shardd_sq_publish(r, (uint32_t)slot, sqe);
 	return 0;
 }
 

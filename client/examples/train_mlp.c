@@ -687,7 +687,8 @@ static int rank_copy(struct rank *rk, void *dst, const void *src, size_t n, int 
 #ifdef SHARDD_HAVE_CUDA
 	cudaError_t e = cudaMemcpy(dst, src, n, to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost);
 
-	if (e == cudaSuccess)
+	/* A copy to the device from pageable memory may return before its DMA lands; one from it may not. */
+	if (e == cudaSuccess && to_device)
 		e = cudaDeviceSynchronize();
 	if (e == cudaSuccess)
 		return 0;

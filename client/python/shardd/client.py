@@ -4,6 +4,7 @@ in pure Python: the same protocol libshardd speaks, no C extension."""
 
 import collections
 import errno
+import fcntl
 import mmap
 import os
 import select
@@ -23,6 +24,7 @@ CONNECT_TIMEOUT_S = 10.0       # handshake timeout when none is given
 SPIN_ITERATIONS = 200          # cq_ready checks before sleeping; Python spins slowly
 SLEEP_SLICE_S = 0.05           # longest futex sleep between daemon liveness checks
 SYNC_GRACE_S = 10.0            # sync ops wait the collective timeout plus this
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # <linux/fcntl.h>; Python lacks it
 
 
 class ShardError(Exception):
@@ -482,6 +484,15 @@ class Group:
                 if os.fstat(fd).st_size < size:
                     raise _error(-errno.EBADMSG, f"{where}: buffer {i} memfd is smaller than "
                                                  f"the {size} bytes the reply announces")
+                # A read-only buffer that one rank could reopen O_RDWR would let it rewrite
+                # every rank's params: the daemon seals it against writes.
+                if i == self.UNSHARDED:
+                    seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+                    if not seals & F_SEAL_FUTURE_WRITE:
+                        raise _error(-P.E_MALFORMED, f"{where}: the unsharded memfd is lent "
+                                                     f"read-only but is not sealed against writes "
+                                                     f"(F_SEAL_FUTURE_WRITE missing from seals "
+                                                     f"{seals:#x}): upgrade shardd")
                 prot = mmap.PROT_READ if i == self.UNSHARDED else mmap.PROT_READ | mmap.PROT_WRITE
                 self.maps[i] = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
             self._check_layouts(where)

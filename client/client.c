@@ -183,10 +183,12 @@ int shardd_client_check_alive(struct shardd_client *c)
 	}
 	if (ready > 0 && (p.revents & (POLLHUP | POLLERR)))
 		return connection_closed(c);
+	/* The notice sent before the detach (e.g. the job was ended) says why. */
 	if (flags & SHARDD_RING_DEAD)
 		return shardd_err_set(-ECONNRESET,
-				      "daemon detached this client (client id %u, job '%s' rank %u)",
-				      c->welcome.client_id, c->job, c->rank);
+				      "daemon detached this client (client id %u, job '%s' rank %u)%s%s",
+				      c->welcome.client_id, c->job, c->rank,
+				      c->daemon_text[0] ? ": " : "", c->daemon_text);
 	return 0;
 }
 

@@ -57,6 +57,7 @@ void shardd_config_defaults(struct shardd_config *cfg)
 	cfg->collective_timeout_s = SHARDD_TIMEOUT_DEFAULT_S;
 	cfg->handshake_timeout_s = SHARDD_HANDSHAKE_TIMEOUT_DEFAULT_S;
 	cfg->workers = 0;
+	cfg->job_linger_s = SHARDD_JOB_LINGER_DEFAULT_S;
 }
 
 /* ------------------------------------------------------------------ */
@@ -138,7 +139,7 @@ static void server_cron(void *arg)
 
 	(void)arg;
 	while (j) {
-		/* A timed-out barrier never ends its job, but read next first all the same. */
+		/* Read next first: a job that lingered past --job-linger ends here. */
 		struct shardd_job *next = j->next;
 
 		shardd_job_cron(j, now);
@@ -400,6 +401,7 @@ int shardd_server_init(const struct shardd_config *cfg)
 	server.next_client_id = 1;
 	server.collective_timeout_ns = (uint64_t)(cfg->collective_timeout_s * 1e9);
 	server.handshake_timeout_ns = (uint64_t)(cfg->handshake_timeout_s * 1e9);
+	server.job_linger_ns = (uint64_t)(cfg->job_linger_s * 1e9);
 	shardd_log_threshold = cfg->log_level;
 
 	ret = signals_setup();

@@ -228,6 +228,11 @@ static void session_send_error(struct shardd_session *s, uint32_t seq, int code,
 	shardd_session_send(s, SHARDD_MSG_ERROR, seq, &m, (uint32_t)(sizeof(m.hdr) + n), NULL, 0);
 }
 
+void shardd_session_notify(struct shardd_session *s, int code, const char *text)
+{
+	session_send_error(s, 0, code, text);
+}
+
 /* Reply an error to a request and keep serving the session. */
 static void __attribute__((format(printf, 4, 5)))
 session_reply_error(struct shardd_session *s, uint32_t seq, int code, const char *fmt, ...)

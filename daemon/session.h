@@ -126,6 +126,13 @@ int shardd_session_send(struct shardd_session *s, uint16_t type, uint32_t seq,
 			const void *payload, uint32_t len, const int *fds, int nfds);
 
 /*
+ * Tell the client something it did not ask about: an ERROR (code, text)
+ * with seq 0, which libshardd keeps and reports when it then finds its
+ * connection closed ("daemon closed the connection: <text>").
+ */
+void shardd_session_notify(struct shardd_session *s, int code, const char *text);
+
+/*
  * Send the reply of a group registration or open: SHARDD_MSG_GROUP with the
  * fds of its fd-exported buffers and, after the specs, the handles of its
  * CUDA IPC ones; or SHARDD_MSG_ERROR when res < 0 (shardd_session_send).

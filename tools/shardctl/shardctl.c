@@ -30,11 +30,12 @@
 static const char usage_text[] =
 	"Usage: shardctl [--socket PATH] [--json] COMMAND [ARGS]\n"
 	"Inspect a running shardd: jobs, ranks, groups, buffer contents, op statistics.\n"
-	"Every command is read-only.\n"
+	"Every command is read-only but end.\n"
 	"\n"
 	"Commands:\n"
 	"  status                 version, backend, uptime, socket, memory held by kind\n"
-	"  jobs                   jobs with their mesh, attached ranks, groups, memory\n"
+	"  jobs                   jobs with their mesh, attached ranks, groups, memory, and\n"
+	"                         for a job without ranks when --job-linger ends it\n"
 	"  ranks [JOB]            per rank: pid, attached since, last op and step submitted,\n"
 	"                         taken and completed, ops in flight, how many steps it is\n"
 	"                         behind the furthest rank, the collective it waits in:\n"
@@ -50,6 +51,9 @@ static const char usage_text[] =
 	"                         p50/p99 from log2 buckets, exact to a factor of two)\n"
 	"  watch                  status, ranks and stats, refreshed (Ctrl-C ends it)\n"
 	"  metrics                Prometheus text exposition of the same numbers\n"
+	"  end JOB                end the job now and free its memory: its attached ranks'\n"
+	"                         ops fail with an error naming this end, and their\n"
+	"                         connections close (shardd's own uid only)\n"
 	"\n"
 	"Options:\n"
 	"  --socket PATH          shardd's socket (default $SHARDD_SOCKET, else\n"
@@ -496,9 +500,12 @@ int main(int argc, char **argv)
 		return run_one(&o, cmd_req("metrics"), NULL);
 	if (strcmp(cmd, "watch") == 0 && npos == 0)
 		return cmd_watch(&o);
+	if (strcmp(cmd, "end") == 0 && npos == 1)
+		return run_one(&o, with_job(cmd_req("end"), pos[0]), shardctl_render_end);
 	if (strcmp(cmd, "status") == 0 || strcmp(cmd, "jobs") == 0 || strcmp(cmd, "ranks") == 0 ||
 	    strcmp(cmd, "groups") == 0 || strcmp(cmd, "show") == 0 || strcmp(cmd, "dump") == 0 ||
-	    strcmp(cmd, "stats") == 0 || strcmp(cmd, "metrics") == 0 || strcmp(cmd, "watch") == 0)
+	    strcmp(cmd, "stats") == 0 || strcmp(cmd, "metrics") == 0 || strcmp(cmd, "watch") == 0 ||
+	    strcmp(cmd, "end") == 0)
 		return usage_error("wrong number of arguments for '%s'", cmd);
 	return usage_error("unknown command '%s'", cmd);
 }

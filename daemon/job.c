@@ -143,9 +143,13 @@ uint64_t shardd_job_end(struct shardd_job *j, const char *why)
 	job_destroy(j, why);
 	for (uint32_t i = 0; i < n; i++)
 		shardd_session_close_later(attached[i], notice);
-	shardd_log_warn("job '%s' %s: %u rank%s attached, %llu bytes of buffers freed (%.1f MiB)",
-			name, why, n, n == 1 ? " was" : "s were", (unsigned long long)bytes,
-			(double)bytes / (1024.0 * 1024.0));
+	if (n)
+		shardd_log_warn("job '%s' %s: its %u attached rank%s told, %llu bytes of buffers "
+				"freed (%.1f MiB)", name, why, n, n == 1 ? " was" : "s were",
+				(unsigned long long)bytes, (double)bytes / (1024.0 * 1024.0));
+	else
+		shardd_log_warn("job '%s' %s: %llu bytes of buffers freed (%.1f MiB)", name, why,
+				(unsigned long long)bytes, (double)bytes / (1024.0 * 1024.0));
 	return bytes;
 }
 

@@ -12,8 +12,8 @@
  *   over the same SCM_RIGHTS path as a host memfd; the daemon maps it at an
  *   address range of its own (cuMemAddressReserve, cuMemMap,
  *   cuMemSetAccess). Sizes are rounded up to the device's minimum
- *   allocation granularity; a client importing the fd rounds the same way
- *   (client/cuda_import.c). A client's mapping keeps the memory alive after
+ *   allocation granularity by shardd_cuda_alloc_size (proto/shardd_cuda.h),
+ *   which a client importing the fd calls too (client/cuda_import.c). A client's mapping keeps the memory alive after
  *   the daemon frees it.
  * - ipc (SHARDD_EXPORT_CUDA_IPC), for devices without that API or without
  *   POSIX fd handles: each buffer is its own cudaMalloc of exactly its
@@ -77,14 +77,8 @@
 #include "daemon/log.h"
 #include "daemon/placement.h"
 #include "daemon/rendezvous.h"
+#include "shardd_cuda.h"
 #include "shardd_cuda_kernels.h"
-
-/*
- * The driver ABI asked for: the PFN_*_v10020 typedefs below (the virtual
- * memory API as introduced in CUDA 10.2) are unchanged as of CUDA 12.0,
- * which every driver that runs this build's runtime (13.x) provides.
- */
-#define CUDA_DRIVER_ABI 12000
 
 struct cuda_driver {
 	PFN_cuGetErrorString_v6000                 get_error_string;
@@ -589,7 +583,7 @@ static int cuda_alloc(struct shardd_backend_ctx *b, uint64_t bytes, int32_t devi
 	snprintf(ctx, sizeof(ctx), "allocate %s (%llu bytes on device %d)", what,
 		 (unsigned long long)bytes, device);
 	if (cu->kind == SHARDD_EXPORT_FD) {
-		cu->size = (size_t)(bytes + d->granularity - 1) / d->granularity * d->granularity;
+		cu->size = (size_t)shardd_cuda_alloc_size(bytes, d->granularity);
 		ret = cuda_alloc_vmm(cb, d, ctx, cu, &fd);
 	} else {
 		/* No granularity here: a client maps exactly the size its GROUP reply gives. */
@@ -1437,13 +1431,34 @@ static const struct shardd_backend_ops cuda_ops = {
 	.destroy = cuda_destroy,
 };
 
-/* Resolve one driver entry point. 0, or -SHARDD_E_BACKEND with err. */
-static int cuda_symbol(const char *name, void **fn, char *err, size_t errlen)
+#define DRV(field, sym) SHARDD_CUDA_SYMBOL(struct cuda_driver, field, sym)
+static const struct shardd_cuda_symbol cuda_driver_symbols[] = {
+	DRV(get_error_string, "cuGetErrorString"),
+	DRV(device_get, "cuDeviceGet"),
+	DRV(device_get_attribute, "cuDeviceGetAttribute"),
+	DRV(device_get_name, "cuDeviceGetName"),
+	DRV(granularity, "cuMemGetAllocationGranularity"),
+	DRV(create, "cuMemCreate"),
+	DRV(release, "cuMemRelease"),
+	DRV(address_reserve, "cuMemAddressReserve"),
+	DRV(address_free, "cuMemAddressFree"),
+	DRV(map, "cuMemMap"),
+	DRV(unmap, "cuMemUnmap"),
+	DRV(set_access, "cuMemSetAccess"),
+	DRV(export_handle, "cuMemExportToShareableHandle"),
+};
+#undef DRV
+_Static_assert(sizeof(cuda_driver_symbols) / sizeof(cuda_driver_symbols[0]) * sizeof(void *) ==
+	       sizeof(struct cuda_driver), "every entry point of struct cuda_driver has its name");
+
+/* A shardd_cuda_lookup_fn: the runtime's own lookup of a driver entry point. */
+static int cuda_driver_lookup(void *ctx, const char *name, void **fn, char *err, size_t errlen)
 {
 	enum cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
 	cudaError_t e;
 
-	e = cudaGetDriverEntryPointByVersion(name, fn, CUDA_DRIVER_ABI, cudaEnableDefault, &status);
+	(void)ctx;
+	e = cudaGetDriverEntryPointByVersion(name, fn, SHARDD_CUDA_DRIVER_ABI, cudaEnableDefault, &status);
 	if (e == cudaSuccess && status == cudaDriverEntryPointSuccess && *fn)
 		return 0;
 	snprintf(err, errlen,
@@ -1453,12 +1468,19 @@ static int cuda_symbol(const char *name, void **fn, char *err, size_t errlen)
 	return -SHARDD_E_BACKEND;
 }
 
+/* Resolve every entry point of `drv`. 0, or -SHARDD_E_BACKEND with `err` naming the one missing. */
+static int cuda_driver_resolve(struct cuda_driver *drv, char *err, size_t errlen)
+{
+	return shardd_cuda_resolve(drv, cuda_driver_symbols,
+				   sizeof(cuda_driver_symbols) / sizeof(cuda_driver_symbols[0]),
+				   cuda_driver_lookup, NULL, err, errlen);
+}
+
 int shardd_backend_cuda_create(uint32_t mode, uint64_t timeout_ns, struct shardd_backend_ctx **out,
 			       char *err, size_t errlen)
 {
 	struct cuda_backend *cb;
 	cudaError_t e;
-	void *fn;
 	int n = 0, ret;
 
 	if (mode != SHARDD_CUDA_EXPORT_AUTO && mode != SHARDD_CUDA_EXPORT_FD && mode != SHARDD_CUDA_EXPORT_IPC) {
@@ -1481,28 +1503,9 @@ int shardd_backend_cuda_create(uint32_t mode, uint64_t timeout_ns, struct shardd
 	/* Unallocated, and no fd for shardd_buf_forget to close. */
 	for (int i = 0; i < n; i++)
 		cb->devices[i].staging.fd = -1;
-	/* A driver entry point comes back as void *, converted to its PFN type as POSIX's dlsym. */
-#define CUDA_RESOLVE(field, name)                                            \
-	do {                                                                 \
-		ret = cuda_symbol(name, &fn, err, errlen);                   \
-		if (ret)                                                     \
-			goto err_free;                                       \
-		cb->drv.field = (__typeof__(cb->drv.field))fn;               \
-	} while (0)
-	CUDA_RESOLVE(get_error_string, "cuGetErrorString");
-	CUDA_RESOLVE(device_get, "cuDeviceGet");
-	CUDA_RESOLVE(device_get_attribute, "cuDeviceGetAttribute");
-	CUDA_RESOLVE(device_get_name, "cuDeviceGetName");
-	CUDA_RESOLVE(granularity, "cuMemGetAllocationGranularity");
-	CUDA_RESOLVE(create, "cuMemCreate");
-	CUDA_RESOLVE(release, "cuMemRelease");
-	CUDA_RESOLVE(address_reserve, "cuMemAddressReserve");
-	CUDA_RESOLVE(address_free, "cuMemAddressFree");
-	CUDA_RESOLVE(map, "cuMemMap");
-	CUDA_RESOLVE(unmap, "cuMemUnmap");
-	CUDA_RESOLVE(set_access, "cuMemSetAccess");
-	CUDA_RESOLVE(export_handle, "cuMemExportToShareableHandle");
-#undef CUDA_RESOLVE
+	ret = cuda_driver_resolve(&cb->drv, err, errlen);
+	if (ret)
+		goto err_free;
 	cb->base.ops = &cuda_ops;
 	cb->mode = mode;
 	cb->timeout_ns = timeout_ns;

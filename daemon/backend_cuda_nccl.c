@@ -146,8 +146,7 @@ int shardd_nccl_load(char *err, size_t errlen)
 /* Messages and polling                                                */
 /* ------------------------------------------------------------------ */
 
-/* "devices 0,1,2" */
-static void devices_str(const int32_t *devices, uint32_t n, char *buf, size_t len)
+void shardd_nccl_devices_str(const int32_t *devices, uint32_t n, char *buf, size_t len)
 {
 	size_t off = (size_t)snprintf(buf, len, "devices");
 
@@ -162,7 +161,7 @@ static void nccl_error(const struct shardd_nccl_clique *c, const char *what, ncc
 	char devs[128];
 	const char *last = api.get_last_error(NULL);
 
-	devices_str(c->devices, c->n, devs, sizeof(devs));
+	shardd_nccl_devices_str(c->devices, c->n, devs, sizeof(devs));
 	snprintf(err, errlen, "NCCL %s on %s of job '%s': %s (%d)%s%s", what, devs, c->job_name,
 		 api.get_error_string(r), (int)r, last && last[0] ? ": " : "", last ? last : "");
 }
@@ -270,7 +269,7 @@ static void clique_destroy(struct shardd_nccl *nc, struct shardd_nccl_clique *c)
 		for (uint32_t k = 0; k < c->n; k++)
 			api.comm_destroy(c->comms[k]);
 	} else {
-		devices_str(c->devices, c->n, devs, sizeof(devs));
+		shardd_nccl_devices_str(c->devices, c->n, devs, sizeof(devs));
 		shardd_log_warn("shardd: cuda backend: NCCL communicators on %s of job '%s' did not finalize (%s); "
 				"aborted", devs, c->job_name, r == ncclInProgress ? "timed out" : api.get_error_string(r));
 		clique_abort(c);
@@ -391,7 +390,7 @@ int shardd_nccl_clique(struct shardd_nccl *nc, const void *job, const char *job_
 		clique_free(c);
 		return ret;
 	}
-	devices_str(devices, n, devs, sizeof(devs));
+	shardd_nccl_devices_str(devices, n, devs, sizeof(devs));
 	shardd_log_info("cuda backend: NCCL communicators of job '%s' on %s ready", job_name, devs);
 	c->next = nc->cliques;
 	nc->cliques = c;
@@ -488,7 +487,7 @@ uint32_t shardd_nccl_check_device(struct shardd_nccl *nc, int32_t device, int ab
 			if (bad != ncclSuccess)
 				nccl_error(c, "communicators failed", bad, one, sizeof(one));
 			else
-				devices_str(c->devices, c->n, one, sizeof(one));
+				shardd_nccl_devices_str(c->devices, c->n, one, sizeof(one));
 			off += (size_t)snprintf(err + off, errlen - off, "%s%s", aborted ? "; " : "", one);
 		}
 		*pp = c->next;

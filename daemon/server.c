@@ -26,7 +26,7 @@
 /* Globals                                                             */
 /* ------------------------------------------------------------------ */
 
-struct shardd_server server = { .listen_fd = -1, .signal_fd = -1 };
+struct shardd_server server = { .listen_fd = -1, .signal_fd = -1, .accept_reserve_fd = -1 };
 
 /* ------------------------------------------------------------------ */
 /* Config                                                              */
@@ -432,6 +432,11 @@ int shardd_server_init(const struct shardd_config *cfg)
 	server.listen_fd = socket_listen(cfg->socket_path);
 	if (server.listen_fd < 0)
 		return -EADDRINUSE;
+	server.accept_reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+	if (server.accept_reserve_fd < 0) {
+		fprintf(stderr, "shardd: cannot open /dev/null: %s\n", strerror(errno));
+		return -errno;
+	}
 	ret = shardd_loop_create(&server.loop);
 	if (ret < 0) {
 		fprintf(stderr, "shardd: cannot create the io_uring event loop: %s\n", strerror(-ret));
@@ -487,6 +492,9 @@ void shardd_server_shutdown(void)
 	if (server.listen_fd >= 0)
 		close(server.listen_fd);
 	server.listen_fd = -1;
+	if (server.accept_reserve_fd >= 0)
+		close(server.accept_reserve_fd);
+	server.accept_reserve_fd = -1;
 	if (server.socket_bound && unlink(server.cfg.socket_path) < 0 && errno != ENOENT)
 		shardd_log_warn("cannot remove %s: %s", server.cfg.socket_path, strerror(errno));
 	server.socket_bound = 0;

@@ -54,6 +54,8 @@ struct shardd_server {
 	int      listen_fd;            /* -1 when not listening */
 	int      signal_fd;            /* SIGTERM, SIGINT */
 	int      socket_bound;         /* we created socket_path: unlink it on exit */
+	int      accept_reserve_fd;    /* /dev/null held back to answer a connection at the fd
+					* limit (shardd_session_accept); -1 while spent */
 	struct shardd_loop   *loop;
 	struct shardd_engine *engine;
 	struct shardd_session *sessions;  /* every connected client, dead ones until reaped */

@@ -28,6 +28,12 @@ struct shardd_session_out;
 #define SHARDD_SESSION_OUT_MAX     (64ull * 1024 * 1024)
 /* Datagrams read from one session per loop turn: a flooding client cannot starve the rest. */
 #define SHARDD_SESSION_READ_BUDGET 64
+/*
+ * How long a refused connection stays open after its ERROR went out: long
+ * enough for the client to read the reply (its EOF usually comes first),
+ * short enough that refused connections do not pile up.
+ */
+#define SHARDD_SESSION_LINGER_MS   2000
 
 /* The client's credentials, from SO_PEERCRED. */
 struct shardd_peer {
@@ -40,6 +46,8 @@ enum shardd_session_state {
 	SHARDD_SESSION_HANDSHAKE = 0, /* connected, no HELLO accepted yet */
 	SHARDD_SESSION_ATTACHED  = 1, /* welcomed: rank of a job, ring live */
 	SHARDD_SESSION_DEAD      = 2, /* closed; freed at the next reap */
+	SHARDD_SESSION_LINGER    = 3, /* refused: detached, its ERROR sent, our side shut for
+				       * writing; closed at the client's EOF or linger_until_ns */
 };
 
 /* Per-session counters, for shardctl. */
@@ -85,6 +93,7 @@ struct shardd_session {
 	struct shardd_session_stats stats;
 	int      closing;            /* found broken mid-push: closed at the loop's next safe point */
 	char     closing_why[256];   /* why, logged when it is closed */
+	uint64_t linger_until_ns;    /* SHARDD_SESSION_LINGER: close by then (CLOCK_MONOTONIC) */
 };
 
 /* Accept every pending connection on the listening socket (loop callback). */
@@ -167,7 +176,9 @@ void shardd_session_close_marked(void);
 int shardd_session_read_backlog(struct shardd_session *s);
 /*
  * Close every connection that sent no complete message (no HELLO, no
- * admin request) within the handshake timeout of connecting, naming its pid.
+ * admin request) within the handshake timeout of connecting, naming its
+ * pid, and every refused one whose linger ran out. Retries accepting when
+ * the fd limit left the listening socket with connections it could not take.
  */
 void shardd_session_cron(uint64_t now_ns);
 /* Free every dead session. */

@@ -149,15 +149,21 @@ static int connect_daemon(const struct opts *o)
 	err = errno;
 	close(fd);
 	if (err == EACCES || err == EPERM) {
+		unsigned uid = (unsigned)geteuid(), gid = (unsigned)getegid();
+
 		if (stat(o->socket, &st) == 0)
 			fail(o, -err, "permission denied at %s (connect: %s): the socket belongs to "
-			     "uid %u, mode %03o, and shardctl runs as uid %u; run shardctl as "
-			     "shardd's user", o->socket, strerror(err), (unsigned)st.st_uid,
-			     (unsigned)(st.st_mode & 0777), (unsigned)getuid());
+			     "uid %u gid %u, mode %04o, and shardctl runs as uid %u gid %u; run "
+			     "shardctl as uid %u, or start shardd with --allow-gid %u (it then "
+			     "makes the socket and its directory group-accessible)", o->socket,
+			     strerror(err), (unsigned)st.st_uid, (unsigned)st.st_gid,
+			     (unsigned)(st.st_mode & 07777), uid, gid, (unsigned)st.st_uid, gid);
 		else
 			fail(o, -err, "permission denied at %s (connect: %s): a directory on the "
-			     "path is not searchable by uid %u; run shardctl as shardd's user",
-			     o->socket, strerror(err), (unsigned)getuid());
+			     "path does not let uid %u gid %u through; run shardctl as shardd's "
+			     "user, or start shardd with --allow-gid %u (it then makes the "
+			     "socket's directory group-accessible)", o->socket, strerror(err), uid,
+			     gid, gid);
 	} else {
 		fail(o, -err, "no shardd at %s (connect: %s); start one with `shardd --socket %s` "
 		     "or pass --socket", o->socket, strerror(err), o->socket);

@@ -63,6 +63,30 @@ def default_socket_path():
     return "/run/shardd/shardd.sock"
 
 
+def _connect_denied(path, err):
+    """Why connect() said EACCES: who owns the socket and its directory, who
+    we are, and the flag that lets us in (as libshardd says it)."""
+    uid, gid = os.geteuid(), os.getegid()
+    d = os.path.dirname(path) or "."
+    try:
+        dst = os.stat(d)
+    except OSError as e:
+        return (f"connect: {err.strerror}: a directory on the way to {d} does not let uid {uid} "
+                f"(gid {gid}) through ({e.strerror}); run as shardd's user, or start shardd with "
+                f"--allow-gid {gid} and a socket path whose directories group {gid} may search")
+    dinfo = f"uid {dst.st_uid} gid {dst.st_gid}, mode {dst.st_mode & 0o7777:04o}"
+    try:
+        st = os.stat(path)
+    except OSError:
+        return (f"connect: {err.strerror}: its directory {d} belongs to {dinfo}, and does not let "
+                f"uid {uid} (gid {gid}) in; start shardd with --allow-gid {gid} (it then makes "
+                f"the directory and the socket group-accessible) or run as uid {dst.st_uid}")
+    return (f"connect: {err.strerror}: the socket belongs to uid {st.st_uid} gid {st.st_gid}, "
+            f"mode {st.st_mode & 0o7777:04o} (its directory {d}: {dinfo}), and this process runs "
+            f"as uid {uid} gid {gid}; start shardd with --allow-gid {gid} (it then makes the socket "
+            f"and its directory group-accessible) or run as uid {st.st_uid}")
+
+
 def _cstr(s, size, what):
     b = s.encode("utf-8") if isinstance(s, str) else bytes(s)
     if not b or len(b) >= size or b"\0" in b:
@@ -150,6 +174,8 @@ class Client:
             self._sock.settimeout(None)
         except OSError as e:
             code = -(e.errno or errno.ETIMEDOUT)
+            if e.errno in (errno.EACCES, errno.EPERM):
+                raise _error(code, f"{where}: {_connect_denied(self.socket_path, e)}") from None
             raise _error(code, f"{where}: {e.strerror or 'connect timed out'}; is shardd running "
                                f"(--socket PATH, or set SHARDD_SOCKET)?") from None
         hello = P.HELLO.pack(major, P.PROTO_MINOR, os.getpid(), job, self.rank, self.replicate,
@@ -189,8 +215,16 @@ class Client:
                 raise _error(-errno.ENOTCONN, f"{where}: client is closed")
             self._seq = (self._seq + 1) & 0xFFFFFFFF or 1
             seq = self._seq
+            send_error = None
             try:
-                ctrl.send_msg(self._sock, mtype, seq, payload)
+                try:
+                    ctrl.send_msg(self._sock, mtype, seq, payload)
+                except ctrl.CtrlError as e:
+                    # A daemon that refused us (at accept) and closed left its
+                    # ERROR to read: read it before calling the connection broken.
+                    if e.code not in (-errno.EPIPE, -errno.ECONNRESET):
+                        raise
+                    send_error = e
                 while True:
                     rtype, rseq, rpayload, rfds = ctrl.recv_msg(self._sock, timeout)
                     if rtype == P.MSG_ERROR:
@@ -211,6 +245,9 @@ class Client:
             except ctrl.CtrlError as e:
                 if e.code == -errno.ECONNRESET and self.daemon_text:
                     raise _error(e.code, f"{where}: {e}: daemon: {self.daemon_text}") from None
+                if e.code == -errno.ECONNRESET and send_error is not None:
+                    raise _error(send_error.code, f"{where}: {send_error}; the daemon closed "
+                                                  "the connection without a reply") from None
                 raise _error(e.code, f"{where}: {e}") from None
 
     def _sync_timeout(self):

@@ -313,7 +313,7 @@ class Client:
                     self.daemon_text = _parse_error(payload)[1]
         return True
 
-    def _wait_one(self, timeout, what):
+    def _wait_one(self, timeout, what, total=None):
         if self.ring is None:
             raise _error(-errno.ENOTCONN, f"{what}: client is closed")
         for _ in range(SPIN_ITERATIONS):
@@ -336,7 +336,8 @@ class Client:
                 left = min(left, deadline - time.monotonic())
                 if left <= 0:
                     st = self.ring.status()
-                    raise _error(-errno.ETIMEDOUT, f"{what}: no completion within {timeout:g} s "
+                    raise _error(-errno.ETIMEDOUT, f"{what}: no completion within "
+                                 f"{total if total is not None else timeout:g} s "
                                  f"(daemon last took {P.OP_NAMES.get(st['daemon_last_op'], 'nothing')} "
                                  f"step {st['daemon_last_step']}, {st['sq_pending']} submissions "
                                  f"not yet taken)")
@@ -371,10 +372,10 @@ class Client:
                     self._reap_one(self._sync_timeout(), where)
         return Pending(self, pending)
 
-    def _reap_one(self, timeout, what):
+    def _reap_one(self, timeout, what, total=None):
         """Wait for one completion and file it: a wrapper op's by its user_data,
         anything else on the stash for poll()/wait()."""
-        self._file(self._wait_one(timeout, what))
+        self._file(self._wait_one(timeout, what, total))
 
     def _file(self, c):
         if c.user_data & USER_DATA_RESERVED:
@@ -395,7 +396,7 @@ class Client:
                 while any(ud not in self._sync_done for ud in pending):
                     left = None if deadline is None else max(0.0, deadline - time.monotonic())
                     self._reap_one(left, ", ".join(w for u, w in pending.items()
-                                                   if u not in self._sync_done))
+                                                   if u not in self._sync_done), timeout)
             except ShardError:
                 for ud in pending:
                     if self._sync_done.pop(ud, None) is None:

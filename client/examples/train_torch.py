@@ -38,10 +38,11 @@ import time
 import numpy as np
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "python"))
-
-import shardd.torch as st  # noqa: E402
+try:
+    import shardd.torch as st
+except ImportError:     # not installed: the checkout's client/python
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+    import shardd.torch as st
 
 IN, HIDDEN, OUT = 8, 33, 4
 LR, MOMENTUM, WEIGHT_DECAY = 0.05, 0.9, 1e-4

@@ -22,6 +22,9 @@
 #define SHARDD_TIMEOUT_DEFAULT_S     300.0   /* --collective-timeout */
 #define SHARDD_TIMEOUT_MAX_S         604800.0 /* one week; fits the welcome's u32 ms */
 #define SHARDD_HANDSHAKE_TIMEOUT_DEFAULT_S 10.0 /* --handshake-timeout: first message due */
+#define SHARDD_SOCKET_MODE_PRIVATE   0600    /* the socket without --allow-gid */
+#define SHARDD_SOCKET_MODE_GROUP     0660    /* with --allow-gid: the group may connect */
+#define SHARDD_LISTEN_FDS_START      3       /* systemd's first passed fd (sd_listen_fds) */
 
 struct shardd_loop;
 struct shardd_loop_event;
@@ -39,6 +42,9 @@ struct shardd_config {
 	unsigned workers;               /* --workers; 0 = online cores */
 	gid_t    allow_gids[SHARDD_MAX_ALLOW_GIDS]; /* --allow-gid */
 	unsigned nallow_gids;
+	unsigned socket_mode;           /* --socket-mode; 0: 0660 with --allow-gid, else 0600 */
+	gid_t    socket_group;          /* --socket-group; else the first --allow-gid */
+	int      socket_group_set;      /* --socket-group was given */
 };
 
 struct shardd_server {
@@ -51,6 +57,7 @@ struct shardd_server {
 	int      listen_fd;            /* -1 when not listening */
 	int      signal_fd;            /* SIGTERM, SIGINT */
 	int      socket_bound;         /* we created socket_path: unlink it on exit */
+	int      socket_activated;     /* listen_fd came from systemd (LISTEN_FDS) */
 	struct shardd_loop   *loop;
 	struct shardd_engine *engine;
 	struct shardd_session *sessions;  /* every connected client, dead ones until reaped */

@@ -15,7 +15,7 @@ CC       ?= gcc
 CFLAGS   ?= -O2 -g -Wall -Wextra
 override CFLAGS += -std=gnu11 -Werror -fPIC -pthread -MMD -MP -I. -Iproto -Ikernels -Iclient
 LDFLAGS  ?=
-LDLIBS   := -luring -ljansson -lpthread -lm
+LDLIBS   := -luring -ljansson -lmicrohttpd -lpthread -lm
 PREFIX   ?= /usr/local
 DESTDIR  ?=
 PYTHON   ?= /usr/bin/python3

@@ -15,6 +15,7 @@
 
 #include "backend_cuda.h"
 #include "log.h"
+#include "metrics_http.h"
 #include "server.h"
 
 static void usage(FILE *f)
@@ -57,6 +58,8 @@ static void usage(FILE *f)
 		"  --socket-group GROUP       group of the socket and of the directory shardd\n"
 		"                             creates (number or name; default: the first\n"
 		"                             --allow-gid)\n"
+		"  --metrics-listen [ADDR:]PORT  serve Prometheus text on http://ADDR:PORT/metrics\n"
+		"                             (ADDR defaults to 127.0.0.1; [::1]:PORT for IPv6)\n"
 		"  --log-level LEVEL          error, warn, info or debug (default info)\n"
 		"  --foreground               accepted for supervisors; shardd never daemonizes\n"
 		"  --version                  print the version and exit\n"
@@ -201,6 +204,15 @@ static int apply_flag(struct shardd_config *cfg, const char *flag, const char *v
 			return usage_error("--socket-group: '%s' is neither a gid nor a group name",
 					   val);
 		cfg->socket_group_set = 1;
+	} else if (strcmp(flag, "--metrics-listen") == 0) {
+		char host[128], port[16], why[256];
+
+		if (strlen(val) >= sizeof(cfg->metrics_listen) ||
+		    shardd_metrics_http_parse(val, host, sizeof(host), port, sizeof(port), why,
+					      sizeof(why)) < 0)
+			return usage_error("--metrics-listen %s", strlen(val) >=
+					   sizeof(cfg->metrics_listen) ? "is too long" : why);
+		snprintf(cfg->metrics_listen, sizeof(cfg->metrics_listen), "%s", val);
 	} else if (strcmp(flag, "--foreground") == 0) {
 		/* shardd never forks into the background; the flag is for supervisors' habits. */
 	} else {
@@ -215,6 +227,7 @@ static int takes_value(const char *flag)
 	static const char *const with_value[] = {
 		"--socket", "--log-level", "--backend", "--cuda-export", "--collective-timeout",
 		"--handshake-timeout", "--workers", "--allow-gid", "--socket-mode", "--socket-group",
+		"--metrics-listen",
 	};
 
 	for (size_t i = 0; i < sizeof(with_value) / sizeof(with_value[0]); i++)

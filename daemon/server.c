@@ -19,6 +19,7 @@
 #include "job.h"
 #include "log.h"
 #include "loop.h"
+#include "metrics_http.h"
 #include "rendezvous.h"
 #include "server.h"
 #include "session.h"
@@ -599,6 +600,14 @@ int shardd_server_init(const struct shardd_config *cfg)
 		return ret;
 	}
 	shardd_loop_set_sleep_hooks(server.loop, server_before_sleep, server_after_sleep, NULL);
+	if (cfg->metrics_listen[0]) {
+		ret = shardd_metrics_http_start(cfg->metrics_listen, server.loop,
+						&server.metrics_http);
+		if (ret < 0)
+			return ret;
+		shardd_log_info("serving Prometheus metrics on %s",
+				shardd_metrics_http_url(server.metrics_http));
+	}
 	shardd_log_info("shardd %s (protocol %d.%d), pid %d, backend %s, collective timeout %g s, "
 			"handshake timeout %g s", SHARDD_VERSION, SHARDD_PROTO_MAJOR,
 			SHARDD_PROTO_MINOR, (int)server.pid, shardd_backend_name(cfg->backend),
@@ -629,6 +638,8 @@ void shardd_server_shutdown(void)
 	for (struct shardd_session *s = server.sessions; s; s = s->next)
 		shardd_session_close(s, "shardd is shutting down");
 	shardd_session_reap();
+	shardd_metrics_http_stop(server.metrics_http, server.loop);
+	server.metrics_http = NULL;
 	shardd_loop_destroy(server.loop);
 	server.loop = NULL;
 	if (server.engine)

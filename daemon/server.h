@@ -31,6 +31,7 @@ struct shardd_loop_event;
 struct shardd_engine;
 struct shardd_session;
 struct shardd_job;
+struct shardd_metrics_http;
 
 struct shardd_config {
 	char     socket_path[sizeof(((struct sockaddr_un *)0)->sun_path)]; /* --socket */
@@ -45,6 +46,7 @@ struct shardd_config {
 	unsigned socket_mode;           /* --socket-mode; 0: 0660 with --allow-gid, else 0600 */
 	gid_t    socket_group;          /* --socket-group; else the first --allow-gid */
 	int      socket_group_set;      /* --socket-group was given */
+	char     metrics_listen[128];   /* --metrics-listen [ADDR:]PORT; "" = no HTTP endpoint */
 };
 
 struct shardd_server {
@@ -58,6 +60,7 @@ struct shardd_server {
 	int      signal_fd;            /* SIGTERM, SIGINT */
 	int      socket_bound;         /* we created socket_path: unlink it on exit */
 	int      socket_activated;     /* listen_fd came from systemd (LISTEN_FDS) */
+	struct shardd_metrics_http *metrics_http; /* --metrics-listen; NULL without */
 	struct shardd_loop   *loop;
 	struct shardd_engine *engine;
 	struct shardd_session *sessions;  /* every connected client, dead ones until reaped */

@@ -4,7 +4,7 @@
 #   make test            install missing packages (make deps), build, run every suite
 #   make train           the main job: a real training run through the daemon (README)
 #   make test-gpu        CUDA kernel and cuda-backend tests (skip cleanly without a GPU)
-#   make install PREFIX=/usr/local DESTDIR=
+#   make install PREFIX=/usr/local DESTDIR=    (make uninstall with the same PREFIX)
 #   make SANITIZE=1      ASan + UBSan build (out of tree in build-san/)
 #   make CUDA=auto|0|1   build the cuda backend when nvcc and nccl.h are found (auto)
 #
@@ -15,7 +15,7 @@ CC       ?= gcc
 CFLAGS   ?= -O2 -g -Wall -Wextra
 override CFLAGS += -std=gnu11 -Werror -fPIC -pthread -MMD -MP -I. -Iproto -Ikernels -Iclient
 LDFLAGS  ?=
-LDLIBS   := -luring -ljansson -lpthread -lm
+LDLIBS   := -luring -ljansson -lmicrohttpd -lpthread -lm
 PREFIX   ?= /usr/local
 DESTDIR  ?=
 PYTHON   ?= /usr/bin/python3
@@ -88,7 +88,7 @@ GPU_BIN     := $(patsubst tests/%.c,$(BUILD)/tests/%,$(GPU_SRC))
 .PHONY: all test test-c test-python test-gpu train deps deps-check install clean
 # Keep objects that pattern chains would delete as intermediates (and rebuild every time).
 .SECONDARY:
-all: $(SHARDD) $(LIBCLIENT_A) $(LIBCLIENT_SO) $(SHARDCTL) $(SHARDBENCH) $(EXAMPLES) $(BUILD)/shardd.pc
+all: $(SHARDD) $(LIBCLIENT_A) $(LIBCLIENT_SO) $(SHARDCTL) $(SHARDBENCH) $(EXAMPLES)
 
 $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
@@ -127,9 +127,6 @@ $(BUILD)/tests/%: $(BUILD)/tests/%.o $(TESTLIB_OBJ) $(LIBDAEMON) $(LIBCLIENT_A) 
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS) -o $@ $^ -lcriterion $(LDLIBS) $(CUDA_LDLIBS)
 
-$(BUILD)/shardd.pc: Makefile
-	@mkdir -p $(dir $@)
-	printf 'prefix=%s\nlibdir=$${prefix}/lib\nincludedir=$${prefix}/include\n\nName: shardd\nDescription: client library of the shardd ZeRO-3 parameter server\nVersion: %s\nLibs: -L$${libdir} -lshardd\nLibs.private: -lpthread\nCflags: -I$${includedir}\n' '$(PREFIX)' '$(VERSION)' > $@
 
 # ---------------------------------------------------------------- deps ---
 deps:
@@ -163,14 +160,61 @@ train: deps-check
 	tools/train.sh $(BUILD)
 
 # ------------------------------------------------------------- install ---
+# Every path below is filled in at install time, so `make install PREFIX=/x`
+# after a plain `make` installs a shardd.pc and units that name /x.
+BINDIR     ?= $(PREFIX)/bin
+LIBDIR     ?= $(PREFIX)/lib
+INCLUDEDIR ?= $(PREFIX)/include
+MANDIR     ?= $(PREFIX)/share/man
+UNITDIR    ?= $(PREFIX)/lib/systemd/system
+SYSUSERSDIR ?= $(PREFIX)/lib/sysusers.d
+SONAME     := libshardd.so.0
+INSTALL_BINS = $(notdir $(SHARDD) $(SHARDCTL) $(SHARDBENCH) $(wildcard $(BUILD)/shardbench_mpi))
+UNITS      := shardd.service shardd.socket
+# Man pages: scdoc sources in man/, pages built into $(BUILD)/man.
+MAN_SRC    := $(wildcard man/*.scd)
+MAN_PAGES  := $(patsubst man/%.scd,$(BUILD)/man/%,$(MAN_SRC))
+# Fill a .in template: @PREFIX@ @BINDIR@ @LIBDIR@ @INCLUDEDIR@ @VERSION@.
+subst_paths = sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@BINDIR@|$(BINDIR)|g' \
+	-e 's|@LIBDIR@|$(LIBDIR)|g' -e 's|@INCLUDEDIR@|$(INCLUDEDIR)|g' -e 's|@VERSION@|$(VERSION)|g'
+.PHONY: uninstall man
+all: $(MAN_PAGES)
+man: $(MAN_PAGES)
+
+$(BUILD)/man/%: man/%.scd
+	@mkdir -p $(dir $@)
+	scdoc < $< > $@.tmp || { rm -f $@.tmp; exit 1; }
+	mv $@.tmp $@
+
 install: all
-	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/include
-	install -m 755 $(SHARDD) $(SHARDCTL) $(SHARDBENCH) $(wildcard $(BUILD)/shardbench_mpi) $(DESTDIR)$(PREFIX)/bin/
-	install -m 644 $(LIBCLIENT_A) $(DESTDIR)$(PREFIX)/lib/
-	install -m 755 $(LIBCLIENT_SO) $(DESTDIR)$(PREFIX)/lib/libshardd.so.0
-	ln -sf libshardd.so.0 $(DESTDIR)$(PREFIX)/lib/libshardd.so
-	install -m 644 client/shardd.h proto/shardd_proto.h $(DESTDIR)$(PREFIX)/include/
-	install -m 644 $(BUILD)/shardd.pc $(DESTDIR)$(PREFIX)/lib/pkgconfig/
+	install -d $(DESTDIR)$(BINDIR) $(DESTDIR)$(LIBDIR)/pkgconfig $(DESTDIR)$(INCLUDEDIR) \
+		$(DESTDIR)$(MANDIR)/man1 $(DESTDIR)$(MANDIR)/man3 $(DESTDIR)$(MANDIR)/man8 \
+		$(DESTDIR)$(UNITDIR) $(DESTDIR)$(SYSUSERSDIR)
+	install -m 755 $(addprefix $(BUILD)/,$(INSTALL_BINS)) $(DESTDIR)$(BINDIR)/
+	install -m 644 $(LIBCLIENT_A) $(DESTDIR)$(LIBDIR)/
+	install -m 755 $(LIBCLIENT_SO) $(DESTDIR)$(LIBDIR)/libshardd.so.$(VERSION)
+	ln -sf libshardd.so.$(VERSION) $(DESTDIR)$(LIBDIR)/$(SONAME)
+	ln -sf $(SONAME) $(DESTDIR)$(LIBDIR)/libshardd.so
+	install -m 644 client/shardd.h proto/shardd_proto.h $(DESTDIR)$(INCLUDEDIR)/
+	$(subst_paths) shardd.pc.in > $(DESTDIR)$(LIBDIR)/pkgconfig/shardd.pc
+	chmod 644 $(DESTDIR)$(LIBDIR)/pkgconfig/shardd.pc
+	for m in $(notdir $(MAN_PAGES)); do \
+		install -m 644 $(BUILD)/man/$$m $(DESTDIR)$(MANDIR)/man$${m##*.}/$$m || exit 1; done
+	for u in $(UNITS); do \
+		$(subst_paths) tools/systemd/$$u.in > $(DESTDIR)$(UNITDIR)/$$u && \
+		chmod 644 $(DESTDIR)$(UNITDIR)/$$u || exit 1; done
+	install -m 644 tools/systemd/shardd.sysusers $(DESTDIR)$(SYSUSERSDIR)/shardd.conf
+	@# ldconfig for a real install as root into a directory ld.so searches, else a note.
+	@tools/setup/ldconfig.sh install '$(LIBDIR)' '$(DESTDIR)'
+
+uninstall:
+	rm -f $(addprefix $(DESTDIR)$(BINDIR)/,shardd shardctl shardbench shardbench_mpi)
+	rm -f $(addprefix $(DESTDIR)$(LIBDIR)/,libshardd.a libshardd.so $(SONAME) libshardd.so.$(VERSION))
+	rm -f $(DESTDIR)$(LIBDIR)/pkgconfig/shardd.pc
+	rm -f $(addprefix $(DESTDIR)$(INCLUDEDIR)/,shardd.h shardd_proto.h)
+	for m in $(notdir $(MAN_PAGES)); do rm -f $(DESTDIR)$(MANDIR)/man$${m##*.}/$$m; done
+	rm -f $(addprefix $(DESTDIR)$(UNITDIR)/,$(UNITS)) $(DESTDIR)$(SYSUSERSDIR)/shardd.conf
+	@tools/setup/ldconfig.sh uninstall '$(LIBDIR)' '$(DESTDIR)'
 
 clean:
 	rm -rf build build-san

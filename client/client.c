@@ -194,7 +194,8 @@ static int resolve_socket_path(const char *given, char *out, size_t len)
 	const char *xdg = getenv("XDG_RUNTIME_DIR");
 	int n;
 
-	if (given)
+	/* "" means the default as NULL does: an unset string field in a zeroed struct. */
+	if (given && *given)
 		n = snprintf(out, len, "%s", given);
 	else if (env && *env)
 		n = snprintf(out, len, "%s", env);

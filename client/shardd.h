@@ -47,7 +47,7 @@ struct shardd_client; /* opaque: one attachment of one rank */
 struct shardd_group;  /* opaque: one group's layout and buffer mappings */
 
 struct shardd_attach_opts {
-	const char *socket_path; /* NULL: $SHARDD_SOCKET, else the default path */
+	const char *socket_path; /* NULL or "": $SHARDD_SOCKET, else the default path */
 	const char *job;         /* job name, shorter than SHARDD_NAME_MAX */
 	uint32_t rank;           /* global rank = replica * shard + shard_rank */
 	uint32_t replicate;      /* mesh rows (1 for plain FSDP) */

@@ -527,6 +527,28 @@ static json_t *rank_waiting(const json_t *pending, uint32_t rank)
 	return arr;
 }
 
+/*
+ * The furthest training step session `s` has reached: the furthest
+ * step-carrying op it had taken, or the one its client submitted last when
+ * that carries a step (written by the client: shown, never trusted). 0 and
+ * *has = 0 before any.
+ */
+static uint64_t session_step(const struct shardd_session *s, int *has)
+{
+	struct shardd_ring_hdr *h = s->ring.hdr;
+	uint32_t cop = atomic_load_explicit(SHARDD_ATOMIC32(&h->client_last_op),
+					    memory_order_relaxed);
+	uint64_t cstep = __atomic_load_n(&h->client_last_step, __ATOMIC_RELAXED);
+	uint64_t step = s->clock.has_step ? s->clock.step : 0;
+
+	*has = s->clock.has_step;
+	if (shardd_op_carries_step(cop) && (!*has || cstep > step)) {
+		step = cstep;
+		*has = 1;
+	}
+	return step;
+}
+
 static json_t *json_rank(const struct shardd_job *j, uint32_t r, const json_t *pending,
 			 uint64_t max_step, uint64_t now_ns)
 {
@@ -550,6 +572,8 @@ static json_t *json_rank(const struct shardd_job *j, uint32_t r, const json_t *p
 		uint64_t cstep = __atomic_load_n(&h->client_last_step, __ATOMIC_RELAXED);
 		int64_t sq_pending = shardd_sq_ready((struct shardd_ring *)&s->ring);
 		double since = (double)(now_ns - s->stats.attached_ns) / 1e9;
+		int has_step;
+		uint64_t step = session_step(s, &has_step);
 
 		clock_gettime(CLOCK_REALTIME, &wall);
 		if (put(o, "client_id", json_integer(s->id)) ||
@@ -557,15 +581,15 @@ static json_t *json_rank(const struct shardd_job *j, uint32_t r, const json_t *p
 		    put(o, "attached_at", json_real((double)wall.tv_sec + wall.tv_nsec / 1e9 - since)) ||
 		    put(o, "submitted", json_op_step(cop, cstep)) ||
 		    put(o, "taken", json_op_step(s->stats.last_taken_op, s->stats.last_taken_step)) ||
-		    put(o, "completed", json_op_step(s->stats.last_completed_op,
-						     s->stats.last_completed_step)) ||
+		    put(o, "completed", json_op_step(s->clock.done.op, s->clock.done.step)) ||
+		    put(o, "step", has_step ? json_u64(step) : json_null()) ||
 		    put(o, "ops_taken", json_u64(s->stats.ops_taken)) ||
 		    put(o, "ops_completed", json_u64(s->stats.ops_completed)) ||
 		    put(o, "ops_failed", json_u64(s->stats.ops_failed)) ||
 		    put(o, "inflight", json_integer(s->inflight)) ||
 		    put(o, "sq_pending", sq_pending < 0 ? json_string("corrupt") :
 			json_integer(sq_pending)) ||
-		    put(o, "behind", json_u64(max_step > cstep ? max_step - cstep : 0)) ||
+		    put(o, "behind", json_u64(max_step > step ? max_step - step : 0)) ||
 		    put(o, "waiting", rank_waiting(pending, r)))
 			goto err;
 	}
@@ -586,7 +610,8 @@ static json_t *json_job_ranks(const struct shardd_job *j, uint64_t now_ns)
 		const struct shardd_session *s = j->ranks[r].session;
 
 		if (s) {
-			uint64_t step = __atomic_load_n(&s->ring.hdr->client_last_step, __ATOMIC_RELAXED);
+			int has;
+			uint64_t step = session_step(s, &has);
 
 			if (step > max_step)
 				max_step = step;

@@ -15,6 +15,7 @@
 
 #include "backend_cuda.h"
 #include "log.h"
+#include "metrics_http.h"
 #include "server.h"
 
 static void usage(FILE *f)
@@ -29,7 +30,8 @@ static void usage(FILE *f)
 		"\n"
 		"shardd always runs in the foreground and logs to stderr: run it under systemd\n"
 		"or another supervisor. It prints 'shardd: ready on PATH' once it accepts clients,\n"
-		"and shuts down cleanly on SIGTERM or SIGINT.\n"
+		"and shuts down cleanly on SIGTERM or SIGINT. Under systemd socket activation\n"
+		"(LISTEN_FDS=1, see shardd.socket) it serves the socket passed as fd 3.\n"
 		"\n"
 		"Options:\n"
 		"  --socket PATH              listen on PATH (default %s;\n"
@@ -52,6 +54,15 @@ static void usage(FILE *f)
 		"  --workers N                engine worker threads (default: online cores)\n"
 		"  --allow-gid GID            also accept clients of group GID (number or name;\n"
 		"                             repeatable); by default only shardd's own uid\n"
+		"  --socket-mode MODE         octal mode of the socket (default 0660 with\n"
+		"                             --allow-gid, else 0600); its directory, when\n"
+		"                             shardd creates it, gets search for the same classes\n"
+		"                             (0750 for 0660)\n"
+		"  --socket-group GROUP       group of the socket and of the directory shardd\n"
+		"                             creates (number or name; default: the first\n"
+		"                             --allow-gid)\n"
+		"  --metrics-listen [ADDR:]PORT  serve Prometheus text on http://ADDR:PORT/metrics\n"
+		"                             (ADDR defaults to 127.0.0.1; [::1]:PORT for IPv6)\n"
 		"  --log-level LEVEL          error, warn, info or debug (default info)\n"
 		"  --foreground               accepted for supervisors; shardd never daemonizes\n"
 		"  --version                  print the version and exit\n"
@@ -88,6 +99,23 @@ static int parse_uint(const char *s, unsigned long lo, unsigned long hi, unsigne
 	if (errno || *end || v < lo || v > hi)
 		return -1;
 	*out = v;
+	return 0;
+}
+
+/* A gid as a number or a group name. 0 or -1. */
+static int parse_gid(const char *s, gid_t *out)
+{
+	unsigned long v;
+	struct group *g;
+
+	if (parse_uint(s, 0, (gid_t)-1 - 1, &v) == 0) {
+		*out = (gid_t)v;
+		return 0;
+	}
+	g = getgrnam(s);
+	if (!g)
+		return -1;
+	*out = g->gr_gid;
 	return 0;
 }
 
@@ -158,16 +186,9 @@ static int apply_flag(struct shardd_config *cfg, const char *flag, const char *v
 	} else if (strcmp(flag, "--allow-gid") == 0) {
 		gid_t gid;
 
-		if (parse_uint(val, 0, (gid_t)-1 - 1, &v) == 0) {
-			gid = (gid_t)v;
-		} else {
-			struct group *g = getgrnam(val);
-
-			if (!g)
-				return usage_error("--allow-gid: '%s' is neither a gid nor a group "
-						   "name", val);
-			gid = g->gr_gid;
-		}
+		if (parse_gid(val, &gid) < 0)
+			return usage_error("--allow-gid: '%s' is neither a gid nor a group "
+					   "name", val);
 		if (cfg->nallow_gids == SHARDD_MAX_ALLOW_GIDS)
 			return usage_error("--allow-gid: more than %d groups (at '%s')",
 					   SHARDD_MAX_ALLOW_GIDS, val);
@@ -183,6 +204,30 @@ static int apply_flag(struct shardd_config *cfg, const char *flag, const char *v
 					   "(0 keeps a job without ranks forever)", val,
 					   SHARDD_JOB_LINGER_MAX_S);
 		cfg->job_linger_s = t;
+	} else if (strcmp(flag, "--socket-mode") == 0) {
+		char *end;
+
+		errno = 0;
+		v = strtoul(val, &end, 8);
+		if (errno || end == val || *end || *val == '-' || *val == '+' || v > 0777 ||
+		    (v & 0600) != 0600)
+			return usage_error("--socket-mode: '%s' is not an octal mode in [0600, 0777] "
+					   "that keeps the owner's rw (e.g. 0660)", val);
+		cfg->socket_mode = (unsigned)v;
+	} else if (strcmp(flag, "--socket-group") == 0) {
+		if (parse_gid(val, &cfg->socket_group) < 0)
+			return usage_error("--socket-group: '%s' is neither a gid nor a group name",
+					   val);
+		cfg->socket_group_set = 1;
+	} else if (strcmp(flag, "--metrics-listen") == 0) {
+		char host[128], port[16], why[256];
+
+		if (strlen(val) >= sizeof(cfg->metrics_listen) ||
+		    shardd_metrics_http_parse(val, host, sizeof(host), port, sizeof(port), why,
+					      sizeof(why)) < 0)
+			return usage_error("--metrics-listen %s", strlen(val) >=
+					   sizeof(cfg->metrics_listen) ? "is too long" : why);
+		snprintf(cfg->metrics_listen, sizeof(cfg->metrics_listen), "%s", val);
 	} else if (strcmp(flag, "--foreground") == 0) {
 		/* shardd never forks into the background; the flag is for supervisors' habits. */
 	} else {
@@ -196,7 +241,8 @@ static int takes_value(const char *flag)
 {
 	static const char *const with_value[] = {
 		"--socket", "--log-level", "--backend", "--cuda-export", "--collective-timeout",
-		"--handshake-timeout", "--workers", "--allow-gid", "--job-linger",
+		"--handshake-timeout", "--workers", "--allow-gid", "--job-linger", "--socket-mode",
+		"--socket-group", "--metrics-listen",
 	};
 
 	for (size_t i = 0; i < sizeof(with_value) / sizeof(with_value[0]); i++)

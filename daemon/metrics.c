@@ -26,8 +26,8 @@ struct shardd_op_metrics shardd_op_metrics[SHARDD_OP_COUNT];
 
 int shardd_op_clock_init(struct shardd_op_clock *c, uint32_t cap)
 {
+	memset(c, 0, sizeof(*c));
 	c->v = calloc(cap ? cap : 1, sizeof(*c->v));
-	c->n = 0;
 	c->cap = cap;
 	return c->v ? 0 : -ENOMEM;
 }
@@ -41,11 +41,16 @@ void shardd_op_clock_free(struct shardd_op_clock *c)
 void shardd_op_clock_start(struct shardd_op_clock *c, const struct shardd_sqe *sqe,
 			   uint64_t now_ns)
 {
+	c->taken++;
+	if (shardd_op_carries_step(sqe->op) && (!c->has_step || sqe->step > c->step)) {
+		c->has_step = 1;
+		c->step = sqe->step;
+	}
 	if (c->n >= c->cap)
 		return;
 	c->v[c->n++] = (struct shardd_op_timing){
 		.user_data = sqe->user_data, .step = sqe->step, .taken_ns = now_ns,
-		.op = sqe->op, .group = sqe->group,
+		.seq = c->taken, .op = sqe->op, .group = sqe->group,
 	};
 }
 
@@ -65,7 +70,7 @@ uint64_t shardd_op_clock_stop(struct shardd_op_clock *c, const struct shardd_sqe
 		const struct shardd_op_timing *t = &c->v[i];
 
 		if (t->user_data == sqe->user_data && t->step == sqe->step && t->op == sqe->op &&
-		    t->group == sqe->group && (best == c->n || t->taken_ns < c->v[best].taken_ns))
+		    t->group == sqe->group && (best == c->n || t->seq < c->v[best].seq))
 			best = i;
 	}
 	if (best == c->n)
@@ -73,6 +78,13 @@ uint64_t shardd_op_clock_stop(struct shardd_op_clock *c, const struct shardd_sqe
 	{
 		uint64_t taken = c->v[best].taken_ns;
 
+		/* Completions come out of take order: keep the latest-taken, so with
+		 * nothing in flight it is the last entry taken. */
+		if (c->v[best].seq > c->done_seq) {
+			c->done_seq = c->v[best].seq;
+			c->done = (struct shardd_op_progress){ .op = c->v[best].op,
+							       .step = c->v[best].step };
+		}
 		c->v[best] = c->v[--c->n];
 		return now_ns > taken ? now_ns - taken : 1;
 	}

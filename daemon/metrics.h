@@ -37,9 +37,26 @@ struct shardd_op_timing {
 	uint64_t user_data;
 	uint64_t step;
 	uint64_t taken_ns;
+	uint64_t seq;       /* take order within the session, from 1 */
 	uint32_t op;
 	uint32_t group;
 };
+
+/* One op of a session's progress (shardctl ranks); op 0 = none yet. */
+struct shardd_op_progress {
+	uint32_t op;
+	uint64_t step;
+};
+
+/*
+ * Does `op` carry a training step? unshard, reduce and reshard do; nop and
+ * zero_grad carry 0, a barrier its own number: counting those as steps
+ * would show a rank that just zeroed its grads as the whole run behind.
+ */
+static inline int shardd_op_carries_step(uint32_t op)
+{
+	return op == SHARDD_OP_UNSHARD || op == SHARDD_OP_REDUCE || op == SHARDD_OP_RESHARD;
+}
 
 /*
  * The take times of a session's in-flight entries. At most `cap` entries
@@ -49,6 +66,11 @@ struct shardd_op_timing {
 struct shardd_op_clock {
 	struct shardd_op_timing *v;
 	uint32_t n, cap;
+	uint64_t taken;                  /* entries taken: the last one's seq */
+	uint64_t done_seq;               /* seq of `done` */
+	struct shardd_op_progress done;  /* the latest-taken entry whose completion is pushed */
+	int      has_step;               /* some step-carrying entry was taken */
+	uint64_t step;                   /* the furthest step of those */
 };
 
 /* 0 or -ENOMEM. */

@@ -3,6 +3,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <stddef.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdio.h>
@@ -18,6 +19,7 @@
 #include "job.h"
 #include "log.h"
 #include "loop.h"
+#include "metrics_http.h"
 #include "rendezvous.h"
 #include "server.h"
 #include "session.h"
@@ -263,20 +265,66 @@ static void server_after_sleep(void *arg)
 /* Init                                                                */
 /* ------------------------------------------------------------------ */
 
-/* Create the socket's directory (mode 0700) if missing. 0 or -1 after printing why. */
-static int socket_dir_prepare(const char *path)
+/* The socket's mode: --socket-mode, else 0660 with --allow-gid, else 0600. */
+static unsigned socket_mode(const struct shardd_config *cfg)
+{
+	if (cfg->socket_mode)
+		return cfg->socket_mode;
+	return cfg->nallow_gids ? SHARDD_SOCKET_MODE_GROUP : SHARDD_SOCKET_MODE_PRIVATE;
+}
+
+/* The socket's group: --socket-group, else the first --allow-gid, else -1 (leave it). */
+static gid_t socket_group(const struct shardd_config *cfg)
+{
+	if (cfg->socket_group_set)
+		return cfg->socket_group;
+	return cfg->nallow_gids ? cfg->allow_gids[0] : (gid_t)-1;
+}
+
+/*
+ * The directory a socket of mode `mode` sits in: the owner keeps rwx, and
+ * each class that may connect gets search and read (0750 for a 0660 socket),
+ * since connect() needs search permission on every directory of the path.
+ */
+static unsigned socket_dir_mode(unsigned mode)
+{
+	return 0700 | (mode & 0070 ? 0050 : 0) | (mode & 0007 ? 0005 : 0);
+}
+
+/*
+ * Create the socket's directory if missing, with socket_dir_mode() and the
+ * socket's group. An existing directory is left as it is (it may be /tmp or
+ * a home), but a warning says when the socket's group cannot search it.
+ * 0 or -1 after printing why.
+ */
+static int socket_dir_prepare(const struct shardd_config *cfg)
 {
 	char dir[sizeof(server.cfg.socket_path)];
+	unsigned mode = socket_dir_mode(socket_mode(cfg));
+	gid_t gid = socket_group(cfg);
 	struct stat st;
 	char *slash;
 
-	snprintf(dir, sizeof(dir), "%s", path);
+	snprintf(dir, sizeof(dir), "%s", cfg->socket_path);
 	slash = strrchr(dir, '/');
 	if (!slash || slash == dir)
 		return 0;
 	*slash = '\0';
-	if (mkdir(dir, 0700) == 0)
+	if (mkdir(dir, 0700) == 0) {
+		/* mkdir's mode passes through the umask: set the group first, then the mode. */
+		if (gid != (gid_t)-1 && chown(dir, (uid_t)-1, gid) < 0) {
+			fprintf(stderr, "shardd: cannot give the socket directory %s group %u: %s "
+				"(shardd's uid %u must be root or a member of group %u)\n", dir,
+				(unsigned)gid, strerror(errno), (unsigned)getuid(), (unsigned)gid);
+			return -1;
+		}
+		if (chmod(dir, mode) < 0) {
+			fprintf(stderr, "shardd: cannot set mode %04o on the socket directory %s: %s\n",
+				mode, dir, strerror(errno));
+			return -1;
+		}
 		return 0;
+	}
 	if (errno != EEXIST) {
 		fprintf(stderr, "shardd: cannot create the socket directory %s: %s\n", dir,
 			strerror(errno));
@@ -291,6 +339,12 @@ static int socket_dir_prepare(const char *path)
 			"--socket elsewhere\n", dir);
 		return -1;
 	}
+	if (gid != (gid_t)-1 && !(st.st_mode & 0001) && !(st.st_gid == gid && (st.st_mode & 0010)))
+		shardd_log_warn("the socket directory %s (mode %04o, group %u) cannot be searched by "
+				"group %u, so its members cannot connect: remove the directory so "
+				"shardd creates it with mode %04o, or chgrp %u and chmod g+x it",
+				dir, (unsigned)(st.st_mode & 07777), (unsigned)st.st_gid,
+				(unsigned)gid, mode, (unsigned)gid);
 	return 0;
 }
 
@@ -348,10 +402,15 @@ static int socket_check_live(const char *path)
 	return live;
 }
 
-static int socket_listen(const char *path)
+/* Bind and listen on cfg->socket_path with socket_mode() and socket_group(). fd or -1. */
+static int socket_listen(const struct shardd_config *cfg)
 {
 	struct sockaddr_un sa = { .sun_family = AF_UNIX };
-	int fd;
+	const char *path = cfg->socket_path;
+	unsigned mode = socket_mode(cfg);
+	gid_t gid = socket_group(cfg);
+	mode_t old_umask;
+	int fd, ret;
 
 	fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
 	if (fd < 0) {
@@ -359,17 +418,90 @@ static int socket_listen(const char *path)
 		return -1;
 	}
 	memcpy(sa.sun_path, path, strlen(path) + 1);
-	if (bind(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
+	/* Born owner-only, so nobody connects before the group and mode below are set. */
+	old_umask = umask(0177);
+	ret = bind(fd, (struct sockaddr *)&sa, sizeof(sa));
+	umask(old_umask);
+	if (ret < 0) {
 		fprintf(stderr, "shardd: cannot bind %s: %s%s\n", path, strerror(errno),
 			errno == EADDRINUSE ? " (another daemon started at the same time?)" : "");
 		close(fd);
 		return -1;
 	}
 	server.socket_bound = 1;
+	if (gid != (gid_t)-1 && chown(path, (uid_t)-1, gid) < 0) {
+		fprintf(stderr, "shardd: cannot give the socket %s group %u: %s (shardd's uid %u "
+			"must be root or a member of group %u)\n", path, (unsigned)gid,
+			strerror(errno), (unsigned)getuid(), (unsigned)gid);
+		close(fd);
+		return -1;
+	}
+	if (chmod(path, mode) < 0) {
+		fprintf(stderr, "shardd: cannot set mode %04o on the socket %s: %s\n", mode, path,
+			strerror(errno));
+		close(fd);
+		return -1;
+	}
 	if (listen(fd, SOMAXCONN) < 0) {
 		fprintf(stderr, "shardd: cannot listen on %s: %s\n", path, strerror(errno));
 		close(fd);
 		return -1;
+	}
+	return fd;
+}
+
+/*
+ * The listening socket systemd passed (socket activation, sd_listen_fds(3)):
+ * LISTEN_PID is our pid and LISTEN_FDS counts the fds from fd 3. Returns the
+ * fd (its path copied into cfg_path), -ENOENT when none was passed, or -1
+ * after printing why the one passed cannot be used.
+ */
+static int socket_from_systemd(char *cfg_path, size_t path_len)
+{
+	const char *pid_s = getenv("LISTEN_PID"), *fds_s = getenv("LISTEN_FDS");
+	int fd = SHARDD_LISTEN_FDS_START, type = 0, listening = 0, flags;
+	struct sockaddr_un sa;
+	socklen_t len = sizeof(type), alen = sizeof(sa);
+	char *end;
+	long pid, nfds;
+
+	if (!pid_s || !fds_s)
+		return -ENOENT;
+	errno = 0;
+	pid = strtol(pid_s, &end, 10);
+	if (errno || *end || pid != (long)getpid())
+		return -ENOENT; /* meant for another process (our parent, say) */
+	nfds = strtol(fds_s, &end, 10);
+	/* Consumed: no child (none exists) and no re-exec may take them for its own. */
+	unsetenv("LISTEN_PID");
+	unsetenv("LISTEN_FDS");
+	unsetenv("LISTEN_FDNAMES");
+	if (errno || *end || nfds != 1) {
+		fprintf(stderr, "shardd: LISTEN_FDS='%s': shardd takes exactly one socket from "
+			"systemd; give its .socket unit a single ListenSequentialPacket=\n", fds_s);
+		return -1;
+	}
+	if (getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &len) < 0 || type != SOCK_SEQPACKET ||
+	    (len = sizeof(listening), getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len)) < 0 ||
+	    !listening || getsockname(fd, (struct sockaddr *)&sa, &alen) < 0 ||
+	    sa.sun_family != AF_UNIX) {
+		fprintf(stderr, "shardd: fd %d from systemd (LISTEN_FDS=1) is not a listening Unix "
+			"SOCK_SEQPACKET socket; use ListenSequentialPacket=PATH in the .socket unit\n",
+			fd);
+		return -1;
+	}
+	flags = fcntl(fd, F_GETFL);
+	if (flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0 ||
+	    fcntl(fd, F_SETFD, FD_CLOEXEC) < 0) {
+		fprintf(stderr, "shardd: fd %d from systemd: fcntl: %s\n", fd, strerror(errno));
+		return -1;
+	}
+	if (alen <= offsetof(struct sockaddr_un, sun_path) || !sa.sun_path[0]) {
+		snprintf(cfg_path, path_len, "(fd %d from systemd)", fd);
+	} else {
+		size_t n = strnlen(sa.sun_path, alen - offsetof(struct sockaddr_un, sun_path));
+
+		snprintf(cfg_path, path_len, "%.*s", (int)n, sa.sun_path);
 	}
 	return fd;
 }
@@ -409,11 +541,30 @@ int shardd_server_init(const struct shardd_config *cfg)
 		fprintf(stderr, "shardd: cannot set up signal handling: %s\n", strerror(-ret));
 		return ret;
 	}
-	if (socket_dir_prepare(cfg->socket_path) < 0)
+	server.listen_fd = socket_from_systemd(server.cfg.socket_path,
+					       sizeof(server.cfg.socket_path));
+	if (server.listen_fd == -1)
 		return -EINVAL;
-	ret = socket_check_live(cfg->socket_path);
-	if (ret != 0)
-		return -EADDRINUSE;
+	if (server.listen_fd >= 0) {
+		char def[sizeof(cfg->socket_path)];
+
+		server.socket_activated = 1;
+		shardd_default_socket_path(def, sizeof(def));
+		if (strcmp(server.cfg.socket_path, cfg->socket_path) != 0 &&
+		    strcmp(cfg->socket_path, def) != 0)
+			shardd_log_warn("--socket %s ignored: systemd passed the socket %s",
+					cfg->socket_path, server.cfg.socket_path);
+		if (cfg->socket_mode || cfg->socket_group_set)
+			shardd_log_warn("--socket-mode and --socket-group are ignored under socket "
+					"activation: set SocketMode= and SocketGroup= in shardd.socket");
+	} else {
+		server.listen_fd = -1;
+		if (socket_dir_prepare(cfg) < 0)
+			return -EINVAL;
+		ret = socket_check_live(cfg->socket_path);
+		if (ret != 0)
+			return -EADDRINUSE;
+	}
 
 	memset(&ecfg, 0, sizeof(ecfg));
 	ecfg.backend = cfg->backend;
@@ -429,9 +580,11 @@ int shardd_server_init(const struct shardd_config *cfg)
 		return ret;
 	}
 
-	server.listen_fd = socket_listen(cfg->socket_path);
-	if (server.listen_fd < 0)
-		return -EADDRINUSE;
+	if (!server.socket_activated) {
+		server.listen_fd = socket_listen(cfg);
+		if (server.listen_fd < 0)
+			return -EADDRINUSE;
+	}
 	server.accept_reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
 	if (server.accept_reserve_fd < 0) {
 		fprintf(stderr, "shardd: cannot open /dev/null: %s\n", strerror(errno));
@@ -454,12 +607,20 @@ int shardd_server_init(const struct shardd_config *cfg)
 		return ret;
 	}
 	shardd_loop_set_sleep_hooks(server.loop, server_before_sleep, server_after_sleep, NULL);
+	if (cfg->metrics_listen[0]) {
+		ret = shardd_metrics_http_start(cfg->metrics_listen, server.loop,
+						&server.metrics_http);
+		if (ret < 0)
+			return ret;
+		shardd_log_info("serving Prometheus metrics on %s",
+				shardd_metrics_http_url(server.metrics_http));
+	}
 	shardd_log_info("shardd %s (protocol %d.%d), pid %d, backend %s, collective timeout %g s, "
 			"handshake timeout %g s", SHARDD_VERSION, SHARDD_PROTO_MAJOR,
 			SHARDD_PROTO_MINOR, (int)server.pid, shardd_backend_name(cfg->backend),
 			cfg->collective_timeout_s, cfg->handshake_timeout_s);
 	/* Tests and supervisors wait for exactly this line. */
-	fprintf(stderr, "shardd: ready on %s\n", cfg->socket_path);
+	fprintf(stderr, "shardd: ready on %s\n", server.cfg.socket_path);
 	fflush(stderr);
 	return 0;
 }
@@ -484,6 +645,8 @@ void shardd_server_shutdown(void)
 	for (struct shardd_session *s = server.sessions; s; s = s->next)
 		shardd_session_close(s, "shardd is shutting down");
 	shardd_session_reap();
+	shardd_metrics_http_stop(server.metrics_http, server.loop);
+	server.metrics_http = NULL;
 	shardd_loop_destroy(server.loop);
 	server.loop = NULL;
 	if (server.engine)

@@ -24,12 +24,16 @@
 #define SHARDD_HANDSHAKE_TIMEOUT_DEFAULT_S 10.0 /* --handshake-timeout: first message due */
 #define SHARDD_JOB_LINGER_DEFAULT_S  3600.0  /* --job-linger: a job without ranks ends after this */
 #define SHARDD_JOB_LINGER_MAX_S      31536000.0 /* one year; 0 means forever */
+#define SHARDD_SOCKET_MODE_PRIVATE   0600    /* the socket without --allow-gid */
+#define SHARDD_SOCKET_MODE_GROUP     0660    /* with --allow-gid: the group may connect */
+#define SHARDD_LISTEN_FDS_START      3       /* systemd's first passed fd (sd_listen_fds) */
 
 struct shardd_loop;
 struct shardd_loop_event;
 struct shardd_engine;
 struct shardd_session;
 struct shardd_job;
+struct shardd_metrics_http;
 
 struct shardd_config {
 	char     socket_path[sizeof(((struct sockaddr_un *)0)->sun_path)]; /* --socket */
@@ -42,6 +46,10 @@ struct shardd_config {
 	gid_t    allow_gids[SHARDD_MAX_ALLOW_GIDS]; /* --allow-gid */
 	unsigned nallow_gids;
 	double   job_linger_s;          /* --job-linger; 0 = a job without ranks is kept forever */
+	unsigned socket_mode;           /* --socket-mode; 0: 0660 with --allow-gid, else 0600 */
+	gid_t    socket_group;          /* --socket-group; else the first --allow-gid */
+	int      socket_group_set;      /* --socket-group was given */
+	char     metrics_listen[128];   /* --metrics-listen [ADDR:]PORT; "" = no HTTP endpoint */
 };
 
 struct shardd_server {
@@ -56,6 +64,8 @@ struct shardd_server {
 	int      socket_bound;         /* we created socket_path: unlink it on exit */
 	int      accept_reserve_fd;    /* /dev/null held back to answer a connection at the fd
 					* limit (shardd_session_accept); -1 while spent */
+	int      socket_activated;     /* listen_fd came from systemd (LISTEN_FDS) */
+	struct shardd_metrics_http *metrics_http; /* --metrics-listen; NULL without */
 	struct shardd_loop   *loop;
 	struct shardd_engine *engine;
 	struct shardd_session *sessions;  /* every connected client, dead ones until reaped */

@@ -1423,8 +1423,6 @@ void shardd_session_complete(struct shardd_session *s, const struct shardd_sqe *
 	s->stats.ops_completed++;
 	if (res < 0)
 		s->stats.ops_failed++;
-	s->stats.last_completed_op = sqe->op;
-	s->stats.last_completed_step = sqe->step;
 }
 
 /* Fail an entry that does not validate; the message names the field and value. */

@@ -57,8 +57,6 @@ struct shardd_session_stats {
 	uint64_t ops_failed;         /* of those, with res < 0 */
 	uint32_t last_taken_op;
 	uint64_t last_taken_step;
-	uint32_t last_completed_op;
-	uint64_t last_completed_step;
 	uint64_t attached_ns;        /* CLOCK_MONOTONIC of the welcome */
 };
 

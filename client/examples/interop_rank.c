@@ -127,6 +127,11 @@ int main(int argc, char **argv)
 		       argv[0]);
 		return 0;
 	}
+	if (argc == 2 && strcmp(argv[1], "--version") == 0) {
+		printf("interop_rank (shardd %s, protocol %d.%d)\n", SHARDD_VERSION,
+		       SHARDD_PROTO_MAJOR, SHARDD_PROTO_MINOR);
+		return 0;
+	}
 	if (argc != 7) {
 		fprintf(stderr, "usage: %s SOCKET JOB RANK WORLD STEPS OUTDIR\n", argv[0]);
 		return 2;

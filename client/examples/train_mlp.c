@@ -389,7 +389,8 @@ static void usage(FILE *f)
 "                    --resume-step T, and every rank retries step T\n"
 "  --resume-step T   re-attach to a running job (groups opened, not registered)\n"
 "                    and join the retry of step T\n"
-"  --attempt A       with --resume-step: the attempt number of the retry (default 1)\n",
+"  --attempt A       with --resume-step: the attempt number of the retry (default 1)\n"
+"  --version         print the version and exit\n",
 		MLP_DEFAULT_STEPS, MLP_DEFAULT_JOB);
 }
 
@@ -425,6 +426,7 @@ static int opts_parse(int argc, char **argv, struct opts *o)
 		{ "attempt", required_argument, NULL, 'A' },
 		{ "device", required_argument, NULL, 'D' },
 		{ "help", no_argument, NULL, 'h' },
+		{ "version", no_argument, NULL, 'V' },
 		{ NULL, 0, NULL, 0 },
 	};
 	uint64_t v;
@@ -492,6 +494,10 @@ static int opts_parse(int argc, char **argv, struct opts *o)
 			break;
 		case 'h':
 			usage(stdout);
+			exit(0);
+		case 'V':
+			printf("train_mlp (shardd %s, protocol %d.%d)\n", SHARDD_VERSION,
+			       SHARDD_PROTO_MAJOR, SHARDD_PROTO_MINOR);
 			exit(0);
 		default:
 			goto bad;

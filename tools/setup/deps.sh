@@ -9,6 +9,8 @@ PACKAGES=(
 	liburing-dev        # daemon event loop
 	libcriterion-dev    # C test suites
 	libjansson-dev      # admin requests and shardctl --json
+	libmicrohttpd-dev   # shardd --metrics-listen (Prometheus over HTTP)
+	scdoc man-db        # man pages: built from man/*.scd, rendered by the install test
 	libopenmpi-dev openmpi-bin   # shardbench's Open MPI comparator
 	python3 python3-numpy python3-pytest python3-torch   # Python client tests (/usr/bin/python3)
 )

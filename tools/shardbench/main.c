@@ -53,6 +53,7 @@ static void usage(FILE *f)
 "  --mpi PATH     Open MPI comparator (default: shardbench_mpi next to shardbench)\n"
 "  --idle-us N    ring: idle gap before each sleeping sample (default 2000)\n"
 "  --gpu          same as the gpu subcommand\n"
+"  --version      print the version and exit\n"
 "  -h, --help     this text\n");
 }
 
@@ -105,10 +106,10 @@ static int parse_cmd(const char *s, enum bench_cmd *cmd)
 	return -EINVAL;
 }
 
-/* Parse argv into *o and *cmd. Returns 0, 1 (--help printed) or 2 (usage error). */
+/* Parse argv into *o and *cmd. Returns 0, 1 (--help or --version printed) or 2 (usage error). */
 static int parse_args(int argc, char **argv, struct bench_opts *o, enum bench_cmd *cmd)
 {
-	enum { OPT_SOCKET = 256, OPT_SHARDD, OPT_MPI, OPT_IDLE, OPT_GPU };
+	enum { OPT_SOCKET = 256, OPT_SHARDD, OPT_MPI, OPT_IDLE, OPT_GPU, OPT_VERSION };
 	static const struct option longopts[] = {
 		{ "socket", required_argument, NULL, OPT_SOCKET },
 		{ "shardd", required_argument, NULL, OPT_SHARDD },
@@ -116,6 +117,7 @@ static int parse_args(int argc, char **argv, struct bench_opts *o, enum bench_cm
 		{ "idle-us", required_argument, NULL, OPT_IDLE },
 		{ "gpu", no_argument, NULL, OPT_GPU },
 		{ "help", no_argument, NULL, 'h' },
+		{ "version", no_argument, NULL, OPT_VERSION },
 		{ NULL, 0, NULL, 0 },
 	};
 	int c, v, gpu = 0;
@@ -176,6 +178,10 @@ static int parse_args(int argc, char **argv, struct bench_opts *o, enum bench_cm
 			break;
 		case 'h':
 			usage(stdout);
+			return 1;
+		case OPT_VERSION:
+			printf("shardbench %s (protocol %d.%d)\n", SHARDD_VERSION, SHARDD_PROTO_MAJOR,
+			       SHARDD_PROTO_MINOR);
 			return 1;
 		default:
 			usage(stderr);

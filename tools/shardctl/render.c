@@ -58,13 +58,20 @@ static const char *duration_str(double s, char *buf, size_t len)
 	return buf;
 }
 
-/* "reduce@4", "-" before any op. */
+/*
+ * "reduce@4"; "barrier#3" (its number is no step); "zero_grad", "nop" (they
+ * carry none); "-" before any op.
+ */
 static const char *opstep(const json_t *o, char *buf, size_t len)
 {
 	const char *op = json_string_value(json_object_get(o, "op"));
 
 	if (!op || strcmp(op, "none") == 0)
 		snprintf(buf, len, "-");
+	else if (strcmp(op, "barrier") == 0)
+		snprintf(buf, len, "%s#%lld", op, num(o, "step"));
+	else if (strcmp(op, "zero_grad") == 0 || strcmp(op, "nop") == 0)
+		snprintf(buf, len, "%s", op);
 	else
 		snprintf(buf, len, "%s@%lld", op, num(o, "step"));
 	return buf;
@@ -197,10 +204,11 @@ void shardctl_render_ranks(FILE *f, const json_t *r)
 		fprintf(f, "job '%s': mesh %lldx%lld, %lld of %lld ranks attached, furthest step %lld\n",
 			str(j, "name"), num(j, "replicate"), num(j, "shard"), num(j, "attached"),
 			num(j, "world"), num(j, "max_step"));
-		fprintf(f, "%-5s %-8s %-9s %-16s %-16s %-16s %-8s %-7s %s\n", "RANK", "PID", "ATTACHED",
-			"SUBMITTED", "TAKEN", "COMPLETED", "INFLIGHT", "BEHIND", "WAITING IN");
+		fprintf(f, "%-5s %-8s %-9s %-16s %-16s %-16s %-8s %-6s %-7s %s\n", "RANK", "PID",
+			"ATTACHED", "SUBMITTED", "TAKEN", "COMPLETED", "INFLIGHT", "STEP", "BEHIND",
+			"WAITING IN");
 		json_array_foreach(json_object_get(j, "ranks"), k, rk) {
-			char a[32], b[32], c[32], d[32], w[512], pid[24];
+			char a[32], b[32], c[32], d[32], w[512], pid[24], st[24];
 			const json_t *waiting = json_object_get(rk, "waiting");
 
 			if (json_is_integer(json_object_get(rk, "pid")))
@@ -220,12 +228,16 @@ void shardctl_render_ranks(FILE *f, const json_t *r)
 				pending_str(json_array_get(waiting, 0), w, sizeof(w));
 			else
 				snprintf(w, sizeof(w), "-");
-			fprintf(f, "%-5lld %-8s %-9s %-16s %-16s %-16s %-8lld %-7lld %s\n",
+			if (json_is_integer(json_object_get(rk, "step")))
+				snprintf(st, sizeof(st), "%lld", num(rk, "step"));
+			else
+				snprintf(st, sizeof(st), "-");
+			fprintf(f, "%-5lld %-8s %-9s %-16s %-16s %-16s %-8lld %-6s %-7lld %s\n",
 				num(rk, "rank"), pid, duration_str(real(rk, "attached_s"), a, sizeof(a)),
 				opstep(json_object_get(rk, "submitted"), b, sizeof(b)),
 				opstep(json_object_get(rk, "taken"), c, sizeof(c)),
 				opstep(json_object_get(rk, "completed"), d, sizeof(d)),
-				num(rk, "inflight"), num(rk, "behind"), w);
+				num(rk, "inflight"), st, num(rk, "behind"), w);
 		}
 		json_array_foreach(json_object_get(j, "pending"), k, p) {
 			char w[512];

@@ -36,10 +36,12 @@ static const char usage_text[] =
 	"  status                 version, backend, uptime, socket, memory held by kind\n"
 	"  jobs                   jobs with their mesh, attached ranks, groups, memory, and\n"
 	"                         for a job without ranks when --job-linger ends it\n"
-	"  ranks [JOB]            per rank: pid, attached since, last op and step submitted,\n"
-	"                         taken and completed, ops in flight, how many steps it is\n"
-	"                         behind the furthest rank, the collective it waits in:\n"
-	"                         which rank is stuck\n"
+	"  ranks [JOB]            per rank: pid, attached since, last op submitted and\n"
+	"                         taken, the latest-taken op completed, ops in flight, its\n"
+	"                         furthest step (unshard, reduce, reshard; zero_grad, nop\n"
+	"                         and barriers carry none) and how many steps it is behind\n"
+	"                         the furthest rank, the collective it waits in: which rank\n"
+	"                         is stuck\n"
 	"  groups [JOB]           per group: params, bytes, unsharded holders, pending\n"
 	"                         collectives (arrived and missing ranks), HSDP partials\n"
 	"  show GROUP             per param: name, dtype, shape, shard rows, offsets\n"
@@ -71,6 +73,7 @@ static const char usage_text[] =
 	"                         statistics always cover every selected row\n"
 	"  --interval S           watch: seconds between refreshes (default 1)\n"
 	"  --count N              watch: stop after N refreshes (default: never)\n"
+	"  --version              print the version and exit\n"
 	"  --help                 print this help\n";
 
 struct opts {
@@ -398,7 +401,7 @@ static int cmd_watch(const struct opts *o)
 /* ------------------------------------------------------------------ */
 
 enum { OPT_SOCKET = 256, OPT_JSON, OPT_JOB, OPT_RANK, OPT_WHAT, OPT_ROWS, OPT_LIMIT,
-       OPT_INTERVAL, OPT_COUNT, OPT_HELP };
+       OPT_INTERVAL, OPT_COUNT, OPT_HELP, OPT_VERSION };
 
 static int parse_ll(const char *flag, const char *s, long long lo, long long hi, long long *out)
 {
@@ -427,6 +430,7 @@ int main(int argc, char **argv)
 		{ "interval", required_argument, NULL, OPT_INTERVAL },
 		{ "count", required_argument, NULL, OPT_COUNT },
 		{ "help", no_argument, NULL, OPT_HELP },
+		{ "version", no_argument, NULL, OPT_VERSION },
 		{ NULL, 0, NULL, 0 },
 	};
 	struct opts o = { .limit = 64, .interval = 1.0 };
@@ -474,6 +478,10 @@ int main(int argc, char **argv)
 		case 'h':
 		case OPT_HELP:
 			fputs(usage_text, stdout);
+			return 0;
+		case OPT_VERSION:
+			printf("shardctl %s (protocol %d.%d)\n", SHARDD_VERSION, SHARDD_PROTO_MAJOR,
+			       SHARDD_PROTO_MINOR);
 			return 0;
 		default:
 			return usage_error("unknown option '%s'", argv[optind - 1]);

@@ -158,6 +158,10 @@ int main(int argc, char **argv)
 		       "shardbench sweep; shardbench runs it and compares.\n");
 		return 0;
 	}
+	if (argc == 2 && strcmp(argv[1], "--version") == 0) {
+		printf("shardbench_mpi %s\n", SHARDD_VERSION);
+		return 0;
+	}
 	MPI_Init(&argc, &argv);
 	MPI_Comm_rank(MPI_COMM_WORLD, &rank);
 	MPI_Comm_size(MPI_COMM_WORLD, &np);

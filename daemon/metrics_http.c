@@ -1,0 +1,299 @@
+/* SPDX-License-Identifier: MIT */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <microhttpd.h>
+#include <netdb.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "log.h"
+#include "loop.h"
+#include "metrics.h"
+#include "metrics_http.h"
+
+#define METRICS_HTTP_CONNECTIONS 16  /* scrapers at once; more wait in the backlog */
+#define METRICS_HTTP_TIMEOUT_S   10  /* an idle or slow connection is closed after this */
+#define METRICS_HTTP_TICK_MS     1000 /* MHD_run for those timeouts when no fd fires */
+#define METRICS_CONTENT_TYPE     "text/plain; version=0.0.4; charset=utf-8"
+
+struct shardd_metrics_http {
+	struct MHD_Daemon        *mhd;
+	struct shardd_loop_event *fd_ev;    /* MHD's epoll fd: a connection or the listener is ready */
+	struct shardd_loop_event *tick_ev;  /* connection timeouts */
+	char                      url[128];
+};
+
+int shardd_metrics_http_parse(const char *spec, char *host, size_t host_len, char *port,
+			      size_t port_len, char *why, size_t why_len)
+{
+	const char *colon, *p;
+	size_t hl;
+	char *end;
+	unsigned long v;
+
+	if (spec[0] == '[') {
+		const char *close = strchr(spec, ']');
+
+		if (!close || close[1] != ':') {
+			snprintf(why, why_len, "'%s': an IPv6 address goes as [ADDR]:PORT", spec);
+			return -EINVAL;
+		}
+		hl = (size_t)(close - spec - 1);
+		if (hl == 0 || hl >= host_len) {
+			snprintf(why, why_len, "'%s': the address is empty or too long", spec);
+			return -EINVAL;
+		}
+		memcpy(host, spec + 1, hl);
+		host[hl] = '\0';
+		p = close + 2;
+	} else if ((colon = strrchr(spec, ':')) != NULL) {
+		hl = (size_t)(colon - spec);
+		if (hl == 0 || hl >= host_len || memchr(spec, ':', hl)) {
+			snprintf(why, why_len, "'%s' is not [ADDR:]PORT (an IPv6 address goes in "
+				 "brackets: [::1]:9464)", spec);
+			return -EINVAL;
+		}
+		memcpy(host, spec, hl);
+		host[hl] = '\0';
+		p = colon + 1;
+	} else {
+		/* Only a port: loopback, so nothing is exposed off the machine unless asked. */
+		snprintf(host, host_len, "127.0.0.1");
+		p = spec;
+	}
+	errno = 0;
+	v = strtoul(p, &end, 10);
+	if (!*p || *p == '-' || *p == '+' || errno || *end || v > 65535) {
+		snprintf(why, why_len, "'%s': the port '%s' is not a number in [0, 65535]", spec, p);
+		return -EINVAL;
+	}
+	snprintf(port, port_len, "%lu", v);
+	return 0;
+}
+
+/* ------------------------------------------------------------------ */
+/* Requests                                                            */
+/* ------------------------------------------------------------------ */
+
+static enum MHD_Result respond_text(struct MHD_Connection *conn, unsigned status,
+				    const char *text)
+{
+	struct MHD_Response *r = MHD_create_response_from_buffer(strlen(text), (void *)text,
+								 MHD_RESPMEM_PERSISTENT);
+	enum MHD_Result ret;
+
+	if (!r)
+		return MHD_NO;
+	MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, "text/plain; charset=utf-8");
+	ret = MHD_queue_response(conn, status, r);
+	MHD_destroy_response(r);
+	return ret;
+}
+
+/* Runs inside MHD_run, on the loop thread: reading the daemon's state is safe. */
+static enum MHD_Result metrics_request(void *cls, struct MHD_Connection *conn, const char *url,
+				       const char *method, const char *version,
+				       const char *upload_data, size_t *upload_data_size,
+				       void **con_cls)
+{
+	struct MHD_Response *r;
+	enum MHD_Result ret;
+	char *text;
+
+	(void)cls;
+	(void)version;
+	(void)upload_data;
+	(void)upload_data_size;
+	(void)con_cls;
+	/* Answered at the first call, with the headers: a body sent along is discarded. */
+	if (strcmp(method, MHD_HTTP_METHOD_GET) != 0 && strcmp(method, MHD_HTTP_METHOD_HEAD) != 0)
+		return respond_text(conn, MHD_HTTP_METHOD_NOT_ALLOWED,
+				    "shardd serves GET /metrics only\n");
+	if (strcmp(url, "/metrics") != 0)
+		return respond_text(conn, MHD_HTTP_NOT_FOUND,
+				    "not found: shardd serves its Prometheus metrics at /metrics\n");
+	text = shardd_metrics_render();
+	if (!text)
+		return respond_text(conn, MHD_HTTP_INTERNAL_SERVER_ERROR,
+				    "shardd is out of memory rendering its metrics\n");
+	r = MHD_create_response_from_buffer(strlen(text), text, MHD_RESPMEM_MUST_FREE);
+	if (!r) {
+		free(text);
+		return MHD_NO;
+	}
+	MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, METRICS_CONTENT_TYPE);
+	ret = MHD_queue_response(conn, MHD_HTTP_OK, r);
+	MHD_destroy_response(r);
+	return ret;
+}
+
+static void mhd_log(void *cls, const char *fmt, va_list ap)
+{
+	char line[512];
+	size_t n;
+
+	(void)cls;
+	vsnprintf(line, sizeof(line), fmt, ap);
+	n = strlen(line);
+	while (n && line[n - 1] == '\n')
+		line[--n] = '\0';
+	shardd_log_warn("metrics http: %s", line);
+}
+
+/* ------------------------------------------------------------------ */
+/* Loop events                                                         */
+/* ------------------------------------------------------------------ */
+
+static void metrics_http_ready(void *arg, int fd, uint32_t revents)
+{
+	struct shardd_metrics_http *h = arg;
+
+	(void)fd;
+	(void)revents;
+	if (MHD_run(h->mhd) != MHD_YES)
+		shardd_log_warn("metrics http: MHD_run failed");
+}
+
+static void metrics_http_tick(void *arg)
+{
+	struct shardd_metrics_http *h = arg;
+
+	MHD_run(h->mhd);
+}
+
+/* ------------------------------------------------------------------ */
+/* Start and stop                                                      */
+/* ------------------------------------------------------------------ */
+
+/* A listening TCP socket on host:port. fd, or -1 after printing why. */
+static int listen_tcp(const char *spec, const char *host, const char *port, int *family)
+{
+	struct addrinfo hints = { .ai_socktype = SOCK_STREAM, .ai_flags = AI_NUMERICSERV |
+								    AI_PASSIVE };
+	struct addrinfo *res = NULL;
+	int fd = -1, err, one = 1;
+
+	err = getaddrinfo(host, port, &hints, &res);
+	if (err) {
+		fprintf(stderr, "shardd: --metrics-listen %s: cannot resolve '%s': %s\n", spec, host,
+			gai_strerror(err));
+		return -1;
+	}
+	fd = socket(res->ai_family, res->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK,
+		    res->ai_protocol);
+	if (fd < 0 ||
+	    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) < 0 ||
+	    bind(fd, res->ai_addr, res->ai_addrlen) < 0 ||
+	    listen(fd, SOMAXCONN) < 0) {
+		fprintf(stderr, "shardd: --metrics-listen %s: cannot listen on %s port %s: %s%s\n",
+			spec, host, port, strerror(errno),
+			errno == EADDRINUSE ? " (pick another port)" : "");
+		if (fd >= 0)
+			close(fd);
+		freeaddrinfo(res);
+		return -1;
+	}
+	*family = res->ai_family;
+	freeaddrinfo(res);
+	return fd;
+}
+
+/* "http://HOST:PORT/metrics" from the bound address (the real port when 0 was asked). */
+static void url_of(int fd, char *url, size_t len)
+{
+	struct sockaddr_storage ss;
+	socklen_t sl = sizeof(ss);
+	char host[NI_MAXHOST], port[NI_MAXSERV];
+
+	if (getsockname(fd, (struct sockaddr *)&ss, &sl) < 0 ||
+	    getnameinfo((struct sockaddr *)&ss, sl, host, sizeof(host), port, sizeof(port),
+			NI_NUMERICHOST | NI_NUMERICSERV) != 0) {
+		snprintf(url, len, "(unknown address)");
+		return;
+	}
+	snprintf(url, len, ss.ss_family == AF_INET6 ? "http://[%s]:%s/metrics" :
+		 "http://%s:%s/metrics", host, port);
+}
+
+int shardd_metrics_http_start(const char *spec, struct shardd_loop *loop,
+			      struct shardd_metrics_http **out)
+{
+	char host[NI_MAXHOST], port[16], why[256];
+	struct shardd_metrics_http *h;
+	const union MHD_DaemonInfo *info;
+	int fd, family = AF_INET, ret;
+
+	*out = NULL;
+	if (shardd_metrics_http_parse(spec, host, sizeof(host), port, sizeof(port), why,
+				      sizeof(why)) < 0) {
+		fprintf(stderr, "shardd: --metrics-listen %s\n", why);
+		return -EINVAL;
+	}
+	h = calloc(1, sizeof(*h));
+	if (!h)
+		return -ENOMEM;
+	fd = listen_tcp(spec, host, port, &family);
+	if (fd < 0) {
+		free(h);
+		return -EADDRINUSE;
+	}
+	url_of(fd, h->url, sizeof(h->url));
+	/* No MHD_USE_INTERNAL_POLLING_THREAD: MHD only runs when the loop calls MHD_run. */
+	h->mhd = MHD_start_daemon(MHD_USE_EPOLL | MHD_USE_ERROR_LOG |
+				  (family == AF_INET6 ? MHD_USE_IPv6 : 0),
+				  0, NULL, NULL, metrics_request, h,
+				  MHD_OPTION_EXTERNAL_LOGGER, mhd_log, NULL,
+				  MHD_OPTION_LISTEN_SOCKET, fd,
+				  MHD_OPTION_CONNECTION_LIMIT, (unsigned)METRICS_HTTP_CONNECTIONS,
+				  MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)METRICS_HTTP_TIMEOUT_S,
+				  MHD_OPTION_END);
+	if (!h->mhd) {
+		fprintf(stderr, "shardd: --metrics-listen %s: libmicrohttpd did not start (see "
+			"the line above)\n", spec);
+		close(fd);
+		free(h);
+		return -EIO;
+	}
+	info = MHD_get_daemon_info(h->mhd, MHD_DAEMON_INFO_EPOLL_FD);
+	if (!info) {
+		fprintf(stderr, "shardd: --metrics-listen %s: libmicrohttpd has no epoll fd\n",
+			spec);
+		shardd_metrics_http_stop(h, loop);
+		return -EIO;
+	}
+	ret = shardd_loop_add_fd(loop, info->epoll_fd, POLLIN, metrics_http_ready, h, &h->fd_ev);
+	if (ret == 0)
+		ret = shardd_loop_add_timer(loop, METRICS_HTTP_TICK_MS, metrics_http_tick, h,
+					    &h->tick_ev);
+	if (ret < 0) {
+		fprintf(stderr, "shardd: --metrics-listen %s: cannot register with the event loop: "
+			"%s\n", spec, strerror(-ret));
+		shardd_metrics_http_stop(h, loop);
+		return ret;
+	}
+	*out = h;
+	return 0;
+}
+
+const char *shardd_metrics_http_url(const struct shardd_metrics_http *h)
+{
+	return h->url;
+}
+
+void shardd_metrics_http_stop(struct shardd_metrics_http *h, struct shardd_loop *loop)
+{
+	if (!h)
+		return;
+	/* Off the loop first: no callback may run on a stopped daemon. */
+	if (h->fd_ev)
+		shardd_loop_del(loop, h->fd_ev);
+	if (h->tick_ev)
+		shardd_loop_del(loop, h->tick_ev);
+	/* Closes the listening socket it was given, and every connection. */
+	MHD_stop_daemon(h->mhd);
+	free(h);
+}

@@ -43,6 +43,8 @@ struct train_paths {
 
 /* SHARDD_BUILD/examples/train_mlp with args (NULL-terminated); its output and exit status. */
 void train_run(struct train_run *r, const char *const *args);
+/* The same with train_mlp_faults, its launcher with a planned crash (--kill-rank, --kill-step). */
+void train_run_faults(struct train_run *r, const char *const *args);
 int  train_run_ok(const struct train_run *r);
 /* The "step N loss X" lines of a run, in order; how many (asserts they are in order). */
 int  train_parse_losses(const char *out, double *loss, int max);

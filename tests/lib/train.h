@@ -10,7 +10,7 @@
  * the ranks' gradients in fp32 in rank order and divides the sum by the
  * world size, which is the reduce's specified numerics (fp32 sum and
  * divide, one rounding per collective); SGD is the same fp32 expression on
- * both sides. DESIGN.md does not fix the order in which the daemon adds
+ * both sides. docs/DESIGN.md does not fix the order in which the daemon adds
  * the ranks' contributions: another order changes one reduce's result by
  * at most (N-1) roundings, ~2.4e-7 relative for N = 4, and the later steps
  * carry that difference. TRAIN_PARITY_RTOL is 1e-5 relative to the param's

@@ -22,6 +22,8 @@
 #define SHARDD_TIMEOUT_DEFAULT_S     300.0   /* --collective-timeout */
 #define SHARDD_TIMEOUT_MAX_S         604800.0 /* one week; fits the welcome's u32 ms */
 #define SHARDD_HANDSHAKE_TIMEOUT_DEFAULT_S 10.0 /* --handshake-timeout: first message due */
+#define SHARDD_JOB_LINGER_DEFAULT_S  3600.0  /* --job-linger: a job without ranks ends after this */
+#define SHARDD_JOB_LINGER_MAX_S      31536000.0 /* one year; 0 means forever */
 
 struct shardd_loop;
 struct shardd_loop_event;
@@ -39,6 +41,7 @@ struct shardd_config {
 	unsigned workers;               /* --workers; 0 = online cores */
 	gid_t    allow_gids[SHARDD_MAX_ALLOW_GIDS]; /* --allow-gid */
 	unsigned nallow_gids;
+	double   job_linger_s;          /* --job-linger; 0 = a job without ranks is kept forever */
 };
 
 struct shardd_server {
@@ -51,6 +54,8 @@ struct shardd_server {
 	int      listen_fd;            /* -1 when not listening */
 	int      signal_fd;            /* SIGTERM, SIGINT */
 	int      socket_bound;         /* we created socket_path: unlink it on exit */
+	int      accept_reserve_fd;    /* /dev/null held back to answer a connection at the fd
+					* limit (shardd_session_accept); -1 while spent */
 	struct shardd_loop   *loop;
 	struct shardd_engine *engine;
 	struct shardd_session *sessions;  /* every connected client, dead ones until reaped */
@@ -60,6 +65,7 @@ struct shardd_server {
 	uint64_t last_heartbeat_ns;
 	int      need_reap;            /* some session is dead and waits to be freed */
 	int      need_close;           /* some session is marked closing (shardd_session_close_later) */
+	uint64_t job_linger_ns;        /* --job-linger; 0 = forever */
 };
 
 extern struct shardd_server server;

@@ -117,6 +117,20 @@ static void memory_line(FILE *f, const json_t *m)
 		bytes_str(num(m, "total"), t, sizeof(t)));
 }
 
+/* "running", "no ranks, ends in 12 s" (--job-linger), "no ranks, kept" (--job-linger 0). */
+static const char *job_state(const json_t *j, char *buf, size_t len)
+{
+	const json_t *ends = json_object_get(j, "ends_in_s");
+
+	if (json_is_number(ends))
+		snprintf(buf, len, "no ranks, ends in %.0f s", ceil(json_number_value(ends)));
+	else if (json_is_number(json_object_get(j, "no_ranks_s")))
+		snprintf(buf, len, "no ranks, kept (--job-linger 0)");
+	else
+		snprintf(buf, len, "running");
+	return buf;
+}
+
 void shardctl_render_status(FILE *f, const json_t *r)
 {
 	char up[32];
@@ -143,15 +157,28 @@ void shardctl_render_jobs(FILE *f, const json_t *r)
 		fprintf(f, "no jobs\n");
 		return;
 	}
-	fprintf(f, "%-24s %-9s %-9s %-7s %s\n", "JOB", "MESH", "ATTACHED", "GROUPS", "MEMORY");
+	fprintf(f, "%-24s %-9s %-9s %-7s %-11s %s\n", "JOB", "MESH", "ATTACHED", "GROUPS", "MEMORY",
+		"STATE");
 	json_array_foreach(jobs, i, j) {
-		char mesh[32], att[32], mem[32];
+		char mesh[32], att[32], mem[32], state[64];
 
 		snprintf(mesh, sizeof(mesh), "%lldx%lld", num(j, "replicate"), num(j, "shard"));
 		snprintf(att, sizeof(att), "%lld/%lld", num(j, "attached"), num(j, "world"));
-		fprintf(f, "%-24s %-9s %-9s %-7lld %s\n", str(j, "name"), mesh, att, num(j, "groups"),
-			bytes_str(num(json_object_get(j, "memory"), "total"), mem, sizeof(mem)));
+		fprintf(f, "%-24s %-9s %-9s %-7lld %-11s %s\n", str(j, "name"), mesh, att,
+			num(j, "groups"),
+			bytes_str(num(json_object_get(j, "memory"), "total"), mem, sizeof(mem)),
+			job_state(j, state, sizeof(state)));
 	}
+}
+
+void shardctl_render_end(FILE *f, const json_t *r)
+{
+	char mem[32];
+	long long n = num(r, "ranks_attached");
+
+	fprintf(f, "ended job '%s': %lld rank%s attached (%s), %s freed\n", str(r, "job"), n,
+		n == 1 ? " was" : "s were", n ? "their ops fail naming this end" : "none to tell",
+		bytes_str(num(r, "memory_freed"), mem, sizeof(mem)));
 }
 
 void shardctl_render_ranks(FILE *f, const json_t *r)

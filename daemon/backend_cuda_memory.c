@@ -108,7 +108,7 @@ err_release:
  * handle. Each buffer is its own cudaMalloc, so cu->ptr is the allocation's
  * base: cudaIpcGetMemHandle exports a whole allocation, and a client's
  * cuIpcOpenMemHandle maps it at its base, where every layout offset of the
- * GROUP reply counts from (DESIGN: legacy IPC must export the base). 0, or
+ * GROUP reply counts from (docs/DESIGN.md: legacy IPC exports the base). 0, or
  * an error with nothing left allocated.
  */
 static int cuda_alloc_ipc(const char *ctx, struct cuda_buf *cu)

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * Layout of a group: where each param lives in the unsharded buffer, the
- * grad buffer and the flat shard (FSDP2 sharding math, DESIGN.md "Ops").
+ * grad buffer and the flat shard (FSDP2 sharding math, docs/DESIGN.md "Ops").
  *
  * Dim-0 sharding (FSDP2's default) pads: padded_d0 = ceil(d0 / S) * S,
  * rows = padded_d0 / S, shard r holds rows [r * rows, (r + 1) * rows), zero

@@ -59,7 +59,7 @@ void shardd_k_chunk_cat(void *dst, uint32_t dst_dtype, const void *const *src,
 			uint32_t src_dtype, uint32_t nchunks, size_t outer, size_t inner);
 
 /*
- * The arithmetic of one collective reduction, host numerics (DESIGN.md):
+ * The arithmetic of one collective reduction, host numerics (docs/DESIGN.md):
  * per element j,
  *   x_k = round_rd(in_k[j]);  if pre > 1: x_k = round_rd(x_k / pre)
  *   s   = round_rd((sum_k x_k in fp32) / avg)       (avg 1: a plain sum)

@@ -6,7 +6,7 @@
 #   tools/train.sh BUILD
 #
 # Starts BUILD/shardd on a private socket, waits for its "shardd: ready on
-# PATH" line, trains the MLP of client/examples/train_mlp.c with
+# PATH" line, trains the MLP of client/examples/mlp/ (train_mlp) with
 # TRAIN_RANKS (default 4) rank processes for TRAIN_STEPS (default 30) steps,
 # printing "step N loss X" per step, checks that the loss fell to under half
 # its first value, and stops the daemon with SIGTERM. Exits non-zero on any

@@ -3,7 +3,8 @@
  * A real training run through a real shardd: train_mlp's FSDP2 ranks
  * against its single-process reference (same seeds, union of the ranks'
  * batches, no daemon), for world sizes 1 to 4, and with a rank killed in
- * the middle of a reduce and restarted. Tolerances: tests/lib/train.h.
+ * the middle of a reduce and restarted (train_mlp_faults.c, the launcher
+ * with that fault injected). Tolerances: tests/lib/train.h.
  * Measured with the host backend: 0, every param bit-identical for worlds
  * 1 to 4 and for the crash run.
  */
@@ -72,11 +73,12 @@ Test(train, rank_killed_mid_reduce_restarts_and_run_matches_reference, .timeout 
 
 	cr_assert_eq(harness_daemon_start(&d, NULL), 0, "shardd did not start (log above)");
 	train_paths_make(&p, &d);
-	train_run(&r, (const char *const[]){ "--spawn", "4", "--steps", "20", "--socket", d.socket,
-					     "--kill-rank", "2", "--kill-step", "7", "--dump", p.got, NULL });
+	train_run_faults(&r, (const char *const[]){ "--spawn", "4", "--steps", "20", "--socket", d.socket,
+						    "--kill-rank", "2", "--kill-step", "7", "--dump", p.got,
+						    NULL });
 	if (!train_run_ok(&r))
 		harness_daemon_dump_log(&d);
-	cr_assert(train_run_ok(&r), "train_mlp with rank 2 killed at step 7 %s; its output:\n%s",
+	cr_assert(train_run_ok(&r), "train_mlp_faults with rank 2 killed at step 7 %s; its output:\n%s",
 		  harness_status_str(r.status), r.out);
 	cr_assert_eq(train_parse_losses(r.out, loss, TRAIN_STEPS), TRAIN_STEPS, "stdout:\n%s", r.out);
 	cr_expect(strstr(r.out, "rank 2 killed itself (SIGKILL) at step 7"), "output:\n%s", r.out);

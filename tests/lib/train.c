@@ -14,7 +14,8 @@
 
 #include "tests/lib/train.h"
 
-void train_run(struct train_run *r, const char *const *args)
+/* SHARDD_BUILD/rel with args. */
+static void run_built(struct train_run *r, const char *rel, const char *const *args)
 {
 	const char *build = getenv("SHARDD_BUILD");
 	const char *argv[32];
@@ -22,7 +23,7 @@ void train_run(struct train_run *r, const char *const *args)
 	int n = 0, ret;
 
 	cr_assert(build && *build, "SHARDD_BUILD must name the build directory (make test sets it)");
-	snprintf(bin, sizeof(bin), "%s/examples/train_mlp", build);
+	snprintf(bin, sizeof(bin), "%s/%s", build, rel);
 	argv[n++] = bin;
 	for (int i = 0; args[i] && n < 31; i++)
 		argv[n++] = args[i];
@@ -30,6 +31,16 @@ void train_run(struct train_run *r, const char *const *args)
 	memset(r, 0, sizeof(*r));
 	ret = harness_run(argv, TRAIN_RUN_TIMEOUT_MS, &r->status, r->out, sizeof(r->out));
 	cr_assert_eq(ret, 0, "running %s: %s\n%s", bin, strerror(-ret), r->out);
+}
+
+void train_run(struct train_run *r, const char *const *args)
+{
+	run_built(r, "examples/train_mlp", args);
+}
+
+void train_run_faults(struct train_run *r, const char *const *args)
+{
+	run_built(r, "tests/integration/train_mlp_faults", args);
 }
 
 int train_run_ok(const struct train_run *r)

@@ -10,7 +10,7 @@
  * the ranks' gradients in fp32 in rank order and divides the sum by the
  * world size, which is the reduce's specified numerics (fp32 sum and
  * divide, one rounding per collective); SGD is the same fp32 expression on
- * both sides. DESIGN.md does not fix the order in which the daemon adds
+ * both sides. docs/DESIGN.md does not fix the order in which the daemon adds
  * the ranks' contributions: another order changes one reduce's result by
  * at most (N-1) roundings, ~2.4e-7 relative for N = 4, and the later steps
  * carry that difference. TRAIN_PARITY_RTOL is 1e-5 relative to the param's
@@ -43,6 +43,8 @@ struct train_paths {
 
 /* SHARDD_BUILD/examples/train_mlp with args (NULL-terminated); its output and exit status. */
 void train_run(struct train_run *r, const char *const *args);
+/* The same with train_mlp_faults, its launcher with a planned crash (--kill-rank, --kill-step). */
+void train_run_faults(struct train_run *r, const char *const *args);
 int  train_run_ok(const struct train_run *r);
 /* The "step N loss X" lines of a run, in order; how many (asserts they are in order). */
 int  train_parse_losses(const char *out, double *loss, int max);

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: MIT
 """Independent numpy reference of FSDP2's padded dim-i chunking, written from
-DESIGN.md ("Sharding of one param"), not from the client's code."""
+docs/DESIGN.md ("Sharding of one param"), not from the client's code."""
 
 import numpy as np
 

@@ -63,9 +63,42 @@ struct coll_note {
 	int32_t  ok;
 };
 
+/* One rank's group for one size, as the per-op inputs and checks see it. */
+struct coll_io {
+	struct shardd_group              *g;
+	const struct shardd_param_layout *l;
+	uint32_t                          dtype;
+	uint64_t                          count;  /* elements of the param */
+	uint32_t                          rank;
+	uint32_t                          nranks;
+};
+
+/*
+ * One collective of the benchmark: everything that differs between ops
+ * (nccl-tests' one table per collective). Adding an op is adding an entry
+ * to coll_ops[] below.
+ */
+struct coll_op {
+	const char *name;      /* the op, in job names and messages */
+	const char *undo_name; /* the op that resets it for the next iteration */
+	const char *mpi_op;    /* the Open MPI comparator's operation (bench_mpi_run) */
+	const char *mpi_call;  /* the MPI call it times, for the header */
+	int (*run)(struct shardd_group *g, uint64_t step);
+	int (*undo)(struct shardd_group *g, uint64_t step);
+	/* This rank's inputs from `seed`: 1 for the timed iterations, 2 for the checked one. */
+	void (*write_inputs)(const struct coll_io *io, uint32_t seed);
+	/* Elements of this rank's output that differ from what inputs of `seed` must give. */
+	uint64_t (*check)(const struct coll_io *io, uint32_t seed);
+	/* Bytes the op must move through memory for one size (docs/BENCHMARKS.md). */
+	double (*moved_bytes)(uint64_t count, uint32_t dtype, uint32_t S);
+	/* The roofline the op is held against, and the header line that says so. */
+	double (*roof_gbs)(const struct bench_roofline *roof);
+	void (*print_moves)(uint32_t dtype, const struct bench_roofline *roof);
+};
+
 struct coll_rank_ctx {
 	const struct bench_opts *o;
-	enum bench_collective    which;
+	const struct coll_op    *op;
 	const char              *socket_path;
 	const uint64_t          *sizes;
 	struct coll_shared      *sh;
@@ -73,64 +106,140 @@ struct coll_rank_ctx {
 	pid_t                    parent;
 };
 
-static const char *coll_name(enum bench_collective w)
-{
-	return w == BENCH_UNSHARD ? "unshard" : "reduce";
-}
 
 /* ---- inputs and checks (values in values.c) --------------------------- */
 
 /* This rank's rows of the param into its flat shard (fp32), padding zeroed. */
-static void write_shard(struct shardd_group *g, const struct shardd_param_layout *l,
-			uint32_t seed)
+static void write_shard(const struct coll_io *io, uint32_t seed)
 {
-	float *shard = shardd_group_shard(g, 0);
+	const struct shardd_param_layout *l = io->l;
+	float *shard = shardd_group_shard(io->g, 0);
 	uint64_t j, n = l->shard_bytes / sizeof(float);
 
 	for (j = 0; j < n; j++)
 		shard[j] = j < l->shard_rows_valid ? bench_param_value(l->shard_row_begin + j, seed) : 0.0f;
 }
 
-static void write_grad(struct shardd_group *g, uint32_t dtype, uint64_t count, uint32_t rank,
-		       uint32_t seed)
+static void write_grad(const struct coll_io *io, uint32_t seed)
 {
-	void *grad = shardd_group_grad(g, 0);
+	void *grad = shardd_group_grad(io->g, 0);
 	uint64_t i;
 
-	for (i = 0; i < count; i++)
-		bench_store_exact(grad, dtype, i, bench_grad_value(i, rank, seed));
+	for (i = 0; i < io->count; i++)
+		bench_store_exact(grad, io->dtype, i, bench_grad_value(i, io->rank, seed));
 }
 
 /* Unsharded elements this rank checks: its 1/S slice of the one shared copy. */
-static uint64_t check_unsharded(struct shardd_group *g, uint32_t dtype, uint64_t count,
-				uint32_t rank, uint32_t nranks, uint32_t seed)
+static uint64_t check_unsharded(const struct coll_io *io, uint32_t seed)
 {
-	const void *u = shardd_group_unsharded(g, 0);
-	uint64_t i, lo = count / nranks * rank;
-	uint64_t hi = rank + 1 == nranks ? count : lo + count / nranks, wrong = 0;
+	const void *u = shardd_group_unsharded(io->g, 0);
+	uint64_t i, lo = io->count / io->nranks * io->rank;
+	uint64_t hi = io->rank + 1 == io->nranks ? io->count : lo + io->count / io->nranks, wrong = 0;
 
 	for (i = lo; i < hi; i++)
-		wrong += bench_load_exact(u, dtype, i) != bench_param_value(i, seed);
+		wrong += bench_load_exact(u, io->dtype, i) != bench_param_value(i, seed);
 	return wrong;
 }
 
 /* This rank's sharded grad (fp32) against the mean of every rank's grad. */
-static uint64_t check_shard_grad(struct shardd_group *g, const struct shardd_param_layout *l,
-				 uint32_t nranks, uint32_t seed)
+static uint64_t check_shard_grad(const struct coll_io *io, uint32_t seed)
 {
-	const float *sg = shardd_group_shard_grad(g, 0);
+	const struct shardd_param_layout *l = io->l;
+	const float *sg = shardd_group_shard_grad(io->g, 0);
 	uint64_t j, wrong = 0;
 	uint32_t r;
 
 	for (j = 0; j < l->shard_rows_valid; j++) {
 		float sum = 0.0f;
 
-		for (r = 0; r < nranks; r++)
+		for (r = 0; r < io->nranks; r++)
 			sum += bench_grad_value(l->shard_row_begin + j, r, seed);
-		wrong += sg[j] != sum / (float)nranks;
+		wrong += sg[j] != sum / (float)io->nranks;
 	}
 	return wrong;
 }
+
+/* ---- the ops ---------------------------------------------------------- */
+
+static int unshard_run(struct shardd_group *g, uint64_t step)
+{
+	return shardd_unshard(g, step);
+}
+
+/* Reshard releases this rank's hold on the unsharded copy. */
+static int unshard_undo(struct shardd_group *g, uint64_t step)
+{
+	return shardd_reshard(g, step);
+}
+
+/* Read S fp32 shards, write the unsharded copy. */
+static double unshard_moved_bytes(uint64_t count, uint32_t dtype, uint32_t S)
+{
+	(void)S;
+	return (double)count * sizeof(float) + (double)count * (double)shardd_dtype_size(dtype);
+}
+
+static double unshard_roof_gbs(const struct bench_roofline *roof)
+{
+	return roof->copy_gbs;
+}
+
+static void unshard_print_moves(uint32_t dtype, const struct bench_roofline *roof)
+{
+	printf("# moves: S fp32 shards in + the unsharded %s copy out = count*(4+%zu) B;"
+	       " roofline: copy %.2f GB/s (same run)\n", shardd_dtype_name(dtype),
+	       shardd_dtype_size(dtype), roof->copy_gbs);
+}
+
+static int reduce_run(struct shardd_group *g, uint64_t step)
+{
+	return shardd_reduce(g, step, 0);
+}
+
+/* zero_grad makes the next reduce assign, not add. */
+static int reduce_undo(struct shardd_group *g, uint64_t step)
+{
+	(void)step;
+	return shardd_zero_grad(g);
+}
+
+/* Read S grad buffers, write S fp32 sharded grads. */
+static double reduce_moved_bytes(uint64_t count, uint32_t dtype, uint32_t S)
+{
+	return (double)S * ((double)count * (double)shardd_dtype_size(dtype)) +
+	       (double)count * sizeof(float);
+}
+
+static double reduce_roof_gbs(const struct bench_roofline *roof)
+{
+	return roof->add_gbs;
+}
+
+static void reduce_print_moves(uint32_t dtype, const struct bench_roofline *roof)
+{
+	printf("# moves: S %s grad buffers in + S fp32 sharded grads out = count*(S*%zu+4) B;"
+	       " roofline: add %.2f GB/s (same run)\n", shardd_dtype_name(dtype),
+	       shardd_dtype_size(dtype), roof->add_gbs);
+}
+
+static const struct coll_op coll_ops[] = {
+	[BENCH_UNSHARD] = {
+		.name = "unshard", .undo_name = "reshard",
+		.mpi_op = "allgather", .mpi_call = "MPI_Allgather",
+		.run = unshard_run, .undo = unshard_undo,
+		.write_inputs = write_shard, .check = check_unsharded,
+		.moved_bytes = unshard_moved_bytes, .roof_gbs = unshard_roof_gbs,
+		.print_moves = unshard_print_moves,
+	},
+	[BENCH_REDUCE] = {
+		.name = "reduce", .undo_name = "zero_grad",
+		.mpi_op = "reduce_scatter", .mpi_call = "MPI_Reduce_scatter_block(SUM)",
+		.run = reduce_run, .undo = reduce_undo,
+		.write_inputs = write_grad, .check = check_shard_grad,
+		.moved_bytes = reduce_moved_bytes, .roof_gbs = reduce_roof_gbs,
+		.print_moves = reduce_print_moves,
+	},
+};
 
 /* ---- one rank process ------------------------------------------------- */
 
@@ -155,10 +264,10 @@ static int run_op(struct coll_rank_ctx *x, struct shardd_group *g, uint64_t step
 	int ret;
 
 	*t0 = bench_now_ns();
-	ret = x->which == BENCH_UNSHARD ? shardd_unshard(g, step) : shardd_reduce(g, step, 0);
+	ret = x->op->run(g, step);
 	*t1 = bench_now_ns();
 	if (ret) {
-		snprintf(what, sizeof(what), "%s(step %llu)", coll_name(x->which),
+		snprintf(what, sizeof(what), "%s(step %llu)", x->op->name,
 			 (unsigned long long)step);
 		return rank_fail(x, ret, what, bytes);
 	}
@@ -171,11 +280,9 @@ static int undo_op(struct coll_rank_ctx *x, struct shardd_group *g, uint64_t ste
 	char what[96];
 	int ret;
 
-	/* Reshard releases this rank's hold; zero_grad makes the next reduce assign, not add. */
-	ret = x->which == BENCH_UNSHARD ? shardd_reshard(g, step) : shardd_zero_grad(g);
+	ret = x->op->undo(g, step);
 	if (ret) {
-		snprintf(what, sizeof(what), "%s(step %llu)",
-			 x->which == BENCH_UNSHARD ? "reshard" : "zero_grad",
+		snprintf(what, sizeof(what), "%s(step %llu)", x->op->undo_name,
 			 (unsigned long long)step);
 		return rank_fail(x, ret, what, bytes);
 	}
@@ -190,7 +297,7 @@ static int rank_size(struct coll_rank_ctx *x, uint32_t k)
 	struct coll_sample *samples = sh->samples + ((size_t)k * sh->nranks + x->rank) * sh->total;
 	struct shardd_client *c = NULL;
 	struct shardd_group *g = NULL;
-	const struct shardd_param_layout *l;
+	struct coll_io io;
 	char job[SHARDD_NAME_MAX], what[128];
 	uint64_t barrier = 1, step = 1, t0, t1;
 	uint32_t it;
@@ -214,7 +321,7 @@ static int rank_size(struct coll_rank_ctx *x, uint32_t k)
 		.reduce_dtype = SHARDD_DTYPE_NONE,
 	};
 
-	snprintf(job, sizeof(job), "shardbench.%d.%s.%u", (int)x->parent, coll_name(x->which), k);
+	snprintf(job, sizeof(job), "shardbench.%d.%s.%u", (int)x->parent, x->op->name, k);
 	ret = shardd_connect(&ao, &c);
 	if (ret) {
 		snprintf(what, sizeof(what), "attach to %s as rank %u of job '%s'",
@@ -226,11 +333,11 @@ static int rank_size(struct coll_rank_ctx *x, uint32_t k)
 		rank_fail(x, ret, "register group 'bench'", bytes);
 		goto out;
 	}
-	l = shardd_group_layout(g, 0);
-	if (x->which == BENCH_UNSHARD)
-		write_shard(g, l, 1);
-	else
-		write_grad(g, o->dtype, count, x->rank, 1);
+	io = (struct coll_io){
+		.g = g, .l = shardd_group_layout(g, 0), .dtype = o->dtype, .count = count,
+		.rank = x->rank, .nranks = o->ranks,
+	};
+	x->op->write_inputs(&io, 1);
 
 	for (it = 0; it < sh->total; it++, step++) {
 		/* Every rank starts the iteration together: the first submit starts the clock. */
@@ -247,10 +354,7 @@ static int rank_size(struct coll_rank_ctx *x, uint32_t k)
 	}
 	if (o->check) {
 		/* Fresh inputs, so an op that did nothing leaves the previous answer and fails. */
-		if (x->which == BENCH_UNSHARD)
-			write_shard(g, l, 2);
-		else
-			write_grad(g, o->dtype, count, x->rank, 2);
+		x->op->write_inputs(&io, 2);
 		ret = shardd_barrier(c, barrier++);
 		if (ret) {
 			rank_fail(x, ret, "barrier", bytes);
@@ -259,9 +363,7 @@ static int rank_size(struct coll_rank_ctx *x, uint32_t k)
 		ret = run_op(x, g, step, &t0, &t1, bytes);
 		if (ret)
 			goto out;
-		sh->wrong[(size_t)k * sh->nranks + x->rank] = x->which == BENCH_UNSHARD
-			? check_unsharded(g, o->dtype, count, x->rank, o->ranks, 2)
-			: check_shard_grad(g, l, o->ranks, 2);
+		sh->wrong[(size_t)k * sh->nranks + x->rank] = x->op->check(&io, 2);
 		ret = undo_op(x, g, step, bytes);
 	}
 out:
@@ -331,17 +433,6 @@ static double size_time_us(const struct coll_shared *sh, const struct bench_opts
 	return sum / o->iters / 1000.0;
 }
 
-/* Bytes the op must move through memory for one size (docs/BENCHMARKS.md). */
-static double moved_bytes(enum bench_collective w, uint64_t count, uint32_t dtype, uint32_t S)
-{
-	double in_fp32 = (double)count * sizeof(float);
-	double d = (double)count * (double)shardd_dtype_size(dtype);
-
-	if (w == BENCH_UNSHARD)
-		return in_fp32 + d;   /* read S fp32 shards, write the unsharded copy */
-	return (double)S * d + in_fp32; /* read S grad buffers, write S fp32 sharded grads */
-}
-
 struct coll_summary {
 	double   busbw_sum;
 	uint32_t rows;
@@ -353,7 +444,7 @@ struct coll_summary {
 	uint64_t mpi_wrong;
 };
 
-static void print_row(const struct bench_opts *o, enum bench_collective w,
+static void print_row(const struct bench_opts *o, const struct coll_op *op,
 		      const struct coll_shared *sh, uint32_t k, uint64_t bytes,
 		      const struct bench_roofline *roof, const struct bench_mpi_table *mpi,
 		      struct coll_summary *sum)
@@ -362,8 +453,8 @@ static void print_row(const struct bench_opts *o, enum bench_collective w,
 	double us = size_time_us(sh, o, k);
 	double algbw = (double)bytes / (us * 1000.0);
 	double busbw = algbw * (double)(o->ranks - 1) / (double)o->ranks;
-	double roof_gbs = w == BENCH_UNSHARD ? roof->copy_gbs : roof->add_gbs;
-	double pct = moved_bytes(w, count, o->dtype, o->ranks) / (us * 1000.0) / roof_gbs * 100.0;
+	double roof_gbs = op->roof_gbs(roof);
+	double pct = op->moved_bytes(count, o->dtype, o->ranks) / (us * 1000.0) / roof_gbs * 100.0;
 	const struct bench_mpi_row *m = bench_mpi_find(mpi, bytes);
 	char mpi_us[24] = "-", vs[24] = "-", wr[24] = "-";
 	uint32_t r;
@@ -396,26 +487,18 @@ static void print_row(const struct bench_opts *o, enum bench_collective w,
 	}
 }
 
-static void print_header(const struct bench_opts *o, enum bench_collective w,
+static void print_header(const struct bench_opts *o, const struct coll_op *op,
 			 const struct bench_roofline *roof, const struct bench_mpi_table *mpi)
 {
 	const char *d = shardd_dtype_name(o->dtype);
 
 	printf("#\n# shardbench %s: %u rank processes, one 1-D param per size (fp32 shards,"
 	       " param_dtype %s), warm-up %d, iterations %d, check %d\n",
-	       coll_name(w), o->ranks, d, o->warmup, o->iters, o->check);
-	if (w == BENCH_UNSHARD)
-		printf("# moves: S fp32 shards in + the unsharded %s copy out = count*(4+%zu) B;"
-		       " roofline: copy %.2f GB/s (same run)\n", d, shardd_dtype_size(o->dtype),
-		       roof->copy_gbs);
-	else
-		printf("# moves: S %s grad buffers in + S fp32 sharded grads out = count*(S*%zu+4) B;"
-		       " roofline: add %.2f GB/s (same run)\n", d, shardd_dtype_size(o->dtype),
-		       roof->add_gbs);
+	       op->name, o->ranks, d, o->warmup, o->iters, o->check);
+	op->print_moves(o->dtype, roof);
 	if (mpi->available)
 		printf("# vsMPI: Open MPI %s among %u processes, same sizes, MPI datatype %s\n",
-		       w == BENCH_UNSHARD ? "MPI_Allgather" : "MPI_Reduce_scatter_block(SUM)",
-		       o->ranks, mpi->dtype);
+		       op->mpi_call, o->ranks, mpi->dtype);
 	else
 		printf("# Open MPI comparator not built (%s)\n", mpi->why);
 	printf("# target: >= %.0f %%roof and >= %.0fx vsMPI for sizes >= 64 MiB\n",
@@ -482,6 +565,7 @@ static int build_sizes(const struct bench_opts *o, uint64_t **out, uint32_t *n)
 int bench_collective_run(const struct bench_opts *o, enum bench_collective which,
 			 const char *socket_path, const struct bench_roofline *roof)
 {
+	const struct coll_op *op = &coll_ops[which];
 	struct bench_mpi_table mpi = { 0 };
 	struct coll_shared sh = { 0 };
 	struct coll_summary sum = { 0 };
@@ -493,13 +577,13 @@ int bench_collective_run(const struct bench_opts *o, enum bench_collective which
 	ret = build_sizes(o, &sizes, &nsizes);
 	if (ret || nsizes == 0) {
 		fprintf(stderr, "shardbench: %s: no size to run in -b %llu -e %llu\n",
-			coll_name(which), (unsigned long long)o->min_bytes,
+			op->name, (unsigned long long)o->min_bytes,
 			(unsigned long long)o->max_bytes);
 		ret = ret ? ret : -EINVAL;
 		goto out;
 	}
 	/* MPI first, while the daemon idles: each side gets the machine to itself. */
-	bench_mpi_run(o, which == BENCH_UNSHARD ? "allgather" : "reduce_scatter", &mpi);
+	bench_mpi_run(o, op->mpi_op, &mpi);
 
 	ret = shared_map(&sh, o->ranks, nsizes, (uint32_t)(o->warmup + o->iters));
 	if (ret)
@@ -510,10 +594,10 @@ int bench_collective_run(const struct bench_opts *o, enum bench_collective which
 		ret = -ENOMEM;
 		goto out;
 	}
-	print_header(o, which, roof, &mpi);
+	print_header(o, op, roof, &mpi);
 	for (r = 0; r < o->ranks; r++) {
 		struct coll_rank_ctx x = {
-			.o = o, .which = which, .socket_path = socket_path, .sizes = sizes,
+			.o = o, .op = op, .socket_path = socket_path, .sizes = sizes,
 			.sh = &sh, .rank = r, .parent = getpid(),
 		};
 
@@ -544,7 +628,7 @@ int bench_collective_run(const struct bench_opts *o, enum bench_collective which
 			continue;
 		if (rc == 0) {
 			printf("# %s stuck: no rank finished size %llu within %d s; missing ranks:",
-			       coll_name(which), (unsigned long long)sizes[next_row],
+			       op->name, (unsigned long long)sizes[next_row],
 			       COLL_PROGRESS_TIMEOUT_MS / 1000);
 			for (r = 0; r < o->ranks; r++)
 				if (reported[r] <= next_row)
@@ -555,13 +639,13 @@ int bench_collective_run(const struct bench_opts *o, enum bench_collective which
 		}
 		n = read(fds[0], &note, sizeof(note));
 		if (n != (ssize_t)sizeof(note) || note.rank >= o->ranks) {
-			printf("# %s: rank processes exited before size %llu\n", coll_name(which),
+			printf("# %s: rank processes exited before size %llu\n", op->name,
 			       (unsigned long long)sizes[next_row]);
 			ret = -ECHILD;
 			break;
 		}
 		if (!note.ok) {
-			printf("# %s FAILED: %s\n", coll_name(which), sh.state[note.rank].msg);
+			printf("# %s FAILED: %s\n", op->name, sh.state[note.rank].msg);
 			ret = sh.state[note.rank].err ? sh.state[note.rank].err : -EIO;
 			break;
 		}
@@ -571,7 +655,7 @@ int bench_collective_run(const struct bench_opts *o, enum bench_collective which
 				;
 			if (r < o->ranks || next_row >= nsizes)
 				break;
-			print_row(o, which, &sh, next_row, sizes[next_row], roof, &mpi, &sum);
+			print_row(o, op, &sh, next_row, sizes[next_row], roof, &mpi, &sum);
 			next_row++;
 		}
 	}

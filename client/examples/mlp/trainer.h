@@ -1,0 +1,100 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The trainer of train_mlp: one rank process attached to shardd, training
+ * the model of model.h FSDP2-style (ZeRO-3). Each linear layer is one
+ * parameter group ("fc0", "fc1", "fc2", params "weight" [out x in] and
+ * "bias" [out], fp32), sharded by the daemon along dim 0. Every rank runs
+ * FSDP2's schedule with reshard_after_forward=True:
+ *
+ *   forward,  layer l = 0..2:  unshard(l) (l+1 prefetched while l computes),
+ *                              forward, reshard(l)
+ *   backward, layer l = 2..0:  unshard(l) again (l-1 prefetched), backward
+ *                              into the grad buffer, reshard(l), reduce(l)
+ *   once every reduce of the step succeeded: SGD on the rank's own flat
+ *   shard with its sharded grad, then zero_grad.
+ *
+ * unshard and reduce are keyed by step, and the forward and the backward
+ * unshard of one training step are two different collectives, so each gets
+ * its own key: op_key(t, attempt, phase) = 16 t + 2 attempt + phase, phase 0
+ * for the forward unshard and 1 for the backward unshard and the reduce. The
+ * attempt makes a retried step (after a rank died) use fresh keys, and the
+ * keys grow monotonically over the run.
+ *
+ * A step that fails because a rank died (peer died, or timeout) is retried
+ * once every rank is back: the dead rank's replacement re-attaches with
+ * resume_step and joins the retry's attempt.
+ *
+ * Backends: on the host backend the ranks compute on the group buffers'
+ * mappings directly. On the cuda backend (device >= 0) those are device
+ * memory; the model still runs on the CPU, so each rank copies an
+ * unsharded layer to host memory after its unshard, its grads to the
+ * device before its reduce, and its shard around the SGD update.
+ */
+#ifndef SHARDD_EXAMPLE_MLP_TRAINER_H
+#define SHARDD_EXAMPLE_MLP_TRAINER_H
+
+#include <stdint.h>
+
+#define MLP_MAX_ATTEMPTS 4          /* tries of one step; attempt < 8 fits op_key */
+
+/* What one rank needs to train (the launcher's flags of the same names). */
+struct trainer_opts {
+	uint32_t world;        /* --world N */
+	uint64_t steps;        /* --steps K */
+	const char *socket;    /* --socket PATH; NULL: library default */
+	const char *job;       /* --job NAME */
+	const char *dump;      /* --dump FILE */
+	int64_t resume_step;   /* --resume-step T; -1: fresh start */
+	uint32_t attempt;      /* --attempt A: with --resume-step, the attempt to join */
+	int32_t device;        /* --device N; SHARDD_HELLO_DEVICE_HOST: none */
+};
+
+/* Loss report from a rank to its launcher, one atomic pipe write. */
+struct loss_report {
+	uint32_t rank;
+	uint32_t rsvd;
+	uint64_t step;
+	double loss;
+};
+
+/* One rank process; opaque outside trainer.c. */
+struct rank;
+
+/*
+ * A point in the schedule where a caller may act in the rank's place: the
+ * tests inject faults there (tests/integration/train_mlp_faults.c).
+ */
+struct rank_hooks {
+	/*
+	 * Called where the rank would submit the reduce of `layer` in attempt
+	 * `attempt` of step t (`key`: that reduce's step key), after the
+	 * layer's grads are in place and its reshard was submitted. 0: the
+	 * trainer submits the reduce; 1: the hook took its place; negative:
+	 * the attempt failed (the ops the hook ran recorded why).
+	 */
+	int (*before_reduce)(struct rank *rk, uint64_t t, uint32_t attempt, uint32_t layer,
+			     uint64_t key, void *arg);
+	void *arg;
+};
+
+/*
+ * Run rank `rank` of o->world: attach, register (or, with resume_step,
+ * re-open) the groups, train o->steps steps, unshard the final params
+ * (rank 0 writes them to o->dump). Each step's loss goes to report_fd as a
+ * struct loss_report, or when report_fd < 0 to stdout as "rank R step N
+ * loss X". `hooks` may be NULL. 0 or a negative error (already printed).
+ */
+int rank_main(const struct trainer_opts *o, uint32_t rank, int report_fd,
+	      const struct rank_hooks *hooks);
+
+/* For hooks. This rank's number. */
+uint32_t rank_id(const struct rank *rk);
+/*
+ * Submit an op on layer `layer`'s group (MLP_LAYERS: no group, a barrier);
+ * its slot (>= 0) or a negative error, recorded as the attempt's failure.
+ */
+int rank_submit(struct rank *rk, uint32_t op, uint32_t layer, uint64_t step, uint32_t flags);
+/* Submit an op and wait for it: its result (0 or a negative error, recorded). */
+int rank_sync_op(struct rank *rk, uint32_t op, uint32_t layer, uint64_t step);
+
+#endif /* SHARDD_EXAMPLE_MLP_TRAINER_H */

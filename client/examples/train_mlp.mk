@@ -1,0 +1,16 @@
+# train_mlp is several files (client/examples/mlp/): its link rule takes
+# their objects, and so does the tests' fault-injecting launcher built on
+# them (tests/integration/train_mlp_faults.c), which test_train runs.
+TRAIN_MLP_OBJ    := $(call obj,$(wildcard client/examples/mlp/*.c))
+TRAIN_MLP_FAULTS := $(BUILD)/tests/integration/train_mlp_faults
+
+$(BUILD)/examples/train_mlp: $(BUILD)/client/examples/train_mlp.o $(TRAIN_MLP_OBJ) $(LIBCLIENT_A)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $^ -lpthread -lm $(CUDA_LDLIBS)
+
+$(TRAIN_MLP_FAULTS): $(BUILD)/tests/integration/train_mlp_faults.o $(TRAIN_MLP_OBJ) $(LIBCLIENT_A)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $^ -lpthread -lm $(CUDA_LDLIBS)
+
+# Built before the suite that runs it (order-only: not linked into it).
+$(BUILD)/tests/integration/test_train: | $(TRAIN_MLP_FAULTS)

@@ -1,0 +1,133 @@
+/* SPDX-License-Identifier: MIT */
+/* The daemon of the hostile suites (hostile.h). */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/wait.h>
+
+#include <criterion/criterion.h>
+
+#include "tests/lib/hostile.h"
+
+struct harness_daemon hostile_daemon;
+
+int log_contains(const char *needle)
+{
+	int found;
+
+	pthread_mutex_lock(&hostile_daemon.lock);
+	found = hostile_daemon.log && strstr(hostile_daemon.log, needle) != NULL;
+	pthread_mutex_unlock(&hostile_daemon.lock);
+	return found;
+}
+
+/*
+ * Wait up to REPLY_MS for `d` to have logged `needle`: a line written
+ * before an event the test saw (a close) reaches the log through the
+ * harness's drain thread, which signals d->cond on every read.
+ */
+void wait_log(struct harness_daemon *d, const char *needle)
+{
+	struct timespec until;
+	int found;
+
+	clock_gettime(CLOCK_MONOTONIC, &until);
+	until.tv_sec += REPLY_MS / 1000;
+	pthread_mutex_lock(&d->lock);
+	while (!(found = d->log && strstr(d->log, needle) != NULL) && !d->eof &&
+	       pthread_cond_timedwait(&d->cond, &d->lock, &until) == 0)
+		;
+	found = d->log && strstr(d->log, needle) != NULL;
+	pthread_mutex_unlock(&d->lock);
+	if (!found)
+		harness_daemon_dump_log(d);
+	cr_assert(found, "the daemon did not log '%s'", needle);
+}
+
+void start_daemon(void)
+{
+	const char *extra[] = { "--collective-timeout", COLLECTIVE_S, NULL };
+
+	/* Closed connections must not kill the test with SIGPIPE. */
+	signal(SIGPIPE, SIG_IGN);
+	cr_assert_eq(harness_daemon_start(&hostile_daemon, extra), 0, "shardd did not start");
+	rawproto_use(&hostile_daemon);
+}
+
+/* The harness fails the suite on a sanitizer report in the daemon's log. */
+void stop_daemon(void)
+{
+	harness_daemon_stop_expect_clean(&hostile_daemon);
+}
+
+/* The daemon process has not exited (looked at without reaping it). */
+void assert_daemon_alive(void)
+{
+	siginfo_t si = { 0 };
+	const char *report;
+
+	cr_assert_eq(waitid(P_PID, (id_t)hostile_daemon.pid, &si, WEXITED | WNOHANG | WNOWAIT), 0);
+	if (si.si_pid != 0)
+		harness_daemon_dump_log(&hostile_daemon);
+	cr_assert_eq(si.si_pid, 0, "shardd (pid %d) died: code %d status %d", (int)hostile_daemon.pid,
+		     si.si_code, si.si_status);
+	report = harness_daemon_sanitizer_report(&hostile_daemon);
+	if (report)
+		harness_daemon_dump_log(&hostile_daemon);
+	cr_assert_null(report, "the daemon's log holds a sanitizer report ('%s')", report);
+}
+
+/*
+ * A well-behaved client of a fresh 1x1 job: nop, barrier, a registered
+ * group whose unshard gives back exactly what the rank wrote, reshard.
+ */
+void assert_others_served(void)
+{
+	static int n;
+	struct shardd_param_desc p = {
+		.name = "w", .dtype = SHARDD_DTYPE_FP32, .ndim = 2, .shape = { 5, 3 },
+	};
+	struct shardd_client *c = NULL;
+	struct shardd_group *g = NULL;
+	float full[15];
+	char job[32];
+
+	assert_daemon_alive();
+	snprintf(job, sizeof(job), "bystander-%d", n++);
+	for (int i = 0; i < 15; i++)
+		full[i] = (float)i * 0.5f - 3.0f;
+	cr_assert_eq(harness_attach(&hostile_daemon, job, 0, 1, 1, &c), 0,
+		     "a good client cannot attach any more: %s", shardd_last_error());
+	cr_assert_eq(shardd_nop(c), 0, "nop: %s", shardd_last_error());
+	cr_assert_eq(shardd_barrier(c, 1), 0, "barrier: %s", shardd_last_error());
+	cr_assert_eq(shardd_group_register(c, "w", &p, 1, NULL, &g), 0, "register: %s",
+		     shardd_last_error());
+	cr_assert_eq(shardd_group_load_full(g, 0, full), 0);
+	cr_assert_eq(shardd_unshard(g, 1), 0, "unshard: %s", shardd_last_error());
+	cr_assert_eq(memcmp(shardd_group_unsharded(g, 0), full, sizeof(full)), 0,
+		     "the unsharded copy differs from what the rank wrote");
+	cr_assert_eq(shardd_reshard(g, 1), 0, "reshard: %s", shardd_last_error());
+	shardd_group_close(g);
+	shardd_close(c);
+	assert_daemon_alive();
+}
+
+/* Open descriptors of the daemon process. */
+int daemon_fd_count(void)
+{
+	char path[64];
+	struct dirent *e;
+	DIR *d;
+	int n = 0;
+
+	snprintf(path, sizeof(path), "/proc/%d/fd", (int)hostile_daemon.pid);
+	d = opendir(path);
+	cr_assert_not_null(d, "%s: %s", path, strerror(errno));
+	while ((e = readdir(d)))
+		n += e->d_name[0] != '.';
+	closedir(d);
+	return n;
+}

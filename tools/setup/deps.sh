@@ -9,6 +9,7 @@ PACKAGES=(
 	liburing-dev        # daemon event loop
 	libcriterion-dev    # C test suites
 	libjansson-dev      # admin requests and shardctl --json
+	clang libclang-rt-dev  # libFuzzer targets (tests/fuzz/): clang and its matching runtimes
 	libopenmpi-dev openmpi-bin   # shardbench's Open MPI comparator
 	python3 python3-numpy python3-pytest python3-torch   # Python client tests (/usr/bin/python3)
 )

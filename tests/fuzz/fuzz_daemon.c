@@ -78,7 +78,7 @@
 /* Heap the process may hold above its level at the start of an input. */
 #define FUZZ_HEAP_CAP     ((size_t)256 << 20)
 
-#define FZ_CLIENTS   16  /* connections per input */
+#define FZ_CLIENTS   32  /* connections per input: 3 jobs of 6 ranks and re-attaches */
 #define FZ_PENDING   256 /* requests awaiting a reply, per client */
 #define FZ_OPS       4096 /* ring entries per input */
 #define FZ_GROUPS    16  /* group ids a client remembers */

@@ -69,7 +69,7 @@ fuzz-ci: $(FUZZ_BIN)
 			> "$$tmp/$$t.log" 2>&1; then \
 			tail -n 60 "$$tmp/$$t.log"; exit 1; \
 		fi; \
-		grep -E '^(INFO: seed corpus|#[0-9]+ +DONE|stat::(number_of_executed_units|new_units_added|peak_rss_mb))' "$$tmp/$$t.log" || true; \
+		grep -E '(INITED|DONE) +cov|^stat::(number_of_executed_units|new_units_added|peak_rss_mb)' "$$tmp/$$t.log" || true; \
 	done
 
 test: fuzz-ci

@@ -162,7 +162,6 @@ struct fz_request {
 };
 
 struct fz_client {
-	int      used;
 	int      fd;             /* our end of the connection; -1 once we closed it */
 	int      eof;            /* the daemon closed the connection */
 	int      loose;          /* sent unframed or malformed bytes: replies are not matched */
@@ -615,7 +614,6 @@ static struct fz_client *client_connect(void)
 		fail("connect to the daemon: %s", strerror(errno));
 	c = &st.c[st.nclients++];
 	memset(c, 0, sizeof(*c));
-	c->used = 1;
 	c->fd = fd;
 	c->job = -1;
 	c->doorbell = -1;

@@ -222,5 +222,6 @@ clean:
 # Build fragments owned by a tool's folder (e.g. the MPI comparator of shardbench).
 include $(wildcard tools/*/*.mk)
 include $(wildcard client/examples/*.mk)
+include $(wildcard tests/*/*.mk)
 
 -include $(shell find $(BUILD) -name '*.d' 2>/dev/null)

@@ -11,6 +11,7 @@ PACKAGES=(
 	libjansson-dev      # admin requests and shardctl --json
 	libmicrohttpd-dev   # shardd --metrics-listen (Prometheus over HTTP)
 	scdoc man-db        # man pages: built from man/*.scd, rendered by the install test
+	clang libclang-rt-dev  # libFuzzer targets (tests/fuzz/): clang and its matching runtimes
 	libopenmpi-dev openmpi-bin   # shardbench's Open MPI comparator
 	python3 python3-numpy python3-pytest python3-torch   # Python client tests (/usr/bin/python3)
 )

@@ -117,6 +117,20 @@ static void memory_line(FILE *f, const json_t *m)
 		bytes_str(num(m, "total"), t, sizeof(t)));
 }
 
+/* "limits   committed 96.0 MiB of 18.8 GiB (80% of physical memory (23.5 GiB)), per job 18.8 GiB" */
+static void limits_line(FILE *f, const json_t *l)
+{
+	char used[32], all[32], job[32];
+
+	if (!json_is_object(l))
+		return;
+	fprintf(f, "limits   committed %s of %s (%s), per job %s%s\n",
+		bytes_str(num(l, "committed"), used, sizeof(used)),
+		bytes_str(num(l, "max_memory"), all, sizeof(all)), str(l, "max_memory_from"),
+		bytes_str(num(l, "max_job_memory"), job, sizeof(job)),
+		json_is_false(json_object_get(l, "counted")) ? " (not counted: device memory)" : "");
+}
+
 void shardctl_render_status(FILE *f, const json_t *r)
 {
 	char up[32];
@@ -131,6 +145,7 @@ void shardctl_render_status(FILE *f, const json_t *r)
 	fprintf(f, "memory   ");
 	memory_line(f, json_object_get(r, "memory"));
 	fputc('\n', f);
+	limits_line(f, json_object_get(r, "memory_limits"));
 }
 
 void shardctl_render_jobs(FILE *f, const json_t *r)
@@ -143,14 +158,17 @@ void shardctl_render_jobs(FILE *f, const json_t *r)
 		fprintf(f, "no jobs\n");
 		return;
 	}
-	fprintf(f, "%-24s %-9s %-9s %-7s %s\n", "JOB", "MESH", "ATTACHED", "GROUPS", "MEMORY");
+	fprintf(f, "%-24s %-9s %-9s %-7s %-10s %s\n", "JOB", "MESH", "ATTACHED", "GROUPS", "MEMORY",
+		"COMMITTED/LIMIT");
 	json_array_foreach(jobs, i, j) {
-		char mesh[32], att[32], mem[32];
+		char mesh[32], att[32], mem[32], used[32], lim[32];
 
 		snprintf(mesh, sizeof(mesh), "%lldx%lld", num(j, "replicate"), num(j, "shard"));
 		snprintf(att, sizeof(att), "%lld/%lld", num(j, "attached"), num(j, "world"));
-		fprintf(f, "%-24s %-9s %-9s %-7lld %s\n", str(j, "name"), mesh, att, num(j, "groups"),
-			bytes_str(num(json_object_get(j, "memory"), "total"), mem, sizeof(mem)));
+		fprintf(f, "%-24s %-9s %-9s %-7lld %-10s %s/%s\n", str(j, "name"), mesh, att, num(j, "groups"),
+			bytes_str(num(json_object_get(j, "memory"), "total"), mem, sizeof(mem)),
+			bytes_str(num(j, "memory_committed"), used, sizeof(used)),
+			bytes_str(num(j, "memory_limit"), lim, sizeof(lim)));
 	}
 }
 

@@ -30,7 +30,7 @@
 
 /* Elements of work per batch: large enough to amortize a claim, small enough to balance 2..64 cores. */
 #define HOST_GRAIN ((uint64_t)1 << 15)
-/* Pieces a plan aims at, at most, besides a few per param (48 bytes each: about 3 MiB). */
+/* Pieces a plan aims at, at most, besides two per param (24 bytes each, 8 per batch: a few MiB). */
 #define HOST_PLAN_PIECES ((uint64_t)1 << 16)
 /*
  * An op of at most this much work runs on the calling thread alone: 128 Ki

@@ -86,11 +86,13 @@ int shardd_client_request(struct shardd_client *c, uint16_t type, const void *pa
 {
 	int64_t deadline = timeout_ms < 0 ? -1 : shardd_client_now_ms() + timeout_ms;
 	uint32_t seq = ++c->seq;
-	int reset_seen = 0;
 	int ret;
 
 	ret = shardd_ctrl_send(c->sock, type, seq, payload, len, NULL, 0);
-	/* A daemon that refused us (e.g. at accept) and closed left its ERROR to read. */
+	/*
+	 * A daemon that refused us (e.g. at accept) and closed left its ERROR
+	 * to read: read it before calling the connection broken.
+	 */
 	if (ret == -EPIPE || ret == -ECONNRESET)
 		ret = 0;
 	if (ret == -EAGAIN)
@@ -111,18 +113,8 @@ int shardd_client_request(struct shardd_client *c, uint16_t type, const void *pa
 			left = d > 0 ? (int)d : 0;
 		}
 		memset(rx, 0, sizeof(*rx));
-		ret = shardd_ctrl_recv(c->sock, rx, reset_seen ? 0 : left);
-		/*
-		 * A peer that closes with our request unread makes the next recv fail
-		 * with ECONNRESET even though its last messages still wait in our queue:
-		 * read once more before deciding the connection is gone.
-		 */
-		if (ret == -ECONNRESET && !reset_seen) {
-			reset_seen = 1;
-			continue;
-		}
-		if (ret == -ETIMEDOUT && reset_seen)
-			ret = -ECONNRESET;
+		/* Replies a daemon sent before closing are read first (shardd_ctrl_recv_dgram). */
+		ret = shardd_ctrl_recv(c->sock, rx, left);
 		/* Refused before our request was read (credentials): its ERROR is the answer. */
 		if (ret == -ECONNRESET && c->daemon_code)
 			return shardd_err_set(c->daemon_code, "daemon: %s", c->daemon_text);
@@ -183,10 +175,12 @@ int shardd_client_check_alive(struct shardd_client *c)
 	}
 	if (ready > 0 && (p.revents & (POLLHUP | POLLERR)))
 		return connection_closed(c);
+	/* The notice sent before the detach (e.g. the job was ended) says why. */
 	if (flags & SHARDD_RING_DEAD)
 		return shardd_err_set(-ECONNRESET,
-				      "daemon detached this client (client id %u, job '%s' rank %u)",
-				      c->welcome.client_id, c->job, c->rank);
+				      "daemon detached this client (client id %u, job '%s' rank %u)%s%s",
+				      c->welcome.client_id, c->job, c->rank,
+				      c->daemon_text[0] ? ": " : "", c->daemon_text);
 	return 0;
 }
 
@@ -215,6 +209,49 @@ static int resolve_socket_path(const char *given, char *out, size_t len)
 	return 0;
 }
 
+/*
+ * connect() said EACCES or EPERM: name who owns the socket and its
+ * directory, who we are, and the flag that lets us in.
+ */
+static int connect_denied(const struct shardd_client *c, int err)
+{
+	char dir[sizeof(c->socket_path)];
+	struct stat st, dst;
+	char *slash;
+	unsigned uid = (unsigned)geteuid(), gid = (unsigned)getegid();
+
+	snprintf(dir, sizeof(dir), "%s", c->socket_path);
+	slash = strrchr(dir, '/');
+	if (!slash)
+		snprintf(dir, sizeof(dir), ".");
+	else if (slash == dir)
+		dir[1] = '\0';
+	else
+		*slash = '\0';
+	if (stat(dir, &dst) < 0)
+		return shardd_err_set(err, "connect to %s: %s: a directory on the way to %s does "
+				      "not let uid %u (gid %u) through (%s); run as shardd's user, or "
+				      "start shardd with --allow-gid %u and a socket path whose "
+				      "directories group %u may search", c->socket_path,
+				      strerror(-err), dir, uid, gid, strerror(errno), gid, gid);
+	if (stat(c->socket_path, &st) < 0)
+		return shardd_err_set(err, "connect to %s: %s: its directory %s belongs to uid %u "
+				      "gid %u, mode %04o, and does not let uid %u (gid %u) in; start "
+				      "shardd with --allow-gid %u (it then makes the directory and "
+				      "the socket group-accessible) or run as uid %u", c->socket_path,
+				      strerror(-err), dir, (unsigned)dst.st_uid, (unsigned)dst.st_gid,
+				      (unsigned)(dst.st_mode & 07777), uid, gid, gid,
+				      (unsigned)dst.st_uid);
+	return shardd_err_set(err, "connect to %s: %s: the socket belongs to uid %u gid %u, mode "
+			      "%04o (its directory %s: uid %u gid %u, mode %04o), and this process "
+			      "runs as uid %u gid %u; start shardd with --allow-gid %u (it then makes "
+			      "the socket and its directory group-accessible) or run as uid %u",
+			      c->socket_path, strerror(-err), (unsigned)st.st_uid,
+			      (unsigned)st.st_gid, (unsigned)(st.st_mode & 07777), dir,
+			      (unsigned)dst.st_uid, (unsigned)dst.st_gid,
+			      (unsigned)(dst.st_mode & 07777), uid, gid, gid, (unsigned)st.st_uid);
+}
+
 static int open_socket(struct shardd_client *c, int timeout_ms)
 {
 	struct sockaddr_un addr = { .sun_family = AF_UNIX };
@@ -236,6 +273,8 @@ static int open_socket(struct shardd_client *c, int timeout_ms)
 		return shardd_err_set(ret,
 				      "connect to %s: %s (is shardd running? start it, or point "
 				      "SHARDD_SOCKET at its socket)", c->socket_path, strerror(-ret));
+	if (ret == -EACCES || ret == -EPERM)
+		return connect_denied(c, ret);
 	return shardd_err_set(ret, "connect to %s: %s", c->socket_path, shardd_strerror(ret));
 }
 

@@ -11,10 +11,13 @@
  *
  * An fd buffer is mapped with the buffer's size rounded up to the
  * device's minimum granularity for a POSIX-fd allocation: exactly what the
- * daemon allocated (daemon/backend_cuda.c rounds the same way on the same
- * device). A legacy IPC handle is opened in the device's primary context,
- * which stays retained while the mapping lives; the driver maps the whole
- * allocation, at least the buffer's size, and the group uses that size.
+ * daemon allocated (daemon/backend_cuda_memory.c rounds with the same
+ * function, shardd_cuda_alloc_size, and the granularity of the same
+ * allocation properties on the same device). A legacy IPC handle is
+ * opened in the device's primary context, which stays retained while the
+ * mapping lives; the driver maps the whole allocation, at least the
+ * buffer's size, and the group uses that size. Entry points are resolved
+ * as the daemon's are (shardd_cuda_resolve, proto/shardd_cuda.h).
  */
 #include <errno.h>
 #include <stdint.h>
@@ -23,6 +26,7 @@
 #include <string.h>
 
 #include "cuda_import.h"
+#include "shardd_cuda.h"
 
 #ifdef SHARDD_HAVE_CUDA
 
@@ -31,15 +35,8 @@
 #include <dlfcn.h>
 #include <pthread.h>
 
-/*
- * The ABI asked of cuGetProcAddress: the PFN_*_v10020 virtual memory calls
- * as of CUDA 12.0, and the newest versions of the context and IPC calls
- * at 12.0 (cuIpcOpenMemHandle_v2 of CUDA 11.0, which counts repeated opens
- * of a handle in one context instead of failing them).
- */
-#define CUDA_DRIVER_ABI 12000
-
-static struct {
+/* The driver's entry points libshardd calls, asked of cuGetProcAddress at SHARDD_CUDA_DRIVER_ABI. */
+struct cuda_driver {
 	PFN_cuInit_v2000                          init;
 	PFN_cuGetErrorString_v6000                get_error_string;
 	PFN_cuDeviceGet_v2000                     device_get;
@@ -66,16 +63,65 @@ static struct {
 	PFN_cuEventSynchronize_v2000              event_synchronize;
 	PFN_cuMemcpyHtoD_v3020                    memcpy_htod;
 	PFN_cuCtxSynchronize_v2000                ctx_synchronize;
-} drv;
+};
+
+static struct cuda_driver drv;
+
+#define DRV(field, sym) SHARDD_CUDA_SYMBOL(struct cuda_driver, field, sym)
+static const struct shardd_cuda_symbol drv_symbols[] = {
+	DRV(init, "cuInit"),
+	DRV(get_error_string, "cuGetErrorString"),
+	DRV(device_get, "cuDeviceGet"),
+	DRV(primary_ctx_retain, "cuDevicePrimaryCtxRetain"),
+	DRV(primary_ctx_release, "cuDevicePrimaryCtxRelease"),
+	DRV(ctx_push, "cuCtxPushCurrent"),
+	DRV(ctx_pop, "cuCtxPopCurrent"),
+	DRV(ipc_open, "cuIpcOpenMemHandle"),
+	DRV(ipc_close, "cuIpcCloseMemHandle"),
+	DRV(granularity, "cuMemGetAllocationGranularity"),
+	DRV(import_handle, "cuMemImportFromShareableHandle"),
+	DRV(release, "cuMemRelease"),
+	DRV(address_reserve, "cuMemAddressReserve"),
+	DRV(address_free, "cuMemAddressFree"),
+	DRV(map, "cuMemMap"),
+	DRV(unmap, "cuMemUnmap"),
+	DRV(set_access, "cuMemSetAccess"),
+	DRV(event_create, "cuEventCreate"),
+	DRV(event_destroy, "cuEventDestroy"),
+	DRV(ipc_get_event, "cuIpcGetEventHandle"),
+	DRV(ipc_open_event, "cuIpcOpenEventHandle"),
+	DRV(event_record, "cuEventRecord"),
+	DRV(stream_wait_event, "cuStreamWaitEvent"),
+	DRV(event_synchronize, "cuEventSynchronize"),
+	DRV(memcpy_htod, "cuMemcpyHtoD"),
+	DRV(ctx_synchronize, "cuCtxSynchronize"),
+};
+#undef DRV
+_Static_assert(sizeof(drv_symbols) / sizeof(drv_symbols[0]) * sizeof(void *) == sizeof(struct cuda_driver),
+	       "every entry point of struct cuda_driver has its name");
 
 static pthread_once_t drv_once = PTHREAD_ONCE_INIT;
 static int  drv_status;         /* 0 once every entry point resolved and cuInit succeeded */
 static char drv_error[256];     /* why not, when drv_status < 0 */
 
+/* A shardd_cuda_lookup_fn: the driver's cuGetProcAddress, at `ctx` (a PFN_cuGetProcAddress_v12000 *). */
+static int drv_lookup(void *ctx, const char *name, void **fn, char *err, size_t errlen)
+{
+	PFN_cuGetProcAddress_v12000 get_proc = *(PFN_cuGetProcAddress_v12000 *)ctx;
+	CUdriverProcAddressQueryResult found = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+	CUresult r;
+
+	r = get_proc(name, fn, SHARDD_CUDA_DRIVER_ABI, CU_GET_PROC_ADDRESS_DEFAULT, &found);
+	if (r == CUDA_SUCCESS && found == CU_GET_PROC_ADDRESS_SUCCESS && *fn)
+		return 0;
+	snprintf(err, errlen, "the NVIDIA driver does not provide %s (CUresult %d, status %d)", name, (int)r,
+		 (int)found);
+	return -SHARDD_E_BACKEND;
+}
+
 static void drv_load(void)
 {
 	PFN_cuGetProcAddress_v12000 get_proc;
-	CUdriverProcAddressQueryResult found;
 	void *lib, *fn;
 	CUresult r;
 
@@ -92,46 +138,11 @@ static void drv_load(void)
 			 "the NVIDIA driver is older than CUDA 12.0 (no cuGetProcAddress_v2); update it");
 		return;
 	}
-	/* dlsym's void * becomes a function pointer as POSIX specifies; so do the entry points below. */
+	/* dlsym's void * becomes a function pointer as POSIX specifies. */
 	get_proc = (PFN_cuGetProcAddress_v12000)fn;
-#define DRV_RESOLVE(field, name)                                                                  \
-	do {                                                                                      \
-		r = get_proc(name, &fn, CUDA_DRIVER_ABI, CU_GET_PROC_ADDRESS_DEFAULT, &found);    \
-		if (r != CUDA_SUCCESS || found != CU_GET_PROC_ADDRESS_SUCCESS || !fn) {           \
-			snprintf(drv_error, sizeof(drv_error),                                    \
-				 "the NVIDIA driver does not provide %s (CUresult %d, status %d)", \
-				 name, (int)r, (int)found);                                       \
-			return;                                                           \
-		}                                                                         \
-		drv.field = (__typeof__(drv.field))fn;                                    \
-	} while (0)
-	DRV_RESOLVE(init, "cuInit");
-	DRV_RESOLVE(get_error_string, "cuGetErrorString");
-	DRV_RESOLVE(device_get, "cuDeviceGet");
-	DRV_RESOLVE(primary_ctx_retain, "cuDevicePrimaryCtxRetain");
-	DRV_RESOLVE(primary_ctx_release, "cuDevicePrimaryCtxRelease");
-	DRV_RESOLVE(ctx_push, "cuCtxPushCurrent");
-	DRV_RESOLVE(ctx_pop, "cuCtxPopCurrent");
-	DRV_RESOLVE(ipc_open, "cuIpcOpenMemHandle");
-	DRV_RESOLVE(ipc_close, "cuIpcCloseMemHandle");
-	DRV_RESOLVE(granularity, "cuMemGetAllocationGranularity");
-	DRV_RESOLVE(import_handle, "cuMemImportFromShareableHandle");
-	DRV_RESOLVE(release, "cuMemRelease");
-	DRV_RESOLVE(address_reserve, "cuMemAddressReserve");
-	DRV_RESOLVE(address_free, "cuMemAddressFree");
-	DRV_RESOLVE(map, "cuMemMap");
-	DRV_RESOLVE(unmap, "cuMemUnmap");
-	DRV_RESOLVE(set_access, "cuMemSetAccess");
-	DRV_RESOLVE(event_create, "cuEventCreate");
-	DRV_RESOLVE(event_destroy, "cuEventDestroy");
-	DRV_RESOLVE(ipc_get_event, "cuIpcGetEventHandle");
-	DRV_RESOLVE(ipc_open_event, "cuIpcOpenEventHandle");
-	DRV_RESOLVE(event_record, "cuEventRecord");
-	DRV_RESOLVE(stream_wait_event, "cuStreamWaitEvent");
-	DRV_RESOLVE(event_synchronize, "cuEventSynchronize");
-	DRV_RESOLVE(memcpy_htod, "cuMemcpyHtoD");
-	DRV_RESOLVE(ctx_synchronize, "cuCtxSynchronize");
-#undef DRV_RESOLVE
+	if (shardd_cuda_resolve(&drv, drv_symbols, sizeof(drv_symbols) / sizeof(drv_symbols[0]), drv_lookup,
+				&get_proc, drv_error, sizeof(drv_error)))
+		return;
 	r = drv.init(0);
 	if (r != CUDA_SUCCESS) {
 		snprintf(drv_error, sizeof(drv_error), "cuInit failed (CUresult %d)", (int)r);
@@ -207,7 +218,7 @@ int shardd_cuda_import(int fd, int device, uint64_t bytes, struct shardd_cuda_ma
 	if (ret)
 		return ret;
 
-	/* The daemon's allocation properties: the granularity must be the one it rounded with. */
+	/* The daemon's allocation properties (cuda_vmm_prop): the granularity must be the one it rounded with. */
 	memset(&prop, 0, sizeof(prop));
 	prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
 	prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
@@ -219,7 +230,7 @@ int shardd_cuda_import(int fd, int device, uint64_t bytes, struct shardd_cuda_ma
 	if (gran == 0)
 		return shardd_err_set(-SHARDD_E_BACKEND, "device %d reports an allocation granularity of 0",
 				      device);
-	size = (size_t)(bytes + gran - 1) / gran * gran;
+	size = (size_t)shardd_cuda_alloc_size(bytes, gran);
 
 	/* A POSIX fd handle travels as the fd's value in the pointer argument. */
 	r = drv.import_handle(&handle, (void *)(uintptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);

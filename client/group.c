@@ -214,6 +214,12 @@ static int map_buffer(struct shardd_group *g, enum shardd_group_buf b, int fd, u
 		return shardd_err_set(-SHARDD_E_MALFORMED,
 				      "%s fd is not a memfd sealed against shrinking (seals %d)",
 				      buf_name[b], seals);
+	/* A read-only buffer that one rank could reopen O_RDWR would let it rewrite every rank's params. */
+	if (b == SHARDD_BUF_UNSHARDED && !(seals & F_SEAL_FUTURE_WRITE))
+		return shardd_err_set(-SHARDD_E_MALFORMED,
+				      "%s fd is lent read-only but is not sealed against writes "
+				      "(F_SEAL_FUTURE_WRITE missing from seals 0x%x): upgrade shardd",
+				      buf_name[b], (unsigned)seals);
 	addr = mmap(NULL, (size_t)size, prot, MAP_SHARED, fd, 0);
 	if (addr == MAP_FAILED)
 		return shardd_err_set(-errno, "mmap %s buffer of %llu bytes: %s", buf_name[b],

@@ -29,6 +29,9 @@
 
 #define NAMES_MAX 1024 /* bytes of a "jobs: a, b, c" list in an error */
 
+/* The pid of the client whose request runs now (shardd_admin_handle); 0 when unknown. */
+static pid_t admin_peer_pid;
+
 /* ------------------------------------------------------------------ */
 /* Replies                                                             */
 /* ------------------------------------------------------------------ */
@@ -337,6 +340,14 @@ void shardd_memory_use_all(struct shardd_memory_use *out)
 		job_memory(j, out);
 }
 
+uint64_t shardd_memory_job_bytes(const struct shardd_job *j)
+{
+	struct shardd_memory_use m = { 0 };
+
+	job_memory(j, &m);
+	return m.shards + m.sharded_grads + m.unsharded + m.grads + m.partials;
+}
+
 static json_t *json_memory(const struct shardd_memory_use *m)
 {
 	return json_pack("{s:I, s:I, s:I, s:I, s:I, s:I}",
@@ -399,21 +410,39 @@ static json_t *cmd_status(const json_t *req)
 	return r;
 }
 
+/* no_ranks_s: how long the job has had no attached rank; ends_in_s: when --job-linger ends it. */
+static int put_linger(json_t *o, const struct shardd_job *j, uint64_t now_ns)
+{
+	double ends = shardd_job_ends_in_s(j, now_ns);
+	int orphaned = !j->nattached && j->orphaned_ns;
+
+	return put(o, "no_ranks_s", orphaned ? json_real((double)(now_ns - j->orphaned_ns) / 1e9)
+					     : json_null()) ||
+	       put(o, "ends_in_s", ends < 0 ? json_null() : json_real(ends));
+}
+
 static json_t *cmd_jobs(const json_t *req)
 {
 	json_t *r = reply_ok(), *arr = json_array();
+	uint64_t now = shardd_now_ns();
 
 	(void)req;
 	for (struct shardd_job *j = server.jobs; j; j = j->next) {
 		struct shardd_memory_use m = { 0 };
+		json_t *o;
 
 		job_memory(j, &m);
-		if (append(arr, json_pack("{s:s, s:i, s:i, s:i, s:i, s:i, s:o*, s:o, s:o}", "name", j->name,
-					  "replicate", (int)j->replicate, "shard", (int)j->shard,
-					  "world", (int)j->world, "attached", (int)j->nattached,
-					  "groups", (int)job_ngroups(j), "memory", json_memory(&m),
-					  "memory_committed", json_u64(shardd_engine_job_memory_committed(j->ejob)),
-					  "memory_limit", json_u64(server.cfg.max_job_memory)))) {
+		o = json_pack("{s:s, s:i, s:i, s:i, s:i, s:i, s:o*, s:o, s:o}", "name", j->name,
+			      "replicate", (int)j->replicate, "shard", (int)j->shard,
+			      "world", (int)j->world, "attached", (int)j->nattached,
+			      "groups", (int)job_ngroups(j), "memory", json_memory(&m),
+			      "memory_committed", json_u64(shardd_engine_job_memory_committed(j->ejob)),
+			      "memory_limit", json_u64(server.cfg.max_job_memory));
+		if (o && put_linger(o, j, now)) {
+			json_decref(o);
+			o = NULL;
+		}
+		if (append(arr, o)) {
 			json_decref(arr);
 			json_decref(r);
 			return NULL;
@@ -1116,6 +1145,38 @@ static json_t *cmd_metrics(const json_t *req)
 }
 
 /* ------------------------------------------------------------------ */
+/* end: the one command that changes the daemon                        */
+/* ------------------------------------------------------------------ */
+
+static json_t *cmd_end(const json_t *req)
+{
+	const json_t *v = json_object_get(req, "job");
+	char name[SHARDD_NAME_MAX], why[160], names[NAMES_MAX];
+	struct shardd_job *j;
+	uint32_t nattached;
+	uint64_t bytes;
+
+	if (!json_is_string(v)) {
+		job_names(names, sizeof(names));
+		return reply_err(-SHARDD_E_INVALID, "end: \"job\" must name the job to end; jobs: %s",
+				 server.jobs ? names : "none");
+	}
+	j = shardd_job_find(json_string_value(v));
+	if (!j)
+		return no_job(json_string_value(v));
+	snprintf(name, sizeof(name), "%s", j->name);
+	nattached = j->nattached;
+	if (admin_peer_pid > 0)
+		snprintf(why, sizeof(why), "was ended by an admin request (shardctl end from pid %d)",
+			 (int)admin_peer_pid);
+	else
+		snprintf(why, sizeof(why), "was ended by an admin request (shardctl end)");
+	bytes = shardd_job_end(j, why);
+	return json_pack("{s:b, s:s, s:i, s:I}", "ok", 1, "job", name, "ranks_attached",
+			 (int)nattached, "memory_freed", (json_int_t)bytes);
+}
+
+/* ------------------------------------------------------------------ */
 /* Dispatch                                                            */
 /* ------------------------------------------------------------------ */
 
@@ -1131,6 +1192,7 @@ static const struct {
 	{ "dump", cmd_dump },
 	{ "stats", cmd_stats },
 	{ "metrics", cmd_metrics },
+	{ "end", cmd_end },
 };
 
 json_t *shardd_admin_exec(const void *payload, size_t len, uid_t peer_uid)
@@ -1161,7 +1223,7 @@ json_t *shardd_admin_exec(const void *payload, size_t len, uid_t peer_uid)
 		}
 	}
 	r = reply_err(-SHARDD_E_INVALID, "unknown admin command '%s'; commands: status, jobs, "
-		      "ranks, groups, show, dump, stats, metrics", cmd);
+		      "ranks, groups, show, dump, stats, metrics, end", cmd);
 out:
 	json_decref(req);
 	return r;
@@ -1170,12 +1232,17 @@ out:
 void shardd_admin_handle(struct shardd_session *s, uint32_t seq, const void *payload,
 			 uint32_t len)
 {
-	json_t *r = shardd_admin_exec(payload, len, s->cred.uid);
-	char *text = r ? json_dumps(r, JSON_COMPACT) : NULL;
-	size_t n = text ? strlen(text) : 0;
-	char fallback[160];
-	const char *out = text;
+	char fallback[160], *text;
+	const char *out;
+	size_t n;
+	json_t *r;
 
+	admin_peer_pid = s->cred.pid;
+	r = shardd_admin_exec(payload, len, s->cred.uid);
+	admin_peer_pid = 0;
+	text = r ? json_dumps(r, JSON_COMPACT) : NULL;
+	n = text ? strlen(text) : 0;
+	out = text;
 	json_decref(r);
 	if (!text || n > SHARDD_CTRL_MAX) {
 		/* Built without jansson: no memory was left for the reply, or it is too big to send. */

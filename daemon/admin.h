@@ -4,8 +4,9 @@
  * sends SHARDD_MSG_ADMIN with a JSON object {"cmd": "...", args...}, with or
  * without a HELLO first, and gets SHARDD_MSG_ADMIN_REPLY with a JSON object:
  * {"ok": true, ...} or {"ok": false, "error": "...", "code": N}. Every
- * command is read-only. Only clients running as shardd's own uid may send
- * them (a gid let in by --allow-gid may attach ranks, not inspect).
+ * command is read-only but `end`, which ends a job. Only clients running
+ * as shardd's own uid may send them (a gid let in by --allow-gid may attach
+ * ranks, not inspect or end).
  *
  * Loop thread only: the replies read the loop's state (sessions, jobs, the
  * engine's groups) without locks. Buffer contents are read while pool
@@ -36,6 +37,10 @@ struct shardd_memory_use {
 
 /* Over every job of the daemon. */
 void shardd_memory_use_all(struct shardd_memory_use *out);
+
+struct shardd_job;
+/* Bytes of every buffer job `j` holds (the `total` of its memory). */
+uint64_t shardd_memory_job_bytes(const struct shardd_job *j);
 
 /*
  * Execute one request from a peer running as `peer_uid`: the JSON text of

@@ -1,11 +1,12 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The cuda backend (backend_cuda.c): group buffers in device memory,
- * exported to clients as POSIX file descriptors of the driver's virtual
- * memory API or, where a device cannot do that, as legacy CUDA IPC
- * handles; unshard/reduce/zero with the CUDA kernels. Built only with
- * SHARDD_HAVE_CUDA (make CUDA=auto|1); this header declares nothing that
- * needs CUDA, so main.c parses --cuda-export in every build.
+ * The cuda backend (backend_cuda*.c; backend_cuda_int.h lists its files):
+ * group buffers in device memory, exported to clients as POSIX file
+ * descriptors of the driver's virtual memory API or, where a device cannot
+ * do that, as legacy CUDA IPC handles; unshard/reduce/zero with the CUDA
+ * kernels. Built only with SHARDD_HAVE_CUDA (make CUDA=auto|1); this
+ * header declares nothing that needs CUDA, so main.c parses --cuda-export
+ * in every build.
  */
 #ifndef SHARDD_BACKEND_CUDA_H
 #define SHARDD_BACKEND_CUDA_H

@@ -26,6 +26,7 @@
 #include "daemon/backend_cuda_nccl.h"
 #include "daemon/log.h"
 #include "daemon/rendezvous.h"
+#include "shardd_cuda.h"
 #include "shardd_proto.h"
 
 /* Non-blocking communicators and ncclCommFinalize came with NCCL 2.14. */
@@ -33,7 +34,7 @@
 /* Between two polls of a communicator's state: short next to a collective's set-up, long next to a syscall. */
 #define NCCL_POLL_NS 20000
 
-static struct {
+struct nccl_api {
 	__typeof__(ncclGetVersion)         *get_version;
 	__typeof__(ncclGetErrorString)     *get_error_string;
 	__typeof__(ncclGetLastError)       *get_last_error;
@@ -48,7 +49,30 @@ static struct {
 	__typeof__(ncclAllGather)          *all_gather;
 	__typeof__(ncclReduceScatter)      *reduce_scatter;
 	__typeof__(ncclAllReduce)          *all_reduce;
-} api;
+};
+
+static struct nccl_api api;
+
+#define API(field, sym) SHARDD_CUDA_SYMBOL(struct nccl_api, field, sym)
+static const struct shardd_cuda_symbol api_symbols[] = {
+	API(get_version, "ncclGetVersion"),
+	API(get_error_string, "ncclGetErrorString"),
+	API(get_last_error, "ncclGetLastError"),
+	API(get_unique_id, "ncclGetUniqueId"),
+	API(comm_init_rank_config, "ncclCommInitRankConfig"),
+	API(comm_get_async_error, "ncclCommGetAsyncError"),
+	API(comm_finalize, "ncclCommFinalize"),
+	API(comm_destroy, "ncclCommDestroy"),
+	API(comm_abort, "ncclCommAbort"),
+	API(group_start, "ncclGroupStart"),
+	API(group_end, "ncclGroupEnd"),
+	API(all_gather, "ncclAllGather"),
+	API(reduce_scatter, "ncclReduceScatter"),
+	API(all_reduce, "ncclAllReduce"),
+};
+#undef API
+_Static_assert(sizeof(api_symbols) / sizeof(api_symbols[0]) * sizeof(void *) == sizeof(struct nccl_api),
+	       "every entry point of struct nccl_api has its name");
 
 static pthread_once_t api_once = PTHREAD_ONCE_INIT;
 static int  api_status;      /* 0 once every entry point resolved and the version is new enough */
@@ -72,9 +96,19 @@ struct shardd_nccl {
 /* The library                                                         */
 /* ------------------------------------------------------------------ */
 
+/* A shardd_cuda_lookup_fn: dlsym in the library `ctx`. */
+static int api_lookup(void *ctx, const char *name, void **fn, char *err, size_t errlen)
+{
+	*fn = dlsym(ctx, name);
+	if (*fn)
+		return 0;
+	snprintf(err, errlen, "libnccl.so.2 has no %s; install NCCL 2.14 or later", name);
+	return -SHARDD_E_BACKEND;
+}
+
 static void api_load(void)
 {
-	void *lib, *fn;
+	void *lib;
 	int version = 0;
 
 	api_status = -SHARDD_E_BACKEND;
@@ -85,32 +119,9 @@ static void api_load(void)
 			 "where the loader finds it, or put every rank of a group on one GPU", dlerror());
 		return;
 	}
-	/* dlsym's void * becomes a function pointer as POSIX specifies. */
-#define API_RESOLVE(field, name)                                                                 \
-	do {                                                                                     \
-		fn = dlsym(lib, name);                                                           \
-		if (!fn) {                                                                       \
-			snprintf(api_error, sizeof(api_error),                                   \
-				 "libnccl.so.2 has no %s; install NCCL 2.14 or later", name);    \
-			return;                                                                  \
-		}                                                                                \
-		api.field = (__typeof__(api.field))fn;                                           \
-	} while (0)
-	API_RESOLVE(get_version, "ncclGetVersion");
-	API_RESOLVE(get_error_string, "ncclGetErrorString");
-	API_RESOLVE(get_last_error, "ncclGetLastError");
-	API_RESOLVE(get_unique_id, "ncclGetUniqueId");
-	API_RESOLVE(comm_init_rank_config, "ncclCommInitRankConfig");
-	API_RESOLVE(comm_get_async_error, "ncclCommGetAsyncError");
-	API_RESOLVE(comm_finalize, "ncclCommFinalize");
-	API_RESOLVE(comm_destroy, "ncclCommDestroy");
-	API_RESOLVE(comm_abort, "ncclCommAbort");
-	API_RESOLVE(group_start, "ncclGroupStart");
-	API_RESOLVE(group_end, "ncclGroupEnd");
-	API_RESOLVE(all_gather, "ncclAllGather");
-	API_RESOLVE(reduce_scatter, "ncclReduceScatter");
-	API_RESOLVE(all_reduce, "ncclAllReduce");
-#undef API_RESOLVE
+	if (shardd_cuda_resolve(&api, api_symbols, sizeof(api_symbols) / sizeof(api_symbols[0]), api_lookup,
+				lib, api_error, sizeof(api_error)))
+		return;
 	if (api.get_version(&version) != ncclSuccess || version < NCCL_MIN_VERSION) {
 		snprintf(api_error, sizeof(api_error),
 			 "libnccl.so.2 is version code %d; non-blocking communicators need NCCL 2.14 "
@@ -135,8 +146,7 @@ int shardd_nccl_load(char *err, size_t errlen)
 /* Messages and polling                                                */
 /* ------------------------------------------------------------------ */
 
-/* "devices 0,1,2" */
-static void devices_str(const int32_t *devices, uint32_t n, char *buf, size_t len)
+void shardd_nccl_devices_str(const int32_t *devices, uint32_t n, char *buf, size_t len)
 {
 	size_t off = (size_t)snprintf(buf, len, "devices");
 
@@ -151,7 +161,7 @@ static void nccl_error(const struct shardd_nccl_clique *c, const char *what, ncc
 	char devs[128];
 	const char *last = api.get_last_error(NULL);
 
-	devices_str(c->devices, c->n, devs, sizeof(devs));
+	shardd_nccl_devices_str(c->devices, c->n, devs, sizeof(devs));
 	snprintf(err, errlen, "NCCL %s on %s of job '%s': %s (%d)%s%s", what, devs, c->job_name,
 		 api.get_error_string(r), (int)r, last && last[0] ? ": " : "", last ? last : "");
 }
@@ -259,7 +269,7 @@ static void clique_destroy(struct shardd_nccl *nc, struct shardd_nccl_clique *c)
 		for (uint32_t k = 0; k < c->n; k++)
 			api.comm_destroy(c->comms[k]);
 	} else {
-		devices_str(c->devices, c->n, devs, sizeof(devs));
+		shardd_nccl_devices_str(c->devices, c->n, devs, sizeof(devs));
 		shardd_log_warn("shardd: cuda backend: NCCL communicators on %s of job '%s' did not finalize (%s); "
 				"aborted", devs, c->job_name, r == ncclInProgress ? "timed out" : api.get_error_string(r));
 		clique_abort(c);
@@ -380,7 +390,7 @@ int shardd_nccl_clique(struct shardd_nccl *nc, const void *job, const char *job_
 		clique_free(c);
 		return ret;
 	}
-	devices_str(devices, n, devs, sizeof(devs));
+	shardd_nccl_devices_str(devices, n, devs, sizeof(devs));
 	shardd_log_info("cuda backend: NCCL communicators of job '%s' on %s ready", job_name, devs);
 	c->next = nc->cliques;
 	nc->cliques = c;
@@ -477,7 +487,7 @@ uint32_t shardd_nccl_check_device(struct shardd_nccl *nc, int32_t device, int ab
 			if (bad != ncclSuccess)
 				nccl_error(c, "communicators failed", bad, one, sizeof(one));
 			else
-				devices_str(c->devices, c->n, one, sizeof(one));
+				shardd_nccl_devices_str(c->devices, c->n, one, sizeof(one));
 			off += (size_t)snprintf(err + off, errlen - off, "%s%s", aborted ? "; " : "", one);
 		}
 		*pp = c->next;

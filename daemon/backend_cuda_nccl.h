@@ -16,10 +16,11 @@
  * polling ncclCommGetAsyncError on each communicator until it leaves that
  * state, or the deadline passes.
  *
- * Every call but shardd_nccl_load, shardd_nccl_create and
- * shardd_nccl_destroy must be made under one lock the caller holds for
- * all of them (backend_cuda.c's nccl_lock): NCCL calls on a communicator
- * must not run concurrently, and queueing every collective of the daemon
+ * Every call but shardd_nccl_load, shardd_nccl_create,
+ * shardd_nccl_destroy and shardd_nccl_devices_str must be made under one
+ * lock the caller holds for all of them (cuda_nccl_lock,
+ * backend_cuda_device.c): NCCL calls on a communicator must not run
+ * concurrently, and queueing every collective of the daemon
  * in one order keeps two collectives from waiting on each other across
  * devices.
  */
@@ -82,5 +83,8 @@ uint32_t shardd_nccl_check_device(struct shardd_nccl *nc, int32_t device, int ab
 
 /* The job ended: destroy its cliques (ncclCommFinalize, then ncclCommDestroy; abort past the deadline). */
 void shardd_nccl_job_end(struct shardd_nccl *nc, const void *job);
+
+/* "devices 0,1,2" into `buf`, for messages about devices[0..n). */
+void shardd_nccl_devices_str(const int32_t *devices, uint32_t n, char *buf, size_t len);
 
 #endif /* SHARDD_BACKEND_CUDA_NCCL_H */

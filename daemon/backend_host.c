@@ -1,8 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * Host backend: buffers are sealed memfds mapped in the daemon, clients map
- * the same pages; kernels run on host pointers, split across the worker
- * pool.
+ * the same pages (the unsharded buffer sealed read-only: host_seal_export);
+ * kernels run on host pointers, split across the worker pool.
  *
  * An op is planned as a list of pieces (a cast of a range of one param's
  * elements, a chunk-cat of some outer indices, a reduction of a range of
@@ -447,8 +447,12 @@ static int host_alloc(struct shardd_backend_ctx *b, uint64_t bytes, int32_t devi
 	while (ret < 0 && errno == EINTR);
 	if (ret < 0)
 		goto err_errno;
-	/* Clients map these pages: no one may shrink them under the daemon's mapping. */
-	if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) < 0)
+	/*
+	 * Clients map these pages: no one may shrink them under the daemon's
+	 * mapping. F_SEAL_SEAL waits for the first export (host_seal_export),
+	 * which may add F_SEAL_FUTURE_WRITE after the mapping below exists.
+	 */
+	if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) < 0)
 		goto err_errno;
 	map = mmap(NULL, (size_t)bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
 	if (map == MAP_FAILED)
@@ -472,20 +476,51 @@ static void host_free(struct shardd_backend_ctx *b, struct shardd_buf *buf)
 	shardd_buf_forget(buf);
 }
 
-/* Every host buffer travels as its memfd. */
+/*
+ * Seal a buffer for its first export, before any client can hold it:
+ * F_SEAL_SEAL, and for a buffer lent read-only F_SEAL_FUTURE_WRITE, so that
+ * no descriptor of it, not even one a client reopens O_RDWR through
+ * /proc/self/fd, can write it, punch a hole in it or map it writable. The
+ * daemon goes on writing through the mapping host_alloc made before the
+ * seal. A buffer keeps the role of its first export: exporting it the other
+ * way later is -EPERM. 0 or -errno (-EINVAL: a kernel older than 5.1 has no
+ * F_SEAL_FUTURE_WRITE).
+ */
+static int host_seal_export(int fd, int readonly)
+{
+	int want = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL | (readonly ? F_SEAL_FUTURE_WRITE : 0);
+	int seals = fcntl(fd, F_GET_SEALS);
+
+	if (seals < 0)
+		return -errno;
+	if (!(seals & F_SEAL_SEAL)) {
+		if (fcntl(fd, F_ADD_SEALS, want & ~seals) < 0)
+			return -errno;
+		seals |= want;
+	}
+	if ((seals & want) != want || (!readonly && (seals & F_SEAL_FUTURE_WRITE)))
+		return -EPERM;
+	return 0;
+}
+
+/* Every host buffer travels as its memfd, sealed by host_seal_export. */
 static int host_export_buf(struct shardd_backend_ctx *b, const struct shardd_buf *buf, int readonly,
 			   struct shardd_buf_export *out)
 {
 	char path[64];
-	int fd;
+	int fd, ret;
 
 	(void)b;
 	memset(out, 0, sizeof(*out));
 	out->kind = SHARDD_EXPORT_FD;
+	out->fd = -1;
+	ret = host_seal_export(buf->fd, readonly);
+	if (ret < 0)
+		return ret;
 	if (!readonly) {
 		fd = fcntl(buf->fd, F_DUPFD_CLOEXEC, 0);
 	} else {
-		/* A new open file description opened read-only: the client can never map it writable. */
+		/* A new open file description opened read-only as well: writes fail with EBADF. */
 		snprintf(path, sizeof(path), "/proc/self/fd/%d", buf->fd);
 		fd = open(path, O_RDONLY | O_CLOEXEC);
 	}

@@ -961,13 +961,14 @@ static void group_wait_running(struct eng_group *eg)
 	free(t);
 }
 
-static void group_shutdown(struct eng_group *eg)
+/* `why`: how the job ended ("was ended by ..."), for every failure; NULL: "ended". */
+static void group_shutdown(struct eng_group *eg, const char *why)
 {
 	struct shardd_engine_job *j = eg->j;
 	char msg[ENGINE_MSG_MAX];
 
-	fmt(msg, sizeof(msg), "shardd: job '%s' ended before this op on group '%s' ran",
-	    j->name, eg->g->name);
+	fmt(msg, sizeof(msg), "shardd: job '%s' %s before this op on group '%s' ran", j->name,
+	    why ? why : "ended", eg->g->name);
 	if (!eg->complete) {
 		for (uint32_t r = 0; r < j->world; r++)
 			if (shardd_rdv_has_arrived(&eg->reg, r))
@@ -997,6 +998,11 @@ static void group_shutdown(struct eng_group *eg)
 
 void shardd_engine_job_destroy(struct shardd_engine_job *j)
 {
+	shardd_engine_job_end(j, NULL);
+}
+
+void shardd_engine_job_end(struct shardd_engine_job *j, const char *why)
+{
 	struct shardd_engine *e;
 
 	if (!j)
@@ -1007,7 +1013,7 @@ void shardd_engine_job_destroy(struct shardd_engine_job *j)
 
 		if (!eg)
 			continue;
-		group_shutdown(eg);
+		group_shutdown(eg, why);
 		group_free(eg);
 	}
 	if (j->prev)

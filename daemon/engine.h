@@ -68,6 +68,11 @@ int  shardd_engine_job_create(struct shardd_engine *e, void *job_ctx, const char
 		uint32_t replicate, uint32_t shard, struct shardd_engine_job **out);
 /* Pending ops fail with -SHARDD_E_SHUTDOWN via callbacks before it returns. */
 void shardd_engine_job_destroy(struct shardd_engine_job *j);
+/*
+ * shardd_engine_job_destroy whose failures say how the job ended: "job 'J'
+ * <why> before this op on group 'G' ran" (why: "was ended by ...", NULL: "ended").
+ */
+void shardd_engine_job_end(struct shardd_engine_job *j, const char *why);
 
 /* Control plane: payload of SHARDD_MSG_REGISTER_GROUP / OPEN_GROUP (untrusted, validated
    here). Reply via the reply cb, now or later. */

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "admin.h"
 #include "engine.h"
 #include "job.h"
 #include "log.h"
@@ -89,12 +90,20 @@ static void barrier_finish(struct shardd_job *j, int res, const char *msg)
 	}
 }
 
-void shardd_job_destroy(struct shardd_job *j)
+/* shardd_job_destroy; `why` ("was ended by ...", NULL: shutdown) goes into every failure. */
+static void job_destroy(struct shardd_job *j, const char *why)
 {
-	if (j->barrier.active)
-		barrier_finish(j, -SHARDD_E_SHUTDOWN, "shardd is shutting down");
+	if (j->barrier.active) {
+		char msg[SHARDD_RING_MSG_SIZE];
+
+		if (why)
+			snprintf(msg, sizeof(msg), "job '%s' %s", j->name, why);
+		else
+			snprintf(msg, sizeof(msg), "shardd is shutting down");
+		barrier_finish(j, -SHARDD_E_SHUTDOWN, msg);
+	}
 	/* The engine fails what it still holds through the callbacks, to live sessions. */
-	shardd_engine_job_destroy(j->ejob);
+	shardd_engine_job_end(j->ejob, why);
 	for (uint32_t r = 0; r < j->world; r++)
 		if (j->ranks[r].session)
 			j->ranks[r].session->job = NULL;
@@ -110,6 +119,50 @@ void shardd_job_destroy(struct shardd_job *j)
 	free(j);
 }
 
+void shardd_job_destroy(struct shardd_job *j)
+{
+	job_destroy(j, NULL);
+}
+
+uint64_t shardd_job_end(struct shardd_job *j, const char *why)
+{
+	struct shardd_session *attached[SHARDD_MAX_WORLD];
+	uint64_t bytes = shardd_memory_job_bytes(j);
+	char name[SHARDD_NAME_MAX], notice[SHARDD_RING_MSG_SIZE];
+	uint32_t n = 0;
+
+	snprintf(name, sizeof(name), "%s", j->name);
+	snprintf(notice, sizeof(notice), "job '%s' %s", j->name, why);
+	/* Told before the ops fail, closed after: a closing session takes no completion. */
+	for (uint32_t r = 0; r < j->world; r++) {
+		if (j->ranks[r].session) {
+			attached[n++] = j->ranks[r].session;
+			shardd_session_notify(j->ranks[r].session, -SHARDD_E_SHUTDOWN, notice);
+		}
+	}
+	job_destroy(j, why);
+	for (uint32_t i = 0; i < n; i++)
+		shardd_session_close_later(attached[i], notice);
+	if (n)
+		shardd_log_warn("job '%s' %s: its %u attached rank%s told, %llu bytes of buffers "
+				"freed (%.1f MiB)", name, why, n, n == 1 ? " was" : "s were",
+				(unsigned long long)bytes, (double)bytes / (1024.0 * 1024.0));
+	else
+		shardd_log_warn("job '%s' %s: %llu bytes of buffers freed (%.1f MiB)", name, why,
+				(unsigned long long)bytes, (double)bytes / (1024.0 * 1024.0));
+	return bytes;
+}
+
+double shardd_job_ends_in_s(const struct shardd_job *j, uint64_t now_ns)
+{
+	uint64_t linger = server.job_linger_ns, idle;
+
+	if (j->nattached || !j->orphaned_ns || !linger)
+		return -1;
+	idle = now_ns > j->orphaned_ns ? now_ns - j->orphaned_ns : 0;
+	return idle >= linger ? 0 : (double)(linger - idle) / 1e9;
+}
+
 void shardd_job_attach(struct shardd_job *j, uint32_t rank, struct shardd_session *s)
 {
 	struct shardd_job_rank *jr = &j->ranks[rank];
@@ -119,6 +172,12 @@ void shardd_job_attach(struct shardd_job *j, uint32_t rank, struct shardd_sessio
 	jr->attached_once = 1;
 	jr->goodbye = 0;
 	j->nattached++;
+	if (j->orphaned_ns) {
+		shardd_log_info("job '%s': rank %u re-attached after %.1f s without ranks; the job "
+				"no longer ends (--job-linger)", j->name, rank,
+				(double)(shardd_now_ns() - j->orphaned_ns) / 1e9);
+		j->orphaned_ns = 0;
+	}
 }
 
 struct shardd_session *shardd_job_session(struct shardd_job *j, uint32_t rank, uint64_t token)
@@ -165,8 +224,19 @@ void shardd_job_detach(struct shardd_job *j, uint32_t rank, int goodbye, const c
 	for (uint32_t r = 0; r < j->world; r++)
 		if (!j->ranks[r].goodbye)
 			all_goodbye = 0;
-	if (all_goodbye)
+	if (all_goodbye) {
 		shardd_job_destroy(j);
+		return;
+	}
+	if (!j->nattached) {
+		j->orphaned_ns = shardd_now_ns();
+		if (server.job_linger_ns)
+			shardd_log_info("job '%s': no rank attached; it ends in %g s unless one "
+					"re-attaches (--job-linger)", j->name, server.cfg.job_linger_s);
+		else
+			shardd_log_info("job '%s': no rank attached; kept until one re-attaches "
+					"(--job-linger 0)", j->name);
+	}
 }
 
 void shardd_job_barrier(struct shardd_job *j, uint32_t rank, const struct shardd_sqe *sqe)
@@ -218,6 +288,12 @@ void shardd_job_cron(struct shardd_job *j, uint64_t now_ns)
 	char missing[1024], present[1024], who_missing[1100], who_present[1100], msg[2400];
 	uint32_t nmissing;
 
+	if (shardd_job_ends_in_s(j, now_ns) == 0) {
+		snprintf(msg, sizeof(msg), "ended after %.1f s without an attached rank (--job-linger %g)",
+			 (double)(now_ns - j->orphaned_ns) / 1e9, server.cfg.job_linger_s);
+		shardd_job_end(j, msg);
+		return;
+	}
 	if (!shardd_rdv_expired(&j->barrier, now_ns))
 		return;
 	nmissing = j->barrier.nexpected - j->barrier.narrived;

@@ -4,7 +4,9 @@
  * replicate x shard ranks. It owns its engine job (groups and collectives)
  * and the job-wide barrier. Created by the first HELLO that names it; ends
  * when every rank has said goodbye. A rank that vanishes without goodbye
- * leaves the job in place so that a restarted trainer can re-attach.
+ * leaves the job in place so that a restarted trainer can re-attach; a job
+ * left with no attached rank ends after --job-linger seconds (cron), and an
+ * admin ends one at once with `shardctl end`.
  */
 #ifndef SHARDD_JOB_H
 #define SHARDD_JOB_H
@@ -36,6 +38,8 @@ struct shardd_job {
 	struct shardd_job_rank *ranks;  /* world entries */
 	struct shardd_engine_job *ejob;
 	struct shardd_rdv barrier;      /* over every rank of the job */
+	uint64_t orphaned_ns;           /* CLOCK_MONOTONIC when its last attached rank left; 0 while
+					   one is attached: --job-linger counts from here */
 };
 
 struct shardd_job *shardd_job_find(const char *name);
@@ -59,7 +63,26 @@ struct shardd_session *shardd_job_session(struct shardd_job *j, uint32_t rank, u
 
 /* A BARRIER entry (already validated) from the client of `rank`. */
 void shardd_job_barrier(struct shardd_job *j, uint32_t rank, const struct shardd_sqe *sqe);
-/* Fail a barrier waiting past the collective timeout. */
+/*
+ * Fail a barrier waiting past the collective timeout; end the job when it
+ * has had no attached rank for --job-linger seconds (then `j` is freed).
+ */
 void shardd_job_cron(struct shardd_job *j, uint64_t now_ns);
+
+/*
+ * Seconds until a job without attached ranks ends (--job-linger), or a
+ * negative value when it does not: a rank is attached, or --job-linger 0.
+ */
+double shardd_job_ends_in_s(const struct shardd_job *j, uint64_t now_ns);
+
+/*
+ * End the job now, for the reason `why` ("was ended by ..."): the ops in
+ * flight of its attached ranks fail with error completions that say why,
+ * each attached client gets an ERROR notice saying why and its connection
+ * is closed at the loop's next safe point, and the job's buffers are freed
+ * (`j` is freed). Logs the job, `why` and the bytes freed; returns those
+ * bytes.
+ */
+uint64_t shardd_job_end(struct shardd_job *j, const char *why);
 
 #endif /* SHARDD_JOB_H */

@@ -47,6 +47,9 @@ static void usage(FILE *f)
 		"  --handshake-timeout SECS   close a connection that sent no complete message\n"
 		"                             (HELLO or an admin request) within SECS of\n"
 		"                             connecting (default %g)\n"
+		"  --job-linger SECS          end a job that has had no attached rank for SECS\n"
+		"                             and free its memory; a rank that re-attaches\n"
+		"                             before then keeps it (default %g; 0 = never)\n"
 		"  --workers N                engine worker threads (default: online cores)\n"
 		"  --allow-gid GID            also accept clients of group GID (number or name;\n"
 		"                             repeatable); by default only shardd's own uid\n"
@@ -66,7 +69,7 @@ static void usage(FILE *f)
 		"  --version                  print the version and exit\n"
 		"  --help                     print this help and exit\n",
 		def, SHARDD_TIMEOUT_DEFAULT_S, SHARDD_HANDSHAKE_TIMEOUT_DEFAULT_S,
-		SHARDD_MAX_MEMORY_DEFAULT_PERCENT);
+		SHARDD_JOB_LINGER_DEFAULT_S, SHARDD_MAX_MEMORY_DEFAULT_PERCENT);
 }
 
 #define WORKERS_MAX 4096 /* --workers */
@@ -191,6 +194,17 @@ static int apply_flag(struct shardd_config *cfg, const char *flag, const char *v
 			cfg->max_memory = bytes;
 		else
 			cfg->max_job_memory = bytes;
+	} else if (strcmp(flag, "--job-linger") == 0) {
+		char *end;
+		double t;
+
+		errno = 0;
+		t = strtod(val, &end);
+		if (errno || end == val || *end || !(t >= 0) || t > SHARDD_JOB_LINGER_MAX_S)
+			return usage_error("--job-linger: '%s' is not a number of seconds in [0, %g] "
+					   "(0 keeps a job without ranks forever)", val,
+					   SHARDD_JOB_LINGER_MAX_S);
+		cfg->job_linger_s = t;
 	} else if (strcmp(flag, "--foreground") == 0) {
 		/* shardd never forks into the background; the flag is for supervisors' habits. */
 	} else {
@@ -205,6 +219,7 @@ static int takes_value(const char *flag)
 	static const char *const with_value[] = {
 		"--socket", "--log-level", "--backend", "--cuda-export", "--collective-timeout",
 		"--handshake-timeout", "--workers", "--allow-gid", "--max-memory", "--max-job-memory",
+		"--job-linger",
 	};
 
 	for (size_t i = 0; i < sizeof(with_value) / sizeof(with_value[0]); i++)

@@ -27,7 +27,7 @@
 /* Globals                                                             */
 /* ------------------------------------------------------------------ */
 
-struct shardd_server server = { .listen_fd = -1, .signal_fd = -1 };
+struct shardd_server server = { .listen_fd = -1, .signal_fd = -1, .accept_reserve_fd = -1 };
 
 /* ------------------------------------------------------------------ */
 /* Config                                                              */
@@ -58,6 +58,7 @@ void shardd_config_defaults(struct shardd_config *cfg)
 	cfg->collective_timeout_s = SHARDD_TIMEOUT_DEFAULT_S;
 	cfg->handshake_timeout_s = SHARDD_HANDSHAKE_TIMEOUT_DEFAULT_S;
 	cfg->workers = 0;
+	cfg->job_linger_s = SHARDD_JOB_LINGER_DEFAULT_S;
 }
 
 /* ------------------------------------------------------------------ */
@@ -139,7 +140,7 @@ static void server_cron(void *arg)
 
 	(void)arg;
 	while (j) {
-		/* A timed-out barrier never ends its job, but read next first all the same. */
+		/* Read next first: a job that lingered past --job-linger ends here. */
 		struct shardd_job *next = j->next;
 
 		shardd_job_cron(j, now);
@@ -425,6 +426,7 @@ int shardd_server_init(const struct shardd_config *cfg)
 	server.next_client_id = 1;
 	server.collective_timeout_ns = (uint64_t)(cfg->collective_timeout_s * 1e9);
 	server.handshake_timeout_ns = (uint64_t)(cfg->handshake_timeout_s * 1e9);
+	server.job_linger_ns = (uint64_t)(cfg->job_linger_s * 1e9);
 	shardd_log_threshold = cfg->log_level;
 
 	ret = signals_setup();
@@ -457,6 +459,11 @@ int shardd_server_init(const struct shardd_config *cfg)
 	server.listen_fd = socket_listen(cfg->socket_path);
 	if (server.listen_fd < 0)
 		return -EADDRINUSE;
+	server.accept_reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+	if (server.accept_reserve_fd < 0) {
+		fprintf(stderr, "shardd: cannot open /dev/null: %s\n", strerror(errno));
+		return -errno;
+	}
 	ret = shardd_loop_create(&server.loop);
 	if (ret < 0) {
 		fprintf(stderr, "shardd: cannot create the io_uring event loop: %s\n", strerror(-ret));
@@ -513,6 +520,9 @@ void shardd_server_shutdown(void)
 	if (server.listen_fd >= 0)
 		close(server.listen_fd);
 	server.listen_fd = -1;
+	if (server.accept_reserve_fd >= 0)
+		close(server.accept_reserve_fd);
+	server.accept_reserve_fd = -1;
 	if (server.socket_bound && unlink(server.cfg.socket_path) < 0 && errno != ENOENT)
 		shardd_log_warn("cannot remove %s: %s", server.cfg.socket_path, strerror(errno));
 	server.socket_bound = 0;

@@ -22,6 +22,8 @@
 #define SHARDD_TIMEOUT_DEFAULT_S     300.0   /* --collective-timeout */
 #define SHARDD_TIMEOUT_MAX_S         604800.0 /* one week; fits the welcome's u32 ms */
 #define SHARDD_HANDSHAKE_TIMEOUT_DEFAULT_S 10.0 /* --handshake-timeout: first message due */
+#define SHARDD_JOB_LINGER_DEFAULT_S  3600.0  /* --job-linger: a job without ranks ends after this */
+#define SHARDD_JOB_LINGER_MAX_S      31536000.0 /* one year; 0 means forever */
 
 struct shardd_loop;
 struct shardd_loop_event;
@@ -43,6 +45,7 @@ struct shardd_config {
 					   (limits.h), set by shardd_server_init */
 	uint64_t max_job_memory;        /* --max-job-memory: bytes of one job's buffers; 0 = max_memory */
 	char     max_memory_from[96];   /* where max_memory comes from: "--max-memory" or the default's basis */
+	double   job_linger_s;          /* --job-linger; 0 = a job without ranks is kept forever */
 };
 
 struct shardd_server {
@@ -55,6 +58,8 @@ struct shardd_server {
 	int      listen_fd;            /* -1 when not listening */
 	int      signal_fd;            /* SIGTERM, SIGINT */
 	int      socket_bound;         /* we created socket_path: unlink it on exit */
+	int      accept_reserve_fd;    /* /dev/null held back to answer a connection at the fd
+					* limit (shardd_session_accept); -1 while spent */
 	struct shardd_loop   *loop;
 	struct shardd_engine *engine;
 	struct shardd_session *sessions;  /* every connected client, dead ones until reaped */
@@ -64,6 +69,7 @@ struct shardd_server {
 	uint64_t last_heartbeat_ns;
 	int      need_reap;            /* some session is dead and waits to be freed */
 	int      need_close;           /* some session is marked closing (shardd_session_close_later) */
+	uint64_t job_linger_ns;        /* --job-linger; 0 = forever */
 };
 
 extern struct shardd_server server;

@@ -8,7 +8,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <dirent.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -43,6 +45,38 @@ static const char *session_name(const struct shardd_session *s, char *buf, size_
 			 s->rank, (int)s->cred.pid);
 	else
 		snprintf(buf, len, "client %u (pid %d)", s->id, (int)s->cred.pid);
+	return buf;
+}
+
+/*
+ * "RLIMIT_NOFILE=1024, open fds=1024": what a shortage of descriptors is
+ * measured against. At the limit /proc/self/fd cannot be opened, and then
+ * every slot below the limit is taken.
+ */
+static const char *fd_limit_describe(char *buf, size_t len)
+{
+	unsigned long long open_fds = 0;
+	struct rlimit rl;
+	struct dirent *e;
+	DIR *d;
+
+	if (getrlimit(RLIMIT_NOFILE, &rl) < 0) {
+		snprintf(buf, len, "RLIMIT_NOFILE unknown: %s", strerror(errno));
+		return buf;
+	}
+	d = opendir("/proc/self/fd");
+	if (!d) {
+		snprintf(buf, len, "RLIMIT_NOFILE=%llu, open fds=%s",
+			 (unsigned long long)rl.rlim_cur,
+			 errno == EMFILE ? "all of them" : "unknown");
+		return buf;
+	}
+	while ((e = readdir(d)))
+		open_fds += e->d_name[0] != '.';
+	closedir(d);
+	/* The directory's own descriptor was counted. */
+	snprintf(buf, len, "RLIMIT_NOFILE=%llu, open fds=%llu", (unsigned long long)rl.rlim_cur,
+		 open_fds - 1);
 	return buf;
 }
 
@@ -133,6 +167,9 @@ static void session_flush(struct shardd_session *s)
 		shardd_loop_del(server.loop, s->out_ev);
 		s->out_ev = NULL;
 	}
+	/* A refused client has its ERROR now: EOF follows it. */
+	if (!s->out_head && s->state == SHARDD_SESSION_LINGER)
+		shutdown(s->fd, SHUT_WR);
 }
 
 static void session_writable(void *arg, int fd, uint32_t revents)
@@ -157,7 +194,8 @@ int shardd_session_send(struct shardd_session *s, uint16_t type, uint32_t seq,
 	char name[160], why[256];
 	int ret;
 
-	if (s->state == SHARDD_SESSION_DEAD || s->closing)
+	/* A refused session has had its last reply. */
+	if (s->state == SHARDD_SESSION_DEAD || s->state == SHARDD_SESSION_LINGER || s->closing)
 		return -ECONNRESET;
 	if (len > SHARDD_CTRL_MAX || nfds < 0 || nfds > SHARDD_CTRL_MAX_FDS)
 		return -EINVAL;
@@ -228,6 +266,11 @@ static void session_send_error(struct shardd_session *s, uint32_t seq, int code,
 	shardd_session_send(s, SHARDD_MSG_ERROR, seq, &m, (uint32_t)(sizeof(m.hdr) + n), NULL, 0);
 }
 
+void shardd_session_notify(struct shardd_session *s, int code, const char *text)
+{
+	session_send_error(s, 0, code, text);
+}
+
 /* Reply an error to a request and keep serving the session. */
 static void __attribute__((format(printf, 4, 5)))
 session_reply_error(struct shardd_session *s, uint32_t seq, int code, const char *fmt, ...)
@@ -242,10 +285,11 @@ session_reply_error(struct shardd_session *s, uint32_t seq, int code, const char
 	session_send_error(s, seq, code, text);
 }
 
+static void session_linger(struct shardd_session *s, const char *why);
+
 /*
- * Reply an error, then close the connection (handshake and framing errors).
- * The error goes out only if the socket takes it at once: closing drops
- * whatever is still queued.
+ * Reply an error, then end the session (credentials, handshake and framing
+ * errors): it lingers until the client has read the error (session_linger).
  */
 static void __attribute__((format(printf, 4, 5)))
 session_reject(struct shardd_session *s, uint32_t seq, int code, const char *fmt, ...)
@@ -258,7 +302,7 @@ session_reject(struct shardd_session *s, uint32_t seq, int code, const char *fmt
 	va_end(ap);
 	shardd_log_warn("%s rejected: %s", session_name(s, name, sizeof(name)), text);
 	session_send_error(s, seq, code, text);
-	shardd_session_close(s, "rejected");
+	session_linger(s, text);
 }
 
 void shardd_session_send_group(struct shardd_session *s, uint32_t seq, int res, const char *msg,
@@ -389,6 +433,80 @@ static void session_new(int fd)
 			 (unsigned)s->cred.uid);
 }
 
+/*
+ * accept() failed with EMFILE or ENFILE (`err`): shardd is out of
+ * descriptors, and the connection would wait in the backlog, unanswered,
+ * until its client gave up. Spend the reserve descriptor to take it, tell
+ * the client why in an ERROR, close it and take the reserve back. Returns 1
+ * when a connection was answered (accept on), 0 when none is pending or no
+ * reserve is left (shardd_session_cron tries again).
+ */
+static int accept_at_fd_limit(int listen_fd, int err)
+{
+	static uint64_t logged_ns;
+	static unsigned refused;
+	struct {
+		struct shardd_msg_hdr hdr;
+		struct shardd_error_msg em;
+		char text[512];
+	} m;
+	uint64_t now = shardd_now_ns();
+	char lim[96];
+	int c, answered = 0;
+
+	fd_limit_describe(lim, sizeof(lim));
+	if (server.accept_reserve_fd >= 0) {
+		close(server.accept_reserve_fd);
+		server.accept_reserve_fd = -1;
+		c = accept4(listen_fd, NULL, NULL, SOCK_CLOEXEC);
+		if (c >= 0) {
+			struct iovec iov = { &m, 0 };
+			int n = snprintf(m.text, sizeof(m.text),
+					 "shardd (pid %d) is out of file descriptors (%s: %s) and "
+					 "cannot take this connection; raise its limit (ulimit -n, or "
+					 "LimitNOFILE= in its service) or end the jobs that hold them",
+					 (int)server.pid, strerror(err), lim);
+
+			m.em.code = -err;
+			m.em.msg_len = (uint32_t)(n < (int)sizeof(m.text) ? n : (int)sizeof(m.text) - 1);
+			m.hdr = (struct shardd_msg_hdr){ .magic = SHARDD_MAGIC, .type = SHARDD_MSG_ERROR,
+							 .length = (uint32_t)sizeof(m.em) + m.em.msg_len };
+			iov.iov_len = sizeof(m.hdr) + sizeof(m.em) + m.em.msg_len;
+			/* Best effort and never waiting: the client's buffer is empty. */
+			shardd_ctrl_send_dgram(c, &iov, 1, NULL, 0, MSG_DONTWAIT);
+			/*
+			 * Drop what the client sent already (its HELLO): closing with it
+			 * unread would make the client's first read fail with ECONNRESET.
+			 * No linger here: that would hold the reserve.
+			 */
+			for (int i = 0; i < SHARDD_SESSION_READ_BUDGET; i++) {
+				int fds[SHARDD_CTRL_MAX_FDS], nfds;
+				ssize_t n = shardd_ctrl_recv_dgram(c, dgram_buf, fds, &nfds,
+								   MSG_DONTWAIT);
+
+				for (int k = 0; k < nfds; k++)
+					close(fds[k]);
+				if (n == 0 || n == -EAGAIN || n == -EWOULDBLOCK)
+					break;
+			}
+			close(c);
+			refused++;
+			answered = 1;
+		}
+		server.accept_reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+	}
+	if (now - logged_ns >= 1000000000ull || !logged_ns) {
+		logged_ns = now;
+		shardd_log_error("accept on %s: %s: shardd is at its fd limit (%s); %u connection(s) "
+				 "refused with an error since the last report%s; raise the limit "
+				 "(ulimit -n, LimitNOFILE=)", server.cfg.socket_path, strerror(err), lim,
+				 refused, server.accept_reserve_fd < 0 ?
+				 ", others wait in the backlog (no reserve descriptor)" : "");
+		refused = 0;
+	}
+	return answered;
+}
+
 void shardd_session_accept(void *arg, int fd, uint32_t revents)
 {
 	(void)arg;
@@ -399,12 +517,52 @@ void shardd_session_accept(void *arg, int fd, uint32_t revents)
 		if (c < 0) {
 			if (errno == EINTR || errno == ECONNABORTED)
 				continue;
-			if (errno != EAGAIN && errno != EWOULDBLOCK)
+			if ((errno == EMFILE || errno == ENFILE) && accept_at_fd_limit(fd, errno))
+				continue;
+			if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EMFILE &&
+			    errno != ENFILE)
 				shardd_log_error("accept on %s: %s", server.cfg.socket_path,
 						 strerror(errno));
 			return;
 		}
 		session_new(c);
+	}
+}
+
+/*
+ * Everything of a session but its socket: detach it from its job (the
+ * engine and the barrier learn that the rank is gone), mark its ring dead,
+ * close its pidfd and doorbell, drop the message being read and its fds.
+ */
+static void session_release(struct shardd_session *s, int goodbye, const char *why)
+{
+	if (s->job) {
+		struct shardd_job *j = s->job;
+
+		s->job = NULL;
+		shardd_job_detach(j, s->rank, goodbye, why);
+	}
+	if (s->ring_mem) {
+		/* Tell a client that looks at the ring rather than the socket; wake its waiters. */
+		atomic_fetch_or_explicit(SHARDD_ATOMIC32(&s->ring.hdr->flags), SHARDD_RING_DEAD,
+					 memory_order_release);
+		shardd_futex(&s->ring.hdr->cq_tail, FUTEX_WAKE, INT_MAX, NULL);
+	}
+	shardd_loop_del(server.loop, s->pidfd_ev);
+	shardd_loop_del(server.loop, s->doorbell_ev);
+	s->pidfd_ev = s->doorbell_ev = NULL;
+	if (s->pidfd >= 0)
+		close(s->pidfd);
+	if (s->doorbell_fd >= 0)
+		close(s->doorbell_fd);
+	s->pidfd = s->doorbell_fd = -1;
+	shardd_ctrl_rx_reset(&s->rx);
+	s->read_backlog = 0;
+	if (s->fences) {
+		struct shardd_backend_ctx *b = shardd_engine_backend(server.engine);
+
+		b->ops->fences_close(b, s->fences);
+		s->fences = NULL;
 	}
 }
 
@@ -418,40 +576,84 @@ static void session_end(struct shardd_session *s, int goodbye, const char *why)
 		shardd_log_info("%s detached: %s", session_name(s, name, sizeof(name)), why);
 	else
 		shardd_log_debug("%s closed: %s", session_name(s, name, sizeof(name)), why);
+	session_release(s, goodbye, why);
 	s->state = SHARDD_SESSION_DEAD;
-	if (s->job) {
-		struct shardd_job *j = s->job;
-
-		s->job = NULL;
-		shardd_job_detach(j, s->rank, goodbye, why);
-	}
-	if (s->ring_mem) {
-		/* Tell a client that looks at the ring rather than the socket; wake its waiters. */
-		atomic_fetch_or_explicit(SHARDD_ATOMIC32(&s->ring.hdr->flags), SHARDD_RING_DEAD,
-					 memory_order_release);
-		shardd_futex(&s->ring.hdr->cq_tail, FUTEX_WAKE, INT_MAX, NULL);
-	}
 	shardd_loop_del(server.loop, s->sock_ev);
-	shardd_loop_del(server.loop, s->pidfd_ev);
-	shardd_loop_del(server.loop, s->doorbell_ev);
-	s->sock_ev = s->pidfd_ev = s->doorbell_ev = NULL;
+	s->sock_ev = NULL;
 	if (s->fd >= 0)
 		close(s->fd);
-	if (s->pidfd >= 0)
-		close(s->pidfd);
-	if (s->doorbell_fd >= 0)
-		close(s->doorbell_fd);
-	s->fd = s->pidfd = s->doorbell_fd = -1;
-	shardd_ctrl_rx_reset(&s->rx);
+	s->fd = -1;
 	session_out_clear(s);
-	s->read_backlog = 0;
-	if (s->fences) {
-		struct shardd_backend_ctx *b = shardd_engine_backend(server.engine);
-
-		b->ops->fences_close(b, s->fences);
-		s->fences = NULL;
-	}
 	shardd_server_schedule_reap();
+}
+
+/*
+ * A refused client (session_reject): its ERROR is queued, usually sent
+ * already. Closing now would lose it whenever the client's own request was
+ * still unread, because the kernel then answers the client's next read with
+ * ECONNRESET; and a client that sends after our close gets EPIPE. So the
+ * session is released at once (no job, no ring), but its socket stays open:
+ * shut for writing once the reply is out (the client reads the ERROR, then
+ * EOF), what the client still sends is read and dropped (session_linger_drain),
+ * and the socket is closed at the client's EOF or after
+ * SHARDD_SESSION_LINGER_MS (shardd_session_cron). Nothing here waits.
+ */
+static void session_linger(struct shardd_session *s, const char *why)
+{
+	if (s->state == SHARDD_SESSION_DEAD || s->state == SHARDD_SESSION_LINGER)
+		return;
+	/* The reply could not be sent: nothing is left to deliver. */
+	if (s->closing) {
+		session_end(s, 0, s->closing_why);
+		return;
+	}
+	session_release(s, 0, why);
+	s->state = SHARDD_SESSION_LINGER;
+	s->linger_until_ns = shardd_now_ns() + SHARDD_SESSION_LINGER_MS * 1000000ull;
+	/* Refused at accept, before its socket was watched. */
+	if (!s->sock_ev && shardd_loop_add_fd(server.loop, s->fd, POLLIN | POLLRDHUP,
+					      session_readable, s, &s->sock_ev) < 0) {
+		session_end(s, 0, why);
+		return;
+	}
+	if (!s->out_head)
+		shutdown(s->fd, SHUT_WR);
+}
+
+/*
+ * Read and drop what a refused client still sends (closing any fds), at
+ * most SHARDD_SESSION_READ_BUDGET datagrams a turn; its EOF closes the
+ * session.
+ */
+static void session_linger_drain(struct shardd_session *s)
+{
+	unsigned budget = SHARDD_SESSION_READ_BUDGET;
+
+	s->read_backlog = 0;
+	while (s->state == SHARDD_SESSION_LINGER && !s->closing) {
+		int fds[SHARDD_CTRL_MAX_FDS], nfds;
+		char why[96];
+		ssize_t n;
+
+		if (budget-- == 0) {
+			s->read_backlog = 1;
+			return;
+		}
+		n = shardd_ctrl_recv_dgram(s->fd, dgram_buf, fds, &nfds, MSG_DONTWAIT);
+		for (int i = 0; i < nfds; i++)
+			close(fds[i]);
+		if (n == -EAGAIN || n == -EWOULDBLOCK)
+			return;
+		if (n > 0 || n == -EBADMSG || n == -EMSGSIZE || n == -ETOOMANYREFS || n == -EMFILE)
+			continue;
+		if (n == 0)
+			snprintf(why, sizeof(why), "closed its connection after the refusal");
+		else
+			snprintf(why, sizeof(why), "connection error after the refusal: %s",
+				 strerror((int)-n));
+		session_end(s, 0, why);
+		return;
+	}
 }
 
 void shardd_session_close(struct shardd_session *s, const char *why)
@@ -729,8 +931,13 @@ static void session_hello(struct shardd_session *s, const struct shardd_msg_hdr 
 	sq_entries = h.sq_entries ? h.sq_entries : SHARDD_RING_ENTRIES_DEFAULT;
 	ringfd = session_ring_create(s, sq_entries, sq_entries * CQ_PER_SQ);
 	if (ringfd < 0) {
-		session_reject(s, hdr->seq, -SHARDD_E_NOMEM, "cannot create the ring (%u entries): %s",
-			       sq_entries, strerror(-ringfd));
+		char lim[96] = "";
+
+		if (ringfd == -EMFILE || ringfd == -ENFILE)
+			fd_limit_describe(lim, sizeof(lim));
+		session_reject(s, hdr->seq, -SHARDD_E_NOMEM, "cannot create the ring (%u entries): %s%s%s%s",
+			       sq_entries, strerror(-ringfd), lim[0] ? " (shardd is at its fd limit: " : "",
+			       lim, lim[0] ? "; raise it with ulimit -n or LimitNOFILE=)" : "");
 		return;
 	}
 	/* Every taken entry holds a CQ slot, so at most cq_entries are timed at once. */
@@ -975,9 +1182,14 @@ static void session_read(struct shardd_session *s)
 {
 	unsigned budget = SHARDD_SESSION_READ_BUDGET;
 
+	if (s->state == SHARDD_SESSION_LINGER) {
+		session_linger_drain(s);
+		return;
+	}
 	s->read_backlog = 0;
 	/* A session marked closing takes no more requests; the loop closes it next. */
-	while (s->state != SHARDD_SESSION_DEAD && !s->closing) {
+	while ((s->state == SHARDD_SESSION_HANDSHAKE || s->state == SHARDD_SESSION_ATTACHED) &&
+	       !s->closing) {
 		int fds[SHARDD_CTRL_MAX_FDS], nfds, ret, started;
 		struct shardd_msg_hdr hdr;
 		uint8_t *payload;
@@ -989,6 +1201,7 @@ static void session_read(struct shardd_session *s)
 			return;
 		}
 		/* Receive only what is there: the loop never waits for a client. */
+		/* Every fd that came is ours from here, or already closed on an error. */
 		n = shardd_ctrl_recv_dgram(s->fd, dgram_buf, fds, &nfds, MSG_DONTWAIT);
 		if (n == 0) {
 			shardd_session_close(s, "died (connection closed)");
@@ -996,11 +1209,39 @@ static void session_read(struct shardd_session *s)
 		}
 		if (n == -EAGAIN || n == -EWOULDBLOCK)
 			return;
+		if (n == -EBADMSG) {
+			session_reject(s, 0, -SHARDD_E_MALFORMED,
+				       "zero-length datagram: a datagram carries a message header "
+				       "or a continuation of its payload (any file descriptors on it "
+				       "were closed)");
+			break;
+		}
 		if (n == -EMSGSIZE) {
 			session_reject(s, 0, -SHARDD_E_MALFORMED,
 				       "datagram larger than %u bytes (SHARDD_CTRL_CHUNK)",
 				       SHARDD_CTRL_CHUNK);
-			return;
+			break;
+		}
+		if (n == -ETOOMANYREFS) {
+			session_reject(s, 0, -SHARDD_E_MALFORMED,
+				       "datagram carries more than %d file descriptors (the kernel "
+				       "dropped the rest; they were closed); clients send none",
+				       SHARDD_CTRL_MAX_FDS);
+			break;
+		}
+		if (n == -EMFILE) {
+			char lim[96], name[160];
+
+			fd_limit_describe(lim, sizeof(lim));
+			shardd_log_error("%s: control data truncated: file descriptors dropped by the "
+					 "kernel (process at its fd limit? %s); raise the limit "
+					 "(ulimit -n, LimitNOFILE=)", session_name(s, name, sizeof(name)),
+					 lim);
+			session_reject(s, 0, -SHARDD_E_MALFORMED,
+				       "control data truncated: shardd could not take the file "
+				       "descriptors of a datagram (at its fd limit? %s); clients "
+				       "send none", lim);
+			break;
 		}
 		if (n < 0) {
 			char why[96];
@@ -1024,7 +1265,7 @@ static void session_read(struct shardd_session *s)
 				       ret == -ENOMEM ? -SHARDD_E_NOMEM :
 				       ret == -SHARDD_E_MAGIC ? ret : -SHARDD_E_MALFORMED,
 				       "bad control message: %s", why);
-			return;
+			break;
 		}
 		if (ret == 0 && s->rx.nfds) {
 			/*
@@ -1036,7 +1277,7 @@ static void session_read(struct shardd_session *s)
 			session_reject(s, s->rx.hdr.seq, -SHARDD_E_MALFORMED,
 				       "message type %u carries %d file descriptor(s); clients send none",
 				       s->rx.hdr.type, s->rx.nfds);
-			return;
+			break;
 		}
 		if (ret == 0)
 			continue;
@@ -1051,6 +1292,9 @@ static void session_read(struct shardd_session *s)
 		free(payload);
 		shardd_ctrl_rx_reset(&s->rx);
 	}
+	/* Refused just now: what the client sent after the refused datagram is already here. */
+	if (s->state == SHARDD_SESSION_LINGER)
+		session_linger_drain(s);
 }
 
 static void session_readable(void *arg, int fd, uint32_t revents)
@@ -1071,6 +1315,12 @@ void shardd_session_cron(uint64_t now_ns)
 	for (struct shardd_session *s = server.sessions; s; s = s->next) {
 		char name[160], why[128];
 
+		if (s->state == SHARDD_SESSION_LINGER && !s->closing && now_ns >= s->linger_until_ns) {
+			snprintf(why, sizeof(why), "kept its connection open %d ms after its refusal",
+				 SHARDD_SESSION_LINGER_MS);
+			shardd_session_close(s, why);
+			continue;
+		}
 		if (s->state != SHARDD_SESSION_HANDSHAKE || s->closing || s->spoke ||
 		    now_ns - s->connected_ns < server.handshake_timeout_ns)
 			continue;
@@ -1080,6 +1330,12 @@ void shardd_session_cron(uint64_t now_ns)
 				session_name(s, name, sizeof(name)), why);
 		/* Closing never frees (that is the reap), so the list stays walkable. */
 		shardd_session_close(s, why);
+	}
+	/* Out of descriptors earlier with no reserve left: answer who waits in the backlog. */
+	if (server.accept_reserve_fd < 0 && server.listen_fd >= 0) {
+		server.accept_reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+		if (server.accept_reserve_fd >= 0)
+			shardd_session_accept(NULL, server.listen_fd, 0);
 	}
 }
 

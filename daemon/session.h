@@ -28,6 +28,12 @@ struct shardd_session_out;
 #define SHARDD_SESSION_OUT_MAX     (64ull * 1024 * 1024)
 /* Datagrams read from one session per loop turn: a flooding client cannot starve the rest. */
 #define SHARDD_SESSION_READ_BUDGET 64
+/*
+ * How long a refused connection stays open after its ERROR went out: long
+ * enough for the client to read the reply (its EOF usually comes first),
+ * short enough that refused connections do not pile up.
+ */
+#define SHARDD_SESSION_LINGER_MS   2000
 
 /* The client's credentials, from SO_PEERCRED. */
 struct shardd_peer {
@@ -40,6 +46,8 @@ enum shardd_session_state {
 	SHARDD_SESSION_HANDSHAKE = 0, /* connected, no HELLO accepted yet */
 	SHARDD_SESSION_ATTACHED  = 1, /* welcomed: rank of a job, ring live */
 	SHARDD_SESSION_DEAD      = 2, /* closed; freed at the next reap */
+	SHARDD_SESSION_LINGER    = 3, /* refused: detached, its ERROR sent, our side shut for
+				       * writing; closed at the client's EOF or linger_until_ns */
 };
 
 /* Per-session counters, for shardctl. */
@@ -85,6 +93,7 @@ struct shardd_session {
 	struct shardd_session_stats stats;
 	int      closing;            /* found broken mid-push: closed at the loop's next safe point */
 	char     closing_why[256];   /* why, logged when it is closed */
+	uint64_t linger_until_ns;    /* SHARDD_SESSION_LINGER: close by then (CLOCK_MONOTONIC) */
 };
 
 /* Accept every pending connection on the listening socket (loop callback). */
@@ -126,6 +135,13 @@ int shardd_session_send(struct shardd_session *s, uint16_t type, uint32_t seq,
 			const void *payload, uint32_t len, const int *fds, int nfds);
 
 /*
+ * Tell the client something it did not ask about: an ERROR (code, text)
+ * with seq 0, which libshardd keeps and reports when it then finds its
+ * connection closed ("daemon closed the connection: <text>").
+ */
+void shardd_session_notify(struct shardd_session *s, int code, const char *text);
+
+/*
  * Send the reply of a group registration or open: SHARDD_MSG_GROUP with the
  * fds of its fd-exported buffers and, after the specs, the handles of its
  * CUDA IPC ones; or SHARDD_MSG_ERROR when res < 0 (shardd_session_send).
@@ -160,7 +176,9 @@ void shardd_session_close_marked(void);
 int shardd_session_read_backlog(struct shardd_session *s);
 /*
  * Close every connection that sent no complete message (no HELLO, no
- * admin request) within the handshake timeout of connecting, naming its pid.
+ * admin request) within the handshake timeout of connecting, naming its
+ * pid, and every refused one whose linger ran out. Retries accepting when
+ * the fd limit left the listening socket with connections it could not take.
  */
 void shardd_session_cron(uint64_t now_ns);
 /* Free every dead session. */

@@ -21,6 +21,9 @@
 
 #define SHARDD_CTRL_MAX_FDS 8
 
+/* Linux's POLLRDHUP (peer shut down its writing side); <poll.h> names it only under _GNU_SOURCE. */
+#define SHARDD_CTRL_POLLRDHUP 0x2000
+
 /*
  * Send one datagram: `iov` (its bytes at most SHARDD_CTRL_CHUNK), with `fds`
  * (may be NULL) by SCM_RIGHTS. `flags` are sendmsg's (MSG_DONTWAIT for a
@@ -182,8 +185,22 @@ static inline int shardd_ctrl_rx_feed(struct shardd_ctrl_rx *rx, const uint8_t *
 /*
  * Receive one datagram from `sock` into `buf` (SHARDD_CTRL_CHUNK bytes) and
  * its fds. `flags` are recvmsg's (MSG_DONTWAIT for a receiver that must
- * never block); MSG_CMSG_CLOEXEC is always added. Returns bytes received,
- * 0 on EOF, or -errno (-EAGAIN when MSG_DONTWAIT found nothing to read).
+ * never block); MSG_CMSG_CLOEXEC is always added. Returns the bytes
+ * received (> 0, with *nfds fds the caller now owns), 0 on EOF, or a
+ * negative error with every fd that came already closed (*nfds = 0):
+ *   -EBADMSG       a zero-length datagram (never a message: a header has
+ *                  16 bytes), told from EOF by the peer's socket still being
+ *                  open;
+ *   -EMSGSIZE      a datagram over SHARDD_CTRL_CHUNK bytes (MSG_TRUNC);
+ *   -ETOOMANYREFS  more than SHARDD_CTRL_MAX_FDS fds: the kernel dropped
+ *                  the rest (MSG_CTRUNC with every slot filled);
+ *   -EMFILE        the kernel dropped fds it could not install: this
+ *                  process is at its fd limit (MSG_CTRUNC with slots left);
+ *   -EAGAIN        MSG_DONTWAIT found nothing to read; or -errno of recvmsg.
+ * A peer that closed with our data unread makes the kernel report
+ * ECONNRESET once, even though its last datagrams still wait to be read:
+ * that report is taken and the read retried, so a reply sent just before
+ * a close (a refusal's ERROR) is never lost.
  */
 static inline ssize_t shardd_ctrl_recv_dgram(int sock, uint8_t *buf, int *fds, int *nfds,
 					     int flags)
@@ -195,14 +212,20 @@ static inline ssize_t shardd_ctrl_recv_dgram(int sock, uint8_t *buf, int *fds, i
 	struct iovec iov = { buf, SHARDD_CTRL_CHUNK };
 	struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1,
 			     .msg_control = ctl.buf, .msg_controllen = sizeof(ctl.buf) };
+	int reset_seen = 0;
 	ssize_t r;
 
 	*nfds = 0;
-	do
+	for (;;) {
 		r = recvmsg(sock, &mh, flags | MSG_CMSG_CLOEXEC);
-	while (r < 0 && errno == EINTR);
-	if (r < 0)
-		return -errno;
+		if (r >= 0)
+			break;
+		if (errno == EINTR)
+			continue;
+		if (errno != ECONNRESET || reset_seen)
+			return -errno;
+		reset_seen = 1;
+	}
 	for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
 		if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
 			int k = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
@@ -218,11 +241,25 @@ static inline ssize_t shardd_ctrl_recv_dgram(int sock, uint8_t *buf, int *fds, i
 			}
 		}
 	}
-	if (mh.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) {
+	if (r == 0 && *nfds == 0 && !(mh.msg_flags & (MSG_TRUNC | MSG_CTRUNC))) {
+		/* EOF and an empty datagram both read as 0 bytes: a hung-up peer is EOF. */
+		struct pollfd p = { .fd = sock, .events = SHARDD_CTRL_POLLRDHUP };
+
+		if (poll(&p, 1, 0) < 0 || (p.revents & (SHARDD_CTRL_POLLRDHUP | POLLHUP | POLLERR)))
+			return 0;
+		return -EBADMSG;
+	}
+	if (r == 0 || (mh.msg_flags & (MSG_TRUNC | MSG_CTRUNC))) {
+		int full = *nfds == SHARDD_CTRL_MAX_FDS;
+
 		for (int i = 0; i < *nfds; i++)
 			close(fds[i]);
 		*nfds = 0;
-		return -EMSGSIZE;
+		if (mh.msg_flags & MSG_TRUNC)
+			return -EMSGSIZE;
+		if (mh.msg_flags & MSG_CTRUNC)
+			return full ? -ETOOMANYREFS : -EMFILE;
+		return -EBADMSG;
 	}
 	return r;
 }
@@ -230,7 +267,8 @@ static inline ssize_t shardd_ctrl_recv_dgram(int sock, uint8_t *buf, int *fds, i
 /*
  * Blocking receive of one whole message, each datagram waited for at most
  * `timeout_ms` (-1: forever). Returns 0 (rx complete), -ECONNRESET on EOF,
- * -ETIMEDOUT, or another negative error from shardd_ctrl_rx_feed().
+ * -ETIMEDOUT, another negative error of shardd_ctrl_recv_dgram() or
+ * shardd_ctrl_rx_feed(). No fd that came is left open on an error.
  * `rx` must be zeroed; on error it is reset.
  */
 static inline int shardd_ctrl_recv(int sock, struct shardd_ctrl_rx *rx, int timeout_ms)

@@ -3,9 +3,12 @@
 """Train a small MLP with N rank processes through shardd (PyTorch, the pure-
 Python client) and check it against a single-process reference.
 
-Each rank holds its own FSDP2 shard of fc1 and fc2, unshards them for forward
-and backward, reduces (averages) its gradients through the daemon and runs a
-stock torch.optim.SGD on its shard. The reference trains the same model, from
+Each rank applies shardd.torch.fully_shard to fc1, fc2 and the model (FSDP2's
+recipe), so model.parameters() are its shards; forward and backward unshard
+them, backward reduces (averages) the gradients through the daemon, and a
+stock torch.optim.SGD updates the shards. With --replicate R the mesh is
+R x ranks (HSDP): each shard group reduce-scatters, then the replicas
+all-reduce. The reference trains the same model, from
 the same initial values, in one process on the union of the ranks' batches.
 Since every rank's loss is the mean over an equal-sized batch, the average of
 the ranks' gradients is the gradient of the union's mean loss, so both runs
@@ -20,7 +23,7 @@ under 1e-5 for this model (|w| < 1, |grad| < 1, K = 8). A wrong reduce (sum
 instead of average, a stale shard, a missed rank) moves parameters by
 lr * |grad| ~ 1e-2 in the first step, three orders of magnitude above it.
 
-usage: train_torch.py --socket PATH [--ranks N] [--steps K] [--reshard-after-forward]
+usage: train_torch.py --socket PATH [--ranks N] [--replicate R] [--steps K] [--reshard-after-forward]
        train_torch.py --shardd BIN ...    start a private daemon
 """
 
@@ -35,11 +38,11 @@ import time
 import numpy as np
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "python"))
-
-import shardd  # noqa: E402
-from shardd.torch import FullyShardedModule  # noqa: E402
+try:
+    import shardd.torch as st
+except ImportError:     # not installed: the checkout's client/python
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+    import shardd.torch as st
 
 IN, HIDDEN, OUT = 8, 33, 4
 LR, MOMENTUM, WEIGHT_DECAY = 0.05, 0.9, 1e-4
@@ -76,19 +79,23 @@ def make_optimizer(params):
 def run_rank(a):
     torch.set_num_threads(1)
     model = make_model()
-    with shardd.Client(job=a.job, rank=a.rank, shard=a.ranks, socket_path=a.socket) as c:
-        fsdp = FullyShardedModule(c, model, [model.fc1, model.fc2],
-                                  reshard_after_forward=a.reshard_after_forward)
-        opt = make_optimizer(fsdp.shard_parameters())
+    world = a.ranks * a.replicate
+    mesh = st.init_device_mesh(a.job, a.rank, (a.replicate, a.ranks), socket_path=a.socket)
+    with mesh:
+        raf = True if a.reshard_after_forward else None
+        st.fully_shard(model.fc1, mesh=mesh, reshard_after_forward=raf)
+        st.fully_shard(model.fc2, mesh=mesh, reshard_after_forward=raf)
+        st.fully_shard(model, mesh=mesh)
+        opt = make_optimizer(model.parameters())     # this rank's shards
         for step in range(a.steps):
-            x, y = global_batch(step, a.ranks, a.batch)
+            x, y = global_batch(step, world, a.batch)
             lo, hi = a.rank * a.batch, (a.rank + 1) * a.batch
             loss = torch.nn.functional.mse_loss(model(x[lo:hi]), y[lo:hi])
-            loss.backward()          # ends with the reduce of every group
+            loss.backward()          # reduces every group through the daemon
             opt.step()               # on this rank's shards
-            fsdp.zero_grad()
-        full = fsdp.gather()
-        np.savez(a.result, **{n: t.float().numpy() for n, t in full.items()})
+            opt.zero_grad()
+        np.savez(a.result, **{f"{n}@{dim}@{first}": t.detach().float().numpy()
+                              for n, t, dim, first in st.local_shards(model)})
     return 0
 
 
@@ -97,7 +104,7 @@ def reference(a):
     model = make_model()
     opt = make_optimizer(model.parameters())
     for step in range(a.steps):
-        x, y = global_batch(step, a.ranks, a.batch)
+        x, y = global_batch(step, a.ranks * a.replicate, a.batch)
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
@@ -127,7 +134,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--socket", default=os.environ.get("SHARDD_SOCKET"))
     ap.add_argument("--shardd", help="start this daemon binary on a private socket")
-    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--ranks", type=int, default=2, help="shard group size")
+    ap.add_argument("--replicate", type=int, default=1, help="replicas (HSDP when > 1)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--job", default=f"train_torch-{os.getpid()}")
@@ -146,9 +154,10 @@ def main():
             if not a.socket:
                 ap.error("give --socket PATH (or SHARDD_SOCKET) or --shardd BIN")
             procs = []
-            for r in range(a.ranks):
+            for r in range(a.ranks * a.replicate):
                 cmd = [sys.executable, os.path.abspath(__file__), "--socket", a.socket,
-                       "--ranks", str(a.ranks), "--steps", str(a.steps), "--batch", str(a.batch),
+                       "--ranks", str(a.ranks), "--replicate", str(a.replicate),
+                       "--steps", str(a.steps), "--batch", str(a.batch),
                        "--job", a.job, "--rank", str(r), "--result", os.path.join(tmp, f"r{r}.npz")]
                 if a.reshard_after_forward:
                     cmd.append("--reshard-after-forward")
@@ -173,10 +182,15 @@ def main():
                 return 1
             ref = reference(a)
             worst = 0.0
-            for r in range(a.ranks):
+            for r in range(a.ranks * a.replicate):
                 got = np.load(os.path.join(tmp, f"r{r}.npz"))
-                for n, want in ref.items():
-                    d = float(np.max(np.abs(got[n] - want)))
+                assert len(got.files) == len(ref)
+                for key in got.files:
+                    n, dim, first = key.split("@")
+                    shard = got[key]
+                    want = np.take(ref[n], range(int(first), int(first) + shard.shape[int(dim)]),
+                                   axis=int(dim))
+                    d = float(np.max(np.abs(shard - want))) if shard.size else 0.0
                     worst = max(worst, d)
                     if d > ATOL:
                         print(f"train_torch: rank {r} param {n}: max |shardd - reference| = "
@@ -184,7 +198,8 @@ def main():
                         return 1
             moved = max(float(np.max(np.abs(w - v.detach().numpy())))
                         for (n, w), (_m, v) in zip(ref.items(), make_model().named_parameters()))
-            print(f"train_torch: {a.ranks} ranks x {a.steps} steps match the single-process "
+            print(f"train_torch: {a.replicate}x{a.ranks} ranks x {a.steps} steps match the "
+                  "single-process "
                   f"reference: max |diff| = {worst:.3g} (tolerance {ATOL:g}; params moved "
                   f"{moved:.3g})")
             return 0

@@ -35,24 +35,32 @@ def test_torch_mlp_resharding_after_forward_matches_reference(daemon, request):
     run_example(daemon, request, "--ranks", "2", "--steps", "4", "--reshard-after-forward")
 
 
+@pytest.mark.timeout_s(180)
+def test_torch_hsdp_two_replicas_of_two_shards_trains_like_single_process(daemon, request):
+    out = run_example(daemon, request, "--ranks", "2", "--replicate", "2", "--steps", "4")
+    assert "2x2 ranks" in out
+
+
 @pytest.mark.timeout_s(60)
 def test_torch_module_params_are_views_of_the_shared_buffers(daemon, request):
     import numpy as np
     import torch
-    import shardd
-    from shardd.torch import FullyShardedModule
+    import shardd.torch as st
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 2))
     w0 = model[0].weight.detach().clone()
-    with shardd.Client(job=job_name(request), rank=0, shard=1, socket_path=daemon.socket) as c:
-        fsdp = FullyShardedModule(c, model, [model[0], model[1]])
-        g = fsdp.groups["0"]
-        shard = g.shard("0.weight")
-        np.testing.assert_array_equal(shard, w0.numpy())
-        model(torch.ones(1, 3))        # forward unshards
-        assert model[0].weight.data_ptr() == \
-            torch.from_numpy(np.array(g.unsharded("0.weight"), copy=False)).data_ptr()
-        np.testing.assert_array_equal(model[0].weight.detach().numpy(), w0.numpy())
-        sp = fsdp.shard_parameters()
-        assert len(sp) == 4 and all(p.grad is not None for p in sp)
+    with st.init_device_mesh(job_name(request), 0, (1,), socket_path=daemon.socket) as mesh:
+        st.fully_shard(model[0], mesh=mesh)
+        st.fully_shard(model, mesh=mesh)
+        g = model[0]._shardd_state.group
+        np.testing.assert_array_equal(g.shard("weight"), w0.numpy())
+        sharded = model[0].weight
+        assert sharded.data_ptr() == g.tensor("shard", "weight").data_ptr()
+        model(torch.ones(1, 3))        # forward unshards, the root keeps model[1] unsharded
+        assert model[0].weight is sharded      # resharded after forward (not the root)
+        assert model[1].weight.data_ptr() == model._shardd_state.group.tensor(
+            "unsharded", "1.weight").data_ptr()
+        model.reshard()
+        assert len(list(model.parameters())) == 4
+        assert all(p.grad is None for p in model.parameters())

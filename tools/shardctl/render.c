@@ -131,6 +131,20 @@ static void limits_line(FILE *f, const json_t *l)
 		json_is_false(json_object_get(l, "counted")) ? " (not counted: device memory)" : "");
 }
 
+/* "running", "no ranks, ends in 12 s" (--job-linger), "no ranks, kept" (--job-linger 0). */
+static const char *job_state(const json_t *j, char *buf, size_t len)
+{
+	const json_t *ends = json_object_get(j, "ends_in_s");
+
+	if (json_is_number(ends))
+		snprintf(buf, len, "no ranks, ends in %.0f s", ceil(json_number_value(ends)));
+	else if (json_is_number(json_object_get(j, "no_ranks_s")))
+		snprintf(buf, len, "no ranks, kept (--job-linger 0)");
+	else
+		snprintf(buf, len, "running");
+	return buf;
+}
+
 void shardctl_render_status(FILE *f, const json_t *r)
 {
 	char up[32];
@@ -158,18 +172,30 @@ void shardctl_render_jobs(FILE *f, const json_t *r)
 		fprintf(f, "no jobs\n");
 		return;
 	}
-	fprintf(f, "%-24s %-9s %-9s %-7s %-10s %s\n", "JOB", "MESH", "ATTACHED", "GROUPS", "MEMORY",
-		"COMMITTED/LIMIT");
+	fprintf(f, "%-24s %-9s %-9s %-7s %-11s %-21s %s\n", "JOB", "MESH", "ATTACHED", "GROUPS", "MEMORY",
+		"COMMITTED/LIMIT", "STATE");
 	json_array_foreach(jobs, i, j) {
-		char mesh[32], att[32], mem[32], used[32], lim[32];
+		char mesh[32], att[32], mem[32], used[32], lim[32], cl[72], state[64];
 
 		snprintf(mesh, sizeof(mesh), "%lldx%lld", num(j, "replicate"), num(j, "shard"));
 		snprintf(att, sizeof(att), "%lld/%lld", num(j, "attached"), num(j, "world"));
-		fprintf(f, "%-24s %-9s %-9s %-7lld %-10s %s/%s\n", str(j, "name"), mesh, att, num(j, "groups"),
-			bytes_str(num(json_object_get(j, "memory"), "total"), mem, sizeof(mem)),
-			bytes_str(num(j, "memory_committed"), used, sizeof(used)),
-			bytes_str(num(j, "memory_limit"), lim, sizeof(lim)));
+		snprintf(cl, sizeof(cl), "%s/%s", bytes_str(num(j, "memory_committed"), used, sizeof(used)),
+			 bytes_str(num(j, "memory_limit"), lim, sizeof(lim)));
+		fprintf(f, "%-24s %-9s %-9s %-7lld %-11s %-21s %s\n", str(j, "name"), mesh, att,
+			num(j, "groups"),
+			bytes_str(num(json_object_get(j, "memory"), "total"), mem, sizeof(mem)), cl,
+			job_state(j, state, sizeof(state)));
 	}
+}
+
+void shardctl_render_end(FILE *f, const json_t *r)
+{
+	char mem[32];
+	long long n = num(r, "ranks_attached");
+
+	fprintf(f, "ended job '%s': %lld rank%s attached (%s), %s freed\n", str(r, "job"), n,
+		n == 1 ? " was" : "s were", n ? "their ops fail naming this end" : "none to tell",
+		bytes_str(num(r, "memory_freed"), mem, sizeof(mem)));
 }
 
 void shardctl_render_ranks(FILE *f, const json_t *r)

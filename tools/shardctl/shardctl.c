@@ -30,11 +30,12 @@
 static const char usage_text[] =
 	"Usage: shardctl [--socket PATH] [--json] COMMAND [ARGS]\n"
 	"Inspect a running shardd: jobs, ranks, groups, buffer contents, op statistics.\n"
-	"Every command is read-only.\n"
+	"Every command is read-only but end.\n"
 	"\n"
 	"Commands:\n"
 	"  status                 version, backend, uptime, socket, memory held by kind\n"
-	"  jobs                   jobs with their mesh, attached ranks, groups, memory\n"
+	"  jobs                   jobs with their mesh, attached ranks, groups, memory, and\n"
+	"                         for a job without ranks when --job-linger ends it\n"
 	"  ranks [JOB]            per rank: pid, attached since, last op and step submitted,\n"
 	"                         taken and completed, ops in flight, how many steps it is\n"
 	"                         behind the furthest rank, the collective it waits in:\n"
@@ -50,6 +51,9 @@ static const char usage_text[] =
 	"                         p50/p99 from log2 buckets, exact to a factor of two)\n"
 	"  watch                  status, ranks and stats, refreshed (Ctrl-C ends it)\n"
 	"  metrics                Prometheus text exposition of the same numbers\n"
+	"  end JOB                end the job now and free its memory: its attached ranks'\n"
+	"                         ops fail with an error naming this end, and their\n"
+	"                         connections close (shardd's own uid only)\n"
 	"\n"
 	"Options:\n"
 	"  --socket PATH          shardd's socket (default $SHARDD_SOCKET, else\n"
@@ -145,15 +149,21 @@ static int connect_daemon(const struct opts *o)
 	err = errno;
 	close(fd);
 	if (err == EACCES || err == EPERM) {
+		unsigned uid = (unsigned)geteuid(), gid = (unsigned)getegid();
+
 		if (stat(o->socket, &st) == 0)
 			fail(o, -err, "permission denied at %s (connect: %s): the socket belongs to "
-			     "uid %u, mode %03o, and shardctl runs as uid %u; run shardctl as "
-			     "shardd's user", o->socket, strerror(err), (unsigned)st.st_uid,
-			     (unsigned)(st.st_mode & 0777), (unsigned)getuid());
+			     "uid %u gid %u, mode %04o, and shardctl runs as uid %u gid %u; run "
+			     "shardctl as uid %u, or start shardd with --allow-gid %u (it then "
+			     "makes the socket and its directory group-accessible)", o->socket,
+			     strerror(err), (unsigned)st.st_uid, (unsigned)st.st_gid,
+			     (unsigned)(st.st_mode & 07777), uid, gid, (unsigned)st.st_uid, gid);
 		else
 			fail(o, -err, "permission denied at %s (connect: %s): a directory on the "
-			     "path is not searchable by uid %u; run shardctl as shardd's user",
-			     o->socket, strerror(err), (unsigned)getuid());
+			     "path does not let uid %u gid %u through; run shardctl as shardd's "
+			     "user, or start shardd with --allow-gid %u (it then makes the "
+			     "socket's directory group-accessible)", o->socket, strerror(err), uid,
+			     gid, gid);
 	} else {
 		fail(o, -err, "no shardd at %s (connect: %s); start one with `shardd --socket %s` "
 		     "or pass --socket", o->socket, strerror(err), o->socket);
@@ -496,9 +506,12 @@ int main(int argc, char **argv)
 		return run_one(&o, cmd_req("metrics"), NULL);
 	if (strcmp(cmd, "watch") == 0 && npos == 0)
 		return cmd_watch(&o);
+	if (strcmp(cmd, "end") == 0 && npos == 1)
+		return run_one(&o, with_job(cmd_req("end"), pos[0]), shardctl_render_end);
 	if (strcmp(cmd, "status") == 0 || strcmp(cmd, "jobs") == 0 || strcmp(cmd, "ranks") == 0 ||
 	    strcmp(cmd, "groups") == 0 || strcmp(cmd, "show") == 0 || strcmp(cmd, "dump") == 0 ||
-	    strcmp(cmd, "stats") == 0 || strcmp(cmd, "metrics") == 0 || strcmp(cmd, "watch") == 0)
+	    strcmp(cmd, "stats") == 0 || strcmp(cmd, "metrics") == 0 || strcmp(cmd, "watch") == 0 ||
+	    strcmp(cmd, "end") == 0)
 		return usage_error("wrong number of arguments for '%s'", cmd);
 	return usage_error("unknown command '%s'", cmd);
 }

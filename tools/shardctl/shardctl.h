@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * shardctl: inspect a running shardd through admin requests
+ * shardctl: inspect a running shardd through admin requests, and end a job
  * (proto/PROTOCOL.md "Admin requests"). shardctl.c parses the command line
  * and talks to the daemon; render.c prints replies for people.
  */
@@ -19,5 +19,6 @@ void shardctl_render_groups(FILE *f, const json_t *r);
 void shardctl_render_show(FILE *f, const json_t *r);
 void shardctl_render_dump(FILE *f, const json_t *r);
 void shardctl_render_stats(FILE *f, const json_t *r);
+void shardctl_render_end(FILE *f, const json_t *r);
 
 #endif /* SHARDCTL_H */

@@ -4,6 +4,7 @@ in pure Python: the same protocol libshardd speaks, no C extension."""
 
 import collections
 import errno
+import fcntl
 import mmap
 import os
 import select
@@ -23,6 +24,7 @@ CONNECT_TIMEOUT_S = 10.0       # handshake timeout when none is given
 SPIN_ITERATIONS = 200          # cq_ready checks before sleeping; Python spins slowly
 SLEEP_SLICE_S = 0.05           # longest futex sleep between daemon liveness checks
 SYNC_GRACE_S = 10.0            # sync ops wait the collective timeout plus this
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # <linux/fcntl.h>; Python lacks it
 
 
 class ShardError(Exception):
@@ -59,6 +61,30 @@ def default_socket_path():
     if xdg:
         return os.path.join(xdg, "shardd", "shardd.sock")
     return "/run/shardd/shardd.sock"
+
+
+def _connect_denied(path, err):
+    """Why connect() said EACCES: who owns the socket and its directory, who
+    we are, and the flag that lets us in (as libshardd says it)."""
+    uid, gid = os.geteuid(), os.getegid()
+    d = os.path.dirname(path) or "."
+    try:
+        dst = os.stat(d)
+    except OSError as e:
+        return (f"connect: {err.strerror}: a directory on the way to {d} does not let uid {uid} "
+                f"(gid {gid}) through ({e.strerror}); run as shardd's user, or start shardd with "
+                f"--allow-gid {gid} and a socket path whose directories group {gid} may search")
+    dinfo = f"uid {dst.st_uid} gid {dst.st_gid}, mode {dst.st_mode & 0o7777:04o}"
+    try:
+        st = os.stat(path)
+    except OSError:
+        return (f"connect: {err.strerror}: its directory {d} belongs to {dinfo}, and does not let "
+                f"uid {uid} (gid {gid}) in; start shardd with --allow-gid {gid} (it then makes "
+                f"the directory and the socket group-accessible) or run as uid {dst.st_uid}")
+    return (f"connect: {err.strerror}: the socket belongs to uid {st.st_uid} gid {st.st_gid}, "
+            f"mode {st.st_mode & 0o7777:04o} (its directory {d}: {dinfo}), and this process runs "
+            f"as uid {uid} gid {gid}; start shardd with --allow-gid {gid} (it then makes the socket "
+            f"and its directory group-accessible) or run as uid {st.st_uid}")
 
 
 def _cstr(s, size, what):
@@ -134,6 +160,8 @@ class Client:
         self.socket_path = socket_path or default_socket_path()
         self._lock = threading.RLock()
         self._stash = collections.deque()
+        self._sync_done = {}       # completions of sync/async wrapper ops, by user_data
+        self._abandoned = set()    # user_data of wrapper ops whose wait timed out
         self._seq = 0
         self._next_sync = 0
         self._sock = None
@@ -158,6 +186,8 @@ class Client:
             self._sock.settimeout(None)
         except OSError as e:
             code = -(e.errno or errno.ETIMEDOUT)
+            if e.errno in (errno.EACCES, errno.EPERM):
+                raise _error(code, f"{where}: {_connect_denied(self.socket_path, e)}") from None
             raise _error(code, f"{where}: {e.strerror or 'connect timed out'}; is shardd running "
                                f"(--socket PATH, or set SHARDD_SOCKET)?") from None
         hello = P.HELLO.pack(major, P.PROTO_MINOR, os.getpid(), job, self.rank, self.replicate,
@@ -197,8 +227,16 @@ class Client:
                 raise _error(-errno.ENOTCONN, f"{where}: client is closed")
             self._seq = (self._seq + 1) & 0xFFFFFFFF or 1
             seq = self._seq
+            send_error = None
             try:
-                ctrl.send_msg(self._sock, mtype, seq, payload)
+                try:
+                    ctrl.send_msg(self._sock, mtype, seq, payload)
+                except ctrl.CtrlError as e:
+                    # A daemon that refused us (at accept) and closed left its
+                    # ERROR to read: read it before calling the connection broken.
+                    if e.code not in (-errno.EPIPE, -errno.ECONNRESET):
+                        raise
+                    send_error = e
                 while True:
                     rtype, rseq, rpayload, rfds = ctrl.recv_msg(self._sock, timeout)
                     if rtype == P.MSG_ERROR:
@@ -219,6 +257,9 @@ class Client:
             except ctrl.CtrlError as e:
                 if e.code == -errno.ECONNRESET and self.daemon_text:
                     raise _error(e.code, f"{where}: {e}: daemon: {self.daemon_text}") from None
+                if e.code == -errno.ECONNRESET and send_error is not None:
+                    raise _error(send_error.code, f"{where}: {send_error}; the daemon closed "
+                                                  "the connection without a reply") from None
                 raise _error(e.code, f"{where}: {e}") from None
 
     def _sync_timeout(self):
@@ -276,9 +317,12 @@ class Client:
     def poll(self):
         """Reap one completion without waiting, or None."""
         with self._lock:
-            if self._stash:
-                return self._stash.popleft()
-            return self._pop()
+            while not self._stash:
+                c = self._pop()
+                if c is None:
+                    return None
+                self._file(c)
+            return self._stash.popleft()
 
     def _pop(self):
         try:
@@ -291,10 +335,12 @@ class Client:
     def wait(self, timeout=None):
         """Reap one completion, waiting up to timeout seconds (None: while the
         daemon lives). Raises ShardError ETIMEDOUT, DaemonGone."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
-            if self._stash:
-                return self._stash.popleft()
-            return self._wait_one(timeout, "wait for a completion")
+            while not self._stash:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                self._file(self._wait_one(left, "wait for a completion"))
+            return self._stash.popleft()
 
     def _daemon_alive(self):
         """False when the control socket shows EOF/hangup or the ring says DEAD."""
@@ -316,7 +362,7 @@ class Client:
                     self.daemon_text = _parse_error(payload)[1]
         return True
 
-    def _wait_one(self, timeout, what):
+    def _wait_one(self, timeout, what, total=None):
         if self.ring is None:
             raise _error(-errno.ENOTCONN, f"{what}: client is closed")
         for _ in range(SPIN_ITERATIONS):
@@ -339,7 +385,8 @@ class Client:
                 left = min(left, deadline - time.monotonic())
                 if left <= 0:
                     st = self.ring.status()
-                    raise _error(-errno.ETIMEDOUT, f"{what}: no completion within {timeout:g} s "
+                    raise _error(-errno.ETIMEDOUT, f"{what}: no completion within "
+                                 f"{total if total is not None else timeout:g} s "
                                  f"(daemon last took {P.OP_NAMES.get(st['daemon_last_op'], 'nothing')} "
                                  f"step {st['daemon_last_step']}, {st['sq_pending']} submissions "
                                  f"not yet taken)")
@@ -347,43 +394,69 @@ class Client:
             if r not in (0, -errno.ETIMEDOUT, -errno.EINTR):
                 raise _error(r, f"{what}: futex wait failed")
 
-    def run(self, op, group=0, step=0, flags=0, where=None):
+    def run(self, op, group=0, step=0, flags=0, where=None, timeout=None):
         """Submit one op, wait for its own completion (others are kept for
-        poll/wait) and raise ShardError when it failed."""
+        poll/wait) and raise ShardError when it failed. timeout: seconds
+        (None: the daemon's collective timeout plus 10 s)."""
         what = where or f"{P.OP_NAMES[op]}(step {step})"
-        return self.run_many([(op, group, step, flags, what)])[0]
+        return self.run_many([(op, group, step, flags, what)], timeout)[0]
 
-    def run_many(self, ops):
+    def run_many(self, ops, timeout=None):
         """Submit several ops at once (the daemon runs ops on different groups
         concurrently), wait for all of them, then raise the first failure.
         ops: iterable of (op, group, step, flags, where)."""
+        return self.start(ops).wait(timeout)
+
+    def start(self, ops):
+        """Submit ops (as run_many) without waiting: returns a Pending whose
+        wait() reaps their completions and raises the first failure."""
         ops = list(ops)
-        done = {}
+        pending = {}
         with self._lock:
-            timeout = self._sync_timeout()
-            pending = {}
             for op, group, step, flags, where in ops:
                 self._next_sync += 1
                 ud = USER_DATA_RESERVED | self._next_sync
                 pending[ud] = where
                 while not self._submit(op, group, step, flags, ud):
-                    c = self._wait_one(timeout, where)
-                    if c.user_data in pending:
-                        done[c.user_data] = c
-                    else:
-                        self._stash.append(c)
-            while len(done) < len(pending):
-                c = self._wait_one(timeout, ", ".join(w for u, w in pending.items() if u not in done))
-                if c.user_data in pending:
-                    done[c.user_data] = c
-                else:
-                    self._stash.append(c)
-        for ud, where in pending.items():
-            c = done[ud]
+                    self._reap_one(self._sync_timeout(), where)
+        return Pending(self, pending)
+
+    def _reap_one(self, timeout, what, total=None):
+        """Wait for one completion and file it: a wrapper op's by its user_data,
+        anything else on the stash for poll()/wait()."""
+        self._file(self._wait_one(timeout, what, total))
+
+    def _file(self, c):
+        if c.user_data & USER_DATA_RESERVED:
+            if c.user_data in self._abandoned:
+                self._abandoned.discard(c.user_data)
+            else:
+                self._sync_done[c.user_data] = c
+        else:
+            self._stash.append(c)
+
+    def _finish(self, pending, timeout):
+        """Reap until every op of `pending` ({user_data: where}) completed."""
+        if timeout is None:
+            timeout = self._sync_timeout()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            try:
+                while any(ud not in self._sync_done for ud in pending):
+                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    self._reap_one(left, ", ".join(w for u, w in pending.items()
+                                                   if u not in self._sync_done), timeout)
+            except ShardError:
+                for ud in pending:
+                    if self._sync_done.pop(ud, None) is None:
+                        self._abandoned.add(ud)
+                raise
+            done = [self._sync_done.pop(ud) for ud in pending]
+        for c, where in zip(done, pending.values()):
             if c.res < 0:
                 raise _error(c.res, f"{where}: daemon: {c.msg}" if c.msg
                              else f"{where}: {P.error_text(c.res)}")
-        return [done[ud] for ud in pending]
+        return done
 
     def nop(self):
         self.run(P.OP_NOP, where="nop")
@@ -434,11 +507,35 @@ class Client:
             pass
 
 
+class Pending:
+    """Ops submitted by Client.start(): wait(timeout) reaps them."""
+
+    __slots__ = ("client", "ops", "completions")
+
+    def __init__(self, client, ops):
+        self.client = client
+        self.ops = ops
+        self.completions = None
+
+    def wait(self, timeout=None):
+        """Wait for every op (timeout in seconds; None: the daemon's collective
+        timeout plus 10 s) and raise the first failure; returns the
+        completions in submission order. A second wait returns them again."""
+        if self.completions is None:
+            self.completions = self.client._finish(self.ops, timeout)
+        return self.completions
+
+    def done(self):
+        return self.completions is not None
+
+
 class Group:
     """A registered or opened group: its layout and its four buffer mappings.
 
     Views returned by unsharded()/grad()/shard()/shard_grad() are numpy arrays
-    over the shared memory (no copy); they keep the mapping alive."""
+    over the shared memory (no copy); they keep the mapping alive. bf16
+    buffers are Bf16Array views (uint16 bits that convert numbers written into
+    them); tensor() shows any buffer as a torch tensor of its real dtype."""
 
     UNSHARDED, GRAD, SHARD, SHARD_GRAD = range(4)
 
@@ -492,6 +589,15 @@ class Group:
                 if os.fstat(fd).st_size < size:
                     raise _error(-errno.EBADMSG, f"{where}: buffer {i} memfd is smaller than "
                                                  f"the {size} bytes the reply announces")
+                # A read-only buffer that one rank could reopen O_RDWR would let it rewrite
+                # every rank's params: the daemon seals it against writes.
+                if i == self.UNSHARDED:
+                    seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+                    if not seals & F_SEAL_FUTURE_WRITE:
+                        raise _error(-P.E_MALFORMED, f"{where}: the unsharded memfd is lent "
+                                                     f"read-only but is not sealed against writes "
+                                                     f"(F_SEAL_FUTURE_WRITE missing from seals "
+                                                     f"{seals:#x}): upgrade shardd")
                 prot = mmap.PROT_READ if i == self.UNSHARDED else mmap.PROT_READ | mmap.PROT_WRITE
                 self.maps[i] = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
             self._check_layouts(where)
@@ -537,10 +643,12 @@ class Group:
         a = np.frombuffer(m, dtype=dt, count=nbytes // dt.itemsize, offset=off)
         if int(np.prod(shape, dtype=np.int64)) == a.size:
             a = a.reshape(shape)
+        if code == P.DTYPE_BF16:
+            a = a.view(D.Bf16Array)
         return a
 
     def unsharded(self, param):
-        """Read-only view of the unsharded param (param_dtype; bf16: uint16 bits)."""
+        """Read-only view of the unsharded param (param_dtype; bf16: Bf16Array)."""
         i = self._i(param)
         lay = self.layouts[i]
         shape = self.params[i].shape
@@ -565,17 +673,42 @@ class Group:
     def _orig_dtype(self, i):
         return self.params[i].dtype
 
-    def shard(self, param):
-        """Writable view of this rank's shard (original dtype, padding rows included)."""
+    def _shard_view(self, buf, param, padded):
         i = self._i(param)
         lay = self.layouts[i]
-        return self._view(self.SHARD, lay[4], lay[5], self._orig_dtype(i), self._shard_shape(i))
+        a = self._view(buf, lay[4], lay[5], self._orig_dtype(i), self._shard_shape(i))
+        if padded or a.ndim == 0:
+            return a
+        p = self.params[i]
+        dim = p.shard_dim if p.shape else 0
+        index = [slice(None)] * a.ndim
+        index[dim] = slice(0, lay[7])
+        return a[tuple(index)]
 
-    def shard_grad(self, param):
-        """View of this rank's sharded gradient (original dtype, shard shape)."""
-        i = self._i(param)
-        lay = self.layouts[i]
-        return self._view(self.SHARD_GRAD, lay[4], lay[5], self._orig_dtype(i), self._shard_shape(i))
+    def shard(self, param, padded=False):
+        """Writable view of this rank's shard of the param (original dtype): its
+        real rows along shard_dim (shard_rows() says which), or with
+        padded=True the whole padded chunk FSDP2 allocates (padding rows are
+        zero and must stay zero)."""
+        return self._shard_view(self.SHARD, param, padded)
+
+    def shard_grad(self, param, padded=False):
+        """View of this rank's sharded gradient (original dtype, the shape of shard())."""
+        return self._shard_view(self.SHARD_GRAD, param, padded)
+
+    def tensor(self, kind, param, padded=False):
+        """A torch tensor over the same memory as the numpy view `kind`
+        ('unsharded', 'grad', 'shard' or 'shard_grad') of the param, in the
+        buffer's real dtype (torch.bfloat16 for bf16), no copy. The unsharded
+        buffer is mapped read-only: never write its tensor."""
+        import torch  # only this method needs torch
+        if kind in ("shard", "shard_grad"):
+            a = getattr(self, kind)(param, padded)
+        elif kind in ("unsharded", "grad"):
+            a = getattr(self, kind)(param)
+        else:
+            raise ValueError(f"buffer kind {kind!r} is not one of unsharded, grad, shard, shard_grad")
+        return numpy_to_tensor(a)
 
     def shard_rows(self, param):
         """(first row along shard_dim, rows of real data) of this rank's shard."""
@@ -583,19 +716,21 @@ class Group:
         return lay[6], lay[7]
 
     def load_full(self, param, full):
-        """Copy this rank's rows of `full` (the whole param, its shape, its dtype;
-        a bf16 param also takes float32, rounded) into the flat shard; zero the padding."""
+        """Copy this rank's rows of `full` (the whole param, its shape; numbers,
+        or uint16 bit patterns for a bf16 param) into the flat shard; zero the padding."""
         i = self._i(param)
         p = self.params[i]
         full = np.asarray(full)
-        if p.dtype == P.DTYPE_BF16 and full.dtype == np.float32:
-            full = D.fp32_to_bf16(full)
+        if p.dtype == P.DTYPE_BF16:
+            full = D._bf16_bits(full)
+        elif full.dtype.kind not in "biuf":
+            raise TypeError(f"param '{p.name}': load_full takes numbers, not {full.dtype}")
         full = full.astype(D.numpy_dtype(p.dtype), copy=False)
         if full.size != int(np.prod(p.shape, dtype=np.int64)):
             raise ValueError(f"param '{p.name}': {full.size} elements, shape {p.shape} expected")
         full = full.reshape(p.shape if p.shape else (1,))
         dim = p.shard_dim if p.shape else 0
-        s = np.moveaxis(self.shard(i), dim, 0)
+        s = np.moveaxis(self.shard(i, padded=True), dim, 0)
         f = np.moveaxis(full, dim, 0)
         begin, valid = self.shard_rows(i)
         s[:valid] = f[begin:begin + valid]
@@ -605,17 +740,20 @@ class Group:
     def _where(self, op, step):
         return f"{P.OP_NAMES[op]}(group '{self.name}', step {step})"
 
-    def unshard(self, step):
-        self.client.run(P.OP_UNSHARD, self.id, step, 0, self._where(P.OP_UNSHARD, step))
+    def unshard(self, step, timeout=None):
+        """All-gather (collective); timeout in seconds, None: the daemon's
+        collective timeout plus 10 s."""
+        self.client.run(P.OP_UNSHARD, self.id, step, 0, self._where(P.OP_UNSHARD, step), timeout)
 
-    def reduce(self, step, flags=0):
-        self.client.run(P.OP_REDUCE, self.id, step, flags, self._where(P.OP_REDUCE, step))
+    def reduce(self, step, flags=0, timeout=None):
+        """Reduce-scatter the grad buffers (collective); timeout as unshard()."""
+        self.client.run(P.OP_REDUCE, self.id, step, flags, self._where(P.OP_REDUCE, step), timeout)
 
-    def reshard(self, step=0):
-        self.client.run(P.OP_RESHARD, self.id, step, 0, self._where(P.OP_RESHARD, step))
+    def reshard(self, step=0, timeout=None):
+        self.client.run(P.OP_RESHARD, self.id, step, 0, self._where(P.OP_RESHARD, step), timeout)
 
-    def zero_grad(self):
-        self.client.run(P.OP_ZERO_GRAD, self.id, 0, 0, f"zero_grad(group '{self.name}')")
+    def zero_grad(self, timeout=None):
+        self.client.run(P.OP_ZERO_GRAD, self.id, 0, 0, f"zero_grad(group '{self.name}')", timeout)
 
     def submit(self, op, step=0, flags=0, user_data=0):
         """Asynchronous op on this group; reap with client.wait()/poll()."""
@@ -632,3 +770,17 @@ class Group:
             except BufferError:
                 pass
             self.maps[i] = None
+
+
+def numpy_to_tensor(a):
+    """A torch tensor sharing memory with numpy view `a` (a Bf16Array becomes
+    torch.bfloat16). A read-only array (the unsharded buffer) gives a tensor
+    that must not be written; torch's warning about that is silenced."""
+    import warnings
+
+    import torch
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        if isinstance(a, D.Bf16Array):
+            return torch.from_numpy(a.view(np.ndarray).view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(a)

@@ -6,6 +6,7 @@ into datagrams of at most SHARDD_CTRL_CHUNK bytes; fds ride on the first."""
 import array
 import errno
 import os
+import resource
 import select
 import socket
 import time
@@ -55,23 +56,56 @@ def _close_all(fds):
 
 
 def _recv_dgram(sock):
-    """One datagram and its fds; b'' on EOF."""
+    """One datagram and its fds; b'' on EOF (shardd_ctrl_recv_dgram). No fd
+    that came is left open when it raises."""
     fd_space = socket.CMSG_SPACE(P.CTRL_MAX_FDS * array.array("i").itemsize)
-    try:
-        data, anc, flags, _ = sock.recvmsg(P.CTRL_CHUNK, fd_space, socket.MSG_CMSG_CLOEXEC)
-    except OSError as e:
-        raise CtrlError(-(e.errno or errno.EIO), f"receive on the control socket: {e.strerror}") from None
+    for attempt in (0, 1):
+        try:
+            data, anc, flags, _ = sock.recvmsg(P.CTRL_CHUNK, fd_space, socket.MSG_CMSG_CLOEXEC)
+            break
+        except ConnectionResetError as e:
+            # A peer that closed with our data unread: the kernel says so once,
+            # then hands over what it sent before closing (a refusal's ERROR).
+            if attempt:
+                raise CtrlError(-errno.ECONNRESET, f"receive on the control socket: {e.strerror}") from None
+        except OSError as e:
+            raise CtrlError(-(e.errno or errno.EIO), f"receive on the control socket: {e.strerror}") from None
     fds = []
     for level, ctype, cdata in anc:
         if level == socket.SOL_SOCKET and ctype == socket.SCM_RIGHTS:
             a = array.array("i")
             a.frombytes(cdata[:len(cdata) - len(cdata) % a.itemsize])
             fds.extend(a)
-    if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+    if flags & socket.MSG_TRUNC:
         _close_all(fds)
-        raise CtrlError(-errno.EMSGSIZE, "control datagram truncated (over "
-                                         f"{P.CTRL_CHUNK} bytes or over {P.CTRL_MAX_FDS} fds)")
+        raise CtrlError(-errno.EMSGSIZE, f"control datagram over {P.CTRL_CHUNK} bytes")
+    if flags & socket.MSG_CTRUNC:
+        _close_all(fds)
+        if len(fds) == P.CTRL_MAX_FDS:
+            raise CtrlError(-errno.ETOOMANYREFS, f"control datagram with more than "
+                                                 f"{P.CTRL_MAX_FDS} fds (the kernel dropped the rest)")
+        soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        raise CtrlError(-errno.EMFILE, "control data truncated: fds dropped by the kernel "
+                                       f"(process at its fd limit? RLIMIT_NOFILE={soft}, "
+                                       f"open fds={_open_fds()})")
+    if not data:
+        _close_all(fds)
+        p = select.poll()
+        p.register(sock, select.POLLRDHUP)
+        hung_up = any(ev & (select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+                      for _fd, ev in p.poll(0))
+        if fds or not hung_up:
+            raise CtrlError(-errno.EBADMSG, f"zero-length control datagram with {len(fds)} fds "
+                                            "(a datagram carries a header or payload)")
+        return b"", []
     return data, fds
+
+
+def _open_fds():
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1
+    except OSError:
+        return "unknown"
 
 
 def recv_msg(sock, timeout_s, max_len=P.CTRL_MAX):
@@ -93,7 +127,7 @@ def recv_msg(sock, timeout_s, max_len=P.CTRL_MAX):
                     raise CtrlError(-errno.ETIMEDOUT, f"no control message from the daemon "
                                                       f"within {timeout_s:g} s")
             data, got = _recv_dgram(sock)
-            if not data and not got:
+            if not data:
                 raise CtrlError(-errno.ECONNRESET, "the daemon closed the control connection")
             if hdr is None:
                 fds.extend(got)

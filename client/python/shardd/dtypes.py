@@ -1,9 +1,13 @@
 # SPDX-License-Identifier: MIT
 """Element types of shardd buffers as numpy dtypes, and bf16 helpers.
 
-numpy has no bfloat16, so bf16 buffers are exposed as ``uint16`` arrays of
-the raw bits; :func:`bf16_to_fp32` and :func:`fp32_to_bf16` convert (round to
-nearest even, NaN and Inf preserved, as the daemon's kernels do).
+numpy has no bfloat16, so bf16 buffers are exposed as :class:`Bf16Array`:
+``uint16`` arrays of the raw bits that convert numbers written into them
+(``a[:] = [1.5, -2.0]`` stores the bf16 of 1.5 and -2.0, not the integers
+1 and 65534) and read back as floats with :meth:`Bf16Array.to_float32`.
+:func:`bf16_to_fp32` and :func:`fp32_to_bf16` convert (round to nearest even,
+NaN and Inf preserved, as the daemon's kernels do). ``shardd.torch`` shows the
+same memory as ``torch.bfloat16`` tensors.
 """
 
 import numpy as np
@@ -39,7 +43,8 @@ def dtype_code(d):
 
 
 def numpy_dtype(code):
-    """numpy dtype of a buffer element of shardd dtype `code` (bf16: uint16 bits)."""
+    """numpy dtype of a buffer element of shardd dtype `code` (bf16: uint16 bits,
+    viewed as :class:`Bf16Array`)."""
     try:
         return NUMPY_DTYPES[code]
     except KeyError:
@@ -58,3 +63,35 @@ def fp32_to_bf16(x):
 def bf16_to_fp32(b):
     """uint16 array of bf16 bits -> float32 array (exact)."""
     return (np.asarray(b, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+class Bf16Array(np.ndarray):
+    """A view of bf16 memory: its elements are ``uint16`` bit patterns.
+
+    Writing converts: numbers of any other dtype (Python floats and ints,
+    float or int arrays) are rounded to bf16 (nearest even); only ``uint16``
+    values are taken as bit patterns. In-place arithmetic (``a += 1.5``) and
+    ``np.copyto`` from floats are refused by numpy's casting rules, so no
+    float ever lands in the buffer as an integer. Read numbers with
+    :meth:`to_float32` (exact)."""
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, _bf16_bits(value))
+
+    def fill(self, value):
+        super().fill(_bf16_bits(value))
+
+    def to_float32(self):
+        """A float32 copy of the values (exact: every bf16 is a float32)."""
+        return bf16_to_fp32(self.view(np.ndarray))
+
+
+def _bf16_bits(value):
+    if isinstance(value, Bf16Array):
+        return value.view(np.ndarray)
+    v = np.asarray(value)
+    if v.dtype == np.uint16:
+        return v
+    if v.dtype.kind not in "biuf":
+        raise TypeError(f"a bf16 buffer takes numbers or uint16 bit patterns, not {v.dtype}")
+    return fp32_to_bf16(v.astype(np.float32))

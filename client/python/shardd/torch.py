@@ -1,250 +1,333 @@
 # SPDX-License-Identifier: MIT
-"""PyTorch integration: shard a module's parameters through shardd, FSDP2 style.
+"""PyTorch FSDP2 through shardd: ``fully_shard`` with FSDP2's names and meaning.
 
-    fsdp = FullyShardedModule(client, model, [model.fc1, model.fc2])
-    opt = torch.optim.SGD(fsdp.shard_parameters(), lr=0.1)
-    for batch in data:
-        loss = loss_fn(model(batch))   # forward pre-hooks unshard each group
-        loss.backward()                # at its end: reduce every group, reshard
-        opt.step()                     # updates this rank's shards in place
-        fsdp.zero_grad()               # the zero_grad op
+    import shardd.torch as st
+    mesh = st.init_device_mesh("run1", rank, (replicate, shard))   # a shardd.Client
+    mp = st.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        st.fully_shard(block, mesh=mesh, mp_policy=mp)
+    st.fully_shard(model, mesh=mesh, mp_policy=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)   # this rank's shards
+    for x, y in data:
+        loss_fn(model(x), y).backward()    # unshard, reduce, reshard: the daemon
+        opt.step()
+        opt.zero_grad()
 
 What lives where:
 
-* Each listed submodule is one group (its parameters not owned by a deeper
-  listed submodule); the root's remaining parameters form the group "root".
-* A module parameter's ``.data`` is a read-only view of the group's unsharded
-  buffer (param_dtype), valid between unshard and reshard.  Forward and
-  backward only read parameters, so the read-only mapping is never written.
-* A module parameter's ``.grad`` is a view of this rank's grad buffer, so
-  autograd accumulates gradients in place in the shared memory (no copy); if
-  something replaced ``.grad``, it is copied back before the reduce.
-* shard_parameters() are leaf tensors over this rank's flat shard (original
-  dtype, padding rows included) whose ``.grad`` is the sharded grad: a stock
-  ``torch.optim`` optimizer updates the rank's shard in place.  Padding rows
-  get zero gradients, so SGD (with weight decay or momentum) and Adam leave
-  them zero.
+* Each ``fully_shard`` call makes one shardd group of the module's parameters
+  that no nested ``fully_shard`` manages (registered at once: every rank must
+  call ``fully_shard`` on the same modules in the same order; the daemon
+  checks each param's name, dtype and shape across ranks). Its name is
+  ``"<n>.<ClassName>"``, n counting the mesh's groups.
+* Outside forward and backward the module's parameters are this rank's
+  shards: ``nn.Parameter`` views of the daemon's flat shard holding only the
+  real rows along the shard dim (FSDP2's local tensor; no padding), with
+  ``.grad`` a view of the sharded gradient, ``None`` until a gradient was
+  reduced into it. Any ``torch.optim`` optimizer updates them in place.
+* Between unshard and reshard the module holds the unsharded parameters:
+  ``nn.Parameter`` views of the group's unsharded buffer (``param_dtype``),
+  mapped read-only (forward and backward only read parameters).
+* Backward: a module's outputs carry hooks that unshard it again (after
+  ``reshard_after_forward``) and prefetch the module that ran before it; when
+  the gradients of its inputs are computed, its parameters' gradients are
+  copied into its grad buffer and the reduce is submitted without waiting;
+  the root waits for every reduce at the end of backward.
+* Forward: the next module of the previous iteration's order is unsharded
+  asynchronously while this one computes (implicit prefetch), or the
+  modules named by ``set_modules_to_forward_prefetch``.
 
-Backward: with reshard_after_forward=True a group is resharded after its
-forward and unsharded again when the gradient of its output arrives (a tensor
-hook on the outputs, which works on torch 1.13 as on 2.x).  The reduce runs
-in a callback queued on the autograd engine at the first such hook, i.e. once
-backward is over; finish_backward() does the same explicitly.
+``reduce_dtype=None`` follows the installed torch: torch >= 2.15 reduces in
+each parameter's original dtype (fp32 for fp32 params with bf16
+``param_dtype``); older torch, and FSDP1, reduce in ``param_dtype``
+(:func:`default_reduce_dtype`).
+
+Differences from FSDP2: parameters are plain tensors (no DTensor), every
+rank is a CPU process of one node served by the daemon's host backend,
+``set_requires_gradient_sync(False)`` accumulates unsynchronised gradients
+in ``param_dtype`` (torch 2.15 uses the original dtype), and
+``state_dict()`` returns the local shards (checkpoints: issues #13/#14).
 """
 
-import warnings
+import functools
+import itertools
 
-import numpy as np
 import torch
 
 from . import proto as P
-from .client import Param
+from .client import Client, Param, ShardError, numpy_to_tensor
+
+__all__ = ["fully_shard", "MixedPrecisionPolicy", "FSDPModule", "UnshardHandle",
+           "init_device_mesh", "default_reduce_dtype", "local_shards"]
 
 _TORCH_TO_SHARDD = {torch.float32: P.DTYPE_FP32, torch.bfloat16: P.DTYPE_BF16,
                     torch.float16: P.DTYPE_FP16}
 _SHARDD_TO_TORCH = {v: k for k, v in _TORCH_TO_SHARDD.items()}
 
 
-def tensor_view(array, code):
-    """A torch tensor sharing memory with numpy `array` (shardd dtype `code`;
-    bf16 arrays are uint16 bits and come back as torch.bfloat16)."""
-    with warnings.catch_warnings():
-        # The unsharded buffer is mapped PROT_READ: torch warns that it may
-        # not be written, which is exactly the contract (forward only reads).
-        warnings.simplefilter("ignore", UserWarning)
-        if code == P.DTYPE_BF16:
-            return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
-        return torch.from_numpy(array)
+def _torch_version(version=None):
+    v = (version or torch.__version__).split("+")[0]
+    parts = []
+    for piece in v.split(".")[:2]:
+        digits = "".join(itertools.takewhile(str.isdigit, piece))
+        parts.append(int(digits or 0))
+    return tuple(parts)
 
 
-def tensor_to_numpy(t):
-    """Host numpy copy-free view of a CPU tensor; bf16 as uint16 bits."""
-    t = t.detach().cpu().contiguous()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(np.uint16)
-    return t.numpy()
+def default_reduce_dtype(param_dtype, orig_dtypes, version=None):
+    """The dtype FSDP2 of torch `version` (default: the installed one) reduces
+    in when ``reduce_dtype`` is None; None means "the grad dtype" (param_dtype).
+
+    torch >= 2.15: the params' original dtype (promoted over the group), so
+    bf16 compute with fp32 params reduces in fp32. Older torch (FSDP2 from
+    2.4 up to 2.14, and FSDP1): ``param_dtype`` when it is set."""
+    if param_dtype is None or _torch_version(version) < (2, 15):
+        return None
+    return functools.reduce(torch.promote_types, orig_dtypes)
 
 
-class _GroupState:
-    def __init__(self, name, module, params):
-        self.name = name
+class MixedPrecisionPolicy:
+    """FSDP2's MixedPrecisionPolicy: param_dtype (unsharded params, all-gather
+    and compute), reduce_dtype (gradient reduction; None: see
+    default_reduce_dtype), output_dtype (cast floating-point forward outputs),
+    cast_forward_inputs (cast floating-point forward inputs to param_dtype)."""
+
+    __slots__ = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
+
+    def __init__(self, param_dtype=None, reduce_dtype=None, output_dtype=None,
+                 cast_forward_inputs=True):
+        for name, d in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+            if d is not None and d not in _TORCH_TO_SHARDD:
+                raise ValueError(f"MixedPrecisionPolicy.{name} = {d}: shardd takes torch.float32, "
+                                 f"torch.bfloat16, torch.float16 or None")
+        self.param_dtype = param_dtype
+        self.reduce_dtype = reduce_dtype
+        self.output_dtype = output_dtype
+        self.cast_forward_inputs = cast_forward_inputs
+
+    def __repr__(self):
+        return (f"MixedPrecisionPolicy(param_dtype={self.param_dtype}, reduce_dtype="
+                f"{self.reduce_dtype}, output_dtype={self.output_dtype}, "
+                f"cast_forward_inputs={self.cast_forward_inputs})")
+
+
+def init_device_mesh(job, rank, mesh_shape, *, socket_path=None, timeout=None):
+    """Attach rank `rank` of job `job` to shardd and return the Client that
+    fully_shard takes as its mesh. mesh_shape: (shard,) for FSDP or
+    (replicate, shard) for HSDP, as FSDP2's 1-D and 2-D DeviceMesh; the
+    global rank is replica * shard + shard rank."""
+    shape = tuple(mesh_shape)
+    if len(shape) == 1:
+        replicate, shard = 1, shape[0]
+    elif len(shape) == 2:
+        replicate, shard = shape
+    else:
+        raise ValueError(f"mesh_shape {mesh_shape!r}: give (shard,) or (replicate, shard)")
+    kw = {} if timeout is None else {"timeout": timeout}
+    return Client(job=job, rank=rank, shard=shard, replicate=replicate, socket_path=socket_path,
+                  **kw)
+
+
+# ---------------------------------------------------------------- state
+class _Param:
+    """One managed parameter: where it sits in the modules, its shard and
+    unsharded Parameters, and the views of its grad buffers."""
+
+    __slots__ = ("fqn", "index", "places", "sharded", "unsharded", "grad_view", "shard_grad_view",
+                 "shard_dim", "has_grad", "partial_has_grad")
+
+    def __init__(self, fqn, index, places):
+        self.fqn = fqn
+        self.index = index          # param index in the group
+        self.places = places        # [(module, attribute name)]: tied params sit in several
+        self.sharded = None
+        self.unsharded = None
+        self.grad_view = None
+        self.shard_grad_view = None
+        self.shard_dim = 0
+        self.has_grad = False       # the sharded grad holds a reduced gradient
+        self.partial_has_grad = False   # the unreduced grad buffer or an HSDP partial has one
+
+
+class _Ctx:
+    """Per-root iteration state shared by the root and the modules under it."""
+
+    def __init__(self, root):
+        self.root = root
+        self.states = [m._shardd_state for m in root.modules() if isinstance(m, FSDPModule)]
+        self.post_forward_order = []    # states, this iteration
+        self.prev_order = []            # the last iteration's, for implicit prefetch
+        self.backward_queued = False
+        self.is_last_backward = True
+        self.in_forward = False
+
+
+class _State:
+    def __init__(self, module, client, params, name, mp_policy, reshard_after_forward):
         self.module = module
-        self.params = params          # [(qualified name, nn.Parameter)]
-        self.group = None             # shardd Group
-        self.unsharded_step = None    # step of the held unsharded copy, None if resharded
-        self.grad_views = []
-        self.shard_params = []
-
-
-class FullyShardedModule:
-    """Shards `module`'s parameters through a shardd Client (see the module doc)."""
-
-    def __init__(self, client, module, submodules=(), param_dtype=None, reduce_dtype=None,
-                 reshard_after_forward=False, group_prefix=""):
         self.client = client
-        self.module = module
-        self.reshard_after_forward = reshard_after_forward
-        self.step = 0
-        self._backward_queued = False
-        self._hooks = []
-        self._groups = self._assign(module, list(submodules), group_prefix)
-        for gs in self._groups:
-            self._register(gs, param_dtype, reduce_dtype)
-        for gs in self._groups:
-            self._hooks.append(gs.module.register_forward_pre_hook(self._make_pre_forward(gs)))
-            self._hooks.append(gs.module.register_forward_hook(self._make_post_forward(gs)))
+        self.params = params
+        self.name = name
+        self.mp = mp_policy
+        self.reshard_after_forward = reshard_after_forward    # None: resolved at lazy init
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        self.requires_all_reduce = True
+        self.forward_prefetch = None     # explicit [_State] or None: implicit
+        self.backward_prefetch = None
+        self.group = None
+        self.ctx = None
+        self.unshard_pending = None      # Pending of an asynchronous unshard
+        self.reduce_pending = None       # Pending of the submitted reduce (and reshard)
+        self.unsharded = False           # this rank holds the unsharded copy
+        self.unshard_count = 0           # unshard step keys
+        self.reduce_count = 0
+        self.grads_accumulated = False   # grad buffer holds unreduced grads (no sync)
+        self.forward_calls = 0           # forwards with post-backward hooks, this iteration
+        self.needs_post_backward = False
+        self.pre_backward_done = False
+        self._reduce_lands = True        # the last reduce updates the sharded grads
 
-    # ------------------------------------------------------------ setup
-    @staticmethod
-    def _assign(module, submodules, prefix):
-        qual = {id(p): n for n, p in module.named_parameters()}
-        mod_names = {id(m): n for n, m in module.named_modules()}
-        for m in submodules:
-            if id(m) not in mod_names:
-                raise ValueError(f"{type(m).__name__} is not a submodule of the wrapped module")
-        owner = {}
-        # A parameter belongs to the deepest listed submodule holding it
-        # (FSDP2 applies fully_shard bottom-up): the one with fewest params.
-        sized = sorted(submodules, key=lambda m: sum(1 for _ in m.parameters()))
-        for m in sized:
-            for p in m.parameters():
-                owner.setdefault(id(p), m)
-        groups = []
-        for m in submodules + [module]:
-            params = [(qual[id(p)], p) for p in module.parameters()
-                      if owner.get(id(p), module) is m]
-            if not params or (m is module and m in submodules):
+    # ---------------------------------------------------------- naming
+    def where(self, what):
+        return (f"{what} of fully_shard({type(self.module).__name__}) group '{self.name}' on rank "
+                f"{self.client.rank} of job '{self.client.job}'")
+
+    def _wrap(self, what, err):
+        return type(err)(err.code, f"{self.where(what)}: {err.text}") if isinstance(err, ShardError) \
+            else err
+
+    # ---------------------------------------------------------- unshard / reshard
+    def start_unshard(self):
+        """Submit the unshard without waiting (a no-op when held or in flight)."""
+        if self.group is None or self.unsharded or self.unshard_pending is not None:
+            return
+        self.wait_reduce()
+        step = self.unshard_count
+        self.unshard_count += 1
+        self.unshard_pending = self.client.start(
+            [(P.OP_UNSHARD, self.group.id, step, 0, f"unshard(group '{self.name}', step {step})")])
+
+    def wait_unshard(self):
+        if self.group is None:
+            return
+        self.start_unshard()
+        if self.unshard_pending is not None:
+            pending, self.unshard_pending = self.unshard_pending, None
+            try:
+                pending.wait()
+            except ShardError as e:
+                raise self._wrap("unshard", e) from None
+            self.unsharded = True
+        self.use(unsharded=True)
+
+    def use(self, unsharded):
+        """Register the unsharded (or the sharded) Parameters on the modules."""
+        for p in self.params:
+            t = p.unsharded if unsharded else p.sharded
+            for m, attr in p.places:
+                m._parameters[attr] = t
+
+    def reshard(self, wait=True):
+        if self.unshard_pending is not None:
+            self.wait_unshard()
+        self.use(unsharded=False)
+        if not self.unsharded:
+            return None
+        self.unsharded = False
+        pending = self.client.start([(P.OP_RESHARD, self.group.id, 0, 0,
+                                      f"reshard(group '{self.name}')")])
+        if not wait:
+            return pending
+        try:
+            pending.wait()
+        except ShardError as e:
+            raise self._wrap("reshard", e) from None
+        return None
+
+    # ---------------------------------------------------------- gradients
+    def collect_grads(self):
+        """Move the unsharded params' grads into the grad buffer (autograd made
+        them as new tensors); a param without one contributes zeros."""
+        for p in self.params:
+            g = p.unsharded.grad
+            if g is None:
+                if not self.grads_accumulated:
+                    p.grad_view.zero_()
                 continue
-            name = mod_names[id(m)] or "root"
-            groups.append(_GroupState(prefix + name, m, params))
-        return groups
+            p.unsharded.grad = None
+            p.partial_has_grad = True
+            if self.grads_accumulated:
+                p.grad_view.add_(g)
+            else:
+                p.grad_view.copy_(g)
+        self.grads_accumulated = True
 
-    def _register(self, gs, param_dtype, reduce_dtype):
-        specs = []
-        for n, p in gs.params:
-            if p.dtype not in _TORCH_TO_SHARDD:
-                raise TypeError(f"param '{n}' has dtype {p.dtype}; shardd takes float32, "
-                                "bfloat16 and float16")
-            specs.append(Param(n, _TORCH_TO_SHARDD[p.dtype], tuple(p.shape)))
-        pd = _TORCH_TO_SHARDD[param_dtype] if isinstance(param_dtype, torch.dtype) else param_dtype
-        rd = _TORCH_TO_SHARDD[reduce_dtype] if isinstance(reduce_dtype, torch.dtype) else reduce_dtype
-        g = self.client.register_group(gs.name, specs, pd, rd)
-        gs.group = g
-        for i, (n, p) in enumerate(gs.params):
-            g.load_full(i, tensor_to_numpy(p))
-            ucode = g._unsharded_dtype(i)
-            p.data = tensor_view(g.unsharded(i), ucode)
-            gv = tensor_view(g.grad(i), g._grad_dtype(i))
-            gv.zero_()
-            p.grad = gv
-            gs.grad_views.append(gv)
-            code = specs[i].dtype
-            sp = torch.nn.Parameter(tensor_view(g.shard(i), code))
-            sp.grad = tensor_view(g.shard_grad(i), code)
-            gs.shard_params.append(sp)
-
-    # ------------------------------------------------------------ access
-    def shard_parameters(self):
-        """This rank's shards as leaf tensors, .grad = sharded grad: give them
-        to a torch.optim optimizer."""
-        return [sp for gs in self._groups for sp in gs.shard_params]
-
-    def named_shard_parameters(self):
-        return [(n, sp) for gs in self._groups for (n, _p), sp in zip(gs.params, gs.shard_params)]
-
-    @property
-    def groups(self):
-        """{group name: shardd Group}"""
-        return {gs.name: gs.group for gs in self._groups}
-
-    # ------------------------------------------------------------ ops
-    def _unshard(self, groups):
-        todo = [gs for gs in groups if gs.unsharded_step != self.step]
-        if not todo:
+    def post_backward(self):
+        """Grads of this module are complete: submit its reduce (when synced)
+        and its reshard, without waiting."""
+        self.needs_post_backward = False
+        self.forward_calls = 0
+        if self.group is None:
             return
-        self.client.run_many((P.OP_UNSHARD, gs.group.id, self.step, 0,
-                              f"unshard(group '{gs.name}', step {self.step})") for gs in todo)
-        for gs in todo:
-            gs.unsharded_step = self.step
+        if self.unshard_pending is not None:
+            self.wait_unshard()
+        self.wait_reduce()
+        self.collect_grads()
+        ops = []
+        if self.requires_gradient_sync:
+            for p in self.params:
+                # The daemon adds into the sharded grad: an optimizer's
+                # zero_grad(set_to_none=True) dropped it, so start from zero.
+                if p.sharded.grad is None:
+                    p.has_grad = False
+                    p.shard_grad_view.zero_()
+                elif p.sharded.grad.data_ptr() != p.shard_grad_view.data_ptr():
+                    p.has_grad = True
+                    p.shard_grad_view.copy_(p.sharded.grad)
+            flags = P.REDUCE_ALL_REDUCE if self.client.replicate > 1 and self.requires_all_reduce else 0
+            step = self.reduce_count
+            self.reduce_count += 1
+            ops.append((P.OP_REDUCE, self.group.id, step, flags,
+                        f"reduce(group '{self.name}', step {step}"
+                        f"{', all-reduce' if flags else ''})"))
+            self._reduce_lands = self.client.replicate == 1 or bool(flags)
+            self.grads_accumulated = False
+        if self.reshard_after_backward and self.unsharded:
+            self.use(unsharded=False)
+            self.unsharded = False
+            ops.append((P.OP_RESHARD, self.group.id, 0, 0, f"reshard(group '{self.name}')"))
+        elif not self.reshard_after_backward:
+            self.use(unsharded=True)
+        if ops:
+            self.reduce_pending = (self.client.start(ops), self.requires_gradient_sync)
 
-    def _reshard(self, groups):
-        todo = [gs for gs in groups if gs.unsharded_step is not None]
-        if not todo:
+    def wait_reduce(self):
+        """Wait for the submitted reduce; then the sharded grads hold it."""
+        if self.reduce_pending is None:
             return
-        self.client.run_many((P.OP_RESHARD, gs.group.id, gs.unsharded_step, 0,
-                              f"reshard(group '{gs.name}', step {gs.unsharded_step})") for gs in todo)
-        for gs in todo:
-            gs.unsharded_step = None
-
-    def gather(self):
-        """Unshard every group for the current step and return {param name:
-        copy of the full tensor} (all ranks must call it, it is collective)."""
-        self._unshard(self._groups)
-        return {n: p.detach().clone() for gs in self._groups for n, p in gs.params}
-
-    def finish_backward(self):
-        """Reduce every group's grads (submitted together), reshard, clear the
-        grad buffers, advance the step. Runs by itself at the end of backward;
-        calling it again in the same step does nothing."""
-        self._backward_queued = False
-        if all(gs.unsharded_step is None for gs in self._groups):
+        (pending, reduced), self.reduce_pending = self.reduce_pending, None
+        try:
+            pending.wait()
+        except ShardError as e:
+            raise self._wrap("backward", e) from None
+        if not reduced:
             return
-        for gs in self._groups:
-            for (_n, p), gv in zip(gs.params, gs.grad_views):
-                if p.grad is None:
-                    gv.zero_()
-                elif p.grad.data_ptr() != gv.data_ptr():
-                    gv.copy_(p.grad)
-        self.client.run_many((P.OP_REDUCE, gs.group.id, self.step, 0,
-                              f"reduce(group '{gs.name}', step {self.step})")
-                             for gs in reversed(self._groups))
-        self._reshard(self._groups)
-        for gs in self._groups:
-            for i, ((_n, p), gv, sp) in enumerate(zip(gs.params, gs.grad_views, gs.shard_params)):
-                gv.zero_()
-                p.grad = gv
-                if sp.grad is None:
-                    # optimizer.zero_grad(set_to_none=True) dropped the view.
-                    sp.grad = tensor_view(gs.group.shard_grad(i), gs.group.params[i].dtype)
-        self.step += 1
-
-    def zero_grad(self):
-        """zero_grad op on every group: this rank's sharded grads become zero."""
-        self.client.run_many((P.OP_ZERO_GRAD, gs.group.id, 0, 0, f"zero_grad(group '{gs.name}')")
-                             for gs in self._groups)
-
-    # ------------------------------------------------------------ hooks
-    def _make_pre_forward(self, gs):
-        def pre_forward(_module, _inputs):
-            self._unshard([gs])
-        return pre_forward
-
-    def _make_post_forward(self, gs):
-        def post_forward(_module, _inputs, output):
-            if self.reshard_after_forward:
-                self._reshard([gs])
-            if torch.is_grad_enabled():
-                for t in _tensors(output):
-                    if t.requires_grad:
-                        t.register_hook(self._make_pre_backward(gs))
-            return output
-        return post_forward
-
-    def _make_pre_backward(self, gs):
-        def pre_backward(grad):
-            if not self._backward_queued:
-                self._backward_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
-            self._unshard([gs])
-            return grad
-        return pre_backward
-
-    def remove_hooks(self):
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        if not self._reduce_lands:
+            return      # an HSDP partial: the sharded grads are untouched
+        for p in self.params:
+            if p.partial_has_grad:
+                p.has_grad = True
+            elif not p.has_grad and int(torch.count_nonzero(p.shard_grad_view)):
+                raise ShardError(-P.E_MISMATCH, self.where("reduce") + f": param '{p.fqn}' got no "
+                                 f"gradient on rank {self.client.rank}, but another rank of its "
+                                 f"shard group gave it one: every rank must use the same "
+                                 f"parameters in backward")
+            p.partial_has_grad = False
+            p.sharded.grad = p.shard_grad_view if p.has_grad else None
 
 
+# ---------------------------------------------------------------- hooks
 def _tensors(obj):
     if isinstance(obj, torch.Tensor):
         yield obj
@@ -254,3 +337,360 @@ def _tensors(obj):
     elif isinstance(obj, dict):
         for o in obj.values():
             yield from _tensors(o)
+
+
+def _map_tensors(fn, obj):
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_map_tensors(fn, o) for o in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_map_tensors(fn, o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(fn, v) for k, v in obj.items()}
+    return obj
+
+
+def _cast_fp(dtype, obj):
+    return _map_tensors(lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t,
+                        obj)
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a module's inputs; its backward runs once the gradients of
+    the module's parameters are accumulated (AccumulateGrad runs first)."""
+
+    @staticmethod
+    def forward(ctx, state, *inputs):
+        ctx.state = state
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        st = ctx.state
+        st.forward_calls -= 1
+        if st.forward_calls == 0 and st.needs_post_backward:
+            st.post_backward()
+        return (None,) + grads
+
+
+def _register_post_backward(state, args, kwargs):
+    flat = [t for t in itertools.chain(_tensors(args), _tensors(kwargs)) if t.requires_grad]
+    if not flat:
+        return args, kwargs
+    outs = iter(_PostBackward.apply(state, *flat))
+    ids = {id(t) for t in flat}
+    swap = {}
+    for t in flat:
+        swap.setdefault(id(t), next(outs))
+    state.forward_calls += 1
+
+    def sub(t):
+        return swap[id(t)] if id(t) in ids else t
+    return _map_tensors(sub, args), _map_tensors(sub, kwargs)
+
+
+def _lazy_init(state):
+    if state.ctx is not None:
+        return
+    ctx = _Ctx(state.module)
+    for st in ctx.states:
+        if st.ctx is None:
+            st.ctx = ctx
+            if st.reshard_after_forward is None:
+                st.reshard_after_forward = st is not state
+    if state.reshard_after_forward is None:
+        state.reshard_after_forward = False
+
+
+def _pre_forward(state, args, kwargs):
+    if state.ctx is None:
+        _lazy_init(state)
+    ctx = state.ctx
+    if state is ctx.states[0] and not ctx.in_forward:
+        # The root's forward starts an iteration.
+        ctx.in_forward = True
+        if ctx.post_forward_order:
+            ctx.prev_order = ctx.post_forward_order
+        ctx.post_forward_order = []
+        for st in ctx.states:
+            st.pre_backward_done = False
+            st.needs_post_backward = False
+            st.forward_calls = 0
+    state.wait_unshard()
+    targets = state.forward_prefetch
+    if targets is None and ctx.prev_order:
+        try:
+            i = ctx.prev_order.index(state)
+            targets = ctx.prev_order[i + 1:i + 2]
+        except ValueError:
+            targets = []
+    for st in targets or ():
+        st.start_unshard()
+    if state.mp.cast_forward_inputs and state.mp.param_dtype is not None:
+        args, kwargs = _cast_fp(state.mp.param_dtype, args), _cast_fp(state.mp.param_dtype, kwargs)
+    if torch.is_grad_enabled() and any(p.sharded.requires_grad for p in state.params):
+        state.needs_post_backward = True
+        args, kwargs = _register_post_backward(state, args, kwargs)
+    return args, kwargs
+
+
+def _post_forward(state, output):
+    ctx = state.ctx
+    if torch.is_grad_enabled():
+        ctx.post_forward_order.append(state)
+    if state.reshard_after_forward:
+        state.reshard()
+    if torch.is_grad_enabled():
+        for t in _tensors(output):
+            if t.requires_grad:
+                t.register_hook(functools.partial(_pre_backward, state))
+    if state is ctx.states[0]:
+        ctx.in_forward = False
+    if state.mp.output_dtype is not None:
+        output = _cast_fp(state.mp.output_dtype, output)
+    return output
+
+
+def _pre_backward(state, grad):
+    ctx = state.ctx
+    if not ctx.backward_queued:
+        ctx.backward_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(
+            functools.partial(_finish_backward, ctx))
+    if state.pre_backward_done:
+        return grad
+    state.pre_backward_done = True
+    state.wait_unshard()
+    targets = state.backward_prefetch
+    if targets is None:
+        order = ctx.post_forward_order
+        try:
+            i = order.index(state)
+            targets = order[i - 1:i] if i > 0 else []
+        except ValueError:
+            targets = []
+    for st in targets:
+        if st.needs_post_backward:
+            st.start_unshard()
+    return grad
+
+
+def _finish_backward(ctx):
+    """End of backward (queued on the autograd engine): post-backward for the
+    modules whose input gradients were not needed, then wait for every reduce."""
+    ctx.backward_queued = False
+    for st in reversed(ctx.states):
+        if st.needs_post_backward:
+            st.post_backward()
+    for st in ctx.states:
+        if st.unshard_pending is not None or (st.unsharded and st.reshard_after_backward):
+            st.reshard()    # prefetched, but its forward did not run
+        if ctx.is_last_backward:
+            st.wait_reduce()
+        st.pre_backward_done = False
+
+
+# ---------------------------------------------------------------- FSDPModule
+class UnshardHandle:
+    """Returned by FSDPModule.unshard(async_op=True): wait() finishes it
+    (the module's forward waits by itself)."""
+
+    def __init__(self, state):
+        self._state = state
+
+    def wait(self):
+        self._state.wait_unshard()
+
+
+class FSDPModule:
+    """Mixed into the class of every module fully_shard was applied to, as
+    FSDP2 does (``isinstance(m, FSDPModule)``)."""
+
+    def _states(self, recurse):
+        mods = self.modules() if recurse else [self]
+        return [m._shardd_state for m in mods if isinstance(m, FSDPModule)]
+
+    def unshard(self, async_op=False):
+        """Gather this module's parameters (not recursive); with async_op the
+        gather runs in the daemon while the caller goes on."""
+        st = self._shardd_state
+        st.start_unshard()
+        if async_op:
+            return UnshardHandle(st)
+        st.wait_unshard()
+        return None
+
+    def reshard(self):
+        """Release the unsharded parameters; the module holds its shards again."""
+        st = self._shardd_state
+        st.wait_reduce()
+        st.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync, *, recurse=True):
+        """False: backward accumulates gradients in the grad buffers without
+        reducing them (gradient accumulation without communication)."""
+        for st in self._states(recurse):
+            st.requires_gradient_sync = requires_gradient_sync
+            st.requires_all_reduce = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce, *, recurse=True):
+        """HSDP: False reduces within the shard group only and keeps the result
+        as a partial; the next reduce with all-reduce adds it first."""
+        for st in self._states(recurse):
+            st.requires_all_reduce = requires_all_reduce
+
+    def set_is_last_backward(self, is_last_backward):
+        """False: the end of backward does not wait for the reduces (the next
+        unshard or backward of each module does)."""
+        st = self._shardd_state
+        _lazy_init(st)
+        st.ctx.is_last_backward = is_last_backward
+
+    def set_reshard_after_forward(self, reshard_after_forward, recurse=True):
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward should be a bool, got "
+                             f"{type(reshard_after_forward).__name__}")
+        for st in self._states(recurse):
+            st.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward, *, recurse=True):
+        """False keeps the unsharded parameters after backward (call reshard()
+        on every module before the optimizer updates the shards)."""
+        for st in self._states(recurse):
+            st.reshard_after_backward = reshard_after_backward
+
+    def set_modules_to_forward_prefetch(self, modules):
+        """Unshard these modules asynchronously when this module's forward starts."""
+        self._shardd_state.forward_prefetch = [_state_of(m) for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules):
+        """Unshard these modules asynchronously when this module's backward starts."""
+        self._shardd_state.backward_prefetch = [_state_of(m) for m in modules]
+
+
+def _state_of(m):
+    if not isinstance(m, FSDPModule):
+        raise ValueError(f"{type(m).__name__} is not an FSDPModule: apply fully_shard to it first")
+    return m._shardd_state
+
+
+@functools.lru_cache(maxsize=None)
+def _fsdp_class(cls):
+    return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+
+
+def _placement_dim(result, name):
+    if result is None:
+        return 0
+    dim = getattr(result, "dim", result)
+    if not isinstance(dim, int):
+        raise TypeError(f"shard_placement_fn returned {result!r} for param '{name}': give "
+                        f"Shard(dim), an int dim or None")
+    return dim
+
+
+def fully_shard(module, *, mesh, reshard_after_forward=None, shard_placement_fn=None,
+                mp_policy=None):
+    """Shard `module`'s parameters (those no nested fully_shard manages)
+    through shardd; returns the module, now also an FSDPModule.
+
+    mesh: the shardd.Client of this rank (init_device_mesh). reshard_after_forward:
+    True frees the unsharded params after forward and gathers them again in
+    backward; False keeps them; None: True except for the root module.
+    shard_placement_fn(param) -> Shard(dim) / int dim / None (dim 0).
+    mp_policy: MixedPrecisionPolicy. Collective: every rank calls it on the
+    same modules in the same order, with the same initial parameter values
+    (each rank keeps its own rows of them)."""
+    if not isinstance(mesh, Client):
+        raise TypeError(f"fully_shard: mesh must be the shardd.Client of this rank "
+                        f"(shardd.torch.init_device_mesh), not {type(mesh).__name__}")
+    if isinstance(module, FSDPModule):
+        raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
+    mp = mp_policy or MixedPrecisionPolicy()
+    managed = set()
+    for m in module.modules():
+        if m is not module and isinstance(m, FSDPModule):
+            managed.update(id(p.sharded) for p in m._shardd_state.params)
+    places, names, order = {}, {}, []
+    for mname, m in module.named_modules():
+        for attr, p in m._parameters.items():
+            if p is None or id(p) in managed:
+                continue
+            if id(p) not in places:
+                places[id(p)] = []
+                names[id(p)] = (mname + "." if mname else "") + attr
+                order.append(p)
+            places[id(p)].append((m, attr))
+    count = getattr(mesh, "_shardd_fsdp_groups", 0)
+    mesh._shardd_fsdp_groups = count + 1
+    name = f"{count}.{type(module).__name__}"[:P.NAME_MAX - 1]
+    params = [_Param(names[id(p)], i, places[id(p)]) for i, p in enumerate(order)]
+    state = _State(module, mesh, params, name, mp, reshard_after_forward)
+    if params:
+        _register(state, order, shard_placement_fn)
+    module._shardd_state = state
+    module.__class__ = _fsdp_class(type(module))
+    try:
+        module.register_forward_pre_hook(
+            lambda _m, args, kwargs: _pre_forward(state, args, kwargs), with_kwargs=True)
+    except TypeError:   # torch < 2.0: no kwargs in hooks
+        module.register_forward_pre_hook(lambda _m, args: _pre_forward(state, args, {})[0])
+    module.register_forward_hook(lambda _m, _args, output: _post_forward(state, output))
+    return module
+
+
+def _register(state, tensors, shard_placement_fn):
+    mp = state.mp
+    specs = []
+    for p, t in zip(state.params, tensors):
+        if t.dtype not in _TORCH_TO_SHARDD:
+            raise TypeError(f"fully_shard({type(state.module).__name__}): param '{p.fqn}' has "
+                            f"dtype {t.dtype}; shardd takes float32, bfloat16 and float16")
+        if len(p.fqn.encode()) >= P.PARAM_NAME_MAX:
+            raise ValueError(f"fully_shard({type(state.module).__name__}): param name '{p.fqn}' "
+                             f"is longer than {P.PARAM_NAME_MAX - 1} bytes")
+        dim = _placement_dim(shard_placement_fn(t) if shard_placement_fn else None, p.fqn)
+        if t.dim() and not -t.dim() <= dim < t.dim():
+            raise ValueError(f"shard_placement_fn: Shard({dim}) for param '{p.fqn}' of shape "
+                             f"{tuple(t.shape)}")
+        p.shard_dim = dim % t.dim() if t.dim() else 0
+        specs.append(Param(p.fqn, _TORCH_TO_SHARDD[t.dtype], tuple(t.shape), p.shard_dim))
+    reduce_dtype = mp.reduce_dtype
+    if reduce_dtype is None:
+        reduce_dtype = default_reduce_dtype(mp.param_dtype, {t.dtype for t in tensors})
+    pd = _TORCH_TO_SHARDD[mp.param_dtype] if mp.param_dtype is not None else None
+    rd = _TORCH_TO_SHARDD[reduce_dtype] if reduce_dtype is not None else None
+    try:
+        g = state.client.register_group(state.name, specs, pd, rd)
+    except ShardError as e:
+        raise type(e)(e.code, f"{state.where('registration')}: {e.text}") from None
+    state.group = g
+    with torch.no_grad():
+        for p, t in zip(state.params, tensors):
+            full = t.detach().cpu().contiguous()
+            if full.dtype == torch.bfloat16:
+                g.load_full(p.index, full.view(torch.int16).numpy().view("uint16"))
+            else:
+                g.load_full(p.index, full.numpy())
+            p.sharded = torch.nn.Parameter(g.tensor("shard", p.index), requires_grad=t.requires_grad)
+            p.shard_grad_view = g.tensor("shard_grad", p.index)
+            p.unsharded = torch.nn.Parameter(g.tensor("unsharded", p.index),
+                                             requires_grad=t.requires_grad)
+            p.grad_view = g.tensor("grad", p.index)
+    state.use(unsharded=False)
+
+
+def local_shards(module):
+    """[(param name, shard tensor, shard dim, first row)] of this rank for
+    every param fully_shard manages under `module` (shard tensor: the real
+    rows, a view of the daemon's flat shard)."""
+    out = []
+    for name, t in module.named_parameters():
+        for m in module.modules():
+            st = getattr(m, "_shardd_state", None)
+            hit = st and next((p for p in st.params if p.sharded is t), None)
+            if hit:
+                out.append((name, t, hit.shard_dim, st.group.shard_rows(hit.index)[0]))
+                break
+    return out

@@ -107,8 +107,18 @@ static long long job_committed(const char *job)
 /* A 1x1 job's client, its group of one fp32 param of `n` elements (16n bytes of buffers). */
 struct rank1 {
 	struct shardd_client *c;
-	struct shardd_group *g;
+	struct shardd_group *g;       /* the last group registered */
+	struct shardd_group *all[4];  /* every group registered, closed by rank1_close */
+	int nall;
 };
+
+static void rank1_close(struct rank1 *r)
+{
+	for (int i = 0; i < r->nall; i++)
+		shardd_group_close(r->all[i]);
+	shardd_close(r->c);
+	memset(r, 0, sizeof(*r));
+}
 
 static int try_register(struct rank1 *r, const char *job, const char *group, uint64_t n)
 {
@@ -126,6 +136,8 @@ static void must_register(struct rank1 *r, const char *job, const char *group, u
 
 	cr_assert_eq(ret, 0, "register '%s' of job '%s' (%llu bytes): %s", group, job,
 		     (unsigned long long)(16 * n), shardd_last_error());
+	cr_assert_lt(r->nall, 4);
+	r->all[r->nall++] = r->g;
 }
 
 /* The group can be used: an unshard gives back what the rank loaded. */
@@ -180,7 +192,7 @@ Test(limits, group_past_max_job_memory_is_refused_naming_job_group_bytes_limit_a
 	expect_usable(&a, MIB / 2);
 	a.g = g1;
 	expect_usable(&a, 2 * MIB);
-	shardd_close(a.c);
+	rank1_close(&a);
 }
 
 /* Wait up to WAIT_MS for the daemon's committed bytes to be `want` (a job ending is asynchronous). */
@@ -212,15 +224,15 @@ Test(limits, jobs_together_past_max_memory_are_refused_and_an_ended_job_frees_it
 			    "limit of 64.0 MiB (67108864 bytes)", "--max-memory"));
 	cr_assert_eq(job_committed("c"), 0);
 	/* Job a ends (its only rank says goodbye): its 32 MiB come back. */
-	shardd_close(a.c);
+	rank1_close(&a);
 	wait_committed(24 * MIB);
 	cr_assert_eq(job_committed("a"), -1, "job 'a' should have ended");
 	must_register(&c, "c", "g", MIB);
 	cr_assert_eq(committed(), 40 * MIB);
 	expect_usable(&c, MIB);
 	expect_usable(&b, 3 * MIB / 2);
-	shardd_close(b.c);
-	shardd_close(c.c);
+	rank1_close(&b);
+	rank1_close(&c);
 	wait_committed(0);
 }
 
@@ -241,8 +253,8 @@ Test(limits, a_1_tib_param_is_refused_and_the_daemon_serves_another_client)
 	expect_usable(&big, 1024);
 	must_register(&other, "other", "g", 4096);
 	expect_usable(&other, 4096);
-	shardd_close(big.c);
-	shardd_close(other.c);
+	rank1_close(&big);
+	rank1_close(&other);
 }
 
 Test(limits, status_shows_the_limits_and_what_is_committed)
@@ -263,7 +275,7 @@ Test(limits, status_shows_the_limits_and_what_is_committed)
 		  "shardctl status must show the limits:\n%s", out);
 	cr_assert_eq(harness_run(jobs_argv, WAIT_MS, &status, out, sizeof(out)), 0);
 	cr_expect(strstr(out, "16.0 MiB/40.0 MiB"), "shardctl jobs must show committed/limit:\n%s", out);
-	shardd_close(a.c);
+	rank1_close(&a);
 }
 
 Test(limits, memory_flags_take_suffixes_and_refuse_bad_values)

@@ -44,23 +44,37 @@ struct shardd_shard_geometry {
 	uint64_t shard_numel;
 };
 
+/*
+ * The first dim (< ndim) at which the product of the nonzero dims of `p`
+ * stops fitting 64 bits as a byte count of up to 8-byte elements, or -1
+ * when it fits. Zero dims are left out: a zero-numel param (FSDP2 accepts
+ * them) must not hide dims whose products of a few (outer, inner) wrap.
+ */
+static int shape_overflow_dim(const struct shardd_param_spec *p)
+{
+	uint64_t extent = 1;
+
+	for (uint32_t i = 0; i < p->ndim && i < SHARDD_MAX_DIMS; i++)
+		if (p->shape[i] && (__builtin_mul_overflow(extent, p->shape[i], &extent) ||
+				    extent > UINT64_MAX / 8))
+			return (int)i;
+	return -1;
+}
+
 /* `p` passed specs_from_reply(): ndim and shard_dim are in range. */
 static int geometry(const struct shardd_param_spec *p, uint32_t world, uint32_t shard_rank,
 		    struct shardd_shard_geometry *geo)
 {
-	uint64_t numel = 1;
-
 	memset(geo, 0, sizeof(*geo));
-	for (uint32_t i = 0; i < p->ndim; i++)
-		if (__builtin_mul_overflow(numel, p->shape[i], &numel))
-			return -EOVERFLOW;
-	/* Byte counts of up to 8-byte elements must fit too. */
-	if (numel > UINT64_MAX / 8)
+	/* Bounded so, no product of some of the dims below overflows. */
+	if (shape_overflow_dim(p) >= 0)
 		return -EOVERFLOW;
-	geo->numel = numel;
+	geo->numel = 1;
 	geo->outer = 1;
 	geo->inner = 1;
 	geo->dim = 1; /* a 0-d param is a 1-row tensor */
+	for (uint32_t i = 0; i < p->ndim; i++)
+		geo->numel *= p->shape[i];
 	if (p->ndim) {
 		geo->dim = p->shape[p->shard_dim];
 		for (uint32_t i = 0; i < p->shard_dim; i++)
@@ -480,6 +494,14 @@ int shardd_group_register(struct shardd_client *c, const char *name,
 		p->ndim = d->ndim;
 		p->shard_dim = d->shard_dim;
 		memcpy(p->shape, d->shape, sizeof(p->shape[0]) * d->ndim);
+		if (shape_overflow_dim(p) >= 0) {
+			int bad = shape_overflow_dim(p);
+
+			ret = shardd_err_set(-EINVAL, "param %u '%s': shape[%d] = %llu takes the product of "
+					     "the nonzero dims past 64 bits of bytes", i, d->name, bad,
+					     (unsigned long long)d->shape[bad]);
+			goto err;
+		}
 	}
 	memcpy(reg + 1, specs, sizeof(*specs) * nparams);
 	/* The daemon answers once every rank registered, or fails at its collective timeout. */
@@ -597,7 +619,8 @@ int shardd_group_load_full(struct shardd_group *g, uint32_t param, const void *f
 	geometry(p, g->info.shard_world, g->client->rank % g->info.shard_world, &geo);
 	esz = shardd_dtype_size(p->dtype);
 	shard = shardd_group_shard(g, param);
-	if (!shard)
+	/* A zero-numel param has no shard bytes, however many outer indices it has. */
+	if (!shard || !geo.shard_numel)
 		return 0;
 	chunk = (size_t)(geo.rows * geo.inner * esz);
 	/* Device memory: the rows are laid out in host memory first, then copied in one go. */

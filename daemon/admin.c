@@ -360,6 +360,17 @@ static json_t *json_memory(const struct shardd_memory_use *m)
 					       m->grads + m->partials));
 }
 
+/* --max-memory, --max-job-memory, and the bytes committed against them. */
+static json_t *json_memory_limits(void)
+{
+	return json_pack("{s:o, s:s, s:o, s:o, s:b}",
+			 "max_memory", json_u64(server.cfg.max_memory),
+			 "max_memory_from", server.cfg.max_memory_from,
+			 "max_job_memory", json_u64(server.cfg.max_job_memory),
+			 "committed", json_u64(shardd_engine_memory_committed(server.engine)),
+			 "counted", server.cfg.backend == SHARDD_BACKEND_HOST);
+}
+
 /* ------------------------------------------------------------------ */
 /* status, jobs                                                        */
 /* ------------------------------------------------------------------ */
@@ -391,7 +402,8 @@ static json_t *cmd_status(const json_t *req)
 	    put(r, "jobs", json_integer(njobs)) ||
 	    put(r, "ranks_attached", json_integer(nattached)) ||
 	    put(r, "connections", json_integer(nsessions)) ||
-	    put(r, "memory", json_memory(&m))) {
+	    put(r, "memory", json_memory(&m)) ||
+	    put(r, "memory_limits", json_memory_limits())) {
 		json_decref(r);
 		return NULL;
 	}
@@ -420,10 +432,12 @@ static json_t *cmd_jobs(const json_t *req)
 		json_t *o;
 
 		job_memory(j, &m);
-		o = json_pack("{s:s, s:i, s:i, s:i, s:i, s:i, s:o*}", "name", j->name,
+		o = json_pack("{s:s, s:i, s:i, s:i, s:i, s:i, s:o*, s:o, s:o}", "name", j->name,
 			      "replicate", (int)j->replicate, "shard", (int)j->shard,
 			      "world", (int)j->world, "attached", (int)j->nattached,
-			      "groups", (int)job_ngroups(j), "memory", json_memory(&m));
+			      "groups", (int)job_ngroups(j), "memory", json_memory(&m),
+			      "memory_committed", json_u64(shardd_engine_job_memory_committed(j->ejob)),
+			      "memory_limit", json_u64(server.cfg.max_job_memory));
 		if (o && put_linger(o, j, now)) {
 			json_decref(o);
 			o = NULL;

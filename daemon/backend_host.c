@@ -4,11 +4,17 @@
  * the same pages (the unsharded buffer sealed read-only: host_seal_export);
  * kernels run on host pointers, split across the worker pool.
  *
- * An op is planned as a list of pieces (a cast of part of one shard, a
- * chunk-cat of some outer indices, a reduction of part of one block, a
- * padding fill), each at most HOST_GRAIN elements, grouped into batches of
- * about HOST_GRAIN elements of work; the pool runs the batches in parallel.
- * Many small params share a batch, one large param spans many.
+ * An op is planned as a list of pieces (a cast of a range of one param's
+ * elements, a chunk-cat of some outer indices, a reduction of a range of
+ * one param's valid shard elements, a padding fill), each about one grain
+ * of work, grouped into batches of about one grain; the pool runs the
+ * batches in parallel. Many small params share a batch, one large param
+ * spans many. The grain is HOST_GRAIN elements, coarser for an op so large
+ * that the plan would pass HOST_PLAN_PIECES pieces: a plan holds at most
+ * about 2 * HOST_PLAN_PIECES + 2 pieces per param, whatever the sizes, so
+ * planning a 1 TiB group takes a few MiB, not hundreds. A param with no
+ * elements (a zero-size dim) is never visited: no work, and no division by
+ * a count of 0.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -24,6 +30,8 @@
 
 /* Elements of work per batch: large enough to amortize a claim, small enough to balance 2..64 cores. */
 #define HOST_GRAIN ((uint64_t)1 << 15)
+/* Pieces a plan aims at, at most, besides two per param (24 bytes each, 8 per batch: a few MiB). */
+#define HOST_PLAN_PIECES ((uint64_t)1 << 16)
 /*
  * An op of at most this much work runs on the calling thread alone: 128 Ki
  * elements is about 10 us of fp32->bf16 cast on the 2-core CI VM, less
@@ -52,19 +60,18 @@ struct host_backend {
 };
 
 enum host_piece_kind {
-	PIECE_CAST = 1,  /* unshard, dim 0: part of shard `chunk`'s valid rows */
-	PIECE_CHUNK_CAT, /* unshard, Shard(i > 0): outer indices [block, block + n) */
-	PIECE_REDUCE,    /* reduce: part of outer index `block`'s valid rows */
-	PIECE_ZERO,      /* reduce: padding rows of the output shard */
+	PIECE_CAST = 1,  /* unshard, dim 0: elements [begin, begin + n) of the unsharded param */
+	PIECE_CHUNK_CAT, /* unshard, Shard(i > 0): outer indices [begin, begin + n) */
+	PIECE_REDUCE,    /* reduce: elements [begin, begin + n) of the valid rows of every outer
+			    index of the output shard, outer index by outer index */
+	PIECE_ZERO,      /* reduce: elements [begin, begin + n) of the output shard (its padding rows) */
 };
 
 struct host_piece {
 	uint32_t kind;
 	uint32_t param;
-	uint32_t chunk; /* CAST: shard rank */
-	uint64_t block; /* CHUNK_CAT: first outer index; REDUCE: outer index */
-	uint64_t begin; /* first element within the chunk, block or shard */
-	uint64_t n;     /* elements (CHUNK_CAT: outer indices) */
+	uint64_t begin;
+	uint64_t n;
 };
 
 struct host_plan {
@@ -72,6 +79,7 @@ struct host_plan {
 	size_t npieces, cap;
 	size_t *batches; /* batch b is pieces [batches[b], batches[b + 1]) */
 	size_t nbatches, bcap;
+	uint64_t grain;  /* work per piece and per batch: HOST_GRAIN, or coarser (plan_init) */
 	uint64_t weight; /* work in the open batch */
 	uint64_t total;  /* work in all batches */
 };
@@ -91,6 +99,15 @@ struct host_op {
 static inline uint8_t *host_ptr(const struct shardd_buf *b)
 {
 	return b->priv;
+}
+
+/* An empty plan for an op of `work` elements of work in all. */
+static void plan_init(struct host_plan *pl, uint64_t work)
+{
+	uint64_t grain = work / HOST_PLAN_PIECES + 1;
+
+	memset(pl, 0, sizeof(*pl));
+	pl->grain = grain > HOST_GRAIN ? grain : HOST_GRAIN;
 }
 
 static int plan_add(struct host_plan *pl, const struct host_piece *pc, uint64_t weight)
@@ -119,7 +136,7 @@ static int plan_add(struct host_plan *pl, const struct host_piece *pc, uint64_t 
 	weight = weight ? weight : 1;
 	pl->weight += weight;
 	pl->total += weight;
-	if (pl->weight >= HOST_GRAIN) {
+	if (pl->weight >= pl->grain) {
 		pl->nbatches++;
 		pl->weight = 0;
 	}
@@ -143,19 +160,23 @@ static void plan_free(struct host_plan *pl)
 	free(pl->batches);
 }
 
-/* Add [0, n) of a piece template in pieces of at most HOST_GRAIN elements of weight `unit` each. */
-static int plan_split(struct host_plan *pl, struct host_piece pc, uint64_t n, uint64_t unit)
+/*
+ * Add [begin, begin + n) of a piece template in pieces of about one grain
+ * of work, each unit weighing `unit`. Nothing to add when n or unit is 0
+ * (a param without elements): no piece, and no division by 0.
+ */
+static int plan_split(struct host_plan *pl, struct host_piece pc, uint64_t begin, uint64_t n,
+		      uint64_t unit)
 {
-	uint64_t step = HOST_GRAIN / unit ? HOST_GRAIN / unit : 1;
-	uint64_t base = pc.kind == PIECE_CHUNK_CAT ? pc.block : pc.begin;
+	uint64_t step;
 	int ret;
 
+	if (!n || !unit)
+		return 0;
+	step = pl->grain / unit ? pl->grain / unit : 1;
 	for (uint64_t at = 0; at < n; at += step) {
+		pc.begin = begin + at;
 		pc.n = n - at < step ? n - at : step;
-		if (pc.kind == PIECE_CHUNK_CAT)
-			pc.block = base + at;
-		else
-			pc.begin = base + at;
 		ret = plan_add(pl, &pc, pc.n * unit);
 		if (ret)
 			return ret;
@@ -163,6 +184,10 @@ static int plan_split(struct host_plan *pl, struct host_piece pc, uint64_t n, ui
 	return 0;
 }
 
+/*
+ * Planned only for params with elements, so `chunk` (a shard's elements
+ * per outer index) is not 0.
+ */
 static void host_run_piece_unshard(const struct host_op *op, const struct host_piece *pc)
 {
 	const struct shardd_unshard_args *a = op->unshard;
@@ -172,43 +197,43 @@ static void host_run_piece_unshard(const struct host_op *op, const struct host_p
 	uint64_t chunk = p->rows * p->inner;
 
 	if (pc->kind == PIECE_CAST) {
-		const uint8_t *src = host_ptr(a->shards[pc->chunk]) + p->shard_offset;
-		uint8_t *to = dst + (pc->chunk * chunk + pc->begin) * us;
+		/* Dim 0: element e of the param is element e % chunk of shard e / chunk. */
+		for (uint64_t e = pc->begin, end = pc->begin + pc->n; e < end; ) {
+			uint64_t s = e / chunk, off = e % chunk;
+			uint64_t n = end - e < chunk - off ? end - e : chunk - off;
+			const uint8_t *src = host_ptr(a->shards[s]) + p->shard_offset + off * ds;
 
-		if (op->stream)
-			shardd_k_cast_stream(to, p->unsharded_dtype, src + pc->begin * ds, p->dtype, pc->n);
-		else
-			shardd_k_cast(to, p->unsharded_dtype, src + pc->begin * ds, p->dtype, pc->n);
+			if (op->stream)
+				shardd_k_cast_stream(dst + e * us, p->unsharded_dtype, src, p->dtype, n);
+			else
+				shardd_k_cast(dst + e * us, p->unsharded_dtype, src, p->dtype, n);
+			e += n;
+		}
 	} else {
 		const void *src[SHARDD_MAX_WORLD];
 
 		for (uint32_t r = 0; r < a->nshards; r++)
-			src[r] = host_ptr(a->shards[r]) + p->shard_offset + pc->block * chunk * ds;
-		shardd_k_chunk_cat(dst + pc->block * a->nshards * chunk * us, p->unsharded_dtype, src,
+			src[r] = host_ptr(a->shards[r]) + p->shard_offset + pc->begin * chunk * ds;
+		shardd_k_chunk_cat(dst + pc->begin * a->nshards * chunk * us, p->unsharded_dtype, src,
 				   p->dtype, a->nshards, pc->n, chunk);
 	}
 }
 
-static void host_run_piece_reduce(const struct host_op *op, const struct host_piece *pc)
+/* Reduce `n` elements from element `off` of outer index `o`'s valid rows of the output shard. */
+static void host_reduce_run(const struct host_op *op, const struct shardd_layout_param *p, uint32_t param,
+			    uint64_t o, uint64_t off, uint64_t n)
 {
 	const struct shardd_reduce_args *a = op->reduce;
-	const struct shardd_layout_param *p = &a->layout->params[pc->param];
 	uint32_t odt = shardd_shard_view_dtype(op->out, p);
-	size_t os = shardd_dtype_size(odt);
-	uint64_t at = pc->block * p->rows * p->inner + pc->begin; /* element in the output shard */
-	uint8_t *out = host_ptr(op->out->buf) + op->out->offsets[pc->param] + at * os;
+	uint64_t at = o * p->rows * p->inner + off; /* element in the output shard */
+	uint8_t *out = host_ptr(op->out->buf) + op->out->offsets[param] + at * shardd_dtype_size(odt);
 	const void *in[SHARDD_MAX_WORLD];
 	struct shardd_reduce_math m = a->math;
 	uint32_t idt;
 
-	if (pc->kind == PIECE_ZERO) {
-		shardd_k_zero(out, pc->n * os);
-		return;
-	}
 	if (a->src == SHARDD_REDUCE_SRC_GRAD) {
 		/* Shard s of the unsharded grad: rows [s*rows, s*rows + valid) of shard_dim, per outer index. */
-		uint64_t e = pc->block * p->dim * p->inner + (uint64_t)op->shard_rank * p->rows * p->inner +
-			     pc->begin;
+		uint64_t e = o * p->dim * p->inner + (uint64_t)op->shard_rank * p->rows * p->inner + off;
 		size_t gs = shardd_dtype_size(p->grad_dtype);
 
 		idt = p->grad_dtype;
@@ -217,16 +242,41 @@ static void host_run_piece_reduce(const struct host_op *op, const struct host_pi
 	} else {
 		idt = a->in_dtype;
 		for (uint32_t k = 0; k < a->n; k++)
-			in[k] = host_ptr(a->views[k].buf) + a->views[k].offsets[pc->param] +
+			in[k] = host_ptr(a->views[k].buf) + a->views[k].offsets[param] +
 				at * shardd_dtype_size(idt);
 	}
-	m.add = op->add ? host_ptr(op->add->buf) + op->add->offsets[pc->param] +
+	m.add = op->add ? host_ptr(op->add->buf) + op->add->offsets[param] +
 				  at * shardd_dtype_size(a->math.reduce_dtype)
 			: NULL;
 	if (op->stream)
-		shardd_k_reduce_stream(out, odt, op->accumulate, in, a->n, idt, pc->n, &m);
+		shardd_k_reduce_stream(out, odt, op->accumulate, in, a->n, idt, n, &m);
 	else
-		shardd_k_reduce(out, odt, op->accumulate, in, a->n, idt, pc->n, &m);
+		shardd_k_reduce(out, odt, op->accumulate, in, a->n, idt, n, &m);
+}
+
+/*
+ * Planned only where the output shard has valid elements, so `block` (the
+ * valid elements per outer index) is not 0.
+ */
+static void host_run_piece_reduce(const struct host_op *op, const struct host_piece *pc)
+{
+	const struct shardd_layout_param *p = &op->reduce->layout->params[pc->param];
+	uint64_t block = shardd_layout_rows_valid(p, op->shard_rank) * p->inner;
+
+	if (pc->kind == PIECE_ZERO) {
+		size_t os = shardd_dtype_size(shardd_shard_view_dtype(op->out, p));
+
+		shardd_k_zero(host_ptr(op->out->buf) + op->out->offsets[pc->param] + pc->begin * os,
+			      pc->n * os);
+		return;
+	}
+	for (uint64_t e = pc->begin, end = pc->begin + pc->n; e < end; ) {
+		uint64_t o = e / block, off = e % block;
+		uint64_t n = end - e < block - off ? end - e : block - off;
+
+		host_reduce_run(op, p, pc->param, o, off, n);
+		e += n;
+	}
 }
 
 static void host_run_batches(void *arg, size_t begin, size_t end)
@@ -255,23 +305,27 @@ static void host_run_plan(struct host_backend *hb, struct host_op *op)
 static int host_unshard(struct shardd_backend_ctx *b, const struct shardd_unshard_args *a)
 {
 	struct host_backend *hb = (struct host_backend *)b;
-	struct host_plan pl = { 0 };
+	struct host_plan pl;
 	struct host_op op = { .unshard = a, .plan = &pl };
+	uint64_t work = 0;
 	int ret = 0;
 
+	/* Layout counts are below 2^38 per param and 2^16 params: no sum overflows. */
+	for (uint32_t i = 0; i < a->layout->nparams; i++)
+		work += a->layout->params[i].numel;
+	plan_init(&pl, work);
 	for (uint32_t i = 0; i < a->layout->nparams && !ret; i++) {
 		const struct shardd_layout_param *p = &a->layout->params[i];
 		struct host_piece pc = { .param = i };
 
+		if (!p->numel)
+			continue;
 		if (p->shard_dim == 0) {
 			pc.kind = PIECE_CAST;
-			for (uint32_t s = 0; s < a->nshards && !ret; s++) {
-				pc.chunk = s;
-				ret = plan_split(&pl, pc, shardd_layout_rows_valid(p, s) * p->inner, 1);
-			}
+			ret = plan_split(&pl, pc, 0, p->numel, 1);
 		} else {
 			pc.kind = PIECE_CHUNK_CAT;
-			ret = plan_split(&pl, pc, p->outer, (uint64_t)a->nshards * p->rows * p->inner);
+			ret = plan_split(&pl, pc, 0, p->outer, (uint64_t)a->nshards * p->rows * p->inner);
 		}
 	}
 	if (!ret) {
@@ -296,32 +350,33 @@ static int host_unshard(struct shardd_backend_ctx *b, const struct shardd_unshar
 /* Plan and run member k's output of a reduce. */
 static int host_reduce_one(struct host_backend *hb, const struct shardd_reduce_args *a, uint32_t k)
 {
-	struct host_plan pl = { 0 };
+	struct host_plan pl;
 	struct host_op op = {
 		.reduce = a, .plan = &pl, .out = &a->outs[k],
 		.add = a->adds && a->adds[k].buf ? &a->adds[k] : NULL,
 		.shard_rank = a->src == SHARDD_REDUCE_SRC_GRAD ? k : a->shard_rank,
 		.accumulate = a->accumulate[k],
 	};
-	uint64_t out_bytes = 0;
+	uint64_t out_bytes = 0, work = 0;
 	int ret = 0;
 
+	/* Layout counts are below 2^38 per param, 2^16 params, n <= 1024 inputs: no sum overflows. */
+	for (uint32_t i = 0; i < a->layout->nparams; i++)
+		work += a->layout->params[i].shard_numel * (a->n + 1);
+	plan_init(&pl, work);
 	for (uint32_t i = 0; i < a->layout->nparams && !ret; i++) {
 		const struct shardd_layout_param *p = &a->layout->params[i];
 		uint64_t valid = shardd_layout_rows_valid(p, op.shard_rank);
 		struct host_piece pc = { .param = i, .kind = PIECE_REDUCE };
 
+		if (!p->shard_numel)
+			continue;
 		out_bytes += p->shard_numel * shardd_dtype_size(shardd_shard_view_dtype(op.out, p));
-		for (uint64_t o = 0; o < p->outer && !ret; o++) {
-			pc.block = o;
-			ret = plan_split(&pl, pc, valid * p->inner, a->n);
-		}
+		ret = plan_split(&pl, pc, 0, p->outer * valid * p->inner, a->n);
 		if (!ret && valid < p->rows) {
 			/* Padding rows exist for dim 0 only, where outer == 1. */
 			pc.kind = PIECE_ZERO;
-			pc.block = 0;
-			pc.begin = valid * p->inner;
-			ret = plan_split(&pl, pc, (p->rows - valid) * p->inner, 1);
+			ret = plan_split(&pl, pc, valid * p->inner, (p->rows - valid) * p->inner, 1);
 		}
 	}
 	if (!ret) {
@@ -381,6 +436,16 @@ static int host_alloc(struct shardd_backend_ctx *b, uint64_t bytes, int32_t devi
 	if (fd < 0)
 		return -errno;
 	if (ftruncate(fd, (off_t)bytes) < 0)
+		goto err_errno;
+	/*
+	 * Commit the pages now: a sparse memfd would get them at the first op
+	 * that touches them, where running out of memory is a SIGBUS or an
+	 * OOM kill of the daemon mid-op instead of a refused registration.
+	 */
+	do
+		ret = fallocate(fd, 0, 0, (off_t)bytes);
+	while (ret < 0 && errno == EINTR);
+	if (ret < 0)
 		goto err_errno;
 	/*
 	 * Clients map these pages: no one may shrink them under the daemon's

@@ -32,6 +32,7 @@
 #endif
 #include "daemon/engine.h"
 #include "daemon/group.h"
+#include "daemon/limits.h"
 #include "daemon/log.h"
 #include "daemon/placement.h"
 #include "daemon/pool.h"
@@ -104,6 +105,7 @@ struct eng_group {
 	struct shardd_group *g;
 	struct shardd_engine_job *j;
 	int complete;                /* buffers allocated, every rank got its reply */
+	uint64_t mem_committed;      /* bytes counted in its job's and the engine's mem_committed */
 	struct shardd_rdv reg;       /* registration over all ranks */
 	struct eng_reg *regs;        /* [world] */
 	uint32_t first_rank;         /* whose spec defines the group */
@@ -131,6 +133,7 @@ struct shardd_engine_job {
 	uint8_t *gone;               /* [world]: the rank's client left and it has not attached again */
 	struct eng_group **groups;   /* index = group id - 1; NULL once a registration failed */
 	uint32_t ngroups, cap;
+	uint64_t mem_committed;      /* its groups' eg->mem_committed, summed */
 	struct shardd_engine_job *prev, *next;
 };
 
@@ -144,6 +147,7 @@ struct shardd_engine {
 	pthread_cond_t finished;     /* a task reached the finished list */
 	struct eng_task *fin_head, *fin_tail;
 	struct shardd_engine_job *jobs;
+	uint64_t mem_committed;      /* its jobs' mem_committed, summed */
 };
 
 /* ------------------------------------------------------------------ */
@@ -919,6 +923,8 @@ static void group_destroy(struct eng_group *eg, struct shardd_engine_job *j)
 	free(eg->rs);
 	free(eg->regs);
 	shardd_group_destroy(eg->g, j->e->backend);
+	j->mem_committed -= eg->mem_committed;
+	j->e->mem_committed -= eg->mem_committed;
 	free(eg);
 }
 
@@ -1048,6 +1054,55 @@ static struct eng_group *group_by_name(struct shardd_engine_job *j, const char *
 	return NULL;
 }
 
+/*
+ * Count every buffer the group will ever hold against the limits
+ * (--max-job-memory for its job, --max-memory for all jobs) before any
+ * exists: 0 with the bytes committed in eg, the job and the engine, or
+ * -ENOMEM with `err` naming the job, the group, the bytes it needs, those
+ * in use, the limit and the flag that raises it. The host backend commits
+ * the pages themselves when it allocates (fallocate), so an op never finds
+ * memory missing. Device memory (cuda) is not counted.
+ */
+static int group_commit_memory(struct shardd_engine_job *j, struct eng_group *eg, char *err, size_t errlen)
+{
+	struct shardd_engine *e = j->e;
+	struct shardd_group_memory m;
+	const char *flag = NULL, *holder = NULL;
+	uint64_t used = 0, limit = 0;
+	char need[32], held[32], max[32];
+
+	if (e->cfg.backend != SHARDD_BACKEND_HOST)
+		return 0;
+	shardd_group_memory_need(eg->g, &m);
+	if (e->cfg.max_job_memory && (m.total > e->cfg.max_job_memory ||
+				      j->mem_committed > e->cfg.max_job_memory - m.total)) {
+		flag = "--max-job-memory";
+		holder = "the job";
+		used = j->mem_committed;
+		limit = e->cfg.max_job_memory;
+	} else if (e->cfg.max_memory && (m.total > e->cfg.max_memory ||
+					 e->mem_committed > e->cfg.max_memory - m.total)) {
+		flag = "--max-memory";
+		holder = "the daemon (all jobs)";
+		used = e->mem_committed;
+		limit = e->cfg.max_memory;
+	}
+	if (flag) {
+		fmt(err, errlen,
+		    "register group '%s' of job '%s': its buffers need %s (%llu bytes), but %s holds %s "
+		    "(%llu bytes) of its limit of %s (%llu bytes); raise %s, or end jobs or register smaller groups",
+		    eg->g->name, j->name, shardd_bytes_str(m.total, need, sizeof(need)),
+		    (unsigned long long)m.total, holder,
+		    shardd_bytes_str(used, held, sizeof(held)), (unsigned long long)used,
+		    shardd_bytes_str(limit, max, sizeof(max)), (unsigned long long)limit, flag);
+		return -ENOMEM;
+	}
+	eg->mem_committed = m.total;
+	j->mem_committed += m.total;
+	e->mem_committed += m.total;
+	return 0;
+}
+
 /* A pending group for the first registration of `hdr`; takes `specs` on success. */
 static int group_new(struct shardd_engine_job *j, const struct shardd_register_group *hdr,
 		     struct shardd_param_spec *specs, uint32_t rank, struct eng_group **out,
@@ -1074,6 +1129,12 @@ static int group_new(struct shardd_engine_job *j, const struct shardd_register_g
 	ret = shardd_group_create(j->ngroups + 1, hdr, specs, j->replicate, j->shard, &eg->g, err, errlen);
 	if (ret) {
 		free(eg);
+		return ret;
+	}
+	ret = group_commit_memory(j, eg, err, errlen);
+	if (ret) {
+		eg->g->specs = NULL; /* still the caller's on failure */
+		group_destroy(eg, j);
 		return ret;
 	}
 	ret = -ENOMEM;
@@ -1223,7 +1284,7 @@ void shardd_engine_register_group(struct shardd_engine_job *j, uint32_t rank, ui
 	struct shardd_register_group hdr;
 	struct shardd_param_spec *specs = NULL;
 	struct eng_group *eg;
-	char err[384], why[384], ranks[160], msg[ENGINE_MSG_MAX];
+	char err[480], why[384], ranks[160], msg[ENGINE_MSG_MAX];
 	int ret;
 
 	if (rank >= j->world) {
@@ -1683,6 +1744,16 @@ void shardd_engine_cron(struct shardd_engine *e, uint64_t now_ns)
 /* ------------------------------------------------------------------ */
 /* Introspection                                                       */
 /* ------------------------------------------------------------------ */
+
+uint64_t shardd_engine_memory_committed(const struct shardd_engine *e)
+{
+	return e->mem_committed;
+}
+
+uint64_t shardd_engine_job_memory_committed(const struct shardd_engine_job *j)
+{
+	return j->mem_committed;
+}
 
 uint32_t shardd_engine_job_ngroups(const struct shardd_engine_job *j)
 {

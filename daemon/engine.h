@@ -45,6 +45,8 @@ struct shardd_engine_config {
 	uint32_t cuda_export;             /* cuda backend: enum shardd_cuda_export (backend_cuda.h) */
 	uint32_t collective_timeout_ms;
 	unsigned workers;                 /* worker threads; 0 = number of online cores */
+	uint64_t max_memory;              /* host backend: bytes of buffers of all jobs; 0 = no limit */
+	uint64_t max_job_memory;          /* host backend: bytes of one job's buffers; 0 = no limit */
 	shardd_engine_complete_fn complete;
 	shardd_engine_reply_fn reply;
 };
@@ -94,6 +96,14 @@ void shardd_engine_rank_attached(struct shardd_engine_job *j, uint32_t rank, int
 
 struct shardd_group;
 struct shardd_rdv;
+
+/*
+ * Bytes of buffers committed at registration (host backend; 0 on another):
+ * by every group of every job, or of one job, registered or still
+ * registering. A group's bytes are released when it is freed.
+ */
+uint64_t shardd_engine_memory_committed(const struct shardd_engine *e);
+uint64_t shardd_engine_job_memory_committed(const struct shardd_engine_job *j);
 
 /* Group ids of the job run 1..ngroups; an id whose registration failed has no group. */
 uint32_t shardd_engine_job_ngroups(const struct shardd_engine_job *j);

@@ -240,6 +240,20 @@ int shardd_group_compare(const struct shardd_group *g, const struct shardd_regis
 	return 0;
 }
 
+void shardd_group_memory_need(const struct shardd_group *g, struct shardd_group_memory *m)
+{
+	const struct shardd_layout *l = &g->layout;
+
+	/* Each size is below 2^40 (layout.h) and world at most 2^10: no product or sum overflows. */
+	memset(m, 0, sizeof(*m));
+	m->unsharded = (uint64_t)g->replicate * l->unsharded_size;
+	m->shards = (uint64_t)g->world * l->shard_size;
+	m->sharded_grads = (uint64_t)g->world * l->shard_size;
+	m->grads = (uint64_t)g->world * l->grad_size;
+	m->partials = (uint64_t)g->world * g->partial_size;
+	m->total = m->unsharded + m->shards + m->sharded_grads + m->grads + m->partials + m->optimizer;
+}
+
 int shardd_group_alloc(struct shardd_group *g, struct shardd_backend_ctx *b, const int32_t *devices,
 		       const struct shardd_placement *pl, char *err, size_t errlen)
 {
@@ -277,7 +291,13 @@ int shardd_group_alloc(struct shardd_group *g, struct shardd_backend_ctx *b, con
 		ret = ops->alloc(b, g->partial_size, devices[r], what, &g->partials[r]);
 	}
 	g->allocated = 1;
-	if (ret) {
+	if ((ret == -ENOMEM || ret == -ENOSPC) && strcmp(ops->name, "host") == 0) {
+		/* Within the limits, but the node has less memory free than they allow. */
+		ret = group_error(-ENOMEM, err, errlen,
+				  "register group '%s': the %s backend could not commit the memory of buffer %s: %s; "
+				  "the node has less memory free than --max-memory allows: free memory, or lower "
+				  "--max-memory", g->name, ops->name, what, strerror(-ret));
+	} else if (ret) {
 		group_error(ret, err, errlen,
 			    "register group '%s': the %s backend could not allocate buffer %s: %s",
 			    g->name, ops->name, what, ret > -SHARDD_E_BASE ? strerror(-ret) : "backend error");

@@ -91,6 +91,25 @@ int shardd_group_compare(const struct shardd_group *g, const struct shardd_regis
 			 char *why, size_t whylen);
 
 /*
+ * Bytes of every buffer a group will ever hold in host memory (the host
+ * backend's buffers), by kind: what the engine counts against
+ * --max-memory and --max-job-memory when the group is registered.
+ */
+struct shardd_group_memory {
+	uint64_t unsharded;      /* one copy per replica */
+	uint64_t shards;         /* flat shards (the master params), one per rank */
+	uint64_t sharded_grads;  /* reduce outputs, one per rank */
+	uint64_t grads;          /* unsharded grad buffers (reduce inputs), one per rank */
+	uint64_t partials;       /* HSDP reduce-scatter outputs, one per rank with a replicate dim */
+	uint64_t optimizer;      /* optimizer state the daemon keeps per rank shard: 0 until the step
+				    op exists (issue 13 counts it here) */
+	uint64_t total;          /* the sum */
+};
+
+/* What the group's buffers take once allocated (host backend: no unsharded_own). */
+void shardd_group_memory_need(const struct shardd_group *g, struct shardd_group_memory *m);
+
+/*
  * Allocate every buffer (zero-filled) on the device of the rank that uses it
  * (`devices`: [world], each rank's hello.device). `pl` is the group's
  * placement (NULL where devices are ignored: the host backend): a replica

@@ -111,29 +111,39 @@ static int check_spec(const struct shardd_param_spec *s, uint32_t i, uint32_t wo
 /*
  * Element counts of one param. Every byte count derived from them must stay
  * below SHARDD_LAYOUT_MAX_BYTES; the dim whose product crosses it is named.
+ *
+ * The product of the nonzero dims is bounded too, not only numel: a zero
+ * dim makes numel 0 (FSDP2 accepts zero-numel params: they take no bytes
+ * and every op does nothing for them), but must not hide dims whose
+ * product wraps 64 bits, as outer or inner would ([3, 3, 0, 2^63, 8]:
+ * inner of shard_dim 1 wraps to 0). Bounded so, every partial product
+ * below (outer, dim, inner, numel, shard_numel) fits without a check.
  */
 static int count_elements(const struct shardd_param_spec *s, uint32_t world,
 			  struct shardd_layout_param *p, char *err, size_t errlen)
 {
 	/* fp32 is the widest dtype: a count whose fp32 bytes fit fits all. */
 	const uint64_t max_numel = SHARDD_LAYOUT_MAX_BYTES / sizeof(float);
-	uint64_t numel = 1;
+	uint64_t numel = 1, extent = 1;
 
 	p->outer = 1;
 	p->dim = 1;
 	p->inner = 1;
 	for (uint32_t d = 0; d < s->ndim; d++) {
-		if (__builtin_mul_overflow(numel, s->shape[d], &numel) || numel >= max_numel)
+		uint64_t n = s->shape[d];
+
+		if (n && (__builtin_mul_overflow(extent, n, &extent) || extent >= max_numel))
 			return layout_error(err, errlen,
-					    "param '%s': shape[%u] = 0x%llx overflows the buffer size (limit %llu bytes per buffer)",
-					    s->name, d, (unsigned long long)s->shape[d],
-					    (unsigned long long)SHARDD_LAYOUT_MAX_BYTES);
+					    "param '%s': shape[%u] = 0x%llx overflows the buffer size (limit %llu bytes per buffer: the nonzero dims must multiply to less than %llu)",
+					    s->name, d, (unsigned long long)n,
+					    (unsigned long long)SHARDD_LAYOUT_MAX_BYTES, (unsigned long long)max_numel);
+		numel *= n;
 		if (d < s->shard_dim)
-			p->outer *= s->shape[d];
+			p->outer *= n;
 		else if (d == s->shard_dim)
-			p->dim = s->shape[d];
+			p->dim = n;
 		else
-			p->inner *= s->shape[d];
+			p->inner *= n;
 	}
 	p->numel = numel;
 	/* Padding rows can make a dim-0 shard larger than its share; bound it too. */

@@ -8,6 +8,11 @@
  * past d0. A 0-d param is a 1-row tensor. Shard(i > 0) needs d_i % S == 0:
  * shard r is torch.chunk(param, S, dim=i)[r] made contiguous, and the
  * unsharded tensor is the chunk-cat of the S shards along dim i.
+ *
+ * A param with a zero-size dim (FSDP2 accepts them) has numel and
+ * shard_numel 0: it takes no bytes in any buffer, and every op does nothing
+ * for it. Its other dims are bounded all the same (the nonzero dims must
+ * multiply to less than the per-buffer limit), so no product of dims wraps.
  */
 #ifndef SHARDD_LAYOUT_H
 #define SHARDD_LAYOUT_H

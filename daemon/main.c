@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "backend_cuda.h"
+#include "limits.h"
 #include "log.h"
 #include "metrics_http.h"
 #include "server.h"
@@ -63,12 +64,23 @@ static void usage(FILE *f)
 		"                             --allow-gid)\n"
 		"  --metrics-listen [ADDR:]PORT  serve Prometheus text on http://ADDR:PORT/metrics\n"
 		"                             (ADDR defaults to 127.0.0.1; [::1]:PORT for IPv6)\n"
+		"  --max-memory BYTES         bytes of parameter-group buffers all jobs together\n"
+		"                             may hold (suffix K, M, G or T: powers of 1024).\n"
+		"                             A registration past it is refused, naming the\n"
+		"                             job, the group and the bytes; buffers are\n"
+		"                             committed at registration, so running out is a\n"
+		"                             refusal, never an OOM kill (default %d%% of the\n"
+		"                             physical memory, or of the daemon's cgroup limit,\n"
+		"                             v2 memory.max or v1 memory.limit_in_bytes, when\n"
+		"                             one is set and lower; host backend only)\n"
+		"  --max-job-memory BYTES     the same limit for one job's buffers\n"
+		"                             (default: --max-memory)\n"
 		"  --log-level LEVEL          error, warn, info or debug (default info)\n"
 		"  --foreground               accepted for supervisors; shardd never daemonizes\n"
 		"  --version                  print the version and exit\n"
 		"  --help                     print this help and exit\n",
 		def, SHARDD_TIMEOUT_DEFAULT_S, SHARDD_HANDSHAKE_TIMEOUT_DEFAULT_S,
-		SHARDD_JOB_LINGER_DEFAULT_S);
+		SHARDD_JOB_LINGER_DEFAULT_S, SHARDD_MAX_MEMORY_DEFAULT_PERCENT);
 }
 
 #define WORKERS_MAX 4096 /* --workers */
@@ -193,6 +205,16 @@ static int apply_flag(struct shardd_config *cfg, const char *flag, const char *v
 			return usage_error("--allow-gid: more than %d groups (at '%s')",
 					   SHARDD_MAX_ALLOW_GIDS, val);
 		cfg->allow_gids[cfg->nallow_gids++] = gid;
+	} else if (strcmp(flag, "--max-memory") == 0 || strcmp(flag, "--max-job-memory") == 0) {
+		uint64_t bytes;
+
+		if (shardd_parse_bytes(val, &bytes) < 0 || bytes == 0)
+			return usage_error("%s: '%s' is not a byte count above 0 (digits, then "
+					   "optionally K, M, G or T)", flag, val);
+		if (strcmp(flag, "--max-memory") == 0)
+			cfg->max_memory = bytes;
+		else
+			cfg->max_job_memory = bytes;
 	} else if (strcmp(flag, "--job-linger") == 0) {
 		char *end;
 		double t;
@@ -242,7 +264,7 @@ static int takes_value(const char *flag)
 	static const char *const with_value[] = {
 		"--socket", "--log-level", "--backend", "--cuda-export", "--collective-timeout",
 		"--handshake-timeout", "--workers", "--allow-gid", "--job-linger", "--socket-mode",
-		"--socket-group", "--metrics-listen",
+		"--socket-group", "--metrics-listen", "--max-memory", "--max-job-memory",
 	};
 
 	for (size_t i = 0; i < sizeof(with_value) / sizeof(with_value[0]); i++)

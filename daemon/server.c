@@ -17,6 +17,7 @@
 
 #include "engine.h"
 #include "job.h"
+#include "limits.h"
 #include "log.h"
 #include "loop.h"
 #include "metrics_http.h"
@@ -521,12 +522,36 @@ static int signals_setup(void)
 	return server.signal_fd < 0 ? -errno : 0;
 }
 
+static void log_memory_limits(void)
+{
+	char all[32], job[32];
+
+	shardd_log_info("memory limits: %s of buffers in all (%s), %s per job%s",
+			shardd_bytes_str(server.cfg.max_memory, all, sizeof(all)), server.cfg.max_memory_from,
+			shardd_bytes_str(server.cfg.max_job_memory, job, sizeof(job)),
+			server.cfg.backend == SHARDD_BACKEND_HOST ? ""
+			: " (host backend only: device memory is not counted)");
+}
+
 int shardd_server_init(const struct shardd_config *cfg)
 {
 	struct shardd_engine_config ecfg;
 	int ret;
 
 	server.cfg = *cfg;
+	if (!server.cfg.max_memory) {
+		ret = shardd_memory_default(&server.cfg.max_memory, server.cfg.max_memory_from,
+					    sizeof(server.cfg.max_memory_from));
+		if (ret < 0) {
+			fprintf(stderr, "shardd: cannot read the physical memory size for the default "
+				"--max-memory; pass --max-memory BYTES\n");
+			return ret;
+		}
+	} else {
+		snprintf(server.cfg.max_memory_from, sizeof(server.cfg.max_memory_from), "--max-memory");
+	}
+	if (!server.cfg.max_job_memory)
+		server.cfg.max_job_memory = server.cfg.max_memory;
 	server.uid = getuid();
 	server.pid = getpid();
 	server.start_ns = shardd_now_ns();
@@ -571,6 +596,8 @@ int shardd_server_init(const struct shardd_config *cfg)
 	ecfg.cuda_export = cfg->cuda_export;
 	ecfg.collective_timeout_ms = (uint32_t)(server.collective_timeout_ns / 1000000u);
 	ecfg.workers = cfg->workers;
+	ecfg.max_memory = server.cfg.max_memory;
+	ecfg.max_job_memory = server.cfg.max_job_memory;
 	ecfg.complete = server_engine_complete;
 	ecfg.reply = server_engine_reply;
 	ret = shardd_engine_create(&ecfg, &server.engine);
@@ -619,6 +646,7 @@ int shardd_server_init(const struct shardd_config *cfg)
 			"handshake timeout %g s", SHARDD_VERSION, SHARDD_PROTO_MAJOR,
 			SHARDD_PROTO_MINOR, (int)server.pid, shardd_backend_name(cfg->backend),
 			cfg->collective_timeout_s, cfg->handshake_timeout_s);
+	log_memory_limits();
 	/* Tests and supervisors wait for exactly this line. */
 	fprintf(stderr, "shardd: ready on %s\n", server.cfg.socket_path);
 	fflush(stderr);

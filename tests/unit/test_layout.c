@@ -362,3 +362,69 @@ Test(layout, ten_thousand_params_build_fast_with_aligned_offsets, .timeout = 5)
 	expect_invalid(s, N, WORLD, SHARDD_DTYPE_NONE, "param 'layers.17.weight'", "#17 and #9999");
 	free(s);
 }
+
+Test(layout, zero_dim_does_not_hide_dims_whose_product_wraps, .timeout = 5)
+{
+	/* Shard(1) of [3, 3, 0, 2^63, 8]: numel is 0, but inner = 0 * 2^63 * 8 would wrap. */
+	struct shardd_param_spec s = spec("wrap", SHARDD_DTYPE_FP32, 5, 3ull, 3ull, 0ull, 1ull << 63, 8ull);
+
+	s.shard_dim = 1;
+	expect_invalid(&s, 1, 1, SHARDD_DTYPE_NONE, "param 'wrap'", "shape[3] = 0x8000000000000000");
+	/* [0, 2^32, 2^33]: inner of dim 0 would wrap to 0. */
+	s = spec("inner", SHARDD_DTYPE_FP32, 3, 0ull, 1ull << 32, 1ull << 33);
+	expect_invalid(&s, 1, 2, SHARDD_DTYPE_NONE, "param 'inner'", "shape[2] = 0x200000000");
+	/* [0, 2^20, 2^20] fits 64 bits, but 2^40 fp32 elements are past the 1 TiB per-buffer limit. */
+	s = spec("wide", SHARDD_DTYPE_BF16, 3, 0ull, 1ull << 20, 1ull << 20);
+	expect_invalid(&s, 1, 2, SHARDD_DTYPE_NONE, "param 'wide'", "shape[2] = 0x100000");
+	/* A zero dim after the large ones: shape[1] is where the product crosses the limit. */
+	s = spec("late", SHARDD_DTYPE_FP32, 3, 1ull << 30, 1ull << 10, 0ull);
+	expect_invalid(&s, 1, 2, SHARDD_DTYPE_NONE, "param 'late'", "shape[1] = 0x400");
+}
+
+Test(layout, zero_width_param_sharded_on_dim1_takes_no_bytes, .timeout = 5)
+{
+	struct shardd_param_spec s[3] = {
+		spec("a", SHARDD_DTYPE_FP32, 1, 3ull),
+		spec("e", SHARDD_DTYPE_FP32, 2, 2ull, 0ull),
+		spec("b", SHARDD_DTYPE_FP32, 1, 5ull),
+	};
+	struct shardd_layout l;
+	char err[256];
+
+	s[1].shard_dim = 1;
+	cr_assert_eq(shardd_layout_build(s, 3, 2, SHARDD_DTYPE_NONE, &l, err, sizeof(err)), 0, "%s", err);
+	cr_expect_eq(l.params[1].numel, 0);
+	cr_expect_eq(l.params[1].outer, 2);
+	cr_expect_eq(l.params[1].dim, 0);
+	cr_expect_eq(l.params[1].rows, 0);
+	cr_expect_eq(l.params[1].shard_numel, 0);
+	cr_expect_eq(rows_valid_sum(&l.params[1], 2), 0);
+	/* "a" takes 12 bytes, aligned to 64; "e" takes none, so "b" starts where "e" does. */
+	cr_expect_eq(l.params[1].unsharded_offset, SHARDD_ALIGN);
+	cr_expect_eq(l.params[2].unsharded_offset, SHARDD_ALIGN);
+	cr_expect_eq(l.params[2].shard_offset, l.params[1].shard_offset);
+	shardd_layout_free(&l);
+}
+
+Test(layout, zero_numel_param_with_huge_other_dims_is_accepted_with_exact_counts, .timeout = 5)
+{
+	/* 2^37 x 0 with Shard(1): 2^37 outer indices, each of no elements; below the limit of 2^38. */
+	struct shardd_layout l;
+	struct shardd_param_spec s = spec("wide", SHARDD_DTYPE_FP32, 2, 1ull << 37, 0ull);
+
+	s.shard_dim = 1;
+	l = build_one(s, 4);
+	cr_expect_eq(l.params[0].numel, 0);
+	cr_expect_eq(l.params[0].outer, 1ull << 37);
+	cr_expect_eq(l.params[0].inner, 1);
+	cr_expect_eq(l.params[0].shard_numel, 0);
+	cr_expect_eq(l.unsharded_size, SHARDD_ALIGN);
+	shardd_layout_free(&l);
+	/* Dim 0 of 0 rows under 2^37 columns. */
+	s = spec("tall", SHARDD_DTYPE_FP32, 2, 0ull, 1ull << 37);
+	l = build_one(s, 4);
+	cr_expect_eq(l.params[0].inner, 1ull << 37);
+	cr_expect_eq(l.params[0].rows, 0);
+	cr_expect_eq(l.params[0].shard_numel, 0);
+	shardd_layout_free(&l);
+}

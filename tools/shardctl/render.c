@@ -124,6 +124,20 @@ static void memory_line(FILE *f, const json_t *m)
 		bytes_str(num(m, "total"), t, sizeof(t)));
 }
 
+/* "limits   committed 96.0 MiB of 18.8 GiB (80% of physical memory (23.5 GiB)), per job 18.8 GiB" */
+static void limits_line(FILE *f, const json_t *l)
+{
+	char used[32], all[32], job[32];
+
+	if (!json_is_object(l))
+		return;
+	fprintf(f, "limits   committed %s of %s (%s), per job %s%s\n",
+		bytes_str(num(l, "committed"), used, sizeof(used)),
+		bytes_str(num(l, "max_memory"), all, sizeof(all)), str(l, "max_memory_from"),
+		bytes_str(num(l, "max_job_memory"), job, sizeof(job)),
+		json_is_false(json_object_get(l, "counted")) ? " (not counted: device memory)" : "");
+}
+
 /* "running", "no ranks, ends in 12 s" (--job-linger), "no ranks, kept" (--job-linger 0). */
 static const char *job_state(const json_t *j, char *buf, size_t len)
 {
@@ -152,6 +166,7 @@ void shardctl_render_status(FILE *f, const json_t *r)
 	fprintf(f, "memory   ");
 	memory_line(f, json_object_get(r, "memory"));
 	fputc('\n', f);
+	limits_line(f, json_object_get(r, "memory_limits"));
 }
 
 void shardctl_render_jobs(FILE *f, const json_t *r)
@@ -164,16 +179,18 @@ void shardctl_render_jobs(FILE *f, const json_t *r)
 		fprintf(f, "no jobs\n");
 		return;
 	}
-	fprintf(f, "%-24s %-9s %-9s %-7s %-11s %s\n", "JOB", "MESH", "ATTACHED", "GROUPS", "MEMORY",
-		"STATE");
+	fprintf(f, "%-24s %-9s %-9s %-7s %-11s %-21s %s\n", "JOB", "MESH", "ATTACHED", "GROUPS", "MEMORY",
+		"COMMITTED/LIMIT", "STATE");
 	json_array_foreach(jobs, i, j) {
-		char mesh[32], att[32], mem[32], state[64];
+		char mesh[32], att[32], mem[32], used[32], lim[32], cl[72], state[64];
 
 		snprintf(mesh, sizeof(mesh), "%lldx%lld", num(j, "replicate"), num(j, "shard"));
 		snprintf(att, sizeof(att), "%lld/%lld", num(j, "attached"), num(j, "world"));
-		fprintf(f, "%-24s %-9s %-9s %-7lld %-11s %s\n", str(j, "name"), mesh, att,
+		snprintf(cl, sizeof(cl), "%s/%s", bytes_str(num(j, "memory_committed"), used, sizeof(used)),
+			 bytes_str(num(j, "memory_limit"), lim, sizeof(lim)));
+		fprintf(f, "%-24s %-9s %-9s %-7lld %-11s %-21s %s\n", str(j, "name"), mesh, att,
 			num(j, "groups"),
-			bytes_str(num(json_object_get(j, "memory"), "total"), mem, sizeof(mem)),
+			bytes_str(num(json_object_get(j, "memory"), "total"), mem, sizeof(mem)), cl,
 			job_state(j, state, sizeof(state)));
 	}
 }

@@ -120,6 +120,16 @@ class Param:
             raise ValueError(f"param {name!r}: {len(self.shape)} dims, at most {P.MAX_DIMS}")
         if self.shape and not 0 <= self.shard_dim < len(self.shape):
             raise ValueError(f"param {name!r}: shard_dim {shard_dim} out of range for shape {self.shape}")
+        # Zero-size dims are fine (a zero-numel param, as FSDP2 allows), but
+        # must not hide other dims whose product wraps 64 bits in the daemon.
+        extent = 1
+        for d, n in enumerate(self.shape):
+            if not 0 <= n < 1 << 64:
+                raise ValueError(f"param {name!r}: shape[{d}] = {n} is not a size in [0, 2**64)")
+            extent *= n or 1
+            if extent * 8 >= 1 << 64:
+                raise ValueError(f"param {name!r}: shape[{d}] = {n} takes the product of the "
+                                 f"nonzero dims past 64 bits of bytes")
 
     @classmethod
     def unpack_from(cls, buf, offset):

@@ -32,7 +32,7 @@
 #endif
 #include "daemon/engine.h"
 #include "daemon/group.h"
-#include "daemon/limits.h"
+#include "daemon/memlimit.h"
 #include "daemon/log.h"
 #include "daemon/placement.h"
 #include "daemon/pool.h"

@@ -14,7 +14,7 @@
 #include <unistd.h>
 
 #include "backend_cuda.h"
-#include "limits.h"
+#include "memlimit.h"
 #include "log.h"
 #include "metrics_http.h"
 #include "server.h"

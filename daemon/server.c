@@ -17,7 +17,7 @@
 
 #include "engine.h"
 #include "job.h"
-#include "limits.h"
+#include "memlimit.h"
 #include "log.h"
 #include "loop.h"
 #include "metrics_http.h"

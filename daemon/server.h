@@ -46,7 +46,7 @@ struct shardd_config {
 	gid_t    allow_gids[SHARDD_MAX_ALLOW_GIDS]; /* --allow-gid */
 	unsigned nallow_gids;
 	uint64_t max_memory;            /* --max-memory: bytes of buffers of all jobs; 0 = the default
-					   (limits.h), set by shardd_server_init */
+					   (memlimit.h), set by shardd_server_init */
 	uint64_t max_job_memory;        /* --max-job-memory: bytes of one job's buffers; 0 = max_memory */
 	char     max_memory_from[96];   /* where max_memory comes from: "--max-memory" or the default's basis */
 	double   job_linger_s;          /* --job-linger; 0 = a job without ranks is kept forever */

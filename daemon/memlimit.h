@@ -6,8 +6,8 @@
  * limits at registration (engine.c: every buffer a group will ever need is
  * counted and committed before the group exists).
  */
-#ifndef SHARDD_LIMITS_H
-#define SHARDD_LIMITS_H
+#ifndef SHARDD_MEMLIMIT_H
+#define SHARDD_MEMLIMIT_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -44,4 +44,4 @@ uint64_t shardd_cgroup_memory_max(const char *proc_cgroup, const char *cgroup_ro
  */
 int shardd_memory_default(uint64_t *out, char *from, size_t fromlen);
 
-#endif /* SHARDD_LIMITS_H */
+#endif /* SHARDD_MEMLIMIT_H */

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * Memory limits (daemon/limits.c) and what a group counts against them
+ * Memory limits (daemon/memlimit.c) and what a group counts against them
  * (shardd_group_memory_need): byte counts with suffixes, the cgroup
  * limit read from a fake /proc/self/cgroup and cgroup tree, and every
  * buffer of an HSDP group, worked out by hand.
@@ -15,7 +15,7 @@
 #include <unistd.h>
 
 #include "daemon/group.h"
-#include "daemon/limits.h"
+#include "daemon/memlimit.h"
 
 Test(limits, byte_counts_take_binary_suffixes, .timeout = 5)
 {

@@ -152,6 +152,14 @@ test-python: all
 		PYTHONPATH=$(abspath client/python) $(PYTHON) -m pytest -q tests/python; \
 	fi
 
+# Plain programs the Python suites run (tests/python/*.c), on the kernels alone.
+PYDRV_BIN := $(patsubst tests/python/%.c,$(BUILD)/tests/python/%,$(wildcard tests/python/*.c))
+
+$(BUILD)/tests/python/%: $(BUILD)/tests/python/%.o $(LIBKERNELS)
+	$(CC) $(LDFLAGS) -o $@ $^ -lm $(CUDA_LDLIBS)
+
+test-python: $(PYDRV_BIN)
+
 test-gpu: all $(GPU_BIN)
 	SHARDD_BIN=$(abspath $(SHARDD)) tools/setup/test_gpu.sh $(abspath $(BUILD)) $(HAVE_CUDA) $(GPU_BIN)
 

@@ -39,6 +39,27 @@ int shardd_cuda_reduce(void *out, uint32_t out_dtype, int accumulate, const void
 		       uint32_t nin, uint32_t in_dtype, size_t n, const struct shardd_reduce_math *m,
 		       void *stream);
 
+/*
+ * The optimizer kernels of shardd_kernels.h on device memory: the pointers
+ * in *a are device pointers, the struct itself is host memory (read before
+ * the call returns). The same bits as shardd_k_sgd / shardd_k_adamw.
+ * -SHARDD_E_INVALID for a grad dtype or missing state the kernels cannot
+ * take (shardd_k_*_check is the full validation).
+ */
+int shardd_cuda_sgd(const struct shardd_sgd *a, size_t begin, size_t end, void *stream);
+int shardd_cuda_adamw(const struct shardd_adamw *a, size_t begin, size_t end, void *stream);
+
+/*
+ * The grad-norm part of grad[begin, end) (device memory): ws is a device
+ * buffer of SHARDD_CUDA_NORM_WS doubles; when the stream gets there,
+ * ws[0] is the sum of squares and ws[1] the largest |grad| (NaNs skipped).
+ * A non-finite ws[0] means a NaN or Inf element. Deterministic for a given
+ * range; equal to shardd_k_grad_norm_part within fp64 rounding.
+ */
+#define SHARDD_CUDA_NORM_WS 514
+int shardd_cuda_grad_norm_part(const void *grad, uint32_t dtype, size_t begin, size_t end, double *ws,
+			       void *stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -105,4 +105,128 @@ void shardd_k_reduce_stream(void *out, uint32_t out_dtype, int accumulate, const
  */
 void shardd_divide_factors(uint32_t n, uint32_t reduce_dtype, double *pre, double *post);
 
+/* ---------------------------------------------------------- optimizer --- */
+
+/*
+ * One optimizer step on elements [begin, end) of a shard, in one pass over
+ * memory: param, grad and state read once, param and state written once.
+ * The formulas and hyperparameter names are torch.optim's (SGD, AdamW with
+ * decoupled weight decay); hyperparameters are doubles as in Python, and
+ * every scalar derived from them (1 - lr*wd, lr / bias_correction1, ...)
+ * is computed in double and rounded to fp32 once, as torch does. Per
+ * element the arithmetic is a fixed sequence of fp32 operations without
+ * fused multiply-adds, so the AVX-512, AVX2 and portable paths (picked at
+ * run time) and the CUDA kernels give the same bits.
+ *
+ * param and state are fp32; the grad is fp32, bf16 or fp16 (the sharded
+ * grad is in the param's dtype; widening is exact). A param whose dtype is
+ * not fp32 needs an fp32 master copy: these kernels update fp32 only.
+ * State starts zeroed (torch's zeros_like), except the momentum buffer,
+ * which step 1 sets to the grad without reading it (torch's clone).
+ *
+ * grad_scale multiplies the grad first (clip_grad_norm_'s clip
+ * coefficient, fp32 as torch's); 1 leaves it unchanged. Skipping a step
+ * (a non-finite grad norm) is the caller's decision: it does not call.
+ * The arguments must pass the matching shardd_k_*_check. Calls on
+ * disjoint ranges may run concurrently; split on SHARDD_K_BLOCK multiples.
+ */
+struct shardd_sgd {
+	float      *param;           /* fp32 master shard */
+	const void *grad;            /* sharded grad, grad_dtype */
+	float      *momentum_buffer; /* fp32; NULL when momentum == 0 */
+	uint32_t    grad_dtype;      /* SHARDD_DTYPE_FP32, _BF16 or _FP16 */
+	uint64_t    step;            /* updates so far, this one included: 1 sets the buffer to the grad */
+	double      lr;
+	double      momentum;
+	double      dampening;
+	double      weight_decay;    /* L2, added to the grad */
+	int         nesterov;
+	int         maximize;
+	float       grad_scale;      /* multiplied into the grad; 1 = none */
+};
+
+struct shardd_adamw {
+	float      *param;           /* fp32 master shard */
+	const void *grad;            /* sharded grad, grad_dtype */
+	float      *exp_avg;         /* fp32, zeroed before step 1 */
+	float      *exp_avg_sq;      /* fp32, zeroed before step 1 */
+	float      *max_exp_avg_sq;  /* fp32, zeroed before step 1; NULL unless amsgrad */
+	uint32_t    grad_dtype;      /* SHARDD_DTYPE_FP32, _BF16 or _FP16 */
+	uint64_t    step;            /* torch's state['step'] after this update: 1 on the first */
+	double      lr;
+	double      beta1, beta2;    /* torch's betas */
+	double      eps;
+	double      weight_decay;    /* decoupled: param *= 1 - lr * weight_decay */
+	int         amsgrad;
+	int         maximize;
+	float       grad_scale;      /* multiplied into the grad; 1 = none */
+};
+
+/*
+ * 0, or -SHARDD_E_INVALID with a message in why (len bytes) that names
+ * the field, its value and the rule, with torch.optim's limits: lr >= 0,
+ * momentum >= 0, weight_decay >= 0, nesterov needs momentum > 0 and
+ * dampening 0; 0 <= betas < 1, eps >= 0; step >= 1; the state the options
+ * need present; grad_dtype fp32, bf16 or fp16; finite values.
+ */
+int shardd_k_sgd_check(const struct shardd_sgd *a, char *why, size_t len);
+int shardd_k_adamw_check(const struct shardd_adamw *a, char *why, size_t len);
+
+void shardd_k_sgd(const struct shardd_sgd *a, size_t begin, size_t end);
+void shardd_k_adamw(const struct shardd_adamw *a, size_t begin, size_t end);
+
+/*
+ * The fp32 scalars one AdamW step uses, from its double hyperparameters:
+ * what every path (and the CUDA kernel) multiplies by.
+ */
+struct shardd_adamw_coefs {
+	float grad_mul;      /* grad_scale, negated when maximize */
+	float decay;         /* 1 - lr * weight_decay */
+	float lerp_w;        /* 1 - beta1: exp_avg.lerp_(grad, lerp_w) */
+	float lerp_wc;       /* 1 - lerp_w in fp32, lerp's form for lerp_w >= 0.5 */
+	float beta2;
+	float beta2c;        /* 1 - beta2 */
+	float bc2_sqrt;      /* sqrt(1 - beta2^step) */
+	float eps;
+	float neg_step_size; /* -lr / (1 - beta1^step) */
+	int   lerp_small;    /* lerp_w < 0.5 */
+	int   amsgrad;
+};
+void shardd_k_adamw_coefs(const struct shardd_adamw *a, struct shardd_adamw_coefs *c);
+
+/* The same for SGD. */
+struct shardd_sgd_coefs {
+	float grad_mul;      /* grad_scale, negated when maximize */
+	float weight_decay;
+	float momentum;
+	float damp_c;        /* 1 - dampening */
+	float neg_lr;        /* -lr */
+	int   use_wd;        /* weight_decay != 0 */
+	int   use_momentum;  /* momentum != 0 */
+	int   first;         /* step == 1: the buffer becomes the grad */
+	int   nesterov;
+};
+void shardd_k_sgd_coefs(const struct shardd_sgd *a, struct shardd_sgd_coefs *c);
+
+/*
+ * The part of a gradient norm one range contributes, for clip_grad_norm_
+ * (norm_type 2: sqrt of the summed sumsq; inf: the largest max_abs).
+ * Squares of fp32 values are exact in fp64 and sixteen fp64 lanes sum
+ * them in a fixed order, so a part is the same bits on every path and
+ * depends only on the values and [begin, end); merging parts in a fixed
+ * order makes the total deterministic. A finite grad cannot overflow the
+ * fp64 sum, so nonfinite is exactly "some element is NaN or Inf".
+ */
+struct shardd_grad_norm_part {
+	double sumsq;     /* sum of grad^2 */
+	float  max_abs;   /* max |grad| (NaN elements skipped) */
+	int    nonfinite; /* some element is NaN or +-Inf */
+};
+
+/* *out = the part of grad[begin, end) (fp32, bf16 or fp16). */
+void shardd_k_grad_norm_part(const void *grad, uint32_t dtype, size_t begin, size_t end,
+			     struct shardd_grad_norm_part *out);
+/* Fold `part` into `into` (sum, max, or). */
+void shardd_k_grad_norm_merge(struct shardd_grad_norm_part *into, const struct shardd_grad_norm_part *part);
+
 #endif /* SHARDD_KERNELS_H */

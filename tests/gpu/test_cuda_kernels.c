@@ -293,3 +293,142 @@ Test(cuda, reduce_refuses_more_inputs_than_it_can_carry, .timeout = 30, .init = 
 		     -SHARDD_E_INVALID);
 	cudaFree(d);
 }
+
+/* ------------------------------------------------------------ optimizer --- */
+
+/* Finite fp32 values in [-1, 1) with varied exponents (params and fp32 grads). */
+static void fill_unit(float *x, size_t n)
+{
+	for (size_t i = 0; i < n; i++)
+		x[i] = ldexpf((float)((int64_t)(rng() >> 40) - (1 << 23)) * 0x1p-23f, -(int)(rng() % 4));
+}
+
+/* An fp32 host array copied to a fresh device array. */
+static float *dev_copy(const float *h, size_t n)
+{
+	float *d = dev_alloc(n * sizeof(float));
+
+	CUDA_OK(cudaMemcpy(d, h, n * sizeof(float), cudaMemcpyHostToDevice));
+	return d;
+}
+
+static void expect_same_f32(const float *want, const float *dev, size_t n, const char *what)
+{
+	float *got = malloc(n * sizeof(float) + 1);
+
+	CUDA_OK(cudaMemcpy(got, dev, n * sizeof(float), cudaMemcpyDeviceToHost));
+	expect_same(SHARDD_DTYPE_FP32, want, got, n, 1, what);
+	free(got);
+}
+
+/*
+ * K steps of SGD or AdamW on the CPU and on the GPU from the same state,
+ * over [off, n) (so a range that starts inside the arrays runs too), with a
+ * grad in `gdt`: every state array the same bits after every step.
+ */
+static void check_optim(int adamw, int opt, uint32_t gdt, size_t n, size_t off)
+{
+	enum { STEPS = 5 };
+	size_t gsz = shardd_dtype_size(gdt);
+	float *hp = malloc(n * sizeof(float) + 1), *hs[3], *ds[3], *dp;
+	void *hg = malloc(n * gsz + 1), *dg = dev_alloc(n * gsz);
+	char what[160];
+
+	fill_unit(hp, n);
+	dp = dev_copy(hp, n);
+	for (int s = 0; s < 3; s++) {
+		hs[s] = calloc(n + 1, sizeof(float));
+		ds[s] = dev_copy(hs[s], n);
+	}
+	for (int k = 1; k <= STEPS; k++) {
+		fill_values(hg, gdt, n);
+		CUDA_OK(cudaMemcpy(dg, hg, n * gsz, cudaMemcpyHostToDevice));
+		if (adamw) {
+			struct shardd_adamw a = {
+				.grad_dtype = gdt, .step = (uint64_t)k, .lr = 1e-2 * k, .beta1 = opt & 1 ? 0.3 : 0.9,
+				.beta2 = 0.999, .eps = 1e-8, .weight_decay = opt & 2 ? 0.1 : 0.0,
+				.amsgrad = (opt >> 2) & 1, .maximize = (opt >> 3) & 1, .grad_scale = opt & 1 ? 0.37f : 1.0f,
+			};
+
+			a.param = hp, a.grad = hg, a.exp_avg = hs[0], a.exp_avg_sq = hs[1];
+			a.max_exp_avg_sq = a.amsgrad ? hs[2] : NULL;
+			shardd_k_adamw(&a, off, n);
+			a.param = dp, a.grad = dg, a.exp_avg = ds[0], a.exp_avg_sq = ds[1];
+			a.max_exp_avg_sq = a.amsgrad ? ds[2] : NULL;
+			cr_assert_eq(shardd_cuda_adamw(&a, off, n, NULL), 0);
+		} else {
+			struct shardd_sgd a = {
+				.grad_dtype = gdt, .step = (uint64_t)k, .lr = 0.05 * k, .momentum = opt & 1 ? 0.9 : 0.0,
+				.dampening = opt & 2 ? 0.25 : 0.0, .weight_decay = opt & 4 ? 0.01 : 0.0,
+				.nesterov = (opt & 3) == 1, .maximize = (opt >> 3) & 1,
+				.grad_scale = opt & 4 ? 0.37f : 1.0f,
+			};
+
+			a.param = hp, a.grad = hg, a.momentum_buffer = a.momentum != 0 ? hs[0] : NULL;
+			shardd_k_sgd(&a, off, n);
+			a.param = dp, a.grad = dg, a.momentum_buffer = a.momentum != 0 ? ds[0] : NULL;
+			cr_assert_eq(shardd_cuda_sgd(&a, off, n, NULL), 0);
+		}
+		CUDA_OK(cudaDeviceSynchronize());
+		snprintf(what, sizeof(what), "%s opt %d grad %s n=%zu off=%zu step %d: param", adamw ? "adamw" : "sgd",
+			 opt, shardd_dtype_name(gdt), n, off, k);
+		expect_same_f32(hp, dp, n, what);
+		for (int s = 0; s < 3; s++) {
+			snprintf(what, sizeof(what), "%s opt %d grad %s n=%zu off=%zu step %d: state %d",
+				 adamw ? "adamw" : "sgd", opt, shardd_dtype_name(gdt), n, off, k, s);
+			expect_same_f32(hs[s], ds[s], n, what);
+		}
+	}
+	for (int s = 0; s < 3; s++) {
+		free(hs[s]);
+		cudaFree(ds[s]);
+	}
+	free(hp);
+	free(hg);
+	cudaFree(dp);
+	cudaFree(dg);
+}
+
+Test(cuda, sgd_and_adamw_match_cpu_bit_for_bit, .timeout = 300, .init = require_device)
+{
+	static const size_t sizes[] = { 1, 17, 4097, (1u << 16) + 3 };
+
+	for (int adamw = 0; adamw < 2; adamw++)
+	for (int opt = 0; opt < 16; opt++)
+	for (size_t d = 0; d < 3; d++) {
+		size_t n = sizes[(opt + d) % 4];
+
+		check_optim(adamw, opt, dtypes[d], n, (opt & 8) && n > 5 ? 5 : 0);
+	}
+}
+
+Test(cuda, grad_norm_part_matches_cpu, .timeout = 60, .init = require_device)
+{
+	static const size_t sizes[] = { 0, 1, 255, 4097, (1u << 20) + 7 };
+	double *ws = dev_alloc(SHARDD_CUDA_NORM_WS * sizeof(double)), got[2];
+
+	for (size_t d = 0; d < 3; d++) {
+		for (size_t s = 0; s < sizeof(sizes) / sizeof(sizes[0]); s++) {
+			size_t n = sizes[s], sz = shardd_dtype_size(dtypes[d]);
+			void *h = malloc(n * sz + 1), *dg = dev_alloc(n * sz);
+			float *tmp = malloc(n * sizeof(float) + 1);
+			struct shardd_grad_norm_part want;
+
+			fill_unit(tmp, n);
+			shardd_k_cast(h, dtypes[d], tmp, SHARDD_DTYPE_FP32, n);
+			CUDA_OK(cudaMemcpy(dg, h, n * sz, cudaMemcpyHostToDevice));
+			shardd_k_grad_norm_part(h, dtypes[d], 0, n, &want);
+			cr_assert_eq(shardd_cuda_grad_norm_part(dg, dtypes[d], 0, n, ws, NULL), 0);
+			CUDA_OK(cudaMemcpy(got, ws, sizeof(got), cudaMemcpyDeviceToHost));
+			/* Exact squares summed in two orders: within n fp64 roundings of each other. */
+			cr_assert(fabs(got[0] - want.sumsq) <= (double)n * 0x1p-52 * want.sumsq,
+				  "%s n=%zu: cuda sumsq %.17g, cpu %.17g", shardd_dtype_name(dtypes[d]), n, got[0],
+				  want.sumsq);
+			cr_assert_eq(got[1], (double)want.max_abs, "%s n=%zu: max_abs", shardd_dtype_name(dtypes[d]), n);
+			free(h);
+			free(tmp);
+			cudaFree(dg);
+		}
+	}
+	cudaFree(ws);
+}

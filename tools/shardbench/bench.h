@@ -173,4 +173,14 @@ int bench_gpu_run(const struct bench_opts *o);
  */
 int bench_gpu_ops_run(const struct bench_opts *o);
 
+/* ---- step.c --------------------------------------------------------- */
+
+/*
+ * The optimizer kernels (AdamW, SGD) over the size sweep on 1 thread and
+ * on one per core, against a same-run roofline with their traffic and
+ * against torch.optim.AdamW when python3 has torch; prints its table.
+ * Returns 0, 1 when a result was wrong, or -errno.
+ */
+int bench_step_run(const struct bench_opts *o);
+
 #endif /* SHARDBENCH_H */

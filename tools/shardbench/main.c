@@ -2,7 +2,7 @@
 /*
  * shardbench: how fast shardd moves parameters, in nccl-tests' format.
  *
- *   shardbench [options] roofline|unshard|reduce|ring|gpu|all
+ *   shardbench [options] roofline|unshard|reduce|ring|gpu|step|all
  *
  * Without --socket it starts its own `shardd` (next to this binary, or
  * --shardd PATH) on a temporary socket and stops it at the end. Every
@@ -25,12 +25,12 @@
 #define ROOF_ARRAY_BYTES (256 * BENCH_MIB)
 #define ROOF_ITERS       20
 
-enum bench_cmd { CMD_ALL, CMD_ROOFLINE, CMD_UNSHARD, CMD_REDUCE, CMD_RING, CMD_GPU };
+enum bench_cmd { CMD_ALL, CMD_ROOFLINE, CMD_UNSHARD, CMD_REDUCE, CMD_RING, CMD_GPU, CMD_STEP };
 
 static void usage(FILE *f)
 {
 	fprintf(f,
-"usage: shardbench [options] roofline|unshard|reduce|ring|gpu|all   (default: all)\n"
+"usage: shardbench [options] roofline|unshard|reduce|ring|gpu|step|all   (default: all)\n"
 "\n"
 "  roofline   STREAM-style copy and add, one thread per core (the daemon's pool)\n"
 "  unshard    all-gather + cast through the daemon, against the roofline and MPI_Allgather\n"
@@ -38,6 +38,7 @@ static void usage(FILE *f)
 "  ring       nop round trip through the ring (spinning, sleeping) against a socket\n"
 "  gpu        CUDA kernels against cudaMemcpy device-to-device, and unshard/reduce\n"
 "             latency through shardd --backend cuda (also: --gpu)\n"
+"  step       AdamW and SGD updates against a same-run roofline and torch's CPU AdamW\n"
 "  all        roofline, unshard, reduce, ring (and gpu when built with CUDA)\n"
 "\n"
 "  -b SIZE        first size (default 1M); K, M, G suffixes\n"
@@ -94,6 +95,7 @@ static int parse_cmd(const char *s, enum bench_cmd *cmd)
 	static const struct { const char *name; enum bench_cmd cmd; } cmds[] = {
 		{ "all", CMD_ALL }, { "roofline", CMD_ROOFLINE }, { "unshard", CMD_UNSHARD },
 		{ "reduce", CMD_REDUCE }, { "ring", CMD_RING }, { "gpu", CMD_GPU },
+		{ "step", CMD_STEP },
 	};
 	size_t i;
 
@@ -191,7 +193,7 @@ static int parse_args(int argc, char **argv, struct bench_opts *o, enum bench_cm
 	*cmd = gpu ? CMD_GPU : CMD_ALL;
 	if (optind < argc && parse_cmd(argv[optind++], cmd))
 		return bad_option("subcommand", argv[optind - 1],
-				  "roofline, unshard, reduce, ring, gpu or all");
+				  "roofline, unshard, reduce, ring, gpu, step or all");
 	if (optind < argc)
 		return bad_option("argument", argv[optind], "one subcommand");
 	if (o->min_bytes > o->max_bytes) {
@@ -275,6 +277,10 @@ int main(int argc, char **argv)
 		failed |= bench_gpu_run(&o) != 0;
 		return failed;
 	}
+
+	/* The optimizer step needs no daemon and measures its own roofline. */
+	if (cmd == CMD_STEP)
+		return bench_step_run(&o) != 0;
 
 	/* The roofline runs before the daemon starts, so nothing else competes for memory. */
 	ret = bench_roofline_measure(ROOF_ARRAY_BYTES, ROOF_ITERS, 1, &roof);

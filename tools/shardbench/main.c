@@ -23,7 +23,6 @@
 
 /* Roofline arrays: 8x the 32 MiB L3 of the machines this runs on, and over any L3 we know. */
 #define ROOF_ARRAY_BYTES (256 * BENCH_MIB)
-#define ROOF_ITERS       20
 
 enum bench_cmd { CMD_ALL, CMD_ROOFLINE, CMD_UNSHARD, CMD_REDUCE, CMD_RING, CMD_GPU, CMD_STEP };
 
@@ -32,9 +31,11 @@ static void usage(FILE *f)
 	fprintf(f,
 "usage: shardbench [options] roofline|unshard|reduce|ring|gpu|step|all   (default: all)\n"
 "\n"
-"  roofline   STREAM-style copy and add, one thread per core (the daemon's pool)\n"
-"  unshard    all-gather + cast through the daemon, against the roofline and MPI_Allgather\n"
-"  reduce     reduce-scatter of grads, against the roofline and MPI_Reduce_scatter_block\n"
+"  roofline   memory kernels (read, write, copy, add), plain and non-temporal stores\n"
+"  unshard    all-gather + cast through the daemon, against its pattern's roofline and\n"
+"             MPI_Allgather\n"
+"  reduce     reduce-scatter of grads, against its pattern's roofline and\n"
+"             MPI_Reduce_scatter_block\n"
 "  ring       nop round trip through the ring (spinning, sleeping) against a socket\n"
 "  gpu        CUDA kernels against cudaMemcpy device-to-device, and unshard/reduce\n"
 "             latency through shardd --backend cuda (also: --gpu)\n"
@@ -282,14 +283,20 @@ int main(int argc, char **argv)
 	if (cmd == CMD_STEP)
 		return bench_step_run(&o) != 0;
 
-	/* The roofline runs before the daemon starts, so nothing else competes for memory. */
-	ret = bench_roofline_measure(ROOF_ARRAY_BYTES, ROOF_ITERS, 1, &roof);
-	if (ret)
-		return 1;
-	if (roof.wrong)
-		failed = 1;
-	if (cmd == CMD_ROOFLINE)
-		return failed;
+	/*
+	 * The machine table runs before the daemon starts, so nothing else
+	 * competes for memory; unshard and reduce measure their own pattern's
+	 * roofline at each size.
+	 */
+	if (cmd == CMD_ALL || cmd == CMD_ROOFLINE) {
+		ret = bench_roofline_measure(ROOF_ARRAY_BYTES, 1, &roof);
+		if (ret)
+			return 1;
+		if (roof.wrong)
+			failed = 1;
+		if (cmd == CMD_ROOFLINE)
+			return failed;
+	}
 
 	socket_path = o.socket_path;
 	if (!socket_path) {
@@ -305,11 +312,11 @@ int main(int argc, char **argv)
 	fflush(stdout);
 
 	if (cmd == CMD_ALL || cmd == CMD_UNSHARD) {
-		rc = bench_collective_run(&o, BENCH_UNSHARD, socket_path, &roof);
+		rc = bench_collective_run(&o, BENCH_UNSHARD, socket_path);
 		failed |= rc != 0;
 	}
 	if (cmd == CMD_ALL || cmd == CMD_REDUCE) {
-		rc = bench_collective_run(&o, BENCH_REDUCE, socket_path, &roof);
+		rc = bench_collective_run(&o, BENCH_REDUCE, socket_path);
 		failed |= rc != 0;
 	}
 	if (cmd == CMD_ALL || cmd == CMD_RING) {

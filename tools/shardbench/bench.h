@@ -33,6 +33,7 @@ struct bench_opts {
 	const char *socket_path; /* --socket: a running daemon, or NULL */
 	const char *shardd_path; /* --shardd: daemon binary to start */
 	const char *mpi_path;    /* --mpi: the shardbench_mpi comparator */
+	const char *trace_path;  /* --trace: latency's samples, one line each */
 	const char *self_dir;    /* directory of this binary */
 };
 
@@ -194,6 +195,16 @@ int bench_collective_run(const struct bench_opts *o, enum bench_collective which
  * this client to different cores for the ring modes.
  */
 int bench_ring_run(const struct bench_opts *o, const char *socket_path, pid_t daemon_pid);
+
+/* ---- latency.c ------------------------------------------------------- */
+
+/*
+ * One small unshard and reduce (-b bytes, o->ranks ranks) -n times, timed
+ * per stage from the clients; prints p50/p90/p99. trace_path: also write
+ * every sample there (tools/shardbench/trace_latency.py reads it).
+ * Returns 0 or a negative code (the failing rank's message printed).
+ */
+int bench_latency_run(const struct bench_opts *o, const char *socket_path, const char *trace_path);
 
 /* ---- gpu.c ----------------------------------------------------------- */
 

@@ -45,6 +45,14 @@ enum bench_store {
 	BENCH_STORE_NT    = 1, /* non-temporal stores: written around the caches */
 };
 
+/* The order a multi-input kernel reads its inputs in. */
+enum bench_mem_order {
+	BENCH_MEM_STREAMS  = 0, /* one vector of each input in turn */
+	BENCH_MEM_PREFETCH = 1, /* the same, with software prefetch 2 KiB ahead */
+	BENCH_MEM_BLOCKED  = 2, /* 512 elements of one input after the other */
+	BENCH_MEM_NORDERS
+};
+
 /* An access pattern: nin streams of in_size-byte elements into one of out_size bytes. */
 struct bench_mem_pattern {
 	uint32_t nin;      /* input streams, 0 .. BENCH_MEM_MAX_IN (0: write only) */
@@ -57,6 +65,7 @@ struct bench_mem_best {
 	uint64_t ns;      /* best time of one pass; UINT64_MAX when not measured */
 	uint64_t bytes;   /* count * (nin * in_size + out_size): each element once */
 	int      store;   /* enum bench_store of that pass */
+	int      order;   /* enum bench_mem_order of that pass */
 	unsigned threads; /* and its threads */
 	uint64_t wrong;   /* output elements that were wrong after a pass */
 };
@@ -130,8 +139,9 @@ float bench_load_exact(const void *buf, uint32_t dtype, uint64_t i);
 /* ---- roofline.c ------------------------------------------------------ */
 
 /*
- * The best pass of pattern p over `count` elements (rounded down to 16):
- * plain and non-temporal stores, 1 thread and one per online core, each
+ * The best pass of pattern p over `count` elements (rounded down to 8):
+ * plain and non-temporal stores, every bench_mem_order (2 or more
+ * inputs), 1 thread and one per online core, each
  * at least 3 passes and 20 ms of them. 0 or -errno (-EINVAL: a pattern
  * this kernel does not have).
  */
@@ -141,6 +151,7 @@ int bench_mem_have_nt(void);
 /* MemAvailable in bytes; 0 when /proc/meminfo does not say. */
 uint64_t bench_mem_available(void);
 const char *bench_store_name(int store);
+const char *bench_order_name(int order);
 /*
  * The machine table: read, write, copy and add over arrays of `array_bytes`
  * each, best of the store kinds and thread counts. Prints it when `print`.

@@ -482,7 +482,9 @@ static void print_row(const struct bench_opts *o, const struct coll_shared *sh, 
 		pct = (double)roof->ns / ns * 100.0;
 		snprintf(roof_gbs, sizeof(roof_gbs), "%.2f", (double)roof->bytes / (double)roof->ns);
 		snprintf(pct_s, sizeof(pct_s), "%.1f", pct);
-		snprintf(by, sizeof(by), "%s/%u", bench_store_name(roof->store), roof->threads);
+		snprintf(by, sizeof(by), "%s%s/%u", bench_store_name(roof->store),
+			 roof->order == BENCH_MEM_PREFETCH ? "+pf" : roof->order == BENCH_MEM_BLOCKED ? "+blk" : "",
+			 roof->threads);
 		sum->highest_roof = sum->roof_rows && sum->highest_roof > pct ? sum->highest_roof : pct;
 		sum->roof_rows++;
 	}
@@ -522,9 +524,9 @@ static void print_header(const struct bench_opts *o, const struct coll_op *op,
 	       op->name, o->ranks, d, o->warmup, o->iters, o->check);
 	op->print_moves(o->dtype);
 	printf("#   at the same size, right before and after the op's iterations (no rank works then);"
-	       " roof(GB/s): its best\n#   pass of %splain stores on 1 and %u threads;"
-	       " by: which; %%roof: its time / the op's mean time\n",
-	       bench_mem_have_nt() ? "non-temporal and " : "", bench_worker_threads());
+	       " roof(GB/s): its best\n#   pass of %splain stores, inputs streamed, prefetched (+pf) or"
+	       " blocked (+blk), on 1 and %u\n#   threads; by: which (store[+order]/threads); %%roof: its"
+	       " time / the op's mean time\n", bench_mem_have_nt() ? "non-temporal and " : "", bench_worker_threads());
 	if (mpi->available)
 		printf("# vsMPI: Open MPI %s among %u processes, same sizes, MPI datatype %s\n",
 		       op->mpi_call, o->ranks, mpi->dtype);

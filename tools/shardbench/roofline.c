@@ -10,8 +10,10 @@
  * widens). That is STREAM's read, write, copy and add, and also the exact
  * traffic of an op: an unshard reads 4-byte shards and writes d-byte
  * elements, a reduce reads S d-byte grads per 4-byte output. A pattern is
- * timed with plain (temporal) stores and with non-temporal ones, on one
- * thread and on one per online core (the daemon's pool runs small ops on
+ * timed with plain (temporal) stores and with non-temporal ones, with its
+ * inputs read as interleaved streams, with software prefetch, or in
+ * blocks (the orders kernels/ uses), on one thread and on one per online
+ * core (the daemon's pool runs small ops on
  * one thread, large ones on all), and its roofline is the best of them:
  * nothing that moves those bytes in that pattern can be faster on this
  * machine at that time, so an op at more than 100 % means this roofline
@@ -37,23 +39,43 @@
 
 #include "bench.h"
 
-/* Elements per vector step; arrays and thread slices are whole multiples of it. */
-#define MEM_LANES 16
+/*
+ * Elements per vector step (32 bytes of 32-bit lanes: native registers in
+ * the AVX2 and AVX-512 clones, so no step spills); arrays and thread slices
+ * are whole multiples of it.
+ */
+#define MEM_LANES 8
 /* Thread slices start on this many elements: whole 64-byte lines of every stream. */
 #define MEM_SLICE_ALIGN 64
+/*
+ * Software prefetch distance. The hardware prefetcher follows a few streams
+ * per core; with many input streams it falls behind, which the daemon's
+ * reduce kernel makes up for with prefetches 2 KiB ahead (kernels/reduce.c):
+ * the roofline must be at least as good, so it tries the same.
+ */
+#define MEM_PREFETCH_AHEAD 2048
+/*
+ * Blocked order: MEM_CHUNK vector steps (512 elements, kernels/'s
+ * SHARDD_K_BLOCK) of one input after the other into an L1 buffer, then the
+ * output; each input is read in runs of 1 or 2 KiB, which the prefetcher
+ * follows better than 8 streams interleaved 32 bytes at a time (the
+ * daemon's portable reduce walks its inputs this way).
+ */
+#define MEM_CHUNK 64
 /* A pattern variant runs at least MEM_MIN_RUNS times and until MEM_MIN_NS of runs, at most MEM_MAX_RUNS. */
 #define MEM_MIN_RUNS 3
 #define MEM_MAX_RUNS 2000
 #define MEM_MIN_NS   (20 * 1000 * 1000ull)
 
-typedef uint32_t mem_v32 __attribute__((vector_size(64)));
-typedef uint16_t mem_v16 __attribute__((vector_size(32)));
+typedef uint32_t mem_v32 __attribute__((vector_size(32)));
+typedef uint16_t mem_v16 __attribute__((vector_size(16)));
 
 struct mem_args {
 	const void *in[BENCH_MEM_MAX_IN];
 	void       *out;
 	uint32_t    nin, in_size, out_size;
 	int         nt;
+	int         order;    /* enum bench_mem_order */
 };
 
 unsigned bench_worker_threads(void)
@@ -73,9 +95,16 @@ const char *bench_store_name(int store)
 	return store == BENCH_STORE_NT ? "nt" : "plain";
 }
 
+const char *bench_order_name(int order)
+{
+	static const char *const names[BENCH_MEM_NORDERS] = { "streams", "prefetch", "blocked" };
+
+	return order >= 0 && order < BENCH_MEM_NORDERS ? names[order] : "?";
+}
+
 /* ---- the kernel ------------------------------------------------------- */
 
-/* Store `bytes` (32 or 64) of v at p, 64-byte aligned for a whole line; nt: bypassing the caches. */
+/* Store `bytes` (16 or 32) of v at p; nt: bypassing the caches (whole lines are written in order). */
 static inline __attribute__((always_inline)) void mem_store(void *p, const void *v, size_t bytes, int nt)
 {
 #if MEM_HAVE_NT
@@ -93,15 +122,62 @@ static inline __attribute__((always_inline)) void mem_store(void *p, const void 
  * out_size, nin and nt into mem_pass's cases, so each case is a straight
  * loop of vector loads, xors and stores.
  */
+/* Output step b of x: out_size bytes per lane, plain or non-temporal. */
+static inline __attribute__((always_inline)) void mem_put(const struct mem_args *a, size_t b, const mem_v32 *x,
+							   uint32_t out_size, int nt)
+{
+	if (out_size == 4) {
+		mem_store((char *)a->out + b * sizeof(*x), x, sizeof(*x), nt);
+	} else {
+		mem_v16 y = __builtin_convertvector(*x, mem_v16);
+
+		mem_store((char *)a->out + b * sizeof(y), &y, sizeof(y), nt);
+	}
+}
+
+/*
+ * Blocks [lo, hi) of MEM_LANES elements. Inlined with constant in_size,
+ * out_size, nin, nt and order into mem_pass's cases, so each case is a
+ * straight loop of vector loads, xors and stores.
+ */
 static inline __attribute__((always_inline)) uint32_t mem_blocks(const struct mem_args *a, size_t lo, size_t hi,
 								  uint32_t in_size, uint32_t out_size, uint32_t nin,
-								  int nt)
+								  int nt, int order)
 {
 	mem_v32 acc = { 0 };
 
-	for (size_t b = lo; b < hi; b++) {
+	if (order == BENCH_MEM_BLOCKED && nin >= 2) {
+		mem_v32 buf[MEM_CHUNK];
+
+		for (size_t c = lo; c < hi; c += MEM_CHUNK) {
+			size_t len = hi - c < MEM_CHUNK ? hi - c : MEM_CHUNK;
+
+			for (uint32_t k = 0; k < nin; k++) {
+				for (size_t j = 0; j < len; j++) {
+					mem_v32 x;
+
+					if (in_size == 4)
+						x = ((const mem_v32 *)a->in[k])[c + j];
+					else
+						x = __builtin_convertvector(((const mem_v16 *)a->in[k])[c + j], mem_v32);
+					buf[j] = k ? buf[j] ^ x : x;
+				}
+			}
+			for (size_t j = 0; j < len; j++) {
+				if (out_size)
+					mem_put(a, c + j, &buf[j], out_size, nt);
+				else
+					acc ^= buf[j];
+			}
+		}
+	}
+	for (size_t b = lo; b < hi && !(order == BENCH_MEM_BLOCKED && nin >= 2); b++) {
 		mem_v32 x = { 0 };
 
+		/* A prefetch never faults: one past an input's end is harmless, its address an integer. */
+		for (uint32_t k = 0; order == BENCH_MEM_PREFETCH && k < nin; k++)
+			__builtin_prefetch((const void *)((uintptr_t)a->in[k] + b * MEM_LANES * in_size +
+							  MEM_PREFETCH_AHEAD));
 		if (nin == 0)
 			x += 0x3f803f80u;
 		for (uint32_t k = 0; k < nin; k++) {
@@ -110,15 +186,10 @@ static inline __attribute__((always_inline)) uint32_t mem_blocks(const struct me
 			else
 				x ^= __builtin_convertvector(((const mem_v16 *)a->in[k])[b], mem_v32);
 		}
-		if (out_size == 0) {
+		if (out_size == 0)
 			acc ^= x;
-		} else if (out_size == 4) {
-			mem_store((char *)a->out + b * sizeof(x), &x, sizeof(x), nt);
-		} else {
-			mem_v16 y = __builtin_convertvector(x, mem_v16);
-
-			mem_store((char *)a->out + b * sizeof(y), &y, sizeof(y), nt);
-		}
+		else
+			mem_put(a, b, &x, out_size, nt);
 	}
 #if MEM_HAVE_NT
 	if (nt)
@@ -129,10 +200,13 @@ static inline __attribute__((always_inline)) uint32_t mem_blocks(const struct me
 	return acc[0];
 }
 
+#define MEM_ORDERS(IN, OUT, NIN, NT)                                                      \
+	(a->order == BENCH_MEM_BLOCKED    ? mem_blocks(a, lo, hi, IN, OUT, NIN, NT, BENCH_MEM_BLOCKED)  \
+	 : a->order == BENCH_MEM_PREFETCH ? mem_blocks(a, lo, hi, IN, OUT, NIN, NT, BENCH_MEM_PREFETCH) \
+					  : mem_blocks(a, lo, hi, IN, OUT, NIN, NT, BENCH_MEM_STREAMS))
 #define MEM_CASE(IN, OUT, NIN)                                                            \
 	case ((IN) << 16 | (OUT) << 8 | (NIN)):                                           \
-		return a->nt ? mem_blocks(a, lo, hi, IN, OUT, NIN, 1)                     \
-			     : mem_blocks(a, lo, hi, IN, OUT, NIN, 0)
+		return a->nt ? MEM_ORDERS(IN, OUT, NIN, 1) : MEM_ORDERS(IN, OUT, NIN, 0)
 
 /* The kernel's blocks [lo, hi), one clone per ISA; the patterns of mem_supported(). */
 __attribute__((target_clones("avx512f", "avx2", "default")))
@@ -334,29 +408,51 @@ static void mem_stop(struct mem_run *r)
 
 /* ---- arrays ----------------------------------------------------------- */
 
+/*
+ * Stream j starts j * MEM_STAGGER bytes past a page boundary: streams that
+ * all start on the same offset modulo the page (separate mappings do) meet
+ * in the same cache sets and alias at 4 KiB, which measured 6x slower for
+ * 8 inputs on the 2-core CI VM. A whole number of lines, for the stores.
+ */
+#define MEM_STAGGER (4096 + 64)
+
 struct mem_arrays {
 	void  *in[BENCH_MEM_MAX_IN];
 	void  *out;
 	size_t in_bytes, out_bytes;
+	void  *base; /* one mapping holds every stream */
+	size_t len;
 };
 
-static void *mem_map(size_t bytes)
+static size_t mem_page_up(size_t n)
 {
-	void *p;
-
-	if (!bytes)
-		return NULL;
-	p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-	return p == MAP_FAILED ? NULL : p;
+	return (n + 4095) & ~(size_t)4095;
 }
 
-static void mem_unmap(struct mem_arrays *m, uint32_t nin)
+/* Map the streams of p over n elements. 0 or -ENOMEM. */
+static int mem_map(const struct bench_mem_pattern *p, size_t n, struct mem_arrays *m)
 {
-	for (uint32_t k = 0; k < nin; k++)
-		if (m->in[k])
-			munmap(m->in[k], m->in_bytes);
-	if (m->out)
-		munmap(m->out, m->out_bytes);
+	size_t in_stride = mem_page_up(n * p->in_size) + 2 * 4096 * (p->nin + 1);
+	char *b;
+
+	m->in_bytes = n * p->in_size;
+	m->out_bytes = n * p->out_size;
+	m->len = p->nin * in_stride + mem_page_up(m->out_bytes) + MEM_STAGGER * (p->nin + 1) + 4096;
+	b = mmap(NULL, m->len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+	if (b == MAP_FAILED)
+		return -ENOMEM;
+	m->base = b;
+	for (uint32_t k = 0; k < p->nin; k++)
+		m->in[k] = b + k * in_stride + k * MEM_STAGGER;
+	if (p->out_size)
+		m->out = b + p->nin * in_stride + p->nin * MEM_STAGGER;
+	return 0;
+}
+
+static void mem_unmap(struct mem_arrays *m)
+{
+	if (m->base)
+		munmap(m->base, m->len);
 }
 
 /* Input k holds k + 1 in every element. */
@@ -421,21 +517,14 @@ int bench_mem_best(const struct bench_mem_pattern *p, uint64_t count, struct ben
 	out->bytes = bench_mem_pattern_bytes(p, n);
 	if (!mem_supported(p) || n == 0 || p->nin > BENCH_MEM_MAX_IN)
 		return -EINVAL;
-	m.in_bytes = n * p->in_size;
-	m.out_bytes = n * p->out_size;
-	for (uint32_t k = 0; k < p->nin; k++) {
-		m.in[k] = mem_map(m.in_bytes);
-		if (!m.in[k])
-			ret = -ENOMEM;
-		r.args.in[k] = m.in[k];
-	}
-	if (p->out_size && !(m.out = mem_map(m.out_bytes)))
-		ret = -ENOMEM;
+	ret = mem_map(p, n, &m);
 	if (ret) {
-		fprintf(stderr, "shardbench: roofline: cannot map %u x %zu + %zu bytes\n", p->nin, m.in_bytes,
-			m.out_bytes);
+		fprintf(stderr, "shardbench: roofline: cannot map %u x %zu + %zu bytes\n", p->nin,
+			n * p->in_size, n * p->out_size);
 		goto out;
 	}
+	for (uint32_t k = 0; k < p->nin; k++)
+		r.args.in[k] = m.in[k];
 	mem_fill(p, &m, n);
 	r.args.out = m.out;
 	r.args.nin = p->nin;
@@ -445,28 +534,33 @@ int bench_mem_best(const struct bench_mem_pattern *p, uint64_t count, struct ben
 	ret = mem_start(&r, tall);
 	if (ret)
 		goto stop;
+	/* Every combination: store kind, input order (for 2 or more inputs), threads. */
 	for (int nt = 0; nt <= (p->out_size && MEM_HAVE_NT); nt++) {
-		for (int ti = 0; ti < 2; ti++) {
-			uint64_t ns;
+		for (int ord = 0; ord < (p->nin >= 2 ? BENCH_MEM_NORDERS : 1); ord++) {
+			for (int ti = 0; ti < 2; ti++) {
+				uint64_t ns;
 
-			if (ti == 1 && tall == 1)
-				break;
-			r.args.nt = nt;
-			if (m.out)
-				memset(m.out, 0xff, m.out_bytes);
-			ns = mem_best_variant(&r, tcounts[ti], MEM_MIN_RUNS);
-			out->wrong += mem_wrong(p, &m, n);
-			if (ns < out->ns) {
-				out->ns = ns;
-				out->store = nt ? BENCH_STORE_NT : BENCH_STORE_PLAIN;
-				out->threads = tcounts[ti];
+				if (ti == 1 && tall == 1)
+					break;
+				r.args.nt = nt;
+				r.args.order = ord;
+				if (m.out)
+					memset(m.out, 0xff, m.out_bytes);
+				ns = mem_best_variant(&r, tcounts[ti], MEM_MIN_RUNS);
+				out->wrong += mem_wrong(p, &m, n);
+				if (ns < out->ns) {
+					out->ns = ns;
+					out->store = nt ? BENCH_STORE_NT : BENCH_STORE_PLAIN;
+					out->order = ord;
+					out->threads = tcounts[ti];
+				}
 			}
 		}
 	}
 stop:
 	mem_stop(&r);
 out:
-	mem_unmap(&m, p->nin);
+	mem_unmap(&m);
 	return ret;
 }
 
@@ -495,10 +589,11 @@ int bench_roofline_measure(uint64_t array_bytes, int print, struct bench_rooflin
 	if (print) {
 		bench_format_size(out->array_bytes, human, sizeof(human));
 		printf("# roofline: memory kernels over arrays of %s of 32-bit elements, best pass of plain and"
-		       " non-temporal stores\n#   on 1 and %u threads (one per online core, as the daemon's"
-		       " pool); bytes: each element read or written once\n", human, out->threads);
-		printf("# %8s %16s %12s %7s %5s %8s  %s\n", "kernel", "bytes/pass(B)", "best(GB/s)", "store",
-		       "thr", "#wrong", "pass");
+		       " non-temporal stores,\n#   inputs streamed, prefetched or blocked (2+ inputs), on 1 and %u"
+		       " threads (one per online core, as the daemon's\n#   pool); bytes: each element read or"
+		       " written once\n", human, out->threads);
+		printf("# %8s %16s %12s %7s %9s %5s %8s  %s\n", "kernel", "bytes/pass(B)", "best(GB/s)", "store",
+		       "order", "thr", "#wrong", "pass");
 	}
 	for (int k = 0; k < BENCH_ROOF_NKERNELS && !ret; k++) {
 		struct bench_mem_best *b = &out->kernel[k];
@@ -508,10 +603,10 @@ int bench_roofline_measure(uint64_t array_bytes, int print, struct bench_rooflin
 			break;
 		out->wrong += b->wrong;
 		if (print)
-			printf("  %8s %16llu %12.2f %7s %5u %8llu  %s\n", mem_kernels[k].name,
+			printf("  %8s %16llu %12.2f %7s %9s %5u %8llu  %s\n", mem_kernels[k].name,
 			       (unsigned long long)b->bytes, (double)b->bytes / (double)b->ns,
-			       bench_store_name(b->store), b->threads, (unsigned long long)b->wrong,
-			       mem_kernels[k].what);
+			       bench_store_name(b->store), bench_order_name(b->order), b->threads,
+			       (unsigned long long)b->wrong, mem_kernels[k].what);
 	}
 	if (print)
 		fflush(stdout);

@@ -33,6 +33,8 @@
 #define COLL_TARGET_MIN_BYTES (64 * BENCH_MIB)
 #define COLL_TARGET_ROOF 85.0
 #define COLL_TARGET_MPI  5.0
+/* Extra roofline measurements of a size whose op beat it, before the row says so. */
+#define COLL_ROOF_RETRIES 3
 
 struct coll_sample {
 	uint64_t t0; /* before the submit */
@@ -434,6 +436,7 @@ struct coll_summary {
 	double   worst_mpi;
 	double   highest_roof; /* over every row: above 100 is a roofline bug */
 	uint32_t roof_rows;
+	uint32_t roof_retried; /* sizes whose roofline was measured again */
 	uint32_t target_rows;
 	uint32_t mpi_rows;
 	uint64_t wrong;
@@ -547,6 +550,9 @@ static void print_summary(const struct coll_summary *s)
 	if (s->roof_rows)
 		printf("# highest %%roof: %.1f%s\n", s->highest_roof,
 		       s->highest_roof > 100.0 ? " (above 100: the roofline is wrong, a benchmark bug)" : "");
+	if (s->roof_retried)
+		printf("# roofline measured again for %u size(s) whose op beat it (other load disturbed"
+		       " the first two)\n", s->roof_retried);
 	if (s->target_rows) {
 		int roof_ok = s->worst_roof >= COLL_TARGET_ROOF;
 		int mpi_ok = s->mpi_rows && s->worst_mpi >= COLL_TARGET_MPI;
@@ -714,6 +720,15 @@ int bench_collective_run(const struct bench_opts *o, enum bench_collective which
 			break;
 		ret = 0;
 		size_roofline(o, op, sizes[k], &roof);
+		/*
+		 * The roofline is the best pass its kernels achieve: one slower
+		 * than the op was disturbed (other load during both
+		 * measurements). Measure again; the row shows what remains.
+		 */
+		for (r = 0; r < COLL_ROOF_RETRIES && roof.ns != UINT64_MAX &&
+			    (double)roof.ns > size_time_ns(&sh, o, k); r++)
+			size_roofline(o, op, sizes[k], &roof);
+		sum.roof_retried += r > 0;
 		print_row(o, &sh, k, sizes[k], &roof, &mpi, &sum);
 	}
 	if (sum.rows)

@@ -17,8 +17,8 @@
 #include <time.h>
 
 #include "daemon/backend_cuda_int.h"
+#include "daemon/clock.h"
 #include "daemon/log.h"
-#include "daemon/rendezvous.h"
 #include "shardd_cuda.h"
 
 /*

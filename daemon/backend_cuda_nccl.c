@@ -24,8 +24,8 @@
 #include <time.h>
 
 #include "daemon/backend_cuda_nccl.h"
+#include "daemon/clock.h"
 #include "daemon/log.h"
-#include "daemon/rendezvous.h"
 #include "shardd_cuda.h"
 #include "shardd_proto.h"
 

@@ -27,6 +27,7 @@
 #include <unistd.h>
 
 #include "daemon/backend.h"
+#include "daemon/clock.h"
 #ifdef SHARDD_HAVE_CUDA
 #include "daemon/backend_cuda.h"
 #endif

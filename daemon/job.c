@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "admin.h"
+#include "clock.h"
 #include "engine.h"
 #include "job.h"
 #include "log.h"

@@ -4,7 +4,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "rendezvous.h"
 
@@ -171,12 +170,4 @@ void shardd_rdv_missing(const struct shardd_rdv *r, char *buf, size_t len)
 void shardd_rdv_present(const struct shardd_rdv *r, char *buf, size_t len)
 {
 	rdv_list(r, 1, buf, len);
-}
-
-uint64_t shardd_now_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }

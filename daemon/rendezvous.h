@@ -11,6 +11,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* Deadlines are on the daemon's clock: callers pass shardd_now_ns(). */
+#include "clock.h"
+
 struct shardd_rdv {
 	uint32_t  nexpected;   /* ranks expected */
 	uint32_t *ranks;       /* expected ranks, ascending (owned) */
@@ -62,8 +65,5 @@ int shardd_rdv_expects(const struct shardd_rdv *r, uint32_t rank);
 /* "3,5": ranks not yet arrived / arrived, comma separated; "" when none. */
 void shardd_rdv_missing(const struct shardd_rdv *r, char *buf, size_t len);
 void shardd_rdv_present(const struct shardd_rdv *r, char *buf, size_t len);
-
-/* CLOCK_MONOTONIC in nanoseconds. */
-uint64_t shardd_now_ns(void);
 
 #endif /* SHARDD_RENDEZVOUS_H */

@@ -15,13 +15,13 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "engine.h"
 #include "job.h"
 #include "memlimit.h"
 #include "log.h"
 #include "loop.h"
 #include "metrics_http.h"
-#include "rendezvous.h"
 #include "server.h"
 #include "session.h"
 

@@ -19,8 +19,8 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "daemon/clock.h"
 #include "daemon/engine.h"
-#include "daemon/rendezvous.h"
 #include "shardd_kernels.h"
 #include "shardd_proto.h"
 #include "tests/lib/reference.h"

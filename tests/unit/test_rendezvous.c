@@ -231,11 +231,3 @@ Test(rendezvous, reset_keeps_the_expected_set_for_the_next_round, .timeout = 5)
 		     SHARDD_RDV_COMPLETE);
 	shardd_rdv_free(&r);
 }
-
-Test(rendezvous, now_is_monotonic, .timeout = 5)
-{
-	uint64_t a = shardd_now_ns(), b = shardd_now_ns();
-
-	cr_assert_gt(a, 0);
-	cr_assert_geq(b, a);
-}

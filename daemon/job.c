@@ -286,8 +286,7 @@ void shardd_job_barrier(struct shardd_job *j, uint32_t rank, const struct shardd
 
 void shardd_job_cron(struct shardd_job *j, uint64_t now_ns)
 {
-	char missing[1024], present[1024], who_missing[1100], who_present[1100], msg[2400];
-	uint32_t nmissing;
+	char within[32], late[2300], msg[2400];
 
 	if (shardd_job_ends_in_s(j, now_ns) == 0) {
 		snprintf(msg, sizeof(msg), "ended after %.1f s without an attached rank (--job-linger %g)",
@@ -297,14 +296,9 @@ void shardd_job_cron(struct shardd_job *j, uint64_t now_ns)
 	}
 	if (!shardd_rdv_expired(&j->barrier, now_ns))
 		return;
-	nmissing = j->barrier.nexpected - j->barrier.narrived;
-	shardd_rdv_missing(&j->barrier, missing, sizeof(missing));
-	shardd_rdv_present(&j->barrier, present, sizeof(present));
-	rank_phrase(who_missing, sizeof(who_missing), missing, nmissing);
-	rank_phrase(who_present, sizeof(who_present), present, j->barrier.narrived);
-	snprintf(msg, sizeof(msg), "barrier %llu: %s did not arrive within %g s; %s %s waiting",
-		 (unsigned long long)j->barrier.step, who_missing, server.cfg.collective_timeout_s,
-		 who_present, j->barrier.narrived == 1 ? "is" : "are");
+	snprintf(within, sizeof(within), "%g s", server.cfg.collective_timeout_s);
+	shardd_rdv_missing_msg(&j->barrier, "did not arrive", within, late, sizeof(late));
+	snprintf(msg, sizeof(msg), "barrier %llu: %s", (unsigned long long)j->barrier.step, late);
 	shardd_log_warn("job '%s': %s", j->name, msg);
 	barrier_finish(j, -SHARDD_E_TIMEOUT, msg);
 }

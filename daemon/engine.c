@@ -28,9 +28,6 @@
 
 #include "daemon/backend.h"
 #include "daemon/clock.h"
-#ifdef SHARDD_HAVE_CUDA
-#include "daemon/backend_cuda.h"
-#endif
 #include "daemon/engine.h"
 #include "daemon/group.h"
 #include "daemon/memlimit.h"
@@ -41,15 +38,6 @@
 
 #define ENGINE_TIMEOUT_DEFAULT_MS 30000
 #define ENGINE_MSG_MAX 512
-/*
- * A host task that reads and writes at most this many bytes runs on the
- * loop thread (task_inline). Measured on the 2-core CI VM: 256 KiB moved
- * is 3.3 us of fp32->bf16 cast and 4.8 us of a 2-input reduce, while
- * handing it to a sleeping worker and back costs two cross-core wake-ups
- * of 30-60 us each. Larger tasks go to the pool, so the loop never spends
- * more than a few us on one and a large op never delays another group's.
- */
-#define ENGINE_INLINE_MAX_BYTES ((uint64_t)256 << 10)
 
 /* One submitted op waiting for its completion. */
 struct eng_op {
@@ -353,14 +341,16 @@ static uint64_t task_bytes(const struct eng_task *t)
 }
 
 /*
- * 1 when the task runs on the loop thread: a host task small enough that
- * the wake-ups of a pool round trip cost more than its arithmetic
- * (ENGINE_INLINE_MAX_BYTES). A device backend's calls stay on the pool,
- * whose threads it sets up.
+ * 1 when the task runs on the loop thread: small enough that the wake-ups
+ * of a pool round trip cost more than its arithmetic, as the backend says
+ * (inline_max_bytes). A backend that says 0 (a device backend) keeps every
+ * call on the pool, whose threads it sets up.
  */
 static int task_inline(const struct eng_task *t)
 {
-	return t->eg->j->e->cfg.backend == SHARDD_BACKEND_HOST && task_bytes(t) <= ENGINE_INLINE_MAX_BYTES;
+	uint64_t max = t->eg->j->e->backend->ops->inline_max_bytes;
+
+	return max && task_bytes(t) <= max;
 }
 
 static void task_exec(struct eng_task *t);
@@ -721,35 +711,11 @@ static void deferred_fail(struct eng_group *eg, uint32_t rank, int res, const ch
 /* Engine                                                              */
 /* ------------------------------------------------------------------ */
 
-#ifdef SHARDD_HAVE_CUDA
-/* The cuda backend; its error is logged as it words it (which flag, why, the fix). */
-static int engine_backend_cuda(uint32_t cuda_export, uint64_t timeout_ns, struct shardd_backend_ctx **out)
-{
-	char err[256];
-	int ret = shardd_backend_cuda_create(cuda_export, timeout_ns, out, err, sizeof(err));
-
-	if (ret)
-		shardd_log_error("%s", err);
-	return ret;
-}
-#endif
-
 int shardd_engine_create(const struct shardd_engine_config *cfg, struct shardd_engine **out)
 {
 	struct shardd_engine *e;
 	int ret;
 
-#ifndef SHARDD_HAVE_CUDA
-	if (cfg->backend == SHARDD_BACKEND_CUDA) {
-		shardd_log_error("shardd: the cuda backend is not available in this build; use --backend host");
-		return -SHARDD_E_BACKEND;
-	}
-#endif
-	if (cfg->backend != SHARDD_BACKEND_HOST && cfg->backend != SHARDD_BACKEND_CUDA) {
-		shardd_log_error("shardd: backend %u is not a backend (host = %d, cuda = %d)",
-				 cfg->backend, SHARDD_BACKEND_HOST, SHARDD_BACKEND_CUDA);
-		return -SHARDD_E_BACKEND;
-	}
 	if (!cfg->complete || !cfg->reply)
 		return -EINVAL;
 	e = calloc(1, sizeof(*e));
@@ -768,12 +734,7 @@ int shardd_engine_create(const struct shardd_engine_config *cfg, struct shardd_e
 	ret = shardd_pool_create(cfg->workers, &e->pool);
 	if (ret)
 		goto err_efd;
-#ifdef SHARDD_HAVE_CUDA
-	if (cfg->backend == SHARDD_BACKEND_CUDA)
-		ret = engine_backend_cuda(cfg->cuda_export, e->timeout_ns, &e->backend);
-	else
-#endif
-		ret = shardd_backend_host_create(e->pool, &e->backend);
+	ret = shardd_backend_create(cfg->backend, cfg->cuda_export, e->timeout_ns, e->pool, &e->backend);
 	if (ret)
 		goto err_pool;
 	*out = e;

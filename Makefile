@@ -99,13 +99,13 @@ $(BUILD)/%.cu.o: %.cu
 	$(NVCC) $(NVCCFLAGS) -Xcompiler -fPIC -I. -Iproto -Ikernels -c $< -o $@
 
 $(LIBKERNELS): $(KERNEL_OBJ)
-	$(AR) rcs $@ $^
+	rm -f $@ && $(AR) rcs $@ $^
 
 $(LIBDAEMON): $(DAEMON_OBJ)
-	$(AR) rcs $@ $^
+	rm -f $@ && $(AR) rcs $@ $^
 
 $(LIBCLIENT_A): $(CLIENT_OBJ)
-	$(AR) rcs $@ $^
+	rm -f $@ && $(AR) rcs $@ $^
 
 $(LIBCLIENT_SO): $(CLIENT_OBJ)
 	$(CC) $(LDFLAGS) -shared -Wl,-soname,libshardd.so.0 -o $@ $^ -lpthread

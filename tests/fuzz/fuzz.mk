@@ -21,7 +21,7 @@ FUZZ_BUILD       := build-fuzz$(if $(filter 0,$(FUZZ_SKIP_HOLES)),-holes)
 FUZZ_FLAGS       ?= -max_len=4096 -timeout=30 -rss_limit_mb=4096 -malloc_limit_mb=1024 \
 		    -print_final_stats=1
 FUZZ_SAN         := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
-FUZZ_CFLAGS      := -O1 -g -std=gnu11 -Wall -Wextra -Werror -pthread -MMD -MP \
+FUZZ_CFLAGS      := -O1 -g -std=gnu11 -Wall -Wextra $(WERROR_FLAGS) -pthread -MMD -MP \
 		    -I. -Iproto -Ikernels -Idaemon -DSHARDD_VERSION='"$(VERSION)"' \
 		    -DFUZZ_SKIP_HOLES=$(FUZZ_SKIP_HOLES) $(FUZZ_SAN)
 

@@ -26,17 +26,17 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
-#include "daemon/backend.h"
+#include "backend.h"
 #ifdef SHARDD_HAVE_CUDA
-#include "daemon/backend_cuda.h"
+#include "backend_cuda.h"
 #endif
-#include "daemon/engine.h"
-#include "daemon/group.h"
-#include "daemon/limits.h"
-#include "daemon/log.h"
-#include "daemon/placement.h"
-#include "daemon/pool.h"
-#include "daemon/rendezvous.h"
+#include "engine.h"
+#include "group.h"
+#include "limits.h"
+#include "log.h"
+#include "placement.h"
+#include "pool.h"
+#include "rendezvous.h"
 
 #define ENGINE_TIMEOUT_DEFAULT_MS 30000
 #define ENGINE_MSG_MAX 512

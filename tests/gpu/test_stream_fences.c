@@ -24,8 +24,8 @@
 #include <string.h>
 #include <sys/wait.h>
 
+#include "harness.h"
 #include "shardd.h"
-#include "tests/lib/harness.h"
 
 #define WORLD        2
 #define NUMEL        (1u << 20)           /* fp32 elements of the param: 4 MiB */

@@ -14,8 +14,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "daemon/group.h"
-#include "daemon/limits.h"
+#include "group.h"
+#include "limits.h"
 
 Test(limits, byte_counts_take_binary_suffixes, .timeout = 5)
 {

@@ -10,8 +10,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "shardd.h"
 #include "model.h"
+#include "shardd.h"
 #include "trainer.h"
 
 #ifdef SHARDD_HAVE_CUDA

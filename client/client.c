@@ -18,6 +18,7 @@
 
 #include "cuda_import.h"
 #include "internal.h"
+#include "shardd_socket.h"
 
 static const char *msg_type_name(uint32_t type)
 {
@@ -190,19 +191,8 @@ int shardd_client_check_alive(struct shardd_client *c)
 
 static int resolve_socket_path(const char *given, char *out, size_t len)
 {
-	const char *env = getenv("SHARDD_SOCKET");
-	const char *xdg = getenv("XDG_RUNTIME_DIR");
-	int n;
+	int n = shardd_socket_path_resolve(given, out, len);
 
-	/* "" means the default as NULL does: an unset string field in a zeroed struct. */
-	if (given && *given)
-		n = snprintf(out, len, "%s", given);
-	else if (env && *env)
-		n = snprintf(out, len, "%s", env);
-	else if (xdg && *xdg)
-		n = snprintf(out, len, "%s/shardd/shardd.sock", xdg);
-	else
-		n = snprintf(out, len, "/run/shardd/shardd.sock");
 	if (n < 0 || (size_t)n >= len)
 		return shardd_err_set(-ENAMETOOLONG,
 				      "socket path '%s' is %d bytes, the limit is %zu; use a shorter path",

@@ -24,7 +24,7 @@
 #include <stdint.h>
 #include <unistd.h>
 
-#include "daemon/layout.h"
+#include "layout.h"
 #include "shardd_kernels.h"
 #include "shardd_proto.h"
 

@@ -28,8 +28,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "daemon/backend_cuda_int.h"
-#include "daemon/placement.h"
+#include "backend_cuda_int.h"
+#include "placement.h"
 #include "shardd_cuda_kernels.h"
 
 /* ------------------------------------------------------------------ */

@@ -25,8 +25,8 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include "daemon/backend.h"
-#include "daemon/pool.h"
+#include "backend.h"
+#include "pool.h"
 
 /* Elements of work per batch: large enough to amortize a claim, small enough to balance 2..64 cores. */
 #define HOST_GRAIN ((uint64_t)1 << 15)

@@ -12,9 +12,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "daemon/backend.h"
-#include "daemon/layout.h"
-#include "daemon/placement.h"
+#include "backend.h"
+#include "layout.h"
+#include "placement.h"
 #include "shardd_proto.h"
 
 /*

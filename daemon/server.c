@@ -24,6 +24,7 @@
 #include "metrics_http.h"
 #include "server.h"
 #include "session.h"
+#include "shardd_socket.h"
 
 /* ------------------------------------------------------------------ */
 /* Globals                                                             */
@@ -35,16 +36,6 @@ struct shardd_server server = { .listen_fd = -1, .signal_fd = -1, .accept_reserv
 /* Config                                                              */
 /* ------------------------------------------------------------------ */
 
-void shardd_default_socket_path(char *buf, size_t len)
-{
-	const char *xdg = getenv("XDG_RUNTIME_DIR");
-
-	if (xdg && *xdg)
-		snprintf(buf, len, "%s/shardd/shardd.sock", xdg);
-	else
-		snprintf(buf, len, "/run/shardd/shardd.sock");
-}
-
 const char *shardd_backend_name(uint32_t backend)
 {
 	return backend == SHARDD_BACKEND_HOST ? "host" :
@@ -54,7 +45,7 @@ const char *shardd_backend_name(uint32_t backend)
 void shardd_config_defaults(struct shardd_config *cfg)
 {
 	memset(cfg, 0, sizeof(*cfg));
-	shardd_default_socket_path(cfg->socket_path, sizeof(cfg->socket_path));
+	shardd_socket_path_default(cfg->socket_path, sizeof(cfg->socket_path));
 	cfg->log_level = SHARDD_LOG_INFO;
 	cfg->backend = SHARDD_BACKEND_HOST;
 	cfg->collective_timeout_s = SHARDD_TIMEOUT_DEFAULT_S;
@@ -574,7 +565,7 @@ int shardd_server_init(const struct shardd_config *cfg)
 		char def[sizeof(cfg->socket_path)];
 
 		server.socket_activated = 1;
-		shardd_default_socket_path(def, sizeof(def));
+		shardd_socket_path_default(def, sizeof(def));
 		if (strcmp(server.cfg.socket_path, cfg->socket_path) != 0 &&
 		    strcmp(cfg->socket_path, def) != 0)
 			shardd_log_warn("--socket %s ignored: systemd passed the socket %s",

@@ -13,7 +13,7 @@
 
 #include <criterion/criterion.h>
 
-#include "tests/lib/rawproto.h"
+#include "rawproto.h"
 
 static struct harness_daemon *rp_daemon;
 

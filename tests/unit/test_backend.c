@@ -7,8 +7,8 @@
 #include <criterion/criterion.h>
 #include <string.h>
 
-#include "daemon/backend.h"
-#include "daemon/pool.h"
+#include "backend.h"
+#include "pool.h"
 
 Test(backend, factory_builds_the_host_backend_that_runs_small_tasks_inline, .timeout = 10)
 {

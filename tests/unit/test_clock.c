@@ -3,7 +3,7 @@
 #include <criterion/criterion.h>
 #include <time.h>
 
-#include "daemon/clock.h"
+#include "clock.h"
 
 Test(clock, now_is_monotonic_and_counts_nanoseconds, .timeout = 5)
 {

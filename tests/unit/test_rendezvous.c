@@ -10,7 +10,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "daemon/rendezvous.h"
+#include "rendezvous.h"
 
 #define SEC 1000000000ull
 

@@ -567,7 +567,7 @@ static json_t *json_rank(const struct shardd_job *j, uint32_t r, const json_t *p
 			 uint64_t max_step, uint64_t now_ns)
 {
 	const struct shardd_job_rank *jr = &j->ranks[r];
-	const struct shardd_session *s = jr->session;
+	const struct shardd_session *s = shardd_session_of_rank(j, r);
 	json_t *o = json_object();
 	struct timespec wall;
 
@@ -621,7 +621,7 @@ static json_t *json_job_ranks(const struct shardd_job *j, uint64_t now_ns)
 
 	/* "Behind" is against the rank that has submitted the furthest step. */
 	for (uint32_t r = 0; r < j->world; r++) {
-		const struct shardd_session *s = j->ranks[r].session;
+		const struct shardd_session *s = shardd_session_of_rank(j, r);
 
 		if (s) {
 			int has;

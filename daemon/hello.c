@@ -194,7 +194,7 @@ void shardd_session_hello(struct shardd_session *s, const struct shardd_msg_hdr 
 	struct shardd_job *job;
 	uint32_t sq_entries;
 	int created = 0, ringfd = -1, ret;
-	char name[160];
+	char name[160], why[256];
 	int fds[2];
 
 	/* The version comes first: a newer client may send a longer hello. */
@@ -219,28 +219,11 @@ void shardd_session_hello(struct shardd_session *s, const struct shardd_msg_hdr 
 	if (!hello_fields_ok(s, hdr->seq, &h))
 		return;
 
-	job = shardd_job_find(h.job);
-	if (job) {
-		struct shardd_session *old;
-
-		if (job->replicate != h.replicate || job->shard != h.shard) {
-			shardd_session_reject(s, hdr->seq, -SHARDD_E_MESH,
-				       "job '%s' has mesh %ux%u, hello asked for %ux%u", job->name,
-				       job->replicate, job->shard, h.replicate, h.shard);
-			return;
-		}
-		old = job->ranks[h.rank].session;
-		/* A restarted trainer may be faster than the old one's EOF: look now. */
-		if (old && shardd_session_peer_gone(old))
-			shardd_session_close(old, "died (found gone when the rank re-attached)");
-		/* Closing the old client never ends the job: it did not say goodbye. */
-		old = job->ranks[h.rank].session;
-		if (old) {
-			shardd_session_reject(s, hdr->seq, -SHARDD_E_RANK_TAKEN,
-				       "job '%s' rank %u is already attached (client %u, pid %d)",
-				       job->name, h.rank, old->id, (int)old->cred.pid);
-			return;
-		}
+	/* The job decides who owns a rank. */
+	ret = shardd_job_claim(h.job, h.replicate, h.shard, h.rank, &job, why, sizeof(why));
+	if (ret < 0) {
+		shardd_session_reject(s, hdr->seq, ret, "%s", why);
+		return;
 	}
 
 	s->pidfd = pidfd_open_pid(s->cred.pid);
@@ -309,8 +292,9 @@ void shardd_session_hello(struct shardd_session *s, const struct shardd_msg_hdr 
 	s->rank = h.rank;
 	s->device = h.device;
 	s->stats.attached_ns = shardd_now_ns();
-	shardd_job_attach(job, h.rank, s);
-	shardd_engine_rank_attached(job->ejob, h.rank, h.device);
+	shardd_job_attach(job, h.rank, (uint32_t)s->cred.pid, h.device,
+			  &(struct shardd_rank_sink){ .ops = &shardd_session_sink_ops, .ctx = s,
+						      .token = s->id });
 	if (shardd_loop_add_fd(server.loop, s->doorbell_fd, POLLIN, session_doorbell, s,
 			       &s->doorbell_ev) < 0 ||
 	    (s->pidfd >= 0 && shardd_loop_add_fd(server.loop, s->pidfd, POLLIN,

@@ -470,6 +470,68 @@ int shardd_session_peer_gone(struct shardd_session *s)
 	return (p[0].revents & (POLLHUP | POLLRDHUP | POLLERR)) || (p[1].revents & POLLIN);
 }
 
+/* ------------------------------------------------------------------ */
+/* The session as its job sees it                                      */
+/* ------------------------------------------------------------------ */
+
+static void sink_complete(void *ctx, const struct shardd_sqe *sqe, int res, const char *msg)
+{
+	shardd_session_complete(ctx, sqe, res, msg);
+}
+
+static void sink_group_reply(void *ctx, uint32_t seq, int res, const char *msg,
+			     const struct shardd_group_reply *reply,
+			     const struct shardd_param_layout *layouts,
+			     const struct shardd_param_spec *specs, const int *fds, int nfds,
+			     const struct shardd_cuda_ipc_handle *ipc, int nipc)
+{
+	shardd_session_send_group(ctx, seq, res, msg, reply, layouts, specs, fds, nfds, ipc, nipc);
+}
+
+static void sink_notify(void *ctx, int code, const char *text)
+{
+	shardd_session_notify(ctx, code, text);
+}
+
+static int sink_gone(void *ctx)
+{
+	return shardd_session_peer_gone(ctx);
+}
+
+static void sink_close(void *ctx, const char *why)
+{
+	shardd_session_close(ctx, why);
+}
+
+static void sink_close_later(void *ctx, const char *why)
+{
+	shardd_session_close_later(ctx, why);
+}
+
+static void sink_job_ended(void *ctx)
+{
+	struct shardd_session *s = ctx;
+
+	s->job = NULL;
+}
+
+const struct shardd_rank_sink_ops shardd_session_sink_ops = {
+	.complete = sink_complete,
+	.group_reply = sink_group_reply,
+	.notify = sink_notify,
+	.gone = sink_gone,
+	.close = sink_close,
+	.close_later = sink_close_later,
+	.job_ended = sink_job_ended,
+};
+
+struct shardd_session *shardd_session_of_rank(const struct shardd_job *j, uint32_t rank)
+{
+	const struct shardd_rank_sink *c = &j->ranks[rank].client;
+
+	return c->ops == &shardd_session_sink_ops ? c->ctx : NULL;
+}
+
 static void session_dispatch(struct shardd_session *s, const struct shardd_msg_hdr *hdr,
 			     const uint8_t *payload, uint32_t len, int nfds)
 {

@@ -182,4 +182,7 @@ void shardd_session_cron(uint64_t now_ns);
 /* Free every dead session. */
 void shardd_session_reap(void);
 
+/* The session attached to `rank` of job `j`, or NULL (views: shardctl, metrics). */
+struct shardd_session *shardd_session_of_rank(const struct shardd_job *j, uint32_t rank);
+
 #endif /* SHARDD_SESSION_H */

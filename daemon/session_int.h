@@ -10,6 +10,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "job.h"
 #include "session.h"
 
 /* ---- session.c ---- */
@@ -32,6 +33,8 @@ shardd_session_reject(struct shardd_session *s, uint32_t seq, int code, const ch
  * Checked without waiting.
  */
 int shardd_session_peer_gone(struct shardd_session *s);
+/* How the job reaches a session attached to one of its ranks (shardd_job_attach). */
+extern const struct shardd_rank_sink_ops shardd_session_sink_ops;
 
 /* ---- session_out.c ---- */
 

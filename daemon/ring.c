@@ -18,6 +18,7 @@
 #include "metrics.h"
 #include "server.h"
 #include "session_int.h"
+#include "sqe.h"
 
 /* A client that corrupted its own ring's indices: it is dropped, everyone else goes on. */
 static void session_ring_corrupt(struct shardd_session *s, const char *which)
@@ -114,46 +115,6 @@ session_fail_sqe(struct shardd_session *s, const struct shardd_sqe *sqe, const c
 	shardd_session_complete(s, sqe, -SHARDD_E_INVALID, msg);
 }
 
-/* Reserved fields are zero; nop and barrier carry no group and no flags. Returns 1 if valid. */
-static int sqe_valid(struct shardd_session *s, const struct shardd_sqe *sqe)
-{
-	if (sqe->op == 0 || sqe->op >= SHARDD_OP_COUNT) {
-		session_fail_sqe(s, sqe, "op %u is not a shardd op", sqe->op);
-		return 0;
-	}
-	for (int i = 0; i < (int)sizeof(sqe->rsvd0); i++) {
-		if (sqe->rsvd0[i]) {
-			session_fail_sqe(s, sqe, "sqe.rsvd0[%d] = 0x%x: reserved, must be 0", i,
-					 sqe->rsvd0[i]);
-			return 0;
-		}
-	}
-	if (sqe->rsvd1) {
-		session_fail_sqe(s, sqe, "sqe.rsvd1 = 0x%x: reserved, must be 0", sqe->rsvd1);
-		return 0;
-	}
-	for (int i = 0; i < 4; i++) {
-		if (sqe->rsvd2[i]) {
-			session_fail_sqe(s, sqe, "sqe.rsvd2[%d] = 0x%llx: reserved, must be 0", i,
-					 (unsigned long long)sqe->rsvd2[i]);
-			return 0;
-		}
-	}
-	if (sqe->op == SHARDD_OP_NOP || sqe->op == SHARDD_OP_BARRIER) {
-		if (sqe->group) {
-			session_fail_sqe(s, sqe, "sqe.group = %u: must be 0 for %s", sqe->group,
-					 shardd_op_name(sqe->op));
-			return 0;
-		}
-		if (sqe->flags) {
-			session_fail_sqe(s, sqe, "sqe.flags = 0x%x: %s takes no flags", sqe->flags,
-					 shardd_op_name(sqe->op));
-			return 0;
-		}
-	}
-	return 1;
-}
-
 /*
  * The fence of the entry in SQ slot `slot`: with SHARDD_FENCE_WAIT, device
  * work queued from now on waits for the client's stream. Runs before the
@@ -190,8 +151,12 @@ static int session_fence_wait(struct shardd_session *s, const struct shardd_sqe 
 
 static void session_take(struct shardd_session *s, const struct shardd_sqe *sqe)
 {
-	if (!sqe_valid(s, sqe))
+	char why[SHARDD_RING_MSG_SIZE];
+
+	if (shardd_sqe_check(sqe, why, sizeof(why)) < 0) {
+		session_fail_sqe(s, sqe, "%s", why);
 		return;
+	}
 	switch (sqe->op) {
 	case SHARDD_OP_NOP:
 		shardd_session_complete(s, sqe, 0, NULL);

@@ -23,17 +23,14 @@
 /* A client that corrupted its own ring's indices: it is dropped, everyone else goes on. */
 static void session_ring_corrupt(struct shardd_session *s, const char *which)
 {
-	struct shardd_ring_hdr *h = s->ring.hdr;
+	uint32_t sq_head, sq_tail, cq_head, cq_tail;
 	char name[160], why[256];
 
 	/* Snapshot for the message only; the client may be rewriting them as we read. */
+	shardd_ring_indices(&s->ring, &sq_head, &sq_tail, &cq_head, &cq_tail);
 	snprintf(why, sizeof(why),
 		 "was disconnected: ring %s index is corrupt (sq head %u tail %u, cq head %u tail %u)",
-		 which,
-		 atomic_load_explicit(SHARDD_ATOMIC32(&h->sq_head), memory_order_relaxed),
-		 atomic_load_explicit(SHARDD_ATOMIC32(&h->sq_tail), memory_order_relaxed),
-		 atomic_load_explicit(SHARDD_ATOMIC32(&h->cq_head), memory_order_relaxed),
-		 atomic_load_explicit(SHARDD_ATOMIC32(&h->cq_tail), memory_order_relaxed));
+		 which, sq_head, sq_tail, cq_head, cq_tail);
 	shardd_log_error("%s %s", shardd_session_name(s, name, sizeof(name)), why);
 	shardd_session_close_later(s, why);
 }
@@ -180,15 +177,10 @@ int shardd_session_prepare_sleep(struct shardd_session *s)
 		return 1;
 	/*
 	 * Entries wait for CQ room that only the client can free by reaping:
-	 * keep NEED_WAKEUP set so that its reap rings the doorbell.
+	 * keep NEED_WAKEUP set so that its reap rings the doorbell (the
+	 * accessor orders the flag before the cq_head load of the re-check).
 	 */
-	atomic_fetch_or_explicit(SHARDD_ATOMIC32(&s->ring.hdr->flags), SHARDD_RING_NEED_WAKEUP,
-				 memory_order_relaxed);
-	/*
-	 * Flag store before the cq_head load; pairs with the client's reap
-	 * (cq_head store, full fence, flag load): one of us sees the other.
-	 */
-	atomic_thread_fence(memory_order_seq_cst);
+	shardd_ring_arm_wakeup(&s->ring);
 	return session_cq_room(s) > 0;
 }
 
@@ -225,10 +217,7 @@ unsigned shardd_session_service(struct shardd_session *s)
 		s->stats.last_taken_op = sqe.op;
 		s->stats.last_taken_step = sqe.step;
 		/* Diagnostics only (shardctl, a stuck client): relaxed is enough. */
-		atomic_store_explicit(SHARDD_ATOMIC32(&s->ring.hdr->daemon_last_op), sqe.op,
-				      memory_order_relaxed);
-		atomic_store_explicit((_Atomic uint64_t *)(void *)&s->ring.hdr->daemon_last_step,
-				      sqe.step, memory_order_relaxed);
+		shardd_ring_note_taken(&s->ring, sqe.op, sqe.step);
 		if (fenced < 0)
 			session_fail_sqe(s, &sqe, "%s", why);
 		else

@@ -94,8 +94,7 @@ static void server_heartbeat(uint64_t now_ns)
 	for (struct shardd_session *s = server.sessions; s; s = s->next)
 		if (s->state == SHARDD_SESSION_ATTACHED)
 			/* Diagnostics only: clients and shardctl read it to see the loop turn. */
-			atomic_store_explicit((_Atomic uint64_t *)(void *)&s->ring.hdr->daemon_heartbeat_ns,
-					      now_ns, memory_order_relaxed);
+			shardd_ring_note_heartbeat(&s->ring, now_ns);
 }
 
 static void server_cron(void *arg)

@@ -294,9 +294,7 @@ static void session_release(struct shardd_session *s, int goodbye, const char *w
 	}
 	if (s->ring_mem) {
 		/* Tell a client that looks at the ring rather than the socket; wake its waiters. */
-		atomic_fetch_or_explicit(SHARDD_ATOMIC32(&s->ring.hdr->flags), SHARDD_RING_DEAD,
-					 memory_order_release);
-		shardd_futex(&s->ring.hdr->cq_tail, FUTEX_WAKE, INT_MAX, NULL);
+		shardd_ring_mark_dead(&s->ring);
 	}
 	shardd_loop_del(server.loop, s->pidfd_ev);
 	shardd_loop_del(server.loop, s->doorbell_ev);

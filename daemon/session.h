@@ -5,6 +5,10 @@
  * serves its control messages and takes its ring entries, and delivers
  * completions. The connection's life is the client's life: EOF on the socket
  * or the client's pidfd turning readable ends the session at once.
+ *
+ * Four files: session.c (lifetime, reading, dispatch), session_out.c (what
+ * it sends), hello.c (the handshake), ring.c (the ring service). Its job
+ * reaches it only through the sink it gave at attach (job.h).
  */
 #ifndef SHARDD_SESSION_H
 #define SHARDD_SESSION_H

@@ -15,7 +15,6 @@
 #define SHARDD_RING_H
 
 #include <errno.h>
-#include <limits.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
@@ -325,7 +324,7 @@ static inline void shardd_cq_push(struct shardd_ring *r, const struct shardd_cqe
 	/* Tail store before the waiter count load; pairs with shardd_cq_wait(). */
 	shardd_smp_mb();
 	if (SHARDD_READ_ONCE(h->cq_waiters))
-		shardd_futex(&h->cq_tail, FUTEX_WAKE, INT_MAX, NULL);
+		shardd_futex(&h->cq_tail, FUTEX_WAKE, INT32_MAX, NULL);
 }
 
 /* ---------------- client: consumption of the CQ ---------------- */
@@ -452,7 +451,7 @@ static inline void shardd_ring_mark_dead(struct shardd_ring *r)
 {
 	atomic_fetch_or_explicit(SHARDD_ATOMIC_OF(&r->hdr->flags), SHARDD_RING_DEAD,
 				 memory_order_release);
-	shardd_futex(&r->hdr->cq_tail, FUTEX_WAKE, INT_MAX, NULL);
+	shardd_futex(&r->hdr->cq_tail, FUTEX_WAKE, INT32_MAX, NULL);
 }
 
 /*

@@ -47,7 +47,7 @@ $(FUZZ_BUILD)/kernels/%.o: FUZZ_EXTRA := -include tests/fuzz/clang_compat.h -Wno
 $(FUZZ_BUILD)/kernels/cast.o: FUZZ_EXTRA += $(if $(filter 1,$(FUZZ_SKIP_HOLES)),-fno-sanitize=pointer-overflow)
 
 $(FUZZ_BUILD)/fuzz_%: $(FUZZ_BUILD)/tests/fuzz/fuzz_%.o $(FUZZ_OBJ)
-	$(FUZZ_CC) $(FUZZ_SAN) -fsanitize=fuzzer -pthread -o $@ $^ -luring -ljansson -lm
+	$(FUZZ_CC) $(FUZZ_SAN) -fsanitize=fuzzer -pthread -o $@ $^ -luring -ljansson -lmicrohttpd -lm
 
 fuzz: $(FUZZ_BIN)
 	@set -e; for t in $(FUZZ_TARGETS); do \

@@ -155,8 +155,7 @@ int shardd_client_request(struct shardd_client *c, uint16_t type, const void *pa
 
 int shardd_client_check_alive(struct shardd_client *c)
 {
-	uint32_t flags = atomic_load_explicit(SHARDD_ATOMIC32(&c->ring.hdr->flags),
-					      memory_order_relaxed);
+	uint32_t flags = shardd_ring_flags(&c->ring);
 	struct pollfd p = { .fd = c->sock, .events = POLLIN };
 	int ready = poll(&p, 1, 0);
 
@@ -273,6 +272,7 @@ static int open_socket(struct shardd_client *c, int timeout_ms)
 static int map_ring(struct shardd_client *c, struct shardd_ctrl_rx *rx)
 {
 	struct shardd_welcome *w = &c->welcome;
+	uint32_t sq_entries, cq_entries;
 	struct stat st;
 	int seals, ret;
 	void *mem;
@@ -318,11 +318,11 @@ static int map_ring(struct shardd_client *c, struct shardd_ctrl_rx *rx)
 	ret = shardd_ring_attach(&c->ring, mem, w->ring_size);
 	if (ret < 0)
 		return shardd_err_set(ret, "attach ring: %s", shardd_strerror(ret));
-	if (c->ring.hdr->sq_entries != w->sq_entries || c->ring.hdr->cq_entries != w->cq_entries)
+	shardd_ring_capacity(&c->ring, &sq_entries, &cq_entries);
+	if (sq_entries != w->sq_entries || cq_entries != w->cq_entries)
 		return shardd_err_set(-SHARDD_E_MALFORMED,
 				      "ring header has %u/%u entries, WELCOME said %u/%u",
-				      c->ring.hdr->sq_entries, c->ring.hdr->cq_entries,
-				      w->sq_entries, w->cq_entries);
+				      sq_entries, cq_entries, w->sq_entries, w->cq_entries);
 	/* Take the doorbell out of rx; the ring fd is closed with it, the mapping stays. */
 	c->doorbell = rx->fds[1];
 	rx->nfds = 1;

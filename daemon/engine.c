@@ -29,6 +29,7 @@
 
 #include "engine_int.h"
 #include "log.h"
+#include "sqe.h"
 
 #define ENGINE_TIMEOUT_DEFAULT_MS 30000
 
@@ -387,17 +388,6 @@ static void group_flush(struct eng_group *eg)
 	eg->flushing = 0;
 }
 
-static int sqe_reserved_zero(const struct shardd_sqe *sqe)
-{
-	for (size_t i = 0; i < sizeof(sqe->rsvd0); i++)
-		if (sqe->rsvd0[i])
-			return 0;
-	for (size_t i = 0; i < sizeof(sqe->rsvd2) / sizeof(sqe->rsvd2[0]); i++)
-		if (sqe->rsvd2[i])
-			return 0;
-	return sqe->rsvd1 == 0;
-}
-
 void shardd_engine_submit(struct shardd_engine_job *j, uint32_t rank, uint64_t token,
 			  const struct shardd_sqe *sqe)
 {
@@ -405,7 +395,7 @@ void shardd_engine_submit(struct shardd_engine_job *j, uint32_t rank, uint64_t t
 	const char *name = shardd_op_name(sqe->op);
 	struct eng_group *eg;
 	uint32_t unknown;
-	char msg[ENGINE_MSG_MAX];
+	char msg[ENGINE_MSG_MAX], why[SHARDD_RING_MSG_SIZE];
 
 	if (rank >= j->world) {
 		eng_fmt(msg, sizeof(msg), "shardd: rank %u is outside job '%s' of %u ranks", rank, j->name, j->world);
@@ -419,8 +409,9 @@ void shardd_engine_submit(struct shardd_engine_job *j, uint32_t rank, uint64_t t
 		eng_complete(j, &op, -SHARDD_E_INVALID, msg);
 		return;
 	}
-	if (!sqe_reserved_zero(sqe)) {
-		eng_fmt(msg, sizeof(msg), "shardd: %s: reserved fields of the ring entry are not zero", name);
+	/* The ring service ran this same check (sqe.h); at the engine's own door it holds for direct callers. */
+	if (shardd_sqe_check(sqe, why, sizeof(why)) < 0) {
+		eng_fmt(msg, sizeof(msg), "shardd: %s: %s", name, why);
 		eng_complete(j, &op, -SHARDD_E_INVALID, msg);
 		return;
 	}

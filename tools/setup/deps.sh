@@ -11,6 +11,7 @@ PACKAGES=(
 	libjansson-dev      # admin requests and shardctl --json
 	libopenmpi-dev openmpi-bin   # shardbench's Open MPI comparator
 	python3 python3-numpy python3-pytest python3-torch   # Python client tests (/usr/bin/python3)
+	bible-kjv bible-kjv-text   # train_gpt.py's corpus (the `bible` program decodes the text)
 )
 
 missing=()

@@ -18,6 +18,7 @@
 
 #include "cuda_import.h"
 #include "internal.h"
+#include "shardd_socket.h"
 
 static const char *msg_type_name(uint32_t type)
 {
@@ -154,8 +155,7 @@ int shardd_client_request(struct shardd_client *c, uint16_t type, const void *pa
 
 int shardd_client_check_alive(struct shardd_client *c)
 {
-	uint32_t flags = atomic_load_explicit(SHARDD_ATOMIC32(&c->ring.hdr->flags),
-					      memory_order_relaxed);
+	uint32_t flags = shardd_ring_flags(&c->ring);
 	struct pollfd p = { .fd = c->sock, .events = POLLIN };
 	int ready = poll(&p, 1, 0);
 
@@ -190,19 +190,8 @@ int shardd_client_check_alive(struct shardd_client *c)
 
 static int resolve_socket_path(const char *given, char *out, size_t len)
 {
-	const char *env = getenv("SHARDD_SOCKET");
-	const char *xdg = getenv("XDG_RUNTIME_DIR");
-	int n;
+	int n = shardd_socket_path_resolve(given, out, len);
 
-	/* "" means the default as NULL does: an unset string field in a zeroed struct. */
-	if (given && *given)
-		n = snprintf(out, len, "%s", given);
-	else if (env && *env)
-		n = snprintf(out, len, "%s", env);
-	else if (xdg && *xdg)
-		n = snprintf(out, len, "%s/shardd/shardd.sock", xdg);
-	else
-		n = snprintf(out, len, "/run/shardd/shardd.sock");
 	if (n < 0 || (size_t)n >= len)
 		return shardd_err_set(-ENAMETOOLONG,
 				      "socket path '%s' is %d bytes, the limit is %zu; use a shorter path",
@@ -283,6 +272,7 @@ static int open_socket(struct shardd_client *c, int timeout_ms)
 static int map_ring(struct shardd_client *c, struct shardd_ctrl_rx *rx)
 {
 	struct shardd_welcome *w = &c->welcome;
+	uint32_t sq_entries, cq_entries;
 	struct stat st;
 	int seals, ret;
 	void *mem;
@@ -328,11 +318,11 @@ static int map_ring(struct shardd_client *c, struct shardd_ctrl_rx *rx)
 	ret = shardd_ring_attach(&c->ring, mem, w->ring_size);
 	if (ret < 0)
 		return shardd_err_set(ret, "attach ring: %s", shardd_strerror(ret));
-	if (c->ring.hdr->sq_entries != w->sq_entries || c->ring.hdr->cq_entries != w->cq_entries)
+	shardd_ring_capacity(&c->ring, &sq_entries, &cq_entries);
+	if (sq_entries != w->sq_entries || cq_entries != w->cq_entries)
 		return shardd_err_set(-SHARDD_E_MALFORMED,
 				      "ring header has %u/%u entries, WELCOME said %u/%u",
-				      c->ring.hdr->sq_entries, c->ring.hdr->cq_entries,
-				      w->sq_entries, w->cq_entries);
+				      sq_entries, cq_entries, w->sq_entries, w->cq_entries);
 	/* Take the doorbell out of rx; the ring fd is closed with it, the mapping stays. */
 	c->doorbell = rx->fds[1];
 	rx->nfds = 1;

@@ -58,7 +58,7 @@ SHARDD_HIDDEN void shardd_cuda_unmap(struct shardd_cuda_mapping *m);
 SHARDD_HIDDEN int shardd_cuda_copy_in(int device, uint64_t dst, const void *src, uint64_t bytes);
 
 /*
- * Stream fences (shardd_set_stream): interprocess events in the primary
+ * Stream fences (shardd_stream_set): interprocess events in the primary
  * context of the rank's device. Ours, one per SQ slot, are recorded on the
  * trainer's stream before a submission; the daemon's, one per CQ slot, are
  * waited on when a completion is reaped.

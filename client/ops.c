@@ -102,18 +102,17 @@ static int ring_doorbell(struct shardd_client *c)
 
 static int corrupt_cq(struct shardd_client *c)
 {
-	struct shardd_ring_hdr *h = c->ring.hdr;
+	uint32_t sq_head, sq_tail, cq_head, cq_tail;
 
+	shardd_ring_indices(&c->ring, &sq_head, &sq_tail, &cq_head, &cq_tail);
 	return shardd_err_set(-EBADMSG,
 			      "completion queue corrupt: cq_tail %u runs more than %u entries "
-			      "ahead of cq_head %u", atomic_load(SHARDD_ATOMIC32(&h->cq_tail)),
-			      c->ring.cq_mask + 1, atomic_load(SHARDD_ATOMIC32(&h->cq_head)));
+			      "ahead of cq_head %u", cq_tail, c->ring.cq_mask + 1, cq_head);
 }
 
 static int submit_sqe(struct shardd_client *c, uint32_t op, uint32_t group, uint64_t step,
 		      uint32_t flags, uint64_t user_data)
 {
-	struct shardd_ring_hdr *h = c->ring.hdr;
 	struct shardd_sqe sqe = {
 		.op = (uint8_t)op, .group = group, .step = step, .user_data = user_data,
 		.flags = flags,
@@ -135,8 +134,7 @@ static int submit_sqe(struct shardd_client *c, uint32_t op, uint32_t group, uint
 	/* Only this thread pushes: the slot is still the next one, and free. */
 	shardd_sq_publish(&c->ring, (uint32_t)slot, &sqe);
 	/* Line 6 is ours; the daemon and shardctl read it only to show who is behind. */
-	atomic_store_explicit(SHARDD_ATOMIC32(&h->client_last_op), op, memory_order_relaxed);
-	__atomic_store_n(&h->client_last_step, step, __ATOMIC_RELAXED);
+	shardd_ring_note_submitted(&c->ring, op, step);
 	if (shardd_ring_needs_wakeup(&c->ring))
 		return ring_doorbell(c);
 	return 0;
@@ -217,7 +215,7 @@ static int sleep_cq(struct shardd_client *c, int64_t deadline)
 			slice = left;
 	}
 	/* The value we sleep on must be read before the re-check, or a push is missed. */
-	seen = atomic_load_explicit(SHARDD_ATOMIC32(&c->ring.hdr->cq_tail), memory_order_acquire);
+	seen = shardd_cq_tail_seen(&c->ring);
 	n = shardd_cq_ready(&c->ring);
 	if (n < 0)
 		return corrupt_cq(c);
@@ -439,7 +437,6 @@ int shardd_zero_grad(struct shardd_group *g)
 
 int shardd_ring_status(const struct shardd_client *c, struct shardd_ring_status *st)
 {
-	struct shardd_ring_hdr *h = c->ring.hdr;
 	/* The ring's own checks, against our copies of the capacities. */
 	int64_t sq_pending = shardd_sq_ready(&c->ring);
 	int64_t cq_ready = shardd_cq_ready(&c->ring);
@@ -451,13 +448,9 @@ int shardd_ring_status(const struct shardd_client *c, struct shardd_ring_status 
 		return -EBADMSG;
 	st->sq_pending = (uint32_t)sq_pending;
 	st->cq_ready = (uint32_t)cq_ready;
-	st->flags = atomic_load_explicit(SHARDD_ATOMIC32(&h->flags), memory_order_relaxed);
-	st->daemon_last_op = atomic_load_explicit(SHARDD_ATOMIC32(&h->daemon_last_op),
-						  memory_order_relaxed);
-	st->daemon_last_step = __atomic_load_n(&h->daemon_last_step, __ATOMIC_RELAXED);
-	st->daemon_heartbeat_ns = __atomic_load_n(&h->daemon_heartbeat_ns, __ATOMIC_RELAXED);
-	st->client_last_op = atomic_load_explicit(SHARDD_ATOMIC32(&h->client_last_op),
-						  memory_order_relaxed);
-	st->client_last_step = __atomic_load_n(&h->client_last_step, __ATOMIC_RELAXED);
+	st->flags = shardd_ring_flags(&c->ring);
+	shardd_ring_daemon_last(&c->ring, &st->daemon_last_op, &st->daemon_last_step,
+				&st->daemon_heartbeat_ns);
+	shardd_ring_client_last(&c->ring, &st->client_last_op, &st->client_last_step);
 	return 0;
 }

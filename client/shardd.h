@@ -171,7 +171,7 @@ int shardd_group_find(const struct shardd_group *g, const char *param_name);
  * padding rows included) and its sharded grad. Under the cuda backend these
  * are device addresses, and the unsharded tensor is read-only by convention
  * only (the device cannot enforce it): never write it. Without a stream
- * (shardd_set_stream), a completion means the daemon's results are in
+ * (shardd_stream_set), a completion means the daemon's results are in
  * device memory, and shards and grads must be written (the stream
  * synchronised) before submitting the op that reads them.
  */
@@ -251,13 +251,13 @@ int shardd_zero_grad(struct shardd_group *g);
  * (host backend, or a libshardd built without CUDA), or a negative code
  * with shardd_last_error().
  */
-int shardd_set_stream(struct shardd_client *c, void *stream);
+int shardd_stream_set(struct shardd_client *c, void *stream);
 
 /*
  * Back to CPU ordering: a completion means the results are in memory (one
  * of an op submitted while a stream was set is waited for when reaped).
  */
-void shardd_clear_stream(struct shardd_client *c);
+void shardd_stream_clear(struct shardd_client *c);
 
 /* ------------------------------------------------------------------ */
 /* Errors                                                              */

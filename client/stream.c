@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * Stream ordering under the cuda backend (shardd_set_stream): the client's
+ * Stream ordering under the cuda backend (shardd_stream_set): the client's
  * half of the fences of shardd_proto.h.
  *
  * Event slots are ring slots, so the ring's own flow control makes reuse
@@ -68,7 +68,7 @@ err:
 	return ret;
 }
 
-int shardd_set_stream(struct shardd_client *c, void *stream)
+int shardd_stream_set(struct shardd_client *c, void *stream)
 {
 	int ret;
 
@@ -87,7 +87,7 @@ int shardd_set_stream(struct shardd_client *c, void *stream)
 	return 0;
 }
 
-void shardd_clear_stream(struct shardd_client *c)
+void shardd_stream_clear(struct shardd_client *c)
 {
 	c->stream_set = 0;
 	c->stream = NULL;

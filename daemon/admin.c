@@ -549,12 +549,11 @@ static json_t *rank_waiting(const json_t *pending, uint32_t rank)
  */
 static uint64_t session_step(const struct shardd_session *s, int *has)
 {
-	struct shardd_ring_hdr *h = s->ring.hdr;
-	uint32_t cop = atomic_load_explicit(SHARDD_ATOMIC32(&h->client_last_op),
-					    memory_order_relaxed);
-	uint64_t cstep = __atomic_load_n(&h->client_last_step, __ATOMIC_RELAXED);
 	uint64_t step = s->clock.has_step ? s->clock.step : 0;
+	uint64_t cstep;
+	uint32_t cop;
 
+	shardd_ring_client_last(&s->ring, &cop, &cstep);
 	*has = s->clock.has_step;
 	if (shardd_op_carries_step(cop) && (!*has || cstep > step)) {
 		step = cstep;
@@ -567,7 +566,7 @@ static json_t *json_rank(const struct shardd_job *j, uint32_t r, const json_t *p
 			 uint64_t max_step, uint64_t now_ns)
 {
 	const struct shardd_job_rank *jr = &j->ranks[r];
-	const struct shardd_session *s = jr->session;
+	const struct shardd_session *s = shardd_session_of_rank(j, r);
 	json_t *o = json_object();
 	struct timespec wall;
 
@@ -579,16 +578,15 @@ static json_t *json_rank(const struct shardd_job *j, uint32_t r, const json_t *p
 	if (!s)
 		return o;
 	{
-		struct shardd_ring_hdr *h = s->ring.hdr;
-		/* Written by the client: relaxed loads, shown as-is, never trusted. */
-		uint32_t cop = atomic_load_explicit(SHARDD_ATOMIC32(&h->client_last_op),
-						    memory_order_relaxed);
-		uint64_t cstep = __atomic_load_n(&h->client_last_step, __ATOMIC_RELAXED);
+		uint32_t cop;
+		uint64_t cstep;
 		int64_t sq_pending = shardd_sq_ready((struct shardd_ring *)&s->ring);
 		double since = (double)(now_ns - s->stats.attached_ns) / 1e9;
 		int has_step;
 		uint64_t step = session_step(s, &has_step);
 
+		/* Written by the client: shown as-is, never trusted. */
+		shardd_ring_client_last(&s->ring, &cop, &cstep);
 		clock_gettime(CLOCK_REALTIME, &wall);
 		if (put(o, "client_id", json_integer(s->id)) ||
 		    put(o, "attached_s", json_real(since)) ||
@@ -621,7 +619,7 @@ static json_t *json_job_ranks(const struct shardd_job *j, uint64_t now_ns)
 
 	/* "Behind" is against the rank that has submitted the furthest step. */
 	for (uint32_t r = 0; r < j->world; r++) {
-		const struct shardd_session *s = j->ranks[r].session;
+		const struct shardd_session *s = shardd_session_of_rank(j, r);
 
 		if (s) {
 			int has;

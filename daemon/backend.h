@@ -24,7 +24,7 @@
 #include <stdint.h>
 #include <unistd.h>
 
-#include "daemon/layout.h"
+#include "layout.h"
 #include "shardd_kernels.h"
 #include "shardd_proto.h"
 
@@ -149,6 +149,14 @@ struct shardd_buf_export {
 struct shardd_backend_ops {
 	const char *name;
 	/*
+	 * A task of the engine that reads and writes at most this many bytes
+	 * runs on the loop thread that started it instead of the worker pool:
+	 * for work this small the pool's round trip (two cross-core wake-ups)
+	 * costs more than the arithmetic. 0: every task goes to the pool (a
+	 * device backend, whose calls need the pool threads it set up).
+	 */
+	uint64_t inline_max_bytes;
+	/*
 	 * A zero-filled buffer of `bytes` (> 0) for the rank(s) on CUDA device
 	 * `device` (their hello.device; SHARDD_HELLO_DEVICE_HOST when none is
 	 * named; the host backend ignores it); `what` names it in errors
@@ -216,6 +224,17 @@ struct shardd_backend_ops {
 struct shardd_backend_ctx {
 	const struct shardd_backend_ops *ops;
 };
+
+/*
+ * The backend of kind `kind` (enum shardd_backend: --backend): the host
+ * backend on `pool`, or the cuda backend exporting buffers as
+ * `cuda_export` says (enum shardd_cuda_export) with `timeout_ns` bounding
+ * its waits. 0, or -SHARDD_E_BACKEND (a kind this build lacks or that is no
+ * kind, a cuda backend that cannot start) or -ENOMEM, logged in the
+ * backend's own words (which flag, why, the fix).
+ */
+int shardd_backend_create(uint32_t kind, uint32_t cuda_export, uint64_t timeout_ns,
+			  struct shardd_pool *pool, struct shardd_backend_ctx **out);
 
 /* The host backend: memfd buffers, CPU kernels split across `pool`. 0 or -ENOMEM. */
 int shardd_backend_host_create(struct shardd_pool *pool, struct shardd_backend_ctx **out);

@@ -28,8 +28,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "daemon/backend_cuda_int.h"
-#include "daemon/placement.h"
+#include "backend_cuda_int.h"
+#include "placement.h"
 #include "shardd_cuda_kernels.h"
 
 /* ------------------------------------------------------------------ */
@@ -197,6 +197,8 @@ static void cuda_destroy(struct shardd_backend_ctx *b)
 
 static const struct shardd_backend_ops cuda_ops = {
 	.name = "cuda",
+	/* Every call queues device work from a pool thread, whose CUDA context it set up. */
+	.inline_max_bytes = 0,
 	.alloc = cuda_alloc,
 	.free = cuda_free,
 	.export_buf = cuda_export_buf,

@@ -14,7 +14,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "daemon/backend.h"
+#include "backend.h"
 
 /* --cuda-export: how the cuda backend allocates and exports buffers. */
 enum shardd_cuda_export {

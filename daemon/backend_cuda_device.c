@@ -16,9 +16,9 @@
 #include <string.h>
 #include <time.h>
 
-#include "daemon/backend_cuda_int.h"
-#include "daemon/log.h"
-#include "daemon/rendezvous.h"
+#include "backend_cuda_int.h"
+#include "clock.h"
+#include "log.h"
 #include "shardd_cuda.h"
 
 /*

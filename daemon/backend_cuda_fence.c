@@ -13,8 +13,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "daemon/backend_cuda_int.h"
-#include "daemon/log.h"
+#include "backend_cuda_int.h"
+#include "log.h"
 
 /* One session's fences (backend.h): events on the session's device, indexed by ring slot. */
 struct shardd_fences {

@@ -33,9 +33,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "daemon/backend.h"
-#include "daemon/backend_cuda.h"
-#include "daemon/backend_cuda_nccl.h"
+#include "backend.h"
+#include "backend_cuda.h"
+#include "backend_cuda_nccl.h"
 
 /* The driver's entry points this backend calls, resolved at create (backend_cuda_device.c). */
 struct cuda_driver {

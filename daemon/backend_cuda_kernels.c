@@ -9,9 +9,9 @@
 #include <stdarg.h>
 #include <stdio.h>
 
-#include "daemon/backend_cuda_int.h"
-#include "daemon/log.h"
-#include "daemon/placement.h"
+#include "backend_cuda_int.h"
+#include "log.h"
+#include "placement.h"
 #include "shardd_cuda_kernels.h"
 
 /* ------------------------------------------------------------------ */

@@ -31,9 +31,9 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "daemon/backend_cuda_int.h"
-#include "daemon/log.h"
-#include "daemon/placement.h"
+#include "backend_cuda_int.h"
+#include "log.h"
+#include "placement.h"
 #include "shardd_cuda.h"
 #include "shardd_cuda_kernels.h"
 

@@ -23,9 +23,9 @@
 #include <string.h>
 #include <time.h>
 
-#include "daemon/backend_cuda_nccl.h"
-#include "daemon/log.h"
-#include "daemon/rendezvous.h"
+#include "backend_cuda_nccl.h"
+#include "clock.h"
+#include "log.h"
 #include "shardd_cuda.h"
 #include "shardd_proto.h"
 

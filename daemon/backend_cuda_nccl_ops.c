@@ -21,8 +21,8 @@
 #include <errno.h>
 #include <stdio.h>
 
-#include "daemon/backend_cuda_int.h"
-#include "daemon/placement.h"
+#include "backend_cuda_int.h"
+#include "placement.h"
 
 /* The members of one NCCL op: their devices, NCCL streams and staging buffers. */
 struct cuda_nccl_op {

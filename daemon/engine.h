@@ -8,9 +8,9 @@
  * pool through a backend table (backend.h), so the engine knows nothing of
  * memory kinds. Finished ops are queued and signalled on an eventfd; the loop
  * calls shardd_engine_drain, which delivers them through the callbacks below.
- * A small host task (engine.c: ENGINE_INLINE_MAX_BYTES) runs on the loop
- * thread instead, and its completions are delivered before the call that
- * started it returns.
+ * A task as small as the backend's inline_max_bytes (backend.h) runs on the
+ * loop thread instead, and its completions are delivered before the call
+ * that started it returns.
  */
 #ifndef SHARDD_ENGINE_H
 #define SHARDD_ENGINE_H

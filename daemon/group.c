@@ -6,7 +6,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "daemon/group.h"
+#include "group.h"
 
 __attribute__((format(printf, 4, 5)))
 static int group_error(int code, char *err, size_t errlen, const char *fmt, ...)

@@ -3,7 +3,8 @@
  * A registered parameter group (FSDP2's FSDPParamGroup): its spec as the
  * first rank registered it, its layout, its buffers on the backend and the
  * per-rank state the ops keep (grads present, HSDP partials, holds on the
- * unsharded copy). The collectives on it live in engine.c.
+ * unsharded copy). The collectives on it live in collective.c, the ops'
+ * arithmetic in task.c.
  */
 #ifndef SHARDD_GROUP_H
 #define SHARDD_GROUP_H
@@ -11,9 +12,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "daemon/backend.h"
-#include "daemon/layout.h"
-#include "daemon/placement.h"
+#include "backend.h"
+#include "layout.h"
+#include "placement.h"
 #include "shardd_proto.h"
 
 /*

@@ -6,18 +6,51 @@
 #include <string.h>
 
 #include "admin.h"
+#include "clock.h"
 #include "engine.h"
 #include "job.h"
 #include "log.h"
-#include "server.h"
-#include "session.h"
+
+static struct shardd_jobs_env env;
+
+void shardd_jobs_init(const struct shardd_jobs_env *e)
+{
+	env = *e;
+}
 
 struct shardd_job *shardd_job_find(const char *name)
 {
-	for (struct shardd_job *j = server.jobs; j; j = j->next)
+	for (struct shardd_job *j = *env.list; j; j = j->next)
 		if (strcmp(j->name, name) == 0)
 			return j;
 	return NULL;
+}
+
+int shardd_job_claim(const char *name, uint32_t replicate, uint32_t shard, uint32_t rank,
+		     struct shardd_job **out, char *why, size_t len)
+{
+	struct shardd_job *job = shardd_job_find(name);
+	struct shardd_job_rank *jr;
+
+	*out = job;
+	if (!job)
+		return 0;
+	if (job->replicate != replicate || job->shard != shard) {
+		snprintf(why, len, "job '%s' has mesh %ux%u, hello asked for %ux%u", job->name,
+			 job->replicate, job->shard, replicate, shard);
+		return -SHARDD_E_MESH;
+	}
+	jr = &job->ranks[rank];
+	/* A restarted trainer may be faster than the old one's EOF: look now. */
+	if (jr->client.ops && jr->client.ops->gone(jr->client.ctx))
+		jr->client.ops->close(jr->client.ctx, "died (found gone when the rank re-attached)");
+	/* Closing the old client never ends the job: it did not say goodbye. */
+	if (jr->client.ops) {
+		snprintf(why, len, "job '%s' rank %u is already attached (client %llu, pid %u)",
+			 job->name, rank, (unsigned long long)jr->client.token, jr->pid);
+		return -SHARDD_E_RANK_TAKEN;
+	}
+	return 0;
 }
 
 int shardd_job_create(const char *name, uint32_t replicate, uint32_t shard,
@@ -42,13 +75,13 @@ int shardd_job_create(const char *name, uint32_t replicate, uint32_t shard,
 	ret = shardd_rdv_init(&j->barrier, all, j->world);
 	if (ret < 0)
 		goto err_free;
-	ret = shardd_engine_job_create(server.engine, j, j->name, replicate, shard, &j->ejob);
+	ret = shardd_engine_job_create(env.engine, j, j->name, replicate, shard, &j->ejob);
 	if (ret < 0)
 		goto err_rdv;
-	j->next = server.jobs;
-	if (server.jobs)
-		server.jobs->prev = j;
-	server.jobs = j;
+	j->next = *env.list;
+	if (*env.list)
+		(*env.list)->prev = j;
+	*env.list = j;
 	shardd_log_info("job '%s' created: mesh %ux%u", j->name, replicate, shard);
 	*out = j;
 	return 0;
@@ -83,10 +116,8 @@ static void barrier_finish(struct shardd_job *j, int res, const char *msg)
 	shardd_rdv_reset(&j->barrier);
 	for (uint32_t i = 0; i < n; i++) {
 		struct shardd_job_rank *jr = &j->ranks[done[i]];
-		struct shardd_session *s = shardd_job_session(j, done[i], jr->barrier_token);
 
-		if (s)
-			shardd_session_complete(s, &jr->barrier_sqe, res, msg);
+		shardd_job_op_done(j, done[i], jr->barrier_token, &jr->barrier_sqe, res, msg);
 	}
 }
 
@@ -105,12 +136,12 @@ static void job_destroy(struct shardd_job *j, const char *why)
 	/* The engine fails what it still holds through the callbacks, to live sessions. */
 	shardd_engine_job_end(j->ejob, why);
 	for (uint32_t r = 0; r < j->world; r++)
-		if (j->ranks[r].session)
-			j->ranks[r].session->job = NULL;
+		if (j->ranks[r].client.ops)
+			j->ranks[r].client.ops->job_ended(j->ranks[r].client.ctx);
 	if (j->prev)
 		j->prev->next = j->next;
 	else
-		server.jobs = j->next;
+		*env.list = j->next;
 	if (j->next)
 		j->next->prev = j->prev;
 	shardd_log_info("job '%s' ended", j->name);
@@ -126,7 +157,7 @@ void shardd_job_destroy(struct shardd_job *j)
 
 uint64_t shardd_job_end(struct shardd_job *j, const char *why)
 {
-	struct shardd_session *attached[SHARDD_MAX_WORLD];
+	struct shardd_rank_sink attached[SHARDD_MAX_WORLD];
 	uint64_t bytes = shardd_memory_job_bytes(j);
 	char name[SHARDD_NAME_MAX], notice[SHARDD_RING_MSG_SIZE];
 	uint32_t n = 0;
@@ -135,14 +166,15 @@ uint64_t shardd_job_end(struct shardd_job *j, const char *why)
 	snprintf(notice, sizeof(notice), "job '%s' %s", j->name, why);
 	/* Told before the ops fail, closed after: a closing session takes no completion. */
 	for (uint32_t r = 0; r < j->world; r++) {
-		if (j->ranks[r].session) {
-			attached[n++] = j->ranks[r].session;
-			shardd_session_notify(j->ranks[r].session, -SHARDD_E_SHUTDOWN, notice);
+		if (j->ranks[r].client.ops) {
+			attached[n++] = j->ranks[r].client;
+			j->ranks[r].client.ops->notify(j->ranks[r].client.ctx, -SHARDD_E_SHUTDOWN,
+						       notice);
 		}
 	}
 	job_destroy(j, why);
 	for (uint32_t i = 0; i < n; i++)
-		shardd_session_close_later(attached[i], notice);
+		attached[i].ops->close_later(attached[i].ctx, notice);
 	if (n)
 		shardd_log_warn("job '%s' %s: its %u attached rank%s told, %llu bytes of buffers "
 				"freed (%.1f MiB)", name, why, n, n == 1 ? " was" : "s were",
@@ -155,7 +187,7 @@ uint64_t shardd_job_end(struct shardd_job *j, const char *why)
 
 double shardd_job_ends_in_s(const struct shardd_job *j, uint64_t now_ns)
 {
-	uint64_t linger = server.job_linger_ns, idle;
+	uint64_t linger = env.linger_ns, idle;
 
 	if (j->nattached || !j->orphaned_ns || !linger)
 		return -1;
@@ -163,12 +195,13 @@ double shardd_job_ends_in_s(const struct shardd_job *j, uint64_t now_ns)
 	return idle >= linger ? 0 : (double)(linger - idle) / 1e9;
 }
 
-void shardd_job_attach(struct shardd_job *j, uint32_t rank, struct shardd_session *s)
+void shardd_job_attach(struct shardd_job *j, uint32_t rank, uint32_t pid, int32_t device,
+		       const struct shardd_rank_sink *client)
 {
 	struct shardd_job_rank *jr = &j->ranks[rank];
 
-	jr->session = s;
-	jr->pid = (uint32_t)s->cred.pid;
+	jr->client = *client;
+	jr->pid = pid;
 	jr->attached_once = 1;
 	jr->goodbye = 0;
 	j->nattached++;
@@ -178,16 +211,52 @@ void shardd_job_attach(struct shardd_job *j, uint32_t rank, struct shardd_sessio
 				(double)(shardd_now_ns() - j->orphaned_ns) / 1e9);
 		j->orphaned_ns = 0;
 	}
+	shardd_engine_rank_attached(j->ejob, rank, device);
 }
 
-struct shardd_session *shardd_job_session(struct shardd_job *j, uint32_t rank, uint64_t token)
+/* The sink of `rank` if its client is `token`, else NULL (a stale completion). */
+static const struct shardd_rank_sink *job_client(struct shardd_job *j, uint32_t rank,
+						 uint64_t token)
 {
-	struct shardd_session *s;
+	const struct shardd_rank_sink *c;
 
 	if (rank >= j->world)
 		return NULL;
-	s = j->ranks[rank].session;
-	return s && s->id == token ? s : NULL;
+	c = &j->ranks[rank].client;
+	return c->ops && c->token == token ? c : NULL;
+}
+
+void shardd_job_op_done(void *job_ctx, uint32_t rank, uint64_t token,
+			const struct shardd_sqe *sqe, int res, const char *msg)
+{
+	struct shardd_job *j = job_ctx;
+	const struct shardd_rank_sink *c = job_client(j, rank, token);
+
+	if (!c) {
+		shardd_log_debug("job '%s' rank %u: dropping the completion of %s (step %llu): "
+				 "its client %llu is gone", j->name, rank,
+				 shardd_op_name(sqe->op) ? shardd_op_name(sqe->op) : "?",
+				 (unsigned long long)sqe->step, (unsigned long long)token);
+		return;
+	}
+	c->ops->complete(c->ctx, sqe, res, msg);
+}
+
+void shardd_job_group_reply(void *job_ctx, uint32_t rank, uint64_t token, uint32_t seq,
+			    int res, const char *msg, const struct shardd_group_reply *reply,
+			    const struct shardd_param_layout *layouts,
+			    const struct shardd_param_spec *specs, const int *fds, int nfds,
+			    const struct shardd_cuda_ipc_handle *ipc, int nipc)
+{
+	struct shardd_job *j = job_ctx;
+	const struct shardd_rank_sink *c = job_client(j, rank, token);
+
+	if (!c) {
+		shardd_log_debug("job '%s' rank %u: dropping a group reply: its client %llu is gone",
+				 j->name, rank, (unsigned long long)token);
+		return;
+	}
+	c->ops->group_reply(c->ctx, seq, res, msg, reply, layouts, specs, fds, nfds, ipc, nipc);
 }
 
 void shardd_job_detach(struct shardd_job *j, uint32_t rank, int goodbye, const char *why)
@@ -196,11 +265,11 @@ void shardd_job_detach(struct shardd_job *j, uint32_t rank, int goodbye, const c
 	uint64_t token;
 	int all_goodbye = 1;
 
-	if (!jr->session)
+	if (!jr->client.ops)
 		return;
-	token = jr->session->id;
+	token = jr->client.token;
 	/* Clear the slot first: completions for this client from here on are dropped. */
-	jr->session = NULL;
+	memset(&jr->client, 0, sizeof(jr->client));
 	jr->goodbye = goodbye;
 	j->nattached--;
 	if (j->barrier.active) {
@@ -230,9 +299,9 @@ void shardd_job_detach(struct shardd_job *j, uint32_t rank, int goodbye, const c
 	}
 	if (!j->nattached) {
 		j->orphaned_ns = shardd_now_ns();
-		if (server.job_linger_ns)
+		if (env.linger_ns)
 			shardd_log_info("job '%s': no rank attached; it ends in %g s unless one "
-					"re-attaches (--job-linger)", j->name, server.cfg.job_linger_s);
+					"re-attaches (--job-linger)", j->name, env.linger_s);
 		else
 			shardd_log_info("job '%s': no rank attached; kept until one re-attaches "
 					"(--job-linger 0)", j->name);
@@ -242,16 +311,16 @@ void shardd_job_detach(struct shardd_job *j, uint32_t rank, int goodbye, const c
 void shardd_job_barrier(struct shardd_job *j, uint32_t rank, const struct shardd_sqe *sqe)
 {
 	struct shardd_job_rank *jr = &j->ranks[rank];
-	struct shardd_session *s = jr->session;
+	uint64_t token = jr->client.token;
 	char why[256], msg[1400];
 	int ret;
 
 	ret = shardd_rdv_arrive(&j->barrier, rank, sqe->step, 0, shardd_now_ns(),
-				server.collective_timeout_ns, why, sizeof(why));
+				env.collective_timeout_ns, why, sizeof(why));
 	if (ret == -EINVAL) {
 		snprintf(msg, sizeof(msg), "barrier %llu: rank %u already waits in barrier %llu",
 			 (unsigned long long)sqe->step, rank, (unsigned long long)j->barrier.step);
-		shardd_session_complete(s, sqe, -SHARDD_E_STATE, msg);
+		shardd_job_op_done(j, rank, token, sqe, -SHARDD_E_STATE, msg);
 		return;
 	}
 	if (ret == SHARDD_RDV_MISMATCH) {
@@ -274,10 +343,10 @@ void shardd_job_barrier(struct shardd_job *j, uint32_t rank, const struct shardd
 			 (unsigned long long)j->barrier.step, failing);
 		shardd_log_warn("job '%s': %s", j->name, msg);
 		barrier_finish(j, -SHARDD_E_MISMATCH, msg);
-		shardd_session_complete(s, sqe, -SHARDD_E_MISMATCH, msg);
+		shardd_job_op_done(j, rank, token, sqe, -SHARDD_E_MISMATCH, msg);
 		return;
 	}
-	jr->barrier_token = s->id;
+	jr->barrier_token = token;
 	jr->barrier_sqe = *sqe;
 	if (ret == SHARDD_RDV_COMPLETE)
 		barrier_finish(j, 0, NULL);
@@ -285,25 +354,19 @@ void shardd_job_barrier(struct shardd_job *j, uint32_t rank, const struct shardd
 
 void shardd_job_cron(struct shardd_job *j, uint64_t now_ns)
 {
-	char missing[1024], present[1024], who_missing[1100], who_present[1100], msg[2400];
-	uint32_t nmissing;
+	char within[32], late[2300], msg[2400];
 
 	if (shardd_job_ends_in_s(j, now_ns) == 0) {
 		snprintf(msg, sizeof(msg), "ended after %.1f s without an attached rank (--job-linger %g)",
-			 (double)(now_ns - j->orphaned_ns) / 1e9, server.cfg.job_linger_s);
+			 (double)(now_ns - j->orphaned_ns) / 1e9, env.linger_s);
 		shardd_job_end(j, msg);
 		return;
 	}
 	if (!shardd_rdv_expired(&j->barrier, now_ns))
 		return;
-	nmissing = j->barrier.nexpected - j->barrier.narrived;
-	shardd_rdv_missing(&j->barrier, missing, sizeof(missing));
-	shardd_rdv_present(&j->barrier, present, sizeof(present));
-	rank_phrase(who_missing, sizeof(who_missing), missing, nmissing);
-	rank_phrase(who_present, sizeof(who_present), present, j->barrier.narrived);
-	snprintf(msg, sizeof(msg), "barrier %llu: %s did not arrive within %g s; %s %s waiting",
-		 (unsigned long long)j->barrier.step, who_missing, server.cfg.collective_timeout_s,
-		 who_present, j->barrier.narrived == 1 ? "is" : "are");
+	snprintf(within, sizeof(within), "%g s", env.collective_timeout_s);
+	shardd_rdv_missing_msg(&j->barrier, "did not arrive", within, late, sizeof(late));
+	snprintf(msg, sizeof(msg), "barrier %llu: %s", (unsigned long long)j->barrier.step, late);
 	shardd_log_warn("job '%s': %s", j->name, msg);
 	barrier_finish(j, -SHARDD_E_TIMEOUT, msg);
 }

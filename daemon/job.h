@@ -11,16 +11,65 @@
 #ifndef SHARDD_JOB_H
 #define SHARDD_JOB_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include "rendezvous.h"
 #include "shardd_proto.h"
 
-struct shardd_session;
+struct shardd_engine;
 struct shardd_engine_job;
+struct shardd_cuda_ipc_handle;
+struct shardd_group_reply;
+struct shardd_param_layout;
+struct shardd_param_spec;
+
+/*
+ * How the job reaches the client of a rank: given by the session when it
+ * attaches (shardd_job_attach), so that the job never calls the session.
+ * Every completion of the rank's ops, the engine's and the barrier's alike,
+ * goes out through `complete`. Each is called on the loop thread with the
+ * sink's ctx.
+ */
+struct shardd_rank_sink_ops {
+	/* Push the completion of a taken entry; `msg` (may be NULL) is the error text. */
+	void (*complete)(void *ctx, const struct shardd_sqe *sqe, int res, const char *msg);
+	/* Send the reply of a group registration or open (shardd_engine_reply_fn). */
+	void (*group_reply)(void *ctx, uint32_t seq, int res, const char *msg,
+			    const struct shardd_group_reply *reply,
+			    const struct shardd_param_layout *layouts,
+			    const struct shardd_param_spec *specs, const int *fds, int nfds,
+			    const struct shardd_cuda_ipc_handle *ipc, int nipc);
+	/* Tell the client something it did not ask about (an ERROR with seq 0). */
+	void (*notify)(void *ctx, int code, const char *text);
+	/* Is the client gone (socket hung up, process exited)? Never waits. */
+	int  (*gone)(void *ctx);
+	/* Close the client now; `why` is logged. Detaches the rank (shardd_job_detach). */
+	void (*close)(void *ctx, const char *why);
+	/* Stop using the client and close it at the loop's next safe point. */
+	void (*close_later)(void *ctx, const char *why);
+	/* The job ended: the client belongs to no job any more. */
+	void (*job_ended)(void *ctx);
+};
+
+struct shardd_rank_sink {
+	const struct shardd_rank_sink_ops *ops; /* NULL: no client attached */
+	void    *ctx;                           /* the client (its session) */
+	uint64_t token;                         /* its client id: the engine's token for its ops */
+};
+
+/* What every job needs from the daemon, given once at start (shardd_jobs_init). */
+struct shardd_jobs_env {
+	struct shardd_job **list;        /* head of the daemon's list of jobs */
+	struct shardd_engine *engine;
+	uint64_t collective_timeout_ns;  /* a barrier fails after this */
+	double   collective_timeout_s;   /* the same, as given (--collective-timeout) */
+	uint64_t linger_ns;              /* --job-linger; 0 = forever */
+	double   linger_s;
+};
 
 struct shardd_job_rank {
-	struct shardd_session *session; /* attached client, or NULL */
+	struct shardd_rank_sink client; /* attached client; client.ops NULL when none */
 	uint32_t pid;                   /* pid of the latest client of this rank */
 	int      attached_once;         /* some client has held this rank */
 	int      goodbye;               /* said goodbye since its last attach */
@@ -29,7 +78,7 @@ struct shardd_job_rank {
 };
 
 struct shardd_job {
-	struct shardd_job *next, *prev; /* server.jobs */
+	struct shardd_job *next, *prev; /* shardd_jobs_env.list */
 	char     name[SHARDD_NAME_MAX];
 	uint32_t replicate;             /* mesh rows */
 	uint32_t shard;                 /* mesh columns: shard group size */
@@ -42,15 +91,33 @@ struct shardd_job {
 					   one is attached: --job-linger counts from here */
 };
 
+/* Set the environment of every job; before the first HELLO. */
+void shardd_jobs_init(const struct shardd_jobs_env *env);
+
 struct shardd_job *shardd_job_find(const char *name);
+/*
+ * Who owns a rank: may a new client take `rank` of job `name` with mesh
+ * replicate x shard? The job's mesh must match, and the rank must be free;
+ * a holder found gone (its EOF not yet seen) is closed first, since a
+ * restarted trainer may be faster than its old client's hang-up. Returns 0
+ * with *out the job (NULL: no job of that name yet; shardd_job_create makes
+ * it), or -SHARDD_E_MESH / -SHARDD_E_RANK_TAKEN with `why` saying so.
+ */
+int shardd_job_claim(const char *name, uint32_t replicate, uint32_t shard, uint32_t rank,
+		     struct shardd_job **out, char *why, size_t len);
 /* Create the job and its engine job; 0, -ENOMEM or the engine's error. */
 int shardd_job_create(const char *name, uint32_t replicate, uint32_t shard,
 		      struct shardd_job **out);
 /* Fail its barrier with -SHARDD_E_SHUTDOWN, destroy the engine job, free it. */
 void shardd_job_destroy(struct shardd_job *j);
 
-/* Bind `s` as the client of `rank` (the slot must be free). */
-void shardd_job_attach(struct shardd_job *j, uint32_t rank, struct shardd_session *s);
+/*
+ * Bind the client reached through `client` (process `pid`, on CUDA device
+ * `device` or SHARDD_HELLO_DEVICE_HOST) to `rank` and tell the engine; the
+ * slot must be free (shardd_job_claim).
+ */
+void shardd_job_attach(struct shardd_job *j, uint32_t rank, uint32_t pid, int32_t device,
+		       const struct shardd_rank_sink *client);
 /*
  * The client of `rank` is gone: `goodbye` says whether it said so, `why` is
  * how it went ("died", "said goodbye", ...). Fails a barrier in progress and
@@ -58,8 +125,20 @@ void shardd_job_attach(struct shardd_job *j, uint32_t rank, struct shardd_sessio
  */
 void shardd_job_detach(struct shardd_job *j, uint32_t rank, int goodbye, const char *why);
 
-/* The session of `rank` if its token is `token`, else NULL (a stale completion). */
-struct shardd_session *shardd_job_session(struct shardd_job *j, uint32_t rank, uint64_t token);
+/*
+ * The one completion path: an op of `rank`'s client `token` is done (the
+ * engine's complete callback, shardd_engine_complete_fn, with the job as
+ * job_ctx; the barrier uses it too). Goes out through the rank's sink;
+ * dropped when that client is gone (a stale token).
+ */
+void shardd_job_op_done(void *job_ctx, uint32_t rank, uint64_t token,
+			const struct shardd_sqe *sqe, int res, const char *msg);
+/* The engine's reply callback (shardd_engine_reply_fn): the same path for group replies. */
+void shardd_job_group_reply(void *job_ctx, uint32_t rank, uint64_t token, uint32_t seq,
+			    int res, const char *msg, const struct shardd_group_reply *reply,
+			    const struct shardd_param_layout *layouts,
+			    const struct shardd_param_spec *specs, const int *fds, int nfds,
+			    const struct shardd_cuda_ipc_handle *ipc, int nipc);
 
 /* A BARRIER entry (already validated) from the client of `rank`. */
 void shardd_job_barrier(struct shardd_job *j, uint32_t rank, const struct shardd_sqe *sqe);

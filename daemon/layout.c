@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "daemon/layout.h"
+#include "layout.h"
 
 struct name_ref {
 	const char *name;

@@ -18,12 +18,13 @@
 #include "log.h"
 #include "metrics_http.h"
 #include "server.h"
+#include "shardd_socket.h"
 
 static void usage(FILE *f)
 {
 	char def[sizeof(((struct shardd_config *)0)->socket_path)];
 
-	shardd_default_socket_path(def, sizeof(def));
+	shardd_socket_path_default(def, sizeof(def));
 	fprintf(f,
 		"Usage: shardd [OPTIONS]\n"
 		"Per-node ZeRO-3 (FSDP2) parameter server: trainer processes attach over a Unix\n"

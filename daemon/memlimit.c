@@ -7,7 +7,7 @@
 #include <strings.h>
 #include <unistd.h>
 
-#include "daemon/memlimit.h"
+#include "memlimit.h"
 
 int shardd_parse_bytes(const char *s, uint64_t *out)
 {

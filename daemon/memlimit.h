@@ -3,7 +3,7 @@
  * Memory limits (--max-memory, --max-job-memory): their default, read
  * from the node's physical memory and the daemon's cgroup memory limit, and
  * byte counts as people write and read them. The engine enforces the
- * limits at registration (engine.c: every buffer a group will ever need is
+ * limits at registration (registry.c: every buffer a group will ever need is
  * counted and committed before the group exists).
  */
 #ifndef SHARDD_MEMLIMIT_H

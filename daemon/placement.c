@@ -2,7 +2,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "daemon/placement.h"
+#include "placement.h"
 
 uint32_t shardd_placement_classify(const int32_t *devices, uint32_t n)
 {

@@ -16,7 +16,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "daemon/layout.h"
+#include "layout.h"
 #include "shardd_proto.h"
 
 /* The device of a rank that named none in its hello (SHARDD_HELLO_DEVICE_HOST). */

@@ -5,7 +5,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
-#include "daemon/pool.h"
+#include "pool.h"
 
 /* Helpers one parallel-for may enlist; more would only wait for ranges. */
 #define POOL_FOR_MAX_HELPERS 64

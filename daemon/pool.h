@@ -2,7 +2,7 @@
 /*
  * Worker pool: a fixed set of threads (one per core by default) that run
  * queued tasks. The engine queues one task per running op too large for
- * its loop thread (small ones it runs itself, engine.c); a task splits
+ * its loop thread (small ones it runs itself, task.c); a task splits
  * its kernel work with shardd_pool_for, in which the calling thread takes
  * part, so a task never waits on a pool thread that may be busy with
  * another task: a pool whose threads all run ops still makes progress.

@@ -4,7 +4,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "rendezvous.h"
 
@@ -139,6 +138,9 @@ int shardd_rdv_expired(const struct shardd_rdv *r, uint64_t now_ns)
 	return r->active && now_ns >= r->deadline_ns;
 }
 
+/* Longest rank phrase shardd_rdv_missing_msg holds ("..." ends a longer one). */
+#define RDV_WHO_MAX 1024
+
 /* Comma-separated list of expected ranks whose arrived flag equals `want`. */
 static void rdv_list(const struct shardd_rdv *r, uint8_t want, char *buf, size_t len)
 {
@@ -173,10 +175,33 @@ void shardd_rdv_present(const struct shardd_rdv *r, char *buf, size_t len)
 	rdv_list(r, 1, buf, len);
 }
 
-uint64_t shardd_now_ns(void)
+/* "rank 3" / "ranks 3,5": the `n` ranks whose arrived flag equals `want`. */
+static void rdv_who(const struct shardd_rdv *r, uint8_t want, uint32_t n, char *buf, size_t len)
 {
-	struct timespec ts;
+	int off = snprintf(buf, len, "%s ", n == 1 ? "rank" : "ranks");
 
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+	if (off >= 0 && (size_t)off < len)
+		rdv_list(r, want, buf + off, len - (size_t)off);
+}
+
+void shardd_rdv_who_missing(const struct shardd_rdv *r, char *buf, size_t len)
+{
+	rdv_who(r, 0, r->nexpected - r->narrived, buf, len);
+}
+
+void shardd_rdv_who_present(const struct shardd_rdv *r, char *buf, size_t len)
+{
+	rdv_who(r, 1, r->narrived, buf, len);
+}
+
+void shardd_rdv_missing_msg(const struct shardd_rdv *r, const char *did, const char *within,
+			    char *buf, size_t len)
+{
+	char missing[RDV_WHO_MAX] = "", present[RDV_WHO_MAX] = "";
+	size_t part = len / 3 < sizeof(missing) ? len / 3 : sizeof(missing);
+
+	shardd_rdv_who_missing(r, missing, part);
+	shardd_rdv_who_present(r, present, part);
+	snprintf(buf, len, "%s %s within %s; %s %s waiting", missing, did, within, present,
+		 r->narrived == 1 ? "is" : "are");
 }

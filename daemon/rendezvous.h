@@ -11,6 +11,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* Deadlines are on the daemon's clock: callers pass shardd_now_ns(). */
+#include "clock.h"
+
 struct shardd_rdv {
 	uint32_t  nexpected;   /* ranks expected */
 	uint32_t *ranks;       /* expected ranks, ascending (owned) */
@@ -62,8 +65,18 @@ int shardd_rdv_expects(const struct shardd_rdv *r, uint32_t rank);
 /* "3,5": ranks not yet arrived / arrived, comma separated; "" when none. */
 void shardd_rdv_missing(const struct shardd_rdv *r, char *buf, size_t len);
 void shardd_rdv_present(const struct shardd_rdv *r, char *buf, size_t len);
-
-/* CLOCK_MONOTONIC in nanoseconds. */
-uint64_t shardd_now_ns(void);
+/* "rank 3" or "ranks 3,5": the same lists as the subject of a sentence. */
+void shardd_rdv_who_missing(const struct shardd_rdv *r, char *buf, size_t len);
+void shardd_rdv_who_present(const struct shardd_rdv *r, char *buf, size_t len);
+/*
+ * The one description of the ranks a rendezvous still misses, for the
+ * error of one that expired: "ranks 2,3 <did> within <within>; rank 0 is
+ * waiting". `did` is what the missing ranks failed to do ("never
+ * submitted reduce(group 'g', step 5)", "did not arrive"), `within` the
+ * timeout as its owner words it ("30 s"). Each list takes at most a third
+ * of `len` (ending in "..." when cut), so the sentence keeps its end.
+ */
+void shardd_rdv_missing_msg(const struct shardd_rdv *r, const char *did, const char *within,
+			    char *buf, size_t len);
 
 #endif /* SHARDD_RENDEZVOUS_H */

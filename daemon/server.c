@@ -15,15 +15,16 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "engine.h"
 #include "job.h"
 #include "memlimit.h"
 #include "log.h"
 #include "loop.h"
 #include "metrics_http.h"
-#include "rendezvous.h"
 #include "server.h"
 #include "session.h"
+#include "shardd_socket.h"
 
 /* ------------------------------------------------------------------ */
 /* Globals                                                             */
@@ -35,16 +36,6 @@ struct shardd_server server = { .listen_fd = -1, .signal_fd = -1, .accept_reserv
 /* Config                                                              */
 /* ------------------------------------------------------------------ */
 
-void shardd_default_socket_path(char *buf, size_t len)
-{
-	const char *xdg = getenv("XDG_RUNTIME_DIR");
-
-	if (xdg && *xdg)
-		snprintf(buf, len, "%s/shardd/shardd.sock", xdg);
-	else
-		snprintf(buf, len, "/run/shardd/shardd.sock");
-}
-
 const char *shardd_backend_name(uint32_t backend)
 {
 	return backend == SHARDD_BACKEND_HOST ? "host" :
@@ -54,50 +45,13 @@ const char *shardd_backend_name(uint32_t backend)
 void shardd_config_defaults(struct shardd_config *cfg)
 {
 	memset(cfg, 0, sizeof(*cfg));
-	shardd_default_socket_path(cfg->socket_path, sizeof(cfg->socket_path));
+	shardd_socket_path_default(cfg->socket_path, sizeof(cfg->socket_path));
 	cfg->log_level = SHARDD_LOG_INFO;
 	cfg->backend = SHARDD_BACKEND_HOST;
 	cfg->collective_timeout_s = SHARDD_TIMEOUT_DEFAULT_S;
 	cfg->handshake_timeout_s = SHARDD_HANDSHAKE_TIMEOUT_DEFAULT_S;
 	cfg->workers = 0;
 	cfg->job_linger_s = SHARDD_JOB_LINGER_DEFAULT_S;
-}
-
-/* ------------------------------------------------------------------ */
-/* Engine callbacks                                                    */
-/* ------------------------------------------------------------------ */
-
-static void server_engine_complete(void *job_ctx, uint32_t rank, uint64_t token,
-				   const struct shardd_sqe *sqe, int res, const char *msg)
-{
-	struct shardd_job *j = job_ctx;
-	struct shardd_session *s = shardd_job_session(j, rank, token);
-
-	if (!s) {
-		shardd_log_debug("job '%s' rank %u: dropping the completion of %s (step %llu): "
-				 "its client %llu is gone", j->name, rank,
-				 shardd_op_name(sqe->op) ? shardd_op_name(sqe->op) : "?",
-				 (unsigned long long)sqe->step, (unsigned long long)token);
-		return;
-	}
-	shardd_session_complete(s, sqe, res, msg);
-}
-
-static void server_engine_reply(void *job_ctx, uint32_t rank, uint64_t token, uint32_t seq,
-				int res, const char *msg, const struct shardd_group_reply *reply,
-				const struct shardd_param_layout *layouts,
-				const struct shardd_param_spec *specs, const int *fds, int nfds,
-				const struct shardd_cuda_ipc_handle *ipc, int nipc)
-{
-	struct shardd_job *j = job_ctx;
-	struct shardd_session *s = shardd_job_session(j, rank, token);
-
-	if (!s) {
-		shardd_log_debug("job '%s' rank %u: dropping a group reply: its client %llu is gone",
-				 j->name, rank, (unsigned long long)token);
-		return;
-	}
-	shardd_session_send_group(s, seq, res, msg, reply, layouts, specs, fds, nfds, ipc, nipc);
 }
 
 /* ------------------------------------------------------------------ */
@@ -131,8 +85,7 @@ static void server_heartbeat(uint64_t now_ns)
 	for (struct shardd_session *s = server.sessions; s; s = s->next)
 		if (s->state == SHARDD_SESSION_ATTACHED)
 			/* Diagnostics only: clients and shardctl read it to see the loop turn. */
-			atomic_store_explicit((_Atomic uint64_t *)(void *)&s->ring.hdr->daemon_heartbeat_ns,
-					      now_ns, memory_order_relaxed);
+			shardd_ring_note_heartbeat(&s->ring, now_ns);
 }
 
 static void server_cron(void *arg)
@@ -574,7 +527,7 @@ int shardd_server_init(const struct shardd_config *cfg)
 		char def[sizeof(cfg->socket_path)];
 
 		server.socket_activated = 1;
-		shardd_default_socket_path(def, sizeof(def));
+		shardd_socket_path_default(def, sizeof(def));
 		if (strcmp(server.cfg.socket_path, cfg->socket_path) != 0 &&
 		    strcmp(cfg->socket_path, def) != 0)
 			shardd_log_warn("--socket %s ignored: systemd passed the socket %s",
@@ -598,14 +551,23 @@ int shardd_server_init(const struct shardd_config *cfg)
 	ecfg.workers = cfg->workers;
 	ecfg.max_memory = server.cfg.max_memory;
 	ecfg.max_job_memory = server.cfg.max_job_memory;
-	ecfg.complete = server_engine_complete;
-	ecfg.reply = server_engine_reply;
+	/* Completions and group replies go to the job, which knows each rank's client. */
+	ecfg.complete = shardd_job_op_done;
+	ecfg.reply = shardd_job_group_reply;
 	ret = shardd_engine_create(&ecfg, &server.engine);
 	if (ret < 0) {
 		fprintf(stderr, "shardd: cannot start the %s backend (see the error above)\n",
 			shardd_backend_name(cfg->backend));
 		return ret;
 	}
+	shardd_jobs_init(&(struct shardd_jobs_env){
+		.list = &server.jobs,
+		.engine = server.engine,
+		.collective_timeout_ns = server.collective_timeout_ns,
+		.collective_timeout_s = server.cfg.collective_timeout_s,
+		.linger_ns = server.job_linger_ns,
+		.linger_s = server.cfg.job_linger_s,
+	});
 
 	if (!server.socket_activated) {
 		server.listen_fd = socket_listen(cfg);

@@ -84,10 +84,8 @@ struct shardd_server {
 
 extern struct shardd_server server;
 
-/* Defaults of every flag (socket path from $XDG_RUNTIME_DIR). */
+/* Defaults of every flag (socket path: shardd_socket_path_default(), shardd_socket.h). */
 void shardd_config_defaults(struct shardd_config *cfg);
-/* Default socket path into buf: $XDG_RUNTIME_DIR/shardd/shardd.sock or /run/shardd/shardd.sock. */
-void shardd_default_socket_path(char *buf, size_t len);
 /* "host", "cuda" (enum shardd_backend), or "unknown". */
 const char *shardd_backend_name(uint32_t backend);
 

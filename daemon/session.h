@@ -5,6 +5,10 @@
  * serves its control messages and takes its ring entries, and delivers
  * completions. The connection's life is the client's life: EOF on the socket
  * or the client's pidfd turning readable ends the session at once.
+ *
+ * Four files: session.c (lifetime, reading, dispatch), session_out.c (what
+ * it sends), hello.c (the handshake), ring.c (the ring service). Its job
+ * reaches it only through the sink it gave at attach (job.h).
  */
 #ifndef SHARDD_SESSION_H
 #define SHARDD_SESSION_H
@@ -181,5 +185,8 @@ int shardd_session_read_backlog(struct shardd_session *s);
 void shardd_session_cron(uint64_t now_ns);
 /* Free every dead session. */
 void shardd_session_reap(void);
+
+/* The session attached to `rank` of job `j`, or NULL (views: shardctl, metrics). */
+struct shardd_session *shardd_session_of_rank(const struct shardd_job *j, uint32_t rank);
 
 #endif /* SHARDD_SESSION_H */

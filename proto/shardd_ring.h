@@ -15,7 +15,6 @@
 #define SHARDD_RING_H
 
 #include <errno.h>
-#include <limits.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
@@ -37,8 +36,29 @@ struct shardd_ring {
 	uint32_t                msg_size;
 };
 
-/* The header's counters are plain uint32_t for a fixed layout; access them atomically. */
-#define SHARDD_ATOMIC32(p) ((_Atomic uint32_t *)(void *)(p))
+/*
+ * Barrier primitives, modelled on liburing's barrier.h. The header's fields
+ * are plain uint32_t/uint64_t for a fixed layout; these reach them
+ * atomically, whatever their type (gnu11 __typeof__). Only this file uses
+ * them: every other file reaches the shared header through the accessors
+ * below, so that the memory-ordering rules live in one place.
+ *
+ * SHARDD_READ_ONCE / SHARDD_WRITE_ONCE: a relaxed load or store of `var`
+ * (no tearing, no ordering). shardd_load_acquire / shardd_store_release:
+ * through pointer `p`, ordering what follows / what precedes. shardd_smp_mb:
+ * a full barrier. shardd_fetch_or / _and / _add / _sub: relaxed
+ * read-modify-writes of `var`.
+ */
+#define SHARDD_ATOMIC_OF(p)         ((_Atomic __typeof__(*(p)) *)(void *)(p))
+#define SHARDD_READ_ONCE(var)       atomic_load_explicit(SHARDD_ATOMIC_OF(&(var)), memory_order_relaxed)
+#define SHARDD_WRITE_ONCE(var, val) atomic_store_explicit(SHARDD_ATOMIC_OF(&(var)), (val), memory_order_relaxed)
+#define shardd_load_acquire(p)      atomic_load_explicit(SHARDD_ATOMIC_OF(p), memory_order_acquire)
+#define shardd_store_release(p, v)  atomic_store_explicit(SHARDD_ATOMIC_OF(p), (v), memory_order_release)
+#define shardd_smp_mb()             atomic_thread_fence(memory_order_seq_cst)
+#define shardd_fetch_or(var, v)     atomic_fetch_or_explicit(SHARDD_ATOMIC_OF(&(var)), (v), memory_order_relaxed)
+#define shardd_fetch_and(var, v)    atomic_fetch_and_explicit(SHARDD_ATOMIC_OF(&(var)), (v), memory_order_relaxed)
+#define shardd_fetch_add(var, v)    atomic_fetch_add_explicit(SHARDD_ATOMIC_OF(&(var)), (v), memory_order_relaxed)
+#define shardd_fetch_sub(var, v)    atomic_fetch_sub_explicit(SHARDD_ATOMIC_OF(&(var)), (v), memory_order_relaxed)
 
 static inline int shardd_is_pow2(uint32_t v)
 {
@@ -78,9 +98,7 @@ static inline int shardd_ring_format(void *region, uint64_t size, uint32_t sq_en
 	h->daemon_pid = daemon_pid;
 	h->client_id = client_id;
 	/* Publish the layout before the version: attach reads version with acquire. */
-	atomic_store_explicit(SHARDD_ATOMIC32(&h->version),
-			      (uint32_t)SHARDD_PROTO_MAJOR << 16 | SHARDD_PROTO_MINOR,
-			      memory_order_release);
+	shardd_store_release(&h->version, (uint32_t)SHARDD_PROTO_MAJOR << 16 | SHARDD_PROTO_MINOR);
 	return 0;
 }
 
@@ -96,7 +114,7 @@ static inline int shardd_ring_attach(struct shardd_ring *r, void *region, uint64
 
 	if (size < sizeof(*h))
 		return -EBADMSG;
-	version = atomic_load_explicit(SHARDD_ATOMIC32(&h->version), memory_order_acquire);
+	version = shardd_load_acquire(&h->version);
 	if (h->magic != SHARDD_RING_MAGIC)
 		return -SHARDD_E_MAGIC;
 	if (version >> 16 != SHARDD_PROTO_MAJOR)
@@ -126,8 +144,8 @@ static inline int shardd_ring_attach(struct shardd_ring *r, void *region, uint64
 static inline int64_t shardd_sq_next_slot(const struct shardd_ring *r)
 {
 	struct shardd_ring_hdr *h = r->hdr;
-	uint32_t tail = atomic_load_explicit(SHARDD_ATOMIC32(&h->sq_tail), memory_order_relaxed);
-	uint32_t head = atomic_load_explicit(SHARDD_ATOMIC32(&h->sq_head), memory_order_acquire);
+	uint32_t tail = SHARDD_READ_ONCE(h->sq_tail);
+	uint32_t head = shardd_load_acquire(&h->sq_head);
 
 	/* Capacities come from our own copy: the shared header is writable by the peer. */
 	if (tail - head >= r->sq_mask + 1)
@@ -143,11 +161,11 @@ static inline int64_t shardd_sq_next_slot(const struct shardd_ring *r)
 static inline void shardd_sq_publish(struct shardd_ring *r, uint32_t slot, const struct shardd_sqe *sqe)
 {
 	struct shardd_ring_hdr *h = r->hdr;
-	uint32_t tail = atomic_load_explicit(SHARDD_ATOMIC32(&h->sq_tail), memory_order_relaxed);
+	uint32_t tail = SHARDD_READ_ONCE(h->sq_tail);
 
 	r->sq[slot] = *sqe;
 	/* Publish the entry before the tail: the daemon reads tail with acquire. */
-	atomic_store_explicit(SHARDD_ATOMIC32(&h->sq_tail), tail + 1, memory_order_release);
+	shardd_store_release(&h->sq_tail, tail + 1);
 }
 
 /*
@@ -173,8 +191,8 @@ static inline int shardd_sq_push(struct shardd_ring *r, const struct shardd_sqe 
  */
 static inline int shardd_ring_needs_wakeup(struct shardd_ring *r)
 {
-	atomic_thread_fence(memory_order_seq_cst);
-	return atomic_load_explicit(SHARDD_ATOMIC32(&r->hdr->flags), memory_order_relaxed) &
+	shardd_smp_mb();
+	return SHARDD_READ_ONCE(r->hdr->flags) &
 	       SHARDD_RING_NEED_WAKEUP;
 }
 
@@ -188,8 +206,8 @@ static inline int shardd_ring_needs_wakeup(struct shardd_ring *r)
 static inline int64_t shardd_sq_ready(const struct shardd_ring *r)
 {
 	struct shardd_ring_hdr *h = r->hdr;
-	uint32_t tail = atomic_load_explicit(SHARDD_ATOMIC32(&h->sq_tail), memory_order_acquire);
-	uint32_t head = atomic_load_explicit(SHARDD_ATOMIC32(&h->sq_head), memory_order_relaxed);
+	uint32_t tail = shardd_load_acquire(&h->sq_tail);
+	uint32_t head = SHARDD_READ_ONCE(h->sq_head);
 
 	/*
 	 * The capacity is our own copy, never the header's: a client could
@@ -207,7 +225,7 @@ static inline int64_t shardd_sq_ready(const struct shardd_ring *r)
  */
 static inline uint32_t shardd_sq_peek(const struct shardd_ring *r, struct shardd_sqe *out)
 {
-	uint32_t head = atomic_load_explicit(SHARDD_ATOMIC32(&r->hdr->sq_head), memory_order_relaxed);
+	uint32_t head = SHARDD_READ_ONCE(r->hdr->sq_head);
 
 	memcpy(out, &r->sq[head & r->sq_mask], sizeof(*out));
 	return head & r->sq_mask;
@@ -221,10 +239,10 @@ static inline uint32_t shardd_sq_peek(const struct shardd_ring *r, struct shardd
 static inline void shardd_sq_release(struct shardd_ring *r)
 {
 	struct shardd_ring_hdr *h = r->hdr;
-	uint32_t head = atomic_load_explicit(SHARDD_ATOMIC32(&h->sq_head), memory_order_relaxed);
+	uint32_t head = SHARDD_READ_ONCE(h->sq_head);
 
 	/* The copy is done before the slot is handed back to the client. */
-	atomic_store_explicit(SHARDD_ATOMIC32(&h->sq_head), head + 1, memory_order_release);
+	shardd_store_release(&h->sq_head, head + 1);
 }
 
 /*
@@ -233,13 +251,13 @@ static inline void shardd_sq_release(struct shardd_ring *r)
  */
 static inline int shardd_ring_prepare_sleep(struct shardd_ring *r)
 {
-	_Atomic uint32_t *flags = SHARDD_ATOMIC32(&r->hdr->flags);
+	struct shardd_ring_hdr *h = r->hdr;
 
-	atomic_fetch_or_explicit(flags, SHARDD_RING_NEED_WAKEUP, memory_order_relaxed);
+	shardd_fetch_or(h->flags, SHARDD_RING_NEED_WAKEUP);
 	/* Flag store before tail load; pairs with shardd_ring_needs_wakeup(). */
-	atomic_thread_fence(memory_order_seq_cst);
+	shardd_smp_mb();
 	if (shardd_sq_ready(r) != 0) {
-		atomic_fetch_and_explicit(flags, ~SHARDD_RING_NEED_WAKEUP, memory_order_relaxed);
+		shardd_fetch_and(h->flags, ~SHARDD_RING_NEED_WAKEUP);
 		return 1;
 	}
 	return 0;
@@ -248,8 +266,7 @@ static inline int shardd_ring_prepare_sleep(struct shardd_ring *r)
 /* Daemon awake again: clear NEED_WAKEUP so clients stop ringing. */
 static inline void shardd_ring_clear_wakeup(struct shardd_ring *r)
 {
-	atomic_fetch_and_explicit(SHARDD_ATOMIC32(&r->hdr->flags), ~SHARDD_RING_NEED_WAKEUP,
-				  memory_order_relaxed);
+	shardd_fetch_and(r->hdr->flags, ~SHARDD_RING_NEED_WAKEUP);
 }
 
 /* ---------------- daemon: production of the CQ ---------------- */
@@ -258,8 +275,8 @@ static inline void shardd_ring_clear_wakeup(struct shardd_ring *r)
 static inline int64_t shardd_cq_space(struct shardd_ring *r)
 {
 	struct shardd_ring_hdr *h = r->hdr;
-	uint32_t tail = atomic_load_explicit(SHARDD_ATOMIC32(&h->cq_tail), memory_order_relaxed);
-	uint32_t head = atomic_load_explicit(SHARDD_ATOMIC32(&h->cq_head), memory_order_acquire);
+	uint32_t tail = SHARDD_READ_ONCE(h->cq_tail);
+	uint32_t head = shardd_load_acquire(&h->cq_head);
 
 	/* Our own copy of the capacity: the client can rewrite hdr->cq_entries. */
 	if (tail - head > r->cq_mask + 1)
@@ -276,7 +293,7 @@ static inline long shardd_futex(uint32_t *word, int op, uint32_t val,
 /* The CQ slot the daemon's next shardd_cq_push() fills (only the daemon pushes). */
 static inline uint32_t shardd_cq_next_slot(const struct shardd_ring *r)
 {
-	return atomic_load_explicit(SHARDD_ATOMIC32(&r->hdr->cq_tail), memory_order_relaxed) &
+	return SHARDD_READ_ONCE(r->hdr->cq_tail) &
 	       r->cq_mask;
 }
 
@@ -289,7 +306,7 @@ static inline void shardd_cq_push(struct shardd_ring *r, const struct shardd_cqe
 				  const char *msg)
 {
 	struct shardd_ring_hdr *h = r->hdr;
-	uint32_t tail = atomic_load_explicit(SHARDD_ATOMIC32(&h->cq_tail), memory_order_relaxed);
+	uint32_t tail = SHARDD_READ_ONCE(h->cq_tail);
 	struct shardd_cqe *slot = &r->cq[tail & r->cq_mask];
 
 	*slot = *cqe;
@@ -303,11 +320,11 @@ static inline void shardd_cq_push(struct shardd_ring *r, const struct shardd_cqe
 		slot->has_msg = 1;
 	}
 	/* Entry and text before the tail: the client reads tail with acquire. */
-	atomic_store_explicit(SHARDD_ATOMIC32(&h->cq_tail), tail + 1, memory_order_release);
+	shardd_store_release(&h->cq_tail, tail + 1);
 	/* Tail store before the waiter count load; pairs with shardd_cq_wait(). */
-	atomic_thread_fence(memory_order_seq_cst);
-	if (atomic_load_explicit(SHARDD_ATOMIC32(&h->cq_waiters), memory_order_relaxed))
-		shardd_futex(&h->cq_tail, FUTEX_WAKE, INT_MAX, NULL);
+	shardd_smp_mb();
+	if (SHARDD_READ_ONCE(h->cq_waiters))
+		shardd_futex(&h->cq_tail, FUTEX_WAKE, INT32_MAX, NULL);
 }
 
 /* ---------------- client: consumption of the CQ ---------------- */
@@ -316,8 +333,8 @@ static inline void shardd_cq_push(struct shardd_ring *r, const struct shardd_cqe
 static inline int64_t shardd_cq_ready(const struct shardd_ring *r)
 {
 	struct shardd_ring_hdr *h = r->hdr;
-	uint32_t tail = atomic_load_explicit(SHARDD_ATOMIC32(&h->cq_tail), memory_order_acquire);
-	uint32_t head = atomic_load_explicit(SHARDD_ATOMIC32(&h->cq_head), memory_order_relaxed);
+	uint32_t tail = shardd_load_acquire(&h->cq_tail);
+	uint32_t head = SHARDD_READ_ONCE(h->cq_head);
 
 	/* Our own copy of the capacity, as the daemon's header fields are not re-read. */
 	if (tail - head > r->cq_mask + 1)
@@ -333,7 +350,7 @@ static inline int64_t shardd_cq_ready(const struct shardd_ring *r)
 static inline uint32_t shardd_cq_peek(const struct shardd_ring *r, struct shardd_cqe *out, char *msg,
 				      size_t msg_len)
 {
-	uint32_t head = atomic_load_explicit(SHARDD_ATOMIC32(&r->hdr->cq_head), memory_order_relaxed);
+	uint32_t head = SHARDD_READ_ONCE(r->hdr->cq_head);
 	uint32_t slot = head & r->cq_mask;
 
 	memcpy(out, &r->cq[slot], sizeof(*out));
@@ -359,10 +376,10 @@ static inline uint32_t shardd_cq_peek(const struct shardd_ring *r, struct shardd
 static inline void shardd_cq_release(struct shardd_ring *r)
 {
 	struct shardd_ring_hdr *h = r->hdr;
-	uint32_t head = atomic_load_explicit(SHARDD_ATOMIC32(&h->cq_head), memory_order_relaxed);
+	uint32_t head = SHARDD_READ_ONCE(h->cq_head);
 
 	/* Entry and text copied before the slot goes back to the daemon. */
-	atomic_store_explicit(SHARDD_ATOMIC32(&h->cq_head), head + 1, memory_order_release);
+	shardd_store_release(&h->cq_head, head + 1);
 }
 
 /*
@@ -374,18 +391,117 @@ static inline int shardd_cq_wait(struct shardd_ring *r, uint32_t seen,
 				 const struct timespec *timeout)
 {
 	struct shardd_ring_hdr *h = r->hdr;
-	_Atomic uint32_t *waiters = SHARDD_ATOMIC32(&h->cq_waiters);
 	int ret = 0;
 
-	atomic_fetch_add_explicit(waiters, 1, memory_order_relaxed);
+	shardd_fetch_add(h->cq_waiters, 1);
 	/* Waiter count before the tail re-check; pairs with shardd_cq_push(). */
-	atomic_thread_fence(memory_order_seq_cst);
-	if (atomic_load_explicit(SHARDD_ATOMIC32(&h->cq_tail), memory_order_acquire) == seen &&
+	shardd_smp_mb();
+	if (shardd_load_acquire(&h->cq_tail) == seen &&
 	    shardd_futex(&h->cq_tail, FUTEX_WAIT, seen, timeout) < 0 &&
 	    errno != EAGAIN)
 		ret = -errno;
-	atomic_fetch_sub_explicit(waiters, 1, memory_order_relaxed);
+	shardd_fetch_sub(h->cq_waiters, 1);
 	return ret;
+}
+
+/* ---------------- either side: the rest of the header ---------------- */
+
+/*
+ * The capacities the header states (client: checked against the WELCOME
+ * once at attach; the daemon never re-reads them, a client can rewrite them).
+ */
+static inline void shardd_ring_capacity(const struct shardd_ring *r, uint32_t *sq_entries,
+					uint32_t *cq_entries)
+{
+	*sq_entries = SHARDD_READ_ONCE(r->hdr->sq_entries);
+	*cq_entries = SHARDD_READ_ONCE(r->hdr->cq_entries);
+}
+
+/* The four indices as they are now: for error messages only, the peer may be moving them. */
+static inline void shardd_ring_indices(const struct shardd_ring *r, uint32_t *sq_head,
+				       uint32_t *sq_tail, uint32_t *cq_head, uint32_t *cq_tail)
+{
+	*sq_head = SHARDD_READ_ONCE(r->hdr->sq_head);
+	*sq_tail = SHARDD_READ_ONCE(r->hdr->sq_tail);
+	*cq_head = SHARDD_READ_ONCE(r->hdr->cq_head);
+	*cq_tail = SHARDD_READ_ONCE(r->hdr->cq_tail);
+}
+
+/*
+ * Client: the CQ tail to sleep on (shardd_cq_wait's `seen`). Read with
+ * acquire before the caller's last shardd_cq_ready() re-check, or a push is
+ * missed.
+ */
+static inline uint32_t shardd_cq_tail_seen(const struct shardd_ring *r)
+{
+	return shardd_load_acquire(&r->hdr->cq_tail);
+}
+
+/* SHARDD_RING_* flags (NEED_WAKEUP, DEAD) as they are now. */
+static inline uint32_t shardd_ring_flags(const struct shardd_ring *r)
+{
+	return SHARDD_READ_ONCE(r->hdr->flags);
+}
+
+/*
+ * Daemon: the client is gone. Set DEAD for a client that looks at the ring
+ * rather than the socket, and wake its futex waiters.
+ */
+static inline void shardd_ring_mark_dead(struct shardd_ring *r)
+{
+	atomic_fetch_or_explicit(SHARDD_ATOMIC_OF(&r->hdr->flags), SHARDD_RING_DEAD,
+				 memory_order_release);
+	shardd_futex(&r->hdr->cq_tail, FUTEX_WAKE, INT32_MAX, NULL);
+}
+
+/*
+ * Daemon: entries wait for CQ room that only the client can free by
+ * reaping: set NEED_WAKEUP so that its reap rings the doorbell. The full
+ * barrier orders the flag store before the caller's cq_head load; it pairs
+ * with the client's reap (cq_head store, full barrier, flag load): one of
+ * the two sees the other.
+ */
+static inline void shardd_ring_arm_wakeup(struct shardd_ring *r)
+{
+	shardd_fetch_or(r->hdr->flags, SHARDD_RING_NEED_WAKEUP);
+	shardd_smp_mb();
+}
+
+/*
+ * Diagnostics (line 5 is the daemon's, line 6 the client's): who took or
+ * submitted what last, and when the daemon's loop last turned. Relaxed:
+ * shown by shardctl and the client's status, never trusted or ordered.
+ */
+static inline void shardd_ring_note_taken(struct shardd_ring *r, uint32_t op, uint64_t step)
+{
+	SHARDD_WRITE_ONCE(r->hdr->daemon_last_op, op);
+	SHARDD_WRITE_ONCE(r->hdr->daemon_last_step, step);
+}
+
+static inline void shardd_ring_note_heartbeat(struct shardd_ring *r, uint64_t now_ns)
+{
+	SHARDD_WRITE_ONCE(r->hdr->daemon_heartbeat_ns, now_ns);
+}
+
+static inline void shardd_ring_note_submitted(struct shardd_ring *r, uint32_t op, uint64_t step)
+{
+	SHARDD_WRITE_ONCE(r->hdr->client_last_op, op);
+	SHARDD_WRITE_ONCE(r->hdr->client_last_step, step);
+}
+
+static inline void shardd_ring_daemon_last(const struct shardd_ring *r, uint32_t *op,
+					   uint64_t *step, uint64_t *heartbeat_ns)
+{
+	*op = SHARDD_READ_ONCE(r->hdr->daemon_last_op);
+	*step = SHARDD_READ_ONCE(r->hdr->daemon_last_step);
+	*heartbeat_ns = SHARDD_READ_ONCE(r->hdr->daemon_heartbeat_ns);
+}
+
+static inline void shardd_ring_client_last(const struct shardd_ring *r, uint32_t *op,
+					   uint64_t *step)
+{
+	*op = SHARDD_READ_ONCE(r->hdr->client_last_op);
+	*step = SHARDD_READ_ONCE(r->hdr->client_last_step);
 }
 
 #endif /* SHARDD_RING_H */

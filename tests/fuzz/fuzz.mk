@@ -21,8 +21,9 @@ FUZZ_BUILD       := build-fuzz$(if $(filter 0,$(FUZZ_SKIP_HOLES)),-holes)
 FUZZ_FLAGS       ?= -max_len=4096 -timeout=30 -rss_limit_mb=4096 -malloc_limit_mb=1024 \
 		    -print_final_stats=1
 FUZZ_SAN         := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
-FUZZ_CFLAGS      := -O1 -g -std=gnu11 -Wall -Wextra -Werror -pthread -MMD -MP \
-		    -I. -Iproto -Ikernels -Idaemon -DSHARDD_VERSION='"$(VERSION)"' \
+# Include paths: each source's folder's, as in the gcc builds (inc_of, Makefile).
+FUZZ_CFLAGS      := -O1 -g -std=gnu11 -Wall -Wextra $(WERROR_FLAGS) -pthread -MMD -MP \
+		    -DSHARDD_VERSION='"$(VERSION)"' \
 		    -DFUZZ_SKIP_HOLES=$(FUZZ_SKIP_HOLES) $(FUZZ_SAN)
 
 FUZZ_LIB_SRC := $(filter-out daemon/main.c daemon/backend_cuda%.c,$(wildcard daemon/*.c)) \
@@ -37,7 +38,7 @@ fuzz-build: $(FUZZ_BIN)
 
 $(FUZZ_BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
-	$(FUZZ_CC) $(FUZZ_CFLAGS) $(FUZZ_EXTRA) -fsanitize=fuzzer-no-link -c $< -o $@
+	$(FUZZ_CC) $(FUZZ_CFLAGS) $(call inc_of,$<) $(FUZZ_EXTRA) -fsanitize=fuzzer-no-link -c $< -o $@
 
 # The kernels are written for gcc: clang 14 lacks __builtin_cpu_supports("f16c")
 # (clang_compat.h), and warns of cast.c's bf16_round passing NULL + i as the
@@ -45,6 +46,9 @@ $(FUZZ_BUILD)/%.o: %.c
 # it is fixed, its run-time check is off in cast.c when the holes are skipped.
 $(FUZZ_BUILD)/kernels/%.o: FUZZ_EXTRA := -include tests/fuzz/clang_compat.h -Wno-null-pointer-arithmetic
 $(FUZZ_BUILD)/kernels/cast.o: FUZZ_EXTRA += $(if $(filter 1,$(FUZZ_SKIP_HOLES)),-fno-sanitize=pointer-overflow)
+# optim.c's `#pragma GCC optimize("fp-contract=off")` is gcc's; clang keeps
+# its own contraction, which changes rounding only, not what the fuzzer finds.
+$(FUZZ_BUILD)/kernels/optim.o: FUZZ_EXTRA += -Wno-unknown-pragmas
 
 $(FUZZ_BUILD)/fuzz_%: $(FUZZ_BUILD)/tests/fuzz/fuzz_%.o $(FUZZ_OBJ)
 	$(FUZZ_CC) $(FUZZ_SAN) -fsanitize=fuzzer -pthread -o $@ $^ $(LDLIBS)

@@ -28,6 +28,7 @@
 #include <sanitizer/allocator_interface.h>
 
 #include "admin.h"
+#include "clock.h"
 #include "engine.h"
 #include "job.h"
 #include "log.h"

@@ -20,13 +20,13 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "backend.h"
+#include "backend_cuda.h"
 #include "cuda_import.h"
-#include "daemon/backend.h"
-#include "daemon/backend_cuda.h"
-#include "daemon/layout.h"
-#include "daemon/pool.h"
+#include "harness.h"
+#include "layout.h"
+#include "pool.h"
 #include "shardd_kernels.h"
-#include "tests/lib/harness.h"
 
 #define WORLD 3
 /* The daemon's default collective timeout: bounds waits on NCCL, which these single-device tests never use. */

@@ -6,7 +6,7 @@
  * Each rank queues a long delay on its stream, then writes its shard (or
  * its grad) on that stream, submits unshard (or reduce) without waiting for
  * the writes, reaps the completion, and copies the result back on the same
- * stream. With a stream set (shardd_set_stream) the fences make this
+ * stream. With a stream set (shardd_stream_set) the fences make this
  * correct with no CPU wait: were the daemon's wait on the trainer's event
  * missing, it would read the shard before the delayed write lands; were
  * the trainer's wait on the daemon's event missing, the copy could run
@@ -24,8 +24,8 @@
 #include <string.h>
 #include <sys/wait.h>
 
+#include "harness.h"
 #include "shardd.h"
-#include "tests/lib/harness.h"
 
 #define WORLD        2
 #define NUMEL        (1u << 20)           /* fp32 elements of the param: 4 MiB */
@@ -125,7 +125,7 @@ static int rank_main(void *arg)
 	CHECK_SHARDD(shardd_connect(&o, &c));
 	CHECK_SHARDD(shardd_group_register(c, "fenced", &p, 1, NULL, &g));
 	if (a->use_stream)
-		CHECK_SHARDD(shardd_set_stream(c, s));
+		CHECK_SHARDD(shardd_stream_set(c, s));
 
 	for (int step = 1; step <= STEPS; step++) {
 		float mine = (float)(100 * a->rank + step);

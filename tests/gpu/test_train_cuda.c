@@ -10,7 +10,7 @@
  */
 #include <criterion/criterion.h>
 
-#include "tests/lib/train.h"
+#include "train.h"
 
 static void need_gpu(void)
 {

@@ -17,7 +17,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "tests/lib/harness.h"
+#include "harness.h"
 #include "shardd_ctrl.h"
 
 #define REPLY_TIMEOUT_MS 5000
@@ -331,12 +331,12 @@ Test(attach, stream_ordering_is_refused_on_the_host_backend_and_ops_go_on, .time
 
 	cr_assert_eq(shardd_connect(&o, &c), 0, "%s", shardd_last_error());
 	cr_assert_eq(shardd_backend(c), SHARDD_BACKEND_HOST);
-	cr_assert_eq(shardd_set_stream(c, NULL), -ENOTSUP);
+	cr_assert_eq(shardd_stream_set(c, NULL), -ENOTSUP);
 	cr_assert_not_null(strstr(shardd_last_error(), "host backend"), "%s", shardd_last_error());
 	/* Nothing was set: ops go out unfenced, which the daemon would refuse otherwise. */
 	for (int i = 0; i < 10; i++)
 		cr_assert_eq(shardd_nop(c), 0, "nop %d: %s", i, shardd_last_error());
-	shardd_clear_stream(c);
+	shardd_stream_clear(c);
 	cr_assert_eq(shardd_barrier(c, 1), 0, "%s", shardd_last_error());
 	shardd_close(c);
 }

@@ -17,7 +17,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "tests/lib/harness.h"
+#include "harness.h"
 
 #define RUN_TIMEOUT_MS 10000
 

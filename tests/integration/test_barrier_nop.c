@@ -16,7 +16,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "tests/lib/harness.h"
+#include "harness.h"
 
 #define NOPS_PER_RANK   100000u
 #define CHILD_WAIT_MS   30000

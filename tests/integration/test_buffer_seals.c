@@ -21,10 +21,10 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "harness.h"
 #include "internal.h"
+#include "reference.h"
 #include "shardd_ctrl.h"
-#include "tests/lib/harness.h"
-#include "tests/lib/reference.h"
 
 #define WORLD      2
 #define SIGNAL_MS  20000

@@ -33,7 +33,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "tests/lib/harness.h"
+#include "harness.h"
 #include "shardd_ctrl.h"
 
 #define REPLY_MS     5000

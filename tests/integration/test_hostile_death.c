@@ -26,7 +26,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "tests/lib/hostile.h"
+#include "hostile.h"
 
 TestSuite(hostile, .init = start_daemon, .fini = stop_daemon, .timeout = 30);
 

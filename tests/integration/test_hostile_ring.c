@@ -28,7 +28,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "tests/lib/hostile.h"
+#include "hostile.h"
 
 TestSuite(hostile, .init = start_daemon, .fini = stop_daemon, .timeout = 30);
 
@@ -313,8 +313,7 @@ Test(hostile, corrupt_ring_indices_drop_only_that_client)
 	/* A tail more than one ring ahead of the head. */
 	raw_attach(&bad, "corrupt", 0, 1, 1, 16);
 	head = ring_load(&bad.ring.hdr->sq_head);
-	atomic_store_explicit(SHARDD_ATOMIC32(&bad.ring.hdr->sq_tail), head + 16 + 5,
-			      memory_order_release);
+	shardd_store_release(&bad.ring.hdr->sq_tail, head + 16 + 5);
 	cr_assert_eq(write(bad.doorbell, &(uint64_t){ 1 }, 8), 8);
 	expect_dropped_for_corrupt_ring(&bad, "SQ tail");
 	raw_close(&bad);
@@ -325,8 +324,7 @@ Test(hostile, corrupt_ring_indices_drop_only_that_client)
 	head = ring_load(&bad.ring.hdr->sq_head);
 	bad.ring.hdr->sq_entries = UINT32_MAX;
 	bad.ring.hdr->cq_entries = UINT32_MAX;
-	atomic_store_explicit(SHARDD_ATOMIC32(&bad.ring.hdr->sq_tail), head + 100000,
-			      memory_order_release);
+	shardd_store_release(&bad.ring.hdr->sq_tail, head + 100000);
 	cr_assert_eq(write(bad.doorbell, &(uint64_t){ 1 }, 8), 8);
 	expect_dropped_for_corrupt_ring(&bad, "SQ tail");
 	raw_close(&bad);
@@ -335,8 +333,7 @@ Test(hostile, corrupt_ring_indices_drop_only_that_client)
 	/* A CQ head run past the CQ tail, then a submission. */
 	raw_attach(&bad, "corrupt", 0, 1, 1, 16);
 	raw_nop_ok(&bad, 1);
-	atomic_store_explicit(SHARDD_ATOMIC32(&bad.ring.hdr->cq_head),
-			      ring_load(&bad.ring.hdr->cq_tail) + 7, memory_order_release);
+	shardd_store_release(&bad.ring.hdr->cq_head, ring_load(&bad.ring.hdr->cq_tail) + 7);
 	raw_push(&bad, (struct shardd_sqe[]){ sqe_of(SHARDD_OP_NOP, 0, 0, 0, 2) });
 	cr_assert_eq(write(bad.doorbell, &(uint64_t){ 1 }, 8), 8);
 	expect_dropped_for_corrupt_ring(&bad, "CQ head");
@@ -439,8 +436,7 @@ Test(hostile, collective_failing_while_a_member_is_dropped_completes_each_op_onc
 	raw_nop_ok(&r[0], 102);
 	raw_push(&r[1], (struct shardd_sqe[]){ sqe_of(SHARDD_OP_UNSHARD, g1, 1, 0, 201) });
 	raw_nop_ok(&r[1], 202);
-	atomic_store_explicit(SHARDD_ATOMIC32(&r[1].ring.hdr->cq_head),
-			      ring_load(&r[1].ring.hdr->cq_tail) + 7, memory_order_release);
+	shardd_store_release(&r[1].ring.hdr->cq_head, ring_load(&r[1].ring.hdr->cq_tail) + 7);
 
 	c = raw_op(&r[2], sqe_of(SHARDD_OP_UNSHARD, g1, 2, 0, 301), msg);
 	cr_assert_eq(c.res, -SHARDD_E_MISMATCH, "rank 2: %d %s", c.res, msg);

@@ -26,9 +26,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "harness.h"
+#include "reference.h"
 #include "shardd.h"
-#include "tests/lib/harness.h"
-#include "tests/lib/reference.h"
 
 #define OUT_MAX      (1 << 16)
 #define CTL_TIMEOUT  10000

@@ -23,8 +23,8 @@
 #include <sys/wait.h>
 #include <time.h>
 
+#include "harness.h"
 #include "shardd_ctrl.h"
-#include "tests/lib/harness.h"
 
 #define MIB          (1ull << 20)
 #define MAX_MEMORY   (64 * MIB)

@@ -34,7 +34,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "tests/lib/harness.h"
+#include "harness.h"
 #include "shardd.h"
 
 #define OPD_LOG_MAX     (1 << 16)

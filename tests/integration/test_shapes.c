@@ -20,9 +20,9 @@
 #include <string.h>
 #include <sys/wait.h>
 
+#include "harness.h"
+#include "reference.h"
 #include "shardd_ctrl.h"
-#include "tests/lib/harness.h"
-#include "tests/lib/reference.h"
 
 #define CHILD_WAIT_MS 20000
 #define MAX_RANKS     4

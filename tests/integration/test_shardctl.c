@@ -19,7 +19,7 @@
 #include <criterion/criterion.h>
 #include <jansson.h>
 
-#include "tests/lib/harness.h"
+#include "harness.h"
 #include "shardd.h"
 #include "shardd_ctrl.h"
 

@@ -14,7 +14,7 @@
 
 #include <criterion/criterion.h>
 
-#include "tests/lib/train.h"
+#include "train.h"
 
 /* ------------------------------------------------------------------ */
 /* Tests                                                               */

@@ -21,10 +21,10 @@
 #include <string.h>
 #include <sys/wait.h>
 
+#include "launch.h"
+#include "model.h"
 #include "shardd.h"
-#include "client/examples/mlp/launch.h"
-#include "client/examples/mlp/model.h"
-#include "client/examples/mlp/trainer.h"
+#include "trainer.h"
 
 struct faults {
 	int64_t kill_rank;     /* --kill-rank R; -1: not given */

@@ -10,7 +10,7 @@
 
 #include <criterion/criterion.h>
 
-#include "tests/lib/hostile.h"
+#include "hostile.h"
 
 struct harness_daemon hostile_daemon;
 

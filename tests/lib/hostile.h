@@ -12,8 +12,8 @@
 #ifndef SHARDD_TEST_HOSTILE_H
 #define SHARDD_TEST_HOSTILE_H
 
-#include "tests/lib/harness.h"
-#include "tests/lib/rawproto.h"
+#include "harness.h"
+#include "rawproto.h"
 
 #define COLLECTIVE_S  "5"
 

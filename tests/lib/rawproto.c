@@ -13,7 +13,7 @@
 
 #include <criterion/criterion.h>
 
-#include "tests/lib/rawproto.h"
+#include "rawproto.h"
 
 static struct harness_daemon *rp_daemon;
 
@@ -274,7 +274,7 @@ void raw_push(struct raw *r, const struct shardd_sqe *sqe)
 
 uint32_t ring_load(const uint32_t *p)
 {
-	return atomic_load_explicit(SHARDD_ATOMIC32(p), memory_order_acquire);
+	return shardd_load_acquire(p);
 }
 
 /* The daemon closed this client: socket hung up or ring marked dead. */

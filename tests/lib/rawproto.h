@@ -16,7 +16,7 @@
 
 #include <jansson.h>
 
-#include "tests/lib/harness.h"
+#include "harness.h"
 #include "shardd_ctrl.h"
 #include "shardd_ring.h"
 

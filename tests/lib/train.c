@@ -12,7 +12,7 @@
 #include <criterion/criterion.h>
 #include <criterion/logging.h>
 
-#include "tests/lib/train.h"
+#include "train.h"
 
 /* SHARDD_BUILD/rel with args. */
 static void run_built(struct train_run *r, const char *rel, const char *const *args)

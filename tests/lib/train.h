@@ -22,7 +22,7 @@
 #ifndef SHARDD_TEST_TRAIN_H
 #define SHARDD_TEST_TRAIN_H
 
-#include "tests/lib/harness.h"
+#include "harness.h"
 
 #define TRAIN_PARITY_RTOL  1e-5
 #define TRAIN_PARITY_FLOOR 0.1

@@ -9,8 +9,8 @@
 #include <criterion/criterion.h>
 #include <string.h>
 
-#include "daemon/backend.h"
-#include "daemon/pool.h"
+#include "backend.h"
+#include "pool.h"
 
 static struct shardd_pool *pool;
 static struct shardd_backend_ctx *be;

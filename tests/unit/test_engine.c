@@ -19,11 +19,11 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include "daemon/engine.h"
-#include "daemon/rendezvous.h"
+#include "clock.h"
+#include "engine.h"
+#include "reference.h"
 #include "shardd_kernels.h"
 #include "shardd_proto.h"
-#include "tests/lib/reference.h"
 
 #define MAXW 16 /* ranks a test job may have */
 #define MAXG 32 /* group ids a test may see */

@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "daemon/layout.h"
+#include "layout.h"
 #include "shardd_proto.h"
 
 static struct shardd_param_spec spec(const char *name, uint32_t dtype, uint32_t ndim, ...)

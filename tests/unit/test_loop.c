@@ -13,7 +13,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "daemon/loop.h"
+#include "loop.h"
 
 struct pipe_ev {
 	struct shardd_loop *l;

@@ -14,8 +14,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "daemon/group.h"
-#include "daemon/memlimit.h"
+#include "group.h"
+#include "memlimit.h"
 
 Test(limits, byte_counts_take_binary_suffixes, .timeout = 5)
 {

@@ -10,7 +10,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "daemon/placement.h"
+#include "placement.h"
 
 #define NONE SHARDD_HELLO_DEVICE_HOST
 

@@ -10,7 +10,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "daemon/rendezvous.h"
+#include "rendezvous.h"
 
 #define SEC 1000000000ull
 
@@ -232,10 +232,46 @@ Test(rendezvous, reset_keeps_the_expected_set_for_the_next_round, .timeout = 5)
 	shardd_rdv_free(&r);
 }
 
-Test(rendezvous, now_is_monotonic, .timeout = 5)
+Test(rendezvous, missing_msg_names_late_and_waiting_ranks_in_number, .timeout = 5)
 {
-	uint64_t a = shardd_now_ns(), b = shardd_now_ns();
+	const uint32_t four[] = { 3, 1, 0, 2 }, two[] = { 0, 1 };
+	struct shardd_rdv r;
+	char why[128], msg[256];
 
-	cr_assert_gt(a, 0);
-	cr_assert_geq(b, a);
+	rdv_of(&r, four, 4);
+	shardd_rdv_arrive(&r, 1, 5, 0, 0, SEC, why, sizeof(why));
+	shardd_rdv_arrive(&r, 0, 5, 0, 0, SEC, why, sizeof(why));
+	shardd_rdv_missing_msg(&r, "did not arrive", "30 s", msg, sizeof(msg));
+	cr_assert_str_eq(msg, "ranks 2,3 did not arrive within 30 s; ranks 0,1 are waiting");
+	shardd_rdv_free(&r);
+
+	rdv_of(&r, two, 2);
+	shardd_rdv_arrive(&r, 0, 5, 0, 0, SEC, why, sizeof(why));
+	shardd_rdv_missing_msg(&r, "never submitted reduce(group 'g', step 5)", "0.05 s", msg, sizeof(msg));
+	cr_assert_str_eq(msg, "rank 1 never submitted reduce(group 'g', step 5) within 0.05 s; rank 0 is waiting");
+	shardd_rdv_who_missing(&r, msg, sizeof(msg));
+	cr_assert_str_eq(msg, "rank 1");
+	shardd_rdv_who_present(&r, msg, sizeof(msg));
+	cr_assert_str_eq(msg, "rank 0");
+	shardd_rdv_free(&r);
+}
+
+Test(rendezvous, missing_msg_cuts_long_rank_lists_but_keeps_its_end, .timeout = 5)
+{
+	static uint32_t ranks[1024];
+	const char *end = "; rank 0 is waiting";
+	struct shardd_rdv r;
+	char why[128], msg[256];
+	size_t n;
+
+	for (uint32_t i = 0; i < 1024; i++)
+		ranks[i] = i;
+	rdv_of(&r, ranks, 1024);
+	shardd_rdv_arrive(&r, 0, 1, 0, 0, SEC, why, sizeof(why));
+	shardd_rdv_missing_msg(&r, "did not arrive", "30 s", msg, sizeof(msg));
+	n = strlen(msg);
+	cr_assert(strncmp(msg, "ranks 1,2,3,", 12) == 0, "%s", msg);
+	cr_assert(strstr(msg, "... did not arrive within 30 s"), "%s", msg);
+	cr_assert(n > strlen(end) && strcmp(msg + n - strlen(end), end) == 0, "%s", msg);
+	shardd_rdv_free(&r);
 }

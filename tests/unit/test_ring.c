@@ -683,8 +683,7 @@ static void *pingpong_client(void *arg)
 		}
 		/* No spinning: every wait goes through the futex, the path under test. */
 		while (shardd_cq_ready(pp->r) == 0) {
-			uint32_t seen = atomic_load_explicit(SHARDD_ATOMIC32(&pp->r->hdr->cq_tail),
-							     memory_order_acquire);
+			uint32_t seen = shardd_cq_tail_seen(pp->r);
 
 			if (shardd_cq_ready(pp->r) != 0)
 				break;

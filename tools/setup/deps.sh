@@ -14,6 +14,7 @@ PACKAGES=(
 	clang libclang-rt-dev  # libFuzzer targets (tests/fuzz/): clang and its matching runtimes
 	libopenmpi-dev openmpi-bin   # shardbench's Open MPI comparator
 	python3 python3-numpy python3-pytest python3-torch   # Python client tests (/usr/bin/python3)
+	bible-kjv bible-kjv-text   # train_gpt.py's corpus (the `bible` program decodes the text)
 )
 
 missing=()

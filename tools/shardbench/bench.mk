@@ -16,7 +16,7 @@ $(BUILD)/shardbench: | $(BUILD)/shardbench_mpi
 
 $(BUILD)/tools/shardbench/mpi/%.o: tools/shardbench/mpi/%.c
 	@mkdir -p $(dir $@)
-	$(MPICC) $(CFLAGS) -c $< -o $@
+	$(MPICC) $(CFLAGS) $(call inc_of,$<) -c $< -o $@
 
 # measure.o: the size parsing shardbench itself uses, so both read -b/-e alike.
 $(BUILD)/shardbench_mpi: $(BENCH_MPI_OBJ) $(BUILD)/tools/shardbench/measure.o

@@ -159,9 +159,9 @@ static int rank_size(struct rank_ctx *x, uint64_t bytes, uint64_t *step)
 	RANK_CUDA(cudaDeviceSynchronize());
 	for (int mode = 0; mode < NMODES && !ret; mode++) {
 		if (mode == MODE_STREAM)
-			RANK_SHARDD(shardd_set_stream(x->c, x->s));
+			RANK_SHARDD(shardd_stream_set(x->c, x->s));
 		else
-			shardd_clear_stream(x->c);
+			shardd_stream_clear(x->c);
 		for (int op = 0; op < NOPS && !ret; op++) {
 			for (int i = 0; i < o->warmup && !ret; i++)
 				ret = rank_op(x, g, op, ++*step, 0);
@@ -186,7 +186,7 @@ static int rank_size(struct rank_ctx *x, uint64_t bytes, uint64_t *step)
 				print_row(x, bytes, op, mode);
 		}
 	}
-	shardd_clear_stream(x->c);
+	shardd_stream_clear(x->c);
 	shardd_group_close(g);
 	return ret;
 }
@@ -262,7 +262,7 @@ int bench_gpu_ops_run(const struct bench_opts *o)
 	printf("# proceed: submit -> the sync call returns (the trainer may queue dependent work); "
 	       "done: submit -> results in device memory\n");
 	printf("# mode cpu: no stream (the daemon syncs before completing); stream: "
-	       "shardd_set_stream (fences)\n");
+	       "shardd_stream_set (fences)\n");
 	printf("# %10s %8s %7s %12s %12s %12s %12s\n", "size(B)", "op", "mode", "proceed_p50",
 	       "proceed_p99", "done_p50", "done_p99");
 	fflush(stdout);

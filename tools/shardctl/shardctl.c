@@ -24,6 +24,7 @@
 #include "shardctl.h"
 #include "shardd_ctrl.h"
 #include "shardd_proto.h"
+#include "shardd_socket.h"
 
 #define REPLY_TIMEOUT_MS 10000 /* the daemon answers from its loop: seconds mean it is stuck */
 
@@ -94,19 +95,6 @@ static int usage_error(const char *fmt, const char *arg)
 	fprintf(stderr, fmt, arg);
 	fprintf(stderr, "\nTry 'shardctl --help'.\n");
 	return 2;
-}
-
-static void default_socket(char *buf, size_t len)
-{
-	const char *env = getenv("SHARDD_SOCKET");
-	const char *xdg = getenv("XDG_RUNTIME_DIR");
-
-	if (env && *env)
-		snprintf(buf, len, "%s", env);
-	else if (xdg && *xdg)
-		snprintf(buf, len, "%s/shardd/shardd.sock", xdg);
-	else
-		snprintf(buf, len, "/run/shardd/shardd.sock");
 }
 
 /* ------------------------------------------------------------------ */
@@ -438,7 +426,6 @@ int main(int argc, char **argv)
 	char **pos;
 	int npos, c;
 
-	default_socket(o.socket, sizeof(o.socket));
 	opterr = 0;
 	/* GNU getopt permutes: options may come before or after the command's arguments. */
 	while ((c = getopt_long(argc, argv, "h", longopts, NULL)) != -1) {
@@ -487,6 +474,11 @@ int main(int argc, char **argv)
 			return usage_error("unknown option '%s'", argv[optind - 1]);
 		}
 	}
+	if (!o.socket[0] &&
+	    shardd_socket_path_resolve(NULL, o.socket, sizeof(o.socket)) >= (int)sizeof(o.socket))
+		return usage_error("default socket path '%s...' ($SHARDD_SOCKET, else "
+				   "$XDG_RUNTIME_DIR) is longer than the 107 bytes a Unix socket "
+				   "path may have; pass a shorter --socket", o.socket);
 	if (optind >= argc)
 		return usage_error("%s", "no command given");
 	cmd = argv[optind];

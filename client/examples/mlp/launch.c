@@ -14,8 +14,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "shardd.h"
 #include "launch.h"
+#include "shardd.h"
 
 static void usage(FILE *f)
 {

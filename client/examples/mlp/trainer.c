@@ -10,8 +10,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "shardd.h"
 #include "model.h"
+#include "shardd.h"
 #include "trainer.h"
 
 #ifdef SHARDD_HAVE_CUDA
@@ -105,7 +105,7 @@ static void rank_fail(struct rank *rk, int res, const char *fmt, ...)
 /*
  * Copy n bytes between this process's memory and a cuda-backend group
  * buffer (device memory), finished before returning: without a stream set
- * (shardd_set_stream), the daemon's work does not wait for this process's
+ * (shardd_stream_set), the daemon's work does not wait for this process's
  * copies. 0, or the error recorded with rank_fail.
  */
 static int rank_copy(struct rank *rk, void *dst, const void *src, size_t n, int to_device)

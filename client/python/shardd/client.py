@@ -53,7 +53,11 @@ def _error(code, text):
 
 
 def default_socket_path():
-    """$SHARDD_SOCKET, else $XDG_RUNTIME_DIR/shardd/shardd.sock, else /run/shardd/shardd.sock."""
+    """$SHARDD_SOCKET, else $XDG_RUNTIME_DIR/shardd/shardd.sock, else /run/shardd/shardd.sock.
+
+    Mirrors shardd_socket_path_resolve() of proto/shardd_socket.h, which the
+    daemon, libshardd and shardctl share: change both together.
+    """
     env = os.environ.get("SHARDD_SOCKET")
     if env:
         return env

@@ -26,7 +26,7 @@
 
 #include <mpi.h>
 
-#include "tools/shardbench/bench.h"
+#include "bench.h"
 
 struct mpi_opts {
 	const char *op;

@@ -1,0 +1,46 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The backend factory (backend.h): which backend --backend names, and
+ * whether this build has it. Only here does the daemon know the kinds; the
+ * engine talks to the table alone.
+ */
+#include "backend.h"
+#ifdef SHARDD_HAVE_CUDA
+#include "backend_cuda.h"
+#endif
+#include "log.h"
+
+#ifdef SHARDD_HAVE_CUDA
+/* The cuda backend; its error is logged as it words it (which flag, why, the fix). */
+static int backend_cuda(uint32_t cuda_export, uint64_t timeout_ns, struct shardd_backend_ctx **out)
+{
+	char err[256];
+	int ret = shardd_backend_cuda_create(cuda_export, timeout_ns, out, err, sizeof(err));
+
+	if (ret)
+		shardd_log_error("%s", err);
+	return ret;
+}
+#endif
+
+int shardd_backend_create(uint32_t kind, uint32_t cuda_export, uint64_t timeout_ns,
+			  struct shardd_pool *pool, struct shardd_backend_ctx **out)
+{
+	switch (kind) {
+	case SHARDD_BACKEND_HOST:
+		return shardd_backend_host_create(pool, out);
+	case SHARDD_BACKEND_CUDA:
+#ifdef SHARDD_HAVE_CUDA
+		return backend_cuda(cuda_export, timeout_ns, out);
+#else
+		(void)cuda_export;
+		(void)timeout_ns;
+		shardd_log_error("shardd: the cuda backend is not available in this build; use --backend host");
+		return -SHARDD_E_BACKEND;
+#endif
+	default:
+		shardd_log_error("shardd: backend %u is not a backend (host = %d, cuda = %d)",
+				 kind, SHARDD_BACKEND_HOST, SHARDD_BACKEND_CUDA);
+		return -SHARDD_E_BACKEND;
+	}
+}

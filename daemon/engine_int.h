@@ -1,0 +1,188 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The op engine's private state, shared by its four files:
+ *
+ *   engine.c      the engine and its jobs: create/destroy, job lifecycle,
+ *                 submit and dispatch of ring entries, per-rank order
+ *                 (deferred ops), departures and the cron, introspection
+ *   registry.c    registration and OPEN_GROUP: a group's spec, memory,
+ *                 placement and buffers, and its replies
+ *   collective.c  unshard and reduce rendezvous: arrival, launch, failure,
+ *                 departure and timeout of a collective
+ *   task.c        what each op computes (unshard, reduce-scatter, HSDP
+ *                 partials and all-reduce, zero_grad) and where it runs:
+ *                 the loop thread or the worker pool, and delivery
+ *
+ * Everything here is loop-thread state unless a field says otherwise.
+ */
+#ifndef SHARDD_ENGINE_INT_H
+#define SHARDD_ENGINE_INT_H
+
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "backend.h"
+#include "engine.h"
+#include "group.h"
+#include "pool.h"
+#include "rendezvous.h"
+#include "shardd_proto.h"
+
+#define ENGINE_MSG_MAX 512
+/* "rank 3" / "ranks 2,3" of a collective's or a registration's ranks in a message. */
+#define ENGINE_WHO_MAX 168
+
+/* One submitted op waiting for its completion. */
+struct eng_op {
+	uint32_t rank;
+	uint64_t token;
+	struct shardd_sqe sqe;
+};
+
+/* One rank's pending registration. */
+struct eng_reg {
+	uint64_t token;
+	uint32_t seq;
+};
+
+enum eng_task_kind {
+	TASK_UNSHARD = 1,     /* all-gather of one replica's shard group */
+	TASK_REDUCE_PARTIAL,  /* HSDP, no all-reduce: one replica's reduce-scatter into partials */
+	TASK_REDUCE,          /* reduce-scatter (+ HSDP all-reduce) into sharded grads */
+	TASK_ZERO_GRAD,       /* one rank's sharded grads become absent */
+};
+
+struct eng_group;
+
+struct eng_task {
+	struct shardd_pool_task pt;  /* first member: the pool hands it back */
+	struct eng_task *next;       /* group queue, then the engine's finished list */
+	struct eng_group *eg;
+	uint32_t kind;               /* enum eng_task_kind */
+	uint32_t replica;            /* UNSHARD, REDUCE_PARTIAL */
+	uint32_t rank;               /* ZERO_GRAD */
+	int finished;                /* on the finished list; under engine lock */
+	int res;
+	char msg[ENGINE_MSG_MAX];
+	char why[320];               /* the backend's reason of a failure, or empty */
+	uint32_t nops;
+	struct eng_op ops[];         /* completions to deliver */
+};
+
+/* An op of a rank kept back so that the rank's ops on a group apply in the order it submitted them. */
+struct eng_deferred {
+	struct eng_deferred *next;
+	struct eng_op op;
+};
+
+/* A collective being gathered: a rendezvous over ranks base..base+n-1 and their ops. */
+struct eng_coll {
+	struct shardd_rdv rdv;
+	uint32_t base;
+	uint32_t op;                 /* SHARDD_OP_UNSHARD or SHARDD_OP_REDUCE */
+	struct eng_op *ops;          /* [rdv.nexpected], valid where arrived */
+};
+
+struct eng_group {
+	struct shardd_group *g;
+	struct shardd_engine_job *j;
+	int complete;                /* buffers allocated, every rank got its reply */
+	uint64_t mem_committed;      /* bytes counted in its job's and the engine's mem_committed */
+	struct shardd_rdv reg;       /* registration over all ranks */
+	struct eng_reg *regs;        /* [world] */
+	uint32_t first_rank;         /* whose spec defines the group */
+	struct eng_coll *unshard;    /* [replicate]: over each shard group */
+	struct eng_coll *rs;         /* [replicate]: reduce (R > 1: without ALL_REDUCE) */
+	struct eng_coll ar;          /* R > 1: reduce with ALL_REDUCE, over all ranks */
+	struct eng_task *running;    /* on the pool or finished, not yet drained */
+	struct eng_task *qhead, *qtail;
+	/*
+	 * Per rank: ops submitted while the rank waits in a collective of this
+	 * group and that must not overtake it (zero_grad, reshard), and any op
+	 * it submits after them. Released in order by group_flush (engine.c).
+	 */
+	struct eng_deferred **dhead, **dtail; /* [world] */
+	int flushing;
+};
+
+struct shardd_engine_job {
+	struct shardd_engine *e;
+	void *ctx;
+	char name[SHARDD_NAME_MAX];
+	uint32_t replicate, shard, world;
+	int32_t *devices;            /* [world]: each rank's hello.device, where its buffers go */
+	struct shardd_backend_job *bj; /* the backend's state of the job (NCCL communicators), or NULL */
+	uint8_t *gone;               /* [world]: the rank's client left and it has not attached again */
+	struct eng_group **groups;   /* index = group id - 1; NULL once a registration failed */
+	uint32_t ngroups, cap;
+	uint64_t mem_committed;      /* its groups' eg->mem_committed, summed */
+	struct shardd_engine_job *prev, *next;
+};
+
+struct shardd_engine {
+	struct shardd_engine_config cfg;
+	uint64_t timeout_ns;
+	struct shardd_pool *pool;
+	struct shardd_backend_ctx *backend;
+	int efd;
+	pthread_mutex_t lock;        /* the finished list */
+	pthread_cond_t finished;     /* a task reached the finished list */
+	struct eng_task *fin_head, *fin_tail;
+	struct shardd_engine_job *jobs;
+	uint64_t mem_committed;      /* its jobs' mem_committed, summed */
+};
+
+/* ---- engine.c: messages and delivery ---- */
+
+__attribute__((format(printf, 3, 4)))
+void eng_fmt(char *buf, size_t len, const char *f, ...);
+/* A register/open reply that failed: (res, msg) to `rank`. */
+void eng_reply_err(struct shardd_engine_job *j, uint32_t rank, uint64_t token, uint32_t seq,
+		   int res, const char *msg);
+/* The completion of `op` (msg only on failure). */
+void eng_complete(struct shardd_engine_job *j, const struct eng_op *op, int res, const char *msg);
+/* "shardd: ranks 2,3 <did> within 30 s; rank 0 is waiting" for an expired rendezvous. */
+void eng_expired_msg(const struct shardd_engine *e, const struct shardd_rdv *rdv, const char *did,
+		     char *msg, size_t len);
+
+/* ---- registry.c: registration ---- */
+
+/* Forget a group and free its state and buffers (job end). */
+void eng_group_free(struct eng_group *eg);
+/* `rank` (this token) left before every rank registered the group: the registration fails. */
+void eng_reg_rank_gone(struct eng_group *eg, uint32_t rank, uint64_t token);
+/* Fail the registration when it is past its deadline. */
+void eng_reg_cron(struct eng_group *eg, uint64_t now_ns);
+
+/* ---- collective.c: collectives ---- */
+
+/* Expect ranks base..base+n-1 for `op`. 0, -EINVAL or -ENOMEM. */
+int  eng_coll_init(struct eng_coll *c, uint32_t base, uint32_t n, uint32_t op);
+/* Also takes one never initialised (zeroed). */
+void eng_coll_free(struct eng_coll *c);
+/* Fail every collective of the group that ops arrived at with (res, msg). */
+void eng_colls_fail(struct eng_group *eg, int res, const char *msg);
+/* Arrival of an unshard / a reduce at its rendezvous; launches the task once all arrived. */
+void eng_coll_unshard(struct eng_group *eg, const struct eng_op *op);
+void eng_coll_reduce(struct eng_group *eg, const struct eng_op *op);
+/* 1 when `rank` waits in a collective of the group. */
+int  eng_coll_rank_waits(const struct eng_group *eg, uint32_t rank);
+/* `rank` (this token) left: fail the collectives of the group it is part of. */
+void eng_coll_rank_gone(struct eng_group *eg, uint32_t rank, uint64_t token);
+/* Fail the collectives of the group past their deadline. */
+void eng_coll_cron(struct eng_group *eg, uint64_t now_ns);
+
+/* ---- task.c: tasks ---- */
+
+/* A task of `kind` with room for `nops` completions, or NULL. */
+struct eng_task *eng_task_new(struct eng_group *eg, uint32_t kind, uint32_t nops);
+/* Queue `t` on its group and start the group's next task if none runs. */
+void eng_group_enqueue(struct eng_group *eg, struct eng_task *t);
+/*
+ * Wait for the group's running task and deliver it, then fail every queued
+ * one with (res, msg): the group runs nothing afterwards.
+ */
+void eng_tasks_stop(struct eng_group *eg, int res, const char *msg);
+
+#endif /* SHARDD_ENGINE_INT_H */

@@ -1,0 +1,428 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Registration (engine_int.h): a group comes to exist when every rank of
+ * the job registered it with the same spec. The first registration
+ * defines it and commits its memory; the last one places its ranks on
+ * devices, allocates its buffers and answers every rank with them.
+ * OPEN_GROUP hands a registered group's buffers to a rank again.
+ *
+ *   register (rank a) --> pending: spec, memory committed --(every rank, same spec)-->
+ *       placement, buffers --> complete: every rank gets its reply
+ *
+ * A mismatch, a rank gone or the timeout fails the pending registration
+ * for every rank that arrived, and the group is forgotten.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "clock.h"
+#include "engine_int.h"
+#include "memlimit.h"
+#include "placement.h"
+
+static struct eng_group *group_by_name(struct shardd_engine_job *j, const char *name)
+{
+	for (uint32_t i = 0; i < j->ngroups; i++) {
+		if (j->groups[i] && !strcmp(j->groups[i]->g->name, name))
+			return j->groups[i];
+	}
+	return NULL;
+}
+
+/* Free a group's engine state and buffers; handles a partly built one. */
+static void group_destroy(struct eng_group *eg, struct shardd_engine_job *j)
+{
+	for (uint32_t r = 0; eg->dhead && r < j->world; r++) {
+		while (eg->dhead[r]) {
+			struct eng_deferred *d = eg->dhead[r];
+
+			eg->dhead[r] = d->next;
+			free(d);
+		}
+	}
+	free(eg->dhead);
+	free(eg->dtail);
+	shardd_rdv_free(&eg->reg);
+	for (uint32_t u = 0; eg->unshard && u < j->replicate; u++)
+		eng_coll_free(&eg->unshard[u]);
+	for (uint32_t u = 0; eg->rs && u < j->replicate; u++)
+		eng_coll_free(&eg->rs[u]);
+	eng_coll_free(&eg->ar);
+	free(eg->unshard);
+	free(eg->rs);
+	free(eg->regs);
+	shardd_group_destroy(eg->g, j->e->backend);
+	j->mem_committed -= eg->mem_committed;
+	j->e->mem_committed -= eg->mem_committed;
+	free(eg);
+}
+
+/* Forget a group: its id is never reused, so a stale id finds nothing. */
+void eng_group_free(struct eng_group *eg)
+{
+	eg->j->groups[eg->g->id - 1] = NULL;
+	group_destroy(eg, eg->j);
+}
+
+/*
+ * Count every buffer the group will ever hold against the limits
+ * (--max-job-memory for its job, --max-memory for all jobs) before any
+ * exists: 0 with the bytes committed in eg, the job and the engine, or
+ * -ENOMEM with `err` naming the job, the group, the bytes it needs, those
+ * in use, the limit and the flag that raises it. The host backend commits
+ * the pages themselves when it allocates (fallocate), so an op never finds
+ * memory missing. Device memory (cuda) is not counted.
+ */
+static int group_commit_memory(struct shardd_engine_job *j, struct eng_group *eg, char *err, size_t errlen)
+{
+	struct shardd_engine *e = j->e;
+	struct shardd_group_memory m;
+	const char *flag = NULL, *holder = NULL;
+	uint64_t used = 0, limit = 0;
+	char need[32], held[32], max[32];
+
+	if (e->cfg.backend != SHARDD_BACKEND_HOST)
+		return 0;
+	shardd_group_memory_need(eg->g, &m);
+	if (e->cfg.max_job_memory && (m.total > e->cfg.max_job_memory ||
+				      j->mem_committed > e->cfg.max_job_memory - m.total)) {
+		flag = "--max-job-memory";
+		holder = "the job";
+		used = j->mem_committed;
+		limit = e->cfg.max_job_memory;
+	} else if (e->cfg.max_memory && (m.total > e->cfg.max_memory ||
+					 e->mem_committed > e->cfg.max_memory - m.total)) {
+		flag = "--max-memory";
+		holder = "the daemon (all jobs)";
+		used = e->mem_committed;
+		limit = e->cfg.max_memory;
+	}
+	if (flag) {
+		eng_fmt(err, errlen,
+			"register group '%s' of job '%s': its buffers need %s (%llu bytes), but %s holds %s "
+			"(%llu bytes) of its limit of %s (%llu bytes); raise %s, or end jobs or register smaller groups",
+			eg->g->name, j->name, shardd_bytes_str(m.total, need, sizeof(need)),
+			(unsigned long long)m.total, holder,
+			shardd_bytes_str(used, held, sizeof(held)), (unsigned long long)used,
+			shardd_bytes_str(limit, max, sizeof(max)), (unsigned long long)limit, flag);
+		return -ENOMEM;
+	}
+	eg->mem_committed = m.total;
+	j->mem_committed += m.total;
+	e->mem_committed += m.total;
+	return 0;
+}
+
+/* A pending group for the first registration of `hdr`; takes `specs` on success. */
+static int group_new(struct shardd_engine_job *j, const struct shardd_register_group *hdr,
+		     struct shardd_param_spec *specs, uint32_t rank, struct eng_group **out,
+		     char *err, size_t errlen)
+{
+	struct eng_group *eg;
+	uint32_t *all = NULL;
+	int ret = -ENOMEM;
+
+	if (j->ngroups == j->cap) {
+		uint32_t cap = j->cap ? j->cap * 2 : 16;
+		struct eng_group **ng = cap > j->cap ? realloc(j->groups, cap * sizeof(*ng)) : NULL;
+
+		if (!ng)
+			goto err_msg;
+		j->groups = ng;
+		j->cap = cap;
+	}
+	eg = calloc(1, sizeof(*eg));
+	if (!eg)
+		goto err_msg;
+	eg->j = j;
+	eg->first_rank = rank;
+	ret = shardd_group_create(j->ngroups + 1, hdr, specs, j->replicate, j->shard, &eg->g, err, errlen);
+	if (ret) {
+		free(eg);
+		return ret;
+	}
+	ret = group_commit_memory(j, eg, err, errlen);
+	if (ret) {
+		eg->g->specs = NULL; /* still the caller's on failure */
+		group_destroy(eg, j);
+		return ret;
+	}
+	ret = -ENOMEM;
+	all = malloc(j->world * sizeof(*all));
+	eg->regs = calloc(j->world, sizeof(*eg->regs));
+	eg->unshard = calloc(j->replicate, sizeof(*eg->unshard));
+	eg->rs = calloc(j->replicate, sizeof(*eg->rs));
+	eg->dhead = calloc(j->world, sizeof(*eg->dhead));
+	eg->dtail = calloc(j->world, sizeof(*eg->dtail));
+	if (!all || !eg->regs || !eg->unshard || !eg->rs || !eg->dhead || !eg->dtail)
+		goto err_group;
+	for (uint32_t r = 0; r < j->world; r++)
+		all[r] = r;
+	if (shardd_rdv_init(&eg->reg, all, j->world))
+		goto err_group;
+	for (uint32_t u = 0; u < j->replicate; u++) {
+		if (eng_coll_init(&eg->unshard[u], u * j->shard, j->shard, SHARDD_OP_UNSHARD) ||
+		    eng_coll_init(&eg->rs[u], u * j->shard, j->shard, SHARDD_OP_REDUCE))
+			goto err_group;
+	}
+	if (j->replicate > 1 && eng_coll_init(&eg->ar, 0, j->world, SHARDD_OP_REDUCE))
+		goto err_group;
+	free(all);
+	j->groups[j->ngroups++] = eg;
+	*out = eg;
+	return 0;
+
+err_group:
+	eg->g->specs = NULL; /* still the caller's on failure */
+	group_destroy(eg, j);
+	free(all);
+err_msg:
+	eng_fmt(err, errlen, "register group '%s': the daemon is out of memory", hdr->name);
+	return ret;
+}
+
+/*
+ * Fail a pending registration for every rank that arrived, and forget the group.
+ *
+ * The group leaves the job before any reply is sent: a reply that cannot be
+ * sent drops its client, whose departure (shardd_engine_rank_gone) would
+ * otherwise find this group still pending, fail it again and free it under
+ * this loop.
+ */
+static void reg_fail(struct eng_group *eg, int res, const char *msg, uint32_t skip_rank)
+{
+	struct shardd_engine_job *j = eg->j;
+
+	j->groups[eg->g->id - 1] = NULL;
+	for (uint32_t r = 0; r < j->world; r++) {
+		if (r != skip_rank && shardd_rdv_has_arrived(&eg->reg, r))
+			eng_reply_err(j, r, eg->regs[r].token, eg->regs[r].seq, res, msg);
+	}
+	group_destroy(eg, j);
+}
+
+static void reply_group(struct eng_group *eg, uint32_t rank, uint64_t token, uint32_t seq)
+{
+	struct shardd_engine_job *j = eg->j;
+	struct shardd_group_reply reply;
+	struct shardd_param_layout *layouts;
+	struct shardd_group_export ex;
+	char msg[ENGINE_MSG_MAX];
+	int ret;
+
+	layouts = malloc((size_t)eg->g->hdr.nparams * sizeof(*layouts));
+	if (!layouts) {
+		eng_fmt(msg, sizeof(msg), "shardd: group '%s': the daemon is out of memory", eg->g->name);
+		eng_reply_err(j, rank, token, seq, -SHARDD_E_NOMEM, msg);
+		return;
+	}
+	ret = shardd_group_reply(eg->g, j->e->backend, rank, &reply, layouts, &ex);
+	if (ret) {
+		eng_fmt(msg, sizeof(msg), "shardd: group '%s': cannot export its buffers to rank %u: %s",
+			eg->g->name, rank, strerror(-ret));
+		eng_reply_err(j, rank, token, seq, ret, msg);
+	} else {
+		j->e->cfg.reply(j->ctx, rank, token, seq, 0, NULL, &reply, layouts, eg->g->specs,
+				ex.fds, ex.nfds, ex.ipc, ex.nipc);
+		shardd_group_export_close(&ex);
+	}
+	free(layouts);
+}
+
+/*
+ * Where the group's collectives run (placement.h): refuse ranks of a shard
+ * or replicate group that partly share devices, and collectives across
+ * devices that the backend cannot run. 0 with *planned set when `pl`
+ * holds the plan (0: the backend ignores devices, and every replica shares
+ * one unsharded buffer), or an error with `err`.
+ */
+static int reg_place(struct eng_group *eg, struct shardd_placement *pl, int *planned, char *err,
+		     size_t errlen)
+{
+	struct shardd_engine_job *j = eg->j;
+	struct shardd_backend_ctx *b = j->e->backend;
+	char why[320];
+	int ret;
+
+	*planned = 0;
+	if (!b->ops->multi_device)
+		return 0;
+	ret = shardd_placement_plan(eg->g->name, j->devices, j->replicate, j->shard, pl, err, errlen);
+	if (ret)
+		return ret;
+	*planned = 1;
+	if (!pl->nccl)
+		return 0;
+	ret = b->ops->multi_device(b, why, sizeof(why));
+	if (ret)
+		eng_fmt(err, errlen, "register group '%s': its ranks sit on different GPUs, where collectives need NCCL: %s",
+			eg->g->name, why);
+	return ret;
+}
+
+static void reg_finish(struct eng_group *eg)
+{
+	struct shardd_engine_job *j = eg->j;
+	struct shardd_placement *pl;
+	char err[ENGINE_MSG_MAX], msg[ENGINE_MSG_MAX];
+	int planned = 0, ret;
+
+	pl = malloc(sizeof(*pl));
+	if (!pl) {
+		eng_fmt(msg, sizeof(msg), "shardd: register group '%s': the daemon is out of memory", eg->g->name);
+		reg_fail(eg, -SHARDD_E_NOMEM, msg, UINT32_MAX);
+		return;
+	}
+	ret = reg_place(eg, pl, &planned, err, sizeof(err));
+	if (!ret)
+		ret = shardd_group_alloc(eg->g, j->e->backend, j->devices, planned ? pl : NULL, err, sizeof(err));
+	free(pl);
+	if (ret) {
+		eng_fmt(msg, sizeof(msg), "shardd: %s", err);
+		reg_fail(eg, ret, msg, UINT32_MAX);
+		return;
+	}
+	eg->complete = 1;
+	for (uint32_t r = 0; r < j->world; r++)
+		reply_group(eg, r, eg->regs[r].token, eg->regs[r].seq);
+	shardd_rdv_reset(&eg->reg);
+}
+
+void shardd_engine_register_group(struct shardd_engine_job *j, uint32_t rank, uint64_t token,
+				  uint32_t seq, const void *payload, size_t len)
+{
+	struct shardd_register_group hdr;
+	struct shardd_param_spec *specs = NULL;
+	struct eng_group *eg;
+	char err[480], why[384], ranks[160], who[ENGINE_WHO_MAX], msg[ENGINE_MSG_MAX];
+	int ret;
+
+	if (rank >= j->world) {
+		eng_fmt(msg, sizeof(msg), "shardd: register group: rank %u is outside job '%s' of %u ranks",
+			rank, j->name, j->world);
+		eng_reply_err(j, rank, token, seq, -SHARDD_E_INVALID, msg);
+		return;
+	}
+	ret = shardd_group_parse(payload, len, &hdr, &specs, err, sizeof(err));
+	if (ret) {
+		eng_fmt(msg, sizeof(msg), "shardd: %s", ret == -ENOMEM ? "register group: out of memory" : err);
+		eng_reply_err(j, rank, token, seq, ret, msg);
+		return;
+	}
+	eg = group_by_name(j, hdr.name);
+	if (eg && eg->complete) {
+		eng_fmt(msg, sizeof(msg),
+			"shardd: group '%s' is already registered in job '%s' (id %u); use OPEN_GROUP to re-attach to it",
+			hdr.name, j->name, eg->g->id);
+		eng_reply_err(j, rank, token, seq, -EEXIST, msg);
+		goto out;
+	}
+	if (!eg) {
+		ret = group_new(j, &hdr, specs, rank, &eg, err, sizeof(err));
+		if (ret) {
+			eng_fmt(msg, sizeof(msg), "shardd: %s", err);
+			eng_reply_err(j, rank, token, seq, ret, msg);
+			goto out;
+		}
+		specs = NULL; /* the group owns them */
+	} else if (shardd_rdv_has_arrived(&eg->reg, rank)) {
+		shardd_rdv_who_missing(&eg->reg, who, sizeof(who));
+		eng_fmt(msg, sizeof(msg), "shardd: rank %u already registered group '%s'; it waits for %s to register it",
+			rank, hdr.name, who);
+		eng_reply_err(j, rank, token, seq, -SHARDD_E_STATE, msg);
+		goto out;
+	} else if (shardd_group_compare(eg->g, &hdr, specs, rank, eg->first_rank, why, sizeof(why))) {
+		shardd_rdv_present(&eg->reg, ranks, sizeof(ranks));
+		eng_fmt(msg, sizeof(msg), "shardd: %s; registration failed for ranks %s,%u", why, ranks, rank);
+		/*
+		 * The group is failed before this rank is answered: a reply that
+		 * cannot be sent drops the rank, and its departure must not find
+		 * (and free) the group we are still failing.
+		 */
+		reg_fail(eg, -SHARDD_E_MISMATCH, msg, UINT32_MAX);
+		eng_reply_err(j, rank, token, seq, -SHARDD_E_MISMATCH, msg);
+		goto out;
+	}
+	ret = shardd_rdv_arrive(&eg->reg, rank, 0, 0, shardd_now_ns(), j->e->timeout_ns, why, sizeof(why));
+	eg->regs[rank] = (struct eng_reg){ .token = token, .seq = seq };
+	if (ret == SHARDD_RDV_COMPLETE)
+		reg_finish(eg);
+out:
+	free(specs);
+}
+
+void shardd_engine_open_group(struct shardd_engine_job *j, uint32_t rank, uint64_t token,
+			      uint32_t seq, const void *payload, size_t len)
+{
+	struct shardd_open_group req;
+	struct eng_group *eg;
+	char msg[ENGINE_MSG_MAX], who[ENGINE_WHO_MAX];
+	size_t off;
+
+	if (rank >= j->world) {
+		eng_fmt(msg, sizeof(msg), "shardd: open group: rank %u is outside job '%s' of %u ranks",
+			rank, j->name, j->world);
+		eng_reply_err(j, rank, token, seq, -SHARDD_E_INVALID, msg);
+		return;
+	}
+	if (!payload || len != sizeof(req)) {
+		eng_fmt(msg, sizeof(msg), "shardd: open group: payload is %zu bytes, expected %zu", len, sizeof(req));
+		eng_reply_err(j, rank, token, seq, -SHARDD_E_MALFORMED, msg);
+		return;
+	}
+	memcpy(&req, payload, sizeof(req));
+	if (!memchr(req.name, '\0', sizeof(req.name))) {
+		eng_fmt(msg, sizeof(msg), "shardd: open group: name is not NUL-terminated within %d bytes",
+			SHARDD_NAME_MAX);
+		eng_reply_err(j, rank, token, seq, -SHARDD_E_INVALID, msg);
+		return;
+	}
+	eg = group_by_name(j, req.name);
+	if (eg && eg->complete) {
+		reply_group(eg, rank, token, seq);
+		return;
+	}
+	if (eg) {
+		shardd_rdv_who_missing(&eg->reg, who, sizeof(who));
+		eng_fmt(msg, sizeof(msg), "shardd: group '%s' of job '%s' is still being registered: %s have not registered it",
+			req.name, j->name, who);
+		eng_reply_err(j, rank, token, seq, -SHARDD_E_NOGROUP, msg);
+		return;
+	}
+	off = (size_t)snprintf(msg, sizeof(msg), "shardd: no group '%s' in job '%s'; registered groups:",
+			       req.name, j->name);
+	for (uint32_t i = 0, n = 0; i < j->ngroups && off < sizeof(msg); i++) {
+		if (j->groups[i] && j->groups[i]->complete)
+			off += (size_t)snprintf(msg + off, sizeof(msg) - off, "%s '%s'", n++ ? "," : "",
+						j->groups[i]->g->name);
+	}
+	if (off < sizeof(msg) && msg[off - 1] == ':')
+		snprintf(msg + off, sizeof(msg) - off, " none");
+	eng_reply_err(j, rank, token, seq, -SHARDD_E_NOGROUP, msg);
+}
+
+void eng_reg_rank_gone(struct eng_group *eg, uint32_t rank, uint64_t token)
+{
+	char msg[ENGINE_MSG_MAX], who[ENGINE_WHO_MAX];
+
+	if (shardd_rdv_has_arrived(&eg->reg, rank) && eg->regs[rank].token != token)
+		return;
+	shardd_rdv_who_present(&eg->reg, who, sizeof(who));
+	eng_fmt(msg, sizeof(msg),
+		"shardd: rank %u left (its client is gone) before group '%s' was registered by every rank; failed for %s",
+		rank, eg->g->name, who);
+	reg_fail(eg, -SHARDD_E_PEER_DIED, msg, rank);
+}
+
+void eng_reg_cron(struct eng_group *eg, uint64_t now_ns)
+{
+	char did[192], msg[ENGINE_MSG_MAX];
+
+	if (!shardd_rdv_expired(&eg->reg, now_ns))
+		return;
+	eng_fmt(did, sizeof(did), "never registered group '%s'", eg->g->name);
+	eng_expired_msg(eg->j->e, &eg->reg, did, msg, sizeof(msg));
+	reg_fail(eg, -SHARDD_E_TIMEOUT, msg, UINT32_MAX);
+}

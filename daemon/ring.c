@@ -1,0 +1,228 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The ring service: take a session's SQ entries while its CQ has room,
+ * validate each, wait on its stream fence, hand it to the job (barrier),
+ * the engine (group ops) or complete it at once (nop); push completions
+ * into the CQ; and arm NEED_WAKEUP before the loop sleeps. Every access to
+ * the shared ring memory goes through proto/shardd_ring.h.
+ */
+#define _GNU_SOURCE
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "backend.h"
+#include "engine.h"
+#include "job.h"
+#include "log.h"
+#include "metrics.h"
+#include "server.h"
+#include "session_int.h"
+#include "sqe.h"
+
+/* A client that corrupted its own ring's indices: it is dropped, everyone else goes on. */
+static void session_ring_corrupt(struct shardd_session *s, const char *which)
+{
+	uint32_t sq_head, sq_tail, cq_head, cq_tail;
+	char name[160], why[256];
+
+	/* Snapshot for the message only; the client may be rewriting them as we read. */
+	shardd_ring_indices(&s->ring, &sq_head, &sq_tail, &cq_head, &cq_tail);
+	snprintf(why, sizeof(why),
+		 "was disconnected: ring %s index is corrupt (sq head %u tail %u, cq head %u tail %u)",
+		 which, sq_head, sq_tail, cq_head, cq_tail);
+	shardd_log_error("%s %s", shardd_session_name(s, name, sizeof(name)), why);
+	shardd_session_close_later(s, why);
+}
+
+/*
+ * CQ slots free for new reservations: >= 0, or -EBADMSG when the client's
+ * CQ head is corrupt.
+ */
+static int64_t session_cq_room(struct shardd_session *s)
+{
+	int64_t space = shardd_cq_space(&s->ring);
+
+	if (space < 0)
+		return space;
+	/* A client that moved its head back shrinks the space under our reservations: no room. */
+	return space > s->inflight ? space - s->inflight : 0;
+}
+
+void shardd_session_complete(struct shardd_session *s, const struct shardd_sqe *sqe, int res,
+			     const char *msg)
+{
+	struct shardd_cqe cqe;
+	char name[160];
+
+	/* A closing session's client is being dropped: its completions go nowhere. */
+	if (s->state != SHARDD_SESSION_ATTACHED || s->closing)
+		return;
+	if (s->inflight == 0) {
+		shardd_log_error("%s: completion of %s (step %llu) without a reserved CQ slot; dropped",
+				 shardd_session_name(s, name, sizeof(name)),
+				 shardd_op_name(sqe->op) ? shardd_op_name(sqe->op) : "?",
+				 (unsigned long long)sqe->step);
+		return;
+	}
+	if (shardd_cq_space(&s->ring) <= 0) {
+		session_ring_corrupt(s, "CQ head");
+		return;
+	}
+	memset(&cqe, 0, sizeof(cqe));
+	cqe.user_data = sqe->user_data;
+	cqe.res = res;
+	cqe.op = sqe->op;
+	cqe.group = sqe->group;
+	cqe.step = sqe->step;
+	if ((sqe->fence & SHARDD_FENCE_SIGNAL) && s->fences) {
+		struct shardd_backend_ctx *b = shardd_engine_backend(server.engine);
+		uint32_t slot = shardd_cq_next_slot(&s->ring);
+
+		/* The client's stream waits on this record before it frees the slot for the next one. */
+		if (b->ops->fence_signal(b, s->fences, slot) == 0) {
+			cqe.fence = 1;
+		} else if (res == 0) {
+			res = -SHARDD_E_BACKEND;
+			msg = "the op's work is queued, but signalling its stream event failed (see the "
+			      "daemon's log): synchronise the device before reading the results";
+		}
+	}
+	if (res < 0 && (!msg || !*msg))
+		msg = res <= -SHARDD_E_BASE ? "shardd error" : strerror(-res);
+	shardd_cq_push(&s->ring, &cqe, res < 0 ? msg : NULL);
+	shardd_metrics_op_done(sqe->op, res, shardd_metrics_op_bytes(s->job, sqe),
+			       shardd_op_clock_stop(&s->clock, sqe, shardd_now_ns()));
+	s->inflight--;
+	s->stats.ops_completed++;
+	if (res < 0)
+		s->stats.ops_failed++;
+}
+
+/* Fail an entry that does not validate; the message names the field and value. */
+static void __attribute__((format(printf, 3, 4)))
+session_fail_sqe(struct shardd_session *s, const struct shardd_sqe *sqe, const char *fmt, ...)
+{
+	char msg[SHARDD_RING_MSG_SIZE];
+	va_list ap;
+
+	va_start(ap, fmt);
+	vsnprintf(msg, sizeof(msg), fmt, ap);
+	va_end(ap);
+	shardd_session_complete(s, sqe, -SHARDD_E_INVALID, msg);
+}
+
+/*
+ * The fence of the entry in SQ slot `slot`: with SHARDD_FENCE_WAIT, device
+ * work queued from now on waits for the client's stream. Runs before the
+ * slot goes back to the client, which re-records the slot's event only
+ * after that. 0, or -1 with `why` naming the field and value.
+ */
+static int session_fence_wait(struct shardd_session *s, const struct shardd_sqe *sqe,
+			      uint32_t slot, char *why, size_t len)
+{
+	struct shardd_backend_ctx *b;
+
+	if (!sqe->fence)
+		return 0;
+	if (sqe->fence & ~SHARDD_FENCE_MASK) {
+		snprintf(why, len, "sqe.fence = 0x%x has unknown bits 0x%x", sqe->fence,
+			 sqe->fence & ~SHARDD_FENCE_MASK);
+		return -1;
+	}
+	if (!s->fences) {
+		snprintf(why, len, "sqe.fence = 0x%x, but this connection has no stream fences "
+			 "(send SHARDD_MSG_STREAM first)", sqe->fence);
+		return -1;
+	}
+	if (!(sqe->fence & SHARDD_FENCE_WAIT))
+		return 0;
+	b = shardd_engine_backend(server.engine);
+	if (b->ops->fence_wait(b, s->fences, slot) < 0) {
+		snprintf(why, len, "sqe.fence: waiting on the stream event of SQ slot %u failed in "
+			 "the %s backend (see the daemon's log)", slot, b->ops->name);
+		return -1;
+	}
+	return 0;
+}
+
+static void session_take(struct shardd_session *s, const struct shardd_sqe *sqe)
+{
+	char why[SHARDD_RING_MSG_SIZE];
+
+	if (shardd_sqe_check(sqe, why, sizeof(why)) < 0) {
+		session_fail_sqe(s, sqe, "%s", why);
+		return;
+	}
+	switch (sqe->op) {
+	case SHARDD_OP_NOP:
+		shardd_session_complete(s, sqe, 0, NULL);
+		return;
+	case SHARDD_OP_BARRIER:
+		shardd_job_barrier(s->job, s->rank, sqe);
+		return;
+	default:
+		shardd_engine_submit(s->job->ejob, s->rank, s->id, sqe);
+		return;
+	}
+}
+
+int shardd_session_prepare_sleep(struct shardd_session *s)
+{
+	if (s->state != SHARDD_SESSION_ATTACHED || s->closing)
+		return 0;
+	if (!shardd_ring_prepare_sleep(&s->ring))
+		return 0;
+	if (session_cq_room(s) > 0)
+		return 1;
+	/*
+	 * Entries wait for CQ room that only the client can free by reaping:
+	 * keep NEED_WAKEUP set so that its reap rings the doorbell (the
+	 * accessor orders the flag before the cq_head load of the re-check).
+	 */
+	shardd_ring_arm_wakeup(&s->ring);
+	return session_cq_room(s) > 0;
+}
+
+unsigned shardd_session_service(struct shardd_session *s)
+{
+	uint32_t budget = s->ring.sq_mask + 1; /* one SQ's worth per turn: fairness */
+	unsigned taken = 0;
+
+	while (s->state == SHARDD_SESSION_ATTACHED && !s->closing && s->job && taken < budget) {
+		struct shardd_sqe sqe;
+		int64_t ready = shardd_sq_ready(&s->ring);
+		int64_t room;
+		char why[SHARDD_RING_MSG_SIZE];
+		int fenced;
+
+		if (ready < 0) {
+			session_ring_corrupt(s, "SQ tail");
+			break;
+		}
+		if (ready == 0)
+			break;
+		room = session_cq_room(s);
+		if (room < 0) {
+			session_ring_corrupt(s, "CQ head");
+			break;
+		}
+		if (room == 0)
+			break;
+		fenced = session_fence_wait(s, &sqe, shardd_sq_peek(&s->ring, &sqe), why, sizeof(why));
+		shardd_sq_release(&s->ring);
+		shardd_op_clock_start(&s->clock, &sqe, shardd_now_ns());
+		s->inflight++;
+		s->stats.ops_taken++;
+		s->stats.last_taken_op = sqe.op;
+		s->stats.last_taken_step = sqe.step;
+		/* Diagnostics only (shardctl, a stuck client): relaxed is enough. */
+		shardd_ring_note_taken(&s->ring, sqe.op, sqe.step);
+		if (fenced < 0)
+			session_fail_sqe(s, &sqe, "%s", why);
+		else
+			session_take(s, &sqe);
+		taken++;
+	}
+	return taken;
+}

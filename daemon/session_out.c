@@ -1,0 +1,268 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * What a session sends its client: the output queue, which never blocks
+ * the loop (what the socket does not take now waits, in order, for
+ * POLLOUT), and the framing of replies on top of it: ERROR replies and
+ * notices, and the GROUP reply with its fds and CUDA IPC handles.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "log.h"
+#include "loop.h"
+#include "server.h"
+#include "session_int.h"
+
+/* ------------------------------------------------------------------ */
+/* Output queue                                                        */
+/* ------------------------------------------------------------------ */
+
+/*
+ * One message not yet sent: header and payload framed in one buffer, so
+ * that its datagrams are its SHARDD_CTRL_CHUNK-sized slices in order.
+ */
+struct shardd_session_out {
+	struct shardd_session_out *next;
+	uint32_t len;                      /* framed bytes: header + payload */
+	uint32_t off;                      /* bytes sent so far, at a datagram boundary */
+	int      fds[SHARDD_CTRL_MAX_FDS]; /* ours (duplicated); ride on the first datagram */
+	int      nfds;                     /* 0 once the first datagram is sent */
+	uint8_t  buf[];
+};
+
+static void session_out_free(struct shardd_session_out *m)
+{
+	for (int i = 0; i < m->nfds; i++)
+		close(m->fds[i]);
+	free(m);
+}
+
+/* Drop every queued reply and stop watching for POLLOUT (the session is ending). */
+void shardd_session_out_clear(struct shardd_session *s)
+{
+	while (s->out_head) {
+		struct shardd_session_out *m = s->out_head;
+
+		s->out_head = m->next;
+		session_out_free(m);
+	}
+	s->out_tail = NULL;
+	s->out_bytes = 0;
+	shardd_loop_del(server.loop, s->out_ev);
+	s->out_ev = NULL;
+}
+
+static void session_writable(void *arg, int fd, uint32_t revents);
+
+/*
+ * Send queued datagrams until the socket is full (MSG_DONTWAIT: the loop
+ * never waits for a client), and watch for POLLOUT only while some remain.
+ * A client that hung up or is gone is marked closing.
+ */
+static void session_flush(struct shardd_session *s)
+{
+	char why[128];
+
+	while (s->out_head) {
+		struct shardd_session_out *m = s->out_head;
+		uint32_t left = m->len - m->off;
+		struct iovec iov = { m->buf + m->off,
+				     left < SHARDD_CTRL_CHUNK ? left : SHARDD_CTRL_CHUNK };
+		ssize_t r = shardd_ctrl_send_dgram(s->fd, &iov, 1, m->fds, m->nfds, MSG_DONTWAIT);
+
+		if (r == -EAGAIN || r == -EWOULDBLOCK)
+			break;
+		if (r < 0) {
+			snprintf(why, sizeof(why), "could not be sent its replies: %s",
+				 strerror((int)-r));
+			shardd_session_close_later(s, why);
+			return;
+		}
+		/* The kernel holds its own references to the fds now. */
+		for (int i = 0; i < m->nfds; i++)
+			close(m->fds[i]);
+		m->nfds = 0;
+		m->off += (uint32_t)iov.iov_len;
+		s->out_bytes -= iov.iov_len;
+		if (m->off == m->len) {
+			s->out_head = m->next;
+			if (!s->out_head)
+				s->out_tail = NULL;
+			free(m);
+		}
+	}
+	if (s->out_head && !s->out_ev) {
+		if (shardd_loop_add_fd(server.loop, s->fd, POLLOUT, session_writable, s,
+				       &s->out_ev) < 0)
+			shardd_session_close_later(s, "could not be registered with the event loop "
+						   "for its replies");
+	} else if (!s->out_head && s->out_ev) {
+		shardd_loop_del(server.loop, s->out_ev);
+		s->out_ev = NULL;
+	}
+	/* A refused client has its ERROR now: EOF follows it. */
+	if (!s->out_head && s->state == SHARDD_SESSION_LINGER)
+		shutdown(s->fd, SHUT_WR);
+}
+
+static void session_writable(void *arg, int fd, uint32_t revents)
+{
+	struct shardd_session *s = arg;
+
+	(void)fd;
+	(void)revents;
+	/* A hang-up (POLLHUP, POLLERR) shows as a send error, which closes the session. */
+	if (s->state != SHARDD_SESSION_DEAD && !s->closing)
+		session_flush(s);
+}
+
+int shardd_session_send(struct shardd_session *s, uint16_t type, uint32_t seq,
+			const void *payload, uint32_t len, const int *fds, int nfds)
+{
+	struct shardd_msg_hdr hdr = {
+		.magic = SHARDD_MAGIC, .type = type, .flags = 0, .length = len, .seq = seq,
+	};
+	uint64_t total = sizeof(hdr) + (uint64_t)len;
+	struct shardd_session_out *m;
+	char name[160], why[256];
+	int ret;
+
+	/* A refused session has had its last reply. */
+	if (s->state == SHARDD_SESSION_DEAD || s->state == SHARDD_SESSION_LINGER || s->closing)
+		return -ECONNRESET;
+	if (len > SHARDD_CTRL_MAX || nfds < 0 || nfds > SHARDD_CTRL_MAX_FDS)
+		return -EINVAL;
+	if (s->out_bytes + total > SHARDD_SESSION_OUT_MAX) {
+		snprintf(why, sizeof(why), "does not read its replies: %llu bytes wait to be sent "
+			 "and a %llu-byte reply would pass the limit of %llu",
+			 (unsigned long long)s->out_bytes, (unsigned long long)total,
+			 SHARDD_SESSION_OUT_MAX);
+		shardd_log_warn("%s %s; dropping it", shardd_session_name(s, name, sizeof(name)), why);
+		shardd_session_close_later(s, why);
+		return -ENOBUFS;
+	}
+	m = malloc(sizeof(*m) + total);
+	if (!m) {
+		ret = -ENOMEM;
+		goto err;
+	}
+	m->next = NULL;
+	m->len = (uint32_t)total;
+	m->off = 0;
+	m->nfds = 0;
+	memcpy(m->buf, &hdr, sizeof(hdr));
+	if (len)
+		memcpy(m->buf + sizeof(hdr), payload, len);
+	/* Duplicates: the caller keeps its fds, the queue may outlive them. */
+	for (int i = 0; i < nfds; i++) {
+		m->fds[i] = fcntl(fds[i], F_DUPFD_CLOEXEC, 0);
+		if (m->fds[i] < 0) {
+			ret = -errno;
+			session_out_free(m);
+			goto err;
+		}
+		m->nfds++;
+	}
+	if (s->out_tail)
+		s->out_tail->next = m;
+	else
+		s->out_head = m;
+	s->out_tail = m;
+	s->out_bytes += total;
+	session_flush(s);
+	return s->closing ? -ECONNRESET : 0;
+
+err:
+	snprintf(why, sizeof(why), "could not be queued a %llu-byte reply: %s",
+		 (unsigned long long)total, strerror(-ret));
+	shardd_log_error("%s %s", shardd_session_name(s, name, sizeof(name)), why);
+	shardd_session_close_later(s, why);
+	return ret;
+}
+
+/* ------------------------------------------------------------------ */
+/* Reply framing                                                     */
+/* ------------------------------------------------------------------ */
+
+/* Send SHARDD_MSG_ERROR (code, text) through the output queue. */
+void shardd_session_send_error(struct shardd_session *s, uint32_t seq, int code, const char *text)
+{
+	struct {
+		struct shardd_error_msg hdr;
+		char text[1024];
+	} m;
+	size_t n = strnlen(text, sizeof(m.text));
+
+	m.hdr.code = code;
+	m.hdr.msg_len = (uint32_t)n;
+	memcpy(m.text, text, n);
+	shardd_session_send(s, SHARDD_MSG_ERROR, seq, &m, (uint32_t)(sizeof(m.hdr) + n), NULL, 0);
+}
+
+void shardd_session_notify(struct shardd_session *s, int code, const char *text)
+{
+	shardd_session_send_error(s, 0, code, text);
+}
+
+/* Reply an error to a request and keep serving the session. */
+void __attribute__((format(printf, 4, 5)))
+shardd_session_reply_error(struct shardd_session *s, uint32_t seq, int code, const char *fmt, ...)
+{
+	char text[1024], name[160];
+	va_list ap;
+
+	va_start(ap, fmt);
+	vsnprintf(text, sizeof(text), fmt, ap);
+	va_end(ap);
+	shardd_log_info("%s: request failed: %s", shardd_session_name(s, name, sizeof(name)), text);
+	shardd_session_send_error(s, seq, code, text);
+}
+
+
+void shardd_session_send_group(struct shardd_session *s, uint32_t seq, int res, const char *msg,
+			       const struct shardd_group_reply *reply,
+			       const struct shardd_param_layout *layouts,
+			       const struct shardd_param_spec *specs, const int *fds, int nfds,
+			       const struct shardd_cuda_ipc_handle *ipc, int nipc)
+{
+	uint64_t len;
+	uint8_t *buf;
+
+	if (s->state != SHARDD_SESSION_ATTACHED || s->closing)
+		return;
+	if (res < 0) {
+		shardd_session_reply_error(s, seq, res, "%s", msg && *msg ? msg : "group request failed");
+		return;
+	}
+	len = sizeof(*reply) + (uint64_t)reply->nparams * (sizeof(*layouts) + sizeof(*specs)) +
+	      (uint64_t)nipc * sizeof(*ipc);
+	if (len > SHARDD_CTRL_MAX) {
+		shardd_session_reply_error(s, seq, -SHARDD_E_INVALID,
+				    "group reply of %u params is %llu bytes, over the %u-byte message limit",
+				    reply->nparams, (unsigned long long)len, SHARDD_CTRL_MAX);
+		return;
+	}
+	buf = malloc(len);
+	if (!buf) {
+		shardd_session_reply_error(s, seq, -SHARDD_E_NOMEM, "shardd is out of memory (%llu bytes)",
+				    (unsigned long long)len);
+		return;
+	}
+	memcpy(buf, reply, sizeof(*reply));
+	memcpy(buf + sizeof(*reply), layouts, (size_t)reply->nparams * sizeof(*layouts));
+	memcpy(buf + sizeof(*reply) + (size_t)reply->nparams * sizeof(*layouts), specs,
+	       (size_t)reply->nparams * sizeof(*specs));
+	/* The CUDA IPC handles end the payload, after the specs, in buffer order (PROTOCOL.md 3.7). */
+	if (nipc)
+		memcpy(buf + len - (size_t)nipc * sizeof(*ipc), ipc, (size_t)nipc * sizeof(*ipc));
+	shardd_session_send(s, SHARDD_MSG_GROUP, seq, buf, (uint32_t)len, fds, nfds);
+	free(buf);
+}

@@ -1,0 +1,442 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Tasks (engine_int.h): what each op computes, through the backend table,
+ * and where it runs.
+ *
+ * A group runs one task at a time, in the order its ops were queued. A
+ * task small enough for the backend's inline_max_bytes (backend.h) runs on
+ * the loop thread where it is started, and its completions go out before
+ * that call returns. Any other runs on a pool thread: finished, it is
+ * moved to the engine's finished list under `lock` and the eventfd is
+ * written; shardd_engine_drain (loop thread) delivers its completions and
+ * starts the group's next task.
+ */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "engine_int.h"
+
+static void task_run(struct shardd_pool_task *pt);
+
+struct eng_task *eng_task_new(struct eng_group *eg, uint32_t kind, uint32_t nops)
+{
+	struct eng_task *t = calloc(1, sizeof(*t) + (size_t)nops * sizeof(struct eng_op));
+
+	if (!t)
+		return NULL;
+	t->pt.fn = task_run;
+	t->eg = eg;
+	t->kind = kind;
+	t->nops = nops;
+	return t;
+}
+
+/* ------------------------------------------------------------------ */
+/* Where a task runs (loop thread)                                     */
+/* ------------------------------------------------------------------ */
+
+/* Bytes a task reads and writes; an output it adds into counts twice. */
+static uint64_t task_bytes(const struct eng_task *t)
+{
+	const struct shardd_group *g = t->eg->g;
+	const struct shardd_layout *l = &g->layout;
+
+	switch (t->kind) {
+	case TASK_UNSHARD:
+		return g->shard * l->shard_size + l->unsharded_size;
+	case TASK_REDUCE_PARTIAL:
+		return g->shard * (l->grad_size + 2 * g->partial_size);
+	case TASK_REDUCE:
+		/* HSDP adds the all-reduce: R partials read per output shard. */
+		return g->world * (l->grad_size + 2 * l->shard_size) +
+		       (g->replicate > 1 ? g->world * (2 + g->replicate) * g->partial_size : 0);
+	default:
+		return g->sharded_grads[t->rank].bytes;
+	}
+}
+
+/*
+ * 1 when the task runs on the loop thread: small enough that the wake-ups
+ * of a pool round trip cost more than its arithmetic, as the backend says
+ * (inline_max_bytes). A backend that says 0 (a device backend) keeps every
+ * call on the pool, whose threads it sets up.
+ */
+static int task_inline(const struct eng_task *t)
+{
+	uint64_t max = t->eg->j->e->backend->ops->inline_max_bytes;
+
+	return max && task_bytes(t) <= max;
+}
+
+static void task_exec(struct eng_task *t);
+
+static void task_deliver(struct eng_task *t)
+{
+	for (uint32_t i = 0; i < t->nops; i++)
+		eng_complete(t->eg->j, &t->ops[i], t->res, t->msg);
+}
+
+/*
+ * Start the group's next task if none runs. A small one runs here and its
+ * completions are delivered before the next is started, so the group's
+ * tasks still run and complete one at a time, in queue order; the first
+ * large one goes to the pool and ends the loop (drain starts the rest).
+ * A completion callback may submit and kick this group again: running is
+ * clear by then, so the nested call takes the next task and this loop
+ * finds the queue as it left it.
+ */
+static void group_kick(struct eng_group *eg)
+{
+	struct eng_task *t;
+
+	while (!eg->running && (t = eg->qhead)) {
+		eg->qhead = t->next;
+		if (!eg->qhead)
+			eg->qtail = NULL;
+		t->next = NULL;
+		eg->running = t;
+		if (!task_inline(t)) {
+			shardd_pool_submit(eg->j->e->pool, &t->pt);
+			return;
+		}
+		task_exec(t);
+		eg->running = NULL;
+		task_deliver(t);
+		free(t);
+	}
+}
+
+void eng_group_enqueue(struct eng_group *eg, struct eng_task *t)
+{
+	if (eg->qtail)
+		eg->qtail->next = t;
+	else
+		eg->qhead = t;
+	eg->qtail = t;
+	group_kick(eg);
+}
+
+/* ------------------------------------------------------------------ */
+/* What a task computes (pool thread, or the loop thread inline)       */
+/* ------------------------------------------------------------------ */
+
+/*
+ * FSDP2's _get_gradient_divide_factors at call time, for a data-parallel
+ * size n: the math of the reduce-scatter (over the shard group) and of the
+ * all-reduce (over replicas). fp32/bf16 average on each collective
+ * (ReduceOp.AVG); fp16 sums, pre-dividing the reduce-scatter's inputs and
+ * post-dividing after the last collective.
+ */
+static void reduce_math(const struct shardd_group *g, uint32_t n, struct shardd_reduce_math *rs,
+			struct shardd_reduce_math *ar)
+{
+	double pre, post;
+
+	shardd_divide_factors(n, g->reduce_dtype, &pre, &post);
+	*rs = (struct shardd_reduce_math){ .reduce_dtype = g->reduce_dtype, .pre = 1, .avg = 1, .post = 1 };
+	*ar = *rs;
+	if (pre == 0) {
+		rs->avg = (float)g->shard;
+		ar->avg = (float)g->replicate;
+		return;
+	}
+	rs->pre = (float)pre;
+	ar->post = (float)post;
+}
+
+/*
+ * Reduce-scatter of replica u's grads: shard s's output goes to outs[s] (+
+ * adds[s] where given), accumulated where accumulate[s].
+ */
+static int task_reduce_scatter(struct eng_task *t, uint32_t u, const struct shardd_shard_view *outs,
+			       const struct shardd_shard_view *adds, const uint8_t *accumulate,
+			       const struct shardd_reduce_math *m)
+{
+	struct shardd_group *g = t->eg->g;
+	struct shardd_backend_ctx *b = t->eg->j->e->backend;
+	struct shardd_buf *grads[SHARDD_MAX_WORLD];
+	struct shardd_reduce_args a = {
+		.job = t->eg->j->bj, .layout = &g->layout, .src = SHARDD_REDUCE_SRC_GRAD, .n = g->shard,
+		.grads = grads, .outs = outs, .adds = adds, .accumulate = accumulate,
+		.reduce_offsets = g->reduce_offsets, .reduce_shard_size = g->reduce_shard_size, .math = *m,
+		.err = t->why, .errlen = sizeof(t->why),
+	};
+
+	for (uint32_t k = 0; k < g->shard; k++)
+		grads[k] = &g->grads[u * g->shard + k];
+	return b->ops->reduce(b, &a);
+}
+
+/* HSDP: replica u's reduce-scatter output of every shard added into its partial. */
+static int task_partials(struct eng_task *t, uint32_t u, const struct shardd_reduce_math *m)
+{
+	struct shardd_group *g = t->eg->g;
+	struct shardd_shard_view outs[SHARDD_MAX_WORLD], adds[SHARDD_MAX_WORLD];
+	uint8_t assign[SHARDD_MAX_WORLD] = { 0 };
+	int ret;
+
+	for (uint32_t s = 0; s < g->shard; s++) {
+		uint32_t r = u * g->shard + s;
+
+		outs[s] = (struct shardd_shard_view){ &g->partials[r], g->reduce_offsets, g->reduce_dtype };
+		/* partial = round(rs + partial): FSDP2 accumulates in the reduce dtype before any all-reduce. */
+		adds[s] = g->partial_present[r] ? outs[s] : (struct shardd_shard_view){ 0 };
+	}
+	ret = task_reduce_scatter(t, u, outs, adds, assign, m);
+	if (!ret)
+		memset(&g->partial_present[u * g->shard], 1, g->shard);
+	return ret;
+}
+
+static int task_reduce(struct eng_task *t)
+{
+	struct shardd_group *g = t->eg->g;
+	struct shardd_backend_ctx *b = t->eg->j->e->backend;
+	struct shardd_shard_view views[SHARDD_MAX_WORLD], outs[SHARDD_MAX_WORLD];
+	uint8_t accumulate[SHARDD_MAX_WORLD];
+	struct shardd_reduce_math rs, ar;
+	int ret = 0;
+
+	if (g->replicate == 1) {
+		/* No replicate dim: one collective, pre- and post-divided (fp16) alike. */
+		reduce_math(g, g->shard, &rs, &ar);
+		rs.post = ar.post;
+		for (uint32_t s = 0; s < g->shard; s++)
+			outs[s] = (struct shardd_shard_view){ &g->sharded_grads[s], g->shard_offsets, SHARDD_DTYPE_NONE };
+		ret = task_reduce_scatter(t, 0, outs, NULL, g->grad_present, &rs);
+		if (!ret)
+			memset(g->grad_present, 1, g->shard);
+		return ret;
+	}
+
+	/* HSDP: FSDP2 passes both groups, so n = S * R on every call. */
+	reduce_math(g, g->world, &rs, &ar);
+	for (uint32_t u = 0; u < g->replicate && !ret; u++)
+		ret = task_partials(t, u, &rs);
+	/* The all-reduce of each shard index over its replicate group: every replica gets the sum. */
+	for (uint32_t s = 0; s < g->shard && !ret; s++) {
+		struct shardd_reduce_args a = {
+			.job = t->eg->j->bj, .layout = &g->layout, .src = SHARDD_REDUCE_SRC_SHARD,
+			.n = g->replicate, .views = views, .shard_rank = s, .in_dtype = g->reduce_dtype,
+			.outs = outs, .accumulate = accumulate, .reduce_offsets = g->reduce_offsets,
+			.reduce_shard_size = g->reduce_shard_size, .math = ar, .err = t->why,
+			.errlen = sizeof(t->why),
+		};
+
+		for (uint32_t u = 0; u < g->replicate; u++) {
+			uint32_t r = u * g->shard + s;
+
+			views[u] = (struct shardd_shard_view){ &g->partials[r], g->reduce_offsets, g->reduce_dtype };
+			outs[u] = (struct shardd_shard_view){ &g->sharded_grads[r], g->shard_offsets, SHARDD_DTYPE_NONE };
+			accumulate[u] = g->grad_present[r];
+		}
+		ret = b->ops->reduce(b, &a);
+		for (uint32_t u = 0; u < g->replicate && !ret; u++)
+			g->grad_present[u * g->shard + s] = 1;
+	}
+	/* The partials went into this all-reduce: the next microbatch starts afresh. */
+	memset(g->partial_present, 0, g->world);
+	return ret;
+}
+
+static int task_unshard(struct eng_task *t)
+{
+	struct shardd_group *g = t->eg->g;
+	struct shardd_backend_ctx *b = t->eg->j->e->backend;
+	struct shardd_buf *shards[SHARDD_MAX_WORLD], *unsharded[SHARDD_MAX_WORLD];
+	struct shardd_unshard_args a = {
+		.job = t->eg->j->bj, .layout = &g->layout, .nshards = g->shard, .shards = shards,
+		.unsharded = unsharded, .err = t->why, .errlen = sizeof(t->why),
+	};
+
+	for (uint32_t s = 0; s < g->shard; s++) {
+		uint32_t r = t->replica * g->shard + s;
+
+		shards[s] = &g->shards[r];
+		unsharded[s] = shardd_group_unsharded(g, r);
+	}
+	return b->ops->unshard(b, &a);
+}
+
+/*
+ * 1 when every completion of the task goes to a client stream that waits on
+ * the daemon's fence (SHARDD_FENCE_SIGNAL): queueing the work is enough.
+ */
+static int task_fenced(const struct eng_task *t)
+{
+	for (uint32_t i = 0; i < t->nops; i++)
+		if (!(t->ops[i].sqe.fence & SHARDD_FENCE_SIGNAL))
+			return 0;
+	return 1;
+}
+
+/*
+ * The buffers a task writes, into `bufs`; returns how many. The devices
+ * that hold them are those that ran its work (NCCL: every rank's own).
+ */
+static uint32_t task_outputs(const struct eng_task *t, const struct shardd_buf **bufs)
+{
+	const struct shardd_group *g = t->eg->g;
+	uint32_t n = 0;
+
+	switch (t->kind) {
+	case TASK_UNSHARD:
+		for (uint32_t s = 0; s < g->shard; s++)
+			bufs[n++] = shardd_group_unsharded(g, t->replica * g->shard + s);
+		break;
+	case TASK_REDUCE_PARTIAL:
+		for (uint32_t s = 0; s < g->shard; s++)
+			bufs[n++] = &g->partials[t->replica * g->shard + s];
+		break;
+	case TASK_REDUCE:
+		for (uint32_t r = 0; r < g->world; r++)
+			bufs[n++] = &g->sharded_grads[r];
+		break;
+	default:
+		bufs[n++] = &g->sharded_grads[t->rank];
+		break;
+	}
+	return n;
+}
+
+/* The arithmetic of one task, on a pool thread or (task_inline) the loop thread; sets res and msg. */
+static void task_exec(struct eng_task *t)
+{
+	struct shardd_group *g = t->eg->g;
+	struct shardd_backend_ctx *b = t->eg->j->e->backend;
+	int ret;
+
+	switch (t->kind) {
+	case TASK_UNSHARD:
+		ret = task_unshard(t);
+		break;
+	case TASK_REDUCE_PARTIAL: {
+		struct shardd_reduce_math rs, ar;
+
+		reduce_math(g, g->world, &rs, &ar);
+		ret = task_partials(t, t->replica, &rs);
+		break;
+	}
+	case TASK_REDUCE:
+		ret = task_reduce(t);
+		break;
+	default:
+		ret = b->ops->zero(b, &g->sharded_grads[t->rank], 0, g->sharded_grads[t->rank].bytes);
+		if (!ret)
+			g->grad_present[t->rank] = 0;
+		break;
+	}
+	/* A completion without a fence promises the results are in memory. */
+	if (!ret && b->ops->sync && !task_fenced(t)) {
+		const struct shardd_buf *outs[SHARDD_MAX_WORLD];
+
+		ret = b->ops->sync(b, outs, task_outputs(t, outs), t->why, sizeof(t->why));
+	}
+	t->res = ret;
+	if (ret)
+		eng_fmt(t->msg, sizeof(t->msg), "shardd: %s(group '%s', step %llu): the %s backend failed: %s",
+			shardd_op_name(t->ops[0].sqe.op), g->name, (unsigned long long)t->ops[0].sqe.step,
+			b->ops->name, t->why[0] ? t->why : ret > -SHARDD_E_BASE ? strerror(-ret) : "backend error");
+}
+
+/* ------------------------------------------------------------------ */
+/* The pool's round trip                                               */
+/* ------------------------------------------------------------------ */
+
+/* Pool thread: run one task, then hand it to the loop. */
+static void task_run(struct shardd_pool_task *pt)
+{
+	struct eng_task *t = (struct eng_task *)pt;
+	struct shardd_engine *e = t->eg->j->e;
+	uint64_t one = 1;
+	ssize_t w;
+
+	task_exec(t);
+	pthread_mutex_lock(&e->lock);
+	t->finished = 1;
+	if (e->fin_tail)
+		e->fin_tail->next = t;
+	else
+		e->fin_head = t;
+	e->fin_tail = t;
+	pthread_cond_broadcast(&e->finished);
+	pthread_mutex_unlock(&e->lock);
+	/* An eventfd write only fails on counter overflow, which a read in drain resets. */
+	w = write(e->efd, &one, sizeof(one));
+	(void)w;
+}
+
+void shardd_engine_drain(struct shardd_engine *e)
+{
+	struct eng_task *t, *next;
+	uint64_t v;
+	ssize_t r;
+
+	/* Reset the counter before taking the list: a task finishing later writes again. */
+	r = read(e->efd, &v, sizeof(v));
+	(void)r;
+	pthread_mutex_lock(&e->lock);
+	t = e->fin_head;
+	e->fin_head = e->fin_tail = NULL;
+	pthread_mutex_unlock(&e->lock);
+	for (; t; t = next) {
+		struct eng_group *eg = t->eg;
+
+		next = t->next;
+		eg->running = NULL;
+		/*
+		 * A next task for the pool starts before these completions go
+		 * out, so it overlaps them; a small one runs after them, so the
+		 * group's completions keep their order.
+		 */
+		if (eg->qhead && !task_inline(eg->qhead))
+			group_kick(eg);
+		task_deliver(t);
+		free(t);
+		group_kick(eg);
+	}
+}
+
+/* Wait for the group's running task, take it off the finished list and deliver it. */
+static void group_wait_running(struct eng_group *eg)
+{
+	struct shardd_engine *e = eg->j->e;
+	struct eng_task *t = eg->running, **pp;
+
+	if (!t)
+		return;
+	pthread_mutex_lock(&e->lock);
+	while (!t->finished)
+		pthread_cond_wait(&e->finished, &e->lock);
+	e->fin_tail = NULL;
+	for (pp = &e->fin_head; *pp; ) {
+		if (*pp == t)
+			*pp = t->next;
+		else {
+			e->fin_tail = *pp;
+			pp = &(*pp)->next;
+		}
+	}
+	pthread_mutex_unlock(&e->lock);
+	eg->running = NULL;
+	task_deliver(t);
+	free(t);
+}
+
+void eng_tasks_stop(struct eng_group *eg, int res, const char *msg)
+{
+	group_wait_running(eg);
+	while (eg->qhead) {
+		struct eng_task *t = eg->qhead;
+
+		eg->qhead = t->next;
+		t->res = res;
+		snprintf(t->msg, sizeof(t->msg), "%s", msg);
+		task_deliver(t);
+		free(t);
+	}
+	eg->qtail = NULL;
+}

@@ -27,9 +27,9 @@
 #include <jansson.h>
 #include <sanitizer/allocator_interface.h>
 
-#include "admin.h"
 #include "clock.h"
 #include "engine.h"
+#include "group.h"
 #include "job.h"
 #include "log.h"
 #include "loop.h"
@@ -74,7 +74,7 @@
  * daemon's own refusal be tested instead).
  */
 #define FUZZ_PARAM_BYTES  ((uint64_t)1 << 20)
-/* Daemon-accounted buffer bytes (shardd_memory_use_all) at any time of an input. */
+/* Daemon-accounted buffer bytes (shardd_jobs_memory_held) at any time of an input. */
 #define FUZZ_BUF_CAP      ((uint64_t)256 << 20)
 /* Heap the process may hold above its level at the start of an input. */
 #define FUZZ_HEAP_CAP     ((size_t)256 << 20)
@@ -250,10 +250,10 @@ static void fd_list(void)
 
 static uint64_t buf_bytes(void)
 {
-	struct shardd_memory_use m;
+	struct shardd_group_memory m;
 
-	shardd_memory_use_all(&m);
-	return m.shards + m.sharded_grads + m.unsharded + m.grads + m.partials;
+	shardd_jobs_memory_held(&m);
+	return m.total;
 }
 
 static void check_memory(void)

@@ -41,11 +41,8 @@ $(FUZZ_BUILD)/%.o: %.c
 	$(FUZZ_CC) $(FUZZ_CFLAGS) $(call inc_of,$<) $(FUZZ_EXTRA) -fsanitize=fuzzer-no-link -c $< -o $@
 
 # The kernels are written for gcc: clang 14 lacks __builtin_cpu_supports("f16c")
-# (clang_compat.h), and warns of cast.c's bf16_round passing NULL + i as the
-# unused source of BLOCKED: undefined behaviour, reported on issue #11; until
-# it is fixed, its run-time check is off in cast.c when the holes are skipped.
-$(FUZZ_BUILD)/kernels/%.o: FUZZ_EXTRA := -include tests/fuzz/clang_compat.h -Wno-null-pointer-arithmetic
-$(FUZZ_BUILD)/kernels/cast.o: FUZZ_EXTRA += $(if $(filter 1,$(FUZZ_SKIP_HOLES)),-fno-sanitize=pointer-overflow)
+# (clang_compat.h).
+$(FUZZ_BUILD)/kernels/%.o: FUZZ_EXTRA := -include tests/fuzz/clang_compat.h
 # optim.c's `#pragma GCC optimize("fp-contract=off")` is gcc's; clang keeps
 # its own contraction, which changes rounding only, not what the fuzzer finds.
 $(FUZZ_BUILD)/kernels/optim.o: FUZZ_EXTRA += -Wno-unknown-pragmas

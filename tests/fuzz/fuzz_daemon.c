@@ -52,16 +52,6 @@
  *          divides by zero in backend_host.c plan_split at the first UNSHARD.
  *   hole 2 (branch harden-session): a zero-length datagram carrying fds is
  *          read as EOF and its fds are never closed.
- * and findings of these targets, reported on #11 (docs/RELIABILITY.md):
- *   F1: kernels/cast.c bf16_round computes NULL + i (fuzz.mk turns that
- *       check off in cast.c while the holes are skipped).
- *   F2: a client that sends a datagram after the message that got its
- *       session closed, before the loop submitted the cancel of the
- *       session's multishot poll, makes IORING_OP_POLL_REMOVE fail
- *       (-EALREADY: the poll's wake-up owns it) and loop.c ignores that: the
- *       poll stays armed, the socket is never released, the client never
- *       sees EOF. The harness lets the loop turn before every action, so no
- *       datagram lands in that window.
  */
 #ifndef FUZZ_SKIP_HOLES
 #define FUZZ_SKIP_HOLES 1
@@ -1284,6 +1274,28 @@ static void setup_jobs(struct fz_in *in, int njobs)
 }
 
 /* End every job and session as shardd's shutdown does, then check what is owed. */
+/*
+ * Every session is closed: every client still connected must reach EOF
+ * within a few turns, or something of the daemon (a poll, a queue) still
+ * holds its socket (finding F2 of docs/RELIABILITY.md).
+ */
+static void check_closed(void)
+{
+	for (int k = 0; k < FZ_SETTLE; k++) {
+		unsigned open = 0;
+
+		turn();
+		for (unsigned i = 0; i < st.nclients; i++)
+			open += st.c[i].fd >= 0 && !st.c[i].eof;
+		if (!open)
+			return;
+	}
+	for (unsigned i = 0; i < st.nclients; i++)
+		if (st.c[i].fd >= 0 && !st.c[i].eof)
+			fail("client %u: its session is closed, but the connection never reached EOF "
+			     "after %d loop turns: the daemon still holds the socket", i, FZ_SETTLE);
+}
+
 static void input_end(void)
 {
 	int live[FZ_CLIENTS];
@@ -1313,6 +1325,7 @@ static void input_end(void)
 	}
 	for (struct shardd_session *s = server.sessions; s; s = s->next)
 		shardd_session_close(s, "the fuzz input ended");
+	check_closed();
 	for (unsigned i = 0; i < st.nclients; i++)
 		client_close(&st.c[i]);
 	/* Reap the sessions, and let the loop take back the events they cancelled. */
@@ -1334,11 +1347,6 @@ int fuzz_run(const struct fuzz_target *t, const uint8_t *data, size_t size)
 	if (t->attach_jobs)
 		setup_jobs(&in, t->attach_jobs);
 	while (in.n) {
-		if (FUZZ_SKIP_HOLES) {
-			/* F2 (top of this file): the loop submits its pending poll cancels first. */
-			daemon_turn();
-			clients_poll();
-		}
 		switch (t->actions[in_u8(&in) % t->nactions]) {
 		case FZ_CONNECT: client_connect(); break;
 		case FZ_HELLO: act_hello(&in); break;

@@ -111,6 +111,12 @@ CTRL = {
     "handshake-timeout": bytes([C_CONNECT, C_CONNECT]) + admin(1, 0) + bytes([C_CRON, 1]),
     "shut-wr": attached() + bytes([C_SHUT_WR, 0, C_TURN, 2]),
     "goodbye-then-reattach": attached() + bytes([C_GOODBYE, 0]) + attached(1),
+    # F2 (docs/RELIABILITY.md): a datagram that lands after the session closed, before
+    # the loop cancelled its poll, left the poll armed and the socket held for ever.
+    "regress-f2-send-after-goodbye": attached() + bytes([C_GOODBYE, 0]) +
+    msg(0, MSG_ADMIN, b'{"cmd":"status"}'),
+    "regress-f2-raw-after-goodbye": attached() + bytes([C_GOODBYE, 0]) +
+    bytes([C_RAW, 0, 0, 5, 0, 0, 0, 0, 0]) + b"abcde",
 }
 for k in range(11):
     CTRL["hello-mut-%02d" % k] = bytes([C_CONNECT]) + hello(mut=k, extra=b"\x07\x00\x00\x00" * 4)

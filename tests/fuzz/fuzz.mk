@@ -9,22 +9,18 @@
 #                              build-fuzz/corpus/<target>, crashes to build-fuzz/
 #   make fuzz-ci               each target FUZZ_CI_SECONDS (default 25) on a
 #                              temporary copy of its corpus (make test runs it)
-#   make fuzz FUZZ_SKIP_HOLES=0  also send the inputs of issue #11's known holes
-#                              (fuzz_daemon.c, top); built in build-fuzz-holes/
 
 FUZZ_CC          ?= clang
 FUZZ_SECONDS     ?= 60
 FUZZ_CI_SECONDS  ?= 25
-FUZZ_SKIP_HOLES  ?= 1
-FUZZ_BUILD       := build-fuzz$(if $(filter 0,$(FUZZ_SKIP_HOLES)),-holes)
+FUZZ_BUILD       := build-fuzz
 # Ring and socket work per input is bounded by the input: 4 KiB programs are plenty.
 FUZZ_FLAGS       ?= -max_len=4096 -timeout=30 -rss_limit_mb=4096 -malloc_limit_mb=1024 \
 		    -print_final_stats=1
 FUZZ_SAN         := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
 # Include paths: each source's folder's, as in the gcc builds (inc_of, Makefile).
 FUZZ_CFLAGS      := -O1 -g -std=gnu11 -Wall -Wextra $(WERROR_FLAGS) -pthread -MMD -MP \
-		    -DSHARDD_VERSION='"$(VERSION)"' \
-		    -DFUZZ_SKIP_HOLES=$(FUZZ_SKIP_HOLES) $(FUZZ_SAN)
+		    -DSHARDD_VERSION='"$(VERSION)"' $(FUZZ_SAN)
 
 FUZZ_LIB_SRC := $(filter-out daemon/main.c daemon/backend_cuda%.c,$(wildcard daemon/*.c)) \
 		$(wildcard kernels/*.c) tests/fuzz/fuzz_daemon.c
@@ -77,6 +73,6 @@ test: fuzz-ci
 
 clean: clean-fuzz
 clean-fuzz:
-	rm -rf build-fuzz build-fuzz-holes
+	rm -rf build-fuzz
 
 -include $(shell find $(FUZZ_BUILD) -name '*.d' 2>/dev/null)

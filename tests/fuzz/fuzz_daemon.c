@@ -44,7 +44,7 @@
 
 /*
  * The daemon runs with small memory limits, so that the fuzzer reaches its
- * own refusal (engine.c group_commit_memory) rather than a harness filter,
+ * own refusal (registry.c group_commit_memory) rather than a harness filter,
  * and an input never makes it commit more than FUZZ_MAX_MEMORY of buffers.
  */
 #define FUZZ_MAX_MEMORY     ((uint64_t)32 << 20) /* --max-memory */

@@ -27,6 +27,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include "backend_factory.h"
 #include "engine_int.h"
 #include "log.h"
 #include "sqe.h"

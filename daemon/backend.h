@@ -233,17 +233,6 @@ struct shardd_backend_ctx {
 	const struct shardd_backend_ops *ops;
 };
 
-/*
- * The backend of kind `kind` (enum shardd_backend: --backend): the host
- * backend on `pool`, or the cuda backend exporting buffers as
- * `cuda_export` says (enum shardd_cuda_export) with `timeout_ns` bounding
- * its waits. 0, or -SHARDD_E_BACKEND (a kind this build lacks or that is no
- * kind, a cuda backend that cannot start) or -ENOMEM, logged in the
- * backend's own words (which flag, why, the fix).
- */
-int shardd_backend_create(uint32_t kind, uint32_t cuda_export, uint64_t timeout_ns,
-			  struct shardd_pool *pool, struct shardd_backend_ctx **out);
-
 /* The host backend: memfd buffers, CPU kernels split across `pool`. 0 or -ENOMEM. */
 int shardd_backend_host_create(struct shardd_pool *pool, struct shardd_backend_ctx **out);
 

@@ -17,65 +17,22 @@
  *
  *   registry.c        registration                 collective.c  the rendezvous
  *   task.c            the task and where it runs   engine.c      the rest
+ *   delivery.c        messages and delivery, below all four
  */
 #include <errno.h>
 #include <pthread.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include "backend_factory.h"
 #include "engine_int.h"
 #include "log.h"
 #include "sqe.h"
 
 #define ENGINE_TIMEOUT_DEFAULT_MS 30000
-
-/* ------------------------------------------------------------------ */
-/* Messages and delivery (loop thread)                                 */
-/* ------------------------------------------------------------------ */
-
-void eng_fmt(char *buf, size_t len, const char *f, ...)
-{
-	va_list ap;
-
-	va_start(ap, f);
-	vsnprintf(buf, len, f, ap);
-	va_end(ap);
-}
-
-void eng_reply_err(struct shardd_engine_job *j, uint32_t rank, uint64_t token, uint32_t seq,
-		   int res, const char *msg)
-{
-	j->e->cfg.reply(j->ctx, rank, token, seq, res, msg, NULL, NULL, NULL, NULL, 0, NULL, 0);
-}
-
-void eng_complete(struct shardd_engine_job *j, const struct eng_op *op, int res, const char *msg)
-{
-	j->e->cfg.complete(j->ctx, op->rank, op->token, &op->sqe, res, res ? msg : NULL);
-}
-
-static void timeout_str(const struct shardd_engine *e, char *buf, size_t len)
-{
-	uint64_t ms = e->timeout_ns / 1000000u;
-
-	if (ms % 1000 == 0)
-		eng_fmt(buf, len, "%llu s", (unsigned long long)(ms / 1000));
-	else
-		eng_fmt(buf, len, "%.3g s", (double)ms / 1000.0);
-}
-
-void eng_expired_msg(const struct shardd_engine *e, const struct shardd_rdv *rdv, const char *did,
-		     char *msg, size_t len)
-{
-	char within[32], late[ENGINE_MSG_MAX];
-
-	timeout_str(e, within, sizeof(within));
-	shardd_rdv_missing_msg(rdv, did, within, late, sizeof(late));
-	eng_fmt(msg, len, "shardd: %s", late);
-}
 
 /* ------------------------------------------------------------------ */
 /* Engine                                                              */
@@ -264,15 +221,6 @@ void shardd_engine_rank_attached(struct shardd_engine_job *j, uint32_t rank, int
 static struct eng_group *group_by_id(const struct shardd_engine_job *j, uint32_t id)
 {
 	return id >= 1 && id <= j->ngroups ? j->groups[id - 1] : NULL;
-}
-
-struct eng_group *eng_group_by_name(const struct shardd_engine_job *j, const char *name)
-{
-	for (uint32_t i = 0; i < j->ngroups; i++) {
-		if (j->groups[i] && !strcmp(j->groups[i]->g->name, name))
-			return j->groups[i];
-	}
-	return NULL;
 }
 
 /* ------------------------------------------------------------------ */

@@ -1,17 +1,20 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The op engine's private state, shared by its four files:
+ * The op engine's private state, shared by its five files:
  *
  *   engine.c      the engine and its jobs: create/destroy, job lifecycle,
  *                 submit and dispatch of ring entries, per-rank order
  *                 (deferred ops), departures and the cron, introspection
  *   registry.c    registration and OPEN_GROUP: a group's spec, memory,
- *                 placement and buffers, and its replies
+ *                 placement and buffers, and its replies; a group by name
  *   collective.c  unshard and reduce rendezvous: arrival, launch, failure,
  *                 departure and timeout of a collective
  *   task.c        what each op computes (unshard, reduce-scatter, HSDP
  *                 partials and all-reduce, zero_grad) and where it runs:
  *                 the loop thread or the worker pool, and delivery
+ *   delivery.c    below the other four: the text of a failure, an op's
+ *                 completion and a failed reply through the engine's
+ *                 callbacks, the words of an expired rendezvous
  *
  * Everything here is loop-thread state unless a field says otherwise.
  */
@@ -133,7 +136,7 @@ struct shardd_engine {
 	uint64_t mem_committed;      /* its jobs' mem_committed, summed */
 };
 
-/* ---- engine.c: messages and delivery ---- */
+/* ---- delivery.c: messages and delivery ---- */
 
 __attribute__((format(printf, 3, 4)))
 void eng_fmt(char *buf, size_t len, const char *f, ...);
@@ -145,11 +148,11 @@ void eng_complete(struct shardd_engine_job *j, const struct eng_op *op, int res,
 /* "shardd: ranks 2,3 <did> within 30 s; rank 0 is waiting" for an expired rendezvous. */
 void eng_expired_msg(const struct shardd_engine *e, const struct shardd_rdv *rdv, const char *did,
 		     char *msg, size_t len);
-/* The job's group named `name` (complete or still registering), or NULL. */
-struct eng_group *eng_group_by_name(const struct shardd_engine_job *j, const char *name);
 
 /* ---- registry.c: registration ---- */
 
+/* The job's group named `name` (complete or still registering), or NULL. */
+struct eng_group *eng_group_by_name(const struct shardd_engine_job *j, const char *name);
 /* Forget a group and free its state and buffers (job end). */
 void eng_group_free(struct eng_group *eg);
 /* `rank` (this token) left before every rank registered the group: the registration fails. */

@@ -22,6 +22,16 @@
 #include "memlimit.h"
 #include "placement.h"
 
+/* The job's group named `name` (engine_int.h). */
+struct eng_group *eng_group_by_name(const struct shardd_engine_job *j, const char *name)
+{
+	for (uint32_t i = 0; i < j->ngroups; i++) {
+		if (j->groups[i] && !strcmp(j->groups[i]->g->name, name))
+			return j->groups[i];
+	}
+	return NULL;
+}
+
 /* Free a group's engine state and buffers; handles a partly built one. */
 static void group_destroy(struct eng_group *eg, struct shardd_engine_job *j)
 {

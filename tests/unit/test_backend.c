@@ -1,13 +1,13 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * daemon/backend.c: the factory that turns --backend into a backend table,
+ * daemon/backend_factory.c: the factory that turns --backend into a backend table,
  * and the table's inline threshold, which decides where the engine runs a
  * task (loop thread or worker pool).
  */
 #include <criterion/criterion.h>
 #include <string.h>
 
-#include "backend.h"
+#include "backend_factory.h"
 #include "pool.h"
 
 Test(backend, factory_builds_the_host_backend_that_runs_small_tasks_inline, .timeout = 10)

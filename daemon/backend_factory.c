@@ -1,10 +1,10 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The backend factory (backend.h): which backend --backend names, and
+ * The backend factory (backend_factory.h): which backend --backend names, and
  * whether this build has it. Only here does the daemon know the kinds; the
  * engine talks to the table alone.
  */
-#include "backend.h"
+#include "backend_factory.h"
 #ifdef SHARDD_HAVE_CUDA
 #include "backend_cuda.h"
 #endif

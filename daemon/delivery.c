@@ -1,0 +1,52 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Messages and delivery of the engine (engine_int.h), loop thread: the
+ * text of a failure, an op's completion and a register/open reply through
+ * the engine's callbacks, the words of an expired rendezvous. Below
+ * engine.c, registry.c, collective.c and task.c, which all deliver
+ * through it; it calls none of them.
+ */
+#include <stdarg.h>
+#include <stdio.h>
+
+#include "engine_int.h"
+
+void eng_fmt(char *buf, size_t len, const char *f, ...)
+{
+	va_list ap;
+
+	va_start(ap, f);
+	vsnprintf(buf, len, f, ap);
+	va_end(ap);
+}
+
+void eng_reply_err(struct shardd_engine_job *j, uint32_t rank, uint64_t token, uint32_t seq,
+		   int res, const char *msg)
+{
+	j->e->cfg.reply(j->ctx, rank, token, seq, res, msg, NULL, NULL, NULL, NULL, 0, NULL, 0);
+}
+
+void eng_complete(struct shardd_engine_job *j, const struct eng_op *op, int res, const char *msg)
+{
+	j->e->cfg.complete(j->ctx, op->rank, op->token, &op->sqe, res, res ? msg : NULL);
+}
+
+static void timeout_str(const struct shardd_engine *e, char *buf, size_t len)
+{
+	uint64_t ms = e->timeout_ns / 1000000u;
+
+	if (ms % 1000 == 0)
+		eng_fmt(buf, len, "%llu s", (unsigned long long)(ms / 1000));
+	else
+		eng_fmt(buf, len, "%.3g s", (double)ms / 1000.0);
+}
+
+void eng_expired_msg(const struct shardd_engine *e, const struct shardd_rdv *rdv, const char *did,
+		     char *msg, size_t len)
+{
+	char within[32], late[ENGINE_MSG_MAX];
+
+	timeout_str(e, within, sizeof(within));
+	shardd_rdv_missing_msg(rdv, did, within, late, sizeof(late));
+	eng_fmt(msg, len, "shardd: %s", late);
+}

@@ -51,6 +51,7 @@ enum eng_task_kind {
 	TASK_REDUCE_PARTIAL,  /* HSDP, no all-reduce: one replica's reduce-scatter into partials */
 	TASK_REDUCE,          /* reduce-scatter (+ HSDP all-reduce) into sharded grads */
 	TASK_ZERO_GRAD,       /* one rank's sharded grads become absent */
+	TASK_STEP,            /* one rank's optimizer step on its shard */
 };
 
 struct eng_group;
@@ -61,7 +62,8 @@ struct eng_task {
 	struct eng_group *eg;
 	uint32_t kind;               /* enum eng_task_kind */
 	uint32_t replica;            /* UNSHARD, REDUCE_PARTIAL */
-	uint32_t rank;               /* ZERO_GRAD */
+	uint32_t rank;               /* ZERO_GRAD, STEP */
+	int outcome;                 /* STEP: enum shardd_step_result when res is 0 */
 	int finished;                /* on the finished list; under engine lock */
 	int res;
 	char msg[ENGINE_MSG_MAX];

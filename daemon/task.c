@@ -53,6 +53,9 @@ static uint64_t task_bytes(const struct eng_task *t)
 		/* HSDP adds the all-reduce: R partials read per output shard. */
 		return g->world * (l->grad_size + 2 * l->shard_size) +
 		       (g->replicate > 1 ? g->world * (2 + g->replicate) * g->partial_size : 0);
+	case TASK_STEP:
+		/* param and grad read, param written, each state read and written, grad zeroed. */
+		return l->shard_size * (4 + 2 * (uint64_t)shardd_group_optim_states(&g->optim));
 	default:
 		return g->sharded_grads[t->rank].bytes;
 	}
@@ -262,6 +265,73 @@ static int task_unshard(struct eng_task *t)
 }
 
 /*
+ * The optimizer step of t->rank (exactly once per step: task.c runs a
+ * group's tasks one at a time, so last_step is checked and advanced by
+ * one task at a time). A step at or below the last one applied or skipped
+ * completes SHARDD_STEP_ALREADY and changes nothing. Returns 0 with
+ * t->outcome, the backend's error, or an error with t->msg written.
+ */
+static int task_step(struct eng_task *t)
+{
+	struct shardd_group *g = t->eg->g;
+	struct shardd_backend_ctx *b = t->eg->j->e->backend;
+	const struct shardd_sqe *sqe = &t->ops[0].sqe;
+	const struct shardd_optim_config *o = &g->optim;
+	uint32_t r = t->rank;
+	uint64_t last = g->last_step[r];
+	double lr, clip = 1;
+	int skipped = 0, ret;
+	struct shardd_step_args a = {
+		.layout = &g->layout, .shard_rank = r % g->shard, .kind = o->kind, .shard = &g->shards[r],
+		.grad = &g->sharded_grads[r], .skip_nonfinite = !!(sqe->flags & SHARDD_STEP_SKIP_NONFINITE),
+		.skipped = &skipped, .err = t->why, .errlen = sizeof(t->why),
+	};
+
+	if (sqe->step <= last) {
+		t->outcome = SHARDD_STEP_ALREADY;
+		return 0;
+	}
+	if (!g->grad_present[r]) {
+		eng_fmt(t->msg, sizeof(t->msg),
+			"shardd: step(group '%s', step %llu) on rank %u: the rank's sharded grad is absent (no "
+			"reduce since its last step or zero_grad); reduce the step's grads before its step",
+			g->name, (unsigned long long)sqe->step, r);
+		return -SHARDD_E_STATE;
+	}
+	memcpy(&lr, &sqe->rsvd2[SHARDD_SQE_STEP_LR], sizeof(lr));
+	if (sqe->flags & SHARDD_STEP_CLIP)
+		memcpy(&clip, &sqe->rsvd2[SHARDD_SQE_STEP_CLIP], sizeof(clip));
+	for (uint32_t k = 0; k < shardd_group_optim_states(o); k++)
+		a.state[k] = &g->optim_state[k][r];
+	if (o->kind == SHARDD_OPTIM_SGD)
+		a.sgd = (struct shardd_sgd){
+			.step = g->optim_steps[r] + 1, .lr = lr, .momentum = o->momentum,
+			.dampening = o->dampening, .weight_decay = o->weight_decay,
+			.nesterov = !!(o->flags & SHARDD_OPTIM_NESTEROV),
+			.maximize = !!(o->flags & SHARDD_OPTIM_MAXIMIZE), .grad_scale = (float)clip,
+		};
+	else
+		a.adamw = (struct shardd_adamw){
+			.step = g->optim_steps[r] + 1, .lr = lr, .beta1 = o->beta1, .beta2 = o->beta2,
+			.eps = o->eps, .weight_decay = o->weight_decay,
+			.amsgrad = !!(o->flags & SHARDD_OPTIM_AMSGRAD),
+			.maximize = !!(o->flags & SHARDD_OPTIM_MAXIMIZE), .grad_scale = (float)clip,
+		};
+	ret = b->ops->step(b, &a);
+	if (ret)
+		return ret;
+	ret = b->ops->zero(b, &g->sharded_grads[r], 0, g->sharded_grads[r].bytes);
+	if (ret)
+		return ret;
+	g->grad_present[r] = 0;
+	if (!skipped)
+		g->optim_steps[r]++;
+	__atomic_store_n(&g->last_step[r], sqe->step, __ATOMIC_RELAXED);
+	t->outcome = skipped ? SHARDD_STEP_SKIPPED : SHARDD_STEP_APPLIED;
+	return 0;
+}
+
+/*
  * 1 when every completion of the task goes to a client stream that waits on
  * the daemon's fence (SHARDD_FENCE_SIGNAL): queueing the work is enough.
  */
@@ -323,6 +393,13 @@ static void task_exec(struct eng_task *t)
 	case TASK_REDUCE:
 		ret = task_reduce(t);
 		break;
+	case TASK_STEP:
+		ret = task_step(t);
+		if (ret < 0 && t->msg[0]) {
+			t->res = ret;
+			return;
+		}
+		break;
 	default:
 		ret = b->ops->zero(b, &g->sharded_grads[t->rank], 0, g->sharded_grads[t->rank].bytes);
 		if (!ret)
@@ -335,7 +412,7 @@ static void task_exec(struct eng_task *t)
 
 		ret = b->ops->sync(b, outs, task_outputs(t, outs), t->why, sizeof(t->why));
 	}
-	t->res = ret;
+	t->res = ret ? ret : t->outcome;
 	if (ret)
 		eng_fmt(t->msg, sizeof(t->msg), "shardd: %s(group '%s', step %llu): the %s backend failed: %s",
 			shardd_op_name(t->ops[0].sqe.op), g->name, (unsigned long long)t->ops[0].sqe.step,

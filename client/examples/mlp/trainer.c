@@ -471,7 +471,7 @@ static int rank_groups(struct rank *rk)
 			{ .name = "bias", .dtype = SHARDD_DTYPE_FP32, .ndim = 1,
 			  .shape = { layer_out(l) } },
 		};
-		struct shardd_policy policy = { SHARDD_DTYPE_NONE, SHARDD_DTYPE_NONE };
+		struct shardd_policy policy = { .param_dtype = SHARDD_DTYPE_NONE, .reduce_dtype = SHARDD_DTYPE_NONE };
 
 		if (!init) {
 			/* Re-attached: the daemon kept this rank's shards. */

@@ -61,10 +61,11 @@ OP_UNSHARD = 3
 OP_REDUCE = 4
 OP_RESHARD = 5
 OP_ZERO_GRAD = 6
-OP_COUNT = 7
+OP_STEP = 7
+OP_COUNT = 8
 
 OP_NAMES = {OP_NOP: "nop", OP_BARRIER: "barrier", OP_UNSHARD: "unshard",
-            OP_REDUCE: "reduce", OP_RESHARD: "reshard", OP_ZERO_GRAD: "zero_grad"}
+            OP_REDUCE: "reduce", OP_RESHARD: "reshard", OP_ZERO_GRAD: "zero_grad", OP_STEP: "step"}
 
 REDUCE_ALL_REDUCE = 1 << 0
 REDUCE_FLAGS_MASK = REDUCE_ALL_REDUCE

@@ -1,0 +1,462 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The daemon's optimizer (the step op) through a real shardd: SGD and AdamW
+ * over K steps against the kernels' scalar path (SHARDD_K_ISA_PORTABLE) run
+ * on the same sharded grads, bit for bit (every path of the kernels gives
+ * the same bits, kernels/shardd_kernels.h); exactly once; clip and skip on
+ * non-finite; the last applied step learned on re-attach; bad input.
+ *
+ * The job is 1 x 2 (one process, two clients); registration runs on two
+ * threads, reduces are submitted on both rings before either is reaped.
+ * Params cover the shape classes: padding rows (5 rows over 2 ranks),
+ * zero elements, a vector, a 0-d scalar (rank 1 holds only padding) and
+ * Shard(1).
+ */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "harness.h"
+#include "optim_isa.h"
+#include "shardd.h"
+
+#define NP 5
+#define K_STEPS 5
+#define WORLD 2
+
+static const struct shardd_param_desc params[NP] = {
+	{ .name = "w", .dtype = SHARDD_DTYPE_FP32, .ndim = 2, .shape = { 5, 3 } },
+	{ .name = "empty", .dtype = SHARDD_DTYPE_FP32, .ndim = 2, .shape = { 0, 4 } },
+	{ .name = "b", .dtype = SHARDD_DTYPE_FP32, .ndim = 1, .shape = { 7 } },
+	{ .name = "s", .dtype = SHARDD_DTYPE_FP32, .ndim = 0 },
+	{ .name = "c", .dtype = SHARDD_DTYPE_FP32, .ndim = 2, .shard_dim = 1, .shape = { 4, 6 } },
+};
+
+struct reg_arg {
+	struct shardd_client *c;
+	const struct shardd_optim_config *optim;
+	const char *name;
+	struct shardd_group *g;
+	int ret;
+	char err[1024];
+};
+
+static void *register_main(void *p)
+{
+	struct reg_arg *a = p;
+	struct shardd_policy pol = { .param_dtype = SHARDD_DTYPE_NONE, .reduce_dtype = SHARDD_DTYPE_NONE,
+				     .optimizer = a->optim };
+
+	a->ret = shardd_group_register(a->c, a->name, params, NP, &pol, &a->g);
+	if (a->ret)
+		snprintf(a->err, sizeof(a->err), "%s", shardd_last_error());
+	return NULL;
+}
+
+struct fixture {
+	struct harness_daemon hd;
+	struct shardd_client *c[WORLD];
+	struct reg_arg reg[WORLD];
+};
+
+static void start(struct fixture *f)
+{
+	static const char *const extra[] = { "--collective-timeout", "20", NULL };
+
+	memset(f, 0, sizeof(*f));
+	cr_assert_eq(harness_daemon_start(&f->hd, extra), 0, "shardd did not start");
+	for (uint32_t r = 0; r < WORLD; r++)
+		cr_assert_eq(harness_attach(&f->hd, "optim", r, 1, WORLD, &f->c[r]), 0, "%s", shardd_last_error());
+}
+
+/* Register `name` on both ranks with optimizers o0 (rank 0) and o1; the ranks' results in f->reg. */
+static void register_both(struct fixture *f, const char *name, const struct shardd_optim_config *o0,
+			  const struct shardd_optim_config *o1)
+{
+	pthread_t th[WORLD];
+
+	for (int r = 0; r < WORLD; r++) {
+		f->reg[r] = (struct reg_arg){ .c = f->c[r], .optim = r ? o1 : o0, .name = name };
+		cr_assert_eq(pthread_create(&th[r], NULL, register_main, &f->reg[r]), 0);
+	}
+	for (int r = 0; r < WORLD; r++)
+		pthread_join(th[r], NULL);
+}
+
+static void register_ok(struct fixture *f, const char *name, const struct shardd_optim_config *o)
+{
+	register_both(f, name, o, o);
+	for (int r = 0; r < WORLD; r++)
+		cr_assert_eq(f->reg[r].ret, 0, "rank %d register: %s", r, f->reg[r].err);
+}
+
+static void finish(struct fixture *f)
+{
+	for (int r = 0; r < WORLD; r++) {
+		shardd_group_close(f->reg[r].g);
+		shardd_close(f->c[r]);
+	}
+	harness_daemon_stop_expect_clean(&f->hd);
+}
+
+static uint64_t rng_state = 0x2545f4914f6cdd1dull;
+
+static float rnd(void)
+{
+	rng_state ^= rng_state << 13;
+	rng_state ^= rng_state >> 7;
+	rng_state ^= rng_state << 17;
+	return (float)((double)(rng_state >> 11) / (double)(1ull << 53) * 2.0 - 1.0);
+}
+
+/* Elements of real data in rank `r`'s shard of param i (a prefix of it). */
+static uint64_t valid_numel(const struct shardd_group *g, uint32_t i)
+{
+	const struct shardd_param_desc *d = &params[i];
+	const struct shardd_param_layout *l = shardd_group_layout(g, i);
+	uint64_t numel = 1, dim = d->ndim ? d->shape[d->shard_dim] : 1;
+
+	for (uint32_t k = 0; k < d->ndim; k++)
+		numel *= d->shape[k];
+	return dim ? l->shard_rows_valid * (numel / dim) : 0;
+}
+
+/* Every rank writes random grads and the reduce of `step` runs on both rings. */
+static void reduce_step(struct fixture *f, uint64_t step, int poison)
+{
+	struct shardd_completion cp;
+
+	for (int r = 0; r < WORLD; r++)
+		for (uint32_t i = 0; i < NP; i++) {
+			float *gr = shardd_group_grad(f->reg[r].g, i);
+			uint64_t n = shardd_group_layout(f->reg[r].g, i)->grad_bytes / sizeof(float);
+
+			for (uint64_t e = 0; e < n; e++)
+				gr[e] = rnd();
+			if (poison && r == 0 && i == 0)
+				gr[0] = NAN;
+		}
+	for (int r = 0; r < WORLD; r++)
+		cr_assert_eq(shardd_submit(f->c[r], SHARDD_OP_REDUCE, shardd_group_id(f->reg[r].g), step, 0, 100 + r),
+			     0, "%s", shardd_last_error());
+	for (int r = 0; r < WORLD; r++) {
+		cr_assert_eq(shardd_wait(f->c[r], &cp, 30000), 0, "%s", shardd_last_error());
+		cr_assert_eq(cp.res, 0, "rank %d reduce %llu: %s", r, (unsigned long long)step, cp.msg);
+	}
+}
+
+/* The reference: each rank's params and state per param, updated by the portable kernels. */
+struct ref {
+	float *p[WORLD][NP], *s[WORLD][NP][3];
+	uint64_t nsteps[WORLD];
+};
+
+static void ref_init(struct ref *ref, struct fixture *f)
+{
+	memset(ref, 0, sizeof(*ref));
+	for (int r = 0; r < WORLD; r++)
+		for (uint32_t i = 0; i < NP; i++) {
+			uint64_t n = valid_numel(f->reg[r].g, i);
+			float *sh = shardd_group_shard(f->reg[r].g, i);
+
+			ref->p[r][i] = calloc(n + 1, sizeof(float));
+			for (int k = 0; k < 3; k++)
+				ref->s[r][i][k] = calloc(n + 1, sizeof(float));
+			for (uint64_t e = 0; e < n; e++)
+				sh[e] = ref->p[r][i][e] = rnd();
+		}
+}
+
+static void ref_free(struct ref *ref)
+{
+	for (int r = 0; r < WORLD; r++)
+		for (uint32_t i = 0; i < NP; i++) {
+			free(ref->p[r][i]);
+			for (int k = 0; k < 3; k++)
+				free(ref->s[r][i][k]);
+		}
+}
+
+/* The reference step of rank r on the sharded grads as the daemon holds them now. */
+static void ref_step(struct ref *ref, struct fixture *f, int r, const struct shardd_optim_config *o, double lr,
+		     float scale)
+{
+	ref->nsteps[r]++;
+	for (uint32_t i = 0; i < NP; i++) {
+		uint64_t n = valid_numel(f->reg[r].g, i);
+		const float *g = shardd_group_shard_grad(f->reg[r].g, i);
+
+		if (!n)
+			continue;
+		if (o->kind == SHARDD_OPTIM_SGD) {
+			struct shardd_sgd a = {
+				.param = ref->p[r][i], .grad = g, .momentum_buffer = o->momentum ? ref->s[r][i][0] : NULL,
+				.grad_dtype = SHARDD_DTYPE_FP32, .step = ref->nsteps[r], .lr = lr, .momentum = o->momentum,
+				.dampening = o->dampening, .weight_decay = o->weight_decay,
+				.nesterov = !!(o->flags & SHARDD_OPTIM_NESTEROV),
+				.maximize = !!(o->flags & SHARDD_OPTIM_MAXIMIZE), .grad_scale = scale,
+			};
+			shardd_k_sgd_isa(SHARDD_K_ISA_PORTABLE, &a, 0, n);
+		} else {
+			struct shardd_adamw a = {
+				.param = ref->p[r][i], .grad = g, .exp_avg = ref->s[r][i][0], .exp_avg_sq = ref->s[r][i][1],
+				.max_exp_avg_sq = (o->flags & SHARDD_OPTIM_AMSGRAD) ? ref->s[r][i][2] : NULL,
+				.grad_dtype = SHARDD_DTYPE_FP32, .step = ref->nsteps[r], .lr = lr, .beta1 = o->beta1,
+				.beta2 = o->beta2, .eps = o->eps, .weight_decay = o->weight_decay,
+				.amsgrad = !!(o->flags & SHARDD_OPTIM_AMSGRAD),
+				.maximize = !!(o->flags & SHARDD_OPTIM_MAXIMIZE), .grad_scale = scale,
+			};
+			shardd_k_adamw_isa(SHARDD_K_ISA_PORTABLE, &a, 0, n);
+		}
+	}
+}
+
+/* Rank r's shard equals the reference bit for bit; padding and the sharded grad are zero. */
+static void expect_shard(struct ref *ref, struct fixture *f, int r, const char *what)
+{
+	for (uint32_t i = 0; i < NP; i++) {
+		const struct shardd_param_layout *l = shardd_group_layout(f->reg[r].g, i);
+		uint64_t n = valid_numel(f->reg[r].g, i), all = l->shard_bytes / sizeof(float);
+		const float *sh = shardd_group_shard(f->reg[r].g, i);
+		const float *g = shardd_group_shard_grad(f->reg[r].g, i);
+
+		for (uint64_t e = 0; e < n; e++)
+			cr_assert_eq(memcmp(&sh[e], &ref->p[r][i][e], sizeof(float)), 0,
+				     "%s: rank %d param '%s'[%llu] = %.9g, reference %.9g", what, r, params[i].name,
+				     (unsigned long long)e, sh[e], ref->p[r][i][e]);
+		for (uint64_t e = n; e < all; e++)
+			cr_assert_eq(sh[e], 0.0f, "%s: rank %d param '%s' padding [%llu] = %g", what, r,
+				     params[i].name, (unsigned long long)e, sh[e]);
+		for (uint64_t e = 0; e < all; e++)
+			cr_assert_eq(g[e], 0.0f, "%s: rank %d param '%s' sharded grad [%llu] = %g after the step",
+				     what, r, params[i].name, (unsigned long long)e, g[e]);
+	}
+}
+
+static void parity_run(const struct shardd_optim_config *o, const char *what)
+{
+	struct fixture f;
+	struct ref ref;
+
+	start(&f);
+	register_ok(&f, "layer", o);
+	ref_init(&ref, &f);
+	for (uint64_t step = 1; step <= K_STEPS; step++) {
+		double lr = 0.05 / (double)step;
+
+		reduce_step(&f, step, 0);
+		for (int r = 0; r < WORLD; r++) {
+			ref_step(&ref, &f, r, o, lr, 1.0f);
+			cr_assert_eq(shardd_step(f.reg[r].g, step, lr, 0, 0), SHARDD_STEP_APPLIED, "%s step %llu: %s",
+				     what, (unsigned long long)step, shardd_last_error());
+			expect_shard(&ref, &f, r, what);
+		}
+	}
+	ref_free(&ref);
+	finish(&f);
+}
+
+Test(optim_daemon, sgd_matches_the_kernels_reference_over_k_steps, .timeout = 60)
+{
+	struct shardd_optim_config o = { .kind = SHARDD_OPTIM_SGD, .momentum = 0.9, .dampening = 0.1,
+					 .weight_decay = 0.01 };
+	struct shardd_optim_config n = { .kind = SHARDD_OPTIM_SGD, .flags = SHARDD_OPTIM_NESTEROV,
+					 .momentum = 0.8 };
+	struct shardd_optim_config plain = { .kind = SHARDD_OPTIM_SGD, .flags = SHARDD_OPTIM_MAXIMIZE };
+
+	parity_run(&o, "sgd momentum dampening weight_decay");
+	parity_run(&n, "sgd nesterov");
+	parity_run(&plain, "sgd plain maximize");
+}
+
+Test(optim_daemon, adamw_matches_the_kernels_reference_over_k_steps, .timeout = 60)
+{
+	struct shardd_optim_config o = { .kind = SHARDD_OPTIM_ADAMW, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,
+					 .weight_decay = 0.01 };
+	struct shardd_optim_config ams = { .kind = SHARDD_OPTIM_ADAMW, .flags = SHARDD_OPTIM_AMSGRAD,
+					   .beta1 = 0.8, .beta2 = 0.99, .eps = 1e-6 };
+
+	parity_run(&o, "adamw");
+	parity_run(&ams, "adamw amsgrad");
+}
+
+static void snapshot(struct fixture *f, int r, float *out)
+{
+	memcpy(out, shardd_group_shard(f->reg[r].g, 0), shardd_group_info(f->reg[r].g)->shard_size);
+}
+
+Test(optim_daemon, a_step_is_applied_once_and_reattach_learns_the_last_step, .timeout = 60)
+{
+	struct shardd_optim_config o = { .kind = SHARDD_OPTIM_ADAMW, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8 };
+	struct fixture f;
+	struct ref ref;
+	size_t size;
+	float *before, *after;
+
+	start(&f);
+	register_ok(&f, "layer", &o);
+	cr_assert_eq(shardd_group_last_step(f.reg[0].g), 0);
+	size = shardd_group_info(f.reg[0].g)->shard_size;
+	before = malloc(size);
+	after = malloc(size);
+	ref_init(&ref, &f);
+	for (uint64_t step = 1; step <= 3; step++) {
+		reduce_step(&f, step, 0);
+		for (int r = 0; r < WORLD; r++) {
+			ref_step(&ref, &f, r, &o, 0.01, 1.0f);
+			cr_assert_eq(shardd_step(f.reg[r].g, step, 0.01, 0, 0), SHARDD_STEP_APPLIED, "%s",
+				     shardd_last_error());
+		}
+	}
+	/* Re-submitted, with a new grad there even: nothing changes, the grad stays. */
+	reduce_step(&f, 4, 0);
+	snapshot(&f, 0, before);
+	cr_assert_eq(shardd_step(f.reg[0].g, 3, 0.01, 0, 0), SHARDD_STEP_ALREADY, "%s", shardd_last_error());
+	cr_assert_eq(shardd_step(f.reg[0].g, 1, 0.5, 0, 0), SHARDD_STEP_ALREADY, "%s", shardd_last_error());
+	snapshot(&f, 0, after);
+	cr_assert_eq(memcmp(before, after, size), 0, "a step already applied changed rank 0's shard");
+
+	/* Rank 0 leaves and comes back: the daemon says step 3 was its last. */
+	shardd_group_close(f.reg[0].g);
+	shardd_close(f.c[0]);
+	cr_assert_eq(harness_attach(&f.hd, "optim", 0, 1, WORLD, &f.c[0]), 0, "%s", shardd_last_error());
+	cr_assert_eq(shardd_group_open(f.c[0], "layer", &f.reg[0].g), 0, "%s", shardd_last_error());
+	cr_assert_eq(shardd_group_last_step(f.reg[0].g), 3);
+	cr_assert_eq(shardd_group_info(f.reg[0].g)->optimizer, SHARDD_OPTIM_ADAMW);
+	cr_assert_eq(shardd_group_last_step(f.reg[1].g), 0, "rank 1's reply was taken at registration");
+	/* Step 4 then goes on from the daemon's state. */
+	for (int r = 0; r < WORLD; r++) {
+		ref_step(&ref, &f, r, &o, 0.01, 1.0f);
+		cr_assert_eq(shardd_step(f.reg[r].g, 4, 0.01, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
+		expect_shard(&ref, &f, r, "after re-attach");
+	}
+	free(before);
+	free(after);
+	ref_free(&ref);
+	finish(&f);
+}
+
+Test(optim_daemon, clip_scales_the_grad_and_nonfinite_grads_skip_the_step, .timeout = 60)
+{
+	struct shardd_optim_config o = { .kind = SHARDD_OPTIM_SGD, .momentum = 0.9 };
+	struct fixture f;
+	struct ref ref;
+	size_t size;
+	float *before, *after;
+
+	start(&f);
+	register_ok(&f, "layer", &o);
+	size = shardd_group_info(f.reg[0].g)->shard_size;
+	before = malloc(size);
+	after = malloc(size);
+	ref_init(&ref, &f);
+	reduce_step(&f, 1, 0);
+	for (int r = 0; r < WORLD; r++) {
+		ref_step(&ref, &f, r, &o, 0.1, 0.25f);
+		cr_assert_eq(shardd_step(f.reg[r].g, 1, 0.1, SHARDD_STEP_CLIP | SHARDD_STEP_SKIP_NONFINITE, 0.25),
+			     SHARDD_STEP_APPLIED, "%s", shardd_last_error());
+		expect_shard(&ref, &f, r, "clip 0.25");
+	}
+	/* Rank 0's grad of 'w' is NaN, so its reduced row 0 is NaN on rank 0 only. */
+	reduce_step(&f, 2, 1);
+	snapshot(&f, 0, before);
+	cr_assert_eq(shardd_step(f.reg[0].g, 2, 0.1, SHARDD_STEP_SKIP_NONFINITE, 0), SHARDD_STEP_SKIPPED, "%s",
+		     shardd_last_error());
+	snapshot(&f, 0, after);
+	cr_assert_eq(memcmp(before, after, size), 0, "a skipped step changed rank 0's shard");
+	cr_assert_eq(shardd_step(f.reg[0].g, 2, 0.1, 0, 0), SHARDD_STEP_ALREADY, "%s", shardd_last_error());
+	ref_step(&ref, &f, 1, &o, 0.1, 1.0f);
+	cr_assert_eq(shardd_step(f.reg[1].g, 2, 0.1, SHARDD_STEP_SKIP_NONFINITE, 0), SHARDD_STEP_APPLIED, "%s",
+		     shardd_last_error());
+	expect_shard(&ref, &f, 0, "skipped");
+	expect_shard(&ref, &f, 1, "finite");
+	/* The skipped step is no update: rank 0's next one is its second (momentum buffer already set). */
+	reduce_step(&f, 3, 0);
+	for (int r = 0; r < WORLD; r++) {
+		ref_step(&ref, &f, r, &o, 0.1, 1.0f);
+		cr_assert_eq(shardd_step(f.reg[r].g, 3, 0.1, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
+		expect_shard(&ref, &f, r, "after skip");
+	}
+	free(before);
+	free(after);
+	ref_free(&ref);
+	finish(&f);
+}
+
+static void expect_err(int ret, int want, const char *text, const char *what)
+{
+	cr_assert_eq(ret, want, "%s: got %d (%s), expected %d: %s", what, ret, shardd_strerror(ret), want,
+		     shardd_last_error());
+	cr_assert_not_null(strstr(shardd_last_error(), text), "%s: '%s' does not say '%s'", what,
+			   shardd_last_error(), text);
+}
+
+Test(optim_daemon, bad_steps_fail_naming_the_field_and_value, .timeout = 60)
+{
+	struct shardd_optim_config o = { .kind = SHARDD_OPTIM_SGD };
+	struct shardd_completion cp;
+	struct fixture f;
+
+	start(&f);
+	register_ok(&f, "layer", &o);
+	expect_err(shardd_step(f.reg[0].g, 1, 0.1, 0, 0), -SHARDD_E_STATE, "sharded grad is absent",
+		   "step before any reduce");
+	reduce_step(&f, 1, 0);
+	expect_err(shardd_step(f.reg[0].g, 1, -0.5, 0, 0), -SHARDD_E_INVALID, "lr = -0.5", "negative lr");
+	expect_err(shardd_step(f.reg[0].g, 1, NAN, 0, 0), -SHARDD_E_INVALID, "lr = nan", "NaN lr");
+	expect_err(shardd_step(f.reg[0].g, 0, 0.1, 0, 0), -SHARDD_E_INVALID, "step = 0", "step 0");
+	expect_err(shardd_step(f.reg[0].g, 1, 0.1, SHARDD_STEP_CLIP, -1), -SHARDD_E_INVALID,
+		   "clip coefficient = -1", "negative clip");
+	expect_err(shardd_step(f.reg[0].g, 1, 0.1, 0x80, 0), -SHARDD_E_INVALID, "unknown bits 0x80", "bad flags");
+	cr_assert_eq(shardd_submit(f.c[0], SHARDD_OP_STEP, 999, 1, 0, 7), 0, "%s", shardd_last_error());
+	cr_assert_eq(shardd_wait(f.c[0], &cp, 10000), 0, "%s", shardd_last_error());
+	cr_assert_eq(cp.res, -SHARDD_E_NOGROUP, "step on group 999: %d %s", cp.res, cp.msg);
+	cr_assert_not_null(strstr(cp.msg, "group id 999"), "%s", cp.msg);
+	/* The valid step still applies after the refusals. */
+	cr_assert_eq(shardd_step(f.reg[0].g, 1, 0.1, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
+
+	/* A group without an optimizer refuses the step. */
+	for (int r = 0; r < WORLD; r++)
+		shardd_group_close(f.reg[r].g);
+	register_ok(&f, "plain", NULL);
+	reduce_step(&f, 1, 0);
+	expect_err(shardd_step(f.reg[0].g, 1, 0.1, 0, 0), -SHARDD_E_STATE, "without an optimizer",
+		   "no optimizer");
+	finish(&f);
+}
+
+Test(optim_daemon, bad_optimizer_configs_fail_registration, .timeout = 60)
+{
+	struct shardd_optim_config unknown = { .kind = 7 };
+	struct shardd_optim_config badbeta = { .kind = SHARDD_OPTIM_ADAMW, .beta1 = 1.5, .beta2 = 0.999 };
+	struct shardd_optim_config nest = { .kind = SHARDD_OPTIM_SGD, .flags = SHARDD_OPTIM_NESTEROV };
+	struct shardd_optim_config m9 = { .kind = SHARDD_OPTIM_SGD, .momentum = 0.9 };
+	struct shardd_optim_config m8 = { .kind = SHARDD_OPTIM_SGD, .momentum = 0.8 };
+	struct fixture f;
+
+	start(&f);
+	register_both(&f, "a", &unknown, &unknown);
+	cr_assert_eq(f.reg[0].ret, -SHARDD_E_INVALID, "%s", f.reg[0].err);
+	cr_assert_not_null(strstr(f.reg[0].err, "kind = 7"), "%s", f.reg[0].err);
+	register_both(&f, "b", &badbeta, &badbeta);
+	cr_assert_not_null(strstr(f.reg[0].err, "beta1 = 1.5"), "%s", f.reg[0].err);
+	register_both(&f, "c", &nest, &nest);
+	cr_assert_not_null(strstr(f.reg[0].err, "nesterov needs momentum > 0"), "%s", f.reg[0].err);
+	/* The ranks disagree: the error names the field and both values. */
+	register_both(&f, "d", &m9, &m8);
+	for (int r = 0; r < WORLD; r++) {
+		cr_assert_eq(f.reg[r].ret, -SHARDD_E_MISMATCH, "rank %d: %s", r, f.reg[r].err);
+		cr_assert_not_null(strstr(f.reg[r].err, "optimizer momentum differs"), "%s", f.reg[r].err);
+	}
+	cr_assert(strstr(f.reg[0].err, "0.90000000000000002") || strstr(f.reg[1].err, "0.90000000000000002"),
+		  "%s / %s", f.reg[0].err, f.reg[1].err);
+	register_both(&f, "e", &m9, NULL);
+	cr_assert_eq(f.reg[0].ret, -SHARDD_E_MISMATCH, "%s", f.reg[0].err);
+	cr_assert_not_null(strstr(f.reg[0].err, "optimizer kind differs"), "%s", f.reg[0].err);
+	for (int r = 0; r < WORLD; r++)
+		f.reg[r].g = NULL;
+	finish(&f);
+}

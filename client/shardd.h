@@ -247,6 +247,9 @@ int shardd_zero_grad(struct shardd_group *g);
  * SHARDD_STEP_SKIPPED, SHARDD_STEP_ALREADY, or a negative code.
  */
 int shardd_step(struct shardd_group *g, uint64_t step, double lr, uint32_t flags, double clip_coef);
+/* The same queued without waiting, as shardd_submit: its completion's res is the step's result. */
+int shardd_step_submit(struct shardd_group *g, uint64_t step, double lr, uint32_t flags, double clip_coef,
+		       uint64_t user_data);
 
 /*
  * The last step applied or skipped on this rank's shard when the group was

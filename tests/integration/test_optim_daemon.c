@@ -15,9 +15,12 @@
 #include <criterion/criterion.h>
 #include <math.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "harness.h"
 #include "optim_isa.h"
@@ -459,4 +462,190 @@ Test(optim_daemon, bad_optimizer_configs_fail_registration, .timeout = 60)
 	for (int r = 0; r < WORLD; r++)
 		f.reg[r].g = NULL;
 	finish(&f);
+}
+
+/*
+ * A rank killed between its reduce and its step. A one-rank job (1 x 1)
+ * trains K_KILL steps of AdamW on one param whose grads depend on the
+ * params (g = sin(step + i) + 0.5 * p): a step applied twice, or lost,
+ * changes every later grad and the final params. The rank stops at three
+ * checkpoints per step (its reduce completed; its step submitted, not yet
+ * reaped; its step completed) and waits there for the test's go byte; at a
+ * checkpoint drawn at random the test kills it instead (SIGKILL) and starts
+ * a replacement, which re-attaches, opens the group, learns the last step
+ * applied on its shard from the daemon, clears any grad of the interrupted
+ * step (zero_grad) and goes on from the next one. The final params must be
+ * bit-identical to an uninterrupted run's.
+ */
+#define K_KILL 6
+#define KILL_NUMEL 37
+#define KILL_RUNS 6
+
+static const struct shardd_param_desc kill_param = {
+	.name = "w", .dtype = SHARDD_DTYPE_FP32, .ndim = 2, .shape = { KILL_NUMEL, 1 },
+};
+
+struct kill_rank {
+	const char *socket;
+	char job[32];
+	int recover;  /* open the group and resume, instead of registering it */
+	int to_test;  /* checkpoints and, at the end, the final params */
+	int from_test; /* go bytes */
+};
+
+static int checkpoint(const struct kill_rank *k, char what)
+{
+	char go;
+
+	CHILD_CHECK(harness_signal(k->to_test, what) == 0, "signal %c", what);
+	CHILD_CHECK(harness_read_full(k->from_test, &go, 1, 30000) == 0, "no go byte after %c", what);
+	return 0;
+}
+
+static int kill_rank_main(void *p)
+{
+	const struct kill_rank *k = p;
+	struct shardd_optim_config o = { .kind = SHARDD_OPTIM_ADAMW, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,
+					 .weight_decay = 0.01 };
+	struct shardd_policy pol = { .param_dtype = SHARDD_DTYPE_NONE, .reduce_dtype = SHARDD_DTYPE_NONE,
+				     .optimizer = &o };
+	struct shardd_attach_opts ao = {
+		.socket_path = k->socket, .job = k->job, .rank = 0, .replicate = 1, .shard = 1,
+		.device = SHARDD_HELLO_DEVICE_HOST, .timeout_ms = 10000,
+	};
+	struct shardd_client *c = NULL;
+	struct shardd_group *g = NULL;
+	struct shardd_completion cp;
+	uint64_t first = 1;
+	float *w, *gr;
+	int ret;
+
+	ret = shardd_connect(&ao, &c);
+	CHILD_CHECK(ret == 0, "attach: %s", shardd_last_error());
+	if (k->recover) {
+		ret = shardd_group_open(c, "layer", &g);
+		CHILD_CHECK(ret == 0, "open: %s", shardd_last_error());
+		first = shardd_group_last_step(g) + 1;
+		/* The interrupted step's grad, if its reduce ran: recomputed below from the same params. */
+		ret = shardd_zero_grad(g);
+		CHILD_CHECK(ret == 0, "zero_grad: %s", shardd_last_error());
+	} else {
+		ret = shardd_group_register(c, "layer", &kill_param, 1, &pol, &g);
+		CHILD_CHECK(ret == 0, "register: %s", shardd_last_error());
+		w = shardd_group_shard(g, 0);
+		for (int i = 0; i < KILL_NUMEL; i++)
+			w[i] = (float)i / KILL_NUMEL - 0.5f;
+	}
+	w = shardd_group_shard(g, 0);
+	gr = shardd_group_grad(g, 0);
+	for (uint64_t s = first; s <= K_KILL; s++) {
+		for (int i = 0; i < KILL_NUMEL; i++)
+			gr[i] = sinf((float)(s + (uint64_t)i)) + 0.5f * w[i];
+		ret = shardd_reduce(g, s, 0);
+		CHILD_CHECK(ret == 0, "reduce %llu: %s", (unsigned long long)s, shardd_last_error());
+		if (checkpoint(k, 'R'))
+			return 1;
+		ret = shardd_step_submit(g, s, 1e-2, 0, 0, 500 + s);
+		CHILD_CHECK(ret == 0, "submit step: %s", shardd_last_error());
+		if (checkpoint(k, 'S'))
+			return 1;
+		ret = shardd_wait(c, &cp, 30000);
+		CHILD_CHECK(ret == 0 && cp.user_data == 500 + s && cp.res == SHARDD_STEP_APPLIED,
+			    "step %llu: %d %s", (unsigned long long)s, cp.res, cp.msg);
+		if (checkpoint(k, 'D'))
+			return 1;
+	}
+	CHILD_CHECK(harness_signal(k->to_test, 'F') == 0, "final");
+	CHILD_CHECK(write(k->to_test, w, KILL_NUMEL * sizeof(float)) == (ssize_t)(KILL_NUMEL * sizeof(float)),
+		    "write params");
+	shardd_group_close(g);
+	shardd_close(c);
+	return 0;
+}
+
+struct kill_proc {
+	struct kill_rank k;
+	int to_test[2], from_test[2];
+	pid_t pid;
+};
+
+static void kill_proc_start(struct kill_proc *kp, const char *socket, const char *job, int recover)
+{
+	kp->k = (struct kill_rank){ .socket = socket, .recover = recover };
+	snprintf(kp->k.job, sizeof(kp->k.job), "%s", job);
+	cr_assert_eq(pipe(kp->to_test), 0);
+	cr_assert_eq(pipe(kp->from_test), 0);
+	kp->k.to_test = kp->to_test[1];
+	kp->k.from_test = kp->from_test[0];
+	kp->pid = harness_fork(kill_rank_main, &kp->k);
+	cr_assert_gt(kp->pid, 0);
+	close(kp->to_test[1]);
+	close(kp->from_test[0]);
+}
+
+static void kill_proc_close(struct kill_proc *kp)
+{
+	close(kp->to_test[0]);
+	close(kp->from_test[1]);
+}
+
+/*
+ * Train job `job` to the end, killing the rank at checkpoint `kill_at` (-1:
+ * never); the final params into `out`. Returns the checkpoint killed at
+ * ("R", "S", "D") for the message.
+ */
+static char kill_run(struct harness_daemon *hd, const char *job, int kill_at, float *out)
+{
+	struct kill_proc kp;
+	char what, killed = '-';
+	int n = 0, status;
+
+	kill_proc_start(&kp, hd->socket, job, 0);
+	for (;;) {
+		cr_assert_eq(harness_read_full(kp.to_test[0], &what, 1, 30000), 0,
+			     "job %s: the rank sent nothing after checkpoint %d; daemon log:\n%s", job, n, hd->log);
+		if (what == 'F')
+			break;
+		if (n++ == kill_at) {
+			killed = what;
+			kill(kp.pid, SIGKILL);
+			cr_assert_eq(harness_wait_or_kill(kp.pid, 30000, &status), 0);
+			kill_proc_close(&kp);
+			kill_proc_start(&kp, hd->socket, job, 1);
+			continue;
+		}
+		cr_assert_eq(harness_signal(kp.from_test[1], 'g'), 0);
+	}
+	cr_assert_eq(harness_read_full(kp.to_test[0], out, KILL_NUMEL * sizeof(float), 30000), 0);
+	cr_assert_eq(harness_wait_or_kill(kp.pid, 30000, &status), 0);
+	cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "job %s: rank %s; daemon log:\n%s", job,
+		  harness_status_str(status), hd->log);
+	kill_proc_close(&kp);
+	return killed;
+}
+
+Test(optim_daemon, a_rank_killed_between_reduce_and_step_resumes_bit_identical, .timeout = 120)
+{
+	static const char *const extra[] = { "--collective-timeout", "20", NULL };
+	struct harness_daemon hd = { 0 };
+	float want[KILL_NUMEL], got[KILL_NUMEL];
+	char job[32];
+
+	cr_assert_eq(harness_daemon_start(&hd, extra), 0, "shardd did not start");
+	kill_run(&hd, "uninterrupted", -1, want);
+	/* Checkpoints 0 .. 3 * K_KILL - 1; a fixed seed picks KILL_RUNS of them, the first and last included. */
+	rng_state = 0x9e3779b97f4a7c15ull;
+	for (int run = 0; run < KILL_RUNS; run++) {
+		int at = run == 0 ? 0 : run == 1 ? 3 * K_KILL - 1 :
+			 (int)((rnd() * 0.5f + 0.5f) * (float)(3 * K_KILL - 1));
+		char killed;
+
+		snprintf(job, sizeof(job), "kill%d", run);
+		killed = kill_run(&hd, job, at, got);
+		for (int i = 0; i < KILL_NUMEL; i++)
+			cr_assert_eq(memcmp(&got[i], &want[i], sizeof(float)), 0,
+				     "killed at checkpoint %d (%c of step %d): w[%d] = %.9g, uninterrupted %.9g", at,
+				     killed, at / 3 + 1, i, got[i], want[i]);
+	}
+	harness_daemon_stop_expect_clean(&hd);
 }

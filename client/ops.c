@@ -462,6 +462,19 @@ int shardd_step_submit(struct shardd_group *g, uint64_t step, double lr, uint32_
 	return submit_sqe(g->client, SHARDD_OP_STEP, g->info.group_id, step, flags, args, user_data);
 }
 
+int shardd_reduce_step_submit(struct shardd_group *g, uint64_t step, uint32_t flags, double lr,
+			      uint64_t user_data)
+{
+	uint64_t args[2];
+
+	if (user_data & SHARDD_USER_DATA_RESERVED)
+		return shardd_err_set(-EINVAL, "user_data 0x%llx has SHARDD_USER_DATA_RESERVED set",
+				      (unsigned long long)user_data);
+	step_args(args, lr, 0, 0);
+	return submit_sqe(g->client, SHARDD_OP_REDUCE, g->info.group_id, step, flags | SHARDD_REDUCE_STEP, args,
+			  user_data);
+}
+
 int shardd_step(struct shardd_group *g, uint64_t step, double lr, uint32_t flags, double clip_coef)
 {
 	uint64_t args[2];

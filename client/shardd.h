@@ -252,6 +252,16 @@ int shardd_step_submit(struct shardd_group *g, uint64_t step, double lr, uint32_
 		       uint64_t user_data);
 
 /*
+ * Queue the reduce of `step` with SHARDD_REDUCE_STEP (added to `flags`):
+ * the daemon steps this rank's shard with `lr` as soon as the reduce has
+ * finished (no clipping, no skipping), so the update overlaps the
+ * trainer's backward of earlier layers. Every rank of the collective sets
+ * the flag. The completion's res is the step's result, as shardd_step's.
+ */
+int shardd_reduce_step_submit(struct shardd_group *g, uint64_t step, uint32_t flags, double lr,
+			      uint64_t user_data);
+
+/*
  * The last step applied or skipped on this rank's shard when the group was
  * registered or opened (0: none): where a re-attached rank resumes.
  */

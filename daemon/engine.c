@@ -341,40 +341,57 @@ static void submit_zero_grad(struct eng_group *eg, const struct eng_op *op)
 
 /*
  * A step's own fields (the group's optimizer, step number, lr, clip
- * coefficient) are checked here; whether it was applied before and whether
- * a grad is there, by its task, in the group's order.
+ * coefficient; a REDUCE with SHARDD_REDUCE_STEP: the same but the clip),
+ * checked at submission: 0, or the error code with `msg`. Whether the step
+ * was applied before and whether a grad is there, its task decides, in
+ * the group's order.
  */
-static void submit_step(struct eng_group *eg, const struct eng_op *op)
+static int step_check(const struct eng_group *eg, const struct shardd_sqe *sqe, char *msg, size_t len)
 {
-	const struct shardd_sqe *sqe = &op->sqe;
-	struct eng_task *t;
-	char msg[ENGINE_MSG_MAX];
+	const char *name = shardd_op_name(sqe->op);
 	double lr, clip = 1;
 
 	memcpy(&lr, &sqe->rsvd2[SHARDD_SQE_STEP_LR], sizeof(lr));
-	if (sqe->flags & SHARDD_STEP_CLIP)
+	if (sqe->op == SHARDD_OP_STEP && (sqe->flags & SHARDD_STEP_CLIP))
 		memcpy(&clip, &sqe->rsvd2[SHARDD_SQE_STEP_CLIP], sizeof(clip));
-	if (eg->g->optim.kind == SHARDD_OPTIM_NONE)
-		eng_fmt(msg, sizeof(msg), "shardd: step(group '%s'): the group was registered without an optimizer; "
+	if (eg->g->optim.kind == SHARDD_OPTIM_NONE) {
+		eng_fmt(msg, len, "shardd: %s(group '%s'): the group was registered without an optimizer; "
 			"register it with one (SHARDD_REGISTER_OPTIMIZER) or update its shards in the trainer",
-			eg->g->name);
-	else if (sqe->step == 0)
-		eng_fmt(msg, sizeof(msg), "shardd: step(group '%s'): step = 0; steps are numbered from 1", eg->g->name);
+			name, eg->g->name);
+		return -SHARDD_E_STATE;
+	}
+	if (sqe->step == 0)
+		eng_fmt(msg, len, "shardd: %s(group '%s'): step = 0; steps are numbered from 1", name, eg->g->name);
 	else if (!(lr >= 0) || lr > 1e300)
-		eng_fmt(msg, sizeof(msg), "shardd: step(group '%s', step %llu): lr = %g; the learning rate must be "
-			"finite and >= 0", eg->g->name, (unsigned long long)sqe->step, lr);
+		eng_fmt(msg, len, "shardd: %s(group '%s', step %llu): lr = %g; the learning rate must be "
+			"finite and >= 0", name, eg->g->name, (unsigned long long)sqe->step, lr);
 	else if (!(clip >= 0) || clip > 1e30)
-		eng_fmt(msg, sizeof(msg), "shardd: step(group '%s', step %llu): clip coefficient = %g; it must be "
+		eng_fmt(msg, len, "shardd: %s(group '%s', step %llu): clip coefficient = %g; it must be "
 			"finite and >= 0 (clip_grad_norm_'s max_norm / (total_norm + 1e-6), at most 1)",
-			eg->g->name, (unsigned long long)sqe->step, clip);
-	else if (!(sqe->flags & SHARDD_STEP_CLIP) && sqe->rsvd2[SHARDD_SQE_STEP_CLIP])
-		eng_fmt(msg, sizeof(msg), "shardd: step(group '%s', step %llu): sqe.rsvd2[%d] = 0x%llx without "
-			"SHARDD_STEP_CLIP: set the flag or leave it 0", eg->g->name, (unsigned long long)sqe->step,
-			SHARDD_SQE_STEP_CLIP, (unsigned long long)sqe->rsvd2[SHARDD_SQE_STEP_CLIP]);
+			name, eg->g->name, (unsigned long long)sqe->step, clip);
+	else if (sqe->op == SHARDD_OP_STEP && !(sqe->flags & SHARDD_STEP_CLIP) && sqe->rsvd2[SHARDD_SQE_STEP_CLIP])
+		eng_fmt(msg, len, "shardd: %s(group '%s', step %llu): sqe.rsvd2[%d] = 0x%llx without "
+			"SHARDD_STEP_CLIP: set the flag or leave it 0", name, eg->g->name,
+			(unsigned long long)sqe->step, SHARDD_SQE_STEP_CLIP,
+			(unsigned long long)sqe->rsvd2[SHARDD_SQE_STEP_CLIP]);
+	else if (sqe->op == SHARDD_OP_REDUCE && eg->g->replicate > 1 && !(sqe->flags & SHARDD_REDUCE_ALL_REDUCE))
+		eng_fmt(msg, len, "shardd: reduce(group '%s', step %llu): flags = 0x%x: SHARDD_REDUCE_STEP without "
+			"SHARDD_REDUCE_ALL_REDUCE under HSDP (replicate %u): the grads are not final until the "
+			"all-reduce; step with the reduce that all-reduces", eg->g->name,
+			(unsigned long long)sqe->step, sqe->flags, eg->g->replicate);
 	else
-		msg[0] = 0;
-	if (msg[0]) {
-		eng_complete(eg->j, op, eg->g->optim.kind == SHARDD_OPTIM_NONE ? -SHARDD_E_STATE : -SHARDD_E_INVALID, msg);
+		return 0;
+	return -SHARDD_E_INVALID;
+}
+
+static void submit_step(struct eng_group *eg, const struct eng_op *op)
+{
+	struct eng_task *t;
+	char msg[ENGINE_MSG_MAX];
+	int ret = step_check(eg, &op->sqe, msg, sizeof(msg));
+
+	if (ret) {
+		eng_complete(eg->j, op, ret, msg);
 		return;
 	}
 	t = eng_task_new(eg, TASK_STEP, 1);
@@ -394,9 +411,16 @@ static void dispatch(struct eng_group *eg, const struct eng_op *op)
 	case SHARDD_OP_UNSHARD:
 		eng_coll_unshard(eg, op);
 		break;
-	case SHARDD_OP_REDUCE:
-		eng_coll_reduce(eg, op);
+	case SHARDD_OP_REDUCE: {
+		char msg[ENGINE_MSG_MAX];
+		int ret = op->sqe.flags & SHARDD_REDUCE_STEP ? step_check(eg, &op->sqe, msg, sizeof(msg)) : 0;
+
+		if (ret)
+			eng_complete(eg->j, op, ret, msg);
+		else
+			eng_coll_reduce(eg, op);
 		break;
+	}
 	case SHARDD_OP_RESHARD:
 		submit_reshard(eg, op);
 		break;

@@ -38,6 +38,7 @@ struct eng_op {
 	uint32_t rank;
 	uint64_t token;
 	struct shardd_sqe sqe;
+	int res;                     /* a task's result of this op when the task's res is 0 (a step's outcome) */
 };
 
 /* One rank's pending registration. */
@@ -63,7 +64,6 @@ struct eng_task {
 	uint32_t kind;               /* enum eng_task_kind */
 	uint32_t replica;            /* UNSHARD, REDUCE_PARTIAL */
 	uint32_t rank;               /* ZERO_GRAD, STEP */
-	int outcome;                 /* STEP: enum shardd_step_result when res is 0 */
 	int finished;                /* on the finished list; under engine lock */
 	int res;
 	char msg[ENGINE_MSG_MAX];

@@ -79,7 +79,7 @@ static void task_exec(struct eng_task *t);
 static void task_deliver(struct eng_task *t)
 {
 	for (uint32_t i = 0; i < t->nops; i++)
-		eng_complete(t->eg->j, &t->ops[i], t->res, t->msg);
+		eng_complete(t->eg->j, &t->ops[i], t->res ? t->res : t->ops[i].res, t->msg);
 }
 
 /*
@@ -265,30 +265,31 @@ static int task_unshard(struct eng_task *t)
 }
 
 /*
- * The optimizer step of t->rank (exactly once per step: task.c runs a
- * group's tasks one at a time, so last_step is checked and advanced by
- * one task at a time). A step at or below the last one applied or skipped
- * completes SHARDD_STEP_ALREADY and changes nothing. Returns 0 with
- * t->outcome, the backend's error, or an error with t->msg written.
+ * The optimizer step of `op` (a STEP, or a REDUCE with SHARDD_REDUCE_STEP)
+ * on its rank's shard, exactly once per step: task.c runs a group's tasks
+ * one at a time, so last_step is checked and advanced by one task at a
+ * time. A step at or below the last one applied or skipped completes
+ * SHARDD_STEP_ALREADY and changes nothing. Returns 0 with op->res the
+ * outcome, the backend's error, or an error with t->msg written.
  */
-static int task_step(struct eng_task *t)
+static int task_step(struct eng_task *t, struct eng_op *op)
 {
 	struct shardd_group *g = t->eg->g;
 	struct shardd_backend_ctx *b = t->eg->j->e->backend;
-	const struct shardd_sqe *sqe = &t->ops[0].sqe;
+	const struct shardd_sqe *sqe = &op->sqe;
 	const struct shardd_optim_config *o = &g->optim;
-	uint32_t r = t->rank;
+	uint32_t r = op->rank;
 	uint64_t last = g->last_step[r];
 	double lr, clip = 1;
 	int skipped = 0, ret;
 	struct shardd_step_args a = {
 		.layout = &g->layout, .shard_rank = r % g->shard, .kind = o->kind, .shard = &g->shards[r],
-		.grad = &g->sharded_grads[r], .skip_nonfinite = !!(sqe->flags & SHARDD_STEP_SKIP_NONFINITE),
+		.grad = &g->sharded_grads[r], .skip_nonfinite = sqe->op == SHARDD_OP_STEP && (sqe->flags & SHARDD_STEP_SKIP_NONFINITE),
 		.skipped = &skipped, .err = t->why, .errlen = sizeof(t->why),
 	};
 
 	if (sqe->step <= last) {
-		t->outcome = SHARDD_STEP_ALREADY;
+		op->res = SHARDD_STEP_ALREADY;
 		return 0;
 	}
 	if (!g->grad_present[r]) {
@@ -299,7 +300,7 @@ static int task_step(struct eng_task *t)
 		return -SHARDD_E_STATE;
 	}
 	memcpy(&lr, &sqe->rsvd2[SHARDD_SQE_STEP_LR], sizeof(lr));
-	if (sqe->flags & SHARDD_STEP_CLIP)
+	if (sqe->op == SHARDD_OP_STEP && (sqe->flags & SHARDD_STEP_CLIP))
 		memcpy(&clip, &sqe->rsvd2[SHARDD_SQE_STEP_CLIP], sizeof(clip));
 	for (uint32_t k = 0; k < shardd_group_optim_states(o); k++)
 		a.state[k] = &g->optim_state[k][r];
@@ -327,8 +328,19 @@ static int task_step(struct eng_task *t)
 	if (!skipped)
 		g->optim_steps[r]++;
 	__atomic_store_n(&g->last_step[r], sqe->step, __ATOMIC_RELAXED);
-	t->outcome = skipped ? SHARDD_STEP_SKIPPED : SHARDD_STEP_APPLIED;
+	op->res = skipped ? SHARDD_STEP_SKIPPED : SHARDD_STEP_APPLIED;
 	return 0;
+}
+
+/* After a reduce: the steps its ranks asked for with SHARDD_REDUCE_STEP (the flag is the same on all). */
+static int task_reduce_steps(struct eng_task *t)
+{
+	int ret = 0;
+
+	for (uint32_t i = 0; i < t->nops && !ret; i++)
+		if (t->ops[i].sqe.flags & SHARDD_REDUCE_STEP)
+			ret = task_step(t, &t->ops[i]);
+	return ret;
 }
 
 /*
@@ -392,9 +404,15 @@ static void task_exec(struct eng_task *t)
 	}
 	case TASK_REDUCE:
 		ret = task_reduce(t);
+		if (!ret)
+			ret = task_reduce_steps(t);
+		if (ret < 0 && t->msg[0]) {
+			t->res = ret;
+			return;
+		}
 		break;
 	case TASK_STEP:
-		ret = task_step(t);
+		ret = task_step(t, &t->ops[0]);
 		if (ret < 0 && t->msg[0]) {
 			t->res = ret;
 			return;
@@ -412,7 +430,7 @@ static void task_exec(struct eng_task *t)
 
 		ret = b->ops->sync(b, outs, task_outputs(t, outs), t->why, sizeof(t->why));
 	}
-	t->res = ret ? ret : t->outcome;
+	t->res = ret;
 	if (ret)
 		eng_fmt(t->msg, sizeof(t->msg), "shardd: %s(group '%s', step %llu): the %s backend failed: %s",
 			shardd_op_name(t->ops[0].sqe.op), g->name, (unsigned long long)t->ops[0].sqe.step,

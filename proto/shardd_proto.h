@@ -113,7 +113,14 @@ enum shardd_optim {
 
 /* sqe.flags for SHARDD_OP_REDUCE */
 #define SHARDD_REDUCE_ALL_REDUCE (1u << 0) /* HSDP: all-reduce across replicas now */
-#define SHARDD_REDUCE_FLAGS_MASK (SHARDD_REDUCE_ALL_REDUCE)
+/*
+ * Step each rank's shard right after the reduce, as SHARDD_OP_STEP with
+ * the reduce's step number and sqe.rsvd2[SHARDD_SQE_STEP_LR] as its lr (no
+ * clipping, no skipping); the reduce's res is then the step's result. Under
+ * HSDP only with SHARDD_REDUCE_ALL_REDUCE.
+ */
+#define SHARDD_REDUCE_STEP       (1u << 1)
+#define SHARDD_REDUCE_FLAGS_MASK (SHARDD_REDUCE_ALL_REDUCE | SHARDD_REDUCE_STEP)
 
 /*
  * Error codes. Calls and completions report 0 or a negative value: either

@@ -649,3 +649,106 @@ Test(optim_daemon, a_rank_killed_between_reduce_and_step_resumes_bit_identical, 
 	}
 	harness_daemon_stop_expect_clean(&hd);
 }
+
+/* Grads of every rank, then the reduce with SHARDD_REDUCE_STEP on both rings; the results. */
+static void reduce_and_step(struct fixture *f, struct ref *ref, const struct shardd_optim_config *o, uint64_t step,
+			    double lr, int *res)
+{
+	struct shardd_completion cp;
+	float *sum[WORLD][NP];
+
+	for (int r = 0; r < WORLD; r++)
+		for (uint32_t i = 0; i < NP; i++) {
+			float *gr = shardd_group_grad(f->reg[r].g, i);
+			uint64_t n = shardd_group_layout(f->reg[r].g, i)->grad_bytes / sizeof(float);
+
+			for (uint64_t e = 0; e < n; e++)
+				gr[e] = rnd();
+		}
+	/* The reference's sharded grads: fp32 sum in rank order, divided by the world (fp32 AVG). */
+	for (int r = 0; r < WORLD; r++)
+		for (uint32_t i = 0; i < NP; i++) {
+			const struct shardd_param_layout *l = shardd_group_layout(f->reg[r].g, i);
+			uint64_t n = valid_numel(f->reg[r].g, i), rows = l->shard_rows_valid;
+			uint64_t row = rows ? n / rows : 0;
+			const struct shardd_param_desc *d = &params[i];
+
+			sum[r][i] = calloc(n + 1, sizeof(float));
+			for (uint64_t e = 0; e < n && d->shard_dim == 0; e++) {
+				uint64_t at = l->shard_row_begin * row + e;
+				float s = 0;
+
+				for (int q = 0; q < WORLD; q++)
+					s += ((const float *)shardd_group_grad(f->reg[q].g, i))[at];
+				sum[r][i][e] = s / (float)WORLD;
+			}
+			for (uint64_t e = 0; e < n && d->shard_dim == 1; e++) {
+				/* Shard(1) of [4, 6]: rank r holds columns 3r..3r+2 of every row, row-major. */
+				uint64_t at = (e / 3) * 6 + l->shard_row_begin + e % 3;
+				float s = 0;
+
+				for (int q = 0; q < WORLD; q++)
+					s += ((const float *)shardd_group_grad(f->reg[q].g, i))[at];
+				sum[r][i][e] = s / (float)WORLD;
+			}
+		}
+	for (int r = 0; r < WORLD; r++)
+		cr_assert_eq(shardd_reduce_step_submit(f->reg[r].g, step, 0, lr, 200 + r), 0, "%s", shardd_last_error());
+	for (int r = 0; r < WORLD; r++) {
+		cr_assert_eq(shardd_wait(f->c[r], &cp, 30000), 0, "%s", shardd_last_error());
+		res[cp.user_data - 200] = cp.res;
+		cr_assert_geq(cp.res, 0, "rank %d reduce+step %llu: %s", (int)(cp.user_data - 200),
+			      (unsigned long long)step, cp.msg);
+	}
+	/* The grads are cleared by now: the reference steps on the sums computed above. */
+	for (int r = 0; r < WORLD; r++) {
+		struct shardd_optim_config oo = *o;
+
+		ref->nsteps[r]++;
+		for (uint32_t i = 0; i < NP; i++) {
+			uint64_t n = valid_numel(f->reg[r].g, i);
+			struct shardd_sgd a = {
+				.param = ref->p[r][i], .grad = sum[r][i], .momentum_buffer = ref->s[r][i][0],
+				.grad_dtype = SHARDD_DTYPE_FP32, .step = ref->nsteps[r], .lr = lr,
+				.momentum = oo.momentum, .grad_scale = 1.0f,
+			};
+
+			if (n)
+				shardd_k_sgd_isa(SHARDD_K_ISA_PORTABLE, &a, 0, n);
+			free(sum[r][i]);
+		}
+	}
+}
+
+Test(optim_daemon, a_reduce_with_the_step_flag_steps_each_shard_after_reducing, .timeout = 60)
+{
+	struct shardd_optim_config o = { .kind = SHARDD_OPTIM_SGD, .momentum = 0.9 };
+	struct shardd_completion cp;
+	struct fixture f;
+	struct ref ref;
+	int res[WORLD];
+
+	start(&f);
+	register_ok(&f, "layer", &o);
+	ref_init(&ref, &f);
+	for (uint64_t step = 1; step <= 3; step++) {
+		reduce_and_step(&f, &ref, &o, step, 0.1, res);
+		for (int r = 0; r < WORLD; r++) {
+			cr_assert_eq(res[r], SHARDD_STEP_APPLIED, "rank %d step %llu: res %d", r,
+				     (unsigned long long)step, res[r]);
+			expect_shard(&ref, &f, r, "reduce with step");
+			cr_assert_eq(shardd_step(f.reg[r].g, step, 0.1, 0, 0), SHARDD_STEP_ALREADY, "%s",
+				     shardd_last_error());
+		}
+	}
+	ref_free(&ref);
+	for (int r = 0; r < WORLD; r++)
+		shardd_group_close(f.reg[r].g);
+	/* Without an optimizer the reduce is refused before it gathers. */
+	register_ok(&f, "plain", NULL);
+	cr_assert_eq(shardd_reduce_step_submit(f.reg[0].g, 1, 0, 0.1, 9), 0, "%s", shardd_last_error());
+	cr_assert_eq(shardd_wait(f.c[0], &cp, 10000), 0, "%s", shardd_last_error());
+	cr_assert_eq(cp.res, -SHARDD_E_STATE, "%d %s", cp.res, cp.msg);
+	cr_assert_not_null(strstr(cp.msg, "without an optimizer"), "%s", cp.msg);
+	finish(&f);
+}

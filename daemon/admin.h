@@ -19,41 +19,33 @@
 #include <stdint.h>
 #include <sys/types.h>
 
-#include <jansson.h>
-
-struct shardd_session;
-
 #define SHARDD_ADMIN_DUMP_LIMIT_DEFAULT 64     /* values a dump returns unless asked */
 #define SHARDD_ADMIN_DUMP_LIMIT_MAX     65536  /* most values one dump returns */
 
-/* Bytes of buffers held, by kind, summed over jobs and groups. */
-struct shardd_memory_use {
-	uint64_t shards;         /* flat shards (the master params) */
-	uint64_t sharded_grads;  /* reduce outputs */
-	uint64_t unsharded;      /* one unsharded copy per replica */
-	uint64_t grads;          /* ranks' unsharded grad buffers (reduce inputs) */
-	uint64_t partials;       /* HSDP reduce-scatter outputs kept for the all-reduce */
+/* One reply, ready to send as SHARDD_MSG_ADMIN_REPLY: `len` bytes of JSON at `text`. */
+struct shardd_admin_reply {
+	const char *text;   /* owned, or fallback */
+	size_t      len;
+	char       *owned;  /* the JSON jansson wrote; NULL when the fallback is sent */
+	char        fallback[160]; /* the reply built without jansson: out of memory, too big */
 };
 
-/* Over every job of the daemon. */
-void shardd_memory_use_all(struct shardd_memory_use *out);
-
-struct shardd_job;
-/* Bytes of every buffer job `j` holds (the `total` of its memory). */
-uint64_t shardd_memory_job_bytes(const struct shardd_job *j);
+/*
+ * Execute one SHARDD_MSG_ADMIN request, the JSON text of `payload` (`len`
+ * bytes, untrusted), from a client running as `peer_uid` (`peer_pid`: 0
+ * when unknown), into *out: always a reply to send, an error reply when
+ * the request fails or its reply cannot be built. The caller sends it and
+ * frees it with shardd_admin_reply_free.
+ */
+void shardd_admin_handle(const void *payload, size_t len, uid_t peer_uid, pid_t peer_pid,
+			 struct shardd_admin_reply *out);
+void shardd_admin_reply_free(struct shardd_admin_reply *r);
 
 /*
- * Execute one request from a peer running as `peer_uid`: the JSON text of
- * `payload` (`len` bytes, untrusted). Returns the reply object (the caller
- * decrefs), or NULL when out of memory.
+ * The Prometheus text exposition of everything shardd knows (ops, memory
+ * by kind, jobs, ranks attached), NUL-terminated and malloc'd (the caller
+ * frees), or NULL when out of memory (admin_views.c).
  */
-json_t *shardd_admin_exec(const void *payload, size_t len, uid_t peer_uid);
-
-/*
- * Serve SHARDD_MSG_ADMIN number `seq` from session `s`: reply with
- * SHARDD_MSG_ADMIN_REPLY; a client that cannot be sent its reply is dropped.
- */
-void shardd_admin_handle(struct shardd_session *s, uint32_t seq, const void *payload,
-			 uint32_t len);
+char *shardd_admin_metrics_render(void);
 
 #endif /* SHARDD_ADMIN_H */

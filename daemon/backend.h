@@ -206,6 +206,14 @@ struct shardd_backend_ops {
 	int  (*zero)(struct shardd_backend_ctx *b, struct shardd_buf *buf, uint64_t offset,
 		     uint64_t bytes);
 	/*
+	 * Copy `bytes` bytes at `offset` of an allocated `buf` into `dst`, host
+	 * memory (shardctl dump). Called from the loop thread while ops may be
+	 * writing the buffer: a snapshot, not a consistent one. -EINVAL past the
+	 * buffer's end.
+	 */
+	int  (*read)(struct shardd_backend_ctx *b, const struct shardd_buf *buf, uint64_t offset,
+		     uint64_t bytes, void *dst);
+	/*
 	 * Wait until the work queued so far on every device that holds one of
 	 * the `n` buffers `on` has finished; on failure `err` may say why.
 	 * NULL in a backend whose calls finish before returning.

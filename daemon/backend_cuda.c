@@ -205,6 +205,7 @@ static const struct shardd_backend_ops cuda_ops = {
 	.unshard = cuda_unshard,
 	.reduce = cuda_reduce,
 	.zero = cuda_zero,
+	.read = cuda_read,
 	.sync = cuda_sync,
 	.fences_open = cuda_fences_open,
 	.fence_wait = cuda_fence_wait,

@@ -150,6 +150,8 @@ int  cuda_alloc(struct shardd_backend_ctx *b, uint64_t bytes, int32_t device, co
 void cuda_free(struct shardd_backend_ctx *b, struct shardd_buf *buf);
 int  cuda_export_buf(struct shardd_backend_ctx *b, const struct shardd_buf *buf, int readonly,
 		     struct shardd_buf_export *out);
+int  cuda_read(struct shardd_backend_ctx *b, const struct shardd_buf *buf, uint64_t offset,
+	       uint64_t bytes, void *dst);
 
 /* ---- backend_cuda_kernels.c: an op's kernels and checks ---- */
 

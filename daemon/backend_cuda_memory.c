@@ -260,3 +260,32 @@ int cuda_export_buf(struct shardd_backend_ctx *b, const struct shardd_buf *buf, 
 	out->fd = fcntl(buf->fd, F_DUPFD_CLOEXEC, 0);
 	return out->fd < 0 ? -errno : 0;
 }
+
+/*
+ * A copy to host memory on the runtime's default stream: it waits for no
+ * op queued on the device's own stream, so the bytes are a snapshot like
+ * the host backend's (backend.h).
+ */
+int cuda_read(struct shardd_backend_ctx *b, const struct shardd_buf *buf, uint64_t offset,
+	      uint64_t bytes, void *dst)
+{
+	const struct cuda_buf *cu = cbuf(buf);
+	cudaError_t e;
+	char ctx[96];
+	int ret;
+
+	(void)b;
+	if (offset > buf->bytes || bytes > buf->bytes - offset)
+		return -EINVAL;
+	e = cudaSetDevice(cu->device);
+	if (e == cudaSuccess)
+		e = cudaMemcpy(dst, dptr(buf, offset), (size_t)bytes, cudaMemcpyDeviceToHost);
+	if (e == cudaSuccess)
+		return 0;
+	snprintf(ctx, sizeof(ctx), "read %llu bytes of a buffer on device %d",
+		 (unsigned long long)bytes, cu->device);
+	ret = cuda_rt_fail(ctx, e);
+	/* The runtime keeps a failed call as this thread's last error: the next launch check must not see it. */
+	(void)cudaGetLastError();
+	return ret;
+}

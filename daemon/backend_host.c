@@ -497,6 +497,17 @@ static int host_zero(struct shardd_backend_ctx *b, struct shardd_buf *buf, uint6
 	return 0;
 }
 
+/* The daemon's own mapping of the memfd holds the bytes. */
+static int host_read(struct shardd_backend_ctx *b, const struct shardd_buf *buf, uint64_t offset,
+		     uint64_t bytes, void *dst)
+{
+	(void)b;
+	if (offset > buf->bytes || bytes > buf->bytes - offset)
+		return -EINVAL;
+	memcpy(dst, host_ptr(buf) + offset, (size_t)bytes);
+	return 0;
+}
+
 static int host_alloc(struct shardd_backend_ctx *b, uint64_t bytes, int32_t device, const char *what,
 		      struct shardd_buf *out)
 {
@@ -622,6 +633,7 @@ static const struct shardd_backend_ops host_ops = {
 	.unshard = host_unshard,
 	.reduce = host_reduce,
 	.zero = host_zero,
+	.read = host_read,
 	.step = host_step,
 	.destroy = host_destroy,
 };

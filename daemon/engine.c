@@ -266,6 +266,15 @@ static struct eng_group *group_by_id(const struct shardd_engine_job *j, uint32_t
 	return id >= 1 && id <= j->ngroups ? j->groups[id - 1] : NULL;
 }
 
+struct eng_group *eng_group_by_name(const struct shardd_engine_job *j, const char *name)
+{
+	for (uint32_t i = 0; i < j->ngroups; i++) {
+		if (j->groups[i] && !strcmp(j->groups[i]->g->name, name))
+			return j->groups[i];
+	}
+	return NULL;
+}
+
 /* ------------------------------------------------------------------ */
 /* Per-rank order                                                      */
 /* ------------------------------------------------------------------ */
@@ -589,6 +598,14 @@ uint32_t shardd_engine_job_ngroups(const struct shardd_engine_job *j)
 const struct shardd_group *shardd_engine_job_group(const struct shardd_engine_job *j, uint32_t id)
 {
 	const struct eng_group *eg = group_by_id(j, id);
+
+	return eg ? eg->g : NULL;
+}
+
+const struct shardd_group *shardd_engine_job_group_named(const struct shardd_engine_job *j,
+							  const char *name)
+{
+	const struct eng_group *eg = eng_group_by_name(j, name);
 
 	return eg ? eg->g : NULL;
 }

@@ -109,6 +109,9 @@ uint64_t shardd_engine_job_memory_committed(const struct shardd_engine_job *j);
 uint32_t shardd_engine_job_ngroups(const struct shardd_engine_job *j);
 /* The group with this id (complete or still registering), or NULL. */
 const struct shardd_group *shardd_engine_job_group(const struct shardd_engine_job *j, uint32_t id);
+/* The group named `name` (its id is g->id), or NULL. */
+const struct shardd_group *shardd_engine_job_group_named(const struct shardd_engine_job *j,
+							  const char *name);
 /* 1 when every rank registered group `id` and its buffers exist, else 0. */
 int shardd_engine_group_complete(const struct shardd_engine_job *j, uint32_t id);
 /*

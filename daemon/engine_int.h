@@ -147,6 +147,8 @@ void eng_complete(struct shardd_engine_job *j, const struct eng_op *op, int res,
 /* "shardd: ranks 2,3 <did> within 30 s; rank 0 is waiting" for an expired rendezvous. */
 void eng_expired_msg(const struct shardd_engine *e, const struct shardd_rdv *rdv, const char *did,
 		     char *msg, size_t len);
+/* The job's group named `name` (complete or still registering), or NULL. */
+struct eng_group *eng_group_by_name(const struct shardd_engine_job *j, const char *name);
 
 /* ---- registry.c: registration ---- */
 

@@ -417,6 +417,38 @@ void shardd_group_memory_need(const struct shardd_group *g, struct shardd_group_
 	m->total = m->unsharded + m->shards + m->sharded_grads + m->grads + m->partials + m->optimizer;
 }
 
+static uint64_t bufs_bytes(const struct shardd_buf *b, uint32_t n)
+{
+	uint64_t sum = 0;
+
+	for (uint32_t i = 0; b && i < n; i++)
+		if (shardd_buf_allocated(&b[i]))
+			sum += b[i].bytes;
+	return sum;
+}
+
+void shardd_group_memory_held(const struct shardd_group *g, struct shardd_group_memory *m)
+{
+	struct shardd_group_memory h = { 0 };
+
+	if (!g->allocated)
+		return;
+	h.shards = bufs_bytes(g->shards, g->world);
+	h.sharded_grads = bufs_bytes(g->sharded_grads, g->world);
+	h.unsharded = bufs_bytes(g->unsharded, g->world);
+	h.grads = bufs_bytes(g->grads, g->world);
+	h.partials = bufs_bytes(g->partials, g->world);
+	for (uint32_t k = 0; k < SHARDD_OPTIM_STATES; k++)
+		h.optimizer += bufs_bytes(g->optim_state[k], g->world);
+	m->shards += h.shards;
+	m->sharded_grads += h.sharded_grads;
+	m->unsharded += h.unsharded;
+	m->grads += h.grads;
+	m->partials += h.partials;
+	m->optimizer += h.optimizer;
+	m->total += h.shards + h.sharded_grads + h.unsharded + h.grads + h.partials + h.optimizer;
+}
+
 int shardd_group_alloc(struct shardd_group *g, struct shardd_backend_ctx *b, const int32_t *devices,
 		       const struct shardd_placement *pl, char *err, size_t errlen)
 {

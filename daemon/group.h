@@ -134,6 +134,11 @@ struct shardd_group_memory {
 
 /* What the group's buffers take once allocated (host backend: no unsharded_own). */
 void shardd_group_memory_need(const struct shardd_group *g, struct shardd_group_memory *m);
+/*
+ * Add the bytes of the group's buffers allocated now, by kind, to *m (the
+ * total too): what it holds, where memory_need is what it will hold.
+ */
+void shardd_group_memory_held(const struct shardd_group *g, struct shardd_group_memory *m);
 
 /*
  * Allocate every buffer (zero-filled) on the device of the rank that uses it

@@ -5,9 +5,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "admin.h"
 #include "clock.h"
 #include "engine.h"
+#include "group.h"
 #include "job.h"
 #include "log.h"
 
@@ -158,10 +158,13 @@ void shardd_job_destroy(struct shardd_job *j)
 uint64_t shardd_job_end(struct shardd_job *j, const char *why)
 {
 	struct shardd_rank_sink attached[SHARDD_MAX_WORLD];
-	uint64_t bytes = shardd_memory_job_bytes(j);
+	struct shardd_group_memory held = { 0 };
+	uint64_t bytes;
 	char name[SHARDD_NAME_MAX], notice[SHARDD_RING_MSG_SIZE];
 	uint32_t n = 0;
 
+	shardd_job_memory_held(j, &held);
+	bytes = held.total;
 	snprintf(name, sizeof(name), "%s", j->name);
 	snprintf(notice, sizeof(notice), "job '%s' %s", j->name, why);
 	/* Told before the ops fail, closed after: a closing session takes no completion. */
@@ -369,4 +372,21 @@ void shardd_job_cron(struct shardd_job *j, uint64_t now_ns)
 	snprintf(msg, sizeof(msg), "barrier %llu: %s", (unsigned long long)j->barrier.step, late);
 	shardd_log_warn("job '%s': %s", j->name, msg);
 	barrier_finish(j, -SHARDD_E_TIMEOUT, msg);
+}
+
+void shardd_job_memory_held(const struct shardd_job *j, struct shardd_group_memory *m)
+{
+	for (uint32_t i = 1; i <= shardd_engine_job_ngroups(j->ejob); i++) {
+		const struct shardd_group *g = shardd_engine_job_group(j->ejob, i);
+
+		if (g)
+			shardd_group_memory_held(g, m);
+	}
+}
+
+void shardd_jobs_memory_held(struct shardd_group_memory *m)
+{
+	memset(m, 0, sizeof(*m));
+	for (struct shardd_job *j = *env.list; j; j = j->next)
+		shardd_job_memory_held(j, m);
 }

@@ -164,4 +164,10 @@ double shardd_job_ends_in_s(const struct shardd_job *j, uint64_t now_ns);
  */
 uint64_t shardd_job_end(struct shardd_job *j, const char *why);
 
+struct shardd_group_memory;
+/* Add the bytes of every buffer job `j` holds now, by kind, to *m (group.h). */
+void shardd_job_memory_held(const struct shardd_job *j, struct shardd_group_memory *m);
+/* The bytes of every buffer of every job, by kind, into *m. */
+void shardd_jobs_memory_held(struct shardd_group_memory *m);
+
 #endif /* SHARDD_JOB_H */

@@ -14,6 +14,12 @@
 
 #define LOOP_ENTRIES 256 /* io_uring SQ size; the CQ is twice that and never drops */
 #define LOOP_BATCH   64  /* completions taken per peek */
+/*
+ * The low bit of a completion's user_data: the completion of a cancel of
+ * the event's poll, not of the poll itself (events come from calloc, so
+ * that bit of their address is 0).
+ */
+#define LOOP_TAG_CANCEL ((uintptr_t)1)
 
 struct shardd_loop_event {
 	struct shardd_loop_event *next, *prev; /* every live or draining event */
@@ -25,7 +31,8 @@ struct shardd_loop_event {
 	void          *timer_arg;
 	int            armed;     /* a poll request is in the kernel */
 	int            multishot; /* that request is multishot */
-	int            dead;      /* deleted: free once the request is gone */
+	int            dead;      /* deleted: free once the request and its cancels are gone */
+	unsigned       cancels;   /* cancels of the poll in the kernel: their completions name us */
 	int            in_call;   /* its callback is running */
 };
 
@@ -71,6 +78,23 @@ static void loop_arm(struct shardd_loop *l, struct shardd_loop_event *ev)
 	}
 	io_uring_sqe_set_data(sqe, ev);
 	ev->armed = 1;
+}
+
+/*
+ * Cancel the event's poll. IORING_OP_ASYNC_CANCEL, not POLL_REMOVE: a poll
+ * whose wake-up is running (a datagram arrived just before) cannot be
+ * removed (-EALREADY) and a multishot one would stay armed, pinning the
+ * file for ever; a cancel marks it, and the wake-up itself completes it
+ * with -ECANCELED. The cancel's own completion says whether that worked
+ * (loop_cancel_done).
+ */
+static void loop_cancel(struct shardd_loop *l, struct shardd_loop_event *ev)
+{
+	struct io_uring_sqe *sqe = loop_sqe(l);
+
+	io_uring_prep_cancel64(sqe, (__u64)(uintptr_t)ev, 0);
+	io_uring_sqe_set_data(sqe, (void *)((uintptr_t)ev | LOOP_TAG_CANCEL));
+	ev->cancels++;
 }
 
 static void loop_unlink_free(struct shardd_loop *l, struct shardd_loop_event *ev)
@@ -212,15 +236,11 @@ void shardd_loop_del(struct shardd_loop *l, struct shardd_loop_event *ev)
 	if (!ev || ev->dead)
 		return;
 	ev->dead = 1;
-	if (ev->armed) {
+	if (ev->armed)
 		/* The request pins the file; cancel it and free the event on its last CQE. */
-		struct io_uring_sqe *sqe = loop_sqe(l);
-
-		io_uring_prep_poll_remove(sqe, (__u64)(uintptr_t)ev);
-		io_uring_sqe_set_data(sqe, NULL);
-	} else if (!ev->in_call) {
+		loop_cancel(l, ev);
+	else if (!ev->in_call && !ev->cancels)
 		loop_unlink_free(l, ev);
-	}
 }
 
 void shardd_loop_set_sleep_hooks(struct shardd_loop *l, shardd_before_sleep_fn before,
@@ -260,11 +280,31 @@ static void loop_dispatch(struct shardd_loop *l, struct shardd_loop_event *ev, i
 		ev->in_call = 0;
 	}
 	if (ev->dead) {
-		if (!ev->armed)
+		if (ev->armed && !ev->cancels)
+			/* A poll that is still armed after its cancel completed: cancel it again. */
+			loop_cancel(l, ev);
+		else if (!ev->armed && !ev->cancels)
 			loop_unlink_free(l, ev);
 	} else if (!ev->armed) {
 		loop_arm(l, ev);
 	}
+}
+
+/*
+ * The cancel of a deleted event's poll completed: 0, the poll completes
+ * (or completed) with -ECANCELED; -ENOENT, it had already ended; -EALREADY,
+ * the kernel could not stop it now: while the poll is armed, cancel again.
+ * The event is freed once neither its poll nor a cancel can name it.
+ */
+static void loop_cancel_done(struct shardd_loop *l, struct shardd_loop_event *ev, int32_t res)
+{
+	ev->cancels--;
+	if (res < 0 && res != -ENOENT && res != -EALREADY)
+		shardd_log_warn("io_uring: cancelling the poll of fd %d: %s", ev->fd, strerror(-res));
+	if (ev->armed && !ev->cancels && res != 0)
+		loop_cancel(l, ev);
+	else if (!ev->armed && !ev->cancels)
+		loop_unlink_free(l, ev);
 }
 
 /* Take every completion now in the CQ and dispatch it. */
@@ -284,9 +324,15 @@ static void loop_process(struct shardd_loop *l)
 			done[i].flags = cqes[i]->flags;
 		}
 		io_uring_cq_advance(&l->ring, n);
-		for (unsigned i = 0; i < n; i++)
-			if (done[i].data)
-				loop_dispatch(l, done[i].data, done[i].res, done[i].flags);
+		for (unsigned i = 0; i < n; i++) {
+			uintptr_t data = (uintptr_t)done[i].data;
+
+			if (data & LOOP_TAG_CANCEL)
+				loop_cancel_done(l, (struct shardd_loop_event *)(data & ~LOOP_TAG_CANCEL),
+						 done[i].res);
+			else if (data)
+				loop_dispatch(l, (struct shardd_loop_event *)data, done[i].res, done[i].flags);
+		}
 	}
 }
 

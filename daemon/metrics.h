@@ -102,11 +102,4 @@ uint64_t shardd_metrics_quantile(const struct shardd_op_metrics *m, double q);
 /* Upper edge of bucket i in ns (2^(i+1)); UINT64_MAX for the last bucket. */
 uint64_t shardd_metrics_bucket_le_ns(unsigned i);
 
-/*
- * The Prometheus text exposition of everything shardd knows (ops, memory
- * by kind, jobs, ranks attached), NUL-terminated and malloc'd (the caller
- * frees), or NULL when out of memory.
- */
-char *shardd_metrics_render(void);
-
 #endif /* SHARDD_METRICS_H */

@@ -10,9 +10,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "admin.h"
 #include "log.h"
 #include "loop.h"
-#include "metrics.h"
 #include "metrics_http.h"
 
 #define METRICS_HTTP_CONNECTIONS 16  /* scrapers at once; more wait in the backlog */
@@ -116,7 +116,7 @@ static enum MHD_Result metrics_request(void *cls, struct MHD_Connection *conn, c
 	if (strcmp(url, "/metrics") != 0)
 		return respond_text(conn, MHD_HTTP_NOT_FOUND,
 				    "not found: shardd serves its Prometheus metrics at /metrics\n");
-	text = shardd_metrics_render();
+	text = shardd_admin_metrics_render();
 	if (!text)
 		return respond_text(conn, MHD_HTTP_INTERNAL_SERVER_ERROR,
 				    "shardd is out of memory rendering its metrics\n");

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * --metrics-listen: GET /metrics over HTTP, the Prometheus text exposition
- * of shardd_metrics_render() (metrics.h). libmicrohttpd runs without a
+ * of shardd_admin_metrics_render() (admin.h). libmicrohttpd runs without a
  * thread of its own: its epoll fd is a file event of the daemon's loop, so
  * every request is answered on the loop thread, which owns all the state
  * the exposition reads.

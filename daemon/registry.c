@@ -22,15 +22,6 @@
 #include "memlimit.h"
 #include "placement.h"
 
-static struct eng_group *group_by_name(struct shardd_engine_job *j, const char *name)
-{
-	for (uint32_t i = 0; i < j->ngroups; i++) {
-		if (j->groups[i] && !strcmp(j->groups[i]->g->name, name))
-			return j->groups[i];
-	}
-	return NULL;
-}
-
 /* Free a group's engine state and buffers; handles a partly built one. */
 static void group_destroy(struct eng_group *eg, struct shardd_engine_job *j)
 {
@@ -323,7 +314,7 @@ void shardd_engine_register_group(struct shardd_engine_job *j, uint32_t rank, ui
 		eng_reply_err(j, rank, token, seq, ret, msg);
 		return;
 	}
-	eg = group_by_name(j, hdr.name);
+	eg = eng_group_by_name(j, hdr.name);
 	if (eg && eg->complete) {
 		eng_fmt(msg, sizeof(msg),
 			"shardd: group '%s' is already registered in job '%s' (id %u); use OPEN_GROUP to re-attach to it",
@@ -391,7 +382,7 @@ void shardd_engine_open_group(struct shardd_engine_job *j, uint32_t rank, uint64
 		eng_reply_err(j, rank, token, seq, -SHARDD_E_INVALID, msg);
 		return;
 	}
-	eg = group_by_name(j, req.name);
+	eg = eng_group_by_name(j, req.name);
 	if (eg && eg->complete) {
 		reply_group(eg, rank, token, seq);
 		return;

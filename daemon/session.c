@@ -547,7 +547,13 @@ static void session_dispatch(struct shardd_session *s, const struct shardd_msg_h
 		return;
 	}
 	if (hdr->type == SHARDD_MSG_ADMIN) {
-		shardd_admin_handle(s, hdr->seq, payload, len);
+		struct shardd_admin_reply reply;
+
+		shardd_admin_handle(payload, len, s->cred.uid, s->cred.pid, &reply);
+		/* Queued when the socket is full; a client that never reads is dropped (session.h). */
+		shardd_session_send(s, SHARDD_MSG_ADMIN_REPLY, hdr->seq, reply.text,
+				    (uint32_t)reply.len, NULL, 0);
+		shardd_admin_reply_free(&reply);
 		return;
 	}
 	if (!attached && hdr->type != SHARDD_MSG_HELLO) {

@@ -43,6 +43,15 @@
 		fn((dst) + i_, (src) + i_, (n) - i_);                          \
 	} while (0)
 
+/* BLOCKED for an in-place fn(x + i, len). */
+#define BLOCKED_INPLACE(fn, x, n)                                              \
+	do {                                                                   \
+		size_t i_ = 0;                                                 \
+		for (; i_ + SHARDD_K_BLOCK <= (n); i_ += SHARDD_K_BLOCK)       \
+			fn((x) + i_, SHARDD_K_BLOCK);                          \
+		fn((x) + i_, (n) - i_);                                        \
+	} while (0)
+
 ALWAYS_INLINE uint32_t f32_bits(float f)
 {
 	uint32_t u;
@@ -97,9 +106,8 @@ ALWAYS_INLINE void bf16_store_n(uint16_t *restrict d, const float *restrict s, s
 		d[i] = bf16_from_bits(f32_bits(s[i]));
 }
 
-ALWAYS_INLINE void bf16_round_n(float *restrict x, const float *restrict unused, size_t n)
+ALWAYS_INLINE void bf16_round_n(float *restrict x, size_t n)
 {
-	(void)unused;
 	for (size_t i = 0; i < n; i++)
 		x[i] = bits_f32(bf16_to_bits(bf16_from_bits(f32_bits(x[i]))));
 }
@@ -121,7 +129,7 @@ ALWAYS_INLINE void bf16_round_n(float *restrict x, const float *restrict unused,
 	}                                                                          \
 	attr static void bf16_round_##isa(float *x, size_t n)                      \
 	{                                                                          \
-		BLOCKED(bf16_round_n, x, (const float *)NULL, n);                  \
+		BLOCKED_INPLACE(bf16_round_n, x, n);                               \
 	}
 
 BF16_BLOCKS(base, )

@@ -23,6 +23,10 @@ under 1e-5 for this model (|w| < 1, |grad| < 1, K = 8). A wrong reduce (sum
 instead of average, a stale shard, a missed rank) moves parameters by
 lr * |grad| ~ 1e-2 in the first step, three orders of magnitude above it.
 
+Each rank prints, per step, its wall time and its split into compute and
+time blocked on shardd (every wait for a completion, Client._wait_one):
+"rank R step N loss X time_us T compute_us C shardd_us S".
+
 usage: train_torch.py --socket PATH [--ranks N] [--replicate R] [--steps K] [--reshard-after-forward]
        train_torch.py --shardd BIN ...    start a private daemon
 """
@@ -76,8 +80,27 @@ def make_optimizer(params):
     return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
 
 
+class ShardWaitClock:
+    """Time this process spends blocked on shardd completions: wraps the
+    Python client's one waiting primitive, which every wait goes through."""
+
+    def __init__(self):
+        from shardd import client as sc
+        self.ns = 0
+        inner = sc.Client._wait_one
+
+        def timed(client, *args, **kw):
+            t0 = time.monotonic_ns()
+            try:
+                return inner(client, *args, **kw)
+            finally:
+                self.ns += time.monotonic_ns() - t0
+        sc.Client._wait_one = timed
+
+
 def run_rank(a):
     torch.set_num_threads(1)
+    waits = ShardWaitClock()
     model = make_model()
     world = a.ranks * a.replicate
     mesh = st.init_device_mesh(a.job, a.rank, (a.replicate, a.ranks), socket_path=a.socket)
@@ -88,12 +111,17 @@ def run_rank(a):
         st.fully_shard(model, mesh=mesh)
         opt = make_optimizer(model.parameters())     # this rank's shards
         for step in range(a.steps):
+            t0, w0 = time.monotonic_ns(), waits.ns
             x, y = global_batch(step, world, a.batch)
             lo, hi = a.rank * a.batch, (a.rank + 1) * a.batch
             loss = torch.nn.functional.mse_loss(model(x[lo:hi]), y[lo:hi])
             loss.backward()          # reduces every group through the daemon
             opt.step()               # on this rank's shards
             opt.zero_grad()
+            t, w = time.monotonic_ns() - t0, waits.ns - w0
+            # One write per line: the ranks share stdout, and a short write is not interleaved.
+            os.write(1, (f"rank {a.rank} step {step} loss {loss.item():.6f} time_us {t / 1e3:.1f} "
+                         f"compute_us {(t - w) / 1e3:.1f} shardd_us {w / 1e3:.1f}\n").encode())
         np.savez(a.result, **{f"{n}@{dim}@{first}": t.detach().float().numpy()
                               for n, t, dim, first in st.local_shards(model)})
     return 0

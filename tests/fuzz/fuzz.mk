@@ -9,22 +9,18 @@
 #                              build-fuzz/corpus/<target>, crashes to build-fuzz/
 #   make fuzz-ci               each target FUZZ_CI_SECONDS (default 25) on a
 #                              temporary copy of its corpus (make test runs it)
-#   make fuzz FUZZ_SKIP_HOLES=0  also send the inputs of issue #11's known holes
-#                              (fuzz_daemon.c, top); built in build-fuzz-holes/
 
 FUZZ_CC          ?= clang
 FUZZ_SECONDS     ?= 60
 FUZZ_CI_SECONDS  ?= 25
-FUZZ_SKIP_HOLES  ?= 1
-FUZZ_BUILD       := build-fuzz$(if $(filter 0,$(FUZZ_SKIP_HOLES)),-holes)
+FUZZ_BUILD       := build-fuzz
 # Ring and socket work per input is bounded by the input: 4 KiB programs are plenty.
 FUZZ_FLAGS       ?= -max_len=4096 -timeout=30 -rss_limit_mb=4096 -malloc_limit_mb=1024 \
 		    -print_final_stats=1
 FUZZ_SAN         := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
 # Include paths: each source's folder's, as in the gcc builds (inc_of, Makefile).
 FUZZ_CFLAGS      := -O1 -g -std=gnu11 -Wall -Wextra $(WERROR_FLAGS) -pthread -MMD -MP \
-		    -DSHARDD_VERSION='"$(VERSION)"' \
-		    -DFUZZ_SKIP_HOLES=$(FUZZ_SKIP_HOLES) $(FUZZ_SAN)
+		    -DSHARDD_VERSION='"$(VERSION)"' $(FUZZ_SAN)
 
 FUZZ_LIB_SRC := $(filter-out daemon/main.c daemon/backend_cuda%.c,$(wildcard daemon/*.c)) \
 		$(wildcard kernels/*.c) tests/fuzz/fuzz_daemon.c
@@ -41,11 +37,8 @@ $(FUZZ_BUILD)/%.o: %.c
 	$(FUZZ_CC) $(FUZZ_CFLAGS) $(call inc_of,$<) $(FUZZ_EXTRA) -fsanitize=fuzzer-no-link -c $< -o $@
 
 # The kernels are written for gcc: clang 14 lacks __builtin_cpu_supports("f16c")
-# (clang_compat.h), and warns of cast.c's bf16_round passing NULL + i as the
-# unused source of BLOCKED: undefined behaviour, reported on issue #11; until
-# it is fixed, its run-time check is off in cast.c when the holes are skipped.
-$(FUZZ_BUILD)/kernels/%.o: FUZZ_EXTRA := -include tests/fuzz/clang_compat.h -Wno-null-pointer-arithmetic
-$(FUZZ_BUILD)/kernels/cast.o: FUZZ_EXTRA += $(if $(filter 1,$(FUZZ_SKIP_HOLES)),-fno-sanitize=pointer-overflow)
+# (clang_compat.h).
+$(FUZZ_BUILD)/kernels/%.o: FUZZ_EXTRA := -include tests/fuzz/clang_compat.h
 # optim.c's `#pragma GCC optimize("fp-contract=off")` is gcc's; clang keeps
 # its own contraction, which changes rounding only, not what the fuzzer finds.
 $(FUZZ_BUILD)/kernels/optim.o: FUZZ_EXTRA += -Wno-unknown-pragmas
@@ -80,6 +73,6 @@ test: fuzz-ci
 
 clean: clean-fuzz
 clean-fuzz:
-	rm -rf build-fuzz build-fuzz-holes
+	rm -rf build-fuzz
 
 -include $(shell find $(FUZZ_BUILD) -name '*.d' 2>/dev/null)

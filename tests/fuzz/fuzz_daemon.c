@@ -27,9 +27,9 @@
 #include <jansson.h>
 #include <sanitizer/allocator_interface.h>
 
-#include "admin.h"
 #include "clock.h"
 #include "engine.h"
+#include "group.h"
 #include "job.h"
 #include "log.h"
 #include "loop.h"
@@ -43,39 +43,12 @@
 #include "fuzz_daemon.h"
 
 /*
- * Known holes of issue #11 that today's daemon still has. With
- * FUZZ_SKIP_HOLES=1 (the default until the fixes are merged) the harness
- * does not send the inputs that reach them, so the targets can run past
- * them; `make fuzz FUZZ_SKIP_HOLES=0` sends them and each shows as a
- * finding. The lead drops the filters once the branches below are merged.
- *   hole 1 (branch harden-limits): a zero-size dim with shard_dim > 0
- *          divides by zero in backend_host.c plan_split at the first UNSHARD.
- *   hole 2 (branch harden-session): a zero-length datagram carrying fds is
- *          read as EOF and its fds are never closed.
- * and findings of these targets, reported on #11 (docs/RELIABILITY.md):
- *   F1: kernels/cast.c bf16_round computes NULL + i (fuzz.mk turns that
- *       check off in cast.c while the holes are skipped).
- *   F2: a client that sends a datagram after the message that got its
- *       session closed, before the loop submitted the cancel of the
- *       session's multishot poll, makes IORING_OP_POLL_REMOVE fail
- *       (-EALREADY: the poll's wake-up owns it) and loop.c ignores that: the
- *       poll stays armed, the socket is never released, the client never
- *       sees EOF. The harness lets the loop turn before every action, so no
- *       datagram lands in that window.
+ * The daemon runs with small memory limits, so that the fuzzer reaches its
+ * own refusal (registry.c group_commit_memory) rather than a harness filter,
+ * and an input never makes it commit more than FUZZ_MAX_MEMORY of buffers.
  */
-#ifndef FUZZ_SKIP_HOLES
-#define FUZZ_SKIP_HOLES 1
-#endif
-
-/*
- * Bytes of params one registration may ask for. A harness limit, not a
- * hole filter: the fuzzer must not make the daemon touch gigabytes (hole 4
- * of #11: no --max-memory yet; once it exists, the limit can rise and the
- * daemon's own refusal be tested instead).
- */
-#define FUZZ_PARAM_BYTES  ((uint64_t)1 << 20)
-/* Daemon-accounted buffer bytes (shardd_memory_use_all) at any time of an input. */
-#define FUZZ_BUF_CAP      ((uint64_t)256 << 20)
+#define FUZZ_MAX_MEMORY     ((uint64_t)32 << 20) /* --max-memory */
+#define FUZZ_MAX_JOB_MEMORY ((uint64_t)16 << 20) /* --max-job-memory */
 /* Heap the process may hold above its level at the start of an input. */
 #define FUZZ_HEAP_CAP     ((size_t)256 << 20)
 
@@ -250,10 +223,10 @@ static void fd_list(void)
 
 static uint64_t buf_bytes(void)
 {
-	struct shardd_memory_use m;
+	struct shardd_group_memory m;
 
-	shardd_memory_use_all(&m);
-	return m.shards + m.sharded_grads + m.unsharded + m.grads + m.partials;
+	shardd_jobs_memory_held(&m);
+	return m.total;
 }
 
 static void check_memory(void)
@@ -264,9 +237,9 @@ static void check_memory(void)
 	if (heap > st.heap0 && heap - st.heap0 > FUZZ_HEAP_CAP)
 		fail("the heap grew by %zu bytes within one input (cap %zu)", heap - st.heap0,
 		     FUZZ_HEAP_CAP);
-	if (bufs > FUZZ_BUF_CAP)
-		fail("the daemon holds %" PRIu64 " bytes of buffers (cap %" PRIu64 ")", bufs,
-		     FUZZ_BUF_CAP);
+	if (bufs > FUZZ_MAX_MEMORY)
+		fail("the daemon holds %" PRIu64 " bytes of buffers, past its --max-memory of %" PRIu64,
+		     bufs, FUZZ_MAX_MEMORY);
 }
 
 /* ------------------------------------------------------------------ */
@@ -320,6 +293,8 @@ int fuzz_init(void)
 	shardd_config_defaults(&cfg);
 	snprintf(cfg.socket_path, sizeof(cfg.socket_path), "%s/shardd.sock", sock_dir);
 	cfg.workers = 1;
+	cfg.max_memory = FUZZ_MAX_MEMORY;
+	cfg.max_job_memory = FUZZ_MAX_JOB_MEMORY;
 	trace = getenv("SHARDD_FUZZ_TRACE") != NULL;
 	/* Silent unless asked: a line per refused input would slow the fuzzer down. */
 	cfg.log_level = lvl ? shardd_log_level_parse(lvl) : -1;
@@ -761,41 +736,6 @@ static void act_hello(struct fz_in *in)
 	turn();
 }
 
-/*
- * Is this REGISTER_GROUP payload one the harness may send? Only the
- * FUZZ_PARAM_BYTES limit and, with FUZZ_SKIP_HOLES, the hole-1 filter
- * (see the top of this file) refuse one.
- */
-static int register_allowed(const uint8_t *p, size_t len)
-{
-	struct shardd_register_group g;
-	uint64_t total = 0;
-
-	if (len < sizeof(g))
-		return 1;
-	memcpy(&g, p, sizeof(g));
-	for (uint64_t i = 0; i < g.nparams && sizeof(g) + (i + 1) * sizeof(struct shardd_param_spec) <= len;
-	     i++) {
-		struct shardd_param_spec s;
-		uint64_t numel = 1;
-
-		memcpy(&s, p + sizeof(g) + i * sizeof(s), sizeof(s));
-		for (uint32_t d = 0; d < s.ndim && d < SHARDD_MAX_DIMS; d++) {
-			if (FUZZ_SKIP_HOLES && s.shape[d] == 0 && s.shard_dim > 0)
-				return 0; /* #11 hole 1: fixed on branch harden-limits */
-			if (s.shape[d] && numel > UINT64_MAX / s.shape[d])
-				return 0; /* overflows: #11 hole 1 as well, and far over the limit */
-			numel *= s.shape[d];
-		}
-		if (numel > FUZZ_PARAM_BYTES / 4)
-			return 0;
-		total += numel * 4;
-		if (total > FUZZ_PARAM_BYTES)
-			return 0;
-	}
-	return 1;
-}
-
 static void act_msg(struct fz_in *in)
 {
 	struct fz_client *c = client_pick(in);
@@ -805,7 +745,7 @@ static void act_msg(struct fz_in *in)
 	uint8_t payload[1024];
 
 	in_bytes(in, payload, len);
-	if (!c || (type == SHARDD_MSG_REGISTER_GROUP && !register_allowed(payload, len)))
+	if (!c)
 		return;
 	client_send(c, type, flags, payload, len);
 	turn();
@@ -824,8 +764,6 @@ static void act_raw(struct fz_in *in)
 	in_bytes(in, kinds, sizeof(kinds));
 	if (!c || c->eof)
 		return;
-	if (FUZZ_SKIP_HOLES && len == 0 && nfds > 0)
-		return; /* #11 hole 2: fixed on branch harden-session */
 	buf = calloc(1, len ? len : 1);
 	if (!buf)
 		fail("out of memory");
@@ -874,10 +812,6 @@ static void act_split(struct fz_in *in)
 		fail("out of memory");
 	for (uint32_t i = 0; i < total; i++)
 		buf[i] = fill[i % sizeof(fill)];
-	if (type == SHARDD_MSG_REGISTER_GROUP && !register_allowed(buf, len)) {
-		free(buf);
-		return;
-	}
 	h.seq = ++st.seq;
 	do {
 		uint32_t room = SHARDD_CTRL_CHUNK - (sent ? 0 : sizeof(h));
@@ -913,8 +847,7 @@ static const uint64_t dims[16] = {
 
 /*
  * A REGISTER_GROUP payload from the input into `buf`: 1..4 params with
- * shapes from `dims`, and now and then one field mutated. Returns its length,
- * or 0 when register_allowed() refuses it.
+ * shapes from `dims`, and now and then one field mutated. Returns its length.
  */
 static uint32_t register_build(struct fz_in *in, uint8_t *buf)
 {
@@ -965,7 +898,7 @@ static uint32_t register_build(struct fz_in *in, uint8_t *buf)
 	len = (uint32_t)(sizeof(g) + n * sizeof(struct shardd_param_spec));
 	if (mut == 5)
 		len -= in_u8(in) % len;
-	return register_allowed(buf, len) ? len : 0;
+	return len;
 }
 
 #define REGISTER_BUF (sizeof(struct shardd_register_group) + 4 * sizeof(struct shardd_param_spec))
@@ -976,7 +909,7 @@ static void act_register(struct fz_in *in)
 	uint8_t buf[REGISTER_BUF];
 	uint32_t len = register_build(in, buf);
 
-	if (!c || !len)
+	if (!c)
 		return;
 	client_send(c, SHARDD_MSG_REGISTER_GROUP, 0, buf, len);
 	turn();
@@ -990,8 +923,6 @@ static void act_register_all(struct fz_in *in)
 	uint8_t buf[REGISTER_BUF];
 	uint32_t len = register_build(in, buf);
 
-	if (!len)
-		return;
 	for (unsigned i = 0; i < st.nclients; i++) {
 		struct fz_client *c = &st.c[i];
 		uint8_t copy[REGISTER_BUF];
@@ -1002,8 +933,7 @@ static void act_register_all(struct fz_in *in)
 		/* One rank disagrees on one byte: a mismatch every rank must hear of. */
 		if (odd == i)
 			copy[pos % len] ^= val | 1;
-		if (register_allowed(copy, len))
-			client_send(c, SHARDD_MSG_REGISTER_GROUP, 0, copy, len);
+		client_send(c, SHARDD_MSG_REGISTER_GROUP, 0, copy, len);
 	}
 	settle();
 }
@@ -1284,6 +1214,28 @@ static void setup_jobs(struct fz_in *in, int njobs)
 }
 
 /* End every job and session as shardd's shutdown does, then check what is owed. */
+/*
+ * Every session is closed: every client still connected must reach EOF
+ * within a few turns, or something of the daemon (a poll, a queue) still
+ * holds its socket (finding F2 of docs/RELIABILITY.md).
+ */
+static void check_closed(void)
+{
+	for (int k = 0; k < FZ_SETTLE; k++) {
+		unsigned open = 0;
+
+		turn();
+		for (unsigned i = 0; i < st.nclients; i++)
+			open += st.c[i].fd >= 0 && !st.c[i].eof;
+		if (!open)
+			return;
+	}
+	for (unsigned i = 0; i < st.nclients; i++)
+		if (st.c[i].fd >= 0 && !st.c[i].eof)
+			fail("client %u: its session is closed, but the connection never reached EOF "
+			     "after %d loop turns: the daemon still holds the socket", i, FZ_SETTLE);
+}
+
 static void input_end(void)
 {
 	int live[FZ_CLIENTS];
@@ -1313,6 +1265,7 @@ static void input_end(void)
 	}
 	for (struct shardd_session *s = server.sessions; s; s = s->next)
 		shardd_session_close(s, "the fuzz input ended");
+	check_closed();
 	for (unsigned i = 0; i < st.nclients; i++)
 		client_close(&st.c[i]);
 	/* Reap the sessions, and let the loop take back the events they cancelled. */
@@ -1334,11 +1287,6 @@ int fuzz_run(const struct fuzz_target *t, const uint8_t *data, size_t size)
 	if (t->attach_jobs)
 		setup_jobs(&in, t->attach_jobs);
 	while (in.n) {
-		if (FUZZ_SKIP_HOLES) {
-			/* F2 (top of this file): the loop submits its pending poll cancels first. */
-			daemon_turn();
-			clients_poll();
-		}
 		switch (t->actions[in_u8(&in) % t->nactions]) {
 		case FZ_CONNECT: client_connect(); break;
 		case FZ_HELLO: act_hello(&in); break;

@@ -17,9 +17,12 @@
  *     echoing its user_data, op, group and step;
  *   - every request a live client framed got exactly one reply with its seq
  *     (GOODBYE: none), and no reply came for a request never sent;
+ *   - once its session is closed, every client still connected reaches EOF
+ *     (nothing of the daemon holds its socket);
  *   - the process holds exactly the fds it held before the input;
- *   - no job, session or buffer remains, and the heap the daemon holds while
- *     the input runs stays under FUZZ_HEAP_CAP.
+ *   - no job, session or buffer remains, and while the input runs the heap
+ *     the daemon holds stays under FUZZ_HEAP_CAP and its buffers under the
+ *     small --max-memory it runs with (FUZZ_MAX_MEMORY).
  * A failed check prints what it saw and aborts, which libFuzzer reports as
  * a crash with the input saved.
  */

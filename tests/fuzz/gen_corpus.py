@@ -111,7 +111,16 @@ CTRL = {
     "handshake-timeout": bytes([C_CONNECT, C_CONNECT]) + admin(1, 0) + bytes([C_CRON, 1]),
     "shut-wr": attached() + bytes([C_SHUT_WR, 0, C_TURN, 2]),
     "goodbye-then-reattach": attached() + bytes([C_GOODBYE, 0]) + attached(1),
+    # F2 (docs/RELIABILITY.md): a datagram that lands after the session closed, before
+    # the loop cancelled its poll, left the poll armed and the socket held for ever.
+    "regress-f2-send-after-goodbye": attached() + bytes([C_GOODBYE, 0]) +
+    msg(0, MSG_ADMIN, b'{"cmd":"status"}'),
+    "regress-f2-raw-after-goodbye": attached() + bytes([C_GOODBYE, 0]) +
+    bytes([C_RAW, 0, 0, 5, 0, 0, 0, 0, 0]) + b"abcde",
 }
+# Past --max-job-memory (the harness runs the daemon with 16 MiB per job, 32 MiB in all).
+CTRL["register-past-max-job-memory"] = attached() + bytes([C_REGISTER, 0]) + \
+    register_body([spec([1000, 1000, 100])])
 for k in range(11):
     CTRL["hello-mut-%02d" % k] = bytes([C_CONNECT]) + hello(mut=k, extra=b"\x07\x00\x00\x00" * 4)
 for name, specs in {
@@ -163,6 +172,11 @@ ENGINE = {
     register_body([spec([64, 64])]) + burst(0, UNSHARD, step=1) + burst(0, UNSHARD, step=2) +
     burst(0, REDUCE, step=2) + burst(0, UNSHARD, step=3),
 }
+
+# Three jobs of 15.3 MiB of buffers each: the third passes --max-memory (32 MiB).
+ENGINE["three-jobs-past-max-memory"] = setup((1, 1), (1, 1), (1, 1)) + b"".join(
+    bytes([E_REGISTER_ALL, j, 0xff, 0, 0]) + register_body([spec([1000, 1000])]) for j in range(3)) + \
+    burst(2, UNSHARD) + burst(1, UNSHARD)
 
 
 def write(target, seeds):

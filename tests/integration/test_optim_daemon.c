@@ -13,6 +13,7 @@
  * Shard(1).
  */
 #include <criterion/criterion.h>
+#include <jansson.h>
 #include <math.h>
 #include <pthread.h>
 #include <signal.h>
@@ -750,5 +751,71 @@ Test(optim_daemon, a_reduce_with_the_step_flag_steps_each_shard_after_reducing, 
 	cr_assert_eq(shardd_wait(f.c[0], &cp, 10000), 0, "%s", shardd_last_error());
 	cr_assert_eq(cp.res, -SHARDD_E_STATE, "%d %s", cp.res, cp.msg);
 	cr_assert_not_null(strstr(cp.msg, "without an optimizer"), "%s", cp.msg);
+	finish(&f);
+}
+
+/* shardctl --json dump GROUP PARAM --rank R --what WHAT: the reply's values. */
+static json_t *dump_json(struct fixture *f, const char *param, const char *rank, const char *what, char *out,
+			 size_t len)
+{
+	char path[4096];
+	const char *build = getenv("SHARDD_BUILD");
+	const char *argv[] = { path, "--socket", f->hd.socket, "--json", "dump", "layer", param, "--rank", rank,
+			       "--what", what, "--limit", "100", NULL };
+	json_error_t jerr;
+	json_t *j;
+	int status;
+
+	cr_assert(build, "SHARDD_BUILD is not set: run through make test");
+	snprintf(path, sizeof(path), "%s/shardctl", build);
+	cr_assert_eq(harness_run(argv, 20000, &status, out, len), 0);
+	cr_assert(WIFEXITED(status), "shardctl: %s", harness_status_str(status));
+	if (WEXITSTATUS(status))
+		return NULL;
+	j = json_loads(out, 0, &jerr);
+	cr_assert_not_null(j, "shardctl output does not parse (%s):\n%s", jerr.text, out);
+	return j;
+}
+
+Test(optim_daemon, shardctl_dumps_the_optimizer_state_of_a_shard, .timeout = 60)
+{
+	struct shardd_optim_config o = { .kind = SHARDD_OPTIM_ADAMW, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8 };
+	static const char *const names[] = { "exp_avg", "exp_avg_sq" };
+	static char out[1 << 16];
+	struct fixture f;
+	struct ref ref;
+	json_t *j;
+
+	start(&f);
+	register_ok(&f, "layer", &o);
+	ref_init(&ref, &f);
+	for (uint64_t step = 1; step <= 2; step++) {
+		reduce_step(&f, step, 0);
+		for (int r = 0; r < WORLD; r++) {
+			ref_step(&ref, &f, r, &o, 0.01, 1.0f);
+			cr_assert_eq(shardd_step(f.reg[r].g, step, 0.01, 0, 0), SHARDD_STEP_APPLIED, "%s",
+				     shardd_last_error());
+		}
+	}
+	/* Rank 1's shard of 'w' (5 x 3 over 2 ranks): its 2 valid rows, padding excluded. */
+	for (int k = 0; k < 2; k++) {
+		const json_t *vals;
+
+		j = dump_json(&f, "w", "1", names[k], out, sizeof(out));
+		cr_assert_not_null(j, "dump --what %s failed:\n%s", names[k], out);
+		vals = json_object_get(j, "values");
+		cr_assert_eq(json_array_size(vals), valid_numel(f.reg[1].g, 0), "%s", out);
+		for (size_t e = 0; e < json_array_size(vals); e++) {
+			double got = json_number_value(json_array_get(vals, e)), want = ref.s[1][0][k][e];
+
+			cr_assert(fabs(got - want) <= 1e-6 * fmax(1e-30, fabs(want)), "%s[%zu] = %.9g, reference %.9g",
+				  names[k], e, got, want);
+		}
+		json_decref(j);
+	}
+	j = dump_json(&f, "w", "0", "momentum", out, sizeof(out));
+	cr_assert_null(j, "an AdamW group dumped a momentum buffer:\n%s", out);
+	cr_assert_not_null(strstr(out, "exp_avg, exp_avg_sq"), "%s", out);
+	ref_free(&ref);
 	finish(&f);
 }

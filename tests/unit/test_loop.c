@@ -11,6 +11,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include "loop.h"
@@ -254,4 +255,69 @@ Test(loop, after_sleep_runs_once_per_wake_up, .timeout = 10)
 	cr_assert_eq(h.after, h.before);
 	shardd_loop_destroy(l);
 	pipe_free(&p);
+}
+
+struct turns {
+	struct shardd_loop *l;
+	int n;
+	int stop_at;
+};
+
+static int stop_after_turns(void *arg)
+{
+	struct turns *t = arg;
+
+	if (++t->n >= t->stop_at)
+		shardd_loop_stop(t->l);
+	return 0;
+}
+
+/* Turn the loop `n` times without blocking. */
+static void run_turns(struct turns *t, int n)
+{
+	t->n = 0;
+	t->stop_at = n;
+	cr_assert_eq(shardd_loop_run(t->l), 0);
+}
+
+static void count_calls(void *arg, int fd, uint32_t revents)
+{
+	(void)fd;
+	(void)revents;
+	(*(int *)arg)++;
+}
+
+/*
+ * The daemon's session close: a client's datagram arrives just before the
+ * session is deleted, so the poll's wake-up owns the multishot poll when the
+ * loop cancels it (IORING_OP_POLL_REMOVE answers -EALREADY there). The
+ * cancel must still end the poll, or the socket is never released and the
+ * client never sees the connection close (#11, fuzz finding F2).
+ */
+Test(loop, deleting_an_event_whose_poll_just_fired_releases_its_file, .timeout = 10)
+{
+	struct shardd_loop *l;
+	struct shardd_loop_event *ev;
+	struct turns t = { 0 };
+	struct pollfd pfd;
+	int sv[2], calls = 0;
+
+	cr_assert_eq(shardd_loop_create(&l), 0);
+	t.l = l;
+	shardd_loop_set_sleep_hooks(l, stop_after_turns, NULL, &t);
+	cr_assert_eq(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_NONBLOCK | SOCK_CLOEXEC, 0, sv), 0);
+	cr_assert_eq(shardd_loop_add_fd(l, sv[0], POLLIN, count_calls, &calls, &ev), 0);
+	run_turns(&t, 3); /* the poll is in the kernel */
+	/* The wake-up takes the poll; its task work waits for the loop's next io_uring_enter. */
+	cr_assert_eq(write(sv[1], "x", 1), 1);
+	shardd_loop_del(l, ev);
+	close(sv[0]);
+	run_turns(&t, 10);
+	cr_assert_eq(calls, 0, "the deleted event's callback ran %d times", calls);
+	/* Our end of the pair is gone once no poll holds its file: the peer sees the hang-up. */
+	pfd = (struct pollfd){ .fd = sv[1], .events = POLLIN };
+	cr_assert_eq(poll(&pfd, 1, 2000), 1, "the peer never saw the deleted event's socket close");
+	cr_assert(pfd.revents & POLLHUP, "revents 0x%x", pfd.revents);
+	shardd_loop_destroy(l);
+	close(sv[1]);
 }

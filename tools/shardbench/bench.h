@@ -33,16 +33,51 @@ struct bench_opts {
 	const char *socket_path; /* --socket: a running daemon, or NULL */
 	const char *shardd_path; /* --shardd: daemon binary to start */
 	const char *mpi_path;    /* --mpi: the shardbench_mpi comparator */
+	const char *trace_path;  /* --trace: latency's samples, one line each */
 	const char *self_dir;    /* directory of this binary */
 };
 
-/* Same-run memory-bandwidth roofline (roofline.c). */
+/* Memory rooflines measured in the same run (roofline.c). */
+#define BENCH_MEM_MAX_IN 8
+
+enum bench_store {
+	BENCH_STORE_PLAIN = 0, /* temporal stores: each output line is read first (write-allocate) */
+	BENCH_STORE_NT    = 1, /* non-temporal stores: written around the caches */
+};
+
+/* The order a multi-input kernel reads its inputs in. */
+enum bench_mem_order {
+	BENCH_MEM_STREAMS  = 0, /* one vector of each input in turn */
+	BENCH_MEM_PREFETCH = 1, /* the same, with software prefetch 2 KiB ahead */
+	BENCH_MEM_BLOCKED  = 2, /* 512 elements of one input after the other */
+	BENCH_MEM_NORDERS
+};
+
+/* An access pattern: nin streams of in_size-byte elements into one of out_size bytes. */
+struct bench_mem_pattern {
+	uint32_t nin;      /* input streams, 0 .. BENCH_MEM_MAX_IN (0: write only) */
+	uint32_t in_size;  /* bytes per input element: 2 or 4 */
+	uint32_t out_size; /* bytes per output element: 0 (read only), 2 or 4 */
+};
+
+/* The fastest pass of a pattern over some count of elements. */
+struct bench_mem_best {
+	uint64_t ns;      /* best time of one pass; UINT64_MAX when not measured */
+	uint64_t bytes;   /* count * (nin * in_size + out_size): each element once */
+	int      store;   /* enum bench_store of that pass */
+	int      order;   /* enum bench_mem_order of that pass */
+	unsigned threads; /* and its threads */
+	uint64_t wrong;   /* output elements that were wrong after a pass */
+};
+
+/* The machine table of `shardbench roofline`. */
+enum { BENCH_ROOF_READ, BENCH_ROOF_WRITE, BENCH_ROOF_COPY, BENCH_ROOF_ADD, BENCH_ROOF_NKERNELS };
+
 struct bench_roofline {
-	double   copy_gbs;  /* a[i] = b[i]: 2 streams */
-	double   add_gbs;   /* a[i] = b[i] + c[i]: 3 streams */
+	struct bench_mem_best kernel[BENCH_ROOF_NKERNELS];
 	unsigned threads;   /* one per online core, as the daemon's worker pool */
 	uint64_t array_bytes;
-	uint64_t wrong;     /* elements whose value was wrong after a kernel */
+	uint64_t wrong;
 };
 
 /* One row of the Open MPI comparator's output (mpi_compare.c). */
@@ -104,12 +139,25 @@ float bench_load_exact(const void *buf, uint32_t dtype, uint64_t i);
 /* ---- roofline.c ------------------------------------------------------ */
 
 /*
- * STREAM-style copy and add over three arrays of `array_bytes` each on
- * `threads` threads; best of `iters` runs. Prints its table when `print`.
+ * The best pass of pattern p over `count` elements (rounded down to 8):
+ * plain and non-temporal stores, every bench_mem_order (2 or more
+ * inputs), 1 thread and one per online core, each
+ * at least 3 passes and 20 ms of them. 0 or -errno (-EINVAL: a pattern
+ * this kernel does not have).
+ */
+int bench_mem_best(const struct bench_mem_pattern *p, uint64_t count, struct bench_mem_best *out);
+uint64_t bench_mem_pattern_bytes(const struct bench_mem_pattern *p, uint64_t count);
+int bench_mem_have_nt(void);
+/* MemAvailable in bytes; 0 when /proc/meminfo does not say. */
+uint64_t bench_mem_available(void);
+const char *bench_store_name(int store);
+const char *bench_order_name(int order);
+/*
+ * The machine table: read, write, copy and add over arrays of `array_bytes`
+ * each, best of the store kinds and thread counts. Prints it when `print`.
  * Returns 0 or -errno.
  */
-int bench_roofline_measure(uint64_t array_bytes, int iters, int print,
-			   struct bench_roofline *out);
+int bench_roofline_measure(uint64_t array_bytes, int print, struct bench_roofline *out);
 unsigned bench_worker_threads(void);
 
 /* ---- daemon_proc.c --------------------------------------------------- */
@@ -142,11 +190,13 @@ enum bench_collective {
 
 /*
  * The unshard or reduce sweep through the daemon at `socket_path` with
- * o->ranks forked rank processes; prints its table. Returns 0, or a
+ * o->ranks forked rank processes, each size against the roofline of the
+ * op's own access pattern measured right before and after it (the best
+ * of the two); prints its table. Returns 0, or a
  * negative code when a rank failed (its message is printed).
  */
 int bench_collective_run(const struct bench_opts *o, enum bench_collective which,
-			 const char *socket_path, const struct bench_roofline *roof);
+			 const char *socket_path);
 
 /* ---- ring.c ---------------------------------------------------------- */
 
@@ -156,6 +206,16 @@ int bench_collective_run(const struct bench_opts *o, enum bench_collective which
  * this client to different cores for the ring modes.
  */
 int bench_ring_run(const struct bench_opts *o, const char *socket_path, pid_t daemon_pid);
+
+/* ---- latency.c ------------------------------------------------------- */
+
+/*
+ * One small unshard and reduce (-b bytes, o->ranks ranks) -n times, timed
+ * per stage from the clients; prints p50/p90/p99. trace_path: also write
+ * every sample there (tools/shardbench/trace_latency.py reads it).
+ * Returns 0 or a negative code (the failing rank's message printed).
+ */
+int bench_latency_run(const struct bench_opts *o, const char *socket_path, const char *trace_path);
 
 /* ---- gpu.c ----------------------------------------------------------- */
 

@@ -2,7 +2,7 @@
 /*
  * shardbench: how fast shardd moves parameters, in nccl-tests' format.
  *
- *   shardbench [options] roofline|unshard|reduce|ring|gpu|step|all
+ *   shardbench [options] roofline|unshard|reduce|ring|latency|gpu|step|all
  *
  * Without --socket it starts its own `shardd` (next to this binary, or
  * --shardd PATH) on a temporary socket and stops it at the end. Every
@@ -23,19 +23,22 @@
 
 /* Roofline arrays: 8x the 32 MiB L3 of the machines this runs on, and over any L3 we know. */
 #define ROOF_ARRAY_BYTES (256 * BENCH_MIB)
-#define ROOF_ITERS       20
 
-enum bench_cmd { CMD_ALL, CMD_ROOFLINE, CMD_UNSHARD, CMD_REDUCE, CMD_RING, CMD_GPU, CMD_STEP };
+enum bench_cmd { CMD_ALL, CMD_ROOFLINE, CMD_UNSHARD, CMD_REDUCE, CMD_RING, CMD_GPU, CMD_STEP, CMD_LATENCY };
 
 static void usage(FILE *f)
 {
 	fprintf(f,
-"usage: shardbench [options] roofline|unshard|reduce|ring|gpu|step|all   (default: all)\n"
+"usage: shardbench [options] roofline|unshard|reduce|ring|latency|gpu|step|all\n"
+"       (default: all)\n"
 "\n"
-"  roofline   STREAM-style copy and add, one thread per core (the daemon's pool)\n"
-"  unshard    all-gather + cast through the daemon, against the roofline and MPI_Allgather\n"
-"  reduce     reduce-scatter of grads, against the roofline and MPI_Reduce_scatter_block\n"
+"  roofline   memory kernels (read, write, copy, add), plain and non-temporal stores\n"
+"  unshard    all-gather + cast through the daemon, against its pattern's roofline and\n"
+"             MPI_Allgather\n"
+"  reduce     reduce-scatter of grads, against its pattern's roofline and\n"
+"             MPI_Reduce_scatter_block\n"
 "  ring       nop round trip through the ring (spinning, sleeping) against a socket\n"
+"  latency    one small unshard and reduce (-b bytes), per stage, from the clients\n"
 "  gpu        CUDA kernels against cudaMemcpy device-to-device, and unshard/reduce\n"
 "             latency through shardd --backend cuda (also: --gpu)\n"
 "  step       AdamW and SGD updates against a same-run roofline and torch's CPU AdamW\n"
@@ -53,6 +56,7 @@ static void usage(FILE *f)
 "  --shardd PATH  daemon binary to start (default: shardd next to shardbench)\n"
 "  --mpi PATH     Open MPI comparator (default: shardbench_mpi next to shardbench)\n"
 "  --idle-us N    ring: idle gap before each sleeping sample (default 2000)\n"
+"  --trace FILE   latency: also write every sample to FILE (trace_latency.py)\n"
 "  --gpu          same as the gpu subcommand\n"
 "  --version      print the version and exit\n"
 "  -h, --help     this text\n");
@@ -95,7 +99,7 @@ static int parse_cmd(const char *s, enum bench_cmd *cmd)
 	static const struct { const char *name; enum bench_cmd cmd; } cmds[] = {
 		{ "all", CMD_ALL }, { "roofline", CMD_ROOFLINE }, { "unshard", CMD_UNSHARD },
 		{ "reduce", CMD_REDUCE }, { "ring", CMD_RING }, { "gpu", CMD_GPU },
-		{ "step", CMD_STEP },
+		{ "step", CMD_STEP }, { "latency", CMD_LATENCY },
 	};
 	size_t i;
 
@@ -111,13 +115,14 @@ static int parse_cmd(const char *s, enum bench_cmd *cmd)
 /* Parse argv into *o and *cmd. Returns 0, 1 (--help or --version printed) or 2 (usage error). */
 static int parse_args(int argc, char **argv, struct bench_opts *o, enum bench_cmd *cmd)
 {
-	enum { OPT_SOCKET = 256, OPT_SHARDD, OPT_MPI, OPT_IDLE, OPT_GPU, OPT_VERSION };
+	enum { OPT_SOCKET = 256, OPT_SHARDD, OPT_MPI, OPT_IDLE, OPT_GPU, OPT_VERSION, OPT_TRACE };
 	static const struct option longopts[] = {
 		{ "socket", required_argument, NULL, OPT_SOCKET },
 		{ "shardd", required_argument, NULL, OPT_SHARDD },
 		{ "mpi", required_argument, NULL, OPT_MPI },
 		{ "idle-us", required_argument, NULL, OPT_IDLE },
 		{ "gpu", no_argument, NULL, OPT_GPU },
+		{ "trace", required_argument, NULL, OPT_TRACE },
 		{ "help", no_argument, NULL, 'h' },
 		{ "version", no_argument, NULL, OPT_VERSION },
 		{ NULL, 0, NULL, 0 },
@@ -178,6 +183,9 @@ static int parse_args(int argc, char **argv, struct bench_opts *o, enum bench_cm
 		case OPT_GPU:
 			gpu = 1;
 			break;
+		case OPT_TRACE:
+			o->trace_path = optarg;
+			break;
 		case 'h':
 			usage(stdout);
 			return 1;
@@ -193,7 +201,7 @@ static int parse_args(int argc, char **argv, struct bench_opts *o, enum bench_cm
 	*cmd = gpu ? CMD_GPU : CMD_ALL;
 	if (optind < argc && parse_cmd(argv[optind++], cmd))
 		return bad_option("subcommand", argv[optind - 1],
-				  "roofline, unshard, reduce, ring, gpu, step or all");
+				  "roofline, unshard, reduce, ring, latency, gpu, step or all");
 	if (optind < argc)
 		return bad_option("argument", argv[optind], "one subcommand");
 	if (o->min_bytes > o->max_bytes) {
@@ -282,14 +290,20 @@ int main(int argc, char **argv)
 	if (cmd == CMD_STEP)
 		return bench_step_run(&o) != 0;
 
-	/* The roofline runs before the daemon starts, so nothing else competes for memory. */
-	ret = bench_roofline_measure(ROOF_ARRAY_BYTES, ROOF_ITERS, 1, &roof);
-	if (ret)
-		return 1;
-	if (roof.wrong)
-		failed = 1;
-	if (cmd == CMD_ROOFLINE)
-		return failed;
+	/*
+	 * The machine table runs before the daemon starts, so nothing else
+	 * competes for memory; unshard and reduce measure their own pattern's
+	 * roofline at each size.
+	 */
+	if (cmd == CMD_ALL || cmd == CMD_ROOFLINE) {
+		ret = bench_roofline_measure(ROOF_ARRAY_BYTES, 1, &roof);
+		if (ret)
+			return 1;
+		if (roof.wrong)
+			failed = 1;
+		if (cmd == CMD_ROOFLINE)
+			return failed;
+	}
 
 	socket_path = o.socket_path;
 	if (!socket_path) {
@@ -305,11 +319,15 @@ int main(int argc, char **argv)
 	fflush(stdout);
 
 	if (cmd == CMD_ALL || cmd == CMD_UNSHARD) {
-		rc = bench_collective_run(&o, BENCH_UNSHARD, socket_path, &roof);
+		rc = bench_collective_run(&o, BENCH_UNSHARD, socket_path);
 		failed |= rc != 0;
 	}
 	if (cmd == CMD_ALL || cmd == CMD_REDUCE) {
-		rc = bench_collective_run(&o, BENCH_REDUCE, socket_path, &roof);
+		rc = bench_collective_run(&o, BENCH_REDUCE, socket_path);
+		failed |= rc != 0;
+	}
+	if (cmd == CMD_LATENCY) {
+		rc = bench_latency_run(&o, socket_path, o.trace_path);
 		failed |= rc != 0;
 	}
 	if (cmd == CMD_ALL || cmd == CMD_RING) {

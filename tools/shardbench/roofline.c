@@ -1,12 +1,27 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The memory-bandwidth roofline every other benchmark is judged against,
- * measured in the same run: STREAM's copy (a = b) and an add (a = b + c,
- * triad without the scalar) over arrays far larger than the last-level
- * cache, on as many threads as the daemon's worker pool has (one per
- * online core). Bytes counted as STREAM counts them: each array element
- * read or written once (write-allocate traffic is not counted).
+ * The memory rooflines every other benchmark is judged against, measured
+ * in the same run.
+ *
+ * One kernel family covers every access pattern: `nin` input streams of
+ * `in_size`-byte elements combined (xor) into one output stream of
+ * `out_size`-byte elements (0: none, the inputs are only read; a 4-byte
+ * input narrows to a 2-byte output by dropping the high half, a 2-byte one
+ * widens). That is STREAM's read, write, copy and add, and also the exact
+ * traffic of an op: an unshard reads 4-byte shards and writes d-byte
+ * elements, a reduce reads S d-byte grads per 4-byte output. A pattern is
+ * timed with plain (temporal) stores and with non-temporal ones, with its
+ * inputs read as interleaved streams, with software prefetch, or in
+ * blocks (the orders kernels/ uses), on one thread and on one per online
+ * core (the daemon's pool runs small ops on
+ * one thread, large ones on all), and its roofline is the best of them:
+ * nothing that moves those bytes in that pattern can be faster on this
+ * machine at that time, so an op at more than 100 % means this roofline
+ * is wrong. Bytes are counted as the op's floor counts them, each element
+ * read or written once (a plain store's write-allocate read is the cost
+ * of choosing plain stores, not bytes the pattern must move).
  */
+#define _GNU_SOURCE
 #include <errno.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -15,30 +30,52 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <emmintrin.h>
+#define MEM_HAVE_NT 1
+#else
+#define MEM_HAVE_NT 0
+#endif
+
 #include "bench.h"
 
-/* 16 floats: gcc lowers this to whatever vector width the target has. */
-typedef float bench_vec __attribute__((vector_size(64)));
+/*
+ * Elements per vector step (32 bytes of 32-bit lanes: native registers in
+ * the AVX2 and AVX-512 clones, so no step spills); arrays and thread slices
+ * are whole multiples of it.
+ */
+#define MEM_LANES 8
+/* Thread slices start on this many elements: whole 64-byte lines of every stream. */
+#define MEM_SLICE_ALIGN 64
+/*
+ * Software prefetch distance. The hardware prefetcher follows a few streams
+ * per core; with many input streams it falls behind, which the daemon's
+ * reduce kernel makes up for with prefetches 2 KiB ahead (kernels/reduce.c):
+ * the roofline must be at least as good, so it tries the same.
+ */
+#define MEM_PREFETCH_AHEAD 2048
+/*
+ * Blocked order: MEM_CHUNK vector steps (512 elements, kernels/'s
+ * SHARDD_K_BLOCK) of one input after the other into an L1 buffer, then the
+ * output; each input is read in runs of 1 or 2 KiB, which the prefetcher
+ * follows better than 8 streams interleaved 32 bytes at a time (the
+ * daemon's portable reduce walks its inputs this way).
+ */
+#define MEM_CHUNK 64
+/* A pattern variant runs at least MEM_MIN_RUNS times and until MEM_MIN_NS of runs, at most MEM_MAX_RUNS. */
+#define MEM_MIN_RUNS 3
+#define MEM_MAX_RUNS 2000
+#define MEM_MIN_NS   (20 * 1000 * 1000ull)
 
-enum { ROOF_COPY = 0, ROOF_ADD = 1, ROOF_NKERNELS };
+typedef uint32_t mem_v32 __attribute__((vector_size(32)));
+typedef uint16_t mem_v16 __attribute__((vector_size(16)));
 
-struct roof_run {
-	bench_vec         *a, *b, *c;
-	size_t             nvec;     /* vectors per array */
-	unsigned           threads;
-	int                iters;
-	pthread_barrier_t  barrier;
-	pthread_mutex_t    gate_lock;
-	pthread_cond_t     gate_cond;
-	int                gate;     /* 0: wait, 1: run, -1: a thread failed to start */
-	uint64_t          *ns;       /* [kernel][iter], written by thread 0 */
-	uint64_t          *wrong;    /* [thread][kernel] */
-};
-
-struct roof_thread {
-	struct roof_run *run;
-	unsigned         id;
-	pthread_t        tid;
+struct mem_args {
+	const void *in[BENCH_MEM_MAX_IN];
+	void       *out;
+	uint32_t    nin, in_size, out_size;
+	int         nt;
+	int         order;    /* enum bench_mem_order */
 };
 
 unsigned bench_worker_threads(void)
@@ -48,175 +85,530 @@ unsigned bench_worker_threads(void)
 	return n > 0 ? (unsigned)n : 1;
 }
 
-static uint64_t count_wrong(const bench_vec *a, size_t lo, size_t hi, float want)
+int bench_mem_have_nt(void)
 {
-	uint64_t wrong = 0;
-	size_t i;
-	int k;
-
-	for (i = lo; i < hi; i++)
-		for (k = 0; k < 16; k++)
-			wrong += a[i][k] != want;
-	return wrong;
+	return MEM_HAVE_NT;
 }
 
-static void *roof_worker(void *arg)
+const char *bench_store_name(int store)
 {
-	struct roof_thread *t = arg;
-	struct roof_run *r = t->run;
-	size_t per = r->nvec / r->threads;
-	size_t lo = per * t->id;
-	size_t hi = t->id + 1 == r->threads ? r->nvec : lo + per;
-	const bench_vec zero = { 0 };
-	bench_vec ones = zero + 1.0f, twos = zero + 2.0f;
-	uint64_t t0 = 0;
-	size_t i;
-	int k, it;
+	return store == BENCH_STORE_NT ? "nt" : "plain";
+}
 
-	/* Every thread must exist before anyone enters the barrier sized for all. */
+const char *bench_order_name(int order)
+{
+	static const char *const names[BENCH_MEM_NORDERS] = { "streams", "prefetch", "blocked" };
+
+	return order >= 0 && order < BENCH_MEM_NORDERS ? names[order] : "?";
+}
+
+/* ---- the kernel ------------------------------------------------------- */
+
+/* Store `bytes` (16 or 32) of v at p; nt: bypassing the caches (whole lines are written in order). */
+static inline __attribute__((always_inline)) void mem_store(void *p, const void *v, size_t bytes, int nt)
+{
+#if MEM_HAVE_NT
+	if (nt) {
+		for (size_t o = 0; o < bytes; o += 16)
+			_mm_stream_si128((__m128i *)((char *)p + o), _mm_loadu_si128((const __m128i *)((const char *)v + o)));
+		return;
+	}
+#endif
+	memcpy(p, v, bytes);
+}
+
+/*
+ * Blocks [lo, hi) of MEM_LANES elements. Inlined with constant in_size,
+ * out_size, nin and nt into mem_pass's cases, so each case is a straight
+ * loop of vector loads, xors and stores.
+ */
+/* Output step b of x: out_size bytes per lane, plain or non-temporal. */
+static inline __attribute__((always_inline)) void mem_put(const struct mem_args *a, size_t b, const mem_v32 *x,
+							   uint32_t out_size, int nt)
+{
+	if (out_size == 4) {
+		mem_store((char *)a->out + b * sizeof(*x), x, sizeof(*x), nt);
+	} else {
+		mem_v16 y = __builtin_convertvector(*x, mem_v16);
+
+		mem_store((char *)a->out + b * sizeof(y), &y, sizeof(y), nt);
+	}
+}
+
+/*
+ * Blocks [lo, hi) of MEM_LANES elements. Inlined with constant in_size,
+ * out_size, nin, nt and order into mem_pass's cases, so each case is a
+ * straight loop of vector loads, xors and stores.
+ */
+static inline __attribute__((always_inline)) uint32_t mem_blocks(const struct mem_args *a, size_t lo, size_t hi,
+								  uint32_t in_size, uint32_t out_size, uint32_t nin,
+								  int nt, int order)
+{
+	mem_v32 acc = { 0 };
+
+	if (order == BENCH_MEM_BLOCKED && nin >= 2) {
+		mem_v32 buf[MEM_CHUNK];
+
+		for (size_t c = lo; c < hi; c += MEM_CHUNK) {
+			size_t len = hi - c < MEM_CHUNK ? hi - c : MEM_CHUNK;
+
+			for (uint32_t k = 0; k < nin; k++) {
+				for (size_t j = 0; j < len; j++) {
+					mem_v32 x;
+
+					if (in_size == 4)
+						x = ((const mem_v32 *)a->in[k])[c + j];
+					else
+						x = __builtin_convertvector(((const mem_v16 *)a->in[k])[c + j], mem_v32);
+					buf[j] = k ? buf[j] ^ x : x;
+				}
+			}
+			for (size_t j = 0; j < len; j++) {
+				if (out_size)
+					mem_put(a, c + j, &buf[j], out_size, nt);
+				else
+					acc ^= buf[j];
+			}
+		}
+	}
+	for (size_t b = lo; b < hi && !(order == BENCH_MEM_BLOCKED && nin >= 2); b++) {
+		mem_v32 x = { 0 };
+
+		/* A prefetch never faults: one past an input's end is harmless, its address an integer. */
+		for (uint32_t k = 0; order == BENCH_MEM_PREFETCH && k < nin; k++)
+			__builtin_prefetch((const void *)((uintptr_t)a->in[k] + b * MEM_LANES * in_size +
+							  MEM_PREFETCH_AHEAD));
+		if (nin == 0)
+			x += 0x3f803f80u;
+		for (uint32_t k = 0; k < nin; k++) {
+			if (in_size == 4)
+				x ^= ((const mem_v32 *)a->in[k])[b];
+			else
+				x ^= __builtin_convertvector(((const mem_v16 *)a->in[k])[b], mem_v32);
+		}
+		if (out_size == 0)
+			acc ^= x;
+		else
+			mem_put(a, b, &x, out_size, nt);
+	}
+#if MEM_HAVE_NT
+	if (nt)
+		_mm_sfence();
+#endif
+	for (int i = 1; i < MEM_LANES; i++)
+		acc[0] ^= acc[i];
+	return acc[0];
+}
+
+#define MEM_ORDERS(IN, OUT, NIN, NT)                                                      \
+	(a->order == BENCH_MEM_BLOCKED    ? mem_blocks(a, lo, hi, IN, OUT, NIN, NT, BENCH_MEM_BLOCKED)  \
+	 : a->order == BENCH_MEM_PREFETCH ? mem_blocks(a, lo, hi, IN, OUT, NIN, NT, BENCH_MEM_PREFETCH) \
+					  : mem_blocks(a, lo, hi, IN, OUT, NIN, NT, BENCH_MEM_STREAMS))
+#define MEM_CASE(IN, OUT, NIN)                                                            \
+	case ((IN) << 16 | (OUT) << 8 | (NIN)):                                           \
+		return a->nt ? MEM_ORDERS(IN, OUT, NIN, 1) : MEM_ORDERS(IN, OUT, NIN, 0)
+
+/* The kernel's blocks [lo, hi), one clone per ISA; the patterns of mem_supported(). */
+__attribute__((target_clones("avx512f", "avx2", "default")))
+static uint32_t mem_pass(const struct mem_args *a, size_t lo, size_t hi)
+{
+	switch (a->in_size << 16 | a->out_size << 8 | a->nin) {
+	MEM_CASE(4, 0, 1); /* read */
+	MEM_CASE(4, 4, 0); /* write */
+	MEM_CASE(4, 4, 1); /* copy */
+	MEM_CASE(4, 4, 2); /* add */
+	MEM_CASE(4, 2, 1); /* unshard to a 16-bit dtype */
+	MEM_CASE(4, 4, 4);
+	MEM_CASE(4, 4, 8);
+	MEM_CASE(2, 4, 1); /* reduce of 16-bit grads */
+	MEM_CASE(2, 4, 2);
+	MEM_CASE(2, 4, 4);
+	MEM_CASE(2, 4, 8);
+	default:
+		return 0;
+	}
+}
+
+static int mem_supported(const struct bench_mem_pattern *p)
+{
+	struct mem_args a = { .nin = p->nin, .in_size = p->in_size, .out_size = p->out_size };
+
+	switch (a.in_size << 16 | a.out_size << 8 | a.nin) {
+	case 4 << 16 | 0 << 8 | 1: case 4 << 16 | 4 << 8 | 0: case 4 << 16 | 4 << 8 | 1:
+	case 4 << 16 | 4 << 8 | 2: case 4 << 16 | 2 << 8 | 1: case 4 << 16 | 4 << 8 | 4:
+	case 4 << 16 | 4 << 8 | 8: case 2 << 16 | 4 << 8 | 1: case 2 << 16 | 4 << 8 | 2:
+	case 2 << 16 | 4 << 8 | 4: case 2 << 16 | 4 << 8 | 8:
+		return 1;
+	default:
+		return 0;
+	}
+}
+
+uint64_t bench_mem_available(void)
+{
+	char line[256];
+	unsigned long long kib = 0;
+	FILE *f = fopen("/proc/meminfo", "r");
+
+	while (f && fgets(line, sizeof(line), f))
+		if (sscanf(line, "MemAvailable: %llu kB", &kib) == 1)
+			break;
+	if (f)
+		fclose(f);
+	return (uint64_t)kib * 1024;
+}
+
+uint64_t bench_mem_pattern_bytes(const struct bench_mem_pattern *p, uint64_t count)
+{
+	return count * ((uint64_t)p->nin * p->in_size + p->out_size);
+}
+
+/* ---- threads ---------------------------------------------------------- */
+
+struct mem_run {
+	struct mem_args    args;
+	size_t             nblocks;
+	unsigned           threads;  /* taking part in the current pass */
+	unsigned           pool;     /* threads of the pool, the caller included */
+	unsigned           started;  /* worker threads created (besides the caller) */
+	pthread_t         *tid;
+	uint32_t          *sink;     /* [thread]: read-only passes' xor, so their loads stay */
+	pthread_barrier_t  go, done;
+	pthread_mutex_t    gate_lock;
+	pthread_cond_t     gate_cond;
+	int                gate;     /* 0: wait, 1: run, -1: a thread failed to start, leave */
+	int                quit;
+};
+
+struct mem_thread {
+	struct mem_run *run;
+	unsigned        id;
+};
+
+/* Thread id's blocks of nblocks, starting on MEM_SLICE_ALIGN elements. */
+static void mem_slice(size_t nblocks, unsigned threads, unsigned id, size_t *lo, size_t *hi)
+{
+	size_t per = MEM_SLICE_ALIGN / MEM_LANES;
+	size_t units = (nblocks + per - 1) / per;
+	size_t b0 = units * id / threads * per, b1 = units * (id + 1) / threads * per;
+
+	*lo = b0 < nblocks ? b0 : nblocks;
+	*hi = b1 < nblocks ? b1 : nblocks;
+}
+
+static void mem_slice_run(struct mem_run *r, unsigned id)
+{
+	size_t lo, hi;
+
+	mem_slice(r->nblocks, r->threads, id, &lo, &hi);
+	((volatile uint32_t *)r->sink)[id] = mem_pass(&r->args, lo, hi);
+}
+
+static void *mem_worker(void *arg)
+{
+	struct mem_thread *t = arg;
+	struct mem_run *r = t->run;
+	unsigned id = t->id;
+
+	free(t);
+	/* Every thread must exist before anyone enters the barriers sized for all. */
 	pthread_mutex_lock(&r->gate_lock);
 	while (r->gate == 0)
 		pthread_cond_wait(&r->gate_cond, &r->gate_lock);
 	pthread_mutex_unlock(&r->gate_lock);
 	if (r->gate < 0)
 		return NULL;
-	/* First touch by the thread that will stream the slice. */
-	for (i = lo; i < hi; i++) {
-		r->a[i] = zero;
-		r->b[i] = ones;
-		r->c[i] = twos;
-	}
-	for (k = 0; k < ROOF_NKERNELS; k++) {
-		for (it = 0; it < r->iters; it++) {
-			pthread_barrier_wait(&r->barrier);
-			if (t->id == 0)
-				t0 = bench_now_ns();
-			if (k == ROOF_COPY)
-				for (i = lo; i < hi; i++)
-					r->a[i] = r->b[i];
-			else
-				for (i = lo; i < hi; i++)
-					r->a[i] = r->b[i] + r->c[i];
-			pthread_barrier_wait(&r->barrier);
-			if (t->id == 0)
-				r->ns[k * r->iters + it] = bench_now_ns() - t0;
-		}
-		r->wrong[t->id * ROOF_NKERNELS + k] = count_wrong(r->a, lo, hi, k == ROOF_COPY ? 1.0f : 3.0f);
+	for (;;) {
+		pthread_barrier_wait(&r->go);
+		if (r->quit)
+			break;
+		if (id < r->threads)
+			mem_slice_run(r, id);
+		pthread_barrier_wait(&r->done);
 	}
 	return NULL;
 }
 
-static void *map_array(uint64_t bytes)
+/* One pass on `threads` threads (the caller is thread 0); its time in ns. */
+static uint64_t mem_time_pass(struct mem_run *r, unsigned threads)
 {
-	void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+	uint64_t t0;
 
-	return p == MAP_FAILED ? NULL : p;
+	if (threads == 1 || r->pool == 1) {
+		r->threads = 1;
+		t0 = bench_now_ns();
+		mem_slice_run(r, 0);
+		return bench_now_ns() - t0;
+	}
+	r->threads = threads;
+	pthread_barrier_wait(&r->go);
+	t0 = bench_now_ns();
+	mem_slice_run(r, 0);
+	pthread_barrier_wait(&r->done);
+	return bench_now_ns() - t0;
 }
 
-int bench_roofline_measure(uint64_t array_bytes, int iters, int print,
-			   struct bench_roofline *out)
+/* A pool of `threads` (the caller included). 0 or -errno (nothing left running). */
+static int mem_start(struct mem_run *r, unsigned threads)
 {
-	static const char *const names[ROOF_NKERNELS] = { "copy", "add" };
-	static const int streams[ROOF_NKERNELS] = { 2, 3 };
-	struct roof_run r = { 0 };
-	struct roof_thread *th = NULL;
-	double best[ROOF_NKERNELS], avg[ROOF_NKERNELS];
-	uint64_t wrong[ROOF_NKERNELS] = { 0 };
-	unsigned i, started = 0;
-	int k, it, ret = 0;
-	char human[32];
+	int ret = 0;
+
+	r->pool = threads;
+	r->tid = calloc(threads, sizeof(*r->tid));
+	r->sink = calloc(threads, sizeof(*r->sink));
+	if (!r->tid || !r->sink)
+		return -ENOMEM;
+	if (threads < 2)
+		return 0;
+	pthread_mutex_init(&r->gate_lock, NULL);
+	pthread_cond_init(&r->gate_cond, NULL);
+	pthread_barrier_init(&r->go, NULL, threads);
+	pthread_barrier_init(&r->done, NULL, threads);
+	for (unsigned i = 1; i < threads && !ret; i++) {
+		struct mem_thread *t = malloc(sizeof(*t));
+
+		if (!t) {
+			ret = -ENOMEM;
+			break;
+		}
+		*t = (struct mem_thread){ .run = r, .id = i };
+		ret = -pthread_create(&r->tid[i], NULL, mem_worker, t);
+		if (ret) {
+			free(t);
+			fprintf(stderr, "shardbench: roofline: starting thread %u of %u: %s\n", i + 1, threads,
+				strerror(-ret));
+		} else {
+			r->started++;
+		}
+	}
+	pthread_mutex_lock(&r->gate_lock);
+	r->gate = ret ? -1 : 1;
+	pthread_cond_broadcast(&r->gate_cond);
+	pthread_mutex_unlock(&r->gate_lock);
+	return ret;
+}
+
+static void mem_stop(struct mem_run *r)
+{
+	if (r->pool >= 2 && r->tid && r->sink) {
+		if (r->gate > 0) {
+			r->quit = 1;
+			pthread_barrier_wait(&r->go);
+		}
+		for (unsigned i = 1; i <= r->started; i++)
+			pthread_join(r->tid[i], NULL);
+		pthread_barrier_destroy(&r->done);
+		pthread_barrier_destroy(&r->go);
+		pthread_cond_destroy(&r->gate_cond);
+		pthread_mutex_destroy(&r->gate_lock);
+	}
+	free(r->sink);
+	free(r->tid);
+}
+
+/* ---- arrays ----------------------------------------------------------- */
+
+/*
+ * Stream j starts j * MEM_STAGGER bytes past a page boundary: streams that
+ * all start on the same offset modulo the page (separate mappings do) meet
+ * in the same cache sets and alias at 4 KiB, which measured 6x slower for
+ * 8 inputs on the 2-core CI VM. A whole number of lines, for the stores.
+ */
+#define MEM_STAGGER (4096 + 64)
+
+struct mem_arrays {
+	void  *in[BENCH_MEM_MAX_IN];
+	void  *out;
+	size_t in_bytes, out_bytes;
+	void  *base; /* one mapping holds every stream */
+	size_t len;
+};
+
+static size_t mem_page_up(size_t n)
+{
+	return (n + 4095) & ~(size_t)4095;
+}
+
+/* Map the streams of p over n elements. 0 or -ENOMEM. */
+static int mem_map(const struct bench_mem_pattern *p, size_t n, struct mem_arrays *m)
+{
+	size_t in_stride = mem_page_up(n * p->in_size) + 2 * 4096 * (p->nin + 1);
+	char *b;
+
+	m->in_bytes = n * p->in_size;
+	m->out_bytes = n * p->out_size;
+	m->len = p->nin * in_stride + mem_page_up(m->out_bytes) + MEM_STAGGER * (p->nin + 1) + 4096;
+	b = mmap(NULL, m->len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+	if (b == MAP_FAILED)
+		return -ENOMEM;
+	m->base = b;
+	for (uint32_t k = 0; k < p->nin; k++)
+		m->in[k] = b + k * in_stride + k * MEM_STAGGER;
+	if (p->out_size)
+		m->out = b + p->nin * in_stride + p->nin * MEM_STAGGER;
+	return 0;
+}
+
+static void mem_unmap(struct mem_arrays *m)
+{
+	if (m->base)
+		munmap(m->base, m->len);
+}
+
+/* Input k holds k + 1 in every element. */
+static void mem_fill(const struct bench_mem_pattern *p, struct mem_arrays *m, size_t n)
+{
+	for (uint32_t k = 0; k < p->nin; k++) {
+		if (p->in_size == 4)
+			for (size_t i = 0; i < n; i++)
+				((uint32_t *)m->in[k])[i] = k + 1;
+		else
+			for (size_t i = 0; i < n; i++)
+				((uint16_t *)m->in[k])[i] = (uint16_t)(k + 1);
+	}
+	if (m->out)
+		memset(m->out, 0xff, m->out_bytes);
+}
+
+/* Output elements that differ from the xor of the inputs (or the write kernel's constant). */
+static uint64_t mem_wrong(const struct bench_mem_pattern *p, const struct mem_arrays *m, size_t n)
+{
+	uint32_t want = p->nin ? 0 : 0x3f803f80u;
+	uint64_t wrong = 0;
+
+	for (uint32_t k = 0; k < p->nin; k++)
+		want ^= k + 1;
+	if (p->out_size == 4)
+		for (size_t i = 0; i < n; i++)
+			wrong += ((const uint32_t *)m->out)[i] != want;
+	else if (p->out_size == 2)
+		for (size_t i = 0; i < n; i++)
+			wrong += ((const uint16_t *)m->out)[i] != (uint16_t)want;
+	return wrong;
+}
+
+/* ---- measuring -------------------------------------------------------- */
+
+/* Best pass of one variant: at least MEM_MIN_RUNS runs and MEM_MIN_NS of them. */
+static uint64_t mem_best_variant(struct mem_run *r, unsigned threads, int min_runs)
+{
+	uint64_t best = UINT64_MAX, total = 0;
+
+	mem_time_pass(r, threads); /* warm-up: caches, TLB */
+	for (int i = 0; i < MEM_MAX_RUNS && (i < min_runs || total < MEM_MIN_NS); i++) {
+		uint64_t ns = mem_time_pass(r, threads);
+
+		total += ns;
+		best = ns < best ? ns : best;
+	}
+	return best;
+}
+
+int bench_mem_best(const struct bench_mem_pattern *p, uint64_t count, struct bench_mem_best *out)
+{
+	unsigned tall = bench_worker_threads(), tcounts[2] = { 1, tall };
+	struct mem_arrays m = { 0 };
+	struct mem_run r = { 0 };
+	size_t n = (size_t)(count - count % MEM_LANES);
+	int ret = 0;
 
 	memset(out, 0, sizeof(*out));
-	array_bytes -= array_bytes % sizeof(bench_vec);
-	r.nvec = array_bytes / sizeof(bench_vec);
-	r.threads = bench_worker_threads();
-	r.iters = iters > 0 ? iters : 1;
-	r.a = map_array(array_bytes);
-	r.b = map_array(array_bytes);
-	r.c = map_array(array_bytes);
-	r.ns = calloc((size_t)ROOF_NKERNELS * (size_t)r.iters, sizeof(*r.ns));
-	r.wrong = calloc((size_t)r.threads * ROOF_NKERNELS, sizeof(*r.wrong));
-	th = calloc(r.threads, sizeof(*th));
-	if (!r.a || !r.b || !r.c || !r.ns || !r.wrong || !th) {
-		ret = -ENOMEM;
-		fprintf(stderr, "shardbench: roofline: cannot allocate 3 arrays of %llu bytes\n",
-			(unsigned long long)array_bytes);
-		goto err;
+	out->ns = UINT64_MAX;
+	out->bytes = bench_mem_pattern_bytes(p, n);
+	if (!mem_supported(p) || n == 0 || p->nin > BENCH_MEM_MAX_IN)
+		return -EINVAL;
+	ret = mem_map(p, n, &m);
+	if (ret) {
+		fprintf(stderr, "shardbench: roofline: cannot map %u x %zu + %zu bytes\n", p->nin,
+			n * p->in_size, n * p->out_size);
+		goto out;
 	}
-	ret = -pthread_barrier_init(&r.barrier, NULL, r.threads);
+	for (uint32_t k = 0; k < p->nin; k++)
+		r.args.in[k] = m.in[k];
+	mem_fill(p, &m, n);
+	r.args.out = m.out;
+	r.args.nin = p->nin;
+	r.args.in_size = p->in_size;
+	r.args.out_size = p->out_size;
+	r.nblocks = n / MEM_LANES;
+	ret = mem_start(&r, tall);
 	if (ret)
-		goto err;
-	pthread_mutex_init(&r.gate_lock, NULL);
-	pthread_cond_init(&r.gate_cond, NULL);
-	for (i = 0; i < r.threads; i++) {
-		th[i].run = &r;
-		th[i].id = i;
-	}
-	for (i = 1; i < r.threads && !ret; i++) {
-		ret = -pthread_create(&th[i].tid, NULL, roof_worker, &th[i]);
-		if (ret)
-			fprintf(stderr, "shardbench: roofline: starting thread %u of %u: %s\n",
-				i + 1, r.threads, strerror(-ret));
-		else
-			started++;
-	}
-	pthread_mutex_lock(&r.gate_lock);
-	r.gate = ret ? -1 : 1;
-	pthread_cond_broadcast(&r.gate_cond);
-	pthread_mutex_unlock(&r.gate_lock);
-	if (!ret)
-		roof_worker(&th[0]);
-	for (i = 1; i <= started; i++)
-		pthread_join(th[i].tid, NULL);
-	pthread_cond_destroy(&r.gate_cond);
-	pthread_mutex_destroy(&r.gate_lock);
-	pthread_barrier_destroy(&r.barrier);
-	if (ret)
-		goto err;
+		goto stop;
+	/* Every combination: store kind, input order (for 2 or more inputs), threads. */
+	for (int nt = 0; nt <= (p->out_size && MEM_HAVE_NT); nt++) {
+		for (int ord = 0; ord < (p->nin >= 2 ? BENCH_MEM_NORDERS : 1); ord++) {
+			for (int ti = 0; ti < 2; ti++) {
+				uint64_t ns;
 
-	for (k = 0; k < ROOF_NKERNELS; k++) {
-		uint64_t min = UINT64_MAX, sum = 0;
-		double bytes = (double)streams[k] * (double)array_bytes;
-
-		for (it = 0; it < r.iters; it++) {
-			uint64_t ns = r.ns[k * r.iters + it];
-
-			min = ns < min ? ns : min;
-			sum += ns;
+				if (ti == 1 && tall == 1)
+					break;
+				r.args.nt = nt;
+				r.args.order = ord;
+				if (m.out)
+					memset(m.out, 0xff, m.out_bytes);
+				ns = mem_best_variant(&r, tcounts[ti], MEM_MIN_RUNS);
+				out->wrong += mem_wrong(p, &m, n);
+				if (ns < out->ns) {
+					out->ns = ns;
+					out->store = nt ? BENCH_STORE_NT : BENCH_STORE_PLAIN;
+					out->order = ord;
+					out->threads = tcounts[ti];
+				}
+			}
 		}
-		best[k] = bytes / (double)min;
-		avg[k] = bytes / ((double)sum / r.iters);
 	}
-	out->copy_gbs = best[ROOF_COPY];
-	out->add_gbs = best[ROOF_ADD];
-	out->threads = r.threads;
-	out->array_bytes = array_bytes;
-	for (i = 0; i < r.threads; i++)
-		for (k = 0; k < ROOF_NKERNELS; k++)
-			wrong[k] += r.wrong[i * ROOF_NKERNELS + k];
-	out->wrong = wrong[ROOF_COPY] + wrong[ROOF_ADD];
+stop:
+	mem_stop(&r);
+out:
+	mem_unmap(&m);
+	return ret;
+}
+
+/* ---- the machine table ------------------------------------------------ */
+
+static const struct {
+	const char *name;
+	struct bench_mem_pattern p;
+	const char *what;
+} mem_kernels[BENCH_ROOF_NKERNELS] = {
+	{ "read",  { 1, 4, 0 }, "s ^= b[i]" },
+	{ "write", { 0, 4, 4 }, "a[i] = k" },
+	{ "copy",  { 1, 4, 4 }, "a[i] = b[i]" },
+	{ "add",   { 2, 4, 4 }, "a[i] = b[i] ^ c[i] (STREAM add/triad traffic)" },
+};
+
+int bench_roofline_measure(uint64_t array_bytes, int print, struct bench_roofline *out)
+{
+	uint64_t count = array_bytes / sizeof(float);
+	char human[32];
+	int ret = 0;
+
+	memset(out, 0, sizeof(*out));
+	out->threads = bench_worker_threads();
+	out->array_bytes = count * sizeof(float);
 	if (print) {
-		bench_format_size(array_bytes, human, sizeof(human));
-		printf("# roofline: STREAM-style kernels on %u threads (one per online core, as the"
-		       " daemon's worker pool), 3 arrays of %s fp32, best of %d\n",
-		       r.threads, human, r.iters);
-		printf("# %8s %16s %12s %12s %8s\n", "kernel", "bytes/iter(B)", "best(GB/s)",
-		       "avg(GB/s)", "#wrong");
-		for (k = 0; k < ROOF_NKERNELS; k++)
-			printf("  %8s %16llu %12.2f %12.2f %8llu\n", names[k],
-			       (unsigned long long)(streams[k] * array_bytes), best[k], avg[k],
-			       (unsigned long long)wrong[k]);
-		fflush(stdout);
+		bench_format_size(out->array_bytes, human, sizeof(human));
+		printf("# roofline: memory kernels over arrays of %s of 32-bit elements, best pass of plain and"
+		       " non-temporal stores,\n#   inputs streamed, prefetched or blocked (2+ inputs), on 1 and %u"
+		       " threads (one per online core, as the daemon's\n#   pool); bytes: each element read or"
+		       " written once\n", human, out->threads);
+		printf("# %8s %16s %12s %7s %9s %5s %8s  %s\n", "kernel", "bytes/pass(B)", "best(GB/s)", "store",
+		       "order", "thr", "#wrong", "pass");
 	}
-err:
-	free(th);
-	free(r.wrong);
-	free(r.ns);
-	if (r.c)
-		munmap(r.c, array_bytes);
-	if (r.b)
-		munmap(r.b, array_bytes);
-	if (r.a)
-		munmap(r.a, array_bytes);
+	for (int k = 0; k < BENCH_ROOF_NKERNELS && !ret; k++) {
+		struct bench_mem_best *b = &out->kernel[k];
+
+		ret = bench_mem_best(&mem_kernels[k].p, count, b);
+		if (ret)
+			break;
+		out->wrong += b->wrong;
+		if (print)
+			printf("  %8s %16llu %12.2f %7s %9s %5u %8llu  %s\n", mem_kernels[k].name,
+			       (unsigned long long)b->bytes, (double)b->bytes / (double)b->ns,
+			       bench_store_name(b->store), bench_order_name(b->order), b->threads,
+			       (unsigned long long)b->wrong, mem_kernels[k].what);
+	}
+	if (print)
+		fflush(stdout);
 	return ret;
 }

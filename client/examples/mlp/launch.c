@@ -29,10 +29,12 @@ static void usage(FILE *f)
 "Trains a 32-64-64-1 tanh MLP on a fixed random teacher, FSDP2-style, through\n"
 "a running shardd daemon: one parameter group per layer, unshard with prefetch,\n"
 "reshard after forward, reduce after each layer's backward, the daemon's SGD on\n"
-"each rank's own shard (shardd_step). Prints 'step N loss X' (mean over the ranks) per step.\n"
+"each rank's own shard (shardd_step). Prints 'step N loss X time_us T compute_us C\n"
+"shardd_us S' per step: the loss, the step's wall time, and its split into compute\n"
+"and time spent in shardd_submit/shardd_wait (each the mean over the ranks).\n"
 "\n"
 "  --spawn N         fork N rank processes and supervise them\n"
-"  --rank R          run rank R of --world N (prints 'rank R step N loss X')\n"
+"  --rank R          run rank R of --world N (prints 'rank R step N loss X ...')\n"
 "  --reference       train the same model in this process, no daemon, on the\n"
 "                    union of the N ranks' batches\n"
 "  --steps K         training steps (default %d)\n"
@@ -219,8 +221,12 @@ static void kill_children(struct child *ch, uint32_t n)
 			kill(ch[r].pid, SIGTERM);
 }
 
-/* Take loss reports; print each step's mean once every rank reported it. */
-static int take_reports(int fd, const struct trainer_opts *o, double *loss, uint32_t *have,
+/*
+ * Take loss reports; print each step's mean loss once every rank reported
+ * it, with the mean over ranks of the step's time and of its split into
+ * compute and time in shardd calls.
+ */
+static int take_reports(int fd, const struct trainer_opts *o, struct loss_report *reps, uint32_t *have,
 			uint64_t *next)
 {
 	struct loss_report rep;
@@ -232,14 +238,21 @@ static int take_reports(int fd, const struct trainer_opts *o, double *loss, uint
 				rep.rank, rep.step);
 			return -EPROTO;
 		}
-		loss[rep.step * o->world + rep.rank] = rep.loss;
+		reps[rep.step * o->world + rep.rank] = rep;
 		have[rep.step]++;
 		while (*next < o->steps && have[*next] == o->world) {
-			double sum = 0.0;
+			double sum = 0.0, step_ns = 0.0, shardd_ns = 0.0;
 
-			for (uint32_t r = 0; r < o->world; r++)
-				sum += loss[*next * o->world + r];
-			printf("step %" PRIu64 " loss %.6f\n", *next, sum / o->world);
+			for (uint32_t r = 0; r < o->world; r++) {
+				const struct loss_report *p = &reps[*next * o->world + r];
+
+				sum += p->loss;
+				step_ns += (double)p->step_ns;
+				shardd_ns += (double)p->shardd_ns;
+			}
+			printf("step %" PRIu64 " loss %.6f time_us %.1f compute_us %.1f shardd_us %.1f\n", *next,
+			       sum / o->world, step_ns / o->world / 1e3, (step_ns - shardd_ns) / o->world / 1e3,
+			       shardd_ns / o->world / 1e3);
 			fflush(stdout);
 			(*next)++;
 		}
@@ -271,12 +284,12 @@ int launch_spawn(const struct trainer_opts *o, const struct launch_hooks *hooks)
 	uint32_t n = o->world, live = 0;
 	struct child *ch = calloc(n, sizeof(*ch));
 	struct pollfd *pfd = calloc(n + 1, sizeof(*pfd));
-	double *loss = calloc(o->steps ? o->steps * n : 1, sizeof(*loss));
+	struct loss_report *reps = calloc(o->steps ? o->steps * n : 1, sizeof(*reps));
 	uint32_t *have = calloc(o->steps ? o->steps : 1, sizeof(*have));
 	uint64_t next = 0;
 	int pipefd[2] = { -1, -1 }, failed = 0, ret;
 
-	if (!ch || !pfd || !loss || !have) {
+	if (!ch || !pfd || !reps || !have) {
 		fprintf(stderr, "train_mlp: out of memory\n");
 		failed = 1;
 		goto out;
@@ -320,7 +333,7 @@ int launch_spawn(const struct trainer_opts *o, const struct launch_hooks *hooks)
 			break;
 		}
 		if (pfd[0].revents & POLLIN) {
-			if (take_reports(pipefd[0], o, loss, have, &next) < 0) {
+			if (take_reports(pipefd[0], o, reps, have, &next) < 0) {
 				failed = 1;
 				kill_children(ch, n);
 			}
@@ -365,7 +378,7 @@ int launch_spawn(const struct trainer_opts *o, const struct launch_hooks *hooks)
 	/* Every writer but ours is gone: read what is left up to EOF. */
 	close(pipefd[1]);
 	pipefd[1] = -1;
-	if (!failed && (ret = take_reports(pipefd[0], o, loss, have, &next)) != 1)
+	if (!failed && (ret = take_reports(pipefd[0], o, reps, have, &next)) != 1)
 		failed = 1;
 	if (!failed && next != o->steps) {
 		fprintf(stderr, "train_mlp: only %" PRIu64 " of %" PRIu64 " steps were reported by every rank\n",
@@ -378,7 +391,7 @@ out:
 	if (pipefd[1] >= 0)
 		close(pipefd[1]);
 	free(have);
-	free(loss);
+	free(reps);
 	free(pfd);
 	free(ch);
 	return failed ? -1 : 0;

@@ -53,7 +53,17 @@ struct rank {
 	int cuda;                     /* the daemon runs the cuda backend */
 	void *unsharded[MLP_LAYERS];  /* cuda: host copies of the unsharded buffers */
 	void *grad[MLP_LAYERS];       /* cuda: host copies of the grad buffers */
+	uint64_t shardd_ns;           /* this step's time in shardd_submit and shardd_wait */
 };
+
+/* CLOCK_MONOTONIC in ns, for the per-step time split. */
+static uint64_t now_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
 
 uint32_t rank_id(const struct rank *rk)
 {
@@ -166,9 +176,12 @@ static int rank_reap(struct rank *rk)
 	struct shardd_completion cqe;
 	struct inflight *f;
 	char what[160];
+	uint64_t t0;
 	int ret;
 
+	t0 = now_ns();
 	ret = shardd_wait(rk->c, &cqe, rk->wait_ms);
+	rk->shardd_ns += now_ns() - t0;
 	if (ret < 0) {
 		size_t n = 0;
 		char pending[256] = "";
@@ -215,7 +228,13 @@ int rank_submit(struct rank *rk, uint32_t op, uint32_t layer, uint64_t step, uin
 		return -ENOSPC;
 	}
 	*f = (struct inflight){ .used = 1, .op = op, .layer = layer, .step = step };
-	while ((ret = shardd_submit(rk->c, op, group, step, flags, (uint64_t)slot + 1)) == -EAGAIN) {
+	for (;;) {
+		uint64_t t0 = now_ns();
+
+		ret = shardd_submit(rk->c, op, group, step, flags, (uint64_t)slot + 1);
+		rk->shardd_ns += now_ns() - t0;
+		if (ret != -EAGAIN)
+			break;
 		ret = rank_reap(rk); /* reports its own failure */
 		if (ret < 0)
 			goto err;
@@ -404,12 +423,15 @@ static int rank_resync(struct rank *rk, uint64_t t, uint32_t attempt)
 	return 0;
 }
 
-static int rank_report(struct rank *rk, uint64_t t, double loss)
+static int rank_report(struct rank *rk, uint64_t t, double loss, uint64_t step_ns)
 {
-	struct loss_report rep = { .rank = rk->rank, .step = t, .loss = loss };
+	struct loss_report rep = {
+		.rank = rk->rank, .step = t, .loss = loss, .step_ns = step_ns, .shardd_ns = rk->shardd_ns,
+	};
 
 	if (rk->report_fd < 0) {
-		printf("rank %u step %" PRIu64 " loss %.6f\n", rk->rank, t, loss);
+		printf("rank %u step %" PRIu64 " loss %.6f time_us %.1f compute_us %.1f shardd_us %.1f\n",
+		       rk->rank, t, loss, step_ns / 1e3, (step_ns - rk->shardd_ns) / 1e3, rk->shardd_ns / 1e3);
 		fflush(stdout);
 		return 0;
 	}
@@ -563,7 +585,7 @@ int rank_main(const struct trainer_opts *o, uint32_t rank, int report_fd,
 	      const struct rank_hooks *hooks)
 {
 	struct rank *rk = calloc(1, sizeof(*rk));
-	uint64_t t;
+	uint64_t t, step_t0 = 0;
 	uint32_t attempt = 0;
 	int ret;
 
@@ -612,10 +634,17 @@ int rank_main(const struct trainer_opts *o, uint32_t rank, int report_fd,
 	}
 	while (t < o->steps) {
 		double loss = 0.0;
+		uint64_t t0;
 
+		/* A step's time and its shardd share cover its retries too. */
+		if (attempt == 0) {
+			step_t0 = now_ns();
+			rk->shardd_ns = 0;
+		}
+		t0 = step_t0;
 		ret = rank_step(rk, t, attempt, &loss);
 		if (ret == 0) {
-			ret = rank_report(rk, t, loss);
+			ret = rank_report(rk, t, loss, now_ns() - t0);
 			if (ret < 0)
 				goto out;
 			t++;

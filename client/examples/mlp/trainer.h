@@ -65,6 +65,8 @@ struct loss_report {
 	uint32_t rsvd;
 	uint64_t step;
 	double loss;
+	uint64_t step_ns;   /* the step's wall time on this rank, retries included */
+	uint64_t shardd_ns; /* of which in shardd_submit and shardd_wait: the rest is compute */
 };
 
 /* One rank process; opaque outside trainer.c. */

@@ -816,6 +816,23 @@ Test(optim_daemon, shardctl_dumps_the_optimizer_state_of_a_shard, .timeout = 60)
 	j = dump_json(&f, "w", "0", "momentum", out, sizeof(out));
 	cr_assert_null(j, "an AdamW group dumped a momentum buffer:\n%s", out);
 	cr_assert_not_null(strstr(out, "exp_avg, exp_avg_sq"), "%s", out);
+
+	/* The state is counted: two shard-sized fp32 buffers per rank (AdamW), in status's memory. */
+	{
+		char path[4096];
+		const char *argv[] = { path, "--socket", f.hd.socket, "--json", "status", NULL };
+		json_error_t jerr;
+		uint64_t want = WORLD * 2 * shardd_group_info(f.reg[0].g)->shard_size;
+		int status;
+
+		snprintf(path, sizeof(path), "%s/shardctl", getenv("SHARDD_BUILD"));
+		cr_assert_eq(harness_run(argv, 20000, &status, out, sizeof(out)), 0);
+		j = json_loads(out, 0, &jerr);
+		cr_assert_not_null(j, "status output does not parse (%s):\n%s", jerr.text, out);
+		cr_assert_eq((uint64_t)json_integer_value(json_object_get(json_object_get(j, "memory"), "optimizer")),
+			     want, "%s", out);
+		json_decref(j);
+	}
 	ref_free(&ref);
 	finish(&f);
 }

@@ -464,6 +464,8 @@ int shardd_group_register(struct shardd_client *c, const char *name,
 		goto err;
 	}
 	len = sizeof(*reg) + sizeof(*specs) * nparams;
+	if (policy && policy->optimizer)
+		len += sizeof(*policy->optimizer);
 	reg = calloc(1, len);
 	specs = calloc(nparams, sizeof(*specs));
 	if (!reg || !specs) {
@@ -504,6 +506,11 @@ int shardd_group_register(struct shardd_client *c, const char *name,
 		}
 	}
 	memcpy(reg + 1, specs, sizeof(*specs) * nparams);
+	if (policy && policy->optimizer) {
+		reg->flags |= SHARDD_REGISTER_OPTIMIZER;
+		memcpy((uint8_t *)(reg + 1) + sizeof(*specs) * nparams, policy->optimizer,
+		       sizeof(*policy->optimizer));
+	}
 	/* The daemon answers once every rank registered, or fails at its collective timeout. */
 	ret = group_request(c, name, SHARDD_MSG_REGISTER_GROUP, reg, (uint32_t)len, specs, nparams,
 			    ct ? (int)(ct + 5000) : -1, out);
@@ -538,6 +545,11 @@ int shardd_group_open(struct shardd_client *c, const char *name, struct shardd_g
 /* --------------------------------------------------------------------- */
 /* Accessors                                                             */
 /* --------------------------------------------------------------------- */
+
+uint64_t shardd_group_last_step(const struct shardd_group *g)
+{
+	return g->info.last_step;
+}
 
 uint32_t shardd_group_id(const struct shardd_group *g)
 {

@@ -111,12 +111,17 @@ static int corrupt_cq(struct shardd_client *c)
 }
 
 static int submit_sqe(struct shardd_client *c, uint32_t op, uint32_t group, uint64_t step,
-		      uint32_t flags, uint64_t user_data)
+		      uint32_t flags, const uint64_t *args, uint64_t user_data)
 {
 	struct shardd_sqe sqe = {
 		.op = (uint8_t)op, .group = group, .step = step, .user_data = user_data,
 		.flags = flags,
 	};
+
+	if (args) {
+		sqe.rsvd2[0] = args[0];
+		sqe.rsvd2[1] = args[1];
+	}
 	int64_t slot;
 	int ret;
 
@@ -263,7 +268,7 @@ int shardd_submit(struct shardd_client *c, uint32_t op, uint32_t group, uint64_t
 				      "submit %s: user_data %#llx has bit 63 set, which libshardd "
 				      "reserves for its sync calls", op_name(op),
 				      (unsigned long long)user_data);
-	return submit_sqe(c, op, group, step, flags, user_data);
+	return submit_sqe(c, op, group, step, flags, NULL, user_data);
 }
 
 static int poll_one(struct shardd_client *c, struct shardd_completion *out)
@@ -341,6 +346,12 @@ static int reap_until(struct shardd_client *c, uint64_t want, struct shardd_comp
 int shardd_client_op_sync(struct shardd_client *c, uint32_t op, uint32_t group, uint64_t step,
 			  uint32_t flags, const char *what)
 {
+	return shardd_client_op_sync_args(c, op, group, step, flags, NULL, what);
+}
+
+int shardd_client_op_sync_args(struct shardd_client *c, uint32_t op, uint32_t group, uint64_t step,
+			       uint32_t flags, const uint64_t *args, const char *what)
+{
 	uint32_t ct = c->welcome.collective_timeout_ms;
 	int64_t deadline = ct ? shardd_client_now_ms() + ct + SHARDD_SYNC_GRACE_MS : -1;
 	uint64_t ud = SHARDD_USER_DATA_RESERVED | (++c->next_sync & ~SHARDD_USER_DATA_RESERVED);
@@ -350,7 +361,7 @@ int shardd_client_op_sync(struct shardd_client *c, uint32_t op, uint32_t group, 
 
 	shardd_err_clear();
 	/* A full SQ drains as the daemon works; reap meanwhile so its CQ never fills. */
-	while ((ret = submit_sqe(c, op, group, step, flags, ud)) == -EAGAIN) {
+	while ((ret = submit_sqe(c, op, group, step, flags, args, ud)) == -EAGAIN) {
 		ret = reap_until(c, ud, &cp);
 		if (ret == 0)
 			ret = sleep_cq(c, deadline);
@@ -429,6 +440,50 @@ int shardd_reshard(struct shardd_group *g, uint64_t step)
 int shardd_zero_grad(struct shardd_group *g)
 {
 	return group_op(g, SHARDD_OP_ZERO_GRAD, 0, 0);
+}
+
+static void step_args(uint64_t args[2], double lr, uint32_t flags, double clip_coef)
+{
+	args[0] = args[1] = 0;
+	memcpy(&args[SHARDD_SQE_STEP_LR], &lr, sizeof(lr));
+	if (flags & SHARDD_STEP_CLIP)
+		memcpy(&args[SHARDD_SQE_STEP_CLIP], &clip_coef, sizeof(clip_coef));
+}
+
+int shardd_step_submit(struct shardd_group *g, uint64_t step, double lr, uint32_t flags, double clip_coef,
+		       uint64_t user_data)
+{
+	uint64_t args[2];
+
+	if (user_data & SHARDD_USER_DATA_RESERVED)
+		return shardd_err_set(-EINVAL, "user_data 0x%llx has SHARDD_USER_DATA_RESERVED set",
+				      (unsigned long long)user_data);
+	step_args(args, lr, flags, clip_coef);
+	return submit_sqe(g->client, SHARDD_OP_STEP, g->info.group_id, step, flags, args, user_data);
+}
+
+int shardd_reduce_step_submit(struct shardd_group *g, uint64_t step, uint32_t flags, double lr,
+			      uint64_t user_data)
+{
+	uint64_t args[2];
+
+	if (user_data & SHARDD_USER_DATA_RESERVED)
+		return shardd_err_set(-EINVAL, "user_data 0x%llx has SHARDD_USER_DATA_RESERVED set",
+				      (unsigned long long)user_data);
+	step_args(args, lr, 0, 0);
+	return submit_sqe(g->client, SHARDD_OP_REDUCE, g->info.group_id, step, flags | SHARDD_REDUCE_STEP, args,
+			  user_data);
+}
+
+int shardd_step(struct shardd_group *g, uint64_t step, double lr, uint32_t flags, double clip_coef)
+{
+	uint64_t args[2];
+	char what[SHARDD_NAME_MAX + 96];
+
+	step_args(args, lr, flags, clip_coef);
+	snprintf(what, sizeof(what), "step group '%s' (id %u) step %llu", g->name, g->info.group_id,
+		 (unsigned long long)step);
+	return shardd_client_op_sync_args(g->client, SHARDD_OP_STEP, g->info.group_id, step, flags, args, what);
 }
 
 /* --------------------------------------------------------------------- */

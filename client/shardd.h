@@ -70,6 +70,11 @@ struct shardd_param_desc {
 struct shardd_policy {
 	uint32_t param_dtype;
 	uint32_t reduce_dtype;
+	/*
+	 * The daemon's optimizer for the group (shardd_step), or NULL: none.
+	 * Every rank registers the same config; its params must be fp32.
+	 */
+	const struct shardd_optim_config *optimizer;
 };
 
 /* One reaped completion. */
@@ -231,6 +236,36 @@ int shardd_unshard(struct shardd_group *g, uint64_t step);
 int shardd_reduce(struct shardd_group *g, uint64_t step, uint32_t flags);
 int shardd_reshard(struct shardd_group *g, uint64_t step);
 int shardd_zero_grad(struct shardd_group *g);
+
+/*
+ * The group's optimizer (registered in shardd_policy.optimizer) on this
+ * rank's shard for step `step` (>= 1) with learning rate `lr`; `flags`
+ * SHARDD_STEP_SKIP_NONFINITE and SHARDD_STEP_CLIP (then `clip_coef`
+ * multiplies the grad, else it is ignored). The shard's sharded grad is
+ * cleared. Exactly once: a step at or below the last one applied or
+ * skipped on this shard changes nothing. Returns SHARDD_STEP_APPLIED (0),
+ * SHARDD_STEP_SKIPPED, SHARDD_STEP_ALREADY, or a negative code.
+ */
+int shardd_step(struct shardd_group *g, uint64_t step, double lr, uint32_t flags, double clip_coef);
+/* The same queued without waiting, as shardd_submit: its completion's res is the step's result. */
+int shardd_step_submit(struct shardd_group *g, uint64_t step, double lr, uint32_t flags, double clip_coef,
+		       uint64_t user_data);
+
+/*
+ * Queue the reduce of `step` with SHARDD_REDUCE_STEP (added to `flags`):
+ * the daemon steps this rank's shard with `lr` as soon as the reduce has
+ * finished (no clipping, no skipping), so the update overlaps the
+ * trainer's backward of earlier layers. Every rank of the collective sets
+ * the flag. The completion's res is the step's result, as shardd_step's.
+ */
+int shardd_reduce_step_submit(struct shardd_group *g, uint64_t step, uint32_t flags, double lr,
+			      uint64_t user_data);
+
+/*
+ * The last step applied or skipped on this rank's shard when the group was
+ * registered or opened (0: none): where a re-attached rank resumes.
+ */
+uint64_t shardd_group_last_step(const struct shardd_group *g);
 
 /* ------------------------------------------------------------------ */
 /* Stream ordering (cuda backend)                                      */

@@ -91,6 +91,15 @@ struct dump_view {
 	json_t  *shape;       /* shape of the tensor the rows belong to */
 };
 
+/* Which optimizer state buffer `what` names (momentum, exp_avg, ...), or -1. */
+static int dump_optim_state(const struct shardd_group *g, const char *what)
+{
+	for (uint32_t k = 0; k < shardd_group_optim_states(&g->optim); k++)
+		if (strcmp(what, shardd_group_optim_state_name(&g->optim, k)) == 0)
+			return (int)k;
+	return -1;
+}
+
 static int dump_view(const struct shardd_group *g, uint32_t pi, uint32_t rank, const char *what,
 		     struct dump_view *v, json_t **err)
 {
@@ -114,10 +123,24 @@ static int dump_view(const struct shardd_group *g, uint32_t pi, uint32_t rank, c
 		numel = lp->shard_numel;
 		if (sp->ndim)
 			shape[lp->shard_dim] = lp->rows;
+	} else if (dump_optim_state(g, what) >= 0) {
+		v->buf = &g->optim_state[dump_optim_state(g, what)][rank];
+		v->offset = lp->shard_offset;
+		v->dtype = SHARDD_DTYPE_FP32;
+		numel = lp->shard_numel;
+		if (sp->ndim)
+			shape[lp->shard_dim] = lp->rows;
 	} else {
 		*err = admin_reply_err(-SHARDD_E_INVALID,
 				       "\"what\" = '%s': one of param (the rank's shard), grad (its "
-				       "sharded grad), unsharded (the unsharded copy it reads)", what);
+				       "sharded grad), unsharded (the unsharded copy it reads), or a state of "
+				       "the group's optimizer (%s: %s)", what,
+				       g->optim.kind == SHARDD_OPTIM_SGD ? "sgd" :
+				       g->optim.kind == SHARDD_OPTIM_ADAMW ? "adamw" : "none",
+				       g->optim.kind == SHARDD_OPTIM_SGD ? (g->optim.momentum != 0 ? "momentum" :
+					"no state without momentum") : g->optim.kind == SHARDD_OPTIM_ADAMW ?
+				       ((g->optim.flags & SHARDD_OPTIM_AMSGRAD) ? "exp_avg, exp_avg_sq, max_exp_avg_sq" :
+					"exp_avg, exp_avg_sq") : "no state");
 		return -1;
 	}
 	v->nrows = sp->ndim ? shape[0] : 1;

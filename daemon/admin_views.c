@@ -55,12 +55,13 @@ static json_t *json_op_step(uint32_t op, uint64_t step)
 
 static json_t *json_memory(const struct shardd_group_memory *m)
 {
-	return json_pack("{s:I, s:I, s:I, s:I, s:I, s:I}",
+	return json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I}",
 			 "shards", (json_int_t)m->shards,
 			 "sharded_grads", (json_int_t)m->sharded_grads,
 			 "unsharded", (json_int_t)m->unsharded,
 			 "grads", (json_int_t)m->grads,
 			 "partials", (json_int_t)m->partials,
+			 "optimizer", (json_int_t)m->optimizer,
 			 "total", (json_int_t)m->total);
 }
 

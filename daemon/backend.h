@@ -139,6 +139,31 @@ struct shardd_reduce_args {
 	size_t errlen;                         /* the backend may leave it empty */
 };
 
+/*
+ * One optimizer step on one rank's flat shard (fp32 params): every param's
+ * valid rows (padding rows are never read or written) updated from the
+ * sharded grad with the state buffers, each laid out like the flat shard.
+ * `sgd` or `adamw` (by `kind`) holds the hyperparameters, step count and
+ * grad_scale; the backend fills in their pointers per param. With
+ * `skip_nonfinite`, the backend first looks for a NaN or Inf in the grad's
+ * valid rows and, if it finds one, sets *skipped and changes nothing.
+ */
+struct shardd_step_args {
+	const struct shardd_layout *layout;
+	uint32_t shard_rank;                 /* which shard's rows are valid */
+	uint32_t kind;                       /* SHARDD_OPTIM_SGD or SHARDD_OPTIM_ADAMW */
+	struct shardd_buf *shard;            /* fp32 params, layout shard offsets */
+	struct shardd_buf *grad;             /* sharded grad, same offsets */
+	struct shardd_buf *state[3];         /* SGD: momentum buffer or NULL; AdamW: exp_avg, exp_avg_sq,
+						max_exp_avg_sq or NULL */
+	struct shardd_sgd sgd;               /* kind SGD: all but the pointers */
+	struct shardd_adamw adamw;           /* kind ADAMW: all but the pointers */
+	int skip_nonfinite;
+	int *skipped;                        /* out */
+	char *err;
+	size_t errlen;
+};
+
 /* How one buffer travels to a client (a GROUP reply's export_kind and what goes with it). */
 struct shardd_buf_export {
 	uint32_t kind;                     /* enum shardd_export_kind */
@@ -175,6 +200,8 @@ struct shardd_backend_ops {
 			   struct shardd_buf_export *out);
 	int  (*unshard)(struct shardd_backend_ctx *b, const struct shardd_unshard_args *a);
 	int  (*reduce)(struct shardd_backend_ctx *b, const struct shardd_reduce_args *a);
+	/* The optimizer step of one rank's shard; NULL in a backend without one (registration refuses it). */
+	int  (*step)(struct shardd_backend_ctx *b, const struct shardd_step_args *a);
 	/* Zero `bytes` bytes at `offset`. */
 	int  (*zero)(struct shardd_backend_ctx *b, struct shardd_buf *buf, uint64_t offset,
 		     uint64_t bytes);

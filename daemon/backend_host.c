@@ -411,6 +411,76 @@ static int host_reduce(struct shardd_backend_ctx *b, const struct shardd_reduce_
 	return ret;
 }
 
+/* One param's optimizer step: its args with the pointers set, run over [begin, end) of its valid elements. */
+struct host_step_param {
+	const struct shardd_step_args *a;
+	struct shardd_sgd sgd;
+	struct shardd_adamw adamw;
+};
+
+static void host_step_range(void *arg, size_t begin, size_t end)
+{
+	const struct host_step_param *sp = arg;
+
+	if (sp->a->kind == SHARDD_OPTIM_SGD)
+		shardd_k_sgd(&sp->sgd, begin, end);
+	else
+		shardd_k_adamw(&sp->adamw, begin, end);
+}
+
+static float *host_state_at(struct shardd_buf *buf, uint64_t offset)
+{
+	return buf ? (float *)(host_ptr(buf) + offset) : NULL;
+}
+
+/* Elements of real data in param p's shard `shard_rank`: its valid rows, a prefix of the shard. */
+static uint64_t host_valid_numel(const struct shardd_layout_param *p, uint32_t shard_rank)
+{
+	return p->numel ? p->outer * shardd_layout_rows_valid(p, shard_rank) * p->inner : 0;
+}
+
+static int host_step(struct shardd_backend_ctx *b, const struct shardd_step_args *a)
+{
+	struct host_backend *hb = (struct host_backend *)b;
+	const struct shardd_layout *l = a->layout;
+	struct host_step_param sp = { .a = a, .sgd = a->sgd, .adamw = a->adamw };
+
+	*a->skipped = 0;
+	if (a->skip_nonfinite) {
+		for (uint32_t i = 0; i < l->nparams && !*a->skipped; i++) {
+			const struct shardd_layout_param *p = &l->params[i];
+			struct shardd_grad_norm_part part;
+			uint64_t n = host_valid_numel(p, a->shard_rank);
+
+			if (!n)
+				continue;
+			shardd_k_grad_norm_part(host_ptr(a->grad) + p->shard_offset, SHARDD_DTYPE_FP32, 0, n, &part);
+			*a->skipped = part.nonfinite;
+		}
+		if (*a->skipped)
+			return 0;
+	}
+	for (uint32_t i = 0; i < l->nparams; i++) {
+		const struct shardd_layout_param *p = &l->params[i];
+		uint64_t n = host_valid_numel(p, a->shard_rank), off = p->shard_offset;
+
+		if (!n)
+			continue;
+		sp.sgd.param = sp.adamw.param = (float *)(host_ptr(a->shard) + off);
+		sp.sgd.grad = sp.adamw.grad = host_ptr(a->grad) + off;
+		sp.sgd.grad_dtype = sp.adamw.grad_dtype = SHARDD_DTYPE_FP32;
+		sp.sgd.momentum_buffer = host_state_at(a->state[0], off);
+		sp.adamw.exp_avg = host_state_at(a->state[0], off);
+		sp.adamw.exp_avg_sq = host_state_at(a->state[1], off);
+		sp.adamw.max_exp_avg_sq = host_state_at(a->state[2], off);
+		if (n <= HOST_SOLO_WORK)
+			host_step_range(&sp, 0, n);
+		else
+			shardd_pool_for(hb->pool, n, HOST_GRAIN, host_step_range, &sp);
+	}
+	return 0;
+}
+
 /* `arg`: the first byte to zero. */
 static void host_zero_range(void *arg, size_t begin, size_t end)
 {
@@ -564,6 +634,7 @@ static const struct shardd_backend_ops host_ops = {
 	.reduce = host_reduce,
 	.zero = host_zero,
 	.read = host_read,
+	.step = host_step,
 	.destroy = host_destroy,
 };
 

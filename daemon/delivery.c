@@ -28,7 +28,7 @@ void eng_reply_err(struct shardd_engine_job *j, uint32_t rank, uint64_t token, u
 
 void eng_complete(struct shardd_engine_job *j, const struct eng_op *op, int res, const char *msg)
 {
-	j->e->cfg.complete(j->ctx, op->rank, op->token, &op->sqe, res, res ? msg : NULL);
+	j->e->cfg.complete(j->ctx, op->rank, op->token, &op->sqe, res, res < 0 ? msg : NULL);
 }
 
 static void timeout_str(const struct shardd_engine *e, char *buf, size_t len)

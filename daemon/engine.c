@@ -230,7 +230,8 @@ static struct eng_group *group_by_id(const struct shardd_engine_job *j, uint32_t
 /* 1 when `op` (a zero_grad or reshard) must not overtake `rank`'s collective still gathering. */
 static int op_must_wait(const struct eng_group *eg, uint32_t rank, uint32_t op)
 {
-	return (op == SHARDD_OP_ZERO_GRAD || op == SHARDD_OP_RESHARD) && eng_coll_rank_waits(eg, rank);
+	return (op == SHARDD_OP_ZERO_GRAD || op == SHARDD_OP_RESHARD || op == SHARDD_OP_STEP) &&
+	       eng_coll_rank_waits(eg, rank);
 }
 
 /* 0, or -ENOMEM (the op was not kept). */
@@ -295,17 +296,93 @@ static void submit_zero_grad(struct eng_group *eg, const struct eng_op *op)
 	eng_group_enqueue(eg, t);
 }
 
+/*
+ * A step's own fields (the group's optimizer, step number, lr, clip
+ * coefficient; a REDUCE with SHARDD_REDUCE_STEP: the same but the clip),
+ * checked at submission: 0, or the error code with `msg`. Whether the step
+ * was applied before and whether a grad is there, its task decides, in
+ * the group's order.
+ */
+static int step_check(const struct eng_group *eg, const struct shardd_sqe *sqe, char *msg, size_t len)
+{
+	const char *name = shardd_op_name(sqe->op);
+	double lr, clip = 1;
+
+	memcpy(&lr, &sqe->rsvd2[SHARDD_SQE_STEP_LR], sizeof(lr));
+	if (sqe->op == SHARDD_OP_STEP && (sqe->flags & SHARDD_STEP_CLIP))
+		memcpy(&clip, &sqe->rsvd2[SHARDD_SQE_STEP_CLIP], sizeof(clip));
+	if (eg->g->optim.kind == SHARDD_OPTIM_NONE) {
+		eng_fmt(msg, len, "shardd: %s(group '%s'): the group was registered without an optimizer; "
+			"register it with one (SHARDD_REGISTER_OPTIMIZER) or update its shards in the trainer",
+			name, eg->g->name);
+		return -SHARDD_E_STATE;
+	}
+	if (sqe->step == 0)
+		eng_fmt(msg, len, "shardd: %s(group '%s'): step = 0; steps are numbered from 1", name, eg->g->name);
+	else if (!(lr >= 0) || lr > 1e300)
+		eng_fmt(msg, len, "shardd: %s(group '%s', step %llu): lr = %g; the learning rate must be "
+			"finite and >= 0", name, eg->g->name, (unsigned long long)sqe->step, lr);
+	else if (!(clip >= 0) || clip > 1e30)
+		eng_fmt(msg, len, "shardd: %s(group '%s', step %llu): clip coefficient = %g; it must be "
+			"finite and >= 0 (clip_grad_norm_'s max_norm / (total_norm + 1e-6), at most 1)",
+			name, eg->g->name, (unsigned long long)sqe->step, clip);
+	else if (sqe->op == SHARDD_OP_STEP && !(sqe->flags & SHARDD_STEP_CLIP) && sqe->rsvd2[SHARDD_SQE_STEP_CLIP])
+		eng_fmt(msg, len, "shardd: %s(group '%s', step %llu): sqe.rsvd2[%d] = 0x%llx without "
+			"SHARDD_STEP_CLIP: set the flag or leave it 0", name, eg->g->name,
+			(unsigned long long)sqe->step, SHARDD_SQE_STEP_CLIP,
+			(unsigned long long)sqe->rsvd2[SHARDD_SQE_STEP_CLIP]);
+	else if (sqe->op == SHARDD_OP_REDUCE && eg->g->replicate > 1 && !(sqe->flags & SHARDD_REDUCE_ALL_REDUCE))
+		eng_fmt(msg, len, "shardd: reduce(group '%s', step %llu): flags = 0x%x: SHARDD_REDUCE_STEP without "
+			"SHARDD_REDUCE_ALL_REDUCE under HSDP (replicate %u): the grads are not final until the "
+			"all-reduce; step with the reduce that all-reduces", eg->g->name,
+			(unsigned long long)sqe->step, sqe->flags, eg->g->replicate);
+	else
+		return 0;
+	return -SHARDD_E_INVALID;
+}
+
+static void submit_step(struct eng_group *eg, const struct eng_op *op)
+{
+	struct eng_task *t;
+	char msg[ENGINE_MSG_MAX];
+	int ret = step_check(eg, &op->sqe, msg, sizeof(msg));
+
+	if (ret) {
+		eng_complete(eg->j, op, ret, msg);
+		return;
+	}
+	t = eng_task_new(eg, TASK_STEP, 1);
+	if (!t) {
+		eng_fmt(msg, sizeof(msg), "shardd: step(group '%s'): the daemon is out of memory", eg->g->name);
+		eng_complete(eg->j, op, -SHARDD_E_NOMEM, msg);
+		return;
+	}
+	t->rank = op->rank;
+	t->ops[0] = *op;
+	eng_group_enqueue(eg, t);
+}
+
 static void dispatch(struct eng_group *eg, const struct eng_op *op)
 {
 	switch (op->sqe.op) {
 	case SHARDD_OP_UNSHARD:
 		eng_coll_unshard(eg, op);
 		break;
-	case SHARDD_OP_REDUCE:
-		eng_coll_reduce(eg, op);
+	case SHARDD_OP_REDUCE: {
+		char msg[ENGINE_MSG_MAX];
+		int ret = op->sqe.flags & SHARDD_REDUCE_STEP ? step_check(eg, &op->sqe, msg, sizeof(msg)) : 0;
+
+		if (ret)
+			eng_complete(eg->j, op, ret, msg);
+		else
+			eng_coll_reduce(eg, op);
 		break;
+	}
 	case SHARDD_OP_RESHARD:
 		submit_reshard(eg, op);
+		break;
+	case SHARDD_OP_STEP:
+		submit_step(eg, op);
 		break;
 	default:
 		submit_zero_grad(eg, op);
@@ -360,9 +437,10 @@ void shardd_engine_submit(struct shardd_engine_job *j, uint32_t rank, uint64_t t
 		return;
 	}
 	if (sqe->op != SHARDD_OP_UNSHARD && sqe->op != SHARDD_OP_REDUCE &&
-	    sqe->op != SHARDD_OP_RESHARD && sqe->op != SHARDD_OP_ZERO_GRAD) {
-		eng_fmt(msg, sizeof(msg), "shardd: op %u is not a group op (unshard = %d, reduce = %d, reshard = %d, zero_grad = %d)",
-			sqe->op, SHARDD_OP_UNSHARD, SHARDD_OP_REDUCE, SHARDD_OP_RESHARD, SHARDD_OP_ZERO_GRAD);
+	    sqe->op != SHARDD_OP_RESHARD && sqe->op != SHARDD_OP_ZERO_GRAD && sqe->op != SHARDD_OP_STEP) {
+		eng_fmt(msg, sizeof(msg), "shardd: op %u is not a group op (unshard = %d, reduce = %d, reshard = %d, zero_grad = %d, step = %d)",
+			sqe->op, SHARDD_OP_UNSHARD, SHARDD_OP_REDUCE, SHARDD_OP_RESHARD, SHARDD_OP_ZERO_GRAD,
+			SHARDD_OP_STEP);
 		eng_complete(j, &op, -SHARDD_E_INVALID, msg);
 		return;
 	}
@@ -379,7 +457,8 @@ void shardd_engine_submit(struct shardd_engine_job *j, uint32_t rank, uint64_t t
 		eng_complete(j, &op, -SHARDD_E_NOGROUP, msg);
 		return;
 	}
-	unknown = sqe->flags & ~(sqe->op == SHARDD_OP_REDUCE ? (uint32_t)SHARDD_REDUCE_FLAGS_MASK : 0u);
+	unknown = sqe->flags & ~(sqe->op == SHARDD_OP_REDUCE ? (uint32_t)SHARDD_REDUCE_FLAGS_MASK :
+				 sqe->op == SHARDD_OP_STEP ? (uint32_t)SHARDD_STEP_FLAGS_MASK : 0u);
 	if (unknown) {
 		eng_fmt(msg, sizeof(msg), "shardd: %s(group '%s'): flags = 0x%x has unknown bits 0x%x",
 			name, eg->g->name, sqe->flags, unknown);

@@ -41,6 +41,7 @@ struct eng_op {
 	uint32_t rank;
 	uint64_t token;
 	struct shardd_sqe sqe;
+	int res;                     /* a task's result of this op when the task's res is 0 (a step's outcome) */
 };
 
 /* One rank's pending registration. */
@@ -54,6 +55,7 @@ enum eng_task_kind {
 	TASK_REDUCE_PARTIAL,  /* HSDP, no all-reduce: one replica's reduce-scatter into partials */
 	TASK_REDUCE,          /* reduce-scatter (+ HSDP all-reduce) into sharded grads */
 	TASK_ZERO_GRAD,       /* one rank's sharded grads become absent */
+	TASK_STEP,            /* one rank's optimizer step on its shard */
 };
 
 struct eng_group;
@@ -64,7 +66,7 @@ struct eng_task {
 	struct eng_group *eg;
 	uint32_t kind;               /* enum eng_task_kind */
 	uint32_t replica;            /* UNSHARD, REDUCE_PARTIAL */
-	uint32_t rank;               /* ZERO_GRAD */
+	uint32_t rank;               /* ZERO_GRAD, STEP */
 	int finished;                /* on the finished list; under engine lock */
 	int res;
 	char msg[ENGINE_MSG_MAX];

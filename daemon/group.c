@@ -28,13 +28,102 @@ static const char *dtype_str(uint32_t dtype)
 	return n ? n : "unknown";
 }
 
+static const char *optim_str(uint32_t kind)
+{
+	switch (kind) {
+	case SHARDD_OPTIM_NONE: return "none";
+	case SHARDD_OPTIM_SGD: return "sgd";
+	case SHARDD_OPTIM_ADAMW: return "adamw";
+	default: return "unknown";
+	}
+}
+
+/* A double field of the config that must lie in [lo, hi) (hi_open) or [lo, hi]. */
+static int optim_range(const char *group, const char *opt, const char *field, double v, double lo,
+		       double hi, int hi_open, char *err, size_t errlen)
+{
+	if (v == v && v >= lo && (hi_open ? v < hi : v <= hi))
+		return 0;
+	return group_error(-SHARDD_E_INVALID, err, errlen,
+			   "register group '%s': optimizer %s: %s = %g must lie in [%g, %g%s",
+			   group, opt, field, v, lo, hi, hi_open ? ")" : "]");
+}
+
+static int optim_zero(const char *group, const char *opt, const char *field, double v, char *err,
+		      size_t errlen)
+{
+	if (v == 0)
+		return 0;
+	return group_error(-SHARDD_E_INVALID, err, errlen,
+			   "register group '%s': optimizer %s: %s = %g is not one of its hyperparameters; "
+			   "leave it 0", group, opt, field, v);
+}
+
+int shardd_group_optim_check(const char *group, const struct shardd_optim_config *o, char *err,
+			     size_t errlen)
+{
+	const char *n = optim_str(o->kind);
+	uint32_t bad_flags;
+	int ret = 0;
+
+	if (o->kind != SHARDD_OPTIM_SGD && o->kind != SHARDD_OPTIM_ADAMW)
+		return group_error(-SHARDD_E_INVALID, err, errlen,
+				   "register group '%s': optimizer kind = %u is not an optimizer (sgd = %d, adamw = %d)",
+				   group, o->kind, SHARDD_OPTIM_SGD, SHARDD_OPTIM_ADAMW);
+	bad_flags = o->flags & ~(uint32_t)(SHARDD_OPTIM_MAXIMIZE |
+					   (o->kind == SHARDD_OPTIM_SGD ? SHARDD_OPTIM_NESTEROV : SHARDD_OPTIM_AMSGRAD));
+	if (bad_flags)
+		return group_error(-SHARDD_E_INVALID, err, errlen,
+				   "register group '%s': optimizer %s: flags = 0x%x has bits 0x%x it does not take "
+				   "(nesterov = 0x%x: sgd, maximize = 0x%x, amsgrad = 0x%x: adamw)",
+				   group, n, o->flags, bad_flags, SHARDD_OPTIM_NESTEROV, SHARDD_OPTIM_MAXIMIZE,
+				   SHARDD_OPTIM_AMSGRAD);
+	if (o->rsvd[0] || o->rsvd[1])
+		return group_error(-SHARDD_E_INVALID, err, errlen,
+				   "register group '%s': optimizer rsvd = {0x%llx, 0x%llx}: reserved, must be 0",
+				   group, (unsigned long long)o->rsvd[0], (unsigned long long)o->rsvd[1]);
+	ret = optim_range(group, n, "weight_decay", o->weight_decay, 0, 1e300, 0, err, errlen);
+	if (o->kind == SHARDD_OPTIM_SGD) {
+		if (!ret)
+			ret = optim_range(group, n, "momentum", o->momentum, 0, 1e300, 0, err, errlen);
+		if (!ret)
+			ret = optim_range(group, n, "dampening", o->dampening, -1e300, 1e300, 0, err, errlen);
+		if (!ret && (o->flags & SHARDD_OPTIM_NESTEROV) && (o->momentum <= 0 || o->dampening != 0))
+			ret = group_error(-SHARDD_E_INVALID, err, errlen,
+					  "register group '%s': optimizer sgd: nesterov needs momentum > 0 and "
+					  "dampening 0, got momentum = %g, dampening = %g",
+					  group, o->momentum, o->dampening);
+		if (!ret)
+			ret = optim_zero(group, n, "beta1", o->beta1, err, errlen);
+		if (!ret)
+			ret = optim_zero(group, n, "beta2", o->beta2, err, errlen);
+		if (!ret)
+			ret = optim_zero(group, n, "eps", o->eps, err, errlen);
+		return ret;
+	}
+	if (!ret)
+		ret = optim_range(group, n, "beta1", o->beta1, 0, 1, 1, err, errlen);
+	if (!ret)
+		ret = optim_range(group, n, "beta2", o->beta2, 0, 1, 1, err, errlen);
+	if (!ret)
+		ret = optim_range(group, n, "eps", o->eps, 0, 1e300, 0, err, errlen);
+	if (!ret)
+		ret = optim_zero(group, n, "momentum", o->momentum, err, errlen);
+	if (!ret)
+		ret = optim_zero(group, n, "dampening", o->dampening, err, errlen);
+	return ret;
+}
+
 int shardd_group_parse(const void *payload, size_t len, struct shardd_register_group *hdr,
-		       struct shardd_param_spec **specs, char *err, size_t errlen)
+		       struct shardd_param_spec **specs, struct shardd_optim_config *optim, char *err,
+		       size_t errlen)
 {
 	struct shardd_param_spec *s;
 	size_t want;
+	int ret;
 
 	*specs = NULL;
+	memset(optim, 0, sizeof(*optim));
 	if (!payload || len < sizeof(*hdr))
 		return group_error(-SHARDD_E_MALFORMED, err, errlen,
 				   "register group: payload is %zu bytes, shorter than its %zu-byte header",
@@ -51,11 +140,25 @@ int shardd_group_parse(const void *payload, size_t len, struct shardd_register_g
 		return group_error(-SHARDD_E_INVALID, err, errlen,
 				   "register group '%s': nparams = %u; a group holds 1..%d params",
 				   hdr->name, hdr->nparams, SHARDD_MAX_PARAMS);
+	if ((hdr->flags & ~(uint32_t)SHARDD_REGISTER_FLAGS_MASK) || hdr->rsvd)
+		return group_error(-SHARDD_E_INVALID, err, errlen,
+				   "register group '%s': flags = 0x%x (known: optimizer = 0x%x), rsvd = %u; "
+				   "unknown bits and rsvd must be 0",
+				   hdr->name, hdr->flags, SHARDD_REGISTER_OPTIMIZER, hdr->rsvd);
 	want = sizeof(*hdr) + (size_t)hdr->nparams * sizeof(struct shardd_param_spec);
+	if (hdr->flags & SHARDD_REGISTER_OPTIMIZER)
+		want += sizeof(*optim);
 	if (len != want)
 		return group_error(-SHARDD_E_MALFORMED, err, errlen,
-				   "register group '%s': payload is %zu bytes but nparams = %u needs %zu",
-				   hdr->name, len, hdr->nparams, want);
+				   "register group '%s': payload is %zu bytes but nparams = %u%s needs %zu",
+				   hdr->name, len, hdr->nparams,
+				   hdr->flags & SHARDD_REGISTER_OPTIMIZER ? " and an optimizer config" : "", want);
+	if (hdr->flags & SHARDD_REGISTER_OPTIMIZER) {
+		memcpy(optim, (const uint8_t *)payload + want - sizeof(*optim), sizeof(*optim));
+		ret = shardd_group_optim_check(hdr->name, optim, err, errlen);
+		if (ret)
+			return ret;
+	}
 	if (hdr->param_dtype >= SHARDD_DTYPE_COUNT)
 		return group_error(-SHARDD_E_INVALID, err, errlen,
 				   "register group '%s': param_dtype = %u is not a dtype (none = 0, fp32 = 1, bf16 = 2, fp16 = 3)",
@@ -68,10 +171,6 @@ int shardd_group_parse(const void *payload, size_t len, struct shardd_register_g
 		return group_error(-SHARDD_E_INVALID, err, errlen,
 				   "register group '%s': init = %u; only SHARDD_INIT_ZERO (0) exists",
 				   hdr->name, hdr->init);
-	if (hdr->flags || hdr->rsvd)
-		return group_error(-SHARDD_E_INVALID, err, errlen,
-				   "register group '%s': flags = 0x%x, rsvd = %u; both must be 0",
-				   hdr->name, hdr->flags, hdr->rsvd);
 	s = malloc((size_t)hdr->nparams * sizeof(*s));
 	if (!s)
 		return -ENOMEM;
@@ -144,9 +243,11 @@ int shardd_group_create(uint32_t id, const struct shardd_register_group *hdr,
 	g->grad_present = calloc(world, 1);
 	g->partial_present = calloc(world, 1);
 	g->holds = calloc(world, 1);
+	g->last_step = calloc(world, sizeof(*g->last_step));
+	g->optim_steps = calloc(world, sizeof(*g->optim_steps));
 	if (!g->shard_offsets || !g->reduce_offsets || !g->unsharded_own || !g->unsharded || !g->shards ||
 	    !g->sharded_grads || !g->grads || !g->partials || !g->grad_present ||
-	    !g->partial_present || !g->holds) {
+	    !g->partial_present || !g->holds || !g->last_step || !g->optim_steps) {
 		g->specs = NULL;
 		shardd_group_destroy(g, NULL);
 		return -ENOMEM;
@@ -169,6 +270,50 @@ int shardd_group_create(uint32_t id, const struct shardd_register_group *hdr,
 	return 0;
 }
 
+const char *shardd_group_optim_state_name(const struct shardd_optim_config *o, uint32_t k)
+{
+	if (o->kind == SHARDD_OPTIM_SGD)
+		return "momentum";
+	return k == 0 ? "exp_avg" : k == 1 ? "exp_avg_sq" : "max_exp_avg_sq";
+}
+
+uint32_t shardd_group_optim_states(const struct shardd_optim_config *o)
+{
+	switch (o->kind) {
+	case SHARDD_OPTIM_SGD:
+		return o->momentum != 0;
+	case SHARDD_OPTIM_ADAMW:
+		return o->flags & SHARDD_OPTIM_AMSGRAD ? 3 : 2;
+	default:
+		return 0;
+	}
+}
+
+int shardd_group_set_optim(struct shardd_group *g, const struct shardd_optim_config *o, char *err,
+			   size_t errlen)
+{
+	uint32_t n = shardd_group_optim_states(o);
+
+	if (o->kind == SHARDD_OPTIM_NONE)
+		return 0;
+	for (uint32_t i = 0; i < g->layout.nparams; i++)
+		if (g->layout.params[i].dtype != SHARDD_DTYPE_FP32)
+			return group_error(-SHARDD_E_INVALID, err, errlen,
+					   "register group '%s': param '%s' is %s, but the daemon's optimizer "
+					   "updates fp32 master params only: register it as fp32 (param_dtype "
+					   "bf16 keeps the unsharded copy in bf16), or register no optimizer",
+					   g->name, g->specs[i].name, dtype_str(g->layout.params[i].dtype));
+	for (uint32_t k = 0; k < n; k++) {
+		g->optim_state[k] = calloc(g->world, sizeof(*g->optim_state[k]));
+		if (!g->optim_state[k])
+			return -ENOMEM;
+		for (uint32_t r = 0; r < g->world; r++)
+			g->optim_state[k][r].fd = -1;
+	}
+	g->optim = *o;
+	return 0;
+}
+
 static void shape_str(const struct shardd_param_spec *s, char *buf, size_t len)
 {
 	size_t off = (size_t)snprintf(buf, len, "[");
@@ -181,8 +326,8 @@ static void shape_str(const struct shardd_param_spec *s, char *buf, size_t len)
 }
 
 int shardd_group_compare(const struct shardd_group *g, const struct shardd_register_group *hdr,
-			 const struct shardd_param_spec *specs, uint32_t rank, uint32_t first_rank,
-			 char *why, size_t whylen)
+			 const struct shardd_param_spec *specs, const struct shardd_optim_config *optim,
+			 uint32_t rank, uint32_t first_rank, char *why, size_t whylen)
 {
 	const char *field = NULL;
 	char mine[128], theirs[128];
@@ -199,6 +344,23 @@ int shardd_group_compare(const struct shardd_group *g, const struct shardd_regis
 	HDR_DIFF(param_dtype, "%s", dtype_str)
 	HDR_DIFF(reduce_dtype, "%s", dtype_str)
 #undef HDR_DIFF
+#undef AS_IS
+#define OPT_DIFF(f, fmt, conv)                                                           \
+	if (!field && optim->f != g->optim.f) {                                          \
+		field = "optimizer " #f;                                                 \
+		snprintf(mine, sizeof(mine), fmt, conv(optim->f));                       \
+		snprintf(theirs, sizeof(theirs), fmt, conv(g->optim.f));                 \
+	}
+#define AS_IS(x) (x)
+	OPT_DIFF(kind, "%s", optim_str)
+	OPT_DIFF(flags, "0x%x", AS_IS)
+	OPT_DIFF(momentum, "%.17g", AS_IS)
+	OPT_DIFF(dampening, "%.17g", AS_IS)
+	OPT_DIFF(weight_decay, "%.17g", AS_IS)
+	OPT_DIFF(beta1, "%.17g", AS_IS)
+	OPT_DIFF(beta2, "%.17g", AS_IS)
+	OPT_DIFF(eps, "%.17g", AS_IS)
+#undef OPT_DIFF
 #undef AS_IS
 	if (field) {
 		snprintf(why, whylen,
@@ -251,6 +413,7 @@ void shardd_group_memory_need(const struct shardd_group *g, struct shardd_group_
 	m->sharded_grads = (uint64_t)g->world * l->shard_size;
 	m->grads = (uint64_t)g->world * l->grad_size;
 	m->partials = (uint64_t)g->world * g->partial_size;
+	m->optimizer = (uint64_t)g->world * shardd_group_optim_states(&g->optim) * l->shard_size;
 	m->total = m->unsharded + m->shards + m->sharded_grads + m->grads + m->partials + m->optimizer;
 }
 
@@ -275,12 +438,15 @@ void shardd_group_memory_held(const struct shardd_group *g, struct shardd_group_
 	h.unsharded = bufs_bytes(g->unsharded, g->world);
 	h.grads = bufs_bytes(g->grads, g->world);
 	h.partials = bufs_bytes(g->partials, g->world);
+	for (uint32_t k = 0; k < SHARDD_OPTIM_STATES; k++)
+		h.optimizer += bufs_bytes(g->optim_state[k], g->world);
 	m->shards += h.shards;
 	m->sharded_grads += h.sharded_grads;
 	m->unsharded += h.unsharded;
 	m->grads += h.grads;
 	m->partials += h.partials;
-	m->total += h.shards + h.sharded_grads + h.unsharded + h.grads + h.partials;
+	m->optimizer += h.optimizer;
+	m->total += h.shards + h.sharded_grads + h.unsharded + h.grads + h.partials + h.optimizer;
 }
 
 int shardd_group_alloc(struct shardd_group *g, struct shardd_backend_ctx *b, const int32_t *devices,
@@ -314,6 +480,11 @@ int shardd_group_alloc(struct shardd_group *g, struct shardd_backend_ctx *b, con
 			break;
 		snprintf(what, sizeof(what), "%s.grad.%u", g->name, r);
 		ret = ops->alloc(b, g->layout.grad_size, devices[r], what, &g->grads[r]);
+		for (uint32_t k = 0; k < shardd_group_optim_states(&g->optim) && !ret; k++) {
+			snprintf(what, sizeof(what), "%s.%s.%u", g->name,
+				 shardd_group_optim_state_name(&g->optim, k), r);
+			ret = ops->alloc(b, g->layout.shard_size, devices[r], what, &g->optim_state[k][r]);
+		}
 		if (ret || !g->partial_size)
 			continue;
 		snprintf(what, sizeof(what), "%s.partial.%u", g->name, r);
@@ -356,6 +527,8 @@ int shardd_group_reply(const struct shardd_group *g, struct shardd_backend_ctx *
 	reply->unsharded_size = g->layout.unsharded_size;
 	reply->grad_size = g->layout.grad_size;
 	reply->shard_size = g->layout.shard_size;
+	reply->optimizer = g->optim.kind;
+	reply->last_step = __atomic_load_n(&g->last_step[rank], __ATOMIC_RELAXED);
 	for (uint32_t i = 0; i < g->hdr.nparams; i++) {
 		const struct shardd_layout_param *p = &g->layout.params[i];
 
@@ -405,8 +578,15 @@ void shardd_group_destroy(struct shardd_group *g, struct shardd_backend_ctx *b)
 			b->ops->free(b, &g->sharded_grads[r]);
 			b->ops->free(b, &g->grads[r]);
 			b->ops->free(b, &g->partials[r]);
+			for (uint32_t k = 0; k < SHARDD_OPTIM_STATES; k++)
+				if (g->optim_state[k])
+					b->ops->free(b, &g->optim_state[k][r]);
 		}
 	}
+	for (uint32_t k = 0; k < SHARDD_OPTIM_STATES; k++)
+		free(g->optim_state[k]);
+	free(g->last_step);
+	free(g->optim_steps);
 	shardd_layout_free(&g->layout);
 	free(g->specs);
 	free(g->shard_offsets);

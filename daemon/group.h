@@ -29,6 +29,9 @@ struct shardd_group_export {
 	int nipc;
 };
 
+/* Most optimizer states a shard has: AdamW's exp_avg, exp_avg_sq, max_exp_avg_sq. */
+#define SHARDD_OPTIM_STATES 3
+
 struct shardd_group {
 	uint32_t id;                        /* nonzero; sqe.group */
 	char     name[SHARDD_NAME_MAX];
@@ -59,6 +62,13 @@ struct shardd_group {
 	uint8_t *grad_present;              /* [world]: sharded grad holds a value (accumulate into it) */
 	uint8_t *partial_present;           /* [world]: partial holds a reduce-scatter output */
 
+	/* The optimizer (kind NONE: none) and its fp32 state per rank, each like a flat shard. */
+	struct shardd_optim_config optim;
+	struct shardd_buf *optim_state[SHARDD_OPTIM_STATES]; /* [k][world]: shardd_group_optim_state_name */
+	/* Written by the group's running task (step), read atomically by GROUP replies. */
+	uint64_t *last_step;                /* [world]: last step applied or skipped on the rank's shard */
+	uint64_t *optim_steps;              /* [world]: updates applied (torch's state['step']) */
+
 	/* Loop thread only. */
 	uint8_t *holds;                     /* [world]: rank holds its replica's unsharded copy */
 };
@@ -71,7 +81,23 @@ struct shardd_group {
  * value, or -ENOMEM.
  */
 int shardd_group_parse(const void *payload, size_t len, struct shardd_register_group *hdr,
-		       struct shardd_param_spec **specs, char *err, size_t errlen);
+		       struct shardd_param_spec **specs, struct shardd_optim_config *optim, char *err,
+		       size_t errlen);
+
+/* 0, or -SHARDD_E_INVALID with `err` naming the optimizer config's field, value and rule. */
+int shardd_group_optim_check(const char *group, const struct shardd_optim_config *o, char *err,
+			     size_t errlen);
+
+/*
+ * Give a created group (no buffers yet) its optimizer `o` (kind NONE: none):
+ * every param must be fp32. 0, -SHARDD_E_INVALID with `err`, or -ENOMEM.
+ */
+int shardd_group_set_optim(struct shardd_group *g, const struct shardd_optim_config *o, char *err,
+			   size_t errlen);
+
+/* State buffers per rank the optimizer keeps (SGD: momentum when momentum != 0), and their names. */
+uint32_t shardd_group_optim_states(const struct shardd_optim_config *o);
+const char *shardd_group_optim_state_name(const struct shardd_optim_config *o, uint32_t k);
 
 /*
  * A group from a parsed registration for a mesh R x S: builds the layout
@@ -88,8 +114,8 @@ int shardd_group_create(uint32_t id, const struct shardd_register_group *hdr,
  * param, the field, both values and both ranks.
  */
 int shardd_group_compare(const struct shardd_group *g, const struct shardd_register_group *hdr,
-			 const struct shardd_param_spec *specs, uint32_t rank, uint32_t first_rank,
-			 char *why, size_t whylen);
+			 const struct shardd_param_spec *specs, const struct shardd_optim_config *optim,
+			 uint32_t rank, uint32_t first_rank, char *why, size_t whylen);
 
 /*
  * Bytes of every buffer a group will ever hold in host memory (the host
@@ -102,8 +128,7 @@ struct shardd_group_memory {
 	uint64_t sharded_grads;  /* reduce outputs, one per rank */
 	uint64_t grads;          /* unsharded grad buffers (reduce inputs), one per rank */
 	uint64_t partials;       /* HSDP reduce-scatter outputs, one per rank with a replicate dim */
-	uint64_t optimizer;      /* optimizer state the daemon keeps per rank shard: 0 until the step
-				    op exists (issue 13 counts it here) */
+	uint64_t optimizer;      /* optimizer state the daemon keeps per rank shard (fp32, shard-sized) */
 	uint64_t total;          /* the sum */
 };
 

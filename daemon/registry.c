@@ -118,8 +118,8 @@ static int group_commit_memory(struct shardd_engine_job *j, struct eng_group *eg
 
 /* A pending group for the first registration of `hdr`; takes `specs` on success. */
 static int group_new(struct shardd_engine_job *j, const struct shardd_register_group *hdr,
-		     struct shardd_param_spec *specs, uint32_t rank, struct eng_group **out,
-		     char *err, size_t errlen)
+		     struct shardd_param_spec *specs, const struct shardd_optim_config *optim, uint32_t rank,
+		     struct eng_group **out, char *err, size_t errlen)
 {
 	struct eng_group *eg;
 	uint32_t *all = NULL;
@@ -144,7 +144,18 @@ static int group_new(struct shardd_engine_job *j, const struct shardd_register_g
 		free(eg);
 		return ret;
 	}
-	ret = group_commit_memory(j, eg, err, errlen);
+	if (optim->kind != SHARDD_OPTIM_NONE && !j->e->backend->ops->step) {
+		eng_fmt(err, errlen, "register group '%s': the %s backend has no optimizer step; register the "
+			"group without an optimizer and update the shards in the trainer, or run the daemon with "
+			"--backend host", hdr->name, j->e->backend->ops->name);
+		ret = -ENOTSUP;
+	} else {
+		ret = shardd_group_set_optim(eg->g, optim, err, errlen);
+		if (ret == -ENOMEM)
+			eng_fmt(err, errlen, "register group '%s': out of memory", hdr->name);
+	}
+	if (!ret)
+		ret = group_commit_memory(j, eg, err, errlen);
 	if (ret) {
 		eg->g->specs = NULL; /* still the caller's on failure */
 		group_destroy(eg, j);
@@ -296,6 +307,7 @@ void shardd_engine_register_group(struct shardd_engine_job *j, uint32_t rank, ui
 {
 	struct shardd_register_group hdr;
 	struct shardd_param_spec *specs = NULL;
+	struct shardd_optim_config optim;
 	struct eng_group *eg;
 	char err[480], why[384], ranks[160], who[ENGINE_WHO_MAX], msg[ENGINE_MSG_MAX];
 	int ret;
@@ -306,7 +318,7 @@ void shardd_engine_register_group(struct shardd_engine_job *j, uint32_t rank, ui
 		eng_reply_err(j, rank, token, seq, -SHARDD_E_INVALID, msg);
 		return;
 	}
-	ret = shardd_group_parse(payload, len, &hdr, &specs, err, sizeof(err));
+	ret = shardd_group_parse(payload, len, &hdr, &specs, &optim, err, sizeof(err));
 	if (ret) {
 		eng_fmt(msg, sizeof(msg), "shardd: %s", ret == -ENOMEM ? "register group: out of memory" : err);
 		eng_reply_err(j, rank, token, seq, ret, msg);
@@ -321,7 +333,7 @@ void shardd_engine_register_group(struct shardd_engine_job *j, uint32_t rank, ui
 		goto out;
 	}
 	if (!eg) {
-		ret = group_new(j, &hdr, specs, rank, &eg, err, sizeof(err));
+		ret = group_new(j, &hdr, specs, &optim, rank, &eg, err, sizeof(err));
 		if (ret) {
 			eng_fmt(msg, sizeof(msg), "shardd: %s", err);
 			eng_reply_err(j, rank, token, seq, ret, msg);
@@ -334,7 +346,7 @@ void shardd_engine_register_group(struct shardd_engine_job *j, uint32_t rank, ui
 			rank, hdr.name, who);
 		eng_reply_err(j, rank, token, seq, -SHARDD_E_STATE, msg);
 		goto out;
-	} else if (shardd_group_compare(eg->g, &hdr, specs, rank, eg->first_rank, why, sizeof(why))) {
+	} else if (shardd_group_compare(eg->g, &hdr, specs, &optim, rank, eg->first_rank, why, sizeof(why))) {
 		shardd_rdv_present(&eg->reg, ranks, sizeof(ranks));
 		eng_fmt(msg, sizeof(msg), "shardd: %s; registration failed for ranks %s,%u", why, ranks, rank);
 		/*

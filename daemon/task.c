@@ -53,6 +53,9 @@ static uint64_t task_bytes(const struct eng_task *t)
 		/* HSDP adds the all-reduce: R partials read per output shard. */
 		return g->world * (l->grad_size + 2 * l->shard_size) +
 		       (g->replicate > 1 ? g->world * (2 + g->replicate) * g->partial_size : 0);
+	case TASK_STEP:
+		/* param and grad read, param written, each state read and written, grad zeroed. */
+		return l->shard_size * (4 + 2 * (uint64_t)shardd_group_optim_states(&g->optim));
 	default:
 		return g->sharded_grads[t->rank].bytes;
 	}
@@ -76,7 +79,7 @@ static void task_exec(struct eng_task *t);
 static void task_deliver(struct eng_task *t)
 {
 	for (uint32_t i = 0; i < t->nops; i++)
-		eng_complete(t->eg->j, &t->ops[i], t->res, t->msg);
+		eng_complete(t->eg->j, &t->ops[i], t->res ? t->res : t->ops[i].res, t->msg);
 }
 
 /*
@@ -262,6 +265,85 @@ static int task_unshard(struct eng_task *t)
 }
 
 /*
+ * The optimizer step of `op` (a STEP, or a REDUCE with SHARDD_REDUCE_STEP)
+ * on its rank's shard, exactly once per step: task.c runs a group's tasks
+ * one at a time, so last_step is checked and advanced by one task at a
+ * time. A step at or below the last one applied or skipped completes
+ * SHARDD_STEP_ALREADY and changes nothing. Returns 0 with op->res the
+ * outcome, the backend's error, or an error with t->msg written.
+ */
+static int task_step(struct eng_task *t, struct eng_op *op)
+{
+	struct shardd_group *g = t->eg->g;
+	struct shardd_backend_ctx *b = t->eg->j->e->backend;
+	const struct shardd_sqe *sqe = &op->sqe;
+	const struct shardd_optim_config *o = &g->optim;
+	uint32_t r = op->rank;
+	uint64_t last = g->last_step[r];
+	double lr, clip = 1;
+	int skipped = 0, ret;
+	struct shardd_step_args a = {
+		.layout = &g->layout, .shard_rank = r % g->shard, .kind = o->kind, .shard = &g->shards[r],
+		.grad = &g->sharded_grads[r], .skip_nonfinite = sqe->op == SHARDD_OP_STEP && (sqe->flags & SHARDD_STEP_SKIP_NONFINITE),
+		.skipped = &skipped, .err = t->why, .errlen = sizeof(t->why),
+	};
+
+	if (sqe->step <= last) {
+		op->res = SHARDD_STEP_ALREADY;
+		return 0;
+	}
+	if (!g->grad_present[r]) {
+		eng_fmt(t->msg, sizeof(t->msg),
+			"shardd: step(group '%s', step %llu) on rank %u: the rank's sharded grad is absent (no "
+			"reduce since its last step or zero_grad); reduce the step's grads before its step",
+			g->name, (unsigned long long)sqe->step, r);
+		return -SHARDD_E_STATE;
+	}
+	memcpy(&lr, &sqe->rsvd2[SHARDD_SQE_STEP_LR], sizeof(lr));
+	if (sqe->op == SHARDD_OP_STEP && (sqe->flags & SHARDD_STEP_CLIP))
+		memcpy(&clip, &sqe->rsvd2[SHARDD_SQE_STEP_CLIP], sizeof(clip));
+	for (uint32_t k = 0; k < shardd_group_optim_states(o); k++)
+		a.state[k] = &g->optim_state[k][r];
+	if (o->kind == SHARDD_OPTIM_SGD)
+		a.sgd = (struct shardd_sgd){
+			.step = g->optim_steps[r] + 1, .lr = lr, .momentum = o->momentum,
+			.dampening = o->dampening, .weight_decay = o->weight_decay,
+			.nesterov = !!(o->flags & SHARDD_OPTIM_NESTEROV),
+			.maximize = !!(o->flags & SHARDD_OPTIM_MAXIMIZE), .grad_scale = (float)clip,
+		};
+	else
+		a.adamw = (struct shardd_adamw){
+			.step = g->optim_steps[r] + 1, .lr = lr, .beta1 = o->beta1, .beta2 = o->beta2,
+			.eps = o->eps, .weight_decay = o->weight_decay,
+			.amsgrad = !!(o->flags & SHARDD_OPTIM_AMSGRAD),
+			.maximize = !!(o->flags & SHARDD_OPTIM_MAXIMIZE), .grad_scale = (float)clip,
+		};
+	ret = b->ops->step(b, &a);
+	if (ret)
+		return ret;
+	ret = b->ops->zero(b, &g->sharded_grads[r], 0, g->sharded_grads[r].bytes);
+	if (ret)
+		return ret;
+	g->grad_present[r] = 0;
+	if (!skipped)
+		g->optim_steps[r]++;
+	__atomic_store_n(&g->last_step[r], sqe->step, __ATOMIC_RELAXED);
+	op->res = skipped ? SHARDD_STEP_SKIPPED : SHARDD_STEP_APPLIED;
+	return 0;
+}
+
+/* After a reduce: the steps its ranks asked for with SHARDD_REDUCE_STEP (the flag is the same on all). */
+static int task_reduce_steps(struct eng_task *t)
+{
+	int ret = 0;
+
+	for (uint32_t i = 0; i < t->nops && !ret; i++)
+		if (t->ops[i].sqe.flags & SHARDD_REDUCE_STEP)
+			ret = task_step(t, &t->ops[i]);
+	return ret;
+}
+
+/*
  * 1 when every completion of the task goes to a client stream that waits on
  * the daemon's fence (SHARDD_FENCE_SIGNAL): queueing the work is enough.
  */
@@ -322,6 +404,19 @@ static void task_exec(struct eng_task *t)
 	}
 	case TASK_REDUCE:
 		ret = task_reduce(t);
+		if (!ret)
+			ret = task_reduce_steps(t);
+		if (ret < 0 && t->msg[0]) {
+			t->res = ret;
+			return;
+		}
+		break;
+	case TASK_STEP:
+		ret = task_step(t, &t->ops[0]);
+		if (ret < 0 && t->msg[0]) {
+			t->res = ret;
+			return;
+		}
 		break;
 	default:
 		ret = b->ops->zero(b, &g->sharded_grads[t->rank], 0, g->sharded_grads[t->rank].bytes);

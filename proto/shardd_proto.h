@@ -25,7 +25,7 @@
 #define SHARDD_MAGIC        0x44524853u /* "SHRD" as little-endian bytes */
 #define SHARDD_RING_MAGIC   0x474e4952u /* "RING" */
 #define SHARDD_PROTO_MAJOR  1           /* incompatible changes bump this */
-#define SHARDD_PROTO_MINOR  1           /* compatible additions bump this */
+#define SHARDD_PROTO_MINOR  2           /* compatible additions bump this */
 
 #define SHARDD_NAME_MAX      64  /* job and group names, NUL included */
 #define SHARDD_PARAM_NAME_MAX 80 /* param names, NUL included */
@@ -71,12 +71,56 @@ enum shardd_op {
 	SHARDD_OP_REDUCE    = 4, /* collective over the shard group (+replicas) */
 	SHARDD_OP_RESHARD   = 5, /* drop this rank's hold on the unsharded copy */
 	SHARDD_OP_ZERO_GRAD = 6, /* this rank's sharded grads: zero, "absent" */
+	SHARDD_OP_STEP      = 7, /* the group's optimizer on this rank's shard, once per step */
 	SHARDD_OP_COUNT
 };
 
+/*
+ * SHARDD_OP_STEP: sqe.step is the step number (>= 1), sqe.flags
+ * SHARDD_STEP_*, sqe.rsvd2[SHARDD_SQE_STEP_LR] the learning rate as the
+ * bits of an IEEE-754 double, and with SHARDD_STEP_CLIP
+ * sqe.rsvd2[SHARDD_SQE_STEP_CLIP] the clip coefficient (clip_grad_norm_'s
+ * max_norm / (total_norm + 1e-6), clamped to 1 by the caller) as double
+ * bits, rounded to fp32 and multiplied into the grad. Other rsvd2 words
+ * stay zero. The completion's res is one of enum shardd_step_result or a
+ * negative error.
+ */
+#define SHARDD_STEP_SKIP_NONFINITE (1u << 0) /* skip (no update) when this rank's sharded grad holds a NaN or Inf */
+#define SHARDD_STEP_CLIP           (1u << 1) /* rsvd2[SHARDD_SQE_STEP_CLIP] holds a clip coefficient */
+#define SHARDD_STEP_FLAGS_MASK     (SHARDD_STEP_SKIP_NONFINITE | SHARDD_STEP_CLIP)
+#define SHARDD_SQE_STEP_LR   0
+#define SHARDD_SQE_STEP_CLIP 1
+
+enum shardd_step_result {
+	SHARDD_STEP_APPLIED = 0, /* the update was applied; the sharded grad is cleared */
+	SHARDD_STEP_SKIPPED = 1, /* SKIP_NONFINITE and a non-finite grad: params and state unchanged, grad cleared */
+	SHARDD_STEP_ALREADY = 2, /* a step >= this one was applied or skipped before: nothing changed */
+};
+
+/* Optimizers (struct shardd_optim_config.kind). */
+enum shardd_optim {
+	SHARDD_OPTIM_NONE  = 0,
+	SHARDD_OPTIM_SGD   = 1, /* torch.optim.SGD */
+	SHARDD_OPTIM_ADAMW = 2, /* torch.optim.AdamW */
+	SHARDD_OPTIM_COUNT
+};
+
+/* struct shardd_optim_config.flags */
+#define SHARDD_OPTIM_NESTEROV (1u << 0) /* SGD */
+#define SHARDD_OPTIM_MAXIMIZE (1u << 1) /* both */
+#define SHARDD_OPTIM_AMSGRAD  (1u << 2) /* AdamW */
+#define SHARDD_OPTIM_FLAGS_MASK (SHARDD_OPTIM_NESTEROV | SHARDD_OPTIM_MAXIMIZE | SHARDD_OPTIM_AMSGRAD)
+
 /* sqe.flags for SHARDD_OP_REDUCE */
 #define SHARDD_REDUCE_ALL_REDUCE (1u << 0) /* HSDP: all-reduce across replicas now */
-#define SHARDD_REDUCE_FLAGS_MASK (SHARDD_REDUCE_ALL_REDUCE)
+/*
+ * Step each rank's shard right after the reduce, as SHARDD_OP_STEP with
+ * the reduce's step number and sqe.rsvd2[SHARDD_SQE_STEP_LR] as its lr (no
+ * clipping, no skipping); the reduce's res is then the step's result. Under
+ * HSDP only with SHARDD_REDUCE_ALL_REDUCE.
+ */
+#define SHARDD_REDUCE_STEP       (1u << 1)
+#define SHARDD_REDUCE_FLAGS_MASK (SHARDD_REDUCE_ALL_REDUCE | SHARDD_REDUCE_STEP)
 
 /*
  * Error codes. Calls and completions report 0 or a negative value: either
@@ -194,14 +238,40 @@ struct shardd_param_spec {
 	uint64_t shape[SHARDD_MAX_DIMS]; /* first ndim used, rest zero */
 };
 
-/* SHARDD_MSG_REGISTER_GROUP payload: this, then nparams param specs. */
+/* shardd_register_group.flags */
+#define SHARDD_REGISTER_OPTIMIZER (1u << 0) /* a struct shardd_optim_config follows the specs */
+#define SHARDD_REGISTER_FLAGS_MASK (SHARDD_REGISTER_OPTIMIZER)
+
+/*
+ * A group's optimizer: torch.optim's hyperparameters except the learning
+ * rate, which travels with each step. SGD reads momentum, dampening,
+ * weight_decay (L2) and NESTEROV, MAXIMIZE; AdamW reads beta1, beta2, eps,
+ * weight_decay (decoupled) and AMSGRAD, MAXIMIZE. Fields the optimizer
+ * does not read must be zero. Every rank registers the same config.
+ */
+struct shardd_optim_config {
+	uint32_t kind;         /* enum shardd_optim, not NONE */
+	uint32_t flags;        /* SHARDD_OPTIM_* */
+	double   momentum;
+	double   dampening;
+	double   weight_decay;
+	double   beta1;
+	double   beta2;
+	double   eps;
+	uint64_t rsvd[2];      /* zero */
+};
+
+/*
+ * SHARDD_MSG_REGISTER_GROUP payload: this, then nparams param specs, then
+ * with SHARDD_REGISTER_OPTIMIZER in flags one struct shardd_optim_config.
+ */
 struct shardd_register_group {
 	char     name[SHARDD_NAME_MAX]; /* NUL-terminated group name */
 	uint32_t nparams;      /* 1..SHARDD_MAX_PARAMS */
 	uint32_t param_dtype;  /* MixedPrecisionPolicy.param_dtype or NONE */
 	uint32_t reduce_dtype; /* MixedPrecisionPolicy.reduce_dtype or NONE */
 	uint32_t init;         /* enum shardd_init */
-	uint32_t flags;        /* zero */
+	uint32_t flags;        /* SHARDD_REGISTER_* */
 	uint32_t rsvd;
 };
 
@@ -281,8 +351,8 @@ struct shardd_group_reply {
 	uint64_t grad_size;       /* bytes */
 	uint64_t shard_size;      /* bytes of the flat shard, also of the sharded grad */
 	uint8_t  export_kind[SHARDD_GROUP_BUFS]; /* per buffer, enum shardd_export_kind */
-	uint32_t rsvd0;           /* zero */
-	uint64_t rsvd;            /* zero */
+	uint32_t optimizer;       /* enum shardd_optim registered with the group */
+	uint64_t last_step;       /* the last step applied or skipped on the receiving rank's shard; 0: none */
 };
 
 /* ------------------------------------------------------------------ */
@@ -391,8 +461,9 @@ _Static_assert(sizeof(struct shardd_param_layout) == 64, "param_layout");
 _Static_assert(sizeof(struct shardd_group_reply) == 64, "group_reply");
 _Static_assert(offsetof(struct shardd_group_reply, unsharded_size) == 24, "group_reply.unsharded_size");
 _Static_assert(offsetof(struct shardd_group_reply, export_kind) == 48, "group_reply.export_kind");
-_Static_assert(offsetof(struct shardd_group_reply, rsvd0) == 52, "group_reply.rsvd0");
-_Static_assert(offsetof(struct shardd_group_reply, rsvd) == 56, "group_reply.rsvd");
+_Static_assert(offsetof(struct shardd_group_reply, optimizer) == 52, "group_reply.optimizer");
+_Static_assert(offsetof(struct shardd_group_reply, last_step) == 56, "group_reply.last_step");
+_Static_assert(sizeof(struct shardd_optim_config) == 72, "optim_config");
 _Static_assert(sizeof(struct shardd_cuda_ipc_handle) == 64, "cuda_ipc_handle");
 _Static_assert(sizeof(struct shardd_sqe) == 64, "sqe");
 _Static_assert(offsetof(struct shardd_sqe, fence) == 1, "sqe.fence");
@@ -448,6 +519,7 @@ static inline const char *shardd_op_name(uint32_t op)
 	case SHARDD_OP_REDUCE: return "reduce";
 	case SHARDD_OP_RESHARD: return "reshard";
 	case SHARDD_OP_ZERO_GRAD: return "zero_grad";
+	case SHARDD_OP_STEP: return "step";
 	default: return NULL;
 	}
 }

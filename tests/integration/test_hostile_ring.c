@@ -53,7 +53,7 @@ Test(hostile, bad_ring_entries_each_get_one_error_completion_naming_field_and_va
 
 	struct sqe_case cases[] = {
 		{ sqe_of(0, 0, 0, 0, 0), -SHARDD_E_INVALID, "op 0" },
-		{ sqe_of(7, 0, 0, 0, 0), -SHARDD_E_INVALID, "op 7" },
+		{ sqe_of(SHARDD_OP_COUNT, 0, 0, 0, 0), -SHARDD_E_INVALID, "op 8" },
 		{ sqe_of(255, gid, 1, 0, 0), -SHARDD_E_INVALID, "op 255" },
 		{ sqe_of(SHARDD_OP_NOP, 0, 0, 0, 0), -SHARDD_E_INVALID, "rsvd0[1] = 0x5" },
 		{ sqe_of(SHARDD_OP_NOP, 0, 0, 0, 0), -SHARDD_E_INVALID, "rsvd1 = 0x77" },
@@ -64,7 +64,7 @@ Test(hostile, bad_ring_entries_each_get_one_error_completion_naming_field_and_va
 		{ sqe_of(SHARDD_OP_BARRIER, UINT32_MAX, 1, 0, 0), -SHARDD_E_INVALID,
 		  "group = 4294967295" },
 		{ sqe_of(SHARDD_OP_UNSHARD, gid, 1, 0x1, 0), -SHARDD_E_INVALID, "flags = 0x1" },
-		{ sqe_of(SHARDD_OP_REDUCE, gid, 1, 0x6, 0), -SHARDD_E_INVALID, "unknown bits 0x6" },
+		{ sqe_of(SHARDD_OP_REDUCE, gid, 1, 0x5, 0), -SHARDD_E_INVALID, "unknown bits 0x4" },
 		{ sqe_of(SHARDD_OP_RESHARD, gid, 1, 0x80000000u, 0), -SHARDD_E_INVALID,
 		  "flags = 0x80000000" },
 		{ sqe_of(SHARDD_OP_ZERO_GRAD, gid, 0, 0, 0), -SHARDD_E_INVALID, "rsvd2[0] = 0x1" },
@@ -209,9 +209,9 @@ Test(hostile, all_reduce_flag_on_a_1xW_mesh_is_accepted_alike_and_mismatches_fai
 	cr_assert_eq(c.res, -SHARDD_E_MISMATCH, "rank 0: %d %s", c.res, msg);
 
 	/* A flag bit HSDP does not define. */
-	c = raw_op(&a, sqe_of(SHARDD_OP_REDUCE, gid, 3, 0x2, 6), msg);
+	c = raw_op(&a, sqe_of(SHARDD_OP_REDUCE, gid, 3, 0x4, 6), msg);
 	cr_assert_eq(c.res, -SHARDD_E_INVALID);
-	cr_assert_not_null(strstr(msg, "flags = 0x2"), "text '%s'", msg);
+	cr_assert_not_null(strstr(msg, "flags = 0x4"), "text '%s'", msg);
 	raw_close(&a);
 	raw_close(&b);
 	assert_others_served();

@@ -235,7 +235,7 @@ static int client_run_ops(const char *socket, const char *job)
 	};
 	struct shardd_param_desc p = { .name = "w", .dtype = SHARDD_DTYPE_FP32, .ndim = 2,
 				       .shape = { 5, 3 } };
-	struct shardd_policy pol = { SHARDD_DTYPE_NONE, SHARDD_DTYPE_NONE };
+	struct shardd_policy pol = { .param_dtype = SHARDD_DTYPE_NONE, .reduce_dtype = SHARDD_DTYPE_NONE };
 	struct shardd_client *c = NULL;
 	struct shardd_group *g = NULL;
 	float full[15];
@@ -693,7 +693,7 @@ static void *register_main(void *p)
 	struct reg_arg *a = p;
 	struct shardd_param_desc d = { .name = "w", .dtype = SHARDD_DTYPE_FP32, .ndim = 1,
 				       .shape = { 8 } };
-	struct shardd_policy pol = { SHARDD_DTYPE_NONE, SHARDD_DTYPE_NONE };
+	struct shardd_policy pol = { .param_dtype = SHARDD_DTYPE_NONE, .reduce_dtype = SHARDD_DTYPE_NONE };
 
 	a->ret = shardd_group_register(a->c, "layer", &d, 1, &pol, &a->g);
 	if (a->ret < 0)

@@ -167,7 +167,7 @@ static int register_blocks(struct shardd_client *c, uint32_t param_dtype, struct
 		{ .name = "w", .dtype = SHARDD_DTYPE_FP32, .ndim = 2, .shape = { W_D0, W_D1 } },
 		{ .name = "b", .dtype = SHARDD_DTYPE_BF16, .ndim = 1, .shape = { B_D0 } },
 	};
-	struct shardd_policy pol = { param_dtype, SHARDD_DTYPE_NONE };
+	struct shardd_policy pol = { .param_dtype = param_dtype, .reduce_dtype = SHARDD_DTYPE_NONE };
 
 	return shardd_group_register(c, "blocks.0", p, 2, &pol, g);
 }

@@ -1266,7 +1266,7 @@ Test(engine, bad_ops_are_rejected_naming_the_field, .timeout = 30)
 		{ SHARDD_OP_UNSHARD, 0, 0, 0, -SHARDD_E_NOGROUP, "group id 0" },
 		{ 77, 1, 0, 0, -SHARDD_E_INVALID, "op 77 is not a group op" },
 		{ SHARDD_OP_NOP, 1, 0, 0, -SHARDD_E_INVALID, "op 1 is not a group op" },
-		{ SHARDD_OP_REDUCE, 1, 0x6, 0, -SHARDD_E_INVALID, "flags = 0x6 has unknown bits 0x6" },
+		{ SHARDD_OP_REDUCE, 1, 0x5, 0, -SHARDD_E_INVALID, "flags = 0x5 has unknown bits 0x4" },
 		{ SHARDD_OP_UNSHARD, 1, 0x1, 0, -SHARDD_E_INVALID, "flags = 0x1 has unknown bits 0x1" },
 		{ SHARDD_OP_UNSHARD, 1, 0, 5, -SHARDD_E_INVALID, "rank 5 is outside job 'job' of 2 ranks" },
 	};

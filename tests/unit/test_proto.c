@@ -104,8 +104,9 @@ Test(proto, group_messages_layout, .timeout = 5)
 	cr_assert_eq(OFF(shardd_group_reply, shard_size), 40);
 	cr_assert_eq(OFF(shardd_group_reply, export_kind), 48);
 	cr_assert_eq(sizeof(((struct shardd_group_reply *)0)->export_kind), SHARDD_GROUP_BUFS);
-	cr_assert_eq(OFF(shardd_group_reply, rsvd0), 52);
-	cr_assert_eq(OFF(shardd_group_reply, rsvd), 56);
+	cr_assert_eq(OFF(shardd_group_reply, optimizer), 52);
+	cr_assert_eq(OFF(shardd_group_reply, last_step), 56);
+	cr_assert_eq(sizeof(struct shardd_optim_config), 72);
 	cr_assert_eq(sizeof(struct shardd_cuda_ipc_handle), 64);
 }
 
@@ -224,10 +225,11 @@ Test(proto, dtype_sizes_and_names, .timeout = 5)
 Test(proto, op_names, .timeout = 5)
 {
 	static const char *const want[] = {
-		NULL, "nop", "barrier", "unshard", "reduce", "reshard", "zero_grad",
+		NULL, "nop", "barrier", "unshard", "reduce", "reshard", "zero_grad", "step",
 	};
 
-	cr_assert_eq(SHARDD_OP_COUNT, 7);
+	cr_assert_eq(SHARDD_OP_STEP, 7);
+	cr_assert_eq(SHARDD_OP_COUNT, 8);
 	for (uint32_t op = 1; op < SHARDD_OP_COUNT; op++)
 		cr_assert_str_eq(shardd_op_name(op), want[op], "op %u", op);
 	cr_assert_null(shardd_op_name(0));

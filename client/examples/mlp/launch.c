@@ -23,15 +23,15 @@ static void usage(FILE *f)
 "usage: train_mlp --spawn N [--steps K] [--socket PATH] [--job NAME] [--dump FILE]\n"
 "                 [--device N]\n"
 "       train_mlp --rank R --world N [--steps K] [--socket PATH] [--job NAME] [--dump FILE]\n"
-"                 [--device N] [--resume-step T [--attempt A]]\n"
+"                 [--device N] [--resume-step T [--attempt A]] [--trainer-sgd]\n"
 "       train_mlp --reference --world N [--steps K] [--dump FILE]\n"
 "\n"
 "Trains a 32-64-64-1 tanh MLP on a fixed random teacher, FSDP2-style, through\n"
 "a running shardd daemon: one parameter group per layer, unshard with prefetch,\n"
-"reshard after forward, reduce after each layer's backward, SGD on each rank's\n"
-"own shard. Prints 'step N loss X time_us T compute_us C shardd_us S' per step:\n"
-"the loss, the step's wall time, and its split into compute and time spent in\n"
-"shardd_submit/shardd_wait (each the mean over the ranks).\n"
+"reshard after forward, reduce after each layer's backward, the daemon's SGD on\n"
+"each rank's own shard (shardd_step). Prints 'step N loss X time_us T compute_us C\n"
+"shardd_us S' per step: the loss, the step's wall time, and its split into compute\n"
+"and time spent in shardd_submit/shardd_wait (each the mean over the ranks).\n"
 "\n"
 "  --spawn N         fork N rank processes and supervise them\n"
 "  --rank R          run rank R of --world N (prints 'rank R step N loss X ...')\n"
@@ -48,6 +48,8 @@ static void usage(FILE *f)
 "  --resume-step T   re-attach to a running job (groups opened, not registered)\n"
 "                    and join the retry of step T\n"
 "  --attempt A       with --resume-step: the attempt number of the retry (default 1)\n"
+"  --trainer-sgd     run SGD in the trainer on the flat shard instead of the\n"
+"                    daemon's step op (the cuda backend always does: it has no step)\n"
 "  --version         print the version and exit\n",
 		MLP_DEFAULT_STEPS, MLP_DEFAULT_JOB);
 }
@@ -81,6 +83,7 @@ int launch_opts_parse(int argc, char **argv, struct launch_opts *lo)
 		{ "resume-step", required_argument, NULL, 'U' },
 		{ "attempt", required_argument, NULL, 'A' },
 		{ "device", required_argument, NULL, 'D' },
+		{ "trainer-sgd", no_argument, NULL, 'T' },
 		{ "help", no_argument, NULL, 'h' },
 		{ "version", no_argument, NULL, 'V' },
 		{ NULL, 0, NULL, 0 },
@@ -122,6 +125,7 @@ int launch_opts_parse(int argc, char **argv, struct launch_opts *lo)
 		case 'j': o->job = optarg; break;
 		case 'd': o->dump = optarg; break;
 		case 'R': lo->reference = 1; break;
+		case 'T': o->trainer_sgd = 1; break;
 		case 'U':
 			if (parse_u64(optarg, "--resume-step", 1u << 24, &v))
 				goto bad;

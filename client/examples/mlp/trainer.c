@@ -46,6 +46,7 @@ struct rank {
 	struct inflight ops[RANK_INFLIGHT];
 	int wait_ms;                  /* per completion: collective timeout + slack */
 	int failed;                   /* first error of this attempt, 0 if none */
+	int trainer_sgd;              /* SGD in the trainer (--trainer-sgd, or cuda), not shardd_step */
 	char fail_msg[512];
 	struct teacher tc;
 	struct mlp_work wk;
@@ -323,6 +324,27 @@ static int rank_sgd(struct rank *rk)
 }
 
 /*
+ * The daemon's SGD (p -= lr * grad on the valid rows, the same fp32
+ * expression as sgd() above) on every layer's shard for step number `n`;
+ * it clears the sharded grads. A step the daemon already applied (a
+ * replacement rank catching up) changes nothing.
+ */
+static int rank_daemon_sgd(struct rank *rk, uint64_t n)
+{
+	for (uint32_t l = 0; l < MLP_LAYERS; l++) {
+		int ret = shardd_step(rk->g[l], n, (double)MLP_LR, 0, 0);
+
+		if (ret < 0)
+			rank_fail(rk, ret, "step %" PRIu64 " of layer %u: %s", n, l, shardd_last_error());
+		else if (ret == SHARDD_STEP_SKIPPED)
+			rank_fail(rk, -EIO, "step %" PRIu64 " of layer %u was skipped", n, l);
+		if (rk->failed)
+			return rk->failed;
+	}
+	return 0;
+}
+
+/*
  * One attempt of training step t. On success the rank's shards hold the
  * step's update. On failure nothing was applied: SGD runs only after every
  * reduce of the step succeeded, so a retried step starts from the same
@@ -374,6 +396,8 @@ static int rank_step(struct rank *rk, uint64_t t, uint32_t attempt, double *loss
 	if (rank_drain(rk))
 		return rk->failed;
 
+	if (!rk->trainer_sgd)
+		return rank_daemon_sgd(rk, t + 1);
 	if (rank_sgd(rk))
 		return rk->failed;
 	for (uint32_t l = 0; l < MLP_LAYERS; l++)
@@ -446,6 +470,8 @@ static int rank_connect(struct rank *rk)
 		return ret;
 	}
 	rk->cuda = shardd_backend(rk->c) == SHARDD_BACKEND_CUDA;
+	/* The cuda backend has no optimizer step: the trainer updates its shards. */
+	rk->trainer_sgd = rk->o->trainer_sgd || rk->cuda;
 	if (rk->cuda && rk->o->device < 0) {
 		fprintf(stderr, "train_mlp: rank %u: the daemon runs --backend cuda: give --device N\n",
 			rk->rank);
@@ -493,7 +519,9 @@ static int rank_groups(struct rank *rk)
 			{ .name = "bias", .dtype = SHARDD_DTYPE_FP32, .ndim = 1,
 			  .shape = { layer_out(l) } },
 		};
-		struct shardd_policy policy = { SHARDD_DTYPE_NONE, SHARDD_DTYPE_NONE };
+		static const struct shardd_optim_config sgd_cfg = { .kind = SHARDD_OPTIM_SGD };
+		struct shardd_policy policy = { .param_dtype = SHARDD_DTYPE_NONE, .reduce_dtype = SHARDD_DTYPE_NONE,
+						.optimizer = rk->trainer_sgd ? NULL : &sgd_cfg };
 
 		if (!init) {
 			/* Re-attached: the daemon kept this rank's shards. */
@@ -584,6 +612,20 @@ int rank_main(const struct trainer_opts *o, uint32_t rank, int report_fd,
 	if (o->resume_step >= 0) {
 		t = (uint64_t)o->resume_step;
 		attempt = o->attempt;
+		/*
+		 * The others finished step t - 1 (numbered t), so every reduce of it
+		 * completed: an update the dead rank did not apply is still there.
+		 */
+		for (uint32_t l = 0; l < MLP_LAYERS && !rk->trainer_sgd && t > 0; l++) {
+			if (shardd_group_last_step(rk->g[l]) >= t)
+				continue;
+			fprintf(stderr, "train_mlp: rank %u: layer %u: the daemon applied step %" PRIu64
+				" last; applying step %" PRIu64 "\n", rank, l, shardd_group_last_step(rk->g[l]), t);
+			ret = rank_daemon_sgd(rk, t);
+			if (ret < 0)
+				goto out;
+			break;
+		}
 		ret = rank_resync(rk, t, attempt);
 		if (ret < 0)
 			goto out;

@@ -10,8 +10,11 @@
  *                              forward, reshard(l)
  *   backward, layer l = 2..0:  unshard(l) again (l-1 prefetched), backward
  *                              into the grad buffer, reshard(l), reduce(l)
- *   once every reduce of the step succeeded: SGD on the rank's own flat
- *   shard with its sharded grad, then zero_grad.
+ *   once every reduce of the step succeeded: the daemon's SGD on the
+ *   rank's shard of each layer (shardd_step, step number t + 1, which
+ *   also clears the sharded grad); with --trainer-sgd, or on the cuda
+ *   backend (whose daemon has no step yet), the trainer's own SGD on its
+ *   flat shard with its sharded grad, then zero_grad.
  *
  * unshard and reduce are keyed by step, and the forward and the backward
  * unshard of one training step are two different collectives, so each gets
@@ -22,7 +25,13 @@
  *
  * A step that fails because a rank died (peer died, or timeout) is retried
  * once every rank is back: the dead rank's replacement re-attaches with
- * resume_step and joins the retry's attempt.
+ * resume_step and joins the retry's attempt. With the daemon's SGD the
+ * replacement first asks the daemon which step it last applied to each of
+ * its shards (shardd_group_last_step) and applies the step T update the
+ * dead rank reduced but never stepped (its sharded grad is still in the
+ * daemon). The trainer-side SGD cannot: a rank that dies after its step's
+ * last reduce completed but before its SGD loses that update, and one that
+ * dies in the middle of its SGD leaves a half-updated shard.
  *
  * Backends: on the host backend the ranks compute on the group buffers'
  * mappings directly. On the cuda backend (device >= 0) those are device
@@ -47,6 +56,7 @@ struct trainer_opts {
 	int64_t resume_step;   /* --resume-step T; -1: fresh start */
 	uint32_t attempt;      /* --attempt A: with --resume-step, the attempt to join */
 	int32_t device;        /* --device N; SHARDD_HELLO_DEVICE_HOST: none */
+	int trainer_sgd;       /* --trainer-sgd: SGD in the trainer, not the daemon's step */
 };
 
 /* Loss report from a rank to its launcher, one atomic pipe write. */

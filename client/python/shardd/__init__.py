@@ -14,19 +14,21 @@ module.
 """
 
 from . import proto
-from .client import (USER_DATA_RESERVED, Client, DaemonGone, Group, Param, Pending, ShardError,
-                     default_socket_path)
+from .client import (USER_DATA_RESERVED, Client, DaemonGone, Group, Optimizer, Param, Pending,
+                     ShardError, default_socket_path)
 from .dtypes import Bf16Array, bf16_to_fp32, dtype_code, fp32_to_bf16, numpy_dtype
 from .proto import (DTYPE_BF16, DTYPE_FP16, DTYPE_FP32, DTYPE_NONE, OP_BARRIER, OP_NOP,
-                    OP_RESHARD, OP_REDUCE, OP_UNSHARD, OP_ZERO_GRAD, REDUCE_ALL_REDUCE)
+                    OP_RESHARD, OP_REDUCE, OP_STEP, OP_UNSHARD, OP_ZERO_GRAD, REDUCE_ALL_REDUCE,
+                    STEP_ALREADY, STEP_APPLIED, STEP_SKIPPED)
 from .ring import Completion
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Client", "Group", "Param", "Pending", "Bf16Array", "Completion", "ShardError", "DaemonGone",
+    "Client", "Group", "Optimizer", "Param", "Pending", "Bf16Array", "Completion", "ShardError", "DaemonGone",
     "USER_DATA_RESERVED",
     "default_socket_path", "bf16_to_fp32", "fp32_to_bf16", "dtype_code", "numpy_dtype", "proto",
     "DTYPE_NONE", "DTYPE_FP32", "DTYPE_BF16", "DTYPE_FP16", "OP_NOP", "OP_BARRIER",
-    "OP_UNSHARD", "OP_REDUCE", "OP_RESHARD", "OP_ZERO_GRAD", "REDUCE_ALL_REDUCE",
+    "OP_UNSHARD", "OP_REDUCE", "OP_RESHARD", "OP_ZERO_GRAD", "OP_STEP", "REDUCE_ALL_REDUCE",
+    "STEP_APPLIED", "STEP_SKIPPED", "STEP_ALREADY",
 ]

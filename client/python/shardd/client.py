@@ -9,6 +9,7 @@ import mmap
 import os
 import select
 import socket
+import struct
 import threading
 import time
 
@@ -269,15 +270,18 @@ class Client:
     def _sync_timeout(self):
         return None if not self.collective_timeout_ms else self.collective_timeout_ms / 1000 + SYNC_GRACE_S
 
-    def register_group(self, name, params, param_dtype=None, reduce_dtype=None):
+    def register_group(self, name, params, param_dtype=None, reduce_dtype=None, optimizer=None):
         """Register a group (collective over the job's ranks) and map its buffers.
-        params: list of Param or (name, dtype, shape[, shard_dim]) tuples."""
+        params: list of Param or (name, dtype, shape[, shard_dim]) tuples.
+        optimizer: None, or an Optimizer (SGD/AdamW config) the daemon's step
+        op runs on each rank's shard (every rank gives the same)."""
         specs = [p if isinstance(p, Param) else Param(*p) for p in params]
         if not 1 <= len(specs) <= P.MAX_PARAMS:
             raise ValueError(f"group {name!r}: {len(specs)} params, 1..{P.MAX_PARAMS} allowed")
         pd, rd = D.dtype_code(param_dtype), D.dtype_code(reduce_dtype)
         payload = P.REGISTER_GROUP.pack(_cstr(name, P.NAME_MAX, "group name"), len(specs), pd, rd,
-                                        P.INIT_ZERO, 0, 0) + b"".join(p.pack() for p in specs)
+                                        P.INIT_ZERO, P.REGISTER_OPTIMIZER if optimizer else 0, 0) + \
+            b"".join(p.pack() for p in specs) + (optimizer.pack() if optimizer else b"")
         where = f"register group '{name}'"
         _t, reply, fds = self._request(P.MSG_REGISTER_GROUP, payload, self._sync_timeout(),
                                        P.MSG_GROUP, where)
@@ -306,10 +310,10 @@ class Client:
         with self._lock:
             return self._submit(op, group, step, flags, user_data)
 
-    def _submit(self, op, group, step, flags, user_data):
+    def _submit(self, op, group, step, flags, user_data, args=(0, 0)):
         if self.ring is None:
             raise _error(-errno.ENOTCONN, "submit: client is closed")
-        if not self.ring.sq_push(op, group, step, user_data, flags):
+        if not self.ring.sq_push(op, group, step, user_data, flags, args):
             return False
         if self.ring.needs_wakeup():
             try:
@@ -408,7 +412,8 @@ class Client:
     def run_many(self, ops, timeout=None):
         """Submit several ops at once (the daemon runs ops on different groups
         concurrently), wait for all of them, then raise the first failure.
-        ops: iterable of (op, group, step, flags, where)."""
+        ops: iterable of (op, group, step, flags, where[, args]), args the
+        two words of sqe.rsvd2[0..1] (a step's lr and clip bits)."""
         return self.start(ops).wait(timeout)
 
     def start(self, ops):
@@ -417,11 +422,11 @@ class Client:
         ops = list(ops)
         pending = {}
         with self._lock:
-            for op, group, step, flags, where in ops:
+            for op, group, step, flags, where, *args in ops:
                 self._next_sync += 1
                 ud = USER_DATA_RESERVED | self._next_sync
                 pending[ud] = where
-                while not self._submit(op, group, step, flags, ud):
+                while not self._submit(op, group, step, flags, ud, *args):
                     self._reap_one(self._sync_timeout(), where)
         return Pending(self, pending)
 
@@ -511,6 +516,37 @@ class Client:
             pass
 
 
+def _f64_bits(x):
+    return struct.unpack("<Q", struct.pack("<d", float(x)))[0]
+
+
+class Optimizer:
+    """A group's optimizer for register_group(): torch.optim's SGD or AdamW
+    hyperparameters except lr, which travels with each step."""
+
+    __slots__ = ("kind", "flags", "momentum", "dampening", "weight_decay", "beta1", "beta2", "eps")
+
+    def __init__(self, kind, flags=0, momentum=0.0, dampening=0.0, weight_decay=0.0,
+                 beta1=0.0, beta2=0.0, eps=0.0):
+        self.kind, self.flags = kind, flags
+        self.momentum, self.dampening, self.weight_decay = momentum, dampening, weight_decay
+        self.beta1, self.beta2, self.eps = beta1, beta2, eps
+
+    @classmethod
+    def sgd(cls, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False):
+        return cls(P.OPTIM_SGD, (P.OPTIM_NESTEROV if nesterov else 0) | (P.OPTIM_MAXIMIZE if maximize else 0),
+                   momentum=momentum, dampening=dampening, weight_decay=weight_decay)
+
+    @classmethod
+    def adamw(cls, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, maximize=False):
+        return cls(P.OPTIM_ADAMW, (P.OPTIM_AMSGRAD if amsgrad else 0) | (P.OPTIM_MAXIMIZE if maximize else 0),
+                   weight_decay=weight_decay, beta1=betas[0], beta2=betas[1], eps=eps)
+
+    def pack(self):
+        return P.OPTIM_CONFIG.pack(self.kind, self.flags, self.momentum, self.dampening, self.weight_decay,
+                                   self.beta1, self.beta2, self.eps, 0, 0)
+
+
 class Pending:
     """Ops submitted by Client.start(): wait(timeout) reaps them."""
 
@@ -557,7 +593,7 @@ class Group:
                                              f"expected >= {P.GROUP_REPLY.size}")
             (self.id, self.nparams, self.param_dtype, self.reduce_dtype, self.grad_dtype,
              self.shard_world, self.unsharded_size, self.grad_size, self.shard_size,
-             export_kind, _r0, _r1) = P.GROUP_REPLY.unpack_from(reply)
+             export_kind, self.optimizer, self.last_step) = P.GROUP_REPLY.unpack_from(reply)
             # Every buffer must be an fd (kind 0): a CUDA IPC handle is device memory.
             for i, kind in enumerate(export_kind):
                 if kind != P.EXPORT_FD:
@@ -758,6 +794,18 @@ class Group:
 
     def zero_grad(self, timeout=None):
         self.client.run(P.OP_ZERO_GRAD, self.id, 0, 0, f"zero_grad(group '{self.name}')", timeout)
+
+    def step(self, step, lr, skip_nonfinite=False, clip=None, timeout=None):
+        """The daemon's optimizer on this rank's shard for step number `step`
+        (>= 1) with learning rate `lr`; clip: a coefficient multiplied into
+        the grad (clip_grad_norm_'s), or None. Clears the sharded grad.
+        Returns P.STEP_APPLIED, P.STEP_SKIPPED (skip_nonfinite and a NaN/Inf
+        grad) or P.STEP_ALREADY (a step at or below the last one applied on
+        this shard: nothing changed); raises ShardError on errors."""
+        flags = (P.STEP_SKIP_NONFINITE if skip_nonfinite else 0) | (P.STEP_CLIP if clip is not None else 0)
+        args = (_f64_bits(lr), _f64_bits(clip) if clip is not None else 0)
+        where = f"step(group '{self.name}', step {step})"
+        return self.client.run_many([(P.OP_STEP, self.id, step, flags, where, args)], timeout)[0].res
 
     def submit(self, op, step=0, flags=0, user_data=0):
         """Asynchronous op on this group; reap with client.wait()/poll()."""

@@ -14,7 +14,7 @@ import struct
 MAGIC = 0x44524853        # "SHRD"
 RING_MAGIC = 0x474E4952   # "RING"
 PROTO_MAJOR = 1
-PROTO_MINOR = 0
+PROTO_MINOR = 2
 
 NAME_MAX = 64
 PARAM_NAME_MAX = 80
@@ -61,13 +61,24 @@ OP_UNSHARD = 3
 OP_REDUCE = 4
 OP_RESHARD = 5
 OP_ZERO_GRAD = 6
-OP_COUNT = 7
+OP_STEP = 7
+OP_COUNT = 8
 
 OP_NAMES = {OP_NOP: "nop", OP_BARRIER: "barrier", OP_UNSHARD: "unshard",
-            OP_REDUCE: "reduce", OP_RESHARD: "reshard", OP_ZERO_GRAD: "zero_grad"}
+            OP_REDUCE: "reduce", OP_RESHARD: "reshard", OP_ZERO_GRAD: "zero_grad", OP_STEP: "step"}
 
 REDUCE_ALL_REDUCE = 1 << 0
-REDUCE_FLAGS_MASK = REDUCE_ALL_REDUCE
+REDUCE_STEP = 1 << 1          # step each shard after the reduce (lr in sqe.rsvd2[0])
+REDUCE_FLAGS_MASK = REDUCE_ALL_REDUCE | REDUCE_STEP
+
+# SHARDD_OP_STEP: flags, results (cqe.res >= 0), optimizers (struct shardd_optim_config)
+STEP_SKIP_NONFINITE = 1 << 0
+STEP_CLIP = 1 << 1
+STEP_APPLIED, STEP_SKIPPED, STEP_ALREADY = 0, 1, 2
+STEP_RESULT_NAMES = {STEP_APPLIED: "applied", STEP_SKIPPED: "skipped", STEP_ALREADY: "already applied"}
+OPTIM_NONE, OPTIM_SGD, OPTIM_ADAMW = 0, 1, 2
+OPTIM_NESTEROV, OPTIM_MAXIMIZE, OPTIM_AMSGRAD = 1 << 0, 1 << 1, 1 << 2
+REGISTER_OPTIMIZER = 1 << 0
 
 # enum shardd_error
 E_BASE = 1000
@@ -131,7 +142,8 @@ PARAM_SPEC = struct.Struct("<80sIIII8Q")          # name dtype ndim shard_dim fl
 REGISTER_GROUP = struct.Struct("<64sIIIIII")      # name nparams param_dtype reduce_dtype init flags rsvd
 OPEN_GROUP = struct.Struct("<64s")
 PARAM_LAYOUT = struct.Struct("<8Q")               # see ParamLayout
-GROUP_REPLY = struct.Struct("<IIIIIIQQQ4sIQ")    # ... shard_size export_kind[4] rsvd0 rsvd
+GROUP_REPLY = struct.Struct("<IIIIIIQQQ4sIQ")    # ... shard_size export_kind[4] optimizer last_step
+OPTIM_CONFIG = struct.Struct("<II6d2Q")           # kind flags momentum dampening weight_decay beta1 beta2 eps rsvd[2]
 SQE = struct.Struct("<B3xIQQII4Q")                # op (fence=0: no streams here, rsvd0) group step user_data flags rsvd1 rsvd2[4]
 CQE = struct.Struct("<QiBBHIIQ4Q")                # user_data res op has_msg (fence, rsvd0: unused) group rsvd1 step rsvd2[4]
 RING_HDR_SIZE = 8 * CACHELINE
@@ -161,7 +173,7 @@ RH_CLIENT_LAST_OP = 6 * CACHELINE
 RH_CLIENT_LAST_STEP = 6 * CACHELINE + 8
 
 for _s, _n in ((MSG_HDR, 16), (HELLO, 112), (WELCOME, 64), (ERROR_MSG, 8),
-               (PARAM_SPEC, 160), (REGISTER_GROUP, 88), (OPEN_GROUP, 64),
+               (PARAM_SPEC, 160), (REGISTER_GROUP, 88), (OPTIM_CONFIG, 72), (OPEN_GROUP, 64),
                (PARAM_LAYOUT, 64), (GROUP_REPLY, 64), (SQE, 64), (CQE, 64)):
     if _s.size != _n:
         raise ImportError(f"shardd.proto: layout {_s.format!r} is {_s.size} bytes, "

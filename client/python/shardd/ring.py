@@ -220,7 +220,7 @@ class Ring:
         }
 
     # ---------------------------------------------------------- submission
-    def sq_push(self, op, group, step, user_data, flags):
+    def sq_push(self, op, group, step, user_data, flags, args=(0, 0)):
         """shardd_sq_push: returns True, or False when the SQ is full."""
         h = self._u32
         tail = h[P.RH_SQ_TAIL // 4]
@@ -229,7 +229,7 @@ class Ring:
         if (tail - head) & _U32 >= self.sq_entries:
             return False
         P.SQE.pack_into(self._mem, self.sq_off + (tail & self.sq_mask) * P.SQE.size,
-                        op, group, step, user_data, flags, 0, 0, 0, 0, 0)
+                        op, group, step, user_data, flags, 0, args[0], args[1], 0, 0)
         h[P.RH_CLIENT_LAST_OP // 4] = op
         self._u64[P.RH_CLIENT_LAST_STEP // 8] = step
         _release()  # entry before the tail: the daemon reads tail with acquire

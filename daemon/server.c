@@ -181,9 +181,12 @@ static int server_read_backlogs(void)
  * stay awake while work was seen within the spin window, else announce
  * sleep (NEED_WAKEUP) on every ring and re-check, so a submission racing
  * with us is never missed. A turn of the spin window that found nothing
- * yields the CPU: a client woken onto this CPU (by a completion's futex
- * wake) runs at once instead of after the window, which matters when
- * processes outnumber cores; on an idle core sched_yield() returns at once.
+ * yields the CPU, at most every SHARDD_SPIN_YIELD_NS: a client woken onto
+ * this CPU (by a completion's futex wake) runs within that instead of
+ * after the window, which matters when processes outnumber cores. On an
+ * idle core sched_yield() returns at once, but costs a system call
+ * (~1 us here), which a yield on every turn would add to the spinning
+ * round trip.
  */
 static int server_before_sleep(void *arg)
 {
@@ -201,8 +204,10 @@ static int server_before_sleep(void *arg)
 	if (backlog || server.need_close || server.need_reap)
 		return 0;
 	if (now - server.last_work_ns < SHARDD_SPIN_WINDOW_NS) {
-		if (!taken)
+		if (!taken && now - server.last_yield_ns >= SHARDD_SPIN_YIELD_NS) {
+			server.last_yield_ns = now;
 			sched_yield();
+		}
 		return 0;
 	}
 	for (struct shardd_session *s = server.sessions; s; s = s->next)

@@ -27,7 +27,7 @@
  * an idle core sched_yield() returns at once.
  */
 #define SHARDD_SPIN_NS       150000
-#define SHARDD_SPIN_CHECK    64     /* iterations between clock reads */
+#define SHARDD_SPIN_CHECK    8      /* iterations between clock reads and yields */
 #define SHARDD_WAIT_SLICE_MS 50
 /* Sync ops wait this much past the daemon's collective timeout, which fails them first. */
 #define SHARDD_SYNC_GRACE_MS 10000

@@ -6,6 +6,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -19,10 +20,14 @@
  * another core costs 30-80 us on the VMs measured (docs/BENCHMARKS.md), so
  * a client that gives up sooner pays a second wake-up for its own futex.
  * The budget is time, not iterations: a pause instruction costs 10-140 ns
- * depending on the CPU.
+ * depending on the CPU. Every SHARDD_SPIN_CHECK iterations the spin also
+ * yields the CPU: when processes outnumber cores the daemon (or another
+ * rank) woken onto this CPU runs at once instead of waiting out the whole
+ * budget (docs/BENCHMARKS.md, "where a 4 KiB collective's time goes"); on
+ * an idle core sched_yield() returns at once.
  */
 #define SHARDD_SPIN_NS       150000
-#define SHARDD_SPIN_CHECK    64     /* iterations between clock reads */
+#define SHARDD_SPIN_CHECK    8      /* iterations between clock reads and yields */
 #define SHARDD_WAIT_SLICE_MS 50
 /* Sync ops wait this much past the daemon's collective timeout, which fails them first. */
 #define SHARDD_SYNC_GRACE_MS 10000
@@ -191,8 +196,12 @@ static int spin_cq(struct shardd_client *c)
 			return corrupt_cq(c);
 		if (n > 0)
 			return 1;
-		if (i % SHARDD_SPIN_CHECK == 0 && shardd_client_now_ns() >= until)
-			return 0;
+		if (i % SHARDD_SPIN_CHECK == 0) {
+			if (shardd_client_now_ns() >= until)
+				return 0;
+			sched_yield();
+			continue;
+		}
 		cpu_relax();
 	}
 }

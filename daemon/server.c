@@ -5,6 +5,7 @@
 #include <limits.h>
 #include <stddef.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -129,8 +130,11 @@ static void server_rings_awake(void)
 			shardd_ring_clear_wakeup(&s->ring);
 }
 
-/* Take entries from every attached ring; keeps the spin window open when some had work. */
-static void server_service(uint64_t now)
+/*
+ * Take entries from every attached ring; keeps the spin window open when
+ * some had work. Returns how many were taken.
+ */
+static unsigned server_service(uint64_t now)
 {
 	unsigned taken = 0;
 
@@ -139,6 +143,7 @@ static void server_service(uint64_t now)
 			taken += shardd_session_service(s);
 	if (taken)
 		server.last_work_ns = now;
+	return taken;
 }
 
 /*
@@ -175,23 +180,36 @@ static int server_read_backlogs(void)
  * Before the loop may block: read the control backlogs, serve every ring,
  * stay awake while work was seen within the spin window, else announce
  * sleep (NEED_WAKEUP) on every ring and re-check, so a submission racing
- * with us is never missed.
+ * with us is never missed. A turn of the spin window that found nothing
+ * yields the CPU, at most every SHARDD_SPIN_YIELD_NS: a client woken onto
+ * this CPU (by a completion's futex wake) runs within that instead of
+ * after the window, which matters when processes outnumber cores. On an
+ * idle core sched_yield() returns at once, but costs a system call
+ * (~1 us here), which a yield on every turn would add to the spinning
+ * round trip.
  */
 static int server_before_sleep(void *arg)
 {
 	uint64_t now = shardd_now_ns();
 	int wake = 0, backlog;
+	unsigned taken;
 
 	(void)arg;
 	server_close_and_reap();
 	backlog = server_read_backlogs();
-	server_service(now);
+	taken = server_service(now);
 	if (now - server.last_heartbeat_ns >= SHARDD_HEARTBEAT_PERIOD_NS)
 		server_heartbeat(now);
 	/* Sessions marked closing by that service are closed on the next turn, without sleeping. */
-	if (backlog || server.need_close || server.need_reap ||
-	    now - server.last_work_ns < SHARDD_SPIN_WINDOW_NS)
+	if (backlog || server.need_close || server.need_reap)
 		return 0;
+	if (now - server.last_work_ns < SHARDD_SPIN_WINDOW_NS) {
+		if (!taken && now - server.last_yield_ns >= SHARDD_SPIN_YIELD_NS) {
+			server.last_yield_ns = now;
+			sched_yield();
+		}
+		return 0;
+	}
 	for (struct shardd_session *s = server.sessions; s; s = s->next)
 		if (shardd_session_prepare_sleep(s))
 			wake = 1;

@@ -18,6 +18,7 @@
 #define SHARDD_MAX_ALLOW_GIDS        32      /* --allow-gid may repeat this often */
 #define SHARDD_CRON_PERIOD_MS        100     /* barrier and collective timeouts, heartbeats */
 #define SHARDD_SPIN_WINDOW_NS        50000   /* keep polling rings this long after work */
+#define SHARDD_SPIN_YIELD_NS         4000    /* an idle spin turn yields at most this often */
 #define SHARDD_HEARTBEAT_PERIOD_NS   1000000 /* ring heartbeats at most this often */
 #define SHARDD_TIMEOUT_DEFAULT_S     300.0   /* --collective-timeout */
 #define SHARDD_TIMEOUT_MAX_S         604800.0 /* one week; fits the welcome's u32 ms */
@@ -76,6 +77,7 @@ struct shardd_server {
 	struct shardd_job     *jobs;
 	uint32_t next_client_id;       /* client ids start at 1; 0 is never used */
 	uint64_t last_work_ns;         /* the last time a ring had work: spin window */
+	uint64_t last_yield_ns;        /* the spin window's last sched_yield() */
 	uint64_t last_heartbeat_ns;
 	int      need_reap;            /* some session is dead and waits to be freed */
 	int      need_close;           /* some session is marked closing (shardd_session_close_later) */

@@ -23,6 +23,7 @@ from .ring import Ring, RingError
 USER_DATA_RESERVED = 1 << 63   # user_data with this bit is reserved for the sync wrappers
 CONNECT_TIMEOUT_S = 10.0       # handshake timeout when none is given
 SPIN_ITERATIONS = 200          # cq_ready checks before sleeping; Python spins slowly
+SPIN_YIELD_EVERY = 8           # checks between sched_yield()s, as libshardd's spin (PROTOCOL.md)
 SLEEP_SLICE_S = 0.05           # longest futex sleep between daemon liveness checks
 SYNC_GRACE_S = 10.0            # sync ops wait the collective timeout plus this
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # <linux/fcntl.h>; Python lacks it
@@ -373,10 +374,13 @@ class Client:
     def _wait_one(self, timeout, what, total=None):
         if self.ring is None:
             raise _error(-errno.ENOTCONN, f"{what}: client is closed")
-        for _ in range(SPIN_ITERATIONS):
+        for i in range(1, SPIN_ITERATIONS + 1):
             c = self._pop()
             if c:
                 return c
+            if i % SPIN_YIELD_EVERY == 0:
+                # Give the CPU to the daemon or a rank woken onto it (more processes than cores).
+                os.sched_yield()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             seen = self.ring.cq_tail()

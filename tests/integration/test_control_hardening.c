@@ -46,9 +46,7 @@ static struct harness_daemon daemon_;
 
 static void start_daemon(void)
 {
-	/* Closed connections must not kill the test with SIGPIPE. */
-	signal(SIGPIPE, SIG_IGN);
-	cr_assert_eq(harness_daemon_start(&daemon_, NULL), 0, "shardd did not start");
+	harness_daemon_start_or_fail(&daemon_, NULL);
 }
 
 /* The harness fails the suite on a sanitizer report in the daemon's log. */
@@ -63,34 +61,15 @@ TestSuite(control_hardening, .init = start_daemon, .fini = stop_daemon, .timeout
 /* The daemon: its log, its descriptors, its limit                     */
 /* ------------------------------------------------------------------ */
 
-/* Wait up to REPLY_MS for the daemon to have logged `needle` (the drain thread signals cond). */
+/* Wait up to REPLY_MS for the daemon to have logged `needle`. */
 static void wait_log(const char *needle)
 {
-	struct harness_daemon *d = &daemon_;
-	struct timespec until;
-	int found;
-
-	clock_gettime(CLOCK_MONOTONIC, &until);
-	until.tv_sec += REPLY_MS / 1000;
-	pthread_mutex_lock(&d->lock);
-	while (!(found = d->log && strstr(d->log, needle) != NULL) && !d->eof &&
-	       pthread_cond_timedwait(&d->cond, &d->lock, &until) == 0)
-		;
-	found = d->log && strstr(d->log, needle) != NULL;
-	pthread_mutex_unlock(&d->lock);
-	if (!found)
-		harness_daemon_dump_log(d);
-	cr_assert(found, "the daemon did not log '%s'", needle);
+	harness_wait_log(&daemon_, needle, REPLY_MS);
 }
 
 static int log_contains(const char *needle)
 {
-	int found;
-
-	pthread_mutex_lock(&daemon_.lock);
-	found = daemon_.log && strstr(daemon_.log, needle) != NULL;
-	pthread_mutex_unlock(&daemon_.lock);
-	return found;
+	return harness_log_contains(&daemon_, needle);
 }
 
 /* The daemon's open descriptors: how many, and the `nth` (0-based) free number. */

@@ -498,6 +498,38 @@ void harness_daemon_stop_expect_clean(struct harness_daemon *d)
 	daemon_stop(d, SIGTERM, HARNESS_STOP_TIMEOUT_MS, 1);
 }
 
+void harness_daemon_start_or_fail(struct harness_daemon *d, const char *const *extra)
+{
+	signal(SIGPIPE, SIG_IGN);
+	cr_assert_eq(harness_daemon_start(d, extra), 0, "shardd did not start");
+}
+
+int harness_log_contains(struct harness_daemon *d, const char *needle)
+{
+	int found;
+
+	pthread_mutex_lock(&d->lock);
+	found = d->log && strstr(d->log, needle) != NULL;
+	pthread_mutex_unlock(&d->lock);
+	return found;
+}
+
+void harness_wait_log(struct harness_daemon *d, const char *needle, int timeout_ms)
+{
+	struct timespec until = abs_deadline(timeout_ms);
+	int found;
+
+	pthread_mutex_lock(&d->lock);
+	while (!(found = d->log && strstr(d->log, needle) != NULL) && !d->eof &&
+	       pthread_cond_timedwait(&d->cond, &d->lock, &until) == 0)
+		;
+	found = d->log && strstr(d->log, needle) != NULL;
+	pthread_mutex_unlock(&d->lock);
+	if (!found)
+		harness_daemon_dump_log(d);
+	cr_assert(found, "the daemon did not log '%s'", needle);
+}
+
 int harness_attach(const struct harness_daemon *d, const char *job, uint32_t rank,
 		   uint32_t replicate, uint32_t shard, struct shardd_client **out)
 {

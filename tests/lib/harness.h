@@ -73,6 +73,23 @@ const char *harness_daemon_sanitizer_report(struct harness_daemon *d);
 /* Print the daemon's log so far to stderr, under a banner. */
 void harness_daemon_dump_log(struct harness_daemon *d);
 
+/*
+ * A suite's .init: ignore SIGPIPE (a connection the daemon closed must not
+ * kill the test), then harness_daemon_start, asserting (Criterion) it started.
+ */
+void harness_daemon_start_or_fail(struct harness_daemon *d, const char *const *extra);
+
+/* The daemon has logged `needle` so far. */
+int harness_log_contains(struct harness_daemon *d, const char *needle);
+
+/*
+ * Wait up to timeout_ms for the daemon to have logged `needle` (a line
+ * written before an event the test saw reaches the log through the drain
+ * thread, which signals d->cond on every read); assert (Criterion) it did,
+ * printing the log first when not.
+ */
+void harness_wait_log(struct harness_daemon *d, const char *needle, int timeout_ms);
+
 /* Attach (job, rank) of a replicate x shard mesh to the daemon. */
 int harness_attach(const struct harness_daemon *d, const char *job, uint32_t rank,
 		   uint32_t replicate, uint32_t shard, struct shardd_client **out);

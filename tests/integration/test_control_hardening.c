@@ -137,32 +137,6 @@ static int raw_connect(void)
 	return fd;
 }
 
-/* One datagram of `len` bytes (may be 0) carrying `nfds` fds by SCM_RIGHTS. */
-static ssize_t send_fds(int sock, const void *buf, size_t len, const int *fds, int nfds)
-{
-	union {
-		char buf[CMSG_SPACE(sizeof(int) * 16)];
-		struct cmsghdr align;
-	} ctl;
-	struct iovec iov = { (void *)buf, len };
-	struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1 };
-
-	cr_assert_leq(nfds, 16);
-	if (nfds > 0) {
-		struct cmsghdr *c;
-
-		memset(&ctl, 0, sizeof(ctl));
-		mh.msg_control = ctl.buf;
-		mh.msg_controllen = CMSG_SPACE(sizeof(int) * (size_t)nfds);
-		c = CMSG_FIRSTHDR(&mh);
-		c->cmsg_level = SOL_SOCKET;
-		c->cmsg_type = SCM_RIGHTS;
-		c->cmsg_len = CMSG_LEN(sizeof(int) * (size_t)nfds);
-		memcpy(CMSG_DATA(c), fds, sizeof(int) * (size_t)nfds);
-	}
-	return sendmsg(sock, &mh, MSG_NOSIGNAL);
-}
-
 static struct shardd_hello make_hello(const char *job, uint16_t major)
 {
 	struct shardd_hello h = { .major = major, .minor = SHARDD_PROTO_MINOR };
@@ -185,7 +159,7 @@ static ssize_t send_msg_fds(int sock, uint16_t type, uint32_t seq, const void *p
 	cr_assert_leq(len, 512);
 	memcpy(buf, &h, sizeof(h));
 	memcpy(buf + sizeof(h), payload, len);
-	return send_fds(sock, buf, sizeof(h) + len, fds, nfds);
+	return harness_send_fds(sock, buf, sizeof(h) + len, fds, nfds);
 }
 
 /*
@@ -314,14 +288,14 @@ Test(control_hardening, zero_length_datagrams_carrying_fds_are_refused_and_leak_
 	open_eight(fds);
 	for (int i = 0; i < FLOOD; i++) {
 		fd = raw_connect();
-		cr_assert_eq(send_fds(fd, NULL, 0, fds, 8), 0, "sendmsg: %s", strerror(errno));
+		cr_assert_eq(harness_send_fds(fd, NULL, 0, fds, 8), 0, "sendmsg: %s", strerror(errno));
 		expect_refusal(fd, -SHARDD_E_MALFORMED, "zero-length datagram",
 			       "zero-length datagram with 8 fds");
 		close(fd);
 	}
 	/* Without fds it is a protocol error too, told apart from an EOF. */
 	fd = raw_connect();
-	cr_assert_eq(send_fds(fd, NULL, 0, NULL, 0), 0, "sendmsg: %s", strerror(errno));
+	cr_assert_eq(harness_send_fds(fd, NULL, 0, NULL, 0), 0, "sendmsg: %s", strerror(errno));
 	expect_refusal(fd, -SHARDD_E_MALFORMED, "zero-length datagram", "zero-length datagram");
 	close(fd);
 	close_all(fds, 8);
@@ -347,6 +321,7 @@ Test(control_hardening, datagram_with_more_fds_than_the_protocol_allows_is_refus
 		cr_assert_eq(pipe2(fds + i, O_CLOEXEC), 0);
 	for (int i = 0; i < 20; i++) {
 		fd = raw_connect();
+		/* 12 fds: past proto's limit, so harness_send_fds builds the control data. */
 		cr_assert_gt(send_msg_fds(fd, SHARDD_MSG_HELLO, 1, &h, sizeof(h), fds, 12), 0,
 			     "sendmsg: %s", strerror(errno));
 		expect_refusal(fd, -SHARDD_E_MALFORMED, "more than 8 file descriptors",

@@ -565,6 +565,34 @@ int harness_raw_connect(const char *socket_path)
 	return fd;
 }
 
+ssize_t harness_send_fds(int sock, const void *buf, size_t len, const int *fds, int nfds)
+{
+	union {
+		char buf[CMSG_SPACE(sizeof(int) * 16)];
+		struct cmsghdr align;
+	} ctl;
+	struct iovec iov = { (void *)buf, len };
+	struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1 };
+	struct cmsghdr *c;
+
+	if (nfds <= SHARDD_CTRL_MAX_FDS)
+		return shardd_ctrl_send_dgram(sock, &iov, 1, fds, nfds, 0);
+	/* Past the protocol's limit: shardd_ctrl_send_dgram would refuse it. */
+	if (nfds > 16) {
+		errno = EINVAL;
+		return -EINVAL;
+	}
+	memset(&ctl, 0, sizeof(ctl));
+	mh.msg_control = ctl.buf;
+	mh.msg_controllen = CMSG_SPACE(sizeof(int) * (size_t)nfds);
+	c = CMSG_FIRSTHDR(&mh);
+	c->cmsg_level = SOL_SOCKET;
+	c->cmsg_type = SCM_RIGHTS;
+	c->cmsg_len = CMSG_LEN(sizeof(int) * (size_t)nfds);
+	memcpy(CMSG_DATA(c), fds, sizeof(int) * (size_t)nfds);
+	return sendmsg(sock, &mh, MSG_NOSIGNAL) < 0 ? -errno : (ssize_t)len;
+}
+
 int harness_recv_error(int fd, int timeout_ms, uint16_t *type, int32_t *code, char *text,
 		       size_t len)
 {

@@ -137,6 +137,15 @@ int harness_signal(int fd, char byte);
 int harness_raw_connect(const char *socket_path);
 
 /*
+ * One datagram of `len` bytes (may be 0) carrying `nfds` fds (at most 16)
+ * by SCM_RIGHTS: the bytes sent or -errno (errno set too). Up to
+ * SHARDD_CTRL_MAX_FDS fds it is proto's shardd_ctrl_send_dgram; more is a
+ * message the protocol forbids, which that helper refuses to send, so the
+ * control data is built here for the tests that must send it.
+ */
+ssize_t harness_send_fds(int sock, const void *buf, size_t len, const int *fds, int nfds);
+
+/*
  * Receive one whole control message on a raw connection within timeout_ms.
  * For an ERROR, *code and text (NUL-terminated, truncated to len) are
  * filled and 0 is returned; another type gives -ENOMSG with *type set;

@@ -538,6 +538,24 @@ static void raw_register_arrived(struct raw *r, const char *name, uint64_t d0)
 	json_decref(admin_call(r->fd, 900, "{\"cmd\":\"jobs\"}", 14));
 }
 
+/* Rank `r` registers group "g" of one fp32 param "w" of `rows` elements. */
+static void send_register_w(struct raw *r, uint64_t rows)
+{
+	raw_send_register(r, (struct shardd_register_group[]){ reg_hdr("g", 1) },
+			  (struct shardd_param_spec[]){ pspec("w", SHARDD_DTYPE_FP32, 1,
+							      (uint64_t[]){ rows }) }, 1);
+}
+
+/* Ranks a and b register the same "g" ([6]), get the same group id, and close. */
+static void register_pair_and_close(struct raw *a, struct raw *b)
+{
+	raw_register_arrived(a, "g", 6);
+	send_register_w(b, 6);
+	cr_assert_eq(raw_recv_group(a), raw_recv_group(b));
+	raw_close(a);
+	raw_close(b);
+}
+
 /*
  * A client that shut down its reading side: the daemon's next send to it
  * fails at once (EPIPE) and drops it, here while a registration fails.
@@ -551,9 +569,7 @@ Test(hostile, registration_failing_while_a_reply_cannot_be_sent_keeps_the_daemon
 	raw_attach(&b, "reg-epipe", 1, 1, 2, 0);
 	raw_register_arrived(&a, "g", 6);
 	cr_assert_eq(shutdown(b.fd, SHUT_RD), 0);
-	raw_send_register(&b, (struct shardd_register_group[]){ reg_hdr("g", 1) },
-			  (struct shardd_param_spec[]){ pspec("w", SHARDD_DTYPE_FP32, 1,
-							      (uint64_t[]){ 7 }) }, 1);
+	send_register_w(&b, 7);
 	expect_error(a.fd, a.seq, -SHARDD_E_MISMATCH, NEEDLES("shape", "[6]", "[7]"),
 		     "rank 0 of a failed registration");
 	/* Exactly one reply: the next message on rank 0's socket answers the next request. */
@@ -561,34 +577,20 @@ Test(hostile, registration_failing_while_a_reply_cannot_be_sent_keeps_the_daemon
 	assert_daemon_alive();
 	raw_close(&b);
 	raw_attach(&b, "reg-epipe", 1, 1, 2, 0);
-	raw_register_arrived(&a, "g", 6);
-	raw_send_register(&b, (struct shardd_register_group[]){ reg_hdr("g", 1) },
-			  (struct shardd_param_spec[]){ pspec("w", SHARDD_DTYPE_FP32, 1,
-							      (uint64_t[]){ 6 }) }, 1);
-	cr_assert_eq(raw_recv_group(&a), raw_recv_group(&b));
-	raw_close(&a);
-	raw_close(&b);
+	register_pair_and_close(&a, &b);
 
 	/* The rank that arrived first cannot be answered. */
 	raw_attach(&a, "reg-epipe2", 0, 1, 2, 0);
 	raw_attach(&b, "reg-epipe2", 1, 1, 2, 0);
 	raw_register_arrived(&a, "g", 6);
 	cr_assert_eq(shutdown(a.fd, SHUT_RD), 0);
-	raw_send_register(&b, (struct shardd_register_group[]){ reg_hdr("g", 1) },
-			  (struct shardd_param_spec[]){ pspec("w", SHARDD_DTYPE_FP32, 1,
-							      (uint64_t[]){ 7 }) }, 1);
+	send_register_w(&b, 7);
 	expect_error(b.fd, b.seq, -SHARDD_E_MISMATCH, NEEDLES("shape"),
 		     "rank 1 of a failed registration");
 	json_decref(admin_call(b.fd, 902, "{\"cmd\":\"status\"}", 16));
 	assert_daemon_alive();
 	raw_close(&a);
 	raw_attach(&a, "reg-epipe2", 0, 1, 2, 0);
-	raw_register_arrived(&a, "g", 6);
-	raw_send_register(&b, (struct shardd_register_group[]){ reg_hdr("g", 1) },
-			  (struct shardd_param_spec[]){ pspec("w", SHARDD_DTYPE_FP32, 1,
-							      (uint64_t[]){ 6 }) }, 1);
-	cr_assert_eq(raw_recv_group(&a), raw_recv_group(&b));
-	raw_close(&a);
-	raw_close(&b);
+	register_pair_and_close(&a, &b);
 	assert_others_served();
 }

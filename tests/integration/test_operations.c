@@ -434,16 +434,22 @@ Test(operations, existing_private_directory_is_kept_and_warned_about)
 	remove_tree(base);
 }
 
-Test(operations, bad_socket_mode_is_a_usage_error)
+/* `shardd FLAG VALUE` exits 2 (usage) and its output holds `needle`. */
+static void expect_usage_error(const char *flag, const char *value, const char *needle)
 {
-	const char *argv[] = { getenv("SHARDD_BIN"), "--socket-mode", "0066", NULL };
+	const char *argv[] = { getenv("SHARDD_BIN"), flag, value, NULL };
 	char out[4096];
 	int status = 0;
 
 	cr_assert_eq(harness_run(argv, CTL_MS, &status, out, sizeof(out)), 0);
 	cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 2, "%s: %s",
 		  harness_status_str(status), out);
-	cr_assert_not_null(strstr(out, "--socket-mode: '0066'"), "%s", out);
+	cr_assert_not_null(strstr(out, needle), "%s", out);
+}
+
+Test(operations, bad_socket_mode_is_a_usage_error)
+{
+	expect_usage_error("--socket-mode", "0066", "--socket-mode: '0066'");
 }
 
 /* ------------------------------------------------------------------ */
@@ -1342,14 +1348,7 @@ Test(operations, metrics_listen_serves_a_valid_exposition_with_the_ops_run)
 
 Test(operations, metrics_listen_rejects_a_bad_address)
 {
-	const char *argv[] = { getenv("SHARDD_BIN"), "--metrics-listen", "::1:80", NULL };
-	char out[4096];
-	int status = 0;
-
-	cr_assert_eq(harness_run(argv, CTL_MS, &status, out, sizeof(out)), 0);
-	cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 2, "%s: %s",
-		  harness_status_str(status), out);
-	cr_assert_not_null(strstr(out, "[::1]:9464"), "%s", out);
+	expect_usage_error("--metrics-listen", "::1:80", "[::1]:9464");
 }
 
 /* ------------------------------------------------------------------ */

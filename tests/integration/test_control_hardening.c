@@ -250,6 +250,18 @@ static void wait_connections(int sock, int64_t want)
 		     (long long)n, (long long)want);
 }
 
+/*
+ * The daemon has processed every close (it counts `base` connections again)
+ * and holds as many fds as the `base_fds` it held before; `admin` is closed.
+ */
+static void assert_fds_back(int admin, int64_t base, int base_fds)
+{
+	wait_connections(admin, base);
+	cr_assert_eq(daemon_fd_count(), base_fds, "the daemon holds %d fds, %d before",
+		     daemon_fd_count(), base_fds);
+	close(admin);
+}
+
 /* A well-behaved client attaches and runs a nop and a barrier. */
 static void assert_others_served(const char *job)
 {
@@ -329,10 +341,7 @@ Test(control_hardening, datagram_with_more_fds_than_the_protocol_allows_is_refus
 		close(fd);
 	}
 	close_all(fds, 12);
-	wait_connections(admin, base);
-	cr_assert_eq(daemon_fd_count(), base_fds, "the daemon holds %d fds, %d before",
-		     daemon_fd_count(), base_fds);
-	close(admin);
+	assert_fds_back(admin, base, base_fds);
 	assert_others_served("after-many-fds");
 }
 
@@ -360,10 +369,7 @@ Test(control_hardening, fds_dropped_at_the_fd_limit_are_logged_with_the_real_cau
 	cr_assert(!log_contains("larger than"), "the log blames the datagram's size");
 
 	cr_assert_eq(prlimit(daemon_.pid, RLIMIT_NOFILE, &old, NULL), 0);
-	wait_connections(admin, base);
-	cr_assert_eq(daemon_fd_count(), base_fds, "the daemon holds %d fds, %d before",
-		     daemon_fd_count(), base_fds);
-	close(admin);
+	assert_fds_back(admin, base, base_fds);
 	assert_others_served("after-truncation");
 }
 
@@ -403,10 +409,7 @@ Test(control_hardening, connection_at_the_fd_limit_is_answered_with_the_cause_an
 	wait_log("at its fd limit (RLIMIT_NOFILE=");
 	cr_assert_eq(prlimit(daemon_.pid, RLIMIT_NOFILE, &old, NULL), 0);
 	assert_others_served("after-emfile");
-	wait_connections(admin, base);
-	cr_assert_eq(daemon_fd_count(), base_fds, "the daemon holds %d fds, %d before",
-		     daemon_fd_count(), base_fds);
-	close(admin);
+	assert_fds_back(admin, base, base_fds);
 }
 
 /* ------------------------------------------------------------------ */

@@ -50,7 +50,6 @@ import json
 import math
 import os
 import queue
-import select
 import shutil
 import signal
 import subprocess
@@ -68,6 +67,8 @@ try:
 except ImportError:     # not installed: the checkout's client/python
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
     import shardd.torch as st
+import shardd.launch
+from shardd.launch import stop
 
 VOCAB = 256                  # byte-level tokens
 BIBLE_RANGE = "gen1:1-rev22:21"
@@ -232,35 +233,16 @@ def reference(a, data):
 # ---------------------------------------------------------------- the launcher
 def start_daemon(binary, workdir):
     sock = os.path.join(workdir, "shardd.sock")
-    proc = subprocess.Popen([binary, "--socket", sock, "--foreground", "--log-level", "warn",
-                             "--collective-timeout", "60"],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
-    want, buf, deadline = f"shardd: ready on {sock}".encode(), b"", time.monotonic() + 15
-    while want not in buf:
-        left = deadline - time.monotonic()
-        r = select.select([proc.stderr], [], [], max(0.0, left))[0] if left > 0 else []
-        chunk = os.read(proc.stderr.fileno(), 4096) if r else b""
-        if not chunk:
-            proc.kill()
-            proc.wait(timeout=10)
-            raise SystemExit(f"train_gpt: {binary} did not print '{want.decode()}' within 15 s: "
-                             f"{buf.decode(errors='replace')}")
-        buf += chunk
+    try:
+        proc, _path, _text = shardd.launch.start_daemon(
+            [binary, "--socket", sock, "--foreground", "--log-level", "warn",
+             "--collective-timeout", "60"], socket=sock)
+    except shardd.launch.DaemonStartError as e:
+        raise SystemExit(f"train_gpt: {e}") from None
     # Keep draining its stderr so the daemon never blocks on a full pipe.
     threading.Thread(target=lambda: [sys.stderr.write(f"shardd: {line.decode(errors='replace')}")
                                      for line in proc.stderr], daemon=True).start()
     return proc, sock
-
-
-def stop(proc):
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
 
 
 def read_rank(r, stream, q):

@@ -33,7 +33,6 @@ usage: train_torch.py --socket PATH [--ranks N] [--replicate R] [--steps K] [--r
 
 import argparse
 import os
-import select
 import subprocess
 import sys
 import tempfile
@@ -47,6 +46,7 @@ try:
 except ImportError:     # not installed: the checkout's client/python
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
     import shardd.torch as st
+import shardd.launch
 
 IN, HIDDEN, OUT = 8, 33, 4
 LR, MOMENTUM, WEIGHT_DECAY = 0.05, 0.9, 1e-4
@@ -141,20 +141,12 @@ def reference(a):
 
 def start_daemon(binary, workdir):
     sock = os.path.join(workdir, "shardd.sock")
-    proc = subprocess.Popen([binary, "--socket", sock, "--foreground", "--log-level", "warn",
-                             "--collective-timeout", "20"],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
-    want, buf, deadline = f"shardd: ready on {sock}".encode(), b"", time.monotonic() + 15
-    while want not in buf:
-        left = deadline - time.monotonic()
-        r = select.select([proc.stderr], [], [], max(0.0, left))[0] if left > 0 else []
-        chunk = os.read(proc.stderr.fileno(), 4096) if r else b""
-        if not chunk:
-            proc.kill()
-            proc.wait(timeout=10)
-            raise SystemExit(f"train_torch: shardd did not get ready: {buf.decode(errors='replace')}")
-        buf += chunk
+    try:
+        proc, _path, _text = shardd.launch.start_daemon(
+            [binary, "--socket", sock, "--foreground", "--log-level", "warn",
+             "--collective-timeout", "20"], socket=sock)
+    except shardd.launch.DaemonStartError as e:
+        raise SystemExit(f"train_torch: shardd did not get ready: {e}") from None
     return proc, sock
 
 
@@ -233,12 +225,7 @@ def main():
             return 0
         finally:
             if daemon is not None:
-                daemon.terminate()
-                try:
-                    daemon.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    daemon.kill()
-                    daemon.wait(timeout=10)
+                shardd.launch.stop(daemon)
 
 
 if __name__ == "__main__":

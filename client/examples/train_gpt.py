@@ -69,6 +69,7 @@ except ImportError:     # not installed: the checkout's client/python
     import shardd.torch as st
 import shardd.launch
 from shardd.launch import stop
+from shard_check import save_shards, shard_diffs
 
 VOCAB = 256                  # byte-level tokens
 BIBLE_RANGE = "gen1:1-rev22:21"
@@ -209,8 +210,7 @@ def run_rank(a):
             ms = (time.perf_counter() - t0) * 1e3
             print(json.dumps({"step": step, "loss": loss.item(), "ms": ms}), flush=True)
         if a.result:
-            np.savez(a.result, **{f"{n}@{dim}@{first}": t.detach().float().numpy()
-                                  for n, t, dim, first in st.local_shards(model)})
+            save_shards(a.result, model)
     return 0
 
 
@@ -350,12 +350,7 @@ def check(a, data, tmp, losses):
             print(f"train_gpt: rank {r} holds {len(got.files)} params, the reference "
                   f"{len(ref)}", file=sys.stderr)
             return 1
-        for key in got.files:
-            n, dim, first = key.split("@")
-            shard = got[key]
-            want = np.take(ref[n], range(int(first), int(first) + shard.shape[int(dim)]),
-                           axis=int(dim))
-            d = float(np.max(np.abs(shard - want))) if shard.size else 0.0
+        for n, d in shard_diffs(got, ref):
             worst = max(worst, d)
             if d > CHECK_ATOL:
                 print(f"train_gpt: rank {r} param {n}: max |shardd - reference| = {d:.3g} > "

@@ -47,6 +47,7 @@ except ImportError:     # not installed: the checkout's client/python
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
     import shardd.torch as st
 import shardd.launch
+from shard_check import save_shards, shard_diffs
 
 IN, HIDDEN, OUT = 8, 33, 4
 LR, MOMENTUM, WEIGHT_DECAY = 0.05, 0.9, 1e-4
@@ -122,8 +123,7 @@ def run_rank(a):
             # One write per line: the ranks share stdout, and a short write is not interleaved.
             os.write(1, (f"rank {a.rank} step {step} loss {loss.item():.6f} time_us {t / 1e3:.1f} "
                          f"compute_us {(t - w) / 1e3:.1f} shardd_us {w / 1e3:.1f}\n").encode())
-        np.savez(a.result, **{f"{n}@{dim}@{first}": t.detach().float().numpy()
-                              for n, t, dim, first in st.local_shards(model)})
+        save_shards(a.result, model)
     return 0
 
 
@@ -205,12 +205,7 @@ def main():
             for r in range(a.ranks * a.replicate):
                 got = np.load(os.path.join(tmp, f"r{r}.npz"))
                 assert len(got.files) == len(ref)
-                for key in got.files:
-                    n, dim, first = key.split("@")
-                    shard = got[key]
-                    want = np.take(ref[n], range(int(first), int(first) + shard.shape[int(dim)]),
-                                   axis=int(dim))
-                    d = float(np.max(np.abs(shard - want))) if shard.size else 0.0
+                for n, d in shard_diffs(got, ref):
                     worst = max(worst, d)
                     if d > ATOL:
                         print(f"train_torch: rank {r} param {n}: max |shardd - reference| = "

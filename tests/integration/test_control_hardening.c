@@ -75,35 +75,7 @@ static int log_contains(const char *needle)
 /* The daemon's open descriptors: how many, and the `nth` (0-based) free number. */
 static int daemon_fds(int nth_free, int *free_no)
 {
-	char path[64], present[65536] = { 0 };
-	struct dirent *e;
-	DIR *d;
-	int n = 0;
-
-	snprintf(path, sizeof(path), "/proc/%d/fd", (int)daemon_.pid);
-	d = opendir(path);
-	cr_assert_not_null(d, "%s: %s", path, strerror(errno));
-	while ((e = readdir(d))) {
-		long no;
-
-		if (e->d_name[0] == '.')
-			continue;
-		n++;
-		no = strtol(e->d_name, NULL, 10);
-		if (no >= 0 && no < (long)sizeof(present))
-			present[no] = 1;
-	}
-	closedir(d);
-	if (free_no) {
-		*free_no = -1;
-		for (int i = 0; i < (int)sizeof(present); i++)
-			if (!present[i] && nth_free-- == 0) {
-				*free_no = i;
-				break;
-			}
-		cr_assert_geq(*free_no, 0, "no free descriptor number found in %s", path);
-	}
-	return n;
+	return harness_daemon_fds(&daemon_, nth_free, free_no);
 }
 
 static int daemon_fd_count(void)

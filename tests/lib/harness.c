@@ -4,6 +4,7 @@
  * and bounded waits on pipes and pidfds.
  */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <ftw.h>
@@ -528,6 +529,39 @@ void harness_wait_log(struct harness_daemon *d, const char *needle, int timeout_
 	if (!found)
 		harness_daemon_dump_log(d);
 	cr_assert(found, "the daemon did not log '%s'", needle);
+}
+
+int harness_daemon_fds(const struct harness_daemon *dm, int nth_free, int *free_no)
+{
+	char path[64], present[65536] = { 0 };
+	struct dirent *e;
+	DIR *d;
+	int n = 0;
+
+	snprintf(path, sizeof(path), "/proc/%d/fd", (int)dm->pid);
+	d = opendir(path);
+	cr_assert_not_null(d, "%s: %s", path, strerror(errno));
+	while ((e = readdir(d))) {
+		long no;
+
+		if (e->d_name[0] == '.')
+			continue;
+		n++;
+		no = strtol(e->d_name, NULL, 10);
+		if (no >= 0 && no < (long)sizeof(present))
+			present[no] = 1;
+	}
+	closedir(d);
+	if (free_no) {
+		*free_no = -1;
+		for (int i = 0; i < (int)sizeof(present); i++)
+			if (!present[i] && nth_free-- == 0) {
+				*free_no = i;
+				break;
+			}
+		cr_assert_geq(*free_no, 0, "no free descriptor number found in %s", path);
+	}
+	return n;
 }
 
 int harness_attach(const struct harness_daemon *d, const char *job, uint32_t rank,

@@ -79,6 +79,12 @@ void harness_daemon_dump_log(struct harness_daemon *d);
  */
 void harness_daemon_start_or_fail(struct harness_daemon *d, const char *const *extra);
 
+/*
+ * The daemon's open descriptors (/proc/PID/fd): how many; with free_no,
+ * also the `nth_free` (0-based) descriptor number it has free (asserted found).
+ */
+int harness_daemon_fds(const struct harness_daemon *d, int nth_free, int *free_no);
+
 /* The daemon has logged `needle` so far. */
 int harness_log_contains(struct harness_daemon *d, const char *needle);
 

@@ -232,11 +232,8 @@ def reference(a, data):
 
 # ---------------------------------------------------------------- the launcher
 def start_daemon(binary, workdir):
-    sock = os.path.join(workdir, "shardd.sock")
     try:
-        proc, _path, _text = shardd.launch.start_daemon(
-            [binary, "--socket", sock, "--foreground", "--log-level", "warn",
-             "--collective-timeout", "60"], socket=sock)
+        proc, sock = shardd.launch.start_private(binary, workdir, "--collective-timeout", "60")
     except shardd.launch.DaemonStartError as e:
         raise SystemExit(f"train_gpt: {e}") from None
     # Keep draining its stderr so the daemon never blocks on a full pipe.

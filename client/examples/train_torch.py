@@ -140,11 +140,8 @@ def reference(a):
 
 
 def start_daemon(binary, workdir):
-    sock = os.path.join(workdir, "shardd.sock")
     try:
-        proc, _path, _text = shardd.launch.start_daemon(
-            [binary, "--socket", sock, "--foreground", "--log-level", "warn",
-             "--collective-timeout", "20"], socket=sock)
+        proc, sock = shardd.launch.start_private(binary, workdir, "--collective-timeout", "20")
     except shardd.launch.DaemonStartError as e:
         raise SystemExit(f"train_torch: shardd did not get ready: {e}") from None
     return proc, sock

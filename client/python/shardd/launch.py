@@ -2,8 +2,7 @@
 """A private shardd for a script or a test: start one and wait for its
 readiness line, stop one (or any child process) within a bound.
 
-    proc, path, text = shardd.launch.start_daemon(
-        ["shardd", "--socket", sock, "--foreground", "--log-level", "warn"])
+    proc, sock = shardd.launch.start_private("shardd", workdir)
     ...
     shardd.launch.stop(proc)
 
@@ -64,3 +63,13 @@ def start_daemon(argv, env=None, timeout_s=15.0, socket=None):
             raise DaemonStartError(f"{argv[0]} exited with {rc} before it was ready; "
                                    f"stderr: {text!r}")
         buf += chunk
+
+
+def start_private(binary, workdir, *extra, timeout_s=15.0):
+    """`binary` on workdir/shardd.sock (--foreground --log-level warn, then
+    the `extra` arguments), ready: returns (process, socket path). Raises
+    DaemonStartError as start_daemon does."""
+    sock = os.path.join(workdir, "shardd.sock")
+    proc, _path, _text = start_daemon([binary, "--socket", sock, "--foreground", "--log-level",
+                                       "warn", *extra], timeout_s=timeout_s, socket=sock)
+    return proc, sock

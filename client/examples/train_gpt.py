@@ -50,7 +50,6 @@ import json
 import math
 import os
 import queue
-import select
 import shutil
 import signal
 import subprocess
@@ -68,6 +67,9 @@ try:
 except ImportError:     # not installed: the checkout's client/python
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
     import shardd.torch as st
+import shardd.launch
+from shardd.launch import stop
+from shard_check import save_shards, shard_diffs
 
 VOCAB = 256                  # byte-level tokens
 BIBLE_RANGE = "gen1:1-rev22:21"
@@ -208,8 +210,7 @@ def run_rank(a):
             ms = (time.perf_counter() - t0) * 1e3
             print(json.dumps({"step": step, "loss": loss.item(), "ms": ms}), flush=True)
         if a.result:
-            np.savez(a.result, **{f"{n}@{dim}@{first}": t.detach().float().numpy()
-                                  for n, t, dim, first in st.local_shards(model)})
+            save_shards(a.result, model)
     return 0
 
 
@@ -231,36 +232,14 @@ def reference(a, data):
 
 # ---------------------------------------------------------------- the launcher
 def start_daemon(binary, workdir):
-    sock = os.path.join(workdir, "shardd.sock")
-    proc = subprocess.Popen([binary, "--socket", sock, "--foreground", "--log-level", "warn",
-                             "--collective-timeout", "60"],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
-    want, buf, deadline = f"shardd: ready on {sock}".encode(), b"", time.monotonic() + 15
-    while want not in buf:
-        left = deadline - time.monotonic()
-        r = select.select([proc.stderr], [], [], max(0.0, left))[0] if left > 0 else []
-        chunk = os.read(proc.stderr.fileno(), 4096) if r else b""
-        if not chunk:
-            proc.kill()
-            proc.wait(timeout=10)
-            raise SystemExit(f"train_gpt: {binary} did not print '{want.decode()}' within 15 s: "
-                             f"{buf.decode(errors='replace')}")
-        buf += chunk
+    try:
+        proc, sock = shardd.launch.start_private(binary, workdir, "--collective-timeout", "60")
+    except shardd.launch.DaemonStartError as e:
+        raise SystemExit(f"train_gpt: {e}") from None
     # Keep draining its stderr so the daemon never blocks on a full pipe.
     threading.Thread(target=lambda: [sys.stderr.write(f"shardd: {line.decode(errors='replace')}")
                                      for line in proc.stderr], daemon=True).start()
     return proc, sock
-
-
-def stop(proc):
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
 
 
 def read_rank(r, stream, q):
@@ -368,12 +347,7 @@ def check(a, data, tmp, losses):
             print(f"train_gpt: rank {r} holds {len(got.files)} params, the reference "
                   f"{len(ref)}", file=sys.stderr)
             return 1
-        for key in got.files:
-            n, dim, first = key.split("@")
-            shard = got[key]
-            want = np.take(ref[n], range(int(first), int(first) + shard.shape[int(dim)]),
-                           axis=int(dim))
-            d = float(np.max(np.abs(shard - want))) if shard.size else 0.0
+        for n, d in shard_diffs(got, ref):
             worst = max(worst, d)
             if d > CHECK_ATOL:
                 print(f"train_gpt: rank {r} param {n}: max |shardd - reference| = {d:.3g} > "

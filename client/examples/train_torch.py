@@ -33,7 +33,6 @@ usage: train_torch.py --socket PATH [--ranks N] [--replicate R] [--steps K] [--r
 
 import argparse
 import os
-import select
 import subprocess
 import sys
 import tempfile
@@ -47,6 +46,8 @@ try:
 except ImportError:     # not installed: the checkout's client/python
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
     import shardd.torch as st
+import shardd.launch
+from shard_check import save_shards, shard_diffs
 
 IN, HIDDEN, OUT = 8, 33, 4
 LR, MOMENTUM, WEIGHT_DECAY = 0.05, 0.9, 1e-4
@@ -122,8 +123,7 @@ def run_rank(a):
             # One write per line: the ranks share stdout, and a short write is not interleaved.
             os.write(1, (f"rank {a.rank} step {step} loss {loss.item():.6f} time_us {t / 1e3:.1f} "
                          f"compute_us {(t - w) / 1e3:.1f} shardd_us {w / 1e3:.1f}\n").encode())
-        np.savez(a.result, **{f"{n}@{dim}@{first}": t.detach().float().numpy()
-                              for n, t, dim, first in st.local_shards(model)})
+        save_shards(a.result, model)
     return 0
 
 
@@ -140,21 +140,10 @@ def reference(a):
 
 
 def start_daemon(binary, workdir):
-    sock = os.path.join(workdir, "shardd.sock")
-    proc = subprocess.Popen([binary, "--socket", sock, "--foreground", "--log-level", "warn",
-                             "--collective-timeout", "20"],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
-    want, buf, deadline = f"shardd: ready on {sock}".encode(), b"", time.monotonic() + 15
-    while want not in buf:
-        left = deadline - time.monotonic()
-        r = select.select([proc.stderr], [], [], max(0.0, left))[0] if left > 0 else []
-        chunk = os.read(proc.stderr.fileno(), 4096) if r else b""
-        if not chunk:
-            proc.kill()
-            proc.wait(timeout=10)
-            raise SystemExit(f"train_torch: shardd did not get ready: {buf.decode(errors='replace')}")
-        buf += chunk
+    try:
+        proc, sock = shardd.launch.start_private(binary, workdir, "--collective-timeout", "20")
+    except shardd.launch.DaemonStartError as e:
+        raise SystemExit(f"train_torch: shardd did not get ready: {e}") from None
     return proc, sock
 
 
@@ -213,12 +202,7 @@ def main():
             for r in range(a.ranks * a.replicate):
                 got = np.load(os.path.join(tmp, f"r{r}.npz"))
                 assert len(got.files) == len(ref)
-                for key in got.files:
-                    n, dim, first = key.split("@")
-                    shard = got[key]
-                    want = np.take(ref[n], range(int(first), int(first) + shard.shape[int(dim)]),
-                                   axis=int(dim))
-                    d = float(np.max(np.abs(shard - want))) if shard.size else 0.0
+                for n, d in shard_diffs(got, ref):
                     worst = max(worst, d)
                     if d > ATOL:
                         print(f"train_torch: rank {r} param {n}: max |shardd - reference| = "
@@ -233,12 +217,7 @@ def main():
             return 0
         finally:
             if daemon is not None:
-                daemon.terminate()
-                try:
-                    daemon.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    daemon.kill()
-                    daemon.wait(timeout=10)
+                shardd.launch.stop(daemon)
 
 
 if __name__ == "__main__":

@@ -16,21 +16,9 @@ static const enum fuzz_action actions[] = {
 	FZ_GOODBYE, FZ_CLOSE, FZ_SHUT_WR, FZ_TURN, FZ_CRON, FZ_CONNECT, FZ_HELLO, FZ_MSG,
 };
 
-static const struct fuzz_target target = {
+const struct fuzz_target fuzz_target = {
 	.name = "fuzz_ctrl",
 	.actions = actions,
 	.nactions = sizeof(actions) / sizeof(actions[0]),
 	.attach_jobs = 0,
 };
-
-int LLVMFuzzerInitialize(int *argc, char ***argv)
-{
-	(void)argc;
-	(void)argv;
-	return fuzz_init();
-}
-
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
-{
-	return fuzz_run(&target, data, size);
-}

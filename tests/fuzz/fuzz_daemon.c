@@ -279,7 +279,7 @@ static void fuzz_cleanup(void)
 	rmdir(sock_dir);
 }
 
-int fuzz_init(void)
+static int fuzz_init(void)
 {
 	struct shardd_config cfg;
 	const char *lvl = getenv("SHARDD_FUZZ_LOG");
@@ -1275,7 +1275,7 @@ static void input_end(void)
 		fail("sessions or jobs outlive the input's end");
 }
 
-int fuzz_run(const struct fuzz_target *t, const uint8_t *data, size_t size)
+static int fuzz_run(const struct fuzz_target *t, const uint8_t *data, size_t size)
 {
 	struct fz_in in = { data, size };
 	int fds0, fds1;
@@ -1319,4 +1319,16 @@ int fuzz_run(const struct fuzz_target *t, const uint8_t *data, size_t size)
 		fail("the input leaked fds: %d open before it, %d after", fds0, fds1);
 	}
 	return 0;
+}
+
+int LLVMFuzzerInitialize(int *argc, char ***argv)
+{
+	(void)argc;
+	(void)argv;
+	return fuzz_init();
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+	return fuzz_run(&fuzz_target, data, size);
 }

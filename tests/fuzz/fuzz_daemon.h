@@ -64,8 +64,11 @@ struct fuzz_target {
 	int attach_jobs;
 };
 
-/* libFuzzer's hooks, shared by every target. */
-int fuzz_init(void);
-int fuzz_run(const struct fuzz_target *t, const uint8_t *data, size_t size);
+/*
+ * The target a fuzz_*.c file defines; fuzz_daemon.c's libFuzzer hooks
+ * (LLVMFuzzerInitialize, LLVMFuzzerTestOneInput) start the daemon and run
+ * each input as its program.
+ */
+extern const struct fuzz_target fuzz_target;
 
 #endif /* SHARDD_FUZZ_DAEMON_H */

@@ -20,21 +20,9 @@ static const enum fuzz_action actions[] = {
 	FZ_CRON, FZ_MSG,
 };
 
-static const struct fuzz_target target = {
+const struct fuzz_target fuzz_target = {
 	.name = "fuzz_engine",
 	.actions = actions,
 	.nactions = sizeof(actions) / sizeof(actions[0]),
 	.attach_jobs = 3,
 };
-
-int LLVMFuzzerInitialize(int *argc, char ***argv)
-{
-	(void)argc;
-	(void)argv;
-	return fuzz_init();
-}
-
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
-{
-	return fuzz_run(&target, data, size);
-}

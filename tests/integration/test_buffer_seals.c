@@ -33,8 +33,7 @@ static struct harness_daemon daemon_;
 
 static void start_daemon(void)
 {
-	signal(SIGPIPE, SIG_IGN);
-	cr_assert_eq(harness_daemon_start(&daemon_, NULL), 0, "shardd did not start");
+	harness_daemon_start_or_fail(&daemon_, NULL);
 }
 
 static void stop_daemon(void)
@@ -187,6 +186,16 @@ static int check_writable(struct shardd_group *g, const int fds[SHARDD_GROUP_BUF
 	return 0;
 }
 
+/* A rank's end: its group's fds, the group and the client closed; 0 (the child's status). */
+static int close_rank(int *fds, struct shardd_group *g, struct shardd_client *c)
+{
+	for (int i = 0; i < SHARDD_GROUP_BUFS; i++)
+		close(fds[i]);
+	shardd_group_close(g);
+	shardd_close(c);
+	return 0;
+}
+
 static int rank_main(void *p)
 {
 	const struct rank_arg *a = p;
@@ -222,11 +231,7 @@ static int rank_main(void *p)
 	CHILD_CHECK(shardd_unshard(g, 2) == 0, "unshard 2: %s", shardd_last_error());
 	if (check_unsharded(g, a->rank, 2))
 		return 1;
-	for (int i = 0; i < SHARDD_GROUP_BUFS; i++)
-		close(fds[i]);
-	shardd_group_close(g);
-	shardd_close(c);
-	return 0;
+	return close_rank(fds, g, c);
 }
 
 Test(buffer_seals, unsharded_fd_refuses_every_write_path_and_keeps_gathered_values)
@@ -264,11 +269,7 @@ static int reopen_rank(void *p)
 		    "grad seals 0x%x: sealed, and writable", seals);
 	if (attack_unsharded(fds[0], shardd_group_info(g)->unsharded_size))
 		return 1;
-	for (int i = 0; i < SHARDD_GROUP_BUFS; i++)
-		close(fds[i]);
-	shardd_group_close(g);
-	shardd_close(c);
-	return 0;
+	return close_rank(fds, g, c);
 }
 
 Test(buffer_seals, every_export_of_an_unsharded_buffer_is_sealed_and_others_stay_writable)

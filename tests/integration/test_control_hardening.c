@@ -46,9 +46,7 @@ static struct harness_daemon daemon_;
 
 static void start_daemon(void)
 {
-	/* Closed connections must not kill the test with SIGPIPE. */
-	signal(SIGPIPE, SIG_IGN);
-	cr_assert_eq(harness_daemon_start(&daemon_, NULL), 0, "shardd did not start");
+	harness_daemon_start_or_fail(&daemon_, NULL);
 }
 
 /* The harness fails the suite on a sanitizer report in the daemon's log. */
@@ -63,68 +61,21 @@ TestSuite(control_hardening, .init = start_daemon, .fini = stop_daemon, .timeout
 /* The daemon: its log, its descriptors, its limit                     */
 /* ------------------------------------------------------------------ */
 
-/* Wait up to REPLY_MS for the daemon to have logged `needle` (the drain thread signals cond). */
+/* Wait up to REPLY_MS for the daemon to have logged `needle`. */
 static void wait_log(const char *needle)
 {
-	struct harness_daemon *d = &daemon_;
-	struct timespec until;
-	int found;
-
-	clock_gettime(CLOCK_MONOTONIC, &until);
-	until.tv_sec += REPLY_MS / 1000;
-	pthread_mutex_lock(&d->lock);
-	while (!(found = d->log && strstr(d->log, needle) != NULL) && !d->eof &&
-	       pthread_cond_timedwait(&d->cond, &d->lock, &until) == 0)
-		;
-	found = d->log && strstr(d->log, needle) != NULL;
-	pthread_mutex_unlock(&d->lock);
-	if (!found)
-		harness_daemon_dump_log(d);
-	cr_assert(found, "the daemon did not log '%s'", needle);
+	harness_wait_log(&daemon_, needle, REPLY_MS);
 }
 
 static int log_contains(const char *needle)
 {
-	int found;
-
-	pthread_mutex_lock(&daemon_.lock);
-	found = daemon_.log && strstr(daemon_.log, needle) != NULL;
-	pthread_mutex_unlock(&daemon_.lock);
-	return found;
+	return harness_log_contains(&daemon_, needle);
 }
 
 /* The daemon's open descriptors: how many, and the `nth` (0-based) free number. */
 static int daemon_fds(int nth_free, int *free_no)
 {
-	char path[64], present[65536] = { 0 };
-	struct dirent *e;
-	DIR *d;
-	int n = 0;
-
-	snprintf(path, sizeof(path), "/proc/%d/fd", (int)daemon_.pid);
-	d = opendir(path);
-	cr_assert_not_null(d, "%s: %s", path, strerror(errno));
-	while ((e = readdir(d))) {
-		long no;
-
-		if (e->d_name[0] == '.')
-			continue;
-		n++;
-		no = strtol(e->d_name, NULL, 10);
-		if (no >= 0 && no < (long)sizeof(present))
-			present[no] = 1;
-	}
-	closedir(d);
-	if (free_no) {
-		*free_no = -1;
-		for (int i = 0; i < (int)sizeof(present); i++)
-			if (!present[i] && nth_free-- == 0) {
-				*free_no = i;
-				break;
-			}
-		cr_assert_geq(*free_no, 0, "no free descriptor number found in %s", path);
-	}
-	return n;
+	return harness_daemon_fds(&daemon_, nth_free, free_no);
 }
 
 static int daemon_fd_count(void)
@@ -158,32 +109,6 @@ static int raw_connect(void)
 	return fd;
 }
 
-/* One datagram of `len` bytes (may be 0) carrying `nfds` fds by SCM_RIGHTS. */
-static ssize_t send_fds(int sock, const void *buf, size_t len, const int *fds, int nfds)
-{
-	union {
-		char buf[CMSG_SPACE(sizeof(int) * 16)];
-		struct cmsghdr align;
-	} ctl;
-	struct iovec iov = { (void *)buf, len };
-	struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1 };
-
-	cr_assert_leq(nfds, 16);
-	if (nfds > 0) {
-		struct cmsghdr *c;
-
-		memset(&ctl, 0, sizeof(ctl));
-		mh.msg_control = ctl.buf;
-		mh.msg_controllen = CMSG_SPACE(sizeof(int) * (size_t)nfds);
-		c = CMSG_FIRSTHDR(&mh);
-		c->cmsg_level = SOL_SOCKET;
-		c->cmsg_type = SCM_RIGHTS;
-		c->cmsg_len = CMSG_LEN(sizeof(int) * (size_t)nfds);
-		memcpy(CMSG_DATA(c), fds, sizeof(int) * (size_t)nfds);
-	}
-	return sendmsg(sock, &mh, MSG_NOSIGNAL);
-}
-
 static struct shardd_hello make_hello(const char *job, uint16_t major)
 {
 	struct shardd_hello h = { .major = major, .minor = SHARDD_PROTO_MINOR };
@@ -206,7 +131,7 @@ static ssize_t send_msg_fds(int sock, uint16_t type, uint32_t seq, const void *p
 	cr_assert_leq(len, 512);
 	memcpy(buf, &h, sizeof(h));
 	memcpy(buf + sizeof(h), payload, len);
-	return send_fds(sock, buf, sizeof(h) + len, fds, nfds);
+	return harness_send_fds(sock, buf, sizeof(h) + len, fds, nfds);
 }
 
 /*
@@ -297,6 +222,18 @@ static void wait_connections(int sock, int64_t want)
 		     (long long)n, (long long)want);
 }
 
+/*
+ * The daemon has processed every close (it counts `base` connections again)
+ * and holds as many fds as the `base_fds` it held before; `admin` is closed.
+ */
+static void assert_fds_back(int admin, int64_t base, int base_fds)
+{
+	wait_connections(admin, base);
+	cr_assert_eq(daemon_fd_count(), base_fds, "the daemon holds %d fds, %d before",
+		     daemon_fd_count(), base_fds);
+	close(admin);
+}
+
 /* A well-behaved client attaches and runs a nop and a barrier. */
 static void assert_others_served(const char *job)
 {
@@ -335,14 +272,14 @@ Test(control_hardening, zero_length_datagrams_carrying_fds_are_refused_and_leak_
 	open_eight(fds);
 	for (int i = 0; i < FLOOD; i++) {
 		fd = raw_connect();
-		cr_assert_eq(send_fds(fd, NULL, 0, fds, 8), 0, "sendmsg: %s", strerror(errno));
+		cr_assert_eq(harness_send_fds(fd, NULL, 0, fds, 8), 0, "sendmsg: %s", strerror(errno));
 		expect_refusal(fd, -SHARDD_E_MALFORMED, "zero-length datagram",
 			       "zero-length datagram with 8 fds");
 		close(fd);
 	}
 	/* Without fds it is a protocol error too, told apart from an EOF. */
 	fd = raw_connect();
-	cr_assert_eq(send_fds(fd, NULL, 0, NULL, 0), 0, "sendmsg: %s", strerror(errno));
+	cr_assert_eq(harness_send_fds(fd, NULL, 0, NULL, 0), 0, "sendmsg: %s", strerror(errno));
 	expect_refusal(fd, -SHARDD_E_MALFORMED, "zero-length datagram", "zero-length datagram");
 	close(fd);
 	close_all(fds, 8);
@@ -368,6 +305,7 @@ Test(control_hardening, datagram_with_more_fds_than_the_protocol_allows_is_refus
 		cr_assert_eq(pipe2(fds + i, O_CLOEXEC), 0);
 	for (int i = 0; i < 20; i++) {
 		fd = raw_connect();
+		/* 12 fds: past proto's limit, so harness_send_fds builds the control data. */
 		cr_assert_gt(send_msg_fds(fd, SHARDD_MSG_HELLO, 1, &h, sizeof(h), fds, 12), 0,
 			     "sendmsg: %s", strerror(errno));
 		expect_refusal(fd, -SHARDD_E_MALFORMED, "more than 8 file descriptors",
@@ -375,10 +313,7 @@ Test(control_hardening, datagram_with_more_fds_than_the_protocol_allows_is_refus
 		close(fd);
 	}
 	close_all(fds, 12);
-	wait_connections(admin, base);
-	cr_assert_eq(daemon_fd_count(), base_fds, "the daemon holds %d fds, %d before",
-		     daemon_fd_count(), base_fds);
-	close(admin);
+	assert_fds_back(admin, base, base_fds);
 	assert_others_served("after-many-fds");
 }
 
@@ -406,10 +341,7 @@ Test(control_hardening, fds_dropped_at_the_fd_limit_are_logged_with_the_real_cau
 	cr_assert(!log_contains("larger than"), "the log blames the datagram's size");
 
 	cr_assert_eq(prlimit(daemon_.pid, RLIMIT_NOFILE, &old, NULL), 0);
-	wait_connections(admin, base);
-	cr_assert_eq(daemon_fd_count(), base_fds, "the daemon holds %d fds, %d before",
-		     daemon_fd_count(), base_fds);
-	close(admin);
+	assert_fds_back(admin, base, base_fds);
 	assert_others_served("after-truncation");
 }
 
@@ -449,10 +381,7 @@ Test(control_hardening, connection_at_the_fd_limit_is_answered_with_the_cause_an
 	wait_log("at its fd limit (RLIMIT_NOFILE=");
 	cr_assert_eq(prlimit(daemon_.pid, RLIMIT_NOFILE, &old, NULL), 0);
 	assert_others_served("after-emfile");
-	wait_connections(admin, base);
-	cr_assert_eq(daemon_fd_count(), base_fds, "the daemon holds %d fds, %d before",
-		     daemon_fd_count(), base_fds);
-	close(admin);
+	assert_fds_back(admin, base, base_fds);
 }
 
 /* ------------------------------------------------------------------ */

@@ -32,6 +32,15 @@
 
 TestSuite(hostile, .init = start_daemon, .fini = stop_daemon, .timeout = 30);
 
+/* The daemon answers `fd` with the ERROR (expect_error), then closes it; fd is closed. */
+static void expect_refused(int fd, uint32_t seq, int32_t code, const char *const *needles,
+			   const char *what)
+{
+	expect_error(fd, seq, code, needles, what);
+	expect_eof(fd, what);
+	close(fd);
+}
+
 /* ------------------------------------------------------------------ */
 /* 2. Control messages                                                 */
 /* ------------------------------------------------------------------ */
@@ -46,15 +55,11 @@ Test(hostile, framing_errors_before_hello_are_named_and_close_only_that_connecti
 
 	fd = raw_connect();
 	send_hdr(fd, 0x12345678u, SHARDD_MSG_HELLO, 0, sizeof(h), 9, &h, sizeof(h), -1);
-	expect_error(fd, 9, -SHARDD_E_MAGIC, NEEDLES("0x12345678"), "wrong magic");
-	expect_eof(fd, "wrong magic");
-	close(fd);
+	expect_refused(fd, 9, -SHARDD_E_MAGIC, NEEDLES("0x12345678"), "wrong magic");
 
 	fd = raw_connect();
 	send_dgram(fd, "SHRD\1", 5, -1);
-	expect_error(fd, 0, -SHARDD_E_MALFORMED, NEEDLES("5 bytes"), "truncated header");
-	expect_eof(fd, "truncated header");
-	close(fd);
+	expect_refused(fd, 0, -SHARDD_E_MALFORMED, NEEDLES("5 bytes"), "truncated header");
 
 	fd = raw_connect();
 	send_hdr(fd, SHARDD_MAGIC, SHARDD_MSG_HELLO, 0, 2u << 20, 3, &h, sizeof(h), -1);
@@ -65,52 +70,37 @@ Test(hostile, framing_errors_before_hello_are_named_and_close_only_that_connecti
 
 	fd = raw_connect();
 	send_hdr(fd, SHARDD_MAGIC, SHARDD_MSG_ADMIN, 0, UINT32_MAX, 4, NULL, 0, -1);
-	expect_error(fd, 4, -SHARDD_E_MALFORMED, NEEDLES("4294967295"), "length 2^32-1");
-	expect_eof(fd, "length 2^32-1");
-	close(fd);
+	expect_refused(fd, 4, -SHARDD_E_MALFORMED, NEEDLES("4294967295"), "length 2^32-1");
 
 	fd = raw_connect();
 	send_hdr(fd, SHARDD_MAGIC, SHARDD_MSG_HELLO, 0, sizeof(h), 5, &h, sizeof(h), pipefd[0]);
-	expect_error(fd, 5, -SHARDD_E_MALFORMED, NEEDLES("file descriptor"), "fd on a HELLO");
-	expect_eof(fd, "fd on a HELLO");
-	close(fd);
+	expect_refused(fd, 5, -SHARDD_E_MALFORMED, NEEDLES("file descriptor"), "fd on a HELLO");
 
 	fd = raw_connect();
 	send_hdr(fd, SHARDD_MAGIC, SHARDD_MSG_HELLO, 0x8, sizeof(h), 6, &h, sizeof(h), -1);
-	expect_error(fd, 6, -SHARDD_E_MALFORMED, NEEDLES("flags = 0x8"), "header flags");
-	expect_eof(fd, "header flags");
-	close(fd);
+	expect_refused(fd, 6, -SHARDD_E_MALFORMED, NEEDLES("flags = 0x8"), "header flags");
 
 	fd = raw_connect();
 	send_hdr(fd, SHARDD_MAGIC, 77, 0, 0, 7, NULL, 0, -1);
-	expect_error(fd, 7, -SHARDD_E_STATE, NEEDLES("type 77"), "unknown type before HELLO");
-	expect_eof(fd, "unknown type before HELLO");
-	close(fd);
+	expect_refused(fd, 7, -SHARDD_E_STATE, NEEDLES("type 77"), "unknown type before HELLO");
 
 	fd = raw_connect();
 	send_hdr(fd, SHARDD_MAGIC, SHARDD_MSG_REGISTER_GROUP, 0, 0, 8, NULL, 0, -1);
-	expect_error(fd, 8, -SHARDD_E_STATE, NEEDLES("type 5"), "REGISTER_GROUP before HELLO");
-	expect_eof(fd, "REGISTER_GROUP before HELLO");
-	close(fd);
+	expect_refused(fd, 8, -SHARDD_E_STATE, NEEDLES("type 5"), "REGISTER_GROUP before HELLO");
 
 	fd = raw_connect();
 	send_dgram(fd, big, sizeof(big), -1);
-	expect_error(fd, 0, -SHARDD_E_MALFORMED, NEEDLES("larger than"), "oversized datagram");
-	expect_eof(fd, "oversized datagram");
-	close(fd);
+	expect_refused(fd, 0, -SHARDD_E_MALFORMED, NEEDLES("larger than"), "oversized datagram");
 
 	fd = raw_connect();
 	send_hdr(fd, SHARDD_MAGIC, SHARDD_MSG_ADMIN, 0, 4, 10, big, 10, -1);
-	expect_error(fd, 10, -SHARDD_E_MALFORMED, NEEDLES("more payload"), "overlong payload");
-	expect_eof(fd, "overlong payload");
-	close(fd);
+	expect_refused(fd, 10, -SHARDD_E_MALFORMED, NEEDLES("more payload"), "overlong payload");
 
 	fd = raw_connect();
 	send_hdr(fd, SHARDD_MAGIC, SHARDD_MSG_ADMIN, 0, 100, 11, big, 10, -1);
 	send_dgram(fd, big, 10, pipefd[1]);
-	expect_error(fd, 11, -SHARDD_E_MALFORMED, NEEDLES("continuation"), "fd on a continuation");
-	expect_eof(fd, "fd on a continuation");
-	close(fd);
+	expect_refused(fd, 11, -SHARDD_E_MALFORMED, NEEDLES("continuation"),
+		       "fd on a continuation");
 
 	/* Half a message carrying the sender's own socket: refused at once, not kept. */
 	fd = raw_connect();
@@ -538,6 +528,24 @@ static void raw_register_arrived(struct raw *r, const char *name, uint64_t d0)
 	json_decref(admin_call(r->fd, 900, "{\"cmd\":\"jobs\"}", 14));
 }
 
+/* Rank `r` registers group "g" of one fp32 param "w" of `rows` elements. */
+static void send_register_w(struct raw *r, uint64_t rows)
+{
+	raw_send_register(r, (struct shardd_register_group[]){ reg_hdr("g", 1) },
+			  (struct shardd_param_spec[]){ pspec("w", SHARDD_DTYPE_FP32, 1,
+							      (uint64_t[]){ rows }) }, 1);
+}
+
+/* Ranks a and b register the same "g" ([6]), get the same group id, and close. */
+static void register_pair_and_close(struct raw *a, struct raw *b)
+{
+	raw_register_arrived(a, "g", 6);
+	send_register_w(b, 6);
+	cr_assert_eq(raw_recv_group(a), raw_recv_group(b));
+	raw_close(a);
+	raw_close(b);
+}
+
 /*
  * A client that shut down its reading side: the daemon's next send to it
  * fails at once (EPIPE) and drops it, here while a registration fails.
@@ -551,9 +559,7 @@ Test(hostile, registration_failing_while_a_reply_cannot_be_sent_keeps_the_daemon
 	raw_attach(&b, "reg-epipe", 1, 1, 2, 0);
 	raw_register_arrived(&a, "g", 6);
 	cr_assert_eq(shutdown(b.fd, SHUT_RD), 0);
-	raw_send_register(&b, (struct shardd_register_group[]){ reg_hdr("g", 1) },
-			  (struct shardd_param_spec[]){ pspec("w", SHARDD_DTYPE_FP32, 1,
-							      (uint64_t[]){ 7 }) }, 1);
+	send_register_w(&b, 7);
 	expect_error(a.fd, a.seq, -SHARDD_E_MISMATCH, NEEDLES("shape", "[6]", "[7]"),
 		     "rank 0 of a failed registration");
 	/* Exactly one reply: the next message on rank 0's socket answers the next request. */
@@ -561,34 +567,20 @@ Test(hostile, registration_failing_while_a_reply_cannot_be_sent_keeps_the_daemon
 	assert_daemon_alive();
 	raw_close(&b);
 	raw_attach(&b, "reg-epipe", 1, 1, 2, 0);
-	raw_register_arrived(&a, "g", 6);
-	raw_send_register(&b, (struct shardd_register_group[]){ reg_hdr("g", 1) },
-			  (struct shardd_param_spec[]){ pspec("w", SHARDD_DTYPE_FP32, 1,
-							      (uint64_t[]){ 6 }) }, 1);
-	cr_assert_eq(raw_recv_group(&a), raw_recv_group(&b));
-	raw_close(&a);
-	raw_close(&b);
+	register_pair_and_close(&a, &b);
 
 	/* The rank that arrived first cannot be answered. */
 	raw_attach(&a, "reg-epipe2", 0, 1, 2, 0);
 	raw_attach(&b, "reg-epipe2", 1, 1, 2, 0);
 	raw_register_arrived(&a, "g", 6);
 	cr_assert_eq(shutdown(a.fd, SHUT_RD), 0);
-	raw_send_register(&b, (struct shardd_register_group[]){ reg_hdr("g", 1) },
-			  (struct shardd_param_spec[]){ pspec("w", SHARDD_DTYPE_FP32, 1,
-							      (uint64_t[]){ 7 }) }, 1);
+	send_register_w(&b, 7);
 	expect_error(b.fd, b.seq, -SHARDD_E_MISMATCH, NEEDLES("shape"),
 		     "rank 1 of a failed registration");
 	json_decref(admin_call(b.fd, 902, "{\"cmd\":\"status\"}", 16));
 	assert_daemon_alive();
 	raw_close(&a);
 	raw_attach(&a, "reg-epipe2", 0, 1, 2, 0);
-	raw_register_arrived(&a, "g", 6);
-	raw_send_register(&b, (struct shardd_register_group[]){ reg_hdr("g", 1) },
-			  (struct shardd_param_spec[]){ pspec("w", SHARDD_DTYPE_FP32, 1,
-							      (uint64_t[]){ 6 }) }, 1);
-	cr_assert_eq(raw_recv_group(&a), raw_recv_group(&b));
-	raw_close(&a);
-	raw_close(&b);
+	register_pair_and_close(&a, &b);
 	assert_others_served();
 }

@@ -351,6 +351,19 @@ static void ranks_kill(struct ranks *r)
 	ranks_close_pipes(r);
 }
 
+/*
+ * A daemon lingering jobs `linger` seconds, and a job whose ranks (holding
+ * group `group` at step `step`) were killed: it has no rank attached.
+ */
+static void job_without_ranks(struct ranks *r, const char *linger, const char *job,
+			      const char *group, uint64_t step)
+{
+	start_daemon(linger);
+	ranks_start(r, job, group, step, rank_hold);
+	ranks_kill(r);
+	wait_job(job, 0);
+}
+
 /* Let every rank go on and check that each exits 0. */
 static void ranks_finish(struct ranks *r)
 {
@@ -400,10 +413,7 @@ Test(job_linger, rank_reattaching_before_expiry_keeps_the_job_and_its_params)
 	const json_t *j;
 	double ends;
 
-	start_daemon("30");
-	ranks_start(&r, "comeback", "comeback_g", 3, rank_hold);
-	ranks_kill(&r);
-	wait_job("comeback", 0);
+	job_without_ranks(&r, "30", "comeback", "comeback_g", 3);
 	/* No ranks: the job waits, and says for how long. */
 	j = job_entry("comeback", &reply);
 	cr_assert_not_null(j);
@@ -435,10 +445,7 @@ Test(job_linger, linger_zero_keeps_a_job_without_ranks)
 	json_t *reply;
 	const json_t *j;
 
-	start_daemon("0");
-	ranks_start(&r, "kept", "kept_g", 1, rank_hold);
-	ranks_kill(&r);
-	wait_job("kept", 0);
+	job_without_ranks(&r, "0", "kept", "kept_g", 1);
 	/* Many cron turns (every 100 ms) pass while the job has no rank; it stays. */
 	deadline = harness_now_ms() + STATE_WAIT;
 	for (;;) {
@@ -560,10 +567,7 @@ Test(job_linger, end_of_a_job_without_ranks_frees_it_at_once)
 	const json_t *j;
 	long long held;
 
-	start_daemon("3600");
-	ranks_start(&r, "idle", "idle_g", 1, rank_hold);
-	ranks_kill(&r);
-	wait_job("idle", 0);
+	job_without_ranks(&r, "3600", "idle", "idle_g", 1);
 	j = job_entry("idle", &reply);
 	cr_assert_not_null(j);
 	held = json_integer_value(json_object_get(json_object_get(j, "memory"), "total"));

@@ -181,6 +181,12 @@ static int opd_stop(struct opd *d)
 	return ret < 0 ? ret : status;
 }
 
+/* opd_start, asserting the daemon started (its log in the message when not). */
+static void opd_start_or_fail(struct opd *d, const char *const *args, const char *sock)
+{
+	cr_assert_eq(opd_start(d, args, -1, 0, sock), 0, "shardd did not start:\n%s", d->log);
+}
+
 static void opd_stop_clean(struct opd *d)
 {
 	int status = opd_stop(d);
@@ -298,6 +304,14 @@ static void run_other_uid_client(struct client_arg *a, struct opd *d)
 		  harness_status_str(status), d->log);
 }
 
+/* run_other_uid_client, then the daemon stopped (exit 0) and the base directory removed. */
+static void other_uid_client_then_stop(struct client_arg *a, struct opd *d, const char *base)
+{
+	run_other_uid_client(a, d);
+	opd_stop_clean(d);
+	remove_tree(base);
+}
+
 static void assert_mode(const char *path, unsigned mode, gid_t gid)
 {
 	struct stat st;
@@ -326,17 +340,12 @@ Test(operations, allowed_group_client_of_another_uid_attaches_and_runs_ops)
 	snprintf(dir, sizeof(dir), "%s/run", base);
 	snprintf(sock, sizeof(sock), "%s/shardd.sock", dir);
 	snprintf(gid, sizeof(gid), "%u", ALLOWED_GID);
-	{
-		const char *args[] = { "--socket", sock, "--allow-gid", gid, NULL };
-
-		cr_assert_eq(opd_start(&d, args, -1, 0, sock), 0, "shardd did not start:\n%s", d.log);
-	}
+	opd_start_or_fail(&d, (const char *const[]){ "--socket", sock, "--allow-gid", gid,
+						NULL }, sock);
 	/* The directory shardd created lets the group search it; the socket lets it connect. */
 	assert_mode(dir, 0750, ALLOWED_GID);
 	assert_mode(sock, 0660, ALLOWED_GID);
-	run_other_uid_client(&a, &d);
-	opd_stop_clean(&d);
-	remove_tree(base);
+	other_uid_client_then_stop(&a, &d, base);
 }
 
 Test(operations, other_uid_without_allow_gid_cannot_reach_the_socket)
@@ -350,17 +359,11 @@ Test(operations, other_uid_without_allow_gid_cannot_reach_the_socket)
 	make_base(base, sizeof(base));
 	snprintf(dir, sizeof(dir), "%s/run", base);
 	snprintf(sock, sizeof(sock), "%s/shardd.sock", dir);
-	{
-		const char *args[] = { "--socket", sock, NULL };
-
-		cr_assert_eq(opd_start(&d, args, -1, 0, sock), 0, "shardd did not start:\n%s", d.log);
-	}
+	opd_start_or_fail(&d, (const char *const[]){ "--socket", sock, NULL }, sock);
 	/* Without --allow-gid only shardd's own uid reaches the socket. */
 	assert_mode(dir, 0700, getgid());
 	assert_mode(sock, 0600, getgid());
-	run_other_uid_client(&a, &d);
-	opd_stop_clean(&d);
-	remove_tree(base);
+	other_uid_client_then_stop(&a, &d, base);
 }
 
 Test(operations, open_socket_mode_still_refuses_a_uid_not_allowed_naming_the_flag)
@@ -373,16 +376,11 @@ Test(operations, open_socket_mode_still_refuses_a_uid_not_allowed_naming_the_fla
 	require_root();
 	make_base(base, sizeof(base));
 	snprintf(sock, sizeof(sock), "%s/run/shardd.sock", base);
-	{
-		const char *args[] = { "--socket", sock, "--socket-mode", "0666", NULL };
-
-		cr_assert_eq(opd_start(&d, args, -1, 0, sock), 0, "shardd did not start:\n%s", d.log);
-	}
+	opd_start_or_fail(&d, (const char *const[]){ "--socket", sock, "--socket-mode", "0666",
+						NULL }, sock);
 	/* The socket is open to all, so the daemon's own check answers, in words. */
 	assert_mode(sock, 0666, getgid());
-	run_other_uid_client(&a, &d);
-	opd_stop_clean(&d);
-	remove_tree(base);
+	other_uid_client_then_stop(&a, &d, base);
 }
 
 Test(operations, socket_group_flag_picks_the_group_among_several_allowed)
@@ -397,17 +395,12 @@ Test(operations, socket_group_flag_picks_the_group_among_several_allowed)
 	snprintf(sock, sizeof(sock), "%s/shardd.sock", dir);
 	snprintf(g1, sizeof(g1), "%u", ALLOWED_GID);
 	snprintf(g2, sizeof(g2), "%u", OTHER_GID);
-	{
-		const char *args[] = { "--socket", sock, "--allow-gid", g1, "--allow-gid", g2,
-				       "--socket-group", g2, NULL };
-
-		cr_assert_eq(opd_start(&d, args, -1, 0, sock), 0, "shardd did not start:\n%s", d.log);
-	}
+	opd_start_or_fail(&d, (const char *const[]){ "--socket", sock, "--allow-gid", g1,
+						"--allow-gid", g2, "--socket-group", g2,
+						NULL }, sock);
 	assert_mode(dir, 0750, OTHER_GID);
 	assert_mode(sock, 0660, OTHER_GID);
-	run_other_uid_client(&a, &d);
-	opd_stop_clean(&d);
-	remove_tree(base);
+	other_uid_client_then_stop(&a, &d, base);
 }
 
 Test(operations, existing_private_directory_is_kept_and_warned_about)
@@ -421,11 +414,8 @@ Test(operations, existing_private_directory_is_kept_and_warned_about)
 	snprintf(gid, sizeof(gid), "%u", ALLOWED_GID);
 	cr_assert_eq(mkdir(dir, 0700), 0);
 	cr_assert_eq(chmod(dir, 0700), 0);
-	{
-		const char *args[] = { "--socket", sock, "--allow-gid", gid, NULL };
-
-		cr_assert_eq(opd_start(&d, args, -1, 0, sock), 0, "shardd did not start:\n%s", d.log);
-	}
+	opd_start_or_fail(&d, (const char *const[]){ "--socket", sock, "--allow-gid", gid,
+						NULL }, sock);
 	/* Not shardd's to change (it may be a home or /tmp), but the log says why clients fail. */
 	assert_mode(dir, 0700, getgid());
 	cr_assert_not_null(strstr(d.log, "cannot be searched by group 4242"), "%s", d.log);
@@ -434,16 +424,22 @@ Test(operations, existing_private_directory_is_kept_and_warned_about)
 	remove_tree(base);
 }
 
-Test(operations, bad_socket_mode_is_a_usage_error)
+/* `shardd FLAG VALUE` exits 2 (usage) and its output holds `needle`. */
+static void expect_usage_error(const char *flag, const char *value, const char *needle)
 {
-	const char *argv[] = { getenv("SHARDD_BIN"), "--socket-mode", "0066", NULL };
+	const char *argv[] = { getenv("SHARDD_BIN"), flag, value, NULL };
 	char out[4096];
 	int status = 0;
 
 	cr_assert_eq(harness_run(argv, CTL_MS, &status, out, sizeof(out)), 0);
 	cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 2, "%s: %s",
 		  harness_status_str(status), out);
-	cr_assert_not_null(strstr(out, "--socket-mode: '0066'"), "%s", out);
+	cr_assert_not_null(strstr(out, needle), "%s", out);
+}
+
+Test(operations, bad_socket_mode_is_a_usage_error)
+{
+	expect_usage_error("--socket-mode", "0066", "--socket-mode: '0066'");
 }
 
 /* ------------------------------------------------------------------ */
@@ -578,11 +574,8 @@ Test(operations, stderr_that_is_not_the_journal_keeps_timestamps)
 	snprintf(sock, sizeof(sock), "%s/shardd.sock", base);
 	/* JOURNAL_STREAM naming another stream (a child inherited it) must not count. */
 	setenv("JOURNAL_STREAM", "1:1", 1);
-	{
-		const char *args[] = { "--socket", sock, "--log-level", "info", NULL };
-
-		cr_assert_eq(opd_start(&d, args, -1, 0, sock), 0, "shardd did not start:\n%s", d.log);
-	}
+	opd_start_or_fail(&d, (const char *const[]){ "--socket", sock, "--log-level", "info",
+						NULL }, sock);
 	unsetenv("JOURNAL_STREAM");
 	opd_stop_clean(&d);
 	cr_assert_not_null(strstr(d.log, " info: shardd " SHARDD_VERSION " (protocol"), "%s", d.log);
@@ -1342,14 +1335,7 @@ Test(operations, metrics_listen_serves_a_valid_exposition_with_the_ops_run)
 
 Test(operations, metrics_listen_rejects_a_bad_address)
 {
-	const char *argv[] = { getenv("SHARDD_BIN"), "--metrics-listen", "::1:80", NULL };
-	char out[4096];
-	int status = 0;
-
-	cr_assert_eq(harness_run(argv, CTL_MS, &status, out, sizeof(out)), 0);
-	cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 2, "%s: %s",
-		  harness_status_str(status), out);
-	cr_assert_not_null(strstr(out, "[::1]:9464"), "%s", out);
+	expect_usage_error("--metrics-listen", "::1:80", "[::1]:9464");
 }
 
 /* ------------------------------------------------------------------ */

@@ -4,6 +4,7 @@
  * and bounded waits on pipes and pidfds.
  */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <ftw.h>
@@ -498,6 +499,71 @@ void harness_daemon_stop_expect_clean(struct harness_daemon *d)
 	daemon_stop(d, SIGTERM, HARNESS_STOP_TIMEOUT_MS, 1);
 }
 
+void harness_daemon_start_or_fail(struct harness_daemon *d, const char *const *extra)
+{
+	signal(SIGPIPE, SIG_IGN);
+	cr_assert_eq(harness_daemon_start(d, extra), 0, "shardd did not start");
+}
+
+int harness_log_contains(struct harness_daemon *d, const char *needle)
+{
+	int found;
+
+	pthread_mutex_lock(&d->lock);
+	found = d->log && strstr(d->log, needle) != NULL;
+	pthread_mutex_unlock(&d->lock);
+	return found;
+}
+
+void harness_wait_log(struct harness_daemon *d, const char *needle, int timeout_ms)
+{
+	struct timespec until = abs_deadline(timeout_ms);
+	int found;
+
+	pthread_mutex_lock(&d->lock);
+	while (!(found = d->log && strstr(d->log, needle) != NULL) && !d->eof &&
+	       pthread_cond_timedwait(&d->cond, &d->lock, &until) == 0)
+		;
+	found = d->log && strstr(d->log, needle) != NULL;
+	pthread_mutex_unlock(&d->lock);
+	if (!found)
+		harness_daemon_dump_log(d);
+	cr_assert(found, "the daemon did not log '%s'", needle);
+}
+
+int harness_daemon_fds(const struct harness_daemon *dm, int nth_free, int *free_no)
+{
+	char path[64], present[65536] = { 0 };
+	struct dirent *e;
+	DIR *d;
+	int n = 0;
+
+	snprintf(path, sizeof(path), "/proc/%d/fd", (int)dm->pid);
+	d = opendir(path);
+	cr_assert_not_null(d, "%s: %s", path, strerror(errno));
+	while ((e = readdir(d))) {
+		long no;
+
+		if (e->d_name[0] == '.')
+			continue;
+		n++;
+		no = strtol(e->d_name, NULL, 10);
+		if (no >= 0 && no < (long)sizeof(present))
+			present[no] = 1;
+	}
+	closedir(d);
+	if (free_no) {
+		*free_no = -1;
+		for (int i = 0; i < (int)sizeof(present); i++)
+			if (!present[i] && nth_free-- == 0) {
+				*free_no = i;
+				break;
+			}
+		cr_assert_geq(*free_no, 0, "no free descriptor number found in %s", path);
+	}
+	return n;
+}
+
 int harness_attach(const struct harness_daemon *d, const char *job, uint32_t rank,
 		   uint32_t replicate, uint32_t shard, struct shardd_client **out)
 {
@@ -531,6 +597,34 @@ int harness_raw_connect(const char *socket_path)
 		return ret;
 	}
 	return fd;
+}
+
+ssize_t harness_send_fds(int sock, const void *buf, size_t len, const int *fds, int nfds)
+{
+	union {
+		char buf[CMSG_SPACE(sizeof(int) * 16)];
+		struct cmsghdr align;
+	} ctl;
+	struct iovec iov = { (void *)buf, len };
+	struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1 };
+	struct cmsghdr *c;
+
+	if (nfds <= SHARDD_CTRL_MAX_FDS)
+		return shardd_ctrl_send_dgram(sock, &iov, 1, fds, nfds, 0);
+	/* Past the protocol's limit: shardd_ctrl_send_dgram would refuse it. */
+	if (nfds > 16) {
+		errno = EINVAL;
+		return -EINVAL;
+	}
+	memset(&ctl, 0, sizeof(ctl));
+	mh.msg_control = ctl.buf;
+	mh.msg_controllen = CMSG_SPACE(sizeof(int) * (size_t)nfds);
+	c = CMSG_FIRSTHDR(&mh);
+	c->cmsg_level = SOL_SOCKET;
+	c->cmsg_type = SCM_RIGHTS;
+	c->cmsg_len = CMSG_LEN(sizeof(int) * (size_t)nfds);
+	memcpy(CMSG_DATA(c), fds, sizeof(int) * (size_t)nfds);
+	return sendmsg(sock, &mh, MSG_NOSIGNAL) < 0 ? -errno : (ssize_t)len;
 }
 
 int harness_recv_error(int fd, int timeout_ms, uint16_t *type, int32_t *code, char *text,

@@ -73,6 +73,29 @@ const char *harness_daemon_sanitizer_report(struct harness_daemon *d);
 /* Print the daemon's log so far to stderr, under a banner. */
 void harness_daemon_dump_log(struct harness_daemon *d);
 
+/*
+ * A suite's .init: ignore SIGPIPE (a connection the daemon closed must not
+ * kill the test), then harness_daemon_start, asserting (Criterion) it started.
+ */
+void harness_daemon_start_or_fail(struct harness_daemon *d, const char *const *extra);
+
+/*
+ * The daemon's open descriptors (/proc/PID/fd): how many; with free_no,
+ * also the `nth_free` (0-based) descriptor number it has free (asserted found).
+ */
+int harness_daemon_fds(const struct harness_daemon *d, int nth_free, int *free_no);
+
+/* The daemon has logged `needle` so far. */
+int harness_log_contains(struct harness_daemon *d, const char *needle);
+
+/*
+ * Wait up to timeout_ms for the daemon to have logged `needle` (a line
+ * written before an event the test saw reaches the log through the drain
+ * thread, which signals d->cond on every read); assert (Criterion) it did,
+ * printing the log first when not.
+ */
+void harness_wait_log(struct harness_daemon *d, const char *needle, int timeout_ms);
+
 /* Attach (job, rank) of a replicate x shard mesh to the daemon. */
 int harness_attach(const struct harness_daemon *d, const char *job, uint32_t rank,
 		   uint32_t replicate, uint32_t shard, struct shardd_client **out);
@@ -118,6 +141,15 @@ int harness_signal(int fd, char byte);
 
 /* Raw control connection (no handshake): fd or -errno. */
 int harness_raw_connect(const char *socket_path);
+
+/*
+ * One datagram of `len` bytes (may be 0) carrying `nfds` fds (at most 16)
+ * by SCM_RIGHTS: the bytes sent or -errno (errno set too). Up to
+ * SHARDD_CTRL_MAX_FDS fds it is proto's shardd_ctrl_send_dgram; more is a
+ * message the protocol forbids, which that helper refuses to send, so the
+ * control data is built here for the tests that must send it.
+ */
+ssize_t harness_send_fds(int sock, const void *buf, size_t len, const int *fds, int nfds);
 
 /*
  * Receive one whole control message on a raw connection within timeout_ms.

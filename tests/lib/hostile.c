@@ -16,44 +16,20 @@ struct harness_daemon hostile_daemon;
 
 int log_contains(const char *needle)
 {
-	int found;
-
-	pthread_mutex_lock(&hostile_daemon.lock);
-	found = hostile_daemon.log && strstr(hostile_daemon.log, needle) != NULL;
-	pthread_mutex_unlock(&hostile_daemon.lock);
-	return found;
+	return harness_log_contains(&hostile_daemon, needle);
 }
 
-/*
- * Wait up to REPLY_MS for `d` to have logged `needle`: a line written
- * before an event the test saw (a close) reaches the log through the
- * harness's drain thread, which signals d->cond on every read.
- */
+/* Wait up to REPLY_MS for `d` to have logged `needle` (harness_wait_log). */
 void wait_log(struct harness_daemon *d, const char *needle)
 {
-	struct timespec until;
-	int found;
-
-	clock_gettime(CLOCK_MONOTONIC, &until);
-	until.tv_sec += REPLY_MS / 1000;
-	pthread_mutex_lock(&d->lock);
-	while (!(found = d->log && strstr(d->log, needle) != NULL) && !d->eof &&
-	       pthread_cond_timedwait(&d->cond, &d->lock, &until) == 0)
-		;
-	found = d->log && strstr(d->log, needle) != NULL;
-	pthread_mutex_unlock(&d->lock);
-	if (!found)
-		harness_daemon_dump_log(d);
-	cr_assert(found, "the daemon did not log '%s'", needle);
+	harness_wait_log(d, needle, REPLY_MS);
 }
 
 void start_daemon(void)
 {
 	const char *extra[] = { "--collective-timeout", COLLECTIVE_S, NULL };
 
-	/* Closed connections must not kill the test with SIGPIPE. */
-	signal(SIGPIPE, SIG_IGN);
-	cr_assert_eq(harness_daemon_start(&hostile_daemon, extra), 0, "shardd did not start");
+	harness_daemon_start_or_fail(&hostile_daemon, extra);
 	rawproto_use(&hostile_daemon);
 }
 
@@ -118,16 +94,5 @@ void assert_others_served(void)
 /* Open descriptors of the daemon process. */
 int daemon_fd_count(void)
 {
-	char path[64];
-	struct dirent *e;
-	DIR *d;
-	int n = 0;
-
-	snprintf(path, sizeof(path), "/proc/%d/fd", (int)hostile_daemon.pid);
-	d = opendir(path);
-	cr_assert_not_null(d, "%s: %s", path, strerror(errno));
-	while ((e = readdir(d)))
-		n += e->d_name[0] != '.';
-	closedir(d);
-	return n;
+	return harness_daemon_fds(&hostile_daemon, 0, NULL);
 }

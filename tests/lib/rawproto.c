@@ -37,28 +37,9 @@ int raw_connect(void)
 /* One datagram of raw bytes, with `passfd` (>= 0) attached by SCM_RIGHTS. */
 void send_dgram(int sock, const void *buf, size_t len, int passfd)
 {
-	union {
-		char buf[CMSG_SPACE(sizeof(int))];
-		struct cmsghdr align;
-	} ctl;
-	struct iovec iov = { (void *)buf, len };
-	struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1 };
-	ssize_t n;
+	ssize_t n = harness_send_fds(sock, buf, len, passfd >= 0 ? &passfd : NULL, passfd >= 0);
 
-	if (passfd >= 0) {
-		struct cmsghdr *c;
-
-		memset(&ctl, 0, sizeof(ctl));
-		mh.msg_control = ctl.buf;
-		mh.msg_controllen = sizeof(ctl.buf);
-		c = CMSG_FIRSTHDR(&mh);
-		c->cmsg_level = SOL_SOCKET;
-		c->cmsg_type = SCM_RIGHTS;
-		c->cmsg_len = CMSG_LEN(sizeof(int));
-		memcpy(CMSG_DATA(c), &passfd, sizeof(int));
-	}
-	n = sendmsg(sock, &mh, MSG_NOSIGNAL);
-	cr_assert_eq(n, (ssize_t)len, "sendmsg of %zu bytes: %s", len, strerror(errno));
+	cr_assert_eq(n, (ssize_t)len, "sendmsg of %zu bytes: %s", len, strerror(n < 0 ? (int)-n : 0));
 }
 
 /* A header (and `len` payload bytes of `payload`) as one datagram. */

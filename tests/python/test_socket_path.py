@@ -6,14 +6,14 @@ listens where shardctl and the Python client look; $SHARDD_SOCKET moves the
 clients and not the daemon."""
 
 import os
-import select
 import subprocess
 import tempfile
-import time
 
 import pytest
 
+from shardd import launch
 from shardd.client import Client, default_socket_path
+from shardd.launch import stop
 
 from conftest import job_name, shardd_bin, shardd_build
 
@@ -22,32 +22,12 @@ READY_TIMEOUT_S = 15
 
 def start_daemon(env):
     """shardd with no --socket under env; returns (process, the path it printed)."""
-    proc = subprocess.Popen([shardd_bin(), "--foreground", "--log-level", "warn"], env=env,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
-    buf = b""
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while b"shardd: ready on " not in buf or not buf.endswith(b"\n"):
-        left = deadline - time.monotonic()
-        if left <= 0 or proc.poll() is not None:
-            stop(proc)
-            pytest.fail(f"shardd did not print 'shardd: ready on PATH' within "
-                        f"{READY_TIMEOUT_S} s: {buf.decode(errors='replace')!r}")
-        r, _, _ = select.select([proc.stderr], [], [], left)
-        if r:
-            buf += os.read(proc.stderr.fileno(), 4096)
-    line = [ln for ln in buf.decode().splitlines() if ln.startswith("shardd: ready on ")][0]
-    return proc, line[len("shardd: ready on "):]
-
-
-def stop(proc):
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+    try:
+        proc, path, _text = launch.start_daemon([shardd_bin(), "--foreground", "--log-level", "warn"],
+                                                env=env, timeout_s=READY_TIMEOUT_S)
+    except launch.DaemonStartError as e:
+        pytest.fail(str(e))
+    return proc, path
 
 
 def shardctl(env):

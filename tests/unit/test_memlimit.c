@@ -75,6 +75,22 @@ static void make_dir(const char *rel)
 	cr_assert_eq(mkdir(path, 0700), 0, "mkdir %s", path);
 }
 
+/* A cgroup tree: cg and each folder down to cg/`leaf`, and /proc/self/cgroup's text. */
+static void make_cgroup(const char *leaf, const char *proc_cgroup)
+{
+	char rel[128];
+	int n = snprintf(rel, sizeof(rel), "cg/%s", leaf);
+
+	cr_assert(n > 0 && (size_t)n < sizeof(rel), "cgroup path too long: %s", leaf);
+	for (char *p = rel; (p = strchr(p, '/')) != NULL; p++) {
+		*p = '\0';
+		make_dir(rel);
+		*p = '/';
+	}
+	make_dir(rel);
+	write_file("proc_cgroup", proc_cgroup);
+}
+
 static void make_tmp(void)
 {
 	snprintf(tmp, sizeof(tmp), "/tmp/shardd-limits-XXXXXX");
@@ -101,10 +117,7 @@ static uint64_t cgroup_limit(void)
 Test(limits, cgroup_v2_limit_is_the_lowest_memory_max_up_the_tree, .init = make_tmp, .fini = remove_tmp,
      .timeout = 5)
 {
-	make_dir("cg");
-	make_dir("cg/a");
-	make_dir("cg/a/b");
-	write_file("proc_cgroup", "0::/a/b\n");
+	make_cgroup("a/b", "0::/a/b\n");
 	cr_expect_eq(cgroup_limit(), UINT64_MAX, "no memory.max anywhere: no limit");
 	write_file("cg/a/b/memory.max", "max\n");
 	cr_expect_eq(cgroup_limit(), UINT64_MAX, "\"max\" is no limit");
@@ -119,10 +132,7 @@ Test(limits, cgroup_v2_limit_is_the_lowest_memory_max_up_the_tree, .init = make_
 Test(limits, cgroup_v1_memory_controller_limit_is_read_too, .init = make_tmp, .fini = remove_tmp,
      .timeout = 5)
 {
-	make_dir("cg");
-	make_dir("cg/memory");
-	make_dir("cg/memory/job");
-	write_file("proc_cgroup", "5:cpu,cpuacct:/job\n4:memory:/job\n0::/\n");
+	make_cgroup("memory/job", "5:cpu,cpuacct:/job\n4:memory:/job\n0::/\n");
 	write_file("cg/memory/job/memory.limit_in_bytes", "9223372036854771712\n");
 	cr_expect_eq(cgroup_limit(), 9223372036854771712ull, "v1's 'unlimited' is just a large number");
 	write_file("cg/memory/job/memory.limit_in_bytes", "2147483648\n");

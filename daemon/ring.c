@@ -16,7 +16,6 @@
 #include "job.h"
 #include "log.h"
 #include "metrics.h"
-#include "server.h"
 #include "session_int.h"
 #include "sqe.h"
 
@@ -76,7 +75,7 @@ void shardd_session_complete(struct shardd_session *s, const struct shardd_sqe *
 	cqe.group = sqe->group;
 	cqe.step = sqe->step;
 	if ((sqe->fence & SHARDD_FENCE_SIGNAL) && s->fences) {
-		struct shardd_backend_ctx *b = shardd_engine_backend(server.engine);
+		struct shardd_backend_ctx *b = shardd_engine_backend(shardd_session_env.engine);
 		uint32_t slot = shardd_cq_next_slot(&s->ring);
 
 		/* The client's stream waits on this record before it frees the slot for the next one. */
@@ -137,7 +136,7 @@ static int session_fence_wait(struct shardd_session *s, const struct shardd_sqe 
 	}
 	if (!(sqe->fence & SHARDD_FENCE_WAIT))
 		return 0;
-	b = shardd_engine_backend(server.engine);
+	b = shardd_engine_backend(shardd_session_env.engine);
 	if (b->ops->fence_wait(b, s->fences, slot) < 0) {
 		snprintf(why, len, "sqe.fence: waiting on the stream event of SQ slot %u failed in "
 			 "the %s backend (see the daemon's log)", slot, b->ops->name);

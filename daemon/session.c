@@ -27,13 +27,21 @@
 #include "log.h"
 #include "loop.h"
 #include "metrics.h"
-#include "server.h"
 #include "session_int.h"
 
 #define SHARDD_HANDSHAKE_MSG_MAX (1u << 20) /* payload limit before the WELCOME */
 
 /* One datagram at a time, loop thread only. */
 static uint8_t dgram_buf[SHARDD_CTRL_CHUNK];
+
+struct shardd_sessions_env shardd_session_env;
+/* Client ids start at 1; 0 is never used. */
+static uint32_t session_next_id = 1;
+
+void shardd_sessions_init(const struct shardd_sessions_env *e)
+{
+	shardd_session_env = *e;
+}
 
 /* ------------------------------------------------------------------ */
 /* Naming a session in logs                                            */
@@ -118,17 +126,17 @@ static int cred_allowed(const struct shardd_session *s)
 	gid_t groups[64];
 	socklen_t len = sizeof(groups);
 
-	if (s->cred.uid == server.uid)
+	if (s->cred.uid == shardd_session_env.uid)
 		return 1;
-	for (unsigned i = 0; i < server.cfg.nallow_gids; i++)
-		if (s->cred.gid == server.cfg.allow_gids[i])
+	for (unsigned i = 0; i < shardd_session_env.nallow_gids; i++)
+		if (s->cred.gid == shardd_session_env.allow_gids[i])
 			return 1;
 	/* Supplementary groups count too, where the kernel reports them. */
-	if (server.cfg.nallow_gids &&
+	if (shardd_session_env.nallow_gids &&
 	    getsockopt(s->fd, SOL_SOCKET, SO_PEERGROUPS, groups, &len) == 0) {
 		for (size_t g = 0; g < len / sizeof(gid_t); g++)
-			for (unsigned i = 0; i < server.cfg.nallow_gids; i++)
-				if (groups[g] == server.cfg.allow_gids[i])
+			for (unsigned i = 0; i < shardd_session_env.nallow_gids; i++)
+				if (groups[g] == shardd_session_env.allow_gids[i])
 					return 1;
 	}
 	return 0;
@@ -150,13 +158,13 @@ static void session_new(int fd)
 	s->pidfd = -1;
 	s->doorbell_fd = -1;
 	s->connected_ns = shardd_now_ns();
-	s->id = server.next_client_id++;
-	if (server.next_client_id == 0)
-		server.next_client_id = 1;
-	s->next = server.sessions;
-	if (server.sessions)
-		server.sessions->prev = s;
-	server.sessions = s;
+	s->id = session_next_id++;
+	if (session_next_id == 0)
+		session_next_id = 1;
+	s->next = *shardd_session_env.list;
+	if (*shardd_session_env.list)
+		(*shardd_session_env.list)->prev = s;
+	*shardd_session_env.list = s;
 	if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0) {
 		shardd_log_error("client %u: SO_PEERCRED: %s; closing its connection", s->id,
 				 strerror(errno));
@@ -170,11 +178,11 @@ static void session_new(int fd)
 		shardd_session_reject(s, 0, -SHARDD_E_PERM,
 			       "uid %u is not allowed: shardd runs as uid %u; start the client as "
 			       "uid %u or run shardd with --allow-gid %u",
-			       (unsigned)s->cred.uid, (unsigned)server.uid, (unsigned)server.uid,
+			       (unsigned)s->cred.uid, (unsigned)shardd_session_env.uid, (unsigned)shardd_session_env.uid,
 			       (unsigned)s->cred.gid);
 		return;
 	}
-	if (shardd_loop_add_fd(server.loop, fd, POLLIN | POLLRDHUP, session_readable, s,
+	if (shardd_loop_add_fd(shardd_session_env.loop, fd, POLLIN | POLLRDHUP, session_readable, s,
 			       &s->sock_ev) < 0) {
 		shardd_session_close(s, "could not be registered with the event loop");
 		return;
@@ -205,9 +213,9 @@ static int accept_at_fd_limit(int listen_fd, int err)
 	int c, answered = 0;
 
 	shardd_fd_limit_describe(lim, sizeof(lim));
-	if (server.accept_reserve_fd >= 0) {
-		close(server.accept_reserve_fd);
-		server.accept_reserve_fd = -1;
+	if (*shardd_session_env.accept_reserve_fd >= 0) {
+		close(*shardd_session_env.accept_reserve_fd);
+		*shardd_session_env.accept_reserve_fd = -1;
 		c = accept4(listen_fd, NULL, NULL, SOCK_CLOEXEC);
 		if (c >= 0) {
 			struct iovec iov = { &m, 0 };
@@ -215,7 +223,7 @@ static int accept_at_fd_limit(int listen_fd, int err)
 					 "shardd (pid %d) is out of file descriptors (%s: %s) and "
 					 "cannot take this connection; raise its limit (ulimit -n, or "
 					 "LimitNOFILE= in its service) or end the jobs that hold them",
-					 (int)server.pid, strerror(err), lim);
+					 (int)shardd_session_env.pid, strerror(err), lim);
 
 			m.em.code = -err;
 			m.em.msg_len = (uint32_t)(n < (int)sizeof(m.text) ? n : (int)sizeof(m.text) - 1);
@@ -243,14 +251,14 @@ static int accept_at_fd_limit(int listen_fd, int err)
 			refused++;
 			answered = 1;
 		}
-		server.accept_reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+		*shardd_session_env.accept_reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
 	}
 	if (now - logged_ns >= 1000000000ull || !logged_ns) {
 		logged_ns = now;
 		shardd_log_error("accept on %s: %s: shardd is at its fd limit (%s); %u connection(s) "
 				 "refused with an error since the last report%s; raise the limit "
-				 "(ulimit -n, LimitNOFILE=)", server.cfg.socket_path, strerror(err), lim,
-				 refused, server.accept_reserve_fd < 0 ?
+				 "(ulimit -n, LimitNOFILE=)", shardd_session_env.socket_path, strerror(err), lim,
+				 refused, *shardd_session_env.accept_reserve_fd < 0 ?
 				 ", others wait in the backlog (no reserve descriptor)" : "");
 		refused = 0;
 	}
@@ -271,7 +279,7 @@ void shardd_session_accept(void *arg, int fd, uint32_t revents)
 				continue;
 			if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EMFILE &&
 			    errno != ENFILE)
-				shardd_log_error("accept on %s: %s", server.cfg.socket_path,
+				shardd_log_error("accept on %s: %s", shardd_session_env.socket_path,
 						 strerror(errno));
 			return;
 		}
@@ -296,8 +304,8 @@ static void session_release(struct shardd_session *s, int goodbye, const char *w
 		/* Tell a client that looks at the ring rather than the socket; wake its waiters. */
 		shardd_ring_mark_dead(&s->ring);
 	}
-	shardd_loop_del(server.loop, s->pidfd_ev);
-	shardd_loop_del(server.loop, s->doorbell_ev);
+	shardd_loop_del(shardd_session_env.loop, s->pidfd_ev);
+	shardd_loop_del(shardd_session_env.loop, s->doorbell_ev);
 	s->pidfd_ev = s->doorbell_ev = NULL;
 	if (s->pidfd >= 0)
 		close(s->pidfd);
@@ -307,7 +315,7 @@ static void session_release(struct shardd_session *s, int goodbye, const char *w
 	shardd_ctrl_rx_reset(&s->rx);
 	s->read_backlog = 0;
 	if (s->fences) {
-		struct shardd_backend_ctx *b = shardd_engine_backend(server.engine);
+		struct shardd_backend_ctx *b = shardd_engine_backend(shardd_session_env.engine);
 
 		b->ops->fences_close(b, s->fences);
 		s->fences = NULL;
@@ -326,13 +334,13 @@ static void session_end(struct shardd_session *s, int goodbye, const char *why)
 		shardd_log_debug("%s closed: %s", shardd_session_name(s, name, sizeof(name)), why);
 	session_release(s, goodbye, why);
 	s->state = SHARDD_SESSION_DEAD;
-	shardd_loop_del(server.loop, s->sock_ev);
+	shardd_loop_del(shardd_session_env.loop, s->sock_ev);
 	s->sock_ev = NULL;
 	if (s->fd >= 0)
 		close(s->fd);
 	s->fd = -1;
 	shardd_session_out_clear(s);
-	shardd_server_schedule_reap();
+	shardd_session_env.schedule_reap();
 }
 
 /*
@@ -359,7 +367,7 @@ static void session_linger(struct shardd_session *s, const char *why)
 	s->state = SHARDD_SESSION_LINGER;
 	s->linger_until_ns = shardd_now_ns() + SHARDD_SESSION_LINGER_MS * 1000000ull;
 	/* Refused at accept, before its socket was watched. */
-	if (!s->sock_ev && shardd_loop_add_fd(server.loop, s->fd, POLLIN | POLLRDHUP,
+	if (!s->sock_ev && shardd_loop_add_fd(shardd_session_env.loop, s->fd, POLLIN | POLLRDHUP,
 					      session_readable, s, &s->sock_ev) < 0) {
 		session_end(s, 0, why);
 		return;
@@ -415,21 +423,24 @@ void shardd_session_close_later(struct shardd_session *s, const char *why)
 		return;
 	s->closing = 1;
 	snprintf(s->closing_why, sizeof(s->closing_why), "%s", why);
-	shardd_server_schedule_close();
+	shardd_session_env.schedule_close();
 }
 
 void shardd_session_close_marked(void)
 {
 	/* Closing never frees (that is the reap), so the list stays walkable. */
-	for (struct shardd_session *s = server.sessions; s; s = s->next)
+	for (struct shardd_session *s = *shardd_session_env.list; s; s = s->next)
 		if (s->closing && s->state != SHARDD_SESSION_DEAD)
 			session_end(s, 0, s->closing_why);
 }
 
 void shardd_session_reap(void)
 {
-	struct shardd_session *s = server.sessions;
+	struct shardd_session *s;
 
+	if (!shardd_session_env.list)
+		return; /* a start that failed before shardd_sessions_init: no sessions */
+	s = *shardd_session_env.list;
 	while (s) {
 		struct shardd_session *next = s->next;
 
@@ -437,7 +448,7 @@ void shardd_session_reap(void)
 			if (s->prev)
 				s->prev->next = s->next;
 			else
-				server.sessions = s->next;
+				*shardd_session_env.list = s->next;
 			if (s->next)
 				s->next->prev = s->prev;
 			if (s->ring_mem)
@@ -758,7 +769,7 @@ int shardd_session_read_backlog(struct shardd_session *s)
 
 void shardd_session_cron(uint64_t now_ns)
 {
-	for (struct shardd_session *s = server.sessions; s; s = s->next) {
+	for (struct shardd_session *s = *shardd_session_env.list; s; s = s->next) {
 		char name[160], why[128];
 
 		if (s->state == SHARDD_SESSION_LINGER && !s->closing && now_ns >= s->linger_until_ns) {
@@ -768,20 +779,20 @@ void shardd_session_cron(uint64_t now_ns)
 			continue;
 		}
 		if (s->state != SHARDD_SESSION_HANDSHAKE || s->closing || s->spoke ||
-		    now_ns - s->connected_ns < server.handshake_timeout_ns)
+		    now_ns - s->connected_ns < shardd_session_env.handshake_timeout_ns)
 			continue;
 		snprintf(why, sizeof(why), "sent no complete message (HELLO or an admin request) "
-			 "within %g s of connecting", server.cfg.handshake_timeout_s);
+			 "within %g s of connecting", shardd_session_env.handshake_timeout_s);
 		shardd_log_warn("%s %s: closing it (see --handshake-timeout)",
 				shardd_session_name(s, name, sizeof(name)), why);
 		/* Closing never frees (that is the reap), so the list stays walkable. */
 		shardd_session_close(s, why);
 	}
 	/* Out of descriptors earlier with no reserve left: answer who waits in the backlog. */
-	if (server.accept_reserve_fd < 0 && server.listen_fd >= 0) {
-		server.accept_reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
-		if (server.accept_reserve_fd >= 0)
-			shardd_session_accept(NULL, server.listen_fd, 0);
+	if (*shardd_session_env.accept_reserve_fd < 0 && shardd_session_env.listen_fd >= 0) {
+		*shardd_session_env.accept_reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+		if (*shardd_session_env.accept_reserve_fd >= 0)
+			shardd_session_accept(NULL, shardd_session_env.listen_fd, 0);
 	}
 }
 

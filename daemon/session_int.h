@@ -15,6 +15,9 @@
 
 /* ---- session.c ---- */
 
+/* What shardd_sessions_init was given. */
+extern struct shardd_sessions_env shardd_session_env;
+
 /* "client 3 (pid 1234)" or "client 3 (job 'j' rank 1, pid 1234)". */
 const char *shardd_session_name(const struct shardd_session *s, char *buf, size_t len);
 /*

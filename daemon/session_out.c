@@ -18,7 +18,6 @@
 
 #include "log.h"
 #include "loop.h"
-#include "server.h"
 #include "session_int.h"
 
 /* ------------------------------------------------------------------ */
@@ -56,7 +55,7 @@ void shardd_session_out_clear(struct shardd_session *s)
 	}
 	s->out_tail = NULL;
 	s->out_bytes = 0;
-	shardd_loop_del(server.loop, s->out_ev);
+	shardd_loop_del(shardd_session_env.loop, s->out_ev);
 	s->out_ev = NULL;
 }
 
@@ -100,12 +99,12 @@ static void session_flush(struct shardd_session *s)
 		}
 	}
 	if (s->out_head && !s->out_ev) {
-		if (shardd_loop_add_fd(server.loop, s->fd, POLLOUT, session_writable, s,
+		if (shardd_loop_add_fd(shardd_session_env.loop, s->fd, POLLOUT, session_writable, s,
 				       &s->out_ev) < 0)
 			shardd_session_close_later(s, "could not be registered with the event loop "
 						   "for its replies");
 	} else if (!s->out_head && s->out_ev) {
-		shardd_loop_del(server.loop, s->out_ev);
+		shardd_loop_del(shardd_session_env.loop, s->out_ev);
 		s->out_ev = NULL;
 	}
 	/* A refused client has its ERROR now: EOF follows it. */

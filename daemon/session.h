@@ -6,9 +6,11 @@
  * completions. The connection's life is the client's life: EOF on the socket
  * or the client's pidfd turning readable ends the session at once.
  *
- * Four files: session.c (lifetime, reading, dispatch), session_out.c (what
- * it sends), hello.c (the handshake), ring.c (the ring service). Its job
- * reaches it only through the sink it gave at attach (job.h).
+ * Five files, each calling only those before it: session.c (the object,
+ * its list, its end), session_out.c (what it sends, refusals), ring.c (the
+ * ring service, the job's sink), hello.c (the handshake), control.c
+ * (accept, reading, dispatch). Its job reaches it only through the sink it
+ * gave at attach (job.h). None of them reads the daemon's `server` global.
  */
 #ifndef SHARDD_SESSION_H
 #define SHARDD_SESSION_H

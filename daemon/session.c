@@ -237,8 +237,11 @@ int shardd_session_peer_gone(struct shardd_session *s)
 
 struct shardd_session *shardd_session_of_rank(const struct shardd_job *j, uint32_t rank)
 {
+	const struct shardd_rank_sink *c = &j->ranks[rank].client;
+
+	/* The rank's sink is a session's when its context is one of ours. */
 	for (struct shardd_session *s = *shardd_session_env.list; s; s = s->next)
-		if (s->state == SHARDD_SESSION_ATTACHED && s->job == j && s->rank == rank)
+		if (c->ops && c->ctx == s)
 			return s;
 	return NULL;
 }

@@ -23,7 +23,6 @@
 #include "job.h"
 #include "log.h"
 #include "loop.h"
-#include "server.h"
 #include "session_int.h"
 
 #define SQ_ENTRIES_MIN 8
@@ -145,7 +144,7 @@ static int session_ring_create(struct shardd_session *s, uint32_t sq_entries, ui
 	}
 	s->ring_size = size;
 	ret = shardd_ring_format(s->ring_mem, size, sq_entries, cq_entries,
-				 (uint32_t)server.pid, s->id);
+				 (uint32_t)shardd_session_env.pid, s->id);
 	if (ret == 0)
 		ret = shardd_ring_attach(&s->ring, s->ring_mem, size);
 	if (ret < 0)
@@ -183,7 +182,7 @@ static void session_doorbell(void *arg, int fd, uint32_t revents)
 	(void)revents;
 	/* Reset the eventfd; the ring itself is served before the loop sleeps again. */
 	if (read(fd, &count, sizeof(count)) == sizeof(count))
-		shardd_server_note_work(shardd_now_ns());
+		shardd_session_env.note_work(shardd_now_ns());
 }
 
 void shardd_session_hello(struct shardd_session *s, const struct shardd_msg_hdr *hdr,
@@ -272,12 +271,12 @@ void shardd_session_hello(struct shardd_session *s, const struct shardd_msg_hdr 
 	w.major = SHARDD_PROTO_MAJOR;
 	w.minor = SHARDD_PROTO_MINOR;
 	w.client_id = s->id;
-	w.backend = server.cfg.backend;
+	w.backend = shardd_session_env.backend;
 	w.sq_entries = sq_entries;
 	w.cq_entries = sq_entries * CQ_PER_SQ;
-	w.daemon_pid = (uint32_t)server.pid;
+	w.daemon_pid = (uint32_t)shardd_session_env.pid;
 	w.ring_size = s->ring_size;
-	w.collective_timeout_ms = (uint32_t)(server.collective_timeout_ns / 1000000u);
+	w.collective_timeout_ms = (uint32_t)(shardd_session_env.collective_timeout_ns / 1000000u);
 	fds[0] = ringfd;
 	fds[1] = s->doorbell_fd;
 	if (shardd_session_send(s, SHARDD_MSG_WELCOME, hdr->seq, &w, sizeof(w), fds, 2) < 0) {
@@ -295,9 +294,9 @@ void shardd_session_hello(struct shardd_session *s, const struct shardd_msg_hdr 
 	shardd_job_attach(job, h.rank, (uint32_t)s->cred.pid, h.device,
 			  &(struct shardd_rank_sink){ .ops = &shardd_session_sink_ops, .ctx = s,
 						      .token = s->id });
-	if (shardd_loop_add_fd(server.loop, s->doorbell_fd, POLLIN, session_doorbell, s,
+	if (shardd_loop_add_fd(shardd_session_env.loop, s->doorbell_fd, POLLIN, session_doorbell, s,
 			       &s->doorbell_ev) < 0 ||
-	    (s->pidfd >= 0 && shardd_loop_add_fd(server.loop, s->pidfd, POLLIN,
+	    (s->pidfd >= 0 && shardd_loop_add_fd(shardd_session_env.loop, s->pidfd, POLLIN,
 						 session_pidfd_readable, s, &s->pidfd_ev) < 0)) {
 		shardd_session_close(s, "could not be registered with the event loop");
 		goto out;
@@ -306,7 +305,7 @@ void shardd_session_hello(struct shardd_session *s, const struct shardd_msg_hdr 
 			shardd_session_name(s, name, sizeof(name)), h.replicate, h.shard, sq_entries,
 			sq_entries * CQ_PER_SQ, h.device);
 	/* The client may have submitted already; serve its ring before sleeping. */
-	shardd_server_note_work(shardd_now_ns());
+	shardd_session_env.note_work(shardd_now_ns());
 out:
 	/* The client holds its own copy of the ring fd now; our mapping stays. */
 	close(ringfd);
@@ -323,7 +322,7 @@ out:
 void shardd_session_stream(struct shardd_session *s, uint32_t seq, const uint8_t *payload,
 			   uint32_t len)
 {
-	struct shardd_backend_ctx *b = shardd_engine_backend(server.engine);
+	struct shardd_backend_ctx *b = shardd_engine_backend(shardd_session_env.engine);
 	uint32_t nsq = s->ring.sq_mask + 1, ncq = s->ring.cq_mask + 1;
 	size_t hsz = sizeof(struct shardd_cuda_ipc_handle);
 	struct shardd_stream_reply *rep;

@@ -4,7 +4,8 @@
  * validate each, wait on its stream fence, hand it to the job (barrier),
  * the engine (group ops) or complete it at once (nop); push completions
  * into the CQ; and arm NEED_WAKEUP before the loop sleeps. Every access to
- * the shared ring memory goes through proto/shardd_ring.h.
+ * the shared ring memory goes through proto/shardd_ring.h. At the end,
+ * the sink through which a session's job reaches it.
  */
 #define _GNU_SOURCE
 #include <stdarg.h>
@@ -16,7 +17,6 @@
 #include "job.h"
 #include "log.h"
 #include "metrics.h"
-#include "server.h"
 #include "session_int.h"
 #include "sqe.h"
 
@@ -76,7 +76,7 @@ void shardd_session_complete(struct shardd_session *s, const struct shardd_sqe *
 	cqe.group = sqe->group;
 	cqe.step = sqe->step;
 	if ((sqe->fence & SHARDD_FENCE_SIGNAL) && s->fences) {
-		struct shardd_backend_ctx *b = shardd_engine_backend(server.engine);
+		struct shardd_backend_ctx *b = shardd_engine_backend(shardd_session_env.engine);
 		uint32_t slot = shardd_cq_next_slot(&s->ring);
 
 		/* The client's stream waits on this record before it frees the slot for the next one. */
@@ -137,7 +137,7 @@ static int session_fence_wait(struct shardd_session *s, const struct shardd_sqe 
 	}
 	if (!(sqe->fence & SHARDD_FENCE_WAIT))
 		return 0;
-	b = shardd_engine_backend(server.engine);
+	b = shardd_engine_backend(shardd_session_env.engine);
 	if (b->ops->fence_wait(b, s->fences, slot) < 0) {
 		snprintf(why, len, "sqe.fence: waiting on the stream event of SQ slot %u failed in "
 			 "the %s backend (see the daemon's log)", slot, b->ops->name);
@@ -226,3 +226,58 @@ unsigned shardd_session_service(struct shardd_session *s)
 	}
 	return taken;
 }
+
+/* ------------------------------------------------------------------ */
+/* The session as its job sees it                                      */
+/* ------------------------------------------------------------------ */
+
+static void sink_complete(void *ctx, const struct shardd_sqe *sqe, int res, const char *msg)
+{
+	shardd_session_complete(ctx, sqe, res, msg);
+}
+
+static void sink_group_reply(void *ctx, uint32_t seq, int res, const char *msg,
+			     const struct shardd_group_reply *reply,
+			     const struct shardd_param_layout *layouts,
+			     const struct shardd_param_spec *specs, const int *fds, int nfds,
+			     const struct shardd_cuda_ipc_handle *ipc, int nipc)
+{
+	shardd_session_send_group(ctx, seq, res, msg, reply, layouts, specs, fds, nfds, ipc, nipc);
+}
+
+static void sink_notify(void *ctx, int code, const char *text)
+{
+	shardd_session_notify(ctx, code, text);
+}
+
+static int sink_gone(void *ctx)
+{
+	return shardd_session_peer_gone(ctx);
+}
+
+static void sink_close(void *ctx, const char *why)
+{
+	shardd_session_close(ctx, why);
+}
+
+static void sink_close_later(void *ctx, const char *why)
+{
+	shardd_session_close_later(ctx, why);
+}
+
+static void sink_job_ended(void *ctx)
+{
+	struct shardd_session *s = ctx;
+
+	s->job = NULL;
+}
+
+const struct shardd_rank_sink_ops shardd_session_sink_ops = {
+	.complete = sink_complete,
+	.group_reply = sink_group_reply,
+	.notify = sink_notify,
+	.gone = sink_gone,
+	.close = sink_close,
+	.close_later = sink_close_later,
+	.job_ended = sink_job_ended,
+};

@@ -526,7 +526,6 @@ int shardd_server_init(const struct shardd_config *cfg)
 	server.uid = getuid();
 	server.pid = getpid();
 	server.start_ns = shardd_now_ns();
-	server.next_client_id = 1;
 	server.collective_timeout_ns = (uint64_t)(cfg->collective_timeout_s * 1e9);
 	server.handshake_timeout_ns = (uint64_t)(cfg->handshake_timeout_s * 1e9);
 	server.job_linger_ns = (uint64_t)(cfg->job_linger_s * 1e9);
@@ -602,6 +601,25 @@ int shardd_server_init(const struct shardd_config *cfg)
 		fprintf(stderr, "shardd: cannot create the io_uring event loop: %s\n", strerror(-ret));
 		return ret;
 	}
+	shardd_sessions_init(&(struct shardd_sessions_env){
+		.list = &server.sessions,
+		.loop = server.loop,
+		.engine = server.engine,
+		.uid = server.uid,
+		.pid = server.pid,
+		.allow_gids = server.cfg.allow_gids,
+		.nallow_gids = server.cfg.nallow_gids,
+		.socket_path = server.cfg.socket_path,
+		.listen_fd = server.listen_fd,
+		.accept_reserve_fd = &server.accept_reserve_fd,
+		.backend = server.cfg.backend,
+		.collective_timeout_ns = server.collective_timeout_ns,
+		.handshake_timeout_ns = server.handshake_timeout_ns,
+		.handshake_timeout_s = server.cfg.handshake_timeout_s,
+		.schedule_close = shardd_server_schedule_close,
+		.schedule_reap = shardd_server_schedule_reap,
+		.note_work = shardd_server_note_work,
+	});
 	if ((ret = shardd_loop_add_fd(server.loop, server.listen_fd, POLLIN,
 				      shardd_session_accept, NULL, NULL)) < 0 ||
 	    (ret = shardd_loop_add_fd(server.loop, server.signal_fd, POLLIN, server_signal,

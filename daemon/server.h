@@ -75,7 +75,6 @@ struct shardd_server {
 	struct shardd_engine *engine;
 	struct shardd_session *sessions;  /* every connected client, dead ones until reaped */
 	struct shardd_job     *jobs;
-	uint32_t next_client_id;       /* client ids start at 1; 0 is never used */
 	uint64_t last_work_ns;         /* the last time a ring had work: spin window */
 	uint64_t last_yield_ns;        /* the spin window's last sched_yield() */
 	uint64_t last_heartbeat_ns;

@@ -6,9 +6,11 @@
  * completions. The connection's life is the client's life: EOF on the socket
  * or the client's pidfd turning readable ends the session at once.
  *
- * Four files: session.c (lifetime, reading, dispatch), session_out.c (what
- * it sends), hello.c (the handshake), ring.c (the ring service). Its job
- * reaches it only through the sink it gave at attach (job.h).
+ * Five files, each calling only those before it: session.c (the object,
+ * its list, its end), session_out.c (what it sends, refusals), ring.c (the
+ * ring service, the job's sink), hello.c (the handshake), control.c
+ * (accept, reading, dispatch). Its job reaches it only through the sink it
+ * gave at attach (job.h). None of them reads the daemon's `server` global.
  */
 #ifndef SHARDD_SESSION_H
 #define SHARDD_SESSION_H
@@ -21,7 +23,9 @@
 #include "shardd_proto.h"
 #include "shardd_ring.h"
 
+struct shardd_engine;
 struct shardd_job;
+struct shardd_loop;
 struct shardd_loop_event;
 struct shardd_session_out;
 
@@ -65,7 +69,7 @@ struct shardd_session_stats {
 };
 
 struct shardd_session {
-	struct shardd_session *next, *prev; /* server.sessions */
+	struct shardd_session *next, *prev; /* shardd_sessions_env.list */
 	uint32_t id;                 /* client_id of the welcome; the engine token */
 	int      state;              /* enum shardd_session_state */
 	int      fd;                 /* control socket */
@@ -97,6 +101,34 @@ struct shardd_session {
 	char     closing_why[256];   /* why, logged when it is closed */
 	uint64_t linger_until_ns;    /* SHARDD_SESSION_LINGER: close by then (CLOCK_MONOTONIC) */
 };
+
+/*
+ * What every session needs from the daemon, given once at start
+ * (shardd_sessions_init): the session files never read the daemon's global.
+ */
+struct shardd_sessions_env {
+	struct shardd_session **list;    /* head of the daemon's list of sessions */
+	struct shardd_loop   *loop;
+	struct shardd_engine *engine;
+	uid_t    uid;                    /* clients must run as this uid (or an allowed gid) */
+	pid_t    pid;                    /* the daemon's */
+	const gid_t *allow_gids;         /* --allow-gid */
+	unsigned nallow_gids;
+	const char *socket_path;         /* --socket, for messages */
+	int      listen_fd;              /* the listening socket */
+	int     *accept_reserve_fd;      /* /dev/null held back to answer a connection at the
+					  * fd limit (shardd_session_accept); -1 while spent */
+	uint32_t backend;                /* --backend: enum shardd_backend, for the welcome */
+	uint64_t collective_timeout_ns;  /* for the welcome */
+	uint64_t handshake_timeout_ns;   /* a connection with no complete message by then is closed */
+	double   handshake_timeout_s;    /* the same, as given (--handshake-timeout) */
+	void   (*schedule_close)(void);  /* a session was marked closing: close it at the next safe point */
+	void   (*schedule_reap)(void);   /* a session died: free it at the next safe point */
+	void   (*note_work)(uint64_t now_ns); /* some ring had work now (spin window) */
+};
+
+/* Set the environment of every session; before the first accept. */
+void shardd_sessions_init(const struct shardd_sessions_env *env);
 
 /* Accept every pending connection on the listening socket (loop callback). */
 void shardd_session_accept(void *arg, int fd, uint32_t revents);

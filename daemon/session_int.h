@@ -1,8 +1,10 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * Private to the four files of a session: session.c (lifetime, reading,
- * dispatch), session_out.c (output queue, reply framing), hello.c (the
- * handshake, ring creation, stream fences) and ring.c (the ring service).
+ * Private to the five files of a session, from the bottom up: session.c
+ * (the object, its list, its end), session_out.c (output queue, reply
+ * framing, refusals), ring.c (the ring service, the job's sink), hello.c
+ * (the handshake, ring creation, stream fences) and control.c (accept,
+ * reading, dispatch). Each calls only the files below it.
  */
 #ifndef SHARDD_SESSION_INT_H
 #define SHARDD_SESSION_INT_H
@@ -13,7 +15,23 @@
 #include "job.h"
 #include "session.h"
 
+/*
+ * One message not yet sent: header and payload framed in one buffer, so
+ * that its datagrams are its SHARDD_CTRL_CHUNK-sized slices in order.
+ */
+struct shardd_session_out {
+	struct shardd_session_out *next;
+	uint32_t len;                      /* framed bytes: header + payload */
+	uint32_t off;                      /* bytes sent so far, at a datagram boundary */
+	int      fds[SHARDD_CTRL_MAX_FDS]; /* ours (duplicated); ride on the first datagram */
+	int      nfds;                     /* 0 once the first datagram is sent */
+	uint8_t  buf[];
+};
+
 /* ---- session.c ---- */
+
+/* What shardd_sessions_init was given. */
+extern struct shardd_sessions_env shardd_session_env;
 
 /* "client 3 (pid 1234)" or "client 3 (job 'j' rank 1, pid 1234)". */
 const char *shardd_session_name(const struct shardd_session *s, char *buf, size_t len);
@@ -23,18 +41,28 @@ const char *shardd_session_name(const struct shardd_session *s, char *buf, size_
  */
 const char *shardd_fd_limit_describe(char *buf, size_t len);
 /*
- * Reply an error, then end the session (credentials, handshake and framing
- * errors): it lingers until the client has read the error.
- */
-void __attribute__((format(printf, 4, 5)))
-shardd_session_reject(struct shardd_session *s, uint32_t seq, int code, const char *fmt, ...);
-/*
  * Is the client behind this session gone (socket hung up, process exited)?
  * Checked without waiting.
  */
 int shardd_session_peer_gone(struct shardd_session *s);
-/* How the job reaches a session attached to one of its ranks (shardd_job_attach). */
-extern const struct shardd_rank_sink_ops shardd_session_sink_ops;
+/*
+ * A new session on accepted socket `fd`, in the handshake, with the next
+ * client id, at the head of the list; NULL (fd closed, logged) when out of
+ * memory.
+ */
+struct shardd_session *shardd_session_new(int fd);
+/*
+ * Everything of a session but its socket: detach it from its job
+ * (`goodbye`: the client said so), mark its ring dead, close its pidfd and
+ * doorbell, drop the message being read.
+ */
+void shardd_session_release(struct shardd_session *s, int goodbye, const char *why);
+/* End the session now (shardd_session_close; `goodbye`: the client said so). */
+void shardd_session_end(struct shardd_session *s, int goodbye, const char *why);
+/* Free one queued reply and its fds. */
+void shardd_session_out_free(struct shardd_session_out *m);
+/* Drop every queued reply and stop watching for POLLOUT (the session is ending). */
+void shardd_session_out_clear(struct shardd_session *s);
 
 /* ---- session_out.c ---- */
 
@@ -43,8 +71,22 @@ void shardd_session_send_error(struct shardd_session *s, uint32_t seq, int code,
 /* Reply an error to a request and keep serving the session. */
 void __attribute__((format(printf, 4, 5)))
 shardd_session_reply_error(struct shardd_session *s, uint32_t seq, int code, const char *fmt, ...);
-/* Drop every queued reply and stop watching for POLLOUT (the session is ending). */
-void shardd_session_out_clear(struct shardd_session *s);
+/*
+ * Reply an error, then end the session (credentials, handshake and framing
+ * errors): it lingers until the client has read the error.
+ */
+void __attribute__((format(printf, 4, 5)))
+shardd_session_reject(struct shardd_session *s, uint32_t seq, int code, const char *fmt, ...);
+/*
+ * Read and drop what a refused client still sends; its EOF closes the
+ * session.
+ */
+void shardd_session_linger_drain(struct shardd_session *s);
+
+/* ---- ring.c ---- */
+
+/* How the job reaches a session attached to one of its ranks (shardd_job_attach). */
+extern const struct shardd_rank_sink_ops shardd_session_sink_ops;
 
 /* ---- hello.c ---- */
 

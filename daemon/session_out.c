@@ -3,7 +3,8 @@
  * What a session sends its client: the output queue, which never blocks
  * the loop (what the socket does not take now waits, in order, for
  * POLLOUT), and the framing of replies on top of it: ERROR replies and
- * notices, and the GROUP reply with its fds and CUDA IPC handles.
+ * notices, and the GROUP reply with its fds and CUDA IPC handles. And
+ * refusals: an ERROR, then a linger until the client has read it.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -18,47 +19,11 @@
 
 #include "log.h"
 #include "loop.h"
-#include "server.h"
 #include "session_int.h"
 
 /* ------------------------------------------------------------------ */
 /* Output queue                                                        */
 /* ------------------------------------------------------------------ */
-
-/*
- * One message not yet sent: header and payload framed in one buffer, so
- * that its datagrams are its SHARDD_CTRL_CHUNK-sized slices in order.
- */
-struct shardd_session_out {
-	struct shardd_session_out *next;
-	uint32_t len;                      /* framed bytes: header + payload */
-	uint32_t off;                      /* bytes sent so far, at a datagram boundary */
-	int      fds[SHARDD_CTRL_MAX_FDS]; /* ours (duplicated); ride on the first datagram */
-	int      nfds;                     /* 0 once the first datagram is sent */
-	uint8_t  buf[];
-};
-
-static void session_out_free(struct shardd_session_out *m)
-{
-	for (int i = 0; i < m->nfds; i++)
-		close(m->fds[i]);
-	free(m);
-}
-
-/* Drop every queued reply and stop watching for POLLOUT (the session is ending). */
-void shardd_session_out_clear(struct shardd_session *s)
-{
-	while (s->out_head) {
-		struct shardd_session_out *m = s->out_head;
-
-		s->out_head = m->next;
-		session_out_free(m);
-	}
-	s->out_tail = NULL;
-	s->out_bytes = 0;
-	shardd_loop_del(server.loop, s->out_ev);
-	s->out_ev = NULL;
-}
 
 static void session_writable(void *arg, int fd, uint32_t revents);
 
@@ -100,12 +65,12 @@ static void session_flush(struct shardd_session *s)
 		}
 	}
 	if (s->out_head && !s->out_ev) {
-		if (shardd_loop_add_fd(server.loop, s->fd, POLLOUT, session_writable, s,
+		if (shardd_loop_add_fd(shardd_session_env.loop, s->fd, POLLOUT, session_writable, s,
 				       &s->out_ev) < 0)
 			shardd_session_close_later(s, "could not be registered with the event loop "
 						   "for its replies");
 	} else if (!s->out_head && s->out_ev) {
-		shardd_loop_del(server.loop, s->out_ev);
+		shardd_loop_del(shardd_session_env.loop, s->out_ev);
 		s->out_ev = NULL;
 	}
 	/* A refused client has its ERROR now: EOF follows it. */
@@ -166,7 +131,7 @@ int shardd_session_send(struct shardd_session *s, uint16_t type, uint32_t seq,
 		m->fds[i] = fcntl(fds[i], F_DUPFD_CLOEXEC, 0);
 		if (m->fds[i] < 0) {
 			ret = -errno;
-			session_out_free(m);
+			shardd_session_out_free(m);
 			goto err;
 		}
 		m->nfds++;
@@ -265,4 +230,108 @@ void shardd_session_send_group(struct shardd_session *s, uint32_t seq, int res, 
 		memcpy(buf + len - (size_t)nipc * sizeof(*ipc), ipc, (size_t)nipc * sizeof(*ipc));
 	shardd_session_send(s, SHARDD_MSG_GROUP, seq, buf, (uint32_t)len, fds, nfds);
 	free(buf);
+}
+
+/* ------------------------------------------------------------------ */
+/* Refusals                                                            */
+/* ------------------------------------------------------------------ */
+
+/* One datagram at a time, loop thread only. */
+static uint8_t dgram_buf[SHARDD_CTRL_CHUNK];
+
+static void session_linger(struct shardd_session *s, const char *why);
+
+/*
+ * Reply an error, then end the session (credentials, handshake and framing
+ * errors): it lingers until the client has read the error (session_linger).
+ */
+void __attribute__((format(printf, 4, 5)))
+shardd_session_reject(struct shardd_session *s, uint32_t seq, int code, const char *fmt, ...)
+{
+	char text[1024], name[160];
+	va_list ap;
+
+	va_start(ap, fmt);
+	vsnprintf(text, sizeof(text), fmt, ap);
+	va_end(ap);
+	shardd_log_warn("%s rejected: %s", shardd_session_name(s, name, sizeof(name)), text);
+	shardd_session_send_error(s, seq, code, text);
+	session_linger(s, text);
+}
+
+/* A refused client that was not watched yet: what it still sends is dropped. */
+static void session_linger_readable(void *arg, int fd, uint32_t revents)
+{
+	(void)fd;
+	(void)revents;
+	shardd_session_linger_drain(arg);
+}
+
+/*
+ * A refused client (shardd_session_reject): its ERROR is queued, usually sent
+ * already. Closing now would lose it whenever the client's own request was
+ * still unread, because the kernel then answers the client's next read with
+ * ECONNRESET; and a client that sends after our close gets EPIPE. So the
+ * session is released at once (no job, no ring), but its socket stays open:
+ * shut for writing once the reply is out (the client reads the ERROR, then
+ * EOF), what the client still sends is read and dropped (session_linger_drain),
+ * and the socket is closed at the client's EOF or after
+ * SHARDD_SESSION_LINGER_MS (shardd_session_cron). Nothing here waits.
+ */
+static void session_linger(struct shardd_session *s, const char *why)
+{
+	if (s->state == SHARDD_SESSION_DEAD || s->state == SHARDD_SESSION_LINGER)
+		return;
+	/* The reply could not be sent: nothing is left to deliver. */
+	if (s->closing) {
+		shardd_session_end(s, 0, s->closing_why);
+		return;
+	}
+	shardd_session_release(s, 0, why);
+	s->state = SHARDD_SESSION_LINGER;
+	s->linger_until_ns = shardd_now_ns() + SHARDD_SESSION_LINGER_MS * 1000000ull;
+	/* Refused at accept, before its socket was watched. */
+	if (!s->sock_ev && shardd_loop_add_fd(shardd_session_env.loop, s->fd, POLLIN | POLLRDHUP,
+					      session_linger_readable, s, &s->sock_ev) < 0) {
+		shardd_session_end(s, 0, why);
+		return;
+	}
+	if (!s->out_head)
+		shutdown(s->fd, SHUT_WR);
+}
+
+/*
+ * Read and drop what a refused client still sends (closing any fds), at
+ * most SHARDD_SESSION_READ_BUDGET datagrams a turn; its EOF closes the
+ * session.
+ */
+void shardd_session_linger_drain(struct shardd_session *s)
+{
+	unsigned budget = SHARDD_SESSION_READ_BUDGET;
+
+	s->read_backlog = 0;
+	while (s->state == SHARDD_SESSION_LINGER && !s->closing) {
+		int fds[SHARDD_CTRL_MAX_FDS], nfds;
+		char why[96];
+		ssize_t n;
+
+		if (budget-- == 0) {
+			s->read_backlog = 1;
+			return;
+		}
+		n = shardd_ctrl_recv_dgram(s->fd, dgram_buf, fds, &nfds, MSG_DONTWAIT);
+		for (int i = 0; i < nfds; i++)
+			close(fds[i]);
+		if (n == -EAGAIN || n == -EWOULDBLOCK)
+			return;
+		if (n > 0 || n == -EBADMSG || n == -EMSGSIZE || n == -ETOOMANYREFS || n == -EMFILE)
+			continue;
+		if (n == 0)
+			snprintf(why, sizeof(why), "closed its connection after the refusal");
+		else
+			snprintf(why, sizeof(why), "connection error after the refusal: %s",
+				 strerror((int)-n));
+		shardd_session_end(s, 0, why);
+		return;
+	}
 }

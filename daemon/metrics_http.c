@@ -179,7 +179,7 @@ static int listen_tcp(const char *spec, const char *host, const char *port, int 
 
 	err = getaddrinfo(host, port, &hints, &res);
 	if (err) {
-		fprintf(stderr, "shardd: --metrics-listen %s: cannot resolve '%s': %s\n", spec, host,
+		shardd_log_error("shardd: --metrics-listen %s: cannot resolve '%s': %s", spec, host,
 			gai_strerror(err));
 		return -1;
 	}
@@ -189,7 +189,7 @@ static int listen_tcp(const char *spec, const char *host, const char *port, int 
 	    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) < 0 ||
 	    bind(fd, res->ai_addr, res->ai_addrlen) < 0 ||
 	    listen(fd, SOMAXCONN) < 0) {
-		fprintf(stderr, "shardd: --metrics-listen %s: cannot listen on %s port %s: %s%s\n",
+		shardd_log_error("shardd: --metrics-listen %s: cannot listen on %s port %s: %s%s",
 			spec, host, port, strerror(errno),
 			errno == EADDRINUSE ? " (pick another port)" : "");
 		if (fd >= 0)
@@ -230,7 +230,7 @@ int shardd_metrics_http_start(const char *spec, struct shardd_loop *loop,
 	*out = NULL;
 	if (shardd_metrics_http_parse(spec, host, sizeof(host), port, sizeof(port), why,
 				      sizeof(why)) < 0) {
-		fprintf(stderr, "shardd: --metrics-listen %s\n", why);
+		shardd_log_error("shardd: --metrics-listen %s", why);
 		return -EINVAL;
 	}
 	h = calloc(1, sizeof(*h));
@@ -252,15 +252,15 @@ int shardd_metrics_http_start(const char *spec, struct shardd_loop *loop,
 				  MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)METRICS_HTTP_TIMEOUT_S,
 				  MHD_OPTION_END);
 	if (!h->mhd) {
-		fprintf(stderr, "shardd: --metrics-listen %s: libmicrohttpd did not start (see "
-			"the line above)\n", spec);
+		shardd_log_error("shardd: --metrics-listen %s: libmicrohttpd did not start (see "
+			"the line above)", spec);
 		close(fd);
 		free(h);
 		return -EIO;
 	}
 	info = MHD_get_daemon_info(h->mhd, MHD_DAEMON_INFO_EPOLL_FD);
 	if (!info) {
-		fprintf(stderr, "shardd: --metrics-listen %s: libmicrohttpd has no epoll fd\n",
+		shardd_log_error("shardd: --metrics-listen %s: libmicrohttpd has no epoll fd",
 			spec);
 		shardd_metrics_http_stop(h, loop);
 		return -EIO;
@@ -270,8 +270,8 @@ int shardd_metrics_http_start(const char *spec, struct shardd_loop *loop,
 		ret = shardd_loop_add_timer(loop, METRICS_HTTP_TICK_MS, metrics_http_tick, h,
 					    &h->tick_ev);
 	if (ret < 0) {
-		fprintf(stderr, "shardd: --metrics-listen %s: cannot register with the event loop: "
-			"%s\n", spec, strerror(-ret));
+		shardd_log_error("shardd: --metrics-listen %s: cannot register with the event loop: "
+			"%s", spec, strerror(-ret));
 		shardd_metrics_http_stop(h, loop);
 		return ret;
 	}

@@ -285,30 +285,30 @@ static int socket_dir_prepare(const struct shardd_config *cfg)
 	if (mkdir(dir, 0700) == 0) {
 		/* mkdir's mode passes through the umask: set the group first, then the mode. */
 		if (gid != (gid_t)-1 && chown(dir, (uid_t)-1, gid) < 0) {
-			fprintf(stderr, "shardd: cannot give the socket directory %s group %u: %s "
-				"(shardd's uid %u must be root or a member of group %u)\n", dir,
+			shardd_log_error("shardd: cannot give the socket directory %s group %u: %s "
+				"(shardd's uid %u must be root or a member of group %u)", dir,
 				(unsigned)gid, strerror(errno), (unsigned)getuid(), (unsigned)gid);
 			return -1;
 		}
 		if (chmod(dir, mode) < 0) {
-			fprintf(stderr, "shardd: cannot set mode %04o on the socket directory %s: %s\n",
+			shardd_log_error("shardd: cannot set mode %04o on the socket directory %s: %s",
 				mode, dir, strerror(errno));
 			return -1;
 		}
 		return 0;
 	}
 	if (errno != EEXIST) {
-		fprintf(stderr, "shardd: cannot create the socket directory %s: %s\n", dir,
+		shardd_log_error("shardd: cannot create the socket directory %s: %s", dir,
 			strerror(errno));
 		return -1;
 	}
 	if (stat(dir, &st) < 0) {
-		fprintf(stderr, "shardd: %s: %s\n", dir, strerror(errno));
+		shardd_log_error("shardd: %s: %s", dir, strerror(errno));
 		return -1;
 	}
 	if (!S_ISDIR(st.st_mode)) {
-		fprintf(stderr, "shardd: %s exists and is not a directory; remove it or pass "
-			"--socket elsewhere\n", dir);
+		shardd_log_error("shardd: %s exists and is not a directory; remove it or pass "
+			"--socket elsewhere", dir);
 		return -1;
 	}
 	if (gid != (gid_t)-1 && !(st.st_mode & 0001) && !(st.st_gid == gid && (st.st_mode & 0010)))
@@ -333,17 +333,17 @@ static int socket_check_live(const char *path)
 	if (lstat(path, &st) < 0) {
 		if (errno == ENOENT)
 			return 0;
-		fprintf(stderr, "shardd: %s: %s\n", path, strerror(errno));
+		shardd_log_error("shardd: %s: %s", path, strerror(errno));
 		return -1;
 	}
 	if (!S_ISSOCK(st.st_mode)) {
-		fprintf(stderr, "shardd: %s exists and is not a socket; remove it or pass --socket "
-			"elsewhere\n", path);
+		shardd_log_error("shardd: %s exists and is not a socket; remove it or pass --socket "
+			"elsewhere", path);
 		return -1;
 	}
 	fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
 	if (fd < 0) {
-		fprintf(stderr, "shardd: socket: %s\n", strerror(errno));
+		shardd_log_error("shardd: socket: %s", strerror(errno));
 		return -1;
 	}
 	memcpy(sa.sun_path, path, strlen(path) + 1);
@@ -352,22 +352,22 @@ static int socket_check_live(const char *path)
 		socklen_t len = sizeof(cred);
 
 		if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0 && cred.pid > 0)
-			fprintf(stderr, "shardd: another daemon already serves %s (pid %d)\n", path,
+			shardd_log_error("shardd: another daemon already serves %s (pid %d)", path,
 				(int)cred.pid);
 		else
-			fprintf(stderr, "shardd: another daemon already serves %s\n", path);
+			shardd_log_error("shardd: another daemon already serves %s", path);
 		live = 1;
 	} else if (errno == ECONNREFUSED) {
 		/* Nobody listens: a daemon died without unlinking. Replace it. */
 		if (unlink(path) < 0 && errno != ENOENT) {
-			fprintf(stderr, "shardd: cannot remove the stale socket %s: %s\n", path,
+			shardd_log_error("shardd: cannot remove the stale socket %s: %s", path,
 				strerror(errno));
 			live = -1;
 		} else {
 			shardd_log_info("removed stale socket %s", path);
 		}
 	} else {
-		fprintf(stderr, "shardd: cannot probe %s: %s\n", path, strerror(errno));
+		shardd_log_error("shardd: cannot probe %s: %s", path, strerror(errno));
 		live = -1;
 	}
 	close(fd);
@@ -386,7 +386,7 @@ static int socket_listen(const struct shardd_config *cfg)
 
 	fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
 	if (fd < 0) {
-		fprintf(stderr, "shardd: socket: %s\n", strerror(errno));
+		shardd_log_error("shardd: socket: %s", strerror(errno));
 		return -1;
 	}
 	memcpy(sa.sun_path, path, strlen(path) + 1);
@@ -395,27 +395,27 @@ static int socket_listen(const struct shardd_config *cfg)
 	ret = bind(fd, (struct sockaddr *)&sa, sizeof(sa));
 	umask(old_umask);
 	if (ret < 0) {
-		fprintf(stderr, "shardd: cannot bind %s: %s%s\n", path, strerror(errno),
+		shardd_log_error("shardd: cannot bind %s: %s%s", path, strerror(errno),
 			errno == EADDRINUSE ? " (another daemon started at the same time?)" : "");
 		close(fd);
 		return -1;
 	}
 	server.socket_bound = 1;
 	if (gid != (gid_t)-1 && chown(path, (uid_t)-1, gid) < 0) {
-		fprintf(stderr, "shardd: cannot give the socket %s group %u: %s (shardd's uid %u "
-			"must be root or a member of group %u)\n", path, (unsigned)gid,
+		shardd_log_error("shardd: cannot give the socket %s group %u: %s (shardd's uid %u "
+			"must be root or a member of group %u)", path, (unsigned)gid,
 			strerror(errno), (unsigned)getuid(), (unsigned)gid);
 		close(fd);
 		return -1;
 	}
 	if (chmod(path, mode) < 0) {
-		fprintf(stderr, "shardd: cannot set mode %04o on the socket %s: %s\n", mode, path,
+		shardd_log_error("shardd: cannot set mode %04o on the socket %s: %s", mode, path,
 			strerror(errno));
 		close(fd);
 		return -1;
 	}
 	if (listen(fd, SOMAXCONN) < 0) {
-		fprintf(stderr, "shardd: cannot listen on %s: %s\n", path, strerror(errno));
+		shardd_log_error("shardd: cannot listen on %s: %s", path, strerror(errno));
 		close(fd);
 		return -1;
 	}
@@ -449,23 +449,23 @@ static int socket_from_systemd(char *cfg_path, size_t path_len)
 	unsetenv("LISTEN_FDS");
 	unsetenv("LISTEN_FDNAMES");
 	if (errno || *end || nfds != 1) {
-		fprintf(stderr, "shardd: LISTEN_FDS='%s': shardd takes exactly one socket from "
-			"systemd; give its .socket unit a single ListenSequentialPacket=\n", fds_s);
+		shardd_log_error("shardd: LISTEN_FDS='%s': shardd takes exactly one socket from "
+			"systemd; give its .socket unit a single ListenSequentialPacket=", fds_s);
 		return -1;
 	}
 	if (getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &len) < 0 || type != SOCK_SEQPACKET ||
 	    (len = sizeof(listening), getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len)) < 0 ||
 	    !listening || getsockname(fd, (struct sockaddr *)&sa, &alen) < 0 ||
 	    sa.sun_family != AF_UNIX) {
-		fprintf(stderr, "shardd: fd %d from systemd (LISTEN_FDS=1) is not a listening Unix "
-			"SOCK_SEQPACKET socket; use ListenSequentialPacket=PATH in the .socket unit\n",
+		shardd_log_error("shardd: fd %d from systemd (LISTEN_FDS=1) is not a listening Unix "
+			"SOCK_SEQPACKET socket; use ListenSequentialPacket=PATH in the .socket unit",
 			fd);
 		return -1;
 	}
 	flags = fcntl(fd, F_GETFL);
 	if (flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0 ||
 	    fcntl(fd, F_SETFD, FD_CLOEXEC) < 0) {
-		fprintf(stderr, "shardd: fd %d from systemd: fcntl: %s\n", fd, strerror(errno));
+		shardd_log_error("shardd: fd %d from systemd: fcntl: %s", fd, strerror(errno));
 		return -1;
 	}
 	if (alen <= offsetof(struct sockaddr_un, sun_path) || !sa.sun_path[0]) {
@@ -514,8 +514,8 @@ int shardd_server_init(const struct shardd_config *cfg)
 		ret = shardd_memory_default(&server.cfg.max_memory, server.cfg.max_memory_from,
 					    sizeof(server.cfg.max_memory_from));
 		if (ret < 0) {
-			fprintf(stderr, "shardd: cannot read the physical memory size for the default "
-				"--max-memory; pass --max-memory BYTES\n");
+			shardd_log_error("shardd: cannot read the physical memory size for the default "
+				"--max-memory; pass --max-memory BYTES");
 			return ret;
 		}
 	} else {
@@ -533,7 +533,7 @@ int shardd_server_init(const struct shardd_config *cfg)
 
 	ret = signals_setup();
 	if (ret < 0) {
-		fprintf(stderr, "shardd: cannot set up signal handling: %s\n", strerror(-ret));
+		shardd_log_error("shardd: cannot set up signal handling: %s", strerror(-ret));
 		return ret;
 	}
 	server.listen_fd = socket_from_systemd(server.cfg.socket_path,
@@ -573,7 +573,7 @@ int shardd_server_init(const struct shardd_config *cfg)
 	ecfg.reply = shardd_job_group_reply;
 	ret = shardd_engine_create(&ecfg, &server.engine);
 	if (ret < 0) {
-		fprintf(stderr, "shardd: cannot start the %s backend (see the error above)\n",
+		shardd_log_error("shardd: cannot start the %s backend (see the error above)",
 			shardd_backend_name(cfg->backend));
 		return ret;
 	}
@@ -593,12 +593,12 @@ int shardd_server_init(const struct shardd_config *cfg)
 	}
 	server.accept_reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
 	if (server.accept_reserve_fd < 0) {
-		fprintf(stderr, "shardd: cannot open /dev/null: %s\n", strerror(errno));
+		shardd_log_error("shardd: cannot open /dev/null: %s", strerror(errno));
 		return -errno;
 	}
 	ret = shardd_loop_create(&server.loop);
 	if (ret < 0) {
-		fprintf(stderr, "shardd: cannot create the io_uring event loop: %s\n", strerror(-ret));
+		shardd_log_error("shardd: cannot create the io_uring event loop: %s", strerror(-ret));
 		return ret;
 	}
 	shardd_sessions_init(&(struct shardd_sessions_env){
@@ -628,7 +628,7 @@ int shardd_server_init(const struct shardd_config *cfg)
 				      server_engine_ready, NULL, NULL)) < 0 ||
 	    (ret = shardd_loop_add_timer(server.loop, SHARDD_CRON_PERIOD_MS, server_cron, NULL,
 					 NULL)) < 0) {
-		fprintf(stderr, "shardd: cannot register with the event loop: %s\n", strerror(-ret));
+		shardd_log_error("shardd: cannot register with the event loop: %s", strerror(-ret));
 		return ret;
 	}
 	shardd_loop_set_sleep_hooks(server.loop, server_before_sleep, server_after_sleep, NULL);

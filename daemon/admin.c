@@ -16,7 +16,7 @@
 #include "shardd_proto.h"
 #include "state.h"
 
-/* The pid of the client whose request runs now (shardd_admin_handle); 0 when unknown. */
+/* The pid of the client whose request runs now (shd_admin_handle); 0 when unknown. */
 static pid_t admin_peer_pid;
 
 /* ------------------------------------------------------------------ */
@@ -27,7 +27,7 @@ static json_t *cmd_end(const json_t *req)
 {
 	const json_t *v = json_object_get(req, "job");
 	char name[SHARDD_NAME_MAX], why[160], names[ADMIN_NAMES_MAX];
-	struct shardd_job *j;
+	struct shd_job *j;
 	uint32_t nattached;
 	uint64_t bytes;
 
@@ -35,9 +35,9 @@ static json_t *cmd_end(const json_t *req)
 		admin_job_names(names, sizeof(names));
 		return admin_reply_err(-SHARDD_E_INVALID,
 				       "end: \"job\" must name the job to end; jobs: %s",
-				       shardd_state_jobs() ? names : "none");
+				       shd_state_jobs() ? names : "none");
 	}
-	j = shardd_job_find(json_string_value(v));
+	j = shd_job_find(json_string_value(v));
 	if (!j)
 		return admin_no_job(json_string_value(v));
 	snprintf(name, sizeof(name), "%s", j->name);
@@ -47,7 +47,7 @@ static json_t *cmd_end(const json_t *req)
 			 (int)admin_peer_pid);
 	else
 		snprintf(why, sizeof(why), "was ended by an admin request (shardctl end)");
-	bytes = shardd_job_end(j, why);
+	bytes = shd_job_end(j, why);
 	return json_pack("{s:b, s:s, s:i, s:I}", "ok", 1, "job", name, "ranks_attached",
 			 (int)nattached, "memory_freed", (json_int_t)bytes);
 }
@@ -74,7 +74,7 @@ static const struct {
 /* The reply object to one request (the caller decrefs), or NULL when out of memory. */
 static json_t *admin_exec(const void *payload, size_t len, uid_t peer_uid)
 {
-	uid_t uid = shardd_state_uid();
+	uid_t uid = shd_state_uid();
 	json_error_t jerr;
 	const char *cmd;
 	json_t *req, *r = NULL;
@@ -107,8 +107,8 @@ out:
 	return r;
 }
 
-void shardd_admin_handle(const void *payload, size_t len, uid_t peer_uid, pid_t peer_pid,
-			 struct shardd_admin_reply *out)
+void shd_admin_handle(const void *payload, size_t len, uid_t peer_uid, pid_t peer_pid,
+			 struct shd_admin_reply *out)
 {
 	char *text;
 	size_t n;
@@ -135,7 +135,7 @@ void shardd_admin_handle(const void *payload, size_t len, uid_t peer_uid, pid_t 
 	}
 }
 
-void shardd_admin_reply_free(struct shardd_admin_reply *r)
+void shd_admin_reply_free(struct shd_admin_reply *r)
 {
 	free(r->owned);
 	r->owned = NULL;

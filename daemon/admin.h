@@ -12,18 +12,18 @@
  * engine's groups) without locks. Buffer contents are read while pool
  * threads may be writing them: a racy snapshot, documented as such.
  */
-#ifndef SHARDD_ADMIN_H
-#define SHARDD_ADMIN_H
+#ifndef SHD_ADMIN_H
+#define SHD_ADMIN_H
 
 #include <stddef.h>
 #include <stdint.h>
 #include <sys/types.h>
 
-#define SHARDD_ADMIN_DUMP_LIMIT_DEFAULT 64     /* values a dump returns unless asked */
-#define SHARDD_ADMIN_DUMP_LIMIT_MAX     65536  /* most values one dump returns */
+#define SHD_ADMIN_DUMP_LIMIT_DEFAULT 64     /* values a dump returns unless asked */
+#define SHD_ADMIN_DUMP_LIMIT_MAX     65536  /* most values one dump returns */
 
 /* One reply, ready to send as SHARDD_MSG_ADMIN_REPLY: `len` bytes of JSON at `text`. */
-struct shardd_admin_reply {
+struct shd_admin_reply {
 	const char *text;   /* owned, or fallback */
 	size_t      len;
 	char       *owned;  /* the JSON jansson wrote; NULL when the fallback is sent */
@@ -35,17 +35,17 @@ struct shardd_admin_reply {
  * bytes, untrusted), from a client running as `peer_uid` (`peer_pid`: 0
  * when unknown), into *out: always a reply to send, an error reply when
  * the request fails or its reply cannot be built. The caller sends it and
- * frees it with shardd_admin_reply_free.
+ * frees it with shd_admin_reply_free.
  */
-void shardd_admin_handle(const void *payload, size_t len, uid_t peer_uid, pid_t peer_pid,
-			 struct shardd_admin_reply *out);
-void shardd_admin_reply_free(struct shardd_admin_reply *r);
+void shd_admin_handle(const void *payload, size_t len, uid_t peer_uid, pid_t peer_pid,
+			 struct shd_admin_reply *out);
+void shd_admin_reply_free(struct shd_admin_reply *r);
 
 /*
  * The Prometheus text exposition of everything shardd knows (ops, memory
  * by kind, jobs, ranks attached), NUL-terminated and malloc'd (the caller
  * frees), or NULL when out of memory (admin_views.c).
  */
-char *shardd_admin_metrics_render(void);
+char *shd_admin_metrics_render(void);
 
-#endif /* SHARDD_ADMIN_H */
+#endif /* SHD_ADMIN_H */

@@ -82,7 +82,7 @@ static json_t *json_stats(const struct dump_stats *st)
 /* What a dump reads: one param's elements in one buffer, seen as rows. */
 struct dump_view {
 	const char *what;
-	const struct shardd_buf *buf;
+	const struct shd_buf *buf;
 	uint64_t offset;      /* bytes into buf */
 	uint32_t dtype;
 	uint64_t nrows;       /* leading-dim rows readable (padding included) */
@@ -92,19 +92,19 @@ struct dump_view {
 };
 
 /* Which optimizer state buffer `what` names (momentum, exp_avg, ...), or -1. */
-static int dump_optim_state(const struct shardd_group *g, const char *what)
+static int dump_optim_state(const struct shd_group *g, const char *what)
 {
-	for (uint32_t k = 0; k < shardd_group_optim_states(&g->optim); k++)
-		if (strcmp(what, shardd_group_optim_state_name(&g->optim, k)) == 0)
+	for (uint32_t k = 0; k < shd_group_optim_states(&g->optim); k++)
+		if (strcmp(what, shd_group_optim_state_name(&g->optim, k)) == 0)
 			return (int)k;
 	return -1;
 }
 
-static int dump_view(const struct shardd_group *g, uint32_t pi, uint32_t rank, const char *what,
+static int dump_view(const struct shd_group *g, uint32_t pi, uint32_t rank, const char *what,
 		     struct dump_view *v, json_t **err)
 {
 	const struct shardd_param_spec *sp = &g->specs[pi];
-	const struct shardd_layout_param *lp = &g->layout.params[pi];
+	const struct shd_layout_param *lp = &g->layout.params[pi];
 	uint64_t shape[SHARDD_MAX_DIMS];
 	uint64_t numel;
 
@@ -112,7 +112,7 @@ static int dump_view(const struct shardd_group *g, uint32_t pi, uint32_t rank, c
 	memcpy(shape, sp->shape, sizeof(shape));
 	v->what = what;
 	if (strcmp(what, "unsharded") == 0) {
-		v->buf = shardd_group_unsharded(g, rank);
+		v->buf = shd_group_unsharded(g, rank);
 		v->offset = lp->unsharded_offset;
 		v->dtype = lp->unsharded_dtype;
 		numel = lp->numel;
@@ -147,7 +147,7 @@ static int dump_view(const struct shardd_group *g, uint32_t pi, uint32_t rank, c
 	v->row_elems = v->nrows ? numel / v->nrows : 0;
 	v->valid_rows = v->nrows;
 	if (what[0] != 'u' && lp->shard_dim == 0 && sp->ndim)
-		v->valid_rows = shardd_layout_rows_valid(lp, rank % g->shard);
+		v->valid_rows = shd_layout_rows_valid(lp, rank % g->shard);
 	v->shape = json_array();
 	for (uint32_t d = 0; d < sp->ndim; d++)
 		admin_append(v->shape, admin_json_u64(shape[d]));
@@ -167,9 +167,9 @@ static int dump_read(const struct dump_view *v, uint64_t a, uint64_t end, uint64
 	uint8_t raw[SHARDD_K_BLOCK * 4];
 	float f[SHARDD_K_BLOCK];
 	uint64_t first = a * v->row_elems, n = (end - a) * v->row_elems, done = 0;
-	struct shardd_backend_ctx *b = shardd_engine_backend(shardd_state_engine());
+	struct shd_backend_ctx *b = shd_engine_backend(shd_state_engine());
 
-	if (!shardd_buf_allocated(v->buf)) {
+	if (!shd_buf_allocated(v->buf)) {
 		*err = admin_reply_err(-SHARDD_E_STATE, "the %s buffer is not allocated yet: every "
 				       "rank must register the group first", v->what);
 		return -1;
@@ -199,7 +199,7 @@ static int dump_read(const struct dump_view *v, uint64_t a, uint64_t end, uint64
 
 json_t *admin_cmd_dump(const json_t *req)
 {
-	const struct shardd_group *g;
+	const struct shd_group *g;
 	const json_t *pv = json_object_get(req, "param"), *wv = json_object_get(req, "what");
 	const json_t *rows = json_object_get(req, "rows");
 	struct dump_stats st = { 0 };
@@ -207,7 +207,7 @@ json_t *admin_cmd_dump(const json_t *req)
 	uint64_t rank, limit, a, b;
 	json_t *r = NULL, *vals = NULL, *err = NULL;
 	const char *what = "param", *pname;
-	struct shardd_job *j;
+	struct shd_job *j;
 	uint32_t id, pi;
 	char names[ADMIN_NAMES_MAX];
 	size_t n = 0;
@@ -236,15 +236,15 @@ json_t *admin_cmd_dump(const json_t *req)
 		what = json_string_value(wv);
 	}
 	if (admin_arg_u64(req, "rank", 0, &rank, &err) ||
-	    admin_arg_u64(req, "limit", SHARDD_ADMIN_DUMP_LIMIT_DEFAULT, &limit, &err))
+	    admin_arg_u64(req, "limit", SHD_ADMIN_DUMP_LIMIT_DEFAULT, &limit, &err))
 		return err;
 	if (rank >= g->world)
 		return admin_reply_err(-SHARDD_E_INVALID,
 				       "\"rank\" = %" PRIu64 ": job '%s' has ranks 0..%u", rank,
 				       j->name, g->world - 1);
-	if (limit > SHARDD_ADMIN_DUMP_LIMIT_MAX)
+	if (limit > SHD_ADMIN_DUMP_LIMIT_MAX)
 		return admin_reply_err(-SHARDD_E_INVALID, "\"limit\" = %" PRIu64 ": at most %d values",
-				       limit, SHARDD_ADMIN_DUMP_LIMIT_MAX);
+				       limit, SHD_ADMIN_DUMP_LIMIT_MAX);
 	if (!g->allocated)
 		return admin_reply_err(-SHARDD_E_STATE, "group '%s' has no buffers yet: not every "
 				       "rank has registered it", g->name);

@@ -6,16 +6,16 @@
  * command takes the request object and returns its reply, or NULL when out
  * of memory.
  */
-#ifndef SHARDD_ADMIN_INT_H
-#define SHARDD_ADMIN_INT_H
+#ifndef SHD_ADMIN_INT_H
+#define SHD_ADMIN_INT_H
 
 #include <stddef.h>
 #include <stdint.h>
 
 #include <jansson.h>
 
-struct shardd_group;
-struct shardd_job;
+struct shd_group;
+struct shd_job;
 
 #define ADMIN_NAMES_MAX 1024 /* bytes of a "jobs: a, b, c" list in an error */
 
@@ -43,12 +43,12 @@ void admin_job_names(char *buf, size_t len);
 /* The error for a job `name` that does not exist, listing those that do. */
 json_t *admin_no_job(const char *name);
 /* The job named by req's optional "job"; NULL when absent, or with *err when none fits. */
-struct shardd_job *admin_arg_job(const json_t *req, json_t **err);
+struct shd_job *admin_arg_job(const json_t *req, json_t **err);
 /*
  * The group of req's "group" (and optional "job"): its job, with *g and
  * *id; NULL with *err when none fits.
  */
-struct shardd_job *admin_arg_group(const json_t *req, const struct shardd_group **g,
+struct shd_job *admin_arg_group(const json_t *req, const struct shd_group **g,
 				   uint32_t *id, json_t **err);
 /* req's optional non-negative integer `key` into *out (def when absent); -1 with *err. */
 int admin_arg_u64(const json_t *req, const char *key, uint64_t def, uint64_t *out, json_t **err);
@@ -67,4 +67,4 @@ json_t *admin_cmd_metrics(const json_t *req);
 
 json_t *admin_cmd_dump(const json_t *req);
 
-#endif /* SHARDD_ADMIN_INT_H */
+#endif /* SHD_ADMIN_INT_H */

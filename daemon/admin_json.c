@@ -130,7 +130,7 @@ void admin_job_names(char *buf, size_t len)
 	size_t n = 0;
 
 	buf[0] = 0;
-	for (struct shardd_job *j = shardd_state_jobs(); j && n < len; j = j->next)
+	for (struct shd_job *j = shd_state_jobs(); j && n < len; j = j->next)
 		n += (size_t)snprintf(buf + n, len - n, "%s'%s'", n ? ", " : "", j->name);
 }
 
@@ -138,20 +138,20 @@ json_t *admin_no_job(const char *name)
 {
 	char names[ADMIN_NAMES_MAX];
 
-	if (!shardd_state_jobs())
+	if (!shd_state_jobs())
 		return admin_reply_err(-SHARDD_E_NOJOB,
 				       "no job '%s': shardd has no jobs (no rank attached yet)", name);
 	admin_job_names(names, sizeof(names));
 	return admin_reply_err(-SHARDD_E_NOJOB, "no job '%s'; jobs: %s", name, names);
 }
 
-static void group_names(const struct shardd_job *j, char *buf, size_t len)
+static void group_names(const struct shd_job *j, char *buf, size_t len)
 {
 	size_t n = 0;
 
 	buf[0] = 0;
-	for (uint32_t i = 1; i <= shardd_engine_job_ngroups(j->ejob) && n < len; i++) {
-		const struct shardd_group *g = shardd_engine_job_group(j->ejob, i);
+	for (uint32_t i = 1; i <= shd_engine_job_ngroups(j->ejob) && n < len; i++) {
+		const struct shd_group *g = shd_engine_job_group(j->ejob, i);
 
 		if (g)
 			n += (size_t)snprintf(buf + n, len - n, "%s'%s'", n ? ", " : "", g->name);
@@ -159,10 +159,10 @@ static void group_names(const struct shardd_job *j, char *buf, size_t len)
 }
 
 /* The job named by req's optional "job"; NULL when absent, or with *err when none fits. */
-struct shardd_job *admin_arg_job(const json_t *req, json_t **err)
+struct shd_job *admin_arg_job(const json_t *req, json_t **err)
 {
 	const json_t *v = json_object_get(req, "job");
-	struct shardd_job *j;
+	struct shd_job *j;
 
 	*err = NULL;
 	if (v && !json_is_null(v)) {
@@ -170,7 +170,7 @@ struct shardd_job *admin_arg_job(const json_t *req, json_t **err)
 			*err = admin_reply_err(-SHARDD_E_INVALID, "\"job\" must be a string");
 			return NULL;
 		}
-		j = shardd_job_find(json_string_value(v));
+		j = shd_job_find(json_string_value(v));
 		if (!j)
 			*err = admin_no_job(json_string_value(v));
 		return j;
@@ -182,16 +182,16 @@ struct shardd_job *admin_arg_job(const json_t *req, json_t **err)
  * The group named `name` in job `j`, or in the only job that has one by that
  * name when `j` is NULL. NULL with *err otherwise.
  */
-static struct shardd_job *find_group(struct shardd_job *j, const char *name,
-				     const struct shardd_group **g, uint32_t *id, json_t **err)
+static struct shd_job *find_group(struct shd_job *j, const char *name,
+				     const struct shd_group **g, uint32_t *id, json_t **err)
 {
 	char names[ADMIN_NAMES_MAX];
-	struct shardd_job *found = NULL;
+	struct shd_job *found = NULL;
 	size_t n = 0;
 
 	*err = NULL;
 	if (j) {
-		*g = shardd_engine_job_group_named(j->ejob, name);
+		*g = shd_engine_job_group_named(j->ejob, name);
 		if (*g) {
 			*id = (*g)->id;
 			return j;
@@ -202,8 +202,8 @@ static struct shardd_job *find_group(struct shardd_job *j, const char *name,
 		return NULL;
 	}
 	names[0] = 0;
-	for (struct shardd_job *k = shardd_state_jobs(); k; k = k->next) {
-		const struct shardd_group *kg = shardd_engine_job_group_named(k->ejob, name);
+	for (struct shd_job *k = shd_state_jobs(); k; k = k->next) {
+		const struct shd_group *kg = shd_engine_job_group_named(k->ejob, name);
 
 		if (!kg)
 			continue;
@@ -219,9 +219,9 @@ static struct shardd_job *find_group(struct shardd_job *j, const char *name,
 	}
 	if (found)
 		return found;
-	for (struct shardd_job *k = shardd_state_jobs(); k && n < sizeof(names); k = k->next) {
-		for (uint32_t i = 1; i <= shardd_engine_job_ngroups(k->ejob) && n < sizeof(names); i++) {
-			const struct shardd_group *kg = shardd_engine_job_group(k->ejob, i);
+	for (struct shd_job *k = shd_state_jobs(); k && n < sizeof(names); k = k->next) {
+		for (uint32_t i = 1; i <= shd_engine_job_ngroups(k->ejob) && n < sizeof(names); i++) {
+			const struct shd_group *kg = shd_engine_job_group(k->ejob, i);
 
 			if (kg)
 				n += (size_t)snprintf(names + n, sizeof(names) - n, "%s'%s' (job '%s')",
@@ -234,11 +234,11 @@ static struct shardd_job *find_group(struct shardd_job *j, const char *name,
 }
 
 /* The group of req's "group" (and optional "job"). */
-struct shardd_job *admin_arg_group(const json_t *req, const struct shardd_group **g,
+struct shd_job *admin_arg_group(const json_t *req, const struct shd_group **g,
 				   uint32_t *id, json_t **err)
 {
 	const json_t *v = json_object_get(req, "group");
-	struct shardd_job *j = admin_arg_job(req, err);
+	struct shd_job *j = admin_arg_job(req, err);
 
 	if (*err)
 		return NULL;

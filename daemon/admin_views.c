@@ -2,7 +2,7 @@
 /*
  * The admin views (admin_int.h): status, jobs, ranks, groups, show and
  * stats, each built from the loop's own state, and the same state as the
- * Prometheus text exposition (admin.h: shardd_admin_metrics_render,
+ * Prometheus text exposition (admin.h: shd_admin_metrics_render,
  * https://prometheus.io/docs/instrumenting/exposition_formats/).
  */
 #define _GNU_SOURCE
@@ -53,7 +53,7 @@ static json_t *json_op_step(uint32_t op, uint64_t step)
 	return o;
 }
 
-static json_t *json_memory(const struct shardd_group_memory *m)
+static json_t *json_memory(const struct shd_group_memory *m)
 {
 	return json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I}",
 			 "shards", (json_int_t)m->shards,
@@ -68,14 +68,14 @@ static json_t *json_memory(const struct shardd_group_memory *m)
 /* --max-memory, --max-job-memory, and the bytes committed against them. */
 static json_t *json_memory_limits(void)
 {
-	const struct shardd_config *cfg = shardd_state_config();
+	const struct shd_config *cfg = shd_state_config();
 
 	return json_pack("{s:o, s:s, s:o, s:o, s:b}",
 			 "max_memory", admin_json_u64(cfg->max_memory),
 			 "max_memory_from", cfg->max_memory_from,
 			 "max_job_memory", admin_json_u64(cfg->max_job_memory),
 			 "committed",
-			 admin_json_u64(shardd_engine_memory_committed(shardd_state_engine())),
+			 admin_json_u64(shd_engine_memory_committed(shd_state_engine())),
 			 "counted", cfg->backend == SHARDD_BACKEND_HOST);
 }
 
@@ -85,31 +85,31 @@ static json_t *json_memory_limits(void)
 
 json_t *admin_cmd_status(const json_t *req)
 {
-	const struct shardd_config *cfg = shardd_state_config();
-	const struct shardd_backend_ctx *b = shardd_engine_backend(shardd_state_engine());
-	struct shardd_group_memory m;
+	const struct shd_config *cfg = shd_state_config();
+	const struct shd_backend_ctx *b = shd_engine_backend(shd_state_engine());
+	struct shd_group_memory m;
 	uint32_t njobs = 0, nattached = 0;
 	json_t *r = admin_reply_ok();
 	char proto[16];
 
 	(void)req;
-	shardd_jobs_memory_held(&m);
-	for (struct shardd_job *j = shardd_state_jobs(); j; j = j->next) {
+	shd_jobs_memory_held(&m);
+	for (struct shd_job *j = shd_state_jobs(); j; j = j->next) {
 		njobs++;
 		nattached += j->nattached;
 	}
 	snprintf(proto, sizeof(proto), "%d.%d", SHARDD_PROTO_MAJOR, SHARDD_PROTO_MINOR);
 	if (admin_put(r, "version", json_string(SHARDD_VERSION)) ||
 	    admin_put(r, "protocol", json_string(proto)) ||
-	    admin_put(r, "pid", json_integer(shardd_state_pid())) ||
-	    admin_put(r, "uid", json_integer(shardd_state_uid())) ||
+	    admin_put(r, "pid", json_integer(shd_state_pid())) ||
+	    admin_put(r, "uid", json_integer(shd_state_uid())) ||
 	    admin_put(r, "backend", json_string(b->ops->name)) ||
 	    admin_put(r, "socket", json_string(cfg->socket_path)) ||
-	    admin_put(r, "uptime_s", json_real(shardd_state_uptime_s(shardd_now_ns()))) ||
+	    admin_put(r, "uptime_s", json_real(shd_state_uptime_s(shd_now_ns()))) ||
 	    admin_put(r, "collective_timeout_s", json_real(cfg->collective_timeout_s)) ||
 	    admin_put(r, "jobs", json_integer(njobs)) ||
 	    admin_put(r, "ranks_attached", json_integer(nattached)) ||
-	    admin_put(r, "connections", json_integer(shardd_state_connections())) ||
+	    admin_put(r, "connections", json_integer(shd_state_connections())) ||
 	    admin_put(r, "memory", json_memory(&m)) ||
 	    admin_put(r, "memory_limits", json_memory_limits())) {
 		json_decref(r);
@@ -119,9 +119,9 @@ json_t *admin_cmd_status(const json_t *req)
 }
 
 /* no_ranks_s: how long the job has had no attached rank; ends_in_s: when --job-linger ends it. */
-static int put_linger(json_t *o, const struct shardd_job *j, uint64_t now_ns)
+static int put_linger(json_t *o, const struct shd_job *j, uint64_t now_ns)
 {
-	double ends = shardd_job_ends_in_s(j, now_ns);
+	double ends = shd_job_ends_in_s(j, now_ns);
 	int orphaned = !j->nattached && j->orphaned_ns;
 
 	return admin_put(o, "no_ranks_s",
@@ -132,21 +132,21 @@ static int put_linger(json_t *o, const struct shardd_job *j, uint64_t now_ns)
 json_t *admin_cmd_jobs(const json_t *req)
 {
 	json_t *r = admin_reply_ok(), *arr = json_array();
-	uint64_t now = shardd_now_ns();
+	uint64_t now = shd_now_ns();
 
 	(void)req;
-	for (struct shardd_job *j = shardd_state_jobs(); j; j = j->next) {
-		struct shardd_group_memory m = { 0 };
+	for (struct shd_job *j = shd_state_jobs(); j; j = j->next) {
+		struct shd_group_memory m = { 0 };
 		json_t *o;
 
-		shardd_job_memory_held(j, &m);
+		shd_job_memory_held(j, &m);
 		o = json_pack("{s:s, s:i, s:i, s:i, s:i, s:i, s:o*, s:o, s:o}", "name", j->name,
 			      "replicate", (int)j->replicate, "shard", (int)j->shard,
 			      "world", (int)j->world, "attached", (int)j->nattached,
-			      "groups", (int)shardd_engine_job_ngroups(j->ejob), "memory", json_memory(&m),
+			      "groups", (int)shd_engine_job_ngroups(j->ejob), "memory", json_memory(&m),
 			      "memory_committed",
-			      admin_json_u64(shardd_engine_job_memory_committed(j->ejob)),
-			      "memory_limit", admin_json_u64(shardd_state_config()->max_job_memory));
+			      admin_json_u64(shd_engine_job_memory_committed(j->ejob)),
+			      "memory_limit", admin_json_u64(shd_state_config()->max_job_memory));
 		if (o && put_linger(o, j, now)) {
 			json_decref(o);
 			o = NULL;
@@ -170,11 +170,11 @@ json_t *admin_cmd_jobs(const json_t *req)
 
 
 /* {"op", "group", "step", "flags", "arrived": [..], "missing": [..], "waiting_s"} */
-static json_t *json_rdv(const char *what, const char *group, const struct shardd_rdv *rdv,
+static json_t *json_rdv(const char *what, const char *group, const struct shd_rdv *rdv,
 			uint64_t now_ns)
 {
 	json_t *o = json_object(), *arrived = json_array(), *missing = json_array();
-	uint64_t timeout_ns = shardd_state_collective_timeout_ns();
+	uint64_t timeout_ns = shd_state_collective_timeout_ns();
 
 	for (uint32_t i = 0; i < rdv->nexpected; i++)
 		if (admin_append(rdv->arrived[i] ? arrived : missing, json_integer(rdv->ranks[i])))
@@ -206,18 +206,18 @@ static const char *pending_what(uint32_t op)
 }
 
 /* Every rendezvous of job `j` some rank has arrived at: the job's barrier and its groups'. */
-static json_t *job_pending(const struct shardd_job *j, uint64_t now_ns)
+static json_t *job_pending(const struct shd_job *j, uint64_t now_ns)
 {
 	json_t *arr = json_array();
 
 	if (j->barrier.active && admin_append(arr, json_rdv("barrier", NULL, &j->barrier, now_ns)))
 		goto err;
-	for (uint32_t id = 1; id <= shardd_engine_job_ngroups(j->ejob); id++) {
-		const struct shardd_group *g = shardd_engine_job_group(j->ejob, id);
-		const struct shardd_rdv *rdv;
+	for (uint32_t id = 1; id <= shd_engine_job_ngroups(j->ejob); id++) {
+		const struct shd_group *g = shd_engine_job_group(j->ejob, id);
+		const struct shd_rdv *rdv;
 		uint32_t op;
 
-		for (uint32_t i = 0; g && shardd_engine_group_pending(j->ejob, id, i, &op, &rdv) == 0; i++)
+		for (uint32_t i = 0; g && shd_engine_group_pending(j->ejob, id, i, &op, &rdv) == 0; i++)
 			if (admin_append(arr, json_rdv(pending_what(op), g->name, rdv, now_ns)))
 				goto err;
 	}
@@ -258,7 +258,7 @@ static json_t *rank_waiting(const json_t *pending, uint32_t rank)
  * that carries a step (written by the client: shown, never trusted). 0 and
  * *has = 0 before any.
  */
-static uint64_t session_step(const struct shardd_session *s, int *has)
+static uint64_t session_step(const struct shd_session *s, int *has)
 {
 	uint64_t step = s->clock.has_step ? s->clock.step : 0;
 	uint64_t cstep;
@@ -266,18 +266,18 @@ static uint64_t session_step(const struct shardd_session *s, int *has)
 
 	shardd_ring_client_last(&s->ring, &cop, &cstep);
 	*has = s->clock.has_step;
-	if (shardd_op_carries_step(cop) && (!*has || cstep > step)) {
+	if (shd_op_carries_step(cop) && (!*has || cstep > step)) {
 		step = cstep;
 		*has = 1;
 	}
 	return step;
 }
 
-static json_t *json_rank(const struct shardd_job *j, uint32_t r, const json_t *pending,
+static json_t *json_rank(const struct shd_job *j, uint32_t r, const json_t *pending,
 			 uint64_t max_step, uint64_t now_ns)
 {
-	const struct shardd_job_rank *jr = &j->ranks[r];
-	const struct shardd_session *s = shardd_session_of_rank(j, r);
+	const struct shd_job_rank *jr = &j->ranks[r];
+	const struct shd_session *s = shd_session_of_rank(j, r);
 	json_t *o = json_object();
 	struct timespec wall;
 
@@ -322,7 +322,7 @@ err:
 	return NULL;
 }
 
-static json_t *json_job_ranks(const struct shardd_job *j, uint64_t now_ns)
+static json_t *json_job_ranks(const struct shd_job *j, uint64_t now_ns)
 {
 	json_t *o = json_object(), *arr = json_array(), *pending = job_pending(j, now_ns);
 	uint64_t max_step = 0;
@@ -330,7 +330,7 @@ static json_t *json_job_ranks(const struct shardd_job *j, uint64_t now_ns)
 
 	/* "Behind" is against the rank that has submitted the furthest step. */
 	for (uint32_t r = 0; r < j->world; r++) {
-		const struct shardd_session *s = shardd_session_of_rank(j, r);
+		const struct shd_session *s = shd_session_of_rank(j, r);
 
 		if (s) {
 			int has;
@@ -363,16 +363,16 @@ static json_t *json_job_ranks(const struct shardd_job *j, uint64_t now_ns)
 /* groups, show                                                       */
 /* ------------------------------------------------------------------ */
 
-static json_t *json_group(const struct shardd_job *j, uint32_t id, const struct shardd_group *g,
+static json_t *json_group(const struct shd_job *j, uint32_t id, const struct shd_group *g,
 			  uint64_t now_ns)
 {
 	json_t *o = json_object(), *holders = json_array(), *partials = json_array();
 	json_t *pending = json_array(), *bytes = NULL;
-	struct shardd_group_memory m = { 0 };
-	const struct shardd_rdv *rdv;
+	struct shd_group_memory m = { 0 };
+	const struct shd_rdv *rdv;
 	uint32_t op;
 
-	shardd_group_memory_held(g, &m);
+	shd_group_memory_held(g, &m);
 	for (uint32_t r = 0; r < g->world; r++) {
 		if (g->holds && g->holds[r] && admin_append(holders, json_integer(r)))
 			goto err;
@@ -382,7 +382,7 @@ static json_t *json_group(const struct shardd_job *j, uint32_t id, const struct 
 		    admin_append(partials, json_integer(r)))
 			goto err;
 	}
-	for (uint32_t i = 0; shardd_engine_group_pending(j->ejob, id, i, &op, &rdv) == 0; i++)
+	for (uint32_t i = 0; shd_engine_group_pending(j->ejob, id, i, &op, &rdv) == 0; i++)
 		if (admin_append(pending, json_rdv(pending_what(op), g->name, rdv, now_ns)))
 			goto err;
 	bytes = json_pack("{s:I, s:I, s:I}", "unsharded", (json_int_t)g->layout.unsharded_size,
@@ -392,7 +392,7 @@ static json_t *json_group(const struct shardd_job *j, uint32_t id, const struct 
 	    admin_put(o, "name", admin_json_name(g->name)) ||
 	    admin_put(o, "job", json_string(j->name)) ||
 	    admin_put(o, "nparams", json_integer(g->hdr.nparams)) ||
-	    admin_put(o, "complete", json_boolean(shardd_engine_group_complete(j->ejob, id))) ||
+	    admin_put(o, "complete", json_boolean(shd_engine_group_complete(j->ejob, id))) ||
 	    admin_put(o, "param_dtype", admin_json_dtype(g->hdr.param_dtype)) ||
 	    admin_put(o, "reduce_dtype", admin_json_dtype(g->reduce_dtype)) ||
 	    admin_put(o, "grad_dtype", admin_json_dtype(g->grad_dtype)) ||
@@ -417,17 +417,17 @@ err:
 }
 
 /* Jobs selected by req's optional "job": all of them, or that one. */
-static json_t *per_job(const json_t *req, json_t *(*fn)(const struct shardd_job *, uint64_t))
+static json_t *per_job(const json_t *req, json_t *(*fn)(const struct shd_job *, uint64_t))
 {
-	uint64_t now = shardd_now_ns();
+	uint64_t now = shd_now_ns();
 	json_t *r, *arr, *err;
-	struct shardd_job *only = admin_arg_job(req, &err);
+	struct shd_job *only = admin_arg_job(req, &err);
 
 	if (err)
 		return err;
 	r = admin_reply_ok();
 	arr = json_array();
-	for (struct shardd_job *j = shardd_state_jobs(); j; j = j->next) {
+	for (struct shd_job *j = shd_state_jobs(); j; j = j->next) {
 		if (only && j != only)
 			continue;
 		if (admin_append(arr, fn(j, now))) {
@@ -443,12 +443,12 @@ static json_t *per_job(const json_t *req, json_t *(*fn)(const struct shardd_job 
 	return r;
 }
 
-static json_t *json_job_groups(const struct shardd_job *j, uint64_t now_ns)
+static json_t *json_job_groups(const struct shd_job *j, uint64_t now_ns)
 {
 	json_t *arr = json_array();
 
-	for (uint32_t id = 1; id <= shardd_engine_job_ngroups(j->ejob); id++) {
-		const struct shardd_group *g = shardd_engine_job_group(j->ejob, id);
+	for (uint32_t id = 1; id <= shd_engine_job_ngroups(j->ejob); id++) {
+		const struct shd_group *g = shd_engine_job_group(j->ejob, id);
 
 		if (g && admin_append(arr, json_group(j, id, g, now_ns))) {
 			json_decref(arr);
@@ -481,14 +481,14 @@ static json_t *json_shape(const struct shardd_param_spec *sp)
 	return a;
 }
 
-static json_t *json_param(const struct shardd_group *g, uint32_t i)
+static json_t *json_param(const struct shd_group *g, uint32_t i)
 {
 	const struct shardd_param_spec *sp = &g->specs[i];
-	const struct shardd_layout_param *lp = &g->layout.params[i];
+	const struct shd_layout_param *lp = &g->layout.params[i];
 	json_t *o = json_object(), *valid = json_array();
 
 	for (uint32_t r = 0; r < g->shard; r++)
-		if (admin_append(valid, admin_json_u64(shardd_layout_rows_valid(lp, r))))
+		if (admin_append(valid, admin_json_u64(shd_layout_rows_valid(lp, r))))
 			goto err;
 	if (admin_put(o, "index", json_integer(i)) ||
 	    admin_put(o, "name", admin_json_name(sp->name)) ||
@@ -515,9 +515,9 @@ err:
 
 json_t *admin_cmd_show(const json_t *req)
 {
-	const struct shardd_group *g;
+	const struct shd_group *g;
 	json_t *r, *params, *err;
-	struct shardd_job *j;
+	struct shd_job *j;
 	uint32_t id;
 
 	j = admin_arg_group(req, &g, &id, &err);
@@ -530,7 +530,7 @@ json_t *admin_cmd_show(const json_t *req)
 			return NULL;
 		}
 	}
-	r = json_group(j, id, g, shardd_now_ns());
+	r = json_group(j, id, g, shd_now_ns());
 	if (admin_put(r, "params", params) || admin_put(r, "ok", json_true())) {
 		json_decref(r);
 		return NULL;
@@ -548,7 +548,7 @@ json_t *admin_cmd_stats(const json_t *req)
 
 	(void)req;
 	for (uint32_t op = 1; op < SHARDD_OP_COUNT; op++) {
-		const struct shardd_op_metrics *m = &shardd_op_metrics[op];
+		const struct shd_op_metrics *m = &shd_op_metrics[op];
 
 		if (admin_append(arr, json_pack("{s:s, s:I, s:I, s:I, s:f, s:f, s:f, s:f}",
 					  "op", shardd_op_name(op),
@@ -556,8 +556,8 @@ json_t *admin_cmd_stats(const json_t *req)
 					  "failed", (json_int_t)m->failed,
 					  "bytes", (json_int_t)m->bytes,
 					  "mean_us", m->count ? (double)m->lat_sum_ns / m->count / 1e3 : 0.0,
-					  "p50_us", shardd_metrics_quantile(m, 0.50) / 1e3,
-					  "p99_us", shardd_metrics_quantile(m, 0.99) / 1e3,
+					  "p50_us", shd_metrics_quantile(m, 0.50) / 1e3,
+					  "p99_us", shd_metrics_quantile(m, 0.99) / 1e3,
 					  "max_us", m->lat_max_ns / 1e3))) {
 			json_decref(arr);
 			json_decref(r);
@@ -575,7 +575,7 @@ json_t *admin_cmd_stats(const json_t *req)
 
 json_t *admin_cmd_metrics(const json_t *req)
 {
-	char *text = shardd_admin_metrics_render();
+	char *text = shd_admin_metrics_render();
 	json_t *r;
 
 	(void)req;
@@ -662,35 +662,35 @@ static void render_ops(struct text *t)
 	header(t, "shardd_ops_total", "counter", "Ops completed, by op (failed ones included).");
 	for (uint32_t op = 1; op < SHARDD_OP_COUNT; op++)
 		emit(t, "shardd_ops_total{op=\"%s\"} %llu\n", shardd_op_name(op),
-		     (unsigned long long)shardd_op_metrics[op].count);
+		     (unsigned long long)shd_op_metrics[op].count);
 	header(t, "shardd_ops_failed_total", "counter", "Ops completed with an error, by op.");
 	for (uint32_t op = 1; op < SHARDD_OP_COUNT; op++)
 		emit(t, "shardd_ops_failed_total{op=\"%s\"} %llu\n", shardd_op_name(op),
-		     (unsigned long long)shardd_op_metrics[op].failed);
+		     (unsigned long long)shd_op_metrics[op].failed);
 	header(t, "shardd_op_bytes_total", "counter",
 	       "Bytes moved by successful ops: unshard the gathered unsharded bytes, reduce the "
 	       "rank's grad bytes.");
 	for (uint32_t op = 1; op < SHARDD_OP_COUNT; op++)
 		emit(t, "shardd_op_bytes_total{op=\"%s\"} %llu\n", shardd_op_name(op),
-		     (unsigned long long)shardd_op_metrics[op].bytes);
+		     (unsigned long long)shd_op_metrics[op].bytes);
 	header(t, "shardd_op_latency_seconds", "histogram",
 	       "Time from the daemon taking an op's SQ entry to pushing its completion "
 	       "(log2 buckets).");
 	for (uint32_t op = 1; op < SHARDD_OP_COUNT; op++) {
-		const struct shardd_op_metrics *m = &shardd_op_metrics[op];
+		const struct shd_op_metrics *m = &shd_op_metrics[op];
 		uint64_t cum = 0, timed = 0;
 		unsigned top = 0;
 
-		for (unsigned i = 0; i < SHARDD_LAT_BUCKETS; i++) {
+		for (unsigned i = 0; i < SHD_LAT_BUCKETS; i++) {
 			timed += m->lat_buckets[i];
 			if (m->lat_buckets[i])
 				top = i;
 		}
 		/* Buckets up to the highest one used; +Inf carries the rest. */
-		for (unsigned i = 0; timed && i <= top && i + 1 < SHARDD_LAT_BUCKETS; i++) {
+		for (unsigned i = 0; timed && i <= top && i + 1 < SHD_LAT_BUCKETS; i++) {
 			cum += m->lat_buckets[i];
 			emit(t, "shardd_op_latency_seconds_bucket{op=\"%s\",le=\"%.9g\"} %llu\n",
-			     shardd_op_name(op), (double)shardd_metrics_bucket_le_ns(i) / 1e9,
+			     shardd_op_name(op), (double)shd_metrics_bucket_le_ns(i) / 1e9,
 			     (unsigned long long)cum);
 		}
 		emit(t, "shardd_op_latency_seconds_bucket{op=\"%s\",le=\"+Inf\"} %llu\n",
@@ -704,10 +704,10 @@ static void render_ops(struct text *t)
 
 static void render_state(struct text *t)
 {
-	struct shardd_group_memory m;
+	struct shd_group_memory m;
 	uint32_t njobs = 0;
 
-	shardd_jobs_memory_held(&m);
+	shd_jobs_memory_held(&m);
 	header(t, "shardd_memory_bytes", "gauge", "Bytes of group buffers held, by kind.");
 	emit(t, "shardd_memory_bytes{kind=\"shards\"} %llu\n", (unsigned long long)m.shards);
 	emit(t, "shardd_memory_bytes{kind=\"sharded_grads\"} %llu\n",
@@ -715,21 +715,21 @@ static void render_state(struct text *t)
 	emit(t, "shardd_memory_bytes{kind=\"unsharded\"} %llu\n", (unsigned long long)m.unsharded);
 	emit(t, "shardd_memory_bytes{kind=\"grads\"} %llu\n", (unsigned long long)m.grads);
 	emit(t, "shardd_memory_bytes{kind=\"partials\"} %llu\n", (unsigned long long)m.partials);
-	for (struct shardd_job *j = shardd_state_jobs(); j; j = j->next)
+	for (struct shd_job *j = shd_state_jobs(); j; j = j->next)
 		njobs++;
 	header(t, "shardd_jobs", "gauge", "Jobs the daemon holds.");
 	emit(t, "shardd_jobs %u\n", njobs);
 	header(t, "shardd_connections", "gauge", "Open control connections (ranks and admin).");
-	emit(t, "shardd_connections %u\n", shardd_state_connections());
+	emit(t, "shardd_connections %u\n", shd_state_connections());
 	header(t, "shardd_ranks_attached", "gauge", "Ranks with a live client, by job.");
-	for (struct shardd_job *j = shardd_state_jobs(); j; j = j->next) {
+	for (struct shd_job *j = shd_state_jobs(); j; j = j->next) {
 		char name[2 * SHARDD_NAME_MAX + 1];
 
 		label_escape(j->name, name, sizeof(name));
 		emit(t, "shardd_ranks_attached{job=\"%s\"} %u\n", name, j->nattached);
 	}
 	header(t, "shardd_ranks", "gauge", "Ranks of the job's mesh, by job.");
-	for (struct shardd_job *j = shardd_state_jobs(); j; j = j->next) {
+	for (struct shd_job *j = shd_state_jobs(); j; j = j->next) {
 		char name[2 * SHARDD_NAME_MAX + 1];
 
 		label_escape(j->name, name, sizeof(name));
@@ -737,7 +737,7 @@ static void render_state(struct text *t)
 	}
 }
 
-char *shardd_admin_metrics_render(void)
+char *shd_admin_metrics_render(void)
 {
 	struct text t = { .cap = 16384 };
 

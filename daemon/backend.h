@@ -17,8 +17,8 @@
  * when the results are visible. Every call returns 0 or a negative errno /
  * -SHARDD_E_*.
  */
-#ifndef SHARDD_BACKEND_H
-#define SHARDD_BACKEND_H
+#ifndef SHD_BACKEND_H
+#define SHD_BACKEND_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -28,21 +28,21 @@
 #include "shardd_kernels.h"
 #include "shardd_proto.h"
 
-struct shardd_backend_ctx;
-struct shardd_fences;
-struct shardd_pool;
+struct shd_backend_ctx;
+struct shd_fences;
+struct shd_pool;
 
 /*
  * One buffer of a group. It is allocated exactly when priv is not NULL: a
  * buffer exported as a CUDA IPC handle is allocated and has no fd.
  */
-struct shardd_buf {
+struct shd_buf {
 	uint64_t bytes; /* size as allocated (and as a client maps it) */
 	int      fd;    /* exported as an fd: clients receive duplicates of it; else -1 */
 	void    *priv;  /* the backend's own state (a host mapping, a device buffer); NULL: unallocated */
 };
 
-static inline int shardd_buf_allocated(const struct shardd_buf *buf)
+static inline int shd_buf_allocated(const struct shd_buf *buf)
 {
 	return buf->priv != NULL;
 }
@@ -52,7 +52,7 @@ static inline int shardd_buf_allocated(const struct shardd_buf *buf)
  * the buffer unallocated (priv NULL, fd -1), the state free accepts again
  * as a no-op. The backend has released what priv pointed to before.
  */
-static inline void shardd_buf_forget(struct shardd_buf *buf)
+static inline void shd_buf_forget(struct shd_buf *buf)
 {
 	if (buf->fd >= 0)
 		close(buf->fd);
@@ -65,15 +65,15 @@ static inline void shardd_buf_forget(struct shardd_buf *buf)
  * Operand holding one shard of every param of a group: the flat shard, the
  * sharded grad, or an HSDP partial reduce-scatter output.
  */
-struct shardd_shard_view {
-	struct shardd_buf *buf;
+struct shd_shard_view {
+	struct shd_buf *buf;
 	const uint64_t    *offsets; /* per param: bytes into buf where its shard starts */
 	uint32_t           dtype;   /* elements' dtype; SHARDD_DTYPE_NONE: each param's own dtype */
 };
 
 /* The dtype of param `p`'s elements in view `v`. */
-static inline uint32_t shardd_shard_view_dtype(const struct shardd_shard_view *v,
-					       const struct shardd_layout_param *p)
+static inline uint32_t shd_shard_view_dtype(const struct shd_shard_view *v,
+					       const struct shd_layout_param *p)
 {
 	return v->dtype != SHARDD_DTYPE_NONE ? v->dtype : p->dtype;
 }
@@ -82,7 +82,7 @@ static inline uint32_t shardd_shard_view_dtype(const struct shardd_shard_view *v
  * Per-job state of a backend (the cuda backend's NCCL communicators); the
  * engine opens it with the job and passes it with every collective.
  */
-struct shardd_backend_job;
+struct shd_backend_job;
 
 /*
  * FSDP2 all-gather + copy-out of one shard group into its unsharded
@@ -90,23 +90,23 @@ struct shardd_backend_job;
  * buffer have the same pointer there, and a backend writes each distinct
  * buffer once.
  */
-struct shardd_unshard_args {
-	struct shardd_backend_job *job;
-	const struct shardd_layout *layout;
+struct shd_unshard_args {
+	struct shd_backend_job *job;
+	const struct shd_layout *layout;
 	uint32_t nshards;                    /* S: shard ranks 0..S-1 in order */
-	struct shardd_buf *const *shards;    /* [S] flat shards, layout shard offsets, params' dtypes */
-	struct shardd_buf *const *unsharded; /* [S] out: each param in its unsharded dtype, padding dropped */
+	struct shd_buf *const *shards;    /* [S] flat shards, layout shard offsets, params' dtypes */
+	struct shd_buf *const *unsharded; /* [S] out: each param in its unsharded dtype, padding dropped */
 	char *err;                           /* out: why the call failed, for the op's completion; */
 	size_t errlen;                       /* the backend may leave it empty */
 };
 
-enum shardd_reduce_src {
+enum shd_reduce_src {
 	/* Inputs are unsharded grad buffers (layout grad offsets, grad dtype): a
 	   reduce-scatter; member k's output is shard k's rows of the result. */
-	SHARDD_REDUCE_SRC_GRAD  = 1,
+	SHD_REDUCE_SRC_GRAD  = 1,
 	/* Inputs are shard views: the HSDP all-reduce across replicas; every
 	   member's output is the whole result (shard `shard_rank`'s rows). */
-	SHARDD_REDUCE_SRC_SHARD = 2,
+	SHD_REDUCE_SRC_SHARD = 2,
 };
 
 /*
@@ -117,20 +117,20 @@ enum shardd_reduce_src {
  * backend may reduce in place in SRC_SHARD views (NCCL's all-reduce does):
  * their contents are undefined afterwards.
  */
-struct shardd_reduce_args {
-	struct shardd_backend_job *job;
-	const struct shardd_layout *layout;
-	uint32_t src;                          /* enum shardd_reduce_src */
+struct shd_reduce_args {
+	struct shd_backend_job *job;
+	const struct shd_layout *layout;
+	uint32_t src;                          /* enum shd_reduce_src */
 	uint32_t n;                            /* members */
-	struct shardd_buf *const *grads;       /* SRC_GRAD: [n] grad buffers of shard ranks 0..n-1 */
-	const struct shardd_shard_view *views; /* SRC_SHARD: [n] */
+	struct shd_buf *const *grads;       /* SRC_GRAD: [n] grad buffers of shard ranks 0..n-1 */
+	const struct shd_shard_view *views; /* SRC_SHARD: [n] */
 	uint32_t shard_rank;                   /* SRC_SHARD: which shard's rows the views hold */
 	uint32_t in_dtype;                     /* SRC_SHARD: dtype of the views (reduce dtype) */
-	const struct shardd_shard_view *outs;  /* [n] */
-	const struct shardd_shard_view *adds;  /* [n] addends in math.reduce_dtype (buf NULL: none; may
+	const struct shd_shard_view *outs;  /* [n] */
+	const struct shd_shard_view *adds;  /* [n] addends in math.reduce_dtype (buf NULL: none; may
 						  equal the output), or NULL: none at all */
 	const uint8_t *accumulate;             /* [n]: add into out_k instead of assigning */
-	/* SRC_GRAD: one shard in math.reduce_dtype (shardd_placement_reduce_shard), the block
+	/* SRC_GRAD: one shard in math.reduce_dtype (shd_placement_reduce_shard), the block
 	   a backend that reduces through a staging buffer lays each shard out as. */
 	const uint64_t *reduce_offsets;
 	uint64_t reduce_shard_size;
@@ -148,13 +148,13 @@ struct shardd_reduce_args {
  * `skip_nonfinite`, the backend first looks for a NaN or Inf in the grad's
  * valid rows and, if it finds one, sets *skipped and changes nothing.
  */
-struct shardd_step_args {
-	const struct shardd_layout *layout;
+struct shd_step_args {
+	const struct shd_layout *layout;
 	uint32_t shard_rank;                 /* which shard's rows are valid */
 	uint32_t kind;                       /* SHARDD_OPTIM_SGD or SHARDD_OPTIM_ADAMW */
-	struct shardd_buf *shard;            /* fp32 params, layout shard offsets */
-	struct shardd_buf *grad;             /* sharded grad, same offsets */
-	struct shardd_buf *state[3];         /* SGD: momentum buffer or NULL; AdamW: exp_avg, exp_avg_sq,
+	struct shd_buf *shard;            /* fp32 params, layout shard offsets */
+	struct shd_buf *grad;             /* sharded grad, same offsets */
+	struct shd_buf *state[3];         /* SGD: momentum buffer or NULL; AdamW: exp_avg, exp_avg_sq,
 						max_exp_avg_sq or NULL */
 	struct shardd_sgd sgd;               /* kind SGD: all but the pointers */
 	struct shardd_adamw adamw;           /* kind ADAMW: all but the pointers */
@@ -165,13 +165,13 @@ struct shardd_step_args {
 };
 
 /* How one buffer travels to a client (a GROUP reply's export_kind and what goes with it). */
-struct shardd_buf_export {
+struct shd_buf_export {
 	uint32_t kind;                     /* enum shardd_export_kind */
 	int      fd;                       /* SHARDD_EXPORT_FD: a new fd the caller closes; else -1 */
 	struct shardd_cuda_ipc_handle ipc; /* SHARDD_EXPORT_CUDA_IPC: the handle */
 };
 
-struct shardd_backend_ops {
+struct shd_backend_ops {
 	const char *name;
 	/*
 	 * A task of the engine that reads and writes at most this many bytes
@@ -187,23 +187,23 @@ struct shardd_backend_ops {
 	 * named; the host backend ignores it); `what` names it in errors
 	 * ("grad of rank 3").
 	 */
-	int  (*alloc)(struct shardd_backend_ctx *b, uint64_t bytes, int32_t device, const char *what,
-		      struct shardd_buf *out);
+	int  (*alloc)(struct shd_backend_ctx *b, uint64_t bytes, int32_t device, const char *what,
+		      struct shd_buf *out);
 	/* Also takes a buffer never allocated (priv NULL, fd -1): a no-op. */
-	void (*free)(struct shardd_backend_ctx *b, struct shardd_buf *buf);
+	void (*free)(struct shd_backend_ctx *b, struct shd_buf *buf);
 	/*
 	 * How a client receives an allocated `buf`: a new fd (readonly: the
 	 * client cannot write through it, where the backend can enforce that)
 	 * or a CUDA IPC handle. 0 or -errno; out->fd is -1 unless 0 and kind FD.
 	 */
-	int  (*export_buf)(struct shardd_backend_ctx *b, const struct shardd_buf *buf, int readonly,
-			   struct shardd_buf_export *out);
-	int  (*unshard)(struct shardd_backend_ctx *b, const struct shardd_unshard_args *a);
-	int  (*reduce)(struct shardd_backend_ctx *b, const struct shardd_reduce_args *a);
+	int  (*export_buf)(struct shd_backend_ctx *b, const struct shd_buf *buf, int readonly,
+			   struct shd_buf_export *out);
+	int  (*unshard)(struct shd_backend_ctx *b, const struct shd_unshard_args *a);
+	int  (*reduce)(struct shd_backend_ctx *b, const struct shd_reduce_args *a);
 	/* The optimizer step of one rank's shard; NULL in a backend without one (registration refuses it). */
-	int  (*step)(struct shardd_backend_ctx *b, const struct shardd_step_args *a);
+	int  (*step)(struct shd_backend_ctx *b, const struct shd_step_args *a);
 	/* Zero `bytes` bytes at `offset`. */
-	int  (*zero)(struct shardd_backend_ctx *b, struct shardd_buf *buf, uint64_t offset,
+	int  (*zero)(struct shd_backend_ctx *b, struct shd_buf *buf, uint64_t offset,
 		     uint64_t bytes);
 	/*
 	 * Copy `bytes` bytes at `offset` of an allocated `buf` into `dst`, host
@@ -211,14 +211,14 @@ struct shardd_backend_ops {
 	 * writing the buffer: a snapshot, not a consistent one. -EINVAL past the
 	 * buffer's end.
 	 */
-	int  (*read)(struct shardd_backend_ctx *b, const struct shardd_buf *buf, uint64_t offset,
+	int  (*read)(struct shd_backend_ctx *b, const struct shd_buf *buf, uint64_t offset,
 		     uint64_t bytes, void *dst);
 	/*
 	 * Wait until the work queued so far on every device that holds one of
 	 * the `n` buffers `on` has finished; on failure `err` may say why.
 	 * NULL in a backend whose calls finish before returning.
 	 */
-	int  (*sync)(struct shardd_backend_ctx *b, const struct shardd_buf *const *on, uint32_t n, char *err,
+	int  (*sync)(struct shd_backend_ctx *b, const struct shd_buf *const *on, uint32_t n, char *err,
 		     size_t errlen);
 	/*
 	 * Fences order the backend's device work with one client stream
@@ -228,39 +228,39 @@ struct shardd_backend_ops {
 	 * `signal_events`. 0, or a negative code with the reason in `err`.
 	 * All four are NULL in a backend without devices.
 	 */
-	int  (*fences_open)(struct shardd_backend_ctx *b, int32_t device, uint32_t nwait,
+	int  (*fences_open)(struct shd_backend_ctx *b, int32_t device, uint32_t nwait,
 			    const struct shardd_cuda_ipc_handle *wait_events, uint32_t nsignal,
-			    struct shardd_cuda_ipc_handle *signal_events, struct shardd_fences **out,
+			    struct shardd_cuda_ipc_handle *signal_events, struct shd_fences **out,
 			    char *err, size_t errlen);
 	/* Work queued on the device from now on waits for the client's last record of event `slot`. */
-	int  (*fence_wait)(struct shardd_backend_ctx *b, struct shardd_fences *f, uint32_t slot);
+	int  (*fence_wait)(struct shd_backend_ctx *b, struct shd_fences *f, uint32_t slot);
 	/* Record our event `slot` after all work queued on the device so far. */
-	int  (*fence_signal)(struct shardd_backend_ctx *b, struct shardd_fences *f, uint32_t slot);
+	int  (*fence_signal)(struct shd_backend_ctx *b, struct shd_fences *f, uint32_t slot);
 	/* Also takes NULL. Work already queued that uses the events still completes. */
-	void (*fences_close)(struct shardd_backend_ctx *b, struct shardd_fences *f);
+	void (*fences_close)(struct shd_backend_ctx *b, struct shd_fences *f);
 	/*
 	 * Collectives whose ranks sit on different devices (a shard group or a
-	 * replicate group planned SHARDD_PLACE_NCCL, placement.h): 0 when this
+	 * replicate group planned SHD_PLACE_NCCL, placement.h): 0 when this
 	 * backend can run them, else -SHARDD_E_BACKEND with `err` saying why
 	 * and what to do. NULL in a backend that ignores devices (host).
 	 */
-	int  (*multi_device)(struct shardd_backend_ctx *b, char *err, size_t errlen);
+	int  (*multi_device)(struct shd_backend_ctx *b, char *err, size_t errlen);
 	/*
 	 * A job's state, passed with its collectives (`job` of the args) and
 	 * closed when the job ends, after its groups' buffers were freed.
 	 * Both NULL in a backend that keeps none (host: the args' job is NULL).
 	 */
-	int  (*job_open)(struct shardd_backend_ctx *b, const char *job, struct shardd_backend_job **out);
-	void (*job_close)(struct shardd_backend_ctx *b, struct shardd_backend_job *bj);
-	void (*destroy)(struct shardd_backend_ctx *b);
+	int  (*job_open)(struct shd_backend_ctx *b, const char *job, struct shd_backend_job **out);
+	void (*job_close)(struct shd_backend_ctx *b, struct shd_backend_job *bj);
+	void (*destroy)(struct shd_backend_ctx *b);
 };
 
 /* Every backend's state begins with this (enum shardd_backend names the kinds). */
-struct shardd_backend_ctx {
-	const struct shardd_backend_ops *ops;
+struct shd_backend_ctx {
+	const struct shd_backend_ops *ops;
 };
 
 /* The host backend: memfd buffers, CPU kernels split across `pool`. 0 or -ENOMEM. */
-int shardd_backend_host_create(struct shardd_pool *pool, struct shardd_backend_ctx **out);
+int shd_backend_host_create(struct shd_pool *pool, struct shd_backend_ctx **out);
 
-#endif /* SHARDD_BACKEND_H */
+#endif /* SHD_BACKEND_H */

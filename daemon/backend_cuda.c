@@ -36,7 +36,7 @@
 /* Ops                                                                 */
 /* ------------------------------------------------------------------ */
 
-static int cuda_unshard(struct shardd_backend_ctx *b, const struct shardd_unshard_args *a)
+static int cuda_unshard(struct shd_backend_ctx *b, const struct shd_unshard_args *a)
 {
 	struct cuda_backend *cb = (struct cuda_backend *)b;
 	int32_t devices[SHARDD_MAX_WORLD];
@@ -52,7 +52,7 @@ static int cuda_unshard(struct shardd_backend_ctx *b, const struct shardd_unshar
 	ret = cuda_placement(devices, a->nshards, "unshard", a->err, a->errlen, &kind);
 	if (ret)
 		return ret;
-	if (kind == SHARDD_PLACE_NCCL)
+	if (kind == SHD_PLACE_NCCL)
 		return cuda_unshard_nccl(cb, a, devices);
 	for (uint32_t s = 0; s < a->nshards && !ret; s++)
 		ret = cuda_on_device(a->unsharded[s], devices[0], s, "unsharded buffer", a->err, a->errlen,
@@ -75,7 +75,7 @@ static int cuda_unshard(struct shardd_backend_ctx *b, const struct shardd_unshar
 	return cuda_queued(ret, "unshard");
 }
 
-static int cuda_reduce(struct shardd_backend_ctx *b, const struct shardd_reduce_args *a)
+static int cuda_reduce(struct shd_backend_ctx *b, const struct shd_reduce_args *a)
 {
 	struct cuda_backend *cb = (struct cuda_backend *)b;
 	int32_t devices[SHARDD_MAX_WORLD];
@@ -86,11 +86,11 @@ static int cuda_reduce(struct shardd_backend_ctx *b, const struct shardd_reduce_
 	if (a->n == 0 || a->n > SHARDD_MAX_WORLD)
 		return -EINVAL;
 	for (uint32_t k = 0; k < a->n; k++)
-		devices[k] = cbuf(a->src == SHARDD_REDUCE_SRC_GRAD ? a->grads[k] : a->views[k].buf)->device;
+		devices[k] = cbuf(a->src == SHD_REDUCE_SRC_GRAD ? a->grads[k] : a->views[k].buf)->device;
 	ret = cuda_placement(devices, a->n, "reduce", a->err, a->errlen, &kind);
 	if (ret)
 		return ret;
-	if (kind == SHARDD_PLACE_NCCL)
+	if (kind == SHD_PLACE_NCCL)
 		return cuda_reduce_nccl(cb, a, devices);
 	if (a->n > SHARDD_CUDA_MAX_INPUTS)
 		return cuda_op_fail(-EINVAL, a->err, a->errlen, "reduce",
@@ -108,7 +108,7 @@ static int cuda_reduce(struct shardd_backend_ctx *b, const struct shardd_reduce_
 	return cuda_queued(ret, "reduce");
 }
 
-static int cuda_zero(struct shardd_backend_ctx *b, struct shardd_buf *buf, uint64_t offset, uint64_t bytes)
+static int cuda_zero(struct shd_backend_ctx *b, struct shd_buf *buf, uint64_t offset, uint64_t bytes)
 {
 	struct cuda_backend *cb = (struct cuda_backend *)b;
 	struct cuda_device *d;
@@ -122,7 +122,7 @@ static int cuda_zero(struct shardd_backend_ctx *b, struct shardd_buf *buf, uint6
 	return cuda_queued(shardd_cuda_zero(dptr(buf, offset), (size_t)bytes, d->stream), "zero");
 }
 
-static int cuda_sync(struct shardd_backend_ctx *b, const struct shardd_buf *const *on, uint32_t n, char *err,
+static int cuda_sync(struct shd_backend_ctx *b, const struct shd_buf *const *on, uint32_t n, char *err,
 		     size_t errlen)
 {
 	struct cuda_backend *cb = (struct cuda_backend *)b;
@@ -149,15 +149,15 @@ static int cuda_sync(struct shardd_backend_ctx *b, const struct shardd_buf *cons
 /* Jobs                                                                */
 /* ------------------------------------------------------------------ */
 
-static int cuda_multi_device(struct shardd_backend_ctx *b, char *err, size_t errlen)
+static int cuda_multi_device(struct shd_backend_ctx *b, char *err, size_t errlen)
 {
 	(void)b;
-	return shardd_nccl_load(err, errlen);
+	return shd_nccl_load(err, errlen);
 }
 
-static int cuda_job_open(struct shardd_backend_ctx *b, const char *job, struct shardd_backend_job **out)
+static int cuda_job_open(struct shd_backend_ctx *b, const char *job, struct shd_backend_job **out)
 {
-	struct shardd_backend_job *bj = calloc(1, sizeof(*bj));
+	struct shd_backend_job *bj = calloc(1, sizeof(*bj));
 
 	(void)b;
 	if (!bj)
@@ -167,12 +167,12 @@ static int cuda_job_open(struct shardd_backend_ctx *b, const char *job, struct s
 	return 0;
 }
 
-static void cuda_job_close(struct shardd_backend_ctx *b, struct shardd_backend_job *bj)
+static void cuda_job_close(struct shd_backend_ctx *b, struct shd_backend_job *bj)
 {
 	struct cuda_backend *cb = (struct cuda_backend *)b;
 
 	cuda_nccl_lock(cb);
-	shardd_nccl_job_end(cb->nccl, bj);
+	shd_nccl_job_end(cb->nccl, bj);
 	cuda_nccl_unlock(cb);
 	free(bj);
 }
@@ -181,13 +181,13 @@ static void cuda_job_close(struct shardd_backend_ctx *b, struct shardd_backend_j
 /* Create and destroy                                                  */
 /* ------------------------------------------------------------------ */
 
-static void cuda_destroy(struct shardd_backend_ctx *b)
+static void cuda_destroy(struct shd_backend_ctx *b)
 {
 	struct cuda_backend *cb = (struct cuda_backend *)b;
 
 	/* Staging buffers first: freeing one waits on its device, which may ask the communicators. */
 	cuda_nccl_staging_free(cb);
-	shardd_nccl_destroy(cb->nccl);
+	shd_nccl_destroy(cb->nccl);
 	cuda_devices_destroy(cb);
 	pthread_mutex_destroy(&cb->nccl_lock);
 	pthread_mutex_destroy(&cb->lock);
@@ -195,7 +195,7 @@ static void cuda_destroy(struct shardd_backend_ctx *b)
 	free(cb);
 }
 
-static const struct shardd_backend_ops cuda_ops = {
+static const struct shd_backend_ops cuda_ops = {
 	.name = "cuda",
 	/* Every call queues device work from a pool thread, whose CUDA context it set up. */
 	.inline_max_bytes = 0,
@@ -217,16 +217,16 @@ static const struct shardd_backend_ops cuda_ops = {
 	.destroy = cuda_destroy,
 };
 
-int shardd_backend_cuda_create(uint32_t mode, uint64_t timeout_ns, struct shardd_backend_ctx **out,
+int shd_backend_cuda_create(uint32_t mode, uint64_t timeout_ns, struct shd_backend_ctx **out,
 			       char *err, size_t errlen)
 {
 	struct cuda_backend *cb;
 	cudaError_t e;
 	int n = 0, ret;
 
-	if (mode != SHARDD_CUDA_EXPORT_AUTO && mode != SHARDD_CUDA_EXPORT_FD && mode != SHARDD_CUDA_EXPORT_IPC) {
+	if (mode != SHD_CUDA_EXPORT_AUTO && mode != SHD_CUDA_EXPORT_FD && mode != SHD_CUDA_EXPORT_IPC) {
 		snprintf(err, errlen, "shardd: --cuda-export: mode %u is not one of auto (%d), fd (%d), ipc (%d)",
-			 mode, SHARDD_CUDA_EXPORT_AUTO, SHARDD_CUDA_EXPORT_FD, SHARDD_CUDA_EXPORT_IPC);
+			 mode, SHD_CUDA_EXPORT_AUTO, SHD_CUDA_EXPORT_FD, SHD_CUDA_EXPORT_IPC);
 		return -SHARDD_E_BACKEND;
 	}
 	e = cudaGetDeviceCount(&n);
@@ -239,9 +239,9 @@ int shardd_backend_cuda_create(uint32_t mode, uint64_t timeout_ns, struct shardd
 	if (!cb)
 		goto err_nomem;
 	cb->devices = calloc((size_t)n, sizeof(*cb->devices));
-	if (!cb->devices || shardd_nccl_create(timeout_ns, &cb->nccl))
+	if (!cb->devices || shd_nccl_create(timeout_ns, &cb->nccl))
 		goto err_nomem;
-	/* Unallocated, and no fd for shardd_buf_forget to close. */
+	/* Unallocated, and no fd for shd_buf_forget to close. */
 	for (int i = 0; i < n; i++)
 		cb->devices[i].staging.fd = -1;
 	ret = cuda_driver_resolve(&cb->drv, err, errlen);
@@ -261,7 +261,7 @@ err_nomem:
 	ret = -ENOMEM;
 err_free:
 	if (cb) {
-		shardd_nccl_destroy(cb->nccl);
+		shd_nccl_destroy(cb->nccl);
 		free(cb->devices);
 	}
 	free(cb);

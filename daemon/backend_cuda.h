@@ -8,8 +8,8 @@
  * header declares nothing that needs CUDA, so main.c parses --cuda-export
  * in every build.
  */
-#ifndef SHARDD_BACKEND_CUDA_H
-#define SHARDD_BACKEND_CUDA_H
+#ifndef SHD_BACKEND_CUDA_H
+#define SHD_BACKEND_CUDA_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -17,24 +17,24 @@
 #include "backend.h"
 
 /* --cuda-export: how the cuda backend allocates and exports buffers. */
-enum shardd_cuda_export {
-	SHARDD_CUDA_EXPORT_AUTO = 0, /* per device at its set-up: fd where it can, else ipc */
-	SHARDD_CUDA_EXPORT_FD   = 1, /* cuMemCreate with POSIX fd handles; the fd travels */
-	SHARDD_CUDA_EXPORT_IPC  = 2, /* cudaMalloc + cudaIpcGetMemHandle; the handle travels */
+enum shd_cuda_export {
+	SHD_CUDA_EXPORT_AUTO = 0, /* per device at its set-up: fd where it can, else ipc */
+	SHD_CUDA_EXPORT_FD   = 1, /* cuMemCreate with POSIX fd handles; the fd travels */
+	SHD_CUDA_EXPORT_IPC  = 2, /* cudaMalloc + cudaIpcGetMemHandle; the handle travels */
 };
 
 /*
  * 0, or -SHARDD_E_BACKEND with `err` saying why (no driver, no device, a
  * driver without the virtual memory API), or -ENOMEM. `mode` is an enum
- * shardd_cuda_export; `timeout_ns` (the collective timeout) bounds every
+ * shd_cuda_export; `timeout_ns` (the collective timeout) bounds every
  * wait on NCCL. Touches no device: a device is set up, and its export
  * kind chosen, when its first buffer is allocated; NCCL is loaded at the
  * first collective across devices.
  */
-int shardd_backend_cuda_create(uint32_t mode, uint64_t timeout_ns, struct shardd_backend_ctx **out,
+int shd_backend_cuda_create(uint32_t mode, uint64_t timeout_ns, struct shd_backend_ctx **out,
 			       char *err, size_t errlen);
 
 /* The daemon's device address of a buffer this backend allocated, or NULL (tools and tests). */
-void *shardd_backend_cuda_ptr(const struct shardd_buf *buf);
+void *shd_backend_cuda_ptr(const struct shd_buf *buf);
 
-#endif /* SHARDD_BACKEND_CUDA_H */
+#endif /* SHD_BACKEND_CUDA_H */

@@ -98,7 +98,7 @@ int cuda_driver_resolve(struct cuda_driver *drv, char *err, size_t errlen)
 
 int cuda_rt_fail(const char *what, cudaError_t e)
 {
-	shardd_log_error("shardd: cuda backend: %s: %s (%s)", what, cudaGetErrorString(e),
+	shd_log_error("shardd: cuda backend: %s: %s (%s)", what, cudaGetErrorString(e),
 			 cudaGetErrorName(e));
 	return e == cudaErrorMemoryAllocation ? -ENOMEM : -SHARDD_E_BACKEND;
 }
@@ -109,7 +109,7 @@ int cuda_drv_fail(const struct cuda_backend *cb, const char *what, CUresult r)
 
 	if (cb->drv.get_error_string(r, &s) != CUDA_SUCCESS || !s)
 		s = "unknown driver error";
-	shardd_log_error("shardd: cuda backend: %s: %s (CUresult %d)", what, s, (int)r);
+	shd_log_error("shardd: cuda backend: %s: %s (CUresult %d)", what, s, (int)r);
 	return r == CUDA_ERROR_OUT_OF_MEMORY ? -ENOMEM : -SHARDD_E_BACKEND;
 }
 
@@ -117,7 +117,7 @@ int cuda_drv_fail(const struct cuda_backend *cb, const char *what, CUresult r)
 int cuda_queued(int ret, const char *what)
 {
 	if (ret)
-		shardd_log_error("shardd: cuda backend: %s: a kernel launch failed (%d)", what, ret);
+		shd_log_error("shardd: cuda backend: %s: a kernel launch failed (%d)", what, ret);
 	return ret;
 }
 
@@ -141,7 +141,7 @@ void cuda_vmm_prop(CUmemAllocationProp *prop, int device)
 
 static const char *cuda_export_mode_name(uint32_t mode)
 {
-	return mode == SHARDD_CUDA_EXPORT_FD ? "fd" : mode == SHARDD_CUDA_EXPORT_IPC ? "ipc" : "auto";
+	return mode == SHD_CUDA_EXPORT_FD ? "fd" : mode == SHD_CUDA_EXPORT_IPC ? "ipc" : "auto";
 }
 
 static const char *yes_no(int v)
@@ -160,25 +160,25 @@ static int cuda_export_choose(const struct cuda_backend *cb, int device, const c
 {
 	int fd_ok = vmm && posix_fd;
 
-	if (cb->mode != SHARDD_CUDA_EXPORT_IPC && fd_ok) {
+	if (cb->mode != SHD_CUDA_EXPORT_IPC && fd_ok) {
 		*kind = SHARDD_EXPORT_FD;
 		return 0;
 	}
-	if (cb->mode != SHARDD_CUDA_EXPORT_FD && uva) {
+	if (cb->mode != SHD_CUDA_EXPORT_FD && uva) {
 		*kind = SHARDD_EXPORT_CUDA_IPC;
 		return 0;
 	}
-	if (cb->mode == SHARDD_CUDA_EXPORT_FD)
-		shardd_log_error("shardd: cuda backend: device %d (%s) cannot export memory as file "
+	if (cb->mode == SHD_CUDA_EXPORT_FD)
+		shd_log_error("shardd: cuda backend: device %d (%s) cannot export memory as file "
 				 "descriptors (virtual memory management %s, POSIX fd handles %s); use "
 				 "--cuda-export auto or ipc, or --backend host", device, name, yes_no(vmm),
 				 yes_no(posix_fd));
-	else if (cb->mode == SHARDD_CUDA_EXPORT_IPC)
-		shardd_log_error("shardd: cuda backend: device %d (%s) cannot export legacy CUDA IPC "
+	else if (cb->mode == SHD_CUDA_EXPORT_IPC)
+		shd_log_error("shardd: cuda backend: device %d (%s) cannot export legacy CUDA IPC "
 				 "handles (no unified addressing); use --cuda-export auto or fd, or "
 				 "--backend host", device, name);
 	else
-		shardd_log_error("shardd: cuda backend: device %d (%s) can export memory neither as file "
+		shd_log_error("shardd: cuda backend: device %d (%s) can export memory neither as file "
 				 "descriptors (virtual memory management %s, POSIX fd handles %s) nor as "
 				 "legacy CUDA IPC handles (unified addressing no); use --backend host",
 				 device, name, yes_no(vmm), yes_no(posix_fd));
@@ -227,7 +227,7 @@ static int cuda_device_setup(struct cuda_backend *cb, int device, struct cuda_de
 		if (r != CUDA_SUCCESS)
 			return cuda_drv_fail(cb, what, r);
 		if (d->granularity == 0) {
-			shardd_log_error("shardd: cuda backend: device %d reports an allocation granularity of 0",
+			shd_log_error("shardd: cuda backend: device %d reports an allocation granularity of 0",
 					 device);
 			return -SHARDD_E_BACKEND;
 		}
@@ -237,7 +237,7 @@ static int cuda_device_setup(struct cuda_backend *cb, int device, struct cuda_de
 	if (e != cudaSuccess)
 		return cuda_rt_fail(what, e);
 	d->ready = 1;
-	shardd_log_info("cuda backend: device %d (%s) exports its buffers as %s (--cuda-export %s; "
+	shd_log_info("cuda backend: device %d (%s) exports its buffers as %s (--cuda-export %s; "
 			"virtual memory management %s, POSIX fd handles %s, unified addressing %s)",
 			device, name,
 			d->export_kind == SHARDD_EXPORT_FD ? "POSIX file descriptors of cuMemCreate allocations"
@@ -254,7 +254,7 @@ int cuda_device_get(struct cuda_backend *cb, int device, struct cuda_device **ou
 	int ret = 0;
 
 	if (device < 0 || device >= cb->ndevices) {
-		shardd_log_error("shardd: cuda backend: device %d does not exist (%d visible)", device,
+		shd_log_error("shardd: cuda backend: device %d does not exist (%d visible)", device,
 				 cb->ndevices);
 		return -SHARDD_E_BACKEND;
 	}
@@ -304,7 +304,7 @@ int cuda_device_wait(struct cuda_backend *cb, int device, struct cuda_device *d,
 
 	if (!atomic_load_explicit(&d->nccl_used, memory_order_relaxed))
 		return cuda_stream_sync(d, what);
-	now = shardd_now_ns();
+	now = shd_now_ns();
 	deadline = now + cb->timeout_ns;
 	check = now + CUDA_NCCL_CHECK_NS;
 	for (;;) {
@@ -315,18 +315,18 @@ int cuda_device_wait(struct cuda_backend *cb, int device, struct cuda_device *d,
 			return cuda_rt_fail(what, e);
 		/* Not ready is no failure: leave no trace of it for the next launch check. */
 		(void)cudaGetLastError();
-		now = shardd_now_ns();
+		now = shd_now_ns();
 		if (now >= check) {
 			int late = now >= deadline;
 			uint32_t aborted;
 
 			if (!nccl_lock_held)
 				pthread_mutex_lock(&cb->nccl_lock);
-			aborted = shardd_nccl_check_device(cb->nccl, device, late, why, sizeof(why));
+			aborted = shd_nccl_check_device(cb->nccl, device, late, why, sizeof(why));
 			if (!nccl_lock_held)
 				pthread_mutex_unlock(&cb->nccl_lock);
 			if (aborted) {
-				shardd_log_error("shardd: cuda backend: %s: device %d: %s; aborted %u NCCL "
+				shd_log_error("shardd: cuda backend: %s: device %d: %s; aborted %u NCCL "
 						 "communicator set(s): %s", what, device,
 						 late ? "its work did not finish within the collective timeout"
 						      : "NCCL reported an error", aborted, why);

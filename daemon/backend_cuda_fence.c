@@ -17,14 +17,14 @@
 #include "log.h"
 
 /* One session's fences (backend.h): events on the session's device, indexed by ring slot. */
-struct shardd_fences {
+struct shd_fences {
 	int          device;
 	uint32_t     nwait, nsignal;
 	cudaEvent_t *wait;   /* [nwait]: the client's events, opened; NULL where not (yet) opened */
 	cudaEvent_t *signal; /* [nsignal]: ours, exported to the client */
 };
 
-void cuda_fences_close(struct shardd_backend_ctx *b, struct shardd_fences *f)
+void cuda_fences_close(struct shd_backend_ctx *b, struct shd_fences *f)
 {
 	(void)b;
 	if (!f)
@@ -46,13 +46,13 @@ void cuda_fences_close(struct shardd_backend_ctx *b, struct shardd_fences *f)
 	free(f);
 }
 
-int cuda_fences_open(struct shardd_backend_ctx *b, int32_t device, uint32_t nwait,
+int cuda_fences_open(struct shd_backend_ctx *b, int32_t device, uint32_t nwait,
 		     const struct shardd_cuda_ipc_handle *wait_events, uint32_t nsignal,
-		     struct shardd_cuda_ipc_handle *signal_events, struct shardd_fences **out,
+		     struct shardd_cuda_ipc_handle *signal_events, struct shd_fences **out,
 		     char *err, size_t errlen)
 {
 	struct cuda_backend *cb = (struct cuda_backend *)b;
-	struct shardd_fences *f;
+	struct shd_fences *f;
 	struct cuda_device *d;
 	cudaError_t e = cudaSuccess;
 	uint32_t i;
@@ -105,7 +105,7 @@ int cuda_fences_open(struct shardd_backend_ctx *b, int32_t device, uint32_t nwai
 				 cudaGetErrorString(e), cudaGetErrorName(e));
 	}
 	if (e != cudaSuccess) {
-		shardd_log_error("shardd: cuda backend: stream fences on device %d: %s", device, err);
+		shd_log_error("shardd: cuda backend: stream fences on device %d: %s", device, err);
 		ret = -SHARDD_E_BACKEND;
 		goto err;
 	}
@@ -117,7 +117,7 @@ err:
 	return ret;
 }
 
-int cuda_fence_wait(struct shardd_backend_ctx *b, struct shardd_fences *f, uint32_t slot)
+int cuda_fence_wait(struct shd_backend_ctx *b, struct shd_fences *f, uint32_t slot)
 {
 	struct cuda_backend *cb = (struct cuda_backend *)b;
 	struct cuda_device *d;
@@ -133,7 +133,7 @@ int cuda_fence_wait(struct shardd_backend_ctx *b, struct shardd_fences *f, uint3
 	return e == cudaSuccess ? 0 : cuda_rt_fail("wait on a client's stream event", e);
 }
 
-int cuda_fence_signal(struct shardd_backend_ctx *b, struct shardd_fences *f, uint32_t slot)
+int cuda_fence_signal(struct shd_backend_ctx *b, struct shd_fences *f, uint32_t slot)
 {
 	struct cuda_backend *cb = (struct cuda_backend *)b;
 	struct cuda_device *d;

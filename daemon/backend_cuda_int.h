@@ -22,8 +22,8 @@
  * memory and fence call device; device calls nccl; kernels and nccl call
  * none of them.
  */
-#ifndef SHARDD_BACKEND_CUDA_INT_H
-#define SHARDD_BACKEND_CUDA_INT_H
+#ifndef SHD_BACKEND_CUDA_INT_H
+#define SHD_BACKEND_CUDA_INT_H
 
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -65,15 +65,15 @@ struct cuda_device {
 	cudaStream_t nccl_stream; /* NCCL's collectives on the device */
 	cudaEvent_t  staged;      /* on stream: the op's inputs are ready; nccl_stream waits on it */
 	cudaEvent_t  collected;   /* on nccl_stream: the collective is done; stream waits on it */
-	struct shardd_buf staging;
+	struct shd_buf staging;
 	/* Set once nccl_ready: waits on the device are bounded by the collective timeout. */
 	atomic_int   nccl_used;
 };
 
 struct cuda_backend {
-	struct shardd_backend_ctx base;
+	struct shd_backend_ctx base;
 	struct cuda_driver drv;
-	uint32_t mode;                /* --cuda-export: enum shardd_cuda_export */
+	uint32_t mode;                /* --cuda-export: enum shd_cuda_export */
 	uint64_t timeout_ns;          /* the collective timeout: bounds every wait on NCCL */
 	int ndevices;
 	pthread_mutex_t lock;         /* device set-up */
@@ -83,11 +83,11 @@ struct cuda_backend {
 	 * Taken before `lock` where both are held.
 	 */
 	pthread_mutex_t nccl_lock;
-	struct shardd_nccl *nccl;     /* the communicators of every job */
+	struct shd_nccl *nccl;     /* the communicators of every job */
 };
 
 /* A job's state: its name, and the key of its communicators. */
-struct shardd_backend_job {
+struct shd_backend_job {
 	char name[SHARDD_NAME_MAX];
 };
 
@@ -102,13 +102,13 @@ struct cuda_buf {
 	int                          device;
 };
 
-static inline const struct cuda_buf *cbuf(const struct shardd_buf *b)
+static inline const struct cuda_buf *cbuf(const struct shd_buf *b)
 {
 	return b->priv;
 }
 
 /* Device address `offset` bytes into a buffer. */
-static inline void *dptr(const struct shardd_buf *b, uint64_t offset)
+static inline void *dptr(const struct shd_buf *b, uint64_t offset)
 {
 	return (void *)(uintptr_t)(cbuf(b)->ptr + offset);
 }
@@ -145,12 +145,12 @@ void cuda_nccl_unlock(struct cuda_backend *cb);
 
 /* ---- backend_cuda_memory.c: buffers and their export ---- */
 
-int  cuda_alloc(struct shardd_backend_ctx *b, uint64_t bytes, int32_t device, const char *what,
-		struct shardd_buf *out);
-void cuda_free(struct shardd_backend_ctx *b, struct shardd_buf *buf);
-int  cuda_export_buf(struct shardd_backend_ctx *b, const struct shardd_buf *buf, int readonly,
-		     struct shardd_buf_export *out);
-int  cuda_read(struct shardd_backend_ctx *b, const struct shardd_buf *buf, uint64_t offset,
+int  cuda_alloc(struct shd_backend_ctx *b, uint64_t bytes, int32_t device, const char *what,
+		struct shd_buf *out);
+void cuda_free(struct shd_backend_ctx *b, struct shd_buf *buf);
+int  cuda_export_buf(struct shd_backend_ctx *b, const struct shd_buf *buf, int readonly,
+		     struct shd_buf_export *out);
+int  cuda_read(struct shd_backend_ctx *b, const struct shd_buf *buf, uint64_t offset,
 	       uint64_t bytes, void *dst);
 
 /* ---- backend_cuda_kernels.c: an op's kernels and checks ---- */
@@ -159,42 +159,42 @@ int  cuda_read(struct shardd_backend_ctx *b, const struct shardd_buf *buf, uint6
 __attribute__((format(printf, 5, 6)))
 int cuda_op_fail(int ret, char *err, size_t errlen, const char *op, const char *fmt, ...);
 /* 0 when member k's buffer `b` (`role`) sits on `device`, the member's device; else the error. */
-int cuda_on_device(const struct shardd_buf *b, int device, uint32_t k, const char *role, char *err,
+int cuda_on_device(const struct shd_buf *b, int device, uint32_t k, const char *role, char *err,
 		   size_t errlen, const char *op);
 /* SHARED or NCCL for `n` members on `devices`; MIXED fails with the error. */
 int cuda_placement(const int32_t *devices, uint32_t n, const char *op, char *err, size_t errlen,
 		   uint32_t *kind);
 /* Member k's addend view of a reduce, or NULL. */
-const struct shardd_shard_view *cuda_reduce_add(const struct shardd_reduce_args *a, uint32_t k);
+const struct shd_shard_view *cuda_reduce_add(const struct shd_reduce_args *a, uint32_t k);
 /* An all-gather's copy-out from the flat shards at src[s] into the unsharded buffer `out`. */
-int cuda_copy_out(const struct shardd_layout *l, uint32_t nshards, uint8_t *const *src,
-		  const struct shardd_buf *out, cudaStream_t stream);
+int cuda_copy_out(const struct shd_layout *l, uint32_t nshards, uint8_t *const *src,
+		  const struct shd_buf *out, cudaStream_t stream);
 /* Member k's reduce output of param i, its n inputs on one device. */
-int cuda_reduce_param(const struct shardd_reduce_args *a, uint32_t k, uint32_t i, cudaStream_t stream);
+int cuda_reduce_param(const struct shd_reduce_args *a, uint32_t k, uint32_t i, cudaStream_t stream);
 /* A reduce-scatter's copy-in of member k's grad into its staging buffer (rank-major blocks). */
-int cuda_reduce_copy_in(const struct shardd_reduce_args *a, uint32_t k, uint8_t *staging,
+int cuda_reduce_copy_in(const struct shd_reduce_args *a, uint32_t k, uint8_t *staging,
 			cudaStream_t stream);
 /* Member k's output from its sum at `sum` (one shard in the reduce dtype, laid out as `offsets`). */
-int cuda_reduce_post(const struct shardd_reduce_args *a, uint32_t k, const uint8_t *sum,
+int cuda_reduce_post(const struct shd_reduce_args *a, uint32_t k, const uint8_t *sum,
 		     const uint64_t *offsets, uint32_t shard_rank, cudaStream_t stream);
 
 /* ---- backend_cuda_nccl_ops.c: ops across devices ---- */
 
 /* Unshard of a shard group whose ranks (shard s on devices[s]) sit on distinct devices. */
-int  cuda_unshard_nccl(struct cuda_backend *cb, const struct shardd_unshard_args *a, const int32_t *devices);
+int  cuda_unshard_nccl(struct cuda_backend *cb, const struct shd_unshard_args *a, const int32_t *devices);
 /* Reduce of members (member k on devices[k]) on distinct devices. */
-int  cuda_reduce_nccl(struct cuda_backend *cb, const struct shardd_reduce_args *a, const int32_t *devices);
+int  cuda_reduce_nccl(struct cuda_backend *cb, const struct shd_reduce_args *a, const int32_t *devices);
 /* Free every device's staging buffer (the backend's end, before the communicators go). */
 void cuda_nccl_staging_free(struct cuda_backend *cb);
 
 /* ---- backend_cuda_fence.c: stream fences ---- */
 
-int  cuda_fences_open(struct shardd_backend_ctx *b, int32_t device, uint32_t nwait,
+int  cuda_fences_open(struct shd_backend_ctx *b, int32_t device, uint32_t nwait,
 		      const struct shardd_cuda_ipc_handle *wait_events, uint32_t nsignal,
-		      struct shardd_cuda_ipc_handle *signal_events, struct shardd_fences **out,
+		      struct shardd_cuda_ipc_handle *signal_events, struct shd_fences **out,
 		      char *err, size_t errlen);
-int  cuda_fence_wait(struct shardd_backend_ctx *b, struct shardd_fences *f, uint32_t slot);
-int  cuda_fence_signal(struct shardd_backend_ctx *b, struct shardd_fences *f, uint32_t slot);
-void cuda_fences_close(struct shardd_backend_ctx *b, struct shardd_fences *f);
+int  cuda_fence_wait(struct shd_backend_ctx *b, struct shd_fences *f, uint32_t slot);
+int  cuda_fence_signal(struct shd_backend_ctx *b, struct shd_fences *f, uint32_t slot);
+void cuda_fences_close(struct shd_backend_ctx *b, struct shd_fences *f);
 
-#endif /* SHARDD_BACKEND_CUDA_INT_H */
+#endif /* SHD_BACKEND_CUDA_INT_H */

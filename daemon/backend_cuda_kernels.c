@@ -30,14 +30,14 @@ int cuda_op_fail(int ret, char *err, size_t errlen, const char *op, const char *
 	va_start(ap, fmt);
 	vsnprintf(text, sizeof(text), fmt, ap);
 	va_end(ap);
-	shardd_log_error("shardd: cuda backend: %s: %s", op, text);
+	shd_log_error("shardd: cuda backend: %s: %s", op, text);
 	if (err && errlen)
 		snprintf(err, errlen, "%s", text);
 	return ret;
 }
 
 /* 0 when member k's buffer `b` (`role`) sits on `device`, the member's device; else the error. */
-int cuda_on_device(const struct shardd_buf *b, int device, uint32_t k, const char *role, char *err,
+int cuda_on_device(const struct shd_buf *b, int device, uint32_t k, const char *role, char *err,
 		   size_t errlen, const char *op)
 {
 	if (cbuf(b)->device == device)
@@ -55,8 +55,8 @@ int cuda_on_device(const struct shardd_buf *b, int device, uint32_t k, const cha
 int cuda_placement(const int32_t *devices, uint32_t n, const char *op, char *err, size_t errlen,
 		   uint32_t *kind)
 {
-	*kind = shardd_placement_classify(devices, n);
-	if (*kind != SHARDD_PLACE_MIXED)
+	*kind = shd_placement_classify(devices, n);
+	if (*kind != SHD_PLACE_MIXED)
 		return 0;
 	return cuda_op_fail(-SHARDD_E_BACKEND, err, errlen, op,
 			    "its %u ranks' buffers partly share GPUs (devices %d and %d, ...): all must be on "
@@ -64,7 +64,7 @@ int cuda_placement(const int32_t *devices, uint32_t n, const char *op, char *err
 }
 
 /* Member k's addend view, or NULL. */
-const struct shardd_shard_view *cuda_reduce_add(const struct shardd_reduce_args *a, uint32_t k)
+const struct shd_shard_view *cuda_reduce_add(const struct shd_reduce_args *a, uint32_t k)
 {
 	return a->adds && a->adds[k].buf ? &a->adds[k] : NULL;
 }
@@ -78,14 +78,14 @@ const struct shardd_shard_view *cuda_reduce_add(const struct shardd_reduce_args 
  * flat shard s at src[s] (device addresses), cast to the unsharded dtype,
  * padding rows dropped (dim 0), or chunk-cat (Shard(i > 0)).
  */
-int cuda_copy_out(const struct shardd_layout *l, uint32_t nshards, uint8_t *const *src,
-		  const struct shardd_buf *out, cudaStream_t stream)
+int cuda_copy_out(const struct shd_layout *l, uint32_t nshards, uint8_t *const *src,
+		  const struct shd_buf *out, cudaStream_t stream)
 {
 	const void *chunks[SHARDD_MAX_WORLD];
 	int ret = 0;
 
 	for (uint32_t i = 0; i < l->nparams && !ret; i++) {
-		const struct shardd_layout_param *p = &l->params[i];
+		const struct shd_layout_param *p = &l->params[i];
 		size_t us = shardd_dtype_size(p->unsharded_dtype);
 		uint64_t chunk = p->rows * p->inner; /* elements of one shard of this param */
 
@@ -94,7 +94,7 @@ int cuda_copy_out(const struct shardd_layout *l, uint32_t nshards, uint8_t *cons
 			for (uint32_t s = 0; s < nshards && !ret; s++)
 				ret = shardd_cuda_cast(dptr(out, p->unsharded_offset + s * chunk * us),
 						       p->unsharded_dtype, src[s] + p->shard_offset, p->dtype,
-						       shardd_layout_rows_valid(p, s) * p->inner, stream);
+						       shd_layout_rows_valid(p, s) * p->inner, stream);
 		} else {
 			for (uint32_t s = 0; s < nshards; s++)
 				chunks[s] = src[s] + p->shard_offset;
@@ -110,24 +110,24 @@ int cuda_copy_out(const struct shardd_layout *l, uint32_t nshards, uint8_t *cons
 /* ------------------------------------------------------------------ */
 
 /* Queue member k's output of param i on one device, one launch per outer index, and zero its padding. */
-int cuda_reduce_param(const struct shardd_reduce_args *a, uint32_t k, uint32_t i, cudaStream_t stream)
+int cuda_reduce_param(const struct shd_reduce_args *a, uint32_t k, uint32_t i, cudaStream_t stream)
 {
-	const struct shardd_layout_param *p = &a->layout->params[i];
-	const struct shardd_shard_view *out = &a->outs[k], *add = cuda_reduce_add(a, k);
-	uint32_t shard_rank = a->src == SHARDD_REDUCE_SRC_GRAD ? k : a->shard_rank;
-	uint32_t odt = shardd_shard_view_dtype(out, p);
+	const struct shd_layout_param *p = &a->layout->params[i];
+	const struct shd_shard_view *out = &a->outs[k], *add = cuda_reduce_add(a, k);
+	uint32_t shard_rank = a->src == SHD_REDUCE_SRC_GRAD ? k : a->shard_rank;
+	uint32_t odt = shd_shard_view_dtype(out, p);
 	size_t os = shardd_dtype_size(odt), rs = shardd_dtype_size(a->math.reduce_dtype);
-	uint64_t valid = shardd_layout_rows_valid(p, shard_rank);
+	uint64_t valid = shd_layout_rows_valid(p, shard_rank);
 	const void *in[SHARDD_CUDA_MAX_INPUTS];
 	struct shardd_reduce_math m = a->math;
-	uint32_t idt = a->src == SHARDD_REDUCE_SRC_GRAD ? p->grad_dtype : a->in_dtype;
+	uint32_t idt = a->src == SHD_REDUCE_SRC_GRAD ? p->grad_dtype : a->in_dtype;
 	size_t is = shardd_dtype_size(idt);
 	int ret = 0;
 
 	for (uint64_t o = 0; o < p->outer && !ret; o++) {
 		uint64_t at = o * p->rows * p->inner; /* element in the output shard */
 
-		if (a->src == SHARDD_REDUCE_SRC_GRAD) {
+		if (a->src == SHD_REDUCE_SRC_GRAD) {
 			/* Shard s of the unsharded grad: rows [s*rows, s*rows + valid) of shard_dim. */
 			uint64_t e = o * p->dim * p->inner + (uint64_t)shard_rank * p->rows * p->inner;
 
@@ -154,7 +154,7 @@ int cuda_reduce_param(const struct shardd_reduce_args *a, uint32_t k, uint32_t i
  * fp16 factor), into block s of its staging buffer (rank-major: the block
  * NCCL rank s receives the sum of).
  */
-int cuda_reduce_copy_in(const struct shardd_reduce_args *a, uint32_t k, uint8_t *staging,
+int cuda_reduce_copy_in(const struct shd_reduce_args *a, uint32_t k, uint8_t *staging,
 			cudaStream_t stream)
 {
 	const struct shardd_reduce_math pre = {
@@ -166,8 +166,8 @@ int cuda_reduce_copy_in(const struct shardd_reduce_args *a, uint32_t k, uint8_t 
 
 	for (uint32_t s = 0; s < a->n && !ret; s++) {
 		for (uint32_t i = 0; i < a->layout->nparams && !ret; i++) {
-			const struct shardd_layout_param *p = &a->layout->params[i];
-			uint64_t n = shardd_layout_rows_valid(p, s) * p->inner;
+			const struct shd_layout_param *p = &a->layout->params[i];
+			uint64_t n = shd_layout_rows_valid(p, s) * p->inner;
 			size_t gs = shardd_dtype_size(p->grad_dtype);
 
 			for (uint64_t o = 0; o < p->outer && !ret; o++) {
@@ -194,10 +194,10 @@ int cuda_reduce_copy_in(const struct shardd_reduce_args *a, uint32_t k, uint8_t 
  * rows only, padding rows zeroed: one kernel (a reduce of one input) per
  * param and outer index.
  */
-int cuda_reduce_post(const struct shardd_reduce_args *a, uint32_t k, const uint8_t *sum,
+int cuda_reduce_post(const struct shd_reduce_args *a, uint32_t k, const uint8_t *sum,
 		     const uint64_t *offsets, uint32_t shard_rank, cudaStream_t stream)
 {
-	const struct shardd_shard_view *out = &a->outs[k], *add = cuda_reduce_add(a, k);
+	const struct shd_shard_view *out = &a->outs[k], *add = cuda_reduce_add(a, k);
 	struct shardd_reduce_math m = a->math;
 	size_t rs = shardd_dtype_size(m.reduce_dtype);
 	int ret = 0;
@@ -205,10 +205,10 @@ int cuda_reduce_post(const struct shardd_reduce_args *a, uint32_t k, const uint8
 	/* The inputs were pre-divided before the sum. */
 	m.pre = 1;
 	for (uint32_t i = 0; i < a->layout->nparams && !ret; i++) {
-		const struct shardd_layout_param *p = &a->layout->params[i];
-		uint32_t odt = shardd_shard_view_dtype(out, p);
+		const struct shd_layout_param *p = &a->layout->params[i];
+		uint32_t odt = shd_shard_view_dtype(out, p);
 		size_t os = shardd_dtype_size(odt);
-		uint64_t valid = shardd_layout_rows_valid(p, shard_rank);
+		uint64_t valid = shd_layout_rows_valid(p, shard_rank);
 
 		for (uint64_t o = 0; o < p->outer && !ret; o++) {
 			uint64_t at = o * p->rows * p->inner;

@@ -40,7 +40,7 @@
 _Static_assert(sizeof(cudaIpcMemHandle_t) == sizeof(struct shardd_cuda_ipc_handle),
 	       "a CUDA IPC handle travels as struct shardd_cuda_ipc_handle");
 
-void *shardd_backend_cuda_ptr(const struct shardd_buf *buf)
+void *shd_backend_cuda_ptr(const struct shd_buf *buf)
 {
 	return buf->priv ? dptr(buf, 0) : NULL;
 }
@@ -158,14 +158,14 @@ static void cuda_release(struct cuda_backend *cb, struct cuda_buf *cu)
 	 */
 	e = cudaFree((void *)(uintptr_t)cu->ptr);
 	if (e != cudaSuccess) {
-		shardd_log_warn("shardd: cuda backend: cudaFree of a buffer on device %d: %s", cu->device,
+		shd_log_warn("shardd: cuda backend: cudaFree of a buffer on device %d: %s", cu->device,
 				cudaGetErrorString(e));
 		(void)cudaGetLastError();
 	}
 }
 
-int cuda_alloc(struct shardd_backend_ctx *b, uint64_t bytes, int32_t device, const char *what,
-	       struct shardd_buf *out)
+int cuda_alloc(struct shd_backend_ctx *b, uint64_t bytes, int32_t device, const char *what,
+	       struct shd_buf *out)
 {
 	struct cuda_backend *cb = (struct cuda_backend *)b;
 	struct cuda_device *d;
@@ -178,7 +178,7 @@ int cuda_alloc(struct shardd_backend_ctx *b, uint64_t bytes, int32_t device, con
 	out->bytes = 0;
 	if (bytes == 0 || bytes > SIZE_MAX / 2)
 		return -EINVAL;
-	device = shardd_placement_device(device);
+	device = shd_placement_device(device);
 	ret = cuda_device_get(cb, device, &d);
 	if (ret)
 		return ret;
@@ -219,7 +219,7 @@ err_free:
 	return ret;
 }
 
-void cuda_free(struct shardd_backend_ctx *b, struct shardd_buf *buf)
+void cuda_free(struct shd_backend_ctx *b, struct shd_buf *buf)
 {
 	struct cuda_backend *cb = (struct cuda_backend *)b;
 	struct cuda_buf *cu = buf->priv;
@@ -233,7 +233,7 @@ void cuda_free(struct shardd_backend_ctx *b, struct shardd_buf *buf)
 		cuda_release(cb, cu);
 		free(cu);
 	}
-	shardd_buf_forget(buf);
+	shd_buf_forget(buf);
 }
 
 /*
@@ -243,8 +243,8 @@ void cuda_free(struct shardd_backend_ctx *b, struct shardd_buf *buf)
  * the fd or the handle may map the allocation read-write (see the file
  * comment).
  */
-int cuda_export_buf(struct shardd_backend_ctx *b, const struct shardd_buf *buf, int readonly,
-		    struct shardd_buf_export *out)
+int cuda_export_buf(struct shd_backend_ctx *b, const struct shd_buf *buf, int readonly,
+		    struct shd_buf_export *out)
 {
 	const struct cuda_buf *cu = cbuf(buf);
 
@@ -266,7 +266,7 @@ int cuda_export_buf(struct shardd_backend_ctx *b, const struct shardd_buf *buf, 
  * op queued on the device's own stream, so the bytes are a snapshot like
  * the host backend's (backend.h).
  */
-int cuda_read(struct shardd_backend_ctx *b, const struct shardd_buf *buf, uint64_t offset,
+int cuda_read(struct shd_backend_ctx *b, const struct shd_buf *buf, uint64_t offset,
 	      uint64_t bytes, void *dst)
 {
 	const struct cuda_buf *cu = cbuf(buf);

@@ -78,8 +78,8 @@ static pthread_once_t api_once = PTHREAD_ONCE_INIT;
 static int  api_status;      /* 0 once every entry point resolved and the version is new enough */
 static char api_error[320];  /* why not, when api_status < 0 */
 
-struct shardd_nccl_clique {
-	struct shardd_nccl_clique *next;
+struct shd_nccl_clique {
+	struct shd_nccl_clique *next;
 	const void *job;
 	char job_name[SHARDD_NAME_MAX];
 	uint32_t n;
@@ -87,9 +87,9 @@ struct shardd_nccl_clique {
 	ncclComm_t *comms;  /* [n]: NULL where not made */
 };
 
-struct shardd_nccl {
+struct shd_nccl {
 	uint64_t timeout_ns;
-	struct shardd_nccl_clique *cliques;
+	struct shd_nccl_clique *cliques;
 };
 
 /* ------------------------------------------------------------------ */
@@ -128,13 +128,13 @@ static void api_load(void)
 			 "(version code %d) or later", version, NCCL_MIN_VERSION);
 		return;
 	}
-	shardd_log_info("cuda backend: NCCL %d.%d.%d loaded for collectives across GPUs", version / 10000,
+	shd_log_info("cuda backend: NCCL %d.%d.%d loaded for collectives across GPUs", version / 10000,
 			version / 100 % 100, version % 100);
 	/* The library stays loaded for the life of the process: communicators live in it. */
 	api_status = 0;
 }
 
-int shardd_nccl_load(char *err, size_t errlen)
+int shd_nccl_load(char *err, size_t errlen)
 {
 	pthread_once(&api_once, api_load);
 	if (api_status)
@@ -146,7 +146,7 @@ int shardd_nccl_load(char *err, size_t errlen)
 /* Messages and polling                                                */
 /* ------------------------------------------------------------------ */
 
-void shardd_nccl_devices_str(const int32_t *devices, uint32_t n, char *buf, size_t len)
+void shd_nccl_devices_str(const int32_t *devices, uint32_t n, char *buf, size_t len)
 {
 	size_t off = (size_t)snprintf(buf, len, "devices");
 
@@ -155,13 +155,13 @@ void shardd_nccl_devices_str(const int32_t *devices, uint32_t n, char *buf, size
 }
 
 /* err = "NCCL <what> on devices ... of job 'j': <cause>" */
-static void nccl_error(const struct shardd_nccl_clique *c, const char *what, ncclResult_t r, char *err,
+static void nccl_error(const struct shd_nccl_clique *c, const char *what, ncclResult_t r, char *err,
 		       size_t errlen)
 {
 	char devs[128];
 	const char *last = api.get_last_error(NULL);
 
-	shardd_nccl_devices_str(c->devices, c->n, devs, sizeof(devs));
+	shd_nccl_devices_str(c->devices, c->n, devs, sizeof(devs));
 	snprintf(err, errlen, "NCCL %s on %s of job '%s': %s (%d)%s%s", what, devs, c->job_name,
 		 api.get_error_string(r), (int)r, last && last[0] ? ": " : "", last ? last : "");
 }
@@ -178,7 +178,7 @@ static void poll_pause(void)
  * the first error a communicator reports, or ncclInProgress when the
  * deadline passed first.
  */
-static ncclResult_t clique_wait(const struct shardd_nccl_clique *c, uint64_t deadline_ns)
+static ncclResult_t clique_wait(const struct shd_nccl_clique *c, uint64_t deadline_ns)
 {
 	for (;;) {
 		int pending = 0;
@@ -198,7 +198,7 @@ static ncclResult_t clique_wait(const struct shardd_nccl_clique *c, uint64_t dea
 		}
 		if (!pending)
 			return ncclSuccess;
-		if (shardd_now_ns() >= deadline_ns)
+		if (shd_now_ns() >= deadline_ns)
 			return ncclInProgress;
 		poll_pause();
 	}
@@ -216,7 +216,7 @@ static ncclResult_t group_result(ncclResult_t calls, ncclResult_t end)
 /* Cliques                                                             */
 /* ------------------------------------------------------------------ */
 
-static void clique_free(struct shardd_nccl_clique *c)
+static void clique_free(struct shd_nccl_clique *c)
 {
 	free(c->devices);
 	free(c->comms);
@@ -224,7 +224,7 @@ static void clique_free(struct shardd_nccl_clique *c)
 }
 
 /* Abort every communicator made: it stops what is still running on the devices. */
-static void clique_abort(struct shardd_nccl_clique *c)
+static void clique_abort(struct shd_nccl_clique *c)
 {
 	for (uint32_t k = 0; k < c->n; k++) {
 		if (c->comms[k])
@@ -234,9 +234,9 @@ static void clique_abort(struct shardd_nccl_clique *c)
 }
 
 /* Unlink `c` from the cache (it must be there). */
-static void clique_unlink(struct shardd_nccl *nc, struct shardd_nccl_clique *c)
+static void clique_unlink(struct shd_nccl *nc, struct shd_nccl_clique *c)
 {
-	struct shardd_nccl_clique **pp = &nc->cliques;
+	struct shd_nccl_clique **pp = &nc->cliques;
 
 	while (*pp != c)
 		pp = &(*pp)->next;
@@ -249,7 +249,7 @@ static void clique_unlink(struct shardd_nccl *nc, struct shardd_nccl_clique *c)
  * local once finalized. Abort instead when any of that fails or the
  * deadline passes.
  */
-static void clique_destroy(struct shardd_nccl *nc, struct shardd_nccl_clique *c)
+static void clique_destroy(struct shd_nccl *nc, struct shd_nccl_clique *c)
 {
 	ncclResult_t calls = ncclSuccess, r;
 	char devs[128];
@@ -264,13 +264,13 @@ static void clique_destroy(struct shardd_nccl *nc, struct shardd_nccl_clique *c)
 	if (r == ncclSuccess)
 		r = group_result(calls, api.group_end());
 	if (r == ncclSuccess || r == ncclInProgress)
-		r = clique_wait(c, shardd_now_ns() + nc->timeout_ns);
+		r = clique_wait(c, shd_now_ns() + nc->timeout_ns);
 	if (r == ncclSuccess) {
 		for (uint32_t k = 0; k < c->n; k++)
 			api.comm_destroy(c->comms[k]);
 	} else {
-		shardd_nccl_devices_str(c->devices, c->n, devs, sizeof(devs));
-		shardd_log_warn("shardd: cuda backend: NCCL communicators on %s of job '%s' did not finalize (%s); "
+		shd_nccl_devices_str(c->devices, c->n, devs, sizeof(devs));
+		shd_log_warn("shardd: cuda backend: NCCL communicators on %s of job '%s' did not finalize (%s); "
 				"aborted", devs, c->job_name, r == ncclInProgress ? "timed out" : api.get_error_string(r));
 		clique_abort(c);
 	}
@@ -278,7 +278,7 @@ static void clique_destroy(struct shardd_nccl *nc, struct shardd_nccl_clique *c)
 }
 
 /* Make the communicators of a new clique. 0, or an error with nothing left made. */
-static int clique_init(struct shardd_nccl *nc, struct shardd_nccl_clique *c, char *err, size_t errlen)
+static int clique_init(struct shd_nccl *nc, struct shd_nccl_clique *c, char *err, size_t errlen)
 {
 	ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
 	ncclResult_t calls = ncclSuccess, r;
@@ -319,7 +319,7 @@ static int clique_init(struct shardd_nccl *nc, struct shardd_nccl_clique *c, cha
 		return -SHARDD_E_BACKEND;
 	}
 	if (r == ncclSuccess || r == ncclInProgress)
-		r = clique_wait(c, shardd_now_ns() + nc->timeout_ns);
+		r = clique_wait(c, shd_now_ns() + nc->timeout_ns);
 	if (r != ncclSuccess) {
 		nccl_error(c, r == ncclInProgress ? "communicator set-up timed out" : "ncclCommInitRankConfig",
 			   r, err, errlen);
@@ -329,9 +329,9 @@ static int clique_init(struct shardd_nccl *nc, struct shardd_nccl_clique *c, cha
 	return 0;
 }
 
-int shardd_nccl_create(uint64_t timeout_ns, struct shardd_nccl **out)
+int shd_nccl_create(uint64_t timeout_ns, struct shd_nccl **out)
 {
-	struct shardd_nccl *nc = calloc(1, sizeof(*nc));
+	struct shd_nccl *nc = calloc(1, sizeof(*nc));
 
 	if (!nc)
 		return -ENOMEM;
@@ -340,12 +340,12 @@ int shardd_nccl_create(uint64_t timeout_ns, struct shardd_nccl **out)
 	return 0;
 }
 
-void shardd_nccl_destroy(struct shardd_nccl *nc)
+void shd_nccl_destroy(struct shd_nccl *nc)
 {
 	if (!nc)
 		return;
 	while (nc->cliques) {
-		struct shardd_nccl_clique *c = nc->cliques;
+		struct shd_nccl_clique *c = nc->cliques;
 
 		nc->cliques = c->next;
 		clique_destroy(nc, c);
@@ -353,11 +353,11 @@ void shardd_nccl_destroy(struct shardd_nccl *nc)
 	free(nc);
 }
 
-int shardd_nccl_clique(struct shardd_nccl *nc, const void *job, const char *job_name,
-		       const int32_t *devices, uint32_t n, struct shardd_nccl_clique **out, char *err,
+int shd_nccl_clique(struct shd_nccl *nc, const void *job, const char *job_name,
+		       const int32_t *devices, uint32_t n, struct shd_nccl_clique **out, char *err,
 		       size_t errlen)
 {
-	struct shardd_nccl_clique *c;
+	struct shd_nccl_clique *c;
 	char devs[128];
 	int ret;
 
@@ -367,7 +367,7 @@ int shardd_nccl_clique(struct shardd_nccl *nc, const void *job, const char *job_
 			return 0;
 		}
 	}
-	ret = shardd_nccl_load(err, errlen);
+	ret = shd_nccl_load(err, errlen);
 	if (ret)
 		return ret;
 	c = calloc(1, sizeof(*c));
@@ -390,8 +390,8 @@ int shardd_nccl_clique(struct shardd_nccl *nc, const void *job, const char *job_
 		clique_free(c);
 		return ret;
 	}
-	shardd_nccl_devices_str(devices, n, devs, sizeof(devs));
-	shardd_log_info("cuda backend: NCCL communicators of job '%s' on %s ready", job_name, devs);
+	shd_nccl_devices_str(devices, n, devs, sizeof(devs));
+	shd_log_info("cuda backend: NCCL communicators of job '%s' on %s ready", job_name, devs);
 	c->next = nc->cliques;
 	nc->cliques = c;
 	*out = c;
@@ -414,11 +414,11 @@ static ncclDataType_t nccl_dtype(uint32_t dtype)
 
 static const char *coll_name(uint32_t coll)
 {
-	return coll == SHARDD_NCCL_ALL_GATHER ? "ncclAllGather"
-	       : coll == SHARDD_NCCL_REDUCE_SCATTER ? "ncclReduceScatter" : "ncclAllReduce";
+	return coll == SHD_NCCL_ALL_GATHER ? "ncclAllGather"
+	       : coll == SHD_NCCL_REDUCE_SCATTER ? "ncclReduceScatter" : "ncclAllReduce";
 }
 
-int shardd_nccl_collective(struct shardd_nccl *nc, struct shardd_nccl_clique *c, uint32_t coll,
+int shd_nccl_collective(struct shd_nccl *nc, struct shd_nccl_clique *c, uint32_t coll,
 			   void *const *send, void *const *recv, size_t count, uint32_t dtype,
 			   void *const *streams, char *err, size_t errlen)
 {
@@ -435,16 +435,16 @@ int shardd_nccl_collective(struct shardd_nccl *nc, struct shardd_nccl_clique *c,
 	for (uint32_t k = 0; k < c->n && (calls == ncclSuccess || calls == ncclInProgress); k++) {
 		cudaStream_t s = (cudaStream_t)streams[k];
 
-		if (coll == SHARDD_NCCL_ALL_GATHER)
+		if (coll == SHD_NCCL_ALL_GATHER)
 			calls = api.all_gather(send[k], recv[k], count, dt, c->comms[k], s);
-		else if (coll == SHARDD_NCCL_REDUCE_SCATTER)
+		else if (coll == SHD_NCCL_REDUCE_SCATTER)
 			calls = api.reduce_scatter(send[k], recv[k], count, dt, ncclSum, c->comms[k], s);
 		else
 			calls = api.all_reduce(send[k], recv[k], count, dt, ncclSum, c->comms[k], s);
 	}
 	r = group_result(calls, api.group_end());
 	if (r == ncclSuccess || r == ncclInProgress)
-		r = clique_wait(c, shardd_now_ns() + nc->timeout_ns);
+		r = clique_wait(c, shd_now_ns() + nc->timeout_ns);
 	if (r == ncclSuccess)
 		return 0;
 	snprintf(what, sizeof(what), "%s%s", coll_name(coll),
@@ -457,16 +457,16 @@ err_abort:
 	return -SHARDD_E_BACKEND;
 }
 
-uint32_t shardd_nccl_check_device(struct shardd_nccl *nc, int32_t device, int abort_all, char *err,
+uint32_t shd_nccl_check_device(struct shd_nccl *nc, int32_t device, int abort_all, char *err,
 				  size_t errlen)
 {
-	struct shardd_nccl_clique **pp = &nc->cliques;
+	struct shd_nccl_clique **pp = &nc->cliques;
 	uint32_t aborted = 0;
 	size_t off = 0;
 
 	err[0] = '\0';
 	while (*pp) {
-		struct shardd_nccl_clique *c = *pp;
+		struct shd_nccl_clique *c = *pp;
 		ncclResult_t bad = ncclSuccess;
 		int member = 0;
 
@@ -487,7 +487,7 @@ uint32_t shardd_nccl_check_device(struct shardd_nccl *nc, int32_t device, int ab
 			if (bad != ncclSuccess)
 				nccl_error(c, "communicators failed", bad, one, sizeof(one));
 			else
-				shardd_nccl_devices_str(c->devices, c->n, one, sizeof(one));
+				shd_nccl_devices_str(c->devices, c->n, one, sizeof(one));
 			off += (size_t)snprintf(err + off, errlen - off, "%s%s", aborted ? "; " : "", one);
 		}
 		*pp = c->next;
@@ -498,12 +498,12 @@ uint32_t shardd_nccl_check_device(struct shardd_nccl *nc, int32_t device, int ab
 	return aborted;
 }
 
-void shardd_nccl_job_end(struct shardd_nccl *nc, const void *job)
+void shd_nccl_job_end(struct shd_nccl *nc, const void *job)
 {
-	struct shardd_nccl_clique **pp = &nc->cliques;
+	struct shd_nccl_clique **pp = &nc->cliques;
 
 	while (*pp) {
-		struct shardd_nccl_clique *c = *pp;
+		struct shd_nccl_clique *c = *pp;
 
 		if (c->job != job) {
 			pp = &c->next;

@@ -16,49 +16,49 @@
  * polling ncclCommGetAsyncError on each communicator until it leaves that
  * state, or the deadline passes.
  *
- * Every call but shardd_nccl_load, shardd_nccl_create,
- * shardd_nccl_destroy and shardd_nccl_devices_str must be made under one
+ * Every call but shd_nccl_load, shd_nccl_create,
+ * shd_nccl_destroy and shd_nccl_devices_str must be made under one
  * lock the caller holds for all of them (cuda_nccl_lock,
  * backend_cuda_device.c): NCCL calls on a communicator must not run
  * concurrently, and queueing every collective of the daemon
  * in one order keeps two collectives from waiting on each other across
  * devices.
  */
-#ifndef SHARDD_BACKEND_CUDA_NCCL_H
-#define SHARDD_BACKEND_CUDA_NCCL_H
+#ifndef SHD_BACKEND_CUDA_NCCL_H
+#define SHD_BACKEND_CUDA_NCCL_H
 
 #include <stddef.h>
 #include <stdint.h>
 
-struct shardd_nccl;        /* every clique of every job */
-struct shardd_nccl_clique; /* one communicator per device of a device list */
+struct shd_nccl;        /* every clique of every job */
+struct shd_nccl_clique; /* one communicator per device of a device list */
 
-enum shardd_nccl_coll {
-	SHARDD_NCCL_ALL_GATHER = 1,     /* recv[k] = send[0] .. send[n-1], `count` elements each */
-	SHARDD_NCCL_REDUCE_SCATTER = 2, /* recv[k] = sum over members of block k of send (`count` each) */
-	SHARDD_NCCL_ALL_REDUCE = 3,     /* recv[k] = sum over members of send (`count`) */
+enum shd_nccl_coll {
+	SHD_NCCL_ALL_GATHER = 1,     /* recv[k] = send[0] .. send[n-1], `count` elements each */
+	SHD_NCCL_REDUCE_SCATTER = 2, /* recv[k] = sum over members of block k of send (`count` each) */
+	SHD_NCCL_ALL_REDUCE = 3,     /* recv[k] = sum over members of send (`count`) */
 };
 
 /*
  * Load libnccl.so.2 (once per process; later calls return the first
  * outcome). 0, or -SHARDD_E_BACKEND with `err` saying why and what to do.
  */
-int shardd_nccl_load(char *err, size_t errlen);
+int shd_nccl_load(char *err, size_t errlen);
 
 /* `timeout_ns`: the deadline of every wait on NCCL (the daemon's collective timeout). 0 or -ENOMEM. */
-int  shardd_nccl_create(uint64_t timeout_ns, struct shardd_nccl **out);
-/* Destroys every clique left (as shardd_nccl_job_end does). Also takes NULL. */
-void shardd_nccl_destroy(struct shardd_nccl *nc);
+int  shd_nccl_create(uint64_t timeout_ns, struct shd_nccl **out);
+/* Destroys every clique left (as shd_nccl_job_end does). Also takes NULL. */
+void shd_nccl_destroy(struct shd_nccl *nc);
 
 /*
  * The clique of `job` (its name `job_name`, for messages) over devices[0..n)
  * (n >= 2, pairwise distinct), made now when there is none: one
  * ncclCommInitRankConfig per device in one group call. Needs
- * shardd_nccl_load. 0, or -SHARDD_E_BACKEND with `err` naming the devices
+ * shd_nccl_load. 0, or -SHARDD_E_BACKEND with `err` naming the devices
  * and the cause.
  */
-int shardd_nccl_clique(struct shardd_nccl *nc, const void *job, const char *job_name,
-		       const int32_t *devices, uint32_t n, struct shardd_nccl_clique **out, char *err,
+int shd_nccl_clique(struct shd_nccl *nc, const void *job, const char *job_name,
+		       const int32_t *devices, uint32_t n, struct shd_nccl_clique **out, char *err,
 		       size_t errlen);
 
 /*
@@ -69,7 +69,7 @@ int shardd_nccl_clique(struct shardd_nccl *nc, const void *job, const char *job_
  * -SHARDD_E_BACKEND with `err` naming the devices: the clique was then
  * aborted and forgotten (`c` is gone).
  */
-int shardd_nccl_collective(struct shardd_nccl *nc, struct shardd_nccl_clique *c, uint32_t coll,
+int shd_nccl_collective(struct shd_nccl *nc, struct shd_nccl_clique *c, uint32_t coll,
 			   void *const *send, void *const *recv, size_t count, uint32_t dtype,
 			   void *const *streams, char *err, size_t errlen);
 
@@ -78,13 +78,13 @@ int shardd_nccl_collective(struct shardd_nccl *nc, struct shardd_nccl_clique *c,
  * asynchronous error (or all of them, with `abort_all`) are aborted and
  * forgotten. Returns how many; `err` names their devices and causes.
  */
-uint32_t shardd_nccl_check_device(struct shardd_nccl *nc, int32_t device, int abort_all, char *err,
+uint32_t shd_nccl_check_device(struct shd_nccl *nc, int32_t device, int abort_all, char *err,
 				  size_t errlen);
 
 /* The job ended: destroy its cliques (ncclCommFinalize, then ncclCommDestroy; abort past the deadline). */
-void shardd_nccl_job_end(struct shardd_nccl *nc, const void *job);
+void shd_nccl_job_end(struct shd_nccl *nc, const void *job);
 
 /* "devices 0,1,2" into `buf`, for messages about devices[0..n). */
-void shardd_nccl_devices_str(const int32_t *devices, uint32_t n, char *buf, size_t len);
+void shd_nccl_devices_str(const int32_t *devices, uint32_t n, char *buf, size_t len);
 
-#endif /* SHARDD_BACKEND_CUDA_NCCL_H */
+#endif /* SHD_BACKEND_CUDA_NCCL_H */

@@ -26,7 +26,7 @@
 
 /* The members of one NCCL op: their devices, NCCL streams and staging buffers. */
 struct cuda_nccl_op {
-	struct shardd_nccl_clique *clique;
+	struct shd_nccl_clique *clique;
 	const int32_t *devices;                     /* [n]: member k's device, NCCL rank k */
 	uint32_t n;
 	struct cuda_device *d[SHARDD_MAX_WORLD];
@@ -62,7 +62,7 @@ static int cuda_staging(struct cuda_backend *cb, int device, struct cuda_device 
  * each device ready for NCCL with a staging buffer of `staging` bytes (0:
  * none), and the job's clique over the devices. 0, or an error with `err`.
  */
-static int nccl_op_begin(struct cuda_backend *cb, struct shardd_backend_job *job, const int32_t *devices,
+static int nccl_op_begin(struct cuda_backend *cb, struct shd_backend_job *job, const int32_t *devices,
 			 uint32_t n, uint64_t staging, struct cuda_nccl_op *op, char *err, size_t errlen)
 {
 	int ret;
@@ -88,7 +88,7 @@ static int nccl_op_begin(struct cuda_backend *cb, struct shardd_backend_job *job
 		}
 		op->streams[k] = op->d[k]->nccl_stream;
 	}
-	return shardd_nccl_clique(cb->nccl, job, job->name, devices, n, &op->clique, err, errlen);
+	return shd_nccl_clique(cb->nccl, job, job->name, devices, n, &op->clique, err, errlen);
 }
 
 /*
@@ -123,9 +123,9 @@ static int nccl_op_handover(struct cuda_nccl_op *op, int to_nccl)
  * shards all-gathered as bytes into each device's staging buffer, then
  * copied out into each rank's own unsharded buffer on its device.
  */
-int cuda_unshard_nccl(struct cuda_backend *cb, const struct shardd_unshard_args *a, const int32_t *devices)
+int cuda_unshard_nccl(struct cuda_backend *cb, const struct shd_unshard_args *a, const int32_t *devices)
 {
-	const struct shardd_layout *l = a->layout;
+	const struct shd_layout *l = a->layout;
 	uint32_t n = a->nshards;
 	struct cuda_nccl_op op;
 	void *send[SHARDD_MAX_WORLD], *recv[SHARDD_MAX_WORLD];
@@ -139,7 +139,7 @@ int cuda_unshard_nccl(struct cuda_backend *cb, const struct shardd_unshard_args 
 	if (ret)
 		return ret;
 	cuda_nccl_lock(cb);
-	ret = nccl_op_begin(cb, a->job, devices, n, shardd_placement_staging_bytes(n, l->shard_size, 0), &op,
+	ret = nccl_op_begin(cb, a->job, devices, n, shd_placement_staging_bytes(n, l->shard_size, 0), &op,
 			    why, sizeof(why));
 	if (!ret)
 		ret = nccl_op_handover(&op, 1);
@@ -148,7 +148,7 @@ int cuda_unshard_nccl(struct cuda_backend *cb, const struct shardd_unshard_args 
 		recv[k] = op.staging[k];
 	}
 	if (!ret)
-		ret = shardd_nccl_collective(cb->nccl, op.clique, SHARDD_NCCL_ALL_GATHER, send, recv,
+		ret = shd_nccl_collective(cb->nccl, op.clique, SHD_NCCL_ALL_GATHER, send, recv,
 					     l->shard_size, SHARDD_DTYPE_NONE, op.streams, why, sizeof(why));
 	if (!ret)
 		ret = nccl_op_handover(&op, 0);
@@ -162,7 +162,7 @@ int cuda_unshard_nccl(struct cuda_backend *cb, const struct shardd_unshard_args 
 	}
 	cuda_nccl_unlock(cb);
 	if (ret) {
-		shardd_nccl_devices_str(devices, n, devs, sizeof(devs));
+		shd_nccl_devices_str(devices, n, devs, sizeof(devs));
 		cuda_op_fail(ret, a->err, a->errlen, "unshard", "all-gather on %s: %s", devs,
 			     why[0] ? why : "a CUDA call failed (see the daemon's log)");
 	}
@@ -178,9 +178,9 @@ int cuda_unshard_nccl(struct cuda_backend *cb, const struct shardd_unshard_args 
  * view buffer, then the post kernel. Summation order and rounding are
  * NCCL's (in the reduce dtype), not the host's (docs/CUDA.md).
  */
-int cuda_reduce_nccl(struct cuda_backend *cb, const struct shardd_reduce_args *a, const int32_t *devices)
+int cuda_reduce_nccl(struct cuda_backend *cb, const struct shd_reduce_args *a, const int32_t *devices)
 {
-	uint32_t rd = a->math.reduce_dtype, n = a->n, grad = a->src == SHARDD_REDUCE_SRC_GRAD;
+	uint32_t rd = a->math.reduce_dtype, n = a->n, grad = a->src == SHD_REDUCE_SRC_GRAD;
 	size_t rs = shardd_dtype_size(rd);
 	uint64_t shard_bytes = a->reduce_shard_size;
 	void *send[SHARDD_MAX_WORLD], *recv[SHARDD_MAX_WORLD];
@@ -208,7 +208,7 @@ int cuda_reduce_nccl(struct cuda_backend *cb, const struct shardd_reduce_args *a
 		return ret;
 	cuda_nccl_lock(cb);
 	ret = nccl_op_begin(cb, a->job, devices, n,
-			    grad ? shardd_placement_staging_bytes(n, 0, shard_bytes) : 0, &op, why, sizeof(why));
+			    grad ? shd_placement_staging_bytes(n, 0, shard_bytes) : 0, &op, why, sizeof(why));
 	for (uint32_t k = 0; k < n && !ret && grad; k++) {
 		ret = cudaSetDevice(devices[k]) == cudaSuccess ? 0 : -SHARDD_E_BACKEND;
 		if (!ret)
@@ -222,8 +222,8 @@ int cuda_reduce_nccl(struct cuda_backend *cb, const struct shardd_reduce_args *a
 		recv[k] = grad ? (void *)(op.staging[k] + k * shard_bytes) : send[k];
 	}
 	if (!ret)
-		ret = shardd_nccl_collective(cb->nccl, op.clique,
-					     grad ? SHARDD_NCCL_REDUCE_SCATTER : SHARDD_NCCL_ALL_REDUCE, send, recv,
+		ret = shd_nccl_collective(cb->nccl, op.clique,
+					     grad ? SHD_NCCL_REDUCE_SCATTER : SHD_NCCL_ALL_REDUCE, send, recv,
 					     shard_bytes / rs, rd, op.streams, why, sizeof(why));
 	if (!ret)
 		ret = nccl_op_handover(&op, 0);
@@ -238,7 +238,7 @@ int cuda_reduce_nccl(struct cuda_backend *cb, const struct shardd_reduce_args *a
 	}
 	cuda_nccl_unlock(cb);
 	if (ret) {
-		shardd_nccl_devices_str(devices, n, devs, sizeof(devs));
+		shd_nccl_devices_str(devices, n, devs, sizeof(devs));
 		cuda_op_fail(ret, a->err, a->errlen, "reduce", "%s on %s: %s",
 			     grad ? "reduce-scatter" : "all-reduce", devs,
 			     why[0] ? why : "a CUDA call failed (see the daemon's log)");

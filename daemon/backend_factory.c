@@ -12,34 +12,34 @@
 
 #ifdef SHARDD_HAVE_CUDA
 /* The cuda backend; its error is logged as it words it (which flag, why, the fix). */
-static int backend_cuda(uint32_t cuda_export, uint64_t timeout_ns, struct shardd_backend_ctx **out)
+static int backend_cuda(uint32_t cuda_export, uint64_t timeout_ns, struct shd_backend_ctx **out)
 {
 	char err[256];
-	int ret = shardd_backend_cuda_create(cuda_export, timeout_ns, out, err, sizeof(err));
+	int ret = shd_backend_cuda_create(cuda_export, timeout_ns, out, err, sizeof(err));
 
 	if (ret)
-		shardd_log_error("%s", err);
+		shd_log_error("%s", err);
 	return ret;
 }
 #endif
 
-int shardd_backend_create(uint32_t kind, uint32_t cuda_export, uint64_t timeout_ns,
-			  struct shardd_pool *pool, struct shardd_backend_ctx **out)
+int shd_backend_create(uint32_t kind, uint32_t cuda_export, uint64_t timeout_ns,
+			  struct shd_pool *pool, struct shd_backend_ctx **out)
 {
 	switch (kind) {
 	case SHARDD_BACKEND_HOST:
-		return shardd_backend_host_create(pool, out);
+		return shd_backend_host_create(pool, out);
 	case SHARDD_BACKEND_CUDA:
 #ifdef SHARDD_HAVE_CUDA
 		return backend_cuda(cuda_export, timeout_ns, out);
 #else
 		(void)cuda_export;
 		(void)timeout_ns;
-		shardd_log_error("shardd: the cuda backend is not available in this build; use --backend host");
+		shd_log_error("shardd: the cuda backend is not available in this build; use --backend host");
 		return -SHARDD_E_BACKEND;
 #endif
 	default:
-		shardd_log_error("shardd: backend %u is not a backend (host = %d, cuda = %d)",
+		shd_log_error("shardd: backend %u is not a backend (host = %d, cuda = %d)",
 				 kind, SHARDD_BACKEND_HOST, SHARDD_BACKEND_CUDA);
 		return -SHARDD_E_BACKEND;
 	}

@@ -5,8 +5,8 @@
  * (backend_host.c, backend_cuda*.c); the types and helpers they share are
  * in backend.h, below them.
  */
-#ifndef SHARDD_BACKEND_FACTORY_H
-#define SHARDD_BACKEND_FACTORY_H
+#ifndef SHD_BACKEND_FACTORY_H
+#define SHD_BACKEND_FACTORY_H
 
 #include <stdint.h>
 
@@ -15,12 +15,12 @@
 /*
  * The backend of kind `kind` (enum shardd_backend: --backend): the host
  * backend on `pool`, or the cuda backend exporting buffers as
- * `cuda_export` says (enum shardd_cuda_export) with `timeout_ns` bounding
+ * `cuda_export` says (enum shd_cuda_export) with `timeout_ns` bounding
  * its waits. 0, or -SHARDD_E_BACKEND (a kind this build lacks or that is no
  * kind, a cuda backend that cannot start) or -ENOMEM, logged in the
  * backend's own words (which flag, why, the fix).
  */
-int shardd_backend_create(uint32_t kind, uint32_t cuda_export, uint64_t timeout_ns,
-			  struct shardd_pool *pool, struct shardd_backend_ctx **out);
+int shd_backend_create(uint32_t kind, uint32_t cuda_export, uint64_t timeout_ns,
+			  struct shd_pool *pool, struct shd_backend_ctx **out);
 
-#endif /* SHARDD_BACKEND_FACTORY_H */
+#endif /* SHD_BACKEND_FACTORY_H */

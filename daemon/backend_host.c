@@ -65,8 +65,8 @@
 #define HOST_STREAM_MIN_BYTES ((uint64_t)32 << 20)
 
 struct host_backend {
-	struct shardd_backend_ctx base;
-	struct shardd_pool *pool;
+	struct shd_backend_ctx base;
+	struct shd_pool *pool;
 };
 
 enum host_piece_kind {
@@ -95,18 +95,18 @@ struct host_plan {
 };
 
 struct host_op {
-	const struct shardd_unshard_args *unshard;
-	const struct shardd_reduce_args *reduce;
+	const struct shd_unshard_args *unshard;
+	const struct shd_reduce_args *reduce;
 	const struct host_plan *plan;
 	int stream; /* write the output with streaming stores */
 	/* The output this run writes: an unshard's (distinct) unsharded buffer, or member k of a reduce. */
-	struct shardd_buf *unsharded;
-	const struct shardd_shard_view *out, *add; /* add: NULL for none */
+	struct shd_buf *unsharded;
+	const struct shd_shard_view *out, *add; /* add: NULL for none */
 	uint32_t shard_rank;                       /* reduce: the rows of out */
 	int accumulate;
 };
 
-static inline uint8_t *host_ptr(const struct shardd_buf *b)
+static inline uint8_t *host_ptr(const struct shd_buf *b)
 {
 	return b->priv;
 }
@@ -200,8 +200,8 @@ static int plan_split(struct host_plan *pl, struct host_piece pc, uint64_t begin
  */
 static void host_run_piece_unshard(const struct host_op *op, const struct host_piece *pc)
 {
-	const struct shardd_unshard_args *a = op->unshard;
-	const struct shardd_layout_param *p = &a->layout->params[pc->param];
+	const struct shd_unshard_args *a = op->unshard;
+	const struct shd_layout_param *p = &a->layout->params[pc->param];
 	size_t us = shardd_dtype_size(p->unsharded_dtype), ds = shardd_dtype_size(p->dtype);
 	uint8_t *dst = host_ptr(op->unsharded) + p->unsharded_offset;
 	uint64_t chunk = p->rows * p->inner;
@@ -230,18 +230,18 @@ static void host_run_piece_unshard(const struct host_op *op, const struct host_p
 }
 
 /* Reduce `n` elements from element `off` of outer index `o`'s valid rows of the output shard. */
-static void host_reduce_run(const struct host_op *op, const struct shardd_layout_param *p, uint32_t param,
+static void host_reduce_run(const struct host_op *op, const struct shd_layout_param *p, uint32_t param,
 			    uint64_t o, uint64_t off, uint64_t n)
 {
-	const struct shardd_reduce_args *a = op->reduce;
-	uint32_t odt = shardd_shard_view_dtype(op->out, p);
+	const struct shd_reduce_args *a = op->reduce;
+	uint32_t odt = shd_shard_view_dtype(op->out, p);
 	uint64_t at = o * p->rows * p->inner + off; /* element in the output shard */
 	uint8_t *out = host_ptr(op->out->buf) + op->out->offsets[param] + at * shardd_dtype_size(odt);
 	const void *in[SHARDD_MAX_WORLD];
 	struct shardd_reduce_math m = a->math;
 	uint32_t idt;
 
-	if (a->src == SHARDD_REDUCE_SRC_GRAD) {
+	if (a->src == SHD_REDUCE_SRC_GRAD) {
 		/* Shard s of the unsharded grad: rows [s*rows, s*rows + valid) of shard_dim, per outer index. */
 		uint64_t e = o * p->dim * p->inner + (uint64_t)op->shard_rank * p->rows * p->inner + off;
 		size_t gs = shardd_dtype_size(p->grad_dtype);
@@ -270,11 +270,11 @@ static void host_reduce_run(const struct host_op *op, const struct shardd_layout
  */
 static void host_run_piece_reduce(const struct host_op *op, const struct host_piece *pc)
 {
-	const struct shardd_layout_param *p = &op->reduce->layout->params[pc->param];
-	uint64_t block = shardd_layout_rows_valid(p, op->shard_rank) * p->inner;
+	const struct shd_layout_param *p = &op->reduce->layout->params[pc->param];
+	uint64_t block = shd_layout_rows_valid(p, op->shard_rank) * p->inner;
 
 	if (pc->kind == PIECE_ZERO) {
-		size_t os = shardd_dtype_size(shardd_shard_view_dtype(op->out, p));
+		size_t os = shardd_dtype_size(shd_shard_view_dtype(op->out, p));
 
 		shardd_k_zero(host_ptr(op->out->buf) + op->out->offsets[pc->param] + pc->begin * os,
 			      pc->n * os);
@@ -309,10 +309,10 @@ static void host_run_plan(struct host_backend *hb, struct host_op *op)
 	if (op->plan->total <= HOST_SOLO_WORK)
 		host_run_batches(op, 0, op->plan->nbatches);
 	else
-		shardd_pool_for(hb->pool, op->plan->nbatches, 1, host_run_batches, op);
+		shd_pool_for(hb->pool, op->plan->nbatches, 1, host_run_batches, op);
 }
 
-static int host_unshard(struct shardd_backend_ctx *b, const struct shardd_unshard_args *a)
+static int host_unshard(struct shd_backend_ctx *b, const struct shd_unshard_args *a)
 {
 	struct host_backend *hb = (struct host_backend *)b;
 	struct host_plan pl;
@@ -325,7 +325,7 @@ static int host_unshard(struct shardd_backend_ctx *b, const struct shardd_unshar
 		work += a->layout->params[i].numel;
 	plan_init(&pl, work);
 	for (uint32_t i = 0; i < a->layout->nparams && !ret; i++) {
-		const struct shardd_layout_param *p = &a->layout->params[i];
+		const struct shd_layout_param *p = &a->layout->params[i];
 		struct host_piece pc = { .param = i };
 
 		if (!p->numel)
@@ -358,13 +358,13 @@ static int host_unshard(struct shardd_backend_ctx *b, const struct shardd_unshar
 }
 
 /* Plan and run member k's output of a reduce. */
-static int host_reduce_one(struct host_backend *hb, const struct shardd_reduce_args *a, uint32_t k)
+static int host_reduce_one(struct host_backend *hb, const struct shd_reduce_args *a, uint32_t k)
 {
 	struct host_plan pl;
 	struct host_op op = {
 		.reduce = a, .plan = &pl, .out = &a->outs[k],
 		.add = a->adds && a->adds[k].buf ? &a->adds[k] : NULL,
-		.shard_rank = a->src == SHARDD_REDUCE_SRC_GRAD ? k : a->shard_rank,
+		.shard_rank = a->src == SHD_REDUCE_SRC_GRAD ? k : a->shard_rank,
 		.accumulate = a->accumulate[k],
 	};
 	uint64_t out_bytes = 0, work = 0;
@@ -375,13 +375,13 @@ static int host_reduce_one(struct host_backend *hb, const struct shardd_reduce_a
 		work += a->layout->params[i].shard_numel * (a->n + 1);
 	plan_init(&pl, work);
 	for (uint32_t i = 0; i < a->layout->nparams && !ret; i++) {
-		const struct shardd_layout_param *p = &a->layout->params[i];
-		uint64_t valid = shardd_layout_rows_valid(p, op.shard_rank);
+		const struct shd_layout_param *p = &a->layout->params[i];
+		uint64_t valid = shd_layout_rows_valid(p, op.shard_rank);
 		struct host_piece pc = { .param = i, .kind = PIECE_REDUCE };
 
 		if (!p->shard_numel)
 			continue;
-		out_bytes += p->shard_numel * shardd_dtype_size(shardd_shard_view_dtype(op.out, p));
+		out_bytes += p->shard_numel * shardd_dtype_size(shd_shard_view_dtype(op.out, p));
 		ret = plan_split(&pl, pc, 0, p->outer * valid * p->inner, a->n);
 		if (!ret && valid < p->rows) {
 			/* Padding rows exist for dim 0 only, where outer == 1. */
@@ -399,7 +399,7 @@ static int host_reduce_one(struct host_backend *hb, const struct shardd_reduce_a
 	return ret;
 }
 
-static int host_reduce(struct shardd_backend_ctx *b, const struct shardd_reduce_args *a)
+static int host_reduce(struct shd_backend_ctx *b, const struct shd_reduce_args *a)
 {
 	struct host_backend *hb = (struct host_backend *)b;
 	int ret = 0;
@@ -413,7 +413,7 @@ static int host_reduce(struct shardd_backend_ctx *b, const struct shardd_reduce_
 
 /* One param's optimizer step: its args with the pointers set, run over [begin, end) of its valid elements. */
 struct host_step_param {
-	const struct shardd_step_args *a;
+	const struct shd_step_args *a;
 	struct shardd_sgd sgd;
 	struct shardd_adamw adamw;
 };
@@ -428,27 +428,27 @@ static void host_step_range(void *arg, size_t begin, size_t end)
 		shardd_k_adamw(&sp->adamw, begin, end);
 }
 
-static float *host_state_at(struct shardd_buf *buf, uint64_t offset)
+static float *host_state_at(struct shd_buf *buf, uint64_t offset)
 {
 	return buf ? (float *)(host_ptr(buf) + offset) : NULL;
 }
 
 /* Elements of real data in param p's shard `shard_rank`: its valid rows, a prefix of the shard. */
-static uint64_t host_valid_numel(const struct shardd_layout_param *p, uint32_t shard_rank)
+static uint64_t host_valid_numel(const struct shd_layout_param *p, uint32_t shard_rank)
 {
-	return p->numel ? p->outer * shardd_layout_rows_valid(p, shard_rank) * p->inner : 0;
+	return p->numel ? p->outer * shd_layout_rows_valid(p, shard_rank) * p->inner : 0;
 }
 
-static int host_step(struct shardd_backend_ctx *b, const struct shardd_step_args *a)
+static int host_step(struct shd_backend_ctx *b, const struct shd_step_args *a)
 {
 	struct host_backend *hb = (struct host_backend *)b;
-	const struct shardd_layout *l = a->layout;
+	const struct shd_layout *l = a->layout;
 	struct host_step_param sp = { .a = a, .sgd = a->sgd, .adamw = a->adamw };
 
 	*a->skipped = 0;
 	if (a->skip_nonfinite) {
 		for (uint32_t i = 0; i < l->nparams && !*a->skipped; i++) {
-			const struct shardd_layout_param *p = &l->params[i];
+			const struct shd_layout_param *p = &l->params[i];
 			struct shardd_grad_norm_part part;
 			uint64_t n = host_valid_numel(p, a->shard_rank);
 
@@ -461,7 +461,7 @@ static int host_step(struct shardd_backend_ctx *b, const struct shardd_step_args
 			return 0;
 	}
 	for (uint32_t i = 0; i < l->nparams; i++) {
-		const struct shardd_layout_param *p = &l->params[i];
+		const struct shd_layout_param *p = &l->params[i];
 		uint64_t n = host_valid_numel(p, a->shard_rank), off = p->shard_offset;
 
 		if (!n)
@@ -476,7 +476,7 @@ static int host_step(struct shardd_backend_ctx *b, const struct shardd_step_args
 		if (n <= HOST_SOLO_WORK)
 			host_step_range(&sp, 0, n);
 		else
-			shardd_pool_for(hb->pool, n, HOST_GRAIN, host_step_range, &sp);
+			shd_pool_for(hb->pool, n, HOST_GRAIN, host_step_range, &sp);
 	}
 	return 0;
 }
@@ -487,18 +487,18 @@ static void host_zero_range(void *arg, size_t begin, size_t end)
 	shardd_k_zero((uint8_t *)arg + begin, end - begin);
 }
 
-static int host_zero(struct shardd_backend_ctx *b, struct shardd_buf *buf, uint64_t offset, uint64_t bytes)
+static int host_zero(struct shd_backend_ctx *b, struct shd_buf *buf, uint64_t offset, uint64_t bytes)
 {
 	struct host_backend *hb = (struct host_backend *)b;
 
 	if (offset > buf->bytes || bytes > buf->bytes - offset)
 		return -EINVAL;
-	shardd_pool_for(hb->pool, bytes, HOST_ZERO_GRAIN, host_zero_range, host_ptr(buf) + offset);
+	shd_pool_for(hb->pool, bytes, HOST_ZERO_GRAIN, host_zero_range, host_ptr(buf) + offset);
 	return 0;
 }
 
 /* The daemon's own mapping of the memfd holds the bytes. */
-static int host_read(struct shardd_backend_ctx *b, const struct shardd_buf *buf, uint64_t offset,
+static int host_read(struct shd_backend_ctx *b, const struct shd_buf *buf, uint64_t offset,
 		     uint64_t bytes, void *dst)
 {
 	(void)b;
@@ -508,8 +508,8 @@ static int host_read(struct shardd_backend_ctx *b, const struct shardd_buf *buf,
 	return 0;
 }
 
-static int host_alloc(struct shardd_backend_ctx *b, uint64_t bytes, int32_t device, const char *what,
-		      struct shardd_buf *out)
+static int host_alloc(struct shd_backend_ctx *b, uint64_t bytes, int32_t device, const char *what,
+		      struct shd_buf *out)
 {
 	char name[96];
 	void *map;
@@ -559,12 +559,12 @@ err_errno:
 	return ret;
 }
 
-static void host_free(struct shardd_backend_ctx *b, struct shardd_buf *buf)
+static void host_free(struct shd_backend_ctx *b, struct shd_buf *buf)
 {
 	(void)b;
 	if (buf->priv)
 		munmap(buf->priv, (size_t)buf->bytes);
-	shardd_buf_forget(buf);
+	shd_buf_forget(buf);
 }
 
 /*
@@ -595,8 +595,8 @@ static int host_seal_export(int fd, int readonly)
 }
 
 /* Every host buffer travels as its memfd, sealed by host_seal_export. */
-static int host_export_buf(struct shardd_backend_ctx *b, const struct shardd_buf *buf, int readonly,
-			   struct shardd_buf_export *out)
+static int host_export_buf(struct shd_backend_ctx *b, const struct shd_buf *buf, int readonly,
+			   struct shd_buf_export *out)
 {
 	char path[64];
 	int fd, ret;
@@ -619,12 +619,12 @@ static int host_export_buf(struct shardd_backend_ctx *b, const struct shardd_buf
 	return fd < 0 ? -errno : 0;
 }
 
-static void host_destroy(struct shardd_backend_ctx *b)
+static void host_destroy(struct shd_backend_ctx *b)
 {
 	free(b);
 }
 
-static const struct shardd_backend_ops host_ops = {
+static const struct shd_backend_ops host_ops = {
 	.name = "host",
 	.inline_max_bytes = HOST_INLINE_MAX_BYTES,
 	.alloc = host_alloc,
@@ -638,7 +638,7 @@ static const struct shardd_backend_ops host_ops = {
 	.destroy = host_destroy,
 };
 
-int shardd_backend_host_create(struct shardd_pool *pool, struct shardd_backend_ctx **out)
+int shd_backend_host_create(struct shd_pool *pool, struct shd_backend_ctx **out)
 {
 	struct host_backend *hb = calloc(1, sizeof(*hb));
 

@@ -5,13 +5,13 @@
  * and every op latency the metrics count are taken from it, so they
  * compare with each other and never jump with the wall clock.
  */
-#ifndef SHARDD_CLOCK_H
-#define SHARDD_CLOCK_H
+#ifndef SHD_CLOCK_H
+#define SHD_CLOCK_H
 
 #include <stdint.h>
 #include <time.h>
 
-static inline uint64_t shardd_now_ns(void)
+static inline uint64_t shd_now_ns(void)
 {
 	struct timespec ts;
 
@@ -19,4 +19,4 @@ static inline uint64_t shardd_now_ns(void)
 	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-#endif /* SHARDD_CLOCK_H */
+#endif /* SHD_CLOCK_H */

@@ -24,7 +24,7 @@ int eng_coll_init(struct eng_coll *c, uint32_t base, uint32_t n, uint32_t op)
 		return -ENOMEM;
 	for (uint32_t i = 0; i < n; i++)
 		ranks[i] = base + i;
-	ret = shardd_rdv_init(&c->rdv, ranks, n);
+	ret = shd_rdv_init(&c->rdv, ranks, n);
 	free(ranks);
 	if (ret)
 		return ret;
@@ -32,7 +32,7 @@ int eng_coll_init(struct eng_coll *c, uint32_t base, uint32_t n, uint32_t op)
 	c->op = op;
 	c->ops = calloc(n, sizeof(*c->ops));
 	if (!c->ops) {
-		shardd_rdv_free(&c->rdv);
+		shd_rdv_free(&c->rdv);
 		return -ENOMEM;
 	}
 	return 0;
@@ -41,7 +41,7 @@ int eng_coll_init(struct eng_coll *c, uint32_t base, uint32_t n, uint32_t op)
 void eng_coll_free(struct eng_coll *c)
 {
 	if (c->ops)
-		shardd_rdv_free(&c->rdv);
+		shd_rdv_free(&c->rdv);
 	free(c->ops);
 	c->ops = NULL;
 }
@@ -50,7 +50,7 @@ void eng_coll_free(struct eng_coll *c)
  * Fail every op that arrived at `c` except `skip_rank`'s (UINT32_MAX: none), and reset it.
  *
  * A completion may drop its client (a corrupt CQ), and the rank's departure
- * fails this collective again from shardd_engine_rank_gone(): each op
+ * fails this collective again from shd_engine_rank_gone(): each op
  * therefore leaves the rendezvous before its completion is pushed (and the
  * rendezvous is reset once empty, before the last one), so the nested call
  * finds only the ops not yet completed and none is completed twice. An op
@@ -65,9 +65,9 @@ static void coll_fail(struct eng_group *eg, struct eng_coll *c, int res, const c
 		if (!c->rdv.arrived[i])
 			continue;
 		op = c->ops[i];
-		shardd_rdv_leave(&c->rdv, c->base + i);
+		shd_rdv_leave(&c->rdv, c->base + i);
 		if (c->rdv.narrived == 0)
-			shardd_rdv_reset(&c->rdv);
+			shd_rdv_reset(&c->rdv);
 		if (c->base + i != skip_rank)
 			eng_complete(eg->j, &op, res, msg);
 	}
@@ -97,11 +97,11 @@ static void coll_what(const struct eng_group *eg, const struct eng_coll *c, char
  */
 static int coll_arrive(struct eng_group *eg, struct eng_coll *c, const struct eng_op *op)
 {
-	struct shardd_engine *e = eg->j->e;
+	struct shd_engine *e = eg->j->e;
 	char why[256], ranks[160], msg[ENGINE_MSG_MAX];
 	int ret;
 
-	ret = shardd_rdv_arrive(&c->rdv, op->rank, op->sqe.step, op->sqe.flags, shardd_now_ns(),
+	ret = shd_rdv_arrive(&c->rdv, op->rank, op->sqe.step, op->sqe.flags, shd_now_ns(),
 				e->timeout_ns, why, sizeof(why));
 	if (ret < 0) {
 		eng_fmt(msg, sizeof(msg), "shardd: %s(group '%s', step %llu): %s",
@@ -109,8 +109,8 @@ static int coll_arrive(struct eng_group *eg, struct eng_coll *c, const struct en
 		eng_complete(eg->j, op, -SHARDD_E_INVALID, msg);
 		return 0;
 	}
-	if (ret == SHARDD_RDV_MISMATCH) {
-		shardd_rdv_present(&c->rdv, ranks, sizeof(ranks));
+	if (ret == SHD_RDV_MISMATCH) {
+		shd_rdv_present(&c->rdv, ranks, sizeof(ranks));
 		eng_fmt(msg, sizeof(msg), "shardd: %s(group '%s'): %s; failed for ranks %s,%u",
 			shardd_op_name(c->op), eg->g->name, why, ranks, op->rank);
 		coll_fail(eg, c, -SHARDD_E_MISMATCH, msg, UINT32_MAX);
@@ -118,7 +118,7 @@ static int coll_arrive(struct eng_group *eg, struct eng_coll *c, const struct en
 		return 0;
 	}
 	c->ops[op->rank - c->base] = *op;
-	if (ret == SHARDD_RDV_COMPLETE)
+	if (ret == SHD_RDV_COMPLETE)
 		return 1;
 	/*
 	 * A rank whose client left cannot arrive until it attaches again:
@@ -132,7 +132,7 @@ static int coll_arrive(struct eng_group *eg, struct eng_coll *c, const struct en
 			char what[160], who[ENGINE_WHO_MAX];
 
 			coll_what(eg, c, what, sizeof(what));
-			shardd_rdv_who_present(&c->rdv, who, sizeof(who));
+			shd_rdv_who_present(&c->rdv, who, sizeof(who));
 			eng_fmt(msg, sizeof(msg),
 				"shardd: rank %u left (its client is gone) before %s; failed for %s; retry once it attached again",
 				r, what, who);
@@ -157,14 +157,14 @@ static int coll_launch(struct eng_group *eg, struct eng_coll *c, uint32_t kind, 
 	}
 	t->replica = replica;
 	memcpy(t->ops, c->ops, (size_t)c->rdv.nexpected * sizeof(*c->ops));
-	shardd_rdv_reset(&c->rdv);
+	shd_rdv_reset(&c->rdv);
 	eng_group_enqueue(eg, t);
 	return 0;
 }
 
 void eng_coll_unshard(struct eng_group *eg, const struct eng_op *op)
 {
-	struct shardd_group *g = eg->g;
+	struct shd_group *g = eg->g;
 	uint32_t u = op->rank / g->shard;
 	struct eng_coll *c = &eg->unshard[u];
 
@@ -193,19 +193,19 @@ void eng_coll_unshard(struct eng_group *eg, const struct eng_op *op)
 static int reduce_cross_check(struct eng_group *eg, const struct eng_op *op, struct eng_coll *mine,
 			      struct eng_coll *other)
 {
-	struct shardd_group *g = eg->g;
+	struct shd_group *g = eg->g;
 	uint32_t u = op->rank / g->shard, first = UINT32_MAX;
 	char ranks[160], ranks2[160], msg[ENGINE_MSG_MAX];
 
 	if (!other->rdv.active)
 		return 0;
 	for (uint32_t s = 0; s < g->shard && first == UINT32_MAX; s++) {
-		if (shardd_rdv_has_arrived(&other->rdv, u * g->shard + s))
+		if (shd_rdv_has_arrived(&other->rdv, u * g->shard + s))
 			first = u * g->shard + s;
 	}
 	if (first == UINT32_MAX)
 		return 0;
-	if (first == op->rank || shardd_rdv_has_arrived(&other->rdv, op->rank)) {
+	if (first == op->rank || shd_rdv_has_arrived(&other->rdv, op->rank)) {
 		eng_fmt(msg, sizeof(msg),
 			"shardd: reduce(group '%s', step %llu): rank %u submitted it while its reduce step %llu flags 0x%x is still waiting",
 			g->name, (unsigned long long)op->sqe.step, op->rank,
@@ -213,8 +213,8 @@ static int reduce_cross_check(struct eng_group *eg, const struct eng_op *op, str
 		eng_complete(eg->j, op, -SHARDD_E_INVALID, msg);
 		return 1;
 	}
-	shardd_rdv_present(&other->rdv, ranks, sizeof(ranks));
-	shardd_rdv_present(&mine->rdv, ranks2, sizeof(ranks2));
+	shd_rdv_present(&other->rdv, ranks, sizeof(ranks));
+	shd_rdv_present(&mine->rdv, ranks2, sizeof(ranks2));
 	eng_fmt(msg, sizeof(msg),
 		"shardd: reduce(group '%s'): rank %u submitted step %llu flags 0x%x but rank %u submitted step %llu flags 0x%x; failed for ranks %s%s%s,%u",
 		g->name, op->rank, (unsigned long long)op->sqe.step, op->sqe.flags, first,
@@ -228,7 +228,7 @@ static int reduce_cross_check(struct eng_group *eg, const struct eng_op *op, str
 
 void eng_coll_reduce(struct eng_group *eg, const struct eng_op *op)
 {
-	struct shardd_group *g = eg->g;
+	struct shd_group *g = eg->g;
 	uint32_t u = op->rank / g->shard;
 	char msg[ENGINE_MSG_MAX];
 
@@ -259,12 +259,12 @@ void eng_coll_reduce(struct eng_group *eg, const struct eng_op *op)
 
 int eng_coll_rank_waits(const struct eng_group *eg, uint32_t rank)
 {
-	const struct shardd_engine_job *j = eg->j;
+	const struct shd_engine_job *j = eg->j;
 	uint32_t u = rank / j->shard;
 
-	return shardd_rdv_has_arrived(&eg->unshard[u].rdv, rank) ||
-	       shardd_rdv_has_arrived(&eg->rs[u].rdv, rank) ||
-	       (eg->ar.ops && shardd_rdv_has_arrived(&eg->ar.rdv, rank));
+	return shd_rdv_has_arrived(&eg->unshard[u].rdv, rank) ||
+	       shd_rdv_has_arrived(&eg->rs[u].rdv, rank) ||
+	       (eg->ar.ops && shd_rdv_has_arrived(&eg->ar.rdv, rank));
 }
 
 /* Rank gone: fail an active collective it belongs to, unless a newer attachment arrived there. */
@@ -272,12 +272,12 @@ static void coll_rank_gone(struct eng_group *eg, struct eng_coll *c, uint32_t ra
 {
 	char what[160], msg[ENGINE_MSG_MAX], who[ENGINE_WHO_MAX];
 
-	if (!c->ops || !c->rdv.active || !shardd_rdv_expects(&c->rdv, rank))
+	if (!c->ops || !c->rdv.active || !shd_rdv_expects(&c->rdv, rank))
 		return;
-	if (shardd_rdv_has_arrived(&c->rdv, rank) && c->ops[rank - c->base].token != token)
+	if (shd_rdv_has_arrived(&c->rdv, rank) && c->ops[rank - c->base].token != token)
 		return;
 	coll_what(eg, c, what, sizeof(what));
-	shardd_rdv_who_present(&c->rdv, who, sizeof(who));
+	shd_rdv_who_present(&c->rdv, who, sizeof(who));
 	eng_fmt(msg, sizeof(msg), "shardd: rank %u left (its client is gone) during %s; failed for %s",
 		rank, what, who);
 	coll_fail(eg, c, -SHARDD_E_PEER_DIED, msg, rank);
@@ -296,7 +296,7 @@ static void coll_cron(struct eng_group *eg, struct eng_coll *c, uint64_t now_ns)
 {
 	char what[160], did[192], msg[ENGINE_MSG_MAX];
 
-	if (!c->ops || !shardd_rdv_expired(&c->rdv, now_ns))
+	if (!c->ops || !shd_rdv_expired(&c->rdv, now_ns))
 		return;
 	coll_what(eg, c, what, sizeof(what));
 	eng_fmt(did, sizeof(did), "never submitted %s", what);

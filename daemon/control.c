@@ -23,7 +23,7 @@
 #include "loop.h"
 #include "session_int.h"
 
-#define SHARDD_HANDSHAKE_MSG_MAX (1u << 20) /* payload limit before the WELCOME */
+#define SHD_HANDSHAKE_MSG_MAX (1u << 20) /* payload limit before the WELCOME */
 
 /* One datagram at a time, loop thread only. */
 static uint8_t dgram_buf[SHARDD_CTRL_CHUNK];
@@ -31,22 +31,22 @@ static uint8_t dgram_buf[SHARDD_CTRL_CHUNK];
 static void session_readable(void *arg, int fd, uint32_t revents);
 
 /* May a client with these credentials attach? */
-static int cred_allowed(const struct shardd_session *s)
+static int cred_allowed(const struct shd_session *s)
 {
 	gid_t groups[64];
 	socklen_t len = sizeof(groups);
 
-	if (s->cred.uid == shardd_session_env.uid)
+	if (s->cred.uid == shd_session_env.uid)
 		return 1;
-	for (unsigned i = 0; i < shardd_session_env.nallow_gids; i++)
-		if (s->cred.gid == shardd_session_env.allow_gids[i])
+	for (unsigned i = 0; i < shd_session_env.nallow_gids; i++)
+		if (s->cred.gid == shd_session_env.allow_gids[i])
 			return 1;
 	/* Supplementary groups count too, where the kernel reports them. */
-	if (shardd_session_env.nallow_gids &&
+	if (shd_session_env.nallow_gids &&
 	    getsockopt(s->fd, SOL_SOCKET, SO_PEERGROUPS, groups, &len) == 0) {
 		for (size_t g = 0; g < len / sizeof(gid_t); g++)
-			for (unsigned i = 0; i < shardd_session_env.nallow_gids; i++)
-				if (groups[g] == shardd_session_env.allow_gids[i])
+			for (unsigned i = 0; i < shd_session_env.nallow_gids; i++)
+				if (groups[g] == shd_session_env.allow_gids[i])
 					return 1;
 	}
 	return 0;
@@ -56,34 +56,34 @@ static void session_new(int fd)
 {
 	struct ucred cred;
 	socklen_t len = sizeof(cred);
-	struct shardd_session *s;
+	struct shd_session *s;
 
-	s = shardd_session_new(fd);
+	s = shd_session_new(fd);
 	if (!s)
 		return;
 	if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0) {
-		shardd_log_error("client %u: SO_PEERCRED: %s; closing its connection", s->id,
+		shd_log_error("client %u: SO_PEERCRED: %s; closing its connection", s->id,
 				 strerror(errno));
-		shardd_session_close(s, "has no peer credentials");
+		shd_session_close(s, "has no peer credentials");
 		return;
 	}
 	s->cred.pid = cred.pid;
 	s->cred.uid = cred.uid;
 	s->cred.gid = cred.gid;
 	if (!cred_allowed(s)) {
-		shardd_session_reject(s, 0, -SHARDD_E_PERM,
+		shd_session_reject(s, 0, -SHARDD_E_PERM,
 			       "uid %u is not allowed: shardd runs as uid %u; start the client as "
 			       "uid %u or run shardd with --allow-gid %u",
-			       (unsigned)s->cred.uid, (unsigned)shardd_session_env.uid, (unsigned)shardd_session_env.uid,
+			       (unsigned)s->cred.uid, (unsigned)shd_session_env.uid, (unsigned)shd_session_env.uid,
 			       (unsigned)s->cred.gid);
 		return;
 	}
-	if (shardd_loop_add_fd(shardd_session_env.loop, fd, POLLIN | POLLRDHUP, session_readable, s,
+	if (shd_loop_add_fd(shd_session_env.loop, fd, POLLIN | POLLRDHUP, session_readable, s,
 			       &s->sock_ev) < 0) {
-		shardd_session_close(s, "could not be registered with the event loop");
+		shd_session_close(s, "could not be registered with the event loop");
 		return;
 	}
-	shardd_log_debug("client %u connected: pid %d uid %u", s->id, (int)s->cred.pid,
+	shd_log_debug("client %u connected: pid %d uid %u", s->id, (int)s->cred.pid,
 			 (unsigned)s->cred.uid);
 }
 
@@ -93,7 +93,7 @@ static void session_new(int fd)
  * until its client gave up. Spend the reserve descriptor to take it, tell
  * the client why in an ERROR, close it and take the reserve back. Returns 1
  * when a connection was answered (accept on), 0 when none is pending or no
- * reserve is left (shardd_session_cron tries again).
+ * reserve is left (shd_session_cron tries again).
  */
 static int accept_at_fd_limit(int listen_fd, int err)
 {
@@ -104,14 +104,14 @@ static int accept_at_fd_limit(int listen_fd, int err)
 		struct shardd_error_msg em;
 		char text[512];
 	} m;
-	uint64_t now = shardd_now_ns();
+	uint64_t now = shd_now_ns();
 	char lim[96];
 	int c, answered = 0;
 
-	shardd_fd_limit_describe(lim, sizeof(lim));
-	if (*shardd_session_env.accept_reserve_fd >= 0) {
-		close(*shardd_session_env.accept_reserve_fd);
-		*shardd_session_env.accept_reserve_fd = -1;
+	shd_fd_limit_describe(lim, sizeof(lim));
+	if (*shd_session_env.accept_reserve_fd >= 0) {
+		close(*shd_session_env.accept_reserve_fd);
+		*shd_session_env.accept_reserve_fd = -1;
 		c = accept4(listen_fd, NULL, NULL, SOCK_CLOEXEC);
 		if (c >= 0) {
 			struct iovec iov = { &m, 0 };
@@ -119,7 +119,7 @@ static int accept_at_fd_limit(int listen_fd, int err)
 					 "shardd (pid %d) is out of file descriptors (%s: %s) and "
 					 "cannot take this connection; raise its limit (ulimit -n, or "
 					 "LimitNOFILE= in its service) or end the jobs that hold them",
-					 (int)shardd_session_env.pid, strerror(err), lim);
+					 (int)shd_session_env.pid, strerror(err), lim);
 
 			m.em.code = -err;
 			m.em.msg_len = (uint32_t)(n < (int)sizeof(m.text) ? n : (int)sizeof(m.text) - 1);
@@ -133,7 +133,7 @@ static int accept_at_fd_limit(int listen_fd, int err)
 			 * unread would make the client's first read fail with ECONNRESET.
 			 * No linger here: that would hold the reserve.
 			 */
-			for (int i = 0; i < SHARDD_SESSION_READ_BUDGET; i++) {
+			for (int i = 0; i < SHD_SESSION_READ_BUDGET; i++) {
 				int fds[SHARDD_CTRL_MAX_FDS], nfds;
 				ssize_t n = shardd_ctrl_recv_dgram(c, dgram_buf, fds, &nfds,
 								   MSG_DONTWAIT);
@@ -147,21 +147,21 @@ static int accept_at_fd_limit(int listen_fd, int err)
 			refused++;
 			answered = 1;
 		}
-		*shardd_session_env.accept_reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+		*shd_session_env.accept_reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
 	}
 	if (now - logged_ns >= 1000000000ull || !logged_ns) {
 		logged_ns = now;
-		shardd_log_error("accept on %s: %s: shardd is at its fd limit (%s); %u connection(s) "
+		shd_log_error("accept on %s: %s: shardd is at its fd limit (%s); %u connection(s) "
 				 "refused with an error since the last report%s; raise the limit "
-				 "(ulimit -n, LimitNOFILE=)", shardd_session_env.socket_path, strerror(err), lim,
-				 refused, *shardd_session_env.accept_reserve_fd < 0 ?
+				 "(ulimit -n, LimitNOFILE=)", shd_session_env.socket_path, strerror(err), lim,
+				 refused, *shd_session_env.accept_reserve_fd < 0 ?
 				 ", others wait in the backlog (no reserve descriptor)" : "");
 		refused = 0;
 	}
 	return answered;
 }
 
-void shardd_session_accept(void *arg, int fd, uint32_t revents)
+void shd_session_accept(void *arg, int fd, uint32_t revents)
 {
 	(void)arg;
 	(void)revents;
@@ -175,7 +175,7 @@ void shardd_session_accept(void *arg, int fd, uint32_t revents)
 				continue;
 			if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EMFILE &&
 			    errno != ENFILE)
-				shardd_log_error("accept on %s: %s", shardd_session_env.socket_path,
+				shd_log_error("accept on %s: %s", shd_session_env.socket_path,
 						 strerror(errno));
 			return;
 		}
@@ -183,34 +183,34 @@ void shardd_session_accept(void *arg, int fd, uint32_t revents)
 	}
 }
 
-static void session_dispatch(struct shardd_session *s, const struct shardd_msg_hdr *hdr,
+static void session_dispatch(struct shd_session *s, const struct shardd_msg_hdr *hdr,
 			     const uint8_t *payload, uint32_t len, int nfds)
 {
-	int attached = s->state == SHARDD_SESSION_ATTACHED;
+	int attached = s->state == SHD_SESSION_ATTACHED;
 
 	if (hdr->flags) {
-		shardd_session_reject(s, hdr->seq, -SHARDD_E_MALFORMED,
+		shd_session_reject(s, hdr->seq, -SHARDD_E_MALFORMED,
 			       "message header flags = 0x%x: reserved, must be 0", hdr->flags);
 		return;
 	}
 	if (nfds) {
-		shardd_session_reject(s, hdr->seq, -SHARDD_E_MALFORMED,
+		shd_session_reject(s, hdr->seq, -SHARDD_E_MALFORMED,
 			       "message type %u carries %d file descriptor(s); clients send none",
 			       hdr->type, nfds);
 		return;
 	}
 	if (hdr->type == SHARDD_MSG_ADMIN) {
-		struct shardd_admin_reply reply;
+		struct shd_admin_reply reply;
 
-		shardd_admin_handle(payload, len, s->cred.uid, s->cred.pid, &reply);
+		shd_admin_handle(payload, len, s->cred.uid, s->cred.pid, &reply);
 		/* Queued when the socket is full; a client that never reads is dropped (session.h). */
-		shardd_session_send(s, SHARDD_MSG_ADMIN_REPLY, hdr->seq, reply.text,
+		shd_session_send(s, SHARDD_MSG_ADMIN_REPLY, hdr->seq, reply.text,
 				    (uint32_t)reply.len, NULL, 0);
-		shardd_admin_reply_free(&reply);
+		shd_admin_reply_free(&reply);
 		return;
 	}
 	if (!attached && hdr->type != SHARDD_MSG_HELLO) {
-		shardd_session_reject(s, hdr->seq, -SHARDD_E_STATE,
+		shd_session_reject(s, hdr->seq, -SHARDD_E_STATE,
 			       "message type %u before HELLO: send HELLO (type %d) first", hdr->type,
 			       SHARDD_MSG_HELLO);
 		return;
@@ -218,29 +218,29 @@ static void session_dispatch(struct shardd_session *s, const struct shardd_msg_h
 	switch (hdr->type) {
 	case SHARDD_MSG_HELLO:
 		if (attached)
-			shardd_session_reply_error(s, hdr->seq, -SHARDD_E_STATE,
+			shd_session_reply_error(s, hdr->seq, -SHARDD_E_STATE,
 					    "already attached as job '%s' rank %u; HELLO is sent once",
 					    s->job ? s->job->name : "?", s->rank);
 		else
-			shardd_session_hello(s, hdr, payload, len);
+			shd_session_hello(s, hdr, payload, len);
 		return;
 	case SHARDD_MSG_REGISTER_GROUP:
 		if (s->job)
-			shardd_engine_register_group(s->job->ejob, s->rank, s->id, hdr->seq,
+			shd_engine_register_group(s->job->ejob, s->rank, s->id, hdr->seq,
 						     payload, len);
 		return;
 	case SHARDD_MSG_OPEN_GROUP:
 		if (s->job)
-			shardd_engine_open_group(s->job->ejob, s->rank, s->id, hdr->seq, payload, len);
+			shd_engine_open_group(s->job->ejob, s->rank, s->id, hdr->seq, payload, len);
 		return;
 	case SHARDD_MSG_STREAM:
-		shardd_session_stream(s, hdr->seq, payload, len);
+		shd_session_stream(s, hdr->seq, payload, len);
 		return;
 	case SHARDD_MSG_GOODBYE:
-		shardd_session_end(s, 1, "said goodbye");
+		shd_session_end(s, 1, "said goodbye");
 		return;
 	default:
-		shardd_session_reply_error(s, hdr->seq, -SHARDD_E_INVALID,
+		shd_session_reply_error(s, hdr->seq, -SHARDD_E_INVALID,
 				    "message type %u is not a request a client can send", hdr->type);
 		return;
 	}
@@ -273,21 +273,21 @@ static void feed_error(char *buf, size_t len, int err, int started, uint32_t mis
 
 /*
  * Read and serve the datagrams waiting on the session's socket, at most
- * SHARDD_SESSION_READ_BUDGET of them; past it, read_backlog asks the
+ * SHD_SESSION_READ_BUDGET of them; past it, read_backlog asks the
  * server to read on next turn (the poll may not fire again for data that
  * is already there).
  */
-static void session_read(struct shardd_session *s)
+static void session_read(struct shd_session *s)
 {
-	unsigned budget = SHARDD_SESSION_READ_BUDGET;
+	unsigned budget = SHD_SESSION_READ_BUDGET;
 
-	if (s->state == SHARDD_SESSION_LINGER) {
-		shardd_session_linger_drain(s);
+	if (s->state == SHD_SESSION_LINGER) {
+		shd_session_linger_drain(s);
 		return;
 	}
 	s->read_backlog = 0;
 	/* A session marked closing takes no more requests; the loop closes it next. */
-	while ((s->state == SHARDD_SESSION_HANDSHAKE || s->state == SHARDD_SESSION_ATTACHED) &&
+	while ((s->state == SHD_SESSION_HANDSHAKE || s->state == SHD_SESSION_ATTACHED) &&
 	       !s->closing) {
 		int fds[SHARDD_CTRL_MAX_FDS], nfds, ret, started;
 		struct shardd_msg_hdr hdr;
@@ -303,26 +303,26 @@ static void session_read(struct shardd_session *s)
 		/* Every fd that came is ours from here, or already closed on an error. */
 		n = shardd_ctrl_recv_dgram(s->fd, dgram_buf, fds, &nfds, MSG_DONTWAIT);
 		if (n == 0) {
-			shardd_session_close(s, "died (connection closed)");
+			shd_session_close(s, "died (connection closed)");
 			return;
 		}
 		if (n == -EAGAIN || n == -EWOULDBLOCK)
 			return;
 		if (n == -EBADMSG) {
-			shardd_session_reject(s, 0, -SHARDD_E_MALFORMED,
+			shd_session_reject(s, 0, -SHARDD_E_MALFORMED,
 				       "zero-length datagram: a datagram carries a message header "
 				       "or a continuation of its payload (any file descriptors on it "
 				       "were closed)");
 			break;
 		}
 		if (n == -EMSGSIZE) {
-			shardd_session_reject(s, 0, -SHARDD_E_MALFORMED,
+			shd_session_reject(s, 0, -SHARDD_E_MALFORMED,
 				       "datagram larger than %u bytes (SHARDD_CTRL_CHUNK)",
 				       SHARDD_CTRL_CHUNK);
 			break;
 		}
 		if (n == -ETOOMANYREFS) {
-			shardd_session_reject(s, 0, -SHARDD_E_MALFORMED,
+			shd_session_reject(s, 0, -SHARDD_E_MALFORMED,
 				       "datagram carries more than %d file descriptors (the kernel "
 				       "dropped the rest; they were closed); clients send none",
 				       SHARDD_CTRL_MAX_FDS);
@@ -331,12 +331,12 @@ static void session_read(struct shardd_session *s)
 		if (n == -EMFILE) {
 			char lim[96], name[160];
 
-			shardd_fd_limit_describe(lim, sizeof(lim));
-			shardd_log_error("%s: control data truncated: file descriptors dropped by the "
+			shd_fd_limit_describe(lim, sizeof(lim));
+			shd_log_error("%s: control data truncated: file descriptors dropped by the "
 					 "kernel (process at its fd limit? %s); raise the limit "
-					 "(ulimit -n, LimitNOFILE=)", shardd_session_name(s, name, sizeof(name)),
+					 "(ulimit -n, LimitNOFILE=)", shd_session_name(s, name, sizeof(name)),
 					 lim);
-			shardd_session_reject(s, 0, -SHARDD_E_MALFORMED,
+			shd_session_reject(s, 0, -SHARDD_E_MALFORMED,
 				       "control data truncated: shardd could not take the file "
 				       "descriptors of a datagram (at its fd limit? %s); clients "
 				       "send none", lim);
@@ -346,21 +346,21 @@ static void session_read(struct shardd_session *s)
 			char why[96];
 
 			snprintf(why, sizeof(why), "connection error: %s", strerror((int)-n));
-			shardd_session_close(s, why);
+			shd_session_close(s, why);
 			return;
 		}
 		started = s->rx.started;
 		missing = s->rx.hdr.length - s->rx.have;
 		/* Before the handshake only HELLO and small ADMIN requests make sense. */
-		max_len = s->state == SHARDD_SESSION_ATTACHED ? SHARDD_CTRL_MAX :
-			  SHARDD_HANDSHAKE_MSG_MAX;
+		max_len = s->state == SHD_SESSION_ATTACHED ? SHARDD_CTRL_MAX :
+			  SHD_HANDSHAKE_MSG_MAX;
 		ret = shardd_ctrl_rx_feed(&s->rx, dgram_buf, (size_t)n, fds, nfds, max_len);
 		if (ret < 0) {
 			char why[256];
 
 			feed_error(why, sizeof(why), ret, started, missing, max_len, &s->rx, (size_t)n,
 				   nfds);
-			shardd_session_reject(s, s->rx.started ? s->rx.hdr.seq : 0,
+			shd_session_reject(s, s->rx.started ? s->rx.hdr.seq : 0,
 				       ret == -ENOMEM ? -SHARDD_E_NOMEM :
 				       ret == -SHARDD_E_MAGIC ? ret : -SHARDD_E_MALFORMED,
 				       "bad control message: %s", why);
@@ -373,7 +373,7 @@ static void session_read(struct shardd_session *s)
 			 * socket passed to us would hold its connection open, and its
 			 * hang-up would never reach us.
 			 */
-			shardd_session_reject(s, s->rx.hdr.seq, -SHARDD_E_MALFORMED,
+			shd_session_reject(s, s->rx.hdr.seq, -SHARDD_E_MALFORMED,
 				       "message type %u carries %d file descriptor(s); clients send none",
 				       s->rx.hdr.type, s->rx.nfds);
 			break;
@@ -392,8 +392,8 @@ static void session_read(struct shardd_session *s)
 		shardd_ctrl_rx_reset(&s->rx);
 	}
 	/* Refused just now: what the client sent after the refused datagram is already here. */
-	if (s->state == SHARDD_SESSION_LINGER)
-		shardd_session_linger_drain(s);
+	if (s->state == SHD_SESSION_LINGER)
+		shd_session_linger_drain(s);
 }
 
 static void session_readable(void *arg, int fd, uint32_t revents)
@@ -403,38 +403,38 @@ static void session_readable(void *arg, int fd, uint32_t revents)
 	session_read(arg);
 }
 
-int shardd_session_read_backlog(struct shardd_session *s)
+int shd_session_read_backlog(struct shd_session *s)
 {
 	session_read(s);
 	return s->read_backlog;
 }
 
-void shardd_session_cron(uint64_t now_ns)
+void shd_session_cron(uint64_t now_ns)
 {
-	for (struct shardd_session *s = *shardd_session_env.list; s; s = s->next) {
+	for (struct shd_session *s = *shd_session_env.list; s; s = s->next) {
 		char name[160], why[128];
 
-		if (s->state == SHARDD_SESSION_LINGER && !s->closing && now_ns >= s->linger_until_ns) {
+		if (s->state == SHD_SESSION_LINGER && !s->closing && now_ns >= s->linger_until_ns) {
 			snprintf(why, sizeof(why), "kept its connection open %d ms after its refusal",
-				 SHARDD_SESSION_LINGER_MS);
-			shardd_session_close(s, why);
+				 SHD_SESSION_LINGER_MS);
+			shd_session_close(s, why);
 			continue;
 		}
-		if (s->state != SHARDD_SESSION_HANDSHAKE || s->closing || s->spoke ||
-		    now_ns - s->connected_ns < shardd_session_env.handshake_timeout_ns)
+		if (s->state != SHD_SESSION_HANDSHAKE || s->closing || s->spoke ||
+		    now_ns - s->connected_ns < shd_session_env.handshake_timeout_ns)
 			continue;
 		snprintf(why, sizeof(why), "sent no complete message (HELLO or an admin request) "
-			 "within %g s of connecting", shardd_session_env.handshake_timeout_s);
-		shardd_log_warn("%s %s: closing it (see --handshake-timeout)",
-				shardd_session_name(s, name, sizeof(name)), why);
+			 "within %g s of connecting", shd_session_env.handshake_timeout_s);
+		shd_log_warn("%s %s: closing it (see --handshake-timeout)",
+				shd_session_name(s, name, sizeof(name)), why);
 		/* Closing never frees (that is the reap), so the list stays walkable. */
-		shardd_session_close(s, why);
+		shd_session_close(s, why);
 	}
 	/* Out of descriptors earlier with no reserve left: answer who waits in the backlog. */
-	if (*shardd_session_env.accept_reserve_fd < 0 && shardd_session_env.listen_fd >= 0) {
-		*shardd_session_env.accept_reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
-		if (*shardd_session_env.accept_reserve_fd >= 0)
-			shardd_session_accept(NULL, shardd_session_env.listen_fd, 0);
+	if (*shd_session_env.accept_reserve_fd < 0 && shd_session_env.listen_fd >= 0) {
+		*shd_session_env.accept_reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+		if (*shd_session_env.accept_reserve_fd >= 0)
+			shd_session_accept(NULL, shd_session_env.listen_fd, 0);
 	}
 }
 

@@ -20,18 +20,18 @@ void eng_fmt(char *buf, size_t len, const char *f, ...)
 	va_end(ap);
 }
 
-void eng_reply_err(struct shardd_engine_job *j, uint32_t rank, uint64_t token, uint32_t seq,
+void eng_reply_err(struct shd_engine_job *j, uint32_t rank, uint64_t token, uint32_t seq,
 		   int res, const char *msg)
 {
 	j->e->cfg.reply(j->ctx, rank, token, seq, res, msg, NULL, NULL, NULL, NULL, 0, NULL, 0);
 }
 
-void eng_complete(struct shardd_engine_job *j, const struct eng_op *op, int res, const char *msg)
+void eng_complete(struct shd_engine_job *j, const struct eng_op *op, int res, const char *msg)
 {
 	j->e->cfg.complete(j->ctx, op->rank, op->token, &op->sqe, res, res < 0 ? msg : NULL);
 }
 
-static void timeout_str(const struct shardd_engine *e, char *buf, size_t len)
+static void timeout_str(const struct shd_engine *e, char *buf, size_t len)
 {
 	uint64_t ms = e->timeout_ns / 1000000u;
 
@@ -41,12 +41,12 @@ static void timeout_str(const struct shardd_engine *e, char *buf, size_t len)
 		eng_fmt(buf, len, "%.3g s", (double)ms / 1000.0);
 }
 
-void eng_expired_msg(const struct shardd_engine *e, const struct shardd_rdv *rdv, const char *did,
+void eng_expired_msg(const struct shd_engine *e, const struct shd_rdv *rdv, const char *did,
 		     char *msg, size_t len)
 {
 	char within[32], late[ENGINE_MSG_MAX];
 
 	timeout_str(e, within, sizeof(within));
-	shardd_rdv_missing_msg(rdv, did, within, late, sizeof(late));
+	shd_rdv_missing_msg(rdv, did, within, late, sizeof(late));
 	eng_fmt(msg, len, "shardd: %s", late);
 }

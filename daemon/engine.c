@@ -38,9 +38,9 @@
 /* Engine                                                              */
 /* ------------------------------------------------------------------ */
 
-int shardd_engine_create(const struct shardd_engine_config *cfg, struct shardd_engine **out)
+int shd_engine_create(const struct shd_engine_config *cfg, struct shd_engine **out)
 {
-	struct shardd_engine *e;
+	struct shd_engine *e;
 	int ret;
 
 	if (!cfg->complete || !cfg->reply)
@@ -58,17 +58,17 @@ int shardd_engine_create(const struct shardd_engine_config *cfg, struct shardd_e
 		ret = -errno;
 		goto err_free;
 	}
-	ret = shardd_pool_create(cfg->workers, &e->pool);
+	ret = shd_pool_create(cfg->workers, &e->pool);
 	if (ret)
 		goto err_efd;
-	ret = shardd_backend_create(cfg->backend, cfg->cuda_export, e->timeout_ns, e->pool, &e->backend);
+	ret = shd_backend_create(cfg->backend, cfg->cuda_export, e->timeout_ns, e->pool, &e->backend);
 	if (ret)
 		goto err_pool;
 	*out = e;
 	return 0;
 
 err_pool:
-	shardd_pool_destroy(e->pool);
+	shd_pool_destroy(e->pool);
 err_efd:
 	close(e->efd);
 err_free:
@@ -77,17 +77,17 @@ err_free:
 	free(e);
 	/* A backend error was logged in the backend's own words. */
 	if (ret != -SHARDD_E_BACKEND)
-		shardd_log_error("shardd: cannot start the op engine: %s", strerror(-ret));
+		shd_log_error("shardd: cannot start the op engine: %s", strerror(-ret));
 	return ret;
 }
 
-void shardd_engine_destroy(struct shardd_engine *e)
+void shd_engine_destroy(struct shd_engine *e)
 {
 	if (!e)
 		return;
 	while (e->jobs)
-		shardd_engine_job_destroy(e->jobs);
-	shardd_pool_destroy(e->pool);
+		shd_engine_job_destroy(e->jobs);
+	shd_pool_destroy(e->pool);
 	e->backend->ops->destroy(e->backend);
 	close(e->efd);
 	pthread_cond_destroy(&e->finished);
@@ -95,12 +95,12 @@ void shardd_engine_destroy(struct shardd_engine *e)
 	free(e);
 }
 
-struct shardd_backend_ctx *shardd_engine_backend(struct shardd_engine *e)
+struct shd_backend_ctx *shd_engine_backend(struct shd_engine *e)
 {
 	return e->backend;
 }
 
-int shardd_engine_event_fd(struct shardd_engine *e)
+int shd_engine_event_fd(struct shd_engine *e)
 {
 	return e->efd;
 }
@@ -109,16 +109,16 @@ int shardd_engine_event_fd(struct shardd_engine *e)
 /* Jobs                                                                */
 /* ------------------------------------------------------------------ */
 
-int shardd_engine_job_create(struct shardd_engine *e, void *job_ctx, const char *job_name,
-			     uint32_t replicate, uint32_t shard, struct shardd_engine_job **out)
+int shd_engine_job_create(struct shd_engine *e, void *job_ctx, const char *job_name,
+			     uint32_t replicate, uint32_t shard, struct shd_engine_job **out)
 {
-	struct shardd_backend_ctx *b = e->backend;
-	struct shardd_engine_job *j;
+	struct shd_backend_ctx *b = e->backend;
+	struct shd_engine_job *j;
 	int ret;
 
 	if (replicate == 0 || shard == 0 || replicate > SHARDD_MAX_WORLD ||
 	    shard > SHARDD_MAX_WORLD / replicate) {
-		shardd_log_error("shardd: job '%s': mesh %u x %u is outside 1..%d ranks",
+		shd_log_error("shardd: job '%s': mesh %u x %u is outside 1..%d ranks",
 				 job_name, replicate, shard, SHARDD_MAX_WORLD);
 		return -SHARDD_E_INVALID;
 	}
@@ -157,14 +157,14 @@ static void deferred_fail(struct eng_group *eg, uint32_t rank, int res, const ch
 /* `why`: how the job ended ("was ended by ..."), for every failure; NULL: "ended". */
 static void group_shutdown(struct eng_group *eg, const char *why)
 {
-	struct shardd_engine_job *j = eg->j;
+	struct shd_engine_job *j = eg->j;
 	char msg[ENGINE_MSG_MAX];
 
 	eng_fmt(msg, sizeof(msg), "shardd: job '%s' %s before this op on group '%s' ran", j->name,
 		why ? why : "ended", eg->g->name);
 	if (!eg->complete) {
 		for (uint32_t r = 0; r < j->world; r++)
-			if (shardd_rdv_has_arrived(&eg->reg, r))
+			if (shd_rdv_has_arrived(&eg->reg, r))
 				eng_reply_err(j, r, eg->regs[r].token, eg->regs[r].seq, -SHARDD_E_SHUTDOWN, msg);
 		return;
 	}
@@ -174,14 +174,14 @@ static void group_shutdown(struct eng_group *eg, const char *why)
 		deferred_fail(eg, r, -SHARDD_E_SHUTDOWN, msg);
 }
 
-void shardd_engine_job_destroy(struct shardd_engine_job *j)
+void shd_engine_job_destroy(struct shd_engine_job *j)
 {
-	shardd_engine_job_end(j, NULL);
+	shd_engine_job_end(j, NULL);
 }
 
-void shardd_engine_job_end(struct shardd_engine_job *j, const char *why)
+void shd_engine_job_end(struct shd_engine_job *j, const char *why)
 {
-	struct shardd_engine *e;
+	struct shd_engine *e;
 
 	if (!j)
 		return;
@@ -209,7 +209,7 @@ void shardd_engine_job_end(struct shardd_engine_job *j, const char *why)
 	free(j);
 }
 
-void shardd_engine_rank_attached(struct shardd_engine_job *j, uint32_t rank, int32_t device)
+void shd_engine_rank_attached(struct shd_engine_job *j, uint32_t rank, int32_t device)
 {
 	if (rank >= j->world)
 		return;
@@ -218,7 +218,7 @@ void shardd_engine_rank_attached(struct shardd_engine_job *j, uint32_t rank, int
 }
 
 /* The group with this id (a sqe's or an admin request's: any value), or NULL. */
-static struct eng_group *group_by_id(const struct shardd_engine_job *j, uint32_t id)
+static struct eng_group *group_by_id(const struct shd_engine_job *j, uint32_t id)
 {
 	return id >= 1 && id <= j->ngroups ? j->groups[id - 1] : NULL;
 }
@@ -422,7 +422,7 @@ static void group_flush(struct eng_group *eg)
 	eg->flushing = 0;
 }
 
-void shardd_engine_submit(struct shardd_engine_job *j, uint32_t rank, uint64_t token,
+void shd_engine_submit(struct shd_engine_job *j, uint32_t rank, uint64_t token,
 			  const struct shardd_sqe *sqe)
 {
 	struct eng_op op = { .rank = rank, .token = token, .sqe = *sqe };
@@ -445,7 +445,7 @@ void shardd_engine_submit(struct shardd_engine_job *j, uint32_t rank, uint64_t t
 		return;
 	}
 	/* The ring service ran this same check (sqe.h); at the engine's own door it holds for direct callers. */
-	if (shardd_sqe_check(sqe, why, sizeof(why)) < 0) {
+	if (shd_sqe_check(sqe, why, sizeof(why)) < 0) {
 		eng_fmt(msg, sizeof(msg), "shardd: %s: %s", name, why);
 		eng_complete(j, &op, -SHARDD_E_INVALID, msg);
 		return;
@@ -481,7 +481,7 @@ void shardd_engine_submit(struct shardd_engine_job *j, uint32_t rank, uint64_t t
 /* Failures: dead ranks, timeouts                                      */
 /* ------------------------------------------------------------------ */
 
-void shardd_engine_rank_gone(struct shardd_engine_job *j, uint32_t rank, uint64_t token)
+void shd_engine_rank_gone(struct shd_engine_job *j, uint32_t rank, uint64_t token)
 {
 	char msg[ENGINE_MSG_MAX];
 
@@ -506,9 +506,9 @@ void shardd_engine_rank_gone(struct shardd_engine_job *j, uint32_t rank, uint64_
 	}
 }
 
-void shardd_engine_cron(struct shardd_engine *e, uint64_t now_ns)
+void shd_engine_cron(struct shd_engine *e, uint64_t now_ns)
 {
-	for (struct shardd_engine_job *j = e->jobs; j; j = j->next) {
+	for (struct shd_engine_job *j = e->jobs; j; j = j->next) {
 		for (uint32_t i = 0; i < j->ngroups; i++) {
 			struct eng_group *eg = j->groups[i];
 
@@ -528,29 +528,29 @@ void shardd_engine_cron(struct shardd_engine *e, uint64_t now_ns)
 /* Introspection                                                       */
 /* ------------------------------------------------------------------ */
 
-uint64_t shardd_engine_memory_committed(const struct shardd_engine *e)
+uint64_t shd_engine_memory_committed(const struct shd_engine *e)
 {
 	return e->mem_committed;
 }
 
-uint64_t shardd_engine_job_memory_committed(const struct shardd_engine_job *j)
+uint64_t shd_engine_job_memory_committed(const struct shd_engine_job *j)
 {
 	return j->mem_committed;
 }
 
-uint32_t shardd_engine_job_ngroups(const struct shardd_engine_job *j)
+uint32_t shd_engine_job_ngroups(const struct shd_engine_job *j)
 {
 	return j->ngroups;
 }
 
-const struct shardd_group *shardd_engine_job_group(const struct shardd_engine_job *j, uint32_t id)
+const struct shd_group *shd_engine_job_group(const struct shd_engine_job *j, uint32_t id)
 {
 	const struct eng_group *eg = group_by_id(j, id);
 
 	return eg ? eg->g : NULL;
 }
 
-const struct shardd_group *shardd_engine_job_group_named(const struct shardd_engine_job *j,
+const struct shd_group *shd_engine_job_group_named(const struct shd_engine_job *j,
 							  const char *name)
 {
 	const struct eng_group *eg = eng_group_by_name(j, name);
@@ -558,15 +558,15 @@ const struct shardd_group *shardd_engine_job_group_named(const struct shardd_eng
 	return eg ? eg->g : NULL;
 }
 
-int shardd_engine_group_complete(const struct shardd_engine_job *j, uint32_t id)
+int shd_engine_group_complete(const struct shd_engine_job *j, uint32_t id)
 {
 	const struct eng_group *eg = group_by_id(j, id);
 
 	return eg && eg->complete;
 }
 
-int shardd_engine_group_pending(const struct shardd_engine_job *j, uint32_t id, uint32_t i,
-				uint32_t *op, const struct shardd_rdv **rdv)
+int shd_engine_group_pending(const struct shd_engine_job *j, uint32_t id, uint32_t i,
+				uint32_t *op, const struct shd_rdv **rdv)
 {
 	const struct eng_group *eg = group_by_id(j, id);
 	uint32_t seen = 0;

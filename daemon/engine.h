@@ -7,21 +7,21 @@
  * bookkeeping happens on the loop thread; the arithmetic runs on the worker
  * pool through a backend table (backend.h), so the engine knows nothing of
  * memory kinds. Finished ops are queued and signalled on an eventfd; the loop
- * calls shardd_engine_drain, which delivers them through the callbacks below.
+ * calls shd_engine_drain, which delivers them through the callbacks below.
  * A task as small as the backend's inline_max_bytes (backend.h) runs on the
  * loop thread instead, and its completions are delivered before the call
  * that started it returns.
  */
-#ifndef SHARDD_ENGINE_H
-#define SHARDD_ENGINE_H
+#ifndef SHD_ENGINE_H
+#define SHD_ENGINE_H
 
 #include <stddef.h>
 #include <stdint.h>
 
 #include "shardd_proto.h"
 
-struct shardd_engine;       /* one per daemon: backend, worker pool, finished-op queue */
-struct shardd_engine_job;   /* one per job: its groups and their rendezvous */
+struct shd_engine;       /* one per daemon: backend, worker pool, finished-op queue */
+struct shd_engine_job;   /* one per job: its groups and their rendezvous */
 
 /*
  * Callbacks run on the loop thread, from inside engine calls (submit,
@@ -29,97 +29,97 @@ struct shardd_engine_job;   /* one per job: its groups and their rendezvous */
  * but must not destroy the job or the engine.
  */
 /* Deliver a completion for an op submitted with engine_submit (loop thread only). */
-typedef void (*shardd_engine_complete_fn)(void *job_ctx, uint32_t rank, uint64_t token,
+typedef void (*shd_engine_complete_fn)(void *job_ctx, uint32_t rank, uint64_t token,
 		const struct shardd_sqe *sqe, int res, const char *msg);
 /* Deliver a register/open reply (loop thread only). On success res == 0, reply/layouts/specs/fds/ipc
    valid for the duration of the call (the callee sends them; fds are closed by the engine
    after the call returns): the fds and CUDA IPC handles of the buffers, each in buffer
    order, as reply->export_kind says. On failure res < 0 and msg says why; the pointers are NULL. */
-typedef void (*shardd_engine_reply_fn)(void *job_ctx, uint32_t rank, uint64_t token, uint32_t seq,
+typedef void (*shd_engine_reply_fn)(void *job_ctx, uint32_t rank, uint64_t token, uint32_t seq,
 		int res, const char *msg, const struct shardd_group_reply *reply,
 		const struct shardd_param_layout *layouts, const struct shardd_param_spec *specs,
 		const int *fds, int nfds, const struct shardd_cuda_ipc_handle *ipc, int nipc);
 
-struct shardd_engine_config {
+struct shd_engine_config {
 	uint32_t backend;                 /* enum shardd_backend */
-	uint32_t cuda_export;             /* cuda backend: enum shardd_cuda_export (backend_cuda.h) */
+	uint32_t cuda_export;             /* cuda backend: enum shd_cuda_export (backend_cuda.h) */
 	uint32_t collective_timeout_ms;
 	unsigned workers;                 /* worker threads; 0 = number of online cores */
 	uint64_t max_memory;              /* host backend: bytes of buffers of all jobs; 0 = no limit */
 	uint64_t max_job_memory;          /* host backend: bytes of one job's buffers; 0 = no limit */
-	shardd_engine_complete_fn complete;
-	shardd_engine_reply_fn reply;
+	shd_engine_complete_fn complete;
+	shd_engine_reply_fn reply;
 };
 
-/* 0 or -errno / -SHARDD_E_BACKEND (logged with shardd_log). */
-int  shardd_engine_create(const struct shardd_engine_config *cfg, struct shardd_engine **out);
-void shardd_engine_destroy(struct shardd_engine *e);
+/* 0 or -errno / -SHARDD_E_BACKEND (logged with shd_log). */
+int  shd_engine_create(const struct shd_engine_config *cfg, struct shd_engine **out);
+void shd_engine_destroy(struct shd_engine *e);
 /* The backend that holds every job's buffers (sessions open their fences through it). */
-struct shardd_backend_ctx *shardd_engine_backend(struct shardd_engine *e);
+struct shd_backend_ctx *shd_engine_backend(struct shd_engine *e);
 /* Readable when finished ops wait: the loop then calls drain. */
-int  shardd_engine_event_fd(struct shardd_engine *e);
+int  shd_engine_event_fd(struct shd_engine *e);
 /* Loop thread: deliver finished ops via the callbacks. */
-void shardd_engine_drain(struct shardd_engine *e);
+void shd_engine_drain(struct shd_engine *e);
 /* Fail rendezvous past their deadline (call every ~100 ms). */
-void shardd_engine_cron(struct shardd_engine *e, uint64_t now_ns);
+void shd_engine_cron(struct shd_engine *e, uint64_t now_ns);
 
 /* 0, -ENOMEM or -SHARDD_E_INVALID (mesh out of range). */
-int  shardd_engine_job_create(struct shardd_engine *e, void *job_ctx, const char *job_name,
-		uint32_t replicate, uint32_t shard, struct shardd_engine_job **out);
+int  shd_engine_job_create(struct shd_engine *e, void *job_ctx, const char *job_name,
+		uint32_t replicate, uint32_t shard, struct shd_engine_job **out);
 /* Pending ops fail with -SHARDD_E_SHUTDOWN via callbacks before it returns. */
-void shardd_engine_job_destroy(struct shardd_engine_job *j);
+void shd_engine_job_destroy(struct shd_engine_job *j);
 /*
- * shardd_engine_job_destroy whose failures say how the job ended: "job 'J'
+ * shd_engine_job_destroy whose failures say how the job ended: "job 'J'
  * <why> before this op on group 'G' ran" (why: "was ended by ...", NULL: "ended").
  */
-void shardd_engine_job_end(struct shardd_engine_job *j, const char *why);
+void shd_engine_job_end(struct shd_engine_job *j, const char *why);
 
 /* Control plane: payload of SHARDD_MSG_REGISTER_GROUP / OPEN_GROUP (untrusted, validated
    here). Reply via the reply cb, now or later. */
-void shardd_engine_register_group(struct shardd_engine_job *j, uint32_t rank, uint64_t token,
+void shd_engine_register_group(struct shd_engine_job *j, uint32_t rank, uint64_t token,
 		uint32_t seq, const void *payload, size_t len);
-void shardd_engine_open_group(struct shardd_engine_job *j, uint32_t rank, uint64_t token,
+void shd_engine_open_group(struct shd_engine_job *j, uint32_t rank, uint64_t token,
 		uint32_t seq, const void *payload, size_t len);
 /* Data plane: sqe already copied into daemon memory; op is UNSHARD, REDUCE, RESHARD or
    ZERO_GRAD. Completes via the complete cb, now or later. */
-void shardd_engine_submit(struct shardd_engine_job *j, uint32_t rank, uint64_t token,
+void shd_engine_submit(struct shd_engine_job *j, uint32_t rank, uint64_t token,
 		const struct shardd_sqe *sqe);
 /* The rank's client (this token) is gone (EOF, death, goodbye): fail rendezvous it was part
    of (others get -SHARDD_E_PEER_DIED naming it), drop its holds. Its shards stay. */
-void shardd_engine_rank_gone(struct shardd_engine_job *j, uint32_t rank, uint64_t token);
+void shd_engine_rank_gone(struct shd_engine_job *j, uint32_t rank, uint64_t token);
 /* The rank attached (again), naming CUDA device `device` (hello.device): groups registered from
    now on put its buffers there, and collectives wait for it again after it left. A rank out of
    the mesh is ignored (the session validated it). */
-void shardd_engine_rank_attached(struct shardd_engine_job *j, uint32_t rank, int32_t device);
+void shd_engine_rank_attached(struct shd_engine_job *j, uint32_t rank, int32_t device);
 
 /* ---- Introspection for admin requests (loop thread only; results valid until the next engine call) ---- */
 
-struct shardd_group;
-struct shardd_rdv;
+struct shd_group;
+struct shd_rdv;
 
 /*
  * Bytes of buffers committed at registration (host backend; 0 on another):
  * by every group of every job, or of one job, registered or still
  * registering. A group's bytes are released when it is freed.
  */
-uint64_t shardd_engine_memory_committed(const struct shardd_engine *e);
-uint64_t shardd_engine_job_memory_committed(const struct shardd_engine_job *j);
+uint64_t shd_engine_memory_committed(const struct shd_engine *e);
+uint64_t shd_engine_job_memory_committed(const struct shd_engine_job *j);
 
 /* Group ids of the job run 1..ngroups; an id whose registration failed has no group. */
-uint32_t shardd_engine_job_ngroups(const struct shardd_engine_job *j);
+uint32_t shd_engine_job_ngroups(const struct shd_engine_job *j);
 /* The group with this id (complete or still registering), or NULL. */
-const struct shardd_group *shardd_engine_job_group(const struct shardd_engine_job *j, uint32_t id);
+const struct shd_group *shd_engine_job_group(const struct shd_engine_job *j, uint32_t id);
 /* The group named `name` (its id is g->id), or NULL. */
-const struct shardd_group *shardd_engine_job_group_named(const struct shardd_engine_job *j,
+const struct shd_group *shd_engine_job_group_named(const struct shd_engine_job *j,
 							  const char *name);
 /* 1 when every rank registered group `id` and its buffers exist, else 0. */
-int shardd_engine_group_complete(const struct shardd_engine_job *j, uint32_t id);
+int shd_engine_group_complete(const struct shd_engine_job *j, uint32_t id);
 /*
  * The i-th rendezvous of group `id` that some rank has arrived at (i from 0):
  * *op is 0 for the registration, else SHARDD_OP_UNSHARD or SHARDD_OP_REDUCE.
  * 0, or -ENOENT past the last one (or no such group).
  */
-int shardd_engine_group_pending(const struct shardd_engine_job *j, uint32_t id, uint32_t i,
-				uint32_t *op, const struct shardd_rdv **rdv);
+int shd_engine_group_pending(const struct shd_engine_job *j, uint32_t id, uint32_t i,
+				uint32_t *op, const struct shd_rdv **rdv);
 
-#endif /* SHARDD_ENGINE_H */
+#endif /* SHD_ENGINE_H */

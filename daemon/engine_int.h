@@ -18,8 +18,8 @@
  *
  * Everything here is loop-thread state unless a field says otherwise.
  */
-#ifndef SHARDD_ENGINE_INT_H
-#define SHARDD_ENGINE_INT_H
+#ifndef SHD_ENGINE_INT_H
+#define SHD_ENGINE_INT_H
 
 #include <pthread.h>
 #include <stddef.h>
@@ -61,7 +61,7 @@ enum eng_task_kind {
 struct eng_group;
 
 struct eng_task {
-	struct shardd_pool_task pt;  /* first member: the pool hands it back */
+	struct shd_pool_task pt;  /* first member: the pool hands it back */
 	struct eng_task *next;       /* group queue, then the engine's finished list */
 	struct eng_group *eg;
 	uint32_t kind;               /* enum eng_task_kind */
@@ -83,18 +83,18 @@ struct eng_deferred {
 
 /* A collective being gathered: a rendezvous over ranks base..base+n-1 and their ops. */
 struct eng_coll {
-	struct shardd_rdv rdv;
+	struct shd_rdv rdv;
 	uint32_t base;
 	uint32_t op;                 /* SHARDD_OP_UNSHARD or SHARDD_OP_REDUCE */
 	struct eng_op *ops;          /* [rdv.nexpected], valid where arrived */
 };
 
 struct eng_group {
-	struct shardd_group *g;
-	struct shardd_engine_job *j;
+	struct shd_group *g;
+	struct shd_engine_job *j;
 	int complete;                /* buffers allocated, every rank got its reply */
 	uint64_t mem_committed;      /* bytes counted in its job's and the engine's mem_committed */
-	struct shardd_rdv reg;       /* registration over all ranks */
+	struct shd_rdv reg;       /* registration over all ranks */
 	struct eng_reg *regs;        /* [world] */
 	uint32_t first_rank;         /* whose spec defines the group */
 	struct eng_coll *unshard;    /* [replicate]: over each shard group */
@@ -111,30 +111,30 @@ struct eng_group {
 	int flushing;
 };
 
-struct shardd_engine_job {
-	struct shardd_engine *e;
+struct shd_engine_job {
+	struct shd_engine *e;
 	void *ctx;
 	char name[SHARDD_NAME_MAX];
 	uint32_t replicate, shard, world;
 	int32_t *devices;            /* [world]: each rank's hello.device, where its buffers go */
-	struct shardd_backend_job *bj; /* the backend's state of the job (NCCL communicators), or NULL */
+	struct shd_backend_job *bj; /* the backend's state of the job (NCCL communicators), or NULL */
 	uint8_t *gone;               /* [world]: the rank's client left and it has not attached again */
 	struct eng_group **groups;   /* index = group id - 1; NULL once a registration failed */
 	uint32_t ngroups, cap;
 	uint64_t mem_committed;      /* its groups' eg->mem_committed, summed */
-	struct shardd_engine_job *prev, *next;
+	struct shd_engine_job *prev, *next;
 };
 
-struct shardd_engine {
-	struct shardd_engine_config cfg;
+struct shd_engine {
+	struct shd_engine_config cfg;
 	uint64_t timeout_ns;
-	struct shardd_pool *pool;
-	struct shardd_backend_ctx *backend;
+	struct shd_pool *pool;
+	struct shd_backend_ctx *backend;
 	int efd;
 	pthread_mutex_t lock;        /* the finished list */
 	pthread_cond_t finished;     /* a task reached the finished list */
 	struct eng_task *fin_head, *fin_tail;
-	struct shardd_engine_job *jobs;
+	struct shd_engine_job *jobs;
 	uint64_t mem_committed;      /* its jobs' mem_committed, summed */
 };
 
@@ -143,18 +143,18 @@ struct shardd_engine {
 __attribute__((format(printf, 3, 4)))
 void eng_fmt(char *buf, size_t len, const char *f, ...);
 /* A register/open reply that failed: (res, msg) to `rank`. */
-void eng_reply_err(struct shardd_engine_job *j, uint32_t rank, uint64_t token, uint32_t seq,
+void eng_reply_err(struct shd_engine_job *j, uint32_t rank, uint64_t token, uint32_t seq,
 		   int res, const char *msg);
 /* The completion of `op` (msg only on failure). */
-void eng_complete(struct shardd_engine_job *j, const struct eng_op *op, int res, const char *msg);
+void eng_complete(struct shd_engine_job *j, const struct eng_op *op, int res, const char *msg);
 /* "shardd: ranks 2,3 <did> within 30 s; rank 0 is waiting" for an expired rendezvous. */
-void eng_expired_msg(const struct shardd_engine *e, const struct shardd_rdv *rdv, const char *did,
+void eng_expired_msg(const struct shd_engine *e, const struct shd_rdv *rdv, const char *did,
 		     char *msg, size_t len);
 
 /* ---- registry.c: registration ---- */
 
 /* The job's group named `name` (complete or still registering), or NULL. */
-struct eng_group *eng_group_by_name(const struct shardd_engine_job *j, const char *name);
+struct eng_group *eng_group_by_name(const struct shd_engine_job *j, const char *name);
 /* Forget a group and free its state and buffers (job end). */
 void eng_group_free(struct eng_group *eg);
 /* `rank` (this token) left before every rank registered the group: the registration fails. */
@@ -192,4 +192,4 @@ void eng_group_enqueue(struct eng_group *eg, struct eng_task *t);
  */
 void eng_tasks_stop(struct eng_group *eg, int res, const char *msg);
 
-#endif /* SHARDD_ENGINE_INT_H */
+#endif /* SHD_ENGINE_INT_H */

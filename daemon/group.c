@@ -59,7 +59,7 @@ static int optim_zero(const char *group, const char *opt, const char *field, dou
 			   "leave it 0", group, opt, field, v);
 }
 
-int shardd_group_optim_check(const char *group, const struct shardd_optim_config *o, char *err,
+int shd_group_optim_check(const char *group, const struct shardd_optim_config *o, char *err,
 			     size_t errlen)
 {
 	const char *n = optim_str(o->kind);
@@ -114,7 +114,7 @@ int shardd_group_optim_check(const char *group, const struct shardd_optim_config
 	return ret;
 }
 
-int shardd_group_parse(const void *payload, size_t len, struct shardd_register_group *hdr,
+int shd_group_parse(const void *payload, size_t len, struct shardd_register_group *hdr,
 		       struct shardd_param_spec **specs, struct shardd_optim_config *optim, char *err,
 		       size_t errlen)
 {
@@ -155,7 +155,7 @@ int shardd_group_parse(const void *payload, size_t len, struct shardd_register_g
 				   hdr->flags & SHARDD_REGISTER_OPTIMIZER ? " and an optimizer config" : "", want);
 	if (hdr->flags & SHARDD_REGISTER_OPTIMIZER) {
 		memcpy(optim, (const uint8_t *)payload + want - sizeof(*optim), sizeof(*optim));
-		ret = shardd_group_optim_check(hdr->name, optim, err, errlen);
+		ret = shd_group_optim_check(hdr->name, optim, err, errlen);
 		if (ret)
 			return ret;
 	}
@@ -180,7 +180,7 @@ int shardd_group_parse(const void *payload, size_t len, struct shardd_register_g
 }
 
 /* Grad dtypes: uniform or not, and the set FSDP2 names in its error. */
-static void group_grad_dtypes(struct shardd_group *g)
+static void group_grad_dtypes(struct shd_group *g)
 {
 	uint8_t seen[SHARDD_DTYPE_COUNT] = { 0 };
 	size_t off = 0;
@@ -202,11 +202,11 @@ static void group_grad_dtypes(struct shardd_group *g)
 	snprintf(g->grad_dtypes + off, sizeof(g->grad_dtypes) - off, "}");
 }
 
-int shardd_group_create(uint32_t id, const struct shardd_register_group *hdr,
+int shd_group_create(uint32_t id, const struct shardd_register_group *hdr,
 			struct shardd_param_spec *specs, uint32_t replicate, uint32_t shard,
-			struct shardd_group **out, char *err, size_t errlen)
+			struct shd_group **out, char *err, size_t errlen)
 {
-	struct shardd_group *g;
+	struct shd_group *g;
 	uint32_t world = replicate * shard;
 	char lerr[384];
 	int ret;
@@ -214,7 +214,7 @@ int shardd_group_create(uint32_t id, const struct shardd_register_group *hdr,
 	g = calloc(1, sizeof(*g));
 	if (!g)
 		return -ENOMEM;
-	ret = shardd_layout_build(specs, hdr->nparams, shard, hdr->param_dtype, &g->layout, lerr,
+	ret = shd_layout_build(specs, hdr->nparams, shard, hdr->param_dtype, &g->layout, lerr,
 				  sizeof(lerr));
 	if (ret) {
 		if (ret == -ENOMEM)
@@ -249,10 +249,10 @@ int shardd_group_create(uint32_t id, const struct shardd_register_group *hdr,
 	    !g->sharded_grads || !g->grads || !g->partials || !g->grad_present ||
 	    !g->partial_present || !g->holds || !g->last_step || !g->optim_steps) {
 		g->specs = NULL;
-		shardd_group_destroy(g, NULL);
+		shd_group_destroy(g, NULL);
 		return -ENOMEM;
 	}
-	/* Unallocated (priv NULL from calloc) and no fd for shardd_buf_forget to close. */
+	/* Unallocated (priv NULL from calloc) and no fd for shd_buf_forget to close. */
 	for (uint32_t r = 0; r < world; r++)
 		g->unsharded[r].fd = g->shards[r].fd = g->sharded_grads[r].fd = g->grads[r].fd =
 			g->partials[r].fd = -1;
@@ -260,7 +260,7 @@ int shardd_group_create(uint32_t id, const struct shardd_register_group *hdr,
 		g->shard_offsets[i] = g->layout.params[i].shard_offset;
 	/* One shard in the reduce dtype: the layout of HSDP partials and of reduce-scatter staging. */
 	if (g->reduce_dtype != SHARDD_DTYPE_NONE)
-		g->reduce_shard_size = shardd_placement_reduce_shard(&g->layout, g->reduce_dtype,
+		g->reduce_shard_size = shd_placement_reduce_shard(&g->layout, g->reduce_dtype,
 								     g->reduce_offsets);
 	/* Partials exist only with a replicate dim and a uniform grad dtype (else reduce fails). */
 	if (replicate > 1)
@@ -270,14 +270,14 @@ int shardd_group_create(uint32_t id, const struct shardd_register_group *hdr,
 	return 0;
 }
 
-const char *shardd_group_optim_state_name(const struct shardd_optim_config *o, uint32_t k)
+const char *shd_group_optim_state_name(const struct shardd_optim_config *o, uint32_t k)
 {
 	if (o->kind == SHARDD_OPTIM_SGD)
 		return "momentum";
 	return k == 0 ? "exp_avg" : k == 1 ? "exp_avg_sq" : "max_exp_avg_sq";
 }
 
-uint32_t shardd_group_optim_states(const struct shardd_optim_config *o)
+uint32_t shd_group_optim_states(const struct shardd_optim_config *o)
 {
 	switch (o->kind) {
 	case SHARDD_OPTIM_SGD:
@@ -289,10 +289,10 @@ uint32_t shardd_group_optim_states(const struct shardd_optim_config *o)
 	}
 }
 
-int shardd_group_set_optim(struct shardd_group *g, const struct shardd_optim_config *o, char *err,
+int shd_group_set_optim(struct shd_group *g, const struct shardd_optim_config *o, char *err,
 			   size_t errlen)
 {
-	uint32_t n = shardd_group_optim_states(o);
+	uint32_t n = shd_group_optim_states(o);
 
 	if (o->kind == SHARDD_OPTIM_NONE)
 		return 0;
@@ -325,7 +325,7 @@ static void shape_str(const struct shardd_param_spec *s, char *buf, size_t len)
 		snprintf(buf + off, len - off, "]");
 }
 
-int shardd_group_compare(const struct shardd_group *g, const struct shardd_register_group *hdr,
+int shd_group_compare(const struct shd_group *g, const struct shardd_register_group *hdr,
 			 const struct shardd_param_spec *specs, const struct shardd_optim_config *optim,
 			 uint32_t rank, uint32_t first_rank, char *why, size_t whylen)
 {
@@ -402,9 +402,9 @@ int shardd_group_compare(const struct shardd_group *g, const struct shardd_regis
 	return 0;
 }
 
-void shardd_group_memory_need(const struct shardd_group *g, struct shardd_group_memory *m)
+void shd_group_memory_need(const struct shd_group *g, struct shd_group_memory *m)
 {
-	const struct shardd_layout *l = &g->layout;
+	const struct shd_layout *l = &g->layout;
 
 	/* Each size is below 2^40 (layout.h) and world at most 2^10: no product or sum overflows. */
 	memset(m, 0, sizeof(*m));
@@ -413,23 +413,23 @@ void shardd_group_memory_need(const struct shardd_group *g, struct shardd_group_
 	m->sharded_grads = (uint64_t)g->world * l->shard_size;
 	m->grads = (uint64_t)g->world * l->grad_size;
 	m->partials = (uint64_t)g->world * g->partial_size;
-	m->optimizer = (uint64_t)g->world * shardd_group_optim_states(&g->optim) * l->shard_size;
+	m->optimizer = (uint64_t)g->world * shd_group_optim_states(&g->optim) * l->shard_size;
 	m->total = m->unsharded + m->shards + m->sharded_grads + m->grads + m->partials + m->optimizer;
 }
 
-static uint64_t bufs_bytes(const struct shardd_buf *b, uint32_t n)
+static uint64_t bufs_bytes(const struct shd_buf *b, uint32_t n)
 {
 	uint64_t sum = 0;
 
 	for (uint32_t i = 0; b && i < n; i++)
-		if (shardd_buf_allocated(&b[i]))
+		if (shd_buf_allocated(&b[i]))
 			sum += b[i].bytes;
 	return sum;
 }
 
-void shardd_group_memory_held(const struct shardd_group *g, struct shardd_group_memory *m)
+void shd_group_memory_held(const struct shd_group *g, struct shd_group_memory *m)
 {
-	struct shardd_group_memory h = { 0 };
+	struct shd_group_memory h = { 0 };
 
 	if (!g->allocated)
 		return;
@@ -438,7 +438,7 @@ void shardd_group_memory_held(const struct shardd_group *g, struct shardd_group_
 	h.unsharded = bufs_bytes(g->unsharded, g->world);
 	h.grads = bufs_bytes(g->grads, g->world);
 	h.partials = bufs_bytes(g->partials, g->world);
-	for (uint32_t k = 0; k < SHARDD_OPTIM_STATES; k++)
+	for (uint32_t k = 0; k < SHD_OPTIM_STATES; k++)
 		h.optimizer += bufs_bytes(g->optim_state[k], g->world);
 	m->shards += h.shards;
 	m->sharded_grads += h.sharded_grads;
@@ -449,10 +449,10 @@ void shardd_group_memory_held(const struct shardd_group *g, struct shardd_group_
 	m->total += h.shards + h.sharded_grads + h.unsharded + h.grads + h.partials + h.optimizer;
 }
 
-int shardd_group_alloc(struct shardd_group *g, struct shardd_backend_ctx *b, const int32_t *devices,
-		       const struct shardd_placement *pl, char *err, size_t errlen)
+int shd_group_alloc(struct shd_group *g, struct shd_backend_ctx *b, const int32_t *devices,
+		       const struct shd_placement *pl, char *err, size_t errlen)
 {
-	const struct shardd_backend_ops *ops = b->ops;
+	const struct shd_backend_ops *ops = b->ops;
 	char what[160];
 	int ret = 0;
 
@@ -461,7 +461,7 @@ int shardd_group_alloc(struct shardd_group *g, struct shardd_backend_ctx *b, con
 	for (uint32_t r = 0; r < g->world && !ret; r++) {
 		uint32_t u = r / g->shard;
 
-		if (shardd_group_unsharded(g, r) != &g->unsharded[r])
+		if (shd_group_unsharded(g, r) != &g->unsharded[r])
 			continue;
 		if (g->unsharded_own[u])
 			snprintf(what, sizeof(what), "%s.unsharded.rank%u", g->name, r);
@@ -480,9 +480,9 @@ int shardd_group_alloc(struct shardd_group *g, struct shardd_backend_ctx *b, con
 			break;
 		snprintf(what, sizeof(what), "%s.grad.%u", g->name, r);
 		ret = ops->alloc(b, g->layout.grad_size, devices[r], what, &g->grads[r]);
-		for (uint32_t k = 0; k < shardd_group_optim_states(&g->optim) && !ret; k++) {
+		for (uint32_t k = 0; k < shd_group_optim_states(&g->optim) && !ret; k++) {
 			snprintf(what, sizeof(what), "%s.%s.%u", g->name,
-				 shardd_group_optim_state_name(&g->optim, k), r);
+				 shd_group_optim_state_name(&g->optim, k), r);
 			ret = ops->alloc(b, g->layout.shard_size, devices[r], what, &g->optim_state[k][r]);
 		}
 		if (ret || !g->partial_size)
@@ -505,15 +505,15 @@ int shardd_group_alloc(struct shardd_group *g, struct shardd_backend_ctx *b, con
 	return ret;
 }
 
-int shardd_group_reply(const struct shardd_group *g, struct shardd_backend_ctx *b, uint32_t rank,
+int shd_group_reply(const struct shd_group *g, struct shd_backend_ctx *b, uint32_t rank,
 		       struct shardd_group_reply *reply, struct shardd_param_layout *layouts,
-		       struct shardd_group_export *ex)
+		       struct shd_group_export *ex)
 {
-	const struct shardd_buf *bufs[SHARDD_GROUP_BUFS] = {
-		shardd_group_unsharded(g, rank), &g->grads[rank], &g->shards[rank], &g->sharded_grads[rank],
+	const struct shd_buf *bufs[SHARDD_GROUP_BUFS] = {
+		shd_group_unsharded(g, rank), &g->grads[rank], &g->shards[rank], &g->sharded_grads[rank],
 	};
 	uint32_t shard_rank = rank % g->shard;
-	struct shardd_buf_export one;
+	struct shd_buf_export one;
 	int ret;
 
 	memset(ex, 0, sizeof(*ex));
@@ -530,7 +530,7 @@ int shardd_group_reply(const struct shardd_group *g, struct shardd_backend_ctx *
 	reply->optimizer = g->optim.kind;
 	reply->last_step = __atomic_load_n(&g->last_step[rank], __ATOMIC_RELAXED);
 	for (uint32_t i = 0; i < g->hdr.nparams; i++) {
-		const struct shardd_layout_param *p = &g->layout.params[i];
+		const struct shd_layout_param *p = &g->layout.params[i];
 
 		layouts[i] = (struct shardd_param_layout){
 			.unsharded_offset = p->unsharded_offset,
@@ -540,7 +540,7 @@ int shardd_group_reply(const struct shardd_group *g, struct shardd_backend_ctx *
 			.shard_offset = p->shard_offset,
 			.shard_bytes = p->shard_numel * shardd_dtype_size(p->dtype),
 			.shard_row_begin = (uint64_t)shard_rank * p->rows,
-			.shard_rows_valid = shardd_layout_rows_valid(p, shard_rank),
+			.shard_rows_valid = shd_layout_rows_valid(p, shard_rank),
 		};
 	}
 	for (int k = 0; k < SHARDD_GROUP_BUFS; k++) {
@@ -556,18 +556,18 @@ int shardd_group_reply(const struct shardd_group *g, struct shardd_backend_ctx *
 	return 0;
 
 err_close:
-	shardd_group_export_close(ex);
+	shd_group_export_close(ex);
 	return ret;
 }
 
-void shardd_group_export_close(struct shardd_group_export *ex)
+void shd_group_export_close(struct shd_group_export *ex)
 {
 	for (int i = 0; i < ex->nfds; i++)
 		close(ex->fds[i]);
 	ex->nfds = 0;
 }
 
-void shardd_group_destroy(struct shardd_group *g, struct shardd_backend_ctx *b)
+void shd_group_destroy(struct shd_group *g, struct shd_backend_ctx *b)
 {
 	if (!g)
 		return;
@@ -578,16 +578,16 @@ void shardd_group_destroy(struct shardd_group *g, struct shardd_backend_ctx *b)
 			b->ops->free(b, &g->sharded_grads[r]);
 			b->ops->free(b, &g->grads[r]);
 			b->ops->free(b, &g->partials[r]);
-			for (uint32_t k = 0; k < SHARDD_OPTIM_STATES; k++)
+			for (uint32_t k = 0; k < SHD_OPTIM_STATES; k++)
 				if (g->optim_state[k])
 					b->ops->free(b, &g->optim_state[k][r]);
 		}
 	}
-	for (uint32_t k = 0; k < SHARDD_OPTIM_STATES; k++)
+	for (uint32_t k = 0; k < SHD_OPTIM_STATES; k++)
 		free(g->optim_state[k]);
 	free(g->last_step);
 	free(g->optim_steps);
-	shardd_layout_free(&g->layout);
+	shd_layout_free(&g->layout);
 	free(g->specs);
 	free(g->shard_offsets);
 	free(g->reduce_offsets);

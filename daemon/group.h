@@ -6,8 +6,8 @@
  * unsharded copy). The collectives on it live in collective.c, the ops'
  * arithmetic in task.c.
  */
-#ifndef SHARDD_GROUP_H
-#define SHARDD_GROUP_H
+#ifndef SHD_GROUP_H
+#define SHD_GROUP_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -22,41 +22,41 @@
  * the fds of the buffers exported as fds and the handles of those exported
  * as CUDA IPC handles, each in buffer order.
  */
-struct shardd_group_export {
-	int fds[SHARDD_GROUP_BUFS]; /* new fds; shardd_group_export_close closes them */
+struct shd_group_export {
+	int fds[SHARDD_GROUP_BUFS]; /* new fds; shd_group_export_close closes them */
 	int nfds;
 	struct shardd_cuda_ipc_handle ipc[SHARDD_GROUP_BUFS];
 	int nipc;
 };
 
 /* Most optimizer states a shard has: AdamW's exp_avg, exp_avg_sq, max_exp_avg_sq. */
-#define SHARDD_OPTIM_STATES 3
+#define SHD_OPTIM_STATES 3
 
-struct shardd_group {
+struct shd_group {
 	uint32_t id;                        /* nonzero; sqe.group */
 	char     name[SHARDD_NAME_MAX];
 	struct shardd_register_group hdr;   /* the first registration's header */
 	struct shardd_param_spec *specs;    /* its params (hdr.nparams) */
 	uint32_t replicate, shard, world;   /* mesh R x S, world = R * S */
-	struct shardd_layout layout;        /* built for the shard group size S */
+	struct shd_layout layout;        /* built for the shard group size S */
 	uint32_t grad_dtype;                /* uniform grad dtype, NONE when params differ */
 	uint32_t reduce_dtype;              /* policy reduce_dtype, else grad_dtype */
 	char     grad_dtypes[64];           /* "{fp32, bf16}": the distinct grad dtypes, in order */
 	uint64_t *shard_offsets;            /* per param: bytes into a flat shard / sharded grad */
 	uint64_t *reduce_offsets;           /* per param: bytes into one shard in the reduce dtype
-					       (shardd_placement_reduce_shard): an HSDP partial, a staging block */
+					       (shd_placement_reduce_shard): an HSDP partial, a staging block */
 	uint64_t reduce_shard_size;         /* bytes of such a shard; 0 without a uniform reduce dtype */
 	uint64_t partial_size;              /* bytes of one partial: reduce_shard_size with a replicate dim, else 0 */
 
-	int allocated;                      /* buffers below were allocated (each: shardd_buf_allocated) */
+	int allocated;                      /* buffers below were allocated (each: shd_buf_allocated) */
 	uint8_t *unsharded_own;             /* [replicate]: each rank of the replica has its own unsharded
 					       buffer (its shard group runs NCCL), else all share one */
-	struct shardd_buf *unsharded;       /* [world], lent read-only: allocated for every rank of a replica
+	struct shd_buf *unsharded;       /* [world], lent read-only: allocated for every rank of a replica
 					       with unsharded_own, else only for its first rank (shared) */
-	struct shardd_buf *shards;          /* [world]: flat shards, params' dtypes */
-	struct shardd_buf *sharded_grads;   /* [world]: reduce outputs, params' dtypes */
-	struct shardd_buf *grads;           /* [world]: unsharded grads, grad dtype */
-	struct shardd_buf *partials;        /* [world] when replicate > 1: reduce-scatter sums kept for the all-reduce */
+	struct shd_buf *shards;          /* [world]: flat shards, params' dtypes */
+	struct shd_buf *sharded_grads;   /* [world]: reduce outputs, params' dtypes */
+	struct shd_buf *grads;           /* [world]: unsharded grads, grad dtype */
+	struct shd_buf *partials;        /* [world] when replicate > 1: reduce-scatter sums kept for the all-reduce */
 
 	/* Written only by the group's running task: tasks of a group run one at a time. */
 	uint8_t *grad_present;              /* [world]: sharded grad holds a value (accumulate into it) */
@@ -64,7 +64,7 @@ struct shardd_group {
 
 	/* The optimizer (kind NONE: none) and its fp32 state per rank, each like a flat shard. */
 	struct shardd_optim_config optim;
-	struct shardd_buf *optim_state[SHARDD_OPTIM_STATES]; /* [k][world]: shardd_group_optim_state_name */
+	struct shd_buf *optim_state[SHD_OPTIM_STATES]; /* [k][world]: shd_group_optim_state_name */
 	/* Written by the group's running task (step), read atomically by GROUP replies. */
 	uint64_t *last_step;                /* [world]: last step applied or skipped on the rank's shard */
 	uint64_t *optim_steps;              /* [world]: updates applied (torch's state['step']) */
@@ -76,44 +76,44 @@ struct shardd_group {
 /*
  * Validate a SHARDD_MSG_REGISTER_GROUP payload (untrusted) and copy it out:
  * *hdr, and *specs (malloc'd, hdr->nparams entries; the caller frees).
- * Param fields are checked by shardd_layout_build. Returns 0,
+ * Param fields are checked by shd_layout_build. Returns 0,
  * -SHARDD_E_MALFORMED or -SHARDD_E_INVALID with `err` naming the field and
  * value, or -ENOMEM.
  */
-int shardd_group_parse(const void *payload, size_t len, struct shardd_register_group *hdr,
+int shd_group_parse(const void *payload, size_t len, struct shardd_register_group *hdr,
 		       struct shardd_param_spec **specs, struct shardd_optim_config *optim, char *err,
 		       size_t errlen);
 
 /* 0, or -SHARDD_E_INVALID with `err` naming the optimizer config's field, value and rule. */
-int shardd_group_optim_check(const char *group, const struct shardd_optim_config *o, char *err,
+int shd_group_optim_check(const char *group, const struct shardd_optim_config *o, char *err,
 			     size_t errlen);
 
 /*
  * Give a created group (no buffers yet) its optimizer `o` (kind NONE: none):
  * every param must be fp32. 0, -SHARDD_E_INVALID with `err`, or -ENOMEM.
  */
-int shardd_group_set_optim(struct shardd_group *g, const struct shardd_optim_config *o, char *err,
+int shd_group_set_optim(struct shd_group *g, const struct shardd_optim_config *o, char *err,
 			   size_t errlen);
 
 /* State buffers per rank the optimizer keeps (SGD: momentum when momentum != 0), and their names. */
-uint32_t shardd_group_optim_states(const struct shardd_optim_config *o);
-const char *shardd_group_optim_state_name(const struct shardd_optim_config *o, uint32_t k);
+uint32_t shd_group_optim_states(const struct shardd_optim_config *o);
+const char *shd_group_optim_state_name(const struct shardd_optim_config *o, uint32_t k);
 
 /*
  * A group from a parsed registration for a mesh R x S: builds the layout
  * (its errors are returned with their text) and takes ownership of `specs`
  * on success. No buffers yet. 0, -SHARDD_E_INVALID or -ENOMEM.
  */
-int shardd_group_create(uint32_t id, const struct shardd_register_group *hdr,
+int shd_group_create(uint32_t id, const struct shardd_register_group *hdr,
 			struct shardd_param_spec *specs, uint32_t replicate, uint32_t shard,
-			struct shardd_group **out, char *err, size_t errlen);
+			struct shd_group **out, char *err, size_t errlen);
 
 /*
  * 0 when `hdr`/`specs` (registered by `rank`) equal the group's spec
  * (registered by `first_rank`), else 1 with `why` naming the first differing
  * param, the field, both values and both ranks.
  */
-int shardd_group_compare(const struct shardd_group *g, const struct shardd_register_group *hdr,
+int shd_group_compare(const struct shd_group *g, const struct shardd_register_group *hdr,
 			 const struct shardd_param_spec *specs, const struct shardd_optim_config *optim,
 			 uint32_t rank, uint32_t first_rank, char *why, size_t whylen);
 
@@ -122,7 +122,7 @@ int shardd_group_compare(const struct shardd_group *g, const struct shardd_regis
  * backend's buffers), by kind: what the engine counts against
  * --max-memory and --max-job-memory when the group is registered.
  */
-struct shardd_group_memory {
+struct shd_group_memory {
 	uint64_t unsharded;      /* one copy per replica */
 	uint64_t shards;         /* flat shards (the master params), one per rank */
 	uint64_t sharded_grads;  /* reduce outputs, one per rank */
@@ -133,12 +133,12 @@ struct shardd_group_memory {
 };
 
 /* What the group's buffers take once allocated (host backend: no unsharded_own). */
-void shardd_group_memory_need(const struct shardd_group *g, struct shardd_group_memory *m);
+void shd_group_memory_need(const struct shd_group *g, struct shd_group_memory *m);
 /*
  * Add the bytes of the group's buffers allocated now, by kind, to *m (the
  * total too): what it holds, where memory_need is what it will hold.
  */
-void shardd_group_memory_held(const struct shardd_group *g, struct shardd_group_memory *m);
+void shd_group_memory_held(const struct shd_group *g, struct shd_group_memory *m);
 
 /*
  * Allocate every buffer (zero-filled) on the device of the rank that uses it
@@ -148,11 +148,11 @@ void shardd_group_memory_held(const struct shardd_group *g, struct shardd_group_
  * rank's device; any other replica one, on its first rank's device. 0 or
  * the backend's error, with `err` naming the buffer.
  */
-int shardd_group_alloc(struct shardd_group *g, struct shardd_backend_ctx *b, const int32_t *devices,
-		       const struct shardd_placement *pl, char *err, size_t errlen);
+int shd_group_alloc(struct shd_group *g, struct shd_backend_ctx *b, const int32_t *devices,
+		       const struct shd_placement *pl, char *err, size_t errlen);
 
 /* The unsharded buffer `rank` reads: its own, or the one its replica shares. */
-static inline struct shardd_buf *shardd_group_unsharded(const struct shardd_group *g, uint32_t rank)
+static inline struct shd_buf *shd_group_unsharded(const struct shd_group *g, uint32_t rank)
 {
 	uint32_t u = rank / g->shard;
 
@@ -163,17 +163,17 @@ static inline struct shardd_buf *shardd_group_unsharded(const struct shardd_grou
  * The SHARDD_MSG_GROUP reply for `rank`: *reply (export_kind included),
  * layouts[nparams], and in *ex how each buffer (unsharded read-only, grad,
  * flat shard, sharded grad) travels: a new fd the caller closes
- * (shardd_group_export_close) or a CUDA IPC handle. 0 or -errno (no fd
+ * (shd_group_export_close) or a CUDA IPC handle. 0 or -errno (no fd
  * left open).
  */
-int shardd_group_reply(const struct shardd_group *g, struct shardd_backend_ctx *b, uint32_t rank,
+int shd_group_reply(const struct shd_group *g, struct shd_backend_ctx *b, uint32_t rank,
 		       struct shardd_group_reply *reply, struct shardd_param_layout *layouts,
-		       struct shardd_group_export *ex);
+		       struct shd_group_export *ex);
 
 /* Close the fds of a reply's export. */
-void shardd_group_export_close(struct shardd_group_export *ex);
+void shd_group_export_close(struct shd_group_export *ex);
 
 /* Free the buffers and the group. */
-void shardd_group_destroy(struct shardd_group *g, struct shardd_backend_ctx *b);
+void shd_group_destroy(struct shd_group *g, struct shd_backend_ctx *b);
 
-#endif /* SHARDD_GROUP_H */
+#endif /* SHD_GROUP_H */

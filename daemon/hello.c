@@ -34,24 +34,24 @@
 /* ------------------------------------------------------------------ */
 
 /* Validate the job name of a hello: NUL-terminated, non-empty, printable ASCII. */
-static int hello_job_ok(struct shardd_session *s, uint32_t seq, const struct shardd_hello *h)
+static int hello_job_ok(struct shd_session *s, uint32_t seq, const struct shardd_hello *h)
 {
 	size_t n = strnlen(h->job, sizeof(h->job));
 
 	if (n == sizeof(h->job)) {
-		shardd_session_reject(s, seq, -SHARDD_E_INVALID,
+		shd_session_reject(s, seq, -SHARDD_E_INVALID,
 			       "hello.job is not NUL-terminated within %d bytes", SHARDD_NAME_MAX);
 		return 0;
 	}
 	if (n == 0) {
-		shardd_session_reject(s, seq, -SHARDD_E_INVALID, "hello.job is empty: name the job");
+		shd_session_reject(s, seq, -SHARDD_E_INVALID, "hello.job is empty: name the job");
 		return 0;
 	}
 	for (size_t i = 0; i < n; i++) {
 		unsigned char c = (unsigned char)h->job[i];
 
 		if (c < 0x20 || c > 0x7e) {
-			shardd_session_reject(s, seq, -SHARDD_E_INVALID,
+			shd_session_reject(s, seq, -SHARDD_E_INVALID,
 				       "hello.job byte %zu = 0x%02x: job names are printable ASCII",
 				       i, c);
 			return 0;
@@ -61,57 +61,57 @@ static int hello_job_ok(struct shardd_session *s, uint32_t seq, const struct sha
 }
 
 /* Validate every field of a hello that does not depend on existing jobs. */
-static int hello_fields_ok(struct shardd_session *s, uint32_t seq, const struct shardd_hello *h)
+static int hello_fields_ok(struct shd_session *s, uint32_t seq, const struct shardd_hello *h)
 {
 	uint64_t world = (uint64_t)h->replicate * h->shard;
 
 	if (!hello_job_ok(s, seq, h))
 		return 0;
 	if (h->pid != (uint32_t)s->cred.pid) {
-		shardd_session_reject(s, seq, -SHARDD_E_INVALID,
+		shd_session_reject(s, seq, -SHARDD_E_INVALID,
 			       "hello.pid = %u but the socket's peer is pid %d", h->pid,
 			       (int)s->cred.pid);
 		return 0;
 	}
 	if (h->replicate == 0 || h->shard == 0) {
-		shardd_session_reject(s, seq, -SHARDD_E_INVALID, "hello.%s = 0: must be at least 1",
+		shd_session_reject(s, seq, -SHARDD_E_INVALID, "hello.%s = 0: must be at least 1",
 			       h->replicate == 0 ? "replicate" : "shard");
 		return 0;
 	}
 	if (world > SHARDD_MAX_WORLD) {
-		shardd_session_reject(s, seq, -SHARDD_E_INVALID,
+		shd_session_reject(s, seq, -SHARDD_E_INVALID,
 			       "hello mesh %ux%u = %llu ranks exceeds the limit of %d", h->replicate,
 			       h->shard, (unsigned long long)world, SHARDD_MAX_WORLD);
 		return 0;
 	}
 	if (h->rank >= world) {
-		shardd_session_reject(s, seq, -SHARDD_E_INVALID,
+		shd_session_reject(s, seq, -SHARDD_E_INVALID,
 			       "hello.rank = %u: mesh %ux%u has ranks 0..%llu", h->rank, h->replicate,
 			       h->shard, (unsigned long long)world - 1);
 		return 0;
 	}
 	if (h->sq_entries != 0 && (!shardd_is_pow2(h->sq_entries) ||
 				   h->sq_entries < SQ_ENTRIES_MIN || h->sq_entries > SQ_ENTRIES_MAX)) {
-		shardd_session_reject(s, seq, -SHARDD_E_INVALID,
+		shd_session_reject(s, seq, -SHARDD_E_INVALID,
 			       "hello.sq_entries = %u: must be 0 (default %d) or a power of two in "
 			       "[%d, %d]", h->sq_entries, SHARDD_RING_ENTRIES_DEFAULT, SQ_ENTRIES_MIN,
 			       SQ_ENTRIES_MAX);
 		return 0;
 	}
 	if (h->device < SHARDD_HELLO_DEVICE_HOST) {
-		shardd_session_reject(s, seq, -SHARDD_E_INVALID,
+		shd_session_reject(s, seq, -SHARDD_E_INVALID,
 			       "hello.device = %d: must be %d (host) or a CUDA device ordinal",
 			       h->device, SHARDD_HELLO_DEVICE_HOST);
 		return 0;
 	}
 	if (h->flags) {
-		shardd_session_reject(s, seq, -SHARDD_E_INVALID, "hello.flags = 0x%x: reserved, must be 0",
+		shd_session_reject(s, seq, -SHARDD_E_INVALID, "hello.flags = 0x%x: reserved, must be 0",
 			       h->flags);
 		return 0;
 	}
 	for (size_t i = 0; i < sizeof(h->rsvd); i++) {
 		if (h->rsvd[i]) {
-			shardd_session_reject(s, seq, -SHARDD_E_INVALID,
+			shd_session_reject(s, seq, -SHARDD_E_INVALID,
 				       "hello.rsvd[%zu] = 0x%x: reserved, must be 0", i, h->rsvd[i]);
 			return 0;
 		}
@@ -123,7 +123,7 @@ static int hello_fields_ok(struct shardd_session *s, uint32_t seq, const struct 
  * The ring region: a sealed memfd (the client can neither shrink nor grow
  * it under our mapping), formatted and mapped. Returns the memfd or -errno.
  */
-static int session_ring_create(struct shardd_session *s, uint32_t sq_entries, uint32_t cq_entries)
+static int session_ring_create(struct shd_session *s, uint32_t sq_entries, uint32_t cq_entries)
 {
 	uint64_t size = shardd_ring_region_size(sq_entries, cq_entries);
 	int fd, ret;
@@ -144,7 +144,7 @@ static int session_ring_create(struct shardd_session *s, uint32_t sq_entries, ui
 	}
 	s->ring_size = size;
 	ret = shardd_ring_format(s->ring_mem, size, sq_entries, cq_entries,
-				 (uint32_t)shardd_session_env.pid, s->id);
+				 (uint32_t)shd_session_env.pid, s->id);
 	if (ret == 0)
 		ret = shardd_ring_attach(&s->ring, s->ring_mem, size);
 	if (ret < 0)
@@ -171,7 +171,7 @@ static void session_pidfd_readable(void *arg, int fd, uint32_t revents)
 {
 	(void)fd;
 	(void)revents;
-	shardd_session_close(arg, "died (process exited)");
+	shd_session_close(arg, "died (process exited)");
 }
 
 static void session_doorbell(void *arg, int fd, uint32_t revents)
@@ -182,15 +182,15 @@ static void session_doorbell(void *arg, int fd, uint32_t revents)
 	(void)revents;
 	/* Reset the eventfd; the ring itself is served before the loop sleeps again. */
 	if (read(fd, &count, sizeof(count)) == sizeof(count))
-		shardd_session_env.note_work(shardd_now_ns());
+		shd_session_env.note_work(shd_now_ns());
 }
 
-void shardd_session_hello(struct shardd_session *s, const struct shardd_msg_hdr *hdr,
+void shd_session_hello(struct shd_session *s, const struct shardd_msg_hdr *hdr,
 			  const uint8_t *payload, uint32_t len)
 {
 	struct shardd_hello h;
 	struct shardd_welcome w;
-	struct shardd_job *job;
+	struct shd_job *job;
 	uint32_t sq_entries;
 	int created = 0, ringfd = -1, ret;
 	char name[160], why[256];
@@ -203,14 +203,14 @@ void shardd_session_hello(struct shardd_session *s, const struct shardd_msg_hdr 
 		memcpy(&major, payload, sizeof(major));
 		memcpy(&minor, payload + 2, sizeof(minor));
 		if (major != SHARDD_PROTO_MAJOR) {
-			shardd_session_reject(s, hdr->seq, -SHARDD_E_VERSION,
+			shd_session_reject(s, hdr->seq, -SHARDD_E_VERSION,
 				       "client speaks protocol %u.%u, shardd speaks %d.%d", major,
 				       minor, SHARDD_PROTO_MAJOR, SHARDD_PROTO_MINOR);
 			return;
 		}
 	}
 	if (len != sizeof(h)) {
-		shardd_session_reject(s, hdr->seq, -SHARDD_E_MALFORMED,
+		shd_session_reject(s, hdr->seq, -SHARDD_E_MALFORMED,
 			       "hello is %u bytes, expected %zu", len, sizeof(h));
 		return;
 	}
@@ -219,15 +219,15 @@ void shardd_session_hello(struct shardd_session *s, const struct shardd_msg_hdr 
 		return;
 
 	/* The job decides who owns a rank. */
-	ret = shardd_job_claim(h.job, h.replicate, h.shard, h.rank, &job, why, sizeof(why));
+	ret = shd_job_claim(h.job, h.replicate, h.shard, h.rank, &job, why, sizeof(why));
 	if (ret < 0) {
-		shardd_session_reject(s, hdr->seq, ret, "%s", why);
+		shd_session_reject(s, hdr->seq, ret, "%s", why);
 		return;
 	}
 
 	s->pidfd = pidfd_open_pid(s->cred.pid);
 	if (s->pidfd < 0 && errno != ENOSYS) {
-		shardd_session_reject(s, hdr->seq, -errno, "pidfd_open(%d): %s", (int)s->cred.pid,
+		shd_session_reject(s, hdr->seq, -errno, "pidfd_open(%d): %s", (int)s->cred.pid,
 			       strerror(errno));
 		return;
 	}
@@ -237,29 +237,29 @@ void shardd_session_hello(struct shardd_session *s, const struct shardd_msg_hdr 
 		char lim[96] = "";
 
 		if (ringfd == -EMFILE || ringfd == -ENFILE)
-			shardd_fd_limit_describe(lim, sizeof(lim));
-		shardd_session_reject(s, hdr->seq, -SHARDD_E_NOMEM, "cannot create the ring (%u entries): %s%s%s%s",
+			shd_fd_limit_describe(lim, sizeof(lim));
+		shd_session_reject(s, hdr->seq, -SHARDD_E_NOMEM, "cannot create the ring (%u entries): %s%s%s%s",
 			       sq_entries, strerror(-ringfd), lim[0] ? " (shardd is at its fd limit: " : "",
 			       lim, lim[0] ? "; raise it with ulimit -n or LimitNOFILE=)" : "");
 		return;
 	}
 	/* Every taken entry holds a CQ slot, so at most cq_entries are timed at once. */
-	if (shardd_op_clock_init(&s->clock, sq_entries * CQ_PER_SQ) < 0) {
-		shardd_session_reject(s, hdr->seq, -SHARDD_E_NOMEM, "out of memory for the op clock of "
+	if (shd_op_clock_init(&s->clock, sq_entries * CQ_PER_SQ) < 0) {
+		shd_session_reject(s, hdr->seq, -SHARDD_E_NOMEM, "out of memory for the op clock of "
 			       "%u entries", sq_entries * CQ_PER_SQ);
 		goto out;
 	}
 	s->doorbell_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
 	if (s->doorbell_fd < 0) {
 		ret = -errno;
-		shardd_session_reject(s, hdr->seq, ret, "cannot create the doorbell eventfd: %s",
+		shd_session_reject(s, hdr->seq, ret, "cannot create the doorbell eventfd: %s",
 			       strerror(-ret));
 		goto out;
 	}
 	if (!job) {
-		ret = shardd_job_create(h.job, h.replicate, h.shard, &job);
+		ret = shd_job_create(h.job, h.replicate, h.shard, &job);
 		if (ret < 0) {
-			shardd_session_reject(s, hdr->seq, ret == -ENOMEM ? -SHARDD_E_NOMEM : ret,
+			shd_session_reject(s, hdr->seq, ret == -ENOMEM ? -SHARDD_E_NOMEM : ret,
 				       "cannot create job '%s': %s", h.job,
 				       ret == -ENOMEM ? "out of memory" : "the engine refused it");
 			goto out;
@@ -271,41 +271,41 @@ void shardd_session_hello(struct shardd_session *s, const struct shardd_msg_hdr 
 	w.major = SHARDD_PROTO_MAJOR;
 	w.minor = SHARDD_PROTO_MINOR;
 	w.client_id = s->id;
-	w.backend = shardd_session_env.backend;
+	w.backend = shd_session_env.backend;
 	w.sq_entries = sq_entries;
 	w.cq_entries = sq_entries * CQ_PER_SQ;
-	w.daemon_pid = (uint32_t)shardd_session_env.pid;
+	w.daemon_pid = (uint32_t)shd_session_env.pid;
 	w.ring_size = s->ring_size;
-	w.collective_timeout_ms = (uint32_t)(shardd_session_env.collective_timeout_ns / 1000000u);
+	w.collective_timeout_ms = (uint32_t)(shd_session_env.collective_timeout_ns / 1000000u);
 	fds[0] = ringfd;
 	fds[1] = s->doorbell_fd;
-	if (shardd_session_send(s, SHARDD_MSG_WELCOME, hdr->seq, &w, sizeof(w), fds, 2) < 0) {
+	if (shd_session_send(s, SHARDD_MSG_WELCOME, hdr->seq, &w, sizeof(w), fds, 2) < 0) {
 		/* The session is marked closing; the job it would have created goes. */
 		if (created)
-			shardd_job_destroy(job);
+			shd_job_destroy(job);
 		goto out;
 	}
 
-	s->state = SHARDD_SESSION_ATTACHED;
+	s->state = SHD_SESSION_ATTACHED;
 	s->job = job;
 	s->rank = h.rank;
 	s->device = h.device;
-	s->stats.attached_ns = shardd_now_ns();
-	shardd_job_attach(job, h.rank, (uint32_t)s->cred.pid, h.device,
-			  &(struct shardd_rank_sink){ .ops = &shardd_session_sink_ops, .ctx = s,
+	s->stats.attached_ns = shd_now_ns();
+	shd_job_attach(job, h.rank, (uint32_t)s->cred.pid, h.device,
+			  &(struct shd_rank_sink){ .ops = &shd_session_sink_ops, .ctx = s,
 						      .token = s->id });
-	if (shardd_loop_add_fd(shardd_session_env.loop, s->doorbell_fd, POLLIN, session_doorbell, s,
+	if (shd_loop_add_fd(shd_session_env.loop, s->doorbell_fd, POLLIN, session_doorbell, s,
 			       &s->doorbell_ev) < 0 ||
-	    (s->pidfd >= 0 && shardd_loop_add_fd(shardd_session_env.loop, s->pidfd, POLLIN,
+	    (s->pidfd >= 0 && shd_loop_add_fd(shd_session_env.loop, s->pidfd, POLLIN,
 						 session_pidfd_readable, s, &s->pidfd_ev) < 0)) {
-		shardd_session_close(s, "could not be registered with the event loop");
+		shd_session_close(s, "could not be registered with the event loop");
 		goto out;
 	}
-	shardd_log_info("%s attached: mesh %ux%u, ring %u/%u entries, device %d",
-			shardd_session_name(s, name, sizeof(name)), h.replicate, h.shard, sq_entries,
+	shd_log_info("%s attached: mesh %ux%u, ring %u/%u entries, device %d",
+			shd_session_name(s, name, sizeof(name)), h.replicate, h.shard, sq_entries,
 			sq_entries * CQ_PER_SQ, h.device);
 	/* The client may have submitted already; serve its ring before sleeping. */
-	shardd_session_env.note_work(shardd_now_ns());
+	shd_session_env.note_work(shd_now_ns());
 out:
 	/* The client holds its own copy of the ring fd now; our mapping stays. */
 	close(ringfd);
@@ -319,10 +319,10 @@ out:
  * SHARDD_MSG_STREAM: import the client's per-SQ-slot events and answer
  * with ours, one per CQ slot (shardd_proto.h). Once per connection.
  */
-void shardd_session_stream(struct shardd_session *s, uint32_t seq, const uint8_t *payload,
+void shd_session_stream(struct shd_session *s, uint32_t seq, const uint8_t *payload,
 			   uint32_t len)
 {
-	struct shardd_backend_ctx *b = shardd_engine_backend(shardd_session_env.engine);
+	struct shd_backend_ctx *b = shd_engine_backend(shd_session_env.engine);
 	uint32_t nsq = s->ring.sq_mask + 1, ncq = s->ring.cq_mask + 1;
 	size_t hsz = sizeof(struct shardd_cuda_ipc_handle);
 	struct shardd_stream_reply *rep;
@@ -331,43 +331,43 @@ void shardd_session_stream(struct shardd_session *s, uint32_t seq, const uint8_t
 	size_t rlen;
 
 	if (!b->ops->fences_open) {
-		shardd_session_reply_error(s, seq, -ENOTSUP,
+		shd_session_reply_error(s, seq, -ENOTSUP,
 				    "stream fences need --backend cuda; this shardd runs --backend %s, "
 				    "whose completions already mean the results are in memory",
 				    b->ops->name);
 		return;
 	}
 	if (s->fences) {
-		shardd_session_reply_error(s, seq, -SHARDD_E_STATE,
+		shd_session_reply_error(s, seq, -SHARDD_E_STATE,
 				    "this connection set up its stream fences already; STREAM is sent once");
 		return;
 	}
 	if (s->device < 0) {
-		shardd_session_reply_error(s, seq, -SHARDD_E_INVALID,
+		shd_session_reply_error(s, seq, -SHARDD_E_INVALID,
 				    "stream fences: this rank attached with hello.device = %d; attach "
 				    "with the CUDA device its stream runs on", s->device);
 		return;
 	}
 	if (len < sizeof(req)) {
-		shardd_session_reply_error(s, seq, -SHARDD_E_MALFORMED,
+		shd_session_reply_error(s, seq, -SHARDD_E_MALFORMED,
 				    "STREAM payload of %u bytes is shorter than its %zu-byte header", len,
 				    sizeof(req));
 		return;
 	}
 	memcpy(&req, payload, sizeof(req));
 	if (req.rsvd) {
-		shardd_session_reply_error(s, seq, -SHARDD_E_INVALID,
+		shd_session_reply_error(s, seq, -SHARDD_E_INVALID,
 				    "stream.rsvd = 0x%x: reserved, must be 0", req.rsvd);
 		return;
 	}
 	if (req.nevents != nsq) {
-		shardd_session_reply_error(s, seq, -SHARDD_E_INVALID,
+		shd_session_reply_error(s, seq, -SHARDD_E_INVALID,
 				    "stream.nevents = %u: must be %u, one event per SQ slot", req.nevents,
 				    nsq);
 		return;
 	}
 	if (len != sizeof(req) + (uint64_t)nsq * hsz) {
-		shardd_session_reply_error(s, seq, -SHARDD_E_MALFORMED,
+		shd_session_reply_error(s, seq, -SHARDD_E_MALFORMED,
 				    "STREAM payload of %u bytes: a header and %u event handles take %zu",
 				    len, nsq, sizeof(req) + nsq * hsz);
 		return;
@@ -375,7 +375,7 @@ void shardd_session_stream(struct shardd_session *s, uint32_t seq, const uint8_t
 	rlen = sizeof(*rep) + ncq * hsz;
 	rep = calloc(1, rlen);
 	if (!rep) {
-		shardd_session_reply_error(s, seq, -SHARDD_E_NOMEM,
+		shd_session_reply_error(s, seq, -SHARDD_E_NOMEM,
 				    "stream fences: out of memory for %u event handles", ncq);
 		return;
 	}
@@ -384,13 +384,13 @@ void shardd_session_stream(struct shardd_session *s, uint32_t seq, const uint8_t
 				(const struct shardd_cuda_ipc_handle *)(payload + sizeof(req)), ncq,
 				(struct shardd_cuda_ipc_handle *)(rep + 1), &s->fences, err,
 				sizeof(err)) < 0) {
-		shardd_session_reply_error(s, seq, -SHARDD_E_BACKEND, "stream fences on device %d: %s",
+		shd_session_reply_error(s, seq, -SHARDD_E_BACKEND, "stream fences on device %d: %s",
 				    s->device, err[0] ? err : "the backend failed");
 		free(rep);
 		return;
 	}
 	rep->nevents = ncq;
-	shardd_session_send(s, SHARDD_MSG_STREAM_REPLY, seq, rep, (uint32_t)rlen, NULL, 0);
+	shd_session_send(s, SHARDD_MSG_STREAM_REPLY, seq, rep, (uint32_t)rlen, NULL, 0);
 	free(rep);
 }
 

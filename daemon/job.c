@@ -11,26 +11,26 @@
 #include "job.h"
 #include "log.h"
 
-static struct shardd_jobs_env env;
+static struct shd_jobs_env env;
 
-void shardd_jobs_init(const struct shardd_jobs_env *e)
+void shd_jobs_init(const struct shd_jobs_env *e)
 {
 	env = *e;
 }
 
-struct shardd_job *shardd_job_find(const char *name)
+struct shd_job *shd_job_find(const char *name)
 {
-	for (struct shardd_job *j = *env.list; j; j = j->next)
+	for (struct shd_job *j = *env.list; j; j = j->next)
 		if (strcmp(j->name, name) == 0)
 			return j;
 	return NULL;
 }
 
-int shardd_job_claim(const char *name, uint32_t replicate, uint32_t shard, uint32_t rank,
-		     struct shardd_job **out, char *why, size_t len)
+int shd_job_claim(const char *name, uint32_t replicate, uint32_t shard, uint32_t rank,
+		     struct shd_job **out, char *why, size_t len)
 {
-	struct shardd_job *job = shardd_job_find(name);
-	struct shardd_job_rank *jr;
+	struct shd_job *job = shd_job_find(name);
+	struct shd_job_rank *jr;
 
 	*out = job;
 	if (!job)
@@ -53,11 +53,11 @@ int shardd_job_claim(const char *name, uint32_t replicate, uint32_t shard, uint3
 	return 0;
 }
 
-int shardd_job_create(const char *name, uint32_t replicate, uint32_t shard,
-		      struct shardd_job **out)
+int shd_job_create(const char *name, uint32_t replicate, uint32_t shard,
+		      struct shd_job **out)
 {
 	uint32_t all[SHARDD_MAX_WORLD];
-	struct shardd_job *j;
+	struct shd_job *j;
 	int ret = -ENOMEM;
 
 	j = calloc(1, sizeof(*j));
@@ -72,22 +72,22 @@ int shardd_job_create(const char *name, uint32_t replicate, uint32_t shard,
 		goto err_free;
 	for (uint32_t r = 0; r < j->world; r++)
 		all[r] = r;
-	ret = shardd_rdv_init(&j->barrier, all, j->world);
+	ret = shd_rdv_init(&j->barrier, all, j->world);
 	if (ret < 0)
 		goto err_free;
-	ret = shardd_engine_job_create(env.engine, j, j->name, replicate, shard, &j->ejob);
+	ret = shd_engine_job_create(env.engine, j, j->name, replicate, shard, &j->ejob);
 	if (ret < 0)
 		goto err_rdv;
 	j->next = *env.list;
 	if (*env.list)
 		(*env.list)->prev = j;
 	*env.list = j;
-	shardd_log_info("job '%s' created: mesh %ux%u", j->name, replicate, shard);
+	shd_log_info("job '%s' created: mesh %ux%u", j->name, replicate, shard);
 	*out = j;
 	return 0;
 
 err_rdv:
-	shardd_rdv_free(&j->barrier);
+	shd_rdv_free(&j->barrier);
 err_free:
 	free(j->ranks);
 	free(j);
@@ -105,7 +105,7 @@ static void rank_phrase(char *buf, size_t len, const char *list, uint32_t n)
  * rendezvous is reset before any completion is pushed, so a client dropped
  * while we complete it (corrupt ring) finds no barrier to fail again.
  */
-static void barrier_finish(struct shardd_job *j, int res, const char *msg)
+static void barrier_finish(struct shd_job *j, int res, const char *msg)
 {
 	uint32_t done[SHARDD_MAX_WORLD];
 	uint32_t n = 0;
@@ -113,16 +113,16 @@ static void barrier_finish(struct shardd_job *j, int res, const char *msg)
 	for (uint32_t i = 0; i < j->barrier.nexpected; i++)
 		if (j->barrier.arrived[i])
 			done[n++] = j->barrier.ranks[i];
-	shardd_rdv_reset(&j->barrier);
+	shd_rdv_reset(&j->barrier);
 	for (uint32_t i = 0; i < n; i++) {
-		struct shardd_job_rank *jr = &j->ranks[done[i]];
+		struct shd_job_rank *jr = &j->ranks[done[i]];
 
-		shardd_job_op_done(j, done[i], jr->barrier_token, &jr->barrier_sqe, res, msg);
+		shd_job_op_done(j, done[i], jr->barrier_token, &jr->barrier_sqe, res, msg);
 	}
 }
 
-/* shardd_job_destroy; `why` ("was ended by ...", NULL: shutdown) goes into every failure. */
-static void job_destroy(struct shardd_job *j, const char *why)
+/* shd_job_destroy; `why` ("was ended by ...", NULL: shutdown) goes into every failure. */
+static void job_destroy(struct shd_job *j, const char *why)
 {
 	if (j->barrier.active) {
 		char msg[SHARDD_RING_MSG_SIZE];
@@ -134,7 +134,7 @@ static void job_destroy(struct shardd_job *j, const char *why)
 		barrier_finish(j, -SHARDD_E_SHUTDOWN, msg);
 	}
 	/* The engine fails what it still holds through the callbacks, to live sessions. */
-	shardd_engine_job_end(j->ejob, why);
+	shd_engine_job_end(j->ejob, why);
 	for (uint32_t r = 0; r < j->world; r++)
 		if (j->ranks[r].client.ops)
 			j->ranks[r].client.ops->job_ended(j->ranks[r].client.ctx);
@@ -144,26 +144,26 @@ static void job_destroy(struct shardd_job *j, const char *why)
 		*env.list = j->next;
 	if (j->next)
 		j->next->prev = j->prev;
-	shardd_log_info("job '%s' ended", j->name);
-	shardd_rdv_free(&j->barrier);
+	shd_log_info("job '%s' ended", j->name);
+	shd_rdv_free(&j->barrier);
 	free(j->ranks);
 	free(j);
 }
 
-void shardd_job_destroy(struct shardd_job *j)
+void shd_job_destroy(struct shd_job *j)
 {
 	job_destroy(j, NULL);
 }
 
-uint64_t shardd_job_end(struct shardd_job *j, const char *why)
+uint64_t shd_job_end(struct shd_job *j, const char *why)
 {
-	struct shardd_rank_sink attached[SHARDD_MAX_WORLD];
-	struct shardd_group_memory held = { 0 };
+	struct shd_rank_sink attached[SHARDD_MAX_WORLD];
+	struct shd_group_memory held = { 0 };
 	uint64_t bytes;
 	char name[SHARDD_NAME_MAX], notice[SHARDD_RING_MSG_SIZE];
 	uint32_t n = 0;
 
-	shardd_job_memory_held(j, &held);
+	shd_job_memory_held(j, &held);
 	bytes = held.total;
 	snprintf(name, sizeof(name), "%s", j->name);
 	snprintf(notice, sizeof(notice), "job '%s' %s", j->name, why);
@@ -179,16 +179,16 @@ uint64_t shardd_job_end(struct shardd_job *j, const char *why)
 	for (uint32_t i = 0; i < n; i++)
 		attached[i].ops->close_later(attached[i].ctx, notice);
 	if (n)
-		shardd_log_warn("job '%s' %s: its %u attached rank%s told, %llu bytes of buffers "
+		shd_log_warn("job '%s' %s: its %u attached rank%s told, %llu bytes of buffers "
 				"freed (%.1f MiB)", name, why, n, n == 1 ? " was" : "s were",
 				(unsigned long long)bytes, (double)bytes / (1024.0 * 1024.0));
 	else
-		shardd_log_warn("job '%s' %s: %llu bytes of buffers freed (%.1f MiB)", name, why,
+		shd_log_warn("job '%s' %s: %llu bytes of buffers freed (%.1f MiB)", name, why,
 				(unsigned long long)bytes, (double)bytes / (1024.0 * 1024.0));
 	return bytes;
 }
 
-double shardd_job_ends_in_s(const struct shardd_job *j, uint64_t now_ns)
+double shd_job_ends_in_s(const struct shd_job *j, uint64_t now_ns)
 {
 	uint64_t linger = env.linger_ns, idle;
 
@@ -198,10 +198,10 @@ double shardd_job_ends_in_s(const struct shardd_job *j, uint64_t now_ns)
 	return idle >= linger ? 0 : (double)(linger - idle) / 1e9;
 }
 
-void shardd_job_attach(struct shardd_job *j, uint32_t rank, uint32_t pid, int32_t device,
-		       const struct shardd_rank_sink *client)
+void shd_job_attach(struct shd_job *j, uint32_t rank, uint32_t pid, int32_t device,
+		       const struct shd_rank_sink *client)
 {
-	struct shardd_job_rank *jr = &j->ranks[rank];
+	struct shd_job_rank *jr = &j->ranks[rank];
 
 	jr->client = *client;
 	jr->pid = pid;
@@ -209,19 +209,19 @@ void shardd_job_attach(struct shardd_job *j, uint32_t rank, uint32_t pid, int32_
 	jr->goodbye = 0;
 	j->nattached++;
 	if (j->orphaned_ns) {
-		shardd_log_info("job '%s': rank %u re-attached after %.1f s without ranks; the job "
+		shd_log_info("job '%s': rank %u re-attached after %.1f s without ranks; the job "
 				"no longer ends (--job-linger)", j->name, rank,
-				(double)(shardd_now_ns() - j->orphaned_ns) / 1e9);
+				(double)(shd_now_ns() - j->orphaned_ns) / 1e9);
 		j->orphaned_ns = 0;
 	}
-	shardd_engine_rank_attached(j->ejob, rank, device);
+	shd_engine_rank_attached(j->ejob, rank, device);
 }
 
 /* The sink of `rank` if its client is `token`, else NULL (a stale completion). */
-static const struct shardd_rank_sink *job_client(struct shardd_job *j, uint32_t rank,
+static const struct shd_rank_sink *job_client(struct shd_job *j, uint32_t rank,
 						 uint64_t token)
 {
-	const struct shardd_rank_sink *c;
+	const struct shd_rank_sink *c;
 
 	if (rank >= j->world)
 		return NULL;
@@ -229,14 +229,14 @@ static const struct shardd_rank_sink *job_client(struct shardd_job *j, uint32_t 
 	return c->ops && c->token == token ? c : NULL;
 }
 
-void shardd_job_op_done(void *job_ctx, uint32_t rank, uint64_t token,
+void shd_job_op_done(void *job_ctx, uint32_t rank, uint64_t token,
 			const struct shardd_sqe *sqe, int res, const char *msg)
 {
-	struct shardd_job *j = job_ctx;
-	const struct shardd_rank_sink *c = job_client(j, rank, token);
+	struct shd_job *j = job_ctx;
+	const struct shd_rank_sink *c = job_client(j, rank, token);
 
 	if (!c) {
-		shardd_log_debug("job '%s' rank %u: dropping the completion of %s (step %llu): "
+		shd_log_debug("job '%s' rank %u: dropping the completion of %s (step %llu): "
 				 "its client %llu is gone", j->name, rank,
 				 shardd_op_name(sqe->op) ? shardd_op_name(sqe->op) : "?",
 				 (unsigned long long)sqe->step, (unsigned long long)token);
@@ -245,26 +245,26 @@ void shardd_job_op_done(void *job_ctx, uint32_t rank, uint64_t token,
 	c->ops->complete(c->ctx, sqe, res, msg);
 }
 
-void shardd_job_group_reply(void *job_ctx, uint32_t rank, uint64_t token, uint32_t seq,
+void shd_job_group_reply(void *job_ctx, uint32_t rank, uint64_t token, uint32_t seq,
 			    int res, const char *msg, const struct shardd_group_reply *reply,
 			    const struct shardd_param_layout *layouts,
 			    const struct shardd_param_spec *specs, const int *fds, int nfds,
 			    const struct shardd_cuda_ipc_handle *ipc, int nipc)
 {
-	struct shardd_job *j = job_ctx;
-	const struct shardd_rank_sink *c = job_client(j, rank, token);
+	struct shd_job *j = job_ctx;
+	const struct shd_rank_sink *c = job_client(j, rank, token);
 
 	if (!c) {
-		shardd_log_debug("job '%s' rank %u: dropping a group reply: its client %llu is gone",
+		shd_log_debug("job '%s' rank %u: dropping a group reply: its client %llu is gone",
 				 j->name, rank, (unsigned long long)token);
 		return;
 	}
 	c->ops->group_reply(c->ctx, seq, res, msg, reply, layouts, specs, fds, nfds, ipc, nipc);
 }
 
-void shardd_job_detach(struct shardd_job *j, uint32_t rank, int goodbye, const char *why)
+void shd_job_detach(struct shd_job *j, uint32_t rank, int goodbye, const char *why)
 {
-	struct shardd_job_rank *jr = &j->ranks[rank];
+	struct shd_job_rank *jr = &j->ranks[rank];
 	uint64_t token;
 	int all_goodbye = 1;
 
@@ -279,54 +279,54 @@ void shardd_job_detach(struct shardd_job *j, uint32_t rank, int goodbye, const c
 		char present[1024], who[1100], msg[1400];
 		uint64_t step = j->barrier.step;
 
-		shardd_rdv_leave(&j->barrier, rank);
+		shd_rdv_leave(&j->barrier, rank);
 		if (j->barrier.narrived) {
-			shardd_rdv_present(&j->barrier, present, sizeof(present));
+			shd_rdv_present(&j->barrier, present, sizeof(present));
 			rank_phrase(who, sizeof(who), present, j->barrier.narrived);
 			snprintf(msg, sizeof(msg), "barrier %llu: rank %u (pid %u) %s; %s %s waiting",
 				 (unsigned long long)step, rank, jr->pid, why, who,
 				 j->barrier.narrived == 1 ? "was" : "were");
-			shardd_log_warn("job '%s': %s", j->name, msg);
+			shd_log_warn("job '%s': %s", j->name, msg);
 			barrier_finish(j, -SHARDD_E_PEER_DIED, msg);
 		} else {
-			shardd_rdv_reset(&j->barrier);
+			shd_rdv_reset(&j->barrier);
 		}
 	}
-	shardd_engine_rank_gone(j->ejob, rank, token);
+	shd_engine_rank_gone(j->ejob, rank, token);
 	for (uint32_t r = 0; r < j->world; r++)
 		if (!j->ranks[r].goodbye)
 			all_goodbye = 0;
 	if (all_goodbye) {
-		shardd_job_destroy(j);
+		shd_job_destroy(j);
 		return;
 	}
 	if (!j->nattached) {
-		j->orphaned_ns = shardd_now_ns();
+		j->orphaned_ns = shd_now_ns();
 		if (env.linger_ns)
-			shardd_log_info("job '%s': no rank attached; it ends in %g s unless one "
+			shd_log_info("job '%s': no rank attached; it ends in %g s unless one "
 					"re-attaches (--job-linger)", j->name, env.linger_s);
 		else
-			shardd_log_info("job '%s': no rank attached; kept until one re-attaches "
+			shd_log_info("job '%s': no rank attached; kept until one re-attaches "
 					"(--job-linger 0)", j->name);
 	}
 }
 
-void shardd_job_barrier(struct shardd_job *j, uint32_t rank, const struct shardd_sqe *sqe)
+void shd_job_barrier(struct shd_job *j, uint32_t rank, const struct shardd_sqe *sqe)
 {
-	struct shardd_job_rank *jr = &j->ranks[rank];
+	struct shd_job_rank *jr = &j->ranks[rank];
 	uint64_t token = jr->client.token;
 	char why[256], msg[1400];
 	int ret;
 
-	ret = shardd_rdv_arrive(&j->barrier, rank, sqe->step, 0, shardd_now_ns(),
+	ret = shd_rdv_arrive(&j->barrier, rank, sqe->step, 0, shd_now_ns(),
 				env.collective_timeout_ns, why, sizeof(why));
 	if (ret == -EINVAL) {
 		snprintf(msg, sizeof(msg), "barrier %llu: rank %u already waits in barrier %llu",
 			 (unsigned long long)sqe->step, rank, (unsigned long long)j->barrier.step);
-		shardd_job_op_done(j, rank, token, sqe, -SHARDD_E_STATE, msg);
+		shd_job_op_done(j, rank, token, sqe, -SHARDD_E_STATE, msg);
 		return;
 	}
-	if (ret == SHARDD_RDV_MISMATCH) {
+	if (ret == SHD_RDV_MISMATCH) {
 		char failing[1024];
 		size_t off = 0;
 
@@ -344,49 +344,49 @@ void shardd_job_barrier(struct shardd_job *j, uint32_t rank, const struct shardd
 			 "barrier %llu; failing ranks %s",
 			 rank, (unsigned long long)sqe->step, j->barrier.first_rank,
 			 (unsigned long long)j->barrier.step, failing);
-		shardd_log_warn("job '%s': %s", j->name, msg);
+		shd_log_warn("job '%s': %s", j->name, msg);
 		barrier_finish(j, -SHARDD_E_MISMATCH, msg);
-		shardd_job_op_done(j, rank, token, sqe, -SHARDD_E_MISMATCH, msg);
+		shd_job_op_done(j, rank, token, sqe, -SHARDD_E_MISMATCH, msg);
 		return;
 	}
 	jr->barrier_token = token;
 	jr->barrier_sqe = *sqe;
-	if (ret == SHARDD_RDV_COMPLETE)
+	if (ret == SHD_RDV_COMPLETE)
 		barrier_finish(j, 0, NULL);
 }
 
-void shardd_job_cron(struct shardd_job *j, uint64_t now_ns)
+void shd_job_cron(struct shd_job *j, uint64_t now_ns)
 {
 	char within[32], late[2300], msg[2400];
 
-	if (shardd_job_ends_in_s(j, now_ns) == 0) {
+	if (shd_job_ends_in_s(j, now_ns) == 0) {
 		snprintf(msg, sizeof(msg), "ended after %.1f s without an attached rank (--job-linger %g)",
 			 (double)(now_ns - j->orphaned_ns) / 1e9, env.linger_s);
-		shardd_job_end(j, msg);
+		shd_job_end(j, msg);
 		return;
 	}
-	if (!shardd_rdv_expired(&j->barrier, now_ns))
+	if (!shd_rdv_expired(&j->barrier, now_ns))
 		return;
 	snprintf(within, sizeof(within), "%g s", env.collective_timeout_s);
-	shardd_rdv_missing_msg(&j->barrier, "did not arrive", within, late, sizeof(late));
+	shd_rdv_missing_msg(&j->barrier, "did not arrive", within, late, sizeof(late));
 	snprintf(msg, sizeof(msg), "barrier %llu: %s", (unsigned long long)j->barrier.step, late);
-	shardd_log_warn("job '%s': %s", j->name, msg);
+	shd_log_warn("job '%s': %s", j->name, msg);
 	barrier_finish(j, -SHARDD_E_TIMEOUT, msg);
 }
 
-void shardd_job_memory_held(const struct shardd_job *j, struct shardd_group_memory *m)
+void shd_job_memory_held(const struct shd_job *j, struct shd_group_memory *m)
 {
-	for (uint32_t i = 1; i <= shardd_engine_job_ngroups(j->ejob); i++) {
-		const struct shardd_group *g = shardd_engine_job_group(j->ejob, i);
+	for (uint32_t i = 1; i <= shd_engine_job_ngroups(j->ejob); i++) {
+		const struct shd_group *g = shd_engine_job_group(j->ejob, i);
 
 		if (g)
-			shardd_group_memory_held(g, m);
+			shd_group_memory_held(g, m);
 	}
 }
 
-void shardd_jobs_memory_held(struct shardd_group_memory *m)
+void shd_jobs_memory_held(struct shd_group_memory *m)
 {
 	memset(m, 0, sizeof(*m));
-	for (struct shardd_job *j = *env.list; j; j = j->next)
-		shardd_job_memory_held(j, m);
+	for (struct shd_job *j = *env.list; j; j = j->next)
+		shd_job_memory_held(j, m);
 }

@@ -8,8 +8,8 @@
  * left with no attached rank ends after --job-linger seconds (cron), and an
  * admin ends one at once with `shardctl end`.
  */
-#ifndef SHARDD_JOB_H
-#define SHARDD_JOB_H
+#ifndef SHD_JOB_H
+#define SHD_JOB_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -17,8 +17,8 @@
 #include "rendezvous.h"
 #include "shardd_proto.h"
 
-struct shardd_engine;
-struct shardd_engine_job;
+struct shd_engine;
+struct shd_engine_job;
 struct shardd_cuda_ipc_handle;
 struct shardd_group_reply;
 struct shardd_param_layout;
@@ -26,15 +26,15 @@ struct shardd_param_spec;
 
 /*
  * How the job reaches the client of a rank: given by the session when it
- * attaches (shardd_job_attach), so that the job never calls the session.
+ * attaches (shd_job_attach), so that the job never calls the session.
  * Every completion of the rank's ops, the engine's and the barrier's alike,
  * goes out through `complete`. Each is called on the loop thread with the
  * sink's ctx.
  */
-struct shardd_rank_sink_ops {
+struct shd_rank_sink_ops {
 	/* Push the completion of a taken entry; `msg` (may be NULL) is the error text. */
 	void (*complete)(void *ctx, const struct shardd_sqe *sqe, int res, const char *msg);
-	/* Send the reply of a group registration or open (shardd_engine_reply_fn). */
+	/* Send the reply of a group registration or open (shd_engine_reply_fn). */
 	void (*group_reply)(void *ctx, uint32_t seq, int res, const char *msg,
 			    const struct shardd_group_reply *reply,
 			    const struct shardd_param_layout *layouts,
@@ -44,7 +44,7 @@ struct shardd_rank_sink_ops {
 	void (*notify)(void *ctx, int code, const char *text);
 	/* Is the client gone (socket hung up, process exited)? Never waits. */
 	int  (*gone)(void *ctx);
-	/* Close the client now; `why` is logged. Detaches the rank (shardd_job_detach). */
+	/* Close the client now; `why` is logged. Detaches the rank (shd_job_detach). */
 	void (*close)(void *ctx, const char *why);
 	/* Stop using the client and close it at the loop's next safe point. */
 	void (*close_later)(void *ctx, const char *why);
@@ -52,24 +52,24 @@ struct shardd_rank_sink_ops {
 	void (*job_ended)(void *ctx);
 };
 
-struct shardd_rank_sink {
-	const struct shardd_rank_sink_ops *ops; /* NULL: no client attached */
+struct shd_rank_sink {
+	const struct shd_rank_sink_ops *ops; /* NULL: no client attached */
 	void    *ctx;                           /* the client (its session) */
 	uint64_t token;                         /* its client id: the engine's token for its ops */
 };
 
-/* What every job needs from the daemon, given once at start (shardd_jobs_init). */
-struct shardd_jobs_env {
-	struct shardd_job **list;        /* head of the daemon's list of jobs */
-	struct shardd_engine *engine;
+/* What every job needs from the daemon, given once at start (shd_jobs_init). */
+struct shd_jobs_env {
+	struct shd_job **list;        /* head of the daemon's list of jobs */
+	struct shd_engine *engine;
 	uint64_t collective_timeout_ns;  /* a barrier fails after this */
 	double   collective_timeout_s;   /* the same, as given (--collective-timeout) */
 	uint64_t linger_ns;              /* --job-linger; 0 = forever */
 	double   linger_s;
 };
 
-struct shardd_job_rank {
-	struct shardd_rank_sink client; /* attached client; client.ops NULL when none */
+struct shd_job_rank {
+	struct shd_rank_sink client; /* attached client; client.ops NULL when none */
 	uint32_t pid;                   /* pid of the latest client of this rank */
 	int      attached_once;         /* some client has held this rank */
 	int      goodbye;               /* said goodbye since its last attach */
@@ -77,82 +77,82 @@ struct shardd_job_rank {
 	struct shardd_sqe barrier_sqe;  /* its entry, for the completion */
 };
 
-struct shardd_job {
-	struct shardd_job *next, *prev; /* shardd_jobs_env.list */
+struct shd_job {
+	struct shd_job *next, *prev; /* shd_jobs_env.list */
 	char     name[SHARDD_NAME_MAX];
 	uint32_t replicate;             /* mesh rows */
 	uint32_t shard;                 /* mesh columns: shard group size */
 	uint32_t world;                 /* replicate * shard */
 	uint32_t nattached;             /* ranks with a client now */
-	struct shardd_job_rank *ranks;  /* world entries */
-	struct shardd_engine_job *ejob;
-	struct shardd_rdv barrier;      /* over every rank of the job */
+	struct shd_job_rank *ranks;  /* world entries */
+	struct shd_engine_job *ejob;
+	struct shd_rdv barrier;      /* over every rank of the job */
 	uint64_t orphaned_ns;           /* CLOCK_MONOTONIC when its last attached rank left; 0 while
 					   one is attached: --job-linger counts from here */
 };
 
 /* Set the environment of every job; before the first HELLO. */
-void shardd_jobs_init(const struct shardd_jobs_env *env);
+void shd_jobs_init(const struct shd_jobs_env *env);
 
-struct shardd_job *shardd_job_find(const char *name);
+struct shd_job *shd_job_find(const char *name);
 /*
  * Who owns a rank: may a new client take `rank` of job `name` with mesh
  * replicate x shard? The job's mesh must match, and the rank must be free;
  * a holder found gone (its EOF not yet seen) is closed first, since a
  * restarted trainer may be faster than its old client's hang-up. Returns 0
- * with *out the job (NULL: no job of that name yet; shardd_job_create makes
+ * with *out the job (NULL: no job of that name yet; shd_job_create makes
  * it), or -SHARDD_E_MESH / -SHARDD_E_RANK_TAKEN with `why` saying so.
  */
-int shardd_job_claim(const char *name, uint32_t replicate, uint32_t shard, uint32_t rank,
-		     struct shardd_job **out, char *why, size_t len);
+int shd_job_claim(const char *name, uint32_t replicate, uint32_t shard, uint32_t rank,
+		     struct shd_job **out, char *why, size_t len);
 /* Create the job and its engine job; 0, -ENOMEM or the engine's error. */
-int shardd_job_create(const char *name, uint32_t replicate, uint32_t shard,
-		      struct shardd_job **out);
+int shd_job_create(const char *name, uint32_t replicate, uint32_t shard,
+		      struct shd_job **out);
 /* Fail its barrier with -SHARDD_E_SHUTDOWN, destroy the engine job, free it. */
-void shardd_job_destroy(struct shardd_job *j);
+void shd_job_destroy(struct shd_job *j);
 
 /*
  * Bind the client reached through `client` (process `pid`, on CUDA device
  * `device` or SHARDD_HELLO_DEVICE_HOST) to `rank` and tell the engine; the
- * slot must be free (shardd_job_claim).
+ * slot must be free (shd_job_claim).
  */
-void shardd_job_attach(struct shardd_job *j, uint32_t rank, uint32_t pid, int32_t device,
-		       const struct shardd_rank_sink *client);
+void shd_job_attach(struct shd_job *j, uint32_t rank, uint32_t pid, int32_t device,
+		       const struct shd_rank_sink *client);
 /*
  * The client of `rank` is gone: `goodbye` says whether it said so, `why` is
  * how it went ("died", "said goodbye", ...). Fails a barrier in progress and
  * tells the engine. Destroys the job when every rank has said goodbye.
  */
-void shardd_job_detach(struct shardd_job *j, uint32_t rank, int goodbye, const char *why);
+void shd_job_detach(struct shd_job *j, uint32_t rank, int goodbye, const char *why);
 
 /*
  * The one completion path: an op of `rank`'s client `token` is done (the
- * engine's complete callback, shardd_engine_complete_fn, with the job as
+ * engine's complete callback, shd_engine_complete_fn, with the job as
  * job_ctx; the barrier uses it too). Goes out through the rank's sink;
  * dropped when that client is gone (a stale token).
  */
-void shardd_job_op_done(void *job_ctx, uint32_t rank, uint64_t token,
+void shd_job_op_done(void *job_ctx, uint32_t rank, uint64_t token,
 			const struct shardd_sqe *sqe, int res, const char *msg);
-/* The engine's reply callback (shardd_engine_reply_fn): the same path for group replies. */
-void shardd_job_group_reply(void *job_ctx, uint32_t rank, uint64_t token, uint32_t seq,
+/* The engine's reply callback (shd_engine_reply_fn): the same path for group replies. */
+void shd_job_group_reply(void *job_ctx, uint32_t rank, uint64_t token, uint32_t seq,
 			    int res, const char *msg, const struct shardd_group_reply *reply,
 			    const struct shardd_param_layout *layouts,
 			    const struct shardd_param_spec *specs, const int *fds, int nfds,
 			    const struct shardd_cuda_ipc_handle *ipc, int nipc);
 
 /* A BARRIER entry (already validated) from the client of `rank`. */
-void shardd_job_barrier(struct shardd_job *j, uint32_t rank, const struct shardd_sqe *sqe);
+void shd_job_barrier(struct shd_job *j, uint32_t rank, const struct shardd_sqe *sqe);
 /*
  * Fail a barrier waiting past the collective timeout; end the job when it
  * has had no attached rank for --job-linger seconds (then `j` is freed).
  */
-void shardd_job_cron(struct shardd_job *j, uint64_t now_ns);
+void shd_job_cron(struct shd_job *j, uint64_t now_ns);
 
 /*
  * Seconds until a job without attached ranks ends (--job-linger), or a
  * negative value when it does not: a rank is attached, or --job-linger 0.
  */
-double shardd_job_ends_in_s(const struct shardd_job *j, uint64_t now_ns);
+double shd_job_ends_in_s(const struct shd_job *j, uint64_t now_ns);
 
 /*
  * End the job now, for the reason `why` ("was ended by ..."): the ops in
@@ -162,12 +162,12 @@ double shardd_job_ends_in_s(const struct shardd_job *j, uint64_t now_ns);
  * (`j` is freed). Logs the job, `why` and the bytes freed; returns those
  * bytes.
  */
-uint64_t shardd_job_end(struct shardd_job *j, const char *why);
+uint64_t shd_job_end(struct shd_job *j, const char *why);
 
-struct shardd_group_memory;
+struct shd_group_memory;
 /* Add the bytes of every buffer job `j` holds now, by kind, to *m (group.h). */
-void shardd_job_memory_held(const struct shardd_job *j, struct shardd_group_memory *m);
+void shd_job_memory_held(const struct shd_job *j, struct shd_group_memory *m);
 /* The bytes of every buffer of every job, by kind, into *m. */
-void shardd_jobs_memory_held(struct shardd_group_memory *m);
+void shd_jobs_memory_held(struct shd_group_memory *m);
 
-#endif /* SHARDD_JOB_H */
+#endif /* SHD_JOB_H */

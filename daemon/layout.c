@@ -52,7 +52,7 @@ static int align_up(uint64_t n, uint64_t *out)
 /*
  * Append `bytes` to a buffer whose used size is *size: the param starts at
  * *offset (aligned) and *size moves past it. False when the buffer would
- * reach SHARDD_LAYOUT_MAX_BYTES.
+ * reach SHD_LAYOUT_MAX_BYTES.
  */
 static int place(uint64_t *size, uint64_t bytes, uint64_t *offset)
 {
@@ -60,7 +60,7 @@ static int place(uint64_t *size, uint64_t bytes, uint64_t *offset)
 
 	*offset = *size;
 	if (__builtin_add_overflow(*size, bytes, &end) || !align_up(end, &end) ||
-	    end >= SHARDD_LAYOUT_MAX_BYTES)
+	    end >= SHD_LAYOUT_MAX_BYTES)
 		return 0;
 	*size = end;
 	return 1;
@@ -68,7 +68,7 @@ static int place(uint64_t *size, uint64_t bytes, uint64_t *offset)
 
 /* Field checks of one spec that need no arithmetic; sets p's dtypes. */
 static int check_spec(const struct shardd_param_spec *s, uint32_t i, uint32_t world,
-		      uint32_t param_dtype, struct shardd_layout_param *p, char *err, size_t errlen)
+		      uint32_t param_dtype, struct shd_layout_param *p, char *err, size_t errlen)
 {
 	const char *name = s->name;
 
@@ -110,7 +110,7 @@ static int check_spec(const struct shardd_param_spec *s, uint32_t i, uint32_t wo
 
 /*
  * Element counts of one param. Every byte count derived from them must stay
- * below SHARDD_LAYOUT_MAX_BYTES; the dim whose product crosses it is named.
+ * below SHD_LAYOUT_MAX_BYTES; the dim whose product crosses it is named.
  *
  * The product of the nonzero dims is bounded too, not only numel: a zero
  * dim makes numel 0 (FSDP2 accepts zero-numel params: they take no bytes
@@ -120,10 +120,10 @@ static int check_spec(const struct shardd_param_spec *s, uint32_t i, uint32_t wo
  * below (outer, dim, inner, numel, shard_numel) fits without a check.
  */
 static int count_elements(const struct shardd_param_spec *s, uint32_t world,
-			  struct shardd_layout_param *p, char *err, size_t errlen)
+			  struct shd_layout_param *p, char *err, size_t errlen)
 {
 	/* fp32 is the widest dtype: a count whose fp32 bytes fit fits all. */
-	const uint64_t max_numel = SHARDD_LAYOUT_MAX_BYTES / sizeof(float);
+	const uint64_t max_numel = SHD_LAYOUT_MAX_BYTES / sizeof(float);
 	uint64_t numel = 1, extent = 1;
 
 	p->outer = 1;
@@ -136,7 +136,7 @@ static int count_elements(const struct shardd_param_spec *s, uint32_t world,
 			return layout_error(err, errlen,
 					    "param '%s': shape[%u] = 0x%llx overflows the buffer size (limit %llu bytes per buffer: the nonzero dims must multiply to less than %llu)",
 					    s->name, d, (unsigned long long)n,
-					    (unsigned long long)SHARDD_LAYOUT_MAX_BYTES, (unsigned long long)max_numel);
+					    (unsigned long long)SHD_LAYOUT_MAX_BYTES, (unsigned long long)max_numel);
 		numel *= n;
 		if (d < s->shard_dim)
 			p->outer *= n;
@@ -154,7 +154,7 @@ static int count_elements(const struct shardd_param_spec *s, uint32_t world,
 		return layout_error(err, errlen,
 				    "param '%s': shape[%u] = 0x%llx overflows the shard size (limit %llu bytes per buffer)",
 				    s->name, s->shard_dim, (unsigned long long)p->dim,
-				    (unsigned long long)SHARDD_LAYOUT_MAX_BYTES);
+				    (unsigned long long)SHD_LAYOUT_MAX_BYTES);
 	return 0;
 }
 
@@ -184,10 +184,10 @@ static int check_unique_names(const struct shardd_param_spec *specs, uint32_t np
 	return ret;
 }
 
-int shardd_layout_build(const struct shardd_param_spec *specs, uint32_t nparams, uint32_t world,
-			uint32_t param_dtype, struct shardd_layout *out, char *err, size_t errlen)
+int shd_layout_build(const struct shardd_param_spec *specs, uint32_t nparams, uint32_t world,
+			uint32_t param_dtype, struct shd_layout *out, char *err, size_t errlen)
 {
-	struct shardd_layout l = { .nparams = nparams, .world = world };
+	struct shd_layout l = { .nparams = nparams, .world = world };
 	int ret;
 
 	memset(out, 0, sizeof(*out));
@@ -207,7 +207,7 @@ int shardd_layout_build(const struct shardd_param_spec *specs, uint32_t nparams,
 		return -ENOMEM;
 	for (uint32_t i = 0; i < nparams; i++) {
 		const struct shardd_param_spec *s = &specs[i];
-		struct shardd_layout_param *p = &l.params[i];
+		struct shd_layout_param *p = &l.params[i];
 
 		ret = check_spec(s, i, world, param_dtype, p, err, errlen);
 		if (ret)
@@ -222,7 +222,7 @@ int shardd_layout_build(const struct shardd_param_spec *specs, uint32_t nparams,
 		    !place(&l.shard_size, p->shard_numel * shardd_dtype_size(p->dtype), &p->shard_offset)) {
 			ret = layout_error(err, errlen,
 					   "param '%s': adding it takes a buffer of the group past the limit of %llu bytes; split the group",
-					   s->name, (unsigned long long)SHARDD_LAYOUT_MAX_BYTES);
+					   s->name, (unsigned long long)SHD_LAYOUT_MAX_BYTES);
 			goto err;
 		}
 	}
@@ -244,13 +244,13 @@ err:
 	return ret;
 }
 
-void shardd_layout_free(struct shardd_layout *l)
+void shd_layout_free(struct shd_layout *l)
 {
 	free(l->params);
 	memset(l, 0, sizeof(*l));
 }
 
-uint64_t shardd_layout_rows_valid(const struct shardd_layout_param *p, uint32_t shard_rank)
+uint64_t shd_layout_rows_valid(const struct shd_layout_param *p, uint32_t shard_rank)
 {
 	uint64_t begin;
 

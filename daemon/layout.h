@@ -14,8 +14,8 @@
  * for it. Its other dims are bounded all the same (the nonzero dims must
  * multiply to less than the per-buffer limit), so no product of dims wraps.
  */
-#ifndef SHARDD_LAYOUT_H
-#define SHARDD_LAYOUT_H
+#ifndef SHD_LAYOUT_H
+#define SHD_LAYOUT_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -23,9 +23,9 @@
 #include "shardd_proto.h"
 
 /* No buffer of a group may reach this many bytes. */
-#define SHARDD_LAYOUT_MAX_BYTES (1ull << 40)
+#define SHD_LAYOUT_MAX_BYTES (1ull << 40)
 
-struct shardd_layout_param {
+struct shd_layout_param {
 	uint32_t dtype;            /* the param's original dtype */
 	uint32_t unsharded_dtype;  /* policy param_dtype if set, else dtype */
 	uint32_t grad_dtype;       /* same rule as unsharded_dtype */
@@ -41,29 +41,29 @@ struct shardd_layout_param {
 	uint64_t shard_offset;     /* bytes, same for every rank (shards are padded to equal size) */
 };
 
-struct shardd_layout {
+struct shd_layout {
 	uint32_t nparams, world;    /* world = shard group size S */
 	uint64_t unsharded_size, grad_size, shard_size; /* bytes, each rounded up to SHARDD_ALIGN, at least SHARDD_ALIGN */
-	struct shardd_layout_param *params;
+	struct shd_layout_param *params;
 };
 
 /*
  * Validate `nparams` specs for a shard group of `world` ranks and the
  * policy's `param_dtype` (SHARDD_DTYPE_NONE or a dtype), and compute every
- * param's place in every buffer into `out` (free with shardd_layout_free).
+ * param's place in every buffer into `out` (free with shd_layout_free).
  * Returns 0, -SHARDD_E_INVALID with `err` naming the param, the field and
  * the value, or -ENOMEM. On error `out` holds no allocation.
  */
-int shardd_layout_build(const struct shardd_param_spec *specs, uint32_t nparams, uint32_t world,
-			uint32_t param_dtype, struct shardd_layout *out, char *err, size_t errlen);
+int shd_layout_build(const struct shardd_param_spec *specs, uint32_t nparams, uint32_t world,
+			uint32_t param_dtype, struct shd_layout *out, char *err, size_t errlen);
 
-/* Release what shardd_layout_build allocated; safe on a zeroed layout. */
-void shardd_layout_free(struct shardd_layout *l);
+/* Release what shd_layout_build allocated; safe on a zeroed layout. */
+void shd_layout_free(struct shd_layout *l);
 
 /*
  * Rows of real data (not padding) in shard `shard_rank`:
  * clamp(dim - r * rows, 0, rows) for dim 0; rows for Shard(i > 0).
  */
-uint64_t shardd_layout_rows_valid(const struct shardd_layout_param *p, uint32_t shard_rank);
+uint64_t shd_layout_rows_valid(const struct shd_layout_param *p, uint32_t shard_rank);
 
-#endif /* SHARDD_LAYOUT_H */
+#endif /* SHD_LAYOUT_H */

@@ -11,7 +11,7 @@
 
 #include "log.h"
 
-int shardd_log_threshold = SHARDD_LOG_INFO;
+int shd_log_threshold = SHD_LOG_INFO;
 
 static const char *const level_names[] = { "error", "warn", "info", "debug" };
 /* syslog(3) priorities of the levels: LOG_ERR, LOG_WARNING, LOG_INFO, LOG_DEBUG. */
@@ -39,13 +39,13 @@ static void journal_detect(void)
 			 (unsigned long long)st.st_ino == ino;
 }
 
-int shardd_log_to_journal(void)
+int shd_log_to_journal(void)
 {
 	pthread_once(&journal_once, journal_detect);
 	return journal_stderr;
 }
 
-int shardd_log_level_parse(const char *name)
+int shd_log_level_parse(const char *name)
 {
 	for (int i = 0; i < (int)(sizeof(level_names) / sizeof(level_names[0])); i++)
 		if (strcmp(name, level_names[i]) == 0)
@@ -53,14 +53,14 @@ int shardd_log_level_parse(const char *name)
 	return -1;
 }
 
-const char *shardd_log_level_name(int level)
+const char *shd_log_level_name(int level)
 {
-	if (level < 0 || level > SHARDD_LOG_DEBUG)
+	if (level < 0 || level > SHD_LOG_DEBUG)
 		return "?";
 	return level_names[level];
 }
 
-void shardd_vlog(int level, const char *fmt, va_list ap)
+void shd_vlog(int level, const char *fmt, va_list ap)
 {
 	char line[1024];
 	struct timeval tv;
@@ -68,19 +68,19 @@ void shardd_vlog(int level, const char *fmt, va_list ap)
 	size_t off;
 	int n;
 
-	if (level > shardd_log_threshold)
+	if (level > shd_log_threshold)
 		return;
-	if (shardd_log_to_journal()) {
+	if (shd_log_to_journal()) {
 		/* The journal stamps time and pid; "<N>" sets the line's priority (sd-daemon(3)). */
 		off = (size_t)snprintf(line, sizeof(line), "<%d>",
-				       level_priorities[level < 0 ? 0 : level > SHARDD_LOG_DEBUG ?
-							SHARDD_LOG_DEBUG : level]);
+				       level_priorities[level < 0 ? 0 : level > SHD_LOG_DEBUG ?
+							SHD_LOG_DEBUG : level]);
 	} else {
 		gettimeofday(&tv, NULL);
 		localtime_r(&tv.tv_sec, &tm);
 		off = strftime(line, sizeof(line), "%Y-%m-%d %H:%M:%S", &tm);
 		n = snprintf(line + off, sizeof(line) - off, ".%03ld shardd[%d] %s: ",
-			     (long)(tv.tv_usec / 1000), (int)getpid(), shardd_log_level_name(level));
+			     (long)(tv.tv_usec / 1000), (int)getpid(), shd_log_level_name(level));
 		if (n > 0)
 			off += (size_t)n;
 	}
@@ -95,11 +95,11 @@ void shardd_vlog(int level, const char *fmt, va_list ap)
 		return;
 }
 
-void shardd_log(int level, const char *fmt, ...)
+void shd_log(int level, const char *fmt, ...)
 {
 	va_list ap;
 
 	va_start(ap, fmt);
-	shardd_vlog(level, fmt, ap);
+	shd_vlog(level, fmt, ap);
 	va_end(ap);
 }

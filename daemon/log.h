@@ -6,33 +6,33 @@
  * "<PRIORITY>message": the journal adds time and pid, and `journalctl -p
  * warning` filters on the syslog priority (error 3, warn 4, info 6, debug 7).
  */
-#ifndef SHARDD_LOG_H
-#define SHARDD_LOG_H
+#ifndef SHD_LOG_H
+#define SHD_LOG_H
 
 #include <stdarg.h>
 
-enum shardd_log_level {
-	SHARDD_LOG_ERROR = 0,
-	SHARDD_LOG_WARN  = 1,
-	SHARDD_LOG_INFO  = 2, /* default */
-	SHARDD_LOG_DEBUG = 3,
+enum shd_log_level {
+	SHD_LOG_ERROR = 0,
+	SHD_LOG_WARN  = 1,
+	SHD_LOG_INFO  = 2, /* default */
+	SHD_LOG_DEBUG = 3,
 };
 
 /* Lines above this level are dropped; set once at start-up. */
-extern int shardd_log_threshold;
+extern int shd_log_threshold;
 
 /* "error", "warn", "info", "debug" -> level; -1 for anything else. */
-int shardd_log_level_parse(const char *name);
-const char *shardd_log_level_name(int level);
+int shd_log_level_parse(const char *name);
+const char *shd_log_level_name(int level);
 /* 1 when stderr is the journal (checked once, from JOURNAL_STREAM). */
-int shardd_log_to_journal(void);
+int shd_log_to_journal(void);
 
-void shardd_log(int level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-void shardd_vlog(int level, const char *fmt, va_list ap) __attribute__((format(printf, 2, 0)));
+void shd_log(int level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void shd_vlog(int level, const char *fmt, va_list ap) __attribute__((format(printf, 2, 0)));
 
-#define shardd_log_error(...) shardd_log(SHARDD_LOG_ERROR, __VA_ARGS__)
-#define shardd_log_warn(...)  shardd_log(SHARDD_LOG_WARN, __VA_ARGS__)
-#define shardd_log_info(...)  shardd_log(SHARDD_LOG_INFO, __VA_ARGS__)
-#define shardd_log_debug(...) shardd_log(SHARDD_LOG_DEBUG, __VA_ARGS__)
+#define shd_log_error(...) shd_log(SHD_LOG_ERROR, __VA_ARGS__)
+#define shd_log_warn(...)  shd_log(SHD_LOG_WARN, __VA_ARGS__)
+#define shd_log_info(...)  shd_log(SHD_LOG_INFO, __VA_ARGS__)
+#define shd_log_debug(...) shd_log(SHD_LOG_DEBUG, __VA_ARGS__)
 
-#endif /* SHARDD_LOG_H */
+#endif /* SHD_LOG_H */

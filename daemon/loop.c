@@ -21,13 +21,13 @@
  */
 #define LOOP_TAG_CANCEL ((uintptr_t)1)
 
-struct shardd_loop_event {
-	struct shardd_loop_event *next, *prev; /* every live or draining event */
+struct shd_loop_event {
+	struct shd_loop_event *next, *prev; /* every live or draining event */
 	int            fd;
 	uint32_t       events;
-	shardd_file_fn fn;
+	shd_file_fn fn;
 	void          *arg;
-	shardd_timer_fn timer_fn; /* timers: fd is our timerfd */
+	shd_timer_fn timer_fn; /* timers: fd is our timerfd */
 	void          *timer_arg;
 	int            armed;     /* a poll request is in the kernel */
 	int            multishot; /* that request is multishot */
@@ -36,19 +36,19 @@ struct shardd_loop_event {
 	int            in_call;   /* its callback is running */
 };
 
-struct shardd_loop {
+struct shd_loop {
 	struct io_uring ring;
-	struct shardd_loop_event *events;
+	struct shd_loop_event *events;
 	int      stop;
 	int      no_multishot;   /* the kernel refused IORING_POLL_ADD_MULTI once */
 	unsigned setup_flags;    /* IORING_SETUP_* the kernel accepted */
-	shardd_before_sleep_fn before_sleep;
-	shardd_after_sleep_fn  after_sleep;
+	shd_before_sleep_fn before_sleep;
+	shd_after_sleep_fn  after_sleep;
 	void    *hook_arg;
 };
 
 /* An SQE, submitting queued ones first when the SQ is full. */
-static struct io_uring_sqe *loop_sqe(struct shardd_loop *l)
+static struct io_uring_sqe *loop_sqe(struct shd_loop *l)
 {
 	struct io_uring_sqe *sqe = io_uring_get_sqe(&l->ring);
 
@@ -57,7 +57,7 @@ static struct io_uring_sqe *loop_sqe(struct shardd_loop *l)
 
 		if (ret < 0 && ret != -EINTR && ret != -EAGAIN && ret != -EBUSY) {
 			/* Nothing sane remains: the loop cannot be driven without its ring. */
-			shardd_log_error("io_uring_submit: %s", strerror(-ret));
+			shd_log_error("io_uring_submit: %s", strerror(-ret));
 			abort();
 		}
 		sqe = io_uring_get_sqe(&l->ring);
@@ -65,7 +65,7 @@ static struct io_uring_sqe *loop_sqe(struct shardd_loop *l)
 	return sqe;
 }
 
-static void loop_arm(struct shardd_loop *l, struct shardd_loop_event *ev)
+static void loop_arm(struct shd_loop *l, struct shd_loop_event *ev)
 {
 	struct io_uring_sqe *sqe = loop_sqe(l);
 
@@ -88,7 +88,7 @@ static void loop_arm(struct shardd_loop *l, struct shardd_loop_event *ev)
  * with -ECANCELED. The cancel's own completion says whether that worked
  * (loop_cancel_done).
  */
-static void loop_cancel(struct shardd_loop *l, struct shardd_loop_event *ev)
+static void loop_cancel(struct shd_loop *l, struct shd_loop_event *ev)
 {
 	struct io_uring_sqe *sqe = loop_sqe(l);
 
@@ -97,7 +97,7 @@ static void loop_cancel(struct shardd_loop *l, struct shardd_loop_event *ev)
 	ev->cancels++;
 }
 
-static void loop_unlink_free(struct shardd_loop *l, struct shardd_loop_event *ev)
+static void loop_unlink_free(struct shd_loop *l, struct shd_loop_event *ev)
 {
 	if (ev->prev)
 		ev->prev->next = ev->next;
@@ -126,9 +126,9 @@ static const unsigned loop_setup_flags[] = {
 	0,
 };
 
-int shardd_loop_create(struct shardd_loop **out)
+int shd_loop_create(struct shd_loop **out)
 {
-	struct shardd_loop *l = calloc(1, sizeof(*l));
+	struct shd_loop *l = calloc(1, sizeof(*l));
 	int ret = -EINVAL;
 
 	if (!l)
@@ -144,17 +144,17 @@ int shardd_loop_create(struct shardd_loop **out)
 		}
 	}
 	if (ret < 0) {
-		shardd_log_error("io_uring_queue_init: %s (is io_uring disabled? see "
+		shd_log_error("io_uring_queue_init: %s (is io_uring disabled? see "
 				 "/proc/sys/kernel/io_uring_disabled)", strerror(-ret));
 		free(l);
 		return ret;
 	}
-	shardd_log_debug("io_uring: setup flags 0x%x", l->setup_flags);
+	shd_log_debug("io_uring: setup flags 0x%x", l->setup_flags);
 	*out = l;
 	return 0;
 }
 
-void shardd_loop_destroy(struct shardd_loop *l)
+void shd_loop_destroy(struct shd_loop *l)
 {
 	if (!l)
 		return;
@@ -165,10 +165,10 @@ void shardd_loop_destroy(struct shardd_loop *l)
 	free(l);
 }
 
-int shardd_loop_add_fd(struct shardd_loop *l, int fd, uint32_t events, shardd_file_fn fn,
-		       void *arg, struct shardd_loop_event **out)
+int shd_loop_add_fd(struct shd_loop *l, int fd, uint32_t events, shd_file_fn fn,
+		       void *arg, struct shd_loop_event **out)
 {
-	struct shardd_loop_event *ev = calloc(1, sizeof(*ev));
+	struct shd_loop_event *ev = calloc(1, sizeof(*ev));
 
 	if (!ev)
 		return -ENOMEM;
@@ -188,7 +188,7 @@ int shardd_loop_add_fd(struct shardd_loop *l, int fd, uint32_t events, shardd_fi
 
 static void loop_timer_fired(void *arg, int fd, uint32_t revents)
 {
-	struct shardd_loop_event *ev = arg;
+	struct shd_loop_event *ev = arg;
 	uint64_t expirations;
 
 	(void)revents;
@@ -198,14 +198,14 @@ static void loop_timer_fired(void *arg, int fd, uint32_t revents)
 	ev->timer_fn(ev->timer_arg);
 }
 
-int shardd_loop_add_timer(struct shardd_loop *l, unsigned period_ms, shardd_timer_fn fn,
-			  void *arg, struct shardd_loop_event **out)
+int shd_loop_add_timer(struct shd_loop *l, unsigned period_ms, shd_timer_fn fn,
+			  void *arg, struct shd_loop_event **out)
 {
 	struct itimerspec its = {
 		.it_interval = { period_ms / 1000, (long)(period_ms % 1000) * 1000000L },
 		.it_value    = { period_ms / 1000, (long)(period_ms % 1000) * 1000000L },
 	};
-	struct shardd_loop_event *ev;
+	struct shd_loop_event *ev;
 	int fd, ret;
 
 	fd = timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
@@ -215,7 +215,7 @@ int shardd_loop_add_timer(struct shardd_loop *l, unsigned period_ms, shardd_time
 		ret = -errno;
 		goto err_close;
 	}
-	ret = shardd_loop_add_fd(l, fd, POLLIN, loop_timer_fired, NULL, &ev);
+	ret = shd_loop_add_fd(l, fd, POLLIN, loop_timer_fired, NULL, &ev);
 	if (ret < 0)
 		goto err_close;
 	/* The file callback gets the event itself; the timer's own argument rides on it. */
@@ -231,7 +231,7 @@ err_close:
 	return ret;
 }
 
-void shardd_loop_del(struct shardd_loop *l, struct shardd_loop_event *ev)
+void shd_loop_del(struct shd_loop *l, struct shd_loop_event *ev)
 {
 	if (!ev || ev->dead)
 		return;
@@ -243,20 +243,20 @@ void shardd_loop_del(struct shardd_loop *l, struct shardd_loop_event *ev)
 		loop_unlink_free(l, ev);
 }
 
-void shardd_loop_set_sleep_hooks(struct shardd_loop *l, shardd_before_sleep_fn before,
-				 shardd_after_sleep_fn after, void *arg)
+void shd_loop_set_sleep_hooks(struct shd_loop *l, shd_before_sleep_fn before,
+				 shd_after_sleep_fn after, void *arg)
 {
 	l->before_sleep = before;
 	l->after_sleep = after;
 	l->hook_arg = arg;
 }
 
-void shardd_loop_stop(struct shardd_loop *l)
+void shd_loop_stop(struct shd_loop *l)
 {
 	l->stop = 1;
 }
 
-static void loop_dispatch(struct shardd_loop *l, struct shardd_loop_event *ev, int32_t res,
+static void loop_dispatch(struct shd_loop *l, struct shd_loop_event *ev, int32_t res,
 			  uint32_t cqe_flags)
 {
 	/* Without F_MORE this was the request's last completion. */
@@ -268,7 +268,7 @@ static void loop_dispatch(struct shardd_loop *l, struct shardd_loop_event *ev, i
 		 * each event. Every event armed before we knew fails the same way.
 		 */
 		if (!l->no_multishot)
-			shardd_log_debug("io_uring: no multishot poll, re-arming one-shot polls");
+			shd_log_debug("io_uring: no multishot poll, re-arming one-shot polls");
 		l->no_multishot = 1;
 	} else if (res < 0 && res != -ECANCELED && !ev->dead) {
 		/* A poll that fails for another reason reports an error event to the owner. */
@@ -296,11 +296,11 @@ static void loop_dispatch(struct shardd_loop *l, struct shardd_loop_event *ev, i
  * the kernel could not stop it now: while the poll is armed, cancel again.
  * The event is freed once neither its poll nor a cancel can name it.
  */
-static void loop_cancel_done(struct shardd_loop *l, struct shardd_loop_event *ev, int32_t res)
+static void loop_cancel_done(struct shd_loop *l, struct shd_loop_event *ev, int32_t res)
 {
 	ev->cancels--;
 	if (res < 0 && res != -ENOENT && res != -EALREADY)
-		shardd_log_warn("io_uring: cancelling the poll of fd %d: %s", ev->fd, strerror(-res));
+		shd_log_warn("io_uring: cancelling the poll of fd %d: %s", ev->fd, strerror(-res));
 	if (ev->armed && !ev->cancels && res != 0)
 		loop_cancel(l, ev);
 	else if (!ev->armed && !ev->cancels)
@@ -308,7 +308,7 @@ static void loop_cancel_done(struct shardd_loop *l, struct shardd_loop_event *ev
 }
 
 /* Take every completion now in the CQ and dispatch it. */
-static void loop_process(struct shardd_loop *l)
+static void loop_process(struct shd_loop *l)
 {
 	for (;;) {
 		struct io_uring_cqe *cqes[LOOP_BATCH];
@@ -328,15 +328,15 @@ static void loop_process(struct shardd_loop *l)
 			uintptr_t data = (uintptr_t)done[i].data;
 
 			if (data & LOOP_TAG_CANCEL)
-				loop_cancel_done(l, (struct shardd_loop_event *)(data & ~LOOP_TAG_CANCEL),
+				loop_cancel_done(l, (struct shd_loop_event *)(data & ~LOOP_TAG_CANCEL),
 						 done[i].res);
 			else if (data)
-				loop_dispatch(l, (struct shardd_loop_event *)data, done[i].res, done[i].flags);
+				loop_dispatch(l, (struct shd_loop_event *)data, done[i].res, done[i].flags);
 		}
 	}
 }
 
-int shardd_loop_run(struct shardd_loop *l)
+int shd_loop_run(struct shd_loop *l)
 {
 	l->stop = 0;
 	while (!l->stop) {
@@ -353,7 +353,7 @@ int shardd_loop_run(struct shardd_loop *l)
 		else
 			ret = io_uring_submit(&l->ring);
 		if (ret < 0 && ret != -EINTR && ret != -EAGAIN && ret != -EBUSY && ret != -ETIME) {
-			shardd_log_error("io_uring_submit_and_wait: %s", strerror(-ret));
+			shd_log_error("io_uring_submit_and_wait: %s", strerror(-ret));
 			return ret;
 		}
 		if (may_sleep && l->after_sleep)

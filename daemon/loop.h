@@ -7,55 +7,55 @@
  * service's bounded spin window lives there, in server.c).
  *
  * Single-threaded: every callback runs on the thread that calls
- * shardd_loop_run(). A callback may add or delete any event, its own included.
+ * shd_loop_run(). A callback may add or delete any event, its own included.
  * The thread that creates the loop is the only one that may call into it
  * (the io_uring is IORING_SETUP_SINGLE_ISSUER where the kernel has it).
  */
-#ifndef SHARDD_LOOP_H
-#define SHARDD_LOOP_H
+#ifndef SHD_LOOP_H
+#define SHD_LOOP_H
 
 #include <stdint.h>
 
-struct shardd_loop;
-struct shardd_loop_event;
+struct shd_loop;
+struct shd_loop_event;
 
 /* `revents` is the poll(2) mask that fired. */
-typedef void (*shardd_file_fn)(void *arg, int fd, uint32_t revents);
-typedef void (*shardd_timer_fn)(void *arg);
+typedef void (*shd_file_fn)(void *arg, int fd, uint32_t revents);
+typedef void (*shd_timer_fn)(void *arg);
 /* Return 1 when the loop may block until the next event, 0 to poll again at once. */
-typedef int (*shardd_before_sleep_fn)(void *arg);
+typedef int (*shd_before_sleep_fn)(void *arg);
 /* Called after the loop blocked and woke up. */
-typedef void (*shardd_after_sleep_fn)(void *arg);
+typedef void (*shd_after_sleep_fn)(void *arg);
 
 /* 0, -ENOMEM or -errno of io_uring_queue_init (logged). */
-int shardd_loop_create(struct shardd_loop **out);
+int shd_loop_create(struct shd_loop **out);
 /* Cancels every event; fds registered with add_fd are not closed (they are the caller's). */
-void shardd_loop_destroy(struct shardd_loop *l);
+void shd_loop_destroy(struct shd_loop *l);
 
 /*
  * Call fn(arg, fd, revents) whenever `fd` polls ready for `events` (POLLIN,
  * ...; POLLHUP and POLLERR are always reported). `*out` (may be NULL) is the
- * handle for shardd_loop_del(). Returns 0 or -ENOMEM.
+ * handle for shd_loop_del(). Returns 0 or -ENOMEM.
  */
-int shardd_loop_add_fd(struct shardd_loop *l, int fd, uint32_t events, shardd_file_fn fn,
-		       void *arg, struct shardd_loop_event **out);
+int shd_loop_add_fd(struct shd_loop *l, int fd, uint32_t events, shd_file_fn fn,
+		       void *arg, struct shd_loop_event **out);
 /* Call fn(arg) every `period_ms` milliseconds. Returns 0 or -errno. */
-int shardd_loop_add_timer(struct shardd_loop *l, unsigned period_ms, shardd_timer_fn fn,
-			  void *arg, struct shardd_loop_event **out);
+int shd_loop_add_timer(struct shd_loop *l, unsigned period_ms, shd_timer_fn fn,
+			  void *arg, struct shd_loop_event **out);
 /*
  * Stop delivering the event; the callback is never called again, even for
  * an event already queued. The caller may close the fd right after.
  */
-void shardd_loop_del(struct shardd_loop *l, struct shardd_loop_event *ev);
+void shd_loop_del(struct shd_loop *l, struct shd_loop_event *ev);
 
-void shardd_loop_set_sleep_hooks(struct shardd_loop *l, shardd_before_sleep_fn before,
-				 shardd_after_sleep_fn after, void *arg);
+void shd_loop_set_sleep_hooks(struct shd_loop *l, shd_before_sleep_fn before,
+				 shd_after_sleep_fn after, void *arg);
 
 /*
- * Run until a callback calls shardd_loop_stop(); a later call runs again.
+ * Run until a callback calls shd_loop_stop(); a later call runs again.
  * Returns 0 or -errno of io_uring_submit_and_wait.
  */
-int shardd_loop_run(struct shardd_loop *l);
-void shardd_loop_stop(struct shardd_loop *l);
+int shd_loop_run(struct shd_loop *l);
+void shd_loop_stop(struct shd_loop *l);
 
-#endif /* SHARDD_LOOP_H */
+#endif /* SHD_LOOP_H */

@@ -22,7 +22,7 @@
 
 static void usage(FILE *f)
 {
-	char def[sizeof(((struct shardd_config *)0)->socket_path)];
+	char def[sizeof(((struct shd_config *)0)->socket_path)];
 
 	shardd_socket_path_default(def, sizeof(def));
 	fprintf(f,
@@ -80,8 +80,8 @@ static void usage(FILE *f)
 		"  --foreground               accepted for supervisors; shardd never daemonizes\n"
 		"  --version                  print the version and exit\n"
 		"  --help                     print this help and exit\n",
-		def, SHARDD_TIMEOUT_DEFAULT_S, SHARDD_HANDSHAKE_TIMEOUT_DEFAULT_S,
-		SHARDD_JOB_LINGER_DEFAULT_S, SHARDD_MAX_MEMORY_DEFAULT_PERCENT);
+		def, SHD_TIMEOUT_DEFAULT_S, SHD_HANDSHAKE_TIMEOUT_DEFAULT_S,
+		SHD_JOB_LINGER_DEFAULT_S, SHD_MAX_MEMORY_DEFAULT_PERCENT);
 }
 
 #define WORKERS_MAX 4096 /* --workers */
@@ -132,7 +132,7 @@ static int parse_gid(const char *s, gid_t *out)
 	return 0;
 }
 
-/* A timeout flag's value: seconds in (0, SHARDD_TIMEOUT_MAX_S]. 0, or 2 after a usage error. */
+/* A timeout flag's value: seconds in (0, SHD_TIMEOUT_MAX_S]. 0, or 2 after a usage error. */
 static int parse_seconds(const char *flag, const char *val, double *out)
 {
 	char *end;
@@ -140,9 +140,9 @@ static int parse_seconds(const char *flag, const char *val, double *out)
 
 	errno = 0;
 	t = strtod(val, &end);
-	if (errno || end == val || *end || !(t > 0) || t > SHARDD_TIMEOUT_MAX_S)
+	if (errno || end == val || *end || !(t > 0) || t > SHD_TIMEOUT_MAX_S)
 		return usage_error("%s: '%s' is not a number of seconds in (0, %g]", flag, val,
-				   SHARDD_TIMEOUT_MAX_S);
+				   SHD_TIMEOUT_MAX_S);
 	*out = t;
 	return 0;
 }
@@ -151,7 +151,7 @@ static int parse_seconds(const char *flag, const char *val, double *out)
  * Apply one flag with its value (NULL for flags without). 0, or 2 after a
  * usage error. *cuda_export_given is set when --cuda-export is seen.
  */
-static int apply_flag(struct shardd_config *cfg, const char *flag, const char *val,
+static int apply_flag(struct shd_config *cfg, const char *flag, const char *val,
 		      int *cuda_export_given)
 {
 	unsigned long v;
@@ -164,7 +164,7 @@ static int apply_flag(struct shardd_config *cfg, const char *flag, const char *v
 					   sizeof(cfg->socket_path) - 1, val);
 		snprintf(cfg->socket_path, sizeof(cfg->socket_path), "%s", val);
 	} else if (strcmp(flag, "--log-level") == 0) {
-		int level = shardd_log_level_parse(val);
+		int level = shd_log_level_parse(val);
 
 		if (level < 0)
 			return usage_error("--log-level: '%s' is not one of error, warn, info, debug",
@@ -179,11 +179,11 @@ static int apply_flag(struct shardd_config *cfg, const char *flag, const char *v
 			return usage_error("--backend: '%s' is not one of host, cuda", val);
 	} else if (strcmp(flag, "--cuda-export") == 0) {
 		if (strcmp(val, "auto") == 0)
-			cfg->cuda_export = SHARDD_CUDA_EXPORT_AUTO;
+			cfg->cuda_export = SHD_CUDA_EXPORT_AUTO;
 		else if (strcmp(val, "fd") == 0)
-			cfg->cuda_export = SHARDD_CUDA_EXPORT_FD;
+			cfg->cuda_export = SHD_CUDA_EXPORT_FD;
 		else if (strcmp(val, "ipc") == 0)
-			cfg->cuda_export = SHARDD_CUDA_EXPORT_IPC;
+			cfg->cuda_export = SHD_CUDA_EXPORT_IPC;
 		else
 			return usage_error("--cuda-export: '%s' is not one of auto, fd, ipc", val);
 		*cuda_export_given = 1;
@@ -202,14 +202,14 @@ static int apply_flag(struct shardd_config *cfg, const char *flag, const char *v
 		if (parse_gid(val, &gid) < 0)
 			return usage_error("--allow-gid: '%s' is neither a gid nor a group "
 					   "name", val);
-		if (cfg->nallow_gids == SHARDD_MAX_ALLOW_GIDS)
+		if (cfg->nallow_gids == SHD_MAX_ALLOW_GIDS)
 			return usage_error("--allow-gid: more than %d groups (at '%s')",
-					   SHARDD_MAX_ALLOW_GIDS, val);
+					   SHD_MAX_ALLOW_GIDS, val);
 		cfg->allow_gids[cfg->nallow_gids++] = gid;
 	} else if (strcmp(flag, "--max-memory") == 0 || strcmp(flag, "--max-job-memory") == 0) {
 		uint64_t bytes;
 
-		if (shardd_parse_bytes(val, &bytes) < 0 || bytes == 0)
+		if (shd_parse_bytes(val, &bytes) < 0 || bytes == 0)
 			return usage_error("%s: '%s' is not a byte count above 0 (digits, then "
 					   "optionally K, M, G or T)", flag, val);
 		if (strcmp(flag, "--max-memory") == 0)
@@ -222,10 +222,10 @@ static int apply_flag(struct shardd_config *cfg, const char *flag, const char *v
 
 		errno = 0;
 		t = strtod(val, &end);
-		if (errno || end == val || *end || !(t >= 0) || t > SHARDD_JOB_LINGER_MAX_S)
+		if (errno || end == val || *end || !(t >= 0) || t > SHD_JOB_LINGER_MAX_S)
 			return usage_error("--job-linger: '%s' is not a number of seconds in [0, %g] "
 					   "(0 keeps a job without ranks forever)", val,
-					   SHARDD_JOB_LINGER_MAX_S);
+					   SHD_JOB_LINGER_MAX_S);
 		cfg->job_linger_s = t;
 	} else if (strcmp(flag, "--socket-mode") == 0) {
 		char *end;
@@ -246,7 +246,7 @@ static int apply_flag(struct shardd_config *cfg, const char *flag, const char *v
 		char host[128], port[16], why[256];
 
 		if (strlen(val) >= sizeof(cfg->metrics_listen) ||
-		    shardd_metrics_http_parse(val, host, sizeof(host), port, sizeof(port), why,
+		    shd_metrics_http_parse(val, host, sizeof(host), port, sizeof(port), why,
 					      sizeof(why)) < 0)
 			return usage_error("--metrics-listen %s", strlen(val) >=
 					   sizeof(cfg->metrics_listen) ? "is too long" : why);
@@ -276,10 +276,10 @@ static int takes_value(const char *flag)
 
 int main(int argc, char **argv)
 {
-	struct shardd_config cfg;
+	struct shd_config cfg;
 	int cuda_export_given = 0, ret;
 
-	shardd_config_defaults(&cfg);
+	shd_config_defaults(&cfg);
 	for (int i = 1; i < argc; i++) {
 		char flag[64];
 		const char *arg = argv[i], *val = NULL, *eq;
@@ -326,7 +326,7 @@ int main(int argc, char **argv)
 	/* Flags come in any order: only now is the backend known. */
 	if (cuda_export_given && cfg.backend != SHARDD_BACKEND_CUDA)
 		return usage_error("--cuda-export applies to --backend cuda only; the backend is %s",
-				   shardd_backend_name(cfg.backend));
+				   shd_backend_name(cfg.backend));
 
 #ifndef SHARDD_HAVE_CUDA
 	if (cfg.backend == SHARDD_BACKEND_CUDA) {
@@ -336,10 +336,10 @@ int main(int argc, char **argv)
 		return 1;
 	}
 #endif
-	ret = shardd_server_init(&cfg);
+	ret = shd_server_init(&cfg);
 	if (ret < 0) {
-		shardd_server_shutdown();
+		shd_server_shutdown();
 		return 1;
 	}
-	return shardd_server_run();
+	return shd_server_run();
 }

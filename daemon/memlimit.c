@@ -9,7 +9,7 @@
 
 #include "memlimit.h"
 
-int shardd_parse_bytes(const char *s, uint64_t *out)
+int shd_parse_bytes(const char *s, uint64_t *out)
 {
 	static const char suffixes[] = "KMGT";
 	unsigned long long v;
@@ -38,7 +38,7 @@ int shardd_parse_bytes(const char *s, uint64_t *out)
 	return 0;
 }
 
-const char *shardd_bytes_str(uint64_t bytes, char *buf, size_t len)
+const char *shd_bytes_str(uint64_t bytes, char *buf, size_t len)
 {
 	static const char *const unit[] = { "B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB" };
 	double v = (double)bytes;
@@ -104,7 +104,7 @@ static uint64_t lowest_limit(const char *root, const char *path, const char *fil
 	return lowest;
 }
 
-uint64_t shardd_cgroup_memory_max(const char *proc_cgroup, const char *cgroup_root)
+uint64_t shd_cgroup_memory_max(const char *proc_cgroup, const char *cgroup_root)
 {
 	char line[4096], root[CGROUP_DIR_MAX];
 	uint64_t lowest = UINT64_MAX, v;
@@ -140,7 +140,7 @@ uint64_t shardd_cgroup_memory_max(const char *proc_cgroup, const char *cgroup_ro
 	return lowest;
 }
 
-int shardd_memory_default(uint64_t *out, char *from, size_t fromlen)
+int shd_memory_default(uint64_t *out, char *from, size_t fromlen)
 {
 	long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
 	uint64_t phys, cg, base;
@@ -149,14 +149,14 @@ int shardd_memory_default(uint64_t *out, char *from, size_t fromlen)
 	if (pages <= 0 || page <= 0)
 		return -EIO;
 	phys = (uint64_t)pages * (uint64_t)page;
-	cg = shardd_cgroup_memory_max("/proc/self/cgroup", "/sys/fs/cgroup");
+	cg = shd_cgroup_memory_max("/proc/self/cgroup", "/sys/fs/cgroup");
 	base = cg < phys ? cg : phys;
 	/* Split so that no product overflows, whatever base is. */
-	*out = base / 100 * SHARDD_MAX_MEMORY_DEFAULT_PERCENT +
-	       base % 100 * SHARDD_MAX_MEMORY_DEFAULT_PERCENT / 100;
+	*out = base / 100 * SHD_MAX_MEMORY_DEFAULT_PERCENT +
+	       base % 100 * SHD_MAX_MEMORY_DEFAULT_PERCENT / 100;
 	if (from)
-		snprintf(from, fromlen, "%d%% of %s (%s)", SHARDD_MAX_MEMORY_DEFAULT_PERCENT,
+		snprintf(from, fromlen, "%d%% of %s (%s)", SHD_MAX_MEMORY_DEFAULT_PERCENT,
 			 cg < phys ? "the cgroup memory limit" : "physical memory",
-			 shardd_bytes_str(base, a, sizeof(a)));
+			 shd_bytes_str(base, a, sizeof(a)));
 	return 0;
 }

@@ -13,13 +13,13 @@
 #include "job.h"
 #include "metrics.h"
 
-struct shardd_op_metrics shardd_op_metrics[SHARDD_OP_COUNT];
+struct shd_op_metrics shd_op_metrics[SHARDD_OP_COUNT];
 
 /* ------------------------------------------------------------------ */
 /* In-flight clocks                                                    */
 /* ------------------------------------------------------------------ */
 
-int shardd_op_clock_init(struct shardd_op_clock *c, uint32_t cap)
+int shd_op_clock_init(struct shd_op_clock *c, uint32_t cap)
 {
 	memset(c, 0, sizeof(*c));
 	c->v = calloc(cap ? cap : 1, sizeof(*c->v));
@@ -27,29 +27,29 @@ int shardd_op_clock_init(struct shardd_op_clock *c, uint32_t cap)
 	return c->v ? 0 : -ENOMEM;
 }
 
-void shardd_op_clock_free(struct shardd_op_clock *c)
+void shd_op_clock_free(struct shd_op_clock *c)
 {
 	free(c->v);
 	memset(c, 0, sizeof(*c));
 }
 
-void shardd_op_clock_start(struct shardd_op_clock *c, const struct shardd_sqe *sqe,
+void shd_op_clock_start(struct shd_op_clock *c, const struct shardd_sqe *sqe,
 			   uint64_t now_ns)
 {
 	c->taken++;
-	if (shardd_op_carries_step(sqe->op) && (!c->has_step || sqe->step > c->step)) {
+	if (shd_op_carries_step(sqe->op) && (!c->has_step || sqe->step > c->step)) {
 		c->has_step = 1;
 		c->step = sqe->step;
 	}
 	if (c->n >= c->cap)
 		return;
-	c->v[c->n++] = (struct shardd_op_timing){
+	c->v[c->n++] = (struct shd_op_timing){
 		.user_data = sqe->user_data, .step = sqe->step, .taken_ns = now_ns,
 		.seq = c->taken, .op = sqe->op, .group = sqe->group,
 	};
 }
 
-uint64_t shardd_op_clock_stop(struct shardd_op_clock *c, const struct shardd_sqe *sqe,
+uint64_t shd_op_clock_stop(struct shd_op_clock *c, const struct shardd_sqe *sqe,
 			      uint64_t now_ns)
 {
 	/*
@@ -62,7 +62,7 @@ uint64_t shardd_op_clock_stop(struct shardd_op_clock *c, const struct shardd_sqe
 	uint32_t best = c->n;
 
 	for (uint32_t i = 0; i < c->n; i++) {
-		const struct shardd_op_timing *t = &c->v[i];
+		const struct shd_op_timing *t = &c->v[i];
 
 		if (t->user_data == sqe->user_data && t->step == sqe->step && t->op == sqe->op &&
 		    t->group == sqe->group && (best == c->n || t->seq < c->v[best].seq))
@@ -77,7 +77,7 @@ uint64_t shardd_op_clock_stop(struct shardd_op_clock *c, const struct shardd_sqe
 		 * nothing in flight it is the last entry taken. */
 		if (c->v[best].seq > c->done_seq) {
 			c->done_seq = c->v[best].seq;
-			c->done = (struct shardd_op_progress){ .op = c->v[best].op,
+			c->done = (struct shd_op_progress){ .op = c->v[best].op,
 							       .step = c->v[best].step };
 		}
 		c->v[best] = c->v[--c->n];
@@ -89,14 +89,14 @@ uint64_t shardd_op_clock_stop(struct shardd_op_clock *c, const struct shardd_sqe
 /* Counters and the histogram                                          */
 /* ------------------------------------------------------------------ */
 
-void shardd_metrics_op_done(uint32_t op, int res, uint64_t bytes, uint64_t latency_ns)
+void shd_metrics_op_done(uint32_t op, int res, uint64_t bytes, uint64_t latency_ns)
 {
-	struct shardd_op_metrics *m;
+	struct shd_op_metrics *m;
 	unsigned b;
 
 	if (op == 0 || op >= SHARDD_OP_COUNT)
 		return;
-	m = &shardd_op_metrics[op];
+	m = &shd_op_metrics[op];
 	m->count++;
 	if (res < 0)
 		m->failed++;
@@ -105,36 +105,36 @@ void shardd_metrics_op_done(uint32_t op, int res, uint64_t bytes, uint64_t laten
 	if (latency_ns == 0)
 		return;
 	b = 63u - (unsigned)__builtin_clzll(latency_ns);
-	if (b >= SHARDD_LAT_BUCKETS)
-		b = SHARDD_LAT_BUCKETS - 1;
+	if (b >= SHD_LAT_BUCKETS)
+		b = SHD_LAT_BUCKETS - 1;
 	m->lat_buckets[b]++;
 	m->lat_sum_ns += latency_ns;
 	if (latency_ns > m->lat_max_ns)
 		m->lat_max_ns = latency_ns;
 }
 
-uint64_t shardd_metrics_op_bytes(const struct shardd_job *j, const struct shardd_sqe *sqe)
+uint64_t shd_metrics_op_bytes(const struct shd_job *j, const struct shardd_sqe *sqe)
 {
-	const struct shardd_group *g;
+	const struct shd_group *g;
 
 	if (!j || (sqe->op != SHARDD_OP_UNSHARD && sqe->op != SHARDD_OP_REDUCE))
 		return 0;
-	g = shardd_engine_job_group(j->ejob, sqe->group);
+	g = shd_engine_job_group(j->ejob, sqe->group);
 	if (!g)
 		return 0;
 	return sqe->op == SHARDD_OP_UNSHARD ? g->layout.unsharded_size : g->layout.grad_size;
 }
 
-uint64_t shardd_metrics_bucket_le_ns(unsigned i)
+uint64_t shd_metrics_bucket_le_ns(unsigned i)
 {
-	return i + 1 >= SHARDD_LAT_BUCKETS ? UINT64_MAX : 1ull << (i + 1);
+	return i + 1 >= SHD_LAT_BUCKETS ? UINT64_MAX : 1ull << (i + 1);
 }
 
-uint64_t shardd_metrics_quantile(const struct shardd_op_metrics *m, double q)
+uint64_t shd_metrics_quantile(const struct shd_op_metrics *m, double q)
 {
 	uint64_t total = 0, seen = 0, rank;
 
-	for (unsigned i = 0; i < SHARDD_LAT_BUCKETS; i++)
+	for (unsigned i = 0; i < SHD_LAT_BUCKETS; i++)
 		total += m->lat_buckets[i];
 	if (total == 0)
 		return 0;
@@ -142,10 +142,10 @@ uint64_t shardd_metrics_quantile(const struct shardd_op_metrics *m, double q)
 	rank = (uint64_t)(q * (double)total + 0.999999);
 	if (rank == 0)
 		rank = 1;
-	for (unsigned i = 0; i < SHARDD_LAT_BUCKETS; i++) {
+	for (unsigned i = 0; i < SHD_LAT_BUCKETS; i++) {
 		seen += m->lat_buckets[i];
 		if (seen >= rank) {
-			uint64_t le = shardd_metrics_bucket_le_ns(i);
+			uint64_t le = shd_metrics_bucket_le_ns(i);
 
 			return le < m->lat_max_ns ? le : m->lat_max_ns;
 		}

@@ -11,29 +11,29 @@
  *
  * Everything here is touched by the loop thread only.
  */
-#ifndef SHARDD_METRICS_H
-#define SHARDD_METRICS_H
+#ifndef SHD_METRICS_H
+#define SHD_METRICS_H
 
 #include <stdint.h>
 
 #include "shardd_proto.h"
 
-#define SHARDD_LAT_BUCKETS 40 /* 2^39 ns = 9 minutes: past any collective timeout we allow */
+#define SHD_LAT_BUCKETS 40 /* 2^39 ns = 9 minutes: past any collective timeout we allow */
 
-struct shardd_op_metrics {
+struct shd_op_metrics {
 	uint64_t count;                       /* completions pushed */
 	uint64_t failed;                      /* of those, with res < 0 */
 	uint64_t bytes;                       /* bytes moved by the successful ones */
 	uint64_t lat_sum_ns;
 	uint64_t lat_max_ns;
-	uint64_t lat_buckets[SHARDD_LAT_BUCKETS];
+	uint64_t lat_buckets[SHD_LAT_BUCKETS];
 };
 
 /* Indexed by enum shardd_op; entry 0 is unused. */
-extern struct shardd_op_metrics shardd_op_metrics[SHARDD_OP_COUNT];
+extern struct shd_op_metrics shd_op_metrics[SHARDD_OP_COUNT];
 
 /* One taken SQ entry whose completion is not pushed yet. */
-struct shardd_op_timing {
+struct shd_op_timing {
 	uint64_t user_data;
 	uint64_t step;
 	uint64_t taken_ns;
@@ -43,7 +43,7 @@ struct shardd_op_timing {
 };
 
 /* One op of a session's progress (shardctl ranks); op 0 = none yet. */
-struct shardd_op_progress {
+struct shd_op_progress {
 	uint32_t op;
 	uint64_t step;
 };
@@ -53,7 +53,7 @@ struct shardd_op_progress {
  * zero_grad carry 0, a barrier its own number: counting those as steps
  * would show a rank that just zeroed its grads as the whole run behind.
  */
-static inline int shardd_op_carries_step(uint32_t op)
+static inline int shd_op_carries_step(uint32_t op)
 {
 	return op == SHARDD_OP_UNSHARD || op == SHARDD_OP_REDUCE || op == SHARDD_OP_RESHARD;
 }
@@ -63,43 +63,43 @@ static inline int shardd_op_carries_step(uint32_t op)
  * are in flight (the session never takes more than its CQ has room for),
  * so the array never grows after init.
  */
-struct shardd_op_clock {
-	struct shardd_op_timing *v;
+struct shd_op_clock {
+	struct shd_op_timing *v;
 	uint32_t n, cap;
 	uint64_t taken;                  /* entries taken: the last one's seq */
 	uint64_t done_seq;               /* seq of `done` */
-	struct shardd_op_progress done;  /* the latest-taken entry whose completion is pushed */
+	struct shd_op_progress done;  /* the latest-taken entry whose completion is pushed */
 	int      has_step;               /* some step-carrying entry was taken */
 	uint64_t step;                   /* the furthest step of those */
 };
 
 /* 0 or -ENOMEM. */
-int  shardd_op_clock_init(struct shardd_op_clock *c, uint32_t cap);
-void shardd_op_clock_free(struct shardd_op_clock *c);
+int  shd_op_clock_init(struct shd_op_clock *c, uint32_t cap);
+void shd_op_clock_free(struct shd_op_clock *c);
 /* The entry was taken at now_ns. */
-void shardd_op_clock_start(struct shardd_op_clock *c, const struct shardd_sqe *sqe,
+void shd_op_clock_start(struct shd_op_clock *c, const struct shardd_sqe *sqe,
 			   uint64_t now_ns);
 /*
  * The entry's completion is being pushed: forget it and return how long it
  * was in flight, or 0 when it was never started (then it is not timed).
  */
-uint64_t shardd_op_clock_stop(struct shardd_op_clock *c, const struct shardd_sqe *sqe,
+uint64_t shd_op_clock_stop(struct shd_op_clock *c, const struct shardd_sqe *sqe,
 			      uint64_t now_ns);
 
-struct shardd_job;
+struct shd_job;
 /*
  * Bytes op `sqe` of job `j` moves: unshard the gathered unsharded buffer,
  * reduce the rank's unsharded grads; 0 for every other op.
  */
-uint64_t shardd_metrics_op_bytes(const struct shardd_job *j, const struct shardd_sqe *sqe);
+uint64_t shd_metrics_op_bytes(const struct shd_job *j, const struct shardd_sqe *sqe);
 
 /* Count one pushed completion of `op` (ignored when op is out of range). */
-void shardd_metrics_op_done(uint32_t op, int res, uint64_t bytes, uint64_t latency_ns);
+void shd_metrics_op_done(uint32_t op, int res, uint64_t bytes, uint64_t latency_ns);
 
 /* Latency of quantile q (0..1) of `m` in ns, as described above; 0 when empty. */
-uint64_t shardd_metrics_quantile(const struct shardd_op_metrics *m, double q);
+uint64_t shd_metrics_quantile(const struct shd_op_metrics *m, double q);
 
 /* Upper edge of bucket i in ns (2^(i+1)); UINT64_MAX for the last bucket. */
-uint64_t shardd_metrics_bucket_le_ns(unsigned i);
+uint64_t shd_metrics_bucket_le_ns(unsigned i);
 
-#endif /* SHARDD_METRICS_H */
+#endif /* SHD_METRICS_H */

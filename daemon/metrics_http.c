@@ -20,14 +20,14 @@
 #define METRICS_HTTP_TICK_MS     1000 /* MHD_run for those timeouts when no fd fires */
 #define METRICS_CONTENT_TYPE     "text/plain; version=0.0.4; charset=utf-8"
 
-struct shardd_metrics_http {
+struct shd_metrics_http {
 	struct MHD_Daemon        *mhd;
-	struct shardd_loop_event *fd_ev;    /* MHD's epoll fd: a connection or the listener is ready */
-	struct shardd_loop_event *tick_ev;  /* connection timeouts */
+	struct shd_loop_event *fd_ev;    /* MHD's epoll fd: a connection or the listener is ready */
+	struct shd_loop_event *tick_ev;  /* connection timeouts */
 	char                      url[128];
 };
 
-int shardd_metrics_http_parse(const char *spec, char *host, size_t host_len, char *port,
+int shd_metrics_http_parse(const char *spec, char *host, size_t host_len, char *port,
 			      size_t port_len, char *why, size_t why_len)
 {
 	const char *colon, *p;
@@ -116,7 +116,7 @@ static enum MHD_Result metrics_request(void *cls, struct MHD_Connection *conn, c
 	if (strcmp(url, "/metrics") != 0)
 		return respond_text(conn, MHD_HTTP_NOT_FOUND,
 				    "not found: shardd serves its Prometheus metrics at /metrics\n");
-	text = shardd_admin_metrics_render();
+	text = shd_admin_metrics_render();
 	if (!text)
 		return respond_text(conn, MHD_HTTP_INTERNAL_SERVER_ERROR,
 				    "shardd is out of memory rendering its metrics\n");
@@ -141,7 +141,7 @@ static void mhd_log(void *cls, const char *fmt, va_list ap)
 	n = strlen(line);
 	while (n && line[n - 1] == '\n')
 		line[--n] = '\0';
-	shardd_log_warn("metrics http: %s", line);
+	shd_log_warn("metrics http: %s", line);
 }
 
 /* ------------------------------------------------------------------ */
@@ -150,17 +150,17 @@ static void mhd_log(void *cls, const char *fmt, va_list ap)
 
 static void metrics_http_ready(void *arg, int fd, uint32_t revents)
 {
-	struct shardd_metrics_http *h = arg;
+	struct shd_metrics_http *h = arg;
 
 	(void)fd;
 	(void)revents;
 	if (MHD_run(h->mhd) != MHD_YES)
-		shardd_log_warn("metrics http: MHD_run failed");
+		shd_log_warn("metrics http: MHD_run failed");
 }
 
 static void metrics_http_tick(void *arg)
 {
-	struct shardd_metrics_http *h = arg;
+	struct shd_metrics_http *h = arg;
 
 	MHD_run(h->mhd);
 }
@@ -179,7 +179,7 @@ static int listen_tcp(const char *spec, const char *host, const char *port, int 
 
 	err = getaddrinfo(host, port, &hints, &res);
 	if (err) {
-		shardd_log_error("shardd: --metrics-listen %s: cannot resolve '%s': %s", spec, host,
+		shd_log_error("shardd: --metrics-listen %s: cannot resolve '%s': %s", spec, host,
 			gai_strerror(err));
 		return -1;
 	}
@@ -189,7 +189,7 @@ static int listen_tcp(const char *spec, const char *host, const char *port, int 
 	    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) < 0 ||
 	    bind(fd, res->ai_addr, res->ai_addrlen) < 0 ||
 	    listen(fd, SOMAXCONN) < 0) {
-		shardd_log_error("shardd: --metrics-listen %s: cannot listen on %s port %s: %s%s",
+		shd_log_error("shardd: --metrics-listen %s: cannot listen on %s port %s: %s%s",
 			spec, host, port, strerror(errno),
 			errno == EADDRINUSE ? " (pick another port)" : "");
 		if (fd >= 0)
@@ -219,18 +219,18 @@ static void url_of(int fd, char *url, size_t len)
 		 "http://%s:%s/metrics", host, port);
 }
 
-int shardd_metrics_http_start(const char *spec, struct shardd_loop *loop,
-			      struct shardd_metrics_http **out)
+int shd_metrics_http_start(const char *spec, struct shd_loop *loop,
+			      struct shd_metrics_http **out)
 {
 	char host[NI_MAXHOST], port[16], why[256];
-	struct shardd_metrics_http *h;
+	struct shd_metrics_http *h;
 	const union MHD_DaemonInfo *info;
 	int fd, family = AF_INET, ret;
 
 	*out = NULL;
-	if (shardd_metrics_http_parse(spec, host, sizeof(host), port, sizeof(port), why,
+	if (shd_metrics_http_parse(spec, host, sizeof(host), port, sizeof(port), why,
 				      sizeof(why)) < 0) {
-		shardd_log_error("shardd: --metrics-listen %s", why);
+		shd_log_error("shardd: --metrics-listen %s", why);
 		return -EINVAL;
 	}
 	h = calloc(1, sizeof(*h));
@@ -252,7 +252,7 @@ int shardd_metrics_http_start(const char *spec, struct shardd_loop *loop,
 				  MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)METRICS_HTTP_TIMEOUT_S,
 				  MHD_OPTION_END);
 	if (!h->mhd) {
-		shardd_log_error("shardd: --metrics-listen %s: libmicrohttpd did not start (see "
+		shd_log_error("shardd: --metrics-listen %s: libmicrohttpd did not start (see "
 			"the line above)", spec);
 		close(fd);
 		free(h);
@@ -260,39 +260,39 @@ int shardd_metrics_http_start(const char *spec, struct shardd_loop *loop,
 	}
 	info = MHD_get_daemon_info(h->mhd, MHD_DAEMON_INFO_EPOLL_FD);
 	if (!info) {
-		shardd_log_error("shardd: --metrics-listen %s: libmicrohttpd has no epoll fd",
+		shd_log_error("shardd: --metrics-listen %s: libmicrohttpd has no epoll fd",
 			spec);
-		shardd_metrics_http_stop(h, loop);
+		shd_metrics_http_stop(h, loop);
 		return -EIO;
 	}
-	ret = shardd_loop_add_fd(loop, info->epoll_fd, POLLIN, metrics_http_ready, h, &h->fd_ev);
+	ret = shd_loop_add_fd(loop, info->epoll_fd, POLLIN, metrics_http_ready, h, &h->fd_ev);
 	if (ret == 0)
-		ret = shardd_loop_add_timer(loop, METRICS_HTTP_TICK_MS, metrics_http_tick, h,
+		ret = shd_loop_add_timer(loop, METRICS_HTTP_TICK_MS, metrics_http_tick, h,
 					    &h->tick_ev);
 	if (ret < 0) {
-		shardd_log_error("shardd: --metrics-listen %s: cannot register with the event loop: "
+		shd_log_error("shardd: --metrics-listen %s: cannot register with the event loop: "
 			"%s", spec, strerror(-ret));
-		shardd_metrics_http_stop(h, loop);
+		shd_metrics_http_stop(h, loop);
 		return ret;
 	}
 	*out = h;
 	return 0;
 }
 
-const char *shardd_metrics_http_url(const struct shardd_metrics_http *h)
+const char *shd_metrics_http_url(const struct shd_metrics_http *h)
 {
 	return h->url;
 }
 
-void shardd_metrics_http_stop(struct shardd_metrics_http *h, struct shardd_loop *loop)
+void shd_metrics_http_stop(struct shd_metrics_http *h, struct shd_loop *loop)
 {
 	if (!h)
 		return;
 	/* Off the loop first: no callback may run on a stopped daemon. */
 	if (h->fd_ev)
-		shardd_loop_del(loop, h->fd_ev);
+		shd_loop_del(loop, h->fd_ev);
 	if (h->tick_ev)
-		shardd_loop_del(loop, h->tick_ev);
+		shd_loop_del(loop, h->tick_ev);
 	/* Closes the listening socket it was given, and every connection. */
 	MHD_stop_daemon(h->mhd);
 	free(h);

@@ -4,7 +4,7 @@
 
 #include "placement.h"
 
-uint32_t shardd_placement_classify(const int32_t *devices, uint32_t n)
+uint32_t shd_placement_classify(const int32_t *devices, uint32_t n)
 {
 	int shared = 0, distinct = 0;
 	uint32_t same = 1;
@@ -13,7 +13,7 @@ uint32_t shardd_placement_classify(const int32_t *devices, uint32_t n)
 	while (same < n && devices[same] == devices[0])
 		same++;
 	if (same >= n)
-		return SHARDD_PLACE_SHARED;
+		return SHD_PLACE_SHARED;
 	for (uint32_t i = 1; i < n; i++) {
 		for (uint32_t j = 0; j < i; j++) {
 			if (devices[i] == devices[j])
@@ -23,8 +23,8 @@ uint32_t shardd_placement_classify(const int32_t *devices, uint32_t n)
 		}
 	}
 	if (!distinct)
-		return SHARDD_PLACE_SHARED;
-	return shared ? SHARDD_PLACE_MIXED : SHARDD_PLACE_NCCL;
+		return SHD_PLACE_SHARED;
+	return shared ? SHD_PLACE_MIXED : SHD_PLACE_NCCL;
 }
 
 /*
@@ -69,19 +69,19 @@ static int plan_members(const char *group, const char *what, const int32_t *hell
 
 	for (uint32_t i = 0; i < n; i++) {
 		hello[i] = hello_devices[ranks[i]];
-		devices[i] = shardd_placement_device(hello[i]);
+		devices[i] = shd_placement_device(hello[i]);
 	}
-	kind = shardd_placement_classify(devices, n);
-	if (kind == SHARDD_PLACE_MIXED) {
+	kind = shd_placement_classify(devices, n);
+	if (kind == SHD_PLACE_MIXED) {
 		plan_refusal(group, what, ranks, hello, devices, n, err, errlen);
 		return -SHARDD_E_INVALID;
 	}
-	*nccl = kind == SHARDD_PLACE_NCCL;
+	*nccl = kind == SHD_PLACE_NCCL;
 	return 0;
 }
 
-int shardd_placement_plan(const char *group, const int32_t *hello_devices, uint32_t replicate,
-			  uint32_t shard, struct shardd_placement *out, char *err, size_t errlen)
+int shd_placement_plan(const char *group, const int32_t *hello_devices, uint32_t replicate,
+			  uint32_t shard, struct shd_placement *out, char *err, size_t errlen)
 {
 	uint32_t ranks[SHARDD_MAX_WORLD];
 	char what[96];
@@ -118,7 +118,7 @@ int shardd_placement_plan(const char *group, const int32_t *hello_devices, uint3
 	return 0;
 }
 
-uint64_t shardd_placement_reduce_shard(const struct shardd_layout *l, uint32_t reduce_dtype,
+uint64_t shd_placement_reduce_shard(const struct shd_layout *l, uint32_t reduce_dtype,
 				       uint64_t *offsets)
 {
 	uint64_t bytes = 0;
@@ -131,7 +131,7 @@ uint64_t shardd_placement_reduce_shard(const struct shardd_layout *l, uint32_t r
 	return bytes ? bytes : SHARDD_ALIGN;
 }
 
-uint64_t shardd_placement_staging_bytes(uint32_t shard, uint64_t shard_size, uint64_t reduce_shard_size)
+uint64_t shd_placement_staging_bytes(uint32_t shard, uint64_t shard_size, uint64_t reduce_shard_size)
 {
 	uint64_t gather, scatter;
 

@@ -10,8 +10,8 @@
  * Pure logic, no CUDA: the engine plans a group at registration with it,
  * and backend_cuda.c classifies an op's buffers with the same rule.
  */
-#ifndef SHARDD_PLACEMENT_H
-#define SHARDD_PLACEMENT_H
+#ifndef SHD_PLACEMENT_H
+#define SHD_PLACEMENT_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -20,17 +20,17 @@
 #include "shardd_proto.h"
 
 /* The device of a rank that named none in its hello (SHARDD_HELLO_DEVICE_HOST). */
-#define SHARDD_PLACEMENT_DEFAULT_DEVICE 0
+#define SHD_PLACEMENT_DEFAULT_DEVICE 0
 
 /* How the members of one collective (a shard group or a replicate group) sit on devices. */
-enum shardd_placement_kind {
-	SHARDD_PLACE_SHARED = 1, /* all on one device (or one member): device copies and kernels */
-	SHARDD_PLACE_NCCL   = 2, /* two or more members, on pairwise distinct devices: NCCL */
-	SHARDD_PLACE_MIXED  = 3, /* some share a device and some do not: refused */
+enum shd_placement_kind {
+	SHD_PLACE_SHARED = 1, /* all on one device (or one member): device copies and kernels */
+	SHD_PLACE_NCCL   = 2, /* two or more members, on pairwise distinct devices: NCCL */
+	SHD_PLACE_MIXED  = 3, /* some share a device and some do not: refused */
 };
 
 /* A group's plan for a mesh R x S. */
-struct shardd_placement {
+struct shd_placement {
 	uint32_t replicate, shard;
 	uint8_t  shard_nccl[SHARDD_MAX_WORLD];     /* [replicate]: replica u's shard group runs NCCL */
 	uint8_t  replicate_nccl[SHARDD_MAX_WORLD]; /* [shard]: shard index s's replicate group runs NCCL */
@@ -38,13 +38,13 @@ struct shardd_placement {
 };
 
 /* The device that holds a rank's buffers: the one its hello named, else the default. */
-static inline int32_t shardd_placement_device(int32_t hello_device)
+static inline int32_t shd_placement_device(int32_t hello_device)
 {
-	return hello_device == SHARDD_HELLO_DEVICE_HOST ? SHARDD_PLACEMENT_DEFAULT_DEVICE : hello_device;
+	return hello_device == SHARDD_HELLO_DEVICE_HOST ? SHD_PLACEMENT_DEFAULT_DEVICE : hello_device;
 }
 
-/* enum shardd_placement_kind of `n` members on `devices` (devices as buffers sit, already resolved). */
-uint32_t shardd_placement_classify(const int32_t *devices, uint32_t n);
+/* enum shd_placement_kind of `n` members on `devices` (devices as buffers sit, already resolved). */
+uint32_t shd_placement_classify(const int32_t *devices, uint32_t n);
 
 /*
  * Plan group `group`'s collectives for mesh R x S (rank = replica * S +
@@ -53,8 +53,8 @@ uint32_t shardd_placement_classify(const int32_t *devices, uint32_t n);
  * group is SHARED or NCCL. 0, or -SHARDD_E_INVALID with `err` naming the
  * group, the ranks, their devices and the fix when one of them is MIXED.
  */
-int shardd_placement_plan(const char *group, const int32_t *hello_devices, uint32_t replicate,
-			  uint32_t shard, struct shardd_placement *out, char *err, size_t errlen);
+int shd_placement_plan(const char *group, const int32_t *hello_devices, uint32_t replicate,
+			  uint32_t shard, struct shd_placement *out, char *err, size_t errlen);
 
 /*
  * One shard of every param of layout `l` in `reduce_dtype`: an HSDP
@@ -64,7 +64,7 @@ int shardd_placement_plan(const char *group, const int32_t *hello_devices, uint3
  * included; the return value is the bytes of the whole shard, at least
  * SHARDD_ALIGN.
  */
-uint64_t shardd_placement_reduce_shard(const struct shardd_layout *l, uint32_t reduce_dtype,
+uint64_t shd_placement_reduce_shard(const struct shd_layout *l, uint32_t reduce_dtype,
 				       uint64_t *offsets);
 
 /*
@@ -76,6 +76,6 @@ uint64_t shardd_placement_reduce_shard(const struct shardd_layout *l, uint32_t r
  * grad rows for every destination shard). The larger of the two; 0
  * when either product would not fit in 64 bits.
  */
-uint64_t shardd_placement_staging_bytes(uint32_t shard, uint64_t shard_size, uint64_t reduce_shard_size);
+uint64_t shd_placement_staging_bytes(uint32_t shard, uint64_t shard_size, uint64_t reduce_shard_size);
 
-#endif /* SHARDD_PLACEMENT_H */
+#endif /* SHD_PLACEMENT_H */

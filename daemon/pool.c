@@ -10,11 +10,11 @@
 /* Helpers one parallel-for may enlist; more would only wait for ranges. */
 #define POOL_FOR_MAX_HELPERS 64
 
-struct shardd_pool {
+struct shd_pool {
 	pthread_mutex_t lock;
 	pthread_cond_t work;       /* a task was queued, or stop */
 	pthread_cond_t helper_done; /* a parallel-for helper finished */
-	struct shardd_pool_task *head, *tail;
+	struct shd_pool_task *head, *tail;
 	int stop;
 	unsigned nthreads;
 	pthread_t *threads;
@@ -23,12 +23,12 @@ struct shardd_pool {
 struct pool_for;
 
 struct pool_helper {
-	struct shardd_pool_task task;
+	struct shd_pool_task task;
 	struct pool_for *pf;
 };
 
 struct pool_for {
-	struct shardd_pool *pool;
+	struct shd_pool *pool;
 	void (*fn)(void *arg, size_t begin, size_t end);
 	void *arg;
 	size_t n, grain, nranges;
@@ -37,7 +37,7 @@ struct pool_for {
 	struct pool_helper helpers[POOL_FOR_MAX_HELPERS];
 };
 
-static void queue_unlink(struct shardd_pool *p, struct shardd_pool_task *t)
+static void queue_unlink(struct shd_pool *p, struct shd_pool_task *t)
 {
 	if (t->prev)
 		t->prev->next = t->next;
@@ -51,7 +51,7 @@ static void queue_unlink(struct shardd_pool *p, struct shardd_pool_task *t)
 	t->queued = 0;
 }
 
-static void queue_push(struct shardd_pool *p, struct shardd_pool_task *t, int front)
+static void queue_push(struct shd_pool *p, struct shd_pool_task *t, int front)
 {
 	t->queued = 1;
 	if (front) {
@@ -75,11 +75,11 @@ static void queue_push(struct shardd_pool *p, struct shardd_pool_task *t, int fr
 
 static void *pool_worker(void *arg)
 {
-	struct shardd_pool *p = arg;
+	struct shd_pool *p = arg;
 
 	pthread_mutex_lock(&p->lock);
 	for (;;) {
-		struct shardd_pool_task *t;
+		struct shd_pool_task *t;
 
 		while (!p->head && !p->stop)
 			pthread_cond_wait(&p->work, &p->lock);
@@ -95,9 +95,9 @@ static void *pool_worker(void *arg)
 	return NULL;
 }
 
-int shardd_pool_create(unsigned threads, struct shardd_pool **out)
+int shd_pool_create(unsigned threads, struct shd_pool **out)
 {
-	struct shardd_pool *p;
+	struct shd_pool *p;
 	int ret;
 
 	if (threads == 0) {
@@ -127,14 +127,14 @@ int shardd_pool_create(unsigned threads, struct shardd_pool **out)
 	return 0;
 
 err_stop:
-	shardd_pool_destroy(p);
+	shd_pool_destroy(p);
 	return ret;
 err_free:
 	free(p);
 	return ret;
 }
 
-void shardd_pool_destroy(struct shardd_pool *p)
+void shd_pool_destroy(struct shd_pool *p)
 {
 	if (!p)
 		return;
@@ -151,7 +151,7 @@ void shardd_pool_destroy(struct shardd_pool *p)
 	free(p);
 }
 
-void shardd_pool_submit(struct shardd_pool *p, struct shardd_pool_task *t)
+void shd_pool_submit(struct shd_pool *p, struct shd_pool_task *t)
 {
 	pthread_mutex_lock(&p->lock);
 	queue_push(p, t, 0);
@@ -179,11 +179,11 @@ static void pool_for_run(struct pool_for *pf)
 	}
 }
 
-static void pool_helper_fn(struct shardd_pool_task *t)
+static void pool_helper_fn(struct shd_pool_task *t)
 {
 	struct pool_helper *h = (struct pool_helper *)t;
 	struct pool_for *pf = h->pf;
-	struct shardd_pool *p = pf->pool;
+	struct shd_pool *p = pf->pool;
 
 	pool_for_run(pf);
 	/* The last touch of pf: once outstanding drops, the caller may return and its stack frame go. */
@@ -193,7 +193,7 @@ static void pool_helper_fn(struct shardd_pool_task *t)
 	pthread_mutex_unlock(&p->lock);
 }
 
-void shardd_pool_for(struct shardd_pool *p, size_t n, size_t grain,
+void shd_pool_for(struct shd_pool *p, size_t n, size_t grain,
 		     void (*fn)(void *arg, size_t begin, size_t end), void *arg)
 {
 	/* On the stack: this call returns only once no helper touches it. */

@@ -23,7 +23,7 @@
 #include "placement.h"
 
 /* The job's group named `name` (engine_int.h). */
-struct eng_group *eng_group_by_name(const struct shardd_engine_job *j, const char *name)
+struct eng_group *eng_group_by_name(const struct shd_engine_job *j, const char *name)
 {
 	for (uint32_t i = 0; i < j->ngroups; i++) {
 		if (j->groups[i] && !strcmp(j->groups[i]->g->name, name))
@@ -33,7 +33,7 @@ struct eng_group *eng_group_by_name(const struct shardd_engine_job *j, const cha
 }
 
 /* Free a group's engine state and buffers; handles a partly built one. */
-static void group_destroy(struct eng_group *eg, struct shardd_engine_job *j)
+static void group_destroy(struct eng_group *eg, struct shd_engine_job *j)
 {
 	for (uint32_t r = 0; eg->dhead && r < j->world; r++) {
 		while (eg->dhead[r]) {
@@ -45,7 +45,7 @@ static void group_destroy(struct eng_group *eg, struct shardd_engine_job *j)
 	}
 	free(eg->dhead);
 	free(eg->dtail);
-	shardd_rdv_free(&eg->reg);
+	shd_rdv_free(&eg->reg);
 	for (uint32_t u = 0; eg->unshard && u < j->replicate; u++)
 		eng_coll_free(&eg->unshard[u]);
 	for (uint32_t u = 0; eg->rs && u < j->replicate; u++)
@@ -54,7 +54,7 @@ static void group_destroy(struct eng_group *eg, struct shardd_engine_job *j)
 	free(eg->unshard);
 	free(eg->rs);
 	free(eg->regs);
-	shardd_group_destroy(eg->g, j->e->backend);
+	shd_group_destroy(eg->g, j->e->backend);
 	j->mem_committed -= eg->mem_committed;
 	j->e->mem_committed -= eg->mem_committed;
 	free(eg);
@@ -76,17 +76,17 @@ void eng_group_free(struct eng_group *eg)
  * the pages themselves when it allocates (fallocate), so an op never finds
  * memory missing. Device memory (cuda) is not counted.
  */
-static int group_commit_memory(struct shardd_engine_job *j, struct eng_group *eg, char *err, size_t errlen)
+static int group_commit_memory(struct shd_engine_job *j, struct eng_group *eg, char *err, size_t errlen)
 {
-	struct shardd_engine *e = j->e;
-	struct shardd_group_memory m;
+	struct shd_engine *e = j->e;
+	struct shd_group_memory m;
 	const char *flag = NULL, *holder = NULL;
 	uint64_t used = 0, limit = 0;
 	char need[32], held[32], max[32];
 
 	if (e->cfg.backend != SHARDD_BACKEND_HOST)
 		return 0;
-	shardd_group_memory_need(eg->g, &m);
+	shd_group_memory_need(eg->g, &m);
 	if (e->cfg.max_job_memory && (m.total > e->cfg.max_job_memory ||
 				      j->mem_committed > e->cfg.max_job_memory - m.total)) {
 		flag = "--max-job-memory";
@@ -104,10 +104,10 @@ static int group_commit_memory(struct shardd_engine_job *j, struct eng_group *eg
 		eng_fmt(err, errlen,
 			"register group '%s' of job '%s': its buffers need %s (%llu bytes), but %s holds %s "
 			"(%llu bytes) of its limit of %s (%llu bytes); raise %s, or end jobs or register smaller groups",
-			eg->g->name, j->name, shardd_bytes_str(m.total, need, sizeof(need)),
+			eg->g->name, j->name, shd_bytes_str(m.total, need, sizeof(need)),
 			(unsigned long long)m.total, holder,
-			shardd_bytes_str(used, held, sizeof(held)), (unsigned long long)used,
-			shardd_bytes_str(limit, max, sizeof(max)), (unsigned long long)limit, flag);
+			shd_bytes_str(used, held, sizeof(held)), (unsigned long long)used,
+			shd_bytes_str(limit, max, sizeof(max)), (unsigned long long)limit, flag);
 		return -ENOMEM;
 	}
 	eg->mem_committed = m.total;
@@ -117,7 +117,7 @@ static int group_commit_memory(struct shardd_engine_job *j, struct eng_group *eg
 }
 
 /* A pending group for the first registration of `hdr`; takes `specs` on success. */
-static int group_new(struct shardd_engine_job *j, const struct shardd_register_group *hdr,
+static int group_new(struct shd_engine_job *j, const struct shardd_register_group *hdr,
 		     struct shardd_param_spec *specs, const struct shardd_optim_config *optim, uint32_t rank,
 		     struct eng_group **out, char *err, size_t errlen)
 {
@@ -139,7 +139,7 @@ static int group_new(struct shardd_engine_job *j, const struct shardd_register_g
 		goto err_msg;
 	eg->j = j;
 	eg->first_rank = rank;
-	ret = shardd_group_create(j->ngroups + 1, hdr, specs, j->replicate, j->shard, &eg->g, err, errlen);
+	ret = shd_group_create(j->ngroups + 1, hdr, specs, j->replicate, j->shard, &eg->g, err, errlen);
 	if (ret) {
 		free(eg);
 		return ret;
@@ -150,7 +150,7 @@ static int group_new(struct shardd_engine_job *j, const struct shardd_register_g
 			"--backend host", hdr->name, j->e->backend->ops->name);
 		ret = -ENOTSUP;
 	} else {
-		ret = shardd_group_set_optim(eg->g, optim, err, errlen);
+		ret = shd_group_set_optim(eg->g, optim, err, errlen);
 		if (ret == -ENOMEM)
 			eng_fmt(err, errlen, "register group '%s': out of memory", hdr->name);
 	}
@@ -172,7 +172,7 @@ static int group_new(struct shardd_engine_job *j, const struct shardd_register_g
 		goto err_group;
 	for (uint32_t r = 0; r < j->world; r++)
 		all[r] = r;
-	if (shardd_rdv_init(&eg->reg, all, j->world))
+	if (shd_rdv_init(&eg->reg, all, j->world))
 		goto err_group;
 	for (uint32_t u = 0; u < j->replicate; u++) {
 		if (eng_coll_init(&eg->unshard[u], u * j->shard, j->shard, SHARDD_OP_UNSHARD) ||
@@ -199,17 +199,17 @@ err_msg:
  * Fail a pending registration for every rank that arrived, and forget the group.
  *
  * The group leaves the job before any reply is sent: a reply that cannot be
- * sent drops its client, whose departure (shardd_engine_rank_gone) would
+ * sent drops its client, whose departure (shd_engine_rank_gone) would
  * otherwise find this group still pending, fail it again and free it under
  * this loop.
  */
 static void reg_fail(struct eng_group *eg, int res, const char *msg, uint32_t skip_rank)
 {
-	struct shardd_engine_job *j = eg->j;
+	struct shd_engine_job *j = eg->j;
 
 	j->groups[eg->g->id - 1] = NULL;
 	for (uint32_t r = 0; r < j->world; r++) {
-		if (r != skip_rank && shardd_rdv_has_arrived(&eg->reg, r))
+		if (r != skip_rank && shd_rdv_has_arrived(&eg->reg, r))
 			eng_reply_err(j, r, eg->regs[r].token, eg->regs[r].seq, res, msg);
 	}
 	group_destroy(eg, j);
@@ -217,10 +217,10 @@ static void reg_fail(struct eng_group *eg, int res, const char *msg, uint32_t sk
 
 static void reply_group(struct eng_group *eg, uint32_t rank, uint64_t token, uint32_t seq)
 {
-	struct shardd_engine_job *j = eg->j;
+	struct shd_engine_job *j = eg->j;
 	struct shardd_group_reply reply;
 	struct shardd_param_layout *layouts;
-	struct shardd_group_export ex;
+	struct shd_group_export ex;
 	char msg[ENGINE_MSG_MAX];
 	int ret;
 
@@ -230,7 +230,7 @@ static void reply_group(struct eng_group *eg, uint32_t rank, uint64_t token, uin
 		eng_reply_err(j, rank, token, seq, -SHARDD_E_NOMEM, msg);
 		return;
 	}
-	ret = shardd_group_reply(eg->g, j->e->backend, rank, &reply, layouts, &ex);
+	ret = shd_group_reply(eg->g, j->e->backend, rank, &reply, layouts, &ex);
 	if (ret) {
 		eng_fmt(msg, sizeof(msg), "shardd: group '%s': cannot export its buffers to rank %u: %s",
 			eg->g->name, rank, strerror(-ret));
@@ -238,7 +238,7 @@ static void reply_group(struct eng_group *eg, uint32_t rank, uint64_t token, uin
 	} else {
 		j->e->cfg.reply(j->ctx, rank, token, seq, 0, NULL, &reply, layouts, eg->g->specs,
 				ex.fds, ex.nfds, ex.ipc, ex.nipc);
-		shardd_group_export_close(&ex);
+		shd_group_export_close(&ex);
 	}
 	free(layouts);
 }
@@ -250,18 +250,18 @@ static void reply_group(struct eng_group *eg, uint32_t rank, uint64_t token, uin
  * holds the plan (0: the backend ignores devices, and every replica shares
  * one unsharded buffer), or an error with `err`.
  */
-static int reg_place(struct eng_group *eg, struct shardd_placement *pl, int *planned, char *err,
+static int reg_place(struct eng_group *eg, struct shd_placement *pl, int *planned, char *err,
 		     size_t errlen)
 {
-	struct shardd_engine_job *j = eg->j;
-	struct shardd_backend_ctx *b = j->e->backend;
+	struct shd_engine_job *j = eg->j;
+	struct shd_backend_ctx *b = j->e->backend;
 	char why[320];
 	int ret;
 
 	*planned = 0;
 	if (!b->ops->multi_device)
 		return 0;
-	ret = shardd_placement_plan(eg->g->name, j->devices, j->replicate, j->shard, pl, err, errlen);
+	ret = shd_placement_plan(eg->g->name, j->devices, j->replicate, j->shard, pl, err, errlen);
 	if (ret)
 		return ret;
 	*planned = 1;
@@ -276,8 +276,8 @@ static int reg_place(struct eng_group *eg, struct shardd_placement *pl, int *pla
 
 static void reg_finish(struct eng_group *eg)
 {
-	struct shardd_engine_job *j = eg->j;
-	struct shardd_placement *pl;
+	struct shd_engine_job *j = eg->j;
+	struct shd_placement *pl;
 	char err[ENGINE_MSG_MAX], msg[ENGINE_MSG_MAX];
 	int planned = 0, ret;
 
@@ -289,7 +289,7 @@ static void reg_finish(struct eng_group *eg)
 	}
 	ret = reg_place(eg, pl, &planned, err, sizeof(err));
 	if (!ret)
-		ret = shardd_group_alloc(eg->g, j->e->backend, j->devices, planned ? pl : NULL, err, sizeof(err));
+		ret = shd_group_alloc(eg->g, j->e->backend, j->devices, planned ? pl : NULL, err, sizeof(err));
 	free(pl);
 	if (ret) {
 		eng_fmt(msg, sizeof(msg), "shardd: %s", err);
@@ -299,10 +299,10 @@ static void reg_finish(struct eng_group *eg)
 	eg->complete = 1;
 	for (uint32_t r = 0; r < j->world; r++)
 		reply_group(eg, r, eg->regs[r].token, eg->regs[r].seq);
-	shardd_rdv_reset(&eg->reg);
+	shd_rdv_reset(&eg->reg);
 }
 
-void shardd_engine_register_group(struct shardd_engine_job *j, uint32_t rank, uint64_t token,
+void shd_engine_register_group(struct shd_engine_job *j, uint32_t rank, uint64_t token,
 				  uint32_t seq, const void *payload, size_t len)
 {
 	struct shardd_register_group hdr;
@@ -318,7 +318,7 @@ void shardd_engine_register_group(struct shardd_engine_job *j, uint32_t rank, ui
 		eng_reply_err(j, rank, token, seq, -SHARDD_E_INVALID, msg);
 		return;
 	}
-	ret = shardd_group_parse(payload, len, &hdr, &specs, &optim, err, sizeof(err));
+	ret = shd_group_parse(payload, len, &hdr, &specs, &optim, err, sizeof(err));
 	if (ret) {
 		eng_fmt(msg, sizeof(msg), "shardd: %s", ret == -ENOMEM ? "register group: out of memory" : err);
 		eng_reply_err(j, rank, token, seq, ret, msg);
@@ -340,14 +340,14 @@ void shardd_engine_register_group(struct shardd_engine_job *j, uint32_t rank, ui
 			goto out;
 		}
 		specs = NULL; /* the group owns them */
-	} else if (shardd_rdv_has_arrived(&eg->reg, rank)) {
-		shardd_rdv_who_missing(&eg->reg, who, sizeof(who));
+	} else if (shd_rdv_has_arrived(&eg->reg, rank)) {
+		shd_rdv_who_missing(&eg->reg, who, sizeof(who));
 		eng_fmt(msg, sizeof(msg), "shardd: rank %u already registered group '%s'; it waits for %s to register it",
 			rank, hdr.name, who);
 		eng_reply_err(j, rank, token, seq, -SHARDD_E_STATE, msg);
 		goto out;
-	} else if (shardd_group_compare(eg->g, &hdr, specs, &optim, rank, eg->first_rank, why, sizeof(why))) {
-		shardd_rdv_present(&eg->reg, ranks, sizeof(ranks));
+	} else if (shd_group_compare(eg->g, &hdr, specs, &optim, rank, eg->first_rank, why, sizeof(why))) {
+		shd_rdv_present(&eg->reg, ranks, sizeof(ranks));
 		eng_fmt(msg, sizeof(msg), "shardd: %s; registration failed for ranks %s,%u", why, ranks, rank);
 		/*
 		 * The group is failed before this rank is answered: a reply that
@@ -358,15 +358,15 @@ void shardd_engine_register_group(struct shardd_engine_job *j, uint32_t rank, ui
 		eng_reply_err(j, rank, token, seq, -SHARDD_E_MISMATCH, msg);
 		goto out;
 	}
-	ret = shardd_rdv_arrive(&eg->reg, rank, 0, 0, shardd_now_ns(), j->e->timeout_ns, why, sizeof(why));
+	ret = shd_rdv_arrive(&eg->reg, rank, 0, 0, shd_now_ns(), j->e->timeout_ns, why, sizeof(why));
 	eg->regs[rank] = (struct eng_reg){ .token = token, .seq = seq };
-	if (ret == SHARDD_RDV_COMPLETE)
+	if (ret == SHD_RDV_COMPLETE)
 		reg_finish(eg);
 out:
 	free(specs);
 }
 
-void shardd_engine_open_group(struct shardd_engine_job *j, uint32_t rank, uint64_t token,
+void shd_engine_open_group(struct shd_engine_job *j, uint32_t rank, uint64_t token,
 			      uint32_t seq, const void *payload, size_t len)
 {
 	struct shardd_open_group req;
@@ -398,7 +398,7 @@ void shardd_engine_open_group(struct shardd_engine_job *j, uint32_t rank, uint64
 		return;
 	}
 	if (eg) {
-		shardd_rdv_who_missing(&eg->reg, who, sizeof(who));
+		shd_rdv_who_missing(&eg->reg, who, sizeof(who));
 		eng_fmt(msg, sizeof(msg), "shardd: group '%s' of job '%s' is still being registered: %s have not registered it",
 			req.name, j->name, who);
 		eng_reply_err(j, rank, token, seq, -SHARDD_E_NOGROUP, msg);
@@ -420,9 +420,9 @@ void eng_reg_rank_gone(struct eng_group *eg, uint32_t rank, uint64_t token)
 {
 	char msg[ENGINE_MSG_MAX], who[ENGINE_WHO_MAX];
 
-	if (shardd_rdv_has_arrived(&eg->reg, rank) && eg->regs[rank].token != token)
+	if (shd_rdv_has_arrived(&eg->reg, rank) && eg->regs[rank].token != token)
 		return;
-	shardd_rdv_who_present(&eg->reg, who, sizeof(who));
+	shd_rdv_who_present(&eg->reg, who, sizeof(who));
 	eng_fmt(msg, sizeof(msg),
 		"shardd: rank %u left (its client is gone) before group '%s' was registered by every rank; failed for %s",
 		rank, eg->g->name, who);
@@ -433,7 +433,7 @@ void eng_reg_cron(struct eng_group *eg, uint64_t now_ns)
 {
 	char did[192], msg[ENGINE_MSG_MAX];
 
-	if (!shardd_rdv_expired(&eg->reg, now_ns))
+	if (!shd_rdv_expired(&eg->reg, now_ns))
 		return;
 	eng_fmt(did, sizeof(did), "never registered group '%s'", eg->g->name);
 	eng_expired_msg(eg->j->e, &eg->reg, did, msg, sizeof(msg));

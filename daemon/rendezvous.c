@@ -14,7 +14,7 @@ static int cmp_u32(const void *a, const void *b)
 	return (x > y) - (x < y);
 }
 
-int shardd_rdv_init(struct shardd_rdv *r, const uint32_t *ranks, uint32_t n)
+int shd_rdv_init(struct shd_rdv *r, const uint32_t *ranks, uint32_t n)
 {
 	memset(r, 0, sizeof(*r));
 	if (n == 0)
@@ -32,21 +32,21 @@ int shardd_rdv_init(struct shardd_rdv *r, const uint32_t *ranks, uint32_t n)
 	return 0;
 
 err_inval:
-	shardd_rdv_free(r);
+	shd_rdv_free(r);
 	return -EINVAL;
 err_nomem:
-	shardd_rdv_free(r);
+	shd_rdv_free(r);
 	return -ENOMEM;
 }
 
-void shardd_rdv_free(struct shardd_rdv *r)
+void shd_rdv_free(struct shd_rdv *r)
 {
 	free(r->ranks);
 	free(r->arrived);
 	memset(r, 0, sizeof(*r));
 }
 
-void shardd_rdv_reset(struct shardd_rdv *r)
+void shd_rdv_reset(struct shd_rdv *r)
 {
 	if (r->arrived)
 		memset(r->arrived, 0, r->nexpected);
@@ -59,7 +59,7 @@ void shardd_rdv_reset(struct shardd_rdv *r)
 }
 
 /* Index of `rank` in the expected set, or -1. */
-static int64_t rdv_index(const struct shardd_rdv *r, uint32_t rank)
+static int64_t rdv_index(const struct shd_rdv *r, uint32_t rank)
 {
 	uint32_t lo = 0, hi = r->nexpected;
 
@@ -76,19 +76,19 @@ static int64_t rdv_index(const struct shardd_rdv *r, uint32_t rank)
 	return -1;
 }
 
-int shardd_rdv_expects(const struct shardd_rdv *r, uint32_t rank)
+int shd_rdv_expects(const struct shd_rdv *r, uint32_t rank)
 {
 	return rdv_index(r, rank) >= 0;
 }
 
-int shardd_rdv_has_arrived(const struct shardd_rdv *r, uint32_t rank)
+int shd_rdv_has_arrived(const struct shd_rdv *r, uint32_t rank)
 {
 	int64_t i = rdv_index(r, rank);
 
 	return i >= 0 && r->arrived[i];
 }
 
-int shardd_rdv_arrive(struct shardd_rdv *r, uint32_t rank, uint64_t step, uint32_t flags,
+int shd_rdv_arrive(struct shd_rdv *r, uint32_t rank, uint64_t step, uint32_t flags,
 		      uint64_t now_ns, uint64_t timeout_ns, char *why, size_t whylen)
 {
 	int64_t i = rdv_index(r, rank);
@@ -115,14 +115,14 @@ int shardd_rdv_arrive(struct shardd_rdv *r, uint32_t rank, uint64_t step, uint32
 			 "rank %u submitted step %llu flags 0x%x but rank %u submitted step %llu flags 0x%x",
 			 rank, (unsigned long long)step, flags, r->first_rank,
 			 (unsigned long long)r->step, r->flags);
-		return SHARDD_RDV_MISMATCH;
+		return SHD_RDV_MISMATCH;
 	}
 	r->arrived[i] = 1;
 	r->narrived++;
-	return r->narrived == r->nexpected ? SHARDD_RDV_COMPLETE : SHARDD_RDV_WAIT;
+	return r->narrived == r->nexpected ? SHD_RDV_COMPLETE : SHD_RDV_WAIT;
 }
 
-int shardd_rdv_leave(struct shardd_rdv *r, uint32_t rank)
+int shd_rdv_leave(struct shd_rdv *r, uint32_t rank)
 {
 	int64_t i = rdv_index(r, rank);
 
@@ -133,16 +133,16 @@ int shardd_rdv_leave(struct shardd_rdv *r, uint32_t rank)
 	return 1;
 }
 
-int shardd_rdv_expired(const struct shardd_rdv *r, uint64_t now_ns)
+int shd_rdv_expired(const struct shd_rdv *r, uint64_t now_ns)
 {
 	return r->active && now_ns >= r->deadline_ns;
 }
 
-/* Longest rank phrase shardd_rdv_missing_msg holds ("..." ends a longer one). */
+/* Longest rank phrase shd_rdv_missing_msg holds ("..." ends a longer one). */
 #define RDV_WHO_MAX 1024
 
 /* Comma-separated list of expected ranks whose arrived flag equals `want`. */
-static void rdv_list(const struct shardd_rdv *r, uint8_t want, char *buf, size_t len)
+static void rdv_list(const struct shd_rdv *r, uint8_t want, char *buf, size_t len)
 {
 	size_t off = 0;
 
@@ -165,18 +165,18 @@ static void rdv_list(const struct shardd_rdv *r, uint8_t want, char *buf, size_t
 	}
 }
 
-void shardd_rdv_missing(const struct shardd_rdv *r, char *buf, size_t len)
+void shd_rdv_missing(const struct shd_rdv *r, char *buf, size_t len)
 {
 	rdv_list(r, 0, buf, len);
 }
 
-void shardd_rdv_present(const struct shardd_rdv *r, char *buf, size_t len)
+void shd_rdv_present(const struct shd_rdv *r, char *buf, size_t len)
 {
 	rdv_list(r, 1, buf, len);
 }
 
 /* "rank 3" / "ranks 3,5": the `n` ranks whose arrived flag equals `want`. */
-static void rdv_who(const struct shardd_rdv *r, uint8_t want, uint32_t n, char *buf, size_t len)
+static void rdv_who(const struct shd_rdv *r, uint8_t want, uint32_t n, char *buf, size_t len)
 {
 	int off = snprintf(buf, len, "%s ", n == 1 ? "rank" : "ranks");
 
@@ -184,24 +184,24 @@ static void rdv_who(const struct shardd_rdv *r, uint8_t want, uint32_t n, char *
 		rdv_list(r, want, buf + off, len - (size_t)off);
 }
 
-void shardd_rdv_who_missing(const struct shardd_rdv *r, char *buf, size_t len)
+void shd_rdv_who_missing(const struct shd_rdv *r, char *buf, size_t len)
 {
 	rdv_who(r, 0, r->nexpected - r->narrived, buf, len);
 }
 
-void shardd_rdv_who_present(const struct shardd_rdv *r, char *buf, size_t len)
+void shd_rdv_who_present(const struct shd_rdv *r, char *buf, size_t len)
 {
 	rdv_who(r, 1, r->narrived, buf, len);
 }
 
-void shardd_rdv_missing_msg(const struct shardd_rdv *r, const char *did, const char *within,
+void shd_rdv_missing_msg(const struct shd_rdv *r, const char *did, const char *within,
 			    char *buf, size_t len)
 {
 	char missing[RDV_WHO_MAX] = "", present[RDV_WHO_MAX] = "";
 	size_t part = len / 3 < sizeof(missing) ? len / 3 : sizeof(missing);
 
-	shardd_rdv_who_missing(r, missing, part);
-	shardd_rdv_who_present(r, present, part);
+	shd_rdv_who_missing(r, missing, part);
+	shd_rdv_who_present(r, present, part);
 	snprintf(buf, len, "%s %s within %s; %s %s waiting", missing, did, within, present,
 		 r->narrived == 1 ? "is" : "are");
 }

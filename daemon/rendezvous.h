@@ -5,16 +5,16 @@
  * collectives) calls arrive/expired and acts on the result. Used from the
  * loop thread only.
  */
-#ifndef SHARDD_RENDEZVOUS_H
-#define SHARDD_RENDEZVOUS_H
+#ifndef SHD_RENDEZVOUS_H
+#define SHD_RENDEZVOUS_H
 
 #include <stddef.h>
 #include <stdint.h>
 
-/* Deadlines are on the daemon's clock: callers pass shardd_now_ns(). */
+/* Deadlines are on the daemon's clock: callers pass shd_now_ns(). */
 #include "clock.h"
 
-struct shardd_rdv {
+struct shd_rdv {
 	uint32_t  nexpected;   /* ranks expected */
 	uint32_t *ranks;       /* expected ranks, ascending (owned) */
 	uint8_t  *arrived;     /* per expected index: 1 if arrived */
@@ -27,47 +27,47 @@ struct shardd_rdv {
 };
 
 enum {
-	SHARDD_RDV_WAIT     = 0, /* arrival recorded, others still missing */
-	SHARDD_RDV_COMPLETE = 1, /* every expected rank arrived with the key */
-	SHARDD_RDV_MISMATCH = 2, /* key differs from the first arrival's */
+	SHD_RDV_WAIT     = 0, /* arrival recorded, others still missing */
+	SHD_RDV_COMPLETE = 1, /* every expected rank arrived with the key */
+	SHD_RDV_MISMATCH = 2, /* key differs from the first arrival's */
 };
 
 /*
  * Expect `n` ranks (copied, sorted ascending, must be distinct).
  * Returns 0, -EINVAL (n == 0 or duplicates) or -ENOMEM.
  */
-int shardd_rdv_init(struct shardd_rdv *r, const uint32_t *ranks, uint32_t n);
-void shardd_rdv_free(struct shardd_rdv *r);
+int shd_rdv_init(struct shd_rdv *r, const uint32_t *ranks, uint32_t n);
+void shd_rdv_free(struct shd_rdv *r);
 /* Forget arrivals, keep the expected set. */
-void shardd_rdv_reset(struct shardd_rdv *r);
+void shd_rdv_reset(struct shd_rdv *r);
 
 /*
  * Arrival of `rank` with key (step, flags) at `now_ns`; the first arrival
- * sets the key and the deadline now_ns + timeout_ns. Returns SHARDD_RDV_WAIT,
- * SHARDD_RDV_COMPLETE, SHARDD_RDV_MISMATCH (arrival not recorded; `why` names
+ * sets the key and the deadline now_ns + timeout_ns. Returns SHD_RDV_WAIT,
+ * SHD_RDV_COMPLETE, SHD_RDV_MISMATCH (arrival not recorded; `why` names
  * both ranks and keys) or -EINVAL (rank not expected, or arrived twice; `why`
  * says which). The owner resets the rendezvous after COMPLETE or MISMATCH.
  */
-int shardd_rdv_arrive(struct shardd_rdv *r, uint32_t rank, uint64_t step, uint32_t flags,
+int shd_rdv_arrive(struct shd_rdv *r, uint32_t rank, uint64_t step, uint32_t flags,
 		      uint64_t now_ns, uint64_t timeout_ns, char *why, size_t whylen);
 /*
  * Forget the arrival of `rank` (its client is gone), so that present/missing
  * lists no longer count it. Returns 1 when it had arrived, else 0.
  */
-int shardd_rdv_leave(struct shardd_rdv *r, uint32_t rank);
+int shd_rdv_leave(struct shd_rdv *r, uint32_t rank);
 /* 1 when active and past its deadline, else 0. */
-int shardd_rdv_expired(const struct shardd_rdv *r, uint64_t now_ns);
+int shd_rdv_expired(const struct shd_rdv *r, uint64_t now_ns);
 /* 1 when `rank` is expected and has arrived, else 0. */
-int shardd_rdv_has_arrived(const struct shardd_rdv *r, uint32_t rank);
+int shd_rdv_has_arrived(const struct shd_rdv *r, uint32_t rank);
 /* 1 when `rank` is in the expected set, else 0. */
-int shardd_rdv_expects(const struct shardd_rdv *r, uint32_t rank);
+int shd_rdv_expects(const struct shd_rdv *r, uint32_t rank);
 
 /* "3,5": ranks not yet arrived / arrived, comma separated; "" when none. */
-void shardd_rdv_missing(const struct shardd_rdv *r, char *buf, size_t len);
-void shardd_rdv_present(const struct shardd_rdv *r, char *buf, size_t len);
+void shd_rdv_missing(const struct shd_rdv *r, char *buf, size_t len);
+void shd_rdv_present(const struct shd_rdv *r, char *buf, size_t len);
 /* "rank 3" or "ranks 3,5": the same lists as the subject of a sentence. */
-void shardd_rdv_who_missing(const struct shardd_rdv *r, char *buf, size_t len);
-void shardd_rdv_who_present(const struct shardd_rdv *r, char *buf, size_t len);
+void shd_rdv_who_missing(const struct shd_rdv *r, char *buf, size_t len);
+void shd_rdv_who_present(const struct shd_rdv *r, char *buf, size_t len);
 /*
  * The one description of the ranks a rendezvous still misses, for the
  * error of one that expired: "ranks 2,3 <did> within <within>; rank 0 is
@@ -76,7 +76,7 @@ void shardd_rdv_who_present(const struct shardd_rdv *r, char *buf, size_t len);
  * timeout as its owner words it ("30 s"). Each list takes at most a third
  * of `len` (ending in "..." when cut), so the sentence keeps its end.
  */
-void shardd_rdv_missing_msg(const struct shardd_rdv *r, const char *did, const char *within,
+void shd_rdv_missing_msg(const struct shd_rdv *r, const char *did, const char *within,
 			    char *buf, size_t len);
 
-#endif /* SHARDD_RENDEZVOUS_H */
+#endif /* SHD_RENDEZVOUS_H */

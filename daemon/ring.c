@@ -21,7 +21,7 @@
 #include "sqe.h"
 
 /* A client that corrupted its own ring's indices: it is dropped, everyone else goes on. */
-static void session_ring_corrupt(struct shardd_session *s, const char *which)
+static void session_ring_corrupt(struct shd_session *s, const char *which)
 {
 	uint32_t sq_head, sq_tail, cq_head, cq_tail;
 	char name[160], why[256];
@@ -31,15 +31,15 @@ static void session_ring_corrupt(struct shardd_session *s, const char *which)
 	snprintf(why, sizeof(why),
 		 "was disconnected: ring %s index is corrupt (sq head %u tail %u, cq head %u tail %u)",
 		 which, sq_head, sq_tail, cq_head, cq_tail);
-	shardd_log_error("%s %s", shardd_session_name(s, name, sizeof(name)), why);
-	shardd_session_close_later(s, why);
+	shd_log_error("%s %s", shd_session_name(s, name, sizeof(name)), why);
+	shd_session_close_later(s, why);
 }
 
 /*
  * CQ slots free for new reservations: >= 0, or -EBADMSG when the client's
  * CQ head is corrupt.
  */
-static int64_t session_cq_room(struct shardd_session *s)
+static int64_t session_cq_room(struct shd_session *s)
 {
 	int64_t space = shardd_cq_space(&s->ring);
 
@@ -49,18 +49,18 @@ static int64_t session_cq_room(struct shardd_session *s)
 	return space > s->inflight ? space - s->inflight : 0;
 }
 
-void shardd_session_complete(struct shardd_session *s, const struct shardd_sqe *sqe, int res,
+void shd_session_complete(struct shd_session *s, const struct shardd_sqe *sqe, int res,
 			     const char *msg)
 {
 	struct shardd_cqe cqe;
 	char name[160];
 
 	/* A closing session's client is being dropped: its completions go nowhere. */
-	if (s->state != SHARDD_SESSION_ATTACHED || s->closing)
+	if (s->state != SHD_SESSION_ATTACHED || s->closing)
 		return;
 	if (s->inflight == 0) {
-		shardd_log_error("%s: completion of %s (step %llu) without a reserved CQ slot; dropped",
-				 shardd_session_name(s, name, sizeof(name)),
+		shd_log_error("%s: completion of %s (step %llu) without a reserved CQ slot; dropped",
+				 shd_session_name(s, name, sizeof(name)),
 				 shardd_op_name(sqe->op) ? shardd_op_name(sqe->op) : "?",
 				 (unsigned long long)sqe->step);
 		return;
@@ -76,7 +76,7 @@ void shardd_session_complete(struct shardd_session *s, const struct shardd_sqe *
 	cqe.group = sqe->group;
 	cqe.step = sqe->step;
 	if ((sqe->fence & SHARDD_FENCE_SIGNAL) && s->fences) {
-		struct shardd_backend_ctx *b = shardd_engine_backend(shardd_session_env.engine);
+		struct shd_backend_ctx *b = shd_engine_backend(shd_session_env.engine);
 		uint32_t slot = shardd_cq_next_slot(&s->ring);
 
 		/* The client's stream waits on this record before it frees the slot for the next one. */
@@ -91,8 +91,8 @@ void shardd_session_complete(struct shardd_session *s, const struct shardd_sqe *
 	if (res < 0 && (!msg || !*msg))
 		msg = res <= -SHARDD_E_BASE ? "shardd error" : strerror(-res);
 	shardd_cq_push(&s->ring, &cqe, res < 0 ? msg : NULL);
-	shardd_metrics_op_done(sqe->op, res, shardd_metrics_op_bytes(s->job, sqe),
-			       shardd_op_clock_stop(&s->clock, sqe, shardd_now_ns()));
+	shd_metrics_op_done(sqe->op, res, shd_metrics_op_bytes(s->job, sqe),
+			       shd_op_clock_stop(&s->clock, sqe, shd_now_ns()));
 	s->inflight--;
 	s->stats.ops_completed++;
 	if (res < 0)
@@ -101,7 +101,7 @@ void shardd_session_complete(struct shardd_session *s, const struct shardd_sqe *
 
 /* Fail an entry that does not validate; the message names the field and value. */
 static void __attribute__((format(printf, 3, 4)))
-session_fail_sqe(struct shardd_session *s, const struct shardd_sqe *sqe, const char *fmt, ...)
+session_fail_sqe(struct shd_session *s, const struct shardd_sqe *sqe, const char *fmt, ...)
 {
 	char msg[SHARDD_RING_MSG_SIZE];
 	va_list ap;
@@ -109,7 +109,7 @@ session_fail_sqe(struct shardd_session *s, const struct shardd_sqe *sqe, const c
 	va_start(ap, fmt);
 	vsnprintf(msg, sizeof(msg), fmt, ap);
 	va_end(ap);
-	shardd_session_complete(s, sqe, -SHARDD_E_INVALID, msg);
+	shd_session_complete(s, sqe, -SHARDD_E_INVALID, msg);
 }
 
 /*
@@ -118,10 +118,10 @@ session_fail_sqe(struct shardd_session *s, const struct shardd_sqe *sqe, const c
  * slot goes back to the client, which re-records the slot's event only
  * after that. 0, or -1 with `why` naming the field and value.
  */
-static int session_fence_wait(struct shardd_session *s, const struct shardd_sqe *sqe,
+static int session_fence_wait(struct shd_session *s, const struct shardd_sqe *sqe,
 			      uint32_t slot, char *why, size_t len)
 {
-	struct shardd_backend_ctx *b;
+	struct shd_backend_ctx *b;
 
 	if (!sqe->fence)
 		return 0;
@@ -137,7 +137,7 @@ static int session_fence_wait(struct shardd_session *s, const struct shardd_sqe 
 	}
 	if (!(sqe->fence & SHARDD_FENCE_WAIT))
 		return 0;
-	b = shardd_engine_backend(shardd_session_env.engine);
+	b = shd_engine_backend(shd_session_env.engine);
 	if (b->ops->fence_wait(b, s->fences, slot) < 0) {
 		snprintf(why, len, "sqe.fence: waiting on the stream event of SQ slot %u failed in "
 			 "the %s backend (see the daemon's log)", slot, b->ops->name);
@@ -146,30 +146,30 @@ static int session_fence_wait(struct shardd_session *s, const struct shardd_sqe 
 	return 0;
 }
 
-static void session_take(struct shardd_session *s, const struct shardd_sqe *sqe)
+static void session_take(struct shd_session *s, const struct shardd_sqe *sqe)
 {
 	char why[SHARDD_RING_MSG_SIZE];
 
-	if (shardd_sqe_check(sqe, why, sizeof(why)) < 0) {
+	if (shd_sqe_check(sqe, why, sizeof(why)) < 0) {
 		session_fail_sqe(s, sqe, "%s", why);
 		return;
 	}
 	switch (sqe->op) {
 	case SHARDD_OP_NOP:
-		shardd_session_complete(s, sqe, 0, NULL);
+		shd_session_complete(s, sqe, 0, NULL);
 		return;
 	case SHARDD_OP_BARRIER:
-		shardd_job_barrier(s->job, s->rank, sqe);
+		shd_job_barrier(s->job, s->rank, sqe);
 		return;
 	default:
-		shardd_engine_submit(s->job->ejob, s->rank, s->id, sqe);
+		shd_engine_submit(s->job->ejob, s->rank, s->id, sqe);
 		return;
 	}
 }
 
-int shardd_session_prepare_sleep(struct shardd_session *s)
+int shd_session_prepare_sleep(struct shd_session *s)
 {
-	if (s->state != SHARDD_SESSION_ATTACHED || s->closing)
+	if (s->state != SHD_SESSION_ATTACHED || s->closing)
 		return 0;
 	if (!shardd_ring_prepare_sleep(&s->ring))
 		return 0;
@@ -184,12 +184,12 @@ int shardd_session_prepare_sleep(struct shardd_session *s)
 	return session_cq_room(s) > 0;
 }
 
-unsigned shardd_session_service(struct shardd_session *s)
+unsigned shd_session_service(struct shd_session *s)
 {
 	uint32_t budget = s->ring.sq_mask + 1; /* one SQ's worth per turn: fairness */
 	unsigned taken = 0;
 
-	while (s->state == SHARDD_SESSION_ATTACHED && !s->closing && s->job && taken < budget) {
+	while (s->state == SHD_SESSION_ATTACHED && !s->closing && s->job && taken < budget) {
 		struct shardd_sqe sqe;
 		int64_t ready = shardd_sq_ready(&s->ring);
 		int64_t room;
@@ -211,7 +211,7 @@ unsigned shardd_session_service(struct shardd_session *s)
 			break;
 		fenced = session_fence_wait(s, &sqe, shardd_sq_peek(&s->ring, &sqe), why, sizeof(why));
 		shardd_sq_release(&s->ring);
-		shardd_op_clock_start(&s->clock, &sqe, shardd_now_ns());
+		shd_op_clock_start(&s->clock, &sqe, shd_now_ns());
 		s->inflight++;
 		s->stats.ops_taken++;
 		s->stats.last_taken_op = sqe.op;
@@ -233,7 +233,7 @@ unsigned shardd_session_service(struct shardd_session *s)
 
 static void sink_complete(void *ctx, const struct shardd_sqe *sqe, int res, const char *msg)
 {
-	shardd_session_complete(ctx, sqe, res, msg);
+	shd_session_complete(ctx, sqe, res, msg);
 }
 
 static void sink_group_reply(void *ctx, uint32_t seq, int res, const char *msg,
@@ -242,37 +242,37 @@ static void sink_group_reply(void *ctx, uint32_t seq, int res, const char *msg,
 			     const struct shardd_param_spec *specs, const int *fds, int nfds,
 			     const struct shardd_cuda_ipc_handle *ipc, int nipc)
 {
-	shardd_session_send_group(ctx, seq, res, msg, reply, layouts, specs, fds, nfds, ipc, nipc);
+	shd_session_send_group(ctx, seq, res, msg, reply, layouts, specs, fds, nfds, ipc, nipc);
 }
 
 static void sink_notify(void *ctx, int code, const char *text)
 {
-	shardd_session_notify(ctx, code, text);
+	shd_session_notify(ctx, code, text);
 }
 
 static int sink_gone(void *ctx)
 {
-	return shardd_session_peer_gone(ctx);
+	return shd_session_peer_gone(ctx);
 }
 
 static void sink_close(void *ctx, const char *why)
 {
-	shardd_session_close(ctx, why);
+	shd_session_close(ctx, why);
 }
 
 static void sink_close_later(void *ctx, const char *why)
 {
-	shardd_session_close_later(ctx, why);
+	shd_session_close_later(ctx, why);
 }
 
 static void sink_job_ended(void *ctx)
 {
-	struct shardd_session *s = ctx;
+	struct shd_session *s = ctx;
 
 	s->job = NULL;
 }
 
-const struct shardd_rank_sink_ops shardd_session_sink_ops = {
+const struct shd_rank_sink_ops shd_session_sink_ops = {
 	.complete = sink_complete,
 	.group_reply = sink_group_reply,
 	.notify = sink_notify,

@@ -31,28 +31,28 @@
 /* Globals                                                             */
 /* ------------------------------------------------------------------ */
 
-struct shardd_server server = { .listen_fd = -1, .signal_fd = -1, .accept_reserve_fd = -1 };
+struct shd_server server = { .listen_fd = -1, .signal_fd = -1, .accept_reserve_fd = -1 };
 
 /* ------------------------------------------------------------------ */
 /* Config                                                              */
 /* ------------------------------------------------------------------ */
 
-const char *shardd_backend_name(uint32_t backend)
+const char *shd_backend_name(uint32_t backend)
 {
 	return backend == SHARDD_BACKEND_HOST ? "host" :
 	       backend == SHARDD_BACKEND_CUDA ? "cuda" : "unknown";
 }
 
-void shardd_config_defaults(struct shardd_config *cfg)
+void shd_config_defaults(struct shd_config *cfg)
 {
 	memset(cfg, 0, sizeof(*cfg));
 	shardd_socket_path_default(cfg->socket_path, sizeof(cfg->socket_path));
-	cfg->log_level = SHARDD_LOG_INFO;
+	cfg->log_level = SHD_LOG_INFO;
 	cfg->backend = SHARDD_BACKEND_HOST;
-	cfg->collective_timeout_s = SHARDD_TIMEOUT_DEFAULT_S;
-	cfg->handshake_timeout_s = SHARDD_HANDSHAKE_TIMEOUT_DEFAULT_S;
+	cfg->collective_timeout_s = SHD_TIMEOUT_DEFAULT_S;
+	cfg->handshake_timeout_s = SHD_HANDSHAKE_TIMEOUT_DEFAULT_S;
 	cfg->workers = 0;
-	cfg->job_linger_s = SHARDD_JOB_LINGER_DEFAULT_S;
+	cfg->job_linger_s = SHD_JOB_LINGER_DEFAULT_S;
 }
 
 /* ------------------------------------------------------------------ */
@@ -67,9 +67,9 @@ static void server_signal(void *arg, int fd, uint32_t revents)
 	(void)revents;
 	if (read(fd, &si, sizeof(si)) != sizeof(si))
 		return;
-	shardd_log_info("received %s, shutting down",
+	shd_log_info("received %s, shutting down",
 			si.ssi_signo == SIGINT ? "SIGINT" : "SIGTERM");
-	shardd_loop_stop(server.loop);
+	shd_loop_stop(server.loop);
 }
 
 static void server_engine_ready(void *arg, int fd, uint32_t revents)
@@ -77,47 +77,47 @@ static void server_engine_ready(void *arg, int fd, uint32_t revents)
 	(void)arg;
 	(void)fd;
 	(void)revents;
-	shardd_engine_drain(server.engine);
+	shd_engine_drain(server.engine);
 }
 
 static void server_heartbeat(uint64_t now_ns)
 {
 	server.last_heartbeat_ns = now_ns;
-	for (struct shardd_session *s = server.sessions; s; s = s->next)
-		if (s->state == SHARDD_SESSION_ATTACHED)
+	for (struct shd_session *s = server.sessions; s; s = s->next)
+		if (s->state == SHD_SESSION_ATTACHED)
 			/* Diagnostics only: clients and shardctl read it to see the loop turn. */
 			shardd_ring_note_heartbeat(&s->ring, now_ns);
 }
 
 static void server_cron(void *arg)
 {
-	uint64_t now = shardd_now_ns();
-	struct shardd_job *j = server.jobs;
+	uint64_t now = shd_now_ns();
+	struct shd_job *j = server.jobs;
 
 	(void)arg;
 	while (j) {
 		/* Read next first: a job that lingered past --job-linger ends here. */
-		struct shardd_job *next = j->next;
+		struct shd_job *next = j->next;
 
-		shardd_job_cron(j, now);
+		shd_job_cron(j, now);
 		j = next;
 	}
-	shardd_engine_cron(server.engine, now);
-	shardd_session_cron(now);
+	shd_engine_cron(server.engine, now);
+	shd_session_cron(now);
 	server_heartbeat(now);
 }
 
-void shardd_server_schedule_reap(void)
+void shd_server_schedule_reap(void)
 {
 	server.need_reap = 1;
 }
 
-void shardd_server_schedule_close(void)
+void shd_server_schedule_close(void)
 {
 	server.need_close = 1;
 }
 
-void shardd_server_note_work(uint64_t now_ns)
+void shd_server_note_work(uint64_t now_ns)
 {
 	server.last_work_ns = now_ns;
 }
@@ -125,8 +125,8 @@ void shardd_server_note_work(uint64_t now_ns)
 /* Awake: clear NEED_WAKEUP on every attached ring so clients stop ringing. */
 static void server_rings_awake(void)
 {
-	for (struct shardd_session *s = server.sessions; s; s = s->next)
-		if (s->state == SHARDD_SESSION_ATTACHED)
+	for (struct shd_session *s = server.sessions; s; s = s->next)
+		if (s->state == SHD_SESSION_ATTACHED)
 			shardd_ring_clear_wakeup(&s->ring);
 }
 
@@ -138,9 +138,9 @@ static unsigned server_service(uint64_t now)
 {
 	unsigned taken = 0;
 
-	for (struct shardd_session *s = server.sessions; s; s = s->next)
-		if (s->state == SHARDD_SESSION_ATTACHED)
-			taken += shardd_session_service(s);
+	for (struct shd_session *s = server.sessions; s; s = s->next)
+		if (s->state == SHD_SESSION_ATTACHED)
+			taken += shd_session_service(s);
 	if (taken)
 		server.last_work_ns = now;
 	return taken;
@@ -154,11 +154,11 @@ static void server_close_and_reap(void)
 {
 	if (server.need_close) {
 		server.need_close = 0;
-		shardd_session_close_marked();
+		shd_session_close_marked();
 	}
 	if (server.need_reap) {
 		server.need_reap = 0;
-		shardd_session_reap();
+		shd_session_reap();
 	}
 }
 
@@ -170,8 +170,8 @@ static int server_read_backlogs(void)
 {
 	int more = 0;
 
-	for (struct shardd_session *s = server.sessions; s; s = s->next)
-		if (s->read_backlog && shardd_session_read_backlog(s))
+	for (struct shd_session *s = server.sessions; s; s = s->next)
+		if (s->read_backlog && shd_session_read_backlog(s))
 			more = 1;
 	return more;
 }
@@ -181,7 +181,7 @@ static int server_read_backlogs(void)
  * stay awake while work was seen within the spin window, else announce
  * sleep (NEED_WAKEUP) on every ring and re-check, so a submission racing
  * with us is never missed. A turn of the spin window that found nothing
- * yields the CPU, at most every SHARDD_SPIN_YIELD_NS: a client woken onto
+ * yields the CPU, at most every SHD_SPIN_YIELD_NS: a client woken onto
  * this CPU (by a completion's futex wake) runs within that instead of
  * after the window, which matters when processes outnumber cores. On an
  * idle core sched_yield() returns at once, but costs a system call
@@ -190,7 +190,7 @@ static int server_read_backlogs(void)
  */
 static int server_before_sleep(void *arg)
 {
-	uint64_t now = shardd_now_ns();
+	uint64_t now = shd_now_ns();
 	int wake = 0, backlog;
 	unsigned taken;
 
@@ -198,20 +198,20 @@ static int server_before_sleep(void *arg)
 	server_close_and_reap();
 	backlog = server_read_backlogs();
 	taken = server_service(now);
-	if (now - server.last_heartbeat_ns >= SHARDD_HEARTBEAT_PERIOD_NS)
+	if (now - server.last_heartbeat_ns >= SHD_HEARTBEAT_PERIOD_NS)
 		server_heartbeat(now);
 	/* Sessions marked closing by that service are closed on the next turn, without sleeping. */
 	if (backlog || server.need_close || server.need_reap)
 		return 0;
-	if (now - server.last_work_ns < SHARDD_SPIN_WINDOW_NS) {
-		if (!taken && now - server.last_yield_ns >= SHARDD_SPIN_YIELD_NS) {
+	if (now - server.last_work_ns < SHD_SPIN_WINDOW_NS) {
+		if (!taken && now - server.last_yield_ns >= SHD_SPIN_YIELD_NS) {
 			server.last_yield_ns = now;
 			sched_yield();
 		}
 		return 0;
 	}
-	for (struct shardd_session *s = server.sessions; s; s = s->next)
-		if (shardd_session_prepare_sleep(s))
+	for (struct shd_session *s = server.sessions; s; s = s->next)
+		if (shd_session_prepare_sleep(s))
 			wake = 1;
 	if (!wake)
 		return 1;
@@ -230,7 +230,7 @@ static void server_after_sleep(void *arg)
 {
 	(void)arg;
 	server_rings_awake();
-	server_service(shardd_now_ns());
+	server_service(shd_now_ns());
 }
 
 /* ------------------------------------------------------------------ */
@@ -238,15 +238,15 @@ static void server_after_sleep(void *arg)
 /* ------------------------------------------------------------------ */
 
 /* The socket's mode: --socket-mode, else 0660 with --allow-gid, else 0600. */
-static unsigned socket_mode(const struct shardd_config *cfg)
+static unsigned socket_mode(const struct shd_config *cfg)
 {
 	if (cfg->socket_mode)
 		return cfg->socket_mode;
-	return cfg->nallow_gids ? SHARDD_SOCKET_MODE_GROUP : SHARDD_SOCKET_MODE_PRIVATE;
+	return cfg->nallow_gids ? SHD_SOCKET_MODE_GROUP : SHD_SOCKET_MODE_PRIVATE;
 }
 
 /* The socket's group: --socket-group, else the first --allow-gid, else -1 (leave it). */
-static gid_t socket_group(const struct shardd_config *cfg)
+static gid_t socket_group(const struct shd_config *cfg)
 {
 	if (cfg->socket_group_set)
 		return cfg->socket_group;
@@ -269,7 +269,7 @@ static unsigned socket_dir_mode(unsigned mode)
  * a home), but a warning says when the socket's group cannot search it.
  * 0 or -1 after printing why.
  */
-static int socket_dir_prepare(const struct shardd_config *cfg)
+static int socket_dir_prepare(const struct shd_config *cfg)
 {
 	char dir[sizeof(server.cfg.socket_path)];
 	unsigned mode = socket_dir_mode(socket_mode(cfg));
@@ -285,34 +285,34 @@ static int socket_dir_prepare(const struct shardd_config *cfg)
 	if (mkdir(dir, 0700) == 0) {
 		/* mkdir's mode passes through the umask: set the group first, then the mode. */
 		if (gid != (gid_t)-1 && chown(dir, (uid_t)-1, gid) < 0) {
-			shardd_log_error("shardd: cannot give the socket directory %s group %u: %s "
+			shd_log_error("shardd: cannot give the socket directory %s group %u: %s "
 				"(shardd's uid %u must be root or a member of group %u)", dir,
 				(unsigned)gid, strerror(errno), (unsigned)getuid(), (unsigned)gid);
 			return -1;
 		}
 		if (chmod(dir, mode) < 0) {
-			shardd_log_error("shardd: cannot set mode %04o on the socket directory %s: %s",
+			shd_log_error("shardd: cannot set mode %04o on the socket directory %s: %s",
 				mode, dir, strerror(errno));
 			return -1;
 		}
 		return 0;
 	}
 	if (errno != EEXIST) {
-		shardd_log_error("shardd: cannot create the socket directory %s: %s", dir,
+		shd_log_error("shardd: cannot create the socket directory %s: %s", dir,
 			strerror(errno));
 		return -1;
 	}
 	if (stat(dir, &st) < 0) {
-		shardd_log_error("shardd: %s: %s", dir, strerror(errno));
+		shd_log_error("shardd: %s: %s", dir, strerror(errno));
 		return -1;
 	}
 	if (!S_ISDIR(st.st_mode)) {
-		shardd_log_error("shardd: %s exists and is not a directory; remove it or pass "
+		shd_log_error("shardd: %s exists and is not a directory; remove it or pass "
 			"--socket elsewhere", dir);
 		return -1;
 	}
 	if (gid != (gid_t)-1 && !(st.st_mode & 0001) && !(st.st_gid == gid && (st.st_mode & 0010)))
-		shardd_log_warn("the socket directory %s (mode %04o, group %u) cannot be searched by "
+		shd_log_warn("the socket directory %s (mode %04o, group %u) cannot be searched by "
 				"group %u, so its members cannot connect: remove the directory so "
 				"shardd creates it with mode %04o, or chgrp %u and chmod g+x it",
 				dir, (unsigned)(st.st_mode & 07777), (unsigned)st.st_gid,
@@ -333,17 +333,17 @@ static int socket_check_live(const char *path)
 	if (lstat(path, &st) < 0) {
 		if (errno == ENOENT)
 			return 0;
-		shardd_log_error("shardd: %s: %s", path, strerror(errno));
+		shd_log_error("shardd: %s: %s", path, strerror(errno));
 		return -1;
 	}
 	if (!S_ISSOCK(st.st_mode)) {
-		shardd_log_error("shardd: %s exists and is not a socket; remove it or pass --socket "
+		shd_log_error("shardd: %s exists and is not a socket; remove it or pass --socket "
 			"elsewhere", path);
 		return -1;
 	}
 	fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
 	if (fd < 0) {
-		shardd_log_error("shardd: socket: %s", strerror(errno));
+		shd_log_error("shardd: socket: %s", strerror(errno));
 		return -1;
 	}
 	memcpy(sa.sun_path, path, strlen(path) + 1);
@@ -352,22 +352,22 @@ static int socket_check_live(const char *path)
 		socklen_t len = sizeof(cred);
 
 		if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0 && cred.pid > 0)
-			shardd_log_error("shardd: another daemon already serves %s (pid %d)", path,
+			shd_log_error("shardd: another daemon already serves %s (pid %d)", path,
 				(int)cred.pid);
 		else
-			shardd_log_error("shardd: another daemon already serves %s", path);
+			shd_log_error("shardd: another daemon already serves %s", path);
 		live = 1;
 	} else if (errno == ECONNREFUSED) {
 		/* Nobody listens: a daemon died without unlinking. Replace it. */
 		if (unlink(path) < 0 && errno != ENOENT) {
-			shardd_log_error("shardd: cannot remove the stale socket %s: %s", path,
+			shd_log_error("shardd: cannot remove the stale socket %s: %s", path,
 				strerror(errno));
 			live = -1;
 		} else {
-			shardd_log_info("removed stale socket %s", path);
+			shd_log_info("removed stale socket %s", path);
 		}
 	} else {
-		shardd_log_error("shardd: cannot probe %s: %s", path, strerror(errno));
+		shd_log_error("shardd: cannot probe %s: %s", path, strerror(errno));
 		live = -1;
 	}
 	close(fd);
@@ -375,7 +375,7 @@ static int socket_check_live(const char *path)
 }
 
 /* Bind and listen on cfg->socket_path with socket_mode() and socket_group(). fd or -1. */
-static int socket_listen(const struct shardd_config *cfg)
+static int socket_listen(const struct shd_config *cfg)
 {
 	struct sockaddr_un sa = { .sun_family = AF_UNIX };
 	const char *path = cfg->socket_path;
@@ -386,7 +386,7 @@ static int socket_listen(const struct shardd_config *cfg)
 
 	fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
 	if (fd < 0) {
-		shardd_log_error("shardd: socket: %s", strerror(errno));
+		shd_log_error("shardd: socket: %s", strerror(errno));
 		return -1;
 	}
 	memcpy(sa.sun_path, path, strlen(path) + 1);
@@ -395,27 +395,27 @@ static int socket_listen(const struct shardd_config *cfg)
 	ret = bind(fd, (struct sockaddr *)&sa, sizeof(sa));
 	umask(old_umask);
 	if (ret < 0) {
-		shardd_log_error("shardd: cannot bind %s: %s%s", path, strerror(errno),
+		shd_log_error("shardd: cannot bind %s: %s%s", path, strerror(errno),
 			errno == EADDRINUSE ? " (another daemon started at the same time?)" : "");
 		close(fd);
 		return -1;
 	}
 	server.socket_bound = 1;
 	if (gid != (gid_t)-1 && chown(path, (uid_t)-1, gid) < 0) {
-		shardd_log_error("shardd: cannot give the socket %s group %u: %s (shardd's uid %u "
+		shd_log_error("shardd: cannot give the socket %s group %u: %s (shardd's uid %u "
 			"must be root or a member of group %u)", path, (unsigned)gid,
 			strerror(errno), (unsigned)getuid(), (unsigned)gid);
 		close(fd);
 		return -1;
 	}
 	if (chmod(path, mode) < 0) {
-		shardd_log_error("shardd: cannot set mode %04o on the socket %s: %s", mode, path,
+		shd_log_error("shardd: cannot set mode %04o on the socket %s: %s", mode, path,
 			strerror(errno));
 		close(fd);
 		return -1;
 	}
 	if (listen(fd, SOMAXCONN) < 0) {
-		shardd_log_error("shardd: cannot listen on %s: %s", path, strerror(errno));
+		shd_log_error("shardd: cannot listen on %s: %s", path, strerror(errno));
 		close(fd);
 		return -1;
 	}
@@ -431,7 +431,7 @@ static int socket_listen(const struct shardd_config *cfg)
 static int socket_from_systemd(char *cfg_path, size_t path_len)
 {
 	const char *pid_s = getenv("LISTEN_PID"), *fds_s = getenv("LISTEN_FDS");
-	int fd = SHARDD_LISTEN_FDS_START, type = 0, listening = 0, flags;
+	int fd = SHD_LISTEN_FDS_START, type = 0, listening = 0, flags;
 	struct sockaddr_un sa;
 	socklen_t len = sizeof(type), alen = sizeof(sa);
 	char *end;
@@ -449,7 +449,7 @@ static int socket_from_systemd(char *cfg_path, size_t path_len)
 	unsetenv("LISTEN_FDS");
 	unsetenv("LISTEN_FDNAMES");
 	if (errno || *end || nfds != 1) {
-		shardd_log_error("shardd: LISTEN_FDS='%s': shardd takes exactly one socket from "
+		shd_log_error("shardd: LISTEN_FDS='%s': shardd takes exactly one socket from "
 			"systemd; give its .socket unit a single ListenSequentialPacket=", fds_s);
 		return -1;
 	}
@@ -457,7 +457,7 @@ static int socket_from_systemd(char *cfg_path, size_t path_len)
 	    (len = sizeof(listening), getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len)) < 0 ||
 	    !listening || getsockname(fd, (struct sockaddr *)&sa, &alen) < 0 ||
 	    sa.sun_family != AF_UNIX) {
-		shardd_log_error("shardd: fd %d from systemd (LISTEN_FDS=1) is not a listening Unix "
+		shd_log_error("shardd: fd %d from systemd (LISTEN_FDS=1) is not a listening Unix "
 			"SOCK_SEQPACKET socket; use ListenSequentialPacket=PATH in the .socket unit",
 			fd);
 		return -1;
@@ -465,7 +465,7 @@ static int socket_from_systemd(char *cfg_path, size_t path_len)
 	flags = fcntl(fd, F_GETFL);
 	if (flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0 ||
 	    fcntl(fd, F_SETFD, FD_CLOEXEC) < 0) {
-		shardd_log_error("shardd: fd %d from systemd: fcntl: %s", fd, strerror(errno));
+		shd_log_error("shardd: fd %d from systemd: fcntl: %s", fd, strerror(errno));
 		return -1;
 	}
 	if (alen <= offsetof(struct sockaddr_un, sun_path) || !sa.sun_path[0]) {
@@ -497,24 +497,24 @@ static void log_memory_limits(void)
 {
 	char all[32], job[32];
 
-	shardd_log_info("memory limits: %s of buffers in all (%s), %s per job%s",
-			shardd_bytes_str(server.cfg.max_memory, all, sizeof(all)), server.cfg.max_memory_from,
-			shardd_bytes_str(server.cfg.max_job_memory, job, sizeof(job)),
+	shd_log_info("memory limits: %s of buffers in all (%s), %s per job%s",
+			shd_bytes_str(server.cfg.max_memory, all, sizeof(all)), server.cfg.max_memory_from,
+			shd_bytes_str(server.cfg.max_job_memory, job, sizeof(job)),
 			server.cfg.backend == SHARDD_BACKEND_HOST ? ""
 			: " (host backend only: device memory is not counted)");
 }
 
-int shardd_server_init(const struct shardd_config *cfg)
+int shd_server_init(const struct shd_config *cfg)
 {
-	struct shardd_engine_config ecfg;
+	struct shd_engine_config ecfg;
 	int ret;
 
 	server.cfg = *cfg;
 	if (!server.cfg.max_memory) {
-		ret = shardd_memory_default(&server.cfg.max_memory, server.cfg.max_memory_from,
+		ret = shd_memory_default(&server.cfg.max_memory, server.cfg.max_memory_from,
 					    sizeof(server.cfg.max_memory_from));
 		if (ret < 0) {
-			shardd_log_error("shardd: cannot read the physical memory size for the default "
+			shd_log_error("shardd: cannot read the physical memory size for the default "
 				"--max-memory; pass --max-memory BYTES");
 			return ret;
 		}
@@ -525,15 +525,15 @@ int shardd_server_init(const struct shardd_config *cfg)
 		server.cfg.max_job_memory = server.cfg.max_memory;
 	server.uid = getuid();
 	server.pid = getpid();
-	server.start_ns = shardd_now_ns();
+	server.start_ns = shd_now_ns();
 	server.collective_timeout_ns = (uint64_t)(cfg->collective_timeout_s * 1e9);
 	server.handshake_timeout_ns = (uint64_t)(cfg->handshake_timeout_s * 1e9);
 	server.job_linger_ns = (uint64_t)(cfg->job_linger_s * 1e9);
-	shardd_log_threshold = cfg->log_level;
+	shd_log_threshold = cfg->log_level;
 
 	ret = signals_setup();
 	if (ret < 0) {
-		shardd_log_error("shardd: cannot set up signal handling: %s", strerror(-ret));
+		shd_log_error("shardd: cannot set up signal handling: %s", strerror(-ret));
 		return ret;
 	}
 	server.listen_fd = socket_from_systemd(server.cfg.socket_path,
@@ -547,10 +547,10 @@ int shardd_server_init(const struct shardd_config *cfg)
 		shardd_socket_path_default(def, sizeof(def));
 		if (strcmp(server.cfg.socket_path, cfg->socket_path) != 0 &&
 		    strcmp(cfg->socket_path, def) != 0)
-			shardd_log_warn("--socket %s ignored: systemd passed the socket %s",
+			shd_log_warn("--socket %s ignored: systemd passed the socket %s",
 					cfg->socket_path, server.cfg.socket_path);
 		if (cfg->socket_mode || cfg->socket_group_set)
-			shardd_log_warn("--socket-mode and --socket-group are ignored under socket "
+			shd_log_warn("--socket-mode and --socket-group are ignored under socket "
 					"activation: set SocketMode= and SocketGroup= in shardd.socket");
 	} else {
 		server.listen_fd = -1;
@@ -569,15 +569,15 @@ int shardd_server_init(const struct shardd_config *cfg)
 	ecfg.max_memory = server.cfg.max_memory;
 	ecfg.max_job_memory = server.cfg.max_job_memory;
 	/* Completions and group replies go to the job, which knows each rank's client. */
-	ecfg.complete = shardd_job_op_done;
-	ecfg.reply = shardd_job_group_reply;
-	ret = shardd_engine_create(&ecfg, &server.engine);
+	ecfg.complete = shd_job_op_done;
+	ecfg.reply = shd_job_group_reply;
+	ret = shd_engine_create(&ecfg, &server.engine);
 	if (ret < 0) {
-		shardd_log_error("shardd: cannot start the %s backend (see the error above)",
-			shardd_backend_name(cfg->backend));
+		shd_log_error("shardd: cannot start the %s backend (see the error above)",
+			shd_backend_name(cfg->backend));
 		return ret;
 	}
-	shardd_jobs_init(&(struct shardd_jobs_env){
+	shd_jobs_init(&(struct shd_jobs_env){
 		.list = &server.jobs,
 		.engine = server.engine,
 		.collective_timeout_ns = server.collective_timeout_ns,
@@ -593,15 +593,15 @@ int shardd_server_init(const struct shardd_config *cfg)
 	}
 	server.accept_reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
 	if (server.accept_reserve_fd < 0) {
-		shardd_log_error("shardd: cannot open /dev/null: %s", strerror(errno));
+		shd_log_error("shardd: cannot open /dev/null: %s", strerror(errno));
 		return -errno;
 	}
-	ret = shardd_loop_create(&server.loop);
+	ret = shd_loop_create(&server.loop);
 	if (ret < 0) {
-		shardd_log_error("shardd: cannot create the io_uring event loop: %s", strerror(-ret));
+		shd_log_error("shardd: cannot create the io_uring event loop: %s", strerror(-ret));
 		return ret;
 	}
-	shardd_sessions_init(&(struct shardd_sessions_env){
+	shd_sessions_init(&(struct shd_sessions_env){
 		.list = &server.sessions,
 		.loop = server.loop,
 		.engine = server.engine,
@@ -616,33 +616,33 @@ int shardd_server_init(const struct shardd_config *cfg)
 		.collective_timeout_ns = server.collective_timeout_ns,
 		.handshake_timeout_ns = server.handshake_timeout_ns,
 		.handshake_timeout_s = server.cfg.handshake_timeout_s,
-		.schedule_close = shardd_server_schedule_close,
-		.schedule_reap = shardd_server_schedule_reap,
-		.note_work = shardd_server_note_work,
+		.schedule_close = shd_server_schedule_close,
+		.schedule_reap = shd_server_schedule_reap,
+		.note_work = shd_server_note_work,
 	});
-	if ((ret = shardd_loop_add_fd(server.loop, server.listen_fd, POLLIN,
-				      shardd_session_accept, NULL, NULL)) < 0 ||
-	    (ret = shardd_loop_add_fd(server.loop, server.signal_fd, POLLIN, server_signal,
+	if ((ret = shd_loop_add_fd(server.loop, server.listen_fd, POLLIN,
+				      shd_session_accept, NULL, NULL)) < 0 ||
+	    (ret = shd_loop_add_fd(server.loop, server.signal_fd, POLLIN, server_signal,
 				      NULL, NULL)) < 0 ||
-	    (ret = shardd_loop_add_fd(server.loop, shardd_engine_event_fd(server.engine), POLLIN,
+	    (ret = shd_loop_add_fd(server.loop, shd_engine_event_fd(server.engine), POLLIN,
 				      server_engine_ready, NULL, NULL)) < 0 ||
-	    (ret = shardd_loop_add_timer(server.loop, SHARDD_CRON_PERIOD_MS, server_cron, NULL,
+	    (ret = shd_loop_add_timer(server.loop, SHD_CRON_PERIOD_MS, server_cron, NULL,
 					 NULL)) < 0) {
-		shardd_log_error("shardd: cannot register with the event loop: %s", strerror(-ret));
+		shd_log_error("shardd: cannot register with the event loop: %s", strerror(-ret));
 		return ret;
 	}
-	shardd_loop_set_sleep_hooks(server.loop, server_before_sleep, server_after_sleep, NULL);
+	shd_loop_set_sleep_hooks(server.loop, server_before_sleep, server_after_sleep, NULL);
 	if (cfg->metrics_listen[0]) {
-		ret = shardd_metrics_http_start(cfg->metrics_listen, server.loop,
+		ret = shd_metrics_http_start(cfg->metrics_listen, server.loop,
 						&server.metrics_http);
 		if (ret < 0)
 			return ret;
-		shardd_log_info("serving Prometheus metrics on %s",
-				shardd_metrics_http_url(server.metrics_http));
+		shd_log_info("serving Prometheus metrics on %s",
+				shd_metrics_http_url(server.metrics_http));
 	}
-	shardd_log_info("shardd %s (protocol %d.%d), pid %d, backend %s, collective timeout %g s, "
+	shd_log_info("shardd %s (protocol %d.%d), pid %d, backend %s, collective timeout %g s, "
 			"handshake timeout %g s", SHARDD_VERSION, SHARDD_PROTO_MAJOR,
-			SHARDD_PROTO_MINOR, (int)server.pid, shardd_backend_name(cfg->backend),
+			SHARDD_PROTO_MINOR, (int)server.pid, shd_backend_name(cfg->backend),
 			cfg->collective_timeout_s, cfg->handshake_timeout_s);
 	log_memory_limits();
 	/* Tests and supervisors wait for exactly this line. */
@@ -655,28 +655,28 @@ int shardd_server_init(const struct shardd_config *cfg)
 /* Run and shutdown                                                    */
 /* ------------------------------------------------------------------ */
 
-int shardd_server_run(void)
+int shd_server_run(void)
 {
-	int ret = shardd_loop_run(server.loop);
+	int ret = shd_loop_run(server.loop);
 
-	shardd_server_shutdown();
+	shd_server_shutdown();
 	return ret < 0 ? 1 : 0;
 }
 
-void shardd_server_shutdown(void)
+void shd_server_shutdown(void)
 {
 	/* Jobs first: barriers and engine ops fail with -SHARDD_E_SHUTDOWN into live rings. */
 	while (server.jobs)
-		shardd_job_destroy(server.jobs);
-	for (struct shardd_session *s = server.sessions; s; s = s->next)
-		shardd_session_close(s, "shardd is shutting down");
-	shardd_session_reap();
-	shardd_metrics_http_stop(server.metrics_http, server.loop);
+		shd_job_destroy(server.jobs);
+	for (struct shd_session *s = server.sessions; s; s = s->next)
+		shd_session_close(s, "shardd is shutting down");
+	shd_session_reap();
+	shd_metrics_http_stop(server.metrics_http, server.loop);
 	server.metrics_http = NULL;
-	shardd_loop_destroy(server.loop);
+	shd_loop_destroy(server.loop);
 	server.loop = NULL;
 	if (server.engine)
-		shardd_engine_destroy(server.engine);
+		shd_engine_destroy(server.engine);
 	server.engine = NULL;
 	if (server.listen_fd >= 0)
 		close(server.listen_fd);
@@ -685,7 +685,7 @@ void shardd_server_shutdown(void)
 		close(server.accept_reserve_fd);
 	server.accept_reserve_fd = -1;
 	if (server.socket_bound && unlink(server.cfg.socket_path) < 0 && errno != ENOENT)
-		shardd_log_warn("cannot remove %s: %s", server.cfg.socket_path, strerror(errno));
+		shd_log_warn("cannot remove %s: %s", server.cfg.socket_path, strerror(errno));
 	server.socket_bound = 0;
 	if (server.signal_fd >= 0)
 		close(server.signal_fd);

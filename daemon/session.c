@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * The session object, lowest of the session files: what the daemon gave
- * at start (shardd_sessions_init), the list of sessions and their ids, a
+ * at start (shd_sessions_init), the list of sessions and their ids, a
  * session's name in logs, and its end (detach from its job, close, mark for
  * a later close, reap). It calls none of the files above it: session_out.c
  * (what a session sends, refusals), ring.c (the ring service, the job's
@@ -28,13 +28,13 @@
 #include "metrics.h"
 #include "session_int.h"
 
-struct shardd_sessions_env shardd_session_env;
+struct shd_sessions_env shd_session_env;
 /* Client ids start at 1; 0 is never used. */
 static uint32_t session_next_id = 1;
 
-void shardd_sessions_init(const struct shardd_sessions_env *e)
+void shd_sessions_init(const struct shd_sessions_env *e)
 {
-	shardd_session_env = *e;
+	shd_session_env = *e;
 }
 
 /* ------------------------------------------------------------------ */
@@ -42,7 +42,7 @@ void shardd_sessions_init(const struct shardd_sessions_env *e)
 /* ------------------------------------------------------------------ */
 
 /* "client 3 (pid 1234)" or "client 3 (job 'j' rank 1, pid 1234)". */
-const char *shardd_session_name(const struct shardd_session *s, char *buf, size_t len)
+const char *shd_session_name(const struct shd_session *s, char *buf, size_t len)
 {
 	if (s->job)
 		snprintf(buf, len, "client %u (job '%s' rank %u, pid %d)", s->id, s->job->name,
@@ -57,7 +57,7 @@ const char *shardd_session_name(const struct shardd_session *s, char *buf, size_
  * measured against. At the limit /proc/self/fd cannot be opened, and then
  * every slot below the limit is taken.
  */
-const char *shardd_fd_limit_describe(char *buf, size_t len)
+const char *shd_fd_limit_describe(char *buf, size_t len)
 {
 	unsigned long long open_fds = 0;
 	struct rlimit rl;
@@ -88,27 +88,27 @@ const char *shardd_fd_limit_describe(char *buf, size_t len)
 /* Lifetime                                                            */
 /* ------------------------------------------------------------------ */
 
-struct shardd_session *shardd_session_new(int fd)
+struct shd_session *shd_session_new(int fd)
 {
-	struct shardd_session *s;
+	struct shd_session *s;
 
 	s = calloc(1, sizeof(*s));
 	if (!s) {
-		shardd_log_error("out of memory accepting a client; closing its connection");
+		shd_log_error("out of memory accepting a client; closing its connection");
 		close(fd);
 		return NULL;
 	}
 	s->fd = fd;
 	s->pidfd = -1;
 	s->doorbell_fd = -1;
-	s->connected_ns = shardd_now_ns();
+	s->connected_ns = shd_now_ns();
 	s->id = session_next_id++;
 	if (session_next_id == 0)
 		session_next_id = 1;
-	s->next = *shardd_session_env.list;
-	if (*shardd_session_env.list)
-		(*shardd_session_env.list)->prev = s;
-	*shardd_session_env.list = s;
+	s->next = *shd_session_env.list;
+	if (*shd_session_env.list)
+		(*shd_session_env.list)->prev = s;
+	*shd_session_env.list = s;
 	return s;
 }
 
@@ -117,20 +117,20 @@ struct shardd_session *shardd_session_new(int fd)
  * engine and the barrier learn that the rank is gone), mark its ring dead,
  * close its pidfd and doorbell, drop the message being read and its fds.
  */
-void shardd_session_release(struct shardd_session *s, int goodbye, const char *why)
+void shd_session_release(struct shd_session *s, int goodbye, const char *why)
 {
 	if (s->job) {
-		struct shardd_job *j = s->job;
+		struct shd_job *j = s->job;
 
 		s->job = NULL;
-		shardd_job_detach(j, s->rank, goodbye, why);
+		shd_job_detach(j, s->rank, goodbye, why);
 	}
 	if (s->ring_mem) {
 		/* Tell a client that looks at the ring rather than the socket; wake its waiters. */
 		shardd_ring_mark_dead(&s->ring);
 	}
-	shardd_loop_del(shardd_session_env.loop, s->pidfd_ev);
-	shardd_loop_del(shardd_session_env.loop, s->doorbell_ev);
+	shd_loop_del(shd_session_env.loop, s->pidfd_ev);
+	shd_loop_del(shd_session_env.loop, s->doorbell_ev);
 	s->pidfd_ev = s->doorbell_ev = NULL;
 	if (s->pidfd >= 0)
 		close(s->pidfd);
@@ -140,76 +140,76 @@ void shardd_session_release(struct shardd_session *s, int goodbye, const char *w
 	shardd_ctrl_rx_reset(&s->rx);
 	s->read_backlog = 0;
 	if (s->fences) {
-		struct shardd_backend_ctx *b = shardd_engine_backend(shardd_session_env.engine);
+		struct shd_backend_ctx *b = shd_engine_backend(shd_session_env.engine);
 
 		b->ops->fences_close(b, s->fences);
 		s->fences = NULL;
 	}
 }
 
-void shardd_session_end(struct shardd_session *s, int goodbye, const char *why)
+void shd_session_end(struct shd_session *s, int goodbye, const char *why)
 {
 	char name[160];
 
-	if (s->state == SHARDD_SESSION_DEAD)
+	if (s->state == SHD_SESSION_DEAD)
 		return;
-	if (s->state == SHARDD_SESSION_ATTACHED)
-		shardd_log_info("%s detached: %s", shardd_session_name(s, name, sizeof(name)), why);
+	if (s->state == SHD_SESSION_ATTACHED)
+		shd_log_info("%s detached: %s", shd_session_name(s, name, sizeof(name)), why);
 	else
-		shardd_log_debug("%s closed: %s", shardd_session_name(s, name, sizeof(name)), why);
-	shardd_session_release(s, goodbye, why);
-	s->state = SHARDD_SESSION_DEAD;
-	shardd_loop_del(shardd_session_env.loop, s->sock_ev);
+		shd_log_debug("%s closed: %s", shd_session_name(s, name, sizeof(name)), why);
+	shd_session_release(s, goodbye, why);
+	s->state = SHD_SESSION_DEAD;
+	shd_loop_del(shd_session_env.loop, s->sock_ev);
 	s->sock_ev = NULL;
 	if (s->fd >= 0)
 		close(s->fd);
 	s->fd = -1;
-	shardd_session_out_clear(s);
-	shardd_session_env.schedule_reap();
+	shd_session_out_clear(s);
+	shd_session_env.schedule_reap();
 }
 
-void shardd_session_close(struct shardd_session *s, const char *why)
+void shd_session_close(struct shd_session *s, const char *why)
 {
-	shardd_session_end(s, 0, why);
+	shd_session_end(s, 0, why);
 }
 
-void shardd_session_close_later(struct shardd_session *s, const char *why)
+void shd_session_close_later(struct shd_session *s, const char *why)
 {
-	if (s->state == SHARDD_SESSION_DEAD || s->closing)
+	if (s->state == SHD_SESSION_DEAD || s->closing)
 		return;
 	s->closing = 1;
 	snprintf(s->closing_why, sizeof(s->closing_why), "%s", why);
-	shardd_session_env.schedule_close();
+	shd_session_env.schedule_close();
 }
 
-void shardd_session_close_marked(void)
+void shd_session_close_marked(void)
 {
 	/* Closing never frees (that is the reap), so the list stays walkable. */
-	for (struct shardd_session *s = *shardd_session_env.list; s; s = s->next)
-		if (s->closing && s->state != SHARDD_SESSION_DEAD)
-			shardd_session_end(s, 0, s->closing_why);
+	for (struct shd_session *s = *shd_session_env.list; s; s = s->next)
+		if (s->closing && s->state != SHD_SESSION_DEAD)
+			shd_session_end(s, 0, s->closing_why);
 }
 
-void shardd_session_reap(void)
+void shd_session_reap(void)
 {
-	struct shardd_session *s;
+	struct shd_session *s;
 
-	if (!shardd_session_env.list)
-		return; /* a start that failed before shardd_sessions_init: no sessions */
-	s = *shardd_session_env.list;
+	if (!shd_session_env.list)
+		return; /* a start that failed before shd_sessions_init: no sessions */
+	s = *shd_session_env.list;
 	while (s) {
-		struct shardd_session *next = s->next;
+		struct shd_session *next = s->next;
 
-		if (s->state == SHARDD_SESSION_DEAD) {
+		if (s->state == SHD_SESSION_DEAD) {
 			if (s->prev)
 				s->prev->next = s->next;
 			else
-				*shardd_session_env.list = s->next;
+				*shd_session_env.list = s->next;
 			if (s->next)
 				s->next->prev = s->prev;
 			if (s->ring_mem)
 				munmap(s->ring_mem, s->ring_size);
-			shardd_op_clock_free(&s->clock);
+			shd_op_clock_free(&s->clock);
 			free(s);
 		}
 		s = next;
@@ -221,48 +221,48 @@ void shardd_session_reap(void)
  * Checked without waiting, so a rank can re-attach even when the loop has
  * not yet seen its old client's EOF.
  */
-int shardd_session_peer_gone(struct shardd_session *s)
+int shd_session_peer_gone(struct shd_session *s)
 {
 	struct pollfd p[2] = {
 		{ .fd = s->fd, .events = POLLRDHUP },
 		{ .fd = s->pidfd, .events = POLLIN },
 	};
 
-	if (s->state == SHARDD_SESSION_DEAD || s->closing)
+	if (s->state == SHD_SESSION_DEAD || s->closing)
 		return 1;
 	if (poll(p, s->pidfd >= 0 ? 2 : 1, 0) < 0)
 		return 0;
 	return (p[0].revents & (POLLHUP | POLLRDHUP | POLLERR)) || (p[1].revents & POLLIN);
 }
 
-struct shardd_session *shardd_session_of_rank(const struct shardd_job *j, uint32_t rank)
+struct shd_session *shd_session_of_rank(const struct shd_job *j, uint32_t rank)
 {
-	const struct shardd_rank_sink *c = &j->ranks[rank].client;
+	const struct shd_rank_sink *c = &j->ranks[rank].client;
 
 	/* The rank's sink is a session's when its context is one of ours. */
-	for (struct shardd_session *s = *shardd_session_env.list; s; s = s->next)
+	for (struct shd_session *s = *shd_session_env.list; s; s = s->next)
 		if (c->ops && c->ctx == s)
 			return s;
 	return NULL;
 }
 
-void shardd_session_out_free(struct shardd_session_out *m)
+void shd_session_out_free(struct shd_session_out *m)
 {
 	for (int i = 0; i < m->nfds; i++)
 		close(m->fds[i]);
 	free(m);
 }
 
-void shardd_session_out_clear(struct shardd_session *s)
+void shd_session_out_clear(struct shd_session *s)
 {
 	while (s->out_head) {
-		struct shardd_session_out *m = s->out_head;
+		struct shd_session_out *m = s->out_head;
 
 		s->out_head = m->next;
-		shardd_session_out_free(m);
+		shd_session_out_free(m);
 	}
 	s->out_tail = NULL;
 	s->out_bytes = 0;
-	shardd_loop_del(shardd_session_env.loop, s->out_ev);
+	shd_loop_del(shd_session_env.loop, s->out_ev);
 	s->out_ev = NULL;
 }

@@ -6,8 +6,8 @@
  * (the handshake, ring creation, stream fences) and control.c (accept,
  * reading, dispatch). Each calls only the files below it.
  */
-#ifndef SHARDD_SESSION_INT_H
-#define SHARDD_SESSION_INT_H
+#ifndef SHD_SESSION_INT_H
+#define SHD_SESSION_INT_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -19,8 +19,8 @@
  * One message not yet sent: header and payload framed in one buffer, so
  * that its datagrams are its SHARDD_CTRL_CHUNK-sized slices in order.
  */
-struct shardd_session_out {
-	struct shardd_session_out *next;
+struct shd_session_out {
+	struct shd_session_out *next;
 	uint32_t len;                      /* framed bytes: header + payload */
 	uint32_t off;                      /* bytes sent so far, at a datagram boundary */
 	int      fds[SHARDD_CTRL_MAX_FDS]; /* ours (duplicated); ride on the first datagram */
@@ -30,74 +30,74 @@ struct shardd_session_out {
 
 /* ---- session.c ---- */
 
-/* What shardd_sessions_init was given. */
-extern struct shardd_sessions_env shardd_session_env;
+/* What shd_sessions_init was given. */
+extern struct shd_sessions_env shd_session_env;
 
 /* "client 3 (pid 1234)" or "client 3 (job 'j' rank 1, pid 1234)". */
-const char *shardd_session_name(const struct shardd_session *s, char *buf, size_t len);
+const char *shd_session_name(const struct shd_session *s, char *buf, size_t len);
 /*
  * "RLIMIT_NOFILE=1024, open fds=1024": what a shortage of descriptors is
  * measured against.
  */
-const char *shardd_fd_limit_describe(char *buf, size_t len);
+const char *shd_fd_limit_describe(char *buf, size_t len);
 /*
  * Is the client behind this session gone (socket hung up, process exited)?
  * Checked without waiting.
  */
-int shardd_session_peer_gone(struct shardd_session *s);
+int shd_session_peer_gone(struct shd_session *s);
 /*
  * A new session on accepted socket `fd`, in the handshake, with the next
  * client id, at the head of the list; NULL (fd closed, logged) when out of
  * memory.
  */
-struct shardd_session *shardd_session_new(int fd);
+struct shd_session *shd_session_new(int fd);
 /*
  * Everything of a session but its socket: detach it from its job
  * (`goodbye`: the client said so), mark its ring dead, close its pidfd and
  * doorbell, drop the message being read.
  */
-void shardd_session_release(struct shardd_session *s, int goodbye, const char *why);
-/* End the session now (shardd_session_close; `goodbye`: the client said so). */
-void shardd_session_end(struct shardd_session *s, int goodbye, const char *why);
+void shd_session_release(struct shd_session *s, int goodbye, const char *why);
+/* End the session now (shd_session_close; `goodbye`: the client said so). */
+void shd_session_end(struct shd_session *s, int goodbye, const char *why);
 /* Free one queued reply and its fds. */
-void shardd_session_out_free(struct shardd_session_out *m);
+void shd_session_out_free(struct shd_session_out *m);
 /* Drop every queued reply and stop watching for POLLOUT (the session is ending). */
-void shardd_session_out_clear(struct shardd_session *s);
+void shd_session_out_clear(struct shd_session *s);
 
 /* ---- session_out.c ---- */
 
 /* Send SHARDD_MSG_ERROR (code, text) through the output queue. */
-void shardd_session_send_error(struct shardd_session *s, uint32_t seq, int code, const char *text);
+void shd_session_send_error(struct shd_session *s, uint32_t seq, int code, const char *text);
 /* Reply an error to a request and keep serving the session. */
 void __attribute__((format(printf, 4, 5)))
-shardd_session_reply_error(struct shardd_session *s, uint32_t seq, int code, const char *fmt, ...);
+shd_session_reply_error(struct shd_session *s, uint32_t seq, int code, const char *fmt, ...);
 /*
  * Reply an error, then end the session (credentials, handshake and framing
  * errors): it lingers until the client has read the error.
  */
 void __attribute__((format(printf, 4, 5)))
-shardd_session_reject(struct shardd_session *s, uint32_t seq, int code, const char *fmt, ...);
+shd_session_reject(struct shd_session *s, uint32_t seq, int code, const char *fmt, ...);
 /*
  * Read and drop what a refused client still sends; its EOF closes the
  * session.
  */
-void shardd_session_linger_drain(struct shardd_session *s);
+void shd_session_linger_drain(struct shd_session *s);
 
 /* ---- ring.c ---- */
 
-/* How the job reaches a session attached to one of its ranks (shardd_job_attach). */
-extern const struct shardd_rank_sink_ops shardd_session_sink_ops;
+/* How the job reaches a session attached to one of its ranks (shd_job_attach). */
+extern const struct shd_rank_sink_ops shd_session_sink_ops;
 
 /* ---- hello.c ---- */
 
 /* SHARDD_MSG_HELLO from a session in the handshake: attach it or refuse it. */
-void shardd_session_hello(struct shardd_session *s, const struct shardd_msg_hdr *hdr,
+void shd_session_hello(struct shd_session *s, const struct shardd_msg_hdr *hdr,
 			  const uint8_t *payload, uint32_t len);
 /*
  * SHARDD_MSG_STREAM: import the client's per-SQ-slot events and answer
  * with ours, one per CQ slot (shardd_proto.h). Once per connection.
  */
-void shardd_session_stream(struct shardd_session *s, uint32_t seq, const uint8_t *payload,
+void shd_session_stream(struct shd_session *s, uint32_t seq, const uint8_t *payload,
 			   uint32_t len);
 
-#endif /* SHARDD_SESSION_INT_H */
+#endif /* SHD_SESSION_INT_H */

@@ -32,12 +32,12 @@ static void session_writable(void *arg, int fd, uint32_t revents);
  * never waits for a client), and watch for POLLOUT only while some remain.
  * A client that hung up or is gone is marked closing.
  */
-static void session_flush(struct shardd_session *s)
+static void session_flush(struct shd_session *s)
 {
 	char why[128];
 
 	while (s->out_head) {
-		struct shardd_session_out *m = s->out_head;
+		struct shd_session_out *m = s->out_head;
 		uint32_t left = m->len - m->off;
 		struct iovec iov = { m->buf + m->off,
 				     left < SHARDD_CTRL_CHUNK ? left : SHARDD_CTRL_CHUNK };
@@ -48,7 +48,7 @@ static void session_flush(struct shardd_session *s)
 		if (r < 0) {
 			snprintf(why, sizeof(why), "could not be sent its replies: %s",
 				 strerror((int)-r));
-			shardd_session_close_later(s, why);
+			shd_session_close_later(s, why);
 			return;
 		}
 		/* The kernel holds its own references to the fds now. */
@@ -65,53 +65,53 @@ static void session_flush(struct shardd_session *s)
 		}
 	}
 	if (s->out_head && !s->out_ev) {
-		if (shardd_loop_add_fd(shardd_session_env.loop, s->fd, POLLOUT, session_writable, s,
+		if (shd_loop_add_fd(shd_session_env.loop, s->fd, POLLOUT, session_writable, s,
 				       &s->out_ev) < 0)
-			shardd_session_close_later(s, "could not be registered with the event loop "
+			shd_session_close_later(s, "could not be registered with the event loop "
 						   "for its replies");
 	} else if (!s->out_head && s->out_ev) {
-		shardd_loop_del(shardd_session_env.loop, s->out_ev);
+		shd_loop_del(shd_session_env.loop, s->out_ev);
 		s->out_ev = NULL;
 	}
 	/* A refused client has its ERROR now: EOF follows it. */
-	if (!s->out_head && s->state == SHARDD_SESSION_LINGER)
+	if (!s->out_head && s->state == SHD_SESSION_LINGER)
 		shutdown(s->fd, SHUT_WR);
 }
 
 static void session_writable(void *arg, int fd, uint32_t revents)
 {
-	struct shardd_session *s = arg;
+	struct shd_session *s = arg;
 
 	(void)fd;
 	(void)revents;
 	/* A hang-up (POLLHUP, POLLERR) shows as a send error, which closes the session. */
-	if (s->state != SHARDD_SESSION_DEAD && !s->closing)
+	if (s->state != SHD_SESSION_DEAD && !s->closing)
 		session_flush(s);
 }
 
-int shardd_session_send(struct shardd_session *s, uint16_t type, uint32_t seq,
+int shd_session_send(struct shd_session *s, uint16_t type, uint32_t seq,
 			const void *payload, uint32_t len, const int *fds, int nfds)
 {
 	struct shardd_msg_hdr hdr = {
 		.magic = SHARDD_MAGIC, .type = type, .flags = 0, .length = len, .seq = seq,
 	};
 	uint64_t total = sizeof(hdr) + (uint64_t)len;
-	struct shardd_session_out *m;
+	struct shd_session_out *m;
 	char name[160], why[256];
 	int ret;
 
 	/* A refused session has had its last reply. */
-	if (s->state == SHARDD_SESSION_DEAD || s->state == SHARDD_SESSION_LINGER || s->closing)
+	if (s->state == SHD_SESSION_DEAD || s->state == SHD_SESSION_LINGER || s->closing)
 		return -ECONNRESET;
 	if (len > SHARDD_CTRL_MAX || nfds < 0 || nfds > SHARDD_CTRL_MAX_FDS)
 		return -EINVAL;
-	if (s->out_bytes + total > SHARDD_SESSION_OUT_MAX) {
+	if (s->out_bytes + total > SHD_SESSION_OUT_MAX) {
 		snprintf(why, sizeof(why), "does not read its replies: %llu bytes wait to be sent "
 			 "and a %llu-byte reply would pass the limit of %llu",
 			 (unsigned long long)s->out_bytes, (unsigned long long)total,
-			 SHARDD_SESSION_OUT_MAX);
-		shardd_log_warn("%s %s; dropping it", shardd_session_name(s, name, sizeof(name)), why);
-		shardd_session_close_later(s, why);
+			 SHD_SESSION_OUT_MAX);
+		shd_log_warn("%s %s; dropping it", shd_session_name(s, name, sizeof(name)), why);
+		shd_session_close_later(s, why);
 		return -ENOBUFS;
 	}
 	m = malloc(sizeof(*m) + total);
@@ -131,7 +131,7 @@ int shardd_session_send(struct shardd_session *s, uint16_t type, uint32_t seq,
 		m->fds[i] = fcntl(fds[i], F_DUPFD_CLOEXEC, 0);
 		if (m->fds[i] < 0) {
 			ret = -errno;
-			shardd_session_out_free(m);
+			shd_session_out_free(m);
 			goto err;
 		}
 		m->nfds++;
@@ -148,8 +148,8 @@ int shardd_session_send(struct shardd_session *s, uint16_t type, uint32_t seq,
 err:
 	snprintf(why, sizeof(why), "could not be queued a %llu-byte reply: %s",
 		 (unsigned long long)total, strerror(-ret));
-	shardd_log_error("%s %s", shardd_session_name(s, name, sizeof(name)), why);
-	shardd_session_close_later(s, why);
+	shd_log_error("%s %s", shd_session_name(s, name, sizeof(name)), why);
+	shd_session_close_later(s, why);
 	return ret;
 }
 
@@ -158,7 +158,7 @@ err:
 /* ------------------------------------------------------------------ */
 
 /* Send SHARDD_MSG_ERROR (code, text) through the output queue. */
-void shardd_session_send_error(struct shardd_session *s, uint32_t seq, int code, const char *text)
+void shd_session_send_error(struct shd_session *s, uint32_t seq, int code, const char *text)
 {
 	struct {
 		struct shardd_error_msg hdr;
@@ -169,17 +169,17 @@ void shardd_session_send_error(struct shardd_session *s, uint32_t seq, int code,
 	m.hdr.code = code;
 	m.hdr.msg_len = (uint32_t)n;
 	memcpy(m.text, text, n);
-	shardd_session_send(s, SHARDD_MSG_ERROR, seq, &m, (uint32_t)(sizeof(m.hdr) + n), NULL, 0);
+	shd_session_send(s, SHARDD_MSG_ERROR, seq, &m, (uint32_t)(sizeof(m.hdr) + n), NULL, 0);
 }
 
-void shardd_session_notify(struct shardd_session *s, int code, const char *text)
+void shd_session_notify(struct shd_session *s, int code, const char *text)
 {
-	shardd_session_send_error(s, 0, code, text);
+	shd_session_send_error(s, 0, code, text);
 }
 
 /* Reply an error to a request and keep serving the session. */
 void __attribute__((format(printf, 4, 5)))
-shardd_session_reply_error(struct shardd_session *s, uint32_t seq, int code, const char *fmt, ...)
+shd_session_reply_error(struct shd_session *s, uint32_t seq, int code, const char *fmt, ...)
 {
 	char text[1024], name[160];
 	va_list ap;
@@ -187,12 +187,12 @@ shardd_session_reply_error(struct shardd_session *s, uint32_t seq, int code, con
 	va_start(ap, fmt);
 	vsnprintf(text, sizeof(text), fmt, ap);
 	va_end(ap);
-	shardd_log_info("%s: request failed: %s", shardd_session_name(s, name, sizeof(name)), text);
-	shardd_session_send_error(s, seq, code, text);
+	shd_log_info("%s: request failed: %s", shd_session_name(s, name, sizeof(name)), text);
+	shd_session_send_error(s, seq, code, text);
 }
 
 
-void shardd_session_send_group(struct shardd_session *s, uint32_t seq, int res, const char *msg,
+void shd_session_send_group(struct shd_session *s, uint32_t seq, int res, const char *msg,
 			       const struct shardd_group_reply *reply,
 			       const struct shardd_param_layout *layouts,
 			       const struct shardd_param_spec *specs, const int *fds, int nfds,
@@ -201,23 +201,23 @@ void shardd_session_send_group(struct shardd_session *s, uint32_t seq, int res, 
 	uint64_t len;
 	uint8_t *buf;
 
-	if (s->state != SHARDD_SESSION_ATTACHED || s->closing)
+	if (s->state != SHD_SESSION_ATTACHED || s->closing)
 		return;
 	if (res < 0) {
-		shardd_session_reply_error(s, seq, res, "%s", msg && *msg ? msg : "group request failed");
+		shd_session_reply_error(s, seq, res, "%s", msg && *msg ? msg : "group request failed");
 		return;
 	}
 	len = sizeof(*reply) + (uint64_t)reply->nparams * (sizeof(*layouts) + sizeof(*specs)) +
 	      (uint64_t)nipc * sizeof(*ipc);
 	if (len > SHARDD_CTRL_MAX) {
-		shardd_session_reply_error(s, seq, -SHARDD_E_INVALID,
+		shd_session_reply_error(s, seq, -SHARDD_E_INVALID,
 				    "group reply of %u params is %llu bytes, over the %u-byte message limit",
 				    reply->nparams, (unsigned long long)len, SHARDD_CTRL_MAX);
 		return;
 	}
 	buf = malloc(len);
 	if (!buf) {
-		shardd_session_reply_error(s, seq, -SHARDD_E_NOMEM, "shardd is out of memory (%llu bytes)",
+		shd_session_reply_error(s, seq, -SHARDD_E_NOMEM, "shardd is out of memory (%llu bytes)",
 				    (unsigned long long)len);
 		return;
 	}
@@ -228,7 +228,7 @@ void shardd_session_send_group(struct shardd_session *s, uint32_t seq, int res, 
 	/* The CUDA IPC handles end the payload, after the specs, in buffer order (PROTOCOL.md 3.7). */
 	if (nipc)
 		memcpy(buf + len - (size_t)nipc * sizeof(*ipc), ipc, (size_t)nipc * sizeof(*ipc));
-	shardd_session_send(s, SHARDD_MSG_GROUP, seq, buf, (uint32_t)len, fds, nfds);
+	shd_session_send(s, SHARDD_MSG_GROUP, seq, buf, (uint32_t)len, fds, nfds);
 	free(buf);
 }
 
@@ -239,14 +239,14 @@ void shardd_session_send_group(struct shardd_session *s, uint32_t seq, int res, 
 /* One datagram at a time, loop thread only. */
 static uint8_t dgram_buf[SHARDD_CTRL_CHUNK];
 
-static void session_linger(struct shardd_session *s, const char *why);
+static void session_linger(struct shd_session *s, const char *why);
 
 /*
  * Reply an error, then end the session (credentials, handshake and framing
  * errors): it lingers until the client has read the error (session_linger).
  */
 void __attribute__((format(printf, 4, 5)))
-shardd_session_reject(struct shardd_session *s, uint32_t seq, int code, const char *fmt, ...)
+shd_session_reject(struct shd_session *s, uint32_t seq, int code, const char *fmt, ...)
 {
 	char text[1024], name[160];
 	va_list ap;
@@ -254,8 +254,8 @@ shardd_session_reject(struct shardd_session *s, uint32_t seq, int code, const ch
 	va_start(ap, fmt);
 	vsnprintf(text, sizeof(text), fmt, ap);
 	va_end(ap);
-	shardd_log_warn("%s rejected: %s", shardd_session_name(s, name, sizeof(name)), text);
-	shardd_session_send_error(s, seq, code, text);
+	shd_log_warn("%s rejected: %s", shd_session_name(s, name, sizeof(name)), text);
+	shd_session_send_error(s, seq, code, text);
 	session_linger(s, text);
 }
 
@@ -264,11 +264,11 @@ static void session_linger_readable(void *arg, int fd, uint32_t revents)
 {
 	(void)fd;
 	(void)revents;
-	shardd_session_linger_drain(arg);
+	shd_session_linger_drain(arg);
 }
 
 /*
- * A refused client (shardd_session_reject): its ERROR is queued, usually sent
+ * A refused client (shd_session_reject): its ERROR is queued, usually sent
  * already. Closing now would lose it whenever the client's own request was
  * still unread, because the kernel then answers the client's next read with
  * ECONNRESET; and a client that sends after our close gets EPIPE. So the
@@ -276,24 +276,24 @@ static void session_linger_readable(void *arg, int fd, uint32_t revents)
  * shut for writing once the reply is out (the client reads the ERROR, then
  * EOF), what the client still sends is read and dropped (session_linger_drain),
  * and the socket is closed at the client's EOF or after
- * SHARDD_SESSION_LINGER_MS (shardd_session_cron). Nothing here waits.
+ * SHD_SESSION_LINGER_MS (shd_session_cron). Nothing here waits.
  */
-static void session_linger(struct shardd_session *s, const char *why)
+static void session_linger(struct shd_session *s, const char *why)
 {
-	if (s->state == SHARDD_SESSION_DEAD || s->state == SHARDD_SESSION_LINGER)
+	if (s->state == SHD_SESSION_DEAD || s->state == SHD_SESSION_LINGER)
 		return;
 	/* The reply could not be sent: nothing is left to deliver. */
 	if (s->closing) {
-		shardd_session_end(s, 0, s->closing_why);
+		shd_session_end(s, 0, s->closing_why);
 		return;
 	}
-	shardd_session_release(s, 0, why);
-	s->state = SHARDD_SESSION_LINGER;
-	s->linger_until_ns = shardd_now_ns() + SHARDD_SESSION_LINGER_MS * 1000000ull;
+	shd_session_release(s, 0, why);
+	s->state = SHD_SESSION_LINGER;
+	s->linger_until_ns = shd_now_ns() + SHD_SESSION_LINGER_MS * 1000000ull;
 	/* Refused at accept, before its socket was watched. */
-	if (!s->sock_ev && shardd_loop_add_fd(shardd_session_env.loop, s->fd, POLLIN | POLLRDHUP,
+	if (!s->sock_ev && shd_loop_add_fd(shd_session_env.loop, s->fd, POLLIN | POLLRDHUP,
 					      session_linger_readable, s, &s->sock_ev) < 0) {
-		shardd_session_end(s, 0, why);
+		shd_session_end(s, 0, why);
 		return;
 	}
 	if (!s->out_head)
@@ -302,15 +302,15 @@ static void session_linger(struct shardd_session *s, const char *why)
 
 /*
  * Read and drop what a refused client still sends (closing any fds), at
- * most SHARDD_SESSION_READ_BUDGET datagrams a turn; its EOF closes the
+ * most SHD_SESSION_READ_BUDGET datagrams a turn; its EOF closes the
  * session.
  */
-void shardd_session_linger_drain(struct shardd_session *s)
+void shd_session_linger_drain(struct shd_session *s)
 {
-	unsigned budget = SHARDD_SESSION_READ_BUDGET;
+	unsigned budget = SHD_SESSION_READ_BUDGET;
 
 	s->read_backlog = 0;
-	while (s->state == SHARDD_SESSION_LINGER && !s->closing) {
+	while (s->state == SHD_SESSION_LINGER && !s->closing) {
 		int fds[SHARDD_CTRL_MAX_FDS], nfds;
 		char why[96];
 		ssize_t n;
@@ -331,7 +331,7 @@ void shardd_session_linger_drain(struct shardd_session *s)
 		else
 			snprintf(why, sizeof(why), "connection error after the refusal: %s",
 				 strerror((int)-n));
-		shardd_session_end(s, 0, why);
+		shd_session_end(s, 0, why);
 		return;
 	}
 }

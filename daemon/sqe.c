@@ -3,7 +3,7 @@
 
 #include "sqe.h"
 
-int shardd_sqe_check(const struct shardd_sqe *sqe, char *why, size_t len)
+int shd_sqe_check(const struct shardd_sqe *sqe, char *why, size_t len)
 {
 	if (sqe->op == 0 || sqe->op >= SHARDD_OP_COUNT) {
 		snprintf(why, len, "op %u is not a shardd op", sqe->op);

@@ -2,10 +2,10 @@
 /*
  * What a ring entry must be. One check, run by the ring service on every
  * entry it takes (ring.c) and again at the engine's door
- * (shardd_engine_submit), so both say the same about the same entry.
+ * (shd_engine_submit), so both say the same about the same entry.
  */
-#ifndef SHARDD_SQE_H
-#define SHARDD_SQE_H
+#ifndef SHD_SQE_H
+#define SHD_SQE_H
 
 #include <stddef.h>
 
@@ -17,6 +17,6 @@
  * depends on the op's group (flags of group ops, the group id) is the
  * engine's to check.
  */
-int shardd_sqe_check(const struct shardd_sqe *sqe, char *why, size_t len);
+int shd_sqe_check(const struct shardd_sqe *sqe, char *why, size_t len);
 
-#endif /* SHARDD_SQE_H */
+#endif /* SHD_SQE_H */

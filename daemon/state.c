@@ -4,46 +4,46 @@
 #include "session.h"
 #include "state.h"
 
-const struct shardd_config *shardd_state_config(void)
+const struct shd_config *shd_state_config(void)
 {
 	return &server.cfg;
 }
 
-pid_t shardd_state_pid(void)
+pid_t shd_state_pid(void)
 {
 	return server.pid;
 }
 
-uid_t shardd_state_uid(void)
+uid_t shd_state_uid(void)
 {
 	return server.uid;
 }
 
-double shardd_state_uptime_s(uint64_t now_ns)
+double shd_state_uptime_s(uint64_t now_ns)
 {
 	return (double)(now_ns - server.start_ns) / 1e9;
 }
 
-uint64_t shardd_state_collective_timeout_ns(void)
+uint64_t shd_state_collective_timeout_ns(void)
 {
 	return server.collective_timeout_ns;
 }
 
-struct shardd_engine *shardd_state_engine(void)
+struct shd_engine *shd_state_engine(void)
 {
 	return server.engine;
 }
 
-struct shardd_job *shardd_state_jobs(void)
+struct shd_job *shd_state_jobs(void)
 {
 	return server.jobs;
 }
 
-uint32_t shardd_state_connections(void)
+uint32_t shd_state_connections(void)
 {
 	uint32_t n = 0;
 
-	for (const struct shardd_session *s = server.sessions; s; s = s->next)
-		n += s->state != SHARDD_SESSION_DEAD;
+	for (const struct shd_session *s = server.sessions; s; s = s->next)
+		n += s->state != SHD_SESSION_DEAD;
 	return n;
 }

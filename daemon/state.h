@@ -7,30 +7,30 @@
  *
  * Loop thread only, like everything they read.
  */
-#ifndef SHARDD_STATE_H
-#define SHARDD_STATE_H
+#ifndef SHD_STATE_H
+#define SHD_STATE_H
 
 #include <stdint.h>
 #include <sys/types.h>
 
-struct shardd_config;
-struct shardd_engine;
-struct shardd_job;
+struct shd_config;
+struct shd_engine;
+struct shd_job;
 
 /* The flags the daemon runs with (--max-memory's default filled in). */
-const struct shardd_config *shardd_state_config(void);
+const struct shd_config *shd_state_config(void);
 /* Who the daemon runs as: its pid, and the uid its admin clients must have. */
-pid_t shardd_state_pid(void);
-uid_t shardd_state_uid(void);
+pid_t shd_state_pid(void);
+uid_t shd_state_uid(void);
 /* Seconds since the daemon started, at now_ns (CLOCK_MONOTONIC). */
-double shardd_state_uptime_s(uint64_t now_ns);
+double shd_state_uptime_s(uint64_t now_ns);
 /* --collective-timeout in ns. */
-uint64_t shardd_state_collective_timeout_ns(void);
+uint64_t shd_state_collective_timeout_ns(void);
 /* The op engine (groups, memory committed, the backend). */
-struct shardd_engine *shardd_state_engine(void);
+struct shd_engine *shd_state_engine(void);
 /* The first job of the daemon's list (j->next walks the rest), or NULL. */
-struct shardd_job *shardd_state_jobs(void);
+struct shd_job *shd_state_jobs(void);
 /* Open control connections (ranks and admin clients), dead ones not counted. */
-uint32_t shardd_state_connections(void);
+uint32_t shd_state_connections(void);
 
-#endif /* SHARDD_STATE_H */
+#endif /* SHD_STATE_H */

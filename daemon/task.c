@@ -8,7 +8,7 @@
  * the loop thread where it is started, and its completions go out before
  * that call returns. Any other runs on a pool thread: finished, it is
  * moved to the engine's finished list under `lock` and the eventfd is
- * written; shardd_engine_drain (loop thread) delivers its completions and
+ * written; shd_engine_drain (loop thread) delivers its completions and
  * starts the group's next task.
  */
 #include <pthread.h>
@@ -19,7 +19,7 @@
 
 #include "engine_int.h"
 
-static void task_run(struct shardd_pool_task *pt);
+static void task_run(struct shd_pool_task *pt);
 
 struct eng_task *eng_task_new(struct eng_group *eg, uint32_t kind, uint32_t nops)
 {
@@ -41,8 +41,8 @@ struct eng_task *eng_task_new(struct eng_group *eg, uint32_t kind, uint32_t nops
 /* Bytes a task reads and writes; an output it adds into counts twice. */
 static uint64_t task_bytes(const struct eng_task *t)
 {
-	const struct shardd_group *g = t->eg->g;
-	const struct shardd_layout *l = &g->layout;
+	const struct shd_group *g = t->eg->g;
+	const struct shd_layout *l = &g->layout;
 
 	switch (t->kind) {
 	case TASK_UNSHARD:
@@ -55,7 +55,7 @@ static uint64_t task_bytes(const struct eng_task *t)
 		       (g->replicate > 1 ? g->world * (2 + g->replicate) * g->partial_size : 0);
 	case TASK_STEP:
 		/* param and grad read, param written, each state read and written, grad zeroed. */
-		return l->shard_size * (4 + 2 * (uint64_t)shardd_group_optim_states(&g->optim));
+		return l->shard_size * (4 + 2 * (uint64_t)shd_group_optim_states(&g->optim));
 	default:
 		return g->sharded_grads[t->rank].bytes;
 	}
@@ -102,7 +102,7 @@ static void group_kick(struct eng_group *eg)
 		t->next = NULL;
 		eg->running = t;
 		if (!task_inline(t)) {
-			shardd_pool_submit(eg->j->e->pool, &t->pt);
+			shd_pool_submit(eg->j->e->pool, &t->pt);
 			return;
 		}
 		task_exec(t);
@@ -133,7 +133,7 @@ void eng_group_enqueue(struct eng_group *eg, struct eng_task *t)
  * (ReduceOp.AVG); fp16 sums, pre-dividing the reduce-scatter's inputs and
  * post-dividing after the last collective.
  */
-static void reduce_math(const struct shardd_group *g, uint32_t n, struct shardd_reduce_math *rs,
+static void reduce_math(const struct shd_group *g, uint32_t n, struct shardd_reduce_math *rs,
 			struct shardd_reduce_math *ar)
 {
 	double pre, post;
@@ -154,15 +154,15 @@ static void reduce_math(const struct shardd_group *g, uint32_t n, struct shardd_
  * Reduce-scatter of replica u's grads: shard s's output goes to outs[s] (+
  * adds[s] where given), accumulated where accumulate[s].
  */
-static int task_reduce_scatter(struct eng_task *t, uint32_t u, const struct shardd_shard_view *outs,
-			       const struct shardd_shard_view *adds, const uint8_t *accumulate,
+static int task_reduce_scatter(struct eng_task *t, uint32_t u, const struct shd_shard_view *outs,
+			       const struct shd_shard_view *adds, const uint8_t *accumulate,
 			       const struct shardd_reduce_math *m)
 {
-	struct shardd_group *g = t->eg->g;
-	struct shardd_backend_ctx *b = t->eg->j->e->backend;
-	struct shardd_buf *grads[SHARDD_MAX_WORLD];
-	struct shardd_reduce_args a = {
-		.job = t->eg->j->bj, .layout = &g->layout, .src = SHARDD_REDUCE_SRC_GRAD, .n = g->shard,
+	struct shd_group *g = t->eg->g;
+	struct shd_backend_ctx *b = t->eg->j->e->backend;
+	struct shd_buf *grads[SHARDD_MAX_WORLD];
+	struct shd_reduce_args a = {
+		.job = t->eg->j->bj, .layout = &g->layout, .src = SHD_REDUCE_SRC_GRAD, .n = g->shard,
 		.grads = grads, .outs = outs, .adds = adds, .accumulate = accumulate,
 		.reduce_offsets = g->reduce_offsets, .reduce_shard_size = g->reduce_shard_size, .math = *m,
 		.err = t->why, .errlen = sizeof(t->why),
@@ -176,17 +176,17 @@ static int task_reduce_scatter(struct eng_task *t, uint32_t u, const struct shar
 /* HSDP: replica u's reduce-scatter output of every shard added into its partial. */
 static int task_partials(struct eng_task *t, uint32_t u, const struct shardd_reduce_math *m)
 {
-	struct shardd_group *g = t->eg->g;
-	struct shardd_shard_view outs[SHARDD_MAX_WORLD], adds[SHARDD_MAX_WORLD];
+	struct shd_group *g = t->eg->g;
+	struct shd_shard_view outs[SHARDD_MAX_WORLD], adds[SHARDD_MAX_WORLD];
 	uint8_t assign[SHARDD_MAX_WORLD] = { 0 };
 	int ret;
 
 	for (uint32_t s = 0; s < g->shard; s++) {
 		uint32_t r = u * g->shard + s;
 
-		outs[s] = (struct shardd_shard_view){ &g->partials[r], g->reduce_offsets, g->reduce_dtype };
+		outs[s] = (struct shd_shard_view){ &g->partials[r], g->reduce_offsets, g->reduce_dtype };
 		/* partial = round(rs + partial): FSDP2 accumulates in the reduce dtype before any all-reduce. */
-		adds[s] = g->partial_present[r] ? outs[s] : (struct shardd_shard_view){ 0 };
+		adds[s] = g->partial_present[r] ? outs[s] : (struct shd_shard_view){ 0 };
 	}
 	ret = task_reduce_scatter(t, u, outs, adds, assign, m);
 	if (!ret)
@@ -196,9 +196,9 @@ static int task_partials(struct eng_task *t, uint32_t u, const struct shardd_red
 
 static int task_reduce(struct eng_task *t)
 {
-	struct shardd_group *g = t->eg->g;
-	struct shardd_backend_ctx *b = t->eg->j->e->backend;
-	struct shardd_shard_view views[SHARDD_MAX_WORLD], outs[SHARDD_MAX_WORLD];
+	struct shd_group *g = t->eg->g;
+	struct shd_backend_ctx *b = t->eg->j->e->backend;
+	struct shd_shard_view views[SHARDD_MAX_WORLD], outs[SHARDD_MAX_WORLD];
 	uint8_t accumulate[SHARDD_MAX_WORLD];
 	struct shardd_reduce_math rs, ar;
 	int ret = 0;
@@ -208,7 +208,7 @@ static int task_reduce(struct eng_task *t)
 		reduce_math(g, g->shard, &rs, &ar);
 		rs.post = ar.post;
 		for (uint32_t s = 0; s < g->shard; s++)
-			outs[s] = (struct shardd_shard_view){ &g->sharded_grads[s], g->shard_offsets, SHARDD_DTYPE_NONE };
+			outs[s] = (struct shd_shard_view){ &g->sharded_grads[s], g->shard_offsets, SHARDD_DTYPE_NONE };
 		ret = task_reduce_scatter(t, 0, outs, NULL, g->grad_present, &rs);
 		if (!ret)
 			memset(g->grad_present, 1, g->shard);
@@ -221,8 +221,8 @@ static int task_reduce(struct eng_task *t)
 		ret = task_partials(t, u, &rs);
 	/* The all-reduce of each shard index over its replicate group: every replica gets the sum. */
 	for (uint32_t s = 0; s < g->shard && !ret; s++) {
-		struct shardd_reduce_args a = {
-			.job = t->eg->j->bj, .layout = &g->layout, .src = SHARDD_REDUCE_SRC_SHARD,
+		struct shd_reduce_args a = {
+			.job = t->eg->j->bj, .layout = &g->layout, .src = SHD_REDUCE_SRC_SHARD,
 			.n = g->replicate, .views = views, .shard_rank = s, .in_dtype = g->reduce_dtype,
 			.outs = outs, .accumulate = accumulate, .reduce_offsets = g->reduce_offsets,
 			.reduce_shard_size = g->reduce_shard_size, .math = ar, .err = t->why,
@@ -232,8 +232,8 @@ static int task_reduce(struct eng_task *t)
 		for (uint32_t u = 0; u < g->replicate; u++) {
 			uint32_t r = u * g->shard + s;
 
-			views[u] = (struct shardd_shard_view){ &g->partials[r], g->reduce_offsets, g->reduce_dtype };
-			outs[u] = (struct shardd_shard_view){ &g->sharded_grads[r], g->shard_offsets, SHARDD_DTYPE_NONE };
+			views[u] = (struct shd_shard_view){ &g->partials[r], g->reduce_offsets, g->reduce_dtype };
+			outs[u] = (struct shd_shard_view){ &g->sharded_grads[r], g->shard_offsets, SHARDD_DTYPE_NONE };
 			accumulate[u] = g->grad_present[r];
 		}
 		ret = b->ops->reduce(b, &a);
@@ -247,10 +247,10 @@ static int task_reduce(struct eng_task *t)
 
 static int task_unshard(struct eng_task *t)
 {
-	struct shardd_group *g = t->eg->g;
-	struct shardd_backend_ctx *b = t->eg->j->e->backend;
-	struct shardd_buf *shards[SHARDD_MAX_WORLD], *unsharded[SHARDD_MAX_WORLD];
-	struct shardd_unshard_args a = {
+	struct shd_group *g = t->eg->g;
+	struct shd_backend_ctx *b = t->eg->j->e->backend;
+	struct shd_buf *shards[SHARDD_MAX_WORLD], *unsharded[SHARDD_MAX_WORLD];
+	struct shd_unshard_args a = {
 		.job = t->eg->j->bj, .layout = &g->layout, .nshards = g->shard, .shards = shards,
 		.unsharded = unsharded, .err = t->why, .errlen = sizeof(t->why),
 	};
@@ -259,7 +259,7 @@ static int task_unshard(struct eng_task *t)
 		uint32_t r = t->replica * g->shard + s;
 
 		shards[s] = &g->shards[r];
-		unsharded[s] = shardd_group_unsharded(g, r);
+		unsharded[s] = shd_group_unsharded(g, r);
 	}
 	return b->ops->unshard(b, &a);
 }
@@ -274,15 +274,15 @@ static int task_unshard(struct eng_task *t)
  */
 static int task_step(struct eng_task *t, struct eng_op *op)
 {
-	struct shardd_group *g = t->eg->g;
-	struct shardd_backend_ctx *b = t->eg->j->e->backend;
+	struct shd_group *g = t->eg->g;
+	struct shd_backend_ctx *b = t->eg->j->e->backend;
 	const struct shardd_sqe *sqe = &op->sqe;
 	const struct shardd_optim_config *o = &g->optim;
 	uint32_t r = op->rank;
 	uint64_t last = g->last_step[r];
 	double lr, clip = 1;
 	int skipped = 0, ret;
-	struct shardd_step_args a = {
+	struct shd_step_args a = {
 		.layout = &g->layout, .shard_rank = r % g->shard, .kind = o->kind, .shard = &g->shards[r],
 		.grad = &g->sharded_grads[r], .skip_nonfinite = sqe->op == SHARDD_OP_STEP && (sqe->flags & SHARDD_STEP_SKIP_NONFINITE),
 		.skipped = &skipped, .err = t->why, .errlen = sizeof(t->why),
@@ -302,7 +302,7 @@ static int task_step(struct eng_task *t, struct eng_op *op)
 	memcpy(&lr, &sqe->rsvd2[SHARDD_SQE_STEP_LR], sizeof(lr));
 	if (sqe->op == SHARDD_OP_STEP && (sqe->flags & SHARDD_STEP_CLIP))
 		memcpy(&clip, &sqe->rsvd2[SHARDD_SQE_STEP_CLIP], sizeof(clip));
-	for (uint32_t k = 0; k < shardd_group_optim_states(o); k++)
+	for (uint32_t k = 0; k < shd_group_optim_states(o); k++)
 		a.state[k] = &g->optim_state[k][r];
 	if (o->kind == SHARDD_OPTIM_SGD)
 		a.sgd = (struct shardd_sgd){
@@ -359,15 +359,15 @@ static int task_fenced(const struct eng_task *t)
  * The buffers a task writes, into `bufs`; returns how many. The devices
  * that hold them are those that ran its work (NCCL: every rank's own).
  */
-static uint32_t task_outputs(const struct eng_task *t, const struct shardd_buf **bufs)
+static uint32_t task_outputs(const struct eng_task *t, const struct shd_buf **bufs)
 {
-	const struct shardd_group *g = t->eg->g;
+	const struct shd_group *g = t->eg->g;
 	uint32_t n = 0;
 
 	switch (t->kind) {
 	case TASK_UNSHARD:
 		for (uint32_t s = 0; s < g->shard; s++)
-			bufs[n++] = shardd_group_unsharded(g, t->replica * g->shard + s);
+			bufs[n++] = shd_group_unsharded(g, t->replica * g->shard + s);
 		break;
 	case TASK_REDUCE_PARTIAL:
 		for (uint32_t s = 0; s < g->shard; s++)
@@ -387,8 +387,8 @@ static uint32_t task_outputs(const struct eng_task *t, const struct shardd_buf *
 /* The arithmetic of one task, on a pool thread or (task_inline) the loop thread; sets res and msg. */
 static void task_exec(struct eng_task *t)
 {
-	struct shardd_group *g = t->eg->g;
-	struct shardd_backend_ctx *b = t->eg->j->e->backend;
+	struct shd_group *g = t->eg->g;
+	struct shd_backend_ctx *b = t->eg->j->e->backend;
 	int ret;
 
 	switch (t->kind) {
@@ -426,7 +426,7 @@ static void task_exec(struct eng_task *t)
 	}
 	/* A completion without a fence promises the results are in memory. */
 	if (!ret && b->ops->sync && !task_fenced(t)) {
-		const struct shardd_buf *outs[SHARDD_MAX_WORLD];
+		const struct shd_buf *outs[SHARDD_MAX_WORLD];
 
 		ret = b->ops->sync(b, outs, task_outputs(t, outs), t->why, sizeof(t->why));
 	}
@@ -442,10 +442,10 @@ static void task_exec(struct eng_task *t)
 /* ------------------------------------------------------------------ */
 
 /* Pool thread: run one task, then hand it to the loop. */
-static void task_run(struct shardd_pool_task *pt)
+static void task_run(struct shd_pool_task *pt)
 {
 	struct eng_task *t = (struct eng_task *)pt;
-	struct shardd_engine *e = t->eg->j->e;
+	struct shd_engine *e = t->eg->j->e;
 	uint64_t one = 1;
 	ssize_t w;
 
@@ -464,7 +464,7 @@ static void task_run(struct shardd_pool_task *pt)
 	(void)w;
 }
 
-void shardd_engine_drain(struct shardd_engine *e)
+void shd_engine_drain(struct shd_engine *e)
 {
 	struct eng_task *t, *next;
 	uint64_t v;
@@ -498,7 +498,7 @@ void shardd_engine_drain(struct shardd_engine *e)
 /* Wait for the group's running task, take it off the finished list and deliver it. */
 static void group_wait_running(struct eng_group *eg)
 {
-	struct shardd_engine *e = eg->j->e;
+	struct shd_engine *e = eg->j->e;
 	struct eng_task *t = eg->running, **pp;
 
 	if (!t)

@@ -223,9 +223,9 @@ static void fd_list(void)
 
 static uint64_t buf_bytes(void)
 {
-	struct shardd_group_memory m;
+	struct shd_group_memory m;
 
-	shardd_jobs_memory_held(&m);
+	shd_jobs_memory_held(&m);
 	return m.total;
 }
 
@@ -254,7 +254,7 @@ static void stop_readable(void *arg, int fd, uint32_t revents)
 	(void)revents;
 	if (read(fd, &v, sizeof(v)) != sizeof(v))
 		fail("reading the stop eventfd: %s", strerror(errno));
-	shardd_loop_stop(server.loop);
+	shd_loop_stop(server.loop);
 }
 
 /*
@@ -268,7 +268,7 @@ static void daemon_turn(void)
 
 	if (write(stop_fd, &one, sizeof(one)) != sizeof(one))
 		fail("writing the stop eventfd: %s", strerror(errno));
-	if (shardd_loop_run(server.loop) < 0)
+	if (shd_loop_run(server.loop) < 0)
 		fail("the daemon's loop failed");
 }
 
@@ -281,7 +281,7 @@ static void fuzz_cleanup(void)
 
 static int fuzz_init(void)
 {
-	struct shardd_config cfg;
+	struct shd_config cfg;
 	const char *lvl = getenv("SHARDD_FUZZ_LOG");
 	sigset_t set;
 
@@ -290,15 +290,15 @@ static int fuzz_init(void)
 		perror("shardd fuzz: mkdtemp");
 		exit(1);
 	}
-	shardd_config_defaults(&cfg);
+	shd_config_defaults(&cfg);
 	snprintf(cfg.socket_path, sizeof(cfg.socket_path), "%s/shardd.sock", sock_dir);
 	cfg.workers = 1;
 	cfg.max_memory = FUZZ_MAX_MEMORY;
 	cfg.max_job_memory = FUZZ_MAX_JOB_MEMORY;
 	trace = getenv("SHARDD_FUZZ_TRACE") != NULL;
 	/* Silent unless asked: a line per refused input would slow the fuzzer down. */
-	cfg.log_level = lvl ? shardd_log_level_parse(lvl) : -1;
-	if (shardd_server_init(&cfg) < 0) {
+	cfg.log_level = lvl ? shd_log_level_parse(lvl) : -1;
+	if (shd_server_init(&cfg) < 0) {
 		fprintf(stderr, "shardd fuzz: the daemon did not start\n");
 		exit(1);
 	}
@@ -309,7 +309,7 @@ static int fuzz_init(void)
 	sigprocmask(SIG_UNBLOCK, &set, NULL);
 	stop_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
 	if (stop_fd < 0 ||
-	    shardd_loop_add_fd(server.loop, stop_fd, POLLIN, stop_readable, NULL, NULL) < 0) {
+	    shd_loop_add_fd(server.loop, stop_fd, POLLIN, stop_readable, NULL, NULL) < 0) {
 		fprintf(stderr, "shardd fuzz: cannot register the stop eventfd\n");
 		exit(1);
 	}
@@ -1181,16 +1181,16 @@ static void act_turn(struct fz_in *in)
 /* The crons run as if time had jumped: handshake and collective timeouts fire. */
 static void act_cron(struct fz_in *in)
 {
-	static const double jumps[] = { 0.2, SHARDD_HANDSHAKE_TIMEOUT_DEFAULT_S + 1,
-					SHARDD_TIMEOUT_DEFAULT_S + 1, 0 };
-	uint64_t now = shardd_now_ns() + (uint64_t)(jumps[in_u8(in) % 4] * 1e9);
+	static const double jumps[] = { 0.2, SHD_HANDSHAKE_TIMEOUT_DEFAULT_S + 1,
+					SHD_TIMEOUT_DEFAULT_S + 1, 0 };
+	uint64_t now = shd_now_ns() + (uint64_t)(jumps[in_u8(in) % 4] * 1e9);
 
-	for (struct shardd_job *j = server.jobs, *next; j; j = next) {
+	for (struct shd_job *j = server.jobs, *next; j; j = next) {
 		next = j->next;
-		shardd_job_cron(j, now);
+		shd_job_cron(j, now);
 	}
-	shardd_engine_cron(server.engine, now);
-	shardd_session_cron(now);
+	shd_engine_cron(server.engine, now);
+	shd_session_cron(now);
 	turn();
 }
 
@@ -1245,7 +1245,7 @@ static void input_end(void)
 		live[i] = st.c[i].fd >= 0 && !st.c[i].eof;
 	/* Jobs first: collectives, barriers and registrations still waiting fail into live rings. */
 	while (server.jobs)
-		shardd_job_destroy(server.jobs);
+		shd_job_destroy(server.jobs);
 	turn();
 	for (unsigned i = 0; i < st.nclients; i++) {
 		struct fz_client *c = &st.c[i];
@@ -1263,8 +1263,8 @@ static void input_end(void)
 								      : "?",
 				     st.ops[k].sqe.group, st.ops[k].sqe.step, st.ops[k].sqe.user_data);
 	}
-	for (struct shardd_session *s = server.sessions; s; s = s->next)
-		shardd_session_close(s, "the fuzz input ended");
+	for (struct shd_session *s = server.sessions; s; s = s->next)
+		shd_session_close(s, "the fuzz input ended");
 	check_closed();
 	for (unsigned i = 0; i < st.nclients; i++)
 		client_close(&st.c[i]);

@@ -2,7 +2,7 @@
 /*
  * The fuzz targets' in-process daemon (tests/fuzz/, docs/RELIABILITY.md).
  *
- * One real shardd runs inside the fuzzer's process: shardd_server_init()
+ * One real shardd runs inside the fuzzer's process: shd_server_init()
  * with its socket in a private temporary directory, its io_uring event loop,
  * its engine (one worker) and the host backend. A fuzz input is a small
  * program of actions (fuzz_run): fake clients connect over that socket (each

@@ -32,8 +32,8 @@
 /* The daemon's default collective timeout: bounds waits on NCCL, which these single-device tests never use. */
 #define TIMEOUT_NS (30ull * 1000000000ull)
 
-static struct shardd_backend_ctx *cuda_be, *host_be;
-static struct shardd_pool *pool;
+static struct shd_backend_ctx *cuda_be, *host_be;
+static struct shd_pool *pool;
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
 
@@ -48,7 +48,7 @@ static uint64_t rng(void)
 #define CUDA_OK(call) cr_assert_eq((call), cudaSuccess, "%s failed", #call)
 
 /* Wait for the cuda backend's work on the device of `buf`. */
-static int cuda_sync_one(const struct shardd_buf *buf)
+static int cuda_sync_one(const struct shd_buf *buf)
 {
 	return cuda_be->ops->sync(cuda_be, &buf, 1, NULL, 0);
 }
@@ -61,25 +61,25 @@ static void setup_mode(uint32_t mode)
 
 	if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0)
 		cr_skip_test("no CUDA device visible");
-	cr_assert_eq(shardd_backend_cuda_create(mode, TIMEOUT_NS, &cuda_be, err, sizeof(err)), 0, "%s", err);
-	cr_assert_eq(shardd_pool_create(2, &pool), 0);
-	cr_assert_eq(shardd_backend_host_create(pool, &host_be), 0);
+	cr_assert_eq(shd_backend_cuda_create(mode, TIMEOUT_NS, &cuda_be, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(shd_pool_create(2, &pool), 0);
+	cr_assert_eq(shd_backend_host_create(pool, &host_be), 0);
 }
 
 /* The daemon's default: fd on a device that supports it (every current GPU), else ipc. */
 static void setup(void)
 {
-	setup_mode(SHARDD_CUDA_EXPORT_AUTO);
+	setup_mode(SHD_CUDA_EXPORT_AUTO);
 }
 
 static void setup_fd(void)
 {
-	setup_mode(SHARDD_CUDA_EXPORT_FD);
+	setup_mode(SHD_CUDA_EXPORT_FD);
 }
 
 static void setup_ipc(void)
 {
-	setup_mode(SHARDD_CUDA_EXPORT_IPC);
+	setup_mode(SHD_CUDA_EXPORT_IPC);
 }
 
 static void teardown(void)
@@ -87,7 +87,7 @@ static void teardown(void)
 	if (host_be)
 		host_be->ops->destroy(host_be);
 	if (pool)
-		shardd_pool_destroy(pool);
+		shd_pool_destroy(pool);
 	if (cuda_be)
 		cuda_be->ops->destroy(cuda_be);
 	host_be = cuda_be = NULL;
@@ -96,7 +96,7 @@ static void teardown(void)
 
 /* The same buffer on both backends; `host` maps the host one. */
 struct pair {
-	struct shardd_buf h, d;
+	struct shd_buf h, d;
 	uint8_t *host;
 	uint64_t bytes;
 };
@@ -120,7 +120,7 @@ static void pair_free(struct pair *p)
 /* Copy the host contents to the device: both backends start from the same bytes. */
 static void pair_sync_to_device(struct pair *p)
 {
-	CUDA_OK(cudaMemcpy(shardd_backend_cuda_ptr(&p->d), p->host, p->bytes, cudaMemcpyHostToDevice));
+	CUDA_OK(cudaMemcpy(shd_backend_cuda_ptr(&p->d), p->host, p->bytes, cudaMemcpyHostToDevice));
 	/* A pageable copy may still be in flight, and the backend's stream does not wait for it. */
 	CUDA_OK(cudaDeviceSynchronize());
 }
@@ -133,7 +133,7 @@ static void pair_expect_same(const struct pair *p, const char *what)
 	cr_assert_not_null(got);
 	/* The backend only queued the op: wait as the engine does before an unfenced completion. */
 	cr_assert_eq(cuda_sync_one(&p->d), 0);
-	CUDA_OK(cudaMemcpy(got, shardd_backend_cuda_ptr(&p->d), p->bytes, cudaMemcpyDeviceToHost));
+	CUDA_OK(cudaMemcpy(got, shd_backend_cuda_ptr(&p->d), p->bytes, cudaMemcpyDeviceToHost));
 	for (uint64_t i = 0; i < p->bytes; i++)
 		if (got[i] != p->host[i])
 			cr_assert_fail("%s: byte %llu of %llu: cpu 0x%02x, cuda 0x%02x", what,
@@ -155,7 +155,7 @@ static void fill_values(void *dst, uint32_t dtype, uint64_t n)
  * A group of three params for a shard group of WORLD: dim-0 sharding with
  * padding rows (fp32 and bf16) and a Shard(1) param (chunk-cat).
  */
-static void build_layout(struct shardd_layout *l, uint32_t param_dtype)
+static void build_layout(struct shd_layout *l, uint32_t param_dtype)
 {
 	struct shardd_param_spec specs[3];
 	char err[256];
@@ -177,7 +177,7 @@ static void build_layout(struct shardd_layout *l, uint32_t param_dtype)
 	specs[2].shape[0] = 4;
 	specs[2].shape[1] = 6;
 	specs[2].shape[2] = 5;
-	cr_assert_eq(shardd_layout_build(specs, 3, WORLD, param_dtype, l, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(shd_layout_build(specs, 3, WORLD, param_dtype, l, err, sizeof(err)), 0, "%s", err);
 }
 
 Test(cuda_backend, exported_buffer_imports_with_the_daemons_bytes, .timeout = 60, .init = setup_fd,
@@ -185,8 +185,8 @@ Test(cuda_backend, exported_buffer_imports_with_the_daemons_bytes, .timeout = 60
 {
 	const uint64_t bytes = 3 * 1000 * 1000 + 17; /* not a multiple of any granularity */
 	struct shardd_cuda_mapping m;
-	struct shardd_buf_export ex;
-	struct shardd_buf buf;
+	struct shd_buf_export ex;
+	struct shd_buf buf;
 	uint8_t *want = malloc(bytes), *got = malloc(bytes);
 
 	cr_assert(want && got);
@@ -209,7 +209,7 @@ Test(cuda_backend, exported_buffer_imports_with_the_daemons_bytes, .timeout = 60
 	/* The daemon writes, the client reads. */
 	for (uint64_t i = 0; i < bytes; i++)
 		want[i] = (uint8_t)rng();
-	CUDA_OK(cudaMemcpy(shardd_backend_cuda_ptr(&buf), want, bytes, cudaMemcpyHostToDevice));
+	CUDA_OK(cudaMemcpy(shd_backend_cuda_ptr(&buf), want, bytes, cudaMemcpyHostToDevice));
 	CUDA_OK(cudaMemcpy(got, (void *)(uintptr_t)m.ptr, bytes, cudaMemcpyDeviceToHost));
 	cr_assert_eq(memcmp(want, got, bytes), 0, "the client's mapping does not show the daemon's bytes");
 
@@ -217,7 +217,7 @@ Test(cuda_backend, exported_buffer_imports_with_the_daemons_bytes, .timeout = 60
 	for (uint64_t i = 0; i < bytes; i++)
 		want[i] = (uint8_t)rng();
 	CUDA_OK(cudaMemcpy((void *)(uintptr_t)m.ptr, want, bytes, cudaMemcpyHostToDevice));
-	CUDA_OK(cudaMemcpy(got, shardd_backend_cuda_ptr(&buf), bytes, cudaMemcpyDeviceToHost));
+	CUDA_OK(cudaMemcpy(got, shd_backend_cuda_ptr(&buf), bytes, cudaMemcpyDeviceToHost));
 	cr_assert_eq(memcmp(want, got, bytes), 0, "the daemon does not see the client's writes");
 
 	/* zero(offset, bytes) clears exactly that range. */
@@ -237,9 +237,9 @@ Test(cuda_backend, exported_buffer_imports_with_the_daemons_bytes, .timeout = 60
 
 static void unshard_case(uint32_t param_dtype)
 {
-	struct shardd_layout l;
+	struct shd_layout l;
 	struct pair shards[WORLD], unsharded;
-	struct shardd_buf *hs[WORLD], *ds[WORLD];
+	struct shd_buf *hs[WORLD], *ds[WORLD];
 
 	build_layout(&l, param_dtype);
 	for (int s = 0; s < WORLD; s++) {
@@ -254,10 +254,10 @@ static void unshard_case(uint32_t param_dtype)
 	pair_alloc(&unsharded, l.unsharded_size, "unsharded");
 
 	/* Every shard rank reads the one unsharded buffer, as ranks on one device do. */
-	struct shardd_buf *hu[WORLD] = { &unsharded.h, &unsharded.h, &unsharded.h };
-	struct shardd_buf *du[WORLD] = { &unsharded.d, &unsharded.d, &unsharded.d };
-	struct shardd_unshard_args ha = { .layout = &l, .nshards = WORLD, .shards = hs, .unsharded = hu };
-	struct shardd_unshard_args da = { .layout = &l, .nshards = WORLD, .shards = ds, .unsharded = du };
+	struct shd_buf *hu[WORLD] = { &unsharded.h, &unsharded.h, &unsharded.h };
+	struct shd_buf *du[WORLD] = { &unsharded.d, &unsharded.d, &unsharded.d };
+	struct shd_unshard_args ha = { .layout = &l, .nshards = WORLD, .shards = hs, .unsharded = hu };
+	struct shd_unshard_args da = { .layout = &l, .nshards = WORLD, .shards = ds, .unsharded = du };
 
 	cr_assert_eq(host_be->ops->unshard(host_be, &ha), 0);
 	cr_assert_eq(cuda_be->ops->unshard(cuda_be, &da), 0);
@@ -266,7 +266,7 @@ static void unshard_case(uint32_t param_dtype)
 	pair_free(&unsharded);
 	for (int s = 0; s < WORLD; s++)
 		pair_free(&shards[s]);
-	shardd_layout_free(&l);
+	shd_layout_free(&l);
 }
 
 Test(cuda_backend, unshard_matches_host_backend, .timeout = 60, .init = setup, .fini = teardown)
@@ -293,9 +293,9 @@ Test(cuda_backend, unshard_on_ipc_buffers_matches_host_backend, .timeout = 60, .
  */
 static void reduce_scatter_case(uint32_t param_dtype, const struct shardd_reduce_math *math)
 {
-	struct shardd_layout l;
+	struct shd_layout l;
 	struct pair grads[WORLD], out[WORLD];
-	struct shardd_buf *hg[WORLD], *dg[WORLD];
+	struct shd_buf *hg[WORLD], *dg[WORLD];
 	uint64_t offsets[3];
 
 	build_layout(&l, param_dtype);
@@ -308,10 +308,10 @@ static void reduce_scatter_case(uint32_t param_dtype, const struct shardd_reduce
 		dg[r] = &grads[r].d;
 	}
 	for (uint8_t round = 0; round < 2; round++) {
-		struct shardd_shard_view hv[WORLD], dv[WORLD];
+		struct shd_shard_view hv[WORLD], dv[WORLD];
 		uint8_t accumulate[WORLD] = { round, round, round };
-		struct shardd_reduce_args a = {
-			.layout = &l, .src = SHARDD_REDUCE_SRC_GRAD, .n = WORLD, .accumulate = accumulate,
+		struct shd_reduce_args a = {
+			.layout = &l, .src = SHD_REDUCE_SRC_GRAD, .n = WORLD, .accumulate = accumulate,
 			.math = *math,
 		};
 
@@ -320,8 +320,8 @@ static void reduce_scatter_case(uint32_t param_dtype, const struct shardd_reduce
 				fill_values(grads[r].host + l.params[i].grad_offset, l.params[i].grad_dtype,
 					    l.params[i].numel);
 			pair_sync_to_device(&grads[r]);
-			hv[r] = (struct shardd_shard_view){ &out[r].h, offsets, SHARDD_DTYPE_NONE };
-			dv[r] = (struct shardd_shard_view){ &out[r].d, offsets, SHARDD_DTYPE_NONE };
+			hv[r] = (struct shd_shard_view){ &out[r].h, offsets, SHARDD_DTYPE_NONE };
+			dv[r] = (struct shd_shard_view){ &out[r].d, offsets, SHARDD_DTYPE_NONE };
 		}
 		a.grads = hg;
 		a.outs = hv;
@@ -336,7 +336,7 @@ static void reduce_scatter_case(uint32_t param_dtype, const struct shardd_reduce
 		pair_free(&grads[r]);
 		pair_free(&out[r]);
 	}
-	shardd_layout_free(&l);
+	shd_layout_free(&l);
 }
 
 Test(cuda_backend, reduce_scatter_fp32_average_matches_host_backend, .timeout = 60, .init = setup,
@@ -367,10 +367,10 @@ Test(cuda_backend, all_reduce_of_shard_views_with_addend_matches_host_backend, .
      .init = setup, .fini = teardown)
 {
 	enum { NIN = 2 };
-	struct shardd_layout l;
+	struct shd_layout l;
 	struct pair views[NIN], add, out[NIN];
 	uint64_t offsets[3], out_offsets[3], vbytes = 0;
-	struct shardd_shard_view hv[NIN], dv[NIN], hadd[NIN], dadd[NIN], hout[NIN], dout[NIN];
+	struct shd_shard_view hv[NIN], dv[NIN], hadd[NIN], dadd[NIN], hout[NIN], dout[NIN];
 	uint8_t accumulate[NIN] = { 0, 0 };
 	struct shardd_reduce_math m = { .reduce_dtype = SHARDD_DTYPE_FP32, .pre = 1, .avg = 2, .post = 1 };
 
@@ -388,21 +388,21 @@ Test(cuda_backend, all_reduce_of_shard_views_with_addend_matches_host_backend, .
 			fill_values(p->host + offsets[i], SHARDD_DTYPE_FP32, l.params[i].shard_numel);
 		pair_sync_to_device(p);
 		if (k < NIN) {
-			hv[k] = (struct shardd_shard_view){ &p->h, offsets, SHARDD_DTYPE_FP32 };
-			dv[k] = (struct shardd_shard_view){ &p->d, offsets, SHARDD_DTYPE_FP32 };
+			hv[k] = (struct shd_shard_view){ &p->h, offsets, SHARDD_DTYPE_FP32 };
+			dv[k] = (struct shd_shard_view){ &p->d, offsets, SHARDD_DTYPE_FP32 };
 		}
 	}
 	/* Each member's output gets the sum plus the one addend. */
 	for (uint32_t k = 0; k < NIN; k++) {
 		pair_alloc(&out[k], l.shard_size, "sharded grad");
-		hadd[k] = (struct shardd_shard_view){ &add.h, offsets, SHARDD_DTYPE_FP32 };
-		dadd[k] = (struct shardd_shard_view){ &add.d, offsets, SHARDD_DTYPE_FP32 };
-		hout[k] = (struct shardd_shard_view){ &out[k].h, out_offsets, SHARDD_DTYPE_NONE };
-		dout[k] = (struct shardd_shard_view){ &out[k].d, out_offsets, SHARDD_DTYPE_NONE };
+		hadd[k] = (struct shd_shard_view){ &add.h, offsets, SHARDD_DTYPE_FP32 };
+		dadd[k] = (struct shd_shard_view){ &add.d, offsets, SHARDD_DTYPE_FP32 };
+		hout[k] = (struct shd_shard_view){ &out[k].h, out_offsets, SHARDD_DTYPE_NONE };
+		dout[k] = (struct shd_shard_view){ &out[k].d, out_offsets, SHARDD_DTYPE_NONE };
 	}
 
-	struct shardd_reduce_args a = {
-		.layout = &l, .src = SHARDD_REDUCE_SRC_SHARD, .n = NIN, .shard_rank = WORLD - 1,
+	struct shd_reduce_args a = {
+		.layout = &l, .src = SHD_REDUCE_SRC_SHARD, .n = NIN, .shard_rank = WORLD - 1,
 		.in_dtype = SHARDD_DTYPE_FP32, .accumulate = accumulate, .reduce_offsets = offsets,
 		.reduce_shard_size = vbytes, .math = m,
 	};
@@ -423,7 +423,7 @@ Test(cuda_backend, all_reduce_of_shard_views_with_addend_matches_host_backend, .
 		pair_free(&out[k]);
 	}
 	pair_free(&add);
-	shardd_layout_free(&l);
+	shd_layout_free(&l);
 }
 
 /* ------------------------------------------------------------------ */
@@ -575,9 +575,9 @@ Test(cuda_backend, ipc_exported_buffer_imports_in_another_process_with_the_daemo
 {
 	int to_child[2], from_child[2], status = 0, n = 0;
 	struct ipc_pipes pipes;
-	struct shardd_buf_export ex;
+	struct shd_buf_export ex;
 	struct ipc_offer offer;
-	struct shardd_buf buf;
+	struct shd_buf buf;
 	uint8_t *host = malloc(IPC_BYTES);
 	pid_t child;
 
@@ -599,7 +599,7 @@ Test(cuda_backend, ipc_exported_buffer_imports_in_another_process_with_the_daemo
 
 	/* Allocated, exactly sized, no fd: it travels as a handle. */
 	cr_assert_eq(cuda_be->ops->alloc(cuda_be, IPC_BYTES, 0, "ipc roundtrip", &buf), 0);
-	cr_assert(shardd_buf_allocated(&buf));
+	cr_assert(shd_buf_allocated(&buf));
 	cr_assert_eq(buf.fd, -1);
 	cr_assert_eq(buf.bytes, IPC_BYTES);
 	cr_assert_eq(cuda_be->ops->export_buf(cuda_be, &buf, 1, &ex), 0);
@@ -613,13 +613,13 @@ Test(cuda_backend, ipc_exported_buffer_imports_in_another_process_with_the_daemo
 
 	for (uint64_t i = 0; i < IPC_BYTES; i++)
 		host[i] = pattern(i, 1);
-	CUDA_OK(cudaMemcpy(shardd_backend_cuda_ptr(&buf), host, IPC_BYTES, cudaMemcpyHostToDevice));
+	CUDA_OK(cudaMemcpy(shd_backend_cuda_ptr(&buf), host, IPC_BYTES, cudaMemcpyHostToDevice));
 	/* A copy from pageable memory may return before its DMA lands: wait before telling the child. */
 	CUDA_OK(cudaDeviceSynchronize());
 	cr_assert_eq(harness_signal(to_child[1], 'w'), 0);
 	expect_step(from_child[0], child, 'c', "read the daemon's bytes, write its own");
 
-	CUDA_OK(cudaMemcpy(host, shardd_backend_cuda_ptr(&buf), IPC_BYTES, cudaMemcpyDeviceToHost));
+	CUDA_OK(cudaMemcpy(host, shd_backend_cuda_ptr(&buf), IPC_BYTES, cudaMemcpyDeviceToHost));
 	for (uint64_t i = 0; i < IPC_BYTES; i++)
 		if (host[i] != pattern(i, 2))
 			cr_assert_fail("byte %llu: the daemon does not see the client's write",
@@ -635,7 +635,7 @@ Test(cuda_backend, ipc_exported_buffer_imports_in_another_process_with_the_daemo
 		  harness_status_str(status));
 	/* Freed only now: legacy IPC memory goes with the daemon's free, open or not. */
 	cuda_be->ops->free(cuda_be, &buf);
-	cr_assert(!shardd_buf_allocated(&buf));
+	cr_assert(!shd_buf_allocated(&buf));
 	cr_assert_eq(buf.fd, -1);
 	close(to_child[1]);
 	close(from_child[0]);

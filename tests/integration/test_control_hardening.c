@@ -40,7 +40,7 @@
 #define FLOOD        200   /* connections each sending a zero-length datagram with 8 fds */
 #define REFUSALS     200   /* refused connections that must each get their ERROR */
 #define NOBODY       65534 /* the uid and gid of the refused children */
-#define LINGER_MS    2000  /* shardd's SHARDD_SESSION_LINGER_MS: a refused socket's last wait */
+#define LINGER_MS    2000  /* shardd's SHD_SESSION_LINGER_MS: a refused socket's last wait */
 
 static struct harness_daemon daemon_;
 

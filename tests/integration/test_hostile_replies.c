@@ -127,7 +127,7 @@ Test(hostile, a_burst_of_requests_past_one_turns_read_budget_is_served_whole_and
 	assert_others_served();
 }
 
-#define OVERFLOW_OPENS 40 /* about 90 MB of GROUP replies: past SHARDD_SESSION_OUT_MAX */
+#define OVERFLOW_OPENS 40 /* about 90 MB of GROUP replies: past SHD_SESSION_OUT_MAX */
 
 /* A client that lets more than the queue's bound of replies pile up is dropped, named. */
 Test(hostile, client_letting_replies_pile_past_the_bound_is_dropped_and_named)

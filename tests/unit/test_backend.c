@@ -12,45 +12,45 @@
 
 Test(backend, factory_builds_the_host_backend_that_runs_small_tasks_inline, .timeout = 10)
 {
-	struct shardd_backend_ctx *b = NULL;
-	struct shardd_pool *pool;
-	struct shardd_buf buf = { .fd = -1 };
+	struct shd_backend_ctx *b = NULL;
+	struct shd_pool *pool;
+	struct shd_buf buf = { .fd = -1 };
 
-	cr_assert_eq(shardd_pool_create(1, &pool), 0);
-	cr_assert_eq(shardd_backend_create(SHARDD_BACKEND_HOST, 0, 1000000000ull, pool, &b), 0);
+	cr_assert_eq(shd_pool_create(1, &pool), 0);
+	cr_assert_eq(shd_backend_create(SHARDD_BACKEND_HOST, 0, 1000000000ull, pool, &b), 0);
 	cr_assert_not_null(b);
 	cr_assert_str_eq(b->ops->name, "host");
 	/* 256 KiB (docs/ARCHITECTURE.md, "Threads"): a few us of kernels, less than a pool round trip. */
 	cr_assert_eq(b->ops->inline_max_bytes, (uint64_t)256 << 10);
 	cr_assert_eq(b->ops->alloc(b, 4096, SHARDD_HELLO_DEVICE_HOST, "test buffer", &buf), 0);
-	cr_assert(shardd_buf_allocated(&buf));
+	cr_assert(shd_buf_allocated(&buf));
 	b->ops->free(b, &buf);
 	b->ops->destroy(b);
-	shardd_pool_destroy(pool);
+	shd_pool_destroy(pool);
 }
 
 Test(backend, factory_refuses_a_kind_that_is_no_backend, .timeout = 10)
 {
-	struct shardd_backend_ctx *b = NULL;
-	struct shardd_pool *pool;
+	struct shd_backend_ctx *b = NULL;
+	struct shd_pool *pool;
 
-	cr_assert_eq(shardd_pool_create(1, &pool), 0);
-	cr_assert_eq(shardd_backend_create(0, 0, 1000000000ull, pool, &b), -SHARDD_E_BACKEND);
-	cr_assert_eq(shardd_backend_create(7, 0, 1000000000ull, pool, &b), -SHARDD_E_BACKEND);
+	cr_assert_eq(shd_pool_create(1, &pool), 0);
+	cr_assert_eq(shd_backend_create(0, 0, 1000000000ull, pool, &b), -SHARDD_E_BACKEND);
+	cr_assert_eq(shd_backend_create(7, 0, 1000000000ull, pool, &b), -SHARDD_E_BACKEND);
 	cr_assert_null(b);
-	shardd_pool_destroy(pool);
+	shd_pool_destroy(pool);
 }
 
 #ifndef SHARDD_HAVE_CUDA
 Test(backend, factory_says_a_build_without_cuda_has_no_cuda_backend, .timeout = 10)
 {
-	struct shardd_backend_ctx *b = NULL;
-	struct shardd_pool *pool;
+	struct shd_backend_ctx *b = NULL;
+	struct shd_pool *pool;
 
-	cr_assert_eq(shardd_pool_create(1, &pool), 0);
-	cr_assert_eq(shardd_backend_create(SHARDD_BACKEND_CUDA, 0, 1000000000ull, pool, &b),
+	cr_assert_eq(shd_pool_create(1, &pool), 0);
+	cr_assert_eq(shd_backend_create(SHARDD_BACKEND_CUDA, 0, 1000000000ull, pool, &b),
 		     -SHARDD_E_BACKEND);
 	cr_assert_null(b);
-	shardd_pool_destroy(pool);
+	shd_pool_destroy(pool);
 }
 #endif

@@ -12,9 +12,9 @@
 #include "backend.h"
 #include "pool.h"
 
-static struct shardd_pool *pool;
-static struct shardd_backend_ctx *be;
-static struct shardd_layout layout;
+static struct shd_pool *pool;
+static struct shd_backend_ctx *be;
+static struct shd_layout layout;
 
 /* One fp32 param of 4 rows over 2 shards: shard s holds rows 2s, 2s + 1. */
 static void setup(void)
@@ -27,38 +27,38 @@ static void setup(void)
 	s.dtype = SHARDD_DTYPE_FP32;
 	s.ndim = 1;
 	s.shape[0] = 4;
-	cr_assert_eq(shardd_layout_build(&s, 1, 2, SHARDD_DTYPE_NONE, &layout, err, sizeof(err)), 0, "%s", err);
-	cr_assert_eq(shardd_pool_create(1, &pool), 0);
-	cr_assert_eq(shardd_backend_host_create(pool, &be), 0);
+	cr_assert_eq(shd_layout_build(&s, 1, 2, SHARDD_DTYPE_NONE, &layout, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(shd_pool_create(1, &pool), 0);
+	cr_assert_eq(shd_backend_host_create(pool, &be), 0);
 }
 
 static void teardown(void)
 {
 	be->ops->destroy(be);
-	shardd_pool_destroy(pool);
-	shardd_layout_free(&layout);
+	shd_pool_destroy(pool);
+	shd_layout_free(&layout);
 }
 
 TestSuite(backend_host, .init = setup, .fini = teardown, .timeout = 10);
 
-static float *f32(struct shardd_buf *b, uint64_t offset)
+static float *f32(struct shd_buf *b, uint64_t offset)
 {
 	/* A host buffer's priv is its mapping in the daemon (backend_host.c). */
 	return (float *)((uint8_t *)b->priv + offset);
 }
 
-static void alloc(struct shardd_buf *b, uint64_t bytes)
+static void alloc(struct shd_buf *b, uint64_t bytes)
 {
 	cr_assert_eq(be->ops->alloc(be, bytes, SHARDD_HELLO_DEVICE_HOST, "test", b), 0);
 }
 
 Test(backend_host, unshard_writes_each_distinct_output_once_and_all_of_them)
 {
-	const struct shardd_layout_param *p = &layout.params[0];
-	struct shardd_buf shards[2], mine, theirs;
-	struct shardd_buf *sp[2] = { &shards[0], &shards[1] };
-	struct shardd_buf *shared[2] = { &mine, &mine }, *own[2] = { &mine, &theirs };
-	struct shardd_unshard_args a = { .layout = &layout, .nshards = 2, .shards = sp };
+	const struct shd_layout_param *p = &layout.params[0];
+	struct shd_buf shards[2], mine, theirs;
+	struct shd_buf *sp[2] = { &shards[0], &shards[1] };
+	struct shd_buf *shared[2] = { &mine, &mine }, *own[2] = { &mine, &theirs };
+	struct shd_unshard_args a = { .layout = &layout, .nshards = 2, .shards = sp };
 
 	for (int s = 0; s < 2; s++) {
 		alloc(&shards[s], layout.shard_size);
@@ -91,15 +91,15 @@ Test(backend_host, unshard_writes_each_distinct_output_once_and_all_of_them)
 
 Test(backend_host, reduce_gives_member_k_shard_k_with_its_own_accumulate_and_addend)
 {
-	const struct shardd_layout_param *p = &layout.params[0];
-	struct shardd_buf grads[2], outs[2], add;
-	struct shardd_buf *gp[2] = { &grads[0], &grads[1] };
+	const struct shd_layout_param *p = &layout.params[0];
+	struct shd_buf grads[2], outs[2], add;
+	struct shd_buf *gp[2] = { &grads[0], &grads[1] };
 	uint64_t off[1] = { p->shard_offset };
-	struct shardd_shard_view ov[2] = { { &outs[0], off, SHARDD_DTYPE_NONE }, { &outs[1], off, SHARDD_DTYPE_NONE } };
-	struct shardd_shard_view av[2] = { { NULL, NULL, SHARDD_DTYPE_NONE }, { &add, off, SHARDD_DTYPE_FP32 } };
+	struct shd_shard_view ov[2] = { { &outs[0], off, SHARDD_DTYPE_NONE }, { &outs[1], off, SHARDD_DTYPE_NONE } };
+	struct shd_shard_view av[2] = { { NULL, NULL, SHARDD_DTYPE_NONE }, { &add, off, SHARDD_DTYPE_FP32 } };
 	uint8_t accumulate[2] = { 0, 1 };
-	struct shardd_reduce_args a = {
-		.layout = &layout, .src = SHARDD_REDUCE_SRC_GRAD, .n = 2, .grads = gp, .outs = ov, .adds = av,
+	struct shd_reduce_args a = {
+		.layout = &layout, .src = SHD_REDUCE_SRC_GRAD, .n = 2, .grads = gp, .outs = ov, .adds = av,
 		.accumulate = accumulate,
 		.math = { .reduce_dtype = SHARDD_DTYPE_FP32, .pre = 1, .avg = 2, .post = 1 },
 	};

@@ -59,8 +59,8 @@ struct t_cqe {
 };
 
 struct t_env {
-	struct shardd_engine *e;
-	struct shardd_engine_job *j;
+	struct shd_engine *e;
+	struct shd_engine_job *j;
 	uint32_t R, S, W;
 	struct t_reply rep[MAXW];
 	struct t_group grp[MAXG + 1];
@@ -174,7 +174,7 @@ static void on_complete(void *ctx, uint32_t rank, uint64_t token, const struct s
 static struct t_env *env_new(uint32_t R, uint32_t S, uint32_t timeout_ms)
 {
 	struct t_env *env = calloc(1, sizeof(*env));
-	struct shardd_engine_config cfg = {
+	struct shd_engine_config cfg = {
 		.backend = SHARDD_BACKEND_HOST, .collective_timeout_ms = timeout_ms, .workers = 2,
 		.complete = on_complete, .reply = on_reply,
 	};
@@ -184,15 +184,15 @@ static struct t_env *env_new(uint32_t R, uint32_t S, uint32_t timeout_ms)
 	env->R = R;
 	env->S = S;
 	env->W = R * S;
-	cr_assert_eq(shardd_engine_create(&cfg, &env->e), 0);
-	cr_assert_eq(shardd_engine_job_create(env->e, env, "job", R, S, &env->j), 0);
+	cr_assert_eq(shd_engine_create(&cfg, &env->e), 0);
+	cr_assert_eq(shd_engine_job_create(env->e, env, "job", R, S, &env->j), 0);
 	return env;
 }
 
 static void env_free(struct t_env *env)
 {
-	shardd_engine_job_destroy(env->j);
-	shardd_engine_destroy(env->e);
+	shd_engine_job_destroy(env->j);
+	shd_engine_destroy(env->e);
 	for (uint32_t g = 0; g <= MAXG; g++)
 		for (uint32_t r = 0; r < MAXW; r++)
 			unmap_rank(&env->grp[g], r);
@@ -203,18 +203,18 @@ static void env_free(struct t_env *env)
 /* Wait until `n` completions arrived, as the loop does: eventfd, drain, cron. */
 static int wait_cq(struct t_env *env, size_t n, int timeout_ms)
 {
-	uint64_t deadline = shardd_now_ns() + (uint64_t)timeout_ms * 1000000u;
-	struct pollfd pfd = { .fd = shardd_engine_event_fd(env->e), .events = POLLIN };
+	uint64_t deadline = shd_now_ns() + (uint64_t)timeout_ms * 1000000u;
+	struct pollfd pfd = { .fd = shd_engine_event_fd(env->e), .events = POLLIN };
 
 	while (env->ncq < n) {
-		uint64_t now = shardd_now_ns();
+		uint64_t now = shd_now_ns();
 
 		if (now >= deadline)
 			return -ETIMEDOUT;
 		/* The loop's timer runs cron about every 10 ms here. */
 		if (poll(&pfd, 1, 10) > 0)
-			shardd_engine_drain(env->e);
-		shardd_engine_cron(env->e, shardd_now_ns());
+			shd_engine_drain(env->e);
+		shd_engine_cron(env->e, shd_now_ns());
 	}
 	return 0;
 }
@@ -224,7 +224,7 @@ static void submit(struct t_env *env, uint32_t rank, uint32_t op, uint32_t group
 	struct shardd_sqe sqe = { .op = (uint8_t)op, .group = group, .step = step, .flags = flags,
 				  .user_data = ++env->ud };
 
-	shardd_engine_submit(env->j, rank, 100 + rank, &sqe);
+	shd_engine_submit(env->j, rank, 100 + rank, &sqe);
 }
 
 /* Submit op on every rank and wait for W successful completions. */
@@ -288,7 +288,7 @@ static void register_rank(struct t_env *env, uint32_t rank, const char *name, co
 	size_t len;
 	void *p = payload(name, sp, &len);
 
-	shardd_engine_register_group(env->j, rank, 100 + rank, 7 + rank, p, len);
+	shd_engine_register_group(env->j, rank, 100 + rank, 7 + rank, p, len);
 	free(p);
 }
 
@@ -919,7 +919,7 @@ Test(engine, register_spec_mismatch_names_param_field_values_and_ranks, .timeout
 static void expect_reg_error(struct t_env *env, const void *p, size_t len, int code, const char *want)
 {
 	env->rep[0].got = 0;
-	shardd_engine_register_group(env->j, 0, 100, 1, p, len);
+	shd_engine_register_group(env->j, 0, 100, 1, p, len);
 	cr_assert_eq(env->rep[0].got, 1, "an invalid registration is answered at once");
 	cr_assert_eq(env->rep[0].res, code, "%s: %d %s", want, env->rep[0].res, env->rep[0].msg);
 	cr_assert(strstr(env->rep[0].msg, want), "'%s' names '%s'", env->rep[0].msg, want);
@@ -985,7 +985,7 @@ Test(engine, register_again_is_an_error_and_open_reattaches, .timeout = 30)
 	snprintf(og.name, sizeof(og.name), "blocks.0");
 	env->rep[1].got = 0;
 	unmap_rank(&env->grp[id], 1);
-	shardd_engine_open_group(env->j, 1, 101, 3, &og, sizeof(og));
+	shd_engine_open_group(env->j, 1, 101, 3, &og, sizeof(og));
 	cr_assert_eq(env->rep[1].got, 1);
 	cr_assert_eq(env->rep[1].res, 0, "%s", env->rep[1].msg);
 	cr_assert_eq(env->rep[1].group_id, id);
@@ -993,11 +993,11 @@ Test(engine, register_again_is_an_error_and_open_reattaches, .timeout = 30)
 	cr_assert_eq(env->grp[id].layouts[1][2].shard_row_begin, 2, "c: Shard(1), 4 / 2 rows each");
 
 	snprintf(og.name, sizeof(og.name), "blocks.9");
-	shardd_engine_open_group(env->j, 1, 101, 4, &og, sizeof(og));
+	shd_engine_open_group(env->j, 1, 101, 4, &og, sizeof(og));
 	cr_assert_eq(env->rep[1].res, -SHARDD_E_NOGROUP);
 	cr_assert(strstr(env->rep[1].msg, "no group 'blocks.9'") && strstr(env->rep[1].msg, "'blocks.0'"),
 		  "lists the groups: %s", env->rep[1].msg);
-	shardd_engine_open_group(env->j, 1, 101, 5, &og, 3);
+	shd_engine_open_group(env->j, 1, 101, 5, &og, 3);
 	cr_assert_eq(env->rep[1].res, -SHARDD_E_MALFORMED);
 	env_free(env);
 }
@@ -1019,9 +1019,9 @@ Test(engine, register_10000_params, .timeout = 60)
 		snprintf(name, sizeof(name), "layers.%u.weight", i);
 		specs[i] = pspec(name, FP32, 2, 0, shape);
 	}
-	t0 = shardd_now_ns();
+	t0 = shd_now_ns();
 	id = register_all(env, "big", &sp);
-	t1 = shardd_now_ns();
+	t1 = shd_now_ns();
 	cr_log_info("10000-param registration on 2 ranks: %.1f ms", (double)(t1 - t0) / 1e6);
 	full = alloc_full(&sp, 1);
 	for (uint32_t i = 0; i < N; i++)
@@ -1104,12 +1104,12 @@ Test(engine, collective_timeout_names_missing_ranks, .timeout = 30)
 	cr_assert_eq(env->rep[3].got, 1, "rank 3's earlier reply only");
 	env->rep[3].got = 0;
 	{
-		uint64_t deadline = shardd_now_ns() + 5000000000ull;
-		struct pollfd pfd = { .fd = shardd_engine_event_fd(env->e), .events = POLLIN };
+		uint64_t deadline = shd_now_ns() + 5000000000ull;
+		struct pollfd pfd = { .fd = shd_engine_event_fd(env->e), .events = POLLIN };
 
-		while (!env->rep[3].got && shardd_now_ns() < deadline) {
+		while (!env->rep[3].got && shd_now_ns() < deadline) {
 			poll(&pfd, 1, 10);
-			shardd_engine_cron(env->e, shardd_now_ns());
+			shd_engine_cron(env->e, shd_now_ns());
 		}
 	}
 	cr_assert_eq(env->rep[3].res, -SHARDD_E_TIMEOUT);
@@ -1128,7 +1128,7 @@ Test(engine, rank_gone_fails_others_naming_it_and_keeps_shards, .timeout = 30)
 	all_ranks(env, SHARDD_OP_UNSHARD, id, 1, 0);
 	submit(env, 0, SHARDD_OP_UNSHARD, id, 2, 0);
 	submit(env, 1, SHARDD_OP_UNSHARD, id, 2, 0);
-	shardd_engine_rank_gone(env->j, 2, 102);
+	shd_engine_rank_gone(env->j, 2, 102);
 	cr_assert_eq(wait_cq(env, 3 + 2, WAIT_MS), 0);
 	for (size_t k = 3; k < 5; k++) {
 		cr_assert_eq(env->cq[k].res, -SHARDD_E_PEER_DIED);
@@ -1142,8 +1142,8 @@ Test(engine, rank_gone_fails_others_naming_it_and_keeps_shards, .timeout = 30)
 	memset(&og, 0, sizeof(og));
 	snprintf(og.name, sizeof(og.name), "g");
 	unmap_rank(&env->grp[id], 2);
-	shardd_engine_rank_attached(env->j, 2, SHARDD_HELLO_DEVICE_HOST);
-	shardd_engine_open_group(env->j, 2, 102, 1, &og, sizeof(og));
+	shd_engine_rank_attached(env->j, 2, SHARDD_HELLO_DEVICE_HOST);
+	shd_engine_open_group(env->j, 2, 102, 1, &og, sizeof(og));
 	cr_assert_eq(memcmp(env->grp[id].map[2].shard, &v, 4), 0);
 	all_ranks(env, SHARDD_OP_UNSHARD, id, 2, 0);
 	env_free(env);
@@ -1154,7 +1154,7 @@ Test(engine, collective_after_a_rank_left_fails_at_once_until_it_attaches_again,
 	struct t_env *env = env_new(1, 3, 60000);
 	uint32_t id = small_group(env, "g");
 
-	shardd_engine_rank_gone(env->j, 1, 101);
+	shd_engine_rank_gone(env->j, 1, 101);
 	/* Rank 1 cannot arrive: rank 0 must not wait out the 60 s collective timeout. */
 	submit(env, 0, SHARDD_OP_REDUCE, id, 7, 0);
 	cr_assert_eq(wait_cq(env, 1, WAIT_MS), 0);
@@ -1162,7 +1162,7 @@ Test(engine, collective_after_a_rank_left_fails_at_once_until_it_attaches_again,
 	cr_assert(strstr(env->cq[0].msg, "rank 1 left") && strstr(env->cq[0].msg, "reduce(group 'g', step 7)") &&
 		  strstr(env->cq[0].msg, "failed for rank 0"), "%s", env->cq[0].msg);
 	/* Once it attached again the collective waits for it and completes. */
-	shardd_engine_rank_attached(env->j, 1, SHARDD_HELLO_DEVICE_HOST);
+	shd_engine_rank_attached(env->j, 1, SHARDD_HELLO_DEVICE_HOST);
 	all_ranks(env, SHARDD_OP_REDUCE, id, 7, 0);
 	env_free(env);
 }
@@ -1176,18 +1176,18 @@ Test(engine, rank_gone_fails_a_pending_registration_and_the_all_reduce, .timeout
 
 	register_rank(env, 0, "g", &sp);
 	register_rank(env, 1, "g", &sp);
-	shardd_engine_rank_gone(env->j, 3, 103);
+	shd_engine_rank_gone(env->j, 3, 103);
 	for (uint32_t r = 0; r < 2; r++) {
 		cr_assert_eq(env->rep[r].res, -SHARDD_E_PEER_DIED);
 		cr_assert(strstr(env->rep[r].msg, "rank 3 left") && strstr(env->rep[r].msg, "ranks 0,1"),
 			  "%s", env->rep[r].msg);
 	}
-	shardd_engine_rank_attached(env->j, 3, SHARDD_HELLO_DEVICE_HOST);
+	shd_engine_rank_attached(env->j, 3, SHARDD_HELLO_DEVICE_HOST);
 	id = register_all(env, "g", &sp);
 	/* The HSDP all-reduce spans both replicas: a death in replica 1 fails replica 0's ranks. */
 	submit(env, 0, SHARDD_OP_REDUCE, id, 1, SHARDD_REDUCE_ALL_REDUCE);
 	submit(env, 1, SHARDD_OP_REDUCE, id, 1, SHARDD_REDUCE_ALL_REDUCE);
-	shardd_engine_rank_gone(env->j, 2, 102);
+	shd_engine_rank_gone(env->j, 2, 102);
 	cr_assert_eq(wait_cq(env, 2, WAIT_MS), 0);
 	for (size_t k = 0; k < 2; k++) {
 		cr_assert_eq(env->cq[k].res, -SHARDD_E_PEER_DIED);
@@ -1274,13 +1274,13 @@ Test(engine, bad_ops_are_rejected_naming_the_field, .timeout = 30)
 	for (size_t k = 0; k < sizeof(cases) / sizeof(cases[0]); k++) {
 		struct shardd_sqe s = { .op = (uint8_t)cases[k].op, .group = cases[k].group, .flags = cases[k].flags };
 
-		shardd_engine_submit(env->j, cases[k].rank, 1, &s);
+		shd_engine_submit(env->j, cases[k].rank, 1, &s);
 		cr_assert_eq(env->ncq, k + 1, "rejected at once");
 		cr_assert_eq(env->cq[k].res, cases[k].res, "%s", env->cq[k].msg);
 		cr_assert(strstr(env->cq[k].msg, cases[k].want), "'%s' names '%s'", env->cq[k].msg, cases[k].want);
 	}
 	sqe.rsvd1 = 3;
-	shardd_engine_submit(env->j, 0, 100, &sqe);
+	shd_engine_submit(env->j, 0, 100, &sqe);
 	cr_assert_eq(env->cq[env->ncq - 1].res, -SHARDD_E_INVALID);
 	/* A rank submitting its next step while its previous one waits: that op alone fails. */
 	submit(env, 0, SHARDD_OP_UNSHARD, id, 1, 0);
@@ -1297,7 +1297,7 @@ Test(engine, bad_ops_are_rejected_naming_the_field, .timeout = 30)
 /* Readable event fd: a pool task finished. */
 static int engine_signalled(struct t_env *env)
 {
-	struct pollfd pfd = { .fd = shardd_engine_event_fd(env->e), .events = POLLIN };
+	struct pollfd pfd = { .fd = shd_engine_event_fd(env->e), .events = POLLIN };
 
 	return poll(&pfd, 1, 0) > 0;
 }
@@ -1346,7 +1346,7 @@ Test(engine, job_destroy_fails_pending_ops_with_shutdown, .timeout = 30)
 
 	submit(env, 0, SHARDD_OP_UNSHARD, id, 1, 0);
 	register_rank(env, 1, "pending", &sp);
-	shardd_engine_job_destroy(env->j);
+	shd_engine_job_destroy(env->j);
 	env->j = NULL;
 	cr_assert_eq(env->ncq, 1);
 	cr_assert_eq(env->cq[0].res, -SHARDD_E_SHUTDOWN);
@@ -1357,11 +1357,11 @@ Test(engine, job_destroy_fails_pending_ops_with_shutdown, .timeout = 30)
 
 Test(engine, cuda_backend_is_reported_unavailable, .timeout = 10)
 {
-	struct shardd_engine *e = NULL;
-	struct shardd_engine_config cfg = { .backend = SHARDD_BACKEND_CUDA, .complete = on_complete, .reply = on_reply };
+	struct shd_engine *e = NULL;
+	struct shd_engine_config cfg = { .backend = SHARDD_BACKEND_CUDA, .complete = on_complete, .reply = on_reply };
 
-	cr_assert_eq(shardd_engine_create(&cfg, &e), -SHARDD_E_BACKEND);
+	cr_assert_eq(shd_engine_create(&cfg, &e), -SHARDD_E_BACKEND);
 	cr_assert_null(e);
 	cfg.backend = 7;
-	cr_assert_eq(shardd_engine_create(&cfg, &e), -SHARDD_E_BACKEND);
+	cr_assert_eq(shd_engine_create(&cfg, &e), -SHARDD_E_BACKEND);
 }

@@ -30,11 +30,11 @@ static struct shardd_param_spec spec(const char *name, uint32_t dtype, uint32_t 
 }
 
 /* Build a one-param layout that must succeed. */
-static struct shardd_layout build_one(struct shardd_param_spec s, uint32_t world)
+static struct shd_layout build_one(struct shardd_param_spec s, uint32_t world)
 {
-	struct shardd_layout l;
+	struct shd_layout l;
 	char err[256] = "";
-	int ret = shardd_layout_build(&s, 1, world, SHARDD_DTYPE_NONE, &l, err, sizeof(err));
+	int ret = shd_layout_build(&s, 1, world, SHARDD_DTYPE_NONE, &l, err, sizeof(err));
 
 	cr_assert_eq(ret, 0, "build '%s' failed: %d %s", s.name, ret, err);
 	return l;
@@ -44,9 +44,9 @@ static struct shardd_layout build_one(struct shardd_param_spec s, uint32_t world
 static void expect_invalid(const struct shardd_param_spec *specs, uint32_t n, uint32_t world, uint32_t param_dtype,
 			   const char *want1, const char *want2)
 {
-	struct shardd_layout l;
+	struct shd_layout l;
 	char err[256] = "";
-	int ret = shardd_layout_build(specs, n, world, param_dtype, &l, err, sizeof(err));
+	int ret = shd_layout_build(specs, n, world, param_dtype, &l, err, sizeof(err));
 
 	cr_assert_eq(ret, -SHARDD_E_INVALID, "want -SHARDD_E_INVALID, got %d (%s)", ret, err);
 	cr_assert_null(l.params, "a failed build keeps no allocation");
@@ -55,20 +55,20 @@ static void expect_invalid(const struct shardd_param_spec *specs, uint32_t n, ui
 		cr_assert(strstr(err, want2), "error '%s' must name '%s'", err, want2);
 }
 
-static uint64_t rows_valid_sum(const struct shardd_layout_param *p, uint32_t world)
+static uint64_t rows_valid_sum(const struct shd_layout_param *p, uint32_t world)
 {
 	uint64_t sum = 0;
 
 	for (uint32_t r = 0; r < world; r++)
-		sum += shardd_layout_rows_valid(p, r);
+		sum += shd_layout_rows_valid(p, r);
 	return sum;
 }
 
 Test(layout, dim0_smaller_than_world_pads_with_empty_shards, .timeout = 5)
 {
 	/* (3, 5) over 4 ranks: padded_d0 = 4, rows = 1; ranks 0..2 hold a row, rank 3 only padding. */
-	struct shardd_layout l = build_one(spec("w", SHARDD_DTYPE_FP32, 2, 3ull, 5ull), 4);
-	const struct shardd_layout_param *p = &l.params[0];
+	struct shd_layout l = build_one(spec("w", SHARDD_DTYPE_FP32, 2, 3ull, 5ull), 4);
+	const struct shd_layout_param *p = &l.params[0];
 
 	cr_expect_eq(p->numel, 15);
 	cr_expect_eq(p->outer, 1);
@@ -76,59 +76,59 @@ Test(layout, dim0_smaller_than_world_pads_with_empty_shards, .timeout = 5)
 	cr_expect_eq(p->inner, 5);
 	cr_expect_eq(p->rows, 1);
 	cr_expect_eq(p->shard_numel, 5);
-	cr_expect_eq(shardd_layout_rows_valid(p, 0), 1);
-	cr_expect_eq(shardd_layout_rows_valid(p, 2), 1);
-	cr_expect_eq(shardd_layout_rows_valid(p, 3), 0);
+	cr_expect_eq(shd_layout_rows_valid(p, 0), 1);
+	cr_expect_eq(shd_layout_rows_valid(p, 2), 1);
+	cr_expect_eq(shd_layout_rows_valid(p, 3), 0);
 	cr_expect_eq(rows_valid_sum(p, 4), 3);
 	cr_expect_eq(l.shard_size, 64, "20 bytes round up to one 64-byte unit");
 	cr_expect_eq(l.unsharded_size, 64, "60 bytes round up to 64");
-	shardd_layout_free(&l);
+	shd_layout_free(&l);
 }
 
 Test(layout, dim0_not_divisible_pads_the_last_shard, .timeout = 5)
 {
 	/* (10, 3) over 4: ceil(10 / 4) = 3 rows each, shards hold 3, 3, 3, 1 real rows. */
-	struct shardd_layout l = build_one(spec("w", SHARDD_DTYPE_BF16, 2, 10ull, 3ull), 4);
-	const struct shardd_layout_param *p = &l.params[0];
+	struct shd_layout l = build_one(spec("w", SHARDD_DTYPE_BF16, 2, 10ull, 3ull), 4);
+	const struct shd_layout_param *p = &l.params[0];
 	static const uint64_t want[4] = { 3, 3, 3, 1 };
 
 	cr_expect_eq(p->rows, 3);
 	cr_expect_eq(p->shard_numel, 9);
 	for (uint32_t r = 0; r < 4; r++)
-		cr_expect_eq(shardd_layout_rows_valid(p, r), want[r], "rank %u", r);
+		cr_expect_eq(shd_layout_rows_valid(p, r), want[r], "rank %u", r);
 	cr_expect_eq(rows_valid_sum(p, 4), 10);
-	shardd_layout_free(&l);
+	shd_layout_free(&l);
 }
 
 Test(layout, rows_valid_sums_to_d0_for_many_shapes, .timeout = 5)
 {
 	for (uint32_t world = 1; world <= 17; world++) {
 		for (uint64_t d0 = 0; d0 <= 40; d0++) {
-			struct shardd_layout l = build_one(spec("w", SHARDD_DTYPE_FP16, 2, d0, 2ull), world);
-			const struct shardd_layout_param *p = &l.params[0];
+			struct shd_layout l = build_one(spec("w", SHARDD_DTYPE_FP16, 2, d0, 2ull), world);
+			const struct shd_layout_param *p = &l.params[0];
 			uint64_t rows = (d0 + world - 1) / world;
 
 			cr_assert_eq(p->rows, rows, "d0=%llu world=%u", (unsigned long long)d0, world);
 			cr_assert_eq(p->shard_numel, rows * 2);
 			cr_assert_eq(rows_valid_sum(p, world), d0, "d0=%llu world=%u", (unsigned long long)d0, world);
 			for (uint32_t r = 0; r < world; r++)
-				cr_assert_leq(shardd_layout_rows_valid(p, r), rows);
-			shardd_layout_free(&l);
+				cr_assert_leq(shd_layout_rows_valid(p, r), rows);
+			shd_layout_free(&l);
 		}
 	}
 }
 
 Test(layout, one_element_and_0d_params_are_one_row, .timeout = 5)
 {
-	struct shardd_layout l = build_one(spec("b", SHARDD_DTYPE_FP32, 1, 1ull), 8);
-	const struct shardd_layout_param *p = &l.params[0];
+	struct shd_layout l = build_one(spec("b", SHARDD_DTYPE_FP32, 1, 1ull), 8);
+	const struct shd_layout_param *p = &l.params[0];
 
 	cr_expect_eq(p->numel, 1);
 	cr_expect_eq(p->rows, 1);
 	cr_expect_eq(p->shard_numel, 1);
-	cr_expect_eq(shardd_layout_rows_valid(p, 0), 1);
+	cr_expect_eq(shd_layout_rows_valid(p, 0), 1);
 	cr_expect_eq(rows_valid_sum(p, 8), 1);
-	shardd_layout_free(&l);
+	shd_layout_free(&l);
 
 	l = build_one(spec("scale", SHARDD_DTYPE_FP16, 0), 8);
 	p = &l.params[0];
@@ -139,9 +139,9 @@ Test(layout, one_element_and_0d_params_are_one_row, .timeout = 5)
 	cr_expect_eq(p->inner, 1);
 	cr_expect_eq(p->rows, 1);
 	cr_expect_eq(p->shard_numel, 1);
-	cr_expect_eq(shardd_layout_rows_valid(p, 0), 1);
-	cr_expect_eq(shardd_layout_rows_valid(p, 7), 0);
-	shardd_layout_free(&l);
+	cr_expect_eq(shd_layout_rows_valid(p, 0), 1);
+	cr_expect_eq(shd_layout_rows_valid(p, 7), 0);
+	shd_layout_free(&l);
 }
 
 Test(layout, empty_params_take_no_bytes_but_buffers_stay_mappable, .timeout = 5)
@@ -150,10 +150,10 @@ Test(layout, empty_params_take_no_bytes_but_buffers_stay_mappable, .timeout = 5)
 		spec("rows0", SHARDD_DTYPE_FP32, 2, 0ull, 4ull),
 		spec("cols0", SHARDD_DTYPE_FP32, 2, 4ull, 0ull),
 	};
-	struct shardd_layout l;
+	struct shd_layout l;
 	char err[256];
 
-	cr_assert_eq(shardd_layout_build(s, 2, 2, SHARDD_DTYPE_NONE, &l, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(shd_layout_build(s, 2, 2, SHARDD_DTYPE_NONE, &l, err, sizeof(err)), 0, "%s", err);
 	cr_expect_eq(l.params[0].numel, 0);
 	cr_expect_eq(l.params[0].rows, 0);
 	cr_expect_eq(l.params[0].shard_numel, 0);
@@ -164,7 +164,7 @@ Test(layout, empty_params_take_no_bytes_but_buffers_stay_mappable, .timeout = 5)
 	cr_expect_eq(l.unsharded_size, SHARDD_ALIGN);
 	cr_expect_eq(l.grad_size, SHARDD_ALIGN);
 	cr_expect_eq(l.shard_size, SHARDD_ALIGN);
-	shardd_layout_free(&l);
+	shd_layout_free(&l);
 }
 
 Test(layout, offsets_are_aligned_running_sums, .timeout = 5)
@@ -181,10 +181,10 @@ Test(layout, offsets_are_aligned_running_sums, .timeout = 5)
 		spec("b", SHARDD_DTYPE_BF16, 2, 10ull, 3ull),
 		spec("c", SHARDD_DTYPE_FP16, 0),
 	};
-	struct shardd_layout l;
+	struct shd_layout l;
 	char err[256];
 
-	cr_assert_eq(shardd_layout_build(s, 3, 4, SHARDD_DTYPE_BF16, &l, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(shd_layout_build(s, 3, 4, SHARDD_DTYPE_BF16, &l, err, sizeof(err)), 0, "%s", err);
 	cr_expect_eq(l.nparams, 3);
 	cr_expect_eq(l.world, 4);
 	cr_expect_eq(l.params[0].unsharded_offset, 0);
@@ -204,24 +204,24 @@ Test(layout, offsets_are_aligned_running_sums, .timeout = 5)
 		cr_expect_eq(l.params[i].grad_dtype, SHARDD_DTYPE_BF16);
 		cr_expect_eq(l.params[i].dtype, s[i].dtype);
 	}
-	shardd_layout_free(&l);
+	shd_layout_free(&l);
 
 	/* Without a policy each param keeps its dtype: a fp32 60 B, b bf16 60 B, c fp16 2 B. */
-	cr_assert_eq(shardd_layout_build(s, 3, 4, SHARDD_DTYPE_NONE, &l, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(shd_layout_build(s, 3, 4, SHARDD_DTYPE_NONE, &l, err, sizeof(err)), 0, "%s", err);
 	cr_expect_eq(l.params[0].unsharded_dtype, SHARDD_DTYPE_FP32);
 	cr_expect_eq(l.params[2].grad_dtype, SHARDD_DTYPE_FP16);
 	cr_expect_eq(l.params[1].unsharded_offset, 64);
 	cr_expect_eq(l.params[2].unsharded_offset, 128);
 	cr_expect_eq(l.unsharded_size, 192);
-	shardd_layout_free(&l);
+	shd_layout_free(&l);
 }
 
 Test(layout, shard_on_dim1_even_is_a_chunk, .timeout = 5)
 {
 	/* (6, 8, 3) Shard(1) over 4: outer 6, dim 8, inner 3, rows 2; shard numel 6 * 2 * 3 = 36. */
 	struct shardd_param_spec s = spec("w", SHARDD_DTYPE_FP32, 3, 6ull, 8ull, 3ull);
-	struct shardd_layout l;
-	const struct shardd_layout_param *p;
+	struct shd_layout l;
+	const struct shd_layout_param *p;
 
 	s.shard_dim = 1;
 	l = build_one(s, 4);
@@ -234,9 +234,9 @@ Test(layout, shard_on_dim1_even_is_a_chunk, .timeout = 5)
 	cr_expect_eq(p->shard_numel, 36);
 	cr_expect_eq(p->numel, 144);
 	for (uint32_t r = 0; r < 4; r++)
-		cr_expect_eq(shardd_layout_rows_valid(p, r), 2);
+		cr_expect_eq(shd_layout_rows_valid(p, r), 2);
 	cr_expect_eq(l.shard_size, 192, "36 * 4 = 144 bytes round up to 192");
-	shardd_layout_free(&l);
+	shd_layout_free(&l);
 }
 
 Test(layout, shard_on_dim1_uneven_is_refused, .timeout = 5)
@@ -326,7 +326,7 @@ Test(layout, ten_thousand_params_build_fast_with_aligned_offsets, .timeout = 5)
 	static const uint32_t dts[3] = { SHARDD_DTYPE_FP32, SHARDD_DTYPE_BF16, SHARDD_DTYPE_FP16 };
 	struct shardd_param_spec *s = calloc(N, sizeof(*s));
 	uint64_t un = 0, sh = 0;
-	struct shardd_layout l;
+	struct shd_layout l;
 	char err[256];
 
 	for (uint32_t i = 0; i < N; i++) {
@@ -336,9 +336,9 @@ Test(layout, ten_thousand_params_build_fast_with_aligned_offsets, .timeout = 5)
 		s[i].shape[0] = i % 13 + 1;
 		s[i].shape[1] = i % 5 + 1;
 	}
-	cr_assert_eq(shardd_layout_build(s, N, WORLD, SHARDD_DTYPE_NONE, &l, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(shd_layout_build(s, N, WORLD, SHARDD_DTYPE_NONE, &l, err, sizeof(err)), 0, "%s", err);
 	for (uint32_t i = 0; i < N; i++) {
-		const struct shardd_layout_param *p = &l.params[i];
+		const struct shd_layout_param *p = &l.params[i];
 		uint64_t esz = s[i].dtype == SHARDD_DTYPE_FP32 ? 4 : 2;
 		uint64_t rows = (s[i].shape[0] + WORLD - 1) / WORLD;
 
@@ -355,7 +355,7 @@ Test(layout, ten_thousand_params_build_fast_with_aligned_offsets, .timeout = 5)
 	cr_expect_eq(l.unsharded_size, un);
 	cr_expect_eq(l.grad_size, un);
 	cr_expect_eq(l.shard_size, sh);
-	shardd_layout_free(&l);
+	shd_layout_free(&l);
 
 	/* A duplicate at the far end of 10 000 names is still found. */
 	snprintf(s[N - 1].name, sizeof(s[N - 1].name), "layers.%u.weight", 17);
@@ -388,11 +388,11 @@ Test(layout, zero_width_param_sharded_on_dim1_takes_no_bytes, .timeout = 5)
 		spec("e", SHARDD_DTYPE_FP32, 2, 2ull, 0ull),
 		spec("b", SHARDD_DTYPE_FP32, 1, 5ull),
 	};
-	struct shardd_layout l;
+	struct shd_layout l;
 	char err[256];
 
 	s[1].shard_dim = 1;
-	cr_assert_eq(shardd_layout_build(s, 3, 2, SHARDD_DTYPE_NONE, &l, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(shd_layout_build(s, 3, 2, SHARDD_DTYPE_NONE, &l, err, sizeof(err)), 0, "%s", err);
 	cr_expect_eq(l.params[1].numel, 0);
 	cr_expect_eq(l.params[1].outer, 2);
 	cr_expect_eq(l.params[1].dim, 0);
@@ -403,13 +403,13 @@ Test(layout, zero_width_param_sharded_on_dim1_takes_no_bytes, .timeout = 5)
 	cr_expect_eq(l.params[1].unsharded_offset, SHARDD_ALIGN);
 	cr_expect_eq(l.params[2].unsharded_offset, SHARDD_ALIGN);
 	cr_expect_eq(l.params[2].shard_offset, l.params[1].shard_offset);
-	shardd_layout_free(&l);
+	shd_layout_free(&l);
 }
 
 Test(layout, zero_numel_param_with_huge_other_dims_is_accepted_with_exact_counts, .timeout = 5)
 {
 	/* 2^37 x 0 with Shard(1): 2^37 outer indices, each of no elements; below the limit of 2^38. */
-	struct shardd_layout l;
+	struct shd_layout l;
 	struct shardd_param_spec s = spec("wide", SHARDD_DTYPE_FP32, 2, 1ull << 37, 0ull);
 
 	s.shard_dim = 1;
@@ -419,12 +419,12 @@ Test(layout, zero_numel_param_with_huge_other_dims_is_accepted_with_exact_counts
 	cr_expect_eq(l.params[0].inner, 1);
 	cr_expect_eq(l.params[0].shard_numel, 0);
 	cr_expect_eq(l.unsharded_size, SHARDD_ALIGN);
-	shardd_layout_free(&l);
+	shd_layout_free(&l);
 	/* Dim 0 of 0 rows under 2^37 columns. */
 	s = spec("tall", SHARDD_DTYPE_FP32, 2, 0ull, 1ull << 37);
 	l = build_one(s, 4);
 	cr_expect_eq(l.params[0].inner, 1ull << 37);
 	cr_expect_eq(l.params[0].rows, 0);
 	cr_expect_eq(l.params[0].shard_numel, 0);
-	shardd_layout_free(&l);
+	shd_layout_free(&l);
 }

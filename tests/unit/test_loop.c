@@ -17,9 +17,9 @@
 #include "loop.h"
 
 struct pipe_ev {
-	struct shardd_loop *l;
-	struct shardd_loop_event *ev;
-	struct shardd_loop_event *victim; /* deleted by this event's callback */
+	struct shd_loop *l;
+	struct shd_loop_event *ev;
+	struct shd_loop_event *victim; /* deleted by this event's callback */
 	int fds[2];
 	int calls;
 	int bytes;
@@ -27,7 +27,7 @@ struct pipe_ev {
 	int del_self;
 };
 
-static void pipe_new(struct pipe_ev *p, struct shardd_loop *l)
+static void pipe_new(struct pipe_ev *p, struct shd_loop *l)
 {
 	memset(p, 0, sizeof(*p));
 	p->l = l;
@@ -52,19 +52,19 @@ static void pipe_readable(void *arg, int fd, uint32_t revents)
 			p->bytes += (int)n;
 	}
 	if (p->victim) {
-		shardd_loop_del(p->l, p->victim);
+		shd_loop_del(p->l, p->victim);
 		p->victim = NULL;
 	}
 	if (p->del_self) {
-		shardd_loop_del(p->l, p->ev);
+		shd_loop_del(p->l, p->ev);
 		p->ev = NULL;
 	}
 	if (p->calls >= p->stop_after)
-		shardd_loop_stop(p->l);
+		shd_loop_stop(p->l);
 }
 
 struct counter {
-	struct shardd_loop *l;
+	struct shd_loop *l;
 	int calls;
 	int stop_after;
 };
@@ -74,129 +74,129 @@ static void count_and_stop(void *arg)
 	struct counter *c = arg;
 
 	if (++c->calls >= c->stop_after)
-		shardd_loop_stop(c->l);
+		shd_loop_stop(c->l);
 }
 
 Test(loop, readable_fd_calls_its_callback_with_pollin, .timeout = 10)
 {
-	struct shardd_loop *l;
+	struct shd_loop *l;
 	struct pipe_ev p;
 
-	cr_assert_eq(shardd_loop_create(&l), 0);
+	cr_assert_eq(shd_loop_create(&l), 0);
 	pipe_new(&p, l);
 	p.stop_after = 1;
-	cr_assert_eq(shardd_loop_add_fd(l, p.fds[0], POLLIN, pipe_readable, &p, &p.ev), 0);
+	cr_assert_eq(shd_loop_add_fd(l, p.fds[0], POLLIN, pipe_readable, &p, &p.ev), 0);
 	cr_assert_eq(write(p.fds[1], "abc", 3), 3);
-	cr_assert_eq(shardd_loop_run(l), 0);
+	cr_assert_eq(shd_loop_run(l), 0);
 	cr_assert_eq(p.calls, 1);
 	cr_assert_eq(p.bytes, 3);
-	shardd_loop_destroy(l);
+	shd_loop_destroy(l);
 	pipe_free(&p);
 }
 
 Test(loop, event_fires_again_for_new_data_after_the_first, .timeout = 10)
 {
-	struct shardd_loop *l;
+	struct shd_loop *l;
 	struct pipe_ev p;
 
-	cr_assert_eq(shardd_loop_create(&l), 0);
+	cr_assert_eq(shd_loop_create(&l), 0);
 	pipe_new(&p, l);
 	p.stop_after = 1;
-	cr_assert_eq(shardd_loop_add_fd(l, p.fds[0], POLLIN, pipe_readable, &p, &p.ev), 0);
+	cr_assert_eq(shd_loop_add_fd(l, p.fds[0], POLLIN, pipe_readable, &p, &p.ev), 0);
 	cr_assert_eq(write(p.fds[1], "a", 1), 1);
-	cr_assert_eq(shardd_loop_run(l), 0);
+	cr_assert_eq(shd_loop_run(l), 0);
 	/* The loop stopped; a second write must re-arm delivery on the next run. */
 	p.stop_after = 2;
 	cr_assert_eq(write(p.fds[1], "bc", 2), 2);
-	cr_assert_eq(shardd_loop_run(l), 0);
+	cr_assert_eq(shd_loop_run(l), 0);
 	cr_assert_eq(p.calls, 2);
 	cr_assert_eq(p.bytes, 3);
-	shardd_loop_destroy(l);
+	shd_loop_destroy(l);
 	pipe_free(&p);
 }
 
 Test(loop, hang_up_is_reported_without_asking_for_it, .timeout = 10)
 {
-	struct shardd_loop *l;
+	struct shd_loop *l;
 	struct pipe_ev p;
 
-	cr_assert_eq(shardd_loop_create(&l), 0);
+	cr_assert_eq(shd_loop_create(&l), 0);
 	pipe_new(&p, l);
 	p.stop_after = 1;
 	p.del_self = 1;
-	cr_assert_eq(shardd_loop_add_fd(l, p.fds[0], 0, pipe_readable, &p, &p.ev), 0);
+	cr_assert_eq(shd_loop_add_fd(l, p.fds[0], 0, pipe_readable, &p, &p.ev), 0);
 	close(p.fds[1]);
 	p.fds[1] = -1;
-	cr_assert_eq(shardd_loop_run(l), 0);
+	cr_assert_eq(shd_loop_run(l), 0);
 	cr_assert_eq(p.calls, 1);
 	cr_assert_eq(p.bytes, 0);
-	shardd_loop_destroy(l);
+	shd_loop_destroy(l);
 	close(p.fds[0]);
 }
 
 Test(loop, event_deleted_by_another_callback_is_never_called_again, .timeout = 10)
 {
-	struct shardd_loop *l;
+	struct shd_loop *l;
 	struct pipe_ev a, b;
 	struct counter stop = { .stop_after = 3 };
 
-	cr_assert_eq(shardd_loop_create(&l), 0);
+	cr_assert_eq(shd_loop_create(&l), 0);
 	stop.l = l;
 	pipe_new(&a, l);
 	pipe_new(&b, l);
 	a.stop_after = 100;
 	b.stop_after = 100;
-	cr_assert_eq(shardd_loop_add_fd(l, a.fds[0], POLLIN, pipe_readable, &a, &a.ev), 0);
-	cr_assert_eq(shardd_loop_add_fd(l, b.fds[0], POLLIN, pipe_readable, &b, &b.ev), 0);
+	cr_assert_eq(shd_loop_add_fd(l, a.fds[0], POLLIN, pipe_readable, &a, &a.ev), 0);
+	cr_assert_eq(shd_loop_add_fd(l, b.fds[0], POLLIN, pipe_readable, &b, &b.ev), 0);
 	/* Whichever runs first deletes the other, even if both completions are queued. */
 	a.victim = b.ev;
 	b.victim = a.ev;
 	cr_assert_eq(write(a.fds[1], "x", 1), 1);
 	cr_assert_eq(write(b.fds[1], "y", 1), 1);
-	cr_assert_eq(shardd_loop_add_timer(l, 5, count_and_stop, &stop, NULL), 0);
-	cr_assert_eq(shardd_loop_run(l), 0);
+	cr_assert_eq(shd_loop_add_timer(l, 5, count_and_stop, &stop, NULL), 0);
+	cr_assert_eq(shd_loop_run(l), 0);
 	cr_assert_eq(a.calls + b.calls, 1, "a %d b %d", a.calls, b.calls);
-	shardd_loop_destroy(l);
+	shd_loop_destroy(l);
 	pipe_free(&a);
 	pipe_free(&b);
 }
 
 Test(loop, event_deleting_itself_is_not_called_again_and_fd_can_close, .timeout = 10)
 {
-	struct shardd_loop *l;
+	struct shd_loop *l;
 	struct pipe_ev p;
 	struct counter stop = { .stop_after = 3 };
 
-	cr_assert_eq(shardd_loop_create(&l), 0);
+	cr_assert_eq(shd_loop_create(&l), 0);
 	stop.l = l;
 	pipe_new(&p, l);
 	p.stop_after = 100;
 	p.del_self = 1;
-	cr_assert_eq(shardd_loop_add_fd(l, p.fds[0], POLLIN, pipe_readable, &p, &p.ev), 0);
+	cr_assert_eq(shd_loop_add_fd(l, p.fds[0], POLLIN, pipe_readable, &p, &p.ev), 0);
 	cr_assert_eq(write(p.fds[1], "x", 1), 1);
-	cr_assert_eq(shardd_loop_add_timer(l, 5, count_and_stop, &stop, NULL), 0);
-	cr_assert_eq(shardd_loop_run(l), 0);
+	cr_assert_eq(shd_loop_add_timer(l, 5, count_and_stop, &stop, NULL), 0);
+	cr_assert_eq(shd_loop_run(l), 0);
 	cr_assert_eq(p.calls, 1);
 	cr_assert_eq(p.bytes, 1);
-	shardd_loop_destroy(l);
+	shd_loop_destroy(l);
 	pipe_free(&p);
 }
 
 Test(loop, timer_fires_again_every_period, .timeout = 10)
 {
-	struct shardd_loop *l;
+	struct shd_loop *l;
 	struct counter c = { .stop_after = 5 };
 
-	cr_assert_eq(shardd_loop_create(&l), 0);
+	cr_assert_eq(shd_loop_create(&l), 0);
 	c.l = l;
-	cr_assert_eq(shardd_loop_add_timer(l, 2, count_and_stop, &c, NULL), 0);
-	cr_assert_eq(shardd_loop_run(l), 0);
+	cr_assert_eq(shd_loop_add_timer(l, 2, count_and_stop, &c, NULL), 0);
+	cr_assert_eq(shd_loop_run(l), 0);
 	cr_assert_eq(c.calls, 5);
-	shardd_loop_destroy(l);
+	shd_loop_destroy(l);
 }
 
 struct hooks {
-	struct shardd_loop *l;
+	struct shd_loop *l;
 	int before;
 	int after;
 };
@@ -206,7 +206,7 @@ static int never_sleep(void *arg)
 	struct hooks *h = arg;
 
 	if (++h->before == 1000)
-		shardd_loop_stop(h->l);
+		shd_loop_stop(h->l);
 	return 0;
 }
 
@@ -217,17 +217,17 @@ static void woke(void *arg)
 
 Test(loop, before_sleep_returning_zero_polls_without_blocking, .timeout = 10)
 {
-	struct shardd_loop *l;
+	struct shd_loop *l;
 	struct hooks h = { 0 };
 
 	/* No event ever fires: the loop can only stop if it never blocks. */
-	cr_assert_eq(shardd_loop_create(&l), 0);
+	cr_assert_eq(shd_loop_create(&l), 0);
 	h.l = l;
-	shardd_loop_set_sleep_hooks(l, never_sleep, woke, &h);
-	cr_assert_eq(shardd_loop_run(l), 0);
+	shd_loop_set_sleep_hooks(l, never_sleep, woke, &h);
+	cr_assert_eq(shd_loop_run(l), 0);
 	cr_assert_eq(h.before, 1000);
 	cr_assert_eq(h.after, 0);
-	shardd_loop_destroy(l);
+	shd_loop_destroy(l);
 }
 
 static int may_sleep(void *arg)
@@ -238,27 +238,27 @@ static int may_sleep(void *arg)
 
 Test(loop, after_sleep_runs_once_per_wake_up, .timeout = 10)
 {
-	struct shardd_loop *l;
+	struct shd_loop *l;
 	struct hooks h = { 0 };
 	struct pipe_ev p;
 
-	cr_assert_eq(shardd_loop_create(&l), 0);
+	cr_assert_eq(shd_loop_create(&l), 0);
 	h.l = l;
 	pipe_new(&p, l);
 	p.stop_after = 1;
-	shardd_loop_set_sleep_hooks(l, may_sleep, woke, &h);
-	cr_assert_eq(shardd_loop_add_fd(l, p.fds[0], POLLIN, pipe_readable, &p, &p.ev), 0);
+	shd_loop_set_sleep_hooks(l, may_sleep, woke, &h);
+	cr_assert_eq(shd_loop_add_fd(l, p.fds[0], POLLIN, pipe_readable, &p, &p.ev), 0);
 	cr_assert_eq(write(p.fds[1], "x", 1), 1);
-	cr_assert_eq(shardd_loop_run(l), 0);
+	cr_assert_eq(shd_loop_run(l), 0);
 	cr_assert_eq(p.calls, 1);
 	cr_assert_geq(h.after, 1);
 	cr_assert_eq(h.after, h.before);
-	shardd_loop_destroy(l);
+	shd_loop_destroy(l);
 	pipe_free(&p);
 }
 
 struct turns {
-	struct shardd_loop *l;
+	struct shd_loop *l;
 	int n;
 	int stop_at;
 };
@@ -268,7 +268,7 @@ static int stop_after_turns(void *arg)
 	struct turns *t = arg;
 
 	if (++t->n >= t->stop_at)
-		shardd_loop_stop(t->l);
+		shd_loop_stop(t->l);
 	return 0;
 }
 
@@ -277,7 +277,7 @@ static void run_turns(struct turns *t, int n)
 {
 	t->n = 0;
 	t->stop_at = n;
-	cr_assert_eq(shardd_loop_run(t->l), 0);
+	cr_assert_eq(shd_loop_run(t->l), 0);
 }
 
 static void count_calls(void *arg, int fd, uint32_t revents)
@@ -296,21 +296,21 @@ static void count_calls(void *arg, int fd, uint32_t revents)
  */
 Test(loop, deleting_an_event_whose_poll_just_fired_releases_its_file, .timeout = 10)
 {
-	struct shardd_loop *l;
-	struct shardd_loop_event *ev;
+	struct shd_loop *l;
+	struct shd_loop_event *ev;
 	struct turns t = { 0 };
 	struct pollfd pfd;
 	int sv[2], calls = 0;
 
-	cr_assert_eq(shardd_loop_create(&l), 0);
+	cr_assert_eq(shd_loop_create(&l), 0);
 	t.l = l;
-	shardd_loop_set_sleep_hooks(l, stop_after_turns, NULL, &t);
+	shd_loop_set_sleep_hooks(l, stop_after_turns, NULL, &t);
 	cr_assert_eq(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_NONBLOCK | SOCK_CLOEXEC, 0, sv), 0);
-	cr_assert_eq(shardd_loop_add_fd(l, sv[0], POLLIN, count_calls, &calls, &ev), 0);
+	cr_assert_eq(shd_loop_add_fd(l, sv[0], POLLIN, count_calls, &calls, &ev), 0);
 	run_turns(&t, 3); /* the poll is in the kernel */
 	/* The wake-up takes the poll; its task work waits for the loop's next io_uring_enter. */
 	cr_assert_eq(write(sv[1], "x", 1), 1);
-	shardd_loop_del(l, ev);
+	shd_loop_del(l, ev);
 	close(sv[0]);
 	run_turns(&t, 10);
 	cr_assert_eq(calls, 0, "the deleted event's callback ran %d times", calls);
@@ -318,6 +318,6 @@ Test(loop, deleting_an_event_whose_poll_just_fired_releases_its_file, .timeout =
 	pfd = (struct pollfd){ .fd = sv[1], .events = POLLIN };
 	cr_assert_eq(poll(&pfd, 1, 2000), 1, "the peer never saw the deleted event's socket close");
 	cr_assert(pfd.revents & POLLHUP, "revents 0x%x", pfd.revents);
-	shardd_loop_destroy(l);
+	shd_loop_destroy(l);
 	close(sv[1]);
 }

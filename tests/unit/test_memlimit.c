@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * Memory limits (daemon/memlimit.c) and what a group counts against them
- * (shardd_group_memory_need): byte counts with suffixes, the cgroup
+ * (shd_group_memory_need): byte counts with suffixes, the cgroup
  * limit read from a fake /proc/self/cgroup and cgroup tree, and every
  * buffer of an HSDP group, worked out by hand.
  */
@@ -34,23 +34,23 @@ Test(limits, byte_counts_take_binary_suffixes, .timeout = 5)
 	uint64_t v;
 
 	for (size_t i = 0; i < sizeof(ok) / sizeof(ok[0]); i++) {
-		cr_expect_eq(shardd_parse_bytes(ok[i].s, &v), 0, "'%s' must parse", ok[i].s);
+		cr_expect_eq(shd_parse_bytes(ok[i].s, &v), 0, "'%s' must parse", ok[i].s);
 		cr_expect_eq(v, ok[i].v, "'%s' = %llu, want %llu", ok[i].s, (unsigned long long)v,
 			     (unsigned long long)ok[i].v);
 	}
 	for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++)
-		cr_expect_eq(shardd_parse_bytes(bad[i], &v), -EINVAL, "'%s' must be refused", bad[i]);
+		cr_expect_eq(shd_parse_bytes(bad[i], &v), -EINVAL, "'%s' must be refused", bad[i]);
 }
 
 Test(limits, byte_counts_read_with_binary_units, .timeout = 5)
 {
 	char buf[32];
 
-	cr_expect_str_eq(shardd_bytes_str(0, buf, sizeof(buf)), "0 B");
-	cr_expect_str_eq(shardd_bytes_str(1023, buf, sizeof(buf)), "1023 B");
-	cr_expect_str_eq(shardd_bytes_str(64ull << 20, buf, sizeof(buf)), "64.0 MiB");
-	cr_expect_str_eq(shardd_bytes_str(3ull << 39, buf, sizeof(buf)), "1.5 TiB");
-	cr_expect_str_eq(shardd_bytes_str(UINT64_MAX, buf, sizeof(buf)), "16.0 EiB");
+	cr_expect_str_eq(shd_bytes_str(0, buf, sizeof(buf)), "0 B");
+	cr_expect_str_eq(shd_bytes_str(1023, buf, sizeof(buf)), "1023 B");
+	cr_expect_str_eq(shd_bytes_str(64ull << 20, buf, sizeof(buf)), "64.0 MiB");
+	cr_expect_str_eq(shd_bytes_str(3ull << 39, buf, sizeof(buf)), "1.5 TiB");
+	cr_expect_str_eq(shd_bytes_str(UINT64_MAX, buf, sizeof(buf)), "16.0 EiB");
 }
 
 static char tmp[64];
@@ -111,7 +111,7 @@ static uint64_t cgroup_limit(void)
 
 	snprintf(proc, sizeof(proc), "%s/proc_cgroup", tmp);
 	snprintf(root, sizeof(root), "%s/cg", tmp);
-	return shardd_cgroup_memory_max(proc, root);
+	return shd_cgroup_memory_max(proc, root);
 }
 
 Test(limits, cgroup_v2_limit_is_the_lowest_memory_max_up_the_tree, .init = make_tmp, .fini = remove_tmp,
@@ -146,7 +146,7 @@ Test(limits, default_is_80_percent_of_physical_memory_at_most, .timeout = 5)
 	uint64_t phys = (uint64_t)sysconf(_SC_PHYS_PAGES) * (uint64_t)sysconf(_SC_PAGE_SIZE), v;
 	char from[96];
 
-	cr_assert_eq(shardd_memory_default(&v, from, sizeof(from)), 0);
+	cr_assert_eq(shd_memory_default(&v, from, sizeof(from)), 0);
 	cr_expect_leq(v, phys / 100 * 80 + phys % 100 * 80 / 100);
 	cr_expect_gt(v, 0);
 	cr_expect(strstr(from, "80% of "), "basis '%s'", from);
@@ -157,8 +157,8 @@ Test(limits, an_hsdp_group_counts_every_buffer_it_will_hold, .timeout = 5)
 	/* Mesh 2 x 3: world 6. Params: fp32 [10, 4] (Shard(0): 4 rows of 4 per shard) and bf16 [7]. */
 	struct shardd_register_group hdr = { .name = "g", .nparams = 2 };
 	struct shardd_param_spec *specs = calloc(2, sizeof(*specs));
-	struct shardd_group_memory m;
-	struct shardd_group *g = NULL;
+	struct shd_group_memory m;
+	struct shd_group *g = NULL;
 	char err[256] = "";
 
 	cr_assert_not_null(specs);
@@ -172,8 +172,8 @@ Test(limits, an_hsdp_group_counts_every_buffer_it_will_hold, .timeout = 5)
 	specs[1].ndim = 1;
 	specs[1].shape[0] = 7;
 	hdr.param_dtype = SHARDD_DTYPE_FP32; /* unsharded and grads all fp32: one reduce dtype */
-	cr_assert_eq(shardd_group_create(1, &hdr, specs, 2, 3, &g, err, sizeof(err)), 0, "%s", err);
-	shardd_group_memory_need(g, &m);
+	cr_assert_eq(shd_group_create(1, &hdr, specs, 2, 3, &g, err, sizeof(err)), 0, "%s", err);
+	shd_group_memory_need(g, &m);
 	/*
 	 * Unsharded and grad: w 160 B -> 192 (aligned), b 7 x 4 = 28 -> 64: 256 bytes each.
 	 * Flat shard: w 4 x 4 x 4 = 64, b 3 rows x 2 = 6 -> 64: 128 bytes.
@@ -186,5 +186,5 @@ Test(limits, an_hsdp_group_counts_every_buffer_it_will_hold, .timeout = 5)
 	cr_expect_eq(m.partials, 6 * 128);
 	cr_expect_eq(m.optimizer, 0);
 	cr_expect_eq(m.total, 2 * 256 + 6 * 256 + 3 * 6 * 128);
-	shardd_group_destroy(g, NULL);
+	shd_group_destroy(g, NULL);
 }

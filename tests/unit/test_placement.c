@@ -15,21 +15,21 @@
 #define NONE SHARDD_HELLO_DEVICE_HOST
 
 /* Plan that must succeed. */
-static void plan_ok(const int32_t *hello, uint32_t replicate, uint32_t shard, struct shardd_placement *pl)
+static void plan_ok(const int32_t *hello, uint32_t replicate, uint32_t shard, struct shd_placement *pl)
 {
 	char err[512] = "";
 
-	cr_assert_eq(shardd_placement_plan("blk", hello, replicate, shard, pl, err, sizeof(err)), 0,
+	cr_assert_eq(shd_placement_plan("blk", hello, replicate, shard, pl, err, sizeof(err)), 0,
 		     "plan %ux%u refused: %s", replicate, shard, err);
 }
 
 /* Plan that must be refused with a message holding each non-NULL `want`. */
 static void plan_refused(const int32_t *hello, uint32_t replicate, uint32_t shard, const char *const *want)
 {
-	struct shardd_placement pl;
+	struct shd_placement pl;
 	char err[1024] = "";
 
-	cr_assert_eq(shardd_placement_plan("blk", hello, replicate, shard, &pl, err, sizeof(err)),
+	cr_assert_eq(shd_placement_plan("blk", hello, replicate, shard, &pl, err, sizeof(err)),
 		     -SHARDD_E_INVALID, "plan %ux%u must be refused", replicate, shard);
 	for (; *want; want++)
 		cr_assert(strstr(err, *want), "refusal '%s' must say '%s'", err, *want);
@@ -40,23 +40,23 @@ Test(placement, classify_tells_one_device_from_distinct_from_mixed, .timeout = 5
 	const int32_t one[] = { 3, 3, 3, 3 }, distinct[] = { 0, 1, 2, 3 }, mixed[] = { 0, 1, 1, 2 };
 	const int32_t mixed_last[] = { 2, 0, 1, 2 };
 
-	cr_assert_eq(shardd_placement_classify(one, 4), SHARDD_PLACE_SHARED);
-	cr_assert_eq(shardd_placement_classify(distinct, 4), SHARDD_PLACE_NCCL);
-	cr_assert_eq(shardd_placement_classify(mixed, 4), SHARDD_PLACE_MIXED);
+	cr_assert_eq(shd_placement_classify(one, 4), SHD_PLACE_SHARED);
+	cr_assert_eq(shd_placement_classify(distinct, 4), SHD_PLACE_NCCL);
+	cr_assert_eq(shd_placement_classify(mixed, 4), SHD_PLACE_MIXED);
 	/* The pair that shares may be the first and the last member. */
-	cr_assert_eq(shardd_placement_classify(mixed_last, 4), SHARDD_PLACE_MIXED);
+	cr_assert_eq(shd_placement_classify(mixed_last, 4), SHD_PLACE_MIXED);
 	/* One member needs no collective across devices, whatever its device. */
-	cr_assert_eq(shardd_placement_classify(distinct + 2, 1), SHARDD_PLACE_SHARED);
-	cr_assert_eq(shardd_placement_classify(distinct, 2), SHARDD_PLACE_NCCL);
+	cr_assert_eq(shd_placement_classify(distinct + 2, 1), SHD_PLACE_SHARED);
+	cr_assert_eq(shd_placement_classify(distinct, 2), SHD_PLACE_NCCL);
 }
 
 Test(placement, a_rank_that_named_no_device_sits_on_device_0, .timeout = 5)
 {
 	const int32_t with_zero[] = { NONE, 0 }, with_one[] = { NONE, 1 };
-	struct shardd_placement pl;
+	struct shd_placement pl;
 
-	cr_assert_eq(shardd_placement_device(NONE), 0);
-	cr_assert_eq(shardd_placement_device(5), 5);
+	cr_assert_eq(shd_placement_device(NONE), 0);
+	cr_assert_eq(shd_placement_device(5), 5);
 	plan_ok(with_zero, 1, 2, &pl);
 	cr_assert_eq(pl.shard_nccl[0], 0, "a rank with no device shares device 0 with one that named it");
 	plan_ok(with_one, 1, 2, &pl);
@@ -66,7 +66,7 @@ Test(placement, a_rank_that_named_no_device_sits_on_device_0, .timeout = 5)
 Test(placement, single_gpu_job_runs_every_collective_on_kernels, .timeout = 5)
 {
 	const int32_t hello[] = { 0, 0, 0, 0 };
-	struct shardd_placement pl;
+	struct shd_placement pl;
 
 	plan_ok(hello, 1, 4, &pl);
 	cr_assert_eq(pl.nccl, 0);
@@ -81,7 +81,7 @@ Test(placement, single_gpu_job_runs_every_collective_on_kernels, .timeout = 5)
 Test(placement, shard_group_on_distinct_gpus_runs_nccl, .timeout = 5)
 {
 	const int32_t hello[] = { 0, 1, 2, 3 };
-	struct shardd_placement pl;
+	struct shd_placement pl;
 
 	plan_ok(hello, 1, 4, &pl);
 	cr_assert_eq(pl.shard_nccl[0], 1);
@@ -96,7 +96,7 @@ Test(placement, hsdp_plans_shard_and_replicate_groups_apart, .timeout = 5)
 	const int32_t per_replica[] = { 0, 0, 1, 1 };
 	/* Four GPUs: all four groups NCCL. */
 	const int32_t four[] = { 0, 1, 2, 3 };
-	struct shardd_placement pl;
+	struct shd_placement pl;
 
 	plan_ok(across, 2, 2, &pl);
 	cr_assert(pl.shard_nccl[0] && pl.shard_nccl[1]);
@@ -161,20 +161,20 @@ Test(placement, refusal_says_which_rank_named_no_device, .timeout = 5)
 Test(placement, mesh_outside_the_world_is_refused, .timeout = 5)
 {
 	const int32_t hello[] = { 0 };
-	struct shardd_placement pl;
+	struct shd_placement pl;
 	char err[256] = "";
 
-	cr_assert_eq(shardd_placement_plan("blk", hello, 0, 1, &pl, err, sizeof(err)), -SHARDD_E_INVALID);
+	cr_assert_eq(shd_placement_plan("blk", hello, 0, 1, &pl, err, sizeof(err)), -SHARDD_E_INVALID);
 	cr_assert(strstr(err, "mesh 0 x 1"), "%s", err);
-	cr_assert_eq(shardd_placement_plan("blk", hello, 2, SHARDD_MAX_WORLD, &pl, err, sizeof(err)),
+	cr_assert_eq(shd_placement_plan("blk", hello, 2, SHARDD_MAX_WORLD, &pl, err, sizeof(err)),
 		     -SHARDD_E_INVALID);
 }
 
 /* Three params sharded over 4 ranks: a [10, 3] fp32 (3 rows: 9 elements), b [40] (10), c [100, 8] fp16 (200). */
-static struct shardd_layout three_params(void)
+static struct shd_layout three_params(void)
 {
 	struct shardd_param_spec s[3];
-	struct shardd_layout l;
+	struct shd_layout l;
 	char err[256] = "";
 
 	memset(s, 0, sizeof(s));
@@ -192,7 +192,7 @@ static struct shardd_layout three_params(void)
 	s[2].ndim = 2;
 	s[2].shape[0] = 100;
 	s[2].shape[1] = 8;
-	cr_assert_eq(shardd_layout_build(s, 3, 4, SHARDD_DTYPE_NONE, &l, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(shd_layout_build(s, 3, 4, SHARDD_DTYPE_NONE, &l, err, sizeof(err)), 0, "%s", err);
 	cr_assert_eq(l.params[0].shard_numel, 9);
 	cr_assert_eq(l.params[1].shard_numel, 10);
 	cr_assert_eq(l.params[2].shard_numel, 200);
@@ -201,24 +201,24 @@ static struct shardd_layout three_params(void)
 
 Test(placement, reduce_shard_lays_params_out_aligned_in_the_reduce_dtype, .timeout = 5)
 {
-	struct shardd_layout l = three_params();
+	struct shd_layout l = three_params();
 	uint64_t off[3];
 
 	/* fp32: 36 -> 64, 40 -> 64, 800 -> 832 bytes: offsets 0, 64, 128, total 960. */
-	cr_assert_eq(shardd_placement_reduce_shard(&l, SHARDD_DTYPE_FP32, off), 960);
+	cr_assert_eq(shd_placement_reduce_shard(&l, SHARDD_DTYPE_FP32, off), 960);
 	cr_assert_eq(off[0], 0);
 	cr_assert_eq(off[1], 64);
 	cr_assert_eq(off[2], 128);
 	/* bf16: 18 -> 64, 20 -> 64, 400 -> 448 bytes: offsets 0, 64, 128, total 576. */
-	cr_assert_eq(shardd_placement_reduce_shard(&l, SHARDD_DTYPE_BF16, off), 576);
+	cr_assert_eq(shd_placement_reduce_shard(&l, SHARDD_DTYPE_BF16, off), 576);
 	cr_assert_eq(off[2], 128);
-	shardd_layout_free(&l);
+	shd_layout_free(&l);
 }
 
 Test(placement, reduce_shard_of_empty_params_still_takes_one_alignment_unit, .timeout = 5)
 {
 	struct shardd_param_spec s;
-	struct shardd_layout l;
+	struct shd_layout l;
 	uint64_t off[1];
 	char err[256] = "";
 
@@ -227,18 +227,18 @@ Test(placement, reduce_shard_of_empty_params_still_takes_one_alignment_unit, .ti
 	s.dtype = SHARDD_DTYPE_FP32;
 	s.ndim = 1;
 	s.shape[0] = 0;
-	cr_assert_eq(shardd_layout_build(&s, 1, 2, SHARDD_DTYPE_NONE, &l, err, sizeof(err)), 0, "%s", err);
-	cr_assert_eq(shardd_placement_reduce_shard(&l, SHARDD_DTYPE_FP32, off), SHARDD_ALIGN);
+	cr_assert_eq(shd_layout_build(&s, 1, 2, SHARDD_DTYPE_NONE, &l, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(shd_placement_reduce_shard(&l, SHARDD_DTYPE_FP32, off), SHARDD_ALIGN);
 	cr_assert_eq(off[0], 0);
-	shardd_layout_free(&l);
+	shd_layout_free(&l);
 }
 
 Test(placement, staging_holds_the_larger_of_gather_and_scatter, .timeout = 5)
 {
 	/* 4 ranks: gather 4 x 1000, scatter 4 x 960. */
-	cr_assert_eq(shardd_placement_staging_bytes(4, 1000, 960), 4000);
-	cr_assert_eq(shardd_placement_staging_bytes(4, 0, 960), 3840);
-	cr_assert_eq(shardd_placement_staging_bytes(4, 1000, 0), 4000);
+	cr_assert_eq(shd_placement_staging_bytes(4, 1000, 960), 4000);
+	cr_assert_eq(shd_placement_staging_bytes(4, 0, 960), 3840);
+	cr_assert_eq(shd_placement_staging_bytes(4, 1000, 0), 4000);
 	/* A product past 64 bits is no size. */
-	cr_assert_eq(shardd_placement_staging_bytes(1024, UINT64_MAX / 512, 64), 0);
+	cr_assert_eq(shd_placement_staging_bytes(1024, UINT64_MAX / 512, 64), 0);
 }

@@ -191,7 +191,6 @@ shd_session_reply_error(struct shd_session *s, uint32_t seq, int code, const cha
 	shd_session_send_error(s, seq, code, text);
 }
 
-
 void shd_session_send_group(struct shd_session *s, uint32_t seq, int res, const char *msg,
 			       const struct shardd_group_reply *reply,
 			       const struct shardd_param_layout *layouts,

@@ -169,19 +169,6 @@ static void norm_f32_portable(const float *g, size_t n, double lanes[NORM_LANES]
 #define vsqrt      _mm256_sqrt_ps
 #define vmax       _mm256_max_ps
 #include "optim_simd.h"
-#undef OPT_ISA
-#undef OPT_TARGET
-#undef V
-#undef W
-#undef vload
-#undef vstore
-#undef vset1
-#undef vadd
-#undef vsub
-#undef vmul
-#undef vdiv
-#undef vsqrt
-#undef vmax
 
 #define OPT_ISA    avx512
 #define OPT_TARGET __attribute__((target("avx512f")))
@@ -197,19 +184,6 @@ static void norm_f32_portable(const float *g, size_t n, double lanes[NORM_LANES]
 #define vsqrt      _mm512_sqrt_ps
 #define vmax       _mm512_max_ps
 #include "optim_simd.h"
-#undef OPT_ISA
-#undef OPT_TARGET
-#undef V
-#undef W
-#undef vload
-#undef vstore
-#undef vset1
-#undef vadd
-#undef vsub
-#undef vmul
-#undef vdiv
-#undef vsqrt
-#undef vmax
 
 /*
  * Grad-norm lanes: 16 elements per iteration, element k into lane k % 16

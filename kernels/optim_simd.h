@@ -10,7 +10,8 @@
  *
  * Expects: OPT_ISA (the name suffix), OPT_TARGET (the target attribute),
  * V (the vector type), W (its lanes), and vload, vstore, vset1, vadd, vsub,
- * vmul, vdiv, vsqrt and vmax (vmax(a, b) = a > b ? a : b, as MAXPS).
+ * vmul, vdiv, vsqrt and vmax (vmax(a, b) = a > b ? a : b, as MAXPS); it
+ * undefines them all at its end.
  */
 
 #define OPT_CAT2(a, b) a##_##b
@@ -73,3 +74,17 @@ OPT_TARGET static void OPT_FN(adamw_f32)(const struct shardd_adamw_coefs *c, flo
 #undef OPT_FN
 #undef OPT_CAT
 #undef OPT_CAT2
+/* The parameters too, so the next instruction set defines its own. */
+#undef OPT_ISA
+#undef OPT_TARGET
+#undef V
+#undef W
+#undef vload
+#undef vstore
+#undef vset1
+#undef vadd
+#undef vsub
+#undef vmul
+#undef vdiv
+#undef vsqrt
+#undef vmax

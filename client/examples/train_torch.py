@@ -5,8 +5,12 @@ Python client) and check it against a single-process reference.
 
 Each rank applies shardd.torch.fully_shard to fc1, fc2 and the model (FSDP2's
 recipe), so model.parameters() are its shards; forward and backward unshard
-them, backward reduces (averages) the gradients through the daemon, and a
-stock torch.optim.SGD updates the shards. With --replicate R the mesh is
+them, backward reduces (averages) the gradients through the daemon, and the
+daemon's optimizer (shardd.torch.DaemonSGD, constructed before fully_shard)
+updates the shards in the daemon, each step exactly once; with --torch-optim
+a stock torch.optim.SGD updates the shards in the rank instead (the
+trainer-side path: a rank that dies between its last reduce and its update
+loses that update, which the daemon's step cannot). With --replicate R the mesh is
 R x ranks (HSDP): each shard group reduce-scatters, then the replicas
 all-reduce. The reference trains the same model, from
 the same initial values, in one process on the union of the ranks' batches.
@@ -28,6 +32,7 @@ time blocked on shardd (every wait for a completion, Client._wait_one):
 "rank R step N loss X time_us T compute_us C shardd_us S".
 
 usage: train_torch.py --socket PATH [--ranks N] [--replicate R] [--steps K] [--reshard-after-forward]
+                      [--torch-optim]
        train_torch.py --shardd BIN ...    start a private daemon
 """
 
@@ -81,6 +86,11 @@ def make_optimizer(params):
     return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
 
 
+def make_daemon_optimizer(model):
+    """The same SGD in the daemon; constructed over the model before fully_shard."""
+    return st.DaemonSGD(model, lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
+
+
 class ShardWaitClock:
     """Time this process spends blocked on shardd completions: wraps the
     Python client's one waiting primitive, which every wait goes through."""
@@ -106,18 +116,20 @@ def run_rank(a):
     world = a.ranks * a.replicate
     mesh = st.init_device_mesh(a.job, a.rank, (a.replicate, a.ranks), socket_path=a.socket)
     with mesh:
+        opt = None if a.torch_optim else make_daemon_optimizer(model)
         raf = True if a.reshard_after_forward else None
         st.fully_shard(model.fc1, mesh=mesh, reshard_after_forward=raf)
         st.fully_shard(model.fc2, mesh=mesh, reshard_after_forward=raf)
         st.fully_shard(model, mesh=mesh)
-        opt = make_optimizer(model.parameters())     # this rank's shards
+        if opt is None:
+            opt = make_optimizer(model.parameters())     # this rank's shards
         for step in range(a.steps):
             t0, w0 = time.monotonic_ns(), waits.ns
             x, y = global_batch(step, world, a.batch)
             lo, hi = a.rank * a.batch, (a.rank + 1) * a.batch
             loss = torch.nn.functional.mse_loss(model(x[lo:hi]), y[lo:hi])
             loss.backward()          # reduces every group through the daemon
-            opt.step()               # on this rank's shards
+            opt.step()               # this rank's shards: in the daemon, or here
             opt.zero_grad()
             t, w = time.monotonic_ns() - t0, waits.ns - w0
             # One write per line: the ranks share stdout, and a short write is not interleaved.
@@ -157,6 +169,8 @@ def main():
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--job", default=f"train_torch-{os.getpid()}")
     ap.add_argument("--reshard-after-forward", action="store_true")
+    ap.add_argument("--torch-optim", action="store_true",
+                    help="update the shards with torch.optim.SGD in the ranks, not the daemon's step")
     ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -178,6 +192,8 @@ def main():
                        "--job", a.job, "--rank", str(r), "--result", os.path.join(tmp, f"r{r}.npz")]
                 if a.reshard_after_forward:
                     cmd.append("--reshard-after-forward")
+                if a.torch_optim:
+                    cmd.append("--torch-optim")
                 procs.append(subprocess.Popen(cmd))
             deadline = time.monotonic() + RANK_TIMEOUT_S
             failed = []
@@ -210,8 +226,8 @@ def main():
                         return 1
             moved = max(float(np.max(np.abs(w - v.detach().numpy())))
                         for (n, w), (_m, v) in zip(ref.items(), make_model().named_parameters()))
-            print(f"train_torch: {a.replicate}x{a.ranks} ranks x {a.steps} steps match the "
-                  "single-process "
+            print(f"train_torch: {a.replicate}x{a.ranks} ranks x {a.steps} steps "
+                  f"({'torch.optim' if a.torch_optim else 'daemon'} SGD) match the single-process "
                   f"reference: max |diff| = {worst:.3g} (tolerance {ATOL:g}; params moved "
                   f"{moved:.3g})")
             return 0

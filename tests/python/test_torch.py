@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: MIT
 """PyTorch through shardd: client/examples/train_torch.py trains an MLP with
 several rank processes and checks parity with a single-process reference
-(tolerance derived in the example's docstring)."""
+(tolerance derived in the example's docstring), with the daemon's optimizer
+(the default) and with torch.optim in the ranks (--torch-optim)."""
 
 import os
 import subprocess
@@ -27,7 +28,14 @@ def run_example(daemon, request, *args):
 
 @pytest.mark.timeout_s(180)
 def test_torch_mlp_with_three_ranks_matches_single_process_reference(daemon, request):
-    run_example(daemon, request, "--ranks", "3", "--steps", "6")
+    out = run_example(daemon, request, "--ranks", "3", "--steps", "6")
+    assert "(daemon SGD)" in out
+
+
+@pytest.mark.timeout_s(180)
+def test_torch_mlp_with_torch_optim_in_the_ranks_matches_reference(daemon, request):
+    out = run_example(daemon, request, "--ranks", "2", "--steps", "4", "--torch-optim")
+    assert "(torch.optim SGD)" in out
 
 
 @pytest.mark.timeout_s(180)

@@ -46,7 +46,16 @@ Differences from FSDP2: parameters are plain tensors (no DTensor), every
 rank is a CPU process of one node served by the daemon's host backend,
 ``set_requires_gradient_sync(False)`` accumulates unsynchronised gradients
 in ``param_dtype`` (torch 2.15 uses the original dtype), and
-``state_dict()`` returns the local shards (checkpoints: issues #13/#14).
+``state_dict()`` returns the local shards (checkpoints: issue #14).
+
+The daemon's optimizer: :class:`DaemonSGD` / :class:`DaemonAdamW`, constructed
+over the model before ``fully_shard``, are ``torch.optim.Optimizer`` objects
+whose ``step()`` is the daemon's STEP of every group, exactly once per step
+number (see :class:`DaemonOptimizer`)::
+
+    opt = st.DaemonAdamW(model, lr=1e-3)      # before fully_shard
+    st.fully_shard(model, mesh=mesh)
+    ...; loss.backward(); opt.step(); opt.zero_grad()
 """
 
 import functools
@@ -55,10 +64,11 @@ import itertools
 import torch
 
 from . import proto as P
-from .client import Client, Param, ShardError, numpy_to_tensor
+from .client import Client, Optimizer, Param, ShardError, _f64_bits, numpy_to_tensor
 
 __all__ = ["fully_shard", "MixedPrecisionPolicy", "FSDPModule", "UnshardHandle",
-           "init_device_mesh", "default_reduce_dtype", "local_shards"]
+           "init_device_mesh", "default_reduce_dtype", "local_shards", "DaemonOptimizer",
+           "DaemonSGD", "DaemonAdamW"]
 
 _TORCH_TO_SHARDD = {torch.float32: P.DTYPE_FP32, torch.bfloat16: P.DTYPE_BF16,
                     torch.float16: P.DTYPE_FP16}
@@ -622,13 +632,16 @@ def fully_shard(module, *, mesh, reshard_after_forward=None, shard_placement_fn=
                 names[id(p)] = (mname + "." if mname else "") + attr
                 order.append(p)
             places[id(p)].append((m, attr))
+    opt = _optimizer_of(module, places, names)
     count = getattr(mesh, "_shardd_fsdp_groups", 0)
     mesh._shardd_fsdp_groups = count + 1
     name = f"{count}.{type(module).__name__}"[:P.NAME_MAX - 1]
     params = [_Param(names[id(p)], i, places[id(p)]) for i, p in enumerate(order)]
     state = _State(module, mesh, params, name, mp, reshard_after_forward)
     if params:
-        _register(state, order, shard_placement_fn)
+        _register(state, order, shard_placement_fn, opt)
+        if opt is not None:
+            opt._attach(state, order)
     module._shardd_state = state
     module.__class__ = _fsdp_class(type(module))
     try:
@@ -640,7 +653,22 @@ def fully_shard(module, *, mesh, reshard_after_forward=None, shard_placement_fn=
     return module
 
 
-def _register(state, tensors, shard_placement_fn):
+def _optimizer_of(module, places, names):
+    """The DaemonOptimizer constructed over `module` (None: none); every param
+    the new group takes must be under that same one."""
+    opt = getattr(module, "_shardd_optimizer", None)
+    for key, where in places.items():
+        for m, _attr in where:
+            if getattr(m, "_shardd_optimizer", None) is not opt:
+                raise ValueError(
+                    f"fully_shard({type(module).__name__}): param '{names[key]}' and this "
+                    f"module are not under the same DaemonOptimizer, and one group steps with "
+                    f"one optimizer: construct the DaemonOptimizer over the outermost module "
+                    f"fully_shard is applied to")
+    return opt
+
+
+def _register(state, tensors, shard_placement_fn, optimizer=None):
     mp = state.mp
     specs = []
     for p, t in zip(state.params, tensors):
@@ -662,7 +690,8 @@ def _register(state, tensors, shard_placement_fn):
     pd = _TORCH_TO_SHARDD[mp.param_dtype] if mp.param_dtype is not None else None
     rd = _TORCH_TO_SHARDD[reduce_dtype] if reduce_dtype is not None else None
     try:
-        g = state.client.register_group(state.name, specs, pd, rd)
+        g = state.client.register_group(state.name, specs, pd, rd,
+                                        optimizer=optimizer.config if optimizer else None)
     except ShardError as e:
         raise type(e)(e.code, f"{state.where('registration')}: {e.text}") from None
     state.group = g
@@ -694,3 +723,179 @@ def local_shards(module):
                 out.append((name, t, hit.shard_dim, st.group.shard_rows(hit.index)[0]))
                 break
     return out
+
+
+# ---------------------------------------------------------------- the daemon's optimizer
+class DaemonOptimizer(torch.optim.Optimizer):
+    """A torch.optim.Optimizer whose step() is the daemon's: it submits one
+    STEP per fully_shard group (the optimizer state lives in the daemon, fp32,
+    per shard; this object holds only the lr and the step count).
+
+    Construct it (DaemonSGD / DaemonAdamW) over the unsharded model BEFORE
+    fully_shard: each fully_shard under it then registers its group with the
+    optimizer's config. param_groups is one group (the model's parameters,
+    replaced by their shards as fully_shard registers them) whose "lr" is
+    read at every step, so torch.optim.lr_scheduler works; the other
+    hyperparameters are fixed at registration. The n-th step() is the
+    daemon's step number n (state_dict()/load_state_dict() carry it with the
+    lr), applied at most once per group and rank shard: re-submitting an
+    applied step changes nothing and reports P.STEP_ALREADY in last_results.
+    last_step is the daemon's last applied step when the groups were
+    registered.
+
+    The daemon steps a whole shard: a param whose grad is None (no gradient
+    this iteration) still gets momentum and weight decay, unlike torch.optim,
+    which skips it."""
+
+    def __init__(self, model, config, defaults, skip_nonfinite=False):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"{type(self).__name__}: give the model (an nn.Module, before "
+                            f"fully_shard), not {type(model).__name__}")
+        for name, m in model.named_modules():
+            if isinstance(m, FSDPModule):
+                raise ValueError(
+                    f"{type(self).__name__}: module '{name or type(m).__name__}' is already "
+                    f"fully_shard'ed, so its group was registered without the daemon's "
+                    f"optimizer: construct {type(self).__name__}(model, ...) before fully_shard")
+            other = getattr(m, "_shardd_optimizer", None)
+            if other is not None:
+                raise ValueError(f"{type(self).__name__}: module '{name or type(m).__name__}' "
+                                 f"is already under a {type(other).__name__}")
+        for name, p in model.named_parameters():
+            if p.dtype != torch.float32:
+                raise TypeError(f"{type(self).__name__}: param '{name}' is {p.dtype}; the "
+                                f"daemon's optimizer keeps fp32 master shards (keep the params "
+                                f"fp32 and give MixedPrecisionPolicy(param_dtype=...))")
+            if not p.requires_grad:
+                raise ValueError(f"{type(self).__name__}: param '{name}' does not require grad; "
+                                 f"the daemon steps every param of a group (weight decay and "
+                                 f"momentum would move it): keep frozen params out of the model "
+                                 f"given to it")
+        if not 0.0 <= defaults["lr"] < float("inf"):
+            raise ValueError(f"{type(self).__name__}: lr = {defaults['lr']}: give a finite "
+                             f"lr >= 0")
+        super().__init__(list(model.parameters()), defaults)
+        self.config = config
+        self.skip_nonfinite = skip_nonfinite
+        self.step_number = 0        # daemon step numbers submitted so far
+        self.last_results = {}      # group name -> P.STEP_* of the last step()
+        self._states = []
+        for m in model.modules():
+            m._shardd_optimizer = self
+
+    def add_param_group(self, param_group):
+        if self.param_groups:
+            raise ValueError(f"{type(self).__name__}: one param group only (the daemon's "
+                             f"hyperparameters are per fully_shard group, fixed at registration)")
+        super().add_param_group(param_group)
+
+    def _attach(self, state, originals):
+        """fully_shard registered `state`'s group with this optimizer: step it,
+        and hold its shards in param_groups instead of the originals."""
+        self._states.append(state)
+        shards = {id(t): p.sharded for t, p in zip(originals, state.params)}
+        group = self.param_groups[0]
+        group["params"] = [shards.get(id(t), t) for t in group["params"]]
+
+    @property
+    def last_step(self):
+        """The last step the daemon had applied on this rank's shards when the
+        groups were registered (the smallest over the groups; 0: none)."""
+        if not self._states:
+            raise RuntimeError(self._unregistered())
+        return min(st.group.last_step for st in self._states)
+
+    def _unregistered(self):
+        return (f"{type(self).__name__}: no fully_shard group is registered with it: apply "
+                f"fully_shard to the model it was constructed over (after constructing it)")
+
+    @torch.no_grad()
+    def step(self, closure=None, *, clip=None):
+        """Submit the daemon's step number step_number + 1 for every group and
+        wait for it. clip: clip_grad_norm_'s coefficient multiplied into the
+        grads, or None. Returns closure's loss (None without closure)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self._states:
+            raise RuntimeError(self._unregistered())
+        lr = self.param_groups[0]["lr"]
+        if not 0.0 <= lr < float("inf"):
+            raise ValueError(f"{type(self).__name__}.step: lr = {lr}: the daemon takes a finite "
+                             f"lr >= 0 (check the lr scheduler)")
+        number = self.step_number + 1
+        flags = (P.STEP_SKIP_NONFINITE if self.skip_nonfinite else 0) | \
+            (P.STEP_CLIP if clip is not None else 0)
+        args = (_f64_bits(lr), _f64_bits(clip) if clip is not None else 0)
+        pending = []
+        for st in self._states:
+            st.wait_reduce()
+            if st.unsharded or st.unshard_pending is not None:
+                raise RuntimeError(f"{st.where('step')}: the module holds its unsharded params; "
+                                   f"call reshard() on it before the optimizer step")
+            where = f"step(group '{st.name}', step {number})"
+            pending.append((st, st.client.start([(P.OP_STEP, st.group.id, number, flags, where,
+                                                  args)])))
+        results = {}
+        for st, pend in pending:
+            try:
+                results[st.name] = pend.wait()[0].res
+            except ShardError as e:
+                raise st._wrap("step", e) from None
+            for p in st.params:     # the daemon consumed and cleared the sharded grads
+                p.has_grad = False
+                p.sharded.grad = None
+        self.step_number = number
+        self.last_results = results
+        return loss
+
+    def state_dict(self):
+        """The lr (and any scheduler keys in the param group) and the step
+        count; the optimizer state (momentum, exp_avg, ...) stays in the
+        daemon and is not in it."""
+        group = {k: v for k, v in self.param_groups[0].items() if k != "params"}
+        group["params"] = list(range(len(self.param_groups[0]["params"])))
+        return {"state": {}, "param_groups": [group], "step_number": self.step_number}
+
+    def load_state_dict(self, state_dict):
+        groups = state_dict["param_groups"]
+        if len(groups) != 1:
+            raise ValueError(f"{type(self).__name__}.load_state_dict: {len(groups)} param "
+                             f"groups; this optimizer has 1")
+        fixed = self.defaults.keys() - {"lr"}
+        for k in fixed:
+            if k in groups[0] and groups[0][k] != self.param_groups[0][k]:
+                raise ValueError(f"{type(self).__name__}.load_state_dict: {k} = {groups[0][k]} "
+                                 f"but the daemon's optimizer was registered with "
+                                 f"{self.param_groups[0][k]}")
+        self.param_groups[0].update({k: v for k, v in groups[0].items() if k != "params"})
+        self.step_number = int(state_dict["step_number"])
+
+
+class DaemonSGD(DaemonOptimizer):
+    """torch.optim.SGD in the daemon: DaemonSGD(model, lr, momentum=0,
+    dampening=0, weight_decay=0, nesterov=False, *, maximize=False,
+    skip_nonfinite=False). See DaemonOptimizer."""
+
+    def __init__(self, model, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
+                 nesterov=False, *, maximize=False, skip_nonfinite=False):
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
+                        weight_decay=weight_decay, nesterov=nesterov, maximize=maximize)
+        config = Optimizer.sgd(momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                               nesterov=nesterov, maximize=maximize)
+        super().__init__(model, config, defaults, skip_nonfinite)
+
+
+class DaemonAdamW(DaemonOptimizer):
+    """torch.optim.AdamW in the daemon: DaemonAdamW(model, lr=1e-3,
+    betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
+    maximize=False, skip_nonfinite=False). See DaemonOptimizer."""
+
+    def __init__(self, model, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 amsgrad=False, *, maximize=False, skip_nonfinite=False):
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        amsgrad=amsgrad, maximize=maximize)
+        config = Optimizer.adamw(betas=betas, eps=eps, weight_decay=weight_decay,
+                                 amsgrad=amsgrad, maximize=maximize)
+        super().__init__(model, config, defaults, skip_nonfinite)

@@ -189,7 +189,7 @@ def test_resubmitted_step_is_already_applied_and_changes_nothing(daemon, request
 
 
 @pytest.mark.timeout_s(60)
-def test_daemon_optimizer_after_fully_shard_is_refused(daemon, request):
+def test_daemon_optimizer_misuse_is_refused_naming_the_fix(daemon, request):
     with st.init_device_mesh(job_name(request), 0, (1,), socket_path=daemon.socket) as mesh_:
         m = make_net()
         st.fully_shard(m, mesh=mesh_)
@@ -201,3 +201,8 @@ def test_daemon_optimizer_after_fully_shard_is_refused(daemon, request):
         opt.step()
     with pytest.raises(ValueError, match=r"already under a DaemonAdamW"):
         st.DaemonSGD(unsharded.fc1, lr=0.1)
+    with st.init_device_mesh(job_name(request) + "-b", 0, (1,), socket_path=daemon.socket) as m2:
+        st.fully_shard(unsharded.fc1, mesh=m2)      # the root never: fc2's params stay local
+        torch.nn.functional.mse_loss(unsharded(torch.ones(2, 6)), torch.zeros(2, 3)).backward()
+        with pytest.raises(RuntimeError, match=r"\['fc2.weight', 'fc2.bias'\] are in no fully_shard"):
+            opt.step()

@@ -780,6 +780,8 @@ class DaemonOptimizer(torch.optim.Optimizer):
         self.step_number = 0        # daemon step numbers submitted so far
         self.last_results = {}      # group name -> P.STEP_* of the last step()
         self._states = []
+        self._names = {id(p): n for n, p in model.named_parameters()}   # originals' names
+        self._sharded = set()       # ids of the shards fully_shard registered with it
         for m in model.modules():
             m._shardd_optimizer = self
 
@@ -794,6 +796,7 @@ class DaemonOptimizer(torch.optim.Optimizer):
         and hold its shards in param_groups instead of the originals."""
         self._states.append(state)
         shards = {id(t): p.sharded for t, p in zip(originals, state.params)}
+        self._sharded.update(id(p.sharded) for p in state.params)
         group = self.param_groups[0]
         group["params"] = [shards.get(id(t), t) for t in group["params"]]
 
@@ -820,6 +823,13 @@ class DaemonOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if not self._states:
             raise RuntimeError(self._unregistered())
+        missed = [self._names.get(id(t), "?") for t in self.param_groups[0]["params"]
+                  if id(t) not in self._sharded]
+        if missed:
+            raise RuntimeError(f"{type(self).__name__}.step: params {missed} are in no "
+                               f"fully_shard group, so the daemon would not step them: apply "
+                               f"fully_shard to the model it was constructed over (the root "
+                               f"last), as to every module whose params it should own")
         lr = self.param_groups[0]["lr"]
         if not 0.0 <= lr < float("inf"):
             raise ValueError(f"{type(self).__name__}.step: lr = {lr}: the daemon takes a finite "

@@ -174,7 +174,6 @@ void require_root(void)
 		cr_skip_test("needs root to run a client as another uid");
 }
 
-
 /*
  * A client of a one-rank job: nop, then register a 5x3 fp32 param, write
  * its shard, unshard step 1 and read the unsharded copy back.

@@ -23,7 +23,7 @@ FUZZ_CFLAGS      := -O1 -g -std=gnu11 -Wall -Wextra $(WERROR_FLAGS) -pthread -MM
 		    -DSHARDD_VERSION='"$(VERSION)"' $(FUZZ_SAN)
 
 FUZZ_LIB_SRC := $(filter-out daemon/main.c daemon/backend_cuda%.c,$(wildcard daemon/*.c)) \
-		$(wildcard kernels/*.c) tests/fuzz/fuzz_daemon.c
+		$(wildcard kernels/*.c) tests/fuzz/fuzz_daemon.c $(wildcard tests/fuzz/harness_*.c)
 FUZZ_TARGETS := $(patsubst tests/fuzz/%.c,%,$(filter-out tests/fuzz/fuzz_daemon.c,$(wildcard tests/fuzz/fuzz_*.c)))
 FUZZ_BIN     := $(addprefix $(FUZZ_BUILD)/,$(FUZZ_TARGETS))
 FUZZ_OBJ     := $(patsubst %.c,$(FUZZ_BUILD)/%.o,$(FUZZ_LIB_SRC))

@@ -22,8 +22,10 @@ FUZZ_SAN         := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-
 FUZZ_CFLAGS      := -O1 -g -std=gnu11 -Wall -Wextra $(WERROR_FLAGS) -pthread -MMD -MP \
 		    -DSHARDD_VERSION='"$(VERSION)"' $(FUZZ_SAN)
 
+# Every target links the daemon, the kernels and the harness (fuzz_daemon.c
+# and harness_*.c); each tests/fuzz/fuzz_*.c but fuzz_daemon.c is a target.
 FUZZ_LIB_SRC := $(filter-out daemon/main.c daemon/backend_cuda%.c,$(wildcard daemon/*.c)) \
-		$(wildcard kernels/*.c) tests/fuzz/fuzz_daemon.c
+		$(wildcard kernels/*.c) tests/fuzz/fuzz_daemon.c $(wildcard tests/fuzz/harness_*.c)
 FUZZ_TARGETS := $(patsubst tests/fuzz/%.c,%,$(filter-out tests/fuzz/fuzz_daemon.c,$(wildcard tests/fuzz/fuzz_*.c)))
 FUZZ_BIN     := $(addprefix $(FUZZ_BUILD)/,$(FUZZ_TARGETS))
 FUZZ_OBJ     := $(patsubst %.c,$(FUZZ_BUILD)/%.o,$(FUZZ_LIB_SRC))

@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: MIT
 """Write the seed corpus of the fuzz targets (tests/fuzz/corpus/<target>/).
 
-Each seed is a small program in the input format fuzz_daemon.c reads: an
+Each seed is a small program in the input format the fuzz harness reads (harness_actions.c): an
 action byte (an index into the target's action table) followed by that
 action's bytes. The seeds reach the interesting states on purpose (a job
 attached, a group registered by every rank, collectives run, a rank killed
@@ -18,7 +18,7 @@ C_GOODBYE, C_CLOSE, C_SHUT_WR, C_TURN, C_CRON = range(8, 13)
 E_REGISTER_ALL, E_REGISTER, E_OPEN, E_SQE, E_BURST = 0, 1, 2, 3, 5
 E_CLOSE, E_REATTACH, E_GOODBYE, E_ADMIN, E_WRITE_BUF, E_TURN, E_CRON, E_MSG = range(8, 16)
 
-# Dims by index (fuzz_daemon.c dims[]).
+# Dims by index (harness_actions.c dims[]).
 D = {0: 0, 1: 1, 2: 2, 3: 3, 4: 4, 5: 5, 7: 6, 8: 7, 16: 8, 17: 9, 63: 10, 64: 11, 100: 12,
      1000: 13}
 # Burst ops by index (act_sqe_burst ops[]).

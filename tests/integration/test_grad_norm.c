@@ -93,6 +93,8 @@ static void start(struct fixture *f, uint32_t replicate, uint32_t shard, const c
 static void finish(struct fixture *f)
 {
 	for (uint32_t r = 0; r < f->world; r++) {
+		if (!f->c[r])
+			continue;
 		for (int k = 0; k < NG; k++)
 			shardd_group_close(f->g[r][k]);
 		shardd_close(f->c[r]);
@@ -357,5 +359,25 @@ Test(grad_norm, timeout_names_the_missing_rank, .timeout = 60)
 	cr_assert_eq(cp.res, -SHARDD_E_TIMEOUT, "res %d %s", cp.res, cp.msg);
 	cr_assert(strstr(cp.msg, "grad_norm(step 4): rank 1 did not submit grad_norm within 1 s; rank 0 is waiting"),
 		  "%s", cp.msg);
+	finish(&f);
+}
+
+Test(grad_norm, rank_leaving_fails_the_waiting_ranks_by_name, .timeout = 60)
+{
+	struct fixture f;
+	struct shardd_completion cp;
+
+	start(&f, 1, 2, "20");
+	cr_assert_eq(shardd_grad_norm_submit(f.c[0], 2, 2.0, 12), 0, "%s", shardd_last_error());
+	/* A nop round trip: the daemon has taken rank 0's entry before rank 1 leaves. */
+	cr_assert_eq(shardd_nop(f.c[0]), 0, "%s", shardd_last_error());
+	for (int k = 0; k < NG; k++)
+		shardd_group_close(f.g[1][k]);
+	shardd_close(f.c[1]);
+	f.c[1] = NULL;
+	cr_assert_eq(shardd_wait(f.c[0], &cp, 30000), 0, "%s", shardd_last_error());
+	cr_assert_eq(cp.res, -SHARDD_E_PEER_DIED, "res %d %s", cp.res, cp.msg);
+	cr_assert(strstr(cp.msg, "grad_norm(step 2): rank 1") && strstr(cp.msg, "rank 0 was waiting"), "%s",
+		  cp.msg);
 	finish(&f);
 }

@@ -6,6 +6,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <math.h>
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -167,6 +168,8 @@ static int cq_take(struct shardd_client *c, struct shardd_completion *out)
 	out->op = cqe.op;
 	out->group = cqe.group;
 	out->step = cqe.step;
+	out->result[0] = cqe.rsvd2[SHARDD_CQE_GRAD_NORM];
+	out->result[1] = cqe.rsvd2[SHARDD_CQE_GRAD_NORM_NONFINITE];
 	/* Before the release: the daemon records this slot's event again once it is free. */
 	if (cqe.fence)
 		shardd_client_fence_reap(c, slot, out);
@@ -358,20 +361,32 @@ int shardd_client_op_sync(struct shardd_client *c, uint32_t op, uint32_t group, 
 	return shardd_client_op_sync_args(c, op, group, step, flags, NULL, what);
 }
 
+static int op_sync_cp(struct shardd_client *c, uint32_t op, uint32_t group, uint64_t step,
+		      uint32_t flags, const uint64_t *args, const char *what, struct shardd_completion *out);
+
 int shardd_client_op_sync_args(struct shardd_client *c, uint32_t op, uint32_t group, uint64_t step,
 			       uint32_t flags, const uint64_t *args, const char *what)
+{
+	struct shardd_completion cp;
+
+	return op_sync_cp(c, op, group, step, flags, args, what, &cp);
+}
+
+/* shardd_client_op_sync_args, with the op's completion in *out when it came. */
+static int op_sync_cp(struct shardd_client *c, uint32_t op, uint32_t group, uint64_t step,
+		      uint32_t flags, const uint64_t *args, const char *what, struct shardd_completion *out)
 {
 	uint32_t ct = c->welcome.collective_timeout_ms;
 	int64_t deadline = ct ? shardd_client_now_ms() + ct + SHARDD_SYNC_GRACE_MS : -1;
 	uint64_t ud = SHARDD_USER_DATA_RESERVED | (++c->next_sync & ~SHARDD_USER_DATA_RESERVED);
-	struct shardd_completion cp;
+	struct shardd_completion *cp = out;
 	char where[160];
 	int ret;
 
 	shardd_err_clear();
 	/* A full SQ drains as the daemon works; reap meanwhile so its CQ never fills. */
 	while ((ret = submit_sqe(c, op, group, step, flags, args, ud)) == -EAGAIN) {
-		ret = reap_until(c, ud, &cp);
+		ret = reap_until(c, ud, cp);
 		if (ret == 0)
 			ret = sleep_cq(c, deadline);
 		if (ret < 0)
@@ -380,7 +395,7 @@ int shardd_client_op_sync_args(struct shardd_client *c, uint32_t op, uint32_t gr
 	if (ret < 0)
 		goto err;
 	for (;;) {
-		ret = reap_until(c, ud, &cp);
+		ret = reap_until(c, ud, cp);
 		if (ret < 0)
 			goto err;
 		if (ret == 1)
@@ -391,14 +406,14 @@ int shardd_client_op_sync_args(struct shardd_client *c, uint32_t op, uint32_t gr
 		if (ret < 0)
 			goto err;
 	}
-	if (cp.res < 0) {
-		if (cp.msg[0])
-			shardd_err_set(cp.res, "daemon: %s", cp.msg);
+	if (cp->res < 0) {
+		if (cp->msg[0])
+			shardd_err_set(cp->res, "daemon: %s", cp->msg);
 		else
-			shardd_err_set(cp.res, "daemon: %s", shardd_strerror(cp.res));
-		return shardd_err_wrap(cp.res, "%s", what);
+			shardd_err_set(cp->res, "daemon: %s", shardd_strerror(cp->res));
+		return shardd_err_wrap(cp->res, "%s", what);
 	}
-	return cp.res;
+	return cp->res;
 err:
 	if (ret == -ETIMEDOUT) {
 		ring_where(c, where, sizeof(where));
@@ -493,6 +508,55 @@ int shardd_step(struct shardd_group *g, uint64_t step, double lr, uint32_t flags
 	snprintf(what, sizeof(what), "step group '%s' (id %u) step %llu", g->name, g->info.group_id,
 		 (unsigned long long)step);
 	return shardd_client_op_sync_args(g->client, SHARDD_OP_STEP, g->info.group_id, step, flags, args, what);
+}
+
+static int grad_norm_args(uint64_t args[1], double norm_type)
+{
+	if (norm_type != 2.0 && !(isinf(norm_type) && norm_type > 0))
+		return shardd_err_set(-EINVAL, "grad_norm: norm_type %g is not supported: use 2.0 or INFINITY",
+				      norm_type);
+	memcpy(&args[SHARDD_SQE_GRAD_NORM_TYPE], &norm_type, sizeof(norm_type));
+	return 0;
+}
+
+int shardd_grad_norm_submit(struct shardd_client *c, uint64_t step, double norm_type, uint64_t user_data)
+{
+	uint64_t args[2] = { 0 };
+	int ret;
+
+	if (user_data & SHARDD_USER_DATA_RESERVED)
+		return shardd_err_set(-EINVAL, "user_data 0x%llx has SHARDD_USER_DATA_RESERVED set",
+				      (unsigned long long)user_data);
+	ret = grad_norm_args(args, norm_type);
+	if (ret < 0)
+		return ret;
+	return submit_sqe(c, SHARDD_OP_GRAD_NORM, 0, step, 0, args, user_data);
+}
+
+void shardd_grad_norm_result(const struct shardd_completion *cp, double *norm, int *nonfinite)
+{
+	memcpy(norm, &cp->result[0], sizeof(*norm));
+	*nonfinite = cp->result[1] != 0;
+}
+
+int shardd_grad_norm(struct shardd_client *c, uint64_t step, double norm_type, double *norm,
+		     int *nonfinite)
+{
+	uint64_t args[2] = { 0 };
+	struct shardd_completion cp;
+	char what[96];
+	int ret;
+
+	shardd_err_clear();
+	ret = grad_norm_args(args, norm_type);
+	if (ret < 0)
+		return ret;
+	snprintf(what, sizeof(what), "grad_norm step %llu norm_type %g", (unsigned long long)step, norm_type);
+	ret = op_sync_cp(c, SHARDD_OP_GRAD_NORM, 0, step, 0, args, what, &cp);
+	if (ret < 0)
+		return ret;
+	shardd_grad_norm_result(&cp, norm, nonfinite);
+	return 0;
 }
 
 /* --------------------------------------------------------------------- */

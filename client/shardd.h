@@ -84,6 +84,7 @@ struct shardd_completion {
 	uint32_t op;        /* enum shardd_op */
 	uint32_t group;     /* group id, 0 for nop and barrier */
 	uint64_t step;      /* as submitted */
+	uint64_t result[2]; /* grad_norm: the cqe's result words (shardd_grad_norm_result); else 0 */
 	char     msg[SHARDD_RING_MSG_SIZE]; /* daemon's error text, "" when none */
 };
 
@@ -260,6 +261,24 @@ int shardd_step_submit(struct shardd_group *g, uint64_t step, double lr, uint32_
  */
 int shardd_reduce_step_submit(struct shardd_group *g, uint64_t step, uint32_t flags, double lr,
 			      uint64_t user_data);
+
+/*
+ * Job-wide: every rank of the job calls it with the same `step` and
+ * `norm_type` (2.0 or INFINITY); each gets the total norm of every group's
+ * sharded grads (each HSDP replica counted once, padding rows excluded,
+ * absent grads as zero) in *norm, and in *nonfinite 1 when some element is
+ * NaN or Inf (then *norm is NaN or Inf). clip_grad_norm_'s total_norm with
+ * no all-reduce by the trainer. Submit it after the completions of the
+ * step's reduces: a group with an op still running fails it
+ * (-SHARDD_E_STATE). Returns 0 or a negative code; a mismatch of step or
+ * norm_type between ranks fails every waiting rank (-SHARDD_E_MISMATCH).
+ */
+int shardd_grad_norm(struct shardd_client *c, uint64_t step, double norm_type, double *norm,
+		     int *nonfinite);
+/* The same queued without waiting; shardd_grad_norm_result reads its completion. */
+int shardd_grad_norm_submit(struct shardd_client *c, uint64_t step, double norm_type, uint64_t user_data);
+/* The norm and the non-finite flag of a grad_norm completion with res 0. */
+void shardd_grad_norm_result(const struct shardd_completion *cp, double *norm, int *nonfinite);
 
 /*
  * The last step applied or skipped on this rank's shard when the group was

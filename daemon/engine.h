@@ -105,6 +105,15 @@ struct shd_rdv;
 uint64_t shd_engine_memory_committed(const struct shd_engine *e);
 uint64_t shd_engine_job_memory_committed(const struct shd_engine_job *j);
 
+/*
+ * The total norm of the job's sharded grads (grad_norm.c): 2-norm, or the
+ * inf-norm when `inf`; *nonfinite 1 when some element is NaN or Inf. 0, or
+ * a negative code with `msg` saying why (-SHARDD_E_STATE: a group still
+ * runs an op). Loop thread.
+ */
+int shd_engine_job_grad_norm(struct shd_engine_job *j, int inf, double *norm, int *nonfinite,
+			     char *msg, size_t len);
+
 /* Group ids of the job run 1..ngroups; an id whose registration failed has no group. */
 uint32_t shd_engine_job_ngroups(const struct shd_engine_job *j);
 /* The group with this id (complete or still registering), or NULL. */

@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -75,6 +76,9 @@ int shd_job_create(const char *name, uint32_t replicate, uint32_t shard,
 	ret = shd_rdv_init(&j->barrier, all, j->world);
 	if (ret < 0)
 		goto err_free;
+	ret = shd_rdv_init(&j->gnorm, all, j->world);
+	if (ret < 0)
+		goto err_rdv;
 	ret = shd_engine_job_create(env.engine, j, j->name, replicate, shard, &j->ejob);
 	if (ret < 0)
 		goto err_rdv;
@@ -87,6 +91,7 @@ int shd_job_create(const char *name, uint32_t replicate, uint32_t shard,
 	return 0;
 
 err_rdv:
+	shd_rdv_free(&j->gnorm);
 	shd_rdv_free(&j->barrier);
 err_free:
 	free(j->ranks);
@@ -121,6 +126,33 @@ static void barrier_finish(struct shd_job *j, int res, const char *msg)
 	}
 }
 
+/*
+ * End the grad_norm in progress: every arrived rank gets (res, msg), and
+ * with res 0 the norm and the non-finite flag in its completion's rsvd2.
+ * Reset first, as barrier_finish.
+ */
+static void gnorm_finish(struct shd_job *j, int res, const char *msg, double norm, int nonfinite)
+{
+	uint32_t done[SHARDD_MAX_WORLD];
+	uint32_t n = 0;
+
+	for (uint32_t i = 0; i < j->gnorm.nexpected; i++)
+		if (j->gnorm.arrived[i])
+			done[n++] = j->gnorm.ranks[i];
+	shd_rdv_reset(&j->gnorm);
+	for (uint32_t i = 0; i < n; i++) {
+		struct shd_job_rank *jr = &j->ranks[done[i]];
+		struct shardd_sqe out = jr->gnorm_sqe;
+
+		memset(out.rsvd2, 0, sizeof(out.rsvd2));
+		if (res == 0) {
+			memcpy(&out.rsvd2[SHARDD_CQE_GRAD_NORM], &norm, sizeof(norm));
+			out.rsvd2[SHARDD_CQE_GRAD_NORM_NONFINITE] = nonfinite ? 1 : 0;
+		}
+		shd_job_op_done(j, done[i], jr->gnorm_token, &out, res, msg);
+	}
+}
+
 /* shd_job_destroy; `why` ("was ended by ...", NULL: shutdown) goes into every failure. */
 static void job_destroy(struct shd_job *j, const char *why)
 {
@@ -132,6 +164,15 @@ static void job_destroy(struct shd_job *j, const char *why)
 		else
 			snprintf(msg, sizeof(msg), "shardd is shutting down");
 		barrier_finish(j, -SHARDD_E_SHUTDOWN, msg);
+	}
+	if (j->gnorm.active) {
+		char msg[SHARDD_RING_MSG_SIZE];
+
+		if (why)
+			snprintf(msg, sizeof(msg), "job '%s' %s", j->name, why);
+		else
+			snprintf(msg, sizeof(msg), "shardd is shutting down");
+		gnorm_finish(j, -SHARDD_E_SHUTDOWN, msg, 0, 0);
 	}
 	/* The engine fails what it still holds through the callbacks, to live sessions. */
 	shd_engine_job_end(j->ejob, why);
@@ -146,6 +187,7 @@ static void job_destroy(struct shd_job *j, const char *why)
 		j->next->prev = j->prev;
 	shd_log_info("job '%s' ended", j->name);
 	shd_rdv_free(&j->barrier);
+	shd_rdv_free(&j->gnorm);
 	free(j->ranks);
 	free(j);
 }
@@ -292,6 +334,23 @@ void shd_job_detach(struct shd_job *j, uint32_t rank, int goodbye, const char *w
 			shd_rdv_reset(&j->barrier);
 		}
 	}
+	if (j->gnorm.active) {
+		char present[1024], who[1100], msg[1400];
+		uint64_t step = j->gnorm.step;
+
+		shd_rdv_leave(&j->gnorm, rank);
+		if (j->gnorm.narrived) {
+			shd_rdv_present(&j->gnorm, present, sizeof(present));
+			rank_phrase(who, sizeof(who), present, j->gnorm.narrived);
+			snprintf(msg, sizeof(msg), "grad_norm(step %llu): rank %u (pid %u) %s; %s %s waiting",
+				 (unsigned long long)step, rank, jr->pid, why, who,
+				 j->gnorm.narrived == 1 ? "was" : "were");
+			shd_log_warn("job '%s': %s", j->name, msg);
+			gnorm_finish(j, -SHARDD_E_PEER_DIED, msg, 0, 0);
+		} else {
+			shd_rdv_reset(&j->gnorm);
+		}
+	}
 	shd_engine_rank_gone(j->ejob, rank, token);
 	for (uint32_t r = 0; r < j->world; r++)
 		if (!j->ranks[r].goodbye)
@@ -355,6 +414,76 @@ void shd_job_barrier(struct shd_job *j, uint32_t rank, const struct shardd_sqe *
 		barrier_finish(j, 0, NULL);
 }
 
+/* "2" or "inf": norm type code `c` (0: 2-norm, 1: inf) as a person writes it. */
+static const char *gnorm_type_name(uint32_t c)
+{
+	return c ? "inf" : "2";
+}
+
+void shd_job_grad_norm(struct shd_job *j, uint32_t rank, const struct shardd_sqe *sqe)
+{
+	struct shd_job_rank *jr = &j->ranks[rank];
+	uint64_t token = jr->client.token;
+	char why[256], msg[1400];
+	double type, norm = 0;
+	uint32_t code;
+	int ret, nonfinite = 0;
+
+	memcpy(&type, &sqe->rsvd2[SHARDD_SQE_GRAD_NORM_TYPE], sizeof(type));
+	if (type == 2.0) {
+		code = 0;
+	} else if (isinf(type) && type > 0) {
+		code = 1;
+	} else {
+		snprintf(msg, sizeof(msg), "grad_norm(step %llu): norm_type %g (sqe.rsvd2[%d] = 0x%llx) is "
+			 "not supported: use 2.0 or inf", (unsigned long long)sqe->step, type,
+			 SHARDD_SQE_GRAD_NORM_TYPE, (unsigned long long)sqe->rsvd2[SHARDD_SQE_GRAD_NORM_TYPE]);
+		shd_job_op_done(j, rank, token, sqe, -SHARDD_E_INVALID, msg);
+		return;
+	}
+	ret = shd_rdv_arrive(&j->gnorm, rank, sqe->step, code, shd_now_ns(),
+			     env.collective_timeout_ns, why, sizeof(why));
+	if (ret == -EINVAL) {
+		snprintf(msg, sizeof(msg), "grad_norm(step %llu): rank %u already waits in grad_norm(step %llu)",
+			 (unsigned long long)sqe->step, rank, (unsigned long long)j->gnorm.step);
+		shd_job_op_done(j, rank, token, sqe, -SHARDD_E_STATE, msg);
+		return;
+	}
+	if (ret == SHD_RDV_MISMATCH) {
+		char failing[1024];
+		size_t off = 0;
+
+		failing[0] = '\0';
+		for (uint32_t i = 0; i < j->gnorm.nexpected && off < sizeof(failing); i++) {
+			uint32_t r = j->gnorm.ranks[i];
+
+			if (j->gnorm.arrived[i] || r == rank)
+				off += (size_t)snprintf(failing + off, sizeof(failing) - off, "%s%u",
+							off ? "," : "", r);
+		}
+		snprintf(msg, sizeof(msg),
+			 "grad_norm mismatch: rank %u submitted grad_norm(step %llu, norm_type %s) but rank %u "
+			 "submitted grad_norm(step %llu, norm_type %s); failing ranks %s",
+			 rank, (unsigned long long)sqe->step, gnorm_type_name(code), j->gnorm.first_rank,
+			 (unsigned long long)j->gnorm.step, gnorm_type_name(j->gnorm.flags), failing);
+		shd_log_warn("job '%s': %s", j->name, msg);
+		gnorm_finish(j, -SHARDD_E_MISMATCH, msg, 0, 0);
+		shd_job_op_done(j, rank, token, sqe, -SHARDD_E_MISMATCH, msg);
+		return;
+	}
+	jr->gnorm_token = token;
+	jr->gnorm_sqe = *sqe;
+	if (ret != SHD_RDV_COMPLETE)
+		return;
+	ret = shd_engine_job_grad_norm(j->ejob, (int)code, &norm, &nonfinite, why, sizeof(why));
+	if (ret < 0) {
+		snprintf(msg, sizeof(msg), "grad_norm(step %llu): %s", (unsigned long long)sqe->step, why);
+		gnorm_finish(j, ret, msg, 0, 0);
+		return;
+	}
+	gnorm_finish(j, 0, NULL, norm, nonfinite);
+}
+
 void shd_job_cron(struct shd_job *j, uint64_t now_ns)
 {
 	char within[32], late[2300], msg[2400];
@@ -364,6 +493,14 @@ void shd_job_cron(struct shd_job *j, uint64_t now_ns)
 			 (double)(now_ns - j->orphaned_ns) / 1e9, env.linger_s);
 		shd_job_end(j, msg);
 		return;
+	}
+	if (shd_rdv_expired(&j->gnorm, now_ns)) {
+		snprintf(within, sizeof(within), "%g s", env.collective_timeout_s);
+		shd_rdv_missing_msg(&j->gnorm, "did not submit grad_norm", within, late, sizeof(late));
+		snprintf(msg, sizeof(msg), "grad_norm(step %llu): %s", (unsigned long long)j->gnorm.step,
+			 late);
+		shd_log_warn("job '%s': %s", j->name, msg);
+		gnorm_finish(j, -SHARDD_E_TIMEOUT, msg, 0, 0);
 	}
 	if (!shd_rdv_expired(&j->barrier, now_ns))
 		return;

@@ -75,6 +75,8 @@ struct shd_job_rank {
 	int      goodbye;               /* said goodbye since its last attach */
 	uint64_t barrier_token;         /* session that waits in the barrier */
 	struct shardd_sqe barrier_sqe;  /* its entry, for the completion */
+	uint64_t gnorm_token;           /* session that waits in grad_norm */
+	struct shardd_sqe gnorm_sqe;    /* its entry, for the completion */
 };
 
 struct shd_job {
@@ -87,6 +89,7 @@ struct shd_job {
 	struct shd_job_rank *ranks;  /* world entries */
 	struct shd_engine_job *ejob;
 	struct shd_rdv barrier;      /* over every rank of the job */
+	struct shd_rdv gnorm;        /* grad_norm, over every rank; key (step, norm type) */
 	uint64_t orphaned_ns;           /* CLOCK_MONOTONIC when its last attached rank left; 0 while
 					   one is attached: --job-linger counts from here */
 };
@@ -143,7 +146,14 @@ void shd_job_group_reply(void *job_ctx, uint32_t rank, uint64_t token, uint32_t 
 /* A BARRIER entry (already validated) from the client of `rank`. */
 void shd_job_barrier(struct shd_job *j, uint32_t rank, const struct shardd_sqe *sqe);
 /*
- * Fail a barrier waiting past the collective timeout; end the job when it
+ * A GRAD_NORM entry (sqe.c validated its fields but not the norm type)
+ * from the client of `rank`: when every rank of the job has arrived with
+ * the same step and norm type, each gets the total norm of the job's
+ * sharded grads (shd_engine_job_grad_norm) in its completion.
+ */
+void shd_job_grad_norm(struct shd_job *j, uint32_t rank, const struct shardd_sqe *sqe);
+/*
+ * Fail a barrier or grad_norm waiting past the collective timeout; end the job when it
  * has had no attached rank for --job-linger seconds (then `j` is freed).
  */
 void shd_job_cron(struct shd_job *j, uint64_t now_ns);

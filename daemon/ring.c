@@ -75,6 +75,9 @@ void shd_session_complete(struct shd_session *s, const struct shardd_sqe *sqe, i
 	cqe.op = sqe->op;
 	cqe.group = sqe->group;
 	cqe.step = sqe->step;
+	/* grad_norm's result words travel in the rsvd2 of the sqe the job completes with (job.c). */
+	if (sqe->op == SHARDD_OP_GRAD_NORM && res >= 0)
+		memcpy(cqe.rsvd2, sqe->rsvd2, sizeof(cqe.rsvd2));
 	if ((sqe->fence & SHARDD_FENCE_SIGNAL) && s->fences) {
 		struct shd_backend_ctx *b = shd_engine_backend(shd_session_env.engine);
 		uint32_t slot = shardd_cq_next_slot(&s->ring);
@@ -160,6 +163,9 @@ static void session_take(struct shd_session *s, const struct shardd_sqe *sqe)
 		return;
 	case SHARDD_OP_BARRIER:
 		shd_job_barrier(s->job, s->rank, sqe);
+		return;
+	case SHARDD_OP_GRAD_NORM:
+		shd_job_grad_norm(s->job, s->rank, sqe);
 		return;
 	default:
 		shd_engine_submit(s->job->ejob, s->rank, s->id, sqe);

@@ -22,7 +22,8 @@ int shd_sqe_check(const struct shardd_sqe *sqe, char *why, size_t len)
 	}
 	/* step carries its learning rate and clip coefficient in rsvd2[0..1], a reduce with STEP its lr. */
 	for (int i = sqe->op == SHARDD_OP_STEP ? SHARDD_SQE_STEP_CLIP + 1 :
-		     sqe->op == SHARDD_OP_REDUCE && (sqe->flags & SHARDD_REDUCE_STEP) ? SHARDD_SQE_STEP_LR + 1 : 0;
+		     sqe->op == SHARDD_OP_REDUCE && (sqe->flags & SHARDD_REDUCE_STEP) ? SHARDD_SQE_STEP_LR + 1 :
+		     sqe->op == SHARDD_OP_GRAD_NORM ? SHARDD_SQE_GRAD_NORM_TYPE + 1 : 0;
 	     i < (int)(sizeof(sqe->rsvd2) / sizeof(sqe->rsvd2[0])); i++) {
 		if (sqe->rsvd2[i]) {
 			snprintf(why, len, "sqe.rsvd2[%d] = 0x%llx: reserved, must be 0", i,
@@ -30,7 +31,7 @@ int shd_sqe_check(const struct shardd_sqe *sqe, char *why, size_t len)
 			return -1;
 		}
 	}
-	if (sqe->op == SHARDD_OP_NOP || sqe->op == SHARDD_OP_BARRIER) {
+	if (sqe->op == SHARDD_OP_NOP || sqe->op == SHARDD_OP_BARRIER || sqe->op == SHARDD_OP_GRAD_NORM) {
 		if (sqe->group) {
 			snprintf(why, len, "sqe.group = %u: must be 0 for %s", sqe->group,
 				 shardd_op_name(sqe->op));

@@ -25,7 +25,7 @@
 #define SHARDD_MAGIC        0x44524853u /* "SHRD" as little-endian bytes */
 #define SHARDD_RING_MAGIC   0x474e4952u /* "RING" */
 #define SHARDD_PROTO_MAJOR  1           /* incompatible changes bump this */
-#define SHARDD_PROTO_MINOR  2           /* compatible additions bump this */
+#define SHARDD_PROTO_MINOR  3           /* compatible additions bump this */
 
 #define SHARDD_NAME_MAX      64  /* job and group names, NUL included */
 #define SHARDD_PARAM_NAME_MAX 80 /* param names, NUL included */
@@ -72,6 +72,7 @@ enum shardd_op {
 	SHARDD_OP_RESHARD   = 5, /* drop this rank's hold on the unsharded copy */
 	SHARDD_OP_ZERO_GRAD = 6, /* this rank's sharded grads: zero, "absent" */
 	SHARDD_OP_STEP      = 7, /* the group's optimizer on this rank's shard, once per step */
+	SHARDD_OP_GRAD_NORM = 8, /* job-wide: total norm of every group's sharded grads (minor 3) */
 	SHARDD_OP_COUNT
 };
 
@@ -96,6 +97,18 @@ enum shardd_step_result {
 	SHARDD_STEP_SKIPPED = 1, /* SKIP_NONFINITE and a non-finite grad: params and state unchanged, grad cleared */
 	SHARDD_STEP_ALREADY = 2, /* a step >= this one was applied or skipped before: nothing changed */
 };
+
+/*
+ * SHARDD_OP_GRAD_NORM: job-wide like BARRIER (sqe.group and sqe.flags 0),
+ * keyed by sqe.step and the norm type, sqe.rsvd2[SHARDD_SQE_GRAD_NORM_TYPE]
+ * as double bits: 2.0 or +inf. A completion with res 0 carries the total
+ * norm as double bits in cqe.rsvd2[SHARDD_CQE_GRAD_NORM] and 1 in
+ * cqe.rsvd2[SHARDD_CQE_GRAD_NORM_NONFINITE] when some grad element is NaN
+ * or Inf (then the norm is NaN or Inf too).
+ */
+#define SHARDD_SQE_GRAD_NORM_TYPE      0
+#define SHARDD_CQE_GRAD_NORM           0
+#define SHARDD_CQE_GRAD_NORM_NONFINITE 1
 
 /* Optimizers (struct shardd_optim_config.kind). */
 enum shardd_optim {
@@ -520,6 +533,7 @@ static inline const char *shardd_op_name(uint32_t op)
 	case SHARDD_OP_RESHARD: return "reshard";
 	case SHARDD_OP_ZERO_GRAD: return "zero_grad";
 	case SHARDD_OP_STEP: return "step";
+	case SHARDD_OP_GRAD_NORM: return "grad_norm";
 	default: return NULL;
 	}
 }

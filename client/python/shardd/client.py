@@ -519,6 +519,22 @@ class Client:
         except Exception:
             pass
 
+    def grad_norm(self, step, norm_type=2.0, timeout=None):
+        """Job-wide: every rank calls it with the same step and norm_type
+        (2.0 or math.inf). Returns (norm, nonfinite): the total norm of every
+        group's sharded grads (each HSDP replica once, padding rows excluded,
+        absent grads as zero) and whether some element is NaN or Inf. Call it
+        after the step's reduces completed. Raises ShardError on a mismatch
+        between ranks, a bad norm_type or a timeout."""
+        norm_type = float(norm_type)
+        if norm_type != 2.0 and norm_type != float("inf"):
+            raise _error(-errno.EINVAL, f"grad_norm: norm_type {norm_type:g} is not supported: "
+                         "use 2.0 or math.inf")
+        where = f"grad_norm(step {step}, norm_type {norm_type:g})"
+        c = self.run_many([(P.OP_GRAD_NORM, 0, step, 0, where, (_f64_bits(norm_type), 0))], timeout)[0]
+        norm = struct.unpack("<d", struct.pack("<Q", c.result[0]))[0]
+        return norm, bool(c.result[1])
+
 
 def _f64_bits(x):
     return struct.unpack("<Q", struct.pack("<d", float(x)))[0]

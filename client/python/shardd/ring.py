@@ -126,15 +126,16 @@ class RingError(Exception):
 class Completion:
     """One reaped completion (struct shardd_cqe plus its message text)."""
 
-    __slots__ = ("user_data", "res", "op", "group", "step", "msg")
+    __slots__ = ("user_data", "res", "op", "group", "step", "msg", "result")
 
-    def __init__(self, user_data, res, op, group, step, msg):
+    def __init__(self, user_data, res, op, group, step, msg, result=(0, 0)):
         self.user_data = user_data
         self.res = res
         self.op = op
         self.group = group
         self.step = step
         self.msg = msg
+        self.result = result  # cqe.rsvd2[0..1]: grad_norm's norm bits and non-finite flag
 
     def __repr__(self):
         op = P.OP_NAMES.get(self.op, str(self.op))
@@ -261,7 +262,7 @@ class Ring:
         h = self._u32
         head = h[P.RH_CQ_HEAD // 4]
         slot = head & self.cq_mask
-        user_data, res, op, has_msg, _r0, group, _r1, step, *_ = P.CQE.unpack_from(
+        user_data, res, op, has_msg, _r0, group, _r1, step, w0, w1, *_ = P.CQE.unpack_from(
             self._mem, self.cq_off + slot * P.CQE.size)
         msg = ""
         if has_msg:
@@ -270,7 +271,7 @@ class Ring:
             msg = raw.split(b"\0", 1)[0].decode("utf-8", "replace")
         _release()  # entry and text copied before the slot goes back to the daemon
         h[P.RH_CQ_HEAD // 4] = (head + 1) & _U32
-        return Completion(user_data, res, op, group, step, msg)
+        return Completion(user_data, res, op, group, step, msg, (w0, w1))
 
     def cq_tail(self):
         return self._u32[P.RH_CQ_TAIL // 4]

@@ -44,6 +44,8 @@
 
 #include <stdint.h>
 
+#include "model.h"
+
 #define MLP_MAX_ATTEMPTS 4          /* tries of one step; attempt < 8 fits op_key */
 
 /* What one rank needs to train (the launcher's flags of the same names). */
@@ -53,16 +55,29 @@ struct trainer_opts {
 	const char *socket;    /* --socket PATH; NULL: library default */
 	const char *job;       /* --job NAME */
 	const char *dump;      /* --dump FILE */
-	int64_t resume_step;   /* --resume-step T; -1: fresh start */
+	uint32_t replicate;    /* --replicate R: HSDP, R replicas of world / R shards; 1: FSDP */
+	int64_t resume_step;   /* --resume-step T; -1: fresh start; MLP_RESUME_OWN: see below */
 	uint32_t attempt;      /* --attempt A: with --resume-step, the attempt to join */
 	int32_t device;        /* --device N; SHARDD_HELLO_DEVICE_HOST: none */
 	int trainer_sgd;       /* --trainer-sgd: SGD in the trainer, not the daemon's step */
 };
 
-/* Loss report from a rank to its launcher, one atomic pipe write. */
+/*
+ * resume_step for a rank with no other rank to learn the step from (world
+ * 1): resume after the last step the daemon applied on its shards.
+ */
+#define MLP_RESUME_OWN (-2)
+
+/*
+ * Report from a rank to its launcher, one atomic pipe write. attempt 0: the
+ * loss of step `step`, which the rank completed. attempt > 0: the rank
+ * failed in step `step` (a rank died) and waits at the barrier of that
+ * step's retry number `attempt`, where a restarted rank must join it
+ * (step = o->steps: the final unshard).
+ */
 struct loss_report {
 	uint32_t rank;
-	uint32_t rsvd;
+	uint32_t attempt;
 	uint64_t step;
 	double loss;
 	uint64_t step_ns;   /* the step's wall time on this rank, retries included */
@@ -86,8 +101,25 @@ struct rank_hooks {
 	 */
 	int (*before_reduce)(struct rank *rk, uint64_t t, uint32_t attempt, uint32_t layer,
 			     uint64_t key, void *arg);
+	/*
+	 * Called at each point of enum rank_point in attempt `attempt` of step
+	 * t, in schedule order, `layer` the layer concerned (MLP_LAYERS for
+	 * RANK_AT_BEFORE_STEP). The tests kill the rank there.
+	 */
+	void (*at)(struct rank *rk, uint32_t point, uint64_t t, uint32_t attempt, uint32_t layer,
+		   void *arg);
 	void *arg;
 };
+
+/* The points of a step where rank_hooks.at is called; RANK_POINTS_PER_STEP of them per attempt. */
+enum rank_point {
+	RANK_AT_UNSHARD,      /* the unshard of `layer` (forward or backward) submitted, not reaped */
+	RANK_AT_REDUCE,       /* the reduce of `layer` submitted, not reaped */
+	RANK_AT_BEFORE_STEP,  /* every reduce of the step completed, no step submitted */
+	RANK_AT_STEP,         /* the daemon's step of `layer` submitted, not reaped */
+	RANK_AT_STEP_DONE,    /* every step completed, the loss not yet reported */
+};
+#define RANK_POINTS_PER_STEP (2 * MLP_LAYERS + MLP_LAYERS + 1 + MLP_LAYERS + 1)
 
 /*
  * Run rank `rank` of o->world: attach, register (or, with resume_step,
@@ -101,6 +133,8 @@ int rank_main(const struct trainer_opts *o, uint32_t rank, int report_fd,
 
 /* For hooks. This rank's number. */
 uint32_t rank_id(const struct rank *rk);
+/* The flags of this rank's reduces: SHARDD_REDUCE_ALL_REDUCE under HSDP, else 0. */
+uint32_t rank_reduce_flags(const struct rank *rk);
 /*
  * Submit an op on layer `layer`'s group (MLP_LAYERS: no group, a barrier);
  * its slot (>= 0) or a negative error, recorded as the attempt's failure.

@@ -207,6 +207,7 @@ struct child {
 	pid_t pid;         /* 0: not running */
 	int pidfd;
 	int pending;       /* died, to be restarted once every other rank reported its retry */
+	int restarted;     /* restarted at least once: its reports of the steps before may be lost */
 	uint64_t pending_ns; /* CLOCK_MONOTONIC when it died */
 	int owed;          /* retry reports still expected from it (a rank died); below 0: early */
 	int has_retry;     /* retry_step and retry_attempt hold its latest retry report */
@@ -292,6 +293,8 @@ static int sup_spawn(struct sup *s, uint32_t r, const struct trainer_opts *o)
 	return -1;
 }
 
+static void sup_print_ready(struct sup *s);
+
 /*
  * Take reports; print each step's mean loss once every rank reported it
  * (or died after it: its loss is lost), with the mean over ranks of the
@@ -328,6 +331,15 @@ static int take_reports(struct sup *s)
 		fprintf(stderr, "train_mlp: reading loss reports: %s\n", strerror(errno));
 		return -errno;
 	}
+	sup_print_ready(s);
+	return n == 0 ? 1 : 0;
+}
+
+/* Print the steps every rank reported (or lost) that are not printed yet, in order. */
+static void sup_print_ready(struct sup *s)
+{
+	const struct trainer_opts *o = s->o;
+
 	while (s->next < o->steps && s->have[s->next] == o->world) {
 		double sum = 0.0, step_ns = 0.0, shardd_ns = 0.0;
 		uint32_t k = 0;
@@ -348,7 +360,18 @@ static int take_reports(struct sup *s)
 		fflush(stdout);
 		s->next++;
 	}
-	return n == 0 ? 1 : 0;
+}
+
+/* Rank r's missing loss reports of steps below t: lost with a predecessor that died. */
+static void sup_mark_lost(struct sup *s, uint32_t r, uint64_t t)
+{
+	for (uint64_t k = 0; k < t && k < s->o->steps; k++) {
+		if (s->seen[k * s->o->world + r])
+			continue;
+		fprintf(stderr, "train_mlp: rank %u's loss of step %" PRIu64 " was lost with it\n", r, k);
+		s->seen[k * s->o->world + r] = 2;
+		s->have[k]++;
+	}
 }
 
 /*
@@ -362,8 +385,6 @@ static int sup_try_restart(struct sup *s, uint32_t r)
 {
 	struct child *c = &s->ch[r];
 	const struct child *first = NULL;
-	uint64_t t;
-
 	for (uint32_t q = 0; q < s->o->world; q++) {
 		const struct child *cq = &s->ch[q];
 
@@ -394,15 +415,10 @@ static int sup_try_restart(struct sup *s, uint32_t r)
 			c->ro.attempt, first->retry_step);
 	else
 		fprintf(stderr, "train_mlp: restarting rank %u after its last step in the daemon\n", r);
-	/* Steps it completed but died before reporting: their losses went with it. */
-	t = first ? first->retry_step : 0;
-	for (uint64_t k = 0; k < t && k < s->o->steps; k++) {
-		if (s->seen[k * s->o->world + r])
-			continue;
-		fprintf(stderr, "train_mlp: rank %u's loss of step %" PRIu64 " was lost with it\n", r, k);
-		s->seen[k * s->o->world + r] = 2;
-		s->have[k]++;
-	}
+	/* Steps it completed but died before reporting: their losses went with it (alone: at the end). */
+	if (first)
+		sup_mark_lost(s, r, first->retry_step);
+	c->restarted = 1;
 	c->pending = 0;
 	c->owed = 0;
 	c->has_retry = 0;
@@ -512,6 +528,14 @@ int launch_spawn(const struct trainer_opts *o, const struct launch_hooks *hooks)
 	s.report_wr = -1;
 	if (!s.failed && take_reports(&s) != 1)
 		s.failed = 1;
+	/*
+	 * A rank restarted alone (MLP_RESUME_OWN) resumed where the daemon's
+	 * shards said: the steps it never reported went with its predecessor.
+	 */
+	for (uint32_t r = 0; r < n && !s.failed; r++)
+		if (s.ch[r].restarted)
+			sup_mark_lost(&s, r, o->steps);
+	sup_print_ready(&s);
 	if (!s.failed && s.next != o->steps) {
 		fprintf(stderr, "train_mlp: only %" PRIu64 " of %" PRIu64 " steps were reported by every rank\n",
 			s.next, o->steps);

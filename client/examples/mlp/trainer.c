@@ -601,9 +601,24 @@ static int rank_final(struct rank *rk, uint32_t attempt)
 {
 	const float *w[MLP_LAYERS], *b[MLP_LAYERS];
 	const uint64_t key = op_key(rk->o->steps, attempt, 0);
-	int ret = 0;
+	int slot, ret = 0;
 
 	rk->failed = 0;
+	/*
+	 * HSDP: an unshard gathers one replica only, so a rank that died after
+	 * the last step's reduces would fail the final unshard of its replica
+	 * while the other replicas finished and left, and its replacement would
+	 * find nobody at the retry's barrier. A job-wide reduce first (fc2's
+	 * last grads, cleared again) fails on every rank at once instead, and
+	 * they all retry the final together.
+	 */
+	if (rk->o->replicate > 1) {
+		slot = rank_submit(rk, SHARDD_OP_REDUCE, MLP_LAYERS - 1, op_key(rk->o->steps, attempt, 1),
+				   rank_reduce_flags(rk));
+		if (slot < 0 || rank_wait(rk, slot) < 0 ||
+		    rank_sync_op(rk, SHARDD_OP_ZERO_GRAD, MLP_LAYERS - 1, 0) < 0)
+			return rk->failed;
+	}
 	for (uint32_t l = 0; l < MLP_LAYERS; l++)
 		if (rank_submit(rk, SHARDD_OP_UNSHARD, l, key, 0) < 0)
 			break;

@@ -24,14 +24,22 @@
  * keys grow monotonically over the run.
  *
  * A step that fails because a rank died (peer died, or timeout) is retried
- * once every rank is back: the dead rank's replacement re-attaches with
- * resume_step and joins the retry's attempt. With the daemon's SGD the
+ * once every rank is back: each survivor reports the step and attempt it
+ * retries (struct loss_report) and waits at that attempt's barrier; the
+ * dead rank's replacement re-attaches with that resume_step and attempt
+ * (the launcher passes them on) and joins. A death after the last step's
+ * reduces fails the final unshard, retried alike (resume_step = steps).
+ * docs/RELIABILITY.md states the whole protocol. With the daemon's SGD the
  * replacement first asks the daemon which step it last applied to each of
  * its shards (shardd_group_last_step) and applies the step T update the
  * dead rank reduced but never stepped (its sharded grad is still in the
  * daemon). The trainer-side SGD cannot: a rank that dies after its step's
  * last reduce completed but before its SGD loses that update, and one that
  * dies in the middle of its SGD leaves a half-updated shard.
+ *
+ * HSDP (replicate > 1): the ranks attach as replicate x (world /
+ * replicate), unshard within their replica and reduce with
+ * SHARDD_REDUCE_ALL_REDUCE over the whole job.
  *
  * Backends: on the host backend the ranks compute on the group buffers'
  * mappings directly. On the cuda backend (device >= 0) those are device
@@ -111,7 +119,13 @@ struct rank_hooks {
 	void *arg;
 };
 
-/* The points of a step where rank_hooks.at is called; RANK_POINTS_PER_STEP of them per attempt. */
+/*
+ * The points of a step where rank_hooks.at is called with the daemon's
+ * step, RANK_POINTS_PER_STEP per attempt; in order: the forward unshards of
+ * fc0, fc1, fc2 (0-2), the backward unshards of fc2, fc1 (3, 4), the reduce
+ * of fc2 (5), the unshard of fc0 (6), the reduces of fc1, fc0 (7, 8), before
+ * the step (9), the steps of fc0, fc1, fc2 (10-12), after them (13).
+ */
 enum rank_point {
 	RANK_AT_UNSHARD,      /* the unshard of `layer` (forward or backward) submitted, not reaped */
 	RANK_AT_REDUCE,       /* the reduce of `layer` submitted, not reaped */

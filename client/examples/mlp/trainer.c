@@ -223,7 +223,7 @@ static int rank_reap(struct rank *rk)
 	return 0;
 }
 
-/* A full SQ is not an error: reap a completion and retry. */
+/* A full SQ is not an error: reap a completion and retry. SHARDD_OP_STEP: the daemon's SGD, lr MLP_LR. */
 int rank_submit(struct rank *rk, uint32_t op, uint32_t layer, uint64_t step, uint32_t flags)
 {
 	uint32_t group = layer < MLP_LAYERS ? shardd_group_id(rk->g[layer]) : 0;
@@ -245,7 +245,10 @@ int rank_submit(struct rank *rk, uint32_t op, uint32_t layer, uint64_t step, uin
 	for (;;) {
 		uint64_t t0 = now_ns();
 
-		ret = shardd_submit(rk->c, op, group, step, flags, (uint64_t)slot + 1);
+		if (op == SHARDD_OP_STEP)
+			ret = shardd_step_submit(rk->g[layer], step, (double)MLP_LR, flags, 0, (uint64_t)slot + 1);
+		else
+			ret = shardd_submit(rk->c, op, group, step, flags, (uint64_t)slot + 1);
 		rk->shardd_ns += now_ns() - t0;
 		if (ret != -EAGAIN)
 			break;
@@ -346,23 +349,9 @@ static int rank_sgd(struct rank *rk)
  */
 static int rank_daemon_sgd(struct rank *rk, uint64_t n, uint32_t attempt)
 {
-	int slot[MLP_LAYERS];
-
 	for (uint32_t l = 0; l < MLP_LAYERS; l++) {
-		slot[l] = -1;
-		for (int i = 0; i < RANK_INFLIGHT && slot[l] < 0; i++)
-			if (!rk->ops[i].used)
-				slot[l] = i;
-		if (slot[l] < 0) {
-			rank_fail(rk, -ENOSPC, "more than %d ops in flight", RANK_INFLIGHT);
+		if (rank_submit(rk, SHARDD_OP_STEP, l, n, 0) < 0)
 			break;
-		}
-		rk->ops[slot[l]] = (struct inflight){ .used = 1, .op = SHARDD_OP_STEP, .layer = l, .step = n };
-		if (shardd_step_submit(rk->g[l], n, (double)MLP_LR, 0, 0, (uint64_t)slot[l] + 1) < 0) {
-			rk->ops[slot[l]].used = 0;
-			rank_fail(rk, -EIO, "submit step %" PRIu64 " of layer %u: %s", n, l, shardd_last_error());
-			break;
-		}
 		rank_at(rk, RANK_AT_STEP, n - 1, attempt, l);
 	}
 	if (rank_drain(rk))

@@ -150,7 +150,8 @@ uint32_t rank_id(const struct rank *rk);
 /* The flags of this rank's reduces: SHARDD_REDUCE_ALL_REDUCE under HSDP, else 0. */
 uint32_t rank_reduce_flags(const struct rank *rk);
 /*
- * Submit an op on layer `layer`'s group (MLP_LAYERS: no group, a barrier);
+ * Submit an op on layer `layer`'s group (MLP_LAYERS: no group, a barrier;
+ * SHARDD_OP_STEP: the daemon's SGD with MLP_LR, `flags` SHARDD_STEP_*);
  * its slot (>= 0) or a negative error, recorded as the attempt's failure.
  */
 int rank_submit(struct rank *rk, uint32_t op, uint32_t layer, uint64_t step, uint32_t flags);

@@ -68,7 +68,7 @@ from .client import Client, Optimizer, Param, ShardError, _f64_bits, numpy_to_te
 
 __all__ = ["fully_shard", "MixedPrecisionPolicy", "FSDPModule", "UnshardHandle",
            "init_device_mesh", "default_reduce_dtype", "local_shards", "DaemonOptimizer",
-           "DaemonSGD", "DaemonAdamW"]
+           "DaemonSGD", "DaemonAdamW", "clip_grad_norm_"]
 
 _TORCH_TO_SHARDD = {torch.float32: P.DTYPE_FP32, torch.bfloat16: P.DTYPE_BF16,
                     torch.float16: P.DTYPE_FP16}
@@ -197,6 +197,7 @@ class _State:
         self.needs_post_backward = False
         self.pre_backward_done = False
         self._reduce_lands = True        # the last reduce updates the sharded grads
+        self.optimizer = None            # the DaemonOptimizer that steps the group, or None
 
     # ---------------------------------------------------------- naming
     def where(self, what):
@@ -642,6 +643,10 @@ def fully_shard(module, *, mesh, reshard_after_forward=None, shard_placement_fn=
         _register(state, order, shard_placement_fn, opt)
         if opt is not None:
             opt._attach(state, order)
+        state.optimizer = opt
+        mesh._shardd_states = getattr(mesh, "_shardd_states", []) + [state]
+        for p in params:
+            p.sharded._shardd_state = state
     module._shardd_state = state
     module.__class__ = _fsdp_class(type(module))
     try:
@@ -725,6 +730,106 @@ def local_shards(module):
     return out
 
 
+# ---------------------------------------------------------------- clip_grad_norm_
+def _poison(state):
+    """Put a NaN in the first real element of the rank's sharded grad of the
+    group, so that a STEP with SKIP_NONFINITE skips it (a rank holding no
+    rows has nothing to step)."""
+    for p in state.params:
+        flat = p.shard_grad_view.view(-1)
+        if flat.numel():
+            flat[0] = float("nan")
+            return
+
+
+def _clip_states(model_or_params):
+    """The fully_shard states whose grads clip_grad_norm_ covers, all of one
+    mesh, and that mesh; refuses params the daemon does not hold."""
+    if isinstance(model_or_params, torch.nn.Module):
+        where = f"clip_grad_norm_({type(model_or_params).__name__})"
+        params = list(model_or_params.parameters())
+        states = [m._shardd_state for m in model_or_params.modules() if isinstance(m, FSDPModule)]
+        states = [st for st in states if st.group is not None]
+    else:
+        where = "clip_grad_norm_"
+        params = [model_or_params] if isinstance(model_or_params, torch.Tensor) \
+            else list(model_or_params)
+        states = []
+    for t in params:
+        st = getattr(t, "_shardd_state", None)
+        if st is None:
+            raise ValueError(f"{where}: a param of shape {tuple(t.shape)} is in no fully_shard "
+                             f"group, so the daemon's grad_norm does not see its grad: apply "
+                             f"fully_shard to every module whose params are clipped (the root "
+                             f"last), or use torch.nn.utils.clip_grad_norm_ for local params")
+        if st not in states:
+            states.append(st)
+    if not states:
+        raise ValueError(f"{where}: no param of a fully_shard group given")
+    mesh = states[0].client
+    if any(st.client is not mesh for st in states):
+        raise ValueError(f"{where}: the params belong to more than one shardd mesh (job); "
+                         f"clip each job's params on its own")
+    missing = [st.name for st in mesh._shardd_states if st not in states]
+    if missing:
+        raise ValueError(f"{where}: the daemon's grad_norm is job-wide, over every group of job "
+                         f"'{mesh.job}', but groups {missing} are not among the params given: "
+                         f"pass the whole model (or all of its params)")
+    return states, mesh
+
+
+def clip_grad_norm_(model_or_params, max_norm, norm_type=2.0, error_if_nonfinite=False,
+                    foreach=None):
+    """torch.nn.utils.clip_grad_norm_ over fully_shard groups, without an
+    all-reduce by the trainer: the daemon's job-wide GRAD_NORM gives the total
+    norm of every group's sharded grads (collective: every rank calls it once
+    per step, after backward). Returns the total norm as a 0-d fp32 tensor.
+
+    Groups stepped by a DaemonOptimizer: the clip coefficient
+    min(1, max_norm / (total_norm + 1e-6)) goes with the optimizer's next
+    step() (the daemon multiplies it into the grads as it steps them).
+    Other groups (a trainer-side torch.optim optimizer): the sharded grads
+    are multiplied here, as torch does. norm_type: 2.0 or inf (the daemon's).
+    A non-finite norm raises with error_if_nonfinite, as torch; otherwise a
+    DaemonOptimizer(skip_nonfinite=True) skips the step on every rank.
+    foreach is accepted for torch's signature and unused (the daemon
+    computes the norm)."""
+    del foreach
+    norm_type = float(norm_type)
+    max_norm = float(max_norm)
+    if norm_type not in (2.0, float("inf")):
+        raise ValueError(f"clip_grad_norm_: norm_type {norm_type:g} is not supported by the "
+                         f"daemon's grad_norm: use 2.0 or inf")
+    states, mesh = _clip_states(model_or_params)
+    for st in mesh._shardd_states:
+        st.wait_reduce()
+    key = getattr(mesh, "_shardd_norm_count", 0) + 1
+    mesh._shardd_norm_count = key
+    try:
+        norm, nonfinite = mesh.grad_norm(key, norm_type)
+    except ShardError as e:
+        raise type(e)(e.code, f"clip_grad_norm_ on rank {mesh.rank} of job '{mesh.job}': "
+                              f"{e.text}") from None
+    total = torch.tensor(norm, dtype=torch.float32)
+    if error_if_nonfinite and (nonfinite or not torch.isfinite(total)):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is "
+            f"non-finite, so it cannot be clipped. To disable this error and scale the "
+            f"gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    opts = set()
+    for st in states:
+        if st.optimizer is not None:
+            opts.add(st.optimizer)
+            continue
+        for p in st.params:
+            if p.sharded.grad is not None:
+                p.sharded.grad.detach().mul_(coef)
+    for opt in opts:
+        opt._clip = (opt.step_number + 1, float(coef), bool(nonfinite))
+    return total
+
+
 # ---------------------------------------------------------------- the daemon's optimizer
 class DaemonOptimizer(torch.optim.Optimizer):
     """A torch.optim.Optimizer whose step() is the daemon's: it submits one
@@ -778,6 +883,7 @@ class DaemonOptimizer(torch.optim.Optimizer):
         self.config = config
         self.skip_nonfinite = skip_nonfinite
         self.step_number = 0        # daemon step numbers submitted so far
+        self._clip = None           # (step number, coefficient, nonfinite) from clip_grad_norm_
         self.last_results = {}      # group name -> P.STEP_* of the last step()
         self._states = []
         self._names = {id(p): n for n, p in model.named_parameters()}   # originals' names
@@ -815,8 +921,12 @@ class DaemonOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None, *, clip=None):
         """Submit the daemon's step number step_number + 1 for every group and
-        wait for it. clip: clip_grad_norm_'s coefficient multiplied into the
-        grads, or None. Returns closure's loss (None without closure)."""
+        wait for it. clip: a coefficient multiplied into the grads, or None:
+        the one shardd.torch.clip_grad_norm_ computed for this step, if it ran.
+        With skip_nonfinite, a step whose job-wide grad norm (clip_grad_norm_)
+        was non-finite is skipped on every rank; without clip_grad_norm_ each
+        rank's shard decides (a NaN/Inf in it skips it). Returns closure's
+        loss (None without closure)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -835,15 +945,33 @@ class DaemonOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{type(self).__name__}.step: lr = {lr}: the daemon takes a finite "
                              f"lr >= 0 (check the lr scheduler)")
         number = self.step_number + 1
-        flags = (P.STEP_SKIP_NONFINITE if self.skip_nonfinite else 0) | \
-            (P.STEP_CLIP if clip is not None else 0)
-        args = (_f64_bits(lr), _f64_bits(clip) if clip is not None else 0)
-        pending = []
+        nonfinite = False
+        if clip is None and self._clip is not None and self._clip[0] == number:
+            _n, clip, nonfinite = self._clip
+        self._clip = None
+        # Every reduce first: a rank that fails here has stepped no group.
         for st in self._states:
             st.wait_reduce()
             if st.unsharded or st.unshard_pending is not None:
                 raise RuntimeError(f"{st.where('step')}: the module holds its unsharded params; "
                                    f"call reshard() on it before the optimizer step")
+        skip = self.skip_nonfinite
+        if nonfinite and skip:
+            # The job-wide norm is non-finite: every rank skips, also one whose
+            # own shard is finite (the daemon's rule is per shard).
+            for st in self._states:
+                _poison(st)
+            clip = None
+        elif clip is not None and clip != clip:
+            raise ValueError(f"{type(self).__name__}.step: clip_grad_norm_ found a NaN total "
+                             f"norm, and the daemon takes no NaN clip coefficient (torch would "
+                             f"turn every param into NaN): construct the optimizer with "
+                             f"skip_nonfinite=True to skip such steps on every rank, or call "
+                             f"clip_grad_norm_(..., error_if_nonfinite=True) to stop")
+        flags = (P.STEP_SKIP_NONFINITE if skip else 0) | (P.STEP_CLIP if clip is not None else 0)
+        args = (_f64_bits(lr), _f64_bits(clip) if clip is not None else 0)
+        pending = []
+        for st in self._states:
             where = f"step(group '{st.name}', step {number})"
             pending.append((st, st.client.start([(P.OP_STEP, st.group.id, number, flags, where,
                                                   args)])))

@@ -140,7 +140,8 @@ def test_clip_grad_norm_with_daemon_sgd_matches_torch_clip_and_sgd(daemon, reque
 
 @pytest.mark.timeout_s(60)
 def test_clip_grad_norm_inf_with_daemon_adamw_matches_torch(daemon, request):
-    adamw = lambda p: torch.optim.AdamW(p, lr=0.01, betas=(0.8, 0.99), weight_decay=0.05)  # noqa: E731
+    adamw = lambda p: torch.optim.AdamW(p, lr=0.01, betas=(0.8, 0.99),   # noqa: E731
+                                        weight_decay=0.05)
     results, ref, ref_norms = run(
         daemon, request,
         lambda m: st.DaemonAdamW(m, lr=0.01, betas=(0.8, 0.99), weight_decay=0.05),

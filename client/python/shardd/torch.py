@@ -58,21 +58,24 @@ number (see :class:`DaemonOptimizer`)::
     ...; loss.backward(); opt.step(); opt.zero_grad()
 """
 
+import errno
 import functools
 import itertools
+import time
 
 import torch
 
 from . import proto as P
-from .client import Client, Optimizer, Param, ShardError, _f64_bits, numpy_to_tensor
+from .client import Client, DaemonGone, Optimizer, Param, ShardError, _f64_bits, numpy_to_tensor
 
 __all__ = ["fully_shard", "MixedPrecisionPolicy", "FSDPModule", "UnshardHandle",
            "init_device_mesh", "default_reduce_dtype", "local_shards", "DaemonOptimizer",
-           "DaemonSGD", "DaemonAdamW", "clip_grad_norm_"]
+           "DaemonSGD", "DaemonAdamW", "clip_grad_norm_", "peer_failed"]
 
 _TORCH_TO_SHARDD = {torch.float32: P.DTYPE_FP32, torch.bfloat16: P.DTYPE_BF16,
                     torch.float16: P.DTYPE_FP16}
 _SHARDD_TO_TORCH = {v: k for k, v in _TORCH_TO_SHARDD.items()}
+_RECOVER_BARRIER = 1 << 62      # DaemonOptimizer.recover's barrier numbers: this bit | the step
 
 
 def _torch_version(version=None):
@@ -121,11 +124,17 @@ class MixedPrecisionPolicy:
                 f"cast_forward_inputs={self.cast_forward_inputs})")
 
 
-def init_device_mesh(job, rank, mesh_shape, *, socket_path=None, timeout=None):
+def init_device_mesh(job, rank, mesh_shape, *, socket_path=None, timeout=None, resume=False):
     """Attach rank `rank` of job `job` to shardd and return the Client that
     fully_shard takes as its mesh. mesh_shape: (shard,) for FSDP or
     (replicate, shard) for HSDP, as FSDP2's 1-D and 2-D DeviceMesh; the
-    global rank is replica * shard + shard rank."""
+    global rank is replica * shard + shard rank.
+
+    resume=True: a restarted rank re-attaches to the job it left: each
+    fully_shard opens the group it would register (same name, checked
+    against this rank's params, dtypes and optimizer kind) instead of
+    registering it, and keeps the shards the daemon holds (the model's
+    values are not loaded). Then call DaemonOptimizer.recover()."""
     shape = tuple(mesh_shape)
     if len(shape) == 1:
         replicate, shard = 1, shape[0]
@@ -134,8 +143,10 @@ def init_device_mesh(job, rank, mesh_shape, *, socket_path=None, timeout=None):
     else:
         raise ValueError(f"mesh_shape {mesh_shape!r}: give (shard,) or (replicate, shard)")
     kw = {} if timeout is None else {"timeout": timeout}
-    return Client(job=job, rank=rank, shard=shard, replicate=replicate, socket_path=socket_path,
-                  **kw)
+    client = Client(job=job, rank=rank, shard=shard, replicate=replicate, socket_path=socket_path,
+                    **kw)
+    client._shardd_resume = bool(resume)
+    return client
 
 
 # ---------------------------------------------------------------- state
@@ -336,6 +347,52 @@ class _State:
                                  f"parameters in backward")
             p.partial_has_grad = False
             p.sharded.grad = p.shard_grad_view if p.has_grad else None
+
+
+    def abandon(self, key_base):
+        """After a failed collective: finish (or fail) what is in flight,
+        release a held unsharded copy, drop the iteration's gradients and
+        restart the op keys at key_base (the same on every rank)."""
+        pendings = [self.unshard_pending, self.reduce_pending and self.reduce_pending[0]]
+        self.unshard_pending = self.reduce_pending = None
+        for pend in pendings:
+            if pend is not None:
+                _quietly(pend.wait)
+        if self.unsharded:
+            self.unsharded = False
+            _quietly(lambda: self.client.start([(P.OP_RESHARD, self.group.id, 0, 0,
+                                                 f"reshard(group '{self.name}')")]).wait())
+        self.use(unsharded=False)
+        for p in self.params:
+            p.unsharded.grad = None
+            p.sharded.grad = None
+            p.has_grad = p.partial_has_grad = False
+        self.grads_accumulated = self.needs_post_backward = self.pre_backward_done = False
+        self.forward_calls = 0
+        self._reduce_lands = True
+        self.unshard_count = self.reduce_count = key_base
+        if self.ctx is not None:
+            self.ctx.in_forward = self.ctx.backward_queued = False
+            self.ctx.post_forward_order, self.ctx.prev_order = [], []
+
+
+def peer_failed(err):
+    """True when `err` (an exception from forward, backward, clip_grad_norm_
+    or step()) says another rank died or did not come (SHARDD_E_PEER_DIED,
+    SHARDD_E_TIMEOUT): every rank then calls DaemonOptimizer.recover()."""
+    return isinstance(err, ShardError) and not isinstance(err, DaemonGone) and \
+        err.code in (-P.E_PEER_DIED, -P.E_TIMEOUT)
+
+
+def _quietly(fn):
+    """fn(), ignoring the daemon's refusal (a collective that failed with a
+    dead peer, a reshard with nothing held); a lost daemon still raises."""
+    try:
+        fn()
+    except DaemonGone:
+        raise
+    except ShardError:
+        pass
 
 
 # ---------------------------------------------------------------- hooks
@@ -694,25 +751,60 @@ def _register(state, tensors, shard_placement_fn, optimizer=None):
         reduce_dtype = default_reduce_dtype(mp.param_dtype, {t.dtype for t in tensors})
     pd = _TORCH_TO_SHARDD[mp.param_dtype] if mp.param_dtype is not None else None
     rd = _TORCH_TO_SHARDD[reduce_dtype] if reduce_dtype is not None else None
+    resume = getattr(state.client, "_shardd_resume", False)
     try:
-        g = state.client.register_group(state.name, specs, pd, rd,
-                                        optimizer=optimizer.config if optimizer else None)
+        if resume:
+            g = state.client.open_group(state.name)
+        else:
+            g = state.client.register_group(state.name, specs, pd, rd,
+                                            optimizer=optimizer.config if optimizer else None)
     except ShardError as e:
-        raise type(e)(e.code, f"{state.where('registration')}: {e.text}") from None
+        fix = ""
+        if e.code == -errno.EEXIST:
+            fix = (": the group already exists in the daemon; a restarted rank re-attaches with "
+                   "init_device_mesh(..., resume=True)")
+        raise type(e)(e.code, f"{state.where('registration')}: {e.text}{fix}") from None
     state.group = g
+    if resume:
+        _check_reopened(state, g, specs, pd, rd, optimizer)
     with torch.no_grad():
         for p, t in zip(state.params, tensors):
-            full = t.detach().cpu().contiguous()
-            if full.dtype == torch.bfloat16:
-                g.load_full(p.index, full.view(torch.int16).numpy().view("uint16"))
-            else:
-                g.load_full(p.index, full.numpy())
+            if not resume:
+                full = t.detach().cpu().contiguous()
+                if full.dtype == torch.bfloat16:
+                    g.load_full(p.index, full.view(torch.int16).numpy().view("uint16"))
+                else:
+                    g.load_full(p.index, full.numpy())
             p.sharded = torch.nn.Parameter(g.tensor("shard", p.index), requires_grad=t.requires_grad)
             p.shard_grad_view = g.tensor("shard_grad", p.index)
             p.unsharded = torch.nn.Parameter(g.tensor("unsharded", p.index),
                                              requires_grad=t.requires_grad)
             p.grad_view = g.tensor("grad", p.index)
     state.use(unsharded=False)
+
+
+def _check_reopened(state, g, specs, pd, rd, optimizer):
+    """A re-attached rank builds its views from its own specs: the group the
+    daemon kept must be the one this rank's model would register."""
+    def refuse(what, have, want):
+        g.close()
+        raise ShardError(-P.E_MISMATCH, f"{state.where('re-attach')}: the daemon's group has "
+                                        f"{what} {have} but this rank's model gives {want}: "
+                                        f"build the same model, fully_shard calls and optimizer "
+                                        f"as the run that registered it (or use a new job name)")
+    mine = [(s.name, s.dtype, tuple(s.shape), s.shard_dim) for s in specs]
+    theirs = [(s.name, s.dtype, tuple(s.shape), s.shard_dim) for s in g.params]
+    if mine != theirs:
+        diff = next((a, b) for a, b in itertools.zip_longest(theirs, mine) if a != b)
+        refuse("param (name, dtype, shape, shard_dim)", diff[0], diff[1])
+    for what, have, want in (("param_dtype", g.param_dtype, pd),
+                             ("reduce_dtype", g.reduce_dtype, rd)):
+        if have != (want or P.DTYPE_NONE):
+            refuse(what, P.DTYPE_NAMES.get(have, have), P.DTYPE_NAMES.get(want or P.DTYPE_NONE))
+    kind = optimizer.config.kind if optimizer else P.OPTIM_NONE
+    if g.optimizer != kind:
+        names = {P.OPTIM_NONE: "none", P.OPTIM_SGD: "SGD", P.OPTIM_ADAMW: "AdamW"}
+        refuse("optimizer", names.get(g.optimizer, g.optimizer), names.get(kind, kind))
 
 
 def local_shards(module):
@@ -884,6 +976,7 @@ class DaemonOptimizer(torch.optim.Optimizer):
         self.skip_nonfinite = skip_nonfinite
         self.step_number = 0        # daemon step numbers submitted so far
         self._clip = None           # (step number, coefficient, nonfinite) from clip_grad_norm_
+        self._resumed = False       # groups re-opened (resume=True), recover() not run yet
         self.last_results = {}      # group name -> P.STEP_* of the last step()
         self._states = []
         self._names = {id(p): n for n, p in model.named_parameters()}   # originals' names
@@ -901,6 +994,9 @@ class DaemonOptimizer(torch.optim.Optimizer):
         """fully_shard registered `state`'s group with this optimizer: step it,
         and hold its shards in param_groups instead of the originals."""
         self._states.append(state)
+        if getattr(state.client, "_shardd_resume", False):
+            self._resumed = True
+            self.step_number = min(st.group.last_step for st in self._states)
         shards = {id(t): p.sharded for t, p in zip(originals, state.params)}
         self._sharded.update(id(p.sharded) for p in state.params)
         group = self.param_groups[0]
@@ -987,6 +1083,108 @@ class DaemonOptimizer(torch.optim.Optimizer):
         self.step_number = number
         self.last_results = results
         return loss
+
+    def recover(self, timeout=None):
+        """Collective recovery after a rank died: every rank calls it, the
+        survivors when an op failed with SHARDD_E_PEER_DIED or
+        SHARDD_E_TIMEOUT (a ShardError from forward, backward or step()), the
+        restarted rank after re-attaching (init_device_mesh(resume=True) and
+        the same fully_shard calls). Returns the step number every rank
+        resumes after (step_number): the training loop goes on with its
+        iteration step_number + 1 (0-based: the iteration step_number).
+
+        What it does: each rank drops its iteration in flight and reads from
+        the daemon the last step applied on its shard of each group. Ranks
+        that lived through the failure agree on it; the restarted rank may be
+        one step behind (it died after that step's reduces completed, before
+        its own STEP): it finds out at a barrier keyed by the step (the
+        daemon refuses different keys) and applies that step from the
+        sharded grads the daemon kept, so every update is applied exactly
+        once. Then every rank clears its sharded grads and the op keys
+        restart from the agreed step. The catch-up STEP uses the lr in
+        param_groups now (restore a scheduler to step_number first) and no
+        clip coefficient (it died with the trainer; see the README). One
+        dead rank at a time; timeout: seconds to wait for the other ranks
+        (default: twice the daemon's collective timeout plus 30 s)."""
+        if not self._states:
+            raise RuntimeError(self._unregistered())
+        mesh = self._states[0].client
+        if timeout is None:
+            timeout = 2 * mesh.collective_timeout_ms / 1000 + 30
+        deadline = time.monotonic() + timeout
+        resumed = self._resumed
+        for st in self._states:
+            st.abandon(0)
+        last = {st.name: self._daemon_last_step(st) for st in self._states}
+        step = max(last.values())
+        if min(last.values()) != step:
+            if not resumed:
+                raise RuntimeError(f"{type(self).__name__}.recover on rank {mesh.rank}: the "
+                                   f"daemon's last steps differ between groups ({last}) on a "
+                                   f"rank that did not restart")
+            # It died between its STEPs of one step: that step's reduces completed.
+            self._catch_up(step, [st for st in self._states if last[st.name] < step])
+        if not resumed:
+            self._zero_grads()
+        mismatches = 0
+        while True:
+            try:
+                mesh.barrier(_RECOVER_BARRIER | step)
+                break
+            except DaemonGone:
+                raise
+            except ShardError as e:
+                left = deadline - time.monotonic()
+                if e.code == -P.E_MISMATCH and mismatches < 3 and left > 0:
+                    mismatches += 1
+                    if resumed and mismatches == 1:
+                        # The others applied step + 1: its reduces completed,
+                        # the daemon kept this rank's reduced grads.
+                        step += 1
+                        self._catch_up(step, self._states)
+                    continue
+                if e.code in (-P.E_PEER_DIED, -P.E_TIMEOUT) and left > 0:
+                    time.sleep(min(0.02, left))     # a rank not attached yet: poll
+                    continue
+                raise type(e)(e.code, f"{type(self).__name__}.recover on rank {mesh.rank} of "
+                                      f"job '{mesh.job}' at step {step}: {e.text}") from None
+        self._zero_grads()
+        base = (step + 1) << 24
+        for st in self._states:
+            st.abandon(base)
+        mesh._shardd_norm_count = base
+        self.step_number = step
+        self._resumed = False
+        self._clip = None
+        return step
+
+    def _daemon_last_step(self, st):
+        g = st.client.open_group(st.name)
+        try:
+            return g.last_step
+        finally:
+            g.close()
+            st.client.groups.remove(g)
+
+    def _catch_up(self, number, states):
+        lr = self.param_groups[0]["lr"]
+        for st in states:
+            where = f"step(group '{st.name}', step {number})"
+            flags = P.STEP_SKIP_NONFINITE if self.skip_nonfinite else 0
+            try:
+                st.client.start([(P.OP_STEP, st.group.id, number, flags, where,
+                                  (_f64_bits(lr), 0))]).wait()
+            except ShardError as e:
+                raise st._wrap(f"recovery of step {number}", e) from None
+
+    def _zero_grads(self):
+        pend = [st.client.start([(P.OP_ZERO_GRAD, st.group.id, 0, 0,
+                                  f"zero_grad(group '{st.name}')")]) for st in self._states]
+        for st, p in zip(self._states, pend):
+            try:
+                p.wait()
+            except ShardError as e:
+                raise st._wrap("recovery zero_grad", e) from None
 
     def state_dict(self):
         """The lr (and any scheduler keys in the param group) and the step

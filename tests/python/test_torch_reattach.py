@@ -241,6 +241,7 @@ def test_rank_killed_at_random_points_and_restarted_ends_bit_identical(fast_daem
         hook = rng.choice(("submit", "complete"))
         k = rng.randrange(1, counts[hook] + 1)
         what = f"seed {seed}: rank {kill_rank} killed after {hook} #{k}"
+        t0 = time.monotonic()
         results, restarted = run_job(fast_daemon.socket, f"{job_name(request)[:40]}-s{seed}",
                                      kill_rank, (hook, k))
         assert restarted == {kill_rank}, f"{what}: the rank was not killed"
@@ -250,7 +251,7 @@ def test_rank_killed_at_random_points_and_restarted_ends_bit_identical(fast_daem
         assert all(results[r]["recoveries"] >= 1 for r in range(WORLD) if r != kill_rank), what
         assert_bit_identical(results, reference, what)
         print(f"{what}: restarted rank attached at step {back['attached_at']}, resumed after "
-              f"{back['resumed_at']}")
+              f"{back['resumed_at']} ({time.monotonic() - t0:.2f} s)")
     assert caught_up >= 1, "no kill fell between a step's reduces and the dead rank's step"
 
 

@@ -61,6 +61,7 @@ number (see :class:`DaemonOptimizer`)::
 import errno
 import functools
 import itertools
+import re
 import time
 
 import torch
@@ -377,11 +378,22 @@ class _State:
 
 
 def peer_failed(err):
-    """True when `err` (an exception from forward, backward, clip_grad_norm_
-    or step()) says another rank died or did not come (SHARDD_E_PEER_DIED,
-    SHARDD_E_TIMEOUT): every rank then calls DaemonOptimizer.recover()."""
-    return isinstance(err, ShardError) and not isinstance(err, DaemonGone) and \
-        err.code in (-P.E_PEER_DIED, -P.E_TIMEOUT)
+    """True when `err` (an exception from forward, backward, clip_grad_norm_,
+    step() or a barrier) says another rank died or did not come
+    (SHARDD_E_PEER_DIED, SHARDD_E_TIMEOUT) or is recovering (a barrier
+    mismatch with DaemonOptimizer.recover's barrier): every rank then calls
+    DaemonOptimizer.recover()."""
+    if not isinstance(err, ShardError) or isinstance(err, DaemonGone):
+        return False
+    if err.code == -P.E_MISMATCH:
+        return any(k & _RECOVER_BARRIER for k in _barrier_keys(err.text))
+    return err.code in (-P.E_PEER_DIED, -P.E_TIMEOUT)
+
+
+def _barrier_keys(text):
+    """The barrier numbers a barrier mismatch names ("rank 0 submitted
+    barrier 5 but rank 2 submitted barrier 7")."""
+    return {int(k) for k in re.findall(r"submitted barrier (\d+)", text)}
 
 
 def _quietly(fn):
@@ -1126,7 +1138,7 @@ class DaemonOptimizer(torch.optim.Optimizer):
             self._catch_up(step, [st for st in self._states if last[st.name] < step])
         if not resumed:
             self._zero_grads()
-        mismatches = 0
+        caught_up = False
         while True:
             try:
                 mesh.barrier(_RECOVER_BARRIER | step)
@@ -1135,19 +1147,29 @@ class DaemonOptimizer(torch.optim.Optimizer):
                 raise
             except ShardError as e:
                 left = deadline - time.monotonic()
-                if e.code == -P.E_MISMATCH and mismatches < 3 and left > 0:
-                    mismatches += 1
-                    if resumed and mismatches == 1:
-                        # The others applied step + 1: its reduces completed,
-                        # the daemon kept this rank's reduced grads.
-                        step += 1
-                        self._catch_up(step, self._states)
+                if left <= 0 or e.code not in (-P.E_MISMATCH, -P.E_PEER_DIED, -P.E_TIMEOUT):
+                    raise type(e)(e.code, f"{type(self).__name__}.recover on rank {mesh.rank} of "
+                                          f"job '{mesh.job}' at step {step}: {e.text}") from None
+                others = _barrier_keys(e.text) - {_RECOVER_BARRIER | step}
+                if resumed and not caught_up and others == {_RECOVER_BARRIER | (step + 1)}:
+                    # The others applied step + 1: its reduces completed and
+                    # the daemon kept this rank's reduced grads.
+                    step += 1
+                    caught_up = True
+                    self._catch_up(step, self._states)
                     continue
-                if e.code in (-P.E_PEER_DIED, -P.E_TIMEOUT) and left > 0:
-                    time.sleep(min(0.02, left))     # a rank not attached yet: poll
-                    continue
-                raise type(e)(e.code, f"{type(self).__name__}.recover on rank {mesh.rank} of "
-                                      f"job '{mesh.job}' at step {step}: {e.text}") from None
+                if any(k & _RECOVER_BARRIER and k != _RECOVER_BARRIER | (step - 1)
+                       for k in others):
+                    raise RuntimeError(
+                        f"{type(self).__name__}.recover on rank {mesh.rank} of job "
+                        f"'{mesh.job}': this rank resumes after step {step} but another rank "
+                        f"is more than one step away ({e.text}); recovery handles one "
+                        f"restarted rank at a time") from None
+                # A rank not attached yet, one behind that catches up, or
+                # ranks still in a barrier of their own (they fail it and
+                # come here): try again.
+                if e.code != -P.E_MISMATCH:
+                    time.sleep(min(0.02, left))
         self._zero_grads()
         base = (step + 1) << 24
         for st in self._states:

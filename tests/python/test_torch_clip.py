@@ -17,13 +17,16 @@ step by lr * (1 - coef) * |g| >= 1e-3 here (each test checks the clipped run
 is more than 100 * ATOL away from the unclipped one), far above it."""
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import shardd
 import shardd.torch as st
-from conftest import job_name, run_ranks
+from conftest import ROOT, job_name, run_ranks
 
 torch.set_num_threads(1)
 
@@ -245,3 +248,27 @@ def test_clip_grad_norm_refuses_a_partial_param_list_naming_the_groups(daemon, r
             st.clip_grad_norm_([torch.nn.Parameter(torch.ones(3))], 1.0)
         with pytest.raises(ValueError, match=r"norm_type 1 is not supported"):
             st.clip_grad_norm_(m, 1.0, norm_type=1.0)
+
+
+def run_example(daemon, request, *args):
+    example = os.path.join(ROOT, "client", "examples", "train_torch.py")
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "client", "python"))
+    p = subprocess.run([sys.executable, example, "--socket", daemon.socket, "--job",
+                        job_name(request), *args], env=env, capture_output=True, text=True,
+                       timeout=150)
+    assert p.returncode == 0, f"stdout:\n{p.stdout}\nstderr:\n{p.stderr}"
+    assert "clipped to 0.05) match the single-process reference" in p.stdout
+    return p.stdout
+
+
+@pytest.mark.timeout_s(180)
+def test_example_clipped_hsdp_training_matches_torch(daemon, request):
+    """Processes, HSDP 2x2: the daemon's norm counts each replica once."""
+    run_example(daemon, request, "--ranks", "2", "--replicate", "2", "--steps", "4",
+                "--max-norm", "0.05")
+
+
+@pytest.mark.timeout_s(180)
+def test_example_clipped_with_torch_optim_in_the_ranks_matches_torch(daemon, request):
+    run_example(daemon, request, "--ranks", "3", "--steps", "4", "--max-norm", "0.05",
+                "--torch-optim")

@@ -56,6 +56,13 @@ number (see :class:`DaemonOptimizer`)::
     opt = st.DaemonAdamW(model, lr=1e-3)      # before fully_shard
     st.fully_shard(model, mesh=mesh)
     ...; loss.backward(); opt.step(); opt.zero_grad()
+
+:func:`clip_grad_norm_` is torch's over the daemon's job-wide grad norm; its
+clip coefficient goes with the daemon optimizer's next step. A rank that died
+comes back with ``init_device_mesh(..., resume=True)`` (fully_shard opens its
+groups) and every rank calls :meth:`DaemonOptimizer.recover` (the survivors
+when :func:`peer_failed` says an op failed for a dead peer): each step is
+applied exactly once on every shard.
 """
 
 import errno

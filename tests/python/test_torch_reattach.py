@@ -35,6 +35,8 @@ WORLD, STEPS, BATCH = 3, 6, 4
 SEEDS = range(24)
 RUN_TIMEOUT_S = 90
 FINAL_BARRIER = 7
+MAX_NORM = 0.1
+SKIPPED_STEP = 2
 
 
 class Net(torch.nn.Module):
@@ -89,10 +91,12 @@ def count_ops():
     return counts
 
 
-def rank_body(sock, job, rank, resume, kill):
+def rank_body(sock, job, rank, resume, kill, mode):
     torch.manual_seed(0)
     model = Net()
-    opt = st.DaemonAdamW(model, lr=0.02, betas=(0.8, 0.95), weight_decay=0.1)
+    opt = st.DaemonAdamW(model, lr=0.02, betas=(0.8, 0.95), weight_decay=0.1,
+                         skip_nonfinite=mode == "skip")
+    norms = []
     counts = None
     with st.init_device_mesh(job, rank, (WORLD,), socket_path=sock, resume=resume) as mesh:
         st.fully_shard(model.fc1, mesh=mesh)
@@ -110,6 +114,10 @@ def rank_body(sock, job, rank, resume, kill):
                 if t < STEPS:
                     x, y = batch(t, rank)
                     torch.nn.functional.mse_loss(model(x), y).backward()
+                    if mode == "skip" and t == SKIPPED_STEP and rank == 1:
+                        model.fc2.weight.grad.view(-1)[0] = float("nan")
+                    if mode != "plain":
+                        norms.append(float(st.clip_grad_norm_(model, MAX_NORM)))
                     opt.step()
                     opt.zero_grad()
                     t += 1
@@ -128,13 +136,14 @@ def rank_body(sock, job, rank, resume, kill):
         assert opt.step_number == STEPS
         shards = {n: s.detach().numpy().copy() for n, s, _d, _f in st.local_shards(model)}
         return {"shards": shards, "attached_at": attached_at, "resumed_at": resumed_at,
-                "recoveries": recoveries, "counts": counts}
+                "recoveries": recoveries, "counts": counts, "norms": norms,
+                "last_results": opt.last_results}
 
 
-def rank_proc(sock, job, rank, resume, kill, conn):
+def rank_proc(sock, job, rank, resume, kill, mode, conn):
     code = 1
     try:
-        conn.send(("ok", rank_body(sock, job, rank, resume, kill)))
+        conn.send(("ok", rank_body(sock, job, rank, resume, kill, mode)))
         code = 0
     except BaseException:
         conn.send(("error", f"rank {rank}{' (restarted)' if resume else ''}: "
@@ -144,7 +153,7 @@ def rank_proc(sock, job, rank, resume, kill, conn):
         os._exit(code)
 
 
-def run_job(sock, job, kill_rank=None, kill=None):
+def run_job(sock, job, mode, kill_rank=None, kill=None):
     """Run the WORLD ranks; restart kill_rank once when it dies of SIGKILL.
     Returns ({rank: result}, {rank: result of the restarted process})."""
     ctx = multiprocessing.get_context("fork")
@@ -152,7 +161,7 @@ def run_job(sock, job, kill_rank=None, kill=None):
 
     def start(r, resume, k):
         rd, wr = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=rank_proc, args=(sock, job, r, resume, k, wr), daemon=True)
+        p = ctx.Process(target=rank_proc, args=(sock, job, r, resume, k, mode, wr), daemon=True)
         p.start()
         wr.close()
         procs[r], conns[r] = p, rd
@@ -208,9 +217,16 @@ def fast_daemon():
 
 
 @pytest.fixture(scope="module")
-def reference(fast_daemon):
-    results, _ = run_job(fast_daemon.socket, f"reattach-ref-{os.getpid() % 10000}")
-    return results
+def references(fast_daemon):
+    """The uninterrupted run of each mode, made once."""
+    cache = {}
+
+    def get(mode):
+        if mode not in cache:
+            cache[mode], _ = run_job(fast_daemon.socket,
+                                     f"reattach-ref-{mode}-{os.getpid() % 10000}", mode)
+        return cache[mode]
+    return get
 
 
 def assert_bit_identical(results, ref, what):
@@ -224,9 +240,18 @@ def assert_bit_identical(results, ref, what):
 
 
 @pytest.mark.timeout_s(300)
+@pytest.mark.parametrize("mode", ["plain", "clip", "skip"])
 def test_rank_killed_at_random_points_and_restarted_ends_bit_identical(fast_daemon, request,
-                                                                       reference):
+                                                                       references, mode):
+    """plain: the optimizer alone; clip: clip_grad_norm_ before each step
+    (the catch-up step needs the survivors' clip coefficient); skip: also a
+    NaN in rank 1's grad at one step, skipped by every rank."""
+    reference = references(mode)
     counts = reference[0]["counts"]
+    if mode != "plain":
+        norms = reference[0]["norms"]
+        assert min(n for n in norms if n == n) > 2 * MAX_NORM, "the clip would not be active"
+        assert (norms[SKIPPED_STEP] != norms[SKIPPED_STEP]) == (mode == "skip")
     assert counts["submit"] >= 8 * STEPS and counts["complete"] >= 6 * STEPS
     torch.manual_seed(0)
     initial = dict(Net().named_parameters())
@@ -242,8 +267,8 @@ def test_rank_killed_at_random_points_and_restarted_ends_bit_identical(fast_daem
         k = rng.randrange(1, counts[hook] + 1)
         what = f"seed {seed}: rank {kill_rank} killed after {hook} #{k}"
         t0 = time.monotonic()
-        results, restarted = run_job(fast_daemon.socket, f"{job_name(request)[:40]}-s{seed}",
-                                     kill_rank, (hook, k))
+        results, restarted = run_job(fast_daemon.socket, f"{job_name(request)[:36]}-{mode}-s{seed}",
+                                     mode, kill_rank, (hook, k))
         assert restarted == {kill_rank}, f"{what}: the rank was not killed"
         back = results[kill_rank]
         assert back["attached_at"] <= back["resumed_at"] <= back["attached_at"] + 1, what

@@ -69,6 +69,7 @@ import errno
 import functools
 import itertools
 import re
+import struct
 import time
 
 import torch
@@ -83,7 +84,10 @@ __all__ = ["fully_shard", "MixedPrecisionPolicy", "FSDPModule", "UnshardHandle",
 _TORCH_TO_SHARDD = {torch.float32: P.DTYPE_FP32, torch.bfloat16: P.DTYPE_BF16,
                     torch.float16: P.DTYPE_FP16}
 _SHARDD_TO_TORCH = {v: k for k, v in _TORCH_TO_SHARDD.items()}
-_RECOVER_BARRIER = 1 << 62      # DaemonOptimizer.recover's barrier numbers: this bit | the step
+# DaemonOptimizer.recover's barrier numbers (_recover_key): bit 62, bit 61 a
+# job-wide skip, bit 60 a clip coefficient in bits 28..59, the step in 0..27.
+_RECOVER_BARRIER, _KEY_SKIPPED, _KEY_CLIP = 1 << 62, 1 << 61, 1 << 60
+_KEY_STEP_BITS = 28
 
 
 def _torch_version(version=None):
@@ -401,6 +405,31 @@ def _barrier_keys(text):
     """The barrier numbers a barrier mismatch names ("rank 0 submitted
     barrier 5 but rank 2 submitted barrier 7")."""
     return {int(k) for k in re.findall(r"submitted barrier (\d+)", text)}
+
+
+def _recover_key(step, clip=None, skipped=False):
+    """recover()'s barrier number: the recover bit, the step the rank
+    resumes after, and how that step was applied (a job-wide skip, or the
+    clip coefficient as fp32 bits, which is what the daemon multiplies by),
+    so that a rank one step behind applies it the same way."""
+    if not 0 <= step < 1 << _KEY_STEP_BITS:
+        raise ValueError(f"recover: step {step} is past the {_KEY_STEP_BITS}-bit step field of "
+                         f"the recovery barrier")
+    key = _RECOVER_BARRIER | step
+    if skipped:
+        key |= _KEY_SKIPPED
+    elif clip is not None:
+        bits = struct.unpack("<I", struct.pack("<f", clip))[0]
+        key |= _KEY_CLIP | bits << _KEY_STEP_BITS
+    return key
+
+
+def _decode_recover_key(key):
+    """(step, clip coefficient or None, skipped) of a _recover_key."""
+    clip = None
+    if key & _KEY_CLIP:
+        clip = struct.unpack("<f", struct.pack("<I", key >> _KEY_STEP_BITS & 0xFFFFFFFF))[0]
+    return key & ((1 << _KEY_STEP_BITS) - 1), clip, bool(key & _KEY_SKIPPED)
 
 
 def _quietly(fn):
@@ -996,6 +1025,7 @@ class DaemonOptimizer(torch.optim.Optimizer):
         self.step_number = 0        # daemon step numbers submitted so far
         self._clip = None           # (step number, coefficient, nonfinite) from clip_grad_norm_
         self._resumed = False       # groups re-opened (resume=True), recover() not run yet
+        self._applied = None        # (step number, clip coefficient, job-wide skip) of the last step
         self.last_results = {}      # group name -> P.STEP_* of the last step()
         self._states = []
         self._names = {id(p): n for n, p in model.named_parameters()}   # originals' names
@@ -1101,6 +1131,7 @@ class DaemonOptimizer(torch.optim.Optimizer):
                 p.sharded.grad = None
         self.step_number = number
         self.last_results = results
+        self._applied = (number, clip, bool(nonfinite and skip))
         return loss
 
     def recover(self, timeout=None):
@@ -1116,14 +1147,16 @@ class DaemonOptimizer(torch.optim.Optimizer):
         the daemon the last step applied on its shard of each group. Ranks
         that lived through the failure agree on it; the restarted rank may be
         one step behind (it died after that step's reduces completed, before
-        its own STEP): it finds out at a barrier keyed by the step (the
-        daemon refuses different keys) and applies that step from the
-        sharded grads the daemon kept, so every update is applied exactly
-        once. Then every rank clears its sharded grads and the op keys
-        restart from the agreed step. The catch-up STEP uses the lr in
-        param_groups now (restore a scheduler to step_number first) and no
-        clip coefficient (it died with the trainer; see the README). One
-        dead rank at a time; timeout: seconds to wait for the other ranks
+        its own STEP of some group). The ranks meet at a barrier whose number
+        carries the step and how the survivors applied it (its clip
+        coefficient, or a job-wide skip); the daemon refuses different
+        numbers and names them, so the restarted rank learns the survivors'
+        step and applies it the same way from the sharded grads the daemon
+        kept: every update is applied exactly once. Then every rank clears
+        its sharded grads and the op keys restart from the agreed step. The
+        catch-up STEP takes the lr in param_groups now (restore a scheduler
+        to step_number first). One dead rank at a time; timeout: seconds to
+        wait for the other ranks
         (default: twice the daemon's collective timeout plus 30 s)."""
         if not self._states:
             raise RuntimeError(self._unregistered())
@@ -1135,20 +1168,20 @@ class DaemonOptimizer(torch.optim.Optimizer):
         for st in self._states:
             st.abandon(0)
         last = {st.name: self._daemon_last_step(st) for st in self._states}
-        step = max(last.values())
-        if min(last.values()) != step:
-            if not resumed:
-                raise RuntimeError(f"{type(self).__name__}.recover on rank {mesh.rank}: the "
-                                   f"daemon's last steps differ between groups ({last}) on a "
-                                   f"rank that did not restart")
-            # It died between its STEPs of one step: that step's reduces completed.
-            self._catch_up(step, [st for st in self._states if last[st.name] < step])
+        step = min(last.values())
+        if max(last.values()) != step and not resumed:
+            raise RuntimeError(f"{type(self).__name__}.recover on rank {mesh.rank}: the daemon's "
+                               f"last steps differ between groups ({last}) on a rank that did "
+                               f"not restart")
         if not resumed:
             self._zero_grads()
+        applied = self._applied if self._applied and self._applied[0] == step else (step, None,
+                                                                                     False)
+        key = _recover_key(*applied)
         caught_up = False
         while True:
             try:
-                mesh.barrier(_RECOVER_BARRIER | step)
+                mesh.barrier(key)
                 break
             except DaemonGone:
                 raise
@@ -1157,21 +1190,24 @@ class DaemonOptimizer(torch.optim.Optimizer):
                 if left <= 0 or e.code not in (-P.E_MISMATCH, -P.E_PEER_DIED, -P.E_TIMEOUT):
                     raise type(e)(e.code, f"{type(self).__name__}.recover on rank {mesh.rank} of "
                                           f"job '{mesh.job}' at step {step}: {e.text}") from None
-                others = _barrier_keys(e.text) - {_RECOVER_BARRIER | step}
-                if resumed and not caught_up and others == {_RECOVER_BARRIER | (step + 1)}:
-                    # The others applied step + 1: its reduces completed and
-                    # the daemon kept this rank's reduced grads.
-                    step += 1
-                    caught_up = True
-                    self._catch_up(step, self._states)
-                    continue
-                if any(k & _RECOVER_BARRIER and k != _RECOVER_BARRIER | (step - 1)
-                       for k in others):
-                    raise RuntimeError(
-                        f"{type(self).__name__}.recover on rank {mesh.rank} of job "
-                        f"'{mesh.job}': this rank resumes after step {step} but another rank "
-                        f"is more than one step away ({e.text}); recovery handles one "
-                        f"restarted rank at a time") from None
+                theirs = [_decode_recover_key(k) for k in _barrier_keys(e.text) - {key}
+                          if k & _RECOVER_BARRIER]
+                for other in theirs:
+                    if resumed and other[0] == step:
+                        key = _recover_key(*other)      # the survivors' word on the step
+                    elif resumed and not caught_up and other[0] == step + 1:
+                        # The others applied step + 1, so its reduces completed
+                        # and the daemon kept this rank's reduced grads (some
+                        # groups may have stepped before this rank died).
+                        step, caught_up = step + 1, True
+                        self._catch_up(*other)
+                        key = _recover_key(*other)
+                    elif other[0] not in (step, step - 1):
+                        raise RuntimeError(
+                            f"{type(self).__name__}.recover on rank {mesh.rank} of job "
+                            f"'{mesh.job}': this rank resumes after step {step} but another "
+                            f"rank after step {other[0]} ({e.text}); recovery handles one "
+                            f"restarted rank at a time") from None
                 # A rank not attached yet, one behind that catches up, or
                 # ranks still in a barrier of their own (they fail it and
                 # come here): try again.
@@ -1183,6 +1219,7 @@ class DaemonOptimizer(torch.optim.Optimizer):
             st.abandon(base)
         mesh._shardd_norm_count = base
         self.step_number = step
+        self._applied = _decode_recover_key(key)
         self._resumed = False
         self._clip = None
         return step
@@ -1195,14 +1232,20 @@ class DaemonOptimizer(torch.optim.Optimizer):
             g.close()
             st.client.groups.remove(g)
 
-    def _catch_up(self, number, states):
+    def _catch_up(self, number, clip, skipped):
+        """Apply step `number` as the other ranks did (clip coefficient, or
+        the job-wide skip); a group that already applied it answers ALREADY."""
         lr = self.param_groups[0]["lr"]
-        for st in states:
+        flags = (P.STEP_SKIP_NONFINITE if self.skip_nonfinite or skipped else 0) | \
+            (P.STEP_CLIP if clip is not None else 0)
+        for st in self._states:
+            if skipped:
+                _poison(st)
             where = f"step(group '{st.name}', step {number})"
-            flags = P.STEP_SKIP_NONFINITE if self.skip_nonfinite else 0
             try:
                 st.client.start([(P.OP_STEP, st.group.id, number, flags, where,
-                                  (_f64_bits(lr), 0))]).wait()
+                                  (_f64_bits(lr), _f64_bits(clip) if clip is not None else 0))]
+                                ).wait()
             except ShardError as e:
                 raise st._wrap(f"recovery of step {number}", e) from None
 

@@ -1025,7 +1025,7 @@ class DaemonOptimizer(torch.optim.Optimizer):
         self.step_number = 0        # daemon step numbers submitted so far
         self._clip = None           # (step number, coefficient, nonfinite) from clip_grad_norm_
         self._resumed = False       # groups re-opened (resume=True), recover() not run yet
-        self._applied = None        # (step number, clip coefficient, job-wide skip) of the last step
+        self._applied = None        # (step number, clip coefficient, job-wide skip): last step
         self.last_results = {}      # group name -> P.STEP_* of the last step()
         self._states = []
         self._names = {id(p): n for n, p in model.named_parameters()}   # originals' names

@@ -309,20 +309,23 @@ static int group_from_reply(struct shardd_group *g, const struct shardd_ctrl_rx 
 			    uint32_t want_nparams)
 {
 	struct shardd_group_reply *info = &g->info;
+	/* A daemon of minor < 4 sends the reply without peer_last_step (then 0). */
+	size_t isize = g->client->welcome.minor >= 4 ? sizeof(*info) : SHARDD_GROUP_REPLY_SIZE_V3;
 	uint64_t sizes[SHARDD_BUF_COUNT];
 	const uint8_t *handles;
 	size_t specs_end;
 	int ret, fi = 0, hi = 0;
 
-	if (rx->hdr.length < sizeof(*info))
+	if (rx->hdr.length < isize)
 		return shardd_err_set(-SHARDD_E_MALFORMED, "GROUP reply of %u bytes, want at least %zu",
-				      rx->hdr.length, sizeof(*info));
-	memcpy(info, rx->payload, sizeof(*info));
+				      rx->hdr.length, isize);
+	memset(info, 0, sizeof(*info));
+	memcpy(info, rx->payload, isize);
 	if (!info->nparams || info->nparams > SHARDD_MAX_PARAMS ||
 	    (want_nparams && info->nparams != want_nparams))
 		return shardd_err_set(-SHARDD_E_MALFORMED, "GROUP reply has %u params, want %u",
 				      info->nparams, want_nparams ? want_nparams : SHARDD_MAX_PARAMS);
-	specs_end = sizeof(*info) + (size_t)info->nparams *
+	specs_end = isize + (size_t)info->nparams *
 		    (sizeof(struct shardd_param_layout) + sizeof(struct shardd_param_spec));
 	if (rx->hdr.length < specs_end)
 		return shardd_err_set(-SHARDD_E_MALFORMED,
@@ -342,8 +345,8 @@ static int group_from_reply(struct shardd_group *g, const struct shardd_ctrl_rx 
 	g->layouts = malloc(sizeof(*g->layouts) * info->nparams);
 	if (!g->layouts)
 		return shardd_err_set(-ENOMEM, "%u param layouts: out of memory", info->nparams);
-	memcpy(g->layouts, rx->payload + sizeof(*info), sizeof(*g->layouts) * info->nparams);
-	ret = specs_from_reply(g, rx->payload + sizeof(*info) +
+	memcpy(g->layouts, rx->payload + isize, sizeof(*g->layouts) * info->nparams);
+	ret = specs_from_reply(g, rx->payload + isize +
 				  sizeof(*g->layouts) * info->nparams);
 	if (ret < 0)
 		return ret;
@@ -549,6 +552,11 @@ int shardd_group_open(struct shardd_client *c, const char *name, struct shardd_g
 uint64_t shardd_group_last_step(const struct shardd_group *g)
 {
 	return g->info.last_step;
+}
+
+uint64_t shardd_group_peer_last_step(const struct shardd_group *g)
+{
+	return g->info.peer_last_step;
 }
 
 uint32_t shardd_group_id(const struct shardd_group *g)

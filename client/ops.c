@@ -469,8 +469,10 @@ int shardd_zero_grad(struct shardd_group *g)
 static void step_args(uint64_t args[2], double lr, uint32_t flags, double clip_coef)
 {
 	args[0] = args[1] = 0;
+	if (flags & SHARDD_STEP_REPLAY)
+		return; /* the daemon takes both from the step the other ranks submitted */
 	memcpy(&args[SHARDD_SQE_STEP_LR], &lr, sizeof(lr));
-	if (flags & SHARDD_STEP_CLIP)
+	if (flags & (SHARDD_STEP_CLIP | SHARDD_STEP_CLIP_JOB))
 		memcpy(&args[SHARDD_SQE_STEP_CLIP], &clip_coef, sizeof(clip_coef));
 }
 

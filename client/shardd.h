@@ -242,7 +242,12 @@ int shardd_zero_grad(struct shardd_group *g);
  * The group's optimizer (registered in shardd_policy.optimizer) on this
  * rank's shard for step `step` (>= 1) with learning rate `lr`; `flags`
  * SHARDD_STEP_SKIP_NONFINITE and SHARDD_STEP_CLIP (then `clip_coef`
- * multiplies the grad, else it is ignored). The shard's sharded grad is
+ * multiplies the grad), or SHARDD_STEP_CLIP_JOB (then `clip_coef` is
+ * clip_grad_norm_'s max_norm and the daemon computes the coefficient from
+ * the job's grad_norm of `step`), SHARDD_STEP_SKIP_JOB_NONFINITE (skip
+ * when that grad_norm was non-finite, on every rank alike); else
+ * `clip_coef` is ignored. SHARDD_STEP_REPLAY alone (`lr` and `clip_coef`
+ * are ignored): apply the step as the group's other ranks submitted it. The shard's sharded grad is
  * cleared. Exactly once: a step at or below the last one applied or
  * skipped on this shard changes nothing. Returns SHARDD_STEP_APPLIED (0),
  * SHARDD_STEP_SKIPPED, SHARDD_STEP_ALREADY, or a negative code.
@@ -285,6 +290,13 @@ void shardd_grad_norm_result(const struct shardd_completion *cp, double *norm, i
  * registered or opened (0: none): where a re-attached rank resumes.
  */
 uint64_t shardd_group_last_step(const struct shardd_group *g);
+/*
+ * The highest last_step of any rank of the group at the same moment (0
+ * from a daemon of protocol minor < 4): a restarted rank whose own
+ * last_step is one lower replays that step (SHARDD_STEP_REPLAY) to catch
+ * up with the others.
+ */
+uint64_t shardd_group_peer_last_step(const struct shardd_group *g);
 
 /* ------------------------------------------------------------------ */
 /* Stream ordering (cuda backend)                                      */

@@ -113,6 +113,20 @@ uint64_t shd_engine_job_memory_committed(const struct shd_engine_job *j);
  */
 int shd_engine_job_grad_norm(struct shd_engine_job *j, int inf, double *norm, int *nonfinite,
 			     char *msg, size_t len);
+/*
+ * Keep the result of the job's grad_norm of step `step` for its steps with
+ * SHARDD_STEP_CLIP_JOB / SHARDD_STEP_SKIP_JOB_NONFINITE: replaces an older
+ * result of the same step, else the oldest of the SHARDD_GRAD_NORM_KEPT
+ * kept. Loop thread.
+ */
+void shd_engine_job_grad_norm_keep(struct shd_engine_job *j, uint64_t step, int inf, double norm,
+				   int nonfinite);
+/*
+ * clip_grad_norm_'s coefficient as torch computes it on a 0-d fp32 norm:
+ * min(1, fp32(max_norm) * (1 / (fp32(norm) + fp32(1e-6)))), every
+ * operation in fp32 (NaN stays NaN).
+ */
+float shd_clip_coefficient(double norm, double max_norm);
 
 /* Group ids of the job run 1..ngroups; an id whose registration failed has no group. */
 uint32_t shd_engine_job_ngroups(const struct shd_engine_job *j);

@@ -42,6 +42,18 @@ struct eng_op {
 	uint64_t token;
 	struct shardd_sqe sqe;
 	int res;                     /* a task's result of this op when the task's res is 0 (a step's outcome) */
+	/* A step's job-wide decisions, taken at submission from the job's grad_norm (engine.c). */
+	uint8_t job_skip;            /* SHARDD_STEP_SKIP_JOB_NONFINITE and the norm was non-finite */
+	uint8_t job_clip_set;        /* SHARDD_STEP_CLIP_JOB: job_clip is the coefficient */
+	float   job_clip;
+};
+
+/* The result of one grad_norm of the job, kept for the steps that clip or skip by it. */
+struct eng_gnorm_rec {
+	uint64_t step;               /* 0: empty slot */
+	int inf;                     /* norm type: 0 = 2, 1 = inf */
+	int nonfinite;
+	double norm;
 };
 
 /* One rank's pending registration. */
@@ -109,6 +121,11 @@ struct eng_group {
 	 */
 	struct eng_deferred **dhead, **dtail; /* [world] */
 	int flushing;
+	/*
+	 * The highest step any rank submitted to the group (a STEP, or a
+	 * REDUCE with SHARDD_REDUCE_STEP) and its entry, for SHARDD_STEP_REPLAY.
+	 */
+	struct shardd_sqe last_sub;  /* last_sub.step 0: none yet */
 };
 
 struct shd_engine_job {
@@ -122,6 +139,7 @@ struct shd_engine_job {
 	struct eng_group **groups;   /* index = group id - 1; NULL once a registration failed */
 	uint32_t ngroups, cap;
 	uint64_t mem_committed;      /* its groups' eg->mem_committed, summed */
+	struct eng_gnorm_rec gnorm[SHARDD_GRAD_NORM_KEPT]; /* grad_norm results by step (grad_norm.c) */
 	struct shd_engine_job *prev, *next;
 };
 
@@ -179,6 +197,11 @@ int  eng_coll_rank_waits(const struct eng_group *eg, uint32_t rank);
 void eng_coll_rank_gone(struct eng_group *eg, uint32_t rank, uint64_t token);
 /* Fail the collectives of the group past their deadline. */
 void eng_coll_cron(struct eng_group *eg, uint64_t now_ns);
+
+/* ---- grad_norm.c ---- */
+
+/* The kept grad_norm result of `step`, or NULL. */
+const struct eng_gnorm_rec *eng_gnorm_find(const struct shd_engine_job *j, uint64_t step);
 
 /* ---- task.c: tasks ---- */
 

@@ -290,6 +290,7 @@ void shd_session_hello(struct shd_session *s, const struct shardd_msg_hdr *hdr,
 	s->job = job;
 	s->rank = h.rank;
 	s->device = h.device;
+	s->minor = h.minor;
 	s->stats.attached_ns = shd_now_ns();
 	shd_job_attach(job, h.rank, (uint32_t)s->cred.pid, h.device,
 			  &(struct shd_rank_sink){ .ops = &shd_session_sink_ops, .ctx = s,

@@ -86,6 +86,7 @@ struct shd_session {
 	struct shd_job *job;
 	uint32_t rank;
 	int32_t  device;             /* hello.device */
+	uint16_t minor;              /* hello.minor: what the client's replies may hold */
 	struct shd_fences *fences; /* SHARDD_MSG_STREAM's events, NULL until then */
 	int      pidfd;              /* -1 when the kernel has no pidfd_open */
 	struct shd_loop_event *pidfd_ev;

@@ -197,6 +197,8 @@ void shd_session_send_group(struct shd_session *s, uint32_t seq, int res, const 
 			       const struct shardd_param_spec *specs, const int *fds, int nfds,
 			       const struct shardd_cuda_ipc_handle *ipc, int nipc)
 {
+	/* A client of minor < 4 reads the reply without peer_last_step (PROTOCOL.md 3.7). */
+	size_t rsize = s->minor >= 4 ? sizeof(*reply) : SHARDD_GROUP_REPLY_SIZE_V3;
 	uint64_t len;
 	uint8_t *buf;
 
@@ -206,7 +208,7 @@ void shd_session_send_group(struct shd_session *s, uint32_t seq, int res, const 
 		shd_session_reply_error(s, seq, res, "%s", msg && *msg ? msg : "group request failed");
 		return;
 	}
-	len = sizeof(*reply) + (uint64_t)reply->nparams * (sizeof(*layouts) + sizeof(*specs)) +
+	len = rsize + (uint64_t)reply->nparams * (sizeof(*layouts) + sizeof(*specs)) +
 	      (uint64_t)nipc * sizeof(*ipc);
 	if (len > SHARDD_CTRL_MAX) {
 		shd_session_reply_error(s, seq, -SHARDD_E_INVALID,
@@ -220,9 +222,9 @@ void shd_session_send_group(struct shd_session *s, uint32_t seq, int res, const 
 				    (unsigned long long)len);
 		return;
 	}
-	memcpy(buf, reply, sizeof(*reply));
-	memcpy(buf + sizeof(*reply), layouts, (size_t)reply->nparams * sizeof(*layouts));
-	memcpy(buf + sizeof(*reply) + (size_t)reply->nparams * sizeof(*layouts), specs,
+	memcpy(buf, reply, rsize);
+	memcpy(buf + rsize, layouts, (size_t)reply->nparams * sizeof(*layouts));
+	memcpy(buf + rsize + (size_t)reply->nparams * sizeof(*layouts), specs,
 	       (size_t)reply->nparams * sizeof(*specs));
 	/* The CUDA IPC handles end the payload, after the specs, in buffer order (PROTOCOL.md 3.7). */
 	if (nipc)

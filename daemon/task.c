@@ -299,9 +299,21 @@ static int task_step(struct eng_task *t, struct eng_op *op)
 			g->name, (unsigned long long)sqe->step, r);
 		return -SHARDD_E_STATE;
 	}
+	if (op->job_skip) {
+		/* The job's grad_norm of this step was non-finite: every rank skips it, grad cleared. */
+		ret = b->ops->zero(b, &g->sharded_grads[r], 0, g->sharded_grads[r].bytes);
+		if (ret)
+			return ret;
+		g->grad_present[r] = 0;
+		__atomic_store_n(&g->last_step[r], sqe->step, __ATOMIC_RELAXED);
+		op->res = SHARDD_STEP_SKIPPED;
+		return 0;
+	}
 	memcpy(&lr, &sqe->rsvd2[SHARDD_SQE_STEP_LR], sizeof(lr));
 	if (sqe->op == SHARDD_OP_STEP && (sqe->flags & SHARDD_STEP_CLIP))
 		memcpy(&clip, &sqe->rsvd2[SHARDD_SQE_STEP_CLIP], sizeof(clip));
+	if (op->job_clip_set)
+		clip = op->job_clip;
 	for (uint32_t k = 0; k < shd_group_optim_states(o); k++)
 		a.state[k] = &g->optim_state[k][r];
 	if (o->kind == SHARDD_OPTIM_SGD)

@@ -25,7 +25,7 @@
 #define SHARDD_MAGIC        0x44524853u /* "SHRD" as little-endian bytes */
 #define SHARDD_RING_MAGIC   0x474e4952u /* "RING" */
 #define SHARDD_PROTO_MAJOR  1           /* incompatible changes bump this */
-#define SHARDD_PROTO_MINOR  3           /* compatible additions bump this */
+#define SHARDD_PROTO_MINOR  4           /* compatible additions bump this */
 
 #define SHARDD_NAME_MAX      64  /* job and group names, NUL included */
 #define SHARDD_PARAM_NAME_MAX 80 /* param names, NUL included */
@@ -82,13 +82,28 @@ enum shardd_op {
  * bits of an IEEE-754 double, and with SHARDD_STEP_CLIP
  * sqe.rsvd2[SHARDD_SQE_STEP_CLIP] the clip coefficient (clip_grad_norm_'s
  * max_norm / (total_norm + 1e-6), clamped to 1 by the caller) as double
- * bits, rounded to fp32 and multiplied into the grad. Other rsvd2 words
- * stay zero. The completion's res is one of enum shardd_step_result or a
- * negative error.
+ * bits, rounded to fp32 and multiplied into the grad. With
+ * SHARDD_STEP_CLIP_JOB the same word holds clip_grad_norm_'s max_norm
+ * instead (finite, > 0) and the daemon computes the coefficient from the
+ * job's grad_norm of the same step number, as torch does in fp32:
+ * min(1, max_norm * (1 / (norm + 1e-6))). SHARDD_STEP_SKIP_JOB_NONFINITE
+ * skips the step on every rank when that grad_norm found a NaN or Inf.
+ * The daemon keeps the grad_norm results of the job's last
+ * SHARDD_GRAD_NORM_KEPT step numbers; a step that names one it does not
+ * hold fails (-SHARDD_E_STATE). SHARDD_STEP_REPLAY (alone, lr and clip
+ * words 0): apply the step with the flags and words another rank of the
+ * group submitted for the same step number (a restarted rank's catch-up).
+ * Other rsvd2 words stay zero. The completion's res is one of enum
+ * shardd_step_result or a negative error.
  */
-#define SHARDD_STEP_SKIP_NONFINITE (1u << 0) /* skip (no update) when this rank's sharded grad holds a NaN or Inf */
-#define SHARDD_STEP_CLIP           (1u << 1) /* rsvd2[SHARDD_SQE_STEP_CLIP] holds a clip coefficient */
-#define SHARDD_STEP_FLAGS_MASK     (SHARDD_STEP_SKIP_NONFINITE | SHARDD_STEP_CLIP)
+#define SHARDD_STEP_SKIP_NONFINITE     (1u << 0) /* skip (no update) when this rank's sharded grad holds a NaN or Inf */
+#define SHARDD_STEP_CLIP               (1u << 1) /* rsvd2[SHARDD_SQE_STEP_CLIP] holds a clip coefficient */
+#define SHARDD_STEP_CLIP_JOB           (1u << 2) /* rsvd2[SHARDD_SQE_STEP_CLIP] holds max_norm; the job's grad_norm gives the coefficient (minor 4) */
+#define SHARDD_STEP_SKIP_JOB_NONFINITE (1u << 3) /* skip on every rank when the job's grad_norm of this step was non-finite (minor 4) */
+#define SHARDD_STEP_REPLAY             (1u << 4) /* as another rank of the group submitted this step (minor 4) */
+#define SHARDD_STEP_FLAGS_MASK     (SHARDD_STEP_SKIP_NONFINITE | SHARDD_STEP_CLIP | SHARDD_STEP_CLIP_JOB | \
+				    SHARDD_STEP_SKIP_JOB_NONFINITE | SHARDD_STEP_REPLAY)
+#define SHARDD_GRAD_NORM_KEPT 2 /* grad_norm results the daemon keeps per job, by step number */
 #define SHARDD_SQE_STEP_LR   0
 #define SHARDD_SQE_STEP_CLIP 1
 
@@ -366,7 +381,11 @@ struct shardd_group_reply {
 	uint8_t  export_kind[SHARDD_GROUP_BUFS]; /* per buffer, enum shardd_export_kind */
 	uint32_t optimizer;       /* enum shardd_optim registered with the group */
 	uint64_t last_step;       /* the last step applied or skipped on the receiving rank's shard; 0: none */
+	uint64_t peer_last_step;  /* the highest last_step of any rank of the group (minor 4) */
 };
+
+/* Bytes of struct shardd_group_reply sent to a client of minor < 4 (no peer_last_step). */
+#define SHARDD_GROUP_REPLY_SIZE_V3 64
 
 /* ------------------------------------------------------------------ */
 /* Data plane: the ring region                                         */
@@ -471,11 +490,13 @@ _Static_assert(offsetof(struct shardd_param_spec, shape) == 96, "param_spec.shap
 _Static_assert(sizeof(struct shardd_register_group) == 88, "register_group");
 _Static_assert(sizeof(struct shardd_open_group) == 64, "open_group");
 _Static_assert(sizeof(struct shardd_param_layout) == 64, "param_layout");
-_Static_assert(sizeof(struct shardd_group_reply) == 64, "group_reply");
+_Static_assert(sizeof(struct shardd_group_reply) == 72, "group_reply");
 _Static_assert(offsetof(struct shardd_group_reply, unsharded_size) == 24, "group_reply.unsharded_size");
 _Static_assert(offsetof(struct shardd_group_reply, export_kind) == 48, "group_reply.export_kind");
 _Static_assert(offsetof(struct shardd_group_reply, optimizer) == 52, "group_reply.optimizer");
 _Static_assert(offsetof(struct shardd_group_reply, last_step) == 56, "group_reply.last_step");
+_Static_assert(offsetof(struct shardd_group_reply, peer_last_step) == SHARDD_GROUP_REPLY_SIZE_V3,
+	       "group_reply.peer_last_step");
 _Static_assert(sizeof(struct shardd_optim_config) == 72, "optim_config");
 _Static_assert(sizeof(struct shardd_cuda_ipc_handle) == 64, "cuda_ipc_handle");
 _Static_assert(sizeof(struct shardd_sqe) == 64, "sqe");

@@ -92,7 +92,7 @@ Test(proto, group_messages_layout, .timeout = 5)
 	cr_assert_eq(OFF(shardd_param_layout, shard_row_begin), 48);
 	cr_assert_eq(OFF(shardd_param_layout, shard_rows_valid), 56);
 
-	cr_assert_eq(sizeof(struct shardd_group_reply), 64);
+	cr_assert_eq(sizeof(struct shardd_group_reply), 72);
 	cr_assert_eq(OFF(shardd_group_reply, group_id), 0);
 	cr_assert_eq(OFF(shardd_group_reply, nparams), 4);
 	cr_assert_eq(OFF(shardd_group_reply, param_dtype), 8);
@@ -106,6 +106,8 @@ Test(proto, group_messages_layout, .timeout = 5)
 	cr_assert_eq(sizeof(((struct shardd_group_reply *)0)->export_kind), SHARDD_GROUP_BUFS);
 	cr_assert_eq(OFF(shardd_group_reply, optimizer), 52);
 	cr_assert_eq(OFF(shardd_group_reply, last_step), 56);
+	cr_assert_eq(OFF(shardd_group_reply, peer_last_step), 64);
+	cr_assert_eq(SHARDD_GROUP_REPLY_SIZE_V3, 64);
 	cr_assert_eq(sizeof(struct shardd_optim_config), 72);
 	cr_assert_eq(sizeof(struct shardd_cuda_ipc_handle), 64);
 }

@@ -203,10 +203,10 @@ class Client:
             if len(payload) < P.WELCOME.size or len(fds) != 2:
                 raise _error(-P.E_MALFORMED, f"{where}: WELCOME of {len(payload)} bytes with "
                                              f"{len(fds)} fds, expected {P.WELCOME.size} bytes and 2 fds")
-            (w_major, w_minor, self.client_id, self.backend, self.sq_entries, self.cq_entries,
+            (w_major, self.daemon_minor, self.client_id, self.backend, self.sq_entries, self.cq_entries,
              self.daemon_pid, ring_size, self.collective_timeout_ms, _r0, _r) = P.WELCOME.unpack_from(payload)
             if w_major != P.PROTO_MAJOR:
-                raise _error(-P.E_VERSION, f"{where}: daemon speaks protocol {w_major}.{w_minor}, "
+                raise _error(-P.E_VERSION, f"{where}: daemon speaks protocol {w_major}.{self.daemon_minor}, "
                                            f"this client {P.PROTO_MAJOR}.{P.PROTO_MINOR}")
             st = os.fstat(fds[0])
             if st.st_size < ring_size or ring_size < P.RING_HDR_SIZE:
@@ -608,12 +608,16 @@ class Group:
                 raise _error(-errno.ENOTSUP, f"{where}: the daemon runs the cuda backend, whose "
                                              f"buffers are device memory; the Python client maps "
                                              f"host buffers only (use --backend host)")
-            if len(reply) < P.GROUP_REPLY.size:
+            # A daemon of minor < 4 sends no peer_last_step.
+            head = P.GROUP_REPLY if client.daemon_minor >= 4 else P.GROUP_REPLY_V3
+            if len(reply) < head.size:
                 raise _error(-P.E_MALFORMED, f"{where}: GROUP reply of {len(reply)} bytes, "
-                                             f"expected >= {P.GROUP_REPLY.size}")
+                                             f"expected >= {head.size}")
             (self.id, self.nparams, self.param_dtype, self.reduce_dtype, self.grad_dtype,
              self.shard_world, self.unsharded_size, self.grad_size, self.shard_size,
-             export_kind, self.optimizer, self.last_step) = P.GROUP_REPLY.unpack_from(reply)
+             export_kind, self.optimizer, self.last_step, *peer) = head.unpack_from(reply)
+            # The highest last_step of any rank of the group (0 from an older daemon).
+            self.peer_last_step = peer[0] if peer else 0
             # Every buffer must be an fd (kind 0): a CUDA IPC handle is device memory.
             for i, kind in enumerate(export_kind):
                 if kind != P.EXPORT_FD:
@@ -627,12 +631,12 @@ class Group:
                 raise _error(-P.E_MALFORMED, f"{where}: GROUP reply carries {len(fds)} fds, "
                                              f"expected {P.GROUP_BUFS}")
             # reply header, nparams layouts, then the nparams specs as registered
-            specs_at = P.GROUP_REPLY.size + self.nparams * P.PARAM_LAYOUT.size
+            specs_at = head.size + self.nparams * P.PARAM_LAYOUT.size
             want = specs_at + self.nparams * P.PARAM_SPEC.size
             if len(reply) != want or (specs is not None and len(specs) != self.nparams):
                 raise _error(-P.E_MALFORMED, f"{where}: GROUP reply of {len(reply)} bytes for "
                                              f"{self.nparams} params, expected {want}")
-            self.layouts = [P.PARAM_LAYOUT.unpack_from(reply, P.GROUP_REPLY.size + i * P.PARAM_LAYOUT.size)
+            self.layouts = [P.PARAM_LAYOUT.unpack_from(reply, head.size + i * P.PARAM_LAYOUT.size)
                             for i in range(self.nparams)]
             try:
                 self.params = [Param.unpack_from(reply, specs_at + i * P.PARAM_SPEC.size)
@@ -815,15 +819,21 @@ class Group:
     def zero_grad(self, timeout=None):
         self.client.run(P.OP_ZERO_GRAD, self.id, 0, 0, f"zero_grad(group '{self.name}')", timeout)
 
-    def step(self, step, lr, skip_nonfinite=False, clip=None, timeout=None):
+    def step(self, step, lr, skip_nonfinite=False, clip=None, timeout=None, *, max_norm=None,
+             skip_job_nonfinite=False, replay=False):
         """The daemon's optimizer on this rank's shard for step number `step`
         (>= 1) with learning rate `lr`; clip: a coefficient multiplied into
-        the grad (clip_grad_norm_'s), or None. Clears the sharded grad.
-        Returns P.STEP_APPLIED, P.STEP_SKIPPED (skip_nonfinite and a NaN/Inf
-        grad) or P.STEP_ALREADY (a step at or below the last one applied on
-        this shard: nothing changed); raises ShardError on errors."""
-        flags = (P.STEP_SKIP_NONFINITE if skip_nonfinite else 0) | (P.STEP_CLIP if clip is not None else 0)
-        args = (_f64_bits(lr), _f64_bits(clip) if clip is not None else 0)
+        the grad (clip_grad_norm_'s), or None; max_norm: instead, the
+        daemon computes clip_grad_norm_'s coefficient from the job's
+        grad_norm of the same step number (P.STEP_CLIP_JOB);
+        skip_job_nonfinite: skip on every rank when that grad_norm was
+        non-finite; replay: apply the step as the group's other ranks
+        submitted it (lr and the rest are then not sent: a restarted rank's
+        catch-up to peer_last_step). Clears the sharded grad. Returns
+        P.STEP_APPLIED, P.STEP_SKIPPED (a skip) or P.STEP_ALREADY (a step at
+        or below the last one applied on this shard: nothing changed);
+        raises ShardError on errors."""
+        flags, args = step_flags_args(lr, skip_nonfinite, clip, max_norm, skip_job_nonfinite, replay)
         where = f"step(group '{self.name}', step {step})"
         return self.client.run_many([(P.OP_STEP, self.id, step, flags, where, args)], timeout)[0].res
 
@@ -842,6 +852,21 @@ class Group:
             except BufferError:
                 pass
             self.maps[i] = None
+
+
+def step_flags_args(lr, skip_nonfinite=False, clip=None, max_norm=None, skip_job_nonfinite=False,
+                    replay=False):
+    """(sqe.flags, (rsvd2[0], rsvd2[1])) of a STEP (PROTOCOL.md, SHARDD_OP_STEP)."""
+    if replay:
+        return P.STEP_REPLAY, (0, 0)
+    if clip is not None and max_norm is not None:
+        raise ValueError(f"step: clip = {clip} and max_norm = {max_norm}: give a coefficient or "
+                         f"max_norm, not both")
+    flags = (P.STEP_SKIP_NONFINITE if skip_nonfinite else 0) | \
+        (P.STEP_SKIP_JOB_NONFINITE if skip_job_nonfinite else 0) | \
+        (P.STEP_CLIP if clip is not None else 0) | (P.STEP_CLIP_JOB if max_norm is not None else 0)
+    word = clip if clip is not None else max_norm
+    return flags, (_f64_bits(lr), _f64_bits(word) if word is not None else 0)
 
 
 def numpy_to_tensor(a):

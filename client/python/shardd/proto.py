@@ -14,7 +14,7 @@ import struct
 MAGIC = 0x44524853        # "SHRD"
 RING_MAGIC = 0x474E4952   # "RING"
 PROTO_MAJOR = 1
-PROTO_MINOR = 3
+PROTO_MINOR = 4
 
 NAME_MAX = 64
 PARAM_NAME_MAX = 80
@@ -76,6 +76,9 @@ REDUCE_FLAGS_MASK = REDUCE_ALL_REDUCE | REDUCE_STEP
 # SHARDD_OP_STEP: flags, results (cqe.res >= 0), optimizers (struct shardd_optim_config)
 STEP_SKIP_NONFINITE = 1 << 0
 STEP_CLIP = 1 << 1
+STEP_CLIP_JOB = 1 << 2            # sqe.rsvd2[1] is max_norm; the job's grad_norm of the step gives the coefficient
+STEP_SKIP_JOB_NONFINITE = 1 << 3  # skip on every rank when the job's grad_norm of the step was non-finite
+STEP_REPLAY = 1 << 4              # as another rank of the group submitted this step (alone, lr 0)
 STEP_APPLIED, STEP_SKIPPED, STEP_ALREADY = 0, 1, 2
 STEP_RESULT_NAMES = {STEP_APPLIED: "applied", STEP_SKIPPED: "skipped", STEP_ALREADY: "already applied"}
 OPTIM_NONE, OPTIM_SGD, OPTIM_ADAMW = 0, 1, 2
@@ -144,7 +147,8 @@ PARAM_SPEC = struct.Struct("<80sIIII8Q")          # name dtype ndim shard_dim fl
 REGISTER_GROUP = struct.Struct("<64sIIIIII")      # name nparams param_dtype reduce_dtype init flags rsvd
 OPEN_GROUP = struct.Struct("<64s")
 PARAM_LAYOUT = struct.Struct("<8Q")               # see ParamLayout
-GROUP_REPLY = struct.Struct("<IIIIIIQQQ4sIQ")    # ... shard_size export_kind[4] optimizer last_step
+GROUP_REPLY = struct.Struct("<IIIIIIQQQ4sIQQ")   # ... shard_size export_kind[4] optimizer last_step peer_last_step
+GROUP_REPLY_V3 = struct.Struct("<IIIIIIQQQ4sIQ")  # minor < 4: without peer_last_step
 OPTIM_CONFIG = struct.Struct("<II6d2Q")           # kind flags momentum dampening weight_decay beta1 beta2 eps rsvd[2]
 SQE = struct.Struct("<B3xIQQII4Q")                # op (fence=0: no streams here, rsvd0) group step user_data flags rsvd1 rsvd2[4]
 CQE = struct.Struct("<QiBBHIIQ4Q")                # user_data res op has_msg (fence, rsvd0: unused) group rsvd1 step rsvd2[4]
@@ -176,7 +180,7 @@ RH_CLIENT_LAST_STEP = 6 * CACHELINE + 8
 
 for _s, _n in ((MSG_HDR, 16), (HELLO, 112), (WELCOME, 64), (ERROR_MSG, 8),
                (PARAM_SPEC, 160), (REGISTER_GROUP, 88), (OPTIM_CONFIG, 72), (OPEN_GROUP, 64),
-               (PARAM_LAYOUT, 64), (GROUP_REPLY, 64), (SQE, 64), (CQE, 64)):
+               (PARAM_LAYOUT, 64), (GROUP_REPLY, 72), (GROUP_REPLY_V3, 64), (SQE, 64), (CQE, 64)):
     if _s.size != _n:
         raise ImportError(f"shardd.proto: layout {_s.format!r} is {_s.size} bytes, "
                           f"shardd_proto.h says {_n}")

@@ -75,7 +75,8 @@ import time
 import torch
 
 from . import proto as P
-from .client import Client, DaemonGone, Optimizer, Param, ShardError, _f64_bits, numpy_to_tensor
+from .client import (Client, DaemonGone, Optimizer, Param, ShardError, _f64_bits, numpy_to_tensor,
+                     step_flags_args)
 
 __all__ = ["fully_shard", "MixedPrecisionPolicy", "FSDPModule", "UnshardHandle",
            "init_device_mesh", "default_reduce_dtype", "local_shards", "DaemonOptimizer",
@@ -84,10 +85,10 @@ __all__ = ["fully_shard", "MixedPrecisionPolicy", "FSDPModule", "UnshardHandle",
 _TORCH_TO_SHARDD = {torch.float32: P.DTYPE_FP32, torch.bfloat16: P.DTYPE_BF16,
                     torch.float16: P.DTYPE_FP16}
 _SHARDD_TO_TORCH = {v: k for k, v in _TORCH_TO_SHARDD.items()}
-# DaemonOptimizer.recover's barrier numbers (_recover_key): bit 62, bit 61 a
-# job-wide skip, bit 60 a clip coefficient in bits 28..59, the step in 0..27.
-_RECOVER_BARRIER, _KEY_SKIPPED, _KEY_CLIP = 1 << 62, 1 << 61, 1 << 60
-_KEY_STEP_BITS = 28
+# DaemonOptimizer.recover's barrier numbers: bit 62 set; the first barrier
+# is that bit alone, the second adds bit 61 and the step every rank resumes after.
+_RECOVER_BARRIER, _RECOVER_AGREE = 1 << 62, 1 << 61
+_KEY_STEP_BITS = 60
 
 
 def _torch_version(version=None):
@@ -405,31 +406,6 @@ def _barrier_keys(text):
     """The barrier numbers a barrier mismatch names ("rank 0 submitted
     barrier 5 but rank 2 submitted barrier 7")."""
     return {int(k) for k in re.findall(r"submitted barrier (\d+)", text)}
-
-
-def _recover_key(step, clip=None, skipped=False):
-    """recover()'s barrier number: the recover bit, the step the rank
-    resumes after, and how that step was applied (a job-wide skip, or the
-    clip coefficient as fp32 bits, which is what the daemon multiplies by),
-    so that a rank one step behind applies it the same way."""
-    if not 0 <= step < 1 << _KEY_STEP_BITS:
-        raise ValueError(f"recover: step {step} is past the {_KEY_STEP_BITS}-bit step field of "
-                         f"the recovery barrier")
-    key = _RECOVER_BARRIER | step
-    if skipped:
-        key |= _KEY_SKIPPED
-    elif clip is not None:
-        bits = struct.unpack("<I", struct.pack("<f", clip))[0]
-        key |= _KEY_CLIP | bits << _KEY_STEP_BITS
-    return key
-
-
-def _decode_recover_key(key):
-    """(step, clip coefficient or None, skipped) of a _recover_key."""
-    clip = None
-    if key & _KEY_CLIP:
-        clip = struct.unpack("<f", struct.pack("<I", key >> _KEY_STEP_BITS & 0xFFFFFFFF))[0]
-    return key & ((1 << _KEY_STEP_BITS) - 1), clip, bool(key & _KEY_SKIPPED)
 
 
 def _quietly(fn):
@@ -871,17 +847,6 @@ def local_shards(module):
 
 
 # ---------------------------------------------------------------- clip_grad_norm_
-def _poison(state):
-    """Put a NaN in the first real element of the rank's sharded grad of the
-    group, so that a STEP with SKIP_NONFINITE skips it (a rank holding no
-    rows has nothing to step)."""
-    for p in state.params:
-        flat = p.shard_grad_view.view(-1)
-        if flat.numel():
-            flat[0] = float("nan")
-            return
-
-
 def _clip_states(model_or_params):
     """The fully_shard states whose grads clip_grad_norm_ covers, all of one
     mesh, and that mesh; refuses params the daemon does not hold."""
@@ -925,13 +890,17 @@ def clip_grad_norm_(model_or_params, max_norm, norm_type=2.0, error_if_nonfinite
     norm of every group's sharded grads (collective: every rank calls it once
     per step, after backward). Returns the total norm as a 0-d fp32 tensor.
 
-    Groups stepped by a DaemonOptimizer: the clip coefficient
-    min(1, max_norm / (total_norm + 1e-6)) goes with the optimizer's next
-    step() (the daemon multiplies it into the grads as it steps them).
-    Other groups (a trainer-side torch.optim optimizer): the sharded grads
-    are multiplied here, as torch does. norm_type: 2.0 or inf (the daemon's).
-    A non-finite norm raises with error_if_nonfinite, as torch; otherwise a
-    DaemonOptimizer(skip_nonfinite=True) skips the step on every rank.
+    Groups stepped by a DaemonOptimizer: the grad_norm is keyed by the
+    optimizer's next step number, and its next step() asks the daemon to
+    clip by it (SHARDD_STEP_CLIP_JOB with max_norm: the daemon computes
+    min(1, max_norm / (total_norm + 1e-6)) in fp32 as torch does and
+    multiplies it into the grads as it steps them), so a restarted rank's
+    catch-up step is clipped alike. Other groups (a trainer-side
+    torch.optim optimizer): the sharded grads are multiplied here, as torch
+    does. norm_type: 2.0 or inf (the daemon's). A non-finite norm raises
+    with error_if_nonfinite, as torch; otherwise a
+    DaemonOptimizer(skip_nonfinite=True) skips the step on every rank (the
+    daemon decides by the job's grad_norm: SHARDD_STEP_SKIP_JOB_NONFINITE).
     foreach is accepted for torch's signature and unused (the daemon
     computes the norm)."""
     del foreach
@@ -943,8 +912,17 @@ def clip_grad_norm_(model_or_params, max_norm, norm_type=2.0, error_if_nonfinite
     states, mesh = _clip_states(model_or_params)
     for st in mesh._shardd_states:
         st.wait_reduce()
-    key = getattr(mesh, "_shardd_norm_count", 0) + 1
-    mesh._shardd_norm_count = key
+    opts = {st.optimizer for st in states if st.optimizer is not None}
+    numbers = {opt.step_number for opt in opts}
+    if len(numbers) > 1:
+        raise ValueError(f"clip_grad_norm_: the params' DaemonOptimizers are at different steps "
+                         f"({sorted(numbers)}); clip the params of one optimizer at a time")
+    if numbers:
+        # The daemon's step of this number clips and skips by this grad_norm.
+        key = numbers.pop() + 1
+    else:
+        key = getattr(mesh, "_shardd_norm_count", 0) + 1
+        mesh._shardd_norm_count = key
     try:
         norm, nonfinite = mesh.grad_norm(key, norm_type)
     except ShardError as e:
@@ -956,17 +934,18 @@ def clip_grad_norm_(model_or_params, max_norm, norm_type=2.0, error_if_nonfinite
             f"The total norm of order {norm_type} for gradients from `parameters` is "
             f"non-finite, so it cannot be clipped. To disable this error and scale the "
             f"gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
+    if not max_norm > 0 or max_norm == float("inf"):
+        raise ValueError(f"clip_grad_norm_: max_norm = {max_norm:g}; the daemon clips by a finite "
+                         f"max_norm > 0")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    opts = set()
     for st in states:
         if st.optimizer is not None:
-            opts.add(st.optimizer)
             continue
         for p in st.params:
             if p.sharded.grad is not None:
                 p.sharded.grad.detach().mul_(coef)
     for opt in opts:
-        opt._clip = (opt.step_number + 1, float(coef), bool(nonfinite))
+        opt._clip = (key, max_norm, float(norm), bool(nonfinite))
     return total
 
 
@@ -1023,9 +1002,8 @@ class DaemonOptimizer(torch.optim.Optimizer):
         self.config = config
         self.skip_nonfinite = skip_nonfinite
         self.step_number = 0        # daemon step numbers submitted so far
-        self._clip = None           # (step number, coefficient, nonfinite) from clip_grad_norm_
+        self._clip = None           # (step number, max_norm, norm, nonfinite) from clip_grad_norm_
         self._resumed = False       # groups re-opened (resume=True), recover() not run yet
-        self._applied = None        # (step number, clip coefficient, job-wide skip): last step
         self.last_results = {}      # group name -> P.STEP_* of the last step()
         self._states = []
         self._names = {id(p): n for n, p in model.named_parameters()}   # originals' names
@@ -1067,11 +1045,12 @@ class DaemonOptimizer(torch.optim.Optimizer):
     def step(self, closure=None, *, clip=None):
         """Submit the daemon's step number step_number + 1 for every group and
         wait for it. clip: a coefficient multiplied into the grads, or None:
-        the one shardd.torch.clip_grad_norm_ computed for this step, if it ran.
-        With skip_nonfinite, a step whose job-wide grad norm (clip_grad_norm_)
-        was non-finite is skipped on every rank; without clip_grad_norm_ each
-        rank's shard decides (a NaN/Inf in it skips it). Returns closure's
-        loss (None without closure)."""
+        clipping by the job's grad_norm of this step if
+        shardd.torch.clip_grad_norm_ ran for it (the daemon computes the
+        coefficient). With skip_nonfinite, a step whose job-wide grad norm
+        (clip_grad_norm_) was non-finite is skipped on every rank; without
+        clip_grad_norm_ each rank's shard decides (a NaN/Inf in it skips it).
+        Returns closure's loss (None without closure)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -1090,9 +1069,9 @@ class DaemonOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{type(self).__name__}.step: lr = {lr}: the daemon takes a finite "
                              f"lr >= 0 (check the lr scheduler)")
         number = self.step_number + 1
-        nonfinite = False
+        max_norm, norm = None, 0.0
         if clip is None and self._clip is not None and self._clip[0] == number:
-            _n, clip, nonfinite = self._clip
+            _n, max_norm, norm, _nonfinite = self._clip
         self._clip = None
         # Every reduce first: a rank that fails here has stepped no group.
         for st in self._states:
@@ -1101,20 +1080,14 @@ class DaemonOptimizer(torch.optim.Optimizer):
                 raise RuntimeError(f"{st.where('step')}: the module holds its unsharded params; "
                                    f"call reshard() on it before the optimizer step")
         skip = self.skip_nonfinite
-        if nonfinite and skip:
-            # The job-wide norm is non-finite: every rank skips, also one whose
-            # own shard is finite (the daemon's rule is per shard).
-            for st in self._states:
-                _poison(st)
-            clip = None
-        elif clip is not None and clip != clip:
+        if (clip is not None and clip != clip) or (max_norm is not None and norm != norm and not skip):
             raise ValueError(f"{type(self).__name__}.step: clip_grad_norm_ found a NaN total "
                              f"norm, and the daemon takes no NaN clip coefficient (torch would "
                              f"turn every param into NaN): construct the optimizer with "
                              f"skip_nonfinite=True to skip such steps on every rank, or call "
                              f"clip_grad_norm_(..., error_if_nonfinite=True) to stop")
-        flags = (P.STEP_SKIP_NONFINITE if skip else 0) | (P.STEP_CLIP if clip is not None else 0)
-        args = (_f64_bits(lr), _f64_bits(clip) if clip is not None else 0)
+        # With clip_grad_norm_, the daemon clips and skips by the job's grad_norm of this step.
+        flags, args = step_flags_args(lr, skip, clip, max_norm, skip and max_norm is not None)
         pending = []
         for st in self._states:
             where = f"step(group '{st.name}', step {number})"
@@ -1131,7 +1104,6 @@ class DaemonOptimizer(torch.optim.Optimizer):
                 p.sharded.grad = None
         self.step_number = number
         self.last_results = results
-        self._applied = (number, clip, bool(nonfinite and skip))
         return loss
 
     def recover(self, timeout=None):
@@ -1143,20 +1115,20 @@ class DaemonOptimizer(torch.optim.Optimizer):
         resumes after (step_number): the training loop goes on with its
         iteration step_number + 1 (0-based: the iteration step_number).
 
-        What it does: each rank drops its iteration in flight and reads from
-        the daemon the last step applied on its shard of each group. Ranks
-        that lived through the failure agree on it; the restarted rank may be
-        one step behind (it died after that step's reduces completed, before
-        its own STEP of some group). The ranks meet at a barrier whose number
-        carries the step and how the survivors applied it (its clip
-        coefficient, or a job-wide skip); the daemon refuses different
-        numbers and names them, so the restarted rank learns the survivors'
-        step and applies it the same way from the sharded grads the daemon
-        kept: every update is applied exactly once. Then every rank clears
-        its sharded grads and the op keys restart from the agreed step. The
-        catch-up STEP takes the lr in param_groups now (restore a scheduler
-        to step_number first). One dead rank at a time; timeout: seconds to
-        wait for the other ranks
+        What it does: each rank drops its iteration in flight and the ranks
+        meet at a first barrier (after it, no rank has a step in flight).
+        Each then reads from the daemon, per group, the last step applied on
+        its shard and the highest one applied on any shard of the group
+        (the GROUP reply's last_step and peer_last_step). Ranks that lived
+        through the failure agree on it; the restarted rank may be one step
+        behind (it died after that step's reduces completed, before its own
+        STEP of some group): it replays that step (SHARDD_STEP_REPLAY), so
+        the daemon applies it with the lr, clip (max_norm against the job's
+        grad_norm of the step) and skip the other ranks submitted, from the
+        sharded grads it kept: every update is applied exactly once. The
+        ranks confirm the step at a second barrier, every rank clears its
+        sharded grads and the op keys restart from the agreed step. One dead
+        rank at a time; timeout: seconds to wait for the other ranks
         (default: twice the daemon's collective timeout plus 30 s)."""
         if not self._states:
             raise RuntimeError(self._unregistered())
@@ -1167,85 +1139,79 @@ class DaemonOptimizer(torch.optim.Optimizer):
         resumed = self._resumed
         for st in self._states:
             st.abandon(0)
-        last = {st.name: self._daemon_last_step(st) for st in self._states}
-        step = min(last.values())
-        if max(last.values()) != step and not resumed:
-            raise RuntimeError(f"{type(self).__name__}.recover on rank {mesh.rank}: the daemon's "
-                               f"last steps differ between groups ({last}) on a rank that did "
-                               f"not restart")
         if not resumed:
             self._zero_grads()
-        applied = self._applied if self._applied and self._applied[0] == step else (step, None,
-                                                                                     False)
-        key = _recover_key(*applied)
-        caught_up = False
-        while True:
-            try:
-                mesh.barrier(key)
-                break
-            except DaemonGone:
-                raise
-            except ShardError as e:
-                left = deadline - time.monotonic()
-                if left <= 0 or e.code not in (-P.E_MISMATCH, -P.E_PEER_DIED, -P.E_TIMEOUT):
-                    raise type(e)(e.code, f"{type(self).__name__}.recover on rank {mesh.rank} of "
-                                          f"job '{mesh.job}' at step {step}: {e.text}") from None
-                theirs = [_decode_recover_key(k) for k in _barrier_keys(e.text) - {key}
-                          if k & _RECOVER_BARRIER]
-                for other in theirs:
-                    if resumed and other[0] == step:
-                        key = _recover_key(*other)      # the survivors' word on the step
-                    elif resumed and not caught_up and other[0] == step + 1:
-                        # The others applied step + 1, so its reduces completed
-                        # and the daemon kept this rank's reduced grads (some
-                        # groups may have stepped before this rank died).
-                        step, caught_up = step + 1, True
-                        self._catch_up(*other)
-                        key = _recover_key(*other)
-                    elif other[0] not in (step, step - 1):
-                        raise RuntimeError(
-                            f"{type(self).__name__}.recover on rank {mesh.rank} of job "
-                            f"'{mesh.job}': this rank resumes after step {step} but another "
-                            f"rank after step {other[0]} ({e.text}); recovery handles one "
-                            f"restarted rank at a time") from None
-                # A rank not attached yet, one behind that catches up, or
-                # ranks still in a barrier of their own (they fail it and
-                # come here): try again.
-                if e.code != -P.E_MISMATCH:
-                    time.sleep(min(0.02, left))
+        where = f"{type(self).__name__}.recover on rank {mesh.rank} of job '{mesh.job}'"
+        self._recover_barrier(mesh, _RECOVER_BARRIER, deadline, f"{where} (first barrier)")
+        last = {st.name: self._daemon_steps(st) for st in self._states}
+        step = min(own for own, _peer in last.values())
+        ahead = max(peer for _own, peer in last.values())
+        if not resumed and any(own != step for own, _peer in last.values()):
+            raise RuntimeError(f"{where}: the daemon's last steps (own, highest of the group) "
+                               f"differ between groups ({last}) on a rank that did not restart")
+        if resumed and ahead == step + 1:
+            # The others applied step + 1, so its reduces completed and the
+            # daemon kept this rank's reduced grads (some groups may have
+            # stepped before this rank died: they answer ALREADY).
+            self._catch_up(ahead)
+            step = ahead
+        elif ahead != step:
+            raise RuntimeError(f"{where}: this rank resumes after step {step} but a rank of the "
+                               f"groups after step {ahead} ({last}); recovery handles one "
+                               f"restarted rank at a time")
+        if step >= 1 << _KEY_STEP_BITS:
+            raise ValueError(f"{where}: step {step} is past the {_KEY_STEP_BITS}-bit step field "
+                             f"of the recovery barrier")
+        self._recover_barrier(mesh, _RECOVER_BARRIER | _RECOVER_AGREE | step, deadline,
+                              f"{where} at step {step}", retry_mismatch=False)
         self._zero_grads()
         base = (step + 1) << 24
         for st in self._states:
             st.abandon(base)
         mesh._shardd_norm_count = base
         self.step_number = step
-        self._applied = _decode_recover_key(key)
         self._resumed = False
         self._clip = None
         return step
 
-    def _daemon_last_step(self, st):
+    @staticmethod
+    def _recover_barrier(mesh, number, deadline, where, retry_mismatch=True):
+        """Barrier `number`, tried again until `deadline` while a rank is not
+        attached yet or still in a barrier of its own (it fails that one and
+        comes here)."""
+        retry = (-P.E_PEER_DIED, -P.E_TIMEOUT) + ((-P.E_MISMATCH,) if retry_mismatch else ())
+        while True:
+            try:
+                mesh.barrier(number)
+                return
+            except DaemonGone:
+                raise
+            except ShardError as e:
+                left = deadline - time.monotonic()
+                if left <= 0 or e.code not in retry:
+                    raise type(e)(e.code, f"{where}: {e.text}") from None
+                if e.code != -P.E_MISMATCH:
+                    time.sleep(min(0.02, left))
+
+    def _daemon_steps(self, st):
+        """(last step applied on this rank's shard, highest on any shard) of
+        the group, read from the daemon now."""
         g = st.client.open_group(st.name)
         try:
-            return g.last_step
+            return g.last_step, g.peer_last_step
         finally:
             g.close()
             st.client.groups.remove(g)
 
-    def _catch_up(self, number, clip, skipped):
-        """Apply step `number` as the other ranks did (clip coefficient, or
-        the job-wide skip); a group that already applied it answers ALREADY."""
-        lr = self.param_groups[0]["lr"]
-        flags = (P.STEP_SKIP_NONFINITE if self.skip_nonfinite or skipped else 0) | \
-            (P.STEP_CLIP if clip is not None else 0)
+    def _catch_up(self, number):
+        """Replay step `number` as the other ranks of each group submitted it
+        (the daemon holds their lr, max_norm and flags); a group that already
+        applied it answers ALREADY."""
         for st in self._states:
-            if skipped:
-                _poison(st)
-            where = f"step(group '{st.name}', step {number})"
+            flags, args = step_flags_args(0.0, replay=True)
+            where = f"step(group '{st.name}', step {number}, replay)"
             try:
-                st.client.start([(P.OP_STEP, st.group.id, number, flags, where,
-                                  (_f64_bits(lr), _f64_bits(clip) if clip is not None else 0))]
-                                ).wait()
+                st.client.start([(P.OP_STEP, st.group.id, number, flags, where, args)]).wait()
             except ShardError as e:
                 raise st._wrap(f"recovery of step {number}", e) from None
 

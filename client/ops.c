@@ -168,8 +168,8 @@ static int cq_take(struct shardd_client *c, struct shardd_completion *out)
 	out->op = cqe.op;
 	out->group = cqe.group;
 	out->step = cqe.step;
-	out->result[0] = cqe.rsvd2[SHARDD_CQE_GRAD_NORM];
-	out->result[1] = cqe.rsvd2[SHARDD_CQE_GRAD_NORM_NONFINITE];
+	out->result[0] = cqe.rsvd2[0];
+	out->result[1] = cqe.rsvd2[1];
 	/* Before the release: the daemon records this slot's event again once it is free. */
 	if (cqe.fence)
 		shardd_client_fence_reap(c, slot, out);

@@ -374,6 +374,7 @@ void shd_job_barrier(struct shd_job *j, uint32_t rank, const struct shardd_sqe *
 {
 	struct shd_job_rank *jr = &j->ranks[rank];
 	uint64_t token = jr->client.token;
+	struct shardd_sqe mine;
 	char why[256], msg[1400];
 	int ret;
 
@@ -404,8 +405,14 @@ void shd_job_barrier(struct shd_job *j, uint32_t rank, const struct shardd_sqe *
 			 rank, (unsigned long long)sqe->step, j->barrier.first_rank,
 			 (unsigned long long)j->barrier.step, failing);
 		shd_log_warn("job '%s': %s", j->name, msg);
+		/* Each failing rank's completion names the barrier number it met (cqe.rsvd2[0]). */
+		mine = *sqe;
+		mine.rsvd2[SHARDD_CQE_BARRIER_OTHER] = j->barrier.step;
+		for (uint32_t i = 0; i < j->barrier.nexpected; i++)
+			if (j->barrier.arrived[i])
+				j->ranks[j->barrier.ranks[i]].barrier_sqe.rsvd2[SHARDD_CQE_BARRIER_OTHER] = sqe->step;
 		barrier_finish(j, -SHARDD_E_MISMATCH, msg);
-		shd_job_op_done(j, rank, token, sqe, -SHARDD_E_MISMATCH, msg);
+		shd_job_op_done(j, rank, token, &mine, -SHARDD_E_MISMATCH, msg);
 		return;
 	}
 	jr->barrier_token = token;

@@ -78,6 +78,9 @@ void shd_session_complete(struct shd_session *s, const struct shardd_sqe *sqe, i
 	/* grad_norm's result words travel in the rsvd2 of the sqe the job completes with (job.c). */
 	if (sqe->op == SHARDD_OP_GRAD_NORM && res >= 0)
 		memcpy(cqe.rsvd2, sqe->rsvd2, sizeof(cqe.rsvd2));
+	/* A barrier mismatch names the barrier number met, the same way (job.c). */
+	if (sqe->op == SHARDD_OP_BARRIER && res == -SHARDD_E_MISMATCH)
+		memcpy(cqe.rsvd2, sqe->rsvd2, sizeof(cqe.rsvd2));
 	if ((sqe->fence & SHARDD_FENCE_SIGNAL) && s->fences) {
 		struct shd_backend_ctx *b = shd_engine_backend(shd_session_env.engine);
 		uint32_t slot = shardd_cq_next_slot(&s->ring);

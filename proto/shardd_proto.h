@@ -125,6 +125,14 @@ enum shardd_step_result {
 #define SHARDD_CQE_GRAD_NORM           0
 #define SHARDD_CQE_GRAD_NORM_NONFINITE 1
 
+/*
+ * SHARDD_OP_BARRIER failing with -SHARDD_E_MISMATCH: cqe.rsvd2
+ * [SHARDD_CQE_BARRIER_OTHER] is the barrier number the rank was refused
+ * against (the newcomer's for the ranks that waited, the waiting ranks'
+ * for the newcomer), so a client can tell whose barrier it met (minor 4).
+ */
+#define SHARDD_CQE_BARRIER_OTHER       0
+
 /* Optimizers (struct shardd_optim_config.kind). */
 enum shardd_optim {
 	SHARDD_OPTIM_NONE  = 0,

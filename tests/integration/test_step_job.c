@@ -421,3 +421,26 @@ Test(step_job, group_reply_of_a_minor_3_client_has_no_peer_last_step, .timeout =
 	cr_assert_eq(reply.peer_last_step, 0);
 	harness_daemon_stop_expect_clean(&hd);
 }
+
+Test(step_job, barrier_mismatch_completion_names_the_barrier_met, .timeout = 30)
+{
+	static const uint64_t number[WORLD] = { 5, 1ull << 62 };
+	struct shardd_completion cp;
+	struct fixture f;
+
+	start(&f);
+	for (int r = 0; r < WORLD; r++) {
+		cr_assert_eq(shardd_submit(f.c[r], SHARDD_OP_BARRIER, 0, number[r], 0, 300 + r), 0, "%s",
+			     shardd_last_error());
+		/* Rank 0 waits in its barrier before rank 1 arrives with another number. */
+		if (r == 0)
+			cr_assert_eq(shardd_nop(f.c[0]), 0, "%s", shardd_last_error());
+	}
+	for (int r = 0; r < WORLD; r++) {
+		cr_assert_eq(shardd_wait(f.c[r], &cp, 30000), 0, "%s", shardd_last_error());
+		cr_assert_eq(cp.res, -SHARDD_E_MISMATCH, "rank %d: res %d (%s)", r, cp.res, cp.msg);
+		cr_assert_eq(cp.result[0], number[1 - r], "rank %d met barrier 0x%llx, want 0x%llx", r,
+			     (unsigned long long)cp.result[0], (unsigned long long)number[1 - r]);
+	}
+	finish(&f);
+}

@@ -35,12 +35,15 @@ class ShardError(Exception):
     .code  0 > code: -errno or -SHARDD_E_* (as in the C API)
     .name  the code's name: 'SHARDD_E_TIMEOUT', 'ECONNRESET', ...
     .text  what failed, with the daemon's own message when it sent one
+    .result  a failed completion's result words (cqe.rsvd2[0..1]): a barrier
+           mismatch's [0] is the barrier number met; None for other errors
     """
 
-    def __init__(self, code, text):
+    def __init__(self, code, text, result=None):
         self.code = code
         self.name = P.error_name(code)
         self.text = text
+        self.result = result
         super().__init__(f"{text} [{self.name}]")
 
 
@@ -48,10 +51,10 @@ class DaemonGone(ShardError, ConnectionResetError):
     """The daemon died or dropped this client (code -ECONNRESET)."""
 
 
-def _error(code, text):
+def _error(code, text, result=None):
     if code == -errno.ECONNRESET:
         return DaemonGone(code, text)
-    return ShardError(code, text)
+    return ShardError(code, text, result)
 
 
 def default_socket_path():
@@ -468,7 +471,7 @@ class Client:
         for c, where in zip(done, pending.values()):
             if c.res < 0:
                 raise _error(c.res, f"{where}: daemon: {c.msg}" if c.msg
-                             else f"{where}: {P.error_text(c.res)}")
+                             else f"{where}: {P.error_text(c.res)}", c.result)
         return done
 
     def nop(self):

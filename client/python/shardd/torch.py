@@ -68,14 +68,12 @@ applied exactly once on every shard.
 import errno
 import functools
 import itertools
-import re
-import struct
 import time
 
 import torch
 
 from . import proto as P
-from .client import (Client, DaemonGone, Optimizer, Param, ShardError, _f64_bits, numpy_to_tensor,
+from .client import (Client, DaemonGone, Optimizer, Param, ShardError, numpy_to_tensor,
                      step_flags_args)
 
 __all__ = ["fully_shard", "MixedPrecisionPolicy", "FSDPModule", "UnshardHandle",
@@ -229,7 +227,8 @@ class _State:
                 f"{self.client.rank} of job '{self.client.job}'")
 
     def _wrap(self, what, err):
-        return type(err)(err.code, f"{self.where(what)}: {err.text}") if isinstance(err, ShardError) \
+        return type(err)(err.code, f"{self.where(what)}: {err.text}", err.result) \
+            if isinstance(err, ShardError) \
             else err
 
     # ---------------------------------------------------------- unshard / reshard
@@ -393,19 +392,14 @@ def peer_failed(err):
     """True when `err` (an exception from forward, backward, clip_grad_norm_,
     step() or a barrier) says another rank died or did not come
     (SHARDD_E_PEER_DIED, SHARDD_E_TIMEOUT) or is recovering (a barrier
-    mismatch with DaemonOptimizer.recover's barrier): every rank then calls
-    DaemonOptimizer.recover()."""
+    mismatch against DaemonOptimizer.recover's barrier: the daemon puts the
+    barrier number met in the completion, err.result[0]): every rank then
+    calls DaemonOptimizer.recover()."""
     if not isinstance(err, ShardError) or isinstance(err, DaemonGone):
         return False
     if err.code == -P.E_MISMATCH:
-        return any(k & _RECOVER_BARRIER for k in _barrier_keys(err.text))
+        return bool(err.result and err.result[0] & _RECOVER_BARRIER)
     return err.code in (-P.E_PEER_DIED, -P.E_TIMEOUT)
-
-
-def _barrier_keys(text):
-    """The barrier numbers a barrier mismatch names ("rank 0 submitted
-    barrier 5 but rank 2 submitted barrier 7")."""
-    return {int(k) for k in re.findall(r"submitted barrier (\d+)", text)}
 
 
 def _quietly(fn):

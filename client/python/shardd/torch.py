@@ -57,8 +57,9 @@ number (see :class:`DaemonOptimizer`)::
     st.fully_shard(model, mesh=mesh)
     ...; loss.backward(); opt.step(); opt.zero_grad()
 
-:func:`clip_grad_norm_` is torch's over the daemon's job-wide grad norm; its
-clip coefficient goes with the daemon optimizer's next step. A rank that died
+:func:`clip_grad_norm_` is torch's over the daemon's job-wide grad norm; the
+daemon optimizer's next step clips (and skips) by it, the daemon computing
+the coefficient. A rank that died
 comes back with ``init_device_mesh(..., resume=True)`` (fully_shard opens its
 groups) and every rank calls :meth:`DaemonOptimizer.recover` (the survivors
 when :func:`peer_failed` says an op failed for a dead peer): each step is

@@ -406,7 +406,7 @@ static uint32_t raw_group_reply_len(uint16_t minor, const char *job, struct shar
 Test(step_job, group_reply_of_a_minor_3_client_has_no_peer_last_step, .timeout = 30)
 {
 	const size_t per_param = sizeof(struct shardd_param_layout) + sizeof(struct shardd_param_spec);
-	struct harness_daemon hd;
+	struct harness_daemon hd = { 0 };
 	struct shardd_group_reply reply;
 	uint32_t len;
 

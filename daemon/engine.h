@@ -119,8 +119,7 @@ int shd_engine_job_grad_norm(struct shd_engine_job *j, int inf, double *norm, in
  * result of the same step, else the oldest of the SHARDD_GRAD_NORM_KEPT
  * kept. Loop thread.
  */
-void shd_engine_job_grad_norm_keep(struct shd_engine_job *j, uint64_t step, int inf, double norm,
-				   int nonfinite);
+void shd_engine_job_grad_norm_keep(struct shd_engine_job *j, uint64_t step, double norm, int nonfinite);
 /*
  * clip_grad_norm_'s coefficient as torch computes it on a 0-d fp32 norm:
  * min(1, fp32(max_norm) * (1 / (fp32(norm) + fp32(1e-6)))), every

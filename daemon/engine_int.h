@@ -51,7 +51,6 @@ struct eng_op {
 /* The result of one grad_norm of the job, kept for the steps that clip or skip by it. */
 struct eng_gnorm_rec {
 	uint64_t step;               /* 0: empty slot */
-	int inf;                     /* norm type: 0 = 2, 1 = inf */
 	int nonfinite;
 	double norm;
 };

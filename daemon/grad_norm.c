@@ -101,8 +101,7 @@ int shd_engine_job_grad_norm(struct shd_engine_job *j, int inf, double *norm, in
 	return 0;
 }
 
-void shd_engine_job_grad_norm_keep(struct shd_engine_job *j, uint64_t step, int inf, double norm,
-				   int nonfinite)
+void shd_engine_job_grad_norm_keep(struct shd_engine_job *j, uint64_t step, double norm, int nonfinite)
 {
 	struct eng_gnorm_rec *slot = &j->gnorm[0];
 
@@ -114,7 +113,7 @@ void shd_engine_job_grad_norm_keep(struct shd_engine_job *j, uint64_t step, int 
 		if (j->gnorm[i].step < slot->step)
 			slot = &j->gnorm[i];
 	}
-	*slot = (struct eng_gnorm_rec){ .step = step, .inf = inf, .nonfinite = nonfinite, .norm = norm };
+	*slot = (struct eng_gnorm_rec){ .step = step, .nonfinite = nonfinite, .norm = norm };
 }
 
 const struct eng_gnorm_rec *eng_gnorm_find(const struct shd_engine_job *j, uint64_t step)

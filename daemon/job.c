@@ -488,7 +488,7 @@ void shd_job_grad_norm(struct shd_job *j, uint32_t rank, const struct shardd_sqe
 		gnorm_finish(j, ret, msg, 0, 0);
 		return;
 	}
-	shd_engine_job_grad_norm_keep(j->ejob, sqe->step, (int)code, norm, nonfinite);
+	shd_engine_job_grad_norm_keep(j->ejob, sqe->step, norm, nonfinite);
 	gnorm_finish(j, 0, NULL, norm, nonfinite);
 }
 

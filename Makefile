@@ -19,7 +19,7 @@ WERROR   ?= 0
 WERROR_FLAGS := $(if $(filter 1,$(WERROR)),-Werror)
 override CFLAGS += -std=gnu11 $(WERROR_FLAGS) -fPIC -pthread -MMD -MP
 LDFLAGS  ?=
-LDLIBS   := -luring -ljansson -lmicrohttpd -lpthread -lm
+LDLIBS   := -luring -ljansson -lmicrohttpd -lz -lpthread -lm
 PREFIX   ?= /usr/local
 DESTDIR  ?=
 PYTHON   ?= /usr/bin/python3

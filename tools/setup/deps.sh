@@ -9,6 +9,7 @@ PACKAGES=(
 	liburing-dev        # daemon event loop
 	libcriterion-dev    # C test suites
 	libjansson-dev      # admin requests and shardctl --json
+	zlib1g-dev          # checkpoint file checksums (crc32)
 	libmicrohttpd-dev   # shardd --metrics-listen (Prometheus over HTTP)
 	scdoc man-db        # man pages: built from man/*.scd, rendered by the install test
 	clang libclang-rt-dev  # libFuzzer targets (tests/fuzz/): clang and its matching runtimes

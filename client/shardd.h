@@ -281,6 +281,15 @@ int shardd_grad_norm_submit(struct shardd_client *c, uint64_t step, double norm_
 void shardd_grad_norm_result(const struct shardd_completion *cp, double *norm, int *nonfinite);
 
 /*
+ * Job-wide, every rank with the same `step` after the step's ops completed:
+ * the daemon writes every group's params and optimizer state to
+ * <--state-dir>/<job>/step-<step> (docs/CHECKPOINTS.md) and completes each
+ * rank's op once the checkpoint is durable. 0 or a negative code as above
+ * (-SHARDD_E_INVALID: the daemon has no --state-dir).
+ */
+int shardd_checkpoint(struct shardd_client *c, uint64_t step);
+
+/*
  * The last step applied or skipped on this rank's shard when the group was
  * registered or opened (0: none): where a re-attached rank resumes.
  */

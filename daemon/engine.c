@@ -186,6 +186,7 @@ void shd_engine_job_end(struct shd_engine_job *j, const char *why)
 	if (!j)
 		return;
 	e = j->e;
+	j->ending = 1;
 	for (uint32_t i = 0; i < j->ngroups; i++) {
 		struct eng_group *eg = j->groups[i];
 
@@ -194,6 +195,7 @@ void shd_engine_job_end(struct shd_engine_job *j, const char *why)
 		group_shutdown(eg, why);
 		eng_group_free(eg);
 	}
+	eng_ckpt_job_end(j, why);
 	if (j->prev)
 		j->prev->next = j->next;
 	else

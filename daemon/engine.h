@@ -114,6 +114,35 @@ uint64_t shd_engine_job_memory_committed(const struct shd_engine_job *j);
 int shd_engine_job_grad_norm(struct shd_engine_job *j, int inf, double *norm, int *nonfinite,
 			     char *msg, size_t len);
 
+/*
+ * Checkpoints (ckpt_save.c, docs/CHECKPOINTS.md). The end of a checkpoint,
+ * on the loop thread, exactly once: res 0 with `dir` the directory it now
+ * is, `bytes` written and `seconds` taken; else a negative code and `msg`.
+ */
+typedef void (*shd_engine_ckpt_fn)(void *ctx, int res, const char *msg, const char *dir,
+				   uint64_t bytes, double seconds);
+
+struct shd_engine_ckpt_target {
+	const char *dir;       /* the checkpoint's directory: must not exist yet */
+	const char *keep_root; /* with keep > 0: the folder whose oldest step-* directories go */
+	uint32_t keep;         /* --keep: checkpoints kept in keep_root; 0 = all */
+	uint64_t step;         /* the step boundary it is taken at (the manifest's "step") */
+};
+
+/*
+ * Start writing a checkpoint of every group of the job into a temporary
+ * directory beside `t->dir`, renamed to it once every file and the
+ * directory are synced: each group's save runs on the worker pool, in its
+ * group's queue, so the group's later ops wait for it. Needs every group
+ * registered and idle, and each optimizer's last step the same on every
+ * rank. 0: `done` will be called; else a negative code with `msg` (done is
+ * not called). Loop thread.
+ */
+int shd_engine_job_checkpoint(struct shd_engine_job *j, const struct shd_engine_ckpt_target *t,
+			      shd_engine_ckpt_fn done, void *ctx, char *msg, size_t len);
+/* 1 while a checkpoint of the job is being written. */
+int shd_engine_job_checkpointing(const struct shd_engine_job *j);
+
 /* Group ids of the job run 1..ngroups; an id whose registration failed has no group. */
 uint32_t shd_engine_job_ngroups(const struct shd_engine_job *j);
 /* The group with this id (complete or still registering), or NULL. */

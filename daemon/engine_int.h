@@ -56,7 +56,11 @@ enum eng_task_kind {
 	TASK_REDUCE,          /* reduce-scatter (+ HSDP all-reduce) into sharded grads */
 	TASK_ZERO_GRAD,       /* one rank's sharded grads become absent */
 	TASK_STEP,            /* one rank's optimizer step on its shard */
+	TASK_SAVE,            /* checkpoint: write the group's params and optimizer state (ckpt_save.c) */
+	TASK_SAVE_FINAL,      /* checkpoint: manifest, fsync, rename, retention (ckpt_save.c) */
 };
+
+struct eng_ckpt;
 
 struct eng_group;
 
@@ -67,6 +71,8 @@ struct eng_task {
 	uint32_t kind;               /* enum eng_task_kind */
 	uint32_t replica;            /* UNSHARD, REDUCE_PARTIAL */
 	uint32_t rank;               /* ZERO_GRAD, STEP */
+	struct eng_ckpt *ckpt;       /* SAVE, SAVE_FINAL: the checkpoint it is part of */
+	uint32_t gindex;             /* SAVE: the group's index in the checkpoint's manifest */
 	int finished;                /* on the finished list; under engine lock */
 	int res;
 	char msg[ENGINE_MSG_MAX];
@@ -122,6 +128,8 @@ struct shd_engine_job {
 	struct eng_group **groups;   /* index = group id - 1; NULL once a registration failed */
 	uint32_t ngroups, cap;
 	uint64_t mem_committed;      /* its groups' eg->mem_committed, summed */
+	struct eng_ckpt *ckpt;       /* the checkpoint being written, or NULL (ckpt_save.c) */
+	int ending;                  /* shd_engine_job_end runs: start no task */
 	struct shd_engine_job *prev, *next;
 };
 
@@ -191,5 +199,14 @@ void eng_group_enqueue(struct eng_group *eg, struct eng_task *t);
  * one with (res, msg): the group runs nothing afterwards.
  */
 void eng_tasks_stop(struct eng_group *eg, int res, const char *msg);
+
+/* ---- ckpt_save.c: checkpoints ---- */
+
+/* Pool thread: the work of a TASK_SAVE or TASK_SAVE_FINAL; sets t->res and t->msg. */
+void eng_ckpt_exec(struct eng_task *t);
+/* Loop thread: a TASK_SAVE or TASK_SAVE_FINAL is done (or failed unrun with t->res). */
+void eng_ckpt_delivered(struct eng_task *t);
+/* Loop thread, from shd_engine_job_end after every group stopped: fail a checkpoint still open. */
+void eng_ckpt_job_end(struct shd_engine_job *j, const char *why);
 
 #endif /* SHD_ENGINE_INT_H */

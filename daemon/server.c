@@ -584,6 +584,8 @@ int shd_server_init(const struct shd_config *cfg)
 		.collective_timeout_s = server.cfg.collective_timeout_s,
 		.linger_ns = server.job_linger_ns,
 		.linger_s = server.cfg.job_linger_s,
+		.state_dir = server.cfg.state_dir[0] ? server.cfg.state_dir : NULL,
+		.keep = server.cfg.keep,
 	});
 
 	if (!server.socket_activated) {

@@ -56,6 +56,9 @@ static uint64_t task_bytes(const struct eng_task *t)
 	case TASK_STEP:
 		/* param and grad read, param written, each state read and written, grad zeroed. */
 		return l->shard_size * (4 + 2 * (uint64_t)shd_group_optim_states(&g->optim));
+	case TASK_SAVE:
+	case TASK_SAVE_FINAL:
+		return UINT64_MAX; /* file I/O: always on the pool, never on the loop thread */
 	default:
 		return g->sharded_grads[t->rank].bytes;
 	}
@@ -78,6 +81,10 @@ static void task_exec(struct eng_task *t);
 
 static void task_deliver(struct eng_task *t)
 {
+	if (t->kind == TASK_SAVE || t->kind == TASK_SAVE_FINAL) {
+		eng_ckpt_delivered(t);
+		return;
+	}
 	for (uint32_t i = 0; i < t->nops; i++)
 		eng_complete(t->eg->j, &t->ops[i], t->res ? t->res : t->ops[i].res, t->msg);
 }
@@ -392,6 +399,10 @@ static void task_exec(struct eng_task *t)
 	int ret;
 
 	switch (t->kind) {
+	case TASK_SAVE:
+	case TASK_SAVE_FINAL:
+		eng_ckpt_exec(t);
+		return;
 	case TASK_UNSHARD:
 		ret = task_unshard(t);
 		break;

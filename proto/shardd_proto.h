@@ -25,7 +25,7 @@
 #define SHARDD_MAGIC        0x44524853u /* "SHRD" as little-endian bytes */
 #define SHARDD_RING_MAGIC   0x474e4952u /* "RING" */
 #define SHARDD_PROTO_MAJOR  1           /* incompatible changes bump this */
-#define SHARDD_PROTO_MINOR  3           /* compatible additions bump this */
+#define SHARDD_PROTO_MINOR  4           /* compatible additions bump this */
 
 #define SHARDD_NAME_MAX      64  /* job and group names, NUL included */
 #define SHARDD_PARAM_NAME_MAX 80 /* param names, NUL included */
@@ -73,6 +73,7 @@ enum shardd_op {
 	SHARDD_OP_ZERO_GRAD = 6, /* this rank's sharded grads: zero, "absent" */
 	SHARDD_OP_STEP      = 7, /* the group's optimizer on this rank's shard, once per step */
 	SHARDD_OP_GRAD_NORM = 8, /* job-wide: total norm of every group's sharded grads (minor 3) */
+	SHARDD_OP_CHECKPOINT = 9, /* job-wide: save every group to the daemon's --state-dir (minor 4) */
 	SHARDD_OP_COUNT
 };
 
@@ -105,6 +106,14 @@ enum shardd_step_result {
  * norm as double bits in cqe.rsvd2[SHARDD_CQE_GRAD_NORM] and 1 in
  * cqe.rsvd2[SHARDD_CQE_GRAD_NORM_NONFINITE] when some grad element is NaN
  * or Inf (then the norm is NaN or Inf too).
+ */
+/*
+ * SHARDD_OP_CHECKPOINT: job-wide like BARRIER (sqe.group, sqe.flags and
+ * rsvd2 0), keyed by sqe.step, the step boundary it is taken at. When every
+ * rank has arrived the daemon writes every group's params and optimizer
+ * state into <--state-dir>/<job>/step-<step, 12 digits> (docs/CHECKPOINTS.md);
+ * each rank's completion comes when the checkpoint is durable (res 0) or
+ * has failed. Submit it after the completions of the step's ops.
  */
 #define SHARDD_SQE_GRAD_NORM_TYPE      0
 #define SHARDD_CQE_GRAD_NORM           0
@@ -534,6 +543,7 @@ static inline const char *shardd_op_name(uint32_t op)
 	case SHARDD_OP_ZERO_GRAD: return "zero_grad";
 	case SHARDD_OP_STEP: return "step";
 	case SHARDD_OP_GRAD_NORM: return "grad_norm";
+	case SHARDD_OP_CHECKPOINT: return "checkpoint";
 	default: return NULL;
 	}
 }

@@ -14,7 +14,7 @@ import struct
 MAGIC = 0x44524853        # "SHRD"
 RING_MAGIC = 0x474E4952   # "RING"
 PROTO_MAJOR = 1
-PROTO_MINOR = 3
+PROTO_MINOR = 4
 
 NAME_MAX = 64
 PARAM_NAME_MAX = 80
@@ -63,11 +63,12 @@ OP_RESHARD = 5
 OP_ZERO_GRAD = 6
 OP_STEP = 7
 OP_GRAD_NORM = 8
-OP_COUNT = 9
+OP_CHECKPOINT = 9
+OP_COUNT = 10
 
 OP_NAMES = {OP_NOP: "nop", OP_BARRIER: "barrier", OP_UNSHARD: "unshard",
             OP_REDUCE: "reduce", OP_RESHARD: "reshard", OP_ZERO_GRAD: "zero_grad", OP_STEP: "step",
-            OP_GRAD_NORM: "grad_norm"}
+            OP_GRAD_NORM: "grad_norm", OP_CHECKPOINT: "checkpoint"}
 
 REDUCE_ALL_REDUCE = 1 << 0
 REDUCE_STEP = 1 << 1          # step each shard after the reduce (lr in sqe.rsvd2[0])

@@ -1,0 +1,684 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Writing a checkpoint (engine.h, docs/CHECKPOINTS.md) from the daemon's
+ * own buffers, without routing bytes through trainers.
+ *
+ *   start (loop): checks, manifest, a temporary directory beside the target
+ *     --> one TASK_SAVE per group, in the group's queue (pool): its params
+ *         file and optimizer-state file, each tensor assembled from replica
+ *         0's shards row range by row range, CRC-32 as written, fsync
+ *     --> all delivered (loop): one TASK_SAVE_FINAL (pool): manifest.json
+ *         and the Hugging Face index, fsync of the files and the directory,
+ *         rename to the target, fsync of its parent, --keep retention
+ *     --> delivered (loop): done()
+ *
+ * A group's save task sits in its group's queue like any op: ops the ranks
+ * submit on the group later wait for it, so the save reads a state no op
+ * writes. A crash at any moment leaves at most a temporary directory
+ * (".tmp-*", removed by the next checkpoint into the same folder) and
+ * never a half-written checkpoint under the target's name.
+ */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <libgen.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include "ckpt_format.h"
+#include "clock.h"
+#include "engine_int.h"
+#include "log.h"
+
+#define CKPT_BOUNCE (8u << 20) /* bytes read from the backend per write */
+
+struct eng_ckpt {
+	struct shd_engine_job *j;
+	struct shd_ckpt_manifest m;      /* groups and files; file sizes and CRCs filled by the tasks */
+	struct eng_group **egs;          /* [m.ngroups] */
+	int32_t *file_of;                /* [2 * m.ngroups]: group i's params and optimizer file in m.files, or -1 */
+	char *dir, *tmp, *parent, *keep_root;
+	uint32_t keep;
+	int dirfd;                       /* the temporary directory */
+	uint32_t pending;                /* SAVE tasks not yet delivered */
+	int res;                         /* the first failure */
+	char msg[ENGINE_MSG_MAX];
+	uint64_t bytes;                  /* written, all files (atomic: pool threads add) */
+	uint64_t start_ns;
+	shd_engine_ckpt_fn done;
+	void *ctx;
+};
+
+/* ------------------------------------------------------------------ */
+/* Pool thread: files                                                  */
+/* ------------------------------------------------------------------ */
+
+static int write_all(int fd, const void *buf, size_t n, uint64_t off)
+{
+	const uint8_t *p = buf;
+
+	while (n) {
+		ssize_t w = pwrite(fd, p, n, (off_t)off);
+
+		if (w < 0) {
+			if (errno == EINTR)
+				continue;
+			return -errno;
+		}
+		p += w;
+		n -= (size_t)w;
+		off += (uint64_t)w;
+	}
+	return 0;
+}
+
+struct save_out {
+	int fd;
+	uint64_t off;
+	uLong crc;
+	uint8_t *bounce;
+	struct shd_backend_ctx *b;
+};
+
+/* Append `bytes` at `offset` of `src` to the file, through the bounce buffer. */
+static int save_range(struct save_out *o, const struct shd_buf *src, uint64_t offset, uint64_t bytes)
+{
+	while (bytes) {
+		uint64_t k = bytes < CKPT_BOUNCE ? bytes : CKPT_BOUNCE;
+		int ret = o->b->ops->read(o->b, src, offset, k, o->bounce);
+
+		if (ret)
+			return ret < 0 ? ret : -EIO;
+		ret = write_all(o->fd, o->bounce, k, o->off);
+		if (ret)
+			return ret;
+		o->crc = crc32(o->crc, o->bounce, (uInt)k);
+		o->off += k;
+		offset += k;
+		bytes -= k;
+	}
+	return 0;
+}
+
+/*
+ * Write group `gi`'s params file (optim 0) or optimizer-state file: the
+ * header, then each tensor in file order. A full tensor is, for each
+ * index before its shard dim, the valid rows of shard 0, 1, ..., S-1 in
+ * turn: each rank's shard is a row range of the tensor.
+ */
+static int save_file(struct eng_ckpt *c, uint32_t gi, int optim, uint8_t *bounce, char *msg, size_t len)
+{
+	const struct shd_group *g = c->egs[gi]->g;
+	struct shd_ckpt_file *fe = &c->m.files[c->file_of[2 * gi + optim]];
+	uint32_t ns = optim ? shd_group_optim_states(&g->optim) : 1, n;
+	const char *states[SHD_OPTIM_STATES];
+	struct shd_st_tensor *t = NULL;
+	struct save_out o = { .fd = -1, .crc = crc32(0L, Z_NULL, 0), .bounce = bounce, .b = c->j->e->backend };
+	uint8_t *hdr = NULL;
+	size_t hlen;
+	uint64_t dsize;
+	char err[256];
+	int ret;
+
+	for (uint32_t k = 0; optim && k < ns; k++)
+		states[k] = shd_group_optim_state_name(&g->optim, k);
+	ret = shd_ckpt_group_tensors(&c->m.groups[gi], optim, ns, states, &t, &n);
+	if (ret)
+		goto out;
+	ret = shd_st_build(t, n, &hdr, &hlen, &dsize, err, sizeof(err));
+	if (ret) {
+		eng_fmt(msg, len, "checkpoint %s: group '%s': %s", c->dir, g->name, err);
+		goto out;
+	}
+	o.fd = openat(c->dirfd, fe->name, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+	if (o.fd < 0) {
+		ret = -errno;
+		goto out;
+	}
+	ret = write_all(o.fd, hdr, hlen, 0);
+	if (ret)
+		goto out;
+	o.crc = crc32(o.crc, hdr, (uInt)hlen);
+	o.off = hlen;
+	for (uint32_t i = 0, ti = 0; i < g->layout.nparams; i++) {
+		const struct shd_layout_param *p = &g->layout.params[i];
+		uint64_t esz = optim ? sizeof(float) : shardd_dtype_size(p->dtype);
+
+		for (uint32_t k = 0; k < ns; k++, ti++) {
+			for (uint64_t x = 0; p->numel && x < p->outer && !ret; x++)
+				for (uint32_t s = 0; s < g->shard && !ret; s++)
+					ret = save_range(&o, optim ? &g->optim_state[k][s] : &g->shards[s],
+							 p->shard_offset + x * p->rows * p->inner * esz,
+							 shd_layout_rows_valid(p, s) * p->inner * esz);
+			if (ret)
+				goto out;
+			if (o.off != hlen + t[ti].end) {
+				eng_fmt(msg, len, "checkpoint %s: tensor '%s' took %llu bytes, its header says %llu",
+					c->dir, t[ti].name, (unsigned long long)(o.off - hlen - t[ti].begin),
+					(unsigned long long)(t[ti].end - t[ti].begin));
+				ret = -EIO;
+				goto out;
+			}
+		}
+	}
+	if (fsync(o.fd))
+		ret = -errno;
+	fe->bytes = o.off;
+	fe->crc32 = (uint32_t)o.crc;
+	__atomic_add_fetch(&c->bytes, o.off, __ATOMIC_RELAXED);
+out:
+	if (ret && !msg[0])
+		eng_fmt(msg, len, "checkpoint %s: writing %s of group '%s': %s", c->dir, fe->name, g->name,
+			ret > -SHARDD_E_BASE ? strerror(-ret) : "backend read failed");
+	if (o.fd >= 0)
+		close(o.fd);
+	free(hdr);
+	free(t);
+	return ret;
+}
+
+static int save_group(struct eng_ckpt *c, uint32_t gi, char *msg, size_t len)
+{
+	const struct shd_group *g = c->egs[gi]->g;
+	struct shd_backend_ctx *b = c->j->e->backend;
+	uint8_t *bounce;
+	int ret = 0;
+
+	/* Device work queued on the buffers (a step's) finishes before they are read. */
+	if (b->ops->sync) {
+		const struct shd_buf *on[SHARDD_MAX_WORLD];
+		char why[256] = "";
+
+		for (uint32_t s = 0; s < g->shard; s++)
+			on[s] = &g->shards[s];
+		ret = b->ops->sync(b, on, g->shard, why, sizeof(why));
+		if (ret) {
+			eng_fmt(msg, len, "checkpoint %s: group '%s': the %s backend failed: %s", c->dir,
+				g->name, b->ops->name, why);
+			return ret;
+		}
+	}
+	bounce = malloc(CKPT_BOUNCE);
+	if (!bounce) {
+		eng_fmt(msg, len, "checkpoint %s: out of memory for the %u-byte write buffer", c->dir, CKPT_BOUNCE);
+		return -SHARDD_E_NOMEM;
+	}
+	ret = save_file(c, gi, 0, bounce, msg, len);
+	if (!ret && c->file_of[2 * gi + 1] >= 0)
+		ret = save_file(c, gi, 1, bounce, msg, len);
+	free(bounce);
+	return ret;
+}
+
+/* Remove the files of directory `path` (no subdirectories in a checkpoint), then it. */
+static int remove_dir(int parentfd, const char *path)
+{
+	int fd = openat(parentfd, path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+	DIR *d;
+	struct dirent *e;
+
+	if (fd < 0)
+		return -errno;
+	d = fdopendir(fd);
+	if (!d) {
+		close(fd);
+		return -errno;
+	}
+	while ((e = readdir(d)))
+		if (strcmp(e->d_name, ".") && strcmp(e->d_name, ".."))
+			unlinkat(fd, e->d_name, 0);
+	closedir(d);
+	return unlinkat(parentfd, path, AT_REMOVEDIR) ? -errno : 0;
+}
+
+static int step_cmp(const void *a, const void *b)
+{
+	unsigned long long x = strtoull(*(char *const *)a + 5, NULL, 10);
+	unsigned long long y = strtoull(*(char *const *)b + 5, NULL, 10);
+
+	return x < y ? -1 : x > y;
+}
+
+/* 1 for "step-<digits>". */
+static int is_step_dir(const char *s)
+{
+	return !strncmp(s, "step-", 5) && s[5] && strspn(s + 5, "0123456789") == strlen(s + 5);
+}
+
+/* In keep_root: remove stale temporary directories, and the oldest step-* beyond `keep`. */
+static void retention(struct eng_ckpt *c)
+{
+	int fd = open(c->keep_root, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+	char **steps = NULL;
+	size_t n = 0, cap = 0;
+	struct dirent *e;
+	DIR *d;
+
+	if (fd < 0)
+		return;
+	d = fdopendir(fd);
+	if (!d) {
+		close(fd);
+		return;
+	}
+	while ((e = readdir(d))) {
+		if (!strncmp(e->d_name, ".tmp-", 5)) {
+			remove_dir(fd, e->d_name);
+			continue;
+		}
+		if (!c->keep || !is_step_dir(e->d_name))
+			continue;
+		if (n == cap) {
+			char **bigger = realloc(steps, (cap = cap ? 2 * cap : 16) * sizeof(*steps));
+
+			if (!bigger)
+				break;
+			steps = bigger;
+		}
+		if (!(steps[n] = strdup(e->d_name)))
+			break;
+		n++;
+	}
+	qsort(steps, n, sizeof(*steps), step_cmp);
+	for (size_t i = 0; i + c->keep < n; i++) {
+		int ret = remove_dir(fd, steps[i]);
+
+		if (ret)
+			shd_log_warn("checkpoint retention (--keep %u): cannot remove %s/%s: %s", c->keep,
+				     c->keep_root, steps[i], strerror(-ret));
+		else
+			shd_log_info("checkpoint retention (--keep %u): removed %s/%s", c->keep, c->keep_root,
+				     steps[i]);
+	}
+	for (size_t i = 0; i < n; i++)
+		free(steps[i]);
+	free(steps);
+	closedir(d);
+}
+
+static int write_text(int dirfd, const char *name, const char *text)
+{
+	int fd = openat(dirfd, name, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644), ret;
+
+	if (fd < 0)
+		return -errno;
+	ret = write_all(fd, text, strlen(text), 0);
+	if (!ret && fsync(fd))
+		ret = -errno;
+	close(fd);
+	return ret;
+}
+
+/* The manifest, the index, then the directory made durable and renamed into place. */
+static int save_final(struct eng_ckpt *c, char *msg, size_t len)
+{
+	char *json = NULL, err[256] = "";
+	const char *what = SHD_CKPT_MANIFEST;
+	int ret, pfd;
+
+	if (c->res) {
+		/* A group's save failed: nothing of this checkpoint stays. */
+		remove_dir(AT_FDCWD, c->tmp);
+		return c->res;
+	}
+	ret = shd_ckpt_manifest_dump(&c->m, &json, err, sizeof(err));
+	if (!ret)
+		ret = write_text(c->dirfd, SHD_CKPT_MANIFEST, json);
+	free(json);
+	json = NULL;
+	if (!ret && c->m.ngroups > 1) {
+		uint64_t total = 0;
+
+		what = SHD_CKPT_INDEX;
+		for (uint32_t i = 0; i < c->m.ngroups; i++) {
+			const struct shd_ckpt_group *g = &c->m.groups[i];
+
+			for (uint32_t p = 0; p < g->hdr.nparams; p++) {
+				uint64_t n = 1;
+
+				for (uint32_t d = 0; d < g->specs[p].ndim; d++)
+					n *= g->specs[p].shape[d];
+				total += n * shardd_dtype_size(g->specs[p].dtype);
+			}
+		}
+		ret = shd_ckpt_index_dump(&c->m, total, &json, err, sizeof(err));
+		if (!ret)
+			ret = write_text(c->dirfd, SHD_CKPT_INDEX, json);
+		free(json);
+	}
+	if (!ret) {
+		what = "the directory";
+		if (fsync(c->dirfd))
+			ret = -errno;
+	}
+	if (!ret) {
+		what = "the rename into place";
+		if (rename(c->tmp, c->dir))
+			ret = -errno;
+	}
+	if (!ret) {
+		what = "the parent directory";
+		pfd = open(c->parent, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+		if (pfd < 0 || fsync(pfd))
+			ret = -errno;
+		if (pfd >= 0)
+			close(pfd);
+	}
+	if (ret) {
+		eng_fmt(msg, len, "checkpoint %s: writing %s: %s", c->dir, what,
+			err[0] ? err : strerror(ret < 0 && ret > -SHARDD_E_BASE ? -ret : EIO));
+		remove_dir(AT_FDCWD, c->tmp);
+		return ret;
+	}
+	if (c->keep_root)
+		retention(c);
+	return 0;
+}
+
+void eng_ckpt_exec(struct eng_task *t)
+{
+	t->msg[0] = '\0';
+	if (t->kind == TASK_SAVE)
+		t->res = save_group(t->ckpt, t->gindex, t->msg, sizeof(t->msg));
+	else
+		t->res = save_final(t->ckpt, t->msg, sizeof(t->msg));
+}
+
+/* ------------------------------------------------------------------ */
+/* Loop thread                                                         */
+/* ------------------------------------------------------------------ */
+
+static void ckpt_free(struct eng_ckpt *c)
+{
+	if (c->dirfd >= 0)
+		close(c->dirfd);
+	shd_ckpt_manifest_free(&c->m);
+	free(c->egs);
+	free(c->file_of);
+	free(c->dir);
+	free(c->tmp);
+	free(c->parent);
+	free(c->keep_root);
+	free(c);
+}
+
+static void ckpt_finish(struct eng_ckpt *c, int res, const char *msg)
+{
+	double secs = (double)(shd_now_ns() - c->start_ns) / 1e9;
+	uint64_t bytes = __atomic_load_n(&c->bytes, __ATOMIC_RELAXED);
+
+	c->j->ckpt = NULL;
+	if (!res)
+		shd_log_info("job '%s': checkpoint of step %llu written to %s: %llu bytes in %.3f s (%.2f GB/s)",
+			     c->j->name, (unsigned long long)c->m.step, c->dir, (unsigned long long)bytes, secs,
+			     secs > 0 ? (double)bytes / secs / 1e9 : 0.0);
+	else
+		shd_log_warn("job '%s': %s", c->j->name, msg);
+	c->done(c->ctx, res, res ? msg : NULL, c->dir, bytes, secs);
+	ckpt_free(c);
+}
+
+void eng_ckpt_delivered(struct eng_task *t)
+{
+	struct eng_ckpt *c = t->ckpt;
+	struct eng_task *f;
+
+	if (t->kind == TASK_SAVE_FINAL) {
+		ckpt_finish(c, t->res, t->msg);
+		return;
+	}
+	if (t->res && !c->res) {
+		c->res = t->res;
+		snprintf(c->msg, sizeof(c->msg), "%s", t->msg);
+	}
+	if (--c->pending)
+		return;
+	if (c->j->ending) {
+		ckpt_finish(c, c->res ? c->res : -SHARDD_E_SHUTDOWN,
+			    c->res ? c->msg : "the job ended while its checkpoint was written");
+		return;
+	}
+	f = eng_task_new(c->egs[0], TASK_SAVE_FINAL, 1);
+	if (!f) {
+		ckpt_finish(c, -SHARDD_E_NOMEM, "out of memory for the checkpoint's last task");
+		return;
+	}
+	f->ckpt = c;
+	f->ops[0].sqe.op = SHARDD_OP_CHECKPOINT;
+	f->ops[0].sqe.step = c->m.step;
+	eng_group_enqueue(c->egs[0], f);
+}
+
+void eng_ckpt_job_end(struct shd_engine_job *j, const char *why)
+{
+	char msg[ENGINE_MSG_MAX];
+
+	if (!j->ckpt)
+		return;
+	eng_fmt(msg, sizeof(msg), "job '%s' %s while its checkpoint was written", j->name, why ? why : "ended");
+	ckpt_finish(j->ckpt, -SHARDD_E_SHUTDOWN, msg);
+}
+
+int shd_engine_job_checkpointing(const struct shd_engine_job *j)
+{
+	return j->ckpt != NULL;
+}
+
+/* mkdir -p `path` (mode 0755). 0 or -errno. */
+static int mkdir_p(const char *path)
+{
+	char buf[4096];
+	size_t n = strlen(path);
+
+	if (n >= sizeof(buf))
+		return -ENAMETOOLONG;
+	memcpy(buf, path, n + 1);
+	for (char *p = buf + 1; *p; p++) {
+		if (*p != '/')
+			continue;
+		*p = '\0';
+		if (mkdir(buf, 0755) && errno != EEXIST)
+			return -errno;
+		*p = '/';
+	}
+	if (mkdir(buf, 0755) && errno != EEXIST)
+		return -errno;
+	return 0;
+}
+
+/* Check the job can be saved now and fill c->m, c->egs, c->file_of. */
+static int ckpt_plan(struct shd_engine_job *j, struct eng_ckpt *c, uint64_t step, char *msg, size_t len)
+{
+	uint32_t n = 0, nf = 0;
+
+	for (uint32_t i = 0; i < j->ngroups; i++) {
+		struct eng_group *eg = j->groups[i];
+
+		if (!eg)
+			continue;
+		if (!eg->complete) {
+			eng_fmt(msg, len, "group '%s' is still registering; checkpoint once every rank registered it",
+				eg->g->name);
+			return -SHARDD_E_STATE;
+		}
+		if (eg->running || eg->qhead) {
+			eng_fmt(msg, len, "group '%s' still has a %s in flight; submit checkpoint after the "
+				"completions of the step's ops", eg->g->name,
+				shardd_op_name((eg->running ? eg->running : eg->qhead)->ops[0].sqe.op));
+			return -SHARDD_E_STATE;
+		}
+		for (uint32_t r = 1; eg->g->optim.kind != SHARDD_OPTIM_NONE && r < eg->g->world; r++)
+			if (eg->g->last_step[r] != eg->g->last_step[0] ||
+			    eg->g->optim_steps[r] != eg->g->optim_steps[0]) {
+				eng_fmt(msg, len, "group '%s' is not at a step boundary: rank 0 applied step %llu "
+					"(%llu updates), rank %u step %llu (%llu updates); checkpoint after every "
+					"rank's step", eg->g->name, (unsigned long long)eg->g->last_step[0],
+					(unsigned long long)eg->g->optim_steps[0], r,
+					(unsigned long long)eg->g->last_step[r],
+					(unsigned long long)eg->g->optim_steps[r]);
+				return -SHARDD_E_STATE;
+			}
+		n++;
+	}
+	if (!n) {
+		eng_fmt(msg, len, "job '%s' has no registered group to checkpoint", j->name);
+		return -SHARDD_E_STATE;
+	}
+	c->m.version = SHD_CKPT_VERSION;
+	snprintf(c->m.job, sizeof(c->m.job), "%s", j->name);
+	c->m.step = step;
+	c->m.replicate = j->replicate;
+	c->m.shard = j->shard;
+	c->m.groups = calloc(n, sizeof(*c->m.groups));
+	c->m.files = calloc(2 * (size_t)n, sizeof(*c->m.files));
+	c->egs = calloc(n, sizeof(*c->egs));
+	c->file_of = calloc(2 * (size_t)n, sizeof(*c->file_of));
+	if (!c->m.groups || !c->m.files || !c->egs || !c->file_of)
+		return -ENOMEM;
+	for (uint32_t i = 0; i < j->ngroups; i++) {
+		struct eng_group *eg = j->groups[i];
+		struct shd_ckpt_group *cg;
+		const struct shd_group *g;
+
+		if (!eg)
+			continue;
+		g = eg->g;
+		cg = &c->m.groups[c->m.ngroups];
+		c->egs[c->m.ngroups] = eg;
+		cg->hdr = g->hdr;
+		cg->hdr.init = 0;
+		cg->specs = malloc(g->hdr.nparams * sizeof(*cg->specs));
+		if (!cg->specs)
+			return -ENOMEM;
+		memcpy(cg->specs, g->specs, g->hdr.nparams * sizeof(*cg->specs));
+		cg->optim = g->optim;
+		cg->last_step = g->optim.kind != SHARDD_OPTIM_NONE ? g->last_step[0] : 0;
+		cg->optim_steps = g->optim.kind != SHARDD_OPTIM_NONE ? g->optim_steps[0] : 0;
+		shd_ckpt_file_names(c->m.ngroups, n, cg->file, cg->optim_file);
+		c->file_of[2 * c->m.ngroups] = (int32_t)nf;
+		snprintf(c->m.files[nf++].name, SHD_CKPT_FILE_NAME_MAX, "%s", cg->file);
+		if (shd_group_optim_states(&g->optim)) {
+			c->file_of[2 * c->m.ngroups + 1] = (int32_t)nf;
+			snprintf(c->m.files[nf++].name, SHD_CKPT_FILE_NAME_MAX, "%s", cg->optim_file);
+		} else {
+			c->file_of[2 * c->m.ngroups + 1] = -1;
+			cg->optim_file[0] = '\0';
+		}
+		c->m.ngroups++;
+	}
+	c->m.nfiles = nf;
+	return 0;
+}
+
+int shd_engine_job_checkpoint(struct shd_engine_job *j, const struct shd_engine_ckpt_target *tg,
+			      shd_engine_ckpt_fn done, void *ctx, char *msg, size_t len)
+{
+	struct eng_ckpt *c;
+	struct eng_task **tasks = NULL;
+	char *json = NULL, err[256] = "", *base, *parent, *tmpl = NULL;
+	struct stat st;
+	int ret;
+
+	if (j->ckpt) {
+		eng_fmt(msg, len, "the checkpoint of step %llu into %s is still being written; wait for its "
+			"completion", (unsigned long long)j->ckpt->m.step, j->ckpt->dir);
+		return -SHARDD_E_STATE;
+	}
+	c = calloc(1, sizeof(*c));
+	if (!c)
+		goto nomem;
+	c->j = j;
+	c->dirfd = -1;
+	c->keep = tg->keep;
+	c->done = done;
+	c->ctx = ctx;
+	c->start_ns = shd_now_ns();
+	ret = ckpt_plan(j, c, tg->step, msg, len);
+	if (ret == -ENOMEM)
+		goto nomem;
+	if (ret)
+		goto fail;
+	/* Every name must be UTF-8 and every param name unique in the job before a byte is written. */
+	ret = shd_ckpt_manifest_dump(&c->m, &json, err, sizeof(err));
+	free(json);
+	json = NULL;
+	if (!ret && c->m.ngroups > 1) {
+		ret = shd_ckpt_index_dump(&c->m, 0, &json, err, sizeof(err));
+		free(json);
+	}
+	if (ret == -ENOMEM)
+		goto nomem;
+	if (ret) {
+		eng_fmt(msg, len, "%s", err);
+		goto fail;
+	}
+	c->dir = strdup(tg->dir);
+	c->keep_root = tg->keep_root ? strdup(tg->keep_root) : NULL;
+	base = strdup(tg->dir);
+	parent = strdup(tg->dir);
+	if (!c->dir || !base || !parent || (tg->keep_root && !c->keep_root)) {
+		free(base);
+		free(parent);
+		goto nomem;
+	}
+	/* dirname and basename may return a pointer into their argument: copy out of it. */
+	c->parent = strdup(dirname(parent));
+	ret = c->parent ? asprintf(&tmpl, "%s/.tmp-%s-XXXXXX", c->parent, basename(base)) : -1;
+	free(base);
+	free(parent);
+	if (ret < 0)
+		goto nomem;
+	c->tmp = tmpl;
+	if (!stat(tg->dir, &st)) {
+		eng_fmt(msg, len, "checkpoint directory %s exists; name a new one (a checkpoint is never "
+			"written over another)", tg->dir);
+		ret = -SHARDD_E_INVALID;
+		goto fail;
+	}
+	ret = mkdir_p(c->parent);
+	if (ret || !mkdtemp(c->tmp) || (c->dirfd = open(c->tmp, O_RDONLY | O_DIRECTORY | O_CLOEXEC)) < 0) {
+		eng_fmt(msg, len, "checkpoint %s: cannot create %s: %s", tg->dir, ret ? c->parent : c->tmp,
+			strerror(ret ? -ret : errno));
+		ret = -SHARDD_E_INVALID;
+		goto fail;
+	}
+	tasks = calloc(c->m.ngroups, sizeof(*tasks));
+	if (!tasks)
+		goto nomem_tmp;
+	for (uint32_t i = 0; i < c->m.ngroups; i++) {
+		tasks[i] = eng_task_new(c->egs[i], TASK_SAVE, 1);
+		if (!tasks[i]) {
+			for (uint32_t k = 0; k < i; k++)
+				free(tasks[k]);
+			free(tasks);
+			goto nomem_tmp;
+		}
+		tasks[i]->ckpt = c;
+		tasks[i]->gindex = i;
+		/* Read by messages that name what a group runs; never completed (eng_ckpt_delivered). */
+		tasks[i]->ops[0].sqe.op = SHARDD_OP_CHECKPOINT;
+		tasks[i]->ops[0].sqe.step = tg->step;
+	}
+	c->pending = c->m.ngroups;
+	j->ckpt = c;
+	shd_log_info("job '%s': checkpoint of step %llu into %s started (%u groups)", j->name,
+		     (unsigned long long)tg->step, tg->dir, c->m.ngroups);
+	for (uint32_t i = 0; i < c->m.ngroups; i++)
+		eng_group_enqueue(c->egs[i], tasks[i]);
+	free(tasks);
+	return 0;
+nomem_tmp:
+	remove_dir(AT_FDCWD, c->tmp);
+nomem:
+	eng_fmt(msg, len, "out of memory to plan the checkpoint");
+	ret = -SHARDD_E_NOMEM;
+fail:
+	if (c)
+		ckpt_free(c);
+	return ret;
+}

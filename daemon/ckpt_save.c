@@ -37,8 +37,17 @@
 
 #define CKPT_BOUNCE (8u << 20) /* bytes read from the backend per write */
 
+/* A checkpoint armed for the next step boundary (shd_engine_job_checkpoint_arm). */
+struct eng_ckpt_req {
+	uint64_t id;
+	char *dir;        /* NULL: keep_root/step-N */
+	char *keep_root;
+	uint32_t keep;
+};
+
 struct eng_ckpt {
 	struct shd_engine_job *j;
+	uint64_t id;
 	struct shd_ckpt_manifest m;      /* groups and files; file sizes and CRCs filled by the tasks */
 	struct eng_group **egs;          /* [m.ngroups] */
 	int32_t *file_of;                /* [2 * m.ngroups]: group i's params and optimizer file in m.files, or -1 */
@@ -412,7 +421,16 @@ static void ckpt_finish(struct eng_ckpt *c, int res, const char *msg)
 	double secs = (double)(shd_now_ns() - c->start_ns) / 1e9;
 	uint64_t bytes = __atomic_load_n(&c->bytes, __ATOMIC_RELAXED);
 
+	struct shd_engine_ckpt_status *l = &c->j->ckpt_last;
+
 	c->j->ckpt = NULL;
+	l->last_id = c->id;
+	l->last_res = res;
+	snprintf(l->last_msg, sizeof(l->last_msg), "%s", res ? msg : "");
+	snprintf(l->last_dir, sizeof(l->last_dir), "%s", c->dir);
+	l->last_step = c->m.step;
+	l->last_bytes = bytes;
+	l->last_s = secs;
 	if (!res)
 		shd_log_info("job '%s': checkpoint of step %llu written to %s: %llu bytes in %.3f s (%.2f GB/s)",
 			     c->j->name, (unsigned long long)c->m.step, c->dir, (unsigned long long)bytes, secs,
@@ -454,10 +472,21 @@ void eng_ckpt_delivered(struct eng_task *t)
 	eng_group_enqueue(c->egs[0], f);
 }
 
+static void req_free(struct eng_ckpt_req *r)
+{
+	if (!r)
+		return;
+	free(r->dir);
+	free(r->keep_root);
+	free(r);
+}
+
 void eng_ckpt_job_end(struct shd_engine_job *j, const char *why)
 {
 	char msg[ENGINE_MSG_MAX];
 
+	req_free(j->ckpt_armed);
+	j->ckpt_armed = NULL;
 	if (!j->ckpt)
 		return;
 	eng_fmt(msg, sizeof(msg), "job '%s' %s while its checkpoint was written", j->name, why ? why : "ended");
@@ -575,8 +604,8 @@ static int ckpt_plan(struct shd_engine_job *j, struct eng_ckpt *c, uint64_t step
 	return 0;
 }
 
-int shd_engine_job_checkpoint(struct shd_engine_job *j, const struct shd_engine_ckpt_target *tg,
-			      shd_engine_ckpt_fn done, void *ctx, char *msg, size_t len)
+static int ckpt_start(struct shd_engine_job *j, const struct shd_engine_ckpt_target *tg, uint64_t id,
+		      shd_engine_ckpt_fn done, void *ctx, char *msg, size_t len)
 {
 	struct eng_ckpt *c;
 	struct eng_task **tasks = NULL;
@@ -593,6 +622,7 @@ int shd_engine_job_checkpoint(struct shd_engine_job *j, const struct shd_engine_
 	if (!c)
 		goto nomem;
 	c->j = j;
+	c->id = id;
 	c->dirfd = -1;
 	c->keep = tg->keep;
 	c->done = done;
@@ -681,4 +711,134 @@ fail:
 	if (c)
 		ckpt_free(c);
 	return ret;
+}
+
+int shd_engine_job_checkpoint(struct shd_engine_job *j, const struct shd_engine_ckpt_target *tg,
+			      shd_engine_ckpt_fn done, void *ctx, char *msg, size_t len)
+{
+	if (j->ckpt_armed) {
+		eng_fmt(msg, len, "a checkpoint armed by an admin request (id %llu) waits for the next step "
+			"boundary; wait for it (shardctl checkpoints %s)",
+			(unsigned long long)j->ckpt_armed->id, j->name);
+		return -SHARDD_E_STATE;
+	}
+	int ret = ckpt_start(j, tg, j->ckpt_seq + 1, done, ctx, msg, len);
+
+	if (!ret)
+		j->ckpt_seq++;
+	return ret;
+}
+
+/* An armed checkpoint's end: its outcome is in ckpt_last, read by `shardctl checkpoints`. */
+static void armed_done(void *ctx, int res, const char *msg, const char *dir, uint64_t bytes, double seconds)
+{
+	(void)ctx;
+	(void)res;
+	(void)msg;
+	(void)dir;
+	(void)bytes;
+	(void)seconds;
+}
+
+/*
+ * The step boundary of an armed checkpoint: every group registered and
+ * idle, every optimizer group's last step the same on every rank and in
+ * every group. *step gets that step (0 without an optimizer group).
+ */
+static int at_boundary(const struct shd_engine_job *j, uint64_t *step)
+{
+	int seen = 0;
+
+	*step = 0;
+	for (uint32_t i = 0; i < j->ngroups; i++) {
+		const struct eng_group *eg = j->groups[i];
+
+		if (!eg)
+			continue;
+		if (!eg->complete || eg->running || eg->qhead)
+			return 0;
+		if (eg->g->optim.kind == SHARDD_OPTIM_NONE)
+			continue;
+		for (uint32_t r = 0; r < eg->g->world; r++) {
+			uint64_t s = __atomic_load_n(&eg->g->last_step[r], __ATOMIC_RELAXED);
+
+			if (seen && s != *step)
+				return 0;
+			*step = s;
+			seen = 1;
+		}
+	}
+	return 1;
+}
+
+void eng_ckpt_try_armed(struct shd_engine_job *j)
+{
+	struct eng_ckpt_req *r = j->ckpt_armed;
+	struct shd_engine_ckpt_target t = { .keep_root = r ? r->keep_root : NULL, .keep = r ? r->keep : 0 };
+	char msg[ENGINE_MSG_MAX], *dir = NULL;
+	int ret;
+
+	if (!r || j->ckpt || j->ending || !at_boundary(j, &t.step))
+		return;
+	j->ckpt_armed = NULL;
+	if (!r->dir && asprintf(&dir, "%s/step-%012llu", r->keep_root, (unsigned long long)t.step) < 0)
+		dir = NULL;
+	t.dir = r->dir ? r->dir : dir;
+	ret = t.dir ? ckpt_start(j, &t, r->id, armed_done, NULL, msg, sizeof(msg)) : -SHARDD_E_NOMEM;
+	if (ret) {
+		struct shd_engine_ckpt_status *l = &j->ckpt_last;
+
+		if (!t.dir)
+			eng_fmt(msg, sizeof(msg), "out of memory");
+		shd_log_warn("job '%s': checkpoint %llu: %s", j->name, (unsigned long long)r->id, msg);
+		l->last_id = r->id;
+		l->last_res = ret;
+		snprintf(l->last_msg, sizeof(l->last_msg), "%s", msg);
+		snprintf(l->last_dir, sizeof(l->last_dir), "%s", t.dir ? t.dir : "");
+		l->last_step = t.step;
+		l->last_bytes = 0;
+		l->last_s = 0;
+	}
+	free(dir);
+	req_free(r);
+}
+
+int shd_engine_job_checkpoint_arm(struct shd_engine_job *j, const char *dir, const char *keep_root,
+				  uint32_t keep, uint64_t *id, char *msg, size_t len)
+{
+	struct eng_ckpt_req *r;
+
+	if (j->ckpt_armed || j->ckpt) {
+		eng_fmt(msg, len, "checkpoint %llu of job '%s' is %s; wait for it (shardctl checkpoints %s)",
+			(unsigned long long)(j->ckpt_armed ? j->ckpt_armed->id : j->ckpt->id), j->name,
+			j->ckpt_armed ? "armed for the next step boundary" : "being written", j->name);
+		return -SHARDD_E_STATE;
+	}
+	r = calloc(1, sizeof(*r));
+	if (!r || (dir && !(r->dir = strdup(dir))) || (keep_root && !(r->keep_root = strdup(keep_root)))) {
+		req_free(r);
+		eng_fmt(msg, len, "out of memory");
+		return -SHARDD_E_NOMEM;
+	}
+	r->keep = keep;
+	r->id = ++j->ckpt_seq;
+	*id = r->id;
+	j->ckpt_armed = r;
+	shd_log_info("job '%s': checkpoint %llu armed for the next step boundary (%s)", j->name,
+		     (unsigned long long)r->id, dir ? dir : keep_root);
+	eng_ckpt_try_armed(j);
+	return 0;
+}
+
+void shd_engine_job_checkpoint_status(const struct shd_engine_job *j, struct shd_engine_ckpt_status *st)
+{
+	*st = j->ckpt_last;
+	st->armed_id = j->ckpt_armed ? j->ckpt_armed->id : 0;
+	snprintf(st->armed_dir, sizeof(st->armed_dir), "%s",
+		 j->ckpt_armed && j->ckpt_armed->dir ? j->ckpt_armed->dir : "");
+	st->writing_id = j->ckpt ? j->ckpt->id : 0;
+	st->writing_step = j->ckpt ? j->ckpt->m.step : 0;
+	snprintf(st->writing_dir, sizeof(st->writing_dir), "%s", j->ckpt ? j->ckpt->dir : "");
+	st->writing_bytes = j->ckpt ? __atomic_load_n(&j->ckpt->bytes, __ATOMIC_RELAXED) : 0;
+	st->writing_s = j->ckpt ? (double)(shd_now_ns() - j->ckpt->start_ns) / 1e9 : 0;
 }

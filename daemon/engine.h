@@ -140,6 +140,35 @@ struct shd_engine_ckpt_target {
  */
 int shd_engine_job_checkpoint(struct shd_engine_job *j, const struct shd_engine_ckpt_target *t,
 			      shd_engine_ckpt_fn done, void *ctx, char *msg, size_t len);
+/*
+ * Arm a checkpoint taken at the job's next step boundary (at once when it
+ * is at one now): every group registered and idle, and every optimizer
+ * group's last step the same on every rank and in every group. Into `dir`,
+ * or with dir NULL into keep_root/step-<that step>; `keep` as above. 0 with
+ * *id the checkpoint's id (shd_engine_job_checkpoint_status), or a
+ * negative code with `msg` (one is armed or being written already).
+ */
+int shd_engine_job_checkpoint_arm(struct shd_engine_job *j, const char *dir, const char *keep_root,
+				  uint32_t keep, uint64_t *id, char *msg, size_t len);
+
+#define SHD_ENGINE_CKPT_TEXT 512
+/* A job's checkpoints now (admin `checkpoints`): armed, being written, the last one ended. */
+struct shd_engine_ckpt_status {
+	uint64_t armed_id;                /* 0: none armed */
+	char     armed_dir[SHD_ENGINE_CKPT_TEXT]; /* "" when it goes to keep_root/step-N */
+	uint64_t writing_id;              /* 0: none being written */
+	uint64_t writing_step;
+	char     writing_dir[SHD_ENGINE_CKPT_TEXT];
+	uint64_t writing_bytes;           /* written so far */
+	double   writing_s;               /* since it started */
+	uint64_t last_id;                 /* 0: none ended yet */
+	int      last_res;                /* 0 or the failure's code */
+	char     last_msg[SHD_ENGINE_CKPT_TEXT];
+	char     last_dir[SHD_ENGINE_CKPT_TEXT];
+	uint64_t last_step, last_bytes;
+	double   last_s;
+};
+void shd_engine_job_checkpoint_status(const struct shd_engine_job *j, struct shd_engine_ckpt_status *st);
 /* 1 while a checkpoint of the job is being written. */
 int shd_engine_job_checkpointing(const struct shd_engine_job *j);
 

@@ -61,6 +61,7 @@ enum eng_task_kind {
 };
 
 struct eng_ckpt;
+struct eng_ckpt_req;
 
 struct eng_group;
 
@@ -129,6 +130,9 @@ struct shd_engine_job {
 	uint32_t ngroups, cap;
 	uint64_t mem_committed;      /* its groups' eg->mem_committed, summed */
 	struct eng_ckpt *ckpt;       /* the checkpoint being written, or NULL (ckpt_save.c) */
+	struct eng_ckpt_req *ckpt_armed; /* a checkpoint waiting for the next step boundary, or NULL */
+	uint64_t ckpt_seq;           /* ids given to checkpoints so far */
+	struct shd_engine_ckpt_status ckpt_last; /* the last_* fields: the last checkpoint that ended */
 	int ending;                  /* shd_engine_job_end runs: start no task */
 	struct shd_engine_job *prev, *next;
 };
@@ -206,6 +210,8 @@ void eng_tasks_stop(struct eng_group *eg, int res, const char *msg);
 void eng_ckpt_exec(struct eng_task *t);
 /* Loop thread: a TASK_SAVE or TASK_SAVE_FINAL is done (or failed unrun with t->res). */
 void eng_ckpt_delivered(struct eng_task *t);
+/* Loop thread, after a task's completions: take an armed checkpoint if the job is at a step boundary. */
+void eng_ckpt_try_armed(struct shd_engine_job *j);
 /* Loop thread, from shd_engine_job_end after every group stopped: fail a checkpoint still open. */
 void eng_ckpt_job_end(struct shd_engine_job *j, const char *why);
 

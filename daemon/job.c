@@ -618,6 +618,30 @@ void shd_job_checkpoint(struct shd_job *j, uint32_t rank, const struct shardd_sq
 	shd_rdv_reset(&j->ckpt);
 }
 
+int shd_job_checkpoint_arm(struct shd_job *j, const char *dir, uint64_t *id, char *msg, size_t len)
+{
+	char *root = NULL;
+	int ret;
+
+	if (dir && dir[0] != '/') {
+		snprintf(msg, len, "checkpoint: directory '%s' is relative; the daemon needs an absolute path",
+			 dir);
+		return -SHARDD_E_INVALID;
+	}
+	if (!dir && !env.state_dir) {
+		snprintf(msg, len, "checkpoint: shardd has no --state-dir; name the directory (shardctl "
+			 "checkpoint %s DIR) or restart shardd with --state-dir DIR", j->name);
+		return -SHARDD_E_INVALID;
+	}
+	if (env.state_dir && asprintf(&root, "%s/%s", env.state_dir, j->name) < 0) {
+		snprintf(msg, len, "checkpoint: out of memory");
+		return -SHARDD_E_NOMEM;
+	}
+	ret = shd_engine_job_checkpoint_arm(j->ejob, dir, root, dir ? 0 : env.keep, id, msg, len);
+	free(root);
+	return ret;
+}
+
 void shd_job_cron(struct shd_job *j, uint64_t now_ns)
 {
 	char within[32], late[2300], msg[2400];

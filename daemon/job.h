@@ -166,6 +166,13 @@ void shd_job_grad_norm(struct shd_job *j, uint32_t rank, const struct shardd_sqe
  */
 void shd_job_checkpoint(struct shd_job *j, uint32_t rank, const struct shardd_sqe *sqe);
 /*
+ * An admin checkpoint (shardctl checkpoint): taken at the job's next step
+ * boundary into `dir` (an absolute path), or with dir NULL into
+ * <--state-dir>/<job>/step-<step>. 0 with *id its id, or a negative code
+ * with `msg` naming the fix (no --state-dir, a relative dir, one armed).
+ */
+int shd_job_checkpoint_arm(struct shd_job *j, const char *dir, uint64_t *id, char *msg, size_t len);
+/*
  * Fail a barrier or grad_norm waiting past the collective timeout; end the job when it
  * has had no attached rank for --job-linger seconds (then `j` is freed).
  */

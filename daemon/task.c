@@ -87,6 +87,8 @@ static void task_deliver(struct eng_task *t)
 	}
 	for (uint32_t i = 0; i < t->nops; i++)
 		eng_complete(t->eg->j, &t->ops[i], t->res ? t->res : t->ops[i].res, t->msg);
+	if (t->eg->j->ckpt_armed)
+		eng_ckpt_try_armed(t->eg->j);
 }
 
 /*

@@ -502,3 +502,114 @@ Test(checkpoint, refuses_a_cut_between_ranks_steps, .timeout = 60)
 	ref_free(&ref);
 	finish(&f);
 }
+
+/* ---- shardctl checkpoint ---- */
+
+struct ctl_arg {
+	const char *socket, *job, *dir;
+	int out_fd;
+};
+
+/* Child: exec shardctl --socket S checkpoint JOB DIR, its stdout and stderr into out_fd. */
+static int ctl_checkpoint_main(void *p)
+{
+	struct ctl_arg *a = p;
+	char path[512];
+
+	snprintf(path, sizeof(path), "%s/shardctl", getenv("SHARDD_BUILD"));
+	dup2(a->out_fd, 1);
+	dup2(a->out_fd, 2);
+	execl(path, path, "--socket", a->socket, "checkpoint", a->job, a->dir, (char *)NULL);
+	return 127;
+}
+
+/* shardctl --json checkpoints ck: the parsed reply. */
+static json_t *ctl_checkpoints(const struct fixture *f)
+{
+	char path[512], out[8192];
+	const char *argv[] = { path, "--socket", f->hd.socket, "--json", "checkpoints", "ck", NULL };
+	int status;
+	json_t *r;
+
+	snprintf(path, sizeof(path), "%s/shardctl", getenv("SHARDD_BUILD"));
+	cr_assert_eq(harness_run(argv, 10000, &status, out, sizeof(out)), 0);
+	cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "shardctl checkpoints: %s", out);
+	r = json_loads(out, 0, NULL);
+	cr_assert(r, "%s", out);
+	return r;
+}
+
+Test(checkpoint, shardctl_checkpoint_waits_for_the_next_step_boundary, .timeout = 60)
+{
+	struct fixture f;
+	struct ref ref;
+	struct ctl_arg a;
+	char dir[160], out[4096] = "";
+	int pipefd[2], status;
+	struct stat st;
+	struct shardd_completion cp;
+	pid_t pid;
+	json_t *r;
+	ssize_t n;
+
+	cr_assert(getenv("SHARDD_BUILD"), "SHARDD_BUILD is not set: run through make test");
+	start(&f, NULL, 0);
+	ref_init(&ref, &f);
+	train_step(&f, &ref, 1);
+	/* Step 2 half done: reduced everywhere, applied on rank 0 only. */
+	for (int r2 = 0; r2 < WORLD; r2++)
+		cr_assert_eq(shardd_submit(f.c[r2], SHARDD_OP_REDUCE, shardd_group_id(f.reg[r2].g), 2, 0, 1), 0);
+	for (int r2 = 0; r2 < WORLD; r2++) {
+		cr_assert_eq(shardd_wait(f.c[r2], &cp, 30000), 0, "%s", shardd_last_error());
+		cr_assert_eq(cp.res, 0, "%s", cp.msg);
+	}
+	ref.nsteps++;
+	for (int r2 = 0; r2 < WORLD; r2++)
+		for (uint32_t i = 0; i < NP; i++) {
+			uint64_t num = valid_numel(f.reg[r2].g, i);
+			struct shardd_adamw ad = {
+				.param = ref.p[r2][i], .grad = shardd_group_shard_grad(f.reg[r2].g, i),
+				.exp_avg = ref.s[r2][i][0], .exp_avg_sq = ref.s[r2][i][1],
+				.max_exp_avg_sq = ref.s[r2][i][2], .grad_dtype = SHARDD_DTYPE_FP32,
+				.step = ref.nsteps, .lr = 0.01, .beta1 = adamw.beta1, .beta2 = adamw.beta2,
+				.eps = adamw.eps, .weight_decay = adamw.weight_decay, .amsgrad = 1, .grad_scale = 1.0f,
+			};
+
+			if (num)
+				shardd_k_adamw_isa(SHARDD_K_ISA_PORTABLE, &ad, 0, num);
+		}
+	cr_assert_eq(shardd_step(f.reg[0].g, 2, 0.01, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
+
+	snprintf(dir, sizeof(dir), "%s/by-shardctl", f.state);
+	cr_assert_eq(pipe(pipefd), 0);
+	a = (struct ctl_arg){ .socket = f.hd.socket, .job = "ck", .dir = dir, .out_fd = pipefd[1] };
+	pid = harness_fork(ctl_checkpoint_main, &a);
+	close(pipefd[1]);
+	/* Armed, not taken: the ranks are between step 1 and step 2. */
+	for (int64_t until = harness_now_ms() + 20000;;) {
+		int armed;
+
+		r = ctl_checkpoints(&f);
+		armed = json_integer_value(json_object_get(json_object_get(r, "armed"), "id")) == 1;
+		json_decref(r);
+		if (armed)
+			break;
+		cr_assert(harness_now_ms() < until, "the checkpoint was never armed");
+	}
+	cr_assert_neq(stat(dir, &st), 0, "%s was written before the step boundary", dir);
+	for (int r2 = 1; r2 < WORLD; r2++)
+		cr_assert_eq(shardd_step(f.reg[r2].g, 2, 0.01, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
+	cr_assert_eq(harness_wait_pid(pid, 30000, &status), 0, "shardctl checkpoint did not end");
+	n = read(pipefd[0], out, sizeof(out) - 1);
+	out[n > 0 ? n : 0] = '\0';
+	close(pipefd[0]);
+	cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "shardctl checkpoint: %s: %s",
+		  harness_status_str(status), out);
+	cr_assert(strstr(out, "checkpoint of job 'ck' at step 2 written to"), "%s", out);
+	expect_checkpoint(&f, &ref, dir, 2);
+	r = ctl_checkpoints(&f);
+	cr_assert_str_eq(json_string_value(json_object_get(json_object_get(r, "last"), "dir")), dir);
+	json_decref(r);
+	ref_free(&ref);
+	finish(&f);
+}

@@ -75,6 +75,15 @@ struct shardd_policy {
 	 * Every rank registers the same config; its params must be fp32.
 	 */
 	const struct shardd_optim_config *optimizer;
+	/*
+	 * Where the group's params and optimizer state come from
+	 * (docs/CHECKPOINTS.md): NULL, zeroed shards; "", the job's newest
+	 * checkpoint in the daemon's --state-dir (zeroed when there is none: a
+	 * first run); else a checkpoint directory, or a folder of step-N
+	 * checkpoints (its newest), saved at any mesh. Every rank names the same.
+	 * shardd_group_last_step() then says the step to resume after.
+	 */
+	const char *restore;
 };
 
 /* One reaped completion. */

@@ -206,6 +206,7 @@ static const struct shd_backend_ops cuda_ops = {
 	.reduce = cuda_reduce,
 	.zero = cuda_zero,
 	.read = cuda_read,
+	.write = cuda_write,
 	.sync = cuda_sync,
 	.fences_open = cuda_fences_open,
 	.fence_wait = cuda_fence_wait,

@@ -163,6 +163,8 @@ static void group_shutdown(struct eng_group *eg, const char *why)
 	eng_fmt(msg, sizeof(msg), "shardd: job '%s' %s before this op on group '%s' ran", j->name,
 		why ? why : "ended", eg->g->name);
 	if (!eg->complete) {
+		/* A restore still reading into the buffers ends before they are freed. */
+		eng_tasks_stop(eg, -SHARDD_E_SHUTDOWN, msg);
 		for (uint32_t r = 0; r < j->world; r++)
 			if (shd_rdv_has_arrived(&eg->reg, r))
 				eng_reply_err(j, r, eg->regs[r].token, eg->regs[r].seq, -SHARDD_E_SHUTDOWN, msg);

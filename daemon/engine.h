@@ -47,6 +47,7 @@ struct shd_engine_config {
 	unsigned workers;                 /* worker threads; 0 = number of online cores */
 	uint64_t max_memory;              /* host backend: bytes of buffers of all jobs; 0 = no limit */
 	uint64_t max_job_memory;          /* host backend: bytes of one job's buffers; 0 = no limit */
+	const char *state_dir;            /* --state-dir (checkpoints of job J in state_dir/J), or NULL */
 	shd_engine_complete_fn complete;
 	shd_engine_reply_fn reply;
 };

@@ -58,6 +58,7 @@ enum eng_task_kind {
 	TASK_STEP,            /* one rank's optimizer step on its shard */
 	TASK_SAVE,            /* checkpoint: write the group's params and optimizer state (ckpt_save.c) */
 	TASK_SAVE_FINAL,      /* checkpoint: manifest, fsync, rename, retention (ckpt_save.c) */
+	TASK_RESTORE,         /* registration: params and optimizer state from a checkpoint (ckpt_load.c) */
 };
 
 struct eng_ckpt;
@@ -116,6 +117,10 @@ struct eng_group {
 	 */
 	struct eng_deferred **dhead, **dtail; /* [world] */
 	int flushing;
+	char *restore;               /* SHARDD_INIT_RESTORE: the path every rank registered; else NULL */
+	int restoring;               /* its TASK_RESTORE runs: the registration completes when it ends */
+	int restore_fail;            /* a rank left or the job ended meanwhile: the registration fails */
+	char restore_msg[ENGINE_MSG_MAX];
 };
 
 struct shd_engine_job {
@@ -212,6 +217,10 @@ void eng_ckpt_exec(struct eng_task *t);
 void eng_ckpt_delivered(struct eng_task *t);
 /* Loop thread, after a task's completions: take an armed checkpoint if the job is at a step boundary. */
 void eng_ckpt_try_armed(struct shd_engine_job *j);
+/* Pool thread (ckpt_load.c): fill a registered group's buffers from its checkpoint; sets t->res, t->msg. */
+void eng_restore_exec(struct eng_task *t);
+/* Loop thread (registry.c): the TASK_RESTORE of a registration ended; reply to every rank. */
+void eng_restore_delivered(struct eng_task *t);
 /* Loop thread, from shd_engine_job_end after every group stopped: fail a checkpoint still open. */
 void eng_ckpt_job_end(struct shd_engine_job *j, const char *why);
 

@@ -58,6 +58,7 @@ static uint64_t task_bytes(const struct eng_task *t)
 		return l->shard_size * (4 + 2 * (uint64_t)shd_group_optim_states(&g->optim));
 	case TASK_SAVE:
 	case TASK_SAVE_FINAL:
+	case TASK_RESTORE:
 		return UINT64_MAX; /* file I/O: always on the pool, never on the loop thread */
 	default:
 		return g->sharded_grads[t->rank].bytes;
@@ -85,6 +86,9 @@ static void task_deliver(struct eng_task *t)
 		eng_ckpt_delivered(t);
 		return;
 	}
+	/* Only eng_tasks_stop delivers a restore here: the job ends, and group_shutdown answers the ranks. */
+	if (t->kind == TASK_RESTORE)
+		return;
 	for (uint32_t i = 0; i < t->nops; i++)
 		eng_complete(t->eg->j, &t->ops[i], t->res ? t->res : t->ops[i].res, t->msg);
 	if (t->eg->j->ckpt_armed)
@@ -405,6 +409,9 @@ static void task_exec(struct eng_task *t)
 	case TASK_SAVE_FINAL:
 		eng_ckpt_exec(t);
 		return;
+	case TASK_RESTORE:
+		eng_restore_exec(t);
+		return;
 	case TASK_UNSHARD:
 		ret = task_unshard(t);
 		break;
@@ -495,6 +502,12 @@ void shd_engine_drain(struct shd_engine *e)
 
 		next = t->next;
 		eg->running = NULL;
+		/* A restore's end may fail the registration and free the group: nothing runs after it. */
+		if (t->kind == TASK_RESTORE) {
+			eng_restore_delivered(t);
+			free(t);
+			continue;
+		}
 		/*
 		 * A next task for the pool starts before these completions go
 		 * out, so it overlaps them; a small one runs after them, so the

@@ -248,6 +248,22 @@ struct shardd_error_msg {
 /* Initial values of a group's params: who writes them. */
 enum shardd_init {
 	SHARDD_INIT_ZERO  = 0, /* shards start zeroed; each rank writes its own */
+	SHARDD_INIT_RESTORE = 1, /* params and optimizer state from a checkpoint (minor 4): a
+				    struct shardd_restore and its path follow the payload */
+};
+
+/*
+ * SHARDD_INIT_RESTORE: after the optimizer config (if any), this, then
+ * path_len bytes of a directory path (no NUL): a checkpoint directory (its
+ * manifest.json), or a folder of step-N checkpoints (the newest complete
+ * one). path_len 0: the newest checkpoint of the job in the daemon's
+ * --state-dir, or zeroed shards when it has none (a first run). Every rank
+ * registers the same path.
+ */
+#define SHARDD_RESTORE_PATH_MAX 4096 /* path_len < this */
+struct shardd_restore {
+	uint32_t path_len;
+	uint32_t rsvd;     /* zero */
 };
 
 /* One param of a group, as registered. */
@@ -486,6 +502,7 @@ _Static_assert(offsetof(struct shardd_group_reply, export_kind) == 48, "group_re
 _Static_assert(offsetof(struct shardd_group_reply, optimizer) == 52, "group_reply.optimizer");
 _Static_assert(offsetof(struct shardd_group_reply, last_step) == 56, "group_reply.last_step");
 _Static_assert(sizeof(struct shardd_optim_config) == 72, "optim_config");
+_Static_assert(sizeof(struct shardd_restore) == 8, "restore");
 _Static_assert(sizeof(struct shardd_cuda_ipc_handle) == 64, "cuda_ipc_handle");
 _Static_assert(sizeof(struct shardd_sqe) == 64, "sqe");
 _Static_assert(offsetof(struct shardd_sqe, fence) == 1, "sqe.fence");

@@ -174,7 +174,7 @@ test-c: all $(UNIT_BIN) $(INTEG_BIN)
 
 test-python: all
 	@if [ -d tests/python ]; then \
-		SHARDD_BIN=$(abspath $(SHARDD)) SHARDD_BUILD=$(abspath $(BUILD)) \
+		SHARDD_BIN=$(abspath $(SHARDD)) SHARDD_BUILD=$(abspath $(BUILD)) SHARDD_VENV=$(abspath build/venv) \
 		PYTHONPATH=$(abspath client/python) $(PYTHON) -m pytest -q tests/python; \
 	fi
 

@@ -130,6 +130,9 @@ MSG_NAMES = {MSG_HELLO: "HELLO", MSG_WELCOME: "WELCOME", MSG_ERROR: "ERROR",
              MSG_ADMIN_REPLY: "ADMIN_REPLY"}
 
 INIT_ZERO = 0
+INIT_RESTORE = 1
+RESTORE_PATH_MAX = 4096
+RESTORE = struct.Struct("<II")  # path_len rsvd, then the path
 
 # ring flags (written by the daemon)
 RING_NEED_WAKEUP = 1 << 0

@@ -1,0 +1,134 @@
+# SPDX-License-Identifier: MIT
+"""Checkpoints from the Python client, and interop with the `safetensors`
+package from PyPI (installed by `make deps` into the virtual environment
+$SHARDD_VENV, default build/venv, which sees Debian's numpy):
+
+- Client.checkpoint writes files that safetensors.numpy.load_file reads
+  into the same full tensors the ranks' shards assemble to (numpy concat
+  along each param's shard dim);
+- a model.safetensors written by safetensors.numpy.save_file, with a
+  manifest the test writes (CRC-32 by zlib), restores into a 2-rank job,
+  and register_group(restore=...) reports the saved step."""
+
+import json
+import os
+import subprocess
+import tempfile
+import zlib
+
+import numpy as np
+import pytest
+
+import shardd
+from conftest import ROOT, Daemon, job_name, run_ranks
+
+WORLD = 2
+SPECS = [("w", "float32", (9, 5)), ("b", "float32", (7,)), ("c", "float32", (3, 4), 1)]
+
+
+def venv_python():
+    venv = os.environ.get("SHARDD_VENV") or os.path.join(ROOT, "build", "venv")
+    py = os.path.join(venv, "bin", "python")
+    if not os.access(py, os.X_OK):
+        pytest.fail(f"no Python virtual environment at {venv} with the safetensors package: "
+                    "run make deps (or set SHARDD_VENV)")
+    return py
+
+
+def in_venv(code, *args):
+    """Run `code` with the venv's Python (which has safetensors); its stdout."""
+    r = subprocess.run([venv_python(), "-c", code, *args], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+@pytest.fixture(scope="module")
+def state_daemon():
+    state = tempfile.TemporaryDirectory(prefix="shardd-py-state-")
+    d = Daemon(("--state-dir", state.name))
+    d.state = state.name
+    yield d
+    d.stop()
+    state.cleanup()
+
+
+def full(groups, i, spec):
+    dim = spec[3] if len(spec) > 3 else 0
+    return np.concatenate([g.shard(i) for g in groups], axis=dim)
+
+
+def test_checkpoint_files_load_with_the_safetensors_package(state_daemon, request):
+    job = job_name(request)
+    rng = np.random.default_rng(5)
+    clients = [shardd.Client(job=job, rank=r, shard=WORLD, socket_path=state_daemon.socket)
+               for r in range(WORLD)]
+    try:
+        opt = shardd.Optimizer.adamw(weight_decay=0.0)
+        gs = run_ranks(lambda r: clients[r].register_group("layer", SPECS, optimizer=opt), WORLD)
+        for r in range(WORLD):
+            for i in range(len(SPECS)):
+                gs[r].shard(i)[...] = rng.standard_normal(gs[r].shard(i).shape).astype(np.float32)
+                gs[r].grad(i)[...] = rng.standard_normal(gs[r].grad(i).shape).astype(np.float32)
+        run_ranks(lambda r: gs[r].reduce(1), WORLD)
+        run_ranks(lambda r: gs[r].step(1, 0.01), WORLD)
+        run_ranks(lambda r: clients[r].checkpoint(1), WORLD)
+        ckpt = os.path.join(state_daemon.state, job, "step-000000000001")
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "model.npz")
+            in_venv("import sys, numpy as np, safetensors.numpy as st; "
+                    "np.savez(sys.argv[2], **st.load_file(sys.argv[1]))",
+                    os.path.join(ckpt, "model.safetensors"), out)
+            loaded = np.load(out)
+            assert sorted(loaded.files) == sorted(s[0] for s in SPECS)
+            for i, spec in enumerate(SPECS):
+                want = full(gs, i, spec)
+                assert loaded[spec[0]].dtype == np.float32
+                assert loaded[spec[0]].shape == spec[2]
+                assert np.array_equal(loaded[spec[0]], want), spec[0]
+            out = os.path.join(tmp, "optim.npz")
+            in_venv("import sys, numpy as np, safetensors.numpy as st; "
+                    "np.savez(sys.argv[2], **st.load_file(sys.argv[1]))",
+                    os.path.join(ckpt, "optim.safetensors"), out)
+            names = sorted(np.load(out).files)
+            assert names == sorted(f"{s[0]}.{k}" for s in SPECS for k in ("exp_avg", "exp_avg_sq"))
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_a_file_the_safetensors_package_wrote_restores_into_a_job(state_daemon, request):
+    job = job_name(request)
+    rng = np.random.default_rng(9)
+    with tempfile.TemporaryDirectory() as ckpt:
+        tensors = {s[0]: rng.standard_normal(s[2]).astype(np.float32) for s in SPECS}
+        npz = os.path.join(ckpt, "in.npz")
+        np.savez(npz, **tensors)
+        model = os.path.join(ckpt, "model.safetensors")
+        in_venv("import sys, numpy as np, safetensors.numpy as st; "
+                "st.save_file(dict(np.load(sys.argv[1])), sys.argv[2])", npz, model)
+        os.unlink(npz)
+        data = open(model, "rb").read()
+        manifest = {
+            "format": "shardd-checkpoint", "version": 1, "job": "elsewhere", "step": 7,
+            "mesh": {"replicate": 1, "shard": 3},
+            "groups": [{"name": "layer", "param_dtype": "none", "reduce_dtype": "none",
+                        "optimizer": None,
+                        "params": [{"name": s[0], "dtype": "fp32", "shape": list(s[2]),
+                                    "shard_dim": s[3] if len(s) > 3 else 0} for s in SPECS],
+                        "last_step": 7, "optim_steps": 0, "file": "model.safetensors"}],
+            "files": [{"name": "model.safetensors", "bytes": len(data),
+                       "crc32": f"{zlib.crc32(data):08x}"}],
+        }
+        with open(os.path.join(ckpt, "manifest.json"), "w") as f:
+            json.dump(manifest, f)
+        clients = [shardd.Client(job=job, rank=r, shard=WORLD, socket_path=state_daemon.socket)
+                   for r in range(WORLD)]
+        try:
+            gs = run_ranks(lambda r: clients[r].register_group("layer", SPECS, restore=ckpt), WORLD)
+            for r in range(WORLD):
+                assert gs[r].last_step == 7
+            for i, spec in enumerate(SPECS):
+                assert np.array_equal(full(gs, i, spec), tensors[spec[0]]), spec[0]
+        finally:
+            for c in clients:
+                c.close()

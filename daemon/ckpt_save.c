@@ -293,7 +293,8 @@ static void retention(struct eng_ckpt *c)
 			break;
 		n++;
 	}
-	qsort(steps, n, sizeof(*steps), step_cmp);
+	if (n)
+		qsort(steps, n, sizeof(*steps), step_cmp);
 	for (size_t i = 0; i + c->keep < n; i++) {
 		int ret = remove_dir(fd, steps[i]);
 

@@ -772,6 +772,50 @@ static int at_boundary(const struct shd_engine_job *j, uint64_t *step)
 	return 1;
 }
 
+/* Record a checkpoint that could not start as the job's last one. */
+static void record_failure(struct shd_engine_job *j, uint64_t id, int res, const char *msg, const char *dir,
+			   uint64_t step)
+{
+	struct shd_engine_ckpt_status *l = &j->ckpt_last;
+
+	shd_log_warn("job '%s': checkpoint %llu: %s", j->name, (unsigned long long)id, msg);
+	l->last_id = id;
+	l->last_res = res;
+	snprintf(l->last_msg, sizeof(l->last_msg), "%s", msg);
+	snprintf(l->last_dir, sizeof(l->last_dir), "%s", dir ? dir : "");
+	l->last_step = step;
+	l->last_bytes = 0;
+	l->last_s = 0;
+}
+
+/* --checkpoint-every: at a step boundary that is a multiple of it, once per step. */
+static void try_periodic(struct shd_engine_job *j)
+{
+	const struct shd_engine_config *cfg = &j->e->cfg;
+	struct shd_engine_ckpt_target t = { .keep = cfg->keep };
+	char msg[ENGINE_MSG_MAX], *root = NULL, *dir = NULL;
+	int ret;
+
+	if (!cfg->checkpoint_every || !cfg->state_dir || j->ckpt || j->ending || !at_boundary(j, &t.step) ||
+	    !t.step || t.step % cfg->checkpoint_every || t.step <= j->ckpt_every_last)
+		return;
+	j->ckpt_every_last = t.step;
+	if (asprintf(&root, "%s/%s", cfg->state_dir, j->name) < 0)
+		root = NULL;
+	if (root && asprintf(&dir, "%s/step-%012llu", root, (unsigned long long)t.step) < 0)
+		dir = NULL;
+	t.dir = dir;
+	t.keep_root = root;
+	ret = dir ? ckpt_start(j, &t, j->ckpt_seq + 1, armed_done, NULL, msg, sizeof(msg)) : -SHARDD_E_NOMEM;
+	if (!dir)
+		eng_fmt(msg, sizeof(msg), "out of memory");
+	j->ckpt_seq++;
+	if (ret)
+		record_failure(j, j->ckpt_seq, ret, msg, dir, t.step);
+	free(dir);
+	free(root);
+}
+
 void eng_ckpt_try_armed(struct shd_engine_job *j)
 {
 	struct eng_ckpt_req *r = j->ckpt_armed;
@@ -779,7 +823,11 @@ void eng_ckpt_try_armed(struct shd_engine_job *j)
 	char msg[ENGINE_MSG_MAX], *dir = NULL;
 	int ret;
 
-	if (!r || j->ckpt || j->ending || !at_boundary(j, &t.step))
+	if (!r) {
+		try_periodic(j);
+		return;
+	}
+	if (j->ckpt || j->ending || !at_boundary(j, &t.step))
 		return;
 	j->ckpt_armed = NULL;
 	if (!r->dir && asprintf(&dir, "%s/step-%012llu", r->keep_root, (unsigned long long)t.step) < 0)
@@ -787,18 +835,9 @@ void eng_ckpt_try_armed(struct shd_engine_job *j)
 	t.dir = r->dir ? r->dir : dir;
 	ret = t.dir ? ckpt_start(j, &t, r->id, armed_done, NULL, msg, sizeof(msg)) : -SHARDD_E_NOMEM;
 	if (ret) {
-		struct shd_engine_ckpt_status *l = &j->ckpt_last;
-
 		if (!t.dir)
 			eng_fmt(msg, sizeof(msg), "out of memory");
-		shd_log_warn("job '%s': checkpoint %llu: %s", j->name, (unsigned long long)r->id, msg);
-		l->last_id = r->id;
-		l->last_res = ret;
-		snprintf(l->last_msg, sizeof(l->last_msg), "%s", msg);
-		snprintf(l->last_dir, sizeof(l->last_dir), "%s", t.dir ? t.dir : "");
-		l->last_step = t.step;
-		l->last_bytes = 0;
-		l->last_s = 0;
+		record_failure(j, r->id, ret, msg, t.dir, t.step);
 	}
 	free(dir);
 	req_free(r);

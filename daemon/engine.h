@@ -48,6 +48,9 @@ struct shd_engine_config {
 	uint64_t max_memory;              /* host backend: bytes of buffers of all jobs; 0 = no limit */
 	uint64_t max_job_memory;          /* host backend: bytes of one job's buffers; 0 = no limit */
 	const char *state_dir;            /* --state-dir (checkpoints of job J in state_dir/J), or NULL */
+	uint32_t keep;                    /* --keep: checkpoints kept per job in the state dir; 0 = all */
+	uint32_t checkpoint_every;        /* --checkpoint-every: a checkpoint at every step boundary that
+					     is a multiple of it (needs state_dir); 0 = none */
 	shd_engine_complete_fn complete;
 	shd_engine_reply_fn reply;
 };

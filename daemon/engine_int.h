@@ -137,6 +137,7 @@ struct shd_engine_job {
 	struct eng_ckpt *ckpt;       /* the checkpoint being written, or NULL (ckpt_save.c) */
 	struct eng_ckpt_req *ckpt_armed; /* a checkpoint waiting for the next step boundary, or NULL */
 	uint64_t ckpt_seq;           /* ids given to checkpoints so far */
+	uint64_t ckpt_every_last;    /* the last step --checkpoint-every took (or tried) */
 	struct shd_engine_ckpt_status ckpt_last; /* the last_* fields: the last checkpoint that ended */
 	int ending;                  /* shd_engine_job_end runs: start no task */
 	struct shd_engine_job *prev, *next;

@@ -78,6 +78,8 @@ static void usage(FILE *f)
 		"                             (default: --max-memory)\n"
 		"  --state-dir DIR            keep each job's checkpoints in DIR/JOB/step-N\n"
 		"                             (the checkpoint op; docs/CHECKPOINTS.md)\n"
+		"  --checkpoint-every STEPS   also checkpoint every job into --state-dir at each\n"
+		"                             step boundary that is a multiple of STEPS\n"
 		"  --keep N                   keep the newest N checkpoints of each job in\n"
 		"                             --state-dir, removing older ones (default 0: all)\n"
 		"  --log-level LEVEL          error, warn, info or debug (default info)\n"
@@ -260,6 +262,15 @@ static int apply_flag(struct shd_config *cfg, const char *flag, const char *val,
 			return usage_error("--state-dir: '%.64s' is empty or longer than %zu bytes", val,
 					   sizeof(cfg->state_dir) - 201);
 		snprintf(cfg->state_dir, sizeof(cfg->state_dir), "%s", val);
+	} else if (strcmp(flag, "--checkpoint-every") == 0) {
+		char *end;
+
+		errno = 0;
+		v = strtoul(val, &end, 10);
+		if (errno || end == val || *end || *val == '-' || v == 0 || v > UINT32_MAX)
+			return usage_error("--checkpoint-every: '%s' is not a step count in [1, %u]", val,
+					   UINT32_MAX);
+		cfg->checkpoint_every = (uint32_t)v;
 	} else if (strcmp(flag, "--keep") == 0) {
 		char *end;
 
@@ -284,7 +295,7 @@ static int takes_value(const char *flag)
 		"--socket", "--log-level", "--backend", "--cuda-export", "--collective-timeout",
 		"--handshake-timeout", "--workers", "--allow-gid", "--job-linger", "--socket-mode",
 		"--socket-group", "--metrics-listen", "--max-memory", "--max-job-memory",
-		"--state-dir", "--keep",
+		"--state-dir", "--keep", "--checkpoint-every",
 	};
 
 	for (size_t i = 0; i < sizeof(with_value) / sizeof(with_value[0]); i++)

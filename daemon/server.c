@@ -569,6 +569,8 @@ int shd_server_init(const struct shd_config *cfg)
 	ecfg.max_memory = server.cfg.max_memory;
 	ecfg.max_job_memory = server.cfg.max_job_memory;
 	ecfg.state_dir = server.cfg.state_dir[0] ? server.cfg.state_dir : NULL;
+	ecfg.keep = server.cfg.keep;
+	ecfg.checkpoint_every = server.cfg.checkpoint_every;
 	/* Completions and group replies go to the job, which knows each rank's client. */
 	ecfg.complete = shd_job_op_done;
 	ecfg.reply = shd_job_group_reply;

@@ -57,6 +57,7 @@ struct shd_config {
 	char     metrics_listen[128];   /* --metrics-listen [ADDR:]PORT; "" = no HTTP endpoint */
 	char     state_dir[3072];       /* --state-dir: checkpoints go to <state_dir>/<job>/; "" = none */
 	uint32_t keep;                  /* --keep N: checkpoints kept per job in the state dir; 0 = all */
+	uint32_t checkpoint_every;      /* --checkpoint-every STEPS; 0 = none */
 };
 
 struct shd_server {

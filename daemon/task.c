@@ -91,7 +91,7 @@ static void task_deliver(struct eng_task *t)
 		return;
 	for (uint32_t i = 0; i < t->nops; i++)
 		eng_complete(t->eg->j, &t->ops[i], t->res ? t->res : t->ops[i].res, t->msg);
-	if (t->eg->j->ckpt_armed)
+	if (t->eg->j->ckpt_armed || t->eg->j->e->cfg.checkpoint_every)
 		eng_ckpt_try_armed(t->eg->j);
 }
 

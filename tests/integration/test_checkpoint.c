@@ -77,9 +77,10 @@ static int rm_entry(const char *path, const struct stat *st, int flag, struct FT
 	return remove(path);
 }
 
-static void start(struct fixture *f, const char *keep, int with_state_dir)
+/* A daemon (with --state-dir, --keep and --checkpoint-every as given) and the 1 x 4 job registered. */
+static void start(struct fixture *f, const char *keep, int with_state_dir, const char *every)
 {
-	const char *extra[8] = { "--collective-timeout", "20" };
+	const char *extra[10] = { "--collective-timeout", "20" };
 	int n = 2;
 	pthread_t th[WORLD];
 
@@ -93,6 +94,10 @@ static void start(struct fixture *f, const char *keep, int with_state_dir)
 	if (keep) {
 		extra[n++] = "--keep";
 		extra[n++] = keep;
+	}
+	if (every) {
+		extra[n++] = "--checkpoint-every";
+		extra[n++] = every;
 	}
 	cr_assert_eq(harness_daemon_start(&f->hd, extra), 0, "shardd did not start");
 	for (uint32_t r = 0; r < WORLD; r++)
@@ -233,6 +238,8 @@ static void checkpoint_all(struct fixture *f, uint64_t step, int res[WORLD], cha
 		snprintf(msg[r], 256, "%s", cp.msg);
 	}
 }
+
+static json_t *ctl_checkpoints(const struct fixture *f);
 
 /* ---- the test's own safetensors reader ---- */
 
@@ -391,7 +398,7 @@ Test(checkpoint, writes_full_params_and_optimizer_state_as_safetensors, .timeout
 	char msg[WORLD][256], dir[128];
 	struct stat st;
 
-	start(&f, NULL, 1);
+	start(&f, NULL, 1, NULL);
 	ref_init(&ref, &f);
 	train_step(&f, &ref, 1);
 	train_step(&f, &ref, 2);
@@ -433,7 +440,7 @@ Test(checkpoint, keep_removes_the_oldest_checkpoints, .timeout = 60)
 	char msg[WORLD][256], dir[160];
 	struct stat st;
 
-	start(&f, "2", 1);
+	start(&f, "2", 1, NULL);
 	ref_init(&ref, &f);
 	for (uint64_t step = 1; step <= 3; step++) {
 		train_step(&f, &ref, step);
@@ -457,7 +464,7 @@ Test(checkpoint, without_state_dir_fails_naming_the_flag, .timeout = 60)
 	int res[WORLD];
 	char msg[WORLD][256];
 
-	start(&f, NULL, 0);
+	start(&f, NULL, 0, NULL);
 	for (int r = 0; r < WORLD; r++) {
 		struct shardd_completion cp;
 
@@ -478,7 +485,7 @@ Test(checkpoint, refuses_a_cut_between_ranks_steps, .timeout = 60)
 	int res[WORLD];
 	char msg[WORLD][256];
 
-	start(&f, NULL, 1);
+	start(&f, NULL, 1, NULL);
 	ref_init(&ref, &f);
 	train_step(&f, &ref, 1);
 	/* Step 2's reduce on every rank, then only rank 0 steps. */
@@ -553,7 +560,7 @@ Test(checkpoint, shardctl_checkpoint_waits_for_the_next_step_boundary, .timeout 
 	ssize_t n;
 
 	cr_assert(getenv("SHARDD_BUILD"), "SHARDD_BUILD is not set: run through make test");
-	start(&f, NULL, 0);
+	start(&f, NULL, 0, NULL);
 	ref_init(&ref, &f);
 	train_step(&f, &ref, 1);
 	/* Step 2 half done: reduced everywhere, applied on rank 0 only. */
@@ -610,6 +617,44 @@ Test(checkpoint, shardctl_checkpoint_waits_for_the_next_step_boundary, .timeout 
 	r = ctl_checkpoints(&f);
 	cr_assert_str_eq(json_string_value(json_object_get(json_object_get(r, "last"), "dir")), dir);
 	json_decref(r);
+	ref_free(&ref);
+	finish(&f);
+}
+
+Test(checkpoint, checkpoint_every_saves_each_multiple_step_boundary, .timeout = 60)
+{
+	struct fixture f;
+	struct ref ref;
+	char dir[160];
+	struct stat st;
+
+	cr_assert(getenv("SHARDD_BUILD"), "SHARDD_BUILD is not set: run through make test");
+	start(&f, NULL, 1, "2");
+	ref_init(&ref, &f);
+	for (uint64_t step = 1; step <= 4; step++) {
+		train_step(&f, &ref, step);
+		if (step % 2)
+			continue;
+		/* Taken at the step's boundary, written on the pool: wait until it is reported. */
+		for (int64_t until = harness_now_ms() + 20000;;) {
+			json_t *r = ctl_checkpoints(&f);
+			json_int_t last = json_integer_value(json_object_get(json_object_get(r, "last"), "step"));
+
+			json_decref(r);
+			if (last == (json_int_t)step)
+				break;
+			cr_assert(harness_now_ms() < until, "no checkpoint of step %llu reported",
+				  (unsigned long long)step);
+		}
+	}
+	for (int s = 1; s <= 3; s += 2) {
+		snprintf(dir, sizeof(dir), "%s/ck/step-%012d", f.state, s);
+		cr_assert_neq(stat(dir, &st), 0, "%s: not a multiple of --checkpoint-every 2", dir);
+	}
+	snprintf(dir, sizeof(dir), "%s/ck/step-000000000002/manifest.json", f.state);
+	cr_assert_eq(stat(dir, &st), 0);
+	snprintf(dir, sizeof(dir), "%s/ck/step-000000000004", f.state);
+	expect_checkpoint(&f, &ref, dir, 4);
 	ref_free(&ref);
 	finish(&f);
 }

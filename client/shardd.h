@@ -80,7 +80,10 @@ struct shardd_policy {
 	 * (docs/CHECKPOINTS.md): NULL, zeroed shards; "", the job's newest
 	 * checkpoint in the daemon's --state-dir (zeroed when there is none: a
 	 * first run); else a checkpoint directory, or a folder of step-N
-	 * checkpoints (its newest), saved at any mesh. Every rank names the same.
+	 * checkpoints (its newest), saved at any mesh; or plain safetensors
+	 * weights to import by name (a .safetensors file, or a directory with
+	 * model.safetensors.index.json or model.safetensors), converted to the
+	 * params' dtypes. Every rank names the same.
 	 * shardd_group_last_step() then says the step to resume after.
 	 */
 	const char *restore;

@@ -21,9 +21,12 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include <jansson.h>
+
 #include "ckpt_format.h"
 #include "engine_int.h"
 #include "log.h"
+#include "shardd_kernels.h"
 
 #define LOAD_BOUNCE (8u << 20) /* bytes read from a file per call */
 #define LOAD_PATH   4200
@@ -303,7 +306,178 @@ out:
 	return ret;
 }
 
-/* Find the checkpoint to restore from into `dir`: 0, 1 (none: start from zero), or an error with msg. */
+/* ------------------------------------------------------------------ */
+/* Importing plain safetensors weights (no manifest)                   */
+/* ------------------------------------------------------------------ */
+
+/*
+ * Param `i` of the group from tensor `t` of the safetensors file open at
+ * `fd` (header `f`), converted from the file's dtype to the param's, into
+ * every replica's shards.
+ */
+static int import_tensor(struct eng_group *eg, uint32_t i, int fd, const struct shd_st_file *f,
+			 const struct shd_st_tensor *t, const char *path, uint8_t *in, uint8_t *out,
+			 char *msg, size_t len)
+{
+	struct shd_group *g = eg->g;
+	struct shd_backend_ctx *b = eg->j->e->backend;
+	const struct shd_layout_param *p = &g->layout.params[i];
+	uint64_t ies = shardd_dtype_size(t->dtype), oes = shardd_dtype_size(p->dtype);
+	uint64_t chunk = LOAD_BOUNCE / 4, src = f->data_start + t->begin; /* elements; 4: the largest dtype */
+
+	for (uint64_t x = 0; p->numel && x < p->outer; x++)
+		for (uint32_t s = 0; s < g->shard; s++) {
+			uint64_t n = shd_layout_rows_valid(p, s) * p->inner;
+			uint64_t dst = p->shard_offset + x * p->rows * p->inner * oes;
+
+			for (uint64_t done = 0; done < n; ) {
+				uint64_t k = n - done < chunk ? n - done : chunk;
+				ssize_t r = pread(fd, in, k * ies, (off_t)src);
+
+				if (r != (ssize_t)(k * ies)) {
+					eng_fmt(msg, len, "%s: tensor '%s': read at byte %llu: %s", path, t->name,
+						(unsigned long long)src, r < 0 ? strerror(errno) : "the file ends early");
+					return r < 0 ? -errno : -SHARDD_E_MALFORMED;
+				}
+				shardd_k_cast(out, p->dtype, in, t->dtype, k);
+				for (uint32_t u = 0; u < g->replicate; u++) {
+					int ret = b->ops->write(b, &g->shards[u * g->shard + s], dst + done * oes, k * oes, out);
+
+					if (ret) {
+						eng_fmt(msg, len, "%s: writing tensor '%s' into group '%s' failed in the %s "
+							"backend (%d)", path, t->name, g->name, b->ops->name, ret);
+						return ret;
+					}
+				}
+				src += k * ies;
+				done += k;
+			}
+		}
+	return 0;
+}
+
+/* The file of param `name` from a Hugging Face index's weight_map, checked as a plain file name. */
+static int index_file(json_t *map, const char *name, const char *ipath, char *out, size_t olen, char *msg,
+		      size_t len)
+{
+	json_t *v = json_object_get(map, name);
+	const char *s = json_string_value(v);
+
+	if (!s) {
+		eng_fmt(msg, len, "param '%s' is not in the weight_map of %s", name, ipath);
+		return -SHARDD_E_MISMATCH;
+	}
+	if (!s[0] || strchr(s, '/') || s[0] == '.' || strlen(s) >= olen) {
+		eng_fmt(msg, len, "%s: weight_map['%s'] = \"%.64s\" is not a plain file name", ipath, name, s);
+		return -SHARDD_E_MALFORMED;
+	}
+	memcpy(out, s, strlen(s) + 1);
+	return 0;
+}
+
+/*
+ * Plain safetensors weights into the group's params by name (a Hugging Face
+ * model's): `src` a .safetensors file, or a directory with
+ * model.safetensors.index.json or model.safetensors. Each tensor's shape
+ * must be the param's; its dtype (F32, BF16, F16) is converted to the
+ * param's. No optimizer state: it starts at zero, at step 0.
+ */
+static int import_weights(struct eng_group *eg, const char *src, int is_file, char *msg, size_t len)
+{
+	struct shd_group *g = eg->g;
+	char ipath[LOAD_PATH], path[LOAD_PATH], file[SHD_CKPT_FILE_NAME_MAX * 4] = "", open_file[sizeof(file)] = "";
+	char want[160], found[160], err[512];
+	struct shd_st_file f = { 0 };
+	json_t *index = NULL, *map = NULL;
+	uint8_t *in = malloc(LOAD_BOUNCE), *out = malloc(LOAD_BOUNCE);
+	struct stat st;
+	int fd = -1, ret = 0;
+
+	if (!in || !out) {
+		eng_fmt(msg, len, "out of memory to import %s", src);
+		ret = -SHARDD_E_NOMEM;
+		goto out;
+	}
+	if (!is_file && !join(ipath, sizeof(ipath), src, SHD_CKPT_INDEX) && !stat(ipath, &st)) {
+		json_error_t jerr;
+
+		if ((uint64_t)st.st_size > SHD_CKPT_MANIFEST_MAX ||
+		    !(index = json_load_file(ipath, JSON_REJECT_DUPLICATES, &jerr)) ||
+		    !json_is_object(map = json_object_get(index, "weight_map"))) {
+			eng_fmt(msg, len, "%s: not a Hugging Face index (a JSON object with a \"weight_map\" "
+				"object of at most %u bytes)%s%s", ipath, SHD_CKPT_MANIFEST_MAX,
+				index ? "" : ": ", index ? "" : jerr.text);
+			ret = -SHARDD_E_MALFORMED;
+			goto out;
+		}
+	}
+	for (uint32_t i = 0; !ret && i < g->hdr.nparams; i++) {
+		const struct shardd_param_spec *s = &g->specs[i];
+		const struct shd_st_tensor *t;
+
+		if (is_file)
+			ret = snprintf(path, sizeof(path), "%s", src) >= (int)sizeof(path) ? -ENAMETOOLONG : 0;
+		else if (map)
+			ret = index_file(map, s->name, ipath, file, sizeof(file), msg, len) ? :
+			      join(path, sizeof(path), src, file);
+		else
+			ret = join(path, sizeof(path), src, "model.safetensors");
+		if (ret) {
+			if (!msg[0])
+				eng_fmt(msg, len, "import from '%.200s': path too long", src);
+			break;
+		}
+		if (strcmp(path, open_file)) {
+			shd_st_free(&f);
+			if (fd >= 0)
+				close(fd);
+			fd = open(path, O_RDONLY | O_CLOEXEC);
+			if (fd < 0) {
+				ret = -errno;
+				eng_fmt(msg, len, "cannot read %s: %s", path, strerror(-ret));
+				break;
+			}
+			ret = shd_st_read(fd, path, &f, err, sizeof(err));
+			if (ret) {
+				eng_fmt(msg, len, "%s", err);
+				break;
+			}
+			snprintf(open_file, sizeof(open_file), "%.*s", (int)sizeof(open_file) - 1, path);
+		}
+		t = shd_st_find(&f, s->name);
+		shape_text(s->dtype, s->ndim, s->shape, want, sizeof(want));
+		if (!t) {
+			eng_fmt(msg, len, "param '%s' (%s) of group '%s' is not in %s", s->name, want, g->name, path);
+			ret = -SHARDD_E_MISMATCH;
+			break;
+		}
+		if (t->ndim != s->ndim || memcmp(t->shape, s->shape, s->ndim * sizeof(s->shape[0]))) {
+			shape_text(t->dtype, t->ndim, t->shape, found, sizeof(found));
+			eng_fmt(msg, len, "tensor '%s' in %s: the group registers %s, the file holds %s", s->name,
+				path, want, found);
+			ret = -SHARDD_E_MISMATCH;
+			break;
+		}
+		ret = import_tensor(eg, i, fd, &f, t, path, in, out, msg, len);
+	}
+	if (!ret)
+		shd_log_info("job '%s': group '%s' imported from %s (weights only: optimizer state from zero)",
+			     eg->j->name, g->name, src);
+out:
+	if (fd >= 0)
+		close(fd);
+	shd_st_free(&f);
+	json_decref(index);
+	free(in);
+	free(out);
+	return ret;
+}
+
+/*
+ * Where to restore from, into `dir`: 0 a checkpoint, 1 nothing (start from
+ * zero), 2 a directory of plain weights, 3 a plain .safetensors file; or an
+ * error with msg.
+ */
 static int restore_dir(struct eng_group *eg, char *dir, size_t dlen, char *msg, size_t len)
 {
 	const char *state = eg->j->e->cfg.state_dir;
@@ -335,9 +509,20 @@ static int restore_dir(struct eng_group *eg, char *dir, size_t dlen, char *msg, 
 		return 0;
 	}
 	ret = newest_checkpoint(eg->restore, dir, dlen);
-	if (ret)
-		eng_fmt(msg, len, "'%s' holds no %s and no step-N checkpoint (%s)", eg->restore,
-			SHD_CKPT_MANIFEST, strerror(-ret));
+	if (!ret)
+		return 0;
+	/* No checkpoint: plain weights to import, a .safetensors file or a model's directory. */
+	if (strlen(eg->restore) < dlen && !stat(eg->restore, &st) &&
+	    (S_ISREG(st.st_mode) ||
+	     (!join(probe, sizeof(probe), eg->restore, SHD_CKPT_INDEX) && !stat(probe, &st)) ||
+	     (!join(probe, sizeof(probe), eg->restore, "model.safetensors") && !stat(probe, &st)))) {
+		struct stat self;
+
+		memcpy(dir, eg->restore, strlen(eg->restore) + 1);
+		return !stat(eg->restore, &self) && S_ISREG(self.st_mode) ? 3 : 2;
+	}
+	eng_fmt(msg, len, "'%s' holds no %s, no step-N checkpoint, no %s and no model.safetensors (%s)",
+		eg->restore, SHD_CKPT_MANIFEST, SHD_CKPT_INDEX, strerror(-ret));
 	return ret;
 }
 
@@ -362,6 +547,17 @@ void eng_restore_exec(struct eng_task *t)
 	ret = restore_dir(eg, dir, sizeof(dir), msg, len);
 	if (ret == 1) {
 		t->res = 0;
+		return;
+	}
+	if (ret == 2 || ret == 3) {
+		ret = import_weights(eg, dir, ret == 3, msg, len);
+		if (ret) {
+			char full[ENGINE_MSG_MAX];
+
+			eng_fmt(full, sizeof(full), "shardd: register group '%s': import: %s", g->name, msg);
+			eng_fmt(msg, len, "%s", full);
+		}
+		t->res = ret < 0 ? ret : 0;
 		return;
 	}
 	if (!ret)

@@ -132,3 +132,51 @@ def test_a_file_the_safetensors_package_wrote_restores_into_a_job(state_daemon, 
         finally:
             for c in clients:
                 c.close()
+
+
+def test_hugging_face_weights_import_with_bf16_to_fp32(state_daemon, request):
+    """A model's plain bf16 weights, written by safetensors.torch in two
+    files with a model.safetensors.index.json, import into an fp32 job by
+    name; the reference is torch's own bf16 -> fp32 conversion."""
+    job = job_name(request)
+    with tempfile.TemporaryDirectory() as model:
+        ref = os.path.join(model, "ref.npz")
+        in_venv("""
+import json, os, sys
+import numpy as np, torch
+from safetensors.torch import save_file
+d, ref = sys.argv[1], sys.argv[2]
+g = torch.Generator().manual_seed(3)
+t = {"w": torch.randn(9, 5, generator=g).to(torch.bfloat16),
+     "b": torch.randn(7, generator=g).to(torch.bfloat16),
+     "c": torch.randn(3, 4, generator=g).to(torch.bfloat16),
+     "unused": torch.zeros(2, dtype=torch.bfloat16)}
+save_file({"w": t["w"], "unused": t["unused"]}, os.path.join(d, "model-00001-of-00002.safetensors"))
+save_file({"b": t["b"], "c": t["c"]}, os.path.join(d, "model-00002-of-00002.safetensors"))
+json.dump({"metadata": {"total_size": 0}, "weight_map": {
+    "w": "model-00001-of-00002.safetensors", "unused": "model-00001-of-00002.safetensors",
+    "b": "model-00002-of-00002.safetensors", "c": "model-00002-of-00002.safetensors"}},
+    open(os.path.join(d, "model.safetensors.index.json"), "w"))
+np.savez(ref, **{k: v.float().numpy() for k, v in t.items()})
+""", model, ref)
+        want = np.load(ref)
+        clients = [shardd.Client(job=job, rank=r, shard=WORLD, socket_path=state_daemon.socket)
+                   for r in range(WORLD)]
+        try:
+            gs = run_ranks(lambda r: clients[r].register_group("layer", SPECS, restore=model), WORLD)
+            for i, spec in enumerate(SPECS):
+                assert np.array_equal(full(gs, i, spec), want[spec[0]]), spec[0]
+            assert gs[0].last_step == 0
+        finally:
+            for c in clients:
+                c.close()
+        bad = [("w", "float32", (9, 6))] + SPECS[1:]
+        clients = [shardd.Client(job=job + "-bad", rank=r, shard=WORLD, socket_path=state_daemon.socket)
+                   for r in range(WORLD)]
+        try:
+            with pytest.raises(shardd.ShardError, match=r"tensor 'w' in .*/model-00001-of-00002\.safetensors: "
+                               r"the group registers fp32 \[9, 6\], the file holds bf16 \[9, 5\]"):
+                run_ranks(lambda r: clients[r].register_group("layer", bad, restore=model), WORLD)
+        finally:
+            for c in clients:
+                c.close()

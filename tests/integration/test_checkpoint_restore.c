@@ -387,7 +387,7 @@ Test(restore, errors_name_the_tensor_the_file_and_both_shapes, .timeout = 90)
 	close(fd);
 	snprintf(want, sizeof(want), "%s/model.safetensors: CRC-32", copy);
 	restore_fails(&f, "damaged", copy, saved, want);
-	snprintf(want, sizeof(want), "holds no manifest.json and no step-N checkpoint");
+	snprintf(want, sizeof(want), "holds no manifest.json, no step-N checkpoint, no %s and no model.safetensors", "model.safetensors.index.json");
 	restore_fails(&f, "nowhere", "/nonexistent-shardd-checkpoint", saved, want);
 	teardown(&f);
 }

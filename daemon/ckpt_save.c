@@ -57,7 +57,8 @@ struct eng_ckpt {
 	uint32_t pending;                /* SAVE tasks not yet delivered */
 	int res;                         /* the first failure */
 	char msg[ENGINE_MSG_MAX];
-	uint64_t bytes;                  /* written, all files (atomic: pool threads add) */
+	uint64_t bytes;                  /* written, all files (atomic: pool threads add as they write) */
+	uint64_t total;                  /* the tensors' bytes of all files (headers not counted) */
 	uint64_t start_ns;
 	shd_engine_ckpt_fn done;
 	void *ctx;
@@ -92,6 +93,7 @@ struct save_out {
 	uLong crc;
 	uint8_t *bounce;
 	struct shd_backend_ctx *b;
+	uint64_t *progress;              /* the checkpoint's bytes written */
 };
 
 /* Append `bytes` at `offset` of `src` to the file, through the bounce buffer. */
@@ -107,6 +109,7 @@ static int save_range(struct save_out *o, const struct shd_buf *src, uint64_t of
 		if (ret)
 			return ret;
 		o->crc = crc32(o->crc, o->bounce, (uInt)k);
+		__atomic_add_fetch(o->progress, k, __ATOMIC_RELAXED);
 		o->off += k;
 		offset += k;
 		bytes -= k;
@@ -127,7 +130,8 @@ static int save_file(struct eng_ckpt *c, uint32_t gi, int optim, uint8_t *bounce
 	uint32_t ns = optim ? shd_group_optim_states(&g->optim) : 1, n;
 	const char *states[SHD_OPTIM_STATES];
 	struct shd_st_tensor *t = NULL;
-	struct save_out o = { .fd = -1, .crc = crc32(0L, Z_NULL, 0), .bounce = bounce, .b = c->j->e->backend };
+	struct save_out o = { .fd = -1, .crc = crc32(0L, Z_NULL, 0), .bounce = bounce, .b = c->j->e->backend,
+			      .progress = &c->bytes };
 	uint8_t *hdr = NULL;
 	size_t hlen;
 	uint64_t dsize;
@@ -153,6 +157,7 @@ static int save_file(struct eng_ckpt *c, uint32_t gi, int optim, uint8_t *bounce
 	if (ret)
 		goto out;
 	o.crc = crc32(o.crc, hdr, (uInt)hlen);
+	__atomic_add_fetch(&c->bytes, hlen, __ATOMIC_RELAXED);
 	o.off = hlen;
 	for (uint32_t i = 0, ti = 0; i < g->layout.nparams; i++) {
 		const struct shd_layout_param *p = &g->layout.params[i];
@@ -179,7 +184,6 @@ static int save_file(struct eng_ckpt *c, uint32_t gi, int optim, uint8_t *bounce
 		ret = -errno;
 	fe->bytes = o.off;
 	fe->crc32 = (uint32_t)o.crc;
-	__atomic_add_fetch(&c->bytes, o.off, __ATOMIC_RELAXED);
 out:
 	if (ret && !msg[0])
 		eng_fmt(msg, len, "checkpoint %s: writing %s of group '%s': %s", c->dir, fe->name, g->name,
@@ -599,6 +603,12 @@ static int ckpt_plan(struct shd_engine_job *j, struct eng_ckpt *c, uint64_t step
 			c->file_of[2 * c->m.ngroups + 1] = -1;
 			cg->optim_file[0] = '\0';
 		}
+		for (uint32_t i = 0; i < g->layout.nparams; i++) {
+			const struct shd_layout_param *p = &g->layout.params[i];
+
+			c->total += p->numel * (shardd_dtype_size(p->dtype) +
+						 sizeof(float) * (uint64_t)shd_group_optim_states(&g->optim));
+		}
 		c->m.ngroups++;
 	}
 	c->m.nfiles = nf;
@@ -880,5 +890,6 @@ void shd_engine_job_checkpoint_status(const struct shd_engine_job *j, struct shd
 	st->writing_step = j->ckpt ? j->ckpt->m.step : 0;
 	snprintf(st->writing_dir, sizeof(st->writing_dir), "%s", j->ckpt ? j->ckpt->dir : "");
 	st->writing_bytes = j->ckpt ? __atomic_load_n(&j->ckpt->bytes, __ATOMIC_RELAXED) : 0;
+	st->writing_total = j->ckpt ? j->ckpt->total : 0;
 	st->writing_s = j->ckpt ? (double)(shd_now_ns() - j->ckpt->start_ns) / 1e9 : 0;
 }

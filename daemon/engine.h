@@ -164,6 +164,7 @@ struct shd_engine_ckpt_status {
 	uint64_t writing_step;
 	char     writing_dir[SHD_ENGINE_CKPT_TEXT];
 	uint64_t writing_bytes;           /* written so far */
+	uint64_t writing_total;           /* bytes of its tensors: about what it will write */
 	double   writing_s;               /* since it started */
 	uint64_t last_id;                 /* 0: none ended yet */
 	int      last_res;                /* 0 or the failure's code */

@@ -421,6 +421,26 @@ Test(checkpoint, writes_full_params_and_optimizer_state_as_safetensors, .timeout
 		closedir(d);
 		cr_assert_eq(n, 1, "%s holds more than step-000000000002", dir);
 	}
+	/* The metrics report it: its step, and every byte of its two files. */
+	{
+		char path[512], out[65536], want[160];
+		const char *argv[] = { path, "--socket", f.hd.socket, "metrics", NULL };
+		struct stat a, b;
+		int status;
+
+		cr_assert(getenv("SHARDD_BUILD"), "SHARDD_BUILD is not set: run through make test");
+		snprintf(path, sizeof(path), "%s/shardctl", getenv("SHARDD_BUILD"));
+		cr_assert_eq(harness_run(argv, 10000, &status, out, sizeof(out)), 0);
+		cr_assert(strstr(out, "shardd_checkpoint_last_step{job=\"ck\"} 2\n"), "%s", out);
+		cr_assert(strstr(out, "shardd_checkpoint_last_failed{job=\"ck\"} 0\n"), "%s", out);
+		snprintf(path, sizeof(path), "%s/ck/step-000000000002/model.safetensors", f.state);
+		cr_assert_eq(stat(path, &a), 0);
+		snprintf(path, sizeof(path), "%s/ck/step-000000000002/optim.safetensors", f.state);
+		cr_assert_eq(stat(path, &b), 0);
+		snprintf(want, sizeof(want), "shardd_checkpoint_last_bytes{job=\"ck\"} %lld\n",
+			 (long long)(a.st_size + b.st_size));
+		cr_assert(strstr(out, want), "no '%s' in:\n%s", want, out);
+	}
 	/* Training goes on after it; a second checkpoint of the same step is refused. */
 	train_step(&f, &ref, 3);
 	checkpoint_all(&f, 2, res, msg);

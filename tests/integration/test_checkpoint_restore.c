@@ -387,7 +387,8 @@ Test(restore, errors_name_the_tensor_the_file_and_both_shapes, .timeout = 90)
 	close(fd);
 	snprintf(want, sizeof(want), "%s/model.safetensors: CRC-32", copy);
 	restore_fails(&f, "damaged", copy, saved, want);
-	snprintf(want, sizeof(want), "holds no manifest.json, no step-N checkpoint, no %s and no model.safetensors", "model.safetensors.index.json");
+	snprintf(want, sizeof(want), "holds no manifest.json, no step-N checkpoint, "
+		 "no model.safetensors.index.json and no model.safetensors");
 	restore_fails(&f, "nowhere", "/nonexistent-shardd-checkpoint", saved, want);
 	teardown(&f);
 }

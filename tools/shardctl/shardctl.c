@@ -308,13 +308,20 @@ static void render_checkpoints(FILE *f, const json_t *r)
 	if (json_integer_value(json_object_get(a, "id")))
 		fprintf(f, "  armed:   checkpoint %lld, waiting for the next step boundary\n",
 			(long long)json_integer_value(json_object_get(a, "id")));
-	if (json_integer_value(json_object_get(w, "id")))
-		fprintf(f, "  writing: checkpoint %lld of step %lld to %s: %lld bytes in %.1f s\n",
-			(long long)json_integer_value(json_object_get(w, "id")),
+	if (json_integer_value(json_object_get(w, "id"))) {
+		double bytes = (double)json_integer_value(json_object_get(w, "bytes"));
+		double total = (double)json_integer_value(json_object_get(w, "total"));
+		double secs = json_number_value(json_object_get(w, "seconds"));
+		double rate = secs > 0 ? bytes / secs : 0;
+
+		fprintf(f, "  writing: checkpoint %lld of step %lld to %s: %.0f of about %.0f bytes in %.1f s "
+			"(%.2f GB/s", (long long)json_integer_value(json_object_get(w, "id")),
 			(long long)json_integer_value(json_object_get(w, "step")),
-			json_string_value(json_object_get(w, "dir")),
-			(long long)json_integer_value(json_object_get(w, "bytes")),
-			json_number_value(json_object_get(w, "seconds")));
+			json_string_value(json_object_get(w, "dir")), bytes, total, secs, rate / 1e9);
+		if (rate > 0 && total > bytes)
+			fprintf(f, ", about %.1f s left", (total - bytes) / rate);
+		fprintf(f, ")\n");
+	}
 	if (!json_integer_value(json_object_get(l, "id")))
 		fprintf(f, "  last:    none\n");
 	else if (json_integer_value(json_object_get(l, "code")))
@@ -389,9 +396,12 @@ static int cmd_checkpoint(const struct opts *o, const char *job, const char *dir
 		/* Every 10 s, where it is: it waits for the job's ranks, or for the disk. */
 		w = json_object_get(r, "writing");
 		if (polls % 100 == 0)
-			fprintf(stderr, "shardctl: checkpoint %lld of job '%s': %s\n", (long long)id, job,
+			fprintf(stderr, "shardctl: checkpoint %lld of job '%s': %s (%lld of about %lld bytes)\n",
+				(long long)id, job,
 				json_integer_value(json_object_get(w, "id")) == id ?
-				"being written" : "armed, waiting for the job's next step boundary");
+				"being written" : "armed, waiting for the job's next step boundary",
+				(long long)json_integer_value(json_object_get(w, "bytes")),
+				(long long)json_integer_value(json_object_get(w, "total")));
 		json_decref(r);
 		nanosleep(&ts, NULL);
 	}

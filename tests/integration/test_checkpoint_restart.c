@@ -8,10 +8,13 @@
  * function of (step, rank, param, element), so both runs see the same
  * ones; the reference is the uninterrupted run's params as its ranks'
  * mappings show them. A temporary directory left by a checkpoint cut short
- * is emulated beside the checkpoints and must be ignored, then removed.
+ * is emulated beside the checkpoints and must be ignored, then removed;
+ * and a daemon killed while `shardctl checkpoints` reports a 192 MiB
+ * checkpoint being written resumes from the previous, complete one.
  */
 #define _GNU_SOURCE
 #include <criterion/criterion.h>
+#include <jansson.h>
 #include <ftw.h>
 #include <pthread.h>
 #include <signal.h>
@@ -43,6 +46,8 @@ static const struct shardd_optim_config adamw = {
 struct run {
 	struct harness_daemon hd;
 	const char *state;
+	const struct shardd_param_desc *params;
+	uint32_t np;
 	struct shardd_client *c[WORLD];
 	struct shardd_group *g[WORLD];
 	int ret[WORLD];
@@ -59,7 +64,7 @@ static void *register_main(void *p)
 	struct reg_arg *a = p;
 	struct shardd_policy pol = { .optimizer = &adamw, .restore = "" };
 
-	a->run->ret[a->r] = shardd_group_register(a->run->c[a->r], "layer", params, NP, &pol, &a->run->g[a->r]);
+	a->run->ret[a->r] = shardd_group_register(a->run->c[a->r], "layer", a->run->params, a->run->np, &pol, &a->run->g[a->r]);
 	if (a->run->ret[a->r])
 		snprintf(a->run->err[a->r], sizeof(a->run->err[a->r]), "%s", shardd_last_error());
 	return NULL;
@@ -115,7 +120,7 @@ static float value(uint64_t a, uint64_t b, uint64_t c, uint64_t d)
 /* Elements of real data in rank r's shard of param i (a prefix of it; the rest is padding). */
 static uint64_t valid_numel(const struct run *run, uint32_t r, uint32_t i)
 {
-	const struct shardd_param_desc *d = &params[i];
+	const struct shardd_param_desc *d = &run->params[i];
 	uint64_t numel = 1;
 
 	for (uint32_t k = 0; k < d->ndim; k++)
@@ -127,7 +132,7 @@ static uint64_t valid_numel(const struct run *run, uint32_t r, uint32_t i)
 static void init_params(struct run *run)
 {
 	for (uint32_t r = 0; r < WORLD; r++)
-		for (uint32_t i = 0; i < NP; i++) {
+		for (uint32_t i = 0; i < run->np; i++) {
 			float *sh = shardd_group_shard(run->g[r], i);
 			uint64_t n = valid_numel(run, r, i);
 
@@ -136,12 +141,20 @@ static void init_params(struct run *run)
 		}
 }
 
-static void train_step(struct run *run, uint64_t step)
+/* Every rank's checkpoint(step), not waited for. */
+static void checkpoint_submit(struct run *run, uint64_t step)
+{
+	for (uint32_t r = 0; r < WORLD; r++)
+		cr_assert_eq(shardd_submit(run->c[r], SHARDD_OP_CHECKPOINT, 0, step, 0, 2), 0);
+}
+
+/* One step; then, when step is a multiple of `every` (0: never), a checkpoint waited for. */
+static void train_step_every(struct run *run, uint64_t step, uint64_t every)
 {
 	struct shardd_completion cp;
 
 	for (uint32_t r = 0; r < WORLD; r++)
-		for (uint32_t i = 0; i < NP; i++) {
+		for (uint32_t i = 0; i < run->np; i++) {
 			float *gr = shardd_group_grad(run->g[r], i);
 
 			for (uint64_t e = 0; e < shardd_group_layout(run->g[r], i)->grad_bytes / 4; e++)
@@ -156,14 +169,18 @@ static void train_step(struct run *run, uint64_t step)
 	for (uint32_t r = 0; r < WORLD; r++)
 		cr_assert_eq(shardd_step(run->g[r], step, 0.01 / (double)step, 0, 0), SHARDD_STEP_APPLIED, "%s",
 			     shardd_last_error());
-	if (step % EVERY)
+	if (!every || step % every)
 		return;
-	for (uint32_t r = 0; r < WORLD; r++)
-		cr_assert_eq(shardd_submit(run->c[r], SHARDD_OP_CHECKPOINT, 0, step, 0, 2), 0);
+	checkpoint_submit(run, step);
 	for (uint32_t r = 0; r < WORLD; r++) {
 		cr_assert_eq(shardd_wait(run->c[r], &cp, 30000), 0, "%s", shardd_last_error());
 		cr_assert_eq(cp.res, 0, "rank %u checkpoint(%llu): %s", r, (unsigned long long)step, cp.msg);
 	}
+}
+
+static void train_step(struct run *run, uint64_t step)
+{
+	train_step_every(run, step, EVERY);
 }
 
 /* Every rank's valid elements of every param, concatenated. */
@@ -173,11 +190,11 @@ static float *snapshot(struct run *run, size_t *n)
 	float *out;
 
 	for (uint32_t r = 0; r < WORLD; r++)
-		for (uint32_t i = 0; i < NP; i++)
+		for (uint32_t i = 0; i < run->np; i++)
 			total += valid_numel(run, r, i);
 	out = malloc(total * sizeof(float));
 	for (uint32_t r = 0; r < WORLD; r++)
-		for (uint32_t i = 0; i < NP; i++) {
+		for (uint32_t i = 0; i < run->np; i++) {
 			size_t k = valid_numel(run, r, i);
 
 			memcpy(out + at, shardd_group_shard(run->g[r], i), k * sizeof(float));
@@ -198,7 +215,7 @@ static int rm_entry(const char *path, const struct stat *st, int flag, struct FT
 Test(restart, killed_daemon_resumes_from_its_last_checkpoint_bit_identical, .timeout = 120)
 {
 	char sa[64], sb[64], junk[200];
-	struct run a = { .state = sa }, b = { .state = sb };
+	struct run a = { .state = sa, .params = params, .np = NP }, b = { .state = sb, .params = params, .np = NP };
 	float *want, *got;
 	size_t nw, ng;
 	struct stat st;
@@ -256,6 +273,103 @@ Test(restart, killed_daemon_resumes_from_its_last_checkpoint_bit_identical, .tim
 	cr_assert_neq(stat(junk, &st), 0, "%s survived --keep 2", junk);
 	snprintf(junk, sizeof(junk), "%s/train/step-000000000006/manifest.json", sb);
 	cr_assert_eq(stat(junk, &st), 0);
+	free(want);
+	free(got);
+	detach(&b);
+	harness_daemon_stop_expect_clean(&b.hd);
+	nftw(sa, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+	nftw(sb, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+}
+
+/* 64 MiB of params: the state (with AdamW's two) takes a while to write. */
+static const struct shardd_param_desc big[2] = {
+	{ .name = "big", .dtype = SHARDD_DTYPE_FP32, .ndim = 2, .shape = { 4096, 4096 } },
+	{ .name = "b", .dtype = SHARDD_DTYPE_FP32, .ndim = 1, .shape = { 5 } },
+};
+
+/* shardctl --json checkpoints train: the id being written (0: none) and the last step that ended. */
+static void ctl_status(struct run *run, json_int_t *writing, json_int_t *last_step)
+{
+	char path[512], out[8192];
+	const char *argv[] = { path, "--socket", run->hd.socket, "--json", "checkpoints", "train", NULL };
+	int status;
+	json_t *r;
+
+	snprintf(path, sizeof(path), "%s/shardctl", getenv("SHARDD_BUILD"));
+	cr_assert_eq(harness_run(argv, 10000, &status, out, sizeof(out)), 0);
+	r = json_loads(out, 0, NULL);
+	cr_assert(r, "shardctl checkpoints: %s", out);
+	*writing = json_integer_value(json_object_get(json_object_get(r, "writing"), "id"));
+	*last_step = json_integer_value(json_object_get(json_object_get(r, "last"), "step"));
+	json_decref(r);
+}
+
+Test(restart, killed_while_a_checkpoint_is_written_resumes_from_the_last_complete_one, .timeout = 240)
+{
+	char sa[64], sb[64], dir[200];
+	struct run a = { .state = sa, .params = big, .np = 2 }, b = { .state = sb, .params = big, .np = 2 };
+	json_int_t writing = 0, last = 0;
+	uint64_t resume;
+	float *want, *got;
+	size_t nw, ng;
+	struct stat st;
+
+	cr_assert(getenv("SHARDD_BUILD"), "SHARDD_BUILD is not set: run through make test");
+	snprintf(sa, sizeof(sa), "/tmp/shardd-restart-a-XXXXXX");
+	snprintf(sb, sizeof(sb), "/tmp/shardd-restart-b-XXXXXX");
+	cr_assert(mkdtemp(sa) && mkdtemp(sb));
+
+	/* Uninterrupted: 3 steps, a checkpoint after each. */
+	daemon_start(&a);
+	cr_assert_eq(attach(&a), 0);
+	init_params(&a);
+	for (uint64_t s = 1; s <= 3; s++)
+		train_step_every(&a, s, 1);
+	want = snapshot(&a, &nw);
+	detach(&a);
+	harness_daemon_stop_expect_clean(&a.hd);
+
+	/* Killed while the checkpoint of step 2 is being written (as shardctl reports it). */
+	daemon_start(&b);
+	cr_assert_eq(attach(&b), 0);
+	init_params(&b);
+	train_step_every(&b, 1, 1);
+	train_step_every(&b, 2, 0);
+	checkpoint_submit(&b, 2);
+	for (int64_t until = harness_now_ms() + 20000;;) {
+		ctl_status(&b, &writing, &last);
+		if (writing || last == 2)
+			break;
+		cr_assert(harness_now_ms() < until, "the checkpoint of step 2 never started");
+	}
+	{
+		int st9 = harness_daemon_stop_sig(&b.hd, SIGKILL, 10000);
+
+		cr_assert(st9 >= 0 && WIFSIGNALED(st9) && WTERMSIG(st9) == SIGKILL, "SIGKILL did not end shardd");
+	}
+	detach(&b);
+	snprintf(dir, sizeof(dir), "%s/train/step-000000000002", sb);
+	if (writing && stat(dir, &st)) {
+		/* Cut short: no step-2 checkpoint, and step 1's is whole. */
+		snprintf(dir, sizeof(dir), "%s/train/step-000000000001/manifest.json", sb);
+		cr_assert_eq(stat(dir, &st), 0);
+	}
+	memset(&b.hd, 0, sizeof(b.hd));
+	daemon_start(&b);
+	resume = attach(&b);
+	cr_assert(resume == 1 || resume == 2, "resumed after step %llu", (unsigned long long)resume);
+	cr_assert(!writing || resume == 1 || stat(dir, &st) == 0,
+		  "resumed after step 2 although its checkpoint was cut short");
+	cr_log_info("shardd killed %s the checkpoint of step 2 was written; resumed after step %llu",
+		    writing ? "while" : "after", (unsigned long long)resume);
+	for (uint64_t s = resume + 1; s <= 3; s++)
+		train_step_every(&b, s, 1);
+	got = snapshot(&b, &ng);
+	cr_assert_eq(ng, nw);
+	for (size_t e = 0; e < nw; e++)
+		cr_assert_eq(memcmp(&got[e], &want[e], sizeof(float)), 0,
+			     "element %zu: %.9g after the restart (resumed after step %llu), %.9g uninterrupted", e,
+			     got[e], (unsigned long long)resume, want[e]);
 	free(want);
 	free(got);
 	detach(&b);

@@ -204,12 +204,16 @@ static int save_group(struct eng_ckpt *c, uint32_t gi, char *msg, size_t len)
 
 	/* Device work queued on the buffers (a step's) finishes before they are read. */
 	if (b->ops->sync) {
-		const struct shd_buf *on[SHARDD_MAX_WORLD];
+		const struct shd_buf *on[(1 + SHD_OPTIM_STATES) * SHARDD_MAX_WORLD];
+		uint32_t n = 0;
 		char why[256] = "";
 
-		for (uint32_t s = 0; s < g->shard; s++)
-			on[s] = &g->shards[s];
-		ret = b->ops->sync(b, on, g->shard, why, sizeof(why));
+		for (uint32_t s = 0; s < g->shard; s++) {
+			on[n++] = &g->shards[s];
+			for (uint32_t k = 0; k < shd_group_optim_states(&g->optim); k++)
+				on[n++] = &g->optim_state[k][s];
+		}
+		ret = b->ops->sync(b, on, n, why, sizeof(why));
 		if (ret) {
 			eng_fmt(msg, len, "checkpoint %s: group '%s': the %s backend failed: %s", c->dir,
 				g->name, b->ops->name, why);

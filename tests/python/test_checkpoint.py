@@ -180,3 +180,48 @@ np.savez(ref, **{k: v.float().numpy() for k, v in t.items()})
         finally:
             for c in clients:
                 c.close()
+
+
+def test_two_groups_write_split_files_with_an_index_and_restore_at_one_rank(state_daemon, request):
+    job = job_name(request)
+    rng = np.random.default_rng(21)
+    enc_specs = [("enc.w", "float32", (6, 3))]
+    dec_specs = [("dec.w", "float32", (5, 2)), ("dec.b", "float32", (4,))]
+    clients = [shardd.Client(job=job, rank=r, shard=WORLD, socket_path=state_daemon.socket)
+               for r in range(WORLD)]
+    try:
+        enc = run_ranks(lambda r: clients[r].register_group("enc", enc_specs), WORLD)
+        dec = run_ranks(lambda r: clients[r].register_group("dec", dec_specs), WORLD)
+        for gs, specs in ((enc, enc_specs), (dec, dec_specs)):
+            for r in range(WORLD):
+                for i in range(len(specs)):
+                    gs[r].shard(i)[...] = rng.standard_normal(gs[r].shard(i).shape).astype(np.float32)
+        want = {s[0]: full(gs, i, s) for gs, specs in ((enc, enc_specs), (dec, dec_specs))
+                for i, s in enumerate(specs)}
+        run_ranks(lambda r: clients[r].checkpoint(3), WORLD)
+    finally:
+        for c in clients:
+            c.close()
+    ckpt = os.path.join(state_daemon.state, job, "step-000000000003")
+    with open(os.path.join(ckpt, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    assert index["weight_map"] == {"enc.w": "model-00001-of-00002.safetensors",
+                                   "dec.w": "model-00002-of-00002.safetensors",
+                                   "dec.b": "model-00002-of-00002.safetensors"}
+    assert index["metadata"]["total_size"] == sum(v.nbytes for v in want.values())
+    with open(os.path.join(ckpt, "manifest.json")) as f:
+        manifest = json.load(f)
+    assert [g["name"] for g in manifest["groups"]] == ["enc", "dec"]
+    assert all("optim_file" not in g or g["optim_file"] is None for g in manifest["groups"])
+    for entry in manifest["files"]:
+        data = open(os.path.join(ckpt, entry["name"]), "rb").read()
+        assert entry["bytes"] == len(data) and entry["crc32"] == f"{zlib.crc32(data):08x}"
+    # The same tensors at one rank: each shard is the whole tensor.
+    one = shardd.Client(job=job + "-one", rank=0, shard=1, socket_path=state_daemon.socket)
+    try:
+        for name, specs in (("enc", enc_specs), ("dec", dec_specs)):
+            g = one.register_group(name, specs, restore=ckpt)
+            for i, s in enumerate(specs):
+                assert np.array_equal(g.shard(i), want[s[0]]), s[0]
+    finally:
+        one.close()

@@ -98,7 +98,7 @@ static json_t *cmd_checkpoints(const json_t *req)
 	if (!j)
 		return admin_no_job(json_string_value(v));
 	shd_engine_job_checkpoint_status(j->ejob, &st);
-	return json_pack("{s:b, s:s, s:{s:I, s:s}, s:{s:I, s:I, s:s, s:I, s:I, s:f}, s:{s:I, s:i, s:s, s:s, s:I, s:I, s:f}}",
+	return json_pack("{s:b, s:s, s:{s:I, s:s}, s:{s:I, s:I, s:s, s:I, s:I, s:f}, s:{s:I, s:i, s:s, s:s, s:I, s:I, s:f, s:b}}",
 			 "ok", 1, "job", j->name,
 			 "armed", "id", (json_int_t)st.armed_id, "dir", st.armed_dir,
 			 "writing", "id", (json_int_t)st.writing_id, "step", (json_int_t)st.writing_step,
@@ -106,7 +106,7 @@ static json_t *cmd_checkpoints(const json_t *req)
 			 "total", (json_int_t)st.writing_total, "seconds", st.writing_s,
 			 "last", "id", (json_int_t)st.last_id, "code", st.last_res, "error", st.last_msg,
 			 "dir", st.last_dir, "step", (json_int_t)st.last_step, "bytes", (json_int_t)st.last_bytes,
-			 "seconds", st.last_s);
+			 "seconds", st.last_s, "staged", st.last_staged);
 }
 
 /* ------------------------------------------------------------------ */

@@ -4,16 +4,20 @@
  * own buffers, without routing bytes through trainers.
  *
  *   start (loop): checks, manifest, a temporary directory beside the target
- *     --> one TASK_SAVE per group, in the group's queue (pool): its params
- *         file and optimizer-state file, each tensor assembled from replica
- *         0's shards row range by row range, CRC-32 as written, fsync
+ *     --> one TASK_SAVE per group, in the group's queue (pool): each tensor
+ *         of its params file and optimizer-state file assembled from replica
+ *         0's shards row range by row range, into a snapshot in memory when
+ *         --max-memory leaves room for it (then a TASK_SAVE_WRITE per group,
+ *         off the group's queue, writes the files while its ops go on), else
+ *         into the files in place; CRC-32 as written, fsync
  *     --> all delivered (loop): one TASK_SAVE_FINAL (pool): manifest.json
  *         and the Hugging Face index, fsync of the files and the directory,
  *         rename to the target, fsync of its parent, --keep retention
  *     --> delivered (loop): done()
  *
  * A group's save task sits in its group's queue like any op: ops the ranks
- * submit on the group later wait for it, so the save reads a state no op
+ * submit on the group later wait for it (for the snapshot, or for the
+ * whole write without memory for one), so the save reads a state no op
  * writes. A crash at any moment leaves at most a temporary directory
  * (".tmp-*", removed by the next checkpoint into the same folder) and
  * never a half-written checkpoint under the target's name.
@@ -54,7 +58,10 @@ struct eng_ckpt {
 	char *dir, *tmp, *parent, *keep_root;
 	uint32_t keep;
 	int dirfd;                       /* the temporary directory */
-	uint32_t pending;                /* SAVE tasks not yet delivered */
+	uint32_t pending;                /* SAVE and SAVE_WRITE tasks not yet delivered */
+	uint64_t staged;                 /* bytes of staging memory committed (0: written in place) */
+	uint8_t **stage;                 /* [2 * m.ngroups]: a file's tensors snapshot, until written */
+	struct eng_task **wtasks;        /* [m.ngroups]: a group's SAVE_WRITE on the pool, or NULL */
 	int res;                         /* the first failure */
 	char msg[ENGINE_MSG_MAX];
 	uint64_t bytes;                  /* written, all files (atomic: pool threads add as they write) */
@@ -94,11 +101,18 @@ struct save_out {
 	uint8_t *bounce;
 	struct shd_backend_ctx *b;
 	uint64_t *progress;              /* the checkpoint's bytes written */
+	uint8_t *stage;                  /* snapshot mode: the tensors go here (off from 0), not to fd */
 };
 
-/* Append `bytes` at `offset` of `src` to the file, through the bounce buffer. */
+/* Append `bytes` at `offset` of `src` to the file, through the bounce buffer (or to the snapshot). */
 static int save_range(struct save_out *o, const struct shd_buf *src, uint64_t offset, uint64_t bytes)
 {
+	if (o->stage) {
+		int ret = bytes ? o->b->ops->read(o->b, src, offset, bytes, o->stage + o->off) : 0;
+
+		o->off += bytes;
+		return ret < 0 ? ret : ret ? -EIO : 0;
+	}
 	while (bytes) {
 		uint64_t k = bytes < CKPT_BOUNCE ? bytes : CKPT_BOUNCE;
 		int ret = o->b->ops->read(o->b, src, offset, k, o->bounce);
@@ -125,6 +139,7 @@ static int save_range(struct save_out *o, const struct shd_buf *src, uint64_t of
  */
 static int save_file(struct eng_ckpt *c, uint32_t gi, int optim, uint8_t *bounce, char *msg, size_t len)
 {
+	uint8_t **stage = c->staged ? &c->stage[2 * gi + optim] : NULL;
 	const struct shd_group *g = c->egs[gi]->g;
 	struct shd_ckpt_file *fe = &c->m.files[c->file_of[2 * gi + optim]];
 	uint32_t ns = optim ? shd_group_optim_states(&g->optim) : 1, n;
@@ -148,16 +163,22 @@ static int save_file(struct eng_ckpt *c, uint32_t gi, int optim, uint8_t *bounce
 		eng_fmt(msg, len, "checkpoint %s: group '%s': %s", c->dir, g->name, err);
 		goto out;
 	}
-	o.fd = openat(c->dirfd, fe->name, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-	if (o.fd < 0) {
-		ret = -errno;
-		goto out;
+	/* Snapshot: the tensors into memory now, the file later (write_staged); in place without memory. */
+	if (stage && (*stage = malloc(dsize ? dsize : 1))) {
+		o.stage = *stage;
+		hlen = 0;
+	} else {
+		o.fd = openat(c->dirfd, fe->name, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+		if (o.fd < 0) {
+			ret = -errno;
+			goto out;
+		}
+		ret = write_all(o.fd, hdr, hlen, 0);
+		if (ret)
+			goto out;
+		o.crc = crc32(o.crc, hdr, (uInt)hlen);
+		__atomic_add_fetch(&c->bytes, hlen, __ATOMIC_RELAXED);
 	}
-	ret = write_all(o.fd, hdr, hlen, 0);
-	if (ret)
-		goto out;
-	o.crc = crc32(o.crc, hdr, (uInt)hlen);
-	__atomic_add_fetch(&c->bytes, hlen, __ATOMIC_RELAXED);
 	o.off = hlen;
 	for (uint32_t i = 0, ti = 0; i < g->layout.nparams; i++) {
 		const struct shd_layout_param *p = &g->layout.params[i];
@@ -180,6 +201,8 @@ static int save_file(struct eng_ckpt *c, uint32_t gi, int optim, uint8_t *bounce
 			}
 		}
 	}
+	if (o.stage)
+		goto out;
 	if (fsync(o.fd))
 		ret = -errno;
 	fe->bytes = o.off;
@@ -229,6 +252,70 @@ static int save_group(struct eng_ckpt *c, uint32_t gi, char *msg, size_t len)
 	if (!ret && c->file_of[2 * gi + 1] >= 0)
 		ret = save_file(c, gi, 1, bounce, msg, len);
 	free(bounce);
+	return ret;
+}
+
+/*
+ * Write group `gi`'s snapshot files (SAVE_WRITE, off its group's queue):
+ * the header, the snapshot, CRC-32 as written, fsync; the snapshot is freed.
+ * Reads nothing of the group: only the manifest's copy of its spec.
+ */
+static int write_staged(struct eng_ckpt *c, uint32_t gi, char *msg, size_t len)
+{
+	const struct shd_ckpt_group *cg = &c->m.groups[gi];
+	int ret = 0;
+
+	for (int optim = 0; optim < 2 && !ret; optim++) {
+		uint8_t **stage = &c->stage[2 * gi + optim];
+		uint32_t ns = optim ? shd_group_optim_states(&cg->optim) : 1, n;
+		const char *states[SHD_OPTIM_STATES];
+		struct shd_ckpt_file *fe;
+		struct shd_st_tensor *t = NULL;
+		uint8_t *hdr = NULL;
+		uLong crc = crc32(0L, Z_NULL, 0);
+		size_t hlen;
+		uint64_t dsize;
+		char err[256];
+		int fd = -1;
+
+		if (!*stage)
+			continue;
+		fe = &c->m.files[c->file_of[2 * gi + optim]];
+		for (uint32_t k = 0; optim && k < ns; k++)
+			states[k] = shd_group_optim_state_name(&cg->optim, k);
+		ret = shd_ckpt_group_tensors(cg, optim, ns, states, &t, &n);
+		if (!ret)
+			ret = shd_st_build(t, n, &hdr, &hlen, &dsize, err, sizeof(err));
+		if (!ret && (fd = openat(c->dirfd, fe->name, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644)) < 0)
+			ret = -errno;
+		if (!ret)
+			ret = write_all(fd, hdr, hlen, 0);
+		if (!ret) {
+			crc = crc32(crc, hdr, (uInt)hlen);
+			__atomic_add_fetch(&c->bytes, hlen, __ATOMIC_RELAXED);
+		}
+		for (uint64_t off = 0; !ret && off < dsize; ) {
+			uint64_t k = dsize - off < CKPT_BOUNCE ? dsize - off : CKPT_BOUNCE;
+
+			ret = write_all(fd, *stage + off, k, hlen + off);
+			crc = crc32(crc, *stage + off, (uInt)k);
+			__atomic_add_fetch(&c->bytes, k, __ATOMIC_RELAXED);
+			off += k;
+		}
+		if (!ret && fsync(fd))
+			ret = -errno;
+		fe->bytes = hlen + dsize;
+		fe->crc32 = (uint32_t)crc;
+		if (ret)
+			eng_fmt(msg, len, "checkpoint %s: writing %s of group '%s': %s", c->dir, fe->name,
+				cg->hdr.name, ret == -SHARDD_E_INVALID ? err : strerror(ret < 0 ? -ret : EIO));
+		if (fd >= 0)
+			close(fd);
+		free(hdr);
+		free(t);
+		free(*stage);
+		*stage = NULL;
+	}
 	return ret;
 }
 
@@ -403,6 +490,8 @@ void eng_ckpt_exec(struct eng_task *t)
 	t->msg[0] = '\0';
 	if (t->kind == TASK_SAVE)
 		t->res = save_group(t->ckpt, t->gindex, t->msg, sizeof(t->msg));
+	else if (t->kind == TASK_SAVE_WRITE)
+		t->res = write_staged(t->ckpt, t->gindex, t->msg, sizeof(t->msg));
 	else
 		t->res = save_final(t->ckpt, t->msg, sizeof(t->msg));
 }
@@ -413,6 +502,13 @@ void eng_ckpt_exec(struct eng_task *t)
 
 static void ckpt_free(struct eng_ckpt *c)
 {
+	/* The snapshot's memory leaves the limits (--max-memory, --max-job-memory). */
+	c->j->mem_committed -= c->staged;
+	c->j->e->mem_committed -= c->staged;
+	for (uint32_t i = 0; c->stage && i < 2 * c->m.ngroups; i++)
+		free(c->stage[i]);
+	free(c->stage);
+	free(c->wtasks);
 	if (c->dirfd >= 0)
 		close(c->dirfd);
 	shd_ckpt_manifest_free(&c->m);
@@ -440,10 +536,13 @@ static void ckpt_finish(struct eng_ckpt *c, int res, const char *msg)
 	l->last_step = c->m.step;
 	l->last_bytes = bytes;
 	l->last_s = secs;
+	l->last_staged = c->staged != 0;
 	if (!res)
-		shd_log_info("job '%s': checkpoint of step %llu written to %s: %llu bytes in %.3f s (%.2f GB/s)",
+		shd_log_info("job '%s': checkpoint of step %llu written to %s: %llu bytes in %.3f s (%.2f GB/s; %s)",
 			     c->j->name, (unsigned long long)c->m.step, c->dir, (unsigned long long)bytes, secs,
-			     secs > 0 ? (double)bytes / secs / 1e9 : 0.0);
+			     secs > 0 ? (double)bytes / secs / 1e9 : 0.0,
+			     c->staged ? "snapshot in memory, the groups' ops went on while it was written" :
+			     "written in place, the groups' ops waited");
 	else
 		shd_log_warn("job '%s': %s", c->j->name, msg);
 	c->done(c->ctx, res, res ? msg : NULL, c->dir, bytes, secs);
@@ -459,9 +558,29 @@ void eng_ckpt_delivered(struct eng_task *t)
 		ckpt_finish(c, t->res, t->msg);
 		return;
 	}
+	if (t->kind == TASK_SAVE_WRITE)
+		c->wtasks[t->gindex] = NULL;
 	if (t->res && !c->res) {
 		c->res = t->res;
 		snprintf(c->msg, sizeof(c->msg), "%s", t->msg);
+	}
+	/* A group's snapshot is taken: its files are written off its queue, its ops go on. */
+	if (t->kind == TASK_SAVE && !t->res && !c->res && !c->j->ending &&
+	    (c->stage[2 * t->gindex] || c->stage[2 * t->gindex + 1])) {
+		struct eng_task *w = eng_task_new(c->egs[t->gindex], TASK_SAVE_WRITE, 1);
+
+		if (w) {
+			w->ckpt = c;
+			w->gindex = t->gindex;
+			w->ops[0].sqe.op = SHARDD_OP_CHECKPOINT;
+			w->ops[0].sqe.step = c->m.step;
+			c->wtasks[t->gindex] = w;
+			c->pending++;
+			shd_pool_submit(c->j->e->pool, &w->pt);
+		} else {
+			c->res = -SHARDD_E_NOMEM;
+			snprintf(c->msg, sizeof(c->msg), "checkpoint %s: out of memory for a write task", c->dir);
+		}
 	}
 	if (--c->pending)
 		return;
@@ -488,6 +607,37 @@ static void req_free(struct eng_ckpt_req *r)
 	free(r->dir);
 	free(r->keep_root);
 	free(r);
+}
+
+void eng_ckpt_job_wait(struct shd_engine_job *j)
+{
+	struct shd_engine *e = j->e;
+
+	for (;;) {
+		struct eng_ckpt *c = j->ckpt;
+		struct eng_task *t = NULL, **pp;
+
+		for (uint32_t i = 0; c && i < c->m.ngroups && !t; i++)
+			t = c->wtasks[i];
+		if (!t)
+			return;
+		/* Its files are being written off the groups' queues: wait, then take it off the finished list. */
+		pthread_mutex_lock(&e->lock);
+		while (!t->finished)
+			pthread_cond_wait(&e->finished, &e->lock);
+		e->fin_tail = NULL;
+		for (pp = &e->fin_head; *pp; ) {
+			if (*pp == t) {
+				*pp = t->next;
+			} else {
+				e->fin_tail = *pp;
+				pp = &(*pp)->next;
+			}
+		}
+		pthread_mutex_unlock(&e->lock);
+		eng_ckpt_delivered(t);
+		free(t);
+	}
 }
 
 void eng_ckpt_job_end(struct shd_engine_job *j, const char *why)
@@ -616,6 +766,21 @@ static int ckpt_plan(struct shd_engine_job *j, struct eng_ckpt *c, uint64_t step
 		c->m.ngroups++;
 	}
 	c->m.nfiles = nf;
+	c->stage = calloc(2 * (size_t)n, sizeof(*c->stage));
+	c->wtasks = calloc(n, sizeof(*c->wtasks));
+	if (!c->stage || !c->wtasks)
+		return -ENOMEM;
+	/* A snapshot in memory when the limits leave room for it; else the files are written in place. */
+	{
+		const struct shd_engine_config *cfg = &j->e->cfg;
+
+		if ((!cfg->max_memory || j->e->mem_committed + c->total <= cfg->max_memory) &&
+		    (!cfg->max_job_memory || j->mem_committed + c->total <= cfg->max_job_memory)) {
+			c->staged = c->total;
+			j->mem_committed += c->staged;
+			j->e->mem_committed += c->staged;
+		}
+	}
 	return 0;
 }
 
@@ -800,6 +965,7 @@ static void record_failure(struct shd_engine_job *j, uint64_t id, int res, const
 	l->last_step = step;
 	l->last_bytes = 0;
 	l->last_s = 0;
+	l->last_staged = 0;
 }
 
 /* --checkpoint-every: at a step boundary that is a multiple of it, once per step. */

@@ -189,6 +189,7 @@ void shd_engine_job_end(struct shd_engine_job *j, const char *why)
 		return;
 	e = j->e;
 	j->ending = 1;
+	eng_ckpt_job_wait(j);
 	for (uint32_t i = 0; i < j->ngroups; i++) {
 		struct eng_group *eg = j->groups[i];
 

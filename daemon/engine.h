@@ -172,6 +172,7 @@ struct shd_engine_ckpt_status {
 	char     last_dir[SHD_ENGINE_CKPT_TEXT];
 	uint64_t last_step, last_bytes;
 	double   last_s;
+	int      last_staged;             /* 1: written from a snapshot in memory (the groups' ops went on) */
 };
 void shd_engine_job_checkpoint_status(const struct shd_engine_job *j, struct shd_engine_ckpt_status *st);
 /* 1 while a checkpoint of the job is being written. */

@@ -58,6 +58,7 @@ enum eng_task_kind {
 	TASK_STEP,            /* one rank's optimizer step on its shard */
 	TASK_SAVE,            /* checkpoint: write the group's params and optimizer state (ckpt_save.c) */
 	TASK_SAVE_FINAL,      /* checkpoint: manifest, fsync, rename, retention (ckpt_save.c) */
+	TASK_SAVE_WRITE,      /* checkpoint: a group's snapshot to its files, off the group's queue */
 	TASK_RESTORE,         /* registration: params and optimizer state from a checkpoint (ckpt_load.c) */
 };
 
@@ -222,6 +223,8 @@ void eng_ckpt_try_armed(struct shd_engine_job *j);
 void eng_restore_exec(struct eng_task *t);
 /* Loop thread (registry.c): the TASK_RESTORE of a registration ended; reply to every rank. */
 void eng_restore_delivered(struct eng_task *t);
+/* Loop thread, from shd_engine_job_end before any group stops: wait for the SAVE_WRITEs on the pool. */
+void eng_ckpt_job_wait(struct shd_engine_job *j);
 /* Loop thread, from shd_engine_job_end after every group stopped: fail a checkpoint still open. */
 void eng_ckpt_job_end(struct shd_engine_job *j, const char *why);
 

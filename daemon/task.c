@@ -58,6 +58,7 @@ static uint64_t task_bytes(const struct eng_task *t)
 		return l->shard_size * (4 + 2 * (uint64_t)shd_group_optim_states(&g->optim));
 	case TASK_SAVE:
 	case TASK_SAVE_FINAL:
+	case TASK_SAVE_WRITE:
 	case TASK_RESTORE:
 		return UINT64_MAX; /* file I/O: always on the pool, never on the loop thread */
 	default:
@@ -82,7 +83,7 @@ static void task_exec(struct eng_task *t);
 
 static void task_deliver(struct eng_task *t)
 {
-	if (t->kind == TASK_SAVE || t->kind == TASK_SAVE_FINAL) {
+	if (t->kind == TASK_SAVE || t->kind == TASK_SAVE_FINAL || t->kind == TASK_SAVE_WRITE) {
 		eng_ckpt_delivered(t);
 		return;
 	}
@@ -407,6 +408,7 @@ static void task_exec(struct eng_task *t)
 	switch (t->kind) {
 	case TASK_SAVE:
 	case TASK_SAVE_FINAL:
+	case TASK_SAVE_WRITE:
 		eng_ckpt_exec(t);
 		return;
 	case TASK_RESTORE:
@@ -501,6 +503,12 @@ void shd_engine_drain(struct shd_engine *e)
 		struct eng_group *eg = t->eg;
 
 		next = t->next;
+		/* Not its group's running task: a checkpoint's write off the group's queue. */
+		if (t->kind == TASK_SAVE_WRITE) {
+			eng_ckpt_delivered(t);
+			free(t);
+			continue;
+		}
 		eg->running = NULL;
 		/* A restore's end may fail the registration and free the group: nothing runs after it. */
 		if (t->kind == TASK_RESTORE) {

@@ -678,3 +678,71 @@ Test(checkpoint, checkpoint_every_saves_each_multiple_step_boundary, .timeout = 
 	ref_free(&ref);
 	finish(&f);
 }
+
+Test(checkpoint, snapshot_holds_the_boundary_while_the_next_step_runs, .timeout = 60)
+{
+	struct fixture f;
+	struct ref ref;
+	struct shardd_completion cp;
+	char dir[160], path[512];
+	float *before[WORLD][NP];
+	struct st model;
+	json_t *r;
+
+	cr_assert(getenv("SHARDD_BUILD"), "SHARDD_BUILD is not set: run through make test");
+	start(&f, NULL, 1, NULL);
+	ref_init(&ref, &f);
+	train_step(&f, &ref, 1);
+	train_step(&f, &ref, 2);
+	for (int rk = 0; rk < WORLD; rk++)
+		for (uint32_t i = 0; i < NP; i++) {
+			uint64_t n = valid_numel(f.reg[rk].g, i);
+
+			before[rk][i] = malloc((n + 1) * sizeof(float));
+			memcpy(before[rk][i], shardd_group_shard(f.reg[rk].g, i), n * sizeof(float));
+		}
+	/* checkpoint(2), and without waiting for it step 3's reduce and step. */
+	for (int rk = 0; rk < WORLD; rk++)
+		cr_assert_eq(shardd_submit(f.c[rk], SHARDD_OP_CHECKPOINT, 0, 2, 0, 7), 0);
+	for (int rk = 0; rk < WORLD; rk++)
+		cr_assert_eq(shardd_submit(f.c[rk], SHARDD_OP_REDUCE, shardd_group_id(f.reg[rk].g), 3, 0, 8), 0);
+	for (int rk = 0; rk < WORLD; rk++)
+		for (int k = 0; k < 2; k++) {
+			cr_assert_eq(shardd_wait(f.c[rk], &cp, 30000), 0, "%s", shardd_last_error());
+			cr_assert_eq(cp.res, 0, "rank %d %s: %s", rk, shardd_op_name(cp.op), cp.msg);
+		}
+	for (int rk = 0; rk < WORLD; rk++)
+		cr_assert_eq(shardd_step(f.reg[rk].g, 3, 0.01, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
+	/* The files hold step 2's params, which step 3 has moved since. */
+	snprintf(dir, sizeof(dir), "%s/ck/step-000000000002", f.state);
+	snprintf(path, sizeof(path), "%s/model.safetensors", dir);
+	st_open(&model, path);
+	for (uint32_t i = 0; i < NP; i++) {
+		const float *t = st_tensor(&model, params[i].name, &params[i]);
+		float *sh[WORLD];
+		int moved = 0;
+
+		for (int rk = 0; rk < WORLD; rk++)
+			sh[rk] = before[rk][i];
+		for (uint64_t e = 0; e < numel_of(&params[i]); e++) {
+			float want = full_elem(i, sh, e, &f);
+
+			cr_assert_eq(memcmp(&t[e], &want, 4), 0, "param '%s'[%llu] = %.9g, at step 2 %.9g",
+				     params[i].name, (unsigned long long)e, t[e], want);
+		}
+		for (int rk = 0; rk < WORLD; rk++)
+			for (uint64_t e = 0; e < valid_numel(f.reg[rk].g, i); e++)
+				moved |= ((float *)shardd_group_shard(f.reg[rk].g, i))[e] != before[rk][i][e];
+		cr_assert(moved || !numel_of(&params[i]), "step 3 did not move param '%s'", params[i].name);
+	}
+	st_close(&model);
+	r = ctl_checkpoints(&f);
+	cr_assert(json_is_true(json_object_get(json_object_get(r, "last"), "staged")),
+		  "the checkpoint was not written from a snapshot");
+	json_decref(r);
+	for (int rk = 0; rk < WORLD; rk++)
+		for (uint32_t i = 0; i < NP; i++)
+			free(before[rk][i]);
+	ref_free(&ref);
+	finish(&f);
+}

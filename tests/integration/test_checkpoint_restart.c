@@ -48,6 +48,7 @@ struct run {
 	const char *state;
 	const struct shardd_param_desc *params;
 	uint32_t np;
+	const char *max_memory;      /* --max-memory, or NULL */
 	struct shardd_client *c[WORLD];
 	struct shardd_group *g[WORLD];
 	int ret[WORLD];
@@ -72,7 +73,8 @@ static void *register_main(void *p)
 
 static void daemon_start(struct run *run)
 {
-	const char *extra[] = { "--collective-timeout", "20", "--state-dir", run->state, "--keep", "2", NULL };
+	const char *extra[] = { "--collective-timeout", "20", "--state-dir", run->state, "--keep", "2",
+				run->max_memory ? "--max-memory" : NULL, run->max_memory, NULL };
 
 	cr_assert_eq(harness_daemon_start(&run->hd, extra), 0, "shardd did not start");
 }
@@ -288,7 +290,7 @@ static const struct shardd_param_desc big[2] = {
 };
 
 /* shardctl --json checkpoints train: the id being written (0: none) and the last step that ended. */
-static void ctl_status(struct run *run, json_int_t *writing, json_int_t *last_step)
+static void ctl_status(struct run *run, json_int_t *writing, json_int_t *last_step, int *staged)
 {
 	char path[512], out[8192];
 	const char *argv[] = { path, "--socket", run->hd.socket, "--json", "checkpoints", "train", NULL };
@@ -301,14 +303,22 @@ static void ctl_status(struct run *run, json_int_t *writing, json_int_t *last_st
 	cr_assert(r, "shardctl checkpoints: %s", out);
 	*writing = json_integer_value(json_object_get(json_object_get(r, "writing"), "id"));
 	*last_step = json_integer_value(json_object_get(json_object_get(r, "last"), "step"));
+	*staged = json_is_true(json_object_get(json_object_get(r, "last"), "staged"));
 	json_decref(r);
 }
 
 Test(restart, killed_while_a_checkpoint_is_written_resumes_from_the_last_complete_one, .timeout = 240)
 {
 	char sa[64], sb[64], dir[200];
-	struct run a = { .state = sa, .params = big, .np = 2 }, b = { .state = sb, .params = big, .np = 2 };
+	/*
+	 * Run b's groups need 448 MiB (shards, sharded grads, unsharded copy, two
+	 * grads, AdamW's two states) and a snapshot 192 MiB more: 560 MiB of
+	 * --max-memory leaves no room for it, so b writes in place (its ops wait).
+	 */
+	struct run a = { .state = sa, .params = big, .np = 2 },
+		   b = { .state = sb, .params = big, .np = 2, .max_memory = "560M" };
 	json_int_t writing = 0, last = 0;
+	int staged = 1;
 	uint64_t resume;
 	float *want, *got;
 	size_t nw, ng;
@@ -334,10 +344,14 @@ Test(restart, killed_while_a_checkpoint_is_written_resumes_from_the_last_complet
 	cr_assert_eq(attach(&b), 0);
 	init_params(&b);
 	train_step_every(&b, 1, 1);
+	ctl_status(&b, &writing, &last, &staged);
+	cr_assert(last == 1 && !staged, "the checkpoint of step 1 (last %lld) was %s", (long long)last,
+		  staged ? "staged in memory past --max-memory" : "not reported");
+	writing = 0;
 	train_step_every(&b, 2, 0);
 	checkpoint_submit(&b, 2);
 	for (int64_t until = harness_now_ms() + 20000;;) {
-		ctl_status(&b, &writing, &last);
+		ctl_status(&b, &writing, &last, &staged);
 		if (writing || last == 2)
 			break;
 		cr_assert(harness_now_ms() < until, "the checkpoint of step 2 never started");

@@ -102,3 +102,49 @@ def test_checkpoint_then_restore_at_another_mesh_continues_bit_identical(state_d
             assert torch.equal(got[name], t), name
     finally:
         mesh.close()
+
+
+def test_full_state_dict_gathers_and_loads_at_another_mesh(state_daemon, request):
+    """full_state_dict() against the ranks' shards concatenated by the test;
+    load_full_state_dict() of it into a 1-rank model built from another seed
+    gives shards equal to the full tensors; a wrong shape and a missing
+    param are refused by name."""
+    job = job_name(request)
+    models = [make(0) for _ in range(2)]
+    meshes = [st.init_device_mesh(job, r, (2,), socket_path=state_daemon.socket) for r in range(2)]
+    try:
+        opts = [st.DaemonAdamW(m, lr=1e-2) for m in models]
+
+        def shard(r):
+            st.fully_shard(models[r].fc1, mesh=meshes[r])
+            st.fully_shard(models[r], mesh=meshes[r])
+
+        run_ranks(shard, 2)
+        run_ranks(lambda r: train(models[r], opts[r], data(2)), 2)
+        want = full_params(models)
+        sds = run_ranks(lambda r: st.full_state_dict(models[r]), 2)
+        for sd in sds:
+            assert sorted(sd) == sorted(want)
+            for name, t in want.items():
+                assert torch.equal(sd[name], t), name
+    finally:
+        for m in meshes:
+            m.close()
+    model = make(1)
+    mesh = st.init_device_mesh(job + "-one", 0, (1,), socket_path=state_daemon.socket)
+    try:
+        st.fully_shard(model.fc1, mesh=mesh)
+        st.fully_shard(model, mesh=mesh)
+        st.load_full_state_dict(model, sds[0])
+        got = full_params([model])
+        for name, t in want.items():
+            assert torch.equal(got[name], t), name
+        bad = dict(sds[0])
+        bad["fc2.weight"] = torch.zeros(4, 9)
+        with pytest.raises(ValueError, match=r"param 'fc2.weight' has shape \(3, 9\), the state dict holds \(4, 9\)"):
+            st.load_full_state_dict(model, bad)
+        del bad["fc2.weight"]
+        with pytest.raises(KeyError, match="param 'fc2.weight' is not in the state dict"):
+            st.load_full_state_dict(model, bad)
+    finally:
+        mesh.close()

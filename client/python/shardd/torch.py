@@ -46,9 +46,10 @@ Differences from FSDP2: parameters are plain tensors (no DTensor), every
 rank is a CPU process of one node served by the daemon's host backend,
 ``set_requires_gradient_sync(False)`` accumulates unsynchronised gradients
 in ``param_dtype`` (torch 2.15 uses the original dtype), and
-``state_dict()`` returns the local shards. Checkpoints are the daemon's:
-:func:`checkpoint` saves every group (full tensors, safetensors) and
-``init_device_mesh(..., restore=...)`` starts from one at any mesh.
+``state_dict()`` returns the local shards (:func:`full_state_dict` and
+:func:`load_full_state_dict` take full tensors). Checkpoints are the
+daemon's: :func:`checkpoint` saves every group (full tensors, safetensors)
+and ``init_device_mesh(..., restore=...)`` starts from one at any mesh.
 
 The daemon's optimizer: :class:`DaemonSGD` / :class:`DaemonAdamW`, constructed
 over the model before ``fully_shard``, are ``torch.optim.Optimizer`` objects
@@ -81,7 +82,8 @@ from .client import Client, DaemonGone, Optimizer, Param, ShardError, _f64_bits,
 
 __all__ = ["fully_shard", "MixedPrecisionPolicy", "FSDPModule", "UnshardHandle",
            "init_device_mesh", "default_reduce_dtype", "local_shards", "DaemonOptimizer",
-           "DaemonSGD", "DaemonAdamW", "clip_grad_norm_", "peer_failed", "checkpoint"]
+           "DaemonSGD", "DaemonAdamW", "clip_grad_norm_", "peer_failed", "checkpoint",
+           "full_state_dict", "load_full_state_dict"]
 
 _TORCH_TO_SHARDD = {torch.float32: P.DTYPE_FP32, torch.bfloat16: P.DTYPE_BF16,
                     torch.float16: P.DTYPE_FP16}
@@ -895,6 +897,66 @@ def local_shards(module):
                 out.append((name, t, hit.shard_dim, st.group.shard_rows(hit.index)[0]))
                 break
     return out
+
+
+# ---------------------------------------------------------------- full state dicts
+def _managed(model):
+    """(name under `model`, state, _Param) of every param fully_shard manages under it."""
+    for prefix, m in model.named_modules():
+        st = getattr(m, "_shardd_state", None) if isinstance(m, FSDPModule) else None
+        for p in (st.params if st is not None else []):
+            yield (prefix + "." if prefix else "") + p.fqn, m, st, p
+
+
+def full_state_dict(model):
+    """Collective (every rank, on the same model): {name: full tensor} of
+    every param fully_shard manages under `model`, each a copy of the whole
+    tensor gathered by the daemon's unshard, in the param's dtype. The
+    gather casts to MixedPrecisionPolicy.param_dtype: a group with another
+    param_dtype than its params' dtype is refused (st.checkpoint saves its
+    masters instead)."""
+    out, done = {}, set()
+    for name, m, st, p in _managed(model):
+        if id(st) not in done:
+            pd = st.mp.param_dtype
+            if pd is not None and any(q.sharded.dtype != pd for q in st.params):
+                raise ValueError(f"full_state_dict: {st.where('gather')} casts its params to "
+                                 f"param_dtype {pd}, so the gathered tensors are not the params: "
+                                 f"use shardd.torch.checkpoint() (the daemon saves the masters)")
+            held = st.unsharded
+            m.unshard()
+            for q in st.params:
+                out[name[:len(name) - len(p.fqn)] + q.fqn] = q.unsharded.detach().clone()
+            if not held:
+                m.reshard()
+            done.add(id(st))
+    return out
+
+
+def load_full_state_dict(model, state_dict):
+    """Every rank: copy its rows of each full tensor of `state_dict` (as
+    full_state_dict returns it, or a safetensors file's tensors) into the
+    shards of the params fully_shard manages under `model`, at any mesh.
+    Every such param must be in it, and nothing else."""
+    names = set()
+    with torch.no_grad():
+        for name, _m, st, p in _managed(model):
+            if name not in state_dict:
+                raise KeyError(f"load_full_state_dict: param '{name}' is not in the state dict")
+            full = state_dict[name].detach().cpu().contiguous()
+            want = tuple(st.group.params[p.index].shape)
+            if tuple(full.shape) != want:
+                raise ValueError(f"load_full_state_dict: param '{name}' has shape {want}, the state "
+                                 f"dict holds {tuple(full.shape)}")
+            full = full.to(p.sharded.dtype)
+            if full.dtype == torch.bfloat16:
+                st.group.load_full(p.index, full.view(torch.int16).numpy().view("uint16"))
+            else:
+                st.group.load_full(p.index, full.numpy())
+            names.add(name)
+    extra = sorted(set(state_dict) - names)
+    if extra:
+        raise KeyError(f"load_full_state_dict: {extra} are no params fully_shard manages here")
 
 
 # ---------------------------------------------------------------- clip_grad_norm_

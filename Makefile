@@ -19,7 +19,7 @@ WERROR   ?= 0
 WERROR_FLAGS := $(if $(filter 1,$(WERROR)),-Werror)
 override CFLAGS += -std=gnu11 $(WERROR_FLAGS) -fPIC -pthread -MMD -MP
 LDFLAGS  ?=
-LDLIBS   := -luring -ljansson -lmicrohttpd -lpthread -lm
+LDLIBS   := -luring -ljansson -lmicrohttpd -lz -lpthread -lm
 PREFIX   ?= /usr/local
 DESTDIR  ?=
 PYTHON   ?= /usr/bin/python3
@@ -174,7 +174,7 @@ test-c: all $(UNIT_BIN) $(INTEG_BIN)
 
 test-python: all
 	@if [ -d tests/python ]; then \
-		SHARDD_BIN=$(abspath $(SHARDD)) SHARDD_BUILD=$(abspath $(BUILD)) \
+		SHARDD_BIN=$(abspath $(SHARDD)) SHARDD_BUILD=$(abspath $(BUILD)) SHARDD_VENV=$(abspath build/venv) \
 		PYTHONPATH=$(abspath client/python) $(PYTHON) -m pytest -q tests/python; \
 	fi
 

@@ -8,6 +8,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -454,6 +455,8 @@ int shardd_group_register(struct shardd_client *c, const char *name,
 	uint32_t ct = c->welcome.collective_timeout_ms;
 	struct shardd_register_group *reg = NULL;
 	struct shardd_param_spec *specs = NULL;
+	char restore_abs[PATH_MAX];
+	const char *restore = NULL;
 	size_t len;
 	int ret;
 
@@ -469,6 +472,19 @@ int shardd_group_register(struct shardd_client *c, const char *name,
 	len = sizeof(*reg) + sizeof(*specs) * nparams;
 	if (policy && policy->optimizer)
 		len += sizeof(*policy->optimizer);
+	if (policy && policy->restore) {
+		/* The daemon runs elsewhere: a relative path is made absolute here, where it means something. */
+		if (policy->restore[0] && policy->restore[0] != '/' && realpath(policy->restore, restore_abs))
+			restore = restore_abs;
+		else
+			restore = policy->restore;
+		if (strlen(restore) >= SHARDD_RESTORE_PATH_MAX) {
+			ret = shardd_err_set(-EINVAL, "restore path of %zu bytes; at most %d", strlen(restore),
+					     SHARDD_RESTORE_PATH_MAX - 1);
+			goto err;
+		}
+		len += sizeof(struct shardd_restore) + strlen(restore);
+	}
 	reg = calloc(1, len);
 	specs = calloc(nparams, sizeof(*specs));
 	if (!reg || !specs) {
@@ -513,6 +529,14 @@ int shardd_group_register(struct shardd_client *c, const char *name,
 		reg->flags |= SHARDD_REGISTER_OPTIMIZER;
 		memcpy((uint8_t *)(reg + 1) + sizeof(*specs) * nparams, policy->optimizer,
 		       sizeof(*policy->optimizer));
+	}
+	if (restore) {
+		struct shardd_restore rs = { .path_len = (uint32_t)strlen(restore) };
+		uint8_t *at = (uint8_t *)reg + len - sizeof(rs) - rs.path_len;
+
+		reg->init = SHARDD_INIT_RESTORE;
+		memcpy(at, &rs, sizeof(rs));
+		memcpy(at + sizeof(rs), restore, rs.path_len);
 	}
 	/* The daemon answers once every rank registered, or fails at its collective timeout. */
 	ret = group_request(c, name, SHARDD_MSG_REGISTER_GROUP, reg, (uint32_t)len, specs, nparams,

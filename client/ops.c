@@ -437,6 +437,14 @@ int shardd_barrier(struct shardd_client *c, uint64_t barrier_number)
 	return shardd_client_op_sync(c, SHARDD_OP_BARRIER, 0, barrier_number, 0, what);
 }
 
+int shardd_checkpoint(struct shardd_client *c, uint64_t step)
+{
+	char what[64];
+
+	snprintf(what, sizeof(what), "checkpoint step %llu", (unsigned long long)step);
+	return shardd_client_op_sync(c, SHARDD_OP_CHECKPOINT, 0, step, 0, what);
+}
+
 static int group_op(struct shardd_group *g, uint32_t op, uint64_t step, uint32_t flags)
 {
 	char what[SHARDD_NAME_MAX + 96];

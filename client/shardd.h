@@ -75,6 +75,18 @@ struct shardd_policy {
 	 * Every rank registers the same config; its params must be fp32.
 	 */
 	const struct shardd_optim_config *optimizer;
+	/*
+	 * Where the group's params and optimizer state come from
+	 * (docs/CHECKPOINTS.md): NULL, zeroed shards; "", the job's newest
+	 * checkpoint in the daemon's --state-dir (zeroed when there is none: a
+	 * first run); else a checkpoint directory, or a folder of step-N
+	 * checkpoints (its newest), saved at any mesh; or plain safetensors
+	 * weights to import by name (a .safetensors file, or a directory with
+	 * model.safetensors.index.json or model.safetensors), converted to the
+	 * params' dtypes. Every rank names the same.
+	 * shardd_group_last_step() then says the step to resume after.
+	 */
+	const char *restore;
 };
 
 /* One reaped completion. */
@@ -285,6 +297,15 @@ int shardd_grad_norm(struct shardd_client *c, uint64_t step, double norm_type, d
 int shardd_grad_norm_submit(struct shardd_client *c, uint64_t step, double norm_type, uint64_t user_data);
 /* The norm and the non-finite flag of a grad_norm completion with res 0. */
 void shardd_grad_norm_result(const struct shardd_completion *cp, double *norm, int *nonfinite);
+
+/*
+ * Job-wide, every rank with the same `step` after the step's ops completed:
+ * the daemon writes every group's params and optimizer state to
+ * <--state-dir>/<job>/step-<step> (docs/CHECKPOINTS.md) and completes each
+ * rank's op once the checkpoint is durable. 0 or a negative code as above
+ * (-SHARDD_E_INVALID: the daemon has no --state-dir).
+ */
+int shardd_checkpoint(struct shardd_client *c, uint64_t step);
 
 /*
  * The last step applied or skipped on this rank's shard when the group was

@@ -12,6 +12,7 @@
 
 #include "admin.h"
 #include "admin_int.h"
+#include "engine.h"
 #include "job.h"
 #include "shardd_proto.h"
 #include "state.h"
@@ -53,6 +54,62 @@ static json_t *cmd_end(const json_t *req)
 }
 
 /* ------------------------------------------------------------------ */
+/* checkpoint: a checkpoint at the job's next step boundary           */
+/* ------------------------------------------------------------------ */
+
+static json_t *cmd_checkpoint(const json_t *req)
+{
+	const json_t *v = json_object_get(req, "job"), *d = json_object_get(req, "dir");
+	char names[ADMIN_NAMES_MAX], msg[512];
+	struct shd_job *j;
+	uint64_t id;
+	int ret;
+
+	if (!json_is_string(v)) {
+		admin_job_names(names, sizeof(names));
+		return admin_reply_err(-SHARDD_E_INVALID, "checkpoint: \"job\" must name the job; jobs: %s",
+				       shd_state_jobs() ? names : "none");
+	}
+	if (d && !json_is_string(d))
+		return admin_reply_err(-SHARDD_E_INVALID, "checkpoint: \"dir\" must be a string (an absolute path)");
+	j = shd_job_find(json_string_value(v));
+	if (!j)
+		return admin_no_job(json_string_value(v));
+	ret = shd_job_checkpoint_arm(j, d ? json_string_value(d) : NULL, &id, msg, sizeof(msg));
+	if (ret)
+		return admin_reply_err(ret, "%s", msg);
+	return json_pack("{s:b, s:s, s:I}", "ok", 1, "job", j->name, "id", (json_int_t)id);
+}
+
+/* checkpoints: the job's armed, in-progress and last checkpoint. */
+static json_t *cmd_checkpoints(const json_t *req)
+{
+	const json_t *v = json_object_get(req, "job");
+	struct shd_engine_ckpt_status st;
+	char names[ADMIN_NAMES_MAX];
+	struct shd_job *j;
+
+	if (!json_is_string(v)) {
+		admin_job_names(names, sizeof(names));
+		return admin_reply_err(-SHARDD_E_INVALID, "checkpoints: \"job\" must name the job; jobs: %s",
+				       shd_state_jobs() ? names : "none");
+	}
+	j = shd_job_find(json_string_value(v));
+	if (!j)
+		return admin_no_job(json_string_value(v));
+	shd_engine_job_checkpoint_status(j->ejob, &st);
+	return json_pack("{s:b, s:s, s:{s:I, s:s}, s:{s:I, s:I, s:s, s:I, s:I, s:f}, s:{s:I, s:i, s:s, s:s, s:I, s:I, s:f, s:b}}",
+			 "ok", 1, "job", j->name,
+			 "armed", "id", (json_int_t)st.armed_id, "dir", st.armed_dir,
+			 "writing", "id", (json_int_t)st.writing_id, "step", (json_int_t)st.writing_step,
+			 "dir", st.writing_dir, "bytes", (json_int_t)st.writing_bytes,
+			 "total", (json_int_t)st.writing_total, "seconds", st.writing_s,
+			 "last", "id", (json_int_t)st.last_id, "code", st.last_res, "error", st.last_msg,
+			 "dir", st.last_dir, "step", (json_int_t)st.last_step, "bytes", (json_int_t)st.last_bytes,
+			 "seconds", st.last_s, "staged", st.last_staged);
+}
+
+/* ------------------------------------------------------------------ */
 /* Dispatch                                                            */
 /* ------------------------------------------------------------------ */
 
@@ -69,6 +126,8 @@ static const struct {
 	{ "stats", admin_cmd_stats },
 	{ "metrics", admin_cmd_metrics },
 	{ "end", cmd_end },
+	{ "checkpoint", cmd_checkpoint },
+	{ "checkpoints", cmd_checkpoints },
 };
 
 /* The reply object to one request (the caller decrefs), or NULL when out of memory. */
@@ -101,7 +160,7 @@ static json_t *admin_exec(const void *payload, size_t len, uid_t peer_uid)
 		}
 	}
 	r = admin_reply_err(-SHARDD_E_INVALID, "unknown admin command '%s'; commands: status, jobs, "
-			    "ranks, groups, show, dump, stats, metrics, end", cmd);
+			    "ranks, groups, show, dump, stats, metrics, end, checkpoint, checkpoints", cmd);
 out:
 	json_decref(req);
 	return r;

@@ -737,6 +737,39 @@ static void render_state(struct text *t)
 	}
 }
 
+static void render_checkpoints(struct text *t)
+{
+	static const struct {
+		const char *name, *help;
+	} gauges[] = {
+		{ "shardd_checkpoint_writing_bytes", "Bytes written so far of the checkpoint being written, by job (0: none)." },
+		{ "shardd_checkpoint_writing_total_bytes", "Bytes of the tensors of the checkpoint being written, by job." },
+		{ "shardd_checkpoint_last_step", "Step of the job's last checkpoint that ended." },
+		{ "shardd_checkpoint_last_bytes", "Bytes the job's last checkpoint wrote." },
+		{ "shardd_checkpoint_last_seconds", "Seconds the job's last checkpoint took." },
+		{ "shardd_checkpoint_last_failed", "1 when the job's last checkpoint failed." },
+	};
+
+	for (size_t k = 0; k < sizeof(gauges) / sizeof(gauges[0]); k++) {
+		header(t, gauges[k].name, "gauge", gauges[k].help);
+		for (struct shd_job *j = shd_state_jobs(); j; j = j->next) {
+			struct shd_engine_ckpt_status st;
+			char name[2 * SHARDD_NAME_MAX + 1];
+			double v[6];
+
+			shd_engine_job_checkpoint_status(j->ejob, &st);
+			v[0] = (double)st.writing_bytes;
+			v[1] = (double)st.writing_total;
+			v[2] = (double)st.last_step;
+			v[3] = (double)st.last_bytes;
+			v[4] = st.last_s;
+			v[5] = st.last_id && st.last_res ? 1 : 0;
+			label_escape(j->name, name, sizeof(name));
+			emit(t, "%s{job=\"%s\"} %.17g\n", gauges[k].name, name, v[k]);
+		}
+	}
+}
+
 char *shd_admin_metrics_render(void)
 {
 	struct text t = { .cap = 16384 };
@@ -746,6 +779,7 @@ char *shd_admin_metrics_render(void)
 		return NULL;
 	render_ops(&t);
 	render_state(&t);
+	render_checkpoints(&t);
 	if (t.oom) {
 		free(t.buf);
 		return NULL;

@@ -225,6 +225,13 @@ struct shd_backend_ops {
 	int  (*read)(struct shd_backend_ctx *b, const struct shd_buf *buf, uint64_t offset,
 		     uint64_t bytes, void *dst);
 	/*
+	 * Copy `bytes` bytes of host memory `src` to `offset` of an allocated
+	 * `buf`: a checkpoint's restore, from a pool thread, while no op uses
+	 * the buffer. -EINVAL past the buffer's end.
+	 */
+	int  (*write)(struct shd_backend_ctx *b, struct shd_buf *buf, uint64_t offset, uint64_t bytes,
+		      const void *src);
+	/*
 	 * Wait until the work queued so far on every device that holds one of
 	 * the `n` buffers `on` has finished; on failure `err` may say why.
 	 * NULL in a backend whose calls finish before returning.

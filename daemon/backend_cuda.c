@@ -207,6 +207,7 @@ static const struct shd_backend_ops cuda_ops = {
 	.reduce = cuda_reduce,
 	.zero = cuda_zero,
 	.read = cuda_read,
+	.write = cuda_write,
 	.step = cuda_step,
 	.grad_norm = cuda_grad_norm,
 	.sync = cuda_sync,

@@ -153,6 +153,8 @@ int  cuda_alloc(struct shd_backend_ctx *b, uint64_t bytes, int32_t device, const
 void cuda_free(struct shd_backend_ctx *b, struct shd_buf *buf);
 int  cuda_export_buf(struct shd_backend_ctx *b, const struct shd_buf *buf, int readonly,
 		     struct shd_buf_export *out);
+int  cuda_write(struct shd_backend_ctx *b, struct shd_buf *buf, uint64_t offset, uint64_t bytes,
+		const void *src);
 int  cuda_read(struct shd_backend_ctx *b, const struct shd_buf *buf, uint64_t offset,
 	       uint64_t bytes, void *dst);
 

@@ -289,3 +289,27 @@ int cuda_read(struct shd_backend_ctx *b, const struct shd_buf *buf, uint64_t off
 	(void)cudaGetLastError();
 	return ret;
 }
+
+/* A copy from host memory on the runtime's default stream, synchronous (a restore). */
+int cuda_write(struct shd_backend_ctx *b, struct shd_buf *buf, uint64_t offset, uint64_t bytes,
+	       const void *src)
+{
+	const struct cuda_buf *cu = cbuf(buf);
+	cudaError_t e;
+	char ctx[96];
+	int ret;
+
+	(void)b;
+	if (offset > buf->bytes || bytes > buf->bytes - offset)
+		return -EINVAL;
+	e = cudaSetDevice(cu->device);
+	if (e == cudaSuccess)
+		e = cudaMemcpy(dptr(buf, offset), src, (size_t)bytes, cudaMemcpyHostToDevice);
+	if (e == cudaSuccess)
+		return 0;
+	snprintf(ctx, sizeof(ctx), "write %llu bytes of a buffer on device %d",
+		 (unsigned long long)bytes, cu->device);
+	ret = cuda_rt_fail(ctx, e);
+	(void)cudaGetLastError();
+	return ret;
+}

@@ -508,6 +508,16 @@ static int host_read(struct shd_backend_ctx *b, const struct shd_buf *buf, uint6
 	return 0;
 }
 
+static int host_write(struct shd_backend_ctx *b, struct shd_buf *buf, uint64_t offset, uint64_t bytes,
+		      const void *src)
+{
+	(void)b;
+	if (offset > buf->bytes || bytes > buf->bytes - offset)
+		return -EINVAL;
+	memcpy(host_ptr(buf) + offset, src, (size_t)bytes);
+	return 0;
+}
+
 static int host_alloc(struct shd_backend_ctx *b, uint64_t bytes, int32_t device, const char *what,
 		      struct shd_buf *out)
 {
@@ -634,6 +644,7 @@ static const struct shd_backend_ops host_ops = {
 	.reduce = host_reduce,
 	.zero = host_zero,
 	.read = host_read,
+	.write = host_write,
 	.step = host_step,
 	.destroy = host_destroy,
 };

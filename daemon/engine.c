@@ -164,6 +164,8 @@ static void group_shutdown(struct eng_group *eg, const char *why)
 	eng_fmt(msg, sizeof(msg), "shardd: job '%s' %s before this op on group '%s' ran", j->name,
 		why ? why : "ended", eg->g->name);
 	if (!eg->complete) {
+		/* A restore still reading into the buffers ends before they are freed. */
+		eng_tasks_stop(eg, -SHARDD_E_SHUTDOWN, msg);
 		for (uint32_t r = 0; r < j->world; r++)
 			if (shd_rdv_has_arrived(&eg->reg, r))
 				eng_reply_err(j, r, eg->regs[r].token, eg->regs[r].seq, -SHARDD_E_SHUTDOWN, msg);
@@ -187,6 +189,8 @@ void shd_engine_job_end(struct shd_engine_job *j, const char *why)
 	if (!j)
 		return;
 	e = j->e;
+	j->ending = 1;
+	eng_ckpt_job_wait(j);
 	for (uint32_t i = 0; i < j->ngroups; i++) {
 		struct eng_group *eg = j->groups[i];
 
@@ -195,6 +199,7 @@ void shd_engine_job_end(struct shd_engine_job *j, const char *why)
 		group_shutdown(eg, why);
 		eng_group_free(eg);
 	}
+	eng_ckpt_job_end(j, why);
 	if (j->prev)
 		j->prev->next = j->next;
 	else

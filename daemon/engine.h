@@ -47,6 +47,10 @@ struct shd_engine_config {
 	unsigned workers;                 /* worker threads; 0 = number of online cores */
 	uint64_t max_memory;              /* host backend: bytes of buffers of all jobs; 0 = no limit */
 	uint64_t max_job_memory;          /* host backend: bytes of one job's buffers; 0 = no limit */
+	const char *state_dir;            /* --state-dir (checkpoints of job J in state_dir/J), or NULL */
+	uint32_t keep;                    /* --keep: checkpoints kept per job in the state dir; 0 = all */
+	uint32_t checkpoint_every;        /* --checkpoint-every: a checkpoint at every step boundary that
+					     is a multiple of it (needs state_dir); 0 = none */
 	shd_engine_complete_fn complete;
 	shd_engine_reply_fn reply;
 };
@@ -126,6 +130,66 @@ void shd_engine_job_grad_norm_keep(struct shd_engine_job *j, uint64_t step, doub
  * operation in fp32 (NaN stays NaN).
  */
 float shd_clip_coefficient(double norm, double max_norm);
+
+/*
+ * Checkpoints (ckpt_save.c, docs/CHECKPOINTS.md). The end of a checkpoint,
+ * on the loop thread, exactly once: res 0 with `dir` the directory it now
+ * is, `bytes` written and `seconds` taken; else a negative code and `msg`.
+ */
+typedef void (*shd_engine_ckpt_fn)(void *ctx, int res, const char *msg, const char *dir,
+				   uint64_t bytes, double seconds);
+
+struct shd_engine_ckpt_target {
+	const char *dir;       /* the checkpoint's directory: must not exist yet */
+	const char *keep_root; /* with keep > 0: the folder whose oldest step-* directories go */
+	uint32_t keep;         /* --keep: checkpoints kept in keep_root; 0 = all */
+	uint64_t step;         /* the step boundary it is taken at (the manifest's "step") */
+};
+
+/*
+ * Start writing a checkpoint of every group of the job into a temporary
+ * directory beside `t->dir`, renamed to it once every file and the
+ * directory are synced: each group's save runs on the worker pool, in its
+ * group's queue, so the group's later ops wait for it. Needs every group
+ * registered and idle, and each optimizer's last step the same on every
+ * rank. 0: `done` will be called; else a negative code with `msg` (done is
+ * not called). Loop thread.
+ */
+int shd_engine_job_checkpoint(struct shd_engine_job *j, const struct shd_engine_ckpt_target *t,
+			      shd_engine_ckpt_fn done, void *ctx, char *msg, size_t len);
+/*
+ * Arm a checkpoint taken at the job's next step boundary (at once when it
+ * is at one now): every group registered and idle, and every optimizer
+ * group's last step the same on every rank and in every group. Into `dir`,
+ * or with dir NULL into keep_root/step-<that step>; `keep` as above. 0 with
+ * *id the checkpoint's id (shd_engine_job_checkpoint_status), or a
+ * negative code with `msg` (one is armed or being written already).
+ */
+int shd_engine_job_checkpoint_arm(struct shd_engine_job *j, const char *dir, const char *keep_root,
+				  uint32_t keep, uint64_t *id, char *msg, size_t len);
+
+#define SHD_ENGINE_CKPT_TEXT 512
+/* A job's checkpoints now (admin `checkpoints`): armed, being written, the last one ended. */
+struct shd_engine_ckpt_status {
+	uint64_t armed_id;                /* 0: none armed */
+	char     armed_dir[SHD_ENGINE_CKPT_TEXT]; /* "" when it goes to keep_root/step-N */
+	uint64_t writing_id;              /* 0: none being written */
+	uint64_t writing_step;
+	char     writing_dir[SHD_ENGINE_CKPT_TEXT];
+	uint64_t writing_bytes;           /* written so far */
+	uint64_t writing_total;           /* bytes of its tensors: about what it will write */
+	double   writing_s;               /* since it started */
+	uint64_t last_id;                 /* 0: none ended yet */
+	int      last_res;                /* 0 or the failure's code */
+	char     last_msg[SHD_ENGINE_CKPT_TEXT];
+	char     last_dir[SHD_ENGINE_CKPT_TEXT];
+	uint64_t last_step, last_bytes;
+	double   last_s;
+	int      last_staged;             /* 1: written from a snapshot in memory (the groups' ops went on) */
+};
+void shd_engine_job_checkpoint_status(const struct shd_engine_job *j, struct shd_engine_ckpt_status *st);
+/* 1 while a checkpoint of the job is being written. */
+int shd_engine_job_checkpointing(const struct shd_engine_job *j);
 
 /* Group ids of the job run 1..ngroups; an id whose registration failed has no group. */
 uint32_t shd_engine_job_ngroups(const struct shd_engine_job *j);

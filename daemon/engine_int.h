@@ -67,7 +67,14 @@ enum eng_task_kind {
 	TASK_REDUCE,          /* reduce-scatter (+ HSDP all-reduce) into sharded grads */
 	TASK_ZERO_GRAD,       /* one rank's sharded grads become absent */
 	TASK_STEP,            /* one rank's optimizer step on its shard */
+	TASK_SAVE,            /* checkpoint: write the group's params and optimizer state (ckpt_save.c) */
+	TASK_SAVE_FINAL,      /* checkpoint: manifest, fsync, rename, retention (ckpt_save.c) */
+	TASK_SAVE_WRITE,      /* checkpoint: a group's snapshot to its files, off the group's queue */
+	TASK_RESTORE,         /* registration: params and optimizer state from a checkpoint (ckpt_load.c) */
 };
+
+struct eng_ckpt;
+struct eng_ckpt_req;
 
 struct eng_group;
 
@@ -78,6 +85,8 @@ struct eng_task {
 	uint32_t kind;               /* enum eng_task_kind */
 	uint32_t replica;            /* UNSHARD, REDUCE_PARTIAL */
 	uint32_t rank;               /* ZERO_GRAD, STEP */
+	struct eng_ckpt *ckpt;       /* SAVE, SAVE_FINAL: the checkpoint it is part of */
+	uint32_t gindex;             /* SAVE: the group's index in the checkpoint's manifest */
 	int finished;                /* on the finished list; under engine lock */
 	int res;
 	char msg[ENGINE_MSG_MAX];
@@ -125,6 +134,10 @@ struct eng_group {
 	 * REDUCE with SHARDD_REDUCE_STEP) and its entry, for SHARDD_STEP_REPLAY.
 	 */
 	struct shardd_sqe last_sub;  /* last_sub.step 0: none yet */
+	char *restore;               /* SHARDD_INIT_RESTORE: the path every rank registered; else NULL */
+	int restoring;               /* its TASK_RESTORE runs: the registration completes when it ends */
+	int restore_fail;            /* a rank left or the job ended meanwhile: the registration fails */
+	char restore_msg[ENGINE_MSG_MAX];
 };
 
 struct shd_engine_job {
@@ -139,6 +152,12 @@ struct shd_engine_job {
 	uint32_t ngroups, cap;
 	uint64_t mem_committed;      /* its groups' eg->mem_committed, summed */
 	struct eng_gnorm_rec gnorm[SHARDD_GRAD_NORM_KEPT]; /* grad_norm results by step (grad_norm.c) */
+	struct eng_ckpt *ckpt;       /* the checkpoint being written, or NULL (ckpt_save.c) */
+	struct eng_ckpt_req *ckpt_armed; /* a checkpoint waiting for the next step boundary, or NULL */
+	uint64_t ckpt_seq;           /* ids given to checkpoints so far */
+	uint64_t ckpt_every_last;    /* the last step --checkpoint-every took (or tried) */
+	struct shd_engine_ckpt_status ckpt_last; /* the last_* fields: the last checkpoint that ended */
+	int ending;                  /* shd_engine_job_end runs: start no task */
 	struct shd_engine_job *prev, *next;
 };
 
@@ -213,5 +232,22 @@ void eng_group_enqueue(struct eng_group *eg, struct eng_task *t);
  * one with (res, msg): the group runs nothing afterwards.
  */
 void eng_tasks_stop(struct eng_group *eg, int res, const char *msg);
+
+/* ---- ckpt_save.c: checkpoints ---- */
+
+/* Pool thread: the work of a TASK_SAVE or TASK_SAVE_FINAL; sets t->res and t->msg. */
+void eng_ckpt_exec(struct eng_task *t);
+/* Loop thread: a TASK_SAVE or TASK_SAVE_FINAL is done (or failed unrun with t->res). */
+void eng_ckpt_delivered(struct eng_task *t);
+/* Loop thread, after a task's completions: take an armed checkpoint if the job is at a step boundary. */
+void eng_ckpt_try_armed(struct shd_engine_job *j);
+/* Pool thread (ckpt_load.c): fill a registered group's buffers from its checkpoint; sets t->res, t->msg. */
+void eng_restore_exec(struct eng_task *t);
+/* Loop thread (registry.c): the TASK_RESTORE of a registration ended; reply to every rank. */
+void eng_restore_delivered(struct eng_task *t);
+/* Loop thread, from shd_engine_job_end before any group stops: wait for the SAVE_WRITEs on the pool. */
+void eng_ckpt_job_wait(struct shd_engine_job *j);
+/* Loop thread, from shd_engine_job_end after every group stopped: fail a checkpoint still open. */
+void eng_ckpt_job_end(struct shd_engine_job *j, const char *why);
 
 #endif /* SHD_ENGINE_INT_H */

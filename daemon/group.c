@@ -115,14 +115,16 @@ int shd_group_optim_check(const char *group, const struct shardd_optim_config *o
 }
 
 int shd_group_parse(const void *payload, size_t len, struct shardd_register_group *hdr,
-		       struct shardd_param_spec **specs, struct shardd_optim_config *optim, char *err,
-		       size_t errlen)
+		       struct shardd_param_spec **specs, struct shardd_optim_config *optim,
+		       char restore[SHARDD_RESTORE_PATH_MAX], char *err, size_t errlen)
 {
 	struct shardd_param_spec *s;
+	struct shardd_restore rs = { 0 };
 	size_t want;
 	int ret;
 
 	*specs = NULL;
+	restore[0] = '\0';
 	memset(optim, 0, sizeof(*optim));
 	if (!payload || len < sizeof(*hdr))
 		return group_error(-SHARDD_E_MALFORMED, err, errlen,
@@ -148,13 +150,33 @@ int shd_group_parse(const void *payload, size_t len, struct shardd_register_grou
 	want = sizeof(*hdr) + (size_t)hdr->nparams * sizeof(struct shardd_param_spec);
 	if (hdr->flags & SHARDD_REGISTER_OPTIMIZER)
 		want += sizeof(*optim);
+	if (hdr->init == SHARDD_INIT_RESTORE) {
+		if (len < want + sizeof(rs))
+			return group_error(-SHARDD_E_MALFORMED, err, errlen,
+					   "register group '%s': init = restore, but the payload of %zu bytes ends "
+					   "before its %zu-byte struct shardd_restore at byte %zu",
+					   hdr->name, len, sizeof(rs), want);
+		memcpy(&rs, (const uint8_t *)payload + want, sizeof(rs));
+		if (rs.path_len >= SHARDD_RESTORE_PATH_MAX || rs.rsvd)
+			return group_error(-SHARDD_E_INVALID, err, errlen,
+					   "register group '%s': restore path_len = %u (at most %d), rsvd = %u (must be 0)",
+					   hdr->name, rs.path_len, SHARDD_RESTORE_PATH_MAX - 1, rs.rsvd);
+		memcpy(restore, (const uint8_t *)payload + want + sizeof(rs),
+		       len >= want + sizeof(rs) + rs.path_len ? rs.path_len : 0);
+		restore[len >= want + sizeof(rs) + rs.path_len ? rs.path_len : 0] = '\0';
+		want += sizeof(rs) + rs.path_len;
+		if (len == want && strlen(restore) != rs.path_len)
+			return group_error(-SHARDD_E_INVALID, err, errlen,
+					   "register group '%s': the restore path holds a NUL byte", hdr->name);
+	}
 	if (len != want)
 		return group_error(-SHARDD_E_MALFORMED, err, errlen,
 				   "register group '%s': payload is %zu bytes but nparams = %u%s needs %zu",
 				   hdr->name, len, hdr->nparams,
 				   hdr->flags & SHARDD_REGISTER_OPTIMIZER ? " and an optimizer config" : "", want);
 	if (hdr->flags & SHARDD_REGISTER_OPTIMIZER) {
-		memcpy(optim, (const uint8_t *)payload + want - sizeof(*optim), sizeof(*optim));
+		memcpy(optim, (const uint8_t *)payload + sizeof(*hdr) +
+		       (size_t)hdr->nparams * sizeof(struct shardd_param_spec), sizeof(*optim));
 		ret = shd_group_optim_check(hdr->name, optim, err, errlen);
 		if (ret)
 			return ret;
@@ -167,9 +189,9 @@ int shd_group_parse(const void *payload, size_t len, struct shardd_register_grou
 		return group_error(-SHARDD_E_INVALID, err, errlen,
 				   "register group '%s': reduce_dtype = %u is not a dtype (none = 0, fp32 = 1, bf16 = 2, fp16 = 3)",
 				   hdr->name, hdr->reduce_dtype);
-	if (hdr->init != SHARDD_INIT_ZERO)
+	if (hdr->init != SHARDD_INIT_ZERO && hdr->init != SHARDD_INIT_RESTORE)
 		return group_error(-SHARDD_E_INVALID, err, errlen,
-				   "register group '%s': init = %u; only SHARDD_INIT_ZERO (0) exists",
+				   "register group '%s': init = %u; known: SHARDD_INIT_ZERO (0), SHARDD_INIT_RESTORE (1)",
 				   hdr->name, hdr->init);
 	s = malloc((size_t)hdr->nparams * sizeof(*s));
 	if (!s)
@@ -343,6 +365,7 @@ int shd_group_compare(const struct shd_group *g, const struct shardd_register_gr
 	HDR_DIFF(nparams, "%u", AS_IS)
 	HDR_DIFF(param_dtype, "%s", dtype_str)
 	HDR_DIFF(reduce_dtype, "%s", dtype_str)
+	HDR_DIFF(init, "%u", AS_IS)
 #undef HDR_DIFF
 #undef AS_IS
 #define OPT_DIFF(f, fmt, conv)                                                           \

@@ -75,14 +75,16 @@ struct shd_group {
 
 /*
  * Validate a SHARDD_MSG_REGISTER_GROUP payload (untrusted) and copy it out:
- * *hdr, and *specs (malloc'd, hdr->nparams entries; the caller frees).
+ * *hdr, and *specs (malloc'd, hdr->nparams entries; the caller frees), and
+ * with hdr->init SHARDD_INIT_RESTORE the restore path into `restore`
+ * (NUL-terminated; "" for the job's newest checkpoint in --state-dir).
  * Param fields are checked by shd_layout_build. Returns 0,
  * -SHARDD_E_MALFORMED or -SHARDD_E_INVALID with `err` naming the field and
  * value, or -ENOMEM.
  */
 int shd_group_parse(const void *payload, size_t len, struct shardd_register_group *hdr,
-		       struct shardd_param_spec **specs, struct shardd_optim_config *optim, char *err,
-		       size_t errlen);
+		       struct shardd_param_spec **specs, struct shardd_optim_config *optim,
+		       char restore[SHARDD_RESTORE_PATH_MAX], char *err, size_t errlen);
 
 /* 0, or -SHARDD_E_INVALID with `err` naming the optimizer config's field, value and rule. */
 int shd_group_optim_check(const char *group, const struct shardd_optim_config *o, char *err,

@@ -79,6 +79,9 @@ int shd_job_create(const char *name, uint32_t replicate, uint32_t shard,
 	ret = shd_rdv_init(&j->gnorm, all, j->world);
 	if (ret < 0)
 		goto err_rdv;
+	ret = shd_rdv_init(&j->ckpt, all, j->world);
+	if (ret < 0)
+		goto err_rdv;
 	ret = shd_engine_job_create(env.engine, j, j->name, replicate, shard, &j->ejob);
 	if (ret < 0)
 		goto err_rdv;
@@ -91,6 +94,7 @@ int shd_job_create(const char *name, uint32_t replicate, uint32_t shard,
 	return 0;
 
 err_rdv:
+	shd_rdv_free(&j->ckpt);
 	shd_rdv_free(&j->gnorm);
 	shd_rdv_free(&j->barrier);
 err_free:
@@ -153,6 +157,45 @@ static void gnorm_finish(struct shd_job *j, int res, const char *msg, double nor
 	}
 }
 
+/*
+ * End the checkpoint rendezvous in progress with a failure: every arrived
+ * rank gets (res, msg). Reset first, as barrier_finish.
+ */
+static void ckpt_rdv_fail(struct shd_job *j, int res, const char *msg)
+{
+	uint32_t done[SHARDD_MAX_WORLD];
+	uint32_t n = 0;
+
+	for (uint32_t i = 0; i < j->ckpt.nexpected; i++)
+		if (j->ckpt.arrived[i])
+			done[n++] = j->ckpt.ranks[i];
+	shd_rdv_reset(&j->ckpt);
+	for (uint32_t i = 0; i < n; i++) {
+		struct shd_job_rank *jr = &j->ranks[done[i]];
+
+		shd_job_op_done(j, done[i], jr->ckpt_token, &jr->ckpt_sqe, res, msg);
+	}
+}
+
+/* The engine's end of a checkpoint (shd_engine_ckpt_fn): every rank that waits for it completes. */
+static void ckpt_written(void *ctx, int res, const char *msg, const char *dir, uint64_t bytes,
+			 double seconds)
+{
+	struct shd_job *j = ctx;
+
+	(void)dir;
+	(void)bytes;
+	(void)seconds;
+	for (uint32_t r = 0; r < j->world; r++) {
+		struct shd_job_rank *jr = &j->ranks[r];
+
+		if (!jr->ckpt_waits)
+			continue;
+		jr->ckpt_waits = 0;
+		shd_job_op_done(j, r, jr->ckpt_token, &jr->ckpt_sqe, res, msg);
+	}
+}
+
 /* shd_job_destroy; `why` ("was ended by ...", NULL: shutdown) goes into every failure. */
 static void job_destroy(struct shd_job *j, const char *why)
 {
@@ -174,6 +217,15 @@ static void job_destroy(struct shd_job *j, const char *why)
 			snprintf(msg, sizeof(msg), "shardd is shutting down");
 		gnorm_finish(j, -SHARDD_E_SHUTDOWN, msg, 0, 0);
 	}
+	if (j->ckpt.active) {
+		char msg[SHARDD_RING_MSG_SIZE];
+
+		if (why)
+			snprintf(msg, sizeof(msg), "job '%s' %s", j->name, why);
+		else
+			snprintf(msg, sizeof(msg), "shardd is shutting down");
+		ckpt_rdv_fail(j, -SHARDD_E_SHUTDOWN, msg);
+	}
 	/* The engine fails what it still holds through the callbacks, to live sessions. */
 	shd_engine_job_end(j->ejob, why);
 	for (uint32_t r = 0; r < j->world; r++)
@@ -188,6 +240,7 @@ static void job_destroy(struct shd_job *j, const char *why)
 	shd_log_info("job '%s' ended", j->name);
 	shd_rdv_free(&j->barrier);
 	shd_rdv_free(&j->gnorm);
+	shd_rdv_free(&j->ckpt);
 	free(j->ranks);
 	free(j);
 }
@@ -351,6 +404,23 @@ void shd_job_detach(struct shd_job *j, uint32_t rank, int goodbye, const char *w
 			shd_rdv_reset(&j->gnorm);
 		}
 	}
+	if (j->ckpt.active) {
+		char present[1024], who[1100], msg[1400];
+		uint64_t step = j->ckpt.step;
+
+		shd_rdv_leave(&j->ckpt, rank);
+		if (j->ckpt.narrived) {
+			shd_rdv_present(&j->ckpt, present, sizeof(present));
+			rank_phrase(who, sizeof(who), present, j->ckpt.narrived);
+			snprintf(msg, sizeof(msg), "checkpoint(step %llu): rank %u (pid %u) %s; %s %s waiting",
+				 (unsigned long long)step, rank, jr->pid, why, who,
+				 j->ckpt.narrived == 1 ? "was" : "were");
+			shd_log_warn("job '%s': %s", j->name, msg);
+			ckpt_rdv_fail(j, -SHARDD_E_PEER_DIED, msg);
+		} else {
+			shd_rdv_reset(&j->ckpt);
+		}
+	}
 	shd_engine_rank_gone(j->ejob, rank, token);
 	for (uint32_t r = 0; r < j->world; r++)
 		if (!j->ranks[r].goodbye)
@@ -492,6 +562,94 @@ void shd_job_grad_norm(struct shd_job *j, uint32_t rank, const struct shardd_sqe
 	gnorm_finish(j, 0, NULL, norm, nonfinite);
 }
 
+void shd_job_checkpoint(struct shd_job *j, uint32_t rank, const struct shardd_sqe *sqe)
+{
+	struct shd_job_rank *jr = &j->ranks[rank];
+	uint64_t token = jr->client.token;
+	struct shd_engine_ckpt_target t = { .keep = env.keep, .step = sqe->step };
+	char why[512], msg[1400], *dir = NULL, *root = NULL;
+	int ret;
+
+	if (!env.state_dir) {
+		snprintf(msg, sizeof(msg), "checkpoint(step %llu): shardd has no --state-dir to write it to; "
+			 "restart shardd with --state-dir DIR, or take it with `shardctl checkpoint %s DIR`",
+			 (unsigned long long)sqe->step, j->name);
+		shd_job_op_done(j, rank, token, sqe, -SHARDD_E_INVALID, msg);
+		return;
+	}
+	ret = shd_rdv_arrive(&j->ckpt, rank, sqe->step, 0, shd_now_ns(), env.collective_timeout_ns,
+			     why, sizeof(why));
+	if (ret == -EINVAL || jr->ckpt_waits) {
+		snprintf(msg, sizeof(msg), "checkpoint(step %llu): rank %u already waits in checkpoint(step %llu)",
+			 (unsigned long long)sqe->step, rank,
+			 (unsigned long long)(jr->ckpt_waits ? jr->ckpt_sqe.step : j->ckpt.step));
+		if (ret != -EINVAL)
+			shd_rdv_leave(&j->ckpt, rank);
+		shd_job_op_done(j, rank, token, sqe, -SHARDD_E_STATE, msg);
+		return;
+	}
+	if (ret == SHD_RDV_MISMATCH) {
+		snprintf(msg, sizeof(msg),
+			 "checkpoint mismatch: rank %u submitted checkpoint(step %llu) but rank %u submitted "
+			 "checkpoint(step %llu); every rank checkpoints the same step",
+			 rank, (unsigned long long)sqe->step, j->ckpt.first_rank,
+			 (unsigned long long)j->ckpt.step);
+		shd_log_warn("job '%s': %s", j->name, msg);
+		ckpt_rdv_fail(j, -SHARDD_E_MISMATCH, msg);
+		shd_job_op_done(j, rank, token, sqe, -SHARDD_E_MISMATCH, msg);
+		return;
+	}
+	jr->ckpt_token = token;
+	jr->ckpt_sqe = *sqe;
+	if (ret != SHD_RDV_COMPLETE)
+		return;
+	if (asprintf(&root, "%s/%s", env.state_dir, j->name) < 0 ||
+	    asprintf(&dir, "%s/step-%012llu", root, (unsigned long long)sqe->step) < 0) {
+		free(root);
+		ckpt_rdv_fail(j, -SHARDD_E_NOMEM, "checkpoint: out of memory");
+		return;
+	}
+	t.dir = dir;
+	t.keep_root = root;
+	ret = shd_engine_job_checkpoint(j->ejob, &t, ckpt_written, j, why, sizeof(why));
+	free(dir);
+	free(root);
+	if (ret < 0) {
+		snprintf(msg, sizeof(msg), "checkpoint(step %llu): %s", (unsigned long long)sqe->step, why);
+		ckpt_rdv_fail(j, ret, msg);
+		return;
+	}
+	/* The ranks now wait for the write, not for each other. */
+	for (uint32_t i = 0; i < j->ckpt.nexpected; i++)
+		if (j->ckpt.arrived[i])
+			j->ranks[j->ckpt.ranks[i]].ckpt_waits = 1;
+	shd_rdv_reset(&j->ckpt);
+}
+
+int shd_job_checkpoint_arm(struct shd_job *j, const char *dir, uint64_t *id, char *msg, size_t len)
+{
+	char *root = NULL;
+	int ret;
+
+	if (dir && dir[0] != '/') {
+		snprintf(msg, len, "checkpoint: directory '%s' is relative; the daemon needs an absolute path",
+			 dir);
+		return -SHARDD_E_INVALID;
+	}
+	if (!dir && !env.state_dir) {
+		snprintf(msg, len, "checkpoint: shardd has no --state-dir; name the directory (shardctl "
+			 "checkpoint %s DIR) or restart shardd with --state-dir DIR", j->name);
+		return -SHARDD_E_INVALID;
+	}
+	if (env.state_dir && asprintf(&root, "%s/%s", env.state_dir, j->name) < 0) {
+		snprintf(msg, len, "checkpoint: out of memory");
+		return -SHARDD_E_NOMEM;
+	}
+	ret = shd_engine_job_checkpoint_arm(j->ejob, dir, root, dir ? 0 : env.keep, id, msg, len);
+	free(root);
+	return ret;
+}
+
 void shd_job_cron(struct shd_job *j, uint64_t now_ns)
 {
 	char within[32], late[2300], msg[2400];
@@ -509,6 +667,13 @@ void shd_job_cron(struct shd_job *j, uint64_t now_ns)
 			 late);
 		shd_log_warn("job '%s': %s", j->name, msg);
 		gnorm_finish(j, -SHARDD_E_TIMEOUT, msg, 0, 0);
+	}
+	if (shd_rdv_expired(&j->ckpt, now_ns)) {
+		snprintf(within, sizeof(within), "%g s", env.collective_timeout_s);
+		shd_rdv_missing_msg(&j->ckpt, "did not submit checkpoint", within, late, sizeof(late));
+		snprintf(msg, sizeof(msg), "checkpoint(step %llu): %s", (unsigned long long)j->ckpt.step, late);
+		shd_log_warn("job '%s': %s", j->name, msg);
+		ckpt_rdv_fail(j, -SHARDD_E_TIMEOUT, msg);
 	}
 	if (!shd_rdv_expired(&j->barrier, now_ns))
 		return;

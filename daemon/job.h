@@ -66,6 +66,8 @@ struct shd_jobs_env {
 	double   collective_timeout_s;   /* the same, as given (--collective-timeout) */
 	uint64_t linger_ns;              /* --job-linger; 0 = forever */
 	double   linger_s;
+	const char *state_dir;           /* --state-dir, or NULL: where the checkpoint op writes */
+	uint32_t keep;                   /* --keep */
 };
 
 struct shd_job_rank {
@@ -77,6 +79,9 @@ struct shd_job_rank {
 	struct shardd_sqe barrier_sqe;  /* its entry, for the completion */
 	uint64_t gnorm_token;           /* session that waits in grad_norm */
 	struct shardd_sqe gnorm_sqe;    /* its entry, for the completion */
+	uint64_t ckpt_token;            /* session that waits in checkpoint */
+	struct shardd_sqe ckpt_sqe;     /* its entry, for the completion */
+	int      ckpt_waits;            /* its checkpoint op waits for the write to end */
 };
 
 struct shd_job {
@@ -90,6 +95,7 @@ struct shd_job {
 	struct shd_engine_job *ejob;
 	struct shd_rdv barrier;      /* over every rank of the job */
 	struct shd_rdv gnorm;        /* grad_norm, over every rank; key (step, norm type) */
+	struct shd_rdv ckpt;         /* checkpoint, over every rank; key step */
 	uint64_t orphaned_ns;           /* CLOCK_MONOTONIC when its last attached rank left; 0 while
 					   one is attached: --job-linger counts from here */
 };
@@ -152,6 +158,20 @@ void shd_job_barrier(struct shd_job *j, uint32_t rank, const struct shardd_sqe *
  * sharded grads (shd_engine_job_grad_norm) in its completion.
  */
 void shd_job_grad_norm(struct shd_job *j, uint32_t rank, const struct shardd_sqe *sqe);
+/*
+ * A CHECKPOINT entry (sqe.c validated it) from the client of `rank`: when
+ * every rank of the job has arrived with the same step, the job's groups
+ * are written to <--state-dir>/<job>/step-<step> (shd_engine_job_checkpoint),
+ * and each rank's completion comes when that is durable or has failed.
+ */
+void shd_job_checkpoint(struct shd_job *j, uint32_t rank, const struct shardd_sqe *sqe);
+/*
+ * An admin checkpoint (shardctl checkpoint): taken at the job's next step
+ * boundary into `dir` (an absolute path), or with dir NULL into
+ * <--state-dir>/<job>/step-<step>. 0 with *id its id, or a negative code
+ * with `msg` naming the fix (no --state-dir, a relative dir, one armed).
+ */
+int shd_job_checkpoint_arm(struct shd_job *j, const char *dir, uint64_t *id, char *msg, size_t len);
 /*
  * Fail a barrier or grad_norm waiting past the collective timeout; end the job when it
  * has had no attached rank for --job-linger seconds (then `j` is freed).

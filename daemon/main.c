@@ -76,6 +76,12 @@ static void usage(FILE *f)
 		"                             one is set and lower; host backend only)\n"
 		"  --max-job-memory BYTES     the same limit for one job's buffers\n"
 		"                             (default: --max-memory)\n"
+		"  --state-dir DIR            keep each job's checkpoints in DIR/JOB/step-N\n"
+		"                             (the checkpoint op; docs/CHECKPOINTS.md)\n"
+		"  --checkpoint-every STEPS   also checkpoint every job into --state-dir at each\n"
+		"                             step boundary that is a multiple of STEPS\n"
+		"  --keep N                   keep the newest N checkpoints of each job in\n"
+		"                             --state-dir, removing older ones (default 0: all)\n"
 		"  --log-level LEVEL          error, warn, info or debug (default info)\n"
 		"  --foreground               accepted for supervisors; shardd never daemonizes\n"
 		"  --version                  print the version and exit\n"
@@ -251,6 +257,29 @@ static int apply_flag(struct shd_config *cfg, const char *flag, const char *val,
 			return usage_error("--metrics-listen %s", strlen(val) >=
 					   sizeof(cfg->metrics_listen) ? "is too long" : why);
 		snprintf(cfg->metrics_listen, sizeof(cfg->metrics_listen), "%s", val);
+	} else if (strcmp(flag, "--state-dir") == 0) {
+		if (!val[0] || strlen(val) >= sizeof(cfg->state_dir) - 200)
+			return usage_error("--state-dir: '%.64s' is empty or longer than %zu bytes", val,
+					   sizeof(cfg->state_dir) - 201);
+		snprintf(cfg->state_dir, sizeof(cfg->state_dir), "%s", val);
+	} else if (strcmp(flag, "--checkpoint-every") == 0) {
+		char *end;
+
+		errno = 0;
+		v = strtoul(val, &end, 10);
+		if (errno || end == val || *end || *val == '-' || v == 0 || v > UINT32_MAX)
+			return usage_error("--checkpoint-every: '%s' is not a step count in [1, %u]", val,
+					   UINT32_MAX);
+		cfg->checkpoint_every = (uint32_t)v;
+	} else if (strcmp(flag, "--keep") == 0) {
+		char *end;
+
+		errno = 0;
+		v = strtoul(val, &end, 10);
+		if (errno || end == val || *end || *val == '-' || v > 1000000)
+			return usage_error("--keep: '%s' is not a count in [0, 1000000] (0 keeps every "
+					   "checkpoint)", val);
+		cfg->keep = (uint32_t)v;
 	} else if (strcmp(flag, "--foreground") == 0) {
 		/* shardd never forks into the background; the flag is for supervisors' habits. */
 	} else {
@@ -266,6 +295,7 @@ static int takes_value(const char *flag)
 		"--socket", "--log-level", "--backend", "--cuda-export", "--collective-timeout",
 		"--handshake-timeout", "--workers", "--allow-gid", "--job-linger", "--socket-mode",
 		"--socket-group", "--metrics-listen", "--max-memory", "--max-job-memory",
+		"--state-dir", "--keep", "--checkpoint-every",
 	};
 
 	for (size_t i = 0; i < sizeof(with_value) / sizeof(with_value[0]); i++)

@@ -54,6 +54,7 @@ static void group_destroy(struct eng_group *eg, struct shd_engine_job *j)
 	free(eg->unshard);
 	free(eg->rs);
 	free(eg->regs);
+	free(eg->restore);
 	shd_group_destroy(eg->g, j->e->backend);
 	j->mem_committed -= eg->mem_committed;
 	j->e->mem_committed -= eg->mem_committed;
@@ -296,6 +297,39 @@ static void reg_finish(struct eng_group *eg)
 		reg_fail(eg, ret, msg, UINT32_MAX);
 		return;
 	}
+	if (eg->restore) {
+		struct eng_task *t = eng_task_new(eg, TASK_RESTORE, 1);
+
+		if (!t) {
+			eng_fmt(msg, sizeof(msg), "shardd: register group '%s': the daemon is out of memory", eg->g->name);
+			reg_fail(eg, -SHARDD_E_NOMEM, msg, UINT32_MAX);
+			return;
+		}
+		t->ops[0].sqe.op = SHARDD_OP_NOP;
+		eg->restoring = 1;
+		eng_group_enqueue(eg, t);
+		return;
+	}
+	eg->complete = 1;
+	for (uint32_t r = 0; r < j->world; r++)
+		reply_group(eg, r, eg->regs[r].token, eg->regs[r].seq);
+	shd_rdv_reset(&eg->reg);
+}
+
+void eng_restore_delivered(struct eng_task *t)
+{
+	struct eng_group *eg = t->eg;
+	struct shd_engine_job *j = eg->j;
+
+	eg->restoring = 0;
+	if (!t->res && eg->restore_fail) {
+		t->res = eg->restore_fail;
+		snprintf(t->msg, sizeof(t->msg), "%s", eg->restore_msg);
+	}
+	if (t->res) {
+		reg_fail(eg, t->res, t->msg, UINT32_MAX);
+		return;
+	}
 	eg->complete = 1;
 	for (uint32_t r = 0; r < j->world; r++)
 		reply_group(eg, r, eg->regs[r].token, eg->regs[r].seq);
@@ -310,6 +344,7 @@ void shd_engine_register_group(struct shd_engine_job *j, uint32_t rank, uint64_t
 	struct shardd_optim_config optim;
 	struct eng_group *eg;
 	char err[480], why[384], ranks[160], who[ENGINE_WHO_MAX], msg[ENGINE_MSG_MAX];
+	char restore[SHARDD_RESTORE_PATH_MAX];
 	int ret;
 
 	if (rank >= j->world) {
@@ -318,7 +353,7 @@ void shd_engine_register_group(struct shd_engine_job *j, uint32_t rank, uint64_t
 		eng_reply_err(j, rank, token, seq, -SHARDD_E_INVALID, msg);
 		return;
 	}
-	ret = shd_group_parse(payload, len, &hdr, &specs, &optim, err, sizeof(err));
+	ret = shd_group_parse(payload, len, &hdr, &specs, &optim, restore, err, sizeof(err));
 	if (ret) {
 		eng_fmt(msg, sizeof(msg), "shardd: %s", ret == -ENOMEM ? "register group: out of memory" : err);
 		eng_reply_err(j, rank, token, seq, ret, msg);
@@ -340,6 +375,12 @@ void shd_engine_register_group(struct shd_engine_job *j, uint32_t rank, uint64_t
 			goto out;
 		}
 		specs = NULL; /* the group owns them */
+		if (hdr.init == SHARDD_INIT_RESTORE && !(eg->restore = strdup(restore))) {
+			eng_fmt(msg, sizeof(msg), "shardd: register group '%s': out of memory", hdr.name);
+			reg_fail(eg, -SHARDD_E_NOMEM, msg, UINT32_MAX);
+			eng_reply_err(j, rank, token, seq, -SHARDD_E_NOMEM, msg);
+			goto out;
+		}
 	} else if (shd_rdv_has_arrived(&eg->reg, rank)) {
 		shd_rdv_who_missing(&eg->reg, who, sizeof(who));
 		eng_fmt(msg, sizeof(msg), "shardd: rank %u already registered group '%s'; it waits for %s to register it",
@@ -354,6 +395,14 @@ void shd_engine_register_group(struct shd_engine_job *j, uint32_t rank, uint64_t
 		 * cannot be sent drops the rank, and its departure must not find
 		 * (and free) the group we are still failing.
 		 */
+		reg_fail(eg, -SHARDD_E_MISMATCH, msg, UINT32_MAX);
+		eng_reply_err(j, rank, token, seq, -SHARDD_E_MISMATCH, msg);
+		goto out;
+	} else if (eg->restore && strcmp(eg->restore, restore)) {
+		shd_rdv_present(&eg->reg, ranks, sizeof(ranks));
+		eng_fmt(msg, sizeof(msg), "shardd: group '%s': rank %u restores from '%s' but rank %u from '%s'; "
+			"registration failed for ranks %s,%u", hdr.name, rank, restore, eg->first_rank,
+			eg->restore, ranks, rank);
 		reg_fail(eg, -SHARDD_E_MISMATCH, msg, UINT32_MAX);
 		eng_reply_err(j, rank, token, seq, -SHARDD_E_MISMATCH, msg);
 		goto out;
@@ -422,6 +471,16 @@ void eng_reg_rank_gone(struct eng_group *eg, uint32_t rank, uint64_t token)
 
 	if (shd_rdv_has_arrived(&eg->reg, rank) && eg->regs[rank].token != token)
 		return;
+	if (eg->restoring) {
+		/* The restore reads into the buffers: the registration fails when it ends. */
+		if (!eg->restore_fail) {
+			eg->restore_fail = -SHARDD_E_PEER_DIED;
+			eng_fmt(eg->restore_msg, sizeof(eg->restore_msg), "shardd: rank %u left (its client is "
+				"gone) while group '%s' was restored from its checkpoint; the registration failed",
+				rank, eg->g->name);
+		}
+		return;
+	}
 	shd_rdv_who_present(&eg->reg, who, sizeof(who));
 	eng_fmt(msg, sizeof(msg),
 		"shardd: rank %u left (its client is gone) before group '%s' was registered by every rank; failed for %s",
@@ -433,7 +492,7 @@ void eng_reg_cron(struct eng_group *eg, uint64_t now_ns)
 {
 	char did[192], msg[ENGINE_MSG_MAX];
 
-	if (!shd_rdv_expired(&eg->reg, now_ns))
+	if (eg->restoring || !shd_rdv_expired(&eg->reg, now_ns))
 		return;
 	eng_fmt(did, sizeof(did), "never registered group '%s'", eg->g->name);
 	eng_expired_msg(eg->j->e, &eg->reg, did, msg, sizeof(msg));

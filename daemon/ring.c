@@ -170,6 +170,9 @@ static void session_take(struct shd_session *s, const struct shardd_sqe *sqe)
 	case SHARDD_OP_GRAD_NORM:
 		shd_job_grad_norm(s->job, s->rank, sqe);
 		return;
+	case SHARDD_OP_CHECKPOINT:
+		shd_job_checkpoint(s->job, s->rank, sqe);
+		return;
 	default:
 		shd_engine_submit(s->job->ejob, s->rank, s->id, sqe);
 		return;

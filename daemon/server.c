@@ -568,6 +568,9 @@ int shd_server_init(const struct shd_config *cfg)
 	ecfg.workers = cfg->workers;
 	ecfg.max_memory = server.cfg.max_memory;
 	ecfg.max_job_memory = server.cfg.max_job_memory;
+	ecfg.state_dir = server.cfg.state_dir[0] ? server.cfg.state_dir : NULL;
+	ecfg.keep = server.cfg.keep;
+	ecfg.checkpoint_every = server.cfg.checkpoint_every;
 	/* Completions and group replies go to the job, which knows each rank's client. */
 	ecfg.complete = shd_job_op_done;
 	ecfg.reply = shd_job_group_reply;
@@ -584,6 +587,8 @@ int shd_server_init(const struct shd_config *cfg)
 		.collective_timeout_s = server.cfg.collective_timeout_s,
 		.linger_ns = server.job_linger_ns,
 		.linger_s = server.cfg.job_linger_s,
+		.state_dir = server.cfg.state_dir[0] ? server.cfg.state_dir : NULL,
+		.keep = server.cfg.keep,
 	});
 
 	if (!server.socket_activated) {

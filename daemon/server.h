@@ -55,6 +55,9 @@ struct shd_config {
 	gid_t    socket_group;          /* --socket-group; else the first --allow-gid */
 	int      socket_group_set;      /* --socket-group was given */
 	char     metrics_listen[128];   /* --metrics-listen [ADDR:]PORT; "" = no HTTP endpoint */
+	char     state_dir[3072];       /* --state-dir: checkpoints go to <state_dir>/<job>/; "" = none */
+	uint32_t keep;                  /* --keep N: checkpoints kept per job in the state dir; 0 = all */
+	uint32_t checkpoint_every;      /* --checkpoint-every STEPS; 0 = none */
 };
 
 struct shd_server {

@@ -31,7 +31,8 @@ int shd_sqe_check(const struct shardd_sqe *sqe, char *why, size_t len)
 			return -1;
 		}
 	}
-	if (sqe->op == SHARDD_OP_NOP || sqe->op == SHARDD_OP_BARRIER || sqe->op == SHARDD_OP_GRAD_NORM) {
+	if (sqe->op == SHARDD_OP_NOP || sqe->op == SHARDD_OP_BARRIER || sqe->op == SHARDD_OP_GRAD_NORM ||
+	    sqe->op == SHARDD_OP_CHECKPOINT) {
 		if (sqe->group) {
 			snprintf(why, len, "sqe.group = %u: must be 0 for %s", sqe->group,
 				 shardd_op_name(sqe->op));

@@ -56,6 +56,11 @@ static uint64_t task_bytes(const struct eng_task *t)
 	case TASK_STEP:
 		/* param and grad read, param written, each state read and written, grad zeroed. */
 		return l->shard_size * (4 + 2 * (uint64_t)shd_group_optim_states(&g->optim));
+	case TASK_SAVE:
+	case TASK_SAVE_FINAL:
+	case TASK_SAVE_WRITE:
+	case TASK_RESTORE:
+		return UINT64_MAX; /* file I/O: always on the pool, never on the loop thread */
 	default:
 		return g->sharded_grads[t->rank].bytes;
 	}
@@ -78,8 +83,17 @@ static void task_exec(struct eng_task *t);
 
 static void task_deliver(struct eng_task *t)
 {
+	if (t->kind == TASK_SAVE || t->kind == TASK_SAVE_FINAL || t->kind == TASK_SAVE_WRITE) {
+		eng_ckpt_delivered(t);
+		return;
+	}
+	/* Only eng_tasks_stop delivers a restore here: the job ends, and group_shutdown answers the ranks. */
+	if (t->kind == TASK_RESTORE)
+		return;
 	for (uint32_t i = 0; i < t->nops; i++)
 		eng_complete(t->eg->j, &t->ops[i], t->res ? t->res : t->ops[i].res, t->msg);
+	if (t->eg->j->ckpt_armed || t->eg->j->e->cfg.checkpoint_every)
+		eng_ckpt_try_armed(t->eg->j);
 }
 
 /*
@@ -404,6 +418,14 @@ static void task_exec(struct eng_task *t)
 	int ret;
 
 	switch (t->kind) {
+	case TASK_SAVE:
+	case TASK_SAVE_FINAL:
+	case TASK_SAVE_WRITE:
+		eng_ckpt_exec(t);
+		return;
+	case TASK_RESTORE:
+		eng_restore_exec(t);
+		return;
 	case TASK_UNSHARD:
 		ret = task_unshard(t);
 		break;
@@ -493,7 +515,19 @@ void shd_engine_drain(struct shd_engine *e)
 		struct eng_group *eg = t->eg;
 
 		next = t->next;
+		/* Not its group's running task: a checkpoint's write off the group's queue. */
+		if (t->kind == TASK_SAVE_WRITE) {
+			eng_ckpt_delivered(t);
+			free(t);
+			continue;
+		}
 		eg->running = NULL;
+		/* A restore's end may fail the registration and free the group: nothing runs after it. */
+		if (t->kind == TASK_RESTORE) {
+			eng_restore_delivered(t);
+			free(t);
+			continue;
+		}
 		/*
 		 * A next task for the pool starts before these completions go
 		 * out, so it overlaps them; a small one runs after them, so the

@@ -73,6 +73,7 @@ enum shardd_op {
 	SHARDD_OP_ZERO_GRAD = 6, /* this rank's sharded grads: zero, "absent" */
 	SHARDD_OP_STEP      = 7, /* the group's optimizer on this rank's shard, once per step */
 	SHARDD_OP_GRAD_NORM = 8, /* job-wide: total norm of every group's sharded grads (minor 3) */
+	SHARDD_OP_CHECKPOINT = 9, /* job-wide: save every group to the daemon's --state-dir (minor 4) */
 	SHARDD_OP_COUNT
 };
 
@@ -120,6 +121,14 @@ enum shardd_step_result {
  * norm as double bits in cqe.rsvd2[SHARDD_CQE_GRAD_NORM] and 1 in
  * cqe.rsvd2[SHARDD_CQE_GRAD_NORM_NONFINITE] when some grad element is NaN
  * or Inf (then the norm is NaN or Inf too).
+ */
+/*
+ * SHARDD_OP_CHECKPOINT: job-wide like BARRIER (sqe.group, sqe.flags and
+ * rsvd2 0), keyed by sqe.step, the step boundary it is taken at. When every
+ * rank has arrived the daemon writes every group's params and optimizer
+ * state into <--state-dir>/<job>/step-<step, 12 digits> (docs/CHECKPOINTS.md);
+ * each rank's completion comes when the checkpoint is durable (res 0) or
+ * has failed. Submit it after the completions of the step's ops.
  */
 #define SHARDD_SQE_GRAD_NORM_TYPE      0
 #define SHARDD_CQE_GRAD_NORM           0
@@ -262,6 +271,22 @@ struct shardd_error_msg {
 /* Initial values of a group's params: who writes them. */
 enum shardd_init {
 	SHARDD_INIT_ZERO  = 0, /* shards start zeroed; each rank writes its own */
+	SHARDD_INIT_RESTORE = 1, /* params and optimizer state from a checkpoint (minor 4): a
+				    struct shardd_restore and its path follow the payload */
+};
+
+/*
+ * SHARDD_INIT_RESTORE: after the optimizer config (if any), this, then
+ * path_len bytes of a directory path (no NUL): a checkpoint directory (its
+ * manifest.json), or a folder of step-N checkpoints (the newest complete
+ * one). path_len 0: the newest checkpoint of the job in the daemon's
+ * --state-dir, or zeroed shards when it has none (a first run). Every rank
+ * registers the same path.
+ */
+#define SHARDD_RESTORE_PATH_MAX 4096 /* path_len < this */
+struct shardd_restore {
+	uint32_t path_len;
+	uint32_t rsvd;     /* zero */
 };
 
 /* One param of a group, as registered. */
@@ -506,6 +531,7 @@ _Static_assert(offsetof(struct shardd_group_reply, last_step) == 56, "group_repl
 _Static_assert(offsetof(struct shardd_group_reply, peer_last_step) == SHARDD_GROUP_REPLY_SIZE_V3,
 	       "group_reply.peer_last_step");
 _Static_assert(sizeof(struct shardd_optim_config) == 72, "optim_config");
+_Static_assert(sizeof(struct shardd_restore) == 8, "restore");
 _Static_assert(sizeof(struct shardd_cuda_ipc_handle) == 64, "cuda_ipc_handle");
 _Static_assert(sizeof(struct shardd_sqe) == 64, "sqe");
 _Static_assert(offsetof(struct shardd_sqe, fence) == 1, "sqe.fence");
@@ -563,6 +589,7 @@ static inline const char *shardd_op_name(uint32_t op)
 	case SHARDD_OP_ZERO_GRAD: return "zero_grad";
 	case SHARDD_OP_STEP: return "step";
 	case SHARDD_OP_GRAD_NORM: return "grad_norm";
+	case SHARDD_OP_CHECKPOINT: return "checkpoint";
 	default: return NULL;
 	}
 }

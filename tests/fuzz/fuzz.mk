@@ -48,6 +48,11 @@ $(FUZZ_BUILD)/kernels/optim.o: FUZZ_EXTRA += -Wno-unknown-pragmas
 $(FUZZ_BUILD)/fuzz_%: $(FUZZ_BUILD)/tests/fuzz/fuzz_%.o $(FUZZ_OBJ)
 	$(FUZZ_CC) $(FUZZ_SAN) -fsanitize=fuzzer -pthread -o $@ $^ $(LDLIBS)
 
+# fuzz_ckpt drives the checkpoint parsers directly, without the daemon harness.
+$(FUZZ_BUILD)/fuzz_ckpt: $(FUZZ_BUILD)/tests/fuzz/fuzz_ckpt.o $(FUZZ_BUILD)/daemon/ckpt_format.o \
+		$(FUZZ_BUILD)/daemon/layout.o
+	$(FUZZ_CC) $(FUZZ_SAN) -fsanitize=fuzzer -pthread -o $@ $^ $(LDLIBS)
+
 fuzz: $(FUZZ_BIN)
 	@set -e; for t in $(FUZZ_TARGETS); do \
 		mkdir -p $(FUZZ_BUILD)/corpus/$$t; \

@@ -179,6 +179,34 @@ ENGINE["three-jobs-past-max-memory"] = setup((1, 1), (1, 1), (1, 1)) + b"".join(
     burst(2, UNSHARD) + burst(1, UNSHARD)
 
 
+# fuzz_ckpt: a selector byte (even: a safetensors file, odd: a manifest), then the file.
+def safetensors(header, data=b""):
+    return b"\x00" + struct.pack("<Q", len(header)) + header + data
+
+
+MANIFEST = b"""{"format": "shardd-checkpoint", "version": 1, "job": "j", "step": 3,
+ "mesh": {"replicate": 1, "shard": 2},
+ "groups": [{"name": "g", "param_dtype": "none", "reduce_dtype": "none",
+   "optimizer": {"kind": "adamw", "nesterov": false, "maximize": false, "amsgrad": true,
+     "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.01, "beta1": 0.9, "beta2": 0.999,
+     "eps": 1e-8},
+   "params": [{"name": "w", "dtype": "fp32", "shape": [4, 3], "shard_dim": 0},
+     {"name": "b", "dtype": "bf16", "shape": [], "shard_dim": 0}],
+   "last_step": 3, "optim_steps": 3, "file": "model.safetensors", "optim_file": "optim.safetensors"}],
+ "files": [{"name": "model.safetensors", "bytes": 100, "crc32": "0a1b2c3d"},
+   {"name": "optim.safetensors", "bytes": 200, "crc32": "ffffffff"}]}"""
+CKPT = {
+    "two-tensors": safetensors(b'{"__metadata__":{"format":"pt"},'
+                               b'"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]},'
+                               b'"b":{"dtype":"BF16","shape":[],"data_offsets":[16,18]}}  ', bytes(18)),
+    "zero-size": safetensors(b'{"e":{"dtype":"F16","shape":[0,5],"data_offsets":[0,0]}}'),
+    "overlap": safetensors(b'{"x":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},'
+                           b'"y":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}}', bytes(12)),
+    "manifest": b"\x01" + MANIFEST,
+    "manifest-sgd": b"\x01" + MANIFEST.replace(b'"optimizer": {"kind": "adamw"', b'"optimizer": null, "x": {"kind": "adamw"'),
+}
+
+
 def write(target, seeds):
     d = os.path.join("tests", "fuzz", "corpus", target)
     os.makedirs(d, exist_ok=True)
@@ -190,3 +218,4 @@ def write(target, seeds):
 if __name__ == "__main__":
     write("fuzz_ctrl", CTRL)
     write("fuzz_engine", ENGINE)
+    write("fuzz_ckpt", CKPT)

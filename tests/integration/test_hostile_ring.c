@@ -53,7 +53,7 @@ Test(hostile, bad_ring_entries_each_get_one_error_completion_naming_field_and_va
 
 	struct sqe_case cases[] = {
 		{ sqe_of(0, 0, 0, 0, 0), -SHARDD_E_INVALID, "op 0" },
-		{ sqe_of(SHARDD_OP_COUNT, 0, 0, 0, 0), -SHARDD_E_INVALID, "op 9" },
+		{ sqe_of(SHARDD_OP_COUNT, 0, 0, 0, 0), -SHARDD_E_INVALID, "op 10" },
 		{ sqe_of(255, gid, 1, 0, 0), -SHARDD_E_INVALID, "op 255" },
 		{ sqe_of(SHARDD_OP_NOP, 0, 0, 0, 0), -SHARDD_E_INVALID, "rsvd0[1] = 0x5" },
 		{ sqe_of(SHARDD_OP_NOP, 0, 0, 0, 0), -SHARDD_E_INVALID, "rsvd1 = 0x77" },

@@ -228,12 +228,13 @@ Test(proto, op_names, .timeout = 5)
 {
 	static const char *const want[] = {
 		NULL, "nop", "barrier", "unshard", "reduce", "reshard", "zero_grad", "step",
-		"grad_norm",
+		"grad_norm", "checkpoint",
 	};
 
 	cr_assert_eq(SHARDD_OP_STEP, 7);
 	cr_assert_eq(SHARDD_OP_GRAD_NORM, 8);
-	cr_assert_eq(SHARDD_OP_COUNT, 9);
+	cr_assert_eq(SHARDD_OP_CHECKPOINT, 9);
+	cr_assert_eq(SHARDD_OP_COUNT, 10);
 	for (uint32_t op = 1; op < SHARDD_OP_COUNT; op++)
 		cr_assert_str_eq(shardd_op_name(op), want[op], "op %u", op);
 	cr_assert_null(shardd_op_name(0));

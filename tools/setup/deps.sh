@@ -9,13 +9,29 @@ PACKAGES=(
 	liburing-dev        # daemon event loop
 	libcriterion-dev    # C test suites
 	libjansson-dev      # admin requests and shardctl --json
+	zlib1g-dev          # checkpoint file checksums (crc32)
 	libmicrohttpd-dev   # shardd --metrics-listen (Prometheus over HTTP)
 	scdoc man-db        # man pages: built from man/*.scd, rendered by the install test
 	clang libclang-rt-dev  # libFuzzer targets (tests/fuzz/): clang and its matching runtimes
 	libopenmpi-dev openmpi-bin   # shardbench's Open MPI comparator
 	python3 python3-numpy python3-pytest python3-torch   # Python client tests (/usr/bin/python3)
+	python3-venv        # the virtual environment of the PyPI test packages below
 	bible-kjv bible-kjv-text   # train_gpt.py's corpus (the `bible` program decodes the text)
 )
+
+# PyPI packages the Python tests need (tests/python/test_checkpoint.py: the
+# safetensors interop), in a virtual environment that also sees Debian's
+# packages (numpy): $SHARDD_VENV, default build/venv.
+PYPI=(safetensors)
+VENV="${SHARDD_VENV:-build/venv}"
+venv_ok() {
+	[ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import safetensors" 2>/dev/null
+}
+venv_install() {
+	venv_ok && return 0
+	/usr/bin/python3 -m venv --system-site-packages "$VENV" &&
+		"$VENV/bin/pip" install -q "${PYPI[@]}"
+}
 
 missing=()
 for p in "${PACKAGES[@]}"; do
@@ -28,9 +44,16 @@ check)
 		echo "shardd: missing Debian packages: ${missing[*]}" >&2
 		exit 1
 	fi
+	if ! venv_ok; then
+		echo "shardd: missing the virtual environment $VENV with PyPI packages: ${PYPI[*]}" >&2
+		exit 1
+	fi
 	;;
 install)
-	[ ${#missing[@]} -eq 0 ] && exit 0
+	if [ ${#missing[@]} -eq 0 ]; then
+		venv_install
+		exit
+	fi
 	cmd="apt-get install -y --no-install-recommends ${missing[*]}"
 	if [ "$(id -u)" -ne 0 ]; then
 		echo "shardd: missing Debian packages; run as root:" >&2
@@ -40,6 +63,7 @@ install)
 	export DEBIAN_FRONTEND=noninteractive
 	apt-get update -qq
 	$cmd
+	venv_install
 	;;
 *)
 	echo "usage: $0 check|install" >&2

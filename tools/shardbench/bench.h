@@ -34,6 +34,7 @@ struct bench_opts {
 	const char *shardd_path; /* --shardd: daemon binary to start */
 	const char *mpi_path;    /* --mpi: the shardbench_mpi comparator */
 	const char *trace_path;  /* --trace: latency's samples, one line each */
+	const char *ckpt_dir;    /* --dir: checkpoint's folder on the disk it measures, or NULL */
 	const char *self_dir;    /* directory of this binary */
 };
 
@@ -167,6 +168,8 @@ unsigned bench_worker_threads(void);
  * wait until it accepts. 0 or -errno.
  */
 int bench_daemon_start(const char *shardd_path, const char *backend, struct bench_daemon *d);
+/* The same with a checkpoint folder: shardd --state-dir state_dir. */
+int bench_daemon_start_state(const char *shardd_path, const char *state_dir, struct bench_daemon *d);
 /* Stop a daemon bench_daemon_start() started; a no-op for --socket. */
 void bench_daemon_stop(struct bench_daemon *d);
 
@@ -232,6 +235,16 @@ int bench_gpu_run(const struct bench_opts *o);
  * it must run before this process touches CUDA (bench_gpu_run).
  */
 int bench_gpu_ops_run(const struct bench_opts *o);
+
+/* ---- checkpoint.c --------------------------------------------------- */
+
+/*
+ * Checkpoint save and restore of an AdamW state through the daemon at
+ * `socket_path` (started with --state-dir `state_dir`) over the size sweep,
+ * against O_DIRECT sequential write and read of the same bytes in
+ * `state_dir`; prints its table. 0, or a negative code (printed).
+ */
+int bench_checkpoint_run(const struct bench_opts *o, const char *socket_path, const char *state_dir);
 
 /* ---- step.c --------------------------------------------------------- */
 

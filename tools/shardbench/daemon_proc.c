@@ -58,7 +58,21 @@ static int daemon_accepts(const char *path)
 	return ok;
 }
 
+static int daemon_start(const char *shardd_path, const char *backend, const char *state_dir,
+			struct bench_daemon *d);
+
 int bench_daemon_start(const char *shardd_path, const char *backend, struct bench_daemon *d)
+{
+	return daemon_start(shardd_path, backend, NULL, d);
+}
+
+int bench_daemon_start_state(const char *shardd_path, const char *state_dir, struct bench_daemon *d)
+{
+	return daemon_start(shardd_path, NULL, state_dir, d);
+}
+
+static int daemon_start(const char *shardd_path, const char *backend, const char *state_dir,
+			struct bench_daemon *d)
 {
 	uint64_t deadline;
 	int logfd, ret, status;
@@ -101,8 +115,12 @@ int bench_daemon_start(const char *shardd_path, const char *backend, struct benc
 			_exit(127);
 		dup2(logfd, STDOUT_FILENO);
 		dup2(logfd, STDERR_FILENO);
-		execl(shardd_path, shardd_path, "--socket", d->socket_path, "--backend",
-		      backend ? backend : "host", (char *)NULL);
+		if (state_dir)
+			execl(shardd_path, shardd_path, "--socket", d->socket_path, "--backend",
+			      backend ? backend : "host", "--state-dir", state_dir, (char *)NULL);
+		else
+			execl(shardd_path, shardd_path, "--socket", d->socket_path, "--backend",
+			      backend ? backend : "host", (char *)NULL);
 		fprintf(stderr, "shardbench: exec %s: %s\n", shardd_path, strerror(errno));
 		_exit(127);
 	}

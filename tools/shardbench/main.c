@@ -24,12 +24,13 @@
 /* Roofline arrays: 8x the 32 MiB L3 of the machines this runs on, and over any L3 we know. */
 #define ROOF_ARRAY_BYTES (256 * BENCH_MIB)
 
-enum bench_cmd { CMD_ALL, CMD_ROOFLINE, CMD_UNSHARD, CMD_REDUCE, CMD_RING, CMD_GPU, CMD_STEP, CMD_LATENCY };
+enum bench_cmd { CMD_ALL, CMD_ROOFLINE, CMD_UNSHARD, CMD_REDUCE, CMD_RING, CMD_GPU, CMD_STEP, CMD_LATENCY,
+		 CMD_CHECKPOINT };
 
 static void usage(FILE *f)
 {
 	fprintf(f,
-"usage: shardbench [options] roofline|unshard|reduce|ring|latency|gpu|step|all\n"
+"usage: shardbench [options] roofline|unshard|reduce|ring|latency|gpu|step|checkpoint|all\n"
 "       (default: all)\n"
 "\n"
 "  roofline   memory kernels (read, write, copy, add), plain and non-temporal stores\n"
@@ -42,6 +43,9 @@ static void usage(FILE *f)
 "  gpu        CUDA kernels against cudaMemcpy device-to-device, and unshard/reduce\n"
 "             latency through shardd --backend cuda (also: --gpu)\n"
 "  step       AdamW and SGD updates against a same-run roofline and torch's CPU AdamW\n"
+"  checkpoint save and restore of an AdamW state through the daemon (docs/CHECKPOINTS.md)\n"
+"             against O_DIRECT write and read of the same bytes (-b 256M -e 8G: the\n"
+"             issue's sweep; --dir DIR: where, default /var/tmp)\n"
 "  all        roofline, unshard, reduce, ring (and gpu when built with CUDA)\n"
 "\n"
 "  -b SIZE        first size (default 1M); K, M, G suffixes\n"
@@ -57,6 +61,7 @@ static void usage(FILE *f)
 "  --mpi PATH     Open MPI comparator (default: shardbench_mpi next to shardbench)\n"
 "  --idle-us N    ring: idle gap before each sleeping sample (default 2000)\n"
 "  --trace FILE   latency: also write every sample to FILE (trace_latency.py)\n"
+"  --dir DIR      checkpoint: the folder whose disk is measured (default /var/tmp)\n"
 "  --gpu          same as the gpu subcommand\n"
 "  --version      print the version and exit\n"
 "  -h, --help     this text\n");
@@ -99,7 +104,7 @@ static int parse_cmd(const char *s, enum bench_cmd *cmd)
 	static const struct { const char *name; enum bench_cmd cmd; } cmds[] = {
 		{ "all", CMD_ALL }, { "roofline", CMD_ROOFLINE }, { "unshard", CMD_UNSHARD },
 		{ "reduce", CMD_REDUCE }, { "ring", CMD_RING }, { "gpu", CMD_GPU },
-		{ "step", CMD_STEP }, { "latency", CMD_LATENCY },
+		{ "step", CMD_STEP }, { "latency", CMD_LATENCY }, { "checkpoint", CMD_CHECKPOINT },
 	};
 	size_t i;
 
@@ -115,7 +120,7 @@ static int parse_cmd(const char *s, enum bench_cmd *cmd)
 /* Parse argv into *o and *cmd. Returns 0, 1 (--help or --version printed) or 2 (usage error). */
 static int parse_args(int argc, char **argv, struct bench_opts *o, enum bench_cmd *cmd)
 {
-	enum { OPT_SOCKET = 256, OPT_SHARDD, OPT_MPI, OPT_IDLE, OPT_GPU, OPT_VERSION, OPT_TRACE };
+	enum { OPT_SOCKET = 256, OPT_SHARDD, OPT_MPI, OPT_IDLE, OPT_GPU, OPT_VERSION, OPT_TRACE, OPT_DIR };
 	static const struct option longopts[] = {
 		{ "socket", required_argument, NULL, OPT_SOCKET },
 		{ "shardd", required_argument, NULL, OPT_SHARDD },
@@ -123,6 +128,7 @@ static int parse_args(int argc, char **argv, struct bench_opts *o, enum bench_cm
 		{ "idle-us", required_argument, NULL, OPT_IDLE },
 		{ "gpu", no_argument, NULL, OPT_GPU },
 		{ "trace", required_argument, NULL, OPT_TRACE },
+		{ "dir", required_argument, NULL, OPT_DIR },
 		{ "help", no_argument, NULL, 'h' },
 		{ "version", no_argument, NULL, OPT_VERSION },
 		{ NULL, 0, NULL, 0 },
@@ -182,6 +188,9 @@ static int parse_args(int argc, char **argv, struct bench_opts *o, enum bench_cm
 			break;
 		case OPT_GPU:
 			gpu = 1;
+			break;
+		case OPT_DIR:
+			o->ckpt_dir = optarg;
 			break;
 		case OPT_TRACE:
 			o->trace_path = optarg;
@@ -289,6 +298,24 @@ int main(int argc, char **argv)
 	/* The optimizer step needs no daemon and measures its own roofline. */
 	if (cmd == CMD_STEP)
 		return bench_step_run(&o) != 0;
+	/* Checkpoints need a daemon of their own, with a state dir on the disk measured. */
+	if (cmd == CMD_CHECKPOINT) {
+		char state[PATH_MAX];
+
+		snprintf(state, sizeof(state), "%s/shardbench-ckpt.XXXXXX", o.ckpt_dir ? o.ckpt_dir : "/var/tmp");
+		if (!mkdtemp(state)) {
+			fprintf(stderr, "shardbench: checkpoint: mkdtemp %s: %s\n", state, strerror(errno));
+			return 1;
+		}
+		ret = bench_daemon_start_state(o.shardd_path, state, &d);
+		if (!ret) {
+			printf("# daemon: %s --state-dir %s (started by shardbench)\n", o.shardd_path, state);
+			failed = bench_checkpoint_run(&o, d.socket_path, state) != 0;
+			bench_daemon_stop(&d);
+		}
+		rmdir(state);
+		return ret ? 1 : failed;
+	}
 
 	/*
 	 * The machine table runs before the daemon starts, so nothing else

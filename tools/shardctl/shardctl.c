@@ -31,7 +31,7 @@
 static const char usage_text[] =
 	"Usage: shardctl [--socket PATH] [--json] COMMAND [ARGS]\n"
 	"Inspect a running shardd: jobs, ranks, groups, buffer contents, op statistics.\n"
-	"Every command is read-only but end.\n"
+	"Every command is read-only but end and checkpoint.\n"
 	"\n"
 	"Commands:\n"
 	"  status                 version, backend, uptime, socket, memory held by kind\n"
@@ -57,6 +57,11 @@ static const char usage_text[] =
 	"  end JOB                end the job now and free its memory: its attached ranks'\n"
 	"                         ops fail with an error naming this end, and their\n"
 	"                         connections close (shardd's own uid only)\n"
+	"  checkpoint JOB [DIR]   save the job's params and optimizer state at its next step\n"
+	"                         boundary into DIR (it must not exist), else into shardd's\n"
+	"                         --state-dir/JOB/step-N; waits until it is written\n"
+	"                         (docs/CHECKPOINTS.md)\n"
+	"  checkpoints JOB        the job's armed, in-progress and last checkpoint\n"
 	"\n"
 	"Options:\n"
 	"  --socket PATH          shardd's socket (default $SHARDD_SOCKET, else\n"
@@ -294,6 +299,130 @@ static json_t *with_job(json_t *req, const char *job)
 	return req;
 }
 
+static void render_checkpoints(FILE *f, const json_t *r)
+{
+	const json_t *a = json_object_get(r, "armed"), *w = json_object_get(r, "writing");
+	const json_t *l = json_object_get(r, "last");
+
+	fprintf(f, "job '%s'\n", json_string_value(json_object_get(r, "job")));
+	if (json_integer_value(json_object_get(a, "id")))
+		fprintf(f, "  armed:   checkpoint %lld, waiting for the next step boundary\n",
+			(long long)json_integer_value(json_object_get(a, "id")));
+	if (json_integer_value(json_object_get(w, "id"))) {
+		double bytes = (double)json_integer_value(json_object_get(w, "bytes"));
+		double total = (double)json_integer_value(json_object_get(w, "total"));
+		double secs = json_number_value(json_object_get(w, "seconds"));
+		double rate = secs > 0 ? bytes / secs : 0;
+
+		fprintf(f, "  writing: checkpoint %lld of step %lld to %s: %.0f of about %.0f bytes in %.1f s "
+			"(%.2f GB/s", (long long)json_integer_value(json_object_get(w, "id")),
+			(long long)json_integer_value(json_object_get(w, "step")),
+			json_string_value(json_object_get(w, "dir")), bytes, total, secs, rate / 1e9);
+		if (rate > 0 && total > bytes)
+			fprintf(f, ", about %.1f s left", (total - bytes) / rate);
+		fprintf(f, ")\n");
+	}
+	if (!json_integer_value(json_object_get(l, "id")))
+		fprintf(f, "  last:    none\n");
+	else if (json_integer_value(json_object_get(l, "code")))
+		fprintf(f, "  last:    checkpoint %lld failed: %s\n", (long long)json_integer_value(json_object_get(l, "id")),
+			json_string_value(json_object_get(l, "error")));
+	else
+		fprintf(f, "  last:    checkpoint %lld of step %lld in %s: %lld bytes in %.3f s\n",
+			(long long)json_integer_value(json_object_get(l, "id")),
+			(long long)json_integer_value(json_object_get(l, "step")),
+			json_string_value(json_object_get(l, "dir")),
+			(long long)json_integer_value(json_object_get(l, "bytes")),
+			json_number_value(json_object_get(l, "seconds")));
+}
+
+/* The request's reply when it is ok, else NULL after printing why. */
+static json_t *request_ok(const struct opts *o, json_t *req)
+{
+	json_t *r;
+
+	if (!req) {
+		fail(o, -ENOMEM, "out of memory");
+		return NULL;
+	}
+	r = request(o, req);
+	json_decref(req);
+	if (r && reply_failed(r)) {
+		if (o->json)
+			print_json(r, JSON_INDENT(2));
+		json_decref(r);
+		return NULL;
+	}
+	return r;
+}
+
+/*
+ * checkpoint JOB [DIR]: arm it, then ask `checkpoints` until the daemon
+ * reports it ended (a poll: admin requests are answered at once).
+ */
+static int cmd_checkpoint(const struct opts *o, const char *job, const char *dir)
+{
+	char abs[4096];
+	json_t *req = with_job(cmd_req("checkpoint"), job), *r, *last = NULL;
+	json_int_t id;
+	int ret = 1;
+
+	if (dir && dir[0] != '/') {
+		if (!getcwd(abs, sizeof(abs) - 1) || strlen(abs) + strlen(dir) + 2 > sizeof(abs))
+			return usage_error("checkpoint directory '%s': cannot make it absolute", dir);
+		strcat(abs, "/");
+		strcat(abs, dir);
+		dir = abs;
+	}
+	if (req && dir && json_object_set_new(req, "dir", json_string(dir))) {
+		json_decref(req);
+		req = NULL;
+	}
+	r = request_ok(o, req);
+	if (!r)
+		return 1;
+	id = json_integer_value(json_object_get(r, "id"));
+	json_decref(r);
+	for (unsigned polls = 1;; polls++) {
+		struct timespec ts = { .tv_nsec = 100 * 1000 * 1000 };
+		json_t *w;
+
+		r = request_ok(o, with_job(cmd_req("checkpoints"), job));
+		if (!r)
+			return 1;
+		last = json_object_get(r, "last");
+		if (json_integer_value(json_object_get(last, "id")) >= id)
+			break;
+		/* Every 10 s, where it is: it waits for the job's ranks, or for the disk. */
+		w = json_object_get(r, "writing");
+		if (polls % 100 == 0)
+			fprintf(stderr, "shardctl: checkpoint %lld of job '%s': %s (%lld of about %lld bytes)\n",
+				(long long)id, job,
+				json_integer_value(json_object_get(w, "id")) == id ?
+				"being written" : "armed, waiting for the job's next step boundary",
+				(long long)json_integer_value(json_object_get(w, "bytes")),
+				(long long)json_integer_value(json_object_get(w, "total")));
+		json_decref(r);
+		nanosleep(&ts, NULL);
+	}
+	if (json_integer_value(json_object_get(last, "code"))) {
+		fail(o, (int)json_integer_value(json_object_get(last, "code")), "%s",
+		     json_string_value(json_object_get(last, "error")));
+	} else {
+		ret = 0;
+		if (o->json)
+			print_json(last, JSON_INDENT(2));
+		else
+			printf("checkpoint of job '%s' at step %lld written to %s: %lld bytes in %.3f s\n", job,
+			       (long long)json_integer_value(json_object_get(last, "step")),
+			       json_string_value(json_object_get(last, "dir")),
+			       (long long)json_integer_value(json_object_get(last, "bytes")),
+			       json_number_value(json_object_get(last, "seconds")));
+	}
+	json_decref(r);
+	return ret;
+}
+
 static int parse_rows(const char *s, long long *a, long long *b)
 {
 	char *end;
@@ -508,10 +637,14 @@ int main(int argc, char **argv)
 		return cmd_watch(&o);
 	if (strcmp(cmd, "end") == 0 && npos == 1)
 		return run_one(&o, with_job(cmd_req("end"), pos[0]), shardctl_render_end);
+	if (strcmp(cmd, "checkpoint") == 0 && (npos == 1 || npos == 2))
+		return cmd_checkpoint(&o, pos[0], npos == 2 ? pos[1] : NULL);
+	if (strcmp(cmd, "checkpoints") == 0 && npos == 1)
+		return run_one(&o, with_job(cmd_req("checkpoints"), pos[0]), render_checkpoints);
 	if (strcmp(cmd, "status") == 0 || strcmp(cmd, "jobs") == 0 || strcmp(cmd, "ranks") == 0 ||
 	    strcmp(cmd, "groups") == 0 || strcmp(cmd, "show") == 0 || strcmp(cmd, "dump") == 0 ||
 	    strcmp(cmd, "stats") == 0 || strcmp(cmd, "metrics") == 0 || strcmp(cmd, "watch") == 0 ||
-	    strcmp(cmd, "end") == 0)
+	    strcmp(cmd, "end") == 0 || strcmp(cmd, "checkpoint") == 0 || strcmp(cmd, "checkpoints") == 0)
 		return usage_error("wrong number of arguments for '%s'", cmd);
 	return usage_error("unknown command '%s'", cmd);
 }

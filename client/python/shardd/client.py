@@ -274,18 +274,31 @@ class Client:
     def _sync_timeout(self):
         return None if not self.collective_timeout_ms else self.collective_timeout_ms / 1000 + SYNC_GRACE_S
 
-    def register_group(self, name, params, param_dtype=None, reduce_dtype=None, optimizer=None):
+    def register_group(self, name, params, param_dtype=None, reduce_dtype=None, optimizer=None,
+                       restore=None):
         """Register a group (collective over the job's ranks) and map its buffers.
         params: list of Param or (name, dtype, shape[, shard_dim]) tuples.
         optimizer: None, or an Optimizer (SGD/AdamW config) the daemon's step
-        op runs on each rank's shard (every rank gives the same)."""
+        op runs on each rank's shard (every rank gives the same).
+        restore: None (zeroed shards); "" (the job's newest checkpoint in the
+        daemon's --state-dir, zeroed when there is none); or a checkpoint
+        directory, or a folder of step-N checkpoints (docs/CHECKPOINTS.md), at
+        any mesh. Then Group.last_step is the step to resume after."""
         specs = [p if isinstance(p, Param) else Param(*p) for p in params]
         if not 1 <= len(specs) <= P.MAX_PARAMS:
             raise ValueError(f"group {name!r}: {len(specs)} params, 1..{P.MAX_PARAMS} allowed")
         pd, rd = D.dtype_code(param_dtype), D.dtype_code(reduce_dtype)
+        tail = b""
+        if restore is not None:
+            path = os.path.abspath(restore).encode() if restore else b""
+            if len(path) >= P.RESTORE_PATH_MAX or b"\0" in path:
+                raise ValueError(f"group {name!r}: restore path of {len(path)} bytes (at most "
+                                 f"{P.RESTORE_PATH_MAX - 1}, no NUL)")
+            tail = P.RESTORE.pack(len(path), 0) + path
         payload = P.REGISTER_GROUP.pack(_cstr(name, P.NAME_MAX, "group name"), len(specs), pd, rd,
-                                        P.INIT_ZERO, P.REGISTER_OPTIMIZER if optimizer else 0, 0) + \
-            b"".join(p.pack() for p in specs) + (optimizer.pack() if optimizer else b"")
+                                        P.INIT_RESTORE if restore is not None else P.INIT_ZERO,
+                                        P.REGISTER_OPTIMIZER if optimizer else 0, 0) + \
+            b"".join(p.pack() for p in specs) + (optimizer.pack() if optimizer else b"") + tail
         where = f"register group '{name}'"
         _t, reply, fds = self._request(P.MSG_REGISTER_GROUP, payload, self._sync_timeout(),
                                        P.MSG_GROUP, where)
@@ -537,6 +550,15 @@ class Client:
         c = self.run_many([(P.OP_GRAD_NORM, 0, step, 0, where, (_f64_bits(norm_type), 0))], timeout)[0]
         norm = struct.unpack("<d", struct.pack("<Q", c.result[0]))[0]
         return norm, bool(c.result[1])
+
+
+    def checkpoint(self, step, timeout=None):
+        """Job-wide: every rank calls it with the same step after the step's
+        STEPs completed. The daemon writes every group's params and optimizer
+        state to <--state-dir>/<job>/step-<step> (docs/CHECKPOINTS.md); returns
+        once it is durable. Raises ShardError (no --state-dir, not at a step
+        boundary, a mismatch between ranks, a write failure)."""
+        self.run_many([(P.OP_CHECKPOINT, 0, step, 0, f"checkpoint(step {step})", (0, 0))], timeout)
 
 
 def _f64_bits(x):

@@ -63,11 +63,12 @@ OP_RESHARD = 5
 OP_ZERO_GRAD = 6
 OP_STEP = 7
 OP_GRAD_NORM = 8
-OP_COUNT = 9
+OP_CHECKPOINT = 9
+OP_COUNT = 10
 
 OP_NAMES = {OP_NOP: "nop", OP_BARRIER: "barrier", OP_UNSHARD: "unshard",
             OP_REDUCE: "reduce", OP_RESHARD: "reshard", OP_ZERO_GRAD: "zero_grad", OP_STEP: "step",
-            OP_GRAD_NORM: "grad_norm"}
+            OP_GRAD_NORM: "grad_norm", OP_CHECKPOINT: "checkpoint"}
 
 REDUCE_ALL_REDUCE = 1 << 0
 REDUCE_STEP = 1 << 1          # step each shard after the reduce (lr in sqe.rsvd2[0])
@@ -132,6 +133,9 @@ MSG_NAMES = {MSG_HELLO: "HELLO", MSG_WELCOME: "WELCOME", MSG_ERROR: "ERROR",
              MSG_ADMIN_REPLY: "ADMIN_REPLY"}
 
 INIT_ZERO = 0
+INIT_RESTORE = 1
+RESTORE_PATH_MAX = 4096
+RESTORE = struct.Struct("<II")  # path_len rsvd, then the path
 
 # ring flags (written by the daemon)
 RING_NEED_WAKEUP = 1 << 0

@@ -46,7 +46,10 @@ Differences from FSDP2: parameters are plain tensors (no DTensor), every
 rank is a CPU process of one node served by the daemon's host backend,
 ``set_requires_gradient_sync(False)`` accumulates unsynchronised gradients
 in ``param_dtype`` (torch 2.15 uses the original dtype), and
-``state_dict()`` returns the local shards (checkpoints: issue #14).
+``state_dict()`` returns the local shards (:func:`full_state_dict` and
+:func:`load_full_state_dict` take full tensors). Checkpoints are the
+daemon's: :func:`checkpoint` saves every group (full tensors, safetensors)
+and ``init_device_mesh(..., restore=...)`` starts from one at any mesh.
 
 The daemon's optimizer: :class:`DaemonSGD` / :class:`DaemonAdamW`, constructed
 over the model before ``fully_shard``, are ``torch.optim.Optimizer`` objects
@@ -79,7 +82,8 @@ from .client import (Client, DaemonGone, Optimizer, Param, ShardError, numpy_to_
 
 __all__ = ["fully_shard", "MixedPrecisionPolicy", "FSDPModule", "UnshardHandle",
            "init_device_mesh", "default_reduce_dtype", "local_shards", "DaemonOptimizer",
-           "DaemonSGD", "DaemonAdamW", "clip_grad_norm_", "peer_failed"]
+           "DaemonSGD", "DaemonAdamW", "clip_grad_norm_", "peer_failed", "checkpoint",
+           "full_state_dict", "load_full_state_dict"]
 
 _TORCH_TO_SHARDD = {torch.float32: P.DTYPE_FP32, torch.bfloat16: P.DTYPE_BF16,
                     torch.float16: P.DTYPE_FP16}
@@ -136,7 +140,8 @@ class MixedPrecisionPolicy:
                 f"cast_forward_inputs={self.cast_forward_inputs})")
 
 
-def init_device_mesh(job, rank, mesh_shape, *, socket_path=None, timeout=None, resume=False):
+def init_device_mesh(job, rank, mesh_shape, *, socket_path=None, timeout=None, resume=False,
+                     restore=None):
     """Attach rank `rank` of job `job` to shardd and return the Client that
     fully_shard takes as its mesh. mesh_shape: (shard,) for FSDP or
     (replicate, shard) for HSDP, as FSDP2's 1-D and 2-D DeviceMesh; the
@@ -146,7 +151,14 @@ def init_device_mesh(job, rank, mesh_shape, *, socket_path=None, timeout=None, r
     fully_shard opens the group it would register (same name, checked
     against this rank's params, dtypes and optimizer kind) instead of
     registering it, and keeps the shards the daemon holds (the model's
-    values are not loaded). Then call DaemonOptimizer.recover()."""
+    values are not loaded). Then call DaemonOptimizer.recover().
+
+    restore: every fully_shard registers its group from a checkpoint
+    (docs/CHECKPOINTS.md) instead of the model's values: a checkpoint
+    directory saved at any mesh, or "" for the job's newest one in the
+    daemon's --state-dir (zeros when it has none: give restore only to
+    resume). A DaemonOptimizer then goes on from the checkpoint's step (its
+    step_number)."""
     shape = tuple(mesh_shape)
     if len(shape) == 1:
         replicate, shard = 1, shape[0]
@@ -158,7 +170,21 @@ def init_device_mesh(job, rank, mesh_shape, *, socket_path=None, timeout=None, r
     client = Client(job=job, rank=rank, shard=shard, replicate=replicate, socket_path=socket_path,
                     **kw)
     client._shardd_resume = bool(resume)
+    client._shardd_restore = restore
     return client
+
+
+def checkpoint(mesh, step=None, timeout=None):
+    """Every rank of the job: the daemon writes every group's full params and
+    optimizer state to <--state-dir>/<job>/step-<step> (safetensors; see
+    docs/CHECKPOINTS.md), once they are durable. step: default the
+    DaemonOptimizer's step_number (the last step() submitted), else 0."""
+    if step is None:
+        opts = {id(st.optimizer): st.optimizer for st in getattr(mesh, "_shardd_states", [])
+                if st.optimizer is not None}
+        step = max((o.step_number for o in opts.values()), default=0)
+    mesh.checkpoint(step, timeout)
+    return step
 
 
 # ---------------------------------------------------------------- state
@@ -771,12 +797,14 @@ def _register(state, tensors, shard_placement_fn, optimizer=None):
     pd = _TORCH_TO_SHARDD[mp.param_dtype] if mp.param_dtype is not None else None
     rd = _TORCH_TO_SHARDD[reduce_dtype] if reduce_dtype is not None else None
     resume = getattr(state.client, "_shardd_resume", False)
+    restore = getattr(state.client, "_shardd_restore", None)
     try:
         if resume:
             g = state.client.open_group(state.name)
         else:
             g = state.client.register_group(state.name, specs, pd, rd,
-                                            optimizer=optimizer.config if optimizer else None)
+                                            optimizer=optimizer.config if optimizer else None,
+                                            restore=restore)
     except ShardError as e:
         fix = ""
         if e.code == -errno.EEXIST:
@@ -786,9 +814,10 @@ def _register(state, tensors, shard_placement_fn, optimizer=None):
     state.group = g
     if resume:
         _check_reopened(state, g, specs, pd, rd, optimizer)
+    load = not resume and restore is None   # a restored group holds the checkpoint's values
     with torch.no_grad():
         for p, t in zip(state.params, tensors):
-            if not resume:
+            if load:
                 full = t.detach().cpu().contiguous()
                 if full.dtype == torch.bfloat16:
                     g.load_full(p.index, full.view(torch.int16).numpy().view("uint16"))
@@ -839,6 +868,66 @@ def local_shards(module):
                 out.append((name, t, hit.shard_dim, st.group.shard_rows(hit.index)[0]))
                 break
     return out
+
+
+# ---------------------------------------------------------------- full state dicts
+def _managed(model):
+    """(name under `model`, state, _Param) of every param fully_shard manages under it."""
+    for prefix, m in model.named_modules():
+        st = getattr(m, "_shardd_state", None) if isinstance(m, FSDPModule) else None
+        for p in (st.params if st is not None else []):
+            yield (prefix + "." if prefix else "") + p.fqn, m, st, p
+
+
+def full_state_dict(model):
+    """Collective (every rank, on the same model): {name: full tensor} of
+    every param fully_shard manages under `model`, each a copy of the whole
+    tensor gathered by the daemon's unshard, in the param's dtype. The
+    gather casts to MixedPrecisionPolicy.param_dtype: a group with another
+    param_dtype than its params' dtype is refused (st.checkpoint saves its
+    masters instead)."""
+    out, done = {}, set()
+    for name, m, st, p in _managed(model):
+        if id(st) not in done:
+            pd = st.mp.param_dtype
+            if pd is not None and any(q.sharded.dtype != pd for q in st.params):
+                raise ValueError(f"full_state_dict: {st.where('gather')} casts its params to "
+                                 f"param_dtype {pd}, so the gathered tensors are not the params: "
+                                 f"use shardd.torch.checkpoint() (the daemon saves the masters)")
+            held = st.unsharded
+            m.unshard()
+            for q in st.params:
+                out[name[:len(name) - len(p.fqn)] + q.fqn] = q.unsharded.detach().clone()
+            if not held:
+                m.reshard()
+            done.add(id(st))
+    return out
+
+
+def load_full_state_dict(model, state_dict):
+    """Every rank: copy its rows of each full tensor of `state_dict` (as
+    full_state_dict returns it, or a safetensors file's tensors) into the
+    shards of the params fully_shard manages under `model`, at any mesh.
+    Every such param must be in it, and nothing else."""
+    names = set()
+    with torch.no_grad():
+        for name, _m, st, p in _managed(model):
+            if name not in state_dict:
+                raise KeyError(f"load_full_state_dict: param '{name}' is not in the state dict")
+            full = state_dict[name].detach().cpu().contiguous()
+            want = tuple(st.group.params[p.index].shape)
+            if tuple(full.shape) != want:
+                raise ValueError(f"load_full_state_dict: param '{name}' has shape {want}, the state "
+                                 f"dict holds {tuple(full.shape)}")
+            full = full.to(p.sharded.dtype)
+            if full.dtype == torch.bfloat16:
+                st.group.load_full(p.index, full.view(torch.int16).numpy().view("uint16"))
+            else:
+                st.group.load_full(p.index, full.numpy())
+            names.add(name)
+    extra = sorted(set(state_dict) - names)
+    if extra:
+        raise KeyError(f"load_full_state_dict: {extra} are no params fully_shard manages here")
 
 
 # ---------------------------------------------------------------- clip_grad_norm_
@@ -1018,6 +1107,8 @@ class DaemonOptimizer(torch.optim.Optimizer):
         self._states.append(state)
         if getattr(state.client, "_shardd_resume", False):
             self._resumed = True
+            self.step_number = min(st.group.last_step for st in self._states)
+        elif getattr(state.client, "_shardd_restore", None) is not None:
             self.step_number = min(st.group.last_step for st in self._states)
         shards = {id(t): p.sharded for t, p in zip(originals, state.params)}
         self._sharded.update(id(p.sharded) for p in state.params)

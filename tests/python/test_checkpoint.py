@@ -1,0 +1,227 @@
+# SPDX-License-Identifier: MIT
+"""Checkpoints from the Python client, and interop with the `safetensors`
+package from PyPI (installed by `make deps` into the virtual environment
+$SHARDD_VENV, default build/venv, which sees Debian's numpy):
+
+- Client.checkpoint writes files that safetensors.numpy.load_file reads
+  into the same full tensors the ranks' shards assemble to (numpy concat
+  along each param's shard dim);
+- a model.safetensors written by safetensors.numpy.save_file, with a
+  manifest the test writes (CRC-32 by zlib), restores into a 2-rank job,
+  and register_group(restore=...) reports the saved step."""
+
+import json
+import os
+import subprocess
+import tempfile
+import zlib
+
+import numpy as np
+import pytest
+
+import shardd
+from conftest import ROOT, Daemon, job_name, run_ranks
+
+WORLD = 2
+SPECS = [("w", "float32", (9, 5)), ("b", "float32", (7,)), ("c", "float32", (3, 4), 1)]
+
+
+def venv_python():
+    venv = os.environ.get("SHARDD_VENV") or os.path.join(ROOT, "build", "venv")
+    py = os.path.join(venv, "bin", "python")
+    if not os.access(py, os.X_OK):
+        pytest.fail(f"no Python virtual environment at {venv} with the safetensors package: "
+                    "run make deps (or set SHARDD_VENV)")
+    return py
+
+
+def in_venv(code, *args):
+    """Run `code` with the venv's Python (which has safetensors); its stdout."""
+    r = subprocess.run([venv_python(), "-c", code, *args], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+@pytest.fixture(scope="module")
+def state_daemon():
+    state = tempfile.TemporaryDirectory(prefix="shardd-py-state-")
+    d = Daemon(("--state-dir", state.name))
+    d.state = state.name
+    yield d
+    d.stop()
+    state.cleanup()
+
+
+def full(groups, i, spec):
+    dim = spec[3] if len(spec) > 3 else 0
+    return np.concatenate([g.shard(i) for g in groups], axis=dim)
+
+
+def test_checkpoint_files_load_with_the_safetensors_package(state_daemon, request):
+    job = job_name(request)
+    rng = np.random.default_rng(5)
+    clients = [shardd.Client(job=job, rank=r, shard=WORLD, socket_path=state_daemon.socket)
+               for r in range(WORLD)]
+    try:
+        opt = shardd.Optimizer.adamw(weight_decay=0.0)
+        gs = run_ranks(lambda r: clients[r].register_group("layer", SPECS, optimizer=opt), WORLD)
+        for r in range(WORLD):
+            for i in range(len(SPECS)):
+                gs[r].shard(i)[...] = rng.standard_normal(gs[r].shard(i).shape).astype(np.float32)
+                gs[r].grad(i)[...] = rng.standard_normal(gs[r].grad(i).shape).astype(np.float32)
+        run_ranks(lambda r: gs[r].reduce(1), WORLD)
+        run_ranks(lambda r: gs[r].step(1, 0.01), WORLD)
+        run_ranks(lambda r: clients[r].checkpoint(1), WORLD)
+        ckpt = os.path.join(state_daemon.state, job, "step-000000000001")
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "model.npz")
+            in_venv("import sys, numpy as np, safetensors.numpy as st; "
+                    "np.savez(sys.argv[2], **st.load_file(sys.argv[1]))",
+                    os.path.join(ckpt, "model.safetensors"), out)
+            loaded = np.load(out)
+            assert sorted(loaded.files) == sorted(s[0] for s in SPECS)
+            for i, spec in enumerate(SPECS):
+                want = full(gs, i, spec)
+                assert loaded[spec[0]].dtype == np.float32
+                assert loaded[spec[0]].shape == spec[2]
+                assert np.array_equal(loaded[spec[0]], want), spec[0]
+            out = os.path.join(tmp, "optim.npz")
+            in_venv("import sys, numpy as np, safetensors.numpy as st; "
+                    "np.savez(sys.argv[2], **st.load_file(sys.argv[1]))",
+                    os.path.join(ckpt, "optim.safetensors"), out)
+            names = sorted(np.load(out).files)
+            assert names == sorted(f"{s[0]}.{k}" for s in SPECS for k in ("exp_avg", "exp_avg_sq"))
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_a_file_the_safetensors_package_wrote_restores_into_a_job(state_daemon, request):
+    job = job_name(request)
+    rng = np.random.default_rng(9)
+    with tempfile.TemporaryDirectory() as ckpt:
+        tensors = {s[0]: rng.standard_normal(s[2]).astype(np.float32) for s in SPECS}
+        npz = os.path.join(ckpt, "in.npz")
+        np.savez(npz, **tensors)
+        model = os.path.join(ckpt, "model.safetensors")
+        in_venv("import sys, numpy as np, safetensors.numpy as st; "
+                "st.save_file(dict(np.load(sys.argv[1])), sys.argv[2])", npz, model)
+        os.unlink(npz)
+        data = open(model, "rb").read()
+        manifest = {
+            "format": "shardd-checkpoint", "version": 1, "job": "elsewhere", "step": 7,
+            "mesh": {"replicate": 1, "shard": 3},
+            "groups": [{"name": "layer", "param_dtype": "none", "reduce_dtype": "none",
+                        "optimizer": None,
+                        "params": [{"name": s[0], "dtype": "fp32", "shape": list(s[2]),
+                                    "shard_dim": s[3] if len(s) > 3 else 0} for s in SPECS],
+                        "last_step": 7, "optim_steps": 0, "file": "model.safetensors"}],
+            "files": [{"name": "model.safetensors", "bytes": len(data),
+                       "crc32": f"{zlib.crc32(data):08x}"}],
+        }
+        with open(os.path.join(ckpt, "manifest.json"), "w") as f:
+            json.dump(manifest, f)
+        clients = [shardd.Client(job=job, rank=r, shard=WORLD, socket_path=state_daemon.socket)
+                   for r in range(WORLD)]
+        try:
+            gs = run_ranks(lambda r: clients[r].register_group("layer", SPECS, restore=ckpt), WORLD)
+            for r in range(WORLD):
+                assert gs[r].last_step == 7
+            for i, spec in enumerate(SPECS):
+                assert np.array_equal(full(gs, i, spec), tensors[spec[0]]), spec[0]
+        finally:
+            for c in clients:
+                c.close()
+
+
+def test_hugging_face_weights_import_with_bf16_to_fp32(state_daemon, request):
+    """A model's plain bf16 weights, written by safetensors.torch in two
+    files with a model.safetensors.index.json, import into an fp32 job by
+    name; the reference is torch's own bf16 -> fp32 conversion."""
+    job = job_name(request)
+    with tempfile.TemporaryDirectory() as model:
+        ref = os.path.join(model, "ref.npz")
+        in_venv("""
+import json, os, sys
+import numpy as np, torch
+from safetensors.torch import save_file
+d, ref = sys.argv[1], sys.argv[2]
+g = torch.Generator().manual_seed(3)
+t = {"w": torch.randn(9, 5, generator=g).to(torch.bfloat16),
+     "b": torch.randn(7, generator=g).to(torch.bfloat16),
+     "c": torch.randn(3, 4, generator=g).to(torch.bfloat16),
+     "unused": torch.zeros(2, dtype=torch.bfloat16)}
+save_file({"w": t["w"], "unused": t["unused"]}, os.path.join(d, "model-00001-of-00002.safetensors"))
+save_file({"b": t["b"], "c": t["c"]}, os.path.join(d, "model-00002-of-00002.safetensors"))
+json.dump({"metadata": {"total_size": 0}, "weight_map": {
+    "w": "model-00001-of-00002.safetensors", "unused": "model-00001-of-00002.safetensors",
+    "b": "model-00002-of-00002.safetensors", "c": "model-00002-of-00002.safetensors"}},
+    open(os.path.join(d, "model.safetensors.index.json"), "w"))
+np.savez(ref, **{k: v.float().numpy() for k, v in t.items()})
+""", model, ref)
+        want = np.load(ref)
+        clients = [shardd.Client(job=job, rank=r, shard=WORLD, socket_path=state_daemon.socket)
+                   for r in range(WORLD)]
+        try:
+            gs = run_ranks(lambda r: clients[r].register_group("layer", SPECS, restore=model), WORLD)
+            for i, spec in enumerate(SPECS):
+                assert np.array_equal(full(gs, i, spec), want[spec[0]]), spec[0]
+            assert gs[0].last_step == 0
+        finally:
+            for c in clients:
+                c.close()
+        bad = [("w", "float32", (9, 6))] + SPECS[1:]
+        clients = [shardd.Client(job=job + "-bad", rank=r, shard=WORLD, socket_path=state_daemon.socket)
+                   for r in range(WORLD)]
+        try:
+            with pytest.raises(shardd.ShardError, match=r"tensor 'w' in .*/model-00001-of-00002\.safetensors: "
+                               r"the group registers fp32 \[9, 6\], the file holds bf16 \[9, 5\]"):
+                run_ranks(lambda r: clients[r].register_group("layer", bad, restore=model), WORLD)
+        finally:
+            for c in clients:
+                c.close()
+
+
+def test_two_groups_write_split_files_with_an_index_and_restore_at_one_rank(state_daemon, request):
+    job = job_name(request)
+    rng = np.random.default_rng(21)
+    enc_specs = [("enc.w", "float32", (6, 3))]
+    dec_specs = [("dec.w", "float32", (5, 2)), ("dec.b", "float32", (4,))]
+    clients = [shardd.Client(job=job, rank=r, shard=WORLD, socket_path=state_daemon.socket)
+               for r in range(WORLD)]
+    try:
+        enc = run_ranks(lambda r: clients[r].register_group("enc", enc_specs), WORLD)
+        dec = run_ranks(lambda r: clients[r].register_group("dec", dec_specs), WORLD)
+        for gs, specs in ((enc, enc_specs), (dec, dec_specs)):
+            for r in range(WORLD):
+                for i in range(len(specs)):
+                    gs[r].shard(i)[...] = rng.standard_normal(gs[r].shard(i).shape).astype(np.float32)
+        want = {s[0]: full(gs, i, s) for gs, specs in ((enc, enc_specs), (dec, dec_specs))
+                for i, s in enumerate(specs)}
+        run_ranks(lambda r: clients[r].checkpoint(3), WORLD)
+    finally:
+        for c in clients:
+            c.close()
+    ckpt = os.path.join(state_daemon.state, job, "step-000000000003")
+    with open(os.path.join(ckpt, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    assert index["weight_map"] == {"enc.w": "model-00001-of-00002.safetensors",
+                                   "dec.w": "model-00002-of-00002.safetensors",
+                                   "dec.b": "model-00002-of-00002.safetensors"}
+    assert index["metadata"]["total_size"] == sum(v.nbytes for v in want.values())
+    with open(os.path.join(ckpt, "manifest.json")) as f:
+        manifest = json.load(f)
+    assert [g["name"] for g in manifest["groups"]] == ["enc", "dec"]
+    assert all("optim_file" not in g or g["optim_file"] is None for g in manifest["groups"])
+    for entry in manifest["files"]:
+        data = open(os.path.join(ckpt, entry["name"]), "rb").read()
+        assert entry["bytes"] == len(data) and entry["crc32"] == f"{zlib.crc32(data):08x}"
+    # The same tensors at one rank: each shard is the whole tensor.
+    one = shardd.Client(job=job + "-one", rank=0, shard=1, socket_path=state_daemon.socket)
+    try:
+        for name, specs in (("enc", enc_specs), ("dec", dec_specs)):
+            g = one.register_group(name, specs, restore=ckpt)
+            for i, s in enumerate(specs):
+                assert np.array_equal(g.shard(i), want[s[0]]), s[0]
+    finally:
+        one.close()

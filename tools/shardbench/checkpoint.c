@@ -1,0 +1,298 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * shardbench checkpoint: saving and restoring a job's state through the
+ * daemon (docs/CHECKPOINTS.md) against the disk's own sequential bandwidth
+ * measured in the same run, on the same directory, with direct I/O of the
+ * same size.
+ *
+ * Sizes are the state's bytes: an fp32 param and AdamW's exp_avg and
+ * exp_avg_sq (three equal tensors) over -r ranks (1 x R). save(GB/s) is
+ * those bytes over the time from the ranks' first checkpoint op submitted
+ * to the last completion (files fsynced, renamed); disk_w(GB/s) writes the
+ * same bytes with O_DIRECT and one fsync. load(GB/s) is the bytes over the
+ * time a registration restoring from it takes minus that of the same
+ * registration without a restore (buffers are allocated in both);
+ * disk_r(GB/s) reads the bytes back with O_DIRECT; the checkpoint's files
+ * leave the page cache (POSIX_FADV_DONTNEED) before the load. #wrong counts restored
+ * param elements that differ from what was saved.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "bench.h"
+#include "shardd.h"
+
+#define CKPT_COLS     1024          /* fp32 elements per row of the param */
+#define CKPT_IO_CHUNK (8u << 20)    /* bytes per direct I/O call */
+#define CKPT_MAX_RANKS 8
+
+struct ckpt_job {
+	const char *socket;
+	char name[64];
+	uint32_t ranks;
+	struct shardd_param_desc param;
+	const char *restore;        /* NULL: plain registration */
+	struct shardd_client *c[CKPT_MAX_RANKS];
+	struct shardd_group *g[CKPT_MAX_RANKS];
+	int ret[CKPT_MAX_RANKS];
+	char err[CKPT_MAX_RANKS][512];
+};
+
+struct reg_arg {
+	struct ckpt_job *j;
+	uint32_t r;
+};
+
+static const struct shardd_optim_config adamw = {
+	.kind = SHARDD_OPTIM_ADAMW, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,
+};
+
+static void *register_main(void *p)
+{
+	struct reg_arg *a = p;
+	struct ckpt_job *j = a->j;
+	struct shardd_policy pol = { .optimizer = &adamw, .restore = j->restore };
+
+	j->ret[a->r] = shardd_group_register(j->c[a->r], "state", &j->param, 1, &pol, &j->g[a->r]);
+	if (j->ret[a->r])
+		snprintf(j->err[a->r], sizeof(j->err[a->r]), "%s", shardd_last_error());
+	return NULL;
+}
+
+/* Attach and register every rank (one thread each); its time in ns, or 0 on failure (printed). */
+static uint64_t job_register(struct ckpt_job *j)
+{
+	pthread_t th[CKPT_MAX_RANKS];
+	struct reg_arg a[CKPT_MAX_RANKS];
+	uint64_t t0;
+	int failed = 0;
+
+	for (uint32_t r = 0; r < j->ranks; r++) {
+		struct shardd_attach_opts ao = { .socket_path = j->socket, .job = j->name, .rank = r, .replicate = 1,
+						 .shard = j->ranks, .device = SHARDD_HELLO_DEVICE_HOST };
+
+		if (shardd_connect(&ao, &j->c[r]) < 0) {
+			fprintf(stderr, "shardbench: checkpoint: attach rank %u: %s\n", r, shardd_last_error());
+			return 0;
+		}
+	}
+	t0 = bench_now_ns();
+	for (uint32_t r = 0; r < j->ranks; r++) {
+		a[r] = (struct reg_arg){ .j = j, .r = r };
+		pthread_create(&th[r], NULL, register_main, &a[r]);
+	}
+	for (uint32_t r = 0; r < j->ranks; r++)
+		pthread_join(th[r], NULL);
+	t0 = bench_now_ns() - t0;
+	for (uint32_t r = 0; r < j->ranks; r++)
+		if (j->ret[r]) {
+			fprintf(stderr, "shardbench: checkpoint: register rank %u: %s\n", r, j->err[r]);
+			failed = 1;
+		}
+	return failed ? 0 : t0;
+}
+
+static void job_close(struct ckpt_job *j)
+{
+	for (uint32_t r = 0; r < j->ranks; r++) {
+		if (j->g[r] && !j->ret[r])
+			shardd_group_close(j->g[r]);
+		shardd_close(j->c[r]);
+	}
+}
+
+/* Every rank's checkpoint(step); ns from the first submission to the last completion, 0 on failure. */
+static uint64_t job_checkpoint(struct ckpt_job *j, uint64_t step)
+{
+	struct shardd_completion cp;
+	uint64_t t0 = bench_now_ns();
+
+	for (uint32_t r = 0; r < j->ranks; r++)
+		if (shardd_submit(j->c[r], SHARDD_OP_CHECKPOINT, 0, step, 0, step) < 0) {
+			fprintf(stderr, "shardbench: checkpoint: submit: %s\n", shardd_last_error());
+			return 0;
+		}
+	for (uint32_t r = 0; r < j->ranks; r++) {
+		if (shardd_wait(j->c[r], &cp, 600000) < 0 || cp.res < 0) {
+			fprintf(stderr, "shardbench: checkpoint(step %llu) rank %u: %s\n", (unsigned long long)step, r,
+				cp.res < 0 ? cp.msg : shardd_last_error());
+			return 0;
+		}
+	}
+	return bench_now_ns() - t0;
+}
+
+/* Sequential direct I/O of `bytes` to (write 1) or from `path`; ns, or 0 with the error printed. */
+static uint64_t disk_pass(const char *path, uint64_t bytes, int write_it, void *buf)
+{
+	int fd = open(path, (write_it ? O_WRONLY | O_CREAT | O_TRUNC : O_RDONLY) | O_DIRECT | O_CLOEXEC, 0600);
+	uint64_t t0 = bench_now_ns(), done = 0;
+
+	if (fd < 0) {
+		fprintf(stderr, "shardbench: checkpoint: %s with O_DIRECT: %s\n", path, strerror(errno));
+		return 0;
+	}
+	while (done < bytes) {
+		size_t k = bytes - done < CKPT_IO_CHUNK ? (size_t)(bytes - done) : CKPT_IO_CHUNK;
+		ssize_t n;
+
+		k = (k + 4095) & ~(size_t)4095; /* direct I/O moves whole blocks */
+		n = write_it ? pwrite(fd, buf, k, (off_t)done) : pread(fd, buf, k, (off_t)done);
+		if (n <= 0) {
+			fprintf(stderr, "shardbench: checkpoint: %s %s: %s\n", write_it ? "write" : "read", path,
+				n < 0 ? strerror(errno) : "short");
+			close(fd);
+			return 0;
+		}
+		done += (uint64_t)n;
+	}
+	if (write_it && fsync(fd)) {
+		close(fd);
+		return 0;
+	}
+	close(fd);
+	return bench_now_ns() - t0;
+}
+
+/* Drop the page cache of a checkpoint's files (clean after their fsync): the load reads the disk. */
+static int drop_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw)
+{
+	int fd;
+
+	(void)st;
+	(void)ftw;
+	if (flag != FTW_F)
+		return 0;
+	fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (fd >= 0) {
+		posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+		close(fd);
+	}
+	return 0;
+}
+
+static int rm_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw)
+{
+	(void)st;
+	(void)flag;
+	(void)ftw;
+	return remove(path);
+}
+
+int bench_checkpoint_run(const struct bench_opts *o, const char *socket_path, const char *state_dir)
+{
+	void *buf = NULL;
+	char probe[256], dir[512];
+	uint32_t ranks = o->ranks;
+	int failed = 0;
+	uint64_t seq = 0;
+
+	if (ranks > CKPT_MAX_RANKS)
+		ranks = CKPT_MAX_RANKS;
+	if (posix_memalign(&buf, 4096, CKPT_IO_CHUNK))
+		return -ENOMEM;
+	memset(buf, 0x5a, CKPT_IO_CHUNK);
+	snprintf(probe, sizeof(probe), "%s/disk-probe", state_dir);
+	printf("# checkpoint: AdamW state (fp32 param, exp_avg, exp_avg_sq) over %u ranks, in %s\n", ranks, state_dir);
+	printf("# disk_w/disk_r: O_DIRECT sequential write (+ fsync) and read of the same bytes there\n");
+	printf("# load: a registration restoring from the checkpoint minus the same registration without\n");
+	printf("# torch.distributed.checkpoint: not compared (this shardbench has no DCP runner)\n");
+	printf("#%13s %12s %12s %9s %12s %12s %9s %7s\n", "size(B)", "disk_w(GB/s)", "save(GB/s)", "save/disk",
+	       "disk_r(GB/s)", "load(GB/s)", "load/disk", "#wrong");
+	for (uint64_t size = o->min_bytes; size <= o->max_bytes; size *= o->factor) {
+		struct ckpt_job src = { .socket = socket_path, .ranks = ranks }, plain, back;
+		uint64_t rows = size / 3 / (CKPT_COLS * sizeof(float)), bytes, t_save = UINT64_MAX, t_w = UINT64_MAX;
+		uint64_t t_r = UINT64_MAX, t_plain, t_back, wrong = 0;
+
+		if (!rows)
+			rows = 1;
+		bytes = 3 * rows * CKPT_COLS * sizeof(float);
+		src.param = (struct shardd_param_desc){ .name = "w", .dtype = SHARDD_DTYPE_FP32, .ndim = 2,
+							.shape = { rows, CKPT_COLS } };
+		snprintf(src.name, sizeof(src.name), "ckpt-src-%llu", (unsigned long long)size);
+		if (!job_register(&src)) {
+			failed = 1;
+			job_close(&src);
+			break;
+		}
+		for (uint32_t r = 0; r < ranks; r++) {
+			const struct shardd_param_layout *l = shardd_group_layout(src.g[r], 0);
+			float *sh = shardd_group_shard(src.g[r], 0);
+			uint64_t first = l->shard_row_begin * CKPT_COLS;
+
+			for (uint64_t e = 0; e < l->shard_rows_valid * CKPT_COLS; e++)
+				sh[e] = bench_param_value(first + e, 1);
+		}
+		/* Each iteration writes a new step-N; all but the last are removed before the next. */
+		for (int it = 0; it < o->warmup + o->iters && !failed; it++) {
+			uint64_t t;
+
+			if (seq) {
+				snprintf(dir, sizeof(dir), "%s/%s/step-%012llu", state_dir, src.name,
+					 (unsigned long long)seq);
+				nftw(dir, rm_entry, 8, FTW_DEPTH | FTW_PHYS);
+			}
+			t = job_checkpoint(&src, ++seq);
+			failed |= !t;
+			if (it >= o->warmup && t && t < t_save)
+				t_save = t;
+			t = disk_pass(probe, bytes, 1, buf);
+			failed |= !t;
+			if (it >= o->warmup && t && t < t_w)
+				t_w = t;
+			t = disk_pass(probe, bytes, 0, buf);
+			failed |= !t;
+			if (it >= o->warmup && t && t < t_r)
+				t_r = t;
+		}
+		unlink(probe);
+		snprintf(dir, sizeof(dir), "%s/%s/step-%012llu", state_dir, src.name, (unsigned long long)seq);
+		plain = (struct ckpt_job){ .socket = socket_path, .ranks = ranks, .param = src.param };
+		back = plain;
+		snprintf(plain.name, sizeof(plain.name), "ckpt-plain-%llu", (unsigned long long)size);
+		snprintf(back.name, sizeof(back.name), "ckpt-back-%llu", (unsigned long long)size);
+		back.restore = dir;
+		nftw(dir, drop_entry, 8, FTW_PHYS);
+		t_plain = failed ? 0 : job_register(&plain);
+		t_back = failed ? 0 : job_register(&back);
+		failed |= !t_plain || !t_back;
+		for (uint32_t r = 0; !failed && o->check && r < ranks; r++) {
+			const struct shardd_param_layout *l = shardd_group_layout(back.g[r], 0);
+			const float *sh = shardd_group_shard(back.g[r], 0);
+			uint64_t first = l->shard_row_begin * CKPT_COLS;
+
+			for (uint64_t e = 0; e < l->shard_rows_valid * CKPT_COLS; e++)
+				wrong += sh[e] != bench_param_value(first + e, 1);
+		}
+		job_close(&plain);
+		job_close(&back);
+		job_close(&src);
+		nftw(dir, rm_entry, 8, FTW_DEPTH | FTW_PHYS);
+		if (failed)
+			break;
+		{
+			double save = (double)bytes / (double)t_save, w = (double)bytes / (double)t_w;
+			double rd = (double)bytes / (double)t_r;
+			double load = t_back > t_plain ? (double)bytes / (double)(t_back - t_plain) : 0;
+
+			printf(" %13llu %12.2f %12.2f %8.0f%% %12.2f", (unsigned long long)bytes, w, save,
+			       100 * save / w, rd);
+			/* A restore within the noise of the registration itself is not a measurement. */
+			if (load > 0)
+				printf(" %12.2f %8.0f%% %7llu\n", load, 100 * load / rd, (unsigned long long)wrong);
+			else
+				printf(" %12s %9s %7llu\n", "-", "-", (unsigned long long)wrong);
+			fflush(stdout);
+		}
+		failed |= wrong != 0;
+	}
+	free(buf);
+	return failed ? -EIO : 0;
+}

@@ -331,11 +331,11 @@ static int step_check(const struct eng_group *eg, const struct shardd_sqe *sqe, 
 			"SHARDD_STEP_CLIP: set the flag or leave it 0", name, eg->g->name,
 			(unsigned long long)sqe->step, SHARDD_SQE_STEP_CLIP,
 			(unsigned long long)sqe->rsvd2[SHARDD_SQE_STEP_CLIP]);
-	else if (sqe->op == SHARDD_OP_REDUCE && eg->g->replicate > 1 && !(sqe->flags & SHARDD_REDUCE_ALL_REDUCE))
+	else if (sqe->op == SHARDD_OP_REDUCE && eng_mesh_replicate(eg->j) > 1 && !(sqe->flags & SHARDD_REDUCE_ALL_REDUCE))
 		eng_fmt(msg, len, "shardd: reduce(group '%s', step %llu): flags = 0x%x: SHARDD_REDUCE_STEP without "
 			"SHARDD_REDUCE_ALL_REDUCE under HSDP (replicate %u): the grads are not final until the "
 			"all-reduce; step with the reduce that all-reduces", eg->g->name,
-			(unsigned long long)sqe->step, sqe->flags, eg->g->replicate);
+			(unsigned long long)sqe->step, sqe->flags, eng_mesh_replicate(eg->j));
 	else
 		return 0;
 	return -SHARDD_E_INVALID;

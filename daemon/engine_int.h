@@ -109,6 +109,7 @@ struct eng_group {
 	 */
 	struct eng_deferred **dhead, **dtail; /* [world] */
 	int flushing;
+	uint64_t span_seq;           /* exchanges among nodes so far (internode.c); its running task's */
 };
 
 struct shd_engine_job {
@@ -122,6 +123,12 @@ struct shd_engine_job {
 	struct eng_group **groups;   /* index = group id - 1; NULL once a registration failed */
 	uint32_t ngroups, cap;
 	uint64_t mem_committed;      /* its groups' eg->mem_committed, summed */
+	/*
+	 * A job spanning the nodes of the daemon world (internode.c): its
+	 * replicate, shard and world above are this node's ranks; span_* the
+	 * whole mesh's. span_nodes 0: the job lives on this node.
+	 */
+	uint32_t span_nodes, span_node, span_replicate, span_shard;
 	struct shd_engine_job *prev, *next;
 };
 
@@ -191,5 +198,23 @@ void eng_group_enqueue(struct eng_group *eg, struct eng_task *t);
  * one with (res, msg): the group runs nothing afterwards.
  */
 void eng_tasks_stop(struct eng_group *eg, int res, const char *msg);
+
+/* ---- internode.c: the parts of a collective between nodes ---- */
+
+/* The replicate size of the job's whole mesh (the divide factors' and HSDP's R). */
+static inline uint32_t eng_mesh_replicate(const struct shd_engine_job *j)
+{
+	return j->span_nodes > 1 ? j->span_replicate : j->replicate;
+}
+
+/* 1 when the task exchanges data with other nodes: it runs on the pool, never inline. */
+int eng_span_task(const struct eng_task *t);
+/*
+ * HSDP across nodes: the all-reduce over the nodes of this node's partials
+ * (already holding this reduce's reduce-scatter output), into the sharded
+ * grads of its ranks with `ar`'s math, as the single-node all-reduce does.
+ * 0, a backend error (t->why), or an error with t->msg written.
+ */
+int eng_span_allreduce(struct eng_task *t, const struct shardd_reduce_math *ar);
 
 #endif /* SHD_ENGINE_INT_H */

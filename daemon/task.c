@@ -71,7 +71,7 @@ static int task_inline(const struct eng_task *t)
 {
 	uint64_t max = t->eg->j->e->backend->ops->inline_max_bytes;
 
-	return max && task_bytes(t) <= max;
+	return max && task_bytes(t) <= max && !eng_span_task(t);
 }
 
 static void task_exec(struct eng_task *t);
@@ -133,9 +133,10 @@ void eng_group_enqueue(struct eng_group *eg, struct eng_task *t)
  * (ReduceOp.AVG); fp16 sums, pre-dividing the reduce-scatter's inputs and
  * post-dividing after the last collective.
  */
-static void reduce_math(const struct shd_group *g, uint32_t n, struct shardd_reduce_math *rs,
+static void reduce_math(const struct eng_group *eg, uint32_t n, struct shardd_reduce_math *rs,
 			struct shardd_reduce_math *ar)
 {
+	const struct shd_group *g = eg->g;
 	double pre, post;
 
 	shardd_divide_factors(n, g->reduce_dtype, &pre, &post);
@@ -143,7 +144,7 @@ static void reduce_math(const struct shd_group *g, uint32_t n, struct shardd_red
 	*ar = *rs;
 	if (pre == 0) {
 		rs->avg = (float)g->shard;
-		ar->avg = (float)g->replicate;
+		ar->avg = (float)eng_mesh_replicate(eg->j);
 		return;
 	}
 	rs->pre = (float)pre;
@@ -203,9 +204,9 @@ static int task_reduce(struct eng_task *t)
 	struct shardd_reduce_math rs, ar;
 	int ret = 0;
 
-	if (g->replicate == 1) {
+	if (eng_mesh_replicate(t->eg->j) == 1) {
 		/* No replicate dim: one collective, pre- and post-divided (fp16) alike. */
-		reduce_math(g, g->shard, &rs, &ar);
+		reduce_math(t->eg, g->shard, &rs, &ar);
 		rs.post = ar.post;
 		for (uint32_t s = 0; s < g->shard; s++)
 			outs[s] = (struct shd_shard_view){ &g->sharded_grads[s], g->shard_offsets, SHARDD_DTYPE_NONE };
@@ -215,10 +216,17 @@ static int task_reduce(struct eng_task *t)
 		return ret;
 	}
 
-	/* HSDP: FSDP2 passes both groups, so n = S * R on every call. */
-	reduce_math(g, g->world, &rs, &ar);
+	/* HSDP: FSDP2 passes both groups, so n = S * R on every call (R of the whole mesh). */
+	reduce_math(t->eg, g->shard * eng_mesh_replicate(t->eg->j), &rs, &ar);
 	for (uint32_t u = 0; u < g->replicate && !ret; u++)
 		ret = task_partials(t, u, &rs);
+	if (t->eg->j->span_nodes > 1) {
+		if (!ret)
+			ret = eng_span_allreduce(t, &ar);
+		/* As below: the partials went into this all-reduce, or are lost with it. */
+		memset(g->partial_present, 0, g->world);
+		return ret;
+	}
 	/* The all-reduce of each shard index over its replicate group: every replica gets the sum. */
 	for (uint32_t s = 0; s < g->shard && !ret; s++) {
 		struct shd_reduce_args a = {
@@ -398,7 +406,7 @@ static void task_exec(struct eng_task *t)
 	case TASK_REDUCE_PARTIAL: {
 		struct shardd_reduce_math rs, ar;
 
-		reduce_math(g, g->world, &rs, &ar);
+		reduce_math(t->eg, g->shard * eng_mesh_replicate(t->eg->j), &rs, &ar);
 		ret = task_partials(t, t->replica, &rs);
 		break;
 	}

@@ -1,0 +1,302 @@
+# SPDX-License-Identifier: MIT
+"""Daemons on several nodes form one job (`shardd --world mpi`, docs/MULTINODE.md).
+
+Two and three real shardd processes on this machine under mpirun, forced
+over TCP (--mca btl tcp,self), each with its own socket and its own ranks
+(ranks n*L .. n*L+L-1 on node n): HSDP across nodes (replicate = nodes)
+reduces against an independent numpy computation and against a
+single-node daemon running the same mesh; unshard stays on each node; a
+rank at the wrong node, or a layout that is not run across nodes, is
+refused naming the node or the layouts; a node's daemon killed
+mid-collective fails the other node's ranks within the collective
+timeout, naming the node and its ranks."""
+
+import os
+import re
+import select
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import shardd
+from shardd import proto as P
+from conftest import Daemon, job_name, run_ranks, shardd_bin
+
+TIMEOUT_S = 4          # --collective-timeout of the worlds below
+READY_TIMEOUT_S = 60   # mpirun's start on a loaded 2-core machine
+
+pytestmark = pytest.mark.skipif(shutil.which("mpirun") is None,
+                                reason="mpirun (openmpi-bin) is not installed: make deps")
+
+
+class World:
+    """`nodes` shardd daemons under one mpirun, node k on socket dir/node.k."""
+
+    def __init__(self, nodes, extra_args=()):
+        self.nodes = nodes
+        self.dir = tempfile.TemporaryDirectory(prefix="shardd-world-")
+        self.lines = []
+        self.pids = {}
+        root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+        # Survivors keep running when a daemon dies (the failure test kills one).
+        cmd = ["mpirun", *root, "--oversubscribe", "--mca", "btl", "tcp,self",
+               "--mca", "orte_enable_recovery", "1", "--mca", "orte_abort_on_non_zero_status", "0",
+               "-np", str(nodes), "sh", "-c",
+               'd="$1"; shift; exec "$0" --world mpi --socket "$d/node.$OMPI_COMM_WORLD_RANK" '
+               f'--collective-timeout {TIMEOUT_S} --log-level info "$@"',
+               shardd_bin(), self.dir.name, *extra_args]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, start_new_session=True)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        buf = b""
+        while not self._ready(buf):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.stop()
+                pytest.fail(f"{nodes} daemons were not ready within {READY_TIMEOUT_S} s; "
+                            f"stderr: {buf.decode(errors='replace')!r}")
+            r, _, _ = select.select([self.proc.stderr], [], [], left)
+            if not r:
+                continue
+            chunk = os.read(self.proc.stderr.fileno(), 65536)
+            if not chunk:
+                rc = self.proc.wait(timeout=10)
+                pytest.fail(f"mpirun exited with {rc} before the daemons were ready; "
+                            f"stderr: {buf.decode(errors='replace')!r}")
+            buf += chunk
+        text = buf.decode(errors="replace")
+        self.lines.extend(text.splitlines())
+        for m in re.finditer(r"shardd\[(\d+)\] info: world: node (\d+) of (\d+) nodes", text):
+            assert int(m.group(3)) == nodes
+            self.pids[int(m.group(2))] = int(m.group(1))
+        assert sorted(self.pids) == list(range(nodes)), text
+        self._drain = threading.Thread(target=self._drain_stderr, daemon=True)
+        self._drain.start()
+
+    def _ready(self, buf):
+        return all(f"shardd: ready on {self.socket(k)}".encode() in buf for k in range(self.nodes))
+
+    def _drain_stderr(self):
+        for line in self.proc.stderr:
+            self.lines.append(line.decode(errors="replace").rstrip("\n"))
+
+    def socket(self, node):
+        return os.path.join(self.dir.name, f"node.{node}")
+
+    def stop(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        self.dir.cleanup()
+
+
+@pytest.fixture(scope="module")
+def world2():
+    w = World(2)
+    yield w
+    w.stop()
+
+
+def attach_world(world, request, rank, replicate, shard, suffix=""):
+    local = replicate * shard // world.nodes
+    return shardd.Client(job=job_name(request) + suffix, rank=rank, shard=shard, replicate=replicate,
+                         socket_path=world.socket(rank // local))
+
+
+def bf16_round(x):
+    return shardd.bf16_to_fp32(shardd.fp32_to_bf16(np.asarray(x, dtype=np.float32)))
+
+
+def shard_rows_of(full, shard, s):
+    rows = -(-full.shape[0] // shard)
+    out = np.zeros((rows,) + full.shape[1:], dtype=full.dtype)
+    part = full[s * rows:(s + 1) * rows]
+    out[:part.shape[0]] = part
+    return out
+
+
+def run_hsdp(clients, specs, grads, param_dtype=None):
+    """Register, write two microbatches of grads (grads[mb][rank][param]),
+    reduce the first without and the second with ALL_REDUCE; return each
+    rank's sharded grads (padded) as fp32 copies."""
+    n = len(clients)
+    groups = run_ranks(lambda r: clients[r].register_group("g", specs, param_dtype=param_dtype), n)
+    for mb, flags in enumerate((0, P.REDUCE_ALL_REDUCE)):
+        for r, g in enumerate(groups):
+            for i in range(len(specs)):
+                g.grad(i)[...] = grads[mb][r][i]
+        run_ranks(lambda r: groups[r].reduce(7, flags), n)
+    return [[np.array(g.shard_grad(i, padded=True), dtype=np.float32) for i in range(len(specs))]
+            for g in groups]
+
+
+def hsdp_reference(specs, grads, R, S):
+    """FSDP2's HSDP numbers from the grads alone: per microbatch the
+    reduce-scatter over a replica's S ranks, averaged over the whole mesh
+    (fp32 sums of exactly representable values: exact), accumulated, then
+    summed over the R replicas. Returns [rank][param] padded shards."""
+    out = []
+    for r in range(R * S):
+        s = r % S
+        per = []
+        for i, (_, _, shape) in enumerate(specs):
+            total = sum(np.asarray(grads[mb][q][i], dtype=np.float64)
+                        for mb in range(2) for q in range(R * S))
+            per.append(shard_rows_of((total / (R * S)).astype(np.float32), S, s))
+        out.append(per)
+    return out
+
+
+SPECS = [("w", "fp32", (7, 3)), ("b", "fp32", (5,))]
+
+
+def exact_grads(seed, n):
+    rng = np.random.default_rng(seed)
+    # multiples of 1/64 in [-4, 4]: every sum and the divide by 4 stay exact in fp32
+    return [[[(rng.integers(-256, 256, size=shape) / 64).astype(np.float32) for _, _, shape in SPECS]
+             for _ in range(n)] for _ in range(2)]
+
+
+@pytest.mark.timeout_s(60)
+def test_hsdp_reduce_across_two_nodes_matches_the_reference(world2, request):
+    R, S = 2, 2
+    grads = exact_grads(1, R * S)
+    clients = [attach_world(world2, request, r, R, S) for r in range(R * S)]
+    try:
+        got = run_hsdp(clients, SPECS, grads)
+    finally:
+        for c in clients:
+            c.close()
+    want = hsdp_reference(SPECS, grads, R, S)
+    for r in range(R * S):
+        for i in range(len(SPECS)):
+            np.testing.assert_array_equal(got[r][i], want[r][i], err_msg=f"rank {r} param {i}")
+
+
+@pytest.mark.timeout_s(90)
+@pytest.mark.parametrize("nodes,dtype", [(2, "fp32"), (3, "reduce")])
+def test_hsdp_bf16_across_nodes_gives_the_bits_of_one_daemon(request, nodes, dtype):
+    """bf16 grads reduced in bf16: the daemons across nodes and one daemon
+    running the same mesh give the same bits (same inputs, same order, one
+    rounding), and both are within bf16 rounding of the exact average."""
+    R, S = nodes, 2
+    rng = np.random.default_rng(nodes)
+    grads = [[[shardd.fp32_to_bf16(rng.standard_normal(shape).astype(np.float32))
+               for _, _, shape in SPECS] for _ in range(R * S)] for _ in range(2)]
+    world = World(nodes, ["--internode-dtype", dtype])
+    try:
+        clients = [attach_world(world, request, r, R, S) for r in range(R * S)]
+        try:
+            multi = run_hsdp(clients, SPECS, grads, param_dtype="bf16")
+        finally:
+            for c in clients:
+                c.close()
+    finally:
+        world.stop()
+    single = Daemon()
+    try:
+        clients = [shardd.Client(job=job_name(request), rank=r, shard=S, replicate=R,
+                                 socket_path=single.socket) for r in range(R * S)]
+        try:
+            one = run_hsdp(clients, SPECS, grads, param_dtype="bf16")
+        finally:
+            for c in clients:
+                c.close()
+    finally:
+        single.stop()
+    fgrads = [[[shardd.bf16_to_fp32(g) for g in rank] for rank in mb] for mb in grads]
+    want = hsdp_reference(SPECS, fgrads, R, S)
+    for r in range(R * S):
+        for i in range(len(SPECS)):
+            np.testing.assert_array_equal(multi[r][i], one[r][i], err_msg=f"rank {r} param {i}")
+            # a few bf16 roundings (rs, the partial's add, the all-reduce): 2^-8 relative each
+            np.testing.assert_allclose(multi[r][i], want[r][i], rtol=2 ** -6, atol=2 ** -6,
+                                       err_msg=f"rank {r} param {i}")
+
+
+@pytest.mark.timeout_s(60)
+def test_hsdp_unshard_gathers_each_node_replica_on_its_node(world2, request):
+    R, S = 2, 2
+    rng = np.random.default_rng(5)
+    # each replica (node) holds its own values, so a gather across nodes would show
+    fulls = [[rng.standard_normal(shape).astype(np.float32) for _, _, shape in SPECS] for _ in range(R)]
+    clients = [attach_world(world2, request, r, R, S) for r in range(R * S)]
+    try:
+        groups = run_ranks(lambda r: clients[r].register_group("g", SPECS), R * S)
+        for r, g in enumerate(groups):
+            for i in range(len(SPECS)):
+                g.load_full(i, fulls[r // S][i])
+        run_ranks(lambda r: groups[r].unshard(3), R * S)
+        for r, g in enumerate(groups):
+            for i in range(len(SPECS)):
+                np.testing.assert_array_equal(g.unsharded(i), fulls[r // S][i])
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_rank_at_another_node_daemon_is_refused_naming_its_node(world2, request):
+    with pytest.raises(shardd.ShardError) as ei:
+        shardd.Client(job=job_name(request), rank=3, shard=2, replicate=2,
+                      socket_path=world2.socket(0))
+    assert ei.value.code == -P.E_INVALID
+    assert "hello.rank = 3 belongs to node 1 (ranks 2..3" in ei.value.text
+    assert "this daemon is node 0" in ei.value.text
+
+
+@pytest.mark.parametrize("replicate,shard,words", [
+    (1, 4, ["mesh 1x4 spans 2 nodes", "HSDP with replicate = nodes", "mesh 2x2 here"]),
+    (4, 1, ["mesh 4x1 spans 2 nodes", "HSDP with replicate = nodes"]),
+    (1, 3, ["mesh 1x3 (3 ranks) does not split over the 2 nodes"]),
+])
+def test_mesh_across_nodes_in_an_unsupported_layout_is_refused(world2, request, replicate, shard,
+                                                              words):
+    with pytest.raises(shardd.ShardError) as ei:
+        shardd.Client(job=job_name(request), rank=0, shard=shard, replicate=replicate,
+                      socket_path=world2.socket(0))
+    assert ei.value.code == -P.E_MESH
+    for w in words:
+        assert w in ei.value.text
+
+
+@pytest.mark.timeout_s(60)
+def test_killed_node_fails_the_other_node_ranks_within_the_timeout(request):
+    R, S = 2, 2
+    world = World(2)
+    try:
+        clients = [attach_world(world, request, r, R, S) for r in range(2)]  # node 0's ranks
+        try:
+            # node 1's ranks never attach: registration is node-local, so node 0's completes
+            groups = run_ranks(lambda r: clients[r].register_group("g", SPECS), 2)
+            # node 0's reduces are in flight (waiting for node 1's partials) when node 1 dies
+            for g in groups:
+                assert g.submit(P.OP_REDUCE, step=1, flags=P.REDUCE_ALL_REDUCE, user_data=11)
+            os.kill(world.pids[1], signal.SIGKILL)
+            t0 = time.monotonic()
+            comps = run_ranks(lambda r: clients[r].wait(timeout=TIMEOUT_S + 20), 2,
+                              timeout=TIMEOUT_S + 30)
+            took = time.monotonic() - t0
+            for comp in comps:
+                assert comp.user_data == 11
+                assert comp.res in (-P.E_TIMEOUT, -P.E_PEER_DIED), comp
+                assert "node 1 (ranks 2..3)" in comp.msg, comp.msg
+            assert took < TIMEOUT_S + 10, f"the errors took {took:.1f} s"
+            # the surviving daemon keeps serving its ranks and their state
+            for c in clients:
+                c.nop()
+            run_ranks(lambda r: groups[r].reduce(2), 2)
+        finally:
+            for c in clients:
+                c.close()
+    finally:
+        world.stop()

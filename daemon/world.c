@@ -234,7 +234,14 @@ nomem:
 	return -SHARDD_E_NOMEM;
 }
 
-/* Check node k's message of x. 0, or -SHARDD_E_MISMATCH with x->err written. */
+#define XFER_STALE 1
+
+/*
+ * Check node k's message of x. 0; XFER_STALE for a message of an earlier
+ * exchange of the stream, one this node gave up on at its deadline (the
+ * peer was stalled, not dead): dropped, and the receive posted again; or
+ * -SHARDD_E_MISMATCH with x->err written.
+ */
 static int xfer_check(struct world_xfer *x, uint32_t k, const MPI_Status *st)
 {
 	struct world_hdr h;
@@ -247,6 +254,8 @@ static int xfer_check(struct world_xfer *x, uint32_t k, const MPI_Status *st)
 		return -SHARDD_E_MISMATCH;
 	}
 	memcpy(&h, x->rbuf[k], sizeof(h));
+	if (h.key == x->key && h.seq < x->seq)
+		return XFER_STALE;
 	if (h.key != x->key || h.seq != x->seq || h.bytes != x->bytes ||
 	    (size_t)count != sizeof(h) + x->bytes) {
 		snprintf(x->err, x->errlen,
@@ -270,10 +279,20 @@ static int xfer_poll(struct world_xfer *x, uint64_t now)
 
 		if (x->rreq[k] != MPI_REQUEST_NULL) {
 			rc = MPI_Test(&x->rreq[k], &flag, &st);
-			if (rc == MPI_SUCCESS && flag && (rc = xfer_check(x, k, &st)) != 0) {
-				x->missing[k] = 1;
-				xfer_finish(x, rc);
-				return 1;
+			if (rc == MPI_SUCCESS && flag) {
+				int chk = xfer_check(x, k, &st);
+
+				if (chk == XFER_STALE) {
+					shd_log_warn("world: dropped node %u's message of an exchange this node gave up on",
+						     k);
+					rc = MPI_Irecv(x->rbuf[k], (int)(sizeof(struct world_hdr) + x->bytes),
+						       MPI_BYTE, (int)k, xfer_tag(x), W.comm, &x->rreq[k]);
+					flag = 0;
+				} else if (chk) {
+					x->missing[k] = 1;
+					xfer_finish(x, chk);
+					return 1;
+				}
 			}
 			if (rc != MPI_SUCCESS) {
 				char s[160];

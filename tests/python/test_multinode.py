@@ -300,3 +300,50 @@ def test_killed_node_fails_the_other_node_ranks_within_the_timeout(request):
                 c.close()
     finally:
         world.stop()
+
+
+@pytest.mark.timeout_s(60)
+def test_stalled_node_fails_the_reduce_then_the_next_one_pairs_up_again(request):
+    """A daemon stopped (SIGSTOP) past the timeout: the other node's reduce
+    fails naming it; once it runs again, its late message of the failed
+    exchange is dropped, and the next reduce of the group succeeds on both."""
+    R, S = 2, 2
+    world = World(2)
+    clients = []
+    try:
+        clients = [attach_world(world, request, r, R, S) for r in range(R * S)]
+        groups = run_ranks(lambda r: clients[r].register_group("g", SPECS), R * S)
+        os.kill(world.pids[1], signal.SIGSTOP)
+        try:
+            for r in (2, 3):  # queued in node 1's rings while it is stopped
+                assert groups[r].submit(P.OP_REDUCE, step=1, flags=P.REDUCE_ALL_REDUCE, user_data=21)
+
+            def failed(r):
+                with pytest.raises(shardd.ShardError) as ei:
+                    groups[r].reduce(1, P.REDUCE_ALL_REDUCE)
+                return ei.value
+
+            for e in run_ranks(failed, 2, timeout=TIMEOUT_S + 20):
+                assert e.code == -P.E_TIMEOUT and "node 1 (ranks 2..3)" in e.text, e
+        finally:
+            os.kill(world.pids[1], signal.SIGCONT)
+        # node 1 finishes its step-1 reduce with node 0's message, which was on its way
+        for r in (2, 3):
+            comp = clients[r].wait(timeout=TIMEOUT_S + 20)
+            assert comp.user_data == 21 and comp.res == 0, comp
+        grads = exact_grads(9, R * S)
+        for r, g in enumerate(groups):
+            g.zero_grad()
+            for i in range(len(SPECS)):
+                g.grad(i)[...] = grads[0][r][i]
+        run_ranks(lambda r: groups[r].reduce(2, P.REDUCE_ALL_REDUCE), R * S)
+        total = [sum(grads[0][q][i] for q in range(R * S)) / np.float32(R * S) for i in range(len(SPECS))]
+        for r, g in enumerate(groups):
+            for i in range(len(SPECS)):
+                np.testing.assert_array_equal(np.array(g.shard_grad(i, padded=True)),
+                                              shard_rows_of(total[i], S, r % S),
+                                              err_msg=f"rank {r} param {i}")
+    finally:
+        for c in clients:
+            c.close()
+        world.stop()

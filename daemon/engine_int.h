@@ -207,8 +207,33 @@ static inline uint32_t eng_mesh_replicate(const struct shd_engine_job *j)
 	return j->span_nodes > 1 ? j->span_replicate : j->replicate;
 }
 
+/* The shard group size of the job's whole mesh (the divide factors' S). */
+static inline uint32_t eng_mesh_shard(const struct shd_engine_job *j)
+{
+	return j->span_nodes > 1 ? j->span_shard : j->shard;
+}
+
+/* 1 when the job's shard group spans the nodes (FSDP across nodes: mesh 1 x S over them). */
+static inline int eng_span_fsdp(const struct shd_engine_job *j)
+{
+	return j->span_nodes > 1 && j->span_replicate == 1;
+}
+
 /* 1 when the task exchanges data with other nodes: it runs on the pool, never inline. */
 int eng_span_task(const struct eng_task *t);
+/*
+ * FSDP across nodes, at registration: the group's layout over the whole
+ * shard group and this node's first shard rank. 0, or an error with `err`.
+ */
+int eng_span_group_init(struct eng_group *eg, char *err, size_t errlen);
+/* FSDP across nodes: node-local gather, inter-node all-gather of node chunks, the unsharded params. */
+int eng_span_unshard(struct eng_task *t);
+/*
+ * FSDP across nodes: node-local fp32 sums of every shard's rows, an
+ * exchange of each node's chunk, the sum over nodes and `rs`'s math into
+ * this node's sharded grads.
+ */
+int eng_span_reduce_scatter(struct eng_task *t, const struct shardd_reduce_math *rs);
 /*
  * HSDP across nodes: the all-reduce over the nodes of this node's partials
  * (already holding this reduce's reduce-scatter output), into the sharded

@@ -225,11 +225,11 @@ static int hello_world(struct shd_session *s, uint32_t seq, struct shardd_hello 
 			       nodes, L, node, owner);
 		return 0;
 	}
-	if (h->replicate != nodes || h->shard != L) {
+	if ((h->replicate != nodes || h->shard != L) && (h->replicate != 1 || h->shard != world)) {
 		shd_session_reject(s, seq, -SHARDD_E_MESH,
 			       "mesh %ux%u spans %u nodes in a layout shardd does not run: across nodes "
 			       "it runs HSDP with replicate = nodes and shard = ranks per node (mesh "
-			       "%ux%u here); plain FSDP over every rank (1x%llu) is not supported yet",
+			       "%ux%u here), or FSDP with one shard group over every rank (mesh 1x%llu)",
 			       h->replicate, h->shard, nodes, nodes, L, (unsigned long long)world);
 		return 0;
 	}

@@ -143,7 +143,7 @@ static void reduce_math(const struct eng_group *eg, uint32_t n, struct shardd_re
 	*rs = (struct shardd_reduce_math){ .reduce_dtype = g->reduce_dtype, .pre = 1, .avg = 1, .post = 1 };
 	*ar = *rs;
 	if (pre == 0) {
-		rs->avg = (float)g->shard;
+		rs->avg = (float)eng_mesh_shard(eg->j);
 		ar->avg = (float)eng_mesh_replicate(eg->j);
 		return;
 	}
@@ -206,8 +206,14 @@ static int task_reduce(struct eng_task *t)
 
 	if (eng_mesh_replicate(t->eg->j) == 1) {
 		/* No replicate dim: one collective, pre- and post-divided (fp16) alike. */
-		reduce_math(t->eg, g->shard, &rs, &ar);
+		reduce_math(t->eg, eng_mesh_shard(t->eg->j), &rs, &ar);
 		rs.post = ar.post;
+		if (eng_span_fsdp(t->eg->j)) {
+			ret = eng_span_reduce_scatter(t, &rs);
+			if (!ret)
+				memset(g->grad_present, 1, g->shard);
+			return ret;
+		}
 		for (uint32_t s = 0; s < g->shard; s++)
 			outs[s] = (struct shd_shard_view){ &g->sharded_grads[s], g->shard_offsets, SHARDD_DTYPE_NONE };
 		ret = task_reduce_scatter(t, 0, outs, NULL, g->grad_present, &rs);
@@ -263,6 +269,8 @@ static int task_unshard(struct eng_task *t)
 		.unsharded = unsharded, .err = t->why, .errlen = sizeof(t->why),
 	};
 
+	if (eng_span_fsdp(t->eg->j))
+		return eng_span_unshard(t);
 	for (uint32_t s = 0; s < g->shard; s++) {
 		uint32_t r = t->replica * g->shard + s;
 
@@ -291,7 +299,7 @@ static int task_step(struct eng_task *t, struct eng_op *op)
 	double lr, clip = 1;
 	int skipped = 0, ret;
 	struct shd_step_args a = {
-		.layout = &g->layout, .shard_rank = r % g->shard, .kind = o->kind, .shard = &g->shards[r],
+		.layout = &g->layout, .shard_rank = shd_group_shard_rank(g, r), .kind = o->kind, .shard = &g->shards[r],
 		.grad = &g->sharded_grads[r], .skip_nonfinite = sqe->op == SHARDD_OP_STEP && (sqe->flags & SHARDD_STEP_SKIP_NONFINITE),
 		.skipped = &skipped, .err = t->why, .errlen = sizeof(t->why),
 	};
@@ -402,6 +410,11 @@ static void task_exec(struct eng_task *t)
 	switch (t->kind) {
 	case TASK_UNSHARD:
 		ret = task_unshard(t);
+		/* An exchange among nodes that failed wrote its own message (internode.c). */
+		if (ret < 0 && t->msg[0]) {
+			t->res = ret;
+			return;
+		}
 		break;
 	case TASK_REDUCE_PARTIAL: {
 		struct shardd_reduce_math rs, ar;

@@ -7,7 +7,8 @@ over TCP (--mca btl tcp,self), each with its own socket and its own ranks
 reduces against an independent numpy computation and against a
 single-node daemon running the same mesh; unshard stays on each node; a
 rank at the wrong node, or a layout that is not run across nodes, is
-refused naming the node or the layouts; a node's daemon killed
+refused naming the node or the layouts; FSDP across nodes (one shard
+group over every rank) unshards and reduces against the same references; a node's daemon killed
 mid-collective fails the other node's ranks within the collective
 timeout, naming the node and its ranks."""
 
@@ -255,7 +256,8 @@ def test_rank_at_another_node_daemon_is_refused_naming_its_node(world2, request)
 
 
 @pytest.mark.parametrize("replicate,shard,words", [
-    (1, 4, ["mesh 1x4 spans 2 nodes", "HSDP with replicate = nodes", "mesh 2x2 here"]),
+    (4, 2, ["mesh 4x2 spans 2 nodes", "HSDP with replicate = nodes", "mesh 2x4 here",
+            "FSDP with one shard group over every rank (mesh 1x8)"]),
     (4, 1, ["mesh 4x1 spans 2 nodes", "HSDP with replicate = nodes"]),
     (1, 3, ["mesh 1x3 (3 ranks) does not split over the 2 nodes"]),
 ])
@@ -270,17 +272,18 @@ def test_mesh_across_nodes_in_an_unsupported_layout_is_refused(world2, request, 
 
 
 @pytest.mark.timeout_s(60)
-def test_killed_node_fails_the_other_node_ranks_within_the_timeout(request):
-    R, S = 2, 2
+@pytest.mark.parametrize("R,S,op,flags", [(2, 2, P.OP_REDUCE, P.REDUCE_ALL_REDUCE),
+                                         (1, 4, P.OP_UNSHARD, 0), (1, 4, P.OP_REDUCE, 0)])
+def test_killed_node_fails_the_other_node_ranks_within_the_timeout(request, R, S, op, flags):
     world = World(2)
     try:
         clients = [attach_world(world, request, r, R, S) for r in range(2)]  # node 0's ranks
         try:
             # node 1's ranks never attach: registration is node-local, so node 0's completes
             groups = run_ranks(lambda r: clients[r].register_group("g", SPECS), 2)
-            # node 0's reduces are in flight (waiting for node 1's partials) when node 1 dies
+            # node 0's ops are in flight (waiting for node 1's bytes) when node 1 dies
             for g in groups:
-                assert g.submit(P.OP_REDUCE, step=1, flags=P.REDUCE_ALL_REDUCE, user_data=11)
+                assert g.submit(op, step=1, flags=flags, user_data=11)
             os.kill(world.pids[1], signal.SIGKILL)
             t0 = time.monotonic()
             comps = run_ranks(lambda r: clients[r].wait(timeout=TIMEOUT_S + 20), 2,
@@ -294,7 +297,8 @@ def test_killed_node_fails_the_other_node_ranks_within_the_timeout(request):
             # the surviving daemon keeps serving its ranks and their state
             for c in clients:
                 c.nop()
-            run_ranks(lambda r: groups[r].reduce(2), 2)
+            if R > 1:  # HSDP: a reduce without the all-reduce stays on the node
+                run_ranks(lambda r: groups[r].reduce(2), 2)
         finally:
             for c in clients:
                 c.close()
@@ -347,3 +351,110 @@ def test_stalled_node_fails_the_reduce_then_the_next_one_pairs_up_again(request)
         for c in clients:
             c.close()
         world.stop()
+
+
+def fsdp_specs():
+    # dim-0 padding (7 rows over 4 or 6 shards), a 1-d param, a Shard(1) param
+    return [("w", "fp32", (7, 3)), ("b", "fp32", (5,)), shardd.Param("t", "fp32", (2, 12), shard_dim=1)]
+
+
+def shard_of_dim(full, S, t, dim):
+    f = np.moveaxis(full, dim, 0)
+    return np.moveaxis(shard_rows_of(f, S, t), 0, dim)
+
+
+@pytest.mark.timeout_s(90)
+@pytest.mark.parametrize("nodes,dtype", [(2, "fp32"), (3, "reduce")])
+def test_fsdp_across_nodes_unshards_and_reduces_over_every_rank(request, nodes, dtype):
+    """Mesh 1 x (nodes * 2): every rank's shard comes from the whole shard
+    group. Unshard gives every rank the full params; reduce of exactly
+    representable grads gives shard r of the average over every rank
+    (the sums exact in fp32 whatever the order, one rounding of the divide),
+    accumulated in fp32 over two reduces."""
+    S = nodes * 2
+    specs = fsdp_specs()
+    shapes = [(7, 3), (5,), (2, 12)]
+    dims = [0, 0, 1]
+    rng = np.random.default_rng(20 + nodes)
+    fulls = [rng.standard_normal(sh).astype(np.float32) for sh in shapes]
+    grads = [[[(rng.integers(-256, 256, size=sh) / 64).astype(np.float32) for sh in shapes]
+              for _ in range(S)] for _ in range(2)]
+    world = World(nodes, ["--internode-dtype", dtype])
+    clients = []
+    try:
+        clients = [attach_world(world, request, r, 1, S) for r in range(S)]
+        groups = run_ranks(lambda r: clients[r].register_group("g", specs), S)
+        assert all(g.shard_world == S for g in groups)
+        for g in groups:
+            for i, f in enumerate(fulls):
+                g.load_full(i, f)
+        run_ranks(lambda r: groups[r].unshard(1), S)
+        for r, g in enumerate(groups):
+            for i, f in enumerate(fulls):
+                np.testing.assert_array_equal(g.unsharded(i), f, err_msg=f"rank {r} param {i}")
+        for mb in range(2):
+            for r, g in enumerate(groups):
+                for i in range(len(shapes)):
+                    g.grad(i)[...] = grads[mb][r][i]
+            run_ranks(lambda r: groups[r].reduce(1), S)
+        for i, sh in enumerate(shapes):
+            # per reduce: the exact sum divided once in fp32; the second accumulates in fp32
+            avgs = [(sum(np.asarray(grads[mb][q][i], dtype=np.float64) for q in range(S)) / S)
+                    .astype(np.float32) for mb in range(2)]
+            avg = avgs[0] + avgs[1]
+            for r, g in enumerate(groups):
+                np.testing.assert_array_equal(np.array(g.shard_grad(i, padded=True)),
+                                              shard_of_dim(avg, S, r, dims[i]),
+                                              err_msg=f"rank {r} param {i}")
+    finally:
+        for c in clients:
+            c.close()
+        world.stop()
+
+
+@pytest.mark.timeout_s(120)
+def test_fsdp_bf16_across_nodes_matches_one_daemon_within_one_rounding(request):
+    """bf16 grads reduced in bf16 over a 1x4 mesh on 2 nodes against one
+    daemon with the same mesh: only the order of the fp32 additions differs,
+    so each element is equal or one bf16 rounding step away."""
+    S = 4
+    specs = [("w", "fp32", (9, 5)), ("b", "fp32", (6,))]
+    rng = np.random.default_rng(33)
+    grads = [[[shardd.fp32_to_bf16(rng.standard_normal(sh).astype(np.float32))
+               for _, _, sh in specs] for _ in range(S)] for _ in range(2)]
+
+    def run(clients):
+        groups = run_ranks(lambda r: clients[r].register_group("g", specs, param_dtype="bf16"), S)
+        for mb in range(2):
+            for r, g in enumerate(groups):
+                for i in range(len(specs)):
+                    g.grad(i)[...] = grads[mb][r][i]
+            run_ranks(lambda r: groups[r].reduce(4), S)
+        return [[np.array(g.shard_grad(i, padded=True), dtype=np.float32) for i in range(len(specs))]
+                for g in groups]
+
+    world = World(2)
+    clients = []
+    try:
+        clients = [attach_world(world, request, r, 1, S) for r in range(S)]
+        multi = run(clients)
+    finally:
+        for c in clients:
+            c.close()
+        world.stop()
+    single = Daemon()
+    clients = []
+    try:
+        clients = [shardd.Client(job=job_name(request), rank=r, shard=S, socket_path=single.socket)
+                   for r in range(S)]
+        one = run(clients)
+    finally:
+        for c in clients:
+            c.close()
+        single.stop()
+    for r in range(S):
+        for i in range(len(specs)):
+            a, b = multi[r][i], one[r][i]
+            # one bf16 step of the value (8 bits of mantissa), per reduce: two reduces accumulate
+            step = np.maximum(np.abs(b), 2.0 ** -126) * 2.0 ** -7
+            assert np.all(np.abs(a - b) <= 2 * step), f"rank {r} param {i}: {np.max(np.abs(a - b))}"

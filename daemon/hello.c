@@ -369,9 +369,15 @@ void shd_session_hello(struct shd_session *s, const struct shardd_msg_hdr *hdr,
 		shd_session_close(s, "could not be registered with the event loop");
 		goto out;
 	}
-	shd_log_info("%s attached: mesh %ux%u, ring %u/%u entries, device %d",
-			shd_session_name(s, name, sizeof(name)), h.replicate, h.shard, sq_entries,
-			sq_entries * CQ_PER_SQ, h.device);
+	if (span)
+		shd_log_info("%s attached: rank %u of mesh %ux%u over %u nodes (node-local rank %u of "
+			     "1x%u), ring %u/%u entries", shd_session_name(s, name, sizeof(name)),
+			     shd_world_node() * h.shard + h.rank, mesh_replicate, mesh_shard,
+			     shd_world_nodes(), h.rank, h.shard, sq_entries, sq_entries * CQ_PER_SQ);
+	else
+		shd_log_info("%s attached: mesh %ux%u, ring %u/%u entries, device %d",
+				shd_session_name(s, name, sizeof(name)), h.replicate, h.shard, sq_entries,
+				sq_entries * CQ_PER_SQ, h.device);
 	/* The client may have submitted already; serve its ring before sleeping. */
 	shd_session_env.note_work(shd_now_ns());
 out:

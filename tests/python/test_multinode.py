@@ -458,3 +458,67 @@ def test_fsdp_bf16_across_nodes_matches_one_daemon_within_one_rounding(request):
             # one bf16 step of the value (8 bits of mantissa), per reduce: two reduces accumulate
             step = np.maximum(np.abs(b), 2.0 ** -126) * 2.0 ** -7
             assert np.all(np.abs(a - b) <= 2 * step), f"rank {r} param {i}: {np.max(np.abs(a - b))}"
+
+
+def train(clients, R, S, steps=6):
+    """A least-squares model trained through the daemons: each rank unshards
+    W, computes its data's gradient in numpy, reduces (HSDP: all-reduce
+    among replicas) and steps with the daemons' SGD with momentum. Returns
+    the losses and every rank's final shard of W."""
+    n = R * S
+    rng = np.random.default_rng(42)
+    w0 = (rng.standard_normal((8, 3)) * 0.1).astype(np.float32)
+    data = [(rng.standard_normal((16, 8)).astype(np.float32), rng.standard_normal((16, 3)).astype(np.float32))
+            for _ in range(n)]
+    opt = shardd.Optimizer.sgd(momentum=0.9)
+    groups = run_ranks(lambda r: clients[r].register_group("model", [("W", "fp32", (8, 3))], optimizer=opt), n)
+    for g in groups:
+        g.load_full(0, w0)
+    flags = P.REDUCE_ALL_REDUCE if R > 1 else 0
+    losses = []
+    for step in range(1, steps + 1):
+        run_ranks(lambda r: groups[r].unshard(step), n)
+        loss = 0.0
+        for r, g in enumerate(groups):
+            X, Y = data[r]
+            W = np.array(g.unsharded(0), dtype=np.float32)
+            err = X @ W - Y
+            loss += float(np.mean(err * err))
+            g.grad(0)[...] = (np.float32(2.0 / len(X)) * (X.T @ err)).astype(np.float32)
+        losses.append(loss / n)
+        run_ranks(lambda r: groups[r].reduce(step, flags), n)
+        run_ranks(lambda r: groups[r].step(step, 0.05), n)
+    return losses, [np.array(g.shard(0, padded=True)) for g in groups]
+
+
+@pytest.mark.timeout_s(120)
+@pytest.mark.parametrize("R,S", [(2, 2), (1, 4)])
+def test_training_on_two_nodes_matches_one_node_with_four_ranks(request, R, S):
+    """2 nodes x 2 ranks against one daemon with 4 ranks, same mesh: HSDP
+    gives the same bits; FSDP the same up to fp32 addition order."""
+    world = World(2)
+    clients = []
+    try:
+        clients = [attach_world(world, request, r, R, S) for r in range(R * S)]
+        losses2, shards2 = train(clients, R, S)
+    finally:
+        for c in clients:
+            c.close()
+        world.stop()
+    single = Daemon()
+    clients = []
+    try:
+        clients = [shardd.Client(job=job_name(request), rank=r, shard=S, replicate=R,
+                                 socket_path=single.socket) for r in range(R * S)]
+        losses1, shards1 = train(clients, R, S)
+    finally:
+        for c in clients:
+            c.close()
+        single.stop()
+    assert losses2[-1] < losses2[0], losses2
+    for r in range(R * S):
+        if R > 1:
+            np.testing.assert_array_equal(shards2[r], shards1[r], err_msg=f"rank {r}")
+        else:
+            np.testing.assert_allclose(shards2[r], shards1[r], rtol=1e-5, atol=1e-6, err_msg=f"rank {r}")
+    np.testing.assert_allclose(losses2, losses1, rtol=1e-5)

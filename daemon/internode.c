@@ -67,6 +67,33 @@ static uint64_t span_key(const struct eng_group *eg)
 	return h;
 }
 
+static uint64_t fnv(uint64_t h, const void *p, size_t n)
+{
+	for (size_t i = 0; i < n; i++)
+		h = (h ^ ((const uint8_t *)p)[i]) * 0x100000001b3ull;
+	return h;
+}
+
+/* A digest of what must be equal on every node: the group's params, dtypes and the op. */
+static uint64_t span_check(const struct eng_task *t)
+{
+	const struct shd_group *g = t->eg->g;
+	uint64_t h = 0xcbf29ce484222325ull;
+	uint32_t v[4] = { g->hdr.param_dtype, g->reduce_dtype, g->hdr.nparams, t->ops[0].sqe.op };
+
+	h = fnv(h, v, sizeof(v));
+	h = fnv(h, &t->ops[0].sqe.step, sizeof(t->ops[0].sqe.step));
+	for (uint32_t i = 0; i < g->hdr.nparams; i++) {
+		const struct shardd_param_spec *p = &g->specs[i];
+		uint32_t f[3] = { p->dtype, p->ndim, p->shard_dim };
+
+		h = fnv(h, p->name, strnlen(p->name, sizeof(p->name)) + 1);
+		h = fnv(h, f, sizeof(f));
+		h = fnv(h, p->shape, p->ndim * sizeof(p->shape[0]));
+	}
+	return h;
+}
+
 /* "node 1 (ranks 2,3), node 2 (ranks 4,5)" of the nodes marked in `missing`. */
 static void span_who(const struct shd_engine_job *j, const uint8_t *missing, char *buf, size_t len)
 {
@@ -122,7 +149,7 @@ int eng_span_allreduce(struct eng_task *t, const struct shardd_reduce_math *ar)
 	}
 	for (uint32_t k = 0; k < N; k++)
 		sends[k] = send;
-	ret = shd_world_exchange(span_key(eg), eg->span_seq++, sends, recv, bytes,
+	ret = shd_world_exchange(span_key(eg), eg->span_seq++, span_check(t), sends, recv, bytes,
 				 shd_now_ns() + j->e->timeout_ns, missing, why, sizeof(why));
 	if (ret) {
 		span_who(j, missing, who, sizeof(who));
@@ -274,7 +301,7 @@ int eng_span_unshard(struct eng_task *t)
 		memcpy(send + s * Z, g->shards[s].priv, Z);
 	for (uint32_t k = 0; k < N; k++)
 		sends[k] = send;
-	ret = shd_world_exchange(span_key(eg), eg->span_seq++, sends, recv, bytes,
+	ret = shd_world_exchange(span_key(eg), eg->span_seq++, span_check(t), sends, recv, bytes,
 				 shd_now_ns() + j->e->timeout_ns, missing, why, sizeof(why));
 	if (ret) {
 		span_failed(t, ret, missing, why);
@@ -392,7 +419,7 @@ int eng_span_reduce_scatter(struct eng_task *t, const struct shardd_reduce_math 
 	/* Node k gets this node's sums of its shards k*L .. k*L+L-1. */
 	for (uint32_t k = 0; k < N; k++)
 		sends[k] = send + (size_t)k * bytes;
-	ret = shd_world_exchange(span_key(eg), eg->span_seq++, sends, recv, bytes,
+	ret = shd_world_exchange(span_key(eg), eg->span_seq++, span_check(t), sends, recv, bytes,
 				 shd_now_ns() + j->e->timeout_ns, missing, why, sizeof(why));
 	if (ret) {
 		span_failed(t, ret, missing, why);

@@ -34,13 +34,13 @@
 #include "world.h"
 
 struct world_hdr {
-	uint64_t key, seq, bytes;
+	uint64_t key, seq, check, bytes;
 };
 
 /* One exchange: the caller's part (first block) and the thread's (second). */
 struct world_xfer {
 	struct world_xfer *next;
-	uint64_t key, seq, deadline_ns;
+	uint64_t key, seq, check, deadline_ns;
 	size_t bytes;
 	const void *const *send;
 	void *recv;
@@ -187,7 +187,7 @@ static int xfer_tag(const struct world_xfer *x)
 static int xfer_post(struct world_xfer *x)
 {
 	size_t total = sizeof(struct world_hdr) + x->bytes;
-	struct world_hdr h = { x->key, x->seq, x->bytes };
+	struct world_hdr h = { x->key, x->seq, x->check, x->bytes };
 	int tag = xfer_tag(x), rc;
 
 	x->sbuf = calloc(W.nodes, sizeof(*x->sbuf));
@@ -256,8 +256,14 @@ static int xfer_check(struct world_xfer *x, uint32_t k, const MPI_Status *st)
 	memcpy(&h, x->rbuf[k], sizeof(h));
 	if (h.key == x->key && h.seq < x->seq)
 		return XFER_STALE;
-	if (h.key != x->key || h.seq != x->seq || h.bytes != x->bytes ||
-	    (size_t)count != sizeof(h) + x->bytes) {
+	if (h.key == x->key && h.seq == x->seq && (h.check != x->check || h.bytes != x->bytes)) {
+		snprintf(x->err, x->errlen,
+			 "node %u sent exchange %llu of this group as %llu bytes, digest %016llx (here %zu, %016llx): the nodes disagree on the group's params or the op's step; register the same params and submit the same ops on every node",
+			 k, (unsigned long long)h.seq, (unsigned long long)h.bytes,
+			 (unsigned long long)h.check, x->bytes, (unsigned long long)x->check);
+		return -SHARDD_E_MISMATCH;
+	}
+	if (h.key != x->key || h.seq != x->seq || (size_t)count != sizeof(h) + x->bytes) {
 		snprintf(x->err, x->errlen,
 			 "node %u sent exchange %llu of stream %016llx with %llu bytes where this node expects exchange %llu of stream %016llx with %zu bytes: the nodes ran different ops (register the same groups and submit the same ops on every node)",
 			 k, (unsigned long long)h.seq, (unsigned long long)h.key,
@@ -486,11 +492,12 @@ void shd_world_stop(void)
 	W.started = 0;
 }
 
-int shd_world_exchange(uint64_t key, uint64_t seq, const void *const *send, void *recv,
-		       size_t bytes, uint64_t deadline_ns, uint8_t *missing, char *err, size_t len)
+int shd_world_exchange(uint64_t key, uint64_t seq, uint64_t check, const void *const *send,
+		       void *recv, size_t bytes, uint64_t deadline_ns, uint8_t *missing, char *err,
+		       size_t len)
 {
 	struct world_xfer x = {
-		.key = key, .seq = seq, .deadline_ns = deadline_ns, .bytes = bytes, .send = send,
+		.key = key, .seq = seq, .check = check, .deadline_ns = deadline_ns, .bytes = bytes, .send = send,
 		.recv = recv, .missing = missing, .err = err, .errlen = len,
 	};
 

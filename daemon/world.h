@@ -48,14 +48,16 @@ uint32_t shd_world_internode_dtype(void);
  * send[k] go to node k, and node k's bytes land at recv + k * bytes
  * (send[node] is copied there). `key` names the stream of exchanges (a job
  * and group: equal on every node, so it doubles as the MPI tag) and `seq`
- * its position in that stream: a node's message for another key or seq is
- * an error, not data. Waits until every node's bytes arrived, an MPI error,
+ * its position in that stream; `check` what must be equal on every node (a
+ * digest of the group's params, the op and its step): a node's message for another key, seq or
+ * check is an error, not data. Waits until every node's bytes arrived, an MPI error,
  * or `deadline_ns` (shd_now_ns clock). 0; or -SHARDD_E_TIMEOUT /
  * -SHARDD_E_PEER_DIED / -SHARDD_E_MISMATCH / -SHARDD_E_NOMEM with `err`
  * saying why and missing[k] = 1 for each node k whose bytes did not arrive
  * (missing has nodes entries).
  */
-int shd_world_exchange(uint64_t key, uint64_t seq, const void *const *send, void *recv,
-		       size_t bytes, uint64_t deadline_ns, uint8_t *missing, char *err, size_t len);
+int shd_world_exchange(uint64_t key, uint64_t seq, uint64_t check, const void *const *send,
+		       void *recv, size_t bytes, uint64_t deadline_ns, uint8_t *missing, char *err,
+		       size_t len);
 
 #endif /* SHD_WORLD_H */

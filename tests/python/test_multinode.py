@@ -522,3 +522,28 @@ def test_training_on_two_nodes_matches_one_node_with_four_ranks(request, R, S):
         else:
             np.testing.assert_allclose(shards2[r], shards1[r], rtol=1e-5, atol=1e-6, err_msg=f"rank {r}")
     np.testing.assert_allclose(losses2, losses1, rtol=1e-5)
+
+
+@pytest.mark.timeout_s(60)
+def test_group_registered_differently_on_two_nodes_fails_the_all_reduce_naming_both(world2, request):
+    """Node 0's ranks register 'g' with 7 rows, node 1's with 9 (the same
+    bytes per shard once aligned): the exchange carries a digest of the
+    params, so the all-reduce fails as a mismatch on both nodes instead of
+    mixing bytes of different groups."""
+    R, S = 2, 2
+    clients = [attach_world(world2, request, r, R, S) for r in range(R * S)]
+    try:
+        groups = run_ranks(lambda r: clients[r].register_group(
+            "g", [("w", "fp32", (7 if r < S else 9, 3))]), R * S)
+
+        def reduce(r):
+            with pytest.raises(shardd.ShardError) as ei:
+                groups[r].reduce(1, P.REDUCE_ALL_REDUCE)
+            return ei.value
+
+        for r, e in enumerate(run_ranks(reduce, R * S, timeout=TIMEOUT_S + 20)):
+            assert e.code == -P.E_MISMATCH, e
+            assert "disagree on the group's params" in e.text and f"node {1 - r // S} sent" in e.text, e.text
+    finally:
+        for c in clients:
+            c.close()

@@ -169,7 +169,7 @@ static void xfer_release(struct world_xfer *x)
 static void xfer_finish(struct world_xfer *x, int res)
 {
 	xfer_release(x);
-	if (res && res != -SHARDD_E_MISMATCH)
+	if (res == -SHARDD_E_TIMEOUT || res == -SHARDD_E_PEER_DIED)
 		W.peer_failed = 1;
 	pthread_mutex_lock(&W.lock);
 	x->res = res;

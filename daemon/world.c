@@ -33,6 +33,9 @@
 #include "shardd_proto.h"
 #include "world.h"
 
+/* Seconds shd_world_stop waits for the communication thread to finalise MPI. */
+#define WORLD_STOP_WAIT_S 10
+
 struct world_hdr {
 	uint64_t key, seq, check, bytes;
 };
@@ -484,11 +487,20 @@ void shd_world_stop(void)
 {
 	if (!W.started)
 		return;
+	struct timespec until;
+
 	pthread_mutex_lock(&W.lock);
 	W.stop = 1;
 	pthread_cond_broadcast(&W.cv);
 	pthread_mutex_unlock(&W.lock);
-	pthread_join(W.thread, NULL);
+	/* MPI_Finalize may wait for nodes that are not stopping: bounded, the daemon still exits. */
+	clock_gettime(CLOCK_REALTIME, &until);
+	until.tv_sec += WORLD_STOP_WAIT_S;
+	if (pthread_timedjoin_np(W.thread, NULL, &until)) {
+		shd_log_warn("world: MPI_Finalize did not return within %d s (other nodes still run); "
+			     "exiting without it", WORLD_STOP_WAIT_S);
+		return;
+	}
 	W.started = 0;
 }
 

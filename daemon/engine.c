@@ -87,6 +87,7 @@ void shd_engine_destroy(struct shd_engine *e)
 		return;
 	while (e->jobs)
 		shd_engine_job_destroy(e->jobs);
+	eng_span_threads_wait(e);
 	shd_pool_destroy(e->pool);
 	e->backend->ops->destroy(e->backend);
 	close(e->efd);

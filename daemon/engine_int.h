@@ -143,6 +143,7 @@ struct shd_engine {
 	struct eng_task *fin_head, *fin_tail;
 	struct shd_engine_job *jobs;
 	uint64_t mem_committed;      /* its jobs' mem_committed, summed */
+	uint32_t span_threads;       /* threads running inter-node tasks (internode.c); under lock */
 };
 
 /* ---- delivery.c: messages and delivery ---- */
@@ -219,8 +220,16 @@ static inline int eng_span_fsdp(const struct shd_engine_job *j)
 	return j->span_nodes > 1 && j->span_replicate == 1;
 }
 
-/* 1 when the task exchanges data with other nodes: it runs on the pool, never inline. */
+/* 1 when the task exchanges data with other nodes: never inline, and not on the pool. */
 int eng_span_task(const struct eng_task *t);
+/*
+ * Run the task (t->pt.fn) on a thread of its own: it waits for other nodes,
+ * and the worker pool must never wait on the network. 0, or -1 when no
+ * thread could be started (the caller queues it on the pool instead).
+ */
+int eng_span_spawn(struct eng_task *t);
+/* Wait until no thread of eng_span_spawn runs (engine destroy). */
+void eng_span_threads_wait(struct shd_engine *e);
 /*
  * FSDP across nodes, at registration: the group's layout over the whole
  * shard group and this node's first shard rank. 0, or an error with `err`.

@@ -20,10 +20,14 @@
  * (--internode-dtype reduce: half the bytes for bf16/fp16) moves the same
  * numbers: no partial sum crosses the network, only partials.
  *
- * Runs on a pool thread (eng_span_task keeps these tasks off the loop),
- * which waits for the world's communication thread; host backend only
+ * A task that exchanges runs on a thread of its own (eng_span_spawn), which
+ * waits for the world's communication thread: never on the loop, and never
+ * on a pool thread, so that tasks waiting for other nodes cannot take every
+ * worker from the node's other groups; its kernels still split across the
+ * pool (shd_pool_for runs on the calling thread too). Host backend only
  * (hello.c refuses a spanning job on another).
  */
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -51,6 +55,52 @@ int eng_span_task(const struct eng_task *t)
 {
 	return t->eg->j->span_nodes > 1 &&
 	       (t->kind == TASK_REDUCE || (t->kind == TASK_UNSHARD && eng_span_fsdp(t->eg->j)));
+}
+
+static void *span_thread(void *arg)
+{
+	struct eng_task *t = arg;
+	struct shd_engine *e = t->eg->j->e;
+
+	/* task_run: computes t and hands it to the loop, which may free it at once. */
+	t->pt.fn(&t->pt);
+	pthread_mutex_lock(&e->lock);
+	e->span_threads--;
+	pthread_cond_broadcast(&e->finished);
+	pthread_mutex_unlock(&e->lock);
+	return NULL;
+}
+
+int eng_span_spawn(struct eng_task *t)
+{
+	struct shd_engine *e = t->eg->j->e;
+	pthread_attr_t attr;
+	pthread_t th;
+	int ret;
+
+	if (pthread_attr_init(&attr))
+		return -1;
+	pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+	pthread_mutex_lock(&e->lock);
+	e->span_threads++;
+	pthread_mutex_unlock(&e->lock);
+	ret = pthread_create(&th, &attr, span_thread, t);
+	pthread_attr_destroy(&attr);
+	if (ret) {
+		pthread_mutex_lock(&e->lock);
+		e->span_threads--;
+		pthread_mutex_unlock(&e->lock);
+		return -1;
+	}
+	return 0;
+}
+
+void eng_span_threads_wait(struct shd_engine *e)
+{
+	pthread_mutex_lock(&e->lock);
+	while (e->span_threads)
+		pthread_cond_wait(&e->finished, &e->lock);
+	pthread_mutex_unlock(&e->lock);
 }
 
 /* The stream of exchanges of one group of one job: FNV-1a of both names, equal on every node. */

@@ -102,7 +102,9 @@ static void group_kick(struct eng_group *eg)
 		t->next = NULL;
 		eg->running = t;
 		if (!task_inline(t)) {
-			shd_pool_submit(eg->j->e->pool, &t->pt);
+			/* One that waits for other nodes gets a thread of its own (internode.c). */
+			if (!eng_span_task(t) || eng_span_spawn(t))
+				shd_pool_submit(eg->j->e->pool, &t->pt);
 			return;
 		}
 		task_exec(t);

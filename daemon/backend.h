@@ -202,6 +202,17 @@ struct shd_backend_ops {
 	int  (*reduce)(struct shd_backend_ctx *b, const struct shd_reduce_args *a);
 	/* The optimizer step of one rank's shard; NULL in a backend without one (registration refuses it). */
 	int  (*step)(struct shd_backend_ctx *b, const struct shd_step_args *a);
+	/*
+	 * The grad-norm part (shardd_kernels.h) of the valid rows of every
+	 * param of shard `shard_rank` in `grad`, an fp32 sharded grad at the
+	 * layout's shard offsets: the params' parts merged in order, computed
+	 * where the buffer lives, after the work queued on it. Called on the
+	 * loop thread once the ops that wrote the grad have completed; `err`
+	 * may say why it failed. NULL: the engine reads the buffer back
+	 * (`read`) and runs the CPU kernel.
+	 */
+	int  (*grad_norm)(struct shd_backend_ctx *b, const struct shd_layout *l, uint32_t shard_rank,
+			  const struct shd_buf *grad, struct shardd_grad_norm_part *out, char *err, size_t errlen);
 	/* Zero `bytes` bytes at `offset`. */
 	int  (*zero)(struct shd_backend_ctx *b, struct shd_buf *buf, uint64_t offset,
 		     uint64_t bytes);

@@ -8,10 +8,11 @@
  * export as fds or legacy IPC handles (backend_cuda_memory.c), the
  * kernels over a layout (backend_cuda_kernels.c), ops across GPUs with
  * NCCL (backend_cuda_nccl_ops.c over backend_cuda_nccl.c), stream fences
- * (backend_cuda_fence.c).
+ * (backend_cuda_fence.c), the optimizer step and grad norm
+ * (backend_cuda_step.c).
  *
- * Work: one non-blocking stream per device. Unshard, reduce and zero queue
- * their kernels and return; the engine calls `sync` before a completion
+ * Work: one non-blocking stream per device. Unshard, reduce, step and
+ * zero queue their kernels and return; the engine calls `sync` before a completion
  * that promises results in memory, and a client that set a stream gets
  * fences instead (backend_cuda_fence.c), so neither side waits on a CPU.
  * A buffer lives on the device its rank named in its hello (the unsharded
@@ -206,6 +207,8 @@ static const struct shd_backend_ops cuda_ops = {
 	.reduce = cuda_reduce,
 	.zero = cuda_zero,
 	.read = cuda_read,
+	.step = cuda_step,
+	.grad_norm = cuda_grad_norm,
 	.sync = cuda_sync,
 	.fences_open = cuda_fences_open,
 	.fence_wait = cuda_fence_wait,

@@ -3,8 +3,8 @@
  * The cuda backend (backend_cuda*.c; backend_cuda_int.h lists its files):
  * group buffers in device memory, exported to clients as POSIX file
  * descriptors of the driver's virtual memory API or, where a device cannot
- * do that, as legacy CUDA IPC handles; unshard/reduce/zero with the CUDA
- * kernels. Built only with SHARDD_HAVE_CUDA (make CUDA=auto|1); this
+ * do that, as legacy CUDA IPC handles; unshard/reduce/zero and the
+ * optimizer step and grad norm with the CUDA kernels. Built only with SHARDD_HAVE_CUDA (make CUDA=auto|1); this
  * header declares nothing that needs CUDA, so main.c parses --cuda-export
  * in every build.
  */

@@ -16,9 +16,12 @@
  *                            staging, stream hand-over, the one NCCL lock
  *   backend_cuda_nccl.c      NCCL itself: the library and the communicators
  *   backend_cuda_fence.c     stream fences: interprocess events per ring slot
+ *   backend_cuda_step.c      the optimizer step and the grad-norm part of
+ *                            one rank's shard, on its device
  *
  * Calls between them go one way, never in a circle: backend_cuda.c calls
- * every other file; nccl_ops calls kernels, memory, device and nccl;
+ * every other file; nccl_ops calls kernels, memory, device and nccl; step
+ * calls kernels and device;
  * memory and fence call device; device calls nccl; kernels and nccl call
  * none of them.
  */
@@ -196,5 +199,11 @@ int  cuda_fences_open(struct shd_backend_ctx *b, int32_t device, uint32_t nwait,
 int  cuda_fence_wait(struct shd_backend_ctx *b, struct shd_fences *f, uint32_t slot);
 int  cuda_fence_signal(struct shd_backend_ctx *b, struct shd_fences *f, uint32_t slot);
 void cuda_fences_close(struct shd_backend_ctx *b, struct shd_fences *f);
+
+/* ---- backend_cuda_step.c: the optimizer ---- */
+
+int  cuda_step(struct shd_backend_ctx *b, const struct shd_step_args *a);
+int  cuda_grad_norm(struct shd_backend_ctx *b, const struct shd_layout *l, uint32_t shard_rank,
+		    const struct shd_buf *grad, struct shardd_grad_norm_part *out, char *err, size_t errlen);
 
 #endif /* SHD_BACKEND_CUDA_INT_H */

@@ -1,8 +1,9 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * The total norm of a job's sharded grads (SHARDD_OP_GRAD_NORM, job.c's
- * rendezvous): on the loop thread, through the backend's read, so that it
- * works on every backend. Each HSDP replica holds the same reduced grad, so
+ * rendezvous): on the loop thread, through the backend's grad_norm where
+ * it has one (cuda: on the device), else through its read and the CPU
+ * kernel. Each HSDP replica holds the same reduced grad, so
  * only replica 0's shards count; padding rows past a param's valid rows are
  * skipped; an absent sharded grad counts as zero.
  */
@@ -78,12 +79,22 @@ int shd_engine_job_grad_norm(struct shd_engine_job *j, int inf, double *norm, in
 		if (!eg || !eg->complete)
 			continue;
 		for (uint32_t r = 0; r < eg->g->shard && !ret; r++) {
+			struct shardd_grad_norm_part part;
+			char why[256] = "";
+
 			if (!eg->g->grad_present[r])
 				continue;
-			ret = grad_norm_shard(b, eg->g, r, tmp, &acc);
+			if (!b->ops->grad_norm) {
+				ret = grad_norm_shard(b, eg->g, r, tmp, &acc);
+			} else {
+				ret = b->ops->grad_norm(b, &eg->g->layout, r, &eg->g->sharded_grads[r], &part, why,
+							sizeof(why));
+				if (!ret)
+					shardd_k_grad_norm_merge(&acc, &part);
+			}
 			if (ret)
 				eng_fmt(msg, len, "reading rank %u's sharded grad of group '%s' failed in the %s "
-					"backend (%d)", r, eg->g->name, b->ops->name, ret);
+					"backend (%d)%s%s", r, eg->g->name, b->ops->name, ret, why[0] ? ": " : "", why);
 		}
 	}
 	free(tmp);

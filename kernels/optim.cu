@@ -15,6 +15,9 @@
  * The grad norm sums squares in fp64 per thread over a fixed grid, then
  * in a fixed tree: deterministic for a given range, but summed in another
  * order than the CPU's lanes, so equal to it within rounding, not in bits.
+ * The non-finite check (the step's skip-on-non-finite) needs no sum: each
+ * thread that meets a NaN or Inf stores 1 into a flag, so its answer is
+ * exactly the CPU's `nonfinite`.
  */
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -227,5 +230,45 @@ extern "C" int shardd_cuda_grad_norm_part(const void *grad, uint32_t dtype, size
 	if (launch_result())
 		return -SHARDD_E_BACKEND;
 	norm_final_kernel<<<1, THREADS, 0, s>>>(ws);
+	return launch_result();
+}
+
+/* ------------------------------------------------------- non-finite --- */
+
+struct nonfinite_dev_args {
+	const void *grad;
+	uint32_t grad_dtype;
+	size_t begin, end;
+	uint32_t *flag;
+};
+
+/* *flag = 1 when some grad[i], begin <= i < end, is NaN or +-Inf; otherwise *flag is left alone. */
+__global__ void nonfinite_kernel(const __grid_constant__ struct nonfinite_dev_args a)
+{
+	size_t stride = (size_t)gridDim.x * blockDim.x;
+	bool bad = false;
+
+	for (size_t i = a.begin + (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < a.end; i += stride)
+		bad |= !isfinite(grad_at(a.grad, a.grad_dtype, i));
+	/* Every writer stores the same value: no atomic needed. */
+	if (bad)
+		*a.flag = 1;
+}
+
+extern "C" int shardd_cuda_nonfinite(const void *grad, uint32_t dtype, size_t begin, size_t end, uint32_t *flag,
+				     void *stream)
+{
+	struct nonfinite_dev_args d;
+
+	if (!grad_dtype_ok(dtype) || !flag)
+		return -SHARDD_E_INVALID;
+	if (end <= begin)
+		return 0;
+	d.grad = grad;
+	d.grad_dtype = dtype;
+	d.begin = begin;
+	d.end = end;
+	d.flag = flag;
+	nonfinite_kernel<<<grid_for(end - begin), THREADS, 0, (cudaStream_t)stream>>>(d);
 	return launch_result();
 }

@@ -60,6 +60,16 @@ int shardd_cuda_adamw(const struct shardd_adamw *a, size_t begin, size_t end, vo
 int shardd_cuda_grad_norm_part(const void *grad, uint32_t dtype, size_t begin, size_t end, double *ws,
 			       void *stream);
 
+/*
+ * The skip-on-non-finite check of a step: when the stream gets there,
+ * *flag (a device uint32_t the caller zeroed) is 1 if some element of
+ * grad[begin, end) is NaN or +-Inf, and untouched otherwise; several calls
+ * may share one flag. The same answer as shardd_k_grad_norm_part's
+ * `nonfinite`, without the sum.
+ */
+int shardd_cuda_nonfinite(const void *grad, uint32_t dtype, size_t begin, size_t end, uint32_t *flag,
+			  void *stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -12,7 +12,10 @@ a stock torch.optim.SGD updates the shards in the rank instead (the
 trainer-side path: a rank that dies between its last reduce and its update
 loses that update, which the daemon's step cannot). With --replicate R the mesh is
 R x ranks (HSDP): each shard group reduce-scatters, then the replicas
-all-reduce. The reference trains the same model, from
+all-reduce. With --max-norm M the gradients are clipped to total norm M
+(shardd.torch.clip_grad_norm_: the daemon's job-wide norm, its coefficient
+applied by the daemon's step; torch.nn.utils.clip_grad_norm_ in the
+reference). The reference trains the same model, from
 the same initial values, in one process on the union of the ranks' batches.
 Since every rank's loss is the mean over an equal-sized batch, the average of
 the ranks' gradients is the gradient of the union's mean loss, so both runs
@@ -26,13 +29,15 @@ difference stays below K * lr * (1 + momentum) * |grad| * 1e-6, i.e. well
 under 1e-5 for this model (|w| < 1, |grad| < 1, K = 8). A wrong reduce (sum
 instead of average, a stale shard, a missed rank) moves parameters by
 lr * |grad| ~ 1e-2 in the first step, three orders of magnitude above it.
+Clipping adds the difference of the clip coefficients: the daemon sums the
+norm in fp64, torch in fp32, a few ulps (~1e-7 relative) of the update.
 
 Each rank prints, per step, its wall time and its split into compute and
 time blocked on shardd (every wait for a completion, Client._wait_one):
 "rank R step N loss X time_us T compute_us C shardd_us S".
 
 usage: train_torch.py --socket PATH [--ranks N] [--replicate R] [--steps K] [--reshard-after-forward]
-                      [--torch-optim]
+                      [--torch-optim] [--max-norm M]
        train_torch.py --shardd BIN ...    start a private daemon
 """
 
@@ -129,6 +134,8 @@ def run_rank(a):
             lo, hi = a.rank * a.batch, (a.rank + 1) * a.batch
             loss = torch.nn.functional.mse_loss(model(x[lo:hi]), y[lo:hi])
             loss.backward()          # reduces every group through the daemon
+            if a.max_norm is not None:
+                st.clip_grad_norm_(model, a.max_norm)    # the daemon's job-wide norm
             opt.step()               # this rank's shards: in the daemon, or here
             opt.zero_grad()
             t, w = time.monotonic_ns() - t0, waits.ns - w0
@@ -147,6 +154,8 @@ def reference(a):
         x, y = global_batch(step, a.ranks * a.replicate, a.batch)
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
+        if a.max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), a.max_norm)
         opt.step()
     return {n: p.detach().numpy() for n, p in model.named_parameters()}
 
@@ -171,6 +180,8 @@ def main():
     ap.add_argument("--reshard-after-forward", action="store_true")
     ap.add_argument("--torch-optim", action="store_true",
                     help="update the shards with torch.optim.SGD in the ranks, not the daemon's step")
+    ap.add_argument("--max-norm", type=float,
+                    help="clip the gradients to this total 2-norm (shardd.torch.clip_grad_norm_)")
     ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -194,6 +205,8 @@ def main():
                     cmd.append("--reshard-after-forward")
                 if a.torch_optim:
                     cmd.append("--torch-optim")
+                if a.max_norm is not None:
+                    cmd += ["--max-norm", repr(a.max_norm)]
                 procs.append(subprocess.Popen(cmd))
             deadline = time.monotonic() + RANK_TIMEOUT_S
             failed = []
@@ -227,7 +240,9 @@ def main():
             moved = max(float(np.max(np.abs(w - v.detach().numpy())))
                         for (n, w), (_m, v) in zip(ref.items(), make_model().named_parameters()))
             print(f"train_torch: {a.replicate}x{a.ranks} ranks x {a.steps} steps "
-                  f"({'torch.optim' if a.torch_optim else 'daemon'} SGD) match the single-process "
+                  f"({'torch.optim' if a.torch_optim else 'daemon'} SGD"
+                  f"{'' if a.max_norm is None else f', clipped to {a.max_norm:g}'}) match the "
+                  f"single-process "
                   f"reference: max |diff| = {worst:.3g} (tolerance {ATOL:g}; params moved "
                   f"{moved:.3g})")
             return 0

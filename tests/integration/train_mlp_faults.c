@@ -1,16 +1,25 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * train_mlp_faults: train_mlp --spawn with a planned crash in the middle of
- * a reduce, for tests/integration/test_train.c. It is train_mlp's launcher
- * (client/examples/mlp/) with two hooks, so the example carries no fault
- * injection of its own.
+ * train_mlp_faults: train_mlp --spawn with a planned crash, for
+ * tests/integration/test_train.c and test_step_kill.c. It is train_mlp's
+ * launcher (client/examples/mlp/) with hooks, so the example carries no
+ * fault injection of its own.
  *
  *   train_mlp_faults --kill-rank R --kill-step T --spawn N [train_mlp's options]
  *
  * At step T every rank meets at a barrier, the others after submitting
  * their reduce of fc0; rank R then raises SIGKILL instead of submitting it.
  * The survivors' reduce fails naming rank R, the launcher restarts rank R
- * with --resume-step T (attempt 1), and every rank retries step T.
+ * into the survivors' retry of step T (attempt 1).
+ *
+ *   train_mlp_faults --kill-rank R --kill-point P --spawn N [train_mlp's options]
+ *
+ * Rank R raises SIGKILL at the P-th point of its schedule where the
+ * trainer calls rank_hooks.at (0-based; RANK_POINTS_PER_STEP per step
+ * attempt: in an unshard, in a reduce, between the last reduce and the
+ * step, in a step, after the steps). The survivors fail wherever the death
+ * finds them; the launcher restarts rank R into the step and attempt they
+ * retry, or, alone, after its last step in the daemon.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -29,7 +38,30 @@
 struct faults {
 	int64_t kill_rank;     /* --kill-rank R; -1: not given */
 	int64_t kill_step;     /* --kill-step T; -1: not given */
+	int64_t kill_point;    /* --kill-point P; -1: not given */
+	int64_t points;        /* in a rank's process: the points it passed */
+	int restarted;         /* rank R was restarted (the replacement inherits it: no second kill) */
 };
+
+static const char *const point_names[] = {
+	[RANK_AT_UNSHARD] = "in the unshard", [RANK_AT_REDUCE] = "in the reduce",
+	[RANK_AT_BEFORE_STEP] = "between the last reduce and the step", [RANK_AT_STEP] = "in the step",
+	[RANK_AT_STEP_DONE] = "after the steps",
+};
+
+/* Rank R's P-th point: SIGKILL, in its first life only. */
+static void kill_at(struct rank *rk, uint32_t point, uint64_t t, uint32_t attempt, uint32_t layer, void *arg)
+{
+	struct faults *f = arg;
+
+	if ((int64_t)rank_id(rk) != f->kill_rank || f->restarted || f->kill_point < 0 ||
+	    f->points++ != f->kill_point)
+		return;
+	fprintf(stderr, "train_mlp: rank %u: raising SIGKILL at point %" PRId64 ": %s of layer %u, step %"
+		PRIu64 " attempt %u\n", rank_id(rk), f->kill_point, point_names[point], layer, t, attempt);
+	fflush(NULL);
+	raise(SIGKILL);
+}
 
 /*
  * In place of the reduce of fc0 at attempt 0 of step T. Every rank meets at
@@ -49,7 +81,7 @@ static int kill_point(struct rank *rk, uint64_t t, uint32_t attempt, uint32_t la
 
 	if (layer != 0 || attempt != 0 || (int64_t)t != f->kill_step)
 		return 0;
-	if (!armed && rank_submit(rk, SHARDD_OP_REDUCE, 0, key, 0) < 0)
+	if (!armed && rank_submit(rk, SHARDD_OP_REDUCE, 0, key, rank_reduce_flags(rk)) < 0)
 		return -1;
 	if (rank_sync_op(rk, SHARDD_OP_BARRIER, MLP_LAYERS, key) < 0)
 		return -1;
@@ -62,18 +94,22 @@ static int kill_point(struct rank *rk, uint64_t t, uint32_t attempt, uint32_t la
 	return 1;
 }
 
-/* The launcher starts rank R again when it died as planned, to join the retry of step T. */
+/* The launcher starts rank R again once, when it died as planned; it joins the others' retry. */
 static int restart_killed(void *arg, uint32_t rank, int status, struct trainer_opts *ro)
 {
-	const struct faults *f = arg;
+	struct faults *f = arg;
 
-	if (!WIFSIGNALED(status) || WTERMSIG(status) != SIGKILL || (int64_t)rank != f->kill_rank)
+	(void)ro;
+	if (!WIFSIGNALED(status) || WTERMSIG(status) != SIGKILL || (int64_t)rank != f->kill_rank ||
+	    f->restarted)
 		return 0;
-	fprintf(stderr, "train_mlp: rank %u killed itself (SIGKILL) at step %" PRId64
-		" as planned; restarting it with --resume-step %" PRId64 "\n",
-		rank, f->kill_step, f->kill_step);
-	ro->resume_step = f->kill_step;
-	ro->attempt = 1;
+	f->restarted = 1;
+	if (f->kill_step >= 0)
+		fprintf(stderr, "train_mlp: rank %u killed itself (SIGKILL) at step %" PRId64
+			" as planned; restarting it\n", rank, f->kill_step);
+	else
+		fprintf(stderr, "train_mlp: rank %u killed itself (SIGKILL) at point %" PRId64
+			" as planned; restarting it\n", rank, f->kill_point);
 	return 1;
 }
 
@@ -95,8 +131,8 @@ static int parse_flag(const char *s, const char *what, uint64_t max, int64_t *ou
 
 int main(int argc, char **argv)
 {
-	struct faults f = { .kill_rank = -1, .kill_step = -1 };
-	const struct rank_hooks rh = { .before_reduce = kill_point, .arg = &f };
+	struct faults f = { .kill_rank = -1, .kill_step = -1, .kill_point = -1 };
+	const struct rank_hooks rh = { .before_reduce = kill_point, .at = kill_at, .arg = &f };
 	const struct launch_hooks lh = { .rank = &rh, .restart = restart_killed, .arg = &f };
 	struct launch_opts o;
 	char **rest = calloc((size_t)argc + 1, sizeof(*rest));
@@ -115,17 +151,21 @@ int main(int argc, char **argv)
 		} else if (!strcmp(argv[i], "--kill-step") && i + 1 < argc) {
 			if (parse_flag(argv[++i], "--kill-step", 1u << 24, &f.kill_step))
 				goto out;
+		} else if (!strcmp(argv[i], "--kill-point") && i + 1 < argc) {
+			if (parse_flag(argv[++i], "--kill-point", 1u << 30, &f.kill_point))
+				goto out;
 		} else {
 			rest[nrest++] = argv[i];
 		}
 	}
 	if (launch_opts_parse(nrest, rest, &o) < 0)
 		goto out;
-	if (f.kill_rank < 0 || f.kill_step < 0 || !o.spawn) {
-		fprintf(stderr, "train_mlp_faults: give --kill-rank R --kill-step T with --spawn N\n");
+	if (f.kill_rank < 0 || (f.kill_step < 0) == (f.kill_point < 0) || !o.spawn) {
+		fprintf(stderr, "train_mlp_faults: give --kill-rank R and one of --kill-step T, --kill-point P"
+			" with --spawn N\n");
 		goto out;
 	}
-	if (f.kill_rank >= (int64_t)o.t.world || (uint64_t)f.kill_step >= o.t.steps) {
+	if (f.kill_rank >= (int64_t)o.t.world || (f.kill_step >= 0 && (uint64_t)f.kill_step >= o.t.steps)) {
 		fprintf(stderr, "train_mlp_faults: --kill-rank %" PRId64 " --kill-step %" PRId64
 			" must name a rank below %u and a step below --steps %" PRIu64 "\n",
 			f.kill_rank, f.kill_step, o.t.world, o.t.steps);

@@ -12,6 +12,7 @@
 #include <string.h>
 #include <sys/pidfd.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "launch.h"
@@ -20,10 +21,10 @@
 static void usage(FILE *f)
 {
 	fprintf(f,
-"usage: train_mlp --spawn N [--steps K] [--socket PATH] [--job NAME] [--dump FILE]\n"
-"                 [--device N]\n"
-"       train_mlp --rank R --world N [--steps K] [--socket PATH] [--job NAME] [--dump FILE]\n"
-"                 [--device N] [--resume-step T [--attempt A]] [--trainer-sgd]\n"
+"usage: train_mlp --spawn N [--replicate R] [--steps K] [--socket PATH] [--job NAME]\n"
+"                 [--dump FILE] [--device N]\n"
+"       train_mlp --rank R --world N [--replicate R] [--steps K] [--socket PATH] [--job NAME]\n"
+"                 [--dump FILE] [--device N] [--resume-step T [--attempt A]] [--trainer-sgd]\n"
 "       train_mlp --reference --world N [--steps K] [--dump FILE]\n"
 "\n"
 "Trains a 32-64-64-1 tanh MLP on a fixed random teacher, FSDP2-style, through\n"
@@ -35,6 +36,8 @@ static void usage(FILE *f)
 "\n"
 "  --spawn N         fork N rank processes and supervise them\n"
 "  --rank R          run rank R of --world N (prints 'rank R step N loss X ...')\n"
+"  --replicate R     HSDP: R replicas of N / R shards, reduces all-reduced over\n"
+"                    every rank (default 1: FSDP over the N ranks)\n"
 "  --reference       train the same model in this process, no daemon, on the\n"
 "                    union of the N ranks' batches\n"
 "  --steps K         training steps (default %d)\n"
@@ -46,7 +49,8 @@ static void usage(FILE *f)
 "                    fc0, fc1, fc2 the weight (out x in, row-major) then the bias;\n"
 "                    with --rank, rank 0 writes it\n"
 "  --resume-step T   re-attach to a running job (groups opened, not registered)\n"
-"                    and join the retry of step T\n"
+"                    and join the retry of step T (T = K: the final unshard),\n"
+"                    as the other ranks print when they wait for this one\n"
 "  --attempt A       with --resume-step: the attempt number of the retry (default 1)\n"
 "  --trainer-sgd     run SGD in the trainer on the flat shard instead of the\n"
 "                    daemon's step op (the cuda backend always does: it has no step)\n"
@@ -75,6 +79,7 @@ int launch_opts_parse(int argc, char **argv, struct launch_opts *lo)
 		{ "spawn", required_argument, NULL, 's' },
 		{ "rank", required_argument, NULL, 'r' },
 		{ "world", required_argument, NULL, 'w' },
+		{ "replicate", required_argument, NULL, 'P' },
 		{ "steps", required_argument, NULL, 'k' },
 		{ "socket", required_argument, NULL, 'S' },
 		{ "job", required_argument, NULL, 'j' },
@@ -98,6 +103,7 @@ int launch_opts_parse(int argc, char **argv, struct launch_opts *lo)
 	o->job = MLP_DEFAULT_JOB;
 	o->resume_step = -1;
 	o->attempt = 1;
+	o->replicate = 1;
 	o->device = SHARDD_HELLO_DEVICE_HOST;
 	while ((c = getopt_long(argc, argv, "h", longopts, NULL)) != -1) {
 		switch (c) {
@@ -115,6 +121,11 @@ int launch_opts_parse(int argc, char **argv, struct launch_opts *lo)
 			if (parse_u64(optarg, "--world", SHARDD_MAX_WORLD, &v) || v == 0)
 				goto bad;
 			o->world = (uint32_t)v;
+			break;
+		case 'P':
+			if (parse_u64(optarg, "--replicate", SHARDD_MAX_WORLD, &v) || v == 0)
+				goto bad;
+			o->replicate = (uint32_t)v;
 			break;
 		case 'k':
 			if (parse_u64(optarg, "--steps", 1u << 24, &v))
@@ -170,8 +181,13 @@ int launch_opts_parse(int argc, char **argv, struct launch_opts *lo)
 		fprintf(stderr, "train_mlp: --rank %" PRId64 " is not below --world %u\n", lo->rank, o->world);
 		goto bad;
 	}
-	if (o->resume_step >= (int64_t)o->steps) {
-		fprintf(stderr, "train_mlp: --resume-step %" PRId64 " is not below --steps %" PRIu64 "\n",
+	if (o->world % o->replicate) {
+		fprintf(stderr, "train_mlp: --replicate %u does not divide the world of %u ranks\n",
+			o->replicate, o->world);
+		goto bad;
+	}
+	if (o->resume_step > (int64_t)o->steps) {
+		fprintf(stderr, "train_mlp: --resume-step %" PRId64 " is above --steps %" PRIu64 "\n",
 			o->resume_step, o->steps);
 		goto bad;
 	}
@@ -185,11 +201,42 @@ bad:
 /* Supervisor: --spawn N                                               */
 /* ------------------------------------------------------------------ */
 
+#define MLP_RESTART_WAIT_MS 330000 /* the others' retry reports: past the default collective timeout */
+
 struct child {
-	pid_t pid;   /* 0: exited */
+	pid_t pid;         /* 0: not running */
 	int pidfd;
-	int restarted;
+	int pending;       /* died, to be restarted once every other rank reported its retry */
+	int restarted;     /* restarted at least once: its reports of the steps before may be lost */
+	uint64_t pending_ns; /* CLOCK_MONOTONIC when it died */
+	int owed;          /* retry reports still expected from it (a rank died); below 0: early */
+	int has_retry;     /* retry_step and retry_attempt hold its latest retry report */
+	uint64_t retry_step;
+	uint32_t retry_attempt;
+	struct trainer_opts ro; /* pending: the options it restarts with */
 };
+
+/* The supervisor's state. */
+struct sup {
+	const struct trainer_opts *o;
+	const struct launch_hooks *hooks;
+	struct child *ch;
+	struct loss_report *reps; /* [step * world + rank] */
+	uint8_t *seen;            /* the same: 0 none yet, 1 reported, 2 lost with a rank that died */
+	uint32_t *have;           /* per step: reports seen or lost */
+	uint64_t next;            /* the first step not printed */
+	int report_rd, report_wr;
+	uint32_t live;            /* children running */
+	int failed;
+};
+
+static uint64_t mono_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
 
 /* Fork rank `rank`: it trains and reports losses on report_wr. */
 static pid_t spawn_rank(const struct trainer_opts *o, uint32_t rank, int report_rd, int report_wr,
@@ -214,185 +261,295 @@ static pid_t spawn_rank(const struct trainer_opts *o, uint32_t rank, int report_
 	return pid;
 }
 
-static void kill_children(struct child *ch, uint32_t n)
+/* Fail the run: every rank still running is asked to end. */
+static void sup_fail(struct sup *s)
 {
-	for (uint32_t r = 0; r < n; r++)
-		if (ch[r].pid > 0)
-			kill(ch[r].pid, SIGTERM);
+	if (!s->failed)
+		for (uint32_t r = 0; r < s->o->world; r++)
+			if (s->ch[r].pid > 0)
+				kill(s->ch[r].pid, SIGTERM);
+	s->failed = 1;
 }
 
-/*
- * Take loss reports; print each step's mean loss once every rank reported
- * it, with the mean over ranks of the step's time and of its split into
- * compute and time in shardd calls.
- */
-static int take_reports(int fd, const struct trainer_opts *o, struct loss_report *reps, uint32_t *have,
-			uint64_t *next)
+/* Start rank r with options o; 0 or -1 (printed, the run failed). */
+static int sup_spawn(struct sup *s, uint32_t r, const struct trainer_opts *o)
 {
+	struct child *c = &s->ch[r];
+
+	c->pid = spawn_rank(o, r, s->report_rd, s->report_wr, s->hooks ? s->hooks->rank : NULL);
+	if (c->pid > 0)
+		c->pidfd = pidfd_open(c->pid, 0);
+	if (c->pid > 0 && c->pidfd >= 0) {
+		s->live++;
+		return 0;
+	}
+	if (c->pid > 0) {
+		fprintf(stderr, "train_mlp: pidfd_open(rank %u): %s\n", r, strerror(errno));
+		kill(c->pid, SIGKILL);
+		waitpid(c->pid, NULL, 0);
+	}
+	c->pid = 0;
+	sup_fail(s);
+	return -1;
+}
+
+static void sup_print_ready(struct sup *s);
+
+/*
+ * Take reports; print each step's mean loss once every rank reported it
+ * (or died after it: its loss is lost), with the mean over ranks of the
+ * step's time and of its split into compute and time in shardd calls.
+ * Retry reports go to the ranks' children. 1 at EOF, 0, or a negative error.
+ */
+static int take_reports(struct sup *s)
+{
+	const struct trainer_opts *o = s->o;
 	struct loss_report rep;
 	ssize_t n;
 
-	while ((n = read(fd, &rep, sizeof(rep))) == (ssize_t)sizeof(rep)) {
-		if (rep.rank >= o->world || rep.step >= o->steps) {
-			fprintf(stderr, "train_mlp: bad loss report (rank %u, step %" PRIu64 ")\n",
-				rep.rank, rep.step);
+	while ((n = read(s->report_rd, &rep, sizeof(rep))) == (ssize_t)sizeof(rep)) {
+		if (rep.rank >= o->world || rep.step > o->steps || (rep.step == o->steps && !rep.attempt) ||
+		    (!rep.attempt && s->seen[rep.step * o->world + rep.rank])) {
+			fprintf(stderr, "train_mlp: bad report (rank %u, step %" PRIu64 ", attempt %u)\n",
+				rep.rank, rep.step, rep.attempt);
 			return -EPROTO;
 		}
-		reps[rep.step * o->world + rep.rank] = rep;
-		have[rep.step]++;
-		while (*next < o->steps && have[*next] == o->world) {
-			double sum = 0.0, step_ns = 0.0, shardd_ns = 0.0;
+		if (rep.attempt) {
+			struct child *c = &s->ch[rep.rank];
 
-			for (uint32_t r = 0; r < o->world; r++) {
-				const struct loss_report *p = &reps[*next * o->world + r];
-
-				sum += p->loss;
-				step_ns += (double)p->step_ns;
-				shardd_ns += (double)p->shardd_ns;
-			}
-			printf("step %" PRIu64 " loss %.6f time_us %.1f compute_us %.1f shardd_us %.1f\n", *next,
-			       sum / o->world, step_ns / o->world / 1e3, (step_ns - shardd_ns) / o->world / 1e3,
-			       shardd_ns / o->world / 1e3);
-			fflush(stdout);
-			(*next)++;
+			c->owed--;
+			c->has_retry = 1;
+			c->retry_step = rep.step;
+			c->retry_attempt = rep.attempt;
+			continue;
 		}
+		s->reps[rep.step * o->world + rep.rank] = rep;
+		s->seen[rep.step * o->world + rep.rank] = 1;
+		s->have[rep.step]++;
 	}
 	if (n < 0 && errno != EAGAIN) {
 		fprintf(stderr, "train_mlp: reading loss reports: %s\n", strerror(errno));
 		return -errno;
 	}
-	return n == 0 ? 1 : 0; /* 1: EOF */
+	sup_print_ready(s);
+	return n == 0 ? 1 : 0;
+}
+
+/* Print the steps every rank reported (or lost) that are not printed yet, in order. */
+static void sup_print_ready(struct sup *s)
+{
+	const struct trainer_opts *o = s->o;
+
+	while (s->next < o->steps && s->have[s->next] == o->world) {
+		double sum = 0.0, step_ns = 0.0, shardd_ns = 0.0;
+		uint32_t k = 0;
+
+		for (uint32_t r = 0; r < o->world; r++) {
+			const struct loss_report *p = &s->reps[s->next * o->world + r];
+
+			if (s->seen[s->next * o->world + r] != 1)
+				continue;
+			sum += p->loss;
+			step_ns += (double)p->step_ns;
+			shardd_ns += (double)p->shardd_ns;
+			k++;
+		}
+		if (k)
+			printf("step %" PRIu64 " loss %.6f time_us %.1f compute_us %.1f shardd_us %.1f\n", s->next,
+			       sum / k, step_ns / k / 1e3, (step_ns - shardd_ns) / k / 1e3, shardd_ns / k / 1e3);
+		fflush(stdout);
+		s->next++;
+	}
+}
+
+/* Rank r's missing loss reports of steps below t: lost with a predecessor that died. */
+static void sup_mark_lost(struct sup *s, uint32_t r, uint64_t t)
+{
+	for (uint64_t k = 0; k < t && k < s->o->steps; k++) {
+		if (s->seen[k * s->o->world + r])
+			continue;
+		fprintf(stderr, "train_mlp: rank %u's loss of step %" PRIu64 " was lost with it\n", r, k);
+		s->seen[k * s->o->world + r] = 2;
+		s->have[k]++;
+	}
 }
 
 /*
- * Whether the hooks start rank r again after it ended with wait status st:
- * asked once per rank, while the run has not failed; *ro its options.
+ * Restart the pending rank r once every other running rank reported the
+ * retry its death caused: all of them wait at the barrier of the same
+ * (step, attempt), which r joins (trainer.h, rank_rejoin). With no other
+ * rank running, r resumes from its own shards (MLP_RESUME_OWN). 0, or -1
+ * when the run failed.
  */
-static int want_restart(const struct launch_hooks *hooks, struct child *c, uint32_t r, int st,
-			int failed, const struct trainer_opts *o, struct trainer_opts *ro)
+static int sup_try_restart(struct sup *s, uint32_t r)
 {
-	if (!hooks || !hooks->restart || c->restarted || failed)
-		return 0;
+	struct child *c = &s->ch[r];
+	const struct child *first = NULL;
+	for (uint32_t q = 0; q < s->o->world; q++) {
+		const struct child *cq = &s->ch[q];
+
+		if (q == r || cq->pid <= 0 || cq->pending)
+			continue;
+		if (cq->owed > 0 || !cq->has_retry) {
+			if (mono_ns() - c->pending_ns < (uint64_t)MLP_RESTART_WAIT_MS * 1000000)
+				return 0;
+			fprintf(stderr, "train_mlp: rank %u died and rank %u has not reported the retry of its step"
+				" within %d s; giving up\n", r, q, MLP_RESTART_WAIT_MS / 1000);
+			sup_fail(s);
+			return -1;
+		}
+		if (first && (first->retry_step != cq->retry_step || first->retry_attempt != cq->retry_attempt)) {
+			fprintf(stderr, "train_mlp: rank %u died; the others retry different steps (rank %u: step %"
+				PRIu64 " attempt %u, rank %u: step %" PRIu64 " attempt %u): cannot restart it\n", r,
+				(uint32_t)(first - s->ch), first->retry_step, first->retry_attempt, q,
+				cq->retry_step, cq->retry_attempt);
+			sup_fail(s);
+			return -1;
+		}
+		first = cq;
+	}
+	c->ro.resume_step = first ? (int64_t)first->retry_step : MLP_RESUME_OWN;
+	c->ro.attempt = first ? first->retry_attempt : 1;
+	if (first)
+		fprintf(stderr, "train_mlp: restarting rank %u into attempt %u of step %" PRIu64 "\n", r,
+			c->ro.attempt, first->retry_step);
+	else
+		fprintf(stderr, "train_mlp: restarting rank %u after its last step in the daemon\n", r);
+	/* Steps it completed but died before reporting: their losses went with it (alone: at the end). */
+	if (first)
+		sup_mark_lost(s, r, first->retry_step);
 	c->restarted = 1;
-	*ro = *o;
-	return hooks->restart(hooks->arg, r, st, ro);
+	c->pending = 0;
+	c->owed = 0;
+	c->has_retry = 0;
+	return sup_spawn(s, r, &c->ro);
+}
+
+/* Rank r ended with wait status st. */
+static void sup_reap(struct sup *s, uint32_t r, int st)
+{
+	struct child *c = &s->ch[r];
+
+	close(c->pidfd);
+	c->pidfd = -1;
+	c->pid = 0;
+	s->live--;
+	if (WIFEXITED(st) && WEXITSTATUS(st) == 0)
+		return;
+	c->ro = *s->o;
+	if (!s->failed && s->hooks && s->hooks->restart && s->hooks->restart(s->hooks->arg, r, st, &c->ro)) {
+		c->pending = 1;
+		c->pending_ns = mono_ns();
+		/* Each rank still running fails its step once and reports the retry. */
+		for (uint32_t q = 0; q < s->o->world; q++)
+			if (q != r && s->ch[q].pid > 0 && !s->ch[q].pending)
+				s->ch[q].owed++;
+		return;
+	}
+	if (WIFSIGNALED(st))
+		fprintf(stderr, "train_mlp: rank %u killed by signal %d\n", r, WTERMSIG(st));
+	else
+		fprintf(stderr, "train_mlp: rank %u exited with status %d\n", r, WEXITSTATUS(st));
+	sup_fail(s);
 }
 
 int launch_spawn(const struct trainer_opts *o, const struct launch_hooks *hooks)
 {
-	const struct rank_hooks *rh = hooks ? hooks->rank : NULL;
-	uint32_t n = o->world, live = 0;
-	struct child *ch = calloc(n, sizeof(*ch));
+	uint32_t n = o->world;
+	size_t cells = (size_t)(o->steps ? o->steps : 1) * n;
+	struct sup s = {
+		.o = o, .hooks = hooks, .report_rd = -1, .report_wr = -1,
+		.ch = calloc(n, sizeof(*s.ch)),
+		.reps = calloc(cells, sizeof(*s.reps)),
+		.seen = calloc(cells, 1),
+		.have = calloc(o->steps ? o->steps : 1, sizeof(*s.have)),
+	};
 	struct pollfd *pfd = calloc(n + 1, sizeof(*pfd));
-	struct loss_report *reps = calloc(o->steps ? o->steps * n : 1, sizeof(*reps));
-	uint32_t *have = calloc(o->steps ? o->steps : 1, sizeof(*have));
-	uint64_t next = 0;
-	int pipefd[2] = { -1, -1 }, failed = 0, ret;
+	int pipefd[2];
 
-	if (!ch || !pfd || !reps || !have) {
+	if (!s.ch || !s.reps || !s.seen || !s.have || !pfd) {
 		fprintf(stderr, "train_mlp: out of memory\n");
-		failed = 1;
+		s.failed = 1;
 		goto out;
 	}
 	/* Non-blocking read end: take_reports reads what is there, poll says when. */
 	if (pipe2(pipefd, O_CLOEXEC) < 0 || fcntl(pipefd[0], F_SETFL, O_NONBLOCK) < 0) {
 		fprintf(stderr, "train_mlp: pipe: %s\n", strerror(errno));
-		failed = 1;
+		s.failed = 1;
 		goto out;
 	}
+	s.report_rd = pipefd[0];
+	s.report_wr = pipefd[1];
 	for (uint32_t r = 0; r < n; r++)
-		ch[r].pidfd = -1;
-	for (uint32_t r = 0; r < n; r++) {
-		ch[r].pid = spawn_rank(o, r, pipefd[0], pipefd[1], rh);
-		if (ch[r].pid > 0)
-			ch[r].pidfd = pidfd_open(ch[r].pid, 0);
-		if (ch[r].pid <= 0 || ch[r].pidfd < 0) {
-			if (ch[r].pid > 0)
-				fprintf(stderr, "train_mlp: pidfd_open(rank %u): %s\n", r, strerror(errno));
-			failed = 1;
-			kill_children(ch, n);
-			break;
-		}
-		live++;
-	}
+		s.ch[r].pidfd = -1;
+	for (uint32_t r = 0; r < n && !s.failed; r++)
+		sup_spawn(&s, r, o);
 	/*
 	 * Children's liveness is watched through pidfds (pfd[r + 1]; -1, which
-	 * poll skips, once rank r is gone), reports through the pipe.
+	 * poll skips, once rank r is gone), reports through the pipe. A rank
+	 * waiting to be restarted keeps the loop going.
 	 */
-	while (live > 0) {
-		pfd[0] = (struct pollfd){ .fd = pipefd[0], .events = POLLIN };
+	for (;;) {
+		uint32_t pending = 0;
+
 		for (uint32_t r = 0; r < n; r++)
-			pfd[r + 1] = (struct pollfd){ .fd = ch[r].pid > 0 ? ch[r].pidfd : -1,
-						      .events = POLLIN };
-		if (poll(pfd, n + 1, -1) < 0) {
+			pending += s.ch[r].pending;
+		if (s.live == 0 && (!pending || s.failed))
+			break;
+		pfd[0] = (struct pollfd){ .fd = s.report_rd, .events = POLLIN };
+		for (uint32_t r = 0; r < n; r++)
+			pfd[r + 1] = (struct pollfd){ .fd = s.ch[r].pid > 0 ? s.ch[r].pidfd : -1, .events = POLLIN };
+		if (poll(pfd, n + 1, pending ? 1000 : -1) < 0) {
 			if (errno == EINTR)
 				continue;
 			fprintf(stderr, "train_mlp: poll: %s\n", strerror(errno));
-			failed = 1;
-			kill_children(ch, n);
+			sup_fail(&s);
 			break;
 		}
-		if (pfd[0].revents & POLLIN) {
-			if (take_reports(pipefd[0], o, reps, have, &next) < 0) {
-				failed = 1;
-				kill_children(ch, n);
-			}
-		}
+		if ((pfd[0].revents & POLLIN) && take_reports(&s) < 0)
+			sup_fail(&s);
 		for (uint32_t r = 0; r < n; r++) {
-			struct trainer_opts ro;
 			int st;
 
-			if (ch[r].pid <= 0 || !pfd[r + 1].revents)
+			if (s.ch[r].pid <= 0 || !pfd[r + 1].revents)
 				continue;
-			if (waitpid(ch[r].pid, &st, 0) < 0) {
+			if (waitpid(s.ch[r].pid, &st, 0) < 0) {
 				fprintf(stderr, "train_mlp: waitpid(rank %u): %s\n", r, strerror(errno));
 				st = 0xff00;
 			}
-			close(ch[r].pidfd);
-			ch[r].pidfd = -1;
-			ch[r].pid = 0;
-			live--;
-			if (WIFEXITED(st) && WEXITSTATUS(st) == 0)
-				continue;
-			if (want_restart(hooks, &ch[r], r, st, failed, o, &ro)) {
-				ch[r].pid = spawn_rank(&ro, r, pipefd[0], pipefd[1], rh);
-				if (ch[r].pid > 0)
-					ch[r].pidfd = pidfd_open(ch[r].pid, 0);
-				if (ch[r].pid > 0 && ch[r].pidfd >= 0) {
-					live++;
-					continue;
-				}
-				if (ch[r].pid > 0)
-					kill(ch[r].pid, SIGKILL);
-				ch[r].pid = 0;
-			} else if (WIFSIGNALED(st)) {
-				fprintf(stderr, "train_mlp: rank %u killed by signal %d\n", r, WTERMSIG(st));
-			} else {
-				fprintf(stderr, "train_mlp: rank %u exited with status %d\n", r, WEXITSTATUS(st));
-			}
-			if (!failed)
-				kill_children(ch, n);
-			failed = 1;
+			sup_reap(&s, r, st);
 		}
+		for (uint32_t r = 0; r < n; r++)
+			if (s.ch[r].pending && !s.failed)
+				sup_try_restart(&s, r);
 	}
 	/* Every writer but ours is gone: read what is left up to EOF. */
-	close(pipefd[1]);
-	pipefd[1] = -1;
-	if (!failed && (ret = take_reports(pipefd[0], o, reps, have, &next)) != 1)
-		failed = 1;
-	if (!failed && next != o->steps) {
+	close(s.report_wr);
+	s.report_wr = -1;
+	if (!s.failed && take_reports(&s) != 1)
+		s.failed = 1;
+	/*
+	 * A rank restarted alone (MLP_RESUME_OWN) resumed where the daemon's
+	 * shards said: the steps it never reported went with its predecessor.
+	 */
+	for (uint32_t r = 0; r < n && !s.failed; r++)
+		if (s.ch[r].restarted)
+			sup_mark_lost(&s, r, o->steps);
+	sup_print_ready(&s);
+	if (!s.failed && s.next != o->steps) {
 		fprintf(stderr, "train_mlp: only %" PRIu64 " of %" PRIu64 " steps were reported by every rank\n",
-			next, o->steps);
-		failed = 1;
+			s.next, o->steps);
+		s.failed = 1;
 	}
 out:
-	if (pipefd[0] >= 0)
-		close(pipefd[0]);
-	if (pipefd[1] >= 0)
-		close(pipefd[1]);
-	free(have);
-	free(reps);
+	if (s.report_rd >= 0)
+		close(s.report_rd);
+	if (s.report_wr >= 0)
+		close(s.report_wr);
+	free(s.have);
+	free(s.seen);
+	free(s.reps);
+	free(s.ch);
 	free(pfd);
-	free(ch);
-	return failed ? -1 : 0;
+	return s.failed ? -1 : 0;
 }

@@ -3,7 +3,9 @@
  * The launcher of train_mlp: its command line, and --spawn N, a supervisor
  * that forks N rank processes (trainer.h), watches them through pidfds,
  * takes their loss reports through a pipe and prints each step's mean loss
- * over the ranks ("step N loss X") once every rank reported it.
+ * over the ranks ("step N loss X") once every rank reported it. With
+ * hooks that restart a dead rank, it restarts it into the retry the other
+ * ranks wait in (launch_hooks.restart).
  */
 #ifndef SHARDD_EXAMPLE_MLP_LAUNCH_H
 #define SHARDD_EXAMPLE_MLP_LAUNCH_H
@@ -31,8 +33,14 @@ struct launch_hooks {
 	/*
 	 * Rank `rank` ended with wait status `status` (not a clean exit) while
 	 * the run had not failed yet: 1 to start it once more with the options
-	 * in *ro (the run's, to be changed), 0 to fail the run. Asked at most
-	 * once per rank. NULL: never restart.
+	 * in *ro (the run's, to be changed), 0 to fail the run. Asked each time
+	 * a rank ends so. NULL: never restart.
+	 *
+	 * A rank to restart is started once every other running rank reported
+	 * the retry its death caused (struct loss_report, attempt > 0), with
+	 * ro->resume_step and ro->attempt set to the step and attempt they all
+	 * wait in; with no other rank running, ro->resume_step is
+	 * MLP_RESUME_OWN.
 	 */
 	int (*restart)(void *arg, uint32_t rank, int status, struct trainer_opts *ro);
 	void *arg;

@@ -70,6 +70,18 @@ uint32_t rank_id(const struct rank *rk)
 	return rk->rank;
 }
 
+uint32_t rank_reduce_flags(const struct rank *rk)
+{
+	return rk->o->replicate > 1 ? SHARDD_REDUCE_ALL_REDUCE : 0;
+}
+
+/* The hook's point `point` of attempt `attempt` of step t, if there is one. */
+static void rank_at(struct rank *rk, uint32_t point, uint64_t t, uint32_t attempt, uint32_t layer)
+{
+	if (rk->hooks && rk->hooks->at)
+		rk->hooks->at(rk, point, t, attempt, layer, rk->hooks->arg);
+}
+
 static const char *op_what(const struct inflight *f, char *buf, size_t len)
 {
 	if (f->layer < MLP_LAYERS)
@@ -206,10 +218,12 @@ static int rank_reap(struct rank *rk)
 	if (cqe.res < 0)
 		rank_fail(rk, cqe.res, "%s failed: %s", op_what(f, what, sizeof(what)),
 			  cqe.msg[0] ? cqe.msg : shardd_strerror(cqe.res));
+	else if (f->op == SHARDD_OP_STEP && cqe.res == SHARDD_STEP_SKIPPED)
+		rank_fail(rk, -EIO, "%s was skipped: its grad is not finite", op_what(f, what, sizeof(what)));
 	return 0;
 }
 
-/* A full SQ is not an error: reap a completion and retry. */
+/* A full SQ is not an error: reap a completion and retry. SHARDD_OP_STEP: the daemon's SGD, lr MLP_LR. */
 int rank_submit(struct rank *rk, uint32_t op, uint32_t layer, uint64_t step, uint32_t flags)
 {
 	uint32_t group = layer < MLP_LAYERS ? shardd_group_id(rk->g[layer]) : 0;
@@ -231,7 +245,10 @@ int rank_submit(struct rank *rk, uint32_t op, uint32_t layer, uint64_t step, uin
 	for (;;) {
 		uint64_t t0 = now_ns();
 
-		ret = shardd_submit(rk->c, op, group, step, flags, (uint64_t)slot + 1);
+		if (op == SHARDD_OP_STEP)
+			ret = shardd_step_submit(rk->g[layer], step, (double)MLP_LR, flags, 0, (uint64_t)slot + 1);
+		else
+			ret = shardd_submit(rk->c, op, group, step, flags, (uint64_t)slot + 1);
 		rk->shardd_ns += now_ns() - t0;
 		if (ret != -EAGAIN)
 			break;
@@ -325,22 +342,21 @@ static int rank_sgd(struct rank *rk)
 
 /*
  * The daemon's SGD (p -= lr * grad on the valid rows, the same fp32
- * expression as sgd() above) on every layer's shard for step number `n`;
- * it clears the sharded grads. A step the daemon already applied (a
- * replacement rank catching up) changes nothing.
+ * expression as sgd() above) on every layer's shard for step number `n`
+ * (attempt `attempt` of training step n - 1); it clears the sharded grads.
+ * The three steps are in flight together. A step the daemon already applied
+ * (a replacement rank catching up) changes nothing.
  */
-static int rank_daemon_sgd(struct rank *rk, uint64_t n)
+static int rank_daemon_sgd(struct rank *rk, uint64_t n, uint32_t attempt)
 {
 	for (uint32_t l = 0; l < MLP_LAYERS; l++) {
-		int ret = shardd_step(rk->g[l], n, (double)MLP_LR, 0, 0);
-
-		if (ret < 0)
-			rank_fail(rk, ret, "step %" PRIu64 " of layer %u: %s", n, l, shardd_last_error());
-		else if (ret == SHARDD_STEP_SKIPPED)
-			rank_fail(rk, -EIO, "step %" PRIu64 " of layer %u was skipped", n, l);
-		if (rk->failed)
-			return rk->failed;
+		if (rank_submit(rk, SHARDD_OP_STEP, l, n, 0) < 0)
+			break;
+		rank_at(rk, RANK_AT_STEP, n - 1, attempt, l);
 	}
+	if (rank_drain(rk))
+		return rk->failed;
+	rank_at(rk, RANK_AT_STEP_DONE, n - 1, attempt, MLP_LAYERS);
 	return 0;
 }
 
@@ -361,10 +377,14 @@ static int rank_step(struct rank *rk, uint64_t t, uint32_t attempt, double *loss
 
 	/* Forward: unshard layer l+1 while layer l computes, reshard after use. */
 	slot = rank_submit(rk, SHARDD_OP_UNSHARD, 0, kf, 0);
+	if (slot >= 0)
+		rank_at(rk, RANK_AT_UNSHARD, t, attempt, 0);
 	for (uint32_t l = 0; l < MLP_LAYERS && slot >= 0; l++) {
 		if (rank_wait(rk, slot) < 0 || rank_fetch_unsharded(rk, l))
 			break;
 		slot = l + 1 < MLP_LAYERS ? rank_submit(rk, SHARDD_OP_UNSHARD, l + 1, kf, 0) : 0;
+		if (slot >= 0 && l + 1 < MLP_LAYERS)
+			rank_at(rk, RANK_AT_UNSHARD, t, attempt, l + 1);
 		layer_forward(wk, l, rank_unsharded(rk, l, 0), rank_unsharded(rk, l, 1));
 		if (rank_submit(rk, SHARDD_OP_RESHARD, l, kf, 0) < 0)
 			break;
@@ -375,10 +395,14 @@ static int rank_step(struct rank *rk, uint64_t t, uint32_t attempt, double *loss
 
 	/* Backward: unshard again (new key), prefetch l-1, reduce each layer's grads. */
 	slot = rank_submit(rk, SHARDD_OP_UNSHARD, MLP_LAYERS - 1, kb, 0);
+	if (slot >= 0)
+		rank_at(rk, RANK_AT_UNSHARD, t, attempt, MLP_LAYERS - 1);
 	for (uint32_t l = MLP_LAYERS; l-- > 0 && slot >= 0;) {
 		if (rank_wait(rk, slot) < 0 || rank_fetch_unsharded(rk, l))
 			break;
 		slot = l > 0 ? rank_submit(rk, SHARDD_OP_UNSHARD, l - 1, kb, 0) : 0;
+		if (slot >= 0 && l > 0)
+			rank_at(rk, RANK_AT_UNSHARD, t, attempt, l - 1);
 		layer_backward(wk, l, rank_unsharded(rk, l, 0), rank_grad(rk, l, 0), rank_grad(rk, l, 1));
 		if (rank_put_grad(rk, l) || rank_submit(rk, SHARDD_OP_RESHARD, l, kb, 0) < 0 || rk->failed)
 			break;
@@ -390,14 +414,16 @@ static int rank_step(struct rank *rk, uint64_t t, uint32_t attempt, double *loss
 			if (took > 0)
 				continue;
 		}
-		if (rank_submit(rk, SHARDD_OP_REDUCE, l, kb, 0) < 0)
+		if (rank_submit(rk, SHARDD_OP_REDUCE, l, kb, rank_reduce_flags(rk)) < 0)
 			break;
+		rank_at(rk, RANK_AT_REDUCE, t, attempt, l);
 	}
 	if (rank_drain(rk))
 		return rk->failed;
 
+	rank_at(rk, RANK_AT_BEFORE_STEP, t, attempt, MLP_LAYERS);
 	if (!rk->trainer_sgd)
-		return rank_daemon_sgd(rk, t + 1);
+		return rank_daemon_sgd(rk, t + 1, attempt);
 	if (rank_sgd(rk))
 		return rk->failed;
 	for (uint32_t l = 0; l < MLP_LAYERS; l++)
@@ -423,12 +449,16 @@ static int rank_resync(struct rank *rk, uint64_t t, uint32_t attempt)
 	return 0;
 }
 
-static int rank_report(struct rank *rk, uint64_t t, double loss, uint64_t step_ns)
+/* A loss report (attempt 0) or a retry report (attempt > 0: see struct loss_report). */
+static int rank_report(struct rank *rk, uint64_t t, uint32_t attempt, double loss, uint64_t step_ns)
 {
 	struct loss_report rep = {
-		.rank = rk->rank, .step = t, .loss = loss, .step_ns = step_ns, .shardd_ns = rk->shardd_ns,
+		.rank = rk->rank, .attempt = attempt, .step = t, .loss = loss, .step_ns = step_ns,
+		.shardd_ns = rk->shardd_ns,
 	};
 
+	if (rk->report_fd < 0 && attempt > 0)
+		return 0; /* rank_main printed the retry */
 	if (rk->report_fd < 0) {
 		printf("rank %u step %" PRIu64 " loss %.6f time_us %.1f compute_us %.1f shardd_us %.1f\n",
 		       rk->rank, t, loss, step_ns / 1e3, (step_ns - rk->shardd_ns) / 1e3, rk->shardd_ns / 1e3);
@@ -451,8 +481,8 @@ static int rank_connect(struct rank *rk)
 		.socket_path = rk->o->socket,
 		.job = rk->o->job,
 		.rank = rk->rank,
-		.replicate = 1,
-		.shard = rk->o->world,
+		.replicate = rk->o->replicate,
+		.shard = rk->o->world / rk->o->replicate,
 		.device = rk->o->device,
 	};
 	struct timespec pause = { .tv_nsec = 10 * 1000 * 1000 };
@@ -460,7 +490,7 @@ static int rank_connect(struct rank *rk)
 
 	for (int waited = 0;; waited += 10) {
 		ret = shardd_connect(&ao, &rk->c);
-		if (ret != -SHARDD_E_RANK_TAKEN || rk->o->resume_step < 0 || waited >= MLP_RECONNECT_MS)
+		if (ret != -SHARDD_E_RANK_TAKEN || rk->o->resume_step == -1 || waited >= MLP_RECONNECT_MS)
 			break;
 		nanosleep(&pause, NULL);
 	}
@@ -505,7 +535,7 @@ static int rank_groups(struct rank *rk)
 	struct mlp_params *init = NULL;
 	int ret = 0;
 
-	if (rk->o->resume_step < 0) {
+	if (rk->o->resume_step == -1) {
 		init = malloc(sizeof(*init));
 		if (!init)
 			return -ENOMEM;
@@ -552,14 +582,32 @@ static int rank_groups(struct rank *rk)
 	return ret;
 }
 
-/* The final params, from one more unshard; rank 0 writes them when --dump was given. */
-static int rank_final(struct rank *rk)
+/*
+ * The final params, from one more unshard (attempt `attempt` of it); rank 0
+ * writes them when --dump was given.
+ */
+static int rank_final(struct rank *rk, uint32_t attempt)
 {
 	const float *w[MLP_LAYERS], *b[MLP_LAYERS];
-	const uint64_t key = op_key(rk->o->steps, 0, 0);
-	int ret = 0;
+	const uint64_t key = op_key(rk->o->steps, attempt, 0);
+	int slot, ret = 0;
 
 	rk->failed = 0;
+	/*
+	 * HSDP: an unshard gathers one replica only, so a rank that died after
+	 * the last step's reduces would fail the final unshard of its replica
+	 * while the other replicas finished and left, and its replacement would
+	 * find nobody at the retry's barrier. A job-wide reduce first (fc2's
+	 * last grads, cleared again) fails on every rank at once instead, and
+	 * they all retry the final together.
+	 */
+	if (rk->o->replicate > 1) {
+		slot = rank_submit(rk, SHARDD_OP_REDUCE, MLP_LAYERS - 1, op_key(rk->o->steps, attempt, 1),
+				   rank_reduce_flags(rk));
+		if (slot < 0 || rank_wait(rk, slot) < 0 ||
+		    rank_sync_op(rk, SHARDD_OP_ZERO_GRAD, MLP_LAYERS - 1, 0) < 0)
+			return rk->failed;
+	}
 	for (uint32_t l = 0; l < MLP_LAYERS; l++)
 		if (rank_submit(rk, SHARDD_OP_UNSHARD, l, key, 0) < 0)
 			break;
@@ -581,11 +629,57 @@ static int rank_final(struct rank *rk)
 	return ret;
 }
 
+/*
+ * A restarted rank: where to resume (*t, *attempt), the update its
+ * predecessor owed, then the barrier where the others wait.
+ *
+ * o->resume_step is the step the other ranks failed in and retry (their
+ * retry reports, through the launcher), so every reduce of step
+ * resume_step - 1 completed: where the daemon applied an earlier step last
+ * on this rank's shard of a layer, the predecessor died between that
+ * reduce and its step, and the reduced grad is still in the daemon; the
+ * step is applied now (exactly once: a layer that has it completes
+ * SHARDD_STEP_ALREADY). With MLP_RESUME_OWN (no other rank), the rank
+ * resumes after the latest step applied on any of its layers: the reduces
+ * of that step completed, and a step the predecessor died in before any
+ * update is simply redone.
+ */
+static int rank_rejoin(struct rank *rk, uint64_t *t, uint32_t *attempt)
+{
+	uint64_t last = 0;
+	int ret;
+
+	*t = (uint64_t)rk->o->resume_step;
+	*attempt = rk->o->attempt;
+	if (rk->o->resume_step == MLP_RESUME_OWN) {
+		for (uint32_t l = 0; l < MLP_LAYERS; l++)
+			if (shardd_group_last_step(rk->g[l]) > last)
+				last = shardd_group_last_step(rk->g[l]);
+		*t = last > rk->o->steps ? rk->o->steps : last;
+	}
+	for (uint32_t l = 0; l < MLP_LAYERS && !rk->trainer_sgd && *t > 0; l++) {
+		if (shardd_group_last_step(rk->g[l]) >= *t)
+			continue;
+		fprintf(stderr, "train_mlp: rank %u: layer %u: the daemon applied step %" PRIu64
+			" last; applying step %" PRIu64 "\n", rk->rank, l, shardd_group_last_step(rk->g[l]), *t);
+		ret = rank_daemon_sgd(rk, *t, *attempt);
+		if (ret < 0)
+			return ret;
+		break;
+	}
+	ret = rank_resync(rk, *t, *attempt);
+	if (ret < 0)
+		return ret;
+	fprintf(stderr, "train_mlp: rank %u: re-attached; joining attempt %u of step %" PRIu64 "\n",
+		rk->rank, *attempt, *t);
+	return 0;
+}
+
 int rank_main(const struct trainer_opts *o, uint32_t rank, int report_fd,
 	      const struct rank_hooks *hooks)
 {
 	struct rank *rk = calloc(1, sizeof(*rk));
-	uint64_t t, step_t0 = 0;
+	uint64_t t, step_t0 = now_ns();
 	uint32_t attempt = 0;
 	int ret;
 
@@ -609,30 +703,12 @@ int rank_main(const struct trainer_opts *o, uint32_t rank, int report_fd,
 		goto out;
 
 	t = 0;
-	if (o->resume_step >= 0) {
-		t = (uint64_t)o->resume_step;
-		attempt = o->attempt;
-		/*
-		 * The others finished step t - 1 (numbered t), so every reduce of it
-		 * completed: an update the dead rank did not apply is still there.
-		 */
-		for (uint32_t l = 0; l < MLP_LAYERS && !rk->trainer_sgd && t > 0; l++) {
-			if (shardd_group_last_step(rk->g[l]) >= t)
-				continue;
-			fprintf(stderr, "train_mlp: rank %u: layer %u: the daemon applied step %" PRIu64
-				" last; applying step %" PRIu64 "\n", rank, l, shardd_group_last_step(rk->g[l]), t);
-			ret = rank_daemon_sgd(rk, t);
-			if (ret < 0)
-				goto out;
-			break;
-		}
-		ret = rank_resync(rk, t, attempt);
+	if (o->resume_step != -1) {
+		ret = rank_rejoin(rk, &t, &attempt);
 		if (ret < 0)
 			goto out;
-		fprintf(stderr, "train_mlp: rank %u: re-attached; joining attempt %u of step %" PRIu64 "\n",
-			rank, attempt, t);
 	}
-	while (t < o->steps) {
+	for (;;) {
 		double loss = 0.0;
 		uint64_t t0;
 
@@ -642,9 +718,12 @@ int rank_main(const struct trainer_opts *o, uint32_t rank, int report_fd,
 			rk->shardd_ns = 0;
 		}
 		t0 = step_t0;
-		ret = rank_step(rk, t, attempt, &loss);
+		/* Every rank takes part: the final unshard is a collective even where only rank 0 dumps. */
+		ret = t < o->steps ? rank_step(rk, t, attempt, &loss) : rank_final(rk, attempt);
+		if (ret == 0 && t == o->steps)
+			break;
 		if (ret == 0) {
-			ret = rank_report(rk, t, loss, now_ns() - t0);
+			ret = rank_report(rk, t, 0, loss, now_ns() - t0);
 			if (ret < 0)
 				goto out;
 			t++;
@@ -656,13 +735,15 @@ int rank_main(const struct trainer_opts *o, uint32_t rank, int report_fd,
 			goto out;
 		attempt++;
 		fprintf(stderr, "train_mlp: rank %u: step %" PRIu64 " failed (%s); nothing applied,"
-			" retrying it as attempt %u once every rank is back\n", rank, t, rk->fail_msg, attempt);
-		ret = rank_resync(rk, t, attempt);
+			" retrying it as attempt %u once every rank is back (--resume-step %" PRIu64
+			" --attempt %u)\n", rank, t, rk->fail_msg, attempt, t, attempt);
+		/* The launcher restarts the dead rank into this attempt. */
+		ret = rank_report(rk, t, attempt, 0.0, 0);
+		if (ret == 0)
+			ret = rank_resync(rk, t, attempt);
 		if (ret < 0)
 			goto out;
 	}
-	/* Every rank takes part: the final unshard is a collective even where only rank 0 dumps. */
-	ret = rank_final(rk);
 out:
 	for (uint32_t l = 0; l < MLP_LAYERS; l++) {
 		shardd_group_close(rk->g[l]);

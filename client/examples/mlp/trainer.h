@@ -24,14 +24,22 @@
  * keys grow monotonically over the run.
  *
  * A step that fails because a rank died (peer died, or timeout) is retried
- * once every rank is back: the dead rank's replacement re-attaches with
- * resume_step and joins the retry's attempt. With the daemon's SGD the
+ * once every rank is back: each survivor reports the step and attempt it
+ * retries (struct loss_report) and waits at that attempt's barrier; the
+ * dead rank's replacement re-attaches with that resume_step and attempt
+ * (the launcher passes them on) and joins. A death after the last step's
+ * reduces fails the final unshard, retried alike (resume_step = steps).
+ * docs/RELIABILITY.md states the whole protocol. With the daemon's SGD the
  * replacement first asks the daemon which step it last applied to each of
  * its shards (shardd_group_last_step) and applies the step T update the
  * dead rank reduced but never stepped (its sharded grad is still in the
  * daemon). The trainer-side SGD cannot: a rank that dies after its step's
  * last reduce completed but before its SGD loses that update, and one that
  * dies in the middle of its SGD leaves a half-updated shard.
+ *
+ * HSDP (replicate > 1): the ranks attach as replicate x (world /
+ * replicate), unshard within their replica and reduce with
+ * SHARDD_REDUCE_ALL_REDUCE over the whole job.
  *
  * Backends: on the host backend the ranks compute on the group buffers'
  * mappings directly. On the cuda backend (device >= 0) those are device
@@ -44,6 +52,8 @@
 
 #include <stdint.h>
 
+#include "model.h"
+
 #define MLP_MAX_ATTEMPTS 4          /* tries of one step; attempt < 8 fits op_key */
 
 /* What one rank needs to train (the launcher's flags of the same names). */
@@ -53,16 +63,29 @@ struct trainer_opts {
 	const char *socket;    /* --socket PATH; NULL: library default */
 	const char *job;       /* --job NAME */
 	const char *dump;      /* --dump FILE */
-	int64_t resume_step;   /* --resume-step T; -1: fresh start */
+	uint32_t replicate;    /* --replicate R: HSDP, R replicas of world / R shards; 1: FSDP */
+	int64_t resume_step;   /* --resume-step T; -1: fresh start; MLP_RESUME_OWN: see below */
 	uint32_t attempt;      /* --attempt A: with --resume-step, the attempt to join */
 	int32_t device;        /* --device N; SHARDD_HELLO_DEVICE_HOST: none */
 	int trainer_sgd;       /* --trainer-sgd: SGD in the trainer, not the daemon's step */
 };
 
-/* Loss report from a rank to its launcher, one atomic pipe write. */
+/*
+ * resume_step for a rank with no other rank to learn the step from (world
+ * 1): resume after the last step the daemon applied on its shards.
+ */
+#define MLP_RESUME_OWN (-2)
+
+/*
+ * Report from a rank to its launcher, one atomic pipe write. attempt 0: the
+ * loss of step `step`, which the rank completed. attempt > 0: the rank
+ * failed in step `step` (a rank died) and waits at the barrier of that
+ * step's retry number `attempt`, where a restarted rank must join it
+ * (step = o->steps: the final unshard).
+ */
 struct loss_report {
 	uint32_t rank;
-	uint32_t rsvd;
+	uint32_t attempt;
 	uint64_t step;
 	double loss;
 	uint64_t step_ns;   /* the step's wall time on this rank, retries included */
@@ -86,8 +109,31 @@ struct rank_hooks {
 	 */
 	int (*before_reduce)(struct rank *rk, uint64_t t, uint32_t attempt, uint32_t layer,
 			     uint64_t key, void *arg);
+	/*
+	 * Called at each point of enum rank_point in attempt `attempt` of step
+	 * t, in schedule order, `layer` the layer concerned (MLP_LAYERS for
+	 * RANK_AT_BEFORE_STEP). The tests kill the rank there.
+	 */
+	void (*at)(struct rank *rk, uint32_t point, uint64_t t, uint32_t attempt, uint32_t layer,
+		   void *arg);
 	void *arg;
 };
+
+/*
+ * The points of a step where rank_hooks.at is called with the daemon's
+ * step, RANK_POINTS_PER_STEP per attempt; in order: the forward unshards of
+ * fc0, fc1, fc2 (0-2), the backward unshards of fc2, fc1 (3, 4), the reduce
+ * of fc2 (5), the unshard of fc0 (6), the reduces of fc1, fc0 (7, 8), before
+ * the step (9), the steps of fc0, fc1, fc2 (10-12), after them (13).
+ */
+enum rank_point {
+	RANK_AT_UNSHARD,      /* the unshard of `layer` (forward or backward) submitted, not reaped */
+	RANK_AT_REDUCE,       /* the reduce of `layer` submitted, not reaped */
+	RANK_AT_BEFORE_STEP,  /* every reduce of the step completed, no step submitted */
+	RANK_AT_STEP,         /* the daemon's step of `layer` submitted, not reaped */
+	RANK_AT_STEP_DONE,    /* every step completed, the loss not yet reported */
+};
+#define RANK_POINTS_PER_STEP (2 * MLP_LAYERS + MLP_LAYERS + 1 + MLP_LAYERS + 1)
 
 /*
  * Run rank `rank` of o->world: attach, register (or, with resume_step,
@@ -101,8 +147,11 @@ int rank_main(const struct trainer_opts *o, uint32_t rank, int report_fd,
 
 /* For hooks. This rank's number. */
 uint32_t rank_id(const struct rank *rk);
+/* The flags of this rank's reduces: SHARDD_REDUCE_ALL_REDUCE under HSDP, else 0. */
+uint32_t rank_reduce_flags(const struct rank *rk);
 /*
- * Submit an op on layer `layer`'s group (MLP_LAYERS: no group, a barrier);
+ * Submit an op on layer `layer`'s group (MLP_LAYERS: no group, a barrier;
+ * SHARDD_OP_STEP: the daemon's SGD with MLP_LR, `flags` SHARDD_STEP_*);
  * its slot (>= 0) or a negative error, recorded as the attempt's failure.
  */
 int rank_submit(struct rank *rk, uint32_t op, uint32_t layer, uint64_t step, uint32_t flags);

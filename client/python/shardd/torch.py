@@ -56,23 +56,38 @@ number (see :class:`DaemonOptimizer`)::
     opt = st.DaemonAdamW(model, lr=1e-3)      # before fully_shard
     st.fully_shard(model, mesh=mesh)
     ...; loss.backward(); opt.step(); opt.zero_grad()
+
+:func:`clip_grad_norm_` is torch's over the daemon's job-wide grad norm; its
+clip coefficient goes with the daemon optimizer's next step. A rank that died
+comes back with ``init_device_mesh(..., resume=True)`` (fully_shard opens its
+groups) and every rank calls :meth:`DaemonOptimizer.recover` (the survivors
+when :func:`peer_failed` says an op failed for a dead peer): each step is
+applied exactly once on every shard.
 """
 
+import errno
 import functools
 import itertools
+import re
+import struct
+import time
 
 import torch
 
 from . import proto as P
-from .client import Client, Optimizer, Param, ShardError, _f64_bits, numpy_to_tensor
+from .client import Client, DaemonGone, Optimizer, Param, ShardError, _f64_bits, numpy_to_tensor
 
 __all__ = ["fully_shard", "MixedPrecisionPolicy", "FSDPModule", "UnshardHandle",
            "init_device_mesh", "default_reduce_dtype", "local_shards", "DaemonOptimizer",
-           "DaemonSGD", "DaemonAdamW"]
+           "DaemonSGD", "DaemonAdamW", "clip_grad_norm_", "peer_failed"]
 
 _TORCH_TO_SHARDD = {torch.float32: P.DTYPE_FP32, torch.bfloat16: P.DTYPE_BF16,
                     torch.float16: P.DTYPE_FP16}
 _SHARDD_TO_TORCH = {v: k for k, v in _TORCH_TO_SHARDD.items()}
+# DaemonOptimizer.recover's barrier numbers (_recover_key): bit 62, bit 61 a
+# job-wide skip, bit 60 a clip coefficient in bits 28..59, the step in 0..27.
+_RECOVER_BARRIER, _KEY_SKIPPED, _KEY_CLIP = 1 << 62, 1 << 61, 1 << 60
+_KEY_STEP_BITS = 28
 
 
 def _torch_version(version=None):
@@ -121,11 +136,17 @@ class MixedPrecisionPolicy:
                 f"cast_forward_inputs={self.cast_forward_inputs})")
 
 
-def init_device_mesh(job, rank, mesh_shape, *, socket_path=None, timeout=None):
+def init_device_mesh(job, rank, mesh_shape, *, socket_path=None, timeout=None, resume=False):
     """Attach rank `rank` of job `job` to shardd and return the Client that
     fully_shard takes as its mesh. mesh_shape: (shard,) for FSDP or
     (replicate, shard) for HSDP, as FSDP2's 1-D and 2-D DeviceMesh; the
-    global rank is replica * shard + shard rank."""
+    global rank is replica * shard + shard rank.
+
+    resume=True: a restarted rank re-attaches to the job it left: each
+    fully_shard opens the group it would register (same name, checked
+    against this rank's params, dtypes and optimizer kind) instead of
+    registering it, and keeps the shards the daemon holds (the model's
+    values are not loaded). Then call DaemonOptimizer.recover()."""
     shape = tuple(mesh_shape)
     if len(shape) == 1:
         replicate, shard = 1, shape[0]
@@ -134,8 +155,10 @@ def init_device_mesh(job, rank, mesh_shape, *, socket_path=None, timeout=None):
     else:
         raise ValueError(f"mesh_shape {mesh_shape!r}: give (shard,) or (replicate, shard)")
     kw = {} if timeout is None else {"timeout": timeout}
-    return Client(job=job, rank=rank, shard=shard, replicate=replicate, socket_path=socket_path,
-                  **kw)
+    client = Client(job=job, rank=rank, shard=shard, replicate=replicate, socket_path=socket_path,
+                    **kw)
+    client._shardd_resume = bool(resume)
+    return client
 
 
 # ---------------------------------------------------------------- state
@@ -197,6 +220,7 @@ class _State:
         self.needs_post_backward = False
         self.pre_backward_done = False
         self._reduce_lands = True        # the last reduce updates the sharded grads
+        self.optimizer = None            # the DaemonOptimizer that steps the group, or None
 
     # ---------------------------------------------------------- naming
     def where(self, what):
@@ -335,6 +359,88 @@ class _State:
                                  f"parameters in backward")
             p.partial_has_grad = False
             p.sharded.grad = p.shard_grad_view if p.has_grad else None
+
+
+    def abandon(self, key_base):
+        """After a failed collective: finish (or fail) what is in flight,
+        release a held unsharded copy, drop the iteration's gradients and
+        restart the op keys at key_base (the same on every rank)."""
+        pendings = [self.unshard_pending, self.reduce_pending and self.reduce_pending[0]]
+        self.unshard_pending = self.reduce_pending = None
+        for pend in pendings:
+            if pend is not None:
+                _quietly(pend.wait)
+        if self.unsharded:
+            self.unsharded = False
+            _quietly(lambda: self.client.start([(P.OP_RESHARD, self.group.id, 0, 0,
+                                                 f"reshard(group '{self.name}')")]).wait())
+        self.use(unsharded=False)
+        for p in self.params:
+            p.unsharded.grad = None
+            p.sharded.grad = None
+            p.has_grad = p.partial_has_grad = False
+        self.grads_accumulated = self.needs_post_backward = self.pre_backward_done = False
+        self.forward_calls = 0
+        self._reduce_lands = True
+        self.unshard_count = self.reduce_count = key_base
+        if self.ctx is not None:
+            self.ctx.in_forward = self.ctx.backward_queued = False
+            self.ctx.post_forward_order, self.ctx.prev_order = [], []
+
+
+def peer_failed(err):
+    """True when `err` (an exception from forward, backward, clip_grad_norm_,
+    step() or a barrier) says another rank died or did not come
+    (SHARDD_E_PEER_DIED, SHARDD_E_TIMEOUT) or is recovering (a barrier
+    mismatch with DaemonOptimizer.recover's barrier): every rank then calls
+    DaemonOptimizer.recover()."""
+    if not isinstance(err, ShardError) or isinstance(err, DaemonGone):
+        return False
+    if err.code == -P.E_MISMATCH:
+        return any(k & _RECOVER_BARRIER for k in _barrier_keys(err.text))
+    return err.code in (-P.E_PEER_DIED, -P.E_TIMEOUT)
+
+
+def _barrier_keys(text):
+    """The barrier numbers a barrier mismatch names ("rank 0 submitted
+    barrier 5 but rank 2 submitted barrier 7")."""
+    return {int(k) for k in re.findall(r"submitted barrier (\d+)", text)}
+
+
+def _recover_key(step, clip=None, skipped=False):
+    """recover()'s barrier number: the recover bit, the step the rank
+    resumes after, and how that step was applied (a job-wide skip, or the
+    clip coefficient as fp32 bits, which is what the daemon multiplies by),
+    so that a rank one step behind applies it the same way."""
+    if not 0 <= step < 1 << _KEY_STEP_BITS:
+        raise ValueError(f"recover: step {step} is past the {_KEY_STEP_BITS}-bit step field of "
+                         f"the recovery barrier")
+    key = _RECOVER_BARRIER | step
+    if skipped:
+        key |= _KEY_SKIPPED
+    elif clip is not None:
+        bits = struct.unpack("<I", struct.pack("<f", clip))[0]
+        key |= _KEY_CLIP | bits << _KEY_STEP_BITS
+    return key
+
+
+def _decode_recover_key(key):
+    """(step, clip coefficient or None, skipped) of a _recover_key."""
+    clip = None
+    if key & _KEY_CLIP:
+        clip = struct.unpack("<f", struct.pack("<I", key >> _KEY_STEP_BITS & 0xFFFFFFFF))[0]
+    return key & ((1 << _KEY_STEP_BITS) - 1), clip, bool(key & _KEY_SKIPPED)
+
+
+def _quietly(fn):
+    """fn(), ignoring the daemon's refusal (a collective that failed with a
+    dead peer, a reshard with nothing held); a lost daemon still raises."""
+    try:
+        fn()
+    except DaemonGone:
+        raise
+    except ShardError:
+        pass
 
 
 # ---------------------------------------------------------------- hooks
@@ -642,6 +748,10 @@ def fully_shard(module, *, mesh, reshard_after_forward=None, shard_placement_fn=
         _register(state, order, shard_placement_fn, opt)
         if opt is not None:
             opt._attach(state, order)
+        state.optimizer = opt
+        mesh._shardd_states = getattr(mesh, "_shardd_states", []) + [state]
+        for p in params:
+            p.sharded._shardd_state = state
     module._shardd_state = state
     module.__class__ = _fsdp_class(type(module))
     try:
@@ -689,25 +799,60 @@ def _register(state, tensors, shard_placement_fn, optimizer=None):
         reduce_dtype = default_reduce_dtype(mp.param_dtype, {t.dtype for t in tensors})
     pd = _TORCH_TO_SHARDD[mp.param_dtype] if mp.param_dtype is not None else None
     rd = _TORCH_TO_SHARDD[reduce_dtype] if reduce_dtype is not None else None
+    resume = getattr(state.client, "_shardd_resume", False)
     try:
-        g = state.client.register_group(state.name, specs, pd, rd,
-                                        optimizer=optimizer.config if optimizer else None)
+        if resume:
+            g = state.client.open_group(state.name)
+        else:
+            g = state.client.register_group(state.name, specs, pd, rd,
+                                            optimizer=optimizer.config if optimizer else None)
     except ShardError as e:
-        raise type(e)(e.code, f"{state.where('registration')}: {e.text}") from None
+        fix = ""
+        if e.code == -errno.EEXIST:
+            fix = (": the group already exists in the daemon; a restarted rank re-attaches with "
+                   "init_device_mesh(..., resume=True)")
+        raise type(e)(e.code, f"{state.where('registration')}: {e.text}{fix}") from None
     state.group = g
+    if resume:
+        _check_reopened(state, g, specs, pd, rd, optimizer)
     with torch.no_grad():
         for p, t in zip(state.params, tensors):
-            full = t.detach().cpu().contiguous()
-            if full.dtype == torch.bfloat16:
-                g.load_full(p.index, full.view(torch.int16).numpy().view("uint16"))
-            else:
-                g.load_full(p.index, full.numpy())
+            if not resume:
+                full = t.detach().cpu().contiguous()
+                if full.dtype == torch.bfloat16:
+                    g.load_full(p.index, full.view(torch.int16).numpy().view("uint16"))
+                else:
+                    g.load_full(p.index, full.numpy())
             p.sharded = torch.nn.Parameter(g.tensor("shard", p.index), requires_grad=t.requires_grad)
             p.shard_grad_view = g.tensor("shard_grad", p.index)
             p.unsharded = torch.nn.Parameter(g.tensor("unsharded", p.index),
                                              requires_grad=t.requires_grad)
             p.grad_view = g.tensor("grad", p.index)
     state.use(unsharded=False)
+
+
+def _check_reopened(state, g, specs, pd, rd, optimizer):
+    """A re-attached rank builds its views from its own specs: the group the
+    daemon kept must be the one this rank's model would register."""
+    def refuse(what, have, want):
+        g.close()
+        raise ShardError(-P.E_MISMATCH, f"{state.where('re-attach')}: the daemon's group has "
+                                        f"{what} {have} but this rank's model gives {want}: "
+                                        f"build the same model, fully_shard calls and optimizer "
+                                        f"as the run that registered it (or use a new job name)")
+    mine = [(s.name, s.dtype, tuple(s.shape), s.shard_dim) for s in specs]
+    theirs = [(s.name, s.dtype, tuple(s.shape), s.shard_dim) for s in g.params]
+    if mine != theirs:
+        diff = next((a, b) for a, b in itertools.zip_longest(theirs, mine) if a != b)
+        refuse("param (name, dtype, shape, shard_dim)", diff[0], diff[1])
+    for what, have, want in (("param_dtype", g.param_dtype, pd),
+                             ("reduce_dtype", g.reduce_dtype, rd)):
+        if have != (want or P.DTYPE_NONE):
+            refuse(what, P.DTYPE_NAMES.get(have, have), P.DTYPE_NAMES.get(want or P.DTYPE_NONE))
+    kind = optimizer.config.kind if optimizer else P.OPTIM_NONE
+    if g.optimizer != kind:
+        names = {P.OPTIM_NONE: "none", P.OPTIM_SGD: "SGD", P.OPTIM_ADAMW: "AdamW"}
+        refuse("optimizer", names.get(g.optimizer, g.optimizer), names.get(kind, kind))
 
 
 def local_shards(module):
@@ -723,6 +868,106 @@ def local_shards(module):
                 out.append((name, t, hit.shard_dim, st.group.shard_rows(hit.index)[0]))
                 break
     return out
+
+
+# ---------------------------------------------------------------- clip_grad_norm_
+def _poison(state):
+    """Put a NaN in the first real element of the rank's sharded grad of the
+    group, so that a STEP with SKIP_NONFINITE skips it (a rank holding no
+    rows has nothing to step)."""
+    for p in state.params:
+        flat = p.shard_grad_view.view(-1)
+        if flat.numel():
+            flat[0] = float("nan")
+            return
+
+
+def _clip_states(model_or_params):
+    """The fully_shard states whose grads clip_grad_norm_ covers, all of one
+    mesh, and that mesh; refuses params the daemon does not hold."""
+    if isinstance(model_or_params, torch.nn.Module):
+        where = f"clip_grad_norm_({type(model_or_params).__name__})"
+        params = list(model_or_params.parameters())
+        states = [m._shardd_state for m in model_or_params.modules() if isinstance(m, FSDPModule)]
+        states = [st for st in states if st.group is not None]
+    else:
+        where = "clip_grad_norm_"
+        params = [model_or_params] if isinstance(model_or_params, torch.Tensor) \
+            else list(model_or_params)
+        states = []
+    for t in params:
+        st = getattr(t, "_shardd_state", None)
+        if st is None:
+            raise ValueError(f"{where}: a param of shape {tuple(t.shape)} is in no fully_shard "
+                             f"group, so the daemon's grad_norm does not see its grad: apply "
+                             f"fully_shard to every module whose params are clipped (the root "
+                             f"last), or use torch.nn.utils.clip_grad_norm_ for local params")
+        if st not in states:
+            states.append(st)
+    if not states:
+        raise ValueError(f"{where}: no param of a fully_shard group given")
+    mesh = states[0].client
+    if any(st.client is not mesh for st in states):
+        raise ValueError(f"{where}: the params belong to more than one shardd mesh (job); "
+                         f"clip each job's params on its own")
+    missing = [st.name for st in mesh._shardd_states if st not in states]
+    if missing:
+        raise ValueError(f"{where}: the daemon's grad_norm is job-wide, over every group of job "
+                         f"'{mesh.job}', but groups {missing} are not among the params given: "
+                         f"pass the whole model (or all of its params)")
+    return states, mesh
+
+
+def clip_grad_norm_(model_or_params, max_norm, norm_type=2.0, error_if_nonfinite=False,
+                    foreach=None):
+    """torch.nn.utils.clip_grad_norm_ over fully_shard groups, without an
+    all-reduce by the trainer: the daemon's job-wide GRAD_NORM gives the total
+    norm of every group's sharded grads (collective: every rank calls it once
+    per step, after backward). Returns the total norm as a 0-d fp32 tensor.
+
+    Groups stepped by a DaemonOptimizer: the clip coefficient
+    min(1, max_norm / (total_norm + 1e-6)) goes with the optimizer's next
+    step() (the daemon multiplies it into the grads as it steps them).
+    Other groups (a trainer-side torch.optim optimizer): the sharded grads
+    are multiplied here, as torch does. norm_type: 2.0 or inf (the daemon's).
+    A non-finite norm raises with error_if_nonfinite, as torch; otherwise a
+    DaemonOptimizer(skip_nonfinite=True) skips the step on every rank.
+    foreach is accepted for torch's signature and unused (the daemon
+    computes the norm)."""
+    del foreach
+    norm_type = float(norm_type)
+    max_norm = float(max_norm)
+    if norm_type not in (2.0, float("inf")):
+        raise ValueError(f"clip_grad_norm_: norm_type {norm_type:g} is not supported by the "
+                         f"daemon's grad_norm: use 2.0 or inf")
+    states, mesh = _clip_states(model_or_params)
+    for st in mesh._shardd_states:
+        st.wait_reduce()
+    key = getattr(mesh, "_shardd_norm_count", 0) + 1
+    mesh._shardd_norm_count = key
+    try:
+        norm, nonfinite = mesh.grad_norm(key, norm_type)
+    except ShardError as e:
+        raise type(e)(e.code, f"clip_grad_norm_ on rank {mesh.rank} of job '{mesh.job}': "
+                              f"{e.text}") from None
+    total = torch.tensor(norm, dtype=torch.float32)
+    if error_if_nonfinite and (nonfinite or not torch.isfinite(total)):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is "
+            f"non-finite, so it cannot be clipped. To disable this error and scale the "
+            f"gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    opts = set()
+    for st in states:
+        if st.optimizer is not None:
+            opts.add(st.optimizer)
+            continue
+        for p in st.params:
+            if p.sharded.grad is not None:
+                p.sharded.grad.detach().mul_(coef)
+    for opt in opts:
+        opt._clip = (opt.step_number + 1, float(coef), bool(nonfinite))
+    return total
 
 
 # ---------------------------------------------------------------- the daemon's optimizer
@@ -778,6 +1023,9 @@ class DaemonOptimizer(torch.optim.Optimizer):
         self.config = config
         self.skip_nonfinite = skip_nonfinite
         self.step_number = 0        # daemon step numbers submitted so far
+        self._clip = None           # (step number, coefficient, nonfinite) from clip_grad_norm_
+        self._resumed = False       # groups re-opened (resume=True), recover() not run yet
+        self._applied = None        # (step number, clip coefficient, job-wide skip): last step
         self.last_results = {}      # group name -> P.STEP_* of the last step()
         self._states = []
         self._names = {id(p): n for n, p in model.named_parameters()}   # originals' names
@@ -795,6 +1043,9 @@ class DaemonOptimizer(torch.optim.Optimizer):
         """fully_shard registered `state`'s group with this optimizer: step it,
         and hold its shards in param_groups instead of the originals."""
         self._states.append(state)
+        if getattr(state.client, "_shardd_resume", False):
+            self._resumed = True
+            self.step_number = min(st.group.last_step for st in self._states)
         shards = {id(t): p.sharded for t, p in zip(originals, state.params)}
         self._sharded.update(id(p.sharded) for p in state.params)
         group = self.param_groups[0]
@@ -815,8 +1066,12 @@ class DaemonOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None, *, clip=None):
         """Submit the daemon's step number step_number + 1 for every group and
-        wait for it. clip: clip_grad_norm_'s coefficient multiplied into the
-        grads, or None. Returns closure's loss (None without closure)."""
+        wait for it. clip: a coefficient multiplied into the grads, or None:
+        the one shardd.torch.clip_grad_norm_ computed for this step, if it ran.
+        With skip_nonfinite, a step whose job-wide grad norm (clip_grad_norm_)
+        was non-finite is skipped on every rank; without clip_grad_norm_ each
+        rank's shard decides (a NaN/Inf in it skips it). Returns closure's
+        loss (None without closure)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -835,15 +1090,33 @@ class DaemonOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{type(self).__name__}.step: lr = {lr}: the daemon takes a finite "
                              f"lr >= 0 (check the lr scheduler)")
         number = self.step_number + 1
-        flags = (P.STEP_SKIP_NONFINITE if self.skip_nonfinite else 0) | \
-            (P.STEP_CLIP if clip is not None else 0)
-        args = (_f64_bits(lr), _f64_bits(clip) if clip is not None else 0)
-        pending = []
+        nonfinite = False
+        if clip is None and self._clip is not None and self._clip[0] == number:
+            _n, clip, nonfinite = self._clip
+        self._clip = None
+        # Every reduce first: a rank that fails here has stepped no group.
         for st in self._states:
             st.wait_reduce()
             if st.unsharded or st.unshard_pending is not None:
                 raise RuntimeError(f"{st.where('step')}: the module holds its unsharded params; "
                                    f"call reshard() on it before the optimizer step")
+        skip = self.skip_nonfinite
+        if nonfinite and skip:
+            # The job-wide norm is non-finite: every rank skips, also one whose
+            # own shard is finite (the daemon's rule is per shard).
+            for st in self._states:
+                _poison(st)
+            clip = None
+        elif clip is not None and clip != clip:
+            raise ValueError(f"{type(self).__name__}.step: clip_grad_norm_ found a NaN total "
+                             f"norm, and the daemon takes no NaN clip coefficient (torch would "
+                             f"turn every param into NaN): construct the optimizer with "
+                             f"skip_nonfinite=True to skip such steps on every rank, or call "
+                             f"clip_grad_norm_(..., error_if_nonfinite=True) to stop")
+        flags = (P.STEP_SKIP_NONFINITE if skip else 0) | (P.STEP_CLIP if clip is not None else 0)
+        args = (_f64_bits(lr), _f64_bits(clip) if clip is not None else 0)
+        pending = []
+        for st in self._states:
             where = f"step(group '{st.name}', step {number})"
             pending.append((st, st.client.start([(P.OP_STEP, st.group.id, number, flags, where,
                                                   args)])))
@@ -858,7 +1131,132 @@ class DaemonOptimizer(torch.optim.Optimizer):
                 p.sharded.grad = None
         self.step_number = number
         self.last_results = results
+        self._applied = (number, clip, bool(nonfinite and skip))
         return loss
+
+    def recover(self, timeout=None):
+        """Collective recovery after a rank died: every rank calls it, the
+        survivors when an op failed with SHARDD_E_PEER_DIED or
+        SHARDD_E_TIMEOUT (a ShardError from forward, backward or step()), the
+        restarted rank after re-attaching (init_device_mesh(resume=True) and
+        the same fully_shard calls). Returns the step number every rank
+        resumes after (step_number): the training loop goes on with its
+        iteration step_number + 1 (0-based: the iteration step_number).
+
+        What it does: each rank drops its iteration in flight and reads from
+        the daemon the last step applied on its shard of each group. Ranks
+        that lived through the failure agree on it; the restarted rank may be
+        one step behind (it died after that step's reduces completed, before
+        its own STEP of some group). The ranks meet at a barrier whose number
+        carries the step and how the survivors applied it (its clip
+        coefficient, or a job-wide skip); the daemon refuses different
+        numbers and names them, so the restarted rank learns the survivors'
+        step and applies it the same way from the sharded grads the daemon
+        kept: every update is applied exactly once. Then every rank clears
+        its sharded grads and the op keys restart from the agreed step. The
+        catch-up STEP takes the lr in param_groups now (restore a scheduler
+        to step_number first). One dead rank at a time; timeout: seconds to
+        wait for the other ranks
+        (default: twice the daemon's collective timeout plus 30 s)."""
+        if not self._states:
+            raise RuntimeError(self._unregistered())
+        mesh = self._states[0].client
+        if timeout is None:
+            timeout = 2 * mesh.collective_timeout_ms / 1000 + 30
+        deadline = time.monotonic() + timeout
+        resumed = self._resumed
+        for st in self._states:
+            st.abandon(0)
+        last = {st.name: self._daemon_last_step(st) for st in self._states}
+        step = min(last.values())
+        if max(last.values()) != step and not resumed:
+            raise RuntimeError(f"{type(self).__name__}.recover on rank {mesh.rank}: the daemon's "
+                               f"last steps differ between groups ({last}) on a rank that did "
+                               f"not restart")
+        if not resumed:
+            self._zero_grads()
+        applied = self._applied if self._applied and self._applied[0] == step else (step, None,
+                                                                                     False)
+        key = _recover_key(*applied)
+        caught_up = False
+        while True:
+            try:
+                mesh.barrier(key)
+                break
+            except DaemonGone:
+                raise
+            except ShardError as e:
+                left = deadline - time.monotonic()
+                if left <= 0 or e.code not in (-P.E_MISMATCH, -P.E_PEER_DIED, -P.E_TIMEOUT):
+                    raise type(e)(e.code, f"{type(self).__name__}.recover on rank {mesh.rank} of "
+                                          f"job '{mesh.job}' at step {step}: {e.text}") from None
+                theirs = [_decode_recover_key(k) for k in _barrier_keys(e.text) - {key}
+                          if k & _RECOVER_BARRIER]
+                for other in theirs:
+                    if resumed and other[0] == step:
+                        key = _recover_key(*other)      # the survivors' word on the step
+                    elif resumed and not caught_up and other[0] == step + 1:
+                        # The others applied step + 1, so its reduces completed
+                        # and the daemon kept this rank's reduced grads (some
+                        # groups may have stepped before this rank died).
+                        step, caught_up = step + 1, True
+                        self._catch_up(*other)
+                        key = _recover_key(*other)
+                    elif other[0] not in (step, step - 1):
+                        raise RuntimeError(
+                            f"{type(self).__name__}.recover on rank {mesh.rank} of job "
+                            f"'{mesh.job}': this rank resumes after step {step} but another "
+                            f"rank after step {other[0]} ({e.text}); recovery handles one "
+                            f"restarted rank at a time") from None
+                # A rank not attached yet, one behind that catches up, or
+                # ranks still in a barrier of their own (they fail it and
+                # come here): try again.
+                if e.code != -P.E_MISMATCH:
+                    time.sleep(min(0.02, left))
+        self._zero_grads()
+        base = (step + 1) << 24
+        for st in self._states:
+            st.abandon(base)
+        mesh._shardd_norm_count = base
+        self.step_number = step
+        self._applied = _decode_recover_key(key)
+        self._resumed = False
+        self._clip = None
+        return step
+
+    def _daemon_last_step(self, st):
+        g = st.client.open_group(st.name)
+        try:
+            return g.last_step
+        finally:
+            g.close()
+            st.client.groups.remove(g)
+
+    def _catch_up(self, number, clip, skipped):
+        """Apply step `number` as the other ranks did (clip coefficient, or
+        the job-wide skip); a group that already applied it answers ALREADY."""
+        lr = self.param_groups[0]["lr"]
+        flags = (P.STEP_SKIP_NONFINITE if self.skip_nonfinite or skipped else 0) | \
+            (P.STEP_CLIP if clip is not None else 0)
+        for st in self._states:
+            if skipped:
+                _poison(st)
+            where = f"step(group '{st.name}', step {number})"
+            try:
+                st.client.start([(P.OP_STEP, st.group.id, number, flags, where,
+                                  (_f64_bits(lr), _f64_bits(clip) if clip is not None else 0))]
+                                ).wait()
+            except ShardError as e:
+                raise st._wrap(f"recovery of step {number}", e) from None
+
+    def _zero_grads(self):
+        pend = [st.client.start([(P.OP_ZERO_GRAD, st.group.id, 0, 0,
+                                  f"zero_grad(group '{st.name}')")]) for st in self._states]
+        for st, p in zip(self._states, pend):
+            try:
+                p.wait()
+            except ShardError as e:
+                raise st._wrap("recovery zero_grad", e) from None
 
     def state_dict(self):
         """The lr (and any scheduler keys in the param group) and the step

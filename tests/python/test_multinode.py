@@ -300,7 +300,7 @@ def test_killed_node_fails_the_other_node_ranks_within_the_timeout(request, R, S
             groups = run_ranks(lambda r: clients[r].register_group("g", SPECS), 2)
             # Rank 0's op waits in the job's collective when node 1 dies; rank 1's completes the
             # node's half after it is gone, so node 0 sends nothing that is in flight at the
-            # death (Open MPI 4.1 may abort a sender whose transfer fails: docs/MULTINODE.md).
+            # death (Open MPI 4.1 may end a sender whose transfer fails: docs/MULTINODE.md).
             assert groups[0].submit(op, step=1, flags=flags, user_data=11)
             os.kill(world.pids[1], signal.SIGKILL)
             world.wait_gone(1)

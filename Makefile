@@ -20,6 +20,9 @@ WERROR_FLAGS := $(if $(filter 1,$(WERROR)),-Werror)
 override CFLAGS += -std=gnu11 $(WERROR_FLAGS) -fPIC -pthread -MMD -MP
 LDFLAGS  ?=
 LDLIBS   := -luring -ljansson -lmicrohttpd -lz -lpthread -lm
+# Open MPI for `shardd --world mpi` (daemon/world.c, the only file that includes mpi.h).
+MPI_CFLAGS := $(shell pkg-config --cflags ompi-c 2>/dev/null || echo -I/usr/lib/x86_64-linux-gnu/openmpi/include)
+MPI_LIBS   := $(shell pkg-config --libs ompi-c 2>/dev/null || echo -lmpi)
 PREFIX   ?= /usr/local
 DESTDIR  ?=
 PYTHON   ?= /usr/bin/python3
@@ -120,6 +123,8 @@ $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) $(call inc_of,$<) -c $< -o $@
 
+$(BUILD)/daemon/world.o: override CFLAGS += $(MPI_CFLAGS)
+
 $(BUILD)/%.cu.o: %.cu
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -Xcompiler -fPIC $(subst -iquote ,-I,$(call inc_of,$<)) -c $< -o $@
@@ -137,7 +142,7 @@ $(LIBCLIENT_SO): $(CLIENT_OBJ)
 	$(CC) $(LDFLAGS) -shared -Wl,-soname,libshardd.so.0 -o $@ $^ -lpthread
 
 $(SHARDD): $(BUILD)/daemon/main.o $(LIBDAEMON) $(LIBKERNELS)
-	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS) $(CUDA_LDLIBS)
+	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS) $(MPI_LIBS) $(CUDA_LDLIBS)
 
 $(BUILD)/shardctl: $(call obj,$(SHARDCTL_SRC)) $(LIBCLIENT_A)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
@@ -151,7 +156,7 @@ $(BUILD)/examples/%: $(BUILD)/client/examples/%.o $(LIBCLIENT_A)
 
 $(BUILD)/tests/%: $(BUILD)/tests/%.o $(TESTLIB_OBJ) $(LIBDAEMON) $(LIBCLIENT_A) $(LIBKERNELS)
 	@mkdir -p $(dir $@)
-	$(CC) $(LDFLAGS) -o $@ $^ -lcriterion $(LDLIBS) $(CUDA_LDLIBS)
+	$(CC) $(LDFLAGS) -o $@ $^ -lcriterion $(LDLIBS) $(MPI_LIBS) $(CUDA_LDLIBS)
 
 
 # ---------------------------------------------------------------- deps ---

@@ -147,7 +147,7 @@ static int dump_view(const struct shd_group *g, uint32_t pi, uint32_t rank, cons
 	v->row_elems = v->nrows ? numel / v->nrows : 0;
 	v->valid_rows = v->nrows;
 	if (what[0] != 'u' && lp->shard_dim == 0 && sp->ndim)
-		v->valid_rows = shd_layout_rows_valid(lp, rank % g->shard);
+		v->valid_rows = shd_layout_rows_valid(lp, shd_group_shard_rank(g, rank));
 	v->shape = json_array();
 	for (uint32_t d = 0; d < sp->ndim; d++)
 		admin_append(v->shape, admin_json_u64(shape[d]));

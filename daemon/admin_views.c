@@ -488,7 +488,7 @@ static json_t *json_param(const struct shd_group *g, uint32_t i)
 	json_t *o = json_object(), *valid = json_array();
 
 	for (uint32_t r = 0; r < g->shard; r++)
-		if (admin_append(valid, admin_json_u64(shd_layout_rows_valid(lp, r))))
+		if (admin_append(valid, admin_json_u64(shd_layout_rows_valid(lp, shd_group_shard_rank(g, r)))))
 			goto err;
 	if (admin_put(o, "index", json_integer(i)) ||
 	    admin_put(o, "name", admin_json_name(sp->name)) ||

@@ -240,8 +240,12 @@ void eng_coll_reduce(struct eng_group *eg, const struct eng_op *op)
 		return;
 	}
 	if (g->replicate == 1) {
+		/* HSDP across nodes: this node's ranks are one replica; ALL_REDUCE crosses nodes. */
+		uint32_t kind = eng_mesh_replicate(eg->j) > 1 && !(op->sqe.flags & SHARDD_REDUCE_ALL_REDUCE)
+					? TASK_REDUCE_PARTIAL : TASK_REDUCE;
+
 		if (coll_arrive(eg, &eg->rs[0], op))
-			coll_launch(eg, &eg->rs[0], TASK_REDUCE, 0);
+			coll_launch(eg, &eg->rs[0], kind, 0);
 		return;
 	}
 	if (op->sqe.flags & SHARDD_REDUCE_ALL_REDUCE) {

@@ -88,6 +88,7 @@ void shd_engine_destroy(struct shd_engine *e)
 		return;
 	while (e->jobs)
 		shd_engine_job_destroy(e->jobs);
+	eng_span_threads_wait(e);
 	shd_pool_destroy(e->pool);
 	e->backend->ops->destroy(e->backend);
 	close(e->efd);
@@ -348,11 +349,11 @@ static int step_check(const struct eng_group *eg, const struct shardd_sqe *sqe, 
 			"SHARDD_STEP_CLIP or SHARDD_STEP_CLIP_JOB: set a flag or leave it 0", name, eg->g->name,
 			(unsigned long long)sqe->step, SHARDD_SQE_STEP_CLIP,
 			(unsigned long long)sqe->rsvd2[SHARDD_SQE_STEP_CLIP]);
-	else if (sqe->op == SHARDD_OP_REDUCE && eg->g->replicate > 1 && !(sqe->flags & SHARDD_REDUCE_ALL_REDUCE))
+	else if (sqe->op == SHARDD_OP_REDUCE && eng_mesh_replicate(eg->j) > 1 && !(sqe->flags & SHARDD_REDUCE_ALL_REDUCE))
 		eng_fmt(msg, len, "shardd: reduce(group '%s', step %llu): flags = 0x%x: SHARDD_REDUCE_STEP without "
 			"SHARDD_REDUCE_ALL_REDUCE under HSDP (replicate %u): the grads are not final until the "
 			"all-reduce; step with the reduce that all-reduces", eg->g->name,
-			(unsigned long long)sqe->step, sqe->flags, eg->g->replicate);
+			(unsigned long long)sqe->step, sqe->flags, eng_mesh_replicate(eg->j));
 	else
 		return 0;
 	return -SHARDD_E_INVALID;

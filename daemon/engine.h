@@ -70,6 +70,14 @@ void shd_engine_cron(struct shd_engine *e, uint64_t now_ns);
 /* 0, -ENOMEM or -SHARDD_E_INVALID (mesh out of range). */
 int  shd_engine_job_create(struct shd_engine *e, void *job_ctx, const char *job_name,
 		uint32_t replicate, uint32_t shard, struct shd_engine_job **out);
+/*
+ * The job spans the daemon world (docs/MULTINODE.md): its engine mesh is
+ * this node's ranks, node `node` of `nodes`, and the whole mesh is
+ * replicate x shard (HSDP with replicate = nodes). Before any registration.
+ * 0, or -SHARDD_E_INVALID when the meshes do not fit.
+ */
+int shd_engine_job_span(struct shd_engine_job *j, uint32_t replicate, uint32_t shard,
+			uint32_t nodes, uint32_t node);
 /* Pending ops fail with -SHARDD_E_SHUTDOWN via callbacks before it returns. */
 void shd_engine_job_destroy(struct shd_engine_job *j);
 /*

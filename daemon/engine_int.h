@@ -138,6 +138,7 @@ struct eng_group {
 	int restoring;               /* its TASK_RESTORE runs: the registration completes when it ends */
 	int restore_fail;            /* a rank left or the job ended meanwhile: the registration fails */
 	char restore_msg[ENGINE_MSG_MAX];
+	uint64_t span_seq;           /* exchanges among nodes so far (internode.c); its running task's */
 };
 
 struct shd_engine_job {
@@ -158,6 +159,12 @@ struct shd_engine_job {
 	uint64_t ckpt_every_last;    /* the last step --checkpoint-every took (or tried) */
 	struct shd_engine_ckpt_status ckpt_last; /* the last_* fields: the last checkpoint that ended */
 	int ending;                  /* shd_engine_job_end runs: start no task */
+	/*
+	 * A job spanning the nodes of the daemon world (internode.c): its
+	 * replicate, shard and world above are this node's ranks; span_* the
+	 * whole mesh's. span_nodes 0: the job lives on this node.
+	 */
+	uint32_t span_nodes, span_node, span_replicate, span_shard;
 	struct shd_engine_job *prev, *next;
 };
 
@@ -172,6 +179,7 @@ struct shd_engine {
 	struct eng_task *fin_head, *fin_tail;
 	struct shd_engine_job *jobs;
 	uint64_t mem_committed;      /* its jobs' mem_committed, summed */
+	uint32_t span_threads;       /* threads running inter-node tasks (internode.c); under lock */
 };
 
 /* ---- delivery.c: messages and delivery ---- */
@@ -249,5 +257,55 @@ void eng_restore_delivered(struct eng_task *t);
 void eng_ckpt_job_wait(struct shd_engine_job *j);
 /* Loop thread, from shd_engine_job_end after every group stopped: fail a checkpoint still open. */
 void eng_ckpt_job_end(struct shd_engine_job *j, const char *why);
+/* ---- internode.c: the parts of a collective between nodes ---- */
+
+/* The replicate size of the job's whole mesh (the divide factors' and HSDP's R). */
+static inline uint32_t eng_mesh_replicate(const struct shd_engine_job *j)
+{
+	return j->span_nodes > 1 ? j->span_replicate : j->replicate;
+}
+
+/* The shard group size of the job's whole mesh (the divide factors' S). */
+static inline uint32_t eng_mesh_shard(const struct shd_engine_job *j)
+{
+	return j->span_nodes > 1 ? j->span_shard : j->shard;
+}
+
+/* 1 when the job's shard group spans the nodes (FSDP across nodes: mesh 1 x S over them). */
+static inline int eng_span_fsdp(const struct shd_engine_job *j)
+{
+	return j->span_nodes > 1 && j->span_replicate == 1;
+}
+
+/* 1 when the task exchanges data with other nodes: never inline, and not on the pool. */
+int eng_span_task(const struct eng_task *t);
+/*
+ * Run the task (t->pt.fn) on a thread of its own: it waits for other nodes,
+ * and the worker pool must never wait on the network. 0, or -1 when no
+ * thread could be started (the caller queues it on the pool instead).
+ */
+int eng_span_spawn(struct eng_task *t);
+/* Wait until no thread of eng_span_spawn runs (engine destroy). */
+void eng_span_threads_wait(struct shd_engine *e);
+/*
+ * FSDP across nodes, at registration: the group's layout over the whole
+ * shard group and this node's first shard rank. 0, or an error with `err`.
+ */
+int eng_span_group_init(struct eng_group *eg, char *err, size_t errlen);
+/* FSDP across nodes: node-local gather, inter-node all-gather of node chunks, the unsharded params. */
+int eng_span_unshard(struct eng_task *t);
+/*
+ * FSDP across nodes: node-local fp32 sums of every shard's rows, an
+ * exchange of each node's chunk, the sum over nodes and `rs`'s math into
+ * this node's sharded grads.
+ */
+int eng_span_reduce_scatter(struct eng_task *t, const struct shardd_reduce_math *rs);
+/*
+ * HSDP across nodes: the all-reduce over the nodes of this node's partials
+ * (already holding this reduce's reduce-scatter output), into the sharded
+ * grads of its ranks with `ar`'s math, as the single-node all-reduce does.
+ * 0, a backend error (t->why), or an error with t->msg written.
+ */
+int eng_span_allreduce(struct eng_task *t, const struct shardd_reduce_math *ar);
 
 #endif /* SHD_ENGINE_INT_H */

@@ -25,7 +25,7 @@ static int grad_norm_shard(struct shd_backend_ctx *b, const struct shd_group *g,
 
 	for (uint32_t i = 0; i < l->nparams; i++) {
 		const struct shd_layout_param *p = &l->params[i];
-		uint64_t n = p->numel ? p->outer * shd_layout_rows_valid(p, r % g->shard) * p->inner : 0;
+		uint64_t n = p->numel ? p->outer * shd_layout_rows_valid(p, shd_group_shard_rank(g, r)) * p->inner : 0;
 
 		for (uint64_t done = 0; done < n; ) {
 			uint64_t k = n - done < GRAD_NORM_CHUNK ? n - done : GRAD_NORM_CHUNK;
@@ -51,6 +51,13 @@ int shd_engine_job_grad_norm(struct shd_engine_job *j, int inf, double *norm, in
 	float *tmp;
 	int ret = 0;
 
+	if (j->span_nodes > 1 && j->span_replicate == 1) {
+		eng_fmt(msg, len, "grad_norm of job '%s', sharded over %u nodes (mesh 1x%u): each node holds "
+			"only its ranks' shards, and shardd does not sum norms across nodes yet; compute the "
+			"norm in the trainer (all-reduce of the local squared norms)", j->name, j->span_nodes,
+			j->span_shard);
+		return -SHARDD_E_STATE;
+	}
 	for (uint32_t i = 0; i < j->ngroups; i++) {
 		struct eng_group *eg = j->groups[i];
 

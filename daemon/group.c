@@ -535,7 +535,7 @@ int shd_group_reply(const struct shd_group *g, struct shd_backend_ctx *b, uint32
 	const struct shd_buf *bufs[SHARDD_GROUP_BUFS] = {
 		shd_group_unsharded(g, rank), &g->grads[rank], &g->shards[rank], &g->sharded_grads[rank],
 	};
-	uint32_t shard_rank = rank % g->shard;
+	uint32_t shard_rank = shd_group_shard_rank(g, rank);
 	struct shd_buf_export one;
 	int ret;
 
@@ -546,7 +546,7 @@ int shd_group_reply(const struct shd_group *g, struct shd_backend_ctx *b, uint32
 	reply->param_dtype = g->hdr.param_dtype;
 	reply->reduce_dtype = g->hdr.reduce_dtype;
 	reply->grad_dtype = g->grad_dtype;
-	reply->shard_world = g->shard;
+	reply->shard_world = g->layout.world;
 	reply->unsharded_size = g->layout.unsharded_size;
 	reply->grad_size = g->layout.grad_size;
 	reply->shard_size = g->layout.shard_size;

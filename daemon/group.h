@@ -38,6 +38,8 @@ struct shd_group {
 	struct shardd_register_group hdr;   /* the first registration's header */
 	struct shardd_param_spec *specs;    /* its params (hdr.nparams) */
 	uint32_t replicate, shard, world;   /* mesh R x S, world = R * S */
+	uint32_t shard_base;                /* FSDP across nodes: the shard rank of this node's rank 0
+					       (layout.world is the whole shard group's); else 0 */
 	struct shd_layout layout;        /* built for the shard group size S */
 	uint32_t grad_dtype;                /* uniform grad dtype, NONE when params differ */
 	uint32_t reduce_dtype;              /* policy reduce_dtype, else grad_dtype */
@@ -177,5 +179,11 @@ void shd_group_export_close(struct shd_group_export *ex);
 
 /* Free the buffers and the group. */
 void shd_group_destroy(struct shd_group *g, struct shd_backend_ctx *b);
+
+/* The shard rank of `rank` of the group: its rows in the layout (shard_base, across nodes). */
+static inline uint32_t shd_group_shard_rank(const struct shd_group *g, uint32_t rank)
+{
+	return g->shard_base + rank % g->shard;
+}
 
 #endif /* SHD_GROUP_H */

@@ -24,6 +24,7 @@
 #include "log.h"
 #include "loop.h"
 #include "session_int.h"
+#include "world.h"
 
 #define SQ_ENTRIES_MIN 8
 #define SQ_ENTRIES_MAX 65536
@@ -185,14 +186,74 @@ static void session_doorbell(void *arg, int fd, uint32_t revents)
 		shd_session_env.note_work(shd_now_ns());
 }
 
+/* ------------------------------------------------------------------ */
+/* The daemon world: global ranks and this node's                      */
+/* ------------------------------------------------------------------ */
+
+/*
+ * Under --world mpi a hello names its rank and mesh over the whole world:
+ * with L = replicate * shard / nodes ranks per node, ranks n*L .. n*L+L-1
+ * belong to node n (docs/MULTINODE.md). A rank of this node becomes rank
+ * (rank - n*L) of the job's node-local mesh 1 x L; the job's engine learns
+ * the whole mesh (shd_engine_job_span). Returns 1 with *h rewritten to the
+ * node-local mesh, 0 after a refusal, and sets *span when the job spans.
+ */
+static int hello_world(struct shd_session *s, uint32_t seq, struct shardd_hello *h, int *span)
+{
+	uint32_t nodes = shd_world_nodes(), node = shd_world_node();
+	uint64_t world = (uint64_t)h->replicate * h->shard;
+	uint32_t L, owner;
+
+	*span = 0;
+	if (nodes <= 1)
+		return 1;
+	if (world % nodes) {
+		shd_session_reject(s, seq, -SHARDD_E_MESH,
+			       "mesh %ux%u (%llu ranks) does not split over the %u nodes of this world: "
+			       "each node must hold the same number of ranks (replicate x shard a "
+			       "multiple of %u)", h->replicate, h->shard, (unsigned long long)world,
+			       nodes, nodes);
+		return 0;
+	}
+	L = (uint32_t)(world / nodes);
+	owner = h->rank / L;
+	if (owner != node) {
+		shd_session_reject(s, seq, -SHARDD_E_INVALID,
+			       "hello.rank = %u belongs to node %u (ranks %u..%u of mesh %ux%u over %u "
+			       "nodes, %u per node); this daemon is node %u: attach to node %u's daemon",
+			       h->rank, owner, owner * L, owner * L + L - 1, h->replicate, h->shard,
+			       nodes, L, node, owner);
+		return 0;
+	}
+	if ((h->replicate != nodes || h->shard != L) && (h->replicate != 1 || h->shard != world)) {
+		shd_session_reject(s, seq, -SHARDD_E_MESH,
+			       "mesh %ux%u spans %u nodes in a layout shardd does not run: across nodes "
+			       "it runs HSDP with replicate = nodes and shard = ranks per node (mesh "
+			       "%ux%u here), or FSDP with one shard group over every rank (mesh 1x%llu)",
+			       h->replicate, h->shard, nodes, nodes, L, (unsigned long long)world);
+		return 0;
+	}
+	if (shd_session_env.backend != SHARDD_BACKEND_HOST) {
+		shd_session_reject(s, seq, -SHARDD_E_MESH,
+			       "mesh %ux%u spans %u nodes: jobs across nodes run on --backend host only "
+			       "so far", h->replicate, h->shard, nodes);
+		return 0;
+	}
+	h->rank -= node * L;
+	h->replicate = 1;
+	h->shard = L;
+	*span = 1;
+	return 1;
+}
+
 void shd_session_hello(struct shd_session *s, const struct shardd_msg_hdr *hdr,
 			  const uint8_t *payload, uint32_t len)
 {
 	struct shardd_hello h;
 	struct shardd_welcome w;
 	struct shd_job *job;
-	uint32_t sq_entries;
-	int created = 0, ringfd = -1, ret;
+	uint32_t sq_entries, mesh_replicate, mesh_shard;
+	int created = 0, ringfd = -1, span, ret;
 	char name[160], why[256];
 	int fds[2];
 
@@ -216,6 +277,10 @@ void shd_session_hello(struct shd_session *s, const struct shardd_msg_hdr *hdr,
 	}
 	memcpy(&h, payload, sizeof(h));
 	if (!hello_fields_ok(s, hdr->seq, &h))
+		return;
+	mesh_replicate = h.replicate;
+	mesh_shard = h.shard;
+	if (!hello_world(s, hdr->seq, &h, &span))
 		return;
 
 	/* The job decides who owns a rank. */
@@ -265,6 +330,9 @@ void shd_session_hello(struct shd_session *s, const struct shardd_msg_hdr *hdr,
 			goto out;
 		}
 		created = 1;
+		if (span)
+			shd_engine_job_span(job->ejob, mesh_replicate, mesh_shard, shd_world_nodes(),
+					    shd_world_node());
 	}
 
 	memset(&w, 0, sizeof(w));
@@ -302,9 +370,15 @@ void shd_session_hello(struct shd_session *s, const struct shardd_msg_hdr *hdr,
 		shd_session_close(s, "could not be registered with the event loop");
 		goto out;
 	}
-	shd_log_info("%s attached: mesh %ux%u, ring %u/%u entries, device %d",
-			shd_session_name(s, name, sizeof(name)), h.replicate, h.shard, sq_entries,
-			sq_entries * CQ_PER_SQ, h.device);
+	if (span)
+		shd_log_info("%s attached: rank %u of mesh %ux%u over %u nodes (node-local rank %u of "
+			     "1x%u), ring %u/%u entries", shd_session_name(s, name, sizeof(name)),
+			     shd_world_node() * h.shard + h.rank, mesh_replicate, mesh_shard,
+			     shd_world_nodes(), h.rank, h.shard, sq_entries, sq_entries * CQ_PER_SQ);
+	else
+		shd_log_info("%s attached: mesh %ux%u, ring %u/%u entries, device %d",
+				shd_session_name(s, name, sizeof(name)), h.replicate, h.shard, sq_entries,
+				sq_entries * CQ_PER_SQ, h.device);
 	/* The client may have submitted already; serve its ring before sleeping. */
 	shd_session_env.note_work(shd_now_ns());
 out:

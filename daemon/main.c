@@ -19,6 +19,11 @@
 #include "metrics_http.h"
 #include "server.h"
 #include "shardd_socket.h"
+#include "world.h"
+
+/* --world mpi and --internode-dtype (world.h): the daemon world, outside shd_config. */
+static int world_mpi;
+static uint32_t internode_dtype = SHD_INTERNODE_FP32;
 
 static void usage(FILE *f)
 {
@@ -82,6 +87,11 @@ static void usage(FILE *f)
 		"                             step boundary that is a multiple of STEPS\n"
 		"  --keep N                   keep the newest N checkpoints of each job in\n"
 		"                             --state-dir, removing older ones (default 0: all)\n"
+		"  --world mpi                one daemon per node started by mpirun or srun\n"
+		"                             (MPI rank = node index); jobs may span the nodes\n"
+		"                             (docs/MULTINODE.md)\n"
+		"  --internode-dtype fp32|reduce  how HSDP partials travel between nodes\n"
+		"                             (default fp32; reduce: the group's reduce dtype)\n"
 		"  --log-level LEVEL          error, warn, info or debug (default info)\n"
 		"  --foreground               accepted for supervisors; shardd never daemonizes\n"
 		"  --version                  print the version and exit\n"
@@ -280,6 +290,17 @@ static int apply_flag(struct shd_config *cfg, const char *flag, const char *val,
 			return usage_error("--keep: '%s' is not a count in [0, 1000000] (0 keeps every "
 					   "checkpoint)", val);
 		cfg->keep = (uint32_t)v;
+	} else if (strcmp(flag, "--world") == 0) {
+		if (strcmp(val, "mpi") != 0)
+			return usage_error("--world: '%s' is not mpi (the only world there is)", val);
+		world_mpi = 1;
+	} else if (strcmp(flag, "--internode-dtype") == 0) {
+		if (strcmp(val, "fp32") == 0)
+			internode_dtype = SHD_INTERNODE_FP32;
+		else if (strcmp(val, "reduce") == 0)
+			internode_dtype = SHD_INTERNODE_REDUCE;
+		else
+			return usage_error("--internode-dtype: '%s' is not one of fp32, reduce", val);
 	} else if (strcmp(flag, "--foreground") == 0) {
 		/* shardd never forks into the background; the flag is for supervisors' habits. */
 	} else {
@@ -296,6 +317,7 @@ static int takes_value(const char *flag)
 		"--handshake-timeout", "--workers", "--allow-gid", "--job-linger", "--socket-mode",
 		"--socket-group", "--metrics-listen", "--max-memory", "--max-job-memory",
 		"--state-dir", "--keep", "--checkpoint-every",
+		"--world", "--internode-dtype",
 	};
 
 	for (size_t i = 0; i < sizeof(with_value) / sizeof(with_value[0]); i++)
@@ -366,10 +388,22 @@ int main(int argc, char **argv)
 		return 1;
 	}
 #endif
+	if (world_mpi) {
+		char why[320];
+
+		if (shd_world_start(internode_dtype, why, sizeof(why)) < 0) {
+			fprintf(stderr, "shardd: --world mpi: %s (start one daemon per node with "
+				"mpirun -np NODES --map-by ppr:1:node shardd --world mpi, or srun)\n", why);
+			return 1;
+		}
+	}
 	ret = shd_server_init(&cfg);
 	if (ret < 0) {
 		shd_server_shutdown();
+		shd_world_stop();
 		return 1;
 	}
-	return shd_server_run();
+	ret = shd_server_run();
+	shd_world_stop();
+	return ret;
 }

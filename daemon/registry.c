@@ -145,6 +145,17 @@ static int group_new(struct shd_engine_job *j, const struct shardd_register_grou
 		free(eg);
 		return ret;
 	}
+	/* HSDP across nodes: this node's one replica keeps partials for the all-reduce among nodes. */
+	if (eng_mesh_replicate(j) > 1)
+		eg->g->partial_size = eg->g->reduce_shard_size;
+	if (eng_span_fsdp(j)) {
+		ret = eng_span_group_init(eg, err, errlen);
+		if (ret) {
+			eg->g->specs = NULL; /* still the caller's on failure */
+			group_destroy(eg, j);
+			return ret;
+		}
+	}
 	if (optim->kind != SHARDD_OPTIM_NONE && !j->e->backend->ops->step) {
 		eng_fmt(err, errlen, "register group '%s': the %s backend has no optimizer step; register the "
 			"group without an optimizer and update the shards in the trainer, or run the daemon with "

@@ -76,7 +76,7 @@ static int task_inline(const struct eng_task *t)
 {
 	uint64_t max = t->eg->j->e->backend->ops->inline_max_bytes;
 
-	return max && task_bytes(t) <= max;
+	return max && task_bytes(t) <= max && !eng_span_task(t);
 }
 
 static void task_exec(struct eng_task *t);
@@ -116,7 +116,9 @@ static void group_kick(struct eng_group *eg)
 		t->next = NULL;
 		eg->running = t;
 		if (!task_inline(t)) {
-			shd_pool_submit(eg->j->e->pool, &t->pt);
+			/* One that waits for other nodes gets a thread of its own (internode.c). */
+			if (!eng_span_task(t) || eng_span_spawn(t))
+				shd_pool_submit(eg->j->e->pool, &t->pt);
 			return;
 		}
 		task_exec(t);
@@ -147,17 +149,18 @@ void eng_group_enqueue(struct eng_group *eg, struct eng_task *t)
  * (ReduceOp.AVG); fp16 sums, pre-dividing the reduce-scatter's inputs and
  * post-dividing after the last collective.
  */
-static void reduce_math(const struct shd_group *g, uint32_t n, struct shardd_reduce_math *rs,
+static void reduce_math(const struct eng_group *eg, uint32_t n, struct shardd_reduce_math *rs,
 			struct shardd_reduce_math *ar)
 {
+	const struct shd_group *g = eg->g;
 	double pre, post;
 
 	shardd_divide_factors(n, g->reduce_dtype, &pre, &post);
 	*rs = (struct shardd_reduce_math){ .reduce_dtype = g->reduce_dtype, .pre = 1, .avg = 1, .post = 1 };
 	*ar = *rs;
 	if (pre == 0) {
-		rs->avg = (float)g->shard;
-		ar->avg = (float)g->replicate;
+		rs->avg = (float)eng_mesh_shard(eg->j);
+		ar->avg = (float)eng_mesh_replicate(eg->j);
 		return;
 	}
 	rs->pre = (float)pre;
@@ -217,10 +220,16 @@ static int task_reduce(struct eng_task *t)
 	struct shardd_reduce_math rs, ar;
 	int ret = 0;
 
-	if (g->replicate == 1) {
+	if (eng_mesh_replicate(t->eg->j) == 1) {
 		/* No replicate dim: one collective, pre- and post-divided (fp16) alike. */
-		reduce_math(g, g->shard, &rs, &ar);
+		reduce_math(t->eg, eng_mesh_shard(t->eg->j), &rs, &ar);
 		rs.post = ar.post;
+		if (eng_span_fsdp(t->eg->j)) {
+			ret = eng_span_reduce_scatter(t, &rs);
+			if (!ret)
+				memset(g->grad_present, 1, g->shard);
+			return ret;
+		}
 		for (uint32_t s = 0; s < g->shard; s++)
 			outs[s] = (struct shd_shard_view){ &g->sharded_grads[s], g->shard_offsets, SHARDD_DTYPE_NONE };
 		ret = task_reduce_scatter(t, 0, outs, NULL, g->grad_present, &rs);
@@ -229,10 +238,17 @@ static int task_reduce(struct eng_task *t)
 		return ret;
 	}
 
-	/* HSDP: FSDP2 passes both groups, so n = S * R on every call. */
-	reduce_math(g, g->world, &rs, &ar);
+	/* HSDP: FSDP2 passes both groups, so n = S * R on every call (R of the whole mesh). */
+	reduce_math(t->eg, g->shard * eng_mesh_replicate(t->eg->j), &rs, &ar);
 	for (uint32_t u = 0; u < g->replicate && !ret; u++)
 		ret = task_partials(t, u, &rs);
+	if (t->eg->j->span_nodes > 1) {
+		if (!ret)
+			ret = eng_span_allreduce(t, &ar);
+		/* As below: the partials went into this all-reduce, or are lost with it. */
+		memset(g->partial_present, 0, g->world);
+		return ret;
+	}
 	/* The all-reduce of each shard index over its replicate group: every replica gets the sum. */
 	for (uint32_t s = 0; s < g->shard && !ret; s++) {
 		struct shd_reduce_args a = {
@@ -269,6 +285,8 @@ static int task_unshard(struct eng_task *t)
 		.unsharded = unsharded, .err = t->why, .errlen = sizeof(t->why),
 	};
 
+	if (eng_span_fsdp(t->eg->j))
+		return eng_span_unshard(t);
 	for (uint32_t s = 0; s < g->shard; s++) {
 		uint32_t r = t->replica * g->shard + s;
 
@@ -297,7 +315,7 @@ static int task_step(struct eng_task *t, struct eng_op *op)
 	double lr, clip = 1;
 	int skipped = 0, ret;
 	struct shd_step_args a = {
-		.layout = &g->layout, .shard_rank = r % g->shard, .kind = o->kind, .shard = &g->shards[r],
+		.layout = &g->layout, .shard_rank = shd_group_shard_rank(g, r), .kind = o->kind, .shard = &g->shards[r],
 		.grad = &g->sharded_grads[r], .skip_nonfinite = sqe->op == SHARDD_OP_STEP && (sqe->flags & SHARDD_STEP_SKIP_NONFINITE),
 		.skipped = &skipped, .err = t->why, .errlen = sizeof(t->why),
 	};
@@ -428,11 +446,16 @@ static void task_exec(struct eng_task *t)
 		return;
 	case TASK_UNSHARD:
 		ret = task_unshard(t);
+		/* An exchange among nodes that failed wrote its own message (internode.c). */
+		if (ret < 0 && t->msg[0]) {
+			t->res = ret;
+			return;
+		}
 		break;
 	case TASK_REDUCE_PARTIAL: {
 		struct shardd_reduce_math rs, ar;
 
-		reduce_math(g, g->world, &rs, &ar);
+		reduce_math(t->eg, g->shard * eng_mesh_replicate(t->eg->j), &rs, &ar);
 		ret = task_partials(t, t->replica, &rs);
 		break;
 	}

@@ -44,9 +44,11 @@ $(FUZZ_BUILD)/kernels/%.o: FUZZ_EXTRA := -include tests/fuzz/clang_compat.h
 # optim.c's `#pragma GCC optimize("fp-contract=off")` is gcc's; clang keeps
 # its own contraction, which changes rounding only, not what the fuzzer finds.
 $(FUZZ_BUILD)/kernels/optim.o: FUZZ_EXTRA += -Wno-unknown-pragmas
+# The daemon world includes mpi.h (Makefile, MPI_CFLAGS).
+$(FUZZ_BUILD)/daemon/world.o: FUZZ_EXTRA := $(MPI_CFLAGS)
 
 $(FUZZ_BUILD)/fuzz_%: $(FUZZ_BUILD)/tests/fuzz/fuzz_%.o $(FUZZ_OBJ)
-	$(FUZZ_CC) $(FUZZ_SAN) -fsanitize=fuzzer -pthread -o $@ $^ $(LDLIBS)
+	$(FUZZ_CC) $(FUZZ_SAN) -fsanitize=fuzzer -pthread -o $@ $^ $(LDLIBS) $(MPI_LIBS)
 
 # fuzz_ckpt drives the checkpoint parsers directly, without the daemon harness.
 $(FUZZ_BUILD)/fuzz_ckpt: $(FUZZ_BUILD)/tests/fuzz/fuzz_ckpt.o $(FUZZ_BUILD)/daemon/ckpt_format.o \

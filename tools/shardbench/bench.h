@@ -28,7 +28,8 @@ struct bench_opts {
 	int         iters_set;   /* -n was given (the ring picks its own default) */
 	int         check;       /* -c: check results (1) or not (0) */
 	uint32_t    dtype;       /* -d: param_dtype of the benchmark group */
-	uint32_t    ranks;       /* -r: rank processes */
+	uint32_t    ranks;       /* -r: rank processes (world: ranks per node) */
+	uint32_t    nodes;       /* --nodes: daemons of `shardbench world` */
 	uint64_t    idle_us;     /* --idle-us: gap before each sleeping ring sample */
 	const char *socket_path; /* --socket: a running daemon, or NULL */
 	const char *shardd_path; /* --shardd: daemon binary to start */
@@ -255,5 +256,10 @@ int bench_checkpoint_run(const struct bench_opts *o, const char *socket_path, co
  * Returns 0, 1 when a result was wrong, or -errno.
  */
 int bench_step_run(const struct bench_opts *o);
+
+/* ---- world.c -------------------------------------------------------- */
+
+/* HSDP reduce across --nodes daemons under mpirun, against Open MPI. 0, or 1 on failure or #wrong. */
+int bench_world_run(const struct bench_opts *o);
 
 #endif /* SHARDBENCH_H */

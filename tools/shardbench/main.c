@@ -25,12 +25,12 @@
 #define ROOF_ARRAY_BYTES (256 * BENCH_MIB)
 
 enum bench_cmd { CMD_ALL, CMD_ROOFLINE, CMD_UNSHARD, CMD_REDUCE, CMD_RING, CMD_GPU, CMD_STEP, CMD_LATENCY,
-		 CMD_CHECKPOINT };
+		 CMD_CHECKPOINT, CMD_WORLD };
 
 static void usage(FILE *f)
 {
 	fprintf(f,
-"usage: shardbench [options] roofline|unshard|reduce|ring|latency|gpu|step|checkpoint|all\n"
+"usage: shardbench [options] roofline|unshard|reduce|ring|latency|gpu|step|checkpoint|world|all\n"
 "       (default: all)\n"
 "\n"
 "  roofline   memory kernels (read, write, copy, add), plain and non-temporal stores\n"
@@ -46,6 +46,9 @@ static void usage(FILE *f)
 "  checkpoint save and restore of an AdamW state through the daemon (docs/CHECKPOINTS.md)\n"
 "             against O_DIRECT write and read of the same bytes (-b 256M -e 8G: the\n"
 "             issue's sweep; --dir DIR: where, default /var/tmp)\n"
+"  world      HSDP reduce across --nodes daemons under mpirun (-r ranks each): the\n"
+"             inter-node part against MPI_Allreduce, the whole op against\n"
+"             MPI_Reduce_scatter_block among all ranks (docs/MULTINODE.md)\n"
 "  all        roofline, unshard, reduce, ring (and gpu when built with CUDA)\n"
 "\n"
 "  -b SIZE        first size (default 1M); K, M, G suffixes\n"
@@ -60,6 +63,7 @@ static void usage(FILE *f)
 "  --shardd PATH  daemon binary to start (default: shardd next to shardbench)\n"
 "  --mpi PATH     Open MPI comparator (default: shardbench_mpi next to shardbench)\n"
 "  --idle-us N    ring: idle gap before each sleeping sample (default 2000)\n"
+"  --nodes N      world: daemons under mpirun, 2 to 8 (default 2)\n"
 "  --trace FILE   latency: also write every sample to FILE (trace_latency.py)\n"
 "  --dir DIR      checkpoint: the folder whose disk is measured (default /var/tmp)\n"
 "  --gpu          same as the gpu subcommand\n"
@@ -105,6 +109,7 @@ static int parse_cmd(const char *s, enum bench_cmd *cmd)
 		{ "all", CMD_ALL }, { "roofline", CMD_ROOFLINE }, { "unshard", CMD_UNSHARD },
 		{ "reduce", CMD_REDUCE }, { "ring", CMD_RING }, { "gpu", CMD_GPU },
 		{ "step", CMD_STEP }, { "latency", CMD_LATENCY }, { "checkpoint", CMD_CHECKPOINT },
+		{ "world", CMD_WORLD },
 	};
 	size_t i;
 
@@ -120,7 +125,8 @@ static int parse_cmd(const char *s, enum bench_cmd *cmd)
 /* Parse argv into *o and *cmd. Returns 0, 1 (--help or --version printed) or 2 (usage error). */
 static int parse_args(int argc, char **argv, struct bench_opts *o, enum bench_cmd *cmd)
 {
-	enum { OPT_SOCKET = 256, OPT_SHARDD, OPT_MPI, OPT_IDLE, OPT_GPU, OPT_VERSION, OPT_TRACE, OPT_DIR };
+	enum { OPT_SOCKET = 256, OPT_SHARDD, OPT_MPI, OPT_IDLE, OPT_GPU, OPT_VERSION, OPT_TRACE, OPT_DIR,
+	       OPT_NODES };
 	static const struct option longopts[] = {
 		{ "socket", required_argument, NULL, OPT_SOCKET },
 		{ "shardd", required_argument, NULL, OPT_SHARDD },
@@ -129,6 +135,7 @@ static int parse_args(int argc, char **argv, struct bench_opts *o, enum bench_cm
 		{ "gpu", no_argument, NULL, OPT_GPU },
 		{ "trace", required_argument, NULL, OPT_TRACE },
 		{ "dir", required_argument, NULL, OPT_DIR },
+		{ "nodes", required_argument, NULL, OPT_NODES },
 		{ "help", no_argument, NULL, 'h' },
 		{ "version", no_argument, NULL, OPT_VERSION },
 		{ NULL, 0, NULL, 0 },
@@ -171,6 +178,11 @@ static int parse_args(int argc, char **argv, struct bench_opts *o, enum bench_cm
 			if (parse_int(optarg, 1, 8, &v) || (v & (v - 1)))
 				return bad_option("-r", optarg, "1, 2, 4 or 8");
 			o->ranks = (uint32_t)v;
+			break;
+		case OPT_NODES:
+			if (parse_int(optarg, 2, 8, &v))
+				return bad_option("--nodes", optarg, "2 to 8");
+			o->nodes = (uint32_t)v;
 			break;
 		case OPT_SOCKET:
 			o->socket_path = optarg;
@@ -270,6 +282,7 @@ int main(int argc, char **argv)
 		.dtype = SHARDD_DTYPE_BF16,
 		.ranks = 2,
 		.idle_us = 2000,
+		.nodes = 2,
 	};
 	struct bench_daemon d = { 0 };
 	struct bench_roofline roof = { 0 };
@@ -294,6 +307,10 @@ int main(int argc, char **argv)
 		failed |= bench_gpu_run(&o) != 0;
 		return failed;
 	}
+
+	/* The world starts its own daemons under mpirun. */
+	if (cmd == CMD_WORLD)
+		return bench_world_run(&o) != 0;
 
 	/* The optimizer step needs no daemon and measures its own roofline. */
 	if (cmd == CMD_STEP)

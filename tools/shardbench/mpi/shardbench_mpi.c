@@ -14,7 +14,9 @@
  *                   casts the shard before its all-gather);
  *   reduce_scatter: MPI_Reduce_scatter_block(MPI_SUM) of count elements
  *                   per process, in MPI_FLOAT for every dtype: Open MPI has
- *                   no 16-bit float sum.
+ *                   no 16-bit float sum;
+ *   allreduce:      MPI_Allreduce(MPI_SUM) of count elements per process,
+ *                   MPI_FLOAT (`shardbench world`'s inter-node part).
  */
 #include <errno.h>
 #include <limits.h>
@@ -42,7 +44,7 @@ static int parse_args(int argc, char **argv, struct mpi_opts *o)
 	if (argc < 2)
 		return -EINVAL;
 	o->op = argv[1];
-	if (strcmp(o->op, "allgather") && strcmp(o->op, "reduce_scatter"))
+	if (strcmp(o->op, "allgather") && strcmp(o->op, "reduce_scatter") && strcmp(o->op, "allreduce"))
 		return -EINVAL;
 	for (i = 2; i + 1 < argc; i += 2) {
 		const char *f = argv[i], *v = argv[i + 1];
@@ -83,7 +85,7 @@ static float pattern(uint64_t i, int seed)
 static double run_size(const struct mpi_opts *o, int rank, int np, uint64_t bytes,
 		       void *send, void *recv, uint64_t *t0, uint64_t *t1, uint64_t *wrong)
 {
-	int ag = !strcmp(o->op, "allgather");
+	int ag = !strcmp(o->op, "allgather"), ar = !strcmp(o->op, "allreduce");
 	uint64_t count = bytes / o->dsize, chunk = count / (uint64_t)np, i, sum = 0;
 	size_t esize = ag ? o->dsize : sizeof(float);
 	MPI_Datatype type = ag ? (o->dsize == 4 ? MPI_FLOAT : MPI_UINT16_T) : MPI_FLOAT;
@@ -103,13 +105,15 @@ static double run_size(const struct mpi_opts *o, int rank, int np, uint64_t byte
 		for (i = 0; i < count; i++)
 			((float *)send)[i] = pattern(i + (uint64_t)rank, 1);
 	}
-	memset(recv, 0, ag ? count * esize : chunk * esize);
+	memset(recv, 0, ag || ar ? count * esize : chunk * esize);
 
 	for (it = 0; it < total; it++) {
 		MPI_Barrier(MPI_COMM_WORLD);
 		t0[it] = bench_now_ns();
 		if (ag)
 			MPI_Allgather(send, (int)chunk, type, recv, (int)chunk, type, MPI_COMM_WORLD);
+		else if (ar)
+			MPI_Allreduce(send, recv, (int)count, type, MPI_SUM, MPI_COMM_WORLD);
 		else
 			MPI_Reduce_scatter_block(send, recv, (int)chunk, type, MPI_SUM, MPI_COMM_WORLD);
 		t1[it] = bench_now_ns();
@@ -128,6 +132,14 @@ static double run_size(const struct mpi_opts *o, int rank, int np, uint64_t byte
 					*wrong += ((float *)recv)[i] != pattern(i, 1);
 				else
 					*wrong += ((uint16_t *)recv)[i] != (uint16_t)(i * 2654435761u);
+			}
+		} else if (ar) {
+			for (i = 0; i < count; i++) {
+				float want = 0;
+
+				for (r = 0; r < np; r++)
+					want += pattern(i + (uint64_t)r, 1);
+				*wrong += ((float *)recv)[i] != want;
 			}
 		} else {
 			for (i = 0; i < chunk; i++) {
@@ -152,7 +164,7 @@ int main(int argc, char **argv)
 	int rank, np, ret = 0;
 
 	if (argc == 2 && strcmp(argv[1], "--help") == 0) {
-		printf("usage: mpirun -np N shardbench_mpi allgather|reduce_scatter -b MIN -e MAX "
+		printf("usage: mpirun -np N shardbench_mpi allgather|reduce_scatter|allreduce -b MIN -e MAX "
 		       "-f FACTOR -w WARMUP -n ITERS -c 0|1 -d fp32|bf16|fp16\n"
 		       "Open MPI's MPI_Allgather / MPI_Reduce_scatter_block on the sizes of a "
 		       "shardbench sweep; shardbench runs it and compares.\n");
@@ -167,7 +179,7 @@ int main(int argc, char **argv)
 	MPI_Comm_size(MPI_COMM_WORLD, &np);
 	if (parse_args(argc, argv, &o)) {
 		if (rank == 0)
-			fprintf(stderr, "usage: mpirun -np N shardbench_mpi allgather|reduce_scatter "
+			fprintf(stderr, "usage: mpirun -np N shardbench_mpi allgather|reduce_scatter|allreduce "
 				"-b MIN -e MAX -f FACTOR -w WARMUP -n ITERS -c 0|1 -d fp32|bf16|fp16\n");
 		ret = 2;
 		goto out;

@@ -1,0 +1,509 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The parts of a collective between nodes (engine_int.h), for a job whose
+ * mesh spans the daemon world (world.h, docs/MULTINODE.md).
+ *
+ * HSDP across nodes (replicate = nodes, shard = the ranks of a node): each
+ * node's ranks are one replica, so unshard and the reduce-scatter stay on
+ * the node (task.c, as on one node, with the divide factors of the whole
+ * mesh). A reduce with SHARDD_REDUCE_ALL_REDUCE then all-reduces each
+ * shard over the nodes: every node sends its ranks' partials (the
+ * reduce-scatter outputs, added to the partials of earlier reduces, in the
+ * reduce dtype) to every other node, and each node sums the nodes'
+ * partials in node order with the single-node all-reduce's kernel
+ * (backend reduce, SHD_REDUCE_SRC_SHARD): the same inputs, the same order
+ * and the same one rounding as one daemon holding every replica, so every
+ * node gets the same bits, and the bits of a single-node run of the mesh.
+ *
+ * The partials are already in the reduce dtype, so sending them as fp32
+ * (--internode-dtype fp32, the default) or in the reduce dtype
+ * (--internode-dtype reduce: half the bytes for bf16/fp16) moves the same
+ * numbers: no partial sum crosses the network, only partials.
+ *
+ * A task that exchanges runs on a thread of its own (eng_span_spawn), which
+ * waits for the world's communication thread: never on the loop, and never
+ * on a pool thread, so that tasks waiting for other nodes cannot take every
+ * worker from the node's other groups; its kernels still split across the
+ * pool (shd_pool_for runs on the calling thread too). Host backend only
+ * (hello.c refuses a spanning job on another).
+ */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "clock.h"
+#include "engine_int.h"
+#include "layout.h"
+#include "placement.h"
+#include "shardd_kernels.h"
+#include "world.h"
+
+int shd_engine_job_span(struct shd_engine_job *j, uint32_t replicate, uint32_t shard,
+			uint32_t nodes, uint32_t node)
+{
+	if (nodes < 2 || node >= nodes || (uint64_t)replicate * shard != (uint64_t)j->world * nodes)
+		return -SHARDD_E_INVALID;
+	j->span_nodes = nodes;
+	j->span_node = node;
+	j->span_replicate = replicate;
+	j->span_shard = shard;
+	return 0;
+}
+
+int eng_span_task(const struct eng_task *t)
+{
+	return t->eg->j->span_nodes > 1 &&
+	       (t->kind == TASK_REDUCE || (t->kind == TASK_UNSHARD && eng_span_fsdp(t->eg->j)));
+}
+
+static void *span_thread(void *arg)
+{
+	struct eng_task *t = arg;
+	struct shd_engine *e = t->eg->j->e;
+
+	/* task_run: computes t and hands it to the loop, which may free it at once. */
+	t->pt.fn(&t->pt);
+	pthread_mutex_lock(&e->lock);
+	e->span_threads--;
+	pthread_cond_broadcast(&e->finished);
+	pthread_mutex_unlock(&e->lock);
+	return NULL;
+}
+
+int eng_span_spawn(struct eng_task *t)
+{
+	struct shd_engine *e = t->eg->j->e;
+	pthread_attr_t attr;
+	pthread_t th;
+	int ret;
+
+	if (pthread_attr_init(&attr))
+		return -1;
+	pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+	pthread_mutex_lock(&e->lock);
+	e->span_threads++;
+	pthread_mutex_unlock(&e->lock);
+	ret = pthread_create(&th, &attr, span_thread, t);
+	pthread_attr_destroy(&attr);
+	if (ret) {
+		pthread_mutex_lock(&e->lock);
+		e->span_threads--;
+		pthread_mutex_unlock(&e->lock);
+		return -1;
+	}
+	return 0;
+}
+
+void eng_span_threads_wait(struct shd_engine *e)
+{
+	pthread_mutex_lock(&e->lock);
+	while (e->span_threads)
+		pthread_cond_wait(&e->finished, &e->lock);
+	pthread_mutex_unlock(&e->lock);
+}
+
+/* The stream of exchanges of one group of one job: FNV-1a of both names, equal on every node. */
+static uint64_t span_key(const struct eng_group *eg)
+{
+	uint64_t h = 0xcbf29ce484222325ull;
+	const char *parts[2] = { eg->j->name, eg->g->name };
+
+	for (int p = 0; p < 2; p++) {
+		for (const char *c = parts[p]; *c; c++)
+			h = (h ^ (uint8_t)*c) * 0x100000001b3ull;
+		h = (h ^ 0xff) * 0x100000001b3ull;
+	}
+	return h;
+}
+
+static uint64_t fnv(uint64_t h, const void *p, size_t n)
+{
+	for (size_t i = 0; i < n; i++)
+		h = (h ^ ((const uint8_t *)p)[i]) * 0x100000001b3ull;
+	return h;
+}
+
+/* A digest of what must be equal on every node: the group's params, dtypes and the op. */
+static uint64_t span_check(const struct eng_task *t)
+{
+	const struct shd_group *g = t->eg->g;
+	uint64_t h = 0xcbf29ce484222325ull;
+	uint32_t v[4] = { g->hdr.param_dtype, g->reduce_dtype, g->hdr.nparams, t->ops[0].sqe.op };
+
+	h = fnv(h, v, sizeof(v));
+	h = fnv(h, &t->ops[0].sqe.step, sizeof(t->ops[0].sqe.step));
+	for (uint32_t i = 0; i < g->hdr.nparams; i++) {
+		const struct shardd_param_spec *p = &g->specs[i];
+		uint32_t f[3] = { p->dtype, p->ndim, p->shard_dim };
+
+		h = fnv(h, p->name, strnlen(p->name, sizeof(p->name)) + 1);
+		h = fnv(h, f, sizeof(f));
+		h = fnv(h, p->shape, p->ndim * sizeof(p->shape[0]));
+	}
+	return h;
+}
+
+/* "node 1 (ranks 2,3), node 2 (ranks 4,5)" of the nodes marked in `missing`. */
+static void span_who(const struct shd_engine_job *j, const uint8_t *missing, char *buf, size_t len)
+{
+	uint32_t L = j->world;
+	size_t off = 0;
+
+	buf[0] = '\0';
+	for (uint32_t k = 0; k < j->span_nodes && off < len; k++) {
+		if (!missing[k])
+			continue;
+		off += (size_t)snprintf(buf + off, len - off, "%snode %u (ranks %u..%u)", off ? ", " : "", k,
+					k * L, k * L + L - 1);
+	}
+}
+
+int eng_span_allreduce(struct eng_task *t, const struct shardd_reduce_math *ar)
+{
+	struct eng_group *eg = t->eg;
+	struct shd_engine_job *j = eg->j;
+	struct shd_group *g = eg->g;
+	struct shd_backend_ctx *b = j->e->backend;
+	uint32_t N = j->span_nodes, L = g->shard, rdt = g->reduce_dtype;
+	uint32_t wire = shd_world_internode_dtype() == SHD_INTERNODE_FP32 ? SHARDD_DTYPE_FP32 : rdt;
+	size_t P = g->reduce_shard_size, E = P / shardd_dtype_size(rdt), wsz = E * shardd_dtype_size(wire);
+	size_t bytes = (size_t)L * wsz;
+	uint8_t *send = NULL, *recv = NULL, *parts = NULL, *scratch = NULL, missing[SHARDD_MAX_WORLD];
+	const void **sends = NULL;
+	struct shd_buf *bufs = NULL, out_scratch;
+	char why[384], who[256];
+	int ret = 0;
+
+	send = malloc(bytes + 1);
+	recv = malloc((size_t)N * bytes + 1);
+	parts = wire == rdt ? recv : malloc((size_t)N * L * P + 1);
+	scratch = calloc(1, g->layout.shard_size + 1);
+	sends = malloc(N * sizeof(*sends));
+	bufs = calloc((size_t)N * L, sizeof(*bufs));
+	if (!send || !recv || !parts || !scratch || !sends || !bufs) {
+		eng_fmt(t->msg, sizeof(t->msg),
+			"shardd: reduce(group '%s', step %llu): out of memory for the all-reduce among %u nodes (%zu bytes per node)",
+			g->name, (unsigned long long)t->ops[0].sqe.step, N, bytes);
+		ret = -SHARDD_E_NOMEM;
+		goto out;
+	}
+	/* This node's partials, one after another, in the wire dtype (a cast from the reduce dtype is exact). */
+	for (uint32_t s = 0; s < L; s++) {
+		const void *src = g->partials[s].priv;
+
+		if (wire == rdt)
+			memcpy(send + s * wsz, src, P);
+		else
+			shardd_k_cast(send + s * wsz, wire, src, rdt, E);
+	}
+	for (uint32_t k = 0; k < N; k++)
+		sends[k] = send;
+	ret = shd_world_exchange(span_key(eg), eg->span_seq++, span_check(t), sends, recv, bytes,
+				 shd_now_ns() + j->e->timeout_ns, missing, why, sizeof(why));
+	if (ret) {
+		span_who(j, missing, who, sizeof(who));
+		eng_fmt(t->msg, sizeof(t->msg),
+			"shardd: reduce(group '%s', step %llu): the all-reduce among the %u nodes failed on node %u: %s%s%s%s",
+			g->name, (unsigned long long)t->ops[0].sqe.step, N, j->span_node, why,
+			who[0] ? "; missing " : "", who,
+			ret == -SHARDD_E_TIMEOUT || ret == -SHARDD_E_PEER_DIED
+				? "; the sharded grads of this step are not reduced: check that node's daemon and ranks" : "");
+		goto out;
+	}
+	if (parts != recv)
+		for (size_t i = 0; i < (size_t)N * L; i++)
+			shardd_k_cast(parts + i * P, rdt, recv + i * wsz, wire, E);
+	for (size_t i = 0; i < (size_t)N * L; i++)
+		bufs[i] = (struct shd_buf){ .bytes = P, .fd = -1, .priv = parts + i * P };
+	out_scratch = (struct shd_buf){ .bytes = g->layout.shard_size, .fd = -1, .priv = scratch };
+
+	/*
+	 * Shard s over the nodes: the backend writes every member's output; only
+	 * this node's lands in a sharded grad, the others' in scratch.
+	 */
+	for (uint32_t s = 0; s < L && !ret; s++) {
+		struct shd_shard_view views[SHARDD_MAX_WORLD], outs[SHARDD_MAX_WORLD];
+		uint8_t accumulate[SHARDD_MAX_WORLD] = { 0 };
+		struct shd_reduce_args a = {
+			.job = j->bj, .layout = &g->layout, .src = SHD_REDUCE_SRC_SHARD, .n = N,
+			.views = views, .shard_rank = s, .in_dtype = rdt, .outs = outs,
+			.accumulate = accumulate, .reduce_offsets = g->reduce_offsets,
+			.reduce_shard_size = g->reduce_shard_size, .math = *ar, .err = t->why,
+			.errlen = sizeof(t->why),
+		};
+
+		for (uint32_t k = 0; k < N; k++) {
+			views[k] = (struct shd_shard_view){ &bufs[(size_t)k * L + s], g->reduce_offsets, rdt };
+			outs[k] = (struct shd_shard_view){ &out_scratch, g->shard_offsets, SHARDD_DTYPE_NONE };
+		}
+		outs[j->span_node] = (struct shd_shard_view){ &g->sharded_grads[s], g->shard_offsets,
+							       SHARDD_DTYPE_NONE };
+		accumulate[j->span_node] = g->grad_present[s];
+		ret = b->ops->reduce(b, &a);
+		if (!ret)
+			g->grad_present[s] = 1;
+	}
+out:
+	free(send);
+	if (parts != recv)
+		free(parts);
+	free(recv);
+	free(scratch);
+	free(sends);
+	free(bufs);
+	return ret;
+}
+
+/* ------------------------------------------------------------------ */
+/* FSDP across nodes: one shard group over every rank                  */
+/* ------------------------------------------------------------------ */
+
+/*
+ * Node n holds shard ranks n*L .. n*L+L-1 of the S = N*L of the mesh. The
+ * layout is the whole shard group's; the engine's ranks 0..L-1 are these
+ * shard ranks (shd_group_shard_rank).
+ *
+ * Unshard: every node sends its L flat shards (a node chunk) to every other
+ * node; each node then runs the backend's unshard over all S shards, this
+ * node's and the received ones, exactly as one daemon holding every rank.
+ *
+ * Reduce: each node sums its L ranks' grads (inputs rounded to the reduce
+ * dtype and pre-divided as FSDP2 does, the sum kept in fp32) for every one
+ * of the S shards' rows; node k receives every node's sums of its L shards;
+ * it adds them in node order in fp32, divides, and rounds to the reduce
+ * dtype once (--internode-dtype reduce: the node sums travel rounded to the
+ * reduce dtype, one more rounding per node sum). Against one daemon holding
+ * every rank only the order of the fp32 additions differs (the ranks of a
+ * node first, then the nodes), so a result is the same value or one
+ * reduce-dtype rounding step away when the fp32 sums straddle a rounding
+ * boundary.
+ */
+
+int eng_span_group_init(struct eng_group *eg, char *err, size_t errlen)
+{
+	struct shd_engine_job *j = eg->j;
+	struct shd_group *g = eg->g;
+	struct shd_layout l;
+	int ret;
+
+	ret = shd_layout_build(g->specs, g->hdr.nparams, j->span_shard, g->hdr.param_dtype, &l, err,
+			       errlen);
+	if (ret)
+		return ret;
+	shd_layout_free(&g->layout);
+	g->layout = l;
+	g->shard_base = j->span_node * j->world;
+	for (uint32_t i = 0; i < g->hdr.nparams; i++)
+		g->shard_offsets[i] = l.params[i].shard_offset;
+	if (g->reduce_dtype != SHARDD_DTYPE_NONE)
+		g->reduce_shard_size = shd_placement_reduce_shard(&g->layout, g->reduce_dtype,
+								     g->reduce_offsets);
+	return 0;
+}
+
+/* The error of a failed exchange of task t into t->msg. */
+static void span_failed(struct eng_task *t, int ret, const uint8_t *missing, const char *why)
+{
+	const struct shd_engine_job *j = t->eg->j;
+	char who[256];
+
+	span_who(j, missing, who, sizeof(who));
+	eng_fmt(t->msg, sizeof(t->msg), "shardd: %s(group '%s', step %llu): the exchange among the %u nodes failed on node %u: %s%s%s%s",
+		shardd_op_name(t->ops[0].sqe.op), t->eg->g->name, (unsigned long long)t->ops[0].sqe.step,
+		j->span_nodes, j->span_node, why, who[0] ? "; missing " : "", who,
+		ret == -SHARDD_E_TIMEOUT || ret == -SHARDD_E_PEER_DIED
+			? ": check that node's daemon and ranks" : "");
+}
+
+static int span_nomem(struct eng_task *t, size_t bytes)
+{
+	eng_fmt(t->msg, sizeof(t->msg), "shardd: %s(group '%s', step %llu): out of memory for %zu bytes of inter-node buffers",
+		shardd_op_name(t->ops[0].sqe.op), t->eg->g->name, (unsigned long long)t->ops[0].sqe.step,
+		bytes);
+	return -SHARDD_E_NOMEM;
+}
+
+int eng_span_unshard(struct eng_task *t)
+{
+	struct eng_group *eg = t->eg;
+	struct shd_engine_job *j = eg->j;
+	struct shd_group *g = eg->g;
+	struct shd_backend_ctx *b = j->e->backend;
+	uint32_t N = j->span_nodes, L = g->shard, S = j->span_shard;
+	size_t Z = g->layout.shard_size, bytes = (size_t)L * Z;
+	struct shd_buf *bufs = calloc(S, sizeof(*bufs)), *shards[SHARDD_MAX_WORLD],
+		       *unsharded[SHARDD_MAX_WORLD];
+	uint8_t *send = malloc(bytes + 1), *recv = malloc((size_t)N * bytes + 1), missing[SHARDD_MAX_WORLD];
+	const void **sends = malloc(N * sizeof(*sends));
+	struct shd_unshard_args a = {
+		.job = j->bj, .layout = &g->layout, .nshards = S, .shards = shards,
+		.unsharded = unsharded, .err = t->why, .errlen = sizeof(t->why),
+	};
+	char why[384];
+	int ret;
+
+	if (!bufs || !send || !recv || !sends) {
+		ret = span_nomem(t, (size_t)(N + 1) * bytes);
+		goto out;
+	}
+	for (uint32_t s = 0; s < L; s++)
+		memcpy(send + s * Z, g->shards[s].priv, Z);
+	for (uint32_t k = 0; k < N; k++)
+		sends[k] = send;
+	ret = shd_world_exchange(span_key(eg), eg->span_seq++, span_check(t), sends, recv, bytes,
+				 shd_now_ns() + j->e->timeout_ns, missing, why, sizeof(why));
+	if (ret) {
+		span_failed(t, ret, missing, why);
+		goto out;
+	}
+	/* Node k's chunk holds shards k*L .. k*L+L-1: shard r sits at r * Z. */
+	for (uint32_t r = 0; r < S; r++) {
+		bufs[r] = (struct shd_buf){ .bytes = Z, .fd = -1, .priv = recv + (size_t)r * Z };
+		shards[r] = &bufs[r];
+		unsharded[r] = shd_group_unsharded(g, 0);
+	}
+	ret = b->ops->unshard(b, &a);
+out:
+	free(bufs);
+	free(send);
+	free(recv);
+	free(sends);
+	return ret;
+}
+
+/*
+ * The fp32 sums over this node's ranks of every shard's rows: shard r's at
+ * sums + r * F, each param at off32[i]; inputs rounded to the reduce dtype
+ * and pre-divided (math.pre) first, as one daemon would.
+ */
+static int span_node_sums(struct eng_task *t, const struct shardd_reduce_math *rs, const uint64_t *off32,
+			  size_t F, uint8_t *sums)
+{
+	struct shd_group *g = t->eg->g;
+	uint32_t L = g->shard, S = t->eg->j->span_shard, rdt = g->reduce_dtype;
+	const struct shardd_reduce_math sum = { .reduce_dtype = SHARDD_DTYPE_FP32, .pre = 1, .avg = 1, .post = 1 };
+	const struct shardd_reduce_math prep = { .reduce_dtype = rdt, .pre = rs->pre, .avg = 1, .post = 1 };
+
+	for (uint32_t i = 0; i < g->layout.nparams; i++) {
+		const struct shd_layout_param *p = &g->layout.params[i];
+		size_t gs = shardd_dtype_size(p->grad_dtype), rsz = shardd_dtype_size(rdt);
+		const void *in[SHARDD_MAX_WORLD];
+		uint8_t *tmp = NULL;
+		uint32_t idt = p->grad_dtype;
+
+		if (!p->numel)
+			continue;
+		for (uint32_t k = 0; k < L; k++)
+			in[k] = (const uint8_t *)g->grads[k].priv + p->grad_offset;
+		if (p->grad_dtype != rdt || rs->pre > 1) {
+			/* x_k = round_rd(round_rd(grad) / pre): the single-node kernel's first step. */
+			tmp = malloc((size_t)L * p->numel * rsz);
+			if (!tmp)
+				return span_nomem(t, (size_t)L * p->numel * rsz);
+			for (uint32_t k = 0; k < L; k++) {
+				const void *src = in[k];
+
+				shardd_k_reduce(tmp + k * p->numel * rsz, rdt, 0, &src, 1, p->grad_dtype, p->numel, &prep);
+				in[k] = tmp + k * p->numel * rsz;
+			}
+			idt = rdt;
+			gs = rsz;
+		}
+		for (uint32_t r = 0; r < S; r++) {
+			uint64_t valid = shd_layout_rows_valid(p, r);
+
+			for (uint64_t o = 0; o < p->outer && valid; o++) {
+				uint64_t e = o * p->dim * p->inner + (uint64_t)r * p->rows * p->inner;
+				uint64_t at = o * p->rows * p->inner;
+				const void *src[SHARDD_MAX_WORLD];
+
+				for (uint32_t k = 0; k < L; k++)
+					src[k] = (const uint8_t *)in[k] + e * gs;
+				shardd_k_reduce(sums + r * F + off32[i] + at * sizeof(float), SHARDD_DTYPE_FP32, 0,
+						src, L, idt, valid * p->inner, &sum);
+			}
+		}
+		free(tmp);
+	}
+	return 0;
+}
+
+int eng_span_reduce_scatter(struct eng_task *t, const struct shardd_reduce_math *rs)
+{
+	struct eng_group *eg = t->eg;
+	struct shd_engine_job *j = eg->j;
+	struct shd_group *g = eg->g;
+	struct shd_backend_ctx *b = j->e->backend;
+	uint32_t N = j->span_nodes, L = g->shard, S = j->span_shard, rdt = g->reduce_dtype;
+	uint32_t wire = shd_world_internode_dtype() == SHD_INTERNODE_FP32 ? SHARDD_DTYPE_FP32 : rdt;
+	uint64_t *off32 = calloc(g->layout.nparams + 1, sizeof(*off32));
+	size_t F, E, wsz, bytes;
+	uint8_t *sums = NULL, *send = NULL, *recv = NULL, *tot = NULL, missing[SHARDD_MAX_WORLD];
+	const void **sends = malloc(N * sizeof(*sends));
+	struct shd_buf tot_buf;
+	char why[384];
+	int ret;
+
+	if (!off32 || !sends) {
+		ret = span_nomem(t, g->layout.nparams * sizeof(*off32));
+		goto out;
+	}
+	F = shd_placement_reduce_shard(&g->layout, SHARDD_DTYPE_FP32, off32);
+	E = F / sizeof(float);
+	wsz = E * shardd_dtype_size(wire);
+	bytes = (size_t)L * wsz;
+	sums = calloc(S, F);
+	send = wire == SHARDD_DTYPE_FP32 ? sums : malloc((size_t)S * wsz + 1);
+	recv = malloc((size_t)N * bytes + 1);
+	tot = malloc(F);
+	if (!sums || !send || !recv || !tot) {
+		ret = span_nomem(t, (size_t)S * F + (size_t)N * bytes + F);
+		goto out;
+	}
+	ret = span_node_sums(t, rs, off32, F, sums);
+	if (ret)
+		goto out;
+	if (send != sums)
+		shardd_k_cast(send, wire, sums, SHARDD_DTYPE_FP32, (size_t)S * E);
+	/* Node k gets this node's sums of its shards k*L .. k*L+L-1. */
+	for (uint32_t k = 0; k < N; k++)
+		sends[k] = send + (size_t)k * bytes;
+	ret = shd_world_exchange(span_key(eg), eg->span_seq++, span_check(t), sends, recv, bytes,
+				 shd_now_ns() + j->e->timeout_ns, missing, why, sizeof(why));
+	if (ret) {
+		span_failed(t, ret, missing, why);
+		goto out;
+	}
+	tot_buf = (struct shd_buf){ .bytes = F, .fd = -1, .priv = tot };
+	for (uint32_t s = 0; s < L && !ret; s++) {
+		/* The nodes' sums of shard s in node order, in fp32, divided: what one daemon's fp32 sum is. */
+		const struct shardd_reduce_math add = { .reduce_dtype = SHARDD_DTYPE_FP32, .pre = 1, .avg = rs->avg, .post = 1 };
+		struct shd_shard_view view = { &tot_buf, off32, SHARDD_DTYPE_FP32 }, out;
+		uint8_t accumulate = g->grad_present[s];
+		const void *in[SHARDD_MAX_WORLD];
+		struct shd_reduce_args a = {
+			.job = j->bj, .layout = &g->layout, .src = SHD_REDUCE_SRC_SHARD, .n = 1,
+			.views = &view, .shard_rank = g->shard_base + s, .in_dtype = SHARDD_DTYPE_FP32,
+			.outs = &out, .accumulate = &accumulate, .reduce_offsets = off32, .reduce_shard_size = F,
+			.math = { .reduce_dtype = rdt, .pre = 1, .avg = 1, .post = rs->post },
+			.err = t->why, .errlen = sizeof(t->why),
+		};
+
+		for (uint32_t k = 0; k < N; k++)
+			in[k] = recv + (size_t)k * bytes + (size_t)s * wsz;
+		shardd_k_reduce(tot, SHARDD_DTYPE_FP32, 0, in, N, wire, E, &add);
+		out = (struct shd_shard_view){ &g->sharded_grads[s], g->shard_offsets, SHARDD_DTYPE_NONE };
+		/* One rounding to the reduce dtype, the post-divide, the cast to the param's dtype, the accumulate. */
+		ret = b->ops->reduce(b, &a);
+	}
+out:
+	if (send != sums)
+		free(send);
+	free(sums);
+	free(recv);
+	free(tot);
+	free(sends);
+	free(off32);
+	return ret;
+}

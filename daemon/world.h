@@ -1,0 +1,63 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The daemon world (`shardd --world mpi`, docs/MULTINODE.md): one daemon
+ * per node, started by mpirun or srun; MPI rank = node index. Every MPI
+ * call of the daemon is made on one communication thread, which this file
+ * owns: it initialises MPI (MPI_THREAD_FUNNELED: that thread is the one
+ * that called MPI_Init_thread, so no other level is needed, and Open MPI
+ * takes no locks on its progress path at this level), posts the
+ * non-blocking sends and receives of every exchange, polls them against
+ * their deadline and finalises MPI at shutdown. The event loop never calls
+ * in here except to start and stop; a pool thread running an inter-node
+ * task hands its exchange to the communication thread and waits, bounded
+ * by the collective timeout.
+ *
+ * Without --world the daemon never calls shd_world_start, and MPI is not
+ * initialised: single-node use needs no mpirun.
+ */
+#ifndef SHD_WORLD_H
+#define SHD_WORLD_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* How partial sums travel between nodes (--internode-dtype). */
+enum shd_internode_dtype {
+	SHD_INTERNODE_FP32 = 0,   /* fp32 (default) */
+	SHD_INTERNODE_REDUCE = 1, /* the group's reduce dtype: half the bytes for bf16/fp16 */
+};
+
+/*
+ * Initialise MPI on a new communication thread and learn this node's index
+ * and the number of nodes. 0, or -1 with `err` saying why (MPI missing,
+ * not started by mpirun, ...).
+ */
+int shd_world_start(uint32_t internode_dtype, char *err, size_t len);
+/* Fail exchanges in flight, finalise MPI (unless a peer failed) and join the thread. */
+void shd_world_stop(void);
+
+/* Number of nodes of the world; 0 when the daemon runs without --world. */
+uint32_t shd_world_nodes(void);
+/* This daemon's node index (its MPI rank). */
+uint32_t shd_world_node(void);
+/* --internode-dtype: enum shd_internode_dtype. */
+uint32_t shd_world_internode_dtype(void);
+
+/*
+ * One exchange among all nodes (never on the loop thread): `bytes` of
+ * send[k] go to node k, and node k's bytes land at recv + k * bytes
+ * (send[node] is copied there). `key` names the stream of exchanges (a job
+ * and group: equal on every node, so it doubles as the MPI tag) and `seq`
+ * its position in that stream; `check` what must be equal on every node (a
+ * digest of the group's params, the op and its step): a node's message for another key, seq or
+ * check is an error, not data. Waits until every node's bytes arrived, an MPI error,
+ * or `deadline_ns` (shd_now_ns clock). 0; or -SHARDD_E_TIMEOUT /
+ * -SHARDD_E_PEER_DIED / -SHARDD_E_MISMATCH / -SHARDD_E_NOMEM with `err`
+ * saying why and missing[k] = 1 for each node k whose bytes did not arrive
+ * (missing has nodes entries).
+ */
+int shd_world_exchange(uint64_t key, uint64_t seq, uint64_t check, const void *const *send,
+		       void *recv, size_t bytes, uint64_t deadline_ns, uint8_t *missing, char *err,
+		       size_t len);
+
+#endif /* SHD_WORLD_H */

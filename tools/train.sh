@@ -75,14 +75,16 @@ trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-sock=$tmp/shardd.sock
 state=$tmp/state
 
-# Start the daemon (the nth time): its stderr goes through a FIFO so that
-# this script can wait for its ready line, then keeps flowing to our stderr.
+# Start the daemon (the nth time), on a socket of its own (a killed daemon's
+# socket may take a moment to be released): its stderr goes through a FIFO
+# so that this script can wait for its ready line, then keeps flowing to
+# our stderr.
 start_daemon() {
 	local fifo=$tmp/daemon$1.log ready=0 deadline line
 
+	sock=$tmp/shardd$1.sock
 	mkfifo "$fifo"
 	"$build/shardd" --socket "$sock" --state-dir "$state" 2>"$fifo" &
 	daemon_pid=$!

@@ -192,11 +192,12 @@ class _Param:
     """One managed parameter: where it sits in the modules, its shard and
     unsharded Parameters, and the views of its grad buffers."""
 
-    __slots__ = ("fqn", "index", "places", "sharded", "unsharded", "grad_view", "shard_grad_view",
-                 "shard_dim", "has_grad", "partial_has_grad")
+    __slots__ = ("fqn", "name", "index", "places", "sharded", "unsharded", "grad_view",
+                 "shard_grad_view", "shard_dim", "has_grad", "partial_has_grad")
 
-    def __init__(self, fqn, index, places):
-        self.fqn = fqn
+    def __init__(self, fqn, index, places, name=None):
+        self.fqn = fqn              # its name under the fully_shard'ed module
+        self.name = name or fqn     # its name in the daemon's group (and a checkpoint's files)
         self.index = index          # param index in the group
         self.places = places        # [(module, attribute name)]: tied params sit in several
         self.sharded = None
@@ -739,7 +740,11 @@ def fully_shard(module, *, mesh, reshard_after_forward=None, shard_placement_fn=
     count = getattr(mesh, "_shardd_fsdp_groups", 0)
     mesh._shardd_fsdp_groups = count + 1
     name = f"{count}.{type(module).__name__}"[:P.NAME_MAX - 1]
-    params = [_Param(names[id(p)], i, places[id(p)]) for i, p in enumerate(order)]
+    # Under a DaemonOptimizer the daemon knows each param by its name in the model the optimizer
+    # was constructed over (torch's state_dict key): unique across the job's groups, as a
+    # checkpoint needs, and what an unsharded model loads. Else by its name under `module`.
+    params = [_Param(names[id(p)], i, places[id(p)], opt._names.get(id(p)) if opt else None)
+              for i, p in enumerate(order)]
     state = _State(module, mesh, params, name, mp, reshard_after_forward)
     if params:
         _register(state, order, shard_placement_fn, opt)
@@ -782,15 +787,15 @@ def _register(state, tensors, shard_placement_fn, optimizer=None):
         if t.dtype not in _TORCH_TO_SHARDD:
             raise TypeError(f"fully_shard({type(state.module).__name__}): param '{p.fqn}' has "
                             f"dtype {t.dtype}; shardd takes float32, bfloat16 and float16")
-        if len(p.fqn.encode()) >= P.PARAM_NAME_MAX:
-            raise ValueError(f"fully_shard({type(state.module).__name__}): param name '{p.fqn}' "
+        if len(p.name.encode()) >= P.PARAM_NAME_MAX:
+            raise ValueError(f"fully_shard({type(state.module).__name__}): param name '{p.name}' "
                              f"is longer than {P.PARAM_NAME_MAX - 1} bytes")
         dim = _placement_dim(shard_placement_fn(t) if shard_placement_fn else None, p.fqn)
         if t.dim() and not -t.dim() <= dim < t.dim():
             raise ValueError(f"shard_placement_fn: Shard({dim}) for param '{p.fqn}' of shape "
                              f"{tuple(t.shape)}")
         p.shard_dim = dim % t.dim() if t.dim() else 0
-        specs.append(Param(p.fqn, _TORCH_TO_SHARDD[t.dtype], tuple(t.shape), p.shard_dim))
+        specs.append(Param(p.name, _TORCH_TO_SHARDD[t.dtype], tuple(t.shape), p.shard_dim))
     reduce_dtype = mp.reduce_dtype
     if reduce_dtype is None:
         reduce_dtype = default_reduce_dtype(mp.param_dtype, {t.dtype for t in tensors})

@@ -74,16 +74,18 @@ static void start_on(struct harness_daemon *d, const char *state)
 	cr_assert_eq(harness_daemon_start(d, extra), 0, "shardd --state-dir %s did not start (log above)", state);
 }
 
-Test(train_checkpoint, resumed_after_daemon_sigkill_matches_uninterrupted_run_bit_for_bit, .timeout = 90)
+/* The whole run: the state dirs and dumps in a new folder of `base`. */
+static void resume_matches_uninterrupted(const char *base)
 {
 	static struct train_run r, whole;
 	static char got[1 << 16], ref[1 << 16];
 	struct harness_daemon d = { 0 }, d2 = { 0 }, dref = { 0 };
-	char dir[] = "/tmp/shardd-train-ck-XXXXXX", state[96], state_ref[96], got_path[96], ref_path[96];
+	char dir[64], state[96], state_ref[96], got_path[96], ref_path[96];
 	char a[32], b[32];
 	size_t ng, nr;
 
-	cr_assert(mkdtemp(dir), "mkdtemp: %s", strerror(errno));
+	snprintf(dir, sizeof(dir), "%s/shardd-train-ck-XXXXXX", base);
+	cr_assert(mkdtemp(dir), "mkdtemp(%s): %s", dir, strerror(errno));
 	snprintf(state, sizeof(state), "%s/state", dir);
 	snprintf(state_ref, sizeof(state_ref), "%s/state-ref", dir);
 	snprintf(got_path, sizeof(got_path), "%s/resumed.bin", dir);
@@ -137,6 +139,11 @@ Test(train_checkpoint, resumed_after_daemon_sigkill_matches_uninterrupted_run_bi
 			  " uninterrupted %.9g", i / sizeof(float), (double)*(float *)(got + i),
 			  (double)*(float *)(ref + i));
 	nftw(dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+}
+
+Test(train_checkpoint, resumed_after_daemon_sigkill_matches_uninterrupted_run_bit_for_bit, .timeout = 90)
+{
+	resume_matches_uninterrupted("/tmp");
 }
 
 Test(train_checkpoint, checkpoint_every_without_state_dir_fails_naming_the_flag, .timeout = 60)

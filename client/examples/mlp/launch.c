@@ -53,7 +53,7 @@ static void usage(FILE *f)
 "                    as the other ranks print when they wait for this one\n"
 "  --attempt A       with --resume-step: the attempt number of the retry (default 1)\n"
 "  --trainer-sgd     run SGD in the trainer on the flat shard instead of the\n"
-"                    daemon's step op (the cuda backend always does: it has no step)\n"
+"                    daemon's step op\n"
 "  --version         print the version and exit\n",
 		MLP_DEFAULT_STEPS, MLP_DEFAULT_JOB);
 }

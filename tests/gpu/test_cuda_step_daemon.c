@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "harness.h"
+#include "inproc.h"
 #include "optim_isa.h"
 #include "shardd.h"
 
@@ -46,87 +47,37 @@ struct fixture {
 	struct shardd_group *g[WORLD];
 };
 
-struct reg_arg {
-	struct shardd_client *c;
-	const struct shardd_optim_config *optim;
-	struct shardd_group *g;
-	int ret;
-	char err[1024];
-};
-
-static void *register_main(void *p)
-{
-	struct reg_arg *a = p;
-	struct shardd_policy pol = { .param_dtype = SHARDD_DTYPE_NONE, .reduce_dtype = SHARDD_DTYPE_NONE,
-				     .optimizer = a->optim };
-
-	a->ret = shardd_group_register(a->c, "layer", params, NP, &pol, &a->g);
-	if (a->ret)
-		snprintf(a->err, sizeof(a->err), "%s", shardd_last_error());
-	return NULL;
-}
-
 static void start(struct fixture *f, const struct shardd_optim_config *o)
 {
 	static const char *const extra[] = { "--backend", "cuda", "--collective-timeout", "20", NULL };
-	struct reg_arg reg[WORLD];
-	pthread_t th[WORLD];
+	const struct shardd_policy pol = { .param_dtype = SHARDD_DTYPE_NONE,
+					   .reduce_dtype = SHARDD_DTYPE_NONE, .optimizer = o };
 
 	/* Counted in a child: the daemon must be forked before this process touches CUDA. */
 	if (harness_cuda_devices() == 0)
 		cr_skip_test("no CUDA device visible");
 	signal(SIGPIPE, SIG_IGN);
 	memset(f, 0, sizeof(*f));
-	cr_assert_eq(harness_daemon_start(&f->hd, extra), 0, "shardd --backend cuda did not start");
-	for (uint32_t r = 0; r < WORLD; r++) {
-		struct shardd_attach_opts ao = {
-			.socket_path = f->hd.socket, .job = "optim", .rank = r, .replicate = 1, .shard = WORLD,
-			.device = 0, .timeout_ms = 10000,
-		};
-
-		cr_assert_eq(shardd_connect(&ao, &f->c[r]), 0, "%s", shardd_last_error());
-	}
-	for (int r = 0; r < WORLD; r++) {
-		reg[r] = (struct reg_arg){ .c = f->c[r], .optim = o };
-		cr_assert_eq(pthread_create(&th[r], NULL, register_main, &reg[r]), 0);
-	}
-	for (int r = 0; r < WORLD; r++)
-		pthread_join(th[r], NULL);
-	for (int r = 0; r < WORLD; r++) {
-		cr_assert_eq(reg[r].ret, 0, "rank %d register: %s", r, reg[r].err);
-		f->g[r] = reg[r].g;
-	}
+	inproc_start(&f->hd, extra, "optim", 1, WORLD, 0, f->c);
+	inproc_register_ok(f->c, WORLD, "layer", params, NP, &pol, f->g);
 }
 
 static void finish(struct fixture *f)
 {
-	for (int r = 0; r < WORLD; r++) {
-		shardd_group_close(f->g[r]);
-		shardd_close(f->c[r]);
-	}
-	harness_daemon_stop_expect_clean(&f->hd);
+	inproc_finish(&f->hd, f->c, f->g, WORLD);
 }
 
 static uint64_t rng_state = 0x2545f4914f6cdd1dull;
 
 static float rnd(void)
 {
-	rng_state ^= rng_state << 13;
-	rng_state ^= rng_state >> 7;
-	rng_state ^= rng_state << 17;
-	return (float)((double)(rng_state >> 11) / (double)(1ull << 53) * 2.0 - 1.0);
+	return inproc_rnd(&rng_state);
 }
 
 /* Elements of real data in rank `r`'s shard of param i (a prefix of it). */
 static uint64_t valid_numel(const struct shardd_group *g, uint32_t i)
 {
-	const struct shardd_param_desc *d = &params[i];
-	const struct shardd_param_layout *l = shardd_group_layout(g, i);
-	uint64_t numel = 1, dim = d->ndim ? d->shape[d->shard_dim] : 1;
-
-	for (uint32_t k = 0; k < d->ndim; k++)
-		numel *= d->shape[k];
-	return dim ? l->shard_rows_valid * (numel / dim) : 0;
+	return inproc_valid_numel(g, params, i);
 }
 
 /* Device `bytes` at `dev` into a new host array. */
@@ -220,26 +171,7 @@ static void ref_step(struct ref *ref, struct fixture *f, int r, const struct sha
 		if (!n)
 			continue;
 		g = from_device(shardd_group_shard_grad(f->g[r], i), n * sizeof(float));
-		if (o->kind == SHARDD_OPTIM_SGD) {
-			struct shardd_sgd a = {
-				.param = ref->p[r][i], .grad = g, .momentum_buffer = o->momentum ? ref->s[r][i][0] : NULL,
-				.grad_dtype = SHARDD_DTYPE_FP32, .step = ref->nsteps[r], .lr = lr, .momentum = o->momentum,
-				.dampening = o->dampening, .weight_decay = o->weight_decay,
-				.nesterov = !!(o->flags & SHARDD_OPTIM_NESTEROV),
-				.maximize = !!(o->flags & SHARDD_OPTIM_MAXIMIZE), .grad_scale = scale,
-			};
-			shardd_k_sgd_isa(SHARDD_K_ISA_PORTABLE, &a, 0, n);
-		} else {
-			struct shardd_adamw a = {
-				.param = ref->p[r][i], .grad = g, .exp_avg = ref->s[r][i][0], .exp_avg_sq = ref->s[r][i][1],
-				.max_exp_avg_sq = (o->flags & SHARDD_OPTIM_AMSGRAD) ? ref->s[r][i][2] : NULL,
-				.grad_dtype = SHARDD_DTYPE_FP32, .step = ref->nsteps[r], .lr = lr, .beta1 = o->beta1,
-				.beta2 = o->beta2, .eps = o->eps, .weight_decay = o->weight_decay,
-				.amsgrad = !!(o->flags & SHARDD_OPTIM_AMSGRAD),
-				.maximize = !!(o->flags & SHARDD_OPTIM_MAXIMIZE), .grad_scale = scale,
-			};
-			shardd_k_adamw_isa(SHARDD_K_ISA_PORTABLE, &a, 0, n);
-		}
+		inproc_ref_step(o, ref->p[r][i], g, ref->s[r][i], ref->nsteps[r], lr, scale, n);
 		free(g);
 	}
 }
@@ -253,16 +185,7 @@ static void expect_shard(struct ref *ref, struct fixture *f, int r, const char *
 		float *sh = from_device(shardd_group_shard(f->g[r], i), l->shard_bytes);
 		float *g = from_device(shardd_group_shard_grad(f->g[r], i), l->shard_bytes);
 
-		for (uint64_t e = 0; e < n; e++)
-			cr_assert_eq(memcmp(&sh[e], &ref->p[r][i][e], sizeof(float)), 0,
-				     "%s: rank %d param '%s'[%llu] = %.9g, reference %.9g", what, r, params[i].name,
-				     (unsigned long long)e, sh[e], ref->p[r][i][e]);
-		for (uint64_t e = n; e < all; e++)
-			cr_assert_eq(sh[e], 0.0f, "%s: rank %d param '%s' padding [%llu] = %g", what, r,
-				     params[i].name, (unsigned long long)e, sh[e]);
-		for (uint64_t e = 0; e < all; e++)
-			cr_assert_eq(g[e], 0.0f, "%s: rank %d param '%s' sharded grad [%llu] = %g after the step",
-				     what, r, params[i].name, (unsigned long long)e, g[e]);
+		inproc_expect_shard(what, r, params[i].name, sh, ref->p[r][i], g, n, all);
 		free(sh);
 		free(g);
 	}

@@ -15,7 +15,6 @@
 #include <criterion/criterion.h>
 #include <jansson.h>
 #include <math.h>
-#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -24,6 +23,7 @@
 #include <unistd.h>
 
 #include "harness.h"
+#include "inproc.h"
 #include "optim_isa.h"
 #include "shardd.h"
 
@@ -39,31 +39,10 @@ static const struct shardd_param_desc params[NP] = {
 	{ .name = "c", .dtype = SHARDD_DTYPE_FP32, .ndim = 2, .shard_dim = 1, .shape = { 4, 6 } },
 };
 
-struct reg_arg {
-	struct shardd_client *c;
-	const struct shardd_optim_config *optim;
-	const char *name;
-	struct shardd_group *g;
-	int ret;
-	char err[1024];
-};
-
-static void *register_main(void *p)
-{
-	struct reg_arg *a = p;
-	struct shardd_policy pol = { .param_dtype = SHARDD_DTYPE_NONE, .reduce_dtype = SHARDD_DTYPE_NONE,
-				     .optimizer = a->optim };
-
-	a->ret = shardd_group_register(a->c, a->name, params, NP, &pol, &a->g);
-	if (a->ret)
-		snprintf(a->err, sizeof(a->err), "%s", shardd_last_error());
-	return NULL;
-}
-
 struct fixture {
 	struct harness_daemon hd;
 	struct shardd_client *c[WORLD];
-	struct reg_arg reg[WORLD];
+	struct inproc_reg reg[WORLD];
 };
 
 static void start(struct fixture *f)
@@ -71,23 +50,20 @@ static void start(struct fixture *f)
 	static const char *const extra[] = { "--collective-timeout", "20", NULL };
 
 	memset(f, 0, sizeof(*f));
-	cr_assert_eq(harness_daemon_start(&f->hd, extra), 0, "shardd did not start");
-	for (uint32_t r = 0; r < WORLD; r++)
-		cr_assert_eq(harness_attach(&f->hd, "optim", r, 1, WORLD, &f->c[r]), 0, "%s", shardd_last_error());
+	inproc_start(&f->hd, extra, "optim", 1, WORLD, SHARDD_HELLO_DEVICE_HOST, f->c);
 }
 
 /* Register `name` on both ranks with optimizers o0 (rank 0) and o1; the ranks' results in f->reg. */
 static void register_both(struct fixture *f, const char *name, const struct shardd_optim_config *o0,
 			  const struct shardd_optim_config *o1)
 {
-	pthread_t th[WORLD];
-
-	for (int r = 0; r < WORLD; r++) {
-		f->reg[r] = (struct reg_arg){ .c = f->c[r], .optim = r ? o1 : o0, .name = name };
-		cr_assert_eq(pthread_create(&th[r], NULL, register_main, &f->reg[r]), 0);
-	}
 	for (int r = 0; r < WORLD; r++)
-		pthread_join(th[r], NULL);
+		f->reg[r] = (struct inproc_reg){
+			.c = f->c[r], .name = name, .params = params, .nparams = NP,
+			.policy = { .param_dtype = SHARDD_DTYPE_NONE, .reduce_dtype = SHARDD_DTYPE_NONE,
+				    .optimizer = r ? o1 : o0 },
+		};
+	inproc_register(f->reg, WORLD);
 }
 
 static void register_ok(struct fixture *f, const char *name, const struct shardd_optim_config *o)
@@ -110,22 +86,13 @@ static uint64_t rng_state = 0x2545f4914f6cdd1dull;
 
 static float rnd(void)
 {
-	rng_state ^= rng_state << 13;
-	rng_state ^= rng_state >> 7;
-	rng_state ^= rng_state << 17;
-	return (float)((double)(rng_state >> 11) / (double)(1ull << 53) * 2.0 - 1.0);
+	return inproc_rnd(&rng_state);
 }
 
-/* Elements of real data in rank `r`'s shard of param i (a prefix of it). */
+/* Elements of real data in `g`'s shard of param i (a prefix of it). */
 static uint64_t valid_numel(const struct shardd_group *g, uint32_t i)
 {
-	const struct shardd_param_desc *d = &params[i];
-	const struct shardd_param_layout *l = shardd_group_layout(g, i);
-	uint64_t numel = 1, dim = d->ndim ? d->shape[d->shard_dim] : 1;
-
-	for (uint32_t k = 0; k < d->ndim; k++)
-		numel *= d->shape[k];
-	return dim ? l->shard_rows_valid * (numel / dim) : 0;
+	return inproc_valid_numel(g, params, i);
 }
 
 /* Every rank writes random grads and the reduce of `step` runs on both rings. */
@@ -195,26 +162,7 @@ static void ref_step(struct ref *ref, struct fixture *f, int r, const struct sha
 
 		if (!n)
 			continue;
-		if (o->kind == SHARDD_OPTIM_SGD) {
-			struct shardd_sgd a = {
-				.param = ref->p[r][i], .grad = g, .momentum_buffer = o->momentum ? ref->s[r][i][0] : NULL,
-				.grad_dtype = SHARDD_DTYPE_FP32, .step = ref->nsteps[r], .lr = lr, .momentum = o->momentum,
-				.dampening = o->dampening, .weight_decay = o->weight_decay,
-				.nesterov = !!(o->flags & SHARDD_OPTIM_NESTEROV),
-				.maximize = !!(o->flags & SHARDD_OPTIM_MAXIMIZE), .grad_scale = scale,
-			};
-			shardd_k_sgd_isa(SHARDD_K_ISA_PORTABLE, &a, 0, n);
-		} else {
-			struct shardd_adamw a = {
-				.param = ref->p[r][i], .grad = g, .exp_avg = ref->s[r][i][0], .exp_avg_sq = ref->s[r][i][1],
-				.max_exp_avg_sq = (o->flags & SHARDD_OPTIM_AMSGRAD) ? ref->s[r][i][2] : NULL,
-				.grad_dtype = SHARDD_DTYPE_FP32, .step = ref->nsteps[r], .lr = lr, .beta1 = o->beta1,
-				.beta2 = o->beta2, .eps = o->eps, .weight_decay = o->weight_decay,
-				.amsgrad = !!(o->flags & SHARDD_OPTIM_AMSGRAD),
-				.maximize = !!(o->flags & SHARDD_OPTIM_MAXIMIZE), .grad_scale = scale,
-			};
-			shardd_k_adamw_isa(SHARDD_K_ISA_PORTABLE, &a, 0, n);
-		}
+		inproc_ref_step(o, ref->p[r][i], g, ref->s[r][i], ref->nsteps[r], lr, scale, n);
 	}
 }
 
@@ -227,16 +175,7 @@ static void expect_shard(struct ref *ref, struct fixture *f, int r, const char *
 		const float *sh = shardd_group_shard(f->reg[r].g, i);
 		const float *g = shardd_group_shard_grad(f->reg[r].g, i);
 
-		for (uint64_t e = 0; e < n; e++)
-			cr_assert_eq(memcmp(&sh[e], &ref->p[r][i][e], sizeof(float)), 0,
-				     "%s: rank %d param '%s'[%llu] = %.9g, reference %.9g", what, r, params[i].name,
-				     (unsigned long long)e, sh[e], ref->p[r][i][e]);
-		for (uint64_t e = n; e < all; e++)
-			cr_assert_eq(sh[e], 0.0f, "%s: rank %d param '%s' padding [%llu] = %g", what, r,
-				     params[i].name, (unsigned long long)e, sh[e]);
-		for (uint64_t e = 0; e < all; e++)
-			cr_assert_eq(g[e], 0.0f, "%s: rank %d param '%s' sharded grad [%llu] = %g after the step",
-				     what, r, params[i].name, (unsigned long long)e, g[e]);
+		inproc_expect_shard(what, r, params[i].name, sh, ref->p[r][i], g, n, all);
 	}
 }
 

@@ -113,16 +113,8 @@ static void write_grads(struct fixture *f, int poison)
 
 static void reduce_step(struct fixture *f, uint64_t step, int poison)
 {
-	struct shardd_completion cp;
-
 	write_grads(f, poison);
-	for (int r = 0; r < WORLD; r++)
-		cr_assert_eq(shardd_submit(f->c[r], SHARDD_OP_REDUCE, shardd_group_id(f->g[r]), step, 0, 100 + r), 0,
-			     "%s", shardd_last_error());
-	for (int r = 0; r < WORLD; r++) {
-		cr_assert_eq(shardd_wait(f->c[r], &cp, 30000), 0, "%s", shardd_last_error());
-		cr_assert_eq(cp.res, 0, "rank %d reduce %llu: %s", r, (unsigned long long)step, cp.msg);
-	}
+	inproc_reduce(f->c, f->g, WORLD, step, 0);
 }
 
 /* The reference: each rank's params and state per param, updated by the portable kernels. */

@@ -98,7 +98,7 @@ static uint64_t valid_numel(const struct shardd_group *g, uint32_t i)
 /* Every rank writes random grads and the reduce of `step` runs on both rings. */
 static void reduce_step(struct fixture *f, uint64_t step, int poison)
 {
-	struct shardd_completion cp;
+	struct shardd_group *g[WORLD];
 
 	for (int r = 0; r < WORLD; r++)
 		for (uint32_t i = 0; i < NP; i++) {
@@ -111,12 +111,8 @@ static void reduce_step(struct fixture *f, uint64_t step, int poison)
 				gr[0] = NAN;
 		}
 	for (int r = 0; r < WORLD; r++)
-		cr_assert_eq(shardd_submit(f->c[r], SHARDD_OP_REDUCE, shardd_group_id(f->reg[r].g), step, 0, 100 + r),
-			     0, "%s", shardd_last_error());
-	for (int r = 0; r < WORLD; r++) {
-		cr_assert_eq(shardd_wait(f->c[r], &cp, 30000), 0, "%s", shardd_last_error());
-		cr_assert_eq(cp.res, 0, "rank %d reduce %llu: %s", r, (unsigned long long)step, cp.msg);
-	}
+		g[r] = f->reg[r].g;
+	inproc_reduce(f->c, g, WORLD, step, 0);
 }
 
 /* The reference: each rank's params and state per param, updated by the portable kernels. */

@@ -77,8 +77,6 @@ static uint64_t valid_numel(const struct shardd_group *g, uint32_t i)
 /* Every rank writes grads scaled by `scale` (rank `nan_rank`'s first real element NaN; -1: none), then reduces. */
 static void reduce_step(struct fixture *f, uint64_t step, float scale, int nan_rank)
 {
-	struct shardd_completion cp;
-
 	for (int r = 0; r < WORLD; r++)
 		for (uint32_t i = 0; i < NP; i++) {
 			float *gr = shardd_group_grad(f->g[r], i);
@@ -87,13 +85,7 @@ static void reduce_step(struct fixture *f, uint64_t step, float scale, int nan_r
 			for (uint64_t e = 0; e < n; e++)
 				gr[e] = scale * next_rnd();
 		}
-	for (int r = 0; r < WORLD; r++)
-		cr_assert_eq(shardd_submit(f->c[r], SHARDD_OP_REDUCE, shardd_group_id(f->g[r]), step, 0, 100 + r),
-			     0, "%s", shardd_last_error());
-	for (int r = 0; r < WORLD; r++) {
-		cr_assert_eq(shardd_wait(f->c[r], &cp, 30000), 0, "%s", shardd_last_error());
-		cr_assert_eq(cp.res, 0, "rank %d reduce %llu: %s", r, (unsigned long long)step, cp.msg);
-	}
+	inproc_reduce(f->c, f->g, WORLD, step, 0);
 	/* The reduce averages: a NaN put in one rank's sharded grad reaches the job's norm alone. */
 	if (nan_rank >= 0)
 		((float *)shardd_group_shard_grad(f->g[nan_rank], 0))[0] = NAN;

@@ -62,6 +62,20 @@ void inproc_register_ok(struct shardd_client **c, uint32_t n, const char *name,
 	}
 }
 
+void inproc_reduce(struct shardd_client **c, struct shardd_group *const *g, uint32_t n,
+		   uint64_t step, uint32_t flags)
+{
+	struct shardd_completion cp;
+
+	for (uint32_t r = 0; r < n; r++)
+		cr_assert_eq(shardd_submit(c[r], SHARDD_OP_REDUCE, shardd_group_id(g[r]), step, flags, 100 + r),
+			     0, "%s", shardd_last_error());
+	for (uint32_t r = 0; r < n; r++) {
+		cr_assert_eq(shardd_wait(c[r], &cp, 30000), 0, "%s", shardd_last_error());
+		cr_assert_eq(cp.res, 0, "rank %u reduce %llu: %s", r, (unsigned long long)step, cp.msg);
+	}
+}
+
 void inproc_finish(struct harness_daemon *hd, struct shardd_client **c, struct shardd_group **g,
 		   uint32_t n)
 {

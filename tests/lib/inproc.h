@@ -45,6 +45,12 @@ void inproc_register(struct inproc_reg *reg, uint32_t n);
 void inproc_register_ok(struct shardd_client **c, uint32_t n, const char *name,
 			const struct shardd_param_desc *params, uint32_t nparams,
 			const struct shardd_policy *policy, struct shardd_group **g);
+/*
+ * Submit the reduce of `step` (with `flags`) of g[r] on every client c[r]
+ * before reaping any, then assert each completed ("rank R reduce STEP: MSG").
+ */
+void inproc_reduce(struct shardd_client **c, struct shardd_group *const *g, uint32_t n,
+		   uint64_t step, uint32_t flags);
 /* Close g[0..n-1] and c[0..n-1], then stop `hd`, asserting it stopped clean. */
 void inproc_finish(struct harness_daemon *hd, struct shardd_client **c, struct shardd_group **g,
 		   uint32_t n);

@@ -118,21 +118,16 @@ static void reduce_step(struct fixture *f, uint64_t step, int poison)
 }
 
 /* The reference: each rank's params and state per param, updated by the portable kernels. */
-struct ref {
-	float *p[WORLD][NP], *s[WORLD][NP][3];
-	uint64_t nsteps[WORLD];
-};
+_Static_assert(WORLD <= INPROC_REF_RANKS && NP <= INPROC_REF_PARAMS, "the reference holds the job");
 
-static void ref_init(struct ref *ref, struct fixture *f)
+static void ref_init(struct inproc_ref *ref, struct fixture *f)
 {
 	memset(ref, 0, sizeof(*ref));
 	for (int r = 0; r < WORLD; r++)
 		for (uint32_t i = 0; i < NP; i++) {
 			uint64_t n = valid_numel(f->g[r], i);
 
-			ref->p[r][i] = calloc(n + 1, sizeof(float));
-			for (int k = 0; k < 3; k++)
-				ref->s[r][i][k] = calloc(n + 1, sizeof(float));
+			inproc_ref_alloc(ref, r, i, n);
 			for (uint64_t e = 0; e < n; e++)
 				ref->p[r][i][e] = rnd();
 			if (n)
@@ -141,18 +136,8 @@ static void ref_init(struct ref *ref, struct fixture *f)
 		}
 }
 
-static void ref_free(struct ref *ref)
-{
-	for (int r = 0; r < WORLD; r++)
-		for (uint32_t i = 0; i < NP; i++) {
-			free(ref->p[r][i]);
-			for (int k = 0; k < 3; k++)
-				free(ref->s[r][i][k]);
-		}
-}
-
 /* The reference step of rank r on the sharded grads as the daemon holds them now (read from the device). */
-static void ref_step(struct ref *ref, struct fixture *f, int r, const struct shardd_optim_config *o, double lr,
+static void ref_step(struct inproc_ref *ref, struct fixture *f, int r, const struct shardd_optim_config *o, double lr,
 		     float scale)
 {
 	ref->nsteps[r]++;
@@ -169,7 +154,7 @@ static void ref_step(struct ref *ref, struct fixture *f, int r, const struct sha
 }
 
 /* Rank r's shard (read from the device) equals the reference bit for bit; padding and sharded grad zero. */
-static void expect_shard(struct ref *ref, struct fixture *f, int r, const char *what)
+static void expect_shard(struct inproc_ref *ref, struct fixture *f, int r, const char *what)
 {
 	for (uint32_t i = 0; i < NP; i++) {
 		const struct shardd_param_layout *l = shardd_group_layout(f->g[r], i);
@@ -192,7 +177,7 @@ static float *snapshot(struct fixture *f, int r)
 static void parity_run(const struct shardd_optim_config *o, const char *what)
 {
 	struct fixture f;
-	struct ref ref;
+	struct inproc_ref ref;
 	float *before, *after;
 	size_t size;
 
@@ -242,7 +227,7 @@ static void parity_run(const struct shardd_optim_config *o, const char *what)
 		     "%s: %s", what, shardd_last_error());
 	expect_shard(&ref, &f, 0, "skipped");
 	expect_shard(&ref, &f, 1, "finite");
-	ref_free(&ref);
+	inproc_ref_free(&ref);
 	finish(&f);
 }
 
@@ -282,7 +267,7 @@ Test(cuda_step_daemon, grad_norm_matches_the_cpu_kernels_and_reduce_step_applies
 	struct shardd_grad_norm_part acc = { 0 };
 	struct shardd_completion cp;
 	struct fixture f;
-	struct ref ref;
+	struct inproc_ref ref;
 
 	start(&f, &o);
 	ref_init(&ref, &f);
@@ -341,6 +326,6 @@ Test(cuda_step_daemon, grad_norm_matches_the_cpu_kernels_and_reduce_step_applies
 		free(before);
 		free(after);
 	}
-	ref_free(&ref);
+	inproc_ref_free(&ref);
 	finish(&f);
 }

@@ -116,12 +116,9 @@ static void reduce_step(struct fixture *f, uint64_t step, int poison)
 }
 
 /* The reference: each rank's params and state per param, updated by the portable kernels. */
-struct ref {
-	float *p[WORLD][NP], *s[WORLD][NP][3];
-	uint64_t nsteps[WORLD];
-};
+_Static_assert(WORLD <= INPROC_REF_RANKS && NP <= INPROC_REF_PARAMS, "the reference holds the job");
 
-static void ref_init(struct ref *ref, struct fixture *f)
+static void ref_init(struct inproc_ref *ref, struct fixture *f)
 {
 	memset(ref, 0, sizeof(*ref));
 	for (int r = 0; r < WORLD; r++)
@@ -129,26 +126,14 @@ static void ref_init(struct ref *ref, struct fixture *f)
 			uint64_t n = valid_numel(f->reg[r].g, i);
 			float *sh = shardd_group_shard(f->reg[r].g, i);
 
-			ref->p[r][i] = calloc(n + 1, sizeof(float));
-			for (int k = 0; k < 3; k++)
-				ref->s[r][i][k] = calloc(n + 1, sizeof(float));
+			inproc_ref_alloc(ref, r, i, n);
 			for (uint64_t e = 0; e < n; e++)
 				sh[e] = ref->p[r][i][e] = rnd();
 		}
 }
 
-static void ref_free(struct ref *ref)
-{
-	for (int r = 0; r < WORLD; r++)
-		for (uint32_t i = 0; i < NP; i++) {
-			free(ref->p[r][i]);
-			for (int k = 0; k < 3; k++)
-				free(ref->s[r][i][k]);
-		}
-}
-
 /* The reference step of rank r on the sharded grads as the daemon holds them now. */
-static void ref_step(struct ref *ref, struct fixture *f, int r, const struct shardd_optim_config *o, double lr,
+static void ref_step(struct inproc_ref *ref, struct fixture *f, int r, const struct shardd_optim_config *o, double lr,
 		     float scale)
 {
 	ref->nsteps[r]++;
@@ -163,7 +148,7 @@ static void ref_step(struct ref *ref, struct fixture *f, int r, const struct sha
 }
 
 /* Rank r's shard equals the reference bit for bit; padding and the sharded grad are zero. */
-static void expect_shard(struct ref *ref, struct fixture *f, int r, const char *what)
+static void expect_shard(struct inproc_ref *ref, struct fixture *f, int r, const char *what)
 {
 	for (uint32_t i = 0; i < NP; i++) {
 		const struct shardd_param_layout *l = shardd_group_layout(f->reg[r].g, i);
@@ -178,7 +163,7 @@ static void expect_shard(struct ref *ref, struct fixture *f, int r, const char *
 static void parity_run(const struct shardd_optim_config *o, const char *what)
 {
 	struct fixture f;
-	struct ref ref;
+	struct inproc_ref ref;
 
 	start(&f);
 	register_ok(&f, "layer", o);
@@ -194,7 +179,7 @@ static void parity_run(const struct shardd_optim_config *o, const char *what)
 			expect_shard(&ref, &f, r, what);
 		}
 	}
-	ref_free(&ref);
+	inproc_ref_free(&ref);
 	finish(&f);
 }
 
@@ -231,7 +216,7 @@ Test(optim_daemon, a_step_is_applied_once_and_reattach_learns_the_last_step, .ti
 {
 	struct shardd_optim_config o = { .kind = SHARDD_OPTIM_ADAMW, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8 };
 	struct fixture f;
-	struct ref ref;
+	struct inproc_ref ref;
 	size_t size;
 	float *before, *after;
 
@@ -274,7 +259,7 @@ Test(optim_daemon, a_step_is_applied_once_and_reattach_learns_the_last_step, .ti
 	}
 	free(before);
 	free(after);
-	ref_free(&ref);
+	inproc_ref_free(&ref);
 	finish(&f);
 }
 
@@ -282,7 +267,7 @@ Test(optim_daemon, clip_scales_the_grad_and_nonfinite_grads_skip_the_step, .time
 {
 	struct shardd_optim_config o = { .kind = SHARDD_OPTIM_SGD, .momentum = 0.9 };
 	struct fixture f;
-	struct ref ref;
+	struct inproc_ref ref;
 	size_t size;
 	float *before, *after;
 
@@ -321,7 +306,7 @@ Test(optim_daemon, clip_scales_the_grad_and_nonfinite_grads_skip_the_step, .time
 	}
 	free(before);
 	free(after);
-	ref_free(&ref);
+	inproc_ref_free(&ref);
 	finish(&f);
 }
 
@@ -587,7 +572,7 @@ Test(optim_daemon, a_rank_killed_between_reduce_and_step_resumes_bit_identical, 
 }
 
 /* Grads of every rank, then the reduce with SHARDD_REDUCE_STEP on both rings; the results. */
-static void reduce_and_step(struct fixture *f, struct ref *ref, const struct shardd_optim_config *o, uint64_t step,
+static void reduce_and_step(struct fixture *f, struct inproc_ref *ref, const struct shardd_optim_config *o, uint64_t step,
 			    double lr, int *res)
 {
 	struct shardd_completion cp;
@@ -661,7 +646,7 @@ Test(optim_daemon, a_reduce_with_the_step_flag_steps_each_shard_after_reducing, 
 	struct shardd_optim_config o = { .kind = SHARDD_OPTIM_SGD, .momentum = 0.9 };
 	struct shardd_completion cp;
 	struct fixture f;
-	struct ref ref;
+	struct inproc_ref ref;
 	int res[WORLD];
 
 	start(&f);
@@ -677,7 +662,7 @@ Test(optim_daemon, a_reduce_with_the_step_flag_steps_each_shard_after_reducing, 
 				     shardd_last_error());
 		}
 	}
-	ref_free(&ref);
+	inproc_ref_free(&ref);
 	for (int r = 0; r < WORLD; r++)
 		shardd_group_close(f.reg[r].g);
 	/* Without an optimizer the reduce is refused before it gathers. */
@@ -718,7 +703,7 @@ Test(optim_daemon, shardctl_dumps_the_optimizer_state_of_a_shard, .timeout = 60)
 	static const char *const names[] = { "exp_avg", "exp_avg_sq" };
 	static char out[1 << 16];
 	struct fixture f;
-	struct ref ref;
+	struct inproc_ref ref;
 	json_t *j;
 
 	start(&f);
@@ -768,6 +753,6 @@ Test(optim_daemon, shardctl_dumps_the_optimizer_state_of_a_shard, .timeout = 60)
 			     want, "%s", out);
 		json_decref(j);
 	}
-	ref_free(&ref);
+	inproc_ref_free(&ref);
 	finish(&f);
 }

@@ -2,6 +2,7 @@
 #include <criterion/criterion.h>
 #include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "inproc.h"
@@ -104,6 +105,28 @@ uint64_t inproc_valid_numel(const struct shardd_group *g, const struct shardd_pa
 	for (uint32_t k = 0; k < d->ndim; k++)
 		numel *= d->shape[k];
 	return dim ? l->shard_rows_valid * (numel / dim) : 0;
+}
+
+void inproc_ref_alloc(struct inproc_ref *ref, int r, uint32_t i, uint64_t n)
+{
+	cr_assert(r >= 0 && r < INPROC_REF_RANKS && i < INPROC_REF_PARAMS, "reference of rank %d param %u",
+		  r, i);
+	ref->p[r][i] = calloc(n + 1, sizeof(float));
+	cr_assert_not_null(ref->p[r][i]);
+	for (int k = 0; k < 3; k++) {
+		ref->s[r][i][k] = calloc(n + 1, sizeof(float));
+		cr_assert_not_null(ref->s[r][i][k]);
+	}
+}
+
+void inproc_ref_free(struct inproc_ref *ref)
+{
+	for (int r = 0; r < INPROC_REF_RANKS; r++)
+		for (uint32_t i = 0; i < INPROC_REF_PARAMS; i++) {
+			free(ref->p[r][i]);
+			for (int k = 0; k < 3; k++)
+				free(ref->s[r][i][k]);
+		}
 }
 
 void inproc_ref_step(const struct shardd_optim_config *o, float *param, const float *grad,

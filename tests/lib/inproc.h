@@ -61,6 +61,25 @@ float inproc_rnd(uint64_t *state);
 uint64_t inproc_valid_numel(const struct shardd_group *g, const struct shardd_param_desc *params,
 			    uint32_t i);
 
+/* Bounds of an inproc_ref: ranks of the job, params of its group. */
+#define INPROC_REF_RANKS  4
+#define INPROC_REF_PARAMS 8
+
+/*
+ * The reference a daemon's optimizer is held to: per rank and param the
+ * params and 3 state arrays (inproc_ref_step's `state`), and per rank the
+ * steps taken. Zero it before inproc_ref_alloc.
+ */
+struct inproc_ref {
+	float *p[INPROC_REF_RANKS][INPROC_REF_PARAMS], *s[INPROC_REF_RANKS][INPROC_REF_PARAMS][3];
+	uint64_t nsteps[INPROC_REF_RANKS];
+};
+
+/* Zeroed params and state of `n` elements (one more, so that n may be 0) for param i of rank r. */
+void inproc_ref_alloc(struct inproc_ref *ref, int r, uint32_t i, uint64_t n);
+/* Free every array of `ref`. */
+void inproc_ref_free(struct inproc_ref *ref);
+
 /*
  * The reference of the daemon's step: optimizer `o` on the `n` elements of
  * `param` with fp32 `grad`, through the kernels' portable path. `state`

@@ -54,7 +54,7 @@ static void usage(FILE *f)
 "                    as the other ranks print when they wait for this one\n"
 "  --attempt A       with --resume-step: the attempt number of the retry (default 1)\n"
 "  --trainer-sgd     run SGD in the trainer on the flat shard instead of the\n"
-"                    daemon's step op (the cuda backend always does: it has no step)\n"
+"                    daemon's step op\n"
 "  --checkpoint-every N\n"
 "                    after each step whose number (counted from 1) is a multiple\n"
 "                    of N, every rank asks the daemon for a checkpoint of the job\n"

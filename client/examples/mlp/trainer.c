@@ -46,7 +46,7 @@ struct rank {
 	struct inflight ops[RANK_INFLIGHT];
 	int wait_ms;                  /* per completion: collective timeout + slack */
 	int failed;                   /* first error of this attempt, 0 if none */
-	int trainer_sgd;              /* SGD in the trainer (--trainer-sgd, or cuda), not shardd_step */
+	int trainer_sgd;              /* SGD in the trainer (--trainer-sgd), not shardd_step */
 	char fail_msg[512];
 	struct teacher tc;
 	struct mlp_work wk;
@@ -500,13 +500,7 @@ static int rank_connect(struct rank *rk)
 		return ret;
 	}
 	rk->cuda = shardd_backend(rk->c) == SHARDD_BACKEND_CUDA;
-	/* The cuda backend has no optimizer step: the trainer updates its shards. */
-	rk->trainer_sgd = rk->o->trainer_sgd || rk->cuda;
-	if (rk->cuda && (rk->o->checkpoint_every || rk->o->resume)) {
-		fprintf(stderr, "train_mlp: rank %u: the daemon runs --backend cuda, which has no optimizer"
-			" step: --checkpoint-every and --resume need the daemon's SGD; drop them\n", rk->rank);
-		return -EINVAL;
-	}
+	rk->trainer_sgd = rk->o->trainer_sgd;
 	if (rk->cuda && rk->o->device < 0) {
 		fprintf(stderr, "train_mlp: rank %u: the daemon runs --backend cuda: give --device N\n",
 			rk->rank);

@@ -12,9 +12,8 @@
  *                              into the grad buffer, reshard(l), reduce(l)
  *   once every reduce of the step succeeded: the daemon's SGD on the
  *   rank's shard of each layer (shardd_step, step number t + 1, which
- *   also clears the sharded grad); with --trainer-sgd, or on the cuda
- *   backend (whose daemon has no step yet), the trainer's own SGD on its
- *   flat shard with its sharded grad, then zero_grad.
+ *   also clears the sharded grad); with --trainer-sgd, the trainer's own
+ *   SGD on its flat shard with its sharded grad, then zero_grad.
  *
  * unshard and reduce are keyed by step, and the forward and the backward
  * unshard of one training step are two different collectives, so each gets
@@ -46,7 +45,7 @@
  * step, whose update the checkpoint holds; else (last step 0) they load the
  * seeded init and start at step 0, so the same command line serves the
  * first run and every resume. Both need the daemon's SGD (the checkpoint
- * records the step it applied last), so not --trainer-sgd nor cuda.
+ * records the step it applied last), so not --trainer-sgd.
  *
  * HSDP (replicate > 1): the ranks attach as replicate x (world /
  * replicate), unshard within their replica and reduce with

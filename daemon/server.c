@@ -350,13 +350,31 @@ static int socket_check_live(const char *path)
 	if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0) {
 		struct ucred cred;
 		socklen_t len = sizeof(cred);
+		int have_pid = getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0 && cred.pid > 0;
 
-		if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0 && cred.pid > 0)
+		if (have_pid && kill(cred.pid, 0) < 0 && errno == ESRCH) {
+			/*
+			 * The daemon that listened has exited (SIGKILL, OOM), but
+			 * the kernel's asynchronous teardown of its io_uring still
+			 * holds the listening socket for a moment, so connect
+			 * succeeds. Nobody will ever accept: it is stale.
+			 */
+			if (unlink(path) < 0 && errno != ENOENT) {
+				shd_log_error("shardd: cannot remove the socket %s of the exited daemon "
+					"(pid %d): %s", path, (int)cred.pid, strerror(errno));
+				live = -1;
+			} else {
+				shd_log_info("removed the socket %s of the exited daemon (pid %d)", path,
+					(int)cred.pid);
+			}
+		} else if (have_pid) {
 			shd_log_error("shardd: another daemon already serves %s (pid %d)", path,
 				(int)cred.pid);
-		else
+			live = 1;
+		} else {
 			shd_log_error("shardd: another daemon already serves %s", path);
-		live = 1;
+			live = 1;
+		}
 	} else if (errno == ECONNREFUSED) {
 		/* Nobody listens: a daemon died without unlinking. Replace it. */
 		if (unlink(path) < 0 && errno != ENOENT) {

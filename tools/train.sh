@@ -77,14 +77,13 @@ trap 'exit 143' TERM
 
 state=$tmp/state
 
-# Start the daemon (the nth time), on a socket of its own (a killed daemon's
-# socket may take a moment to be released): its stderr goes through a FIFO
-# so that this script can wait for its ready line, then keeps flowing to
-# our stderr.
+# Start the daemon (the nth time; the second takes over the socket the
+# killed one left): its stderr goes through a FIFO so that this script can
+# wait for its ready line, then keeps flowing to our stderr.
 start_daemon() {
 	local fifo=$tmp/daemon$1.log ready=0 deadline line
 
-	sock=$tmp/shardd$1.sock
+	sock=$tmp/shardd.sock
 	mkfifo "$fifo"
 	"$build/shardd" --socket "$sock" --state-dir "$state" 2>"$fifo" &
 	daemon_pid=$!

@@ -282,10 +282,8 @@ def main():
                       f"{a.restart_at - 1}, starting it again on the same --state-dir", flush=True)
                 daemon.send_signal(signal.SIGKILL)
                 daemon.wait(timeout=10)
-                # A socket of its own: the killed daemon's may take a moment to be released.
-                os.mkdir(os.path.join(tmp, "restarted"))
-                daemon, a.socket = start_daemon(a.shardd, os.path.join(tmp, "restarted"),
-                                                os.path.join(tmp, "state"))
+                # The same work directory: the new daemon takes over the killed one's socket.
+                daemon, a.socket = start_daemon(a.shardd, tmp, os.path.join(tmp, "state"))
                 a.resume = True
             if run_ranks(a, tmp, a.steps, a.resume):
                 return 1

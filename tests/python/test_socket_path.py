@@ -70,3 +70,25 @@ def test_shardd_socket_moves_the_clients_and_not_the_daemon(xdg, monkeypatch):
         assert f"no shardd at {moved} " in ctl.stderr
     finally:
         stop(proc)
+
+
+def test_daemon_started_right_after_a_sigkill_takes_over_the_socket(tmp_path):
+    """A daemon killed with SIGKILL leaves its socket behind, and for a moment
+    the kernel's teardown of its io_uring keeps the socket listening, so a
+    connect still succeeds. A daemon started at once on the same path (a
+    supervisor's restart) must see that the listener's process is gone and
+    take the path over, rather than refuse with 'another daemon already
+    serves'. 20 rounds: the old check refused within them in every run here."""
+    sock = str(tmp_path / "shardd.sock")
+    argv = [shardd_bin(), "--foreground", "--log-level", "info", "--socket", sock]
+    for rnd in range(20):
+        try:
+            proc, path, _text = launch.start_daemon(argv, timeout_s=READY_TIMEOUT_S, socket=sock)
+        except launch.DaemonStartError as e:
+            pytest.fail(f"round {rnd}: {e}")
+        assert path == sock
+        proc.kill()
+        proc.wait(timeout=10)
+        assert os.path.exists(sock), "a SIGKILLed daemon cannot unlink its socket"
+    proc, _path, _text = launch.start_daemon(argv, timeout_s=READY_TIMEOUT_S, socket=sock)
+    stop(proc)

@@ -329,8 +329,11 @@ def test_killed_node_fails_the_other_node_ranks_within_the_timeout(request, R, S
 @pytest.mark.timeout_s(60)
 def test_stalled_node_fails_the_reduce_then_the_next_one_pairs_up_again(request):
     """A daemon stopped (SIGSTOP) past the timeout: the other node's reduce
-    fails naming it; once it runs again, its late message of the failed
-    exchange is dropped, and the next reduce of the group succeeds on both."""
+    fails naming it; once it runs again, its queued reduce gets node 0's
+    reduce-scatter half, which was on its way, but not the all-gather half
+    node 0 never sent, so it fails naming node 0 within its timeout; its
+    late message is dropped by node 0, and the next reduce of the group
+    succeeds on both."""
     R, S = 2, 2
     world = World(2)
     clients = []
@@ -351,10 +354,11 @@ def test_stalled_node_fails_the_reduce_then_the_next_one_pairs_up_again(request)
                 assert e.code == -P.E_TIMEOUT and "node 1 (ranks 2..3)" in e.text, e
         finally:
             os.kill(world.pids[1], signal.SIGCONT)
-        # node 1 finishes its step-1 reduce with node 0's message, which was on its way
+        # node 1's step-1 reduce waits for node 0's all-gather half, which node 0 never sends
         for r in (2, 3):
             comp = clients[r].wait(timeout=TIMEOUT_S + 20)
-            assert comp.user_data == 21 and comp.res == 0, comp
+            assert comp.user_data == 21 and comp.res == -P.E_TIMEOUT, comp
+            assert "missing node 0 (ranks 0..1)" in comp.msg, comp
         grads = exact_grads(9, R * S)
         for r, g in enumerate(groups):
             g.zero_grad()

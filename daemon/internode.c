@@ -7,13 +7,16 @@
  * node's ranks are one replica, so unshard and the reduce-scatter stay on
  * the node (task.c, as on one node, with the divide factors of the whole
  * mesh). A reduce with SHARDD_REDUCE_ALL_REDUCE then all-reduces each
- * shard over the nodes: every node sends its ranks' partials (the
- * reduce-scatter outputs, added to the partials of earlier reduces, in the
- * reduce dtype) to every other node, and each node sums the nodes'
- * partials in node order with the single-node all-reduce's kernel
- * (backend reduce, SHD_REDUCE_SRC_SHARD): the same inputs, the same order
- * and the same one rounding as one daemon holding every replica, so every
- * node gets the same bits, and the bits of a single-node run of the mesh.
+ * shard over the nodes (eng_span_allreduce): a reduce-scatter of the
+ * node's ranks' partials (the reduce-scatter outputs, added to the
+ * partials of earlier reduces, in the reduce dtype), in which node k sums
+ * slice k of every node's partials in node order with the single-node
+ * kernel's arithmetic, then an all-gather of the rounded sums, to which
+ * each node applies the rest of that arithmetic (addend, post-divide,
+ * cast, accumulate: backend reduce, SHD_REDUCE_SRC_SHARD): the same
+ * inputs, the same order and the same one rounding as one daemon holding
+ * every replica, so every node gets the same bits, and the bits of a
+ * single-node run of the mesh.
  *
  * The partials are already in the reduce dtype, so sending them as fp32
  * (--internode-dtype fp32, the default) or in the reduce dtype

@@ -208,6 +208,7 @@ static void job_destroy(struct shd_job *j, const char *why)
 			snprintf(msg, sizeof(msg), "shardd is shutting down");
 		barrier_finish(j, -SHARDD_E_SHUTDOWN, msg);
 	}
+	shd_engine_job_grad_norm_abandon(j->ejob);
 	if (j->gnorm.active) {
 		char msg[SHARDD_RING_MSG_SIZE];
 
@@ -552,6 +553,15 @@ void shd_job_grad_norm(struct shd_job *j, uint32_t rank, const struct shardd_sqe
 	jr->gnorm_sqe = *sqe;
 	if (ret != SHD_RDV_COMPLETE)
 		return;
+	if (shd_engine_job_spans_fsdp(j->ejob)) {
+		/* Each node holds its ranks' shards: the nodes' parts are summed off the loop (shd_job_gnorm_poll). */
+		ret = shd_engine_job_grad_norm_span(j->ejob, (int)code, sqe->step, why, sizeof(why));
+		if (ret < 0) {
+			snprintf(msg, sizeof(msg), "grad_norm(step %llu): %s", (unsigned long long)sqe->step, why);
+			gnorm_finish(j, ret, msg, 0, 0);
+		}
+		return;
+	}
 	ret = shd_engine_job_grad_norm(j->ejob, (int)code, &norm, &nonfinite, why, sizeof(why));
 	if (ret < 0) {
 		snprintf(msg, sizeof(msg), "grad_norm(step %llu): %s", (unsigned long long)sqe->step, why);
@@ -559,6 +569,26 @@ void shd_job_grad_norm(struct shd_job *j, uint32_t rank, const struct shardd_sqe
 		return;
 	}
 	shd_engine_job_grad_norm_keep(j->ejob, sqe->step, norm, nonfinite);
+	gnorm_finish(j, 0, NULL, norm, nonfinite);
+}
+
+void shd_job_gnorm_poll(struct shd_job *j)
+{
+	uint64_t step = j->gnorm.step;
+	char why[1024], msg[1400];
+	double norm = 0;
+	int ret, nonfinite = 0;
+
+	ret = shd_engine_job_grad_norm_poll(j->ejob, &norm, &nonfinite, why, sizeof(why));
+	if (ret > 0)
+		return;
+	if (ret < 0) {
+		snprintf(msg, sizeof(msg), "grad_norm(step %llu): %s", (unsigned long long)step, why);
+		shd_log_warn("job '%s': %s", j->name, msg);
+		gnorm_finish(j, ret, msg, 0, 0);
+		return;
+	}
+	shd_engine_job_grad_norm_keep(j->ejob, step, norm, nonfinite);
 	gnorm_finish(j, 0, NULL, norm, nonfinite);
 }
 
@@ -660,7 +690,9 @@ void shd_job_cron(struct shd_job *j, uint64_t now_ns)
 		shd_job_end(j, msg);
 		return;
 	}
-	if (shd_rdv_expired(&j->gnorm, now_ns)) {
+	shd_job_gnorm_poll(j);
+	/* A grad_norm summing across nodes has its own deadline. */
+	if (!shd_engine_job_grad_norm_pending(j->ejob) && shd_rdv_expired(&j->gnorm, now_ns)) {
 		snprintf(within, sizeof(within), "%g s", env.collective_timeout_s);
 		shd_rdv_missing_msg(&j->gnorm, "did not submit grad_norm", within, late, sizeof(late));
 		snprintf(msg, sizeof(msg), "grad_norm(step %llu): %s", (unsigned long long)j->gnorm.step,

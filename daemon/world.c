@@ -30,6 +30,7 @@
 #include <string.h>
 #include <sys/prctl.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <mpi.h>
 
@@ -69,6 +70,7 @@ struct world_xfer {
 	char *err;
 	size_t errlen;
 	int done, res;
+	struct shd_world_op *op;     /* an async exchange's: woken through its fd, or freed when abandoned */
 
 	MPI_Request *req;            /* [4 * nodes]: header recv, payload recv, header send, payload send of node k at 4k.. */
 };
@@ -277,6 +279,31 @@ static void xfer_release(struct world_xfer *x)
 	x->req = NULL;
 }
 
+/* An exchange started by shd_world_gather_start. */
+struct shd_world_op {
+	struct world_xfer x;
+	struct shd_world_buf *b;
+	int wake_fd;
+	int abandoned;               /* under W.lock */
+	uint8_t missing[SHARDD_MAX_WORLD];
+	char err[384];
+};
+
+/* Under W.lock: op's exchange ended; frees it when its caller gave it up, else wakes the caller. */
+static void op_finished(struct shd_world_op *op)
+{
+	uint64_t one = 1;
+	ssize_t r;
+
+	if (op->abandoned) {
+		shd_world_buf_put(op->b);
+		free(op);
+		return;
+	}
+	r = write(op->wake_fd, &one, sizeof(one));
+	(void)r;
+}
+
 /* End x with (res, its err already written) and wake its caller. */
 static void xfer_finish(struct world_xfer *x, int res)
 {
@@ -287,6 +314,8 @@ static void xfer_finish(struct world_xfer *x, int res)
 	x->res = res;
 	x->done = 1;
 	pthread_cond_broadcast(&W.cv);
+	if (x->op)
+		op_finished(x->op);
 	pthread_mutex_unlock(&W.lock);
 }
 
@@ -704,4 +733,70 @@ int shd_world_exchange(uint64_t key, uint64_t seq, uint64_t check, const void *c
 		memcpy(recv, b->data + nb, nb);
 	shd_world_buf_put(b);
 	return ret;
+}
+
+int shd_world_gather_start(uint64_t key, uint64_t seq, uint64_t check, const void *mine, size_t bytes,
+			   uint64_t deadline_ns, int wake_fd, struct shd_world_op **out, char *err, size_t len)
+{
+	struct shd_world_op *op = calloc(1, sizeof(*op));
+
+	if (op)
+		op->b = shd_world_buf_new((size_t)(W.nodes + 1) * bytes);
+	if (!op || !op->b) {
+		free(op);
+		snprintf(err, len, "out of memory for an inter-node gather of %zu bytes per node", bytes);
+		return -SHARDD_E_NOMEM;
+	}
+	op->wake_fd = wake_fd;
+	op->x = (struct world_xfer){
+		.key = key, .seq = seq, .check = check, .deadline_ns = deadline_ns, .bytes = bytes,
+		.send_off = 0, .send_stride = 0, .recv_off = bytes, .b = op->b, .missing = op->missing,
+		.err = op->err, .errlen = sizeof(op->err), .op = op,
+	};
+	memcpy(op->b->data, mine, bytes);
+	memcpy(op->b->data + bytes + (size_t)W.node * bytes, mine, bytes);
+	pthread_mutex_lock(&W.lock);
+	op->x.next = W.queue;
+	W.queue = &op->x;
+	pthread_cond_broadcast(&W.cv);
+	pthread_mutex_unlock(&W.lock);
+	*out = op;
+	return 0;
+}
+
+int shd_world_op_done(struct shd_world_op *op)
+{
+	int done;
+
+	pthread_mutex_lock(&W.lock);
+	done = op->x.done;
+	pthread_mutex_unlock(&W.lock);
+	return done;
+}
+
+int shd_world_op_end(struct shd_world_op *op, void *recv, uint8_t *missing, char *err, size_t len)
+{
+	int ret = op->x.res;
+
+	memcpy(missing, op->missing, W.nodes);
+	snprintf(err, len, "%s", op->err);
+	if (!ret)
+		memcpy(recv, op->b->data + op->x.bytes, (size_t)W.nodes * op->x.bytes);
+	shd_world_buf_put(op->b);
+	free(op);
+	return ret;
+}
+
+void shd_world_op_abandon(struct shd_world_op *op)
+{
+	int done;
+
+	pthread_mutex_lock(&W.lock);
+	op->abandoned = 1;
+	done = op->x.done;
+	pthread_mutex_unlock(&W.lock);
+	if (done) {
+		shd_world_buf_put(op->b);
+		free(op);
+	}
 }

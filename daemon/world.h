@@ -81,4 +81,20 @@ int shd_world_xchg(uint64_t key, uint64_t seq, uint64_t check, struct shd_world_
 		   size_t send_stride, size_t recv_off, size_t bytes, uint64_t deadline_ns, uint8_t *missing,
 		   char *err, size_t len);
 
+/*
+ * An all-gather that does not wait (for the loop thread): `bytes` of
+ * `mine` to every node. When it ends (every node's bytes, an error, the
+ * deadline) the communication thread adds 1 to the eventfd `wake_fd`;
+ * shd_world_op_done then says 1, and shd_world_op_end gives node k's bytes
+ * at recv + k * bytes, or the error as shd_world_exchange does, and frees
+ * the op. shd_world_op_abandon gives it up at any time (freed when MPI lets
+ * go). 0, or -SHARDD_E_NOMEM with `err` written.
+ */
+struct shd_world_op;
+int shd_world_gather_start(uint64_t key, uint64_t seq, uint64_t check, const void *mine, size_t bytes,
+			   uint64_t deadline_ns, int wake_fd, struct shd_world_op **out, char *err, size_t len);
+int shd_world_op_done(struct shd_world_op *op);
+int shd_world_op_end(struct shd_world_op *op, void *recv, uint8_t *missing, char *err, size_t len);
+void shd_world_op_abandon(struct shd_world_op *op);
+
 #endif /* SHD_WORLD_H */

@@ -738,8 +738,13 @@ int shd_world_exchange(uint64_t key, uint64_t seq, uint64_t check, const void *c
 int shd_world_gather_start(uint64_t key, uint64_t seq, uint64_t check, const void *mine, size_t bytes,
 			   uint64_t deadline_ns, int wake_fd, struct shd_world_op **out, char *err, size_t len)
 {
-	struct shd_world_op *op = calloc(1, sizeof(*op));
+	struct shd_world_op *op;
 
+	if (W.nodes > SHARDD_MAX_WORLD) {
+		snprintf(err, len, "a world of %u nodes exceeds the %d an op can name", W.nodes, SHARDD_MAX_WORLD);
+		return -SHARDD_E_INVALID;
+	}
+	op = calloc(1, sizeof(*op));
 	if (op)
 		op->b = shd_world_buf_new((size_t)(W.nodes + 1) * bytes);
 	if (!op || !op->b) {

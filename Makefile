@@ -168,8 +168,9 @@ deps-check:
 
 # ---------------------------------------------------------------- test ---
 # Each Criterion binary runs on its own; every test in it carries a timeout.
+# The GPU suites are built here too, so a change that breaks them fails without a GPU.
 test: deps-check
-	$(MAKE) all $(UNIT_BIN) $(INTEG_BIN)
+	$(MAKE) all $(UNIT_BIN) $(INTEG_BIN) $(GPU_BIN)
 	$(MAKE) test-c test-python
 
 test-c: all $(UNIT_BIN) $(INTEG_BIN)

@@ -209,8 +209,9 @@ static const char *pending_what(uint32_t op)
 static json_t *job_pending(const struct shd_job *j, uint64_t now_ns)
 {
 	json_t *arr = json_array();
+	const struct shd_rdv *barrier = &j->rdv[SHD_JOB_BARRIER];
 
-	if (j->barrier.active && admin_append(arr, json_rdv("barrier", NULL, &j->barrier, now_ns)))
+	if (barrier->active && admin_append(arr, json_rdv("barrier", NULL, barrier, now_ns)))
 		goto err;
 	for (uint32_t id = 1; id <= shd_engine_job_ngroups(j->ejob); id++) {
 		const struct shd_group *g = shd_engine_job_group(j->ejob, id);

@@ -262,27 +262,30 @@ int cuda_export_buf(struct shd_backend_ctx *b, const struct shd_buf *buf, int re
 }
 
 /*
- * A copy to host memory on the runtime's default stream: it waits for no
- * op queued on the device's own stream, so the bytes are a snapshot like
- * the host backend's (backend.h).
+ * A synchronous copy between `buf` at `offset` and host memory on the
+ * runtime's default stream: `kind` cudaMemcpyDeviceToHost into `to_host`,
+ * or cudaMemcpyHostToDevice from `from_host`. 0, -EINVAL (outside the
+ * buffer) or the runtime's error.
  */
-int cuda_read(struct shd_backend_ctx *b, const struct shd_buf *buf, uint64_t offset,
-	      uint64_t bytes, void *dst)
+static int cuda_copy(const struct shd_buf *buf, uint64_t offset, uint64_t bytes,
+		     enum cudaMemcpyKind kind, void *to_host, const void *from_host)
 {
 	const struct cuda_buf *cu = cbuf(buf);
 	cudaError_t e;
 	char ctx[96];
 	int ret;
 
-	(void)b;
 	if (offset > buf->bytes || bytes > buf->bytes - offset)
 		return -EINVAL;
 	e = cudaSetDevice(cu->device);
 	if (e == cudaSuccess)
-		e = cudaMemcpy(dst, dptr(buf, offset), (size_t)bytes, cudaMemcpyDeviceToHost);
+		e = kind == cudaMemcpyDeviceToHost
+			    ? cudaMemcpy(to_host, dptr(buf, offset), (size_t)bytes, kind)
+			    : cudaMemcpy(dptr(buf, offset), from_host, (size_t)bytes, kind);
 	if (e == cudaSuccess)
 		return 0;
-	snprintf(ctx, sizeof(ctx), "read %llu bytes of a buffer on device %d",
+	snprintf(ctx, sizeof(ctx), "%s %llu bytes of a buffer on device %d",
+		 kind == cudaMemcpyDeviceToHost ? "read" : "write",
 		 (unsigned long long)bytes, cu->device);
 	ret = cuda_rt_fail(ctx, e);
 	/* The runtime keeps a failed call as this thread's last error: the next launch check must not see it. */
@@ -290,26 +293,22 @@ int cuda_read(struct shd_backend_ctx *b, const struct shd_buf *buf, uint64_t off
 	return ret;
 }
 
+/*
+ * A copy to host memory on the runtime's default stream: it waits for no
+ * op queued on the device's own stream, so the bytes are a snapshot like
+ * the host backend's (backend.h).
+ */
+int cuda_read(struct shd_backend_ctx *b, const struct shd_buf *buf, uint64_t offset,
+	      uint64_t bytes, void *dst)
+{
+	(void)b;
+	return cuda_copy(buf, offset, bytes, cudaMemcpyDeviceToHost, dst, NULL);
+}
+
 /* A copy from host memory on the runtime's default stream, synchronous (a restore). */
 int cuda_write(struct shd_backend_ctx *b, struct shd_buf *buf, uint64_t offset, uint64_t bytes,
 	       const void *src)
 {
-	const struct cuda_buf *cu = cbuf(buf);
-	cudaError_t e;
-	char ctx[96];
-	int ret;
-
 	(void)b;
-	if (offset > buf->bytes || bytes > buf->bytes - offset)
-		return -EINVAL;
-	e = cudaSetDevice(cu->device);
-	if (e == cudaSuccess)
-		e = cudaMemcpy(dptr(buf, offset), src, (size_t)bytes, cudaMemcpyHostToDevice);
-	if (e == cudaSuccess)
-		return 0;
-	snprintf(ctx, sizeof(ctx), "write %llu bytes of a buffer on device %d",
-		 (unsigned long long)bytes, cu->device);
-	ret = cuda_rt_fail(ctx, e);
-	(void)cudaGetLastError();
-	return ret;
+	return cuda_copy(buf, offset, bytes, cudaMemcpyHostToDevice, NULL, src);
 }

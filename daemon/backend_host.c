@@ -36,21 +36,26 @@
  * An op of at most this much work runs on the calling thread alone: 128 Ki
  * elements is about 10 us of fp32->bf16 cast on the 2-core CI VM, less
  * than the 30-60 us a sleeping worker takes to wake, so a helper would
- * arrive after the work is done. It covers every task the engine runs on
- * its loop thread (HOST_INLINE_MAX_BYTES, at least 2 bytes per element
- * of work), so those never wake a worker.
+ * arrive after the work is done. A larger task on the loop thread
+ * (HOST_INLINE_MAX_BYTES) enlists workers, without waiting for them.
  */
 #define HOST_SOLO_WORK (4 * HOST_GRAIN)
 /*
  * A task that reads and writes at most this many bytes runs on the
- * engine's loop thread (inline_max_bytes, backend.h). Measured on the
- * 2-core CI VM: 256 KiB moved is 3.3 us of fp32->bf16 cast and 4.8 us of a
- * 2-input reduce, while handing it to a sleeping worker and back costs two
- * cross-core wake-ups of 30-60 us each. Larger tasks go to the pool, so
- * the loop never spends more than a few us on one and a large op never
- * delays another group's.
+ * engine's loop thread (inline_max_bytes, backend.h), which calls the
+ * kernels itself; above HOST_SOLO_WORK it splits them with shd_pool_for,
+ * where idle workers join in and the loop thread never waits for one to
+ * wake (helpers not yet taken are withdrawn). A task on the pool instead
+ * pays a sleeping worker's wake-up before any work and the loop's own
+ * wake-up (the engine's eventfd) after it: 30 - 60 us each on the 2-core
+ * CI VM. Measured there with `shardbench latency` (docs/BENCHMARKS.md,
+ * "Small collectives"), 2 ranks, p50 of the whole op: 16 MiB instead of
+ * 256 KiB took 256 KiB unshard / reduce from 54 / 196 us to 39 / 145,
+ * 1 MiB and 2 MiB 25 - 30 % faster, 4 MiB unshard (12 MiB moved) ~1.5x;
+ * larger ops are memory-bound and gain nothing. The price: while such a
+ * task runs (at most ~1 ms at this size) the loop serves no other ring.
  */
-#define HOST_INLINE_MAX_BYTES ((uint64_t)256 << 10)
+#define HOST_INLINE_MAX_BYTES ((uint64_t)16 << 20)
 /* Bytes per range of a parallel zero-fill: a zero of at most one range wakes no worker. */
 #define HOST_ZERO_GRAIN ((size_t)1 << 20)
 /*

@@ -32,6 +32,7 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <liburing.h>
 #include <zlib.h>
 
 #include "ckpt_format.h"
@@ -40,6 +41,10 @@
 #include "log.h"
 
 #define CKPT_BOUNCE (8u << 20) /* bytes read from the backend per write */
+#define CKPT_DIO_ALIGN 4096u   /* O_DIRECT offsets, lengths and buffers: any logical block size up to it */
+#define CKPT_DIO_CHUNK (4u << 20) /* bytes per direct write */
+#define CKPT_DIO_BUFS  4u      /* direct writes in flight at most, one buffer each */
+#define CKPT_DIO_BYTES (CKPT_DIO_BUFS * CKPT_DIO_CHUNK) /* a writer's buffers */
 
 /* A checkpoint armed for the next step boundary (shd_engine_job_checkpoint_arm). */
 struct eng_ckpt_req {
@@ -94,17 +99,209 @@ static int write_all(int fd, const void *buf, size_t n, uint64_t off)
 	return 0;
 }
 
-struct save_out {
-	int fd;
-	uint64_t off;
-	uLong crc;
-	uint8_t *bounce;
-	struct shd_backend_ctx *b;
-	uint64_t *progress;              /* the checkpoint's bytes written */
-	uint8_t *stage;                  /* snapshot mode: the tensors go here (off from 0), not to fd */
+/*
+ * A file written front to back through CKPT_DIO_BUFS aligned buffers of
+ * CKPT_DIO_CHUNK bytes: a full buffer starts at a multiple of
+ * CKPT_DIO_CHUNK, so it goes out with O_DIRECT (no page cache: the
+ * checkpoint neither evicts the node's cache nor leaves writeback for
+ * fsync), submitted through io_uring while the next buffers fill (up to
+ * CKPT_DIO_BUFS writes in flight, as a buffered writeback would have); at the end the aligned part of the rest
+ * goes out direct too and the unaligned tail through the buffered
+ * descriptor. A filesystem without O_DIRECT (tmpfs), or one that refuses a
+ * direct write (EINVAL), gets buffered writes from there on; without an
+ * io_uring the direct writes are synchronous.
+ */
+struct dio_file {
+	int fd;              /* buffered */
+	int dfd;             /* O_DIRECT on the same file, or -1 */
+	int ring_ok;         /* ring is set up */
+	struct io_uring ring;
+	uint8_t *bufs[CKPT_DIO_BUFS]; /* CKPT_DIO_CHUNK bytes each, CKPT_DIO_ALIGN-aligned */
+	uint32_t cur;        /* the buffer being filled */
+	uint8_t *buf;        /* bufs[cur] */
+	uint32_t fill;       /* bytes in buf, from file offset base */
+	uint64_t base;
+	uint32_t len[CKPT_DIO_BUFS]; /* a buffer's write in flight: its bytes (0: none) */
+	uint64_t at[CKPT_DIO_BUFS];  /* and its file offset */
 };
 
-/* Append `bytes` at `offset` of `src` to the file, through the bounce buffer (or to the snapshot). */
+/* Create `name` in dirfd (O_EXCL). 0 or -errno; buf is the caller's CKPT_DIO_BYTES aligned bytes. */
+static int dio_open(struct dio_file *f, int dirfd, const char *name, uint8_t *buf)
+{
+	*f = (struct dio_file){ .fd = -1, .dfd = -1, .buf = buf };
+	for (uint32_t i = 0; i < CKPT_DIO_BUFS; i++)
+		f->bufs[i] = buf + (size_t)i * CKPT_DIO_CHUNK;
+	f->fd = openat(dirfd, name, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+	if (f->fd < 0)
+		return -errno;
+	f->dfd = openat(dirfd, name, O_WRONLY | O_DIRECT | O_CLOEXEC);
+	f->ring_ok = f->dfd >= 0 && io_uring_queue_init(CKPT_DIO_BUFS, &f->ring, 0) == 0;
+	return 0;
+}
+
+/*
+ * Wait for buffer i's write in flight, if any (taking the others' as they
+ * complete first). A write the filesystem refused direct (EINVAL), or cut
+ * short, is finished buffered: the buffer is still intact. 0 or -errno; a
+ * failed wait leaves len set.
+ */
+static int dio_wait(struct dio_file *f, uint32_t i)
+{
+	int ret = 0;
+
+	while (f->len[i]) {
+		struct io_uring_cqe *cqe;
+		uint32_t k, done = 0;
+		int res, err = 0;
+
+		res = io_uring_wait_cqe(&f->ring, &cqe);
+		if (res == -EINTR)
+			continue;
+		if (res)
+			return res;
+		k = (uint32_t)io_uring_cqe_get_data64(cqe);
+		res = cqe->res;
+		io_uring_cqe_seen(&f->ring, cqe);
+		if (k >= CKPT_DIO_BUFS || !f->len[k])
+			return -EIO;
+		if (res == -EINVAL && f->dfd >= 0) {
+			close(f->dfd);
+			f->dfd = -1;
+		} else if (res < 0) {
+			err = res;
+		} else {
+			done = (uint32_t)res;
+		}
+		if (!err && done < f->len[k])
+			err = write_all(f->fd, f->bufs[k] + done, f->len[k] - done, f->at[k] + done);
+		if (err && !ret)
+			ret = err;
+		f->len[k] = 0;
+	}
+	return ret;
+}
+
+/* Write out n bytes of buf at base: direct (through the ring when there is one) when it can, else buffered. */
+static int dio_put(struct dio_file *f, size_t n, int last)
+{
+	int ret;
+
+	if (f->dfd < 0 || n % CKPT_DIO_ALIGN || f->base % CKPT_DIO_ALIGN)
+		return write_all(f->fd, f->buf, n, f->base);
+	if (!f->ring_ok) {
+		ret = write_all(f->dfd, f->buf, n, f->base);
+		if (ret != -EINVAL)
+			return ret;
+		close(f->dfd);
+		f->dfd = -1;
+		return write_all(f->fd, f->buf, n, f->base);
+	}
+	{
+		struct io_uring_sqe *sqe = io_uring_get_sqe(&f->ring);
+
+		if (!sqe)
+			return -EBUSY; /* a ring as deep as the buffers: never */
+		io_uring_prep_write(sqe, f->dfd, f->buf, (unsigned)n, f->base);
+		io_uring_sqe_set_data64(sqe, f->cur);
+		f->len[f->cur] = (uint32_t)n;
+		f->at[f->cur] = f->base;
+		ret = io_uring_submit(&f->ring);
+		if (ret < 0) {
+			f->len[f->cur] = 0;
+			return ret;
+		}
+	}
+	if (last)
+		return dio_wait(f, f->cur);
+	/* Fill the next buffer (once its own write is done) while this one is written. */
+	f->cur = (f->cur + 1) % CKPT_DIO_BUFS;
+	f->buf = f->bufs[f->cur];
+	return dio_wait(f, f->cur);
+}
+
+/* Room at the end of the buffer (after making some: a full buffer goes out). */
+static int dio_room(struct dio_file *f, uint8_t **at, size_t *len)
+{
+	if (f->fill == CKPT_DIO_CHUNK) {
+		int ret = dio_put(f, CKPT_DIO_CHUNK, 0);
+
+		f->base += CKPT_DIO_CHUNK;
+		f->fill = 0;
+		if (ret)
+			return ret;
+	}
+	*at = f->buf + f->fill;
+	*len = CKPT_DIO_CHUNK - f->fill;
+	return 0;
+}
+
+/* Append n bytes from memory. */
+static int dio_append(struct dio_file *f, const uint8_t *p, size_t n)
+{
+	while (n) {
+		uint8_t *at;
+		size_t k;
+		int ret = dio_room(f, &at, &k);
+
+		if (ret)
+			return ret;
+		k = k < n ? k : n;
+		memcpy(at, p, k);
+		f->fill += (uint32_t)k;
+		p += k;
+		n -= k;
+	}
+	return 0;
+}
+
+/* Write out what the buffers hold (the aligned head direct, the tail buffered), then fsync. */
+static int dio_finish(struct dio_file *f)
+{
+	uint32_t head = f->fill / CKPT_DIO_ALIGN * CKPT_DIO_ALIGN;
+	int ret = 0;
+
+	for (uint32_t i = 0; i < CKPT_DIO_BUFS && f->ring_ok; i++) {
+		int r = dio_wait(f, i);
+
+		ret = ret ? ret : r;
+	}
+
+	if (!ret && head)
+		ret = dio_put(f, head, 1);
+	if (!ret && f->fill > head)
+		ret = write_all(f->fd, f->buf + head, f->fill - head, f->base + head);
+	if (!ret && fsync(f->fd))
+		ret = -errno;
+	return ret;
+}
+
+/* Close; a write still in flight (after a failure) is waited for before the buffers are freed. */
+static void dio_close(struct dio_file *f)
+{
+	if (f->ring_ok) {
+		for (uint32_t i = 0; i < CKPT_DIO_BUFS; i++)
+			if (f->len[i])
+				dio_wait(f, i);
+		io_uring_queue_exit(&f->ring);
+		f->ring_ok = 0;
+	}
+	if (f->dfd >= 0)
+		close(f->dfd);
+	if (f->fd >= 0)
+		close(f->fd);
+	f->fd = f->dfd = -1;
+}
+
+struct save_out {
+	struct dio_file f;
+	uint64_t off;
+	uLong crc;
+	struct shd_backend_ctx *b;
+	uint64_t *progress;              /* the checkpoint's bytes written */
+	uint8_t *stage;                  /* snapshot mode: the tensors go here (off from 0), not to the file */
+};
+
+/* Append `bytes` at `offset` of `src` to the file, read into its buffer (or to the snapshot). */
 static int save_range(struct save_out *o, const struct shd_buf *src, uint64_t offset, uint64_t bytes)
 {
 	if (o->stage) {
@@ -114,15 +311,18 @@ static int save_range(struct save_out *o, const struct shd_buf *src, uint64_t of
 		return ret < 0 ? ret : ret ? -EIO : 0;
 	}
 	while (bytes) {
-		uint64_t k = bytes < CKPT_BOUNCE ? bytes : CKPT_BOUNCE;
-		int ret = o->b->ops->read(o->b, src, offset, k, o->bounce);
+		uint8_t *at;
+		size_t k;
+		int ret = dio_room(&o->f, &at, &k);
 
 		if (ret)
-			return ret < 0 ? ret : -EIO;
-		ret = write_all(o->fd, o->bounce, k, o->off);
-		if (ret)
 			return ret;
-		o->crc = crc32(o->crc, o->bounce, (uInt)k);
+		k = bytes < k ? bytes : k;
+		ret = o->b->ops->read(o->b, src, offset, k, at);
+		if (ret)
+			return ret < 0 ? ret : -EIO;
+		o->f.fill += (uint32_t)k;
+		o->crc = crc32(o->crc, at, (uInt)k);
 		__atomic_add_fetch(o->progress, k, __ATOMIC_RELAXED);
 		o->off += k;
 		offset += k;
@@ -145,7 +345,7 @@ static int save_file(struct eng_ckpt *c, uint32_t gi, int optim, uint8_t *bounce
 	uint32_t ns = optim ? shd_group_optim_states(&g->optim) : 1, n;
 	const char *states[SHD_OPTIM_STATES];
 	struct shd_st_tensor *t = NULL;
-	struct save_out o = { .fd = -1, .crc = crc32(0L, Z_NULL, 0), .bounce = bounce, .b = c->j->e->backend,
+	struct save_out o = { .f = { .fd = -1, .dfd = -1 }, .crc = crc32(0L, Z_NULL, 0), .b = c->j->e->backend,
 			      .progress = &c->bytes };
 	uint8_t *hdr = NULL;
 	size_t hlen;
@@ -168,12 +368,9 @@ static int save_file(struct eng_ckpt *c, uint32_t gi, int optim, uint8_t *bounce
 		o.stage = *stage;
 		hlen = 0;
 	} else {
-		o.fd = openat(c->dirfd, fe->name, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-		if (o.fd < 0) {
-			ret = -errno;
-			goto out;
-		}
-		ret = write_all(o.fd, hdr, hlen, 0);
+		ret = dio_open(&o.f, c->dirfd, fe->name, bounce);
+		if (!ret)
+			ret = dio_append(&o.f, hdr, hlen);
 		if (ret)
 			goto out;
 		o.crc = crc32(o.crc, hdr, (uInt)hlen);
@@ -203,16 +400,14 @@ static int save_file(struct eng_ckpt *c, uint32_t gi, int optim, uint8_t *bounce
 	}
 	if (o.stage)
 		goto out;
-	if (fsync(o.fd))
-		ret = -errno;
+	ret = dio_finish(&o.f);
 	fe->bytes = o.off;
 	fe->crc32 = (uint32_t)o.crc;
 out:
 	if (ret && !msg[0])
 		eng_fmt(msg, len, "checkpoint %s: writing %s of group '%s': %s", c->dir, fe->name, g->name,
 			ret > -SHARDD_E_BASE ? strerror(-ret) : "backend read failed");
-	if (o.fd >= 0)
-		close(o.fd);
+	dio_close(&o.f);
 	free(hdr);
 	free(t);
 	return ret;
@@ -243,9 +438,11 @@ static int save_group(struct eng_ckpt *c, uint32_t gi, char *msg, size_t len)
 			return ret;
 		}
 	}
-	bounce = malloc(CKPT_BOUNCE);
+	if (posix_memalign((void **)&bounce, CKPT_DIO_ALIGN, CKPT_DIO_BYTES))
+		bounce = NULL;
 	if (!bounce) {
-		eng_fmt(msg, len, "checkpoint %s: out of memory for the %u-byte write buffer", c->dir, CKPT_BOUNCE);
+		eng_fmt(msg, len, "checkpoint %s: out of memory for the %u-byte write buffers", c->dir,
+			CKPT_DIO_BYTES);
 		return -SHARDD_E_NOMEM;
 	}
 	ret = save_file(c, gi, 0, bounce, msg, len);
@@ -263,8 +460,14 @@ static int save_group(struct eng_ckpt *c, uint32_t gi, char *msg, size_t len)
 static int write_staged(struct eng_ckpt *c, uint32_t gi, char *msg, size_t len)
 {
 	const struct shd_ckpt_group *cg = &c->m.groups[gi];
+	uint8_t *buf = NULL;
 	int ret = 0;
 
+	if (posix_memalign((void **)&buf, CKPT_DIO_ALIGN, CKPT_DIO_BYTES)) {
+		eng_fmt(msg, len, "checkpoint %s: out of memory for the %u-byte write buffers", c->dir,
+			CKPT_DIO_BYTES);
+		ret = -SHARDD_E_NOMEM;
+	}
 	for (int optim = 0; optim < 2 && !ret; optim++) {
 		uint8_t **stage = &c->stage[2 * gi + optim];
 		uint32_t ns = optim ? shd_group_optim_states(&cg->optim) : 1, n;
@@ -276,7 +479,7 @@ static int write_staged(struct eng_ckpt *c, uint32_t gi, char *msg, size_t len)
 		size_t hlen;
 		uint64_t dsize;
 		char err[256];
-		int fd = -1;
+		struct dio_file f = { .fd = -1, .dfd = -1 };
 
 		if (!*stage)
 			continue;
@@ -286,10 +489,10 @@ static int write_staged(struct eng_ckpt *c, uint32_t gi, char *msg, size_t len)
 		ret = shd_ckpt_group_tensors(cg, optim, ns, states, &t, &n);
 		if (!ret)
 			ret = shd_st_build(t, n, &hdr, &hlen, &dsize, err, sizeof(err));
-		if (!ret && (fd = openat(c->dirfd, fe->name, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644)) < 0)
-			ret = -errno;
 		if (!ret)
-			ret = write_all(fd, hdr, hlen, 0);
+			ret = dio_open(&f, c->dirfd, fe->name, buf);
+		if (!ret)
+			ret = dio_append(&f, hdr, hlen);
 		if (!ret) {
 			crc = crc32(crc, hdr, (uInt)hlen);
 			__atomic_add_fetch(&c->bytes, hlen, __ATOMIC_RELAXED);
@@ -297,25 +500,25 @@ static int write_staged(struct eng_ckpt *c, uint32_t gi, char *msg, size_t len)
 		for (uint64_t off = 0; !ret && off < dsize; ) {
 			uint64_t k = dsize - off < CKPT_BOUNCE ? dsize - off : CKPT_BOUNCE;
 
-			ret = write_all(fd, *stage + off, k, hlen + off);
+			ret = dio_append(&f, *stage + off, k);
 			crc = crc32(crc, *stage + off, (uInt)k);
 			__atomic_add_fetch(&c->bytes, k, __ATOMIC_RELAXED);
 			off += k;
 		}
-		if (!ret && fsync(fd))
-			ret = -errno;
+		if (!ret)
+			ret = dio_finish(&f);
 		fe->bytes = hlen + dsize;
 		fe->crc32 = (uint32_t)crc;
 		if (ret)
 			eng_fmt(msg, len, "checkpoint %s: writing %s of group '%s': %s", c->dir, fe->name,
 				cg->hdr.name, ret == -SHARDD_E_INVALID ? err : strerror(ret < 0 ? -ret : EIO));
-		if (fd >= 0)
-			close(fd);
+		dio_close(&f);
 		free(hdr);
 		free(t);
 		free(*stage);
 		*stage = NULL;
 	}
+	free(buf);
 	return ret;
 }
 

@@ -73,15 +73,11 @@ int shd_job_create(const char *name, uint32_t replicate, uint32_t shard,
 		goto err_free;
 	for (uint32_t r = 0; r < j->world; r++)
 		all[r] = r;
-	ret = shd_rdv_init(&j->barrier, all, j->world);
-	if (ret < 0)
-		goto err_free;
-	ret = shd_rdv_init(&j->gnorm, all, j->world);
-	if (ret < 0)
-		goto err_rdv;
-	ret = shd_rdv_init(&j->ckpt, all, j->world);
-	if (ret < 0)
-		goto err_rdv;
+	for (int k = 0; k < SHD_JOB_NRDV; k++) {
+		ret = shd_rdv_init(&j->rdv[k], all, j->world);
+		if (ret < 0)
+			goto err_rdv;
+	}
 	ret = shd_engine_job_create(env.engine, j, j->name, replicate, shard, &j->ejob);
 	if (ret < 0)
 		goto err_rdv;
@@ -94,9 +90,8 @@ int shd_job_create(const char *name, uint32_t replicate, uint32_t shard,
 	return 0;
 
 err_rdv:
-	shd_rdv_free(&j->ckpt);
-	shd_rdv_free(&j->gnorm);
-	shd_rdv_free(&j->barrier);
+	for (int k = 0; k < SHD_JOB_NRDV; k++)
+		shd_rdv_free(&j->rdv[k]);
 err_free:
 	free(j->ranks);
 	free(j);
@@ -109,72 +104,115 @@ static void rank_phrase(char *buf, size_t len, const char *list, uint32_t n)
 	snprintf(buf, len, "%s %s", n == 1 ? "rank" : "ranks", list);
 }
 
-/*
- * End the barrier in progress: every arrived rank gets (res, msg). The
- * rendezvous is reset before any completion is pushed, so a client dropped
- * while we complete it (corrupt ring) finds no barrier to fail again.
- */
-static void barrier_finish(struct shd_job *j, int res, const char *msg)
+/* How messages name op `k` at `step`: "barrier 5", "grad_norm(step 5)", "checkpoint(step 5)". */
+static void rdv_label(char *buf, size_t len, enum shd_job_rdv_kind k, uint64_t step)
 {
-	uint32_t done[SHARDD_MAX_WORLD];
-	uint32_t n = 0;
-
-	for (uint32_t i = 0; i < j->barrier.nexpected; i++)
-		if (j->barrier.arrived[i])
-			done[n++] = j->barrier.ranks[i];
-	shd_rdv_reset(&j->barrier);
-	for (uint32_t i = 0; i < n; i++) {
-		struct shd_job_rank *jr = &j->ranks[done[i]];
-
-		shd_job_op_done(j, done[i], jr->barrier_token, &jr->barrier_sqe, res, msg);
-	}
+	if (k == SHD_JOB_BARRIER)
+		snprintf(buf, len, "barrier %llu", (unsigned long long)step);
+	else
+		snprintf(buf, len, "%s(step %llu)", k == SHD_JOB_GNORM ? "grad_norm" : "checkpoint",
+			 (unsigned long long)step);
 }
 
 /*
- * End the grad_norm in progress: every arrived rank gets (res, msg), and
- * with res 0 the norm and the non-finite flag in its completion's rsvd2.
- * Reset first, as barrier_finish.
+ * End rendezvous op `k` in progress: every arrived rank gets (res, msg),
+ * and a grad_norm's completion, with res 0, the norm and the non-finite
+ * flag in its rsvd2. The rendezvous is reset before any completion is
+ * pushed, so a client dropped while we complete it (corrupt ring) finds
+ * no op to fail again.
  */
-static void gnorm_finish(struct shd_job *j, int res, const char *msg, double norm, int nonfinite)
+static void rdv_finish(struct shd_job *j, enum shd_job_rdv_kind k, int res, const char *msg,
+		       double norm, int nonfinite)
 {
+	struct shd_rdv *rdv = &j->rdv[k];
 	uint32_t done[SHARDD_MAX_WORLD];
 	uint32_t n = 0;
 
-	for (uint32_t i = 0; i < j->gnorm.nexpected; i++)
-		if (j->gnorm.arrived[i])
-			done[n++] = j->gnorm.ranks[i];
-	shd_rdv_reset(&j->gnorm);
+	for (uint32_t i = 0; i < rdv->nexpected; i++)
+		if (rdv->arrived[i])
+			done[n++] = rdv->ranks[i];
+	shd_rdv_reset(rdv);
 	for (uint32_t i = 0; i < n; i++) {
-		struct shd_job_rank *jr = &j->ranks[done[i]];
-		struct shardd_sqe out = jr->gnorm_sqe;
+		struct shd_job_wait *w = &j->ranks[done[i]].wait[k];
+		struct shardd_sqe out = w->sqe;
 
-		memset(out.rsvd2, 0, sizeof(out.rsvd2));
-		if (res == 0) {
-			memcpy(&out.rsvd2[SHARDD_CQE_GRAD_NORM], &norm, sizeof(norm));
-			out.rsvd2[SHARDD_CQE_GRAD_NORM_NONFINITE] = nonfinite ? 1 : 0;
+		if (k == SHD_JOB_GNORM) {
+			memset(out.rsvd2, 0, sizeof(out.rsvd2));
+			if (res == 0) {
+				memcpy(&out.rsvd2[SHARDD_CQE_GRAD_NORM], &norm, sizeof(norm));
+				out.rsvd2[SHARDD_CQE_GRAD_NORM_NONFINITE] = nonfinite ? 1 : 0;
+			}
 		}
-		shd_job_op_done(j, done[i], jr->gnorm_token, &out, res, msg);
+		shd_job_op_done(j, done[i], w->token, &out, res, msg);
 	}
 }
 
 /*
- * End the checkpoint rendezvous in progress with a failure: every arrived
- * rank gets (res, msg). Reset first, as barrier_finish.
+ * The arrival of `rank`'s `sqe` in rendezvous op `k` with key (sqe->step,
+ * flags). A rank that already waits in it, or (`busy`) still waits for its
+ * last one to end, fails at once: -EINVAL, its completion pushed. Else
+ * shd_rdv_arrive's result: with SHD_RDV_WAIT or SHD_RDV_COMPLETE the rank
+ * now waits; with SHD_RDV_MISMATCH the caller fails it (rdv_mismatch).
  */
-static void ckpt_rdv_fail(struct shd_job *j, int res, const char *msg)
+static int rdv_arrive(struct shd_job *j, enum shd_job_rdv_kind k, uint32_t rank,
+		      const struct shardd_sqe *sqe, uint32_t flags, int busy, char *why, size_t len)
 {
-	uint32_t done[SHARDD_MAX_WORLD];
-	uint32_t n = 0;
+	struct shd_job_rank *jr = &j->ranks[rank];
+	struct shd_job_wait *w = &jr->wait[k];
+	struct shd_rdv *rdv = &j->rdv[k];
+	char mine[64], theirs[64], msg[1400];
+	int ret;
 
-	for (uint32_t i = 0; i < j->ckpt.nexpected; i++)
-		if (j->ckpt.arrived[i])
-			done[n++] = j->ckpt.ranks[i];
-	shd_rdv_reset(&j->ckpt);
-	for (uint32_t i = 0; i < n; i++) {
-		struct shd_job_rank *jr = &j->ranks[done[i]];
-
-		shd_job_op_done(j, done[i], jr->ckpt_token, &jr->ckpt_sqe, res, msg);
+	ret = shd_rdv_arrive(rdv, rank, sqe->step, flags, shd_now_ns(), env.collective_timeout_ns,
+			     why, len);
+	if (ret == -EINVAL || busy) {
+		rdv_label(mine, sizeof(mine), k, sqe->step);
+		rdv_label(theirs, sizeof(theirs), k, busy ? w->sqe.step : rdv->step);
+		snprintf(msg, sizeof(msg), "%s: rank %u already waits in %s", mine, rank, theirs);
+		if (ret != -EINVAL)
+			shd_rdv_leave(rdv, rank);
+		shd_job_op_done(j, rank, jr->client.token, sqe, -SHARDD_E_STATE, msg);
+		return -EINVAL;
 	}
+	if (ret != SHD_RDV_MISMATCH) {
+		w->token = jr->client.token;
+		w->sqe = *sqe;
+	}
+	return ret;
+}
+
+/* Fail rendezvous op `k` on a mismatch: every arrived rank, and `rank` with `sqe`, get `msg`. */
+static void rdv_mismatch(struct shd_job *j, enum shd_job_rdv_kind k, uint32_t rank,
+			 const struct shardd_sqe *sqe, const char *msg)
+{
+	uint64_t token = j->ranks[rank].client.token;
+
+	shd_log_warn("job '%s': %s", j->name, msg);
+	rdv_finish(j, k, -SHARDD_E_MISMATCH, msg, 0, 0);
+	shd_job_op_done(j, rank, token, sqe, -SHARDD_E_MISMATCH, msg);
+}
+
+/* `rank` (process `pid`) left for the reason `why`: rendezvous op `k` fails the ranks in it. */
+static void rdv_rank_gone(struct shd_job *j, enum shd_job_rdv_kind k, uint32_t rank, uint32_t pid,
+			  const char *why)
+{
+	struct shd_rdv *rdv = &j->rdv[k];
+	char label[64], present[1024], who[1100], msg[1400];
+
+	if (!rdv->active)
+		return;
+	rdv_label(label, sizeof(label), k, rdv->step);
+	shd_rdv_leave(rdv, rank);
+	if (!rdv->narrived) {
+		shd_rdv_reset(rdv);
+		return;
+	}
+	shd_rdv_present(rdv, present, sizeof(present));
+	rank_phrase(who, sizeof(who), present, rdv->narrived);
+	snprintf(msg, sizeof(msg), "%s: rank %u (pid %u) %s; %s %s waiting", label, rank, pid, why,
+		 who, rdv->narrived == 1 ? "was" : "were");
+	shd_log_warn("job '%s': %s", j->name, msg);
+	rdv_finish(j, k, -SHARDD_E_PEER_DIED, msg, 0, 0);
 }
 
 /* The engine's end of a checkpoint (shd_engine_ckpt_fn): every rank that waits for it completes. */
@@ -192,40 +230,24 @@ static void ckpt_written(void *ctx, int res, const char *msg, const char *dir, u
 		if (!jr->ckpt_waits)
 			continue;
 		jr->ckpt_waits = 0;
-		shd_job_op_done(j, r, jr->ckpt_token, &jr->ckpt_sqe, res, msg);
+		shd_job_op_done(j, r, jr->wait[SHD_JOB_CKPT].token, &jr->wait[SHD_JOB_CKPT].sqe, res, msg);
 	}
 }
 
 /* shd_job_destroy; `why` ("was ended by ...", NULL: shutdown) goes into every failure. */
 static void job_destroy(struct shd_job *j, const char *why)
 {
-	if (j->barrier.active) {
-		char msg[SHARDD_RING_MSG_SIZE];
-
-		if (why)
-			snprintf(msg, sizeof(msg), "job '%s' %s", j->name, why);
-		else
-			snprintf(msg, sizeof(msg), "shardd is shutting down");
-		barrier_finish(j, -SHARDD_E_SHUTDOWN, msg);
-	}
 	shd_engine_job_grad_norm_abandon(j->ejob);
-	if (j->gnorm.active) {
+	for (int k = 0; k < SHD_JOB_NRDV; k++) {
 		char msg[SHARDD_RING_MSG_SIZE];
 
+		if (!j->rdv[k].active)
+			continue;
 		if (why)
 			snprintf(msg, sizeof(msg), "job '%s' %s", j->name, why);
 		else
 			snprintf(msg, sizeof(msg), "shardd is shutting down");
-		gnorm_finish(j, -SHARDD_E_SHUTDOWN, msg, 0, 0);
-	}
-	if (j->ckpt.active) {
-		char msg[SHARDD_RING_MSG_SIZE];
-
-		if (why)
-			snprintf(msg, sizeof(msg), "job '%s' %s", j->name, why);
-		else
-			snprintf(msg, sizeof(msg), "shardd is shutting down");
-		ckpt_rdv_fail(j, -SHARDD_E_SHUTDOWN, msg);
+		rdv_finish(j, k, -SHARDD_E_SHUTDOWN, msg, 0, 0);
 	}
 	/* The engine fails what it still holds through the callbacks, to live sessions. */
 	shd_engine_job_end(j->ejob, why);
@@ -239,9 +261,8 @@ static void job_destroy(struct shd_job *j, const char *why)
 	if (j->next)
 		j->next->prev = j->prev;
 	shd_log_info("job '%s' ended", j->name);
-	shd_rdv_free(&j->barrier);
-	shd_rdv_free(&j->gnorm);
-	shd_rdv_free(&j->ckpt);
+	for (int k = 0; k < SHD_JOB_NRDV; k++)
+		shd_rdv_free(&j->rdv[k]);
 	free(j->ranks);
 	free(j);
 }
@@ -371,57 +392,8 @@ void shd_job_detach(struct shd_job *j, uint32_t rank, int goodbye, const char *w
 	memset(&jr->client, 0, sizeof(jr->client));
 	jr->goodbye = goodbye;
 	j->nattached--;
-	if (j->barrier.active) {
-		char present[1024], who[1100], msg[1400];
-		uint64_t step = j->barrier.step;
-
-		shd_rdv_leave(&j->barrier, rank);
-		if (j->barrier.narrived) {
-			shd_rdv_present(&j->barrier, present, sizeof(present));
-			rank_phrase(who, sizeof(who), present, j->barrier.narrived);
-			snprintf(msg, sizeof(msg), "barrier %llu: rank %u (pid %u) %s; %s %s waiting",
-				 (unsigned long long)step, rank, jr->pid, why, who,
-				 j->barrier.narrived == 1 ? "was" : "were");
-			shd_log_warn("job '%s': %s", j->name, msg);
-			barrier_finish(j, -SHARDD_E_PEER_DIED, msg);
-		} else {
-			shd_rdv_reset(&j->barrier);
-		}
-	}
-	if (j->gnorm.active) {
-		char present[1024], who[1100], msg[1400];
-		uint64_t step = j->gnorm.step;
-
-		shd_rdv_leave(&j->gnorm, rank);
-		if (j->gnorm.narrived) {
-			shd_rdv_present(&j->gnorm, present, sizeof(present));
-			rank_phrase(who, sizeof(who), present, j->gnorm.narrived);
-			snprintf(msg, sizeof(msg), "grad_norm(step %llu): rank %u (pid %u) %s; %s %s waiting",
-				 (unsigned long long)step, rank, jr->pid, why, who,
-				 j->gnorm.narrived == 1 ? "was" : "were");
-			shd_log_warn("job '%s': %s", j->name, msg);
-			gnorm_finish(j, -SHARDD_E_PEER_DIED, msg, 0, 0);
-		} else {
-			shd_rdv_reset(&j->gnorm);
-		}
-	}
-	if (j->ckpt.active) {
-		char present[1024], who[1100], msg[1400];
-		uint64_t step = j->ckpt.step;
-
-		shd_rdv_leave(&j->ckpt, rank);
-		if (j->ckpt.narrived) {
-			shd_rdv_present(&j->ckpt, present, sizeof(present));
-			rank_phrase(who, sizeof(who), present, j->ckpt.narrived);
-			snprintf(msg, sizeof(msg), "checkpoint(step %llu): rank %u (pid %u) %s; %s %s waiting",
-				 (unsigned long long)step, rank, jr->pid, why, who,
-				 j->ckpt.narrived == 1 ? "was" : "were");
-			shd_log_warn("job '%s': %s", j->name, msg);
-			ckpt_rdv_fail(j, -SHARDD_E_PEER_DIED, msg);
-		} else {
-			shd_rdv_reset(&j->ckpt);
-		}
-	}
+	for (int k = 0; k < SHD_JOB_NRDV; k++)
+		rdv_rank_gone(j, k, rank, jr->pid, why);
 	shd_engine_rank_gone(j->ejob, rank, token);
 	for (uint32_t r = 0; r < j->world; r++)
 		if (!j->ranks[r].goodbye)
@@ -443,53 +415,31 @@ void shd_job_detach(struct shd_job *j, uint32_t rank, int goodbye, const char *w
 
 void shd_job_barrier(struct shd_job *j, uint32_t rank, const struct shardd_sqe *sqe)
 {
-	struct shd_job_rank *jr = &j->ranks[rank];
-	uint64_t token = jr->client.token;
+	struct shd_rdv *rdv = &j->rdv[SHD_JOB_BARRIER];
 	struct shardd_sqe mine;
-	char why[256], msg[1400];
+	char why[256], failing[1024], msg[1400];
 	int ret;
 
-	ret = shd_rdv_arrive(&j->barrier, rank, sqe->step, 0, shd_now_ns(),
-				env.collective_timeout_ns, why, sizeof(why));
-	if (ret == -EINVAL) {
-		snprintf(msg, sizeof(msg), "barrier %llu: rank %u already waits in barrier %llu",
-			 (unsigned long long)sqe->step, rank, (unsigned long long)j->barrier.step);
-		shd_job_op_done(j, rank, token, sqe, -SHARDD_E_STATE, msg);
-		return;
-	}
+	ret = rdv_arrive(j, SHD_JOB_BARRIER, rank, sqe, 0, 0, why, sizeof(why));
 	if (ret == SHD_RDV_MISMATCH) {
-		char failing[1024];
-		size_t off = 0;
-
-		/* Every arrived rank and the newcomer, ascending: all of them fail. */
-		failing[0] = '\0';
-		for (uint32_t i = 0; i < j->barrier.nexpected && off < sizeof(failing); i++) {
-			uint32_t r = j->barrier.ranks[i];
-
-			if (j->barrier.arrived[i] || r == rank)
-				off += (size_t)snprintf(failing + off, sizeof(failing) - off, "%s%u",
-							off ? "," : "", r);
-		}
+		shd_rdv_failing(rdv, rank, failing, sizeof(failing));
 		snprintf(msg, sizeof(msg),
 			 "barrier mismatch: rank %u submitted barrier %llu but rank %u submitted "
 			 "barrier %llu; failing ranks %s",
-			 rank, (unsigned long long)sqe->step, j->barrier.first_rank,
-			 (unsigned long long)j->barrier.step, failing);
-		shd_log_warn("job '%s': %s", j->name, msg);
+			 rank, (unsigned long long)sqe->step, rdv->first_rank,
+			 (unsigned long long)rdv->step, failing);
 		/* Each failing rank's completion names the barrier number it met (cqe.rsvd2[0]). */
 		mine = *sqe;
-		mine.rsvd2[SHARDD_CQE_BARRIER_OTHER] = j->barrier.step;
-		for (uint32_t i = 0; i < j->barrier.nexpected; i++)
-			if (j->barrier.arrived[i])
-				j->ranks[j->barrier.ranks[i]].barrier_sqe.rsvd2[SHARDD_CQE_BARRIER_OTHER] = sqe->step;
-		barrier_finish(j, -SHARDD_E_MISMATCH, msg);
-		shd_job_op_done(j, rank, token, &mine, -SHARDD_E_MISMATCH, msg);
+		mine.rsvd2[SHARDD_CQE_BARRIER_OTHER] = rdv->step;
+		for (uint32_t i = 0; i < rdv->nexpected; i++)
+			if (rdv->arrived[i])
+				j->ranks[rdv->ranks[i]].wait[SHD_JOB_BARRIER].sqe.rsvd2[SHARDD_CQE_BARRIER_OTHER] =
+					sqe->step;
+		rdv_mismatch(j, SHD_JOB_BARRIER, rank, &mine, msg);
 		return;
 	}
-	jr->barrier_token = token;
-	jr->barrier_sqe = *sqe;
 	if (ret == SHD_RDV_COMPLETE)
-		barrier_finish(j, 0, NULL);
+		rdv_finish(j, SHD_JOB_BARRIER, 0, NULL, 0, 0);
 }
 
 /* "2" or "inf": norm type code `c` (0: 2-norm, 1: inf) as a person writes it. */
@@ -500,9 +450,9 @@ static const char *gnorm_type_name(uint32_t c)
 
 void shd_job_grad_norm(struct shd_job *j, uint32_t rank, const struct shardd_sqe *sqe)
 {
-	struct shd_job_rank *jr = &j->ranks[rank];
-	uint64_t token = jr->client.token;
-	char why[256], msg[1400];
+	struct shd_rdv *rdv = &j->rdv[SHD_JOB_GNORM];
+	uint64_t token = j->ranks[rank].client.token;
+	char why[256], failing[1024], msg[1400];
 	double type, norm = 0;
 	uint32_t code;
 	int ret, nonfinite = 0;
@@ -519,38 +469,17 @@ void shd_job_grad_norm(struct shd_job *j, uint32_t rank, const struct shardd_sqe
 		shd_job_op_done(j, rank, token, sqe, -SHARDD_E_INVALID, msg);
 		return;
 	}
-	ret = shd_rdv_arrive(&j->gnorm, rank, sqe->step, code, shd_now_ns(),
-			     env.collective_timeout_ns, why, sizeof(why));
-	if (ret == -EINVAL) {
-		snprintf(msg, sizeof(msg), "grad_norm(step %llu): rank %u already waits in grad_norm(step %llu)",
-			 (unsigned long long)sqe->step, rank, (unsigned long long)j->gnorm.step);
-		shd_job_op_done(j, rank, token, sqe, -SHARDD_E_STATE, msg);
-		return;
-	}
+	ret = rdv_arrive(j, SHD_JOB_GNORM, rank, sqe, code, 0, why, sizeof(why));
 	if (ret == SHD_RDV_MISMATCH) {
-		char failing[1024];
-		size_t off = 0;
-
-		failing[0] = '\0';
-		for (uint32_t i = 0; i < j->gnorm.nexpected && off < sizeof(failing); i++) {
-			uint32_t r = j->gnorm.ranks[i];
-
-			if (j->gnorm.arrived[i] || r == rank)
-				off += (size_t)snprintf(failing + off, sizeof(failing) - off, "%s%u",
-							off ? "," : "", r);
-		}
+		shd_rdv_failing(rdv, rank, failing, sizeof(failing));
 		snprintf(msg, sizeof(msg),
 			 "grad_norm mismatch: rank %u submitted grad_norm(step %llu, norm_type %s) but rank %u "
 			 "submitted grad_norm(step %llu, norm_type %s); failing ranks %s",
-			 rank, (unsigned long long)sqe->step, gnorm_type_name(code), j->gnorm.first_rank,
-			 (unsigned long long)j->gnorm.step, gnorm_type_name(j->gnorm.flags), failing);
-		shd_log_warn("job '%s': %s", j->name, msg);
-		gnorm_finish(j, -SHARDD_E_MISMATCH, msg, 0, 0);
-		shd_job_op_done(j, rank, token, sqe, -SHARDD_E_MISMATCH, msg);
+			 rank, (unsigned long long)sqe->step, gnorm_type_name(code), rdv->first_rank,
+			 (unsigned long long)rdv->step, gnorm_type_name(rdv->flags), failing);
+		rdv_mismatch(j, SHD_JOB_GNORM, rank, sqe, msg);
 		return;
 	}
-	jr->gnorm_token = token;
-	jr->gnorm_sqe = *sqe;
 	if (ret != SHD_RDV_COMPLETE)
 		return;
 	if (shd_engine_job_spans_fsdp(j->ejob)) {
@@ -558,23 +487,23 @@ void shd_job_grad_norm(struct shd_job *j, uint32_t rank, const struct shardd_sqe
 		ret = shd_engine_job_grad_norm_span(j->ejob, (int)code, sqe->step, why, sizeof(why));
 		if (ret < 0) {
 			snprintf(msg, sizeof(msg), "grad_norm(step %llu): %s", (unsigned long long)sqe->step, why);
-			gnorm_finish(j, ret, msg, 0, 0);
+			rdv_finish(j, SHD_JOB_GNORM, ret, msg, 0, 0);
 		}
 		return;
 	}
 	ret = shd_engine_job_grad_norm(j->ejob, (int)code, &norm, &nonfinite, why, sizeof(why));
 	if (ret < 0) {
 		snprintf(msg, sizeof(msg), "grad_norm(step %llu): %s", (unsigned long long)sqe->step, why);
-		gnorm_finish(j, ret, msg, 0, 0);
+		rdv_finish(j, SHD_JOB_GNORM, ret, msg, 0, 0);
 		return;
 	}
 	shd_engine_job_grad_norm_keep(j->ejob, sqe->step, norm, nonfinite);
-	gnorm_finish(j, 0, NULL, norm, nonfinite);
+	rdv_finish(j, SHD_JOB_GNORM, 0, NULL, norm, nonfinite);
 }
 
 void shd_job_gnorm_poll(struct shd_job *j)
 {
-	uint64_t step = j->gnorm.step;
+	uint64_t step = j->rdv[SHD_JOB_GNORM].step;
 	char why[1024], msg[1400];
 	double norm = 0;
 	int ret, nonfinite = 0;
@@ -585,16 +514,17 @@ void shd_job_gnorm_poll(struct shd_job *j)
 	if (ret < 0) {
 		snprintf(msg, sizeof(msg), "grad_norm(step %llu): %s", (unsigned long long)step, why);
 		shd_log_warn("job '%s': %s", j->name, msg);
-		gnorm_finish(j, ret, msg, 0, 0);
+		rdv_finish(j, SHD_JOB_GNORM, ret, msg, 0, 0);
 		return;
 	}
 	shd_engine_job_grad_norm_keep(j->ejob, step, norm, nonfinite);
-	gnorm_finish(j, 0, NULL, norm, nonfinite);
+	rdv_finish(j, SHD_JOB_GNORM, 0, NULL, norm, nonfinite);
 }
 
 void shd_job_checkpoint(struct shd_job *j, uint32_t rank, const struct shardd_sqe *sqe)
 {
 	struct shd_job_rank *jr = &j->ranks[rank];
+	struct shd_rdv *rdv = &j->rdv[SHD_JOB_CKPT];
 	uint64_t token = jr->client.token;
 	struct shd_engine_ckpt_target t = { .keep = env.keep, .step = sqe->step };
 	char why[512], msg[1400], *dir = NULL, *root = NULL;
@@ -607,36 +537,22 @@ void shd_job_checkpoint(struct shd_job *j, uint32_t rank, const struct shardd_sq
 		shd_job_op_done(j, rank, token, sqe, -SHARDD_E_INVALID, msg);
 		return;
 	}
-	ret = shd_rdv_arrive(&j->ckpt, rank, sqe->step, 0, shd_now_ns(), env.collective_timeout_ns,
-			     why, sizeof(why));
-	if (ret == -EINVAL || jr->ckpt_waits) {
-		snprintf(msg, sizeof(msg), "checkpoint(step %llu): rank %u already waits in checkpoint(step %llu)",
-			 (unsigned long long)sqe->step, rank,
-			 (unsigned long long)(jr->ckpt_waits ? jr->ckpt_sqe.step : j->ckpt.step));
-		if (ret != -EINVAL)
-			shd_rdv_leave(&j->ckpt, rank);
-		shd_job_op_done(j, rank, token, sqe, -SHARDD_E_STATE, msg);
-		return;
-	}
+	ret = rdv_arrive(j, SHD_JOB_CKPT, rank, sqe, 0, jr->ckpt_waits, why, sizeof(why));
 	if (ret == SHD_RDV_MISMATCH) {
 		snprintf(msg, sizeof(msg),
 			 "checkpoint mismatch: rank %u submitted checkpoint(step %llu) but rank %u submitted "
 			 "checkpoint(step %llu); every rank checkpoints the same step",
-			 rank, (unsigned long long)sqe->step, j->ckpt.first_rank,
-			 (unsigned long long)j->ckpt.step);
-		shd_log_warn("job '%s': %s", j->name, msg);
-		ckpt_rdv_fail(j, -SHARDD_E_MISMATCH, msg);
-		shd_job_op_done(j, rank, token, sqe, -SHARDD_E_MISMATCH, msg);
+			 rank, (unsigned long long)sqe->step, rdv->first_rank,
+			 (unsigned long long)rdv->step);
+		rdv_mismatch(j, SHD_JOB_CKPT, rank, sqe, msg);
 		return;
 	}
-	jr->ckpt_token = token;
-	jr->ckpt_sqe = *sqe;
 	if (ret != SHD_RDV_COMPLETE)
 		return;
 	if (asprintf(&root, "%s/%s", env.state_dir, j->name) < 0 ||
 	    asprintf(&dir, "%s/step-%012llu", root, (unsigned long long)sqe->step) < 0) {
 		free(root);
-		ckpt_rdv_fail(j, -SHARDD_E_NOMEM, "checkpoint: out of memory");
+		rdv_finish(j, SHD_JOB_CKPT, -SHARDD_E_NOMEM, "checkpoint: out of memory", 0, 0);
 		return;
 	}
 	t.dir = dir;
@@ -646,14 +562,14 @@ void shd_job_checkpoint(struct shd_job *j, uint32_t rank, const struct shardd_sq
 	free(root);
 	if (ret < 0) {
 		snprintf(msg, sizeof(msg), "checkpoint(step %llu): %s", (unsigned long long)sqe->step, why);
-		ckpt_rdv_fail(j, ret, msg);
+		rdv_finish(j, SHD_JOB_CKPT, ret, msg, 0, 0);
 		return;
 	}
 	/* The ranks now wait for the write, not for each other. */
-	for (uint32_t i = 0; i < j->ckpt.nexpected; i++)
-		if (j->ckpt.arrived[i])
-			j->ranks[j->ckpt.ranks[i]].ckpt_waits = 1;
-	shd_rdv_reset(&j->ckpt);
+	for (uint32_t i = 0; i < rdv->nexpected; i++)
+		if (rdv->arrived[i])
+			j->ranks[rdv->ranks[i]].ckpt_waits = 1;
+	shd_rdv_reset(rdv);
 }
 
 int shd_job_checkpoint_arm(struct shd_job *j, const char *dir, uint64_t *id, char *msg, size_t len)
@@ -682,7 +598,13 @@ int shd_job_checkpoint_arm(struct shd_job *j, const char *dir, uint64_t *id, cha
 
 void shd_job_cron(struct shd_job *j, uint64_t now_ns)
 {
-	char within[32], late[2300], msg[2400];
+	static const enum shd_job_rdv_kind order[] = { SHD_JOB_GNORM, SHD_JOB_CKPT, SHD_JOB_BARRIER };
+	static const char *const did[SHD_JOB_NRDV] = {
+		[SHD_JOB_BARRIER] = "did not arrive",
+		[SHD_JOB_GNORM]   = "did not submit grad_norm",
+		[SHD_JOB_CKPT]    = "did not submit checkpoint",
+	};
+	char within[32], label[64], late[2300], msg[2400];
 
 	if (shd_job_ends_in_s(j, now_ns) == 0) {
 		snprintf(msg, sizeof(msg), "ended after %.1f s without an attached rank (--job-linger %g)",
@@ -691,29 +613,21 @@ void shd_job_cron(struct shd_job *j, uint64_t now_ns)
 		return;
 	}
 	shd_job_gnorm_poll(j);
-	/* A grad_norm summing across nodes has its own deadline. */
-	if (!shd_engine_job_grad_norm_pending(j->ejob) && shd_rdv_expired(&j->gnorm, now_ns)) {
+	for (size_t i = 0; i < sizeof(order) / sizeof(order[0]); i++) {
+		enum shd_job_rdv_kind k = order[i];
+		struct shd_rdv *rdv = &j->rdv[k];
+
+		/* A grad_norm summing across nodes has its own deadline. */
+		if (!shd_rdv_expired(rdv, now_ns) ||
+		    (k == SHD_JOB_GNORM && shd_engine_job_grad_norm_pending(j->ejob)))
+			continue;
 		snprintf(within, sizeof(within), "%g s", env.collective_timeout_s);
-		shd_rdv_missing_msg(&j->gnorm, "did not submit grad_norm", within, late, sizeof(late));
-		snprintf(msg, sizeof(msg), "grad_norm(step %llu): %s", (unsigned long long)j->gnorm.step,
-			 late);
+		shd_rdv_missing_msg(rdv, did[k], within, late, sizeof(late));
+		rdv_label(label, sizeof(label), k, rdv->step);
+		snprintf(msg, sizeof(msg), "%s: %s", label, late);
 		shd_log_warn("job '%s': %s", j->name, msg);
-		gnorm_finish(j, -SHARDD_E_TIMEOUT, msg, 0, 0);
+		rdv_finish(j, k, -SHARDD_E_TIMEOUT, msg, 0, 0);
 	}
-	if (shd_rdv_expired(&j->ckpt, now_ns)) {
-		snprintf(within, sizeof(within), "%g s", env.collective_timeout_s);
-		shd_rdv_missing_msg(&j->ckpt, "did not submit checkpoint", within, late, sizeof(late));
-		snprintf(msg, sizeof(msg), "checkpoint(step %llu): %s", (unsigned long long)j->ckpt.step, late);
-		shd_log_warn("job '%s': %s", j->name, msg);
-		ckpt_rdv_fail(j, -SHARDD_E_TIMEOUT, msg);
-	}
-	if (!shd_rdv_expired(&j->barrier, now_ns))
-		return;
-	snprintf(within, sizeof(within), "%g s", env.collective_timeout_s);
-	shd_rdv_missing_msg(&j->barrier, "did not arrive", within, late, sizeof(late));
-	snprintf(msg, sizeof(msg), "barrier %llu: %s", (unsigned long long)j->barrier.step, late);
-	shd_log_warn("job '%s': %s", j->name, msg);
-	barrier_finish(j, -SHARDD_E_TIMEOUT, msg);
 }
 
 void shd_job_memory_held(const struct shd_job *j, struct shd_group_memory *m)

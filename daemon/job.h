@@ -70,17 +70,26 @@ struct shd_jobs_env {
 	uint32_t keep;                   /* --keep */
 };
 
+/* The job-wide rendezvous ops, each over every rank of the job. */
+enum shd_job_rdv_kind {
+	SHD_JOB_BARRIER, /* key step */
+	SHD_JOB_GNORM,   /* grad_norm; key (step, norm type) */
+	SHD_JOB_CKPT,    /* checkpoint; key step */
+	SHD_JOB_NRDV
+};
+
+/* A rank waiting in one job-wide rendezvous op. */
+struct shd_job_wait {
+	uint64_t token;         /* session that waits */
+	struct shardd_sqe sqe;  /* its entry, for the completion */
+};
+
 struct shd_job_rank {
 	struct shd_rank_sink client; /* attached client; client.ops NULL when none */
 	uint32_t pid;                   /* pid of the latest client of this rank */
 	int      attached_once;         /* some client has held this rank */
 	int      goodbye;               /* said goodbye since its last attach */
-	uint64_t barrier_token;         /* session that waits in the barrier */
-	struct shardd_sqe barrier_sqe;  /* its entry, for the completion */
-	uint64_t gnorm_token;           /* session that waits in grad_norm */
-	struct shardd_sqe gnorm_sqe;    /* its entry, for the completion */
-	uint64_t ckpt_token;            /* session that waits in checkpoint */
-	struct shardd_sqe ckpt_sqe;     /* its entry, for the completion */
+	struct shd_job_wait wait[SHD_JOB_NRDV]; /* per rendezvous op (shd_job_rdv_kind) */
 	int      ckpt_waits;            /* its checkpoint op waits for the write to end */
 };
 
@@ -93,9 +102,7 @@ struct shd_job {
 	uint32_t nattached;             /* ranks with a client now */
 	struct shd_job_rank *ranks;  /* world entries */
 	struct shd_engine_job *ejob;
-	struct shd_rdv barrier;      /* over every rank of the job */
-	struct shd_rdv gnorm;        /* grad_norm, over every rank; key (step, norm type) */
-	struct shd_rdv ckpt;         /* checkpoint, over every rank; key step */
+	struct shd_rdv rdv[SHD_JOB_NRDV]; /* barrier, grad_norm, checkpoint (shd_job_rdv_kind) */
 	uint64_t orphaned_ns;           /* CLOCK_MONOTONIC when its last attached rank left; 0 while
 					   one is attached: --job-linger counts from here */
 };

@@ -175,6 +175,19 @@ void shd_rdv_present(const struct shd_rdv *r, char *buf, size_t len)
 	rdv_list(r, 1, buf, len);
 }
 
+void shd_rdv_failing(const struct shd_rdv *r, uint32_t rank, char *buf, size_t len)
+{
+	size_t off = 0;
+
+	if (!len)
+		return;
+	buf[0] = '\0';
+	for (uint32_t i = 0; i < r->nexpected && off < len; i++)
+		if (r->arrived[i] || r->ranks[i] == rank)
+			off += (size_t)snprintf(buf + off, len - off, "%s%u", off ? "," : "",
+						r->ranks[i]);
+}
+
 /* "rank 3" / "ranks 3,5": the `n` ranks whose arrived flag equals `want`. */
 static void rdv_who(const struct shd_rdv *r, uint8_t want, uint32_t n, char *buf, size_t len)
 {

@@ -65,6 +65,11 @@ int shd_rdv_expects(const struct shd_rdv *r, uint32_t rank);
 /* "3,5": ranks not yet arrived / arrived, comma separated; "" when none. */
 void shd_rdv_missing(const struct shd_rdv *r, char *buf, size_t len);
 void shd_rdv_present(const struct shd_rdv *r, char *buf, size_t len);
+/*
+ * "0,2,5": the ranks a mismatch fails, every arrived rank and the newcomer
+ * `rank`, ascending, comma separated (cut short where `len` ends).
+ */
+void shd_rdv_failing(const struct shd_rdv *r, uint32_t rank, char *buf, size_t len);
 /* "rank 3" or "ranks 3,5": the same lists as the subject of a sentence. */
 void shd_rdv_who_missing(const struct shd_rdv *r, char *buf, size_t len);
 void shd_rdv_who_present(const struct shd_rdv *r, char *buf, size_t len);

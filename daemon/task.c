@@ -68,8 +68,9 @@ static uint64_t task_bytes(const struct eng_task *t)
 
 /*
  * 1 when the task runs on the loop thread: small enough that the wake-ups
- * of a pool round trip cost more than its arithmetic, as the backend says
- * (inline_max_bytes). A backend that says 0 (a device backend) keeps every
+ * of a pool round trip cost more than the loop's pause for it, as the
+ * backend says (inline_max_bytes; the host backend's kernels still split a
+ * larger one of these across idle workers). A backend that says 0 (a device backend) keeps every
  * call on the pool, whose threads it sets up.
  */
 static int task_inline(const struct eng_task *t)

@@ -36,13 +36,27 @@ Each rank prints, per step, its wall time and its split into compute and
 time blocked on shardd (every wait for a completion, Client._wait_one):
 "rank R step N loss X time_us T compute_us C shardd_us S".
 
+Checkpoints (docs/CHECKPOINTS.md; they need the daemon's optimizer and a
+daemon with --state-dir, which --shardd gives its private daemon):
+--checkpoint-every N makes every rank call shardd.torch.checkpoint(mesh)
+after each step whose number (from 1) is a multiple of N; --resume makes
+every fully_shard register from the job's newest checkpoint (restore=""):
+the ranks print "rank R resume at step N" and train steps N to K - 1, with
+the optimizer state (momentum) the checkpoint holds; without a checkpoint
+they load the model's initial values and start at step 0. --restart-at T
+(with --shardd) shows both in one run: the ranks train T steps, the daemon
+is killed with SIGKILL, started again on the same --state-dir, and the ranks
+resume from the newest checkpoint to step K; the parity check then compares
+the resumed run with the uninterrupted reference.
+
 usage: train_torch.py --socket PATH [--ranks N] [--replicate R] [--steps K] [--reshard-after-forward]
-                      [--torch-optim] [--max-norm M]
-       train_torch.py --shardd BIN ...    start a private daemon
+                      [--torch-optim] [--max-norm M] [--checkpoint-every N] [--resume]
+       train_torch.py --shardd BIN ... [--restart-at T]    start a private daemon
 """
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -119,7 +133,9 @@ def run_rank(a):
     waits = ShardWaitClock()
     model = make_model()
     world = a.ranks * a.replicate
-    mesh = st.init_device_mesh(a.job, a.rank, (a.replicate, a.ranks), socket_path=a.socket)
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    mesh = st.init_device_mesh(a.job, a.rank, (a.replicate, a.ranks), socket_path=a.socket,
+                               restore="" if a.resume else None)
     with mesh:
         opt = None if a.torch_optim else make_daemon_optimizer(model)
         raf = True if a.reshard_after_forward else None
@@ -128,7 +144,16 @@ def run_rank(a):
         st.fully_shard(model, mesh=mesh)
         if opt is None:
             opt = make_optimizer(model.parameters())     # this rank's shards
-        for step in range(a.steps):
+        start = 0
+        if a.resume:
+            # The job's newest checkpoint (params and momentum), or none: then the initial values.
+            start = opt.last_step
+            if start == 0:
+                st.load_full_state_dict(model, initial)
+                os.write(1, f"rank {a.rank} start at step 0 (no checkpoint to resume from)\n".encode())
+            else:
+                os.write(1, f"rank {a.rank} resume at step {start}\n".encode())
+        for step in range(start, a.steps):
             t0, w0 = time.monotonic_ns(), waits.ns
             x, y = global_batch(step, world, a.batch)
             lo, hi = a.rank * a.batch, (a.rank + 1) * a.batch
@@ -138,6 +163,8 @@ def run_rank(a):
                 st.clip_grad_norm_(model, a.max_norm)    # the daemon's job-wide norm
             opt.step()               # this rank's shards: in the daemon, or here
             opt.zero_grad()
+            if a.checkpoint_every and (step + 1) % a.checkpoint_every == 0:
+                st.checkpoint(mesh)  # at the optimizer's step number, step + 1
             t, w = time.monotonic_ns() - t0, waits.ns - w0
             # One write per line: the ranks share stdout, and a short write is not interleaved.
             os.write(1, (f"rank {a.rank} step {step} loss {loss.item():.6f} time_us {t / 1e3:.1f} "
@@ -160,12 +187,52 @@ def reference(a):
     return {n: p.detach().numpy() for n, p in model.named_parameters()}
 
 
-def start_daemon(binary, workdir):
+def start_daemon(binary, workdir, state):
     try:
-        proc, sock = shardd.launch.start_private(binary, workdir, "--collective-timeout", "20")
+        proc, sock = shardd.launch.start_private(binary, workdir, "--collective-timeout", "20",
+                                                 "--state-dir", state)
     except shardd.launch.DaemonStartError as e:
         raise SystemExit(f"train_torch: shardd did not get ready: {e}") from None
     return proc, sock
+
+
+def run_ranks(a, tmp, steps, resume):
+    """Every rank process for `steps` steps; the ranks that failed."""
+    procs = []
+    for r in range(a.ranks * a.replicate):
+        cmd = [sys.executable, os.path.abspath(__file__), "--socket", a.socket,
+               "--ranks", str(a.ranks), "--replicate", str(a.replicate),
+               "--steps", str(steps), "--batch", str(a.batch),
+               "--job", a.job, "--rank", str(r), "--result", os.path.join(tmp, f"r{r}.npz")]
+        if a.reshard_after_forward:
+            cmd.append("--reshard-after-forward")
+        if a.torch_optim:
+            cmd.append("--torch-optim")
+        if a.max_norm is not None:
+            cmd += ["--max-norm", repr(a.max_norm)]
+        if a.checkpoint_every:
+            cmd += ["--checkpoint-every", str(a.checkpoint_every)]
+        if resume:
+            cmd.append("--resume")
+        procs.append(subprocess.Popen(cmd))
+    deadline = time.monotonic() + RANK_TIMEOUT_S
+    failed = []
+    for r, p in enumerate(procs):
+        try:
+            rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            rc = p.wait(timeout=10)
+            print(f"train_torch: rank {r} ran past {RANK_TIMEOUT_S} s, killed", file=sys.stderr)
+        if rc != 0:
+            failed.append(r)
+    if failed:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+        print(f"train_torch: ranks {failed} failed", file=sys.stderr)
+    return failed
 
 
 def main():
@@ -182,9 +249,22 @@ def main():
                     help="update the shards with torch.optim.SGD in the ranks, not the daemon's step")
     ap.add_argument("--max-norm", type=float,
                     help="clip the gradients to this total 2-norm (shardd.torch.clip_grad_norm_)")
+    ap.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                    help="every rank checkpoints the job after each N-th step (the daemon needs "
+                         "--state-dir)")
+    ap.add_argument("--resume", action="store_true",
+                    help="register from the job's newest checkpoint in the daemon's --state-dir")
+    ap.add_argument("--restart-at", type=int, metavar="T",
+                    help="with --shardd and --checkpoint-every: train T steps, kill the daemon "
+                         "with SIGKILL, start it again and resume to --steps")
     ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.torch_optim and (a.checkpoint_every or a.resume):
+        ap.error("--checkpoint-every and --resume need the daemon's optimizer: drop --torch-optim")
+    if a.restart_at is not None and not (a.shardd and a.checkpoint_every and
+                                         0 < a.restart_at < a.steps):
+        ap.error("--restart-at T needs --shardd BIN, --checkpoint-every N and 0 < T < --steps")
     if a.rank is not None:
         return run_rank(a)
 
@@ -192,39 +272,22 @@ def main():
     with tempfile.TemporaryDirectory(prefix="train_torch-") as tmp:
         try:
             if a.shardd:
-                daemon, a.socket = start_daemon(a.shardd, tmp)
+                daemon, a.socket = start_daemon(a.shardd, tmp, os.path.join(tmp, "state"))
             if not a.socket:
                 ap.error("give --socket PATH (or SHARDD_SOCKET) or --shardd BIN")
-            procs = []
-            for r in range(a.ranks * a.replicate):
-                cmd = [sys.executable, os.path.abspath(__file__), "--socket", a.socket,
-                       "--ranks", str(a.ranks), "--replicate", str(a.replicate),
-                       "--steps", str(a.steps), "--batch", str(a.batch),
-                       "--job", a.job, "--rank", str(r), "--result", os.path.join(tmp, f"r{r}.npz")]
-                if a.reshard_after_forward:
-                    cmd.append("--reshard-after-forward")
-                if a.torch_optim:
-                    cmd.append("--torch-optim")
-                if a.max_norm is not None:
-                    cmd += ["--max-norm", repr(a.max_norm)]
-                procs.append(subprocess.Popen(cmd))
-            deadline = time.monotonic() + RANK_TIMEOUT_S
-            failed = []
-            for r, p in enumerate(procs):
-                try:
-                    rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    rc = p.wait(timeout=10)
-                    print(f"train_torch: rank {r} ran past {RANK_TIMEOUT_S} s, killed", file=sys.stderr)
-                if rc != 0:
-                    failed.append(r)
-            if failed:
-                for p in procs:
-                    if p.poll() is None:
-                        p.kill()
-                        p.wait(timeout=10)
-                print(f"train_torch: ranks {failed} failed", file=sys.stderr)
+            if a.restart_at is not None:
+                if run_ranks(a, tmp, a.restart_at, resume=True):
+                    return 1
+                print(f"train_torch: killing shardd (pid {daemon.pid}) with SIGKILL after step "
+                      f"{a.restart_at - 1}, starting it again on the same --state-dir", flush=True)
+                daemon.send_signal(signal.SIGKILL)
+                daemon.wait(timeout=10)
+                # A socket of its own: the killed daemon's may take a moment to be released.
+                os.mkdir(os.path.join(tmp, "restarted"))
+                daemon, a.socket = start_daemon(a.shardd, os.path.join(tmp, "restarted"),
+                                                os.path.join(tmp, "state"))
+                a.resume = True
+            if run_ranks(a, tmp, a.steps, a.resume):
                 return 1
             ref = reference(a)
             worst = 0.0
@@ -241,7 +304,9 @@ def main():
                         for (n, w), (_m, v) in zip(ref.items(), make_model().named_parameters()))
             print(f"train_torch: {a.replicate}x{a.ranks} ranks x {a.steps} steps "
                   f"({'torch.optim' if a.torch_optim else 'daemon'} SGD"
-                  f"{'' if a.max_norm is None else f', clipped to {a.max_norm:g}'}) match the "
+                  f"{'' if a.max_norm is None else f', clipped to {a.max_norm:g}'}"
+                  f"{'' if a.restart_at is None else f', daemon restarted after step {a.restart_at - 1}'}"
+                  f") match the "
                   f"single-process "
                   f"reference: max |diff| = {worst:.3g} (tolerance {ATOL:g}; params moved "
                   f"{moved:.3g})")

@@ -17,11 +17,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <unistd.h>
 
 #include "backend.h"
 #include "backend_cuda.h"
+#include "cudapair.h"
 #include "cuda_import.h"
 #include "harness.h"
 #include "layout.h"
@@ -56,14 +56,7 @@ static int cuda_sync_one(const struct shd_buf *buf)
 /* Both backends, the cuda one with --cuda-export `mode`. */
 static void setup_mode(uint32_t mode)
 {
-	char err[256];
-	int n = 0;
-
-	if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0)
-		cr_skip_test("no CUDA device visible");
-	cr_assert_eq(shd_backend_cuda_create(mode, TIMEOUT_NS, &cuda_be, err, sizeof(err)), 0, "%s", err);
-	cr_assert_eq(shd_pool_create(2, &pool), 0);
-	cr_assert_eq(shd_backend_host_create(pool, &host_be), 0);
+	cudapair_backends(mode, TIMEOUT_NS, &cuda_be, &host_be, &pool);
 }
 
 /* The daemon's default: fd on a device that supports it (every current GPU), else ipc. */
@@ -84,49 +77,11 @@ static void setup_ipc(void)
 
 static void teardown(void)
 {
-	if (host_be)
-		host_be->ops->destroy(host_be);
-	if (pool)
-		shd_pool_destroy(pool);
-	if (cuda_be)
-		cuda_be->ops->destroy(cuda_be);
-	host_be = cuda_be = NULL;
-	pool = NULL;
-}
-
-/* The same buffer on both backends; `host` maps the host one. */
-struct pair {
-	struct shd_buf h, d;
-	uint8_t *host;
-	uint64_t bytes;
-};
-
-static void pair_alloc(struct pair *p, uint64_t bytes, const char *what)
-{
-	p->bytes = bytes;
-	cr_assert_eq(host_be->ops->alloc(host_be, bytes, SHARDD_HELLO_DEVICE_HOST, what, &p->h), 0);
-	cr_assert_eq(cuda_be->ops->alloc(cuda_be, bytes, 0, what, &p->d), 0, "cuda alloc of %s", what);
-	p->host = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, p->h.fd, 0);
-	cr_assert_neq(p->host, MAP_FAILED);
-}
-
-static void pair_free(struct pair *p)
-{
-	munmap(p->host, p->bytes);
-	host_be->ops->free(host_be, &p->h);
-	cuda_be->ops->free(cuda_be, &p->d);
-}
-
-/* Copy the host contents to the device: both backends start from the same bytes. */
-static void pair_sync_to_device(struct pair *p)
-{
-	CUDA_OK(cudaMemcpy(shd_backend_cuda_ptr(&p->d), p->host, p->bytes, cudaMemcpyHostToDevice));
-	/* A pageable copy may still be in flight, and the backend's stream does not wait for it. */
-	CUDA_OK(cudaDeviceSynchronize());
+	cudapair_backends_destroy(&cuda_be, &host_be, &pool);
 }
 
 /* Device bytes equal to the host backend's, or the first differing byte is named. */
-static void pair_expect_same(const struct pair *p, const char *what)
+static void pair_expect_same(const struct cudapair *p, const char *what)
 {
 	uint8_t *got = malloc(p->bytes);
 
@@ -238,20 +193,20 @@ Test(cuda_backend, exported_buffer_imports_with_the_daemons_bytes, .timeout = 60
 static void unshard_case(uint32_t param_dtype)
 {
 	struct shd_layout l;
-	struct pair shards[WORLD], unsharded;
+	struct cudapair shards[WORLD], unsharded;
 	struct shd_buf *hs[WORLD], *ds[WORLD];
 
 	build_layout(&l, param_dtype);
 	for (int s = 0; s < WORLD; s++) {
-		pair_alloc(&shards[s], l.shard_size, "shard");
+		cudapair_alloc(cuda_be, host_be, &shards[s], l.shard_size, "shard");
 		for (uint32_t i = 0; i < l.nparams; i++)
 			fill_values(shards[s].host + l.params[i].shard_offset, l.params[i].dtype,
 				    l.params[i].shard_numel);
-		pair_sync_to_device(&shards[s]);
+		cudapair_to_device(cuda_be, &shards[s]);
 		hs[s] = &shards[s].h;
 		ds[s] = &shards[s].d;
 	}
-	pair_alloc(&unsharded, l.unsharded_size, "unsharded");
+	cudapair_alloc(cuda_be, host_be, &unsharded, l.unsharded_size, "unsharded");
 
 	/* Every shard rank reads the one unsharded buffer, as ranks on one device do. */
 	struct shd_buf *hu[WORLD] = { &unsharded.h, &unsharded.h, &unsharded.h };
@@ -263,9 +218,9 @@ static void unshard_case(uint32_t param_dtype)
 	cr_assert_eq(cuda_be->ops->unshard(cuda_be, &da), 0);
 	pair_expect_same(&unsharded, "unsharded buffer");
 
-	pair_free(&unsharded);
+	cudapair_free(cuda_be, host_be, &unsharded);
 	for (int s = 0; s < WORLD; s++)
-		pair_free(&shards[s]);
+		cudapair_free(cuda_be, host_be, &shards[s]);
 	shd_layout_free(&l);
 }
 
@@ -294,7 +249,7 @@ Test(cuda_backend, unshard_on_ipc_buffers_matches_host_backend, .timeout = 60, .
 static void reduce_scatter_case(uint32_t param_dtype, const struct shardd_reduce_math *math)
 {
 	struct shd_layout l;
-	struct pair grads[WORLD], out[WORLD];
+	struct cudapair grads[WORLD], out[WORLD];
 	struct shd_buf *hg[WORLD], *dg[WORLD];
 	uint64_t offsets[3];
 
@@ -302,8 +257,8 @@ static void reduce_scatter_case(uint32_t param_dtype, const struct shardd_reduce
 	for (uint32_t i = 0; i < l.nparams; i++)
 		offsets[i] = l.params[i].shard_offset;
 	for (int r = 0; r < WORLD; r++) {
-		pair_alloc(&out[r], l.shard_size, "sharded grad");
-		pair_alloc(&grads[r], l.grad_size, "grad");
+		cudapair_alloc(cuda_be, host_be, &out[r], l.shard_size, "sharded grad");
+		cudapair_alloc(cuda_be, host_be, &grads[r], l.grad_size, "grad");
 		hg[r] = &grads[r].h;
 		dg[r] = &grads[r].d;
 	}
@@ -319,7 +274,7 @@ static void reduce_scatter_case(uint32_t param_dtype, const struct shardd_reduce
 			for (uint32_t i = 0; i < l.nparams; i++)
 				fill_values(grads[r].host + l.params[i].grad_offset, l.params[i].grad_dtype,
 					    l.params[i].numel);
-			pair_sync_to_device(&grads[r]);
+			cudapair_to_device(cuda_be, &grads[r]);
 			hv[r] = (struct shd_shard_view){ &out[r].h, offsets, SHARDD_DTYPE_NONE };
 			dv[r] = (struct shd_shard_view){ &out[r].d, offsets, SHARDD_DTYPE_NONE };
 		}
@@ -333,8 +288,8 @@ static void reduce_scatter_case(uint32_t param_dtype, const struct shardd_reduce
 			pair_expect_same(&out[s], round ? "accumulated sharded grad" : "sharded grad");
 	}
 	for (int r = 0; r < WORLD; r++) {
-		pair_free(&grads[r]);
-		pair_free(&out[r]);
+		cudapair_free(cuda_be, host_be, &grads[r]);
+		cudapair_free(cuda_be, host_be, &out[r]);
 	}
 	shd_layout_free(&l);
 }
@@ -368,7 +323,7 @@ Test(cuda_backend, all_reduce_of_shard_views_with_addend_matches_host_backend, .
 {
 	enum { NIN = 2 };
 	struct shd_layout l;
-	struct pair views[NIN], add, out[NIN];
+	struct cudapair views[NIN], add, out[NIN];
 	uint64_t offsets[3], out_offsets[3], vbytes = 0;
 	struct shd_shard_view hv[NIN], dv[NIN], hadd[NIN], dadd[NIN], hout[NIN], dout[NIN];
 	uint8_t accumulate[NIN] = { 0, 0 };
@@ -381,12 +336,12 @@ Test(cuda_backend, all_reduce_of_shard_views_with_addend_matches_host_backend, .
 		out_offsets[i] = l.params[i].shard_offset;
 	}
 	for (uint32_t k = 0; k < NIN + 1; k++) {
-		struct pair *p = k < NIN ? &views[k] : &add;
+		struct cudapair *p = k < NIN ? &views[k] : &add;
 
-		pair_alloc(p, vbytes, "partial");
+		cudapair_alloc(cuda_be, host_be, p, vbytes, "partial");
 		for (uint32_t i = 0; i < l.nparams; i++)
 			fill_values(p->host + offsets[i], SHARDD_DTYPE_FP32, l.params[i].shard_numel);
-		pair_sync_to_device(p);
+		cudapair_to_device(cuda_be, p);
 		if (k < NIN) {
 			hv[k] = (struct shd_shard_view){ &p->h, offsets, SHARDD_DTYPE_FP32 };
 			dv[k] = (struct shd_shard_view){ &p->d, offsets, SHARDD_DTYPE_FP32 };
@@ -394,7 +349,7 @@ Test(cuda_backend, all_reduce_of_shard_views_with_addend_matches_host_backend, .
 	}
 	/* Each member's output gets the sum plus the one addend. */
 	for (uint32_t k = 0; k < NIN; k++) {
-		pair_alloc(&out[k], l.shard_size, "sharded grad");
+		cudapair_alloc(cuda_be, host_be, &out[k], l.shard_size, "sharded grad");
 		hadd[k] = (struct shd_shard_view){ &add.h, offsets, SHARDD_DTYPE_FP32 };
 		dadd[k] = (struct shd_shard_view){ &add.d, offsets, SHARDD_DTYPE_FP32 };
 		hout[k] = (struct shd_shard_view){ &out[k].h, out_offsets, SHARDD_DTYPE_NONE };
@@ -419,10 +374,10 @@ Test(cuda_backend, all_reduce_of_shard_views_with_addend_matches_host_backend, .
 		pair_expect_same(&out[k], "all-reduced sharded grad");
 
 	for (uint32_t k = 0; k < NIN; k++) {
-		pair_free(&views[k]);
-		pair_free(&out[k]);
+		cudapair_free(cuda_be, host_be, &views[k]);
+		cudapair_free(cuda_be, host_be, &out[k]);
 	}
-	pair_free(&add);
+	cudapair_free(cuda_be, host_be, &add);
 	shd_layout_free(&l);
 }
 

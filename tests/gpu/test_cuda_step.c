@@ -22,10 +22,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 
 #include "backend.h"
 #include "backend_cuda.h"
+#include "cudapair.h"
 #include "layout.h"
 #include "pool.h"
 #include "shardd_kernels.h"
@@ -53,73 +53,20 @@ static uint64_t rng(void)
 
 static void setup(void)
 {
-	char err[256];
-	int n = 0;
-
-	if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0)
-		cr_skip_test("no CUDA device visible");
-	cr_assert_eq(shd_backend_cuda_create(SHD_CUDA_EXPORT_AUTO, TIMEOUT_NS, &cuda_be, err, sizeof(err)), 0, "%s",
-		     err);
-	cr_assert_eq(shd_pool_create(2, &pool), 0);
-	cr_assert_eq(shd_backend_host_create(pool, &host_be), 0);
+	cudapair_backends(SHD_CUDA_EXPORT_AUTO, TIMEOUT_NS, &cuda_be, &host_be, &pool);
 	cr_assert_not_null(cuda_be->ops->step, "the cuda backend has no step");
 	cr_assert_not_null(cuda_be->ops->grad_norm, "the cuda backend has no grad_norm");
 }
 
 static void teardown(void)
 {
-	if (host_be)
-		host_be->ops->destroy(host_be);
-	if (pool)
-		shd_pool_destroy(pool);
-	if (cuda_be)
-		cuda_be->ops->destroy(cuda_be);
-	host_be = cuda_be = NULL;
-	pool = NULL;
+	cudapair_backends_destroy(&cuda_be, &host_be, &pool);
 }
 
 TestSuite(cuda_step, .init = setup, .fini = teardown, .timeout = 120);
 
-/* The same buffer on both backends; `host` maps the host one. */
-struct pair {
-	struct shd_buf h, d;
-	uint8_t *host;
-	uint64_t bytes;
-};
-
-static void pair_alloc(struct pair *p, uint64_t bytes, const char *what)
-{
-	p->bytes = bytes;
-	cr_assert_eq(host_be->ops->alloc(host_be, bytes, SHARDD_HELLO_DEVICE_HOST, what, &p->h), 0);
-	cr_assert_eq(cuda_be->ops->alloc(cuda_be, bytes, 0, what, &p->d), 0, "cuda alloc of %s", what);
-	p->host = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, p->h.fd, 0);
-	cr_assert_neq(p->host, MAP_FAILED);
-}
-
-static void pair_free(struct pair *p)
-{
-	if (!p->host)
-		return;
-	munmap(p->host, p->bytes);
-	host_be->ops->free(host_be, &p->h);
-	cuda_be->ops->free(cuda_be, &p->d);
-	memset(p, 0, sizeof(*p));
-}
-
-/* Copy the host contents to the device: both backends start from the same bytes. */
-static void pair_sync_to_device(struct pair *p)
-{
-	/* Wait for the backend's queued work first: it may still read the buffer. */
-	const struct shd_buf *on = &p->d;
-
-	cr_assert_eq(cuda_be->ops->sync(cuda_be, &on, 1, NULL, 0), 0);
-	CUDA_OK(cudaMemcpy(shd_backend_cuda_ptr(&p->d), p->host, p->bytes, cudaMemcpyHostToDevice));
-	/* A pageable copy may still be in flight, and the backend's stream does not wait for it. */
-	CUDA_OK(cudaDeviceSynchronize());
-}
-
 /* Device bytes equal to the host backend's, or the first differing 4-byte element is named. */
-static void pair_expect_same(const struct pair *p, const char *what)
+static void pair_expect_same(const struct cudapair *p, const char *what)
 {
 	const struct shd_buf *on = &p->d;
 	uint8_t *got = malloc(p->bytes);
@@ -216,30 +163,30 @@ static const struct optim_case cases[] = {
 
 /* One shard rank's buffers on both backends. */
 struct rank_bufs {
-	struct pair shard, grad, state[3];
+	struct cudapair shard, grad, state[3];
 	uint8_t *initial; /* the shard before any step */
 };
 
 static void rank_alloc(struct rank_bufs *rb, const struct shd_layout *l, uint32_t nstate)
 {
 	memset(rb, 0, sizeof(*rb));
-	pair_alloc(&rb->shard, l->shard_size, "shard");
-	pair_alloc(&rb->grad, l->shard_size, "sharded grad");
+	cudapair_alloc(cuda_be, host_be, &rb->shard, l->shard_size, "shard");
+	cudapair_alloc(cuda_be, host_be, &rb->grad, l->shard_size, "sharded grad");
 	for (uint32_t k = 0; k < nstate; k++)
-		pair_alloc(&rb->state[k], l->shard_size, "optimizer state");
+		cudapair_alloc(cuda_be, host_be, &rb->state[k], l->shard_size, "optimizer state");
 	fill_f32(rb->shard.host, rb->shard.bytes);
 	rb->initial = malloc(rb->shard.bytes);
 	cr_assert_not_null(rb->initial);
 	memcpy(rb->initial, rb->shard.host, rb->shard.bytes);
-	pair_sync_to_device(&rb->shard);
+	cudapair_to_device(cuda_be, &rb->shard);
 }
 
 static void rank_free(struct rank_bufs *rb)
 {
-	pair_free(&rb->shard);
-	pair_free(&rb->grad);
+	cudapair_free(cuda_be, host_be, &rb->shard);
+	cudapair_free(cuda_be, host_be, &rb->grad);
 	for (int k = 0; k < 3; k++)
-		pair_free(&rb->state[k]);
+		cudapair_free(cuda_be, host_be, &rb->state[k]);
 	free(rb->initial);
 }
 
@@ -312,7 +259,7 @@ Test(cuda_step, sgd_adamw_and_amsgrad_match_the_host_backend_bit_for_bit_over_k_
 				da.err = err;
 				da.errlen = sizeof(err);
 				fill_f32(rb.grad.host, rb.grad.bytes);
-				pair_sync_to_device(&rb.grad);
+				cudapair_to_device(cuda_be, &rb.grad);
 				cr_assert_eq(host_be->ops->step(host_be, &ha), 0);
 				cr_assert_eq(cuda_be->ops->step(cuda_be, &da), 0, "%s rank %u step %llu: %s", c->name, r,
 					     (unsigned long long)k, err);
@@ -341,7 +288,7 @@ static void skip_case(const struct shd_layout *l, const struct optim_case *c, ui
 	ha.skip_nonfinite = da.skip_nonfinite = 1;
 	da.err = err;
 	da.errlen = sizeof(err);
-	pair_sync_to_device(&rb->grad);
+	cudapair_to_device(cuda_be, &rb->grad);
 	cr_assert_eq(host_be->ops->step(host_be, &ha), 0);
 	cr_assert_eq(cuda_be->ops->step(cuda_be, &da), 0, "%s: %s", what, err);
 	cr_assert_eq(hs, want, "%s: host backend skipped = %d", what, hs);
@@ -350,7 +297,7 @@ static void skip_case(const struct shd_layout *l, const struct optim_case *c, ui
 }
 
 /* The fp32 element e of param i in a buffer's host copy. */
-static void put(struct pair *p, const struct shd_layout *l, uint32_t i, uint64_t e, float v)
+static void put(struct cudapair *p, const struct shd_layout *l, uint32_t i, uint64_t e, float v)
 {
 	memcpy(p->host + l->params[i].shard_offset + e * 4, &v, 4);
 }
@@ -408,13 +355,13 @@ static void norm_ref(const struct shd_layout *l, uint32_t r, const uint8_t *host
 	}
 }
 
-static void norm_expect(const struct shd_layout *l, uint32_t r, struct pair *g, const char *what)
+static void norm_expect(const struct shd_layout *l, uint32_t r, struct cudapair *g, const char *what)
 {
 	struct shardd_grad_norm_part want, got = { .sumsq = -1 };
 	uint64_t n;
 	char err[256] = "";
 
-	pair_sync_to_device(g);
+	cudapair_to_device(cuda_be, g);
 	norm_ref(l, r, g->host, &want, &n);
 	cr_assert_eq(cuda_be->ops->grad_norm(cuda_be, l, r, &g->d, &got, err, sizeof(err)), 0, "%s: %s", what, err);
 	cr_assert_eq(got.nonfinite, want.nonfinite, "%s: nonfinite %d, cpu %d", what, got.nonfinite, want.nonfinite);
@@ -432,11 +379,11 @@ static void norm_expect(const struct shd_layout *l, uint32_t r, struct pair *g, 
 Test(cuda_step, grad_norm_part_matches_the_cpu_kernel_over_valid_rows)
 {
 	struct shd_layout l;
-	struct pair g;
+	struct cudapair g;
 	char what[96];
 
 	build_layout(&l);
-	pair_alloc(&g, l.shard_size, "sharded grad");
+	cudapair_alloc(cuda_be, host_be, &g, l.shard_size, "sharded grad");
 	for (uint32_t r = 0; r < WORLD; r++) {
 		fill_f32(g.host, g.bytes);
 		/* Padding rows hold values far above any valid one: counted, they would show in sum and max. */
@@ -454,7 +401,7 @@ Test(cuda_step, grad_norm_part_matches_the_cpu_kernel_over_valid_rows)
 		snprintf(what, sizeof(what), "rank %u NaN and -Inf", r);
 		norm_expect(&l, r, &g, what);
 	}
-	pair_free(&g);
+	cudapair_free(cuda_be, host_be, &g);
 	shd_layout_free(&l);
 }
 
@@ -463,17 +410,17 @@ Test(cuda_step, grad_norm_of_a_rank_holding_only_padding_is_zero)
 	struct shardd_param_spec spec = { .name = "s", .dtype = SHARDD_DTYPE_FP32, .ndim = 0 };
 	struct shardd_grad_norm_part got = { .sumsq = -1, .max_abs = -1, .nonfinite = -1 };
 	struct shd_layout l;
-	struct pair g;
+	struct cudapair g;
 	char err[256] = "";
 
 	cr_assert_eq(shd_layout_build(&spec, 1, WORLD, SHARDD_DTYPE_NONE, &l, err, sizeof(err)), 0, "%s", err);
-	pair_alloc(&g, l.shard_size, "sharded grad");
+	cudapair_alloc(cuda_be, host_be, &g, l.shard_size, "sharded grad");
 	for (uint64_t i = 0; i < g.bytes / 4; i++)
 		put(&g, &l, 0, i, NAN);
-	pair_sync_to_device(&g);
+	cudapair_to_device(cuda_be, &g);
 	cr_assert_eq(cuda_be->ops->grad_norm(cuda_be, &l, 1, &g.d, &got, err, sizeof(err)), 0, "%s", err);
 	cr_assert(got.sumsq == 0.0 && got.max_abs == 0.0f && got.nonfinite == 0,
 		  "rank 1 of a 0-d param: sumsq %g max_abs %g nonfinite %d", got.sumsq, got.max_abs, got.nonfinite);
-	pair_free(&g);
+	cudapair_free(cuda_be, host_be, &g);
 	shd_layout_free(&l);
 }

@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "harness.h"
+#include "inproc.h"
 #include "optim_isa.h"
 #include "shardd.h"
 
@@ -46,87 +47,37 @@ struct fixture {
 	struct shardd_group *g[WORLD];
 };
 
-struct reg_arg {
-	struct shardd_client *c;
-	const struct shardd_optim_config *optim;
-	struct shardd_group *g;
-	int ret;
-	char err[1024];
-};
-
-static void *register_main(void *p)
-{
-	struct reg_arg *a = p;
-	struct shardd_policy pol = { .param_dtype = SHARDD_DTYPE_NONE, .reduce_dtype = SHARDD_DTYPE_NONE,
-				     .optimizer = a->optim };
-
-	a->ret = shardd_group_register(a->c, "layer", params, NP, &pol, &a->g);
-	if (a->ret)
-		snprintf(a->err, sizeof(a->err), "%s", shardd_last_error());
-	return NULL;
-}
-
 static void start(struct fixture *f, const struct shardd_optim_config *o)
 {
 	static const char *const extra[] = { "--backend", "cuda", "--collective-timeout", "20", NULL };
-	struct reg_arg reg[WORLD];
-	pthread_t th[WORLD];
+	const struct shardd_policy pol = { .param_dtype = SHARDD_DTYPE_NONE,
+					   .reduce_dtype = SHARDD_DTYPE_NONE, .optimizer = o };
 
 	/* Counted in a child: the daemon must be forked before this process touches CUDA. */
 	if (harness_cuda_devices() == 0)
 		cr_skip_test("no CUDA device visible");
 	signal(SIGPIPE, SIG_IGN);
 	memset(f, 0, sizeof(*f));
-	cr_assert_eq(harness_daemon_start(&f->hd, extra), 0, "shardd --backend cuda did not start");
-	for (uint32_t r = 0; r < WORLD; r++) {
-		struct shardd_attach_opts ao = {
-			.socket_path = f->hd.socket, .job = "optim", .rank = r, .replicate = 1, .shard = WORLD,
-			.device = 0, .timeout_ms = 10000,
-		};
-
-		cr_assert_eq(shardd_connect(&ao, &f->c[r]), 0, "%s", shardd_last_error());
-	}
-	for (int r = 0; r < WORLD; r++) {
-		reg[r] = (struct reg_arg){ .c = f->c[r], .optim = o };
-		cr_assert_eq(pthread_create(&th[r], NULL, register_main, &reg[r]), 0);
-	}
-	for (int r = 0; r < WORLD; r++)
-		pthread_join(th[r], NULL);
-	for (int r = 0; r < WORLD; r++) {
-		cr_assert_eq(reg[r].ret, 0, "rank %d register: %s", r, reg[r].err);
-		f->g[r] = reg[r].g;
-	}
+	inproc_start(&f->hd, extra, "optim", 1, WORLD, 0, f->c);
+	inproc_register_ok(f->c, WORLD, "layer", params, NP, &pol, f->g);
 }
 
 static void finish(struct fixture *f)
 {
-	for (int r = 0; r < WORLD; r++) {
-		shardd_group_close(f->g[r]);
-		shardd_close(f->c[r]);
-	}
-	harness_daemon_stop_expect_clean(&f->hd);
+	inproc_finish(&f->hd, f->c, f->g, WORLD);
 }
 
 static uint64_t rng_state = 0x2545f4914f6cdd1dull;
 
 static float rnd(void)
 {
-	rng_state ^= rng_state << 13;
-	rng_state ^= rng_state >> 7;
-	rng_state ^= rng_state << 17;
-	return (float)((double)(rng_state >> 11) / (double)(1ull << 53) * 2.0 - 1.0);
+	return inproc_rnd(&rng_state);
 }
 
 /* Elements of real data in rank `r`'s shard of param i (a prefix of it). */
 static uint64_t valid_numel(const struct shardd_group *g, uint32_t i)
 {
-	const struct shardd_param_desc *d = &params[i];
-	const struct shardd_param_layout *l = shardd_group_layout(g, i);
-	uint64_t numel = 1, dim = d->ndim ? d->shape[d->shard_dim] : 1;
-
-	for (uint32_t k = 0; k < d->ndim; k++)
-		numel *= d->shape[k];
-	return dim ? l->shard_rows_valid * (numel / dim) : 0;
+	return inproc_valid_numel(g, params, i);
 }
 
 /* Device `bytes` at `dev` into a new host array. */
@@ -162,34 +113,21 @@ static void write_grads(struct fixture *f, int poison)
 
 static void reduce_step(struct fixture *f, uint64_t step, int poison)
 {
-	struct shardd_completion cp;
-
 	write_grads(f, poison);
-	for (int r = 0; r < WORLD; r++)
-		cr_assert_eq(shardd_submit(f->c[r], SHARDD_OP_REDUCE, shardd_group_id(f->g[r]), step, 0, 100 + r), 0,
-			     "%s", shardd_last_error());
-	for (int r = 0; r < WORLD; r++) {
-		cr_assert_eq(shardd_wait(f->c[r], &cp, 30000), 0, "%s", shardd_last_error());
-		cr_assert_eq(cp.res, 0, "rank %d reduce %llu: %s", r, (unsigned long long)step, cp.msg);
-	}
+	inproc_reduce(f->c, f->g, WORLD, step, 0);
 }
 
 /* The reference: each rank's params and state per param, updated by the portable kernels. */
-struct ref {
-	float *p[WORLD][NP], *s[WORLD][NP][3];
-	uint64_t nsteps[WORLD];
-};
+_Static_assert(WORLD <= INPROC_REF_RANKS && NP <= INPROC_REF_PARAMS, "the reference holds the job");
 
-static void ref_init(struct ref *ref, struct fixture *f)
+static void ref_init(struct inproc_ref *ref, struct fixture *f)
 {
 	memset(ref, 0, sizeof(*ref));
 	for (int r = 0; r < WORLD; r++)
 		for (uint32_t i = 0; i < NP; i++) {
 			uint64_t n = valid_numel(f->g[r], i);
 
-			ref->p[r][i] = calloc(n + 1, sizeof(float));
-			for (int k = 0; k < 3; k++)
-				ref->s[r][i][k] = calloc(n + 1, sizeof(float));
+			inproc_ref_alloc(ref, r, i, n);
 			for (uint64_t e = 0; e < n; e++)
 				ref->p[r][i][e] = rnd();
 			if (n)
@@ -198,18 +136,8 @@ static void ref_init(struct ref *ref, struct fixture *f)
 		}
 }
 
-static void ref_free(struct ref *ref)
-{
-	for (int r = 0; r < WORLD; r++)
-		for (uint32_t i = 0; i < NP; i++) {
-			free(ref->p[r][i]);
-			for (int k = 0; k < 3; k++)
-				free(ref->s[r][i][k]);
-		}
-}
-
 /* The reference step of rank r on the sharded grads as the daemon holds them now (read from the device). */
-static void ref_step(struct ref *ref, struct fixture *f, int r, const struct shardd_optim_config *o, double lr,
+static void ref_step(struct inproc_ref *ref, struct fixture *f, int r, const struct shardd_optim_config *o, double lr,
 		     float scale)
 {
 	ref->nsteps[r]++;
@@ -220,32 +148,13 @@ static void ref_step(struct ref *ref, struct fixture *f, int r, const struct sha
 		if (!n)
 			continue;
 		g = from_device(shardd_group_shard_grad(f->g[r], i), n * sizeof(float));
-		if (o->kind == SHARDD_OPTIM_SGD) {
-			struct shardd_sgd a = {
-				.param = ref->p[r][i], .grad = g, .momentum_buffer = o->momentum ? ref->s[r][i][0] : NULL,
-				.grad_dtype = SHARDD_DTYPE_FP32, .step = ref->nsteps[r], .lr = lr, .momentum = o->momentum,
-				.dampening = o->dampening, .weight_decay = o->weight_decay,
-				.nesterov = !!(o->flags & SHARDD_OPTIM_NESTEROV),
-				.maximize = !!(o->flags & SHARDD_OPTIM_MAXIMIZE), .grad_scale = scale,
-			};
-			shardd_k_sgd_isa(SHARDD_K_ISA_PORTABLE, &a, 0, n);
-		} else {
-			struct shardd_adamw a = {
-				.param = ref->p[r][i], .grad = g, .exp_avg = ref->s[r][i][0], .exp_avg_sq = ref->s[r][i][1],
-				.max_exp_avg_sq = (o->flags & SHARDD_OPTIM_AMSGRAD) ? ref->s[r][i][2] : NULL,
-				.grad_dtype = SHARDD_DTYPE_FP32, .step = ref->nsteps[r], .lr = lr, .beta1 = o->beta1,
-				.beta2 = o->beta2, .eps = o->eps, .weight_decay = o->weight_decay,
-				.amsgrad = !!(o->flags & SHARDD_OPTIM_AMSGRAD),
-				.maximize = !!(o->flags & SHARDD_OPTIM_MAXIMIZE), .grad_scale = scale,
-			};
-			shardd_k_adamw_isa(SHARDD_K_ISA_PORTABLE, &a, 0, n);
-		}
+		inproc_ref_step(o, ref->p[r][i], g, ref->s[r][i], ref->nsteps[r], lr, scale, n);
 		free(g);
 	}
 }
 
 /* Rank r's shard (read from the device) equals the reference bit for bit; padding and sharded grad zero. */
-static void expect_shard(struct ref *ref, struct fixture *f, int r, const char *what)
+static void expect_shard(struct inproc_ref *ref, struct fixture *f, int r, const char *what)
 {
 	for (uint32_t i = 0; i < NP; i++) {
 		const struct shardd_param_layout *l = shardd_group_layout(f->g[r], i);
@@ -253,16 +162,7 @@ static void expect_shard(struct ref *ref, struct fixture *f, int r, const char *
 		float *sh = from_device(shardd_group_shard(f->g[r], i), l->shard_bytes);
 		float *g = from_device(shardd_group_shard_grad(f->g[r], i), l->shard_bytes);
 
-		for (uint64_t e = 0; e < n; e++)
-			cr_assert_eq(memcmp(&sh[e], &ref->p[r][i][e], sizeof(float)), 0,
-				     "%s: rank %d param '%s'[%llu] = %.9g, reference %.9g", what, r, params[i].name,
-				     (unsigned long long)e, sh[e], ref->p[r][i][e]);
-		for (uint64_t e = n; e < all; e++)
-			cr_assert_eq(sh[e], 0.0f, "%s: rank %d param '%s' padding [%llu] = %g", what, r,
-				     params[i].name, (unsigned long long)e, sh[e]);
-		for (uint64_t e = 0; e < all; e++)
-			cr_assert_eq(g[e], 0.0f, "%s: rank %d param '%s' sharded grad [%llu] = %g after the step",
-				     what, r, params[i].name, (unsigned long long)e, g[e]);
+		inproc_expect_shard(what, r, params[i].name, sh, ref->p[r][i], g, n, all);
 		free(sh);
 		free(g);
 	}
@@ -277,7 +177,7 @@ static float *snapshot(struct fixture *f, int r)
 static void parity_run(const struct shardd_optim_config *o, const char *what)
 {
 	struct fixture f;
-	struct ref ref;
+	struct inproc_ref ref;
 	float *before, *after;
 	size_t size;
 
@@ -327,7 +227,7 @@ static void parity_run(const struct shardd_optim_config *o, const char *what)
 		     "%s: %s", what, shardd_last_error());
 	expect_shard(&ref, &f, 0, "skipped");
 	expect_shard(&ref, &f, 1, "finite");
-	ref_free(&ref);
+	inproc_ref_free(&ref);
 	finish(&f);
 }
 
@@ -367,7 +267,7 @@ Test(cuda_step_daemon, grad_norm_matches_the_cpu_kernels_and_reduce_step_applies
 	struct shardd_grad_norm_part acc = { 0 };
 	struct shardd_completion cp;
 	struct fixture f;
-	struct ref ref;
+	struct inproc_ref ref;
 
 	start(&f, &o);
 	ref_init(&ref, &f);
@@ -426,6 +326,6 @@ Test(cuda_step_daemon, grad_norm_matches_the_cpu_kernels_and_reduce_step_applies
 		free(before);
 		free(after);
 	}
-	ref_free(&ref);
+	inproc_ref_free(&ref);
 	finish(&f);
 }

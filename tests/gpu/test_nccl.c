@@ -106,8 +106,8 @@ static const struct shardd_param_desc half_params[] = {
 	{ .name = "v", .dtype = SHARDD_DTYPE_FP32, .ndim = 1, .shape = { 257 } },
 };
 
-static const struct tgroup dense = { "dense", dense_params, 2, { 0, 0 } };
-static const struct tgroup half = { "half", half_params, 1, { SHARDD_DTYPE_BF16, 0 } };
+static const struct tgroup dense = { "dense", dense_params, 2, { .param_dtype = 0 } };
+static const struct tgroup half = { "half", half_params, 1, { .param_dtype = SHARDD_DTYPE_BF16 } };
 
 static uint64_t numel_of(const struct shardd_param_desc *p)
 {

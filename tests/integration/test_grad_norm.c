@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "harness.h"
+#include "inproc.h"
 #include "shardd.h"
 
 #define NP 4
@@ -45,49 +46,21 @@ struct fixture {
 	struct shardd_group *g[MAXW][NG];
 };
 
-struct reg_arg {
-	struct fixture *f;
-	uint32_t rank;
-	int ret;
-	char err[1024];
-};
-
-static void *register_main(void *p)
-{
-	struct reg_arg *a = p;
-	struct shardd_policy pol = { .param_dtype = SHARDD_DTYPE_NONE, .reduce_dtype = SHARDD_DTYPE_NONE };
-
-	for (int k = 0; k < NG && !a->ret; k++) {
-		a->ret = shardd_group_register(a->f->c[a->rank], group_names[k], params, NP, &pol,
-					       &a->f->g[a->rank][k]);
-		if (a->ret)
-			snprintf(a->err, sizeof(a->err), "group %s: %s", group_names[k], shardd_last_error());
-	}
-	return NULL;
-}
-
 static void start(struct fixture *f, uint32_t replicate, uint32_t shard, const char *timeout_s)
 {
 	const char *const extra[] = { "--collective-timeout", timeout_s, NULL };
-	struct reg_arg reg[MAXW];
-	pthread_t th[MAXW];
+	struct shardd_group *g[MAXW];
 
 	memset(f, 0, sizeof(*f));
 	f->replicate = replicate;
 	f->shard = shard;
 	f->world = replicate * shard;
-	cr_assert_eq(harness_daemon_start(&f->hd, extra), 0, "shardd did not start");
-	for (uint32_t r = 0; r < f->world; r++)
-		cr_assert_eq(harness_attach(&f->hd, "gnorm", r, replicate, shard, &f->c[r]), 0, "%s",
-			     shardd_last_error());
-	for (uint32_t r = 0; r < f->world; r++) {
-		reg[r] = (struct reg_arg){ .f = f, .rank = r };
-		cr_assert_eq(pthread_create(&th[r], NULL, register_main, &reg[r]), 0);
+	inproc_start(&f->hd, extra, "gnorm", replicate, shard, SHARDD_HELLO_DEVICE_HOST, f->c);
+	for (int k = 0; k < NG; k++) {
+		inproc_register_ok(f->c, f->world, group_names[k], params, NP, NULL, g);
+		for (uint32_t r = 0; r < f->world; r++)
+			f->g[r][k] = g[r];
 	}
-	for (uint32_t r = 0; r < f->world; r++)
-		pthread_join(th[r], NULL);
-	for (uint32_t r = 0; r < f->world; r++)
-		cr_assert_eq(reg[r].ret, 0, "rank %u register: %s", r, reg[r].err);
 }
 
 static void finish(struct fixture *f)
@@ -106,10 +79,7 @@ static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
 
 static float rnd(void)
 {
-	rng_state ^= rng_state << 13;
-	rng_state ^= rng_state >> 7;
-	rng_state ^= rng_state << 17;
-	return (float)((double)(rng_state >> 11) / (double)(1ull << 53) * 2.0 - 1.0);
+	return inproc_rnd(&rng_state);
 }
 
 struct ref_norm {

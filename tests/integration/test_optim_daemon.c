@@ -15,7 +15,6 @@
 #include <criterion/criterion.h>
 #include <jansson.h>
 #include <math.h>
-#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -24,6 +23,7 @@
 #include <unistd.h>
 
 #include "harness.h"
+#include "inproc.h"
 #include "optim_isa.h"
 #include "shardd.h"
 
@@ -39,31 +39,10 @@ static const struct shardd_param_desc params[NP] = {
 	{ .name = "c", .dtype = SHARDD_DTYPE_FP32, .ndim = 2, .shard_dim = 1, .shape = { 4, 6 } },
 };
 
-struct reg_arg {
-	struct shardd_client *c;
-	const struct shardd_optim_config *optim;
-	const char *name;
-	struct shardd_group *g;
-	int ret;
-	char err[1024];
-};
-
-static void *register_main(void *p)
-{
-	struct reg_arg *a = p;
-	struct shardd_policy pol = { .param_dtype = SHARDD_DTYPE_NONE, .reduce_dtype = SHARDD_DTYPE_NONE,
-				     .optimizer = a->optim };
-
-	a->ret = shardd_group_register(a->c, a->name, params, NP, &pol, &a->g);
-	if (a->ret)
-		snprintf(a->err, sizeof(a->err), "%s", shardd_last_error());
-	return NULL;
-}
-
 struct fixture {
 	struct harness_daemon hd;
 	struct shardd_client *c[WORLD];
-	struct reg_arg reg[WORLD];
+	struct inproc_reg reg[WORLD];
 };
 
 static void start(struct fixture *f)
@@ -71,23 +50,20 @@ static void start(struct fixture *f)
 	static const char *const extra[] = { "--collective-timeout", "20", NULL };
 
 	memset(f, 0, sizeof(*f));
-	cr_assert_eq(harness_daemon_start(&f->hd, extra), 0, "shardd did not start");
-	for (uint32_t r = 0; r < WORLD; r++)
-		cr_assert_eq(harness_attach(&f->hd, "optim", r, 1, WORLD, &f->c[r]), 0, "%s", shardd_last_error());
+	inproc_start(&f->hd, extra, "optim", 1, WORLD, SHARDD_HELLO_DEVICE_HOST, f->c);
 }
 
 /* Register `name` on both ranks with optimizers o0 (rank 0) and o1; the ranks' results in f->reg. */
 static void register_both(struct fixture *f, const char *name, const struct shardd_optim_config *o0,
 			  const struct shardd_optim_config *o1)
 {
-	pthread_t th[WORLD];
-
-	for (int r = 0; r < WORLD; r++) {
-		f->reg[r] = (struct reg_arg){ .c = f->c[r], .optim = r ? o1 : o0, .name = name };
-		cr_assert_eq(pthread_create(&th[r], NULL, register_main, &f->reg[r]), 0);
-	}
 	for (int r = 0; r < WORLD; r++)
-		pthread_join(th[r], NULL);
+		f->reg[r] = (struct inproc_reg){
+			.c = f->c[r], .name = name, .params = params, .nparams = NP,
+			.policy = { .param_dtype = SHARDD_DTYPE_NONE, .reduce_dtype = SHARDD_DTYPE_NONE,
+				    .optimizer = r ? o1 : o0 },
+		};
+	inproc_register(f->reg, WORLD);
 }
 
 static void register_ok(struct fixture *f, const char *name, const struct shardd_optim_config *o)
@@ -110,28 +86,19 @@ static uint64_t rng_state = 0x2545f4914f6cdd1dull;
 
 static float rnd(void)
 {
-	rng_state ^= rng_state << 13;
-	rng_state ^= rng_state >> 7;
-	rng_state ^= rng_state << 17;
-	return (float)((double)(rng_state >> 11) / (double)(1ull << 53) * 2.0 - 1.0);
+	return inproc_rnd(&rng_state);
 }
 
-/* Elements of real data in rank `r`'s shard of param i (a prefix of it). */
+/* Elements of real data in `g`'s shard of param i (a prefix of it). */
 static uint64_t valid_numel(const struct shardd_group *g, uint32_t i)
 {
-	const struct shardd_param_desc *d = &params[i];
-	const struct shardd_param_layout *l = shardd_group_layout(g, i);
-	uint64_t numel = 1, dim = d->ndim ? d->shape[d->shard_dim] : 1;
-
-	for (uint32_t k = 0; k < d->ndim; k++)
-		numel *= d->shape[k];
-	return dim ? l->shard_rows_valid * (numel / dim) : 0;
+	return inproc_valid_numel(g, params, i);
 }
 
 /* Every rank writes random grads and the reduce of `step` runs on both rings. */
 static void reduce_step(struct fixture *f, uint64_t step, int poison)
 {
-	struct shardd_completion cp;
+	struct shardd_group *g[WORLD];
 
 	for (int r = 0; r < WORLD; r++)
 		for (uint32_t i = 0; i < NP; i++) {
@@ -144,21 +111,14 @@ static void reduce_step(struct fixture *f, uint64_t step, int poison)
 				gr[0] = NAN;
 		}
 	for (int r = 0; r < WORLD; r++)
-		cr_assert_eq(shardd_submit(f->c[r], SHARDD_OP_REDUCE, shardd_group_id(f->reg[r].g), step, 0, 100 + r),
-			     0, "%s", shardd_last_error());
-	for (int r = 0; r < WORLD; r++) {
-		cr_assert_eq(shardd_wait(f->c[r], &cp, 30000), 0, "%s", shardd_last_error());
-		cr_assert_eq(cp.res, 0, "rank %d reduce %llu: %s", r, (unsigned long long)step, cp.msg);
-	}
+		g[r] = f->reg[r].g;
+	inproc_reduce(f->c, g, WORLD, step, 0);
 }
 
 /* The reference: each rank's params and state per param, updated by the portable kernels. */
-struct ref {
-	float *p[WORLD][NP], *s[WORLD][NP][3];
-	uint64_t nsteps[WORLD];
-};
+_Static_assert(WORLD <= INPROC_REF_RANKS && NP <= INPROC_REF_PARAMS, "the reference holds the job");
 
-static void ref_init(struct ref *ref, struct fixture *f)
+static void ref_init(struct inproc_ref *ref, struct fixture *f)
 {
 	memset(ref, 0, sizeof(*ref));
 	for (int r = 0; r < WORLD; r++)
@@ -166,26 +126,14 @@ static void ref_init(struct ref *ref, struct fixture *f)
 			uint64_t n = valid_numel(f->reg[r].g, i);
 			float *sh = shardd_group_shard(f->reg[r].g, i);
 
-			ref->p[r][i] = calloc(n + 1, sizeof(float));
-			for (int k = 0; k < 3; k++)
-				ref->s[r][i][k] = calloc(n + 1, sizeof(float));
+			inproc_ref_alloc(ref, r, i, n);
 			for (uint64_t e = 0; e < n; e++)
 				sh[e] = ref->p[r][i][e] = rnd();
 		}
 }
 
-static void ref_free(struct ref *ref)
-{
-	for (int r = 0; r < WORLD; r++)
-		for (uint32_t i = 0; i < NP; i++) {
-			free(ref->p[r][i]);
-			for (int k = 0; k < 3; k++)
-				free(ref->s[r][i][k]);
-		}
-}
-
 /* The reference step of rank r on the sharded grads as the daemon holds them now. */
-static void ref_step(struct ref *ref, struct fixture *f, int r, const struct shardd_optim_config *o, double lr,
+static void ref_step(struct inproc_ref *ref, struct fixture *f, int r, const struct shardd_optim_config *o, double lr,
 		     float scale)
 {
 	ref->nsteps[r]++;
@@ -195,31 +143,12 @@ static void ref_step(struct ref *ref, struct fixture *f, int r, const struct sha
 
 		if (!n)
 			continue;
-		if (o->kind == SHARDD_OPTIM_SGD) {
-			struct shardd_sgd a = {
-				.param = ref->p[r][i], .grad = g, .momentum_buffer = o->momentum ? ref->s[r][i][0] : NULL,
-				.grad_dtype = SHARDD_DTYPE_FP32, .step = ref->nsteps[r], .lr = lr, .momentum = o->momentum,
-				.dampening = o->dampening, .weight_decay = o->weight_decay,
-				.nesterov = !!(o->flags & SHARDD_OPTIM_NESTEROV),
-				.maximize = !!(o->flags & SHARDD_OPTIM_MAXIMIZE), .grad_scale = scale,
-			};
-			shardd_k_sgd_isa(SHARDD_K_ISA_PORTABLE, &a, 0, n);
-		} else {
-			struct shardd_adamw a = {
-				.param = ref->p[r][i], .grad = g, .exp_avg = ref->s[r][i][0], .exp_avg_sq = ref->s[r][i][1],
-				.max_exp_avg_sq = (o->flags & SHARDD_OPTIM_AMSGRAD) ? ref->s[r][i][2] : NULL,
-				.grad_dtype = SHARDD_DTYPE_FP32, .step = ref->nsteps[r], .lr = lr, .beta1 = o->beta1,
-				.beta2 = o->beta2, .eps = o->eps, .weight_decay = o->weight_decay,
-				.amsgrad = !!(o->flags & SHARDD_OPTIM_AMSGRAD),
-				.maximize = !!(o->flags & SHARDD_OPTIM_MAXIMIZE), .grad_scale = scale,
-			};
-			shardd_k_adamw_isa(SHARDD_K_ISA_PORTABLE, &a, 0, n);
-		}
+		inproc_ref_step(o, ref->p[r][i], g, ref->s[r][i], ref->nsteps[r], lr, scale, n);
 	}
 }
 
 /* Rank r's shard equals the reference bit for bit; padding and the sharded grad are zero. */
-static void expect_shard(struct ref *ref, struct fixture *f, int r, const char *what)
+static void expect_shard(struct inproc_ref *ref, struct fixture *f, int r, const char *what)
 {
 	for (uint32_t i = 0; i < NP; i++) {
 		const struct shardd_param_layout *l = shardd_group_layout(f->reg[r].g, i);
@@ -227,23 +156,14 @@ static void expect_shard(struct ref *ref, struct fixture *f, int r, const char *
 		const float *sh = shardd_group_shard(f->reg[r].g, i);
 		const float *g = shardd_group_shard_grad(f->reg[r].g, i);
 
-		for (uint64_t e = 0; e < n; e++)
-			cr_assert_eq(memcmp(&sh[e], &ref->p[r][i][e], sizeof(float)), 0,
-				     "%s: rank %d param '%s'[%llu] = %.9g, reference %.9g", what, r, params[i].name,
-				     (unsigned long long)e, sh[e], ref->p[r][i][e]);
-		for (uint64_t e = n; e < all; e++)
-			cr_assert_eq(sh[e], 0.0f, "%s: rank %d param '%s' padding [%llu] = %g", what, r,
-				     params[i].name, (unsigned long long)e, sh[e]);
-		for (uint64_t e = 0; e < all; e++)
-			cr_assert_eq(g[e], 0.0f, "%s: rank %d param '%s' sharded grad [%llu] = %g after the step",
-				     what, r, params[i].name, (unsigned long long)e, g[e]);
+		inproc_expect_shard(what, r, params[i].name, sh, ref->p[r][i], g, n, all);
 	}
 }
 
 static void parity_run(const struct shardd_optim_config *o, const char *what)
 {
 	struct fixture f;
-	struct ref ref;
+	struct inproc_ref ref;
 
 	start(&f);
 	register_ok(&f, "layer", o);
@@ -259,7 +179,7 @@ static void parity_run(const struct shardd_optim_config *o, const char *what)
 			expect_shard(&ref, &f, r, what);
 		}
 	}
-	ref_free(&ref);
+	inproc_ref_free(&ref);
 	finish(&f);
 }
 
@@ -296,7 +216,7 @@ Test(optim_daemon, a_step_is_applied_once_and_reattach_learns_the_last_step, .ti
 {
 	struct shardd_optim_config o = { .kind = SHARDD_OPTIM_ADAMW, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8 };
 	struct fixture f;
-	struct ref ref;
+	struct inproc_ref ref;
 	size_t size;
 	float *before, *after;
 
@@ -339,7 +259,7 @@ Test(optim_daemon, a_step_is_applied_once_and_reattach_learns_the_last_step, .ti
 	}
 	free(before);
 	free(after);
-	ref_free(&ref);
+	inproc_ref_free(&ref);
 	finish(&f);
 }
 
@@ -347,7 +267,7 @@ Test(optim_daemon, clip_scales_the_grad_and_nonfinite_grads_skip_the_step, .time
 {
 	struct shardd_optim_config o = { .kind = SHARDD_OPTIM_SGD, .momentum = 0.9 };
 	struct fixture f;
-	struct ref ref;
+	struct inproc_ref ref;
 	size_t size;
 	float *before, *after;
 
@@ -386,7 +306,7 @@ Test(optim_daemon, clip_scales_the_grad_and_nonfinite_grads_skip_the_step, .time
 	}
 	free(before);
 	free(after);
-	ref_free(&ref);
+	inproc_ref_free(&ref);
 	finish(&f);
 }
 
@@ -652,7 +572,7 @@ Test(optim_daemon, a_rank_killed_between_reduce_and_step_resumes_bit_identical, 
 }
 
 /* Grads of every rank, then the reduce with SHARDD_REDUCE_STEP on both rings; the results. */
-static void reduce_and_step(struct fixture *f, struct ref *ref, const struct shardd_optim_config *o, uint64_t step,
+static void reduce_and_step(struct fixture *f, struct inproc_ref *ref, const struct shardd_optim_config *o, uint64_t step,
 			    double lr, int *res)
 {
 	struct shardd_completion cp;
@@ -726,7 +646,7 @@ Test(optim_daemon, a_reduce_with_the_step_flag_steps_each_shard_after_reducing, 
 	struct shardd_optim_config o = { .kind = SHARDD_OPTIM_SGD, .momentum = 0.9 };
 	struct shardd_completion cp;
 	struct fixture f;
-	struct ref ref;
+	struct inproc_ref ref;
 	int res[WORLD];
 
 	start(&f);
@@ -742,7 +662,7 @@ Test(optim_daemon, a_reduce_with_the_step_flag_steps_each_shard_after_reducing, 
 				     shardd_last_error());
 		}
 	}
-	ref_free(&ref);
+	inproc_ref_free(&ref);
 	for (int r = 0; r < WORLD; r++)
 		shardd_group_close(f.reg[r].g);
 	/* Without an optimizer the reduce is refused before it gathers. */
@@ -783,7 +703,7 @@ Test(optim_daemon, shardctl_dumps_the_optimizer_state_of_a_shard, .timeout = 60)
 	static const char *const names[] = { "exp_avg", "exp_avg_sq" };
 	static char out[1 << 16];
 	struct fixture f;
-	struct ref ref;
+	struct inproc_ref ref;
 	json_t *j;
 
 	start(&f);
@@ -833,6 +753,6 @@ Test(optim_daemon, shardctl_dumps_the_optimizer_state_of_a_shard, .timeout = 60)
 			     want, "%s", out);
 		json_decref(j);
 	}
-	ref_free(&ref);
+	inproc_ref_free(&ref);
 	finish(&f);
 }

@@ -15,7 +15,6 @@
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <math.h>
-#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
@@ -32,10 +31,9 @@ static struct harness_daemon daemon_;
 
 static void start_daemon(void)
 {
-	const char *extra[] = { "--collective-timeout", "10", NULL };
+	static const char *const extra[] = { "--collective-timeout", "10", NULL };
 
-	signal(SIGPIPE, SIG_IGN);
-	cr_assert_eq(harness_daemon_start(&daemon_, extra), 0, "shardd did not start");
+	harness_daemon_start_or_fail(&daemon_, extra);
 }
 
 static void stop_daemon(void)

@@ -16,13 +16,13 @@
  */
 #include <criterion/criterion.h>
 #include <math.h>
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
 #include "harness.h"
+#include "inproc.h"
 #include "optim_isa.h"
 #include "rawproto.h"
 #include "shardd.h"
@@ -39,25 +39,6 @@ static const struct shardd_param_desc params[NP] = {
 /* Plain SGD: p + (-lr) * (scale * g), nothing else. */
 static const struct shardd_optim_config sgd = { .kind = SHARDD_OPTIM_SGD };
 
-struct reg_arg {
-	struct shardd_client *c;
-	struct shardd_group *g;
-	int ret;
-	char err[1024];
-};
-
-static void *register_main(void *p)
-{
-	struct reg_arg *a = p;
-	struct shardd_policy pol = { .param_dtype = SHARDD_DTYPE_NONE, .reduce_dtype = SHARDD_DTYPE_NONE,
-				     .optimizer = &sgd };
-
-	a->ret = shardd_group_register(a->c, "g", params, NP, &pol, &a->g);
-	if (a->ret)
-		snprintf(a->err, sizeof(a->err), "%s", shardd_last_error());
-	return NULL;
-}
-
 struct fixture {
 	struct harness_daemon hd;
 	struct shardd_client *c[WORLD];
@@ -67,60 +48,35 @@ struct fixture {
 static void start(struct fixture *f)
 {
 	static const char *const extra[] = { "--collective-timeout", "20", NULL };
-	struct reg_arg reg[WORLD];
-	pthread_t th[WORLD];
+	const struct shardd_policy pol = { .param_dtype = SHARDD_DTYPE_NONE,
+					   .reduce_dtype = SHARDD_DTYPE_NONE, .optimizer = &sgd };
 
 	memset(f, 0, sizeof(*f));
-	cr_assert_eq(harness_daemon_start(&f->hd, extra), 0, "shardd did not start");
-	for (uint32_t r = 0; r < WORLD; r++)
-		cr_assert_eq(harness_attach(&f->hd, "stepjob", r, 1, WORLD, &f->c[r]), 0, "%s", shardd_last_error());
-	for (int r = 0; r < WORLD; r++) {
-		reg[r] = (struct reg_arg){ .c = f->c[r] };
-		cr_assert_eq(pthread_create(&th[r], NULL, register_main, &reg[r]), 0);
-	}
-	for (int r = 0; r < WORLD; r++)
-		pthread_join(th[r], NULL);
-	for (int r = 0; r < WORLD; r++) {
-		cr_assert_eq(reg[r].ret, 0, "rank %d register: %s", r, reg[r].err);
-		f->g[r] = reg[r].g;
-	}
+	inproc_start(&f->hd, extra, "stepjob", 1, WORLD, SHARDD_HELLO_DEVICE_HOST, f->c);
+	inproc_register_ok(f->c, WORLD, "g", params, NP, &pol, f->g);
 }
 
 static void finish(struct fixture *f)
 {
-	for (int r = 0; r < WORLD; r++) {
-		shardd_group_close(f->g[r]);
-		shardd_close(f->c[r]);
-	}
-	harness_daemon_stop_expect_clean(&f->hd);
+	inproc_finish(&f->hd, f->c, f->g, WORLD);
 }
 
 static uint64_t rng_state = 0x853c49e6748fea9bull;
 
 static float next_rnd(void)
 {
-	rng_state ^= rng_state << 13;
-	rng_state ^= rng_state >> 7;
-	rng_state ^= rng_state << 17;
-	return (float)((double)(rng_state >> 11) / (double)(1ull << 53) * 2.0 - 1.0);
+	return inproc_rnd(&rng_state);
 }
 
 /* Elements of real data in the rank's shard of param i. */
 static uint64_t valid_numel(const struct shardd_group *g, uint32_t i)
 {
-	const struct shardd_param_layout *l = shardd_group_layout(g, i);
-	uint64_t numel = 1;
-
-	for (uint32_t k = 0; k < params[i].ndim; k++)
-		numel *= params[i].shape[k];
-	return l->shard_rows_valid * (numel / params[i].shape[0]);
+	return inproc_valid_numel(g, params, i);
 }
 
 /* Every rank writes grads scaled by `scale` (rank `nan_rank`'s first real element NaN; -1: none), then reduces. */
 static void reduce_step(struct fixture *f, uint64_t step, float scale, int nan_rank)
 {
-	struct shardd_completion cp;
-
 	for (int r = 0; r < WORLD; r++)
 		for (uint32_t i = 0; i < NP; i++) {
 			float *gr = shardd_group_grad(f->g[r], i);
@@ -129,13 +85,7 @@ static void reduce_step(struct fixture *f, uint64_t step, float scale, int nan_r
 			for (uint64_t e = 0; e < n; e++)
 				gr[e] = scale * next_rnd();
 		}
-	for (int r = 0; r < WORLD; r++)
-		cr_assert_eq(shardd_submit(f->c[r], SHARDD_OP_REDUCE, shardd_group_id(f->g[r]), step, 0, 100 + r),
-			     0, "%s", shardd_last_error());
-	for (int r = 0; r < WORLD; r++) {
-		cr_assert_eq(shardd_wait(f->c[r], &cp, 30000), 0, "%s", shardd_last_error());
-		cr_assert_eq(cp.res, 0, "rank %d reduce %llu: %s", r, (unsigned long long)step, cp.msg);
-	}
+	inproc_reduce(f->c, f->g, WORLD, step, 0);
 	/* The reduce averages: a NaN put in one rank's sharded grad reaches the job's norm alone. */
 	if (nan_rank >= 0)
 		((float *)shardd_group_shard_grad(f->g[nan_rank], 0))[0] = NAN;

@@ -26,7 +26,9 @@ import torch
 
 import shardd
 import shardd.torch as st
+import torch_net
 from conftest import ROOT, job_name, run_ranks
+from torch_net import make_net, shard, shards_of
 
 torch.set_num_threads(1)
 
@@ -34,34 +36,12 @@ WORLD, STEPS, BATCH = 2, 4, 4
 ATOL = 1e-6
 
 
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = torch.nn.Linear(6, 9)
-        self.fc2 = torch.nn.Linear(9, 3)
-
-    def forward(self, x):
-        return self.fc2(torch.tanh(self.fc1(x)))
-
-
-def make_net():
-    torch.manual_seed(0)
-    return Net()
-
-
 def batches():
-    g = torch.Generator().manual_seed(1)
-    return [(3 * torch.randn(WORLD * BATCH, 6, generator=g),
-             3 * torch.randn(WORLD * BATCH, 3, generator=g)) for _ in range(STEPS)]
+    return torch_net.batches(WORLD, BATCH, STEPS, scale=3.0)
 
 
 def rows(t, r):
     return t if r is None else t[r * BATCH:(r + 1) * BATCH]
-
-
-def shard(model, mesh):
-    st.fully_shard(model.fc1, mesh=mesh)
-    st.fully_shard(model, mesh=mesh)
 
 
 def train(model, opt, data, clip, max_norm, norm_type, rank=None):
@@ -73,10 +53,6 @@ def train(model, opt, data, clip, max_norm, norm_type, rank=None):
         opt.step()
         opt.zero_grad()
     return norms
-
-
-def shards_of(model):
-    return [(n, t.detach().clone(), d, f) for n, t, d, f in st.local_shards(model)]
 
 
 def max_gap(shards, ref):

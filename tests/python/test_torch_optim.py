@@ -24,7 +24,9 @@ import torch
 
 import shardd
 import shardd.torch as st
+import torch_net
 from conftest import job_name, run_ranks
+from torch_net import make_net, shard, shards_of
 
 torch.set_num_threads(1)
 
@@ -32,36 +34,14 @@ WORLD, STEPS, BATCH = 2, 4, 4
 ATOL = 1e-6
 
 
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = torch.nn.Linear(6, 9)
-        self.fc2 = torch.nn.Linear(9, 3)
-
-    def forward(self, x):
-        return self.fc2(torch.tanh(self.fc1(x)))
-
-
-def make_net():
-    torch.manual_seed(0)
-    return Net()
-
-
 def batches():
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randn(WORLD * BATCH, 6, generator=g), torch.randn(WORLD * BATCH, 3, generator=g))
-            for _ in range(STEPS)]
+    return torch_net.batches(WORLD, BATCH, STEPS)
 
 
 @contextlib.contextmanager
 def mesh(daemon, job, rank):
     with st.init_device_mesh(job, rank, (WORLD,), socket_path=daemon.socket) as m:
         yield m
-
-
-def shard(model, mesh_):
-    st.fully_shard(model.fc1, mesh=mesh_)
-    st.fully_shard(model, mesh=mesh_)
 
 
 def train(model, opt, data, rank=None, scheduler=None):
@@ -73,10 +53,6 @@ def train(model, opt, data, rank=None, scheduler=None):
         opt.zero_grad()
         if scheduler is not None:
             scheduler.step()
-
-
-def shards_of(model):
-    return [(n, t.detach().clone(), d, f) for n, t, d, f in st.local_shards(model)]
 
 
 def assert_shards_match(results, ref, atol=ATOL):

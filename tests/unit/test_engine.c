@@ -831,7 +831,8 @@ Test(engine, zero_grad_runs_after_earlier_ops_of_the_group, .timeout = 30)
 Test(engine, ops_on_different_groups_interleave, .timeout = 30)
 {
 	struct t_env *env = env_new(1, 2, 5000);
-	uint64_t shape[1] = { 100000 };
+	/* Above the host's 16 MiB loop cut (24 MB and 18 MB moved): both groups' tasks run on the pool. */
+	uint64_t shape[1] = { 3000000 };
 	struct shardd_param_spec a[1] = { pspec("w", FP32, 1, 0, shape) };
 	struct shardd_param_spec b[1] = { pspec("w", BF16, 1, 0, shape) };
 	struct t_spec sa = { 1, NONE, NONE, a }, sb = { 1, NONE, NONE, b };
@@ -1305,7 +1306,7 @@ static int engine_signalled(struct t_env *env)
 Test(engine, small_ops_complete_within_submit_and_large_ones_on_the_pool, .timeout = 30)
 {
 	struct t_env *env = env_new(1, 2, 5000);
-	uint64_t shape[1] = { 100000 };
+	uint64_t shape[1] = { 3000000 };
 	struct shardd_param_spec big[1] = { pspec("w", FP32, 1, 0, shape) };
 	struct t_spec sb = { 1, NONE, NONE, big };
 	uint32_t small = small_group(env, "small"), large = register_all(env, "large", &sb);
@@ -1322,7 +1323,7 @@ Test(engine, small_ops_complete_within_submit_and_large_ones_on_the_pool, .timeo
 	cr_assert_eq(env->ncq, 3, "a small zero_grad completes at once");
 	cr_assert_not(engine_signalled(env), "no pool task finished");
 
-	/* 800 KB moved: the loop hands it to the pool and delivers it from drain only. */
+	/* 24 MB moved, above the host's 16 MiB loop cut: the loop hands it to the pool and delivers it from drain only. */
 	for (uint64_t e = 0; e < shape[0]; e++)
 		full[0][e] = rnd_val(FP32);
 	write_shards(env, large, &sb, full);

@@ -275,3 +275,20 @@ Test(rendezvous, missing_msg_cuts_long_rank_lists_but_keeps_its_end, .timeout = 
 	cr_assert(n > strlen(end) && strcmp(msg + n - strlen(end), end) == 0, "%s", msg);
 	shd_rdv_free(&r);
 }
+
+Test(rendezvous, failing_lists_arrived_ranks_and_the_newcomer_ascending, .timeout = 5)
+{
+	const uint32_t ranks[] = { 0, 1, 2, 3, 4 };
+	struct shd_rdv r;
+	char why[128], list[64];
+
+	rdv_of(&r, ranks, 5);
+	cr_assert_eq(shd_rdv_arrive(&r, 4, 7, 0, 100, SEC, why, sizeof(why)), SHD_RDV_WAIT);
+	cr_assert_eq(shd_rdv_arrive(&r, 0, 7, 0, 100, SEC, why, sizeof(why)), SHD_RDV_WAIT);
+	cr_assert_eq(shd_rdv_arrive(&r, 2, 8, 0, 100, SEC, why, sizeof(why)), SHD_RDV_MISMATCH);
+	shd_rdv_failing(&r, 2, list, sizeof(list));
+	cr_assert_str_eq(list, "0,2,4");
+	shd_rdv_failing(&r, 2, list, 4);
+	cr_assert_str_eq(list, "0,2");
+	shd_rdv_free(&r);
+}

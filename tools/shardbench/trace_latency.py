@@ -24,13 +24,13 @@ import sys
 import tempfile
 
 PROBES_DAEMON = [
-    "eng_submit=shardd_engine_submit rank op=sqe->op:u32 step=sqe->step:u64",
+    "eng_submit=shd_engine_submit rank op=sqe->op:u32 step=sqe->step:u64",
     "coll_launch",
     "task_exec",
     "task_exec_ret=task_exec%return",
-    "cq_done=shardd_session_complete op=sqe->op:u32 step=sqe->step:u64",
+    "cq_done=shd_session_complete op=sqe->op:u32 step=sqe->step:u64",
     "after_sleep=server_after_sleep",
-    "pool_submit=shardd_pool_submit",
+    "pool_submit=shd_pool_submit",
     "task_run",
 ]
 PROBES_CLIENT = ["sleep_cq", "sleep_cq_ret=sleep_cq%return"]

@@ -22,9 +22,10 @@ static void usage(FILE *f)
 {
 	fprintf(f,
 "usage: train_mlp --spawn N [--replicate R] [--steps K] [--socket PATH] [--job NAME]\n"
-"                 [--dump FILE] [--device N]\n"
+"                 [--dump FILE] [--device N] [--checkpoint-every N] [--resume]\n"
 "       train_mlp --rank R --world N [--replicate R] [--steps K] [--socket PATH] [--job NAME]\n"
 "                 [--dump FILE] [--device N] [--resume-step T [--attempt A]] [--trainer-sgd]\n"
+"                 [--checkpoint-every N] [--resume]\n"
 "       train_mlp --reference --world N [--steps K] [--dump FILE]\n"
 "\n"
 "Trains a 32-64-64-1 tanh MLP on a fixed random teacher, FSDP2-style, through\n"
@@ -53,7 +54,15 @@ static void usage(FILE *f)
 "                    as the other ranks print when they wait for this one\n"
 "  --attempt A       with --resume-step: the attempt number of the retry (default 1)\n"
 "  --trainer-sgd     run SGD in the trainer on the flat shard instead of the\n"
-"                    daemon's step op (the cuda backend always does: it has no step)\n"
+"                    daemon's step op\n"
+"  --checkpoint-every N\n"
+"                    after each step whose number (counted from 1) is a multiple\n"
+"                    of N, every rank asks the daemon for a checkpoint of the job\n"
+"                    and waits until it is written to <--state-dir>/<job>/step-<n>\n"
+"                    (the daemon needs --state-dir; docs/CHECKPOINTS.md)\n"
+"  --resume          register from the job's newest checkpoint in the daemon's\n"
+"                    --state-dir and train from its step to --steps (prints\n"
+"                    'resume at step N'); with none, start afresh at step 0\n"
 "  --version         print the version and exit\n",
 		MLP_DEFAULT_STEPS, MLP_DEFAULT_JOB);
 }
@@ -89,6 +98,8 @@ int launch_opts_parse(int argc, char **argv, struct launch_opts *lo)
 		{ "attempt", required_argument, NULL, 'A' },
 		{ "device", required_argument, NULL, 'D' },
 		{ "trainer-sgd", no_argument, NULL, 'T' },
+		{ "checkpoint-every", required_argument, NULL, 'C' },
+		{ "resume", no_argument, NULL, 'e' },
 		{ "help", no_argument, NULL, 'h' },
 		{ "version", no_argument, NULL, 'V' },
 		{ NULL, 0, NULL, 0 },
@@ -137,6 +148,12 @@ int launch_opts_parse(int argc, char **argv, struct launch_opts *lo)
 		case 'd': o->dump = optarg; break;
 		case 'R': lo->reference = 1; break;
 		case 'T': o->trainer_sgd = 1; break;
+		case 'e': o->resume = 1; break;
+		case 'C':
+			if (parse_u64(optarg, "--checkpoint-every", 1u << 24, &v) || v == 0)
+				goto bad;
+			o->checkpoint_every = v;
+			break;
 		case 'U':
 			if (parse_u64(optarg, "--resume-step", 1u << 24, &v))
 				goto bad;
@@ -186,6 +203,16 @@ int launch_opts_parse(int argc, char **argv, struct launch_opts *lo)
 			o->replicate, o->world);
 		goto bad;
 	}
+	if (o->trainer_sgd && (o->checkpoint_every || o->resume)) {
+		fprintf(stderr, "train_mlp: --checkpoint-every and --resume need the daemon's SGD (a checkpoint"
+			" records the step it applied last): drop --trainer-sgd\n");
+		goto bad;
+	}
+	if (lo->reference && (o->checkpoint_every || o->resume)) {
+		fprintf(stderr, "train_mlp: --reference runs without a daemon: it takes no --checkpoint-every"
+			" nor --resume\n");
+		goto bad;
+	}
 	if (o->resume_step > (int64_t)o->steps) {
 		fprintf(stderr, "train_mlp: --resume-step %" PRId64 " is above --steps %" PRIu64 "\n",
 			o->resume_step, o->steps);
@@ -225,6 +252,8 @@ struct sup {
 	uint8_t *seen;            /* the same: 0 none yet, 1 reported, 2 lost with a rank that died */
 	uint32_t *have;           /* per step: reports seen or lost */
 	uint64_t next;            /* the first step not printed */
+	uint64_t start;           /* the step the ranks train from (their MLP_REPORT_START) */
+	int started;              /* a rank sent its MLP_REPORT_START */
 	int report_rd, report_wr;
 	uint32_t live;            /* children running */
 	int failed;
@@ -308,7 +337,28 @@ static int take_reports(struct sup *s)
 	ssize_t n;
 
 	while ((n = read(s->report_rd, &rep, sizeof(rep))) == (ssize_t)sizeof(rep)) {
+		if (rep.rank < o->world && rep.step <= o->steps && rep.attempt == MLP_REPORT_START) {
+			if (!s->started) {
+				s->started = 1;
+				s->start = rep.step;
+				if (s->next < rep.step)
+					s->next = rep.step;
+				if (o->resume && rep.step)
+					printf("resume at step %" PRIu64 " of %" PRIu64 "\n", rep.step, o->steps);
+				else if (o->resume)
+					printf("start at step 0 of %" PRIu64 " (no checkpoint to resume from)\n",
+					       o->steps);
+				fflush(stdout);
+			} else if (rep.step != s->start) {
+				fprintf(stderr, "train_mlp: rank %u trains from step %" PRIu64 ", another rank"
+					" from step %" PRIu64 ": their checkpoints differ\n", rep.rank, rep.step,
+					s->start);
+				return -EPROTO;
+			}
+			continue;
+		}
 		if (rep.rank >= o->world || rep.step > o->steps || (rep.step == o->steps && !rep.attempt) ||
+		    (!rep.attempt && rep.step < s->start) ||
 		    (!rep.attempt && s->seen[rep.step * o->world + rep.rank])) {
 			fprintf(stderr, "train_mlp: bad report (rank %u, step %" PRIu64 ", attempt %u)\n",
 				rep.rank, rep.step, rep.attempt);
@@ -365,7 +415,7 @@ static void sup_print_ready(struct sup *s)
 /* Rank r's missing loss reports of steps below t: lost with a predecessor that died. */
 static void sup_mark_lost(struct sup *s, uint32_t r, uint64_t t)
 {
-	for (uint64_t k = 0; k < t && k < s->o->steps; k++) {
+	for (uint64_t k = s->start; k < t && k < s->o->steps; k++) {
 		if (s->seen[k * s->o->world + r])
 			continue;
 		fprintf(stderr, "train_mlp: rank %u's loss of step %" PRIu64 " was lost with it\n", r, k);

@@ -30,7 +30,7 @@
 
 /* 32 -> 64 -> 64 -> 1: 64 rows shard unevenly over 3 ranks, 1 row over any world > 1. */
 extern const uint32_t mlp_dims[MLP_LAYERS + 1];
-/* One parameter group per layer, params "weight" [out x in] and "bias" [out]. */
+/* One parameter group per layer, params "<group>.weight" [out x in] and "<group>.bias" [out]. */
 extern const char *const mlp_group_names[MLP_LAYERS];
 
 static inline uint32_t layer_in(uint32_t l) { return mlp_dims[l]; }

@@ -46,7 +46,7 @@ struct rank {
 	struct inflight ops[RANK_INFLIGHT];
 	int wait_ms;                  /* per completion: collective timeout + slack */
 	int failed;                   /* first error of this attempt, 0 if none */
-	int trainer_sgd;              /* SGD in the trainer (--trainer-sgd, or cuda), not shardd_step */
+	int trainer_sgd;              /* SGD in the trainer (--trainer-sgd), not shardd_step */
 	char fail_msg[512];
 	struct teacher tc;
 	struct mlp_work wk;
@@ -500,8 +500,7 @@ static int rank_connect(struct rank *rk)
 		return ret;
 	}
 	rk->cuda = shardd_backend(rk->c) == SHARDD_BACKEND_CUDA;
-	/* The cuda backend has no optimizer step: the trainer updates its shards. */
-	rk->trainer_sgd = rk->o->trainer_sgd || rk->cuda;
+	rk->trainer_sgd = rk->o->trainer_sgd;
 	if (rk->cuda && rk->o->device < 0) {
 		fprintf(stderr, "train_mlp: rank %u: the daemon runs --backend cuda: give --device N\n",
 			rk->rank);
@@ -530,11 +529,18 @@ static int rank_host_copies(struct rank *rk)
 	return 0;
 }
 
-static int rank_groups(struct rank *rk)
+/*
+ * Register (or, re-attached, open) the layers' groups. With --resume they
+ * register from the job's newest checkpoint: *start is then its step (the
+ * same for every layer), and the init is loaded only when there was none
+ * (*start 0). Else *start is 0.
+ */
+static int rank_groups(struct rank *rk, uint64_t *start)
 {
 	struct mlp_params *init = NULL;
 	int ret = 0;
 
+	*start = 0;
 	if (rk->o->resume_step == -1) {
 		init = malloc(sizeof(*init));
 		if (!init)
@@ -543,24 +549,41 @@ static int rank_groups(struct rank *rk)
 		mlp_init(init, MLP_SEED);
 	}
 	for (uint32_t l = 0; l < MLP_LAYERS; l++) {
+		char wname[SHARDD_PARAM_NAME_MAX], bname[SHARDD_PARAM_NAME_MAX];
 		struct shardd_param_desc pd[2] = {
-			{ .name = "weight", .dtype = SHARDD_DTYPE_FP32, .ndim = 2,
+			{ .name = wname, .dtype = SHARDD_DTYPE_FP32, .ndim = 2,
 			  .shape = { layer_out(l), layer_in(l) } },
-			{ .name = "bias", .dtype = SHARDD_DTYPE_FP32, .ndim = 1,
+			{ .name = bname, .dtype = SHARDD_DTYPE_FP32, .ndim = 1,
 			  .shape = { layer_out(l) } },
 		};
 		static const struct shardd_optim_config sgd_cfg = { .kind = SHARDD_OPTIM_SGD };
 		struct shardd_policy policy = { .param_dtype = SHARDD_DTYPE_NONE, .reduce_dtype = SHARDD_DTYPE_NONE,
-						.optimizer = rk->trainer_sgd ? NULL : &sgd_cfg };
+						.optimizer = rk->trainer_sgd ? NULL : &sgd_cfg,
+						.restore = rk->o->resume ? "" : NULL };
 
+		/* Unique across the job (a checkpoint's files need it), named like torch's state_dict keys. */
+		snprintf(wname, sizeof(wname), "%s.weight", mlp_group_names[l]);
+		snprintf(bname, sizeof(bname), "%s.bias", mlp_group_names[l]);
 		if (!init) {
 			/* Re-attached: the daemon kept this rank's shards. */
 			ret = shardd_group_open(rk->c, mlp_group_names[l], &rk->g[l]);
 		} else {
 			ret = shardd_group_register(rk->c, mlp_group_names[l], pd, 2, &policy, &rk->g[l]);
-			if (ret == 0)
+			if (ret == 0 && l > 0 && shardd_group_last_step(rk->g[l]) != *start) {
+				fprintf(stderr, "train_mlp: rank %u: the job's checkpoint has group '%s' at step %"
+					PRIu64 " and group '%s' at step %" PRIu64 "; it was not written by"
+					" train_mlp --checkpoint-every: use another --job name\n", rk->rank,
+					mlp_group_names[0], *start, mlp_group_names[l],
+					shardd_group_last_step(rk->g[l]));
+				ret = -SHARDD_E_MISMATCH;
+				break;
+			}
+			if (ret == 0 && l == 0)
+				*start = shardd_group_last_step(rk->g[l]);
+			/* No checkpoint restored (a first run, or no --resume): the seeded init. */
+			if (ret == 0 && *start == 0)
 				ret = shardd_group_load_full(rk->g[l], 0, init->w[l]);
-			if (ret == 0)
+			if (ret == 0 && *start == 0)
 				ret = shardd_group_load_full(rk->g[l], 1, init->b[l]);
 		}
 		if (ret < 0) {
@@ -675,11 +698,63 @@ static int rank_rejoin(struct rank *rk, uint64_t *t, uint32_t *attempt)
 	return 0;
 }
 
+/*
+ * Tell the launcher (or print) the step this rank trains from: `start`, 0
+ * or the step of the checkpoint its groups were restored from.
+ */
+static int rank_start(struct rank *rk, uint64_t start)
+{
+	struct loss_report rep = { .rank = rk->rank, .attempt = MLP_REPORT_START, .step = start };
+
+	if (start > rk->o->steps) {
+		fprintf(stderr, "train_mlp: rank %u: the job's checkpoint is of step %" PRIu64 ", past --steps %"
+			PRIu64 ": give more --steps, or another --job name to start afresh\n", rk->rank, start,
+			rk->o->steps);
+		return -EINVAL;
+	}
+	if (rk->o->resume && start)
+		fprintf(stderr, "train_mlp: rank %u: restored the job's checkpoint of step %" PRIu64
+			" from the daemon's --state-dir\n", rk->rank, start);
+	if (rk->o->resume && !start)
+		fprintf(stderr, "train_mlp: rank %u: no checkpoint of job '%s' in the daemon's --state-dir:"
+			" starting afresh\n", rk->rank, rk->o->job);
+	if (rk->report_fd < 0) {
+		if (rk->o->resume)
+			printf("rank %u resume at step %" PRIu64 "\n", rk->rank, start);
+		fflush(stdout);
+		return 0;
+	}
+	if (write(rk->report_fd, &rep, sizeof(rep)) != (ssize_t)sizeof(rep)) {
+		fprintf(stderr, "train_mlp: rank %u: start report to the supervisor failed: %s\n",
+			rk->rank, strerror(errno));
+		return -EPIPE;
+	}
+	return 0;
+}
+
+/*
+ * Every rank: the job-wide checkpoint of the daemon's step n, waited for
+ * until the daemon wrote it. 0 or the error (printed).
+ */
+static int rank_checkpoint(struct rank *rk, uint64_t n)
+{
+	int ret;
+
+	rk->failed = 0;
+	ret = rank_sync_op(rk, SHARDD_OP_CHECKPOINT, MLP_LAYERS, n);
+	if (ret < 0)
+		return ret;
+	if (rk->rank == 0)
+		fprintf(stderr, "train_mlp: checkpoint of step %" PRIu64 " written to the daemon's"
+			" --state-dir (job '%s')\n", n, rk->o->job);
+	return 0;
+}
+
 int rank_main(const struct trainer_opts *o, uint32_t rank, int report_fd,
 	      const struct rank_hooks *hooks)
 {
 	struct rank *rk = calloc(1, sizeof(*rk));
-	uint64_t t, step_t0 = now_ns();
+	uint64_t t = 0, step_t0 = now_ns();
 	uint32_t attempt = 0;
 	int ret;
 
@@ -696,15 +771,18 @@ int rank_main(const struct trainer_opts *o, uint32_t rank, int report_fd,
 	if (ret < 0)
 		goto out;
 	rk->wait_ms = (int)shardd_collective_timeout_ms(rk->c) + 10000;
-	ret = rank_groups(rk);
+	ret = rank_groups(rk, &t);
 	if (ret == 0)
 		ret = rank_host_copies(rk);
 	if (ret < 0)
 		goto out;
 
-	t = 0;
 	if (o->resume_step != -1) {
 		ret = rank_rejoin(rk, &t, &attempt);
+		if (ret < 0)
+			goto out;
+	} else {
+		ret = rank_start(rk, t);
 		if (ret < 0)
 			goto out;
 	}
@@ -724,6 +802,8 @@ int rank_main(const struct trainer_opts *o, uint32_t rank, int report_fd,
 			break;
 		if (ret == 0) {
 			ret = rank_report(rk, t, 0, loss, now_ns() - t0);
+			if (ret == 0 && o->checkpoint_every && (t + 1) % o->checkpoint_every == 0)
+				ret = rank_checkpoint(rk, t + 1);
 			if (ret < 0)
 				goto out;
 			t++;

@@ -2,8 +2,8 @@
 /*
  * The trainer of train_mlp: one rank process attached to shardd, training
  * the model of model.h FSDP2-style (ZeRO-3). Each linear layer is one
- * parameter group ("fc0", "fc1", "fc2", params "weight" [out x in] and
- * "bias" [out], fp32), sharded by the daemon along dim 0. Every rank runs
+ * parameter group ("fc0", "fc1", "fc2", params "fcN.weight" [out x in]
+ * and "fcN.bias" [out], fp32, named like torch's state_dict keys), sharded by the daemon along dim 0. Every rank runs
  * FSDP2's schedule with reshard_after_forward=True:
  *
  *   forward,  layer l = 0..2:  unshard(l) (l+1 prefetched while l computes),
@@ -12,9 +12,8 @@
  *                              into the grad buffer, reshard(l), reduce(l)
  *   once every reduce of the step succeeded: the daemon's SGD on the
  *   rank's shard of each layer (shardd_step, step number t + 1, which
- *   also clears the sharded grad); with --trainer-sgd, or on the cuda
- *   backend (whose daemon has no step yet), the trainer's own SGD on its
- *   flat shard with its sharded grad, then zero_grad.
+ *   also clears the sharded grad); with --trainer-sgd, the trainer's own
+ *   SGD on its flat shard with its sharded grad, then zero_grad.
  *
  * unshard and reduce are keyed by step, and the forward and the backward
  * unshard of one training step are two different collectives, so each gets
@@ -36,6 +35,17 @@
  * daemon). The trainer-side SGD cannot: a rank that dies after its step's
  * last reduce completed but before its SGD loses that update, and one that
  * dies in the middle of its SGD leaves a half-updated shard.
+ *
+ * Checkpoints (--checkpoint-every N, --resume; docs/CHECKPOINTS.md): after
+ * training step t, when the daemon's step number t + 1 is a multiple of N,
+ * every rank submits the job-wide checkpoint(t + 1) and waits until the
+ * daemon wrote it to <--state-dir>/<job>/step-<t + 1>. With --resume every
+ * rank registers its groups with restore "" (the job's newest checkpoint in
+ * the daemon's --state-dir): when there is one, the ranks resume after its
+ * step, whose update the checkpoint holds; else (last step 0) they load the
+ * seeded init and start at step 0, so the same command line serves the
+ * first run and every resume. Both need the daemon's SGD (the checkpoint
+ * records the step it applied last), so not --trainer-sgd.
  *
  * HSDP (replicate > 1): the ranks attach as replicate x (world /
  * replicate), unshard within their replica and reduce with
@@ -68,6 +78,8 @@ struct trainer_opts {
 	uint32_t attempt;      /* --attempt A: with --resume-step, the attempt to join */
 	int32_t device;        /* --device N; SHARDD_HELLO_DEVICE_HOST: none */
 	int trainer_sgd;       /* --trainer-sgd: SGD in the trainer, not the daemon's step */
+	uint64_t checkpoint_every; /* --checkpoint-every N: checkpoint after each step n % N == 0; 0: never */
+	int resume;            /* --resume: register from the job's newest checkpoint, if any */
 };
 
 /*
@@ -81,8 +93,11 @@ struct trainer_opts {
  * loss of step `step`, which the rank completed. attempt > 0: the rank
  * failed in step `step` (a rank died) and waits at the barrier of that
  * step's retry number `attempt`, where a restarted rank must join it
- * (step = o->steps: the final unshard).
+ * (step = o->steps: the final unshard). attempt MLP_REPORT_START: the rank
+ * registered its groups and trains from step `step` on (0, or with --resume
+ * the step of the checkpoint it restored); sent once, before any other.
  */
+#define MLP_REPORT_START UINT32_MAX
 struct loss_report {
 	uint32_t rank;
 	uint32_t attempt;

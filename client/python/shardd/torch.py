@@ -45,9 +45,14 @@ each parameter's original dtype (fp32 for fp32 params with bf16
 Differences from FSDP2: parameters are plain tensors (no DTensor), every
 rank is a CPU process of one node served by the daemon's host backend,
 ``set_requires_gradient_sync(False)`` accumulates unsynchronised gradients
-in ``param_dtype`` (torch 2.15 uses the original dtype), and
-``state_dict()`` returns the local shards (:func:`full_state_dict` and
-:func:`load_full_state_dict` take full tensors). Checkpoints are the
+in ``param_dtype`` (torch 2.15 uses the original dtype), and an
+FSDPModule's ``state_dict()`` holds full tensors, gathered by the daemon
+(collective: every rank calls it, as FSDP1's FULL_STATE_DICT; FSDP2's
+default gives DTensor shards), and its ``load_state_dict()`` takes full
+tensors, each rank loading its rows, so both work with an unsharded
+model's state dicts; :func:`local_shards` gives the rank's shards, and
+:func:`full_state_dict`/:func:`load_full_state_dict` the params alone.
+Checkpoints are the
 daemon's: :func:`checkpoint` saves every group (full tensors, safetensors)
 and ``init_device_mesh(..., restore=...)`` starts from one at any mesh.
 
@@ -192,11 +197,12 @@ class _Param:
     """One managed parameter: where it sits in the modules, its shard and
     unsharded Parameters, and the views of its grad buffers."""
 
-    __slots__ = ("fqn", "index", "places", "sharded", "unsharded", "grad_view", "shard_grad_view",
-                 "shard_dim", "has_grad", "partial_has_grad")
+    __slots__ = ("fqn", "name", "index", "places", "sharded", "unsharded", "grad_view",
+                 "shard_grad_view", "shard_dim", "has_grad", "partial_has_grad")
 
-    def __init__(self, fqn, index, places):
-        self.fqn = fqn
+    def __init__(self, fqn, index, places, name=None):
+        self.fqn = fqn              # its name under the fully_shard'ed module
+        self.name = name or fqn     # its name in the daemon's group (and a checkpoint's files)
         self.index = index          # param index in the group
         self.places = places        # [(module, attribute name)]: tied params sit in several
         self.sharded = None
@@ -681,6 +687,53 @@ class FSDPModule:
         """Unshard these modules asynchronously when this module's backward starts."""
         self._shardd_state.backward_prefetch = [_state_of(m) for m in modules]
 
+    def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
+        """Collective (every rank, on the same module; like FSDP1's
+        FULL_STATE_DICT or DCP's get_model_state_dict(full_state_dict=True)):
+        torch's state_dict with the full tensor of every param fully_shard
+        manages under this module, gathered by the daemon (a copy, in the
+        param's dtype, every rank the same), under the keys and shapes an
+        unsharded model's state_dict() has; buffers and unmanaged params as
+        torch gives them. A group whose MixedPrecisionPolicy casts its params
+        is refused (checkpoint() saves the fp32 masters). local_shards()
+        gives this rank's shards instead."""
+        if args:
+            raise TypeError(f"{type(self).__name__}.state_dict: pass destination, prefix and "
+                            f"keep_vars by keyword")
+        sd = super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        st = self._shardd_state
+        own = {k: q for k, (_m, s2, q) in _managed_keys(self).items() if s2 is st}
+        if own:
+            full = _gather(self, st)
+            for k, q in own.items():
+                sd[prefix + k] = full[q.index]
+        return sd
+
+    def load_state_dict(self, state_dict, strict=True, **kwargs):
+        """Every rank: load a state dict of full tensors (as state_dict()
+        returns it, an unsharded model's state_dict(), or a checkpoint's
+        safetensors tensors): each rank copies its rows of every managed
+        param's full tensor into its shard, at any mesh (a local copy, no
+        collective); buffers and unmanaged params go through torch. strict
+        as torch's: missing or unexpected keys raise after the load. Call it
+        between steps, with the modules resharded; the DaemonOptimizer's
+        state is the daemon's and not touched."""
+        keys = _managed_keys(self)
+        rest = {k: v for k, v in state_dict.items() if k not in keys}
+        res = super().load_state_dict(rest, strict=False, **kwargs)
+        missing = [k for k in res.missing_keys if k not in keys]
+        missing += [k for k in keys if k not in state_dict]
+        done = set()
+        with torch.no_grad():
+            for k, (_m, st, q) in keys.items():
+                if k in state_dict and (id(st), q.index) not in done:
+                    _load_full(st, q, k, state_dict[k], f"{type(self).__name__}.load_state_dict")
+                    done.add((id(st), q.index))
+        if strict and (missing or res.unexpected_keys):
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}: "
+                               f"missing keys {missing}, unexpected keys {res.unexpected_keys}")
+        return torch.nn.modules.module._IncompatibleKeys(missing, res.unexpected_keys)
+
 
 def _state_of(m):
     if not isinstance(m, FSDPModule):
@@ -739,7 +792,11 @@ def fully_shard(module, *, mesh, reshard_after_forward=None, shard_placement_fn=
     count = getattr(mesh, "_shardd_fsdp_groups", 0)
     mesh._shardd_fsdp_groups = count + 1
     name = f"{count}.{type(module).__name__}"[:P.NAME_MAX - 1]
-    params = [_Param(names[id(p)], i, places[id(p)]) for i, p in enumerate(order)]
+    # Under a DaemonOptimizer the daemon knows each param by its name in the model the optimizer
+    # was constructed over (torch's state_dict key): unique across the job's groups, as a
+    # checkpoint needs, and what an unsharded model loads. Else by its name under `module`.
+    params = [_Param(names[id(p)], i, places[id(p)], opt._names.get(id(p)) if opt else None)
+              for i, p in enumerate(order)]
     state = _State(module, mesh, params, name, mp, reshard_after_forward)
     if params:
         _register(state, order, shard_placement_fn, opt)
@@ -782,15 +839,15 @@ def _register(state, tensors, shard_placement_fn, optimizer=None):
         if t.dtype not in _TORCH_TO_SHARDD:
             raise TypeError(f"fully_shard({type(state.module).__name__}): param '{p.fqn}' has "
                             f"dtype {t.dtype}; shardd takes float32, bfloat16 and float16")
-        if len(p.fqn.encode()) >= P.PARAM_NAME_MAX:
-            raise ValueError(f"fully_shard({type(state.module).__name__}): param name '{p.fqn}' "
+        if len(p.name.encode()) >= P.PARAM_NAME_MAX:
+            raise ValueError(f"fully_shard({type(state.module).__name__}): param name '{p.name}' "
                              f"is longer than {P.PARAM_NAME_MAX - 1} bytes")
         dim = _placement_dim(shard_placement_fn(t) if shard_placement_fn else None, p.fqn)
         if t.dim() and not -t.dim() <= dim < t.dim():
             raise ValueError(f"shard_placement_fn: Shard({dim}) for param '{p.fqn}' of shape "
                              f"{tuple(t.shape)}")
         p.shard_dim = dim % t.dim() if t.dim() else 0
-        specs.append(Param(p.fqn, _TORCH_TO_SHARDD[t.dtype], tuple(t.shape), p.shard_dim))
+        specs.append(Param(p.name, _TORCH_TO_SHARDD[t.dtype], tuple(t.shape), p.shard_dim))
     reduce_dtype = mp.reduce_dtype
     if reduce_dtype is None:
         reduce_dtype = default_reduce_dtype(mp.param_dtype, {t.dtype for t in tensors})
@@ -879,28 +936,65 @@ def _managed(model):
             yield (prefix + "." if prefix else "") + p.fqn, m, st, p
 
 
+def _managed_keys(model):
+    """{state_dict key under `model`: (module, state, _Param)} of every param
+    fully_shard manages under it, tied params under each of their names."""
+    owner = {}
+    for _n, m in model.named_modules():
+        st = getattr(m, "_shardd_state", None) if isinstance(m, FSDPModule) else None
+        for q in (st.params if st is not None else []):
+            owner[id(q.sharded)] = owner[id(q.unsharded)] = (m, st, q)
+    out = {}
+    for mname, mod in model.named_modules():
+        for attr, t in mod._parameters.items():
+            if t is not None and id(t) in owner:
+                out[(mname + "." if mname else "") + attr] = owner[id(t)]
+    return out
+
+
+def _gather(m, st):
+    """Collective: [full tensor of each param of group `st`] (module m), a
+    copy gathered by the daemon's unshard; the module is left as it was."""
+    pd = st.mp.param_dtype
+    if pd is not None and any(q.sharded.dtype != pd for q in st.params):
+        raise ValueError(f"full state dict: {st.where('gather')} casts its params to "
+                         f"param_dtype {pd}, so the gathered tensors are not the params: "
+                         f"use shardd.torch.checkpoint() (the daemon saves the masters)")
+    held = st.unsharded
+    m.unshard()
+    out = [q.unsharded.detach().clone() for q in st.params]
+    if not held:
+        m.reshard()
+    return out
+
+
+def _load_full(st, p, name, tensor, what):
+    """Copy this rank's rows of the full `tensor` into param p's shard."""
+    full = tensor.detach().cpu().contiguous()
+    want = tuple(st.group.params[p.index].shape)
+    if tuple(full.shape) != want:
+        raise ValueError(f"{what}: param '{name}' has shape {want}, the state dict holds "
+                         f"{tuple(full.shape)} (full tensors are loaded, not shards)")
+    full = full.to(p.sharded.dtype)
+    if full.dtype == torch.bfloat16:
+        st.group.load_full(p.index, full.view(torch.int16).numpy().view("uint16"))
+    else:
+        st.group.load_full(p.index, full.numpy())
+
+
 def full_state_dict(model):
     """Collective (every rank, on the same model): {name: full tensor} of
-    every param fully_shard manages under `model`, each a copy of the whole
+    every param fully_shard manages under `model` (model.state_dict() of an
+    FSDPModule holds the same, with the buffers), each a copy of the whole
     tensor gathered by the daemon's unshard, in the param's dtype. The
     gather casts to MixedPrecisionPolicy.param_dtype: a group with another
     param_dtype than its params' dtype is refused (st.checkpoint saves its
     masters instead)."""
-    out, done = {}, set()
+    out, done = {}, {}
     for name, m, st, p in _managed(model):
         if id(st) not in done:
-            pd = st.mp.param_dtype
-            if pd is not None and any(q.sharded.dtype != pd for q in st.params):
-                raise ValueError(f"full_state_dict: {st.where('gather')} casts its params to "
-                                 f"param_dtype {pd}, so the gathered tensors are not the params: "
-                                 f"use shardd.torch.checkpoint() (the daemon saves the masters)")
-            held = st.unsharded
-            m.unshard()
-            for q in st.params:
-                out[name[:len(name) - len(p.fqn)] + q.fqn] = q.unsharded.detach().clone()
-            if not held:
-                m.reshard()
-            done.add(id(st))
+            done[id(st)] = _gather(m, st)
+        out[name] = done[id(st)][p.index]
     return out
 
 
@@ -914,16 +1008,7 @@ def load_full_state_dict(model, state_dict):
         for name, _m, st, p in _managed(model):
             if name not in state_dict:
                 raise KeyError(f"load_full_state_dict: param '{name}' is not in the state dict")
-            full = state_dict[name].detach().cpu().contiguous()
-            want = tuple(st.group.params[p.index].shape)
-            if tuple(full.shape) != want:
-                raise ValueError(f"load_full_state_dict: param '{name}' has shape {want}, the state "
-                                 f"dict holds {tuple(full.shape)}")
-            full = full.to(p.sharded.dtype)
-            if full.dtype == torch.bfloat16:
-                st.group.load_full(p.index, full.view(torch.int16).numpy().view("uint16"))
-            else:
-                st.group.load_full(p.index, full.numpy())
+            _load_full(st, p, name, state_dict[name], "load_full_state_dict")
             names.add(name)
     extra = sorted(set(state_dict) - names)
     if extra:

@@ -133,6 +133,19 @@ int shd_engine_job_grad_norm(struct shd_engine_job *j, int inf, double *norm, in
  */
 void shd_engine_job_grad_norm_keep(struct shd_engine_job *j, uint64_t step, double norm, int nonfinite);
 /*
+ * grad_norm of an FSDP job across nodes (shd_engine_job_spans_fsdp): _span
+ * computes this node's part and starts summing the nodes' parts without
+ * waiting (0, or a negative code with `msg`); the engine's event fd fires
+ * when it ends, and _poll then gives the job-wide norm (0) or the error
+ * naming the nodes (negative); 1 while it runs. _abandon gives it up (the
+ * job ends). Loop thread.
+ */
+int shd_engine_job_spans_fsdp(const struct shd_engine_job *j);
+int shd_engine_job_grad_norm_span(struct shd_engine_job *j, int inf, uint64_t step, char *msg, size_t len);
+int shd_engine_job_grad_norm_pending(const struct shd_engine_job *j);
+int shd_engine_job_grad_norm_poll(struct shd_engine_job *j, double *norm, int *nonfinite, char *msg, size_t len);
+void shd_engine_job_grad_norm_abandon(struct shd_engine_job *j);
+/*
  * clip_grad_norm_'s coefficient as torch computes it on a 0-d fp32 norm:
  * min(1, fp32(max_norm) * (1 / (fp32(norm) + fp32(1e-6)))), every
  * operation in fp32 (NaN stays NaN).

@@ -165,6 +165,10 @@ struct shd_engine_job {
 	 * whole mesh's. span_nodes 0: the job lives on this node.
 	 */
 	uint32_t span_nodes, span_node, span_replicate, span_shard;
+	/* grad_norm of an FSDP job across nodes (grad_norm.c): the gather in flight, its stream position */
+	struct shd_world_op *gnorm_op;
+	uint64_t gnorm_seq, gnorm_step;
+	int gnorm_inf;
 	struct shd_engine_job *prev, *next;
 };
 

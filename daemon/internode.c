@@ -7,13 +7,16 @@
  * node's ranks are one replica, so unshard and the reduce-scatter stay on
  * the node (task.c, as on one node, with the divide factors of the whole
  * mesh). A reduce with SHARDD_REDUCE_ALL_REDUCE then all-reduces each
- * shard over the nodes: every node sends its ranks' partials (the
- * reduce-scatter outputs, added to the partials of earlier reduces, in the
- * reduce dtype) to every other node, and each node sums the nodes'
- * partials in node order with the single-node all-reduce's kernel
- * (backend reduce, SHD_REDUCE_SRC_SHARD): the same inputs, the same order
- * and the same one rounding as one daemon holding every replica, so every
- * node gets the same bits, and the bits of a single-node run of the mesh.
+ * shard over the nodes (eng_span_allreduce): a reduce-scatter of the
+ * node's ranks' partials (the reduce-scatter outputs, added to the
+ * partials of earlier reduces, in the reduce dtype), in which node k sums
+ * slice k of every node's partials in node order with the single-node
+ * kernel's arithmetic, then an all-gather of the rounded sums, to which
+ * each node applies the rest of that arithmetic (addend, post-divide,
+ * cast, accumulate: backend reduce, SHD_REDUCE_SRC_SHARD): the same
+ * inputs, the same order and the same one rounding as one daemon holding
+ * every replica, so every node gets the same bits, and the bits of a
+ * single-node run of the mesh.
  *
  * The partials are already in the reduce dtype, so sending them as fp32
  * (--internode-dtype fp32, the default) or in the reduce dtype
@@ -159,6 +162,21 @@ static void span_who(const struct shd_engine_job *j, const uint8_t *missing, cha
 	}
 }
 
+/* The error of a failed all-reduce of task t into t->msg. */
+static void span_ar_failed(struct eng_task *t, int ret, const uint8_t *missing, const char *why)
+{
+	const struct shd_engine_job *j = t->eg->j;
+	char who[256];
+
+	span_who(j, missing, who, sizeof(who));
+	eng_fmt(t->msg, sizeof(t->msg),
+		"shardd: reduce(group '%s', step %llu): the all-reduce among the %u nodes failed on node %u: %s%s%s%s",
+		t->eg->g->name, (unsigned long long)t->ops[0].sqe.step, j->span_nodes, j->span_node, why,
+		who[0] ? "; missing " : "", who,
+		ret == -SHARDD_E_TIMEOUT || ret == -SHARDD_E_PEER_DIED
+			? "; the sharded grads of this step are not reduced: check that node's daemon and ranks" : "");
+}
+
 int eng_span_allreduce(struct eng_task *t, const struct shardd_reduce_math *ar)
 {
 	struct eng_group *eg = t->eg;
@@ -167,91 +185,86 @@ int eng_span_allreduce(struct eng_task *t, const struct shardd_reduce_math *ar)
 	struct shd_backend_ctx *b = j->e->backend;
 	uint32_t N = j->span_nodes, L = g->shard, rdt = g->reduce_dtype;
 	uint32_t wire = shd_world_internode_dtype() == SHD_INTERNODE_FP32 ? SHARDD_DTYPE_FP32 : rdt;
-	size_t P = g->reduce_shard_size, E = P / shardd_dtype_size(rdt), wsz = E * shardd_dtype_size(wire);
-	size_t bytes = (size_t)L * wsz;
-	uint8_t *send = NULL, *recv = NULL, *parts = NULL, *scratch = NULL, missing[SHARDD_MAX_WORLD];
-	const void **sends = NULL;
-	struct shd_buf *bufs = NULL, out_scratch;
-	char why[384], who[256];
+	size_t P = g->reduce_shard_size, rsz = shardd_dtype_size(rdt), wsz = shardd_dtype_size(wire);
+	size_t E = P / rsz, T = (size_t)L * E, C = (T + N - 1) / N;
+	const struct shardd_reduce_math sum = { .reduce_dtype = rdt, .pre = ar->pre, .avg = ar->avg, .post = 1 };
+	struct shd_world_buf *b1 = shd_world_buf_new((size_t)2 * N * C * wsz),
+			     *b2 = shd_world_buf_new((size_t)(N + 1) * C * rsz);
+	uint64_t seq = eg->span_seq, check = span_check(t);
+	uint8_t *d1, *d2, missing[SHARDD_MAX_WORLD];
+	const void *in[SHARDD_MAX_WORLD];
+	char why[384];
 	int ret = 0;
 
-	send = malloc(bytes + 1);
-	recv = malloc((size_t)N * bytes + 1);
-	parts = wire == rdt ? recv : malloc((size_t)N * L * P + 1);
-	scratch = calloc(1, g->layout.shard_size + 1);
-	sends = malloc(N * sizeof(*sends));
-	bufs = calloc((size_t)N * L, sizeof(*bufs));
-	if (!send || !recv || !parts || !scratch || !sends || !bufs) {
+	/* Both exchanges' numbers are taken whatever happens, so the nodes' streams stay paired. */
+	eg->span_seq += 2;
+	if (!b1 || !b2) {
 		eng_fmt(t->msg, sizeof(t->msg),
-			"shardd: reduce(group '%s', step %llu): out of memory for the all-reduce among %u nodes (%zu bytes per node)",
-			g->name, (unsigned long long)t->ops[0].sqe.step, N, bytes);
+			"shardd: reduce(group '%s', step %llu): out of memory for the all-reduce among %u nodes (%zu bytes)",
+			g->name, (unsigned long long)t->ops[0].sqe.step, N,
+			(size_t)2 * N * C * wsz + (size_t)(N + 1) * C * rsz);
 		ret = -SHARDD_E_NOMEM;
 		goto out;
 	}
-	/* This node's partials, one after another, in the wire dtype (a cast from the reduce dtype is exact). */
+	d1 = shd_world_buf_data(b1);
+	d2 = shd_world_buf_data(b2);
+	/*
+	 * Reduce-scatter: this node's partials of every shard, one after
+	 * another in the wire dtype (a cast from the reduce dtype is exact),
+	 * cut into N slices of C elements; node k gets slice k of every node.
+	 */
 	for (uint32_t s = 0; s < L; s++) {
 		const void *src = g->partials[s].priv;
 
 		if (wire == rdt)
-			memcpy(send + s * wsz, src, P);
+			memcpy(d1 + s * E * wsz, src, P);
 		else
-			shardd_k_cast(send + s * wsz, wire, src, rdt, E);
+			shardd_k_cast(d1 + s * E * wsz, wire, src, rdt, E);
 	}
-	for (uint32_t k = 0; k < N; k++)
-		sends[k] = send;
-	ret = shd_world_exchange(span_key(eg), eg->span_seq++, span_check(t), sends, recv, bytes,
-				 shd_now_ns() + j->e->timeout_ns, missing, why, sizeof(why));
+	memset(d1 + T * wsz, 0, ((size_t)N * C - T) * wsz);
+	ret = shd_world_xchg(span_key(eg), seq, check, b1, 0, C * wsz, (size_t)N * C * wsz, C * wsz,
+			     shd_now_ns() + j->e->timeout_ns, missing, why, sizeof(why));
 	if (ret) {
-		span_who(j, missing, who, sizeof(who));
-		eng_fmt(t->msg, sizeof(t->msg),
-			"shardd: reduce(group '%s', step %llu): the all-reduce among the %u nodes failed on node %u: %s%s%s%s",
-			g->name, (unsigned long long)t->ops[0].sqe.step, N, j->span_node, why,
-			who[0] ? "; missing " : "", who,
-			ret == -SHARDD_E_TIMEOUT || ret == -SHARDD_E_PEER_DIED
-				? "; the sharded grads of this step are not reduced: check that node's daemon and ranks" : "");
+		span_ar_failed(t, ret, missing, why);
 		goto out;
 	}
-	if (parts != recv)
-		for (size_t i = 0; i < (size_t)N * L; i++)
-			shardd_k_cast(parts + i * P, rdt, recv + i * wsz, wire, E);
-	for (size_t i = 0; i < (size_t)N * L; i++)
-		bufs[i] = (struct shd_buf){ .bytes = P, .fd = -1, .priv = parts + i * P };
-	out_scratch = (struct shd_buf){ .bytes = g->layout.shard_size, .fd = -1, .priv = scratch };
-
+	/* Slice `me` summed over the nodes in node order: s = round_rd(sum / avg), as one daemon. */
+	for (uint32_t k = 0; k < N; k++)
+		in[k] = d1 + (size_t)(N + k) * C * wsz;
+	shardd_k_reduce(d2, rdt, 0, in, N, wire, C, &sum);
+	/* All-gather of the summed slices, in the reduce dtype: every node gets every shard's s. */
+	ret = shd_world_xchg(span_key(eg), seq + 1, check, b2, 0, 0, C * rsz, C * rsz,
+			     shd_now_ns() + j->e->timeout_ns, missing, why, sizeof(why));
+	if (ret) {
+		span_ar_failed(t, ret, missing, why);
+		goto out;
+	}
 	/*
-	 * Shard s over the nodes: the backend writes every member's output; only
-	 * this node's lands in a sharded grad, the others' in scratch.
+	 * Each shard's s into its sharded grad: rounding s again is exact, so
+	 * the addend, the post-divide, the cast and the accumulate give the
+	 * bits of the single-node all-reduce.
 	 */
 	for (uint32_t s = 0; s < L && !ret; s++) {
-		struct shd_shard_view views[SHARDD_MAX_WORLD], outs[SHARDD_MAX_WORLD];
-		uint8_t accumulate[SHARDD_MAX_WORLD] = { 0 };
+		struct shd_buf buf = { .bytes = P, .fd = -1, .priv = d2 + (C + s * E) * rsz };
+		struct shd_shard_view view = { &buf, g->reduce_offsets, rdt },
+				      out = { &g->sharded_grads[s], g->shard_offsets, SHARDD_DTYPE_NONE };
+		uint8_t accumulate = g->grad_present[s];
 		struct shd_reduce_args a = {
-			.job = j->bj, .layout = &g->layout, .src = SHD_REDUCE_SRC_SHARD, .n = N,
-			.views = views, .shard_rank = s, .in_dtype = rdt, .outs = outs,
-			.accumulate = accumulate, .reduce_offsets = g->reduce_offsets,
-			.reduce_shard_size = g->reduce_shard_size, .math = *ar, .err = t->why,
-			.errlen = sizeof(t->why),
+			.job = j->bj, .layout = &g->layout, .src = SHD_REDUCE_SRC_SHARD, .n = 1,
+			.views = &view, .shard_rank = s, .in_dtype = rdt, .outs = &out,
+			.accumulate = &accumulate, .reduce_offsets = g->reduce_offsets,
+			.reduce_shard_size = g->reduce_shard_size,
+			.math = { .reduce_dtype = rdt, .pre = 1, .avg = 1, .add = ar->add, .post = ar->post },
+			.err = t->why, .errlen = sizeof(t->why),
 		};
 
-		for (uint32_t k = 0; k < N; k++) {
-			views[k] = (struct shd_shard_view){ &bufs[(size_t)k * L + s], g->reduce_offsets, rdt };
-			outs[k] = (struct shd_shard_view){ &out_scratch, g->shard_offsets, SHARDD_DTYPE_NONE };
-		}
-		outs[j->span_node] = (struct shd_shard_view){ &g->sharded_grads[s], g->shard_offsets,
-							       SHARDD_DTYPE_NONE };
-		accumulate[j->span_node] = g->grad_present[s];
 		ret = b->ops->reduce(b, &a);
 		if (!ret)
 			g->grad_present[s] = 1;
 	}
 out:
-	free(send);
-	if (parts != recv)
-		free(parts);
-	free(recv);
-	free(scratch);
-	free(sends);
-	free(bufs);
+	shd_world_buf_put(b1);
+	shd_world_buf_put(b2);
 	return ret;
 }
 

@@ -237,6 +237,7 @@ static void ckpt_written(void *ctx, int res, const char *msg, const char *dir, u
 /* shd_job_destroy; `why` ("was ended by ...", NULL: shutdown) goes into every failure. */
 static void job_destroy(struct shd_job *j, const char *why)
 {
+	shd_engine_job_grad_norm_abandon(j->ejob);
 	for (int k = 0; k < SHD_JOB_NRDV; k++) {
 		char msg[SHARDD_RING_MSG_SIZE];
 
@@ -481,6 +482,15 @@ void shd_job_grad_norm(struct shd_job *j, uint32_t rank, const struct shardd_sqe
 	}
 	if (ret != SHD_RDV_COMPLETE)
 		return;
+	if (shd_engine_job_spans_fsdp(j->ejob)) {
+		/* Each node holds its ranks' shards: the nodes' parts are summed off the loop (shd_job_gnorm_poll). */
+		ret = shd_engine_job_grad_norm_span(j->ejob, (int)code, sqe->step, why, sizeof(why));
+		if (ret < 0) {
+			snprintf(msg, sizeof(msg), "grad_norm(step %llu): %s", (unsigned long long)sqe->step, why);
+			rdv_finish(j, SHD_JOB_GNORM, ret, msg, 0, 0);
+		}
+		return;
+	}
 	ret = shd_engine_job_grad_norm(j->ejob, (int)code, &norm, &nonfinite, why, sizeof(why));
 	if (ret < 0) {
 		snprintf(msg, sizeof(msg), "grad_norm(step %llu): %s", (unsigned long long)sqe->step, why);
@@ -488,6 +498,26 @@ void shd_job_grad_norm(struct shd_job *j, uint32_t rank, const struct shardd_sqe
 		return;
 	}
 	shd_engine_job_grad_norm_keep(j->ejob, sqe->step, norm, nonfinite);
+	rdv_finish(j, SHD_JOB_GNORM, 0, NULL, norm, nonfinite);
+}
+
+void shd_job_gnorm_poll(struct shd_job *j)
+{
+	uint64_t step = j->rdv[SHD_JOB_GNORM].step;
+	char why[1024], msg[1400];
+	double norm = 0;
+	int ret, nonfinite = 0;
+
+	ret = shd_engine_job_grad_norm_poll(j->ejob, &norm, &nonfinite, why, sizeof(why));
+	if (ret > 0)
+		return;
+	if (ret < 0) {
+		snprintf(msg, sizeof(msg), "grad_norm(step %llu): %s", (unsigned long long)step, why);
+		shd_log_warn("job '%s': %s", j->name, msg);
+		rdv_finish(j, SHD_JOB_GNORM, ret, msg, 0, 0);
+		return;
+	}
+	shd_engine_job_grad_norm_keep(j->ejob, step, norm, nonfinite);
 	rdv_finish(j, SHD_JOB_GNORM, 0, NULL, norm, nonfinite);
 }
 
@@ -582,11 +612,14 @@ void shd_job_cron(struct shd_job *j, uint64_t now_ns)
 		shd_job_end(j, msg);
 		return;
 	}
+	shd_job_gnorm_poll(j);
 	for (size_t i = 0; i < sizeof(order) / sizeof(order[0]); i++) {
 		enum shd_job_rdv_kind k = order[i];
 		struct shd_rdv *rdv = &j->rdv[k];
 
-		if (!shd_rdv_expired(rdv, now_ns))
+		/* A grad_norm summing across nodes has its own deadline. */
+		if (!shd_rdv_expired(rdv, now_ns) ||
+		    (k == SHD_JOB_GNORM && shd_engine_job_grad_norm_pending(j->ejob)))
 			continue;
 		snprintf(within, sizeof(within), "%g s", env.collective_timeout_s);
 		shd_rdv_missing_msg(rdv, did[k], within, late, sizeof(late));

@@ -165,6 +165,8 @@ void shd_job_barrier(struct shd_job *j, uint32_t rank, const struct shardd_sqe *
  * sharded grads (shd_engine_job_grad_norm) in its completion.
  */
 void shd_job_grad_norm(struct shd_job *j, uint32_t rank, const struct shardd_sqe *sqe);
+/* Finish a grad_norm whose sum across nodes ended (loop thread; nothing when none ended). */
+void shd_job_gnorm_poll(struct shd_job *j);
 /*
  * A CHECKPOINT entry (sqe.c validated it) from the client of `rank`: when
  * every rank of the job has arrived with the same step, the job's groups

@@ -78,6 +78,9 @@ static void server_engine_ready(void *arg, int fd, uint32_t revents)
 	(void)fd;
 	(void)revents;
 	shd_engine_drain(server.engine);
+	/* The same fd wakes the loop when a grad_norm's sum across nodes ends. */
+	for (struct shd_job *j = server.jobs; j; j = j->next)
+		shd_job_gnorm_poll(j);
 }
 
 static void server_heartbeat(uint64_t now_ns)

@@ -12,11 +12,15 @@
  * key between two nodes never overtake each other (MPI's ordering rule),
  * so the exchanges of one group, which run one at a time, pair up.
  *
- * Each message is a header (key, seq, bytes) and the payload, copied into
- * memory this thread owns, so a caller that gave up at its deadline may
- * free its buffers while MPI still holds ours: requests that cannot be
- * cancelled (a send whose peer is gone) are kept, with their buffer, on a
- * list tested on every turn until MPI lets go of them.
+ * Each message is a header (key, seq, check, bytes) on the stream's even
+ * tag and the payload on the odd tag after it, sent from and received into
+ * the caller's shd_world_buf without a copy; a payload's receive is posted
+ * only once its header is checked, so a late message of an exchange this
+ * node gave up on never lands in the next one. The buffer is counted: a
+ * caller that gave up at its deadline drops its reference while MPI may
+ * still hold the memory: requests that cannot be cancelled (a send whose
+ * peer is gone) are kept, with their reference, on a list tested on every
+ * turn until MPI lets go of them.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -24,7 +28,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <mpi.h>
 
@@ -35,32 +41,46 @@
 
 /* Seconds shd_world_stop waits for the communication thread to finalise MPI. */
 #define WORLD_STOP_WAIT_S 10
+/* Nanoseconds the communication thread sleeps between turns while an exchange waits. */
+#define WORLD_POLL_NS 5000
 
 struct world_hdr {
 	uint64_t key, seq, check, bytes;
+};
+
+/*
+ * The memory of an exchange (world.h): the payload and the headers, freed
+ * when its caller and every request MPI still holds on it let go.
+ */
+struct shd_world_buf {
+	struct shd_world_buf *next;  /* in the cache */
+	int refs;                    /* atomic */
+	size_t cap;
+	uint8_t *data;
+	struct world_hdr *hdr;       /* [nodes + 1]: node k's received header at k, ours at nodes */
 };
 
 /* One exchange: the caller's part (first block) and the thread's (second). */
 struct world_xfer {
 	struct world_xfer *next;
 	uint64_t key, seq, check, deadline_ns;
-	size_t bytes;
-	const void *const *send;
-	void *recv;
+	size_t bytes, send_off, send_stride, recv_off;
+	struct shd_world_buf *b;
 	uint8_t *missing;
 	char *err;
 	size_t errlen;
 	int done, res;
+	struct shd_world_op *op;     /* an async exchange's: woken through its fd, or freed when abandoned */
 
-	uint8_t **sbuf, **rbuf;      /* [nodes]: header + payload; NULL for this node */
-	MPI_Request *sreq, *rreq;    /* [nodes]; MPI_REQUEST_NULL once complete */
+	MPI_Request *req;            /* [4 * nodes]: header recv, payload recv, header send, payload send of node k at 4k.. */
 };
 
-/* A request MPI still holds after its exchange ended, and the buffer it uses. */
+/* A request MPI still holds after its exchange ended, and the memory it uses. */
 struct world_held {
 	struct world_held *next;
 	MPI_Request req;
-	void *buf;
+	struct shd_world_buf *b;     /* a reference, or NULL */
+	void *raw;                   /* freed, or NULL */
 };
 
 static struct {
@@ -114,17 +134,116 @@ static void mpi_errstr(int code, char *buf, size_t len)
 /* Communication thread                                                */
 /* ------------------------------------------------------------------ */
 
-static void held_add(MPI_Request req, void *buf)
+/*
+ * Buffers let go of are kept for the next exchanges (at most
+ * WORLD_CACHE_BUFS of them, WORLD_CACHE_BYTES together): memory the kernel
+ * has already mapped, where a fresh buffer of a large group costs a page
+ * fault every 4 KiB, as much as the transfer itself.
+ */
+#define WORLD_CACHE_BUFS  4
+#define WORLD_CACHE_BYTES (512ull << 20)
+
+static struct {
+	pthread_mutex_t lock;
+	struct shd_world_buf *head;
+	uint32_t n;
+	size_t bytes;
+} cache = { .lock = PTHREAD_MUTEX_INITIALIZER };
+
+static void buf_free(struct shd_world_buf *b)
+{
+	free(b->data);
+	free(b->hdr);
+	free(b);
+}
+
+struct shd_world_buf *shd_world_buf_new(size_t bytes)
+{
+	struct shd_world_buf *b = NULL, **best = NULL;
+
+	pthread_mutex_lock(&cache.lock);
+	for (struct shd_world_buf **pp = &cache.head; *pp; pp = &(*pp)->next)
+		if ((*pp)->cap >= bytes && (!best || (*pp)->cap < (*best)->cap))
+			best = pp;
+	if (best) {
+		b = *best;
+		*best = b->next;
+		cache.n--;
+		cache.bytes -= b->cap;
+	}
+	pthread_mutex_unlock(&cache.lock);
+	if (b) {
+		b->refs = 1;
+		return b;
+	}
+	b = calloc(1, sizeof(*b));
+	if (!b)
+		return NULL;
+	b->refs = 1;
+	b->cap = bytes;
+	b->hdr = calloc((size_t)W.nodes + 1, sizeof(*b->hdr));
+	if (posix_memalign((void **)&b->data, 64, bytes ? bytes : 64) || !b->hdr) {
+		free(b->hdr);
+		free(b);
+		return NULL;
+	}
+	return b;
+}
+
+uint8_t *shd_world_buf_data(struct shd_world_buf *b)
+{
+	return b->data;
+}
+
+static void buf_get(struct shd_world_buf *b)
+{
+	__atomic_add_fetch(&b->refs, 1, __ATOMIC_RELAXED);
+}
+
+void shd_world_buf_put(struct shd_world_buf *b)
+{
+	if (!b || __atomic_sub_fetch(&b->refs, 1, __ATOMIC_ACQ_REL) != 0)
+		return;
+	pthread_mutex_lock(&cache.lock);
+	/* Room is made by dropping the smallest cached buffers, if b is larger. */
+	while (cache.n && (cache.n >= WORLD_CACHE_BUFS || cache.bytes + b->cap > WORLD_CACHE_BYTES)) {
+		struct shd_world_buf **small = &cache.head, *v;
+
+		for (struct shd_world_buf **pp = &cache.head; *pp; pp = &(*pp)->next)
+			if ((*pp)->cap < (*small)->cap)
+				small = pp;
+		if ((*small)->cap >= b->cap)
+			break;
+		v = *small;
+		*small = v->next;
+		cache.n--;
+		cache.bytes -= v->cap;
+		buf_free(v);
+	}
+	if (cache.n < WORLD_CACHE_BUFS && cache.bytes + b->cap <= WORLD_CACHE_BYTES) {
+		b->next = cache.head;
+		cache.head = b;
+		cache.n++;
+		cache.bytes += b->cap;
+		b = NULL;
+	}
+	pthread_mutex_unlock(&cache.lock);
+	if (b)
+		buf_free(b);
+}
+
+static void held_add(MPI_Request req, struct shd_world_buf *b, void *raw)
 {
 	struct world_held *h = malloc(sizeof(*h));
 
 	if (!h) {
-		/* Without a record the buffer must outlive MPI's use of it: leak it. */
+		/* Without a record the memory must outlive MPI's use of it: leak it. */
 		MPI_Request_free(&req);
 		return;
 	}
 	h->req = req;
-	h->buf = buf;
+	h->b = b;
+	h->raw = raw;
 	h->next = W.held;
 	W.held = h;
 }
@@ -137,7 +256,8 @@ static void held_poll(void)
 
 		if (MPI_Test(&h->req, &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS || flag) {
 			*pp = h->next;
-			free(h->buf);
+			shd_world_buf_put(h->b);
+			free(h->raw);
 			free(h);
 		} else {
 			pp = &h->next;
@@ -145,27 +265,43 @@ static void held_poll(void)
 	}
 }
 
-/* Free the thread's part of x; requests still in flight go to the held list. */
+/* Drop x's requests: those still in flight go to the held list with their reference. */
 static void xfer_release(struct world_xfer *x)
 {
-	for (uint32_t k = 0; k < W.nodes; k++) {
-		if (x->rreq && x->rreq[k] != MPI_REQUEST_NULL) {
-			MPI_Cancel(&x->rreq[k]);
-			held_add(x->rreq[k], x->rbuf[k]);
-		} else if (x->rbuf) {
-			free(x->rbuf[k]);
-		}
-		if (x->sreq && x->sreq[k] != MPI_REQUEST_NULL)
-			held_add(x->sreq[k], x->sbuf[k]);
-		else if (x->sbuf)
-			free(x->sbuf[k]);
+	for (uint32_t i = 0; x->req && i < 4 * W.nodes; i++) {
+		if (x->req[i] == MPI_REQUEST_NULL)
+			continue;
+		if (i % 4 < 2)
+			MPI_Cancel(&x->req[i]);
+		held_add(x->req[i], x->b, NULL);
 	}
-	free(x->sbuf);
-	free(x->rbuf);
-	free(x->sreq);
-	free(x->rreq);
-	x->sbuf = x->rbuf = NULL;
-	x->sreq = x->rreq = NULL;
+	free(x->req);
+	x->req = NULL;
+}
+
+/* An exchange started by shd_world_gather_start. */
+struct shd_world_op {
+	struct world_xfer x;
+	struct shd_world_buf *b;
+	int wake_fd;
+	int abandoned;               /* under W.lock */
+	uint8_t missing[SHARDD_MAX_WORLD];
+	char err[384];
+};
+
+/* Under W.lock: op's exchange ended; frees it when its caller gave it up, else wakes the caller. */
+static void op_finished(struct shd_world_op *op)
+{
+	uint64_t one = 1;
+	ssize_t r;
+
+	if (op->abandoned) {
+		shd_world_buf_put(op->b);
+		free(op);
+		return;
+	}
+	r = write(op->wake_fd, &one, sizeof(one));
+	(void)r;
 }
 
 /* End x with (res, its err already written) and wake its caller. */
@@ -178,85 +314,102 @@ static void xfer_finish(struct world_xfer *x, int res)
 	x->res = res;
 	x->done = 1;
 	pthread_cond_broadcast(&W.cv);
+	if (x->op)
+		op_finished(x->op);
 	pthread_mutex_unlock(&W.lock);
 }
 
+/* Headers travel on an even tag of the stream, payloads on the odd one after it. */
 static int xfer_tag(const struct world_xfer *x)
 {
-	return (int)(x->key % (uint64_t)W.tag_ub);
+	return (int)(x->key % (uint64_t)(W.tag_ub / 2)) * 2;
 }
 
-/* Post every receive and send of x. 0, or an error with x->err written. */
+/* Post request i of x (4k + 0..3: see struct world_xfer); one more reference on x->b. */
+static int xfer_post_one(struct world_xfer *x, uint32_t k, int i)
+{
+	int tag = xfer_tag(x), rc;
+	MPI_Request *r = &x->req[4 * k + i];
+
+	switch (i) {
+	case 0:
+		rc = MPI_Irecv(&x->b->hdr[k], (int)sizeof(struct world_hdr), MPI_BYTE, (int)k, tag, W.comm, r);
+		break;
+	case 1:
+		rc = MPI_Irecv(x->b->data + x->recv_off + k * x->bytes, (int)x->bytes, MPI_BYTE, (int)k, tag + 1,
+			       W.comm, r);
+		break;
+	case 2:
+		rc = MPI_Isend(&x->b->hdr[W.nodes], (int)sizeof(struct world_hdr), MPI_BYTE, (int)k, tag, W.comm, r);
+		break;
+	default:
+		rc = MPI_Isend(x->b->data + x->send_off + k * x->send_stride, (int)x->bytes, MPI_BYTE, (int)k,
+			       tag + 1, W.comm, r);
+		break;
+	}
+	if (rc == MPI_SUCCESS) {
+		buf_get(x->b);
+	} else {
+		char s[160];
+
+		*r = MPI_REQUEST_NULL;
+		mpi_errstr(rc, s, sizeof(s));
+		x->missing[k] = 1;
+		snprintf(x->err, x->errlen, "%s node %u failed: %s", i < 2 ? "receiving from" : "sending to", k, s);
+	}
+	return rc == MPI_SUCCESS ? 0 : -SHARDD_E_PEER_DIED;
+}
+
+/* Post every header receive and every send of x. 0, or an error with x->err written. */
 static int xfer_post(struct world_xfer *x)
 {
-	size_t total = sizeof(struct world_hdr) + x->bytes;
-	struct world_hdr h = { x->key, x->seq, x->check, x->bytes };
-	int tag = xfer_tag(x), rc;
+	int rc;
 
-	x->sbuf = calloc(W.nodes, sizeof(*x->sbuf));
-	x->rbuf = calloc(W.nodes, sizeof(*x->rbuf));
-	x->sreq = malloc(W.nodes * sizeof(*x->sreq));
-	x->rreq = malloc(W.nodes * sizeof(*x->rreq));
-	if (!x->sbuf || !x->rbuf || !x->sreq || !x->rreq)
-		goto nomem;
-	for (uint32_t k = 0; k < W.nodes; k++)
-		x->sreq[k] = x->rreq[k] = MPI_REQUEST_NULL;
-	if (total > (size_t)INT32_MAX) {
+	x->req = malloc(4 * W.nodes * sizeof(*x->req));
+	if (!x->req) {
+		snprintf(x->err, x->errlen, "out of memory for the requests of an inter-node exchange");
+		return -SHARDD_E_NOMEM;
+	}
+	for (uint32_t i = 0; i < 4 * W.nodes; i++)
+		x->req[i] = MPI_REQUEST_NULL;
+	if (x->bytes > (size_t)INT32_MAX) {
 		snprintf(x->err, x->errlen, "an inter-node message of %zu bytes exceeds MPI's count limit of %d",
-			 total, INT32_MAX);
+			 x->bytes, INT32_MAX);
 		return -SHARDD_E_INVALID;
 	}
+	x->b->hdr[W.nodes] = (struct world_hdr){ x->key, x->seq, x->check, x->bytes };
 	for (uint32_t k = 0; k < W.nodes; k++) {
 		if (k == W.node)
 			continue;
-		x->sbuf[k] = malloc(total);
-		x->rbuf[k] = malloc(total);
-		if (!x->sbuf[k] || !x->rbuf[k])
-			goto nomem;
-		memcpy(x->sbuf[k], &h, sizeof(h));
-		memcpy(x->sbuf[k] + sizeof(h), x->send[k], x->bytes);
-	}
-	for (uint32_t k = 0; k < W.nodes; k++) {
-		if (k == W.node)
-			continue;
-		rc = MPI_Irecv(x->rbuf[k], (int)total, MPI_BYTE, (int)k, tag, W.comm, &x->rreq[k]);
-		if (rc == MPI_SUCCESS)
-			rc = MPI_Isend(x->sbuf[k], (int)total, MPI_BYTE, (int)k, tag, W.comm, &x->sreq[k]);
-		if (rc != MPI_SUCCESS) {
-			char s[160];
-
-			mpi_errstr(rc, s, sizeof(s));
-			x->missing[k] = 1;
-			snprintf(x->err, x->errlen, "posting the exchange with node %u failed: %s", k, s);
-			return -SHARDD_E_PEER_DIED;
-		}
+		rc = xfer_post_one(x, k, 0);
+		if (!rc)
+			rc = xfer_post_one(x, k, 2);
+		if (!rc && x->bytes)
+			rc = xfer_post_one(x, k, 3);
+		if (rc)
+			return rc;
 	}
 	return 0;
-nomem:
-	snprintf(x->err, x->errlen, "out of memory for inter-node buffers of %zu bytes per node", total);
-	return -SHARDD_E_NOMEM;
 }
 
 #define XFER_STALE 1
 
 /*
- * Check node k's message of x. 0; XFER_STALE for a message of an earlier
+ * Check node k's header of x. 0; XFER_STALE for a header of an earlier
  * exchange of the stream, one this node gave up on at its deadline (the
- * peer was stalled, not dead): dropped, and the receive posted again; or
- * -SHARDD_E_MISMATCH with x->err written.
+ * peer was stalled, not dead); or -SHARDD_E_MISMATCH with x->err written.
  */
 static int xfer_check(struct world_xfer *x, uint32_t k, const MPI_Status *st)
 {
-	struct world_hdr h;
+	struct world_hdr h = x->b->hdr[k];
 	int count = 0;
 
 	MPI_Get_count(st, MPI_BYTE, &count);
-	if ((size_t)count < sizeof(h)) {
-		snprintf(x->err, x->errlen, "node %u sent a message of %d bytes, shorter than its header", k,
-			 count);
+	if ((size_t)count != sizeof(h)) {
+		snprintf(x->err, x->errlen, "node %u sent a header of %d bytes where %zu are expected", k, count,
+			 sizeof(h));
 		return -SHARDD_E_MISMATCH;
 	}
-	memcpy(&h, x->rbuf[k], sizeof(h));
 	if (h.key == x->key && h.seq < x->seq)
 		return XFER_STALE;
 	if (h.key == x->key && h.seq == x->seq && (h.check != x->check || h.bytes != x->bytes)) {
@@ -266,7 +419,7 @@ static int xfer_check(struct world_xfer *x, uint32_t k, const MPI_Status *st)
 			 (unsigned long long)h.check, x->bytes, (unsigned long long)x->check);
 		return -SHARDD_E_MISMATCH;
 	}
-	if (h.key != x->key || h.seq != x->seq || (size_t)count != sizeof(h) + x->bytes) {
+	if (h.key != x->key || h.seq != x->seq) {
 		snprintf(x->err, x->errlen,
 			 "node %u sent exchange %llu of stream %016llx with %llu bytes where this node expects exchange %llu of stream %016llx with %zu bytes: the nodes ran different ops (register the same groups and submit the same ops on every node)",
 			 k, (unsigned long long)h.seq, (unsigned long long)h.key,
@@ -277,62 +430,73 @@ static int xfer_check(struct world_xfer *x, uint32_t k, const MPI_Status *st)
 	return 0;
 }
 
+/*
+ * A stale header of node k: its payload (on the payload tag, never matched
+ * by this exchange's receive, posted only after a current header) is
+ * received into memory of its own and dropped; the header receive is posted again.
+ */
+static int xfer_drop_stale(struct world_xfer *x, uint32_t k)
+{
+	uint64_t n = x->b->hdr[k].bytes;
+	MPI_Request r;
+
+	shd_log_warn("world: dropped node %u's message of an exchange this node gave up on", k);
+	if (n && n <= (uint64_t)INT32_MAX) {
+		void *raw = malloc(n);
+
+		if (raw && MPI_Irecv(raw, (int)n, MPI_BYTE, (int)k, xfer_tag(x) + 1, W.comm, &r) == MPI_SUCCESS)
+			held_add(r, NULL, raw);
+		else
+			free(raw);
+	}
+	return xfer_post_one(x, k, 0);
+}
+
 /* Test x's requests. 1 when x ended (finished), else 0. */
 static int xfer_poll(struct world_xfer *x, uint64_t now)
 {
 	int pending = 0;
 
 	for (uint32_t k = 0; k < W.nodes; k++) {
-		MPI_Status st;
-		int flag = 0, rc;
+		for (int i = 0; i < 4; i++) {
+			MPI_Request *r = &x->req[4 * k + i];
+			MPI_Status st;
+			int flag = 0, rc, chk = 0;
 
-		if (x->rreq[k] != MPI_REQUEST_NULL) {
-			rc = MPI_Test(&x->rreq[k], &flag, &st);
-			if (rc == MPI_SUCCESS && flag) {
-				int chk = xfer_check(x, k, &st);
-
-				if (chk == XFER_STALE) {
-					shd_log_warn("world: dropped node %u's message of an exchange this node gave up on",
-						     k);
-					rc = MPI_Irecv(x->rbuf[k], (int)(sizeof(struct world_hdr) + x->bytes),
-						       MPI_BYTE, (int)k, xfer_tag(x), W.comm, &x->rreq[k]);
-					flag = 0;
-				} else if (chk) {
-					x->missing[k] = 1;
-					xfer_finish(x, chk);
-					return 1;
-				}
-			}
+			if (*r == MPI_REQUEST_NULL)
+				continue;
+			rc = MPI_Test(r, &flag, &st);
 			if (rc != MPI_SUCCESS) {
 				char s[160];
 
 				mpi_errstr(rc, s, sizeof(s));
 				x->missing[k] = 1;
-				snprintf(x->err, x->errlen, "receiving from node %u failed: %s", k, s);
+				snprintf(x->err, x->errlen, "%s node %u failed: %s",
+					 i < 2 ? "receiving from" : "sending to", k, s);
 				xfer_finish(x, -SHARDD_E_PEER_DIED);
 				return 1;
 			}
-			pending += !flag;
-		}
-		if (x->sreq[k] != MPI_REQUEST_NULL) {
-			rc = MPI_Test(&x->sreq[k], &flag, MPI_STATUS_IGNORE);
-			if (rc != MPI_SUCCESS) {
-				char s[160];
-
-				mpi_errstr(rc, s, sizeof(s));
+			if (!flag) {
+				pending++;
+				continue;
+			}
+			shd_world_buf_put(x->b);
+			if (i == 0) {
+				chk = xfer_check(x, k, &st);
+				if (chk == XFER_STALE)
+					chk = xfer_drop_stale(x, k);
+				else if (!chk && x->bytes)
+					chk = xfer_post_one(x, k, 1);
+				pending += *r != MPI_REQUEST_NULL;
+			}
+			if (chk) {
 				x->missing[k] = 1;
-				snprintf(x->err, x->errlen, "sending to node %u failed: %s", k, s);
-				xfer_finish(x, -SHARDD_E_PEER_DIED);
+				xfer_finish(x, chk);
 				return 1;
 			}
-			pending += !flag;
 		}
 	}
 	if (!pending) {
-		for (uint32_t k = 0; k < W.nodes; k++)
-			if (k != W.node)
-				memcpy((uint8_t *)x->recv + k * x->bytes,
-				       x->rbuf[k] + sizeof(struct world_hdr), x->bytes);
 		xfer_finish(x, 0);
 		return 1;
 	}
@@ -341,7 +505,11 @@ static int xfer_poll(struct world_xfer *x, uint64_t now)
 
 		off = snprintf(x->err, x->errlen, "no answer within the collective timeout from node");
 		for (uint32_t k = 0; k < W.nodes; k++) {
-			if (k == W.node || (x->rreq[k] == MPI_REQUEST_NULL && x->sreq[k] == MPI_REQUEST_NULL))
+			int open = 0;
+
+			for (int i = 0; i < 4; i++)
+				open |= x->req[4 * k + i] != MPI_REQUEST_NULL;
+			if (k == W.node || !open)
 				continue;
 			x->missing[k] = 1;
 			if (off >= 0 && (size_t)off < x->errlen)
@@ -359,6 +527,8 @@ static void *world_thread(void *arg)
 	void *ub = NULL;
 
 	(void)arg;
+	/* Sleep what is asked between polls, not the default 50 us slack on top. */
+	prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
 	rc = MPI_Init_thread(NULL, NULL, MPI_THREAD_FUNNELED, &provided);
 	if (rc == MPI_SUCCESS)
 		rc = MPI_Comm_dup(MPI_COMM_WORLD, &W.comm);
@@ -435,11 +605,13 @@ static void *world_thread(void *arg)
 		held_poll();
 		if (W.active || W.held) {
 			/*
-			 * Poll, but leave the core to the loop and the workers: 20 us
-			 * per turn while an exchange waits, 10 ms when only requests
-			 * of ended exchanges (a failed peer's) are left.
+			 * Poll, but leave the core to the loop and the workers: 5 us
+			 * per turn while an exchange waits (Open MPI's TCP transport
+			 * moves bytes only inside MPI_Test, so a longer sleep stalls
+			 * large messages), 10 ms when only requests of ended exchanges
+			 * (a failed peer's) are left.
 			 */
-			struct timespec ts = { 0, W.active ? 20000 : 10000000 };
+			struct timespec ts = { 0, W.active ? WORLD_POLL_NS : 10000000 };
 
 			nanosleep(&ts, NULL);
 		}
@@ -502,20 +674,33 @@ void shd_world_stop(void)
 		return;
 	}
 	W.started = 0;
+	pthread_mutex_lock(&cache.lock);
+	while (cache.head) {
+		struct shd_world_buf *b = cache.head;
+
+		cache.head = b->next;
+		buf_free(b);
+	}
+	cache.n = 0;
+	cache.bytes = 0;
+	pthread_mutex_unlock(&cache.lock);
 }
 
-int shd_world_exchange(uint64_t key, uint64_t seq, uint64_t check, const void *const *send,
-		       void *recv, size_t bytes, uint64_t deadline_ns, uint8_t *missing, char *err,
-		       size_t len)
+int shd_world_xchg(uint64_t key, uint64_t seq, uint64_t check, struct shd_world_buf *b, size_t send_off,
+		   size_t send_stride, size_t recv_off, size_t bytes, uint64_t deadline_ns, uint8_t *missing,
+		   char *err, size_t len)
 {
 	struct world_xfer x = {
-		.key = key, .seq = seq, .check = check, .deadline_ns = deadline_ns, .bytes = bytes, .send = send,
-		.recv = recv, .missing = missing, .err = err, .errlen = len,
+		.key = key, .seq = seq, .check = check, .deadline_ns = deadline_ns, .bytes = bytes,
+		.send_off = send_off, .send_stride = send_stride, .recv_off = recv_off, .b = b,
+		.missing = missing, .err = err, .errlen = len,
 	};
+	uint8_t *own = b->data + recv_off + (size_t)W.node * bytes, *mine = b->data + send_off + W.node * send_stride;
 
 	memset(missing, 0, W.nodes);
 	err[0] = '\0';
-	memcpy((uint8_t *)recv + (size_t)W.node * bytes, send[W.node], bytes);
+	if (own != mine)
+		memmove(own, mine, bytes);
 	if (W.nodes == 1)
 		return 0;
 	pthread_mutex_lock(&W.lock);
@@ -526,4 +711,97 @@ int shd_world_exchange(uint64_t key, uint64_t seq, uint64_t check, const void *c
 		pthread_cond_wait(&W.cv, &W.lock);
 	pthread_mutex_unlock(&W.lock);
 	return x.res;
+}
+
+int shd_world_exchange(uint64_t key, uint64_t seq, uint64_t check, const void *const *send,
+		       void *recv, size_t bytes, uint64_t deadline_ns, uint8_t *missing, char *err,
+		       size_t len)
+{
+	size_t nb = (size_t)W.nodes * bytes;
+	struct shd_world_buf *b = shd_world_buf_new(2 * nb);
+	int ret;
+
+	if (!b) {
+		memset(missing, 0, W.nodes);
+		snprintf(err, len, "out of memory for inter-node buffers of %zu bytes", 2 * nb);
+		return -SHARDD_E_NOMEM;
+	}
+	for (uint32_t k = 0; k < W.nodes; k++)
+		memcpy(b->data + k * bytes, send[k], bytes);
+	ret = shd_world_xchg(key, seq, check, b, 0, bytes, nb, bytes, deadline_ns, missing, err, len);
+	if (!ret)
+		memcpy(recv, b->data + nb, nb);
+	shd_world_buf_put(b);
+	return ret;
+}
+
+int shd_world_gather_start(uint64_t key, uint64_t seq, uint64_t check, const void *mine, size_t bytes,
+			   uint64_t deadline_ns, int wake_fd, struct shd_world_op **out, char *err, size_t len)
+{
+	struct shd_world_op *op;
+
+	if (W.nodes > SHARDD_MAX_WORLD) {
+		snprintf(err, len, "a world of %u nodes exceeds the %d an op can name", W.nodes, SHARDD_MAX_WORLD);
+		return -SHARDD_E_INVALID;
+	}
+	op = calloc(1, sizeof(*op));
+	if (op)
+		op->b = shd_world_buf_new((size_t)(W.nodes + 1) * bytes);
+	if (!op || !op->b) {
+		free(op);
+		snprintf(err, len, "out of memory for an inter-node gather of %zu bytes per node", bytes);
+		return -SHARDD_E_NOMEM;
+	}
+	op->wake_fd = wake_fd;
+	op->x = (struct world_xfer){
+		.key = key, .seq = seq, .check = check, .deadline_ns = deadline_ns, .bytes = bytes,
+		.send_off = 0, .send_stride = 0, .recv_off = bytes, .b = op->b, .missing = op->missing,
+		.err = op->err, .errlen = sizeof(op->err), .op = op,
+	};
+	memcpy(op->b->data, mine, bytes);
+	memcpy(op->b->data + bytes + (size_t)W.node * bytes, mine, bytes);
+	pthread_mutex_lock(&W.lock);
+	op->x.next = W.queue;
+	W.queue = &op->x;
+	pthread_cond_broadcast(&W.cv);
+	pthread_mutex_unlock(&W.lock);
+	*out = op;
+	return 0;
+}
+
+int shd_world_op_done(struct shd_world_op *op)
+{
+	int done;
+
+	pthread_mutex_lock(&W.lock);
+	done = op->x.done;
+	pthread_mutex_unlock(&W.lock);
+	return done;
+}
+
+int shd_world_op_end(struct shd_world_op *op, void *recv, uint8_t *missing, char *err, size_t len)
+{
+	int ret = op->x.res;
+
+	memcpy(missing, op->missing, W.nodes);
+	snprintf(err, len, "%s", op->err);
+	if (!ret)
+		memcpy(recv, op->b->data + op->x.bytes, (size_t)W.nodes * op->x.bytes);
+	shd_world_buf_put(op->b);
+	free(op);
+	return ret;
+}
+
+void shd_world_op_abandon(struct shd_world_op *op)
+{
+	int done;
+
+	pthread_mutex_lock(&W.lock);
+	op->abandoned = 1;
+	done = op->x.done;
+	pthread_mutex_unlock(&W.lock);
+	if (done) {
+		shd_world_buf_put(op->b);
+		free(op);
+	}
 }

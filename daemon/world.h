@@ -60,4 +60,41 @@ int shd_world_exchange(uint64_t key, uint64_t seq, uint64_t check, const void *c
 		       void *recv, size_t bytes, uint64_t deadline_ns, uint8_t *missing, char *err,
 		       size_t len);
 
+/*
+ * The memory of an exchange without copies: the caller fills
+ * shd_world_buf_data(b) and drops its reference with shd_world_buf_put;
+ * the memory lives on while MPI still uses it (a send to a node that
+ * stopped answering). NULL when out of memory.
+ */
+struct shd_world_buf;
+struct shd_world_buf *shd_world_buf_new(size_t bytes);
+uint8_t *shd_world_buf_data(struct shd_world_buf *b);
+void shd_world_buf_put(struct shd_world_buf *b);
+
+/*
+ * shd_world_exchange within one buffer: node k gets the `bytes` at
+ * send_off + k * send_stride (send_stride 0: the same bytes to every node),
+ * node k's bytes land at recv_off + k * bytes (this node's copied there).
+ * Same results and errors as shd_world_exchange.
+ */
+int shd_world_xchg(uint64_t key, uint64_t seq, uint64_t check, struct shd_world_buf *b, size_t send_off,
+		   size_t send_stride, size_t recv_off, size_t bytes, uint64_t deadline_ns, uint8_t *missing,
+		   char *err, size_t len);
+
+/*
+ * An all-gather that does not wait (for the loop thread): `bytes` of
+ * `mine` to every node. When it ends (every node's bytes, an error, the
+ * deadline) the communication thread adds 1 to the eventfd `wake_fd`;
+ * shd_world_op_done then says 1, and shd_world_op_end gives node k's bytes
+ * at recv + k * bytes, or the error as shd_world_exchange does, and frees
+ * the op. shd_world_op_abandon gives it up at any time (freed when MPI lets
+ * go). 0, or -SHARDD_E_NOMEM with `err` written.
+ */
+struct shd_world_op;
+int shd_world_gather_start(uint64_t key, uint64_t seq, uint64_t check, const void *mine, size_t bytes,
+			   uint64_t deadline_ns, int wake_fd, struct shd_world_op **out, char *err, size_t len);
+int shd_world_op_done(struct shd_world_op *op);
+int shd_world_op_end(struct shd_world_op *op, void *recv, uint8_t *missing, char *err, size_t len);
+void shd_world_op_abandon(struct shd_world_op *op);
+
 #endif /* SHD_WORLD_H */

@@ -12,6 +12,7 @@ group over every rank) unshards and reduces against the same references; a node'
 mid-collective fails the other node's ranks within the collective
 timeout, naming the node and its ranks."""
 
+import math
 import os
 import re
 import select
@@ -329,8 +330,11 @@ def test_killed_node_fails_the_other_node_ranks_within_the_timeout(request, R, S
 @pytest.mark.timeout_s(60)
 def test_stalled_node_fails_the_reduce_then_the_next_one_pairs_up_again(request):
     """A daemon stopped (SIGSTOP) past the timeout: the other node's reduce
-    fails naming it; once it runs again, its late message of the failed
-    exchange is dropped, and the next reduce of the group succeeds on both."""
+    fails naming it; once it runs again, its queued reduce gets node 0's
+    reduce-scatter half, which was on its way, but not the all-gather half
+    node 0 never sent, so it fails naming node 0 within its timeout; its
+    late message is dropped by node 0, and the next reduce of the group
+    succeeds on both."""
     R, S = 2, 2
     world = World(2)
     clients = []
@@ -351,10 +355,11 @@ def test_stalled_node_fails_the_reduce_then_the_next_one_pairs_up_again(request)
                 assert e.code == -P.E_TIMEOUT and "node 1 (ranks 2..3)" in e.text, e
         finally:
             os.kill(world.pids[1], signal.SIGCONT)
-        # node 1 finishes its step-1 reduce with node 0's message, which was on its way
+        # node 1's step-1 reduce waits for node 0's all-gather half, which node 0 never sends
         for r in (2, 3):
             comp = clients[r].wait(timeout=TIMEOUT_S + 20)
-            assert comp.user_data == 21 and comp.res == 0, comp
+            assert comp.user_data == 21 and comp.res == -P.E_TIMEOUT, comp
+            assert "missing node 0 (ranks 0..1)" in comp.msg, comp
         grads = exact_grads(9, R * S)
         for r, g in enumerate(groups):
             g.zero_grad()
@@ -567,3 +572,73 @@ def test_group_registered_differently_on_two_nodes_fails_the_all_reduce_naming_b
     finally:
         for c in clients:
             c.close()
+
+
+@pytest.mark.timeout_s(90)
+@pytest.mark.parametrize("nodes", [2, 3])
+def test_grad_norm_of_fsdp_across_nodes_is_the_total_over_every_node(request, nodes):
+    """Mesh 1 x (nodes * 2): each node holds only its ranks' shards, so
+    grad_norm sums the nodes' parts; every rank of every node gets the norm
+    of the whole reduced grad (2-norm and inf-norm), padding rows excluded."""
+    S = nodes * 2
+    specs = fsdp_specs()
+    shapes = [(7, 3), (5,), (2, 12)]
+    rng = np.random.default_rng(40 + nodes)
+    grads = [[(rng.integers(-256, 256, size=sh) / 64).astype(np.float32) for sh in shapes] for _ in range(S)]
+    world = World(nodes)
+    clients = []
+    try:
+        clients = [attach_world(world, request, r, 1, S) for r in range(S)]
+        groups = run_ranks(lambda r: clients[r].register_group("g", specs), S)
+        for r, g in enumerate(groups):
+            for i in range(len(shapes)):
+                g.grad(i)[...] = grads[r][i]
+        run_ranks(lambda r: groups[r].reduce(1), S)
+        # the reduced grad: the exact sum divided once in fp32
+        avg = [(sum(np.asarray(grads[q][i], dtype=np.float64) for q in range(S)) / S).astype(np.float32)
+               for i in range(len(shapes))]
+        flat = np.concatenate([a.ravel().astype(np.float64) for a in avg])
+        want2, wantinf = float(np.sqrt(np.sum(flat * flat))), float(np.max(np.abs(flat)))
+        for norm_type, want in ((2.0, want2), (math.inf, wantinf)):
+            got = run_ranks(lambda r: clients[r].grad_norm(1, norm_type), S)
+            for r, (norm, nonfinite) in enumerate(got):
+                assert not nonfinite
+                assert norm == pytest.approx(want, rel=1e-6), (r, norm_type, norm, want)
+                assert norm == got[0][0], "every rank of every node gets the same bits"
+    finally:
+        for c in clients:
+            c.close()
+        world.stop()
+
+
+@pytest.mark.timeout_s(60)
+def test_grad_norm_of_fsdp_across_nodes_fails_naming_a_killed_node(request):
+    """Mesh 1 x 4 over 2 nodes, node 1's daemon killed: node 0's ranks'
+    grad_norm fails within the timeout naming node 1, and the surviving
+    daemon keeps serving them."""
+    S = 4
+    world = World(2)
+    try:
+        clients = [attach_world(world, request, r, 1, S) for r in range(2)]  # node 0's ranks
+        try:
+            run_ranks(lambda r: clients[r].register_group("g", fsdp_specs()), 2)
+            os.kill(world.pids[1], signal.SIGKILL)
+            world.wait_gone(1)
+            t0 = time.monotonic()
+
+            def failed(r):
+                with pytest.raises(shardd.ShardError) as ei:
+                    clients[r].grad_norm(1, timeout=TIMEOUT_S + 20)
+                return ei.value
+
+            for e in run_ranks(failed, 2, timeout=TIMEOUT_S + 30):
+                assert e.code in (-P.E_TIMEOUT, -P.E_PEER_DIED), e
+                assert "node 1 (ranks 2..3)" in e.text, e.text
+            assert time.monotonic() - t0 < TIMEOUT_S + 10
+            for c in clients:
+                c.nop()
+        finally:
+            for c in clients:
+                c.close()
+    finally:
+        world.stop()

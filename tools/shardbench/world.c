@@ -7,7 +7,8 @@
  * node) and, per size, times the reduce without SHARDD_REDUCE_ALL_REDUCE
  * (node-local: the reduce-scatter into the partials) and with it (the same
  * plus the all-reduce of the partials among the nodes). Their difference is
- * the inter-node part, compared with MPI_Allreduce of the bytes each node
+ * the inter-node part, compared with MPI_Allreduce (over tcp,self, the
+ * daemons' transport) of the bytes each node
  * contributes among NODES processes; the whole op is compared with
  * MPI_Reduce_scatter_block of the same grads among all NODES x L ranks
  * (plain FSDP over MPI). fp32 grads, sums exact: every result is checked.
@@ -265,7 +266,16 @@ int bench_world_run(const struct bench_opts *o)
 	/* The comparators first, before the daemons take memory and cores. */
 	mo.dtype = SHARDD_DTYPE_FP32;
 	mo.ranks = w.nodes;
-	bench_mpi_run(&mo, "allreduce", &ar);
+	{
+		/* Over the daemons' own transport, unless the caller picked one for Open MPI. */
+		const char *btl = getenv("OMPI_MCA_btl");
+
+		if (!btl)
+			setenv("OMPI_MCA_btl", "tcp,self", 1);
+		bench_mpi_run(&mo, "allreduce", &ar);
+		if (!btl)
+			unsetenv("OMPI_MCA_btl");
+	}
 	mo.ranks = w.n;
 	bench_mpi_run(&mo, "reduce_scatter", &rs);
 
@@ -286,8 +296,10 @@ int bench_world_run(const struct bench_opts *o)
 	       "under mpirun --mca btl tcp,self on this machine\n", w.nodes, w.L, w.nodes, w.L, w.nodes);
 	printf("# local: reduce without SHARDD_REDUCE_ALL_REDUCE (node-local reduce-scatter into the partials)\n"
 	       "# whole: reduce with it (the same, then the all-reduce of the partials among the nodes)\n"
-	       "# inter = whole - local; vsAllreduce = MPI_Allreduce time of size(B) among %u processes / inter\n"
-	       "# vsRS = MPI_Reduce_scatter_block time of size(B) among all %u ranks / whole (> 1: shardd faster)\n",
+	       "# inter = whole - local; vsAllreduce = MPI_Allreduce time of size(B) among %u processes over the\n"
+	       "#   daemons' transport (--mca btl tcp,self unless OMPI_MCA_btl is set) / inter\n"
+	       "# vsRS = MPI_Reduce_scatter_block time of size(B) among all %u ranks (Open MPI's default\n"
+	       "#   transports: shared memory on one machine) / whole (> 1: shardd faster)\n",
 	       w.nodes, w.n);
 	printf("%12s %10s %10s %10s %13s %11s %10s %8s %7s\n", "size(B)", "local(us)", "whole(us)", "inter(us)",
 	       "Allreduce(us)", "vsAllreduce", "RS(us)", "vsRS", "#wrong");

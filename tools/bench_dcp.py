@@ -7,12 +7,13 @@ DTensor sharded on dim 0 over N gloo ranks (CPU processes), written with
 the default FileSystemWriter to a directory under --dir.
 
 save: the slowest rank's time from a barrier to the end of dcp.save plus
-an fsync of the checkpoint directory by rank 0. DCP itself fsyncs every
-data file and its .metadata.tmp (sync_files=True, the default) and renames
-that to .metadata, but never fsyncs the directory, so without the extra
-fsync the files' names would not be durable; shardd fsyncs its files and
-directories. load: the slowest rank's dcp.load into tensors allocated
-beforehand, after the files left the page cache (POSIX_FADV_DONTNEED).
+fsyncs of the checkpoint directory and its parent by rank 0. DCP itself
+fsyncs every data file and its .metadata.tmp (sync_files=True, the
+default) and renames that to .metadata, but fsyncs no directory, so
+without the extra fsyncs the files' names would not be durable; shardd
+fsyncs its files and directories.
+
+load: the slowest rank's dcp.load into tensors allocated beforehand, after the files left the page cache (POSIX_FADV_DONTNEED).
 Both: the fastest of --iters after --warmup. wrong: loaded param elements
 that differ from what was saved.
 
@@ -155,7 +156,8 @@ def main():
         deadline = time.monotonic() + LIMIT_S
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))
-        bad = [f"rank {r} " + (f"exit {p.exitcode}" if p.exitcode is not None else f"still running after {LIMIT_S} s, killed")
+        bad = [f"rank {r} exit {p.exitcode}" if p.exitcode is not None
+               else f"rank {r} still running after {LIMIT_S} s, killed"
                for r, p in enumerate(procs) if p.exitcode != 0]
         for p in procs:
             if p.exitcode is None:

@@ -13,8 +13,8 @@ default) and renames that to .metadata, but fsyncs no directory, so
 without the extra fsyncs the files' names would not be durable; shardd
 fsyncs its files and directories.
 
-load: the slowest rank's dcp.load into tensors allocated beforehand, after the files left the page cache (POSIX_FADV_DONTNEED).
-Both: the fastest of --iters after --warmup. wrong: loaded param elements
+load: the slowest rank's dcp.load into tensors allocated beforehand,
+after the files left the page cache (POSIX_FADV_DONTNEED). Both: the fastest of --iters after --warmup. wrong: loaded param elements
 that differ from what was saved.
 
 Prints one line per size, `dcp ASKED BYTES SAVE_NS LOAD_NS WRONG` (ASKED: the

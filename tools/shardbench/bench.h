@@ -36,6 +36,7 @@ struct bench_opts {
 	const char *mpi_path;    /* --mpi: the shardbench_mpi comparator */
 	const char *trace_path;  /* --trace: latency's samples, one line each */
 	const char *ckpt_dir;    /* --dir: checkpoint's folder on the disk it measures, or NULL */
+	const char *torch_python; /* --torch: checkpoint's python for the DCP comparison, or NULL */
 	const char *self_dir;    /* directory of this binary */
 };
 

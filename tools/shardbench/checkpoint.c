@@ -15,15 +15,24 @@
  * disk_r(GB/s) reads the bytes back with O_DIRECT; the checkpoint's files
  * leave the page cache (POSIX_FADV_DONTNEED) before the load. #wrong counts restored
  * param elements that differ from what was saved.
+ *
+ * With --torch PYTHON (or $SHARDBENCH_TORCH), tools/bench_dcp.py run by
+ * that python saves and loads the same state with torch.distributed.checkpoint
+ * (DTensor dim-0 shards over -r gloo ranks, same directory) first;
+ * save/DCP and load/DCP are shardd's GB/s over DCP's. A python without
+ * torch >= 2.4 skips the comparison with the script's reason printed.
  */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
 #include <ftw.h>
+#include <limits.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "bench.h"
@@ -32,6 +41,8 @@
 #define CKPT_COLS     1024          /* fp32 elements per row of the param */
 #define CKPT_IO_CHUNK (8u << 20)    /* bytes per direct I/O call */
 #define CKPT_MAX_RANKS 8
+#define CKPT_MAX_SIZES 64
+#define DCP_LIMIT_S   1900          /* the script kills its ranks after 1800 s */
 
 struct ckpt_job {
 	const char *socket;
@@ -186,27 +197,151 @@ static int rm_entry(const char *path, const struct stat *st, int flag, struct FT
 	return remove(path);
 }
 
+/* torch.distributed.checkpoint's best save and load per size; 0 ns when not measured. */
+struct dcp_results {
+	int available;
+	char why[256];
+	uint64_t asked[CKPT_MAX_SIZES], save_ns[CKPT_MAX_SIZES], load_ns[CKPT_MAX_SIZES], wrong[CKPT_MAX_SIZES];
+	size_t n;
+};
+
+/* Run tools/bench_dcp.py with `python` over `sizes` in `dir`; fills *d (d->why when it did not run). */
+static void dcp_run(const struct bench_opts *o, const char *python, const char *dir, uint32_t ranks,
+		    const uint64_t *sizes, size_t nsizes, struct dcp_results *d)
+{
+	char script[PATH_MAX + 32], nums[4 + CKPT_MAX_SIZES][32], line[512];
+	char *argv[16 + CKPT_MAX_SIZES];
+	int pipefd[2], status, argc = 0;
+	pid_t pid;
+	FILE *f;
+
+	memset(d, 0, sizeof(*d));
+	snprintf(script, sizeof(script), "%s/../tools/bench_dcp.py", o->self_dir);
+	if (access(script, R_OK)) {
+		snprintf(d->why, sizeof(d->why), "%.200s: %s (it runs from a build tree)", script, strerror(errno));
+		return;
+	}
+	argv[argc++] = (char *)python;
+	argv[argc++] = script;
+	argv[argc++] = "--dir";
+	argv[argc++] = (char *)dir;
+	snprintf(nums[0], sizeof(nums[0]), "--ranks=%u", ranks);
+	snprintf(nums[1], sizeof(nums[1]), "--warmup=%d", o->warmup);
+	snprintf(nums[2], sizeof(nums[2]), "--iters=%d", o->iters);
+	for (int i = 0; i < 3; i++)
+		argv[argc++] = nums[i];
+	for (size_t i = 0; i < nsizes; i++) {
+		snprintf(nums[4 + i], sizeof(nums[0]), "%llu", (unsigned long long)sizes[i]);
+		argv[argc++] = nums[4 + i];
+	}
+	argv[argc] = NULL;
+	if (pipe(pipefd)) {
+		snprintf(d->why, sizeof(d->why), "pipe: %s", strerror(errno));
+		return;
+	}
+	fflush(stdout);
+	pid = fork();
+	if (pid < 0) {
+		snprintf(d->why, sizeof(d->why), "fork: %s", strerror(errno));
+		close(pipefd[0]);
+		close(pipefd[1]);
+		return;
+	}
+	if (pid == 0) {
+		dup2(pipefd[1], STDOUT_FILENO);
+		close(pipefd[0]);
+		close(pipefd[1]);
+		execvp(argv[0], argv);
+		printf("unavailable exec %s: %s (--torch names a python)\n", argv[0], strerror(errno));
+		_exit(127);
+	}
+	close(pipefd[1]);
+	f = fdopen(pipefd[0], "r");
+	if (!f) {
+		snprintf(d->why, sizeof(d->why), "fdopen: %s", strerror(errno));
+		close(pipefd[0]);
+		kill(pid, SIGKILL);
+		bench_reap_pid(pid, 10000);
+		return;
+	}
+	snprintf(d->why, sizeof(d->why), "%.200s printed nothing", script);
+	while (fgets(line, sizeof(line), f)) {
+		unsigned long long asked, bytes, save, load, wrong;
+
+		line[strcspn(line, "\n")] = '\0';
+		if (!strncmp(line, "unavailable ", 12)) {
+			snprintf(d->why, sizeof(d->why), "%.240s", line + 12);
+			d->available = 0;
+		} else if (!strncmp(line, "torch ", 6)) {
+			printf("# DCP: torch %.64s (%s), FileSystemWriter/Reader, %u gloo ranks\n", line + 6, python,
+			       ranks);
+			d->available = 1;
+		} else if (sscanf(line, "dcp %llu %llu %llu %llu %llu", &asked, &bytes, &save, &load, &wrong) == 5 &&
+			   d->n < CKPT_MAX_SIZES) {
+			d->asked[d->n] = asked;
+			d->save_ns[d->n] = save;
+			d->load_ns[d->n] = load;
+			d->wrong[d->n++] = wrong;
+		}
+	}
+	fclose(f);
+	status = bench_reap_pid(pid, DCP_LIMIT_S * 1000);
+	if (!(status >= 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0) && d->available) {
+		printf("# DCP: the script ended with status 0x%x (%s): rows without DCP columns were not measured\n",
+		       status, d->why);
+	}
+}
+
+/* The index of `size`'s DCP row, or -1. */
+static int dcp_find(const struct dcp_results *d, uint64_t size)
+{
+	for (size_t i = 0; i < d->n; i++)
+		if (d->asked[i] == size && d->save_ns[i] && d->load_ns[i])
+			return (int)i;
+	return -1;
+}
+
 int bench_checkpoint_run(const struct bench_opts *o, const char *socket_path, const char *state_dir)
 {
 	void *buf = NULL;
 	char probe[256], dir[512];
 	uint32_t ranks = o->ranks;
 	int failed = 0;
-	uint64_t seq = 0;
+	uint64_t seq = 0, sizes[CKPT_MAX_SIZES];
+	size_t nsizes = 0;
+	const char *python = o->torch_python ? o->torch_python : getenv("SHARDBENCH_TORCH");
+	struct dcp_results *dcp = calloc(1, sizeof(*dcp));
 
 	if (ranks > CKPT_MAX_RANKS)
 		ranks = CKPT_MAX_RANKS;
-	if (posix_memalign(&buf, 4096, CKPT_IO_CHUNK))
+	if (!dcp || posix_memalign(&buf, 4096, CKPT_IO_CHUNK)) {
+		free(dcp);
 		return -ENOMEM;
+	}
 	memset(buf, 0x5a, CKPT_IO_CHUNK);
 	snprintf(probe, sizeof(probe), "%s/disk-probe", state_dir);
 	printf("# checkpoint: AdamW state (fp32 param, exp_avg, exp_avg_sq) over %u ranks, in %s\n", ranks, state_dir);
 	printf("# disk_w/disk_r: O_DIRECT sequential write (+ fsync) and read of the same bytes there\n");
 	printf("# load: a registration restoring from the checkpoint minus the same registration without\n");
-	printf("# torch.distributed.checkpoint: not compared (this shardbench has no DCP runner)\n");
-	printf("#%13s %12s %12s %9s %12s %12s %9s %7s\n", "size(B)", "disk_w(GB/s)", "save(GB/s)", "save/disk",
-	       "disk_r(GB/s)", "load(GB/s)", "load/disk", "#wrong");
-	for (uint64_t size = o->min_bytes; size <= o->max_bytes; size *= o->factor) {
+	for (uint64_t size = o->min_bytes; size <= o->max_bytes && nsizes < CKPT_MAX_SIZES; size *= o->factor)
+		sizes[nsizes++] = size;
+	if (python && *python) {
+		dcp_run(o, python, state_dir, ranks, sizes, nsizes, dcp);
+		if (dcp->available)
+			printf("# dcp_w/dcp_r: its save (files fsynced by DCP, + the directory) and load GB/s;\n"
+			       "# save/DCP, load/DCP: shardd's over DCP's\n");
+		else
+			printf("# torch.distributed.checkpoint: skipped: %s\n", dcp->why);
+	} else {
+		printf("# torch.distributed.checkpoint: not compared (--torch PYTHON with torch >= 2.4 compares it)\n");
+	}
+	printf("#%13s %12s %12s %9s %12s %12s %9s", "size(B)", "disk_w(GB/s)", "save(GB/s)", "save/disk",
+	       "disk_r(GB/s)", "load(GB/s)", "load/disk");
+	if (dcp->available)
+		printf(" %11s %9s %11s %9s", "dcp_w(GB/s)", "save/DCP", "dcp_r(GB/s)", "load/DCP");
+	printf(" %7s\n", "#wrong");
+	for (size_t si = 0; si < nsizes; si++) {
+		uint64_t size = sizes[si];
 		struct ckpt_job src = { .socket = socket_path, .ranks = ranks }, plain, back;
 		uint64_t rows = size / 3 / (CKPT_COLS * sizeof(float)), bytes, t_save = UINT64_MAX, t_w = UINT64_MAX;
 		uint64_t t_r = UINT64_MAX, t_plain, t_back, wrong = 0;
@@ -281,18 +416,33 @@ int bench_checkpoint_run(const struct bench_opts *o, const char *socket_path, co
 			double save = (double)bytes / (double)t_save, w = (double)bytes / (double)t_w;
 			double rd = (double)bytes / (double)t_r;
 			double load = t_back > t_plain ? (double)bytes / (double)(t_back - t_plain) : 0;
+			int k = dcp_find(dcp, size);
 
 			printf(" %13llu %12.2f %12.2f %8.0f%% %12.2f", (unsigned long long)bytes, w, save,
 			       100 * save / w, rd);
 			/* A restore within the noise of the registration itself is not a measurement. */
 			if (load > 0)
-				printf(" %12.2f %8.0f%% %7llu\n", load, 100 * load / rd, (unsigned long long)wrong);
+				printf(" %12.2f %8.0f%%", load, 100 * load / rd);
 			else
-				printf(" %12s %9s %7llu\n", "-", "-", (unsigned long long)wrong);
+				printf(" %12s %9s", "-", "-");
+			if (dcp->available && k >= 0) {
+				double dw = (double)bytes / (double)dcp->save_ns[k];
+				double dr = (double)bytes / (double)dcp->load_ns[k];
+
+				printf(" %11.2f %8.2fx %11.2f", dw, save / dw, dr);
+				if (load > 0)
+					printf(" %8.2fx", load / dr);
+				else
+					printf(" %9s", "-");
+			} else if (dcp->available) {
+				printf(" %11s %9s %11s %9s", "-", "-", "-", "-");
+			}
+			printf(" %7llu\n", (unsigned long long)(wrong + (k >= 0 ? dcp->wrong[k] : 0)));
 			fflush(stdout);
 		}
 		failed |= wrong != 0;
 	}
 	free(buf);
+	free(dcp);
 	return failed ? -EIO : 0;
 }

@@ -45,7 +45,8 @@ static void usage(FILE *f)
 "  step       AdamW and SGD updates against a same-run roofline and torch's CPU AdamW\n"
 "  checkpoint save and restore of an AdamW state through the daemon (docs/CHECKPOINTS.md)\n"
 "             against O_DIRECT write and read of the same bytes (-b 256M -e 8G: the\n"
-"             issue's sweep; --dir DIR: where, default /var/tmp)\n"
+"             issue's sweep; --dir DIR: where, default /var/tmp; --torch PYTHON:\n"
+"             also torch.distributed.checkpoint through tools/bench_dcp.py)\n"
 "  world      HSDP reduce across --nodes daemons under mpirun (-r ranks each): the\n"
 "             inter-node part against MPI_Allreduce, the whole op against\n"
 "             MPI_Reduce_scatter_block among all ranks (docs/MULTINODE.md)\n"
@@ -66,6 +67,8 @@ static void usage(FILE *f)
 "  --nodes N      world: daemons under mpirun, 2 to 8 (default 2)\n"
 "  --trace FILE   latency: also write every sample to FILE (trace_latency.py)\n"
 "  --dir DIR      checkpoint: the folder whose disk is measured (default /var/tmp)\n"
+"  --torch PYTHON checkpoint: compare with torch.distributed.checkpoint run by\n"
+"                 PYTHON (needs torch >= 2.4; default: $SHARDBENCH_TORCH, else none)\n"
 "  --gpu          same as the gpu subcommand\n"
 "  --version      print the version and exit\n"
 "  -h, --help     this text\n");
@@ -126,7 +129,7 @@ static int parse_cmd(const char *s, enum bench_cmd *cmd)
 static int parse_args(int argc, char **argv, struct bench_opts *o, enum bench_cmd *cmd)
 {
 	enum { OPT_SOCKET = 256, OPT_SHARDD, OPT_MPI, OPT_IDLE, OPT_GPU, OPT_VERSION, OPT_TRACE, OPT_DIR,
-	       OPT_NODES };
+	       OPT_NODES, OPT_TORCH };
 	static const struct option longopts[] = {
 		{ "socket", required_argument, NULL, OPT_SOCKET },
 		{ "shardd", required_argument, NULL, OPT_SHARDD },
@@ -136,6 +139,7 @@ static int parse_args(int argc, char **argv, struct bench_opts *o, enum bench_cm
 		{ "trace", required_argument, NULL, OPT_TRACE },
 		{ "dir", required_argument, NULL, OPT_DIR },
 		{ "nodes", required_argument, NULL, OPT_NODES },
+		{ "torch", required_argument, NULL, OPT_TORCH },
 		{ "help", no_argument, NULL, 'h' },
 		{ "version", no_argument, NULL, OPT_VERSION },
 		{ NULL, 0, NULL, 0 },
@@ -203,6 +207,9 @@ static int parse_args(int argc, char **argv, struct bench_opts *o, enum bench_cm
 			break;
 		case OPT_DIR:
 			o->ckpt_dir = optarg;
+			break;
+		case OPT_TORCH:
+			o->torch_python = optarg;
 			break;
 		case OPT_TRACE:
 			o->trace_path = optarg;

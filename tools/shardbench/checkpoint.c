@@ -322,7 +322,7 @@ int bench_checkpoint_run(const struct bench_opts *o, const char *socket_path, co
 	snprintf(probe, sizeof(probe), "%s/disk-probe", state_dir);
 	printf("# checkpoint: AdamW state (fp32 param, exp_avg, exp_avg_sq) over %u ranks, in %s\n", ranks, state_dir);
 	printf("# disk_w/disk_r: O_DIRECT sequential write (+ fsync) and read of the same bytes there\n");
-	printf("# load: a registration restoring from the checkpoint minus the same registration without\n");
+	printf("# load: a registration restoring from the checkpoint minus the same registration without a restore\n");
 	for (uint64_t size = o->min_bytes; size <= o->max_bytes && nsizes < CKPT_MAX_SIZES; size *= o->factor)
 		sizes[nsizes++] = size;
 	if (python && *python) {

@@ -76,6 +76,18 @@ struct eng_ckpt {
 	void *ctx;
 };
 
+static const struct eng_task_ops ckpt_hooks = { .exec = eng_ckpt_exec, .delivered = eng_ckpt_delivered };
+
+/* A task of the checkpoint (SAVE, SAVE_FINAL, SAVE_WRITE) that task.c runs through ckpt_hooks, or NULL. */
+static struct eng_task *ckpt_task_new(struct eng_group *eg, uint32_t kind)
+{
+	struct eng_task *t = eng_task_new(eg, kind, 1);
+
+	if (t)
+		t->hooks = &ckpt_hooks;
+	return t;
+}
+
 /* ------------------------------------------------------------------ */
 /* Pool thread: files                                                  */
 /* ------------------------------------------------------------------ */
@@ -770,7 +782,7 @@ void eng_ckpt_delivered(struct eng_task *t)
 	/* A group's snapshot is taken: its files are written off its queue, its ops go on. */
 	if (t->kind == TASK_SAVE && !t->res && !c->res && !c->j->ending &&
 	    (c->stage[2 * t->gindex] || c->stage[2 * t->gindex + 1])) {
-		struct eng_task *w = eng_task_new(c->egs[t->gindex], TASK_SAVE_WRITE, 1);
+		struct eng_task *w = ckpt_task_new(c->egs[t->gindex], TASK_SAVE_WRITE);
 
 		if (w) {
 			w->ckpt = c;
@@ -792,7 +804,7 @@ void eng_ckpt_delivered(struct eng_task *t)
 			    c->res ? c->msg : "the job ended while its checkpoint was written");
 		return;
 	}
-	f = eng_task_new(c->egs[0], TASK_SAVE_FINAL, 1);
+	f = ckpt_task_new(c->egs[0], TASK_SAVE_FINAL);
 	if (!f) {
 		ckpt_finish(c, -SHARDD_E_NOMEM, "out of memory for the checkpoint's last task");
 		return;
@@ -1064,7 +1076,7 @@ static int ckpt_start(struct shd_engine_job *j, const struct shd_engine_ckpt_tar
 	if (!tasks)
 		goto nomem_tmp;
 	for (uint32_t i = 0; i < c->m.ngroups; i++) {
-		tasks[i] = eng_task_new(c->egs[i], TASK_SAVE, 1);
+		tasks[i] = ckpt_task_new(c->egs[i], TASK_SAVE);
 		if (!tasks[i]) {
 			for (uint32_t k = 0; k < i; k++)
 				free(tasks[k]);

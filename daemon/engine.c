@@ -50,6 +50,7 @@ int shd_engine_create(const struct shd_engine_config *cfg, struct shd_engine **o
 	if (!e)
 		return -ENOMEM;
 	e->cfg = *cfg;
+	e->at_boundary = eng_ckpt_try_armed;
 	e->timeout_ns = (uint64_t)(cfg->collective_timeout_ms ? cfg->collective_timeout_ms
 							      : ENGINE_TIMEOUT_DEFAULT_MS) * 1000000u;
 	pthread_mutex_init(&e->lock, NULL);

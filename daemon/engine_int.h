@@ -78,11 +78,24 @@ struct eng_ckpt_req;
 
 struct eng_group;
 
+struct eng_task;
+
+/*
+ * The work and the end of a task kind computed outside task.c (checkpoint
+ * saves and restores), given by the file that creates it, so task.c runs
+ * them without naming that file.
+ */
+struct eng_task_ops {
+	void (*exec)(struct eng_task *t);      /* pool (or loop) thread: sets res and msg */
+	void (*delivered)(struct eng_task *t); /* loop thread: it ended, or failed unrun with res */
+};
+
 struct eng_task {
 	struct shd_pool_task pt;  /* first member: the pool hands it back */
 	struct eng_task *next;       /* group queue, then the engine's finished list */
 	struct eng_group *eg;
 	uint32_t kind;               /* enum eng_task_kind */
+	const struct eng_task_ops *hooks; /* SAVE, SAVE_FINAL, SAVE_WRITE, RESTORE; else NULL */
 	uint32_t replica;            /* UNSHARD, REDUCE_PARTIAL */
 	uint32_t rank;               /* ZERO_GRAD, STEP */
 	struct eng_ckpt *ckpt;       /* SAVE, SAVE_FINAL: the checkpoint it is part of */
@@ -174,6 +187,8 @@ struct shd_engine_job {
 
 struct shd_engine {
 	struct shd_engine_config cfg;
+	/* Loop thread, after a task's completions: take an armed checkpoint at a step boundary. */
+	void (*at_boundary)(struct shd_engine_job *j);
 	uint64_t timeout_ns;
 	struct shd_pool *pool;
 	struct shd_backend_ctx *backend;

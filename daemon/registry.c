@@ -309,6 +309,9 @@ static void reg_finish(struct eng_group *eg)
 		return;
 	}
 	if (eg->restore) {
+		static const struct eng_task_ops restore_hooks = {
+			.exec = eng_restore_exec, .delivered = eng_restore_delivered
+		};
 		struct eng_task *t = eng_task_new(eg, TASK_RESTORE, 1);
 
 		if (!t) {
@@ -316,6 +319,7 @@ static void reg_finish(struct eng_group *eg)
 			reg_fail(eg, -SHARDD_E_NOMEM, msg, UINT32_MAX);
 			return;
 		}
+		t->hooks = &restore_hooks;
 		t->ops[0].sqe.op = SHARDD_OP_NOP;
 		eg->restoring = 1;
 		eng_group_enqueue(eg, t);

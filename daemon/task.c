@@ -84,17 +84,17 @@ static void task_exec(struct eng_task *t);
 
 static void task_deliver(struct eng_task *t)
 {
-	if (t->kind == TASK_SAVE || t->kind == TASK_SAVE_FINAL || t->kind == TASK_SAVE_WRITE) {
-		eng_ckpt_delivered(t);
-		return;
-	}
 	/* Only eng_tasks_stop delivers a restore here: the job ends, and group_shutdown answers the ranks. */
 	if (t->kind == TASK_RESTORE)
 		return;
+	if (t->hooks) {
+		t->hooks->delivered(t);
+		return;
+	}
 	for (uint32_t i = 0; i < t->nops; i++)
 		eng_complete(t->eg->j, &t->ops[i], t->res ? t->res : t->ops[i].res, t->msg);
 	if (t->eg->j->ckpt_armed || t->eg->j->e->cfg.checkpoint_every)
-		eng_ckpt_try_armed(t->eg->j);
+		t->eg->j->e->at_boundary(t->eg->j);
 }
 
 /*
@@ -436,15 +436,11 @@ static void task_exec(struct eng_task *t)
 	struct shd_backend_ctx *b = t->eg->j->e->backend;
 	int ret;
 
+	if (t->hooks) {
+		t->hooks->exec(t);
+		return;
+	}
 	switch (t->kind) {
-	case TASK_SAVE:
-	case TASK_SAVE_FINAL:
-	case TASK_SAVE_WRITE:
-		eng_ckpt_exec(t);
-		return;
-	case TASK_RESTORE:
-		eng_restore_exec(t);
-		return;
 	case TASK_UNSHARD:
 		ret = task_unshard(t);
 		/* An exchange among nodes that failed wrote its own message (internode.c). */
@@ -541,14 +537,14 @@ void shd_engine_drain(struct shd_engine *e)
 		next = t->next;
 		/* Not its group's running task: a checkpoint's write off the group's queue. */
 		if (t->kind == TASK_SAVE_WRITE) {
-			eng_ckpt_delivered(t);
+			t->hooks->delivered(t);
 			free(t);
 			continue;
 		}
 		eg->running = NULL;
 		/* A restore's end may fail the registration and free the group: nothing runs after it. */
 		if (t->kind == TASK_RESTORE) {
-			eng_restore_delivered(t);
+			t->hooks->delivered(t);
 			free(t);
 			continue;
 		}

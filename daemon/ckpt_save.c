@@ -826,30 +826,16 @@ static void req_free(struct eng_ckpt_req *r)
 
 void eng_ckpt_job_wait(struct shd_engine_job *j)
 {
-	struct shd_engine *e = j->e;
-
 	for (;;) {
 		struct eng_ckpt *c = j->ckpt;
-		struct eng_task *t = NULL, **pp;
+		struct eng_task *t = NULL;
 
 		for (uint32_t i = 0; c && i < c->m.ngroups && !t; i++)
 			t = c->wtasks[i];
 		if (!t)
 			return;
-		/* Its files are being written off the groups' queues: wait, then take it off the finished list. */
-		pthread_mutex_lock(&e->lock);
-		while (!t->finished)
-			pthread_cond_wait(&e->finished, &e->lock);
-		e->fin_tail = NULL;
-		for (pp = &e->fin_head; *pp; ) {
-			if (*pp == t) {
-				*pp = t->next;
-			} else {
-				e->fin_tail = *pp;
-				pp = &(*pp)->next;
-			}
-		}
-		pthread_mutex_unlock(&e->lock);
+		/* Its files are being written off the groups' queues. */
+		eng_task_wait_finished(j->e, t);
 		eng_ckpt_delivered(t);
 		free(t);
 	}

@@ -252,6 +252,8 @@ const struct eng_gnorm_rec *eng_gnorm_find(const struct shd_engine_job *j, uint6
 
 /* A task of `kind` with room for `nops` completions, or NULL. */
 struct eng_task *eng_task_new(struct eng_group *eg, uint32_t kind, uint32_t nops);
+/* Loop thread: wait until a task queued on the pool has finished, and take it off the finished list. */
+void eng_task_wait_finished(struct shd_engine *e, struct eng_task *t);
 /* Queue `t` on its group and start the group's next task if none runs. */
 void eng_group_enqueue(struct eng_group *eg, struct eng_task *t);
 /*

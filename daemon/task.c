@@ -561,27 +561,33 @@ void shd_engine_drain(struct shd_engine *e)
 	}
 }
 
-/* Wait for the group's running task, take it off the finished list and deliver it. */
-static void group_wait_running(struct eng_group *eg)
+void eng_task_wait_finished(struct shd_engine *e, struct eng_task *t)
 {
-	struct shd_engine *e = eg->j->e;
-	struct eng_task *t = eg->running, **pp;
+	struct eng_task **pp;
 
-	if (!t)
-		return;
 	pthread_mutex_lock(&e->lock);
 	while (!t->finished)
 		pthread_cond_wait(&e->finished, &e->lock);
 	e->fin_tail = NULL;
 	for (pp = &e->fin_head; *pp; ) {
-		if (*pp == t)
+		if (*pp == t) {
 			*pp = t->next;
-		else {
+		} else {
 			e->fin_tail = *pp;
 			pp = &(*pp)->next;
 		}
 	}
 	pthread_mutex_unlock(&e->lock);
+}
+
+/* Wait for the group's running task, take it off the finished list and deliver it. */
+static void group_wait_running(struct eng_group *eg)
+{
+	struct eng_task *t = eg->running;
+
+	if (!t)
+		return;
+	eng_task_wait_finished(eg->j->e, t);
 	eg->running = NULL;
 	task_deliver(t);
 	free(t);

@@ -23,7 +23,6 @@
  * never a half-written checkpoint under the target's name.
  */
 #define _GNU_SOURCE
-#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <libgen.h>
@@ -32,19 +31,15 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
-#include <liburing.h>
 #include <zlib.h>
 
+#include "ckpt_files.h"
 #include "ckpt_format.h"
 #include "clock.h"
 #include "engine_int.h"
 #include "log.h"
 
 #define CKPT_BOUNCE (8u << 20) /* bytes read from the backend per write */
-#define CKPT_DIO_ALIGN 4096u   /* O_DIRECT offsets, lengths and buffers: any logical block size up to it */
-#define CKPT_DIO_CHUNK (4u << 20) /* bytes per direct write */
-#define CKPT_DIO_BUFS  4u      /* direct writes in flight at most, one buffer each */
-#define CKPT_DIO_BYTES (CKPT_DIO_BUFS * CKPT_DIO_CHUNK) /* a writer's buffers */
 
 /* A checkpoint armed for the next step boundary (shd_engine_job_checkpoint_arm). */
 struct eng_ckpt_req {
@@ -92,218 +87,6 @@ static struct eng_task *ckpt_task_new(struct eng_group *eg, uint32_t kind)
 /* Pool thread: files                                                  */
 /* ------------------------------------------------------------------ */
 
-static int write_all(int fd, const void *buf, size_t n, uint64_t off)
-{
-	const uint8_t *p = buf;
-
-	while (n) {
-		ssize_t w = pwrite(fd, p, n, (off_t)off);
-
-		if (w < 0) {
-			if (errno == EINTR)
-				continue;
-			return -errno;
-		}
-		p += w;
-		n -= (size_t)w;
-		off += (uint64_t)w;
-	}
-	return 0;
-}
-
-/*
- * A file written front to back through CKPT_DIO_BUFS aligned buffers of
- * CKPT_DIO_CHUNK bytes: a full buffer starts at a multiple of
- * CKPT_DIO_CHUNK, so it goes out with O_DIRECT (no page cache: the
- * checkpoint neither evicts the node's cache nor leaves writeback for
- * fsync), submitted through io_uring while the next buffers fill (up to
- * CKPT_DIO_BUFS writes in flight, as a buffered writeback would have); at the end the aligned part of the rest
- * goes out direct too and the unaligned tail through the buffered
- * descriptor. A filesystem without O_DIRECT (tmpfs), or one that refuses a
- * direct write (EINVAL), gets buffered writes from there on; without an
- * io_uring the direct writes are synchronous.
- */
-struct dio_file {
-	int fd;              /* buffered */
-	int dfd;             /* O_DIRECT on the same file, or -1 */
-	int ring_ok;         /* ring is set up */
-	struct io_uring ring;
-	uint8_t *bufs[CKPT_DIO_BUFS]; /* CKPT_DIO_CHUNK bytes each, CKPT_DIO_ALIGN-aligned */
-	uint32_t cur;        /* the buffer being filled */
-	uint8_t *buf;        /* bufs[cur] */
-	uint32_t fill;       /* bytes in buf, from file offset base */
-	uint64_t base;
-	uint32_t len[CKPT_DIO_BUFS]; /* a buffer's write in flight: its bytes (0: none) */
-	uint64_t at[CKPT_DIO_BUFS];  /* and its file offset */
-};
-
-/* Create `name` in dirfd (O_EXCL). 0 or -errno; buf is the caller's CKPT_DIO_BYTES aligned bytes. */
-static int dio_open(struct dio_file *f, int dirfd, const char *name, uint8_t *buf)
-{
-	*f = (struct dio_file){ .fd = -1, .dfd = -1, .buf = buf };
-	for (uint32_t i = 0; i < CKPT_DIO_BUFS; i++)
-		f->bufs[i] = buf + (size_t)i * CKPT_DIO_CHUNK;
-	f->fd = openat(dirfd, name, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-	if (f->fd < 0)
-		return -errno;
-	f->dfd = openat(dirfd, name, O_WRONLY | O_DIRECT | O_CLOEXEC);
-	f->ring_ok = f->dfd >= 0 && io_uring_queue_init(CKPT_DIO_BUFS, &f->ring, 0) == 0;
-	return 0;
-}
-
-/*
- * Wait for buffer i's write in flight, if any (taking the others' as they
- * complete first). A write the filesystem refused direct (EINVAL), or cut
- * short, is finished buffered: the buffer is still intact. 0 or -errno; a
- * failed wait leaves len set.
- */
-static int dio_wait(struct dio_file *f, uint32_t i)
-{
-	int ret = 0;
-
-	while (f->len[i]) {
-		struct io_uring_cqe *cqe;
-		uint32_t k, done = 0;
-		int res, err = 0;
-
-		res = io_uring_wait_cqe(&f->ring, &cqe);
-		if (res == -EINTR)
-			continue;
-		if (res)
-			return res;
-		k = (uint32_t)io_uring_cqe_get_data64(cqe);
-		res = cqe->res;
-		io_uring_cqe_seen(&f->ring, cqe);
-		if (k >= CKPT_DIO_BUFS || !f->len[k])
-			return -EIO;
-		if (res == -EINVAL && f->dfd >= 0) {
-			close(f->dfd);
-			f->dfd = -1;
-		} else if (res < 0) {
-			err = res;
-		} else {
-			done = (uint32_t)res;
-		}
-		if (!err && done < f->len[k])
-			err = write_all(f->fd, f->bufs[k] + done, f->len[k] - done, f->at[k] + done);
-		if (err && !ret)
-			ret = err;
-		f->len[k] = 0;
-	}
-	return ret;
-}
-
-/* Write out n bytes of buf at base: direct (through the ring when there is one) when it can, else buffered. */
-static int dio_put(struct dio_file *f, size_t n, int last)
-{
-	int ret;
-
-	if (f->dfd < 0 || n % CKPT_DIO_ALIGN || f->base % CKPT_DIO_ALIGN)
-		return write_all(f->fd, f->buf, n, f->base);
-	if (!f->ring_ok) {
-		ret = write_all(f->dfd, f->buf, n, f->base);
-		if (ret != -EINVAL)
-			return ret;
-		close(f->dfd);
-		f->dfd = -1;
-		return write_all(f->fd, f->buf, n, f->base);
-	}
-	{
-		struct io_uring_sqe *sqe = io_uring_get_sqe(&f->ring);
-
-		if (!sqe)
-			return -EBUSY; /* a ring as deep as the buffers: never */
-		io_uring_prep_write(sqe, f->dfd, f->buf, (unsigned)n, f->base);
-		io_uring_sqe_set_data64(sqe, f->cur);
-		f->len[f->cur] = (uint32_t)n;
-		f->at[f->cur] = f->base;
-		ret = io_uring_submit(&f->ring);
-		if (ret < 0) {
-			f->len[f->cur] = 0;
-			return ret;
-		}
-	}
-	if (last)
-		return dio_wait(f, f->cur);
-	/* Fill the next buffer (once its own write is done) while this one is written. */
-	f->cur = (f->cur + 1) % CKPT_DIO_BUFS;
-	f->buf = f->bufs[f->cur];
-	return dio_wait(f, f->cur);
-}
-
-/* Room at the end of the buffer (after making some: a full buffer goes out). */
-static int dio_room(struct dio_file *f, uint8_t **at, size_t *len)
-{
-	if (f->fill == CKPT_DIO_CHUNK) {
-		int ret = dio_put(f, CKPT_DIO_CHUNK, 0);
-
-		f->base += CKPT_DIO_CHUNK;
-		f->fill = 0;
-		if (ret)
-			return ret;
-	}
-	*at = f->buf + f->fill;
-	*len = CKPT_DIO_CHUNK - f->fill;
-	return 0;
-}
-
-/* Append n bytes from memory. */
-static int dio_append(struct dio_file *f, const uint8_t *p, size_t n)
-{
-	while (n) {
-		uint8_t *at;
-		size_t k;
-		int ret = dio_room(f, &at, &k);
-
-		if (ret)
-			return ret;
-		k = k < n ? k : n;
-		memcpy(at, p, k);
-		f->fill += (uint32_t)k;
-		p += k;
-		n -= k;
-	}
-	return 0;
-}
-
-/* Write out what the buffers hold (the aligned head direct, the tail buffered), then fsync. */
-static int dio_finish(struct dio_file *f)
-{
-	uint32_t head = f->fill / CKPT_DIO_ALIGN * CKPT_DIO_ALIGN;
-	int ret = 0;
-
-	for (uint32_t i = 0; i < CKPT_DIO_BUFS && f->ring_ok; i++) {
-		int r = dio_wait(f, i);
-
-		ret = ret ? ret : r;
-	}
-
-	if (!ret && head)
-		ret = dio_put(f, head, 1);
-	if (!ret && f->fill > head)
-		ret = write_all(f->fd, f->buf + head, f->fill - head, f->base + head);
-	if (!ret && fsync(f->fd))
-		ret = -errno;
-	return ret;
-}
-
-/* Close; a write still in flight (after a failure) is waited for before the buffers are freed. */
-static void dio_close(struct dio_file *f)
-{
-	if (f->ring_ok) {
-		for (uint32_t i = 0; i < CKPT_DIO_BUFS; i++)
-			if (f->len[i])
-				dio_wait(f, i);
-		io_uring_queue_exit(&f->ring);
-		f->ring_ok = 0;
-	}
-	if (f->dfd >= 0)
-		close(f->dfd);
-	if (f->fd >= 0)
-		close(f->fd);
-	f->fd = f->dfd = -1;
-}
-
 struct save_out {
 	struct dio_file f;
 	uint64_t off;
@@ -325,7 +108,7 @@ static int save_range(struct save_out *o, const struct shd_buf *src, uint64_t of
 	while (bytes) {
 		uint8_t *at;
 		size_t k;
-		int ret = dio_room(&o->f, &at, &k);
+		int ret = ckpt_dio_room(&o->f, &at, &k);
 
 		if (ret)
 			return ret;
@@ -380,9 +163,9 @@ static int save_file(struct eng_ckpt *c, uint32_t gi, int optim, uint8_t *bounce
 		o.stage = *stage;
 		hlen = 0;
 	} else {
-		ret = dio_open(&o.f, c->dirfd, fe->name, bounce);
+		ret = ckpt_dio_open(&o.f, c->dirfd, fe->name, bounce);
 		if (!ret)
-			ret = dio_append(&o.f, hdr, hlen);
+			ret = ckpt_dio_append(&o.f, hdr, hlen);
 		if (ret)
 			goto out;
 		o.crc = crc32(o.crc, hdr, (uInt)hlen);
@@ -412,14 +195,14 @@ static int save_file(struct eng_ckpt *c, uint32_t gi, int optim, uint8_t *bounce
 	}
 	if (o.stage)
 		goto out;
-	ret = dio_finish(&o.f);
+	ret = ckpt_dio_finish(&o.f);
 	fe->bytes = o.off;
 	fe->crc32 = (uint32_t)o.crc;
 out:
 	if (ret && !msg[0])
 		eng_fmt(msg, len, "checkpoint %s: writing %s of group '%s': %s", c->dir, fe->name, g->name,
 			ret > -SHARDD_E_BASE ? strerror(-ret) : "backend read failed");
-	dio_close(&o.f);
+	ckpt_dio_close(&o.f);
 	free(hdr);
 	free(t);
 	return ret;
@@ -502,9 +285,9 @@ static int write_staged(struct eng_ckpt *c, uint32_t gi, char *msg, size_t len)
 		if (!ret)
 			ret = shd_st_build(t, n, &hdr, &hlen, &dsize, err, sizeof(err));
 		if (!ret)
-			ret = dio_open(&f, c->dirfd, fe->name, buf);
+			ret = ckpt_dio_open(&f, c->dirfd, fe->name, buf);
 		if (!ret)
-			ret = dio_append(&f, hdr, hlen);
+			ret = ckpt_dio_append(&f, hdr, hlen);
 		if (!ret) {
 			crc = crc32(crc, hdr, (uInt)hlen);
 			__atomic_add_fetch(&c->bytes, hlen, __ATOMIC_RELAXED);
@@ -512,125 +295,25 @@ static int write_staged(struct eng_ckpt *c, uint32_t gi, char *msg, size_t len)
 		for (uint64_t off = 0; !ret && off < dsize; ) {
 			uint64_t k = dsize - off < CKPT_BOUNCE ? dsize - off : CKPT_BOUNCE;
 
-			ret = dio_append(&f, *stage + off, k);
+			ret = ckpt_dio_append(&f, *stage + off, k);
 			crc = crc32(crc, *stage + off, (uInt)k);
 			__atomic_add_fetch(&c->bytes, k, __ATOMIC_RELAXED);
 			off += k;
 		}
 		if (!ret)
-			ret = dio_finish(&f);
+			ret = ckpt_dio_finish(&f);
 		fe->bytes = hlen + dsize;
 		fe->crc32 = (uint32_t)crc;
 		if (ret)
 			eng_fmt(msg, len, "checkpoint %s: writing %s of group '%s': %s", c->dir, fe->name,
 				cg->hdr.name, ret == -SHARDD_E_INVALID ? err : strerror(ret < 0 ? -ret : EIO));
-		dio_close(&f);
+		ckpt_dio_close(&f);
 		free(hdr);
 		free(t);
 		free(*stage);
 		*stage = NULL;
 	}
 	free(buf);
-	return ret;
-}
-
-/* Remove the files of directory `path` (no subdirectories in a checkpoint), then it. */
-static int remove_dir(int parentfd, const char *path)
-{
-	int fd = openat(parentfd, path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-	DIR *d;
-	struct dirent *e;
-
-	if (fd < 0)
-		return -errno;
-	d = fdopendir(fd);
-	if (!d) {
-		close(fd);
-		return -errno;
-	}
-	while ((e = readdir(d)))
-		if (strcmp(e->d_name, ".") && strcmp(e->d_name, ".."))
-			unlinkat(fd, e->d_name, 0);
-	closedir(d);
-	return unlinkat(parentfd, path, AT_REMOVEDIR) ? -errno : 0;
-}
-
-static int step_cmp(const void *a, const void *b)
-{
-	unsigned long long x = strtoull(*(char *const *)a + 5, NULL, 10);
-	unsigned long long y = strtoull(*(char *const *)b + 5, NULL, 10);
-
-	return x < y ? -1 : x > y;
-}
-
-/* 1 for "step-<digits>". */
-static int is_step_dir(const char *s)
-{
-	return !strncmp(s, "step-", 5) && s[5] && strspn(s + 5, "0123456789") == strlen(s + 5);
-}
-
-/* In keep_root: remove stale temporary directories, and the oldest step-* beyond `keep`. */
-static void retention(struct eng_ckpt *c)
-{
-	int fd = open(c->keep_root, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-	char **steps = NULL;
-	size_t n = 0, cap = 0;
-	struct dirent *e;
-	DIR *d;
-
-	if (fd < 0)
-		return;
-	d = fdopendir(fd);
-	if (!d) {
-		close(fd);
-		return;
-	}
-	while ((e = readdir(d))) {
-		if (!strncmp(e->d_name, ".tmp-", 5)) {
-			remove_dir(fd, e->d_name);
-			continue;
-		}
-		if (!c->keep || !is_step_dir(e->d_name))
-			continue;
-		if (n == cap) {
-			char **bigger = realloc(steps, (cap = cap ? 2 * cap : 16) * sizeof(*steps));
-
-			if (!bigger)
-				break;
-			steps = bigger;
-		}
-		if (!(steps[n] = strdup(e->d_name)))
-			break;
-		n++;
-	}
-	if (n)
-		qsort(steps, n, sizeof(*steps), step_cmp);
-	for (size_t i = 0; i + c->keep < n; i++) {
-		int ret = remove_dir(fd, steps[i]);
-
-		if (ret)
-			shd_log_warn("checkpoint retention (--keep %u): cannot remove %s/%s: %s", c->keep,
-				     c->keep_root, steps[i], strerror(-ret));
-		else
-			shd_log_info("checkpoint retention (--keep %u): removed %s/%s", c->keep, c->keep_root,
-				     steps[i]);
-	}
-	for (size_t i = 0; i < n; i++)
-		free(steps[i]);
-	free(steps);
-	closedir(d);
-}
-
-static int write_text(int dirfd, const char *name, const char *text)
-{
-	int fd = openat(dirfd, name, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644), ret;
-
-	if (fd < 0)
-		return -errno;
-	ret = write_all(fd, text, strlen(text), 0);
-	if (!ret && fsync(fd))
-		ret = -errno;
-	close(fd);
 	return ret;
 }
 
@@ -643,12 +326,12 @@ static int save_final(struct eng_ckpt *c, char *msg, size_t len)
 
 	if (c->res) {
 		/* A group's save failed: nothing of this checkpoint stays. */
-		remove_dir(AT_FDCWD, c->tmp);
+		ckpt_remove_dir(AT_FDCWD, c->tmp);
 		return c->res;
 	}
 	ret = shd_ckpt_manifest_dump(&c->m, &json, err, sizeof(err));
 	if (!ret)
-		ret = write_text(c->dirfd, SHD_CKPT_MANIFEST, json);
+		ret = ckpt_write_text(c->dirfd, SHD_CKPT_MANIFEST, json);
 	free(json);
 	json = NULL;
 	if (!ret && c->m.ngroups > 1) {
@@ -668,7 +351,7 @@ static int save_final(struct eng_ckpt *c, char *msg, size_t len)
 		}
 		ret = shd_ckpt_index_dump(&c->m, total, &json, err, sizeof(err));
 		if (!ret)
-			ret = write_text(c->dirfd, SHD_CKPT_INDEX, json);
+			ret = ckpt_write_text(c->dirfd, SHD_CKPT_INDEX, json);
 		free(json);
 	}
 	if (!ret) {
@@ -692,11 +375,11 @@ static int save_final(struct eng_ckpt *c, char *msg, size_t len)
 	if (ret) {
 		eng_fmt(msg, len, "checkpoint %s: writing %s: %s", c->dir, what,
 			err[0] ? err : strerror(ret < 0 && ret > -SHARDD_E_BASE ? -ret : EIO));
-		remove_dir(AT_FDCWD, c->tmp);
+		ckpt_remove_dir(AT_FDCWD, c->tmp);
 		return ret;
 	}
 	if (c->keep_root)
-		retention(c);
+		ckpt_retention(c->keep_root, c->keep);
 	return 0;
 }
 
@@ -856,28 +539,6 @@ void eng_ckpt_job_end(struct shd_engine_job *j, const char *why)
 int shd_engine_job_checkpointing(const struct shd_engine_job *j)
 {
 	return j->ckpt != NULL;
-}
-
-/* mkdir -p `path` (mode 0755). 0 or -errno. */
-static int mkdir_p(const char *path)
-{
-	char buf[4096];
-	size_t n = strlen(path);
-
-	if (n >= sizeof(buf))
-		return -ENAMETOOLONG;
-	memcpy(buf, path, n + 1);
-	for (char *p = buf + 1; *p; p++) {
-		if (*p != '/')
-			continue;
-		*p = '\0';
-		if (mkdir(buf, 0755) && errno != EEXIST)
-			return -errno;
-		*p = '/';
-	}
-	if (mkdir(buf, 0755) && errno != EEXIST)
-		return -errno;
-	return 0;
 }
 
 /* Check the job can be saved now and fill c->m, c->egs, c->file_of. */
@@ -1051,7 +712,7 @@ static int ckpt_start(struct shd_engine_job *j, const struct shd_engine_ckpt_tar
 		ret = -SHARDD_E_INVALID;
 		goto fail;
 	}
-	ret = mkdir_p(c->parent);
+	ret = ckpt_mkdir_p(c->parent);
 	if (ret || !mkdtemp(c->tmp) || (c->dirfd = open(c->tmp, O_RDONLY | O_DIRECTORY | O_CLOEXEC)) < 0) {
 		eng_fmt(msg, len, "checkpoint %s: cannot create %s: %s", tg->dir, ret ? c->parent : c->tmp,
 			strerror(ret ? -ret : errno));
@@ -1084,7 +745,7 @@ static int ckpt_start(struct shd_engine_job *j, const struct shd_engine_ckpt_tar
 	free(tasks);
 	return 0;
 nomem_tmp:
-	remove_dir(AT_FDCWD, c->tmp);
+	ckpt_remove_dir(AT_FDCWD, c->tmp);
 nomem:
 	eng_fmt(msg, len, "out of memory to plan the checkpoint");
 	ret = -SHARDD_E_NOMEM;

@@ -1,0 +1,322 @@
+/* SPDX-License-Identifier: MIT */
+/* A checkpoint on disk (ckpt_files.h): its file writer (O_DIRECT through io_uring, a buffered tail) and its directories. */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "ckpt_files.h"
+#include "log.h"
+
+int ckpt_write_all(int fd, const void *buf, size_t n, uint64_t off)
+{
+	const uint8_t *p = buf;
+
+	while (n) {
+		ssize_t w = pwrite(fd, p, n, (off_t)off);
+
+		if (w < 0) {
+			if (errno == EINTR)
+				continue;
+			return -errno;
+		}
+		p += w;
+		n -= (size_t)w;
+		off += (uint64_t)w;
+	}
+	return 0;
+}
+
+
+/* Create `name` in dirfd (O_EXCL). 0 or -errno; buf is the caller's CKPT_DIO_BYTES aligned bytes. */
+int ckpt_dio_open(struct dio_file *f, int dirfd, const char *name, uint8_t *buf)
+{
+	*f = (struct dio_file){ .fd = -1, .dfd = -1, .buf = buf };
+	for (uint32_t i = 0; i < CKPT_DIO_BUFS; i++)
+		f->bufs[i] = buf + (size_t)i * CKPT_DIO_CHUNK;
+	f->fd = openat(dirfd, name, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+	if (f->fd < 0)
+		return -errno;
+	f->dfd = openat(dirfd, name, O_WRONLY | O_DIRECT | O_CLOEXEC);
+	f->ring_ok = f->dfd >= 0 && io_uring_queue_init(CKPT_DIO_BUFS, &f->ring, 0) == 0;
+	return 0;
+}
+
+/*
+ * Wait for buffer i's write in flight, if any (taking the others' as they
+ * complete first). A write the filesystem refused direct (EINVAL), or cut
+ * short, is finished buffered: the buffer is still intact. 0 or -errno; a
+ * failed wait leaves len set.
+ */
+static int dio_wait(struct dio_file *f, uint32_t i)
+{
+	int ret = 0;
+
+	while (f->len[i]) {
+		struct io_uring_cqe *cqe;
+		uint32_t k, done = 0;
+		int res, err = 0;
+
+		res = io_uring_wait_cqe(&f->ring, &cqe);
+		if (res == -EINTR)
+			continue;
+		if (res)
+			return res;
+		k = (uint32_t)io_uring_cqe_get_data64(cqe);
+		res = cqe->res;
+		io_uring_cqe_seen(&f->ring, cqe);
+		if (k >= CKPT_DIO_BUFS || !f->len[k])
+			return -EIO;
+		if (res == -EINVAL && f->dfd >= 0) {
+			close(f->dfd);
+			f->dfd = -1;
+		} else if (res < 0) {
+			err = res;
+		} else {
+			done = (uint32_t)res;
+		}
+		if (!err && done < f->len[k])
+			err = ckpt_write_all(f->fd, f->bufs[k] + done, f->len[k] - done, f->at[k] + done);
+		if (err && !ret)
+			ret = err;
+		f->len[k] = 0;
+	}
+	return ret;
+}
+
+/* Write out n bytes of buf at base: direct (through the ring when there is one) when it can, else buffered. */
+static int dio_put(struct dio_file *f, size_t n, int last)
+{
+	int ret;
+
+	if (f->dfd < 0 || n % CKPT_DIO_ALIGN || f->base % CKPT_DIO_ALIGN)
+		return ckpt_write_all(f->fd, f->buf, n, f->base);
+	if (!f->ring_ok) {
+		ret = ckpt_write_all(f->dfd, f->buf, n, f->base);
+		if (ret != -EINVAL)
+			return ret;
+		close(f->dfd);
+		f->dfd = -1;
+		return ckpt_write_all(f->fd, f->buf, n, f->base);
+	}
+	{
+		struct io_uring_sqe *sqe = io_uring_get_sqe(&f->ring);
+
+		if (!sqe)
+			return -EBUSY; /* a ring as deep as the buffers: never */
+		io_uring_prep_write(sqe, f->dfd, f->buf, (unsigned)n, f->base);
+		io_uring_sqe_set_data64(sqe, f->cur);
+		f->len[f->cur] = (uint32_t)n;
+		f->at[f->cur] = f->base;
+		ret = io_uring_submit(&f->ring);
+		if (ret < 0) {
+			f->len[f->cur] = 0;
+			return ret;
+		}
+	}
+	if (last)
+		return dio_wait(f, f->cur);
+	/* Fill the next buffer (once its own write is done) while this one is written. */
+	f->cur = (f->cur + 1) % CKPT_DIO_BUFS;
+	f->buf = f->bufs[f->cur];
+	return dio_wait(f, f->cur);
+}
+
+/* Room at the end of the buffer (after making some: a full buffer goes out). */
+int ckpt_dio_room(struct dio_file *f, uint8_t **at, size_t *len)
+{
+	if (f->fill == CKPT_DIO_CHUNK) {
+		int ret = dio_put(f, CKPT_DIO_CHUNK, 0);
+
+		f->base += CKPT_DIO_CHUNK;
+		f->fill = 0;
+		if (ret)
+			return ret;
+	}
+	*at = f->buf + f->fill;
+	*len = CKPT_DIO_CHUNK - f->fill;
+	return 0;
+}
+
+/* Append n bytes from memory. */
+int ckpt_dio_append(struct dio_file *f, const uint8_t *p, size_t n)
+{
+	while (n) {
+		uint8_t *at;
+		size_t k;
+		int ret = ckpt_dio_room(f, &at, &k);
+
+		if (ret)
+			return ret;
+		k = k < n ? k : n;
+		memcpy(at, p, k);
+		f->fill += (uint32_t)k;
+		p += k;
+		n -= k;
+	}
+	return 0;
+}
+
+/* Write out what the buffers hold (the aligned head direct, the tail buffered), then fsync. */
+int ckpt_dio_finish(struct dio_file *f)
+{
+	uint32_t head = f->fill / CKPT_DIO_ALIGN * CKPT_DIO_ALIGN;
+	int ret = 0;
+
+	for (uint32_t i = 0; i < CKPT_DIO_BUFS && f->ring_ok; i++) {
+		int r = dio_wait(f, i);
+
+		ret = ret ? ret : r;
+	}
+
+	if (!ret && head)
+		ret = dio_put(f, head, 1);
+	if (!ret && f->fill > head)
+		ret = ckpt_write_all(f->fd, f->buf + head, f->fill - head, f->base + head);
+	if (!ret && fsync(f->fd))
+		ret = -errno;
+	return ret;
+}
+
+/* Close; a write still in flight (after a failure) is waited for before the buffers are freed. */
+void ckpt_dio_close(struct dio_file *f)
+{
+	if (f->ring_ok) {
+		for (uint32_t i = 0; i < CKPT_DIO_BUFS; i++)
+			if (f->len[i])
+				dio_wait(f, i);
+		io_uring_queue_exit(&f->ring);
+		f->ring_ok = 0;
+	}
+	if (f->dfd >= 0)
+		close(f->dfd);
+	if (f->fd >= 0)
+		close(f->fd);
+	f->fd = f->dfd = -1;
+}
+
+/* Remove the files of directory `path` (no subdirectories in a checkpoint), then it. */
+int ckpt_remove_dir(int parentfd, const char *path)
+{
+	int fd = openat(parentfd, path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+	DIR *d;
+	struct dirent *e;
+
+	if (fd < 0)
+		return -errno;
+	d = fdopendir(fd);
+	if (!d) {
+		close(fd);
+		return -errno;
+	}
+	while ((e = readdir(d)))
+		if (strcmp(e->d_name, ".") && strcmp(e->d_name, ".."))
+			unlinkat(fd, e->d_name, 0);
+	closedir(d);
+	return unlinkat(parentfd, path, AT_REMOVEDIR) ? -errno : 0;
+}
+
+static int step_cmp(const void *a, const void *b)
+{
+	unsigned long long x = strtoull(*(char *const *)a + 5, NULL, 10);
+	unsigned long long y = strtoull(*(char *const *)b + 5, NULL, 10);
+
+	return x < y ? -1 : x > y;
+}
+
+/* 1 for "step-<digits>". */
+static int is_step_dir(const char *s)
+{
+	return !strncmp(s, "step-", 5) && s[5] && strspn(s + 5, "0123456789") == strlen(s + 5);
+}
+
+/* In keep_root: remove stale temporary directories, and the oldest step-* beyond `keep`. */
+void ckpt_retention(const char *keep_root, uint32_t keep)
+{
+	int fd = open(keep_root, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+	char **steps = NULL;
+	size_t n = 0, cap = 0;
+	struct dirent *e;
+	DIR *d;
+
+	if (fd < 0)
+		return;
+	d = fdopendir(fd);
+	if (!d) {
+		close(fd);
+		return;
+	}
+	while ((e = readdir(d))) {
+		if (!strncmp(e->d_name, ".tmp-", 5)) {
+			ckpt_remove_dir(fd, e->d_name);
+			continue;
+		}
+		if (!keep || !is_step_dir(e->d_name))
+			continue;
+		if (n == cap) {
+			char **bigger = realloc(steps, (cap = cap ? 2 * cap : 16) * sizeof(*steps));
+
+			if (!bigger)
+				break;
+			steps = bigger;
+		}
+		if (!(steps[n] = strdup(e->d_name)))
+			break;
+		n++;
+	}
+	if (n)
+		qsort(steps, n, sizeof(*steps), step_cmp);
+	for (size_t i = 0; i + keep < n; i++) {
+		int ret = ckpt_remove_dir(fd, steps[i]);
+
+		if (ret)
+			shd_log_warn("checkpoint retention (--keep %u): cannot remove %s/%s: %s", keep,
+				     keep_root, steps[i], strerror(-ret));
+		else
+			shd_log_info("checkpoint retention (--keep %u): removed %s/%s", keep, keep_root,
+				     steps[i]);
+	}
+	for (size_t i = 0; i < n; i++)
+		free(steps[i]);
+	free(steps);
+	closedir(d);
+}
+
+int ckpt_write_text(int dirfd, const char *name, const char *text)
+{
+	int fd = openat(dirfd, name, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644), ret;
+
+	if (fd < 0)
+		return -errno;
+	ret = ckpt_write_all(fd, text, strlen(text), 0);
+	if (!ret && fsync(fd))
+		ret = -errno;
+	close(fd);
+	return ret;
+}
+
+/* mkdir -p `path` (mode 0755). 0 or -errno. */
+int ckpt_mkdir_p(const char *path)
+{
+	char buf[4096];
+	size_t n = strlen(path);
+
+	if (n >= sizeof(buf))
+		return -ENAMETOOLONG;
+	memcpy(buf, path, n + 1);
+	for (char *p = buf + 1; *p; p++) {
+		if (*p != '/')
+			continue;
+		*p = '\0';
+		if (mkdir(buf, 0755) && errno != EEXIST)
+			return -errno;
+		*p = '/';
+	}
+	if (mkdir(buf, 0755) && errno != EEXIST)
+		return -errno;
+	return 0;
+}

@@ -260,7 +260,10 @@ int bench_step_run(const struct bench_opts *o);
 
 /* ---- world.c -------------------------------------------------------- */
 
-/* HSDP reduce across --nodes daemons under mpirun, against Open MPI. 0, or 1 on failure or #wrong. */
+/*
+ * HSDP reduce, FSDP unshard and reduce across --nodes daemons under mpirun,
+ * against Open MPI. 0, or 1 on failure or #wrong.
+ */
 int bench_world_run(const struct bench_opts *o);
 
 #endif /* SHARDBENCH_H */

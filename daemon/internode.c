@@ -183,7 +183,7 @@ int eng_span_allreduce(struct eng_task *t, const struct shardd_reduce_math *ar)
 	struct shd_engine_job *j = eg->j;
 	struct shd_group *g = eg->g;
 	struct shd_backend_ctx *b = j->e->backend;
-	uint32_t N = j->span_nodes, L = g->shard, rdt = g->reduce_dtype;
+	uint32_t N = j->span_nodes, L = g->shard, rdt = g->reduce_dtype, me = j->span_node;
 	uint32_t wire = shd_world_internode_dtype() == SHD_INTERNODE_FP32 ? SHARDD_DTYPE_FP32 : rdt;
 	size_t P = g->reduce_shard_size, rsz = shardd_dtype_size(rdt), wsz = shardd_dtype_size(wire);
 	size_t E = P / rsz, T = (size_t)L * E, C = (T + N - 1) / N;
@@ -228,12 +228,20 @@ int eng_span_allreduce(struct eng_task *t, const struct shardd_reduce_math *ar)
 		span_ar_failed(t, ret, missing, why);
 		goto out;
 	}
-	/* Slice `me` summed over the nodes in node order: s = round_rd(sum / avg), as one daemon. */
+	/*
+	 * Slice `me` summed over the nodes in node order: s = round_rd(sum /
+	 * avg), as one daemon. This node's own slice is read where it was
+	 * sent from (the exchange leaves its receive slot empty).
+	 */
 	for (uint32_t k = 0; k < N; k++)
-		in[k] = d1 + (size_t)(N + k) * C * wsz;
-	shardd_k_reduce(d2, rdt, 0, in, N, wire, C, &sum);
-	/* All-gather of the summed slices, in the reduce dtype: every node gets every shard's s. */
-	ret = shd_world_xchg(span_key(eg), seq + 1, check, b2, 0, 0, C * rsz, C * rsz,
+		in[k] = d1 + (size_t)(k == me ? k : N + k) * C * wsz;
+	/*
+	 * All-gather of the summed slices, in the reduce dtype: every node
+	 * gets every shard's s; this node's is summed into its place among
+	 * them and sent from there.
+	 */
+	shardd_k_reduce(d2 + (size_t)(1 + me) * C * rsz, rdt, 0, in, N, wire, C, &sum);
+	ret = shd_world_xchg(span_key(eg), seq + 1, check, b2, (size_t)(1 + me) * C * rsz, 0, C * rsz, C * rsz,
 			     shd_now_ns() + j->e->timeout_ns, missing, why, sizeof(why));
 	if (ret) {
 		span_ar_failed(t, ret, missing, why);

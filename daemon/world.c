@@ -25,6 +25,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -41,8 +42,15 @@
 
 /* Seconds shd_world_stop waits for the communication thread to finalise MPI. */
 #define WORLD_STOP_WAIT_S 10
-/* Nanoseconds the communication thread sleeps between turns while an exchange waits. */
+/* Nanoseconds the communication thread sleeps between turns while an exchange waits for a peer. */
 #define WORLD_POLL_NS 5000
+/*
+ * While payloads stream (see world_thread), turns follow each other
+ * without sleeping, until no request of the streaming exchanges has
+ * completed for this long: a peer that stops mid-payload costs a core for
+ * at most this, then the 5 us polls again until the collective timeout.
+ */
+#define WORLD_STREAM_IDLE_NS (200ull * 1000 * 1000)
 
 struct world_hdr {
 	uint64_t key, seq, check, bytes;
@@ -71,6 +79,9 @@ struct world_xfer {
 	size_t errlen;
 	int done, res;
 	struct shd_world_op *op;     /* an async exchange's: woken through its fd, or freed when abandoned */
+
+	int streaming;               /* a peer's header is in and payloads are still open */
+	uint64_t last_event_ns;      /* a request of x completed (or x was posted) */
 
 	MPI_Request *req;            /* [4 * nodes]: header recv, payload recv, header send, payload send of node k at 4k.. */
 };
@@ -452,10 +463,16 @@ static int xfer_drop_stale(struct world_xfer *x, uint32_t k)
 	return xfer_post_one(x, k, 0);
 }
 
-/* Test x's requests. 1 when x ended (finished), else 0. */
+/*
+ * Test x's requests. 1 when x ended (finished), else 0, with x->streaming
+ * set when some peer's header is in and a payload to or from that peer is
+ * still open: bytes are moving, and move only while MPI is called.
+ */
 static int xfer_poll(struct world_xfer *x, uint64_t now)
 {
 	int pending = 0;
+
+	x->streaming = 0;
 
 	for (uint32_t k = 0; k < W.nodes; k++) {
 		for (int i = 0; i < 4; i++) {
@@ -478,8 +495,12 @@ static int xfer_poll(struct world_xfer *x, uint64_t now)
 			}
 			if (!flag) {
 				pending++;
+				/* Payload requests: 1 (posted once k's header was checked) and 3. */
+				if (i == 1 || (i == 3 && x->req[4 * k] == MPI_REQUEST_NULL))
+					x->streaming = 1;
 				continue;
 			}
+			x->last_event_ns = now;
 			shd_world_buf_put(x->b);
 			if (i == 0) {
 				chk = xfer_check(x, k, &st);
@@ -562,6 +583,7 @@ static void *world_thread(void *arg)
 	for (;;) {
 		struct world_xfer *fresh;
 		uint64_t now;
+		int stream;
 
 		pthread_mutex_lock(&W.lock);
 		while (!W.stop && !W.queue && !W.active && !W.held)
@@ -584,10 +606,12 @@ static void *world_thread(void *arg)
 				xfer_finish(x, rc);
 				continue;
 			}
+			x->last_event_ns = shd_now_ns();
 			x->next = W.active;
 			W.active = x;
 		}
 		now = shd_now_ns();
+		stream = 0;
 		for (struct world_xfer **pp = &W.active; *pp; ) {
 			/* x lives on its caller's stack: once finished it may be gone. */
 			struct world_xfer *x = *pp, *next = x->next;
@@ -599,17 +623,27 @@ static void *world_thread(void *arg)
 			} else if (xfer_poll(x, now)) {
 				*pp = next;
 			} else {
+				stream |= x->streaming && now - x->last_event_ns < WORLD_STREAM_IDLE_NS;
 				pp = &x->next;
 			}
 		}
 		held_poll();
-		if (W.active || W.held) {
+		if (stream) {
+			/*
+			 * Payloads stream: Open MPI's TCP transport moves bytes only
+			 * inside MPI_Test, and each turn moves what the sockets take,
+			 * so the next turn follows at once (a sleep, however short,
+			 * costs a timer wake-up, tens of us on a VM, in which the
+			 * socket buffers run dry). The yield leaves the core to any
+			 * other runnable thread of the daemon first.
+			 */
+			sched_yield();
+		} else if (W.active || W.held) {
 			/*
 			 * Poll, but leave the core to the loop and the workers: 5 us
-			 * per turn while an exchange waits (Open MPI's TCP transport
-			 * moves bytes only inside MPI_Test, so a longer sleep stalls
-			 * large messages), 10 ms when only requests of ended exchanges
-			 * (a failed peer's) are left.
+			 * per turn while an exchange waits for its peers' headers,
+			 * 10 ms when only requests of ended exchanges (a failed
+			 * peer's) are left.
 			 */
 			struct timespec ts = { 0, W.active ? WORLD_POLL_NS : 10000000 };
 
@@ -695,12 +729,9 @@ int shd_world_xchg(uint64_t key, uint64_t seq, uint64_t check, struct shd_world_
 		.send_off = send_off, .send_stride = send_stride, .recv_off = recv_off, .b = b,
 		.missing = missing, .err = err, .errlen = len,
 	};
-	uint8_t *own = b->data + recv_off + (size_t)W.node * bytes, *mine = b->data + send_off + W.node * send_stride;
 
 	memset(missing, 0, W.nodes);
 	err[0] = '\0';
-	if (own != mine)
-		memmove(own, mine, bytes);
 	if (W.nodes == 1)
 		return 0;
 	pthread_mutex_lock(&W.lock);
@@ -717,20 +748,36 @@ int shd_world_exchange(uint64_t key, uint64_t seq, uint64_t check, const void *c
 		       void *recv, size_t bytes, uint64_t deadline_ns, uint8_t *missing, char *err,
 		       size_t len)
 {
-	size_t nb = (size_t)W.nodes * bytes;
-	struct shd_world_buf *b = shd_world_buf_new(2 * nb);
+	uint32_t me = W.node, other = me ? 0 : 1;
+	size_t nb = (size_t)W.nodes * bytes, stride = 0, sent;
+	struct shd_world_buf *b;
 	int ret;
 
+	/*
+	 * MPI sends from and receives into b, which outlives this call while
+	 * MPI holds it; this node's own part never enters it. One copy of
+	 * what goes out when every node gets the same (an unshard's chunk).
+	 */
+	for (uint32_t k = 0; k < W.nodes; k++)
+		if (k != me && send[k] != send[other])
+			stride = bytes;
+	sent = stride ? nb : bytes;
+	b = shd_world_buf_new(sent + nb);
 	if (!b) {
 		memset(missing, 0, W.nodes);
-		snprintf(err, len, "out of memory for inter-node buffers of %zu bytes", 2 * nb);
+		snprintf(err, len, "out of memory for inter-node buffers of %zu bytes", sent + nb);
 		return -SHARDD_E_NOMEM;
 	}
 	for (uint32_t k = 0; k < W.nodes; k++)
-		memcpy(b->data + k * bytes, send[k], bytes);
-	ret = shd_world_xchg(key, seq, check, b, 0, bytes, nb, bytes, deadline_ns, missing, err, len);
-	if (!ret)
-		memcpy(recv, b->data + nb, nb);
+		if (k != me && (stride || k == other))
+			memcpy(b->data + k * stride, send[k], bytes);
+	ret = shd_world_xchg(key, seq, check, b, 0, stride, sent, bytes, deadline_ns, missing, err, len);
+	if (!ret) {
+		for (uint32_t k = 0; k < W.nodes; k++)
+			if (k != me)
+				memcpy((uint8_t *)recv + k * bytes, b->data + sent + k * bytes, bytes);
+		memmove((uint8_t *)recv + me * bytes, send[me], bytes);
+	}
 	shd_world_buf_put(b);
 	return ret;
 }

@@ -74,7 +74,9 @@ void shd_world_buf_put(struct shd_world_buf *b);
 /*
  * shd_world_exchange within one buffer: node k gets the `bytes` at
  * send_off + k * send_stride (send_stride 0: the same bytes to every node),
- * node k's bytes land at recv_off + k * bytes (this node's copied there).
+ * node k's bytes land at recv_off + k * bytes; this node's own slot there
+ * is left as it is (its bytes are at send_off + node * send_stride: read
+ * them there, or make the two places one).
  * Same results and errors as shd_world_exchange.
  */
 int shd_world_xchg(uint64_t key, uint64_t seq, uint64_t check, struct shd_world_buf *b, size_t send_off,

@@ -51,6 +51,15 @@
  * at most this, then the 5 us polls again until the collective timeout.
  */
 #define WORLD_STREAM_IDLE_NS (200ull * 1000 * 1000)
+/*
+ * Turns also follow each other for this long after an exchange was posted
+ * or one of its requests completed, and the thread stays up this long
+ * after its last exchange ended before it sleeps on the condition
+ * variable: the nodes of an op arrive within about this of each other, and
+ * an op's next exchange (the HSDP all-gather after its sum) follows within
+ * it, so neither waits for a timer or a wake-up (tens of us each on a VM).
+ */
+#define WORLD_LINGER_NS (500ull * 1000)
 
 struct world_hdr {
 	uint64_t key, seq, check, bytes;
@@ -545,6 +554,7 @@ static int xfer_poll(struct world_xfer *x, uint64_t now)
 static void *world_thread(void *arg)
 {
 	int provided = 0, rank = 0, size = 0, flag = 0, rc;
+	uint64_t busy_ns = 0;        /* the last turn with an exchange in flight */
 	void *ub = NULL;
 
 	(void)arg;
@@ -586,8 +596,15 @@ static void *world_thread(void *arg)
 		int stream;
 
 		pthread_mutex_lock(&W.lock);
-		while (!W.stop && !W.queue && !W.active && !W.held)
+		while (!W.stop && !W.queue && !W.active && !W.held) {
+			if (shd_now_ns() - busy_ns < WORLD_LINGER_NS) {
+				pthread_mutex_unlock(&W.lock);
+				sched_yield();
+				pthread_mutex_lock(&W.lock);
+				continue;
+			}
 			pthread_cond_wait(&W.cv, &W.lock);
+		}
 		fresh = W.queue;
 		W.queue = NULL;
 		if (W.stop && !fresh && !W.active) {
@@ -611,6 +628,8 @@ static void *world_thread(void *arg)
 			W.active = x;
 		}
 		now = shd_now_ns();
+		if (W.active)
+			busy_ns = now;
 		stream = 0;
 		for (struct world_xfer **pp = &W.active; *pp; ) {
 			/* x lives on its caller's stack: once finished it may be gone. */
@@ -623,27 +642,29 @@ static void *world_thread(void *arg)
 			} else if (xfer_poll(x, now)) {
 				*pp = next;
 			} else {
-				stream |= x->streaming && now - x->last_event_ns < WORLD_STREAM_IDLE_NS;
+				stream |= (x->streaming && now - x->last_event_ns < WORLD_STREAM_IDLE_NS) ||
+					  now - x->last_event_ns < WORLD_LINGER_NS;
 				pp = &x->next;
 			}
 		}
 		held_poll();
 		if (stream) {
 			/*
-			 * Payloads stream: Open MPI's TCP transport moves bytes only
-			 * inside MPI_Test, and each turn moves what the sockets take,
-			 * so the next turn follows at once (a sleep, however short,
-			 * costs a timer wake-up, tens of us on a VM, in which the
-			 * socket buffers run dry). The yield leaves the core to any
-			 * other runnable thread of the daemon first.
+			 * Payloads stream (or the peers are about to arrive): Open
+			 * MPI's TCP transport moves bytes only inside MPI_Test, and
+			 * each turn moves what the sockets take, so the next turn
+			 * follows at once (a sleep, however short, costs a timer
+			 * wake-up, tens of us on a VM, in which the socket buffers run
+			 * dry). The yield leaves the core to any other runnable
+			 * thread first.
 			 */
 			sched_yield();
 		} else if (W.active || W.held) {
 			/*
 			 * Poll, but leave the core to the loop and the workers: 5 us
-			 * per turn while an exchange waits for its peers' headers,
-			 * 10 ms when only requests of ended exchanges (a failed
-			 * peer's) are left.
+			 * per turn while an exchange waits longer for its peers'
+			 * headers, 10 ms when only requests of ended exchanges (a
+			 * failed peer's) are left.
 			 */
 			struct timespec ts = { 0, W.active ? WORLD_POLL_NS : 10000000 };
 

@@ -281,7 +281,7 @@ static void coll_rank_gone(struct eng_group *eg, struct eng_coll *c, uint32_t ra
 	if (shd_rdv_has_arrived(&c->rdv, rank) && c->ops[rank - c->base].token != token)
 		return;
 	coll_what(eg, c, what, sizeof(what));
-	shd_rdv_who_present(&c->rdv, who, sizeof(who));
+	shd_rdv_who_present_but(&c->rdv, rank, who, sizeof(who));
 	eng_fmt(msg, sizeof(msg), "shardd: rank %u left (its client is gone) during %s; failed for %s",
 		rank, what, who);
 	coll_fail(eg, c, -SHARDD_E_PEER_DIED, msg, rank);

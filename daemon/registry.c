@@ -496,7 +496,7 @@ void eng_reg_rank_gone(struct eng_group *eg, uint32_t rank, uint64_t token)
 		}
 		return;
 	}
-	shd_rdv_who_present(&eg->reg, who, sizeof(who));
+	shd_rdv_who_present_but(&eg->reg, rank, who, sizeof(who));
 	eng_fmt(msg, sizeof(msg),
 		"shardd: rank %u left (its client is gone) before group '%s' was registered by every rank; failed for %s",
 		rank, eg->g->name, who);

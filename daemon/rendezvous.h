@@ -73,6 +73,8 @@ void shd_rdv_failing(const struct shd_rdv *r, uint32_t rank, char *buf, size_t l
 /* "rank 3" or "ranks 3,5": the same lists as the subject of a sentence. */
 void shd_rdv_who_missing(const struct shd_rdv *r, char *buf, size_t len);
 void shd_rdv_who_present(const struct shd_rdv *r, char *buf, size_t len);
+/* The arrived ranks but `rank` (one that left): "ranks 0,1", "rank 0" or "no rank". */
+void shd_rdv_who_present_but(const struct shd_rdv *r, uint32_t rank, char *buf, size_t len);
 /*
  * The one description of the ranks a rendezvous still misses, for the
  * error of one that expired: "ranks 2,3 <did> within <within>; rank 0 is

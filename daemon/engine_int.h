@@ -262,7 +262,7 @@ void eng_group_enqueue(struct eng_group *eg, struct eng_task *t);
  */
 void eng_tasks_stop(struct eng_group *eg, int res, const char *msg);
 
-/* ---- ckpt_save.c: checkpoints ---- */
+/* ---- ckpt_save.c, ckpt_arm.c (eng_ckpt_try_armed): checkpoints ---- */
 
 /* Pool thread: the work of a TASK_SAVE or TASK_SAVE_FINAL; sets t->res and t->msg. */
 void eng_ckpt_exec(struct eng_task *t);

@@ -2,16 +2,13 @@
 /*
  * The checkpoint format (ckpt_format.h): what its writer
  * (ckpt_format_write.c) and its parser (ckpt_format_parse.c) share: error
- * text, dtype names and tensor sizes, and a file's CRC-32.
+ * text, dtype names and tensor sizes.
  */
 #define _GNU_SOURCE
-#include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
-#include <zlib.h>
 
 #include "ckpt_format.h"
 #include "ckpt_format_int.h"
@@ -61,35 +58,4 @@ uint64_t ckpt_st_bytes(const struct shd_st_tensor *t)
 int ckpt_cmp_str(const void *a, const void *b)
 {
 	return strcmp(*(const char *const *)a, *(const char *const *)b);
-}
-
-int shd_ckpt_file_crc(int fd, uint32_t *crc, uint64_t *bytes)
-{
-	static const size_t chunk = 1u << 20;
-	uint8_t *buf = malloc(chunk);
-	uLong c = crc32(0L, Z_NULL, 0);
-	uint64_t off = 0;
-
-	if (!buf)
-		return -ENOMEM;
-	for (;;) {
-		ssize_t n = pread(fd, buf, chunk, (off_t)off);
-
-		if (n < 0) {
-			int e = errno;
-
-			if (e == EINTR)
-				continue;
-			free(buf);
-			return -e;
-		}
-		if (!n)
-			break;
-		c = crc32(c, buf, (uInt)n);
-		off += (uint64_t)n;
-	}
-	free(buf);
-	*crc = (uint32_t)c;
-	*bytes = off;
-	return 0;
 }

@@ -84,6 +84,38 @@ uint32_t shd_nccl_check_device(struct shd_nccl *nc, int32_t device, int abort_al
 /* The job ended: destroy its cliques (ncclCommFinalize, then ncclCommDestroy; abort past the deadline). */
 void shd_nccl_job_end(struct shd_nccl *nc, const void *job);
 
+/*
+ * Across nodes (docs/CUDA.md "Across nodes", span_boot.h). A span clique
+ * holds this process's members of one communicator that spans the nodes of
+ * the daemon world: member k on devices[k] is NCCL rank ranks[k] of
+ * `nranks`. It is kept by (job, key, index), never found by
+ * shd_nccl_clique, and otherwise lives as any clique does (collectives,
+ * aborted on a device's error, destroyed with its job).
+ */
+
+/* `n` new unique ids (ncclGetUniqueId) into ids, SHD_SPAN_ID_BYTES each. 0, or -SHARDD_E_BACKEND with `err`. */
+int shd_nccl_unique_ids(uint8_t *ids, uint32_t n, char *err, size_t errlen);
+
+/*
+ * Make the span clique (job, key, index) from node 0's `id`
+ * (SHD_SPAN_ID_BYTES), in one group call, waiting until `deadline_ns`
+ * for every node's members to join. 0, or -SHARDD_E_BACKEND with `err`
+ * naming the devices, the NCCL ranks and the cause; nothing is left made.
+ */
+int shd_nccl_span_clique(struct shd_nccl *nc, const void *job, const char *job_name, uint64_t key,
+			 uint32_t index, const int32_t *devices, uint32_t n, const uint32_t *ranks,
+			 uint32_t nranks, const uint8_t *id, uint64_t deadline_ns, struct shd_nccl_clique **out,
+			 char *err, size_t errlen);
+
+/* The span clique (job, key, index), or NULL. */
+struct shd_nccl_clique *shd_nccl_span_find(struct shd_nccl *nc, const void *job, uint64_t key, uint32_t index);
+
+/* Abort and forget `c` (its communicators stop what still runs on the devices). */
+void shd_nccl_drop(struct shd_nccl *nc, struct shd_nccl_clique *c);
+
+/* 1 with `err` naming the devices and the cause when a communicator of `c` reports an asynchronous error; else 0. */
+int shd_nccl_clique_failed(struct shd_nccl_clique *c, char *err, size_t errlen);
+
 /* "devices 0,1,2" into `buf`, for messages about devices[0..n). */
 void shd_nccl_devices_str(const int32_t *devices, uint32_t n, char *buf, size_t len);
 

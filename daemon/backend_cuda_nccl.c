@@ -447,9 +447,10 @@ static const char *coll_name(uint32_t coll)
 	       : coll == SHD_NCCL_REDUCE_SCATTER ? "ncclReduceScatter" : "ncclAllReduce";
 }
 
-int shd_nccl_collective(struct shd_nccl *nc, struct shd_nccl_clique *c, uint32_t coll,
-			   void *const *send, void *const *recv, size_t count, uint32_t dtype,
-			   void *const *streams, char *err, size_t errlen)
+/* Queue one collective on every member of `c`, waiting until `deadline_ns` for NCCL to have queued it. */
+static int clique_collective(struct shd_nccl_clique *c, uint32_t coll, void *const *send, void *const *recv,
+			     size_t count, uint32_t dtype, void *const *streams, uint64_t deadline_ns, char *err,
+			     size_t errlen)
 {
 	ncclDataType_t dt = nccl_dtype(dtype);
 	ncclResult_t calls = ncclSuccess, r;
@@ -459,7 +460,7 @@ int shd_nccl_collective(struct shd_nccl *nc, struct shd_nccl_clique *c, uint32_t
 	r = api.group_start();
 	if (r != ncclSuccess) {
 		nccl_error(c, "ncclGroupStart", r, err, errlen);
-		goto err_abort;
+		return -SHARDD_E_BACKEND;
 	}
 	for (uint32_t k = 0; k < c->n && (calls == ncclSuccess || calls == ncclInProgress); k++) {
 		cudaStream_t s = (cudaStream_t)streams[k];
@@ -473,17 +474,32 @@ int shd_nccl_collective(struct shd_nccl *nc, struct shd_nccl_clique *c, uint32_t
 	}
 	r = group_result(calls, api.group_end());
 	if (r == ncclSuccess || r == ncclInProgress)
-		r = clique_wait(c, shd_now_ns() + nc->timeout_ns);
+		r = clique_wait(c, deadline_ns);
 	if (r == ncclSuccess)
 		return 0;
 	snprintf(what, sizeof(what), "%s%s", coll_name(coll),
 		 r == ncclInProgress ? " was not queued within the collective timeout" : "");
 	nccl_error(c, what, r, err, errlen);
-err_abort:
-	clique_unlink(nc, c);
-	clique_abort(c);
-	clique_free(c);
 	return -SHARDD_E_BACKEND;
+}
+
+int shd_nccl_collective(struct shd_nccl *nc, struct shd_nccl_clique *c, uint32_t coll,
+			   void *const *send, void *const *recv, size_t count, uint32_t dtype,
+			   void *const *streams, char *err, size_t errlen)
+{
+	int ret = clique_collective(c, coll, send, recv, count, dtype, streams, shd_now_ns() + nc->timeout_ns, err,
+				    errlen);
+
+	if (ret)
+		shd_nccl_drop(nc, c);
+	return ret;
+}
+
+int shd_nccl_span_collective(struct shd_nccl_clique *c, uint32_t coll, void *const *send, void *const *recv,
+			     size_t count, uint32_t dtype, void *const *streams, uint64_t deadline_ns, char *err,
+			     size_t errlen)
+{
+	return clique_collective(c, coll, send, recv, count, dtype, streams, deadline_ns, err, errlen);
 }
 
 uint32_t shd_nccl_check_device(struct shd_nccl *nc, int32_t device, int abort_all, char *err,
@@ -499,7 +515,8 @@ uint32_t shd_nccl_check_device(struct shd_nccl *nc, int32_t device, int abort_al
 		ncclResult_t bad = ncclSuccess;
 		int member = 0;
 
-		for (uint32_t k = 0; k < c->n; k++)
+		/* A span clique is its op's to watch (backend_cuda_span.c): its collectives are done when the op returns. */
+		for (uint32_t k = 0; k < c->n && !c->span; k++)
 			member |= c->devices[k] == device;
 		for (uint32_t k = 0; member && k < c->n && bad == ncclSuccess; k++) {
 			ncclResult_t state = ncclSuccess, r = api.comm_get_async_error(c->comms[k], &state);
@@ -573,19 +590,14 @@ struct shd_nccl_clique *shd_nccl_span_find(struct shd_nccl *nc, const void *job,
 	return NULL;
 }
 
-int shd_nccl_span_clique(struct shd_nccl *nc, const void *job, const char *job_name, uint64_t key,
-			 uint32_t index, const int32_t *devices, uint32_t n, const uint32_t *ranks,
-			 uint32_t nranks, const uint8_t *id, uint64_t deadline_ns, struct shd_nccl_clique **out,
-			 char *err, size_t errlen)
+int shd_nccl_span_make(const void *job, const char *job_name, uint64_t key, uint32_t index,
+		       const int32_t *devices, uint32_t n, const uint32_t *ranks, uint32_t nranks, const uint8_t *id,
+		       uint64_t deadline_ns, struct shd_nccl_clique **out, char *err, size_t errlen)
 {
 	struct shd_nccl_clique *c;
 	char devs[128];
 	int ret;
 
-	if (shd_nccl_span_find(nc, job, key, index)) {
-		snprintf(err, errlen, "communicator %u of this group of job '%s' exists already", index, job_name);
-		return -SHARDD_E_INVALID;
-	}
 	ret = shd_nccl_load(err, errlen);
 	if (ret)
 		return ret;
@@ -619,10 +631,24 @@ int shd_nccl_span_clique(struct shd_nccl *nc, const void *job, const char *job_n
 	shd_nccl_devices_str(devices, n, devs, sizeof(devs));
 	shd_log_info("cuda backend: NCCL communicator %u of job '%s' across nodes ready: %s, NCCL rank%s %d%s of %u",
 		     index, job_name, devs, n > 1 ? "s" : "", c->ranks[0], n > 1 ? ".." : "", nranks);
-	c->next = nc->cliques;
-	nc->cliques = c;
 	*out = c;
 	return 0;
+}
+
+void shd_nccl_span_add(struct shd_nccl *nc, struct shd_nccl_clique *c)
+{
+	struct shd_nccl_clique *old = shd_nccl_span_find(nc, c->job, c->key, c->index);
+
+	if (old)
+		shd_nccl_drop(nc, old);
+	c->next = nc->cliques;
+	nc->cliques = c;
+}
+
+void shd_nccl_span_abort(struct shd_nccl_clique *c)
+{
+	clique_abort(c);
+	clique_free(c);
 }
 
 void shd_nccl_drop(struct shd_nccl *nc, struct shd_nccl_clique *c)

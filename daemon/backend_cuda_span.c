@@ -86,6 +86,7 @@ struct span_op {
 	uint32_t n;
 	int32_t devices[SHARDD_MAX_WORLD];
 	struct cuda_device *d[SHARDD_MAX_WORLD];
+	struct shd_nccl_clique *cliques[SHARDD_MAX_WORLD]; /* the group's communicators, found at staging */
 	char *err;
 	size_t errlen;
 };
@@ -247,25 +248,28 @@ static int boot_exchange(void *ctx, uint64_t seq, const void *mine, void *all, s
 
 static int boot_make_ids(void *ctx, uint8_t *ids, uint32_t n, char *err, size_t len)
 {
-	struct span_op *o = ctx;
-	int ret;
-
-	cuda_nccl_lock(o->cb);
-	ret = shd_nccl_unique_ids(ids, n, err, len);
-	cuda_nccl_unlock(o->cb);
-	return ret;
+	(void)ctx;
+	return shd_nccl_unique_ids(ids, n, err, len);
 }
 
 static int boot_init(void *ctx, const uint8_t *ids, uint64_t deadline_ns, char *err, size_t len)
 {
 	struct span_op *o = ctx;
-	uint32_t comms = shd_span_comms(o->s), ranks[SHARDD_MAX_WORLD], nranks = 0;
+	uint32_t comms = shd_span_comms(o->s), ranks[SHARDD_MAX_WORLD], nranks = 0, made = 0;
 	int32_t devs[SHARDD_MAX_WORLD];
-	struct shd_nccl_clique *c;
+	struct shd_nccl_clique **c = calloc(comms, sizeof(*c));
 	int ret = 0;
 
-	cuda_nccl_lock(o->cb);
-	/* Communicator by communicator, in the same order on every node: each waits for its members everywhere. */
+	if (!c) {
+		snprintf(err, len, "out of memory for %u NCCL communicators", comms);
+		return -SHARDD_E_NOMEM;
+	}
+	/*
+	 * Without nccl_lock: the set-up waits for the other nodes, and holding
+	 * the lock meanwhile would stall this node's collectives, or deadlock
+	 * two groups whose set-ups two nodes started in opposite orders.
+	 * Communicator by communicator, in the same order on every node.
+	 */
 	for (uint32_t q = 0; q < comms && !ret; q++) {
 		uint32_t n = 0;
 
@@ -278,12 +282,21 @@ static int boot_init(void *ctx, const uint8_t *ids, uint64_t deadline_ns, char *
 			devs[n] = o->devices[k];
 			ranks[n++] = rank;
 		}
-		ret = shd_nccl_span_clique(o->cb->nccl, o->job, o->job->name, o->s->key, q, devs, n, ranks, nranks,
-					   ids + (size_t)q * SHD_SPAN_ID_BYTES, deadline_ns, &c, err, len);
+		ret = shd_nccl_span_make(o->job, o->job->name, o->s->key, q, devs, n, ranks, nranks,
+					 ids + (size_t)q * SHD_SPAN_ID_BYTES, deadline_ns, &c[q], err, len);
+		if (!ret)
+			made++;
 	}
-	if (ret)
-		span_drop_comms(o->cb, o->sp, o->s);
-	cuda_nccl_unlock(o->cb);
+	if (ret) {
+		for (uint32_t q = 0; q < made; q++)
+			shd_nccl_span_abort(c[q]);
+	} else {
+		cuda_nccl_lock(o->cb);
+		for (uint32_t q = 0; q < comms; q++)
+			shd_nccl_span_add(o->cb->nccl, c[q]);
+		cuda_nccl_unlock(o->cb);
+	}
+	free(c);
 	return ret;
 }
 
@@ -376,22 +389,31 @@ static int span_handover(struct span_op *o, uint32_t k, int to_span)
 	return e == cudaSuccess ? 0 : cuda_rt_fail("order a device's stream with its stream across nodes", e);
 }
 
-/* Queue the whole op on every member, under nccl_lock. 0, or an error with `why`. */
-static int span_queue(struct span_op *o, char *why, size_t len)
+/*
+ * Phase 1, under nccl_lock: every member's device ready, its stream,
+ * events and staging; the group's communicators found; the copy-in on the
+ * device's stream, and the span stream told to wait for it. 0, or an
+ * error with `why`.
+ */
+static int span_stage(struct span_op *o, char *why, size_t len)
 {
 	struct cuda_backend *cb = o->cb;
 	struct cuda_span *sp = o->sp;
 	const struct shd_span *s = o->s;
-	uint32_t S = s->nodes * s->local, comm, rank, nranks;
-	uint32_t rd = o->r ? o->r->math.reduce_dtype : SHARDD_DTYPE_NONE;
-	size_t rs = o->r ? shardd_dtype_size(rd) : 1;
+	uint32_t S = s->nodes * s->local;
 	uint64_t Z = o->u ? o->u->layout->shard_size : 0, P = o->r ? o->r->reduce_shard_size : 0;
 	uint64_t staging = o->coll == SHD_NCCL_ALL_GATHER ? shd_placement_staging_bytes(S, Z, 0)
 			   : o->coll == SHD_NCCL_REDUCE_SCATTER ? shd_placement_staging_bytes(S, 0, P) : 0;
-	void *send[SHARDD_MAX_WORLD], *recv[SHARDD_MAX_WORLD], *streams[SHARDD_MAX_WORLD];
-	uint8_t *src[SHARDD_MAX_WORLD];
 	int ret = 0;
 
+	for (uint32_t c = 0; c < shd_span_comms(s) && !ret; c++) {
+		o->cliques[c] = shd_nccl_span_find(cb->nccl, o->job, s->key, c);
+		if (!o->cliques[c]) {
+			snprintf(why, len, "communicator %u of the group was aborted on this node before its "
+				 "collective (see the daemon's log)", c);
+			ret = -SHARDD_E_BACKEND;
+		}
+	}
 	for (uint32_t k = 0; k < o->n && !ret; k++) {
 		struct cuda_span_member *m = &sp->m[k];
 
@@ -409,69 +431,72 @@ static int span_queue(struct span_op *o, char *why, size_t len)
 			snprintf(what, sizeof(what), "the staging buffer across nodes of device %d", o->devices[k]);
 			ret = cuda_alloc(&cb->base, staging, o->devices[k], what, &m->staging);
 		}
-		if (ret)
-			snprintf(why, len, "device %d cannot take part in NCCL collectives (see the daemon's log)",
-				 o->devices[k]);
-	}
-	for (uint32_t k = 0; k < o->n && !ret; k++) {
-		shd_span_member(s, k, &comm, &rank, &nranks);
-		if (o->coll == SHD_NCCL_REDUCE_SCATTER)
-			ret = cuda_queued(cuda_reduce_copy_in(o->r, k, S, dptr(&sp->m[k].staging, 0), o->d[k]->stream),
+		if (!ret && o->coll == SHD_NCCL_REDUCE_SCATTER)
+			ret = cuda_queued(cuda_reduce_copy_in(o->r, k, S, dptr(&m->staging, 0), o->d[k]->stream),
 					  "reduce across nodes");
 		if (!ret)
 			ret = span_handover(o, k, 1);
-		streams[k] = sp->m[k].stream;
+		if (ret)
+			snprintf(why, len, "device %d could not stage its part of the %s (see the daemon's log)",
+				 o->devices[k], coll_what(o->coll));
+	}
+	return ret;
+}
+
+/*
+ * Phase 2, without the lock (the group's communicators are this op's):
+ * the collective queued on the span streams, each followed by its
+ * `collected` event. Queueing the first collective of a communicator
+ * connects it to its peers, which waits for the other nodes: the lock
+ * held meanwhile would stall this node's other collectives, or deadlock
+ * two groups that two nodes reach in opposite orders.
+ */
+static int span_collective(struct span_op *o, void **send, void **recv, char *why, size_t len)
+{
+	const struct shd_span *s = o->s;
+	uint32_t rd = o->r ? o->r->math.reduce_dtype : SHARDD_DTYPE_NONE, comm, rank, nranks;
+	size_t rs = o->r ? shardd_dtype_size(rd) : 1;
+	uint64_t Z = o->u ? o->u->layout->shard_size : 0, P = o->r ? o->r->reduce_shard_size : 0;
+	uint64_t deadline = shd_now_ns() + s->timeout_ns;
+	void *streams[SHARDD_MAX_WORLD];
+	int ret = 0;
+
+	for (uint32_t k = 0; k < o->n; k++) {
+		shd_span_member(s, k, &comm, &rank, &nranks);
+		streams[k] = o->sp->m[k].stream;
 		if (o->coll == SHD_NCCL_ALL_GATHER) {
 			send[k] = dptr(o->u->shards[k], 0);
-			recv[k] = dptr(&sp->m[k].staging, 0);
+			recv[k] = dptr(&o->sp->m[k].staging, 0);
 		} else if (o->coll == SHD_NCCL_REDUCE_SCATTER) {
 			/* In place: NCCL rank `rank` receives the sum of block `rank`. */
-			send[k] = dptr(&sp->m[k].staging, 0);
+			send[k] = dptr(&o->sp->m[k].staging, 0);
 			recv[k] = (uint8_t *)send[k] + rank * P;
 		} else {
 			send[k] = recv[k] = dptr(o->r->views[k].buf, 0);
 		}
 	}
-	if (!ret && o->coll == SHD_NCCL_ALL_REDUCE) {
+	if (o->coll == SHD_NCCL_ALL_REDUCE) {
 		/* HSDP: member k alone in communicator k (shard k's replicas are on the other nodes). */
-		for (uint32_t k = 0; k < o->n && !ret; k++) {
-			struct shd_nccl_clique *c = shd_nccl_span_find(cb->nccl, o->job, s->key, k);
-
-			ret = c ? shd_nccl_collective(cb->nccl, c, o->coll, &send[k], &recv[k], P / rs, rd, &streams[k],
-						      why, len)
-				: -SHARDD_E_BACKEND;
-		}
-	} else if (!ret) {
-		struct shd_nccl_clique *c = shd_nccl_span_find(cb->nccl, o->job, s->key, 0);
-
-		ret = !c ? -SHARDD_E_BACKEND
-		      : o->coll == SHD_NCCL_ALL_GATHER
-			? shd_nccl_collective(cb->nccl, c, o->coll, send, recv, Z, SHARDD_DTYPE_NONE, streams, why, len)
-			: shd_nccl_collective(cb->nccl, c, o->coll, send, recv, P / rs, rd, streams, why, len);
+		for (uint32_t k = 0; k < o->n && !ret; k++)
+			ret = shd_nccl_span_collective(o->cliques[k], o->coll, &send[k], &recv[k], P / rs, rd,
+						       &streams[k], deadline, why, len);
+	} else if (o->coll == SHD_NCCL_ALL_GATHER) {
+		ret = shd_nccl_span_collective(o->cliques[0], o->coll, send, recv, Z, SHARDD_DTYPE_NONE, streams,
+					       deadline, why, len);
+	} else {
+		ret = shd_nccl_span_collective(o->cliques[0], o->coll, send, recv, P / rs, rd, streams, deadline,
+					       why, len);
 	}
-	if (ret && !why[0])
-		snprintf(why, len, "a communicator of the group was aborted before its collective was queued");
 	for (uint32_t k = 0; k < o->n && !ret; k++) {
-		shd_span_member(s, k, &comm, &rank, &nranks);
-		ret = span_handover(o, k, 0);
-		if (ret)
-			break;
-		if (o->coll == SHD_NCCL_ALL_GATHER) {
-			/* Shard q of every rank in global order at q x shard_size of this member's staging. */
-			for (uint32_t q = 0; q < S; q++)
-				src[q] = (uint8_t *)recv[k] + (uint64_t)q * Z;
-			ret = cuda_queued(cuda_copy_out(o->u->layout, S, src, o->u->unsharded[k], o->d[k]->stream),
-					  "unshard across nodes");
-		} else if (o->coll == SHD_NCCL_REDUCE_SCATTER) {
-			ret = cuda_queued(cuda_reduce_post(o->r, k, recv[k], o->r->reduce_offsets, rank, o->d[k]->stream),
-					  "reduce across nodes");
-		} else {
-			/* Member k's partial is shard k's rows: its own shard under HSDP. */
-			ret = cuda_queued(cuda_reduce_post(o->r, k, recv[k], o->r->views[k].offsets, k, o->d[k]->stream),
-					  "reduce across nodes");
+		cudaError_t e = cudaSetDevice(o->devices[k]);
+
+		if (e == cudaSuccess)
+			e = cudaEventRecord(o->sp->m[k].collected, o->sp->m[k].stream);
+		if (e != cudaSuccess) {
+			snprintf(why, len, "recording the end of the %s on device %d: %s", coll_what(o->coll),
+				 o->devices[k], cudaGetErrorString(e));
+			ret = -SHARDD_E_BACKEND;
 		}
-		if (ret && !why[0])
-			snprintf(why, len, "a CUDA call failed after the collective (see the daemon's log)");
 	}
 	return ret;
 }
@@ -479,7 +504,10 @@ static int span_queue(struct span_op *o, char *why, size_t len)
 /*
  * Wait until every member's collective finished: its event, polled; its
  * communicators asked for asynchronous errors every SPAN_CHECK_NS; the
- * collective timeout. 0, or an error with `why`.
+ * collective timeout. The device's stream is not handed the collective
+ * before it finished: a device stream that waited for another node could
+ * hold up this node's part of a collective that node waits for in turn.
+ * 0, or an error with `why`.
  */
 static int span_wait(struct span_op *o, char *why, size_t len)
 {
@@ -508,23 +536,9 @@ static int span_wait(struct span_op *o, char *why, size_t len)
 			return 0;
 		now = shd_now_ns();
 		if (now >= check) {
-			int bad = 0;
-
-			cuda_nccl_lock(o->cb);
-			for (uint32_t c = 0; c < shd_span_comms(o->s) && !bad; c++) {
-				struct shd_nccl_clique *q = shd_nccl_span_find(o->cb->nccl, o->job, o->s->key, c);
-
-				if (!q) {
-					snprintf(why, len, "its NCCL communicators were aborted on this node (a device's "
-						 "error, see the daemon's log)");
-					bad = 1;
-				} else {
-					bad = shd_nccl_clique_failed(q, why, len);
-				}
-			}
-			cuda_nccl_unlock(o->cb);
-			if (bad)
-				return -SHARDD_E_PEER_DIED;
+			for (uint32_t c = 0; c < shd_span_comms(o->s); c++)
+				if (shd_nccl_clique_failed(o->cliques[c], why, len))
+					return -SHARDD_E_PEER_DIED;
 			if (now >= deadline) {
 				snprintf(why, len, "the %s did not finish within the collective timeout (%.3g s)",
 					 coll_what(o->coll), (double)o->s->timeout_ns / 1e9);
@@ -536,11 +550,47 @@ static int span_wait(struct span_op *o, char *why, size_t len)
 	}
 }
 
+/* Phase 3, under nccl_lock: the device's streams take the results (copy-out, or the post kernel). */
+static int span_finish(struct span_op *o, void *const *recv, char *why, size_t len)
+{
+	const struct shd_span *s = o->s;
+	uint32_t S = s->nodes * s->local, comm, rank, nranks;
+	uint64_t Z = o->u ? o->u->layout->shard_size : 0;
+	uint8_t *src[SHARDD_MAX_WORLD];
+	int ret = 0;
+
+	for (uint32_t k = 0; k < o->n && !ret; k++) {
+		shd_span_member(s, k, &comm, &rank, &nranks);
+		/* The collective is done: the wait is ordering only, never a wait for another node. */
+		ret = span_handover(o, k, 0);
+		if (ret)
+			break;
+		if (o->coll == SHD_NCCL_ALL_GATHER) {
+			/* Shard q of every rank in global order at q x shard_size of this member's staging. */
+			for (uint32_t q = 0; q < S; q++)
+				src[q] = (uint8_t *)recv[k] + (uint64_t)q * Z;
+			ret = cuda_queued(cuda_copy_out(o->u->layout, S, src, o->u->unsharded[k], o->d[k]->stream),
+					  "unshard across nodes");
+		} else if (o->coll == SHD_NCCL_REDUCE_SCATTER) {
+			ret = cuda_queued(cuda_reduce_post(o->r, k, recv[k], o->r->reduce_offsets, rank, o->d[k]->stream),
+					  "reduce across nodes");
+		} else {
+			/* Member k's partial is shard k's rows: its own shard under HSDP. */
+			ret = cuda_queued(cuda_reduce_post(o->r, k, recv[k], o->r->views[k].offsets, k, o->d[k]->stream),
+					  "reduce across nodes");
+		}
+	}
+	if (ret)
+		snprintf(why, len, "a CUDA call failed after the %s (see the daemon's log)", coll_what(o->coll));
+	return ret;
+}
+
 static int span_run(struct span_op *o)
 {
 	struct shd_span_boot_ops ops;
+	void *send[SHARDD_MAX_WORLD], *recv[SHARDD_MAX_WORLD];
 	char why[512] = "", who[256];
-	int ret;
+	int ret, collective_failed;
 
 	ret = span_check_args(o);
 	if (ret)
@@ -556,17 +606,28 @@ static int span_run(struct span_op *o)
 		return cuda_op_fail(ret, o->err, o->errlen, o->op, "%s across nodes of job '%s': %s",
 				    coll_what(o->coll), o->job->name, why);
 	cuda_nccl_lock(o->cb);
-	ret = span_queue(o, why, sizeof(why));
+	ret = span_stage(o, why, sizeof(why));
 	cuda_nccl_unlock(o->cb);
 	if (!ret)
+		ret = span_collective(o, send, recv, why, sizeof(why));
+	if (!ret)
 		ret = span_wait(o, why, sizeof(why));
+	collective_failed = ret != 0;
+	if (!ret) {
+		cuda_nccl_lock(o->cb);
+		ret = span_finish(o, recv, why, sizeof(why));
+		cuda_nccl_unlock(o->cb);
+	}
 	if (!ret)
 		return 0;
 	/* Abort: NCCL stops the kernels still waiting, and the peers see the connections go. */
 	cuda_nccl_lock(o->cb);
 	span_drop_comms(o->cb, o->sp, o->s);
 	cuda_nccl_unlock(o->cb);
-	shd_span_probe(o->s, &ops, who, sizeof(who));
+	who[0] = '\0';
+	/* Only a node whose collective failed asks who is still there: the others are past this op. */
+	if (collective_failed)
+		shd_span_probe(o->s, &ops, who, sizeof(who));
 	if (ret != -SHARDD_E_TIMEOUT && ret != -SHARDD_E_PEER_DIED)
 		ret = -SHARDD_E_BACKEND;
 	return cuda_op_fail(ret, o->err, o->errlen, o->op,

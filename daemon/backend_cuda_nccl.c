@@ -273,6 +273,16 @@ static void clique_destroy(struct shd_nccl *nc, struct shd_nccl_clique *c)
 	ncclResult_t calls = ncclSuccess, r;
 	char devs[128];
 
+	/*
+	 * Across nodes, aborted: its collectives all finished (their op waited
+	 * for them), and a finalize could wait for peers that ended the job
+	 * later, or never will.
+	 */
+	if (c->span) {
+		clique_abort(c);
+		clique_free(c);
+		return;
+	}
 	r = api.group_start();
 	for (uint32_t k = 0; r == ncclSuccess && k < c->n; k++) {
 		ncclResult_t one = api.comm_finalize(c->comms[k]);

@@ -15,6 +15,10 @@
  * - FSDP across nodes, 1 x 2 (rank n on GPU n): unshard gathers every
  *   rank's shard across the nodes, reduce reduce-scatters over both; a
  *   second reduce accumulates. 1 x 4 on 4 GPUs (2 per node).
+ * - Node 1's daemon killed (SIGKILL) after the communicators were made:
+ *   node 0's rank gets an error completion of its next reduce, within the
+ *   collective timeout, naming node 1 and its ranks; node 0's daemon
+ *   keeps serving (mpirun runs with Open MPI 4's recovery flags).
  *
  * Reference: the host's definition of the same op, computed here in
  * double from the grads alone (the average over every rank of the mesh,
@@ -32,11 +36,14 @@
 #include <criterion/criterion.h>
 #include <cuda_runtime.h>
 #include <math.h>
+#include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "harness.h"
@@ -72,7 +79,8 @@ static void write_wrapper(const char *real)
 	fprintf(f,
 		"#!/bin/sh\n"
 		"sock=$2; shift 2\n"
-		"exec mpirun %s --oversubscribe --mca btl tcp,self -np 2 sh -c "
+		"exec mpirun %s --oversubscribe --mca btl tcp,self --mca orte_enable_recovery 1 "
+		"--mca orte_abort_on_non_zero_status 0 -np 2 sh -c "
 		"'n=$OMPI_COMM_WORLD_RANK; s=$1; shift; if [ \"$n\" != 0 ]; then s=\"$s.$n\"; fi; "
 		"exec \"$0\" --world mpi --socket \"$s\" \"$@\"' '%s' \"$sock\" \"$@\"\n",
 		geteuid() == 0 ? "--allow-run-as-root" : "", real);
@@ -82,7 +90,7 @@ static void write_wrapper(const char *real)
 
 static void start_world(int need_gpus)
 {
-	const char *extra[] = { "--backend", "cuda", "--log-level", "info", NULL };
+	const char *extra[] = { "--backend", "cuda", "--log-level", "info", "--collective-timeout", "10", NULL };
 	const char *real = getenv("SHARDD_BIN");
 	int n = harness_cuda_devices();
 	char line[192];
@@ -346,4 +354,146 @@ Test(nccl_span, fsdp_1x4_across_two_nodes_of_two_gpus_runs_one_communicator_over
 	const int32_t devices[4] = { 0, 1, 2, 3 };
 
 	run_mesh("fsdp1x4", 1, 4, devices);
+}
+
+/* ------------------------------------------------------------------ */
+/* A node that dies                                                    */
+/* ------------------------------------------------------------------ */
+
+struct dying_args {
+	uint32_t rank;
+	int ready_fd;  /* write end: one byte once the first unshard (and the set-up) is done */
+	int go_fd;     /* read end: one byte (rank 0: reduce now) or EOF (rank 1: exit) */
+	int go_write;  /* the test's end of go_fd's pipe, closed in the child so that EOF can come */
+};
+
+static int dying_main(void *arg)
+{
+	const struct dying_args *a = arg;
+	struct shardd_attach_opts o = {
+		.socket_path = a->rank ? node1_socket : world_.socket, .job = "dying", .rank = a->rank,
+		.replicate = 1, .shard = 2, .device = (int32_t)a->rank,
+	};
+	static float full[MAX_NUMEL];
+	struct shardd_group *g = NULL;
+	struct shardd_client *c = NULL;
+	const char *why;
+	char byte = 'r';
+	int ret;
+
+	close(a->go_write);
+	CHECK_CUDA(cudaSetDevice((int)a->rank));
+	CHECK_SHARDD(shardd_connect(&o, &c));
+	CHECK_SHARDD(shardd_group_register(c, "blocks", params, NPARAMS, NULL, &g));
+	for (uint32_t pi = 0; pi < NPARAMS; pi++) {
+		for (uint64_t i = 0; i < numel_of(&params[pi]); i++)
+			full[i] = (float)param_value(pi, i);
+		CHECK_SHARDD(shardd_group_load_full(g, pi, full));
+	}
+	CHECK_SHARDD(shardd_unshard(g, 1));
+	CHECK_SHARDD(shardd_reshard(g, 1));
+	CHILD_CHECK(write(a->ready_fd, &byte, 1) == 1, "tell the test the set-up is done");
+	CHILD_CHECK(read(a->go_fd, &byte, 1) >= 0, "wait for the test");
+	if (a->rank)
+		return 0;
+	ret = shardd_reduce(g, 1, 0);
+	why = shardd_last_error();
+	CHILD_CHECK(ret < 0, "the reduce with node 1 dead completed");
+	CHILD_CHECK(strstr(why, "node 1 (ranks 1..1)"), "the error must name node 1 and its ranks: %s", why);
+	shardd_group_close(g);
+	shardd_close(c);
+	return 0;
+}
+
+/* Node 1's daemon pid, from its "world: node 1 of 2 nodes" line. */
+static pid_t node1_pid(void)
+{
+	const char *at;
+	pid_t pid = -1;
+
+	pthread_mutex_lock(&world_.lock);
+	at = world_.log ? strstr(world_.log, "info: world: node 1 of 2 nodes") : NULL;
+	if (at) {
+		while (at > world_.log && at[-1] != '[')
+			at--;
+		pid = (pid_t)atoi(at);
+	}
+	pthread_mutex_unlock(&world_.lock);
+	return pid;
+}
+
+/* Until `pid` (not our child) has exited, or timeout_ms: a zombie of mpirun's counts. */
+static int wait_gone(pid_t pid, int timeout_ms)
+{
+	char path[64], stat[256];
+
+	snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+	for (int waited = 0; waited < timeout_ms; waited += 10) {
+		FILE *f = fopen(path, "r");
+		const char *paren;
+
+		if (!f)
+			return 0;
+		paren = fgets(stat, sizeof(stat), f) ? strrchr(stat, ')') : NULL;
+		fclose(f);
+		if (paren && (paren[2] == 'Z' || paren[2] == 'X'))
+			return 0;
+		/* Polling /proc: the kernel tells only a parent when a process ends. */
+		usleep(10000);
+	}
+	return -1;
+}
+
+Test(nccl_span, a_dead_node_fails_the_next_reduce_on_the_other_node_naming_it, .init = start_2,
+     .fini = stop_world, .timeout = 300)
+{
+	struct dying_args args[2];
+	int ready[2][2], go[2][2];
+	pid_t pids[2], pid;
+	char byte;
+
+	harness_wait_log(&world_, "info: world: node 1 of 2 nodes", 10000);
+	pid = node1_pid();
+	cr_assert_gt(pid, 0, "node 1's daemon pid not found in the log");
+	for (uint32_t r = 0; r < 2; r++) {
+		cr_assert_eq(pipe(ready[r]), 0);
+		cr_assert_eq(pipe(go[r]), 0);
+		args[r] = (struct dying_args){ .rank = r, .ready_fd = ready[r][1], .go_fd = go[r][0],
+					       .go_write = go[r][1] };
+		pids[r] = harness_fork(dying_main, &args[r]);
+		cr_assert_gt(pids[r], 0);
+		close(ready[r][1]);
+		close(go[r][0]);
+	}
+	for (uint32_t r = 0; r < 2; r++) {
+		struct pollfd pfd = { ready[r][0], POLLIN, 0 };
+
+		cr_assert_eq(poll(&pfd, 1, CHILD_WAIT_MS), 1, "rank %u did not finish its first unshard", r);
+		if (read(ready[r][0], &byte, 1) != 1) {
+			harness_daemon_dump_log(&world_);
+			cr_assert_fail("rank %u failed before the kill (its log is above)", r);
+		}
+	}
+	cr_assert_eq(kill(pid, SIGKILL), 0);
+	cr_assert_eq(wait_gone(pid, 10000), 0, "node 1's daemon (pid %d) did not exit", (int)pid);
+	close(go[1][1]);
+	cr_assert_eq(write(go[0][1], "g", 1), 1);
+	close(go[0][1]);
+	for (uint32_t r = 0; r < 2; r++) {
+		int status = 0;
+
+		cr_assert_eq(harness_wait_or_kill(pids[r], CHILD_WAIT_MS, &status), 0, "rank %u did not finish", r);
+		if (!WIFEXITED(status) || WEXITSTATUS(status))
+			harness_daemon_dump_log(&world_);
+		cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "rank %u %s", r, harness_status_str(status));
+		close(ready[r][0]);
+	}
+	/* Node 0's daemon is still there: its socket takes a new rank. */
+	{
+		struct shardd_client *c = NULL;
+
+		cr_assert_eq(harness_attach(&world_, "after", 0, 1, 2, &c), 0, "node 0's daemon stopped serving: %s",
+			     shardd_last_error());
+		shardd_close(c);
+	}
 }

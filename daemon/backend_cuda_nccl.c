@@ -88,7 +88,7 @@ struct shd_nccl_clique {
 	uint32_t n;
 	int32_t *devices;   /* [n]: member k's device (NCCL rank k, but across nodes ranks[k]) */
 	ncclComm_t *comms;  /* [n]: NULL where not made */
-	/* Across nodes (shd_nccl_span_clique): members of one communicator of nranks, made from node 0's id. */
+	/* Across nodes (shd_nccl_span_make): members of one communicator of nranks, made from node 0's id. */
 	int span;
 	uint64_t key;       /* the group's stream (span_boot.h) */
 	uint32_t index;     /* which of the group's communicators */

@@ -233,10 +233,11 @@ static int hello_world(struct shd_session *s, uint32_t seq, struct shardd_hello 
 			       h->replicate, h->shard, nodes, nodes, L, (unsigned long long)world);
 		return 0;
 	}
-	if (shd_session_env.backend != SHARDD_BACKEND_HOST) {
+	/* Both layouts run on both backends: host over the world, cuda with NCCL over the nodes. */
+	if (shd_session_env.backend != SHARDD_BACKEND_HOST && shd_session_env.backend != SHARDD_BACKEND_CUDA) {
 		shd_session_reject(s, seq, -SHARDD_E_MESH,
-			       "mesh %ux%u spans %u nodes: jobs across nodes run on --backend host only "
-			       "so far", h->replicate, h->shard, nodes);
+			       "mesh %ux%u spans %u nodes: jobs across nodes run on --backend host or cuda",
+			       h->replicate, h->shard, nodes);
 		return 0;
 	}
 	h->rank -= node * L;

@@ -27,8 +27,12 @@
  * waits for the world's communication thread: never on the loop, and never
  * on a pool thread, so that tasks waiting for other nodes cannot take every
  * worker from the node's other groups; its kernels still split across the
- * pool (shd_pool_for runs on the calling thread too). Host backend only
- * (hello.c refuses a spanning job on another).
+ * pool (shd_pool_for runs on the calling thread too).
+ *
+ * A backend that crosses nodes itself (ops->span_unshard, span_reduce: the
+ * cuda backend, with NCCL communicators over the nodes) gets each op's
+ * node-local members and the group's stream of exchanges instead
+ * (span_backend_*), and moves the bytes between nodes its own way.
  */
 #include <pthread.h>
 #include <stdio.h>
@@ -40,6 +44,7 @@
 #include "layout.h"
 #include "placement.h"
 #include "shardd_kernels.h"
+#include "span_boot.h"
 #include "world.h"
 
 int shd_engine_job_span(struct shd_engine_job *j, uint32_t replicate, uint32_t shard,
@@ -147,6 +152,92 @@ static uint64_t span_check(const struct eng_task *t)
 	return h;
 }
 
+/*
+ * The op of task t for a backend that crosses nodes itself: the layout,
+ * this node's ranks and the SHD_SPAN_SEQS exchange numbers of the group's
+ * stream it owns, taken whatever happens so that the nodes stay paired.
+ */
+static struct shd_span span_of(struct eng_task *t)
+{
+	struct eng_group *eg = t->eg;
+	const struct shd_engine_job *j = eg->j;
+	struct shd_span s = {
+		.layout = eng_span_fsdp(j) ? SHD_SPAN_FSDP : SHD_SPAN_HSDP, .nodes = j->span_nodes,
+		.node = j->span_node, .local = j->world, .key = span_key(eg), .seq = eg->span_seq,
+		.check = span_check(t), .timeout_ns = j->e->timeout_ns,
+	};
+
+	eg->span_seq += SHD_SPAN_SEQS;
+	return s;
+}
+
+/* HSDP's all-reduce among the nodes by the backend: member s's partial of shard s into its sharded grad. */
+static int span_backend_allreduce(struct eng_task *t, const struct shardd_reduce_math *ar)
+{
+	struct shd_group *g = t->eg->g;
+	struct shd_backend_ctx *b = t->eg->j->e->backend;
+	struct shd_shard_view views[SHARDD_MAX_WORLD], outs[SHARDD_MAX_WORLD];
+	uint8_t accumulate[SHARDD_MAX_WORLD];
+	struct shd_span span = span_of(t);
+	struct shd_reduce_args a = {
+		.job = t->eg->j->bj, .layout = &g->layout, .src = SHD_REDUCE_SRC_SHARD, .n = g->shard,
+		.views = views, .in_dtype = g->reduce_dtype, .outs = outs, .accumulate = accumulate,
+		.reduce_offsets = g->reduce_offsets, .reduce_shard_size = g->reduce_shard_size, .math = *ar,
+		.err = t->why, .errlen = sizeof(t->why),
+	};
+	int ret;
+
+	for (uint32_t s = 0; s < g->shard; s++) {
+		views[s] = (struct shd_shard_view){ &g->partials[s], g->reduce_offsets, g->reduce_dtype };
+		outs[s] = (struct shd_shard_view){ &g->sharded_grads[s], g->shard_offsets, SHARDD_DTYPE_NONE };
+		accumulate[s] = g->grad_present[s];
+	}
+	ret = b->ops->span_reduce(b, &span, &a);
+	if (!ret)
+		memset(g->grad_present, 1, g->shard);
+	return ret;
+}
+
+/* FSDP's unshard across nodes by the backend: every rank's shard into this node's unsharded buffers. */
+static int span_backend_unshard(struct eng_task *t)
+{
+	struct shd_group *g = t->eg->g;
+	struct shd_backend_ctx *b = t->eg->j->e->backend;
+	struct shd_buf *shards[SHARDD_MAX_WORLD], *unsharded[SHARDD_MAX_WORLD];
+	struct shd_span span = span_of(t);
+	struct shd_unshard_args a = {
+		.job = t->eg->j->bj, .layout = &g->layout, .nshards = g->shard, .shards = shards,
+		.unsharded = unsharded, .err = t->why, .errlen = sizeof(t->why),
+	};
+
+	for (uint32_t s = 0; s < g->shard; s++) {
+		shards[s] = &g->shards[s];
+		unsharded[s] = shd_group_unsharded(g, s);
+	}
+	return b->ops->span_unshard(b, &span, &a);
+}
+
+/* FSDP's reduce-scatter across nodes by the backend: one collective over every rank. */
+static int span_backend_reduce_scatter(struct eng_task *t, const struct shardd_reduce_math *rs)
+{
+	struct shd_group *g = t->eg->g;
+	struct shd_backend_ctx *b = t->eg->j->e->backend;
+	struct shd_buf *grads[SHARDD_MAX_WORLD];
+	struct shd_shard_view outs[SHARDD_MAX_WORLD];
+	struct shd_span span = span_of(t);
+	struct shd_reduce_args a = {
+		.job = t->eg->j->bj, .layout = &g->layout, .src = SHD_REDUCE_SRC_GRAD, .n = g->shard,
+		.grads = grads, .outs = outs, .accumulate = g->grad_present, .reduce_offsets = g->reduce_offsets,
+		.reduce_shard_size = g->reduce_shard_size, .math = *rs, .err = t->why, .errlen = sizeof(t->why),
+	};
+
+	for (uint32_t s = 0; s < g->shard; s++) {
+		grads[s] = &g->grads[s];
+		outs[s] = (struct shd_shard_view){ &g->sharded_grads[s], g->shard_offsets, SHARDD_DTYPE_NONE };
+	}
+	return b->ops->span_reduce(b, &span, &a);
+}
+
 /* "node 1 (ranks 2,3), node 2 (ranks 4,5)" of the nodes marked in `missing`. */
 static void span_who(const struct shd_engine_job *j, const uint8_t *missing, char *buf, size_t len)
 {
@@ -177,7 +268,8 @@ static void span_ar_failed(struct eng_task *t, int ret, const uint8_t *missing, 
 			? "; the sharded grads of this step are not reduced: check that node's daemon and ranks" : "");
 }
 
-int eng_span_allreduce(struct eng_task *t, const struct shardd_reduce_math *ar)
+/* HSDP's all-reduce among the nodes over the world, in host memory. */
+static int span_world_allreduce(struct eng_task *t, const struct shardd_reduce_math *ar)
 {
 	struct eng_group *eg = t->eg;
 	struct shd_engine_job *j = eg->j;
@@ -268,6 +360,13 @@ out:
 	return ret;
 }
 
+int eng_span_allreduce(struct eng_task *t, const struct shardd_reduce_math *ar)
+{
+	if (t->eg->j->e->backend->ops->span_reduce)
+		return span_backend_allreduce(t, ar);
+	return span_world_allreduce(t, ar);
+}
+
 /* ------------------------------------------------------------------ */
 /* FSDP across nodes: one shard group over every rank                  */
 /* ------------------------------------------------------------------ */
@@ -337,7 +436,8 @@ static int span_nomem(struct eng_task *t, size_t bytes)
 	return -SHARDD_E_NOMEM;
 }
 
-int eng_span_unshard(struct eng_task *t)
+/* FSDP's unshard across nodes over the world, in host memory. */
+static int span_world_unshard(struct eng_task *t)
 {
 	struct eng_group *eg = t->eg;
 	struct shd_engine_job *j = eg->j;
@@ -383,6 +483,13 @@ out:
 	free(recv);
 	free(sends);
 	return ret;
+}
+
+int eng_span_unshard(struct eng_task *t)
+{
+	if (t->eg->j->e->backend->ops->span_unshard)
+		return span_backend_unshard(t);
+	return span_world_unshard(t);
 }
 
 /*
@@ -442,7 +549,8 @@ static int span_node_sums(struct eng_task *t, const struct shardd_reduce_math *r
 	return 0;
 }
 
-int eng_span_reduce_scatter(struct eng_task *t, const struct shardd_reduce_math *rs)
+/* FSDP's reduce-scatter across nodes over the world, in host memory. */
+static int span_world_reduce_scatter(struct eng_task *t, const struct shardd_reduce_math *rs)
 {
 	struct eng_group *eg = t->eg;
 	struct shd_engine_job *j = eg->j;
@@ -519,4 +627,11 @@ out:
 	free(sends);
 	free(off32);
 	return ret;
+}
+
+int eng_span_reduce_scatter(struct eng_task *t, const struct shardd_reduce_math *rs)
+{
+	if (t->eg->j->e->backend->ops->span_reduce)
+		return span_backend_reduce_scatter(t, rs);
+	return span_world_reduce_scatter(t, rs);
 }

@@ -90,6 +90,7 @@ void shd_engine_destroy(struct shd_engine *e)
 	while (e->jobs)
 		shd_engine_job_destroy(e->jobs);
 	eng_span_threads_wait(e);
+	eng_span_orphans_free(e);
 	shd_pool_destroy(e->pool);
 	e->backend->ops->destroy(e->backend);
 	close(e->efd);

@@ -55,6 +55,7 @@ static void group_destroy(struct eng_group *eg, struct shd_engine_job *j)
 	free(eg->rs);
 	free(eg->regs);
 	free(eg->restore);
+	eng_span_group_free(eg);
 	shd_group_destroy(eg->g, j->e->backend);
 	j->mem_committed -= eg->mem_committed;
 	j->e->mem_committed -= eg->mem_committed;
@@ -87,6 +88,7 @@ static int group_commit_memory(struct shd_engine_job *j, struct eng_group *eg, c
 
 	if (e->cfg.backend != SHARDD_BACKEND_HOST)
 		return 0;
+	eng_span_orphans_sweep(e);
 	shd_group_memory_need(eg->g, &m);
 	if (e->cfg.max_job_memory && (m.total > e->cfg.max_job_memory ||
 				      j->mem_committed > e->cfg.max_job_memory - m.total)) {
@@ -102,11 +104,17 @@ static int group_commit_memory(struct shd_engine_job *j, struct eng_group *eg, c
 		limit = e->cfg.max_memory;
 	}
 	if (flag) {
+		char span[128] = "";
+
+		if (m.internode)
+			eng_fmt(span, sizeof(span), ", of which %s (%llu bytes) inter-node buffers across %u nodes",
+				shd_bytes_str(m.internode, held, sizeof(held)), (unsigned long long)m.internode,
+				j->span_nodes);
 		eng_fmt(err, errlen,
-			"register group '%s' of job '%s': its buffers need %s (%llu bytes), but %s holds %s "
+			"register group '%s' of job '%s': its buffers need %s (%llu bytes%s), but %s holds %s "
 			"(%llu bytes) of its limit of %s (%llu bytes); raise %s, or end jobs or register smaller groups",
 			eg->g->name, j->name, shd_bytes_str(m.total, need, sizeof(need)),
-			(unsigned long long)m.total, holder,
+			(unsigned long long)m.total, span, holder,
 			shd_bytes_str(used, held, sizeof(held)), (unsigned long long)used,
 			shd_bytes_str(limit, max, sizeof(max)), (unsigned long long)limit, flag);
 		return -ENOMEM;
@@ -148,7 +156,7 @@ static int group_new(struct shd_engine_job *j, const struct shardd_register_grou
 	/* HSDP across nodes: this node's one replica keeps partials for the all-reduce among nodes. */
 	if (eng_mesh_replicate(j) > 1)
 		eg->g->partial_size = eg->g->reduce_shard_size;
-	if (eng_span_fsdp(j)) {
+	if (j->span_nodes > 1) {
 		ret = eng_span_group_init(eg, err, errlen);
 		if (ret) {
 			eg->g->specs = NULL; /* still the caller's on failure */
@@ -302,6 +310,8 @@ static void reg_finish(struct eng_group *eg)
 	ret = reg_place(eg, pl, &planned, err, sizeof(err));
 	if (!ret)
 		ret = shd_group_alloc(eg->g, j->e->backend, j->devices, planned ? pl : NULL, err, sizeof(err));
+	if (!ret && j->span_nodes > 1)
+		ret = eng_span_group_alloc(eg, err, sizeof(err));
 	free(pl);
 	if (ret) {
 		eng_fmt(msg, sizeof(msg), "shardd: %s", err);

@@ -318,6 +318,12 @@ static inline uint32_t eng_mesh_shard(const struct shd_engine_job *j)
 	return j->span_nodes > 1 ? j->span_shard : j->shard;
 }
 
+/* A rank as messages name it: a job across nodes shows global ranks (node * L + node-local rank). */
+static inline uint32_t eng_rank_shown(const struct shd_engine_job *j, uint32_t rank)
+{
+	return j->span_nodes > 1 ? j->span_node * j->world + rank : rank;
+}
+
 /* 1 when the job's shard group spans the nodes (FSDP across nodes: mesh 1 x S over them). */
 static inline int eng_span_fsdp(const struct shd_engine_job *j)
 {

@@ -247,27 +247,35 @@ static void span_who(const struct shd_engine_job *j, const uint8_t *missing, cha
 
 /*
  * The error of task t's failed exchange (`what`: "all-reduce", "exchange")
- * into t->msg: the nodes whose part is missing (died, stalled) or
- * disagreed, with their global ranks, MPI's or the world's words, and the
- * ranks of this node that get the error (every rank of the op here).
+ * into t->msg, short enough for a completion's 255 characters: which ranks
+ * of this node get it, the nodes whose part is missing (died, stalled) or
+ * disagreed, with their global ranks, and why (MPI's or the world's words).
  */
 static void span_fail(struct eng_task *t, const char *what, int ret, const uint8_t *missing, const char *why,
 		      const char *lost)
 {
 	const struct shd_engine_job *j = t->eg->j;
 	uint32_t L = j->world, n = j->span_node;
-	int gone = ret == -SHARDD_E_TIMEOUT || ret == -SHARDD_E_PEER_DIED;
-	char who[256];
+	uint64_t ms = j->e->timeout_ns / 1000000u;
+	char who[256], detail[448], within[32];
 
 	span_who(j, missing, who, sizeof(who));
-	eng_fmt(t->msg, sizeof(t->msg),
-		"shardd: %s(group '%s', step %llu): the %s among the %u nodes failed%s%s: %s; this error goes to "
-		"the ranks of node %u (ranks %u..%u)%s%s",
-		shardd_op_name(t->ops[0].sqe.op), t->eg->g->name, (unsigned long long)t->ops[0].sqe.step, what,
-		j->span_nodes, who[0] ? (gone ? "; missing " : "; disagreeing ") : "", who, why, n, n * L,
-		n * L + L - 1, gone ? lost : "",
-		gone ? "; check the missing node's daemon (one that died cannot rejoin: end the jobs and "
-		       "relaunch the world)" : "");
+	if (ms % 1000 == 0)
+		eng_fmt(within, sizeof(within), "%llu s", (unsigned long long)(ms / 1000));
+	else
+		eng_fmt(within, sizeof(within), "%.3g s", (double)ms / 1000.0);
+	if (ret == -SHARDD_E_TIMEOUT && who[0])
+		eng_fmt(detail, sizeof(detail), "%s did not answer within %s", who, within);
+	else if (ret == -SHARDD_E_PEER_DIED && who[0])
+		eng_fmt(detail, sizeof(detail), "%s is lost: %s", who, why);
+	else
+		eng_fmt(detail, sizeof(detail), "%s%s%s", who, who[0] ? ": " : "", why);
+	eng_fmt(t->msg, sizeof(t->msg), "shardd: %s(group '%s', step %llu): %s among %u nodes failed for ranks %u..%u "
+		"(node %u): %s%s%s", shardd_op_name(t->ops[0].sqe.op), t->eg->g->name,
+		(unsigned long long)t->ops[0].sqe.step, what, j->span_nodes, n * L, n * L + L - 1, n, detail,
+		ret == -SHARDD_E_TIMEOUT || ret == -SHARDD_E_PEER_DIED ? lost : "",
+		ret == -SHARDD_E_TIMEOUT || ret == -SHARDD_E_PEER_DIED
+			? "; check its daemon (dead: relaunch the world)" : "");
 }
 
 /* The error of an op that found no inter-node buffer (span_buf_ready) into t->msg. */
@@ -333,7 +341,7 @@ int eng_span_allreduce(struct eng_task *t, const struct shardd_reduce_math *ar)
 	ret = shd_world_xchg(span_key(eg), seq, check, eg->span_buf, 0, C * wsz, (size_t)N * C * wsz,
 			     C * wsz, shd_now_ns() + j->e->timeout_ns, missing, why, sizeof(why));
 	if (ret) {
-		span_fail(t, "all-reduce", ret, missing, why, "; the sharded grads of this step are not reduced");
+		span_fail(t, "all-reduce", ret, missing, why, "; sharded grads not reduced");
 		return ret;
 	}
 	/* Slice `me` summed over the nodes in node order: s = round_rd(sum / avg), as one daemon. */
@@ -345,7 +353,7 @@ int eng_span_allreduce(struct eng_task *t, const struct shardd_reduce_math *ar)
 			     (size_t)(d2 - d1) + C * rsz, C * rsz, shd_now_ns() + j->e->timeout_ns, missing, why,
 			     sizeof(why));
 	if (ret) {
-		span_fail(t, "all-reduce", ret, missing, why, "; the sharded grads of this step are not reduced");
+		span_fail(t, "all-reduce", ret, missing, why, "; sharded grads not reduced");
 		return ret;
 	}
 	/*

@@ -201,6 +201,13 @@ static int group_new(struct shd_engine_job *j, const struct shardd_register_grou
 	}
 	if (j->replicate > 1 && eng_coll_init(&eg->ar, 0, j->world, SHARDD_OP_REDUCE))
 		goto err_group;
+	/* A job across nodes: its rendezvous name global ranks. */
+	eg->reg.shown_base = eng_rank_shown(j, 0);
+	for (uint32_t u = 0; u < j->replicate; u++) {
+		eg->unshard[u].rdv.shown_base = eng_rank_shown(j, 0);
+		eg->rs[u].rdv.shown_base = eng_rank_shown(j, 0);
+	}
+	eg->ar.rdv.shown_base = eng_rank_shown(j, 0);
 	free(all);
 	j->groups[j->ngroups++] = eg;
 	*out = eg;
@@ -409,12 +416,14 @@ void shd_engine_register_group(struct shd_engine_job *j, uint32_t rank, uint64_t
 	} else if (shd_rdv_has_arrived(&eg->reg, rank)) {
 		shd_rdv_who_missing(&eg->reg, who, sizeof(who));
 		eng_fmt(msg, sizeof(msg), "shardd: rank %u already registered group '%s'; it waits for %s to register it",
-			rank, hdr.name, who);
+			eng_rank_shown(j, rank), hdr.name, who);
 		eng_reply_err(j, rank, token, seq, -SHARDD_E_STATE, msg);
 		goto out;
-	} else if (shd_group_compare(eg->g, &hdr, specs, &optim, rank, eg->first_rank, why, sizeof(why))) {
+	} else if (shd_group_compare(eg->g, &hdr, specs, &optim, eng_rank_shown(j, rank),
+				     eng_rank_shown(j, eg->first_rank), why, sizeof(why))) {
 		shd_rdv_present(&eg->reg, ranks, sizeof(ranks));
-		eng_fmt(msg, sizeof(msg), "shardd: %s; registration failed for ranks %s,%u", why, ranks, rank);
+		eng_fmt(msg, sizeof(msg), "shardd: %s; registration failed for ranks %s,%u", why, ranks,
+			eng_rank_shown(j, rank));
 		/*
 		 * The group is failed before this rank is answered: a reply that
 		 * cannot be sent drops the rank, and its departure must not find
@@ -426,8 +435,8 @@ void shd_engine_register_group(struct shd_engine_job *j, uint32_t rank, uint64_t
 	} else if (eg->restore && strcmp(eg->restore, restore)) {
 		shd_rdv_present(&eg->reg, ranks, sizeof(ranks));
 		eng_fmt(msg, sizeof(msg), "shardd: group '%s': rank %u restores from '%s' but rank %u from '%s'; "
-			"registration failed for ranks %s,%u", hdr.name, rank, restore, eg->first_rank,
-			eg->restore, ranks, rank);
+			"registration failed for ranks %s,%u", hdr.name, eng_rank_shown(j, rank), restore,
+			eng_rank_shown(j, eg->first_rank), eg->restore, ranks, eng_rank_shown(j, rank));
 		reg_fail(eg, -SHARDD_E_MISMATCH, msg, UINT32_MAX);
 		eng_reply_err(j, rank, token, seq, -SHARDD_E_MISMATCH, msg);
 		goto out;
@@ -502,14 +511,14 @@ void eng_reg_rank_gone(struct eng_group *eg, uint32_t rank, uint64_t token)
 			eg->restore_fail = -SHARDD_E_PEER_DIED;
 			eng_fmt(eg->restore_msg, sizeof(eg->restore_msg), "shardd: rank %u left (its client is "
 				"gone) while group '%s' was restored from its checkpoint; the registration failed",
-				rank, eg->g->name);
+				eng_rank_shown(eg->j, rank), eg->g->name);
 		}
 		return;
 	}
 	shd_rdv_who_present(&eg->reg, who, sizeof(who));
 	eng_fmt(msg, sizeof(msg),
 		"shardd: rank %u left (its client is gone) before group '%s' was registered by every rank; failed for %s",
-		rank, eg->g->name, who);
+		eng_rank_shown(eg->j, rank), eg->g->name, who);
 	reg_fail(eg, -SHARDD_E_PEER_DIED, msg, rank);
 }
 

@@ -283,7 +283,8 @@ static int span_nobuf(struct eng_task *t)
 {
 	eng_fmt(t->msg, sizeof(t->msg), "shardd: %s(group '%s', step %llu): %s",
 		shardd_op_name(t->ops[0].sqe.op), t->eg->g->name, (unsigned long long)t->ops[0].sqe.step,
-		t->eg->span_nobuf_msg);
+		t->eg->span_nobuf ? t->eg->span_nobuf_msg
+				  : "the group has no inter-node buffer (registered without a reduce dtype)");
 	return -SHARDD_E_NOMEM;
 }
 

@@ -188,6 +188,11 @@ def test_spanning_job_names_global_ranks_in_views_and_node_errors(request):
         assert comp.user_data == 31 and comp.res == -P.E_TIMEOUT, comp
         assert comp.msg == ("shardd: rank 3 never submitted unshard(group 'g', step 5) within "
                             f"{TIMEOUT_S} s; rank 2 is waiting"), comp.msg
+        text = subprocess.run([os.path.join(shardd_build(), "shardctl"), "--socket", world.socket(1),
+                               "ranks", name], capture_output=True, text=True, timeout=30).stdout.splitlines()
+        assert text[0].startswith(f"job '{name}': mesh 2x2 over 2 nodes, node 1 holds ranks 2..3, 2 of 2 "
+                                  "attached, furthest step "), text
+        assert [line.split()[0] for line in text[2:]] == ["2", "3"], text
         # node 0's views are its own ranks, 0 and 1
         view0 = shardctl(world, 0, "ranks", name)["jobs"][0]
         assert [(r["rank"], r["node"], r["local_rank"]) for r in view0["ranks"]] == [(0, 0, 0), (1, 0, 1)]

@@ -147,10 +147,9 @@ static void span_buf_ready(struct eng_group *eg)
 		return;
 	}
 	eng_fmt(eg->span_nobuf_msg, sizeof(eg->span_nobuf_msg),
-		"MPI still holds this group's inter-node buffer (%s) for an exchange that failed at a node that "
-		"stopped answering, and a second one does not fit: the daemon holds %s of its limit of %s "
-		"(--max-memory); the buffer is free again once MPI lets go of it (the node answers or its "
-		"connection fails), or raise --max-memory",
+		"MPI still holds this group's inter-node buffer (%s), sent to a node that stopped answering, "
+		"and another does not fit (%s of --max-memory %s held); retry once that node answers, "
+		"or raise --max-memory",
 		shd_bytes_str(bytes, need, sizeof(need)), shd_bytes_str(e->mem_committed, used, sizeof(used)),
 		shd_bytes_str(max, lim, sizeof(lim)));
 	eg->span_nobuf = 1;

@@ -12,6 +12,7 @@ the node's own errors and in shardctl's views."""
 import errno
 import json
 import os
+import signal
 import subprocess
 import time
 
@@ -216,6 +217,62 @@ def test_rank_attaching_with_another_whole_mesh_of_the_same_node_part_is_refused
         name = job_name(request)
         assert ei.value.text == (f"attach job '{name}' rank 1 to {world.socket(0)}: daemon: job '{name}' "
                                  "has mesh 2x2 over 2 nodes, hello asked for 1x4"), ei.value
+    finally:
+        for c in clients:
+            c.close()
+        world.stop()
+
+
+@pytest.mark.timeout_s(90)
+def test_buffer_mpi_still_holds_after_a_stall_is_counted_and_a_third_is_refused(request):
+    """FSDP 1x4 over 2 nodes with 1 MiB node chunks (a payload MPI sends by
+    rendezvous: the send ends only when the peer receives it), node 1
+    stopped. Node 0's first unshard times out with its buffer still held by
+    MPI; the second gets a fresh buffer, the held one counted in the
+    daemon's committed bytes (--max-memory has room for one more); the
+    third finds no room and fails at once, saying why, instead of
+    allocating past the limit."""
+    rows, cols = 1024, 512
+    full, z = rows * cols * 4, rows // S * cols * 4
+    local = full + L * z + L * z + L * full
+    buf = max(S * z, 2 * S * z)
+    internode = buf + z + L * rows * cols * 4
+    limit = local + internode + buf
+    world = World(N, ["--max-memory", str(limit)])
+    clients = []
+    try:
+        clients = [attach_world(world, request, r, 1, S) for r in range(S)]
+        groups = run_ranks(lambda r: clients[r].register_group("g", [("w", "fp32", (rows, cols))]), S)
+        status = shardctl(world, 0, "status")
+        assert status["memory_limits"]["committed"] == local + internode, status
+        os.kill(world.pids[1], signal.SIGSTOP)
+        try:
+            def unshard(step):
+                def one(r):
+                    with pytest.raises(shardd.ShardError) as ei:
+                        groups[r].unshard(step)
+                    return ei.value
+                return run_ranks(one, L, timeout=TIMEOUT_S + 20)
+
+            for step in (1, 2):
+                for e in unshard(step):
+                    assert e.code == -P.E_TIMEOUT and e.text.endswith(
+                        f"unshard(group 'g', step {step}): exchange among 2 nodes failed for ranks 0..1 "
+                        f"(node 0): node 1 (ranks 2..3) did not answer within {TIMEOUT_S} s; check its "
+                        "daemon (dead: relaunch the world)"), e
+            # the first buffer, still held by MPI, counted on top of the group's
+            assert shardctl(world, 0, "status")["memory_limits"]["committed"] == local + internode + buf
+            t0 = time.monotonic()
+            for e in unshard(3):
+                assert e.code == -P.E_NOMEM and e.text.endswith(
+                    "shardd: unshard(group 'g', step 3): MPI still holds this group's inter-node buffer "
+                    f"({buf // (1 << 20)}.0 MiB), sent to a node that stopped answering, and another does "
+                    f"not fit ({limit / (1 << 20):.1f} MiB of --max-memory {limit / (1 << 20):.1f} MiB held); "
+                    "retry once that node answers, or raise --max-memory"), e
+            assert time.monotonic() - t0 < TIMEOUT_S, "the refusal waited for the timeout"
+            assert shardctl(world, 0, "status")["memory_limits"]["committed"] == local + internode + buf
+        finally:
+            os.kill(world.pids[1], signal.SIGCONT)
     finally:
         for c in clients:
             c.close()

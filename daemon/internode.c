@@ -268,7 +268,7 @@ static void span_fail(struct eng_task *t, const char *what, int ret, const uint8
 	else if (ret == -SHARDD_E_PEER_DIED && who[0])
 		eng_fmt(detail, sizeof(detail), "%s is lost: %s", who, why);
 	else
-		eng_fmt(detail, sizeof(detail), "%s%s%s", who, who[0] ? ": " : "", why);
+		eng_fmt(detail, sizeof(detail), "%s", why); /* the world's words name the node */
 	eng_fmt(t->msg, sizeof(t->msg), "shardd: %s(group '%s', step %llu): %s among %u nodes failed for ranks %u..%u "
 		"(node %u): %s%s%s", shardd_op_name(t->ops[0].sqe.op), t->eg->g->name,
 		(unsigned long long)t->ops[0].sqe.step, what, j->span_nodes, n * L, n * L + L - 1, n, detail,

@@ -23,6 +23,14 @@
  * (--internode-dtype reduce: half the bytes for bf16/fp16) moves the same
  * numbers: no partial sum crosses the network, only partials.
  *
+ * Memory (docs/MULTINODE.md, "Memory"): each group has one exchange buffer
+ * (shd_world_buf, what MPI sends from and receives into) and under FSDP a
+ * reduce scratch, sized by eng_span_group_init before the group's memory is
+ * committed, so they count against --max-memory like its other buffers,
+ * allocated with them and reused by every op (a group runs one task at a
+ * time). A buffer MPI still holds after a failed exchange is replaced only
+ * within the limit, the old one counted (engine orphans) until MPI lets go.
+ *
  * A task that exchanges runs on a thread of its own (eng_span_spawn), which
  * waits for the world's communication thread: never on the loop, and never
  * on a pool thread, so that tasks waiting for other nodes cannot take every

@@ -22,7 +22,7 @@ import pytest
 import shardd
 from shardd import proto as P
 from conftest import job_name, run_ranks, shardd_build
-from test_multinode import TIMEOUT_S, World, attach_world, pytestmark  # noqa: F401 (skip without mpirun)
+from test_multinode import TIMEOUT_S, World, attach_world, pytestmark, shard_rows_of  # noqa: F401 (skip without mpirun)
 
 # FSDP across 2 nodes (mesh 1x4, 2 ranks per node) of one fp32 param of 64 x 16:
 # shard Z = 16 rows * 16 * 4 B = 1024 B; the full param 4096 B.
@@ -273,6 +273,39 @@ def test_buffer_mpi_still_holds_after_a_stall_is_counted_and_a_third_is_refused(
             assert shardctl(world, 0, "status")["memory_limits"]["committed"] == local + internode + buf
         finally:
             os.kill(world.pids[1], signal.SIGCONT)
+    finally:
+        for c in clients:
+            c.close()
+        world.stop()
+
+
+@pytest.mark.timeout_s(90)
+def test_fsdp_bf16_node_sums_travel_in_bf16_from_the_scratch_exactly(request):
+    """--internode-dtype reduce with bf16 grads: the fp32 node sums live in
+    the group's scratch and travel cast to bf16 (the other path through the
+    buffers). Multiples of 1/8 in [-2, 2] keep every node sum, total, divide
+    by 4 and the fp32 accumulate of two reduces exact, so each rank's shard,
+    padding rows included, is the exact average."""
+    specs = [("w", "fp32", (7, 3)), ("b", "fp32", (6,))]
+    rng = np.random.default_rng(41)
+    grads = [[[(rng.integers(-16, 17, size=sh) / 8).astype(np.float32) for _, _, sh in specs]
+              for _ in range(S)] for _ in range(2)]
+    world = World(N, ["--internode-dtype", "reduce"])
+    clients = []
+    try:
+        clients = [attach_world(world, request, r, 1, S) for r in range(S)]
+        groups = run_ranks(lambda r: clients[r].register_group("g", specs, param_dtype="bf16"), S)
+        for mb in range(2):
+            for r, g in enumerate(groups):
+                for i in range(len(specs)):
+                    g.grad(i)[...] = shardd.fp32_to_bf16(grads[mb][r][i])
+            run_ranks(lambda r: groups[r].reduce(4), S)
+        for i in range(len(specs)):
+            avg = sum((sum(np.asarray(grads[mb][q][i], dtype=np.float64) for q in range(S)) / S)
+                      .astype(np.float32) for mb in range(2))
+            for r, g in enumerate(groups):
+                np.testing.assert_array_equal(np.array(g.shard_grad(i, padded=True), dtype=np.float32),
+                                              shard_rows_of(avg, S, r), err_msg=f"rank {r} param {i}")
     finally:
         for c in clients:
             c.close()

@@ -55,13 +55,14 @@ static json_t *json_op_step(uint32_t op, uint64_t step)
 
 static json_t *json_memory(const struct shd_group_memory *m)
 {
-	return json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I}",
+	return json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I}",
 			 "shards", (json_int_t)m->shards,
 			 "sharded_grads", (json_int_t)m->sharded_grads,
 			 "unsharded", (json_int_t)m->unsharded,
 			 "grads", (json_int_t)m->grads,
 			 "partials", (json_int_t)m->partials,
 			 "optimizer", (json_int_t)m->optimizer,
+			 "internode", (json_int_t)m->internode,
 			 "total", (json_int_t)m->total);
 }
 
@@ -118,6 +119,22 @@ json_t *admin_cmd_status(const json_t *req)
 	return r;
 }
 
+/*
+ * A job across nodes: "span": the whole mesh, the nodes, this node and its
+ * global ranks (the job's replicate/shard/world are this node's part, and
+ * every rank it names is global). Absent for a job on one node.
+ */
+static int put_span(json_t *o, const struct shd_job *j)
+{
+	if (!j->span_nodes)
+		return 0;
+	return admin_put(o, "span", json_pack("{s:i, s:i, s:i, s:i, s:i, s:i}",
+					      "replicate", (int)j->span_replicate,
+					      "shard", (int)j->span_shard, "nodes", (int)j->span_nodes,
+					      "node", (int)j->span_node, "first_rank", (int)j->rank_base,
+					      "last_rank", (int)(j->rank_base + j->world - 1)));
+}
+
 /* no_ranks_s: how long the job has had no attached rank; ends_in_s: when --job-linger ends it. */
 static int put_linger(json_t *o, const struct shd_job *j, uint64_t now_ns)
 {
@@ -147,7 +164,7 @@ json_t *admin_cmd_jobs(const json_t *req)
 			      "memory_committed",
 			      admin_json_u64(shd_engine_job_memory_committed(j->ejob)),
 			      "memory_limit", admin_json_u64(shd_state_config()->max_job_memory));
-		if (o && put_linger(o, j, now)) {
+		if (o && (put_linger(o, j, now) || put_span(o, j))) {
 			json_decref(o);
 			o = NULL;
 		}
@@ -177,7 +194,8 @@ static json_t *json_rdv(const char *what, const char *group, const struct shd_rd
 	uint64_t timeout_ns = shd_state_collective_timeout_ns();
 
 	for (uint32_t i = 0; i < rdv->nexpected; i++)
-		if (admin_append(rdv->arrived[i] ? arrived : missing, json_integer(rdv->ranks[i])))
+		if (admin_append(rdv->arrived[i] ? arrived : missing,
+				 json_integer(rdv->shown_base + rdv->ranks[i])))
 			goto err;
 	if (admin_put(o, "op", json_string(what)) ||
 	    (group && admin_put(o, "group", admin_json_name(group))) ||
@@ -282,7 +300,9 @@ static json_t *json_rank(const struct shd_job *j, uint32_t r, const json_t *pend
 	json_t *o = json_object();
 	struct timespec wall;
 
-	if (admin_put(o, "rank", json_integer(r)) ||
+	if (admin_put(o, "rank", json_integer(j->rank_base + r)) ||
+	    (j->span_nodes && (admin_put(o, "node", json_integer(j->span_node)) ||
+			       admin_put(o, "local_rank", json_integer(r)))) ||
 	    admin_put(o, "attached", json_boolean(s != NULL)) ||
 	    admin_put(o, "pid", jr->attached_once ? json_integer(jr->pid) : json_null()) ||
 	    admin_put(o, "goodbye", json_boolean(jr->goodbye)))
@@ -314,7 +334,7 @@ static json_t *json_rank(const struct shd_job *j, uint32_t r, const json_t *pend
 		    admin_put(o, "sq_pending", sq_pending < 0 ? json_string("corrupt") :
 			json_integer(sq_pending)) ||
 		    admin_put(o, "behind", admin_json_u64(max_step > step ? max_step - step : 0)) ||
-		    admin_put(o, "waiting", rank_waiting(pending, r)))
+		    admin_put(o, "waiting", rank_waiting(pending, j->rank_base + r)))
 			goto err;
 	}
 	return o;
@@ -351,7 +371,7 @@ static json_t *json_job_ranks(const struct shd_job *j, uint64_t now_ns)
 	    admin_put(o, "attached", json_integer(j->nattached)) ||
 	    admin_put(o, "max_step", admin_json_u64(max_step)) ||
 	    admin_put(o, "ranks", json_incref(arr)) ||
-	    admin_put(o, "pending", json_incref(pending))) {
+	    admin_put(o, "pending", json_incref(pending)) || put_span(o, j)) {
 		json_decref(o);
 		o = NULL;
 	}
@@ -375,12 +395,12 @@ static json_t *json_group(const struct shd_job *j, uint32_t id, const struct shd
 
 	shd_group_memory_held(g, &m);
 	for (uint32_t r = 0; r < g->world; r++) {
-		if (g->holds && g->holds[r] && admin_append(holders, json_integer(r)))
+		if (g->holds && g->holds[r] && admin_append(holders, json_integer(j->rank_base + r)))
 			goto err;
 		/* Written by pool threads: a snapshot. */
 		if (g->partial_present &&
 		    __atomic_load_n(&g->partial_present[r], __ATOMIC_RELAXED) &&
-		    admin_append(partials, json_integer(r)))
+		    admin_append(partials, json_integer(j->rank_base + r)))
 			goto err;
 	}
 	for (uint32_t i = 0; shd_engine_group_pending(j->ejob, id, i, &op, &rdv) == 0; i++)

@@ -96,12 +96,12 @@ int shd_rdv_arrive(struct shd_rdv *r, uint32_t rank, uint64_t step, uint32_t fla
 	if (whylen)
 		why[0] = '\0';
 	if (i < 0) {
-		snprintf(why, whylen, "rank %u is not part of this rendezvous", rank);
+		snprintf(why, whylen, "rank %u is not part of this rendezvous", r->shown_base + rank);
 		return -EINVAL;
 	}
 	if (r->arrived[i]) {
 		snprintf(why, whylen, "rank %u submitted step %llu while its step %llu is still waiting",
-			 rank, (unsigned long long)step, (unsigned long long)r->step);
+			 r->shown_base + rank, (unsigned long long)step, (unsigned long long)r->step);
 		return -EINVAL;
 	}
 	if (!r->active) {
@@ -113,7 +113,7 @@ int shd_rdv_arrive(struct shd_rdv *r, uint32_t rank, uint64_t step, uint32_t fla
 	} else if (r->step != step || r->flags != flags) {
 		snprintf(why, whylen,
 			 "rank %u submitted step %llu flags 0x%x but rank %u submitted step %llu flags 0x%x",
-			 rank, (unsigned long long)step, flags, r->first_rank,
+			 r->shown_base + rank, (unsigned long long)step, flags, r->shown_base + r->first_rank,
 			 (unsigned long long)r->step, r->flags);
 		return SHD_RDV_MISMATCH;
 	}
@@ -154,7 +154,7 @@ static void rdv_list(const struct shd_rdv *r, uint8_t want, uint32_t skip, char 
 
 		if (r->arrived[i] != want || r->ranks[i] == skip)
 			continue;
-		n = snprintf(buf + off, len - off, "%s%u", off ? "," : "", r->ranks[i]);
+		n = snprintf(buf + off, len - off, "%s%u", off ? "," : "", r->shown_base + r->ranks[i]);
 		if (n < 0 || (size_t)n >= len - off) {
 			/* Truncated: end with "..." where it fits, so a reader sees the list is longer. */
 			if (len >= 4)
@@ -185,7 +185,7 @@ void shd_rdv_failing(const struct shd_rdv *r, uint32_t rank, char *buf, size_t l
 	for (uint32_t i = 0; i < r->nexpected && off < len; i++)
 		if (r->arrived[i] || r->ranks[i] == rank)
 			off += (size_t)snprintf(buf + off, len - off, "%s%u", off ? "," : "",
-						r->ranks[i]);
+						r->shown_base + r->ranks[i]);
 }
 
 /* "rank 3" / "ranks 3,5" / "no rank": the `n` ranks whose arrived flag equals `want`, but `skip`. */

@@ -24,6 +24,8 @@ struct shd_rdv {
 	uint32_t  first_rank;  /* who set the key */
 	uint64_t  deadline_ns; /* first arrival + timeout (CLOCK_MONOTONIC) */
 	int       active;      /* at least one arrival */
+	uint32_t  shown_base;  /* added to every rank its messages name: a job across nodes shows global
+				  ranks (its node's first rank; 0 on one node) */
 };
 
 enum {

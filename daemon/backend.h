@@ -30,6 +30,7 @@
 
 struct shd_backend_ctx;
 struct shd_fences;
+struct shd_span;
 struct shd_pool;
 
 /*
@@ -271,6 +272,26 @@ struct shd_backend_ops {
 	int  (*job_open)(struct shd_backend_ctx *b, const char *job, struct shd_backend_job **out);
 	void (*job_close)(struct shd_backend_ctx *b, struct shd_backend_job *bj);
 	void (*destroy)(struct shd_backend_ctx *b);
+	/*
+	 * The collectives of a job whose mesh spans the nodes of the daemon
+	 * world (`span`, span_boot.h), for a backend that crosses nodes
+	 * itself (the cuda backend: NCCL communicators over the nodes). The
+	 * args' members are this node's L ranks, member k global rank
+	 * node * L + k; the layout is the whole mesh's.
+	 *   span_unshard (FSDP): shards[k] and unsharded[k] of member k
+	 *     (nshards = L); every unsharded buffer gets all N * L shards.
+	 *   span_reduce, SRC_GRAD (FSDP): grads[k], outs[k] of member k, the
+	 *     math of one reduce-scatter over every rank.
+	 *   span_reduce, SRC_SHARD (HSDP): views[k] of member k holds shard
+	 *     k's partial (shard_rank is ignored: member k's shard is k),
+	 *     all-reduced among the nodes into outs[k] with math.
+	 * Both NULL where the engine moves the bytes between nodes itself
+	 * (host: internode.c over the world).
+	 */
+	int  (*span_unshard)(struct shd_backend_ctx *b, const struct shd_span *span,
+			     const struct shd_unshard_args *a);
+	int  (*span_reduce)(struct shd_backend_ctx *b, const struct shd_span *span,
+			    const struct shd_reduce_args *a);
 };
 
 /* Every backend's state begins with this (enum shardd_backend names the kinds). */

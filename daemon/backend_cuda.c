@@ -9,7 +9,7 @@
  * kernels over a layout (backend_cuda_kernels.c), ops across GPUs with
  * NCCL (backend_cuda_nccl_ops.c over backend_cuda_nccl.c), stream fences
  * (backend_cuda_fence.c), the optimizer step and grad norm
- * (backend_cuda_step.c).
+ * (backend_cuda_step.c), collectives across nodes (backend_cuda_span.c).
  *
  * Work: one non-blocking stream per device. Unshard, reduce, step and
  * zero queue their kernels and return; the engine calls `sync` before a completion
@@ -173,6 +173,7 @@ static void cuda_job_close(struct shd_backend_ctx *b, struct shd_backend_job *bj
 	struct cuda_backend *cb = (struct cuda_backend *)b;
 
 	cuda_nccl_lock(cb);
+	cuda_span_job_end(cb, bj);
 	shd_nccl_job_end(cb->nccl, bj);
 	cuda_nccl_unlock(cb);
 	free(bj);
@@ -187,6 +188,9 @@ static void cuda_destroy(struct shd_backend_ctx *b)
 	struct cuda_backend *cb = (struct cuda_backend *)b;
 
 	/* Staging buffers first: freeing one waits on its device, which may ask the communicators. */
+	cuda_nccl_lock(cb);
+	cuda_span_job_end(cb, NULL);
+	cuda_nccl_unlock(cb);
 	cuda_nccl_staging_free(cb);
 	shd_nccl_destroy(cb->nccl);
 	cuda_devices_destroy(cb);
@@ -219,6 +223,8 @@ static const struct shd_backend_ops cuda_ops = {
 	.job_open = cuda_job_open,
 	.job_close = cuda_job_close,
 	.destroy = cuda_destroy,
+	.span_unshard = cuda_span_unshard,
+	.span_reduce = cuda_span_reduce,
 };
 
 int shd_backend_cuda_create(uint32_t mode, uint64_t timeout_ns, struct shd_backend_ctx **out,

@@ -15,12 +15,15 @@
  *   backend_cuda_nccl_ops.c  unshard and reduce across devices with NCCL:
  *                            staging, stream hand-over, the one NCCL lock
  *   backend_cuda_nccl.c      NCCL itself: the library and the communicators
+ *   backend_cuda_span.c      collectives across nodes: communicators over the
+ *                            daemon world, bootstrapped through it (span_boot.c)
  *   backend_cuda_fence.c     stream fences: interprocess events per ring slot
  *   backend_cuda_step.c      the optimizer step and the grad-norm part of
  *                            one rank's shard, on its device
  *
  * Calls between them go one way, never in a circle: backend_cuda.c calls
- * every other file; nccl_ops calls kernels, memory, device and nccl; step
+ * every other file; nccl_ops and span call kernels, memory, device and nccl
+ * (span also span_boot.c and world.c, outside the backend); step
  * calls kernels and device;
  * memory and fence call device; device calls nccl; kernels and nccl call
  * none of them.
@@ -87,6 +90,7 @@ struct cuda_backend {
 	 */
 	pthread_mutex_t nccl_lock;
 	struct shd_nccl *nccl;     /* the communicators of every job */
+	struct cuda_span *spans;   /* groups' members across nodes (backend_cuda_span.c); under nccl_lock */
 };
 
 /* A job's state: its name, and the key of its communicators. */
@@ -176,8 +180,8 @@ int cuda_copy_out(const struct shd_layout *l, uint32_t nshards, uint8_t *const *
 		  const struct shd_buf *out, cudaStream_t stream);
 /* Member k's reduce output of param i, its n inputs on one device. */
 int cuda_reduce_param(const struct shd_reduce_args *a, uint32_t k, uint32_t i, cudaStream_t stream);
-/* A reduce-scatter's copy-in of member k's grad into its staging buffer (rank-major blocks). */
-int cuda_reduce_copy_in(const struct shd_reduce_args *a, uint32_t k, uint8_t *staging,
+/* A reduce-scatter's copy-in of member k's grad into its staging buffer (`nshards` rank-major blocks). */
+int cuda_reduce_copy_in(const struct shd_reduce_args *a, uint32_t k, uint32_t nshards, uint8_t *staging,
 			cudaStream_t stream);
 /* Member k's output from its sum at `sum` (one shard in the reduce dtype, laid out as `offsets`). */
 int cuda_reduce_post(const struct shd_reduce_args *a, uint32_t k, const uint8_t *sum,
@@ -191,6 +195,13 @@ int  cuda_unshard_nccl(struct cuda_backend *cb, const struct shd_unshard_args *a
 int  cuda_reduce_nccl(struct cuda_backend *cb, const struct shd_reduce_args *a, const int32_t *devices);
 /* Free every device's staging buffer (the backend's end, before the communicators go). */
 void cuda_nccl_staging_free(struct cuda_backend *cb);
+
+/* ---- backend_cuda_span.c: ops across nodes (backend.h span_unshard, span_reduce) ---- */
+
+int  cuda_span_unshard(struct shd_backend_ctx *b, const struct shd_span *span, const struct shd_unshard_args *a);
+int  cuda_span_reduce(struct shd_backend_ctx *b, const struct shd_span *span, const struct shd_reduce_args *a);
+/* Free the streams and staging across nodes of `job` (NULL: of every job). Under nccl_lock. */
+void cuda_span_job_end(struct cuda_backend *cb, const struct shd_backend_job *job);
 
 /* ---- backend_cuda_fence.c: stream fences ---- */
 

@@ -150,11 +150,12 @@ int cuda_reduce_param(const struct shd_reduce_args *a, uint32_t k, uint32_t i, c
 
 /*
  * Copy-in of a reduce-scatter on member k's device: its grad rows of every
- * destination shard s, cast to the reduce dtype and pre-divided (FSDP2's
+ * destination shard s of `nshards` (the members, or every rank of a shard
+ * group across nodes), cast to the reduce dtype and pre-divided (FSDP2's
  * fp16 factor), into block s of its staging buffer (rank-major: the block
  * NCCL rank s receives the sum of).
  */
-int cuda_reduce_copy_in(const struct shd_reduce_args *a, uint32_t k, uint8_t *staging,
+int cuda_reduce_copy_in(const struct shd_reduce_args *a, uint32_t k, uint32_t nshards, uint8_t *staging,
 			cudaStream_t stream)
 {
 	const struct shardd_reduce_math pre = {
@@ -164,7 +165,7 @@ int cuda_reduce_copy_in(const struct shd_reduce_args *a, uint32_t k, uint8_t *st
 	size_t rs = shardd_dtype_size(rd);
 	int ret = 0;
 
-	for (uint32_t s = 0; s < a->n && !ret; s++) {
+	for (uint32_t s = 0; s < nshards && !ret; s++) {
 		for (uint32_t i = 0; i < a->layout->nparams && !ret; i++) {
 			const struct shd_layout_param *p = &a->layout->params[i];
 			uint64_t n = shd_layout_rows_valid(p, s) * p->inner;

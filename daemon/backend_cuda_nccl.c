@@ -28,6 +28,7 @@
 #include "log.h"
 #include "shardd_cuda.h"
 #include "shardd_proto.h"
+#include "span_boot.h"
 
 /* Non-blocking communicators and ncclCommFinalize came with NCCL 2.14. */
 #define NCCL_MIN_VERSION 21400
@@ -74,6 +75,8 @@ static const struct shardd_cuda_symbol api_symbols[] = {
 _Static_assert(sizeof(api_symbols) / sizeof(api_symbols[0]) * sizeof(void *) == sizeof(struct nccl_api),
 	       "every entry point of struct nccl_api has its name");
 
+_Static_assert(sizeof(ncclUniqueId) == SHD_SPAN_ID_BYTES, "span_boot.c moves ncclUniqueIds as SHD_SPAN_ID_BYTES");
+
 static pthread_once_t api_once = PTHREAD_ONCE_INIT;
 static int  api_status;      /* 0 once every entry point resolved and the version is new enough */
 static char api_error[320];  /* why not, when api_status < 0 */
@@ -83,8 +86,14 @@ struct shd_nccl_clique {
 	const void *job;
 	char job_name[SHARDD_NAME_MAX];
 	uint32_t n;
-	int32_t *devices;   /* [n]: NCCL rank k's device */
+	int32_t *devices;   /* [n]: member k's device (NCCL rank k, but across nodes ranks[k]) */
 	ncclComm_t *comms;  /* [n]: NULL where not made */
+	/* Across nodes (shd_nccl_span_make): members of one communicator of nranks, made from node 0's id. */
+	int span;
+	uint64_t key;       /* the group's stream (span_boot.h) */
+	uint32_t index;     /* which of the group's communicators */
+	uint32_t nranks;    /* its size over every node */
+	int32_t *ranks;     /* [n]: member k's NCCL rank */
 };
 
 struct shd_nccl {
@@ -158,10 +167,19 @@ void shd_nccl_devices_str(const int32_t *devices, uint32_t n, char *buf, size_t 
 static void nccl_error(const struct shd_nccl_clique *c, const char *what, ncclResult_t r, char *err,
 		       size_t errlen)
 {
-	char devs[128];
+	char devs[192];
 	const char *last = api.get_last_error(NULL);
 
 	shd_nccl_devices_str(c->devices, c->n, devs, sizeof(devs));
+	if (c->span) {
+		size_t off = strlen(devs);
+
+		snprintf(devs + off, sizeof(devs) - off, " (NCCL rank%s", c->n > 1 ? "s" : "");
+		for (uint32_t k = 0; k < c->n && (off = strlen(devs)) < sizeof(devs); k++)
+			snprintf(devs + off, sizeof(devs) - off, "%s%d", k ? "," : " ", c->ranks[k]);
+		off = strlen(devs);
+		snprintf(devs + off, sizeof(devs) - off, " of %u across nodes)", c->nranks);
+	}
 	snprintf(err, errlen, "NCCL %s on %s of job '%s': %s (%d)%s%s", what, devs, c->job_name,
 		 api.get_error_string(r), (int)r, last && last[0] ? ": " : "", last ? last : "");
 }
@@ -218,6 +236,7 @@ static ncclResult_t group_result(ncclResult_t calls, ncclResult_t end)
 
 static void clique_free(struct shd_nccl_clique *c)
 {
+	free(c->ranks);
 	free(c->devices);
 	free(c->comms);
 	free(c);
@@ -254,6 +273,16 @@ static void clique_destroy(struct shd_nccl *nc, struct shd_nccl_clique *c)
 	ncclResult_t calls = ncclSuccess, r;
 	char devs[128];
 
+	/*
+	 * Across nodes, aborted: its collectives all finished (their op waited
+	 * for them), and a finalize could wait for peers that ended the job
+	 * later, or never will.
+	 */
+	if (c->span) {
+		clique_abort(c);
+		clique_free(c);
+		return;
+	}
 	r = api.group_start();
 	for (uint32_t k = 0; r == ncclSuccess && k < c->n; k++) {
 		ncclResult_t one = api.comm_finalize(c->comms[k]);
@@ -277,8 +306,13 @@ static void clique_destroy(struct shd_nccl *nc, struct shd_nccl_clique *c)
 	clique_free(c);
 }
 
-/* Make the communicators of a new clique. 0, or an error with nothing left made. */
-static int clique_init(struct shd_nccl *nc, struct shd_nccl_clique *c, char *err, size_t errlen)
+/*
+ * Make the communicators of a new clique: from `span_id` across nodes,
+ * else from an id made here. Waits until `deadline_ns`. 0, or an error
+ * with nothing left made.
+ */
+static int clique_init(struct shd_nccl_clique *c, const uint8_t *span_id, uint64_t deadline_ns, char *err,
+		       size_t errlen)
 {
 	ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
 	ncclResult_t calls = ncclSuccess, r;
@@ -287,10 +321,14 @@ static int clique_init(struct shd_nccl *nc, struct shd_nccl_clique *c, char *err
 
 	/* Non-blocking: a set-up that never ends is aborted at the deadline instead of hanging a worker. */
 	config.blocking = 0;
-	r = api.get_unique_id(&id);
-	if (r != ncclSuccess) {
-		nccl_error(c, "ncclGetUniqueId", r, err, errlen);
-		return -SHARDD_E_BACKEND;
+	if (span_id) {
+		memcpy(&id, span_id, sizeof(id));
+	} else {
+		r = api.get_unique_id(&id);
+		if (r != ncclSuccess) {
+			nccl_error(c, "ncclGetUniqueId", r, err, errlen);
+			return -SHARDD_E_BACKEND;
+		}
 	}
 	r = api.group_start();
 	if (r != ncclSuccess) {
@@ -304,7 +342,8 @@ static int clique_init(struct shd_nccl *nc, struct shd_nccl_clique *c, char *err
 		e = cudaSetDevice(c->devices[k]);
 		if (e != cudaSuccess)
 			break;
-		one = api.comm_init_rank_config(&c->comms[k], (int)c->n, id, (int)k, &config);
+		one = api.comm_init_rank_config(&c->comms[k], c->span ? (int)c->nranks : (int)c->n, id,
+						c->span ? c->ranks[k] : (int)k, &config);
 		if (one != ncclSuccess && one != ncclInProgress) {
 			calls = one;
 			break;
@@ -319,7 +358,7 @@ static int clique_init(struct shd_nccl *nc, struct shd_nccl_clique *c, char *err
 		return -SHARDD_E_BACKEND;
 	}
 	if (r == ncclSuccess || r == ncclInProgress)
-		r = clique_wait(c, shd_now_ns() + nc->timeout_ns);
+		r = clique_wait(c, deadline_ns);
 	if (r != ncclSuccess) {
 		nccl_error(c, r == ncclInProgress ? "communicator set-up timed out" : "ncclCommInitRankConfig",
 			   r, err, errlen);
@@ -362,7 +401,7 @@ int shd_nccl_clique(struct shd_nccl *nc, const void *job, const char *job_name,
 	int ret;
 
 	for (c = nc->cliques; c; c = c->next) {
-		if (c->job == job && c->n == n && !memcmp(c->devices, devices, n * sizeof(*devices))) {
+		if (!c->span && c->job == job && c->n == n && !memcmp(c->devices, devices, n * sizeof(*devices))) {
 			*out = c;
 			return 0;
 		}
@@ -385,7 +424,7 @@ int shd_nccl_clique(struct shd_nccl *nc, const void *job, const char *job_name,
 	snprintf(c->job_name, sizeof(c->job_name), "%s", job_name);
 	c->n = n;
 	memcpy(c->devices, devices, n * sizeof(*devices));
-	ret = clique_init(nc, c, err, errlen);
+	ret = clique_init(c, NULL, shd_now_ns() + nc->timeout_ns, err, errlen);
 	if (ret) {
 		clique_free(c);
 		return ret;
@@ -418,9 +457,10 @@ static const char *coll_name(uint32_t coll)
 	       : coll == SHD_NCCL_REDUCE_SCATTER ? "ncclReduceScatter" : "ncclAllReduce";
 }
 
-int shd_nccl_collective(struct shd_nccl *nc, struct shd_nccl_clique *c, uint32_t coll,
-			   void *const *send, void *const *recv, size_t count, uint32_t dtype,
-			   void *const *streams, char *err, size_t errlen)
+/* Queue one collective on every member of `c`, waiting until `deadline_ns` for NCCL to have queued it. */
+static int clique_collective(struct shd_nccl_clique *c, uint32_t coll, void *const *send, void *const *recv,
+			     size_t count, uint32_t dtype, void *const *streams, uint64_t deadline_ns, char *err,
+			     size_t errlen)
 {
 	ncclDataType_t dt = nccl_dtype(dtype);
 	ncclResult_t calls = ncclSuccess, r;
@@ -430,7 +470,7 @@ int shd_nccl_collective(struct shd_nccl *nc, struct shd_nccl_clique *c, uint32_t
 	r = api.group_start();
 	if (r != ncclSuccess) {
 		nccl_error(c, "ncclGroupStart", r, err, errlen);
-		goto err_abort;
+		return -SHARDD_E_BACKEND;
 	}
 	for (uint32_t k = 0; k < c->n && (calls == ncclSuccess || calls == ncclInProgress); k++) {
 		cudaStream_t s = (cudaStream_t)streams[k];
@@ -444,17 +484,32 @@ int shd_nccl_collective(struct shd_nccl *nc, struct shd_nccl_clique *c, uint32_t
 	}
 	r = group_result(calls, api.group_end());
 	if (r == ncclSuccess || r == ncclInProgress)
-		r = clique_wait(c, shd_now_ns() + nc->timeout_ns);
+		r = clique_wait(c, deadline_ns);
 	if (r == ncclSuccess)
 		return 0;
 	snprintf(what, sizeof(what), "%s%s", coll_name(coll),
 		 r == ncclInProgress ? " was not queued within the collective timeout" : "");
 	nccl_error(c, what, r, err, errlen);
-err_abort:
-	clique_unlink(nc, c);
-	clique_abort(c);
-	clique_free(c);
 	return -SHARDD_E_BACKEND;
+}
+
+int shd_nccl_collective(struct shd_nccl *nc, struct shd_nccl_clique *c, uint32_t coll,
+			   void *const *send, void *const *recv, size_t count, uint32_t dtype,
+			   void *const *streams, char *err, size_t errlen)
+{
+	int ret = clique_collective(c, coll, send, recv, count, dtype, streams, shd_now_ns() + nc->timeout_ns, err,
+				    errlen);
+
+	if (ret)
+		shd_nccl_drop(nc, c);
+	return ret;
+}
+
+int shd_nccl_span_collective(struct shd_nccl_clique *c, uint32_t coll, void *const *send, void *const *recv,
+			     size_t count, uint32_t dtype, void *const *streams, uint64_t deadline_ns, char *err,
+			     size_t errlen)
+{
+	return clique_collective(c, coll, send, recv, count, dtype, streams, deadline_ns, err, errlen);
 }
 
 uint32_t shd_nccl_check_device(struct shd_nccl *nc, int32_t device, int abort_all, char *err,
@@ -470,7 +525,8 @@ uint32_t shd_nccl_check_device(struct shd_nccl *nc, int32_t device, int abort_al
 		ncclResult_t bad = ncclSuccess;
 		int member = 0;
 
-		for (uint32_t k = 0; k < c->n; k++)
+		/* A span clique is its op's to watch (backend_cuda_span.c): its collectives are done when the op returns. */
+		for (uint32_t k = 0; k < c->n && !c->span; k++)
 			member |= c->devices[k] == device;
 		for (uint32_t k = 0; member && k < c->n && bad == ncclSuccess; k++) {
 			ncclResult_t state = ncclSuccess, r = api.comm_get_async_error(c->comms[k], &state);
@@ -512,4 +568,116 @@ void shd_nccl_job_end(struct shd_nccl *nc, const void *job)
 		*pp = c->next;
 		clique_destroy(nc, c);
 	}
+}
+
+/* ------------------------------------------------------------------ */
+/* Across nodes                                                        */
+/* ------------------------------------------------------------------ */
+
+int shd_nccl_unique_ids(uint8_t *ids, uint32_t n, char *err, size_t errlen)
+{
+	int ret = shd_nccl_load(err, errlen);
+
+	for (uint32_t i = 0; i < n && !ret; i++) {
+		ncclUniqueId id;
+		ncclResult_t r = api.get_unique_id(&id);
+
+		if (r != ncclSuccess) {
+			snprintf(err, errlen, "ncclGetUniqueId: %s (%d); NCCL picks the network interface that the "
+				 "other nodes reach it on with NCCL_SOCKET_IFNAME", api.get_error_string(r), (int)r);
+			return -SHARDD_E_BACKEND;
+		}
+		memcpy(ids + (size_t)i * sizeof(id), &id, sizeof(id));
+	}
+	return ret;
+}
+
+struct shd_nccl_clique *shd_nccl_span_find(struct shd_nccl *nc, const void *job, uint64_t key, uint32_t index)
+{
+	for (struct shd_nccl_clique *c = nc->cliques; c; c = c->next)
+		if (c->span && c->job == job && c->key == key && c->index == index)
+			return c;
+	return NULL;
+}
+
+int shd_nccl_span_make(const void *job, const char *job_name, uint64_t key, uint32_t index,
+		       const int32_t *devices, uint32_t n, const uint32_t *ranks, uint32_t nranks, const uint8_t *id,
+		       uint64_t deadline_ns, struct shd_nccl_clique **out, char *err, size_t errlen)
+{
+	struct shd_nccl_clique *c;
+	char devs[128];
+	int ret;
+
+	ret = shd_nccl_load(err, errlen);
+	if (ret)
+		return ret;
+	c = calloc(1, sizeof(*c));
+	if (c) {
+		c->devices = malloc(n * sizeof(*c->devices));
+		c->ranks = malloc(n * sizeof(*c->ranks));
+		c->comms = calloc(n, sizeof(*c->comms));
+	}
+	if (!c || !c->devices || !c->ranks || !c->comms) {
+		snprintf(err, errlen, "out of memory for the NCCL communicators of job '%s'", job_name);
+		if (c)
+			clique_free(c);
+		return -ENOMEM;
+	}
+	c->job = job;
+	snprintf(c->job_name, sizeof(c->job_name), "%s", job_name);
+	c->n = n;
+	c->span = 1;
+	c->key = key;
+	c->index = index;
+	c->nranks = nranks;
+	memcpy(c->devices, devices, n * sizeof(*devices));
+	for (uint32_t k = 0; k < n; k++)
+		c->ranks[k] = (int32_t)ranks[k];
+	ret = clique_init(c, id, deadline_ns, err, errlen);
+	if (ret) {
+		clique_free(c);
+		return ret;
+	}
+	shd_nccl_devices_str(devices, n, devs, sizeof(devs));
+	shd_log_info("cuda backend: NCCL communicator %u of job '%s' across nodes ready: %s, NCCL rank%s %d%s of %u",
+		     index, job_name, devs, n > 1 ? "s" : "", c->ranks[0], n > 1 ? ".." : "", nranks);
+	*out = c;
+	return 0;
+}
+
+void shd_nccl_span_add(struct shd_nccl *nc, struct shd_nccl_clique *c)
+{
+	struct shd_nccl_clique *old = shd_nccl_span_find(nc, c->job, c->key, c->index);
+
+	if (old)
+		shd_nccl_drop(nc, old);
+	c->next = nc->cliques;
+	nc->cliques = c;
+}
+
+void shd_nccl_span_abort(struct shd_nccl_clique *c)
+{
+	clique_abort(c);
+	clique_free(c);
+}
+
+void shd_nccl_drop(struct shd_nccl *nc, struct shd_nccl_clique *c)
+{
+	clique_unlink(nc, c);
+	clique_abort(c);
+	clique_free(c);
+}
+
+int shd_nccl_clique_failed(struct shd_nccl_clique *c, char *err, size_t errlen)
+{
+	for (uint32_t k = 0; k < c->n; k++) {
+		ncclResult_t state = ncclSuccess, r = api.comm_get_async_error(c->comms[k], &state);
+		ncclResult_t bad = r != ncclSuccess ? r : state == ncclInProgress ? ncclSuccess : state;
+
+		if (bad != ncclSuccess) {
+			nccl_error(c, "communicator failed", bad, err, errlen);
+			return 1;
+		}
+	}
+	return 0;
 }

@@ -212,7 +212,7 @@ int cuda_reduce_nccl(struct cuda_backend *cb, const struct shd_reduce_args *a, c
 	for (uint32_t k = 0; k < n && !ret && grad; k++) {
 		ret = cudaSetDevice(devices[k]) == cudaSuccess ? 0 : -SHARDD_E_BACKEND;
 		if (!ret)
-			ret = cuda_queued(cuda_reduce_copy_in(a, k, op.staging[k], op.d[k]->stream), "reduce");
+			ret = cuda_queued(cuda_reduce_copy_in(a, k, n, op.staging[k], op.d[k]->stream), "reduce");
 	}
 	if (!ret)
 		ret = nccl_op_handover(&op, 1);

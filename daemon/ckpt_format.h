@@ -178,10 +178,4 @@ int shd_ckpt_group_tensors(const struct shd_ckpt_group *g, int optim, uint32_t n
 int shd_ckpt_index_dump(const struct shd_ckpt_manifest *m, uint64_t total_size, char **json,
 			char *err, size_t errlen);
 
-/*
- * CRC-32 (zlib) and size of the file open at `fd`, read from its start.
- * 0 or -errno.
- */
-int shd_ckpt_file_crc(int fd, uint32_t *crc, uint64_t *bytes);
-
 #endif /* SHD_CKPT_FORMAT_H */

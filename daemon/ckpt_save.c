@@ -35,41 +35,12 @@
 
 #include "ckpt_files.h"
 #include "ckpt_format.h"
+#include "ckpt_int.h"
 #include "clock.h"
 #include "engine_int.h"
 #include "log.h"
 
 #define CKPT_BOUNCE (8u << 20) /* bytes read from the backend per write */
-
-/* A checkpoint armed for the next step boundary (shd_engine_job_checkpoint_arm). */
-struct eng_ckpt_req {
-	uint64_t id;
-	char *dir;        /* NULL: keep_root/step-N */
-	char *keep_root;
-	uint32_t keep;
-};
-
-struct eng_ckpt {
-	struct shd_engine_job *j;
-	uint64_t id;
-	struct shd_ckpt_manifest m;      /* groups and files; file sizes and CRCs filled by the tasks */
-	struct eng_group **egs;          /* [m.ngroups] */
-	int32_t *file_of;                /* [2 * m.ngroups]: group i's params and optimizer file in m.files, or -1 */
-	char *dir, *tmp, *parent, *keep_root;
-	uint32_t keep;
-	int dirfd;                       /* the temporary directory */
-	uint32_t pending;                /* SAVE and SAVE_WRITE tasks not yet delivered */
-	uint64_t staged;                 /* bytes of staging memory committed (0: written in place) */
-	uint8_t **stage;                 /* [2 * m.ngroups]: a file's tensors snapshot, until written */
-	struct eng_task **wtasks;        /* [m.ngroups]: a group's SAVE_WRITE on the pool, or NULL */
-	int res;                         /* the first failure */
-	char msg[ENGINE_MSG_MAX];
-	uint64_t bytes;                  /* written, all files (atomic: pool threads add as they write) */
-	uint64_t total;                  /* the tensors' bytes of all files (headers not counted) */
-	uint64_t start_ns;
-	shd_engine_ckpt_fn done;
-	void *ctx;
-};
 
 static const struct eng_task_ops ckpt_hooks = { .exec = eng_ckpt_exec, .delivered = eng_ckpt_delivered };
 
@@ -498,7 +469,7 @@ void eng_ckpt_delivered(struct eng_task *t)
 	eng_group_enqueue(c->egs[0], f);
 }
 
-static void req_free(struct eng_ckpt_req *r)
+void eng_ckpt_req_free(struct eng_ckpt_req *r)
 {
 	if (!r)
 		return;
@@ -528,7 +499,7 @@ void eng_ckpt_job_end(struct shd_engine_job *j, const char *why)
 {
 	char msg[ENGINE_MSG_MAX];
 
-	req_free(j->ckpt_armed);
+	eng_ckpt_req_free(j->ckpt_armed);
 	j->ckpt_armed = NULL;
 	if (!j->ckpt)
 		return;
@@ -646,8 +617,8 @@ static int ckpt_plan(struct shd_engine_job *j, struct eng_ckpt *c, uint64_t step
 	return 0;
 }
 
-static int ckpt_start(struct shd_engine_job *j, const struct shd_engine_ckpt_target *tg, uint64_t id,
-		      shd_engine_ckpt_fn done, void *ctx, char *msg, size_t len)
+int eng_ckpt_start(struct shd_engine_job *j, const struct shd_engine_ckpt_target *tg, uint64_t id,
+		   shd_engine_ckpt_fn done, void *ctx, char *msg, size_t len)
 {
 	struct eng_ckpt *c;
 	struct eng_task **tasks = NULL;
@@ -764,164 +735,9 @@ int shd_engine_job_checkpoint(struct shd_engine_job *j, const struct shd_engine_
 			(unsigned long long)j->ckpt_armed->id, j->name);
 		return -SHARDD_E_STATE;
 	}
-	int ret = ckpt_start(j, tg, j->ckpt_seq + 1, done, ctx, msg, len);
+	int ret = eng_ckpt_start(j, tg, j->ckpt_seq + 1, done, ctx, msg, len);
 
 	if (!ret)
 		j->ckpt_seq++;
 	return ret;
-}
-
-/* An armed checkpoint's end: its outcome is in ckpt_last, read by `shardctl checkpoints`. */
-static void armed_done(void *ctx, int res, const char *msg, const char *dir, uint64_t bytes, double seconds)
-{
-	(void)ctx;
-	(void)res;
-	(void)msg;
-	(void)dir;
-	(void)bytes;
-	(void)seconds;
-}
-
-/*
- * The step boundary of an armed checkpoint: every group registered and
- * idle, every optimizer group's last step the same on every rank and in
- * every group. *step gets that step (0 without an optimizer group).
- */
-static int at_boundary(const struct shd_engine_job *j, uint64_t *step)
-{
-	int seen = 0;
-
-	*step = 0;
-	for (uint32_t i = 0; i < j->ngroups; i++) {
-		const struct eng_group *eg = j->groups[i];
-
-		if (!eg)
-			continue;
-		if (!eg->complete || eg->running || eg->qhead)
-			return 0;
-		if (eg->g->optim.kind == SHARDD_OPTIM_NONE)
-			continue;
-		for (uint32_t r = 0; r < eg->g->world; r++) {
-			uint64_t s = __atomic_load_n(&eg->g->last_step[r], __ATOMIC_RELAXED);
-
-			if (seen && s != *step)
-				return 0;
-			*step = s;
-			seen = 1;
-		}
-	}
-	return 1;
-}
-
-/* Record a checkpoint that could not start as the job's last one. */
-static void record_failure(struct shd_engine_job *j, uint64_t id, int res, const char *msg, const char *dir,
-			   uint64_t step)
-{
-	struct shd_engine_ckpt_status *l = &j->ckpt_last;
-
-	shd_log_warn("job '%s': checkpoint %llu: %s", j->name, (unsigned long long)id, msg);
-	l->last_id = id;
-	l->last_res = res;
-	snprintf(l->last_msg, sizeof(l->last_msg), "%s", msg);
-	snprintf(l->last_dir, sizeof(l->last_dir), "%s", dir ? dir : "");
-	l->last_step = step;
-	l->last_bytes = 0;
-	l->last_s = 0;
-	l->last_staged = 0;
-}
-
-/* --checkpoint-every: at a step boundary that is a multiple of it, once per step. */
-static void try_periodic(struct shd_engine_job *j)
-{
-	const struct shd_engine_config *cfg = &j->e->cfg;
-	struct shd_engine_ckpt_target t = { .keep = cfg->keep };
-	char msg[ENGINE_MSG_MAX], *root = NULL, *dir = NULL;
-	int ret;
-
-	if (!cfg->checkpoint_every || !cfg->state_dir || j->ckpt || j->ending || !at_boundary(j, &t.step) ||
-	    !t.step || t.step % cfg->checkpoint_every || t.step <= j->ckpt_every_last)
-		return;
-	j->ckpt_every_last = t.step;
-	if (asprintf(&root, "%s/%s", cfg->state_dir, j->name) < 0)
-		root = NULL;
-	if (root && asprintf(&dir, "%s/step-%012llu", root, (unsigned long long)t.step) < 0)
-		dir = NULL;
-	t.dir = dir;
-	t.keep_root = root;
-	ret = dir ? ckpt_start(j, &t, j->ckpt_seq + 1, armed_done, NULL, msg, sizeof(msg)) : -SHARDD_E_NOMEM;
-	if (!dir)
-		eng_fmt(msg, sizeof(msg), "out of memory");
-	j->ckpt_seq++;
-	if (ret)
-		record_failure(j, j->ckpt_seq, ret, msg, dir, t.step);
-	free(dir);
-	free(root);
-}
-
-void eng_ckpt_try_armed(struct shd_engine_job *j)
-{
-	struct eng_ckpt_req *r = j->ckpt_armed;
-	struct shd_engine_ckpt_target t = { .keep_root = r ? r->keep_root : NULL, .keep = r ? r->keep : 0 };
-	char msg[ENGINE_MSG_MAX], *dir = NULL;
-	int ret;
-
-	if (!r) {
-		try_periodic(j);
-		return;
-	}
-	if (j->ckpt || j->ending || !at_boundary(j, &t.step))
-		return;
-	j->ckpt_armed = NULL;
-	if (!r->dir && asprintf(&dir, "%s/step-%012llu", r->keep_root, (unsigned long long)t.step) < 0)
-		dir = NULL;
-	t.dir = r->dir ? r->dir : dir;
-	ret = t.dir ? ckpt_start(j, &t, r->id, armed_done, NULL, msg, sizeof(msg)) : -SHARDD_E_NOMEM;
-	if (ret) {
-		if (!t.dir)
-			eng_fmt(msg, sizeof(msg), "out of memory");
-		record_failure(j, r->id, ret, msg, t.dir, t.step);
-	}
-	free(dir);
-	req_free(r);
-}
-
-int shd_engine_job_checkpoint_arm(struct shd_engine_job *j, const char *dir, const char *keep_root,
-				  uint32_t keep, uint64_t *id, char *msg, size_t len)
-{
-	struct eng_ckpt_req *r;
-
-	if (j->ckpt_armed || j->ckpt) {
-		eng_fmt(msg, len, "checkpoint %llu of job '%s' is %s; wait for it (shardctl checkpoints %s)",
-			(unsigned long long)(j->ckpt_armed ? j->ckpt_armed->id : j->ckpt->id), j->name,
-			j->ckpt_armed ? "armed for the next step boundary" : "being written", j->name);
-		return -SHARDD_E_STATE;
-	}
-	r = calloc(1, sizeof(*r));
-	if (!r || (dir && !(r->dir = strdup(dir))) || (keep_root && !(r->keep_root = strdup(keep_root)))) {
-		req_free(r);
-		eng_fmt(msg, len, "out of memory");
-		return -SHARDD_E_NOMEM;
-	}
-	r->keep = keep;
-	r->id = ++j->ckpt_seq;
-	*id = r->id;
-	j->ckpt_armed = r;
-	shd_log_info("job '%s': checkpoint %llu armed for the next step boundary (%s)", j->name,
-		     (unsigned long long)r->id, dir ? dir : keep_root);
-	eng_ckpt_try_armed(j);
-	return 0;
-}
-
-void shd_engine_job_checkpoint_status(const struct shd_engine_job *j, struct shd_engine_ckpt_status *st)
-{
-	*st = j->ckpt_last;
-	st->armed_id = j->ckpt_armed ? j->ckpt_armed->id : 0;
-	snprintf(st->armed_dir, sizeof(st->armed_dir), "%s",
-		 j->ckpt_armed && j->ckpt_armed->dir ? j->ckpt_armed->dir : "");
-	st->writing_id = j->ckpt ? j->ckpt->id : 0;
-	st->writing_step = j->ckpt ? j->ckpt->m.step : 0;
-	snprintf(st->writing_dir, sizeof(st->writing_dir), "%s", j->ckpt ? j->ckpt->dir : "");
-	st->writing_bytes = j->ckpt ? __atomic_load_n(&j->ckpt->bytes, __ATOMIC_RELAXED) : 0;
-	st->writing_total = j->ckpt ? j->ckpt->total : 0;
-	st->writing_s = j->ckpt ? (double)(shd_now_ns() - j->ckpt->start_ns) / 1e9 : 0;
 }

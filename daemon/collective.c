@@ -112,7 +112,7 @@ static int coll_arrive(struct eng_group *eg, struct eng_coll *c, const struct en
 	if (ret == SHD_RDV_MISMATCH) {
 		shd_rdv_present(&c->rdv, ranks, sizeof(ranks));
 		eng_fmt(msg, sizeof(msg), "shardd: %s(group '%s'): %s; failed for ranks %s,%u",
-			shardd_op_name(c->op), eg->g->name, why, ranks, op->rank);
+			shardd_op_name(c->op), eg->g->name, why, ranks, eng_rank_shown(eg->j, op->rank));
 		coll_fail(eg, c, -SHARDD_E_MISMATCH, msg, UINT32_MAX);
 		eng_complete(eg->j, op, -SHARDD_E_MISMATCH, msg);
 		return 0;
@@ -135,7 +135,7 @@ static int coll_arrive(struct eng_group *eg, struct eng_coll *c, const struct en
 			shd_rdv_who_present(&c->rdv, who, sizeof(who));
 			eng_fmt(msg, sizeof(msg),
 				"shardd: rank %u left (its client is gone) before %s; failed for %s; retry once it attached again",
-				r, what, who);
+				eng_rank_shown(eg->j, r), what, who);
 			coll_fail(eg, c, -SHARDD_E_PEER_DIED, msg, UINT32_MAX);
 			return 0;
 		}
@@ -208,7 +208,7 @@ static int reduce_cross_check(struct eng_group *eg, const struct eng_op *op, str
 	if (first == op->rank || shd_rdv_has_arrived(&other->rdv, op->rank)) {
 		eng_fmt(msg, sizeof(msg),
 			"shardd: reduce(group '%s', step %llu): rank %u submitted it while its reduce step %llu flags 0x%x is still waiting",
-			g->name, (unsigned long long)op->sqe.step, op->rank,
+			g->name, (unsigned long long)op->sqe.step, eng_rank_shown(eg->j, op->rank),
 			(unsigned long long)other->rdv.step, other->rdv.flags);
 		eng_complete(eg->j, op, -SHARDD_E_INVALID, msg);
 		return 1;
@@ -217,9 +217,9 @@ static int reduce_cross_check(struct eng_group *eg, const struct eng_op *op, str
 	shd_rdv_present(&mine->rdv, ranks2, sizeof(ranks2));
 	eng_fmt(msg, sizeof(msg),
 		"shardd: reduce(group '%s'): rank %u submitted step %llu flags 0x%x but rank %u submitted step %llu flags 0x%x; failed for ranks %s%s%s,%u",
-		g->name, op->rank, (unsigned long long)op->sqe.step, op->sqe.flags, first,
-		(unsigned long long)other->rdv.step, other->rdv.flags, ranks, ranks2[0] ? "," : "", ranks2,
-		op->rank);
+		g->name, eng_rank_shown(eg->j, op->rank), (unsigned long long)op->sqe.step, op->sqe.flags,
+		eng_rank_shown(eg->j, first), (unsigned long long)other->rdv.step, other->rdv.flags, ranks,
+		ranks2[0] ? "," : "", ranks2, eng_rank_shown(eg->j, op->rank));
 	coll_fail(eg, other, -SHARDD_E_MISMATCH, msg, UINT32_MAX);
 	coll_fail(eg, mine, -SHARDD_E_MISMATCH, msg, UINT32_MAX);
 	eng_complete(eg->j, op, -SHARDD_E_MISMATCH, msg);
@@ -281,9 +281,9 @@ static void coll_rank_gone(struct eng_group *eg, struct eng_coll *c, uint32_t ra
 	if (shd_rdv_has_arrived(&c->rdv, rank) && c->ops[rank - c->base].token != token)
 		return;
 	coll_what(eg, c, what, sizeof(what));
-	shd_rdv_who_present(&c->rdv, who, sizeof(who));
+	shd_rdv_who_present_but(&c->rdv, rank, who, sizeof(who));
 	eng_fmt(msg, sizeof(msg), "shardd: rank %u left (its client is gone) during %s; failed for %s",
-		rank, what, who);
+		eng_rank_shown(eg->j, rank), what, who);
 	coll_fail(eg, c, -SHARDD_E_PEER_DIED, msg, rank);
 }
 

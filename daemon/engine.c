@@ -90,6 +90,7 @@ void shd_engine_destroy(struct shd_engine *e)
 	while (e->jobs)
 		shd_engine_job_destroy(e->jobs);
 	eng_span_threads_wait(e);
+	eng_span_orphans_free(e);
 	shd_pool_destroy(e->pool);
 	e->backend->ops->destroy(e->backend);
 	close(e->efd);
@@ -281,7 +282,7 @@ static void submit_reshard(struct eng_group *eg, const struct eng_op *op)
 
 	if (!eg->g->holds[op->rank]) {
 		eng_fmt(msg, sizeof(msg), "shardd: rank %u has no unsharded copy of group '%s' to reshard",
-			op->rank, eg->g->name);
+			eng_rank_shown(eg->j, op->rank), eg->g->name);
 		eng_complete(eg->j, op, -SHARDD_E_STATE, msg);
 		return;
 	}
@@ -613,7 +614,7 @@ void shd_engine_rank_gone(struct shd_engine_job *j, uint32_t rank, uint64_t toke
 		eg->g->holds[rank] = 0;
 		eng_coll_rank_gone(eg, rank, token);
 		eng_fmt(msg, sizeof(msg), "shardd: rank %u left (its client is gone) before this op on group '%s' ran",
-			rank, eg->g->name);
+			eng_rank_shown(j, rank), eg->g->name);
 		deferred_fail(eg, rank, -SHARDD_E_PEER_DIED, msg);
 		group_flush(eg);
 	}

@@ -153,7 +153,7 @@ void shd_engine_job_grad_norm_abandon(struct shd_engine_job *j);
 float shd_clip_coefficient(double norm, double max_norm);
 
 /*
- * Checkpoints (ckpt_save.c, docs/CHECKPOINTS.md). The end of a checkpoint,
+ * Checkpoints (ckpt_save.c, ckpt_arm.c, docs/CHECKPOINTS.md). The end of a checkpoint,
  * on the loop thread, exactly once: res 0 with `dir` the directory it now
  * is, `bytes` written and `seconds` taken; else a negative code and `msg`.
  */

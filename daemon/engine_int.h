@@ -152,6 +152,20 @@ struct eng_group {
 	int restore_fail;            /* a rank left or the job ended meanwhile: the registration fails */
 	char restore_msg[ENGINE_MSG_MAX];
 	uint64_t span_seq;           /* exchanges among nodes so far (internode.c); its running task's */
+	/*
+	 * A job across nodes (internode.c): the buffer MPI sends from and
+	 * receives into, and FSDP's reduce scratch, sized and committed at
+	 * registration (g->internode_size), allocated with the group's
+	 * buffers and reused by every op (one task of a group runs at a time).
+	 */
+	struct shd_world_buf *span_buf;
+	uint64_t span_buf_bytes;
+	uint8_t *span_scratch;       /* FSDP reduce: fp32 node sums (wire dtype not fp32), total, prepared inputs */
+	uint64_t span_sums_at, span_tot_at, span_tmp_at; /* offsets in span_scratch (span_sums_at: UINT64_MAX = in span_buf) */
+	uint64_t *span_off32;        /* FSDP reduce: each param's offset in an fp32 reduce shard [nparams + 1] */
+	uint64_t span_F;             /* FSDP reduce: bytes of such an fp32 shard */
+	int span_nobuf;              /* loop: no buffer for the next task (MPI holds the old one, no room for another) */
+	char span_nobuf_msg[ENGINE_MSG_MAX];
 };
 
 struct shd_engine_job {
@@ -199,6 +213,18 @@ struct shd_engine {
 	struct shd_engine_job *jobs;
 	uint64_t mem_committed;      /* its jobs' mem_committed, summed */
 	uint32_t span_threads;       /* threads running inter-node tasks (internode.c); under lock */
+	/*
+	 * Loop thread: exchange buffers that MPI still held when their group
+	 * let go of them (a send to a node that stopped answering), counted in
+	 * mem_committed until MPI lets go (internode.c).
+	 */
+	struct eng_span_orphan *span_orphans;
+};
+
+struct eng_span_orphan {
+	struct eng_span_orphan *next;
+	struct shd_world_buf *b;
+	uint64_t bytes;
 };
 
 /* ---- delivery.c: messages and delivery ---- */
@@ -262,7 +288,7 @@ void eng_group_enqueue(struct eng_group *eg, struct eng_task *t);
  */
 void eng_tasks_stop(struct eng_group *eg, int res, const char *msg);
 
-/* ---- ckpt_save.c: checkpoints ---- */
+/* ---- ckpt_save.c, ckpt_arm.c (eng_ckpt_try_armed): checkpoints ---- */
 
 /* Pool thread: the work of a TASK_SAVE or TASK_SAVE_FINAL; sets t->res and t->msg. */
 void eng_ckpt_exec(struct eng_task *t);
@@ -292,6 +318,12 @@ static inline uint32_t eng_mesh_shard(const struct shd_engine_job *j)
 	return j->span_nodes > 1 ? j->span_shard : j->shard;
 }
 
+/* A rank as messages name it: a job across nodes shows global ranks (node * L + node-local rank). */
+static inline uint32_t eng_rank_shown(const struct shd_engine_job *j, uint32_t rank)
+{
+	return j->span_nodes > 1 ? j->span_node * j->world + rank : rank;
+}
+
 /* 1 when the job's shard group spans the nodes (FSDP across nodes: mesh 1 x S over them). */
 static inline int eng_span_fsdp(const struct shd_engine_job *j)
 {
@@ -309,10 +341,21 @@ int eng_span_spawn(struct eng_task *t);
 /* Wait until no thread of eng_span_spawn runs (engine destroy). */
 void eng_span_threads_wait(struct shd_engine *e);
 /*
- * FSDP across nodes, at registration: the group's layout over the whole
- * shard group and this node's first shard rank. 0, or an error with `err`.
+ * A job across nodes, at registration, before its memory is committed:
+ * FSDP's layout over the whole shard group and this node's first shard
+ * rank, and the bytes of the group's inter-node buffers
+ * (g->internode_size); a group whose inter-node message would pass MPI's
+ * int count is refused. 0, or an error with `err`.
  */
 int eng_span_group_init(struct eng_group *eg, char *err, size_t errlen);
+/* Allocate (and touch) the inter-node buffers counted by eng_span_group_init. 0, or -ENOMEM with `err`. */
+int eng_span_group_alloc(struct eng_group *eg, char *err, size_t errlen);
+/* Free them; one MPI still holds goes to the engine's orphans, still counted, until MPI lets go. */
+void eng_span_group_free(struct eng_group *eg);
+/* Loop thread: uncount and free the orphans MPI let go of (before a limit is checked). */
+void eng_span_orphans_sweep(struct shd_engine *e);
+/* Engine destroy: drop every orphan (freed when MPI lets go). */
+void eng_span_orphans_free(struct shd_engine *e);
 /* FSDP across nodes: node-local gather, inter-node all-gather of node chunks, the unsharded params. */
 int eng_span_unshard(struct eng_task *t);
 /*

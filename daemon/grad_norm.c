@@ -83,8 +83,8 @@ static int grad_norm_local(struct shd_engine_job *j, struct shardd_grad_norm_par
 			if (!b->ops->grad_norm) {
 				ret = grad_norm_shard(b, eg->g, r, tmp, acc);
 			} else {
-				ret = b->ops->grad_norm(b, &eg->g->layout, r, &eg->g->sharded_grads[r], &part, why,
-							sizeof(why));
+				ret = b->ops->grad_norm(b, &eg->g->layout, shd_group_shard_rank(eg->g, r),
+							&eg->g->sharded_grads[r], &part, why, sizeof(why));
 				if (!ret)
 					shardd_k_grad_norm_merge(acc, &part);
 			}

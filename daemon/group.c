@@ -437,7 +437,9 @@ void shd_group_memory_need(const struct shd_group *g, struct shd_group_memory *m
 	m->grads = (uint64_t)g->world * l->grad_size;
 	m->partials = (uint64_t)g->world * g->partial_size;
 	m->optimizer = (uint64_t)g->world * shd_group_optim_states(&g->optim) * l->shard_size;
-	m->total = m->unsharded + m->shards + m->sharded_grads + m->grads + m->partials + m->optimizer;
+	m->internode = g->internode_size;
+	m->total = m->unsharded + m->shards + m->sharded_grads + m->grads + m->partials + m->optimizer +
+		   m->internode;
 }
 
 static uint64_t bufs_bytes(const struct shd_buf *b, uint32_t n)
@@ -469,7 +471,9 @@ void shd_group_memory_held(const struct shd_group *g, struct shd_group_memory *m
 	m->grads += h.grads;
 	m->partials += h.partials;
 	m->optimizer += h.optimizer;
-	m->total += h.shards + h.sharded_grads + h.unsharded + h.grads + h.partials + h.optimizer;
+	m->internode += g->internode_held;
+	m->total += h.shards + h.sharded_grads + h.unsharded + h.grads + h.partials + h.optimizer +
+		    g->internode_held;
 }
 
 int shd_group_alloc(struct shd_group *g, struct shd_backend_ctx *b, const int32_t *devices,

@@ -49,6 +49,8 @@ struct shd_group {
 					       (shd_placement_reduce_shard): an HSDP partial, a staging block */
 	uint64_t reduce_shard_size;         /* bytes of such a shard; 0 without a uniform reduce dtype */
 	uint64_t partial_size;              /* bytes of one partial: reduce_shard_size with a replicate dim, else 0 */
+	uint64_t internode_size;            /* bytes of the inter-node exchange buffers (internode.c): 0 unless the job spans nodes */
+	uint64_t internode_held;            /* of those, allocated now */
 
 	int allocated;                      /* buffers below were allocated (each: shd_buf_allocated) */
 	uint8_t *unsharded_own;             /* [replicate]: each rank of the replica has its own unsharded
@@ -133,6 +135,7 @@ struct shd_group_memory {
 	uint64_t grads;          /* unsharded grad buffers (reduce inputs), one per rank */
 	uint64_t partials;       /* HSDP reduce-scatter outputs, one per rank with a replicate dim */
 	uint64_t optimizer;      /* optimizer state the daemon keeps per rank shard (fp32, shard-sized) */
+	uint64_t internode;      /* a job across nodes: the group's inter-node exchange buffers and scratch */
 	uint64_t total;          /* the sum */
 };
 

@@ -233,10 +233,11 @@ static int hello_world(struct shd_session *s, uint32_t seq, struct shardd_hello 
 			       h->replicate, h->shard, nodes, nodes, L, (unsigned long long)world);
 		return 0;
 	}
-	if (shd_session_env.backend != SHARDD_BACKEND_HOST) {
+	/* Both layouts run on both backends: host over the world, cuda with NCCL over the nodes. */
+	if (shd_session_env.backend != SHARDD_BACKEND_HOST && shd_session_env.backend != SHARDD_BACKEND_CUDA) {
 		shd_session_reject(s, seq, -SHARDD_E_MESH,
-			       "mesh %ux%u spans %u nodes: jobs across nodes run on --backend host only "
-			       "so far", h->replicate, h->shard, nodes);
+			       "mesh %ux%u spans %u nodes: jobs across nodes run on --backend host or cuda",
+			       h->replicate, h->shard, nodes);
 		return 0;
 	}
 	h->rank -= node * L;
@@ -289,6 +290,13 @@ void shd_session_hello(struct shd_session *s, const struct shardd_msg_hdr *hdr,
 		shd_session_reject(s, hdr->seq, ret, "%s", why);
 		return;
 	}
+	/* Across nodes the node-local meshes of 2x2 and 1x4 are both 1x2: the whole meshes must match. */
+	if (job && span && (job->span_replicate != mesh_replicate || job->span_shard != mesh_shard)) {
+		shd_session_reject(s, hdr->seq, -SHARDD_E_MESH,
+			       "job '%s' has mesh %ux%u over %u nodes, hello asked for %ux%u", job->name,
+			       job->span_replicate, job->span_shard, job->span_nodes, mesh_replicate, mesh_shard);
+		return;
+	}
 
 	s->pidfd = pidfd_open_pid(s->cred.pid);
 	if (s->pidfd < 0 && errno != ENOSYS) {
@@ -331,8 +339,7 @@ void shd_session_hello(struct shd_session *s, const struct shardd_msg_hdr *hdr,
 		}
 		created = 1;
 		if (span)
-			shd_engine_job_span(job->ejob, mesh_replicate, mesh_shard, shd_world_nodes(),
-					    shd_world_node());
+			shd_job_span(job, mesh_replicate, mesh_shard, shd_world_nodes(), shd_world_node());
 	}
 
 	memset(&w, 0, sizeof(w));

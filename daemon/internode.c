@@ -23,13 +23,26 @@
  * (--internode-dtype reduce: half the bytes for bf16/fp16) moves the same
  * numbers: no partial sum crosses the network, only partials.
  *
+ * Memory (docs/MULTINODE.md, "Memory"): each group has one exchange buffer
+ * (shd_world_buf, what MPI sends from and receives into) and under FSDP a
+ * reduce scratch, sized by eng_span_group_init before the group's memory is
+ * committed, so they count against --max-memory like its other buffers,
+ * allocated with them and reused by every op (a group runs one task at a
+ * time). A buffer MPI still holds after a failed exchange is replaced only
+ * within the limit, the old one counted (engine orphans) until MPI lets go.
+ *
  * A task that exchanges runs on a thread of its own (eng_span_spawn), which
  * waits for the world's communication thread: never on the loop, and never
  * on a pool thread, so that tasks waiting for other nodes cannot take every
  * worker from the node's other groups; its kernels still split across the
- * pool (shd_pool_for runs on the calling thread too). Host backend only
- * (hello.c refuses a spanning job on another).
+ * pool (shd_pool_for runs on the calling thread too).
+ *
+ * A backend that crosses nodes itself (ops->span_unshard, span_reduce: the
+ * cuda backend, with NCCL communicators over the nodes) gets each op's
+ * node-local members and the group's stream of exchanges instead
+ * (span_backend_*), and moves the bytes between nodes its own way.
  */
+#include <errno.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -38,8 +51,10 @@
 #include "clock.h"
 #include "engine_int.h"
 #include "layout.h"
+#include "memlimit.h"
 #include "placement.h"
 #include "shardd_kernels.h"
+#include "span_boot.h"
 #include "world.h"
 
 int shd_engine_job_span(struct shd_engine_job *j, uint32_t replicate, uint32_t shard,
@@ -74,6 +89,85 @@ static void *span_thread(void *arg)
 	return NULL;
 }
 
+/* Loop thread: put b on the engine's orphans, counted in mem_committed until MPI lets go. */
+static void span_orphan(struct shd_engine *e, struct shd_world_buf *b, uint64_t bytes)
+{
+	struct eng_span_orphan *o = malloc(sizeof(*o));
+
+	if (!o) {
+		/* Without a record it cannot be uncounted: let it go uncounted (freed when MPI lets go). */
+		shd_world_buf_put(b);
+		return;
+	}
+	o->b = b;
+	o->bytes = bytes;
+	o->next = e->span_orphans;
+	e->span_orphans = o;
+	e->mem_committed += bytes;
+}
+
+void eng_span_orphans_sweep(struct shd_engine *e)
+{
+	for (struct eng_span_orphan **pp = &e->span_orphans; *pp; ) {
+		struct eng_span_orphan *o = *pp;
+
+		if (shd_world_buf_busy(o->b)) {
+			pp = &o->next;
+			continue;
+		}
+		*pp = o->next;
+		e->mem_committed -= o->bytes;
+		shd_world_buf_put(o->b);
+		free(o);
+	}
+}
+
+void eng_span_orphans_free(struct shd_engine *e)
+{
+	while (e->span_orphans) {
+		struct eng_span_orphan *o = e->span_orphans;
+
+		e->span_orphans = o->next;
+		e->mem_committed -= o->bytes;
+		shd_world_buf_put(o->b);
+		free(o);
+	}
+}
+
+/*
+ * Loop thread, before a task of eg starts (no other task of eg runs): when
+ * MPI still holds the group's buffer (an exchange that failed at a node
+ * that stopped answering; its sends may still read it), the group gets a
+ * fresh one if --max-memory has room for both, the old one counted as an
+ * orphan until MPI lets go; else the task fails (eg->span_nobuf).
+ */
+static void span_buf_ready(struct eng_group *eg)
+{
+	struct shd_engine *e = eg->j->e;
+	uint64_t bytes = eg->span_buf_bytes, max = e->cfg.max_memory;
+	struct shd_world_buf *nb = NULL;
+	char need[32], used[32], lim[32];
+
+	eg->span_nobuf = 0;
+	if (!eg->span_buf || !shd_world_buf_busy(eg->span_buf))
+		return;
+	eng_span_orphans_sweep(e);
+	if (!max || (bytes <= max && e->mem_committed <= max - bytes))
+		nb = shd_world_buf_new(bytes);
+	if (nb) {
+		span_orphan(e, eg->span_buf, bytes);
+		eg->span_buf = nb;
+		return;
+	}
+	eng_fmt(eg->span_nobuf_msg, sizeof(eg->span_nobuf_msg),
+		"MPI still holds this group's inter-node buffer (%s), sent to a node that stopped answering, "
+		"and another does not fit (%s of --max-memory %s held); retry once that node answers, "
+		"or raise --max-memory",
+		shd_bytes_str(bytes, need, sizeof(need)), shd_bytes_str(e->mem_committed, used, sizeof(used)),
+		shd_bytes_str(max, lim, sizeof(lim)));
+	eg->span_nobuf = 1;
+}
+
 int eng_span_spawn(struct eng_task *t)
 {
 	struct shd_engine *e = t->eg->j->e;
@@ -81,6 +175,7 @@ int eng_span_spawn(struct eng_task *t)
 	pthread_t th;
 	int ret;
 
+	span_buf_ready(t->eg);
 	if (pthread_attr_init(&attr))
 		return -1;
 	pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
@@ -147,7 +242,93 @@ static uint64_t span_check(const struct eng_task *t)
 	return h;
 }
 
-/* "node 1 (ranks 2,3), node 2 (ranks 4,5)" of the nodes marked in `missing`. */
+/*
+ * The op of task t for a backend that crosses nodes itself: the layout,
+ * this node's ranks and the SHD_SPAN_SEQS exchange numbers of the group's
+ * stream it owns, taken whatever happens so that the nodes stay paired.
+ */
+static struct shd_span span_of(struct eng_task *t)
+{
+	struct eng_group *eg = t->eg;
+	const struct shd_engine_job *j = eg->j;
+	struct shd_span s = {
+		.layout = eng_span_fsdp(j) ? SHD_SPAN_FSDP : SHD_SPAN_HSDP, .nodes = j->span_nodes,
+		.node = j->span_node, .local = j->world, .key = span_key(eg), .seq = eg->span_seq,
+		.check = span_check(t), .timeout_ns = j->e->timeout_ns,
+	};
+
+	eg->span_seq += SHD_SPAN_SEQS;
+	return s;
+}
+
+/* HSDP's all-reduce among the nodes by the backend: member s's partial of shard s into its sharded grad. */
+static int span_backend_allreduce(struct eng_task *t, const struct shardd_reduce_math *ar)
+{
+	struct shd_group *g = t->eg->g;
+	struct shd_backend_ctx *b = t->eg->j->e->backend;
+	struct shd_shard_view views[SHARDD_MAX_WORLD], outs[SHARDD_MAX_WORLD];
+	uint8_t accumulate[SHARDD_MAX_WORLD];
+	struct shd_span span = span_of(t);
+	struct shd_reduce_args a = {
+		.job = t->eg->j->bj, .layout = &g->layout, .src = SHD_REDUCE_SRC_SHARD, .n = g->shard,
+		.views = views, .in_dtype = g->reduce_dtype, .outs = outs, .accumulate = accumulate,
+		.reduce_offsets = g->reduce_offsets, .reduce_shard_size = g->reduce_shard_size, .math = *ar,
+		.err = t->why, .errlen = sizeof(t->why),
+	};
+	int ret;
+
+	for (uint32_t s = 0; s < g->shard; s++) {
+		views[s] = (struct shd_shard_view){ &g->partials[s], g->reduce_offsets, g->reduce_dtype };
+		outs[s] = (struct shd_shard_view){ &g->sharded_grads[s], g->shard_offsets, SHARDD_DTYPE_NONE };
+		accumulate[s] = g->grad_present[s];
+	}
+	ret = b->ops->span_reduce(b, &span, &a);
+	if (!ret)
+		memset(g->grad_present, 1, g->shard);
+	return ret;
+}
+
+/* FSDP's unshard across nodes by the backend: every rank's shard into this node's unsharded buffers. */
+static int span_backend_unshard(struct eng_task *t)
+{
+	struct shd_group *g = t->eg->g;
+	struct shd_backend_ctx *b = t->eg->j->e->backend;
+	struct shd_buf *shards[SHARDD_MAX_WORLD], *unsharded[SHARDD_MAX_WORLD];
+	struct shd_span span = span_of(t);
+	struct shd_unshard_args a = {
+		.job = t->eg->j->bj, .layout = &g->layout, .nshards = g->shard, .shards = shards,
+		.unsharded = unsharded, .err = t->why, .errlen = sizeof(t->why),
+	};
+
+	for (uint32_t s = 0; s < g->shard; s++) {
+		shards[s] = &g->shards[s];
+		unsharded[s] = shd_group_unsharded(g, s);
+	}
+	return b->ops->span_unshard(b, &span, &a);
+}
+
+/* FSDP's reduce-scatter across nodes by the backend: one collective over every rank. */
+static int span_backend_reduce_scatter(struct eng_task *t, const struct shardd_reduce_math *rs)
+{
+	struct shd_group *g = t->eg->g;
+	struct shd_backend_ctx *b = t->eg->j->e->backend;
+	struct shd_buf *grads[SHARDD_MAX_WORLD];
+	struct shd_shard_view outs[SHARDD_MAX_WORLD];
+	struct shd_span span = span_of(t);
+	struct shd_reduce_args a = {
+		.job = t->eg->j->bj, .layout = &g->layout, .src = SHD_REDUCE_SRC_GRAD, .n = g->shard,
+		.grads = grads, .outs = outs, .accumulate = g->grad_present, .reduce_offsets = g->reduce_offsets,
+		.reduce_shard_size = g->reduce_shard_size, .math = *rs, .err = t->why, .errlen = sizeof(t->why),
+	};
+
+	for (uint32_t s = 0; s < g->shard; s++) {
+		grads[s] = &g->grads[s];
+		outs[s] = (struct shd_shard_view){ &g->sharded_grads[s], g->shard_offsets, SHARDD_DTYPE_NONE };
+	}
+	return b->ops->span_reduce(b, &span, &a);
+}
+
+/* "node 1 (ranks 2..3), node 2 (ranks 4..5)" of the nodes marked in `missing` (global ranks). */
 static void span_who(const struct shd_engine_job *j, const uint8_t *missing, char *buf, size_t len)
 {
 	uint32_t L = j->world;
@@ -162,22 +343,64 @@ static void span_who(const struct shd_engine_job *j, const uint8_t *missing, cha
 	}
 }
 
-/* The error of a failed all-reduce of task t into t->msg. */
-static void span_ar_failed(struct eng_task *t, int ret, const uint8_t *missing, const char *why)
+/*
+ * The error of task t's failed exchange (`what`: "all-reduce", "exchange")
+ * into t->msg, short enough for a completion's 255 characters: which ranks
+ * of this node get it, the nodes whose part is missing (died, stalled) or
+ * disagreed, with their global ranks, and why (MPI's or the world's words).
+ */
+static void span_fail(struct eng_task *t, const char *what, int ret, const uint8_t *missing, const char *why,
+		      const char *lost)
 {
 	const struct shd_engine_job *j = t->eg->j;
-	char who[256];
+	uint32_t L = j->world, n = j->span_node;
+	uint64_t ms = j->e->timeout_ns / 1000000u;
+	char who[256], detail[448], within[32];
 
 	span_who(j, missing, who, sizeof(who));
-	eng_fmt(t->msg, sizeof(t->msg),
-		"shardd: reduce(group '%s', step %llu): the all-reduce among the %u nodes failed on node %u: %s%s%s%s",
-		t->eg->g->name, (unsigned long long)t->ops[0].sqe.step, j->span_nodes, j->span_node, why,
-		who[0] ? "; missing " : "", who,
+	if (ms % 1000 == 0)
+		eng_fmt(within, sizeof(within), "%llu s", (unsigned long long)(ms / 1000));
+	else
+		eng_fmt(within, sizeof(within), "%.3g s", (double)ms / 1000.0);
+	if (ret == -SHARDD_E_TIMEOUT && who[0])
+		eng_fmt(detail, sizeof(detail), "%s did not answer within %s", who, within);
+	else if (ret == -SHARDD_E_PEER_DIED && who[0])
+		eng_fmt(detail, sizeof(detail), "%s is lost: %s", who, why);
+	else
+		eng_fmt(detail, sizeof(detail), "%s", why); /* the world's words name the node */
+	eng_fmt(t->msg, sizeof(t->msg), "shardd: %s(group '%s', step %llu): %s among %u nodes failed for ranks %u..%u "
+		"(node %u): %s%s%s", shardd_op_name(t->ops[0].sqe.op), t->eg->g->name,
+		(unsigned long long)t->ops[0].sqe.step, what, j->span_nodes, n * L, n * L + L - 1, n, detail,
+		ret == -SHARDD_E_TIMEOUT || ret == -SHARDD_E_PEER_DIED ? lost : "",
 		ret == -SHARDD_E_TIMEOUT || ret == -SHARDD_E_PEER_DIED
-			? "; the sharded grads of this step are not reduced: check that node's daemon and ranks" : "");
+			? "; check its daemon (dead: relaunch the world)" : "");
 }
 
-int eng_span_allreduce(struct eng_task *t, const struct shardd_reduce_math *ar)
+/* The error of an op that found no inter-node buffer (span_buf_ready) into t->msg. */
+static int span_nobuf(struct eng_task *t)
+{
+	eng_fmt(t->msg, sizeof(t->msg), "shardd: %s(group '%s', step %llu): %s",
+		shardd_op_name(t->ops[0].sqe.op), t->eg->g->name, (unsigned long long)t->ops[0].sqe.step,
+		t->eg->span_nobuf ? t->eg->span_nobuf_msg
+				  : "the group has no inter-node buffer (registered without a reduce dtype)");
+	return -SHARDD_E_NOMEM;
+}
+
+/* HSDP: elements of one node's slice of the partials (C), and the bytes of the all-reduce's buffer. */
+static uint64_t span_hsdp_bytes(const struct eng_group *eg, uint32_t wire, size_t *C)
+{
+	const struct shd_group *g = eg->g;
+	uint32_t N = eg->j->span_nodes;
+	size_t rsz = shardd_dtype_size(g->reduce_dtype), wsz = shardd_dtype_size(wire);
+	size_t T = (size_t)g->shard * (g->reduce_shard_size / rsz);
+
+	*C = (T + N - 1) / N;
+	/* The reduce-scatter's send and receive halves (wire dtype), then the all-gather's (reduce dtype). */
+	return (uint64_t)2 * N * *C * wsz + (uint64_t)(N + 1) * *C * rsz;
+}
+
+/* HSDP's all-reduce among the nodes over the world, in host memory. */
+static int span_world_allreduce(struct eng_task *t, const struct shardd_reduce_math *ar)
 {
 	struct eng_group *eg = t->eg;
 	struct shd_engine_job *j = eg->j;
@@ -186,28 +409,21 @@ int eng_span_allreduce(struct eng_task *t, const struct shardd_reduce_math *ar)
 	uint32_t N = j->span_nodes, L = g->shard, rdt = g->reduce_dtype, me = j->span_node;
 	uint32_t wire = shd_world_internode_dtype() == SHD_INTERNODE_FP32 ? SHARDD_DTYPE_FP32 : rdt;
 	size_t P = g->reduce_shard_size, rsz = shardd_dtype_size(rdt), wsz = shardd_dtype_size(wire);
-	size_t E = P / rsz, T = (size_t)L * E, C = (T + N - 1) / N;
+	size_t E = P / rsz, T = (size_t)L * E, C;
 	const struct shardd_reduce_math sum = { .reduce_dtype = rdt, .pre = ar->pre, .avg = ar->avg, .post = 1 };
-	struct shd_world_buf *b1 = shd_world_buf_new((size_t)2 * N * C * wsz),
-			     *b2 = shd_world_buf_new((size_t)(N + 1) * C * rsz);
 	uint64_t seq = eg->span_seq, check = span_check(t);
 	uint8_t *d1, *d2, missing[SHARDD_MAX_WORLD];
 	const void *in[SHARDD_MAX_WORLD];
 	char why[384];
 	int ret = 0;
 
+	span_hsdp_bytes(eg, wire, &C);
 	/* Both exchanges' numbers are taken whatever happens, so the nodes' streams stay paired. */
 	eg->span_seq += 2;
-	if (!b1 || !b2) {
-		eng_fmt(t->msg, sizeof(t->msg),
-			"shardd: reduce(group '%s', step %llu): out of memory for the all-reduce among %u nodes (%zu bytes)",
-			g->name, (unsigned long long)t->ops[0].sqe.step, N,
-			(size_t)2 * N * C * wsz + (size_t)(N + 1) * C * rsz);
-		ret = -SHARDD_E_NOMEM;
-		goto out;
-	}
-	d1 = shd_world_buf_data(b1);
-	d2 = shd_world_buf_data(b2);
+	if (eg->span_nobuf || !eg->span_buf)
+		return span_nobuf(t);
+	d1 = shd_world_buf_data(eg->span_buf);
+	d2 = d1 + (size_t)2 * N * C * wsz;
 	/*
 	 * Reduce-scatter: this node's partials of every shard, one after
 	 * another in the wire dtype (a cast from the reduce dtype is exact),
@@ -222,11 +438,11 @@ int eng_span_allreduce(struct eng_task *t, const struct shardd_reduce_math *ar)
 			shardd_k_cast(d1 + s * E * wsz, wire, src, rdt, E);
 	}
 	memset(d1 + T * wsz, 0, ((size_t)N * C - T) * wsz);
-	ret = shd_world_xchg(span_key(eg), seq, check, b1, 0, C * wsz, (size_t)N * C * wsz, C * wsz,
-			     shd_now_ns() + j->e->timeout_ns, missing, why, sizeof(why));
+	ret = shd_world_xchg(span_key(eg), seq, check, eg->span_buf, 0, C * wsz, (size_t)N * C * wsz,
+			     C * wsz, shd_now_ns() + j->e->timeout_ns, missing, why, sizeof(why));
 	if (ret) {
-		span_ar_failed(t, ret, missing, why);
-		goto out;
+		span_fail(t, "all-reduce", ret, missing, why, "; sharded grads not reduced");
+		return ret;
 	}
 	/*
 	 * Slice `me` summed over the nodes in node order: s = round_rd(sum /
@@ -241,11 +457,12 @@ int eng_span_allreduce(struct eng_task *t, const struct shardd_reduce_math *ar)
 	 * them and sent from there.
 	 */
 	shardd_k_reduce(d2 + (size_t)(1 + me) * C * rsz, rdt, 0, in, N, wire, C, &sum);
-	ret = shd_world_xchg(span_key(eg), seq + 1, check, b2, (size_t)(1 + me) * C * rsz, 0, C * rsz, C * rsz,
-			     shd_now_ns() + j->e->timeout_ns, missing, why, sizeof(why));
+	ret = shd_world_xchg(span_key(eg), seq + 1, check, eg->span_buf, (size_t)(d2 - d1) + (size_t)(1 + me) * C * rsz,
+			     0, (size_t)(d2 - d1) + C * rsz, C * rsz, shd_now_ns() + j->e->timeout_ns, missing, why,
+			     sizeof(why));
 	if (ret) {
-		span_ar_failed(t, ret, missing, why);
-		goto out;
+		span_fail(t, "all-reduce", ret, missing, why, "; sharded grads not reduced");
+		return ret;
 	}
 	/*
 	 * Each shard's s into its sharded grad: rounding s again is exact, so
@@ -270,10 +487,14 @@ int eng_span_allreduce(struct eng_task *t, const struct shardd_reduce_math *ar)
 		if (!ret)
 			g->grad_present[s] = 1;
 	}
-out:
-	shd_world_buf_put(b1);
-	shd_world_buf_put(b2);
 	return ret;
+}
+
+int eng_span_allreduce(struct eng_task *t, const struct shardd_reduce_math *ar)
+{
+	if (t->eg->j->e->backend->ops->span_reduce)
+		return span_backend_allreduce(t, ar);
+	return span_world_allreduce(t, ar);
 }
 
 /* ------------------------------------------------------------------ */
@@ -301,116 +522,211 @@ out:
  * boundary.
  */
 
+#define SPAN_ALIGN(x) (((x) + 63) & ~(uint64_t)63)
+
+/*
+ * FSDP's buffer and scratch (eng_group): the buffer holds the unshard's
+ * node chunks (S shards, this node's sent from its own slot) or the
+ * reduce's node sums in the wire dtype (S shards sent, then N node chunks
+ * received); the scratch the fp32 node sums when they travel in another
+ * dtype, the fp32 total of one shard, and one param's grads of the node's
+ * ranks rounded to the reduce dtype. *msg: the largest message.
+ */
+static int span_fsdp_size(struct eng_group *eg, uint32_t wire, uint64_t *buf, uint64_t *scratch, uint64_t *msg)
+{
+	struct shd_group *g = eg->g;
+	uint32_t L = g->shard, S = eg->j->span_shard, rdt = g->reduce_dtype;
+	uint64_t Z = g->layout.shard_size, W, F, numel = 0, rsz;
+
+	*buf = (uint64_t)S * Z;
+	*scratch = 0;
+	*msg = (uint64_t)L * Z;
+	if (rdt == SHARDD_DTYPE_NONE)
+		return 0;
+	eg->span_off32 = calloc(g->layout.nparams + 1, sizeof(*eg->span_off32));
+	if (!eg->span_off32)
+		return -ENOMEM;
+	F = shd_placement_reduce_shard(&g->layout, SHARDD_DTYPE_FP32, eg->span_off32);
+	eg->span_F = F;
+	W = F / sizeof(float) * shardd_dtype_size(wire);
+	if ((uint64_t)2 * S * W > *buf)
+		*buf = (uint64_t)2 * S * W;
+	if ((uint64_t)L * W > *msg)
+		*msg = (uint64_t)L * W;
+	for (uint32_t i = 0; i < g->layout.nparams; i++)
+		if (g->layout.params[i].numel > numel)
+			numel = g->layout.params[i].numel;
+	rsz = shardd_dtype_size(rdt);
+	eg->span_sums_at = wire == SHARDD_DTYPE_FP32 ? UINT64_MAX : 0;
+	eg->span_tot_at = wire == SHARDD_DTYPE_FP32 ? 0 : SPAN_ALIGN((uint64_t)S * F);
+	eg->span_tmp_at = eg->span_tot_at + SPAN_ALIGN(F);
+	*scratch = eg->span_tmp_at + (uint64_t)L * numel * rsz;
+	return 0;
+}
+
 int eng_span_group_init(struct eng_group *eg, char *err, size_t errlen)
 {
 	struct shd_engine_job *j = eg->j;
 	struct shd_group *g = eg->g;
+	uint32_t rdt = g->reduce_dtype;
+	uint32_t wire = shd_world_internode_dtype() == SHD_INTERNODE_FP32 ? SHARDD_DTYPE_FP32 : rdt;
+	uint64_t buf = 0, scratch = 0, msg = 0;
+	char a[32], b[32];
 	struct shd_layout l;
+	size_t C;
 	int ret;
 
-	ret = shd_layout_build(g->specs, g->hdr.nparams, j->span_shard, g->hdr.param_dtype, &l, err,
-			       errlen);
-	if (ret)
-		return ret;
-	shd_layout_free(&g->layout);
-	g->layout = l;
-	g->shard_base = j->span_node * j->world;
-	for (uint32_t i = 0; i < g->hdr.nparams; i++)
-		g->shard_offsets[i] = l.params[i].shard_offset;
-	if (g->reduce_dtype != SHARDD_DTYPE_NONE)
-		g->reduce_shard_size = shd_placement_reduce_shard(&g->layout, g->reduce_dtype,
-								     g->reduce_offsets);
+	if (eng_span_fsdp(j)) {
+		ret = shd_layout_build(g->specs, g->hdr.nparams, j->span_shard, g->hdr.param_dtype, &l, err,
+				       errlen);
+		if (ret)
+			return ret;
+		shd_layout_free(&g->layout);
+		g->layout = l;
+		g->shard_base = j->span_node * j->world;
+		for (uint32_t i = 0; i < g->hdr.nparams; i++)
+			g->shard_offsets[i] = l.params[i].shard_offset;
+		if (g->reduce_dtype != SHARDD_DTYPE_NONE)
+			g->reduce_shard_size = shd_placement_reduce_shard(&g->layout, g->reduce_dtype,
+									     g->reduce_offsets);
+	}
+	/* A backend that crosses nodes itself (cuda: NCCL) needs no host exchange buffers. */
+	if (j->e->backend->ops->span_reduce) {
+		eg->span_buf_bytes = 0;
+		g->internode_size = 0;
+		return 0;
+	}
+	if (eng_span_fsdp(j)) {
+		if (span_fsdp_size(eg, wire, &buf, &scratch, &msg)) {
+			eng_fmt(err, errlen, "register group '%s': out of memory", g->name);
+			return -ENOMEM;
+		}
+	} else if (rdt != SHARDD_DTYPE_NONE && g->reduce_shard_size) {
+		buf = span_hsdp_bytes(eg, wire, &C);
+		msg = C * shardd_dtype_size(wire);
+	}
+	if (msg > (uint64_t)INT32_MAX) {
+		eng_fmt(err, errlen,
+			"register group '%s' of job '%s': across its %u nodes one inter-node message of this "
+			"group would be %s (%llu bytes), past MPI's count limit of %s (%d bytes); register "
+			"smaller groups (split the params over more groups)",
+			g->name, j->name, j->span_nodes, shd_bytes_str(msg, a, sizeof(a)),
+			(unsigned long long)msg, shd_bytes_str(INT32_MAX, b, sizeof(b)), INT32_MAX);
+		return -EINVAL;
+	}
+	eg->span_buf_bytes = buf;
+	g->internode_size = buf + scratch;
 	return 0;
 }
 
-/* The error of a failed exchange of task t into t->msg. */
-static void span_failed(struct eng_task *t, int ret, const uint8_t *missing, const char *why)
+int eng_span_group_alloc(struct eng_group *eg, char *err, size_t errlen)
 {
-	const struct shd_engine_job *j = t->eg->j;
-	char who[256];
+	struct shd_group *g = eg->g;
+	uint64_t scratch = g->internode_size - eg->span_buf_bytes;
+	char need[32];
 
-	span_who(j, missing, who, sizeof(who));
-	eng_fmt(t->msg, sizeof(t->msg), "shardd: %s(group '%s', step %llu): the exchange among the %u nodes failed on node %u: %s%s%s%s",
-		shardd_op_name(t->ops[0].sqe.op), t->eg->g->name, (unsigned long long)t->ops[0].sqe.step,
-		j->span_nodes, j->span_node, why, who[0] ? "; missing " : "", who,
-		ret == -SHARDD_E_TIMEOUT || ret == -SHARDD_E_PEER_DIED
-			? ": check that node's daemon and ranks" : "");
+	if (eg->span_buf_bytes) {
+		eg->span_buf = shd_world_buf_new(eg->span_buf_bytes);
+		if (!eg->span_buf)
+			goto nomem;
+		/* The pages now, as the host backend's buffers: an op never finds memory missing. */
+		memset(shd_world_buf_data(eg->span_buf), 0, eg->span_buf_bytes);
+	}
+	if (scratch) {
+		if (posix_memalign((void **)&eg->span_scratch, 64, scratch))
+			goto nomem;
+		memset(eg->span_scratch, 0, scratch);
+	}
+	g->internode_held = g->internode_size;
+	return 0;
+nomem:
+	eng_fmt(err, errlen, "register group '%s': out of memory for its %s of inter-node buffers", g->name,
+		shd_bytes_str(g->internode_size, need, sizeof(need)));
+	return -ENOMEM;
 }
 
-static int span_nomem(struct eng_task *t, size_t bytes)
+void eng_span_group_free(struct eng_group *eg)
 {
-	eng_fmt(t->msg, sizeof(t->msg), "shardd: %s(group '%s', step %llu): out of memory for %zu bytes of inter-node buffers",
-		shardd_op_name(t->ops[0].sqe.op), t->eg->g->name, (unsigned long long)t->ops[0].sqe.step,
-		bytes);
-	return -SHARDD_E_NOMEM;
+	if (eg->span_buf && shd_world_buf_busy(eg->span_buf))
+		span_orphan(eg->j->e, eg->span_buf, eg->span_buf_bytes);
+	else
+		shd_world_buf_put(eg->span_buf);
+	eg->span_buf = NULL;
+	free(eg->span_scratch);
+	eg->span_scratch = NULL;
+	free(eg->span_off32);
+	eg->span_off32 = NULL;
+	if (eg->g)
+		eg->g->internode_held = 0;
 }
 
-int eng_span_unshard(struct eng_task *t)
+/* FSDP's unshard across nodes over the world, in host memory. */
+static int span_world_unshard(struct eng_task *t)
 {
 	struct eng_group *eg = t->eg;
 	struct shd_engine_job *j = eg->j;
 	struct shd_group *g = eg->g;
 	struct shd_backend_ctx *b = j->e->backend;
-	uint32_t N = j->span_nodes, L = g->shard, S = j->span_shard;
+	uint32_t L = g->shard, S = j->span_shard;
 	size_t Z = g->layout.shard_size, bytes = (size_t)L * Z;
-	struct shd_buf *bufs = calloc(S, sizeof(*bufs)), *shards[SHARDD_MAX_WORLD],
-		       *unsharded[SHARDD_MAX_WORLD];
-	uint8_t *send = malloc(bytes + 1), *recv = malloc((size_t)N * bytes + 1), missing[SHARDD_MAX_WORLD];
-	const void **sends = malloc(N * sizeof(*sends));
+	struct shd_buf bufs[SHARDD_MAX_WORLD], *shards[SHARDD_MAX_WORLD], *unsharded[SHARDD_MAX_WORLD];
+	uint8_t missing[SHARDD_MAX_WORLD], *chunks, *mine;
 	struct shd_unshard_args a = {
 		.job = j->bj, .layout = &g->layout, .nshards = S, .shards = shards,
 		.unsharded = unsharded, .err = t->why, .errlen = sizeof(t->why),
 	};
+	uint64_t seq = eg->span_seq++;
 	char why[384];
 	int ret;
 
-	if (!bufs || !send || !recv || !sends) {
-		ret = span_nomem(t, (size_t)(N + 1) * bytes);
-		goto out;
-	}
+	if (eg->span_nobuf || !eg->span_buf)
+		return span_nobuf(t);
+	/* Node k's chunk (shards k*L .. k*L+L-1) at k * bytes; this node's sent from its own place. */
+	chunks = shd_world_buf_data(eg->span_buf);
+	mine = chunks + (size_t)j->span_node * bytes;
 	for (uint32_t s = 0; s < L; s++)
-		memcpy(send + s * Z, g->shards[s].priv, Z);
-	for (uint32_t k = 0; k < N; k++)
-		sends[k] = send;
-	ret = shd_world_exchange(span_key(eg), eg->span_seq++, span_check(t), sends, recv, bytes,
-				 shd_now_ns() + j->e->timeout_ns, missing, why, sizeof(why));
+		memcpy(mine + s * Z, g->shards[s].priv, Z);
+	ret = shd_world_xchg(span_key(eg), seq, span_check(t), eg->span_buf, (size_t)(mine - chunks), 0, 0,
+			     bytes, shd_now_ns() + j->e->timeout_ns, missing, why, sizeof(why));
 	if (ret) {
-		span_failed(t, ret, missing, why);
-		goto out;
+		span_fail(t, "exchange", ret, missing, why, "");
+		return ret;
 	}
-	/* Node k's chunk holds shards k*L .. k*L+L-1: shard r sits at r * Z. */
 	for (uint32_t r = 0; r < S; r++) {
-		bufs[r] = (struct shd_buf){ .bytes = Z, .fd = -1, .priv = recv + (size_t)r * Z };
+		bufs[r] = (struct shd_buf){ .bytes = Z, .fd = -1, .priv = chunks + (size_t)r * Z };
 		shards[r] = &bufs[r];
 		unsharded[r] = shd_group_unsharded(g, 0);
 	}
-	ret = b->ops->unshard(b, &a);
-out:
-	free(bufs);
-	free(send);
-	free(recv);
-	free(sends);
-	return ret;
+	return b->ops->unshard(b, &a);
+}
+
+int eng_span_unshard(struct eng_task *t)
+{
+	if (t->eg->j->e->backend->ops->span_unshard)
+		return span_backend_unshard(t);
+	return span_world_unshard(t);
 }
 
 /*
  * The fp32 sums over this node's ranks of every shard's rows: shard r's at
  * sums + r * F, each param at off32[i]; inputs rounded to the reduce dtype
- * and pre-divided (math.pre) first, as one daemon would.
+ * and pre-divided (math.pre) first, as one daemon would, in `tmp` (room
+ * for the node's ranks' grads of the largest param in the reduce dtype).
  */
-static int span_node_sums(struct eng_task *t, const struct shardd_reduce_math *rs, const uint64_t *off32,
-			  size_t F, uint8_t *sums)
+static void span_node_sums(struct eng_task *t, const struct shardd_reduce_math *rs, const uint64_t *off32,
+			   size_t F, uint8_t *sums, uint8_t *tmp)
 {
 	struct shd_group *g = t->eg->g;
 	uint32_t L = g->shard, S = t->eg->j->span_shard, rdt = g->reduce_dtype;
 	const struct shardd_reduce_math sum = { .reduce_dtype = SHARDD_DTYPE_FP32, .pre = 1, .avg = 1, .post = 1 };
 	const struct shardd_reduce_math prep = { .reduce_dtype = rdt, .pre = rs->pre, .avg = 1, .post = 1 };
 
+	/* Padding rows and the gaps between params are zero, as in a fresh buffer. */
+	memset(sums, 0, (size_t)S * F);
 	for (uint32_t i = 0; i < g->layout.nparams; i++) {
 		const struct shd_layout_param *p = &g->layout.params[i];
 		size_t gs = shardd_dtype_size(p->grad_dtype), rsz = shardd_dtype_size(rdt);
 		const void *in[SHARDD_MAX_WORLD];
-		uint8_t *tmp = NULL;
 		uint32_t idt = p->grad_dtype;
 
 		if (!p->numel)
@@ -419,9 +735,6 @@ static int span_node_sums(struct eng_task *t, const struct shardd_reduce_math *r
 			in[k] = (const uint8_t *)g->grads[k].priv + p->grad_offset;
 		if (p->grad_dtype != rdt || rs->pre > 1) {
 			/* x_k = round_rd(round_rd(grad) / pre): the single-node kernel's first step. */
-			tmp = malloc((size_t)L * p->numel * rsz);
-			if (!tmp)
-				return span_nomem(t, (size_t)L * p->numel * rsz);
 			for (uint32_t k = 0; k < L; k++) {
 				const void *src = in[k];
 
@@ -445,12 +758,11 @@ static int span_node_sums(struct eng_task *t, const struct shardd_reduce_math *r
 						src, L, idt, valid * p->inner, &sum);
 			}
 		}
-		free(tmp);
 	}
-	return 0;
 }
 
-int eng_span_reduce_scatter(struct eng_task *t, const struct shardd_reduce_math *rs)
+/* FSDP's reduce-scatter across nodes over the world, in host memory. */
+static int span_world_reduce_scatter(struct eng_task *t, const struct shardd_reduce_math *rs)
 {
 	struct eng_group *eg = t->eg;
 	struct shd_engine_job *j = eg->j;
@@ -458,43 +770,30 @@ int eng_span_reduce_scatter(struct eng_task *t, const struct shardd_reduce_math 
 	struct shd_backend_ctx *b = j->e->backend;
 	uint32_t N = j->span_nodes, L = g->shard, S = j->span_shard, rdt = g->reduce_dtype;
 	uint32_t wire = shd_world_internode_dtype() == SHD_INTERNODE_FP32 ? SHARDD_DTYPE_FP32 : rdt;
-	uint64_t *off32 = calloc(g->layout.nparams + 1, sizeof(*off32));
-	size_t F, E, wsz, bytes;
-	uint8_t *sums = NULL, *send = NULL, *recv = NULL, *tot = NULL, missing[SHARDD_MAX_WORLD];
-	const void **sends = malloc(N * sizeof(*sends));
+	const uint64_t *off32 = eg->span_off32;
+	size_t F = eg->span_F, E = F / sizeof(float), wsz = E * shardd_dtype_size(wire), bytes = (size_t)L * wsz;
+	uint8_t *send, *recv, *sums, *tot, missing[SHARDD_MAX_WORLD];
+	uint64_t seq = eg->span_seq++;
 	struct shd_buf tot_buf;
 	char why[384];
-	int ret;
+	int ret = 0;
 
-	if (!off32 || !sends) {
-		ret = span_nomem(t, g->layout.nparams * sizeof(*off32));
-		goto out;
-	}
-	F = shd_placement_reduce_shard(&g->layout, SHARDD_DTYPE_FP32, off32);
-	E = F / sizeof(float);
-	wsz = E * shardd_dtype_size(wire);
-	bytes = (size_t)L * wsz;
-	sums = calloc(S, F);
-	send = wire == SHARDD_DTYPE_FP32 ? sums : malloc((size_t)S * wsz + 1);
-	recv = malloc((size_t)N * bytes + 1);
-	tot = malloc(F);
-	if (!sums || !send || !recv || !tot) {
-		ret = span_nomem(t, (size_t)S * F + (size_t)N * bytes + F);
-		goto out;
-	}
-	ret = span_node_sums(t, rs, off32, F, sums);
-	if (ret)
-		goto out;
+	if (eg->span_nobuf || !eg->span_buf || !off32)
+		return span_nobuf(t);
+	/* The buffer: this node's sums of all S shards (sent), then node k's chunk at recv + k * bytes. */
+	send = shd_world_buf_data(eg->span_buf);
+	recv = send + (size_t)S * wsz;
+	sums = eg->span_sums_at == UINT64_MAX ? send : eg->span_scratch + eg->span_sums_at;
+	tot = eg->span_scratch + eg->span_tot_at;
+	span_node_sums(t, rs, off32, F, sums, eg->span_scratch + eg->span_tmp_at);
 	if (send != sums)
 		shardd_k_cast(send, wire, sums, SHARDD_DTYPE_FP32, (size_t)S * E);
 	/* Node k gets this node's sums of its shards k*L .. k*L+L-1. */
-	for (uint32_t k = 0; k < N; k++)
-		sends[k] = send + (size_t)k * bytes;
-	ret = shd_world_exchange(span_key(eg), eg->span_seq++, span_check(t), sends, recv, bytes,
-				 shd_now_ns() + j->e->timeout_ns, missing, why, sizeof(why));
+	ret = shd_world_xchg(span_key(eg), seq, span_check(t), eg->span_buf, 0, bytes, (size_t)(recv - send),
+			     bytes, shd_now_ns() + j->e->timeout_ns, missing, why, sizeof(why));
 	if (ret) {
-		span_failed(t, ret, missing, why);
-		goto out;
+		span_fail(t, "exchange", ret, missing, why, "");
+		return ret;
 	}
 	tot_buf = (struct shd_buf){ .bytes = F, .fd = -1, .priv = tot };
 	for (uint32_t s = 0; s < L && !ret; s++) {
@@ -506,25 +805,26 @@ int eng_span_reduce_scatter(struct eng_task *t, const struct shardd_reduce_math 
 		struct shd_reduce_args a = {
 			.job = j->bj, .layout = &g->layout, .src = SHD_REDUCE_SRC_SHARD, .n = 1,
 			.views = &view, .shard_rank = g->shard_base + s, .in_dtype = SHARDD_DTYPE_FP32,
-			.outs = &out, .accumulate = &accumulate, .reduce_offsets = off32, .reduce_shard_size = F,
+			.outs = &out, .accumulate = &accumulate, .reduce_offsets = off32,
+			.reduce_shard_size = F,
 			.math = { .reduce_dtype = rdt, .pre = 1, .avg = 1, .post = rs->post },
 			.err = t->why, .errlen = sizeof(t->why),
 		};
 
+		/* This node's own sums are read where they were sent from (the exchange leaves that slot empty). */
 		for (uint32_t k = 0; k < N; k++)
-			in[k] = recv + (size_t)k * bytes + (size_t)s * wsz;
+			in[k] = (k == j->span_node ? send : recv) + (size_t)k * bytes + (size_t)s * wsz;
 		shardd_k_reduce(tot, SHARDD_DTYPE_FP32, 0, in, N, wire, E, &add);
 		out = (struct shd_shard_view){ &g->sharded_grads[s], g->shard_offsets, SHARDD_DTYPE_NONE };
 		/* One rounding to the reduce dtype, the post-divide, the cast to the param's dtype, the accumulate. */
 		ret = b->ops->reduce(b, &a);
 	}
-out:
-	if (send != sums)
-		free(send);
-	free(sums);
-	free(recv);
-	free(tot);
-	free(sends);
-	free(off32);
 	return ret;
+}
+
+int eng_span_reduce_scatter(struct eng_task *t, const struct shardd_reduce_math *rs)
+{
+	if (t->eg->j->e->backend->ops->span_reduce)
+		return span_backend_reduce_scatter(t, rs);
+	return span_world_reduce_scatter(t, rs);
 }

@@ -48,7 +48,7 @@ int shd_job_claim(const char *name, uint32_t replicate, uint32_t shard, uint32_t
 	/* Closing the old client never ends the job: it did not say goodbye. */
 	if (jr->client.ops) {
 		snprintf(why, len, "job '%s' rank %u is already attached (client %llu, pid %u)",
-			 job->name, rank, (unsigned long long)jr->client.token, jr->pid);
+			 job->name, job->rank_base + rank, (unsigned long long)jr->client.token, jr->pid);
 		return -SHARDD_E_RANK_TAKEN;
 	}
 	return 0;
@@ -168,7 +168,7 @@ static int rdv_arrive(struct shd_job *j, enum shd_job_rdv_kind k, uint32_t rank,
 	if (ret == -EINVAL || busy) {
 		rdv_label(mine, sizeof(mine), k, sqe->step);
 		rdv_label(theirs, sizeof(theirs), k, busy ? w->sqe.step : rdv->step);
-		snprintf(msg, sizeof(msg), "%s: rank %u already waits in %s", mine, rank, theirs);
+		snprintf(msg, sizeof(msg), "%s: rank %u already waits in %s", mine, j->rank_base + rank, theirs);
 		if (ret != -EINVAL)
 			shd_rdv_leave(rdv, rank);
 		shd_job_op_done(j, rank, jr->client.token, sqe, -SHARDD_E_STATE, msg);
@@ -209,7 +209,7 @@ static void rdv_rank_gone(struct shd_job *j, enum shd_job_rdv_kind k, uint32_t r
 	}
 	shd_rdv_present(rdv, present, sizeof(present));
 	rank_phrase(who, sizeof(who), present, rdv->narrived);
-	snprintf(msg, sizeof(msg), "%s: rank %u (pid %u) %s; %s %s waiting", label, rank, pid, why,
+	snprintf(msg, sizeof(msg), "%s: rank %u (pid %u) %s; %s %s waiting", label, j->rank_base + rank, pid, why,
 		 who, rdv->narrived == 1 ? "was" : "were");
 	shd_log_warn("job '%s': %s", j->name, msg);
 	rdv_finish(j, k, -SHARDD_E_PEER_DIED, msg, 0, 0);
@@ -265,6 +265,22 @@ static void job_destroy(struct shd_job *j, const char *why)
 		shd_rdv_free(&j->rdv[k]);
 	free(j->ranks);
 	free(j);
+}
+
+int shd_job_span(struct shd_job *j, uint32_t replicate, uint32_t shard, uint32_t nodes, uint32_t node)
+{
+	int ret = shd_engine_job_span(j->ejob, replicate, shard, nodes, node);
+
+	if (ret)
+		return ret;
+	j->span_nodes = nodes;
+	j->span_node = node;
+	j->span_replicate = replicate;
+	j->span_shard = shard;
+	j->rank_base = node * j->world;
+	for (int k = 0; k < SHD_JOB_NRDV; k++)
+		j->rdv[k].shown_base = j->rank_base;
+	return 0;
 }
 
 void shd_job_destroy(struct shd_job *j)
@@ -426,7 +442,7 @@ void shd_job_barrier(struct shd_job *j, uint32_t rank, const struct shardd_sqe *
 		snprintf(msg, sizeof(msg),
 			 "barrier mismatch: rank %u submitted barrier %llu but rank %u submitted "
 			 "barrier %llu; failing ranks %s",
-			 rank, (unsigned long long)sqe->step, rdv->first_rank,
+			 j->rank_base + rank, (unsigned long long)sqe->step, j->rank_base + rdv->first_rank,
 			 (unsigned long long)rdv->step, failing);
 		/* Each failing rank's completion names the barrier number it met (cqe.rsvd2[0]). */
 		mine = *sqe;
@@ -475,7 +491,8 @@ void shd_job_grad_norm(struct shd_job *j, uint32_t rank, const struct shardd_sqe
 		snprintf(msg, sizeof(msg),
 			 "grad_norm mismatch: rank %u submitted grad_norm(step %llu, norm_type %s) but rank %u "
 			 "submitted grad_norm(step %llu, norm_type %s); failing ranks %s",
-			 rank, (unsigned long long)sqe->step, gnorm_type_name(code), rdv->first_rank,
+			 j->rank_base + rank, (unsigned long long)sqe->step, gnorm_type_name(code),
+			 j->rank_base + rdv->first_rank,
 			 (unsigned long long)rdv->step, gnorm_type_name(rdv->flags), failing);
 		rdv_mismatch(j, SHD_JOB_GNORM, rank, sqe, msg);
 		return;
@@ -542,7 +559,7 @@ void shd_job_checkpoint(struct shd_job *j, uint32_t rank, const struct shardd_sq
 		snprintf(msg, sizeof(msg),
 			 "checkpoint mismatch: rank %u submitted checkpoint(step %llu) but rank %u submitted "
 			 "checkpoint(step %llu); every rank checkpoints the same step",
-			 rank, (unsigned long long)sqe->step, rdv->first_rank,
+			 j->rank_base + rank, (unsigned long long)sqe->step, j->rank_base + rdv->first_rank,
 			 (unsigned long long)rdv->step);
 		rdv_mismatch(j, SHD_JOB_CKPT, rank, sqe, msg);
 		return;

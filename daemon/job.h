@@ -105,6 +105,12 @@ struct shd_job {
 	struct shd_rdv rdv[SHD_JOB_NRDV]; /* barrier, grad_norm, checkpoint (shd_job_rdv_kind) */
 	uint64_t orphaned_ns;           /* CLOCK_MONOTONIC when its last attached rank left; 0 while
 					   one is attached: --job-linger counts from here */
+	/*
+	 * A job across nodes (shd_job_span): the whole mesh, this node, and
+	 * rank_base = node * world, the global rank of its rank 0 (messages and
+	 * shardctl name global ranks). span_nodes 0 and rank_base 0 on one node.
+	 */
+	uint32_t span_nodes, span_node, span_replicate, span_shard, rank_base;
 };
 
 /* Set the environment of every job; before the first HELLO. */
@@ -121,6 +127,12 @@ struct shd_job *shd_job_find(const char *name);
  */
 int shd_job_claim(const char *name, uint32_t replicate, uint32_t shard, uint32_t rank,
 		     struct shd_job **out, char *why, size_t len);
+/*
+ * The job spans the daemon world: node `node` of `nodes` holds its ranks,
+ * of the whole mesh replicate x shard (shd_engine_job_span); its messages
+ * and views name global ranks from now on. Right after shd_job_create.
+ */
+int shd_job_span(struct shd_job *j, uint32_t replicate, uint32_t shard, uint32_t nodes, uint32_t node);
 /* Create the job and its engine job; 0, -ENOMEM or the engine's error. */
 int shd_job_create(const char *name, uint32_t replicate, uint32_t shard,
 		      struct shd_job **out);

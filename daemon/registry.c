@@ -55,6 +55,7 @@ static void group_destroy(struct eng_group *eg, struct shd_engine_job *j)
 	free(eg->rs);
 	free(eg->regs);
 	free(eg->restore);
+	eng_span_group_free(eg);
 	shd_group_destroy(eg->g, j->e->backend);
 	j->mem_committed -= eg->mem_committed;
 	j->e->mem_committed -= eg->mem_committed;
@@ -87,6 +88,7 @@ static int group_commit_memory(struct shd_engine_job *j, struct eng_group *eg, c
 
 	if (e->cfg.backend != SHARDD_BACKEND_HOST)
 		return 0;
+	eng_span_orphans_sweep(e);
 	shd_group_memory_need(eg->g, &m);
 	if (e->cfg.max_job_memory && (m.total > e->cfg.max_job_memory ||
 				      j->mem_committed > e->cfg.max_job_memory - m.total)) {
@@ -102,11 +104,17 @@ static int group_commit_memory(struct shd_engine_job *j, struct eng_group *eg, c
 		limit = e->cfg.max_memory;
 	}
 	if (flag) {
+		char span[128] = "";
+
+		if (m.internode)
+			eng_fmt(span, sizeof(span), ", of which %s (%llu bytes) inter-node buffers across %u nodes",
+				shd_bytes_str(m.internode, held, sizeof(held)), (unsigned long long)m.internode,
+				j->span_nodes);
 		eng_fmt(err, errlen,
-			"register group '%s' of job '%s': its buffers need %s (%llu bytes), but %s holds %s "
+			"register group '%s' of job '%s': its buffers need %s (%llu bytes%s), but %s holds %s "
 			"(%llu bytes) of its limit of %s (%llu bytes); raise %s, or end jobs or register smaller groups",
 			eg->g->name, j->name, shd_bytes_str(m.total, need, sizeof(need)),
-			(unsigned long long)m.total, holder,
+			(unsigned long long)m.total, span, holder,
 			shd_bytes_str(used, held, sizeof(held)), (unsigned long long)used,
 			shd_bytes_str(limit, max, sizeof(max)), (unsigned long long)limit, flag);
 		return -ENOMEM;
@@ -148,7 +156,7 @@ static int group_new(struct shd_engine_job *j, const struct shardd_register_grou
 	/* HSDP across nodes: this node's one replica keeps partials for the all-reduce among nodes. */
 	if (eng_mesh_replicate(j) > 1)
 		eg->g->partial_size = eg->g->reduce_shard_size;
-	if (eng_span_fsdp(j)) {
+	if (j->span_nodes > 1) {
 		ret = eng_span_group_init(eg, err, errlen);
 		if (ret) {
 			eg->g->specs = NULL; /* still the caller's on failure */
@@ -193,6 +201,13 @@ static int group_new(struct shd_engine_job *j, const struct shardd_register_grou
 	}
 	if (j->replicate > 1 && eng_coll_init(&eg->ar, 0, j->world, SHARDD_OP_REDUCE))
 		goto err_group;
+	/* A job across nodes: its rendezvous name global ranks. */
+	eg->reg.shown_base = eng_rank_shown(j, 0);
+	for (uint32_t u = 0; u < j->replicate; u++) {
+		eg->unshard[u].rdv.shown_base = eng_rank_shown(j, 0);
+		eg->rs[u].rdv.shown_base = eng_rank_shown(j, 0);
+	}
+	eg->ar.rdv.shown_base = eng_rank_shown(j, 0);
 	free(all);
 	j->groups[j->ngroups++] = eg;
 	*out = eg;
@@ -302,6 +317,8 @@ static void reg_finish(struct eng_group *eg)
 	ret = reg_place(eg, pl, &planned, err, sizeof(err));
 	if (!ret)
 		ret = shd_group_alloc(eg->g, j->e->backend, j->devices, planned ? pl : NULL, err, sizeof(err));
+	if (!ret && j->span_nodes > 1)
+		ret = eng_span_group_alloc(eg, err, sizeof(err));
 	free(pl);
 	if (ret) {
 		eng_fmt(msg, sizeof(msg), "shardd: %s", err);
@@ -399,12 +416,14 @@ void shd_engine_register_group(struct shd_engine_job *j, uint32_t rank, uint64_t
 	} else if (shd_rdv_has_arrived(&eg->reg, rank)) {
 		shd_rdv_who_missing(&eg->reg, who, sizeof(who));
 		eng_fmt(msg, sizeof(msg), "shardd: rank %u already registered group '%s'; it waits for %s to register it",
-			rank, hdr.name, who);
+			eng_rank_shown(j, rank), hdr.name, who);
 		eng_reply_err(j, rank, token, seq, -SHARDD_E_STATE, msg);
 		goto out;
-	} else if (shd_group_compare(eg->g, &hdr, specs, &optim, rank, eg->first_rank, why, sizeof(why))) {
+	} else if (shd_group_compare(eg->g, &hdr, specs, &optim, eng_rank_shown(j, rank),
+				     eng_rank_shown(j, eg->first_rank), why, sizeof(why))) {
 		shd_rdv_present(&eg->reg, ranks, sizeof(ranks));
-		eng_fmt(msg, sizeof(msg), "shardd: %s; registration failed for ranks %s,%u", why, ranks, rank);
+		eng_fmt(msg, sizeof(msg), "shardd: %s; registration failed for ranks %s,%u", why, ranks,
+			eng_rank_shown(j, rank));
 		/*
 		 * The group is failed before this rank is answered: a reply that
 		 * cannot be sent drops the rank, and its departure must not find
@@ -416,8 +435,8 @@ void shd_engine_register_group(struct shd_engine_job *j, uint32_t rank, uint64_t
 	} else if (eg->restore && strcmp(eg->restore, restore)) {
 		shd_rdv_present(&eg->reg, ranks, sizeof(ranks));
 		eng_fmt(msg, sizeof(msg), "shardd: group '%s': rank %u restores from '%s' but rank %u from '%s'; "
-			"registration failed for ranks %s,%u", hdr.name, rank, restore, eg->first_rank,
-			eg->restore, ranks, rank);
+			"registration failed for ranks %s,%u", hdr.name, eng_rank_shown(j, rank), restore,
+			eng_rank_shown(j, eg->first_rank), eg->restore, ranks, eng_rank_shown(j, rank));
 		reg_fail(eg, -SHARDD_E_MISMATCH, msg, UINT32_MAX);
 		eng_reply_err(j, rank, token, seq, -SHARDD_E_MISMATCH, msg);
 		goto out;
@@ -492,14 +511,14 @@ void eng_reg_rank_gone(struct eng_group *eg, uint32_t rank, uint64_t token)
 			eg->restore_fail = -SHARDD_E_PEER_DIED;
 			eng_fmt(eg->restore_msg, sizeof(eg->restore_msg), "shardd: rank %u left (its client is "
 				"gone) while group '%s' was restored from its checkpoint; the registration failed",
-				rank, eg->g->name);
+				eng_rank_shown(eg->j, rank), eg->g->name);
 		}
 		return;
 	}
-	shd_rdv_who_present(&eg->reg, who, sizeof(who));
+	shd_rdv_who_present_but(&eg->reg, rank, who, sizeof(who));
 	eng_fmt(msg, sizeof(msg),
 		"shardd: rank %u left (its client is gone) before group '%s' was registered by every rank; failed for %s",
-		rank, eg->g->name, who);
+		eng_rank_shown(eg->j, rank), eg->g->name, who);
 	reg_fail(eg, -SHARDD_E_PEER_DIED, msg, rank);
 }
 

@@ -96,12 +96,12 @@ int shd_rdv_arrive(struct shd_rdv *r, uint32_t rank, uint64_t step, uint32_t fla
 	if (whylen)
 		why[0] = '\0';
 	if (i < 0) {
-		snprintf(why, whylen, "rank %u is not part of this rendezvous", rank);
+		snprintf(why, whylen, "rank %u is not part of this rendezvous", r->shown_base + rank);
 		return -EINVAL;
 	}
 	if (r->arrived[i]) {
 		snprintf(why, whylen, "rank %u submitted step %llu while its step %llu is still waiting",
-			 rank, (unsigned long long)step, (unsigned long long)r->step);
+			 r->shown_base + rank, (unsigned long long)step, (unsigned long long)r->step);
 		return -EINVAL;
 	}
 	if (!r->active) {
@@ -113,7 +113,7 @@ int shd_rdv_arrive(struct shd_rdv *r, uint32_t rank, uint64_t step, uint32_t fla
 	} else if (r->step != step || r->flags != flags) {
 		snprintf(why, whylen,
 			 "rank %u submitted step %llu flags 0x%x but rank %u submitted step %llu flags 0x%x",
-			 rank, (unsigned long long)step, flags, r->first_rank,
+			 r->shown_base + rank, (unsigned long long)step, flags, r->shown_base + r->first_rank,
 			 (unsigned long long)r->step, r->flags);
 		return SHD_RDV_MISMATCH;
 	}
@@ -141,8 +141,8 @@ int shd_rdv_expired(const struct shd_rdv *r, uint64_t now_ns)
 /* Longest rank phrase shd_rdv_missing_msg holds ("..." ends a longer one). */
 #define RDV_WHO_MAX 1024
 
-/* Comma-separated list of expected ranks whose arrived flag equals `want`. */
-static void rdv_list(const struct shd_rdv *r, uint8_t want, char *buf, size_t len)
+/* Comma-separated list of expected ranks whose arrived flag equals `want`, but `skip`. */
+static void rdv_list(const struct shd_rdv *r, uint8_t want, uint32_t skip, char *buf, size_t len)
 {
 	size_t off = 0;
 
@@ -152,9 +152,9 @@ static void rdv_list(const struct shd_rdv *r, uint8_t want, char *buf, size_t le
 	for (uint32_t i = 0; i < r->nexpected; i++) {
 		int n;
 
-		if (r->arrived[i] != want)
+		if (r->arrived[i] != want || r->ranks[i] == skip)
 			continue;
-		n = snprintf(buf + off, len - off, "%s%u", off ? "," : "", r->ranks[i]);
+		n = snprintf(buf + off, len - off, "%s%u", off ? "," : "", r->shown_base + r->ranks[i]);
 		if (n < 0 || (size_t)n >= len - off) {
 			/* Truncated: end with "..." where it fits, so a reader sees the list is longer. */
 			if (len >= 4)
@@ -167,12 +167,12 @@ static void rdv_list(const struct shd_rdv *r, uint8_t want, char *buf, size_t le
 
 void shd_rdv_missing(const struct shd_rdv *r, char *buf, size_t len)
 {
-	rdv_list(r, 0, buf, len);
+	rdv_list(r, 0, UINT32_MAX, buf, len);
 }
 
 void shd_rdv_present(const struct shd_rdv *r, char *buf, size_t len)
 {
-	rdv_list(r, 1, buf, len);
+	rdv_list(r, 1, UINT32_MAX, buf, len);
 }
 
 void shd_rdv_failing(const struct shd_rdv *r, uint32_t rank, char *buf, size_t len)
@@ -185,26 +185,36 @@ void shd_rdv_failing(const struct shd_rdv *r, uint32_t rank, char *buf, size_t l
 	for (uint32_t i = 0; i < r->nexpected && off < len; i++)
 		if (r->arrived[i] || r->ranks[i] == rank)
 			off += (size_t)snprintf(buf + off, len - off, "%s%u", off ? "," : "",
-						r->ranks[i]);
+						r->shown_base + r->ranks[i]);
 }
 
-/* "rank 3" / "ranks 3,5": the `n` ranks whose arrived flag equals `want`. */
-static void rdv_who(const struct shd_rdv *r, uint8_t want, uint32_t n, char *buf, size_t len)
+/* "rank 3" / "ranks 3,5" / "no rank": the `n` ranks whose arrived flag equals `want`, but `skip`. */
+static void rdv_who(const struct shd_rdv *r, uint8_t want, uint32_t skip, uint32_t n, char *buf, size_t len)
 {
-	int off = snprintf(buf, len, "%s ", n == 1 ? "rank" : "ranks");
+	int off;
 
+	if (!n) {
+		snprintf(buf, len, "no rank");
+		return;
+	}
+	off = snprintf(buf, len, "%s ", n == 1 ? "rank" : "ranks");
 	if (off >= 0 && (size_t)off < len)
-		rdv_list(r, want, buf + off, len - (size_t)off);
+		rdv_list(r, want, skip, buf + off, len - (size_t)off);
 }
 
 void shd_rdv_who_missing(const struct shd_rdv *r, char *buf, size_t len)
 {
-	rdv_who(r, 0, r->nexpected - r->narrived, buf, len);
+	rdv_who(r, 0, UINT32_MAX, r->nexpected - r->narrived, buf, len);
 }
 
 void shd_rdv_who_present(const struct shd_rdv *r, char *buf, size_t len)
 {
-	rdv_who(r, 1, r->narrived, buf, len);
+	rdv_who(r, 1, UINT32_MAX, r->narrived, buf, len);
+}
+
+void shd_rdv_who_present_but(const struct shd_rdv *r, uint32_t rank, char *buf, size_t len)
+{
+	rdv_who(r, 1, rank, r->narrived - (uint32_t)shd_rdv_has_arrived(r, rank), buf, len);
 }
 
 void shd_rdv_missing_msg(const struct shd_rdv *r, const char *did, const char *within,

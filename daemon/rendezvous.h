@@ -24,6 +24,8 @@ struct shd_rdv {
 	uint32_t  first_rank;  /* who set the key */
 	uint64_t  deadline_ns; /* first arrival + timeout (CLOCK_MONOTONIC) */
 	int       active;      /* at least one arrival */
+	uint32_t  shown_base;  /* added to every rank its messages name: a job across nodes shows global
+				  ranks (its node's first rank; 0 on one node) */
 };
 
 enum {
@@ -73,6 +75,8 @@ void shd_rdv_failing(const struct shd_rdv *r, uint32_t rank, char *buf, size_t l
 /* "rank 3" or "ranks 3,5": the same lists as the subject of a sentence. */
 void shd_rdv_who_missing(const struct shd_rdv *r, char *buf, size_t len);
 void shd_rdv_who_present(const struct shd_rdv *r, char *buf, size_t len);
+/* The arrived ranks but `rank` (one that left): "ranks 0,1", "rank 0" or "no rank". */
+void shd_rdv_who_present_but(const struct shd_rdv *r, uint32_t rank, char *buf, size_t len);
 /*
  * The one description of the ranks a rendezvous still misses, for the
  * error of one that expired: "ranks 2,3 <did> within <within>; rank 0 is

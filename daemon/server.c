@@ -227,13 +227,23 @@ static int server_before_sleep(void *arg)
  * Woken up: the usual reason is a doorbell, so serve the rings before
  * anything else. The submission that rang is completed before the loop
  * reads the doorbell eventfd and dispatches the other events, which keeps
- * those system calls off the sleeping round trip.
+ * those system calls off the sleeping round trip. When that took entries,
+ * yield at once: the scheduler mostly wakes us onto the CPU of the client
+ * that rang, which spins there for its completion, and the yield lets it
+ * reap before we read the doorbell and go through the loop's other work
+ * (docs/BENCHMARKS.md, "Waking the daemon"). On a core of our own it
+ * returns at once.
  */
 static void server_after_sleep(void *arg)
 {
+	uint64_t now = shd_now_ns();
+
 	(void)arg;
 	server_rings_awake();
-	server_service(shd_now_ns());
+	if (server_service(now)) {
+		server.last_yield_ns = now;
+		sched_yield();
+	}
 }
 
 /* ------------------------------------------------------------------ */

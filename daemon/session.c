@@ -46,7 +46,7 @@ const char *shd_session_name(const struct shd_session *s, char *buf, size_t len)
 {
 	if (s->job)
 		snprintf(buf, len, "client %u (job '%s' rank %u, pid %d)", s->id, s->job->name,
-			 s->rank, (int)s->cred.pid);
+			 s->job->rank_base + s->rank, (int)s->cred.pid);
 	else
 		snprintf(buf, len, "client %u (pid %d)", s->id, (int)s->cred.pid);
 	return buf;

@@ -70,7 +70,6 @@ struct world_hdr {
  * when its caller and every request MPI still holds on it let go.
  */
 struct shd_world_buf {
-	struct shd_world_buf *next;  /* in the cache */
 	int refs;                    /* atomic */
 	size_t cap;
 	uint8_t *data;
@@ -154,22 +153,6 @@ static void mpi_errstr(int code, char *buf, size_t len)
 /* Communication thread                                                */
 /* ------------------------------------------------------------------ */
 
-/*
- * Buffers let go of are kept for the next exchanges (at most
- * WORLD_CACHE_BUFS of them, WORLD_CACHE_BYTES together): memory the kernel
- * has already mapped, where a fresh buffer of a large group costs a page
- * fault every 4 KiB, as much as the transfer itself.
- */
-#define WORLD_CACHE_BUFS  4
-#define WORLD_CACHE_BYTES (512ull << 20)
-
-static struct {
-	pthread_mutex_t lock;
-	struct shd_world_buf *head;
-	uint32_t n;
-	size_t bytes;
-} cache = { .lock = PTHREAD_MUTEX_INITIALIZER };
-
 static void buf_free(struct shd_world_buf *b)
 {
 	free(b->data);
@@ -179,24 +162,8 @@ static void buf_free(struct shd_world_buf *b)
 
 struct shd_world_buf *shd_world_buf_new(size_t bytes)
 {
-	struct shd_world_buf *b = NULL, **best = NULL;
+	struct shd_world_buf *b = calloc(1, sizeof(*b));
 
-	pthread_mutex_lock(&cache.lock);
-	for (struct shd_world_buf **pp = &cache.head; *pp; pp = &(*pp)->next)
-		if ((*pp)->cap >= bytes && (!best || (*pp)->cap < (*best)->cap))
-			best = pp;
-	if (best) {
-		b = *best;
-		*best = b->next;
-		cache.n--;
-		cache.bytes -= b->cap;
-	}
-	pthread_mutex_unlock(&cache.lock);
-	if (b) {
-		b->refs = 1;
-		return b;
-	}
-	b = calloc(1, sizeof(*b));
 	if (!b)
 		return NULL;
 	b->refs = 1;
@@ -220,35 +187,14 @@ static void buf_get(struct shd_world_buf *b)
 	__atomic_add_fetch(&b->refs, 1, __ATOMIC_RELAXED);
 }
 
+int shd_world_buf_busy(struct shd_world_buf *b)
+{
+	return __atomic_load_n(&b->refs, __ATOMIC_ACQUIRE) > 1;
+}
+
 void shd_world_buf_put(struct shd_world_buf *b)
 {
-	if (!b || __atomic_sub_fetch(&b->refs, 1, __ATOMIC_ACQ_REL) != 0)
-		return;
-	pthread_mutex_lock(&cache.lock);
-	/* Room is made by dropping the smallest cached buffers, if b is larger. */
-	while (cache.n && (cache.n >= WORLD_CACHE_BUFS || cache.bytes + b->cap > WORLD_CACHE_BYTES)) {
-		struct shd_world_buf **small = &cache.head, *v;
-
-		for (struct shd_world_buf **pp = &cache.head; *pp; pp = &(*pp)->next)
-			if ((*pp)->cap < (*small)->cap)
-				small = pp;
-		if ((*small)->cap >= b->cap)
-			break;
-		v = *small;
-		*small = v->next;
-		cache.n--;
-		cache.bytes -= v->cap;
-		buf_free(v);
-	}
-	if (cache.n < WORLD_CACHE_BUFS && cache.bytes + b->cap <= WORLD_CACHE_BYTES) {
-		b->next = cache.head;
-		cache.head = b;
-		cache.n++;
-		cache.bytes += b->cap;
-		b = NULL;
-	}
-	pthread_mutex_unlock(&cache.lock);
-	if (b)
+	if (b && __atomic_sub_fetch(&b->refs, 1, __ATOMIC_ACQ_REL) == 0)
 		buf_free(b);
 }
 
@@ -729,16 +675,6 @@ void shd_world_stop(void)
 		return;
 	}
 	W.started = 0;
-	pthread_mutex_lock(&cache.lock);
-	while (cache.head) {
-		struct shd_world_buf *b = cache.head;
-
-		cache.head = b->next;
-		buf_free(b);
-	}
-	cache.n = 0;
-	cache.bytes = 0;
-	pthread_mutex_unlock(&cache.lock);
 }
 
 int shd_world_xchg(uint64_t key, uint64_t seq, uint64_t check, struct shd_world_buf *b, size_t send_off,

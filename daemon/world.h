@@ -64,11 +64,16 @@ int shd_world_exchange(uint64_t key, uint64_t seq, uint64_t check, const void *c
  * The memory of an exchange without copies: the caller fills
  * shd_world_buf_data(b) and drops its reference with shd_world_buf_put;
  * the memory lives on while MPI still uses it (a send to a node that
- * stopped answering). NULL when out of memory.
+ * stopped answering), and is freed when the last reference goes (no
+ * cache: the engine counts every such buffer against --max-memory,
+ * internode.c). NULL when out of memory. shd_world_buf_busy: 1 while MPI
+ * still holds b for an exchange that ended (or runs), when the caller's is
+ * not the only reference; reusing b then would change bytes MPI may still send.
  */
 struct shd_world_buf;
 struct shd_world_buf *shd_world_buf_new(size_t bytes);
 uint8_t *shd_world_buf_data(struct shd_world_buf *b);
+int shd_world_buf_busy(struct shd_world_buf *b);
 void shd_world_buf_put(struct shd_world_buf *b);
 
 /*

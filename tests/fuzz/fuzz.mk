@@ -52,6 +52,7 @@ $(FUZZ_BUILD)/fuzz_%: $(FUZZ_BUILD)/tests/fuzz/fuzz_%.o $(FUZZ_OBJ)
 
 # fuzz_ckpt drives the checkpoint parsers directly, without the daemon harness.
 $(FUZZ_BUILD)/fuzz_ckpt: $(FUZZ_BUILD)/tests/fuzz/fuzz_ckpt.o $(FUZZ_BUILD)/daemon/ckpt_format.o \
+		$(FUZZ_BUILD)/daemon/ckpt_format_parse.o $(FUZZ_BUILD)/daemon/ckpt_format_write.o \
 		$(FUZZ_BUILD)/daemon/layout.o
 	$(FUZZ_CC) $(FUZZ_SAN) -fsanitize=fuzzer -pthread -o $@ $^ $(LDLIBS)
 

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * fuzz_ckpt: the checkpoint parsers (daemon/ckpt_format.c) on hostile
+ * fuzz_ckpt: the checkpoint parsers (daemon/ckpt_format_parse.c) on hostile
  * files. The first byte picks the parser: even, a safetensors file (the
  * rest of the input is the whole file); odd, a manifest. Invariants: a
  * parse never reads past the input and never leaks; a safetensors header

@@ -25,7 +25,7 @@ Test(train_cuda, two_ranks_on_one_gpu_match_reference)
 	const char *args[] = { "--backend", "cuda", "--cuda-export", "fd", NULL };
 	double a[TRAIN_STEPS], b[TRAIN_STEPS];
 
-	train_parity(2, args, "0", a, b);
+	train_parity(2, 1, args, "0", a, b);
 	train_expect_losses_match(a, b, "cuda, fd export, world 2");
 	cr_expect(a[TRAIN_STEPS - 1] < a[0] / 2, "loss went from %.6f to %.6f", a[0], a[TRAIN_STEPS - 1]);
 }
@@ -35,6 +35,6 @@ Test(train_cuda, three_ranks_uneven_shards_through_ipc_handles_match_reference)
 	const char *args[] = { "--backend", "cuda", "--cuda-export", "ipc", NULL };
 	double a[TRAIN_STEPS], b[TRAIN_STEPS];
 
-	train_parity(3, args, "0", a, b);
+	train_parity(3, 1, args, "0", a, b);
 	train_expect_losses_match(a, b, "cuda, ipc export, world 3");
 }

@@ -14,9 +14,7 @@
 #include <criterion/criterion.h>
 #include <dirent.h>
 #include <fcntl.h>
-#include <ftw.h>
 #include <jansson.h>
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,7 +23,7 @@
 #include <zlib.h>
 
 #include "harness.h"
-#include "optim_isa.h"
+#include "inproc.h"
 #include "shardd.h"
 
 #define NP 5
@@ -44,45 +42,19 @@ static const struct shardd_optim_config adamw = {
 	.weight_decay = 0.01,
 };
 
-struct reg_arg {
-	struct shardd_client *c;
-	struct shardd_group *g;
-	int ret;
-	char err[1024];
-};
-
-static void *register_main(void *p)
-{
-	struct reg_arg *a = p;
-	struct shardd_policy pol = { .optimizer = &adamw };
-
-	a->ret = shardd_group_register(a->c, "layer", params, NP, &pol, &a->g);
-	if (a->ret)
-		snprintf(a->err, sizeof(a->err), "%s", shardd_last_error());
-	return NULL;
-}
-
 struct fixture {
 	struct harness_daemon hd;
 	char state[64];
 	struct shardd_client *c[WORLD];
-	struct reg_arg reg[WORLD];
+	struct shardd_group *g[WORLD];
 };
-
-static int rm_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw)
-{
-	(void)st;
-	(void)flag;
-	(void)ftw;
-	return remove(path);
-}
 
 /* A daemon (with --state-dir, --keep and --checkpoint-every as given) and the 1 x 4 job registered. */
 static void start(struct fixture *f, const char *keep, int with_state_dir, const char *every)
 {
 	const char *extra[10] = { "--collective-timeout", "20" };
+	const struct shardd_policy pol = { .optimizer = &adamw };
 	int n = 2;
-	pthread_t th[WORLD];
 
 	memset(f, 0, sizeof(*f));
 	snprintf(f->state, sizeof(f->state), "/tmp/shardd-ckpt-XXXXXX");
@@ -99,38 +71,17 @@ static void start(struct fixture *f, const char *keep, int with_state_dir, const
 		extra[n++] = "--checkpoint-every";
 		extra[n++] = every;
 	}
-	cr_assert_eq(harness_daemon_start(&f->hd, extra), 0, "shardd did not start");
-	for (uint32_t r = 0; r < WORLD; r++)
-		cr_assert_eq(harness_attach(&f->hd, "ck", r, 1, WORLD, &f->c[r]), 0, "%s", shardd_last_error());
-	for (int r = 0; r < WORLD; r++) {
-		f->reg[r] = (struct reg_arg){ .c = f->c[r] };
-		cr_assert_eq(pthread_create(&th[r], NULL, register_main, &f->reg[r]), 0);
-	}
-	for (int r = 0; r < WORLD; r++) {
-		pthread_join(th[r], NULL);
-		cr_assert_eq(f->reg[r].ret, 0, "rank %d register: %s", r, f->reg[r].err);
-	}
+	inproc_start(&f->hd, extra, "ck", 1, WORLD, SHARDD_HELLO_DEVICE_HOST, f->c);
+	inproc_register_ok(f->c, WORLD, "layer", params, NP, &pol, f->g);
 }
 
 static void finish(struct fixture *f)
 {
-	for (int r = 0; r < WORLD; r++) {
-		shardd_group_close(f->reg[r].g);
-		shardd_close(f->c[r]);
-	}
-	harness_daemon_stop_expect_clean(&f->hd);
-	nftw(f->state, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+	inproc_finish(&f->hd, f->c, f->g, WORLD);
+	harness_rm_tree(f->state);
 }
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
-
-static float rnd(void)
-{
-	rng_state ^= rng_state << 13;
-	rng_state ^= rng_state >> 7;
-	rng_state ^= rng_state << 17;
-	return (float)((double)(rng_state >> 11) / (double)(1ull << 53) * 2.0 - 1.0);
-}
 
 static uint64_t numel_of(const struct shardd_param_desc *d)
 {
@@ -144,84 +95,55 @@ static uint64_t numel_of(const struct shardd_param_desc *d)
 /* Elements of real data in the rank's shard of param i (a prefix of it). */
 static uint64_t valid_numel(const struct shardd_group *g, uint32_t i)
 {
-	const struct shardd_param_desc *d = &params[i];
-	uint64_t dim = d->ndim ? d->shape[d->shard_dim] : 1;
-
-	return dim ? shardd_group_layout(g, i)->shard_rows_valid * (numel_of(d) / dim) : 0;
+	return inproc_valid_numel(g, params, i);
 }
 
-/* The reference optimizer state of each rank, per param and state. */
-struct ref {
-	float *s[WORLD][NP][3];
-	float *p[WORLD][NP];
-	uint64_t nsteps;
-};
-
-static void ref_init(struct ref *ref, struct fixture *f)
+/* Each rank's params and reference optimizer state (random params, zero state), per param and state. */
+static void ref_init(struct inproc_ref *ref, struct fixture *f)
 {
 	memset(ref, 0, sizeof(*ref));
 	for (int r = 0; r < WORLD; r++)
 		for (uint32_t i = 0; i < NP; i++) {
-			uint64_t n = valid_numel(f->reg[r].g, i);
-			float *sh = shardd_group_shard(f->reg[r].g, i);
+			uint64_t n = valid_numel(f->g[r], i);
+			float *sh = shardd_group_shard(f->g[r], i);
 
-			ref->p[r][i] = calloc(n + 1, sizeof(float));
-			for (int k = 0; k < 3; k++)
-				ref->s[r][i][k] = calloc(n + 1, sizeof(float));
+			inproc_ref_alloc(ref, r, i, n);
 			for (uint64_t e = 0; e < n; e++)
-				sh[e] = ref->p[r][i][e] = rnd();
+				sh[e] = ref->p[r][i][e] = inproc_rnd(&rng_state);
 		}
 }
 
-static void ref_free(struct ref *ref)
+/* The reference of every rank's AdamW step (the ranks' next) on its sharded grads, lr 0.01. */
+static void ref_step(struct inproc_ref *ref, struct fixture *f)
 {
-	for (int r = 0; r < WORLD; r++)
+	for (int r = 0; r < WORLD; r++) {
+		ref->nsteps[r]++;
 		for (uint32_t i = 0; i < NP; i++) {
-			free(ref->p[r][i]);
-			for (int k = 0; k < 3; k++)
-				free(ref->s[r][i][k]);
+			uint64_t n = valid_numel(f->g[r], i);
+
+			if (n)
+				inproc_ref_step(&adamw, ref->p[r][i], shardd_group_shard_grad(f->g[r], i), ref->s[r][i],
+						ref->nsteps[r], 0.01, 1.0f, n);
 		}
+	}
 }
 
 /* Random grads, the reduce of `step` on every ring, the reference step, then every rank's step. */
-static void train_step(struct fixture *f, struct ref *ref, uint64_t step)
+static void train_step(struct fixture *f, struct inproc_ref *ref, uint64_t step)
 {
-	struct shardd_completion cp;
-	double lr = 0.01;
-
 	for (int r = 0; r < WORLD; r++)
 		for (uint32_t i = 0; i < NP; i++) {
-			float *gr = shardd_group_grad(f->reg[r].g, i);
-			uint64_t n = shardd_group_layout(f->reg[r].g, i)->grad_bytes / sizeof(float);
+			float *gr = shardd_group_grad(f->g[r], i);
+			uint64_t n = shardd_group_layout(f->g[r], i)->grad_bytes / sizeof(float);
 
 			for (uint64_t e = 0; e < n; e++)
-				gr[e] = rnd();
+				gr[e] = inproc_rnd(&rng_state);
 		}
+	inproc_reduce(f->c, f->g, WORLD, step, 0);
+	ref_step(ref, f);
 	for (int r = 0; r < WORLD; r++)
-		cr_assert_eq(shardd_submit(f->c[r], SHARDD_OP_REDUCE, shardd_group_id(f->reg[r].g), step, 0, 100 + r),
-			     0, "%s", shardd_last_error());
-	for (int r = 0; r < WORLD; r++) {
-		cr_assert_eq(shardd_wait(f->c[r], &cp, 30000), 0, "%s", shardd_last_error());
-		cr_assert_eq(cp.res, 0, "rank %d reduce %llu: %s", r, (unsigned long long)step, cp.msg);
-	}
-	ref->nsteps++;
-	for (int r = 0; r < WORLD; r++) {
-		for (uint32_t i = 0; i < NP; i++) {
-			uint64_t n = valid_numel(f->reg[r].g, i);
-			struct shardd_adamw a = {
-				.param = ref->p[r][i], .grad = shardd_group_shard_grad(f->reg[r].g, i),
-				.exp_avg = ref->s[r][i][0], .exp_avg_sq = ref->s[r][i][1],
-				.max_exp_avg_sq = ref->s[r][i][2], .grad_dtype = SHARDD_DTYPE_FP32,
-				.step = ref->nsteps, .lr = lr, .beta1 = adamw.beta1, .beta2 = adamw.beta2,
-				.eps = adamw.eps, .weight_decay = adamw.weight_decay, .amsgrad = 1, .grad_scale = 1.0f,
-			};
-
-			if (n)
-				shardd_k_adamw_isa(SHARDD_K_ISA_PORTABLE, &a, 0, n);
-		}
-		cr_assert_eq(shardd_step(f->reg[r].g, step, lr, 0, 0), SHARDD_STEP_APPLIED, "step %llu: %s",
+		cr_assert_eq(shardd_step(f->g[r], step, 0.01, 0, 0), SHARDD_STEP_APPLIED, "step %llu: %s",
 			     (unsigned long long)step, shardd_last_error());
-	}
 }
 
 /* Every rank submits checkpoint(step); each completion's res into res[]. */
@@ -312,7 +234,7 @@ static float full_elem(uint32_t i, float *const sh[WORLD], uint64_t e, const str
 		return sh[col / cols][row * cols + col % cols];
 	}
 	for (int r = 0; r < WORLD; r++) {
-		uint64_t n = valid_numel(f->reg[r].g, i);
+		uint64_t n = valid_numel(f->g[r], i);
 
 		if (e < n)
 			return sh[r][e];
@@ -322,7 +244,7 @@ static float full_elem(uint32_t i, float *const sh[WORLD], uint64_t e, const str
 	return 0;
 }
 
-static void expect_checkpoint(struct fixture *f, struct ref *ref, const char *dir, uint64_t step)
+static void expect_checkpoint(struct fixture *f, struct inproc_ref *ref, const char *dir, uint64_t step)
 {
 	static const char *const states[3] = { "exp_avg", "exp_avg_sq", "max_exp_avg_sq" };
 	char path[512];
@@ -366,7 +288,7 @@ static void expect_checkpoint(struct fixture *f, struct ref *ref, const char *di
 		const float *t = st_tensor(&model, params[i].name, &params[i]);
 
 		for (int r = 0; r < WORLD; r++)
-			sh[r] = shardd_group_shard(f->reg[r].g, i);
+			sh[r] = shardd_group_shard(f->g[r], i);
 		for (uint64_t e = 0; e < numel_of(&params[i]); e++)
 			cr_assert_eq(memcmp(&t[e], &(float){ full_elem(i, sh, e, f) }, 4), 0,
 				     "param '%s'[%llu] = %.9g in the file, %.9g in the ranks' shards", params[i].name,
@@ -393,7 +315,7 @@ static void expect_checkpoint(struct fixture *f, struct ref *ref, const char *di
 Test(checkpoint, writes_full_params_and_optimizer_state_as_safetensors, .timeout = 60)
 {
 	struct fixture f;
-	struct ref ref;
+	struct inproc_ref ref;
 	int res[WORLD];
 	char msg[WORLD][256], dir[128];
 	struct stat st;
@@ -448,14 +370,14 @@ Test(checkpoint, writes_full_params_and_optimizer_state_as_safetensors, .timeout
 	cr_assert(strstr(msg[0], "step-000000000002 exists"), "%s", msg[0]);
 	snprintf(dir, sizeof(dir), "%s/ck/step-000000000002/manifest.json", f.state);
 	cr_assert_eq(stat(dir, &st), 0);
-	ref_free(&ref);
+	inproc_ref_free(&ref);
 	finish(&f);
 }
 
 Test(checkpoint, keep_removes_the_oldest_checkpoints, .timeout = 60)
 {
 	struct fixture f;
-	struct ref ref;
+	struct inproc_ref ref;
 	int res[WORLD];
 	char msg[WORLD][256], dir[160];
 	struct stat st;
@@ -474,7 +396,7 @@ Test(checkpoint, keep_removes_the_oldest_checkpoints, .timeout = 60)
 	cr_assert_eq(stat(dir, &st), 0);
 	snprintf(dir, sizeof(dir), "%s/ck/step-000000000003", f.state);
 	expect_checkpoint(&f, &ref, dir, 3);
-	ref_free(&ref);
+	inproc_ref_free(&ref);
 	finish(&f);
 }
 
@@ -501,7 +423,7 @@ Test(checkpoint, without_state_dir_fails_naming_the_flag, .timeout = 60)
 Test(checkpoint, refuses_a_cut_between_ranks_steps, .timeout = 60)
 {
 	struct fixture f;
-	struct ref ref;
+	struct inproc_ref ref;
 	int res[WORLD];
 	char msg[WORLD][256];
 
@@ -509,24 +431,15 @@ Test(checkpoint, refuses_a_cut_between_ranks_steps, .timeout = 60)
 	ref_init(&ref, &f);
 	train_step(&f, &ref, 1);
 	/* Step 2's reduce on every rank, then only rank 0 steps. */
-	{
-		struct shardd_completion cp;
-
-		for (int r = 0; r < WORLD; r++)
-			cr_assert_eq(shardd_submit(f.c[r], SHARDD_OP_REDUCE, shardd_group_id(f.reg[r].g), 2, 0, 1), 0);
-		for (int r = 0; r < WORLD; r++) {
-			cr_assert_eq(shardd_wait(f.c[r], &cp, 30000), 0, "%s", shardd_last_error());
-			cr_assert_eq(cp.res, 0, "%s", cp.msg);
-		}
-		cr_assert_eq(shardd_step(f.reg[0].g, 2, 0.01, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
-	}
+	inproc_reduce(f.c, f.g, WORLD, 2, 0);
+	cr_assert_eq(shardd_step(f.g[0], 2, 0.01, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
 	checkpoint_all(&f, 2, res, msg);
 	for (int r = 0; r < WORLD; r++) {
 		cr_assert_eq(res[r], -SHARDD_E_STATE, "rank %d: %s", r, msg[r]);
 		cr_assert(strstr(msg[r], "group 'layer' is not at a step boundary: rank 0 applied step 2 (2 updates), "
 				 "rank 1 step 1 (1 updates)"), "%s", msg[r]);
 	}
-	ref_free(&ref);
+	inproc_ref_free(&ref);
 	finish(&f);
 }
 
@@ -569,12 +482,11 @@ static json_t *ctl_checkpoints(const struct fixture *f)
 Test(checkpoint, shardctl_checkpoint_waits_for_the_next_step_boundary, .timeout = 60)
 {
 	struct fixture f;
-	struct ref ref;
+	struct inproc_ref ref;
 	struct ctl_arg a;
 	char dir[160], out[4096] = "";
 	int pipefd[2], status;
 	struct stat st;
-	struct shardd_completion cp;
 	pid_t pid;
 	json_t *r;
 	ssize_t n;
@@ -584,28 +496,9 @@ Test(checkpoint, shardctl_checkpoint_waits_for_the_next_step_boundary, .timeout 
 	ref_init(&ref, &f);
 	train_step(&f, &ref, 1);
 	/* Step 2 half done: reduced everywhere, applied on rank 0 only. */
-	for (int r2 = 0; r2 < WORLD; r2++)
-		cr_assert_eq(shardd_submit(f.c[r2], SHARDD_OP_REDUCE, shardd_group_id(f.reg[r2].g), 2, 0, 1), 0);
-	for (int r2 = 0; r2 < WORLD; r2++) {
-		cr_assert_eq(shardd_wait(f.c[r2], &cp, 30000), 0, "%s", shardd_last_error());
-		cr_assert_eq(cp.res, 0, "%s", cp.msg);
-	}
-	ref.nsteps++;
-	for (int r2 = 0; r2 < WORLD; r2++)
-		for (uint32_t i = 0; i < NP; i++) {
-			uint64_t num = valid_numel(f.reg[r2].g, i);
-			struct shardd_adamw ad = {
-				.param = ref.p[r2][i], .grad = shardd_group_shard_grad(f.reg[r2].g, i),
-				.exp_avg = ref.s[r2][i][0], .exp_avg_sq = ref.s[r2][i][1],
-				.max_exp_avg_sq = ref.s[r2][i][2], .grad_dtype = SHARDD_DTYPE_FP32,
-				.step = ref.nsteps, .lr = 0.01, .beta1 = adamw.beta1, .beta2 = adamw.beta2,
-				.eps = adamw.eps, .weight_decay = adamw.weight_decay, .amsgrad = 1, .grad_scale = 1.0f,
-			};
-
-			if (num)
-				shardd_k_adamw_isa(SHARDD_K_ISA_PORTABLE, &ad, 0, num);
-		}
-	cr_assert_eq(shardd_step(f.reg[0].g, 2, 0.01, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
+	inproc_reduce(f.c, f.g, WORLD, 2, 0);
+	ref_step(&ref, &f);
+	cr_assert_eq(shardd_step(f.g[0], 2, 0.01, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
 
 	snprintf(dir, sizeof(dir), "%s/by-shardctl", f.state);
 	cr_assert_eq(pipe(pipefd), 0);
@@ -625,7 +518,7 @@ Test(checkpoint, shardctl_checkpoint_waits_for_the_next_step_boundary, .timeout 
 	}
 	cr_assert_neq(stat(dir, &st), 0, "%s was written before the step boundary", dir);
 	for (int r2 = 1; r2 < WORLD; r2++)
-		cr_assert_eq(shardd_step(f.reg[r2].g, 2, 0.01, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
+		cr_assert_eq(shardd_step(f.g[r2], 2, 0.01, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
 	cr_assert_eq(harness_wait_pid(pid, 30000, &status), 0, "shardctl checkpoint did not end");
 	n = read(pipefd[0], out, sizeof(out) - 1);
 	out[n > 0 ? n : 0] = '\0';
@@ -637,14 +530,14 @@ Test(checkpoint, shardctl_checkpoint_waits_for_the_next_step_boundary, .timeout 
 	r = ctl_checkpoints(&f);
 	cr_assert_str_eq(json_string_value(json_object_get(json_object_get(r, "last"), "dir")), dir);
 	json_decref(r);
-	ref_free(&ref);
+	inproc_ref_free(&ref);
 	finish(&f);
 }
 
 Test(checkpoint, checkpoint_every_saves_each_multiple_step_boundary, .timeout = 60)
 {
 	struct fixture f;
-	struct ref ref;
+	struct inproc_ref ref;
 	char dir[160];
 	struct stat st;
 
@@ -675,14 +568,14 @@ Test(checkpoint, checkpoint_every_saves_each_multiple_step_boundary, .timeout = 
 	cr_assert_eq(stat(dir, &st), 0);
 	snprintf(dir, sizeof(dir), "%s/ck/step-000000000004", f.state);
 	expect_checkpoint(&f, &ref, dir, 4);
-	ref_free(&ref);
+	inproc_ref_free(&ref);
 	finish(&f);
 }
 
 Test(checkpoint, snapshot_holds_the_boundary_while_the_next_step_runs, .timeout = 60)
 {
 	struct fixture f;
-	struct ref ref;
+	struct inproc_ref ref;
 	struct shardd_completion cp;
 	char dir[160], path[512];
 	float *before[WORLD][NP];
@@ -696,23 +589,23 @@ Test(checkpoint, snapshot_holds_the_boundary_while_the_next_step_runs, .timeout 
 	train_step(&f, &ref, 2);
 	for (int rk = 0; rk < WORLD; rk++)
 		for (uint32_t i = 0; i < NP; i++) {
-			uint64_t n = valid_numel(f.reg[rk].g, i);
+			uint64_t n = valid_numel(f.g[rk], i);
 
 			before[rk][i] = malloc((n + 1) * sizeof(float));
-			memcpy(before[rk][i], shardd_group_shard(f.reg[rk].g, i), n * sizeof(float));
+			memcpy(before[rk][i], shardd_group_shard(f.g[rk], i), n * sizeof(float));
 		}
 	/* checkpoint(2), and without waiting for it step 3's reduce and step. */
 	for (int rk = 0; rk < WORLD; rk++)
 		cr_assert_eq(shardd_submit(f.c[rk], SHARDD_OP_CHECKPOINT, 0, 2, 0, 7), 0);
 	for (int rk = 0; rk < WORLD; rk++)
-		cr_assert_eq(shardd_submit(f.c[rk], SHARDD_OP_REDUCE, shardd_group_id(f.reg[rk].g), 3, 0, 8), 0);
+		cr_assert_eq(shardd_submit(f.c[rk], SHARDD_OP_REDUCE, shardd_group_id(f.g[rk]), 3, 0, 8), 0);
 	for (int rk = 0; rk < WORLD; rk++)
 		for (int k = 0; k < 2; k++) {
 			cr_assert_eq(shardd_wait(f.c[rk], &cp, 30000), 0, "%s", shardd_last_error());
 			cr_assert_eq(cp.res, 0, "rank %d %s: %s", rk, shardd_op_name(cp.op), cp.msg);
 		}
 	for (int rk = 0; rk < WORLD; rk++)
-		cr_assert_eq(shardd_step(f.reg[rk].g, 3, 0.01, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
+		cr_assert_eq(shardd_step(f.g[rk], 3, 0.01, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
 	/* The files hold step 2's params, which step 3 has moved since. */
 	snprintf(dir, sizeof(dir), "%s/ck/step-000000000002", f.state);
 	snprintf(path, sizeof(path), "%s/model.safetensors", dir);
@@ -731,8 +624,8 @@ Test(checkpoint, snapshot_holds_the_boundary_while_the_next_step_runs, .timeout 
 				     params[i].name, (unsigned long long)e, t[e], want);
 		}
 		for (int rk = 0; rk < WORLD; rk++)
-			for (uint64_t e = 0; e < valid_numel(f.reg[rk].g, i); e++)
-				moved |= ((float *)shardd_group_shard(f.reg[rk].g, i))[e] != before[rk][i][e];
+			for (uint64_t e = 0; e < valid_numel(f.g[rk], i); e++)
+				moved |= ((float *)shardd_group_shard(f.g[rk], i))[e] != before[rk][i][e];
 		cr_assert(moved || !numel_of(&params[i]), "step 3 did not move param '%s'", params[i].name);
 	}
 	st_close(&model);
@@ -743,6 +636,6 @@ Test(checkpoint, snapshot_holds_the_boundary_while_the_next_step_runs, .timeout 
 	for (int rk = 0; rk < WORLD; rk++)
 		for (uint32_t i = 0; i < NP; i++)
 			free(before[rk][i]);
-	ref_free(&ref);
+	inproc_ref_free(&ref);
 	finish(&f);
 }

@@ -15,8 +15,6 @@
 #define _GNU_SOURCE
 #include <criterion/criterion.h>
 #include <jansson.h>
-#include <ftw.h>
-#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,6 +24,7 @@
 #include <unistd.h>
 
 #include "harness.h"
+#include "inproc.h"
 #include "shardd.h"
 
 #define NP 3
@@ -51,25 +50,7 @@ struct run {
 	const char *max_memory;      /* --max-memory, or NULL */
 	struct shardd_client *c[WORLD];
 	struct shardd_group *g[WORLD];
-	int ret[WORLD];
-	char err[WORLD][1024];
 };
-
-struct reg_arg {
-	struct run *run;
-	uint32_t r;
-};
-
-static void *register_main(void *p)
-{
-	struct reg_arg *a = p;
-	struct shardd_policy pol = { .optimizer = &adamw, .restore = "" };
-
-	a->run->ret[a->r] = shardd_group_register(a->run->c[a->r], "layer", a->run->params, a->run->np, &pol, &a->run->g[a->r]);
-	if (a->run->ret[a->r])
-		snprintf(a->run->err[a->r], sizeof(a->run->err[a->r]), "%s", shardd_last_error());
-	return NULL;
-}
 
 static void daemon_start(struct run *run)
 {
@@ -82,19 +63,11 @@ static void daemon_start(struct run *run)
 /* Attach both ranks and register with restore "": returns the step to resume after. */
 static uint64_t attach(struct run *run)
 {
-	pthread_t th[WORLD];
-	struct reg_arg a[WORLD];
+	const struct shardd_policy pol = { .optimizer = &adamw, .restore = "" };
 
 	for (uint32_t r = 0; r < WORLD; r++)
 		cr_assert_eq(harness_attach(&run->hd, "train", r, 1, WORLD, &run->c[r]), 0, "%s", shardd_last_error());
-	for (uint32_t r = 0; r < WORLD; r++) {
-		a[r] = (struct reg_arg){ .run = run, .r = r };
-		cr_assert_eq(pthread_create(&th[r], NULL, register_main, &a[r]), 0);
-	}
-	for (uint32_t r = 0; r < WORLD; r++) {
-		pthread_join(th[r], NULL);
-		cr_assert_eq(run->ret[r], 0, "rank %u: %s", r, run->err[r]);
-	}
+	inproc_register_ok(run->c, WORLD, "layer", run->params, run->np, &pol, run->g);
 	cr_assert_eq(shardd_group_last_step(run->g[0]), shardd_group_last_step(run->g[1]));
 	return shardd_group_last_step(run->g[0]);
 }
@@ -122,12 +95,7 @@ static float value(uint64_t a, uint64_t b, uint64_t c, uint64_t d)
 /* Elements of real data in rank r's shard of param i (a prefix of it; the rest is padding). */
 static uint64_t valid_numel(const struct run *run, uint32_t r, uint32_t i)
 {
-	const struct shardd_param_desc *d = &run->params[i];
-	uint64_t numel = 1;
-
-	for (uint32_t k = 0; k < d->ndim; k++)
-		numel *= d->shape[k];
-	return shardd_group_layout(run->g[r], i)->shard_rows_valid * (numel / d->shape[d->shard_dim]);
+	return inproc_valid_numel(run->g[r], run->params, i);
 }
 
 /* Fresh params: each rank writes its shard's valid elements. */
@@ -153,8 +121,6 @@ static void checkpoint_submit(struct run *run, uint64_t step)
 /* One step; then, when step is a multiple of `every` (0: never), a checkpoint waited for. */
 static void train_step_every(struct run *run, uint64_t step, uint64_t every)
 {
-	struct shardd_completion cp;
-
 	for (uint32_t r = 0; r < WORLD; r++)
 		for (uint32_t i = 0; i < run->np; i++) {
 			float *gr = shardd_group_grad(run->g[r], i);
@@ -162,22 +128,13 @@ static void train_step_every(struct run *run, uint64_t step, uint64_t every)
 			for (uint64_t e = 0; e < shardd_group_layout(run->g[r], i)->grad_bytes / 4; e++)
 				gr[e] = value(step, r, i, e);
 		}
-	for (uint32_t r = 0; r < WORLD; r++)
-		cr_assert_eq(shardd_submit(run->c[r], SHARDD_OP_REDUCE, shardd_group_id(run->g[r]), step, 0, 1), 0);
-	for (uint32_t r = 0; r < WORLD; r++) {
-		cr_assert_eq(shardd_wait(run->c[r], &cp, 30000), 0, "%s", shardd_last_error());
-		cr_assert_eq(cp.res, 0, "%s", cp.msg);
-	}
+	inproc_reduce(run->c, run->g, WORLD, step, 0);
 	for (uint32_t r = 0; r < WORLD; r++)
 		cr_assert_eq(shardd_step(run->g[r], step, 0.01 / (double)step, 0, 0), SHARDD_STEP_APPLIED, "%s",
 			     shardd_last_error());
 	if (!every || step % every)
 		return;
-	checkpoint_submit(run, step);
-	for (uint32_t r = 0; r < WORLD; r++) {
-		cr_assert_eq(shardd_wait(run->c[r], &cp, 30000), 0, "%s", shardd_last_error());
-		cr_assert_eq(cp.res, 0, "rank %u checkpoint(%llu): %s", r, (unsigned long long)step, cp.msg);
-	}
+	inproc_checkpoint(run->c, WORLD, step);
 }
 
 static void train_step(struct run *run, uint64_t step)
@@ -204,14 +161,6 @@ static float *snapshot(struct run *run, size_t *n)
 		}
 	*n = total;
 	return out;
-}
-
-static int rm_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw)
-{
-	(void)st;
-	(void)flag;
-	(void)ftw;
-	return remove(path);
 }
 
 Test(restart, killed_daemon_resumes_from_its_last_checkpoint_bit_identical, .timeout = 120)
@@ -279,8 +228,8 @@ Test(restart, killed_daemon_resumes_from_its_last_checkpoint_bit_identical, .tim
 	free(got);
 	detach(&b);
 	harness_daemon_stop_expect_clean(&b.hd);
-	nftw(sa, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
-	nftw(sb, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+	harness_rm_tree(sa);
+	harness_rm_tree(sb);
 }
 
 /* 64 MiB of params: the state (with AdamW's two) takes a while to write. */
@@ -388,6 +337,6 @@ Test(restart, killed_while_a_checkpoint_is_written_resumes_from_the_last_complet
 	free(got);
 	detach(&b);
 	harness_daemon_stop_expect_clean(&b.hd);
-	nftw(sa, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
-	nftw(sb, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+	harness_rm_tree(sa);
+	harness_rm_tree(sb);
 }

@@ -14,9 +14,7 @@
 #define _GNU_SOURCE
 #include <criterion/criterion.h>
 #include <fcntl.h>
-#include <ftw.h>
 #include <jansson.h>
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,6 +22,7 @@
 #include <unistd.h>
 
 #include "harness.h"
+#include "inproc.h"
 #include "shardd.h"
 
 #define NP 5
@@ -51,39 +50,24 @@ struct job {
 	char err[MAXW][1024];
 };
 
-struct reg_arg {
-	struct job *j;
-	uint32_t r;
-	const char *restore;
-};
-
-static void *register_main(void *p)
-{
-	struct reg_arg *a = p;
-	struct shardd_policy pol = { .optimizer = &adamw, .restore = a->restore };
-
-	a->j->ret[a->r] = shardd_group_register(a->j->c[a->r], "layer", a->j->params, NP, &pol, &a->j->g[a->r]);
-	if (a->j->ret[a->r])
-		snprintf(a->j->err[a->r], sizeof(a->j->err[a->r]), "%s", shardd_last_error());
-	return NULL;
-}
-
 /* Attach every rank of `j` and register its group on one thread per rank; results in j->ret. */
 static void job_start(struct harness_daemon *hd, struct job *j, const char *restore)
 {
-	pthread_t th[MAXW];
-	struct reg_arg a[MAXW];
+	struct inproc_reg reg[MAXW];
 
 	j->world = j->replicate * j->shard;
 	for (uint32_t r = 0; r < j->world; r++)
 		cr_assert_eq(harness_attach(hd, j->name, r, j->replicate, j->shard, &j->c[r]), 0, "%s",
 			     shardd_last_error());
-	for (uint32_t r = 0; r < j->world; r++) {
-		a[r] = (struct reg_arg){ .j = j, .r = r, .restore = restore };
-		cr_assert_eq(pthread_create(&th[r], NULL, register_main, &a[r]), 0);
-	}
 	for (uint32_t r = 0; r < j->world; r++)
-		pthread_join(th[r], NULL);
+		reg[r] = (struct inproc_reg){ .c = j->c[r], .name = "layer", .params = j->params, .nparams = NP,
+					      .policy = { .optimizer = &adamw, .restore = restore } };
+	inproc_register(reg, j->world);
+	for (uint32_t r = 0; r < j->world; r++) {
+		j->g[r] = reg[r].g;
+		j->ret[r] = reg[r].ret;
+		snprintf(j->err[r], sizeof(j->err[r]), "%s", reg[r].err);
+	}
 }
 
 static void job_stop(struct job *j)
@@ -95,23 +79,7 @@ static void job_stop(struct job *j)
 	}
 }
 
-static int rm_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw)
-{
-	(void)st;
-	(void)flag;
-	(void)ftw;
-	return remove(path);
-}
-
 static uint64_t rng_state = 0x1234567887654321ull;
-
-static float rnd(void)
-{
-	rng_state ^= rng_state << 13;
-	rng_state ^= rng_state >> 7;
-	rng_state ^= rng_state << 17;
-	return (float)((double)(rng_state >> 11) / (double)(1ull << 53) * 2.0 - 1.0);
-}
 
 static uint64_t numel_of(const struct shardd_param_desc *d)
 {
@@ -124,23 +92,18 @@ static uint64_t numel_of(const struct shardd_param_desc *d)
 
 static uint64_t valid_numel(const struct job *j, uint32_t r, uint32_t i)
 {
-	const struct shardd_param_desc *d = &j->params[i];
-	uint64_t dim = d->ndim ? d->shape[d->shard_dim] : 1;
-
-	return dim ? shardd_group_layout(j->g[r], i)->shard_rows_valid * (numel_of(d) / dim) : 0;
+	return inproc_valid_numel(j->g[r], j->params, i);
 }
 
 /* Random params, then two steps of random grads, every rank; then checkpoint(2). */
 static void train_and_save(struct job *j)
 {
-	struct shardd_completion cp;
-
 	for (uint32_t r = 0; r < j->world; r++)
 		for (uint32_t i = 0; i < NP; i++) {
 			float *sh = shardd_group_shard(j->g[r], i);
 
 			for (uint64_t e = 0; e < valid_numel(j, r, i); e++)
-				sh[e] = rnd();
+				sh[e] = inproc_rnd(&rng_state);
 		}
 	for (uint64_t step = 1; step <= 2; step++) {
 		for (uint32_t r = 0; r < j->world; r++)
@@ -148,23 +111,13 @@ static void train_and_save(struct job *j)
 				float *gr = shardd_group_grad(j->g[r], i);
 
 				for (uint64_t e = 0; e < shardd_group_layout(j->g[r], i)->grad_bytes / 4; e++)
-					gr[e] = rnd();
+					gr[e] = inproc_rnd(&rng_state);
 			}
-		for (uint32_t r = 0; r < j->world; r++)
-			cr_assert_eq(shardd_submit(j->c[r], SHARDD_OP_REDUCE, shardd_group_id(j->g[r]), step, 0, 1), 0);
-		for (uint32_t r = 0; r < j->world; r++) {
-			cr_assert_eq(shardd_wait(j->c[r], &cp, 30000), 0, "%s", shardd_last_error());
-			cr_assert_eq(cp.res, 0, "%s", cp.msg);
-		}
+		inproc_reduce(j->c, j->g, j->world, step, 0);
 		for (uint32_t r = 0; r < j->world; r++)
 			cr_assert_eq(shardd_step(j->g[r], step, 0.01, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
 	}
-	for (uint32_t r = 0; r < j->world; r++)
-		cr_assert_eq(shardd_submit(j->c[r], SHARDD_OP_CHECKPOINT, 0, 2, 0, 2), 0);
-	for (uint32_t r = 0; r < j->world; r++) {
-		cr_assert_eq(shardd_wait(j->c[r], &cp, 30000), 0, "%s", shardd_last_error());
-		cr_assert_eq(cp.res, 0, "rank %u checkpoint: %s", r, cp.msg);
-	}
+	inproc_checkpoint(j->c, j->world, 2);
 }
 
 static uint8_t *slurp(const char *path, size_t *len)
@@ -290,7 +243,7 @@ static void teardown(struct fixture *f)
 {
 	job_stop(&f->src);
 	harness_daemon_stop_expect_clean(&f->hd);
-	nftw(f->state, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+	harness_rm_tree(f->state);
 }
 
 /* Restore into job `name` at mesh R x S with `params`; then save it and compare its files with the source's. */
@@ -298,19 +251,13 @@ static void restore_and_compare(struct fixture *f, const char *name, uint32_t re
 				const struct shardd_param_desc *params)
 {
 	struct job j = { .name = name, .replicate = rep, .shard = shard, .params = params };
-	struct shardd_completion cp;
 	char a[256], b[256];
 
 	job_start(&f->hd, &j, f->saved_dir);
 	for (uint32_t r = 0; r < j.world; r++)
 		cr_assert_eq(j.ret[r], 0, "%s rank %u: %s", name, r, j.err[r]);
 	expect_restored(&j, f->saved_dir);
-	for (uint32_t r = 0; r < j.world; r++)
-		cr_assert_eq(shardd_submit(j.c[r], SHARDD_OP_CHECKPOINT, 0, 2, 0, 2), 0);
-	for (uint32_t r = 0; r < j.world; r++) {
-		cr_assert_eq(shardd_wait(j.c[r], &cp, 30000), 0, "%s", shardd_last_error());
-		cr_assert_eq(cp.res, 0, "%s rank %u checkpoint: %s", name, r, cp.msg);
-	}
+	inproc_checkpoint(j.c, j.world, 2);
 	snprintf(a, sizeof(a), "%s/model.safetensors", f->saved_dir);
 	snprintf(b, sizeof(b), "%s/%s/step-000000000002/model.safetensors", f->state, name);
 	expect_same_file(a, b);

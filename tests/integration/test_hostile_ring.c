@@ -467,3 +467,40 @@ Test(hostile, collective_failing_while_a_member_is_dropped_completes_each_op_onc
 		raw_close(&r[k]);
 	assert_others_served();
 }
+
+/*
+ * A rank that arrived at a collective and then left is the one the error
+ * names as gone, not one of the ranks the collective failed for.
+ */
+Test(hostile, rank_leaving_after_arriving_is_not_listed_among_the_failed)
+{
+	char msg[SHARDD_RING_MSG_SIZE];
+	struct raw r[3];
+	struct shardd_cqe c;
+	uint32_t g;
+
+	for (uint32_t k = 0; k < 3; k++)
+		raw_attach(&r[k], "gone", k, 1, 3, 0);
+	for (uint32_t k = 0; k < 3; k++)
+		raw_send_register(&r[k], (struct shardd_register_group[]){ reg_hdr("g", 1) },
+				  (struct shardd_param_spec[]){ pspec("w", SHARDD_DTYPE_FP32, 1,
+								      (uint64_t[]){ 6 }) }, 1);
+	g = raw_recv_group(&r[0]);
+	cr_assert_eq(raw_recv_group(&r[1]), g);
+	cr_assert_eq(raw_recv_group(&r[2]), g);
+
+	raw_push(&r[0], (struct shardd_sqe[]){ sqe_of(SHARDD_OP_UNSHARD, g, 1, 0, 11) });
+	raw_nop_ok(&r[0], 12);
+	raw_push(&r[1], (struct shardd_sqe[]){ sqe_of(SHARDD_OP_UNSHARD, g, 1, 0, 21) });
+	raw_nop_ok(&r[1], 22);
+	raw_close(&r[1]);
+
+	raw_reap_ok(&r[0], &c, msg, "rank 0");
+	cr_assert_eq(c.user_data, 11, "unexpected completion %llu (%s)", (unsigned long long)c.user_data, msg);
+	cr_assert_eq(c.res, -SHARDD_E_PEER_DIED, "unshard: %d %s", c.res, msg);
+	cr_assert(strstr(msg, "rank 1 left") && strstr(msg, "; failed for rank 0") && !strstr(msg, "0,1"),
+		  "want rank 1 named as gone and the op failed for rank 0 only: %s", msg);
+	raw_close(&r[0]);
+	raw_close(&r[2]);
+	assert_others_served();
+}

@@ -717,3 +717,8 @@ int harness_cuda_devices(void)
 	return WEXITSTATUS(status);
 }
 #endif
+
+void harness_rm_tree(const char *path)
+{
+	nftw(path, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+}

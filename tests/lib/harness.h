@@ -166,6 +166,9 @@ int harness_expect_eof(int fd, int timeout_ms);
 /* Milliseconds on CLOCK_MONOTONIC. */
 int64_t harness_now_ms(void);
 
+/* Remove `path` and everything below it (a test's temporary directory); links are not followed. */
+void harness_rm_tree(const char *path);
+
 /*
  * In a forked child: report a failed check on stderr and return 1 from
  * the child's function (its exit status).

@@ -77,6 +77,21 @@ void inproc_reduce(struct shardd_client **c, struct shardd_group *const *g, uint
 	}
 }
 
+void inproc_checkpoint(struct shardd_client **c, uint32_t n, uint64_t step)
+{
+	struct shardd_completion cp;
+
+	for (uint32_t r = 0; r < n; r++)
+		cr_assert_eq(shardd_submit(c[r], SHARDD_OP_CHECKPOINT, 0, step, 0, 200 + r), 0, "%s",
+			     shardd_last_error());
+	for (uint32_t r = 0; r < n; r++) {
+		cr_assert_eq(shardd_wait(c[r], &cp, 30000), 0, "%s", shardd_last_error());
+		cr_assert_eq(cp.op, SHARDD_OP_CHECKPOINT, "rank %u: %s completed, not the checkpoint", r,
+			     shardd_op_name(cp.op));
+		cr_assert_eq(cp.res, 0, "rank %u checkpoint %llu: %s", r, (unsigned long long)step, cp.msg);
+	}
+}
+
 void inproc_finish(struct harness_daemon *hd, struct shardd_client **c, struct shardd_group **g,
 		   uint32_t n)
 {

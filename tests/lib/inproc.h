@@ -51,6 +51,11 @@ void inproc_register_ok(struct shardd_client **c, uint32_t n, const char *name,
  */
 void inproc_reduce(struct shardd_client **c, struct shardd_group *const *g, uint32_t n,
 		   uint64_t step, uint32_t flags);
+/*
+ * Submit the checkpoint of `step` on every client c[0..n-1] before reaping
+ * any, then assert each completed ("rank R checkpoint STEP: MSG").
+ */
+void inproc_checkpoint(struct shardd_client **c, uint32_t n, uint64_t step);
 /* Close g[0..n-1] and c[0..n-1], then stop `hd`, asserting it stopped clean. */
 void inproc_finish(struct harness_daemon *hd, struct shardd_client **c, struct shardd_group **g,
 		   uint32_t n);

@@ -123,24 +123,25 @@ void train_paths_remove(const struct train_paths *p)
 	unlink(p->ref);
 }
 
-void train_parity(unsigned world, const char *const *daemon_args, const char *device,
+void train_parity(unsigned world, unsigned replicate, const char *const *daemon_args, const char *device,
 		  double *fsdp_loss, double *ref_loss)
 {
 	static struct train_run r;
 	struct harness_daemon d = { 0 };
 	struct train_paths p;
-	char w[16], steps[16], what[96];
+	char w[16], rep[16], steps[16], what[112];
 
 	snprintf(w, sizeof(w), "%u", world);
+	snprintf(rep, sizeof(rep), "%u", replicate);
 	snprintf(steps, sizeof(steps), "%d", TRAIN_STEPS);
 	cr_assert_eq(harness_daemon_start(&d, daemon_args), 0, "shardd did not start (log above)");
 	train_paths_make(&p, &d);
 
-	train_run(&r, (const char *const[]){ "--spawn", w, "--steps", steps, "--socket", d.socket,
-					     "--dump", p.got, device ? "--device" : NULL, device, NULL });
+	train_run(&r, (const char *const[]){ "--spawn", w, "--replicate", rep, "--steps", steps, "--socket",
+					     d.socket, "--dump", p.got, device ? "--device" : NULL, device, NULL });
 	if (!train_run_ok(&r))
 		harness_daemon_dump_log(&d);
-	cr_assert(train_run_ok(&r), "train_mlp --spawn %u %s; its output:\n%s", world,
+	cr_assert(train_run_ok(&r), "train_mlp --spawn %u --replicate %u %s; its output:\n%s", world, replicate,
 		  harness_status_str(r.status), r.out);
 	cr_assert_eq(train_parse_losses(r.out, fsdp_loss, TRAIN_STEPS), TRAIN_STEPS, "stdout:\n%s", r.out);
 
@@ -149,7 +150,7 @@ void train_parity(unsigned world, const char *const *daemon_args, const char *de
 	cr_assert(train_run_ok(&r), "train_mlp --reference %s:\n%s", harness_status_str(r.status), r.out);
 	cr_assert_eq(train_parse_losses(r.out, ref_loss, TRAIN_STEPS), TRAIN_STEPS, "stdout:\n%s", r.out);
 
-	snprintf(what, sizeof(what), "world %u, %d steps%s%s", world, TRAIN_STEPS,
+	snprintf(what, sizeof(what), "world %u, replicate %u, %d steps%s%s", world, replicate, TRAIN_STEPS,
 		 device ? ", device " : "", device ? device : "");
 	train_expect_params_match(p.got, p.ref, what);
 	train_paths_remove(&p);

@@ -57,11 +57,12 @@ void train_paths_remove(const struct train_paths *p);
 
 /*
  * Start a daemon (extra flags `daemon_args`, may be NULL), train TRAIN_STEPS
- * steps with `world` ranks through it (`device`: train_mlp's --device, or
- * NULL) and in the reference, compare the params; the losses go to
- * fsdp_loss and ref_loss. Stops the daemon.
+ * steps with `world` ranks in `replicate` replicas (1: FSDP, more: HSDP)
+ * through it (`device`: train_mlp's --device, or NULL) and in the
+ * reference, compare the params; the losses go to fsdp_loss and ref_loss.
+ * Stops the daemon.
  */
-void train_parity(unsigned world, const char *const *daemon_args, const char *device,
+void train_parity(unsigned world, unsigned replicate, const char *const *daemon_args, const char *device,
 		  double *fsdp_loss, double *ref_loss);
 
 #endif /* SHARDD_TEST_TRAIN_H */

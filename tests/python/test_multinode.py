@@ -310,10 +310,18 @@ def test_killed_node_fails_the_other_node_ranks_within_the_timeout(request, R, S
             comps = run_ranks(lambda r: clients[r].wait(timeout=TIMEOUT_S + 20), 2,
                               timeout=TIMEOUT_S + 30)
             took = time.monotonic() - t0
+            what, lost = ("all-reduce", "; sharded grads not reduced") if R > 1 else ("exchange", "")
+            head = (f"shardd: {'reduce' if op == P.OP_REDUCE else 'unshard'}(group 'g', step 1): {what} "
+                    "among 2 nodes failed for ranks 0..1 (node 0): node 1 (ranks 2..3) ")
+            tail = f"{lost}; check its daemon (dead: relaunch the world)"
             for comp in comps:
                 assert comp.user_data == 11
                 assert comp.res in (-P.E_TIMEOUT, -P.E_PEER_DIED), comp
-                assert "node 1 (ranks 2..3)" in comp.msg, comp.msg
+                # who got the error, the dead node and its global ranks, MPI's words, what to do
+                if comp.res == -P.E_TIMEOUT:
+                    assert comp.msg == f"{head}did not answer within {TIMEOUT_S} s{tail}", comp.msg
+                else:
+                    assert comp.msg.startswith(f"{head}is lost: ") and comp.msg.endswith(tail), comp.msg
             assert took < TIMEOUT_S + 10, f"the errors took {took:.1f} s"
             # the surviving daemon keeps serving its ranks and their state
             for c in clients:
@@ -352,14 +360,20 @@ def test_stalled_node_fails_the_reduce_then_the_next_one_pairs_up_again(request)
                 return ei.value
 
             for e in run_ranks(failed, 2, timeout=TIMEOUT_S + 20):
-                assert e.code == -P.E_TIMEOUT and "node 1 (ranks 2..3)" in e.text, e
+                assert e.code == -P.E_TIMEOUT and e.text.endswith(
+                    "reduce(group 'g', step 1): all-reduce among 2 nodes failed for ranks 0..1 (node 0): "
+                    f"node 1 (ranks 2..3) did not answer within {TIMEOUT_S} s; sharded grads not reduced; "
+                    "check its daemon (dead: relaunch the world)"), e
         finally:
             os.kill(world.pids[1], signal.SIGCONT)
         # node 1's step-1 reduce waits for node 0's all-gather half, which node 0 never sends
         for r in (2, 3):
             comp = clients[r].wait(timeout=TIMEOUT_S + 20)
             assert comp.user_data == 21 and comp.res == -P.E_TIMEOUT, comp
-            assert "missing node 0 (ranks 0..1)" in comp.msg, comp
+            assert comp.msg == (
+                "shardd: reduce(group 'g', step 1): all-reduce among 2 nodes failed for ranks 2..3 (node 1): "
+                f"node 0 (ranks 0..1) did not answer within {TIMEOUT_S} s; sharded grads not reduced; "
+                "check its daemon (dead: relaunch the world)"), comp
         grads = exact_grads(9, R * S)
         for r, g in enumerate(groups):
             g.zero_grad()

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The checkpoint format (daemon/ckpt_format.c): safetensors headers written
+ * The checkpoint format (daemon/ckpt_format*.c): safetensors headers written
  * and parsed, every rejection of a hostile header, the manifest's round trip
  * and rejections, the Hugging Face index and the file CRC. References are
  * hand-written headers and byte counts worked out in the comments, jansson
@@ -477,18 +477,4 @@ Test(ckpt_format, file_names_follow_the_hugging_face_split_convention, .timeout 
 	shd_ckpt_file_names(2, 3, model, optim);
 	cr_assert_str_eq(model, "model-00003-of-00003.safetensors");
 	cr_assert_str_eq(optim, "optim-00003-of-00003.safetensors");
-}
-
-Test(ckpt_format, file_crc_is_crc32_of_the_whole_file, .timeout = 10)
-{
-	int fd = memfd_create("crc", 0);
-	uint32_t crc;
-	uint64_t bytes;
-
-	/* CRC-32's published check value: crc32("123456789") = 0xcbf43926. */
-	cr_assert_eq(write(fd, "123456789", 9), 9);
-	cr_assert_eq(shd_ckpt_file_crc(fd, &crc, &bytes), 0);
-	cr_assert_eq(crc, 0xcbf43926u, "crc %08x", crc);
-	cr_assert_eq(bytes, 9);
-	close(fd);
 }

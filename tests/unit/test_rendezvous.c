@@ -256,6 +256,28 @@ Test(rendezvous, missing_msg_names_late_and_waiting_ranks_in_number, .timeout = 
 	shd_rdv_free(&r);
 }
 
+Test(rendezvous, present_but_leaves_out_the_rank_that_left, .timeout = 5)
+{
+	static const uint32_t three[] = { 4, 5, 6 };
+	struct shd_rdv r;
+	char msg[128], why[256];
+
+	rdv_of(&r, three, 3);
+	shd_rdv_arrive(&r, 4, 5, 0, 0, SEC, why, sizeof(why));
+	shd_rdv_arrive(&r, 6, 5, 0, 0, SEC, why, sizeof(why));
+	shd_rdv_who_present_but(&r, 6, msg, sizeof(msg));
+	cr_assert_str_eq(msg, "rank 4");
+	shd_rdv_who_present_but(&r, 5, msg, sizeof(msg));
+	cr_assert_str_eq(msg, "ranks 4,6");
+	shd_rdv_free(&r);
+
+	rdv_of(&r, three, 3);
+	shd_rdv_arrive(&r, 5, 5, 0, 0, SEC, why, sizeof(why));
+	shd_rdv_who_present_but(&r, 5, msg, sizeof(msg));
+	cr_assert_str_eq(msg, "no rank");
+	shd_rdv_free(&r);
+}
+
 Test(rendezvous, missing_msg_cuts_long_rank_lists_but_keeps_its_end, .timeout = 5)
 {
 	static uint32_t ranks[1024];

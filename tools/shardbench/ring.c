@@ -10,7 +10,8 @@
  *                sleep and needs its doorbell; the client waits in
  *                shardd_wait (a bounded spin, then a futex);
  *   socket       back-to-back 64-byte ping-pongs, blocking recv;
- *   socket-idle  the same after the same idle gap.
+ *   socket-idle  the same after the same idle gap; its samples and
+ *                ring-sleep's alternate, so both see the same load.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -128,22 +129,19 @@ static int ring_nop(struct shardd_client *c, int spin, uint64_t tag, uint64_t *n
 	return 0;
 }
 
-static int run_ring(struct shardd_client *c, int spin, uint64_t idle_us, struct ring_result *r,
-		    size_t warmup)
+static int run_ring_spin(struct shardd_client *c, struct ring_result *r, size_t warmup)
 {
 	uint64_t ns, junk = 0;
 	size_t i;
 	int ret;
 
 	for (i = 0; i < warmup; i++) {
-		ret = ring_nop(c, spin, i, &ns, &junk);
+		ret = ring_nop(c, 1, i, &ns, &junk);
 		if (ret)
 			return ret;
 	}
 	for (i = 0; i < r->n; i++) {
-		if (idle_us)
-			idle_gap(idle_us);
-		ret = ring_nop(c, spin, warmup + i, &r->ns[i], &r->wrong);
+		ret = ring_nop(c, 1, warmup + i, &r->ns[i], &r->wrong);
 		if (ret)
 			return ret;
 	}
@@ -162,50 +160,97 @@ static void socket_echo(int fd)
 	_exit(0);
 }
 
-static int run_socket(uint64_t idle_us, struct ring_result *r, size_t warmup)
-{
-	char out[RING_MSG_BYTES], in[RING_MSG_BYTES];
-	int sv[2], ret = 0;
-	size_t i;
+/* A socketpair to an echo process. */
+struct ring_echo {
+	int   fd;
 	pid_t pid;
+};
+
+static int echo_start(struct ring_echo *e)
+{
+	int sv[2], ret;
 
 	if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv))
 		return -errno;
 	fflush(NULL);
-	pid = fork();
-	if (pid < 0) {
+	e->pid = fork();
+	if (e->pid < 0) {
 		ret = -errno;
 		close(sv[0]);
 		close(sv[1]);
 		return ret;
 	}
-	if (pid == 0) {
+	if (e->pid == 0) {
 		close(sv[0]);
 		socket_echo(sv[1]);
 	}
 	close(sv[1]);
-	for (i = 0; i < warmup + r->n && !ret; i++) {
-		uint64_t t0;
+	e->fd = sv[0];
+	return 0;
+}
 
-		if (idle_us && i >= warmup)
-			idle_gap(idle_us);
-		memset(out, (int)(i & 0xff), sizeof(out));
-		memcpy(out, &i, sizeof(i));
-		t0 = bench_now_ns();
-		if (send(sv[0], out, sizeof(out), 0) != (ssize_t)sizeof(out) ||
-		    recv(sv[0], in, sizeof(in), 0) != (ssize_t)sizeof(in)) {
-			ret = -EPIPE;
-			break;
-		}
-		if (i >= warmup) {
-			r->ns[i - warmup] = bench_now_ns() - t0;
-			r->wrong += memcmp(in, out, sizeof(in)) != 0;
-		}
-	}
+static void echo_stop(struct ring_echo *e)
+{
 	/* EOF ends the echo process. */
-	close(sv[0]);
-	bench_reap_pid(pid, 10000);
+	close(e->fd);
+	bench_reap_pid(e->pid, 10000);
+}
+
+/* One request/response of message number i, timed into *ns when ns is set. */
+static int socket_ping(struct ring_echo *e, size_t i, uint64_t *ns, uint64_t *wrong)
+{
+	char out[RING_MSG_BYTES], in[RING_MSG_BYTES];
+	uint64_t t0;
+
+	memset(out, (int)(i & 0xff), sizeof(out));
+	memcpy(out, &i, sizeof(i));
+	t0 = bench_now_ns();
+	if (send(e->fd, out, sizeof(out), 0) != (ssize_t)sizeof(out) ||
+	    recv(e->fd, in, sizeof(in), 0) != (ssize_t)sizeof(in))
+		return -EPIPE;
+	if (ns) {
+		*ns = bench_now_ns() - t0;
+		*wrong += memcmp(in, out, sizeof(in)) != 0;
+	}
+	return 0;
+}
+
+static int run_socket(struct ring_result *r, size_t warmup)
+{
+	struct ring_echo e;
+	int ret = echo_start(&e);
+	size_t i;
+
+	for (i = 0; i < warmup + r->n && !ret; i++)
+		ret = socket_ping(&e, i, i >= warmup ? &r->ns[i - warmup] : NULL, &r->wrong);
+	echo_stop(&e);
 	return ret;
+}
+
+/*
+ * The idle modes sample by sample in turn (which goes first alternates),
+ * so that ring-sleep and its socket-idle baseline see the same load: on a
+ * shared machine the load changes within seconds, and two phases run one
+ * after the other compared different minutes.
+ */
+static void run_idle(struct shardd_client *c, uint64_t idle_us, struct ring_result *ring,
+		     struct ring_result *sock)
+{
+	struct ring_echo e;
+	size_t i;
+
+	sock->err = echo_start(&e);
+	if (sock->err)
+		return;
+	for (i = 0; i < ring->n && !ring->err && !sock->err; i++)
+		for (int k = 0; k < 2; k++) {
+			idle_gap(idle_us);
+			if ((k == 0) == (i % 2 == 0))
+				ring->err = ring_nop(c, 0, i, &ring->ns[i], &ring->wrong);
+			else
+				sock->err = socket_ping(&e, i, &sock->ns[i], &sock->wrong);
+		}
+	echo_stop(&e);
 }
 
 static void print_ring_row(const char *mode, const char *pacing, struct ring_result *r,
@@ -270,17 +315,16 @@ int bench_ring_run(const struct bench_opts *o, const char *socket_path, pid_t da
 		goto out;
 	}
 	/* The baselines run unpinned, where the scheduler serves a blocking ping-pong best. */
-	res[MODE_SOCKET].err = run_socket(0, &res[MODE_SOCKET], warmup);
-	res[MODE_SOCKET_IDLE].err = run_socket(o->idle_us, &res[MODE_SOCKET_IDLE], 0);
+	res[MODE_SOCKET].err = run_socket(&res[MODE_SOCKET], warmup);
 	ring_pin(&pin, daemon_pid);
-	res[MODE_RING_SPIN].err = run_ring(c, 1, 0, &res[MODE_RING_SPIN], warmup);
+	res[MODE_RING_SPIN].err = run_ring_spin(c, &res[MODE_RING_SPIN], warmup);
 	ring_unpin(&pin);
 	/*
 	 * ring-sleep runs unpinned, as its socket-idle baseline: a wake-up the
 	 * scheduler may place on the waker's core is the fair comparison, and a
 	 * daemon pinned to a core other processes use waits for it (ms tails).
 	 */
-	res[MODE_RING_SLEEP].err = run_ring(c, 0, o->idle_us, &res[MODE_RING_SLEEP], 0);
+	run_idle(c, o->idle_us, &res[MODE_RING_SLEEP], &res[MODE_SOCKET_IDLE]);
 	if (res[MODE_RING_SPIN].err || res[MODE_RING_SLEEP].err)
 		fprintf(stderr, "shardbench: ring: %s\n", shardd_last_error());
 
@@ -290,8 +334,8 @@ int bench_ring_run(const struct bench_opts *o, const char *socket_path, pid_t da
 	       (unsigned long long)o->idle_us);
 	printf("# ring-spin: client spins on shardd_poll; ring-sleep: daemon asleep after the"
 	       " gap (doorbell), client in shardd_wait (spin, then futex)\n");
-	printf("# socket: Unix SOCK_SEQPACKET %d-byte request/response between two processes\n",
-	       RING_MSG_BYTES);
+	printf("# socket: Unix SOCK_SEQPACKET %d-byte request/response between two processes;"
+	       " socket-idle and ring-sleep samples alternate\n", RING_MSG_BYTES);
 	if (pin.daemon_pid)
 		printf("# ring-spin: client on cpu %u, daemon loop thread on cpu %u (a spinner"
 		       " per core; docs/BENCHMARKS.md); ring-sleep unpinned, as the socket"

@@ -218,9 +218,19 @@ void shardctl_render_ranks(FILE *f, const json_t *r)
 	json_array_foreach(jobs, i, j) {
 		if (i)
 			fputc('\n', f);
-		fprintf(f, "job '%s': mesh %lldx%lld, %lld of %lld ranks attached, furthest step %lld\n",
-			str(j, "name"), num(j, "replicate"), num(j, "shard"), num(j, "attached"),
-			num(j, "world"), num(j, "max_step"));
+		const json_t *span = json_object_get(j, "span");
+
+		if (span)
+			/* A job across nodes: this daemon holds one node's ranks; RANK is global. */
+			fprintf(f, "job '%s': mesh %lldx%lld over %lld nodes, node %lld holds ranks %lld..%lld, "
+				"%lld of %lld attached, furthest step %lld\n", str(j, "name"),
+				num(span, "replicate"), num(span, "shard"), num(span, "nodes"), num(span, "node"),
+				num(span, "first_rank"), num(span, "last_rank"), num(j, "attached"),
+				num(j, "world"), num(j, "max_step"));
+		else
+			fprintf(f, "job '%s': mesh %lldx%lld, %lld of %lld ranks attached, furthest step %lld\n",
+				str(j, "name"), num(j, "replicate"), num(j, "shard"), num(j, "attached"),
+				num(j, "world"), num(j, "max_step"));
 		fprintf(f, "%-5s %-8s %-9s %-16s %-16s %-16s %-8s %-6s %-7s %s\n", "RANK", "PID",
 			"ATTACHED", "SUBMITTED", "TAKEN", "COMPLETED", "INFLIGHT", "STEP", "BEHIND",
 			"WAITING IN");

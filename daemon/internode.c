@@ -396,7 +396,7 @@ static uint64_t span_hsdp_bytes(const struct eng_group *eg, uint32_t wire, size_
 
 	*C = (T + N - 1) / N;
 	/* The reduce-scatter's send and receive halves (wire dtype), then the all-gather's (reduce dtype). */
-	return (uint64_t)2 * N * *C * wsz + (uint64_t)(N + 1) * *C * rsz;
+	return (uint64_t)2 * N * *C * wsz + (uint64_t)N * *C * rsz;
 }
 
 /* HSDP's all-reduce among the nodes over the world, in host memory. */
@@ -456,9 +456,9 @@ static int span_world_allreduce(struct eng_task *t, const struct shardd_reduce_m
 	 * gets every shard's s; this node's is summed into its place among
 	 * them and sent from there.
 	 */
-	shardd_k_reduce(d2 + (size_t)(1 + me) * C * rsz, rdt, 0, in, N, wire, C, &sum);
-	ret = shd_world_xchg(span_key(eg), seq + 1, check, eg->span_buf, (size_t)(d2 - d1) + (size_t)(1 + me) * C * rsz,
-			     0, (size_t)(d2 - d1) + C * rsz, C * rsz, shd_now_ns() + j->e->timeout_ns, missing, why,
+	shardd_k_reduce(d2 + (size_t)me * C * rsz, rdt, 0, in, N, wire, C, &sum);
+	ret = shd_world_xchg(span_key(eg), seq + 1, check, eg->span_buf, (size_t)(d2 - d1) + (size_t)me * C * rsz,
+			     0, (size_t)(d2 - d1), C * rsz, shd_now_ns() + j->e->timeout_ns, missing, why,
 			     sizeof(why));
 	if (ret) {
 		span_fail(t, "all-reduce", ret, missing, why, "; sharded grads not reduced");
@@ -470,7 +470,7 @@ static int span_world_allreduce(struct eng_task *t, const struct shardd_reduce_m
 	 * bits of the single-node all-reduce.
 	 */
 	for (uint32_t s = 0; s < L && !ret; s++) {
-		struct shd_buf buf = { .bytes = P, .fd = -1, .priv = d2 + (C + s * E) * rsz };
+		struct shd_buf buf = { .bytes = P, .fd = -1, .priv = d2 + s * E * rsz };
 		struct shd_shard_view view = { &buf, g->reduce_offsets, rdt },
 				      out = { &g->sharded_grads[s], g->shard_offsets, SHARDD_DTYPE_NONE };
 		uint8_t accumulate = g->grad_present[s];

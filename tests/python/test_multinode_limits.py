@@ -175,9 +175,9 @@ def test_spanning_job_names_global_ranks_in_views_and_node_errors(request):
         assert job["span"] == {"replicate": 2, "shard": 2, "nodes": 2, "node": 1,
                                "first_rank": 2, "last_rank": 3}, job
         # HSDP: the partials of the node's 2 ranks (2 x 2048 B fp32) cut into 2 slices of
-        # C = 512 elements; fp32 reduce-scatter halves 2 * 2 * C * 4, all-gather (2 + 1) * C * 4
+        # C = 512 elements; fp32 reduce-scatter halves 2 * 2 * C * 4, all-gather 2 * C * 4
         C = L * (ROWS // L * COLS) // N
-        assert job["memory"]["internode"] == 2 * N * C * 4 + (N + 1) * C * 4, job
+        assert job["memory"]["internode"] == 2 * N * C * 4 + N * C * 4, job
         assert groups[2].submit(P.OP_UNSHARD, step=5, user_data=31)
         view = wait_pending(world, 1, name, [2])
         assert [(r["rank"], r["node"], r["local_rank"]) for r in view["ranks"]] == [(2, 1, 0), (3, 1, 1)]

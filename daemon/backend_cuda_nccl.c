@@ -242,6 +242,30 @@ static void clique_free(struct shd_nccl_clique *c)
 	free(c);
 }
 
+/* A clique of job's communicators on `devices` (n), none made yet; with_ranks: room for their NCCL ranks. */
+static struct shd_nccl_clique *clique_new(const void *job, const char *job_name, const int32_t *devices, uint32_t n,
+					  int with_ranks, char *err, size_t errlen)
+{
+	struct shd_nccl_clique *c = calloc(1, sizeof(*c));
+
+	if (c) {
+		c->devices = malloc(n * sizeof(*c->devices));
+		c->ranks = with_ranks ? malloc(n * sizeof(*c->ranks)) : NULL;
+		c->comms = calloc(n, sizeof(*c->comms));
+	}
+	if (!c || !c->devices || (with_ranks && !c->ranks) || !c->comms) {
+		snprintf(err, errlen, "out of memory for the NCCL communicators of job '%s'", job_name);
+		if (c)
+			clique_free(c);
+		return NULL;
+	}
+	c->job = job;
+	snprintf(c->job_name, sizeof(c->job_name), "%s", job_name);
+	c->n = n;
+	memcpy(c->devices, devices, n * sizeof(*devices));
+	return c;
+}
+
 /* Abort every communicator made: it stops what is still running on the devices. */
 static void clique_abort(struct shd_nccl_clique *c)
 {
@@ -409,21 +433,9 @@ int shd_nccl_clique(struct shd_nccl *nc, const void *job, const char *job_name,
 	ret = shd_nccl_load(err, errlen);
 	if (ret)
 		return ret;
-	c = calloc(1, sizeof(*c));
-	if (c) {
-		c->devices = malloc(n * sizeof(*c->devices));
-		c->comms = calloc(n, sizeof(*c->comms));
-	}
-	if (!c || !c->devices || !c->comms) {
-		snprintf(err, errlen, "out of memory for the NCCL communicators of job '%s'", job_name);
-		if (c)
-			clique_free(c);
+	c = clique_new(job, job_name, devices, n, 0, err, errlen);
+	if (!c)
 		return -ENOMEM;
-	}
-	c->job = job;
-	snprintf(c->job_name, sizeof(c->job_name), "%s", job_name);
-	c->n = n;
-	memcpy(c->devices, devices, n * sizeof(*devices));
 	ret = clique_init(c, NULL, shd_now_ns() + nc->timeout_ns, err, errlen);
 	if (ret) {
 		clique_free(c);
@@ -611,26 +623,13 @@ int shd_nccl_span_make(const void *job, const char *job_name, uint64_t key, uint
 	ret = shd_nccl_load(err, errlen);
 	if (ret)
 		return ret;
-	c = calloc(1, sizeof(*c));
-	if (c) {
-		c->devices = malloc(n * sizeof(*c->devices));
-		c->ranks = malloc(n * sizeof(*c->ranks));
-		c->comms = calloc(n, sizeof(*c->comms));
-	}
-	if (!c || !c->devices || !c->ranks || !c->comms) {
-		snprintf(err, errlen, "out of memory for the NCCL communicators of job '%s'", job_name);
-		if (c)
-			clique_free(c);
+	c = clique_new(job, job_name, devices, n, 1, err, errlen);
+	if (!c)
 		return -ENOMEM;
-	}
-	c->job = job;
-	snprintf(c->job_name, sizeof(c->job_name), "%s", job_name);
-	c->n = n;
 	c->span = 1;
 	c->key = key;
 	c->index = index;
 	c->nranks = nranks;
-	memcpy(c->devices, devices, n * sizeof(*devices));
 	for (uint32_t k = 0; k < n; k++)
 		c->ranks[k] = (int32_t)ranks[k];
 	ret = clique_init(c, id, deadline_ns, err, errlen);

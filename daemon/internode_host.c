@@ -225,6 +225,12 @@ int eng_span_nobuf(struct eng_task *t)
 	return -SHARDD_E_NOMEM;
 }
 
+/* The dtype partials and node sums travel in between nodes: fp32, or the reduce dtype rdt (--internode-dtype). */
+static uint32_t span_wire(uint32_t rdt)
+{
+	return shd_world_internode_dtype() == SHD_INTERNODE_FP32 ? SHARDD_DTYPE_FP32 : rdt;
+}
+
 /* HSDP: elements of one node's slice of the partials (C), and the bytes of the all-reduce's buffer. */
 static uint64_t span_hsdp_bytes(const struct eng_group *eg, uint32_t wire, size_t *C)
 {
@@ -246,7 +252,7 @@ int eng_span_world_allreduce(struct eng_task *t, const struct shardd_reduce_math
 	struct shd_group *g = eg->g;
 	struct shd_backend_ctx *b = j->e->backend;
 	uint32_t N = j->span_nodes, L = g->shard, rdt = g->reduce_dtype, me = j->span_node;
-	uint32_t wire = shd_world_internode_dtype() == SHD_INTERNODE_FP32 ? SHARDD_DTYPE_FP32 : rdt;
+	uint32_t wire = span_wire(rdt);
 	size_t P = g->reduce_shard_size, rsz = shardd_dtype_size(rdt), wsz = shardd_dtype_size(wire);
 	size_t E = P / rsz, T = (size_t)L * E, C;
 	const struct shardd_reduce_math sum = { .reduce_dtype = rdt, .pre = ar->pre, .avg = ar->avg, .post = 1 };
@@ -401,7 +407,7 @@ int eng_span_group_init(struct eng_group *eg, char *err, size_t errlen)
 	struct shd_engine_job *j = eg->j;
 	struct shd_group *g = eg->g;
 	uint32_t rdt = g->reduce_dtype;
-	uint32_t wire = shd_world_internode_dtype() == SHD_INTERNODE_FP32 ? SHARDD_DTYPE_FP32 : rdt;
+	uint32_t wire = span_wire(rdt);
 	uint64_t buf = 0, scratch = 0, msg = 0;
 	char a[32], b[32];
 	struct shd_layout l;
@@ -594,7 +600,7 @@ int eng_span_world_reduce_scatter(struct eng_task *t, const struct shardd_reduce
 	struct shd_group *g = eg->g;
 	struct shd_backend_ctx *b = j->e->backend;
 	uint32_t N = j->span_nodes, L = g->shard, S = j->span_shard, rdt = g->reduce_dtype;
-	uint32_t wire = shd_world_internode_dtype() == SHD_INTERNODE_FP32 ? SHARDD_DTYPE_FP32 : rdt;
+	uint32_t wire = span_wire(rdt);
 	const uint64_t *off32 = eg->span_off32;
 	size_t F = eg->span_F, E = F / sizeof(float), wsz = E * shardd_dtype_size(wire), bytes = (size_t)L * wsz;
 	uint8_t *send, *recv, *sums, *tot, missing[SHARDD_MAX_WORLD];

@@ -151,18 +151,6 @@ struct rank_args {
 	uint32_t ngroups;
 };
 
-#define CHECK_CUDA(call)                                                                         \
-	do {                                                                                     \
-		cudaError_t e_ = (call);                                                         \
-		CHILD_CHECK(e_ == cudaSuccess, "%s: %s", #call, cudaGetErrorString(e_));         \
-	} while (0)
-
-#define CHECK_SHARDD(call)                                                                       \
-	do {                                                                                     \
-		int r_ = (call);                                                                 \
-		CHILD_CHECK(r_ >= 0, "%s: %d %s", #call, r_, shardd_last_error());               \
-	} while (0)
-
 /* Every element of every param of `g` as gathered: the registered values, cast to the unsharded dtype. */
 static int check_unsharded(const struct rank_args *a, const struct tgroup *tg, struct shardd_group *g)
 {
@@ -175,8 +163,8 @@ static int check_unsharded(const struct rank_args *a, const struct tgroup *tg, s
 
 		CHILD_CHECK(l->unsharded_bytes == n * ref_dtype_size(udt) && l->unsharded_bytes <= sizeof(host),
 			    "param %u: %llu unsharded bytes", pi, (unsigned long long)l->unsharded_bytes);
-		CHECK_CUDA(cudaMemcpy(host, shardd_group_unsharded(g, pi), l->unsharded_bytes,
-				      cudaMemcpyDeviceToHost));
+		CHILD_CHECK_CUDA(cudaMemcpy(host, shardd_group_unsharded(g, pi), l->unsharded_bytes,
+				            cudaMemcpyDeviceToHost));
 		for (uint64_t i = 0; i < n; i++) {
 			double got = ref_load(host + i * ref_dtype_size(udt), udt);
 			double want = ref_round(param_value(pi, i), udt);
@@ -199,8 +187,8 @@ static int write_grads(const struct rank_args *a, const struct tgroup *tg, struc
 
 		for (uint64_t i = 0; i < n; i++)
 			ref_store(host + i * ref_dtype_size(gdt), gdt, grad_value(pi, a->rank, i, gdt));
-		CHECK_CUDA(cudaMemcpy(shardd_group_grad(g, pi), host, n * ref_dtype_size(gdt),
-				      cudaMemcpyHostToDevice));
+		CHILD_CHECK_CUDA(cudaMemcpy(shardd_group_grad(g, pi), host, n * ref_dtype_size(gdt),
+				            cudaMemcpyHostToDevice));
 	}
 	return 0;
 }
@@ -237,7 +225,7 @@ static int check_sharded_grads(const struct rank_args *a, const struct tgroup *t
 		}
 		ref_shard(&d, s, sum, want);
 		ref_shard(&d, s, mag, wmag);
-		CHECK_CUDA(cudaMemcpy(got, shardd_group_shard_grad(g, pi), l->shard_bytes, cudaMemcpyDeviceToHost));
+		CHILD_CHECK_CUDA(cudaMemcpy(got, shardd_group_shard_grad(g, pi), l->shard_bytes, cudaMemcpyDeviceToHost));
 		for (uint64_t j = 0; j < d.shard_numel; j++) {
 			/* Shard rows past the param's last row (dim 0) are padding. */
 			int pad = d.outer == 1 && j / d.inner >= ref_rows_valid(&d, s);
@@ -266,38 +254,38 @@ static int rank_main(void *arg)
 	struct shardd_group *g[2] = { NULL, NULL };
 	struct shardd_client *c = NULL;
 
-	CHECK_CUDA(cudaSetDevice(a->device));
-	CHECK_SHARDD(shardd_connect(&o, &c));
+	CHILD_CHECK_CUDA(cudaSetDevice(a->device));
+	CHILD_CHECK_SHARDD(shardd_connect(&o, &c));
 	for (uint32_t k = 0; k < a->ngroups; k++) {
 		const struct tgroup *tg = a->groups[k];
 
-		CHECK_SHARDD(shardd_group_register(c, tg->name, tg->params, tg->nparams, &tg->policy, &g[k]));
+		CHILD_CHECK_SHARDD(shardd_group_register(c, tg->name, tg->params, tg->nparams, &tg->policy, &g[k]));
 		for (uint32_t pi = 0; pi < tg->nparams; pi++) {
 			for (uint64_t i = 0; i < numel_of(&tg->params[pi]); i++)
 				full[i] = (float)param_value(pi, i);
-			CHECK_SHARDD(shardd_group_load_full(g[k], pi, full));
+			CHILD_CHECK_SHARDD(shardd_group_load_full(g[k], pi, full));
 		}
 	}
 	for (uint32_t k = 0; k < a->ngroups; k++) {
-		CHECK_SHARDD(shardd_unshard(g[k], 1));
+		CHILD_CHECK_SHARDD(shardd_unshard(g[k], 1));
 		if (check_unsharded(a, a->groups[k], g[k]))
 			return 1;
-		CHECK_SHARDD(shardd_reshard(g[k], 1));
+		CHILD_CHECK_SHARDD(shardd_reshard(g[k], 1));
 		if (write_grads(a, a->groups[k], g[k]))
 			return 1;
 		if (a->hsdp) {
 			/* Microbatch 1 stays a partial; microbatch 2 adds to it, then all-reduces. */
-			CHECK_SHARDD(shardd_reduce(g[k], 1, 0));
-			CHECK_SHARDD(shardd_reduce(g[k], 2, SHARDD_REDUCE_ALL_REDUCE));
+			CHILD_CHECK_SHARDD(shardd_reduce(g[k], 1, 0));
+			CHILD_CHECK_SHARDD(shardd_reduce(g[k], 2, SHARDD_REDUCE_ALL_REDUCE));
 			if (check_sharded_grads(a, a->groups[k], g[k], 2))
 				return 1;
 			continue;
 		}
-		CHECK_SHARDD(shardd_reduce(g[k], 1, 0));
+		CHILD_CHECK_SHARDD(shardd_reduce(g[k], 1, 0));
 		if (check_sharded_grads(a, a->groups[k], g[k], 1))
 			return 1;
 		/* The sharded grad exists now: the next reduce accumulates into it. */
-		CHECK_SHARDD(shardd_reduce(g[k], 2, 0));
+		CHILD_CHECK_SHARDD(shardd_reduce(g[k], 2, 0));
 		if (check_sharded_grads(a, a->groups[k], g[k], 2))
 			return 1;
 	}
@@ -377,7 +365,7 @@ static int mixed_main(void *arg)
 	const char *why;
 	int ret;
 
-	CHECK_SHARDD(shardd_connect(&o, &c));
+	CHILD_CHECK_SHARDD(shardd_connect(&o, &c));
 	ret = shardd_group_register(c, dense.name, dense.params, dense.nparams, NULL, &g);
 	why = shardd_last_error();
 	CHILD_CHECK(ret < 0, "rank %u: a shard group on devices 0,0,1 was registered", rank);

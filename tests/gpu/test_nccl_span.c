@@ -175,18 +175,6 @@ struct rank_args {
 	int hsdp;
 };
 
-#define CHECK_CUDA(call)                                                                         \
-	do {                                                                                     \
-		cudaError_t e_ = (call);                                                         \
-		CHILD_CHECK(e_ == cudaSuccess, "%s: %s", #call, cudaGetErrorString(e_));         \
-	} while (0)
-
-#define CHECK_SHARDD(call)                                                                       \
-	do {                                                                                     \
-		int r_ = (call);                                                                 \
-		CHILD_CHECK(r_ >= 0, "%s: %d %s", #call, r_, shardd_last_error());               \
-	} while (0)
-
 static int check_unsharded(const struct rank_args *a, struct shardd_group *g)
 {
 	static float host[MAX_NUMEL];
@@ -197,7 +185,7 @@ static int check_unsharded(const struct rank_args *a, struct shardd_group *g)
 
 		CHILD_CHECK(l->unsharded_bytes == n * 4 && n <= MAX_NUMEL, "param %u: %llu unsharded bytes", pi,
 			    (unsigned long long)l->unsharded_bytes);
-		CHECK_CUDA(cudaMemcpy(host, shardd_group_unsharded(g, pi), l->unsharded_bytes, cudaMemcpyDeviceToHost));
+		CHILD_CHECK_CUDA(cudaMemcpy(host, shardd_group_unsharded(g, pi), l->unsharded_bytes, cudaMemcpyDeviceToHost));
 		for (uint64_t i = 0; i < n; i++)
 			CHILD_CHECK((double)host[i] == param_value(pi, i),
 				    "rank %u param %u element %llu: unsharded %g, want %g", a->rank, pi,
@@ -215,7 +203,7 @@ static int write_grads(const struct rank_args *a, struct shardd_group *g)
 
 		for (uint64_t i = 0; i < n; i++)
 			host[i] = (float)grad_value(pi, a->rank, i);
-		CHECK_CUDA(cudaMemcpy(shardd_group_grad(g, pi), host, n * 4, cudaMemcpyHostToDevice));
+		CHILD_CHECK_CUDA(cudaMemcpy(shardd_group_grad(g, pi), host, n * 4, cudaMemcpyHostToDevice));
 	}
 	return 0;
 }
@@ -247,7 +235,7 @@ static int check_sharded_grads(const struct rank_args *a, struct shardd_group *g
 		}
 		ref_shard(&d, s, sum, want);
 		ref_shard(&d, s, mag, wmag);
-		CHECK_CUDA(cudaMemcpy(got, shardd_group_shard_grad(g, pi), l->shard_bytes, cudaMemcpyDeviceToHost));
+		CHILD_CHECK_CUDA(cudaMemcpy(got, shardd_group_shard_grad(g, pi), l->shard_bytes, cudaMemcpyDeviceToHost));
 		for (uint64_t j = 0; j < d.shard_numel; j++) {
 			int pad = d.outer == 1 && j / d.inner >= ref_rows_valid(&d, s);
 			double w = pad ? 0 : steps * want[j] / world;
@@ -274,33 +262,33 @@ static int rank_main(void *arg)
 	struct shardd_group *g = NULL;
 	struct shardd_client *c = NULL;
 
-	CHECK_CUDA(cudaSetDevice(a->device));
-	CHECK_SHARDD(shardd_connect(&o, &c));
-	CHECK_SHARDD(shardd_group_register(c, "blocks", params, NPARAMS, NULL, &g));
+	CHILD_CHECK_CUDA(cudaSetDevice(a->device));
+	CHILD_CHECK_SHARDD(shardd_connect(&o, &c));
+	CHILD_CHECK_SHARDD(shardd_group_register(c, "blocks", params, NPARAMS, NULL, &g));
 	for (uint32_t pi = 0; pi < NPARAMS; pi++) {
 		for (uint64_t i = 0; i < numel_of(&params[pi]); i++)
 			full[i] = (float)param_value(pi, i);
-		CHECK_SHARDD(shardd_group_load_full(g, pi, full));
+		CHILD_CHECK_SHARDD(shardd_group_load_full(g, pi, full));
 	}
 	/* Under FSDP across nodes the first unshard also sets the communicator up. */
-	CHECK_SHARDD(shardd_unshard(g, 1));
+	CHILD_CHECK_SHARDD(shardd_unshard(g, 1));
 	if (check_unsharded(a, g))
 		return 1;
-	CHECK_SHARDD(shardd_reshard(g, 1));
+	CHILD_CHECK_SHARDD(shardd_reshard(g, 1));
 	if (write_grads(a, g))
 		return 1;
 	if (a->hsdp) {
 		/* Microbatch 1 stays a partial on each node; microbatch 2 adds to it, then all-reduces among the nodes. */
-		CHECK_SHARDD(shardd_reduce(g, 1, 0));
-		CHECK_SHARDD(shardd_reduce(g, 2, SHARDD_REDUCE_ALL_REDUCE));
+		CHILD_CHECK_SHARDD(shardd_reduce(g, 1, 0));
+		CHILD_CHECK_SHARDD(shardd_reduce(g, 2, SHARDD_REDUCE_ALL_REDUCE));
 		if (check_sharded_grads(a, g, 2))
 			return 1;
 	} else {
-		CHECK_SHARDD(shardd_reduce(g, 1, 0));
+		CHILD_CHECK_SHARDD(shardd_reduce(g, 1, 0));
 		if (check_sharded_grads(a, g, 1))
 			return 1;
 		/* The sharded grad exists now: the next reduce accumulates into it. */
-		CHECK_SHARDD(shardd_reduce(g, 2, 0));
+		CHILD_CHECK_SHARDD(shardd_reduce(g, 2, 0));
 		if (check_sharded_grads(a, g, 2))
 			return 1;
 	}
@@ -382,16 +370,16 @@ static int dying_main(void *arg)
 	int ret;
 
 	close(a->go_write);
-	CHECK_CUDA(cudaSetDevice((int)a->rank));
-	CHECK_SHARDD(shardd_connect(&o, &c));
-	CHECK_SHARDD(shardd_group_register(c, "blocks", params, NPARAMS, NULL, &g));
+	CHILD_CHECK_CUDA(cudaSetDevice((int)a->rank));
+	CHILD_CHECK_SHARDD(shardd_connect(&o, &c));
+	CHILD_CHECK_SHARDD(shardd_group_register(c, "blocks", params, NPARAMS, NULL, &g));
 	for (uint32_t pi = 0; pi < NPARAMS; pi++) {
 		for (uint64_t i = 0; i < numel_of(&params[pi]); i++)
 			full[i] = (float)param_value(pi, i);
-		CHECK_SHARDD(shardd_group_load_full(g, pi, full));
+		CHILD_CHECK_SHARDD(shardd_group_load_full(g, pi, full));
 	}
-	CHECK_SHARDD(shardd_unshard(g, 1));
-	CHECK_SHARDD(shardd_reshard(g, 1));
+	CHILD_CHECK_SHARDD(shardd_unshard(g, 1));
+	CHILD_CHECK_SHARDD(shardd_reshard(g, 1));
 	CHILD_CHECK(write(a->ready_fd, &byte, 1) == 1, "tell the test the set-up is done");
 	CHILD_CHECK(read(a->go_fd, &byte, 1) >= 0, "wait for the test");
 	if (a->rank)

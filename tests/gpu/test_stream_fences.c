@@ -60,24 +60,6 @@ struct rank_args {
 	int         use_stream;
 };
 
-#define CHECK_CUDA(call)                                                                   \
-	do {                                                                               \
-		cudaError_t e_ = (call);                                                   \
-		if (e_ != cudaSuccess) {                                                   \
-			fprintf(stderr, "rank: %s: %s\n", #call, cudaGetErrorString(e_)); \
-			return 1;                                                          \
-		}                                                                          \
-	} while (0)
-
-#define CHECK_SHARDD(call)                                                                    \
-	do {                                                                                  \
-		int r_ = (call);                                                              \
-		if (r_ < 0) {                                                                 \
-			fprintf(stderr, "rank: %s: %s\n", #call, shardd_last_error());        \
-			return 1;                                                             \
-		}                                                                             \
-	} while (0)
-
 /* The first element of `got` (n floats) that is not `want`, or -1. */
 static long first_bad(const float *got, uint64_t n, float want)
 {
@@ -91,7 +73,7 @@ static long first_bad(const float *got, uint64_t n, float want)
 static int delay(void *scratch, cudaStream_t s, int step)
 {
 	for (int i = 0; i < DELAYS; i++)
-		CHECK_CUDA(cudaMemsetAsync(scratch, step + i, DELAY_BYTES, s));
+		CHILD_CHECK_CUDA(cudaMemsetAsync(scratch, step + i, DELAY_BYTES, s));
 	return 0;
 }
 
@@ -118,14 +100,14 @@ static int rank_main(void *arg)
 	void *scratch;
 	float *host;
 
-	CHECK_CUDA(cudaSetDevice(0));
-	CHECK_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-	CHECK_CUDA(cudaMalloc(&scratch, DELAY_BYTES));
-	CHECK_CUDA(cudaMallocHost((void **)&host, NUMEL * sizeof(float)));
-	CHECK_SHARDD(shardd_connect(&o, &c));
-	CHECK_SHARDD(shardd_group_register(c, "fenced", &p, 1, NULL, &g));
+	CHILD_CHECK_CUDA(cudaSetDevice(0));
+	CHILD_CHECK_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+	CHILD_CHECK_CUDA(cudaMalloc(&scratch, DELAY_BYTES));
+	CHILD_CHECK_CUDA(cudaMallocHost((void **)&host, NUMEL * sizeof(float)));
+	CHILD_CHECK_SHARDD(shardd_connect(&o, &c));
+	CHILD_CHECK_SHARDD(shardd_group_register(c, "fenced", &p, 1, NULL, &g));
 	if (a->use_stream)
-		CHECK_SHARDD(shardd_stream_set(c, s));
+		CHILD_CHECK_SHARDD(shardd_stream_set(c, s));
 
 	for (int step = 1; step <= STEPS; step++) {
 		float mine = (float)(100 * a->rank + step);
@@ -135,14 +117,14 @@ static int rank_main(void *arg)
 		if (delay(scratch, s, step))
 			return 1;
 		fill(host, half, mine);
-		CHECK_CUDA(cudaMemcpyAsync(shardd_group_shard(g, 0), host, half * sizeof(float),
-					   cudaMemcpyHostToDevice, s));
+		CHILD_CHECK_CUDA(cudaMemcpyAsync(shardd_group_shard(g, 0), host, half * sizeof(float),
+					         cudaMemcpyHostToDevice, s));
 		if (!a->use_stream)
-			CHECK_CUDA(cudaStreamSynchronize(s));
-		CHECK_SHARDD(shardd_unshard(g, (uint64_t)step));
-		CHECK_CUDA(cudaMemcpyAsync(host, shardd_group_unsharded(g, 0), NUMEL * sizeof(float),
-					   cudaMemcpyDeviceToHost, s));
-		CHECK_CUDA(cudaStreamSynchronize(s));
+			CHILD_CHECK_CUDA(cudaStreamSynchronize(s));
+		CHILD_CHECK_SHARDD(shardd_unshard(g, (uint64_t)step));
+		CHILD_CHECK_CUDA(cudaMemcpyAsync(host, shardd_group_unsharded(g, 0), NUMEL * sizeof(float),
+					         cudaMemcpyDeviceToHost, s));
+		CHILD_CHECK_CUDA(cudaStreamSynchronize(s));
 		for (uint32_t r = 0; r < WORLD; r++) {
 			bad = first_bad(host + r * half, half, (float)(100 * r + step));
 			if (bad >= 0) {
@@ -157,15 +139,15 @@ static int rank_main(void *arg)
 		if (delay(scratch, s, step))
 			return 1;
 		fill(host, NUMEL, (float)((a->rank + 1) * step));
-		CHECK_CUDA(cudaMemcpyAsync(shardd_group_grad(g, 0), host, NUMEL * sizeof(float),
-					   cudaMemcpyHostToDevice, s));
+		CHILD_CHECK_CUDA(cudaMemcpyAsync(shardd_group_grad(g, 0), host, NUMEL * sizeof(float),
+					         cudaMemcpyHostToDevice, s));
 		if (!a->use_stream)
-			CHECK_CUDA(cudaStreamSynchronize(s));
-		CHECK_SHARDD(shardd_zero_grad(g));
-		CHECK_SHARDD(shardd_reduce(g, (uint64_t)step, 0));
-		CHECK_CUDA(cudaMemcpyAsync(host, shardd_group_shard_grad(g, 0), half * sizeof(float),
-					   cudaMemcpyDeviceToHost, s));
-		CHECK_CUDA(cudaStreamSynchronize(s));
+			CHILD_CHECK_CUDA(cudaStreamSynchronize(s));
+		CHILD_CHECK_SHARDD(shardd_zero_grad(g));
+		CHILD_CHECK_SHARDD(shardd_reduce(g, (uint64_t)step, 0));
+		CHILD_CHECK_CUDA(cudaMemcpyAsync(host, shardd_group_shard_grad(g, 0), half * sizeof(float),
+					         cudaMemcpyDeviceToHost, s));
+		CHILD_CHECK_CUDA(cudaStreamSynchronize(s));
 		/* (1 * step + 2 * step) / 2: exact in fp32. */
 		bad = first_bad(host, half, 1.5f * (float)step);
 		if (bad >= 0) {
@@ -173,7 +155,7 @@ static int rank_main(void *arg)
 				a->rank, step, bad, host[bad], 1.5 * step);
 			return 1;
 		}
-		CHECK_SHARDD(shardd_reshard(g, (uint64_t)step));
+		CHILD_CHECK_SHARDD(shardd_reshard(g, (uint64_t)step));
 	}
 	shardd_group_close(g);
 	shardd_close(c);

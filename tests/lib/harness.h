@@ -184,7 +184,21 @@ void harness_rm_tree(const char *path);
 		}                                                                        \
 	} while (0)
 
+/* CHILD_CHECK of a libshardd call (>= 0), naming the call and shardd_last_error(). */
+#define CHILD_CHECK_SHARDD(call)                                                         \
+	do {                                                                             \
+		int r_ = (call);                                                         \
+		CHILD_CHECK(r_ >= 0, "%s: %d %s", #call, r_, shardd_last_error());       \
+	} while (0)
+
 #ifdef SHARDD_HAVE_CUDA
+/* CHILD_CHECK of a CUDA runtime call, naming the call and its error (cuda_runtime_api.h). */
+#define CHILD_CHECK_CUDA(call)                                                           \
+	do {                                                                             \
+		cudaError_t e_ = (call);                                                 \
+		CHILD_CHECK(e_ == cudaSuccess, "%s: %s", #call, cudaGetErrorString(e_)); \
+	} while (0)
+
 /*
  * GPUs visible to CUDA, counted in a child process: a process that
  * initialises CUDA cannot hand it to the children it forks, so tests that

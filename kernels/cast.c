@@ -157,18 +157,22 @@ AVX2_TARGET static inline __m256i bf16_narrow_bits_256(__m256i u)
 	return _mm256_srli_epi32(_mm256_blendv_epi8(r, q, nan), 16);
 }
 
+/* s[0..16) narrowed to 16 bf16, in order. */
+AVX2_TARGET static inline __m256i bf16_narrow16_avx2(const float *s)
+{
+	__m256i a = bf16_narrow_bits_256(_mm256_loadu_si256((const __m256i *)(const void *)s));
+	__m256i b = bf16_narrow_bits_256(_mm256_loadu_si256((const __m256i *)(const void *)(s + 8)));
+
+	/* packus works per 128-bit lane: a0-3 b0-3 a4-7 b4-7, put back in order. */
+	return _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xd8);
+}
+
 AVX2_TARGET static void bf16_store_avx2_hand(uint16_t *restrict d, const float *restrict s, size_t n)
 {
 	size_t i = 0;
 
-	for (; i + 16 <= n; i += 16) {
-		__m256i a = bf16_narrow_bits_256(_mm256_loadu_si256((const __m256i *)(const void *)(s + i)));
-		__m256i b = bf16_narrow_bits_256(_mm256_loadu_si256((const __m256i *)(const void *)(s + i + 8)));
-
-		/* packus works per 128-bit lane: a0-3 b0-3 a4-7 b4-7, put back in order. */
-		_mm256_storeu_si256((__m256i *)(void *)(d + i),
-				    _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xd8));
-	}
+	for (; i + 16 <= n; i += 16)
+		_mm256_storeu_si256((__m256i *)(void *)(d + i), bf16_narrow16_avx2(s + i));
 	if (i < n)
 		bf16_store_avx2(d + i, s + i, n - i);
 }
@@ -500,6 +504,58 @@ AVX512_TARGET static void copy_stream_avx512(char *restrict d, const char *restr
 		_mm512_stream_si512((void *)(d + i), _mm512_loadu_si512((const void *)(s + i)));
 	memcpy(d + i, s + i, bytes - i);
 }
+
+/*
+ * The same three in AVX2, for CPUs without AVX-512 (the CI VM's Zen 3): a
+ * line is two 32-byte streaming stores. Without them a large unshard
+ * there wrote its output with plain stores (70 - 88 % of the copy
+ * roofline at 64 - 256 MiB, docs/BENCHMARKS.md).
+ */
+#define AVX2_F16C_TARGET __attribute__((target("avx2,f16c")))
+
+AVX2_TARGET static void bf16_store_stream_avx2(uint16_t *restrict d, const float *restrict s, size_t n)
+{
+	size_t i = stream_head(d, sizeof(*d), n);
+
+	bf16_store(d, s, i);
+	for (; i + 32 <= n; i += 32) {
+		_mm256_stream_si256((__m256i *)(void *)(d + i), bf16_narrow16_avx2(s + i));
+		_mm256_stream_si256((__m256i *)(void *)(d + i + 16), bf16_narrow16_avx2(s + i + 16));
+	}
+	bf16_store(d + i, s + i, n - i);
+}
+
+/* s[0..16) to 16 fp16 with the F16C loops' rounding immediate, in order. */
+AVX2_F16C_TARGET static inline __m256i f16_narrow16_f16c(const float *s)
+{
+	return _mm256_set_m128i(_mm256_cvtps_ph(_mm256_loadu_ps(s + 8), F16C_ROUND),
+				_mm256_cvtps_ph(_mm256_loadu_ps(s), F16C_ROUND));
+}
+
+AVX2_F16C_TARGET static void f16_store_stream_f16c(uint16_t *restrict d, const float *restrict s, size_t n)
+{
+	size_t i = stream_head(d, sizeof(*d), n);
+
+	f16_store(d, s, i);
+	for (; i + 32 <= n; i += 32) {
+		_mm256_stream_si256((__m256i *)(void *)(d + i), f16_narrow16_f16c(s + i));
+		_mm256_stream_si256((__m256i *)(void *)(d + i + 16), f16_narrow16_f16c(s + i + 16));
+	}
+	f16_store(d + i, s + i, n - i);
+}
+
+AVX2_TARGET static void copy_stream_avx2(char *restrict d, const char *restrict s, size_t bytes)
+{
+	size_t i = stream_head(d, 1, bytes);
+
+	memcpy(d, s, i);
+	for (; i + STREAM_LINE <= bytes; i += STREAM_LINE) {
+		_mm256_stream_si256((__m256i *)(void *)(d + i), _mm256_loadu_si256((const __m256i *)(const void *)(s + i)));
+		_mm256_stream_si256((__m256i *)(void *)(d + i + 32),
+				    _mm256_loadu_si256((const __m256i *)(const void *)(s + i + 32)));
+	}
+	memcpy(d + i, s + i, bytes - i);
+}
 #endif
 
 /* ----------------------------------------------------------- scalars --- */
@@ -607,20 +663,24 @@ void shardd_k_cast(void *dst, uint32_t dst_dtype, const void *src, uint32_t src_
 }
 
 /*
- * The AVX-512 streaming casts: 1 when it did the cast (and fenced), 0 for
- * a dtype pair it leaves to the plain cast (the widening ones, whose output
- * is rarely the large side of an op).
+ * The streaming casts: 1 when one did the cast (and fenced), 0 for a dtype
+ * pair or CPU it leaves to the plain cast (the widening casts, whose output
+ * is rarely the large side of an op; x86 without AVX2).
  */
 #ifdef SHARDD_HAVE_X86
-AVX512_TARGET static int cast_stream_avx512(void *dst, uint32_t dst_dtype, const void *src, uint32_t src_dtype, size_t n)
+static int cast_stream_x86(void *dst, uint32_t dst_dtype, const void *src, uint32_t src_dtype, size_t n)
 {
+	int wide = have_avx512();
+
+	if (!wide && !have_avx2())
+		return 0;
 	if (dst_dtype == src_dtype) {
 		if (dst != src)
-			copy_stream_avx512(dst, src, n * shardd_dtype_size(dst_dtype));
+			(wide ? copy_stream_avx512 : copy_stream_avx2)(dst, src, n * shardd_dtype_size(dst_dtype));
 	} else if (src_dtype == SHARDD_DTYPE_FP32 && dst_dtype == SHARDD_DTYPE_BF16) {
-		bf16_store_stream_avx512(dst, src, n);
-	} else if (src_dtype == SHARDD_DTYPE_FP32 && dst_dtype == SHARDD_DTYPE_FP16) {
-		f16_store_stream_avx512(dst, src, n);
+		(wide ? bf16_store_stream_avx512 : bf16_store_stream_avx2)(dst, src, n);
+	} else if (src_dtype == SHARDD_DTYPE_FP32 && dst_dtype == SHARDD_DTYPE_FP16 && (wide || have_f16c())) {
+		(wide ? f16_store_stream_avx512 : f16_store_stream_f16c)(dst, src, n);
 	} else {
 		return 0;
 	}
@@ -637,7 +697,7 @@ AVX512_TARGET static int cast_stream_avx512(void *dst, uint32_t dst_dtype, const
 void shardd_k_cast_stream(void *dst, uint32_t dst_dtype, const void *src, uint32_t src_dtype, size_t n)
 {
 #ifdef SHARDD_HAVE_X86
-	if (have_avx512() && cast_stream_avx512(dst, dst_dtype, src, src_dtype, n))
+	if (cast_stream_x86(dst, dst_dtype, src, src_dtype, n))
 		return;
 #endif
 	shardd_k_cast(dst, dst_dtype, src, src_dtype, n);

@@ -86,7 +86,7 @@ void shardd_k_reduce(void *out, uint32_t out_dtype, int accumulate, const void *
 
 /*
  * shardd_k_cast and shardd_k_reduce with non-temporal (streaming) stores
- * where the CPU has them (AVX-512; elsewhere the plain call): the output
+ * where the CPU has them (x86 with AVX2 or AVX-512; elsewhere the plain call): the output
  * goes around the caches, which saves the read of every output line a
  * normal store causes and keeps the inputs cached. For outputs much larger
  * than the last-level cache that no one reads right away. The same bits

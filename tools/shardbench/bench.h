@@ -149,6 +149,16 @@ float bench_load_exact(const void *buf, uint32_t dtype, uint64_t i);
  * this kernel does not have).
  */
 int bench_mem_best(const struct bench_mem_pattern *p, uint64_t count, struct bench_mem_best *out);
+/*
+ * The same in steps, for measuring between other work: open maps and fills
+ * the arrays and starts the threads (0 or -errno); measure keeps the faster
+ * pass into *best (ns UINT64_MAX: not yet measured) of every variant, or
+ * with all == 0 of best's variant alone; close frees everything (NULL: no-op).
+ */
+struct bench_mem_ctx;
+int bench_mem_open(const struct bench_mem_pattern *p, uint64_t count, struct bench_mem_ctx **out);
+void bench_mem_measure(struct bench_mem_ctx *c, int all, struct bench_mem_best *best);
+void bench_mem_close(struct bench_mem_ctx *c);
 uint64_t bench_mem_pattern_bytes(const struct bench_mem_pattern *p, uint64_t count);
 int bench_mem_have_nt(void);
 /* MemAvailable in bytes; 0 when /proc/meminfo does not say. */

@@ -35,6 +35,15 @@
 #define COLL_TARGET_MPI  5.0
 /* Extra roofline measurements of a size whose op beat it, before the row says so. */
 #define COLL_ROOF_RETRIES 3
+/*
+ * From this size the roofline's best variant runs one pass between every
+ * two iterations of the op (while the ranks wait), so that both see the
+ * same load of the machine: measured before and after the iterations
+ * only, a burst of other work during the roofline's minute and not the
+ * op's put rows above 100 %. Smaller ops keep their iterations back to
+ * back: a rank woken from the gate would start each one cold.
+ */
+#define COLL_INTERLEAVE_MIN_BYTES COLL_TARGET_MIN_BYTES
 
 struct coll_sample {
 	uint64_t t0; /* before the submit */
@@ -54,14 +63,16 @@ struct coll_shared {
 	struct coll_rank_state *state;   /* [rank] */
 	uint64_t               *wrong;   /* [size][rank] */
 	struct coll_sample     *samples; /* [size][rank][iter] */
+	uint8_t                *interleave; /* [size]: a gate byte before each iteration but the first */
 	void                   *base;
 	size_t                  len;
 };
 
-/* What a rank tells the parent after each size; one atomic pipe write. */
+/* What a rank tells the parent after an iteration or a size; one atomic pipe write. */
 struct coll_note {
 	uint16_t rank;
 	uint16_t size_index;
+	int32_t  iter; /* iterations done, for an interleaved size's iteration; -1: the size is done */
 	int32_t  ok;
 };
 
@@ -108,7 +119,8 @@ struct coll_rank_ctx {
 	struct coll_shared      *sh;
 	uint32_t                 rank;
 	pid_t                    parent;
-	int                      go_fd;  /* one byte per size from the parent: start it */
+	int                      go_fd;  /* one byte per size, and per interleaved iteration, from the parent */
+	int                      notify_fd;
 };
 
 
@@ -281,6 +293,17 @@ static int undo_op(struct coll_rank_ctx *x, struct shardd_group *g, uint64_t ste
 	return 0;
 }
 
+/* Tell the parent: iteration `iter` of size k done (or, iter -1, the size). 0 or -EPIPE. */
+static int rank_note(struct coll_rank_ctx *x, uint32_t k, int32_t iter, int ok)
+{
+	struct coll_note note = { .rank = (uint16_t)x->rank, .size_index = (uint16_t)k, .iter = iter, .ok = ok };
+
+	/* A note is smaller than PIPE_BUF: one write, never interleaved with another rank's. */
+	if (write(x->notify_fd, &note, sizeof(note)) != (ssize_t)sizeof(note))
+		return -EPIPE;
+	return 0;
+}
+
 static int rank_size(struct coll_rank_ctx *x, uint32_t k)
 {
 	const struct bench_opts *o = x->o;
@@ -332,6 +355,13 @@ static int rank_size(struct coll_rank_ctx *x, uint32_t k)
 	x->op->write_inputs(&io, 1);
 
 	for (it = 0; it < sh->total; it++, step++) {
+		char go;
+
+		/* The parent's roofline pass runs between interleaved iterations (EOF: it is gone). */
+		if (it > 0 && sh->interleave[k] && read(x->go_fd, &go, 1) != 1) {
+			ret = rank_fail(x, -EPIPE, "waiting for the parent between iterations", bytes);
+			goto out;
+		}
 		/* Every rank starts the iteration together: the first submit starts the clock. */
 		ret = shardd_barrier(c, barrier++);
 		if (ret) {
@@ -341,6 +371,8 @@ static int rank_size(struct coll_rank_ctx *x, uint32_t k)
 		ret = run_op(x, g, step, &samples[it].t0, &samples[it].t1, bytes);
 		if (!ret)
 			ret = undo_op(x, g, step, bytes);
+		if (!ret && sh->interleave[k] && it + 1 < sh->total)
+			ret = rank_note(x, k, (int32_t)it + 1, 1);
 		if (ret)
 			goto out;
 	}
@@ -364,22 +396,19 @@ out:
 	return ret;
 }
 
-static int rank_main(struct coll_rank_ctx *x, int notify_fd)
+static int rank_main(struct coll_rank_ctx *x)
 {
 	uint32_t k;
 	int ret = 0;
 
 	for (k = 0; k < x->sh->nsizes && !ret; k++) {
-		struct coll_note note = { .rank = (uint16_t)x->rank, .size_index = (uint16_t)k };
 		char go;
 
 		/* The parent measures the roofline while no rank works; EOF: it is gone. */
 		if (read(x->go_fd, &go, 1) != 1)
 			return 1;
 		ret = rank_size(x, k);
-		note.ok = ret == 0;
-		/* A note is smaller than PIPE_BUF: one write, never interleaved with another rank's. */
-		if (write(notify_fd, &note, sizeof(note)) != (ssize_t)sizeof(note))
+		if (rank_note(x, k, -1, ret == 0))
 			return 1;
 	}
 	return ret ? 1 : 0;
@@ -394,7 +423,7 @@ static int shared_map(struct coll_shared *sh, uint32_t nranks, uint32_t nsizes, 
 	size_t sa = sizeof(struct coll_sample) * (size_t)nranks * nsizes * total;
 	char *p;
 
-	sh->len = st + wr + sa;
+	sh->len = st + wr + sa + nsizes;
 	/* Shared, not private: the rank processes write here after fork. */
 	p = mmap(NULL, sh->len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
 	if (p == MAP_FAILED)
@@ -406,6 +435,7 @@ static int shared_map(struct coll_shared *sh, uint32_t nranks, uint32_t nsizes, 
 	sh->state = (struct coll_rank_state *)p;
 	sh->wrong = (uint64_t *)(p + st);
 	sh->samples = (struct coll_sample *)(p + st + wr);
+	sh->interleave = (uint8_t *)(p + st + wr + sa);
 	return 0;
 }
 
@@ -445,23 +475,26 @@ struct coll_summary {
 
 /*
  * The roofline of size `bytes`: the best pass of the op's pattern, kept
- * over the calls before and after the size ran (ns UINT64_MAX: not
- * measured, as when its arrays would take more than half of MemAvailable).
+ * over every measurement of the size (ns UINT64_MAX: not measured, as when
+ * its arrays would take more than half of MemAvailable). *ctx: the
+ * pattern's arrays, opened here and left open when `keep` and there is
+ * room for them beside the op's buffers (about as large), else NULL.
  */
-static void size_roofline(const struct bench_opts *o, const struct coll_op *op, uint64_t bytes,
-			  struct bench_mem_best *best)
+static void size_roofline(const struct bench_opts *o, const struct coll_op *op, uint64_t bytes, int keep,
+			  struct bench_mem_ctx **ctx, struct bench_mem_best *best)
 {
 	struct bench_mem_pattern p = op->pattern(o->dtype, o->ranks);
 	uint64_t count = bytes / shardd_dtype_size(o->dtype), avail = bench_mem_available();
-	struct bench_mem_best b;
+	uint64_t need = bench_mem_pattern_bytes(&p, count);
 
-	if (avail && 2 * bench_mem_pattern_bytes(&p, count) > avail)
-		return;
-	if (bench_mem_best(&p, count, &b) == 0 && b.ns < best->ns) {
-		b.wrong += best->wrong;
-		*best = b;
-	} else {
-		best->wrong += b.wrong;
+	if (!*ctx) {
+		if ((avail && 2 * need > avail) || bench_mem_open(&p, count, ctx))
+			return;
+	}
+	bench_mem_measure(*ctx, 1, best);
+	if (!keep || (avail && 3 * need > avail)) {
+		bench_mem_close(*ctx);
+		*ctx = NULL;
 	}
 }
 
@@ -526,8 +559,9 @@ static void print_header(const struct bench_opts *o, const struct coll_op *op,
 	       " param_dtype %s), warm-up %d, iterations %d, check %d\n",
 	       op->name, o->ranks, d, o->warmup, o->iters, o->check);
 	op->print_moves(o->dtype);
-	printf("#   at the same size, right before and after the op's iterations (no rank works then);"
-	       " roof(GB/s): its best\n#   pass of %splain stores, inputs streamed, prefetched (+pf) or"
+	printf("#   at the same size, right before and after the op's iterations and, from 64 MiB, one pass"
+	       " of its best variant\n#   between every two of them (no rank works then); roof(GB/s): its best"
+	       " pass of\n#   %splain stores, inputs streamed, prefetched (+pf) or"
 	       " blocked (+blk), on 1 and %u\n#   threads; by: which (store[+order]/threads); %%roof: its"
 	       " time / the op's mean time\n", bench_mem_have_nt() ? "non-temporal and " : "", bench_worker_threads());
 	if (mpi->available)
@@ -603,12 +637,19 @@ static int build_sizes(const struct bench_opts *o, uint64_t **out, uint32_t *n)
 	return 0;
 }
 
+/* Where the ranks are: sizes reported, and iterations of the current size. */
+struct coll_progress {
+	uint32_t *sizes; /* [rank]: sizes done */
+	uint32_t *iters; /* [rank]: iterations of the current interleaved size done */
+};
+
 /*
- * Wait until every rank reported size k (1), a rank failed or went silent
- * for COLL_PROGRESS_TIMEOUT_MS (a negative code, printed with who).
+ * Wait until every rank reported size k (iter < 0) or its iteration `iter`
+ * of size k: 1; or a rank failed or went silent for COLL_PROGRESS_TIMEOUT_MS
+ * (a negative code, printed with who).
  */
-static int wait_size(const struct bench_opts *o, const struct coll_op *op, const struct coll_shared *sh,
-		     int fd, uint32_t k, uint64_t bytes, uint32_t *reported)
+static int wait_ranks(const struct bench_opts *o, const struct coll_op *op, const struct coll_shared *sh,
+		      int fd, uint32_t k, int32_t iter, uint64_t bytes, struct coll_progress *pg)
 {
 	for (;;) {
 		struct pollfd pfd = { .fd = fd, .events = POLLIN };
@@ -617,7 +658,7 @@ static int wait_size(const struct bench_opts *o, const struct coll_op *op, const
 		ssize_t n;
 		int rc;
 
-		for (r = 0; r < o->ranks && reported[r] > k; r++)
+		for (r = 0; r < o->ranks && (iter < 0 ? pg->sizes[r] > k : pg->iters[r] >= (uint32_t)iter); r++)
 			;
 		if (r == o->ranks)
 			return 1;
@@ -625,10 +666,12 @@ static int wait_size(const struct bench_opts *o, const struct coll_op *op, const
 		if (rc < 0 && errno == EINTR)
 			continue;
 		if (rc == 0) {
-			printf("# %s stuck: no rank finished size %llu within %d s; missing ranks:",
-			       op->name, (unsigned long long)bytes, COLL_PROGRESS_TIMEOUT_MS / 1000);
+			printf("# %s stuck: no rank finished size %llu", op->name, (unsigned long long)bytes);
+			if (iter >= 0)
+				printf(" iteration %d", iter);
+			printf(" within %d s; missing ranks:", COLL_PROGRESS_TIMEOUT_MS / 1000);
 			for (r = 0; r < o->ranks; r++)
-				if (reported[r] <= k)
+				if (iter < 0 ? pg->sizes[r] <= k : pg->iters[r] < (uint32_t)iter)
 					printf(" %u", r);
 			printf("\n");
 			return -ETIMEDOUT;
@@ -643,8 +686,63 @@ static int wait_size(const struct bench_opts *o, const struct coll_op *op, const
 			printf("# %s FAILED: %s\n", op->name, sh->state[note.rank].msg);
 			return sh->state[note.rank].err ? sh->state[note.rank].err : -EIO;
 		}
-		reported[note.rank] = note.size_index + 1u;
+		if (note.iter < 0)
+			pg->sizes[note.rank] = note.size_index + 1u;
+		else
+			pg->iters[note.rank] = (uint32_t)note.iter;
 	}
+}
+
+/* The gate: one byte per rank. 0 or -EPIPE. */
+static int open_gate(const struct bench_opts *o, int fd)
+{
+	static const char gos[8] = { 0 };
+
+	return write(fd, gos, o->ranks) == (ssize_t)o->ranks ? 0 : -EPIPE;
+}
+
+/*
+ * Size k: its roofline, the ranks' iterations (with a roofline pass between
+ * two when interleaved), its roofline again, its row. 0 or a negative code.
+ */
+static int run_size(const struct bench_opts *o, const struct coll_op *op, struct coll_shared *sh, int go_fd,
+		    int notify_fd, uint32_t k, uint64_t bytes, struct coll_progress *pg,
+		    const struct bench_mpi_table *mpi, struct coll_summary *sum)
+{
+	struct bench_mem_best roof = { .ns = UINT64_MAX };
+	struct bench_mem_ctx *ctx = NULL;
+	int ret;
+	uint32_t r;
+
+	size_roofline(o, op, bytes, bytes >= COLL_INTERLEAVE_MIN_BYTES, &ctx, &roof);
+	sh->interleave[k] = ctx != NULL;
+	memset(pg->iters, 0, o->ranks * sizeof(*pg->iters));
+	ret = open_gate(o, go_fd);
+	for (uint32_t it = 1; !ret && ctx && it < sh->total; it++) {
+		ret = wait_ranks(o, op, sh, notify_fd, k, (int32_t)it, bytes, pg);
+		if (ret < 0)
+			break;
+		bench_mem_measure(ctx, 0, &roof);
+		ret = open_gate(o, go_fd);
+	}
+	if (!ret)
+		ret = wait_ranks(o, op, sh, notify_fd, k, -1, bytes, pg);
+	if (ret < 0) {
+		bench_mem_close(ctx);
+		return ret;
+	}
+	size_roofline(o, op, bytes, 1, &ctx, &roof);
+	/*
+	 * The roofline is the best pass its kernels achieve: one slower
+	 * than the op was disturbed (other load during both
+	 * measurements). Measure again; the row shows what remains.
+	 */
+	for (r = 0; r < COLL_ROOF_RETRIES && roof.ns != UINT64_MAX && (double)roof.ns > size_time_ns(sh, o, k); r++)
+		size_roofline(o, op, bytes, 1, &ctx, &roof);
+	bench_mem_close(ctx);
+	sum->roof_retried += r > 0;
+	print_row(o, sh, k, bytes, &roof, mpi, sum);
+	return 0;
 }
 
 int bench_collective_run(const struct bench_opts *o, enum bench_collective which,
@@ -655,7 +753,8 @@ int bench_collective_run(const struct bench_opts *o, enum bench_collective which
 	struct coll_shared sh = { 0 };
 	struct coll_summary sum = { 0 };
 	uint64_t *sizes = NULL;
-	uint32_t nsizes = 0, r, k, *reported = NULL;
+	struct coll_progress pg = { 0 };
+	uint32_t nsizes = 0, r, k;
 	pid_t *pids = NULL;
 	int fds[2] = { -1, -1 }, go[2] = { -1, -1 }, ret;
 
@@ -674,8 +773,9 @@ int bench_collective_run(const struct bench_opts *o, enum bench_collective which
 	if (ret)
 		goto out;
 	pids = calloc(o->ranks, sizeof(*pids));
-	reported = calloc(o->ranks, sizeof(*reported));
-	if (!pids || !reported || pipe2(fds, O_CLOEXEC) || pipe2(go, O_CLOEXEC)) {
+	pg.sizes = calloc(o->ranks, sizeof(*pg.sizes));
+	pg.iters = calloc(o->ranks, sizeof(*pg.iters));
+	if (!pids || !pg.sizes || !pg.iters || pipe2(fds, O_CLOEXEC) || pipe2(go, O_CLOEXEC)) {
 		ret = -ENOMEM;
 		goto out;
 	}
@@ -697,7 +797,8 @@ int bench_collective_run(const struct bench_opts *o, enum bench_collective which
 		if (pids[r] == 0) {
 			close(fds[0]);
 			close(go[1]);
-			_exit(rank_main(&x, fds[1]));
+			x.notify_fd = fds[1];
+			_exit(rank_main(&x));
 		}
 	}
 	close(fds[1]);
@@ -705,32 +806,8 @@ int bench_collective_run(const struct bench_opts *o, enum bench_collective which
 	close(go[0]);
 	go[0] = -1;
 
-	/* Per size: its roofline, the ranks' iterations, its roofline again, its row. */
-	for (k = 0; !ret && k < nsizes; k++) {
-		struct bench_mem_best roof = { .ns = UINT64_MAX };
-		static const char gos[8] = { 0 };
-
-		size_roofline(o, op, sizes[k], &roof);
-		if (write(go[1], gos, o->ranks) != (ssize_t)o->ranks) {
-			ret = -EPIPE;
-			break;
-		}
-		ret = wait_size(o, op, &sh, fds[0], k, sizes[k], reported);
-		if (ret < 0)
-			break;
-		ret = 0;
-		size_roofline(o, op, sizes[k], &roof);
-		/*
-		 * The roofline is the best pass its kernels achieve: one slower
-		 * than the op was disturbed (other load during both
-		 * measurements). Measure again; the row shows what remains.
-		 */
-		for (r = 0; r < COLL_ROOF_RETRIES && roof.ns != UINT64_MAX &&
-			    (double)roof.ns > size_time_ns(&sh, o, k); r++)
-			size_roofline(o, op, sizes[k], &roof);
-		sum.roof_retried += r > 0;
-		print_row(o, &sh, k, sizes[k], &roof, &mpi, &sum);
-	}
+	for (k = 0; !ret && k < nsizes; k++)
+		ret = run_size(o, op, &sh, go[1], fds[0], k, sizes[k], &pg, &mpi, &sum);
 	if (sum.rows)
 		print_summary(&sum);
 	if (!ret && sum.wrong)
@@ -755,7 +832,8 @@ out:
 	}
 	if (sh.base)
 		munmap(sh.base, sh.len);
-	free(reported);
+	free(pg.sizes);
+	free(pg.iters);
 	free(pids);
 	free(sizes);
 	bench_mpi_free(&mpi);

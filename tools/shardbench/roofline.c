@@ -504,64 +504,111 @@ static uint64_t mem_best_variant(struct mem_run *r, unsigned threads, int min_ru
 	return best;
 }
 
+/* A pattern's arrays, filled, and its threads, kept between measurements. */
+struct bench_mem_ctx {
+	struct bench_mem_pattern p;
+	struct mem_arrays        m;
+	struct mem_run           r;
+	size_t                   n;
+	unsigned                 tcounts[2]; /* 1 and one per online core */
+};
+
+void bench_mem_close(struct bench_mem_ctx *c)
+{
+	if (!c)
+		return;
+	mem_stop(&c->r);
+	mem_unmap(&c->m);
+	free(c);
+}
+
+int bench_mem_open(const struct bench_mem_pattern *p, uint64_t count, struct bench_mem_ctx **out)
+{
+	struct bench_mem_ctx *c;
+	int ret;
+
+	*out = NULL;
+	if (!mem_supported(p) || count < MEM_LANES || p->nin > BENCH_MEM_MAX_IN)
+		return -EINVAL;
+	c = calloc(1, sizeof(*c));
+	if (!c)
+		return -ENOMEM;
+	c->p = *p;
+	c->n = (size_t)(count - count % MEM_LANES);
+	c->tcounts[0] = 1;
+	c->tcounts[1] = bench_worker_threads();
+	ret = mem_map(p, c->n, &c->m);
+	if (ret) {
+		fprintf(stderr, "shardbench: roofline: cannot map %u x %zu + %zu bytes\n", p->nin,
+			c->n * p->in_size, c->n * p->out_size);
+		free(c);
+		return ret;
+	}
+	for (uint32_t k = 0; k < p->nin; k++)
+		c->r.args.in[k] = c->m.in[k];
+	mem_fill(p, &c->m, c->n);
+	c->r.args.out = c->m.out;
+	c->r.args.nin = p->nin;
+	c->r.args.in_size = p->in_size;
+	c->r.args.out_size = p->out_size;
+	c->r.nblocks = c->n / MEM_LANES;
+	ret = mem_start(&c->r, c->tcounts[1]);
+	if (ret) {
+		bench_mem_close(c);
+		return ret;
+	}
+	*out = c;
+	return 0;
+}
+
+/* One variant's best pass into *best when faster; its wrong elements counted. */
+static void mem_measure_variant(struct bench_mem_ctx *c, int nt, int ord, unsigned threads,
+				struct bench_mem_best *best)
+{
+	uint64_t ns;
+
+	c->r.args.nt = nt;
+	c->r.args.order = ord;
+	if (c->m.out)
+		memset(c->m.out, 0xff, c->m.out_bytes);
+	ns = mem_best_variant(&c->r, threads, MEM_MIN_RUNS);
+	best->wrong += mem_wrong(&c->p, &c->m, c->n);
+	if (ns < best->ns) {
+		best->ns = ns;
+		best->store = nt ? BENCH_STORE_NT : BENCH_STORE_PLAIN;
+		best->order = ord;
+		best->threads = threads;
+	}
+}
+
+void bench_mem_measure(struct bench_mem_ctx *c, int all, struct bench_mem_best *best)
+{
+	best->bytes = bench_mem_pattern_bytes(&c->p, c->n);
+	if (!all && best->ns != UINT64_MAX) {
+		mem_measure_variant(c, best->store == BENCH_STORE_NT, best->order, best->threads, best);
+		return;
+	}
+	/* Every combination: store kind, input order (for 2 or more inputs), threads. */
+	for (int nt = 0; nt <= (c->p.out_size && MEM_HAVE_NT); nt++)
+		for (int ord = 0; ord < (c->p.nin >= 2 ? BENCH_MEM_NORDERS : 1); ord++)
+			for (int ti = 0; ti < (c->tcounts[1] > 1 ? 2 : 1); ti++)
+				mem_measure_variant(c, nt, ord, c->tcounts[ti], best);
+}
+
 int bench_mem_best(const struct bench_mem_pattern *p, uint64_t count, struct bench_mem_best *out)
 {
-	unsigned tall = bench_worker_threads(), tcounts[2] = { 1, tall };
-	struct mem_arrays m = { 0 };
-	struct mem_run r = { 0 };
-	size_t n = (size_t)(count - count % MEM_LANES);
-	int ret = 0;
+	struct bench_mem_ctx *c;
+	int ret;
 
 	memset(out, 0, sizeof(*out));
 	out->ns = UINT64_MAX;
-	out->bytes = bench_mem_pattern_bytes(p, n);
-	if (!mem_supported(p) || n == 0 || p->nin > BENCH_MEM_MAX_IN)
-		return -EINVAL;
-	ret = mem_map(p, n, &m);
-	if (ret) {
-		fprintf(stderr, "shardbench: roofline: cannot map %u x %zu + %zu bytes\n", p->nin,
-			n * p->in_size, n * p->out_size);
-		goto out;
-	}
-	for (uint32_t k = 0; k < p->nin; k++)
-		r.args.in[k] = m.in[k];
-	mem_fill(p, &m, n);
-	r.args.out = m.out;
-	r.args.nin = p->nin;
-	r.args.in_size = p->in_size;
-	r.args.out_size = p->out_size;
-	r.nblocks = n / MEM_LANES;
-	ret = mem_start(&r, tall);
+	out->bytes = bench_mem_pattern_bytes(p, count - count % MEM_LANES);
+	ret = bench_mem_open(p, count, &c);
 	if (ret)
-		goto stop;
-	/* Every combination: store kind, input order (for 2 or more inputs), threads. */
-	for (int nt = 0; nt <= (p->out_size && MEM_HAVE_NT); nt++) {
-		for (int ord = 0; ord < (p->nin >= 2 ? BENCH_MEM_NORDERS : 1); ord++) {
-			for (int ti = 0; ti < 2; ti++) {
-				uint64_t ns;
-
-				if (ti == 1 && tall == 1)
-					break;
-				r.args.nt = nt;
-				r.args.order = ord;
-				if (m.out)
-					memset(m.out, 0xff, m.out_bytes);
-				ns = mem_best_variant(&r, tcounts[ti], MEM_MIN_RUNS);
-				out->wrong += mem_wrong(p, &m, n);
-				if (ns < out->ns) {
-					out->ns = ns;
-					out->store = nt ? BENCH_STORE_NT : BENCH_STORE_PLAIN;
-					out->order = ord;
-					out->threads = tcounts[ti];
-				}
-			}
-		}
-	}
-stop:
-	mem_stop(&r);
-out:
-	mem_unmap(&m);
-	return ret;
+		return ret;
+	bench_mem_measure(c, 1, out);
+	bench_mem_close(c);
+	return 0;
 }
 
 /* ---- the machine table ------------------------------------------------ */

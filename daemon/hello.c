@@ -34,7 +34,7 @@
 /* Handshake                                                           */
 /* ------------------------------------------------------------------ */
 
-/* Validate the job name of a hello: NUL-terminated, non-empty, printable ASCII. */
+/* Validate the job name of a hello: NUL-terminated, non-empty, printable ASCII, not a path. */
 static int hello_job_ok(struct shd_session *s, uint32_t seq, const struct shardd_hello *h)
 {
 	size_t n = strnlen(h->job, sizeof(h->job));
@@ -57,6 +57,13 @@ static int hello_job_ok(struct shd_session *s, uint32_t seq, const struct shardd
 				       i, c);
 			return 0;
 		}
+	}
+	/* The name is a directory under --state-dir (checkpoints, --keep retention). */
+	if (memchr(h->job, '/', n) || strcmp(h->job, ".") == 0 || strcmp(h->job, "..") == 0) {
+		shd_session_reject(s, seq, -SHARDD_E_INVALID,
+			       "hello.job = '%s': a job name is one directory name under --state-dir, "
+			       "not '.', '..' or one with '/'", h->job);
+		return 0;
 	}
 	return 1;
 }

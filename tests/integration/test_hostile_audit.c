@@ -10,9 +10,11 @@
 #define _GNU_SOURCE
 #include <criterion/criterion.h>
 #include <errno.h>
+#include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -56,5 +58,67 @@ Test(hostile, job_name_that_is_a_path_is_refused_at_hello)
 		raw_nop_ok(&r, 1);
 		raw_close(&r);
 	}
+	assert_others_served();
+}
+
+/*
+ * Every group holds a few descriptors (memfds) in the daemon for as long as
+ * its job lives, and a group of one element counts 64 bytes against
+ * --max-memory: one client registering group after group must be refused
+ * before the daemon runs out of descriptors, not leave it unable to accept
+ * anyone else.
+ */
+Test(hostile, registering_groups_without_end_is_refused_before_the_fd_limit)
+{
+	const struct rlimit lim = { 512, 512 };
+	struct shardd_param_spec s = pspec("w", SHARDD_DTYPE_FP32, 1, (uint64_t[]){ 1 });
+	struct shardd_ctrl_rx rx;
+	struct raw r;
+	int refused = 0, n;
+
+	cr_assert_eq(prlimit(hostile_daemon.pid, RLIMIT_NOFILE, &lim, NULL), 0, "prlimit: %s",
+		     strerror(errno));
+	raw_attach(&r, "greedy", 0, 1, 1, 0);
+	for (n = 0; n < 600 && !refused; n++) {
+		struct shardd_register_group h;
+		char name[32];
+
+		snprintf(name, sizeof(name), "g%d", n);
+		h = reg_hdr(name, 1);
+		raw_send_register(&r, &h, &s, 1);
+		recv_msg(r.fd, &rx);
+		cr_assert_eq(rx.hdr.seq, r.seq);
+		if (rx.hdr.type == SHARDD_MSG_ERROR) {
+			check_error(&rx, r.seq, -EMFILE,
+				    NEEDLES("descriptors", "RLIMIT_NOFILE", "512", "'greedy'"),
+				    "registration past the descriptor budget");
+			refused = 1;
+		} else {
+			cr_assert_eq(rx.hdr.type, SHARDD_MSG_GROUP, "reply type %u", rx.hdr.type);
+			shardd_ctrl_rx_reset(&rx);
+		}
+	}
+	cr_assert(refused, "%d groups of one element each were all registered under a limit of "
+		  "512 descriptors", n);
+	/* The job still works, and the daemon still takes connections and attaches. */
+	raw_nop_ok(&r, 2);
+	{
+		struct raw other;
+
+		raw_attach(&other, "other", 0, 1, 1, 0);
+		raw_nop_ok(&other, 3);
+		raw_close(&other);
+	}
+	/* Ending the job gives its descriptors back: others register groups again. */
+	{
+		static const char req[] = "{\"cmd\":\"end\",\"job\":\"greedy\"}";
+		int fd = raw_connect();
+		json_t *rep = admin_call(fd, 1, req, sizeof(req) - 1);
+
+		cr_assert(json_is_true(json_object_get(rep, "ok")), "end greedy failed");
+		json_decref(rep);
+		close(fd);
+	}
+	raw_close(&r);
 	assert_others_served();
 }

@@ -395,6 +395,15 @@ void shd_job_group_reply(void *job_ctx, uint32_t rank, uint64_t token, uint32_t 
 	c->ops->group_reply(c->ctx, seq, res, msg, reply, layouts, specs, fds, nfds, ipc, nipc);
 }
 
+/* Some group of the job exists (registered, or being registered). */
+static int job_holds_groups(const struct shd_job *j)
+{
+	for (uint32_t i = 1; i <= shd_engine_job_ngroups(j->ejob); i++)
+		if (shd_engine_job_group(j->ejob, i))
+			return 1;
+	return 0;
+}
+
 void shd_job_detach(struct shd_job *j, uint32_t rank, int goodbye, const char *why)
 {
 	struct shd_job_rank *jr = &j->ranks[rank];
@@ -416,6 +425,15 @@ void shd_job_detach(struct shd_job *j, uint32_t rank, int goodbye, const char *w
 			all_goodbye = 0;
 	if (all_goodbye) {
 		shd_job_destroy(j);
+		return;
+	}
+	/*
+	 * A job that holds no group keeps nothing a rank could come back for:
+	 * it ends now, not after --job-linger (a client attaching job after
+	 * job and leaving would otherwise pile them up for the linger).
+	 */
+	if (!j->nattached && !job_holds_groups(j)) {
+		job_destroy(j, "ended when its last rank left: it held no group");
 		return;
 	}
 	if (!j->nattached) {

@@ -122,3 +122,54 @@ Test(hostile, registering_groups_without_end_is_refused_before_the_fd_limit)
 	raw_close(&r);
 	assert_others_served();
 }
+
+/* The daemon's count of jobs, through `status`. */
+static int64_t admin_jobs(int sock)
+{
+	static const char req[] = "{\"cmd\":\"status\"}";
+	json_t *rep = admin_call(sock, 2, req, sizeof(req) - 1);
+	int64_t n = json_integer_value(json_object_get(rep, "jobs"));
+
+	json_decref(rep);
+	return n;
+}
+
+/*
+ * A job lingers for --job-linger (an hour by default) once its last rank
+ * is gone, so that the rank can come back for its params. A client that
+ * attaches job after job (each a 32x32 mesh) and leaves must not make the
+ * daemon keep them all: a job that holds no group has nothing to come
+ * back for. One that holds a group still lingers.
+ */
+Test(hostile, jobs_attached_and_left_without_a_group_are_not_kept)
+{
+	int fd = raw_connect();
+	struct raw r;
+
+	for (int i = 0; i < 200; i++) {
+		char job[32];
+
+		snprintf(job, sizeof(job), "ghost-%d", i);
+		raw_attach(&r, job, (uint32_t)i % 1024, 32, 32, 0);
+		raw_nop_ok(&r, 1);
+		raw_close(&r);
+	}
+	raw_attach(&r, "kept", 0, 1, 1, 0);
+	raw_register_small(&r, "g");
+	raw_close(&r);
+	/* Every EOF above is processed once only our admin connection is left. */
+	wait_connections(fd, 1);
+	cr_assert_eq(admin_jobs(fd), 1, "the daemon still holds %lld jobs; want only 'kept', which "
+		     "holds a group", (long long)admin_jobs(fd));
+	{
+		static const char req[] = "{\"cmd\":\"jobs\"}";
+		json_t *rep = admin_call(fd, 3, req, sizeof(req) - 1);
+		char *text = json_dumps(rep, JSON_COMPACT);
+
+		cr_assert_not_null(strstr(text, "\"kept\""), "jobs: %s", text);
+		free(text);
+		json_decref(rep);
+	}
+	close(fd);
+	assert_others_served();
+}

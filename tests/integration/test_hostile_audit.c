@@ -11,11 +11,14 @@
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <jansson.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
-#include <sys/stat.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include "hostile.h"
@@ -171,5 +174,91 @@ Test(hostile, jobs_attached_and_left_without_a_group_are_not_kept)
 		json_decref(rep);
 	}
 	close(fd);
+	assert_others_served();
+}
+
+/*
+ * Send `req` (len bytes) to 127.0.0.1:port and read the response until EOF
+ * or within_ms; the response (NUL-terminated) into out. Returns the ms it
+ * took, or -1 when no EOF came within_ms.
+ */
+static int64_t http_exchange(int port, const char *req, size_t len, char *out, size_t outlen,
+			     int within_ms)
+{
+	struct sockaddr_in sa = { .sin_family = AF_INET, .sin_port = htons((uint16_t)port),
+				  .sin_addr = { htonl(INADDR_LOOPBACK) } };
+	int64_t start = harness_now_ms();
+	size_t have = 0, sent = 0;
+	int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+
+	cr_assert_geq(fd, 0);
+	cr_assert_eq(connect(fd, (struct sockaddr *)&sa, sizeof(sa)), 0, "connect to port %d: %s",
+		     port, strerror(errno));
+	out[0] = '\0';
+	for (;;) {
+		struct pollfd p = { .fd = fd, .events = POLLIN | (sent < len ? POLLOUT : 0) };
+		int64_t left = start + within_ms - harness_now_ms();
+		ssize_t n;
+
+		if (left <= 0 || poll(&p, 1, (int)left) <= 0) {
+			close(fd);
+			return -1;
+		}
+		if (p.revents & POLLOUT) {
+			n = send(fd, req + sent, len - sent, MSG_NOSIGNAL | MSG_DONTWAIT);
+			if (n > 0)
+				sent += (size_t)n;
+		}
+		if (!(p.revents & (POLLIN | POLLHUP | POLLERR)))
+			continue;
+		n = recv(fd, out + have, outlen - 1 - have, MSG_DONTWAIT);
+		if (n <= 0 && !(n < 0 && errno == EAGAIN))
+			break;
+		if (n > 0)
+			have += (size_t)n;
+		out[have] = '\0';
+		if (have == outlen - 1)
+			break;
+	}
+	close(fd);
+	return harness_now_ms() - start;
+}
+
+/*
+ * libmicrohttpd's epoll is edge-triggered: a request line longer than its
+ * buffer (32 KiB) left the connection with work and no new event, so the
+ * scraper got no answer, not even after the connection timeout, and held
+ * one of the 16 connection slots until it hung up.
+ */
+Test(hostile, metrics_request_line_past_the_buffer_gets_414_not_a_hang)
+{
+	static char resp[4096];
+	const char *extra[] = { "--metrics-listen", "0", "--log-level", "info", NULL };
+	const char *tail = " HTTP/1.1\r\nHost: x\r\n\r\n";
+	struct harness_daemon d = { 0 };
+	size_t n = 40000;
+	char *req = malloc(n + 64);
+	const char *p;
+	int port;
+
+	cr_assert_not_null(req);
+	harness_daemon_start_or_fail(&d, extra);
+	harness_wait_log(&d, "metrics on http://127.0.0.1:", REPLY_MS);
+	pthread_mutex_lock(&d.lock);
+	p = strstr(d.log, "metrics on http://127.0.0.1:");
+	port = atoi(p + strlen("metrics on http://127.0.0.1:"));
+	pthread_mutex_unlock(&d.lock);
+	memcpy(req, "GET /", 5);
+	memset(req + 5, 'a', n);
+	memcpy(req + 5 + n, tail, strlen(tail));
+	cr_assert_geq(http_exchange(port, req, 5 + n + strlen(tail), resp, sizeof(resp), 5000), 0,
+		      "no answer within 5 s to a %zu-byte request line: %.200s", n + 5, resp);
+	cr_assert_not_null(strstr(resp, "HTTP/1.1 414"), "%.300s", resp);
+	free(req);
+	/* And the scrape after it is served. */
+	cr_assert_geq(http_exchange(port, "GET /metrics HTTP/1.0\r\n\r\n", 25, resp, sizeof(resp),
+				    5000), 0, "no answer to a scrape");
+	cr_assert_not_null(strstr(resp, "HTTP/1.1 200"), "%.300s", resp);
+	harness_daemon_stop_expect_clean(&d);
 	assert_others_served();
 }

@@ -263,6 +263,7 @@ void shd_session_out_clear(struct shd_session *s)
 	}
 	s->out_tail = NULL;
 	s->out_bytes = 0;
+	s->out_fds = 0;
 	shd_loop_del(shd_session_env.loop, s->out_ev);
 	s->out_ev = NULL;
 }

@@ -34,6 +34,12 @@ struct shd_session_out;
  * read them (the largest message is 64 MiB); past this the client is dropped.
  */
 #define SHD_SESSION_OUT_MAX     (64ull * 1024 * 1024)
+/*
+ * Descriptors a session's queued replies may hold (duplicated, 4 per GROUP
+ * reply): a client that asks for group after group and reads none of the
+ * replies is dropped here, not when the daemon runs out of descriptors.
+ */
+#define SHD_SESSION_OUT_MAX_FDS 64
 /* Datagrams read from one session per loop turn: a flooding client cannot starve the rest. */
 #define SHD_SESSION_READ_BUDGET 64
 /*
@@ -81,6 +87,7 @@ struct shd_session {
 	int      spoke;              /* a complete message arrived: no handshake timeout */
 	struct shd_session_out *out_head, *out_tail; /* replies not sent yet, in order */
 	uint64_t out_bytes;          /* their unsent bytes, <= SHD_SESSION_OUT_MAX */
+	int      out_fds;            /* descriptors they hold, <= SHD_SESSION_OUT_MAX_FDS */
 	struct shd_loop_event *out_ev; /* POLLOUT, registered while out_head is set */
 	/* attached state */
 	struct shd_job *job;

@@ -19,6 +19,7 @@
 #include <string.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include "hostile.h"
@@ -260,5 +261,52 @@ Test(hostile, metrics_request_line_past_the_buffer_gets_414_not_a_hang)
 				    5000), 0, "no answer to a scrape");
 	cr_assert_not_null(strstr(resp, "HTTP/1.1 200"), "%.300s", resp);
 	harness_daemon_stop_expect_clean(&d);
+	assert_others_served();
+}
+
+/*
+ * Every GROUP reply carries four descriptors, which the daemon holds
+ * (duplicated) while the reply waits in the client's output queue; the
+ * queue was bounded in bytes only (64 MiB, some 600 000 GROUP replies). A
+ * client asking OPEN_GROUP again and again without reading took the daemon
+ * to its fd limit: 5 000 unread replies are 20 000 descriptors. It must be
+ * dropped long before, and the daemon must hold no more descriptors than
+ * it did before the flood.
+ */
+Test(hostile, open_group_flood_without_reading_replies_is_dropped_early)
+{
+	struct shardd_open_group og = { 0 };
+	int before, peak = 0, sent, fd;
+	struct raw r;
+
+	raw_attach(&r, "opener", 0, 1, 1, 0);
+	raw_register_small(&r, "g");
+	before = daemon_fd_count();
+	snprintf(og.name, sizeof(og.name), "g");
+	for (sent = 0; sent < 2000; sent++) {
+		struct shardd_msg_hdr h = { .magic = SHARDD_MAGIC, .type = SHARDD_MSG_OPEN_GROUP,
+					    .length = sizeof(og), .seq = 100u + (uint32_t)sent };
+		struct iovec iov[2] = { { &h, sizeof(h) }, { &og, sizeof(og) } };
+		struct msghdr mh = { .msg_iov = iov, .msg_iovlen = 2 };
+		int now;
+
+		if (sendmsg(r.fd, &mh, MSG_NOSIGNAL) < 0)
+			break; /* dropped: the daemon closed the connection */
+		if (sent % 50 == 0) {
+			now = daemon_fd_count();
+			peak = now > peak ? now : peak;
+		}
+	}
+	cr_assert_lt(peak - before, 600, "%d unread GROUP replies made the daemon hold %d more "
+		     "descriptors", sent, peak - before);
+	cr_assert_lt(sent, 2000, "the daemon never dropped a client that reads none of its "
+		     "replies (%d sent)", sent);
+	raw_close(&r);
+	/* Its queue was freed with it: every descriptor of the flood is back. */
+	fd = raw_connect();
+	wait_connections(fd, 1);
+	close(fd);
+	cr_assert_leq(daemon_fd_count(), before, "the daemon holds %d descriptors, %d before",
+		      daemon_fd_count(), before);
 	assert_others_served();
 }

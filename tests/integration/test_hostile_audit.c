@@ -19,6 +19,7 @@
 #include <string.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -309,4 +310,65 @@ Test(hostile, open_group_flood_without_reading_replies_is_dropped_early)
 	cr_assert_leq(daemon_fd_count(), before, "the daemon holds %d descriptors, %d before",
 		      daemon_fd_count(), before);
 	assert_others_served();
+}
+
+/* hostile_daemon with two engine workers, so that a test can name how many it takes to block them. */
+static void start_daemon_two_workers(void)
+{
+	const char *extra[] = { "--collective-timeout", COLLECTIVE_S, "--workers", "2", NULL };
+
+	harness_daemon_start_or_fail(&hostile_daemon, extra);
+	rawproto_use(&hostile_daemon);
+}
+
+/* REGISTER_GROUP of one fp32 [4, 2] param, restored from `path`, on r (no reply read). */
+static void raw_send_register_restore(struct raw *r, const char *name, const char *path)
+{
+	struct shardd_register_group h = reg_hdr(name, 1);
+	struct shardd_param_spec s = pspec("w", SHARDD_DTYPE_FP32, 2, (uint64_t[]){ 4, 2 });
+	struct shardd_restore rs = { .path_len = (uint32_t)strlen(path) };
+	uint32_t len;
+	uint8_t *base, *p;
+
+	h.init = SHARDD_INIT_RESTORE;
+	base = reg_payload(&h, &s, 1, &len);
+	p = malloc(len + sizeof(rs) + rs.path_len);
+	cr_assert_not_null(p);
+	memcpy(p, base, len);
+	memcpy(p + len, &rs, sizeof(rs));
+	memcpy(p + len + sizeof(rs), path, rs.path_len);
+	send_msg(r->fd, SHARDD_MSG_REGISTER_GROUP, ++r->seq, p, len + (uint32_t)sizeof(rs) + rs.path_len);
+	free(p);
+	free(base);
+}
+
+/*
+ * A client names the checkpoint a group restores from: a directory whose
+ * manifest.json is a FIFO made a worker's open() wait for a writer that
+ * never comes, for ever; one such group per worker and no op of any job
+ * ran again. The restore must refuse what is not a regular file.
+ */
+Test(hostile, restore_from_a_fifo_is_refused_not_a_blocked_worker, .init = start_daemon_two_workers)
+{
+	char dir[] = "/tmp/shardd-fifo-XXXXXX", fifo[64];
+	struct raw r[3];
+
+	cr_assert_not_null(mkdtemp(dir));
+	snprintf(fifo, sizeof(fifo), "%s/manifest.json", dir);
+	cr_assert_eq(mkfifo(fifo, 0600), 0, "mkfifo: %s", strerror(errno));
+	for (int i = 0; i < 3; i++) {
+		char job[32];
+
+		snprintf(job, sizeof(job), "fifo-%d", i);
+		raw_attach(&r[i], job, 0, 1, 1, 0);
+		raw_send_register_restore(&r[i], "g", dir);
+	}
+	for (int i = 0; i < 3; i++) {
+		expect_error(r[i].fd, r[i].seq, -SHARDD_E_INVALID, NEEDLES(fifo, "not a regular file"),
+			     "restore from a FIFO");
+		raw_close(&r[i]);
+	}
+	assert_others_served();
+	unlink(fifo);
+	rmdir(dir);
 }

@@ -29,6 +29,7 @@
 #include "session_int.h"
 
 struct shd_sessions_env shd_session_env;
+uint64_t shd_session_rings_bytes;
 /* Client ids start at 1; 0 is never used. */
 static uint32_t session_next_id = 1;
 
@@ -207,8 +208,10 @@ void shd_session_reap(void)
 				*shd_session_env.list = s->next;
 			if (s->next)
 				s->next->prev = s->prev;
-			if (s->ring_mem)
+			if (s->ring_mem) {
 				munmap(s->ring_mem, s->ring_size);
+				shd_session_rings_bytes -= s->ring_size;
+			}
 			shd_op_clock_free(&s->clock);
 			free(s);
 		}

@@ -130,6 +130,7 @@ struct shd_sessions_env {
 	uint64_t collective_timeout_ns;  /* for the welcome */
 	uint64_t handshake_timeout_ns;   /* a connection with no complete message by then is closed */
 	double   handshake_timeout_s;    /* the same, as given (--handshake-timeout) */
+	uint64_t rings_limit;            /* bytes the rings of all sessions may hold; 0: no limit */
 	void   (*schedule_close)(void);  /* a session was marked closing: close it at the next safe point */
 	void   (*schedule_reap)(void);   /* a session died: free it at the next safe point */
 	void   (*note_work)(uint64_t now_ns); /* some ring had work now (spin window) */
@@ -137,6 +138,14 @@ struct shd_sessions_env {
 
 /* Set the environment of every session; before the first accept. */
 void shd_sessions_init(const struct shd_sessions_env *env);
+
+/*
+ * The rings of all sessions (their memfds, mapped and written by the
+ * daemon) may hold --max-memory / 8 bytes, and at least this.
+ */
+#define SHD_SESSION_RINGS_MIN (256ull << 20)
+/* rings_limit for --max-memory max_memory (0: no limit). */
+uint64_t shd_session_rings_limit(uint64_t max_memory);
 
 /* Accept every pending connection on the listening socket (loop callback). */
 void shd_session_accept(void *arg, int fd, uint32_t revents);

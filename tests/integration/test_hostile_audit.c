@@ -372,3 +372,56 @@ Test(hostile, restore_from_a_fifo_is_refused_not_a_blocked_worker, .init = start
 	unlink(fifo);
 	rmdir(dir);
 }
+
+/* hostile_daemon with --max-memory 64M: the rings of all clients may hold 256 MiB. */
+static void start_daemon_64m(void)
+{
+	const char *extra[] = { "--collective-timeout", COLLECTIVE_S, "--max-memory", "64M", NULL };
+
+	harness_daemon_start_or_fail(&hostile_daemon, extra);
+	rawproto_use(&hostile_daemon);
+}
+
+/*
+ * A ring of 65 536 SQ entries is a 44 MiB memfd the daemon maps and writes
+ * (every CQ slot and its message text), counted nowhere: a client opening
+ * connection after connection, each attached with the largest ring, made
+ * the daemon hold 44 MiB per socket it spent, past any --max-memory. The
+ * rings of all clients are bounded; past the bound a HELLO is refused
+ * naming its sq_entries, and a client with the default ring still attaches.
+ */
+Test(hostile, largest_rings_on_many_connections_are_refused_past_a_bound, .init = start_daemon_64m)
+{
+	struct raw r[16];
+	int n, refused = 0, fd;
+
+	for (n = 0; n < 16 && !refused; n++) {
+		struct shardd_hello h = make_hello("rings", (uint32_t)n, 1, 16, 65536);
+		struct shardd_ctrl_rx rx;
+
+		memset(&r[n], 0, sizeof(r[n]));
+		r[n].fd = raw_connect();
+		r[n].doorbell = -1;
+		send_msg(r[n].fd, SHARDD_MSG_HELLO, 1, &h, sizeof(h));
+		recv_msg(r[n].fd, &rx);
+		if (rx.hdr.type == SHARDD_MSG_ERROR) {
+			check_error(&rx, 1, -SHARDD_E_NOMEM, NEEDLES("hello.sq_entries = 65536", "--max-memory"),
+				    "one ring too many");
+			refused = 1;
+		}
+		shardd_ctrl_rx_reset(&rx);
+	}
+	cr_assert(refused, "16 rings of 65536 entries (%d MiB) were all created under --max-memory 64M",
+		  16 * 44);
+	cr_assert_geq(n, 4, "refused at ring %d already: the bound is 256 MiB", n);
+	assert_others_served();
+	/* The rings of closed connections are given back. */
+	for (int i = 0; i < n; i++)
+		raw_close(&r[i]);
+	fd = raw_connect();
+	wait_connections(fd, 1);
+	close(fd);
+	raw_attach(&r[0], "rings-again", 0, 1, 1, 65536);
+	raw_nop_ok(&r[0], 1);
+	raw_close(&r[0]);
+}

@@ -43,9 +43,14 @@ int shd_job_claim(const char *name, uint32_t replicate, uint32_t shard, uint32_t
 	}
 	jr = &job->ranks[rank];
 	/* A restarted trainer may be faster than the old one's EOF: look now. */
-	if (jr->client.ops && jr->client.ops->gone(jr->client.ctx))
+	if (jr->client.ops && jr->client.ops->gone(jr->client.ctx)) {
 		jr->client.ops->close(jr->client.ctx, "died (found gone when the rank re-attached)");
-	/* Closing the old client never ends the job: it did not say goodbye. */
+		/* A job that held no group ended with its last rank (shd_job_detach): a new one starts. */
+		job = *out = shd_job_find(name);
+		if (!job)
+			return 0;
+		jr = &job->ranks[rank];
+	}
 	if (jr->client.ops) {
 		snprintf(why, len, "job '%s' rank %u is already attached (client %llu, pid %u)",
 			 job->name, job->rank_base + rank, (unsigned long long)jr->client.token, jr->pid);

@@ -21,6 +21,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "hostile.h"
@@ -424,4 +425,47 @@ Test(hostile, largest_rings_on_many_connections_are_refused_past_a_bound, .init 
 	raw_attach(&r[0], "rings-again", 0, 1, 1, 65536);
 	raw_nop_ok(&r[0], 1);
 	raw_close(&r[0]);
+}
+
+/* Child: attach as rank 0 of the 1x1 job `arg`, then die without goodbye. */
+static int attach_and_die(void *arg)
+{
+	struct shardd_client *c = NULL;
+
+	return harness_attach(&hostile_daemon, arg, 0, 1, 1, &c) == 0 ? 0 : 1;
+}
+
+/*
+ * A rank whose client died re-attaches at once, as a restarted trainer
+ * does, maybe before the daemon has seen the old client's EOF: the HELLO
+ * then closes the old client itself. A job that holds no group ends with
+ * its last rank, so that close may end the job under the HELLO, which
+ * must then start it anew (not attach to the job just freed).
+ */
+Test(hostile, rank_reattaching_over_its_dead_client_in_a_job_without_groups)
+{
+	for (int i = 0; i < 40; i++) {
+		struct shardd_client *c = NULL;
+		char job[32];
+		int status, ret;
+		int64_t until;
+		pid_t pid;
+
+		snprintf(job, sizeof(job), "phoenix-%d", i % 4);
+		pid = harness_fork(attach_and_die, job);
+		cr_assert_gt(pid, 0);
+		cr_assert_eq(harness_wait_or_kill(pid, REPLY_MS, &status), 0);
+		cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "child: %s",
+			  harness_status_str(status));
+		/* Right away: the daemon may or may not have seen the child's EOF yet. */
+		until = harness_now_ms() + REPLY_MS;
+		while ((ret = harness_attach(&hostile_daemon, job, 0, 1, 1, &c)) != 0) {
+			cr_assert(strstr(shardd_last_error(), "already attached"),
+				  "re-attach %d: %s", i, shardd_last_error());
+			cr_assert_lt(harness_now_ms(), until, "rank 0 of '%s' never freed", job);
+		}
+		cr_assert_eq(shardd_nop(c), 0, "nop: %s", shardd_last_error());
+		shardd_close(c);
+	}
+	assert_others_served();
 }

@@ -39,6 +39,33 @@ static int join(char *buf, size_t len, const char *a, const char *b)
 	return n < 0 || (size_t)n >= len ? -ENAMETOOLONG : 0;
 }
 
+/*
+ * Open `path` for reading, if it is a regular file: the path comes from a
+ * client (the registration's restore path, files named in it), and an
+ * open() of a FIFO would wait for a writer for ever, blocking a worker.
+ * O_NONBLOCK makes that open return; a regular file reads as usual. fd
+ * (its size in *st), or -errno with msg naming the path.
+ */
+static int open_regular(const char *path, struct stat *st, char *msg, size_t len)
+{
+	int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY), ret;
+
+	if (fd < 0 || fstat(fd, st)) {
+		ret = -errno;
+		eng_fmt(msg, len, "cannot read %s: %s", path, strerror(-ret));
+		if (fd >= 0)
+			close(fd);
+		return ret;
+	}
+	if (!S_ISREG(st->st_mode)) {
+		close(fd);
+		eng_fmt(msg, len, "cannot read %s: not a regular file (mode 0%o); a checkpoint holds files only",
+			path, (unsigned)st->st_mode);
+		return -SHARDD_E_INVALID;
+	}
+	return fd;
+}
+
 /* The newest step-<N> directory of `root` holding a manifest.json, into `out`. 0, -ENOENT or -errno. */
 static int newest_checkpoint(const char *root, char *out, size_t len)
 {
@@ -81,14 +108,9 @@ static int read_manifest(const char *dir, struct shd_ckpt_manifest *m, char *msg
 		eng_fmt(msg, len, "checkpoint path '%.200s...' is too long", dir);
 		return -SHARDD_E_INVALID;
 	}
-	fd = open(path, O_RDONLY | O_CLOEXEC);
-	if (fd < 0 || fstat(fd, &st)) {
-		ret = -errno;
-		eng_fmt(msg, len, "cannot read %s: %s", path, strerror(-ret));
-		if (fd >= 0)
-			close(fd);
-		return ret;
-	}
+	fd = open_regular(path, &st, msg, len);
+	if (fd < 0)
+		return fd;
 	if ((uint64_t)st.st_size > SHD_CKPT_MANIFEST_MAX) {
 		close(fd);
 		eng_fmt(msg, len, "%s is %lld bytes; a manifest is at most %u", path, (long long)st.st_size,
@@ -213,10 +235,9 @@ static int load_file(struct eng_group *eg, const char *dir, const struct shd_ckp
 		eng_fmt(msg, len, "checkpoint path '%.200s...' is too long", dir);
 		return -SHARDD_E_INVALID;
 	}
-	l.fd = open(path, O_RDONLY | O_CLOEXEC);
-	if (l.fd < 0 || fstat(l.fd, &st)) {
-		ret = -errno;
-		eng_fmt(msg, len, "cannot read %s: %s", path, strerror(-ret));
+	l.fd = open_regular(path, &st, msg, len);
+	if (l.fd < 0) {
+		ret = l.fd;
 		goto out;
 	}
 	if ((uint64_t)st.st_size != fe->bytes) {
@@ -399,11 +420,17 @@ static int import_weights(struct eng_group *eg, const char *src, int is_file, ch
 		goto out;
 	}
 	if (!is_file && !join(ipath, sizeof(ipath), src, SHD_CKPT_INDEX) && !stat(ipath, &st)) {
-		json_error_t jerr;
+		json_error_t jerr = { .text = "" };
+		int ifd = open_regular(ipath, &st, msg, len);
 
-		if ((uint64_t)st.st_size > SHD_CKPT_MANIFEST_MAX ||
-		    !(index = json_load_file(ipath, JSON_REJECT_DUPLICATES, &jerr)) ||
-		    !json_is_object(map = json_object_get(index, "weight_map"))) {
+		if (ifd < 0) {
+			ret = ifd;
+			goto out;
+		}
+		if ((uint64_t)st.st_size <= SHD_CKPT_MANIFEST_MAX)
+			index = json_loadfd(ifd, JSON_REJECT_DUPLICATES, &jerr);
+		close(ifd);
+		if (!index || !json_is_object(map = json_object_get(index, "weight_map"))) {
 			eng_fmt(msg, len, "%s: not a Hugging Face index (a JSON object with a \"weight_map\" "
 				"object of at most %u bytes)%s%s", ipath, SHD_CKPT_MANIFEST_MAX,
 				index ? "" : ": ", index ? "" : jerr.text);
@@ -431,10 +458,9 @@ static int import_weights(struct eng_group *eg, const char *src, int is_file, ch
 			shd_st_free(&f);
 			if (fd >= 0)
 				close(fd);
-			fd = open(path, O_RDONLY | O_CLOEXEC);
+			fd = open_regular(path, &st, msg, len);
 			if (fd < 0) {
-				ret = -errno;
-				eng_fmt(msg, len, "cannot read %s: %s", path, strerror(-ret));
+				ret = fd;
 				break;
 			}
 			ret = shd_st_read(fd, path, &f, err, sizeof(err));

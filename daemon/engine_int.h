@@ -127,6 +127,7 @@ struct eng_group {
 	struct shd_engine_job *j;
 	int complete;                /* buffers allocated, every rank got its reply */
 	uint64_t mem_committed;      /* bytes counted in its job's and the engine's mem_committed */
+	uint64_t fds_committed;      /* descriptors of its buffers, counted in the engine's fds_committed */
 	struct shd_rdv reg;       /* registration over all ranks */
 	struct eng_reg *regs;        /* [world] */
 	uint32_t first_rank;         /* whose spec defines the group */
@@ -212,6 +213,7 @@ struct shd_engine {
 	struct eng_task *fin_head, *fin_tail;
 	struct shd_engine_job *jobs;
 	uint64_t mem_committed;      /* its jobs' mem_committed, summed */
+	uint64_t fds_committed;      /* its groups' eg->fds_committed, summed (registry.c) */
 	uint32_t span_threads;       /* threads running inter-node tasks (internode.c); under lock */
 	/*
 	 * Loop thread: exchange buffers that MPI still held when their group

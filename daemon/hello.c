@@ -23,6 +23,7 @@
 #include "job.h"
 #include "log.h"
 #include "loop.h"
+#include "memlimit.h"
 #include "session_int.h"
 #include "world.h"
 
@@ -34,7 +35,7 @@
 /* Handshake                                                           */
 /* ------------------------------------------------------------------ */
 
-/* Validate the job name of a hello: NUL-terminated, non-empty, printable ASCII. */
+/* Validate the job name of a hello: NUL-terminated, non-empty, printable ASCII, not a path. */
 static int hello_job_ok(struct shd_session *s, uint32_t seq, const struct shardd_hello *h)
 {
 	size_t n = strnlen(h->job, sizeof(h->job));
@@ -57,6 +58,13 @@ static int hello_job_ok(struct shd_session *s, uint32_t seq, const struct shardd
 				       i, c);
 			return 0;
 		}
+	}
+	/* The name is a directory under --state-dir (checkpoints, --keep retention). */
+	if (memchr(h->job, '/', n) || strcmp(h->job, ".") == 0 || strcmp(h->job, "..") == 0) {
+		shd_session_reject(s, seq, -SHARDD_E_INVALID,
+			       "hello.job = '%s': a job name is one directory name under --state-dir, "
+			       "not '.', '..' or one with '/'", h->job);
+		return 0;
 	}
 	return 1;
 }
@@ -120,6 +128,35 @@ static int hello_fields_ok(struct shd_session *s, uint32_t seq, const struct sha
 	return 1;
 }
 
+uint64_t shd_session_rings_limit(uint64_t max_memory)
+{
+	return !max_memory ? 0 : max_memory / 8 > SHD_SESSION_RINGS_MIN ? max_memory / 8 :
+	       SHD_SESSION_RINGS_MIN;
+}
+
+/*
+ * Room for one more ring of `size` bytes among the rings of all clients
+ * (the daemon maps and writes every one: a client choosing the largest on
+ * connection after connection would make it hold 44 MiB per socket). 1, or
+ * 0 after refusing the hello.
+ */
+static int hello_ring_fits(struct shd_session *s, uint32_t seq, uint32_t sq_entries, uint64_t size)
+{
+	uint64_t limit = shd_session_env.rings_limit;
+	char need[32], held[32], lim[32];
+
+	if (!limit || (size <= limit && shd_session_rings_bytes <= limit - size))
+		return 1;
+	shd_session_reject(s, seq, -SHARDD_E_NOMEM,
+		       "hello.sq_entries = %u: its ring needs %s (%llu bytes), but the rings of all "
+		       "connected clients hold %s of their limit of %s (--max-memory / 8, at least "
+		       "256 MiB); ask for fewer entries (0: the default %d), or raise --max-memory",
+		       sq_entries, shd_bytes_str(size, need, sizeof(need)), (unsigned long long)size,
+		       shd_bytes_str(shd_session_rings_bytes, held, sizeof(held)),
+		       shd_bytes_str(limit, lim, sizeof(lim)), SHARDD_RING_ENTRIES_DEFAULT);
+	return 0;
+}
+
 /*
  * The ring region: a sealed memfd (the client can neither shrink nor grow
  * it under our mapping), formatted and mapped. Returns the memfd or -errno.
@@ -144,6 +181,7 @@ static int session_ring_create(struct shd_session *s, uint32_t sq_entries, uint3
 		goto err_close;
 	}
 	s->ring_size = size;
+	shd_session_rings_bytes += size;
 	ret = shardd_ring_format(s->ring_mem, size, sq_entries, cq_entries,
 				 (uint32_t)shd_session_env.pid, s->id);
 	if (ret == 0)
@@ -305,6 +343,9 @@ void shd_session_hello(struct shd_session *s, const struct shardd_msg_hdr *hdr,
 		return;
 	}
 	sq_entries = h.sq_entries ? h.sq_entries : SHARDD_RING_ENTRIES_DEFAULT;
+	if (!hello_ring_fits(s, hdr->seq, sq_entries,
+			     shardd_ring_region_size(sq_entries, sq_entries * CQ_PER_SQ)))
+		return;
 	ringfd = session_ring_create(s, sq_entries, sq_entries * CQ_PER_SQ);
 	if (ringfd < 0) {
 		char lim[96] = "";

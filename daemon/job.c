@@ -43,9 +43,14 @@ int shd_job_claim(const char *name, uint32_t replicate, uint32_t shard, uint32_t
 	}
 	jr = &job->ranks[rank];
 	/* A restarted trainer may be faster than the old one's EOF: look now. */
-	if (jr->client.ops && jr->client.ops->gone(jr->client.ctx))
+	if (jr->client.ops && jr->client.ops->gone(jr->client.ctx)) {
 		jr->client.ops->close(jr->client.ctx, "died (found gone when the rank re-attached)");
-	/* Closing the old client never ends the job: it did not say goodbye. */
+		/* A job that held no group ended with its last rank (shd_job_detach): a new one starts. */
+		job = *out = shd_job_find(name);
+		if (!job)
+			return 0;
+		jr = &job->ranks[rank];
+	}
 	if (jr->client.ops) {
 		snprintf(why, len, "job '%s' rank %u is already attached (client %llu, pid %u)",
 			 job->name, job->rank_base + rank, (unsigned long long)jr->client.token, jr->pid);
@@ -395,6 +400,15 @@ void shd_job_group_reply(void *job_ctx, uint32_t rank, uint64_t token, uint32_t 
 	c->ops->group_reply(c->ctx, seq, res, msg, reply, layouts, specs, fds, nfds, ipc, nipc);
 }
 
+/* Some group of the job exists (registered, or being registered). */
+static int job_holds_groups(const struct shd_job *j)
+{
+	for (uint32_t i = 1; i <= shd_engine_job_ngroups(j->ejob); i++)
+		if (shd_engine_job_group(j->ejob, i))
+			return 1;
+	return 0;
+}
+
 void shd_job_detach(struct shd_job *j, uint32_t rank, int goodbye, const char *why)
 {
 	struct shd_job_rank *jr = &j->ranks[rank];
@@ -416,6 +430,15 @@ void shd_job_detach(struct shd_job *j, uint32_t rank, int goodbye, const char *w
 			all_goodbye = 0;
 	if (all_goodbye) {
 		shd_job_destroy(j);
+		return;
+	}
+	/*
+	 * A job that holds no group keeps nothing a rank could come back for:
+	 * it ends now, not after --job-linger (a client attaching job after
+	 * job and leaving would otherwise pile them up for the linger).
+	 */
+	if (!j->nattached && !job_holds_groups(j)) {
+		job_destroy(j, "ended when its last rank left: it held no group");
 		return;
 	}
 	if (!j->nattached) {

@@ -18,6 +18,7 @@
 #define METRICS_HTTP_CONNECTIONS 16  /* scrapers at once; more wait in the backlog */
 #define METRICS_HTTP_TIMEOUT_S   10  /* an idle or slow connection is closed after this */
 #define METRICS_HTTP_TICK_MS     1000 /* MHD_run for those timeouts when no fd fires */
+#define METRICS_HTTP_RUNS        64   /* MHD_runs at most per event, while MHD has more to do at once */
 #define METRICS_CONTENT_TYPE     "text/plain; version=0.0.4; charset=utf-8"
 
 struct shd_metrics_http {
@@ -148,21 +149,37 @@ static void mhd_log(void *cls, const char *fmt, va_list ap)
 /* Loop events                                                         */
 /* ------------------------------------------------------------------ */
 
+/*
+ * MHD_run until MHD has nothing left to do at once (MHD_get_timeout above
+ * 0): MHD's epoll is edge-triggered, so a connection it could not finish
+ * in one run (a request line past its buffer, to be answered 414) gets no
+ * new event, and would wait for the next tick, or for ever. Bounded, so a
+ * busy scraper cannot hold the loop.
+ */
+static void metrics_http_run(struct shd_metrics_http *h)
+{
+	MHD_UNSIGNED_LONG_LONG timeout;
+
+	for (int i = 0; i < METRICS_HTTP_RUNS; i++) {
+		if (MHD_run(h->mhd) != MHD_YES) {
+			shd_log_warn("metrics http: MHD_run failed");
+			return;
+		}
+		if (MHD_get_timeout(h->mhd, &timeout) != MHD_YES || timeout > 0)
+			return;
+	}
+}
+
 static void metrics_http_ready(void *arg, int fd, uint32_t revents)
 {
-	struct shd_metrics_http *h = arg;
-
 	(void)fd;
 	(void)revents;
-	if (MHD_run(h->mhd) != MHD_YES)
-		shd_log_warn("metrics http: MHD_run failed");
+	metrics_http_run(arg);
 }
 
 static void metrics_http_tick(void *arg)
 {
-	struct shd_metrics_http *h = arg;
-
-	MHD_run(h->mhd);
+	metrics_http_run(arg);
 }
 
 /* ------------------------------------------------------------------ */

@@ -16,11 +16,16 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 
 #include "clock.h"
 #include "engine_int.h"
 #include "memlimit.h"
 #include "placement.h"
+
+/* Descriptors kept from the groups for connections and the daemon's own files: RLIMIT_NOFILE / 4, within these. */
+#define GROUP_FDS_RESERVE_MIN 32
+#define GROUP_FDS_RESERVE_MAX 1024
 
 /* The job's group named `name` (engine_int.h). */
 struct eng_group *eng_group_by_name(const struct shd_engine_job *j, const char *name)
@@ -59,6 +64,7 @@ static void group_destroy(struct eng_group *eg, struct shd_engine_job *j)
 	shd_group_destroy(eg->g, j->e->backend);
 	j->mem_committed -= eg->mem_committed;
 	j->e->mem_committed -= eg->mem_committed;
+	j->e->fds_committed -= eg->fds_committed;
 	free(eg);
 }
 
@@ -125,6 +131,73 @@ static int group_commit_memory(struct shd_engine_job *j, struct eng_group *eg, c
 	return 0;
 }
 
+/* vm.max_map_count: the daemon maps every buffer it holds. 0 when unknown. */
+static uint64_t max_map_count(void)
+{
+	static uint64_t cached;
+	unsigned long long v = 0;
+	FILE *f;
+
+	if (cached)
+		return cached;
+	f = fopen("/proc/sys/vm/max_map_count", "re");
+	if (f) {
+		if (fscanf(f, "%llu", &v) != 1)
+			v = 0;
+		fclose(f);
+	}
+	cached = v;
+	return cached;
+}
+
+/*
+ * Count the descriptors and mappings the group's buffers will hold (one
+ * each per buffer, at most) against RLIMIT_NOFILE and vm.max_map_count,
+ * less a reserve for connections and the daemon's own files: a client
+ * registering group after group is refused here, not left to run the
+ * daemon out of descriptors for everyone else (a group of one element
+ * counts only 64 bytes against --max-memory). 0 with the count committed
+ * in eg and the engine, or -EMFILE with `err`.
+ */
+static int group_commit_fds(struct shd_engine_job *j, struct eng_group *eg, char *err, size_t errlen)
+{
+	struct shd_engine *e = j->e;
+	const struct shd_group *g = eg->g;
+	uint64_t need, reserve, budget, limit = UINT64_MAX, maps = max_map_count();
+	const char *what = "RLIMIT_NOFILE", *fix = "raise shardd's limit (ulimit -n, LimitNOFILE=)";
+	struct rlimit rl;
+
+	/* Per rank: its unsharded copy (at most), shard, sharded grad, grad, optimizer states, partial. */
+	need = (uint64_t)g->world * (4 + shd_group_optim_states(&g->optim) + (g->partial_size ? 1 : 0));
+	if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY)
+		limit = rl.rlim_cur;
+	if (maps && maps < limit) {
+		limit = maps;
+		what = "vm.max_map_count";
+		fix = "raise vm.max_map_count (sysctl)";
+	}
+	if (limit == UINT64_MAX)
+		goto commit;
+	reserve = limit / 4;
+	reserve = reserve < GROUP_FDS_RESERVE_MIN ? GROUP_FDS_RESERVE_MIN :
+		  reserve > GROUP_FDS_RESERVE_MAX ? GROUP_FDS_RESERVE_MAX : reserve;
+	budget = limit > reserve ? limit - reserve : 0;
+	if (need > budget || e->fds_committed > budget - need) {
+		eng_fmt(err, errlen,
+			"register group '%s' of job '%s': its buffers need up to %llu file descriptors and mappings, "
+			"but the groups of all jobs hold %llu of the %llu that shardd gives them (%s = %llu, less "
+			"%llu kept for connections); %s, or end jobs or register fewer, larger groups", g->name,
+			j->name, (unsigned long long)need, (unsigned long long)e->fds_committed,
+			(unsigned long long)budget, what, (unsigned long long)limit, (unsigned long long)reserve,
+			fix);
+		return -EMFILE;
+	}
+commit:
+	eg->fds_committed = need;
+	e->fds_committed += need;
+	return 0;
+}
+
 /* A pending group for the first registration of `hdr`; takes `specs` on success. */
 static int group_new(struct shd_engine_job *j, const struct shardd_register_group *hdr,
 		     struct shardd_param_spec *specs, const struct shardd_optim_config *optim, uint32_t rank,
@@ -176,6 +249,8 @@ static int group_new(struct shd_engine_job *j, const struct shardd_register_grou
 	}
 	if (!ret)
 		ret = group_commit_memory(j, eg, err, errlen);
+	if (!ret)
+		ret = group_commit_fds(j, eg, err, errlen);
 	if (ret) {
 		eg->g->specs = NULL; /* still the caller's on failure */
 		group_destroy(eg, j);

@@ -652,6 +652,7 @@ int shd_server_init(const struct shd_config *cfg)
 		.collective_timeout_ns = server.collective_timeout_ns,
 		.handshake_timeout_ns = server.handshake_timeout_ns,
 		.handshake_timeout_s = server.cfg.handshake_timeout_s,
+		.rings_limit = shd_session_rings_limit(server.cfg.max_memory),
 		.schedule_close = shd_server_schedule_close,
 		.schedule_reap = shd_server_schedule_reap,
 		.note_work = shd_server_note_work,

@@ -29,6 +29,7 @@
 #include "session_int.h"
 
 struct shd_sessions_env shd_session_env;
+uint64_t shd_session_rings_bytes;
 /* Client ids start at 1; 0 is never used. */
 static uint32_t session_next_id = 1;
 
@@ -207,8 +208,10 @@ void shd_session_reap(void)
 				*shd_session_env.list = s->next;
 			if (s->next)
 				s->next->prev = s->prev;
-			if (s->ring_mem)
+			if (s->ring_mem) {
 				munmap(s->ring_mem, s->ring_size);
+				shd_session_rings_bytes -= s->ring_size;
+			}
 			shd_op_clock_free(&s->clock);
 			free(s);
 		}
@@ -263,6 +266,7 @@ void shd_session_out_clear(struct shd_session *s)
 	}
 	s->out_tail = NULL;
 	s->out_bytes = 0;
+	s->out_fds = 0;
 	shd_loop_del(shd_session_env.loop, s->out_ev);
 	s->out_ev = NULL;
 }

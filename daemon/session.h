@@ -34,6 +34,12 @@ struct shd_session_out;
  * read them (the largest message is 64 MiB); past this the client is dropped.
  */
 #define SHD_SESSION_OUT_MAX     (64ull * 1024 * 1024)
+/*
+ * Descriptors a session's queued replies may hold (duplicated, 4 per GROUP
+ * reply): a client that asks for group after group and reads none of the
+ * replies is dropped here, not when the daemon runs out of descriptors.
+ */
+#define SHD_SESSION_OUT_MAX_FDS 64
 /* Datagrams read from one session per loop turn: a flooding client cannot starve the rest. */
 #define SHD_SESSION_READ_BUDGET 64
 /*
@@ -81,6 +87,7 @@ struct shd_session {
 	int      spoke;              /* a complete message arrived: no handshake timeout */
 	struct shd_session_out *out_head, *out_tail; /* replies not sent yet, in order */
 	uint64_t out_bytes;          /* their unsent bytes, <= SHD_SESSION_OUT_MAX */
+	int      out_fds;            /* descriptors they hold, <= SHD_SESSION_OUT_MAX_FDS */
 	struct shd_loop_event *out_ev; /* POLLOUT, registered while out_head is set */
 	/* attached state */
 	struct shd_job *job;
@@ -123,6 +130,7 @@ struct shd_sessions_env {
 	uint64_t collective_timeout_ns;  /* for the welcome */
 	uint64_t handshake_timeout_ns;   /* a connection with no complete message by then is closed */
 	double   handshake_timeout_s;    /* the same, as given (--handshake-timeout) */
+	uint64_t rings_limit;            /* bytes the rings of all sessions may hold; 0: no limit */
 	void   (*schedule_close)(void);  /* a session was marked closing: close it at the next safe point */
 	void   (*schedule_reap)(void);   /* a session died: free it at the next safe point */
 	void   (*note_work)(uint64_t now_ns); /* some ring had work now (spin window) */
@@ -130,6 +138,14 @@ struct shd_sessions_env {
 
 /* Set the environment of every session; before the first accept. */
 void shd_sessions_init(const struct shd_sessions_env *env);
+
+/*
+ * The rings of all sessions (their memfds, mapped and written by the
+ * daemon) may hold --max-memory / 8 bytes, and at least this.
+ */
+#define SHD_SESSION_RINGS_MIN (256ull << 20)
+/* rings_limit for --max-memory max_memory (0: no limit). */
+uint64_t shd_session_rings_limit(uint64_t max_memory);
 
 /* Accept every pending connection on the listening socket (loop callback). */
 void shd_session_accept(void *arg, int fd, uint32_t revents);

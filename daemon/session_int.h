@@ -32,6 +32,8 @@ struct shd_session_out {
 
 /* What shd_sessions_init was given. */
 extern struct shd_sessions_env shd_session_env;
+/* Bytes of the ring regions of all sessions (hello.c counts, shd_session_reap gives back). */
+extern uint64_t shd_session_rings_bytes;
 
 /* "client 3 (pid 1234)" or "client 3 (job 'j' rank 1, pid 1234)". */
 const char *shd_session_name(const struct shd_session *s, char *buf, size_t len);

@@ -54,6 +54,7 @@ static void session_flush(struct shd_session *s)
 		/* The kernel holds its own references to the fds now. */
 		for (int i = 0; i < m->nfds; i++)
 			close(m->fds[i]);
+		s->out_fds -= m->nfds;
 		m->nfds = 0;
 		m->off += (uint32_t)iov.iov_len;
 		s->out_bytes -= iov.iov_len;
@@ -114,6 +115,14 @@ int shd_session_send(struct shd_session *s, uint16_t type, uint32_t seq,
 		shd_session_close_later(s, why);
 		return -ENOBUFS;
 	}
+	if (s->out_fds + nfds > SHD_SESSION_OUT_MAX_FDS) {
+		snprintf(why, sizeof(why), "does not read its replies: %d file descriptors wait to be "
+			 "sent and a reply with %d more would pass the limit of %d", s->out_fds, nfds,
+			 SHD_SESSION_OUT_MAX_FDS);
+		shd_log_warn("%s %s; dropping it", shd_session_name(s, name, sizeof(name)), why);
+		shd_session_close_later(s, why);
+		return -ENOBUFS;
+	}
 	m = malloc(sizeof(*m) + total);
 	if (!m) {
 		ret = -ENOMEM;
@@ -142,6 +151,7 @@ int shd_session_send(struct shd_session *s, uint16_t type, uint32_t seq,
 		s->out_head = m;
 	s->out_tail = m;
 	s->out_bytes += total;
+	s->out_fds += m->nfds;
 	session_flush(s);
 	return s->closing ? -ECONNRESET : 0;
 

@@ -2,9 +2,9 @@
 /*
  * The values and per-param checks of the NCCL suites (test_nccl.c, one
  * daemon; test_nccl_span.c, daemons across nodes): the registered value and
- * each rank's grad of every element, and a rank process's checks of what
- * the daemon gathered and reduced against the reference computed here in
- * double (reference.h). The tolerance of the sharded grads is the one both
+ * each rank's grad of every element, a group registered and loaded with
+ * those values, and a rank process's checks of what the daemon gathered
+ * and reduced against the reference computed here in double (reference.h). The tolerance of the sharded grads is the one both
  * files' comments give: N x steps ulps of the reduce dtype at the magnitude
  * of steps x the sum of |grads| (N ranks, steps reduces), plus one fp32 ulp
  * of the result per step; padding rows exactly zero; gathered values exact.
@@ -56,6 +56,24 @@ static inline double param_value(uint32_t pi, uint64_t i)
 static inline double grad_value(uint32_t pi, uint32_t r, uint64_t i, uint32_t dtype)
 {
 	return ref_round((r + 1) * cos(0.013 * (double)i + 0.7 * r + pi), dtype);
+}
+
+/* Group `name` of `params` registered on `c` under `policy` (NULL: none), every param loaded with its values. */
+static inline int register_loaded(struct shardd_client *c, const char *name, const struct shardd_param_desc *params,
+				  uint32_t nparams, const struct shardd_policy *policy, struct shardd_group **g)
+{
+	static float full[MAX_NUMEL];
+
+	CHILD_CHECK_SHARDD(shardd_group_register(c, name, params, nparams, policy, g));
+	for (uint32_t pi = 0; pi < nparams; pi++) {
+		uint64_t n = numel_of(&params[pi]);
+
+		CHILD_CHECK(n <= MAX_NUMEL, "param %u: %llu elements", pi, (unsigned long long)n);
+		for (uint64_t i = 0; i < n; i++)
+			full[i] = (float)param_value(pi, i);
+		CHILD_CHECK_SHARDD(shardd_group_load_full(*g, pi, full));
+	}
+	return 0;
 }
 
 /* Every element of param `pi` (`p`) as gathered at `dev`: the registered value, cast to `udt`. */

@@ -178,7 +178,6 @@ static int rank_main(void *arg)
 		.socket_path = daemon_.socket, .job = a->job, .rank = a->rank, .replicate = a->replicate,
 		.shard = a->shard, .device = a->device,
 	};
-	static float full[MAX_NUMEL];
 	struct shardd_group *g[2] = { NULL, NULL };
 	struct shardd_client *c = NULL;
 
@@ -187,12 +186,8 @@ static int rank_main(void *arg)
 	for (uint32_t k = 0; k < a->ngroups; k++) {
 		const struct tgroup *tg = a->groups[k];
 
-		CHILD_CHECK_SHARDD(shardd_group_register(c, tg->name, tg->params, tg->nparams, &tg->policy, &g[k]));
-		for (uint32_t pi = 0; pi < tg->nparams; pi++) {
-			for (uint64_t i = 0; i < numel_of(&tg->params[pi]); i++)
-				full[i] = (float)param_value(pi, i);
-			CHILD_CHECK_SHARDD(shardd_group_load_full(g[k], pi, full));
-		}
+		if (register_loaded(c, tg->name, tg->params, tg->nparams, &tg->policy, &g[k]))
+			return 1;
 	}
 	for (uint32_t k = 0; k < a->ngroups; k++) {
 		CHILD_CHECK_SHARDD(shardd_unshard(g[k], 1));

@@ -195,18 +195,13 @@ static int rank_main(void *arg)
 		.socket_path = a->rank / a->local ? node1_socket : world_.socket, .job = a->job, .rank = a->rank,
 		.replicate = a->replicate, .shard = a->shard, .device = a->device,
 	};
-	static float full[MAX_NUMEL];
 	struct shardd_group *g = NULL;
 	struct shardd_client *c = NULL;
 
 	CHILD_CHECK_CUDA(cudaSetDevice(a->device));
 	CHILD_CHECK_SHARDD(shardd_connect(&o, &c));
-	CHILD_CHECK_SHARDD(shardd_group_register(c, "blocks", params, NPARAMS, NULL, &g));
-	for (uint32_t pi = 0; pi < NPARAMS; pi++) {
-		for (uint64_t i = 0; i < numel_of(&params[pi]); i++)
-			full[i] = (float)param_value(pi, i);
-		CHILD_CHECK_SHARDD(shardd_group_load_full(g, pi, full));
-	}
+	if (register_loaded(c, "blocks", params, NPARAMS, NULL, &g))
+		return 1;
 	/* Under FSDP across nodes the first unshard also sets the communicator up. */
 	CHILD_CHECK_SHARDD(shardd_unshard(g, 1));
 	if (check_unsharded(a, g))
@@ -299,7 +294,6 @@ static int dying_main(void *arg)
 		.socket_path = a->rank ? node1_socket : world_.socket, .job = "dying", .rank = a->rank,
 		.replicate = 1, .shard = 2, .device = (int32_t)a->rank,
 	};
-	static float full[MAX_NUMEL];
 	struct shardd_group *g = NULL;
 	struct shardd_client *c = NULL;
 	const char *why;
@@ -309,12 +303,8 @@ static int dying_main(void *arg)
 	close(a->go_write);
 	CHILD_CHECK_CUDA(cudaSetDevice((int)a->rank));
 	CHILD_CHECK_SHARDD(shardd_connect(&o, &c));
-	CHILD_CHECK_SHARDD(shardd_group_register(c, "blocks", params, NPARAMS, NULL, &g));
-	for (uint32_t pi = 0; pi < NPARAMS; pi++) {
-		for (uint64_t i = 0; i < numel_of(&params[pi]); i++)
-			full[i] = (float)param_value(pi, i);
-		CHILD_CHECK_SHARDD(shardd_group_load_full(g, pi, full));
-	}
+	if (register_loaded(c, "blocks", params, NPARAMS, NULL, &g))
+		return 1;
 	CHILD_CHECK_SHARDD(shardd_unshard(g, 1));
 	CHILD_CHECK_SHARDD(shardd_reshard(g, 1));
 	CHILD_CHECK(write(a->ready_fd, &byte, 1) == 1, "tell the test the set-up is done");

@@ -43,7 +43,48 @@ def shardd_build():
     return os.environ.get("SHARDD_BUILD") or os.path.join(ROOT, "build")
 
 
-class Daemon:
+class _Stderr:
+    """A process whose stderr is read until it says it is ready, then
+    collected in self.lines by a thread."""
+
+    def _await_ready(self, ready, timeout, late, exited):
+        """self.proc's stderr until ready(the bytes so far), within timeout s;
+        then collected. Fails the test with `late` (after self.stop()) when the
+        time runs out, or with `exited` (a format of rc) when the process ends
+        first, each followed by the stderr read. Returns the text read."""
+        deadline = time.monotonic() + timeout
+        buf = b""
+        while not ready(buf):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.stop()
+                pytest.fail(f"{late}; stderr: {buf.decode(errors='replace')!r}")
+            r, _, _ = select.select([self.proc.stderr], [], [], left)
+            if not r:
+                continue
+            chunk = os.read(self.proc.stderr.fileno(), 65536)
+            if not chunk:
+                rc = self.proc.wait(timeout=10)
+                pytest.fail(f"{exited.format(rc=rc)}; stderr: {buf.decode(errors='replace')!r}")
+            buf += chunk
+        text = buf.decode(errors="replace")
+        self.lines.extend(text.splitlines())
+        self._drain = threading.Thread(target=self._drain_stderr, daemon=True)
+        self._drain.start()
+        return text
+
+    def _drain_stderr(self):
+        for line in self.proc.stderr:
+            self.lines.append(line.decode(errors="replace").rstrip("\n"))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+class Daemon(_Stderr):
     """A shardd process on a temporary socket; stderr is collected."""
 
     def __init__(self, extra_args=()):
@@ -55,32 +96,9 @@ class Daemon:
              "--collective-timeout", "20", *extra_args],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         want = f"shardd: ready on {self.socket}"
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        buf = b""
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                self.stop()
-                pytest.fail(f"shardd did not print {want!r} within {READY_TIMEOUT_S} s; "
-                            f"stderr: {buf.decode(errors='replace')!r}")
-            r, _, _ = select.select([self.proc.stderr], [], [], left)
-            if not r:
-                continue
-            chunk = os.read(self.proc.stderr.fileno(), 4096)
-            if not chunk:
-                rc = self.proc.wait(timeout=10)
-                pytest.fail(f"shardd exited with {rc} before it was ready; "
-                            f"stderr: {buf.decode(errors='replace')!r}")
-            buf += chunk
-            if want.encode() in buf:
-                break
-        self.lines.extend(buf.decode(errors="replace").splitlines())
-        self._drain = threading.Thread(target=self._drain_stderr, daemon=True)
-        self._drain.start()
-
-    def _drain_stderr(self):
-        for line in self.proc.stderr:
-            self.lines.append(line.decode(errors="replace").rstrip("\n"))
+        self._await_ready(lambda buf: want.encode() in buf, READY_TIMEOUT_S,
+                          f"shardd did not print {want!r} within {READY_TIMEOUT_S} s",
+                          "shardd exited with {rc} before it was ready")
 
     def stop(self):
         if self.proc.poll() is None:
@@ -91,12 +109,6 @@ class Daemon:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
         self.dir.cleanup()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.stop()
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +176,7 @@ needs_mpirun = pytest.mark.skipif(shutil.which("mpirun") is None,
                                   reason="mpirun (openmpi-bin) is not installed: make deps")
 
 
-class World:
+class World(_Stderr):
     """`nodes` shardd daemons under one mpirun (`--world mpi`, docs/MULTINODE.md),
     node k on socket dir/node.k; a context manager that stops them on exit."""
 
@@ -183,38 +195,16 @@ class World:
                shardd_bin(), self.dir.name, *extra_args]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, start_new_session=True)
-        deadline = time.monotonic() + WORLD_READY_TIMEOUT_S
-        buf = b""
-        while not self._ready(buf):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                self.stop()
-                pytest.fail(f"{nodes} daemons were not ready within {WORLD_READY_TIMEOUT_S} s; "
-                            f"stderr: {buf.decode(errors='replace')!r}")
-            r, _, _ = select.select([self.proc.stderr], [], [], left)
-            if not r:
-                continue
-            chunk = os.read(self.proc.stderr.fileno(), 65536)
-            if not chunk:
-                rc = self.proc.wait(timeout=10)
-                pytest.fail(f"mpirun exited with {rc} before the daemons were ready; "
-                            f"stderr: {buf.decode(errors='replace')!r}")
-            buf += chunk
-        text = buf.decode(errors="replace")
-        self.lines.extend(text.splitlines())
+        text = self._await_ready(self._ready, WORLD_READY_TIMEOUT_S,
+                                 f"{nodes} daemons were not ready within {WORLD_READY_TIMEOUT_S} s",
+                                 "mpirun exited with {rc} before the daemons were ready")
         for m in re.finditer(r"shardd\[(\d+)\] info: world: node (\d+) of (\d+) nodes", text):
             assert int(m.group(3)) == nodes
             self.pids[int(m.group(2))] = int(m.group(1))
         assert sorted(self.pids) == list(range(nodes)), text
-        self._drain = threading.Thread(target=self._drain_stderr, daemon=True)
-        self._drain.start()
 
     def _ready(self, buf):
         return all(f"shardd: ready on {self.socket(k)}".encode() in buf for k in range(self.nodes))
-
-    def _drain_stderr(self):
-        for line in self.proc.stderr:
-            self.lines.append(line.decode(errors="replace").rstrip("\n"))
 
     def wait_gone(self, node, timeout=10):
         """Until node's daemon has exited (a zombie of mpirun's counts): the
@@ -245,12 +235,6 @@ class World:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=10)
         self.dir.cleanup()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.stop()
 
 
 def attach(server, request, rank, replicate, shard):

@@ -19,6 +19,7 @@
 #include "shardd_cuda_kernels.h"
 #include "shardd_kernels.h"
 #include "shardd_proto.h"
+#include "xorshift.h"
 
 static const uint32_t dtypes[] = { SHARDD_DTYPE_FP32, SHARDD_DTYPE_BF16, SHARDD_DTYPE_FP16 };
 
@@ -26,10 +27,7 @@ static uint64_t rng_state = 0x243f6a8885a308d3ull;
 
 static uint64_t rng(void)
 {
-	rng_state ^= rng_state >> 12;
-	rng_state ^= rng_state << 25;
-	rng_state ^= rng_state >> 27;
-	return rng_state * 0x2545f4914f6cdd1dull;
+	return xorshift64s(&rng_state);
 }
 
 static void require_device(void)

@@ -23,20 +23,12 @@
 #include <unistd.h>
 
 #include "harness.h"
+#include "inproc.h"
 #include "reference.h"
 #include "shardd.h"
 
 /* The most elements of a param (and of a shard) the suites register. */
 #define MAX_NUMEL 4096
-
-static inline uint64_t numel_of(const struct shardd_param_desc *p)
-{
-	uint64_t n = 1;
-
-	for (uint32_t d = 0; d < p->ndim; d++)
-		n *= p->shape[d];
-	return n;
-}
 
 static inline struct ref_param ref_of(const struct shardd_param_desc *p)
 {
@@ -66,7 +58,7 @@ static inline int register_loaded(struct shardd_client *c, const char *name, con
 
 	CHILD_CHECK_SHARDD(shardd_group_register(c, name, params, nparams, policy, g));
 	for (uint32_t pi = 0; pi < nparams; pi++) {
-		uint64_t n = numel_of(&params[pi]);
+		uint64_t n = inproc_numel(&params[pi]);
 
 		CHILD_CHECK(n <= MAX_NUMEL, "param %u: %llu elements", pi, (unsigned long long)n);
 		for (uint64_t i = 0; i < n; i++)
@@ -81,7 +73,7 @@ static inline int check_unsharded_param(const char *who, uint32_t pi, const stru
 					uint32_t udt, const struct shardd_param_layout *l, const void *dev)
 {
 	static uint8_t host[MAX_NUMEL * 4];
-	uint64_t n = numel_of(p);
+	uint64_t n = inproc_numel(p);
 
 	CHILD_CHECK(l->unsharded_bytes == n * ref_dtype_size(udt) && l->unsharded_bytes <= sizeof(host),
 		    "param %u: %llu unsharded bytes", pi, (unsigned long long)l->unsharded_bytes);
@@ -101,7 +93,7 @@ static inline int write_grad_param(uint32_t rank, uint32_t pi, const struct shar
 				   void *dev)
 {
 	static uint8_t host[MAX_NUMEL * 4];
-	uint64_t n = numel_of(p);
+	uint64_t n = inproc_numel(p);
 
 	CHILD_CHECK(n <= MAX_NUMEL, "param %u: %llu elements", pi, (unsigned long long)n);
 	for (uint64_t i = 0; i < n; i++)
@@ -123,7 +115,7 @@ static inline int check_shard_grad_param(const char *who, uint32_t pi, const str
 	static double sum[MAX_NUMEL], mag[MAX_NUMEL], want[MAX_NUMEL], wmag[MAX_NUMEL];
 	static float got[MAX_NUMEL];
 	struct ref_param rp = ref_of(p);
-	uint64_t n = numel_of(p);
+	uint64_t n = inproc_numel(p);
 	struct ref_dims d;
 
 	ref_dims(&rp, shard, &d);

@@ -83,15 +83,6 @@ static void finish(struct fixture *f)
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
 
-static uint64_t numel_of(const struct shardd_param_desc *d)
-{
-	uint64_t n = 1;
-
-	for (uint32_t k = 0; k < d->ndim; k++)
-		n *= d->shape[k];
-	return n;
-}
-
 /* Elements of real data in the rank's shard of param i (a prefix of it). */
 static uint64_t valid_numel(const struct shardd_group *g, uint32_t i)
 {
@@ -208,7 +199,7 @@ static const float *st_tensor(struct st *s, const char *name, const struct shard
 	off = json_object_get(e, "data_offsets");
 	b = (uint64_t)json_integer_value(json_array_get(off, 0));
 	en = (uint64_t)json_integer_value(json_array_get(off, 1));
-	cr_assert_eq(en - b, numel_of(d) * sizeof(float), "%s bytes", name);
+	cr_assert_eq(en - b, inproc_numel(d) * sizeof(float), "%s bytes", name);
 	cr_assert(s->data + en <= s->len);
 	return (const float *)(s->bytes + s->data + b);
 }
@@ -289,7 +280,7 @@ static void expect_checkpoint(struct fixture *f, struct inproc_ref *ref, const c
 
 		for (int r = 0; r < WORLD; r++)
 			sh[r] = shardd_group_shard(f->g[r], i);
-		for (uint64_t e = 0; e < numel_of(&params[i]); e++)
+		for (uint64_t e = 0; e < inproc_numel(&params[i]); e++)
 			cr_assert_eq(memcmp(&t[e], &(float){ full_elem(i, sh, e, f) }, 4), 0,
 				     "param '%s'[%llu] = %.9g in the file, %.9g in the ranks' shards", params[i].name,
 				     (unsigned long long)e, t[e], full_elem(i, sh, e, f));
@@ -300,7 +291,7 @@ static void expect_checkpoint(struct fixture *f, struct inproc_ref *ref, const c
 			t = st_tensor(&optim, name, &params[i]);
 			for (int r = 0; r < WORLD; r++)
 				sh[r] = ref->s[r][i][k];
-			for (uint64_t e = 0; e < numel_of(&params[i]); e++)
+			for (uint64_t e = 0; e < inproc_numel(&params[i]); e++)
 				cr_assert_eq(memcmp(&t[e], &(float){ full_elem(i, sh, e, f) }, 4), 0,
 					     "'%s'[%llu] = %.9g in the file, reference %.9g", name,
 					     (unsigned long long)e, t[e], full_elem(i, sh, e, f));
@@ -617,7 +608,7 @@ Test(checkpoint, snapshot_holds_the_boundary_while_the_next_step_runs, .timeout 
 
 		for (int rk = 0; rk < WORLD; rk++)
 			sh[rk] = before[rk][i];
-		for (uint64_t e = 0; e < numel_of(&params[i]); e++) {
+		for (uint64_t e = 0; e < inproc_numel(&params[i]); e++) {
 			float want = full_elem(i, sh, e, &f);
 
 			cr_assert_eq(memcmp(&t[e], &want, 4), 0, "param '%s'[%llu] = %.9g, at step 2 %.9g",
@@ -626,7 +617,7 @@ Test(checkpoint, snapshot_holds_the_boundary_while_the_next_step_runs, .timeout 
 		for (int rk = 0; rk < WORLD; rk++)
 			for (uint64_t e = 0; e < valid_numel(f.g[rk], i); e++)
 				moved |= ((float *)shardd_group_shard(f.g[rk], i))[e] != before[rk][i][e];
-		cr_assert(moved || !numel_of(&params[i]), "step 3 did not move param '%s'", params[i].name);
+		cr_assert(moved || !inproc_numel(&params[i]), "step 3 did not move param '%s'", params[i].name);
 	}
 	st_close(&model);
 	r = ctl_checkpoints(&f);

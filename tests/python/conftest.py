@@ -118,6 +118,16 @@ def daemon():
     d.stop()
 
 
+@pytest.fixture(scope="module")
+def state_daemon():
+    """A shardd with --state-dir (its path in .state), for checkpoints."""
+    state = tempfile.TemporaryDirectory(prefix="shardd-py-state-")
+    with Daemon(("--state-dir", state.name)) as d:
+        d.state = state.name
+        yield d
+    state.cleanup()
+
+
 class TestTimeout(Exception):
     pass
 

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import shardd
-from conftest import ROOT, Daemon, job_name, run_ranks
+from conftest import ROOT, job_name, run_ranks
 
 WORLD = 2
 SPECS = [("w", "float32", (9, 5)), ("b", "float32", (7,)), ("c", "float32", (3, 4), 1)]
@@ -40,16 +40,6 @@ def in_venv(code, *args):
     r = subprocess.run([venv_python(), "-c", code, *args], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     return r.stdout
-
-
-@pytest.fixture(scope="module")
-def state_daemon():
-    state = tempfile.TemporaryDirectory(prefix="shardd-py-state-")
-    d = Daemon(("--state-dir", state.name))
-    d.state = state.name
-    yield d
-    d.stop()
-    state.cleanup()
 
 
 def full(groups, i, spec):

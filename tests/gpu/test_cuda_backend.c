@@ -43,8 +43,6 @@ static uint64_t rng(void)
 	return xorshift64s(&rng_state);
 }
 
-#define CUDA_OK(call) cr_assert_eq((call), cudaSuccess, "%s failed", #call)
-
 /* Wait for the cuda backend's work on the device of `buf`. */
 static int cuda_sync_one(const struct shd_buf *buf)
 {

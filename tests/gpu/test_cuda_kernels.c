@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "harness.h"
 #include "shardd_cuda_kernels.h"
 #include "shardd_kernels.h"
 #include "shardd_proto.h"
@@ -37,8 +38,6 @@ static void require_device(void)
 	if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0)
 		cr_skip_test("no CUDA device visible");
 }
-
-#define CUDA_OK(call) cr_assert_eq((call), cudaSuccess, "%s failed", #call)
 
 static void *dev_alloc(size_t bytes)
 {

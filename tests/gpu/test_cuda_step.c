@@ -26,6 +26,7 @@
 #include "backend.h"
 #include "backend_cuda.h"
 #include "cudapair.h"
+#include "harness.h"
 #include "layout.h"
 #include "pool.h"
 #include "shardd_kernels.h"
@@ -46,8 +47,6 @@ static uint64_t rng(void)
 {
 	return xorshift64s(&rng_state);
 }
-
-#define CUDA_OK(call) cr_assert_eq((call), cudaSuccess, "%s failed", #call)
 
 static void setup(void)
 {

@@ -199,6 +199,9 @@ void harness_rm_tree(const char *path);
 		CHILD_CHECK(e_ == cudaSuccess, "%s: %s", #call, cudaGetErrorString(e_)); \
 	} while (0)
 
+/* cr_assert of a CUDA runtime call in the test process, naming the call. */
+#define CUDA_OK(call) cr_assert_eq((call), cudaSuccess, "%s failed", #call)
+
 /*
  * GPUs visible to CUDA, counted in a child process: a process that
  * initialises CUDA cannot hand it to the children it forks, so tests that

@@ -337,13 +337,11 @@ Test(checkpoint, writes_full_params_and_optimizer_state_as_safetensors, .timeout
 	/* The metrics report it: its step, and every byte of its two files. */
 	{
 		char path[512], out[65536], want[160];
-		const char *argv[] = { path, "--socket", f.hd.socket, "metrics", NULL };
 		struct stat a, b;
-		int status;
 
-		cr_assert(getenv("SHARDD_BUILD"), "SHARDD_BUILD is not set: run through make test");
-		snprintf(path, sizeof(path), "%s/shardctl", getenv("SHARDD_BUILD"));
-		cr_assert_eq(harness_run(argv, 10000, &status, out, sizeof(out)), 0);
+		cr_assert_eq(harness_shardctl(f.hd.socket, (const char *const[]){ "metrics", NULL }, 10000, out,
+					      sizeof(out)),
+			     0, "shardctl metrics: %s", out);
 		cr_assert(strstr(out, "shardd_checkpoint_last_step{job=\"ck\"} 2\n"), "%s", out);
 		cr_assert(strstr(out, "shardd_checkpoint_last_failed{job=\"ck\"} 0\n"), "%s", out);
 		snprintf(path, sizeof(path), "%s/ck/step-000000000002/model.safetensors", f.state);
@@ -457,17 +455,10 @@ static int ctl_checkpoint_main(void *p)
 /* shardctl --json checkpoints ck: the parsed reply. */
 static json_t *ctl_checkpoints(const struct fixture *f)
 {
-	char path[512], out[8192];
-	const char *argv[] = { path, "--socket", f->hd.socket, "--json", "checkpoints", "ck", NULL };
-	int status;
-	json_t *r;
+	char out[8192];
 
-	snprintf(path, sizeof(path), "%s/shardctl", getenv("SHARDD_BUILD"));
-	cr_assert_eq(harness_run(argv, 10000, &status, out, sizeof(out)), 0);
-	cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "shardctl checkpoints: %s", out);
-	r = json_loads(out, 0, NULL);
-	cr_assert(r, "%s", out);
-	return r;
+	return harness_shardctl_json(f->hd.socket, (const char *const[]){ "checkpoints", "ck", NULL }, 10000, out,
+				     sizeof(out));
 }
 
 Test(checkpoint, shardctl_checkpoint_waits_for_the_next_step_boundary, .timeout = 60)

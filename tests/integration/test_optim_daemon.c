@@ -678,19 +678,12 @@ Test(optim_daemon, a_reduce_with_the_step_flag_steps_each_shard_after_reducing, 
 static json_t *dump_json(struct fixture *f, const char *param, const char *rank, const char *what, char *out,
 			 size_t len)
 {
-	char path[4096];
-	const char *build = getenv("SHARDD_BUILD");
-	const char *argv[] = { path, "--socket", f->hd.socket, "--json", "dump", "layer", param, "--rank", rank,
-			       "--what", what, "--limit", "100", NULL };
+	const char *args[] = { "--json", "dump", "layer", param, "--rank", rank, "--what", what, "--limit", "100",
+			       NULL };
 	json_error_t jerr;
 	json_t *j;
-	int status;
 
-	cr_assert(build, "SHARDD_BUILD is not set: run through make test");
-	snprintf(path, sizeof(path), "%s/shardctl", build);
-	cr_assert_eq(harness_run(argv, 20000, &status, out, len), 0);
-	cr_assert(WIFEXITED(status), "shardctl: %s", harness_status_str(status));
-	if (WEXITSTATUS(status))
+	if (harness_shardctl(f->hd.socket, args, 20000, out, len))
 		return NULL;
 	j = json_loads(out, 0, &jerr);
 	cr_assert_not_null(j, "shardctl output does not parse (%s):\n%s", jerr.text, out);
@@ -739,16 +732,9 @@ Test(optim_daemon, shardctl_dumps_the_optimizer_state_of_a_shard, .timeout = 60)
 
 	/* The state is counted: two shard-sized fp32 buffers per rank (AdamW), in status's memory. */
 	{
-		char path[4096];
-		const char *argv[] = { path, "--socket", f.hd.socket, "--json", "status", NULL };
-		json_error_t jerr;
 		uint64_t want = WORLD * 2 * shardd_group_info(f.reg[0].g)->shard_size;
-		int status;
 
-		snprintf(path, sizeof(path), "%s/shardctl", getenv("SHARDD_BUILD"));
-		cr_assert_eq(harness_run(argv, 20000, &status, out, sizeof(out)), 0);
-		j = json_loads(out, 0, &jerr);
-		cr_assert_not_null(j, "status output does not parse (%s):\n%s", jerr.text, out);
+		j = harness_shardctl_json(f.hd.socket, (const char *const[]){ "status", NULL }, 20000, out, sizeof(out));
 		cr_assert_eq((uint64_t)json_integer_value(json_object_get(json_object_get(j, "memory"), "optimizer")),
 			     want, "%s", out);
 		json_decref(j);

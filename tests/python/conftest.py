@@ -247,26 +247,27 @@ class World(_Stderr):
         self.dir.cleanup()
 
 
-def attach(server, request, rank, replicate, shard):
-    """Rank `rank` of mesh replicate x shard of the test's job on `server`: a
-    World (the daemon of the rank's node) or a Daemon."""
+def attach(server, request, rank, replicate, shard, suffix="", **kw):
+    """Rank `rank` of mesh replicate x shard of the test's job (its name and
+    `suffix`) on `server`: a World (the daemon of the rank's node) or a
+    Daemon; kw to shardd.Client."""
     import shardd  # here, not at the top: conftest serves suites that run without the client
     if isinstance(server, World):
         socket = server.socket(rank // (replicate * shard // server.nodes))
     else:
         socket = server.socket
-    return shardd.Client(job=job_name(request), rank=rank, shard=shard, replicate=replicate,
-                         socket_path=socket)
+    return shardd.Client(job=job_name(request) + suffix, rank=rank, shard=shard, replicate=replicate,
+                         socket_path=socket, **kw)
 
 
 @contextlib.contextmanager
-def attached(request, server, replicate, shard, ranks=None):
+def attached(request, server, replicate, shard, ranks=None, suffix=""):
     """The clients of `ranks` (every rank of the mesh by default) attached as
     attach() does, in rank order; each one attached is closed on exit."""
     clients = []
     try:
         for r in range(replicate * shard) if ranks is None else ranks:
-            clients.append(attach(server, request, r, replicate, shard))
+            clients.append(attach(server, request, r, replicate, shard, suffix))
         yield clients
     finally:
         for c in clients:

@@ -95,11 +95,9 @@ static uint64_t valid_numel(const struct shardd_group *g, uint32_t i)
 	return inproc_valid_numel(g, params, i);
 }
 
-/* Every rank writes random grads and the reduce of `step` runs on both rings. */
-static void reduce_step(struct fixture *f, uint64_t step, int poison)
+/* Random grads in every rank's grad buffers; with `poison`, rank 0's first element of param 0 NaN. */
+static void write_grads(struct fixture *f, int poison)
 {
-	struct shardd_group *g[WORLD];
-
 	for (int r = 0; r < WORLD; r++)
 		for (uint32_t i = 0; i < NP; i++) {
 			float *gr = shardd_group_grad(f->reg[r].g, i);
@@ -110,6 +108,14 @@ static void reduce_step(struct fixture *f, uint64_t step, int poison)
 			if (poison && r == 0 && i == 0)
 				gr[0] = NAN;
 		}
+}
+
+/* Every rank writes random grads and the reduce of `step` runs on both rings. */
+static void reduce_step(struct fixture *f, uint64_t step, int poison)
+{
+	struct shardd_group *g[WORLD];
+
+	write_grads(f, poison);
 	for (int r = 0; r < WORLD; r++)
 		g[r] = f->reg[r].g;
 	inproc_reduce(f->c, g, WORLD, step, 0);
@@ -575,14 +581,7 @@ static void reduce_and_step(struct fixture *f, struct inproc_ref *ref, const str
 	struct shardd_completion cp;
 	float *sum[WORLD][NP];
 
-	for (int r = 0; r < WORLD; r++)
-		for (uint32_t i = 0; i < NP; i++) {
-			float *gr = shardd_group_grad(f->reg[r].g, i);
-			uint64_t n = shardd_group_layout(f->reg[r].g, i)->grad_bytes / sizeof(float);
-
-			for (uint64_t e = 0; e < n; e++)
-				gr[e] = rnd();
-		}
+	write_grads(f, 0);
 	/* The reference's sharded grads: fp32 sum in rank order, divided by the world (fp32 AVG). */
 	for (int r = 0; r < WORLD; r++)
 		for (uint32_t i = 0; i < NP; i++) {

@@ -1,10 +1,11 @@
 # SPDX-License-Identifier: MIT
-"""Fixtures for the Python client suites: a real shardd per test module, a
-per-test timeout (signal.alarm: pytest-timeout is not in Debian's default
-install), and a helper that runs one thread per rank with a join timeout.
-For jobs across nodes: a World of daemons under mpirun, clients attached
-each to its node's daemon and closed on the way out, and shardctl's JSON
-views of a daemon."""
+"""Fixtures and helpers for the Python client suites: a real shardd per
+test module (plain, or with a --state-dir), a per-test timeout
+(signal.alarm: pytest-timeout is not in Debian's default install), a helper
+that runs one thread per rank with a join timeout, a World of daemons under
+mpirun for jobs across nodes, the clients of a test's job attached (on a
+World, each to its node's daemon) and closed on the way out, and shardctl's
+JSON views of a daemon."""
 
 import contextlib
 import json

@@ -27,6 +27,7 @@
 #include "layout.h"
 #include "pool.h"
 #include "shardd_kernels.h"
+#include "xorshift.h"
 
 #define WORLD 3
 /* The daemon's default collective timeout: bounds waits on NCCL, which these single-device tests never use. */
@@ -39,13 +40,8 @@ static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
 
 static uint64_t rng(void)
 {
-	rng_state ^= rng_state >> 12;
-	rng_state ^= rng_state << 25;
-	rng_state ^= rng_state >> 27;
-	return rng_state * 0x2545f4914f6cdd1dull;
+	return xorshift64s(&rng_state);
 }
-
-#define CUDA_OK(call) cr_assert_eq((call), cudaSuccess, "%s failed", #call)
 
 /* Wait for the cuda backend's work on the device of `buf`. */
 static int cuda_sync_one(const struct shd_buf *buf)

@@ -16,9 +16,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "harness.h"
 #include "shardd_cuda_kernels.h"
 #include "shardd_kernels.h"
 #include "shardd_proto.h"
+#include "xorshift.h"
 
 static const uint32_t dtypes[] = { SHARDD_DTYPE_FP32, SHARDD_DTYPE_BF16, SHARDD_DTYPE_FP16 };
 
@@ -26,10 +28,7 @@ static uint64_t rng_state = 0x243f6a8885a308d3ull;
 
 static uint64_t rng(void)
 {
-	rng_state ^= rng_state >> 12;
-	rng_state ^= rng_state << 25;
-	rng_state ^= rng_state >> 27;
-	return rng_state * 0x2545f4914f6cdd1dull;
+	return xorshift64s(&rng_state);
 }
 
 static void require_device(void)
@@ -39,8 +38,6 @@ static void require_device(void)
 	if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0)
 		cr_skip_test("no CUDA device visible");
 }
-
-#define CUDA_OK(call) cr_assert_eq((call), cudaSuccess, "%s failed", #call)
 
 static void *dev_alloc(size_t bytes)
 {

@@ -26,9 +26,11 @@
 #include "backend.h"
 #include "backend_cuda.h"
 #include "cudapair.h"
+#include "harness.h"
 #include "layout.h"
 #include "pool.h"
 #include "shardd_kernels.h"
+#include "xorshift.h"
 
 #define WORLD   3
 #define K_STEPS 5
@@ -43,13 +45,8 @@ static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
 
 static uint64_t rng(void)
 {
-	rng_state ^= rng_state >> 12;
-	rng_state ^= rng_state << 25;
-	rng_state ^= rng_state >> 27;
-	return rng_state * 0x2545f4914f6cdd1dull;
+	return xorshift64s(&rng_state);
 }
-
-#define CUDA_OK(call) cr_assert_eq((call), cudaSuccess, "%s failed", #call)
 
 static void setup(void)
 {

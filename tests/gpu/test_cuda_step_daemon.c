@@ -39,8 +39,6 @@ static const struct shardd_param_desc params[NP] = {
 	{ .name = "c", .dtype = SHARDD_DTYPE_FP32, .ndim = 2, .shard_dim = 1, .shape = { 4, 6 } },
 };
 
-#define CUDA_OK(call) cr_assert_eq((call), cudaSuccess, "%s failed", #call)
-
 struct fixture {
 	struct harness_daemon hd;
 	struct shardd_client *c[WORLD];

@@ -32,7 +32,6 @@
 #define _GNU_SOURCE
 #include <criterion/criterion.h>
 #include <cuda_runtime.h>
-#include <math.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -40,12 +39,11 @@
 #include <sys/wait.h>
 
 #include "harness.h"
-#include "reference.h"
+#include "nccl_checks.h"
 #include "shardd.h"
 
 #define CHILD_WAIT_MS 180000
 #define MAX_RANKS     4
-#define MAX_NUMEL     4096
 
 static struct harness_daemon daemon_;
 
@@ -109,35 +107,6 @@ static const struct shardd_param_desc half_params[] = {
 static const struct tgroup dense = { "dense", dense_params, 2, { .param_dtype = 0 } };
 static const struct tgroup half = { "half", half_params, 1, { .param_dtype = SHARDD_DTYPE_BF16 } };
 
-static uint64_t numel_of(const struct shardd_param_desc *p)
-{
-	uint64_t n = 1;
-
-	for (uint32_t d = 0; d < p->ndim; d++)
-		n *= p->shape[d];
-	return n;
-}
-
-static struct ref_param ref_of(const struct shardd_param_desc *p)
-{
-	struct ref_param r = { .ndim = p->ndim, .shard_dim = p->shard_dim, .dtype = p->dtype };
-
-	memcpy(r.shape, p->shape, sizeof(p->shape));
-	return r;
-}
-
-/* The registered value of element i of param `pi` (representable in fp32). */
-static double param_value(uint32_t pi, uint64_t i)
-{
-	return ref_round(3.0 * sin(0.01 * (double)i + pi), SHARDD_DTYPE_FP32);
-}
-
-/* Rank r's grad of element i of param `pi`, representable in `dtype`. */
-static double grad_value(uint32_t pi, uint32_t r, uint64_t i, uint32_t dtype)
-{
-	return ref_round((r + 1) * cos(0.013 * (double)i + 0.7 * r + pi), dtype);
-}
-
 /* ------------------------------------------------------------------ */
 /* Rank processes                                                      */
 /* ------------------------------------------------------------------ */
@@ -154,24 +123,15 @@ struct rank_args {
 /* Every element of every param of `g` as gathered: the registered values, cast to the unsharded dtype. */
 static int check_unsharded(const struct rank_args *a, const struct tgroup *tg, struct shardd_group *g)
 {
-	static uint8_t host[MAX_NUMEL * 4];
+	char who[96];
 
+	snprintf(who, sizeof(who), "rank %u group '%s'", a->rank, tg->name);
 	for (uint32_t pi = 0; pi < tg->nparams; pi++) {
-		const struct shardd_param_layout *l = shardd_group_layout(g, pi);
 		uint32_t udt = tg->policy.param_dtype ? tg->policy.param_dtype : tg->params[pi].dtype;
-		uint64_t n = numel_of(&tg->params[pi]);
 
-		CHILD_CHECK(l->unsharded_bytes == n * ref_dtype_size(udt) && l->unsharded_bytes <= sizeof(host),
-			    "param %u: %llu unsharded bytes", pi, (unsigned long long)l->unsharded_bytes);
-		CHILD_CHECK_CUDA(cudaMemcpy(host, shardd_group_unsharded(g, pi), l->unsharded_bytes,
-				            cudaMemcpyDeviceToHost));
-		for (uint64_t i = 0; i < n; i++) {
-			double got = ref_load(host + i * ref_dtype_size(udt), udt);
-			double want = ref_round(param_value(pi, i), udt);
-
-			CHILD_CHECK(got == want, "rank %u group '%s' param %u element %llu: unsharded %g, want %g",
-				    a->rank, tg->name, pi, (unsigned long long)i, got, want);
-		}
+		if (check_unsharded_param(who, pi, &tg->params[pi], udt, shardd_group_layout(g, pi),
+					  shardd_group_unsharded(g, pi)))
+			return 1;
 	}
 	return 0;
 }
@@ -179,16 +139,11 @@ static int check_unsharded(const struct rank_args *a, const struct tgroup *tg, s
 /* This rank's grads of every param of `g`, written to its grad buffer. */
 static int write_grads(const struct rank_args *a, const struct tgroup *tg, struct shardd_group *g)
 {
-	static uint8_t host[MAX_NUMEL * 4];
-
 	for (uint32_t pi = 0; pi < tg->nparams; pi++) {
 		uint32_t gdt = tg->policy.param_dtype ? tg->policy.param_dtype : tg->params[pi].dtype;
-		uint64_t n = numel_of(&tg->params[pi]);
 
-		for (uint64_t i = 0; i < n; i++)
-			ref_store(host + i * ref_dtype_size(gdt), gdt, grad_value(pi, a->rank, i, gdt));
-		CHILD_CHECK_CUDA(cudaMemcpy(shardd_group_grad(g, pi), host, n * ref_dtype_size(gdt),
-				            cudaMemcpyHostToDevice));
+		if (write_grad_param(a->rank, pi, &tg->params[pi], gdt, shardd_group_grad(g, pi)))
+			return 1;
 	}
 	return 0;
 }
@@ -201,44 +156,17 @@ static int write_grads(const struct rank_args *a, const struct tgroup *tg, struc
 static int check_sharded_grads(const struct rank_args *a, const struct tgroup *tg, struct shardd_group *g,
 			       uint32_t steps)
 {
-	static double sum[MAX_NUMEL], mag[MAX_NUMEL], want[MAX_NUMEL], wmag[MAX_NUMEL];
-	static float got[MAX_NUMEL];
-	uint32_t world = a->replicate * a->shard, s = a->rank % a->shard;
+	char who[96];
 
+	snprintf(who, sizeof(who), "rank %u group '%s'", a->rank, tg->name);
 	for (uint32_t pi = 0; pi < tg->nparams; pi++) {
-		const struct shardd_param_layout *l = shardd_group_layout(g, pi);
-		struct ref_param rp = ref_of(&tg->params[pi]);
 		uint32_t gdt = tg->policy.param_dtype ? tg->policy.param_dtype : tg->params[pi].dtype;
 		uint32_t rd = tg->policy.reduce_dtype ? tg->policy.reduce_dtype : gdt;
-		uint64_t n = numel_of(&tg->params[pi]);
-		struct ref_dims d;
 
-		ref_dims(&rp, a->shard, &d);
-		CHILD_CHECK(l->shard_bytes == d.shard_numel * 4 && d.shard_numel <= MAX_NUMEL,
-			    "param %u: %llu shard bytes", pi, (unsigned long long)l->shard_bytes);
-		for (uint64_t i = 0; i < n; i++) {
-			sum[i] = mag[i] = 0;
-			for (uint32_t r = 0; r < world; r++) {
-				sum[i] += grad_value(pi, r, i, gdt);
-				mag[i] += fabs(grad_value(pi, r, i, gdt));
-			}
-		}
-		ref_shard(&d, s, sum, want);
-		ref_shard(&d, s, mag, wmag);
-		CHILD_CHECK_CUDA(cudaMemcpy(got, shardd_group_shard_grad(g, pi), l->shard_bytes, cudaMemcpyDeviceToHost));
-		for (uint64_t j = 0; j < d.shard_numel; j++) {
-			/* Shard rows past the param's last row (dim 0) are padding. */
-			int pad = d.outer == 1 && j / d.inner >= ref_rows_valid(&d, s);
-			double w = pad ? 0 : steps * want[j] / world;
-			double tol = pad ? 0
-					 : (double)world * steps * ref_ulp(steps * wmag[j], rd) +
-					   steps * ref_ulp(fabs(w), SHARDD_DTYPE_FP32);
-
-			CHILD_CHECK(fabs((double)got[j] - w) <= tol,
-				    "rank %u group '%s' param %u shard element %llu%s: %.9g, want %.9g within %.3g",
-				    a->rank, tg->name, pi, (unsigned long long)j, pad ? " (padding)" : "",
-				    (double)got[j], w, tol);
-		}
+		if (check_shard_grad_param(who, pi, &tg->params[pi], gdt, rd, a->shard, a->rank % a->shard,
+					   a->replicate * a->shard, steps, shardd_group_layout(g, pi),
+					   shardd_group_shard_grad(g, pi)))
+			return 1;
 	}
 	return 0;
 }
@@ -250,7 +178,6 @@ static int rank_main(void *arg)
 		.socket_path = daemon_.socket, .job = a->job, .rank = a->rank, .replicate = a->replicate,
 		.shard = a->shard, .device = a->device,
 	};
-	static float full[MAX_NUMEL];
 	struct shardd_group *g[2] = { NULL, NULL };
 	struct shardd_client *c = NULL;
 
@@ -259,12 +186,8 @@ static int rank_main(void *arg)
 	for (uint32_t k = 0; k < a->ngroups; k++) {
 		const struct tgroup *tg = a->groups[k];
 
-		CHILD_CHECK_SHARDD(shardd_group_register(c, tg->name, tg->params, tg->nparams, &tg->policy, &g[k]));
-		for (uint32_t pi = 0; pi < tg->nparams; pi++) {
-			for (uint64_t i = 0; i < numel_of(&tg->params[pi]); i++)
-				full[i] = (float)param_value(pi, i);
-			CHILD_CHECK_SHARDD(shardd_group_load_full(g[k], pi, full));
-		}
+		if (register_loaded(c, tg->name, tg->params, tg->nparams, &tg->policy, &g[k]))
+			return 1;
 	}
 	for (uint32_t k = 0; k < a->ngroups; k++) {
 		CHILD_CHECK_SHARDD(shardd_unshard(g[k], 1));

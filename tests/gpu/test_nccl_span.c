@@ -35,7 +35,6 @@
 #define _GNU_SOURCE
 #include <criterion/criterion.h>
 #include <cuda_runtime.h>
-#include <math.h>
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
@@ -47,12 +46,11 @@
 #include <unistd.h>
 
 #include "harness.h"
-#include "reference.h"
+#include "nccl_checks.h"
 #include "shardd.h"
 
 #define CHILD_WAIT_MS 240000
 #define READY_MS      120000
-#define MAX_NUMEL     4096
 
 /* mpirun's process: the harness starts it as the "daemon", its log holds both daemons' output. */
 static struct harness_daemon world_;
@@ -145,25 +143,6 @@ static const struct shardd_param_desc params[] = {
 };
 #define NPARAMS 2
 
-static uint64_t numel_of(const struct shardd_param_desc *p)
-{
-	uint64_t n = 1;
-
-	for (uint32_t d = 0; d < p->ndim; d++)
-		n *= p->shape[d];
-	return n;
-}
-
-static double param_value(uint32_t pi, uint64_t i)
-{
-	return ref_round(3.0 * sin(0.01 * (double)i + pi), SHARDD_DTYPE_FP32);
-}
-
-static double grad_value(uint32_t pi, uint32_t r, uint64_t i)
-{
-	return ref_round((r + 1) * cos(0.013 * (double)i + 0.7 * r + pi), SHARDD_DTYPE_FP32);
-}
-
 /* ------------------------------------------------------------------ */
 /* Rank processes                                                      */
 /* ------------------------------------------------------------------ */
@@ -177,77 +156,35 @@ struct rank_args {
 
 static int check_unsharded(const struct rank_args *a, struct shardd_group *g)
 {
-	static float host[MAX_NUMEL];
+	char who[32];
 
-	for (uint32_t pi = 0; pi < NPARAMS; pi++) {
-		const struct shardd_param_layout *l = shardd_group_layout(g, pi);
-		uint64_t n = numel_of(&params[pi]);
-
-		CHILD_CHECK(l->unsharded_bytes == n * 4 && n <= MAX_NUMEL, "param %u: %llu unsharded bytes", pi,
-			    (unsigned long long)l->unsharded_bytes);
-		CHILD_CHECK_CUDA(cudaMemcpy(host, shardd_group_unsharded(g, pi), l->unsharded_bytes, cudaMemcpyDeviceToHost));
-		for (uint64_t i = 0; i < n; i++)
-			CHILD_CHECK((double)host[i] == param_value(pi, i),
-				    "rank %u param %u element %llu: unsharded %g, want %g", a->rank, pi,
-				    (unsigned long long)i, (double)host[i], param_value(pi, i));
-	}
+	snprintf(who, sizeof(who), "rank %u", a->rank);
+	for (uint32_t pi = 0; pi < NPARAMS; pi++)
+		if (check_unsharded_param(who, pi, &params[pi], SHARDD_DTYPE_FP32, shardd_group_layout(g, pi),
+					  shardd_group_unsharded(g, pi)))
+			return 1;
 	return 0;
 }
 
 static int write_grads(const struct rank_args *a, struct shardd_group *g)
 {
-	static float host[MAX_NUMEL];
-
-	for (uint32_t pi = 0; pi < NPARAMS; pi++) {
-		uint64_t n = numel_of(&params[pi]);
-
-		for (uint64_t i = 0; i < n; i++)
-			host[i] = (float)grad_value(pi, a->rank, i);
-		CHILD_CHECK_CUDA(cudaMemcpy(shardd_group_grad(g, pi), host, n * 4, cudaMemcpyHostToDevice));
-	}
+	for (uint32_t pi = 0; pi < NPARAMS; pi++)
+		if (write_grad_param(a->rank, pi, &params[pi], SHARDD_DTYPE_FP32, shardd_group_grad(g, pi)))
+			return 1;
 	return 0;
 }
 
 /* steps x the average over every rank of the mesh, within the tolerance of the file comment. */
 static int check_sharded_grads(const struct rank_args *a, struct shardd_group *g, uint32_t steps)
 {
-	static double sum[MAX_NUMEL], mag[MAX_NUMEL], want[MAX_NUMEL], wmag[MAX_NUMEL];
-	static float got[MAX_NUMEL];
-	uint32_t world = a->replicate * a->shard, s = a->rank % a->shard;
+	char who[32];
 
-	for (uint32_t pi = 0; pi < NPARAMS; pi++) {
-		const struct shardd_param_layout *l = shardd_group_layout(g, pi);
-		struct ref_param rp = { .ndim = params[pi].ndim, .shard_dim = params[pi].shard_dim,
-					.dtype = params[pi].dtype };
-		uint64_t n = numel_of(&params[pi]);
-		struct ref_dims d;
-
-		memcpy(rp.shape, params[pi].shape, sizeof(rp.shape));
-		ref_dims(&rp, a->shard, &d);
-		CHILD_CHECK(l->shard_bytes == d.shard_numel * 4 && d.shard_numel <= MAX_NUMEL,
-			    "param %u: %llu shard bytes", pi, (unsigned long long)l->shard_bytes);
-		for (uint64_t i = 0; i < n; i++) {
-			sum[i] = mag[i] = 0;
-			for (uint32_t r = 0; r < world; r++) {
-				sum[i] += grad_value(pi, r, i);
-				mag[i] += fabs(grad_value(pi, r, i));
-			}
-		}
-		ref_shard(&d, s, sum, want);
-		ref_shard(&d, s, mag, wmag);
-		CHILD_CHECK_CUDA(cudaMemcpy(got, shardd_group_shard_grad(g, pi), l->shard_bytes, cudaMemcpyDeviceToHost));
-		for (uint64_t j = 0; j < d.shard_numel; j++) {
-			int pad = d.outer == 1 && j / d.inner >= ref_rows_valid(&d, s);
-			double w = pad ? 0 : steps * want[j] / world;
-			double tol = pad ? 0
-					 : (double)world * steps * ref_ulp(steps * wmag[j], SHARDD_DTYPE_FP32) +
-					   steps * ref_ulp(fabs(w), SHARDD_DTYPE_FP32);
-
-			CHILD_CHECK(fabs((double)got[j] - w) <= tol,
-				    "rank %u param %u shard element %llu%s: %.9g, want %.9g within %.3g", a->rank, pi,
-				    (unsigned long long)j, pad ? " (padding)" : "", (double)got[j], w, tol);
-		}
-	}
+	snprintf(who, sizeof(who), "rank %u", a->rank);
+	for (uint32_t pi = 0; pi < NPARAMS; pi++)
+		if (check_shard_grad_param(who, pi, &params[pi], SHARDD_DTYPE_FP32, SHARDD_DTYPE_FP32, a->shard,
+					   a->rank % a->shard, a->replicate * a->shard, steps,
+					   shardd_group_layout(g, pi), shardd_group_shard_grad(g, pi)))
+			return 1;
 	return 0;
 }
 
@@ -258,18 +195,13 @@ static int rank_main(void *arg)
 		.socket_path = a->rank / a->local ? node1_socket : world_.socket, .job = a->job, .rank = a->rank,
 		.replicate = a->replicate, .shard = a->shard, .device = a->device,
 	};
-	static float full[MAX_NUMEL];
 	struct shardd_group *g = NULL;
 	struct shardd_client *c = NULL;
 
 	CHILD_CHECK_CUDA(cudaSetDevice(a->device));
 	CHILD_CHECK_SHARDD(shardd_connect(&o, &c));
-	CHILD_CHECK_SHARDD(shardd_group_register(c, "blocks", params, NPARAMS, NULL, &g));
-	for (uint32_t pi = 0; pi < NPARAMS; pi++) {
-		for (uint64_t i = 0; i < numel_of(&params[pi]); i++)
-			full[i] = (float)param_value(pi, i);
-		CHILD_CHECK_SHARDD(shardd_group_load_full(g, pi, full));
-	}
+	if (register_loaded(c, "blocks", params, NPARAMS, NULL, &g))
+		return 1;
 	/* Under FSDP across nodes the first unshard also sets the communicator up. */
 	CHILD_CHECK_SHARDD(shardd_unshard(g, 1));
 	if (check_unsharded(a, g))
@@ -362,7 +294,6 @@ static int dying_main(void *arg)
 		.socket_path = a->rank ? node1_socket : world_.socket, .job = "dying", .rank = a->rank,
 		.replicate = 1, .shard = 2, .device = (int32_t)a->rank,
 	};
-	static float full[MAX_NUMEL];
 	struct shardd_group *g = NULL;
 	struct shardd_client *c = NULL;
 	const char *why;
@@ -372,12 +303,8 @@ static int dying_main(void *arg)
 	close(a->go_write);
 	CHILD_CHECK_CUDA(cudaSetDevice((int)a->rank));
 	CHILD_CHECK_SHARDD(shardd_connect(&o, &c));
-	CHILD_CHECK_SHARDD(shardd_group_register(c, "blocks", params, NPARAMS, NULL, &g));
-	for (uint32_t pi = 0; pi < NPARAMS; pi++) {
-		for (uint64_t i = 0; i < numel_of(&params[pi]); i++)
-			full[i] = (float)param_value(pi, i);
-		CHILD_CHECK_SHARDD(shardd_group_load_full(g, pi, full));
-	}
+	if (register_loaded(c, "blocks", params, NPARAMS, NULL, &g))
+		return 1;
 	CHILD_CHECK_SHARDD(shardd_unshard(g, 1));
 	CHILD_CHECK_SHARDD(shardd_reshard(g, 1));
 	CHILD_CHECK(write(a->ready_fd, &byte, 1) == 1, "tell the test the set-up is done");

@@ -83,15 +83,6 @@ static void finish(struct fixture *f)
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
 
-static uint64_t numel_of(const struct shardd_param_desc *d)
-{
-	uint64_t n = 1;
-
-	for (uint32_t k = 0; k < d->ndim; k++)
-		n *= d->shape[k];
-	return n;
-}
-
 /* Elements of real data in the rank's shard of param i (a prefix of it). */
 static uint64_t valid_numel(const struct shardd_group *g, uint32_t i)
 {
@@ -208,7 +199,7 @@ static const float *st_tensor(struct st *s, const char *name, const struct shard
 	off = json_object_get(e, "data_offsets");
 	b = (uint64_t)json_integer_value(json_array_get(off, 0));
 	en = (uint64_t)json_integer_value(json_array_get(off, 1));
-	cr_assert_eq(en - b, numel_of(d) * sizeof(float), "%s bytes", name);
+	cr_assert_eq(en - b, inproc_numel(d) * sizeof(float), "%s bytes", name);
 	cr_assert(s->data + en <= s->len);
 	return (const float *)(s->bytes + s->data + b);
 }
@@ -289,7 +280,7 @@ static void expect_checkpoint(struct fixture *f, struct inproc_ref *ref, const c
 
 		for (int r = 0; r < WORLD; r++)
 			sh[r] = shardd_group_shard(f->g[r], i);
-		for (uint64_t e = 0; e < numel_of(&params[i]); e++)
+		for (uint64_t e = 0; e < inproc_numel(&params[i]); e++)
 			cr_assert_eq(memcmp(&t[e], &(float){ full_elem(i, sh, e, f) }, 4), 0,
 				     "param '%s'[%llu] = %.9g in the file, %.9g in the ranks' shards", params[i].name,
 				     (unsigned long long)e, t[e], full_elem(i, sh, e, f));
@@ -300,7 +291,7 @@ static void expect_checkpoint(struct fixture *f, struct inproc_ref *ref, const c
 			t = st_tensor(&optim, name, &params[i]);
 			for (int r = 0; r < WORLD; r++)
 				sh[r] = ref->s[r][i][k];
-			for (uint64_t e = 0; e < numel_of(&params[i]); e++)
+			for (uint64_t e = 0; e < inproc_numel(&params[i]); e++)
 				cr_assert_eq(memcmp(&t[e], &(float){ full_elem(i, sh, e, f) }, 4), 0,
 					     "'%s'[%llu] = %.9g in the file, reference %.9g", name,
 					     (unsigned long long)e, t[e], full_elem(i, sh, e, f));
@@ -346,13 +337,11 @@ Test(checkpoint, writes_full_params_and_optimizer_state_as_safetensors, .timeout
 	/* The metrics report it: its step, and every byte of its two files. */
 	{
 		char path[512], out[65536], want[160];
-		const char *argv[] = { path, "--socket", f.hd.socket, "metrics", NULL };
 		struct stat a, b;
-		int status;
 
-		cr_assert(getenv("SHARDD_BUILD"), "SHARDD_BUILD is not set: run through make test");
-		snprintf(path, sizeof(path), "%s/shardctl", getenv("SHARDD_BUILD"));
-		cr_assert_eq(harness_run(argv, 10000, &status, out, sizeof(out)), 0);
+		cr_assert_eq(harness_shardctl(f.hd.socket, (const char *const[]){ "metrics", NULL }, 10000, out,
+					      sizeof(out)),
+			     0, "shardctl metrics: %s", out);
 		cr_assert(strstr(out, "shardd_checkpoint_last_step{job=\"ck\"} 2\n"), "%s", out);
 		cr_assert(strstr(out, "shardd_checkpoint_last_failed{job=\"ck\"} 0\n"), "%s", out);
 		snprintf(path, sizeof(path), "%s/ck/step-000000000002/model.safetensors", f.state);
@@ -466,17 +455,10 @@ static int ctl_checkpoint_main(void *p)
 /* shardctl --json checkpoints ck: the parsed reply. */
 static json_t *ctl_checkpoints(const struct fixture *f)
 {
-	char path[512], out[8192];
-	const char *argv[] = { path, "--socket", f->hd.socket, "--json", "checkpoints", "ck", NULL };
-	int status;
-	json_t *r;
+	char out[8192];
 
-	snprintf(path, sizeof(path), "%s/shardctl", getenv("SHARDD_BUILD"));
-	cr_assert_eq(harness_run(argv, 10000, &status, out, sizeof(out)), 0);
-	cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "shardctl checkpoints: %s", out);
-	r = json_loads(out, 0, NULL);
-	cr_assert(r, "%s", out);
-	return r;
+	return harness_shardctl_json(f->hd.socket, (const char *const[]){ "checkpoints", "ck", NULL }, 10000, out,
+				     sizeof(out));
 }
 
 Test(checkpoint, shardctl_checkpoint_waits_for_the_next_step_boundary, .timeout = 60)
@@ -617,7 +599,7 @@ Test(checkpoint, snapshot_holds_the_boundary_while_the_next_step_runs, .timeout 
 
 		for (int rk = 0; rk < WORLD; rk++)
 			sh[rk] = before[rk][i];
-		for (uint64_t e = 0; e < numel_of(&params[i]); e++) {
+		for (uint64_t e = 0; e < inproc_numel(&params[i]); e++) {
 			float want = full_elem(i, sh, e, &f);
 
 			cr_assert_eq(memcmp(&t[e], &want, 4), 0, "param '%s'[%llu] = %.9g, at step 2 %.9g",
@@ -626,7 +608,7 @@ Test(checkpoint, snapshot_holds_the_boundary_while_the_next_step_runs, .timeout 
 		for (int rk = 0; rk < WORLD; rk++)
 			for (uint64_t e = 0; e < valid_numel(f.g[rk], i); e++)
 				moved |= ((float *)shardd_group_shard(f.g[rk], i))[e] != before[rk][i][e];
-		cr_assert(moved || !numel_of(&params[i]), "step 3 did not move param '%s'", params[i].name);
+		cr_assert(moved || !inproc_numel(&params[i]), "step 3 did not move param '%s'", params[i].name);
 	}
 	st_close(&model);
 	r = ctl_checkpoints(&f);

@@ -241,15 +241,10 @@ static const struct shardd_param_desc big[2] = {
 /* shardctl --json checkpoints train: the id being written (0: none) and the last step that ended. */
 static void ctl_status(struct run *run, json_int_t *writing, json_int_t *last_step, int *staged)
 {
-	char path[512], out[8192];
-	const char *argv[] = { path, "--socket", run->hd.socket, "--json", "checkpoints", "train", NULL };
-	int status;
-	json_t *r;
+	char out[8192];
+	json_t *r = harness_shardctl_json(run->hd.socket, (const char *const[]){ "checkpoints", "train", NULL }, 10000,
+					  out, sizeof(out));
 
-	snprintf(path, sizeof(path), "%s/shardctl", getenv("SHARDD_BUILD"));
-	cr_assert_eq(harness_run(argv, 10000, &status, out, sizeof(out)), 0);
-	r = json_loads(out, 0, NULL);
-	cr_assert(r, "shardctl checkpoints: %s", out);
 	*writing = json_integer_value(json_object_get(json_object_get(r, "writing"), "id"));
 	*last_step = json_integer_value(json_object_get(json_object_get(r, "last"), "step"));
 	*staged = json_is_true(json_object_get(json_object_get(r, "last"), "staged"));

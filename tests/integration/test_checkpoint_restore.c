@@ -81,15 +81,6 @@ static void job_stop(struct job *j)
 
 static uint64_t rng_state = 0x1234567887654321ull;
 
-static uint64_t numel_of(const struct shardd_param_desc *d)
-{
-	uint64_t n = 1;
-
-	for (uint32_t k = 0; k < d->ndim; k++)
-		n *= d->shape[k];
-	return n;
-}
-
 static uint64_t valid_numel(const struct job *j, uint32_t r, uint32_t i)
 {
 	return inproc_valid_numel(j->g[r], j->params, i);
@@ -191,7 +182,7 @@ static void expect_restored(const struct job *j, const char *dir)
 		for (uint32_t i = 0; i < NP; i++) {
 			const float *t = tensor_data(model, len, j->params[i].name);
 
-			for (uint64_t e = 0; e < numel_of(&j->params[i]); e++) {
+			for (uint64_t e = 0; e < inproc_numel(&j->params[i]); e++) {
 				float got = full_elem(j, u, i, e);
 
 				nonzero += got != 0.0f;

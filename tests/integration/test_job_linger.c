@@ -63,26 +63,16 @@ static char ctl_out[OUT_MAX];
 /* shardctl --socket SOCK args... (NULL-terminated): its exit code, output in ctl_out. */
 static int ctl(const char *first, ...)
 {
-	const char *argv[16], *build = getenv("SHARDD_BUILD");
-	static char path[4096];
+	const char *args[13] = { first };
 	va_list ap;
-	int n = 0, status, ret;
+	int n = 1;
 
-	cr_assert(build, "SHARDD_BUILD is not set: run through make test");
-	snprintf(path, sizeof(path), "%s/shardctl", build);
-	argv[n++] = path;
-	argv[n++] = "--socket";
-	argv[n++] = daemon_.socket;
-	argv[n++] = first;
 	va_start(ap, first);
-	while (n < 15 && (argv[n] = va_arg(ap, const char *)) != NULL)
+	while (n < 12 && (args[n] = va_arg(ap, const char *)) != NULL)
 		n++;
 	va_end(ap);
-	argv[n] = NULL;
-	ret = harness_run(argv, CTL_TIMEOUT, &status, ctl_out, sizeof(ctl_out));
-	cr_assert_eq(ret, 0, "running %s: %s", path, strerror(-ret));
-	cr_assert(WIFEXITED(status), "shardctl %s: %s", first, harness_status_str(status));
-	return WEXITSTATUS(status);
+	args[n] = NULL;
+	return harness_shardctl(daemon_.socket, args, CTL_TIMEOUT, ctl_out, sizeof(ctl_out));
 }
 
 /* The entry of job `name` in a `shardctl --json jobs` reply (NULL: no such job); *reply to decref. */

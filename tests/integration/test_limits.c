@@ -259,21 +259,16 @@ Test(limits, a_1_tib_param_is_refused_and_the_daemon_serves_another_client)
 
 Test(limits, status_shows_the_limits_and_what_is_committed)
 {
-	const char *shardctl_dir = getenv("SHARDD_BUILD");
-	char path[512], out[8192];
-	const char *argv[] = { path, "--socket", daemon_.socket, "status", NULL };
-	const char *jobs_argv[] = { path, "--socket", daemon_.socket, "jobs", NULL };
+	char out[8192];
 	struct rank1 a = { 0 };
-	int status;
 
-	cr_assert_not_null(shardctl_dir, "SHARDD_BUILD must name the build directory (shardctl)");
-	snprintf(path, sizeof(path), "%s/shardctl", shardctl_dir);
 	must_register(&a, "a", "g", MIB);
-	cr_assert_eq(harness_run(argv, WAIT_MS, &status, out, sizeof(out)), 0);
-	cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "shardctl status: %s", out);
+	cr_assert_eq(harness_shardctl(daemon_.socket, (const char *const[]){ "status", NULL }, WAIT_MS, out,
+				      sizeof(out)),
+		     0, "shardctl status: %s", out);
 	cr_expect(strstr(out, "limits   committed 16.0 MiB of 64.0 MiB (--max-memory), per job 40.0 MiB"),
 		  "shardctl status must show the limits:\n%s", out);
-	cr_assert_eq(harness_run(jobs_argv, WAIT_MS, &status, out, sizeof(out)), 0);
+	harness_shardctl(daemon_.socket, (const char *const[]){ "jobs", NULL }, WAIT_MS, out, sizeof(out));
 	cr_expect(strstr(out, "16.0 MiB/40.0 MiB"), "shardctl jobs must show committed/limit:\n%s", out);
 	rank1_close(&a);
 }

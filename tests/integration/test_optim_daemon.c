@@ -95,11 +95,9 @@ static uint64_t valid_numel(const struct shardd_group *g, uint32_t i)
 	return inproc_valid_numel(g, params, i);
 }
 
-/* Every rank writes random grads and the reduce of `step` runs on both rings. */
-static void reduce_step(struct fixture *f, uint64_t step, int poison)
+/* Random grads in every rank's grad buffers; with `poison`, rank 0's first element of param 0 NaN. */
+static void write_grads(struct fixture *f, int poison)
 {
-	struct shardd_group *g[WORLD];
-
 	for (int r = 0; r < WORLD; r++)
 		for (uint32_t i = 0; i < NP; i++) {
 			float *gr = shardd_group_grad(f->reg[r].g, i);
@@ -110,6 +108,14 @@ static void reduce_step(struct fixture *f, uint64_t step, int poison)
 			if (poison && r == 0 && i == 0)
 				gr[0] = NAN;
 		}
+}
+
+/* Every rank writes random grads and the reduce of `step` runs on both rings. */
+static void reduce_step(struct fixture *f, uint64_t step, int poison)
+{
+	struct shardd_group *g[WORLD];
+
+	write_grads(f, poison);
 	for (int r = 0; r < WORLD; r++)
 		g[r] = f->reg[r].g;
 	inproc_reduce(f->c, g, WORLD, step, 0);
@@ -160,6 +166,25 @@ static void expect_shard(struct inproc_ref *ref, struct fixture *f, int r, const
 	}
 }
 
+/*
+ * Every rank's step `step` (lr, flags and clip_coef as shardd_step), which
+ * must apply, after the reference's on the same grads (scaled by clip_coef
+ * under SHARDD_STEP_CLIP); then, when `what` names the check, each rank's
+ * shard against the reference.
+ */
+static void step_every_rank(struct inproc_ref *ref, struct fixture *f, const struct shardd_optim_config *o,
+			    uint64_t step, double lr, uint32_t flags, double clip_coef, const char *what)
+{
+	for (int r = 0; r < WORLD; r++) {
+		ref_step(ref, f, r, o, lr, flags & SHARDD_STEP_CLIP ? (float)clip_coef : 1.0f);
+		cr_assert_eq(shardd_step(f->reg[r].g, step, lr, flags, clip_coef), SHARDD_STEP_APPLIED,
+			     "%s step %llu rank %d: %s", what ? what : "", (unsigned long long)step, r,
+			     shardd_last_error());
+		if (what)
+			expect_shard(ref, f, r, what);
+	}
+}
+
 static void parity_run(const struct shardd_optim_config *o, const char *what)
 {
 	struct fixture f;
@@ -172,12 +197,7 @@ static void parity_run(const struct shardd_optim_config *o, const char *what)
 		double lr = 0.05 / (double)step;
 
 		reduce_step(&f, step, 0);
-		for (int r = 0; r < WORLD; r++) {
-			ref_step(&ref, &f, r, o, lr, 1.0f);
-			cr_assert_eq(shardd_step(f.reg[r].g, step, lr, 0, 0), SHARDD_STEP_APPLIED, "%s step %llu: %s",
-				     what, (unsigned long long)step, shardd_last_error());
-			expect_shard(&ref, &f, r, what);
-		}
+		step_every_rank(&ref, &f, o, step, lr, 0, 0, what);
 	}
 	inproc_ref_free(&ref);
 	finish(&f);
@@ -229,11 +249,7 @@ Test(optim_daemon, a_step_is_applied_once_and_reattach_learns_the_last_step, .ti
 	ref_init(&ref, &f);
 	for (uint64_t step = 1; step <= 3; step++) {
 		reduce_step(&f, step, 0);
-		for (int r = 0; r < WORLD; r++) {
-			ref_step(&ref, &f, r, &o, 0.01, 1.0f);
-			cr_assert_eq(shardd_step(f.reg[r].g, step, 0.01, 0, 0), SHARDD_STEP_APPLIED, "%s",
-				     shardd_last_error());
-		}
+		step_every_rank(&ref, &f, &o, step, 0.01, 0, 0, NULL);
 	}
 	/* Re-submitted, with a new grad there even: nothing changes, the grad stays. */
 	reduce_step(&f, 4, 0);
@@ -252,11 +268,7 @@ Test(optim_daemon, a_step_is_applied_once_and_reattach_learns_the_last_step, .ti
 	cr_assert_eq(shardd_group_info(f.reg[0].g)->optimizer, SHARDD_OPTIM_ADAMW);
 	cr_assert_eq(shardd_group_last_step(f.reg[1].g), 0, "rank 1's reply was taken at registration");
 	/* Step 4 then goes on from the daemon's state. */
-	for (int r = 0; r < WORLD; r++) {
-		ref_step(&ref, &f, r, &o, 0.01, 1.0f);
-		cr_assert_eq(shardd_step(f.reg[r].g, 4, 0.01, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
-		expect_shard(&ref, &f, r, "after re-attach");
-	}
+	step_every_rank(&ref, &f, &o, 4, 0.01, 0, 0, "after re-attach");
 	free(before);
 	free(after);
 	inproc_ref_free(&ref);
@@ -278,12 +290,7 @@ Test(optim_daemon, clip_scales_the_grad_and_nonfinite_grads_skip_the_step, .time
 	after = malloc(size);
 	ref_init(&ref, &f);
 	reduce_step(&f, 1, 0);
-	for (int r = 0; r < WORLD; r++) {
-		ref_step(&ref, &f, r, &o, 0.1, 0.25f);
-		cr_assert_eq(shardd_step(f.reg[r].g, 1, 0.1, SHARDD_STEP_CLIP | SHARDD_STEP_SKIP_NONFINITE, 0.25),
-			     SHARDD_STEP_APPLIED, "%s", shardd_last_error());
-		expect_shard(&ref, &f, r, "clip 0.25");
-	}
+	step_every_rank(&ref, &f, &o, 1, 0.1, SHARDD_STEP_CLIP | SHARDD_STEP_SKIP_NONFINITE, 0.25, "clip 0.25");
 	/* Rank 0's grad of 'w' is NaN, so its reduced row 0 is NaN on rank 0 only. */
 	reduce_step(&f, 2, 1);
 	snapshot(&f, 0, before);
@@ -299,11 +306,7 @@ Test(optim_daemon, clip_scales_the_grad_and_nonfinite_grads_skip_the_step, .time
 	expect_shard(&ref, &f, 1, "finite");
 	/* The skipped step is no update: rank 0's next one is its second (momentum buffer already set). */
 	reduce_step(&f, 3, 0);
-	for (int r = 0; r < WORLD; r++) {
-		ref_step(&ref, &f, r, &o, 0.1, 1.0f);
-		cr_assert_eq(shardd_step(f.reg[r].g, 3, 0.1, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
-		expect_shard(&ref, &f, r, "after skip");
-	}
+	step_every_rank(&ref, &f, &o, 3, 0.1, 0, 0, "after skip");
 	free(before);
 	free(after);
 	inproc_ref_free(&ref);
@@ -578,14 +581,7 @@ static void reduce_and_step(struct fixture *f, struct inproc_ref *ref, const str
 	struct shardd_completion cp;
 	float *sum[WORLD][NP];
 
-	for (int r = 0; r < WORLD; r++)
-		for (uint32_t i = 0; i < NP; i++) {
-			float *gr = shardd_group_grad(f->reg[r].g, i);
-			uint64_t n = shardd_group_layout(f->reg[r].g, i)->grad_bytes / sizeof(float);
-
-			for (uint64_t e = 0; e < n; e++)
-				gr[e] = rnd();
-		}
+	write_grads(f, 0);
 	/* The reference's sharded grads: fp32 sum in rank order, divided by the world (fp32 AVG). */
 	for (int r = 0; r < WORLD; r++)
 		for (uint32_t i = 0; i < NP; i++) {
@@ -678,19 +674,12 @@ Test(optim_daemon, a_reduce_with_the_step_flag_steps_each_shard_after_reducing, 
 static json_t *dump_json(struct fixture *f, const char *param, const char *rank, const char *what, char *out,
 			 size_t len)
 {
-	char path[4096];
-	const char *build = getenv("SHARDD_BUILD");
-	const char *argv[] = { path, "--socket", f->hd.socket, "--json", "dump", "layer", param, "--rank", rank,
-			       "--what", what, "--limit", "100", NULL };
+	const char *args[] = { "--json", "dump", "layer", param, "--rank", rank, "--what", what, "--limit", "100",
+			       NULL };
 	json_error_t jerr;
 	json_t *j;
-	int status;
 
-	cr_assert(build, "SHARDD_BUILD is not set: run through make test");
-	snprintf(path, sizeof(path), "%s/shardctl", build);
-	cr_assert_eq(harness_run(argv, 20000, &status, out, len), 0);
-	cr_assert(WIFEXITED(status), "shardctl: %s", harness_status_str(status));
-	if (WEXITSTATUS(status))
+	if (harness_shardctl(f->hd.socket, args, 20000, out, len))
 		return NULL;
 	j = json_loads(out, 0, &jerr);
 	cr_assert_not_null(j, "shardctl output does not parse (%s):\n%s", jerr.text, out);
@@ -711,11 +700,7 @@ Test(optim_daemon, shardctl_dumps_the_optimizer_state_of_a_shard, .timeout = 60)
 	ref_init(&ref, &f);
 	for (uint64_t step = 1; step <= 2; step++) {
 		reduce_step(&f, step, 0);
-		for (int r = 0; r < WORLD; r++) {
-			ref_step(&ref, &f, r, &o, 0.01, 1.0f);
-			cr_assert_eq(shardd_step(f.reg[r].g, step, 0.01, 0, 0), SHARDD_STEP_APPLIED, "%s",
-				     shardd_last_error());
-		}
+		step_every_rank(&ref, &f, &o, step, 0.01, 0, 0, NULL);
 	}
 	/* Rank 1's shard of 'w' (5 x 3 over 2 ranks): its 2 valid rows, padding excluded. */
 	for (int k = 0; k < 2; k++) {
@@ -739,16 +724,9 @@ Test(optim_daemon, shardctl_dumps_the_optimizer_state_of_a_shard, .timeout = 60)
 
 	/* The state is counted: two shard-sized fp32 buffers per rank (AdamW), in status's memory. */
 	{
-		char path[4096];
-		const char *argv[] = { path, "--socket", f.hd.socket, "--json", "status", NULL };
-		json_error_t jerr;
 		uint64_t want = WORLD * 2 * shardd_group_info(f.reg[0].g)->shard_size;
-		int status;
 
-		snprintf(path, sizeof(path), "%s/shardctl", getenv("SHARDD_BUILD"));
-		cr_assert_eq(harness_run(argv, 20000, &status, out, sizeof(out)), 0);
-		j = json_loads(out, 0, &jerr);
-		cr_assert_not_null(j, "status output does not parse (%s):\n%s", jerr.text, out);
+		j = harness_shardctl_json(f.hd.socket, (const char *const[]){ "status", NULL }, 20000, out, sizeof(out));
 		cr_assert_eq((uint64_t)json_integer_value(json_object_get(json_object_get(j, "memory"), "optimizer")),
 			     want, "%s", out);
 		json_decref(j);

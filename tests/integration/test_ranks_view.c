@@ -28,20 +28,9 @@ static char ctl_out[1 << 18];
 /* shardctl --socket SOCK --json ranks, parsed; the job's object. */
 static json_t *ranks_json(const char *sock, json_t **root)
 {
-	static char path[4096];
-	const char *build = getenv("SHARDD_BUILD");
-	const char *argv[] = { path, "--socket", sock, "--json", "ranks", NULL };
-	json_error_t err;
-	int status = 0;
 	json_t *job;
 
-	cr_assert(build, "SHARDD_BUILD is not set: run through make test");
-	snprintf(path, sizeof(path), "%s/shardctl", build);
-	cr_assert_eq(harness_run(argv, CTL_MS, &status, ctl_out, sizeof(ctl_out)), 0);
-	cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "shardctl ranks %s:\n%s",
-		  harness_status_str(status), ctl_out);
-	*root = json_loads(ctl_out, 0, &err);
-	cr_assert_not_null(*root, "shardctl --json ranks: %s:\n%s", err.text, ctl_out);
+	*root = harness_shardctl_json(sock, (const char *const[]){ "ranks", NULL }, CTL_MS, ctl_out, sizeof(ctl_out));
 	job = json_array_get(json_object_get(*root, "jobs"), 0);
 	cr_assert_not_null(job, "no job in:\n%s", ctl_out);
 	return job;
@@ -50,13 +39,9 @@ static json_t *ranks_json(const char *sock, json_t **root)
 /* Run shardctl --socket SOCK ranks (text) into ctl_out. */
 static void ranks_text(const char *sock)
 {
-	static char path[4096];
-	const char *argv[] = { path, "--socket", sock, "ranks", NULL };
-	int status = 0;
+	int rc = harness_shardctl(sock, (const char *const[]){ "ranks", NULL }, CTL_MS, ctl_out, sizeof(ctl_out));
 
-	snprintf(path, sizeof(path), "%s/shardctl", getenv("SHARDD_BUILD"));
-	cr_assert_eq(harness_run(argv, CTL_MS, &status, ctl_out, sizeof(ctl_out)), 0);
-	cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "%s", ctl_out);
+	cr_assert_eq(rc, 0, "shardctl ranks exited with %d:\n%s", rc, ctl_out);
 }
 
 static const json_t *rank_obj(const json_t *job, uint32_t r)

@@ -36,23 +36,13 @@ static char ctl_out[OUT_MAX];
 /* Run shardctl --socket SOCK args... (NULL-terminated); its exit code, output in ctl_out. */
 static int ctl_v(const char *sock, va_list ap)
 {
-	const char *argv[32];
-	static char path[4096];
-	const char *build = getenv("SHARDD_BUILD");
-	int n = 0, status, ret;
+	const char *args[29];
+	int n = 0;
 
-	cr_assert(build, "SHARDD_BUILD is not set: run through make test");
-	snprintf(path, sizeof(path), "%s/shardctl", build);
-	argv[n++] = path;
-	argv[n++] = "--socket";
-	argv[n++] = sock;
-	while (n < 31 && (argv[n] = va_arg(ap, const char *)) != NULL)
+	while (n < 28 && (args[n] = va_arg(ap, const char *)) != NULL)
 		n++;
-	argv[n] = NULL;
-	ret = harness_run(argv, CTL_TIMEOUT, &status, ctl_out, sizeof(ctl_out));
-	cr_assert_eq(ret, 0, "running %s: %s", path, strerror(-ret));
-	cr_assert(WIFEXITED(status), "shardctl %s: %s", argv[3], harness_status_str(status));
-	return WEXITSTATUS(status);
+	args[n] = NULL;
+	return harness_shardctl(sock, args, CTL_TIMEOUT, ctl_out, sizeof(ctl_out));
 }
 
 static int ctl(const char *sock, ...)

@@ -12,7 +12,6 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
-#include <ftw.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -27,14 +26,6 @@
 #define CK_STEPS       "12"  /* the whole run */
 #define CK_EVERY       "3"
 #define CK_RESUME_AT   6
-
-static int rm_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw)
-{
-	(void)st;
-	(void)flag;
-	(void)ftw;
-	return remove(path);
-}
 
 /* The whole file at `path` into buf (at most len bytes); its size. */
 static size_t slurp(const char *path, char *buf, size_t len)
@@ -138,7 +129,7 @@ static void resume_matches_uninterrupted(const char *base)
 		cr_assert(!memcmp(got + i, ref + i, sizeof(float)), "param %zu differs after the resume: %.9g,"
 			  " uninterrupted %.9g", i / sizeof(float), (double)*(float *)(got + i),
 			  (double)*(float *)(ref + i));
-	nftw(dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+	harness_rm_tree(dir);
 }
 
 Test(train_checkpoint, resumed_after_daemon_sigkill_matches_uninterrupted_run_bit_for_bit, .timeout = 90)

@@ -7,8 +7,7 @@
 
 #include "backend_cuda.h"
 #include "cudapair.h"
-
-#define CUDA_OK(call) cr_assert_eq((call), cudaSuccess, "%s failed", #call)
+#include "harness.h"
 
 void cudapair_backends(uint32_t mode, uint64_t timeout_ns, struct shd_backend_ctx **cuda,
 		       struct shd_backend_ctx **host, struct shd_pool **pool)

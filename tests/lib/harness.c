@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include <criterion/criterion.h>
+#include <jansson.h>
 #ifdef SHARDD_HAVE_CUDA
 #include <cuda_runtime_api.h>
 #endif
@@ -721,4 +722,47 @@ int harness_cuda_devices(void)
 void harness_rm_tree(const char *path)
 {
 	nftw(path, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+}
+
+int harness_shardctl(const char *socket, const char *const *args, int timeout_ms, char *out, size_t len)
+{
+	const char *argv[32], *build = getenv("SHARDD_BUILD");
+	static char path[4096];
+	int n = 0, status, ret;
+
+	cr_assert(build, "SHARDD_BUILD is not set: run through make test");
+	snprintf(path, sizeof(path), "%s/shardctl", build);
+	argv[n++] = path;
+	argv[n++] = "--socket";
+	argv[n++] = socket;
+	for (; *args; args++) {
+		cr_assert_lt(n, 31, "shardctl with more than 28 arguments");
+		argv[n++] = *args;
+	}
+	argv[n] = NULL;
+	ret = harness_run(argv, timeout_ms, &status, out, len);
+	cr_assert_eq(ret, 0, "running %s: %s", path, strerror(-ret));
+	cr_assert(WIFEXITED(status), "shardctl %s: %s", argv[3] ? argv[3] : "", harness_status_str(status));
+	return WEXITSTATUS(status);
+}
+
+struct json_t *harness_shardctl_json(const char *socket, const char *const *args, int timeout_ms, char *out,
+				     size_t len)
+{
+	const char *argv[32] = { "--json" };
+	json_error_t err;
+	json_t *j;
+	int n = 1, rc;
+
+	for (; *args; args++) {
+		cr_assert_lt(n, 28, "shardctl --json with more than 27 arguments");
+		argv[n++] = *args;
+	}
+	argv[n] = NULL;
+	rc = harness_shardctl(socket, argv, timeout_ms, out, len);
+	cr_assert_eq(rc, 0, "shardctl --json %s exited with %d:\n%s", argv[1] ? argv[1] : "", rc, out);
+	j = json_loads(out, 0, &err);
+	cr_assert_not_null(j, "shardctl --json %s: output does not parse (%s):\n%s", argv[1] ? argv[1] : "",
+			   err.text, out);
+	return j;
 }

@@ -170,6 +170,21 @@ int64_t harness_now_ms(void);
 void harness_rm_tree(const char *path);
 
 /*
+ * Run $SHARDD_BUILD/shardctl --socket `socket` args... (args NULL-terminated)
+ * with stdout and stderr into `out` (as harness_run), waiting up to
+ * timeout_ms. Asserts that it ran and exited; returns its exit code.
+ */
+int harness_shardctl(const char *socket, const char *const *args, int timeout_ms, char *out, size_t len);
+
+struct json_t;
+/*
+ * harness_shardctl of `shardctl --socket socket --json args...`, asserting
+ * exit code 0 and output that parses: the parsed reply (json_decref it).
+ */
+struct json_t *harness_shardctl_json(const char *socket, const char *const *args, int timeout_ms, char *out,
+				     size_t len);
+
+/*
  * In a forked child: report a failed check on stderr and return 1 from
  * the child's function (its exit status).
  */
@@ -198,6 +213,9 @@ void harness_rm_tree(const char *path);
 		cudaError_t e_ = (call);                                                 \
 		CHILD_CHECK(e_ == cudaSuccess, "%s: %s", #call, cudaGetErrorString(e_)); \
 	} while (0)
+
+/* cr_assert of a CUDA runtime call in the test process, naming the call. */
+#define CUDA_OK(call) cr_assert_eq((call), cudaSuccess, "%s failed", #call)
 
 /*
  * GPUs visible to CUDA, counted in a child process: a process that

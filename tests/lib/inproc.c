@@ -110,16 +110,23 @@ float inproc_rnd(uint64_t *state)
 	return (float)((double)(*state >> 11) / (double)(1ull << 53) * 2.0 - 1.0);
 }
 
+uint64_t inproc_numel(const struct shardd_param_desc *d)
+{
+	uint64_t n = 1;
+
+	for (uint32_t k = 0; k < d->ndim; k++)
+		n *= d->shape[k];
+	return n;
+}
+
 uint64_t inproc_valid_numel(const struct shardd_group *g, const struct shardd_param_desc *params,
 			    uint32_t i)
 {
 	const struct shardd_param_desc *d = &params[i];
 	const struct shardd_param_layout *l = shardd_group_layout(g, i);
-	uint64_t numel = 1, dim = d->ndim ? d->shape[d->shard_dim] : 1;
+	uint64_t dim = d->ndim ? d->shape[d->shard_dim] : 1;
 
-	for (uint32_t k = 0; k < d->ndim; k++)
-		numel *= d->shape[k];
-	return dim ? l->shard_rows_valid * (numel / dim) : 0;
+	return dim ? l->shard_rows_valid * (inproc_numel(d) / dim) : 0;
 }
 
 void inproc_ref_alloc(struct inproc_ref *ref, int r, uint32_t i, uint64_t n)

@@ -62,6 +62,8 @@ void inproc_finish(struct harness_daemon *hd, struct shardd_client **c, struct s
 
 /* Next of the xorshift64 generator `state`: a float in [-1, 1). */
 float inproc_rnd(uint64_t *state);
+/* Elements of the full param `d` (1 for a 0-d one). */
+uint64_t inproc_numel(const struct shardd_param_desc *d);
 /* Elements of real data in `g`'s shard of param i (params[i]): a prefix of the shard. */
 uint64_t inproc_valid_numel(const struct shardd_group *g, const struct shardd_param_desc *params,
 			    uint32_t i);

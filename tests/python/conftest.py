@@ -1,10 +1,18 @@
 # SPDX-License-Identifier: MIT
-"""Fixtures for the Python client suites: a real shardd per test module, a
-per-test timeout (signal.alarm: pytest-timeout is not in Debian's default
-install), and a helper that runs one thread per rank with a join timeout."""
+"""Fixtures and helpers for the Python client suites: a real shardd per
+test module (plain, or with a --state-dir), a per-test timeout
+(signal.alarm: pytest-timeout is not in Debian's default install), a helper
+that runs one thread per rank with a join timeout, a World of daemons under
+mpirun for jobs across nodes, the clients of a test's job attached (on a
+World, each to its node's daemon) and closed on the way out, and shardctl's
+JSON views of a daemon."""
 
+import contextlib
+import json
 import os
+import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,7 +44,48 @@ def shardd_build():
     return os.environ.get("SHARDD_BUILD") or os.path.join(ROOT, "build")
 
 
-class Daemon:
+class _Stderr:
+    """A process whose stderr is read until it says it is ready, then
+    collected in self.lines by a thread."""
+
+    def _await_ready(self, ready, timeout, late, exited):
+        """self.proc's stderr until ready(the bytes so far), within timeout s;
+        then collected. Fails the test with `late` (after self.stop()) when the
+        time runs out, or with `exited` (a format of rc) when the process ends
+        first, each followed by the stderr read. Returns the text read."""
+        deadline = time.monotonic() + timeout
+        buf = b""
+        while not ready(buf):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.stop()
+                pytest.fail(f"{late}; stderr: {buf.decode(errors='replace')!r}")
+            r, _, _ = select.select([self.proc.stderr], [], [], left)
+            if not r:
+                continue
+            chunk = os.read(self.proc.stderr.fileno(), 65536)
+            if not chunk:
+                rc = self.proc.wait(timeout=10)
+                pytest.fail(f"{exited.format(rc=rc)}; stderr: {buf.decode(errors='replace')!r}")
+            buf += chunk
+        text = buf.decode(errors="replace")
+        self.lines.extend(text.splitlines())
+        self._drain = threading.Thread(target=self._drain_stderr, daemon=True)
+        self._drain.start()
+        return text
+
+    def _drain_stderr(self):
+        for line in self.proc.stderr:
+            self.lines.append(line.decode(errors="replace").rstrip("\n"))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+class Daemon(_Stderr):
     """A shardd process on a temporary socket; stderr is collected."""
 
     def __init__(self, extra_args=()):
@@ -48,32 +97,9 @@ class Daemon:
              "--collective-timeout", "20", *extra_args],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         want = f"shardd: ready on {self.socket}"
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        buf = b""
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                self.stop()
-                pytest.fail(f"shardd did not print {want!r} within {READY_TIMEOUT_S} s; "
-                            f"stderr: {buf.decode(errors='replace')!r}")
-            r, _, _ = select.select([self.proc.stderr], [], [], left)
-            if not r:
-                continue
-            chunk = os.read(self.proc.stderr.fileno(), 4096)
-            if not chunk:
-                rc = self.proc.wait(timeout=10)
-                pytest.fail(f"shardd exited with {rc} before it was ready; "
-                            f"stderr: {buf.decode(errors='replace')!r}")
-            buf += chunk
-            if want.encode() in buf:
-                break
-        self.lines.extend(buf.decode(errors="replace").splitlines())
-        self._drain = threading.Thread(target=self._drain_stderr, daemon=True)
-        self._drain.start()
-
-    def _drain_stderr(self):
-        for line in self.proc.stderr:
-            self.lines.append(line.decode(errors="replace").rstrip("\n"))
+        self._await_ready(lambda buf: want.encode() in buf, READY_TIMEOUT_S,
+                          f"shardd did not print {want!r} within {READY_TIMEOUT_S} s",
+                          "shardd exited with {rc} before it was ready")
 
     def stop(self):
         if self.proc.poll() is None:
@@ -91,6 +117,16 @@ def daemon():
     d = Daemon()
     yield d
     d.stop()
+
+
+@pytest.fixture(scope="module")
+def state_daemon():
+    """A shardd with --state-dir (its path in .state), for checkpoints."""
+    state = tempfile.TemporaryDirectory(prefix="shardd-py-state-")
+    with Daemon(("--state-dir", state.name)) as d:
+        d.state = state.name
+        yield d
+    state.cleanup()
 
 
 class TestTimeout(Exception):
@@ -142,3 +178,111 @@ def run_ranks(fn, n, timeout=40):
         if e is not None:
             raise e
     return results
+
+
+WORLD_TIMEOUT_S = 4          # --collective-timeout of a World's daemons
+WORLD_READY_TIMEOUT_S = 60   # mpirun's start on a loaded 2-core machine
+
+needs_mpirun = pytest.mark.skipif(shutil.which("mpirun") is None,
+                                  reason="mpirun (openmpi-bin) is not installed: make deps")
+
+
+class World(_Stderr):
+    """`nodes` shardd daemons under one mpirun (`--world mpi`, docs/MULTINODE.md),
+    node k on socket dir/node.k; a context manager that stops them on exit."""
+
+    def __init__(self, nodes, extra_args=()):
+        self.nodes = nodes
+        self.dir = tempfile.TemporaryDirectory(prefix="shardd-world-")
+        self.lines = []
+        self.pids = {}
+        root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+        # Survivors keep running when a daemon dies (the failure tests kill one).
+        cmd = ["mpirun", *root, "--oversubscribe", "--mca", "btl", "tcp,self",
+               "--mca", "orte_enable_recovery", "1", "--mca", "orte_abort_on_non_zero_status", "0",
+               "-np", str(nodes), "sh", "-c",
+               'd="$1"; shift; exec "$0" --world mpi --socket "$d/node.$OMPI_COMM_WORLD_RANK" '
+               f'--collective-timeout {WORLD_TIMEOUT_S} --log-level info "$@"',
+               shardd_bin(), self.dir.name, *extra_args]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, start_new_session=True)
+        text = self._await_ready(self._ready, WORLD_READY_TIMEOUT_S,
+                                 f"{nodes} daemons were not ready within {WORLD_READY_TIMEOUT_S} s",
+                                 "mpirun exited with {rc} before the daemons were ready")
+        for m in re.finditer(r"shardd\[(\d+)\] info: world: node (\d+) of (\d+) nodes", text):
+            assert int(m.group(3)) == nodes
+            self.pids[int(m.group(2))] = int(m.group(1))
+        assert sorted(self.pids) == list(range(nodes)), text
+
+    def _ready(self, buf):
+        return all(f"shardd: ready on {self.socket(k)}".encode() in buf for k in range(self.nodes))
+
+    def wait_gone(self, node, timeout=10):
+        """Until node's daemon has exited (a zombie of mpirun's counts): the
+        kernel gives no other notice to a process that is not its parent."""
+        pid = self.pids[node]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                        return
+            except FileNotFoundError:
+                return
+            time.sleep(0.01)
+        pytest.fail(f"node {node}'s daemon (pid {pid}) did not exit within {timeout} s of SIGKILL")
+
+    def socket(self, node):
+        return os.path.join(self.dir.name, f"node.{node}")
+
+    def stop(self):
+        # captured by pytest, shown when the test failed: what the daemons said
+        print("\n".join(self.lines[-60:]))
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        self.dir.cleanup()
+
+
+def attach(server, request, rank, replicate, shard, suffix="", **kw):
+    """Rank `rank` of mesh replicate x shard of the test's job (its name and
+    `suffix`) on `server`: a World (the daemon of the rank's node) or a
+    Daemon; kw to shardd.Client."""
+    import shardd  # here, not at the top: conftest serves suites that run without the client
+    if isinstance(server, World):
+        socket = server.socket(rank // (replicate * shard // server.nodes))
+    else:
+        socket = server.socket
+    return shardd.Client(job=job_name(request) + suffix, rank=rank, shard=shard, replicate=replicate,
+                         socket_path=socket, **kw)
+
+
+@contextlib.contextmanager
+def attached(request, server, replicate, shard, ranks=None, suffix=""):
+    """The clients of `ranks` (every rank of the mesh by default) attached as
+    attach() does, in rank order; each one attached is closed on exit."""
+    clients = []
+    try:
+        for r in range(replicate * shard) if ranks is None else ranks:
+            clients.append(attach(server, request, r, replicate, shard, suffix))
+        yield clients
+    finally:
+        for c in clients:
+            c.close()
+
+
+def run_shardctl(socket, *args):
+    """shardctl --socket socket args..., its output captured as text."""
+    return subprocess.run([os.path.join(shardd_build(), "shardctl"), "--socket", socket, *args],
+                          capture_output=True, text=True, timeout=30)
+
+
+def shardctl_json(socket, *args):
+    """The parsed output of `shardctl --json args...` on socket, which must succeed."""
+    out = run_shardctl(socket, "--json", *args)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)

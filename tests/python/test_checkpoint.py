@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import shardd
-from conftest import ROOT, Daemon, job_name, run_ranks
+from conftest import ROOT, attach, attached, job_name, run_ranks
 
 WORLD = 2
 SPECS = [("w", "float32", (9, 5)), ("b", "float32", (7,)), ("c", "float32", (3, 4), 1)]
@@ -42,16 +42,6 @@ def in_venv(code, *args):
     return r.stdout
 
 
-@pytest.fixture(scope="module")
-def state_daemon():
-    state = tempfile.TemporaryDirectory(prefix="shardd-py-state-")
-    d = Daemon(("--state-dir", state.name))
-    d.state = state.name
-    yield d
-    d.stop()
-    state.cleanup()
-
-
 def full(groups, i, spec):
     dim = spec[3] if len(spec) > 3 else 0
     return np.concatenate([g.shard(i) for g in groups], axis=dim)
@@ -60,9 +50,7 @@ def full(groups, i, spec):
 def test_checkpoint_files_load_with_the_safetensors_package(state_daemon, request):
     job = job_name(request)
     rng = np.random.default_rng(5)
-    clients = [shardd.Client(job=job, rank=r, shard=WORLD, socket_path=state_daemon.socket)
-               for r in range(WORLD)]
-    try:
+    with attached(request, state_daemon, 1, WORLD) as clients:
         opt = shardd.Optimizer.adamw(weight_decay=0.0)
         gs = run_ranks(lambda r: clients[r].register_group("layer", SPECS, optimizer=opt), WORLD)
         for r in range(WORLD):
@@ -91,13 +79,9 @@ def test_checkpoint_files_load_with_the_safetensors_package(state_daemon, reques
                     os.path.join(ckpt, "optim.safetensors"), out)
             names = sorted(np.load(out).files)
             assert names == sorted(f"{s[0]}.{k}" for s in SPECS for k in ("exp_avg", "exp_avg_sq"))
-    finally:
-        for c in clients:
-            c.close()
 
 
 def test_a_file_the_safetensors_package_wrote_restores_into_a_job(state_daemon, request):
-    job = job_name(request)
     rng = np.random.default_rng(9)
     with tempfile.TemporaryDirectory() as ckpt:
         tensors = {s[0]: rng.standard_normal(s[2]).astype(np.float32) for s in SPECS}
@@ -121,24 +105,18 @@ def test_a_file_the_safetensors_package_wrote_restores_into_a_job(state_daemon, 
         }
         with open(os.path.join(ckpt, "manifest.json"), "w") as f:
             json.dump(manifest, f)
-        clients = [shardd.Client(job=job, rank=r, shard=WORLD, socket_path=state_daemon.socket)
-                   for r in range(WORLD)]
-        try:
+        with attached(request, state_daemon, 1, WORLD) as clients:
             gs = run_ranks(lambda r: clients[r].register_group("layer", SPECS, restore=ckpt), WORLD)
             for r in range(WORLD):
                 assert gs[r].last_step == 7
             for i, spec in enumerate(SPECS):
                 assert np.array_equal(full(gs, i, spec), tensors[spec[0]]), spec[0]
-        finally:
-            for c in clients:
-                c.close()
 
 
 def test_hugging_face_weights_import_with_bf16_to_fp32(state_daemon, request):
     """A model's plain bf16 weights, written by safetensors.torch in two
     files with a model.safetensors.index.json, import into an fp32 job by
     name; the reference is torch's own bf16 -> fp32 conversion."""
-    job = job_name(request)
     with tempfile.TemporaryDirectory() as model:
         ref = os.path.join(model, "ref.npz")
         in_venv("""
@@ -160,26 +138,16 @@ json.dump({"metadata": {"total_size": 0}, "weight_map": {
 np.savez(ref, **{k: v.float().numpy() for k, v in t.items()})
 """, model, ref)
         want = np.load(ref)
-        clients = [shardd.Client(job=job, rank=r, shard=WORLD, socket_path=state_daemon.socket)
-                   for r in range(WORLD)]
-        try:
+        with attached(request, state_daemon, 1, WORLD) as clients:
             gs = run_ranks(lambda r: clients[r].register_group("layer", SPECS, restore=model), WORLD)
             for i, spec in enumerate(SPECS):
                 assert np.array_equal(full(gs, i, spec), want[spec[0]]), spec[0]
             assert gs[0].last_step == 0
-        finally:
-            for c in clients:
-                c.close()
         bad = [("w", "float32", (9, 6))] + SPECS[1:]
-        clients = [shardd.Client(job=job + "-bad", rank=r, shard=WORLD, socket_path=state_daemon.socket)
-                   for r in range(WORLD)]
-        try:
+        with attached(request, state_daemon, 1, WORLD, suffix="-bad") as clients:
             with pytest.raises(shardd.ShardError, match=r"tensor 'w' in .*/model-00001-of-00002\.safetensors: "
                                r"the group registers fp32 \[9, 6\], the file holds bf16 \[9, 5\]"):
                 run_ranks(lambda r: clients[r].register_group("layer", bad, restore=model), WORLD)
-        finally:
-            for c in clients:
-                c.close()
 
 
 def test_two_groups_write_split_files_with_an_index_and_restore_at_one_rank(state_daemon, request):
@@ -187,9 +155,7 @@ def test_two_groups_write_split_files_with_an_index_and_restore_at_one_rank(stat
     rng = np.random.default_rng(21)
     enc_specs = [("enc.w", "float32", (6, 3))]
     dec_specs = [("dec.w", "float32", (5, 2)), ("dec.b", "float32", (4,))]
-    clients = [shardd.Client(job=job, rank=r, shard=WORLD, socket_path=state_daemon.socket)
-               for r in range(WORLD)]
-    try:
+    with attached(request, state_daemon, 1, WORLD) as clients:
         enc = run_ranks(lambda r: clients[r].register_group("enc", enc_specs), WORLD)
         dec = run_ranks(lambda r: clients[r].register_group("dec", dec_specs), WORLD)
         for gs, specs in ((enc, enc_specs), (dec, dec_specs)):
@@ -199,9 +165,6 @@ def test_two_groups_write_split_files_with_an_index_and_restore_at_one_rank(stat
         want = {s[0]: full(gs, i, s) for gs, specs in ((enc, enc_specs), (dec, dec_specs))
                 for i, s in enumerate(specs)}
         run_ranks(lambda r: clients[r].checkpoint(3), WORLD)
-    finally:
-        for c in clients:
-            c.close()
     ckpt = os.path.join(state_daemon.state, job, "step-000000000003")
     with open(os.path.join(ckpt, "model.safetensors.index.json")) as f:
         index = json.load(f)
@@ -217,11 +180,8 @@ def test_two_groups_write_split_files_with_an_index_and_restore_at_one_rank(stat
         data = open(os.path.join(ckpt, entry["name"]), "rb").read()
         assert entry["bytes"] == len(data) and entry["crc32"] == f"{zlib.crc32(data):08x}"
     # The same tensors at one rank: each shard is the whole tensor.
-    one = shardd.Client(job=job + "-one", rank=0, shard=1, socket_path=state_daemon.socket)
-    try:
+    with attach(state_daemon, request, 0, 1, 1, suffix="-one") as one:
         for name, specs in (("enc", enc_specs), ("dec", dec_specs)):
             g = one.register_group(name, specs, restore=ckpt)
             for i, s in enumerate(specs):
                 assert np.array_equal(g.shard(i), want[s[0]]), s[0]
-    finally:
-        one.close()

@@ -12,7 +12,7 @@ import pytest
 
 import shardd
 from shardd import proto as P
-from conftest import Daemon, job_name, run_ranks
+from conftest import Daemon, attach, attached, run_ranks
 from reference import shard_of, shard_rows
 
 SPECS = [("w", "fp32", (5, 3)), ("b", "fp32", (7,)), ("s", "fp32", ()),
@@ -29,13 +29,8 @@ def full_values(seed):
     return out
 
 
-def attach(daemon, request, rank, world, **kw):
-    return shardd.Client(job=job_name(request), rank=rank, shard=world,
-                         socket_path=daemon.socket, **kw)
-
-
 def test_attach_maps_a_valid_ring(daemon, request):
-    with attach(daemon, request, 0, 1) as c:
+    with attach(daemon, request, 0, 1, 1) as c:
         assert c.backend == P.BACKEND_HOST
         assert c.sq_entries and c.sq_entries & (c.sq_entries - 1) == 0
         assert c.cq_entries >= c.sq_entries
@@ -47,29 +42,29 @@ def test_attach_maps_a_valid_ring(daemon, request):
 
 def test_hello_with_another_major_version_raises_version_error(daemon, request):
     with pytest.raises(shardd.ShardError) as ei:
-        attach(daemon, request, 0, 1, _major=P.PROTO_MAJOR + 1)
+        attach(daemon, request, 0, 1, 1, _major=P.PROTO_MAJOR + 1)
     assert ei.value.code == -P.E_VERSION
     assert ei.value.name == "SHARDD_E_VERSION"
     assert "daemon:" in str(ei.value)
 
 
 def test_second_client_for_a_live_rank_raises_rank_taken(daemon, request):
-    with attach(daemon, request, 0, 2):
+    with attach(daemon, request, 0, 1, 2):
         with pytest.raises(shardd.ShardError) as ei:
-            attach(daemon, request, 0, 2)
+            attach(daemon, request, 0, 1, 2)
     assert ei.value.code == -P.E_RANK_TAKEN
 
 
 def test_hello_with_another_mesh_than_the_job_raises_mesh_error(daemon, request):
-    with attach(daemon, request, 0, 2):
+    with attach(daemon, request, 0, 1, 2):
         with pytest.raises(shardd.ShardError) as ei:
-            attach(daemon, request, 1, 3)
+            attach(daemon, request, 1, 1, 3)
     assert ei.value.code == -P.E_MESH
 
 
 def test_rank_outside_the_mesh_is_rejected(daemon, request):
     with pytest.raises(shardd.ShardError) as ei:
-        attach(daemon, request, 4, 2)
+        attach(daemon, request, 4, 1, 2)
     # shardd_proto.h does not pin which of the two a bad hello field gets.
     assert ei.value.code in (-P.E_INVALID, -P.E_MALFORMED)
     assert "hello.rank = 4" in ei.value.text
@@ -83,7 +78,7 @@ def test_connect_to_a_missing_socket_names_the_path(tmp_path):
 
 
 def test_nop_round_trips_sync_and_async(daemon, request):
-    with attach(daemon, request, 0, 1) as c:
+    with attach(daemon, request, 0, 1, 1) as c:
         for _ in range(200):
             c.nop()
         n = min(64, c.sq_entries)
@@ -95,13 +90,13 @@ def test_nop_round_trips_sync_and_async(daemon, request):
 
 
 def test_reserved_user_data_bit_is_refused(daemon, request):
-    with attach(daemon, request, 0, 1) as c:
+    with attach(daemon, request, 0, 1, 1) as c:
         with pytest.raises(ValueError):
             c.submit(shardd.OP_NOP, user_data=shardd.USER_DATA_RESERVED | 1)
 
 
 def test_unknown_op_gets_an_error_completion_not_a_hang(daemon, request):
-    with attach(daemon, request, 0, 1) as c:
+    with attach(daemon, request, 0, 1, 1) as c:
         c.ring.sq_push(77, 0, 0, 5, 0)
         if c.ring.needs_wakeup():
             os.eventfd_write(c._doorbell, 1)
@@ -111,19 +106,14 @@ def test_unknown_op_gets_an_error_completion_not_a_hang(daemon, request):
 
 
 def test_barrier_waits_for_every_rank(daemon, request):
-    clients = [attach(daemon, request, r, 3) for r in range(3)]
-    try:
+    with attached(request, daemon, 1, 3) as clients:
         for n in range(1, 4):
             run_ranks(lambda r: clients[r].barrier(n), 3)
-    finally:
-        for c in clients:
-            c.close()
 
 
 def test_register_then_open_gives_the_same_group(daemon, request):
     world = 3
-    clients = [attach(daemon, request, r, world) for r in range(world)]
-    try:
+    with attached(request, daemon, 1, world) as clients:
         groups = run_ranks(lambda r: clients[r].register_group("g", SPECS), world)
         ids = {g.id for g in groups}
         assert len(ids) == 1 and 0 not in ids
@@ -146,9 +136,6 @@ def test_register_then_open_gives_the_same_group(daemon, request):
         with pytest.raises(shardd.ShardError) as ei:
             clients[0].open_group("no-such-group")
         assert ei.value.code == -P.E_NOGROUP
-    finally:
-        for c in clients:
-            c.close()
 
 
 def test_group_reply_with_a_cuda_ipc_buffer_is_refused_naming_the_field():
@@ -189,8 +176,7 @@ def test_group_reply_with_a_cuda_ipc_buffer_is_refused_naming_the_field():
 def test_unshard_gathers_fp32_shards_exactly(daemon, request):
     world = 3
     fulls = full_values(1)
-    clients = [attach(daemon, request, r, world) for r in range(world)]
-    try:
+    with attached(request, daemon, 1, world) as clients:
         groups = run_ranks(lambda r: clients[r].register_group("g", SPECS), world)
         for r, g in enumerate(groups):
             for i, f in enumerate(fulls):
@@ -202,17 +188,13 @@ def test_unshard_gathers_fp32_shards_exactly(daemon, request):
             for i, f in enumerate(fulls):
                 np.testing.assert_array_equal(g.unsharded(i), f)
         run_ranks(lambda r: groups[r].reshard(0), world)
-    finally:
-        for c in clients:
-            c.close()
 
 
 def test_reduce_averages_fp32_grads_and_accumulates_until_zero_grad(daemon, request):
     world = 3
     fulls = full_values(2)
-    clients = [attach(daemon, request, r, world) for r in range(world)]
     rng = np.random.default_rng(3)
-    try:
+    with attached(request, daemon, 1, world) as clients:
         groups = run_ranks(lambda r: clients[r].register_group("g", SPECS), world)
         expect = [np.zeros_like(f) for f in fulls]
         for step in range(3):
@@ -239,9 +221,6 @@ def test_reduce_averages_fp32_grads_and_accumulates_until_zero_grad(daemon, requ
                     np.testing.assert_array_equal(g.shard_grad(i, padded=True),
                                                   shard_of(expect[i], world, r, dim),
                                                   err_msg=f"param {i} rank {r} step {step}")
-    finally:
-        for c in clients:
-            c.close()
 
 
 @pytest.mark.parametrize("reduce_dtype", [None, "fp32"])
@@ -250,8 +229,7 @@ def test_bf16_param_dtype_rounds_unshard_and_reduce(daemon, request, reduce_dtyp
     rng = np.random.default_rng(4)
     specs = [("w", "fp32", (9, 5)), ("b", "fp32", (3,))]
     fulls = [rng.standard_normal(s[2]).astype(np.float32) for s in specs]
-    clients = [attach(daemon, request, r, world) for r in range(world)]
-    try:
+    with attached(request, daemon, 1, world) as clients:
         groups = run_ranks(lambda r: clients[r].register_group(
             "g", specs, param_dtype="bf16", reduce_dtype=reduce_dtype), world)
         g0 = groups[0]
@@ -280,9 +258,6 @@ def test_bf16_param_dtype_rounds_unshard_and_reduce(daemon, request, reduce_dtyp
                 sg = g.shard_grad(i)
                 assert sg.dtype == np.float32
                 np.testing.assert_array_equal(sg, shard_of(avg, world, r)[:sg.shape[0]])
-    finally:
-        for c in clients:
-            c.close()
 
 
 def test_bf16_helpers_round_to_nearest_even_and_keep_nan_inf():
@@ -299,8 +274,7 @@ def test_bf16_helpers_round_to_nearest_even_and_keep_nan_inf():
 
 def test_reduce_with_different_steps_fails_every_rank_naming_them(daemon, request):
     world = 2
-    clients = [attach(daemon, request, r, world) for r in range(world)]
-    try:
+    with attached(request, daemon, 1, world) as clients:
         groups = run_ranks(lambda r: clients[r].register_group("g", SPECS[:1]), world)
 
         def reduce(r):
@@ -312,13 +286,10 @@ def test_reduce_with_different_steps_fails_every_rank_naming_them(daemon, reques
         for e in errs:
             assert e.code == -P.E_MISMATCH, e
             assert "rank" in e.text
-    finally:
-        for c in clients:
-            c.close()
 
 
 def test_op_on_unknown_group_gets_an_error_completion(daemon, request):
-    with attach(daemon, request, 0, 1) as c:
+    with attach(daemon, request, 0, 1, 1) as c:
         with pytest.raises(shardd.ShardError) as ei:
             c.run(shardd.OP_UNSHARD, group=999, step=0, where="unshard(group 999)")
         assert ei.value.code == -P.E_NOGROUP and "999" in ei.value.text
@@ -346,8 +317,7 @@ def test_daemon_death_raises_daemon_gone_instead_of_hanging():
 
 
 def test_peer_goodbye_fails_the_waiting_unshard_with_peer_died(daemon, request):
-    clients = [attach(daemon, request, r, 2) for r in range(2)]
-    try:
+    with attached(request, daemon, 1, 2) as clients:
         groups = run_ranks(lambda r: clients[r].register_group("g", SPECS[:1]), 2)
         assert groups[0].submit(shardd.OP_UNSHARD, step=0, user_data=9)
         # wait (real event, bounded by the test timeout) until the daemon took it
@@ -357,6 +327,3 @@ def test_peer_goodbye_fails_the_waiting_unshard_with_peer_died(daemon, request):
         comp = clients[0].wait(timeout=10)
         assert comp.user_data == 9 and comp.res == -P.E_PEER_DIED
         assert "rank 1" in comp.msg
-    finally:
-        for c in clients:
-            c.close()

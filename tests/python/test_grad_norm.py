@@ -10,20 +10,15 @@ import numpy as np
 import pytest
 
 import shardd
-from conftest import run_ranks
+from conftest import attach, attached, run_ranks
 
 SPECS = [("w", "float32", (5, 3)), ("empty", "float32", (0, 4)), ("b", "float32", (7,))]
 WORLD = 2
 
 
-def attach(daemon, request, rank):
-    return shardd.Client(job=request.node.name[:60], rank=rank, shard=WORLD, socket_path=daemon.socket)
-
-
 def test_grad_norm_matches_numpy_over_two_groups(daemon, request):
     rng = np.random.default_rng(11)
-    clients = [attach(daemon, request, r) for r in range(WORLD)]
-    try:
+    with attached(request, daemon, 1, WORLD) as clients:
         groups = {name: run_ranks(lambda r, n=name: clients[r].register_group(n, SPECS), WORLD)
                   for name in ("enc", "dec")}
         means = []
@@ -47,15 +42,9 @@ def test_grad_norm_matches_numpy_over_two_groups(daemon, request):
         run_ranks(lambda r: gs[r].reduce(2), WORLD)
         for norm, nonfinite in run_ranks(lambda r: clients[r].grad_norm(2), WORLD):
             assert nonfinite is True and math.isnan(norm)
-    finally:
-        for c in clients:
-            c.close()
 
 
 def test_grad_norm_rejects_an_unsupported_norm_type(daemon, request):
-    client = attach(daemon, request, 0)
-    try:
+    with attach(daemon, request, 0, 1, WORLD) as client:
         with pytest.raises(shardd.ShardError, match="norm_type 1 is not supported"):
             client.grad_norm(1, 1.0)
-    finally:
-        client.close()

@@ -14,13 +14,7 @@ timeout, naming the node and its ranks."""
 
 import math
 import os
-import re
-import select
-import shutil
 import signal
-import subprocess
-import tempfile
-import threading
 import time
 
 import numpy as np
@@ -28,120 +22,16 @@ import pytest
 
 import shardd
 from shardd import proto as P
-from conftest import Daemon, job_name, run_ranks, shardd_bin
+from conftest import WORLD_TIMEOUT_S as TIMEOUT_S, Daemon, World, attached, job_name, needs_mpirun, run_ranks
+from reference import shard_of
 
-TIMEOUT_S = 4          # --collective-timeout of the worlds below
-READY_TIMEOUT_S = 60   # mpirun's start on a loaded 2-core machine
-
-pytestmark = pytest.mark.skipif(shutil.which("mpirun") is None,
-                                reason="mpirun (openmpi-bin) is not installed: make deps")
-
-
-class World:
-    """`nodes` shardd daemons under one mpirun, node k on socket dir/node.k."""
-
-    def __init__(self, nodes, extra_args=()):
-        self.nodes = nodes
-        self.dir = tempfile.TemporaryDirectory(prefix="shardd-world-")
-        self.lines = []
-        self.pids = {}
-        root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
-        # Survivors keep running when a daemon dies (the failure test kills one).
-        cmd = ["mpirun", *root, "--oversubscribe", "--mca", "btl", "tcp,self",
-               "--mca", "orte_enable_recovery", "1", "--mca", "orte_abort_on_non_zero_status", "0",
-               "-np", str(nodes), "sh", "-c",
-               'd="$1"; shift; exec "$0" --world mpi --socket "$d/node.$OMPI_COMM_WORLD_RANK" '
-               f'--collective-timeout {TIMEOUT_S} --log-level info "$@"',
-               shardd_bin(), self.dir.name, *extra_args]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, start_new_session=True)
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        buf = b""
-        while not self._ready(buf):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                self.stop()
-                pytest.fail(f"{nodes} daemons were not ready within {READY_TIMEOUT_S} s; "
-                            f"stderr: {buf.decode(errors='replace')!r}")
-            r, _, _ = select.select([self.proc.stderr], [], [], left)
-            if not r:
-                continue
-            chunk = os.read(self.proc.stderr.fileno(), 65536)
-            if not chunk:
-                rc = self.proc.wait(timeout=10)
-                pytest.fail(f"mpirun exited with {rc} before the daemons were ready; "
-                            f"stderr: {buf.decode(errors='replace')!r}")
-            buf += chunk
-        text = buf.decode(errors="replace")
-        self.lines.extend(text.splitlines())
-        for m in re.finditer(r"shardd\[(\d+)\] info: world: node (\d+) of (\d+) nodes", text):
-            assert int(m.group(3)) == nodes
-            self.pids[int(m.group(2))] = int(m.group(1))
-        assert sorted(self.pids) == list(range(nodes)), text
-        self._drain = threading.Thread(target=self._drain_stderr, daemon=True)
-        self._drain.start()
-
-    def _ready(self, buf):
-        return all(f"shardd: ready on {self.socket(k)}".encode() in buf for k in range(self.nodes))
-
-    def _drain_stderr(self):
-        for line in self.proc.stderr:
-            self.lines.append(line.decode(errors="replace").rstrip("\n"))
-
-    def wait_gone(self, node, timeout=10):
-        """Until node's daemon has exited (a zombie of mpirun's counts): the
-        kernel gives no other notice to a process that is not its parent."""
-        pid = self.pids[node]
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
-                        return
-            except FileNotFoundError:
-                return
-            time.sleep(0.01)
-        pytest.fail(f"node {node}'s daemon (pid {pid}) did not exit within {timeout} s of SIGKILL")
-
-    def socket(self, node):
-        return os.path.join(self.dir.name, f"node.{node}")
-
-    def stop(self):
-        # captured by pytest, shown when the test failed: what the daemons said
-        print("\n".join(self.lines[-60:]))
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
-        self.dir.cleanup()
+pytestmark = needs_mpirun
 
 
 @pytest.fixture(scope="module")
 def world2():
-    w = World(2)
-    yield w
-    w.stop()
-
-
-def attach_world(world, request, rank, replicate, shard, suffix=""):
-    local = replicate * shard // world.nodes
-    return shardd.Client(job=job_name(request) + suffix, rank=rank, shard=shard, replicate=replicate,
-                         socket_path=world.socket(rank // local))
-
-
-def bf16_round(x):
-    return shardd.bf16_to_fp32(shardd.fp32_to_bf16(np.asarray(x, dtype=np.float32)))
-
-
-def shard_rows_of(full, shard, s):
-    rows = -(-full.shape[0] // shard)
-    out = np.zeros((rows,) + full.shape[1:], dtype=full.dtype)
-    part = full[s * rows:(s + 1) * rows]
-    out[:part.shape[0]] = part
-    return out
+    with World(2) as w:
+        yield w
 
 
 def run_hsdp(clients, specs, grads, param_dtype=None):
@@ -171,9 +61,19 @@ def hsdp_reference(specs, grads, R, S):
         for i, (_, _, shape) in enumerate(specs):
             total = sum(np.asarray(grads[mb][q][i], dtype=np.float64)
                         for mb in range(2) for q in range(R * S))
-            per.append(shard_rows_of((total / (R * S)).astype(np.float32), S, s))
+            per.append(shard_of((total / (R * S)).astype(np.float32), S, s))
         out.append(per)
     return out
+
+
+def across_nodes_and_on_one_daemon(request, nodes, R, S, run, extra_args=()):
+    """run(clients) on mesh R x S over `nodes` daemons (extra_args to each),
+    then on one daemon running the same mesh: both results."""
+    with World(nodes, extra_args) as world, attached(request, world, R, S) as clients:
+        multi = run(clients)
+    with Daemon() as single, attached(request, single, R, S) as clients:
+        one = run(clients)
+    return multi, one
 
 
 SPECS = [("w", "fp32", (7, 3)), ("b", "fp32", (5,))]
@@ -190,12 +90,8 @@ def exact_grads(seed, n):
 def test_hsdp_reduce_across_two_nodes_matches_the_reference(world2, request):
     R, S = 2, 2
     grads = exact_grads(1, R * S)
-    clients = [attach_world(world2, request, r, R, S) for r in range(R * S)]
-    try:
+    with attached(request, world2, R, S) as clients:
         got = run_hsdp(clients, SPECS, grads)
-    finally:
-        for c in clients:
-            c.close()
     want = hsdp_reference(SPECS, grads, R, S)
     for r in range(R * S):
         for i in range(len(SPECS)):
@@ -212,27 +108,9 @@ def test_hsdp_bf16_across_nodes_gives_the_bits_of_one_daemon(request, nodes, dty
     rng = np.random.default_rng(nodes)
     grads = [[[shardd.fp32_to_bf16(rng.standard_normal(shape).astype(np.float32))
                for _, _, shape in SPECS] for _ in range(R * S)] for _ in range(2)]
-    world = World(nodes, ["--internode-dtype", dtype])
-    try:
-        clients = [attach_world(world, request, r, R, S) for r in range(R * S)]
-        try:
-            multi = run_hsdp(clients, SPECS, grads, param_dtype="bf16")
-        finally:
-            for c in clients:
-                c.close()
-    finally:
-        world.stop()
-    single = Daemon()
-    try:
-        clients = [shardd.Client(job=job_name(request), rank=r, shard=S, replicate=R,
-                                 socket_path=single.socket) for r in range(R * S)]
-        try:
-            one = run_hsdp(clients, SPECS, grads, param_dtype="bf16")
-        finally:
-            for c in clients:
-                c.close()
-    finally:
-        single.stop()
+    multi, one = across_nodes_and_on_one_daemon(
+        request, nodes, R, S, lambda clients: run_hsdp(clients, SPECS, grads, param_dtype="bf16"),
+        ["--internode-dtype", dtype])
     fgrads = [[[shardd.bf16_to_fp32(g) for g in rank] for rank in mb] for mb in grads]
     want = hsdp_reference(SPECS, fgrads, R, S)
     for r in range(R * S):
@@ -249,8 +127,7 @@ def test_hsdp_unshard_gathers_each_node_replica_on_its_node(world2, request):
     rng = np.random.default_rng(5)
     # each replica (node) holds its own values, so a gather across nodes would show
     fulls = [[rng.standard_normal(shape).astype(np.float32) for _, _, shape in SPECS] for _ in range(R)]
-    clients = [attach_world(world2, request, r, R, S) for r in range(R * S)]
-    try:
+    with attached(request, world2, R, S) as clients:
         groups = run_ranks(lambda r: clients[r].register_group("g", SPECS), R * S)
         for r, g in enumerate(groups):
             for i in range(len(SPECS)):
@@ -259,9 +136,6 @@ def test_hsdp_unshard_gathers_each_node_replica_on_its_node(world2, request):
         for r, g in enumerate(groups):
             for i in range(len(SPECS)):
                 np.testing.assert_array_equal(g.unsharded(i), fulls[r // S][i])
-    finally:
-        for c in clients:
-            c.close()
 
 
 def test_rank_at_another_node_daemon_is_refused_naming_its_node(world2, request):
@@ -293,46 +167,38 @@ def test_mesh_across_nodes_in_an_unsupported_layout_is_refused(world2, request, 
 @pytest.mark.parametrize("R,S,op,flags", [(2, 2, P.OP_REDUCE, P.REDUCE_ALL_REDUCE),
                                          (1, 4, P.OP_UNSHARD, 0), (1, 4, P.OP_REDUCE, 0)])
 def test_killed_node_fails_the_other_node_ranks_within_the_timeout(request, R, S, op, flags):
-    world = World(2)
-    try:
-        clients = [attach_world(world, request, r, R, S) for r in range(2)]  # node 0's ranks
-        try:
-            # node 1's ranks never attach: registration is node-local, so node 0's completes
-            groups = run_ranks(lambda r: clients[r].register_group("g", SPECS), 2)
-            # Rank 0's op waits in the job's collective when node 1 dies; rank 1's completes the
-            # node's half after it is gone, so node 0 sends nothing that is in flight at the
-            # death (Open MPI 4.1 may end a sender whose transfer fails: docs/MULTINODE.md).
-            assert groups[0].submit(op, step=1, flags=flags, user_data=11)
-            os.kill(world.pids[1], signal.SIGKILL)
-            world.wait_gone(1)
-            t0 = time.monotonic()
-            assert groups[1].submit(op, step=1, flags=flags, user_data=11)
-            comps = run_ranks(lambda r: clients[r].wait(timeout=TIMEOUT_S + 20), 2,
-                              timeout=TIMEOUT_S + 30)
-            took = time.monotonic() - t0
-            what, lost = ("all-reduce", "; sharded grads not reduced") if R > 1 else ("exchange", "")
-            head = (f"shardd: {'reduce' if op == P.OP_REDUCE else 'unshard'}(group 'g', step 1): {what} "
-                    "among 2 nodes failed for ranks 0..1 (node 0): node 1 (ranks 2..3) ")
-            tail = f"{lost}; check its daemon (dead: relaunch the world)"
-            for comp in comps:
-                assert comp.user_data == 11
-                assert comp.res in (-P.E_TIMEOUT, -P.E_PEER_DIED), comp
-                # who got the error, the dead node and its global ranks, MPI's words, what to do
-                if comp.res == -P.E_TIMEOUT:
-                    assert comp.msg == f"{head}did not answer within {TIMEOUT_S} s{tail}", comp.msg
-                else:
-                    assert comp.msg.startswith(f"{head}is lost: ") and comp.msg.endswith(tail), comp.msg
-            assert took < TIMEOUT_S + 10, f"the errors took {took:.1f} s"
-            # the surviving daemon keeps serving its ranks and their state
-            for c in clients:
-                c.nop()
-            if R > 1:  # HSDP: a reduce without the all-reduce stays on the node
-                run_ranks(lambda r: groups[r].reduce(2), 2)
-        finally:
-            for c in clients:
-                c.close()
-    finally:
-        world.stop()
+    # node 0's ranks only: node 1's never attach (registration is node-local, so node 0's completes)
+    with World(2) as world, attached(request, world, R, S, ranks=range(2)) as clients:
+        groups = run_ranks(lambda r: clients[r].register_group("g", SPECS), 2)
+        # Rank 0's op waits in the job's collective when node 1 dies; rank 1's completes the
+        # node's half after it is gone, so node 0 sends nothing that is in flight at the
+        # death (Open MPI 4.1 may end a sender whose transfer fails: docs/MULTINODE.md).
+        assert groups[0].submit(op, step=1, flags=flags, user_data=11)
+        os.kill(world.pids[1], signal.SIGKILL)
+        world.wait_gone(1)
+        t0 = time.monotonic()
+        assert groups[1].submit(op, step=1, flags=flags, user_data=11)
+        comps = run_ranks(lambda r: clients[r].wait(timeout=TIMEOUT_S + 20), 2,
+                          timeout=TIMEOUT_S + 30)
+        took = time.monotonic() - t0
+        what, lost = ("all-reduce", "; sharded grads not reduced") if R > 1 else ("exchange", "")
+        head = (f"shardd: {'reduce' if op == P.OP_REDUCE else 'unshard'}(group 'g', step 1): {what} "
+                "among 2 nodes failed for ranks 0..1 (node 0): node 1 (ranks 2..3) ")
+        tail = f"{lost}; check its daemon (dead: relaunch the world)"
+        for comp in comps:
+            assert comp.user_data == 11
+            assert comp.res in (-P.E_TIMEOUT, -P.E_PEER_DIED), comp
+            # who got the error, the dead node and its global ranks, MPI's words, what to do
+            if comp.res == -P.E_TIMEOUT:
+                assert comp.msg == f"{head}did not answer within {TIMEOUT_S} s{tail}", comp.msg
+            else:
+                assert comp.msg.startswith(f"{head}is lost: ") and comp.msg.endswith(tail), comp.msg
+        assert took < TIMEOUT_S + 10, f"the errors took {took:.1f} s"
+        # the surviving daemon keeps serving its ranks and their state
+        for c in clients:
+            c.nop()
+        if R > 1:  # HSDP: a reduce without the all-reduce stays on the node
+            run_ranks(lambda r: groups[r].reduce(2), 2)
 
 
 @pytest.mark.timeout_s(60)
@@ -344,10 +210,7 @@ def test_stalled_node_fails_the_reduce_then_the_next_one_pairs_up_again(request)
     late message is dropped by node 0, and the next reduce of the group
     succeeds on both."""
     R, S = 2, 2
-    world = World(2)
-    clients = []
-    try:
-        clients = [attach_world(world, request, r, R, S) for r in range(R * S)]
+    with World(2) as world, attached(request, world, R, S) as clients:
         groups = run_ranks(lambda r: clients[r].register_group("g", SPECS), R * S)
         os.kill(world.pids[1], signal.SIGSTOP)
         try:
@@ -384,22 +247,13 @@ def test_stalled_node_fails_the_reduce_then_the_next_one_pairs_up_again(request)
         for r, g in enumerate(groups):
             for i in range(len(SPECS)):
                 np.testing.assert_array_equal(np.array(g.shard_grad(i, padded=True)),
-                                              shard_rows_of(total[i], S, r % S),
+                                              shard_of(total[i], S, r % S),
                                               err_msg=f"rank {r} param {i}")
-    finally:
-        for c in clients:
-            c.close()
-        world.stop()
 
 
 def fsdp_specs():
     # dim-0 padding (7 rows over 4 or 6 shards), a 1-d param, a Shard(1) param
     return [("w", "fp32", (7, 3)), ("b", "fp32", (5,)), shardd.Param("t", "fp32", (2, 12), shard_dim=1)]
-
-
-def shard_of_dim(full, S, t, dim):
-    f = np.moveaxis(full, dim, 0)
-    return np.moveaxis(shard_rows_of(f, S, t), 0, dim)
 
 
 @pytest.mark.timeout_s(90)
@@ -418,10 +272,7 @@ def test_fsdp_across_nodes_unshards_and_reduces_over_every_rank(request, nodes, 
     fulls = [rng.standard_normal(sh).astype(np.float32) for sh in shapes]
     grads = [[[(rng.integers(-256, 256, size=sh) / 64).astype(np.float32) for sh in shapes]
               for _ in range(S)] for _ in range(2)]
-    world = World(nodes, ["--internode-dtype", dtype])
-    clients = []
-    try:
-        clients = [attach_world(world, request, r, 1, S) for r in range(S)]
+    with World(nodes, ["--internode-dtype", dtype]) as world, attached(request, world, 1, S) as clients:
         groups = run_ranks(lambda r: clients[r].register_group("g", specs), S)
         assert all(g.shard_world == S for g in groups)
         for g in groups:
@@ -443,12 +294,8 @@ def test_fsdp_across_nodes_unshards_and_reduces_over_every_rank(request, nodes, 
             avg = avgs[0] + avgs[1]
             for r, g in enumerate(groups):
                 np.testing.assert_array_equal(np.array(g.shard_grad(i, padded=True)),
-                                              shard_of_dim(avg, S, r, dims[i]),
+                                              shard_of(avg, S, r, dims[i]),
                                               err_msg=f"rank {r} param {i}")
-    finally:
-        for c in clients:
-            c.close()
-        world.stop()
 
 
 @pytest.mark.timeout_s(120)
@@ -472,25 +319,7 @@ def test_fsdp_bf16_across_nodes_matches_one_daemon_within_one_rounding(request):
         return [[np.array(g.shard_grad(i, padded=True), dtype=np.float32) for i in range(len(specs))]
                 for g in groups]
 
-    world = World(2)
-    clients = []
-    try:
-        clients = [attach_world(world, request, r, 1, S) for r in range(S)]
-        multi = run(clients)
-    finally:
-        for c in clients:
-            c.close()
-        world.stop()
-    single = Daemon()
-    clients = []
-    try:
-        clients = [shardd.Client(job=job_name(request), rank=r, shard=S, socket_path=single.socket)
-                   for r in range(S)]
-        one = run(clients)
-    finally:
-        for c in clients:
-            c.close()
-        single.stop()
+    multi, one = across_nodes_and_on_one_daemon(request, 2, 1, S, run)
     for r in range(S):
         for i in range(len(specs)):
             a, b = multi[r][i], one[r][i]
@@ -535,25 +364,8 @@ def train(clients, R, S, steps=6):
 def test_training_on_two_nodes_matches_one_node_with_four_ranks(request, R, S):
     """2 nodes x 2 ranks against one daemon with 4 ranks, same mesh: HSDP
     gives the same bits; FSDP the same up to fp32 addition order."""
-    world = World(2)
-    clients = []
-    try:
-        clients = [attach_world(world, request, r, R, S) for r in range(R * S)]
-        losses2, shards2 = train(clients, R, S)
-    finally:
-        for c in clients:
-            c.close()
-        world.stop()
-    single = Daemon()
-    clients = []
-    try:
-        clients = [shardd.Client(job=job_name(request), rank=r, shard=S, replicate=R,
-                                 socket_path=single.socket) for r in range(R * S)]
-        losses1, shards1 = train(clients, R, S)
-    finally:
-        for c in clients:
-            c.close()
-        single.stop()
+    (losses2, shards2), (losses1, shards1) = across_nodes_and_on_one_daemon(
+        request, 2, R, S, lambda clients: train(clients, R, S))
     assert losses2[-1] < losses2[0], losses2
     for r in range(R * S):
         if R > 1:
@@ -570,8 +382,7 @@ def test_group_registered_differently_on_two_nodes_fails_the_all_reduce_naming_b
     params, so the all-reduce fails as a mismatch on both nodes instead of
     mixing bytes of different groups."""
     R, S = 2, 2
-    clients = [attach_world(world2, request, r, R, S) for r in range(R * S)]
-    try:
+    with attached(request, world2, R, S) as clients:
         groups = run_ranks(lambda r: clients[r].register_group(
             "g", [("w", "fp32", (7 if r < S else 9, 3))]), R * S)
 
@@ -583,9 +394,6 @@ def test_group_registered_differently_on_two_nodes_fails_the_all_reduce_naming_b
         for r, e in enumerate(run_ranks(reduce, R * S, timeout=TIMEOUT_S + 20)):
             assert e.code == -P.E_MISMATCH, e
             assert "disagree on the group's params" in e.text and f"node {1 - r // S} sent" in e.text, e.text
-    finally:
-        for c in clients:
-            c.close()
 
 
 @pytest.mark.timeout_s(90)
@@ -599,10 +407,7 @@ def test_grad_norm_of_fsdp_across_nodes_is_the_total_over_every_node(request, no
     shapes = [(7, 3), (5,), (2, 12)]
     rng = np.random.default_rng(40 + nodes)
     grads = [[(rng.integers(-256, 256, size=sh) / 64).astype(np.float32) for sh in shapes] for _ in range(S)]
-    world = World(nodes)
-    clients = []
-    try:
-        clients = [attach_world(world, request, r, 1, S) for r in range(S)]
+    with World(nodes) as world, attached(request, world, 1, S) as clients:
         groups = run_ranks(lambda r: clients[r].register_group("g", specs), S)
         for r, g in enumerate(groups):
             for i in range(len(shapes)):
@@ -619,10 +424,6 @@ def test_grad_norm_of_fsdp_across_nodes_is_the_total_over_every_node(request, no
                 assert not nonfinite
                 assert norm == pytest.approx(want, rel=1e-6), (r, norm_type, norm, want)
                 assert norm == got[0][0], "every rank of every node gets the same bits"
-    finally:
-        for c in clients:
-            c.close()
-        world.stop()
 
 
 @pytest.mark.timeout_s(60)
@@ -631,28 +432,20 @@ def test_grad_norm_of_fsdp_across_nodes_fails_naming_a_killed_node(request):
     grad_norm fails within the timeout naming node 1, and the surviving
     daemon keeps serving them."""
     S = 4
-    world = World(2)
-    try:
-        clients = [attach_world(world, request, r, 1, S) for r in range(2)]  # node 0's ranks
-        try:
-            run_ranks(lambda r: clients[r].register_group("g", fsdp_specs()), 2)
-            os.kill(world.pids[1], signal.SIGKILL)
-            world.wait_gone(1)
-            t0 = time.monotonic()
+    with World(2) as world, attached(request, world, 1, S, ranks=range(2)) as clients:  # node 0's ranks
+        run_ranks(lambda r: clients[r].register_group("g", fsdp_specs()), 2)
+        os.kill(world.pids[1], signal.SIGKILL)
+        world.wait_gone(1)
+        t0 = time.monotonic()
 
-            def failed(r):
-                with pytest.raises(shardd.ShardError) as ei:
-                    clients[r].grad_norm(1, timeout=TIMEOUT_S + 20)
-                return ei.value
+        def failed(r):
+            with pytest.raises(shardd.ShardError) as ei:
+                clients[r].grad_norm(1, timeout=TIMEOUT_S + 20)
+            return ei.value
 
-            for e in run_ranks(failed, 2, timeout=TIMEOUT_S + 30):
-                assert e.code in (-P.E_TIMEOUT, -P.E_PEER_DIED), e
-                assert "node 1 (ranks 2..3)" in e.text, e.text
-            assert time.monotonic() - t0 < TIMEOUT_S + 10
-            for c in clients:
-                c.nop()
-        finally:
-            for c in clients:
-                c.close()
-    finally:
-        world.stop()
+        for e in run_ranks(failed, 2, timeout=TIMEOUT_S + 30):
+            assert e.code in (-P.E_TIMEOUT, -P.E_PEER_DIED), e
+            assert "node 1 (ranks 2..3)" in e.text, e.text
+        assert time.monotonic() - t0 < TIMEOUT_S + 10
+        for c in clients:
+            c.nop()

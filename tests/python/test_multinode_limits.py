@@ -10,10 +10,8 @@ exact results; a spanning job's ranks are named by their global numbers in
 the node's own errors and in shardctl's views."""
 
 import errno
-import json
 import os
 import signal
-import subprocess
 import time
 
 import numpy as np
@@ -21,8 +19,11 @@ import pytest
 
 import shardd
 from shardd import proto as P
-from conftest import job_name, run_ranks, shardd_build
-from test_multinode import TIMEOUT_S, World, attach_world, pytestmark, shard_rows_of  # noqa: F401 (skip without mpirun)
+from conftest import (WORLD_TIMEOUT_S as TIMEOUT_S, World, attach, attached, job_name, needs_mpirun,
+                      run_ranks, run_shardctl, shardctl_json)
+from reference import shard_of
+
+pytestmark = needs_mpirun
 
 # FSDP across 2 nodes (mesh 1x4, 2 ranks per node) of one fp32 param of 64 x 16:
 # shard Z = 16 rows * 16 * 4 B = 1024 B; the full param 4096 B.
@@ -46,15 +47,8 @@ def kib(n):
     return f"{n / 1024:.1f} KiB"
 
 
-def shardctl(world, node, *args):
-    out = subprocess.run([os.path.join(shardd_build(), "shardctl"), "--socket", world.socket(node),
-                          "--json", *args], capture_output=True, text=True, timeout=30)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
-
-
 def job_of(world, node, name):
-    jobs = [j for j in shardctl(world, node, "jobs")["jobs"] if j["name"] == name]
+    jobs = [j for j in shardctl_json(world.socket(node), "jobs")["jobs"] if j["name"] == name]
     assert len(jobs) == 1, jobs
     return jobs[0]
 
@@ -66,10 +60,7 @@ def test_group_across_nodes_past_max_memory_is_refused_naming_its_internode_byte
     fails with the usual message, naming the inter-node part."""
     assert LOCAL == 16384 and INTERNODE == 17408
     limit = 24 * 1024
-    world = World(N, ["--max-memory", str(limit)])
-    clients = []
-    try:
-        clients = [attach_world(world, request, r, 1, S) for r in range(S)]
+    with World(N, ["--max-memory", str(limit)]) as world, attached(request, world, 1, S) as clients:
 
         def refused(r):
             with pytest.raises(shardd.ShardError) as ei:
@@ -87,10 +78,6 @@ def test_group_across_nodes_past_max_memory_is_refused_naming_its_internode_byte
         for node in range(N):
             job = job_of(world, node, job_name(request))
             assert job["groups"] == 0 and job["memory_committed"] == 0, job
-    finally:
-        for c in clients:
-            c.close()
-        world.stop()
 
 
 @pytest.mark.timeout_s(90)
@@ -100,16 +87,13 @@ def test_group_across_nodes_fits_its_exact_bytes_and_reuses_its_buffers_exactly(
     refused; unshard and three reduces (the same buffers every op) give the
     exact results."""
     total = LOCAL + INTERNODE
-    world = World(N, ["--max-memory", str(total)])
-    clients = []
     rng = np.random.default_rng(5)
     full = rng.standard_normal((ROWS, COLS)).astype(np.float32)
     # multiples of 1/64: every sum over the 4 ranks and 3 reduces is exact in fp32, and so
     # is the divide by 4 (a power of two)
     grads = [[(rng.integers(-256, 256, size=(ROWS, COLS)) / 64).astype(np.float32) for _ in range(S)]
              for _ in range(3)]
-    try:
-        clients = [attach_world(world, request, r, 1, S) for r in range(S)]
+    with World(N, ["--max-memory", str(total)]) as world, attached(request, world, 1, S) as clients:
         groups = run_ranks(lambda r: clients[r].register_group("g", SPEC), S)
         for node in range(N):
             job = job_of(world, node, job_name(request))
@@ -141,10 +125,6 @@ def test_group_across_nodes_fits_its_exact_bytes_and_reuses_its_buffers_exactly(
         # after the ops, what each node holds is what it committed at registration
         for node in range(N):
             assert job_of(world, node, job_name(request))["memory"]["total"] == total
-    finally:
-        for c in clients:
-            c.close()
-        world.stop()
 
 
 def wait_pending(world, node, name, want_arrived):
@@ -152,7 +132,7 @@ def wait_pending(world, node, name, want_arrived):
     shows `want_arrived` (the op is taken asynchronously), bounded."""
     deadline = time.monotonic() + TIMEOUT_S
     while True:
-        view = shardctl(world, node, "ranks", name)["jobs"][0]
+        view = shardctl_json(world.socket(node), "ranks", name)["jobs"][0]
         if any(p["arrived"] == want_arrived for p in view["pending"]) or time.monotonic() > deadline:
             return view
         time.sleep(0.02)
@@ -165,10 +145,7 @@ def test_spanning_job_names_global_ranks_in_views_and_node_errors(request):
     rank), its inter-node buffer is the all-reduce's, and its own rendezvous
     timeout names rank 3 as missing and rank 2 as waiting."""
     R = 2
-    world = World(N)
-    clients = []
-    try:
-        clients = [attach_world(world, request, r, R, L) for r in range(R * L)]
+    with World(N) as world, attached(request, world, R, L) as clients:
         groups = run_ranks(lambda r: clients[r].register_group("g", SPEC), R * L)
         name = job_name(request)
         job = job_of(world, 1, name)
@@ -189,38 +166,26 @@ def test_spanning_job_names_global_ranks_in_views_and_node_errors(request):
         assert comp.user_data == 31 and comp.res == -P.E_TIMEOUT, comp
         assert comp.msg == ("shardd: rank 3 never submitted unshard(group 'g', step 5) within "
                             f"{TIMEOUT_S} s; rank 2 is waiting"), comp.msg
-        text = subprocess.run([os.path.join(shardd_build(), "shardctl"), "--socket", world.socket(1),
-                               "ranks", name], capture_output=True, text=True, timeout=30).stdout.splitlines()
+        text = run_shardctl(world.socket(1), "ranks", name).stdout.splitlines()
         assert text[0].startswith(f"job '{name}': mesh 2x2 over 2 nodes, node 1 holds ranks 2..3, 2 of 2 "
                                   "attached, furthest step "), text
         assert [line.split()[0] for line in text[2:]] == ["2", "3"], text
         # node 0's views are its own ranks, 0 and 1
-        view0 = shardctl(world, 0, "ranks", name)["jobs"][0]
+        view0 = shardctl_json(world.socket(0), "ranks", name)["jobs"][0]
         assert [(r["rank"], r["node"], r["local_rank"]) for r in view0["ranks"]] == [(0, 0, 0), (1, 0, 1)]
-    finally:
-        for c in clients:
-            c.close()
-        world.stop()
 
 
 @pytest.mark.timeout_s(60)
 def test_rank_attaching_with_another_whole_mesh_of_the_same_node_part_is_refused(request):
     """Meshes 2x2 and 1x4 over 2 nodes both put 1x2 on a node: a rank asking
     for the other whole mesh of an existing job is refused naming both."""
-    world = World(N)
-    clients = []
-    try:
-        clients.append(attach_world(world, request, 0, 2, 2))
+    with World(N) as world, attached(request, world, 2, 2, ranks=[0]):
         with pytest.raises(shardd.ShardError) as ei:
-            attach_world(world, request, 1, 1, 4)
+            attach(world, request, 1, 1, 4)
         assert ei.value.code == -P.E_MESH
         name = job_name(request)
         assert ei.value.text == (f"attach job '{name}' rank 1 to {world.socket(0)}: daemon: job '{name}' "
                                  "has mesh 2x2 over 2 nodes, hello asked for 1x4"), ei.value
-    finally:
-        for c in clients:
-            c.close()
-        world.stop()
 
 
 @pytest.mark.timeout_s(90)
@@ -238,12 +203,9 @@ def test_buffer_mpi_still_holds_after_a_stall_is_counted_and_a_third_is_refused(
     buf = max(S * z, 2 * S * z)
     internode = buf + z + L * rows * cols * 4
     limit = local + internode + buf
-    world = World(N, ["--max-memory", str(limit)])
-    clients = []
-    try:
-        clients = [attach_world(world, request, r, 1, S) for r in range(S)]
+    with World(N, ["--max-memory", str(limit)]) as world, attached(request, world, 1, S) as clients:
         groups = run_ranks(lambda r: clients[r].register_group("g", [("w", "fp32", (rows, cols))]), S)
-        status = shardctl(world, 0, "status")
+        status = shardctl_json(world.socket(0), "status")
         assert status["memory_limits"]["committed"] == local + internode, status
         os.kill(world.pids[1], signal.SIGSTOP)
         try:
@@ -261,7 +223,7 @@ def test_buffer_mpi_still_holds_after_a_stall_is_counted_and_a_third_is_refused(
                         f"(node 0): node 1 (ranks 2..3) did not answer within {TIMEOUT_S} s; check its "
                         "daemon (dead: relaunch the world)"), e
             # the first buffer, still held by MPI, counted on top of the group's
-            assert shardctl(world, 0, "status")["memory_limits"]["committed"] == local + internode + buf
+            assert shardctl_json(world.socket(0), "status")["memory_limits"]["committed"] == local + internode + buf
             t0 = time.monotonic()
             for e in unshard(3):
                 assert e.code == -P.E_NOMEM and e.text.endswith(
@@ -270,13 +232,9 @@ def test_buffer_mpi_still_holds_after_a_stall_is_counted_and_a_third_is_refused(
                     f"not fit ({limit / (1 << 20):.1f} MiB of --max-memory {limit / (1 << 20):.1f} MiB held); "
                     "retry once that node answers, or raise --max-memory"), e
             assert time.monotonic() - t0 < TIMEOUT_S, "the refusal waited for the timeout"
-            assert shardctl(world, 0, "status")["memory_limits"]["committed"] == local + internode + buf
+            assert shardctl_json(world.socket(0), "status")["memory_limits"]["committed"] == local + internode + buf
         finally:
             os.kill(world.pids[1], signal.SIGCONT)
-    finally:
-        for c in clients:
-            c.close()
-        world.stop()
 
 
 @pytest.mark.timeout_s(90)
@@ -290,10 +248,7 @@ def test_fsdp_bf16_node_sums_travel_in_bf16_from_the_scratch_exactly(request):
     rng = np.random.default_rng(41)
     grads = [[[(rng.integers(-16, 17, size=sh) / 8).astype(np.float32) for _, _, sh in specs]
               for _ in range(S)] for _ in range(2)]
-    world = World(N, ["--internode-dtype", "reduce"])
-    clients = []
-    try:
-        clients = [attach_world(world, request, r, 1, S) for r in range(S)]
+    with World(N, ["--internode-dtype", "reduce"]) as world, attached(request, world, 1, S) as clients:
         groups = run_ranks(lambda r: clients[r].register_group("g", specs, param_dtype="bf16"), S)
         for mb in range(2):
             for r, g in enumerate(groups):
@@ -305,8 +260,4 @@ def test_fsdp_bf16_node_sums_travel_in_bf16_from_the_scratch_exactly(request):
                       .astype(np.float32) for mb in range(2))
             for r, g in enumerate(groups):
                 np.testing.assert_array_equal(np.array(g.shard_grad(i, padded=True), dtype=np.float32),
-                                              shard_rows_of(avg, S, r), err_msg=f"rank {r} param {i}")
-    finally:
-        for c in clients:
-            c.close()
-        world.stop()
+                                              shard_of(avg, S, r), err_msg=f"rank {r} param {i}")

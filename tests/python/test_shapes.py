@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import shardd
-from conftest import job_name, run_ranks
+from conftest import attached, run_ranks
 from reference import shard_of
 
 SPECS = [shardd.Param("w", "fp32", (5, 3)),
@@ -21,9 +21,7 @@ def test_zero_numel_params_go_through_unshard_reduce_and_zero_grad(daemon, reque
     world = 2
     rng = np.random.default_rng(11)
     fulls = [(rng.integers(-64, 64, size=p.shape) / 8).astype(np.float32) for p in SPECS]
-    clients = [shardd.Client(job=job_name(request), rank=r, shard=world, socket_path=daemon.socket)
-               for r in range(world)]
-    try:
+    with attached(request, daemon, 1, world) as clients:
         groups = run_ranks(lambda r: clients[r].register_group("g", SPECS), world)
         for g in groups:
             for i, f in enumerate(fulls):
@@ -49,9 +47,6 @@ def test_zero_numel_params_go_through_unshard_reduce_and_zero_grad(daemon, reque
             for g in groups:
                 for i in range(len(fulls)):
                     assert not g.shard_grad(i).any()
-    finally:
-        for c in clients:
-            c.close()
 
 
 @pytest.mark.parametrize("shape, dim", [((3, 3, 0, 1 << 63, 8), 3), ((0, 1 << 32, 1 << 33), 2),

@@ -9,18 +9,10 @@ import pytest
 
 import shardd
 from shardd import proto as P
-from conftest import run_ranks
+from conftest import attached, run_ranks
 
 SPECS = [("w", "float32", (5, 3)), ("b", "float32", (7,))]
 WORLD = 2
-
-
-def job_name(request):
-    return request.node.name[:60]
-
-
-def attach(daemon, request, rank):
-    return shardd.Client(job=job_name(request), rank=rank, shard=WORLD, socket_path=daemon.socket)
 
 
 def reduce_all(groups, step, rng):
@@ -32,8 +24,7 @@ def reduce_all(groups, step, rng):
 
 def test_sgd_step_matches_numpy_and_applies_once(daemon, request):
     rng = np.random.default_rng(7)
-    clients = [attach(daemon, request, r) for r in range(WORLD)]
-    try:
+    with attached(request, daemon, 1, WORLD) as clients:
         opt = shardd.Optimizer.sgd()
         groups = run_ranks(lambda r: clients[r].register_group("g", SPECS, optimizer=opt), WORLD)
         assert groups[0].optimizer == P.OPTIM_SGD and groups[0].last_step == 0
@@ -62,6 +53,3 @@ def test_sgd_step_matches_numpy_and_applies_once(daemon, request):
             groups[0].step(4, -1.0)
         assert ei.value.code == -P.E_INVALID
         assert "lr = -1" in str(ei.value)
-    finally:
-        for c in clients:
-            c.close()

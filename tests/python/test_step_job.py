@@ -13,7 +13,7 @@ import torch
 
 import shardd
 from shardd import proto as P
-from conftest import run_ranks
+from conftest import attach, attached, run_ranks
 
 SPECS = [("w", "float32", (2,))]
 
@@ -26,8 +26,7 @@ def torch_coef(norm, max_norm):
 @pytest.mark.timeout_s(120)
 def test_clip_job_coefficient_is_torch_clip_grad_norm_bit_for_bit(daemon, request):
     rng = np.random.default_rng(5)
-    c = shardd.Client(job=request.node.name[:60], rank=0, shard=1, socket_path=daemon.socket)
-    try:
+    with attach(daemon, request, 0, 1, 1) as c:
         g = c.register_group("g", SPECS, optimizer=shardd.Optimizer.sgd())
         below = 0
         for step in range(1, 301):
@@ -46,15 +45,11 @@ def test_clip_job_coefficient_is_torch_clip_grad_norm_bit_for_bit(daemon, reques
                                  f"coefficient {got!r}, torch's {want!r}")
             below += want < 1.0
         assert 50 < below < 300, f"{below} of 300 steps clipped: the draw misses a side"
-    finally:
-        c.close()
 
 
 @pytest.mark.timeout_s(60)
 def test_lagging_rank_sees_peer_last_step_and_replays_the_step(daemon, request):
-    clients = [shardd.Client(job=request.node.name[:60], rank=r, shard=2, socket_path=daemon.socket)
-               for r in range(2)]
-    try:
+    with attached(request, daemon, 1, 2) as clients:
         groups = run_ranks(lambda r: clients[r].register_group("g", [("w", "float32", (4,))],
                                                                optimizer=shardd.Optimizer.sgd()), 2)
         for r, g in enumerate(groups):
@@ -74,6 +69,3 @@ def test_lagging_rank_sees_peer_last_step_and_replays_the_step(daemon, request):
         assert groups[1].step(1, 0.0, replay=True) == shardd.STEP_APPLIED
         want = np.float32(1) + np.float32(-0.25) * (grad1 * np.float32(coef))
         np.testing.assert_array_equal(groups[1].shard(0), want)
-    finally:
-        for c in clients:
-            c.close()

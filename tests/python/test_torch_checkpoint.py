@@ -9,25 +9,15 @@ restored run must end bit-identical to it (params and the optimizer's step
 count)."""
 
 import os
-import tempfile
 
 import pytest
 import torch
 
 import shardd.torch as st
-from conftest import Daemon, job_name, run_ranks
+from conftest import job_name, run_ranks
+from torch_net import Net, shard, train
 
 torch.set_num_threads(1)
-
-
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = torch.nn.Linear(6, 9)
-        self.fc2 = torch.nn.Linear(9, 3)
-
-    def forward(self, x):
-        return self.fc2(torch.tanh(self.fc1(x)))
 
 
 def make(seed):
@@ -40,13 +30,6 @@ def data(n):
     return [(torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)) for _ in range(n)]
 
 
-def train(model, opt, batches):
-    for x, y in batches:
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-
-
 def full_params(models):
     """Each param's full tensor from the ranks' shards (concatenated along the shard dim)."""
     per = [st.local_shards(m) for m in models]
@@ -56,16 +39,6 @@ def full_params(models):
     return out
 
 
-@pytest.fixture(scope="module")
-def state_daemon():
-    state = tempfile.TemporaryDirectory(prefix="shardd-torch-state-")
-    d = Daemon(("--state-dir", state.name))
-    d.state = state.name
-    yield d
-    d.stop()
-    state.cleanup()
-
-
 def test_checkpoint_then_restore_at_another_mesh_continues_bit_identical(state_daemon, request):
     job = job_name(request)
     batches = data(5)
@@ -73,12 +46,7 @@ def test_checkpoint_then_restore_at_another_mesh_continues_bit_identical(state_d
     meshes = [st.init_device_mesh(job, r, (2,), socket_path=state_daemon.socket) for r in range(2)]
     try:
         opts = [st.DaemonAdamW(m, lr=1e-2) for m in models]
-
-        def shard(r):
-            st.fully_shard(models[r].fc1, mesh=meshes[r])
-            st.fully_shard(models[r], mesh=meshes[r])
-
-        run_ranks(shard, 2)
+        run_ranks(lambda r: shard(models[r], meshes[r]), 2)
         run_ranks(lambda r: train(models[r], opts[r], batches[:3]), 2)
         assert run_ranks(lambda r: st.checkpoint(meshes[r]), 2) == [3, 3]
         run_ranks(lambda r: train(models[r], opts[r], batches[3:]), 2)
@@ -92,8 +60,7 @@ def test_checkpoint_then_restore_at_another_mesh_continues_bit_identical(state_d
     mesh = st.init_device_mesh(job + "-one", 0, (1,), socket_path=state_daemon.socket, restore=ckpt)
     try:
         opt = st.DaemonAdamW(model, lr=1e-2)
-        st.fully_shard(model.fc1, mesh=mesh)
-        st.fully_shard(model, mesh=mesh)
+        shard(model, mesh)
         assert opt.step_number == 3
         train(model, opt, batches[3:])
         got = full_params([model])
@@ -114,12 +81,7 @@ def test_full_state_dict_gathers_and_loads_at_another_mesh(state_daemon, request
     meshes = [st.init_device_mesh(job, r, (2,), socket_path=state_daemon.socket) for r in range(2)]
     try:
         opts = [st.DaemonAdamW(m, lr=1e-2) for m in models]
-
-        def shard(r):
-            st.fully_shard(models[r].fc1, mesh=meshes[r])
-            st.fully_shard(models[r], mesh=meshes[r])
-
-        run_ranks(shard, 2)
+        run_ranks(lambda r: shard(models[r], meshes[r]), 2)
         run_ranks(lambda r: train(models[r], opts[r], data(2)), 2)
         want = full_params(models)
         sds = run_ranks(lambda r: st.full_state_dict(models[r]), 2)
@@ -133,8 +95,7 @@ def test_full_state_dict_gathers_and_loads_at_another_mesh(state_daemon, request
     model = make(1)
     mesh = st.init_device_mesh(job + "-one", 0, (1,), socket_path=state_daemon.socket)
     try:
-        st.fully_shard(model.fc1, mesh=mesh)
-        st.fully_shard(model, mesh=mesh)
+        shard(model, mesh)
         st.load_full_state_dict(model, sds[0])
         got = full_params([model])
         for name, t in want.items():

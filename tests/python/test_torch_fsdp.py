@@ -3,7 +3,6 @@
 shardd.Client (models are built before the threads start: torch's global
 RNG is not per thread). References are single-process torch."""
 
-import contextlib
 import errno
 
 import numpy as np
@@ -12,7 +11,7 @@ import torch
 
 import shardd
 import shardd.torch as st
-from conftest import Daemon, job_name, run_ranks
+from conftest import Daemon, attached, job_name, run_ranks
 
 torch.set_num_threads(1)
 
@@ -28,18 +27,6 @@ class Net(torch.nn.Module):
 
     def forward(self, x):
         return self.fc2(torch.tanh(self.fc1(x)))
-
-
-@contextlib.contextmanager
-def mesh_clients(daemon, job, world):
-    """Clients of ranks 0..world-1 of a 1 x world mesh of `job`, closed on leaving."""
-    clients = [shardd.Client(job=job, rank=r, shard=world, socket_path=daemon.socket)
-               for r in range(world)]
-    try:
-        yield clients
-    finally:
-        for c in clients:
-            c.close()
 
 
 def make_net():
@@ -176,8 +163,7 @@ def test_bf16_views_are_bf16_tensors_and_convert_numbers(daemon, request):
 @pytest.mark.timeout_s(30)
 def test_shard_views_hold_only_real_rows(daemon, request):
     world = 4
-    job = job_name(request)
-    with mesh_clients(daemon, job, world) as clients:
+    with attached(request, daemon, 1, world) as clients:
         groups = run_ranks(lambda r: clients[r].register_group("g", [("w", "fp32", (5, 2))]), world)
         # ceil(5/4) = 2 rows per chunk: ranks hold 2, 2, 1, 0 real rows.
         assert [g.shard("w").shape for g in groups] == [(2, 2), (2, 2), (1, 2), (0, 2)]
@@ -186,8 +172,7 @@ def test_shard_views_hold_only_real_rows(daemon, request):
 
 @pytest.mark.timeout_s(30)
 def test_unshard_timeout_is_per_call_and_names_the_op(daemon, request):
-    job = job_name(request)
-    with mesh_clients(daemon, job, 2) as clients:
+    with attached(request, daemon, 1, 2) as clients:
         g0, _g1 = run_ranks(lambda r: clients[r].register_group("g", [("w", "fp32", (4,))]), 2)
         with pytest.raises(shardd.ShardError) as ei:
             g0.unshard(0, timeout=0.3)

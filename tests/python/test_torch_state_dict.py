@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import shardd.torch as st
-from conftest import Daemon, job_name, run_ranks
+from conftest import job_name, run_ranks
+from torch_net import train
 
 LR, MOMENTUM = 0.05, 0.9
 ATOL = 1e-6
@@ -45,24 +46,10 @@ def batches(n):
     return [(torch.randn(6, 5, generator=g), torch.randn(6, 2, generator=g)) for _ in range(n)]
 
 
-def train(model, opt, data):
-    for x, y in data:
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-
-
 def reference(data):
     ref = make(0)
     train(ref, torch.optim.SGD(ref.parameters(), lr=LR, momentum=MOMENTUM), data)
     return ref
-
-
-@pytest.fixture(scope="module")
-def daemon3():
-    d = Daemon()
-    yield d
-    d.stop()
 
 
 def sharded(job, socket, world, seed, optimizer=True):
@@ -80,9 +67,9 @@ def sharded(job, socket, world, seed, optimizer=True):
 
 
 @pytest.mark.timeout_s(60)
-def test_state_dict_holds_full_tensors_equal_to_an_unsharded_torch_model(daemon3, request):
+def test_state_dict_holds_full_tensors_equal_to_an_unsharded_torch_model(daemon, request):
     data = batches(3)
-    models, meshes, opts = sharded(job_name(request), daemon3.socket, 3, 0)
+    models, meshes, opts = sharded(job_name(request), daemon.socket, 3, 0)
     try:
         run_ranks(lambda r: train(models[r], opts[r], data), 3)
         sds = run_ranks(lambda r: models[r].state_dict(), 3)
@@ -103,12 +90,12 @@ def test_state_dict_holds_full_tensors_equal_to_an_unsharded_torch_model(daemon3
 
 
 @pytest.mark.timeout_s(60)
-def test_load_state_dict_takes_an_unsharded_models_state_dict_at_any_mesh(daemon3, request):
+def test_load_state_dict_takes_an_unsharded_models_state_dict_at_any_mesh(daemon, request):
     data = batches(2)
     ref = reference(data)
     want = ref.state_dict()
     want["scale"] = torch.tensor([3.0, -1.0])
-    models, meshes, _ = sharded(job_name(request), daemon3.socket, 2, seed=9, optimizer=False)
+    models, meshes, _ = sharded(job_name(request), daemon.socket, 2, seed=9, optimizer=False)
     try:
         res = run_ranks(lambda r: models[r].load_state_dict(want), 2)
         assert all(not x.missing_keys and not x.unexpected_keys for x in res)
@@ -126,9 +113,9 @@ def test_load_state_dict_takes_an_unsharded_models_state_dict_at_any_mesh(daemon
 
 
 @pytest.mark.timeout_s(60)
-def test_load_state_dict_names_missing_unexpected_and_shard_shaped_keys(daemon3, request):
+def test_load_state_dict_names_missing_unexpected_and_shard_shaped_keys(daemon, request):
     want = make(0).state_dict()
-    models, meshes, _ = sharded(job_name(request), daemon3.socket, 1, seed=1, optimizer=False)
+    models, meshes, _ = sharded(job_name(request), daemon.socket, 1, seed=1, optimizer=False)
     m = models[0]
     try:
         partial = {k: v for k, v in want.items() if k != "fc2.bias"}

@@ -26,6 +26,7 @@ import torch
 
 import shardd.torch as st
 from conftest import ROOT, Daemon, job_name, run_ranks, shardd_bin
+from torch_net import train
 
 EXAMPLE = os.path.join(ROOT, "client", "examples", "train_torch.py")
 LR, MOMENTUM = 0.05, 0.9
@@ -68,13 +69,6 @@ def make():
 def batches(n):
     g = torch.Generator().manual_seed(11)
     return [(torch.randn(6, 5, generator=g), torch.randn(6, 2, generator=g)) for _ in range(n)]
-
-
-def train(model, opt, data):
-    for x, y in data:
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
 
 
 def read_checkpoint(path, tmp):

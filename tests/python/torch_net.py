@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: MIT
 """The model the shardd.torch parity suites train (test_torch_optim.py,
-test_torch_clip.py): fc1 -> tanh -> fc2, sharded as two groups (fc1, and the
-rest), built with the same seed on every rank and for the reference."""
+test_torch_clip.py, test_torch_checkpoint.py): fc1 -> tanh -> fc2, sharded
+as two groups (fc1, and the rest), built with the same seed on every rank
+and for the reference; and the training loop of the suites' models."""
 
 import torch
 
@@ -38,3 +39,11 @@ def shard(model, mesh):
 def shards_of(model):
     """(name, local shard copy, dim, first index) of each param of `model`."""
     return [(n, t.detach().clone(), d, f) for n, t, d, f in st.local_shards(model)]
+
+
+def train(model, opt, batches):
+    """One step of `opt` on each (x, y) of `batches`: mse loss, backward, step, zero_grad."""
+    for x, y in batches:
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()

@@ -14,6 +14,7 @@
 
 #include "shardd_kernels.h"
 #include "shardd_proto.h"
+#include "xorshift.h"
 
 static const uint32_t dtypes[] = { SHARDD_DTYPE_FP32, SHARDD_DTYPE_BF16, SHARDD_DTYPE_FP16 };
 
@@ -23,11 +24,7 @@ static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
 
 static uint64_t rng(void)
 {
-	/* xorshift64*: deterministic, so a failure reproduces. */
-	rng_state ^= rng_state >> 12;
-	rng_state ^= rng_state << 25;
-	rng_state ^= rng_state >> 27;
-	return rng_state * 0x2545f4914f6cdd1dull;
+	return xorshift64s(&rng_state);
 }
 
 static uint32_t f32_bits(float f)

@@ -31,6 +31,7 @@
 #include "optim_isa.h"
 #include "shardd_kernels.h"
 #include "shardd_proto.h"
+#include "xorshift.h"
 
 #define K        10
 #define TOL_ULPS (8.0 * (K + 1))
@@ -45,11 +46,7 @@ static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
 
 static uint64_t rng(void)
 {
-	/* xorshift64*: deterministic, so a failure reproduces. */
-	rng_state ^= rng_state >> 12;
-	rng_state ^= rng_state << 25;
-	rng_state ^= rng_state >> 27;
-	return rng_state * 0x2545f4914f6cdd1dull;
+	return xorshift64s(&rng_state);
 }
 
 /* Uniform in [-1, 1) times 2^[-3, 0]: full fp32 mantissas, varied exponents. */

@@ -350,7 +350,8 @@ static int takes_value(const char *flag)
 
 int main(int argc, char **argv)
 {
-	struct shd_config cfg;
+	/* Static: the --import-dir strings it holds stay reachable on every way out. */
+	static struct shd_config cfg;
 	int cuda_export_given = 0, ret;
 
 	shd_config_defaults(&cfg);

@@ -105,7 +105,9 @@ static int open_beneath(const struct confine *cf, const char *path)
 			nfd = -1;
 			errno = err;
 		}
+		err = errno;
 		close(dfd);
+		errno = err;
 		dfd = nfd;
 	}
 	err = errno;
@@ -138,7 +140,7 @@ static int open_regular(const struct confine *cf, const char *path, struct stat 
 			eng_fmt(msg, len, "cannot read %s: %s", path, strerror(-ret));
 		if (fd >= 0)
 			close(fd);
-		return ret == -ELOOP || ret == -EACCES ? -SHARDD_E_PERM : ret;
+		return cf && cf->fd >= 0 && (ret == -ELOOP || ret == -EACCES) ? -SHARDD_E_PERM : ret;
 	}
 	if (!S_ISREG(st->st_mode)) {
 		close(fd);

@@ -40,22 +40,107 @@ static int join(char *buf, size_t len, const char *a, const char *b)
 }
 
 /*
+ * Where a client of another uid than shardd's may read from (docs/RELIABILITY.md
+ * "Who may connect"): its restore path resolved (realpath) lies under `root`,
+ * --state-dir or an --import-dir, and every file is opened by open_beneath,
+ * relative to `fd`. fd -1: no confinement (shardd's own uid, or the job's
+ * own checkpoints in --state-dir).
+ */
+struct confine {
+	int fd;                  /* root, O_PATH | O_DIRECTORY; -1: none */
+	char root[LOAD_PATH];    /* resolved */
+	uid_t uid;               /* the client's, for messages */
+};
+
+/* Is `path` `root` or below it? Both resolved (no "..", no "//"). */
+static int path_under(const char *root, const char *path)
+{
+	size_t n = strlen(root);
+
+	if (n == 1 && root[0] == '/')
+		return path[0] == '/';
+	return !strncmp(root, path, n) && (path[n] == '/' || !path[n]);
+}
+
+/*
+ * Open `path` (below cf->root) for reading, one component at a time from
+ * cf->fd, following no symlink. realpath checked the path when the restore
+ * began; a directory or file swapped for a symlink since (by whoever may
+ * write below the root) would otherwise redirect the read to a file outside,
+ * which the client may not read: here the swapped component fails with
+ * ELOOP instead. The fd, or -1 with errno.
+ */
+static int open_beneath(const struct confine *cf, const char *path)
+{
+	char rel[LOAD_PATH], *comp, *end;
+	int dfd, fd = -1, err;
+
+	if (!path_under(cf->root, path) || strlen(path) >= sizeof(rel)) {
+		errno = EACCES;
+		return -1;
+	}
+	snprintf(rel, sizeof(rel), "%s", path + (strcmp(cf->root, "/") ? strlen(cf->root) : 0));
+	dfd = fcntl(cf->fd, F_DUPFD_CLOEXEC, 0);
+	for (comp = rel; dfd >= 0; comp = end) {
+		struct stat st;
+		int nfd, last;
+
+		comp += strspn(comp, "/");
+		end = comp + strcspn(comp, "/");
+		last = !end[strspn(end, "/")];
+		if (*end)
+			*end++ = '\0';
+		if (!*comp || !strcmp(comp, ".") || !strcmp(comp, "..")) {
+			errno = !*comp ? EISDIR : EACCES;
+			break;
+		}
+		if (last) {
+			fd = openat(dfd, comp, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY | O_NOFOLLOW);
+			break;
+		}
+		nfd = openat(dfd, comp, O_PATH | O_CLOEXEC | O_NOFOLLOW);
+		if (nfd >= 0 && (fstat(nfd, &st) || !S_ISDIR(st.st_mode))) {
+			err = fstat(nfd, &st) ? errno : S_ISLNK(st.st_mode) ? ELOOP : ENOTDIR;
+			close(nfd);
+			nfd = -1;
+			errno = err;
+		}
+		err = errno;
+		close(dfd);
+		errno = err;
+		dfd = nfd;
+	}
+	err = errno;
+	if (dfd >= 0)
+		close(dfd);
+	errno = err;
+	return fd;
+}
+
+/*
  * Open `path` for reading, if it is a regular file: the path comes from a
  * client (the registration's restore path, files named in it), and an
  * open() of a FIFO would wait for a writer for ever, blocking a worker.
- * O_NONBLOCK makes that open return; a regular file reads as usual. fd
- * (its size in *st), or -errno with msg naming the path.
+ * O_NONBLOCK makes that open return; a regular file reads as usual. `cf`:
+ * a confined client's (open_beneath), or NULL. fd (its size in *st), or
+ * -errno with msg naming the path.
  */
-static int open_regular(const char *path, struct stat *st, char *msg, size_t len)
+static int open_regular(const struct confine *cf, const char *path, struct stat *st, char *msg, size_t len)
 {
-	int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY), ret;
+	int fd = cf && cf->fd >= 0 ? open_beneath(cf, path) :
+		 open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY), ret;
 
 	if (fd < 0 || fstat(fd, st)) {
 		ret = -errno;
-		eng_fmt(msg, len, "cannot read %s: %s", path, strerror(-ret));
+		if (cf && cf->fd >= 0 && (ret == -ELOOP || ret == -ENOTDIR || ret == -EACCES))
+			eng_fmt(msg, len, "cannot read %s for client uid %u: %s (below %s shardd follows no "
+				"symlink for a client of another uid)", path, (unsigned)cf->uid, strerror(-ret),
+				cf->root);
+		else
+			eng_fmt(msg, len, "cannot read %s: %s", path, strerror(-ret));
 		if (fd >= 0)
 			close(fd);
-		return ret;
+		return cf && cf->fd >= 0 && (ret == -ELOOP || ret == -EACCES) ? -SHARDD_E_PERM : ret;
 	}
 	if (!S_ISREG(st->st_mode)) {
 		close(fd);
@@ -97,7 +182,8 @@ static int newest_checkpoint(const char *root, char *out, size_t len)
 	return found ? 0 : -ENOENT;
 }
 
-static int read_manifest(const char *dir, struct shd_ckpt_manifest *m, char *msg, size_t len)
+static int read_manifest(const struct confine *cf, const char *dir, struct shd_ckpt_manifest *m, char *msg,
+			 size_t len)
 {
 	char path[LOAD_PATH], err[400];
 	struct stat st;
@@ -108,7 +194,7 @@ static int read_manifest(const char *dir, struct shd_ckpt_manifest *m, char *msg
 		eng_fmt(msg, len, "checkpoint path '%.200s...' is too long", dir);
 		return -SHARDD_E_INVALID;
 	}
-	fd = open_regular(path, &st, msg, len);
+	fd = open_regular(cf, path, &st, msg, len);
 	if (fd < 0)
 		return fd;
 	if ((uint64_t)st.st_size > SHD_CKPT_MANIFEST_MAX) {
@@ -218,8 +304,8 @@ static void shape_text(uint32_t dtype, uint32_t ndim, const uint64_t *shape, cha
  * Read file `name` of checkpoint `dir` (manifest entry `fe`) into the group:
  * its params (optim 0) or its optimizer state (optim 1).
  */
-static int load_file(struct eng_group *eg, const char *dir, const struct shd_ckpt_file *fe, int optim,
-		     char *msg, size_t len)
+static int load_file(struct eng_group *eg, const struct confine *cf, const char *dir, const struct shd_ckpt_file *fe,
+		     int optim, char *msg, size_t len)
 {
 	struct shd_group *g = eg->g;
 	uint32_t ns = optim ? shd_group_optim_states(&g->optim) : 1;
@@ -235,7 +321,7 @@ static int load_file(struct eng_group *eg, const char *dir, const struct shd_ckp
 		eng_fmt(msg, len, "checkpoint path '%.200s...' is too long", dir);
 		return -SHARDD_E_INVALID;
 	}
-	l.fd = open_regular(path, &st, msg, len);
+	l.fd = open_regular(cf, path, &st, msg, len);
 	if (l.fd < 0) {
 		ret = l.fd;
 		goto out;
@@ -403,7 +489,8 @@ static int index_file(json_t *map, const char *name, const char *ipath, char *ou
  * must be the param's; its dtype (F32, BF16, F16) is converted to the
  * param's. No optimizer state: it starts at zero, at step 0.
  */
-static int import_weights(struct eng_group *eg, const char *src, int is_file, char *msg, size_t len)
+static int import_weights(struct eng_group *eg, const struct confine *cf, const char *src, int is_file, char *msg,
+			  size_t len)
 {
 	struct shd_group *g = eg->g;
 	char ipath[LOAD_PATH], path[LOAD_PATH], file[SHD_CKPT_FILE_NAME_MAX * 4] = "", open_file[sizeof(file)] = "";
@@ -421,7 +508,7 @@ static int import_weights(struct eng_group *eg, const char *src, int is_file, ch
 	}
 	if (!is_file && !join(ipath, sizeof(ipath), src, SHD_CKPT_INDEX) && !stat(ipath, &st)) {
 		json_error_t jerr = { .text = "" };
-		int ifd = open_regular(ipath, &st, msg, len);
+		int ifd = open_regular(cf, ipath, &st, msg, len);
 
 		if (ifd < 0) {
 			ret = ifd;
@@ -458,7 +545,7 @@ static int import_weights(struct eng_group *eg, const char *src, int is_file, ch
 			shd_st_free(&f);
 			if (fd >= 0)
 				close(fd);
-			fd = open_regular(path, &st, msg, len);
+			fd = open_regular(cf, path, &st, msg, len);
 			if (fd < 0) {
 				ret = fd;
 				break;
@@ -502,16 +589,16 @@ out:
 /*
  * Where to restore from, into `dir`: 0 a checkpoint, 1 nothing (start from
  * zero), 2 a directory of plain weights, 3 a plain .safetensors file; or an
- * error with msg.
+ * error with msg. `src`: the restore path, or "" for the job's newest checkpoint.
  */
-static int restore_dir(struct eng_group *eg, char *dir, size_t dlen, char *msg, size_t len)
+static int restore_dir(struct eng_group *eg, const char *src, char *dir, size_t dlen, char *msg, size_t len)
 {
 	const char *state = eg->j->e->cfg.state_dir;
 	char probe[LOAD_PATH], root[LOAD_PATH];
 	struct stat st;
 	int ret;
 
-	if (!eg->restore[0]) {
+	if (!src[0]) {
 		if (!state) {
 			eng_fmt(msg, len, "the job's newest checkpoint needs shardd --state-dir; start shardd "
 				"with it, or name a checkpoint directory");
@@ -529,26 +616,74 @@ static int restore_dir(struct eng_group *eg, char *dir, size_t dlen, char *msg, 
 			eng_fmt(msg, len, "cannot list %s: %s", root, strerror(-ret));
 		return ret;
 	}
-	if (!join(probe, sizeof(probe), eg->restore, SHD_CKPT_MANIFEST) && !stat(probe, &st) &&
-	    strlen(eg->restore) < dlen) {
-		memcpy(dir, eg->restore, strlen(eg->restore) + 1);
+	if (!join(probe, sizeof(probe), src, SHD_CKPT_MANIFEST) && !stat(probe, &st) &&
+	    strlen(src) < dlen) {
+		memcpy(dir, src, strlen(src) + 1);
 		return 0;
 	}
-	ret = newest_checkpoint(eg->restore, dir, dlen);
+	ret = newest_checkpoint(src, dir, dlen);
 	if (!ret)
 		return 0;
 	/* No checkpoint: plain weights to import, a .safetensors file or a model's directory. */
-	if (strlen(eg->restore) < dlen && !stat(eg->restore, &st) &&
+	if (strlen(src) < dlen && !stat(src, &st) &&
 	    (S_ISREG(st.st_mode) ||
-	     (!join(probe, sizeof(probe), eg->restore, SHD_CKPT_INDEX) && !stat(probe, &st)) ||
-	     (!join(probe, sizeof(probe), eg->restore, "model.safetensors") && !stat(probe, &st)))) {
+	     (!join(probe, sizeof(probe), src, SHD_CKPT_INDEX) && !stat(probe, &st)) ||
+	     (!join(probe, sizeof(probe), src, "model.safetensors") && !stat(probe, &st)))) {
 		struct stat self;
 
-		memcpy(dir, eg->restore, strlen(eg->restore) + 1);
-		return !stat(eg->restore, &self) && S_ISREG(self.st_mode) ? 3 : 2;
+		memcpy(dir, src, strlen(src) + 1);
+		return !stat(src, &self) && S_ISREG(self.st_mode) ? 3 : 2;
 	}
 	eng_fmt(msg, len, "'%s' holds no %s, no step-N checkpoint, no %s and no model.safetensors (%s)",
-		eg->restore, SHD_CKPT_MANIFEST, SHD_CKPT_INDEX, strerror(-ret));
+		src, SHD_CKPT_MANIFEST, SHD_CKPT_INDEX, strerror(-ret));
+	return ret;
+}
+
+/*
+ * A client of another uid than shardd's (let in by --allow-gid) restores
+ * only what it could be given anyway: its path, resolved, must lie under
+ * --state-dir or an --import-dir, or shardd would read, as its own uid,
+ * files the client cannot read and hand them over in the group's buffers.
+ * The resolved path into `out` and the root into `cf` (its fd open); or
+ * -SHARDD_E_PERM with msg. A path that does not resolve is refused the same
+ * way, without saying why: that would tell the client which files exist
+ * where it may not look. The probes that then tell a checkpoint from plain
+ * weights (stat, the step-N listing) may follow a symlink swapped in after
+ * this check; they read no file's content, and every file read is opened by
+ * open_beneath.
+ */
+static int confine_path(struct eng_group *eg, struct confine *cf, char *out, size_t olen, char *msg, size_t len)
+{
+	const struct shd_engine_config *c = &eg->j->e->cfg;
+	char *real = realpath(eg->restore, NULL), *state = c->state_dir ? realpath(c->state_dir, NULL) : NULL;
+	const char *root = NULL;
+	int ret = 0;
+
+	cf->uid = eg->restore_uid;
+	if (real && state && path_under(state, real))
+		root = state;
+	for (unsigned i = 0; real && !root && i < c->nimport_dirs; i++)
+		if (path_under(c->import_dirs[i], real))
+			root = c->import_dirs[i];
+	if (!root) {
+		eng_fmt(msg, len, "policy.restore '%s' of client uid %u %s: a client of another uid than "
+			"shardd's (%u) restores only from under --state-dir%s%s or an --import-dir (%u given); "
+			"let it in with --import-dir DIR, or restore as shardd's uid", eg->restore,
+			(unsigned)cf->uid, real ? "resolves outside them" : "does not resolve to a path",
+			(unsigned)c->uid, state ? " " : " (not set)", state ? state : "", c->nimport_dirs);
+		ret = -SHARDD_E_PERM;
+	} else if (strlen(real) >= olen || strlen(root) >= sizeof(cf->root)) {
+		eng_fmt(msg, len, "policy.restore '%.200s...' is too long", eg->restore);
+		ret = -SHARDD_E_INVALID;
+	} else if ((cf->fd = open(root, O_PATH | O_DIRECTORY | O_CLOEXEC)) < 0) {
+		ret = -errno;
+		eng_fmt(msg, len, "cannot open %s: %s", root, strerror(-ret));
+	} else {
+		memcpy(out, real, strlen(real) + 1);
+		memcpy(cf->root, root, strlen(root) + 1);
+	}
+	free(real);
+	free(state);
 	return ret;
 }
 
@@ -558,8 +693,9 @@ void eng_restore_exec(struct eng_task *t)
 	struct shd_group *g = eg->g;
 	struct shd_ckpt_manifest m = { 0 };
 	const struct shd_ckpt_group *cg = NULL;
-	char dir[LOAD_PATH], *msg = t->msg;
+	char dir[LOAD_PATH], src[LOAD_PATH], *msg = t->msg;
 	size_t len = sizeof(t->msg);
+	struct confine cf = { .fd = -1 };
 	uint32_t ns = shd_group_optim_states(&g->optim);
 	int ret;
 
@@ -570,13 +706,26 @@ void eng_restore_exec(struct eng_task *t)
 		t->res = -ENOTSUP;
 		return;
 	}
-	ret = restore_dir(eg, dir, sizeof(dir), msg, len);
+	if (eg->restore_confined && eg->restore[0]) {
+		ret = confine_path(eg, &cf, src, sizeof(src), msg, len);
+		if (ret) {
+			char full[ENGINE_MSG_MAX];
+
+			eng_fmt(full, sizeof(full), "shardd: register group '%s': %s", g->name, msg);
+			eng_fmt(msg, len, "%s", full);
+			t->res = ret;
+			return;
+		}
+	} else {
+		snprintf(src, sizeof(src), "%s", eg->restore);
+	}
+	ret = restore_dir(eg, src, dir, sizeof(dir), msg, len);
 	if (ret == 1) {
 		t->res = 0;
-		return;
+		goto out;
 	}
 	if (ret == 2 || ret == 3) {
-		ret = import_weights(eg, dir, ret == 3, msg, len);
+		ret = import_weights(eg, &cf, dir, ret == 3, msg, len);
 		if (ret) {
 			char full[ENGINE_MSG_MAX];
 
@@ -584,10 +733,10 @@ void eng_restore_exec(struct eng_task *t)
 			eng_fmt(msg, len, "%s", full);
 		}
 		t->res = ret < 0 ? ret : 0;
-		return;
+		goto out;
 	}
 	if (!ret)
-		ret = read_manifest(dir, &m, msg, len);
+		ret = read_manifest(&cf, dir, &m, msg, len);
 	for (uint32_t i = 0; !ret && i < m.ngroups; i++)
 		if (!strcmp(m.groups[i].hdr.name, g->name))
 			cg = &m.groups[i];
@@ -604,9 +753,9 @@ void eng_restore_exec(struct eng_task *t)
 		ret = -SHARDD_E_MISMATCH;
 	}
 	if (!ret)
-		ret = load_file(eg, dir, shd_ckpt_manifest_file(&m, cg->file), 0, msg, len);
+		ret = load_file(eg, &cf, dir, shd_ckpt_manifest_file(&m, cg->file), 0, msg, len);
 	if (!ret && ns)
-		ret = load_file(eg, dir, shd_ckpt_manifest_file(&m, cg->optim_file), 1, msg, len);
+		ret = load_file(eg, &cf, dir, shd_ckpt_manifest_file(&m, cg->optim_file), 1, msg, len);
 	if (!ret) {
 		for (uint32_t r = 0; r < g->world; r++) {
 			g->optim_steps[r] = cg->optim_steps;
@@ -623,4 +772,7 @@ void eng_restore_exec(struct eng_task *t)
 	}
 	shd_ckpt_manifest_free(&m);
 	t->res = ret < 0 ? ret : 0;
+out:
+	if (cf.fd >= 0)
+		close(cf.fd);
 }

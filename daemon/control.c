@@ -227,7 +227,7 @@ static void session_dispatch(struct shd_session *s, const struct shardd_msg_hdr 
 	case SHARDD_MSG_REGISTER_GROUP:
 		if (s->job)
 			shd_engine_register_group(s->job->ejob, s->rank, s->id, hdr->seq,
-						     payload, len);
+						     payload, len, s->cred.uid);
 		return;
 	case SHARDD_MSG_OPEN_GROUP:
 		if (s->job)

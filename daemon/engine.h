@@ -17,6 +17,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/types.h>
 
 #include "shardd_proto.h"
 
@@ -51,6 +52,10 @@ struct shd_engine_config {
 	uint32_t keep;                    /* --keep: checkpoints kept per job in the state dir; 0 = all */
 	uint32_t checkpoint_every;        /* --checkpoint-every: a checkpoint at every step boundary that
 					     is a multiple of it (needs state_dir); 0 = none */
+	uid_t uid;                        /* shardd's uid: a registration of another uid restores
+					     only from under state_dir or import_dirs */
+	const char *const *import_dirs;   /* --import-dir, each resolved (realpath) */
+	unsigned nimport_dirs;
 	shd_engine_complete_fn complete;
 	shd_engine_reply_fn reply;
 };
@@ -87,9 +92,9 @@ void shd_engine_job_destroy(struct shd_engine_job *j);
 void shd_engine_job_end(struct shd_engine_job *j, const char *why);
 
 /* Control plane: payload of SHARDD_MSG_REGISTER_GROUP / OPEN_GROUP (untrusted, validated
-   here). Reply via the reply cb, now or later. */
+   here). Reply via the reply cb, now or later. `uid`: the registering client's (SO_PEERCRED). */
 void shd_engine_register_group(struct shd_engine_job *j, uint32_t rank, uint64_t token,
-		uint32_t seq, const void *payload, size_t len);
+		uint32_t seq, const void *payload, size_t len, uid_t uid);
 void shd_engine_open_group(struct shd_engine_job *j, uint32_t rank, uint64_t token,
 		uint32_t seq, const void *payload, size_t len);
 /* Data plane: sqe already copied into daemon memory; op is UNSHARD, REDUCE, RESHARD or

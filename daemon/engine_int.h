@@ -149,6 +149,9 @@ struct eng_group {
 	 */
 	struct shardd_sqe last_sub;  /* last_sub.step 0: none yet */
 	char *restore;               /* SHARDD_INIT_RESTORE: the path every rank registered; else NULL */
+	int restore_confined;        /* a rank of another uid than shardd's registered a non-empty
+					restore path: it must lie under --state-dir or an --import-dir */
+	uid_t restore_uid;           /* the first such rank's uid, for the refusal */
 	int restoring;               /* its TASK_RESTORE runs: the registration completes when it ends */
 	int restore_fail;            /* a rank left or the job ended meanwhile: the registration fails */
 	char restore_msg[ENGINE_MSG_MAX];

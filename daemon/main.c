@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "backend_cuda.h"
@@ -83,6 +84,10 @@ static void usage(FILE *f)
 		"                             (default: --max-memory)\n"
 		"  --state-dir DIR            keep each job's checkpoints in DIR/JOB/step-N\n"
 		"                             (the checkpoint op; docs/CHECKPOINTS.md)\n"
+		"  --import-dir DIR           a client of another uid (let in by --allow-gid)\n"
+		"                             may restore from checkpoints and weights under\n"
+		"                             DIR (repeatable, at most %d); by default only\n"
+		"                             from under --state-dir\n"
 		"  --checkpoint-every STEPS   also checkpoint every job into --state-dir at each\n"
 		"                             step boundary that is a multiple of STEPS\n"
 		"  --keep N                   keep the newest N checkpoints of each job in\n"
@@ -97,7 +102,7 @@ static void usage(FILE *f)
 		"  --version                  print the version and exit\n"
 		"  --help                     print this help and exit\n",
 		def, SHD_TIMEOUT_DEFAULT_S, SHD_HANDSHAKE_TIMEOUT_DEFAULT_S,
-		SHD_JOB_LINGER_DEFAULT_S, SHD_MAX_MEMORY_DEFAULT_PERCENT);
+		SHD_JOB_LINGER_DEFAULT_S, SHD_MAX_MEMORY_DEFAULT_PERCENT, SHD_MAX_IMPORT_DIRS);
 }
 
 #define WORKERS_MAX 4096 /* --workers */
@@ -272,6 +277,23 @@ static int apply_flag(struct shd_config *cfg, const char *flag, const char *val,
 			return usage_error("--state-dir: '%.64s' is empty or longer than %zu bytes", val,
 					   sizeof(cfg->state_dir) - 201);
 		snprintf(cfg->state_dir, sizeof(cfg->state_dir), "%s", val);
+	} else if (strcmp(flag, "--import-dir") == 0) {
+		struct stat st;
+		char *real;
+
+		if (cfg->nimport_dirs == SHD_MAX_IMPORT_DIRS)
+			return usage_error("--import-dir: more than %d directories (at '%s')",
+					   SHD_MAX_IMPORT_DIRS, val);
+		/* Resolved now: a restore path is checked against where DIR really is. */
+		real = val[0] ? realpath(val, NULL) : NULL;
+		if (!real || stat(real, &st) || !S_ISDIR(st.st_mode)) {
+			int err = !val[0] ? ENOENT : real ? ENOTDIR : errno;
+
+			free(real);
+			return usage_error("--import-dir: '%s' is not a directory (%s); create it or "
+					   "name an existing one", val, strerror(err));
+		}
+		cfg->import_dirs[cfg->nimport_dirs++] = real;
 	} else if (strcmp(flag, "--checkpoint-every") == 0) {
 		char *end;
 
@@ -316,7 +338,7 @@ static int takes_value(const char *flag)
 		"--socket", "--log-level", "--backend", "--cuda-export", "--collective-timeout",
 		"--handshake-timeout", "--workers", "--allow-gid", "--job-linger", "--socket-mode",
 		"--socket-group", "--metrics-listen", "--max-memory", "--max-job-memory",
-		"--state-dir", "--keep", "--checkpoint-every",
+		"--state-dir", "--keep", "--checkpoint-every", "--import-dir",
 		"--world", "--internode-dtype",
 	};
 
@@ -328,7 +350,8 @@ static int takes_value(const char *flag)
 
 int main(int argc, char **argv)
 {
-	struct shd_config cfg;
+	/* Static: the --import-dir strings it holds stay reachable on every way out. */
+	static struct shd_config cfg;
 	int cuda_export_given = 0, ret;
 
 	shd_config_defaults(&cfg);

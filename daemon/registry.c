@@ -444,7 +444,7 @@ void eng_restore_delivered(struct eng_task *t)
 }
 
 void shd_engine_register_group(struct shd_engine_job *j, uint32_t rank, uint64_t token,
-				  uint32_t seq, const void *payload, size_t len)
+				  uint32_t seq, const void *payload, size_t len, uid_t uid)
 {
 	struct shardd_register_group hdr;
 	struct shardd_param_spec *specs = NULL;
@@ -515,6 +515,11 @@ void shd_engine_register_group(struct shd_engine_job *j, uint32_t rank, uint64_t
 		reg_fail(eg, -SHARDD_E_MISMATCH, msg, UINT32_MAX);
 		eng_reply_err(j, rank, token, seq, -SHARDD_E_MISMATCH, msg);
 		goto out;
+	}
+	/* Another uid is trusted with what it could read itself: eng_restore_exec confines the path. */
+	if (eg->restore && eg->restore[0] && uid != j->e->cfg.uid && !eg->restore_confined) {
+		eg->restore_confined = 1;
+		eg->restore_uid = uid;
 	}
 	ret = shd_rdv_arrive(&eg->reg, rank, 0, 0, shd_now_ns(), j->e->timeout_ns, why, sizeof(why));
 	eg->regs[rank] = (struct eng_reg){ .token = token, .seq = seq };

@@ -16,6 +16,7 @@
 /* SHARDD_VERSION comes from the Makefile (-DSHARDD_VERSION), the one place it is set. */
 
 #define SHD_MAX_ALLOW_GIDS        32      /* --allow-gid may repeat this often */
+#define SHD_MAX_IMPORT_DIRS       32      /* --import-dir may repeat this often */
 #define SHD_CRON_PERIOD_MS        100     /* barrier and collective timeouts, heartbeats */
 #define SHD_SPIN_WINDOW_NS        50000   /* keep polling rings this long after work */
 #define SHD_SPIN_YIELD_NS         4000    /* an idle spin turn yields at most this often */
@@ -58,6 +59,8 @@ struct shd_config {
 	char     state_dir[3072];       /* --state-dir: checkpoints go to <state_dir>/<job>/; "" = none */
 	uint32_t keep;                  /* --keep N: checkpoints kept per job in the state dir; 0 = all */
 	uint32_t checkpoint_every;      /* --checkpoint-every STEPS; 0 = none */
+	char    *import_dirs[SHD_MAX_IMPORT_DIRS]; /* --import-dir, resolved (realpath, malloc'd) */
+	unsigned nimport_dirs;
 };
 
 struct shd_server {

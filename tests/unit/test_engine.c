@@ -176,7 +176,7 @@ static struct t_env *env_new(uint32_t R, uint32_t S, uint32_t timeout_ms)
 	struct t_env *env = calloc(1, sizeof(*env));
 	struct shd_engine_config cfg = {
 		.backend = SHARDD_BACKEND_HOST, .collective_timeout_ms = timeout_ms, .workers = 2,
-		.complete = on_complete, .reply = on_reply,
+		.uid = getuid(), .complete = on_complete, .reply = on_reply,
 	};
 
 	cr_assert_not_null(env);
@@ -288,7 +288,7 @@ static void register_rank(struct t_env *env, uint32_t rank, const char *name, co
 	size_t len;
 	void *p = payload(name, sp, &len);
 
-	shd_engine_register_group(env->j, rank, 100 + rank, 7 + rank, p, len);
+	shd_engine_register_group(env->j, rank, 100 + rank, 7 + rank, p, len, getuid());
 	free(p);
 }
 
@@ -920,7 +920,7 @@ Test(engine, register_spec_mismatch_names_param_field_values_and_ranks, .timeout
 static void expect_reg_error(struct t_env *env, const void *p, size_t len, int code, const char *want)
 {
 	env->rep[0].got = 0;
-	shd_engine_register_group(env->j, 0, 100, 1, p, len);
+	shd_engine_register_group(env->j, 0, 100, 1, p, len, getuid());
 	cr_assert_eq(env->rep[0].got, 1, "an invalid registration is answered at once");
 	cr_assert_eq(env->rep[0].res, code, "%s: %d %s", want, env->rep[0].res, env->rep[0].msg);
 	cr_assert(strstr(env->rep[0].msg, want), "'%s' names '%s'", env->rep[0].msg, want);

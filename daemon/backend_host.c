@@ -529,10 +529,11 @@ static int host_write(struct shd_backend_ctx *b, struct shd_buf *buf, uint64_t o
  * (k * 17 mod HOST_COLORS) pages into a reservation HOST_COLORS pages
  * longer than it. Plain mmaps of equal power-of-two sizes land exactly
  * that far apart, so the same element of every rank's buffer had the same
- * virtual address bits 12-27; on AMD Zen (the CI VM's Zen 3) the L1 way
- * predictor hashes those bits, and a kernel reading several such streams
- * at once ran at half speed: a 4-input bf16 reduce of 128 Mi elements on
- * 2 threads, 17.6 - 18.4 GB/s mapped plainly, 33.4 - 34.5 coloured
+ * virtual address bits 12-27, and a kernel reading several such streams
+ * at once ran at half speed on the CI VM's Zen 3 (likely its L1 way
+ * predictor, which hashes those bits): a 4-input bf16 reduce of 128 Mi
+ * elements on 2 threads, 17.6 - 18.4 GB/s mapped plainly, 33.4 - 34.5
+ * coloured; a 4-rank 256 MiB reduce through the daemon 2x faster
  * (docs/BENCHMARKS.md). Only address space is spent; the unused ends of
  * the reservation are unmapped at once.
  */

@@ -32,15 +32,6 @@
 
 TestSuite(hostile, .init = start_daemon, .fini = stop_daemon, .timeout = 30);
 
-/* The daemon answers `fd` with the ERROR (expect_error), then closes it; fd is closed. */
-static void expect_refused(int fd, uint32_t seq, int32_t code, const char *const *needles,
-			   const char *what)
-{
-	expect_error(fd, seq, code, needles, what);
-	expect_eof(fd, what);
-	close(fd);
-}
-
 /* ------------------------------------------------------------------ */
 /* 2. Control messages                                                 */
 /* ------------------------------------------------------------------ */

@@ -121,6 +121,13 @@ void expect_eof(int sock, const char *what)
 		     strerror(-ret));
 }
 
+void expect_refused(int sock, uint32_t seq, int32_t code, const char *const *needles, const char *what)
+{
+	expect_error(sock, seq, code, needles, what);
+	expect_eof(sock, what);
+	close(sock);
+}
+
 /* One admin request on `sock`: the parsed reply (an object), checked for seq. */
 json_t *admin_call(int sock, uint32_t seq, const char *req, size_t len)
 {

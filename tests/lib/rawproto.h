@@ -42,6 +42,8 @@ void check_error(struct shardd_ctrl_rx *rx, uint32_t seq, int32_t code,
 void expect_error(int sock, uint32_t seq, int32_t code, const char *const *needles,
 		  const char *what);
 void expect_eof(int sock, const char *what);
+/* The daemon answers `sock` with the ERROR (expect_error), then closes it; sock is closed. */
+void expect_refused(int sock, uint32_t seq, int32_t code, const char *const *needles, const char *what);
 /* One admin request on `sock`: the parsed reply (an object), checked for seq. */
 json_t *admin_call(int sock, uint32_t seq, const char *req, size_t len);
 /* An admin reply {"ok": false, "code": code, "error": "...needle..."}. */

@@ -525,9 +525,9 @@ static int host_write(struct shd_backend_ctx *b, struct shd_buf *buf, uint64_t o
 }
 
 /*
- * Buffers start HOST_COLORS different page offsets apart: mapping k starts
- * (k * 17 mod HOST_COLORS) pages into a reservation HOST_COLORS pages
- * longer than it. Plain mmaps of equal power-of-two sizes land exactly
+ * Each buffer's mapping starts at one of HOST_COLORS page offsets: mapping
+ * k starts (k * 17 mod HOST_COLORS) pages into a reservation HOST_COLORS
+ * pages longer than it. Plain mmaps of equal power-of-two sizes land exactly
  * that far apart, so the same element of every rank's buffer had the same
  * virtual address bits 12-27, and a kernel reading several such streams
  * at once ran at half speed on the CI VM's Zen 3 (likely its L1 way
@@ -538,18 +538,18 @@ static int host_write(struct shd_backend_ctx *b, struct shd_buf *buf, uint64_t o
  * the reservation are unmapped at once.
  */
 #define HOST_COLORS 64u
-#define HOST_PAGE ((size_t)4096)
 
 static void *host_map_colored(struct host_backend *hb, int fd, size_t bytes)
 {
-	size_t span = bytes + HOST_COLORS * HOST_PAGE, head, whole = (bytes + HOST_PAGE - 1) & ~(HOST_PAGE - 1);
+	size_t page = (size_t)sysconf(_SC_PAGESIZE);
+	size_t span = bytes + HOST_COLORS * page, head, whole = (bytes + page - 1) / page * page;
 	unsigned k = __atomic_fetch_add(&hb->colors, 1, __ATOMIC_RELAXED);
 	char *base, *map;
 
 	base = mmap(NULL, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
 	if (base == MAP_FAILED)
 		return MAP_FAILED;
-	head = (size_t)(k * 17u % HOST_COLORS) * HOST_PAGE;
+	head = (size_t)(k * 17u % HOST_COLORS) * page;
 	map = mmap(base + head, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0);
 	if (map == MAP_FAILED) {
 		int err = errno;

@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -348,6 +349,30 @@ static int takes_value(const char *flag)
 	return 0;
 }
 
+/*
+ * Raise the soft RLIMIT_NOFILE to the hard one: every buffer of every group
+ * is a descriptor the daemon holds, counted against this limit at
+ * registration (registry.c), and a login shell's soft 1024 would refuse a
+ * model of a few dozen groups. A limit set on purpose stays: `ulimit -n N`
+ * and systemd's LimitNOFILE= set the hard limit too.
+ */
+static void raise_fd_limit(void)
+{
+	struct rlimit rl;
+	rlim_t was;
+
+	if (getrlimit(RLIMIT_NOFILE, &rl) < 0 || rl.rlim_cur == rl.rlim_max)
+		return;
+	was = rl.rlim_cur;
+	rl.rlim_cur = rl.rlim_max;
+	if (setrlimit(RLIMIT_NOFILE, &rl) < 0)
+		shd_log_warn("cannot raise the descriptor limit (RLIMIT_NOFILE) from %llu to %llu: %s",
+			     (unsigned long long)was, (unsigned long long)rl.rlim_max, strerror(errno));
+	else
+		shd_log_info("raised the descriptor limit (RLIMIT_NOFILE) from %llu to its hard limit %llu",
+			     (unsigned long long)was, (unsigned long long)rl.rlim_max);
+}
+
 int main(int argc, char **argv)
 {
 	/* Static: the --import-dir strings it holds stay reachable on every way out. */
@@ -411,6 +436,7 @@ int main(int argc, char **argv)
 		return 1;
 	}
 #endif
+	raise_fd_limit();
 	if (world_mpi) {
 		char why[320];
 

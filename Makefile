@@ -20,7 +20,7 @@ WERROR_FLAGS := $(if $(filter 1,$(WERROR)),-Werror)
 override CFLAGS += -std=gnu11 $(WERROR_FLAGS) -fPIC -pthread -MMD -MP
 LDFLAGS  ?=
 LDLIBS   := -luring -ljansson -lmicrohttpd -lz -lpthread -lm
-# Open MPI for `shardd --world mpi` (daemon/world.c, the only file that includes mpi.h).
+# Open MPI for `shardd --world mpi` (daemon/world/world.c, the only file that includes mpi.h).
 MPI_CFLAGS := $(shell pkg-config --cflags ompi-c 2>/dev/null || echo -I/usr/lib/x86_64-linux-gnu/openmpi/include)
 MPI_LIBS   := $(shell pkg-config --libs ompi-c 2>/dev/null || echo -lmpi)
 PREFIX   ?= /usr/local
@@ -56,7 +56,7 @@ override CFLAGS += -DSHARDD_HAVE_CUDA=1 -I$(CUDA_HOME)/include
 # nccl.h is part of the CUDA=auto test: the cuda backend's collectives across
 # GPUs are written against it, but libnccl.so.2 is not linked either: the
 # daemon opens it with dlopen at the first such collective, so shardd runs
-# where NCCL is absent (daemon/backend_cuda_nccl.c).
+# where NCCL is absent (daemon/backend/cuda/backend_cuda_nccl.c).
 CUDA_LDLIBS := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lstdc++
 endif
 
@@ -70,22 +70,38 @@ endif
 # tests/includes/ proves the rules hold.
 INC_proto    := -iquote proto
 INC_kernels  := -iquote kernels -iquote proto
-INC_daemon   := -iquote daemon -iquote kernels -iquote proto
+# The daemon's folders, bottom to top: each sees its own and those below it
+# (docs/DESIGN.md, "Layout of the daemon"), never one above.
+INC_daemon/core      := -iquote daemon/core -iquote proto
+INC_daemon/layout    := -iquote daemon/layout $(INC_daemon/core)
+INC_daemon/world     := -iquote daemon/world $(INC_daemon/core)
+INC_daemon/ckpt      := -iquote daemon/ckpt $(INC_daemon/layout)
+INC_daemon/backend   := -iquote daemon/backend -iquote daemon/world -iquote daemon/layout \
+			-iquote daemon/core -iquote kernels -iquote proto
+INC_daemon/backend/cuda := -iquote daemon/backend/cuda $(INC_daemon/backend)
+INC_daemon/engine    := -iquote daemon/engine -iquote daemon/ckpt $(INC_daemon/backend)
+INC_daemon/session   := -iquote daemon/session $(INC_daemon/engine)
+INC_daemon/admin     := -iquote daemon/admin $(INC_daemon/session)
+INC_daemon           := -iquote daemon $(INC_daemon/admin)
+DAEMON_DIRS  := core layout world ckpt backend backend/cuda engine session admin
 INC_client   := -iquote client -iquote proto
 INC_tools    := -iquote client -iquote proto
 # shardbench also measures the kernels (`shardbench gpu`); mpi/ shares bench.h.
 INC_tools/shardbench := -iquote tools/shardbench -iquote client -iquote proto -iquote kernels
 # Tests reach everything; their header names are therefore unique across these folders.
-INC_tests    := -iquote tests/lib -iquote daemon -iquote client -iquote client/examples/mlp \
-		-iquote kernels -iquote proto
+INC_tests    := -iquote tests/lib -iquote daemon $(foreach d,$(DAEMON_DIRS),-iquote daemon/$(d)) \
+		-iquote client -iquote client/examples/mlp -iquote kernels -iquote proto
 # Most specific first: the include path of source $(1) is its first match.
-INC_FOLDERS  := tools/shardbench proto kernels daemon client tools tests
+INC_FOLDERS  := tools/shardbench proto kernels daemon/backend/cuda \
+		$(addprefix daemon/,$(filter-out backend/cuda,$(DAEMON_DIRS))) daemon client tools tests
 inc_of = $(INC_$(firstword $(foreach d,$(INC_FOLDERS),$(if $(filter $(d)/%,$(1)),$(d)))))
 
 # ------------------------------------------------------------- sources ---
 KERNEL_SRC  := $(wildcard kernels/*.c)
 KERNEL_CU   := $(if $(filter 1,$(HAVE_CUDA)),$(wildcard kernels/*.cu))
-DAEMON_SRC  := $(filter-out daemon/main.c $(if $(filter 1,$(HAVE_CUDA)),,daemon/backend_cuda%.c),$(wildcard daemon/*.c))
+# Every daemon source but main.c; the cuda backend's folder only with CUDA.
+DAEMON_ALL_SRC := $(filter-out daemon/main.c,$(wildcard daemon/*.c $(addsuffix /*.c,$(addprefix daemon/,$(DAEMON_DIRS)))))
+DAEMON_SRC  := $(filter-out $(if $(filter 1,$(HAVE_CUDA)),,daemon/backend/cuda/%.c),$(DAEMON_ALL_SRC))
 CLIENT_SRC  := $(wildcard client/*.c)
 SHARDCTL_SRC := $(wildcard tools/shardctl/*.c)
 BENCH_SRC   := $(wildcard tools/shardbench/*.c)
@@ -123,7 +139,7 @@ $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) $(call inc_of,$<) -c $< -o $@
 
-$(BUILD)/daemon/world.o: override CFLAGS += $(MPI_CFLAGS)
+$(BUILD)/daemon/world/world.o: override CFLAGS += $(MPI_CFLAGS)
 
 $(BUILD)/%.cu.o: %.cu
 	@mkdir -p $(dir $@)

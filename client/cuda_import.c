@@ -11,7 +11,7 @@
  *
  * An fd buffer is mapped with the buffer's size rounded up to the
  * device's minimum granularity for a POSIX-fd allocation: exactly what the
- * daemon allocated (daemon/backend_cuda_memory.c rounds with the same
+ * daemon allocated (daemon/backend/cuda/backend_cuda_memory.c rounds with the same
  * function, shardd_cuda_alloc_size, and the granularity of the same
  * allocation properties on the same device). A legacy IPC handle is
  * opened in the device's primary context, which stays retained while the

@@ -231,7 +231,7 @@ static int apply_flag(struct shd_config *cfg, const char *flag, const char *val,
 	} else if (strcmp(flag, "--max-memory") == 0 || strcmp(flag, "--max-job-memory") == 0) {
 		uint64_t bytes;
 
-		if (shd_parse_bytes(val, &bytes) < 0 || bytes == 0)
+		if (shd_memlimit_parse(val, &bytes) < 0 || bytes == 0)
 			return usage_error("%s: '%s' is not a byte count above 0 (digits, then "
 					   "optionally K, M, G or T)", flag, val);
 		if (strcmp(flag, "--max-memory") == 0)

@@ -16,6 +16,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include "admin.h"
 #include "clock.h"
 #include "engine.h"
 #include "job.h"
@@ -26,6 +27,7 @@
 #include "server.h"
 #include "session.h"
 #include "shardd_socket.h"
+#include "state.h"
 
 /* ------------------------------------------------------------------ */
 /* Globals                                                             */
@@ -58,6 +60,18 @@ void shd_config_defaults(struct shd_config *cfg)
 /* ------------------------------------------------------------------ */
 /* Loop callbacks: signals, engine, cron, sleep hooks                  */
 /* ------------------------------------------------------------------ */
+
+/* The sessions' admin requests (shd_sessions_env.admin_request): answered by admin.h. */
+static void server_admin_request(struct shd_session *s, uint32_t seq, const void *payload,
+				 size_t len)
+{
+	struct shd_admin_reply reply;
+
+	shd_admin_handle(payload, len, s->cred.uid, s->cred.pid, &reply);
+	/* Queued when the socket is full; a client that never reads is dropped (session.h). */
+	shd_session_send(s, SHARDD_MSG_ADMIN_REPLY, seq, reply.text, (uint32_t)reply.len, NULL, 0);
+	shd_admin_reply_free(&reply);
+}
 
 static void server_signal(void *arg, int fd, uint32_t revents)
 {
@@ -529,8 +543,8 @@ static void log_memory_limits(void)
 	char all[32], job[32];
 
 	shd_log_info("memory limits: %s of buffers in all (%s), %s per job%s",
-			shd_bytes_str(server.cfg.max_memory, all, sizeof(all)), server.cfg.max_memory_from,
-			shd_bytes_str(server.cfg.max_job_memory, job, sizeof(job)),
+			shd_memlimit_str(server.cfg.max_memory, all, sizeof(all)), server.cfg.max_memory_from,
+			shd_memlimit_str(server.cfg.max_job_memory, job, sizeof(job)),
 			server.cfg.backend == SHARDD_BACKEND_HOST ? ""
 			: " (host backend only: device memory is not counted)");
 }
@@ -542,7 +556,7 @@ int shd_server_init(const struct shd_config *cfg)
 
 	server.cfg = *cfg;
 	if (!server.cfg.max_memory) {
-		ret = shd_memory_default(&server.cfg.max_memory, server.cfg.max_memory_from,
+		ret = shd_memlimit_default(&server.cfg.max_memory, server.cfg.max_memory_from,
 					    sizeof(server.cfg.max_memory_from));
 		if (ret < 0) {
 			shd_log_error("shardd: cannot read the physical memory size for the default "
@@ -659,6 +673,17 @@ int shd_server_init(const struct shd_config *cfg)
 		.schedule_close = shd_server_schedule_close,
 		.schedule_reap = shd_server_schedule_reap,
 		.note_work = shd_server_note_work,
+		.admin_request = server_admin_request,
+	});
+	shd_state_init(&(struct shd_state_source){
+		.cfg = &server.cfg,
+		.pid = server.pid,
+		.uid = server.uid,
+		.start_ns = server.start_ns,
+		.collective_timeout_ns = server.collective_timeout_ns,
+		.engine = &server.engine,
+		.jobs = &server.jobs,
+		.sessions = &server.sessions,
 	});
 	if ((ret = shd_loop_add_fd(server.loop, server.listen_fd, POLLIN,
 				      shd_session_accept, NULL, NULL)) < 0 ||

@@ -24,7 +24,7 @@ FUZZ_CFLAGS      := -O1 -g -std=gnu11 -Wall -Wextra $(WERROR_FLAGS) -pthread -MM
 
 # Every target links the daemon, the kernels and the harness (fuzz_daemon.c
 # and harness_*.c); each tests/fuzz/fuzz_*.c but fuzz_daemon.c is a target.
-FUZZ_LIB_SRC := $(filter-out daemon/main.c daemon/backend_cuda%.c,$(wildcard daemon/*.c)) \
+FUZZ_LIB_SRC := $(filter-out daemon/backend/cuda/%.c,$(DAEMON_ALL_SRC)) \
 		$(wildcard kernels/*.c) tests/fuzz/fuzz_daemon.c $(wildcard tests/fuzz/harness_*.c)
 FUZZ_TARGETS := $(patsubst tests/fuzz/%.c,%,$(filter-out tests/fuzz/fuzz_daemon.c,$(wildcard tests/fuzz/fuzz_*.c)))
 FUZZ_BIN     := $(addprefix $(FUZZ_BUILD)/,$(FUZZ_TARGETS))
@@ -45,15 +45,15 @@ $(FUZZ_BUILD)/kernels/%.o: FUZZ_EXTRA := -include tests/fuzz/clang_compat.h
 # its own contraction, which changes rounding only, not what the fuzzer finds.
 $(FUZZ_BUILD)/kernels/optim.o: FUZZ_EXTRA += -Wno-unknown-pragmas
 # The daemon world includes mpi.h (Makefile, MPI_CFLAGS).
-$(FUZZ_BUILD)/daemon/world.o: FUZZ_EXTRA := $(MPI_CFLAGS)
+$(FUZZ_BUILD)/daemon/world/world.o: FUZZ_EXTRA := $(MPI_CFLAGS)
 
 $(FUZZ_BUILD)/fuzz_%: $(FUZZ_BUILD)/tests/fuzz/fuzz_%.o $(FUZZ_OBJ)
 	$(FUZZ_CC) $(FUZZ_SAN) -fsanitize=fuzzer -pthread -o $@ $^ $(LDLIBS) $(MPI_LIBS)
 
 # fuzz_ckpt drives the checkpoint parsers directly, without the daemon harness.
-$(FUZZ_BUILD)/fuzz_ckpt: $(FUZZ_BUILD)/tests/fuzz/fuzz_ckpt.o $(FUZZ_BUILD)/daemon/ckpt_format.o \
-		$(FUZZ_BUILD)/daemon/ckpt_format_parse.o $(FUZZ_BUILD)/daemon/ckpt_format_write.o \
-		$(FUZZ_BUILD)/daemon/layout.o
+$(FUZZ_BUILD)/fuzz_ckpt: $(FUZZ_BUILD)/tests/fuzz/fuzz_ckpt.o $(FUZZ_BUILD)/daemon/ckpt/safetensors.o \
+		$(FUZZ_BUILD)/daemon/ckpt/safetensors_parse.o $(FUZZ_BUILD)/daemon/ckpt/safetensors_write.o \
+		$(FUZZ_BUILD)/daemon/layout/layout.o
 	$(FUZZ_CC) $(FUZZ_SAN) -fsanitize=fuzzer -pthread -o $@ $^ $(LDLIBS)
 
 fuzz: $(FUZZ_BIN)

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * fuzz_ckpt: the checkpoint parsers (daemon/ckpt_format_parse.c) on hostile
+ * fuzz_ckpt: the checkpoint parsers (daemon/ckpt/safetensors_parse.c) on hostile
  * files. The first byte picks the parser: even, a safetensors file (the
  * rest of the input is the whole file); odd, a manifest. Invariants: a
  * parse never reads past the input and never leaks; a safetensors header
@@ -13,39 +13,39 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "ckpt_format.h"
+#include "safetensors.h"
 
 static void check_safetensors(const uint8_t *data, size_t size)
 {
-	struct shd_st_file f, again;
+	struct shd_safetensors_file f, again;
 	char err[512];
 	uint8_t *hdr = NULL, *file;
 	size_t hdrlen;
 	uint64_t bytes, at = 0;
 
-	if (shd_st_parse(data, size, size, &f, err, sizeof(err)))
+	if (shd_safetensors_parse(data, size, size, &f, err, sizeof(err)))
 		return;
 	for (uint32_t i = 0; i < f.ntensors; i++) {
-		if (f.tensors[i].begin != at || !shd_st_find(&f, f.tensors[i].name))
+		if (f.tensors[i].begin != at || !shd_safetensors_find(&f, f.tensors[i].name))
 			abort();
 		at = f.tensors[i].end;
 	}
 	if (at != f.data_size || f.data_start + f.data_size != size)
 		abort();
 	/* The writer, given the tensors in file order, puts each at the same offsets. */
-	if (shd_st_build(f.tensors, f.ntensors, &hdr, &hdrlen, &bytes, err, sizeof(err)) || bytes != at)
+	if (shd_safetensors_build(f.tensors, f.ntensors, &hdr, &hdrlen, &bytes, err, sizeof(err)) || bytes != at)
 		abort();
 	file = calloc(1, hdrlen);
 	if (!file)
 		abort();
 	memcpy(file, hdr, hdrlen);
-	if (shd_st_parse(file, hdrlen, hdrlen + bytes, &again, err, sizeof(err)) || again.ntensors != f.ntensors)
+	if (shd_safetensors_parse(file, hdrlen, hdrlen + bytes, &again, err, sizeof(err)) || again.ntensors != f.ntensors)
 		abort();
 	for (uint32_t i = 0; i < f.ntensors; i++)
 		if (memcmp(&again.tensors[i], &f.tensors[i], sizeof(f.tensors[i])))
 			abort();
-	shd_st_free(&again);
-	shd_st_free(&f);
+	shd_safetensors_free(&again);
+	shd_safetensors_free(&f);
 	free(file);
 	free(hdr);
 }

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * daemon/backend_factory.c: the factory that turns --backend into a backend table,
+ * daemon/backend/backend_factory.c: the factory that turns --backend into a backend table,
  * and the table's inline threshold, which decides where the engine runs a
  * task (loop thread or worker pool).
  */

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * daemon/backend_host.c through the backend table, for what a collective
+ * daemon/backend/backend_host.c through the backend table, for what a collective
  * call says about its members: an unshard writes every distinct output
  * its ranks name (one shared buffer, or a buffer per rank), and a reduce
  * gives member k shard k's rows, with member k's own accumulate flag and

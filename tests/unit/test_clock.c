@@ -1,5 +1,5 @@
 /* SPDX-License-Identifier: MIT */
-/* daemon/clock.h: the daemon's monotonic clock, in nanoseconds. */
+/* daemon/core/clock.h: the daemon's monotonic clock, in nanoseconds. */
 #include <criterion/criterion.h>
 #include <time.h>
 

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * daemon/loop.c: the io_uring event loop. File events on pipes, deletion
+ * daemon/core/loop.c: the io_uring event loop. File events on pipes, deletion
  * from inside callbacks (the daemon closes sessions from their own and from
  * other sessions' callbacks), periodic timers, and the before-sleep hook
  * that lets the ring service poll without blocking.

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * Memory limits (daemon/memlimit.c) and what a group counts against them
+ * Memory limits (daemon/core/memlimit.c) and what a group counts against them
  * (shd_group_memory_need): byte counts with suffixes, the cgroup
  * limit read from a fake /proc/self/cgroup and cgroup tree, and every
  * buffer of an HSDP group, worked out by hand.
@@ -34,23 +34,23 @@ Test(limits, byte_counts_take_binary_suffixes, .timeout = 5)
 	uint64_t v;
 
 	for (size_t i = 0; i < sizeof(ok) / sizeof(ok[0]); i++) {
-		cr_expect_eq(shd_parse_bytes(ok[i].s, &v), 0, "'%s' must parse", ok[i].s);
+		cr_expect_eq(shd_memlimit_parse(ok[i].s, &v), 0, "'%s' must parse", ok[i].s);
 		cr_expect_eq(v, ok[i].v, "'%s' = %llu, want %llu", ok[i].s, (unsigned long long)v,
 			     (unsigned long long)ok[i].v);
 	}
 	for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++)
-		cr_expect_eq(shd_parse_bytes(bad[i], &v), -EINVAL, "'%s' must be refused", bad[i]);
+		cr_expect_eq(shd_memlimit_parse(bad[i], &v), -EINVAL, "'%s' must be refused", bad[i]);
 }
 
 Test(limits, byte_counts_read_with_binary_units, .timeout = 5)
 {
 	char buf[32];
 
-	cr_expect_str_eq(shd_bytes_str(0, buf, sizeof(buf)), "0 B");
-	cr_expect_str_eq(shd_bytes_str(1023, buf, sizeof(buf)), "1023 B");
-	cr_expect_str_eq(shd_bytes_str(64ull << 20, buf, sizeof(buf)), "64.0 MiB");
-	cr_expect_str_eq(shd_bytes_str(3ull << 39, buf, sizeof(buf)), "1.5 TiB");
-	cr_expect_str_eq(shd_bytes_str(UINT64_MAX, buf, sizeof(buf)), "16.0 EiB");
+	cr_expect_str_eq(shd_memlimit_str(0, buf, sizeof(buf)), "0 B");
+	cr_expect_str_eq(shd_memlimit_str(1023, buf, sizeof(buf)), "1023 B");
+	cr_expect_str_eq(shd_memlimit_str(64ull << 20, buf, sizeof(buf)), "64.0 MiB");
+	cr_expect_str_eq(shd_memlimit_str(3ull << 39, buf, sizeof(buf)), "1.5 TiB");
+	cr_expect_str_eq(shd_memlimit_str(UINT64_MAX, buf, sizeof(buf)), "16.0 EiB");
 }
 
 static char tmp[64];
@@ -111,7 +111,7 @@ static uint64_t cgroup_limit(void)
 
 	snprintf(proc, sizeof(proc), "%s/proc_cgroup", tmp);
 	snprintf(root, sizeof(root), "%s/cg", tmp);
-	return shd_cgroup_memory_max(proc, root);
+	return shd_memlimit_cgroup_max(proc, root);
 }
 
 Test(limits, cgroup_v2_limit_is_the_lowest_memory_max_up_the_tree, .init = make_tmp, .fini = remove_tmp,
@@ -146,7 +146,7 @@ Test(limits, default_is_80_percent_of_physical_memory_at_most, .timeout = 5)
 	uint64_t phys = (uint64_t)sysconf(_SC_PHYS_PAGES) * (uint64_t)sysconf(_SC_PAGE_SIZE), v;
 	char from[96];
 
-	cr_assert_eq(shd_memory_default(&v, from, sizeof(from)), 0);
+	cr_assert_eq(shd_memlimit_default(&v, from, sizeof(from)), 0);
 	cr_expect_leq(v, phys / 100 * 80 + phys % 100 * 80 / 100);
 	cr_expect_gt(v, 0);
 	cr_expect(strstr(from, "80% of "), "basis '%s'", from);

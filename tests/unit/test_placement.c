@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * daemon/placement.c: which ranks of a group share which GPU, which shard
+ * daemon/layout/placement.c: which ranks of a group share which GPU, which shard
  * and replicate groups run NCCL, the refusal of groups that partly share
  * GPUs (every message names the ranks, the devices and the fix), and the
  * staging layouts of the NCCL path. Expected numbers are worked out by

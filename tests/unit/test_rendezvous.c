@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * daemon/rendezvous.c: "these ranks must all arrive with the same key".
+ * daemon/engine/rendezvous.c: "these ranks must all arrive with the same key".
  * Arrivals, completion, key mismatch, duplicates and strangers, deadlines,
  * and the rank lists that end up in error messages people read.
  */

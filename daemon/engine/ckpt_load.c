@@ -1,0 +1,778 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Restoring a group from a checkpoint (SHARDD_INIT_RESTORE, docs/CHECKPOINTS.md),
+ * at any mesh: the registration's TASK_RESTORE, on the worker pool, once
+ * every rank registered and the buffers exist, before any rank gets its
+ * reply. Each file is read once, front to back: its CRC-32 is checked
+ * against the manifest's while every tensor it needs is scattered, row
+ * range by row range, into the shards of the new mesh (every replica gets
+ * a copy), and the optimizer state the same way. The manifest and every
+ * safetensors header are parsed by the strict parsers of safetensors.c;
+ * an error names the tensor, the file, and what was expected and found.
+ */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include <jansson.h>
+
+#include "safetensors.h"
+#include "engine_int.h"
+#include "log.h"
+#include "shardd_kernels.h"
+
+#define LOAD_BOUNCE (8u << 20) /* bytes read from a file per call */
+#define LOAD_PATH   4200
+
+/* "a/b" into buf; -ENAMETOOLONG when it does not fit. */
+static int join(char *buf, size_t len, const char *a, const char *b)
+{
+	int n = snprintf(buf, len, "%s/%s", a, b);
+
+	return n < 0 || (size_t)n >= len ? -ENAMETOOLONG : 0;
+}
+
+/*
+ * Where a client of another uid than shardd's may read from (docs/RELIABILITY.md
+ * "Who may connect"): its restore path resolved (realpath) lies under `root`,
+ * --state-dir or an --import-dir, and every file is opened by open_beneath,
+ * relative to `fd`. fd -1: no confinement (shardd's own uid, or the job's
+ * own checkpoints in --state-dir).
+ */
+struct confine {
+	int fd;                  /* root, O_PATH | O_DIRECTORY; -1: none */
+	char root[LOAD_PATH];    /* resolved */
+	uid_t uid;               /* the client's, for messages */
+};
+
+/* Is `path` `root` or below it? Both resolved (no "..", no "//"). */
+static int path_under(const char *root, const char *path)
+{
+	size_t n = strlen(root);
+
+	if (n == 1 && root[0] == '/')
+		return path[0] == '/';
+	return !strncmp(root, path, n) && (path[n] == '/' || !path[n]);
+}
+
+/*
+ * Open `path` (below cf->root) for reading, one component at a time from
+ * cf->fd, following no symlink. realpath checked the path when the restore
+ * began; a directory or file swapped for a symlink since (by whoever may
+ * write below the root) would otherwise redirect the read to a file outside,
+ * which the client may not read: here the swapped component fails with
+ * ELOOP instead. The fd, or -1 with errno.
+ */
+static int open_beneath(const struct confine *cf, const char *path)
+{
+	char rel[LOAD_PATH], *comp, *end;
+	int dfd, fd = -1, err;
+
+	if (!path_under(cf->root, path) || strlen(path) >= sizeof(rel)) {
+		errno = EACCES;
+		return -1;
+	}
+	snprintf(rel, sizeof(rel), "%s", path + (strcmp(cf->root, "/") ? strlen(cf->root) : 0));
+	dfd = fcntl(cf->fd, F_DUPFD_CLOEXEC, 0);
+	for (comp = rel; dfd >= 0; comp = end) {
+		struct stat st;
+		int nfd, last;
+
+		comp += strspn(comp, "/");
+		end = comp + strcspn(comp, "/");
+		last = !end[strspn(end, "/")];
+		if (*end)
+			*end++ = '\0';
+		if (!*comp || !strcmp(comp, ".") || !strcmp(comp, "..")) {
+			errno = !*comp ? EISDIR : EACCES;
+			break;
+		}
+		if (last) {
+			fd = openat(dfd, comp, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY | O_NOFOLLOW);
+			break;
+		}
+		nfd = openat(dfd, comp, O_PATH | O_CLOEXEC | O_NOFOLLOW);
+		if (nfd >= 0 && (fstat(nfd, &st) || !S_ISDIR(st.st_mode))) {
+			err = fstat(nfd, &st) ? errno : S_ISLNK(st.st_mode) ? ELOOP : ENOTDIR;
+			close(nfd);
+			nfd = -1;
+			errno = err;
+		}
+		err = errno;
+		close(dfd);
+		errno = err;
+		dfd = nfd;
+	}
+	err = errno;
+	if (dfd >= 0)
+		close(dfd);
+	errno = err;
+	return fd;
+}
+
+/*
+ * Open `path` for reading, if it is a regular file: the path comes from a
+ * client (the registration's restore path, files named in it), and an
+ * open() of a FIFO would wait for a writer for ever, blocking a worker.
+ * O_NONBLOCK makes that open return; a regular file reads as usual. `cf`:
+ * a confined client's (open_beneath), or NULL. fd (its size in *st), or
+ * -errno with msg naming the path.
+ */
+static int open_regular(const struct confine *cf, const char *path, struct stat *st, char *msg, size_t len)
+{
+	int fd = cf && cf->fd >= 0 ? open_beneath(cf, path) :
+		 open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY), ret;
+
+	if (fd < 0 || fstat(fd, st)) {
+		ret = -errno;
+		if (cf && cf->fd >= 0 && (ret == -ELOOP || ret == -ENOTDIR || ret == -EACCES))
+			eng_fmt(msg, len, "cannot read %s for client uid %u: %s (below %s shardd follows no "
+				"symlink for a client of another uid)", path, (unsigned)cf->uid, strerror(-ret),
+				cf->root);
+		else
+			eng_fmt(msg, len, "cannot read %s: %s", path, strerror(-ret));
+		if (fd >= 0)
+			close(fd);
+		return cf && cf->fd >= 0 && (ret == -ELOOP || ret == -EACCES) ? -SHARDD_E_PERM : ret;
+	}
+	if (!S_ISREG(st->st_mode)) {
+		close(fd);
+		eng_fmt(msg, len, "cannot read %s: not a regular file (mode 0%o); a checkpoint holds files only",
+			path, (unsigned)st->st_mode);
+		return -SHARDD_E_INVALID;
+	}
+	return fd;
+}
+
+/* The newest step-<N> directory of `root` holding a manifest.json, into `out`. 0, -ENOENT or -errno. */
+static int newest_checkpoint(const char *root, char *out, size_t len)
+{
+	DIR *d = opendir(root);
+	unsigned long long best = 0;
+	struct dirent *e;
+	int found = 0;
+
+	if (!d)
+		return -errno;
+	while ((e = readdir(d))) {
+		char probe[LOAD_PATH];
+		unsigned long long n;
+		char *end;
+		struct stat st;
+
+		if (strncmp(e->d_name, "step-", 5) || !e->d_name[5] ||
+		    strspn(e->d_name + 5, "0123456789") != strlen(e->d_name + 5))
+			continue;
+		n = strtoull(e->d_name + 5, &end, 10);
+		if (join(probe, sizeof(probe), root, e->d_name) ||
+		    join(probe + strlen(probe), sizeof(probe) - strlen(probe), "", SHD_CKPT_MANIFEST) ||
+		    stat(probe, &st) || (found && n < best) || join(out, len, root, e->d_name))
+			continue;
+		best = n;
+		found = 1;
+	}
+	closedir(d);
+	return found ? 0 : -ENOENT;
+}
+
+static int read_manifest(const struct confine *cf, const char *dir, struct shd_ckpt_manifest *m, char *msg,
+			 size_t len)
+{
+	char path[LOAD_PATH], err[400];
+	struct stat st;
+	char *buf;
+	int fd, ret;
+
+	if (join(path, sizeof(path), dir, SHD_CKPT_MANIFEST)) {
+		eng_fmt(msg, len, "checkpoint path '%.200s...' is too long", dir);
+		return -SHARDD_E_INVALID;
+	}
+	fd = open_regular(cf, path, &st, msg, len);
+	if (fd < 0)
+		return fd;
+	if ((uint64_t)st.st_size > SHD_CKPT_MANIFEST_MAX) {
+		close(fd);
+		eng_fmt(msg, len, "%s is %lld bytes; a manifest is at most %u", path, (long long)st.st_size,
+			SHD_CKPT_MANIFEST_MAX);
+		return -SHARDD_E_MALFORMED;
+	}
+	buf = malloc((size_t)st.st_size + 1);
+	if (!buf) {
+		close(fd);
+		return -SHARDD_E_NOMEM;
+	}
+	ret = pread(fd, buf, (size_t)st.st_size, 0) == st.st_size ? 0 : -EIO;
+	close(fd);
+	if (ret)
+		eng_fmt(msg, len, "cannot read %s: short read", path);
+	else
+		ret = shd_ckpt_manifest_parse(buf, (size_t)st.st_size, m, err, sizeof(err));
+	if (ret && ret != -EIO)
+		eng_fmt(msg, len, "%s: %s", path, err);
+	free(buf);
+	return ret;
+}
+
+/* A file read front to back, its CRC-32 kept as it goes. */
+struct loader {
+	struct shd_group *g;
+	struct shd_backend_ctx *b;
+	int fd;
+	uint64_t off;
+	uLong crc;
+	uint8_t *bounce;
+	const char *path;
+	char *msg;
+	size_t len;
+};
+
+/* Read the next `n` (<= LOAD_BOUNCE) bytes into the bounce buffer. */
+static int ld_read(struct loader *l, uint64_t n)
+{
+	for (uint64_t got = 0; got < n; ) {
+		ssize_t r = pread(l->fd, l->bounce + got, n - got, (off_t)(l->off + got));
+
+		if (r <= 0) {
+			if (r < 0 && errno == EINTR)
+				continue;
+			eng_fmt(l->msg, l->len, "%s: read at byte %llu: %s", l->path,
+				(unsigned long long)(l->off + got), r < 0 ? strerror(errno) : "the file ends early");
+			return r < 0 ? -errno : -SHARDD_E_MALFORMED;
+		}
+		got += (uint64_t)r;
+	}
+	l->crc = crc32(l->crc, l->bounce, (uInt)n);
+	l->off += n;
+	return 0;
+}
+
+/* Pass over `n` bytes the group does not need, for the CRC. */
+static int ld_skip(struct loader *l, uint64_t n)
+{
+	while (n) {
+		uint64_t k = n < LOAD_BOUNCE ? n : LOAD_BOUNCE;
+		int ret = ld_read(l, k);
+
+		if (ret)
+			return ret;
+		n -= k;
+	}
+	return 0;
+}
+
+/* The next `n` bytes into offset `dst` of shard rank `s`'s buffer `bufs[u * S + s]` of every replica u. */
+static int ld_scatter(struct loader *l, struct shd_buf *bufs, uint32_t s, uint64_t dst, uint64_t n)
+{
+	const struct shd_group *g = l->g;
+
+	while (n) {
+		uint64_t k = n < LOAD_BOUNCE ? n : LOAD_BOUNCE;
+		int ret = ld_read(l, k);
+
+		for (uint32_t u = 0; !ret && u < g->replicate; u++)
+			ret = l->b->ops->write(l->b, &bufs[u * g->shard + s], dst, k, l->bounce);
+		if (ret) {
+			if (!l->msg[0])
+				eng_fmt(l->msg, l->len, "%s: writing into group '%s''s buffers failed in the %s backend (%d)",
+					l->path, g->name, l->b->ops->name, ret);
+			return ret;
+		}
+		dst += k;
+		n -= k;
+	}
+	return 0;
+}
+
+static void shape_text(uint32_t dtype, uint32_t ndim, const uint64_t *shape, char *buf, size_t len)
+{
+	size_t o = (size_t)snprintf(buf, len, "%s [", shardd_dtype_name(dtype) ? shardd_dtype_name(dtype) : "?");
+
+	for (uint32_t d = 0; d < ndim && o < len; d++)
+		o += (size_t)snprintf(buf + o, len - o, "%s%llu", d ? ", " : "", (unsigned long long)shape[d]);
+	if (o < len)
+		snprintf(buf + o, len - o, "]");
+}
+
+/*
+ * Read file `name` of checkpoint `dir` (manifest entry `fe`) into the group:
+ * its params (optim 0) or its optimizer state (optim 1).
+ */
+static int load_file(struct eng_group *eg, const struct confine *cf, const char *dir, const struct shd_ckpt_file *fe,
+		     int optim, char *msg, size_t len)
+{
+	struct shd_group *g = eg->g;
+	uint32_t ns = optim ? shd_group_optim_states(&g->optim) : 1;
+	char path[LOAD_PATH], err[512], want[160], found[160];
+	struct loader l = { .g = g, .b = eg->j->e->backend, .fd = -1, .crc = crc32(0L, Z_NULL, 0),
+			    .path = path, .msg = msg, .len = len };
+	struct shd_safetensors_file f = { 0 };
+	int32_t *need = NULL;
+	struct stat st;
+	int ret;
+
+	if (join(path, sizeof(path), dir, fe->name)) {
+		eng_fmt(msg, len, "checkpoint path '%.200s...' is too long", dir);
+		return -SHARDD_E_INVALID;
+	}
+	l.fd = open_regular(cf, path, &st, msg, len);
+	if (l.fd < 0) {
+		ret = l.fd;
+		goto out;
+	}
+	if ((uint64_t)st.st_size != fe->bytes) {
+		eng_fmt(msg, len, "%s is %lld bytes, the manifest records %llu: the file changed or is truncated",
+			path, (long long)st.st_size, (unsigned long long)fe->bytes);
+		ret = -SHARDD_E_MALFORMED;
+		goto out;
+	}
+	ret = shd_safetensors_read(l.fd, path, &f, err, sizeof(err));
+	if (ret) {
+		eng_fmt(msg, len, "%s", err);
+		goto out;
+	}
+	need = malloc((f.ntensors ? f.ntensors : 1) * sizeof(*need));
+	l.bounce = malloc(LOAD_BOUNCE);
+	if (!need || !l.bounce) {
+		eng_fmt(msg, len, "out of memory to read %s", path);
+		ret = -SHARDD_E_NOMEM;
+		goto out;
+	}
+	for (uint32_t i = 0; i < f.ntensors; i++)
+		need[i] = -1;
+	/* Every tensor the group needs, as its spec says. */
+	for (uint32_t i = 0; i < g->hdr.nparams; i++) {
+		const struct shardd_param_spec *s = &g->specs[i];
+
+		for (uint32_t k = 0; k < ns; k++) {
+			const struct shd_safetensors_tensor *t;
+			char name[SHD_CKPT_NAME_MAX];
+			uint32_t dtype = optim ? SHARDD_DTYPE_FP32 : s->dtype;
+
+			if (optim)
+				snprintf(name, sizeof(name), "%s.%s", s->name, shd_group_optim_state_name(&g->optim, k));
+			else
+				snprintf(name, sizeof(name), "%s", s->name);
+			t = shd_safetensors_find(&f, name);
+			shape_text(dtype, s->ndim, s->shape, want, sizeof(want));
+			if (!t) {
+				eng_fmt(msg, len, "tensor '%s' (%s) of group '%s' is not in %s", name, want, g->name, path);
+				ret = -SHARDD_E_MISMATCH;
+				goto out;
+			}
+			if (t->dtype != dtype || t->ndim != s->ndim ||
+			    memcmp(t->shape, s->shape, s->ndim * sizeof(s->shape[0]))) {
+				shape_text(t->dtype, t->ndim, t->shape, found, sizeof(found));
+				eng_fmt(msg, len, "tensor '%s' in %s: the group registers %s, the file holds %s",
+					name, path, want, found);
+				ret = -SHARDD_E_MISMATCH;
+				goto out;
+			}
+			need[t - f.tensors] = (int32_t)(i * ns + k);
+		}
+	}
+	/* The header for the CRC, then each tensor in file order. */
+	l.off = 0;
+	ret = ld_skip(&l, f.data_start);
+	for (uint32_t ti = 0; !ret && ti < f.ntensors; ti++) {
+		const struct shd_safetensors_tensor *t = &f.tensors[ti];
+		const struct shd_layout_param *p;
+		uint64_t esz;
+		uint32_t k;
+
+		if (need[ti] < 0) {
+			ret = ld_skip(&l, t->end - t->begin);
+			continue;
+		}
+		p = &g->layout.params[(uint32_t)need[ti] / ns];
+		k = (uint32_t)need[ti] % ns;
+		esz = optim ? sizeof(float) : shardd_dtype_size(p->dtype);
+		for (uint64_t x = 0; p->numel && x < p->outer && !ret; x++)
+			for (uint32_t s = 0; s < g->shard && !ret; s++)
+				ret = ld_scatter(&l, optim ? g->optim_state[k] : g->shards, s,
+						 p->shard_offset + x * p->rows * p->inner * esz,
+						 shd_layout_rows_valid(p, s) * p->inner * esz);
+	}
+	if (!ret && (uint32_t)l.crc != fe->crc32) {
+		eng_fmt(msg, len, "%s: CRC-32 %08x, the manifest records %08x: the file changed or is damaged",
+			path, (uint32_t)l.crc, fe->crc32);
+		ret = -SHARDD_E_MALFORMED;
+	}
+out:
+	if (l.fd >= 0)
+		close(l.fd);
+	free(l.bounce);
+	free(need);
+	shd_safetensors_free(&f);
+	return ret;
+}
+
+/* ------------------------------------------------------------------ */
+/* Importing plain safetensors weights (no manifest)                   */
+/* ------------------------------------------------------------------ */
+
+/*
+ * Param `i` of the group from tensor `t` of the safetensors file open at
+ * `fd` (header `f`), converted from the file's dtype to the param's, into
+ * every replica's shards.
+ */
+static int import_tensor(struct eng_group *eg, uint32_t i, int fd, const struct shd_safetensors_file *f,
+			 const struct shd_safetensors_tensor *t, const char *path, uint8_t *in, uint8_t *out,
+			 char *msg, size_t len)
+{
+	struct shd_group *g = eg->g;
+	struct shd_backend_ctx *b = eg->j->e->backend;
+	const struct shd_layout_param *p = &g->layout.params[i];
+	uint64_t ies = shardd_dtype_size(t->dtype), oes = shardd_dtype_size(p->dtype);
+	uint64_t chunk = LOAD_BOUNCE / 4, src = f->data_start + t->begin; /* elements; 4: the largest dtype */
+
+	for (uint64_t x = 0; p->numel && x < p->outer; x++)
+		for (uint32_t s = 0; s < g->shard; s++) {
+			uint64_t n = shd_layout_rows_valid(p, s) * p->inner;
+			uint64_t dst = p->shard_offset + x * p->rows * p->inner * oes;
+
+			for (uint64_t done = 0; done < n; ) {
+				uint64_t k = n - done < chunk ? n - done : chunk;
+				ssize_t r = pread(fd, in, k * ies, (off_t)src);
+
+				if (r != (ssize_t)(k * ies)) {
+					eng_fmt(msg, len, "%s: tensor '%s': read at byte %llu: %s", path, t->name,
+						(unsigned long long)src, r < 0 ? strerror(errno) : "the file ends early");
+					return r < 0 ? -errno : -SHARDD_E_MALFORMED;
+				}
+				shardd_k_cast(out, p->dtype, in, t->dtype, k);
+				for (uint32_t u = 0; u < g->replicate; u++) {
+					int ret = b->ops->write(b, &g->shards[u * g->shard + s], dst + done * oes, k * oes, out);
+
+					if (ret) {
+						eng_fmt(msg, len, "%s: writing tensor '%s' into group '%s' failed in the %s "
+							"backend (%d)", path, t->name, g->name, b->ops->name, ret);
+						return ret;
+					}
+				}
+				src += k * ies;
+				done += k;
+			}
+		}
+	return 0;
+}
+
+/* The file of param `name` from a Hugging Face index's weight_map, checked as a plain file name. */
+static int index_file(json_t *map, const char *name, const char *ipath, char *out, size_t olen, char *msg,
+		      size_t len)
+{
+	json_t *v = json_object_get(map, name);
+	const char *s = json_string_value(v);
+
+	if (!s) {
+		eng_fmt(msg, len, "param '%s' is not in the weight_map of %s", name, ipath);
+		return -SHARDD_E_MISMATCH;
+	}
+	if (!s[0] || strchr(s, '/') || s[0] == '.' || strlen(s) >= olen) {
+		eng_fmt(msg, len, "%s: weight_map['%s'] = \"%.64s\" is not a plain file name", ipath, name, s);
+		return -SHARDD_E_MALFORMED;
+	}
+	memcpy(out, s, strlen(s) + 1);
+	return 0;
+}
+
+/*
+ * Plain safetensors weights into the group's params by name (a Hugging Face
+ * model's): `src` a .safetensors file, or a directory with
+ * model.safetensors.index.json or model.safetensors. Each tensor's shape
+ * must be the param's; its dtype (F32, BF16, F16) is converted to the
+ * param's. No optimizer state: it starts at zero, at step 0.
+ */
+static int import_weights(struct eng_group *eg, const struct confine *cf, const char *src, int is_file, char *msg,
+			  size_t len)
+{
+	struct shd_group *g = eg->g;
+	char ipath[LOAD_PATH], path[LOAD_PATH], file[SHD_CKPT_FILE_NAME_MAX * 4] = "", open_file[sizeof(file)] = "";
+	char want[160], found[160], err[512];
+	struct shd_safetensors_file f = { 0 };
+	json_t *index = NULL, *map = NULL;
+	uint8_t *in = malloc(LOAD_BOUNCE), *out = malloc(LOAD_BOUNCE);
+	struct stat st;
+	int fd = -1, ret = 0;
+
+	if (!in || !out) {
+		eng_fmt(msg, len, "out of memory to import %s", src);
+		ret = -SHARDD_E_NOMEM;
+		goto out;
+	}
+	if (!is_file && !join(ipath, sizeof(ipath), src, SHD_CKPT_INDEX) && !stat(ipath, &st)) {
+		json_error_t jerr = { .text = "" };
+		int ifd = open_regular(cf, ipath, &st, msg, len);
+
+		if (ifd < 0) {
+			ret = ifd;
+			goto out;
+		}
+		if ((uint64_t)st.st_size <= SHD_CKPT_MANIFEST_MAX)
+			index = json_loadfd(ifd, JSON_REJECT_DUPLICATES, &jerr);
+		close(ifd);
+		if (!index || !json_is_object(map = json_object_get(index, "weight_map"))) {
+			eng_fmt(msg, len, "%s: not a Hugging Face index (a JSON object with a \"weight_map\" "
+				"object of at most %u bytes)%s%s", ipath, SHD_CKPT_MANIFEST_MAX,
+				index ? "" : ": ", index ? "" : jerr.text);
+			ret = -SHARDD_E_MALFORMED;
+			goto out;
+		}
+	}
+	for (uint32_t i = 0; !ret && i < g->hdr.nparams; i++) {
+		const struct shardd_param_spec *s = &g->specs[i];
+		const struct shd_safetensors_tensor *t;
+
+		if (is_file)
+			ret = snprintf(path, sizeof(path), "%s", src) >= (int)sizeof(path) ? -ENAMETOOLONG : 0;
+		else if (map)
+			ret = index_file(map, s->name, ipath, file, sizeof(file), msg, len) ? :
+			      join(path, sizeof(path), src, file);
+		else
+			ret = join(path, sizeof(path), src, "model.safetensors");
+		if (ret) {
+			if (!msg[0])
+				eng_fmt(msg, len, "import from '%.200s': path too long", src);
+			break;
+		}
+		if (strcmp(path, open_file)) {
+			shd_safetensors_free(&f);
+			if (fd >= 0)
+				close(fd);
+			fd = open_regular(cf, path, &st, msg, len);
+			if (fd < 0) {
+				ret = fd;
+				break;
+			}
+			ret = shd_safetensors_read(fd, path, &f, err, sizeof(err));
+			if (ret) {
+				eng_fmt(msg, len, "%s", err);
+				break;
+			}
+			snprintf(open_file, sizeof(open_file), "%.*s", (int)sizeof(open_file) - 1, path);
+		}
+		t = shd_safetensors_find(&f, s->name);
+		shape_text(s->dtype, s->ndim, s->shape, want, sizeof(want));
+		if (!t) {
+			eng_fmt(msg, len, "param '%s' (%s) of group '%s' is not in %s", s->name, want, g->name, path);
+			ret = -SHARDD_E_MISMATCH;
+			break;
+		}
+		if (t->ndim != s->ndim || memcmp(t->shape, s->shape, s->ndim * sizeof(s->shape[0]))) {
+			shape_text(t->dtype, t->ndim, t->shape, found, sizeof(found));
+			eng_fmt(msg, len, "tensor '%s' in %s: the group registers %s, the file holds %s", s->name,
+				path, want, found);
+			ret = -SHARDD_E_MISMATCH;
+			break;
+		}
+		ret = import_tensor(eg, i, fd, &f, t, path, in, out, msg, len);
+	}
+	if (!ret)
+		shd_log_info("job '%s': group '%s' imported from %s (weights only: optimizer state from zero)",
+			     eg->j->name, g->name, src);
+out:
+	if (fd >= 0)
+		close(fd);
+	shd_safetensors_free(&f);
+	json_decref(index);
+	free(in);
+	free(out);
+	return ret;
+}
+
+/*
+ * Where to restore from, into `dir`: 0 a checkpoint, 1 nothing (start from
+ * zero), 2 a directory of plain weights, 3 a plain .safetensors file; or an
+ * error with msg. `src`: the restore path, or "" for the job's newest checkpoint.
+ */
+static int restore_dir(struct eng_group *eg, const char *src, char *dir, size_t dlen, char *msg, size_t len)
+{
+	const char *state = eg->j->e->cfg.state_dir;
+	char probe[LOAD_PATH], root[LOAD_PATH];
+	struct stat st;
+	int ret;
+
+	if (!src[0]) {
+		if (!state) {
+			eng_fmt(msg, len, "the job's newest checkpoint needs shardd --state-dir; start shardd "
+				"with it, or name a checkpoint directory");
+			return -SHARDD_E_INVALID;
+		}
+		ret = join(root, sizeof(root), state, eg->j->name);
+		if (!ret)
+			ret = newest_checkpoint(root, dir, dlen);
+		if (ret == -ENOENT) {
+			shd_log_info("job '%s': group '%s': no checkpoint in %s; it starts from zero",
+				     eg->j->name, eg->g->name, root);
+			return 1;
+		}
+		if (ret)
+			eng_fmt(msg, len, "cannot list %s: %s", root, strerror(-ret));
+		return ret;
+	}
+	if (!join(probe, sizeof(probe), src, SHD_CKPT_MANIFEST) && !stat(probe, &st) &&
+	    strlen(src) < dlen) {
+		memcpy(dir, src, strlen(src) + 1);
+		return 0;
+	}
+	ret = newest_checkpoint(src, dir, dlen);
+	if (!ret)
+		return 0;
+	/* No checkpoint: plain weights to import, a .safetensors file or a model's directory. */
+	if (strlen(src) < dlen && !stat(src, &st) &&
+	    (S_ISREG(st.st_mode) ||
+	     (!join(probe, sizeof(probe), src, SHD_CKPT_INDEX) && !stat(probe, &st)) ||
+	     (!join(probe, sizeof(probe), src, "model.safetensors") && !stat(probe, &st)))) {
+		struct stat self;
+
+		memcpy(dir, src, strlen(src) + 1);
+		return !stat(src, &self) && S_ISREG(self.st_mode) ? 3 : 2;
+	}
+	eng_fmt(msg, len, "'%s' holds no %s, no step-N checkpoint, no %s and no model.safetensors (%s)",
+		src, SHD_CKPT_MANIFEST, SHD_CKPT_INDEX, strerror(-ret));
+	return ret;
+}
+
+/*
+ * A client of another uid than shardd's (let in by --allow-gid) restores
+ * only what it could be given anyway: its path, resolved, must lie under
+ * --state-dir or an --import-dir, or shardd would read, as its own uid,
+ * files the client cannot read and hand them over in the group's buffers.
+ * The resolved path into `out` and the root into `cf` (its fd open); or
+ * -SHARDD_E_PERM with msg. A path that does not resolve is refused the same
+ * way, without saying why: that would tell the client which files exist
+ * where it may not look. The probes that then tell a checkpoint from plain
+ * weights (stat, the step-N listing) may follow a symlink swapped in after
+ * this check; they read no file's content, and every file read is opened by
+ * open_beneath.
+ */
+static int confine_path(struct eng_group *eg, struct confine *cf, char *out, size_t olen, char *msg, size_t len)
+{
+	const struct shd_engine_config *c = &eg->j->e->cfg;
+	char *real = realpath(eg->restore, NULL), *state = c->state_dir ? realpath(c->state_dir, NULL) : NULL;
+	const char *root = NULL;
+	int ret = 0;
+
+	cf->uid = eg->restore_uid;
+	if (real && state && path_under(state, real))
+		root = state;
+	for (unsigned i = 0; real && !root && i < c->nimport_dirs; i++)
+		if (path_under(c->import_dirs[i], real))
+			root = c->import_dirs[i];
+	if (!root) {
+		eng_fmt(msg, len, "policy.restore '%s' of client uid %u %s: a client of another uid than "
+			"shardd's (%u) restores only from under --state-dir%s%s or an --import-dir (%u given); "
+			"let it in with --import-dir DIR, or restore as shardd's uid", eg->restore,
+			(unsigned)cf->uid, real ? "resolves outside them" : "does not resolve to a path",
+			(unsigned)c->uid, state ? " " : " (not set)", state ? state : "", c->nimport_dirs);
+		ret = -SHARDD_E_PERM;
+	} else if (strlen(real) >= olen || strlen(root) >= sizeof(cf->root)) {
+		eng_fmt(msg, len, "policy.restore '%.200s...' is too long", eg->restore);
+		ret = -SHARDD_E_INVALID;
+	} else if ((cf->fd = open(root, O_PATH | O_DIRECTORY | O_CLOEXEC)) < 0) {
+		ret = -errno;
+		eng_fmt(msg, len, "cannot open %s: %s", root, strerror(-ret));
+	} else {
+		memcpy(out, real, strlen(real) + 1);
+		memcpy(cf->root, root, strlen(root) + 1);
+	}
+	free(real);
+	free(state);
+	return ret;
+}
+
+void eng_restore_exec(struct eng_task *t)
+{
+	struct eng_group *eg = t->eg;
+	struct shd_group *g = eg->g;
+	struct shd_ckpt_manifest m = { 0 };
+	const struct shd_ckpt_group *cg = NULL;
+	char dir[LOAD_PATH], src[LOAD_PATH], *msg = t->msg;
+	size_t len = sizeof(t->msg);
+	struct confine cf = { .fd = -1 };
+	uint32_t ns = shd_group_optim_states(&g->optim);
+	int ret;
+
+	msg[0] = '\0';
+	if (!eg->j->e->backend->ops->write) {
+		eng_fmt(msg, len, "shardd: register group '%s': the %s backend cannot restore a checkpoint",
+			g->name, eg->j->e->backend->ops->name);
+		t->res = -ENOTSUP;
+		return;
+	}
+	if (eg->restore_confined && eg->restore[0]) {
+		ret = confine_path(eg, &cf, src, sizeof(src), msg, len);
+		if (ret) {
+			char full[ENGINE_MSG_MAX];
+
+			eng_fmt(full, sizeof(full), "shardd: register group '%s': %s", g->name, msg);
+			eng_fmt(msg, len, "%s", full);
+			t->res = ret;
+			return;
+		}
+	} else {
+		snprintf(src, sizeof(src), "%s", eg->restore);
+	}
+	ret = restore_dir(eg, src, dir, sizeof(dir), msg, len);
+	if (ret == 1) {
+		t->res = 0;
+		goto out;
+	}
+	if (ret == 2 || ret == 3) {
+		ret = import_weights(eg, &cf, dir, ret == 3, msg, len);
+		if (ret) {
+			char full[ENGINE_MSG_MAX];
+
+			eng_fmt(full, sizeof(full), "shardd: register group '%s': import: %s", g->name, msg);
+			eng_fmt(msg, len, "%s", full);
+		}
+		t->res = ret < 0 ? ret : 0;
+		goto out;
+	}
+	if (!ret)
+		ret = read_manifest(&cf, dir, &m, msg, len);
+	for (uint32_t i = 0; !ret && i < m.ngroups; i++)
+		if (!strcmp(m.groups[i].hdr.name, g->name))
+			cg = &m.groups[i];
+	if (!ret && !cg) {
+		size_t o = (size_t)snprintf(msg, len, "checkpoint %s has no group '%s'; its groups:", dir, g->name);
+
+		for (uint32_t i = 0; i < m.ngroups && o < len; i++)
+			o += (size_t)snprintf(msg + o, len - o, "%s '%s'", i ? "," : "", m.groups[i].hdr.name);
+		ret = -SHARDD_E_MISMATCH;
+	}
+	if (!ret && ns && !cg->optim_file[0]) {
+		eng_fmt(msg, len, "checkpoint %s holds no optimizer state for group '%s', which registers %s",
+			dir, g->name, g->optim.kind == SHARDD_OPTIM_SGD ? "SGD with momentum" : "AdamW");
+		ret = -SHARDD_E_MISMATCH;
+	}
+	if (!ret)
+		ret = load_file(eg, &cf, dir, shd_ckpt_manifest_file(&m, cg->file), 0, msg, len);
+	if (!ret && ns)
+		ret = load_file(eg, &cf, dir, shd_ckpt_manifest_file(&m, cg->optim_file), 1, msg, len);
+	if (!ret) {
+		for (uint32_t r = 0; r < g->world; r++) {
+			g->optim_steps[r] = cg->optim_steps;
+			__atomic_store_n(&g->last_step[r], cg->last_step, __ATOMIC_RELAXED);
+		}
+		shd_log_info("job '%s': group '%s' restored from %s (saved at mesh %ux%u, step %llu; now %ux%u)",
+			     eg->j->name, g->name, dir, m.replicate, m.shard, (unsigned long long)cg->last_step,
+			     g->replicate, g->shard);
+	} else {
+		char full[ENGINE_MSG_MAX];
+
+		eng_fmt(full, sizeof(full), "shardd: register group '%s': restore: %s", g->name, msg);
+		eng_fmt(msg, len, "%s", full);
+	}
+	shd_ckpt_manifest_free(&m);
+	t->res = ret < 0 ? ret : 0;
+out:
+	if (cf.fd >= 0)
+		close(cf.fd);
+}

@@ -1,0 +1,743 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Writing a checkpoint (engine.h, docs/CHECKPOINTS.md) from the daemon's
+ * own buffers, without routing bytes through trainers.
+ *
+ *   start (loop): checks, manifest, a temporary directory beside the target
+ *     --> one TASK_SAVE per group, in the group's queue (pool): each tensor
+ *         of its params file and optimizer-state file assembled from replica
+ *         0's shards row range by row range, into a snapshot in memory when
+ *         --max-memory leaves room for it (then a TASK_SAVE_WRITE per group,
+ *         off the group's queue, writes the files while its ops go on), else
+ *         into the files in place; CRC-32 as written, fsync
+ *     --> all delivered (loop): one TASK_SAVE_FINAL (pool): manifest.json
+ *         and the Hugging Face index, fsync of the files and the directory,
+ *         rename to the target, fsync of its parent, --keep retention
+ *     --> delivered (loop): done()
+ *
+ * A group's save task sits in its group's queue like any op: ops the ranks
+ * submit on the group later wait for it (for the snapshot, or for the
+ * whole write without memory for one), so the save reads a state no op
+ * writes. A crash at any moment leaves at most a temporary directory
+ * (".tmp-*", removed by the next checkpoint into the same folder) and
+ * never a half-written checkpoint under the target's name.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <libgen.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include "ckpt_files.h"
+#include "safetensors.h"
+#include "ckpt_int.h"
+#include "clock.h"
+#include "engine_int.h"
+#include "log.h"
+
+#define CKPT_BOUNCE (8u << 20) /* bytes read from the backend per write */
+
+static const struct eng_task_ops ckpt_hooks = { .exec = eng_ckpt_exec, .delivered = eng_ckpt_delivered };
+
+/* A task of the checkpoint (SAVE, SAVE_FINAL, SAVE_WRITE) that task.c runs through ckpt_hooks, or NULL. */
+static struct eng_task *ckpt_task_new(struct eng_group *eg, uint32_t kind)
+{
+	struct eng_task *t = eng_task_new(eg, kind, 1);
+
+	if (t)
+		t->hooks = &ckpt_hooks;
+	return t;
+}
+
+/* ------------------------------------------------------------------ */
+/* Pool thread: files                                                  */
+/* ------------------------------------------------------------------ */
+
+struct save_out {
+	struct dio_file f;
+	uint64_t off;
+	uLong crc;
+	struct shd_backend_ctx *b;
+	uint64_t *progress;              /* the checkpoint's bytes written */
+	uint8_t *stage;                  /* snapshot mode: the tensors go here (off from 0), not to the file */
+};
+
+/* Append `bytes` at `offset` of `src` to the file, read into its buffer (or to the snapshot). */
+static int save_range(struct save_out *o, const struct shd_buf *src, uint64_t offset, uint64_t bytes)
+{
+	if (o->stage) {
+		int ret = bytes ? o->b->ops->read(o->b, src, offset, bytes, o->stage + o->off) : 0;
+
+		o->off += bytes;
+		return ret < 0 ? ret : ret ? -EIO : 0;
+	}
+	while (bytes) {
+		uint8_t *at;
+		size_t k;
+		int ret = ckpt_dio_room(&o->f, &at, &k);
+
+		if (ret)
+			return ret;
+		k = bytes < k ? bytes : k;
+		ret = o->b->ops->read(o->b, src, offset, k, at);
+		if (ret)
+			return ret < 0 ? ret : -EIO;
+		o->f.fill += (uint32_t)k;
+		o->crc = crc32(o->crc, at, (uInt)k);
+		__atomic_add_fetch(o->progress, k, __ATOMIC_RELAXED);
+		o->off += k;
+		offset += k;
+		bytes -= k;
+	}
+	return 0;
+}
+
+/*
+ * Write group `gi`'s params file (optim 0) or optimizer-state file: the
+ * header, then each tensor in file order. A full tensor is, for each
+ * index before its shard dim, the valid rows of shard 0, 1, ..., S-1 in
+ * turn: each rank's shard is a row range of the tensor.
+ */
+static int save_file(struct eng_ckpt *c, uint32_t gi, int optim, uint8_t *bounce, char *msg, size_t len)
+{
+	uint8_t **stage = c->staged ? &c->stage[2 * gi + optim] : NULL;
+	const struct shd_group *g = c->egs[gi]->g;
+	struct shd_ckpt_file *fe = &c->m.files[c->file_of[2 * gi + optim]];
+	uint32_t ns = optim ? shd_group_optim_states(&g->optim) : 1, n;
+	const char *states[SHD_OPTIM_STATES];
+	struct shd_safetensors_tensor *t = NULL;
+	struct save_out o = { .f = { .fd = -1, .dfd = -1 }, .crc = crc32(0L, Z_NULL, 0), .b = c->j->e->backend,
+			      .progress = &c->bytes };
+	uint8_t *hdr = NULL;
+	size_t hlen;
+	uint64_t dsize;
+	char err[256];
+	int ret;
+
+	for (uint32_t k = 0; optim && k < ns; k++)
+		states[k] = shd_group_optim_state_name(&g->optim, k);
+	ret = shd_ckpt_group_tensors(&c->m.groups[gi], optim, ns, states, &t, &n);
+	if (ret)
+		goto out;
+	ret = shd_safetensors_build(t, n, &hdr, &hlen, &dsize, err, sizeof(err));
+	if (ret) {
+		eng_fmt(msg, len, "checkpoint %s: group '%s': %s", c->dir, g->name, err);
+		goto out;
+	}
+	/* Snapshot: the tensors into memory now, the file later (write_staged); in place without memory. */
+	if (stage && (*stage = malloc(dsize ? dsize : 1))) {
+		o.stage = *stage;
+		hlen = 0;
+	} else {
+		ret = ckpt_dio_open(&o.f, c->dirfd, fe->name, bounce);
+		if (!ret)
+			ret = ckpt_dio_append(&o.f, hdr, hlen);
+		if (ret)
+			goto out;
+		o.crc = crc32(o.crc, hdr, (uInt)hlen);
+		__atomic_add_fetch(&c->bytes, hlen, __ATOMIC_RELAXED);
+	}
+	o.off = hlen;
+	for (uint32_t i = 0, ti = 0; i < g->layout.nparams; i++) {
+		const struct shd_layout_param *p = &g->layout.params[i];
+		uint64_t esz = optim ? sizeof(float) : shardd_dtype_size(p->dtype);
+
+		for (uint32_t k = 0; k < ns; k++, ti++) {
+			for (uint64_t x = 0; p->numel && x < p->outer && !ret; x++)
+				for (uint32_t s = 0; s < g->shard && !ret; s++)
+					ret = save_range(&o, optim ? &g->optim_state[k][s] : &g->shards[s],
+							 p->shard_offset + x * p->rows * p->inner * esz,
+							 shd_layout_rows_valid(p, s) * p->inner * esz);
+			if (ret)
+				goto out;
+			if (o.off != hlen + t[ti].end) {
+				eng_fmt(msg, len, "checkpoint %s: tensor '%s' took %llu bytes, its header says %llu",
+					c->dir, t[ti].name, (unsigned long long)(o.off - hlen - t[ti].begin),
+					(unsigned long long)(t[ti].end - t[ti].begin));
+				ret = -EIO;
+				goto out;
+			}
+		}
+	}
+	if (o.stage)
+		goto out;
+	ret = ckpt_dio_finish(&o.f);
+	fe->bytes = o.off;
+	fe->crc32 = (uint32_t)o.crc;
+out:
+	if (ret && !msg[0])
+		eng_fmt(msg, len, "checkpoint %s: writing %s of group '%s': %s", c->dir, fe->name, g->name,
+			ret > -SHARDD_E_BASE ? strerror(-ret) : "backend read failed");
+	ckpt_dio_close(&o.f);
+	free(hdr);
+	free(t);
+	return ret;
+}
+
+static int save_group(struct eng_ckpt *c, uint32_t gi, char *msg, size_t len)
+{
+	const struct shd_group *g = c->egs[gi]->g;
+	struct shd_backend_ctx *b = c->j->e->backend;
+	uint8_t *bounce;
+	int ret = 0;
+
+	/* Device work queued on the buffers (a step's) finishes before they are read. */
+	if (b->ops->sync) {
+		const struct shd_buf *on[(1 + SHD_OPTIM_STATES) * SHARDD_MAX_WORLD];
+		uint32_t n = 0;
+		char why[256] = "";
+
+		for (uint32_t s = 0; s < g->shard; s++) {
+			on[n++] = &g->shards[s];
+			for (uint32_t k = 0; k < shd_group_optim_states(&g->optim); k++)
+				on[n++] = &g->optim_state[k][s];
+		}
+		ret = b->ops->sync(b, on, n, why, sizeof(why));
+		if (ret) {
+			eng_fmt(msg, len, "checkpoint %s: group '%s': the %s backend failed: %s", c->dir,
+				g->name, b->ops->name, why);
+			return ret;
+		}
+	}
+	if (posix_memalign((void **)&bounce, CKPT_DIO_ALIGN, CKPT_DIO_BYTES))
+		bounce = NULL;
+	if (!bounce) {
+		eng_fmt(msg, len, "checkpoint %s: out of memory for the %u-byte write buffers", c->dir,
+			CKPT_DIO_BYTES);
+		return -SHARDD_E_NOMEM;
+	}
+	ret = save_file(c, gi, 0, bounce, msg, len);
+	if (!ret && c->file_of[2 * gi + 1] >= 0)
+		ret = save_file(c, gi, 1, bounce, msg, len);
+	free(bounce);
+	return ret;
+}
+
+/*
+ * Write group `gi`'s snapshot files (SAVE_WRITE, off its group's queue):
+ * the header, the snapshot, CRC-32 as written, fsync; the snapshot is freed.
+ * Reads nothing of the group: only the manifest's copy of its spec.
+ */
+static int write_staged(struct eng_ckpt *c, uint32_t gi, char *msg, size_t len)
+{
+	const struct shd_ckpt_group *cg = &c->m.groups[gi];
+	uint8_t *buf = NULL;
+	int ret = 0;
+
+	if (posix_memalign((void **)&buf, CKPT_DIO_ALIGN, CKPT_DIO_BYTES)) {
+		eng_fmt(msg, len, "checkpoint %s: out of memory for the %u-byte write buffers", c->dir,
+			CKPT_DIO_BYTES);
+		ret = -SHARDD_E_NOMEM;
+	}
+	for (int optim = 0; optim < 2 && !ret; optim++) {
+		uint8_t **stage = &c->stage[2 * gi + optim];
+		uint32_t ns = optim ? shd_group_optim_states(&cg->optim) : 1, n;
+		const char *states[SHD_OPTIM_STATES];
+		struct shd_ckpt_file *fe;
+		struct shd_safetensors_tensor *t = NULL;
+		uint8_t *hdr = NULL;
+		uLong crc = crc32(0L, Z_NULL, 0);
+		size_t hlen;
+		uint64_t dsize;
+		char err[256];
+		struct dio_file f = { .fd = -1, .dfd = -1 };
+
+		if (!*stage)
+			continue;
+		fe = &c->m.files[c->file_of[2 * gi + optim]];
+		for (uint32_t k = 0; optim && k < ns; k++)
+			states[k] = shd_group_optim_state_name(&cg->optim, k);
+		ret = shd_ckpt_group_tensors(cg, optim, ns, states, &t, &n);
+		if (!ret)
+			ret = shd_safetensors_build(t, n, &hdr, &hlen, &dsize, err, sizeof(err));
+		if (!ret)
+			ret = ckpt_dio_open(&f, c->dirfd, fe->name, buf);
+		if (!ret)
+			ret = ckpt_dio_append(&f, hdr, hlen);
+		if (!ret) {
+			crc = crc32(crc, hdr, (uInt)hlen);
+			__atomic_add_fetch(&c->bytes, hlen, __ATOMIC_RELAXED);
+		}
+		for (uint64_t off = 0; !ret && off < dsize; ) {
+			uint64_t k = dsize - off < CKPT_BOUNCE ? dsize - off : CKPT_BOUNCE;
+
+			ret = ckpt_dio_append(&f, *stage + off, k);
+			crc = crc32(crc, *stage + off, (uInt)k);
+			__atomic_add_fetch(&c->bytes, k, __ATOMIC_RELAXED);
+			off += k;
+		}
+		if (!ret)
+			ret = ckpt_dio_finish(&f);
+		fe->bytes = hlen + dsize;
+		fe->crc32 = (uint32_t)crc;
+		if (ret)
+			eng_fmt(msg, len, "checkpoint %s: writing %s of group '%s': %s", c->dir, fe->name,
+				cg->hdr.name, ret == -SHARDD_E_INVALID ? err : strerror(ret < 0 ? -ret : EIO));
+		ckpt_dio_close(&f);
+		free(hdr);
+		free(t);
+		free(*stage);
+		*stage = NULL;
+	}
+	free(buf);
+	return ret;
+}
+
+/* The manifest, the index, then the directory made durable and renamed into place. */
+static int save_final(struct eng_ckpt *c, char *msg, size_t len)
+{
+	char *json = NULL, err[256] = "";
+	const char *what = SHD_CKPT_MANIFEST;
+	int ret, pfd;
+
+	if (c->res) {
+		/* A group's save failed: nothing of this checkpoint stays. */
+		ckpt_remove_dir(AT_FDCWD, c->tmp);
+		return c->res;
+	}
+	ret = shd_ckpt_manifest_dump(&c->m, &json, err, sizeof(err));
+	if (!ret)
+		ret = ckpt_write_text(c->dirfd, SHD_CKPT_MANIFEST, json);
+	free(json);
+	json = NULL;
+	if (!ret && c->m.ngroups > 1) {
+		uint64_t total = 0;
+
+		what = SHD_CKPT_INDEX;
+		for (uint32_t i = 0; i < c->m.ngroups; i++) {
+			const struct shd_ckpt_group *g = &c->m.groups[i];
+
+			for (uint32_t p = 0; p < g->hdr.nparams; p++) {
+				uint64_t n = 1;
+
+				for (uint32_t d = 0; d < g->specs[p].ndim; d++)
+					n *= g->specs[p].shape[d];
+				total += n * shardd_dtype_size(g->specs[p].dtype);
+			}
+		}
+		ret = shd_ckpt_index_dump(&c->m, total, &json, err, sizeof(err));
+		if (!ret)
+			ret = ckpt_write_text(c->dirfd, SHD_CKPT_INDEX, json);
+		free(json);
+	}
+	if (!ret) {
+		what = "the directory";
+		if (fsync(c->dirfd))
+			ret = -errno;
+	}
+	if (!ret) {
+		what = "the rename into place";
+		if (rename(c->tmp, c->dir))
+			ret = -errno;
+	}
+	if (!ret) {
+		what = "the parent directory";
+		pfd = open(c->parent, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+		if (pfd < 0 || fsync(pfd))
+			ret = -errno;
+		if (pfd >= 0)
+			close(pfd);
+	}
+	if (ret) {
+		eng_fmt(msg, len, "checkpoint %s: writing %s: %s", c->dir, what,
+			err[0] ? err : strerror(ret < 0 && ret > -SHARDD_E_BASE ? -ret : EIO));
+		ckpt_remove_dir(AT_FDCWD, c->tmp);
+		return ret;
+	}
+	if (c->keep_root)
+		ckpt_retention(c->keep_root, c->keep);
+	return 0;
+}
+
+void eng_ckpt_exec(struct eng_task *t)
+{
+	t->msg[0] = '\0';
+	if (t->kind == TASK_SAVE)
+		t->res = save_group(t->ckpt, t->gindex, t->msg, sizeof(t->msg));
+	else if (t->kind == TASK_SAVE_WRITE)
+		t->res = write_staged(t->ckpt, t->gindex, t->msg, sizeof(t->msg));
+	else
+		t->res = save_final(t->ckpt, t->msg, sizeof(t->msg));
+}
+
+/* ------------------------------------------------------------------ */
+/* Loop thread                                                         */
+/* ------------------------------------------------------------------ */
+
+static void ckpt_free(struct eng_ckpt *c)
+{
+	/* The snapshot's memory leaves the limits (--max-memory, --max-job-memory). */
+	c->j->mem_committed -= c->staged;
+	c->j->e->mem_committed -= c->staged;
+	for (uint32_t i = 0; c->stage && i < 2 * c->m.ngroups; i++)
+		free(c->stage[i]);
+	free(c->stage);
+	free(c->wtasks);
+	if (c->dirfd >= 0)
+		close(c->dirfd);
+	shd_ckpt_manifest_free(&c->m);
+	free(c->egs);
+	free(c->file_of);
+	free(c->dir);
+	free(c->tmp);
+	free(c->parent);
+	free(c->keep_root);
+	free(c);
+}
+
+static void ckpt_finish(struct eng_ckpt *c, int res, const char *msg)
+{
+	double secs = (double)(shd_now_ns() - c->start_ns) / 1e9;
+	uint64_t bytes = __atomic_load_n(&c->bytes, __ATOMIC_RELAXED);
+
+	struct shd_engine_ckpt_status *l = &c->j->ckpt_last;
+
+	c->j->ckpt = NULL;
+	l->last_id = c->id;
+	l->last_res = res;
+	snprintf(l->last_msg, sizeof(l->last_msg), "%s", res ? msg : "");
+	snprintf(l->last_dir, sizeof(l->last_dir), "%s", c->dir);
+	l->last_step = c->m.step;
+	l->last_bytes = bytes;
+	l->last_s = secs;
+	l->last_staged = c->staged != 0;
+	if (!res)
+		shd_log_info("job '%s': checkpoint of step %llu written to %s: %llu bytes in %.3f s (%.2f GB/s; %s)",
+			     c->j->name, (unsigned long long)c->m.step, c->dir, (unsigned long long)bytes, secs,
+			     secs > 0 ? (double)bytes / secs / 1e9 : 0.0,
+			     c->staged ? "snapshot in memory, the groups' ops went on while it was written" :
+			     "written in place, the groups' ops waited");
+	else
+		shd_log_warn("job '%s': %s", c->j->name, msg);
+	c->done(c->ctx, res, res ? msg : NULL, c->dir, bytes, secs);
+	ckpt_free(c);
+}
+
+void eng_ckpt_delivered(struct eng_task *t)
+{
+	struct eng_ckpt *c = t->ckpt;
+	struct eng_task *f;
+
+	if (t->kind == TASK_SAVE_FINAL) {
+		ckpt_finish(c, t->res, t->msg);
+		return;
+	}
+	if (t->kind == TASK_SAVE_WRITE)
+		c->wtasks[t->gindex] = NULL;
+	if (t->res && !c->res) {
+		c->res = t->res;
+		snprintf(c->msg, sizeof(c->msg), "%s", t->msg);
+	}
+	/* A group's snapshot is taken: its files are written off its queue, its ops go on. */
+	if (t->kind == TASK_SAVE && !t->res && !c->res && !c->j->ending &&
+	    (c->stage[2 * t->gindex] || c->stage[2 * t->gindex + 1])) {
+		struct eng_task *w = ckpt_task_new(c->egs[t->gindex], TASK_SAVE_WRITE);
+
+		if (w) {
+			w->ckpt = c;
+			w->gindex = t->gindex;
+			w->ops[0].sqe.op = SHARDD_OP_CHECKPOINT;
+			w->ops[0].sqe.step = c->m.step;
+			c->wtasks[t->gindex] = w;
+			c->pending++;
+			shd_pool_submit(c->j->e->pool, &w->pt);
+		} else {
+			c->res = -SHARDD_E_NOMEM;
+			snprintf(c->msg, sizeof(c->msg), "checkpoint %s: out of memory for a write task", c->dir);
+		}
+	}
+	if (--c->pending)
+		return;
+	if (c->j->ending) {
+		ckpt_finish(c, c->res ? c->res : -SHARDD_E_SHUTDOWN,
+			    c->res ? c->msg : "the job ended while its checkpoint was written");
+		return;
+	}
+	f = ckpt_task_new(c->egs[0], TASK_SAVE_FINAL);
+	if (!f) {
+		ckpt_finish(c, -SHARDD_E_NOMEM, "out of memory for the checkpoint's last task");
+		return;
+	}
+	f->ckpt = c;
+	f->ops[0].sqe.op = SHARDD_OP_CHECKPOINT;
+	f->ops[0].sqe.step = c->m.step;
+	eng_group_enqueue(c->egs[0], f);
+}
+
+void eng_ckpt_req_free(struct eng_ckpt_req *r)
+{
+	if (!r)
+		return;
+	free(r->dir);
+	free(r->keep_root);
+	free(r);
+}
+
+void eng_ckpt_job_wait(struct shd_engine_job *j)
+{
+	for (;;) {
+		struct eng_ckpt *c = j->ckpt;
+		struct eng_task *t = NULL;
+
+		for (uint32_t i = 0; c && i < c->m.ngroups && !t; i++)
+			t = c->wtasks[i];
+		if (!t)
+			return;
+		/* Its files are being written off the groups' queues. */
+		eng_task_wait_finished(j->e, t);
+		eng_ckpt_delivered(t);
+		free(t);
+	}
+}
+
+void eng_ckpt_job_end(struct shd_engine_job *j, const char *why)
+{
+	char msg[ENGINE_MSG_MAX];
+
+	eng_ckpt_req_free(j->ckpt_armed);
+	j->ckpt_armed = NULL;
+	if (!j->ckpt)
+		return;
+	eng_fmt(msg, sizeof(msg), "job '%s' %s while its checkpoint was written", j->name, why ? why : "ended");
+	ckpt_finish(j->ckpt, -SHARDD_E_SHUTDOWN, msg);
+}
+
+int shd_engine_job_checkpointing(const struct shd_engine_job *j)
+{
+	return j->ckpt != NULL;
+}
+
+/* Check the job can be saved now and fill c->m, c->egs, c->file_of. */
+static int ckpt_plan(struct shd_engine_job *j, struct eng_ckpt *c, uint64_t step, char *msg, size_t len)
+{
+	uint32_t n = 0, nf = 0;
+
+	for (uint32_t i = 0; i < j->ngroups; i++) {
+		struct eng_group *eg = j->groups[i];
+
+		if (!eg)
+			continue;
+		if (!eg->complete) {
+			eng_fmt(msg, len, "group '%s' is still registering; checkpoint once every rank registered it",
+				eg->g->name);
+			return -SHARDD_E_STATE;
+		}
+		if (eg->running || eg->qhead) {
+			eng_fmt(msg, len, "group '%s' still has a %s in flight; submit checkpoint after the "
+				"completions of the step's ops", eg->g->name,
+				shardd_op_name((eg->running ? eg->running : eg->qhead)->ops[0].sqe.op));
+			return -SHARDD_E_STATE;
+		}
+		for (uint32_t r = 1; eg->g->optim.kind != SHARDD_OPTIM_NONE && r < eg->g->world; r++)
+			if (eg->g->last_step[r] != eg->g->last_step[0] ||
+			    eg->g->optim_steps[r] != eg->g->optim_steps[0]) {
+				eng_fmt(msg, len, "group '%s' is not at a step boundary: rank 0 applied step %llu "
+					"(%llu updates), rank %u step %llu (%llu updates); checkpoint after every "
+					"rank's step", eg->g->name, (unsigned long long)eg->g->last_step[0],
+					(unsigned long long)eg->g->optim_steps[0], r,
+					(unsigned long long)eg->g->last_step[r],
+					(unsigned long long)eg->g->optim_steps[r]);
+				return -SHARDD_E_STATE;
+			}
+		n++;
+	}
+	if (!n) {
+		eng_fmt(msg, len, "job '%s' has no registered group to checkpoint", j->name);
+		return -SHARDD_E_STATE;
+	}
+	c->m.version = SHD_CKPT_VERSION;
+	snprintf(c->m.job, sizeof(c->m.job), "%s", j->name);
+	c->m.step = step;
+	c->m.replicate = j->replicate;
+	c->m.shard = j->shard;
+	c->m.groups = calloc(n, sizeof(*c->m.groups));
+	c->m.files = calloc(2 * (size_t)n, sizeof(*c->m.files));
+	c->egs = calloc(n, sizeof(*c->egs));
+	c->file_of = calloc(2 * (size_t)n, sizeof(*c->file_of));
+	if (!c->m.groups || !c->m.files || !c->egs || !c->file_of)
+		return -ENOMEM;
+	for (uint32_t i = 0; i < j->ngroups; i++) {
+		struct eng_group *eg = j->groups[i];
+		struct shd_ckpt_group *cg;
+		const struct shd_group *g;
+
+		if (!eg)
+			continue;
+		g = eg->g;
+		cg = &c->m.groups[c->m.ngroups];
+		c->egs[c->m.ngroups] = eg;
+		cg->hdr = g->hdr;
+		cg->hdr.init = 0;
+		cg->specs = malloc(g->hdr.nparams * sizeof(*cg->specs));
+		if (!cg->specs)
+			return -ENOMEM;
+		memcpy(cg->specs, g->specs, g->hdr.nparams * sizeof(*cg->specs));
+		cg->optim = g->optim;
+		cg->last_step = g->optim.kind != SHARDD_OPTIM_NONE ? g->last_step[0] : 0;
+		cg->optim_steps = g->optim.kind != SHARDD_OPTIM_NONE ? g->optim_steps[0] : 0;
+		shd_ckpt_file_names(c->m.ngroups, n, cg->file, cg->optim_file);
+		c->file_of[2 * c->m.ngroups] = (int32_t)nf;
+		snprintf(c->m.files[nf++].name, SHD_CKPT_FILE_NAME_MAX, "%s", cg->file);
+		if (shd_group_optim_states(&g->optim)) {
+			c->file_of[2 * c->m.ngroups + 1] = (int32_t)nf;
+			snprintf(c->m.files[nf++].name, SHD_CKPT_FILE_NAME_MAX, "%s", cg->optim_file);
+		} else {
+			c->file_of[2 * c->m.ngroups + 1] = -1;
+			cg->optim_file[0] = '\0';
+		}
+		for (uint32_t i = 0; i < g->layout.nparams; i++) {
+			const struct shd_layout_param *p = &g->layout.params[i];
+
+			c->total += p->numel * (shardd_dtype_size(p->dtype) +
+						 sizeof(float) * (uint64_t)shd_group_optim_states(&g->optim));
+		}
+		c->m.ngroups++;
+	}
+	c->m.nfiles = nf;
+	c->stage = calloc(2 * (size_t)n, sizeof(*c->stage));
+	c->wtasks = calloc(n, sizeof(*c->wtasks));
+	if (!c->stage || !c->wtasks)
+		return -ENOMEM;
+	/* A snapshot in memory when the limits leave room for it; else the files are written in place. */
+	{
+		const struct shd_engine_config *cfg = &j->e->cfg;
+
+		if ((!cfg->max_memory || j->e->mem_committed + c->total <= cfg->max_memory) &&
+		    (!cfg->max_job_memory || j->mem_committed + c->total <= cfg->max_job_memory)) {
+			c->staged = c->total;
+			j->mem_committed += c->staged;
+			j->e->mem_committed += c->staged;
+		}
+	}
+	return 0;
+}
+
+int eng_ckpt_start(struct shd_engine_job *j, const struct shd_engine_ckpt_target *tg, uint64_t id,
+		   shd_engine_ckpt_fn done, void *ctx, char *msg, size_t len)
+{
+	struct eng_ckpt *c;
+	struct eng_task **tasks = NULL;
+	char *json = NULL, err[256] = "", *base, *parent, *tmpl = NULL;
+	struct stat st;
+	int ret;
+
+	if (j->ckpt) {
+		eng_fmt(msg, len, "the checkpoint of step %llu into %s is still being written; wait for its "
+			"completion", (unsigned long long)j->ckpt->m.step, j->ckpt->dir);
+		return -SHARDD_E_STATE;
+	}
+	c = calloc(1, sizeof(*c));
+	if (!c)
+		goto nomem;
+	c->j = j;
+	c->id = id;
+	c->dirfd = -1;
+	c->keep = tg->keep;
+	c->done = done;
+	c->ctx = ctx;
+	c->start_ns = shd_now_ns();
+	ret = ckpt_plan(j, c, tg->step, msg, len);
+	if (ret == -ENOMEM)
+		goto nomem;
+	if (ret)
+		goto fail;
+	/* Every name must be UTF-8 and every param name unique in the job before a byte is written. */
+	ret = shd_ckpt_manifest_dump(&c->m, &json, err, sizeof(err));
+	free(json);
+	json = NULL;
+	if (!ret && c->m.ngroups > 1) {
+		ret = shd_ckpt_index_dump(&c->m, 0, &json, err, sizeof(err));
+		free(json);
+	}
+	if (ret == -ENOMEM)
+		goto nomem;
+	if (ret) {
+		eng_fmt(msg, len, "%s", err);
+		goto fail;
+	}
+	c->dir = strdup(tg->dir);
+	c->keep_root = tg->keep_root ? strdup(tg->keep_root) : NULL;
+	base = strdup(tg->dir);
+	parent = strdup(tg->dir);
+	if (!c->dir || !base || !parent || (tg->keep_root && !c->keep_root)) {
+		free(base);
+		free(parent);
+		goto nomem;
+	}
+	/* dirname and basename may return a pointer into their argument: copy out of it. */
+	c->parent = strdup(dirname(parent));
+	ret = c->parent ? asprintf(&tmpl, "%s/.tmp-%s-XXXXXX", c->parent, basename(base)) : -1;
+	free(base);
+	free(parent);
+	if (ret < 0)
+		goto nomem;
+	c->tmp = tmpl;
+	if (!stat(tg->dir, &st)) {
+		eng_fmt(msg, len, "checkpoint directory %s exists; name a new one (a checkpoint is never "
+			"written over another)", tg->dir);
+		ret = -SHARDD_E_INVALID;
+		goto fail;
+	}
+	ret = ckpt_mkdir_p(c->parent);
+	if (ret || !mkdtemp(c->tmp) || (c->dirfd = open(c->tmp, O_RDONLY | O_DIRECTORY | O_CLOEXEC)) < 0) {
+		eng_fmt(msg, len, "checkpoint %s: cannot create %s: %s", tg->dir, ret ? c->parent : c->tmp,
+			strerror(ret ? -ret : errno));
+		ret = -SHARDD_E_INVALID;
+		goto fail;
+	}
+	tasks = calloc(c->m.ngroups, sizeof(*tasks));
+	if (!tasks)
+		goto nomem_tmp;
+	for (uint32_t i = 0; i < c->m.ngroups; i++) {
+		tasks[i] = ckpt_task_new(c->egs[i], TASK_SAVE);
+		if (!tasks[i]) {
+			for (uint32_t k = 0; k < i; k++)
+				free(tasks[k]);
+			free(tasks);
+			goto nomem_tmp;
+		}
+		tasks[i]->ckpt = c;
+		tasks[i]->gindex = i;
+		/* Read by messages that name what a group runs; never completed (eng_ckpt_delivered). */
+		tasks[i]->ops[0].sqe.op = SHARDD_OP_CHECKPOINT;
+		tasks[i]->ops[0].sqe.step = tg->step;
+	}
+	c->pending = c->m.ngroups;
+	j->ckpt = c;
+	shd_log_info("job '%s': checkpoint of step %llu into %s started (%u groups)", j->name,
+		     (unsigned long long)tg->step, tg->dir, c->m.ngroups);
+	for (uint32_t i = 0; i < c->m.ngroups; i++)
+		eng_group_enqueue(c->egs[i], tasks[i]);
+	free(tasks);
+	return 0;
+nomem_tmp:
+	ckpt_remove_dir(AT_FDCWD, c->tmp);
+nomem:
+	eng_fmt(msg, len, "out of memory to plan the checkpoint");
+	ret = -SHARDD_E_NOMEM;
+fail:
+	if (c)
+		ckpt_free(c);
+	return ret;
+}
+
+int shd_engine_job_checkpoint(struct shd_engine_job *j, const struct shd_engine_ckpt_target *tg,
+			      shd_engine_ckpt_fn done, void *ctx, char *msg, size_t len)
+{
+	if (j->ckpt_armed) {
+		eng_fmt(msg, len, "a checkpoint armed by an admin request (id %llu) waits for the next step "
+			"boundary; wait for it (shardctl checkpoints %s)",
+			(unsigned long long)j->ckpt_armed->id, j->name);
+		return -SHARDD_E_STATE;
+	}
+	int ret = eng_ckpt_start(j, tg, j->ckpt_seq + 1, done, ctx, msg, len);
+
+	if (!ret)
+		j->ckpt_seq++;
+	return ret;
+}

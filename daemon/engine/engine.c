@@ -1,0 +1,711 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The op engine (engine.h): the state machine of every group of every job.
+ * This file holds the engine and its jobs: create/destroy, the job's life,
+ * submit and dispatch of ring entries, per-rank order, departures and the
+ * cron; engine_int.h lists the files that hold the rest.
+ *
+ * Loop thread: registration and collective rendezvous, holds, validation,
+ * group task queues, delivery of results, and the arithmetic of small
+ * tasks (task.c). Pool threads: the other tasks (the arithmetic of an op,
+ * through the backend table). A group runs one task at a time, so ops on
+ * one group run in order; any number run across groups.
+ *
+ *   register --(all ranks, same spec)--> complete --+--> unshard rendezvous[replica] --> task
+ *                                                   +--> reduce rendezvous[replica] / all-reduce rendezvous --> task
+ *                                                   +--> zero_grad --> task;  reshard: at once
+ *
+ *   registry.c        registration                 collective.c  the rendezvous
+ *   task.c            the task and where it runs   engine.c      the rest
+ *   delivery.c        messages and delivery, below all four
+ */
+#include <errno.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include "backend_factory.h"
+#include "engine_int.h"
+#include "log.h"
+#include "sqe.h"
+
+#define ENGINE_TIMEOUT_DEFAULT_MS 30000
+
+/* ------------------------------------------------------------------ */
+/* Engine                                                              */
+/* ------------------------------------------------------------------ */
+
+int shd_engine_create(const struct shd_engine_config *cfg, struct shd_engine **out)
+{
+	struct shd_engine *e;
+	int ret;
+
+	if (!cfg->complete || !cfg->reply)
+		return -EINVAL;
+	e = calloc(1, sizeof(*e));
+	if (!e)
+		return -ENOMEM;
+	e->cfg = *cfg;
+	e->at_boundary = eng_ckpt_try_armed;
+	e->timeout_ns = (uint64_t)(cfg->collective_timeout_ms ? cfg->collective_timeout_ms
+							      : ENGINE_TIMEOUT_DEFAULT_MS) * 1000000u;
+	pthread_mutex_init(&e->lock, NULL);
+	pthread_cond_init(&e->finished, NULL);
+	e->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+	if (e->efd < 0) {
+		ret = -errno;
+		goto err_free;
+	}
+	ret = shd_pool_create(cfg->workers, &e->pool);
+	if (ret)
+		goto err_efd;
+	ret = shd_backend_create(cfg->backend, cfg->cuda_export, e->timeout_ns, e->pool, &e->backend);
+	if (ret)
+		goto err_pool;
+	*out = e;
+	return 0;
+
+err_pool:
+	shd_pool_destroy(e->pool);
+err_efd:
+	close(e->efd);
+err_free:
+	pthread_cond_destroy(&e->finished);
+	pthread_mutex_destroy(&e->lock);
+	free(e);
+	/* A backend error was logged in the backend's own words. */
+	if (ret != -SHARDD_E_BACKEND)
+		shd_log_error("shardd: cannot start the op engine: %s", strerror(-ret));
+	return ret;
+}
+
+void shd_engine_destroy(struct shd_engine *e)
+{
+	if (!e)
+		return;
+	while (e->jobs)
+		shd_engine_job_destroy(e->jobs);
+	eng_world_threads_wait(e);
+	eng_world_orphans_free(e);
+	shd_pool_destroy(e->pool);
+	e->backend->ops->destroy(e->backend);
+	close(e->efd);
+	pthread_cond_destroy(&e->finished);
+	pthread_mutex_destroy(&e->lock);
+	free(e);
+}
+
+struct shd_backend_ctx *shd_engine_backend(struct shd_engine *e)
+{
+	return e->backend;
+}
+
+int shd_engine_event_fd(struct shd_engine *e)
+{
+	return e->efd;
+}
+
+/* ------------------------------------------------------------------ */
+/* Jobs                                                                */
+/* ------------------------------------------------------------------ */
+
+int shd_engine_job_create(struct shd_engine *e, void *job_ctx, const char *job_name,
+			     uint32_t replicate, uint32_t shard, struct shd_engine_job **out)
+{
+	struct shd_backend_ctx *b = e->backend;
+	struct shd_engine_job *j;
+	int ret;
+
+	if (replicate == 0 || shard == 0 || replicate > SHARDD_MAX_WORLD ||
+	    shard > SHARDD_MAX_WORLD / replicate) {
+		shd_log_error("shardd: job '%s': mesh %u x %u is outside 1..%d ranks",
+				 job_name, replicate, shard, SHARDD_MAX_WORLD);
+		return -SHARDD_E_INVALID;
+	}
+	j = calloc(1, sizeof(*j));
+	if (!j)
+		return -ENOMEM;
+	j->devices = malloc(sizeof(*j->devices) * replicate * shard);
+	j->gone = calloc(replicate * shard, sizeof(*j->gone));
+	ret = !j->devices || !j->gone ? -ENOMEM : 0;
+	if (!ret && b->ops->job_open)
+		ret = b->ops->job_open(b, job_name, &j->bj);
+	if (ret) {
+		free(j->devices);
+		free(j->gone);
+		free(j);
+		return ret;
+	}
+	for (uint32_t r = 0; r < replicate * shard; r++)
+		j->devices[r] = SHARDD_HELLO_DEVICE_HOST;
+	j->e = e;
+	j->ctx = job_ctx;
+	snprintf(j->name, sizeof(j->name), "%s", job_name);
+	j->replicate = replicate;
+	j->shard = shard;
+	j->world = replicate * shard;
+	j->next = e->jobs;
+	if (e->jobs)
+		e->jobs->prev = j;
+	e->jobs = j;
+	*out = j;
+	return 0;
+}
+
+static void deferred_fail(struct eng_group *eg, uint32_t rank, int res, const char *msg);
+
+/* `why`: how the job ended ("was ended by ..."), for every failure; NULL: "ended". */
+static void group_shutdown(struct eng_group *eg, const char *why)
+{
+	struct shd_engine_job *j = eg->j;
+	char msg[ENGINE_MSG_MAX];
+
+	eng_fmt(msg, sizeof(msg), "shardd: job '%s' %s before this op on group '%s' ran", j->name,
+		why ? why : "ended", eg->g->name);
+	if (!eg->complete) {
+		/* A restore still reading into the buffers ends before they are freed. */
+		eng_tasks_stop(eg, -SHARDD_E_SHUTDOWN, msg);
+		for (uint32_t r = 0; r < j->world; r++)
+			if (shd_rdv_has_arrived(&eg->reg, r))
+				eng_reply_err(j, r, eg->regs[r].token, eg->regs[r].seq, -SHARDD_E_SHUTDOWN, msg);
+		return;
+	}
+	eng_tasks_stop(eg, -SHARDD_E_SHUTDOWN, msg);
+	eng_colls_fail(eg, -SHARDD_E_SHUTDOWN, msg);
+	for (uint32_t r = 0; r < j->world; r++)
+		deferred_fail(eg, r, -SHARDD_E_SHUTDOWN, msg);
+}
+
+void shd_engine_job_destroy(struct shd_engine_job *j)
+{
+	shd_engine_job_end(j, NULL);
+}
+
+void shd_engine_job_end(struct shd_engine_job *j, const char *why)
+{
+	struct shd_engine *e;
+
+	if (!j)
+		return;
+	e = j->e;
+	j->ending = 1;
+	eng_ckpt_job_wait(j);
+	for (uint32_t i = 0; i < j->ngroups; i++) {
+		struct eng_group *eg = j->groups[i];
+
+		if (!eg)
+			continue;
+		group_shutdown(eg, why);
+		eng_group_free(eg);
+	}
+	eng_ckpt_job_end(j, why);
+	if (j->prev)
+		j->prev->next = j->next;
+	else
+		e->jobs = j->next;
+	if (j->next)
+		j->next->prev = j->prev;
+	/* After the groups: their buffers are freed, so no collective of the job is queued any more. */
+	if (j->bj)
+		e->backend->ops->job_close(e->backend, j->bj);
+	free(j->groups);
+	free(j->devices);
+	free(j->gone);
+	free(j);
+}
+
+void shd_engine_rank_attached(struct shd_engine_job *j, uint32_t rank, int32_t device)
+{
+	if (rank >= j->world)
+		return;
+	j->devices[rank] = device;
+	j->gone[rank] = 0;
+}
+
+/* The group with this id (a sqe's or an admin request's: any value), or NULL. */
+static struct eng_group *group_by_id(const struct shd_engine_job *j, uint32_t id)
+{
+	return id >= 1 && id <= j->ngroups ? j->groups[id - 1] : NULL;
+}
+
+/* ------------------------------------------------------------------ */
+/* Per-rank order                                                      */
+/* ------------------------------------------------------------------ */
+
+/* 1 when `op` (a zero_grad or reshard) must not overtake `rank`'s collective still gathering. */
+static int op_must_wait(const struct eng_group *eg, uint32_t rank, uint32_t op)
+{
+	return (op == SHARDD_OP_ZERO_GRAD || op == SHARDD_OP_RESHARD || op == SHARDD_OP_STEP) &&
+	       eng_coll_rank_waits(eg, rank);
+}
+
+/* 0, or -ENOMEM (the op was not kept). */
+static int deferred_push(struct eng_group *eg, const struct eng_op *op)
+{
+	struct eng_deferred *d = malloc(sizeof(*d));
+
+	if (!d)
+		return -ENOMEM;
+	d->next = NULL;
+	d->op = *op;
+	if (eg->dtail[op->rank])
+		eg->dtail[op->rank]->next = d;
+	else
+		eg->dhead[op->rank] = d;
+	eg->dtail[op->rank] = d;
+	return 0;
+}
+
+static void deferred_fail(struct eng_group *eg, uint32_t rank, int res, const char *msg)
+{
+	while (eg->dhead[rank]) {
+		struct eng_deferred *d = eg->dhead[rank];
+
+		eg->dhead[rank] = d->next;
+		eng_complete(eg->j, &d->op, res, msg);
+		free(d);
+	}
+	eg->dtail[rank] = NULL;
+}
+
+/* ------------------------------------------------------------------ */
+/* Data plane                                                          */
+/* ------------------------------------------------------------------ */
+
+static void submit_reshard(struct eng_group *eg, const struct eng_op *op)
+{
+	char msg[ENGINE_MSG_MAX];
+
+	if (!eg->g->holds[op->rank]) {
+		eng_fmt(msg, sizeof(msg), "shardd: rank %u has no unsharded copy of group '%s' to reshard",
+			eng_rank_shown(eg->j, op->rank), eg->g->name);
+		eng_complete(eg->j, op, -SHARDD_E_STATE, msg);
+		return;
+	}
+	eg->g->holds[op->rank] = 0;
+	eng_complete(eg->j, op, 0, NULL);
+}
+
+static void submit_zero_grad(struct eng_group *eg, const struct eng_op *op)
+{
+	struct eng_task *t = eng_task_new(eg, TASK_ZERO_GRAD, 1);
+	char msg[ENGINE_MSG_MAX];
+
+	if (!t) {
+		eng_fmt(msg, sizeof(msg), "shardd: zero_grad(group '%s'): the daemon is out of memory", eg->g->name);
+		eng_complete(eg->j, op, -SHARDD_E_NOMEM, msg);
+		return;
+	}
+	t->rank = op->rank;
+	t->ops[0] = *op;
+	eng_group_enqueue(eg, t);
+}
+
+/*
+ * A step's own fields (the group's optimizer, step number, lr, clip
+ * coefficient; a REDUCE with SHARDD_REDUCE_STEP: the same but the clip),
+ * checked at submission: 0, or the error code with `msg`. Whether the step
+ * was applied before and whether a grad is there, its task decides, in
+ * the group's order.
+ */
+static int step_check(const struct eng_group *eg, const struct shardd_sqe *sqe, char *msg, size_t len)
+{
+	const char *name = shardd_op_name(sqe->op);
+	double lr, clip = 1, max_norm = 1;
+
+	memcpy(&lr, &sqe->rsvd2[SHARDD_SQE_STEP_LR], sizeof(lr));
+	if (sqe->op == SHARDD_OP_STEP && (sqe->flags & SHARDD_STEP_CLIP))
+		memcpy(&clip, &sqe->rsvd2[SHARDD_SQE_STEP_CLIP], sizeof(clip));
+	if (sqe->op == SHARDD_OP_STEP && (sqe->flags & SHARDD_STEP_CLIP_JOB))
+		memcpy(&max_norm, &sqe->rsvd2[SHARDD_SQE_STEP_CLIP], sizeof(max_norm));
+	if (eg->g->optim.kind == SHARDD_OPTIM_NONE) {
+		eng_fmt(msg, len, "shardd: %s(group '%s'): the group was registered without an optimizer; "
+			"register it with one (SHARDD_REGISTER_OPTIMIZER) or update its shards in the trainer",
+			name, eg->g->name);
+		return -SHARDD_E_STATE;
+	}
+	if (sqe->step == 0)
+		eng_fmt(msg, len, "shardd: %s(group '%s'): step = 0; steps are numbered from 1", name, eg->g->name);
+	else if (!(lr >= 0) || lr > 1e300)
+		eng_fmt(msg, len, "shardd: %s(group '%s', step %llu): lr = %g; the learning rate must be "
+			"finite and >= 0", name, eg->g->name, (unsigned long long)sqe->step, lr);
+	else if ((sqe->flags & SHARDD_STEP_CLIP) && (sqe->flags & SHARDD_STEP_CLIP_JOB))
+		eng_fmt(msg, len, "shardd: %s(group '%s', step %llu): flags = 0x%x has both SHARDD_STEP_CLIP "
+			"(a coefficient) and SHARDD_STEP_CLIP_JOB (max_norm): give one", name, eg->g->name,
+			(unsigned long long)sqe->step, sqe->flags);
+	else if ((sqe->flags & SHARDD_STEP_CLIP_JOB) && !(max_norm > 0 && isfinite(max_norm)))
+		eng_fmt(msg, len, "shardd: %s(group '%s', step %llu): max_norm = %g (sqe.rsvd2[%d] with "
+			"SHARDD_STEP_CLIP_JOB); it must be finite and > 0", name, eg->g->name,
+			(unsigned long long)sqe->step, max_norm, SHARDD_SQE_STEP_CLIP);
+	else if (!(clip >= 0) || clip > 1e30)
+		eng_fmt(msg, len, "shardd: %s(group '%s', step %llu): clip coefficient = %g; it must be "
+			"finite and >= 0 (clip_grad_norm_'s max_norm / (total_norm + 1e-6), at most 1)",
+			name, eg->g->name, (unsigned long long)sqe->step, clip);
+	else if (sqe->op == SHARDD_OP_STEP && !(sqe->flags & (SHARDD_STEP_CLIP | SHARDD_STEP_CLIP_JOB)) &&
+		 sqe->rsvd2[SHARDD_SQE_STEP_CLIP])
+		eng_fmt(msg, len, "shardd: %s(group '%s', step %llu): sqe.rsvd2[%d] = 0x%llx without "
+			"SHARDD_STEP_CLIP or SHARDD_STEP_CLIP_JOB: set a flag or leave it 0", name, eg->g->name,
+			(unsigned long long)sqe->step, SHARDD_SQE_STEP_CLIP,
+			(unsigned long long)sqe->rsvd2[SHARDD_SQE_STEP_CLIP]);
+	else if (sqe->op == SHARDD_OP_REDUCE && eng_mesh_replicate(eg->j) > 1 && !(sqe->flags & SHARDD_REDUCE_ALL_REDUCE))
+		eng_fmt(msg, len, "shardd: reduce(group '%s', step %llu): flags = 0x%x: SHARDD_REDUCE_STEP without "
+			"SHARDD_REDUCE_ALL_REDUCE under HSDP (replicate %u): the grads are not final until the "
+			"all-reduce; step with the reduce that all-reduces", eg->g->name,
+			(unsigned long long)sqe->step, sqe->flags, eng_mesh_replicate(eg->j));
+	else
+		return 0;
+	return -SHARDD_E_INVALID;
+}
+
+/*
+ * SHARDD_STEP_REPLAY: take the flags, lr and clip word another rank of the
+ * group submitted for this step (a REDUCE with SHARDD_REDUCE_STEP: its lr,
+ * no flags) into `op`. 0, or the error code with `msg`.
+ */
+static int step_replay(const struct eng_group *eg, struct eng_op *op, char *msg, size_t len)
+{
+	const struct shardd_sqe *sqe = &op->sqe, *rec = &eg->last_sub;
+
+	if (sqe->flags != SHARDD_STEP_REPLAY || sqe->rsvd2[SHARDD_SQE_STEP_LR] || sqe->rsvd2[SHARDD_SQE_STEP_CLIP]) {
+		eng_fmt(msg, len, "shardd: step(group '%s', step %llu): flags = 0x%x, sqe.rsvd2[%d] = 0x%llx, "
+			"sqe.rsvd2[%d] = 0x%llx: SHARDD_STEP_REPLAY takes no other flag, lr or clip word (it "
+			"applies those another rank of the group submitted)", eg->g->name,
+			(unsigned long long)sqe->step, sqe->flags, SHARDD_SQE_STEP_LR,
+			(unsigned long long)sqe->rsvd2[SHARDD_SQE_STEP_LR], SHARDD_SQE_STEP_CLIP,
+			(unsigned long long)sqe->rsvd2[SHARDD_SQE_STEP_CLIP]);
+		return -SHARDD_E_INVALID;
+	}
+	if (rec->step != sqe->step) {
+		eng_fmt(msg, len, "shardd: step(group '%s', step %llu) with SHARDD_STEP_REPLAY on rank %u: no "
+			"rank of the group submitted step %llu (the last step submitted to it is %llu); replay "
+			"only the step the other ranks took (the GROUP reply's peer_last_step)", eg->g->name,
+			(unsigned long long)sqe->step, op->rank, (unsigned long long)sqe->step,
+			(unsigned long long)rec->step);
+		return -SHARDD_E_STATE;
+	}
+	op->sqe.flags = rec->op == SHARDD_OP_STEP ? rec->flags : 0;
+	op->sqe.rsvd2[SHARDD_SQE_STEP_LR] = rec->rsvd2[SHARDD_SQE_STEP_LR];
+	op->sqe.rsvd2[SHARDD_SQE_STEP_CLIP] = rec->op == SHARDD_OP_STEP ? rec->rsvd2[SHARDD_SQE_STEP_CLIP] : 0;
+	return 0;
+}
+
+/*
+ * SHARDD_STEP_CLIP_JOB and SHARDD_STEP_SKIP_JOB_NONFINITE: the coefficient
+ * and the skip from the job's kept grad_norm of the step, into `op`, so
+ * that every rank (and a restarted rank's replay) applies the step alike.
+ * 0, or the error code with `msg`.
+ */
+static int step_job(const struct eng_group *eg, struct eng_op *op, char *msg, size_t len)
+{
+	const struct shardd_sqe *sqe = &op->sqe;
+	const struct eng_gnorm_rec *rec;
+	double max_norm;
+
+	if (!(sqe->flags & (SHARDD_STEP_CLIP_JOB | SHARDD_STEP_SKIP_JOB_NONFINITE)))
+		return 0;
+	rec = eng_gnorm_find(eg->j, sqe->step);
+	if (!rec) {
+		char kept[64] = "";
+		size_t off = 0;
+
+		for (uint32_t i = 0; i < SHARDD_GRAD_NORM_KEPT; i++)
+			if (eg->j->gnorm[i].step && off < sizeof(kept))
+				off += (size_t)snprintf(kept + off, sizeof(kept) - off, "%s%llu", off ? ", " : "",
+							(unsigned long long)eg->j->gnorm[i].step);
+		eng_fmt(msg, len, "shardd: step(group '%s', step %llu): flags = 0x%x need the job's grad_norm of "
+			"step %llu, and the daemon holds none (it keeps the last %d: %s); every rank calls "
+			"grad_norm(step %llu) after the step's reduces, then steps", eg->g->name,
+			(unsigned long long)sqe->step, sqe->flags, (unsigned long long)sqe->step,
+			SHARDD_GRAD_NORM_KEPT, off ? kept : "none", (unsigned long long)sqe->step);
+		return -SHARDD_E_STATE;
+	}
+	op->job_skip = (sqe->flags & SHARDD_STEP_SKIP_JOB_NONFINITE) && rec->nonfinite;
+	if (!(sqe->flags & SHARDD_STEP_CLIP_JOB) || op->job_skip)
+		return 0;
+	memcpy(&max_norm, &sqe->rsvd2[SHARDD_SQE_STEP_CLIP], sizeof(max_norm));
+	op->job_clip = shd_clip_coefficient(rec->norm, max_norm);
+	op->job_clip_set = 1;
+	if (isnan(op->job_clip)) {
+		eng_fmt(msg, len, "shardd: step(group '%s', step %llu): the job's grad_norm of step %llu is %g, "
+			"so the clip coefficient is NaN and would turn every param into NaN; add "
+			"SHARDD_STEP_SKIP_JOB_NONFINITE to skip such a step on every rank", eg->g->name,
+			(unsigned long long)sqe->step, (unsigned long long)sqe->step, rec->norm);
+		return -SHARDD_E_INVALID;
+	}
+	return 0;
+}
+
+/* Keep the entry of the highest step submitted to the group, for SHARDD_STEP_REPLAY. */
+static void step_remember(struct eng_group *eg, const struct shardd_sqe *sqe)
+{
+	if (sqe->step > eg->last_sub.step)
+		eg->last_sub = *sqe;
+}
+
+static void submit_step(struct eng_group *eg, const struct eng_op *in)
+{
+	struct eng_task *t;
+	struct eng_op one = *in, *op = &one;
+	char msg[ENGINE_MSG_MAX];
+	int ret = op->sqe.flags & SHARDD_STEP_REPLAY ? step_replay(eg, op, msg, sizeof(msg)) : 0;
+
+	if (!ret)
+		ret = step_check(eg, &op->sqe, msg, sizeof(msg));
+	if (!ret)
+		ret = step_job(eg, op, msg, sizeof(msg));
+	if (ret) {
+		eng_complete(eg->j, op, ret, msg);
+		return;
+	}
+	step_remember(eg, &op->sqe);
+	t = eng_task_new(eg, TASK_STEP, 1);
+	if (!t) {
+		eng_fmt(msg, sizeof(msg), "shardd: step(group '%s'): the daemon is out of memory", eg->g->name);
+		eng_complete(eg->j, op, -SHARDD_E_NOMEM, msg);
+		return;
+	}
+	t->rank = op->rank;
+	t->ops[0] = *op;
+	eng_group_enqueue(eg, t);
+}
+
+static void dispatch(struct eng_group *eg, const struct eng_op *op)
+{
+	switch (op->sqe.op) {
+	case SHARDD_OP_UNSHARD:
+		eng_coll_unshard(eg, op);
+		break;
+	case SHARDD_OP_REDUCE: {
+		char msg[ENGINE_MSG_MAX];
+		int ret = op->sqe.flags & SHARDD_REDUCE_STEP ? step_check(eg, &op->sqe, msg, sizeof(msg)) : 0;
+
+		if (ret) {
+			eng_complete(eg->j, op, ret, msg);
+		} else {
+			if (op->sqe.flags & SHARDD_REDUCE_STEP)
+				step_remember(eg, &op->sqe);
+			eng_coll_reduce(eg, op);
+		}
+		break;
+	}
+	case SHARDD_OP_RESHARD:
+		submit_reshard(eg, op);
+		break;
+	case SHARDD_OP_STEP:
+		submit_step(eg, op);
+		break;
+	default:
+		submit_zero_grad(eg, op);
+		break;
+	}
+}
+
+/*
+ * Release deferred ops whose rank no longer waits in a collective, in
+ * submission order; a released collective may complete one and release
+ * more, hence the loop. Called after every event that ends a collective.
+ */
+static void group_flush(struct eng_group *eg)
+{
+	int progress = 1;
+
+	if (eg->flushing)
+		return;
+	eg->flushing = 1;
+	while (progress) {
+		progress = 0;
+		for (uint32_t r = 0; r < eg->j->world; r++) {
+			struct eng_deferred *d;
+
+			while ((d = eg->dhead[r])) {
+				if (op_must_wait(eg, r, d->op.sqe.op))
+					break;
+				eg->dhead[r] = d->next;
+				if (!eg->dhead[r])
+					eg->dtail[r] = NULL;
+				dispatch(eg, &d->op);
+				free(d);
+				progress = 1;
+			}
+		}
+	}
+	eg->flushing = 0;
+}
+
+void shd_engine_submit(struct shd_engine_job *j, uint32_t rank, uint64_t token,
+			  const struct shardd_sqe *sqe)
+{
+	struct eng_op op = { .rank = rank, .token = token, .sqe = *sqe };
+	const char *name = shardd_op_name(sqe->op);
+	struct eng_group *eg;
+	uint32_t unknown;
+	char msg[ENGINE_MSG_MAX], why[SHARDD_RING_MSG_SIZE];
+
+	if (rank >= j->world) {
+		eng_fmt(msg, sizeof(msg), "shardd: rank %u is outside job '%s' of %u ranks", rank, j->name, j->world);
+		eng_complete(j, &op, -SHARDD_E_INVALID, msg);
+		return;
+	}
+	if (sqe->op != SHARDD_OP_UNSHARD && sqe->op != SHARDD_OP_REDUCE &&
+	    sqe->op != SHARDD_OP_RESHARD && sqe->op != SHARDD_OP_ZERO_GRAD && sqe->op != SHARDD_OP_STEP) {
+		eng_fmt(msg, sizeof(msg), "shardd: op %u is not a group op (unshard = %d, reduce = %d, reshard = %d, zero_grad = %d, step = %d)",
+			sqe->op, SHARDD_OP_UNSHARD, SHARDD_OP_REDUCE, SHARDD_OP_RESHARD, SHARDD_OP_ZERO_GRAD,
+			SHARDD_OP_STEP);
+		eng_complete(j, &op, -SHARDD_E_INVALID, msg);
+		return;
+	}
+	/* The ring service ran this same check (sqe.h); at the engine's own door it holds for direct callers. */
+	if (shd_sqe_check(sqe, why, sizeof(why)) < 0) {
+		eng_fmt(msg, sizeof(msg), "shardd: %s: %s", name, why);
+		eng_complete(j, &op, -SHARDD_E_INVALID, msg);
+		return;
+	}
+	eg = group_by_id(j, sqe->group);
+	if (!eg || !eg->complete) {
+		eng_fmt(msg, sizeof(msg), "shardd: %s: group id %u is not a registered group of job '%s'",
+			name, sqe->group, j->name);
+		eng_complete(j, &op, -SHARDD_E_NOGROUP, msg);
+		return;
+	}
+	unknown = sqe->flags & ~(sqe->op == SHARDD_OP_REDUCE ? (uint32_t)SHARDD_REDUCE_FLAGS_MASK :
+				 sqe->op == SHARDD_OP_STEP ? (uint32_t)SHARDD_STEP_FLAGS_MASK : 0u);
+	if (unknown) {
+		eng_fmt(msg, sizeof(msg), "shardd: %s(group '%s'): flags = 0x%x has unknown bits 0x%x",
+			name, eg->g->name, sqe->flags, unknown);
+		eng_complete(j, &op, -SHARDD_E_INVALID, msg);
+		return;
+	}
+	/* Kept back: a zero_grad or reshard behind its rank's collective, and any op behind a kept one. */
+	if (eg->dhead[rank] || op_must_wait(eg, rank, sqe->op)) {
+		if (deferred_push(eg, &op)) {
+			eng_fmt(msg, sizeof(msg), "shardd: %s(group '%s'): the daemon is out of memory", name, eg->g->name);
+			eng_complete(j, &op, -SHARDD_E_NOMEM, msg);
+		}
+		return;
+	}
+	dispatch(eg, &op);
+	group_flush(eg);
+}
+
+/* ------------------------------------------------------------------ */
+/* Failures: dead ranks, timeouts                                      */
+/* ------------------------------------------------------------------ */
+
+void shd_engine_rank_gone(struct shd_engine_job *j, uint32_t rank, uint64_t token)
+{
+	char msg[ENGINE_MSG_MAX];
+
+	if (rank >= j->world)
+		return;
+	j->gone[rank] = 1;
+	for (uint32_t i = 0; i < j->ngroups; i++) {
+		struct eng_group *eg = j->groups[i];
+
+		if (!eg)
+			continue;
+		if (!eg->complete) {
+			eng_reg_rank_gone(eg, rank, token);
+			continue;
+		}
+		eg->g->holds[rank] = 0;
+		eng_coll_rank_gone(eg, rank, token);
+		eng_fmt(msg, sizeof(msg), "shardd: rank %u left (its client is gone) before this op on group '%s' ran",
+			eng_rank_shown(j, rank), eg->g->name);
+		deferred_fail(eg, rank, -SHARDD_E_PEER_DIED, msg);
+		group_flush(eg);
+	}
+}
+
+void shd_engine_cron(struct shd_engine *e, uint64_t now_ns)
+{
+	for (struct shd_engine_job *j = e->jobs; j; j = j->next) {
+		for (uint32_t i = 0; i < j->ngroups; i++) {
+			struct eng_group *eg = j->groups[i];
+
+			if (!eg)
+				continue;
+			if (!eg->complete) {
+				eng_reg_cron(eg, now_ns);
+				continue;
+			}
+			eng_coll_cron(eg, now_ns);
+			group_flush(eg);
+		}
+	}
+}
+
+/* ------------------------------------------------------------------ */
+/* Introspection                                                       */
+/* ------------------------------------------------------------------ */
+
+uint64_t shd_engine_memory_committed(const struct shd_engine *e)
+{
+	return e->mem_committed;
+}
+
+uint64_t shd_engine_job_memory_committed(const struct shd_engine_job *j)
+{
+	return j->mem_committed;
+}
+
+uint32_t shd_engine_job_ngroups(const struct shd_engine_job *j)
+{
+	return j->ngroups;
+}
+
+const struct shd_group *shd_engine_job_group(const struct shd_engine_job *j, uint32_t id)
+{
+	const struct eng_group *eg = group_by_id(j, id);
+
+	return eg ? eg->g : NULL;
+}
+
+const struct shd_group *shd_engine_job_group_named(const struct shd_engine_job *j,
+							  const char *name)
+{
+	const struct eng_group *eg = eng_group_by_name(j, name);
+
+	return eg ? eg->g : NULL;
+}
+
+int shd_engine_group_complete(const struct shd_engine_job *j, uint32_t id)
+{
+	const struct eng_group *eg = group_by_id(j, id);
+
+	return eg && eg->complete;
+}
+
+int shd_engine_group_pending(const struct shd_engine_job *j, uint32_t id, uint32_t i,
+				uint32_t *op, const struct shd_rdv **rdv)
+{
+	const struct eng_group *eg = group_by_id(j, id);
+	uint32_t seen = 0;
+
+	if (!eg)
+		return -ENOENT;
+	if (!eg->complete) {
+		if (i > 0 || !eg->reg.active)
+			return -ENOENT;
+		*op = 0;
+		*rdv = &eg->reg;
+		return 0;
+	}
+	/* Collectives in a fixed order: unshard and reduce per replica, then the all-reduce. */
+	for (uint32_t k = 0; k < 2 * j->replicate + 1; k++) {
+		const struct eng_coll *c = k == 2 * j->replicate ? &eg->ar
+					 : k % 2 ? &eg->rs[k / 2] : &eg->unshard[k / 2];
+
+		if (!c->ops || !c->rdv.active)
+			continue;
+		if (seen++ == i) {
+			*op = c->op;
+			*rdv = &c->rdv;
+			return 0;
+		}
+	}
+	return -ENOENT;
+}

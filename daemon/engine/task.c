@@ -1,0 +1,609 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Tasks (engine_int.h): what each op computes, through the backend table,
+ * and where it runs.
+ *
+ * A group runs one task at a time, in the order its ops were queued. A
+ * task small enough for the backend's inline_max_bytes (backend.h) runs on
+ * the loop thread where it is started, and its completions go out before
+ * that call returns. Any other runs on a pool thread: finished, it is
+ * moved to the engine's finished list under `lock` and the eventfd is
+ * written; shd_engine_drain (loop thread) delivers its completions and
+ * starts the group's next task.
+ */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "engine_int.h"
+
+static void task_run(struct shd_pool_task *pt);
+
+struct eng_task *eng_task_new(struct eng_group *eg, uint32_t kind, uint32_t nops)
+{
+	struct eng_task *t = calloc(1, sizeof(*t) + (size_t)nops * sizeof(struct eng_op));
+
+	if (!t)
+		return NULL;
+	t->pt.fn = task_run;
+	t->eg = eg;
+	t->kind = kind;
+	t->nops = nops;
+	return t;
+}
+
+/* ------------------------------------------------------------------ */
+/* Where a task runs (loop thread)                                     */
+/* ------------------------------------------------------------------ */
+
+/* Bytes a task reads and writes; an output it adds into counts twice. */
+static uint64_t task_bytes(const struct eng_task *t)
+{
+	const struct shd_group *g = t->eg->g;
+	const struct shd_layout *l = &g->layout;
+
+	switch (t->kind) {
+	case TASK_UNSHARD:
+		return g->shard * l->shard_size + l->unsharded_size;
+	case TASK_REDUCE_PARTIAL:
+		return g->shard * (l->grad_size + 2 * g->partial_size);
+	case TASK_REDUCE:
+		/* HSDP adds the all-reduce: R partials read per output shard. */
+		return g->world * (l->grad_size + 2 * l->shard_size) +
+		       (g->replicate > 1 ? g->world * (2 + g->replicate) * g->partial_size : 0);
+	case TASK_STEP:
+		/* param and grad read, param written, each state read and written, grad zeroed. */
+		return l->shard_size * (4 + 2 * (uint64_t)shd_group_optim_states(&g->optim));
+	case TASK_SAVE:
+	case TASK_SAVE_FINAL:
+	case TASK_SAVE_WRITE:
+	case TASK_RESTORE:
+		return UINT64_MAX; /* file I/O: always on the pool, never on the loop thread */
+	default:
+		return g->sharded_grads[t->rank].bytes;
+	}
+}
+
+/*
+ * 1 when the task runs on the loop thread: small enough that the wake-ups
+ * of a pool round trip cost more than the loop's pause for it, as the
+ * backend says (inline_max_bytes; the host backend's kernels still split a
+ * larger one of these across idle workers). A backend that says 0 (a device backend) keeps every
+ * call on the pool, whose threads it sets up.
+ */
+static int task_inline(const struct eng_task *t)
+{
+	uint64_t max = t->eg->j->e->backend->ops->inline_max_bytes;
+
+	return max && task_bytes(t) <= max && !eng_world_task(t);
+}
+
+static void task_exec(struct eng_task *t);
+
+static void task_deliver(struct eng_task *t)
+{
+	/* Only eng_tasks_stop delivers a restore here: the job ends, and group_shutdown answers the ranks. */
+	if (t->kind == TASK_RESTORE)
+		return;
+	if (t->hooks) {
+		t->hooks->delivered(t);
+		return;
+	}
+	for (uint32_t i = 0; i < t->nops; i++)
+		eng_complete(t->eg->j, &t->ops[i], t->res ? t->res : t->ops[i].res, t->msg);
+	if (t->eg->j->ckpt_armed || t->eg->j->e->cfg.checkpoint_every)
+		t->eg->j->e->at_boundary(t->eg->j);
+}
+
+/*
+ * Start the group's next task if none runs. A small one runs here and its
+ * completions are delivered before the next is started, so the group's
+ * tasks still run and complete one at a time, in queue order; the first
+ * large one goes to the pool and ends the loop (drain starts the rest).
+ * A completion callback may submit and kick this group again: running is
+ * clear by then, so the nested call takes the next task and this loop
+ * finds the queue as it left it.
+ */
+static void group_kick(struct eng_group *eg)
+{
+	struct eng_task *t;
+
+	while (!eg->running && (t = eg->qhead)) {
+		eg->qhead = t->next;
+		if (!eg->qhead)
+			eg->qtail = NULL;
+		t->next = NULL;
+		eg->running = t;
+		if (!task_inline(t)) {
+			/* One that waits for other nodes gets a thread of its own (world_collective.c). */
+			if (!eng_world_task(t) || eng_world_spawn(t))
+				shd_pool_submit(eg->j->e->pool, &t->pt);
+			return;
+		}
+		task_exec(t);
+		eg->running = NULL;
+		task_deliver(t);
+		free(t);
+	}
+}
+
+void eng_group_enqueue(struct eng_group *eg, struct eng_task *t)
+{
+	if (eg->qtail)
+		eg->qtail->next = t;
+	else
+		eg->qhead = t;
+	eg->qtail = t;
+	group_kick(eg);
+}
+
+/* ------------------------------------------------------------------ */
+/* What a task computes (pool thread, or the loop thread inline)       */
+/* ------------------------------------------------------------------ */
+
+/*
+ * FSDP2's _get_gradient_divide_factors at call time, for a data-parallel
+ * size n: the math of the reduce-scatter (over the shard group) and of the
+ * all-reduce (over replicas). fp32/bf16 average on each collective
+ * (ReduceOp.AVG); fp16 sums, pre-dividing the reduce-scatter's inputs and
+ * post-dividing after the last collective.
+ */
+static void reduce_math(const struct eng_group *eg, uint32_t n, struct shardd_reduce_math *rs,
+			struct shardd_reduce_math *ar)
+{
+	const struct shd_group *g = eg->g;
+	double pre, post;
+
+	shardd_divide_factors(n, g->reduce_dtype, &pre, &post);
+	*rs = (struct shardd_reduce_math){ .reduce_dtype = g->reduce_dtype, .pre = 1, .avg = 1, .post = 1 };
+	*ar = *rs;
+	if (pre == 0) {
+		rs->avg = (float)eng_mesh_shard(eg->j);
+		ar->avg = (float)eng_mesh_replicate(eg->j);
+		return;
+	}
+	rs->pre = (float)pre;
+	ar->post = (float)post;
+}
+
+/*
+ * Reduce-scatter of replica u's grads: shard s's output goes to outs[s] (+
+ * adds[s] where given), accumulated where accumulate[s].
+ */
+static int task_reduce_scatter(struct eng_task *t, uint32_t u, const struct shd_shard_view *outs,
+			       const struct shd_shard_view *adds, const uint8_t *accumulate,
+			       const struct shardd_reduce_math *m)
+{
+	struct shd_group *g = t->eg->g;
+	struct shd_backend_ctx *b = t->eg->j->e->backend;
+	struct shd_buf *grads[SHARDD_MAX_WORLD];
+	struct shd_reduce_args a = {
+		.job = t->eg->j->bj, .layout = &g->layout, .src = SHD_REDUCE_SRC_GRAD, .n = g->shard,
+		.grads = grads, .outs = outs, .adds = adds, .accumulate = accumulate,
+		.reduce_offsets = g->reduce_offsets, .reduce_shard_size = g->reduce_shard_size, .math = *m,
+		.err = t->why, .errlen = sizeof(t->why),
+	};
+
+	for (uint32_t k = 0; k < g->shard; k++)
+		grads[k] = &g->grads[u * g->shard + k];
+	return b->ops->reduce(b, &a);
+}
+
+/* HSDP: replica u's reduce-scatter output of every shard added into its partial. */
+static int task_partials(struct eng_task *t, uint32_t u, const struct shardd_reduce_math *m)
+{
+	struct shd_group *g = t->eg->g;
+	struct shd_shard_view outs[SHARDD_MAX_WORLD], adds[SHARDD_MAX_WORLD];
+	uint8_t assign[SHARDD_MAX_WORLD] = { 0 };
+	int ret;
+
+	for (uint32_t s = 0; s < g->shard; s++) {
+		uint32_t r = u * g->shard + s;
+
+		outs[s] = (struct shd_shard_view){ &g->partials[r], g->reduce_offsets, g->reduce_dtype };
+		/* partial = round(rs + partial): FSDP2 accumulates in the reduce dtype before any all-reduce. */
+		adds[s] = g->partial_present[r] ? outs[s] : (struct shd_shard_view){ 0 };
+	}
+	ret = task_reduce_scatter(t, u, outs, adds, assign, m);
+	if (!ret)
+		memset(&g->partial_present[u * g->shard], 1, g->shard);
+	return ret;
+}
+
+static int task_reduce(struct eng_task *t)
+{
+	struct shd_group *g = t->eg->g;
+	struct shd_backend_ctx *b = t->eg->j->e->backend;
+	struct shd_shard_view views[SHARDD_MAX_WORLD], outs[SHARDD_MAX_WORLD];
+	uint8_t accumulate[SHARDD_MAX_WORLD];
+	struct shardd_reduce_math rs, ar;
+	int ret = 0;
+
+	if (eng_mesh_replicate(t->eg->j) == 1) {
+		/* No replicate dim: one collective, pre- and post-divided (fp16) alike. */
+		reduce_math(t->eg, eng_mesh_shard(t->eg->j), &rs, &ar);
+		rs.post = ar.post;
+		if (eng_world_fsdp(t->eg->j)) {
+			ret = eng_world_reduce_scatter(t, &rs);
+			if (!ret)
+				memset(g->grad_present, 1, g->shard);
+			return ret;
+		}
+		for (uint32_t s = 0; s < g->shard; s++)
+			outs[s] = (struct shd_shard_view){ &g->sharded_grads[s], g->shard_offsets, SHARDD_DTYPE_NONE };
+		ret = task_reduce_scatter(t, 0, outs, NULL, g->grad_present, &rs);
+		if (!ret)
+			memset(g->grad_present, 1, g->shard);
+		return ret;
+	}
+
+	/* HSDP: FSDP2 passes both groups, so n = S * R on every call (R of the whole mesh). */
+	reduce_math(t->eg, g->shard * eng_mesh_replicate(t->eg->j), &rs, &ar);
+	for (uint32_t u = 0; u < g->replicate && !ret; u++)
+		ret = task_partials(t, u, &rs);
+	if (t->eg->j->span_nodes > 1) {
+		if (!ret)
+			ret = eng_world_allreduce(t, &ar);
+		/* As below: the partials went into this all-reduce, or are lost with it. */
+		memset(g->partial_present, 0, g->world);
+		return ret;
+	}
+	/* The all-reduce of each shard index over its replicate group: every replica gets the sum. */
+	for (uint32_t s = 0; s < g->shard && !ret; s++) {
+		struct shd_reduce_args a = {
+			.job = t->eg->j->bj, .layout = &g->layout, .src = SHD_REDUCE_SRC_SHARD,
+			.n = g->replicate, .views = views, .shard_rank = s, .in_dtype = g->reduce_dtype,
+			.outs = outs, .accumulate = accumulate, .reduce_offsets = g->reduce_offsets,
+			.reduce_shard_size = g->reduce_shard_size, .math = ar, .err = t->why,
+			.errlen = sizeof(t->why),
+		};
+
+		for (uint32_t u = 0; u < g->replicate; u++) {
+			uint32_t r = u * g->shard + s;
+
+			views[u] = (struct shd_shard_view){ &g->partials[r], g->reduce_offsets, g->reduce_dtype };
+			outs[u] = (struct shd_shard_view){ &g->sharded_grads[r], g->shard_offsets, SHARDD_DTYPE_NONE };
+			accumulate[u] = g->grad_present[r];
+		}
+		ret = b->ops->reduce(b, &a);
+		for (uint32_t u = 0; u < g->replicate && !ret; u++)
+			g->grad_present[u * g->shard + s] = 1;
+	}
+	/* The partials went into this all-reduce: the next microbatch starts afresh. */
+	memset(g->partial_present, 0, g->world);
+	return ret;
+}
+
+static int task_unshard(struct eng_task *t)
+{
+	struct shd_group *g = t->eg->g;
+	struct shd_backend_ctx *b = t->eg->j->e->backend;
+	struct shd_buf *shards[SHARDD_MAX_WORLD], *unsharded[SHARDD_MAX_WORLD];
+	struct shd_unshard_args a = {
+		.job = t->eg->j->bj, .layout = &g->layout, .nshards = g->shard, .shards = shards,
+		.unsharded = unsharded, .err = t->why, .errlen = sizeof(t->why),
+	};
+
+	if (eng_world_fsdp(t->eg->j))
+		return eng_world_unshard(t);
+	for (uint32_t s = 0; s < g->shard; s++) {
+		uint32_t r = t->replica * g->shard + s;
+
+		shards[s] = &g->shards[r];
+		unsharded[s] = shd_group_unsharded(g, r);
+	}
+	return b->ops->unshard(b, &a);
+}
+
+/*
+ * The optimizer step of `op` (a STEP, or a REDUCE with SHARDD_REDUCE_STEP)
+ * on its rank's shard, exactly once per step: task.c runs a group's tasks
+ * one at a time, so last_step is checked and advanced by one task at a
+ * time. A step at or below the last one applied or skipped completes
+ * SHARDD_STEP_ALREADY and changes nothing. Returns 0 with op->res the
+ * outcome, the backend's error, or an error with t->msg written.
+ */
+static int task_step(struct eng_task *t, struct eng_op *op)
+{
+	struct shd_group *g = t->eg->g;
+	struct shd_backend_ctx *b = t->eg->j->e->backend;
+	const struct shardd_sqe *sqe = &op->sqe;
+	const struct shardd_optim_config *o = &g->optim;
+	uint32_t r = op->rank;
+	uint64_t last = g->last_step[r];
+	double lr, clip = 1;
+	int skipped = 0, ret;
+	struct shd_step_args a = {
+		.layout = &g->layout, .shard_rank = shd_group_shard_rank(g, r), .kind = o->kind, .shard = &g->shards[r],
+		.grad = &g->sharded_grads[r], .skip_nonfinite = sqe->op == SHARDD_OP_STEP && (sqe->flags & SHARDD_STEP_SKIP_NONFINITE),
+		.skipped = &skipped, .err = t->why, .errlen = sizeof(t->why),
+	};
+
+	if (sqe->step <= last) {
+		op->res = SHARDD_STEP_ALREADY;
+		return 0;
+	}
+	if (!g->grad_present[r]) {
+		eng_fmt(t->msg, sizeof(t->msg),
+			"shardd: step(group '%s', step %llu) on rank %u: the rank's sharded grad is absent (no "
+			"reduce since its last step or zero_grad); reduce the step's grads before its step",
+			g->name, (unsigned long long)sqe->step, r);
+		return -SHARDD_E_STATE;
+	}
+	if (op->job_skip) {
+		/* The job's grad_norm of this step was non-finite: every rank skips it, grad cleared. */
+		ret = b->ops->zero(b, &g->sharded_grads[r], 0, g->sharded_grads[r].bytes);
+		if (ret)
+			return ret;
+		g->grad_present[r] = 0;
+		__atomic_store_n(&g->last_step[r], sqe->step, __ATOMIC_RELAXED);
+		op->res = SHARDD_STEP_SKIPPED;
+		return 0;
+	}
+	memcpy(&lr, &sqe->rsvd2[SHARDD_SQE_STEP_LR], sizeof(lr));
+	if (sqe->op == SHARDD_OP_STEP && (sqe->flags & SHARDD_STEP_CLIP))
+		memcpy(&clip, &sqe->rsvd2[SHARDD_SQE_STEP_CLIP], sizeof(clip));
+	if (op->job_clip_set)
+		clip = op->job_clip;
+	for (uint32_t k = 0; k < shd_group_optim_states(o); k++)
+		a.state[k] = &g->optim_state[k][r];
+	if (o->kind == SHARDD_OPTIM_SGD)
+		a.sgd = (struct shardd_sgd){
+			.step = g->optim_steps[r] + 1, .lr = lr, .momentum = o->momentum,
+			.dampening = o->dampening, .weight_decay = o->weight_decay,
+			.nesterov = !!(o->flags & SHARDD_OPTIM_NESTEROV),
+			.maximize = !!(o->flags & SHARDD_OPTIM_MAXIMIZE), .grad_scale = (float)clip,
+		};
+	else
+		a.adamw = (struct shardd_adamw){
+			.step = g->optim_steps[r] + 1, .lr = lr, .beta1 = o->beta1, .beta2 = o->beta2,
+			.eps = o->eps, .weight_decay = o->weight_decay,
+			.amsgrad = !!(o->flags & SHARDD_OPTIM_AMSGRAD),
+			.maximize = !!(o->flags & SHARDD_OPTIM_MAXIMIZE), .grad_scale = (float)clip,
+		};
+	ret = b->ops->step(b, &a);
+	if (ret)
+		return ret;
+	ret = b->ops->zero(b, &g->sharded_grads[r], 0, g->sharded_grads[r].bytes);
+	if (ret)
+		return ret;
+	g->grad_present[r] = 0;
+	if (!skipped)
+		g->optim_steps[r]++;
+	__atomic_store_n(&g->last_step[r], sqe->step, __ATOMIC_RELAXED);
+	op->res = skipped ? SHARDD_STEP_SKIPPED : SHARDD_STEP_APPLIED;
+	return 0;
+}
+
+/* After a reduce: the steps its ranks asked for with SHARDD_REDUCE_STEP (the flag is the same on all). */
+static int task_reduce_steps(struct eng_task *t)
+{
+	int ret = 0;
+
+	for (uint32_t i = 0; i < t->nops && !ret; i++)
+		if (t->ops[i].sqe.flags & SHARDD_REDUCE_STEP)
+			ret = task_step(t, &t->ops[i]);
+	return ret;
+}
+
+/*
+ * 1 when every completion of the task goes to a client stream that waits on
+ * the daemon's fence (SHARDD_FENCE_SIGNAL): queueing the work is enough.
+ */
+static int task_fenced(const struct eng_task *t)
+{
+	for (uint32_t i = 0; i < t->nops; i++)
+		if (!(t->ops[i].sqe.fence & SHARDD_FENCE_SIGNAL))
+			return 0;
+	return 1;
+}
+
+/*
+ * The buffers a task writes, into `bufs`; returns how many. The devices
+ * that hold them are those that ran its work (NCCL: every rank's own).
+ */
+static uint32_t task_outputs(const struct eng_task *t, const struct shd_buf **bufs)
+{
+	const struct shd_group *g = t->eg->g;
+	uint32_t n = 0;
+
+	switch (t->kind) {
+	case TASK_UNSHARD:
+		for (uint32_t s = 0; s < g->shard; s++)
+			bufs[n++] = shd_group_unsharded(g, t->replica * g->shard + s);
+		break;
+	case TASK_REDUCE_PARTIAL:
+		for (uint32_t s = 0; s < g->shard; s++)
+			bufs[n++] = &g->partials[t->replica * g->shard + s];
+		break;
+	case TASK_REDUCE:
+		for (uint32_t r = 0; r < g->world; r++)
+			bufs[n++] = &g->sharded_grads[r];
+		break;
+	default:
+		bufs[n++] = &g->sharded_grads[t->rank];
+		break;
+	}
+	return n;
+}
+
+/* The arithmetic of one task, on a pool thread or (task_inline) the loop thread; sets res and msg. */
+static void task_exec(struct eng_task *t)
+{
+	struct shd_group *g = t->eg->g;
+	struct shd_backend_ctx *b = t->eg->j->e->backend;
+	int ret;
+
+	if (t->hooks) {
+		t->hooks->exec(t);
+		return;
+	}
+	switch (t->kind) {
+	case TASK_UNSHARD:
+		ret = task_unshard(t);
+		/* An exchange among nodes that failed wrote its own message (world_collective.c). */
+		if (ret < 0 && t->msg[0]) {
+			t->res = ret;
+			return;
+		}
+		break;
+	case TASK_REDUCE_PARTIAL: {
+		struct shardd_reduce_math rs, ar;
+
+		reduce_math(t->eg, g->shard * eng_mesh_replicate(t->eg->j), &rs, &ar);
+		ret = task_partials(t, t->replica, &rs);
+		break;
+	}
+	case TASK_REDUCE:
+		ret = task_reduce(t);
+		if (!ret)
+			ret = task_reduce_steps(t);
+		if (ret < 0 && t->msg[0]) {
+			t->res = ret;
+			return;
+		}
+		break;
+	case TASK_STEP:
+		ret = task_step(t, &t->ops[0]);
+		if (ret < 0 && t->msg[0]) {
+			t->res = ret;
+			return;
+		}
+		break;
+	default:
+		ret = b->ops->zero(b, &g->sharded_grads[t->rank], 0, g->sharded_grads[t->rank].bytes);
+		if (!ret)
+			g->grad_present[t->rank] = 0;
+		break;
+	}
+	/* A completion without a fence promises the results are in memory. */
+	if (!ret && b->ops->sync && !task_fenced(t)) {
+		const struct shd_buf *outs[SHARDD_MAX_WORLD];
+
+		ret = b->ops->sync(b, outs, task_outputs(t, outs), t->why, sizeof(t->why));
+	}
+	t->res = ret;
+	if (ret)
+		eng_fmt(t->msg, sizeof(t->msg), "shardd: %s(group '%s', step %llu): the %s backend failed: %s",
+			shardd_op_name(t->ops[0].sqe.op), g->name, (unsigned long long)t->ops[0].sqe.step,
+			b->ops->name, t->why[0] ? t->why : ret > -SHARDD_E_BASE ? strerror(-ret) : "backend error");
+}
+
+/* ------------------------------------------------------------------ */
+/* The pool's round trip                                               */
+/* ------------------------------------------------------------------ */
+
+/* Pool thread: run one task, then hand it to the loop. */
+static void task_run(struct shd_pool_task *pt)
+{
+	struct eng_task *t = (struct eng_task *)pt;
+	struct shd_engine *e = t->eg->j->e;
+	uint64_t one = 1;
+	ssize_t w;
+
+	task_exec(t);
+	pthread_mutex_lock(&e->lock);
+	t->finished = 1;
+	if (e->fin_tail)
+		e->fin_tail->next = t;
+	else
+		e->fin_head = t;
+	e->fin_tail = t;
+	pthread_cond_broadcast(&e->finished);
+	pthread_mutex_unlock(&e->lock);
+	/* An eventfd write only fails on counter overflow, which a read in drain resets. */
+	w = write(e->efd, &one, sizeof(one));
+	(void)w;
+}
+
+void shd_engine_drain(struct shd_engine *e)
+{
+	struct eng_task *t, *next;
+	uint64_t v;
+	ssize_t r;
+
+	/* Reset the counter before taking the list: a task finishing later writes again. */
+	r = read(e->efd, &v, sizeof(v));
+	(void)r;
+	pthread_mutex_lock(&e->lock);
+	t = e->fin_head;
+	e->fin_head = e->fin_tail = NULL;
+	pthread_mutex_unlock(&e->lock);
+	for (; t; t = next) {
+		struct eng_group *eg = t->eg;
+
+		next = t->next;
+		/* Not its group's running task: a checkpoint's write off the group's queue. */
+		if (t->kind == TASK_SAVE_WRITE) {
+			t->hooks->delivered(t);
+			free(t);
+			continue;
+		}
+		eg->running = NULL;
+		/* A restore's end may fail the registration and free the group: nothing runs after it. */
+		if (t->kind == TASK_RESTORE) {
+			t->hooks->delivered(t);
+			free(t);
+			continue;
+		}
+		/*
+		 * A next task for the pool starts before these completions go
+		 * out, so it overlaps them; a small one runs after them, so the
+		 * group's completions keep their order.
+		 */
+		if (eg->qhead && !task_inline(eg->qhead))
+			group_kick(eg);
+		task_deliver(t);
+		free(t);
+		group_kick(eg);
+	}
+}
+
+void eng_task_wait_finished(struct shd_engine *e, struct eng_task *t)
+{
+	struct eng_task **pp;
+
+	pthread_mutex_lock(&e->lock);
+	while (!t->finished)
+		pthread_cond_wait(&e->finished, &e->lock);
+	e->fin_tail = NULL;
+	for (pp = &e->fin_head; *pp; ) {
+		if (*pp == t) {
+			*pp = t->next;
+		} else {
+			e->fin_tail = *pp;
+			pp = &(*pp)->next;
+		}
+	}
+	pthread_mutex_unlock(&e->lock);
+}
+
+/* Wait for the group's running task, take it off the finished list and deliver it. */
+static void group_wait_running(struct eng_group *eg)
+{
+	struct eng_task *t = eg->running;
+
+	if (!t)
+		return;
+	eng_task_wait_finished(eg->j->e, t);
+	eg->running = NULL;
+	task_deliver(t);
+	free(t);
+}
+
+void eng_tasks_stop(struct eng_group *eg, int res, const char *msg)
+{
+	group_wait_running(eg);
+	while (eg->qhead) {
+		struct eng_task *t = eg->qhead;
+
+		eg->qhead = t->next;
+		t->res = res;
+		snprintf(t->msg, sizeof(t->msg), "%s", msg);
+		task_deliver(t);
+		free(t);
+	}
+	eg->qtail = NULL;
+}

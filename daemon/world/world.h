@@ -1,0 +1,107 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The daemon world (`shardd --world mpi`, docs/MULTINODE.md): one daemon
+ * per node, started by mpirun or srun; MPI rank = node index. Every MPI
+ * call of the daemon is made on one communication thread, which this file
+ * owns: it initialises MPI (MPI_THREAD_FUNNELED: that thread is the one
+ * that called MPI_Init_thread, so no other level is needed, and Open MPI
+ * takes no locks on its progress path at this level), posts the
+ * non-blocking sends and receives of every exchange, polls them against
+ * their deadline and finalises MPI at shutdown. The event loop never calls
+ * in here except to start and stop; a pool thread running an inter-node
+ * task hands its exchange to the communication thread and waits, bounded
+ * by the collective timeout.
+ *
+ * Without --world the daemon never calls shd_world_start, and MPI is not
+ * initialised: single-node use needs no mpirun.
+ */
+#ifndef SHD_WORLD_H
+#define SHD_WORLD_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* How partial sums travel between nodes (--internode-dtype). */
+enum shd_internode_dtype {
+	SHD_INTERNODE_FP32 = 0,   /* fp32 (default) */
+	SHD_INTERNODE_REDUCE = 1, /* the group's reduce dtype: half the bytes for bf16/fp16 */
+};
+
+/*
+ * Initialise MPI on a new communication thread and learn this node's index
+ * and the number of nodes. 0, or -1 with `err` saying why (MPI missing,
+ * not started by mpirun, ...).
+ */
+int shd_world_start(uint32_t internode_dtype, char *err, size_t len);
+/* Fail exchanges in flight, finalise MPI (unless a peer failed) and join the thread. */
+void shd_world_stop(void);
+
+/* Number of nodes of the world; 0 when the daemon runs without --world. */
+uint32_t shd_world_nodes(void);
+/* This daemon's node index (its MPI rank). */
+uint32_t shd_world_node(void);
+/* --internode-dtype: enum shd_internode_dtype. */
+uint32_t shd_world_internode_dtype(void);
+
+/*
+ * One exchange among all nodes (never on the loop thread): `bytes` of
+ * send[k] go to node k, and node k's bytes land at recv + k * bytes
+ * (send[node] is copied there). `key` names the stream of exchanges (a job
+ * and group: equal on every node, so it doubles as the MPI tag) and `seq`
+ * its position in that stream; `check` what must be equal on every node (a
+ * digest of the group's params, the op and its step): a node's message for another key, seq or
+ * check is an error, not data. Waits until every node's bytes arrived, an MPI error,
+ * or `deadline_ns` (shd_now_ns clock). 0; or -SHARDD_E_TIMEOUT /
+ * -SHARDD_E_PEER_DIED / -SHARDD_E_MISMATCH / -SHARDD_E_NOMEM with `err`
+ * saying why and missing[k] = 1 for each node k whose bytes did not arrive
+ * (missing has nodes entries).
+ */
+int shd_world_exchange(uint64_t key, uint64_t seq, uint64_t check, const void *const *send,
+		       void *recv, size_t bytes, uint64_t deadline_ns, uint8_t *missing, char *err,
+		       size_t len);
+
+/*
+ * The memory of an exchange without copies: the caller fills
+ * shd_world_buf_data(b) and drops its reference with shd_world_buf_put;
+ * the memory lives on while MPI still uses it (a send to a node that
+ * stopped answering), and is freed when the last reference goes (no
+ * cache: the engine counts every such buffer against --max-memory,
+ * world_collective.c). NULL when out of memory. shd_world_buf_busy: 1 while MPI
+ * still holds b for an exchange that ended (or runs), when the caller's is
+ * not the only reference; reusing b then would change bytes MPI may still send.
+ */
+struct shd_world_buf;
+struct shd_world_buf *shd_world_buf_new(size_t bytes);
+uint8_t *shd_world_buf_data(struct shd_world_buf *b);
+int shd_world_buf_busy(struct shd_world_buf *b);
+void shd_world_buf_put(struct shd_world_buf *b);
+
+/*
+ * shd_world_exchange within one buffer: node k gets the `bytes` at
+ * send_off + k * send_stride (send_stride 0: the same bytes to every node),
+ * node k's bytes land at recv_off + k * bytes; this node's own slot there
+ * is left as it is (its bytes are at send_off + node * send_stride: read
+ * them there, or make the two places one).
+ * Same results and errors as shd_world_exchange.
+ */
+int shd_world_xchg(uint64_t key, uint64_t seq, uint64_t check, struct shd_world_buf *b, size_t send_off,
+		   size_t send_stride, size_t recv_off, size_t bytes, uint64_t deadline_ns, uint8_t *missing,
+		   char *err, size_t len);
+
+/*
+ * An all-gather that does not wait (for the loop thread): `bytes` of
+ * `mine` to every node. When it ends (every node's bytes, an error, the
+ * deadline) the communication thread adds 1 to the eventfd `wake_fd`;
+ * shd_world_op_done then says 1, and shd_world_op_end gives node k's bytes
+ * at recv + k * bytes, or the error as shd_world_exchange does, and frees
+ * the op. shd_world_op_abandon gives it up at any time (freed when MPI lets
+ * go). 0, or -SHARDD_E_NOMEM with `err` written.
+ */
+struct shd_world_op;
+int shd_world_gather_start(uint64_t key, uint64_t seq, uint64_t check, const void *mine, size_t bytes,
+			   uint64_t deadline_ns, int wake_fd, struct shd_world_op **out, char *err, size_t len);
+int shd_world_op_done(struct shd_world_op *op);
+int shd_world_op_end(struct shd_world_op *op, void *recv, uint8_t *missing, char *err, size_t len);
+void shd_world_op_abandon(struct shd_world_op *op);
+
+#endif /* SHD_WORLD_H */

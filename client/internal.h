@@ -144,7 +144,7 @@ SHARDD_HIDDEN int shardd_group_check_exports(const struct shardd_group_reply *in
 /* ops.c: submit one op and wait for its own completion; returns its res. */
 SHARDD_HIDDEN int shardd_client_op_sync(struct shardd_client *c, uint32_t op, uint32_t group,
 					uint64_t step, uint32_t flags, const char *what);
-/* The same with sqe.rsvd2[0..1] = args[0..1] (NULL: zero), e.g. a step's lr and clip coefficient. */
+/* The same with sqe.arg[0..1] = args[0..1] (NULL: zero), e.g. a step's lr and clip coefficient. */
 SHARDD_HIDDEN int shardd_client_op_sync_args(struct shardd_client *c, uint32_t op, uint32_t group,
 					     uint64_t step, uint32_t flags, const uint64_t *args,
 					     const char *what);

@@ -125,8 +125,8 @@ static int submit_sqe(struct shardd_client *c, uint32_t op, uint32_t group, uint
 	};
 
 	if (args) {
-		sqe.rsvd2[0] = args[0];
-		sqe.rsvd2[1] = args[1];
+		sqe.arg[0] = args[0];
+		sqe.arg[1] = args[1];
 	}
 	int64_t slot;
 	int ret;
@@ -168,8 +168,8 @@ static int cq_take(struct shardd_client *c, struct shardd_completion *out)
 	out->op = cqe.op;
 	out->group = cqe.group;
 	out->step = cqe.step;
-	out->result[0] = cqe.rsvd2[0];
-	out->result[1] = cqe.rsvd2[1];
+	out->result[0] = cqe.result[0];
+	out->result[1] = cqe.result[1];
 	/* Before the release: the daemon records this slot's event again once it is free. */
 	if (cqe.fence)
 		shardd_client_fence_reap(c, slot, out);

@@ -79,9 +79,9 @@ enum shardd_op {
 
 /*
  * SHARDD_OP_STEP: sqe.step is the step number (>= 1), sqe.flags
- * SHARDD_STEP_*, sqe.rsvd2[SHARDD_SQE_STEP_LR] the learning rate as the
+ * SHARDD_STEP_*, sqe.arg[SHARDD_SQE_STEP_LR] the learning rate as the
  * bits of an IEEE-754 double, and with SHARDD_STEP_CLIP
- * sqe.rsvd2[SHARDD_SQE_STEP_CLIP] the clip coefficient (clip_grad_norm_'s
+ * sqe.arg[SHARDD_SQE_STEP_CLIP] the clip coefficient (clip_grad_norm_'s
  * max_norm / (total_norm + 1e-6), clamped to 1 by the caller) as double
  * bits, rounded to fp32 and multiplied into the grad. With
  * SHARDD_STEP_CLIP_JOB the same word holds clip_grad_norm_'s max_norm
@@ -94,12 +94,12 @@ enum shardd_op {
  * hold fails (-SHARDD_E_STATE). SHARDD_STEP_REPLAY (alone, lr and clip
  * words 0): apply the step with the flags and words another rank of the
  * group submitted for the same step number (a restarted rank's catch-up).
- * Other rsvd2 words stay zero. The completion's res is one of enum
+ * Other arg words stay zero. The completion's res is one of enum
  * shardd_step_result or a negative error.
  */
 #define SHARDD_STEP_SKIP_NONFINITE     (1u << 0) /* skip (no update) when this rank's sharded grad holds a NaN or Inf */
-#define SHARDD_STEP_CLIP               (1u << 1) /* rsvd2[SHARDD_SQE_STEP_CLIP] holds a clip coefficient */
-#define SHARDD_STEP_CLIP_JOB           (1u << 2) /* rsvd2[SHARDD_SQE_STEP_CLIP] holds max_norm; the job's grad_norm gives the coefficient (minor 4) */
+#define SHARDD_STEP_CLIP               (1u << 1) /* arg[SHARDD_SQE_STEP_CLIP] holds a clip coefficient */
+#define SHARDD_STEP_CLIP_JOB           (1u << 2) /* arg[SHARDD_SQE_STEP_CLIP] holds max_norm; the job's grad_norm gives the coefficient (minor 4) */
 #define SHARDD_STEP_SKIP_JOB_NONFINITE (1u << 3) /* skip on every rank when the job's grad_norm of this step was non-finite (minor 4) */
 #define SHARDD_STEP_REPLAY             (1u << 4) /* as another rank of the group submitted this step (minor 4) */
 #define SHARDD_STEP_FLAGS_MASK     (SHARDD_STEP_SKIP_NONFINITE | SHARDD_STEP_CLIP | SHARDD_STEP_CLIP_JOB | \
@@ -116,15 +116,15 @@ enum shardd_step_result {
 
 /*
  * SHARDD_OP_GRAD_NORM: job-wide like BARRIER (sqe.group and sqe.flags 0),
- * keyed by sqe.step and the norm type, sqe.rsvd2[SHARDD_SQE_GRAD_NORM_TYPE]
+ * keyed by sqe.step and the norm type, sqe.arg[SHARDD_SQE_GRAD_NORM_TYPE]
  * as double bits: 2.0 or +inf. A completion with res 0 carries the total
- * norm as double bits in cqe.rsvd2[SHARDD_CQE_GRAD_NORM] and 1 in
- * cqe.rsvd2[SHARDD_CQE_GRAD_NORM_NONFINITE] when some grad element is NaN
+ * norm as double bits in cqe.result[SHARDD_CQE_GRAD_NORM] and 1 in
+ * cqe.result[SHARDD_CQE_GRAD_NORM_NONFINITE] when some grad element is NaN
  * or Inf (then the norm is NaN or Inf too).
  */
 /*
  * SHARDD_OP_CHECKPOINT: job-wide like BARRIER (sqe.group, sqe.flags and
- * rsvd2 0), keyed by sqe.step, the step boundary it is taken at. When every
+ * arg 0), keyed by sqe.step, the step boundary it is taken at. When every
  * rank has arrived the daemon writes every group's params and optimizer
  * state into <--state-dir>/<job>/step-<step, 12 digits> (docs/CHECKPOINTS.md);
  * each rank's completion comes when the checkpoint is durable (res 0) or
@@ -135,7 +135,7 @@ enum shardd_step_result {
 #define SHARDD_CQE_GRAD_NORM_NONFINITE 1
 
 /*
- * SHARDD_OP_BARRIER failing with -SHARDD_E_MISMATCH: cqe.rsvd2
+ * SHARDD_OP_BARRIER failing with -SHARDD_E_MISMATCH: cqe.result
  * [SHARDD_CQE_BARRIER_OTHER] is the barrier number the rank was refused
  * against (the newcomer's for the ranks that waited, the waiting ranks'
  * for the newcomer), so a client can tell whose barrier it met (minor 4).
@@ -160,7 +160,7 @@ enum shardd_optim {
 #define SHARDD_REDUCE_ALL_REDUCE (1u << 0) /* HSDP: all-reduce across replicas now */
 /*
  * Step each rank's shard right after the reduce, as SHARDD_OP_STEP with
- * the reduce's step number and sqe.rsvd2[SHARDD_SQE_STEP_LR] as its lr (no
+ * the reduce's step number and sqe.arg[SHARDD_SQE_STEP_LR] as its lr (no
  * clipping, no skipping); the reduce's res is then the step's result. Under
  * HSDP only with SHARDD_REDUCE_ALL_REDUCE.
  */
@@ -439,7 +439,8 @@ struct shardd_sqe {
 	uint64_t user_data; /* echoed in the completion */
 	uint32_t flags;     /* per-op flags, e.g. SHARDD_REDUCE_* */
 	uint32_t rsvd1;     /* zero */
-	uint64_t rsvd2[4];  /* zero */
+	uint64_t arg[4];    /* the op's arguments: SHARDD_SQE_* words (STEP, GRAD_NORM, REDUCE
+	                     * with SHARDD_REDUCE_STEP); zero where the op takes none */
 };
 
 /* Completion queue entry: daemon -> client. */
@@ -453,7 +454,8 @@ struct shardd_cqe {
 	uint32_t group;     /* from the sqe */
 	uint32_t rsvd1;
 	uint64_t step;      /* from the sqe */
-	uint64_t rsvd2[4];
+	uint64_t result[4]; /* the op's results: SHARDD_CQE_* words (GRAD_NORM, a BARRIER
+	                     * mismatch); zero otherwise */
 };
 
 /* ring flags, written by the daemon */

@@ -317,11 +317,11 @@ static int step_check(const struct eng_group *eg, const struct shardd_sqe *sqe, 
 	const char *name = shardd_op_name(sqe->op);
 	double lr, clip = 1, max_norm = 1;
 
-	memcpy(&lr, &sqe->rsvd2[SHARDD_SQE_STEP_LR], sizeof(lr));
+	memcpy(&lr, &sqe->arg[SHARDD_SQE_STEP_LR], sizeof(lr));
 	if (sqe->op == SHARDD_OP_STEP && (sqe->flags & SHARDD_STEP_CLIP))
-		memcpy(&clip, &sqe->rsvd2[SHARDD_SQE_STEP_CLIP], sizeof(clip));
+		memcpy(&clip, &sqe->arg[SHARDD_SQE_STEP_CLIP], sizeof(clip));
 	if (sqe->op == SHARDD_OP_STEP && (sqe->flags & SHARDD_STEP_CLIP_JOB))
-		memcpy(&max_norm, &sqe->rsvd2[SHARDD_SQE_STEP_CLIP], sizeof(max_norm));
+		memcpy(&max_norm, &sqe->arg[SHARDD_SQE_STEP_CLIP], sizeof(max_norm));
 	if (eg->g->optim.kind == SHARDD_OPTIM_NONE) {
 		eng_fmt(msg, len, "shardd: %s(group '%s'): the group was registered without an optimizer; "
 			"register it with one (SHARDD_REGISTER_OPTIMIZER) or update its shards in the trainer",
@@ -338,7 +338,7 @@ static int step_check(const struct eng_group *eg, const struct shardd_sqe *sqe, 
 			"(a coefficient) and SHARDD_STEP_CLIP_JOB (max_norm): give one", name, eg->g->name,
 			(unsigned long long)sqe->step, sqe->flags);
 	else if ((sqe->flags & SHARDD_STEP_CLIP_JOB) && !(max_norm > 0 && isfinite(max_norm)))
-		eng_fmt(msg, len, "shardd: %s(group '%s', step %llu): max_norm = %g (sqe.rsvd2[%d] with "
+		eng_fmt(msg, len, "shardd: %s(group '%s', step %llu): max_norm = %g (sqe.arg[%d] with "
 			"SHARDD_STEP_CLIP_JOB); it must be finite and > 0", name, eg->g->name,
 			(unsigned long long)sqe->step, max_norm, SHARDD_SQE_STEP_CLIP);
 	else if (!(clip >= 0) || clip > 1e30)
@@ -346,11 +346,11 @@ static int step_check(const struct eng_group *eg, const struct shardd_sqe *sqe, 
 			"finite and >= 0 (clip_grad_norm_'s max_norm / (total_norm + 1e-6), at most 1)",
 			name, eg->g->name, (unsigned long long)sqe->step, clip);
 	else if (sqe->op == SHARDD_OP_STEP && !(sqe->flags & (SHARDD_STEP_CLIP | SHARDD_STEP_CLIP_JOB)) &&
-		 sqe->rsvd2[SHARDD_SQE_STEP_CLIP])
-		eng_fmt(msg, len, "shardd: %s(group '%s', step %llu): sqe.rsvd2[%d] = 0x%llx without "
+		 sqe->arg[SHARDD_SQE_STEP_CLIP])
+		eng_fmt(msg, len, "shardd: %s(group '%s', step %llu): sqe.arg[%d] = 0x%llx without "
 			"SHARDD_STEP_CLIP or SHARDD_STEP_CLIP_JOB: set a flag or leave it 0", name, eg->g->name,
 			(unsigned long long)sqe->step, SHARDD_SQE_STEP_CLIP,
-			(unsigned long long)sqe->rsvd2[SHARDD_SQE_STEP_CLIP]);
+			(unsigned long long)sqe->arg[SHARDD_SQE_STEP_CLIP]);
 	else if (sqe->op == SHARDD_OP_REDUCE && eng_mesh_replicate(eg->j) > 1 && !(sqe->flags & SHARDD_REDUCE_ALL_REDUCE))
 		eng_fmt(msg, len, "shardd: reduce(group '%s', step %llu): flags = 0x%x: SHARDD_REDUCE_STEP without "
 			"SHARDD_REDUCE_ALL_REDUCE under HSDP (replicate %u): the grads are not final until the "
@@ -370,13 +370,13 @@ static int step_replay(const struct eng_group *eg, struct eng_op *op, char *msg,
 {
 	const struct shardd_sqe *sqe = &op->sqe, *rec = &eg->last_sub;
 
-	if (sqe->flags != SHARDD_STEP_REPLAY || sqe->rsvd2[SHARDD_SQE_STEP_LR] || sqe->rsvd2[SHARDD_SQE_STEP_CLIP]) {
-		eng_fmt(msg, len, "shardd: step(group '%s', step %llu): flags = 0x%x, sqe.rsvd2[%d] = 0x%llx, "
-			"sqe.rsvd2[%d] = 0x%llx: SHARDD_STEP_REPLAY takes no other flag, lr or clip word (it "
+	if (sqe->flags != SHARDD_STEP_REPLAY || sqe->arg[SHARDD_SQE_STEP_LR] || sqe->arg[SHARDD_SQE_STEP_CLIP]) {
+		eng_fmt(msg, len, "shardd: step(group '%s', step %llu): flags = 0x%x, sqe.arg[%d] = 0x%llx, "
+			"sqe.arg[%d] = 0x%llx: SHARDD_STEP_REPLAY takes no other flag, lr or clip word (it "
 			"applies those another rank of the group submitted)", eg->g->name,
 			(unsigned long long)sqe->step, sqe->flags, SHARDD_SQE_STEP_LR,
-			(unsigned long long)sqe->rsvd2[SHARDD_SQE_STEP_LR], SHARDD_SQE_STEP_CLIP,
-			(unsigned long long)sqe->rsvd2[SHARDD_SQE_STEP_CLIP]);
+			(unsigned long long)sqe->arg[SHARDD_SQE_STEP_LR], SHARDD_SQE_STEP_CLIP,
+			(unsigned long long)sqe->arg[SHARDD_SQE_STEP_CLIP]);
 		return -SHARDD_E_INVALID;
 	}
 	if (rec->step != sqe->step) {
@@ -388,8 +388,8 @@ static int step_replay(const struct eng_group *eg, struct eng_op *op, char *msg,
 		return -SHARDD_E_STATE;
 	}
 	op->sqe.flags = rec->op == SHARDD_OP_STEP ? rec->flags : 0;
-	op->sqe.rsvd2[SHARDD_SQE_STEP_LR] = rec->rsvd2[SHARDD_SQE_STEP_LR];
-	op->sqe.rsvd2[SHARDD_SQE_STEP_CLIP] = rec->op == SHARDD_OP_STEP ? rec->rsvd2[SHARDD_SQE_STEP_CLIP] : 0;
+	op->sqe.arg[SHARDD_SQE_STEP_LR] = rec->arg[SHARDD_SQE_STEP_LR];
+	op->sqe.arg[SHARDD_SQE_STEP_CLIP] = rec->op == SHARDD_OP_STEP ? rec->arg[SHARDD_SQE_STEP_CLIP] : 0;
 	return 0;
 }
 
@@ -426,7 +426,7 @@ static int step_job(const struct eng_group *eg, struct eng_op *op, char *msg, si
 	op->job_skip = (sqe->flags & SHARDD_STEP_SKIP_JOB_NONFINITE) && rec->nonfinite;
 	if (!(sqe->flags & SHARDD_STEP_CLIP_JOB) || op->job_skip)
 		return 0;
-	memcpy(&max_norm, &sqe->rsvd2[SHARDD_SQE_STEP_CLIP], sizeof(max_norm));
+	memcpy(&max_norm, &sqe->arg[SHARDD_SQE_STEP_CLIP], sizeof(max_norm));
 	op->job_clip = shd_clip_coefficient(rec->norm, max_norm);
 	op->job_clip_set = 1;
 	if (isnan(op->job_clip)) {

@@ -20,14 +20,14 @@ int shd_sqe_check(const struct shardd_sqe *sqe, char *why, size_t len)
 		snprintf(why, len, "sqe.rsvd1 = 0x%x: reserved, must be 0", sqe->rsvd1);
 		return -1;
 	}
-	/* step carries its learning rate and clip coefficient in rsvd2[0..1], a reduce with STEP its lr. */
+	/* step carries its learning rate and clip coefficient in arg[0..1], a reduce with STEP its lr. */
 	for (int i = sqe->op == SHARDD_OP_STEP ? SHARDD_SQE_STEP_CLIP + 1 :
 		     sqe->op == SHARDD_OP_REDUCE && (sqe->flags & SHARDD_REDUCE_STEP) ? SHARDD_SQE_STEP_LR + 1 :
 		     sqe->op == SHARDD_OP_GRAD_NORM ? SHARDD_SQE_GRAD_NORM_TYPE + 1 : 0;
-	     i < (int)(sizeof(sqe->rsvd2) / sizeof(sqe->rsvd2[0])); i++) {
-		if (sqe->rsvd2[i]) {
-			snprintf(why, len, "sqe.rsvd2[%d] = 0x%llx: reserved, must be 0", i,
-				 (unsigned long long)sqe->rsvd2[i]);
+	     i < (int)(sizeof(sqe->arg) / sizeof(sqe->arg[0])); i++) {
+		if (sqe->arg[i]) {
+			snprintf(why, len, "sqe.arg[%d] = 0x%llx: reserved, must be 0", i,
+				 (unsigned long long)sqe->arg[i]);
 			return -1;
 		}
 	}

@@ -342,9 +342,9 @@ static int task_step(struct eng_task *t, struct eng_op *op)
 		op->res = SHARDD_STEP_SKIPPED;
 		return 0;
 	}
-	memcpy(&lr, &sqe->rsvd2[SHARDD_SQE_STEP_LR], sizeof(lr));
+	memcpy(&lr, &sqe->arg[SHARDD_SQE_STEP_LR], sizeof(lr));
 	if (sqe->op == SHARDD_OP_STEP && (sqe->flags & SHARDD_STEP_CLIP))
-		memcpy(&clip, &sqe->rsvd2[SHARDD_SQE_STEP_CLIP], sizeof(clip));
+		memcpy(&clip, &sqe->arg[SHARDD_SQE_STEP_CLIP], sizeof(clip));
 	if (op->job_clip_set)
 		clip = op->job_clip;
 	for (uint32_t k = 0; k < shd_group_optim_states(o); k++)

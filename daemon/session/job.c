@@ -122,7 +122,7 @@ static void rdv_label(char *buf, size_t len, enum shd_job_rdv_kind k, uint64_t s
 /*
  * End rendezvous op `k` in progress: every arrived rank gets (res, msg),
  * and a grad_norm's completion, with res 0, the norm and the non-finite
- * flag in its rsvd2. The rendezvous is reset before any completion is
+ * flag in its arg. The rendezvous is reset before any completion is
  * pushed, so a client dropped while we complete it (corrupt ring) finds
  * no op to fail again.
  */
@@ -142,10 +142,10 @@ static void rdv_finish(struct shd_job *j, enum shd_job_rdv_kind k, int res, cons
 		struct shardd_sqe out = w->sqe;
 
 		if (k == SHD_JOB_GNORM) {
-			memset(out.rsvd2, 0, sizeof(out.rsvd2));
+			memset(out.arg, 0, sizeof(out.arg));
 			if (res == 0) {
-				memcpy(&out.rsvd2[SHARDD_CQE_GRAD_NORM], &norm, sizeof(norm));
-				out.rsvd2[SHARDD_CQE_GRAD_NORM_NONFINITE] = nonfinite ? 1 : 0;
+				memcpy(&out.arg[SHARDD_CQE_GRAD_NORM], &norm, sizeof(norm));
+				out.arg[SHARDD_CQE_GRAD_NORM_NONFINITE] = nonfinite ? 1 : 0;
 			}
 		}
 		shd_job_op_done(j, done[i], w->token, &out, res, msg);
@@ -467,12 +467,12 @@ void shd_job_barrier(struct shd_job *j, uint32_t rank, const struct shardd_sqe *
 			 "barrier %llu; failing ranks %s",
 			 j->rank_base + rank, (unsigned long long)sqe->step, j->rank_base + rdv->first_rank,
 			 (unsigned long long)rdv->step, failing);
-		/* Each failing rank's completion names the barrier number it met (cqe.rsvd2[0]). */
+		/* Each failing rank's completion names the barrier number it met (cqe.result[0]). */
 		mine = *sqe;
-		mine.rsvd2[SHARDD_CQE_BARRIER_OTHER] = rdv->step;
+		mine.arg[SHARDD_CQE_BARRIER_OTHER] = rdv->step;
 		for (uint32_t i = 0; i < rdv->nexpected; i++)
 			if (rdv->arrived[i])
-				j->ranks[rdv->ranks[i]].wait[SHD_JOB_BARRIER].sqe.rsvd2[SHARDD_CQE_BARRIER_OTHER] =
+				j->ranks[rdv->ranks[i]].wait[SHD_JOB_BARRIER].sqe.arg[SHARDD_CQE_BARRIER_OTHER] =
 					sqe->step;
 		rdv_mismatch(j, SHD_JOB_BARRIER, rank, &mine, msg);
 		return;
@@ -496,15 +496,15 @@ void shd_job_grad_norm(struct shd_job *j, uint32_t rank, const struct shardd_sqe
 	uint32_t code;
 	int ret, nonfinite = 0;
 
-	memcpy(&type, &sqe->rsvd2[SHARDD_SQE_GRAD_NORM_TYPE], sizeof(type));
+	memcpy(&type, &sqe->arg[SHARDD_SQE_GRAD_NORM_TYPE], sizeof(type));
 	if (type == 2.0) {
 		code = 0;
 	} else if (isinf(type) && type > 0) {
 		code = 1;
 	} else {
-		snprintf(msg, sizeof(msg), "grad_norm(step %llu): norm_type %g (sqe.rsvd2[%d] = 0x%llx) is "
+		snprintf(msg, sizeof(msg), "grad_norm(step %llu): norm_type %g (sqe.arg[%d] = 0x%llx) is "
 			 "not supported: use 2.0 or inf", (unsigned long long)sqe->step, type,
-			 SHARDD_SQE_GRAD_NORM_TYPE, (unsigned long long)sqe->rsvd2[SHARDD_SQE_GRAD_NORM_TYPE]);
+			 SHARDD_SQE_GRAD_NORM_TYPE, (unsigned long long)sqe->arg[SHARDD_SQE_GRAD_NORM_TYPE]);
 		shd_job_op_done(j, rank, token, sqe, -SHARDD_E_INVALID, msg);
 		return;
 	}

@@ -75,12 +75,12 @@ void shd_session_complete(struct shd_session *s, const struct shardd_sqe *sqe, i
 	cqe.op = sqe->op;
 	cqe.group = sqe->group;
 	cqe.step = sqe->step;
-	/* grad_norm's result words travel in the rsvd2 of the sqe the job completes with (job.c). */
+	/* grad_norm's result words travel in the arg words of the sqe the job completes with (job.c). */
 	if (sqe->op == SHARDD_OP_GRAD_NORM && res >= 0)
-		memcpy(cqe.rsvd2, sqe->rsvd2, sizeof(cqe.rsvd2));
+		memcpy(cqe.result, sqe->arg, sizeof(cqe.result));
 	/* A barrier mismatch names the barrier number met, the same way (job.c). */
 	if (sqe->op == SHARDD_OP_BARRIER && res == -SHARDD_E_MISMATCH)
-		memcpy(cqe.rsvd2, sqe->rsvd2, sizeof(cqe.rsvd2));
+		memcpy(cqe.result, sqe->arg, sizeof(cqe.result));
 	if ((sqe->fence & SHARDD_FENCE_SIGNAL) && s->fences) {
 		struct shd_backend_ctx *b = shd_engine_backend(shd_session_env.engine);
 		uint32_t slot = shardd_cq_next_slot(&s->ring);

@@ -502,7 +502,7 @@ void act_sqe(struct fz_in *in)
 	case 4: {
 		uint8_t at = in_u8(in) % 4;
 
-		sqe.rsvd2[at] = in_u64(in);
+		sqe.arg[at] = in_u64(in);
 		break;
 	}
 	case 5: sqe.group = in_u32(in); break;

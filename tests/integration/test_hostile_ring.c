@@ -57,7 +57,7 @@ Test(hostile, bad_ring_entries_each_get_one_error_completion_naming_field_and_va
 		{ sqe_of(255, gid, 1, 0, 0), -SHARDD_E_INVALID, "op 255" },
 		{ sqe_of(SHARDD_OP_NOP, 0, 0, 0, 0), -SHARDD_E_INVALID, "rsvd0[1] = 0x5" },
 		{ sqe_of(SHARDD_OP_NOP, 0, 0, 0, 0), -SHARDD_E_INVALID, "rsvd1 = 0x77" },
-		{ sqe_of(SHARDD_OP_BARRIER, 0, 0, 0, 0), -SHARDD_E_INVALID, "rsvd2[3] = 0xdead" },
+		{ sqe_of(SHARDD_OP_BARRIER, 0, 0, 0, 0), -SHARDD_E_INVALID, "arg[3] = 0xdead" },
 		{ sqe_of(SHARDD_OP_NOP, 0, 0, 0x10, 0), -SHARDD_E_INVALID, "flags = 0x10" },
 		{ sqe_of(SHARDD_OP_BARRIER, 0, 1, 0x1, 0), -SHARDD_E_INVALID, "flags = 0x1" },
 		{ sqe_of(SHARDD_OP_NOP, 3, 0, 0, 0), -SHARDD_E_INVALID, "group = 3" },
@@ -67,7 +67,7 @@ Test(hostile, bad_ring_entries_each_get_one_error_completion_naming_field_and_va
 		{ sqe_of(SHARDD_OP_REDUCE, gid, 1, 0x5, 0), -SHARDD_E_INVALID, "unknown bits 0x4" },
 		{ sqe_of(SHARDD_OP_RESHARD, gid, 1, 0x80000000u, 0), -SHARDD_E_INVALID,
 		  "flags = 0x80000000" },
-		{ sqe_of(SHARDD_OP_ZERO_GRAD, gid, 0, 0, 0), -SHARDD_E_INVALID, "rsvd2[0] = 0x1" },
+		{ sqe_of(SHARDD_OP_ZERO_GRAD, gid, 0, 0, 0), -SHARDD_E_INVALID, "arg[0] = 0x1" },
 		{ sqe_of(SHARDD_OP_UNSHARD, 0, 1, 0, 0), -SHARDD_E_NOGROUP, "group id 0" },
 		{ sqe_of(SHARDD_OP_REDUCE, 999, 1, 0, 0), -SHARDD_E_NOGROUP, "group id 999" },
 		{ sqe_of(SHARDD_OP_ZERO_GRAD, UINT32_MAX, 0, 0, 0), -SHARDD_E_NOGROUP,
@@ -82,8 +82,8 @@ Test(hostile, bad_ring_entries_each_get_one_error_completion_naming_field_and_va
 
 	cases[3].sqe.rsvd0[1] = 0x5;
 	cases[4].sqe.rsvd1 = 0x77;
-	cases[5].sqe.rsvd2[3] = 0xdead;
-	cases[13].sqe.rsvd2[0] = 0x1;
+	cases[5].sqe.arg[3] = 0xdead;
+	cases[13].sqe.arg[0] = 0x1;
 	cases[19].sqe.fence = SHARDD_FENCE_WAIT | SHARDD_FENCE_SIGNAL; /* no STREAM sent */
 	cases[20].sqe.fence = 0x81;
 	/* All at once: a batch of bad entries, completions matched by user_data. */
@@ -252,7 +252,7 @@ Test(hostile, thousands_of_random_entries_each_get_exactly_one_completion)
 				s->step = rnd() % 3 ? rnd() % 8 : rnd();
 				s->flags = rnd() % 4 ? 0 : rnd() % 2 ? 1 : (uint32_t)rnd();
 				if (rnd() % 16 == 0)
-					s->rsvd2[rnd() % 4] = 1ull << (rnd() % 64);
+					s->arg[rnd() % 4] = 1ull << (rnd() % 64);
 			}
 			s->user_data = submitted;
 			if (shardd_sq_push(&r.ring, s) == -EAGAIN)

@@ -123,7 +123,7 @@ Test(proto, sqe_and_cqe_layout, .timeout = 5)
 	cr_assert_eq(OFF(shardd_sqe, user_data), 16);
 	cr_assert_eq(OFF(shardd_sqe, flags), 24);
 	cr_assert_eq(OFF(shardd_sqe, rsvd1), 28);
-	cr_assert_eq(OFF(shardd_sqe, rsvd2), 32);
+	cr_assert_eq(OFF(shardd_sqe, arg), 32);
 
 	cr_assert_eq(sizeof(struct shardd_cqe), 64);
 	cr_assert_eq(OFF(shardd_cqe, user_data), 0);
@@ -135,7 +135,7 @@ Test(proto, sqe_and_cqe_layout, .timeout = 5)
 	cr_assert_eq(OFF(shardd_cqe, group), 16);
 	cr_assert_eq(OFF(shardd_cqe, rsvd1), 20);
 	cr_assert_eq(OFF(shardd_cqe, step), 24);
-	cr_assert_eq(OFF(shardd_cqe, rsvd2), 32);
+	cr_assert_eq(OFF(shardd_cqe, result), 32);
 }
 
 Test(proto, ring_header_layout_puts_each_writer_on_its_own_line, .timeout = 5)

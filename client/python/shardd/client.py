@@ -35,7 +35,7 @@ class ShardError(Exception):
     .code  0 > code: -errno or -SHARDD_E_* (as in the C API)
     .name  the code's name: 'SHARDD_E_TIMEOUT', 'ECONNRESET', ...
     .text  what failed, with the daemon's own message when it sent one
-    .result  a failed completion's result words (cqe.rsvd2[0..1]): a barrier
+    .result  a failed completion's result words (cqe.result[0..1]): a barrier
            mismatch's [0] is the barrier number met; None for other errors
     """
 
@@ -433,7 +433,7 @@ class Client:
         """Submit several ops at once (the daemon runs ops on different groups
         concurrently), wait for all of them, then raise the first failure.
         ops: iterable of (op, group, step, flags, where[, args]), args the
-        two words of sqe.rsvd2[0..1] (a step's lr and clip bits)."""
+        two words of sqe.arg[0..1] (a step's lr and clip bits)."""
         return self.start(ops).wait(timeout)
 
     def start(self, ops):
@@ -881,7 +881,7 @@ class Group:
 
 def step_flags_args(lr, skip_nonfinite=False, clip=None, max_norm=None, skip_job_nonfinite=False,
                     replay=False):
-    """(sqe.flags, (rsvd2[0], rsvd2[1])) of a STEP (PROTOCOL.md, SHARDD_OP_STEP)."""
+    """(sqe.flags, (arg[0], arg[1])) of a STEP (PROTOCOL.md, SHARDD_OP_STEP)."""
     if replay:
         return P.STEP_REPLAY, (0, 0)
     if clip is not None and max_norm is not None:

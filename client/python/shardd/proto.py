@@ -71,13 +71,13 @@ OP_NAMES = {OP_NOP: "nop", OP_BARRIER: "barrier", OP_UNSHARD: "unshard",
             OP_GRAD_NORM: "grad_norm", OP_CHECKPOINT: "checkpoint"}
 
 REDUCE_ALL_REDUCE = 1 << 0
-REDUCE_STEP = 1 << 1          # step each shard after the reduce (lr in sqe.rsvd2[0])
+REDUCE_STEP = 1 << 1          # step each shard after the reduce (lr in sqe.arg[0])
 REDUCE_FLAGS_MASK = REDUCE_ALL_REDUCE | REDUCE_STEP
 
 # SHARDD_OP_STEP: flags, results (cqe.res >= 0), optimizers (struct shardd_optim_config)
 STEP_SKIP_NONFINITE = 1 << 0
 STEP_CLIP = 1 << 1
-STEP_CLIP_JOB = 1 << 2            # sqe.rsvd2[1] is max_norm; the job's grad_norm of the step gives the coefficient
+STEP_CLIP_JOB = 1 << 2            # sqe.arg[1] is max_norm; the job's grad_norm of the step gives the coefficient
 STEP_SKIP_JOB_NONFINITE = 1 << 3  # skip on every rank when the job's grad_norm of the step was non-finite
 STEP_REPLAY = 1 << 4              # as another rank of the group submitted this step (alone, lr 0)
 STEP_APPLIED, STEP_SKIPPED, STEP_ALREADY = 0, 1, 2
@@ -154,8 +154,8 @@ PARAM_LAYOUT = struct.Struct("<8Q")               # see ParamLayout
 GROUP_REPLY = struct.Struct("<IIIIIIQQQ4sIQQ")   # ... shard_size export_kind[4] optimizer last_step peer_last_step
 GROUP_REPLY_V3 = struct.Struct("<IIIIIIQQQ4sIQ")  # minor < 4: without peer_last_step
 OPTIM_CONFIG = struct.Struct("<II6d2Q")           # kind flags momentum dampening weight_decay beta1 beta2 eps rsvd[2]
-SQE = struct.Struct("<B3xIQQII4Q")                # op (fence=0: no streams here, rsvd0) group step user_data flags rsvd1 rsvd2[4]
-CQE = struct.Struct("<QiBBHIIQ4Q")                # user_data res op has_msg (fence, rsvd0: unused) group rsvd1 step rsvd2[4]
+SQE = struct.Struct("<B3xIQQII4Q")                # op (fence=0: no streams here, rsvd0) group step user_data flags rsvd1 arg[4]
+CQE = struct.Struct("<QiBBHIIQ4Q")                # user_data res op has_msg (fence, rsvd0: unused) group rsvd1 step result[4]
 RING_HDR_SIZE = 8 * CACHELINE
 
 # Byte offsets of the ring header fields (struct shardd_ring_hdr).

@@ -135,7 +135,7 @@ class Completion:
         self.group = group
         self.step = step
         self.msg = msg
-        self.result = result  # cqe.rsvd2[0..1]: grad_norm's norm bits and non-finite flag
+        self.result = result  # cqe.result[0..1]: grad_norm's norm bits and non-finite flag
 
     def __repr__(self):
         op = P.OP_NAMES.get(self.op, str(self.op))

@@ -57,16 +57,16 @@ static int cmp_name_idx(const void *a, const void *b)
 		      sort_file->tensors[*(const uint32_t *)b].name);
 }
 
-/* A JSON integer in [0, max], else -1. */
+/* A JSON integer in [0, max] into *out: 0, else -EINVAL. */
 static int json_u64(const json_t *v, uint64_t max, uint64_t *out)
 {
 	json_int_t x;
 
 	if (!json_is_integer(v))
-		return -1;
+		return -EINVAL;
 	x = json_integer_value(v);
 	if (x < 0 || (uint64_t)x > max)
-		return -1;
+		return -EINVAL;
 	*out = (uint64_t)x;
 	return 0;
 }

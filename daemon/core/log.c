@@ -1,5 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 #define _GNU_SOURCE
+#include <errno.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -50,7 +51,7 @@ int shd_log_level_parse(const char *name)
 	for (int i = 0; i < (int)(sizeof(level_names) / sizeof(level_names[0])); i++)
 		if (strcmp(name, level_names[i]) == 0)
 			return i;
-	return -1;
+	return -EINVAL;
 }
 
 const char *shd_log_level_name(int level)

@@ -21,7 +21,7 @@ enum shd_log_level {
 /* Lines above this level are dropped; set once at start-up. */
 extern int shd_log_threshold;
 
-/* "error", "warn", "info", "debug" -> level; -1 for anything else. */
+/* "error", "warn", "info", "debug" -> level; -EINVAL for anything else. */
 int shd_log_level_parse(const char *name);
 const char *shd_log_level_name(int level);
 /* 1 when stderr is the journal (checked once, from JOURNAL_STREAM). */

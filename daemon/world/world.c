@@ -639,7 +639,7 @@ int shd_world_start(uint32_t internode_dtype, char *err, size_t len)
 	ret = pthread_create(&W.thread, NULL, world_thread, NULL);
 	if (ret) {
 		snprintf(err, len, "cannot start the MPI communication thread: %s", strerror(ret));
-		return -1;
+		return -ret;
 	}
 	pthread_mutex_lock(&W.lock);
 	while (!W.ready)
@@ -648,7 +648,7 @@ int shd_world_start(uint32_t internode_dtype, char *err, size_t len)
 	if (W.init_err[0]) {
 		pthread_join(W.thread, NULL);
 		snprintf(err, len, "%s", W.init_err);
-		return -1;
+		return -EIO;
 	}
 	W.started = 1;
 	shd_log_info("world: node %u of %u nodes (MPI_THREAD_FUNNELED, inter-node dtype %s)", W.node,

@@ -29,8 +29,9 @@ enum shd_internode_dtype {
 
 /*
  * Initialise MPI on a new communication thread and learn this node's index
- * and the number of nodes. 0, or -1 with `err` saying why (MPI missing,
- * not started by mpirun, ...).
+ * and the number of nodes. 0, or with `err` saying why pthread_create's
+ * negative errno, or -EIO when MPI did not initialise (MPI missing, not
+ * started by mpirun, ...).
  */
 int shd_world_start(uint32_t internode_dtype, char *err, size_t len);
 /* Fail exchanges in flight, finalise MPI (unless a peer failed) and join the thread. */

@@ -68,17 +68,15 @@ static int path_under(const char *root, const char *path)
  * began; a directory or file swapped for a symlink since (by whoever may
  * write below the root) would otherwise redirect the read to a file outside,
  * which the client may not read: here the swapped component fails with
- * ELOOP instead. The fd, or -1 with errno.
+ * ELOOP instead. The fd, or -errno.
  */
 static int open_beneath(const struct confine *cf, const char *path)
 {
 	char rel[LOAD_PATH], *comp, *end;
 	int dfd, fd = -1, err;
 
-	if (!path_under(cf->root, path) || strlen(path) >= sizeof(rel)) {
-		errno = EACCES;
-		return -1;
-	}
+	if (!path_under(cf->root, path) || strlen(path) >= sizeof(rel))
+		return -EACCES;
 	snprintf(rel, sizeof(rel), "%s", path + (strcmp(cf->root, "/") ? strlen(cf->root) : 0));
 	dfd = fcntl(cf->fd, F_DUPFD_CLOEXEC, 0);
 	for (comp = rel; dfd >= 0; comp = end) {
@@ -113,8 +111,7 @@ static int open_beneath(const struct confine *cf, const char *path)
 	err = errno;
 	if (dfd >= 0)
 		close(dfd);
-	errno = err;
-	return fd;
+	return fd >= 0 ? fd : -err;
 }
 
 /*
@@ -127,11 +124,14 @@ static int open_beneath(const struct confine *cf, const char *path)
  */
 static int open_regular(const struct confine *cf, const char *path, struct stat *st, char *msg, size_t len)
 {
-	int fd = cf && cf->fd >= 0 ? open_beneath(cf, path) :
-		 open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY), ret;
+	int fd, ret;
 
-	if (fd < 0 || fstat(fd, st)) {
-		ret = -errno;
+	if (cf && cf->fd >= 0)
+		fd = open_beneath(cf, path);
+	else if ((fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY)) < 0)
+		fd = -errno;
+	ret = fd < 0 ? fd : fstat(fd, st) ? -errno : 0;
+	if (ret < 0) {
 		if (cf && cf->fd >= 0 && (ret == -ELOOP || ret == -ENOTDIR || ret == -EACCES))
 			eng_fmt(msg, len, "cannot read %s for client uid %u: %s (below %s shardd follows no "
 				"symlink for a client of another uid)", path, (unsigned)cf->uid, strerror(-ret),

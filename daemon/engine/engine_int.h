@@ -339,8 +339,9 @@ static inline int eng_world_fsdp(const struct shd_engine_job *j)
 int eng_world_task(const struct eng_task *t);
 /*
  * Run the task (t->pt.fn) on a thread of its own: it waits for other nodes,
- * and the worker pool must never wait on the network. 0, or -1 when no
- * thread could be started (the caller queues it on the pool instead).
+ * and the worker pool must never wait on the network. 0, or pthread's
+ * negative errno when no thread could be started (the caller queues it on
+ * the pool instead).
  */
 int eng_world_spawn(struct eng_task *t);
 /* Wait until no thread of eng_world_spawn runs (engine destroy). */

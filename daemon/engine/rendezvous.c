@@ -58,7 +58,7 @@ void shd_rdv_reset(struct shd_rdv *r)
 	r->active = 0;
 }
 
-/* Index of `rank` in the expected set, or -1. */
+/* Index of `rank` in the expected set, or -ENOENT. */
 static int64_t rdv_index(const struct shd_rdv *r, uint32_t rank)
 {
 	uint32_t lo = 0, hi = r->nexpected;
@@ -73,7 +73,7 @@ static int64_t rdv_index(const struct shd_rdv *r, uint32_t rank)
 		else
 			hi = mid;
 	}
-	return -1;
+	return -ENOENT;
 }
 
 int shd_rdv_expects(const struct shd_rdv *r, uint32_t rank)

@@ -71,8 +71,9 @@ int eng_world_spawn(struct eng_task *t)
 	int ret;
 
 	eng_world_buf_ready(t->eg);
-	if (pthread_attr_init(&attr))
-		return -1;
+	ret = pthread_attr_init(&attr);
+	if (ret)
+		return -ret;
 	pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
 	pthread_mutex_lock(&e->lock);
 	e->span_threads++;
@@ -83,7 +84,7 @@ int eng_world_spawn(struct eng_task *t)
 		pthread_mutex_lock(&e->lock);
 		e->span_threads--;
 		pthread_mutex_unlock(&e->lock);
-		return -1;
+		return -ret;
 	}
 	return 0;
 }

@@ -195,14 +195,16 @@ err_close:
 	return ret;
 }
 
+/* pidfd_open(2) of `pid`: the fd, or -errno (-ENOSYS where the kernel or libc lacks it). */
 static int pidfd_open_pid(pid_t pid)
 {
 #ifdef SYS_pidfd_open
-	return (int)syscall(SYS_pidfd_open, pid, 0);
+	long fd = syscall(SYS_pidfd_open, pid, 0);
+
+	return fd < 0 ? -errno : (int)fd;
 #else
 	(void)pid;
-	errno = ENOSYS;
-	return -1;
+	return -ENOSYS;
 #endif
 }
 
@@ -336,12 +338,13 @@ void shd_session_hello(struct shd_session *s, const struct shardd_msg_hdr *hdr,
 		return;
 	}
 
-	s->pidfd = pidfd_open_pid(s->cred.pid);
-	if (s->pidfd < 0 && errno != ENOSYS) {
-		shd_session_reject(s, hdr->seq, -errno, "pidfd_open(%d): %s", (int)s->cred.pid,
-			       strerror(errno));
+	ret = pidfd_open_pid(s->cred.pid);
+	if (ret < 0 && ret != -ENOSYS) {
+		shd_session_reject(s, hdr->seq, ret, "pidfd_open(%d): %s", (int)s->cred.pid,
+			       strerror(-ret));
 		return;
 	}
+	s->pidfd = ret < 0 ? -1 : ret;
 	sq_entries = h.sq_entries ? h.sq_entries : SHARDD_RING_ENTRIES_DEFAULT;
 	if (!hello_ring_fits(s, hdr->seq, sq_entries,
 			     shardd_ring_region_size(sq_entries, sq_entries * CQ_PER_SQ)))

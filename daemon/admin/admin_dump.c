@@ -91,15 +91,19 @@ struct dump_view {
 	json_t  *shape;       /* shape of the tensor the rows belong to */
 };
 
-/* Which optimizer state buffer `what` names (momentum, exp_avg, ...), or -1. */
+/* Which optimizer state buffer `what` names (momentum, exp_avg, ...): its index, or -ENOENT. */
 static int dump_optim_state(const struct shd_group *g, const char *what)
 {
 	for (uint32_t k = 0; k < shd_group_optim_states(&g->optim); k++)
 		if (strcmp(what, shd_group_optim_state_name(&g->optim, k)) == 0)
 			return (int)k;
-	return -1;
+	return -ENOENT;
 }
 
+/*
+ * The buffer, offset and shape that `what` of param pi names on `rank`. 0;
+ * -SHARDD_E_INVALID with *err (an unknown `what`); -ENOMEM.
+ */
 static int dump_view(const struct shd_group *g, uint32_t pi, uint32_t rank, const char *what,
 		     struct dump_view *v, json_t **err)
 {
@@ -141,7 +145,7 @@ static int dump_view(const struct shd_group *g, uint32_t pi, uint32_t rank, cons
 					"no state without momentum") : g->optim.kind == SHARDD_OPTIM_ADAMW ?
 				       ((g->optim.flags & SHARDD_OPTIM_AMSGRAD) ? "exp_avg, exp_avg_sq, max_exp_avg_sq" :
 					"exp_avg, exp_avg_sq") : "no state");
-		return -1;
+		return -SHARDD_E_INVALID;
 	}
 	v->nrows = sp->ndim ? shape[0] : 1;
 	v->row_elems = v->nrows ? numel / v->nrows : 0;
@@ -159,7 +163,11 @@ static int dump_view(const struct shd_group *g, uint32_t pi, uint32_t rank, cons
 	return 0;
 }
 
-/* Read rows [a, end) of `v`: statistics over all of them, the first `limit` values into `vals`. */
+/*
+ * Read rows [a, end) of `v`: statistics over all of them, the first `limit`
+ * values into `vals`. 0; -SHARDD_E_STATE or the backend's negative code with
+ * *err; -ENOMEM.
+ */
 static int dump_read(const struct dump_view *v, uint64_t a, uint64_t end, uint64_t limit,
 		     struct dump_stats *st, json_t *vals, json_t **err)
 {
@@ -172,7 +180,7 @@ static int dump_read(const struct dump_view *v, uint64_t a, uint64_t end, uint64
 	if (!shd_buf_allocated(v->buf)) {
 		*err = admin_reply_err(-SHARDD_E_STATE, "the %s buffer is not allocated yet: every "
 				       "rank must register the group first", v->what);
-		return -1;
+		return -SHARDD_E_STATE;
 	}
 	while (done < n) {
 		size_t k = n - done < SHARDD_K_BLOCK ? (size_t)(n - done) : SHARDD_K_BLOCK;
@@ -185,7 +193,7 @@ static int dump_read(const struct dump_view *v, uint64_t a, uint64_t end, uint64
 					       ret > -SHARDD_E_BASE ? strerror(-ret)
 								    : "the backend failed: see shardd's log",
 					       b->ops->name);
-			return -1;
+			return ret;
 		}
 		shardd_k_to_f32(f, raw, v->dtype, k);
 		stats_add(st, f, k);

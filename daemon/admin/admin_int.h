@@ -50,7 +50,10 @@ struct shd_job *admin_arg_job(const json_t *req, json_t **err);
  */
 struct shd_job *admin_arg_group(const json_t *req, const struct shd_group **g,
 				   uint32_t *id, json_t **err);
-/* req's optional non-negative integer `key` into *out (def when absent); -1 with *err. */
+/*
+ * req's optional non-negative integer `key` into *out (def when absent). 0, or
+ * -SHARDD_E_INVALID with *err.
+ */
 int admin_arg_u64(const json_t *req, const char *key, uint64_t def, uint64_t *out, json_t **err);
 
 /* ---- admin_views.c ---- */

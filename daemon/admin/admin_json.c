@@ -260,7 +260,7 @@ int admin_arg_u64(const json_t *req, const char *key, uint64_t def, uint64_t *ou
 	if (!json_is_integer(v) || json_integer_value(v) < 0) {
 		*err = admin_reply_err(-SHARDD_E_INVALID, "\"%s\" must be a non-negative integer",
 				       key);
-		return -1;
+		return -SHARDD_E_INVALID;
 	}
 	*out = (uint64_t)json_integer_value(v);
 	return 0;

@@ -186,19 +186,22 @@ static void metrics_http_tick(void *arg)
 /* Start and stop                                                      */
 /* ------------------------------------------------------------------ */
 
-/* A listening TCP socket on host:port. fd, or -1 after printing why. */
+/*
+ * A listening TCP socket on host:port. fd, or after printing why -EINVAL (the
+ * host does not resolve) or the negative errno of the call that failed.
+ */
 static int listen_tcp(const char *spec, const char *host, const char *port, int *family)
 {
 	struct addrinfo hints = { .ai_socktype = SOCK_STREAM, .ai_flags = AI_NUMERICSERV |
 								    AI_PASSIVE };
 	struct addrinfo *res = NULL;
-	int fd = -1, err, one = 1;
+	int fd = -1, err, one = 1, ret;
 
 	err = getaddrinfo(host, port, &hints, &res);
 	if (err) {
 		shd_log_error("shardd: --metrics-listen %s: cannot resolve '%s': %s", spec, host,
 			gai_strerror(err));
-		return -1;
+		return -EINVAL;
 	}
 	fd = socket(res->ai_family, res->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK,
 		    res->ai_protocol);
@@ -206,13 +209,14 @@ static int listen_tcp(const char *spec, const char *host, const char *port, int 
 	    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) < 0 ||
 	    bind(fd, res->ai_addr, res->ai_addrlen) < 0 ||
 	    listen(fd, SOMAXCONN) < 0) {
+		ret = -errno;
 		shd_log_error("shardd: --metrics-listen %s: cannot listen on %s port %s: %s%s",
-			spec, host, port, strerror(errno),
-			errno == EADDRINUSE ? " (pick another port)" : "");
+			spec, host, port, strerror(-ret),
+			ret == -EADDRINUSE ? " (pick another port)" : "");
 		if (fd >= 0)
 			close(fd);
 		freeaddrinfo(res);
-		return -1;
+		return ret;
 	}
 	*family = res->ai_family;
 	freeaddrinfo(res);
@@ -256,7 +260,7 @@ int shd_metrics_http_start(const char *spec, struct shd_loop *loop,
 	fd = listen_tcp(spec, host, port, &family);
 	if (fd < 0) {
 		free(h);
-		return -EADDRINUSE;
+		return fd;
 	}
 	url_of(fd, h->url, sizeof(h->url));
 	/* No MHD_USE_INTERNAL_POLLING_THREAD: MHD only runs when the loop calls MHD_run. */

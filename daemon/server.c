@@ -294,7 +294,8 @@ static unsigned socket_dir_mode(unsigned mode)
  * Create the socket's directory if missing, with socket_dir_mode() and the
  * socket's group. An existing directory is left as it is (it may be /tmp or
  * a home), but a warning says when the socket's group cannot search it.
- * 0 or -1 after printing why.
+ * 0, or after printing why -ENOTDIR (the path is not a directory) or the
+ * negative errno of the call that failed.
  */
 static int socket_dir_prepare(const struct shd_config *cfg)
 {
@@ -303,6 +304,7 @@ static int socket_dir_prepare(const struct shd_config *cfg)
 	gid_t gid = socket_group(cfg);
 	struct stat st;
 	char *slash;
+	int ret;
 
 	snprintf(dir, sizeof(dir), "%s", cfg->socket_path);
 	slash = strrchr(dir, '/');
@@ -312,31 +314,35 @@ static int socket_dir_prepare(const struct shd_config *cfg)
 	if (mkdir(dir, 0700) == 0) {
 		/* mkdir's mode passes through the umask: set the group first, then the mode. */
 		if (gid != (gid_t)-1 && chown(dir, (uid_t)-1, gid) < 0) {
+			ret = -errno;
 			shd_log_error("shardd: cannot give the socket directory %s group %u: %s "
 				"(shardd's uid %u must be root or a member of group %u)", dir,
-				(unsigned)gid, strerror(errno), (unsigned)getuid(), (unsigned)gid);
-			return -1;
+				(unsigned)gid, strerror(-ret), (unsigned)getuid(), (unsigned)gid);
+			return ret;
 		}
 		if (chmod(dir, mode) < 0) {
+			ret = -errno;
 			shd_log_error("shardd: cannot set mode %04o on the socket directory %s: %s",
-				mode, dir, strerror(errno));
-			return -1;
+				mode, dir, strerror(-ret));
+			return ret;
 		}
 		return 0;
 	}
 	if (errno != EEXIST) {
+		ret = -errno;
 		shd_log_error("shardd: cannot create the socket directory %s: %s", dir,
-			strerror(errno));
-		return -1;
+			strerror(-ret));
+		return ret;
 	}
 	if (stat(dir, &st) < 0) {
-		shd_log_error("shardd: %s: %s", dir, strerror(errno));
-		return -1;
+		ret = -errno;
+		shd_log_error("shardd: %s: %s", dir, strerror(-ret));
+		return ret;
 	}
 	if (!S_ISDIR(st.st_mode)) {
 		shd_log_error("shardd: %s exists and is not a directory; remove it or pass "
 			"--socket elsewhere", dir);
-		return -1;
+		return -ENOTDIR;
 	}
 	if (gid != (gid_t)-1 && !(st.st_mode & 0001) && !(st.st_gid == gid && (st.st_mode & 0010)))
 		shd_log_warn("the socket directory %s (mode %04o, group %u) cannot be searched by "
@@ -349,7 +355,8 @@ static int socket_dir_prepare(const struct shd_config *cfg)
 
 /*
  * Is a daemon already serving `path`? 1 (printed), 0 (free: a stale socket
- * was removed), -1 (printed: cannot use the path).
+ * was removed), or after printing why the path cannot be used -ENOTSOCK (it
+ * is not a socket) or the negative errno of the call that failed.
  */
 static int socket_check_live(const char *path)
 {
@@ -360,18 +367,20 @@ static int socket_check_live(const char *path)
 	if (lstat(path, &st) < 0) {
 		if (errno == ENOENT)
 			return 0;
-		shd_log_error("shardd: %s: %s", path, strerror(errno));
-		return -1;
+		live = -errno;
+		shd_log_error("shardd: %s: %s", path, strerror(-live));
+		return live;
 	}
 	if (!S_ISSOCK(st.st_mode)) {
 		shd_log_error("shardd: %s exists and is not a socket; remove it or pass --socket "
 			"elsewhere", path);
-		return -1;
+		return -ENOTSOCK;
 	}
 	fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
 	if (fd < 0) {
-		shd_log_error("shardd: socket: %s", strerror(errno));
-		return -1;
+		live = -errno;
+		shd_log_error("shardd: socket: %s", strerror(-live));
+		return live;
 	}
 	memcpy(sa.sun_path, path, strlen(path) + 1);
 	if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0) {
@@ -387,9 +396,9 @@ static int socket_check_live(const char *path)
 			 * succeeds. Nobody will ever accept: it is stale.
 			 */
 			if (unlink(path) < 0 && errno != ENOENT) {
+				live = -errno;
 				shd_log_error("shardd: cannot remove the socket %s of the exited daemon "
-					"(pid %d): %s", path, (int)cred.pid, strerror(errno));
-				live = -1;
+					"(pid %d): %s", path, (int)cred.pid, strerror(-live));
 			} else {
 				shd_log_info("removed the socket %s of the exited daemon (pid %d)", path,
 					(int)cred.pid);
@@ -405,21 +414,24 @@ static int socket_check_live(const char *path)
 	} else if (errno == ECONNREFUSED) {
 		/* Nobody listens: a daemon died without unlinking. Replace it. */
 		if (unlink(path) < 0 && errno != ENOENT) {
+			live = -errno;
 			shd_log_error("shardd: cannot remove the stale socket %s: %s", path,
-				strerror(errno));
-			live = -1;
+				strerror(-live));
 		} else {
 			shd_log_info("removed stale socket %s", path);
 		}
 	} else {
-		shd_log_error("shardd: cannot probe %s: %s", path, strerror(errno));
-		live = -1;
+		live = -errno;
+		shd_log_error("shardd: cannot probe %s: %s", path, strerror(-live));
 	}
 	close(fd);
 	return live;
 }
 
-/* Bind and listen on cfg->socket_path with socket_mode() and socket_group(). fd or -1. */
+/*
+ * Bind and listen on cfg->socket_path with socket_mode() and socket_group().
+ * fd, or the negative errno of the call that failed after printing why.
+ */
 static int socket_listen(const struct shd_config *cfg)
 {
 	struct sockaddr_un sa = { .sun_family = AF_UNIX };
@@ -431,52 +443,56 @@ static int socket_listen(const struct shd_config *cfg)
 
 	fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
 	if (fd < 0) {
-		shd_log_error("shardd: socket: %s", strerror(errno));
-		return -1;
+		ret = -errno;
+		shd_log_error("shardd: socket: %s", strerror(-ret));
+		return ret;
 	}
 	memcpy(sa.sun_path, path, strlen(path) + 1);
 	/* Born owner-only, so nobody connects before the group and mode below are set. */
 	old_umask = umask(0177);
-	ret = bind(fd, (struct sockaddr *)&sa, sizeof(sa));
+	ret = bind(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0 ? -errno : 0;
 	umask(old_umask);
 	if (ret < 0) {
-		shd_log_error("shardd: cannot bind %s: %s%s", path, strerror(errno),
-			errno == EADDRINUSE ? " (another daemon started at the same time?)" : "");
-		close(fd);
-		return -1;
+		shd_log_error("shardd: cannot bind %s: %s%s", path, strerror(-ret),
+			ret == -EADDRINUSE ? " (another daemon started at the same time?)" : "");
+		goto err;
 	}
 	server.socket_bound = 1;
 	if (gid != (gid_t)-1 && chown(path, (uid_t)-1, gid) < 0) {
+		ret = -errno;
 		shd_log_error("shardd: cannot give the socket %s group %u: %s (shardd's uid %u "
 			"must be root or a member of group %u)", path, (unsigned)gid,
-			strerror(errno), (unsigned)getuid(), (unsigned)gid);
-		close(fd);
-		return -1;
+			strerror(-ret), (unsigned)getuid(), (unsigned)gid);
+		goto err;
 	}
 	if (chmod(path, mode) < 0) {
+		ret = -errno;
 		shd_log_error("shardd: cannot set mode %04o on the socket %s: %s", mode, path,
-			strerror(errno));
-		close(fd);
-		return -1;
+			strerror(-ret));
+		goto err;
 	}
 	if (listen(fd, SOMAXCONN) < 0) {
-		shd_log_error("shardd: cannot listen on %s: %s", path, strerror(errno));
-		close(fd);
-		return -1;
+		ret = -errno;
+		shd_log_error("shardd: cannot listen on %s: %s", path, strerror(-ret));
+		goto err;
 	}
 	return fd;
+err:
+	close(fd);
+	return ret;
 }
 
 /*
  * The listening socket systemd passed (socket activation, sd_listen_fds(3)):
  * LISTEN_PID is our pid and LISTEN_FDS counts the fds from fd 3. Returns the
- * fd (its path copied into cfg_path), -ENOENT when none was passed, or -1
- * after printing why the one passed cannot be used.
+ * fd (its path copied into cfg_path), -ENOENT when none was passed, or after
+ * printing why the one passed cannot be used -EINVAL (not one listening Unix
+ * SOCK_SEQPACKET socket) or fcntl's negative errno.
  */
 static int socket_from_systemd(char *cfg_path, size_t path_len)
 {
 	const char *pid_s = getenv("LISTEN_PID"), *fds_s = getenv("LISTEN_FDS");
-	int fd = SHD_LISTEN_FDS_START, type = 0, listening = 0, flags;
+	int fd = SHD_LISTEN_FDS_START, type = 0, listening = 0, flags, ret;
 	struct sockaddr_un sa;
 	socklen_t len = sizeof(type), alen = sizeof(sa);
 	char *end;
@@ -496,7 +512,7 @@ static int socket_from_systemd(char *cfg_path, size_t path_len)
 	if (errno || *end || nfds != 1) {
 		shd_log_error("shardd: LISTEN_FDS='%s': shardd takes exactly one socket from "
 			"systemd; give its .socket unit a single ListenSequentialPacket=", fds_s);
-		return -1;
+		return -EINVAL;
 	}
 	if (getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &len) < 0 || type != SOCK_SEQPACKET ||
 	    (len = sizeof(listening), getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len)) < 0 ||
@@ -505,13 +521,14 @@ static int socket_from_systemd(char *cfg_path, size_t path_len)
 		shd_log_error("shardd: fd %d from systemd (LISTEN_FDS=1) is not a listening Unix "
 			"SOCK_SEQPACKET socket; use ListenSequentialPacket=PATH in the .socket unit",
 			fd);
-		return -1;
+		return -EINVAL;
 	}
 	flags = fcntl(fd, F_GETFL);
 	if (flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0 ||
 	    fcntl(fd, F_SETFD, FD_CLOEXEC) < 0) {
-		shd_log_error("shardd: fd %d from systemd: fcntl: %s", fd, strerror(errno));
-		return -1;
+		ret = -errno;
+		shd_log_error("shardd: fd %d from systemd: fcntl: %s", fd, strerror(-ret));
+		return ret;
 	}
 	if (alen <= offsetof(struct sockaddr_un, sun_path) || !sa.sun_path[0]) {
 		snprintf(cfg_path, path_len, "(fd %d from systemd)", fd);
@@ -552,7 +569,7 @@ static void log_memory_limits(void)
 int shd_server_init(const struct shd_config *cfg)
 {
 	struct shd_engine_config ecfg;
-	int ret;
+	int fd, ret;
 
 	server.cfg = *cfg;
 	if (!server.cfg.max_memory) {
@@ -581,13 +598,13 @@ int shd_server_init(const struct shd_config *cfg)
 		shd_log_error("shardd: cannot set up signal handling: %s", strerror(-ret));
 		return ret;
 	}
-	server.listen_fd = socket_from_systemd(server.cfg.socket_path,
-					       sizeof(server.cfg.socket_path));
-	if (server.listen_fd == -1)
-		return -EINVAL;
-	if (server.listen_fd >= 0) {
+	fd = socket_from_systemd(server.cfg.socket_path, sizeof(server.cfg.socket_path));
+	if (fd < 0 && fd != -ENOENT)
+		return fd;
+	if (fd >= 0) {
 		char def[sizeof(cfg->socket_path)];
 
+		server.listen_fd = fd;
 		server.socket_activated = 1;
 		shardd_socket_path_default(def, sizeof(def));
 		if (strcmp(server.cfg.socket_path, cfg->socket_path) != 0 &&
@@ -598,12 +615,12 @@ int shd_server_init(const struct shd_config *cfg)
 			shd_log_warn("--socket-mode and --socket-group are ignored under socket "
 					"activation: set SocketMode= and SocketGroup= in shardd.socket");
 	} else {
-		server.listen_fd = -1;
-		if (socket_dir_prepare(cfg) < 0)
-			return -EINVAL;
+		ret = socket_dir_prepare(cfg);
+		if (ret < 0)
+			return ret;
 		ret = socket_check_live(cfg->socket_path);
 		if (ret != 0)
-			return -EADDRINUSE;
+			return ret < 0 ? ret : -EADDRINUSE;
 	}
 
 	memset(&ecfg, 0, sizeof(ecfg));
@@ -640,14 +657,16 @@ int shd_server_init(const struct shd_config *cfg)
 	});
 
 	if (!server.socket_activated) {
-		server.listen_fd = socket_listen(cfg);
-		if (server.listen_fd < 0)
-			return -EADDRINUSE;
+		fd = socket_listen(cfg);
+		if (fd < 0)
+			return fd;
+		server.listen_fd = fd;
 	}
 	server.accept_reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
 	if (server.accept_reserve_fd < 0) {
-		shd_log_error("shardd: cannot open /dev/null: %s", strerror(errno));
-		return -errno;
+		ret = -errno;
+		shd_log_error("shardd: cannot open /dev/null: %s", strerror(-ret));
+		return ret;
 	}
 	ret = shd_loop_create(&server.loop);
 	if (ret < 0) {

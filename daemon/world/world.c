@@ -631,14 +631,14 @@ static void *world_thread(void *arg)
 /* Callers                                                             */
 /* ------------------------------------------------------------------ */
 
-int shd_world_start(uint32_t internode_dtype, char *err, size_t len)
+int shd_world_start(uint32_t internode_dtype, char *err, size_t errlen)
 {
 	int ret;
 
 	W.dtype = internode_dtype;
 	ret = pthread_create(&W.thread, NULL, world_thread, NULL);
 	if (ret) {
-		snprintf(err, len, "cannot start the MPI communication thread: %s", strerror(ret));
+		snprintf(err, errlen, "cannot start the MPI communication thread: %s", strerror(ret));
 		return -ret;
 	}
 	pthread_mutex_lock(&W.lock);
@@ -647,7 +647,7 @@ int shd_world_start(uint32_t internode_dtype, char *err, size_t len)
 	pthread_mutex_unlock(&W.lock);
 	if (W.init_err[0]) {
 		pthread_join(W.thread, NULL);
-		snprintf(err, len, "%s", W.init_err);
+		snprintf(err, errlen, "%s", W.init_err);
 		return -EIO;
 	}
 	W.started = 1;
@@ -679,12 +679,12 @@ void shd_world_stop(void)
 
 int shd_world_xchg(uint64_t key, uint64_t seq, uint64_t check, struct shd_world_buf *b, size_t send_off,
 		   size_t send_stride, size_t recv_off, size_t bytes, uint64_t deadline_ns, uint8_t *missing,
-		   char *err, size_t len)
+		   char *err, size_t errlen)
 {
 	struct world_xfer x = {
 		.key = key, .seq = seq, .check = check, .deadline_ns = deadline_ns, .bytes = bytes,
 		.send_off = send_off, .send_stride = send_stride, .recv_off = recv_off, .b = b,
-		.missing = missing, .err = err, .errlen = len,
+		.missing = missing, .err = err, .errlen = errlen,
 	};
 
 	memset(missing, 0, W.nodes);
@@ -702,12 +702,12 @@ int shd_world_xchg(uint64_t key, uint64_t seq, uint64_t check, struct shd_world_
 }
 
 int shd_world_gather_start(uint64_t key, uint64_t seq, uint64_t check, const void *mine, size_t bytes,
-			   uint64_t deadline_ns, int wake_fd, struct shd_world_op **out, char *err, size_t len)
+			   uint64_t deadline_ns, int wake_fd, struct shd_world_op **out, char *err, size_t errlen)
 {
 	struct shd_world_op *op;
 
 	if (W.nodes > SHARDD_MAX_WORLD) {
-		snprintf(err, len, "a world of %u nodes exceeds the %d an op can name", W.nodes, SHARDD_MAX_WORLD);
+		snprintf(err, errlen, "a world of %u nodes exceeds the %d an op can name", W.nodes, SHARDD_MAX_WORLD);
 		return -SHARDD_E_INVALID;
 	}
 	op = calloc(1, sizeof(*op));
@@ -715,7 +715,7 @@ int shd_world_gather_start(uint64_t key, uint64_t seq, uint64_t check, const voi
 		op->b = shd_world_buf_new((size_t)(W.nodes + 1) * bytes);
 	if (!op || !op->b) {
 		free(op);
-		snprintf(err, len, "out of memory for an inter-node gather of %zu bytes per node", bytes);
+		snprintf(err, errlen, "out of memory for an inter-node gather of %zu bytes per node", bytes);
 		return -SHARDD_E_NOMEM;
 	}
 	op->wake_fd = wake_fd;
@@ -745,12 +745,12 @@ int shd_world_op_done(struct shd_world_op *op)
 	return done;
 }
 
-int shd_world_op_end(struct shd_world_op *op, void *recv, uint8_t *missing, char *err, size_t len)
+int shd_world_op_end(struct shd_world_op *op, void *recv, uint8_t *missing, char *err, size_t errlen)
 {
 	int ret = op->x.res;
 
 	memcpy(missing, op->missing, W.nodes);
-	snprintf(err, len, "%s", op->err);
+	snprintf(err, errlen, "%s", op->err);
 	if (!ret)
 		memcpy(recv, op->b->data + op->x.bytes, (size_t)W.nodes * op->x.bytes);
 	shd_world_buf_put(op->b);

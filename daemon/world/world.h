@@ -33,7 +33,7 @@ enum shd_internode_dtype {
  * negative errno, or -EIO when MPI did not initialise (MPI missing, not
  * started by mpirun, ...).
  */
-int shd_world_start(uint32_t internode_dtype, char *err, size_t len);
+int shd_world_start(uint32_t internode_dtype, char *err, size_t errlen);
 /* Fail exchanges in flight, finalise MPI (unless a peer failed) and join the thread. */
 void shd_world_stop(void);
 
@@ -59,7 +59,7 @@ uint32_t shd_world_internode_dtype(void);
  */
 int shd_world_exchange(uint64_t key, uint64_t seq, uint64_t check, const void *const *send,
 		       void *recv, size_t bytes, uint64_t deadline_ns, uint8_t *missing, char *err,
-		       size_t len);
+		       size_t errlen);
 
 /*
  * The memory of an exchange without copies: the caller fills
@@ -87,7 +87,7 @@ void shd_world_buf_put(struct shd_world_buf *b);
  */
 int shd_world_xchg(uint64_t key, uint64_t seq, uint64_t check, struct shd_world_buf *b, size_t send_off,
 		   size_t send_stride, size_t recv_off, size_t bytes, uint64_t deadline_ns, uint8_t *missing,
-		   char *err, size_t len);
+		   char *err, size_t errlen);
 
 /*
  * An all-gather that does not wait (for the loop thread): `bytes` of
@@ -100,9 +100,9 @@ int shd_world_xchg(uint64_t key, uint64_t seq, uint64_t check, struct shd_world_
  */
 struct shd_world_op;
 int shd_world_gather_start(uint64_t key, uint64_t seq, uint64_t check, const void *mine, size_t bytes,
-			   uint64_t deadline_ns, int wake_fd, struct shd_world_op **out, char *err, size_t len);
+			   uint64_t deadline_ns, int wake_fd, struct shd_world_op **out, char *err, size_t errlen);
 int shd_world_op_done(struct shd_world_op *op);
-int shd_world_op_end(struct shd_world_op *op, void *recv, uint8_t *missing, char *err, size_t len);
+int shd_world_op_end(struct shd_world_op *op, void *recv, uint8_t *missing, char *err, size_t errlen);
 void shd_world_op_abandon(struct shd_world_op *op);
 
 #endif /* SHD_WORLD_H */

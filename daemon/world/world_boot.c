@@ -69,17 +69,17 @@ struct boot_ids {
 
 /* err = "<what>: <why>; missing <who>" of a failed exchange. */
 static void boot_exchange_failed(const struct shd_world_boot *s, const char *what, const uint8_t *missing,
-				 const char *why, char *err, size_t len)
+				 const char *why, char *err, size_t errlen)
 {
 	char who[256];
 
 	shd_world_boot_who(s, missing, who, sizeof(who));
-	snprintf(err, len, "%s among the %u nodes failed on node %u: %s%s%s", what, s->nodes, s->node, why,
+	snprintf(err, errlen, "%s among the %u nodes failed on node %u: %s%s%s", what, s->nodes, s->node, why,
 		 who[0] ? "; missing " : "", who);
 }
 
 int shd_world_bootstrap(const struct shd_world_boot *s, const struct shd_world_boot_ops *ops, uint32_t *gen,
-		       char *err, size_t len)
+		       char *err, size_t errlen)
 {
 	uint32_t N = s->nodes, comms = shd_world_boot_comms(s), maxgen = 0, same = 1;
 	size_t idbytes = sizeof(struct boot_ids) + (size_t)comms * SHD_WORLD_ID_BYTES;
@@ -90,7 +90,7 @@ int shd_world_bootstrap(const struct shd_world_boot *s, const struct shd_world_b
 	int ret;
 
 	if (!words || !ids || !all || !missing || !failed) {
-		snprintf(err, len, "out of memory for the bootstrap of NCCL communicators across %u nodes", N);
+		snprintf(err, errlen, "out of memory for the bootstrap of NCCL communicators across %u nodes", N);
 		ret = -SHARDD_E_NOMEM;
 		goto out_drop;
 	}
@@ -98,7 +98,7 @@ int shd_world_bootstrap(const struct shd_world_boot *s, const struct shd_world_b
 	ret = ops->exchange(ops->ctx, s->seq, &mine, words, sizeof(mine), shd_now_ns() + s->timeout_ns,
 			    missing, why, sizeof(why));
 	if (ret) {
-		boot_exchange_failed(s, "agreeing on the NCCL communicators", missing, why, err, len);
+		boot_exchange_failed(s, "agreeing on the NCCL communicators", missing, why, err, errlen);
 		goto out_drop;
 	}
 	for (uint32_t k = 0; k < N; k++) {
@@ -120,11 +120,11 @@ int shd_world_bootstrap(const struct shd_world_boot *s, const struct shd_world_b
 	ret = ops->exchange(ops->ctx, s->seq + 1, ids, all, idbytes, shd_now_ns() + s->timeout_ns, missing, why,
 			    sizeof(why));
 	if (ret) {
-		boot_exchange_failed(s, "handing out node 0's NCCL unique ids", missing, why, err, len);
+		boot_exchange_failed(s, "handing out node 0's NCCL unique ids", missing, why, err, errlen);
 		goto out_drop;
 	}
 	if (!all->ok) {
-		snprintf(err, len, "node 0 could not make the NCCL unique ids of the communicators across %u nodes%s%s",
+		snprintf(err, errlen, "node 0 could not make the NCCL unique ids of the communicators across %u nodes%s%s",
 			 N, here[0] ? ": " : " (see its log)", here);
 		ret = -SHARDD_E_BACKEND;
 		goto out_drop;
@@ -135,14 +135,14 @@ int shd_world_bootstrap(const struct shd_world_boot *s, const struct shd_world_b
 	ret = ops->exchange(ops->ctx, s->seq + 2, &mine, words, sizeof(mine), shd_now_ns() + s->timeout_ns,
 			    missing, why, sizeof(why));
 	if (ret) {
-		boot_exchange_failed(s, "reporting the NCCL set-up", missing, why, err, len);
+		boot_exchange_failed(s, "reporting the NCCL set-up", missing, why, err, errlen);
 		goto out_drop;
 	}
 	for (uint32_t k = 0; k < N; k++)
 		failed[k] = !words[k].value;
 	shd_world_boot_who(s, failed, who, sizeof(who));
 	if (who[0]) {
-		snprintf(err, len, "the NCCL communicators across the %u nodes were not made: %s did not join "
+		snprintf(err, errlen, "the NCCL communicators across the %u nodes were not made: %s did not join "
 			 "within the collective timeout or failed to set up%s%s", N, who,
 			 here[0] ? "; on this node: " : "", here);
 		ret = -SHARDD_E_BACKEND;

@@ -73,16 +73,16 @@ struct shd_world_boot_ops {
 	 * written and missing[k] = 1 for each node whose bytes did not come.
 	 */
 	int  (*exchange)(void *ctx, uint64_t seq, const void *mine, void *all, size_t bytes,
-			 uint64_t deadline_ns, uint8_t *missing, char *err, size_t len);
+			 uint64_t deadline_ns, uint8_t *missing, char *err, size_t errlen);
 	/* Node 0 only: `n` new unique ids into ids (n * SHD_WORLD_ID_BYTES). 0 or a negative code with `err`. */
-	int  (*make_ids)(void *ctx, uint8_t *ids, uint32_t n, char *err, size_t len);
+	int  (*make_ids)(void *ctx, uint8_t *ids, uint32_t n, char *err, size_t errlen);
 	/*
 	 * Make this node's members of every communicator from node 0's `ids`
 	 * (communicator c from ids + c * SHD_WORLD_ID_BYTES), waiting for the
 	 * other nodes to join until `deadline_ns`. 0, or a negative code with
 	 * `err`, nothing left made.
 	 */
-	int  (*init)(void *ctx, const uint8_t *ids, uint64_t deadline_ns, char *err, size_t len);
+	int  (*init)(void *ctx, const uint8_t *ids, uint64_t deadline_ns, char *err, size_t errlen);
 	/* Abort and forget this node's communicators of the group, if any. */
 	void (*drop)(void *ctx);
 };
@@ -101,7 +101,7 @@ struct shd_world_boot_ops {
  * then 0.
  */
 int shd_world_bootstrap(const struct shd_world_boot *s, const struct shd_world_boot_ops *ops, uint32_t *gen,
-		       char *err, size_t len);
+		       char *err, size_t errlen);
 
 /*
  * After a collective failed on this node: ask every node (seq + 3) to

@@ -12,7 +12,7 @@
 
 int shd_world_exchange(uint64_t key, uint64_t seq, uint64_t check, const void *const *send,
 		       void *recv, size_t bytes, uint64_t deadline_ns, uint8_t *missing, char *err,
-		       size_t len)
+		       size_t errlen)
 {
 	uint32_t nodes = shd_world_nodes(), me = shd_world_node(), other = me ? 0 : 1;
 	size_t nb = (size_t)nodes * bytes, stride = 0, sent;
@@ -31,13 +31,13 @@ int shd_world_exchange(uint64_t key, uint64_t seq, uint64_t check, const void *c
 	b = shd_world_buf_new(sent + nb);
 	if (!b) {
 		memset(missing, 0, nodes);
-		snprintf(err, len, "out of memory for inter-node buffers of %zu bytes", sent + nb);
+		snprintf(err, errlen, "out of memory for inter-node buffers of %zu bytes", sent + nb);
 		return -SHARDD_E_NOMEM;
 	}
 	for (uint32_t k = 0; k < nodes; k++)
 		if (k != me && (stride || k == other))
 			memcpy(shd_world_buf_data(b) + k * stride, send[k], bytes);
-	ret = shd_world_xchg(key, seq, check, b, 0, stride, sent, bytes, deadline_ns, missing, err, len);
+	ret = shd_world_xchg(key, seq, check, b, 0, stride, sent, bytes, deadline_ns, missing, err, errlen);
 	if (!ret) {
 		for (uint32_t k = 0; k < nodes; k++)
 			if (k != me)

@@ -228,31 +228,31 @@ void cuda_span_job_end(struct cuda_backend *cb, const struct shd_backend_job *jo
 /* ------------------------------------------------------------------ */
 
 static int boot_exchange(void *ctx, uint64_t seq, const void *mine, void *all, size_t bytes,
-			 uint64_t deadline_ns, uint8_t *missing, char *err, size_t len)
+			 uint64_t deadline_ns, uint8_t *missing, char *err, size_t errlen)
 {
 	struct span_op *o = ctx;
 	const void **sends = malloc(o->s->nodes * sizeof(*sends));
 	int ret;
 
 	if (!sends) {
-		snprintf(err, len, "out of memory");
+		snprintf(err, errlen, "out of memory");
 		memset(missing, 0, o->s->nodes);
 		return -SHARDD_E_NOMEM;
 	}
 	for (uint32_t k = 0; k < o->s->nodes; k++)
 		sends[k] = mine;
-	ret = shd_world_exchange(o->s->key, seq, o->s->check, sends, all, bytes, deadline_ns, missing, err, len);
+	ret = shd_world_exchange(o->s->key, seq, o->s->check, sends, all, bytes, deadline_ns, missing, err, errlen);
 	free(sends);
 	return ret;
 }
 
-static int boot_make_ids(void *ctx, uint8_t *ids, uint32_t n, char *err, size_t len)
+static int boot_make_ids(void *ctx, uint8_t *ids, uint32_t n, char *err, size_t errlen)
 {
 	(void)ctx;
-	return shd_nccl_unique_ids(ids, n, err, len);
+	return shd_nccl_unique_ids(ids, n, err, errlen);
 }
 
-static int boot_init(void *ctx, const uint8_t *ids, uint64_t deadline_ns, char *err, size_t len)
+static int boot_init(void *ctx, const uint8_t *ids, uint64_t deadline_ns, char *err, size_t errlen)
 {
 	struct span_op *o = ctx;
 	uint32_t comms = shd_world_boot_comms(o->s), ranks[SHARDD_MAX_WORLD], nranks = 0, made = 0;
@@ -261,7 +261,7 @@ static int boot_init(void *ctx, const uint8_t *ids, uint64_t deadline_ns, char *
 	int ret = 0;
 
 	if (!c) {
-		snprintf(err, len, "out of memory for %u NCCL communicators", comms);
+		snprintf(err, errlen, "out of memory for %u NCCL communicators", comms);
 		return -SHARDD_E_NOMEM;
 	}
 	/*
@@ -283,7 +283,7 @@ static int boot_init(void *ctx, const uint8_t *ids, uint64_t deadline_ns, char *
 			ranks[n++] = rank;
 		}
 		ret = shd_nccl_span_make(o->job, o->job->name, o->s->key, q, devs, n, ranks, nranks,
-					 ids + (size_t)q * SHD_WORLD_ID_BYTES, deadline_ns, &c[q], err, len);
+					 ids + (size_t)q * SHD_WORLD_ID_BYTES, deadline_ns, &c[q], err, errlen);
 		if (!ret)
 			made++;
 	}
@@ -393,9 +393,9 @@ static int span_handover(struct span_op *o, uint32_t k, int to_span)
  * Phase 1, under nccl_lock: every member's device ready, its stream,
  * events and staging; the group's communicators found; the copy-in on the
  * device's stream, and the span stream told to wait for it. 0, or an
- * error with `why`.
+ * error with `err`.
  */
-static int span_stage(struct span_op *o, char *why, size_t len)
+static int span_stage(struct span_op *o, char *err, size_t errlen)
 {
 	struct cuda_backend *cb = o->cb;
 	struct cuda_span *sp = o->sp;
@@ -409,7 +409,7 @@ static int span_stage(struct span_op *o, char *why, size_t len)
 	for (uint32_t c = 0; c < shd_world_boot_comms(s) && !ret; c++) {
 		o->cliques[c] = shd_nccl_span_find(cb->nccl, o->job, s->key, c);
 		if (!o->cliques[c]) {
-			snprintf(why, len, "communicator %u of the group was aborted on this node before its "
+			snprintf(err, errlen, "communicator %u of the group was aborted on this node before its "
 				 "collective (see the daemon's log)", c);
 			ret = -SHARDD_E_BACKEND;
 		}
@@ -437,7 +437,7 @@ static int span_stage(struct span_op *o, char *why, size_t len)
 		if (!ret)
 			ret = span_handover(o, k, 1);
 		if (ret)
-			snprintf(why, len, "device %d could not stage its part of the %s (see the daemon's log)",
+			snprintf(err, errlen, "device %d could not stage its part of the %s (see the daemon's log)",
 				 o->devices[k], coll_what(o->coll));
 	}
 	return ret;
@@ -451,7 +451,7 @@ static int span_stage(struct span_op *o, char *why, size_t len)
  * held meanwhile would stall this node's other collectives, or deadlock
  * two groups that two nodes reach in opposite orders.
  */
-static int span_collective(struct span_op *o, void **send, void **recv, char *why, size_t len)
+static int span_collective(struct span_op *o, void **send, void **recv, char *err, size_t errlen)
 {
 	const struct shd_world_boot *s = o->s;
 	uint32_t rd = o->r ? o->r->math.reduce_dtype : SHARDD_DTYPE_NONE, comm, rank, nranks;
@@ -479,13 +479,13 @@ static int span_collective(struct span_op *o, void **send, void **recv, char *wh
 		/* HSDP: member k alone in communicator k (shard k's replicas are on the other nodes). */
 		for (uint32_t k = 0; k < o->n && !ret; k++)
 			ret = shd_nccl_span_collective(o->cliques[k], o->coll, &send[k], &recv[k], P / rs, rd,
-						       &streams[k], deadline, why, len);
+						       &streams[k], deadline, err, errlen);
 	} else if (o->coll == SHD_NCCL_ALL_GATHER) {
 		ret = shd_nccl_span_collective(o->cliques[0], o->coll, send, recv, Z, SHARDD_DTYPE_NONE, streams,
-					       deadline, why, len);
+					       deadline, err, errlen);
 	} else {
 		ret = shd_nccl_span_collective(o->cliques[0], o->coll, send, recv, P / rs, rd, streams, deadline,
-					       why, len);
+					       err, errlen);
 	}
 	for (uint32_t k = 0; k < o->n && !ret; k++) {
 		cudaError_t e = cudaSetDevice(o->devices[k]);
@@ -493,7 +493,7 @@ static int span_collective(struct span_op *o, void **send, void **recv, char *wh
 		if (e == cudaSuccess)
 			e = cudaEventRecord(o->sp->m[k].collected, o->sp->m[k].stream);
 		if (e != cudaSuccess) {
-			snprintf(why, len, "recording the end of the %s on device %d: %s", coll_what(o->coll),
+			snprintf(err, errlen, "recording the end of the %s on device %d: %s", coll_what(o->coll),
 				 o->devices[k], cudaGetErrorString(e));
 			ret = -SHARDD_E_BACKEND;
 		}
@@ -507,9 +507,9 @@ static int span_collective(struct span_op *o, void **send, void **recv, char *wh
  * collective timeout. The device's stream is not handed the collective
  * before it finished: a device stream that waited for another node could
  * hold up this node's part of a collective that node waits for in turn.
- * 0, or an error with `why`.
+ * 0, or an error with `err`.
  */
-static int span_wait(struct span_op *o, char *why, size_t len)
+static int span_wait(struct span_op *o, char *err, size_t errlen)
 {
 	struct timespec pause = { 0, WORLD_COMM_POLL_NS };
 	uint64_t now = shd_now_ns(), deadline = now + o->s->timeout_ns, check = now + WORLD_COMM_CHECK_NS;
@@ -525,7 +525,7 @@ static int span_wait(struct span_op *o, char *why, size_t len)
 				continue;
 			}
 			if (e != cudaErrorNotReady) {
-				snprintf(why, len, "waiting for the %s on device %d: %s", coll_what(o->coll), o->devices[k],
+				snprintf(err, errlen, "waiting for the %s on device %d: %s", coll_what(o->coll), o->devices[k],
 					 cudaGetErrorString(e));
 				return -SHARDD_E_BACKEND;
 			}
@@ -537,10 +537,10 @@ static int span_wait(struct span_op *o, char *why, size_t len)
 		now = shd_now_ns();
 		if (now >= check) {
 			for (uint32_t c = 0; c < shd_world_boot_comms(o->s); c++)
-				if (shd_nccl_clique_failed(o->cliques[c], why, len))
+				if (shd_nccl_clique_failed(o->cliques[c], err, errlen))
 					return -SHARDD_E_PEER_DIED;
 			if (now >= deadline) {
-				snprintf(why, len, "the %s did not finish within the collective timeout (%.3g s)",
+				snprintf(err, errlen, "the %s did not finish within the collective timeout (%.3g s)",
 					 coll_what(o->coll), (double)o->s->timeout_ns / 1e9);
 				return -SHARDD_E_TIMEOUT;
 			}
@@ -551,7 +551,7 @@ static int span_wait(struct span_op *o, char *why, size_t len)
 }
 
 /* Phase 3, under nccl_lock: the device's streams take the results (copy-out, or the post kernel). */
-static int span_finish(struct span_op *o, void *const *recv, char *why, size_t len)
+static int span_finish(struct span_op *o, void *const *recv, char *err, size_t errlen)
 {
 	const struct shd_world_boot *s = o->s;
 	uint32_t S = s->nodes * s->local, comm, rank, nranks;
@@ -581,7 +581,7 @@ static int span_finish(struct span_op *o, void *const *recv, char *why, size_t l
 		}
 	}
 	if (ret)
-		snprintf(why, len, "a CUDA call failed after the %s (see the daemon's log)", coll_what(o->coll));
+		snprintf(err, errlen, "a CUDA call failed after the %s (see the daemon's log)", coll_what(o->coll));
 	return ret;
 }
 

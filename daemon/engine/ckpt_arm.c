@@ -131,12 +131,12 @@ void eng_ckpt_try_armed(struct shd_engine_job *j)
 }
 
 int shd_engine_job_checkpoint_arm(struct shd_engine_job *j, const char *dir, const char *keep_root,
-				  uint32_t keep, uint64_t *id, char *msg, size_t len)
+				  uint32_t keep, uint64_t *id, char *err, size_t errlen)
 {
 	struct eng_ckpt_req *r;
 
 	if (j->ckpt_armed || j->ckpt) {
-		eng_fmt(msg, len, "checkpoint %llu of job '%s' is %s; wait for it (shardctl checkpoints %s)",
+		eng_fmt(err, errlen, "checkpoint %llu of job '%s' is %s; wait for it (shardctl checkpoints %s)",
 			(unsigned long long)(j->ckpt_armed ? j->ckpt_armed->id : j->ckpt->id), j->name,
 			j->ckpt_armed ? "armed for the next step boundary" : "being written", j->name);
 		return -SHARDD_E_STATE;
@@ -144,7 +144,7 @@ int shd_engine_job_checkpoint_arm(struct shd_engine_job *j, const char *dir, con
 	r = calloc(1, sizeof(*r));
 	if (!r || (dir && !(r->dir = strdup(dir))) || (keep_root && !(r->keep_root = strdup(keep_root)))) {
 		eng_ckpt_req_free(r);
-		eng_fmt(msg, len, "out of memory");
+		eng_fmt(err, errlen, "out of memory");
 		return -SHARDD_E_NOMEM;
 	}
 	r->keep = keep;

@@ -47,10 +47,10 @@ struct eng_ckpt {
 /*
  * Loop thread: start writing a checkpoint of the job with id `id` into
  * tg->dir (shd_engine_job_checkpoint, engine.h, says what it checks).
- * 0: `done` will be called; else a negative code with `msg`.
+ * 0: `done` will be called; else a negative code with `err`.
  */
 int eng_ckpt_start(struct shd_engine_job *j, const struct shd_engine_ckpt_target *tg, uint64_t id,
-		   shd_engine_ckpt_fn done, void *ctx, char *msg, size_t len);
+		   shd_engine_ckpt_fn done, void *ctx, char *err, size_t errlen);
 /* Release an armed request; safe on NULL. */
 void eng_ckpt_req_free(struct eng_ckpt_req *r);
 

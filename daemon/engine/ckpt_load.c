@@ -120,9 +120,9 @@ static int open_beneath(const struct confine *cf, const char *path)
  * open() of a FIFO would wait for a writer for ever, blocking a worker.
  * O_NONBLOCK makes that open return; a regular file reads as usual. `cf`:
  * a confined client's (open_beneath), or NULL. fd (its size in *st), or
- * -errno with msg naming the path.
+ * -errno with err naming the path.
  */
-static int open_regular(const struct confine *cf, const char *path, struct stat *st, char *msg, size_t len)
+static int open_regular(const struct confine *cf, const char *path, struct stat *st, char *err, size_t errlen)
 {
 	int fd, ret;
 
@@ -133,18 +133,18 @@ static int open_regular(const struct confine *cf, const char *path, struct stat 
 	ret = fd < 0 ? fd : fstat(fd, st) ? -errno : 0;
 	if (ret < 0) {
 		if (cf && cf->fd >= 0 && (ret == -ELOOP || ret == -ENOTDIR || ret == -EACCES))
-			eng_fmt(msg, len, "cannot read %s for client uid %u: %s (below %s shardd follows no "
+			eng_fmt(err, errlen, "cannot read %s for client uid %u: %s (below %s shardd follows no "
 				"symlink for a client of another uid)", path, (unsigned)cf->uid, strerror(-ret),
 				cf->root);
 		else
-			eng_fmt(msg, len, "cannot read %s: %s", path, strerror(-ret));
+			eng_fmt(err, errlen, "cannot read %s: %s", path, strerror(-ret));
 		if (fd >= 0)
 			close(fd);
 		return cf && cf->fd >= 0 && (ret == -ELOOP || ret == -EACCES) ? -SHARDD_E_PERM : ret;
 	}
 	if (!S_ISREG(st->st_mode)) {
 		close(fd);
-		eng_fmt(msg, len, "cannot read %s: not a regular file (mode 0%o); a checkpoint holds files only",
+		eng_fmt(err, errlen, "cannot read %s: not a regular file (mode 0%o); a checkpoint holds files only",
 			path, (unsigned)st->st_mode);
 		return -SHARDD_E_INVALID;
 	}
@@ -182,24 +182,24 @@ static int newest_checkpoint(const char *root, char *out, size_t len)
 	return found ? 0 : -ENOENT;
 }
 
-static int read_manifest(const struct confine *cf, const char *dir, struct shd_ckpt_manifest *m, char *msg,
-			 size_t len)
+static int read_manifest(const struct confine *cf, const char *dir, struct shd_ckpt_manifest *m, char *err,
+			 size_t errlen)
 {
-	char path[LOAD_PATH], err[400];
+	char path[LOAD_PATH], why[400];
 	struct stat st;
 	char *buf;
 	int fd, ret;
 
 	if (join(path, sizeof(path), dir, SHD_CKPT_MANIFEST)) {
-		eng_fmt(msg, len, "checkpoint path '%.200s...' is too long", dir);
+		eng_fmt(err, errlen, "checkpoint path '%.200s...' is too long", dir);
 		return -SHARDD_E_INVALID;
 	}
-	fd = open_regular(cf, path, &st, msg, len);
+	fd = open_regular(cf, path, &st, err, errlen);
 	if (fd < 0)
 		return fd;
 	if ((uint64_t)st.st_size > SHD_CKPT_MANIFEST_MAX) {
 		close(fd);
-		eng_fmt(msg, len, "%s is %lld bytes; a manifest is at most %u", path, (long long)st.st_size,
+		eng_fmt(err, errlen, "%s is %lld bytes; a manifest is at most %u", path, (long long)st.st_size,
 			SHD_CKPT_MANIFEST_MAX);
 		return -SHARDD_E_MALFORMED;
 	}
@@ -211,11 +211,11 @@ static int read_manifest(const struct confine *cf, const char *dir, struct shd_c
 	ret = pread(fd, buf, (size_t)st.st_size, 0) == st.st_size ? 0 : -EIO;
 	close(fd);
 	if (ret)
-		eng_fmt(msg, len, "cannot read %s: short read", path);
+		eng_fmt(err, errlen, "cannot read %s: short read", path);
 	else
-		ret = shd_ckpt_manifest_parse(buf, (size_t)st.st_size, m, err, sizeof(err));
+		ret = shd_ckpt_manifest_parse(buf, (size_t)st.st_size, m, why, sizeof(why));
 	if (ret && ret != -EIO)
-		eng_fmt(msg, len, "%s: %s", path, err);
+		eng_fmt(err, errlen, "%s: %s", path, why);
 	free(buf);
 	return ret;
 }
@@ -229,8 +229,8 @@ struct loader {
 	uLong crc;
 	uint8_t *bounce;
 	const char *path;
-	char *msg;
-	size_t len;
+	char *err;           /* the restore's error text */
+	size_t errlen;
 };
 
 /* Read the next `n` (<= LOAD_BOUNCE) bytes into the bounce buffer. */
@@ -242,7 +242,7 @@ static int ld_read(struct loader *l, uint64_t n)
 		if (r <= 0) {
 			if (r < 0 && errno == EINTR)
 				continue;
-			eng_fmt(l->msg, l->len, "%s: read at byte %llu: %s", l->path,
+			eng_fmt(l->err, l->errlen, "%s: read at byte %llu: %s", l->path,
 				(unsigned long long)(l->off + got), r < 0 ? strerror(errno) : "the file ends early");
 			return r < 0 ? -errno : -SHARDD_E_MALFORMED;
 		}
@@ -279,8 +279,8 @@ static int ld_scatter(struct loader *l, struct shd_buf *bufs, uint32_t s, uint64
 		for (uint32_t u = 0; !ret && u < g->replicate; u++)
 			ret = l->b->ops->write(l->b, &bufs[u * g->shard + s], dst, k, l->bounce);
 		if (ret) {
-			if (!l->msg[0])
-				eng_fmt(l->msg, l->len, "%s: writing into group '%s''s buffers failed in the %s backend (%d)",
+			if (!l->err[0])
+				eng_fmt(l->err, l->errlen, "%s: writing into group '%s''s buffers failed in the %s backend (%d)",
 					l->path, g->name, l->b->ops->name, ret);
 			return ret;
 		}
@@ -305,42 +305,42 @@ static void shape_text(uint32_t dtype, uint32_t ndim, const uint64_t *shape, cha
  * its params (optim 0) or its optimizer state (optim 1).
  */
 static int load_file(struct eng_group *eg, const struct confine *cf, const char *dir, const struct shd_ckpt_file *fe,
-		     int optim, char *msg, size_t len)
+		     int optim, char *err, size_t errlen)
 {
 	struct shd_group *g = eg->g;
 	uint32_t ns = optim ? shd_group_optim_states(&g->optim) : 1;
-	char path[LOAD_PATH], err[512], want[160], found[160];
+	char path[LOAD_PATH], why[512], want[160], found[160];
 	struct loader l = { .g = g, .b = eg->j->e->backend, .fd = -1, .crc = crc32(0L, Z_NULL, 0),
-			    .path = path, .msg = msg, .len = len };
+			    .path = path, .err = err, .errlen = errlen };
 	struct shd_safetensors_file f = { 0 };
 	int32_t *need = NULL;
 	struct stat st;
 	int ret;
 
 	if (join(path, sizeof(path), dir, fe->name)) {
-		eng_fmt(msg, len, "checkpoint path '%.200s...' is too long", dir);
+		eng_fmt(err, errlen, "checkpoint path '%.200s...' is too long", dir);
 		return -SHARDD_E_INVALID;
 	}
-	l.fd = open_regular(cf, path, &st, msg, len);
+	l.fd = open_regular(cf, path, &st, err, errlen);
 	if (l.fd < 0) {
 		ret = l.fd;
 		goto out;
 	}
 	if ((uint64_t)st.st_size != fe->bytes) {
-		eng_fmt(msg, len, "%s is %lld bytes, the manifest records %llu: the file changed or is truncated",
+		eng_fmt(err, errlen, "%s is %lld bytes, the manifest records %llu: the file changed or is truncated",
 			path, (long long)st.st_size, (unsigned long long)fe->bytes);
 		ret = -SHARDD_E_MALFORMED;
 		goto out;
 	}
-	ret = shd_safetensors_read(l.fd, path, &f, err, sizeof(err));
+	ret = shd_safetensors_read(l.fd, path, &f, why, sizeof(why));
 	if (ret) {
-		eng_fmt(msg, len, "%s", err);
+		eng_fmt(err, errlen, "%s", why);
 		goto out;
 	}
 	need = malloc((f.ntensors ? f.ntensors : 1) * sizeof(*need));
 	l.bounce = malloc(LOAD_BOUNCE);
 	if (!need || !l.bounce) {
-		eng_fmt(msg, len, "out of memory to read %s", path);
+		eng_fmt(err, errlen, "out of memory to read %s", path);
 		ret = -SHARDD_E_NOMEM;
 		goto out;
 	}
@@ -362,14 +362,14 @@ static int load_file(struct eng_group *eg, const struct confine *cf, const char 
 			t = shd_safetensors_find(&f, name);
 			shape_text(dtype, s->ndim, s->shape, want, sizeof(want));
 			if (!t) {
-				eng_fmt(msg, len, "tensor '%s' (%s) of group '%s' is not in %s", name, want, g->name, path);
+				eng_fmt(err, errlen, "tensor '%s' (%s) of group '%s' is not in %s", name, want, g->name, path);
 				ret = -SHARDD_E_MISMATCH;
 				goto out;
 			}
 			if (t->dtype != dtype || t->ndim != s->ndim ||
 			    memcmp(t->shape, s->shape, s->ndim * sizeof(s->shape[0]))) {
 				shape_text(t->dtype, t->ndim, t->shape, found, sizeof(found));
-				eng_fmt(msg, len, "tensor '%s' in %s: the group registers %s, the file holds %s",
+				eng_fmt(err, errlen, "tensor '%s' in %s: the group registers %s, the file holds %s",
 					name, path, want, found);
 				ret = -SHARDD_E_MISMATCH;
 				goto out;
@@ -400,7 +400,7 @@ static int load_file(struct eng_group *eg, const struct confine *cf, const char 
 						 shd_layout_rows_valid(p, s) * p->inner * esz);
 	}
 	if (!ret && (uint32_t)l.crc != fe->crc32) {
-		eng_fmt(msg, len, "%s: CRC-32 %08x, the manifest records %08x: the file changed or is damaged",
+		eng_fmt(err, errlen, "%s: CRC-32 %08x, the manifest records %08x: the file changed or is damaged",
 			path, (uint32_t)l.crc, fe->crc32);
 		ret = -SHARDD_E_MALFORMED;
 	}
@@ -424,7 +424,7 @@ out:
  */
 static int import_tensor(struct eng_group *eg, uint32_t i, int fd, const struct shd_safetensors_file *f,
 			 const struct shd_safetensors_tensor *t, const char *path, uint8_t *in, uint8_t *out,
-			 char *msg, size_t len)
+			 char *err, size_t errlen)
 {
 	struct shd_group *g = eg->g;
 	struct shd_backend_ctx *b = eg->j->e->backend;
@@ -442,7 +442,7 @@ static int import_tensor(struct eng_group *eg, uint32_t i, int fd, const struct 
 				ssize_t r = pread(fd, in, k * ies, (off_t)src);
 
 				if (r != (ssize_t)(k * ies)) {
-					eng_fmt(msg, len, "%s: tensor '%s': read at byte %llu: %s", path, t->name,
+					eng_fmt(err, errlen, "%s: tensor '%s': read at byte %llu: %s", path, t->name,
 						(unsigned long long)src, r < 0 ? strerror(errno) : "the file ends early");
 					return r < 0 ? -errno : -SHARDD_E_MALFORMED;
 				}
@@ -451,7 +451,7 @@ static int import_tensor(struct eng_group *eg, uint32_t i, int fd, const struct 
 					int ret = b->ops->write(b, &g->shards[u * g->shard + s], dst + done * oes, k * oes, out);
 
 					if (ret) {
-						eng_fmt(msg, len, "%s: writing tensor '%s' into group '%s' failed in the %s "
+						eng_fmt(err, errlen, "%s: writing tensor '%s' into group '%s' failed in the %s "
 							"backend (%d)", path, t->name, g->name, b->ops->name, ret);
 						return ret;
 					}
@@ -464,18 +464,18 @@ static int import_tensor(struct eng_group *eg, uint32_t i, int fd, const struct 
 }
 
 /* The file of param `name` from a Hugging Face index's weight_map, checked as a plain file name. */
-static int index_file(json_t *map, const char *name, const char *ipath, char *out, size_t olen, char *msg,
-		      size_t len)
+static int index_file(json_t *map, const char *name, const char *ipath, char *out, size_t olen, char *err,
+		      size_t errlen)
 {
 	json_t *v = json_object_get(map, name);
 	const char *s = json_string_value(v);
 
 	if (!s) {
-		eng_fmt(msg, len, "param '%s' is not in the weight_map of %s", name, ipath);
+		eng_fmt(err, errlen, "param '%s' is not in the weight_map of %s", name, ipath);
 		return -SHARDD_E_MISMATCH;
 	}
 	if (!s[0] || strchr(s, '/') || s[0] == '.' || strlen(s) >= olen) {
-		eng_fmt(msg, len, "%s: weight_map['%s'] = \"%.64s\" is not a plain file name", ipath, name, s);
+		eng_fmt(err, errlen, "%s: weight_map['%s'] = \"%.64s\" is not a plain file name", ipath, name, s);
 		return -SHARDD_E_MALFORMED;
 	}
 	memcpy(out, s, strlen(s) + 1);
@@ -489,12 +489,12 @@ static int index_file(json_t *map, const char *name, const char *ipath, char *ou
  * must be the param's; its dtype (F32, BF16, F16) is converted to the
  * param's. No optimizer state: it starts at zero, at step 0.
  */
-static int import_weights(struct eng_group *eg, const struct confine *cf, const char *src, int is_file, char *msg,
-			  size_t len)
+static int import_weights(struct eng_group *eg, const struct confine *cf, const char *src, int is_file, char *err,
+			  size_t errlen)
 {
 	struct shd_group *g = eg->g;
 	char ipath[LOAD_PATH], path[LOAD_PATH], file[SHD_CKPT_FILE_NAME_MAX * 4] = "", open_file[sizeof(file)] = "";
-	char want[160], found[160], err[512];
+	char want[160], found[160], why[512];
 	struct shd_safetensors_file f = { 0 };
 	json_t *index = NULL, *map = NULL;
 	uint8_t *in = malloc(LOAD_BOUNCE), *out = malloc(LOAD_BOUNCE);
@@ -502,13 +502,13 @@ static int import_weights(struct eng_group *eg, const struct confine *cf, const 
 	int fd = -1, ret = 0;
 
 	if (!in || !out) {
-		eng_fmt(msg, len, "out of memory to import %s", src);
+		eng_fmt(err, errlen, "out of memory to import %s", src);
 		ret = -SHARDD_E_NOMEM;
 		goto out;
 	}
 	if (!is_file && !join(ipath, sizeof(ipath), src, SHD_CKPT_INDEX) && !stat(ipath, &st)) {
 		json_error_t jerr = { .text = "" };
-		int ifd = open_regular(cf, ipath, &st, msg, len);
+		int ifd = open_regular(cf, ipath, &st, err, errlen);
 
 		if (ifd < 0) {
 			ret = ifd;
@@ -518,7 +518,7 @@ static int import_weights(struct eng_group *eg, const struct confine *cf, const 
 			index = json_loadfd(ifd, JSON_REJECT_DUPLICATES, &jerr);
 		close(ifd);
 		if (!index || !json_is_object(map = json_object_get(index, "weight_map"))) {
-			eng_fmt(msg, len, "%s: not a Hugging Face index (a JSON object with a \"weight_map\" "
+			eng_fmt(err, errlen, "%s: not a Hugging Face index (a JSON object with a \"weight_map\" "
 				"object of at most %u bytes)%s%s", ipath, SHD_CKPT_MANIFEST_MAX,
 				index ? "" : ": ", index ? "" : jerr.text);
 			ret = -SHARDD_E_MALFORMED;
@@ -532,27 +532,27 @@ static int import_weights(struct eng_group *eg, const struct confine *cf, const 
 		if (is_file)
 			ret = snprintf(path, sizeof(path), "%s", src) >= (int)sizeof(path) ? -ENAMETOOLONG : 0;
 		else if (map)
-			ret = index_file(map, s->name, ipath, file, sizeof(file), msg, len) ? :
+			ret = index_file(map, s->name, ipath, file, sizeof(file), err, errlen) ? :
 			      join(path, sizeof(path), src, file);
 		else
 			ret = join(path, sizeof(path), src, "model.safetensors");
 		if (ret) {
-			if (!msg[0])
-				eng_fmt(msg, len, "import from '%.200s': path too long", src);
+			if (!err[0])
+				eng_fmt(err, errlen, "import from '%.200s': path too long", src);
 			break;
 		}
 		if (strcmp(path, open_file)) {
 			shd_safetensors_free(&f);
 			if (fd >= 0)
 				close(fd);
-			fd = open_regular(cf, path, &st, msg, len);
+			fd = open_regular(cf, path, &st, err, errlen);
 			if (fd < 0) {
 				ret = fd;
 				break;
 			}
-			ret = shd_safetensors_read(fd, path, &f, err, sizeof(err));
+			ret = shd_safetensors_read(fd, path, &f, why, sizeof(why));
 			if (ret) {
-				eng_fmt(msg, len, "%s", err);
+				eng_fmt(err, errlen, "%s", why);
 				break;
 			}
 			snprintf(open_file, sizeof(open_file), "%.*s", (int)sizeof(open_file) - 1, path);
@@ -560,18 +560,18 @@ static int import_weights(struct eng_group *eg, const struct confine *cf, const 
 		t = shd_safetensors_find(&f, s->name);
 		shape_text(s->dtype, s->ndim, s->shape, want, sizeof(want));
 		if (!t) {
-			eng_fmt(msg, len, "param '%s' (%s) of group '%s' is not in %s", s->name, want, g->name, path);
+			eng_fmt(err, errlen, "param '%s' (%s) of group '%s' is not in %s", s->name, want, g->name, path);
 			ret = -SHARDD_E_MISMATCH;
 			break;
 		}
 		if (t->ndim != s->ndim || memcmp(t->shape, s->shape, s->ndim * sizeof(s->shape[0]))) {
 			shape_text(t->dtype, t->ndim, t->shape, found, sizeof(found));
-			eng_fmt(msg, len, "tensor '%s' in %s: the group registers %s, the file holds %s", s->name,
+			eng_fmt(err, errlen, "tensor '%s' in %s: the group registers %s, the file holds %s", s->name,
 				path, want, found);
 			ret = -SHARDD_E_MISMATCH;
 			break;
 		}
-		ret = import_tensor(eg, i, fd, &f, t, path, in, out, msg, len);
+		ret = import_tensor(eg, i, fd, &f, t, path, in, out, err, errlen);
 	}
 	if (!ret)
 		shd_log_info("job '%s': group '%s' imported from %s (weights only: optimizer state from zero)",
@@ -589,9 +589,9 @@ out:
 /*
  * Where to restore from, into `dir`: 0 a checkpoint, 1 nothing (start from
  * zero), 2 a directory of plain weights, 3 a plain .safetensors file; or an
- * error with msg. `src`: the restore path, or "" for the job's newest checkpoint.
+ * error with err. `src`: the restore path, or "" for the job's newest checkpoint.
  */
-static int restore_dir(struct eng_group *eg, const char *src, char *dir, size_t dlen, char *msg, size_t len)
+static int restore_dir(struct eng_group *eg, const char *src, char *dir, size_t dlen, char *err, size_t errlen)
 {
 	const char *state = eg->j->e->cfg.state_dir;
 	char probe[LOAD_PATH], root[LOAD_PATH];
@@ -600,7 +600,7 @@ static int restore_dir(struct eng_group *eg, const char *src, char *dir, size_t 
 
 	if (!src[0]) {
 		if (!state) {
-			eng_fmt(msg, len, "the job's newest checkpoint needs shardd --state-dir; start shardd "
+			eng_fmt(err, errlen, "the job's newest checkpoint needs shardd --state-dir; start shardd "
 				"with it, or name a checkpoint directory");
 			return -SHARDD_E_INVALID;
 		}
@@ -613,7 +613,7 @@ static int restore_dir(struct eng_group *eg, const char *src, char *dir, size_t 
 			return 1;
 		}
 		if (ret)
-			eng_fmt(msg, len, "cannot list %s: %s", root, strerror(-ret));
+			eng_fmt(err, errlen, "cannot list %s: %s", root, strerror(-ret));
 		return ret;
 	}
 	if (!join(probe, sizeof(probe), src, SHD_CKPT_MANIFEST) && !stat(probe, &st) &&
@@ -634,7 +634,7 @@ static int restore_dir(struct eng_group *eg, const char *src, char *dir, size_t 
 		memcpy(dir, src, strlen(src) + 1);
 		return !stat(src, &self) && S_ISREG(self.st_mode) ? 3 : 2;
 	}
-	eng_fmt(msg, len, "'%s' holds no %s, no step-N checkpoint, no %s and no model.safetensors (%s)",
+	eng_fmt(err, errlen, "'%s' holds no %s, no step-N checkpoint, no %s and no model.safetensors (%s)",
 		src, SHD_CKPT_MANIFEST, SHD_CKPT_INDEX, strerror(-ret));
 	return ret;
 }
@@ -645,14 +645,14 @@ static int restore_dir(struct eng_group *eg, const char *src, char *dir, size_t 
  * --state-dir or an --import-dir, or shardd would read, as its own uid,
  * files the client cannot read and hand them over in the group's buffers.
  * The resolved path into `out` and the root into `cf` (its fd open); or
- * -SHARDD_E_PERM with msg. A path that does not resolve is refused the same
+ * -SHARDD_E_PERM with err. A path that does not resolve is refused the same
  * way, without saying why: that would tell the client which files exist
  * where it may not look. The probes that then tell a checkpoint from plain
  * weights (stat, the step-N listing) may follow a symlink swapped in after
  * this check; they read no file's content, and every file read is opened by
  * open_beneath.
  */
-static int confine_path(struct eng_group *eg, struct confine *cf, char *out, size_t olen, char *msg, size_t len)
+static int confine_path(struct eng_group *eg, struct confine *cf, char *out, size_t olen, char *err, size_t errlen)
 {
 	const struct shd_engine_config *c = &eg->j->e->cfg;
 	char *real = realpath(eg->restore, NULL), *state = c->state_dir ? realpath(c->state_dir, NULL) : NULL;
@@ -666,18 +666,18 @@ static int confine_path(struct eng_group *eg, struct confine *cf, char *out, siz
 		if (path_under(c->import_dirs[i], real))
 			root = c->import_dirs[i];
 	if (!root) {
-		eng_fmt(msg, len, "policy.restore '%s' of client uid %u %s: a client of another uid than "
+		eng_fmt(err, errlen, "policy.restore '%s' of client uid %u %s: a client of another uid than "
 			"shardd's (%u) restores only from under --state-dir%s%s or an --import-dir (%u given); "
 			"let it in with --import-dir DIR, or restore as shardd's uid", eg->restore,
 			(unsigned)cf->uid, real ? "resolves outside them" : "does not resolve to a path",
 			(unsigned)c->uid, state ? " " : " (not set)", state ? state : "", c->nimport_dirs);
 		ret = -SHARDD_E_PERM;
 	} else if (strlen(real) >= olen || strlen(root) >= sizeof(cf->root)) {
-		eng_fmt(msg, len, "policy.restore '%.200s...' is too long", eg->restore);
+		eng_fmt(err, errlen, "policy.restore '%.200s...' is too long", eg->restore);
 		ret = -SHARDD_E_INVALID;
 	} else if ((cf->fd = open(root, O_PATH | O_DIRECTORY | O_CLOEXEC)) < 0) {
 		ret = -errno;
-		eng_fmt(msg, len, "cannot open %s: %s", root, strerror(-ret));
+		eng_fmt(err, errlen, "cannot open %s: %s", root, strerror(-ret));
 	} else {
 		memcpy(out, real, strlen(real) + 1);
 		memcpy(cf->root, root, strlen(root) + 1);

@@ -103,7 +103,7 @@ static int save_range(struct save_out *o, const struct shd_buf *src, uint64_t of
  * index before its shard dim, the valid rows of shard 0, 1, ..., S-1 in
  * turn: each rank's shard is a row range of the tensor.
  */
-static int save_file(struct eng_ckpt *c, uint32_t gi, int optim, uint8_t *bounce, char *msg, size_t len)
+static int save_file(struct eng_ckpt *c, uint32_t gi, int optim, uint8_t *bounce, char *err, size_t errlen)
 {
 	uint8_t **stage = c->staged ? &c->stage[2 * gi + optim] : NULL;
 	const struct shd_group *g = c->egs[gi]->g;
@@ -116,7 +116,7 @@ static int save_file(struct eng_ckpt *c, uint32_t gi, int optim, uint8_t *bounce
 	uint8_t *hdr = NULL;
 	size_t hlen;
 	uint64_t dsize;
-	char err[256];
+	char why[256];
 	int ret;
 
 	for (uint32_t k = 0; optim && k < ns; k++)
@@ -124,9 +124,9 @@ static int save_file(struct eng_ckpt *c, uint32_t gi, int optim, uint8_t *bounce
 	ret = shd_ckpt_group_tensors(&c->m.groups[gi], optim, ns, states, &t, &n);
 	if (ret)
 		goto out;
-	ret = shd_safetensors_build(t, n, &hdr, &hlen, &dsize, err, sizeof(err));
+	ret = shd_safetensors_build(t, n, &hdr, &hlen, &dsize, why, sizeof(why));
 	if (ret) {
-		eng_fmt(msg, len, "checkpoint %s: group '%s': %s", c->dir, g->name, err);
+		eng_fmt(err, errlen, "checkpoint %s: group '%s': %s", c->dir, g->name, why);
 		goto out;
 	}
 	/* Snapshot: the tensors into memory now, the file later (write_staged); in place without memory. */
@@ -156,7 +156,7 @@ static int save_file(struct eng_ckpt *c, uint32_t gi, int optim, uint8_t *bounce
 			if (ret)
 				goto out;
 			if (o.off != hlen + t[ti].end) {
-				eng_fmt(msg, len, "checkpoint %s: tensor '%s' took %llu bytes, its header says %llu",
+				eng_fmt(err, errlen, "checkpoint %s: tensor '%s' took %llu bytes, its header says %llu",
 					c->dir, t[ti].name, (unsigned long long)(o.off - hlen - t[ti].begin),
 					(unsigned long long)(t[ti].end - t[ti].begin));
 				ret = -EIO;
@@ -170,8 +170,8 @@ static int save_file(struct eng_ckpt *c, uint32_t gi, int optim, uint8_t *bounce
 	fe->bytes = o.off;
 	fe->crc32 = (uint32_t)o.crc;
 out:
-	if (ret && !msg[0])
-		eng_fmt(msg, len, "checkpoint %s: writing %s of group '%s': %s", c->dir, fe->name, g->name,
+	if (ret && !err[0])
+		eng_fmt(err, errlen, "checkpoint %s: writing %s of group '%s': %s", c->dir, fe->name, g->name,
 			ret > -SHARDD_E_BASE ? strerror(-ret) : "backend read failed");
 	ckpt_dio_close(&o.f);
 	free(hdr);
@@ -179,7 +179,7 @@ out:
 	return ret;
 }
 
-static int save_group(struct eng_ckpt *c, uint32_t gi, char *msg, size_t len)
+static int save_group(struct eng_ckpt *c, uint32_t gi, char *err, size_t errlen)
 {
 	const struct shd_group *g = c->egs[gi]->g;
 	struct shd_backend_ctx *b = c->j->e->backend;
@@ -199,7 +199,7 @@ static int save_group(struct eng_ckpt *c, uint32_t gi, char *msg, size_t len)
 		}
 		ret = b->ops->sync(b, on, n, why, sizeof(why));
 		if (ret) {
-			eng_fmt(msg, len, "checkpoint %s: group '%s': the %s backend failed: %s", c->dir,
+			eng_fmt(err, errlen, "checkpoint %s: group '%s': the %s backend failed: %s", c->dir,
 				g->name, b->ops->name, why);
 			return ret;
 		}
@@ -207,13 +207,13 @@ static int save_group(struct eng_ckpt *c, uint32_t gi, char *msg, size_t len)
 	if (posix_memalign((void **)&bounce, CKPT_DIO_ALIGN, CKPT_DIO_BYTES))
 		bounce = NULL;
 	if (!bounce) {
-		eng_fmt(msg, len, "checkpoint %s: out of memory for the %u-byte write buffers", c->dir,
+		eng_fmt(err, errlen, "checkpoint %s: out of memory for the %u-byte write buffers", c->dir,
 			CKPT_DIO_BYTES);
 		return -SHARDD_E_NOMEM;
 	}
-	ret = save_file(c, gi, 0, bounce, msg, len);
+	ret = save_file(c, gi, 0, bounce, err, errlen);
 	if (!ret && c->file_of[2 * gi + 1] >= 0)
-		ret = save_file(c, gi, 1, bounce, msg, len);
+		ret = save_file(c, gi, 1, bounce, err, errlen);
 	free(bounce);
 	return ret;
 }
@@ -223,14 +223,14 @@ static int save_group(struct eng_ckpt *c, uint32_t gi, char *msg, size_t len)
  * the header, the snapshot, CRC-32 as written, fsync; the snapshot is freed.
  * Reads nothing of the group: only the manifest's copy of its spec.
  */
-static int write_staged(struct eng_ckpt *c, uint32_t gi, char *msg, size_t len)
+static int write_staged(struct eng_ckpt *c, uint32_t gi, char *err, size_t errlen)
 {
 	const struct shd_ckpt_group *cg = &c->m.groups[gi];
 	uint8_t *buf = NULL;
 	int ret = 0;
 
 	if (posix_memalign((void **)&buf, CKPT_DIO_ALIGN, CKPT_DIO_BYTES)) {
-		eng_fmt(msg, len, "checkpoint %s: out of memory for the %u-byte write buffers", c->dir,
+		eng_fmt(err, errlen, "checkpoint %s: out of memory for the %u-byte write buffers", c->dir,
 			CKPT_DIO_BYTES);
 		ret = -SHARDD_E_NOMEM;
 	}
@@ -244,7 +244,7 @@ static int write_staged(struct eng_ckpt *c, uint32_t gi, char *msg, size_t len)
 		uLong crc = crc32(0L, Z_NULL, 0);
 		size_t hlen;
 		uint64_t dsize;
-		char err[256];
+		char why[256];
 		struct dio_file f = { .fd = -1, .dfd = -1 };
 
 		if (!*stage)
@@ -254,7 +254,7 @@ static int write_staged(struct eng_ckpt *c, uint32_t gi, char *msg, size_t len)
 			states[k] = shd_group_optim_state_name(&cg->optim, k);
 		ret = shd_ckpt_group_tensors(cg, optim, ns, states, &t, &n);
 		if (!ret)
-			ret = shd_safetensors_build(t, n, &hdr, &hlen, &dsize, err, sizeof(err));
+			ret = shd_safetensors_build(t, n, &hdr, &hlen, &dsize, why, sizeof(why));
 		if (!ret)
 			ret = ckpt_dio_open(&f, c->dirfd, fe->name, buf);
 		if (!ret)
@@ -276,8 +276,8 @@ static int write_staged(struct eng_ckpt *c, uint32_t gi, char *msg, size_t len)
 		fe->bytes = hlen + dsize;
 		fe->crc32 = (uint32_t)crc;
 		if (ret)
-			eng_fmt(msg, len, "checkpoint %s: writing %s of group '%s': %s", c->dir, fe->name,
-				cg->hdr.name, ret == -SHARDD_E_INVALID ? err : strerror(ret < 0 ? -ret : EIO));
+			eng_fmt(err, errlen, "checkpoint %s: writing %s of group '%s': %s", c->dir, fe->name,
+				cg->hdr.name, ret == -SHARDD_E_INVALID ? why : strerror(ret < 0 ? -ret : EIO));
 		ckpt_dio_close(&f);
 		free(hdr);
 		free(t);
@@ -289,9 +289,9 @@ static int write_staged(struct eng_ckpt *c, uint32_t gi, char *msg, size_t len)
 }
 
 /* The manifest, the index, then the directory made durable and renamed into place. */
-static int save_final(struct eng_ckpt *c, char *msg, size_t len)
+static int save_final(struct eng_ckpt *c, char *err, size_t errlen)
 {
-	char *json = NULL, err[256] = "";
+	char *json = NULL, why[256] = "";
 	const char *what = SHD_CKPT_MANIFEST;
 	int ret, pfd;
 
@@ -300,7 +300,7 @@ static int save_final(struct eng_ckpt *c, char *msg, size_t len)
 		ckpt_remove_dir(AT_FDCWD, c->tmp);
 		return c->res;
 	}
-	ret = shd_ckpt_manifest_dump(&c->m, &json, err, sizeof(err));
+	ret = shd_ckpt_manifest_dump(&c->m, &json, why, sizeof(why));
 	if (!ret)
 		ret = ckpt_write_text(c->dirfd, SHD_CKPT_MANIFEST, json);
 	free(json);
@@ -320,7 +320,7 @@ static int save_final(struct eng_ckpt *c, char *msg, size_t len)
 				total += n * shardd_dtype_size(g->specs[p].dtype);
 			}
 		}
-		ret = shd_ckpt_index_dump(&c->m, total, &json, err, sizeof(err));
+		ret = shd_ckpt_index_dump(&c->m, total, &json, why, sizeof(why));
 		if (!ret)
 			ret = ckpt_write_text(c->dirfd, SHD_CKPT_INDEX, json);
 		free(json);
@@ -344,8 +344,8 @@ static int save_final(struct eng_ckpt *c, char *msg, size_t len)
 			close(pfd);
 	}
 	if (ret) {
-		eng_fmt(msg, len, "checkpoint %s: writing %s: %s", c->dir, what,
-			err[0] ? err : strerror(ret < 0 && ret > -SHARDD_E_BASE ? -ret : EIO));
+		eng_fmt(err, errlen, "checkpoint %s: writing %s: %s", c->dir, what,
+			why[0] ? why : strerror(ret < 0 && ret > -SHARDD_E_BASE ? -ret : EIO));
 		ckpt_remove_dir(AT_FDCWD, c->tmp);
 		return ret;
 	}
@@ -513,7 +513,7 @@ int shd_engine_job_checkpointing(const struct shd_engine_job *j)
 }
 
 /* Check the job can be saved now and fill c->m, c->egs, c->file_of. */
-static int ckpt_plan(struct shd_engine_job *j, struct eng_ckpt *c, uint64_t step, char *msg, size_t len)
+static int ckpt_plan(struct shd_engine_job *j, struct eng_ckpt *c, uint64_t step, char *err, size_t errlen)
 {
 	uint32_t n = 0, nf = 0;
 
@@ -523,12 +523,12 @@ static int ckpt_plan(struct shd_engine_job *j, struct eng_ckpt *c, uint64_t step
 		if (!eg)
 			continue;
 		if (!eg->complete) {
-			eng_fmt(msg, len, "group '%s' is still registering; checkpoint once every rank registered it",
+			eng_fmt(err, errlen, "group '%s' is still registering; checkpoint once every rank registered it",
 				eg->g->name);
 			return -SHARDD_E_STATE;
 		}
 		if (eg->running || eg->qhead) {
-			eng_fmt(msg, len, "group '%s' still has a %s in flight; submit checkpoint after the "
+			eng_fmt(err, errlen, "group '%s' still has a %s in flight; submit checkpoint after the "
 				"completions of the step's ops", eg->g->name,
 				shardd_op_name((eg->running ? eg->running : eg->qhead)->ops[0].sqe.op));
 			return -SHARDD_E_STATE;
@@ -536,7 +536,7 @@ static int ckpt_plan(struct shd_engine_job *j, struct eng_ckpt *c, uint64_t step
 		for (uint32_t r = 1; eg->g->optim.kind != SHARDD_OPTIM_NONE && r < eg->g->world; r++)
 			if (eg->g->last_step[r] != eg->g->last_step[0] ||
 			    eg->g->optim_steps[r] != eg->g->optim_steps[0]) {
-				eng_fmt(msg, len, "group '%s' is not at a step boundary: rank 0 applied step %llu "
+				eng_fmt(err, errlen, "group '%s' is not at a step boundary: rank 0 applied step %llu "
 					"(%llu updates), rank %u step %llu (%llu updates); checkpoint after every "
 					"rank's step", eg->g->name, (unsigned long long)eg->g->last_step[0],
 					(unsigned long long)eg->g->optim_steps[0], r,
@@ -547,7 +547,7 @@ static int ckpt_plan(struct shd_engine_job *j, struct eng_ckpt *c, uint64_t step
 		n++;
 	}
 	if (!n) {
-		eng_fmt(msg, len, "job '%s' has no registered group to checkpoint", j->name);
+		eng_fmt(err, errlen, "job '%s' has no registered group to checkpoint", j->name);
 		return -SHARDD_E_STATE;
 	}
 	c->m.version = SHD_CKPT_VERSION;
@@ -618,16 +618,16 @@ static int ckpt_plan(struct shd_engine_job *j, struct eng_ckpt *c, uint64_t step
 }
 
 int eng_ckpt_start(struct shd_engine_job *j, const struct shd_engine_ckpt_target *tg, uint64_t id,
-		   shd_engine_ckpt_fn done, void *ctx, char *msg, size_t len)
+		   shd_engine_ckpt_fn done, void *ctx, char *err, size_t errlen)
 {
 	struct eng_ckpt *c;
 	struct eng_task **tasks = NULL;
-	char *json = NULL, err[256] = "", *base, *parent, *tmpl = NULL;
+	char *json = NULL, why[256] = "", *base, *parent, *tmpl = NULL;
 	struct stat st;
 	int ret;
 
 	if (j->ckpt) {
-		eng_fmt(msg, len, "the checkpoint of step %llu into %s is still being written; wait for its "
+		eng_fmt(err, errlen, "the checkpoint of step %llu into %s is still being written; wait for its "
 			"completion", (unsigned long long)j->ckpt->m.step, j->ckpt->dir);
 		return -SHARDD_E_STATE;
 	}
@@ -641,23 +641,23 @@ int eng_ckpt_start(struct shd_engine_job *j, const struct shd_engine_ckpt_target
 	c->done = done;
 	c->ctx = ctx;
 	c->start_ns = shd_now_ns();
-	ret = ckpt_plan(j, c, tg->step, msg, len);
+	ret = ckpt_plan(j, c, tg->step, err, errlen);
 	if (ret == -ENOMEM)
 		goto nomem;
 	if (ret)
 		goto fail;
 	/* Every name must be UTF-8 and every param name unique in the job before a byte is written. */
-	ret = shd_ckpt_manifest_dump(&c->m, &json, err, sizeof(err));
+	ret = shd_ckpt_manifest_dump(&c->m, &json, why, sizeof(why));
 	free(json);
 	json = NULL;
 	if (!ret && c->m.ngroups > 1) {
-		ret = shd_ckpt_index_dump(&c->m, 0, &json, err, sizeof(err));
+		ret = shd_ckpt_index_dump(&c->m, 0, &json, why, sizeof(why));
 		free(json);
 	}
 	if (ret == -ENOMEM)
 		goto nomem;
 	if (ret) {
-		eng_fmt(msg, len, "%s", err);
+		eng_fmt(err, errlen, "%s", why);
 		goto fail;
 	}
 	c->dir = strdup(tg->dir);
@@ -678,14 +678,14 @@ int eng_ckpt_start(struct shd_engine_job *j, const struct shd_engine_ckpt_target
 		goto nomem;
 	c->tmp = tmpl;
 	if (!stat(tg->dir, &st)) {
-		eng_fmt(msg, len, "checkpoint directory %s exists; name a new one (a checkpoint is never "
+		eng_fmt(err, errlen, "checkpoint directory %s exists; name a new one (a checkpoint is never "
 			"written over another)", tg->dir);
 		ret = -SHARDD_E_INVALID;
 		goto fail;
 	}
 	ret = ckpt_mkdir_p(c->parent);
 	if (ret || !mkdtemp(c->tmp) || (c->dirfd = open(c->tmp, O_RDONLY | O_DIRECTORY | O_CLOEXEC)) < 0) {
-		eng_fmt(msg, len, "checkpoint %s: cannot create %s: %s", tg->dir, ret ? c->parent : c->tmp,
+		eng_fmt(err, errlen, "checkpoint %s: cannot create %s: %s", tg->dir, ret ? c->parent : c->tmp,
 			strerror(ret ? -ret : errno));
 		ret = -SHARDD_E_INVALID;
 		goto fail;
@@ -718,7 +718,7 @@ int eng_ckpt_start(struct shd_engine_job *j, const struct shd_engine_ckpt_target
 nomem_tmp:
 	ckpt_remove_dir(AT_FDCWD, c->tmp);
 nomem:
-	eng_fmt(msg, len, "out of memory to plan the checkpoint");
+	eng_fmt(err, errlen, "out of memory to plan the checkpoint");
 	ret = -SHARDD_E_NOMEM;
 fail:
 	if (c)
@@ -727,15 +727,15 @@ fail:
 }
 
 int shd_engine_job_checkpoint(struct shd_engine_job *j, const struct shd_engine_ckpt_target *tg,
-			      shd_engine_ckpt_fn done, void *ctx, char *msg, size_t len)
+			      shd_engine_ckpt_fn done, void *ctx, char *err, size_t errlen)
 {
 	if (j->ckpt_armed) {
-		eng_fmt(msg, len, "a checkpoint armed by an admin request (id %llu) waits for the next step "
+		eng_fmt(err, errlen, "a checkpoint armed by an admin request (id %llu) waits for the next step "
 			"boundary; wait for it (shardctl checkpoints %s)",
 			(unsigned long long)j->ckpt_armed->id, j->name);
 		return -SHARDD_E_STATE;
 	}
-	int ret = eng_ckpt_start(j, tg, j->ckpt_seq + 1, done, ctx, msg, len);
+	int ret = eng_ckpt_start(j, tg, j->ckpt_seq + 1, done, ctx, err, errlen);
 
 	if (!ret)
 		j->ckpt_seq++;

@@ -42,11 +42,11 @@ static void timeout_str(const struct shd_engine *e, char *buf, size_t len)
 }
 
 void eng_expired_msg(const struct shd_engine *e, const struct shd_rdv *rdv, const char *did,
-		     char *msg, size_t len)
+		     char *err, size_t errlen)
 {
 	char within[32], late[ENGINE_MSG_MAX];
 
 	timeout_str(e, within, sizeof(within));
 	shd_rdv_missing_msg(rdv, did, within, late, sizeof(late));
-	eng_fmt(msg, len, "shardd: %s", late);
+	eng_fmt(err, errlen, "shardd: %s", late);
 }

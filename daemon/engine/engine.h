@@ -125,11 +125,11 @@ uint64_t shd_engine_job_memory_committed(const struct shd_engine_job *j);
 /*
  * The total norm of the job's sharded grads (grad_norm.c): 2-norm, or the
  * inf-norm when `inf`; *nonfinite 1 when some element is NaN or Inf. 0, or
- * a negative code with `msg` saying why (-SHARDD_E_STATE: a group still
+ * a negative code with `err` saying why (-SHARDD_E_STATE: a group still
  * runs an op). Loop thread.
  */
 int shd_engine_job_grad_norm(struct shd_engine_job *j, int inf, double *norm, int *nonfinite,
-			     char *msg, size_t len);
+			     char *err, size_t errlen);
 /*
  * Keep the result of the job's grad_norm of step `step` for its steps with
  * SHARDD_STEP_CLIP_JOB / SHARDD_STEP_SKIP_JOB_NONFINITE: replaces an older
@@ -140,15 +140,15 @@ void shd_engine_job_grad_norm_keep(struct shd_engine_job *j, uint64_t step, doub
 /*
  * grad_norm of an FSDP job across nodes (shd_engine_job_spans_fsdp): _span
  * computes this node's part and starts summing the nodes' parts without
- * waiting (0, or a negative code with `msg`); the engine's event fd fires
+ * waiting (0, or a negative code with `err`); the engine's event fd fires
  * when it ends, and _poll then gives the job-wide norm (0) or the error
  * naming the nodes (negative); 1 while it runs. _abandon gives it up (the
  * job ends). Loop thread.
  */
 int shd_engine_job_spans_fsdp(const struct shd_engine_job *j);
-int shd_engine_job_grad_norm_span(struct shd_engine_job *j, int inf, uint64_t step, char *msg, size_t len);
+int shd_engine_job_grad_norm_span(struct shd_engine_job *j, int inf, uint64_t step, char *err, size_t errlen);
 int shd_engine_job_grad_norm_pending(const struct shd_engine_job *j);
-int shd_engine_job_grad_norm_poll(struct shd_engine_job *j, double *norm, int *nonfinite, char *msg, size_t len);
+int shd_engine_job_grad_norm_poll(struct shd_engine_job *j, double *norm, int *nonfinite, char *err, size_t errlen);
 void shd_engine_job_grad_norm_abandon(struct shd_engine_job *j);
 /*
  * clip_grad_norm_'s coefficient as torch computes it on a 0-d fp32 norm:
@@ -178,21 +178,21 @@ struct shd_engine_ckpt_target {
  * directory are synced: each group's save runs on the worker pool, in its
  * group's queue, so the group's later ops wait for it. Needs every group
  * registered and idle, and each optimizer's last step the same on every
- * rank. 0: `done` will be called; else a negative code with `msg` (done is
+ * rank. 0: `done` will be called; else a negative code with `err` (done is
  * not called). Loop thread.
  */
 int shd_engine_job_checkpoint(struct shd_engine_job *j, const struct shd_engine_ckpt_target *t,
-			      shd_engine_ckpt_fn done, void *ctx, char *msg, size_t len);
+			      shd_engine_ckpt_fn done, void *ctx, char *err, size_t errlen);
 /*
  * Arm a checkpoint taken at the job's next step boundary (at once when it
  * is at one now): every group registered and idle, and every optimizer
  * group's last step the same on every rank and in every group. Into `dir`,
  * or with dir NULL into keep_root/step-<that step>; `keep` as above. 0 with
  * *id the checkpoint's id (shd_engine_job_checkpoint_status), or a
- * negative code with `msg` (one is armed or being written already).
+ * negative code with `err` (one is armed or being written already).
  */
 int shd_engine_job_checkpoint_arm(struct shd_engine_job *j, const char *dir, const char *keep_root,
-				  uint32_t keep, uint64_t *id, char *msg, size_t len);
+				  uint32_t keep, uint64_t *id, char *err, size_t errlen);
 
 #define SHD_ENGINE_CKPT_TEXT 512
 /* A job's checkpoints now (admin `checkpoints`): armed, being written, the last one ended. */

@@ -243,7 +243,7 @@ void eng_reply_err(struct shd_engine_job *j, uint32_t rank, uint64_t token, uint
 void eng_complete(struct shd_engine_job *j, const struct eng_op *op, int res, const char *msg);
 /* "shardd: ranks 2,3 <did> within 30 s; rank 0 is waiting" for an expired rendezvous. */
 void eng_expired_msg(const struct shd_engine *e, const struct shd_rdv *rdv, const char *did,
-		     char *msg, size_t len);
+		     char *err, size_t errlen);
 
 /* ---- registry.c: registration ---- */
 

@@ -116,12 +116,12 @@ int shd_group_create(uint32_t id, const struct shardd_register_group *hdr,
 
 /*
  * 0 when `hdr`/`specs` (registered by `rank`) equal the group's spec
- * (registered by `first_rank`), else 1 with `why` naming the first differing
+ * (registered by `first_rank`), else 1 with `err` naming the first differing
  * param, the field, both values and both ranks.
  */
 int shd_group_compare(const struct shd_group *g, const struct shardd_register_group *hdr,
 			 const struct shardd_param_spec *specs, const struct shardd_optim_config *optim,
-			 uint32_t rank, uint32_t first_rank, char *why, size_t whylen);
+			 uint32_t rank, uint32_t first_rank, char *err, size_t errlen);
 
 /*
  * Bytes of every buffer a group will ever hold in host memory (the host

@@ -89,18 +89,18 @@ int shd_rdv_has_arrived(const struct shd_rdv *r, uint32_t rank)
 }
 
 int shd_rdv_arrive(struct shd_rdv *r, uint32_t rank, uint64_t step, uint32_t flags,
-		      uint64_t now_ns, uint64_t timeout_ns, char *why, size_t whylen)
+		      uint64_t now_ns, uint64_t timeout_ns, char *err, size_t errlen)
 {
 	int64_t i = rdv_index(r, rank);
 
-	if (whylen)
-		why[0] = '\0';
+	if (errlen)
+		err[0] = '\0';
 	if (i < 0) {
-		snprintf(why, whylen, "rank %u is not part of this rendezvous", r->shown_base + rank);
+		snprintf(err, errlen, "rank %u is not part of this rendezvous", r->shown_base + rank);
 		return -EINVAL;
 	}
 	if (r->arrived[i]) {
-		snprintf(why, whylen, "rank %u submitted step %llu while its step %llu is still waiting",
+		snprintf(err, errlen, "rank %u submitted step %llu while its step %llu is still waiting",
 			 r->shown_base + rank, (unsigned long long)step, (unsigned long long)r->step);
 		return -EINVAL;
 	}
@@ -111,7 +111,7 @@ int shd_rdv_arrive(struct shd_rdv *r, uint32_t rank, uint64_t step, uint32_t fla
 		r->first_rank = rank;
 		r->deadline_ns = timeout_ns > UINT64_MAX - now_ns ? UINT64_MAX : now_ns + timeout_ns;
 	} else if (r->step != step || r->flags != flags) {
-		snprintf(why, whylen,
+		snprintf(err, errlen,
 			 "rank %u submitted step %llu flags 0x%x but rank %u submitted step %llu flags 0x%x",
 			 r->shown_base + rank, (unsigned long long)step, flags, r->shown_base + r->first_rank,
 			 (unsigned long long)r->step, r->flags);

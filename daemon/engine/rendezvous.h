@@ -46,12 +46,12 @@ void shd_rdv_reset(struct shd_rdv *r);
 /*
  * Arrival of `rank` with key (step, flags) at `now_ns`; the first arrival
  * sets the key and the deadline now_ns + timeout_ns. Returns SHD_RDV_WAIT,
- * SHD_RDV_COMPLETE, SHD_RDV_MISMATCH (arrival not recorded; `why` names
- * both ranks and keys) or -EINVAL (rank not expected, or arrived twice; `why`
+ * SHD_RDV_COMPLETE, SHD_RDV_MISMATCH (arrival not recorded; `err` names
+ * both ranks and keys) or -EINVAL (rank not expected, or arrived twice; `err`
  * says which). The owner resets the rendezvous after COMPLETE or MISMATCH.
  */
 int shd_rdv_arrive(struct shd_rdv *r, uint32_t rank, uint64_t step, uint32_t flags,
-		      uint64_t now_ns, uint64_t timeout_ns, char *why, size_t whylen);
+		      uint64_t now_ns, uint64_t timeout_ns, char *err, size_t errlen);
 /*
  * Forget the arrival of `rank` (its client is gone), so that present/missing
  * lists no longer count it. Returns 1 when it had arrived, else 0.

@@ -28,7 +28,7 @@ struct shd_job *shd_job_find(const char *name)
 }
 
 int shd_job_claim(const char *name, uint32_t replicate, uint32_t shard, uint32_t rank,
-		     struct shd_job **out, char *why, size_t len)
+		     struct shd_job **out, char *err, size_t errlen)
 {
 	struct shd_job *job = shd_job_find(name);
 	struct shd_job_rank *jr;
@@ -37,7 +37,7 @@ int shd_job_claim(const char *name, uint32_t replicate, uint32_t shard, uint32_t
 	if (!job)
 		return 0;
 	if (job->replicate != replicate || job->shard != shard) {
-		snprintf(why, len, "job '%s' has mesh %ux%u, hello asked for %ux%u", job->name,
+		snprintf(err, errlen, "job '%s' has mesh %ux%u, hello asked for %ux%u", job->name,
 			 job->replicate, job->shard, replicate, shard);
 		return -SHARDD_E_MESH;
 	}
@@ -52,7 +52,7 @@ int shd_job_claim(const char *name, uint32_t replicate, uint32_t shard, uint32_t
 		jr = &job->ranks[rank];
 	}
 	if (jr->client.ops) {
-		snprintf(why, len, "job '%s' rank %u is already attached (client %llu, pid %u)",
+		snprintf(err, errlen, "job '%s' rank %u is already attached (client %llu, pid %u)",
 			 job->name, job->rank_base + rank, (unsigned long long)jr->client.token, jr->pid);
 		return -SHARDD_E_RANK_TAKEN;
 	}
@@ -160,7 +160,7 @@ static void rdv_finish(struct shd_job *j, enum shd_job_rdv_kind k, int res, cons
  * now waits; with SHD_RDV_MISMATCH the caller fails it (rdv_mismatch).
  */
 static int rdv_arrive(struct shd_job *j, enum shd_job_rdv_kind k, uint32_t rank,
-		      const struct shardd_sqe *sqe, uint32_t flags, int busy, char *why, size_t len)
+		      const struct shardd_sqe *sqe, uint32_t flags, int busy, char *err, size_t errlen)
 {
 	struct shd_job_rank *jr = &j->ranks[rank];
 	struct shd_job_wait *w = &jr->wait[k];
@@ -169,7 +169,7 @@ static int rdv_arrive(struct shd_job *j, enum shd_job_rdv_kind k, uint32_t rank,
 	int ret;
 
 	ret = shd_rdv_arrive(rdv, rank, sqe->step, flags, shd_now_ns(), env.collective_timeout_ns,
-			     why, len);
+			     err, errlen);
 	if (ret == -EINVAL || busy) {
 		rdv_label(mine, sizeof(mine), k, sqe->step);
 		rdv_label(theirs, sizeof(theirs), k, busy ? w->sqe.step : rdv->step);
@@ -612,26 +612,26 @@ void shd_job_checkpoint(struct shd_job *j, uint32_t rank, const struct shardd_sq
 	shd_rdv_reset(rdv);
 }
 
-int shd_job_checkpoint_arm(struct shd_job *j, const char *dir, uint64_t *id, char *msg, size_t len)
+int shd_job_checkpoint_arm(struct shd_job *j, const char *dir, uint64_t *id, char *err, size_t errlen)
 {
 	char *root = NULL;
 	int ret;
 
 	if (dir && dir[0] != '/') {
-		snprintf(msg, len, "checkpoint: directory '%s' is relative; the daemon needs an absolute path",
+		snprintf(err, errlen, "checkpoint: directory '%s' is relative; the daemon needs an absolute path",
 			 dir);
 		return -SHARDD_E_INVALID;
 	}
 	if (!dir && !env.state_dir) {
-		snprintf(msg, len, "checkpoint: shardd has no --state-dir; name the directory (shardctl "
+		snprintf(err, errlen, "checkpoint: shardd has no --state-dir; name the directory (shardctl "
 			 "checkpoint %s DIR) or restart shardd with --state-dir DIR", j->name);
 		return -SHARDD_E_INVALID;
 	}
 	if (env.state_dir && asprintf(&root, "%s/%s", env.state_dir, j->name) < 0) {
-		snprintf(msg, len, "checkpoint: out of memory");
+		snprintf(err, errlen, "checkpoint: out of memory");
 		return -SHARDD_E_NOMEM;
 	}
-	ret = shd_engine_job_checkpoint_arm(j->ejob, dir, root, dir ? 0 : env.keep, id, msg, len);
+	ret = shd_engine_job_checkpoint_arm(j->ejob, dir, root, dir ? 0 : env.keep, id, err, errlen);
 	free(root);
 	return ret;
 }

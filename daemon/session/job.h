@@ -123,10 +123,10 @@ struct shd_job *shd_job_find(const char *name);
  * a holder found gone (its EOF not yet seen) is closed first, since a
  * restarted trainer may be faster than its old client's hang-up. Returns 0
  * with *out the job (NULL: no job of that name yet; shd_job_create makes
- * it), or -SHARDD_E_MESH / -SHARDD_E_RANK_TAKEN with `why` saying so.
+ * it), or -SHARDD_E_MESH / -SHARDD_E_RANK_TAKEN with `err` saying so.
  */
 int shd_job_claim(const char *name, uint32_t replicate, uint32_t shard, uint32_t rank,
-		     struct shd_job **out, char *why, size_t len);
+		     struct shd_job **out, char *err, size_t errlen);
 /*
  * The job spans the daemon world: node `node` of `nodes` holds its ranks,
  * of the whole mesh replicate x shard (shd_engine_job_span); its messages
@@ -190,9 +190,9 @@ void shd_job_checkpoint(struct shd_job *j, uint32_t rank, const struct shardd_sq
  * An admin checkpoint (shardctl checkpoint): taken at the job's next step
  * boundary into `dir` (an absolute path), or with dir NULL into
  * <--state-dir>/<job>/step-<step>. 0 with *id its id, or a negative code
- * with `msg` naming the fix (no --state-dir, a relative dir, one armed).
+ * with `err` naming the fix (no --state-dir, a relative dir, one armed).
  */
-int shd_job_checkpoint_arm(struct shd_job *j, const char *dir, uint64_t *id, char *msg, size_t len);
+int shd_job_checkpoint_arm(struct shd_job *j, const char *dir, uint64_t *id, char *err, size_t errlen);
 /*
  * Fail a barrier or grad_norm waiting past the collective timeout; end the job when it
  * has had no attached rank for --job-linger seconds (then `j` is freed).

@@ -29,7 +29,7 @@ struct shd_metrics_http {
 };
 
 int shd_metrics_http_parse(const char *spec, char *host, size_t host_len, char *port,
-			      size_t port_len, char *why, size_t why_len)
+			      size_t port_len, char *err, size_t errlen)
 {
 	const char *colon, *p;
 	size_t hl;
@@ -40,12 +40,12 @@ int shd_metrics_http_parse(const char *spec, char *host, size_t host_len, char *
 		const char *close = strchr(spec, ']');
 
 		if (!close || close[1] != ':') {
-			snprintf(why, why_len, "'%s': an IPv6 address goes as [ADDR]:PORT", spec);
+			snprintf(err, errlen, "'%s': an IPv6 address goes as [ADDR]:PORT", spec);
 			return -EINVAL;
 		}
 		hl = (size_t)(close - spec - 1);
 		if (hl == 0 || hl >= host_len) {
-			snprintf(why, why_len, "'%s': the address is empty or too long", spec);
+			snprintf(err, errlen, "'%s': the address is empty or too long", spec);
 			return -EINVAL;
 		}
 		memcpy(host, spec + 1, hl);
@@ -54,7 +54,7 @@ int shd_metrics_http_parse(const char *spec, char *host, size_t host_len, char *
 	} else if ((colon = strrchr(spec, ':')) != NULL) {
 		hl = (size_t)(colon - spec);
 		if (hl == 0 || hl >= host_len || memchr(spec, ':', hl)) {
-			snprintf(why, why_len, "'%s' is not [ADDR:]PORT (an IPv6 address goes in "
+			snprintf(err, errlen, "'%s' is not [ADDR:]PORT (an IPv6 address goes in "
 				 "brackets: [::1]:9464)", spec);
 			return -EINVAL;
 		}
@@ -69,7 +69,7 @@ int shd_metrics_http_parse(const char *spec, char *host, size_t host_len, char *
 	errno = 0;
 	v = strtoul(p, &end, 10);
 	if (!*p || *p == '-' || *p == '+' || errno || *end || v > 65535) {
-		snprintf(why, why_len, "'%s': the port '%s' is not a number in [0, 65535]", spec, p);
+		snprintf(err, errlen, "'%s': the port '%s' is not a number in [0, 65535]", spec, p);
 		return -EINVAL;
 	}
 	snprintf(port, port_len, "%lu", v);

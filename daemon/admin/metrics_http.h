@@ -17,10 +17,10 @@ struct shd_metrics_http;
 /*
  * Parse "[ADDR:]PORT" (ADDR a host name, an IPv4 address or a bracketed
  * IPv6 one; 127.0.0.1 when absent; PORT 0..65535, 0 picks a free one) into
- * host and port. Returns 0, or -EINVAL with a sentence for the user in why.
+ * host and port. Returns 0, or -EINVAL with a sentence for the user in err.
  */
 int shd_metrics_http_parse(const char *spec, char *host, size_t host_len, char *port,
-			      size_t port_len, char *why, size_t why_len);
+			      size_t port_len, char *err, size_t errlen);
 
 /*
  * Listen on `spec` and serve from `loop`. Returns 0 and *out, or a negative

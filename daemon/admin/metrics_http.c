@@ -1,4 +1,21 @@
 /* SPDX-License-Identifier: MIT */
+/*
+ * --metrics-listen (metrics_http.h): libmicrohttpd run from the loop.
+ *
+ * Any local process may connect, so no connection may hold a slot for
+ * long: each must deliver its request and take its response within
+ * METRICS_HTTP_EXCHANGE_MS of connecting (or of its previous response, on
+ * a kept-alive connection), whether it sits idle, trickles bytes, or does
+ * not read. A connection past its deadline is shut down, which MHD sees
+ * as the peer's end and closes. The daemon accepts connections itself
+ * (MHD_add_connection), all that are pending at each event, so none waits
+ * in the listen backlog behind a flood. When METRICS_HTTP_CONNECTIONS are
+ * open, a new one shuts down the oldest whose request bytes are not waiting
+ * unread in the kernel (a request not yet served); only when all of them
+ * have some is the new one closed instead. So a scraper, which sends its
+ * request as soon as it connects, is answered however many others keep
+ * connecting, and at the latest within one deadline.
+ */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <microhttpd.h>
@@ -7,24 +24,38 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include "admin.h"
+#include "clock.h"
 #include "log.h"
 #include "loop.h"
 #include "metrics_http.h"
 
-#define METRICS_HTTP_CONNECTIONS 16  /* scrapers at once; more wait in the backlog */
-#define METRICS_HTTP_TIMEOUT_S   10  /* an idle or slow connection is closed after this */
-#define METRICS_HTTP_TICK_MS     1000 /* MHD_run for those timeouts when no fd fires */
+#define METRICS_HTTP_CONNECTIONS 256  /* open at once; a new one shuts down the oldest */
+#define METRICS_HTTP_EXCHANGE_MS 500  /* a request in and its response out, from the connection's
+					 start or its previous response; past it: shut down */
+#define METRICS_HTTP_TICK_MS     100  /* deadlines are checked this often */
 #define METRICS_HTTP_RUNS        64   /* MHD_runs at most per event, while MHD has more to do at once */
 #define METRICS_CONTENT_TYPE     "text/plain; version=0.0.4; charset=utf-8"
 
+/* One TCP connection MHD holds: its socket context. */
+struct metrics_conn {
+	struct metrics_conn *next, *prev;
+	int      fd;
+	uint64_t deadline_ns;  /* its request must be in and answered by then */
+	int      shut;         /* shut down at its deadline; MHD closes it next */
+};
+
 struct shd_metrics_http {
 	struct MHD_Daemon        *mhd;
-	struct shd_loop_event *fd_ev;    /* MHD's epoll fd: a connection or the listener is ready */
-	struct shd_loop_event *tick_ev;  /* connection timeouts */
+	int                       listen_fd;
+	struct shd_loop_event *listen_ev; /* a connection to accept */
+	struct shd_loop_event *fd_ev;    /* MHD's epoll fd: a connection is ready */
+	struct shd_loop_event *tick_ev;  /* connection deadlines */
+	struct metrics_conn       conns;    /* the open connections, newest first */
 	char                      url[128];
 };
 
@@ -132,6 +163,129 @@ static enum MHD_Result metrics_request(void *cls, struct MHD_Connection *conn, c
 	return ret;
 }
 
+/* MHD_OPTION_NOTIFY_CONNECTION: every connection is listed with its deadline while open. */
+static void metrics_conn_notify(void *cls, struct MHD_Connection *conn, void **socket_context,
+				enum MHD_ConnectionNotificationCode toe)
+{
+	struct shd_metrics_http *h = cls;
+	struct metrics_conn *c = *socket_context;
+	const union MHD_ConnectionInfo *info;
+
+	if (toe == MHD_CONNECTION_NOTIFY_CLOSED) {
+		if (c) {
+			c->prev->next = c->next;
+			c->next->prev = c->prev;
+			free(c);
+			*socket_context = NULL;
+		}
+		return;
+	}
+	info = MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CONNECTION_FD);
+	c = calloc(1, sizeof(*c));
+	if (!c || !info) {
+		/* Untracked, it could hold its slot: refuse it at once instead. */
+		shd_log_warn("metrics http: %s: connection refused",
+			     c ? "libmicrohttpd gave no socket" : "out of memory");
+		free(c);
+		if (info)
+			shutdown(info->connect_fd, SHUT_RDWR);
+		return;
+	}
+	c->fd = info->connect_fd;
+	c->deadline_ns = shd_now_ns() + METRICS_HTTP_EXCHANGE_MS * 1000000ull;
+	c->next = h->conns.next;
+	c->prev = &h->conns;
+	h->conns.next->prev = c;
+	h->conns.next = c;
+	*socket_context = c;
+}
+
+/* MHD_OPTION_NOTIFY_COMPLETED: a response went out; a kept-alive connection's next request is due. */
+static void metrics_request_done(void *cls, struct MHD_Connection *conn, void **con_cls,
+				 enum MHD_RequestTerminationCode toe)
+{
+	const union MHD_ConnectionInfo *info;
+	struct metrics_conn *c;
+
+	(void)cls;
+	(void)con_cls;
+	(void)toe;
+	info = MHD_get_connection_info(conn, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
+	c = info ? info->socket_context : NULL;
+	if (c && !c->shut)
+		c->deadline_ns = shd_now_ns() + METRICS_HTTP_EXCHANGE_MS * 1000000ull;
+}
+
+/* Shut down every connection past its deadline: MHD reads the end and closes it. */
+static void metrics_conns_expire(struct shd_metrics_http *h, uint64_t now_ns)
+{
+	for (struct metrics_conn *c = h->conns.next; c != &h->conns; c = c->next) {
+		if (c->shut || now_ns < c->deadline_ns)
+			continue;
+		c->shut = 1;
+		shutdown(c->fd, SHUT_RDWR);
+	}
+}
+
+/*
+ * Make room for one more connection: at the limit, shut down the oldest
+ * open one with no request bytes waiting unread (FIONREAD), which MHD has
+ * not served yet. Returns 0, or -EAGAIN when every open connection has
+ * some: the new connection is to be closed instead.
+ */
+static int metrics_conns_make_room(struct shd_metrics_http *h)
+{
+	struct metrics_conn *c;
+	unsigned open = 0;
+
+	for (c = h->conns.next; c != &h->conns; c = c->next)
+		open += !c->shut;
+	if (open < METRICS_HTTP_CONNECTIONS)
+		return 0;
+	for (c = h->conns.prev; c != &h->conns; c = c->prev) {
+		int unread = 0;
+
+		if (c->shut || (ioctl(c->fd, FIONREAD, &unread) == 0 && unread > 0))
+			continue;
+		c->shut = 1;
+		shutdown(c->fd, SHUT_RDWR);
+		return 0;
+	}
+	return -EAGAIN;
+}
+
+static void metrics_http_run(struct shd_metrics_http *h);
+
+/* The listening socket is ready: hand every pending connection to MHD. */
+static void metrics_http_accept(void *arg, int fd, uint32_t revents)
+{
+	struct shd_metrics_http *h = arg;
+
+	(void)revents;
+	for (;;) {
+		struct sockaddr_storage ss;
+		socklen_t sl = sizeof(ss);
+		int c = accept4(fd, (struct sockaddr *)&ss, &sl, SOCK_NONBLOCK | SOCK_CLOEXEC);
+
+		if (c < 0) {
+			if (errno == EINTR || errno == ECONNABORTED)
+				continue;
+			/* EAGAIN: all taken. EMFILE and the like: the next event tries again. */
+			if (errno != EAGAIN)
+				shd_log_warn("metrics http: accept: %s", strerror(errno));
+			break;
+		}
+		if (metrics_conns_make_room(h) < 0) {
+			close(c);
+			continue;
+		}
+		/* MHD owns c from here, and closes it itself when it cannot take it. */
+		if (MHD_add_connection(h->mhd, c, (struct sockaddr *)&ss, sl) != MHD_YES)
+			shd_log_warn("metrics http: a connection was refused: %s", strerror(errno));
+	}
+	metrics_http_run(h);
+}
+
 static void mhd_log(void *cls, const char *fmt, va_list ap)
 {
 	char line[512];
@@ -179,7 +333,10 @@ static void metrics_http_ready(void *arg, int fd, uint32_t revents)
 
 static void metrics_http_tick(void *arg)
 {
-	metrics_http_run(arg);
+	struct shd_metrics_http *h = arg;
+
+	metrics_conns_expire(h, shd_now_ns());
+	metrics_http_run(h);
 }
 
 /* ------------------------------------------------------------------ */
@@ -257,20 +414,27 @@ int shd_metrics_http_start(const char *spec, struct shd_loop *loop,
 	h = calloc(1, sizeof(*h));
 	if (!h)
 		return -ENOMEM;
+	h->conns.next = h->conns.prev = &h->conns;
 	fd = listen_tcp(spec, host, port, &family);
 	if (fd < 0) {
 		free(h);
 		return fd;
 	}
+	h->listen_fd = fd;
 	url_of(fd, h->url, sizeof(h->url));
-	/* No MHD_USE_INTERNAL_POLLING_THREAD: MHD only runs when the loop calls MHD_run. */
-	h->mhd = MHD_start_daemon(MHD_USE_EPOLL | MHD_USE_ERROR_LOG |
+	/*
+	 * No MHD_USE_INTERNAL_POLLING_THREAD: MHD only runs when the loop calls
+	 * MHD_run. No listening socket of its own: metrics_http_accept hands it
+	 * each connection. Its limit leaves room for the connections shut down
+	 * but not yet closed.
+	 */
+	h->mhd = MHD_start_daemon(MHD_USE_EPOLL | MHD_USE_ERROR_LOG | MHD_USE_NO_LISTEN_SOCKET |
 				  (family == AF_INET6 ? MHD_USE_IPv6 : 0),
 				  0, NULL, NULL, metrics_request, h,
 				  MHD_OPTION_EXTERNAL_LOGGER, mhd_log, NULL,
-				  MHD_OPTION_LISTEN_SOCKET, fd,
-				  MHD_OPTION_CONNECTION_LIMIT, (unsigned)METRICS_HTTP_CONNECTIONS,
-				  MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)METRICS_HTTP_TIMEOUT_S,
+				  MHD_OPTION_CONNECTION_LIMIT, (unsigned)(2 * METRICS_HTTP_CONNECTIONS),
+				  MHD_OPTION_NOTIFY_CONNECTION, metrics_conn_notify, h,
+				  MHD_OPTION_NOTIFY_COMPLETED, metrics_request_done, h,
 				  MHD_OPTION_END);
 	if (!h->mhd) {
 		shd_log_error("shardd: --metrics-listen %s: libmicrohttpd did not start (see "
@@ -287,6 +451,8 @@ int shd_metrics_http_start(const char *spec, struct shd_loop *loop,
 		return -EIO;
 	}
 	ret = shd_loop_add_fd(loop, info->epoll_fd, POLLIN, metrics_http_ready, h, &h->fd_ev);
+	if (ret == 0)
+		ret = shd_loop_add_fd(loop, fd, POLLIN, metrics_http_accept, h, &h->listen_ev);
 	if (ret == 0)
 		ret = shd_loop_add_timer(loop, METRICS_HTTP_TICK_MS, metrics_http_tick, h,
 					    &h->tick_ev);
@@ -310,11 +476,14 @@ void shd_metrics_http_stop(struct shd_metrics_http *h, struct shd_loop *loop)
 	if (!h)
 		return;
 	/* Off the loop first: no callback may run on a stopped daemon. */
+	if (h->listen_ev)
+		shd_loop_del(loop, h->listen_ev);
 	if (h->fd_ev)
 		shd_loop_del(loop, h->fd_ev);
 	if (h->tick_ev)
 		shd_loop_del(loop, h->tick_ev);
-	/* Closes the listening socket it was given, and every connection. */
+	/* Closes every connection. */
 	MHD_stop_daemon(h->mhd);
+	close(h->listen_fd);
 	free(h);
 }

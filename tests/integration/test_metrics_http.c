@@ -9,6 +9,7 @@
 #include <math.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -458,6 +459,20 @@ static void http_get(int port, const char *path, char *out, size_t len)
 	close(fd);
 }
 
+/* A TCP connection to 127.0.0.1:port, or -1 when refused. */
+static int tcp_connect(int port)
+{
+	struct sockaddr_in sa = { .sin_family = AF_INET, .sin_port = htons((uint16_t)port),
+				  .sin_addr = { htonl(INADDR_LOOPBACK) } };
+	int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+
+	if (fd >= 0 && connect(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
+		close(fd);
+		fd = -1;
+	}
+	return fd;
+}
+
 /* The port of "serving Prometheus metrics on http://127.0.0.1:PORT/metrics" in the log. */
 static int metrics_port(const struct opd *d)
 {
@@ -525,6 +540,108 @@ Test(operations, metrics_listen_serves_a_valid_exposition_with_the_ops_run)
 	cr_assert_not_null(strstr(resp, "HTTP/1.1 404"), "%.300s", resp);
 	close(idle);
 	shardd_close(live);
+	opd_stop_clean(&d);
+	remove_tree(base);
+}
+
+/*
+ * A flood of local connections that never finish a request: FLOOD_IDLE that
+ * say nothing and FLOOD_TRICKLE that send a request a byte every
+ * FLOOD_BYTE_MS. The flood keeps itself up: a connection the daemon closed
+ * is opened again at once, for as long as the test scrapes.
+ */
+#define FLOOD_IDLE     300   /* with the trickling ones, more than the daemon keeps open */
+#define FLOOD_TRICKLE  40
+#define FLOOD_BYTE_MS  100
+#define FLOOD_SCRAPES  5
+#define SCRAPE_MAX_MS  3000   /* the bound asserted; the design is one 500 ms deadline */
+
+struct flood {
+	int port;
+	int fds[FLOOD_IDLE + FLOOD_TRICKLE];
+	volatile int stop;     /* written by the test thread before joining */
+	unsigned reopened;     /* connections the daemon closed and the flood opened again */
+};
+
+static void *flood_main(void *arg)
+{
+	static const char req[] = "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
+	struct flood *f = arg;
+	size_t sent[FLOOD_TRICKLE] = { 0 };
+
+	while (!__atomic_load_n(&f->stop, __ATOMIC_ACQUIRE)) {
+		struct pollfd p[FLOOD_IDLE + FLOOD_TRICKLE];
+
+		for (int i = 0; i < FLOOD_IDLE + FLOOD_TRICKLE; i++)
+			p[i] = (struct pollfd){ .fd = f->fds[i], .events = POLLIN };
+		/* The pause between trickled bytes; readiness of a closed connection ends it early. */
+		poll(p, FLOOD_IDLE + FLOOD_TRICKLE, FLOOD_BYTE_MS);
+		for (int i = 0; i < FLOOD_IDLE + FLOOD_TRICKLE; i++) {
+			int closed = f->fds[i] < 0 || (p[i].revents & (POLLIN | POLLHUP | POLLERR));
+
+			if (!closed && i >= FLOOD_IDLE) {
+				size_t *k = &sent[i - FLOOD_IDLE];
+
+				closed = send(f->fds[i], req + *k % (sizeof(req) - 1), 1,
+					      MSG_NOSIGNAL | MSG_DONTWAIT) != 1;
+				(*k)++;
+			}
+			if (closed) {
+				if (f->fds[i] >= 0)
+					close(f->fds[i]);
+				f->fds[i] = tcp_connect(f->port);
+				f->reopened++;
+			}
+		}
+	}
+	return NULL;
+}
+
+Test(operations, metrics_scrapes_are_answered_through_a_flood_of_idle_and_trickling_connections)
+{
+	static char resp[1 << 17];
+	char base[64], sock[128];
+	struct flood f = { 0 };
+	int64_t worst = 0;
+	pthread_t th;
+	struct opd d;
+
+	make_base(base, sizeof(base));
+	snprintf(sock, sizeof(sock), "%s/shardd.sock", base);
+	{
+		const char *args[] = { "--socket", sock, "--metrics-listen", "0", "--log-level",
+				       "info", NULL };
+
+		cr_assert_eq(opd_start(&d, args, -1, 0, sock), 0, "shardd did not start:\n%s", d.log);
+	}
+	f.port = metrics_port(&d);
+	for (int i = 0; i < FLOOD_IDLE + FLOOD_TRICKLE; i++) {
+		f.fds[i] = tcp_connect(f.port);
+		cr_assert_geq(f.fds[i], 0, "flood connection %d: %s", i, strerror(errno));
+	}
+	cr_assert_eq(pthread_create(&th, NULL, flood_main, &f), 0);
+	for (int i = 0; i < FLOOD_SCRAPES; i++) {
+		int64_t t0 = harness_now_ms(), took;
+
+		http_get(f.port, "/metrics", resp, sizeof(resp));
+		took = harness_now_ms() - t0;
+		cr_assert_not_null(strstr(resp, "HTTP/1.1 200"), "scrape %d: %.300s", i, resp);
+		cr_assert_not_null(strstr(resp, "shardd_jobs "), "scrape %d: %.300s", i, resp);
+		cr_assert_leq(took, SCRAPE_MAX_MS, "scrape %d took %lld ms behind %d idle and %d "
+			      "trickling connections", i, (long long)took, FLOOD_IDLE, FLOOD_TRICKLE);
+		if (took > worst)
+			worst = took;
+	}
+	__atomic_store_n(&f.stop, 1, __ATOMIC_RELEASE);
+	cr_assert_eq(pthread_join(th, NULL), 0);
+	/* The daemon did close the flood's connections, not merely serve beside them. */
+	cr_assert_gt(f.reopened, 0, "no flood connection was ever closed by the daemon");
+	cr_log_info("%d scrapes through %d idle and %d trickling connections: slowest %lld ms, "
+		    "%u flood connections closed and reopened", FLOOD_SCRAPES, FLOOD_IDLE,
+		    FLOOD_TRICKLE, (long long)worst, f.reopened);
+	for (int i = 0; i < FLOOD_IDLE + FLOOD_TRICKLE; i++)
+		if (f.fds[i] >= 0)
+			close(f.fds[i]);
 	opd_stop_clean(&d);
 	remove_tree(base);
 }

@@ -19,6 +19,7 @@
  *   task.c            the task and where it runs   engine.c      the rest
  *   delivery.c        messages and delivery, below all four
  */
+#include <assert.h>
 #include <errno.h>
 #include <math.h>
 #include <pthread.h>
@@ -31,7 +32,6 @@
 #include "backend_factory.h"
 #include "engine_int.h"
 #include "log.h"
-#include "sqe.h"
 
 #define ENGINE_TIMEOUT_DEFAULT_MS 30000
 
@@ -236,11 +236,13 @@ static struct eng_group *group_by_id(const struct shd_engine_job *j, uint32_t id
 /* Per-rank order                                                      */
 /* ------------------------------------------------------------------ */
 
-/* 1 when `op` (a zero_grad or reshard) must not overtake `rank`'s collective still gathering. */
+/*
+ * 1 when `op`, not a rendezvous itself (zero_grad, reshard, step), must not
+ * overtake `rank`'s collective still gathering.
+ */
 static int op_must_wait(const struct eng_group *eg, uint32_t rank, uint32_t op)
 {
-	return (op == SHARDD_OP_ZERO_GRAD || op == SHARDD_OP_RESHARD || op == SHARDD_OP_STEP) &&
-	       eng_coll_rank_waits(eg, rank);
+	return !shd_op_info(op)->rendezvous && eng_coll_rank_waits(eg, rank);
 }
 
 /* 0, or -ENOMEM (the op was not kept). */
@@ -473,6 +475,7 @@ static void submit_step(struct eng_group *eg, const struct eng_op *in)
 	eng_group_enqueue(eg, t);
 }
 
+/* An op of group scope (op_table.h), the only ones the engine is given, to its own path. */
 static void dispatch(struct eng_group *eg, const struct eng_op *op)
 {
 	switch (op->sqe.op) {
@@ -495,11 +498,11 @@ static void dispatch(struct eng_group *eg, const struct eng_op *op)
 	case SHARDD_OP_RESHARD:
 		submit_reshard(eg, op);
 		break;
+	case SHARDD_OP_ZERO_GRAD:
+		submit_zero_grad(eg, op);
+		break;
 	case SHARDD_OP_STEP:
 		submit_step(eg, op);
-		break;
-	default:
-		submit_zero_grad(eg, op);
 		break;
 	}
 }
@@ -540,27 +543,17 @@ void shd_engine_submit(struct shd_engine_job *j, uint32_t rank, uint64_t token,
 			  const struct shardd_sqe *sqe)
 {
 	struct eng_op op = { .rank = rank, .token = token, .sqe = *sqe };
-	const char *name = shardd_op_name(sqe->op);
+	const struct shd_op_info *info = shd_op_info(sqe->op);
+	const char *name;
 	struct eng_group *eg;
 	uint32_t unknown;
-	char msg[ENGINE_MSG_MAX], why[SHARDD_RING_MSG_SIZE];
+	char msg[ENGINE_MSG_MAX];
 
+	/* The ring service checked the entry against the op table and routed it here by its scope. */
+	assert(info && info->scope == SHD_OP_SCOPE_GROUP);
+	name = info->name;
 	if (rank >= j->world) {
 		eng_fmt(msg, sizeof(msg), "shardd: rank %u is outside job '%s' of %u ranks", rank, j->name, j->world);
-		eng_complete(j, &op, -SHARDD_E_INVALID, msg);
-		return;
-	}
-	if (sqe->op != SHARDD_OP_UNSHARD && sqe->op != SHARDD_OP_REDUCE &&
-	    sqe->op != SHARDD_OP_RESHARD && sqe->op != SHARDD_OP_ZERO_GRAD && sqe->op != SHARDD_OP_STEP) {
-		eng_fmt(msg, sizeof(msg), "shardd: op %u is not a group op (unshard = %d, reduce = %d, reshard = %d, zero_grad = %d, step = %d)",
-			sqe->op, SHARDD_OP_UNSHARD, SHARDD_OP_REDUCE, SHARDD_OP_RESHARD, SHARDD_OP_ZERO_GRAD,
-			SHARDD_OP_STEP);
-		eng_complete(j, &op, -SHARDD_E_INVALID, msg);
-		return;
-	}
-	/* The ring service ran this same check (sqe.h); at the engine's own door it holds for direct callers. */
-	if (shd_sqe_check(sqe, why, sizeof(why)) < 0) {
-		eng_fmt(msg, sizeof(msg), "shardd: %s: %s", name, why);
 		eng_complete(j, &op, -SHARDD_E_INVALID, msg);
 		return;
 	}
@@ -571,8 +564,7 @@ void shd_engine_submit(struct shd_engine_job *j, uint32_t rank, uint64_t token,
 		eng_complete(j, &op, -SHARDD_E_NOGROUP, msg);
 		return;
 	}
-	unknown = sqe->flags & ~(sqe->op == SHARDD_OP_REDUCE ? (uint32_t)SHARDD_REDUCE_FLAGS_MASK :
-				 sqe->op == SHARDD_OP_STEP ? (uint32_t)SHARDD_STEP_FLAGS_MASK : 0u);
+	unknown = sqe->flags & ~info->flags;
 	if (unknown) {
 		eng_fmt(msg, sizeof(msg), "shardd: %s(group '%s'): flags = 0x%x has unknown bits 0x%x",
 			name, eg->g->name, sqe->flags, unknown);

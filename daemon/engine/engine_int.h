@@ -28,6 +28,7 @@
 #include "backend.h"
 #include "engine.h"
 #include "group.h"
+#include "op_table.h"
 #include "pool.h"
 #include "rendezvous.h"
 #include "shardd_proto.h"

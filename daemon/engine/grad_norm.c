@@ -60,7 +60,7 @@ static int grad_norm_local(struct shd_engine_job *j, struct shardd_grad_norm_par
 		if (eg && eg->complete && (eg->running || eg->qhead)) {
 			eng_fmt(msg, len, "group '%s' still has a %s in flight; submit grad_norm after the "
 				"completions of the step's reduces", eg->g->name,
-				shardd_op_name((eg->running ? eg->running : eg->qhead)->ops[0].sqe.op));
+				shd_op_info((eg->running ? eg->running : eg->qhead)->ops[0].sqe.op)->name);
 			return -SHARDD_E_STATE;
 		}
 	}

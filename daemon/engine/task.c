@@ -44,7 +44,8 @@ static uint64_t task_bytes(const struct eng_task *t)
 	const struct shd_group *g = t->eg->g;
 	const struct shd_layout *l = &g->layout;
 
-	switch (t->kind) {
+	/* On the enum: a kind added without its case here is a warning. */
+	switch ((enum eng_task_kind)t->kind) {
 	case TASK_UNSHARD:
 		return g->shard * l->shard_size + l->unsharded_size;
 	case TASK_REDUCE_PARTIAL:
@@ -56,14 +57,16 @@ static uint64_t task_bytes(const struct eng_task *t)
 	case TASK_STEP:
 		/* param and grad read, param written, each state read and written, grad zeroed. */
 		return l->shard_size * (4 + 2 * (uint64_t)shd_group_optim_states(&g->optim));
+	case TASK_ZERO_GRAD:
+		return g->sharded_grads[t->rank].bytes;
 	case TASK_SAVE:
 	case TASK_SAVE_FINAL:
 	case TASK_SAVE_WRITE:
 	case TASK_RESTORE:
-		return UINT64_MAX; /* file I/O: always on the pool, never on the loop thread */
-	default:
-		return g->sharded_grads[t->rank].bytes;
+		break;
 	}
+	/* File I/O: always on the pool, never on the loop thread. */
+	return UINT64_MAX;
 }
 
 /*
@@ -409,7 +412,7 @@ static uint32_t task_outputs(const struct eng_task *t, const struct shd_buf **bu
 	const struct shd_group *g = t->eg->g;
 	uint32_t n = 0;
 
-	switch (t->kind) {
+	switch ((enum eng_task_kind)t->kind) {
 	case TASK_UNSHARD:
 		for (uint32_t s = 0; s < g->shard; s++)
 			bufs[n++] = shd_group_unsharded(g, t->replica * g->shard + s);
@@ -422,11 +425,57 @@ static uint32_t task_outputs(const struct eng_task *t, const struct shd_buf **bu
 		for (uint32_t r = 0; r < g->world; r++)
 			bufs[n++] = &g->sharded_grads[r];
 		break;
-	default:
+	case TASK_ZERO_GRAD:
+	case TASK_STEP:
 		bufs[n++] = &g->sharded_grads[t->rank];
+		break;
+	case TASK_SAVE:
+	case TASK_SAVE_FINAL:
+	case TASK_SAVE_WRITE:
+	case TASK_RESTORE:
+		/* Their hooks run them (task_exec), and they write files, not these buffers. */
 		break;
 	}
 	return n;
+}
+
+/*
+ * What a task of task.c's own kinds computes: 0, the backend's error (with
+ * t->why), or an error with t->msg written (an exchange among nodes that
+ * failed, world_collective.c; a step refused).
+ */
+static int task_compute(struct eng_task *t)
+{
+	struct shd_group *g = t->eg->g;
+	struct shd_backend_ctx *b = t->eg->j->e->backend;
+	struct shardd_reduce_math rs, ar;
+	int ret;
+
+	/* On the enum: a kind added without its case here is a warning. */
+	switch ((enum eng_task_kind)t->kind) {
+	case TASK_UNSHARD:
+		return task_unshard(t);
+	case TASK_REDUCE_PARTIAL:
+		reduce_math(t->eg, g->shard * eng_mesh_replicate(t->eg->j), &rs, &ar);
+		return task_partials(t, t->replica, &rs);
+	case TASK_REDUCE:
+		ret = task_reduce(t);
+		return ret ? ret : task_reduce_steps(t);
+	case TASK_STEP:
+		return task_step(t, &t->ops[0]);
+	case TASK_ZERO_GRAD:
+		ret = b->ops->zero(b, &g->sharded_grads[t->rank], 0, g->sharded_grads[t->rank].bytes);
+		if (!ret)
+			g->grad_present[t->rank] = 0;
+		return ret;
+	case TASK_SAVE:
+	case TASK_SAVE_FINAL:
+	case TASK_SAVE_WRITE:
+	case TASK_RESTORE:
+		break;
+	}
+	/* Those kinds always carry the hooks that compute them (task_exec runs those instead). */
+	abort();
 }
 
 /* The arithmetic of one task, on a pool thread or (task_inline) the loop thread; sets res and msg. */
@@ -440,43 +489,10 @@ static void task_exec(struct eng_task *t)
 		t->hooks->exec(t);
 		return;
 	}
-	switch (t->kind) {
-	case TASK_UNSHARD:
-		ret = task_unshard(t);
-		/* An exchange among nodes that failed wrote its own message (world_collective.c). */
-		if (ret < 0 && t->msg[0]) {
-			t->res = ret;
-			return;
-		}
-		break;
-	case TASK_REDUCE_PARTIAL: {
-		struct shardd_reduce_math rs, ar;
-
-		reduce_math(t->eg, g->shard * eng_mesh_replicate(t->eg->j), &rs, &ar);
-		ret = task_partials(t, t->replica, &rs);
-		break;
-	}
-	case TASK_REDUCE:
-		ret = task_reduce(t);
-		if (!ret)
-			ret = task_reduce_steps(t);
-		if (ret < 0 && t->msg[0]) {
-			t->res = ret;
-			return;
-		}
-		break;
-	case TASK_STEP:
-		ret = task_step(t, &t->ops[0]);
-		if (ret < 0 && t->msg[0]) {
-			t->res = ret;
-			return;
-		}
-		break;
-	default:
-		ret = b->ops->zero(b, &g->sharded_grads[t->rank], 0, g->sharded_grads[t->rank].bytes);
-		if (!ret)
-			g->grad_present[t->rank] = 0;
-		break;
+	ret = task_compute(t);
+	if (ret < 0 && t->msg[0]) {
+		t->res = ret;
+		return;
 	}
 	/* A completion without a fence promises the results are in memory. */
 	if (!ret && b->ops->sync && !task_fenced(t)) {
@@ -487,7 +503,7 @@ static void task_exec(struct eng_task *t)
 	t->res = ret;
 	if (ret)
 		eng_fmt(t->msg, sizeof(t->msg), "shardd: %s(group '%s', step %llu): the %s backend failed: %s",
-			shardd_op_name(t->ops[0].sqe.op), g->name, (unsigned long long)t->ops[0].sqe.step,
+			shd_op_info(t->ops[0].sqe.op)->name, g->name, (unsigned long long)t->ops[0].sqe.step,
 			b->ops->name, t->why[0] ? t->why : ret > -SHARDD_E_BASE ? strerror(-ret) : "backend error");
 }
 

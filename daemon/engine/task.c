@@ -469,6 +469,7 @@ static void task_exec(struct eng_task *t)
 		return;
 	}
 	ret = task_compute(t);
+	/* A failure that wrote its own message is the task's as written; a backend's is worded below. */
 	if (ret < 0 && t->msg[0]) {
 		t->res = ret;
 		return;

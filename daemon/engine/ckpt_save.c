@@ -530,7 +530,7 @@ static int ckpt_plan(struct shd_engine_job *j, struct eng_ckpt *c, uint64_t step
 		if (eg->running || eg->qhead) {
 			eng_fmt(err, errlen, "group '%s' still has a %s in flight; submit checkpoint after the "
 				"completions of the step's ops", eg->g->name,
-				shardd_op_name((eg->running ? eg->running : eg->qhead)->ops[0].sqe.op));
+				shd_op_info((eg->running ? eg->running : eg->qhead)->ops[0].sqe.op)->name);
 			return -SHARDD_E_STATE;
 		}
 		for (uint32_t r = 1; eg->g->optim.kind != SHARDD_OPTIM_NONE && r < eg->g->world; r++)

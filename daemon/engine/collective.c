@@ -86,7 +86,7 @@ void eng_colls_fail(struct eng_group *eg, int res, const char *msg)
 /* "unshard(group 'g', step 5)" of the collective's key */
 static void coll_what(const struct eng_group *eg, const struct eng_coll *c, char *buf, size_t len)
 {
-	eng_fmt(buf, len, "%s(group '%s', step %llu)", shardd_op_name(c->op), eg->g->name,
+	eng_fmt(buf, len, "%s(group '%s', step %llu)", shd_op_info(c->op)->name, eg->g->name,
 		(unsigned long long)c->rdv.step);
 }
 
@@ -105,14 +105,14 @@ static int coll_arrive(struct eng_group *eg, struct eng_coll *c, const struct en
 				e->timeout_ns, why, sizeof(why));
 	if (ret < 0) {
 		eng_fmt(msg, sizeof(msg), "shardd: %s(group '%s', step %llu): %s",
-			shardd_op_name(c->op), eg->g->name, (unsigned long long)op->sqe.step, why);
+			shd_op_info(c->op)->name, eg->g->name, (unsigned long long)op->sqe.step, why);
 		eng_complete(eg->j, op, -SHARDD_E_INVALID, msg);
 		return 0;
 	}
 	if (ret == SHD_RDV_MISMATCH) {
 		shd_rdv_present(&c->rdv, ranks, sizeof(ranks));
 		eng_fmt(msg, sizeof(msg), "shardd: %s(group '%s'): %s; failed for ranks %s,%u",
-			shardd_op_name(c->op), eg->g->name, why, ranks, eng_rank_shown(eg->j, op->rank));
+			shd_op_info(c->op)->name, eg->g->name, why, ranks, eng_rank_shown(eg->j, op->rank));
 		coll_fail(eg, c, -SHARDD_E_MISMATCH, msg, UINT32_MAX);
 		eng_complete(eg->j, op, -SHARDD_E_MISMATCH, msg);
 		return 0;

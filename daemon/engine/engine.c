@@ -17,10 +17,12 @@
  *
  *   registry.c        registration                 collective.c  the rendezvous
  *   task.c            the task and where it runs   engine.c      the rest
- *   delivery.c        messages and delivery, below all four
+ *   step.c            the step's exactly-once policy
+ *   op_table.c        what an op is (its scope: the engine is given those of group scope)
+ *   delivery.c        messages and delivery, below all of them
  */
+#include <assert.h>
 #include <errno.h>
-#include <math.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -31,7 +33,7 @@
 #include "backend_factory.h"
 #include "engine_int.h"
 #include "log.h"
-#include "sqe.h"
+#include "step.h"
 
 #define ENGINE_TIMEOUT_DEFAULT_MS 30000
 
@@ -236,11 +238,13 @@ static struct eng_group *group_by_id(const struct shd_engine_job *j, uint32_t id
 /* Per-rank order                                                      */
 /* ------------------------------------------------------------------ */
 
-/* 1 when `op` (a zero_grad or reshard) must not overtake `rank`'s collective still gathering. */
+/*
+ * 1 when `op`, not a rendezvous itself (zero_grad, reshard, step), must not
+ * overtake `rank`'s collective still gathering.
+ */
 static int op_must_wait(const struct eng_group *eg, uint32_t rank, uint32_t op)
 {
-	return (op == SHARDD_OP_ZERO_GRAD || op == SHARDD_OP_RESHARD || op == SHARDD_OP_STEP) &&
-	       eng_coll_rank_waits(eg, rank);
+	return !shd_op_info(op)->rendezvous && eng_coll_rank_waits(eg, rank);
 }
 
 /* 0, or -ENOMEM (the op was not kept). */
@@ -305,163 +309,17 @@ static void submit_zero_grad(struct eng_group *eg, const struct eng_op *op)
 	eng_group_enqueue(eg, t);
 }
 
-/*
- * A step's own fields (the group's optimizer, step number, lr, clip
- * coefficient; a REDUCE with SHARDD_REDUCE_STEP: the same but the clip),
- * checked at submission: 0, or the error code with `msg`. Whether the step
- * was applied before and whether a grad is there, its task decides, in
- * the group's order.
- */
-static int step_check(const struct eng_group *eg, const struct shardd_sqe *sqe, char *msg, size_t len)
-{
-	const char *name = shardd_op_name(sqe->op);
-	double lr, clip = 1, max_norm = 1;
-
-	memcpy(&lr, &sqe->arg[SHARDD_SQE_STEP_LR], sizeof(lr));
-	if (sqe->op == SHARDD_OP_STEP && (sqe->flags & SHARDD_STEP_CLIP))
-		memcpy(&clip, &sqe->arg[SHARDD_SQE_STEP_CLIP], sizeof(clip));
-	if (sqe->op == SHARDD_OP_STEP && (sqe->flags & SHARDD_STEP_CLIP_JOB))
-		memcpy(&max_norm, &sqe->arg[SHARDD_SQE_STEP_CLIP], sizeof(max_norm));
-	if (eg->g->optim.kind == SHARDD_OPTIM_NONE) {
-		eng_fmt(msg, len, "shardd: %s(group '%s'): the group was registered without an optimizer; "
-			"register it with one (SHARDD_REGISTER_OPTIMIZER) or update its shards in the trainer",
-			name, eg->g->name);
-		return -SHARDD_E_STATE;
-	}
-	if (sqe->step == 0)
-		eng_fmt(msg, len, "shardd: %s(group '%s'): step = 0; steps are numbered from 1", name, eg->g->name);
-	else if (!(lr >= 0) || lr > 1e300)
-		eng_fmt(msg, len, "shardd: %s(group '%s', step %llu): lr = %g; the learning rate must be "
-			"finite and >= 0", name, eg->g->name, (unsigned long long)sqe->step, lr);
-	else if ((sqe->flags & SHARDD_STEP_CLIP) && (sqe->flags & SHARDD_STEP_CLIP_JOB))
-		eng_fmt(msg, len, "shardd: %s(group '%s', step %llu): flags = 0x%x has both SHARDD_STEP_CLIP "
-			"(a coefficient) and SHARDD_STEP_CLIP_JOB (max_norm): give one", name, eg->g->name,
-			(unsigned long long)sqe->step, sqe->flags);
-	else if ((sqe->flags & SHARDD_STEP_CLIP_JOB) && !(max_norm > 0 && isfinite(max_norm)))
-		eng_fmt(msg, len, "shardd: %s(group '%s', step %llu): max_norm = %g (sqe.arg[%d] with "
-			"SHARDD_STEP_CLIP_JOB); it must be finite and > 0", name, eg->g->name,
-			(unsigned long long)sqe->step, max_norm, SHARDD_SQE_STEP_CLIP);
-	else if (!(clip >= 0) || clip > 1e30)
-		eng_fmt(msg, len, "shardd: %s(group '%s', step %llu): clip coefficient = %g; it must be "
-			"finite and >= 0 (clip_grad_norm_'s max_norm / (total_norm + 1e-6), at most 1)",
-			name, eg->g->name, (unsigned long long)sqe->step, clip);
-	else if (sqe->op == SHARDD_OP_STEP && !(sqe->flags & (SHARDD_STEP_CLIP | SHARDD_STEP_CLIP_JOB)) &&
-		 sqe->arg[SHARDD_SQE_STEP_CLIP])
-		eng_fmt(msg, len, "shardd: %s(group '%s', step %llu): sqe.arg[%d] = 0x%llx without "
-			"SHARDD_STEP_CLIP or SHARDD_STEP_CLIP_JOB: set a flag or leave it 0", name, eg->g->name,
-			(unsigned long long)sqe->step, SHARDD_SQE_STEP_CLIP,
-			(unsigned long long)sqe->arg[SHARDD_SQE_STEP_CLIP]);
-	else if (sqe->op == SHARDD_OP_REDUCE && eng_mesh_replicate(eg->j) > 1 && !(sqe->flags & SHARDD_REDUCE_ALL_REDUCE))
-		eng_fmt(msg, len, "shardd: reduce(group '%s', step %llu): flags = 0x%x: SHARDD_REDUCE_STEP without "
-			"SHARDD_REDUCE_ALL_REDUCE under HSDP (replicate %u): the grads are not final until the "
-			"all-reduce; step with the reduce that all-reduces", eg->g->name,
-			(unsigned long long)sqe->step, sqe->flags, eng_mesh_replicate(eg->j));
-	else
-		return 0;
-	return -SHARDD_E_INVALID;
-}
-
-/*
- * SHARDD_STEP_REPLAY: take the flags, lr and clip word another rank of the
- * group submitted for this step (a REDUCE with SHARDD_REDUCE_STEP: its lr,
- * no flags) into `op`. 0, or the error code with `msg`.
- */
-static int step_replay(const struct eng_group *eg, struct eng_op *op, char *msg, size_t len)
-{
-	const struct shardd_sqe *sqe = &op->sqe, *rec = &eg->last_sub;
-
-	if (sqe->flags != SHARDD_STEP_REPLAY || sqe->arg[SHARDD_SQE_STEP_LR] || sqe->arg[SHARDD_SQE_STEP_CLIP]) {
-		eng_fmt(msg, len, "shardd: step(group '%s', step %llu): flags = 0x%x, sqe.arg[%d] = 0x%llx, "
-			"sqe.arg[%d] = 0x%llx: SHARDD_STEP_REPLAY takes no other flag, lr or clip word (it "
-			"applies those another rank of the group submitted)", eg->g->name,
-			(unsigned long long)sqe->step, sqe->flags, SHARDD_SQE_STEP_LR,
-			(unsigned long long)sqe->arg[SHARDD_SQE_STEP_LR], SHARDD_SQE_STEP_CLIP,
-			(unsigned long long)sqe->arg[SHARDD_SQE_STEP_CLIP]);
-		return -SHARDD_E_INVALID;
-	}
-	if (rec->step != sqe->step) {
-		eng_fmt(msg, len, "shardd: step(group '%s', step %llu) with SHARDD_STEP_REPLAY on rank %u: no "
-			"rank of the group submitted step %llu (the last step submitted to it is %llu); replay "
-			"only the step the other ranks took (the GROUP reply's peer_last_step)", eg->g->name,
-			(unsigned long long)sqe->step, op->rank, (unsigned long long)sqe->step,
-			(unsigned long long)rec->step);
-		return -SHARDD_E_STATE;
-	}
-	op->sqe.flags = rec->op == SHARDD_OP_STEP ? rec->flags : 0;
-	op->sqe.arg[SHARDD_SQE_STEP_LR] = rec->arg[SHARDD_SQE_STEP_LR];
-	op->sqe.arg[SHARDD_SQE_STEP_CLIP] = rec->op == SHARDD_OP_STEP ? rec->arg[SHARDD_SQE_STEP_CLIP] : 0;
-	return 0;
-}
-
-/*
- * SHARDD_STEP_CLIP_JOB and SHARDD_STEP_SKIP_JOB_NONFINITE: the coefficient
- * and the skip from the job's kept grad_norm of the step, into `op`, so
- * that every rank (and a restarted rank's replay) applies the step alike.
- * 0, or the error code with `msg`.
- */
-static int step_job(const struct eng_group *eg, struct eng_op *op, char *msg, size_t len)
-{
-	const struct shardd_sqe *sqe = &op->sqe;
-	const struct eng_gnorm_rec *rec;
-	double max_norm;
-
-	if (!(sqe->flags & (SHARDD_STEP_CLIP_JOB | SHARDD_STEP_SKIP_JOB_NONFINITE)))
-		return 0;
-	rec = eng_gnorm_find(eg->j, sqe->step);
-	if (!rec) {
-		char kept[64] = "";
-		size_t off = 0;
-
-		for (uint32_t i = 0; i < SHARDD_GRAD_NORM_KEPT; i++)
-			if (eg->j->gnorm[i].step && off < sizeof(kept))
-				off += (size_t)snprintf(kept + off, sizeof(kept) - off, "%s%llu", off ? ", " : "",
-							(unsigned long long)eg->j->gnorm[i].step);
-		eng_fmt(msg, len, "shardd: step(group '%s', step %llu): flags = 0x%x need the job's grad_norm of "
-			"step %llu, and the daemon holds none (it keeps the last %d: %s); every rank calls "
-			"grad_norm(step %llu) after the step's reduces, then steps", eg->g->name,
-			(unsigned long long)sqe->step, sqe->flags, (unsigned long long)sqe->step,
-			SHARDD_GRAD_NORM_KEPT, off ? kept : "none", (unsigned long long)sqe->step);
-		return -SHARDD_E_STATE;
-	}
-	op->job_skip = (sqe->flags & SHARDD_STEP_SKIP_JOB_NONFINITE) && rec->nonfinite;
-	if (!(sqe->flags & SHARDD_STEP_CLIP_JOB) || op->job_skip)
-		return 0;
-	memcpy(&max_norm, &sqe->arg[SHARDD_SQE_STEP_CLIP], sizeof(max_norm));
-	op->job_clip = shd_clip_coefficient(rec->norm, max_norm);
-	op->job_clip_set = 1;
-	if (isnan(op->job_clip)) {
-		eng_fmt(msg, len, "shardd: step(group '%s', step %llu): the job's grad_norm of step %llu is %g, "
-			"so the clip coefficient is NaN and would turn every param into NaN; add "
-			"SHARDD_STEP_SKIP_JOB_NONFINITE to skip such a step on every rank", eg->g->name,
-			(unsigned long long)sqe->step, (unsigned long long)sqe->step, rec->norm);
-		return -SHARDD_E_INVALID;
-	}
-	return 0;
-}
-
-/* Keep the entry of the highest step submitted to the group, for SHARDD_STEP_REPLAY. */
-static void step_remember(struct eng_group *eg, const struct shardd_sqe *sqe)
-{
-	if (sqe->step > eg->last_sub.step)
-		eg->last_sub = *sqe;
-}
-
 static void submit_step(struct eng_group *eg, const struct eng_op *in)
 {
 	struct eng_task *t;
 	struct eng_op one = *in, *op = &one;
 	char msg[ENGINE_MSG_MAX];
-	int ret = op->sqe.flags & SHARDD_STEP_REPLAY ? step_replay(eg, op, msg, sizeof(msg)) : 0;
+	int ret = eng_step_admit(eg, op, msg, sizeof(msg));
 
-	if (!ret)
-		ret = step_check(eg, &op->sqe, msg, sizeof(msg));
-	if (!ret)
-		ret = step_job(eg, op, msg, sizeof(msg));
 	if (ret) {
 		eng_complete(eg->j, op, ret, msg);
 		return;
 	}
-	step_remember(eg, &op->sqe);
 	t = eng_task_new(eg, TASK_STEP, 1);
 	if (!t) {
 		eng_fmt(msg, sizeof(msg), "shardd: step(group '%s'): the daemon is out of memory", eg->g->name);
@@ -473,33 +331,37 @@ static void submit_step(struct eng_group *eg, const struct eng_op *in)
 	eng_group_enqueue(eg, t);
 }
 
+/* A reduce's arrival at its rendezvous; one that also asks for a step is admitted first. */
+static void submit_reduce(struct eng_group *eg, const struct eng_op *in)
+{
+	struct eng_op one = *in;
+	char msg[ENGINE_MSG_MAX];
+	int ret = eng_step_asked(&one.sqe) ? eng_step_admit(eg, &one, msg, sizeof(msg)) : 0;
+
+	if (ret) {
+		eng_complete(eg->j, &one, ret, msg);
+		return;
+	}
+	eng_coll_reduce(eg, &one);
+}
+
 static void dispatch(struct eng_group *eg, const struct eng_op *op)
 {
 	switch (op->sqe.op) {
 	case SHARDD_OP_UNSHARD:
 		eng_coll_unshard(eg, op);
 		break;
-	case SHARDD_OP_REDUCE: {
-		char msg[ENGINE_MSG_MAX];
-		int ret = op->sqe.flags & SHARDD_REDUCE_STEP ? step_check(eg, &op->sqe, msg, sizeof(msg)) : 0;
-
-		if (ret) {
-			eng_complete(eg->j, op, ret, msg);
-		} else {
-			if (op->sqe.flags & SHARDD_REDUCE_STEP)
-				step_remember(eg, &op->sqe);
-			eng_coll_reduce(eg, op);
-		}
+	case SHARDD_OP_REDUCE:
+		submit_reduce(eg, op);
 		break;
-	}
 	case SHARDD_OP_RESHARD:
 		submit_reshard(eg, op);
 		break;
+	case SHARDD_OP_ZERO_GRAD:
+		submit_zero_grad(eg, op);
+		break;
 	case SHARDD_OP_STEP:
 		submit_step(eg, op);
-		break;
-	default:
-		submit_zero_grad(eg, op);
 		break;
 	}
 }
@@ -540,27 +402,17 @@ void shd_engine_submit(struct shd_engine_job *j, uint32_t rank, uint64_t token,
 			  const struct shardd_sqe *sqe)
 {
 	struct eng_op op = { .rank = rank, .token = token, .sqe = *sqe };
-	const char *name = shardd_op_name(sqe->op);
+	const struct shd_op_info *info = shd_op_info(sqe->op);
+	const char *name;
 	struct eng_group *eg;
 	uint32_t unknown;
-	char msg[ENGINE_MSG_MAX], why[SHARDD_RING_MSG_SIZE];
+	char msg[ENGINE_MSG_MAX];
 
+	/* The ring service checked the entry against the op table and routed it here by its scope. */
+	assert(info && info->scope == SHD_OP_SCOPE_GROUP);
+	name = info->name;
 	if (rank >= j->world) {
 		eng_fmt(msg, sizeof(msg), "shardd: rank %u is outside job '%s' of %u ranks", rank, j->name, j->world);
-		eng_complete(j, &op, -SHARDD_E_INVALID, msg);
-		return;
-	}
-	if (sqe->op != SHARDD_OP_UNSHARD && sqe->op != SHARDD_OP_REDUCE &&
-	    sqe->op != SHARDD_OP_RESHARD && sqe->op != SHARDD_OP_ZERO_GRAD && sqe->op != SHARDD_OP_STEP) {
-		eng_fmt(msg, sizeof(msg), "shardd: op %u is not a group op (unshard = %d, reduce = %d, reshard = %d, zero_grad = %d, step = %d)",
-			sqe->op, SHARDD_OP_UNSHARD, SHARDD_OP_REDUCE, SHARDD_OP_RESHARD, SHARDD_OP_ZERO_GRAD,
-			SHARDD_OP_STEP);
-		eng_complete(j, &op, -SHARDD_E_INVALID, msg);
-		return;
-	}
-	/* The ring service ran this same check (sqe.h); at the engine's own door it holds for direct callers. */
-	if (shd_sqe_check(sqe, why, sizeof(why)) < 0) {
-		eng_fmt(msg, sizeof(msg), "shardd: %s: %s", name, why);
 		eng_complete(j, &op, -SHARDD_E_INVALID, msg);
 		return;
 	}
@@ -571,8 +423,7 @@ void shd_engine_submit(struct shd_engine_job *j, uint32_t rank, uint64_t token,
 		eng_complete(j, &op, -SHARDD_E_NOGROUP, msg);
 		return;
 	}
-	unknown = sqe->flags & ~(sqe->op == SHARDD_OP_REDUCE ? (uint32_t)SHARDD_REDUCE_FLAGS_MASK :
-				 sqe->op == SHARDD_OP_STEP ? (uint32_t)SHARDD_STEP_FLAGS_MASK : 0u);
+	unknown = sqe->flags & ~info->flags;
 	if (unknown) {
 		eng_fmt(msg, sizeof(msg), "shardd: %s(group '%s'): flags = 0x%x has unknown bits 0x%x",
 			name, eg->g->name, sqe->flags, unknown);

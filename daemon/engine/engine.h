@@ -97,8 +97,12 @@ void shd_engine_register_group(struct shd_engine_job *j, uint32_t rank, uint64_t
 		uint32_t seq, const void *payload, size_t len, uid_t uid);
 void shd_engine_open_group(struct shd_engine_job *j, uint32_t rank, uint64_t token,
 		uint32_t seq, const void *payload, size_t len);
-/* Data plane: sqe already copied into daemon memory; op is UNSHARD, REDUCE, RESHARD or
-   ZERO_GRAD. Completes via the complete cb, now or later. */
+/*
+ * Data plane: `sqe`, copied into daemon memory and checked against the op
+ * table (shd_op_check), of an op of group scope (op_table.h); the engine
+ * checks only what depends on its state: the group id and the group op's
+ * flags. Completes via the complete cb, now or later.
+ */
 void shd_engine_submit(struct shd_engine_job *j, uint32_t rank, uint64_t token,
 		const struct shardd_sqe *sqe);
 /* The rank's client (this token) is gone (EOF, death, goodbye): fail rendezvous it was part

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The op engine's private state, shared by its five files:
+ * The op engine's private state, shared by its files, among them:
  *
  *   engine.c      the engine and its jobs: create/destroy, job lifecycle,
  *                 submit and dispatch of ring entries, per-rank order
@@ -12,7 +12,9 @@
  *   task.c        what each op computes (unshard, reduce-scatter, HSDP
  *                 partials and all-reduce, zero_grad) and where it runs:
  *                 the loop thread or the worker pool, and delivery
- *   delivery.c    below the other four: the text of a failure, an op's
+ *   step.c        the optimizer step's exactly-once policy (step.h): a
+ *                 step admitted or refused, planned in its task, recorded
+ *   delivery.c    below the others: the text of a failure, an op's
  *                 completion and a failed reply through the engine's
  *                 callbacks, the words of an expired rendezvous
  *
@@ -28,6 +30,7 @@
 #include "backend.h"
 #include "engine.h"
 #include "group.h"
+#include "op_table.h"
 #include "pool.h"
 #include "rendezvous.h"
 #include "shardd_proto.h"
@@ -42,7 +45,7 @@ struct eng_op {
 	uint64_t token;
 	struct shardd_sqe sqe;
 	int res;                     /* a task's result of this op when the task's res is 0 (a step's outcome) */
-	/* A step's job-wide decisions, taken at submission from the job's grad_norm (engine.c). */
+	/* A step's job-wide decisions, taken at submission from the job's grad_norm (step.c). */
 	uint8_t job_skip;            /* SHARDD_STEP_SKIP_JOB_NONFINITE and the norm was non-finite */
 	uint8_t job_clip_set;        /* SHARDD_STEP_CLIP_JOB: job_clip is the coefficient */
 	float   job_clip;
@@ -145,7 +148,8 @@ struct eng_group {
 	int flushing;
 	/*
 	 * The highest step any rank submitted to the group (a STEP, or a
-	 * REDUCE with SHARDD_REDUCE_STEP) and its entry, for SHARDD_STEP_REPLAY.
+	 * REDUCE with SHARDD_REDUCE_STEP) and its entry, for SHARDD_STEP_REPLAY
+	 * (step.c).
 	 */
 	struct shardd_sqe last_sub;  /* last_sub.step 0: none yet */
 	char *restore;               /* SHARDD_INIT_RESTORE: the path every rank registered; else NULL */
@@ -183,7 +187,7 @@ struct shd_engine_job {
 	struct eng_group **groups;   /* index = group id - 1; NULL once a registration failed */
 	uint32_t ngroups, cap;
 	uint64_t mem_committed;      /* its groups' eg->mem_committed, summed */
-	struct eng_gnorm_rec gnorm[SHARDD_GRAD_NORM_KEPT]; /* grad_norm results by step (grad_norm.c) */
+	struct eng_gnorm_rec gnorm[SHARDD_GRAD_NORM_KEPT]; /* grad_norm results by step (step.c) */
 	struct eng_ckpt *ckpt;       /* the checkpoint being written, or NULL (ckpt_save.c) */
 	struct eng_ckpt_req *ckpt_armed; /* a checkpoint waiting for the next step boundary, or NULL */
 	uint64_t ckpt_seq;           /* ids given to checkpoints so far */
@@ -273,11 +277,6 @@ int  eng_coll_rank_waits(const struct eng_group *eg, uint32_t rank);
 void eng_coll_rank_gone(struct eng_group *eg, uint32_t rank, uint64_t token);
 /* Fail the collectives of the group past their deadline. */
 void eng_coll_cron(struct eng_group *eg, uint64_t now_ns);
-
-/* ---- grad_norm.c ---- */
-
-/* The kept grad_norm result of `step`, or NULL. */
-const struct eng_gnorm_rec *eng_gnorm_find(const struct shd_engine_job *j, uint64_t step);
 
 /* ---- task.c: tasks ---- */
 

@@ -60,7 +60,7 @@ static int grad_norm_local(struct shd_engine_job *j, struct shardd_grad_norm_par
 		if (eg && eg->complete && (eg->running || eg->qhead)) {
 			eng_fmt(msg, len, "group '%s' still has a %s in flight; submit grad_norm after the "
 				"completions of the step's reduces", eg->g->name,
-				shardd_op_name((eg->running ? eg->running : eg->qhead)->ops[0].sqe.op));
+				shd_op_info((eg->running ? eg->running : eg->qhead)->ops[0].sqe.op)->name);
 			return -SHARDD_E_STATE;
 		}
 	}
@@ -199,37 +199,4 @@ void shd_engine_job_grad_norm_abandon(struct shd_engine_job *j)
 	if (j->gnorm_op)
 		shd_world_op_abandon(j->gnorm_op);
 	j->gnorm_op = NULL;
-}
-
-void shd_engine_job_grad_norm_keep(struct shd_engine_job *j, uint64_t step, double norm, int nonfinite)
-{
-	struct eng_gnorm_rec *slot = &j->gnorm[0];
-
-	for (uint32_t i = 0; i < SHARDD_GRAD_NORM_KEPT; i++) {
-		if (j->gnorm[i].step == step) {
-			slot = &j->gnorm[i];
-			break;
-		}
-		if (j->gnorm[i].step < slot->step)
-			slot = &j->gnorm[i];
-	}
-	*slot = (struct eng_gnorm_rec){ .step = step, .nonfinite = nonfinite, .norm = norm };
-}
-
-const struct eng_gnorm_rec *eng_gnorm_find(const struct shd_engine_job *j, uint64_t step)
-{
-	for (uint32_t i = 0; i < SHARDD_GRAD_NORM_KEPT; i++)
-		if (step && j->gnorm[i].step == step)
-			return &j->gnorm[i];
-	return NULL;
-}
-
-float shd_clip_coefficient(double norm, double max_norm)
-{
-	/* Each operation rounds to fp32 (no FMA can form: a sum, a quotient, a product). */
-	float denom = (float)norm + 1e-6f;
-	float recip = 1.0f / denom;
-	float coef = recip * (float)max_norm;
-
-	return coef > 1.0f ? 1.0f : coef;
 }

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include "group.h"
+#include "step.h"
 
 __attribute__((format(printf, 4, 5)))
 static int group_error(int code, char *err, size_t errlen, const char *fmt, ...)
@@ -555,13 +556,7 @@ int shd_group_reply(const struct shd_group *g, struct shd_backend_ctx *b, uint32
 	reply->grad_size = g->layout.grad_size;
 	reply->shard_size = g->layout.shard_size;
 	reply->optimizer = g->optim.kind;
-	reply->last_step = __atomic_load_n(&g->last_step[rank], __ATOMIC_RELAXED);
-	for (uint32_t r = 0; r < g->world; r++) {
-		uint64_t s = __atomic_load_n(&g->last_step[r], __ATOMIC_RELAXED);
-
-		if (s > reply->peer_last_step)
-			reply->peer_last_step = s;
-	}
+	eng_step_last(g, rank, &reply->last_step, &reply->peer_last_step);
 	for (uint32_t i = 0; i < g->hdr.nparams; i++) {
 		const struct shd_layout_param *p = &g->layout.params[i];
 

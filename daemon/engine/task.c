@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "engine_int.h"
+#include "step.h"
 
 static void task_run(struct shd_pool_task *pt);
 
@@ -44,7 +45,8 @@ static uint64_t task_bytes(const struct eng_task *t)
 	const struct shd_group *g = t->eg->g;
 	const struct shd_layout *l = &g->layout;
 
-	switch (t->kind) {
+	/* On the enum: a kind added without its case here is a warning. */
+	switch ((enum eng_task_kind)t->kind) {
 	case TASK_UNSHARD:
 		return g->shard * l->shard_size + l->unsharded_size;
 	case TASK_REDUCE_PARTIAL:
@@ -56,14 +58,16 @@ static uint64_t task_bytes(const struct eng_task *t)
 	case TASK_STEP:
 		/* param and grad read, param written, each state read and written, grad zeroed. */
 		return l->shard_size * (4 + 2 * (uint64_t)shd_group_optim_states(&g->optim));
+	case TASK_ZERO_GRAD:
+		return g->sharded_grads[t->rank].bytes;
 	case TASK_SAVE:
 	case TASK_SAVE_FINAL:
 	case TASK_SAVE_WRITE:
 	case TASK_RESTORE:
-		return UINT64_MAX; /* file I/O: always on the pool, never on the loop thread */
-	default:
-		return g->sharded_grads[t->rank].bytes;
+		break;
 	}
+	/* File I/O: always on the pool, never on the loop thread. */
+	return UINT64_MAX;
 }
 
 /*
@@ -299,81 +303,59 @@ static int task_unshard(struct eng_task *t)
 
 /*
  * The optimizer step of `op` (a STEP, or a REDUCE with SHARDD_REDUCE_STEP)
- * on its rank's shard, exactly once per step: task.c runs a group's tasks
- * one at a time, so last_step is checked and advanced by one task at a
- * time. A step at or below the last one applied or skipped completes
- * SHARDD_STEP_ALREADY and changes nothing. Returns 0 with op->res the
- * outcome, the backend's error, or an error with t->msg written.
+ * on its rank's shard, as the step's policy plans it (step.h): the kernel
+ * through the backend, the sharded grad cleared, the record left. Returns
+ * 0 with op->res the outcome, the backend's error, or an error with
+ * t->msg written.
  */
 static int task_step(struct eng_task *t, struct eng_op *op)
 {
 	struct shd_group *g = t->eg->g;
 	struct shd_backend_ctx *b = t->eg->j->e->backend;
-	const struct shardd_sqe *sqe = &op->sqe;
 	const struct shardd_optim_config *o = &g->optim;
 	uint32_t r = op->rank;
-	uint64_t last = g->last_step[r];
-	double lr, clip = 1;
+	struct eng_step_plan p;
 	int skipped = 0, ret;
 	struct shd_step_args a = {
 		.layout = &g->layout, .shard_rank = shd_group_shard_rank(g, r), .kind = o->kind, .shard = &g->shards[r],
-		.grad = &g->sharded_grads[r], .skip_nonfinite = sqe->op == SHARDD_OP_STEP && (sqe->flags & SHARDD_STEP_SKIP_NONFINITE),
-		.skipped = &skipped, .err = t->why, .errlen = sizeof(t->why),
+		.grad = &g->sharded_grads[r], .skipped = &skipped, .err = t->why, .errlen = sizeof(t->why),
 	};
 
-	if (sqe->step <= last) {
+	ret = eng_step_plan(g, op, &p, t->msg, sizeof(t->msg));
+	if (ret)
+		return ret;
+	if (p.verdict == ENG_STEP_ALREADY) {
 		op->res = SHARDD_STEP_ALREADY;
 		return 0;
 	}
-	if (!g->grad_present[r]) {
-		eng_fmt(t->msg, sizeof(t->msg),
-			"shardd: step(group '%s', step %llu) on rank %u: the rank's sharded grad is absent (no "
-			"reduce since its last step or zero_grad); reduce the step's grads before its step",
-			g->name, (unsigned long long)sqe->step, r);
-		return -SHARDD_E_STATE;
-	}
-	if (op->job_skip) {
-		/* The job's grad_norm of this step was non-finite: every rank skips it, grad cleared. */
-		ret = b->ops->zero(b, &g->sharded_grads[r], 0, g->sharded_grads[r].bytes);
+	if (p.verdict == ENG_STEP_APPLY) {
+		a.skip_nonfinite = p.skip_nonfinite;
+		for (uint32_t k = 0; k < shd_group_optim_states(o); k++)
+			a.state[k] = &g->optim_state[k][r];
+		if (o->kind == SHARDD_OPTIM_SGD)
+			a.sgd = (struct shardd_sgd){
+				.step = p.update, .lr = p.lr, .momentum = o->momentum,
+				.dampening = o->dampening, .weight_decay = o->weight_decay,
+				.nesterov = !!(o->flags & SHARDD_OPTIM_NESTEROV),
+				.maximize = !!(o->flags & SHARDD_OPTIM_MAXIMIZE), .grad_scale = p.grad_scale,
+			};
+		else
+			a.adamw = (struct shardd_adamw){
+				.step = p.update, .lr = p.lr, .beta1 = o->beta1, .beta2 = o->beta2,
+				.eps = o->eps, .weight_decay = o->weight_decay,
+				.amsgrad = !!(o->flags & SHARDD_OPTIM_AMSGRAD),
+				.maximize = !!(o->flags & SHARDD_OPTIM_MAXIMIZE), .grad_scale = p.grad_scale,
+			};
+		ret = b->ops->step(b, &a);
 		if (ret)
 			return ret;
-		g->grad_present[r] = 0;
-		__atomic_store_n(&g->last_step[r], sqe->step, __ATOMIC_RELAXED);
-		op->res = SHARDD_STEP_SKIPPED;
-		return 0;
 	}
-	memcpy(&lr, &sqe->arg[SHARDD_SQE_STEP_LR], sizeof(lr));
-	if (sqe->op == SHARDD_OP_STEP && (sqe->flags & SHARDD_STEP_CLIP))
-		memcpy(&clip, &sqe->arg[SHARDD_SQE_STEP_CLIP], sizeof(clip));
-	if (op->job_clip_set)
-		clip = op->job_clip;
-	for (uint32_t k = 0; k < shd_group_optim_states(o); k++)
-		a.state[k] = &g->optim_state[k][r];
-	if (o->kind == SHARDD_OPTIM_SGD)
-		a.sgd = (struct shardd_sgd){
-			.step = g->optim_steps[r] + 1, .lr = lr, .momentum = o->momentum,
-			.dampening = o->dampening, .weight_decay = o->weight_decay,
-			.nesterov = !!(o->flags & SHARDD_OPTIM_NESTEROV),
-			.maximize = !!(o->flags & SHARDD_OPTIM_MAXIMIZE), .grad_scale = (float)clip,
-		};
-	else
-		a.adamw = (struct shardd_adamw){
-			.step = g->optim_steps[r] + 1, .lr = lr, .beta1 = o->beta1, .beta2 = o->beta2,
-			.eps = o->eps, .weight_decay = o->weight_decay,
-			.amsgrad = !!(o->flags & SHARDD_OPTIM_AMSGRAD),
-			.maximize = !!(o->flags & SHARDD_OPTIM_MAXIMIZE), .grad_scale = (float)clip,
-		};
-	ret = b->ops->step(b, &a);
-	if (ret)
-		return ret;
+	/* Applied, or skipped for the job: the grad is cleared either way. */
 	ret = b->ops->zero(b, &g->sharded_grads[r], 0, g->sharded_grads[r].bytes);
 	if (ret)
 		return ret;
 	g->grad_present[r] = 0;
-	if (!skipped)
-		g->optim_steps[r]++;
-	__atomic_store_n(&g->last_step[r], sqe->step, __ATOMIC_RELAXED);
-	op->res = skipped ? SHARDD_STEP_SKIPPED : SHARDD_STEP_APPLIED;
+	op->res = eng_step_record(g, r, op->sqe.step, p.verdict == ENG_STEP_APPLY && !skipped);
 	return 0;
 }
 
@@ -383,7 +365,7 @@ static int task_reduce_steps(struct eng_task *t)
 	int ret = 0;
 
 	for (uint32_t i = 0; i < t->nops && !ret; i++)
-		if (t->ops[i].sqe.flags & SHARDD_REDUCE_STEP)
+		if (eng_step_asked(&t->ops[i].sqe))
 			ret = task_step(t, &t->ops[i]);
 	return ret;
 }
@@ -409,7 +391,7 @@ static uint32_t task_outputs(const struct eng_task *t, const struct shd_buf **bu
 	const struct shd_group *g = t->eg->g;
 	uint32_t n = 0;
 
-	switch (t->kind) {
+	switch ((enum eng_task_kind)t->kind) {
 	case TASK_UNSHARD:
 		for (uint32_t s = 0; s < g->shard; s++)
 			bufs[n++] = shd_group_unsharded(g, t->replica * g->shard + s);
@@ -422,11 +404,57 @@ static uint32_t task_outputs(const struct eng_task *t, const struct shd_buf **bu
 		for (uint32_t r = 0; r < g->world; r++)
 			bufs[n++] = &g->sharded_grads[r];
 		break;
-	default:
+	case TASK_ZERO_GRAD:
+	case TASK_STEP:
 		bufs[n++] = &g->sharded_grads[t->rank];
+		break;
+	case TASK_SAVE:
+	case TASK_SAVE_FINAL:
+	case TASK_SAVE_WRITE:
+	case TASK_RESTORE:
+		/* Their hooks run them (task_exec), and they write files, not these buffers. */
 		break;
 	}
 	return n;
+}
+
+/*
+ * What a task of task.c's own kinds computes: 0, the backend's error (with
+ * t->why), or an error with t->msg written (an exchange among nodes that
+ * failed, world_collective.c; a step refused).
+ */
+static int task_compute(struct eng_task *t)
+{
+	struct shd_group *g = t->eg->g;
+	struct shd_backend_ctx *b = t->eg->j->e->backend;
+	struct shardd_reduce_math rs, ar;
+	int ret;
+
+	/* On the enum: a kind added without its case here is a warning. */
+	switch ((enum eng_task_kind)t->kind) {
+	case TASK_UNSHARD:
+		return task_unshard(t);
+	case TASK_REDUCE_PARTIAL:
+		reduce_math(t->eg, g->shard * eng_mesh_replicate(t->eg->j), &rs, &ar);
+		return task_partials(t, t->replica, &rs);
+	case TASK_REDUCE:
+		ret = task_reduce(t);
+		return ret ? ret : task_reduce_steps(t);
+	case TASK_STEP:
+		return task_step(t, &t->ops[0]);
+	case TASK_ZERO_GRAD:
+		ret = b->ops->zero(b, &g->sharded_grads[t->rank], 0, g->sharded_grads[t->rank].bytes);
+		if (!ret)
+			g->grad_present[t->rank] = 0;
+		return ret;
+	case TASK_SAVE:
+	case TASK_SAVE_FINAL:
+	case TASK_SAVE_WRITE:
+	case TASK_RESTORE:
+		break;
+	}
+	/* Those kinds always carry the hooks that compute them (task_exec runs those instead). */
+	abort();
 }
 
 /* The arithmetic of one task, on a pool thread or (task_inline) the loop thread; sets res and msg. */
@@ -440,43 +468,11 @@ static void task_exec(struct eng_task *t)
 		t->hooks->exec(t);
 		return;
 	}
-	switch (t->kind) {
-	case TASK_UNSHARD:
-		ret = task_unshard(t);
-		/* An exchange among nodes that failed wrote its own message (world_collective.c). */
-		if (ret < 0 && t->msg[0]) {
-			t->res = ret;
-			return;
-		}
-		break;
-	case TASK_REDUCE_PARTIAL: {
-		struct shardd_reduce_math rs, ar;
-
-		reduce_math(t->eg, g->shard * eng_mesh_replicate(t->eg->j), &rs, &ar);
-		ret = task_partials(t, t->replica, &rs);
-		break;
-	}
-	case TASK_REDUCE:
-		ret = task_reduce(t);
-		if (!ret)
-			ret = task_reduce_steps(t);
-		if (ret < 0 && t->msg[0]) {
-			t->res = ret;
-			return;
-		}
-		break;
-	case TASK_STEP:
-		ret = task_step(t, &t->ops[0]);
-		if (ret < 0 && t->msg[0]) {
-			t->res = ret;
-			return;
-		}
-		break;
-	default:
-		ret = b->ops->zero(b, &g->sharded_grads[t->rank], 0, g->sharded_grads[t->rank].bytes);
-		if (!ret)
-			g->grad_present[t->rank] = 0;
-		break;
+	ret = task_compute(t);
+	/* A failure that wrote its own message is the task's as written; a backend's is worded below. */
+	if (ret < 0 && t->msg[0]) {
+		t->res = ret;
+		return;
 	}
 	/* A completion without a fence promises the results are in memory. */
 	if (!ret && b->ops->sync && !task_fenced(t)) {
@@ -487,7 +483,7 @@ static void task_exec(struct eng_task *t)
 	t->res = ret;
 	if (ret)
 		eng_fmt(t->msg, sizeof(t->msg), "shardd: %s(group '%s', step %llu): the %s backend failed: %s",
-			shardd_op_name(t->ops[0].sqe.op), g->name, (unsigned long long)t->ops[0].sqe.step,
+			shd_op_info(t->ops[0].sqe.op)->name, g->name, (unsigned long long)t->ops[0].sqe.step,
 			b->ops->name, t->why[0] ? t->why : ret > -SHARDD_E_BASE ? strerror(-ret) : "backend error");
 }
 

@@ -452,7 +452,8 @@ void shd_job_detach(struct shd_job *j, uint32_t rank, int goodbye, const char *w
 	}
 }
 
-void shd_job_barrier(struct shd_job *j, uint32_t rank, const struct shardd_sqe *sqe)
+/* A barrier: complete every rank once each has arrived with the same number. */
+static void job_barrier(struct shd_job *j, uint32_t rank, const struct shardd_sqe *sqe)
 {
 	struct shd_rdv *rdv = &j->rdv[SHD_JOB_BARRIER];
 	struct shardd_sqe mine;
@@ -487,7 +488,12 @@ static const char *gnorm_type_name(uint32_t c)
 	return c ? "inf" : "2";
 }
 
-void shd_job_grad_norm(struct shd_job *j, uint32_t rank, const struct shardd_sqe *sqe)
+/*
+ * A grad_norm (the table checked its words but not the norm type): when
+ * every rank of the job has arrived with the same step and norm type, each
+ * gets the total norm of the job's sharded grads in its completion.
+ */
+static void job_grad_norm(struct shd_job *j, uint32_t rank, const struct shardd_sqe *sqe)
 {
 	struct shd_rdv *rdv = &j->rdv[SHD_JOB_GNORM];
 	uint64_t token = j->ranks[rank].client.token;
@@ -561,7 +567,13 @@ void shd_job_gnorm_poll(struct shd_job *j)
 	rdv_finish(j, SHD_JOB_GNORM, 0, NULL, norm, nonfinite);
 }
 
-void shd_job_checkpoint(struct shd_job *j, uint32_t rank, const struct shardd_sqe *sqe)
+/*
+ * A checkpoint: when every rank of the job has arrived with the same step,
+ * the job's groups are written to <--state-dir>/<job>/step-<step>
+ * (shd_engine_job_checkpoint), and each rank's completion comes when that
+ * is durable or has failed.
+ */
+static void job_checkpoint(struct shd_job *j, uint32_t rank, const struct shardd_sqe *sqe)
 {
 	struct shd_job_rank *jr = &j->ranks[rank];
 	struct shd_rdv *rdv = &j->rdv[SHD_JOB_CKPT];
@@ -610,6 +622,21 @@ void shd_job_checkpoint(struct shd_job *j, uint32_t rank, const struct shardd_sq
 		if (rdv->arrived[i])
 			j->ranks[rdv->ranks[i]].ckpt_waits = 1;
 	shd_rdv_reset(rdv);
+}
+
+void shd_job_submit(struct shd_job *j, uint32_t rank, const struct shardd_sqe *sqe)
+{
+	switch (sqe->op) {
+	case SHARDD_OP_BARRIER:
+		job_barrier(j, rank, sqe);
+		break;
+	case SHARDD_OP_GRAD_NORM:
+		job_grad_norm(j, rank, sqe);
+		break;
+	case SHARDD_OP_CHECKPOINT:
+		job_checkpoint(j, rank, sqe);
+		break;
+	}
 }
 
 int shd_job_checkpoint_arm(struct shd_job *j, const char *dir, uint64_t *id, char *err, size_t errlen)

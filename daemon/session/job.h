@@ -168,24 +168,19 @@ void shd_job_group_reply(void *job_ctx, uint32_t rank, uint64_t token, uint32_t 
 			    const struct shardd_param_spec *specs, const int *fds, int nfds,
 			    const struct shardd_cuda_ipc_handle *ipc, int nipc);
 
-/* A BARRIER entry (already validated) from the client of `rank`. */
-void shd_job_barrier(struct shd_job *j, uint32_t rank, const struct shardd_sqe *sqe);
 /*
- * A GRAD_NORM entry (sqe.c validated its fields but not the norm type)
- * from the client of `rank`: when every rank of the job has arrived with
- * the same step and norm type, each gets the total norm of the job's
- * sharded grads (shd_engine_job_grad_norm) in its completion.
+ * An entry of job scope (op_table.h: barrier, grad_norm, checkpoint) from
+ * the client of `rank`, checked by the ring service against the table. A
+ * barrier completes every rank once each has arrived with the same
+ * number; a grad_norm gives each the total norm of the job's sharded
+ * grads (shd_engine_job_grad_norm) once all arrived with the same step and
+ * norm type; a checkpoint writes the job's groups to
+ * <--state-dir>/<job>/step-<step> once all arrived with the same step, and
+ * each rank's completion comes when that is durable or has failed.
  */
-void shd_job_grad_norm(struct shd_job *j, uint32_t rank, const struct shardd_sqe *sqe);
+void shd_job_submit(struct shd_job *j, uint32_t rank, const struct shardd_sqe *sqe);
 /* Finish a grad_norm whose sum across nodes ended (loop thread; nothing when none ended). */
 void shd_job_gnorm_poll(struct shd_job *j);
-/*
- * A CHECKPOINT entry (sqe.c validated it) from the client of `rank`: when
- * every rank of the job has arrived with the same step, the job's groups
- * are written to <--state-dir>/<job>/step-<step> (shd_engine_job_checkpoint),
- * and each rank's completion comes when that is durable or has failed.
- */
-void shd_job_checkpoint(struct shd_job *j, uint32_t rank, const struct shardd_sqe *sqe);
 /*
  * An admin checkpoint (shardctl checkpoint): taken at the job's next step
  * boundary into `dir` (an absolute path), or with dir NULL into

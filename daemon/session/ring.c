@@ -1,9 +1,10 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * The ring service: take a session's SQ entries while its CQ has room,
- * validate each, wait on its stream fence, hand it to the job (barrier),
- * the engine (group ops) or complete it at once (nop); push completions
- * into the CQ; and arm NEED_WAKEUP before the loop sleeps. Every access to
+ * wait on each one's stream fence, check it against the op table
+ * (op_table.h) and route it by its op's scope: complete it at once (nop),
+ * hand it to the job (barrier, grad_norm, checkpoint) or to the engine
+ * (group ops); push completions into the CQ; and arm NEED_WAKEUP before the loop sleeps. Every access to
  * the shared ring memory goes through proto/shardd_ring.h. At the end,
  * the sink through which a session's job reaches it.
  */
@@ -17,8 +18,8 @@
 #include "job.h"
 #include "log.h"
 #include "metrics.h"
+#include "op_table.h"
 #include "session_int.h"
-#include "sqe.h"
 
 /* A client that corrupted its own ring's indices: it is dropped, everyone else goes on. */
 static void session_ring_corrupt(struct shd_session *s, const char *which)
@@ -52,6 +53,7 @@ static int64_t session_cq_room(struct shd_session *s)
 void shd_session_complete(struct shd_session *s, const struct shardd_sqe *sqe, int res,
 			     const char *msg)
 {
+	const struct shd_op_info *info = shd_op_info(sqe->op);
 	struct shardd_cqe cqe;
 	char name[160];
 
@@ -60,8 +62,7 @@ void shd_session_complete(struct shd_session *s, const struct shardd_sqe *sqe, i
 		return;
 	if (s->inflight == 0) {
 		shd_log_error("%s: completion of %s (step %llu) without a reserved CQ slot; dropped",
-				 shd_session_name(s, name, sizeof(name)),
-				 shardd_op_name(sqe->op) ? shardd_op_name(sqe->op) : "?",
+				 shd_session_name(s, name, sizeof(name)), info ? info->name : "?",
 				 (unsigned long long)sqe->step);
 		return;
 	}
@@ -152,28 +153,23 @@ static int session_fence_wait(struct shd_session *s, const struct shardd_sqe *sq
 	return 0;
 }
 
+/* Check the entry against the op table, then route it by its op's scope. */
 static void session_take(struct shd_session *s, const struct shardd_sqe *sqe)
 {
 	char why[SHARDD_RING_MSG_SIZE];
 
-	if (shd_sqe_check(sqe, why, sizeof(why)) < 0) {
+	if (shd_op_check(sqe, why, sizeof(why)) < 0) {
 		session_fail_sqe(s, sqe, "%s", why);
 		return;
 	}
-	switch (sqe->op) {
-	case SHARDD_OP_NOP:
+	switch (shd_op_info(sqe->op)->scope) {
+	case SHD_OP_SCOPE_RING:
 		shd_session_complete(s, sqe, 0, NULL);
 		return;
-	case SHARDD_OP_BARRIER:
-		shd_job_barrier(s->job, s->rank, sqe);
+	case SHD_OP_SCOPE_JOB:
+		shd_job_submit(s->job, s->rank, sqe);
 		return;
-	case SHARDD_OP_GRAD_NORM:
-		shd_job_grad_norm(s->job, s->rank, sqe);
-		return;
-	case SHARDD_OP_CHECKPOINT:
-		shd_job_checkpoint(s->job, s->rank, sqe);
-		return;
-	default:
+	case SHD_OP_SCOPE_GROUP:
 		shd_engine_submit(s->job->ejob, s->rank, s->id, sqe);
 		return;
 	}

@@ -21,6 +21,7 @@
 
 #include "clock.h"
 #include "engine.h"
+#include "op_table.h"
 #include "reference.h"
 #include "shardd_kernels.h"
 #include "shardd_proto.h"
@@ -225,6 +226,23 @@ static void submit(struct t_env *env, uint32_t rank, uint32_t op, uint32_t group
 				  .user_data = ++env->ud };
 
 	shd_engine_submit(env->j, rank, 100 + rank, &sqe);
+}
+
+/*
+ * As the ring service takes an entry: checked against the op table, failed
+ * there with the table's text, else handed to the engine (ops of group
+ * scope only: the test submits nothing else).
+ */
+static void ring_submit(struct t_env *env, uint32_t rank, uint64_t token, const struct shardd_sqe *sqe)
+{
+	char why[SHARDD_RING_MSG_SIZE];
+
+	if (shd_op_check(sqe, why, sizeof(why)) < 0) {
+		on_complete(env, rank, token, sqe, -SHARDD_E_INVALID, why);
+		return;
+	}
+	cr_assert_eq(shd_op_info(sqe->op)->scope, SHD_OP_SCOPE_GROUP, "%s is a group op", shd_op_info(sqe->op)->name);
+	shd_engine_submit(env->j, rank, token, sqe);
 }
 
 /* Submit op on every rank and wait for W successful completions. */
@@ -1252,6 +1270,24 @@ Test(engine, reshard_drops_the_hold_once, .timeout = 30)
 	env_free(env);
 }
 
+Test(engine, op_table_has_every_shardd_op_under_its_protocol_name, .timeout = 10)
+{
+	cr_assert_null(shd_op_info(0));
+	cr_assert_null(shd_op_info(SHARDD_OP_COUNT));
+	cr_assert_null(shd_op_info(255));
+	for (uint32_t op = 1; op < SHARDD_OP_COUNT; op++) {
+		const struct shd_op_info *o = shd_op_info(op);
+
+		cr_assert_not_null(o, "op %u has an entry", op);
+		cr_assert_str_eq(o->name, shardd_op_name(op), "op %u", op);
+		cr_assert(o->scope >= SHD_OP_SCOPE_RING && o->scope <= SHD_OP_SCOPE_GROUP, "op %u", op);
+		cr_assert_eq(o->executor, SHD_OP_EXEC_DAEMON, "op %u", op);
+		/* An op outside a group takes no flags: the ring says so (shd_op_check). */
+		if (o->scope != SHD_OP_SCOPE_GROUP)
+			cr_assert_eq(o->flags, 0, "op %u", op);
+	}
+}
+
 Test(engine, bad_ops_are_rejected_naming_the_field, .timeout = 30)
 {
 	struct t_env *env = env_new(1, 2, 5000);
@@ -1265,8 +1301,8 @@ Test(engine, bad_ops_are_rejected_naming_the_field, .timeout = 30)
 	} cases[] = {
 		{ SHARDD_OP_UNSHARD, 9, 0, 0, -SHARDD_E_NOGROUP, "group id 9 is not a registered group of job 'job'" },
 		{ SHARDD_OP_UNSHARD, 0, 0, 0, -SHARDD_E_NOGROUP, "group id 0" },
-		{ 77, 1, 0, 0, -SHARDD_E_INVALID, "op 77 is not a group op" },
-		{ SHARDD_OP_NOP, 1, 0, 0, -SHARDD_E_INVALID, "op 1 is not a group op" },
+		{ 77, 1, 0, 0, -SHARDD_E_INVALID, "op 77 is not a shardd op" },
+		{ SHARDD_OP_NOP, 1, 0, 0, -SHARDD_E_INVALID, "sqe.group = 1: must be 0 for nop" },
 		{ SHARDD_OP_REDUCE, 1, 0x5, 0, -SHARDD_E_INVALID, "flags = 0x5 has unknown bits 0x4" },
 		{ SHARDD_OP_UNSHARD, 1, 0x1, 0, -SHARDD_E_INVALID, "flags = 0x1 has unknown bits 0x1" },
 		{ SHARDD_OP_UNSHARD, 1, 0, 5, -SHARDD_E_INVALID, "rank 5 is outside job 'job' of 2 ranks" },
@@ -1275,13 +1311,13 @@ Test(engine, bad_ops_are_rejected_naming_the_field, .timeout = 30)
 	for (size_t k = 0; k < sizeof(cases) / sizeof(cases[0]); k++) {
 		struct shardd_sqe s = { .op = (uint8_t)cases[k].op, .group = cases[k].group, .flags = cases[k].flags };
 
-		shd_engine_submit(env->j, cases[k].rank, 1, &s);
+		ring_submit(env, cases[k].rank, 1, &s);
 		cr_assert_eq(env->ncq, k + 1, "rejected at once");
 		cr_assert_eq(env->cq[k].res, cases[k].res, "%s", env->cq[k].msg);
 		cr_assert(strstr(env->cq[k].msg, cases[k].want), "'%s' names '%s'", env->cq[k].msg, cases[k].want);
 	}
 	sqe.rsvd1 = 3;
-	shd_engine_submit(env->j, 0, 100, &sqe);
+	ring_submit(env, 0, 100, &sqe);
 	cr_assert_eq(env->cq[env->ncq - 1].res, -SHARDD_E_INVALID);
 	/* A rank submitting its next step while its previous one waits: that op alone fails. */
 	submit(env, 0, SHARDD_OP_UNSHARD, id, 1, 0);

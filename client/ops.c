@@ -271,8 +271,9 @@ static void ring_where(struct shardd_client *c, char *buf, size_t len)
 /* Public: asynchronous ops                                              */
 /* --------------------------------------------------------------------- */
 
-int shardd_submit(struct shardd_client *c, uint32_t op, uint32_t group, uint64_t step,
-		  uint32_t flags, uint64_t user_data)
+/* The public submissions' check: user_data's reserved bit belongs to the sync calls. */
+static int submit_user(struct shardd_client *c, uint32_t op, uint32_t group, uint64_t step,
+		       uint32_t flags, uint64_t user_data)
 {
 	shardd_err_clear();
 	if (user_data & SHARDD_USER_DATA_RESERVED)
@@ -281,6 +282,24 @@ int shardd_submit(struct shardd_client *c, uint32_t op, uint32_t group, uint64_t
 				      "reserves for its sync calls", op_name(op),
 				      (unsigned long long)user_data);
 	return submit_sqe(c, op, group, step, flags, NULL, user_data);
+}
+
+int shardd_group_submit(struct shardd_group *g, uint32_t op, uint64_t step, uint32_t flags,
+			uint64_t user_data)
+{
+	return submit_user(g->client, op, g->info.group_id, step, flags, user_data);
+}
+
+int shardd_client_submit(struct shardd_client *c, uint32_t op, uint64_t step, uint32_t flags,
+			 uint64_t user_data)
+{
+	return submit_user(c, op, 0, step, flags, user_data);
+}
+
+int shardd_submit(struct shardd_client *c, uint32_t op, uint32_t group, uint64_t step,
+		  uint32_t flags, uint64_t user_data)
+{
+	return submit_user(c, op, group, step, flags, user_data);
 }
 
 static int poll_one(struct shardd_client *c, struct shardd_completion *out)

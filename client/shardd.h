@@ -39,6 +39,9 @@ extern "C" {
 /* Handshake timeout used when shardd_attach_opts.timeout_ms is 0. */
 #define SHARDD_CONNECT_TIMEOUT_MS 10000
 
+/* A call kept under its old name for one release: using it warns with its replacement. */
+#define SHARDD_DEPRECATED(use) __attribute__((deprecated(use)))
+
 /* ------------------------------------------------------------------ */
 /* Structs                                                             */
 /* ------------------------------------------------------------------ */
@@ -215,13 +218,21 @@ int shardd_group_load_full(struct shardd_group *g, uint32_t param, const void *f
 /* ------------------------------------------------------------------ */
 
 /*
- * Queue one op; its completion echoes user_data. Returns 0, -EAGAIN when
- * the SQ is full (reap completions, then retry) or -EINVAL (op outside
- * 1..255, user_data with SHARDD_USER_DATA_RESERVED set). The daemon checks
- * everything else and answers a bad op with an error completion.
+ * Queue one op of group g (unshard, reduce, reshard, zero_grad); its
+ * completion echoes user_data. Returns 0, -EAGAIN when the SQ is full
+ * (reap completions, then retry) or -EINVAL (op outside 1..255, user_data
+ * with SHARDD_USER_DATA_RESERVED set). The daemon checks everything else
+ * and answers a bad op with an error completion.
  */
-int shardd_submit(struct shardd_client *c, uint32_t op, uint32_t group, uint64_t step,
-		  uint32_t flags, uint64_t user_data);
+int shardd_group_submit(struct shardd_group *g, uint32_t op, uint64_t step, uint32_t flags,
+			uint64_t user_data);
+
+/*
+ * The same for an op of no group, the client's job-wide ones (nop,
+ * barrier, checkpoint): sqe.group is 0.
+ */
+int shardd_client_submit(struct shardd_client *c, uint32_t op, uint64_t step, uint32_t flags,
+			 uint64_t user_data);
 
 /* Reap one completion without waiting: 0 and *out, -EAGAIN when none, -EBADMSG. */
 int shardd_poll(struct shardd_client *c, struct shardd_completion *out);
@@ -360,6 +371,15 @@ const char *shardd_strerror(int err);
  * "" when nothing failed yet. Valid until the thread's next libshardd call.
  */
 const char *shardd_last_error(void);
+
+/* ------------------------------------------------------------------ */
+/* Deprecated: the old names, kept for one release                     */
+/* ------------------------------------------------------------------ */
+
+/* An op with a raw group id (0: none): shardd_group_submit or shardd_client_submit. */
+SHARDD_DEPRECATED("use shardd_group_submit, or shardd_client_submit for an op of no group")
+int shardd_submit(struct shardd_client *c, uint32_t op, uint32_t group, uint64_t step,
+		  uint32_t flags, uint64_t user_data);
 
 #ifdef __cplusplus
 }

@@ -143,7 +143,7 @@ static void checkpoint_all(struct fixture *f, uint64_t step, int res[WORLD], cha
 	struct shardd_completion cp;
 
 	for (int r = 0; r < WORLD; r++)
-		cr_assert_eq(shardd_submit(f->c[r], SHARDD_OP_CHECKPOINT, 0, step, 0, 7), 0, "%s", shardd_last_error());
+		cr_assert_eq(shardd_client_submit(f->c[r], SHARDD_OP_CHECKPOINT, step, 0, 7), 0, "%s", shardd_last_error());
 	for (int r = 0; r < WORLD; r++) {
 		cr_assert_eq(shardd_wait(f->c[r], &cp, 30000), 0, "rank %d: %s", r, shardd_last_error());
 		cr_assert_eq(cp.op, SHARDD_OP_CHECKPOINT);
@@ -399,7 +399,7 @@ Test(checkpoint, without_state_dir_fails_naming_the_flag, .timeout = 60)
 	for (int r = 0; r < WORLD; r++) {
 		struct shardd_completion cp;
 
-		cr_assert_eq(shardd_submit(f.c[r], SHARDD_OP_CHECKPOINT, 0, 1, 0, 7), 0, "%s", shardd_last_error());
+		cr_assert_eq(shardd_client_submit(f.c[r], SHARDD_OP_CHECKPOINT, 1, 0, 7), 0, "%s", shardd_last_error());
 		cr_assert_eq(shardd_wait(f.c[r], &cp, 30000), 0, "%s", shardd_last_error());
 		res[r] = cp.res;
 		snprintf(msg[r], 256, "%s", cp.msg);
@@ -578,9 +578,9 @@ Test(checkpoint, snapshot_holds_the_boundary_while_the_next_step_runs, .timeout 
 		}
 	/* checkpoint(2), and without waiting for it step 3's reduce and step. */
 	for (int rk = 0; rk < WORLD; rk++)
-		cr_assert_eq(shardd_submit(f.c[rk], SHARDD_OP_CHECKPOINT, 0, 2, 0, 7), 0);
+		cr_assert_eq(shardd_client_submit(f.c[rk], SHARDD_OP_CHECKPOINT, 2, 0, 7), 0);
 	for (int rk = 0; rk < WORLD; rk++)
-		cr_assert_eq(shardd_submit(f.c[rk], SHARDD_OP_REDUCE, shardd_group_id(f.g[rk]), 3, 0, 8), 0);
+		cr_assert_eq(shardd_group_submit(f.g[rk], SHARDD_OP_REDUCE, 3, 0, 8), 0);
 	for (int rk = 0; rk < WORLD; rk++)
 		for (int k = 0; k < 2; k++) {
 			cr_assert_eq(shardd_wait(f.c[rk], &cp, 30000), 0, "%s", shardd_last_error());

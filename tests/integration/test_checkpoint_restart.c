@@ -115,7 +115,7 @@ static void init_params(struct run *run)
 static void checkpoint_submit(struct run *run, uint64_t step)
 {
 	for (uint32_t r = 0; r < WORLD; r++)
-		cr_assert_eq(shardd_submit(run->c[r], SHARDD_OP_CHECKPOINT, 0, step, 0, 2), 0);
+		cr_assert_eq(shardd_client_submit(run->c[r], SHARDD_OP_CHECKPOINT, step, 0, 2), 0);
 }
 
 /* One step; then, when step is a multiple of `every` (0: never), a checkpoint waited for. */

@@ -263,7 +263,7 @@ Test(hostile, client_dying_while_holding_the_unsharded_copy_releases_its_hold)
 
 		cr_assert_eq(harness_attach(&hostile_daemon, "hold", 0, 1, 2, &c0), 0);
 		cr_assert_eq(shardd_group_open(c0, "g", &g0), 0, "%s", shardd_last_error());
-		cr_assert_eq(shardd_submit(c0, SHARDD_OP_UNSHARD, shardd_group_id(g0), 2, 0, 7), 0);
+		cr_assert_eq(shardd_group_submit(g0, SHARDD_OP_UNSHARD, 2, 0, 7), 0);
 		cr_assert_eq(shardd_unshard(hold_group, 2), 0, "%s", shardd_last_error());
 		cr_assert_eq(shardd_wait(c0, &cp, REPLY_MS), 0);
 		cr_assert_eq(cp.res, 0, "%s", cp.msg);

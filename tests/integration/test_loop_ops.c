@@ -200,7 +200,7 @@ static int rank_survives(void *arg)
 	CHILD_CHECK(harness_signal(a->report_fd, 'r') == 0, "report");
 	CHILD_CHECK(harness_read_full(a->go_fd, &go, 1, 20000) == 0 && go == 'g', "no go");
 	t0 = harness_now_ms();
-	CHILD_CHECK(shardd_submit(c, SHARDD_OP_REDUCE, shardd_group_id(g), 1, 0, 9) == 0, "submit: %s",
+	CHILD_CHECK(shardd_group_submit(g, SHARDD_OP_REDUCE, 1, 0, 9) == 0, "submit: %s",
 		    shardd_last_error());
 	ret = shardd_wait(c, &cp, 10000);
 	CHILD_CHECK(ret == 0, "wait: %s", shardd_last_error());

@@ -84,7 +84,7 @@ static int restore_client_main(void *p)
 		struct shardd_completion cp;
 
 		CHILD_CHECK_SHARDD(shardd_group_load_full(g, 0, a->expect));
-		CHILD_CHECK_SHARDD(shardd_submit(c, SHARDD_OP_CHECKPOINT, 0, 1, 0, 77));
+		CHILD_CHECK_SHARDD(shardd_client_submit(c, SHARDD_OP_CHECKPOINT, 1, 0, 77));
 		CHILD_CHECK_SHARDD(shardd_wait(c, &cp, 30000));
 		CHILD_CHECK(cp.op == SHARDD_OP_CHECKPOINT && cp.res == 0, "checkpoint: %s gave %d: %s",
 			    shardd_op_name(cp.op), cp.res, cp.msg);

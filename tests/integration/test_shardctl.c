@@ -225,7 +225,7 @@ static int rank_step_main(void *p)
 		CHILD_CHECK(harness_read_full(a->go_fd, &go, 1, STEP_TIMEOUT) == 0, "go");
 		CHILD_CHECK(shardd_unshard(g, 2) == 0, "unshard 2: %s", shardd_last_error());
 	} else {
-		CHILD_CHECK(shardd_submit(c, SHARDD_OP_UNSHARD, shardd_group_id(g), 2, 0, 7) == 0,
+		CHILD_CHECK(shardd_group_submit(g, SHARDD_OP_UNSHARD, 2, 0, 7) == 0,
 			    "submit");
 		CHILD_CHECK(harness_signal(a->ready_fd, 'W') == 0, "signal");
 		CHILD_CHECK(shardd_wait(c, &comp, STEP_TIMEOUT) == 0, "wait");

@@ -380,7 +380,7 @@ Test(step_job, barrier_mismatch_completion_names_the_barrier_met, .timeout = 30)
 
 	start(&f);
 	for (int r = 0; r < WORLD; r++) {
-		cr_assert_eq(shardd_submit(f.c[r], SHARDD_OP_BARRIER, 0, number[r], 0, 300 + r), 0, "%s",
+		cr_assert_eq(shardd_client_submit(f.c[r], SHARDD_OP_BARRIER, number[r], 0, 300 + r), 0, "%s",
 			     shardd_last_error());
 		/* Rank 0 waits in its barrier before rank 1 arrives with another number. */
 		if (r == 0)

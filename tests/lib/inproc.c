@@ -69,7 +69,7 @@ void inproc_reduce(struct shardd_client **c, struct shardd_group *const *g, uint
 	struct shardd_completion cp;
 
 	for (uint32_t r = 0; r < n; r++)
-		cr_assert_eq(shardd_submit(c[r], SHARDD_OP_REDUCE, shardd_group_id(g[r]), step, flags, 100 + r),
+		cr_assert_eq(shardd_group_submit(g[r], SHARDD_OP_REDUCE, step, flags, 100 + r),
 			     0, "%s", shardd_last_error());
 	for (uint32_t r = 0; r < n; r++) {
 		cr_assert_eq(shardd_wait(c[r], &cp, 30000), 0, "%s", shardd_last_error());
@@ -82,7 +82,7 @@ void inproc_checkpoint(struct shardd_client **c, uint32_t n, uint64_t step)
 	struct shardd_completion cp;
 
 	for (uint32_t r = 0; r < n; r++)
-		cr_assert_eq(shardd_submit(c[r], SHARDD_OP_CHECKPOINT, 0, step, 0, 200 + r), 0, "%s",
+		cr_assert_eq(shardd_client_submit(c[r], SHARDD_OP_CHECKPOINT, step, 0, 200 + r), 0, "%s",
 			     shardd_last_error());
 	for (uint32_t r = 0; r < n; r++) {
 		cr_assert_eq(shardd_wait(c[r], &cp, 30000), 0, "%s", shardd_last_error());

@@ -126,7 +126,7 @@ static uint64_t job_checkpoint(struct ckpt_job *j, uint64_t step)
 	uint64_t t0 = bench_now_ns();
 
 	for (uint32_t r = 0; r < j->ranks; r++)
-		if (shardd_submit(j->c[r], SHARDD_OP_CHECKPOINT, 0, step, 0, step) < 0) {
+		if (shardd_client_submit(j->c[r], SHARDD_OP_CHECKPOINT, step, 0, step) < 0) {
 			fprintf(stderr, "shardbench: checkpoint: submit: %s\n", shardd_last_error());
 			return 0;
 		}

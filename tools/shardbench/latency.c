@@ -75,7 +75,7 @@ static int lat_one(struct lat_shared *sh, uint32_t rank, struct shardd_client *c
 
 	snprintf(what, sizeof(what), "%s(step %llu)", shardd_op_name(lat_ops[opi]), (unsigned long long)step);
 	s->t0 = bench_now_ns();
-	ret = shardd_submit(c, lat_ops[opi], shardd_group_id(g), step, 0, step);
+	ret = shardd_group_submit(g, lat_ops[opi], step, 0, step);
 	s->t1 = bench_now_ns();
 	if (ret)
 		return lat_fail(sh, rank, ret, what);

@@ -226,7 +226,6 @@ static int rank_reap(struct rank *rk)
 /* A full SQ is not an error: reap a completion and retry. SHARDD_OP_STEP: the daemon's SGD, lr MLP_LR. */
 int rank_submit(struct rank *rk, uint32_t op, uint32_t layer, uint64_t step, uint32_t flags)
 {
-	uint32_t group = layer < MLP_LAYERS ? shardd_group_id(rk->g[layer]) : 0;
 	struct inflight *f = NULL;
 	char what[160];
 	int slot, ret;
@@ -247,8 +246,10 @@ int rank_submit(struct rank *rk, uint32_t op, uint32_t layer, uint64_t step, uin
 
 		if (op == SHARDD_OP_STEP)
 			ret = shardd_step_submit(rk->g[layer], step, (double)MLP_LR, flags, 0, (uint64_t)slot + 1);
+		else if (layer < MLP_LAYERS)
+			ret = shardd_group_submit(rk->g[layer], op, step, flags, (uint64_t)slot + 1);
 		else
-			ret = shardd_submit(rk->c, op, group, step, flags, (uint64_t)slot + 1);
+			ret = shardd_client_submit(rk->c, op, step, flags, (uint64_t)slot + 1);
 		rk->shardd_ns += now_ns() - t0;
 		if (ret != -EAGAIN)
 			break;

@@ -258,7 +258,7 @@ static void ring_where(struct shardd_client *c, char *buf, size_t len)
 {
 	struct shardd_ring_status st;
 
-	if (shardd_ring_status(c, &st) < 0) {
+	if (shardd_client_ring_status(c, &st) < 0) {
 		snprintf(buf, len, "ring counters corrupt");
 		return;
 	}
@@ -592,7 +592,7 @@ int shardd_grad_norm(struct shardd_client *c, uint64_t step, double norm_type, d
 /* Public: diagnostics                                                   */
 /* --------------------------------------------------------------------- */
 
-int shardd_ring_status(const struct shardd_client *c, struct shardd_ring_status *st)
+int shardd_client_ring_status(const struct shardd_client *c, struct shardd_ring_status *st)
 {
 	/* The ring's own checks, against our copies of the capacities. */
 	int64_t sq_pending = shardd_sq_ready(&c->ring);
@@ -610,4 +610,9 @@ int shardd_ring_status(const struct shardd_client *c, struct shardd_ring_status 
 				&st->daemon_heartbeat_ns);
 	shardd_ring_client_last(&c->ring, &st->client_last_op, &st->client_last_step);
 	return 0;
+}
+
+int shardd_ring_status(const struct shardd_client *c, struct shardd_ring_status *st)
+{
+	return shardd_client_ring_status(c, st);
 }

@@ -136,20 +136,20 @@ void shardd_close(struct shardd_client *c);
 int shardd_client_id(const struct shardd_client *c);
 
 /* The daemon's collective timeout in ms (0: none). */
-uint32_t shardd_collective_timeout_ms(const struct shardd_client *c);
+uint32_t shardd_client_collective_timeout_ms(const struct shardd_client *c);
 
 /* SQ capacity: how many submissions may be in flight at once. */
-uint32_t shardd_ring_entries(const struct shardd_client *c);
+uint32_t shardd_client_ring_entries(const struct shardd_client *c);
 
 /*
  * The daemon's backend (enum shardd_backend). SHARDD_BACKEND_CUDA: group
  * buffers are device memory on this rank's device (opts.device), and the
  * shardd_group_* pointers are device addresses.
  */
-uint32_t shardd_backend(const struct shardd_client *c);
+uint32_t shardd_client_backend(const struct shardd_client *c);
 
 /* Fill *st from the ring header. Returns 0 or -EBADMSG (corrupt counters). */
-int shardd_ring_status(const struct shardd_client *c, struct shardd_ring_status *st);
+int shardd_client_ring_status(const struct shardd_client *c, struct shardd_ring_status *st);
 
 /* ------------------------------------------------------------------ */
 /* Groups                                                              */
@@ -380,6 +380,16 @@ const char *shardd_last_error(void);
 SHARDD_DEPRECATED("use shardd_group_submit, or shardd_client_submit for an op of no group")
 int shardd_submit(struct shardd_client *c, uint32_t op, uint32_t group, uint64_t step,
 		  uint32_t flags, uint64_t user_data);
+
+/* The client accessors under their old names. */
+SHARDD_DEPRECATED("use shardd_client_collective_timeout_ms")
+uint32_t shardd_collective_timeout_ms(const struct shardd_client *c);
+SHARDD_DEPRECATED("use shardd_client_ring_entries")
+uint32_t shardd_ring_entries(const struct shardd_client *c);
+SHARDD_DEPRECATED("use shardd_client_backend")
+uint32_t shardd_backend(const struct shardd_client *c);
+SHARDD_DEPRECATED("use shardd_client_ring_status")
+int shardd_ring_status(const struct shardd_client *c, struct shardd_ring_status *st);
 
 #ifdef __cplusplus
 }

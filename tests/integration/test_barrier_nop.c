@@ -70,7 +70,7 @@ static int wait_taken(struct shardd_client *c, uint32_t op, uint64_t step, int t
 	struct shardd_ring_status st;
 
 	do {
-		if (shardd_ring_status(c, &st) < 0)
+		if (shardd_client_ring_status(c, &st) < 0)
 			return -EBADMSG;
 		if (st.sq_pending == 0 && st.daemon_last_op == op && st.daemon_last_step == step)
 			return 0;
@@ -97,7 +97,7 @@ static int nop_stream_rank(void *arg)
 	CHILD_CHECK(ret == 0, "attach: %s", shardd_last_error());
 	ret = shardd_barrier(c, 1);
 	CHILD_CHECK(ret == 0, "first barrier: %s", shardd_last_error());
-	cap = shardd_ring_entries(c);
+	cap = shardd_client_ring_entries(c);
 	while (done < NOPS_PER_RANK) {
 		uint64_t idx;
 

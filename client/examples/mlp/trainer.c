@@ -500,7 +500,7 @@ static int rank_connect(struct rank *rk)
 			rk->rank, rk->o->job, shardd_last_error());
 		return ret;
 	}
-	rk->cuda = shardd_backend(rk->c) == SHARDD_BACKEND_CUDA;
+	rk->cuda = shardd_client_backend(rk->c) == SHARDD_BACKEND_CUDA;
 	rk->trainer_sgd = rk->o->trainer_sgd;
 	if (rk->cuda && rk->o->device < 0) {
 		fprintf(stderr, "train_mlp: rank %u: the daemon runs --backend cuda: give --device N\n",
@@ -771,7 +771,7 @@ int rank_main(const struct trainer_opts *o, uint32_t rank, int report_fd,
 	ret = rank_connect(rk);
 	if (ret < 0)
 		goto out;
-	rk->wait_ms = (int)shardd_collective_timeout_ms(rk->c) + 10000;
+	rk->wait_ms = (int)shardd_client_collective_timeout_ms(rk->c) + 10000;
 	ret = rank_groups(rk, &t);
 	if (ret == 0)
 		ret = rank_host_copies(rk);

@@ -69,10 +69,17 @@ struct shardd_param_desc {
 	uint32_t shard_dim; /* FSDP2 Shard(i); 0 for the default dim-0 sharding */
 };
 
-/* FSDP2 MixedPrecisionPolicy; SHARDD_DTYPE_NONE = unset. */
-struct shardd_policy {
-	uint32_t param_dtype;
-	uint32_t reduce_dtype;
+/*
+ * FSDP2's MixedPrecisionPolicy: the dtypes a group's collectives run in.
+ * SHARDD_DTYPE_NONE (0) leaves one unset: each param's own dtype.
+ */
+struct shardd_precision {
+	uint32_t param_dtype;  /* the unsharded buffer's dtype, the unshard's output */
+	uint32_t reduce_dtype; /* the dtype the reduce-scatter sums in */
+};
+
+/* What the daemon keeps for a group besides its buffers. */
+struct shardd_group_opts {
 	/*
 	 * The daemon's optimizer for the group (shardd_step), or NULL: none.
 	 * Every rank registers the same config; its params must be fp32.
@@ -156,13 +163,16 @@ int shardd_client_ring_status(const struct shardd_client *c, struct shardd_ring_
 /* ------------------------------------------------------------------ */
 
 /*
- * Register a group (collective: the daemon answers once every rank of the
- * job has registered it, or fails after its collective timeout) and map its
- * buffers. Returns 0 and *out, or a negative code with shardd_last_error().
+ * Register a group of `nparams` params (collective: the daemon answers once
+ * every rank of the job has registered it, or fails after its collective
+ * timeout) and map its buffers. `precision` NULL: every dtype unset;
+ * `opts` NULL: no optimizer, zeroed shards. Returns 0 and *out, or a
+ * negative code with shardd_last_error().
  */
 int shardd_group_register(struct shardd_client *c, const char *name,
 			  const struct shardd_param_desc *params, uint32_t nparams,
-			  const struct shardd_policy *policy, struct shardd_group **out);
+			  const struct shardd_precision *precision, const struct shardd_group_opts *opts,
+			  struct shardd_group **out);
 
 /*
  * Open a group some rank registered, by name, and map its buffers (a rank
@@ -263,7 +273,7 @@ int shardd_reshard(struct shardd_group *g, uint64_t step);
 int shardd_zero_grad(struct shardd_group *g);
 
 /*
- * The group's optimizer (registered in shardd_policy.optimizer) on this
+ * The group's optimizer (registered in shardd_group_opts.optimizer) on this
  * rank's shard for step `step` (>= 1) with learning rate `lr`; `flags`
  * SHARDD_STEP_SKIP_NONFINITE and SHARDD_STEP_CLIP (then `clip_coef`
  * multiplies the grad), or SHARDD_STEP_CLIP_JOB (then `clip_coef` is

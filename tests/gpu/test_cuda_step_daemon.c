@@ -48,8 +48,7 @@ struct fixture {
 static void start(struct fixture *f, const struct shardd_optim_config *o)
 {
 	static const char *const extra[] = { "--backend", "cuda", "--collective-timeout", "20", NULL };
-	const struct shardd_policy pol = { .param_dtype = SHARDD_DTYPE_NONE,
-					   .reduce_dtype = SHARDD_DTYPE_NONE, .optimizer = o };
+	const struct shardd_group_opts opts = { .optimizer = o };
 
 	/* Counted in a child: the daemon must be forked before this process touches CUDA. */
 	if (harness_cuda_devices() == 0)
@@ -57,7 +56,7 @@ static void start(struct fixture *f, const struct shardd_optim_config *o)
 	signal(SIGPIPE, SIG_IGN);
 	memset(f, 0, sizeof(*f));
 	inproc_start(&f->hd, extra, "optim", 1, WORLD, 0, f->c);
-	inproc_register_ok(f->c, WORLD, "layer", params, NP, &pol, f->g);
+	inproc_register_ok(f->c, WORLD, "layer", params, NP, NULL, &opts, f->g);
 }
 
 static void finish(struct fixture *f)

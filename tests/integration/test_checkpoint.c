@@ -53,7 +53,7 @@ struct fixture {
 static void start(struct fixture *f, const char *keep, int with_state_dir, const char *every)
 {
 	const char *extra[10] = { "--collective-timeout", "20" };
-	const struct shardd_policy pol = { .optimizer = &adamw };
+	const struct shardd_group_opts opts = { .optimizer = &adamw };
 	int n = 2;
 
 	memset(f, 0, sizeof(*f));
@@ -72,7 +72,7 @@ static void start(struct fixture *f, const char *keep, int with_state_dir, const
 		extra[n++] = every;
 	}
 	inproc_start(&f->hd, extra, "ck", 1, WORLD, SHARDD_HELLO_DEVICE_HOST, f->c);
-	inproc_register_ok(f->c, WORLD, "layer", params, NP, &pol, f->g);
+	inproc_register_ok(f->c, WORLD, "layer", params, NP, NULL, &opts, f->g);
 }
 
 static void finish(struct fixture *f)

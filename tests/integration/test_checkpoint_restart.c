@@ -63,11 +63,11 @@ static void daemon_start(struct run *run)
 /* Attach both ranks and register with restore "": returns the step to resume after. */
 static uint64_t attach(struct run *run)
 {
-	const struct shardd_policy pol = { .optimizer = &adamw, .restore = "" };
+	const struct shardd_group_opts opts = { .optimizer = &adamw, .restore = "" };
 
 	for (uint32_t r = 0; r < WORLD; r++)
 		cr_assert_eq(harness_attach(&run->hd, "train", r, 1, WORLD, &run->c[r]), 0, "%s", shardd_last_error());
-	inproc_register_ok(run->c, WORLD, "layer", run->params, run->np, &pol, run->g);
+	inproc_register_ok(run->c, WORLD, "layer", run->params, run->np, NULL, &opts, run->g);
 	cr_assert_eq(shardd_group_last_step(run->g[0]), shardd_group_last_step(run->g[1]));
 	return shardd_group_last_step(run->g[0]);
 }

@@ -61,7 +61,7 @@ static void job_start(struct harness_daemon *hd, struct job *j, const char *rest
 			     shardd_last_error());
 	for (uint32_t r = 0; r < j->world; r++)
 		reg[r] = (struct inproc_reg){ .c = j->c[r], .name = "layer", .params = j->params, .nparams = NP,
-					      .policy = { .optimizer = &adamw, .restore = restore } };
+					      .opts = { .optimizer = &adamw, .restore = restore } };
 	inproc_register(reg, j->world);
 	for (uint32_t r = 0; r < j->world; r++) {
 		j->g[r] = reg[r].g;

@@ -57,7 +57,7 @@ static void start(struct fixture *f, uint32_t replicate, uint32_t shard, const c
 	f->world = replicate * shard;
 	inproc_start(&f->hd, extra, "gnorm", replicate, shard, SHARDD_HELLO_DEVICE_HOST, f->c);
 	for (int k = 0; k < NG; k++) {
-		inproc_register_ok(f->c, f->world, group_names[k], params, NP, NULL, g);
+		inproc_register_ok(f->c, f->world, group_names[k], params, NP, NULL, NULL, g);
 		for (uint32_t r = 0; r < f->world; r++)
 			f->g[r][k] = g[r];
 	}

@@ -210,7 +210,7 @@ static int register_w(struct shardd_client *c, const struct rank_arg *a, struct 
 	struct shardd_param_desc p = { .name = "w", .dtype = SHARDD_DTYPE_FP32, .ndim = 2,
 				       .shape = { D0, D1 } };
 
-	CHILD_CHECK(shardd_group_register(c, a->group, &p, 1, NULL, g) == 0, "register: %s",
+	CHILD_CHECK(shardd_group_register(c, a->group, &p, 1, NULL, NULL, g) == 0, "register: %s",
 		    shardd_last_error());
 	return 0;
 }

@@ -66,7 +66,7 @@ static int open_group(const struct rank_args *a, struct shardd_client **c, struc
 
 	CHILD_CHECK(harness_attach(&daemon_, a->job, a->rank, 1, WORLD, c) == 0, "attach: %s",
 		    shardd_last_error());
-	CHILD_CHECK(shardd_group_register(*c, "loop", &d, 1, NULL, g) == 0, "register: %s",
+	CHILD_CHECK(shardd_group_register(*c, "loop", &d, 1, NULL, NULL, g) == 0, "register: %s",
 		    shardd_last_error());
 	return 0;
 }

@@ -60,8 +60,7 @@ static void register_both(struct fixture *f, const char *name, const struct shar
 	for (int r = 0; r < WORLD; r++)
 		f->reg[r] = (struct inproc_reg){
 			.c = f->c[r], .name = name, .params = params, .nparams = NP,
-			.policy = { .param_dtype = SHARDD_DTYPE_NONE, .reduce_dtype = SHARDD_DTYPE_NONE,
-				    .optimizer = r ? o1 : o0 },
+			.opts = { .optimizer = r ? o1 : o0 },
 		};
 	inproc_register(f->reg, WORLD);
 }
@@ -435,8 +434,7 @@ static int kill_rank_main(void *p)
 	const struct kill_rank *k = p;
 	struct shardd_optim_config o = { .kind = SHARDD_OPTIM_ADAMW, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,
 					 .weight_decay = 0.01 };
-	struct shardd_policy pol = { .param_dtype = SHARDD_DTYPE_NONE, .reduce_dtype = SHARDD_DTYPE_NONE,
-				     .optimizer = &o };
+	struct shardd_group_opts opts = { .optimizer = &o };
 	struct shardd_attach_opts ao = {
 		.socket_path = k->socket, .job = k->job, .rank = 0, .replicate = 1, .shard = 1,
 		.device = SHARDD_HELLO_DEVICE_HOST, .timeout_ms = 10000,
@@ -458,7 +456,7 @@ static int kill_rank_main(void *p)
 		ret = shardd_zero_grad(g);
 		CHILD_CHECK(ret == 0, "zero_grad: %s", shardd_last_error());
 	} else {
-		ret = shardd_group_register(c, "layer", &kill_param, 1, &pol, &g);
+		ret = shardd_group_register(c, "layer", &kill_param, 1, NULL, &opts, &g);
 		CHILD_CHECK(ret == 0, "register: %s", shardd_last_error());
 		w = shardd_group_shard(g, 0);
 		for (int i = 0; i < KILL_NUMEL; i++)

@@ -81,9 +81,8 @@ static void *register_main(void *p)
 	struct reg_arg *a = p;
 	struct shardd_param_desc d = { .name = "w", .dtype = SHARDD_DTYPE_FP32, .ndim = 1,
 				       .shape = { 8 } };
-	struct shardd_policy pol = { .param_dtype = SHARDD_DTYPE_NONE, .reduce_dtype = SHARDD_DTYPE_NONE };
-
-	a->ret = shardd_group_register(a->c, "layer", &d, 1, &pol, &a->g);
+	
+	a->ret = shardd_group_register(a->c, "layer", &d, 1, NULL, NULL, &a->g);
 	if (a->ret < 0)
 		snprintf(a->err, sizeof(a->err), "%s", shardd_last_error());
 	return NULL;

@@ -48,12 +48,11 @@ struct fixture {
 static void start(struct fixture *f)
 {
 	static const char *const extra[] = { "--collective-timeout", "20", NULL };
-	const struct shardd_policy pol = { .param_dtype = SHARDD_DTYPE_NONE,
-					   .reduce_dtype = SHARDD_DTYPE_NONE, .optimizer = &sgd };
+	const struct shardd_group_opts opts = { .optimizer = &sgd };
 
 	memset(f, 0, sizeof(*f));
 	inproc_start(&f->hd, extra, "stepjob", 1, WORLD, SHARDD_HELLO_DEVICE_HOST, f->c);
-	inproc_register_ok(f->c, WORLD, "g", params, NP, &pol, f->g);
+	inproc_register_ok(f->c, WORLD, "g", params, NP, NULL, &opts, f->g);
 }
 
 static void finish(struct fixture *f)

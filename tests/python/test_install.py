@@ -34,7 +34,7 @@ int main(int argc, char **argv)
 					.device = SHARDD_HELLO_DEVICE_HOST };
 	struct shardd_param_desc p = { .name = "w", .dtype = SHARDD_DTYPE_FP32, .ndim = 2,
 				       .shape = { 4, 3 } };
-	struct shardd_policy pol = { SHARDD_DTYPE_NONE, SHARDD_DTYPE_NONE };
+	struct shardd_precision prec = { SHARDD_DTYPE_NONE, SHARDD_DTYPE_NONE };
 	struct shardd_client *c;
 	struct shardd_group *g;
 	float full[12];
@@ -45,7 +45,7 @@ int main(int argc, char **argv)
 	for (int i = 0; i < 12; i++)
 		full[i] = (float)i * 1.5f - 4.0f;
 	if (shardd_connect(&o, &c) < 0 || shardd_nop(c) < 0 ||
-	    shardd_group_register(c, "layer", &p, 1, &pol, &g) < 0 ||
+	    shardd_group_register(c, "layer", &p, 1, &prec, NULL, &g) < 0 ||
 	    shardd_group_load_full(g, 0, full) < 0 || shardd_unshard(g, 1) < 0) {
 		fprintf(stderr, "ext: %s\n", shardd_last_error());
 		return 1;

@@ -69,9 +69,9 @@ static void *register_main(void *p)
 {
 	struct reg_arg *a = p;
 	struct ckpt_job *j = a->j;
-	struct shardd_policy pol = { .optimizer = &adamw, .restore = j->restore };
+	struct shardd_group_opts opts = { .optimizer = &adamw, .restore = j->restore };
 
-	j->ret[a->r] = shardd_group_register(j->c[a->r], "state", &j->param, 1, &pol, &j->g[a->r]);
+	j->ret[a->r] = shardd_group_register(j->c[a->r], "state", &j->param, 1, NULL, &opts, &j->g[a->r]);
 	if (j->ret[a->r])
 		snprintf(j->err[a->r], sizeof(j->err[a->r]), "%s", shardd_last_error());
 	return NULL;

@@ -558,9 +558,8 @@ static int rank_groups(struct rank *rk, uint64_t *start)
 			  .shape = { layer_out(l) } },
 		};
 		static const struct shardd_optim_config sgd_cfg = { .kind = SHARDD_OPTIM_SGD };
-		struct shardd_policy policy = { .param_dtype = SHARDD_DTYPE_NONE, .reduce_dtype = SHARDD_DTYPE_NONE,
-						.optimizer = rk->trainer_sgd ? NULL : &sgd_cfg,
-						.restore = rk->o->resume ? "" : NULL };
+		struct shardd_group_opts opts = { .optimizer = rk->trainer_sgd ? NULL : &sgd_cfg,
+						  .restore = rk->o->resume ? "" : NULL };
 
 		/* Unique across the job (a checkpoint's files need it), named like torch's state_dict keys. */
 		snprintf(wname, sizeof(wname), "%s.weight", mlp_group_names[l]);
@@ -569,7 +568,7 @@ static int rank_groups(struct rank *rk, uint64_t *start)
 			/* Re-attached: the daemon kept this rank's shards. */
 			ret = shardd_group_open(rk->c, mlp_group_names[l], &rk->g[l]);
 		} else {
-			ret = shardd_group_register(rk->c, mlp_group_names[l], pd, 2, &policy, &rk->g[l]);
+			ret = shardd_group_register(rk->c, mlp_group_names[l], pd, 2, NULL, &opts, &rk->g[l]);
 			if (ret == 0 && l > 0 && shardd_group_last_step(rk->g[l]) != *start) {
 				fprintf(stderr, "train_mlp: rank %u: the job's checkpoint has group '%s' at step %"
 					PRIu64 " and group '%s' at step %" PRIu64 "; it was not written by"

@@ -493,25 +493,28 @@ int shardd_zero_grad(struct shardd_group *g)
 	return group_op(g, SHARDD_OP_ZERO_GRAD, 0, 0);
 }
 
-static void step_args(uint64_t args[2], double lr, uint32_t flags, double clip_coef)
+static void step_args(uint64_t args[2], double lr, uint32_t flags, double clip_coef, double max_norm)
 {
 	args[0] = args[1] = 0;
 	if (flags & SHARDD_STEP_REPLAY)
 		return; /* the daemon takes both from the step the other ranks submitted */
 	memcpy(&args[SHARDD_SQE_STEP_LR], &lr, sizeof(lr));
-	if (flags & (SHARDD_STEP_CLIP | SHARDD_STEP_CLIP_JOB))
+	/* One word on the wire for either: the flag tells the daemon which it holds. */
+	if (flags & SHARDD_STEP_CLIP)
 		memcpy(&args[SHARDD_SQE_STEP_CLIP], &clip_coef, sizeof(clip_coef));
+	else if (flags & SHARDD_STEP_CLIP_JOB)
+		memcpy(&args[SHARDD_SQE_STEP_CLIP], &max_norm, sizeof(max_norm));
 }
 
 int shardd_step_submit(struct shardd_group *g, uint64_t step, double lr, uint32_t flags, double clip_coef,
-		       uint64_t user_data)
+		       double max_norm, uint64_t user_data)
 {
 	uint64_t args[2];
 
 	if (user_data & SHARDD_USER_DATA_RESERVED)
 		return shardd_err_set(-EINVAL, "user_data 0x%llx has SHARDD_USER_DATA_RESERVED set",
 				      (unsigned long long)user_data);
-	step_args(args, lr, flags, clip_coef);
+	step_args(args, lr, flags, clip_coef, max_norm);
 	return submit_sqe(g->client, SHARDD_OP_STEP, g->info.group_id, step, flags, args, user_data);
 }
 
@@ -523,17 +526,18 @@ int shardd_reduce_step_submit(struct shardd_group *g, uint64_t step, uint32_t fl
 	if (user_data & SHARDD_USER_DATA_RESERVED)
 		return shardd_err_set(-EINVAL, "user_data 0x%llx has SHARDD_USER_DATA_RESERVED set",
 				      (unsigned long long)user_data);
-	step_args(args, lr, 0, 0);
+	step_args(args, lr, 0, 0, 0);
 	return submit_sqe(g->client, SHARDD_OP_REDUCE, g->info.group_id, step, flags | SHARDD_REDUCE_STEP, args,
 			  user_data);
 }
 
-int shardd_step(struct shardd_group *g, uint64_t step, double lr, uint32_t flags, double clip_coef)
+int shardd_step(struct shardd_group *g, uint64_t step, double lr, uint32_t flags, double clip_coef,
+		double max_norm)
 {
 	uint64_t args[2];
 	char what[SHARDD_NAME_MAX + 96];
 
-	step_args(args, lr, flags, clip_coef);
+	step_args(args, lr, flags, clip_coef, max_norm);
 	snprintf(what, sizeof(what), "step group '%s' (id %u) step %llu", g->name, g->info.group_id,
 		 (unsigned long long)step);
 	return shardd_client_op_sync_args(g->client, SHARDD_OP_STEP, g->info.group_id, step, flags, args, what);

@@ -274,22 +274,28 @@ int shardd_zero_grad(struct shardd_group *g);
 
 /*
  * The group's optimizer (registered in shardd_group_opts.optimizer) on this
- * rank's shard for step `step` (>= 1) with learning rate `lr`; `flags`
- * SHARDD_STEP_SKIP_NONFINITE and SHARDD_STEP_CLIP (then `clip_coef`
- * multiplies the grad), or SHARDD_STEP_CLIP_JOB (then `clip_coef` is
- * clip_grad_norm_'s max_norm and the daemon computes the coefficient from
- * the job's grad_norm of `step`), SHARDD_STEP_SKIP_JOB_NONFINITE (skip
- * when that grad_norm was non-finite, on every rank alike); else
- * `clip_coef` is ignored. SHARDD_STEP_REPLAY alone (`lr` and `clip_coef`
- * are ignored): apply the step as the group's other ranks submitted it. The shard's sharded grad is
- * cleared. Exactly once: a step at or below the last one applied or
- * skipped on this shard changes nothing. Returns SHARDD_STEP_APPLIED (0),
- * SHARDD_STEP_SKIPPED, SHARDD_STEP_ALREADY, or a negative code.
+ * rank's shard for step `step` (>= 1) with learning rate `lr`. `flags`:
+ * - SHARDD_STEP_CLIP: multiply the grad by `clip_coef`, a coefficient
+ *   (clip_grad_norm_'s max_norm / (total_norm + 1e-6), clamped to 1);
+ * - SHARDD_STEP_CLIP_JOB: clip by clip_grad_norm_'s `max_norm` (finite,
+ *   > 0) instead, the daemon computing the coefficient from the job's
+ *   grad_norm of `step` (shardd_grad_norm); one of the two clips at most;
+ * - SHARDD_STEP_SKIP_NONFINITE: skip when this rank's grad holds a NaN or
+ *   Inf; SHARDD_STEP_SKIP_JOB_NONFINITE: skip when the job's grad_norm of
+ *   `step` was non-finite, on every rank alike;
+ * - SHARDD_STEP_REPLAY, alone: apply the step as the group's other ranks
+ *   submitted it (`lr`, `clip_coef` and `max_norm` are ignored).
+ * `clip_coef` and `max_norm` are ignored without their flag. The shard's
+ * sharded grad is cleared. Exactly once: a step at or below the last one
+ * applied or skipped on this shard changes nothing. Returns
+ * SHARDD_STEP_APPLIED (0), SHARDD_STEP_SKIPPED, SHARDD_STEP_ALREADY, or a
+ * negative code.
  */
-int shardd_step(struct shardd_group *g, uint64_t step, double lr, uint32_t flags, double clip_coef);
-/* The same queued without waiting, as shardd_submit: its completion's res is the step's result. */
+int shardd_step(struct shardd_group *g, uint64_t step, double lr, uint32_t flags, double clip_coef,
+		double max_norm);
+/* The same queued without waiting, as shardd_group_submit: its completion's res is the step's result. */
 int shardd_step_submit(struct shardd_group *g, uint64_t step, double lr, uint32_t flags, double clip_coef,
-		       uint64_t user_data);
+		       double max_norm, uint64_t user_data);
 
 /*
  * Queue the reduce of `step` with SHARDD_REDUCE_STEP (added to `flags`):

@@ -133,7 +133,7 @@ static void train_step(struct fixture *f, struct inproc_ref *ref, uint64_t step)
 	inproc_reduce(f->c, f->g, WORLD, step, 0);
 	ref_step(ref, f);
 	for (int r = 0; r < WORLD; r++)
-		cr_assert_eq(shardd_step(f->g[r], step, 0.01, 0, 0), SHARDD_STEP_APPLIED, "step %llu: %s",
+		cr_assert_eq(shardd_step(f->g[r], step, 0.01, 0, 0, 0), SHARDD_STEP_APPLIED, "step %llu: %s",
 			     (unsigned long long)step, shardd_last_error());
 }
 
@@ -421,7 +421,7 @@ Test(checkpoint, refuses_a_cut_between_ranks_steps, .timeout = 60)
 	train_step(&f, &ref, 1);
 	/* Step 2's reduce on every rank, then only rank 0 steps. */
 	inproc_reduce(f.c, f.g, WORLD, 2, 0);
-	cr_assert_eq(shardd_step(f.g[0], 2, 0.01, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
+	cr_assert_eq(shardd_step(f.g[0], 2, 0.01, 0, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
 	checkpoint_all(&f, 2, res, msg);
 	for (int r = 0; r < WORLD; r++) {
 		cr_assert_eq(res[r], -SHARDD_E_STATE, "rank %d: %s", r, msg[r]);
@@ -480,7 +480,7 @@ Test(checkpoint, shardctl_checkpoint_waits_for_the_next_step_boundary, .timeout 
 	/* Step 2 half done: reduced everywhere, applied on rank 0 only. */
 	inproc_reduce(f.c, f.g, WORLD, 2, 0);
 	ref_step(&ref, &f);
-	cr_assert_eq(shardd_step(f.g[0], 2, 0.01, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
+	cr_assert_eq(shardd_step(f.g[0], 2, 0.01, 0, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
 
 	snprintf(dir, sizeof(dir), "%s/by-shardctl", f.state);
 	cr_assert_eq(pipe(pipefd), 0);
@@ -500,7 +500,7 @@ Test(checkpoint, shardctl_checkpoint_waits_for_the_next_step_boundary, .timeout 
 	}
 	cr_assert_neq(stat(dir, &st), 0, "%s was written before the step boundary", dir);
 	for (int r2 = 1; r2 < WORLD; r2++)
-		cr_assert_eq(shardd_step(f.g[r2], 2, 0.01, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
+		cr_assert_eq(shardd_step(f.g[r2], 2, 0.01, 0, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
 	cr_assert_eq(harness_wait_pid(pid, 30000, &status), 0, "shardctl checkpoint did not end");
 	n = read(pipefd[0], out, sizeof(out) - 1);
 	out[n > 0 ? n : 0] = '\0';
@@ -587,7 +587,7 @@ Test(checkpoint, snapshot_holds_the_boundary_while_the_next_step_runs, .timeout 
 			cr_assert_eq(cp.res, 0, "rank %d %s: %s", rk, shardd_op_name(cp.op), cp.msg);
 		}
 	for (int rk = 0; rk < WORLD; rk++)
-		cr_assert_eq(shardd_step(f.g[rk], 3, 0.01, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
+		cr_assert_eq(shardd_step(f.g[rk], 3, 0.01, 0, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
 	/* The files hold step 2's params, which step 3 has moved since. */
 	snprintf(dir, sizeof(dir), "%s/ck/step-000000000002", f.state);
 	snprintf(path, sizeof(path), "%s/model.safetensors", dir);

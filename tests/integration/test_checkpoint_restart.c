@@ -130,7 +130,7 @@ static void train_step_every(struct run *run, uint64_t step, uint64_t every)
 		}
 	inproc_reduce(run->c, run->g, WORLD, step, 0);
 	for (uint32_t r = 0; r < WORLD; r++)
-		cr_assert_eq(shardd_step(run->g[r], step, 0.01 / (double)step, 0, 0), SHARDD_STEP_APPLIED, "%s",
+		cr_assert_eq(shardd_step(run->g[r], step, 0.01 / (double)step, 0, 0, 0), SHARDD_STEP_APPLIED, "%s",
 			     shardd_last_error());
 	if (!every || step % every)
 		return;

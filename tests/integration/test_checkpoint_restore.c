@@ -106,7 +106,7 @@ static void train_and_save(struct job *j)
 			}
 		inproc_reduce(j->c, j->g, j->world, step, 0);
 		for (uint32_t r = 0; r < j->world; r++)
-			cr_assert_eq(shardd_step(j->g[r], step, 0.01, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
+			cr_assert_eq(shardd_step(j->g[r], step, 0.01, 0, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
 	}
 	inproc_checkpoint(j->c, j->world, 2);
 }

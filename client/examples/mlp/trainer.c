@@ -245,7 +245,7 @@ int rank_submit(struct rank *rk, uint32_t op, uint32_t layer, uint64_t step, uin
 		uint64_t t0 = now_ns();
 
 		if (op == SHARDD_OP_STEP)
-			ret = shardd_step_submit(rk->g[layer], step, (double)MLP_LR, flags, 0, (uint64_t)slot + 1);
+			ret = shardd_step_submit(rk->g[layer], step, (double)MLP_LR, flags, 0, 0, (uint64_t)slot + 1);
 		else if (layer < MLP_LAYERS)
 			ret = shardd_group_submit(rk->g[layer], op, step, flags, (uint64_t)slot + 1);
 		else

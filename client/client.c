@@ -408,6 +408,12 @@ void shardd_close(struct shardd_client *c)
 	client_free(c);
 }
 
+/* SHARDD_VERSION comes from the Makefile (-DSHARDD_VERSION), as for the daemon and the tools. */
+const char *shardd_version(void)
+{
+	return SHARDD_VERSION;
+}
+
 int shardd_client_id(const struct shardd_client *c)
 {
 	return (int)c->welcome.client_id;

@@ -33,6 +33,15 @@
 extern "C" {
 #endif
 
+/*
+ * The libshardd release this header belongs to (the Makefile's VERSION);
+ * shardd_version() says which release the library linked at run time is.
+ */
+#define SHARDD_VERSION_MAJOR  0
+#define SHARDD_VERSION_MINOR  1
+#define SHARDD_VERSION_PATCH  0
+#define SHARDD_VERSION_STRING "0.1.0"
+
 /* user_data values with this bit set are reserved for the sync wrappers. */
 #define SHARDD_USER_DATA_RESERVED (1ull << 63)
 
@@ -138,6 +147,9 @@ int shardd_connect(const struct shardd_attach_opts *o, struct shardd_client **ou
 
 /* Say GOODBYE, unmap the ring, close the connection. NULL is a no-op. */
 void shardd_close(struct shardd_client *c);
+
+/* The library's release, "MAJOR.MINOR.PATCH": SHARDD_VERSION_STRING of the headers it was built with. */
+const char *shardd_version(void);
 
 /* Daemon-wide id of this connection, from the WELCOME. */
 int shardd_client_id(const struct shardd_client *c);

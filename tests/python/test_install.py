@@ -160,6 +160,15 @@ def test_installed_library_exports_the_calls_of_its_header_at_shardd_0_1(prefix)
     assert exported == {"SHARDD_0.1"} | {f"{name}@@SHARDD_0.1" for name in declared}
 
 
+def test_man_page_documents_every_call_of_the_header():
+    """man/libshardd.3.scd names each call of shardd.h, deprecated ones included."""
+    with open(os.path.join(ROOT, "client", "shardd.h")) as f:
+        declared = set(re.findall(r"^[a-z][\w \t*]*?\b(shardd_\w+)\(", f.read(), re.M))
+    with open(os.path.join(ROOT, "man", "libshardd.3.scd")) as f:
+        documented = set(re.findall(r"\*(shardd_\w+)\*\(", f.read()))
+    assert declared - documented == set()
+
+
 def test_installed_man_pages_render(prefix):
     for page in MAN_PAGES:
         path = os.path.join(prefix, "share", "man", page)

@@ -154,8 +154,10 @@ $(LIBDAEMON): $(DAEMON_OBJ)
 $(LIBCLIENT_A): $(CLIENT_OBJ)
 	rm -f $@ && $(AR) rcs $@ $^
 
-$(LIBCLIENT_SO): $(CLIENT_OBJ)
-	$(CC) $(LDFLAGS) -shared -Wl,-soname,libshardd.so.0 -o $@ $^ -lpthread
+# client/libshardd.map: only shardd_* is exported, versioned SHARDD_0.1.
+$(LIBCLIENT_SO): $(CLIENT_OBJ) client/libshardd.map
+	$(CC) $(LDFLAGS) -shared -Wl,-soname,libshardd.so.0 -Wl,--version-script,client/libshardd.map \
+		-o $@ $(CLIENT_OBJ) -lpthread
 
 $(SHARDD): $(BUILD)/daemon/main.o $(LIBDAEMON) $(LIBKERNELS)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS) $(MPI_LIBS) $(CUDA_LDLIBS)

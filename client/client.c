@@ -408,22 +408,43 @@ void shardd_close(struct shardd_client *c)
 	client_free(c);
 }
 
+/* SHARDD_VERSION comes from the Makefile (-DSHARDD_VERSION), as for the daemon and the tools. */
+const char *shardd_version(void)
+{
+	return SHARDD_VERSION;
+}
+
 int shardd_client_id(const struct shardd_client *c)
 {
 	return (int)c->welcome.client_id;
 }
 
-uint32_t shardd_collective_timeout_ms(const struct shardd_client *c)
+uint32_t shardd_client_collective_timeout_ms(const struct shardd_client *c)
 {
 	return c->welcome.collective_timeout_ms;
 }
 
-uint32_t shardd_ring_entries(const struct shardd_client *c)
+uint32_t shardd_client_ring_entries(const struct shardd_client *c)
 {
 	return c->welcome.sq_entries;
 }
 
-uint32_t shardd_backend(const struct shardd_client *c)
+uint32_t shardd_client_backend(const struct shardd_client *c)
 {
 	return c->welcome.backend;
+}
+
+uint32_t shardd_collective_timeout_ms(const struct shardd_client *c)
+{
+	return shardd_client_collective_timeout_ms(c);
+}
+
+uint32_t shardd_ring_entries(const struct shardd_client *c)
+{
+	return shardd_client_ring_entries(c);
+}
+
+uint32_t shardd_backend(const struct shardd_client *c)
+{
+	return shardd_client_backend(c);
 }

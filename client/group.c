@@ -450,7 +450,8 @@ static int check_name(const char *name, size_t max, const char *what)
 
 int shardd_group_register(struct shardd_client *c, const char *name,
 			  const struct shardd_param_desc *params, uint32_t nparams,
-			  const struct shardd_policy *policy, struct shardd_group **out)
+			  const struct shardd_precision *precision, const struct shardd_group_opts *opts,
+			  struct shardd_group **out)
 {
 	uint32_t ct = c->welcome.collective_timeout_ms;
 	struct shardd_register_group *reg = NULL;
@@ -470,14 +471,14 @@ int shardd_group_register(struct shardd_client *c, const char *name,
 		goto err;
 	}
 	len = sizeof(*reg) + sizeof(*specs) * nparams;
-	if (policy && policy->optimizer)
-		len += sizeof(*policy->optimizer);
-	if (policy && policy->restore) {
+	if (opts && opts->optimizer)
+		len += sizeof(*opts->optimizer);
+	if (opts && opts->restore) {
 		/* The daemon runs elsewhere: a relative path is made absolute here, where it means something. */
-		if (policy->restore[0] && policy->restore[0] != '/' && realpath(policy->restore, restore_abs))
+		if (opts->restore[0] && opts->restore[0] != '/' && realpath(opts->restore, restore_abs))
 			restore = restore_abs;
 		else
-			restore = policy->restore;
+			restore = opts->restore;
 		if (strlen(restore) >= SHARDD_RESTORE_PATH_MAX) {
 			ret = shardd_err_set(-EINVAL, "restore path of %zu bytes; at most %d", strlen(restore),
 					     SHARDD_RESTORE_PATH_MAX - 1);
@@ -493,8 +494,8 @@ int shardd_group_register(struct shardd_client *c, const char *name,
 	}
 	memcpy(reg->name, name, strlen(name));
 	reg->nparams = nparams;
-	reg->param_dtype = policy ? policy->param_dtype : SHARDD_DTYPE_NONE;
-	reg->reduce_dtype = policy ? policy->reduce_dtype : SHARDD_DTYPE_NONE;
+	reg->param_dtype = precision ? precision->param_dtype : SHARDD_DTYPE_NONE;
+	reg->reduce_dtype = precision ? precision->reduce_dtype : SHARDD_DTYPE_NONE;
 	reg->init = SHARDD_INIT_ZERO;
 	for (uint32_t i = 0; i < nparams; i++) {
 		const struct shardd_param_desc *d = &params[i];
@@ -525,10 +526,10 @@ int shardd_group_register(struct shardd_client *c, const char *name,
 		}
 	}
 	memcpy(reg + 1, specs, sizeof(*specs) * nparams);
-	if (policy && policy->optimizer) {
+	if (opts && opts->optimizer) {
 		reg->flags |= SHARDD_REGISTER_OPTIMIZER;
-		memcpy((uint8_t *)(reg + 1) + sizeof(*specs) * nparams, policy->optimizer,
-		       sizeof(*policy->optimizer));
+		memcpy((uint8_t *)(reg + 1) + sizeof(*specs) * nparams, opts->optimizer,
+		       sizeof(*opts->optimizer));
 	}
 	if (restore) {
 		struct shardd_restore rs = { .path_len = (uint32_t)strlen(restore) };

@@ -258,7 +258,7 @@ static void ring_where(struct shardd_client *c, char *buf, size_t len)
 {
 	struct shardd_ring_status st;
 
-	if (shardd_ring_status(c, &st) < 0) {
+	if (shardd_client_ring_status(c, &st) < 0) {
 		snprintf(buf, len, "ring counters corrupt");
 		return;
 	}
@@ -271,8 +271,9 @@ static void ring_where(struct shardd_client *c, char *buf, size_t len)
 /* Public: asynchronous ops                                              */
 /* --------------------------------------------------------------------- */
 
-int shardd_submit(struct shardd_client *c, uint32_t op, uint32_t group, uint64_t step,
-		  uint32_t flags, uint64_t user_data)
+/* The public submissions' check: user_data's reserved bit belongs to the sync calls. */
+static int submit_user(struct shardd_client *c, uint32_t op, uint32_t group, uint64_t step,
+		       uint32_t flags, uint64_t user_data)
 {
 	shardd_err_clear();
 	if (user_data & SHARDD_USER_DATA_RESERVED)
@@ -281,6 +282,24 @@ int shardd_submit(struct shardd_client *c, uint32_t op, uint32_t group, uint64_t
 				      "reserves for its sync calls", op_name(op),
 				      (unsigned long long)user_data);
 	return submit_sqe(c, op, group, step, flags, NULL, user_data);
+}
+
+int shardd_group_submit(struct shardd_group *g, uint32_t op, uint64_t step, uint32_t flags,
+			uint64_t user_data)
+{
+	return submit_user(g->client, op, g->info.group_id, step, flags, user_data);
+}
+
+int shardd_client_submit(struct shardd_client *c, uint32_t op, uint64_t step, uint32_t flags,
+			 uint64_t user_data)
+{
+	return submit_user(c, op, 0, step, flags, user_data);
+}
+
+int shardd_submit(struct shardd_client *c, uint32_t op, uint32_t group, uint64_t step,
+		  uint32_t flags, uint64_t user_data)
+{
+	return submit_user(c, op, group, step, flags, user_data);
 }
 
 static int poll_one(struct shardd_client *c, struct shardd_completion *out)
@@ -474,25 +493,28 @@ int shardd_zero_grad(struct shardd_group *g)
 	return group_op(g, SHARDD_OP_ZERO_GRAD, 0, 0);
 }
 
-static void step_args(uint64_t args[2], double lr, uint32_t flags, double clip_coef)
+static void step_args(uint64_t args[2], double lr, uint32_t flags, double clip_coef, double max_norm)
 {
 	args[0] = args[1] = 0;
 	if (flags & SHARDD_STEP_REPLAY)
 		return; /* the daemon takes both from the step the other ranks submitted */
 	memcpy(&args[SHARDD_SQE_STEP_LR], &lr, sizeof(lr));
-	if (flags & (SHARDD_STEP_CLIP | SHARDD_STEP_CLIP_JOB))
+	/* One word on the wire for either: the flag tells the daemon which it holds. */
+	if (flags & SHARDD_STEP_CLIP)
 		memcpy(&args[SHARDD_SQE_STEP_CLIP], &clip_coef, sizeof(clip_coef));
+	else if (flags & SHARDD_STEP_CLIP_JOB)
+		memcpy(&args[SHARDD_SQE_STEP_CLIP], &max_norm, sizeof(max_norm));
 }
 
 int shardd_step_submit(struct shardd_group *g, uint64_t step, double lr, uint32_t flags, double clip_coef,
-		       uint64_t user_data)
+		       double max_norm, uint64_t user_data)
 {
 	uint64_t args[2];
 
 	if (user_data & SHARDD_USER_DATA_RESERVED)
 		return shardd_err_set(-EINVAL, "user_data 0x%llx has SHARDD_USER_DATA_RESERVED set",
 				      (unsigned long long)user_data);
-	step_args(args, lr, flags, clip_coef);
+	step_args(args, lr, flags, clip_coef, max_norm);
 	return submit_sqe(g->client, SHARDD_OP_STEP, g->info.group_id, step, flags, args, user_data);
 }
 
@@ -504,17 +526,18 @@ int shardd_reduce_step_submit(struct shardd_group *g, uint64_t step, uint32_t fl
 	if (user_data & SHARDD_USER_DATA_RESERVED)
 		return shardd_err_set(-EINVAL, "user_data 0x%llx has SHARDD_USER_DATA_RESERVED set",
 				      (unsigned long long)user_data);
-	step_args(args, lr, 0, 0);
+	step_args(args, lr, 0, 0, 0);
 	return submit_sqe(g->client, SHARDD_OP_REDUCE, g->info.group_id, step, flags | SHARDD_REDUCE_STEP, args,
 			  user_data);
 }
 
-int shardd_step(struct shardd_group *g, uint64_t step, double lr, uint32_t flags, double clip_coef)
+int shardd_step(struct shardd_group *g, uint64_t step, double lr, uint32_t flags, double clip_coef,
+		double max_norm)
 {
 	uint64_t args[2];
 	char what[SHARDD_NAME_MAX + 96];
 
-	step_args(args, lr, flags, clip_coef);
+	step_args(args, lr, flags, clip_coef, max_norm);
 	snprintf(what, sizeof(what), "step group '%s' (id %u) step %llu", g->name, g->info.group_id,
 		 (unsigned long long)step);
 	return shardd_client_op_sync_args(g->client, SHARDD_OP_STEP, g->info.group_id, step, flags, args, what);
@@ -573,7 +596,7 @@ int shardd_grad_norm(struct shardd_client *c, uint64_t step, double norm_type, d
 /* Public: diagnostics                                                   */
 /* --------------------------------------------------------------------- */
 
-int shardd_ring_status(const struct shardd_client *c, struct shardd_ring_status *st)
+int shardd_client_ring_status(const struct shardd_client *c, struct shardd_ring_status *st)
 {
 	/* The ring's own checks, against our copies of the capacities. */
 	int64_t sq_pending = shardd_sq_ready(&c->ring);
@@ -591,4 +614,9 @@ int shardd_ring_status(const struct shardd_client *c, struct shardd_ring_status 
 				&st->daemon_heartbeat_ns);
 	shardd_ring_client_last(&c->ring, &st->client_last_op, &st->client_last_step);
 	return 0;
+}
+
+int shardd_ring_status(const struct shardd_client *c, struct shardd_ring_status *st)
+{
+	return shardd_client_ring_status(c, st);
 }

@@ -33,11 +33,23 @@
 extern "C" {
 #endif
 
+/*
+ * The libshardd release this header belongs to (the Makefile's VERSION);
+ * shardd_version() says which release the library linked at run time is.
+ */
+#define SHARDD_VERSION_MAJOR  0
+#define SHARDD_VERSION_MINOR  1
+#define SHARDD_VERSION_PATCH  0
+#define SHARDD_VERSION_STRING "0.1.0"
+
 /* user_data values with this bit set are reserved for the sync wrappers. */
 #define SHARDD_USER_DATA_RESERVED (1ull << 63)
 
 /* Handshake timeout used when shardd_attach_opts.timeout_ms is 0. */
 #define SHARDD_CONNECT_TIMEOUT_MS 10000
+
+/* A call kept under its old name for one release: using it warns with its replacement. */
+#define SHARDD_DEPRECATED(use) __attribute__((deprecated(use)))
 
 /* ------------------------------------------------------------------ */
 /* Structs                                                             */
@@ -66,10 +78,17 @@ struct shardd_param_desc {
 	uint32_t shard_dim; /* FSDP2 Shard(i); 0 for the default dim-0 sharding */
 };
 
-/* FSDP2 MixedPrecisionPolicy; SHARDD_DTYPE_NONE = unset. */
-struct shardd_policy {
-	uint32_t param_dtype;
-	uint32_t reduce_dtype;
+/*
+ * FSDP2's MixedPrecisionPolicy: the dtypes a group's collectives run in.
+ * SHARDD_DTYPE_NONE (0) leaves one unset: each param's own dtype.
+ */
+struct shardd_precision {
+	uint32_t param_dtype;  /* the unsharded buffer's dtype, the unshard's output */
+	uint32_t reduce_dtype; /* the dtype the reduce-scatter sums in */
+};
+
+/* What the daemon keeps for a group besides its buffers. */
+struct shardd_group_opts {
 	/*
 	 * The daemon's optimizer for the group (shardd_step), or NULL: none.
 	 * Every rank registers the same config; its params must be fp32.
@@ -129,37 +148,43 @@ int shardd_connect(const struct shardd_attach_opts *o, struct shardd_client **ou
 /* Say GOODBYE, unmap the ring, close the connection. NULL is a no-op. */
 void shardd_close(struct shardd_client *c);
 
+/* The library's release, "MAJOR.MINOR.PATCH": SHARDD_VERSION_STRING of the headers it was built with. */
+const char *shardd_version(void);
+
 /* Daemon-wide id of this connection, from the WELCOME. */
 int shardd_client_id(const struct shardd_client *c);
 
 /* The daemon's collective timeout in ms (0: none). */
-uint32_t shardd_collective_timeout_ms(const struct shardd_client *c);
+uint32_t shardd_client_collective_timeout_ms(const struct shardd_client *c);
 
 /* SQ capacity: how many submissions may be in flight at once. */
-uint32_t shardd_ring_entries(const struct shardd_client *c);
+uint32_t shardd_client_ring_entries(const struct shardd_client *c);
 
 /*
  * The daemon's backend (enum shardd_backend). SHARDD_BACKEND_CUDA: group
  * buffers are device memory on this rank's device (opts.device), and the
  * shardd_group_* pointers are device addresses.
  */
-uint32_t shardd_backend(const struct shardd_client *c);
+uint32_t shardd_client_backend(const struct shardd_client *c);
 
 /* Fill *st from the ring header. Returns 0 or -EBADMSG (corrupt counters). */
-int shardd_ring_status(const struct shardd_client *c, struct shardd_ring_status *st);
+int shardd_client_ring_status(const struct shardd_client *c, struct shardd_ring_status *st);
 
 /* ------------------------------------------------------------------ */
 /* Groups                                                              */
 /* ------------------------------------------------------------------ */
 
 /*
- * Register a group (collective: the daemon answers once every rank of the
- * job has registered it, or fails after its collective timeout) and map its
- * buffers. Returns 0 and *out, or a negative code with shardd_last_error().
+ * Register a group of `nparams` params (collective: the daemon answers once
+ * every rank of the job has registered it, or fails after its collective
+ * timeout) and map its buffers. `precision` NULL: every dtype unset;
+ * `opts` NULL: no optimizer, zeroed shards. Returns 0 and *out, or a
+ * negative code with shardd_last_error().
  */
 int shardd_group_register(struct shardd_client *c, const char *name,
 			  const struct shardd_param_desc *params, uint32_t nparams,
-			  const struct shardd_policy *policy, struct shardd_group **out);
+			  const struct shardd_precision *precision, const struct shardd_group_opts *opts,
+			  struct shardd_group **out);
 
 /*
  * Open a group some rank registered, by name, and map its buffers (a rank
@@ -215,13 +240,21 @@ int shardd_group_load_full(struct shardd_group *g, uint32_t param, const void *f
 /* ------------------------------------------------------------------ */
 
 /*
- * Queue one op; its completion echoes user_data. Returns 0, -EAGAIN when
- * the SQ is full (reap completions, then retry) or -EINVAL (op outside
- * 1..255, user_data with SHARDD_USER_DATA_RESERVED set). The daemon checks
- * everything else and answers a bad op with an error completion.
+ * Queue one op of group g (unshard, reduce, reshard, zero_grad); its
+ * completion echoes user_data. Returns 0, -EAGAIN when the SQ is full
+ * (reap completions, then retry) or -EINVAL (op outside 1..255, user_data
+ * with SHARDD_USER_DATA_RESERVED set). The daemon checks everything else
+ * and answers a bad op with an error completion.
  */
-int shardd_submit(struct shardd_client *c, uint32_t op, uint32_t group, uint64_t step,
-		  uint32_t flags, uint64_t user_data);
+int shardd_group_submit(struct shardd_group *g, uint32_t op, uint64_t step, uint32_t flags,
+			uint64_t user_data);
+
+/*
+ * The same for an op of no group, the client's job-wide ones (nop,
+ * barrier, checkpoint): sqe.group is 0.
+ */
+int shardd_client_submit(struct shardd_client *c, uint32_t op, uint64_t step, uint32_t flags,
+			 uint64_t user_data);
 
 /* Reap one completion without waiting: 0 and *out, -EAGAIN when none, -EBADMSG. */
 int shardd_poll(struct shardd_client *c, struct shardd_completion *out);
@@ -252,23 +285,29 @@ int shardd_reshard(struct shardd_group *g, uint64_t step);
 int shardd_zero_grad(struct shardd_group *g);
 
 /*
- * The group's optimizer (registered in shardd_policy.optimizer) on this
- * rank's shard for step `step` (>= 1) with learning rate `lr`; `flags`
- * SHARDD_STEP_SKIP_NONFINITE and SHARDD_STEP_CLIP (then `clip_coef`
- * multiplies the grad), or SHARDD_STEP_CLIP_JOB (then `clip_coef` is
- * clip_grad_norm_'s max_norm and the daemon computes the coefficient from
- * the job's grad_norm of `step`), SHARDD_STEP_SKIP_JOB_NONFINITE (skip
- * when that grad_norm was non-finite, on every rank alike); else
- * `clip_coef` is ignored. SHARDD_STEP_REPLAY alone (`lr` and `clip_coef`
- * are ignored): apply the step as the group's other ranks submitted it. The shard's sharded grad is
- * cleared. Exactly once: a step at or below the last one applied or
- * skipped on this shard changes nothing. Returns SHARDD_STEP_APPLIED (0),
- * SHARDD_STEP_SKIPPED, SHARDD_STEP_ALREADY, or a negative code.
+ * The group's optimizer (registered in shardd_group_opts.optimizer) on this
+ * rank's shard for step `step` (>= 1) with learning rate `lr`. `flags`:
+ * - SHARDD_STEP_CLIP: multiply the grad by `clip_coef`, a coefficient
+ *   (clip_grad_norm_'s max_norm / (total_norm + 1e-6), clamped to 1);
+ * - SHARDD_STEP_CLIP_JOB: clip by clip_grad_norm_'s `max_norm` (finite,
+ *   > 0) instead, the daemon computing the coefficient from the job's
+ *   grad_norm of `step` (shardd_grad_norm); one of the two clips at most;
+ * - SHARDD_STEP_SKIP_NONFINITE: skip when this rank's grad holds a NaN or
+ *   Inf; SHARDD_STEP_SKIP_JOB_NONFINITE: skip when the job's grad_norm of
+ *   `step` was non-finite, on every rank alike;
+ * - SHARDD_STEP_REPLAY, alone: apply the step as the group's other ranks
+ *   submitted it (`lr`, `clip_coef` and `max_norm` are ignored).
+ * `clip_coef` and `max_norm` are ignored without their flag. The shard's
+ * sharded grad is cleared. Exactly once: a step at or below the last one
+ * applied or skipped on this shard changes nothing. Returns
+ * SHARDD_STEP_APPLIED (0), SHARDD_STEP_SKIPPED, SHARDD_STEP_ALREADY, or a
+ * negative code.
  */
-int shardd_step(struct shardd_group *g, uint64_t step, double lr, uint32_t flags, double clip_coef);
-/* The same queued without waiting, as shardd_submit: its completion's res is the step's result. */
+int shardd_step(struct shardd_group *g, uint64_t step, double lr, uint32_t flags, double clip_coef,
+		double max_norm);
+/* The same queued without waiting, as shardd_group_submit: its completion's res is the step's result. */
 int shardd_step_submit(struct shardd_group *g, uint64_t step, double lr, uint32_t flags, double clip_coef,
-		       uint64_t user_data);
+		       double max_norm, uint64_t user_data);
 
 /*
  * Queue the reduce of `step` with SHARDD_REDUCE_STEP (added to `flags`):
@@ -360,6 +399,25 @@ const char *shardd_strerror(int err);
  * "" when nothing failed yet. Valid until the thread's next libshardd call.
  */
 const char *shardd_last_error(void);
+
+/* ------------------------------------------------------------------ */
+/* Deprecated: the old names, kept for one release                     */
+/* ------------------------------------------------------------------ */
+
+/* An op with a raw group id (0: none): shardd_group_submit or shardd_client_submit. */
+SHARDD_DEPRECATED("use shardd_group_submit, or shardd_client_submit for an op of no group")
+int shardd_submit(struct shardd_client *c, uint32_t op, uint32_t group, uint64_t step,
+		  uint32_t flags, uint64_t user_data);
+
+/* The client accessors under their old names. */
+SHARDD_DEPRECATED("use shardd_client_collective_timeout_ms")
+uint32_t shardd_collective_timeout_ms(const struct shardd_client *c);
+SHARDD_DEPRECATED("use shardd_client_ring_entries")
+uint32_t shardd_ring_entries(const struct shardd_client *c);
+SHARDD_DEPRECATED("use shardd_client_backend")
+uint32_t shardd_backend(const struct shardd_client *c);
+SHARDD_DEPRECATED("use shardd_client_ring_status")
+int shardd_ring_status(const struct shardd_client *c, struct shardd_ring_status *st);
 
 #ifdef __cplusplus
 }

@@ -117,7 +117,7 @@ int main(int argc, char **argv)
 	struct shardd_client *c = NULL;
 	struct shardd_group *g = NULL;
 	struct shardd_attach_opts o = { 0 };
-	struct shardd_policy policy = { .param_dtype = SHARDD_DTYPE_NONE, .reduce_dtype = SHARDD_DTYPE_NONE };
+	struct shardd_precision precision = { .param_dtype = SHARDD_DTYPE_NONE, .reduce_dtype = SHARDD_DTYPE_NONE };
 	uint64_t steps;
 	int ret;
 
@@ -147,7 +147,7 @@ int main(int argc, char **argv)
 	ret = shardd_connect(&o, &c);
 	if (ret < 0)
 		goto err;
-	ret = shardd_group_register(c, "interop", params, NPARAMS, &policy, &g);
+	ret = shardd_group_register(c, "interop", params, NPARAMS, &precision, NULL, &g);
 	if (ret < 0)
 		goto err;
 	for (uint32_t k = 0; k < NPARAMS; k++) {

@@ -50,13 +50,13 @@ static inline double grad_value(uint32_t pi, uint32_t r, uint64_t i, uint32_t dt
 	return ref_round((r + 1) * cos(0.013 * (double)i + 0.7 * r + pi), dtype);
 }
 
-/* Group `name` of `params` registered on `c` under `policy` (NULL: none), every param loaded with its values. */
+/* Group `name` of `params` registered on `c` in `precision` (NULL: none), every param loaded with its values. */
 static inline int register_loaded(struct shardd_client *c, const char *name, const struct shardd_param_desc *params,
-				  uint32_t nparams, const struct shardd_policy *policy, struct shardd_group **g)
+				  uint32_t nparams, const struct shardd_precision *precision, struct shardd_group **g)
 {
 	static float full[MAX_NUMEL];
 
-	CHILD_CHECK_SHARDD(shardd_group_register(c, name, params, nparams, policy, g));
+	CHILD_CHECK_SHARDD(shardd_group_register(c, name, params, nparams, precision, NULL, g));
 	for (uint32_t pi = 0; pi < nparams; pi++) {
 		uint64_t n = inproc_numel(&params[pi]);
 

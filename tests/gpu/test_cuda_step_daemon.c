@@ -48,8 +48,7 @@ struct fixture {
 static void start(struct fixture *f, const struct shardd_optim_config *o)
 {
 	static const char *const extra[] = { "--backend", "cuda", "--collective-timeout", "20", NULL };
-	const struct shardd_policy pol = { .param_dtype = SHARDD_DTYPE_NONE,
-					   .reduce_dtype = SHARDD_DTYPE_NONE, .optimizer = o };
+	const struct shardd_group_opts opts = { .optimizer = o };
 
 	/* Counted in a child: the daemon must be forked before this process touches CUDA. */
 	if (harness_cuda_devices() == 0)
@@ -57,7 +56,7 @@ static void start(struct fixture *f, const struct shardd_optim_config *o)
 	signal(SIGPIPE, SIG_IGN);
 	memset(f, 0, sizeof(*f));
 	inproc_start(&f->hd, extra, "optim", 1, WORLD, 0, f->c);
-	inproc_register_ok(f->c, WORLD, "layer", params, NP, &pol, f->g);
+	inproc_register_ok(f->c, WORLD, "layer", params, NP, NULL, &opts, f->g);
 }
 
 static void finish(struct fixture *f)
@@ -190,7 +189,7 @@ static void parity_run(const struct shardd_optim_config *o, const char *what)
 		reduce_step(&f, step, 0);
 		for (int r = 0; r < WORLD; r++) {
 			ref_step(&ref, &f, r, o, lr, scale);
-			cr_assert_eq(shardd_step(f.g[r], step, lr, flags, 0.25), SHARDD_STEP_APPLIED, "%s step %llu: %s",
+			cr_assert_eq(shardd_step(f.g[r], step, lr, flags, 0.25, 0), SHARDD_STEP_APPLIED, "%s step %llu: %s",
 				     what, (unsigned long long)step, shardd_last_error());
 			expect_shard(&ref, &f, r, what);
 		}
@@ -199,7 +198,7 @@ static void parity_run(const struct shardd_optim_config *o, const char *what)
 	reduce_step(&f, K_STEPS + 1, 0);
 	size = shardd_group_info(f.g[0])->shard_size;
 	before = snapshot(&f, 0);
-	cr_assert_eq(shardd_step(f.g[0], K_STEPS, 0.5, 0, 0), SHARDD_STEP_ALREADY, "%s", shardd_last_error());
+	cr_assert_eq(shardd_step(f.g[0], K_STEPS, 0.5, 0, 0, 0), SHARDD_STEP_ALREADY, "%s", shardd_last_error());
 	after = snapshot(&f, 0);
 	cr_assert_eq(memcmp(before, after, size), 0, "%s: a step already applied changed rank 0's shard", what);
 	free(before);
@@ -207,21 +206,21 @@ static void parity_run(const struct shardd_optim_config *o, const char *what)
 	/* Step K+1 goes on from the daemon's state. */
 	for (int r = 0; r < WORLD; r++) {
 		ref_step(&ref, &f, r, o, 0.01, 1.0f);
-		cr_assert_eq(shardd_step(f.g[r], K_STEPS + 1, 0.01, 0, 0), SHARDD_STEP_APPLIED, "%s",
+		cr_assert_eq(shardd_step(f.g[r], K_STEPS + 1, 0.01, 0, 0, 0), SHARDD_STEP_APPLIED, "%s",
 			     shardd_last_error());
 		expect_shard(&ref, &f, r, what);
 	}
 	/* A NaN in rank 0's valid rows: rank 0 skips, rank 1 applies. */
 	reduce_step(&f, K_STEPS + 2, 1);
 	before = snapshot(&f, 0);
-	cr_assert_eq(shardd_step(f.g[0], K_STEPS + 2, 0.01, SHARDD_STEP_SKIP_NONFINITE, 0), SHARDD_STEP_SKIPPED,
+	cr_assert_eq(shardd_step(f.g[0], K_STEPS + 2, 0.01, SHARDD_STEP_SKIP_NONFINITE, 0, 0), SHARDD_STEP_SKIPPED,
 		     "%s: %s", what, shardd_last_error());
 	after = snapshot(&f, 0);
 	cr_assert_eq(memcmp(before, after, size), 0, "%s: a skipped step changed rank 0's shard", what);
 	free(before);
 	free(after);
 	ref_step(&ref, &f, 1, o, 0.01, 1.0f);
-	cr_assert_eq(shardd_step(f.g[1], K_STEPS + 2, 0.01, SHARDD_STEP_SKIP_NONFINITE, 0), SHARDD_STEP_APPLIED,
+	cr_assert_eq(shardd_step(f.g[1], K_STEPS + 2, 0.01, SHARDD_STEP_SKIP_NONFINITE, 0, 0), SHARDD_STEP_APPLIED,
 		     "%s: %s", what, shardd_last_error());
 	expect_shard(&ref, &f, 0, "skipped");
 	expect_shard(&ref, &f, 1, "finite");
@@ -304,7 +303,7 @@ Test(cuda_step_daemon, grad_norm_matches_the_cpu_kernels_and_reduce_step_applies
 	/* The grads of step 1 were never stepped: step 1, then step 2 by the reduce's flag. */
 	for (int r = 0; r < WORLD; r++) {
 		ref_step(&ref, &f, r, &o, 0.1, 1.0f);
-		cr_assert_eq(shardd_step(f.g[r], 1, 0.1, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
+		cr_assert_eq(shardd_step(f.g[r], 1, 0.1, 0, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
 		expect_shard(&ref, &f, r, "step 1");
 	}
 	write_grads(&f, 0);
@@ -317,7 +316,7 @@ Test(cuda_step_daemon, grad_norm_matches_the_cpu_kernels_and_reduce_step_applies
 	for (int r = 0; r < WORLD; r++) {
 		float *before = snapshot(&f, r), *after;
 
-		cr_assert_eq(shardd_step(f.g[r], 2, 0.1, 0, 0), SHARDD_STEP_ALREADY, "%s", shardd_last_error());
+		cr_assert_eq(shardd_step(f.g[r], 2, 0.1, 0, 0, 0), SHARDD_STEP_ALREADY, "%s", shardd_last_error());
 		after = snapshot(&f, r);
 		cr_assert_eq(memcmp(before, after, shardd_group_info(f.g[r])->shard_size), 0,
 			     "rank %d: re-submitting a step applied by REDUCE_STEP changed the shard", r);

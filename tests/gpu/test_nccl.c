@@ -86,12 +86,12 @@ static void stop_daemon(void)
 /* Values                                                              */
 /* ------------------------------------------------------------------ */
 
-/* A group of the test: its params and policy. */
+/* A group of the test: its params and precision. */
 struct tgroup {
 	const char *name;
 	const struct shardd_param_desc *params;
 	uint32_t nparams;
-	struct shardd_policy policy;
+	struct shardd_precision precision;
 };
 
 /* w: 1001 rows over 2 shards leaves a padding row; t: Shard(1), a chunk-cat. */
@@ -127,7 +127,7 @@ static int check_unsharded(const struct rank_args *a, const struct tgroup *tg, s
 
 	snprintf(who, sizeof(who), "rank %u group '%s'", a->rank, tg->name);
 	for (uint32_t pi = 0; pi < tg->nparams; pi++) {
-		uint32_t udt = tg->policy.param_dtype ? tg->policy.param_dtype : tg->params[pi].dtype;
+		uint32_t udt = tg->precision.param_dtype ? tg->precision.param_dtype : tg->params[pi].dtype;
 
 		if (check_unsharded_param(who, pi, &tg->params[pi], udt, shardd_group_layout(g, pi),
 					  shardd_group_unsharded(g, pi)))
@@ -140,7 +140,7 @@ static int check_unsharded(const struct rank_args *a, const struct tgroup *tg, s
 static int write_grads(const struct rank_args *a, const struct tgroup *tg, struct shardd_group *g)
 {
 	for (uint32_t pi = 0; pi < tg->nparams; pi++) {
-		uint32_t gdt = tg->policy.param_dtype ? tg->policy.param_dtype : tg->params[pi].dtype;
+		uint32_t gdt = tg->precision.param_dtype ? tg->precision.param_dtype : tg->params[pi].dtype;
 
 		if (write_grad_param(a->rank, pi, &tg->params[pi], gdt, shardd_group_grad(g, pi)))
 			return 1;
@@ -160,8 +160,8 @@ static int check_sharded_grads(const struct rank_args *a, const struct tgroup *t
 
 	snprintf(who, sizeof(who), "rank %u group '%s'", a->rank, tg->name);
 	for (uint32_t pi = 0; pi < tg->nparams; pi++) {
-		uint32_t gdt = tg->policy.param_dtype ? tg->policy.param_dtype : tg->params[pi].dtype;
-		uint32_t rd = tg->policy.reduce_dtype ? tg->policy.reduce_dtype : gdt;
+		uint32_t gdt = tg->precision.param_dtype ? tg->precision.param_dtype : tg->params[pi].dtype;
+		uint32_t rd = tg->precision.reduce_dtype ? tg->precision.reduce_dtype : gdt;
 
 		if (check_shard_grad_param(who, pi, &tg->params[pi], gdt, rd, a->shard, a->rank % a->shard,
 					   a->replicate * a->shard, steps, shardd_group_layout(g, pi),
@@ -186,7 +186,7 @@ static int rank_main(void *arg)
 	for (uint32_t k = 0; k < a->ngroups; k++) {
 		const struct tgroup *tg = a->groups[k];
 
-		if (register_loaded(c, tg->name, tg->params, tg->nparams, &tg->policy, &g[k]))
+		if (register_loaded(c, tg->name, tg->params, tg->nparams, &tg->precision, &g[k]))
 			return 1;
 	}
 	for (uint32_t k = 0; k < a->ngroups; k++) {
@@ -289,7 +289,7 @@ static int mixed_main(void *arg)
 	int ret;
 
 	CHILD_CHECK_SHARDD(shardd_connect(&o, &c));
-	ret = shardd_group_register(c, dense.name, dense.params, dense.nparams, NULL, &g);
+	ret = shardd_group_register(c, dense.name, dense.params, dense.nparams, NULL, NULL, &g);
 	why = shardd_last_error();
 	CHILD_CHECK(ret < 0, "rank %u: a shard group on devices 0,0,1 was registered", rank);
 	CHILD_CHECK(strstr(why, "ranks 0 and 1 share device 0") && strstr(why, "rank 2 is on device 1") &&

@@ -105,7 +105,7 @@ static int rank_main(void *arg)
 	CHILD_CHECK_CUDA(cudaMalloc(&scratch, DELAY_BYTES));
 	CHILD_CHECK_CUDA(cudaMallocHost((void **)&host, NUMEL * sizeof(float)));
 	CHILD_CHECK_SHARDD(shardd_connect(&o, &c));
-	CHILD_CHECK_SHARDD(shardd_group_register(c, "fenced", &p, 1, NULL, &g));
+	CHILD_CHECK_SHARDD(shardd_group_register(c, "fenced", &p, 1, NULL, NULL, &g));
 	if (a->use_stream)
 		CHILD_CHECK_SHARDD(shardd_stream_set(c, s));
 

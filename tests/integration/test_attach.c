@@ -300,11 +300,11 @@ Test(attach, good_client_gets_a_ring_and_its_nops_answered, .timeout = 30)
 
 	cr_assert_eq(shardd_connect(&o, &c), 0, "%s", shardd_last_error());
 	cr_assert_gt(shardd_client_id(c), 0);
-	cr_assert_eq(shardd_ring_entries(c), 64);
-	cr_assert_gt(shardd_collective_timeout_ms(c), 0);
+	cr_assert_eq(shardd_client_ring_entries(c), 64);
+	cr_assert_gt(shardd_client_collective_timeout_ms(c), 0);
 	for (int i = 0; i < 1000; i++)
 		cr_assert_eq(shardd_nop(c), 0, "nop %d: %s", i, shardd_last_error());
-	cr_assert_eq(shardd_ring_status(c, &st), 0);
+	cr_assert_eq(shardd_client_ring_status(c, &st), 0);
 	cr_assert_eq(st.sq_pending, 0);
 	cr_assert_eq(st.cq_ready, 0);
 	cr_assert_eq(st.client_last_op, SHARDD_OP_NOP);
@@ -314,8 +314,34 @@ Test(attach, good_client_gets_a_ring_and_its_nops_answered, .timeout = 30)
 	o.ring_entries = 0;
 	cr_assert_eq(shardd_connect(&o, &d), 0, "%s", shardd_last_error());
 	cr_assert_neq(shardd_client_id(d), shardd_client_id(c));
-	cr_assert_eq(shardd_ring_entries(d), SHARDD_RING_ENTRIES_DEFAULT);
+	cr_assert_eq(shardd_client_ring_entries(d), SHARDD_RING_ENTRIES_DEFAULT);
 	shardd_close(d);
+	shardd_close(c);
+}
+
+/* The accessors' old names, kept one release, answer as the shardd_client_* ones. */
+Test(attach, deprecated_accessors_answer_as_the_client_ones, .timeout = 30)
+{
+	struct shardd_attach_opts o = {
+		.socket_path = daemon_.socket, .job = "oldnames", .rank = 0, .replicate = 1, .shard = 1,
+		.device = SHARDD_HELLO_DEVICE_HOST, .ring_entries = 32,
+	};
+	struct shardd_ring_status st, old;
+	struct shardd_client *c = NULL;
+
+	cr_assert_eq(shardd_connect(&o, &c), 0, "%s", shardd_last_error());
+	cr_assert_eq(shardd_nop(c), 0, "%s", shardd_last_error());
+	cr_assert_eq(shardd_client_ring_status(c, &st), 0);
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+	cr_assert_eq(shardd_ring_entries(c), shardd_client_ring_entries(c));
+	cr_assert_eq(shardd_collective_timeout_ms(c), shardd_client_collective_timeout_ms(c));
+	cr_assert_eq(shardd_backend(c), shardd_client_backend(c));
+	cr_assert_eq(shardd_ring_status(c, &old), 0);
+#pragma GCC diagnostic pop
+	cr_assert_eq(old.sq_entries, 32);
+	cr_assert_eq(old.client_last_op, st.client_last_op);
+	cr_assert_eq(old.daemon_last_op, st.daemon_last_op);
 	shardd_close(c);
 }
 
@@ -328,7 +354,7 @@ Test(attach, stream_ordering_is_refused_on_the_host_backend_and_ops_go_on, .time
 	struct shardd_client *c = NULL;
 
 	cr_assert_eq(shardd_connect(&o, &c), 0, "%s", shardd_last_error());
-	cr_assert_eq(shardd_backend(c), SHARDD_BACKEND_HOST);
+	cr_assert_eq(shardd_client_backend(c), SHARDD_BACKEND_HOST);
 	cr_assert_eq(shardd_stream_set(c, NULL), -ENOTSUP);
 	cr_assert_not_null(strstr(shardd_last_error(), "host backend"), "%s", shardd_last_error());
 	/* Nothing was set: ops go out unfenced, which the daemon would refuse otherwise. */

@@ -70,7 +70,7 @@ static int wait_taken(struct shardd_client *c, uint32_t op, uint64_t step, int t
 	struct shardd_ring_status st;
 
 	do {
-		if (shardd_ring_status(c, &st) < 0)
+		if (shardd_client_ring_status(c, &st) < 0)
 			return -EBADMSG;
 		if (st.sq_pending == 0 && st.daemon_last_op == op && st.daemon_last_step == step)
 			return 0;
@@ -97,14 +97,14 @@ static int nop_stream_rank(void *arg)
 	CHILD_CHECK(ret == 0, "attach: %s", shardd_last_error());
 	ret = shardd_barrier(c, 1);
 	CHILD_CHECK(ret == 0, "first barrier: %s", shardd_last_error());
-	cap = shardd_ring_entries(c);
+	cap = shardd_client_ring_entries(c);
 	while (done < NOPS_PER_RANK) {
 		uint64_t idx;
 
 		/* Keep the ring full: the daemon must keep up with a full SQ. */
 		while (submitted < NOPS_PER_RANK && inflight < cap) {
-			ret = shardd_submit(c, SHARDD_OP_NOP, 0, submitted, 0,
-					    (uint64_t)a->rank << 32 | submitted);
+			ret = shardd_client_submit(c, SHARDD_OP_NOP, submitted, 0,
+						   (uint64_t)a->rank << 32 | submitted);
 			if (ret == -EAGAIN)
 				break;
 			CHILD_CHECK(ret == 0, "submit %llu: %s", (unsigned long long)submitted,
@@ -186,7 +186,7 @@ static int survivor_rank(void *arg)
 
 	CHILD_CHECK(harness_attach(&daemon_, a->job, a->rank, 1, a->world, &c) == 0, "attach: %s",
 		    shardd_last_error());
-	CHILD_CHECK(shardd_submit(c, SHARDD_OP_BARRIER, 0, 1, 0, 77) == 0, "%s",
+	CHILD_CHECK(shardd_client_submit(c, SHARDD_OP_BARRIER, 1, 0, 77) == 0, "%s",
 		    shardd_last_error());
 	ret = wait_taken(c, SHARDD_OP_BARRIER, 1, 5000);
 	CHILD_CHECK(ret == 0, "the daemon never took barrier 1 from the SQ");
@@ -306,7 +306,7 @@ static int waiter_rank(void *arg)
 
 	CHILD_CHECK(harness_attach(&daemon_, a->job, a->rank, 1, a->world, &c) == 0, "attach: %s",
 		    shardd_last_error());
-	CHILD_CHECK(shardd_submit(c, SHARDD_OP_BARRIER, 0, 1, 0, 5) == 0, "%s",
+	CHILD_CHECK(shardd_client_submit(c, SHARDD_OP_BARRIER, 1, 0, 5) == 0, "%s",
 		    shardd_last_error());
 	CHILD_CHECK(wait_taken(c, SHARDD_OP_BARRIER, 1, 5000) == 0, "barrier 1 never taken");
 	CHILD_CHECK(harness_signal(a->report_fd, 't') == 0, "report");
@@ -370,7 +370,7 @@ Test(barrier_nop, killed_daemon_gives_econnreset_not_a_hang, .timeout = 30)
 
 	start_daemon(COLLECTIVE_S);
 	cr_assert_eq(harness_attach(&daemon_, "crash", 0, 1, 2, &c), 0);
-	cr_assert_eq(shardd_submit(c, SHARDD_OP_BARRIER, 0, 1, 0, 9), 0);
+	cr_assert_eq(shardd_client_submit(c, SHARDD_OP_BARRIER, 1, 0, 9), 0);
 	cr_assert_eq(wait_taken(c, SHARDD_OP_BARRIER, 1, 5000), 0);
 	status = harness_daemon_stop_sig(&daemon_, SIGKILL, 5000);
 	cr_assert(status >= 0 && WIFSIGNALED(status), "shardd %s", harness_status_str(status));

@@ -201,12 +201,12 @@ static int rank_main(void *p)
 	const struct rank_arg *a = p;
 	struct shardd_client *c = NULL;
 	struct shardd_group *g = NULL;
-	struct shardd_policy pol = { .param_dtype = SHARDD_DTYPE_BF16 };
+	struct shardd_precision prec = { .param_dtype = SHARDD_DTYPE_BF16 };
 	int fds[SHARDD_GROUP_BUFS];
 	char byte;
 
 	CHILD_CHECK(harness_attach(&daemon_, "seals", a->rank, 1, WORLD, &c) == 0, "attach");
-	CHILD_CHECK(shardd_group_register(c, "g", params, NPARAMS, &pol, &g) == 0, "register: %s",
+	CHILD_CHECK(shardd_group_register(c, "g", params, NPARAMS, &prec, NULL, &g) == 0, "register: %s",
 		    shardd_last_error());
 	if (load_step(g, 1))
 		return 1;
@@ -257,7 +257,7 @@ static int reopen_rank(void *p)
 	int seals;
 
 	CHILD_CHECK(harness_attach(&daemon_, "seals-fresh", a->rank, 1, 1, &c) == 0, "attach");
-	CHILD_CHECK(shardd_group_register(c, "g", params, NPARAMS, NULL, &g) == 0, "register: %s",
+	CHILD_CHECK(shardd_group_register(c, "g", params, NPARAMS, NULL, NULL, &g) == 0, "register: %s",
 		    shardd_last_error());
 	if (open_group_fds(c, "g", fds))
 		return 1;

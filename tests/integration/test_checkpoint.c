@@ -53,7 +53,7 @@ struct fixture {
 static void start(struct fixture *f, const char *keep, int with_state_dir, const char *every)
 {
 	const char *extra[10] = { "--collective-timeout", "20" };
-	const struct shardd_policy pol = { .optimizer = &adamw };
+	const struct shardd_group_opts opts = { .optimizer = &adamw };
 	int n = 2;
 
 	memset(f, 0, sizeof(*f));
@@ -72,7 +72,7 @@ static void start(struct fixture *f, const char *keep, int with_state_dir, const
 		extra[n++] = every;
 	}
 	inproc_start(&f->hd, extra, "ck", 1, WORLD, SHARDD_HELLO_DEVICE_HOST, f->c);
-	inproc_register_ok(f->c, WORLD, "layer", params, NP, &pol, f->g);
+	inproc_register_ok(f->c, WORLD, "layer", params, NP, NULL, &opts, f->g);
 }
 
 static void finish(struct fixture *f)
@@ -133,7 +133,7 @@ static void train_step(struct fixture *f, struct inproc_ref *ref, uint64_t step)
 	inproc_reduce(f->c, f->g, WORLD, step, 0);
 	ref_step(ref, f);
 	for (int r = 0; r < WORLD; r++)
-		cr_assert_eq(shardd_step(f->g[r], step, 0.01, 0, 0), SHARDD_STEP_APPLIED, "step %llu: %s",
+		cr_assert_eq(shardd_step(f->g[r], step, 0.01, 0, 0, 0), SHARDD_STEP_APPLIED, "step %llu: %s",
 			     (unsigned long long)step, shardd_last_error());
 }
 
@@ -143,7 +143,7 @@ static void checkpoint_all(struct fixture *f, uint64_t step, int res[WORLD], cha
 	struct shardd_completion cp;
 
 	for (int r = 0; r < WORLD; r++)
-		cr_assert_eq(shardd_submit(f->c[r], SHARDD_OP_CHECKPOINT, 0, step, 0, 7), 0, "%s", shardd_last_error());
+		cr_assert_eq(shardd_client_submit(f->c[r], SHARDD_OP_CHECKPOINT, step, 0, 7), 0, "%s", shardd_last_error());
 	for (int r = 0; r < WORLD; r++) {
 		cr_assert_eq(shardd_wait(f->c[r], &cp, 30000), 0, "rank %d: %s", r, shardd_last_error());
 		cr_assert_eq(cp.op, SHARDD_OP_CHECKPOINT);
@@ -399,7 +399,7 @@ Test(checkpoint, without_state_dir_fails_naming_the_flag, .timeout = 60)
 	for (int r = 0; r < WORLD; r++) {
 		struct shardd_completion cp;
 
-		cr_assert_eq(shardd_submit(f.c[r], SHARDD_OP_CHECKPOINT, 0, 1, 0, 7), 0, "%s", shardd_last_error());
+		cr_assert_eq(shardd_client_submit(f.c[r], SHARDD_OP_CHECKPOINT, 1, 0, 7), 0, "%s", shardd_last_error());
 		cr_assert_eq(shardd_wait(f.c[r], &cp, 30000), 0, "%s", shardd_last_error());
 		res[r] = cp.res;
 		snprintf(msg[r], 256, "%s", cp.msg);
@@ -421,7 +421,7 @@ Test(checkpoint, refuses_a_cut_between_ranks_steps, .timeout = 60)
 	train_step(&f, &ref, 1);
 	/* Step 2's reduce on every rank, then only rank 0 steps. */
 	inproc_reduce(f.c, f.g, WORLD, 2, 0);
-	cr_assert_eq(shardd_step(f.g[0], 2, 0.01, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
+	cr_assert_eq(shardd_step(f.g[0], 2, 0.01, 0, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
 	checkpoint_all(&f, 2, res, msg);
 	for (int r = 0; r < WORLD; r++) {
 		cr_assert_eq(res[r], -SHARDD_E_STATE, "rank %d: %s", r, msg[r]);
@@ -480,7 +480,7 @@ Test(checkpoint, shardctl_checkpoint_waits_for_the_next_step_boundary, .timeout 
 	/* Step 2 half done: reduced everywhere, applied on rank 0 only. */
 	inproc_reduce(f.c, f.g, WORLD, 2, 0);
 	ref_step(&ref, &f);
-	cr_assert_eq(shardd_step(f.g[0], 2, 0.01, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
+	cr_assert_eq(shardd_step(f.g[0], 2, 0.01, 0, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
 
 	snprintf(dir, sizeof(dir), "%s/by-shardctl", f.state);
 	cr_assert_eq(pipe(pipefd), 0);
@@ -500,7 +500,7 @@ Test(checkpoint, shardctl_checkpoint_waits_for_the_next_step_boundary, .timeout 
 	}
 	cr_assert_neq(stat(dir, &st), 0, "%s was written before the step boundary", dir);
 	for (int r2 = 1; r2 < WORLD; r2++)
-		cr_assert_eq(shardd_step(f.g[r2], 2, 0.01, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
+		cr_assert_eq(shardd_step(f.g[r2], 2, 0.01, 0, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
 	cr_assert_eq(harness_wait_pid(pid, 30000, &status), 0, "shardctl checkpoint did not end");
 	n = read(pipefd[0], out, sizeof(out) - 1);
 	out[n > 0 ? n : 0] = '\0';
@@ -578,16 +578,16 @@ Test(checkpoint, snapshot_holds_the_boundary_while_the_next_step_runs, .timeout 
 		}
 	/* checkpoint(2), and without waiting for it step 3's reduce and step. */
 	for (int rk = 0; rk < WORLD; rk++)
-		cr_assert_eq(shardd_submit(f.c[rk], SHARDD_OP_CHECKPOINT, 0, 2, 0, 7), 0);
+		cr_assert_eq(shardd_client_submit(f.c[rk], SHARDD_OP_CHECKPOINT, 2, 0, 7), 0);
 	for (int rk = 0; rk < WORLD; rk++)
-		cr_assert_eq(shardd_submit(f.c[rk], SHARDD_OP_REDUCE, shardd_group_id(f.g[rk]), 3, 0, 8), 0);
+		cr_assert_eq(shardd_group_submit(f.g[rk], SHARDD_OP_REDUCE, 3, 0, 8), 0);
 	for (int rk = 0; rk < WORLD; rk++)
 		for (int k = 0; k < 2; k++) {
 			cr_assert_eq(shardd_wait(f.c[rk], &cp, 30000), 0, "%s", shardd_last_error());
 			cr_assert_eq(cp.res, 0, "rank %d %s: %s", rk, shardd_op_name(cp.op), cp.msg);
 		}
 	for (int rk = 0; rk < WORLD; rk++)
-		cr_assert_eq(shardd_step(f.g[rk], 3, 0.01, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
+		cr_assert_eq(shardd_step(f.g[rk], 3, 0.01, 0, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
 	/* The files hold step 2's params, which step 3 has moved since. */
 	snprintf(dir, sizeof(dir), "%s/ck/step-000000000002", f.state);
 	snprintf(path, sizeof(path), "%s/model.safetensors", dir);

@@ -63,11 +63,11 @@ static void daemon_start(struct run *run)
 /* Attach both ranks and register with restore "": returns the step to resume after. */
 static uint64_t attach(struct run *run)
 {
-	const struct shardd_policy pol = { .optimizer = &adamw, .restore = "" };
+	const struct shardd_group_opts opts = { .optimizer = &adamw, .restore = "" };
 
 	for (uint32_t r = 0; r < WORLD; r++)
 		cr_assert_eq(harness_attach(&run->hd, "train", r, 1, WORLD, &run->c[r]), 0, "%s", shardd_last_error());
-	inproc_register_ok(run->c, WORLD, "layer", run->params, run->np, &pol, run->g);
+	inproc_register_ok(run->c, WORLD, "layer", run->params, run->np, NULL, &opts, run->g);
 	cr_assert_eq(shardd_group_last_step(run->g[0]), shardd_group_last_step(run->g[1]));
 	return shardd_group_last_step(run->g[0]);
 }
@@ -115,7 +115,7 @@ static void init_params(struct run *run)
 static void checkpoint_submit(struct run *run, uint64_t step)
 {
 	for (uint32_t r = 0; r < WORLD; r++)
-		cr_assert_eq(shardd_submit(run->c[r], SHARDD_OP_CHECKPOINT, 0, step, 0, 2), 0);
+		cr_assert_eq(shardd_client_submit(run->c[r], SHARDD_OP_CHECKPOINT, step, 0, 2), 0);
 }
 
 /* One step; then, when step is a multiple of `every` (0: never), a checkpoint waited for. */
@@ -130,7 +130,7 @@ static void train_step_every(struct run *run, uint64_t step, uint64_t every)
 		}
 	inproc_reduce(run->c, run->g, WORLD, step, 0);
 	for (uint32_t r = 0; r < WORLD; r++)
-		cr_assert_eq(shardd_step(run->g[r], step, 0.01 / (double)step, 0, 0), SHARDD_STEP_APPLIED, "%s",
+		cr_assert_eq(shardd_step(run->g[r], step, 0.01 / (double)step, 0, 0, 0), SHARDD_STEP_APPLIED, "%s",
 			     shardd_last_error());
 	if (!every || step % every)
 		return;

@@ -61,7 +61,7 @@ static void job_start(struct harness_daemon *hd, struct job *j, const char *rest
 			     shardd_last_error());
 	for (uint32_t r = 0; r < j->world; r++)
 		reg[r] = (struct inproc_reg){ .c = j->c[r], .name = "layer", .params = j->params, .nparams = NP,
-					      .policy = { .optimizer = &adamw, .restore = restore } };
+					      .opts = { .optimizer = &adamw, .restore = restore } };
 	inproc_register(reg, j->world);
 	for (uint32_t r = 0; r < j->world; r++) {
 		j->g[r] = reg[r].g;
@@ -106,7 +106,7 @@ static void train_and_save(struct job *j)
 			}
 		inproc_reduce(j->c, j->g, j->world, step, 0);
 		for (uint32_t r = 0; r < j->world; r++)
-			cr_assert_eq(shardd_step(j->g[r], step, 0.01, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
+			cr_assert_eq(shardd_step(j->g[r], step, 0.01, 0, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
 	}
 	inproc_checkpoint(j->c, j->world, 2);
 }

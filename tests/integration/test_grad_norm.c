@@ -57,7 +57,7 @@ static void start(struct fixture *f, uint32_t replicate, uint32_t shard, const c
 	f->world = replicate * shard;
 	inproc_start(&f->hd, extra, "gnorm", replicate, shard, SHARDD_HELLO_DEVICE_HOST, f->c);
 	for (int k = 0; k < NG; k++) {
-		inproc_register_ok(f->c, f->world, group_names[k], params, NP, NULL, g);
+		inproc_register_ok(f->c, f->world, group_names[k], params, NP, NULL, NULL, g);
 		for (uint32_t r = 0; r < f->world; r++)
 			f->g[r][k] = g[r];
 	}
@@ -120,8 +120,8 @@ static void reduce_all(struct fixture *f, uint64_t step, int poison, struct ref_
 		((float *)shardd_group_grad(f->g[0][0], 0))[0] = NAN;
 	for (int k = 0; k < NG; k++) {
 		for (uint32_t r = 0; r < f->world; r++)
-			cr_assert_eq(shardd_submit(f->c[r], SHARDD_OP_REDUCE, shardd_group_id(f->g[r][k]), step,
-						   flags, 100 + r), 0, "%s", shardd_last_error());
+			cr_assert_eq(shardd_group_submit(f->g[r][k], SHARDD_OP_REDUCE, step, flags, 100 + r),
+				     0, "%s", shardd_last_error());
 		for (uint32_t r = 0; r < f->world; r++) {
 			cr_assert_eq(shardd_wait(f->c[r], &cp, 30000), 0, "%s", shardd_last_error());
 			cr_assert_eq(cp.res, 0, "rank %u reduce of %s: %s", r, group_names[k], cp.msg);
@@ -311,7 +311,7 @@ Test(grad_norm, bad_norm_type_is_rejected_by_name, .timeout = 60)
 	cr_assert_eq(shardd_grad_norm(f.c[0], 1, 1.0, &norm, &nonfinite), -EINVAL);
 	cr_assert(strstr(shardd_last_error(), "norm_type 1 is not supported"), "%s", shardd_last_error());
 	/* The daemon refuses it too: a raw entry carries norm_type 0.0. */
-	cr_assert_eq(shardd_submit(f.c[0], SHARDD_OP_GRAD_NORM, 0, 1, 0, 9), 0, "%s", shardd_last_error());
+	cr_assert_eq(shardd_client_submit(f.c[0], SHARDD_OP_GRAD_NORM, 1, 0, 9), 0, "%s", shardd_last_error());
 	cr_assert_eq(shardd_wait(f.c[0], &cp, 30000), 0, "%s", shardd_last_error());
 	cr_assert_eq(cp.res, -SHARDD_E_INVALID, "res %d %s", cp.res, cp.msg);
 	cr_assert(strstr(cp.msg, "norm_type 0") && strstr(cp.msg, "use 2.0 or inf"), "%s", cp.msg);

@@ -158,7 +158,7 @@ static int holder_child(void *arg)
 
 	hold_full(full);
 	CHILD_CHECK(harness_attach(&hostile_daemon, "hold", 0, 1, 2, &c) == 0, "attach");
-	CHILD_CHECK(shardd_group_register(c, "g", &hold_param, 1, NULL, &g) == 0, "register: %s",
+	CHILD_CHECK(shardd_group_register(c, "g", &hold_param, 1, NULL, NULL, &g) == 0, "register: %s",
 		    shardd_last_error());
 	CHILD_CHECK(shardd_group_load_full(g, 0, full) == 0, "load");
 	CHILD_CHECK(shardd_unshard(g, 1) == 0, "unshard: %s", shardd_last_error());
@@ -182,7 +182,7 @@ static void *hold_rank1(void *arg)
 	(void)arg;
 	hold_full(full);
 	if (harness_attach(&hostile_daemon, "hold", 1, 1, 2, &hold_parent) ||
-	    shardd_group_register(hold_parent, "g", &hold_param, 1, NULL, &hold_group) ||
+	    shardd_group_register(hold_parent, "g", &hold_param, 1, NULL, NULL, &hold_group) ||
 	    shardd_group_load_full(hold_group, 0, full) || shardd_unshard(hold_group, 1)) {
 		snprintf(hold_err, sizeof(hold_err), "%s", shardd_last_error());
 		return hold_err;
@@ -263,7 +263,7 @@ Test(hostile, client_dying_while_holding_the_unsharded_copy_releases_its_hold)
 
 		cr_assert_eq(harness_attach(&hostile_daemon, "hold", 0, 1, 2, &c0), 0);
 		cr_assert_eq(shardd_group_open(c0, "g", &g0), 0, "%s", shardd_last_error());
-		cr_assert_eq(shardd_submit(c0, SHARDD_OP_UNSHARD, shardd_group_id(g0), 2, 0, 7), 0);
+		cr_assert_eq(shardd_group_submit(g0, SHARDD_OP_UNSHARD, 2, 0, 7), 0);
 		cr_assert_eq(shardd_unshard(hold_group, 2), 0, "%s", shardd_last_error());
 		cr_assert_eq(shardd_wait(c0, &cp, REPLY_MS), 0);
 		cr_assert_eq(cp.res, 0, "%s", cp.msg);
@@ -296,7 +296,7 @@ Test(hostile, fifty_clients_connecting_and_leaving_leak_no_descriptors)
 		switch (i % 4) {
 		case 0: /* a full life: register a group (memfds), unshard, goodbye */
 			cr_assert_eq(harness_attach(&hostile_daemon, "churn", 0, 1, 1, &c), 0);
-			cr_assert_eq(shardd_group_register(c, "g", &hold_param, 1, NULL, &g), 0,
+			cr_assert_eq(shardd_group_register(c, "g", &hold_param, 1, NULL, NULL, &g), 0,
 				     "%s", shardd_last_error());
 			cr_assert_eq(shardd_unshard(g, 1), 0, "%s", shardd_last_error());
 			shardd_group_close(g);

@@ -210,7 +210,7 @@ static int register_w(struct shardd_client *c, const struct rank_arg *a, struct 
 	struct shardd_param_desc p = { .name = "w", .dtype = SHARDD_DTYPE_FP32, .ndim = 2,
 				       .shape = { D0, D1 } };
 
-	CHILD_CHECK(shardd_group_register(c, a->group, &p, 1, NULL, g) == 0, "register: %s",
+	CHILD_CHECK(shardd_group_register(c, a->group, &p, 1, NULL, NULL, g) == 0, "register: %s",
 		    shardd_last_error());
 	return 0;
 }
@@ -476,7 +476,7 @@ static int rank_ended(void *p)
 	if (attach(a, &c) || register_w(c, a, &g))
 		return 1;
 	if (a->rank == 0) {
-		CHILD_CHECK(shardd_submit(c, SHARDD_OP_UNSHARD, shardd_group_id(g), 1, 0, 5) == 0,
+		CHILD_CHECK(shardd_group_submit(g, SHARDD_OP_UNSHARD, 1, 0, 5) == 0,
 			    "submit: %s", shardd_last_error());
 		CHILD_CHECK(harness_signal(a->ready_fd, 'S') == 0, "signal");
 		CHILD_CHECK(shardd_wait(c, &comp, STEP_TIMEOUT) == 0, "wait: %s", shardd_last_error());

@@ -127,7 +127,7 @@ static int try_register(struct rank1 *r, const char *job, const char *group, uin
 	if (!r->c)
 		cr_assert_eq(harness_attach(&daemon_, job, 0, 1, 1, &r->c), 0, "attach '%s': %s", job,
 			     shardd_last_error());
-	return shardd_group_register(r->c, group, &p, 1, NULL, &r->g);
+	return shardd_group_register(r->c, group, &p, 1, NULL, NULL, &r->g);
 }
 
 static void must_register(struct rank1 *r, const char *job, const char *group, uint64_t n)

@@ -66,7 +66,7 @@ static int open_group(const struct rank_args *a, struct shardd_client **c, struc
 
 	CHILD_CHECK(harness_attach(&daemon_, a->job, a->rank, 1, WORLD, c) == 0, "attach: %s",
 		    shardd_last_error());
-	CHILD_CHECK(shardd_group_register(*c, "loop", &d, 1, NULL, g) == 0, "register: %s",
+	CHILD_CHECK(shardd_group_register(*c, "loop", &d, 1, NULL, NULL, g) == 0, "register: %s",
 		    shardd_last_error());
 	return 0;
 }
@@ -200,7 +200,7 @@ static int rank_survives(void *arg)
 	CHILD_CHECK(harness_signal(a->report_fd, 'r') == 0, "report");
 	CHILD_CHECK(harness_read_full(a->go_fd, &go, 1, 20000) == 0 && go == 'g', "no go");
 	t0 = harness_now_ms();
-	CHILD_CHECK(shardd_submit(c, SHARDD_OP_REDUCE, shardd_group_id(g), 1, 0, 9) == 0, "submit: %s",
+	CHILD_CHECK(shardd_group_submit(g, SHARDD_OP_REDUCE, 1, 0, 9) == 0, "submit: %s",
 		    shardd_last_error());
 	ret = shardd_wait(c, &cp, 10000);
 	CHILD_CHECK(ret == 0, "wait: %s", shardd_last_error());

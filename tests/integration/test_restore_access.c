@@ -34,7 +34,7 @@
 struct rst_arg {
 	const char *socket;
 	const char *job;
-	const char *restore;       /* policy.restore; NULL: register without restoring */
+	const char *restore;       /* shardd_group_opts.restore; NULL: register without restoring */
 	int         other_uid;     /* become NOBODY in group ALLOWED_GID first */
 	const char *unreadable;    /* a file the client must not be able to open itself, or NULL */
 	int         want;          /* 0: the registration succeeds; else the error it must give */
@@ -51,8 +51,7 @@ static int restore_client_main(void *p)
 		.device = SHARDD_HELLO_DEVICE_HOST,
 	};
 	struct shardd_param_desc pd = { .name = "w", .dtype = SHARDD_DTYPE_FP32, .ndim = 2, .shape = { 5, 3 } };
-	struct shardd_policy pol = { .param_dtype = SHARDD_DTYPE_NONE, .reduce_dtype = SHARDD_DTYPE_NONE,
-				     .restore = a->restore };
+	struct shardd_group_opts opts = { .restore = a->restore };
 	struct shardd_client *c = NULL;
 	struct shardd_group *g = NULL;
 	gid_t groups[1] = { ALLOWED_GID };
@@ -68,7 +67,7 @@ static int restore_client_main(void *p)
 			    "proves nothing", (unsigned)getuid(), a->unreadable, fd, strerror(errno));
 	}
 	CHILD_CHECK_SHARDD(shardd_connect(&o, &c));
-	ret = shardd_group_register(c, "layer", &pd, 1, &pol, &g);
+	ret = shardd_group_register(c, "layer", &pd, 1, NULL, &opts, &g);
 	if (a->want) {
 		CHILD_CHECK(ret == a->want, "register gave %d (%s), expected %d: %s", ret, shardd_strerror(ret),
 			    a->want, shardd_last_error());
@@ -84,7 +83,7 @@ static int restore_client_main(void *p)
 		struct shardd_completion cp;
 
 		CHILD_CHECK_SHARDD(shardd_group_load_full(g, 0, a->expect));
-		CHILD_CHECK_SHARDD(shardd_submit(c, SHARDD_OP_CHECKPOINT, 0, 1, 0, 77));
+		CHILD_CHECK_SHARDD(shardd_client_submit(c, SHARDD_OP_CHECKPOINT, 1, 0, 77));
 		CHILD_CHECK_SHARDD(shardd_wait(c, &cp, 30000));
 		CHILD_CHECK(cp.op == SHARDD_OP_CHECKPOINT && cp.res == 0, "checkpoint: %s gave %d: %s",
 			    shardd_op_name(cp.op), cp.res, cp.msg);

@@ -135,7 +135,7 @@ static int rank_main(void *arg)
 
 	CHILD_CHECK(harness_attach(&daemon_, sc->job, a->rank, 1, sc->shard, &c) == 0, "attach: %s",
 		    shardd_last_error());
-	CHILD_CHECK(shardd_group_register(c, "edges", sc->params, sc->nparams, NULL, &g) == 0,
+	CHILD_CHECK(shardd_group_register(c, "edges", sc->params, sc->nparams, NULL, NULL, &g) == 0,
 		    "register: %s", shardd_last_error());
 	for (uint32_t i = 0; i < sc->nparams; i++) {
 		struct ref_param p = ref_of(&sc->params[i]);
@@ -337,11 +337,11 @@ Test(shapes, dims_whose_product_wraps_are_refused_naming_param_and_dim)
 	/* libshardd refuses the wrapping shapes itself, naming param and dim. */
 	cr_assert_eq(harness_attach(&daemon_, "client-side", 0, 1, 1, &c), 0, "attach: %s",
 		     shardd_last_error());
-	cr_expect_eq(shardd_group_register(c, "g", &wrap, 1, NULL, &g), -EINVAL);
+	cr_expect_eq(shardd_group_register(c, "g", &wrap, 1, NULL, NULL, &g), -EINVAL);
 	cr_expect(strstr(shardd_last_error(), "param 0 'wrap': shape[3]"), "libshardd's error: %s",
 		  shardd_last_error());
 	/* The daemon is alive and serves the next group. */
-	cr_assert_eq(shardd_group_register(c, "g", &ok, 1, NULL, &g), 0, "register: %s", shardd_last_error());
+	cr_assert_eq(shardd_group_register(c, "g", &ok, 1, NULL, NULL, &g), 0, "register: %s", shardd_last_error());
 	cr_assert_eq(shardd_unshard(g, 1), 0, "unshard: %s", shardd_last_error());
 	shardd_group_close(g);
 	shardd_close(c);

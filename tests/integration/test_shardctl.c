@@ -157,9 +157,9 @@ static int register_blocks(struct shardd_client *c, uint32_t param_dtype, struct
 		{ .name = "w", .dtype = SHARDD_DTYPE_FP32, .ndim = 2, .shape = { W_D0, W_D1 } },
 		{ .name = "b", .dtype = SHARDD_DTYPE_BF16, .ndim = 1, .shape = { B_D0 } },
 	};
-	struct shardd_policy pol = { .param_dtype = param_dtype, .reduce_dtype = SHARDD_DTYPE_NONE };
+	struct shardd_precision prec = { .param_dtype = param_dtype, .reduce_dtype = SHARDD_DTYPE_NONE };
 
-	return shardd_group_register(c, "blocks.0", p, 2, &pol, g);
+	return shardd_group_register(c, "blocks.0", p, 2, &prec, NULL, g);
 }
 
 /* Write this rank's shards of w and b (valid rows only; padding stays zero). */
@@ -225,7 +225,7 @@ static int rank_step_main(void *p)
 		CHILD_CHECK(harness_read_full(a->go_fd, &go, 1, STEP_TIMEOUT) == 0, "go");
 		CHILD_CHECK(shardd_unshard(g, 2) == 0, "unshard 2: %s", shardd_last_error());
 	} else {
-		CHILD_CHECK(shardd_submit(c, SHARDD_OP_UNSHARD, shardd_group_id(g), 2, 0, 7) == 0,
+		CHILD_CHECK(shardd_group_submit(g, SHARDD_OP_UNSHARD, 2, 0, 7) == 0,
 			    "submit");
 		CHILD_CHECK(harness_signal(a->ready_fd, 'W') == 0, "signal");
 		CHILD_CHECK(shardd_wait(c, &comp, STEP_TIMEOUT) == 0, "wait");
@@ -640,7 +640,7 @@ Test(shardctl, stats_and_metrics_count_the_ops_a_rank_ran, .timeout = 60)
 
 	daemon_start(&d);
 	cr_assert_eq(harness_attach(&d, "metrics", 0, 1, 1, &c), 0);
-	cr_assert_eq(shardd_group_register(c, "g", &p, 1, NULL, &g), 0, "%s", shardd_last_error());
+	cr_assert_eq(shardd_group_register(c, "g", &p, 1, NULL, NULL, &g), 0, "%s", shardd_last_error());
 	for (int k = 0; k < 10; k++)
 		cr_assert_eq(shardd_nop(c), 0);
 	cr_assert_eq(shardd_unshard(g, 1), 0, "%s", shardd_last_error());

@@ -48,12 +48,11 @@ struct fixture {
 static void start(struct fixture *f)
 {
 	static const char *const extra[] = { "--collective-timeout", "20", NULL };
-	const struct shardd_policy pol = { .param_dtype = SHARDD_DTYPE_NONE,
-					   .reduce_dtype = SHARDD_DTYPE_NONE, .optimizer = &sgd };
+	const struct shardd_group_opts opts = { .optimizer = &sgd };
 
 	memset(f, 0, sizeof(*f));
 	inproc_start(&f->hd, extra, "stepjob", 1, WORLD, SHARDD_HELLO_DEVICE_HOST, f->c);
-	inproc_register_ok(f->c, WORLD, "g", params, NP, &pol, f->g);
+	inproc_register_ok(f->c, WORLD, "g", params, NP, NULL, &opts, f->g);
 }
 
 static void finish(struct fixture *f)
@@ -196,7 +195,7 @@ Test(step_job, clip_job_applies_clip_grad_norm_coefficient_of_the_job_norm, .tim
 		ref_take(&ref, &f);
 		for (int r = 0; r < WORLD; r++) {
 			ref_step(&ref, &f, r, 0.5, coef);
-			cr_assert_eq(shardd_step(f.g[r], step, 0.5, SHARDD_STEP_CLIP_JOB | SHARDD_STEP_SKIP_JOB_NONFINITE,
+			cr_assert_eq(shardd_step(f.g[r], step, 0.5, SHARDD_STEP_CLIP_JOB | SHARDD_STEP_SKIP_JOB_NONFINITE, 0,
 						 max_norm), SHARDD_STEP_APPLIED, "rank %d step %llu: %s", r,
 				     (unsigned long long)step, shardd_last_error());
 			expect_shard(&ref, &f, r, "clip by the job's norm");
@@ -224,12 +223,12 @@ Test(step_job, skip_job_nonfinite_skips_every_rank_when_one_grad_is_nan, .timeou
 	cr_assert(nonfinite && isnan(norm), "norm %g, nonfinite %d", norm, nonfinite);
 	ref_take(&ref, &f);
 	/* Without the skip, the NaN coefficient is refused before anything moves. */
-	expect_err(shardd_step(f.g[0], 1, 0.5, SHARDD_STEP_CLIP_JOB, 1.0), -SHARDD_E_INVALID,
+	expect_err(shardd_step(f.g[0], 1, 0.5, SHARDD_STEP_CLIP_JOB, 0, 1.0), -SHARDD_E_INVALID,
 		   "clip coefficient is NaN", "clip by a NaN norm");
 	expect_shard(&ref, &f, 0, "refused step");
 	/* Rank 0's own shard is finite: the job-wide flag skips it all the same. */
 	for (int r = 0; r < WORLD; r++) {
-		cr_assert_eq(shardd_step(f.g[r], 1, 0.5, SHARDD_STEP_CLIP_JOB | SHARDD_STEP_SKIP_JOB_NONFINITE, 1.0),
+		cr_assert_eq(shardd_step(f.g[r], 1, 0.5, SHARDD_STEP_CLIP_JOB | SHARDD_STEP_SKIP_JOB_NONFINITE, 0, 1.0),
 			     SHARDD_STEP_SKIPPED, "rank %d: %s", r, shardd_last_error());
 		expect_shard(&ref, &f, r, "skipped step");
 		for (uint32_t i = 0; i < NP; i++)
@@ -267,23 +266,23 @@ Test(step_job, replay_applies_the_step_as_the_other_rank_submitted_it, .timeout 
 	coef = torch_coef(norm, 0.25);
 	ref_take(&ref, &f);
 	/* Nobody took step 1 yet: nothing to replay. */
-	expect_err(shardd_step(f.g[1], 1, 0, SHARDD_STEP_REPLAY, 0), -SHARDD_E_STATE,
+	expect_err(shardd_step(f.g[1], 1, 0, SHARDD_STEP_REPLAY, 0, 0), -SHARDD_E_STATE,
 		   "no rank of the group submitted step 1", "replay before any step");
 	ref_step(&ref, &f, 0, 0.75, coef);
-	cr_assert_eq(shardd_step(f.g[0], 1, 0.75, SHARDD_STEP_CLIP_JOB, 0.25), SHARDD_STEP_APPLIED, "%s",
+	cr_assert_eq(shardd_step(f.g[0], 1, 0.75, SHARDD_STEP_CLIP_JOB, 0, 0.25), SHARDD_STEP_APPLIED, "%s",
 		     shardd_last_error());
 	expect_shard(&ref, &f, 0, "rank 0's step");
 	/* Rank 1 lags: it learns so from the GROUP reply and replays with rank 0's lr and max_norm. */
 	expect_steps(&f, 0, 1);
-	expect_err(shardd_step(f.g[1], 2, 0, SHARDD_STEP_REPLAY, 0), -SHARDD_E_STATE,
+	expect_err(shardd_step(f.g[1], 2, 0, SHARDD_STEP_REPLAY, 0, 0), -SHARDD_E_STATE,
 		   "the last step submitted to it is 1", "replay of a step ahead");
 	ref_step(&ref, &f, 1, 0.75, coef);
-	cr_assert_eq(shardd_step(f.g[1], 1, 0, SHARDD_STEP_REPLAY, 0), SHARDD_STEP_APPLIED, "%s",
+	cr_assert_eq(shardd_step(f.g[1], 1, 0, SHARDD_STEP_REPLAY, 0, 0), SHARDD_STEP_APPLIED, "%s",
 		     shardd_last_error());
 	expect_shard(&ref, &f, 1, "rank 1's replay");
 	expect_steps(&f, 1, 1);
 	/* Exactly once: a second replay changes nothing. */
-	cr_assert_eq(shardd_step(f.g[1], 1, 0, SHARDD_STEP_REPLAY, 0), SHARDD_STEP_ALREADY, "%s",
+	cr_assert_eq(shardd_step(f.g[1], 1, 0, SHARDD_STEP_REPLAY, 0, 0), SHARDD_STEP_ALREADY, "%s",
 		     shardd_last_error());
 	expect_shard(&ref, &f, 1, "replayed twice");
 	finish(&f);
@@ -296,29 +295,29 @@ Test(step_job, bad_job_step_input_fails_naming_field_and_value, .timeout = 60)
 
 	start(&f);
 	reduce_step(&f, 1, 1.0f, -1);
-	expect_err(shardd_step(f.g[0], 1, 0.5, SHARDD_STEP_CLIP_JOB, 1.0), -SHARDD_E_STATE,
+	expect_err(shardd_step(f.g[0], 1, 0.5, SHARDD_STEP_CLIP_JOB, 0, 1.0), -SHARDD_E_STATE,
 		   "need the job's grad_norm of step 1, and the daemon holds none", "no grad_norm");
-	expect_err(shardd_step(f.g[0], 1, 0.5, SHARDD_STEP_SKIP_JOB_NONFINITE, 0), -SHARDD_E_STATE,
+	expect_err(shardd_step(f.g[0], 1, 0.5, SHARDD_STEP_SKIP_JOB_NONFINITE, 0, 0), -SHARDD_E_STATE,
 		   "grad_norm(step 1)", "skip without grad_norm");
 	grad_norm(&f, 1, &nonfinite);
-	expect_err(shardd_step(f.g[0], 2, 0.5, SHARDD_STEP_CLIP_JOB, 1.0), -SHARDD_E_STATE,
+	expect_err(shardd_step(f.g[0], 2, 0.5, SHARDD_STEP_CLIP_JOB, 0, 1.0), -SHARDD_E_STATE,
 		   "it keeps the last 2: 1", "grad_norm of another step");
-	expect_err(shardd_step(f.g[0], 1, 0.5, SHARDD_STEP_CLIP_JOB, 0), -SHARDD_E_INVALID,
+	expect_err(shardd_step(f.g[0], 1, 0.5, SHARDD_STEP_CLIP_JOB, 0, 0), -SHARDD_E_INVALID,
 		   "max_norm = 0", "max_norm 0");
-	expect_err(shardd_step(f.g[0], 1, 0.5, SHARDD_STEP_CLIP_JOB, -2), -SHARDD_E_INVALID,
+	expect_err(shardd_step(f.g[0], 1, 0.5, SHARDD_STEP_CLIP_JOB, 0, -2), -SHARDD_E_INVALID,
 		   "max_norm = -2", "negative max_norm");
-	expect_err(shardd_step(f.g[0], 1, 0.5, SHARDD_STEP_CLIP_JOB, INFINITY), -SHARDD_E_INVALID,
+	expect_err(shardd_step(f.g[0], 1, 0.5, SHARDD_STEP_CLIP_JOB, 0, INFINITY), -SHARDD_E_INVALID,
 		   "max_norm = inf", "infinite max_norm");
-	expect_err(shardd_step(f.g[0], 1, 0.5, SHARDD_STEP_CLIP_JOB, NAN), -SHARDD_E_INVALID,
+	expect_err(shardd_step(f.g[0], 1, 0.5, SHARDD_STEP_CLIP_JOB, 0, NAN), -SHARDD_E_INVALID,
 		   "max_norm = nan", "NaN max_norm");
-	expect_err(shardd_step(f.g[0], 1, 0.5, SHARDD_STEP_CLIP_JOB | SHARDD_STEP_CLIP, 1.0), -SHARDD_E_INVALID,
+	expect_err(shardd_step(f.g[0], 1, 0.5, SHARDD_STEP_CLIP_JOB | SHARDD_STEP_CLIP, 1.0, 1.0), -SHARDD_E_INVALID,
 		   "flags = 0x6 has both SHARDD_STEP_CLIP", "both clip flags");
-	expect_err(shardd_step(f.g[0], 1, 0.5, SHARDD_STEP_REPLAY | SHARDD_STEP_CLIP_JOB, 1.0), -SHARDD_E_INVALID,
+	expect_err(shardd_step(f.g[0], 1, 0.5, SHARDD_STEP_REPLAY | SHARDD_STEP_CLIP_JOB, 0, 1.0), -SHARDD_E_INVALID,
 		   "flags = 0x14", "replay with another flag");
-	expect_err(shardd_step(f.g[0], 1, 0.5, 1u << 5, 0), -SHARDD_E_INVALID, "unknown bits 0x20",
+	expect_err(shardd_step(f.g[0], 1, 0.5, 1u << 5, 0, 0), -SHARDD_E_INVALID, "unknown bits 0x20",
 		   "unknown step flag");
 	/* None of it moved anything: the step still applies, once. */
-	cr_assert_eq(shardd_step(f.g[0], 1, 0.5, SHARDD_STEP_CLIP_JOB, 1.0), SHARDD_STEP_APPLIED, "%s",
+	cr_assert_eq(shardd_step(f.g[0], 1, 0.5, SHARDD_STEP_CLIP_JOB, 0, 1.0), SHARDD_STEP_APPLIED, "%s",
 		     shardd_last_error());
 	finish(&f);
 }
@@ -380,7 +379,7 @@ Test(step_job, barrier_mismatch_completion_names_the_barrier_met, .timeout = 30)
 
 	start(&f);
 	for (int r = 0; r < WORLD; r++) {
-		cr_assert_eq(shardd_submit(f.c[r], SHARDD_OP_BARRIER, 0, number[r], 0, 300 + r), 0, "%s",
+		cr_assert_eq(shardd_client_submit(f.c[r], SHARDD_OP_BARRIER, number[r], 0, 300 + r), 0, "%s",
 			     shardd_last_error());
 		/* Rank 0 waits in its barrier before rank 1 arrives with another number. */
 		if (r == 0)

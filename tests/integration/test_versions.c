@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * --version on every binary prints the build's version.
+ * --version on every binary prints the build's version, and libshardd's
+ * version macros and shardd_version() name the same.
  */
 #define _GNU_SOURCE
 #include <criterion/criterion.h>
@@ -38,4 +39,20 @@ Test(operations, every_binary_prints_its_version)
 			  bins[i], harness_status_str(status), out);
 		cr_assert_not_null(strstr(out, SHARDD_VERSION), "%s --version: %s", bins[i], out);
 	}
+}
+
+/* ------------------------------------------------------------------ */
+/* libshardd                                                           */
+/* ------------------------------------------------------------------ */
+
+Test(operations, libshardd_reports_the_version_of_its_header)
+{
+	char numbers[64];
+
+	snprintf(numbers, sizeof(numbers), "%d.%d.%d", SHARDD_VERSION_MAJOR, SHARDD_VERSION_MINOR,
+		 SHARDD_VERSION_PATCH);
+	cr_assert_str_eq(SHARDD_VERSION_STRING, numbers);
+	cr_assert_str_eq(shardd_version(), SHARDD_VERSION_STRING,
+			 "the library says %s, shardd.h %s: the Makefile's VERSION and shardd.h differ",
+			 shardd_version(), SHARDD_VERSION_STRING);
 }

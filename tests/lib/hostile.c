@@ -79,7 +79,7 @@ void assert_others_served(void)
 		     "a good client cannot attach any more: %s", shardd_last_error());
 	cr_assert_eq(shardd_nop(c), 0, "nop: %s", shardd_last_error());
 	cr_assert_eq(shardd_barrier(c, 1), 0, "barrier: %s", shardd_last_error());
-	cr_assert_eq(shardd_group_register(c, "w", &p, 1, NULL, &g), 0, "register: %s",
+	cr_assert_eq(shardd_group_register(c, "w", &p, 1, NULL, NULL, &g), 0, "register: %s",
 		     shardd_last_error());
 	cr_assert_eq(shardd_group_load_full(g, 0, full), 0);
 	cr_assert_eq(shardd_unshard(g, 1), 0, "unshard: %s", shardd_last_error());

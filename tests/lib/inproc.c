@@ -27,7 +27,8 @@ static void *register_main(void *p)
 {
 	struct inproc_reg *a = p;
 
-	a->ret = shardd_group_register(a->c, a->name, a->params, a->nparams, &a->policy, &a->g);
+	a->ret = shardd_group_register(a->c, a->name, a->params, a->nparams, &a->precision, &a->opts,
+				       &a->g);
 	if (a->ret)
 		snprintf(a->err, sizeof(a->err), "%s", shardd_last_error());
 	return NULL;
@@ -46,16 +47,19 @@ void inproc_register(struct inproc_reg *reg, uint32_t n)
 
 void inproc_register_ok(struct shardd_client **c, uint32_t n, const char *name,
 			const struct shardd_param_desc *params, uint32_t nparams,
-			const struct shardd_policy *policy, struct shardd_group **g)
+			const struct shardd_precision *precision, const struct shardd_group_opts *opts,
+			struct shardd_group **g)
 {
-	static const struct shardd_policy plain = { .param_dtype = SHARDD_DTYPE_NONE,
-						    .reduce_dtype = SHARDD_DTYPE_NONE };
+	static const struct shardd_precision plain = { .param_dtype = SHARDD_DTYPE_NONE,
+						       .reduce_dtype = SHARDD_DTYPE_NONE };
+	static const struct shardd_group_opts none = { .optimizer = NULL };
 	struct inproc_reg reg[SHARDD_MAX_WORLD];
 
 	cr_assert_leq(n, SHARDD_MAX_WORLD);
 	for (uint32_t r = 0; r < n; r++)
 		reg[r] = (struct inproc_reg){ .c = c[r], .name = name, .params = params, .nparams = nparams,
-					      .policy = policy ? *policy : plain };
+					      .precision = precision ? *precision : plain,
+					      .opts = opts ? *opts : none };
 	inproc_register(reg, n);
 	for (uint32_t r = 0; r < n; r++) {
 		cr_assert_eq(reg[r].ret, 0, "rank %u register: %s", r, reg[r].err);
@@ -69,7 +73,7 @@ void inproc_reduce(struct shardd_client **c, struct shardd_group *const *g, uint
 	struct shardd_completion cp;
 
 	for (uint32_t r = 0; r < n; r++)
-		cr_assert_eq(shardd_submit(c[r], SHARDD_OP_REDUCE, shardd_group_id(g[r]), step, flags, 100 + r),
+		cr_assert_eq(shardd_group_submit(g[r], SHARDD_OP_REDUCE, step, flags, 100 + r),
 			     0, "%s", shardd_last_error());
 	for (uint32_t r = 0; r < n; r++) {
 		cr_assert_eq(shardd_wait(c[r], &cp, 30000), 0, "%s", shardd_last_error());
@@ -82,7 +86,7 @@ void inproc_checkpoint(struct shardd_client **c, uint32_t n, uint64_t step)
 	struct shardd_completion cp;
 
 	for (uint32_t r = 0; r < n; r++)
-		cr_assert_eq(shardd_submit(c[r], SHARDD_OP_CHECKPOINT, 0, step, 0, 200 + r), 0, "%s",
+		cr_assert_eq(shardd_client_submit(c[r], SHARDD_OP_CHECKPOINT, step, 0, 200 + r), 0, "%s",
 			     shardd_last_error());
 	for (uint32_t r = 0; r < n; r++) {
 		cr_assert_eq(shardd_wait(c[r], &cp, 30000), 0, "%s", shardd_last_error());

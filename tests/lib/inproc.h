@@ -23,13 +23,14 @@
 void inproc_start(struct harness_daemon *hd, const char *const *extra, const char *job,
 		  uint32_t replicate, uint32_t shard, int32_t device, struct shardd_client **c);
 
-/* One rank's registration: the caller fills the first five fields. */
+/* One rank's registration: the caller fills the first six fields. */
 struct inproc_reg {
 	struct shardd_client *c;
 	const char *name;
 	const struct shardd_param_desc *params;
 	uint32_t nparams;
-	struct shardd_policy policy;
+	struct shardd_precision precision;
+	struct shardd_group_opts opts;
 	struct shardd_group *g;   /* the group, when ret is 0 */
 	int ret;                  /* shardd_group_register's result */
 	char err[1024];           /* shardd_last_error() when ret is not 0 */
@@ -38,13 +39,14 @@ struct inproc_reg {
 /* Run the `n` registrations at once, each on its own thread, and wait for all of them. */
 void inproc_register(struct inproc_reg *reg, uint32_t n);
 /*
- * Register group `name` (params, policy; NULL: the defaults with no
- * optimizer) on c[0..n-1] at once and assert each rank succeeded
+ * Register group `name` (params, precision and opts; NULL: the defaults,
+ * no optimizer) on c[0..n-1] at once and assert each rank succeeded
  * ("rank R register: ERROR"); the groups into g[].
  */
 void inproc_register_ok(struct shardd_client **c, uint32_t n, const char *name,
 			const struct shardd_param_desc *params, uint32_t nparams,
-			const struct shardd_policy *policy, struct shardd_group **g);
+			const struct shardd_precision *precision, const struct shardd_group_opts *opts,
+			struct shardd_group **g);
 /*
  * Submit the reduce of `step` (with `flags`) of g[r] on every client c[r]
  * before reaping any, then assert each completed ("rank R reduce STEP: MSG").

@@ -186,7 +186,7 @@ int client_run_ops(const char *socket, const char *job)
 	};
 	struct shardd_param_desc p = { .name = "w", .dtype = SHARDD_DTYPE_FP32, .ndim = 2,
 				       .shape = { 5, 3 } };
-	struct shardd_policy pol = { .param_dtype = SHARDD_DTYPE_NONE, .reduce_dtype = SHARDD_DTYPE_NONE };
+	struct shardd_precision prec = { .param_dtype = SHARDD_DTYPE_NONE, .reduce_dtype = SHARDD_DTYPE_NONE };
 	struct shardd_client *c = NULL;
 	struct shardd_group *g = NULL;
 	float full[15];
@@ -197,7 +197,7 @@ int client_run_ops(const char *socket, const char *job)
 	CHILD_CHECK(ret == 0, "attach: %s", shardd_last_error());
 	ret = shardd_nop(c);
 	CHILD_CHECK(ret == 0, "nop: %s", shardd_last_error());
-	ret = shardd_group_register(c, "layer", &p, 1, &pol, &g);
+	ret = shardd_group_register(c, "layer", &p, 1, &prec, NULL, &g);
 	CHILD_CHECK(ret == 0, "register: %s", shardd_last_error());
 	for (int i = 0; i < 15; i++)
 		full[i] = (float)i * 0.5f - 3.0f;

@@ -1,11 +1,12 @@
 # SPDX-License-Identifier: MIT
 """make install into a temporary prefix, as a new user would use it: an
 external C program built with nothing but pkg-config attaches to the
-installed shardd and runs ops; the man pages render with man -l; the
-systemd units pass systemd-analyze verify; make uninstall removes every
-file it installed."""
+installed shardd and runs ops; the library exports the calls of shardd.h
+and nothing else; the man pages render with man -l; the systemd units pass
+systemd-analyze verify; make uninstall removes every file it installed."""
 
 import os
+import re
 import select
 import shutil
 import subprocess
@@ -34,7 +35,7 @@ int main(int argc, char **argv)
 					.device = SHARDD_HELLO_DEVICE_HOST };
 	struct shardd_param_desc p = { .name = "w", .dtype = SHARDD_DTYPE_FP32, .ndim = 2,
 				       .shape = { 4, 3 } };
-	struct shardd_policy pol = { SHARDD_DTYPE_NONE, SHARDD_DTYPE_NONE };
+	struct shardd_precision prec = { SHARDD_DTYPE_NONE, SHARDD_DTYPE_NONE };
 	struct shardd_client *c;
 	struct shardd_group *g;
 	float full[12];
@@ -45,7 +46,7 @@ int main(int argc, char **argv)
 	for (int i = 0; i < 12; i++)
 		full[i] = (float)i * 1.5f - 4.0f;
 	if (shardd_connect(&o, &c) < 0 || shardd_nop(c) < 0 ||
-	    shardd_group_register(c, "layer", &p, 1, &pol, &g) < 0 ||
+	    shardd_group_register(c, "layer", &p, 1, &prec, NULL, &g) < 0 ||
 	    shardd_group_load_full(g, 0, full) < 0 || shardd_unshard(g, 1) < 0) {
 		fprintf(stderr, "ext: %s\n", shardd_last_error());
 		return 1;
@@ -145,6 +146,27 @@ def test_external_program_builds_with_pkg_config_and_runs(prefix, tmp_path):
     assert out.returncode == 0, out.stdout
     assert out.stdout.strip() == "ext ok"
     assert proc.returncode == 0
+
+
+def test_installed_library_exports_the_calls_of_its_header_at_shardd_0_1(prefix):
+    """client/libshardd.map: each call declared in shardd.h, versioned
+    SHARDD_0.1, and no other symbol."""
+    lib = os.path.join(pkg_config(prefix, "--variable=libdir")[0], "libshardd.so")
+    lines = run(["nm", "-D", "--defined-only", lib]).stdout.splitlines()
+    exported = {line.split()[-1] for line in lines if line.strip()}
+    with open(os.path.join(prefix, "include", "shardd.h")) as f:
+        declared = set(re.findall(r"^[a-z][\w \t*]*?\b(shardd_\w+)\(", f.read(), re.M))
+    assert "shardd_connect" in declared
+    assert exported == {"SHARDD_0.1"} | {f"{name}@@SHARDD_0.1" for name in declared}
+
+
+def test_man_page_documents_every_call_of_the_header():
+    """man/libshardd.3.scd names each call of shardd.h, deprecated ones included."""
+    with open(os.path.join(ROOT, "client", "shardd.h")) as f:
+        declared = set(re.findall(r"^[a-z][\w \t*]*?\b(shardd_\w+)\(", f.read(), re.M))
+    with open(os.path.join(ROOT, "man", "libshardd.3.scd")) as f:
+        documented = set(re.findall(r"\*(shardd_\w+)\*\(", f.read()))
+    assert declared - documented == set()
 
 
 def test_installed_man_pages_render(prefix):

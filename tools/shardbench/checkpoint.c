@@ -69,9 +69,9 @@ static void *register_main(void *p)
 {
 	struct reg_arg *a = p;
 	struct ckpt_job *j = a->j;
-	struct shardd_policy pol = { .optimizer = &adamw, .restore = j->restore };
+	struct shardd_group_opts opts = { .optimizer = &adamw, .restore = j->restore };
 
-	j->ret[a->r] = shardd_group_register(j->c[a->r], "state", &j->param, 1, &pol, &j->g[a->r]);
+	j->ret[a->r] = shardd_group_register(j->c[a->r], "state", &j->param, 1, NULL, &opts, &j->g[a->r]);
 	if (j->ret[a->r])
 		snprintf(j->err[a->r], sizeof(j->err[a->r]), "%s", shardd_last_error());
 	return NULL;
@@ -126,7 +126,7 @@ static uint64_t job_checkpoint(struct ckpt_job *j, uint64_t step)
 	uint64_t t0 = bench_now_ns();
 
 	for (uint32_t r = 0; r < j->ranks; r++)
-		if (shardd_submit(j->c[r], SHARDD_OP_CHECKPOINT, 0, step, 0, step) < 0) {
+		if (shardd_client_submit(j->c[r], SHARDD_OP_CHECKPOINT, step, 0, step) < 0) {
 			fprintf(stderr, "shardbench: checkpoint: submit: %s\n", shardd_last_error());
 			return 0;
 		}

@@ -331,7 +331,7 @@ static int rank_size(struct coll_rank_ctx *x, uint32_t k)
 		.ndim = 1,
 		.shape = { count },
 	};
-	struct shardd_policy policy = {
+	struct shardd_precision precision = {
 		.param_dtype = o->dtype == SHARDD_DTYPE_FP32 ? SHARDD_DTYPE_NONE : o->dtype,
 		.reduce_dtype = SHARDD_DTYPE_NONE,
 	};
@@ -343,7 +343,7 @@ static int rank_size(struct coll_rank_ctx *x, uint32_t k)
 			 x->socket_path, x->rank, job);
 		return rank_fail(x, ret, what, bytes);
 	}
-	ret = shardd_group_register(c, "bench", &param, 1, &policy, &g);
+	ret = shardd_group_register(c, "bench", &param, 1, &precision, NULL, &g);
 	if (ret) {
 		rank_fail(x, ret, "register group 'bench'", bytes);
 		goto out;

@@ -147,7 +147,7 @@ static int rank_size(struct rank_ctx *x, uint64_t bytes, uint64_t *step)
 	int ret = 0;
 
 	snprintf(name, sizeof(name), "size%llu", (unsigned long long)bytes);
-	RANK_SHARDD(shardd_group_register(x->c, name, &p, 1, NULL, &g));
+	RANK_SHARDD(shardd_group_register(x->c, name, &p, 1, NULL, NULL, &g));
 	for (uint64_t i = 0; i < numel; i++)
 		x->host[i] = (float)(x->rank + 1);
 	/* The shard and the whole gradient hold rank + 1: the gathered tensor is 1..world by shard. */

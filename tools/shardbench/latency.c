@@ -75,7 +75,7 @@ static int lat_one(struct lat_shared *sh, uint32_t rank, struct shardd_client *c
 
 	snprintf(what, sizeof(what), "%s(step %llu)", shardd_op_name(lat_ops[opi]), (unsigned long long)step);
 	s->t0 = bench_now_ns();
-	ret = shardd_submit(c, lat_ops[opi], shardd_group_id(g), step, 0, step);
+	ret = shardd_group_submit(g, lat_ops[opi], step, 0, step);
 	s->t1 = bench_now_ns();
 	if (ret)
 		return lat_fail(sh, rank, ret, what);
@@ -108,7 +108,7 @@ static int lat_rank(const struct bench_opts *o, struct lat_shared *sh, const cha
 		.device = SHARDD_HELLO_DEVICE_HOST,
 	};
 	struct shardd_param_desc param = { .name = "w", .dtype = SHARDD_DTYPE_FP32, .ndim = 1, .shape = { count } };
-	struct shardd_policy policy = {
+	struct shardd_precision precision = {
 		.param_dtype = o->dtype == SHARDD_DTYPE_FP32 ? SHARDD_DTYPE_NONE : o->dtype,
 		.reduce_dtype = SHARDD_DTYPE_NONE,
 	};
@@ -117,7 +117,7 @@ static int lat_rank(const struct bench_opts *o, struct lat_shared *sh, const cha
 	ret = shardd_connect(&ao, &c);
 	if (ret)
 		return lat_fail(sh, rank, ret, "attach");
-	ret = shardd_group_register(c, "latency", &param, 1, &policy, &g);
+	ret = shardd_group_register(c, "latency", &param, 1, &precision, NULL, &g);
 	if (ret) {
 		lat_fail(sh, rank, ret, "register group 'latency'");
 		goto out;

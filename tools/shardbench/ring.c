@@ -109,7 +109,7 @@ static int ring_nop(struct shardd_client *c, int spin, uint64_t tag, uint64_t *n
 	int ret;
 
 	t0 = bench_now_ns();
-	ret = shardd_submit(c, SHARDD_OP_NOP, 0, 0, 0, tag);
+	ret = shardd_client_submit(c, SHARDD_OP_NOP, 0, 0, tag);
 	if (ret)
 		return ret;
 	if (spin) {

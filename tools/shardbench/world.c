@@ -199,7 +199,7 @@ static void *world_rank_main(void *arg)
 	}
 	err = shardd_connect(&ao, &c);
 	if (!err)
-		err = shardd_group_register(c, "g", &p, 1, NULL, &g);
+		err = shardd_group_register(c, "g", &p, 1, NULL, NULL, &g);
 	if (err)
 		world_fail(w, r, "attach and register", err);
 	if (g) {

@@ -226,7 +226,6 @@ static int rank_reap(struct rank *rk)
 /* A full SQ is not an error: reap a completion and retry. SHARDD_OP_STEP: the daemon's SGD, lr MLP_LR. */
 int rank_submit(struct rank *rk, uint32_t op, uint32_t layer, uint64_t step, uint32_t flags)
 {
-	uint32_t group = layer < MLP_LAYERS ? shardd_group_id(rk->g[layer]) : 0;
 	struct inflight *f = NULL;
 	char what[160];
 	int slot, ret;
@@ -246,9 +245,11 @@ int rank_submit(struct rank *rk, uint32_t op, uint32_t layer, uint64_t step, uin
 		uint64_t t0 = now_ns();
 
 		if (op == SHARDD_OP_STEP)
-			ret = shardd_step_submit(rk->g[layer], step, (double)MLP_LR, flags, 0, (uint64_t)slot + 1);
+			ret = shardd_step_submit(rk->g[layer], step, (double)MLP_LR, flags, 0, 0, (uint64_t)slot + 1);
+		else if (layer < MLP_LAYERS)
+			ret = shardd_group_submit(rk->g[layer], op, step, flags, (uint64_t)slot + 1);
 		else
-			ret = shardd_submit(rk->c, op, group, step, flags, (uint64_t)slot + 1);
+			ret = shardd_client_submit(rk->c, op, step, flags, (uint64_t)slot + 1);
 		rk->shardd_ns += now_ns() - t0;
 		if (ret != -EAGAIN)
 			break;
@@ -499,7 +500,7 @@ static int rank_connect(struct rank *rk)
 			rk->rank, rk->o->job, shardd_last_error());
 		return ret;
 	}
-	rk->cuda = shardd_backend(rk->c) == SHARDD_BACKEND_CUDA;
+	rk->cuda = shardd_client_backend(rk->c) == SHARDD_BACKEND_CUDA;
 	rk->trainer_sgd = rk->o->trainer_sgd;
 	if (rk->cuda && rk->o->device < 0) {
 		fprintf(stderr, "train_mlp: rank %u: the daemon runs --backend cuda: give --device N\n",
@@ -557,9 +558,8 @@ static int rank_groups(struct rank *rk, uint64_t *start)
 			  .shape = { layer_out(l) } },
 		};
 		static const struct shardd_optim_config sgd_cfg = { .kind = SHARDD_OPTIM_SGD };
-		struct shardd_policy policy = { .param_dtype = SHARDD_DTYPE_NONE, .reduce_dtype = SHARDD_DTYPE_NONE,
-						.optimizer = rk->trainer_sgd ? NULL : &sgd_cfg,
-						.restore = rk->o->resume ? "" : NULL };
+		struct shardd_group_opts opts = { .optimizer = rk->trainer_sgd ? NULL : &sgd_cfg,
+						  .restore = rk->o->resume ? "" : NULL };
 
 		/* Unique across the job (a checkpoint's files need it), named like torch's state_dict keys. */
 		snprintf(wname, sizeof(wname), "%s.weight", mlp_group_names[l]);
@@ -568,7 +568,7 @@ static int rank_groups(struct rank *rk, uint64_t *start)
 			/* Re-attached: the daemon kept this rank's shards. */
 			ret = shardd_group_open(rk->c, mlp_group_names[l], &rk->g[l]);
 		} else {
-			ret = shardd_group_register(rk->c, mlp_group_names[l], pd, 2, &policy, &rk->g[l]);
+			ret = shardd_group_register(rk->c, mlp_group_names[l], pd, 2, NULL, &opts, &rk->g[l]);
 			if (ret == 0 && l > 0 && shardd_group_last_step(rk->g[l]) != *start) {
 				fprintf(stderr, "train_mlp: rank %u: the job's checkpoint has group '%s' at step %"
 					PRIu64 " and group '%s' at step %" PRIu64 "; it was not written by"
@@ -770,7 +770,7 @@ int rank_main(const struct trainer_opts *o, uint32_t rank, int report_fd,
 	ret = rank_connect(rk);
 	if (ret < 0)
 		goto out;
-	rk->wait_ms = (int)shardd_collective_timeout_ms(rk->c) + 10000;
+	rk->wait_ms = (int)shardd_client_collective_timeout_ms(rk->c) + 10000;
 	ret = rank_groups(rk, &t);
 	if (ret == 0)
 		ret = rank_host_copies(rk);

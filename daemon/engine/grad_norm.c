@@ -46,8 +46,8 @@ static int grad_norm_shard(struct shd_backend_ctx *b, const struct shd_group *g,
 	return 0;
 }
 
-/* The part of this node's sharded grads into *acc. 0, or a negative code with `msg` saying why. */
-static int grad_norm_local(struct shd_engine_job *j, struct shardd_grad_norm_part *acc, char *msg, size_t len)
+/* The part of this node's sharded grads into *acc. 0, or a negative code with `err` saying why. */
+static int grad_norm_local(struct shd_engine_job *j, struct shardd_grad_norm_part *acc, char *err, size_t errlen)
 {
 	struct shd_backend_ctx *b = j->e->backend;
 	float *tmp;
@@ -58,7 +58,7 @@ static int grad_norm_local(struct shd_engine_job *j, struct shardd_grad_norm_par
 		struct eng_group *eg = j->groups[i];
 
 		if (eg && eg->complete && (eg->running || eg->qhead)) {
-			eng_fmt(msg, len, "group '%s' still has a %s in flight; submit grad_norm after the "
+			eng_fmt(err, errlen, "group '%s' still has a %s in flight; submit grad_norm after the "
 				"completions of the step's reduces", eg->g->name,
 				shd_op_info((eg->running ? eg->running : eg->qhead)->ops[0].sqe.op)->name);
 			return -SHARDD_E_STATE;
@@ -66,7 +66,7 @@ static int grad_norm_local(struct shd_engine_job *j, struct shardd_grad_norm_par
 	}
 	tmp = malloc(GRAD_NORM_CHUNK * sizeof(float));
 	if (!tmp) {
-		eng_fmt(msg, len, "out of memory for the %u-element read buffer", GRAD_NORM_CHUNK);
+		eng_fmt(err, errlen, "out of memory for the %u-element read buffer", GRAD_NORM_CHUNK);
 		return -SHARDD_E_NOMEM;
 	}
 	for (uint32_t i = 0; i < j->ngroups && !ret; i++) {
@@ -89,7 +89,7 @@ static int grad_norm_local(struct shd_engine_job *j, struct shardd_grad_norm_par
 					shardd_k_grad_norm_merge(acc, &part);
 			}
 			if (ret)
-				eng_fmt(msg, len, "reading rank %u's sharded grad of group '%s' failed in the %s "
+				eng_fmt(err, errlen, "reading rank %u's sharded grad of group '%s' failed in the %s "
 					"backend (%d)%s%s", r, eg->g->name, b->ops->name, ret, why[0] ? ": " : "", why);
 		}
 	}
@@ -107,17 +107,17 @@ static void grad_norm_final(const struct shardd_grad_norm_part *acc, int inf, do
 }
 
 int shd_engine_job_grad_norm(struct shd_engine_job *j, int inf, double *norm, int *nonfinite,
-			     char *msg, size_t len)
+			     char *err, size_t errlen)
 {
 	struct shardd_grad_norm_part acc;
 	int ret;
 
 	if (eng_world_fsdp(j)) {
-		eng_fmt(msg, len, "grad_norm of job '%s', sharded over %u nodes: use shd_engine_job_grad_norm_span",
+		eng_fmt(err, errlen, "grad_norm of job '%s', sharded over %u nodes: use shd_engine_job_grad_norm_span",
 			j->name, j->span_nodes);
 		return -SHARDD_E_STATE;
 	}
-	ret = grad_norm_local(j, &acc, msg, len);
+	ret = grad_norm_local(j, &acc, err, errlen);
 	if (!ret)
 		grad_norm_final(&acc, inf, norm, nonfinite);
 	return ret;
@@ -133,14 +133,14 @@ int shd_engine_job_spans_fsdp(const struct shd_engine_job *j)
 	return eng_world_fsdp(j);
 }
 
-int shd_engine_job_grad_norm_span(struct shd_engine_job *j, int inf, uint64_t step, char *msg, size_t len)
+int shd_engine_job_grad_norm_span(struct shd_engine_job *j, int inf, uint64_t step, char *err, size_t errlen)
 {
 	struct shardd_grad_norm_part acc;
 	uint64_t key = 0xcbf29ce484222325ull, check = 0xcbf29ce484222325ull, v[2] = { step, (uint64_t)inf };
 	char why[256];
 	int ret;
 
-	ret = grad_norm_local(j, &acc, msg, len);
+	ret = grad_norm_local(j, &acc, err, errlen);
 	if (ret)
 		return ret;
 	/* The job's grad_norm stream: its name and a name no group can have (an empty one). */
@@ -153,7 +153,7 @@ int shd_engine_job_grad_norm_span(struct shd_engine_job *j, int inf, uint64_t st
 	ret = shd_world_gather_start(key, j->gnorm_seq++, check, &acc, sizeof(acc), shd_now_ns() + j->e->timeout_ns,
 				     j->e->efd, &j->gnorm_op, why, sizeof(why));
 	if (ret) {
-		eng_fmt(msg, len, "%s", why);
+		eng_fmt(err, errlen, "%s", why);
 		return ret;
 	}
 	j->gnorm_inf = inf;
@@ -166,7 +166,7 @@ int shd_engine_job_grad_norm_pending(const struct shd_engine_job *j)
 	return j->gnorm_op != NULL;
 }
 
-int shd_engine_job_grad_norm_poll(struct shd_engine_job *j, double *norm, int *nonfinite, char *msg, size_t len)
+int shd_engine_job_grad_norm_poll(struct shd_engine_job *j, double *norm, int *nonfinite, char *err, size_t errlen)
 {
 	struct shardd_grad_norm_part parts[SHARDD_MAX_WORLD], acc = { 0 };
 	uint8_t missing[SHARDD_MAX_WORLD];
@@ -184,7 +184,7 @@ int shd_engine_job_grad_norm_poll(struct shd_engine_job *j, double *norm, int *n
 			if (missing[k])
 				off += (size_t)snprintf(who + off, sizeof(who) - off, "%snode %u (ranks %u..%u)",
 							off ? ", " : "", k, k * j->world, k * j->world + j->world - 1);
-		eng_fmt(msg, len, "the sum of the norms among the %u nodes failed on node %u: %s%s%s",
+		eng_fmt(err, errlen, "the sum of the norms among the %u nodes failed on node %u: %s%s%s",
 			j->span_nodes, j->span_node, why, who[0] ? "; missing " : "", who);
 		return ret;
 	}

@@ -350,7 +350,7 @@ static void shape_str(const struct shardd_param_spec *s, char *buf, size_t len)
 
 int shd_group_compare(const struct shd_group *g, const struct shardd_register_group *hdr,
 			 const struct shardd_param_spec *specs, const struct shardd_optim_config *optim,
-			 uint32_t rank, uint32_t first_rank, char *why, size_t whylen)
+			 uint32_t rank, uint32_t first_rank, char *err, size_t errlen)
 {
 	const char *field = NULL;
 	char mine[128], theirs[128];
@@ -387,7 +387,7 @@ int shd_group_compare(const struct shd_group *g, const struct shardd_register_gr
 #undef OPT_DIFF
 #undef AS_IS
 	if (field) {
-		snprintf(why, whylen,
+		snprintf(err, errlen,
 			 "register group '%s': %s differs: %s from rank %u but %s from rank %u",
 			 g->name, field, mine, rank, theirs, first_rank);
 		return 1;
@@ -417,7 +417,7 @@ int shd_group_compare(const struct shd_group *g, const struct shardd_register_gr
 			snprintf(theirs, sizeof(theirs), "0x%x", b->flags);
 		}
 		if (field) {
-			snprintf(why, whylen,
+			snprintf(err, errlen,
 				 "register group '%s': param #%u '%s' differs in %s: %s from rank %u but %s from rank %u",
 				 g->name, i, b->name, field, mine, rank, theirs, first_rank);
 			return 1;

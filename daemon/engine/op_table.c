@@ -50,43 +50,43 @@ const struct shd_op_info *shd_op_info(uint32_t op)
 	return op < SHARDD_OP_COUNT && op_table[op].name ? &op_table[op] : NULL;
 }
 
-int shd_op_check(const struct shardd_sqe *sqe, char *why, size_t len)
+int shd_op_check(const struct shardd_sqe *sqe, char *err, size_t errlen)
 {
 	const struct shd_op_info *o = shd_op_info(sqe->op);
 	uint32_t nargs;
 
 	if (!o) {
-		snprintf(why, len, "op %u is not a shardd op", sqe->op);
-		return -1;
+		snprintf(err, errlen, "op %u is not a shardd op", sqe->op);
+		return -SHARDD_E_INVALID;
 	}
 	for (int i = 0; i < (int)sizeof(sqe->rsvd0); i++) {
 		if (sqe->rsvd0[i]) {
-			snprintf(why, len, "sqe.rsvd0[%d] = 0x%x: reserved, must be 0", i,
+			snprintf(err, errlen, "sqe.rsvd0[%d] = 0x%x: reserved, must be 0", i,
 				 sqe->rsvd0[i]);
-			return -1;
+			return -SHARDD_E_INVALID;
 		}
 	}
 	if (sqe->rsvd1) {
-		snprintf(why, len, "sqe.rsvd1 = 0x%x: reserved, must be 0", sqe->rsvd1);
-		return -1;
+		snprintf(err, errlen, "sqe.rsvd1 = 0x%x: reserved, must be 0", sqe->rsvd1);
+		return -SHARDD_E_INVALID;
 	}
 	nargs = sqe->flags & o->args_flag ? o->nargs_flagged : o->nargs;
 	for (uint32_t i = nargs; i < sizeof(sqe->arg) / sizeof(sqe->arg[0]); i++) {
 		if (sqe->arg[i]) {
-			snprintf(why, len, "sqe.arg[%u] = 0x%llx: reserved, must be 0", i,
+			snprintf(err, errlen, "sqe.arg[%u] = 0x%llx: reserved, must be 0", i,
 				 (unsigned long long)sqe->arg[i]);
-			return -1;
+			return -SHARDD_E_INVALID;
 		}
 	}
 	if (o->scope == SHD_OP_SCOPE_GROUP)
 		return 0;
 	if (sqe->group) {
-		snprintf(why, len, "sqe.group = %u: must be 0 for %s", sqe->group, o->name);
-		return -1;
+		snprintf(err, errlen, "sqe.group = %u: must be 0 for %s", sqe->group, o->name);
+		return -SHARDD_E_INVALID;
 	}
 	if (sqe->flags & ~o->flags) {
-		snprintf(why, len, "sqe.flags = 0x%x: %s takes no flags", sqe->flags, o->name);
-		return -1;
+		snprintf(err, errlen, "sqe.flags = 0x%x: %s takes no flags", sqe->flags, o->name);
+		return -SHARDD_E_INVALID;
 	}
 	return 0;
 }

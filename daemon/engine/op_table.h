@@ -44,11 +44,11 @@ const struct shd_op_info *shd_op_info(uint32_t op);
 /*
  * What a ring entry must be, from the table: a shardd op, reserved fields
  * zero, arg words the op does not read zero, and an op outside a group
- * with no group and no flags. Returns 0, or -1 with `why` naming the field
- * and its value. What depends on the group an entry names (that it is
+ * with no group and no flags. Returns 0, or -SHARDD_E_INVALID with `err`
+ * naming the field and its value. What depends on the group an entry names (that it is
  * registered, the flags of a group op, named with the group) is the
  * engine's to check.
  */
-int shd_op_check(const struct shardd_sqe *sqe, char *why, size_t len);
+int shd_op_check(const struct shardd_sqe *sqe, char *err, size_t errlen);
 
 #endif /* SHD_OP_TABLE_H */

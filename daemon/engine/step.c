@@ -66,7 +66,7 @@ float shd_clip_coefficient(double norm, double max_norm)
  * was applied before and whether a grad is there, its task decides, in
  * the group's order.
  */
-static int step_check(const struct eng_group *eg, const struct shardd_sqe *sqe, char *msg, size_t len)
+static int step_check(const struct eng_group *eg, const struct shardd_sqe *sqe, char *err, size_t errlen)
 {
 	const char *name = shd_op_info(sqe->op)->name;
 	double lr, clip = 1, max_norm = 1;
@@ -77,36 +77,36 @@ static int step_check(const struct eng_group *eg, const struct shardd_sqe *sqe, 
 	if (sqe->op == SHARDD_OP_STEP && (sqe->flags & SHARDD_STEP_CLIP_JOB))
 		memcpy(&max_norm, &sqe->arg[SHARDD_SQE_STEP_CLIP], sizeof(max_norm));
 	if (eg->g->optim.kind == SHARDD_OPTIM_NONE) {
-		eng_fmt(msg, len, "shardd: %s(group '%s'): the group was registered without an optimizer; "
+		eng_fmt(err, errlen, "shardd: %s(group '%s'): the group was registered without an optimizer; "
 			"register it with one (SHARDD_REGISTER_OPTIMIZER) or update its shards in the trainer",
 			name, eg->g->name);
 		return -SHARDD_E_STATE;
 	}
 	if (sqe->step == 0)
-		eng_fmt(msg, len, "shardd: %s(group '%s'): step = 0; steps are numbered from 1", name, eg->g->name);
+		eng_fmt(err, errlen, "shardd: %s(group '%s'): step = 0; steps are numbered from 1", name, eg->g->name);
 	else if (!(lr >= 0) || lr > 1e300)
-		eng_fmt(msg, len, "shardd: %s(group '%s', step %llu): lr = %g; the learning rate must be "
+		eng_fmt(err, errlen, "shardd: %s(group '%s', step %llu): lr = %g; the learning rate must be "
 			"finite and >= 0", name, eg->g->name, (unsigned long long)sqe->step, lr);
 	else if ((sqe->flags & SHARDD_STEP_CLIP) && (sqe->flags & SHARDD_STEP_CLIP_JOB))
-		eng_fmt(msg, len, "shardd: %s(group '%s', step %llu): flags = 0x%x has both SHARDD_STEP_CLIP "
+		eng_fmt(err, errlen, "shardd: %s(group '%s', step %llu): flags = 0x%x has both SHARDD_STEP_CLIP "
 			"(a coefficient) and SHARDD_STEP_CLIP_JOB (max_norm): give one", name, eg->g->name,
 			(unsigned long long)sqe->step, sqe->flags);
 	else if ((sqe->flags & SHARDD_STEP_CLIP_JOB) && !(max_norm > 0 && isfinite(max_norm)))
-		eng_fmt(msg, len, "shardd: %s(group '%s', step %llu): max_norm = %g (sqe.arg[%d] with "
+		eng_fmt(err, errlen, "shardd: %s(group '%s', step %llu): max_norm = %g (sqe.arg[%d] with "
 			"SHARDD_STEP_CLIP_JOB); it must be finite and > 0", name, eg->g->name,
 			(unsigned long long)sqe->step, max_norm, SHARDD_SQE_STEP_CLIP);
 	else if (!(clip >= 0) || clip > 1e30)
-		eng_fmt(msg, len, "shardd: %s(group '%s', step %llu): clip coefficient = %g; it must be "
+		eng_fmt(err, errlen, "shardd: %s(group '%s', step %llu): clip coefficient = %g; it must be "
 			"finite and >= 0 (clip_grad_norm_'s max_norm / (total_norm + 1e-6), at most 1)",
 			name, eg->g->name, (unsigned long long)sqe->step, clip);
 	else if (sqe->op == SHARDD_OP_STEP && !(sqe->flags & (SHARDD_STEP_CLIP | SHARDD_STEP_CLIP_JOB)) &&
 		 sqe->arg[SHARDD_SQE_STEP_CLIP])
-		eng_fmt(msg, len, "shardd: %s(group '%s', step %llu): sqe.arg[%d] = 0x%llx without "
+		eng_fmt(err, errlen, "shardd: %s(group '%s', step %llu): sqe.arg[%d] = 0x%llx without "
 			"SHARDD_STEP_CLIP or SHARDD_STEP_CLIP_JOB: set a flag or leave it 0", name, eg->g->name,
 			(unsigned long long)sqe->step, SHARDD_SQE_STEP_CLIP,
 			(unsigned long long)sqe->arg[SHARDD_SQE_STEP_CLIP]);
 	else if (sqe->op == SHARDD_OP_REDUCE && eng_mesh_replicate(eg->j) > 1 && !(sqe->flags & SHARDD_REDUCE_ALL_REDUCE))
-		eng_fmt(msg, len, "shardd: reduce(group '%s', step %llu): flags = 0x%x: SHARDD_REDUCE_STEP without "
+		eng_fmt(err, errlen, "shardd: reduce(group '%s', step %llu): flags = 0x%x: SHARDD_REDUCE_STEP without "
 			"SHARDD_REDUCE_ALL_REDUCE under HSDP (replicate %u): the grads are not final until the "
 			"all-reduce; step with the reduce that all-reduces", eg->g->name,
 			(unsigned long long)sqe->step, sqe->flags, eng_mesh_replicate(eg->j));
@@ -120,12 +120,12 @@ static int step_check(const struct eng_group *eg, const struct shardd_sqe *sqe, 
  * group submitted for this step (a REDUCE with SHARDD_REDUCE_STEP: its lr,
  * no flags) into `op`. 0, or the error code with `msg`.
  */
-static int step_replay(const struct eng_group *eg, struct eng_op *op, char *msg, size_t len)
+static int step_replay(const struct eng_group *eg, struct eng_op *op, char *err, size_t errlen)
 {
 	const struct shardd_sqe *sqe = &op->sqe, *rec = &eg->last_sub;
 
 	if (sqe->flags != SHARDD_STEP_REPLAY || sqe->arg[SHARDD_SQE_STEP_LR] || sqe->arg[SHARDD_SQE_STEP_CLIP]) {
-		eng_fmt(msg, len, "shardd: step(group '%s', step %llu): flags = 0x%x, sqe.arg[%d] = 0x%llx, "
+		eng_fmt(err, errlen, "shardd: step(group '%s', step %llu): flags = 0x%x, sqe.arg[%d] = 0x%llx, "
 			"sqe.arg[%d] = 0x%llx: SHARDD_STEP_REPLAY takes no other flag, lr or clip word (it "
 			"applies those another rank of the group submitted)", eg->g->name,
 			(unsigned long long)sqe->step, sqe->flags, SHARDD_SQE_STEP_LR,
@@ -134,7 +134,7 @@ static int step_replay(const struct eng_group *eg, struct eng_op *op, char *msg,
 		return -SHARDD_E_INVALID;
 	}
 	if (rec->step != sqe->step) {
-		eng_fmt(msg, len, "shardd: step(group '%s', step %llu) with SHARDD_STEP_REPLAY on rank %u: no "
+		eng_fmt(err, errlen, "shardd: step(group '%s', step %llu) with SHARDD_STEP_REPLAY on rank %u: no "
 			"rank of the group submitted step %llu (the last step submitted to it is %llu); replay "
 			"only the step the other ranks took (the GROUP reply's peer_last_step)", eg->g->name,
 			(unsigned long long)sqe->step, op->rank, (unsigned long long)sqe->step,
@@ -153,7 +153,7 @@ static int step_replay(const struct eng_group *eg, struct eng_op *op, char *msg,
  * that every rank (and a restarted rank's replay) applies the step alike.
  * 0, or the error code with `msg`.
  */
-static int step_job(const struct eng_group *eg, struct eng_op *op, char *msg, size_t len)
+static int step_job(const struct eng_group *eg, struct eng_op *op, char *err, size_t errlen)
 {
 	const struct shardd_sqe *sqe = &op->sqe;
 	const struct eng_gnorm_rec *rec;
@@ -170,7 +170,7 @@ static int step_job(const struct eng_group *eg, struct eng_op *op, char *msg, si
 			if (eg->j->gnorm[i].step && off < sizeof(kept))
 				off += (size_t)snprintf(kept + off, sizeof(kept) - off, "%s%llu", off ? ", " : "",
 							(unsigned long long)eg->j->gnorm[i].step);
-		eng_fmt(msg, len, "shardd: step(group '%s', step %llu): flags = 0x%x need the job's grad_norm of "
+		eng_fmt(err, errlen, "shardd: step(group '%s', step %llu): flags = 0x%x need the job's grad_norm of "
 			"step %llu, and the daemon holds none (it keeps the last %d: %s); every rank calls "
 			"grad_norm(step %llu) after the step's reduces, then steps", eg->g->name,
 			(unsigned long long)sqe->step, sqe->flags, (unsigned long long)sqe->step,
@@ -184,7 +184,7 @@ static int step_job(const struct eng_group *eg, struct eng_op *op, char *msg, si
 	op->job_clip = shd_clip_coefficient(rec->norm, max_norm);
 	op->job_clip_set = 1;
 	if (isnan(op->job_clip)) {
-		eng_fmt(msg, len, "shardd: step(group '%s', step %llu): the job's grad_norm of step %llu is %g, "
+		eng_fmt(err, errlen, "shardd: step(group '%s', step %llu): the job's grad_norm of step %llu is %g, "
 			"so the clip coefficient is NaN and would turn every param into NaN; add "
 			"SHARDD_STEP_SKIP_JOB_NONFINITE to skip such a step on every rank", eg->g->name,
 			(unsigned long long)sqe->step, (unsigned long long)sqe->step, rec->norm);
@@ -200,15 +200,15 @@ static void step_remember(struct eng_group *eg, const struct shardd_sqe *sqe)
 		eg->last_sub = *sqe;
 }
 
-int eng_step_admit(struct eng_group *eg, struct eng_op *op, char *msg, size_t len)
+int eng_step_admit(struct eng_group *eg, struct eng_op *op, char *err, size_t errlen)
 {
 	int step = op->sqe.op == SHARDD_OP_STEP;
-	int ret = step && (op->sqe.flags & SHARDD_STEP_REPLAY) ? step_replay(eg, op, msg, len) : 0;
+	int ret = step && (op->sqe.flags & SHARDD_STEP_REPLAY) ? step_replay(eg, op, err, errlen) : 0;
 
 	if (!ret)
-		ret = step_check(eg, &op->sqe, msg, len);
+		ret = step_check(eg, &op->sqe, err, errlen);
 	if (!ret && step)
-		ret = step_job(eg, op, msg, len);
+		ret = step_job(eg, op, err, errlen);
 	if (!ret)
 		step_remember(eg, &op->sqe);
 	return ret;
@@ -219,7 +219,7 @@ int eng_step_admit(struct eng_group *eg, struct eng_op *op, char *msg, size_t le
 /* ------------------------------------------------------------------ */
 
 int eng_step_plan(const struct shd_group *g, const struct eng_op *op, struct eng_step_plan *p,
-		  char *msg, size_t len)
+		  char *err, size_t errlen)
 {
 	const struct shardd_sqe *sqe = &op->sqe;
 	uint32_t r = op->rank;
@@ -232,7 +232,7 @@ int eng_step_plan(const struct shd_group *g, const struct eng_op *op, struct eng
 		return 0;
 	}
 	if (!g->grad_present[r]) {
-		eng_fmt(msg, len,
+		eng_fmt(err, errlen,
 			"shardd: step(group '%s', step %llu) on rank %u: the rank's sharded grad is absent (no "
 			"reduce since its last step or zero_grad); reduce the step's grads before its step",
 			g->name, (unsigned long long)sqe->step, r);

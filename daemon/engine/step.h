@@ -36,10 +36,10 @@ int eng_step_asked(const struct shardd_sqe *sqe);
  * group submitted; check the step's own fields (the group's optimizer,
  * step number, lr, clip); decide the job-wide clip coefficient and skip
  * into `op`; and remember the entry for later replays. 0, or the error
- * code with `msg`. Whether the step was applied before and whether a grad
+ * code with `err`. Whether the step was applied before and whether a grad
  * is there, eng_step_plan decides in the group's order.
  */
-int eng_step_admit(struct eng_group *eg, struct eng_op *op, char *msg, size_t len);
+int eng_step_admit(struct eng_group *eg, struct eng_op *op, char *err, size_t errlen);
 
 enum eng_step_verdict {
 	ENG_STEP_APPLY = 1, /* run the optimizer on the shard as the plan says */
@@ -58,11 +58,11 @@ struct eng_step_plan {
 
 /*
  * The group's running task: what the step of `op` does on its rank's
- * shard. 0 with *p, or -SHARDD_E_STATE with `msg` (the rank has no
+ * shard. 0 with *p, or -SHARDD_E_STATE with `err` (the rank has no
  * sharded grad). Reads the record only the group's running task writes.
  */
 int eng_step_plan(const struct shd_group *g, const struct eng_op *op, struct eng_step_plan *p,
-		  char *msg, size_t len);
+		  char *err, size_t errlen);
 
 /*
  * The group's running task, after the step of `step` ran on `rank`'s

@@ -123,32 +123,33 @@ session_fail_sqe(struct shd_session *s, const struct shardd_sqe *sqe, const char
  * The fence of the entry in SQ slot `slot`: with SHARDD_FENCE_WAIT, device
  * work queued from now on waits for the client's stream. Runs before the
  * slot goes back to the client, which re-records the slot's event only
- * after that. 0, or -1 with `why` naming the field and value.
+ * after that. 0, or -SHARDD_E_INVALID (a bad fence field) or -SHARDD_E_BACKEND
+ * (the backend's wait failed) with `err` naming the field and value.
  */
 static int session_fence_wait(struct shd_session *s, const struct shardd_sqe *sqe,
-			      uint32_t slot, char *why, size_t len)
+			      uint32_t slot, char *err, size_t errlen)
 {
 	struct shd_backend_ctx *b;
 
 	if (!sqe->fence)
 		return 0;
 	if (sqe->fence & ~SHARDD_FENCE_MASK) {
-		snprintf(why, len, "sqe.fence = 0x%x has unknown bits 0x%x", sqe->fence,
+		snprintf(err, errlen, "sqe.fence = 0x%x has unknown bits 0x%x", sqe->fence,
 			 sqe->fence & ~SHARDD_FENCE_MASK);
-		return -1;
+		return -SHARDD_E_INVALID;
 	}
 	if (!s->fences) {
-		snprintf(why, len, "sqe.fence = 0x%x, but this connection has no stream fences "
+		snprintf(err, errlen, "sqe.fence = 0x%x, but this connection has no stream fences "
 			 "(send SHARDD_MSG_STREAM first)", sqe->fence);
-		return -1;
+		return -SHARDD_E_INVALID;
 	}
 	if (!(sqe->fence & SHARDD_FENCE_WAIT))
 		return 0;
 	b = shd_engine_backend(shd_session_env.engine);
 	if (b->ops->fence_wait(b, s->fences, slot) < 0) {
-		snprintf(why, len, "sqe.fence: waiting on the stream event of SQ slot %u failed in "
+		snprintf(err, errlen, "sqe.fence: waiting on the stream event of SQ slot %u failed in "
 			 "the %s backend (see the daemon's log)", slot, b->ops->name);
-		return -1;
+		return -SHARDD_E_BACKEND;
 	}
 	return 0;
 }

@@ -18,6 +18,7 @@
 #include "group.h"
 #include "job.h"
 #include "metrics.h"
+#include "op_table.h"
 #include "rendezvous.h"
 #include "session.h"
 #include "state.h"

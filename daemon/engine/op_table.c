@@ -13,17 +13,20 @@ static const struct shd_op_info op_table[SHARDD_OP_COUNT] = {
 	},
 	[SHARDD_OP_UNSHARD] = {
 		.name = "unshard", .scope = SHD_OP_SCOPE_GROUP, .executor = SHD_OP_EXEC_DAEMON,
+		.training_step = 1,
 		.rendezvous = 1,
 	},
 	/* A reduce with SHARDD_REDUCE_STEP carries its step's lr. */
 	[SHARDD_OP_REDUCE] = {
 		.name = "reduce", .scope = SHD_OP_SCOPE_GROUP, .executor = SHD_OP_EXEC_DAEMON,
+		.training_step = 1,
 		.rendezvous = 1,
 		.flags = SHARDD_REDUCE_FLAGS_MASK,
 		.args_flag = SHARDD_REDUCE_STEP, .nargs_flagged = SHARDD_SQE_STEP_LR + 1,
 	},
 	[SHARDD_OP_RESHARD] = {
 		.name = "reshard", .scope = SHD_OP_SCOPE_GROUP, .executor = SHD_OP_EXEC_DAEMON,
+		.training_step = 1,
 	},
 	[SHARDD_OP_ZERO_GRAD] = {
 		.name = "zero_grad", .scope = SHD_OP_SCOPE_GROUP, .executor = SHD_OP_EXEC_DAEMON,
@@ -48,6 +51,13 @@ static const struct shd_op_info op_table[SHARDD_OP_COUNT] = {
 const struct shd_op_info *shd_op_info(uint32_t op)
 {
 	return op < SHARDD_OP_COUNT && op_table[op].name ? &op_table[op] : NULL;
+}
+
+int shd_op_carries_step(uint32_t op)
+{
+	const struct shd_op_info *o = shd_op_info(op);
+
+	return o && o->training_step;
 }
 
 int shd_op_check(const struct shardd_sqe *sqe, char *err, size_t errlen)

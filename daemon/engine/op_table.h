@@ -32,6 +32,9 @@ struct shd_op_info {
 	uint8_t  scope;         /* enum shd_op_scope */
 	uint8_t  executor;      /* enum shd_op_executor */
 	uint8_t  rendezvous;    /* runs when every rank of its set arrived with the same key */
+	uint8_t  training_step; /* sqe.step is the training step the rank is at (what the
+				   reports show as its progress); other ops carry 0, their own
+				   number (barrier) or a step they act on */
 	uint32_t flags;         /* the sqe.flags bits it takes */
 	uint32_t nargs;         /* sqe.arg[0 .. nargs - 1] may be nonzero, the rest must be 0 */
 	uint32_t args_flag;     /* with one of these sqe.flags bits set ... */
@@ -40,6 +43,9 @@ struct shd_op_info {
 
 /* The entry of `op` (any value, a client's): NULL when it is not a shardd op. */
 const struct shd_op_info *shd_op_info(uint32_t op);
+
+/* Does `op` carry the training step a rank is at (shd_op_info's training_step; 0 for a non-op)? */
+int shd_op_carries_step(uint32_t op);
 
 /*
  * What a ring entry must be, from the table: a shardd op, reserved fields

@@ -12,6 +12,7 @@
 #include "group.h"
 #include "job.h"
 #include "metrics.h"
+#include "op_table.h"
 
 struct shd_op_metrics shd_op_metrics[SHARDD_OP_COUNT];
 

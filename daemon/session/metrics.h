@@ -49,16 +49,6 @@ struct shd_op_progress {
 };
 
 /*
- * Does `op` carry a training step? unshard, reduce and reshard do; nop and
- * zero_grad carry 0, a barrier its own number: counting those as steps
- * would show a rank that just zeroed its grads as the whole run behind.
- */
-static inline int shd_op_carries_step(uint32_t op)
-{
-	return op == SHARDD_OP_UNSHARD || op == SHARDD_OP_REDUCE || op == SHARDD_OP_RESHARD;
-}
-
-/*
  * The take times of a session's in-flight entries. At most `cap` entries
  * are in flight (the session never takes more than its CQ has room for),
  * so the array never grows after init.

@@ -115,6 +115,7 @@ class Client:
         self.ring = None
         self.daemon_text = ""
         self.groups = []
+        self.mesh_state = None     # shardd.torch's per-mesh state when this client is a mesh
         try:
             self._connect(device, ring_entries, timeout, _major)
         except BaseException:

@@ -6,6 +6,7 @@ import torch
 
 from ..error import ShardError
 from ._fully_shard import FSDPModule
+from ._mesh import mesh_state
 
 
 def _clip_states(model_or_params):
@@ -36,7 +37,7 @@ def _clip_states(model_or_params):
     if any(st.client is not mesh for st in states):
         raise ValueError(f"{where}: the params belong to more than one shardd mesh (job); "
                          f"clip each job's params on its own")
-    missing = [st.name for st in mesh._shardd_states if st not in states]
+    missing = [st.name for st in mesh_state(mesh).states if st not in states]
     if missing:
         raise ValueError(f"{where}: the daemon's grad_norm is job-wide, over every group of job "
                          f"'{mesh.job}', but groups {missing} are not among the params given: "
@@ -71,7 +72,7 @@ def clip_grad_norm_(model_or_params, max_norm, norm_type=2.0, error_if_nonfinite
         raise ValueError(f"clip_grad_norm_: norm_type {norm_type:g} is not supported by the "
                          f"daemon's grad_norm: use 2.0 or inf")
     states, mesh = _clip_states(model_or_params)
-    for st in mesh._shardd_states:
+    for st in mesh_state(mesh).states:
         st.wait_reduce()
     opts = {st.optimizer for st in states if st.optimizer is not None}
     numbers = {opt.step_number for opt in opts}
@@ -82,8 +83,9 @@ def clip_grad_norm_(model_or_params, max_norm, norm_type=2.0, error_if_nonfinite
         # The daemon's step of this number clips and skips by this grad_norm.
         key = numbers.pop() + 1
     else:
-        key = getattr(mesh, "_shardd_norm_count", 0) + 1
-        mesh._shardd_norm_count = key
+        ms = mesh_state(mesh)
+        ms.norm_count += 1
+        key = ms.norm_count
     try:
         norm, nonfinite = mesh.grad_norm(key, norm_type)
     except ShardError as e:

@@ -9,6 +9,7 @@ import torch
 from .. import proto as P
 from ..client import Client
 from ._api import MixedPrecisionPolicy
+from ._mesh import mesh_state
 from ._param import FSDPParam
 from ._param_group import FSDPParamGroup, register
 from ._state import lazy_init, post_forward, pre_forward
@@ -183,8 +184,9 @@ def fully_shard(module, *, mesh, reshard_after_forward=None, shard_placement_fn=
                 order.append(p)
             places[id(p)].append((m, attr))
     opt = _optimizer_of(module, places, names)
-    count = getattr(mesh, "_shardd_fsdp_groups", 0)
-    mesh._shardd_fsdp_groups = count + 1
+    ms = mesh_state(mesh)
+    count = ms.groups_named
+    ms.groups_named = count + 1
     name = f"{count}.{type(module).__name__}"[:P.NAME_MAX - 1]
     # Under a DaemonOptimizer the daemon knows each param by its name in the model the optimizer
     # was constructed over (torch's state_dict key): unique across the job's groups, as a
@@ -197,7 +199,7 @@ def fully_shard(module, *, mesh, reshard_after_forward=None, shard_placement_fn=
         if opt is not None:
             opt._attach(state, order)
         state.optimizer = opt
-        mesh._shardd_states = getattr(mesh, "_shardd_states", []) + [state]
+        ms.states.append(state)
         for p in params:
             p.sharded._shardd_state = state
     module._shardd_state = state

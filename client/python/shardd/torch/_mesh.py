@@ -1,9 +1,32 @@
 # SPDX-License-Identifier: MIT
 """The mesh: init_device_mesh attaches a rank to shardd and returns the
 shardd.Client that fully_shard takes as its mesh (FSDP2's 1-D or 2-D
-DeviceMesh)."""
+DeviceMesh), and what shardd.torch keeps per mesh (MeshState), held by the
+Client itself so that it lives and dies with it."""
+
+import dataclasses
+from typing import Optional
 
 from ..client import Client
+
+
+@dataclasses.dataclass
+class MeshState:
+    """shardd.torch's state of one mesh (Client.mesh_state)."""
+
+    resume: bool = False            # init_device_mesh(resume=True): fully_shard opens its groups
+    restore: Optional[str] = None   # init_device_mesh(restore=...): groups start from a checkpoint
+    groups_named: int = 0           # fully_shard calls so far: the n of group names "<n>.<Class>"
+    states: list = dataclasses.field(default_factory=list)   # FSDPParamGroups with a group
+    norm_count: int = 0             # the last grad_norm key clip_grad_norm_ took itself
+
+
+def mesh_state(mesh):
+    """The MeshState of `mesh` (a shardd.Client); a Client that
+    init_device_mesh did not attach gets its own on first use."""
+    if mesh.mesh_state is None:
+        mesh.mesh_state = MeshState()
+    return mesh.mesh_state
 
 
 def init_device_mesh(job, rank, mesh_shape, *, socket_path=None, timeout=None, resume=False,
@@ -35,6 +58,5 @@ def init_device_mesh(job, rank, mesh_shape, *, socket_path=None, timeout=None, r
     kw = {} if timeout is None else {"timeout": timeout}
     client = Client(job=job, rank=rank, shard=shard, replicate=replicate, socket_path=socket_path,
                     **kw)
-    client._shardd_resume = bool(resume)
-    client._shardd_restore = restore
+    client.mesh_state = MeshState(resume=bool(resume), restore=restore)
     return client

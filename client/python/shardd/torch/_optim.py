@@ -12,6 +12,7 @@ from .. import proto as P
 from ..error import DaemonGone, ShardError
 from ..group import Optimizer, step_flags_args
 from ._fully_shard import FSDPModule
+from ._mesh import mesh_state
 
 # DaemonOptimizer.recover's barrier numbers: bit 62 set; the first barrier
 # is that bit alone, the second adds bit 61 and the step every rank resumes after.
@@ -104,10 +105,10 @@ class DaemonOptimizer(torch.optim.Optimizer):
         """fully_shard registered `state`'s group with this optimizer: step it,
         and hold its shards in param_groups instead of the originals."""
         self._states.append(state)
-        if getattr(state.client, "_shardd_resume", False):
+        if mesh_state(state.client).resume:
             self._resumed = True
             self.step_number = min(st.group.last_step for st in self._states)
-        elif getattr(state.client, "_shardd_restore", None) is not None:
+        elif mesh_state(state.client).restore is not None:
             self.step_number = min(st.group.last_step for st in self._states)
         shards = {id(t): p.sharded for t, p in zip(originals, state.params)}
         self._sharded.update(id(p.sharded) for p in state.params)
@@ -253,7 +254,7 @@ class DaemonOptimizer(torch.optim.Optimizer):
         base = (step + 1) << 24
         for st in self._states:
             st.abandon(base)
-        mesh._shardd_norm_count = base
+        mesh_state(mesh).norm_count = base
         self.step_number = step
         self._resumed = False
         self._clip = None

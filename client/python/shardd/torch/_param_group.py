@@ -13,6 +13,7 @@ from .. import proto as P
 from ..error import DaemonGone, ShardError
 from ..group import Param
 from ._api import TORCH_TO_SHARDD, default_reduce_dtype
+from ._mesh import mesh_state
 
 
 class FSDPParamGroup:
@@ -255,8 +256,8 @@ def register(state, tensors, shard_placement_fn, optimizer=None):
         reduce_dtype = default_reduce_dtype(mp.param_dtype, {t.dtype for t in tensors})
     pd = TORCH_TO_SHARDD[mp.param_dtype] if mp.param_dtype is not None else None
     rd = TORCH_TO_SHARDD[reduce_dtype] if reduce_dtype is not None else None
-    resume = getattr(state.client, "_shardd_resume", False)
-    restore = getattr(state.client, "_shardd_restore", None)
+    ms = mesh_state(state.client)
+    resume, restore = ms.resume, ms.restore
     try:
         if resume:
             g = state.client.open_group(state.name)

@@ -6,6 +6,7 @@ of every group."""
 
 import torch
 
+from ._mesh import mesh_state
 from ._state import module_state
 
 
@@ -117,7 +118,7 @@ def checkpoint(mesh, step=None, timeout=None):
     docs/CHECKPOINTS.md), once they are durable. step: default the
     DaemonOptimizer's step_number (the last step() submitted), else 0."""
     if step is None:
-        opts = {id(st.optimizer): st.optimizer for st in getattr(mesh, "_shardd_states", [])
+        opts = {id(st.optimizer): st.optimizer for st in mesh_state(mesh).states
                 if st.optimizer is not None}
         step = max((o.step_number for o in opts.values()), default=0)
     mesh.checkpoint(step, timeout)

@@ -47,8 +47,8 @@ def load_example():
 
 def fsdp2_api(torch):
     """(fully_shard, MixedPrecisionPolicy) of the installed torch, or (None, why)."""
-    from shardd.torch import _torch_version
-    if _torch_version(torch.__version__) < (2, 4):
+    from shardd.torch._api import torch_version
+    if torch_version(torch.__version__) < (2, 4):
         return None, (f"torch {torch.__version__} < 2.4 has no FSDP2 fully_shard; install a "
                       f"newer torch in a virtual environment (README, 'Python and PyTorch')")
     try:

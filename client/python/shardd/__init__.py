@@ -14,9 +14,11 @@ module.
 """
 
 from . import proto
-from .client import (USER_DATA_RESERVED, Client, DaemonGone, Group, Optimizer, Param, Pending,
-                     ShardError, default_socket_path)
+from .client import USER_DATA_RESERVED, Client, default_socket_path
 from .dtypes import Bf16Array, bf16_to_fp32, dtype_code, fp32_to_bf16, numpy_dtype
+from .error import DaemonGone, ShardError
+from .group import Group, Optimizer, Param
+from .pending import Pending
 from .proto import (DTYPE_BF16, DTYPE_FP16, DTYPE_FP32, DTYPE_NONE, OP_BARRIER, OP_NOP,
                     OP_RESHARD, OP_REDUCE, OP_STEP, OP_UNSHARD, OP_ZERO_GRAD, REDUCE_ALL_REDUCE,
                     STEP_ALREADY, STEP_APPLIED, STEP_SKIPPED)

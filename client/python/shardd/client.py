@@ -1,10 +1,12 @@
 # SPDX-License-Identifier: MIT
-"""A rank's attachment to shardd (Client) and its parameter groups (Group),
-in pure Python: the same protocol libshardd speaks, no C extension."""
+"""A rank's attachment to shardd (Client), in pure Python, as the C client's
+client/client.c and client/ops.c: the handshake, the ring, control
+requests, ops through the ring and their synchronous wrappers. Groups are
+group.py, errors error.py, ops in flight pending.py: the same protocol
+libshardd speaks, no C extension."""
 
 import collections
 import errno
-import fcntl
 import mmap
 import os
 import select
@@ -13,12 +15,20 @@ import struct
 import threading
 import time
 
-import numpy as np
-
 from . import ctrl
 from . import dtypes as D
 from . import proto as P
+from .error import DaemonGone, ShardError, shard_error
+from .group import F_SEAL_FUTURE_WRITE, Group, Optimizer, Param, numpy_to_tensor, step_flags_args
+from .pending import Pending
 from .ring import Ring, RingError
+
+# What this module held before group.py, error.py and pending.py took their
+# parts; `from shardd.client import Group` keeps working.
+__all__ = ["Client", "default_socket_path", "USER_DATA_RESERVED", "CONNECT_TIMEOUT_S",
+           "SPIN_ITERATIONS", "SPIN_YIELD_EVERY", "SLEEP_SLICE_S", "SYNC_GRACE_S",
+           "ShardError", "DaemonGone", "Group", "Param", "Optimizer", "Pending",
+           "step_flags_args", "numpy_to_tensor", "F_SEAL_FUTURE_WRITE"]
 
 USER_DATA_RESERVED = 1 << 63   # user_data with this bit is reserved for the sync wrappers
 CONNECT_TIMEOUT_S = 10.0       # handshake timeout when none is given
@@ -26,35 +36,6 @@ SPIN_ITERATIONS = 200          # cq_ready checks before sleeping; Python spins s
 SPIN_YIELD_EVERY = 8           # checks between sched_yield()s, as libshardd's spin (PROTOCOL.md)
 SLEEP_SLICE_S = 0.05           # longest futex sleep between daemon liveness checks
 SYNC_GRACE_S = 10.0            # sync ops wait the collective timeout plus this
-F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # <linux/fcntl.h>; Python lacks it
-
-
-class ShardError(Exception):
-    """A failed shardd call.
-
-    .code  0 > code: -errno or -SHARDD_E_* (as in the C API)
-    .name  the code's name: 'SHARDD_E_TIMEOUT', 'ECONNRESET', ...
-    .text  what failed, with the daemon's own message when it sent one
-    .result  a failed completion's result words (cqe.result[0..1]): a barrier
-           mismatch's [0] is the barrier number met; None for other errors
-    """
-
-    def __init__(self, code, text, result=None):
-        self.code = code
-        self.name = P.error_name(code)
-        self.text = text
-        self.result = result
-        super().__init__(f"{text} [{self.name}]")
-
-
-class DaemonGone(ShardError, ConnectionResetError):
-    """The daemon died or dropped this client (code -ECONNRESET)."""
-
-
-def _error(code, text, result=None):
-    if code == -errno.ECONNRESET:
-        return DaemonGone(code, text)
-    return ShardError(code, text, result)
 
 
 def default_socket_path():
@@ -96,11 +77,6 @@ def _connect_denied(path, err):
             f"and its directory group-accessible) or run as uid {st.st_uid}")
 
 
-def _cstr(s, size, what):
-    b = s.encode("utf-8") if isinstance(s, str) else bytes(s)
-    if not b or len(b) >= size or b"\0" in b:
-        raise ValueError(f"{what} {s!r} must be 1..{size - 1} bytes without NUL")
-    return b
 
 
 def _parse_error(payload):
@@ -112,46 +88,6 @@ def _parse_error(payload):
         code = -P.E_MALFORMED
     return code, text
 
-
-class Param:
-    """A param spec: name, shardd dtype code, shape, shard_dim."""
-
-    __slots__ = ("name", "dtype", "shape", "shard_dim")
-
-    def __init__(self, name, dtype, shape, shard_dim=0):
-        self.name = name
-        self.dtype = D.dtype_code(dtype)
-        self.shape = tuple(int(s) for s in shape)
-        self.shard_dim = int(shard_dim)
-        if self.dtype == P.DTYPE_NONE:
-            raise ValueError(f"param {name!r}: dtype must be fp32, bf16 or fp16")
-        if len(self.shape) > P.MAX_DIMS:
-            raise ValueError(f"param {name!r}: {len(self.shape)} dims, at most {P.MAX_DIMS}")
-        if self.shape and not 0 <= self.shard_dim < len(self.shape):
-            raise ValueError(f"param {name!r}: shard_dim {shard_dim} out of range for shape {self.shape}")
-        # Zero-size dims are fine (a zero-numel param, as FSDP2 allows), but
-        # must not hide other dims whose product wraps 64 bits in the daemon.
-        extent = 1
-        for d, n in enumerate(self.shape):
-            if not 0 <= n < 1 << 64:
-                raise ValueError(f"param {name!r}: shape[{d}] = {n} is not a size in [0, 2**64)")
-            extent *= n or 1
-            if extent * 8 >= 1 << 64:
-                raise ValueError(f"param {name!r}: shape[{d}] = {n} takes the product of the "
-                                 f"nonzero dims past 64 bits of bytes")
-
-    @classmethod
-    def unpack_from(cls, buf, offset):
-        """A spec as the daemon echoes it in a GROUP reply."""
-        name, dtype, ndim, shard_dim, _flags, *shape = P.PARAM_SPEC.unpack_from(buf, offset)
-        if ndim > P.MAX_DIMS:
-            raise ValueError(f"param spec at byte {offset}: ndim {ndim} > {P.MAX_DIMS}")
-        return cls(name.split(b"\0", 1)[0].decode(), dtype, shape[:ndim], shard_dim)
-
-    def pack(self):
-        shape = list(self.shape) + [0] * (P.MAX_DIMS - len(self.shape))
-        return P.PARAM_SPEC.pack(_cstr(self.name, P.PARAM_NAME_MAX, "param name"), self.dtype,
-                                 len(self.shape), self.shard_dim if self.shape else 0, 0, *shape)
 
 
 class Client:
@@ -179,6 +115,7 @@ class Client:
         self.ring = None
         self.daemon_text = ""
         self.groups = []
+        self.mesh_state = None     # shardd.torch's per-mesh state when this client is a mesh
         try:
             self._connect(device, ring_entries, timeout, _major)
         except BaseException:
@@ -187,7 +124,7 @@ class Client:
 
     def _connect(self, device, ring_entries, timeout, major):
         where = f"attach job '{self.job}' rank {self.rank} to {self.socket_path}"
-        job = _cstr(self.job, P.NAME_MAX, "job name")
+        job = P.cstr(self.job, P.NAME_MAX, "job name")
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
             self._sock.settimeout(timeout)
@@ -196,25 +133,27 @@ class Client:
         except OSError as e:
             code = -(e.errno or errno.ETIMEDOUT)
             if e.errno in (errno.EACCES, errno.EPERM):
-                raise _error(code, f"{where}: {_connect_denied(self.socket_path, e)}") from None
-            raise _error(code, f"{where}: {e.strerror or 'connect timed out'}; is shardd running "
-                               f"(--socket PATH, or set SHARDD_SOCKET)?") from None
+                raise shard_error(code, f"{where}: {_connect_denied(self.socket_path, e)}") from None
+            raise shard_error(code, f"{where}: {e.strerror or 'connect timed out'}; is shardd running "
+                                    f"(--socket PATH, or set SHARDD_SOCKET)?") from None
         hello = P.HELLO.pack(major, P.PROTO_MINOR, os.getpid(), job, self.rank, self.replicate,
                              self.shard, device, ring_entries, 0, bytes(16))
         mtype, payload, fds = self._request(P.MSG_HELLO, hello, timeout, P.MSG_WELCOME, where)
         try:
             if len(payload) < P.WELCOME.size or len(fds) != 2:
-                raise _error(-P.E_MALFORMED, f"{where}: WELCOME of {len(payload)} bytes with "
-                                             f"{len(fds)} fds, expected {P.WELCOME.size} bytes and 2 fds")
+                raise shard_error(-P.E_MALFORMED, f"{where}: WELCOME of {len(payload)} bytes with "
+                                                  f"{len(fds)} fds, expected {P.WELCOME.size} bytes "
+                                                  f"and 2 fds")
             (w_major, self.daemon_minor, self.client_id, self.backend, self.sq_entries, self.cq_entries,
              self.daemon_pid, ring_size, self.collective_timeout_ms, _r0, _r) = P.WELCOME.unpack_from(payload)
             if w_major != P.PROTO_MAJOR:
-                raise _error(-P.E_VERSION, f"{where}: daemon speaks protocol {w_major}.{self.daemon_minor}, "
-                                           f"this client {P.PROTO_MAJOR}.{P.PROTO_MINOR}")
+                raise shard_error(-P.E_VERSION, f"{where}: daemon speaks protocol "
+                                                f"{w_major}.{self.daemon_minor}, this client "
+                                                f"{P.PROTO_MAJOR}.{P.PROTO_MINOR}")
             st = os.fstat(fds[0])
             if st.st_size < ring_size or ring_size < P.RING_HDR_SIZE:
-                raise _error(-errno.EBADMSG, f"{where}: ring memfd is {st.st_size} bytes, "
-                                             f"WELCOME says {ring_size}")
+                raise shard_error(-errno.EBADMSG, f"{where}: ring memfd is {st.st_size} bytes, "
+                                                  f"WELCOME says {ring_size}")
             self._ring_mem = mmap.mmap(fds[0], ring_size, mmap.MAP_SHARED,
                                        mmap.PROT_READ | mmap.PROT_WRITE)
             self._doorbell = fds[1]
@@ -222,7 +161,7 @@ class Client:
             try:
                 self.ring = Ring(self._ring_mem, ring_size)
             except RingError as e:
-                raise _error(e.code, f"{where}: {e}") from None
+                raise shard_error(e.code, f"{where}: {e}") from None
         finally:
             for fd in fds:
                 if fd >= 0:
@@ -233,7 +172,7 @@ class Client:
         """Send one control request, return its reply (type, payload, fds)."""
         with self._lock:
             if self._sock is None:
-                raise _error(-errno.ENOTCONN, f"{where}: client is closed")
+                raise shard_error(-errno.ENOTCONN, f"{where}: client is closed")
             self._seq = (self._seq + 1) & 0xFFFFFFFF or 1
             seq = self._seq
             send_error = None
@@ -253,23 +192,23 @@ class Client:
                             os.close(fd)
                         code, text = _parse_error(rpayload)
                         if rseq in (seq, 0):
-                            raise _error(code, f"{where}: daemon: {text}")
+                            raise shard_error(code, f"{where}: daemon: {text}")
                         self.daemon_text = text
                         continue
                     if rseq != seq or rtype != want:
                         for fd in rfds:
                             os.close(fd)
-                        raise _error(-P.E_MALFORMED, f"{where}: daemon replied "
-                                     f"{P.MSG_NAMES.get(rtype, rtype)} seq {rseq}, expected "
-                                     f"{P.MSG_NAMES[want]} seq {seq}")
+                        raise shard_error(-P.E_MALFORMED, f"{where}: daemon replied "
+                                          f"{P.MSG_NAMES.get(rtype, rtype)} seq {rseq}, expected "
+                                          f"{P.MSG_NAMES[want]} seq {seq}")
                     return rtype, rpayload, rfds
             except ctrl.CtrlError as e:
                 if e.code == -errno.ECONNRESET and self.daemon_text:
-                    raise _error(e.code, f"{where}: {e}: daemon: {self.daemon_text}") from None
+                    raise shard_error(e.code, f"{where}: {e}: daemon: {self.daemon_text}") from None
                 if e.code == -errno.ECONNRESET and send_error is not None:
-                    raise _error(send_error.code, f"{where}: {send_error}; the daemon closed "
-                                                  "the connection without a reply") from None
-                raise _error(e.code, f"{where}: {e}") from None
+                    raise shard_error(send_error.code, f"{where}: {send_error}; the daemon closed "
+                                                       "the connection without a reply") from None
+                raise shard_error(e.code, f"{where}: {e}") from None
 
     def _sync_timeout(self):
         return None if not self.collective_timeout_ms else self.collective_timeout_ms / 1000 + SYNC_GRACE_S
@@ -295,7 +234,7 @@ class Client:
                 raise ValueError(f"group {name!r}: restore path of {len(path)} bytes (at most "
                                  f"{P.RESTORE_PATH_MAX - 1}, no NUL)")
             tail = P.RESTORE.pack(len(path), 0) + path
-        payload = P.REGISTER_GROUP.pack(_cstr(name, P.NAME_MAX, "group name"), len(specs), pd, rd,
+        payload = P.REGISTER_GROUP.pack(P.cstr(name, P.NAME_MAX, "group name"), len(specs), pd, rd,
                                         P.INIT_RESTORE if restore is not None else P.INIT_ZERO,
                                         P.REGISTER_OPTIMIZER if optimizer else 0, 0) + \
             b"".join(p.pack() for p in specs) + (optimizer.pack() if optimizer else b"") + tail
@@ -309,7 +248,7 @@ class Client:
     def open_group(self, name):
         """Open a group some rank registered, by name (no param names or shapes)."""
         where = f"open group '{name}'"
-        payload = P.OPEN_GROUP.pack(_cstr(name, P.NAME_MAX, "group name"))
+        payload = P.OPEN_GROUP.pack(P.cstr(name, P.NAME_MAX, "group name"))
         _t, reply, fds = self._request(P.MSG_OPEN_GROUP, payload, self._sync_timeout(),
                                        P.MSG_GROUP, where)
         g = Group(self, name, reply, fds, None, where)
@@ -329,14 +268,14 @@ class Client:
 
     def _submit(self, op, group, step, flags, user_data, args=(0, 0)):
         if self.ring is None:
-            raise _error(-errno.ENOTCONN, "submit: client is closed")
+            raise shard_error(-errno.ENOTCONN, "submit: client is closed")
         if not self.ring.sq_push(op, group, step, user_data, flags, args):
             return False
         if self.ring.needs_wakeup():
             try:
                 os.eventfd_write(self._doorbell, 1)
             except OSError as e:
-                raise _error(-(e.errno or errno.EIO), f"ring the doorbell: {e.strerror}") from None
+                raise shard_error(-(e.errno or errno.EIO), f"ring the doorbell: {e.strerror}") from None
         return True
 
     def poll(self):
@@ -354,7 +293,7 @@ class Client:
             if self.ring.cq_ready():
                 return self.ring.cq_pop()
         except RingError as e:
-            raise _error(e.code, str(e)) from None
+            raise shard_error(e.code, str(e)) from None
         return None
 
     def wait(self, timeout=None):
@@ -389,7 +328,7 @@ class Client:
 
     def _wait_one(self, timeout, what, total=None):
         if self.ring is None:
-            raise _error(-errno.ENOTCONN, f"{what}: client is closed")
+            raise shard_error(-errno.ENOTCONN, f"{what}: client is closed")
         for i in range(1, SPIN_ITERATIONS + 1):
             c = self._pop()
             if c:
@@ -407,20 +346,20 @@ class Client:
                 text = f"{what}: the daemon (pid {self.daemon_pid}) is gone or dropped this client"
                 if self.daemon_text:
                     text += f": daemon: {self.daemon_text}"
-                raise _error(-errno.ECONNRESET, text)
+                raise shard_error(-errno.ECONNRESET, text)
             left = SLEEP_SLICE_S
             if deadline is not None:
                 left = min(left, deadline - time.monotonic())
                 if left <= 0:
                     st = self.ring.status()
-                    raise _error(-errno.ETIMEDOUT, f"{what}: no completion within "
-                                 f"{total if total is not None else timeout:g} s "
-                                 f"(daemon last took {P.OP_NAMES.get(st['daemon_last_op'], 'nothing')} "
-                                 f"step {st['daemon_last_step']}, {st['sq_pending']} submissions "
-                                 f"not yet taken)")
+                    raise shard_error(-errno.ETIMEDOUT, f"{what}: no completion within "
+                                      f"{total if total is not None else timeout:g} s "
+                                      f"(daemon last took {P.OP_NAMES.get(st['daemon_last_op'], 'nothing')} "
+                                      f"step {st['daemon_last_step']}, {st['sq_pending']} submissions "
+                                      f"not yet taken)")
             r = self.ring.cq_wait(seen, left)
             if r not in (0, -errno.ETIMEDOUT, -errno.EINTR):
-                raise _error(r, f"{what}: futex wait failed")
+                raise shard_error(r, f"{what}: futex wait failed")
 
     def run(self, op, group=0, step=0, flags=0, where=None, timeout=None):
         """Submit one op, wait for its own completion (others are kept for
@@ -483,8 +422,8 @@ class Client:
             done = [self._sync_done.pop(ud) for ud in pending]
         for c, where in zip(done, pending.values()):
             if c.res < 0:
-                raise _error(c.res, f"{where}: daemon: {c.msg}" if c.msg
-                             else f"{where}: {P.error_text(c.res)}", c.result)
+                raise shard_error(c.res, f"{where}: daemon: {c.msg}" if c.msg
+                                  else f"{where}: {P.error_text(c.res)}", c.result)
         return done
 
     def nop(self):
@@ -544,13 +483,12 @@ class Client:
         between ranks, a bad norm_type or a timeout."""
         norm_type = float(norm_type)
         if norm_type != 2.0 and norm_type != float("inf"):
-            raise _error(-errno.EINVAL, f"grad_norm: norm_type {norm_type:g} is not supported: "
-                         "use 2.0 or math.inf")
+            raise shard_error(-errno.EINVAL, f"grad_norm: norm_type {norm_type:g} is not supported: "
+                              "use 2.0 or math.inf")
         where = f"grad_norm(step {step}, norm_type {norm_type:g})"
-        c = self.run_many([(P.OP_GRAD_NORM, 0, step, 0, where, (_f64_bits(norm_type), 0))], timeout)[0]
+        c = self.run_many([(P.OP_GRAD_NORM, 0, step, 0, where, (P.f64_bits(norm_type), 0))], timeout)[0]
         norm = struct.unpack("<d", struct.pack("<Q", c.result[0]))[0]
         return norm, bool(c.result[1])
-
 
     def checkpoint(self, step, timeout=None):
         """Job-wide: every rank calls it with the same step after the step's
@@ -559,350 +497,3 @@ class Client:
         once it is durable. Raises ShardError (no --state-dir, not at a step
         boundary, a mismatch between ranks, a write failure)."""
         self.run_many([(P.OP_CHECKPOINT, 0, step, 0, f"checkpoint(step {step})", (0, 0))], timeout)
-
-
-def _f64_bits(x):
-    return struct.unpack("<Q", struct.pack("<d", float(x)))[0]
-
-
-class Optimizer:
-    """A group's optimizer for register_group(): torch.optim's SGD or AdamW
-    hyperparameters except lr, which travels with each step."""
-
-    __slots__ = ("kind", "flags", "momentum", "dampening", "weight_decay", "beta1", "beta2", "eps")
-
-    def __init__(self, kind, flags=0, momentum=0.0, dampening=0.0, weight_decay=0.0,
-                 beta1=0.0, beta2=0.0, eps=0.0):
-        self.kind, self.flags = kind, flags
-        self.momentum, self.dampening, self.weight_decay = momentum, dampening, weight_decay
-        self.beta1, self.beta2, self.eps = beta1, beta2, eps
-
-    @classmethod
-    def sgd(cls, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False):
-        return cls(P.OPTIM_SGD, (P.OPTIM_NESTEROV if nesterov else 0) | (P.OPTIM_MAXIMIZE if maximize else 0),
-                   momentum=momentum, dampening=dampening, weight_decay=weight_decay)
-
-    @classmethod
-    def adamw(cls, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, maximize=False):
-        return cls(P.OPTIM_ADAMW, (P.OPTIM_AMSGRAD if amsgrad else 0) | (P.OPTIM_MAXIMIZE if maximize else 0),
-                   weight_decay=weight_decay, beta1=betas[0], beta2=betas[1], eps=eps)
-
-    def pack(self):
-        return P.OPTIM_CONFIG.pack(self.kind, self.flags, self.momentum, self.dampening, self.weight_decay,
-                                   self.beta1, self.beta2, self.eps, 0, 0)
-
-
-class Pending:
-    """Ops submitted by Client.start(): wait(timeout) reaps them."""
-
-    __slots__ = ("client", "ops", "completions")
-
-    def __init__(self, client, ops):
-        self.client = client
-        self.ops = ops
-        self.completions = None
-
-    def wait(self, timeout=None):
-        """Wait for every op (timeout in seconds; None: the daemon's collective
-        timeout plus 10 s) and raise the first failure; returns the
-        completions in submission order. A second wait returns them again."""
-        if self.completions is None:
-            self.completions = self.client._finish(self.ops, timeout)
-        return self.completions
-
-    def done(self):
-        return self.completions is not None
-
-
-class Group:
-    """A registered or opened group: its layout and its four buffer mappings.
-
-    Views returned by unsharded()/grad()/shard()/shard_grad() are numpy arrays
-    over the shared memory (no copy); they keep the mapping alive. bf16
-    buffers are Bf16Array views (uint16 bits that convert numbers written into
-    them); tensor() shows any buffer as a torch tensor of its real dtype."""
-
-    UNSHARDED, GRAD, SHARD, SHARD_GRAD = range(4)
-
-    def __init__(self, client, name, reply, fds, specs, where):
-        self.client = client
-        self.name = name
-        self.maps = [None] * 4
-        try:
-            if client.backend != P.BACKEND_HOST:
-                raise _error(-errno.ENOTSUP, f"{where}: the daemon runs the cuda backend, whose "
-                                             f"buffers are device memory; the Python client maps "
-                                             f"host buffers only (use --backend host)")
-            # A daemon of minor < 4 sends no peer_last_step.
-            head = P.GROUP_REPLY if client.daemon_minor >= 4 else P.GROUP_REPLY_V3
-            if len(reply) < head.size:
-                raise _error(-P.E_MALFORMED, f"{where}: GROUP reply of {len(reply)} bytes, "
-                                             f"expected >= {head.size}")
-            (self.id, self.nparams, self.param_dtype, self.reduce_dtype, self.grad_dtype,
-             self.shard_world, self.unsharded_size, self.grad_size, self.shard_size,
-             export_kind, self.optimizer, self.last_step, *peer) = head.unpack_from(reply)
-            # The highest last_step of any rank of the group (0 from an older daemon).
-            self.peer_last_step = peer[0] if peer else 0
-            # Every buffer must be an fd (kind 0): a CUDA IPC handle is device memory.
-            for i, kind in enumerate(export_kind):
-                if kind != P.EXPORT_FD:
-                    known = kind in P.EXPORT_NAMES
-                    raise _error(-errno.ENOTSUP if known else -P.E_MALFORMED,
-                                 f"{where}: GROUP reply: export_kind[{i}] = {kind} "
-                                 f"({P.EXPORT_NAMES.get(kind, 'unknown kind')}): the Python client "
-                                 f"maps buffers that travel as fds (kind 0) only"
-                                 + (", not device memory (use --backend host)" if known else ""))
-            if len(fds) != P.GROUP_BUFS:
-                raise _error(-P.E_MALFORMED, f"{where}: GROUP reply carries {len(fds)} fds, "
-                                             f"expected {P.GROUP_BUFS}")
-            # reply header, nparams layouts, then the nparams specs as registered
-            specs_at = head.size + self.nparams * P.PARAM_LAYOUT.size
-            want = specs_at + self.nparams * P.PARAM_SPEC.size
-            if len(reply) != want or (specs is not None and len(specs) != self.nparams):
-                raise _error(-P.E_MALFORMED, f"{where}: GROUP reply of {len(reply)} bytes for "
-                                             f"{self.nparams} params, expected {want}")
-            self.layouts = [P.PARAM_LAYOUT.unpack_from(reply, head.size + i * P.PARAM_LAYOUT.size)
-                            for i in range(self.nparams)]
-            try:
-                self.params = [Param.unpack_from(reply, specs_at + i * P.PARAM_SPEC.size)
-                               for i in range(self.nparams)]
-            except ValueError as e:
-                raise _error(-P.E_MALFORMED, f"{where}: GROUP reply: {e}") from None
-            if specs is not None and [(p.name, p.dtype, p.shape, p.shard_dim) for p in specs] != \
-                    [(p.name, p.dtype, p.shape, p.shard_dim) for p in self.params]:
-                raise _error(-P.E_MALFORMED, f"{where}: GROUP reply specs differ from the registered ones")
-            sizes = (self.unsharded_size, self.grad_size, self.shard_size, self.shard_size)
-            for i, (fd, size) in enumerate(zip(fds, sizes)):
-                if size == 0:
-                    continue
-                if os.fstat(fd).st_size < size:
-                    raise _error(-errno.EBADMSG, f"{where}: buffer {i} memfd is smaller than "
-                                                 f"the {size} bytes the reply announces")
-                # A read-only buffer that one rank could reopen O_RDWR would let it rewrite
-                # every rank's params: the daemon seals it against writes.
-                if i == self.UNSHARDED:
-                    seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-                    if not seals & F_SEAL_FUTURE_WRITE:
-                        raise _error(-P.E_MALFORMED, f"{where}: the unsharded memfd is lent "
-                                                     f"read-only but is not sealed against writes "
-                                                     f"(F_SEAL_FUTURE_WRITE missing from seals "
-                                                     f"{seals:#x}): upgrade shardd")
-                prot = mmap.PROT_READ if i == self.UNSHARDED else mmap.PROT_READ | mmap.PROT_WRITE
-                self.maps[i] = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
-            self._check_layouts(where)
-        finally:
-            for fd in fds:
-                os.close(fd)
-
-    def _check_layouts(self, where):
-        """Every view must lie inside its mapping: the reply is daemon input."""
-        sizes = (self.unsharded_size, self.grad_size, self.shard_size)
-        for i, lay in enumerate(self.layouts):
-            for (off, n), size in zip(((lay[0], lay[1]), (lay[2], lay[3]), (lay[4], lay[5])), sizes):
-                if off + n > size:
-                    raise _error(-P.E_MALFORMED, f"{where}: param {i} range [{off}, {off + n}) "
-                                                 f"is outside its {size}-byte buffer")
-
-    # ------------------------------------------------------------ params
-    def index(self, name):
-        for i, p in enumerate(self.params):
-            if p.name == name:
-                return i
-        raise ShardError(-errno.ENOENT, f"group '{self.name}' has no param '{name}'")
-
-    def _i(self, param):
-        i = self.index(param) if isinstance(param, str) else int(param)
-        if not 0 <= i < self.nparams:
-            raise IndexError(f"group '{self.name}': param {param} out of range 0..{self.nparams - 1}")
-        return i
-
-    def _unsharded_dtype(self, i):
-        if self.param_dtype != P.DTYPE_NONE:
-            return self.param_dtype
-        return self.params[i].dtype
-
-    def _grad_dtype(self, i):
-        return self._unsharded_dtype(i)
-
-    def _view(self, buf, off, nbytes, code, shape):
-        m = self.maps[buf]
-        dt = D.numpy_dtype(code)
-        if m is None:
-            return np.zeros(0, dt)
-        a = np.frombuffer(m, dtype=dt, count=nbytes // dt.itemsize, offset=off)
-        if int(np.prod(shape, dtype=np.int64)) == a.size:
-            a = a.reshape(shape)
-        if code == P.DTYPE_BF16:
-            a = a.view(D.Bf16Array)
-        return a
-
-    def unsharded(self, param):
-        """Read-only view of the unsharded param (param_dtype; bf16: Bf16Array)."""
-        i = self._i(param)
-        lay = self.layouts[i]
-        shape = self.params[i].shape
-        return self._view(self.UNSHARDED, lay[0], lay[1], self._unsharded_dtype(i), shape)
-
-    def grad(self, param):
-        """Writable view of this rank's unsharded gradient of the param (grad dtype)."""
-        i = self._i(param)
-        lay = self.layouts[i]
-        shape = self.params[i].shape
-        return self._view(self.GRAD, lay[2], lay[3], self._grad_dtype(i), shape)
-
-    def _shard_shape(self, i):
-        p = self.params[i]
-        item = P.DTYPE_SIZES[p.dtype]
-        if not p.shape:
-            return (self.layouts[i][5] // item,)
-        other = int(np.prod([s for d, s in enumerate(p.shape) if d != p.shard_dim], dtype=np.int64))
-        rows = self.layouts[i][5] // item // max(other, 1)
-        return tuple(rows if d == p.shard_dim else s for d, s in enumerate(p.shape))
-
-    def _orig_dtype(self, i):
-        return self.params[i].dtype
-
-    def _shard_view(self, buf, param, padded):
-        i = self._i(param)
-        lay = self.layouts[i]
-        a = self._view(buf, lay[4], lay[5], self._orig_dtype(i), self._shard_shape(i))
-        if padded or a.ndim == 0:
-            return a
-        p = self.params[i]
-        dim = p.shard_dim if p.shape else 0
-        index = [slice(None)] * a.ndim
-        index[dim] = slice(0, lay[7])
-        return a[tuple(index)]
-
-    def shard(self, param, padded=False):
-        """Writable view of this rank's shard of the param (original dtype): its
-        real rows along shard_dim (shard_rows() says which), or with
-        padded=True the whole padded chunk FSDP2 allocates (padding rows are
-        zero and must stay zero)."""
-        return self._shard_view(self.SHARD, param, padded)
-
-    def shard_grad(self, param, padded=False):
-        """View of this rank's sharded gradient (original dtype, the shape of shard())."""
-        return self._shard_view(self.SHARD_GRAD, param, padded)
-
-    def tensor(self, kind, param, padded=False):
-        """A torch tensor over the same memory as the numpy view `kind`
-        ('unsharded', 'grad', 'shard' or 'shard_grad') of the param, in the
-        buffer's real dtype (torch.bfloat16 for bf16), no copy. The unsharded
-        buffer is mapped read-only: never write its tensor."""
-        import torch  # only this method needs torch
-        if kind in ("shard", "shard_grad"):
-            a = getattr(self, kind)(param, padded)
-        elif kind in ("unsharded", "grad"):
-            a = getattr(self, kind)(param)
-        else:
-            raise ValueError(f"buffer kind {kind!r} is not one of unsharded, grad, shard, shard_grad")
-        return numpy_to_tensor(a)
-
-    def shard_rows(self, param):
-        """(first row along shard_dim, rows of real data) of this rank's shard."""
-        lay = self.layouts[self._i(param)]
-        return lay[6], lay[7]
-
-    def load_full(self, param, full):
-        """Copy this rank's rows of `full` (the whole param, its shape; numbers,
-        or uint16 bit patterns for a bf16 param) into the flat shard; zero the padding."""
-        i = self._i(param)
-        p = self.params[i]
-        full = np.asarray(full)
-        if p.dtype == P.DTYPE_BF16:
-            full = D._bf16_bits(full)
-        elif full.dtype.kind not in "biuf":
-            raise TypeError(f"param '{p.name}': load_full takes numbers, not {full.dtype}")
-        full = full.astype(D.numpy_dtype(p.dtype), copy=False)
-        if full.size != int(np.prod(p.shape, dtype=np.int64)):
-            raise ValueError(f"param '{p.name}': {full.size} elements, shape {p.shape} expected")
-        full = full.reshape(p.shape if p.shape else (1,))
-        dim = p.shard_dim if p.shape else 0
-        s = np.moveaxis(self.shard(i, padded=True), dim, 0)
-        f = np.moveaxis(full, dim, 0)
-        begin, valid = self.shard_rows(i)
-        s[:valid] = f[begin:begin + valid]
-        s[valid:] = 0
-
-    # ------------------------------------------------------------ ops
-    def _where(self, op, step):
-        return f"{P.OP_NAMES[op]}(group '{self.name}', step {step})"
-
-    def unshard(self, step, timeout=None):
-        """All-gather (collective); timeout in seconds, None: the daemon's
-        collective timeout plus 10 s."""
-        self.client.run(P.OP_UNSHARD, self.id, step, 0, self._where(P.OP_UNSHARD, step), timeout)
-
-    def reduce(self, step, flags=0, timeout=None):
-        """Reduce-scatter the grad buffers (collective); timeout as unshard()."""
-        self.client.run(P.OP_REDUCE, self.id, step, flags, self._where(P.OP_REDUCE, step), timeout)
-
-    def reshard(self, step=0, timeout=None):
-        self.client.run(P.OP_RESHARD, self.id, step, 0, self._where(P.OP_RESHARD, step), timeout)
-
-    def zero_grad(self, timeout=None):
-        self.client.run(P.OP_ZERO_GRAD, self.id, 0, 0, f"zero_grad(group '{self.name}')", timeout)
-
-    def step(self, step, lr, skip_nonfinite=False, clip=None, timeout=None, *, max_norm=None,
-             skip_job_nonfinite=False, replay=False):
-        """The daemon's optimizer on this rank's shard for step number `step`
-        (>= 1) with learning rate `lr`; clip: a coefficient multiplied into
-        the grad (clip_grad_norm_'s), or None; max_norm: instead, the
-        daemon computes clip_grad_norm_'s coefficient from the job's
-        grad_norm of the same step number (P.STEP_CLIP_JOB);
-        skip_job_nonfinite: skip on every rank when that grad_norm was
-        non-finite; replay: apply the step as the group's other ranks
-        submitted it (lr and the rest are then not sent: a restarted rank's
-        catch-up to peer_last_step). Clears the sharded grad. Returns
-        P.STEP_APPLIED, P.STEP_SKIPPED (a skip) or P.STEP_ALREADY (a step at
-        or below the last one applied on this shard: nothing changed);
-        raises ShardError on errors."""
-        flags, args = step_flags_args(lr, skip_nonfinite, clip, max_norm, skip_job_nonfinite, replay)
-        where = f"step(group '{self.name}', step {step})"
-        return self.client.run_many([(P.OP_STEP, self.id, step, flags, where, args)], timeout)[0].res
-
-    def submit(self, op, step=0, flags=0, user_data=0):
-        """Asynchronous op on this group; reap with client.wait()/poll()."""
-        return self.client.submit(op, self.id, step, flags, user_data)
-
-    def close(self):
-        """Unmap the buffers; mappings still viewed by numpy arrays stay until
-        those arrays are gone."""
-        for i, m in enumerate(self.maps):
-            if m is None:
-                continue
-            try:
-                m.close()
-            except BufferError:
-                pass
-            self.maps[i] = None
-
-
-def step_flags_args(lr, skip_nonfinite=False, clip=None, max_norm=None, skip_job_nonfinite=False,
-                    replay=False):
-    """(sqe.flags, (arg[0], arg[1])) of a STEP (PROTOCOL.md, SHARDD_OP_STEP)."""
-    if replay:
-        return P.STEP_REPLAY, (0, 0)
-    if clip is not None and max_norm is not None:
-        raise ValueError(f"step: clip = {clip} and max_norm = {max_norm}: give a coefficient or "
-                         f"max_norm, not both")
-    flags = (P.STEP_SKIP_NONFINITE if skip_nonfinite else 0) | \
-        (P.STEP_SKIP_JOB_NONFINITE if skip_job_nonfinite else 0) | \
-        (P.STEP_CLIP if clip is not None else 0) | (P.STEP_CLIP_JOB if max_norm is not None else 0)
-    word = clip if clip is not None else max_norm
-    return flags, (_f64_bits(lr), _f64_bits(word) if word is not None else 0)
-
-
-def numpy_to_tensor(a):
-    """A torch tensor sharing memory with numpy view `a` (a Bf16Array becomes
-    torch.bfloat16). A read-only array (the unsharded buffer) gives a tensor
-    that must not be written; torch's warning about that is silenced."""
-    import warnings
-
-    import torch
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        if isinstance(a, D.Bf16Array):
-            return torch.from_numpy(a.view(np.ndarray).view(np.int16)).view(torch.bfloat16)
-        return torch.from_numpy(a)

@@ -195,6 +195,21 @@ def ring_region_size(sq_entries, cq_entries):
     return RING_HDR_SIZE + sq_entries * SQE.size + cq_entries * (CQE.size + RING_MSG_SIZE)
 
 
+def cstr(s, size, what):
+    """`s` as the bytes of a NUL-terminated char[size] field (a job, group or
+    param name); ValueError naming `what` when it does not fit."""
+    b = s.encode("utf-8") if isinstance(s, str) else bytes(s)
+    if not b or len(b) >= size or b"\0" in b:
+        raise ValueError(f"{what} {s!r} must be 1..{size - 1} bytes without NUL")
+    return b
+
+
+def f64_bits(x):
+    """The bits of `x` as an IEEE double: how an sqe.arg word carries an lr,
+    a clip coefficient, max_norm or a norm_type."""
+    return struct.unpack("<Q", struct.pack("<d", float(x)))[0]
+
+
 def error_name(code):
     """Name of 0, -errno or -SHARDD_E_* : 'SHARDD_E_TIMEOUT', 'ECONNRESET', 'OK'."""
     if code == 0:

@@ -1,0 +1,228 @@
+# SPDX-License-Identifier: MIT
+"""fully_shard, the public call, and FSDPModule, the class it mixes into a
+module (FSDP2's _fully_shard.py)."""
+
+import functools
+
+import torch
+
+from .. import proto as P
+from ..client import Client
+from ._api import MixedPrecisionPolicy
+from ._mesh import mesh_state
+from ._param import FSDPParam
+from ._param_group import FSDPParamGroup, register
+from ._state import lazy_init, post_forward, pre_forward
+from ._state_dict import gather_full, load_full_tensor, managed_keys
+
+
+class UnshardHandle:
+    """Returned by FSDPModule.unshard(async_op=True): wait() finishes it
+    (the module's forward waits by itself)."""
+
+    def __init__(self, state):
+        self._state = state
+
+    def wait(self):
+        self._state.wait_unshard()
+
+
+class FSDPModule:
+    """Mixed into the class of every module fully_shard was applied to, as
+    FSDP2 does (``isinstance(m, FSDPModule)``)."""
+
+    def _states(self, recurse):
+        mods = self.modules() if recurse else [self]
+        return [m._shardd_state for m in mods if isinstance(m, FSDPModule)]
+
+    def unshard(self, async_op=False):
+        """Gather this module's parameters (not recursive); with async_op the
+        gather runs in the daemon while the caller goes on."""
+        st = self._shardd_state
+        st.start_unshard()
+        if async_op:
+            return UnshardHandle(st)
+        st.wait_unshard()
+        return None
+
+    def reshard(self):
+        """Release the unsharded parameters; the module holds its shards again."""
+        st = self._shardd_state
+        st.wait_reduce()
+        st.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync, *, recurse=True):
+        """False: backward accumulates gradients in the grad buffers without
+        reducing them (gradient accumulation without communication)."""
+        for st in self._states(recurse):
+            st.requires_gradient_sync = requires_gradient_sync
+            st.requires_all_reduce = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce, *, recurse=True):
+        """HSDP: False reduces within the shard group only and keeps the result
+        as a partial; the next reduce with all-reduce adds it first."""
+        for st in self._states(recurse):
+            st.requires_all_reduce = requires_all_reduce
+
+    def set_is_last_backward(self, is_last_backward):
+        """False: the end of backward does not wait for the reduces (the next
+        unshard or backward of each module does)."""
+        st = self._shardd_state
+        lazy_init(st)
+        st.ctx.is_last_backward = is_last_backward
+
+    def set_reshard_after_forward(self, reshard_after_forward, recurse=True):
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward should be a bool, got "
+                             f"{type(reshard_after_forward).__name__}")
+        for st in self._states(recurse):
+            st.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward, *, recurse=True):
+        """False keeps the unsharded parameters after backward (call reshard()
+        on every module before the optimizer updates the shards)."""
+        for st in self._states(recurse):
+            st.reshard_after_backward = reshard_after_backward
+
+    def set_modules_to_forward_prefetch(self, modules):
+        """Unshard these modules asynchronously when this module's forward starts."""
+        self._shardd_state.forward_prefetch = [_state_of(m) for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules):
+        """Unshard these modules asynchronously when this module's backward starts."""
+        self._shardd_state.backward_prefetch = [_state_of(m) for m in modules]
+
+    def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
+        """Collective (every rank, on the same module; like FSDP1's
+        FULL_STATE_DICT or DCP's get_model_state_dict(full_state_dict=True)):
+        torch's state_dict with the full tensor of every param fully_shard
+        manages under this module, gathered by the daemon (a copy, in the
+        param's dtype, every rank the same), under the keys and shapes an
+        unsharded model's state_dict() has; buffers and unmanaged params as
+        torch gives them. A group whose MixedPrecisionPolicy casts its params
+        is refused (checkpoint() saves the fp32 masters). local_shards()
+        gives this rank's shards instead."""
+        if args:
+            raise TypeError(f"{type(self).__name__}.state_dict: pass destination, prefix and "
+                            f"keep_vars by keyword")
+        sd = super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        st = self._shardd_state
+        own = {k: q for k, (_m, s2, q) in managed_keys(self).items() if s2 is st}
+        if own:
+            full = gather_full(self, st)
+            for k, q in own.items():
+                sd[prefix + k] = full[q.index]
+        return sd
+
+    def load_state_dict(self, state_dict, strict=True, **kwargs):
+        """Every rank: load a state dict of full tensors (as state_dict()
+        returns it, an unsharded model's state_dict(), or a checkpoint's
+        safetensors tensors): each rank copies its rows of every managed
+        param's full tensor into its shard, at any mesh (a local copy, no
+        collective); buffers and unmanaged params go through torch. strict
+        as torch's: missing or unexpected keys raise after the load. Call it
+        between steps, with the modules resharded; the DaemonOptimizer's
+        state is the daemon's and not touched."""
+        keys = managed_keys(self)
+        rest = {k: v for k, v in state_dict.items() if k not in keys}
+        res = super().load_state_dict(rest, strict=False, **kwargs)
+        missing = [k for k in res.missing_keys if k not in keys]
+        missing += [k for k in keys if k not in state_dict]
+        done = set()
+        with torch.no_grad():
+            for k, (_m, st, q) in keys.items():
+                if k in state_dict and (id(st), q.index) not in done:
+                    load_full_tensor(st, q, k, state_dict[k], f"{type(self).__name__}.load_state_dict")
+                    done.add((id(st), q.index))
+        if strict and (missing or res.unexpected_keys):
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}: "
+                               f"missing keys {missing}, unexpected keys {res.unexpected_keys}")
+        return torch.nn.modules.module._IncompatibleKeys(missing, res.unexpected_keys)
+
+
+def _state_of(m):
+    if not isinstance(m, FSDPModule):
+        raise ValueError(f"{type(m).__name__} is not an FSDPModule: apply fully_shard to it first")
+    return m._shardd_state
+
+
+@functools.lru_cache(maxsize=None)
+def _fsdp_class(cls):
+    return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+
+
+def fully_shard(module, *, mesh, reshard_after_forward=None, shard_placement_fn=None,
+                mp_policy=None):
+    """Shard `module`'s parameters (those no nested fully_shard manages)
+    through shardd; returns the module, now also an FSDPModule.
+
+    mesh: the shardd.Client of this rank (init_device_mesh). reshard_after_forward:
+    True frees the unsharded params after forward and gathers them again in
+    backward; False keeps them; None: True except for the root module.
+    shard_placement_fn(param) -> Shard(dim) / int dim / None (dim 0).
+    mp_policy: MixedPrecisionPolicy. Collective: every rank calls it on the
+    same modules in the same order, with the same initial parameter values
+    (each rank keeps its own rows of them)."""
+    if not isinstance(mesh, Client):
+        raise TypeError(f"fully_shard: mesh must be the shardd.Client of this rank "
+                        f"(shardd.torch.init_device_mesh), not {type(mesh).__name__}")
+    if isinstance(module, FSDPModule):
+        raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
+    mp = mp_policy or MixedPrecisionPolicy()
+    managed = set()
+    for m in module.modules():
+        if m is not module and isinstance(m, FSDPModule):
+            managed.update(id(p.sharded) for p in m._shardd_state.params)
+    places, names, order = {}, {}, []
+    for mname, m in module.named_modules():
+        for attr, p in m._parameters.items():
+            if p is None or id(p) in managed:
+                continue
+            if id(p) not in places:
+                places[id(p)] = []
+                names[id(p)] = (mname + "." if mname else "") + attr
+                order.append(p)
+            places[id(p)].append((m, attr))
+    opt = _optimizer_of(module, places, names)
+    ms = mesh_state(mesh)
+    count = ms.groups_named
+    ms.groups_named = count + 1
+    name = f"{count}.{type(module).__name__}"[:P.NAME_MAX - 1]
+    # Under a DaemonOptimizer the daemon knows each param by its name in the model the optimizer
+    # was constructed over (torch's state_dict key): unique across the job's groups, as a
+    # checkpoint needs, and what an unsharded model loads. Else by its name under `module`.
+    params = [FSDPParam(names[id(p)], i, places[id(p)], opt._names.get(id(p)) if opt else None)
+              for i, p in enumerate(order)]
+    state = FSDPParamGroup(module, mesh, params, name, mp, reshard_after_forward)
+    if params:
+        register(state, order, shard_placement_fn, opt)
+        if opt is not None:
+            opt._attach(state, order)
+        state.optimizer = opt
+        ms.states.append(state)
+        for p in params:
+            p.sharded._shardd_state = state
+    module._shardd_state = state
+    module.__class__ = _fsdp_class(type(module))
+    try:
+        module.register_forward_pre_hook(
+            lambda _m, args, kwargs: pre_forward(state, args, kwargs), with_kwargs=True)
+    except TypeError:   # torch < 2.0: no kwargs in hooks
+        module.register_forward_pre_hook(lambda _m, args: pre_forward(state, args, {})[0])
+    module.register_forward_hook(lambda _m, _args, output: post_forward(state, output))
+    return module
+
+
+def _optimizer_of(module, places, names):
+    """The DaemonOptimizer constructed over `module` (None: none); every param
+    the new group takes must be under that same one."""
+    opt = getattr(module, "_shardd_optimizer", None)
+    for key, where in places.items():
+        for m, _attr in where:
+            if getattr(m, "_shardd_optimizer", None) is not opt:
+                raise ValueError(
+                    f"fully_shard({type(module).__name__}): param '{names[key]}' and this "
+                    f"module are not under the same DaemonOptimizer, and one group steps with "
+                    f"one optimizer: construct the DaemonOptimizer over the outermost module "
+                    f"fully_shard is applied to")
+    return opt

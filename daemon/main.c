@@ -252,6 +252,50 @@ static int parse_seconds(const char *flag, const char *val, double *out)
 	return 0;
 }
 
+/* One word a flag takes, and what it stands for. */
+struct choice {
+	const char *word;
+	uint32_t    value;
+};
+
+/*
+ * `val` as one of the `n` words of `choices`: its value in *out. 0, or 2
+ * after a usage error that lists the words.
+ */
+static int parse_choice(const char *flag, const char *val, const struct choice *choices, size_t n,
+			uint32_t *out)
+{
+	char words[128];
+	size_t off = 0;
+
+	for (size_t i = 0; i < n; i++) {
+		if (strcmp(val, choices[i].word) == 0) {
+			*out = choices[i].value;
+			return 0;
+		}
+		if (off < sizeof(words))
+			off += (size_t)snprintf(words + off, sizeof(words) - off, "%s%s", i ? ", " : "",
+						choices[i].word);
+	}
+	return usage_error("%s: '%s' is not one of %s", flag, val, words);
+}
+
+#define NCHOICES(c) (sizeof(c) / sizeof((c)[0]))
+
+static const struct choice backends[] = {
+	{ "host", SHARDD_BACKEND_HOST },
+	{ "cuda", SHARDD_BACKEND_CUDA },
+};
+static const struct choice cuda_exports[] = {
+	{ "auto", SHD_CUDA_EXPORT_AUTO },
+	{ "fd",   SHD_CUDA_EXPORT_FD },
+	{ "ipc",  SHD_CUDA_EXPORT_IPC },
+};
+static const struct choice internode_dtypes[] = {
+	{ "fp32",   SHD_INTERNODE_FP32 },
+	{ "reduce", SHD_INTERNODE_REDUCE },
+};
+
 /* --max-memory or --max-job-memory: bytes above 0. 0, or 2 after a usage error. */
 static int parse_bytes(const char *flag, const char *val, uint64_t *out)
 {
@@ -290,24 +334,11 @@ static int apply_flag(struct shd_config *cfg, enum flag_id id, const char *val, 
 		break;
 	}
 	case FLAG_BACKEND:
-		if (strcmp(val, "host") == 0)
-			cfg->backend = SHARDD_BACKEND_HOST;
-		else if (strcmp(val, "cuda") == 0)
-			cfg->backend = SHARDD_BACKEND_CUDA;
-		else
-			return usage_error("--backend: '%s' is not one of host, cuda", val);
-		break;
+		return parse_choice("--backend", val, backends, NCHOICES(backends), &cfg->backend);
 	case FLAG_CUDA_EXPORT:
-		if (strcmp(val, "auto") == 0)
-			cfg->cuda_export = SHD_CUDA_EXPORT_AUTO;
-		else if (strcmp(val, "fd") == 0)
-			cfg->cuda_export = SHD_CUDA_EXPORT_FD;
-		else if (strcmp(val, "ipc") == 0)
-			cfg->cuda_export = SHD_CUDA_EXPORT_IPC;
-		else
-			return usage_error("--cuda-export: '%s' is not one of auto, fd, ipc", val);
 		*cuda_export_given = 1;
-		break;
+		return parse_choice("--cuda-export", val, cuda_exports, NCHOICES(cuda_exports),
+				    &cfg->cuda_export);
 	case FLAG_COLLECTIVE_TIMEOUT:
 		return parse_seconds("--collective-timeout", val, &cfg->collective_timeout_s);
 	case FLAG_HANDSHAKE_TIMEOUT:
@@ -416,13 +447,8 @@ static int apply_flag(struct shd_config *cfg, enum flag_id id, const char *val, 
 		world_mpi = 1;
 		break;
 	case FLAG_INTERNODE_DTYPE:
-		if (strcmp(val, "fp32") == 0)
-			internode_dtype = SHD_INTERNODE_FP32;
-		else if (strcmp(val, "reduce") == 0)
-			internode_dtype = SHD_INTERNODE_REDUCE;
-		else
-			return usage_error("--internode-dtype: '%s' is not one of fp32, reduce", val);
-		break;
+		return parse_choice("--internode-dtype", val, internode_dtypes, NCHOICES(internode_dtypes),
+				    &internode_dtype);
 	case FLAG_FOREGROUND:
 		/* shardd never forks into the background; the flag is for supervisors' habits. */
 		break;

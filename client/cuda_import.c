@@ -35,70 +35,39 @@
 #include <dlfcn.h>
 #include <pthread.h>
 
-/* The driver's entry points libshardd calls, asked of cuGetProcAddress at SHARDD_CUDA_DRIVER_ABI. */
+/*
+ * The driver's entry points libshardd calls, asked of cuGetProcAddress at
+ * SHARDD_CUDA_DRIVER_ABI: those the daemon calls too, then its own.
+ */
+#define CUDA_IMPORT_DRIVER(X, type)                                         \
+	SHARDD_CUDA_DRIVER_SHARED(X, type)                                  \
+	X(type, init,                cuInit, 2000)                          \
+	X(type, primary_ctx_retain,  cuDevicePrimaryCtxRetain, 7000)        \
+	X(type, primary_ctx_release, cuDevicePrimaryCtxRelease, 11000)      \
+	X(type, ctx_push,            cuCtxPushCurrent, 4000)                \
+	X(type, ctx_pop,             cuCtxPopCurrent, 4000)                 \
+	X(type, ipc_open,            cuIpcOpenMemHandle, 11000)             \
+	X(type, ipc_close,           cuIpcCloseMemHandle, 4010)             \
+	X(type, import_handle,       cuMemImportFromShareableHandle, 10020) \
+	X(type, event_create,        cuEventCreate, 2000)                   \
+	X(type, event_destroy,       cuEventDestroy, 4000)                  \
+	X(type, ipc_get_event,       cuIpcGetEventHandle, 4010)             \
+	X(type, ipc_open_event,      cuIpcOpenEventHandle, 4010)            \
+	X(type, event_record,        cuEventRecord, 2000)                   \
+	X(type, stream_wait_event,   cuStreamWaitEvent, 3020)               \
+	X(type, event_synchronize,   cuEventSynchronize, 2000)              \
+	X(type, memcpy_htod,         cuMemcpyHtoD, 3020)                    \
+	X(type, ctx_synchronize,     cuCtxSynchronize, 2000)
+
 struct cuda_driver {
-	PFN_cuInit_v2000                          init;
-	PFN_cuGetErrorString_v6000                get_error_string;
-	PFN_cuDeviceGet_v2000                     device_get;
-	PFN_cuDevicePrimaryCtxRetain_v7000        primary_ctx_retain;
-	PFN_cuDevicePrimaryCtxRelease_v11000      primary_ctx_release;
-	PFN_cuCtxPushCurrent_v4000                ctx_push;
-	PFN_cuCtxPopCurrent_v4000                 ctx_pop;
-	PFN_cuIpcOpenMemHandle_v11000             ipc_open;
-	PFN_cuIpcCloseMemHandle_v4010             ipc_close;
-	PFN_cuMemGetAllocationGranularity_v10020  granularity;
-	PFN_cuMemImportFromShareableHandle_v10020 import_handle;
-	PFN_cuMemRelease_v10020                   release;
-	PFN_cuMemAddressReserve_v10020            address_reserve;
-	PFN_cuMemAddressFree_v10020               address_free;
-	PFN_cuMemMap_v10020                       map;
-	PFN_cuMemUnmap_v10020                     unmap;
-	PFN_cuMemSetAccess_v10020                 set_access;
-	PFN_cuEventCreate_v2000                   event_create;
-	PFN_cuEventDestroy_v4000                  event_destroy;
-	PFN_cuIpcGetEventHandle_v4010             ipc_get_event;
-	PFN_cuIpcOpenEventHandle_v4010            ipc_open_event;
-	PFN_cuEventRecord_v2000                   event_record;
-	PFN_cuStreamWaitEvent_v3020               stream_wait_event;
-	PFN_cuEventSynchronize_v2000              event_synchronize;
-	PFN_cuMemcpyHtoD_v3020                    memcpy_htod;
-	PFN_cuCtxSynchronize_v2000                ctx_synchronize;
+	CUDA_IMPORT_DRIVER(SHARDD_CUDA_DRIVER_FIELD, struct cuda_driver)
 };
 
 static struct cuda_driver drv;
 
-#define DRV(field, sym) SHARDD_CUDA_SYMBOL(struct cuda_driver, field, sym)
 static const struct shardd_cuda_symbol drv_symbols[] = {
-	DRV(init, "cuInit"),
-	DRV(get_error_string, "cuGetErrorString"),
-	DRV(device_get, "cuDeviceGet"),
-	DRV(primary_ctx_retain, "cuDevicePrimaryCtxRetain"),
-	DRV(primary_ctx_release, "cuDevicePrimaryCtxRelease"),
-	DRV(ctx_push, "cuCtxPushCurrent"),
-	DRV(ctx_pop, "cuCtxPopCurrent"),
-	DRV(ipc_open, "cuIpcOpenMemHandle"),
-	DRV(ipc_close, "cuIpcCloseMemHandle"),
-	DRV(granularity, "cuMemGetAllocationGranularity"),
-	DRV(import_handle, "cuMemImportFromShareableHandle"),
-	DRV(release, "cuMemRelease"),
-	DRV(address_reserve, "cuMemAddressReserve"),
-	DRV(address_free, "cuMemAddressFree"),
-	DRV(map, "cuMemMap"),
-	DRV(unmap, "cuMemUnmap"),
-	DRV(set_access, "cuMemSetAccess"),
-	DRV(event_create, "cuEventCreate"),
-	DRV(event_destroy, "cuEventDestroy"),
-	DRV(ipc_get_event, "cuIpcGetEventHandle"),
-	DRV(ipc_open_event, "cuIpcOpenEventHandle"),
-	DRV(event_record, "cuEventRecord"),
-	DRV(stream_wait_event, "cuStreamWaitEvent"),
-	DRV(event_synchronize, "cuEventSynchronize"),
-	DRV(memcpy_htod, "cuMemcpyHtoD"),
-	DRV(ctx_synchronize, "cuCtxSynchronize"),
+	CUDA_IMPORT_DRIVER(SHARDD_CUDA_DRIVER_SYMBOL, struct cuda_driver)
 };
-#undef DRV
-_Static_assert(sizeof(drv_symbols) / sizeof(drv_symbols[0]) * sizeof(void *) == sizeof(struct cuda_driver),
-	       "every entry point of struct cuda_driver has its name");
 
 static pthread_once_t drv_once = PTHREAD_ONCE_INIT;
 static int  drv_status;         /* 0 once every entry point resolved and cuInit succeeded */

@@ -6,6 +6,7 @@
  * the daemon's modules without this file.
  */
 #include <errno.h>
+#include <getopt.h>
 #include <grp.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -27,83 +28,165 @@
 static int world_mpi;
 static uint32_t internode_dtype = SHD_INTERNODE_FP32;
 
+/* ------------------------------------------------------------------ */
+/* Flags                                                               */
+/* ------------------------------------------------------------------ */
+
+/* getopt_long's answer for each flag: past every char, so none is taken for a short option. */
+enum flag_id {
+	FLAG_SOCKET = 256,
+	FLAG_BACKEND,
+	FLAG_CUDA_EXPORT,
+	FLAG_COLLECTIVE_TIMEOUT,
+	FLAG_HANDSHAKE_TIMEOUT,
+	FLAG_JOB_LINGER,
+	FLAG_WORKERS,
+	FLAG_ALLOW_GID,
+	FLAG_SOCKET_MODE,
+	FLAG_SOCKET_GROUP,
+	FLAG_METRICS_LISTEN,
+	FLAG_MAX_MEMORY,
+	FLAG_MAX_JOB_MEMORY,
+	FLAG_STATE_DIR,
+	FLAG_IMPORT_DIR,
+	FLAG_CHECKPOINT_EVERY,
+	FLAG_KEEP,
+	FLAG_WORLD,
+	FLAG_INTERNODE_DTYPE,
+	FLAG_LOG_LEVEL,
+	FLAG_FOREGROUND,
+	FLAG_VERSION,
+	FLAG_HELP = 'h', /* also -h */
+};
+
+/* One flag of the command line: getopt_long's row of it, and its --help entry. */
+struct flag {
+	const char *name;  /* after the "--" */
+	int         id;    /* enum flag_id */
+	const char *value; /* the value's name in --help; NULL: the flag takes none */
+	double      dflt;  /* the number a "%g" in `help` stands for */
+	const char *help;  /* --help's text, one line a "\n"; --socket's "%s" is its default path */
+};
+
+/* Every flag and what it means, in --help's order: --help prints this table. */
+static const struct flag flags[] = {
+	{ "socket", FLAG_SOCKET, "PATH", 0,
+	  "listen on PATH (default %s;\n"
+	  "$XDG_RUNTIME_DIR/shardd/shardd.sock, else\n"
+	  "/run/shardd/shardd.sock)" },
+	{ "backend", FLAG_BACKEND, "host|cuda", 0, "where buffers live (default host)" },
+	{ "cuda-export", FLAG_CUDA_EXPORT, "auto|fd|ipc", 0,
+	  "how the cuda backend hands buffers to trainers:\n"
+	  "fd (virtual memory API, POSIX file descriptors),\n"
+	  "ipc (cudaMalloc, legacy CUDA IPC handles), or\n"
+	  "auto: fd where the device supports it, else ipc,\n"
+	  "chosen per device (default auto; --backend cuda only)" },
+	{ "collective-timeout", FLAG_COLLECTIVE_TIMEOUT, "SECS", SHD_TIMEOUT_DEFAULT_S,
+	  "fail a collective or barrier that waits longer\n"
+	  "than SECS, naming the missing ranks (default %g)" },
+	{ "handshake-timeout", FLAG_HANDSHAKE_TIMEOUT, "SECS", SHD_HANDSHAKE_TIMEOUT_DEFAULT_S,
+	  "close a connection that sent no complete message\n"
+	  "(HELLO or an admin request) within SECS of\n"
+	  "connecting (default %g)" },
+	{ "job-linger", FLAG_JOB_LINGER, "SECS", SHD_JOB_LINGER_DEFAULT_S,
+	  "end a job that has had no attached rank for SECS\n"
+	  "and free its memory; a rank that re-attaches\n"
+	  "before then keeps it (default %g; 0 = never)" },
+	{ "workers", FLAG_WORKERS, "N", 0, "engine worker threads (default: online cores)" },
+	{ "allow-gid", FLAG_ALLOW_GID, "GID", 0,
+	  "also accept clients of group GID (number or name;\n"
+	  "repeatable); by default only shardd's own uid" },
+	{ "socket-mode", FLAG_SOCKET_MODE, "MODE", 0,
+	  "octal mode of the socket (default 0660 with\n"
+	  "--allow-gid, else 0600); its directory, when\n"
+	  "shardd creates it, gets search for the same classes\n"
+	  "(0750 for 0660)" },
+	{ "socket-group", FLAG_SOCKET_GROUP, "GROUP", 0,
+	  "group of the socket and of the directory shardd\n"
+	  "creates (number or name; default: the first\n"
+	  "--allow-gid)" },
+	{ "metrics-listen", FLAG_METRICS_LISTEN, "[ADDR:]PORT", 0,
+	  "serve Prometheus text on http://ADDR:PORT/metrics\n"
+	  "(ADDR defaults to 127.0.0.1; [::1]:PORT for IPv6)" },
+	{ "max-memory", FLAG_MAX_MEMORY, "BYTES", SHD_MAX_MEMORY_DEFAULT_PERCENT,
+	  "bytes of parameter-group buffers all jobs together\n"
+	  "may hold (suffix K, M, G or T: powers of 1024).\n"
+	  "A registration past it is refused, naming the\n"
+	  "job, the group and the bytes; buffers are\n"
+	  "committed at registration, so running out is a\n"
+	  "refusal, never an OOM kill (default %g%% of the\n"
+	  "physical memory, or of the daemon's cgroup limit,\n"
+	  "v2 memory.max or v1 memory.limit_in_bytes, when\n"
+	  "one is set and lower; host backend only)" },
+	{ "max-job-memory", FLAG_MAX_JOB_MEMORY, "BYTES", 0,
+	  "the same limit for one job's buffers\n"
+	  "(default: --max-memory)" },
+	{ "state-dir", FLAG_STATE_DIR, "DIR", 0,
+	  "keep each job's checkpoints in DIR/JOB/step-N\n"
+	  "(the checkpoint op; docs/CHECKPOINTS.md)" },
+	{ "import-dir", FLAG_IMPORT_DIR, "DIR", SHD_MAX_IMPORT_DIRS,
+	  "a client of another uid (let in by --allow-gid)\n"
+	  "may restore from checkpoints and weights under\n"
+	  "DIR (repeatable, at most %g); by default only\n"
+	  "from under --state-dir" },
+	{ "checkpoint-every", FLAG_CHECKPOINT_EVERY, "STEPS", 0,
+	  "also checkpoint every job into --state-dir at each\n"
+	  "step boundary that is a multiple of STEPS" },
+	{ "keep", FLAG_KEEP, "N", 0,
+	  "keep the newest N checkpoints of each job in\n"
+	  "--state-dir, removing older ones (default 0: all)" },
+	{ "world", FLAG_WORLD, "mpi", 0,
+	  "one daemon per node started by mpirun or srun\n"
+	  "(MPI rank = node index); jobs may span the nodes\n"
+	  "(docs/MULTINODE.md)" },
+	{ "internode-dtype", FLAG_INTERNODE_DTYPE, "fp32|reduce", 0,
+	  "how HSDP partials travel between nodes\n"
+	  "(default fp32; reduce: the group's reduce dtype)" },
+	{ "log-level", FLAG_LOG_LEVEL, "LEVEL", 0, "error, warn, info or debug (default info)" },
+	{ "foreground", FLAG_FOREGROUND, NULL, 0, "accepted for supervisors; shardd never daemonizes" },
+	{ "version", FLAG_VERSION, NULL, 0, "print the version and exit" },
+	{ "help", FLAG_HELP, NULL, 0, "print this help and exit" },
+};
+
+#define NFLAGS (sizeof(flags) / sizeof(flags[0]))
+
+/* --help's columns: where a flag's name starts, and where its text does. */
+#define HELP_NAME_COL 2
+#define HELP_TEXT_COL 29
+
 static void usage(FILE *f)
 {
 	char def[sizeof(((struct shd_config *)0)->socket_path)];
 
 	shardd_socket_path_default(def, sizeof(def));
-	fprintf(f,
-		"Usage: shardd [OPTIONS]\n"
-		"Per-node ZeRO-3 (FSDP2) parameter server: trainer processes attach over a Unix\n"
-		"socket and a shared-memory ring and run unshard/reduce/reshard through it.\n"
-		"\n"
-		"shardd always runs in the foreground and logs to stderr: run it under systemd\n"
-		"or another supervisor. It prints 'shardd: ready on PATH' once it accepts clients,\n"
-		"and shuts down cleanly on SIGTERM or SIGINT. Under systemd socket activation\n"
-		"(LISTEN_FDS=1, see shardd.socket) it serves the socket passed as fd 3.\n"
-		"\n"
-		"Options:\n"
-		"  --socket PATH              listen on PATH (default %s;\n"
-		"                             $XDG_RUNTIME_DIR/shardd/shardd.sock, else\n"
-		"                             /run/shardd/shardd.sock)\n"
-		"  --backend host|cuda        where buffers live (default host)\n"
-		"  --cuda-export auto|fd|ipc  how the cuda backend hands buffers to trainers:\n"
-		"                             fd (virtual memory API, POSIX file descriptors),\n"
-		"                             ipc (cudaMalloc, legacy CUDA IPC handles), or\n"
-		"                             auto: fd where the device supports it, else ipc,\n"
-		"                             chosen per device (default auto; --backend cuda only)\n"
-		"  --collective-timeout SECS  fail a collective or barrier that waits longer\n"
-		"                             than SECS, naming the missing ranks (default %g)\n"
-		"  --handshake-timeout SECS   close a connection that sent no complete message\n"
-		"                             (HELLO or an admin request) within SECS of\n"
-		"                             connecting (default %g)\n"
-		"  --job-linger SECS          end a job that has had no attached rank for SECS\n"
-		"                             and free its memory; a rank that re-attaches\n"
-		"                             before then keeps it (default %g; 0 = never)\n"
-		"  --workers N                engine worker threads (default: online cores)\n"
-		"  --allow-gid GID            also accept clients of group GID (number or name;\n"
-		"                             repeatable); by default only shardd's own uid\n"
-		"  --socket-mode MODE         octal mode of the socket (default 0660 with\n"
-		"                             --allow-gid, else 0600); its directory, when\n"
-		"                             shardd creates it, gets search for the same classes\n"
-		"                             (0750 for 0660)\n"
-		"  --socket-group GROUP       group of the socket and of the directory shardd\n"
-		"                             creates (number or name; default: the first\n"
-		"                             --allow-gid)\n"
-		"  --metrics-listen [ADDR:]PORT  serve Prometheus text on http://ADDR:PORT/metrics\n"
-		"                             (ADDR defaults to 127.0.0.1; [::1]:PORT for IPv6)\n"
-		"  --max-memory BYTES         bytes of parameter-group buffers all jobs together\n"
-		"                             may hold (suffix K, M, G or T: powers of 1024).\n"
-		"                             A registration past it is refused, naming the\n"
-		"                             job, the group and the bytes; buffers are\n"
-		"                             committed at registration, so running out is a\n"
-		"                             refusal, never an OOM kill (default %d%% of the\n"
-		"                             physical memory, or of the daemon's cgroup limit,\n"
-		"                             v2 memory.max or v1 memory.limit_in_bytes, when\n"
-		"                             one is set and lower; host backend only)\n"
-		"  --max-job-memory BYTES     the same limit for one job's buffers\n"
-		"                             (default: --max-memory)\n"
-		"  --state-dir DIR            keep each job's checkpoints in DIR/JOB/step-N\n"
-		"                             (the checkpoint op; docs/CHECKPOINTS.md)\n"
-		"  --import-dir DIR           a client of another uid (let in by --allow-gid)\n"
-		"                             may restore from checkpoints and weights under\n"
-		"                             DIR (repeatable, at most %d); by default only\n"
-		"                             from under --state-dir\n"
-		"  --checkpoint-every STEPS   also checkpoint every job into --state-dir at each\n"
-		"                             step boundary that is a multiple of STEPS\n"
-		"  --keep N                   keep the newest N checkpoints of each job in\n"
-		"                             --state-dir, removing older ones (default 0: all)\n"
-		"  --world mpi                one daemon per node started by mpirun or srun\n"
-		"                             (MPI rank = node index); jobs may span the nodes\n"
-		"                             (docs/MULTINODE.md)\n"
-		"  --internode-dtype fp32|reduce  how HSDP partials travel between nodes\n"
-		"                             (default fp32; reduce: the group's reduce dtype)\n"
-		"  --log-level LEVEL          error, warn, info or debug (default info)\n"
-		"  --foreground               accepted for supervisors; shardd never daemonizes\n"
-		"  --version                  print the version and exit\n"
-		"  --help                     print this help and exit\n",
-		def, SHD_TIMEOUT_DEFAULT_S, SHD_HANDSHAKE_TIMEOUT_DEFAULT_S,
-		SHD_JOB_LINGER_DEFAULT_S, SHD_MAX_MEMORY_DEFAULT_PERCENT, SHD_MAX_IMPORT_DIRS);
+	fputs("Usage: shardd [OPTIONS]\n"
+	      "Per-node ZeRO-3 (FSDP2) parameter server: trainer processes attach over a Unix\n"
+	      "socket and a shared-memory ring and run unshard/reduce/reshard through it.\n"
+	      "\n"
+	      "shardd always runs in the foreground and logs to stderr: run it under systemd\n"
+	      "or another supervisor. It prints 'shardd: ready on PATH' once it accepts clients,\n"
+	      "and shuts down cleanly on SIGTERM or SIGINT. Under systemd socket activation\n"
+	      "(LISTEN_FDS=1, see shardd.socket) it serves the socket passed as fd 3.\n"
+	      "\n"
+	      "Options:\n", f);
+	for (const struct flag *fl = flags; fl < flags + NFLAGS; fl++) {
+		char name[64], text[1024];
+
+		snprintf(name, sizeof(name), "--%s%s%s", fl->name, fl->value ? " " : "",
+			 fl->value ? fl->value : "");
+		if (fl->id == FLAG_SOCKET)
+			snprintf(text, sizeof(text), fl->help, def);
+		else
+			snprintf(text, sizeof(text), fl->help, fl->dflt);
+		/* A name too long for its column pushes the first line right by the overflow. */
+		fprintf(f, "%*s%-*s  ", HELP_NAME_COL, "", HELP_TEXT_COL - HELP_NAME_COL - 2, name);
+		for (char *line = text, *nl; line; line = nl) {
+			nl = strchr(line, '\n');
+			if (nl)
+				*nl++ = '\0';
+			fprintf(f, "%*s%s\n", line == text ? 0 : HELP_TEXT_COL, "", line);
+		}
+	}
 }
 
 #define WORKERS_MAX 4096 /* --workers */
@@ -169,56 +252,104 @@ static int parse_seconds(const char *flag, const char *val, double *out)
 	return 0;
 }
 
+/* One word a flag takes, and what it stands for. */
+struct choice {
+	const char *word;
+	uint32_t    value;
+};
+
 /*
- * Apply one flag with its value (NULL for flags without). 0, or 2 after a
+ * `val` as one of the `n` words of `choices`: its value in *out. 0, or 2
+ * after a usage error that lists the words.
+ */
+static int parse_choice(const char *flag, const char *val, const struct choice *choices, size_t n,
+			uint32_t *out)
+{
+	char words[128];
+	size_t off = 0;
+
+	for (size_t i = 0; i < n; i++) {
+		if (strcmp(val, choices[i].word) == 0) {
+			*out = choices[i].value;
+			return 0;
+		}
+		if (off < sizeof(words))
+			off += (size_t)snprintf(words + off, sizeof(words) - off, "%s%s", i ? ", " : "",
+						choices[i].word);
+	}
+	return usage_error("%s: '%s' is not one of %s", flag, val, words);
+}
+
+#define NCHOICES(c) (sizeof(c) / sizeof((c)[0]))
+
+static const struct choice backends[] = {
+	{ "host", SHARDD_BACKEND_HOST },
+	{ "cuda", SHARDD_BACKEND_CUDA },
+};
+static const struct choice cuda_exports[] = {
+	{ "auto", SHD_CUDA_EXPORT_AUTO },
+	{ "fd",   SHD_CUDA_EXPORT_FD },
+	{ "ipc",  SHD_CUDA_EXPORT_IPC },
+};
+static const struct choice internode_dtypes[] = {
+	{ "fp32",   SHD_INTERNODE_FP32 },
+	{ "reduce", SHD_INTERNODE_REDUCE },
+};
+
+/* --max-memory or --max-job-memory: bytes above 0. 0, or 2 after a usage error. */
+static int parse_bytes(const char *flag, const char *val, uint64_t *out)
+{
+	if (shd_memlimit_parse(val, out) < 0 || *out == 0)
+		return usage_error("%s: '%s' is not a byte count above 0 (digits, then "
+				   "optionally K, M, G or T)", flag, val);
+	return 0;
+}
+
+/*
+ * Apply flag `id` with its value (NULL for flags without). 0, or 2 after a
  * usage error. *cuda_export_given is set when --cuda-export is seen.
  */
-static int apply_flag(struct shd_config *cfg, const char *flag, const char *val,
-		      int *cuda_export_given)
+static int apply_flag(struct shd_config *cfg, enum flag_id id, const char *val, int *cuda_export_given)
 {
 	unsigned long v;
+	char *end;
+	double t;
 
-	if (strcmp(flag, "--socket") == 0) {
+	switch (id) {
+	case FLAG_SOCKET:
 		if (!*val)
-			return usage_error("%s: the path is empty", flag);
+			return usage_error("--socket: the path is empty");
 		if (strlen(val) >= sizeof(cfg->socket_path))
 			return usage_error("--socket: the path is longer than %zu bytes: %s",
 					   sizeof(cfg->socket_path) - 1, val);
 		snprintf(cfg->socket_path, sizeof(cfg->socket_path), "%s", val);
-	} else if (strcmp(flag, "--log-level") == 0) {
+		break;
+	case FLAG_LOG_LEVEL: {
 		int level = shd_log_level_parse(val);
 
 		if (level < 0)
 			return usage_error("--log-level: '%s' is not one of error, warn, info, debug",
 					   val);
 		cfg->log_level = level;
-	} else if (strcmp(flag, "--backend") == 0) {
-		if (strcmp(val, "host") == 0)
-			cfg->backend = SHARDD_BACKEND_HOST;
-		else if (strcmp(val, "cuda") == 0)
-			cfg->backend = SHARDD_BACKEND_CUDA;
-		else
-			return usage_error("--backend: '%s' is not one of host, cuda", val);
-	} else if (strcmp(flag, "--cuda-export") == 0) {
-		if (strcmp(val, "auto") == 0)
-			cfg->cuda_export = SHD_CUDA_EXPORT_AUTO;
-		else if (strcmp(val, "fd") == 0)
-			cfg->cuda_export = SHD_CUDA_EXPORT_FD;
-		else if (strcmp(val, "ipc") == 0)
-			cfg->cuda_export = SHD_CUDA_EXPORT_IPC;
-		else
-			return usage_error("--cuda-export: '%s' is not one of auto, fd, ipc", val);
+		break;
+	}
+	case FLAG_BACKEND:
+		return parse_choice("--backend", val, backends, NCHOICES(backends), &cfg->backend);
+	case FLAG_CUDA_EXPORT:
 		*cuda_export_given = 1;
-	} else if (strcmp(flag, "--collective-timeout") == 0) {
-		return parse_seconds(flag, val, &cfg->collective_timeout_s);
-	} else if (strcmp(flag, "--handshake-timeout") == 0) {
-		return parse_seconds(flag, val, &cfg->handshake_timeout_s);
-	} else if (strcmp(flag, "--workers") == 0) {
+		return parse_choice("--cuda-export", val, cuda_exports, NCHOICES(cuda_exports),
+				    &cfg->cuda_export);
+	case FLAG_COLLECTIVE_TIMEOUT:
+		return parse_seconds("--collective-timeout", val, &cfg->collective_timeout_s);
+	case FLAG_HANDSHAKE_TIMEOUT:
+		return parse_seconds("--handshake-timeout", val, &cfg->handshake_timeout_s);
+	case FLAG_WORKERS:
 		if (parse_uint(val, 1, WORKERS_MAX, &v) < 0)
 			return usage_error("--workers: '%s' is not a thread count in [1, %d]", val,
 					   WORKERS_MAX);
 		cfg->workers = (unsigned)v;
-	} else if (strcmp(flag, "--allow-gid") == 0) {
+		break;
+	case FLAG_ALLOW_GID: {
 		gid_t gid;
 
 		if (parse_gid(val, &gid) < 0)
@@ -228,20 +359,13 @@ static int apply_flag(struct shd_config *cfg, const char *flag, const char *val,
 			return usage_error("--allow-gid: more than %d groups (at '%s')",
 					   SHD_MAX_ALLOW_GIDS, val);
 		cfg->allow_gids[cfg->nallow_gids++] = gid;
-	} else if (strcmp(flag, "--max-memory") == 0 || strcmp(flag, "--max-job-memory") == 0) {
-		uint64_t bytes;
-
-		if (shd_memlimit_parse(val, &bytes) < 0 || bytes == 0)
-			return usage_error("%s: '%s' is not a byte count above 0 (digits, then "
-					   "optionally K, M, G or T)", flag, val);
-		if (strcmp(flag, "--max-memory") == 0)
-			cfg->max_memory = bytes;
-		else
-			cfg->max_job_memory = bytes;
-	} else if (strcmp(flag, "--job-linger") == 0) {
-		char *end;
-		double t;
-
+		break;
+	}
+	case FLAG_MAX_MEMORY:
+		return parse_bytes("--max-memory", val, &cfg->max_memory);
+	case FLAG_MAX_JOB_MEMORY:
+		return parse_bytes("--max-job-memory", val, &cfg->max_job_memory);
+	case FLAG_JOB_LINGER:
 		errno = 0;
 		t = strtod(val, &end);
 		if (errno || end == val || *end || !(t >= 0) || t > SHD_JOB_LINGER_MAX_S)
@@ -249,9 +373,8 @@ static int apply_flag(struct shd_config *cfg, const char *flag, const char *val,
 					   "(0 keeps a job without ranks forever)", val,
 					   SHD_JOB_LINGER_MAX_S);
 		cfg->job_linger_s = t;
-	} else if (strcmp(flag, "--socket-mode") == 0) {
-		char *end;
-
+		break;
+	case FLAG_SOCKET_MODE:
 		errno = 0;
 		v = strtoul(val, &end, 8);
 		if (errno || end == val || *end || *val == '-' || *val == '+' || v > 0777 ||
@@ -259,12 +382,14 @@ static int apply_flag(struct shd_config *cfg, const char *flag, const char *val,
 			return usage_error("--socket-mode: '%s' is not an octal mode in [0600, 0777] "
 					   "that keeps the owner's rw (e.g. 0660)", val);
 		cfg->socket_mode = (unsigned)v;
-	} else if (strcmp(flag, "--socket-group") == 0) {
+		break;
+	case FLAG_SOCKET_GROUP:
 		if (parse_gid(val, &cfg->socket_group) < 0)
 			return usage_error("--socket-group: '%s' is neither a gid nor a group name",
 					   val);
 		cfg->socket_group_set = 1;
-	} else if (strcmp(flag, "--metrics-listen") == 0) {
+		break;
+	case FLAG_METRICS_LISTEN: {
 		char host[128], port[16], why[256];
 
 		if (strlen(val) >= sizeof(cfg->metrics_listen) ||
@@ -273,12 +398,15 @@ static int apply_flag(struct shd_config *cfg, const char *flag, const char *val,
 			return usage_error("--metrics-listen %s", strlen(val) >=
 					   sizeof(cfg->metrics_listen) ? "is too long" : why);
 		snprintf(cfg->metrics_listen, sizeof(cfg->metrics_listen), "%s", val);
-	} else if (strcmp(flag, "--state-dir") == 0) {
+		break;
+	}
+	case FLAG_STATE_DIR:
 		if (!val[0] || strlen(val) >= sizeof(cfg->state_dir) - 200)
 			return usage_error("--state-dir: '%.64s' is empty or longer than %zu bytes", val,
 					   sizeof(cfg->state_dir) - 201);
 		snprintf(cfg->state_dir, sizeof(cfg->state_dir), "%s", val);
-	} else if (strcmp(flag, "--import-dir") == 0) {
+		break;
+	case FLAG_IMPORT_DIR: {
 		struct stat st;
 		char *real;
 
@@ -295,58 +423,129 @@ static int apply_flag(struct shd_config *cfg, const char *flag, const char *val,
 					   "name an existing one", val, strerror(err));
 		}
 		cfg->import_dirs[cfg->nimport_dirs++] = real;
-	} else if (strcmp(flag, "--checkpoint-every") == 0) {
-		char *end;
-
+		break;
+	}
+	case FLAG_CHECKPOINT_EVERY:
 		errno = 0;
 		v = strtoul(val, &end, 10);
 		if (errno || end == val || *end || *val == '-' || v == 0 || v > UINT32_MAX)
 			return usage_error("--checkpoint-every: '%s' is not a step count in [1, %u]", val,
 					   UINT32_MAX);
 		cfg->checkpoint_every = (uint32_t)v;
-	} else if (strcmp(flag, "--keep") == 0) {
-		char *end;
-
+		break;
+	case FLAG_KEEP:
 		errno = 0;
 		v = strtoul(val, &end, 10);
 		if (errno || end == val || *end || *val == '-' || v > 1000000)
 			return usage_error("--keep: '%s' is not a count in [0, 1000000] (0 keeps every "
 					   "checkpoint)", val);
 		cfg->keep = (uint32_t)v;
-	} else if (strcmp(flag, "--world") == 0) {
+		break;
+	case FLAG_WORLD:
 		if (strcmp(val, "mpi") != 0)
 			return usage_error("--world: '%s' is not mpi (the only world there is)", val);
 		world_mpi = 1;
-	} else if (strcmp(flag, "--internode-dtype") == 0) {
-		if (strcmp(val, "fp32") == 0)
-			internode_dtype = SHD_INTERNODE_FP32;
-		else if (strcmp(val, "reduce") == 0)
-			internode_dtype = SHD_INTERNODE_REDUCE;
-		else
-			return usage_error("--internode-dtype: '%s' is not one of fp32, reduce", val);
-	} else if (strcmp(flag, "--foreground") == 0) {
+		break;
+	case FLAG_INTERNODE_DTYPE:
+		return parse_choice("--internode-dtype", val, internode_dtypes, NCHOICES(internode_dtypes),
+				    &internode_dtype);
+	case FLAG_FOREGROUND:
 		/* shardd never forks into the background; the flag is for supervisors' habits. */
-	} else {
-		return usage_error("unknown flag '%s'", flag);
+		break;
+	case FLAG_VERSION:
+	case FLAG_HELP:
+		/* parse_flags answers these itself: they end shardd before it runs. */
+		break;
 	}
 	return 0;
 }
 
-/* Flags that take a value, as "--flag VALUE" or "--flag=VALUE". */
-static int takes_value(const char *flag)
+/*
+ * `arg`, where getopt_long read a flag, names one the way shardd takes it:
+ * a whole flag name (getopt_long would also take any unambiguous prefix of
+ * one), or -h on its own (not in a cluster such as -hx). 0, or 2 after a
+ * usage error.
+ */
+static int flag_named_whole(const char *arg)
 {
-	static const char *const with_value[] = {
-		"--socket", "--log-level", "--backend", "--cuda-export", "--collective-timeout",
-		"--handshake-timeout", "--workers", "--allow-gid", "--job-linger", "--socket-mode",
-		"--socket-group", "--metrics-listen", "--max-memory", "--max-job-memory",
-		"--state-dir", "--keep", "--checkpoint-every", "--import-dir",
-		"--world", "--internode-dtype",
-	};
+	size_t len;
 
-	for (size_t i = 0; i < sizeof(with_value) / sizeof(with_value[0]); i++)
-		if (strcmp(flag, with_value[i]) == 0)
-			return 1;
-	return 0;
+	if (strncmp(arg, "--", 2) != 0)
+		return strcmp(arg, "-h") == 0 ? 0 : usage_error("unexpected argument '%s'", arg);
+	len = strcspn(arg + 2, "=");
+	for (const struct flag *fl = flags; fl < flags + NFLAGS; fl++)
+		if (strlen(fl->name) == len && strncmp(arg + 2, fl->name, len) == 0)
+			return 0;
+	return usage_error("unknown flag '%s'", arg);
+}
+
+static void print_version(void)
+{
+	printf("shardd %s (protocol %d.%d, backends: host%s)\n", SHARDD_VERSION,
+	       SHARDD_PROTO_MAJOR, SHARDD_PROTO_MINOR,
+#ifdef SHARDD_HAVE_CUDA
+	       ", cuda"
+#else
+	       ""
+#endif
+	       );
+}
+
+/*
+ * Read argv's flags into `cfg`, in order. -1 when shardd is to run; else
+ * the exit status: 0 after --help or --version, 2 after a usage error.
+ */
+static int parse_flags(int argc, char **argv, struct shd_config *cfg)
+{
+	struct option longopts[NFLAGS + 1];
+	int cuda_export_given = 0;
+
+	for (size_t i = 0; i < NFLAGS; i++)
+		longopts[i] = (struct option){ flags[i].name,
+					       flags[i].value ? required_argument : no_argument, NULL,
+					       flags[i].id };
+	longopts[NFLAGS] = (struct option){ 0 };
+	opterr = 0;
+	for (;;) {
+		/*
+		 * "-": in argv's order, an argument that is no flag comes back
+		 * as 1 (so it is refused where it stands); ":": a flag missing
+		 * its value comes back as ':'.
+		 */
+		int at = optind, c = getopt_long(argc, argv, "-:h", longopts, NULL), ret;
+
+		if (c == -1) {
+			/* getopt_long stops at "--", which shardd does not take. */
+			if (at < argc)
+				return usage_error("unknown flag '%s'", argv[at]);
+			break;
+		}
+		if (flag_named_whole(argv[at]))
+			return 2;
+		switch (c) {
+		case ':':
+			return usage_error("%s needs a value", argv[at]);
+		case '?':
+			/* A flag without a value, given one (--flag=VALUE). */
+			if (optopt == FLAG_FOREGROUND)
+				return usage_error("--foreground takes no value");
+			return usage_error("unknown flag '%s'", argv[at]);
+		case FLAG_HELP:
+			usage(stdout);
+			return 0;
+		case FLAG_VERSION:
+			print_version();
+			return 0;
+		}
+		ret = apply_flag(cfg, c, optarg, &cuda_export_given);
+		if (ret)
+			return ret;
+	}
+	/* Flags come in any order: only now is the backend known. */
+	if (cuda_export_given && cfg->backend != SHARDD_BACKEND_CUDA)
+		return usage_error("--cuda-export applies to --backend cuda only; the backend is %s",
+				   shd_backend_name(cfg->backend));
+	return -1;
 }
 
 /*
@@ -377,56 +576,12 @@ int main(int argc, char **argv)
 {
 	/* Static: the --import-dir strings it holds stay reachable on every way out. */
 	static struct shd_config cfg;
-	int cuda_export_given = 0, ret;
+	int ret;
 
 	shd_config_defaults(&cfg);
-	for (int i = 1; i < argc; i++) {
-		char flag[64];
-		const char *arg = argv[i], *val = NULL, *eq;
-
-		if (strcmp(arg, "--help") == 0 || strcmp(arg, "-h") == 0) {
-			usage(stdout);
-			return 0;
-		}
-		if (strcmp(arg, "--version") == 0) {
-			printf("shardd %s (protocol %d.%d, backends: host%s)\n", SHARDD_VERSION,
-			       SHARDD_PROTO_MAJOR, SHARDD_PROTO_MINOR,
-#ifdef SHARDD_HAVE_CUDA
-			       ", cuda"
-#else
-			       ""
-#endif
-			       );
-			return 0;
-		}
-		if (strncmp(arg, "--", 2) != 0)
-			return usage_error("unexpected argument '%s'", arg);
-		eq = strchr(arg, '=');
-		if (eq && (size_t)(eq - arg) < sizeof(flag)) {
-			snprintf(flag, sizeof(flag), "%.*s", (int)(eq - arg), arg);
-			val = eq + 1;
-		} else {
-			snprintf(flag, sizeof(flag), "%s", arg);
-		}
-		if (takes_value(flag)) {
-			if (!val) {
-				if (i + 1 >= argc)
-					return usage_error("%s needs a value", flag);
-				val = argv[++i];
-			}
-		} else if (val) {
-			if (strcmp(flag, "--foreground") == 0)
-				return usage_error("%s takes no value", flag);
-			return usage_error("unknown flag '%s'", arg);
-		}
-		ret = apply_flag(&cfg, flag, val, &cuda_export_given);
-		if (ret)
-			return ret;
-	}
-	/* Flags come in any order: only now is the backend known. */
-	if (cuda_export_given && cfg.backend != SHARDD_BACKEND_CUDA)
-		return usage_error("--cuda-export applies to --backend cuda only; the backend is %s",
-				   shd_backend_name(cfg.backend));
+	ret = parse_flags(argc, argv, &cfg);
+	if (ret >= 0)
+		return ret;
 
 #ifndef SHARDD_HAVE_CUDA
 	if (cfg.backend == SHARDD_BACKEND_CUDA) {

@@ -52,22 +52,6 @@
 		fn((x) + i_, (n) - i_);                                        \
 	} while (0)
 
-ALWAYS_INLINE uint32_t f32_bits(float f)
-{
-	uint32_t u;
-
-	memcpy(&u, &f, sizeof(u));
-	return u;
-}
-
-ALWAYS_INLINE float bits_f32(uint32_t u)
-{
-	float f;
-
-	memcpy(&f, &u, sizeof(f));
-	return f;
-}
-
 /* ------------------------------------------------------------- bf16 --- */
 
 /*
@@ -97,19 +81,19 @@ ALWAYS_INLINE uint32_t bf16_to_bits(uint16_t h)
 ALWAYS_INLINE void bf16_load_n(float *restrict d, const uint16_t *restrict s, size_t n)
 {
 	for (size_t i = 0; i < n; i++)
-		d[i] = bits_f32(bf16_to_bits(s[i]));
+		d[i] = shardd_bits_f32(bf16_to_bits(s[i]));
 }
 
 ALWAYS_INLINE void bf16_store_n(uint16_t *restrict d, const float *restrict s, size_t n)
 {
 	for (size_t i = 0; i < n; i++)
-		d[i] = bf16_from_bits(f32_bits(s[i]));
+		d[i] = bf16_from_bits(shardd_f32_bits(s[i]));
 }
 
 ALWAYS_INLINE void bf16_round_n(float *restrict x, size_t n)
 {
 	for (size_t i = 0; i < n; i++)
-		x[i] = bits_f32(bf16_to_bits(bf16_from_bits(f32_bits(x[i]))));
+		x[i] = shardd_bits_f32(bf16_to_bits(bf16_from_bits(shardd_f32_bits(x[i]))));
 }
 
 /*
@@ -278,9 +262,9 @@ ALWAYS_INLINE float f16_to_f32_portable(uint16_t h)
 	float f;
 
 	if (e == 0x1f)
-		return bits_f32(sign | 0x7f800000u | (m << 13) | (m ? 0x00400000u : 0u));
+		return shardd_bits_f32(sign | 0x7f800000u | (m << 13) | (m ? 0x00400000u : 0u));
 	if (e != 0)
-		return bits_f32(sign | ((e + 112u) << 23) | (m << 13));
+		return shardd_bits_f32(sign | ((e + 112u) << 23) | (m << 13));
 	/* Subnormal or zero: m * 2^-24, exact in fp32. */
 	f = (float)m * 0x1p-24f;
 	return sign ? -f : f;
@@ -295,13 +279,13 @@ static void f16_load_portable(float *restrict d, const uint16_t *restrict s, siz
 static void f16_store_portable(uint16_t *restrict d, const float *restrict s, size_t n)
 {
 	for (size_t i = 0; i < n; i++)
-		d[i] = f16_from_bits(f32_bits(s[i]));
+		d[i] = f16_from_bits(shardd_f32_bits(s[i]));
 }
 
 static void f16_round_portable(float *x, size_t n)
 {
 	for (size_t i = 0; i < n; i++)
-		x[i] = f16_to_f32_portable(f16_from_bits(f32_bits(x[i])));
+		x[i] = f16_to_f32_portable(f16_from_bits(shardd_f32_bits(x[i])));
 }
 
 #ifdef SHARDD_HAVE_X86
@@ -562,17 +546,17 @@ AVX2_TARGET static void copy_stream_avx2(char *restrict d, const char *restrict 
 
 uint16_t shardd_f32_to_bf16(float f)
 {
-	return bf16_from_bits(f32_bits(f));
+	return bf16_from_bits(shardd_f32_bits(f));
 }
 
 float shardd_bf16_to_f32(uint16_t h)
 {
-	return bits_f32(bf16_to_bits(h));
+	return shardd_bits_f32(bf16_to_bits(h));
 }
 
 uint16_t shardd_f32_to_f16(float f)
 {
-	return f16_from_bits(f32_bits(f));
+	return f16_from_bits(shardd_f32_bits(f));
 }
 
 float shardd_f16_to_f32(uint16_t h)

@@ -169,10 +169,8 @@ struct rv_args {
 /* A power of two whose reciprocal is a normal fp32 (so that it is exact). */
 static int exact_reciprocal(float f)
 {
-	uint32_t u, e;
+	uint32_t u = shardd_f32_bits(f), e = (u >> 23) & 0xffu;
 
-	memcpy(&u, &f, sizeof(u));
-	e = (u >> 23) & 0xffu;
 	return (u & 0x7fffffu) == 0 && e >= 1 && e <= 253;
 }
 

@@ -16,6 +16,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 /*
  * Elements the CPU kernels process at a time: their fp32 stack buffers
@@ -29,6 +30,39 @@ uint16_t shardd_f32_to_bf16(float f);
 float    shardd_bf16_to_f32(uint16_t h);
 uint16_t shardd_f32_to_f16(float f);
 float    shardd_f16_to_f32(uint16_t h);
+
+/*
+ * Bit-casts, the terms bf16 is written in (bf16 is the top half of an
+ * fp32's bits), for the kernels, shardbench and the tests alike: an fp32's
+ * bits and back; the bf16 of a value exact in bf16 (at most 8 significant
+ * bits), by truncation where shardd_f32_to_bf16 rounds; and a bf16 widened
+ * with its bits as they are, where shardd_bf16_to_f32 quiets a NaN.
+ */
+static inline uint32_t shardd_f32_bits(float f)
+{
+	uint32_t u;
+
+	memcpy(&u, &f, sizeof(u));
+	return u;
+}
+
+static inline float shardd_bits_f32(uint32_t u)
+{
+	float f;
+
+	memcpy(&f, &u, sizeof(f));
+	return f;
+}
+
+static inline uint16_t shardd_bf16_truncate(float f)
+{
+	return (uint16_t)(shardd_f32_bits(f) >> 16);
+}
+
+static inline float shardd_bf16_widen(uint16_t h)
+{
+	return shardd_bits_f32((uint32_t)h << 16);
+}
 
 /* Round an fp32 value to `dtype` and back (identity for fp32). */
 float shardd_round_to(uint32_t dtype, float f);

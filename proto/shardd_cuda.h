@@ -1,8 +1,9 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * What the daemon's cuda backend and libshardd must do the same way, in
- * one place: how a table of CUDA (or NCCL) entry points is resolved by
- * name, and how a buffer's size is rounded to an allocation granularity.
+ * one place: which driver entry points both call, how a table of CUDA (or
+ * NCCL) entry points is resolved by name, and how a buffer's size is
+ * rounded to an allocation granularity.
  *
  * Why here: proto/ is the one folder both daemon/ and client/ may
  * include (the repository's layout rules), and it may include libc only:
@@ -58,6 +59,30 @@ struct shardd_cuda_symbol {
 #define SHARDD_CUDA_SYMBOL(type, field, sym) { sym, offsetof(type, field) }
 
 /*
+ * The driver's entry points that the cuda backend and libshardd both call,
+ * as X(type, field, symbol, version): the field of the caller's struct
+ * `type` of function pointers, the driver's name of the call, and the
+ * version in the name of its PFN_ typedef (cudaTypedefs.h, which the
+ * caller includes). A caller lists its own after these and expands the
+ * whole list twice: with SHARDD_CUDA_DRIVER_FIELD inside its struct, and
+ * with SHARDD_CUDA_DRIVER_SYMBOL into the table shardd_cuda_resolve fills
+ * the struct from, so every field has its name.
+ */
+#define SHARDD_CUDA_DRIVER_SHARED(X, type)                              \
+	X(type, get_error_string, cuGetErrorString, 6000)               \
+	X(type, device_get,       cuDeviceGet, 2000)                    \
+	X(type, granularity,      cuMemGetAllocationGranularity, 10020) \
+	X(type, release,          cuMemRelease, 10020)                  \
+	X(type, address_reserve,  cuMemAddressReserve, 10020)           \
+	X(type, address_free,     cuMemAddressFree, 10020)              \
+	X(type, map,              cuMemMap, 10020)                      \
+	X(type, unmap,            cuMemUnmap, 10020)                    \
+	X(type, set_access,       cuMemSetAccess, 10020)
+
+#define SHARDD_CUDA_DRIVER_FIELD(type, field, sym, version)  PFN_##sym##_v##version field;
+#define SHARDD_CUDA_DRIVER_SYMBOL(type, field, sym, version) SHARDD_CUDA_SYMBOL(type, field, #sym),
+
+/*
  * How one library finds an entry point: 0 with *fn set (never NULL), or
  * nonzero with `err` naming the symbol, why it is missing and what to do.
  */
@@ -76,8 +101,9 @@ _Static_assert(sizeof(void *) == sizeof(void (*)(void)),
  * Fill `table`, a struct of function pointers only, with the `n` entry
  * points of `syms` found by `lookup` (given `ctx`). 0, or -SHARDD_E_BACKEND
  * with `err` as the lookup wrote it for the first one missing; `table` may
- * then be partly filled. A caller checks that `syms` names every field:
- * n * sizeof(void *) == sizeof(*table).
+ * then be partly filled. Every field of `table` needs its row in `syms`:
+ * a caller builds both from one list (SHARDD_CUDA_DRIVER_SHARED), or
+ * checks that n * sizeof(void *) == sizeof(*table).
  */
 static inline int shardd_cuda_resolve(void *table, const struct shardd_cuda_symbol *syms, size_t n,
 				      shardd_cuda_lookup_fn lookup, void *ctx, char *err, size_t errlen)

@@ -145,29 +145,20 @@ static int put_linger(json_t *o, const struct shd_job *j, uint64_t now_ns)
 	       admin_put(o, "ends_in_s", ends < 0 ? json_null() : json_real(ends));
 }
 
-json_t *admin_cmd_jobs(const json_t *req)
+/*
+ * The reply {"jobs": [fn(j) for every job, or for `only`]}, read at one
+ * `now`; NULL when out of memory.
+ */
+static json_t *jobs_reply(const struct shd_job *only,
+			  json_t *(*fn)(const struct shd_job *, uint64_t now_ns))
 {
-	json_t *r = admin_reply_ok(), *arr = json_array();
 	uint64_t now = shd_now_ns();
+	json_t *r = admin_reply_ok(), *arr = json_array();
 
-	(void)req;
 	for (struct shd_job *j = shd_state_jobs(); j; j = j->next) {
-		struct shd_group_memory m = { 0 };
-		json_t *o;
-
-		shd_job_memory_held(j, &m);
-		o = json_pack("{s:s, s:i, s:i, s:i, s:i, s:i, s:o*, s:o, s:o}", "name", j->name,
-			      "replicate", (int)j->replicate, "shard", (int)j->shard,
-			      "world", (int)j->world, "attached", (int)j->nattached,
-			      "groups", (int)shd_engine_job_ngroups(j->ejob), "memory", json_memory(&m),
-			      "memory_committed",
-			      admin_json_u64(shd_engine_job_memory_committed(j->ejob)),
-			      "memory_limit", admin_json_u64(shd_state_config()->max_job_memory));
-		if (o && (put_linger(o, j, now) || put_span(o, j))) {
-			json_decref(o);
-			o = NULL;
-		}
-		if (admin_append(arr, o)) {
+		if (only && j != only)
+			continue;
+		if (admin_append(arr, fn(j, now))) {
 			json_decref(arr);
 			json_decref(r);
 			return NULL;
@@ -178,6 +169,34 @@ json_t *admin_cmd_jobs(const json_t *req)
 		return NULL;
 	}
 	return r;
+}
+
+/* One job's row of `jobs`. */
+static json_t *json_job(const struct shd_job *j, uint64_t now_ns)
+{
+	struct shd_group_memory m = { 0 };
+	json_t *o;
+
+	shd_job_memory_held(j, &m);
+	o = json_pack("{s:s, s:i, s:i, s:i, s:i, s:i, s:o*, s:o, s:o}", "name", j->name,
+		      "replicate", (int)j->replicate, "shard", (int)j->shard,
+		      "world", (int)j->world, "attached", (int)j->nattached,
+		      "groups", (int)shd_engine_job_ngroups(j->ejob), "memory", json_memory(&m),
+		      "memory_committed",
+		      admin_json_u64(shd_engine_job_memory_committed(j->ejob)),
+		      "memory_limit", admin_json_u64(shd_state_config()->max_job_memory));
+	if (o && (put_linger(o, j, now_ns) || put_span(o, j))) {
+		json_decref(o);
+		return NULL;
+	}
+	return o;
+}
+
+/* Every job: `jobs` takes no argument. */
+json_t *admin_cmd_jobs(const json_t *req)
+{
+	(void)req;
+	return jobs_reply(NULL, json_job);
 }
 
 /* ------------------------------------------------------------------ */
@@ -439,28 +458,10 @@ err:
 /* Jobs selected by req's optional "job": all of them, or that one. */
 static json_t *per_job(const json_t *req, json_t *(*fn)(const struct shd_job *, uint64_t))
 {
-	uint64_t now = shd_now_ns();
-	json_t *r, *arr, *err;
+	json_t *err;
 	struct shd_job *only = admin_arg_job(req, &err);
 
-	if (err)
-		return err;
-	r = admin_reply_ok();
-	arr = json_array();
-	for (struct shd_job *j = shd_state_jobs(); j; j = j->next) {
-		if (only && j != only)
-			continue;
-		if (admin_append(arr, fn(j, now))) {
-			json_decref(arr);
-			json_decref(r);
-			return NULL;
-		}
-	}
-	if (admin_put(r, "jobs", arr)) {
-		json_decref(r);
-		return NULL;
-	}
-	return r;
+	return err ? err : jobs_reply(only, fn);
 }
 
 static json_t *json_job_groups(const struct shd_job *j, uint64_t now_ns)

@@ -356,35 +356,30 @@ int shd_group_compare(const struct shd_group *g, const struct shardd_register_gr
 	char mine[128], theirs[128];
 	uint32_t i;
 
-#define HDR_DIFF(f, fmt, conv)                                                           \
-	if (!field && hdr->f != g->hdr.f) {                                              \
-		field = #f;                                                              \
-		snprintf(mine, sizeof(mine), fmt, conv(hdr->f));                         \
-		snprintf(theirs, sizeof(theirs), fmt, conv(g->hdr.f));                   \
+/*
+ * The first field `f` of this rank's `a` that differs from the first
+ * rank's `b`: its name (after `prefix`) and both values, through `conv`.
+ */
+#define FIELD_DIFF(prefix, a, b, f, fmt, conv)                                           \
+	if (!field && (a)->f != (b)->f) {                                                \
+		field = prefix #f;                                                       \
+		snprintf(mine, sizeof(mine), fmt, conv((a)->f));                         \
+		snprintf(theirs, sizeof(theirs), fmt, conv((b)->f));                     \
 	}
 #define AS_IS(x) (x)
-	HDR_DIFF(nparams, "%u", AS_IS)
-	HDR_DIFF(param_dtype, "%s", dtype_str)
-	HDR_DIFF(reduce_dtype, "%s", dtype_str)
-	HDR_DIFF(init, "%u", AS_IS)
-#undef HDR_DIFF
-#undef AS_IS
-#define OPT_DIFF(f, fmt, conv)                                                           \
-	if (!field && optim->f != g->optim.f) {                                          \
-		field = "optimizer " #f;                                                 \
-		snprintf(mine, sizeof(mine), fmt, conv(optim->f));                       \
-		snprintf(theirs, sizeof(theirs), fmt, conv(g->optim.f));                 \
-	}
-#define AS_IS(x) (x)
-	OPT_DIFF(kind, "%s", optim_str)
-	OPT_DIFF(flags, "0x%x", AS_IS)
-	OPT_DIFF(momentum, "%.17g", AS_IS)
-	OPT_DIFF(dampening, "%.17g", AS_IS)
-	OPT_DIFF(weight_decay, "%.17g", AS_IS)
-	OPT_DIFF(beta1, "%.17g", AS_IS)
-	OPT_DIFF(beta2, "%.17g", AS_IS)
-	OPT_DIFF(eps, "%.17g", AS_IS)
-#undef OPT_DIFF
+	FIELD_DIFF("", hdr, &g->hdr, nparams, "%u", AS_IS)
+	FIELD_DIFF("", hdr, &g->hdr, param_dtype, "%s", dtype_str)
+	FIELD_DIFF("", hdr, &g->hdr, reduce_dtype, "%s", dtype_str)
+	FIELD_DIFF("", hdr, &g->hdr, init, "%u", AS_IS)
+	FIELD_DIFF("optimizer ", optim, &g->optim, kind, "%s", optim_str)
+	FIELD_DIFF("optimizer ", optim, &g->optim, flags, "0x%x", AS_IS)
+	FIELD_DIFF("optimizer ", optim, &g->optim, momentum, "%.17g", AS_IS)
+	FIELD_DIFF("optimizer ", optim, &g->optim, dampening, "%.17g", AS_IS)
+	FIELD_DIFF("optimizer ", optim, &g->optim, weight_decay, "%.17g", AS_IS)
+	FIELD_DIFF("optimizer ", optim, &g->optim, beta1, "%.17g", AS_IS)
+	FIELD_DIFF("optimizer ", optim, &g->optim, beta2, "%.17g", AS_IS)
+	FIELD_DIFF("optimizer ", optim, &g->optim, eps, "%.17g", AS_IS)
+#undef FIELD_DIFF
 #undef AS_IS
 	if (field) {
 		snprintf(err, errlen,

@@ -187,18 +187,38 @@ void shd_session_notify(struct shd_session *s, int code, const char *text)
 	shd_session_send_error(s, 0, code, text);
 }
 
+static void session_linger(struct shd_session *s, const char *why);
+
+/*
+ * The one path of an error reply to request `seq`: logged, sent, and then
+ * either the session goes on serving, or (`reject`) it ends, lingering
+ * until the client has read the error (session_linger).
+ */
+static void __attribute__((format(printf, 5, 0)))
+session_error(struct shd_session *s, uint32_t seq, int code, int reject, const char *fmt, va_list ap)
+{
+	char text[1024], name[160];
+
+	vsnprintf(text, sizeof(text), fmt, ap);
+	shd_session_name(s, name, sizeof(name));
+	if (reject)
+		shd_log_warn("%s rejected: %s", name, text);
+	else
+		shd_log_info("%s: request failed: %s", name, text);
+	shd_session_send_error(s, seq, code, text);
+	if (reject)
+		session_linger(s, text);
+}
+
 /* Reply an error to a request and keep serving the session. */
 void __attribute__((format(printf, 4, 5)))
 shd_session_reply_error(struct shd_session *s, uint32_t seq, int code, const char *fmt, ...)
 {
-	char text[1024], name[160];
 	va_list ap;
 
 	va_start(ap, fmt);
-	vsnprintf(text, sizeof(text), fmt, ap);
+	session_error(s, seq, code, 0, fmt, ap);
 	va_end(ap);
-	shd_log_info("%s: request failed: %s", shd_session_name(s, name, sizeof(name)), text);
-	shd_session_send_error(s, seq, code, text);
 }
 
 void shd_session_send_group(struct shd_session *s, uint32_t seq, int res, const char *msg,
@@ -250,8 +270,6 @@ void shd_session_send_group(struct shd_session *s, uint32_t seq, int res, const 
 /* One datagram at a time, loop thread only. */
 static uint8_t dgram_buf[SHARDD_CTRL_CHUNK];
 
-static void session_linger(struct shd_session *s, const char *why);
-
 /*
  * Reply an error, then end the session (credentials, handshake and framing
  * errors): it lingers until the client has read the error (session_linger).
@@ -259,15 +277,11 @@ static void session_linger(struct shd_session *s, const char *why);
 void __attribute__((format(printf, 4, 5)))
 shd_session_reject(struct shd_session *s, uint32_t seq, int code, const char *fmt, ...)
 {
-	char text[1024], name[160];
 	va_list ap;
 
 	va_start(ap, fmt);
-	vsnprintf(text, sizeof(text), fmt, ap);
+	session_error(s, seq, code, 1, fmt, ap);
 	va_end(ap);
-	shd_log_warn("%s rejected: %s", shd_session_name(s, name, sizeof(name)), text);
-	shd_session_send_error(s, seq, code, text);
-	session_linger(s, text);
 }
 
 /* A refused client that was not watched yet: what it still sends is dropped. */

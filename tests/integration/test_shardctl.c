@@ -22,6 +22,7 @@
 #include "harness.h"
 #include "shardd.h"
 #include "shardd_ctrl.h"
+#include "shardd_kernels.h"
 
 #define OUT_MAX      (1 << 20)
 #define CTL_TIMEOUT  10000
@@ -171,13 +172,8 @@ static void write_shards(struct shardd_group *g, uint32_t rank, uint32_t world)
 
 	for (uint32_t i = 0; i < nw; i++)
 		w[i] = w_value(rank, i);
-	for (uint32_t i = 0; i < nb; i++) {
-		float f = b_value(rank, i);
-		uint32_t bits;
-
-		memcpy(&bits, &f, sizeof(bits));
-		b[i] = (uint16_t)(bits >> 16);
-	}
+	for (uint32_t i = 0; i < nb; i++)
+		b[i] = shardd_bf16_truncate(b_value(rank, i));
 }
 
 /* Register, write the shards, unshard step 1, report ready, wait for go, reshard. */

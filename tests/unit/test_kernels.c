@@ -27,22 +27,6 @@ static uint64_t rng(void)
 	return xorshift64s(&rng_state);
 }
 
-static uint32_t f32_bits(float f)
-{
-	uint32_t u;
-
-	memcpy(&u, &f, sizeof(u));
-	return u;
-}
-
-static float bits_f32(uint32_t u)
-{
-	float f;
-
-	memcpy(&f, &u, sizeof(f));
-	return f;
-}
-
 /* Precision (significant bits), smallest normal exponent and overflow exponent, in frexp terms. */
 static void dtype_format(uint32_t dtype, int *bits, int *emin, int *emax)
 {
@@ -116,12 +100,9 @@ static uint16_t ref_f16_encode(double q)
 /* Value of element i of a buffer of dtype. */
 static double load(uint32_t dtype, const void *buf, size_t i)
 {
-	uint32_t u;
-
 	switch (dtype) {
 	case SHARDD_DTYPE_BF16:
-		u = (uint32_t)((const uint16_t *)buf)[i] << 16;
-		return bits_f32(u);
+		return shardd_bf16_widen(((const uint16_t *)buf)[i]);
 	case SHARDD_DTYPE_FP16:
 		return ref_f16_decode(((const uint16_t *)buf)[i]);
 	default:
@@ -134,7 +115,7 @@ static void store(uint32_t dtype, void *buf, size_t i, double v)
 {
 	switch (dtype) {
 	case SHARDD_DTYPE_BF16:
-		((uint16_t *)buf)[i] = (uint16_t)(f32_bits((float)v) >> 16);
+		((uint16_t *)buf)[i] = shardd_bf16_truncate((float)v);
 		break;
 	case SHARDD_DTYPE_FP16:
 		((uint16_t *)buf)[i] = ref_f16_encode(v);
@@ -165,7 +146,7 @@ static float random_float(void)
 		u = (u & 0x807fffffu) | (142u << 23);
 		break;
 	}
-	return bits_f32(u);
+	return shardd_bits_f32(u);
 }
 
 /* ------------------------------------------------------------ casts --- */
@@ -192,9 +173,9 @@ Test(cast, bf16_hand_picked_patterns_round_to_nearest_even, .timeout = 5)
 	};
 
 	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++)
-		cr_expect_eq(shardd_f32_to_bf16(bits_f32(cases[i].in)), cases[i].out,
+		cr_expect_eq(shardd_f32_to_bf16(shardd_bits_f32(cases[i].in)), cases[i].out,
 			     "f32 0x%08x -> bf16 0x%04x, want 0x%04x", cases[i].in,
-			     shardd_f32_to_bf16(bits_f32(cases[i].in)), cases[i].out);
+			     shardd_f32_to_bf16(shardd_bits_f32(cases[i].in)), cases[i].out);
 }
 
 Test(cast, f16_hand_picked_patterns_round_to_nearest_even, .timeout = 5)
@@ -225,8 +206,8 @@ Test(cast, f16_hand_picked_patterns_round_to_nearest_even, .timeout = 5)
 			     (double)cases[i].in, shardd_f32_to_f16(cases[i].in), cases[i].out);
 	cr_expect_eq(shardd_f32_to_f16(INFINITY), 0x7c00);
 	cr_expect_eq(shardd_f32_to_f16(-INFINITY), 0xfc00);
-	cr_expect_eq(shardd_f32_to_f16(bits_f32(0x7f800001u)) & 0x7e00, 0x7e00, "sNaN must become a quiet NaN");
-	cr_expect_eq(shardd_f32_to_f16(bits_f32(0xffc00000u)), 0xfe00);
+	cr_expect_eq(shardd_f32_to_f16(shardd_bits_f32(0x7f800001u)) & 0x7e00, 0x7e00, "sNaN must become a quiet NaN");
+	cr_expect_eq(shardd_f32_to_f16(shardd_bits_f32(0xffc00000u)), 0xfe00);
 }
 
 Test(cast, f16_to_f32_is_exact_for_every_pattern, .timeout = 10)
@@ -244,13 +225,13 @@ Test(cast, f16_to_f32_is_exact_for_every_pattern, .timeout = 10)
 
 		if (isnan(want)) {
 			cr_assert(isnan(s) && isnan(blk[i]), "fp16 0x%04x must decode to NaN", i);
-			cr_assert(f32_bits(s) & 0x00400000u, "fp16 0x%04x: NaN must come back quiet", i);
-			cr_assert_eq(f32_bits(s), f32_bits(blk[i]), "fp16 0x%04x: scalar 0x%08x, block 0x%08x",
-				     i, f32_bits(s), f32_bits(blk[i]));
+			cr_assert(shardd_f32_bits(s) & 0x00400000u, "fp16 0x%04x: NaN must come back quiet", i);
+			cr_assert_eq(shardd_f32_bits(s), shardd_f32_bits(blk[i]), "fp16 0x%04x: scalar 0x%08x, block 0x%08x",
+				     i, shardd_f32_bits(s), shardd_f32_bits(blk[i]));
 			continue;
 		}
 		cr_assert(s == want && !signbit(s) == !signbit(want), "fp16 0x%04x: %a, want %a", i, (double)s, want);
-		cr_assert_eq(f32_bits(s), f32_bits(blk[i]), "fp16 0x%04x: block 0x%08x", i, f32_bits(blk[i]));
+		cr_assert_eq(shardd_f32_bits(s), shardd_f32_bits(blk[i]), "fp16 0x%04x: block 0x%08x", i, shardd_f32_bits(blk[i]));
 	}
 	free(h);
 	free(blk);
@@ -269,8 +250,8 @@ Test(cast, bf16_to_f32_is_exact_for_every_pattern, .timeout = 10)
 
 		if ((i & 0x7fff) > 0x7f80) /* NaN: quiet bit set, rest kept */
 			want |= 0x00400000u;
-		cr_assert_eq(f32_bits(shardd_bf16_to_f32((uint16_t)i)), want, "bf16 0x%04x", i);
-		cr_assert_eq(f32_bits(blk[i]), want, "bf16 0x%04x (block)", i);
+		cr_assert_eq(shardd_f32_bits(shardd_bf16_to_f32((uint16_t)i)), want, "bf16 0x%04x", i);
+		cr_assert_eq(shardd_f32_bits(blk[i]), want, "bf16 0x%04x (block)", i);
 	}
 	free(h);
 	free(blk);
@@ -283,7 +264,7 @@ static uint16_t ref_bits16(uint32_t dtype, float f)
 
 	if (dtype == SHARDD_DTYPE_FP16)
 		return ref_f16_encode(q);
-	return (uint16_t)(f32_bits((float)q) >> 16);
+	return shardd_bf16_truncate((float)q);
 }
 
 Test(cast, random_f32_round_like_the_double_reference, .timeout = 20)
@@ -300,23 +281,23 @@ Test(cast, random_f32_round_like_the_double_reference, .timeout = 20)
 		uint16_t sb = shardd_f32_to_bf16(f[i]), sh = shardd_f32_to_f16(f[i]);
 
 		/* Block and scalar paths give the same bits, NaNs included. */
-		cr_assert_eq(b[i], sb, "f32 0x%08x: bf16 block 0x%04x scalar 0x%04x", f32_bits(f[i]), b[i], sb);
-		cr_assert_eq(h[i], sh, "f32 0x%08x: fp16 block 0x%04x scalar 0x%04x", f32_bits(f[i]), h[i], sh);
+		cr_assert_eq(b[i], sb, "f32 0x%08x: bf16 block 0x%04x scalar 0x%04x", shardd_f32_bits(f[i]), b[i], sb);
+		cr_assert_eq(h[i], sh, "f32 0x%08x: fp16 block 0x%04x scalar 0x%04x", shardd_f32_bits(f[i]), h[i], sh);
 		if (isnan(f[i])) {
 			cr_assert((sb & 0x7fc0) == 0x7fc0, "f32 0x%08x: bf16 must be a quiet NaN, got 0x%04x",
-				  f32_bits(f[i]), sb);
+				  shardd_f32_bits(f[i]), sb);
 			cr_assert((sh & 0x7e00) == 0x7e00, "f32 0x%08x: fp16 must be a quiet NaN, got 0x%04x",
-				  f32_bits(f[i]), sh);
+				  shardd_f32_bits(f[i]), sh);
 			continue;
 		}
 		cr_assert_eq(sb, ref_bits16(SHARDD_DTYPE_BF16, f[i]), "f32 %a -> bf16 0x%04x, want 0x%04x",
 			     (double)f[i], sb, ref_bits16(SHARDD_DTYPE_BF16, f[i]));
 		cr_assert_eq(sh, ref_bits16(SHARDD_DTYPE_FP16, f[i]), "f32 %a -> fp16 0x%04x, want 0x%04x",
 			     (double)f[i], sh, ref_bits16(SHARDD_DTYPE_FP16, f[i]));
-		cr_assert_eq(f32_bits(shardd_round_to(SHARDD_DTYPE_FP16, f[i])),
-			     f32_bits((float)ref_round(SHARDD_DTYPE_FP16, f[i])));
-		cr_assert_eq(f32_bits(shardd_round_to(SHARDD_DTYPE_BF16, f[i])),
-			     f32_bits((float)ref_round(SHARDD_DTYPE_BF16, f[i])));
+		cr_assert_eq(shardd_f32_bits(shardd_round_to(SHARDD_DTYPE_FP16, f[i])),
+			     shardd_f32_bits((float)ref_round(SHARDD_DTYPE_FP16, f[i])));
+		cr_assert_eq(shardd_f32_bits(shardd_round_to(SHARDD_DTYPE_BF16, f[i])),
+			     shardd_f32_bits((float)ref_round(SHARDD_DTYPE_BF16, f[i])));
 	}
 	free(f);
 	free(b);
@@ -365,7 +346,7 @@ Test(cast, stream_equals_plain_cast_on_odd_lengths_and_misaligned_pointers, .tim
 	uint8_t *streamed = malloc(MAXN * 4 + 2 * GUARD + 64);
 
 	for (size_t i = 0; i < MAXN * 4 + 64; i += 4) {
-		uint32_t u = f32_bits(random_float());
+		uint32_t u = shardd_f32_bits(random_float());
 
 		memcpy(src + i, &u, 4);
 	}

@@ -63,15 +63,7 @@ static float rand_grid(void)
 	return (float)ldexp((double)((int64_t)(rng() % 511) - 255), -8);
 }
 
-/* fp32 -> bf16 / fp16 bits for values exact in them (rand_grid's), decoded from the fields. */
-static uint16_t exact_bf16(float f)
-{
-	uint32_t u;
-
-	memcpy(&u, &f, sizeof(u));
-	return (uint16_t)(u >> 16);
-}
-
+/* fp32 -> fp16 bits for values exact in it (rand_grid's), decoded from the fields. */
 static uint16_t exact_f16(float f)
 {
 	int e;
@@ -110,7 +102,7 @@ static void grads_make(struct grads *g, size_t n, uint32_t dtype)
 			if (dtype == SHARDD_DTYPE_FP32)
 				((float *)g->buf[k])[i] = v;
 			else if (dtype == SHARDD_DTYPE_BF16)
-				((uint16_t *)g->buf[k])[i] = exact_bf16(v);
+				((uint16_t *)g->buf[k])[i] = shardd_bf16_truncate(v);
 			else
 				((uint16_t *)g->buf[k])[i] = exact_f16(v);
 		}
@@ -585,7 +577,7 @@ Test(optim_grad_norm, every_path_gives_the_same_bits_and_matches_double_sum, .ti
 				if (dtype == SHARDD_DTYPE_FP32)
 					((float *)buf)[i] = vals[i];
 				else if (dtype == SHARDD_DTYPE_BF16)
-					((uint16_t *)buf)[i] = exact_bf16(vals[i]);
+					((uint16_t *)buf)[i] = shardd_bf16_truncate(vals[i]);
 				else
 					((uint16_t *)buf)[i] = exact_f16(vals[i]);
 			}

@@ -2,13 +2,12 @@
 /*
  * The values benchmarks write and check. Small integers (and their means
  * over up to 8 ranks) are exact in fp32, bf16 and fp16, so every check is
- * an exact compare. The element codecs are written here, not taken from
- * the kernels, so a cast bug in the kernels cannot hide itself by decoding
- * its own output.
+ * an exact compare. The element codecs are written here on the bare
+ * bit-casts of shardd_kernels.h, not taken from the kernels' casts, so a
+ * cast bug in the kernels cannot hide itself by decoding its own output.
  */
-#include <string.h>
-
 #include "bench.h"
+#include "shardd_kernels.h"
 
 float bench_param_value(uint64_t i, uint32_t seed)
 {
@@ -20,25 +19,9 @@ float bench_grad_value(uint64_t i, uint32_t rank, uint32_t seed)
 	return (float)((int)((i * 5 + rank * 3 + seed * 11) & 15) - 8);
 }
 
-static uint32_t f32_bits(float f)
-{
-	uint32_t u;
-
-	memcpy(&u, &f, sizeof(u));
-	return u;
-}
-
-static float bits_f32(uint32_t u)
-{
-	float f;
-
-	memcpy(&f, &u, sizeof(f));
-	return f;
-}
-
 void bench_store_exact(void *buf, uint32_t dtype, uint64_t i, float v)
 {
-	uint32_t u = f32_bits(v);
+	uint32_t u = shardd_f32_bits(v);
 	uint16_t h;
 
 	switch (dtype) {
@@ -47,7 +30,7 @@ void bench_store_exact(void *buf, uint32_t dtype, uint64_t i, float v)
 		return;
 	case SHARDD_DTYPE_BF16:
 		/* Exact values have no bits below the bf16 mantissa: truncation is the cast. */
-		((uint16_t *)buf)[i] = (uint16_t)(u >> 16);
+		((uint16_t *)buf)[i] = shardd_bf16_truncate(v);
 		return;
 	default:
 		if (v == 0.0f)
@@ -70,17 +53,17 @@ float bench_load_exact(const void *buf, uint32_t dtype, uint64_t i)
 	case SHARDD_DTYPE_FP32:
 		return ((const float *)buf)[i];
 	case SHARDD_DTYPE_BF16:
-		return bits_f32((uint32_t)((const uint16_t *)buf)[i] << 16);
+		return shardd_bf16_widen(((const uint16_t *)buf)[i]);
 	default:
 		h = ((const uint16_t *)buf)[i];
 		s = (uint32_t)(h & 0x8000u) << 16;
 		e = (h >> 10) & 0x1fu;
 		m = h & 0x3ffu;
 		if (e == 0 && m == 0)
-			return bits_f32(s);
+			return shardd_bits_f32(s);
 		/* Subnormals, Inf and NaN never occur in the patterns: make them compare unequal. */
 		if (e == 0 || e == 31)
-			return bits_f32(0x7fc00000u);
-		return bits_f32(s | ((e - 15u + 127u) << 23) | (m << 13));
+			return shardd_bits_f32(0x7fc00000u);
+		return shardd_bits_f32(s | ((e - 15u + 127u) << 23) | (m << 13));
 	}
 }

@@ -48,25 +48,9 @@ void cuda_nccl_unlock(struct cuda_backend *cb)
 /* The driver                                                          */
 /* ------------------------------------------------------------------ */
 
-#define DRV(field, sym) SHARDD_CUDA_SYMBOL(struct cuda_driver, field, sym)
 static const struct shardd_cuda_symbol cuda_driver_symbols[] = {
-	DRV(get_error_string, "cuGetErrorString"),
-	DRV(device_get, "cuDeviceGet"),
-	DRV(device_get_attribute, "cuDeviceGetAttribute"),
-	DRV(device_get_name, "cuDeviceGetName"),
-	DRV(granularity, "cuMemGetAllocationGranularity"),
-	DRV(create, "cuMemCreate"),
-	DRV(release, "cuMemRelease"),
-	DRV(address_reserve, "cuMemAddressReserve"),
-	DRV(address_free, "cuMemAddressFree"),
-	DRV(map, "cuMemMap"),
-	DRV(unmap, "cuMemUnmap"),
-	DRV(set_access, "cuMemSetAccess"),
-	DRV(export_handle, "cuMemExportToShareableHandle"),
+	CUDA_DRIVER_ENTRY_POINTS(SHARDD_CUDA_DRIVER_SYMBOL, struct cuda_driver)
 };
-#undef DRV
-_Static_assert(sizeof(cuda_driver_symbols) / sizeof(cuda_driver_symbols[0]) * sizeof(void *) ==
-	       sizeof(struct cuda_driver), "every entry point of struct cuda_driver has its name");
 
 /* A shardd_cuda_lookup_fn: the runtime's own lookup of a driver entry point. */
 static int cuda_driver_lookup(void *ctx, const char *name, void **fn, char *err, size_t errlen)

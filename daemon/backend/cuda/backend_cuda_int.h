@@ -42,22 +42,21 @@
 #include "backend.h"
 #include "backend_cuda.h"
 #include "backend_cuda_nccl.h"
+#include "shardd_cuda.h"
 
-/* The driver's entry points this backend calls, resolved at create (backend_cuda_device.c). */
+/*
+ * The driver's entry points this backend calls, resolved at create
+ * (backend_cuda_device.c): those libshardd calls too, then its own.
+ */
+#define CUDA_DRIVER_ENTRY_POINTS(X, type)                         \
+	SHARDD_CUDA_DRIVER_SHARED(X, type)                        \
+	X(type, device_get_attribute, cuDeviceGetAttribute, 2000) \
+	X(type, device_get_name, cuDeviceGetName, 2000)           \
+	X(type, create, cuMemCreate, 10020)                       \
+	X(type, export_handle, cuMemExportToShareableHandle, 10020)
+
 struct cuda_driver {
-	PFN_cuGetErrorString_v6000                 get_error_string;
-	PFN_cuDeviceGet_v2000                      device_get;
-	PFN_cuDeviceGetAttribute_v2000             device_get_attribute;
-	PFN_cuDeviceGetName_v2000                  device_get_name;
-	PFN_cuMemGetAllocationGranularity_v10020   granularity;
-	PFN_cuMemCreate_v10020                     create;
-	PFN_cuMemRelease_v10020                    release;
-	PFN_cuMemAddressReserve_v10020             address_reserve;
-	PFN_cuMemAddressFree_v10020                address_free;
-	PFN_cuMemMap_v10020                        map;
-	PFN_cuMemUnmap_v10020                      unmap;
-	PFN_cuMemSetAccess_v10020                  set_access;
-	PFN_cuMemExportToShareableHandle_v10020    export_handle;
+	CUDA_DRIVER_ENTRY_POINTS(SHARDD_CUDA_DRIVER_FIELD, struct cuda_driver)
 };
 
 /* Per device, set up on its first allocation. */

@@ -204,23 +204,23 @@ static int __attribute__((format(printf, 1, 2))) usage_error(const char *fmt, ..
 	return 2;
 }
 
-/* Parse a decimal unsigned in [lo, hi]. 0 or -1. */
+/* Parse a decimal unsigned in [lo, hi]. 0 or -EINVAL. */
 static int parse_uint(const char *s, unsigned long lo, unsigned long hi, unsigned long *out)
 {
 	char *end;
 	unsigned long v;
 
 	if (!*s || *s == '-' || *s == '+')
-		return -1;
+		return -EINVAL;
 	errno = 0;
 	v = strtoul(s, &end, 10);
 	if (errno || *end || v < lo || v > hi)
-		return -1;
+		return -EINVAL;
 	*out = v;
 	return 0;
 }
 
-/* A gid as a number or a group name. 0 or -1. */
+/* A gid as a number or a group name. 0, or -ENOENT when it is neither. */
 static int parse_gid(const char *s, gid_t *out)
 {
 	unsigned long v;
@@ -232,7 +232,7 @@ static int parse_gid(const char *s, gid_t *out)
 	}
 	g = getgrnam(s);
 	if (!g)
-		return -1;
+		return -ENOENT;
 	*out = g->gr_gid;
 	return 0;
 }
@@ -491,9 +491,12 @@ static void print_version(void)
 	       );
 }
 
+/* parse_flags' answer when the flags are good and shardd is to run (not an exit status). */
+#define FLAGS_RUN (-1)
+
 /*
- * Read argv's flags into `cfg`, in order. -1 when shardd is to run; else
- * the exit status: 0 after --help or --version, 2 after a usage error.
+ * Read argv's flags into `cfg`, in order. FLAGS_RUN when shardd is to run;
+ * else the exit status: 0 after --help or --version, 2 after a usage error.
  */
 static int parse_flags(int argc, char **argv, struct shd_config *cfg)
 {
@@ -545,7 +548,7 @@ static int parse_flags(int argc, char **argv, struct shd_config *cfg)
 	if (cuda_export_given && cfg->backend != SHARDD_BACKEND_CUDA)
 		return usage_error("--cuda-export applies to --backend cuda only; the backend is %s",
 				   shd_backend_name(cfg->backend));
-	return -1;
+	return FLAGS_RUN;
 }
 
 /*
@@ -580,7 +583,7 @@ int main(int argc, char **argv)
 
 	shd_config_defaults(&cfg);
 	ret = parse_flags(argc, argv, &cfg);
-	if (ret >= 0)
+	if (ret != FLAGS_RUN)
 		return ret;
 
 #ifndef SHARDD_HAVE_CUDA

@@ -18,6 +18,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <stdarg.h>
 #include <microhttpd.h>
 #include <netdb.h>
 #include <poll.h>
@@ -39,6 +40,14 @@
 					 start or its previous response; past it: shut down */
 #define METRICS_HTTP_TICK_MS     100  /* deadlines are checked this often */
 #define METRICS_HTTP_RUNS        64   /* MHD_runs at most per event, while MHD has more to do at once */
+/*
+ * libmicrohttpd's messages are mostly about one connection (one closed by
+ * its peer or at its deadline): a flood of connections must not become a
+ * flood of log lines, whose writes would hold the loop once stderr's pipe
+ * is full. At most this many a window; the count of the rest follows.
+ */
+#define METRICS_HTTP_LOG_BURST     10
+#define METRICS_HTTP_LOG_WINDOW_NS (10ull * 1000 * 1000 * 1000)
 #define METRICS_CONTENT_TYPE     "text/plain; version=0.0.4; charset=utf-8"
 
 /* One TCP connection MHD holds: its socket context. */
@@ -56,6 +65,9 @@ struct shd_metrics_http {
 	struct shd_loop_event *fd_ev;    /* MHD's epoll fd: a connection is ready */
 	struct shd_loop_event *tick_ev;  /* connection deadlines */
 	struct metrics_conn       conns;    /* the open connections, newest first */
+	uint64_t                  log_window_ns; /* start of the current log window */
+	unsigned                  log_lines;     /* logged in it */
+	unsigned long             log_dropped;   /* not logged in it */
 	char                      url[128];
 };
 
@@ -105,6 +117,54 @@ int shd_metrics_http_parse(const char *spec, char *host, size_t host_len, char *
 	}
 	snprintf(port, port_len, "%lu", v);
 	return 0;
+}
+
+/* ------------------------------------------------------------------ */
+/* The log                                                             */
+/* ------------------------------------------------------------------ */
+
+/* Log one line, unless the window's METRICS_HTTP_LOG_BURST are spent: then count it. */
+static void metrics_vlog(struct shd_metrics_http *h, const char *fmt, va_list ap)
+{
+	uint64_t now = shd_now_ns();
+	char line[512];
+	size_t n;
+
+	if (now - h->log_window_ns >= METRICS_HTTP_LOG_WINDOW_NS) {
+		if (h->log_dropped)
+			shd_log_warn("metrics http: %lu more messages in %.0f s not logged (at most %d "
+				     "a window)", h->log_dropped, (double)(now - h->log_window_ns) / 1e9,
+				     METRICS_HTTP_LOG_BURST);
+		h->log_window_ns = now;
+		h->log_lines = 0;
+		h->log_dropped = 0;
+	}
+	if (h->log_lines >= METRICS_HTTP_LOG_BURST) {
+		h->log_dropped++;
+		return;
+	}
+	h->log_lines++;
+	vsnprintf(line, sizeof(line), fmt, ap);
+	n = strlen(line);
+	while (n && line[n - 1] == '\n')
+		line[--n] = '\0';
+	shd_log_warn("metrics http: %s", line);
+}
+
+static void __attribute__((format(printf, 2, 3))) metrics_warn(struct shd_metrics_http *h,
+								 const char *fmt, ...)
+{
+	va_list ap;
+
+	va_start(ap, fmt);
+	metrics_vlog(h, fmt, ap);
+	va_end(ap);
+}
+
+/* libmicrohttpd's messages (MHD_OPTION_EXTERNAL_LOGGER). */
+static void mhd_log(void *cls, const char *fmt, va_list ap)
+{
+	metrics_vlog(cls, fmt, ap);
 }
 
 /* ------------------------------------------------------------------ */
@@ -184,7 +244,7 @@ static void metrics_conn_notify(void *cls, struct MHD_Connection *conn, void **s
 	c = calloc(1, sizeof(*c));
 	if (!c || !info) {
 		/* Untracked, it could hold its slot: refuse it at once instead. */
-		shd_log_warn("metrics http: %s: connection refused",
+		metrics_warn(h, "%s: connection refused",
 			     c ? "libmicrohttpd gave no socket" : "out of memory");
 		free(c);
 		if (info)
@@ -272,7 +332,7 @@ static void metrics_http_accept(void *arg, int fd, uint32_t revents)
 				continue;
 			/* EAGAIN: all taken. EMFILE and the like: the next event tries again. */
 			if (errno != EAGAIN)
-				shd_log_warn("metrics http: accept: %s", strerror(errno));
+				metrics_warn(h, "accept: %s", strerror(errno));
 			break;
 		}
 		if (metrics_conns_make_room(h) < 0) {
@@ -281,22 +341,9 @@ static void metrics_http_accept(void *arg, int fd, uint32_t revents)
 		}
 		/* MHD owns c from here, and closes it itself when it cannot take it. */
 		if (MHD_add_connection(h->mhd, c, (struct sockaddr *)&ss, sl) != MHD_YES)
-			shd_log_warn("metrics http: a connection was refused: %s", strerror(errno));
+			metrics_warn(h, "a connection was refused: %s", strerror(errno));
 	}
 	metrics_http_run(h);
-}
-
-static void mhd_log(void *cls, const char *fmt, va_list ap)
-{
-	char line[512];
-	size_t n;
-
-	(void)cls;
-	vsnprintf(line, sizeof(line), fmt, ap);
-	n = strlen(line);
-	while (n && line[n - 1] == '\n')
-		line[--n] = '\0';
-	shd_log_warn("metrics http: %s", line);
 }
 
 /* ------------------------------------------------------------------ */
@@ -431,7 +478,7 @@ int shd_metrics_http_start(const char *spec, struct shd_loop *loop,
 	h->mhd = MHD_start_daemon(MHD_USE_EPOLL | MHD_USE_ERROR_LOG | MHD_USE_NO_LISTEN_SOCKET |
 				  (family == AF_INET6 ? MHD_USE_IPv6 : 0),
 				  0, NULL, NULL, metrics_request, h,
-				  MHD_OPTION_EXTERNAL_LOGGER, mhd_log, NULL,
+				  MHD_OPTION_EXTERNAL_LOGGER, mhd_log, h,
 				  MHD_OPTION_CONNECTION_LIMIT, (unsigned)(2 * METRICS_HTTP_CONNECTIONS),
 				  MHD_OPTION_NOTIFY_CONNECTION, metrics_conn_notify, h,
 				  MHD_OPTION_NOTIFY_COMPLETED, metrics_request_done, h,

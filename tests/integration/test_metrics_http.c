@@ -643,6 +643,18 @@ Test(operations, metrics_scrapes_are_answered_through_a_flood_of_idle_and_trickl
 		if (f.fds[i] >= 0)
 			close(f.fds[i]);
 	opd_stop_clean(&d);
+	/*
+	 * Nor did the flood become a flood of log lines (a full stderr pipe would
+	 * hold the loop): a few per 10 s window, whatever the connections did.
+	 */
+	{
+		unsigned lines = 0;
+
+		for (const char *p = d.log; (p = strstr(p, "metrics http:")) != NULL; p++)
+			lines++;
+		cr_assert_leq(lines, 40, "%u log lines about metrics connections:\n%.2000s", lines,
+			      d.log);
+	}
 	remove_tree(base);
 }
 

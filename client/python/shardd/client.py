@@ -48,7 +48,9 @@ class ShardError(Exception):
 
 
 class DaemonGone(ShardError, ConnectionResetError):
-    """The daemon died or dropped this client (code -ECONNRESET)."""
+    """The daemon died or dropped this client without saying why (code
+    -ECONNRESET). A client it detached with a notice (a job ended by
+    `shardctl end`) gets a ShardError with the notice's code instead."""
 
 
 def _error(code, text, result=None):
@@ -177,7 +179,8 @@ class Client:
         self._doorbell = -1
         self._ring_mem = None
         self.ring = None
-        self.daemon_text = ""
+        self.daemon_code = 0       # the daemon's notice before a close (seq-0 ERROR), 0: none
+        self.daemon_text = ""      # and its text
         self.groups = []
         try:
             self._connect(device, ring_entries, timeout, _major)
@@ -252,9 +255,10 @@ class Client:
                         for fd in rfds:
                             os.close(fd)
                         code, text = _parse_error(rpayload)
+                        if rseq == 0:
+                            self.daemon_code, self.daemon_text = code, text
                         if rseq in (seq, 0):
                             raise _error(code, f"{where}: daemon: {text}")
-                        self.daemon_text = text
                         continue
                     if rseq != seq or rtype != want:
                         for fd in rfds:
@@ -264,8 +268,9 @@ class Client:
                                      f"{P.MSG_NAMES[want]} seq {seq}")
                     return rtype, rpayload, rfds
             except ctrl.CtrlError as e:
-                if e.code == -errno.ECONNRESET and self.daemon_text:
-                    raise _error(e.code, f"{where}: {e}: daemon: {self.daemon_text}") from None
+                if e.code == -errno.ECONNRESET and self.daemon_code:
+                    raise _error(self.daemon_code, f"{where}: daemon: {self.daemon_text} (it closed "
+                                                   "this client's connection)") from None
                 if e.code == -errno.ECONNRESET and send_error is not None:
                     raise _error(send_error.code, f"{where}: {send_error}; the daemon closed "
                                                   "the connection without a reply") from None
@@ -359,7 +364,9 @@ class Client:
 
     def wait(self, timeout=None):
         """Reap one completion, waiting up to timeout seconds (None: while the
-        daemon lives). Raises ShardError ETIMEDOUT, DaemonGone."""
+        daemon lives). Raises ShardError ETIMEDOUT, DaemonGone, or the
+        daemon's notice when it detached this client (SHARDD_E_SHUTDOWN:
+        `shardctl end` ended the job)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             while not self._stash:
@@ -368,14 +375,12 @@ class Client:
             return self._stash.popleft()
 
     def _daemon_alive(self):
-        """False when the control socket shows EOF/hangup or the ring says DEAD."""
-        if self.ring.flags & P.RING_DEAD:
-            return False
+        """False when the control socket shows EOF/hangup or the ring says DEAD.
+        A message waiting on the socket is read first, whatever the ring says:
+        a notice sent before a detach says why (self.daemon_code, daemon_text)."""
         p = select.poll()
         p.register(self._sock, select.POLLIN | select.POLLHUP | select.POLLERR)
         for _fd, ev in p.poll(0):
-            if ev & (select.POLLHUP | select.POLLERR):
-                return False
             if ev & select.POLLIN:
                 try:
                     _t, _s, payload, fds = ctrl.recv_msg(self._sock, 0)
@@ -383,9 +388,23 @@ class Client:
                     return False
                 for fd in fds:
                     os.close(fd)
-                if _t == P.MSG_ERROR:
-                    self.daemon_text = _parse_error(payload)[1]
-        return True
+                if _t == P.MSG_ERROR and _s == 0:
+                    self.daemon_code, self.daemon_text = _parse_error(payload)
+            if ev & (select.POLLHUP | select.POLLERR):
+                return False
+        return not self.ring.flags & P.RING_DEAD
+
+    def _detached_error(self, what):
+        """The error of a daemon that closed this client or marked its ring
+        dead. Its notice, when it sent one, gives the code and the text: the
+        daemon lives and detached this client ("job 'J' was ended by an admin
+        request ..."). Without one the daemon is gone (DaemonGone)."""
+        if self.daemon_code:
+            return _error(self.daemon_code, f"{what}: daemon: {self.daemon_text} (it detached this "
+                                            f"client: client id {self.client_id}, job '{self.job}' "
+                                            f"rank {self.rank})")
+        return _error(-errno.ECONNRESET, f"{what}: the daemon (pid {self.daemon_pid}) is gone or "
+                                         "dropped this client")
 
     def _wait_one(self, timeout, what, total=None):
         if self.ring is None:
@@ -404,10 +423,7 @@ class Client:
             if c:
                 return c
             if not self._daemon_alive():
-                text = f"{what}: the daemon (pid {self.daemon_pid}) is gone or dropped this client"
-                if self.daemon_text:
-                    text += f": daemon: {self.daemon_text}"
-                raise _error(-errno.ECONNRESET, text)
+                raise self._detached_error(what)
             left = SLEEP_SLICE_S
             if deadline is not None:
                 left = min(left, deadline - time.monotonic())

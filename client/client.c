@@ -61,22 +61,31 @@ static int parse_error_msg(const struct shardd_ctrl_rx *rx, struct shardd_error_
 	return 0;
 }
 
-/* Keep the text of an ERROR that answers no request: it explains a close. */
+/*
+ * Keep a notice, an ERROR with seq 0: it explains a close. A late answer to
+ * an abandoned request (its own seq) explains nothing now.
+ */
 static void remember_daemon_text(struct shardd_client *c, const struct shardd_ctrl_rx *rx)
 {
 	struct shardd_error_msg em;
 	const char *text = NULL;
 
-	if (parse_error_msg(rx, &em, &text) == 0) {
+	if (rx->hdr.seq == 0 && parse_error_msg(rx, &em, &text) == 0) {
 		c->daemon_code = em.code;
 		snprintf(c->daemon_text, sizeof(c->daemon_text), "%.*s", (int)em.msg_len, text);
 	}
 }
 
+/*
+ * The error of a connection the daemon closed. A notice it sent before the
+ * close (an ERROR that answered no request: "job 'J' was ended by an admin
+ * request ...") says why, with its own code: the daemon lives and detached
+ * this client, which -ECONNRESET (the daemon is gone) would deny.
+ */
 static int connection_closed(struct shardd_client *c)
 {
-	if (c->daemon_text[0])
-		return shardd_err_set(-ECONNRESET, "daemon closed the connection: %s",
+	if (c->daemon_code)
+		return shardd_err_set(c->daemon_code, "daemon: %s (it closed this client's connection)",
 				      c->daemon_text);
 	return shardd_err_set(-ECONNRESET,
 			      "daemon closed the connection (stopped or crashed; see its log)");
@@ -116,9 +125,7 @@ int shardd_client_request(struct shardd_client *c, uint16_t type, const void *pa
 		memset(rx, 0, sizeof(*rx));
 		/* Replies a daemon sent before closing are read first (shardd_ctrl_recv_dgram). */
 		ret = shardd_ctrl_recv(c->sock, rx, left);
-		/* Refused before our request was read (credentials): its ERROR is the answer. */
-		if (ret == -ECONNRESET && c->daemon_code)
-			return shardd_err_set(c->daemon_code, "daemon: %s", c->daemon_text);
+		/* Refused before our request was read (credentials), or detached: its ERROR says why. */
 		if (ret == -ECONNRESET)
 			return connection_closed(c);
 		if (ret == -ETIMEDOUT)
@@ -175,12 +182,15 @@ int shardd_client_check_alive(struct shardd_client *c)
 	}
 	if (ready > 0 && (p.revents & (POLLHUP | POLLERR)))
 		return connection_closed(c);
-	/* The notice sent before the detach (e.g. the job was ended) says why. */
+	/* The notice sent before the detach (e.g. the job was ended) says why, with its code. */
+	if ((flags & SHARDD_RING_DEAD) && c->daemon_code)
+		return shardd_err_set(c->daemon_code,
+				      "daemon: %s (it detached this client: client id %u, job '%s' rank %u)",
+				      c->daemon_text, c->welcome.client_id, c->job, c->rank);
 	if (flags & SHARDD_RING_DEAD)
 		return shardd_err_set(-ECONNRESET,
-				      "daemon detached this client (client id %u, job '%s' rank %u)%s%s",
-				      c->welcome.client_id, c->job, c->rank,
-				      c->daemon_text[0] ? ": " : "", c->daemon_text);
+				      "daemon detached this client (client id %u, job '%s' rank %u)",
+				      c->welcome.client_id, c->job, c->rank);
 	return 0;
 }
 

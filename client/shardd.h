@@ -262,7 +262,9 @@ int shardd_poll(struct shardd_client *c, struct shardd_completion *out);
 /*
  * Reap one completion, waiting up to timeout_ms (< 0: no limit, while the
  * daemon lives; 0: check once). Returns 0 and *out, -ETIMEDOUT,
- * -ECONNRESET (the daemon is gone or detached this client) or -EBADMSG.
+ * -ECONNRESET (the daemon is gone), the code of the notice the daemon sent
+ * when it detached this client (-SHARDD_E_SHUTDOWN: `shardctl end` ended
+ * its job) or -EBADMSG.
  */
 int shardd_wait(struct shardd_client *c, struct shardd_completion *out, int timeout_ms);
 
@@ -274,8 +276,9 @@ int shardd_wait(struct shardd_client *c, struct shardd_completion *out, int time
  * Each submits one op, waits for that op's completion (completions of
  * other ops that arrive meanwhile are kept for shardd_poll/shardd_wait)
  * and returns its res: 0, the daemon's error (text in shardd_last_error()),
- * -ECONNRESET, or -ETIMEDOUT when no completion came within the daemon's
- * collective timeout + 10 s.
+ * -ECONNRESET (the daemon is gone), the code of the daemon's notice when it
+ * detached this client (as shardd_wait), or -ETIMEDOUT when no completion
+ * came within the daemon's collective timeout + 10 s.
  */
 int shardd_nop(struct shardd_client *c);
 int shardd_barrier(struct shardd_client *c, uint64_t barrier_number);

@@ -197,12 +197,47 @@ static void rdv_mismatch(struct shd_job *j, enum shd_job_rdv_kind k, uint32_t ra
 	shd_job_op_done(j, rank, token, sqe, -SHARDD_E_MISMATCH, msg);
 }
 
-/* `rank` (process `pid`) left for the reason `why`: rendezvous op `k` fails the ranks in it. */
+/*
+ * How the failure of rendezvous `rdv` names the departure of `rank`
+ * (process `pid`) for the reason `why`: "rank 2 (pid 7) died (connection
+ * closed)". A goodbye (`goodbye`) did not break the rendezvous when another
+ * rank of it died: one that left without a goodbye and has not come back,
+ * or one whose client is gone though the loop has not seen it yet (a
+ * goodbye and a death reach the loop in one turn, in either order). The
+ * ranks left waiting hear of the death first: "rank 1 (pid 6) died
+ * (connection closed); rank 2 (pid 7) said goodbye".
+ */
+static void rdv_departure(const struct shd_job *j, const struct shd_rdv *rdv, uint32_t rank,
+			  uint32_t pid, int goodbye, const char *why, char *buf, size_t len)
+{
+	for (uint32_t i = 0; goodbye && i < rdv->nexpected; i++) {
+		const struct shd_job_rank *d = &j->ranks[rdv->ranks[i]];
+		const char *how;
+
+		if (rdv->ranks[i] == rank)
+			continue;
+		if (d->client.ops && d->client.ops->gone(d->client.ctx))
+			how = "died (its client is gone)";
+		else if (!d->client.ops && d->attached_once && !d->goodbye)
+			how = d->left_why;
+		else
+			continue;
+		snprintf(buf, len, "rank %u (pid %u) %s; rank %u (pid %u) %s", j->rank_base + rdv->ranks[i],
+			 d->pid, how, j->rank_base + rank, pid, why);
+		return;
+	}
+	snprintf(buf, len, "rank %u (pid %u) %s", j->rank_base + rank, pid, why);
+}
+
+/*
+ * `rank` (process `pid`) left for the reason `why` (`goodbye`: it said so):
+ * rendezvous op `k` fails the ranks in it.
+ */
 static void rdv_rank_gone(struct shd_job *j, enum shd_job_rdv_kind k, uint32_t rank, uint32_t pid,
-			  const char *why)
+			  int goodbye, const char *why)
 {
 	struct shd_rdv *rdv = &j->rdv[k];
-	char label[64], present[1024], who[1100], msg[1400];
+	char label[64], present[1024], who[1100], left[400], msg[1600];
 
 	if (!rdv->active)
 		return;
@@ -212,10 +247,11 @@ static void rdv_rank_gone(struct shd_job *j, enum shd_job_rdv_kind k, uint32_t r
 		shd_rdv_reset(rdv);
 		return;
 	}
+	rdv_departure(j, rdv, rank, pid, goodbye, why, left, sizeof(left));
 	shd_rdv_present(rdv, present, sizeof(present));
 	rank_phrase(who, sizeof(who), present, rdv->narrived);
-	snprintf(msg, sizeof(msg), "%s: rank %u (pid %u) %s; %s %s waiting", label, j->rank_base + rank, pid, why,
-		 who, rdv->narrived == 1 ? "was" : "were");
+	snprintf(msg, sizeof(msg), "%s: %s; %s %s waiting", label, left, who,
+		 rdv->narrived == 1 ? "was" : "were");
 	shd_log_warn("job '%s': %s", j->name, msg);
 	rdv_finish(j, k, -SHARDD_E_PEER_DIED, msg, 0, 0);
 }
@@ -421,9 +457,11 @@ void shd_job_detach(struct shd_job *j, uint32_t rank, int goodbye, const char *w
 	/* Clear the slot first: completions for this client from here on are dropped. */
 	memset(&jr->client, 0, sizeof(jr->client));
 	jr->goodbye = goodbye;
+	if (!goodbye)
+		snprintf(jr->left_why, sizeof(jr->left_why), "%s", why);
 	j->nattached--;
 	for (int k = 0; k < SHD_JOB_NRDV; k++)
-		rdv_rank_gone(j, k, rank, jr->pid, why);
+		rdv_rank_gone(j, k, rank, jr->pid, goodbye, why);
 	shd_engine_rank_gone(j->ejob, rank, token);
 	for (uint32_t r = 0; r < j->world; r++)
 		if (!j->ranks[r].goodbye)

@@ -89,6 +89,8 @@ struct shd_job_rank {
 	uint32_t pid;                   /* pid of the latest client of this rank */
 	int      attached_once;         /* some client has held this rank */
 	int      goodbye;               /* said goodbye since its last attach */
+	char     left_why[96];          /* why its last client left without a goodbye ("died
+					   (connection closed)"); rendezvous failures name it */
 	struct shd_job_wait wait[SHD_JOB_NRDV]; /* per rendezvous op (shd_job_rdv_kind) */
 	int      ckpt_waits;            /* its checkpoint op waits for the write to end */
 };

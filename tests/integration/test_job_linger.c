@@ -461,14 +461,26 @@ Test(job_linger, linger_zero_keeps_a_job_without_ranks)
 #define END_NEEDLE "was ended by an admin request (shardctl end"
 
 /*
+ * A call of a rank after its job was ended: it fails with
+ * -SHARDD_E_SHUTDOWN and the end's text, naming the job; never -ECONNRESET,
+ * which says the daemon is gone.
+ */
+#define CHECK_ENDED(ret, what)                                                                 \
+	CHILD_CHECK((ret) == -SHARDD_E_SHUTDOWN &&                                             \
+			    strstr(shardd_last_error(), "job 'ended' " END_NEEDLE),            \
+		    "%s after the end gave %d (%s): %s", what, ret, shardd_strerror(ret),      \
+		    shardd_last_error())
+
+/*
  * Rank 0 has an unshard in flight that waits for rank 1; rank 1 waits for
- * go. After the end, rank 0's completion and rank 1's next op name it.
+ * go. After the end, rank 0's completion names it, and every later call of
+ * either rank (a wait, an op, a control request) fails with it.
  */
 static int rank_ended(void *p)
 {
 	const struct rank_arg *a = p;
 	struct shardd_client *c = NULL;
-	struct shardd_group *g = NULL;
+	struct shardd_group *g = NULL, *g2 = NULL;
 	struct shardd_completion comp;
 	char byte;
 	int ret;
@@ -485,16 +497,18 @@ static int rank_ended(void *p)
 		CHILD_CHECK(strstr(comp.msg, END_NEEDLE) && strstr(comp.msg, "'ended'"),
 			    "the completion does not name the end: %s", comp.msg);
 		ret = shardd_nop(c);
-		CHILD_CHECK(ret < 0, "a nop after the end succeeded");
-		CHILD_CHECK(strstr(shardd_last_error(), END_NEEDLE), "nop after the end: %s",
-			    shardd_last_error());
+		CHECK_ENDED(ret, "a nop");
+		ret = shardd_wait(c, &comp, STEP_TIMEOUT);
+		CHECK_ENDED(ret, "a wait");
 	} else {
 		CHILD_CHECK(harness_signal(a->ready_fd, 'W') == 0, "signal");
 		CHILD_CHECK(harness_read_full(a->go_fd, &byte, 1, STEP_TIMEOUT) == 0, "no go");
 		ret = shardd_unshard(g, 1);
-		CHILD_CHECK(ret < 0, "an unshard after the end succeeded");
-		CHILD_CHECK(strstr(shardd_last_error(), END_NEEDLE), "unshard after the end: %s",
-			    shardd_last_error());
+		CHECK_ENDED(ret, "an unshard");
+		ret = shardd_group_open(c, a->group, &g2);
+		CHECK_ENDED(ret, "a group open");
+		ret = shardd_barrier(c, 1);
+		CHECK_ENDED(ret, "a barrier");
 	}
 	shardd_group_close(g);
 	shardd_close(c);
@@ -526,14 +540,15 @@ static void wait_unshard_pending(const char *job)
 	cr_assert_fail("rank 0's unshard never reached its rendezvous");
 }
 
-Test(job_linger, end_fails_live_ranks_ops_naming_it_and_the_daemon_serves_on)
+Test(job_linger, end_fails_every_call_of_its_ranks_naming_it_not_a_gone_daemon_and_others_go_on)
 {
 	struct ranks r;
-	struct shardd_client *other = NULL;
+	struct shardd_client *other = NULL, *bystander = NULL;
 	int before;
 
 	start_daemon("3600");
 	before = daemon_fds(NULL);
+	cr_assert_eq(harness_attach(&daemon_, "bystander", 0, 1, 1, &bystander), 0);
 	ranks_start(&r, "ended", "ended_g", 1, rank_ended);
 	wait_unshard_pending("ended");
 	cr_assert_eq(ctl("end", "ended", NULL), 0, "shardctl end:\n%s", ctl_out);
@@ -542,6 +557,10 @@ Test(job_linger, end_fails_live_ranks_ops_naming_it_and_the_daemon_serves_on)
 	ranks_finish(&r);
 	wait_job("ended", -1);
 	cr_assert_eq(daemon_fds("shardd:ended_g."), 0, "the ended job's memfds are still open");
+	/* The job attached all along goes on. */
+	cr_assert_eq(shardd_nop(bystander), 0, "%s", shardd_last_error());
+	cr_assert_eq(shardd_barrier(bystander, 1), 0, "%s", shardd_last_error());
+	shardd_close(bystander);
 	wait_fds(before);
 	cr_assert(log_has("job 'ended' " END_NEEDLE, STATE_WAIT), "no log line for the end");
 	/* The daemon goes on: a new client of a new job is served. */

@@ -113,7 +113,8 @@ class Client:
         self._doorbell = -1
         self._ring_mem = None
         self.ring = None
-        self.daemon_text = ""
+        self.daemon_code = 0       # the daemon's notice before a close (seq-0 ERROR), 0: none
+        self.daemon_text = ""      # and its text
         self.groups = []
         self.mesh_state = None     # shardd.torch's per-mesh state when this client is a mesh
         try:
@@ -191,9 +192,10 @@ class Client:
                         for fd in rfds:
                             os.close(fd)
                         code, text = _parse_error(rpayload)
+                        if rseq == 0:
+                            self.daemon_code, self.daemon_text = code, text
                         if rseq in (seq, 0):
                             raise shard_error(code, f"{where}: daemon: {text}")
-                        self.daemon_text = text
                         continue
                     if rseq != seq or rtype != want:
                         for fd in rfds:
@@ -203,8 +205,9 @@ class Client:
                                           f"{P.MSG_NAMES[want]} seq {seq}")
                     return rtype, rpayload, rfds
             except ctrl.CtrlError as e:
-                if e.code == -errno.ECONNRESET and self.daemon_text:
-                    raise shard_error(e.code, f"{where}: {e}: daemon: {self.daemon_text}") from None
+                if e.code == -errno.ECONNRESET and self.daemon_code:
+                    raise shard_error(self.daemon_code, f"{where}: daemon: {self.daemon_text} (it closed "
+                                                   "this client's connection)") from None
                 if e.code == -errno.ECONNRESET and send_error is not None:
                     raise shard_error(send_error.code, f"{where}: {send_error}; the daemon closed "
                                                        "the connection without a reply") from None
@@ -298,7 +301,9 @@ class Client:
 
     def wait(self, timeout=None):
         """Reap one completion, waiting up to timeout seconds (None: while the
-        daemon lives). Raises ShardError ETIMEDOUT, DaemonGone."""
+        daemon lives). Raises ShardError ETIMEDOUT, DaemonGone, or the
+        daemon's notice when it detached this client (SHARDD_E_SHUTDOWN:
+        `shardctl end` ended the job)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             while not self._stash:
@@ -307,14 +312,12 @@ class Client:
             return self._stash.popleft()
 
     def _daemon_alive(self):
-        """False when the control socket shows EOF/hangup or the ring says DEAD."""
-        if self.ring.flags & P.RING_DEAD:
-            return False
+        """False when the control socket shows EOF/hangup or the ring says DEAD.
+        A message waiting on the socket is read first, whatever the ring says:
+        a notice sent before a detach says why (self.daemon_code, daemon_text)."""
         p = select.poll()
         p.register(self._sock, select.POLLIN | select.POLLHUP | select.POLLERR)
         for _fd, ev in p.poll(0):
-            if ev & (select.POLLHUP | select.POLLERR):
-                return False
             if ev & select.POLLIN:
                 try:
                     _t, _s, payload, fds = ctrl.recv_msg(self._sock, 0)
@@ -322,9 +325,23 @@ class Client:
                     return False
                 for fd in fds:
                     os.close(fd)
-                if _t == P.MSG_ERROR:
-                    self.daemon_text = _parse_error(payload)[1]
-        return True
+                if _t == P.MSG_ERROR and _s == 0:
+                    self.daemon_code, self.daemon_text = _parse_error(payload)
+            if ev & (select.POLLHUP | select.POLLERR):
+                return False
+        return not self.ring.flags & P.RING_DEAD
+
+    def _detached_error(self, what):
+        """The error of a daemon that closed this client or marked its ring
+        dead. Its notice, when it sent one, gives the code and the text: the
+        daemon lives and detached this client ("job 'J' was ended by an admin
+        request ..."). Without one the daemon is gone (DaemonGone)."""
+        if self.daemon_code:
+            return shard_error(self.daemon_code, f"{what}: daemon: {self.daemon_text} (it detached this "
+                                            f"client: client id {self.client_id}, job '{self.job}' "
+                                            f"rank {self.rank})")
+        return shard_error(-errno.ECONNRESET, f"{what}: the daemon (pid {self.daemon_pid}) is gone or "
+                                         "dropped this client")
 
     def _wait_one(self, timeout, what, total=None):
         if self.ring is None:
@@ -343,10 +360,7 @@ class Client:
             if c:
                 return c
             if not self._daemon_alive():
-                text = f"{what}: the daemon (pid {self.daemon_pid}) is gone or dropped this client"
-                if self.daemon_text:
-                    text += f": daemon: {self.daemon_text}"
-                raise shard_error(-errno.ECONNRESET, text)
+                raise self._detached_error(what)
             left = SLEEP_SLICE_S
             if deadline is not None:
                 left = min(left, deadline - time.monotonic())

@@ -26,7 +26,9 @@ class ShardError(Exception):
 
 
 class DaemonGone(ShardError, ConnectionResetError):
-    """The daemon died or dropped this client (code -ECONNRESET)."""
+    """The daemon died or dropped this client without saying why (code
+    -ECONNRESET). A client it detached with a notice (a job ended by
+    `shardctl end`) gets a ShardError with the notice's code instead."""
 
 
 def shard_error(code, text, result=None):

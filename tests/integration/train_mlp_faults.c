@@ -76,12 +76,7 @@ static void pause_self(int64_t ms)
 	char b = 0;
 
 	fflush(NULL);
-	/*
-	 * A process group of its own, whose parent (the launcher) is in another:
-	 * never orphaned, so the kernel never sends it SIGHUP for holding a
-	 * stopped process (nor to the launcher's group, wherever it runs).
-	 */
-	if (setpgid(0, 0) < 0 || pipe(sync) < 0 || (helper = fork()) < 0) {
+	if (pipe(sync) < 0 || (helper = fork()) < 0) {
 		fprintf(stderr, "train_mlp_faults: starting the pause helper failed: %s\n", strerror(errno));
 		exit(1);
 	}

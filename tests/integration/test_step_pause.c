@@ -85,7 +85,7 @@ static void random_pauses(unsigned world, unsigned replicate)
 {
 	static struct train_run r;
 	static float want[TRAIN_NPARAMS], got[TRAIN_NPARAMS];
-	struct harness_daemon d;
+	struct harness_daemon d = { 0 };
 	uint64_t seed = pause_seed();
 	char what[64], ref[160], dump[160], w[16], rep[16], steps[16];
 	int64_t t0, base_ms;

@@ -2,7 +2,10 @@
 /*
  * Collectives (engine_int.h): the unshard and reduce rendezvous of a
  * group, from the first arrival to the task that runs them, or to the
- * failure that ends them (a mismatch, a rank gone, the timeout).
+ * failure that ends them (a mismatch, a rank gone, the timeout). A rank
+ * the timeout gave up on (paused past it) that arrives later with that
+ * collective's key fails at once (rendezvous.h, SHD_RDV_LATE), so that it
+ * can join the others' retry instead of waiting out a timeout of its own.
  *
  * An unshard gathers its replica's shard group; a reduce gathers its
  * replica's shard group too, or, under HSDP with SHARDD_REDUCE_ALL_REDUCE,
@@ -99,10 +102,20 @@ static int coll_arrive(struct eng_group *eg, struct eng_coll *c, const struct en
 {
 	struct shd_engine *e = eg->j->e;
 	char why[256], ranks[160], msg[ENGINE_MSG_MAX];
+	uint64_t now = shd_now_ns();
 	int ret;
 
-	ret = shd_rdv_arrive(&c->rdv, op->rank, op->sqe.step, op->sqe.flags, shd_now_ns(),
-				e->timeout_ns, why, sizeof(why));
+	ret = shd_rdv_arrive(&c->rdv, op->rank, op->sqe.step, op->sqe.flags, now, e->timeout_ns, why,
+			     sizeof(why));
+	if (ret == SHD_RDV_LATE) {
+		char did[192];
+
+		eng_fmt(did, sizeof(did), "submitted %s(group '%s', step %llu)", shd_op_info(c->op)->name,
+			eg->g->name, (unsigned long long)op->sqe.step);
+		eng_late_msg(e, &c->rdv, op->rank, did, now, msg, sizeof(msg));
+		eng_complete(eg->j, op, -SHARDD_E_TIMEOUT, msg);
+		return 0;
+	}
 	if (ret < 0) {
 		eng_fmt(msg, sizeof(msg), "shardd: %s(group '%s', step %llu): %s",
 			shd_op_info(c->op)->name, eg->g->name, (unsigned long long)op->sqe.step, why);
@@ -305,6 +318,7 @@ static void coll_cron(struct eng_group *eg, struct eng_coll *c, uint64_t now_ns)
 	coll_what(eg, c, what, sizeof(what));
 	eng_fmt(did, sizeof(did), "never submitted %s", what);
 	eng_expired_msg(eg->j->e, &c->rdv, did, msg, sizeof(msg));
+	shd_rdv_expire(&c->rdv, now_ns);
 	coll_fail(eg, c, -SHARDD_E_TIMEOUT, msg, UINT32_MAX);
 }
 

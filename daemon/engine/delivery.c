@@ -2,9 +2,9 @@
 /*
  * Messages and delivery of the engine (engine_int.h), loop thread: the
  * text of a failure, an op's completion and a register/open reply through
- * the engine's callbacks, the words of an expired rendezvous. Below
- * engine.c, registry.c, collective.c and task.c, which all deliver
- * through it; it calls none of them.
+ * the engine's callbacks, the words of an expired rendezvous and of a
+ * rank that arrives at it late. Below engine.c, registry.c, collective.c
+ * and task.c, which all deliver through it; it calls none of them.
  */
 #include <stdarg.h>
 #include <stdio.h>
@@ -48,5 +48,15 @@ void eng_expired_msg(const struct shd_engine *e, const struct shd_rdv *rdv, cons
 
 	timeout_str(e, within, sizeof(within));
 	shd_rdv_missing_msg(rdv, did, within, late, sizeof(late));
+	eng_fmt(err, errlen, "shardd: %s", late);
+}
+
+void eng_late_msg(const struct shd_engine *e, const struct shd_rdv *rdv, uint32_t rank, const char *did,
+		  uint64_t now_ns, char *err, size_t errlen)
+{
+	char within[32], late[ENGINE_MSG_MAX];
+
+	timeout_str(e, within, sizeof(within));
+	shd_rdv_late_msg(rdv, rank, did, within, now_ns, late, sizeof(late));
 	eng_fmt(err, errlen, "shardd: %s", late);
 }

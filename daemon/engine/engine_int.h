@@ -248,6 +248,9 @@ void eng_complete(struct shd_engine_job *j, const struct eng_op *op, int res, co
 /* "shardd: ranks 2,3 <did> within 30 s; rank 0 is waiting" for an expired rendezvous. */
 void eng_expired_msg(const struct shd_engine *e, const struct shd_rdv *rdv, const char *did,
 		     char *err, size_t errlen);
+/* "shardd: rank 2 <did> 0.84 s after ranks 0,1 gave up waiting for it ..." for an SHD_RDV_LATE arrival. */
+void eng_late_msg(const struct shd_engine *e, const struct shd_rdv *rdv, uint32_t rank, const char *did,
+		  uint64_t now_ns, char *err, size_t errlen);
 
 /* ---- registry.c: registration ---- */
 

@@ -21,7 +21,8 @@ int shd_rdv_init(struct shd_rdv *r, const uint32_t *ranks, uint32_t n)
 		return -EINVAL;
 	r->ranks = malloc(sizeof(*r->ranks) * n);
 	r->arrived = calloc(n, sizeof(*r->arrived));
-	if (!r->ranks || !r->arrived)
+	r->gave_up = calloc(n, sizeof(*r->gave_up));
+	if (!r->ranks || !r->arrived || !r->gave_up)
 		goto err_nomem;
 	memcpy(r->ranks, ranks, sizeof(*r->ranks) * n);
 	qsort(r->ranks, n, sizeof(*r->ranks), cmp_u32);
@@ -43,6 +44,7 @@ void shd_rdv_free(struct shd_rdv *r)
 {
 	free(r->ranks);
 	free(r->arrived);
+	free(r->gave_up);
 	memset(r, 0, sizeof(*r));
 }
 
@@ -104,6 +106,14 @@ int shd_rdv_arrive(struct shd_rdv *r, uint32_t rank, uint64_t step, uint32_t fla
 			 r->shown_base + rank, (unsigned long long)step, (unsigned long long)r->step);
 		return -EINVAL;
 	}
+	if (r->gave_up[i] == SHD_RDV_GAVE_UP_LATE) {
+		/* Its first arrival since the expiry settles it: late with that key, or moved on. */
+		r->gave_up[i] = SHD_RDV_GAVE_UP_NONE;
+		/* Others who came back with the same key are waiting for it: it joins them. */
+		if (step == r->gave_up_step && flags == r->gave_up_flags &&
+		    !(r->active && r->step == step && r->flags == flags))
+			return SHD_RDV_LATE;
+	}
 	if (!r->active) {
 		r->active = 1;
 		r->step = step;
@@ -138,11 +148,21 @@ int shd_rdv_expired(const struct shd_rdv *r, uint64_t now_ns)
 	return r->active && now_ns >= r->deadline_ns;
 }
 
+void shd_rdv_expire(struct shd_rdv *r, uint64_t now_ns)
+{
+	for (uint32_t i = 0; i < r->nexpected; i++)
+		r->gave_up[i] = r->arrived[i] ? SHD_RDV_GAVE_UP_WAITED : SHD_RDV_GAVE_UP_LATE;
+	r->gave_up_step = r->step;
+	r->gave_up_flags = r->flags;
+	r->gave_up_ns = now_ns;
+}
+
 /* Longest rank phrase shd_rdv_missing_msg holds ("..." ends a longer one). */
 #define RDV_WHO_MAX 1024
 
-/* Comma-separated list of expected ranks whose arrived flag equals `want`, but `skip`. */
-static void rdv_list(const struct shd_rdv *r, uint8_t want, uint32_t skip, char *buf, size_t len)
+/* Comma-separated list of expected ranks whose state in `of` (arrived or gave_up) is `want`, but `skip`. */
+static void rdv_list(const struct shd_rdv *r, const uint8_t *of, uint8_t want, uint32_t skip, char *buf,
+		     size_t len)
 {
 	size_t off = 0;
 
@@ -152,7 +172,7 @@ static void rdv_list(const struct shd_rdv *r, uint8_t want, uint32_t skip, char 
 	for (uint32_t i = 0; i < r->nexpected; i++) {
 		int n;
 
-		if (r->arrived[i] != want || r->ranks[i] == skip)
+		if (of[i] != want || r->ranks[i] == skip)
 			continue;
 		n = snprintf(buf + off, len - off, "%s%u", off ? "," : "", r->shown_base + r->ranks[i]);
 		if (n < 0 || (size_t)n >= len - off) {
@@ -167,12 +187,12 @@ static void rdv_list(const struct shd_rdv *r, uint8_t want, uint32_t skip, char 
 
 void shd_rdv_missing(const struct shd_rdv *r, char *buf, size_t len)
 {
-	rdv_list(r, 0, UINT32_MAX, buf, len);
+	rdv_list(r, r->arrived, 0, UINT32_MAX, buf, len);
 }
 
 void shd_rdv_present(const struct shd_rdv *r, char *buf, size_t len)
 {
-	rdv_list(r, 1, UINT32_MAX, buf, len);
+	rdv_list(r, r->arrived, 1, UINT32_MAX, buf, len);
 }
 
 void shd_rdv_failing(const struct shd_rdv *r, uint32_t rank, char *buf, size_t len)
@@ -188,8 +208,9 @@ void shd_rdv_failing(const struct shd_rdv *r, uint32_t rank, char *buf, size_t l
 						r->shown_base + r->ranks[i]);
 }
 
-/* "rank 3" / "ranks 3,5" / "no rank": the `n` ranks whose arrived flag equals `want`, but `skip`. */
-static void rdv_who(const struct shd_rdv *r, uint8_t want, uint32_t skip, uint32_t n, char *buf, size_t len)
+/* "rank 3" / "ranks 3,5" / "no rank": the `n` ranks whose state in `of` is `want`, but `skip`. */
+static void rdv_who(const struct shd_rdv *r, const uint8_t *of, uint8_t want, uint32_t skip, uint32_t n,
+		    char *buf, size_t len)
 {
 	int off;
 
@@ -199,22 +220,22 @@ static void rdv_who(const struct shd_rdv *r, uint8_t want, uint32_t skip, uint32
 	}
 	off = snprintf(buf, len, "%s ", n == 1 ? "rank" : "ranks");
 	if (off >= 0 && (size_t)off < len)
-		rdv_list(r, want, skip, buf + off, len - (size_t)off);
+		rdv_list(r, of, want, skip, buf + off, len - (size_t)off);
 }
 
 void shd_rdv_who_missing(const struct shd_rdv *r, char *buf, size_t len)
 {
-	rdv_who(r, 0, UINT32_MAX, r->nexpected - r->narrived, buf, len);
+	rdv_who(r, r->arrived, 0, UINT32_MAX, r->nexpected - r->narrived, buf, len);
 }
 
 void shd_rdv_who_present(const struct shd_rdv *r, char *buf, size_t len)
 {
-	rdv_who(r, 1, UINT32_MAX, r->narrived, buf, len);
+	rdv_who(r, r->arrived, 1, UINT32_MAX, r->narrived, buf, len);
 }
 
 void shd_rdv_who_present_but(const struct shd_rdv *r, uint32_t rank, char *buf, size_t len)
 {
-	rdv_who(r, 1, rank, r->narrived - (uint32_t)shd_rdv_has_arrived(r, rank), buf, len);
+	rdv_who(r, r->arrived, 1, rank, r->narrived - (uint32_t)shd_rdv_has_arrived(r, rank), buf, len);
 }
 
 void shd_rdv_missing_msg(const struct shd_rdv *r, const char *did, const char *within,
@@ -227,4 +248,20 @@ void shd_rdv_missing_msg(const struct shd_rdv *r, const char *did, const char *w
 	shd_rdv_who_present(r, present, part);
 	snprintf(buf, len, "%s %s within %s; %s %s waiting", missing, did, within, present,
 		 r->narrived == 1 ? "is" : "are");
+}
+
+void shd_rdv_late_msg(const struct shd_rdv *r, uint32_t rank, const char *did, const char *within,
+			 uint64_t now_ns, char *buf, size_t len)
+{
+	char waited[RDV_WHO_MAX] = "";
+	size_t part = len / 2 < sizeof(waited) ? len / 2 : sizeof(waited);
+	uint32_t n = 0;
+
+	for (uint32_t i = 0; i < r->nexpected; i++)
+		n += r->gave_up[i] == SHD_RDV_GAVE_UP_WAITED;
+	rdv_who(r, r->gave_up, SHD_RDV_GAVE_UP_WAITED, UINT32_MAX, n, waited, part);
+	snprintf(buf, len,
+		 "rank %u %s %.2f s after %s gave up waiting for it (the collective timeout, %s); failed at once: "
+		 "retry with the others", r->shown_base + rank, did,
+		 (double)(now_ns > r->gave_up_ns ? now_ns - r->gave_up_ns : 0) / 1e9, waited, within);
 }

@@ -4,6 +4,14 @@
  * Plain data, no threads, no callbacks: the owner (job barrier, engine
  * collectives) calls arrive/expired and acts on the result. Used from the
  * loop thread only.
+ *
+ * A rendezvous also remembers its last expiry (shd_rdv_expire): the key the
+ * waiting ranks gave up on and the ranks that never came. A rank that was
+ * only paused (SIGSTOP, a debugger) past the timeout arrives with that key
+ * once it runs again; it is told at once (SHD_RDV_LATE) that the others gave
+ * up, rather than starting a wait that no one joins, so it can follow them
+ * into their retry. The record is one per rendezvous, replaced by the next
+ * expiry, and a rank's mark goes with its next arrival, whatever its key.
  */
 #ifndef SHD_RENDEZVOUS_H
 #define SHD_RENDEZVOUS_H
@@ -26,12 +34,25 @@ struct shd_rdv {
 	int       active;      /* at least one arrival */
 	uint32_t  shown_base;  /* added to every rank its messages name: a job across nodes shows global
 				  ranks (its node's first rank; 0 on one node) */
+	/* The last expiry (shd_rdv_expire). */
+	uint8_t  *gave_up;     /* per expected index: SHD_RDV_GAVE_UP_* */
+	uint64_t  gave_up_step;  /* its key */
+	uint32_t  gave_up_flags;
+	uint64_t  gave_up_ns;  /* when it expired (CLOCK_MONOTONIC) */
+};
+
+/* A rank's part in the last expiry (shd_rdv.gave_up). */
+enum {
+	SHD_RDV_GAVE_UP_NONE   = 0, /* not there, or arrived again since */
+	SHD_RDV_GAVE_UP_WAITED = 1, /* waited and gave up */
+	SHD_RDV_GAVE_UP_LATE   = 2, /* never came, and has not arrived since */
 };
 
 enum {
 	SHD_RDV_WAIT     = 0, /* arrival recorded, others still missing */
 	SHD_RDV_COMPLETE = 1, /* every expected rank arrived with the key */
 	SHD_RDV_MISMATCH = 2, /* key differs from the first arrival's */
+	SHD_RDV_LATE     = 3, /* the rank comes with the key the last expiry gave up on it for */
 };
 
 /*
@@ -47,8 +68,11 @@ void shd_rdv_reset(struct shd_rdv *r);
  * Arrival of `rank` with key (step, flags) at `now_ns`; the first arrival
  * sets the key and the deadline now_ns + timeout_ns. Returns SHD_RDV_WAIT,
  * SHD_RDV_COMPLETE, SHD_RDV_MISMATCH (arrival not recorded; `err` names
- * both ranks and keys) or -EINVAL (rank not expected, or arrived twice; `err`
- * says which). The owner resets the rendezvous after COMPLETE or MISMATCH.
+ * both ranks and keys), SHD_RDV_LATE (arrival not recorded: the last expiry
+ * gave up on `rank` with this key, and the others have not come back with
+ * it; the owner fails the op at once, shd_rdv_late_msg) or -EINVAL (rank
+ * not expected, or arrived twice; `err` says which). The owner resets the
+ * rendezvous after COMPLETE or MISMATCH.
  */
 int shd_rdv_arrive(struct shd_rdv *r, uint32_t rank, uint64_t step, uint32_t flags,
 		      uint64_t now_ns, uint64_t timeout_ns, char *err, size_t errlen);
@@ -59,6 +83,12 @@ int shd_rdv_arrive(struct shd_rdv *r, uint32_t rank, uint64_t step, uint32_t fla
 int shd_rdv_leave(struct shd_rdv *r, uint32_t rank);
 /* 1 when active and past its deadline, else 0. */
 int shd_rdv_expired(const struct shd_rdv *r, uint64_t now_ns);
+/*
+ * The owner gives up on an expired rendezvous at `now_ns`: remember its key
+ * and who waited and who never came (replacing the last record), before it
+ * fails the waiting ranks and resets it.
+ */
+void shd_rdv_expire(struct shd_rdv *r, uint64_t now_ns);
 /* 1 when `rank` is expected and has arrived, else 0. */
 int shd_rdv_has_arrived(const struct shd_rdv *r, uint32_t rank);
 /* 1 when `rank` is in the expected set, else 0. */
@@ -87,5 +117,13 @@ void shd_rdv_who_present_but(const struct shd_rdv *r, uint32_t rank, char *buf, 
  */
 void shd_rdv_missing_msg(const struct shd_rdv *r, const char *did, const char *within,
 			    char *buf, size_t len);
+/*
+ * The error of `rank`'s arrival that returned SHD_RDV_LATE, at `now_ns`:
+ * "rank 2 <did> 0.84 s after rank 0 gave up waiting for it (the collective
+ * timeout, <within>); failed at once: retry with the others". `did` is what
+ * the rank did late ("submitted unshard(group 'g', step 5)").
+ */
+void shd_rdv_late_msg(const struct shd_rdv *r, uint32_t rank, const char *did, const char *within,
+			 uint64_t now_ns, char *buf, size_t len);
 
 #endif /* SHD_RENDEZVOUS_H */

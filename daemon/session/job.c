@@ -155,7 +155,9 @@ static void rdv_finish(struct shd_job *j, enum shd_job_rdv_kind k, int res, cons
 /*
  * The arrival of `rank`'s `sqe` in rendezvous op `k` with key (sqe->step,
  * flags). A rank that already waits in it, or (`busy`) still waits for its
- * last one to end, fails at once: -EINVAL, its completion pushed. Else
+ * last one to end, fails at once: -EINVAL, its completion pushed. So does
+ * one that comes with the key the op's last timeout gave up on it for (a
+ * paused rank): SHD_RDV_LATE, -SHARDD_E_TIMEOUT pushed. Else
  * shd_rdv_arrive's result: with SHD_RDV_WAIT or SHD_RDV_COMPLETE the rank
  * now waits; with SHD_RDV_MISMATCH the caller fails it (rdv_mismatch).
  */
@@ -165,11 +167,25 @@ static int rdv_arrive(struct shd_job *j, enum shd_job_rdv_kind k, uint32_t rank,
 	struct shd_job_rank *jr = &j->ranks[rank];
 	struct shd_job_wait *w = &jr->wait[k];
 	struct shd_rdv *rdv = &j->rdv[k];
-	char mine[64], theirs[64], msg[1400];
+	static const char *const did[SHD_JOB_NRDV] = {
+		[SHD_JOB_BARRIER] = "arrived",
+		[SHD_JOB_GNORM]   = "submitted grad_norm",
+		[SHD_JOB_CKPT]    = "submitted checkpoint",
+	};
+	char mine[64], theirs[64], within[32], late[1024], msg[1400];
+	uint64_t now = shd_now_ns();
 	int ret;
 
-	ret = shd_rdv_arrive(rdv, rank, sqe->step, flags, shd_now_ns(), env.collective_timeout_ns,
-			     err, errlen);
+	ret = shd_rdv_arrive(rdv, rank, sqe->step, flags, now, env.collective_timeout_ns, err, errlen);
+	if (ret == SHD_RDV_LATE && !busy) {
+		rdv_label(mine, sizeof(mine), k, sqe->step);
+		snprintf(within, sizeof(within), "%g s", env.collective_timeout_s);
+		shd_rdv_late_msg(rdv, rank, did[k], within, now, late, sizeof(late));
+		snprintf(msg, sizeof(msg), "%s: %s", mine, late);
+		shd_log_warn("job '%s': %s", j->name, msg);
+		shd_job_op_done(j, rank, jr->client.token, sqe, -SHARDD_E_TIMEOUT, msg);
+		return SHD_RDV_LATE;
+	}
 	if (ret == -EINVAL || busy) {
 		rdv_label(mine, sizeof(mine), k, sqe->step);
 		rdv_label(theirs, sizeof(theirs), k, busy ? w->sqe.step : rdv->step);
@@ -731,6 +747,7 @@ void shd_job_cron(struct shd_job *j, uint64_t now_ns)
 		rdv_label(label, sizeof(label), k, rdv->step);
 		snprintf(msg, sizeof(msg), "%s: %s", label, late);
 		shd_log_warn("job '%s': %s", j->name, msg);
+		shd_rdv_expire(rdv, now_ns);
 		rdv_finish(j, k, -SHARDD_E_TIMEOUT, msg, 0, 0);
 	}
 }

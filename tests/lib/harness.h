@@ -44,7 +44,9 @@ struct harness_daemon {
 /*
  * Start $SHARDD_BIN --socket DIR/shardd.sock --foreground --log-level warn,
  * then the NULL-terminated `extra` arguments (may be NULL), and wait up to
- * HARNESS_START_TIMEOUT_MS for its "shardd: ready on PATH" line.
+ * HARNESS_START_TIMEOUT_MS for its "shardd: ready on PATH" line. `d` is
+ * zeroed (static, or `= { 0 }`) or holds a daemon started before, which is
+ * stopped first: a stack struct left uninitialised reads as started.
  */
 int harness_daemon_start(struct harness_daemon *d, const char *const *extra);
 

@@ -314,3 +314,50 @@ Test(rendezvous, failing_lists_arrived_ranks_and_the_newcomer_ascending, .timeou
 	cr_assert_str_eq(list, "0,2");
 	shd_rdv_free(&r);
 }
+
+Test(rendezvous, rank_missing_at_an_expiry_is_told_at_once_when_it_comes_late, .timeout = 5)
+{
+	const uint32_t ranks[] = { 0, 1, 2 };
+	struct shd_rdv r;
+	char why[128], msg[256];
+
+	rdv_of(&r, ranks, 3);
+	cr_assert_eq(shd_rdv_arrive(&r, 0, 9, 0, 0, SEC, why, sizeof(why)), SHD_RDV_WAIT);
+	cr_assert_eq(shd_rdv_arrive(&r, 1, 9, 0, 0, SEC, why, sizeof(why)), SHD_RDV_WAIT);
+	cr_assert_eq(shd_rdv_expired(&r, SEC), 1);
+	shd_rdv_expire(&r, SEC);
+	shd_rdv_reset(&r);
+	/* Rank 2 was paused: with the key given up on it fails at once, naming who waited and when. */
+	cr_assert_eq(shd_rdv_arrive(&r, 2, 9, 0, 3 * SEC / 2, SEC, why, sizeof(why)), SHD_RDV_LATE);
+	cr_assert_eq(r.active, 0, "a late arrival starts no wait");
+	shd_rdv_late_msg(&r, 2, "submitted x(step 9)", "1 s", 3 * SEC / 2, msg, sizeof(msg));
+	cr_assert_str_eq(msg, "rank 2 submitted x(step 9) 0.50 s after ranks 0,1 gave up waiting for it (the "
+			 "collective timeout, 1 s); failed at once: retry with the others");
+	/* Told once: its next arrival, whatever the key, is an ordinary one. */
+	cr_assert_eq(shd_rdv_arrive(&r, 2, 9, 0, 2 * SEC, SEC, why, sizeof(why)), SHD_RDV_WAIT);
+	shd_rdv_free(&r);
+}
+
+Test(rendezvous, late_rank_joins_when_the_others_came_back_with_the_key, .timeout = 5)
+{
+	const uint32_t ranks[] = { 0, 1 };
+	struct shd_rdv r;
+	char why[128];
+
+	rdv_of(&r, ranks, 2);
+	shd_rdv_arrive(&r, 0, 4, 0, 0, SEC, why, sizeof(why));
+	shd_rdv_expire(&r, SEC);
+	shd_rdv_reset(&r);
+	/* Rank 0 retries the same key: the late rank completes it rather than failing it. */
+	cr_assert_eq(shd_rdv_arrive(&r, 0, 4, 0, 2 * SEC, SEC, why, sizeof(why)), SHD_RDV_WAIT);
+	cr_assert_eq(shd_rdv_arrive(&r, 1, 4, 0, 2 * SEC, SEC, why, sizeof(why)), SHD_RDV_COMPLETE);
+	shd_rdv_reset(&r);
+	/* A rank that moved on to another key is not failed either, and its mark is gone. */
+	shd_rdv_arrive(&r, 0, 5, 0, 3 * SEC, SEC, why, sizeof(why));
+	shd_rdv_expire(&r, 4 * SEC);
+	shd_rdv_reset(&r);
+	cr_assert_eq(shd_rdv_arrive(&r, 1, 6, 0, 5 * SEC, SEC, why, sizeof(why)), SHD_RDV_WAIT);
+	shd_rdv_reset(&r);
+	cr_assert_eq(shd_rdv_arrive(&r, 1, 5, 0, 6 * SEC, SEC, why, sizeof(why)), SHD_RDV_WAIT);
+	shd_rdv_free(&r);
+}

@@ -475,6 +475,34 @@ static int rank_report(struct rank *rk, uint64_t t, uint32_t attempt, double los
 	return 0;
 }
 
+/*
+ * Attempt *attempt of step t failed (rk->fail_msg says why): retry it as
+ * the next attempt, reported to the launcher (which restarts a dead rank
+ * into it), once every rank met at its barrier (rank_resync). A rank paused
+ * past the collective timeout may come back after that barrier timed out
+ * too: then every rank that met the timeout (or, late, the daemon's
+ * "gave up waiting for it") moves on to the next attempt's barrier alike,
+ * where they all meet. 0, or the error that ended the retries.
+ */
+static int rank_retry(struct rank *rk, uint64_t t, uint32_t *attempt)
+{
+	int ret;
+
+	do {
+		if (*attempt + 1 >= MLP_MAX_ATTEMPTS)
+			return rk->failed;
+		++*attempt;
+		fprintf(stderr, "train_mlp: rank %u: step %" PRIu64 " failed (%s); nothing applied,"
+			" retrying it as attempt %u once every rank is back (--resume-step %" PRIu64
+			" --attempt %u)\n", rk->rank, t, rk->fail_msg, *attempt, t, *attempt);
+		ret = rank_report(rk, t, *attempt, 0.0, 0);
+		if (ret < 0)
+			return ret;
+		ret = rank_resync(rk, t, *attempt);
+	} while (ret == -SHARDD_E_TIMEOUT);
+	return ret;
+}
+
 /* Attach; a restarted rank retries while the daemon still holds its old session. */
 static int rank_connect(struct rank *rk)
 {
@@ -606,6 +634,19 @@ static int rank_groups(struct rank *rk, uint64_t *start)
 }
 
 /*
+ * HSDP's final: a job-wide reduce of layer l's last grads, cleared again,
+ * that every rank must reach. 0, or the error recorded.
+ */
+static int rank_final_all_reduce(struct rank *rk, uint32_t l, uint32_t attempt)
+{
+	int slot = rank_submit(rk, SHARDD_OP_REDUCE, l, op_key(rk->o->steps, attempt, 1), rank_reduce_flags(rk));
+
+	if (slot < 0 || rank_wait(rk, slot) < 0 || rank_sync_op(rk, SHARDD_OP_ZERO_GRAD, l, 0) < 0)
+		return rk->failed;
+	return 0;
+}
+
+/*
  * The final params, from one more unshard (attempt `attempt` of it); rank 0
  * writes them when --dump was given.
  */
@@ -613,7 +654,7 @@ static int rank_final(struct rank *rk, uint32_t attempt)
 {
 	const float *w[MLP_LAYERS], *b[MLP_LAYERS];
 	const uint64_t key = op_key(rk->o->steps, attempt, 0);
-	int slot, ret = 0;
+	int ret = 0;
 
 	rk->failed = 0;
 	/*
@@ -624,17 +665,21 @@ static int rank_final(struct rank *rk, uint32_t attempt)
 	 * last grads, cleared again) fails on every rank at once instead, and
 	 * they all retry the final together.
 	 */
-	if (rk->o->replicate > 1) {
-		slot = rank_submit(rk, SHARDD_OP_REDUCE, MLP_LAYERS - 1, op_key(rk->o->steps, attempt, 1),
-				   rank_reduce_flags(rk));
-		if (slot < 0 || rank_wait(rk, slot) < 0 ||
-		    rank_sync_op(rk, SHARDD_OP_ZERO_GRAD, MLP_LAYERS - 1, 0) < 0)
-			return rk->failed;
-	}
+	if (rk->o->replicate > 1 && rank_final_all_reduce(rk, MLP_LAYERS - 1, attempt))
+		return rk->failed;
 	for (uint32_t l = 0; l < MLP_LAYERS; l++)
 		if (rank_submit(rk, SHARDD_OP_UNSHARD, l, key, 0) < 0)
 			break;
 	if (rank_drain(rk))
+		return rk->failed;
+	/*
+	 * HSDP again: a rank paused (not dead) after that reduce misses only
+	 * its replica's unshard, and the other replicas would leave as above.
+	 * A second job-wide reduce (fc0's, another group) holds them until
+	 * every replica has its params: it times out on them too, and they
+	 * all retry the final.
+	 */
+	if (rk->o->replicate > 1 && rank_final_all_reduce(rk, 0, attempt))
 		return rk->failed;
 	for (uint32_t l = 0; l < MLP_LAYERS; l++) {
 		if (rank_fetch_unsharded(rk, l))
@@ -810,17 +855,10 @@ int rank_main(const struct trainer_opts *o, uint32_t rank, int report_fd,
 			attempt = 0;
 			continue;
 		}
-		/* A rank died mid-step: it will come back, and the step is redone. */
-		if ((ret != -SHARDD_E_PEER_DIED && ret != -SHARDD_E_TIMEOUT) || attempt + 1 >= MLP_MAX_ATTEMPTS)
+		/* A rank died or was paused mid-step: it will come back, and the step is redone. */
+		if (ret != -SHARDD_E_PEER_DIED && ret != -SHARDD_E_TIMEOUT)
 			goto out;
-		attempt++;
-		fprintf(stderr, "train_mlp: rank %u: step %" PRIu64 " failed (%s); nothing applied,"
-			" retrying it as attempt %u once every rank is back (--resume-step %" PRIu64
-			" --attempt %u)\n", rank, t, rk->fail_msg, attempt, t, attempt);
-		/* The launcher restarts the dead rank into this attempt. */
-		ret = rank_report(rk, t, attempt, 0.0, 0);
-		if (ret == 0)
-			ret = rank_resync(rk, t, attempt);
+		ret = rank_retry(rk, t, &attempt);
 		if (ret < 0)
 			goto out;
 	}

@@ -28,6 +28,10 @@
  * dead rank's replacement re-attaches with that resume_step and attempt
  * (the launcher passes them on) and joins. A death after the last step's
  * reduces fails the final unshard, retried alike (resume_step = steps).
+ * A rank stopped (SIGSTOP) past the collective timeout is handled alike,
+ * without the restart: once continued, its late collective fails at once
+ * (the daemon remembers that the others gave up on it) and it joins their
+ * retry; a retry's barrier that times out is retried as the next attempt.
  * docs/RELIABILITY.md states the whole protocol. With the daemon's SGD the
  * replacement first asks the daemon which step it last applied to each of
  * its shards (shardd_group_last_step) and applies the step T update the

@@ -612,5 +612,10 @@ int main(int argc, char **argv)
 	}
 	ret = shd_server_run();
 	shd_world_stop();
+	/* Open MPI's destructors could wait for the thread a dead world parked inside it (world.h). */
+	if (shd_world_dead(NULL, 0)) {
+		fflush(NULL);
+		_exit(ret);
+	}
 	return ret;
 }

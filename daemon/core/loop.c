@@ -1,10 +1,14 @@
 /* SPDX-License-Identifier: MIT */
 #define _GNU_SOURCE
+#include <dlfcn.h>
 #include <errno.h>
 #include <poll.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/timerfd.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <liburing.h>
@@ -45,6 +49,8 @@ struct shd_loop {
 	shd_before_sleep_fn before_sleep;
 	shd_after_sleep_fn  after_sleep;
 	void    *hook_arg;
+	uint64_t watchdog_ns;    /* SHARDD_LOOP_WATCHDOG_MS: 0, off (loop_call) */
+	int      watchdog_abort; /* SHARDD_LOOP_WATCHDOG_ABORT=1 */
 };
 
 /* An SQE, submitting queued ones first when the SQ is full. */
@@ -126,6 +132,71 @@ static const unsigned loop_setup_flags[] = {
 	0,
 };
 
+/*
+ * The watchdog, for tests and debugging (docs/RELIABILITY.md): with
+ * SHARDD_LOOP_WATCHDOG_MS=N in the environment, a callback (or the
+ * before-sleep hook) that runs over N ms is logged, naming it as
+ * shardd+OFFSET (addr2line -f -e shardd OFFSET gives the function: most
+ * callbacks are static, which dladdr cannot name). One during which the
+ * loop thread blocked (a voluntary context switch: a wait on a lock, a
+ * condition variable, a read) is an error, since nothing on the loop
+ * thread may wait, and aborts with SHARDD_LOOP_WATCHDOG_ABORT=1; one that
+ * only ran long (preempted on a loaded machine, or computing) a warning.
+ */
+static void loop_watchdog_setup(struct shd_loop *l)
+{
+	const char *ms = getenv("SHARDD_LOOP_WATCHDOG_MS"), *ab = getenv("SHARDD_LOOP_WATCHDOG_ABORT");
+
+	l->watchdog_ns = ms ? strtoull(ms, NULL, 10) * 1000000ull : 0;
+	l->watchdog_abort = ab && strcmp(ab, "1") == 0;
+	if (l->watchdog_ns)
+		shd_log_info("loop watchdog: callbacks over %llu ms are logged%s",
+			     (unsigned long long)(l->watchdog_ns / 1000000), l->watchdog_abort ? ", waits abort" : "");
+}
+
+static uint64_t loop_now_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* The watchdog's start of a call: its time and the thread's voluntary switches so far. */
+static uint64_t loop_watch_start(const struct shd_loop *l, long *nvcsw)
+{
+	struct rusage ru;
+
+	if (!l->watchdog_ns)
+		return 0;
+	getrusage(RUSAGE_THREAD, &ru);
+	*nvcsw = ru.ru_nvcsw;
+	return loop_now_ns();
+}
+
+/* The watchdog's end of a call of `fn` (`what`: its kind and fd) that started at t0. */
+static void loop_watch_end(const struct shd_loop *l, uint64_t t0, long nvcsw, void *fn, const char *what)
+{
+	uint64_t ns;
+	struct rusage ru;
+	Dl_info info = { 0 };
+	int waited;
+
+	if (!l->watchdog_ns || (ns = loop_now_ns() - t0) < l->watchdog_ns)
+		return;
+	getrusage(RUSAGE_THREAD, &ru);
+	waited = ru.ru_nvcsw > nvcsw;
+	dladdr(fn, &info);
+	shd_log(waited ? SHD_LOG_ERROR : SHD_LOG_WARN,
+		"loop watchdog: %s callback %s+0x%lx%s%s ran %.0f ms (limit %llu ms) %s", what,
+		info.dli_fname ? strrchr(info.dli_fname, '/') ? strrchr(info.dli_fname, '/') + 1 : info.dli_fname : "?",
+		(unsigned long)((uintptr_t)fn - (uintptr_t)info.dli_fbase), info.dli_sname ? " near " : "",
+		info.dli_sname ? info.dli_sname : "", (double)ns / 1e6, (unsigned long long)(l->watchdog_ns / 1000000),
+		waited ? "and blocked in a wait: nothing on the loop thread may wait" : "without waiting (preempted or computing)");
+	if (waited && l->watchdog_abort)
+		abort();
+}
+
 int shd_loop_create(struct shd_loop **out)
 {
 	struct shd_loop *l = calloc(1, sizeof(*l));
@@ -150,6 +221,7 @@ int shd_loop_create(struct shd_loop **out)
 		return ret;
 	}
 	shd_log_debug("io_uring: setup flags 0x%x", l->setup_flags);
+	loop_watchdog_setup(l);
 	*out = l;
 	return 0;
 }
@@ -275,9 +347,18 @@ static void loop_dispatch(struct shd_loop *l, struct shd_loop_event *ev, int32_t
 		res = POLLERR;
 	}
 	if (res >= 0 && !ev->dead) {
+		long nvcsw = 0;
+		uint64_t t0 = loop_watch_start(l, &nvcsw);
+		char what[32];
+
 		ev->in_call = 1;
 		ev->fn(ev->arg, ev->fd, (uint32_t)res);
 		ev->in_call = 0;
+		if (t0) {
+			/* ev lives on until loop_dispatch's end, even when the callback deleted it. */
+			snprintf(what, sizeof(what), "%s of fd %d", ev->timer_fn ? "timer" : "file", ev->fd);
+			loop_watch_end(l, t0, nvcsw, ev->timer_fn ? (void *)ev->timer_fn : (void *)ev->fn, what);
+		}
 	}
 	if (ev->dead) {
 		if (ev->armed && !ev->cancels)
@@ -340,8 +421,13 @@ int shd_loop_run(struct shd_loop *l)
 {
 	l->stop = 0;
 	while (!l->stop) {
+		long nvcsw = 0;
+		uint64_t t0 = loop_watch_start(l, &nvcsw);
 		int may_sleep = l->before_sleep ? l->before_sleep(l->hook_arg) : 1;
 		int ret;
+
+		if (t0 && l->before_sleep)
+			loop_watch_end(l, t0, nvcsw, (void *)l->before_sleep, "before-sleep");
 
 		if (l->stop)
 			break;

@@ -92,6 +92,8 @@ void shd_engine_destroy(struct shd_engine *e)
 	while (e->jobs)
 		shd_engine_job_destroy(e->jobs);
 	eng_world_threads_wait(e);
+	/* The groups of ended jobs whose task across nodes still ran go with it (eng_job_reap). */
+	shd_engine_drain(e);
 	eng_world_orphans_free(e);
 	shd_pool_destroy(e->pool);
 	e->backend->ops->destroy(e->backend);
@@ -160,11 +162,16 @@ int shd_engine_job_create(struct shd_engine *e, void *job_ctx, const char *job_n
 
 static void deferred_fail(struct eng_group *eg, uint32_t rank, int res, const char *msg);
 
-/* `why`: how the job ended ("was ended by ..."), for every failure; NULL: "ended". */
-static void group_shutdown(struct eng_group *eg, const char *why)
+/*
+ * `why`: how the job ended ("was ended by ..."), for every failure; NULL:
+ * "ended". 1 when the group's task across nodes still runs (eng_tasks_stop):
+ * the group lingers until it ends.
+ */
+static int group_shutdown(struct eng_group *eg, const char *why)
 {
 	struct shd_engine_job *j = eg->j;
 	char msg[ENGINE_MSG_MAX];
+	int lingers;
 
 	eng_fmt(msg, sizeof(msg), "shardd: job '%s' %s before this op on group '%s' ran", j->name,
 		why ? why : "ended", eg->g->name);
@@ -174,12 +181,34 @@ static void group_shutdown(struct eng_group *eg, const char *why)
 		for (uint32_t r = 0; r < j->world; r++)
 			if (shd_rdv_has_arrived(&eg->reg, r))
 				eng_reply_err(j, r, eg->regs[r].token, eg->regs[r].seq, -SHARDD_E_SHUTDOWN, msg);
-		return;
+		return 0;
 	}
-	eng_tasks_stop(eg, -SHARDD_E_SHUTDOWN, msg);
+	lingers = eng_tasks_stop(eg, -SHARDD_E_SHUTDOWN, msg);
 	eng_colls_fail(eg, -SHARDD_E_SHUTDOWN, msg);
 	for (uint32_t r = 0; r < j->world; r++)
 		deferred_fail(eg, r, -SHARDD_E_SHUTDOWN, msg);
+	return lingers;
+}
+
+/* The job's last state, once no group of it is left. */
+static void job_free(struct shd_engine_job *j)
+{
+	/* After the groups: their buffers are freed, so no collective of the job is queued any more. */
+	if (j->bj)
+		j->e->backend->ops->job_close(j->e->backend, j->bj);
+	free(j->groups);
+	free(j->devices);
+	free(j->gone);
+	free(j);
+}
+
+void eng_job_reap(struct eng_group *eg)
+{
+	struct shd_engine_job *j = eg->j;
+
+	eng_group_free(eg);
+	if (--j->lingering == 0)
+		job_free(j);
 }
 
 void shd_engine_job_destroy(struct shd_engine_job *j)
@@ -201,8 +230,10 @@ void shd_engine_job_end(struct shd_engine_job *j, const char *why)
 
 		if (!eg)
 			continue;
-		group_shutdown(eg, why);
-		eng_group_free(eg);
+		if (group_shutdown(eg, why))
+			j->lingering++;
+		else
+			eng_group_free(eg);
 	}
 	eng_ckpt_job_end(j, why);
 	if (j->prev)
@@ -211,13 +242,10 @@ void shd_engine_job_end(struct shd_engine_job *j, const char *why)
 		e->jobs = j->next;
 	if (j->next)
 		j->next->prev = j->prev;
-	/* After the groups: their buffers are freed, so no collective of the job is queued any more. */
-	if (j->bj)
-		e->backend->ops->job_close(e->backend, j->bj);
-	free(j->groups);
-	free(j->devices);
-	free(j->gone);
-	free(j);
+	/* Its caller's context goes now; a lingering group only needs the job's own state. */
+	j->ctx = NULL;
+	if (!j->lingering)
+		job_free(j);
 }
 
 void shd_engine_rank_attached(struct shd_engine_job *j, uint32_t rank, int32_t device)

@@ -104,6 +104,7 @@ struct eng_task {
 	struct eng_ckpt *ckpt;       /* SAVE, SAVE_FINAL: the checkpoint it is part of */
 	uint32_t gindex;             /* SAVE: the group's index in the checkpoint's manifest */
 	int finished;                /* on the finished list; under engine lock */
+	int abandoned;               /* loop: its job ended while it waited for other nodes (eng_tasks_stop) */
 	int res;
 	char msg[ENGINE_MSG_MAX];
 	char why[320];               /* the backend's reason of a failure, or empty */
@@ -195,6 +196,12 @@ struct shd_engine_job {
 	struct shd_engine_ckpt_status ckpt_last; /* the last_* fields: the last checkpoint that ended */
 	int ending;                  /* shd_engine_job_end runs: start no task */
 	/*
+	 * Groups of an ended job whose task waiting for other nodes still runs
+	 * (eng_tasks_stop left it): the job, out of the engine's list, is freed
+	 * with the last of them (eng_job_reap).
+	 */
+	uint32_t lingering;
+	/*
 	 * A job spanning the nodes of the daemon world (world_collective.c): its
 	 * replicate, shard and world above are this node's ranks; span_* the
 	 * whole mesh's. span_nodes 0: the job lives on this node.
@@ -235,6 +242,11 @@ struct eng_world_orphan {
 	struct shd_world_buf *b;
 	uint64_t bytes;
 };
+
+/* ---- engine.c ---- */
+
+/* Loop thread: the task eng_tasks_stop left running has finished: free eg, and its job after its last group. */
+void eng_job_reap(struct eng_group *eg);
 
 /* ---- delivery.c: messages and delivery ---- */
 
@@ -291,9 +303,13 @@ void eng_task_wait_finished(struct shd_engine *e, struct eng_task *t);
 void eng_group_enqueue(struct eng_group *eg, struct eng_task *t);
 /*
  * Wait for the group's running task and deliver it, then fail every queued
- * one with (res, msg): the group runs nothing afterwards.
+ * one with (res, msg): the group runs nothing afterwards. A running task
+ * that waits for other nodes (eng_world_task) is not waited for: its ops
+ * fail now with (res, msg), and it is left to finish on its thread (its
+ * exchanges are bounded, world.h); returns 1 then, and the group must
+ * outlive it (drain hands it to eng_job_reap), else 0.
  */
-void eng_tasks_stop(struct eng_group *eg, int res, const char *msg);
+int eng_tasks_stop(struct eng_group *eg, int res, const char *msg);
 
 /* ---- ckpt_save.c, ckpt_arm.c (eng_ckpt_try_armed): checkpoints ---- */
 

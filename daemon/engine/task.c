@@ -531,6 +531,13 @@ void shd_engine_drain(struct shd_engine *e)
 		struct eng_group *eg = t->eg;
 
 		next = t->next;
+		/* Its job ended while it ran: nothing to deliver, and its group goes now. */
+		if (t->abandoned) {
+			eg->running = NULL;
+			free(t);
+			eng_job_reap(eg);
+			continue;
+		}
 		/* Not its group's running task: a checkpoint's write off the group's queue. */
 		if (t->kind == TASK_SAVE_WRITE) {
 			t->hooks->delivered(t);
@@ -576,22 +583,40 @@ void eng_task_wait_finished(struct shd_engine *e, struct eng_task *t)
 	pthread_mutex_unlock(&e->lock);
 }
 
-/* Wait for the group's running task, take it off the finished list and deliver it. */
-static void group_wait_running(struct eng_group *eg)
+/*
+ * Wait for the group's running task, take it off the finished list and
+ * deliver it; or, when it waits for other nodes and has not finished, fail
+ * its ops with (res, msg) and leave it running (returns 1): the job ends
+ * now, not when the other nodes answer or the collective timeout passes.
+ */
+static int group_wait_running(struct eng_group *eg, int res, const char *msg)
 {
+	struct shd_engine *e = eg->j->e;
 	struct eng_task *t = eg->running;
+	int running;
 
 	if (!t)
-		return;
-	eng_task_wait_finished(eg->j->e, t);
+		return 0;
+	pthread_mutex_lock(&e->lock);
+	running = !t->finished;
+	pthread_mutex_unlock(&e->lock);
+	if (running && eng_world_task(t)) {
+		t->abandoned = 1;
+		for (uint32_t i = 0; i < t->nops; i++)
+			eng_complete(eg->j, &t->ops[i], res, msg);
+		return 1;
+	}
+	eng_task_wait_finished(e, t);
 	eg->running = NULL;
 	task_deliver(t);
 	free(t);
+	return 0;
 }
 
-void eng_tasks_stop(struct eng_group *eg, int res, const char *msg)
+int eng_tasks_stop(struct eng_group *eg, int res, const char *msg)
 {
-	group_wait_running(eg);
+	int left = group_wait_running(eg, res, msg);
+
 	while (eg->qhead) {
 		struct eng_task *t = eg->qhead;
 
@@ -602,4 +627,5 @@ void eng_tasks_stop(struct eng_group *eg, int res, const char *msg)
 		free(t);
 	}
 	eg->qtail = NULL;
+	return left;
 }

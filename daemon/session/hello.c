@@ -243,10 +243,18 @@ static int hello_world(struct shd_session *s, uint32_t seq, struct shardd_hello 
 	uint32_t nodes = shd_world_nodes(), node = shd_world_node();
 	uint64_t world = (uint64_t)h->replicate * h->shard;
 	uint32_t L, owner;
+	char dead[320];
 
 	*span = 0;
 	if (nodes <= 1)
 		return 1;
+	/* Every mesh of a world spans its nodes: none can run once the world is dead. */
+	if (shd_world_dead(dead, sizeof(dead))) {
+		shd_session_reject(s, seq, -SHARDD_E_PEER_DIED,
+			       "mesh %ux%u spans the %u nodes of this world, and %s", h->replicate, h->shard,
+			       nodes, dead);
+		return 0;
+	}
 	if (world % nodes) {
 		shd_session_reject(s, seq, -SHARDD_E_MESH,
 			       "mesh %ux%u (%llu ranks) does not split over the %u nodes of this world: "

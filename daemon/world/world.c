@@ -26,6 +26,7 @@
 #include <errno.h>
 #include <pthread.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -60,6 +61,16 @@
  * it, so neither waits for a timer or a wake-up (tens of us each on a VM).
  */
 #define WORLD_LINGER_NS (500ull * 1000)
+/*
+ * An exchange still open this long past its deadline, while the
+ * communication thread has not finished a turn for as long, means that
+ * thread is stuck inside MPI (Open MPI spins in MPI_Test after a peer's
+ * socket broke, and never returns): the watch thread then declares the
+ * world dead (world_die).
+ */
+#define WORLD_GRACE_NS (1000ull * 1000 * 1000)
+/* Milliseconds world_die waits for the communication thread to park. */
+#define WORLD_PARK_WAIT_MS 2000
 
 struct world_hdr {
 	uint64_t key, seq, check, bytes;
@@ -87,11 +98,17 @@ struct world_xfer {
 	size_t errlen;
 	int done, res;
 	struct shd_world_op *op;     /* an async exchange's: woken through its fd, or freed when abandoned */
+	struct world_xfer *inext, **iprev; /* W.inflight, under W.lock, until done */
 
 	int streaming;               /* a peer's header is in and payloads are still open */
 	uint64_t last_event_ns;      /* a request of x completed (or x was posted) */
 
-	MPI_Request *req;            /* [4 * nodes]: header recv, payload recv, header send, payload send of node k at 4k.. */
+	/*
+	 * [4 * nodes]: header recv, payload recv, header send, payload send of
+	 * node k at 4k..; allocated and freed by the caller, so that world_die
+	 * can read which are still open once the communication thread is parked.
+	 */
+	MPI_Request *req;
 };
 
 /* A request MPI still holds after its exchange ended, and the memory it uses. */
@@ -114,11 +131,22 @@ static struct {
 	int tag_ub;
 	int peer_failed;             /* some exchange failed: MPI_Finalize could wait forever */
 	struct world_xfer *queue;    /* handed over, not posted yet */
+	struct world_xfer *inflight; /* every exchange handed over and not done (queued or posted) */
+	int dead;                    /* world_die ran: every exchange fails at once with dead_why */
+	char dead_why[320];
+	pthread_t watch;             /* world_watch */
+	int watching;                /* the watch thread runs */
+	pthread_cond_t watch_cv;     /* CLOCK_MONOTONIC: an exchange handed over, or stop */
+	uint64_t turn_ns;            /* atomic: when the communication thread last began a turn */
+	int parked;                  /* atomic: the communication thread is parked (world_park) */
 	/* communication thread only */
 	MPI_Comm comm;
 	struct world_xfer *active;
 	struct world_held *held;
 } W = { .lock = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER };
+
+/* The signal that parks the communication thread (world_die); it is blocked by no thread. */
+#define WORLD_PARK_SIG (SIGRTMIN + 3)
 
 uint32_t shd_world_nodes(void)
 {
@@ -234,15 +262,14 @@ static void held_poll(void)
 /* Drop x's requests: those still in flight go to the held list with their reference. */
 static void xfer_release(struct world_xfer *x)
 {
-	for (uint32_t i = 0; x->req && i < 4 * W.nodes; i++) {
+	for (uint32_t i = 0; i < 4 * W.nodes; i++) {
 		if (x->req[i] == MPI_REQUEST_NULL)
 			continue;
 		if (i % 4 < 2)
 			MPI_Cancel(&x->req[i]);
 		held_add(x->req[i], x->b, NULL);
+		x->req[i] = MPI_REQUEST_NULL;
 	}
-	free(x->req);
-	x->req = NULL;
 }
 
 /* An exchange started by shd_world_gather_start. */
@@ -255,6 +282,13 @@ struct shd_world_op {
 	char err[384];
 };
 
+static void op_free(struct shd_world_op *op)
+{
+	shd_world_buf_put(op->b);
+	free(op->x.req);
+	free(op);
+}
+
 /* Under W.lock: op's exchange ended; frees it when its caller gave it up, else wakes the caller. */
 static void op_finished(struct shd_world_op *op)
 {
@@ -262,12 +296,24 @@ static void op_finished(struct shd_world_op *op)
 	ssize_t r;
 
 	if (op->abandoned) {
-		shd_world_buf_put(op->b);
-		free(op);
+		op_free(op);
 		return;
 	}
 	r = write(op->wake_fd, &one, sizeof(one));
 	(void)r;
+}
+
+/* Under W.lock: x is done with `res` (its err written); wake its caller. */
+static void xfer_done_locked(struct world_xfer *x, int res)
+{
+	*x->iprev = x->inext;
+	if (x->inext)
+		x->inext->iprev = x->iprev;
+	x->res = res;
+	x->done = 1;
+	pthread_cond_broadcast(&W.cv);
+	if (x->op)
+		op_finished(x->op);
 }
 
 /* End x with (res, its err already written) and wake its caller. */
@@ -277,11 +323,7 @@ static void xfer_finish(struct world_xfer *x, int res)
 	if (res == -SHARDD_E_TIMEOUT || res == -SHARDD_E_PEER_DIED)
 		W.peer_failed = 1;
 	pthread_mutex_lock(&W.lock);
-	x->res = res;
-	x->done = 1;
-	pthread_cond_broadcast(&W.cv);
-	if (x->op)
-		op_finished(x->op);
+	xfer_done_locked(x, res);
 	pthread_mutex_unlock(&W.lock);
 }
 
@@ -331,13 +373,6 @@ static int xfer_post(struct world_xfer *x)
 {
 	int rc;
 
-	x->req = malloc(4 * W.nodes * sizeof(*x->req));
-	if (!x->req) {
-		snprintf(x->err, x->errlen, "out of memory for the requests of an inter-node exchange");
-		return -SHARDD_E_NOMEM;
-	}
-	for (uint32_t i = 0; i < 4 * W.nodes; i++)
-		x->req[i] = MPI_REQUEST_NULL;
 	if (x->bytes > (size_t)INT32_MAX) {
 		snprintf(x->err, x->errlen, "an inter-node message of %zu bytes exceeds MPI's count limit of %d",
 			 x->bytes, INT32_MAX);
@@ -497,6 +532,168 @@ static int xfer_poll(struct world_xfer *x, uint64_t now)
 	return 0;
 }
 
+/* ------------------------------------------------------------------ */
+/* A communication thread stuck inside MPI                             */
+/* ------------------------------------------------------------------ */
+
+/*
+ * WORLD_PARK_SIG's handler, on the communication thread: it stays here for
+ * good, so that a thread spinning inside MPI stops taking a core. Only an
+ * atomic store and pause(), both async-signal-safe. world_die holds W.lock
+ * while it sends the signal, so the thread never parks holding it.
+ */
+static void world_park(int sig)
+{
+	(void)sig;
+	__atomic_store_n(&W.parked, 1, __ATOMIC_RELEASE);
+	for (;;)
+		pause();
+}
+
+/* The communication thread takes WORLD_PARK_SIG whatever mask it inherited. */
+static void world_park_unblock(void)
+{
+	sigset_t set;
+
+	sigemptyset(&set);
+	sigaddset(&set, WORLD_PARK_SIG);
+	pthread_sigmask(SIG_UNBLOCK, &set, NULL);
+}
+
+/*
+ * Under W.lock: nodes[k] = 1 for each node k other than this one with a
+ * request of an exchange in flight still open (the communication thread is
+ * parked: the arrays stand still); those are the nodes it was waiting for.
+ */
+static void world_open_nodes(const struct world_xfer *x, uint8_t *nodes)
+{
+	for (uint32_t k = 0; x->req && k < W.nodes; k++)
+		for (int i = 0; i < 4; i++)
+			if (k != W.node && x->req[4 * k + i] != MPI_REQUEST_NULL)
+				nodes[k] = 1;
+}
+
+/*
+ * Under W.lock, on the watch thread: the communication thread is stuck in
+ * MPI (stuck_ns without a turn, an exchange past its deadline). Park it,
+ * keep why in W.dead_why, and fail every exchange in flight, naming the
+ * nodes it still waited for; from then on every exchange fails at once.
+ * The requests stay with MPI, and so does the memory they use (never
+ * freed: MPI may still write into it).
+ */
+static void world_die(uint64_t stuck_ns)
+{
+	uint8_t any[SHARDD_MAX_WORLD] = { 0 };
+	char who[160];
+	size_t off = 0;
+	int ret;
+
+	W.dead = 1;
+	W.peer_failed = 1;
+	ret = pthread_kill(W.thread, WORLD_PARK_SIG);
+	for (int ms = 0; !ret && ms < WORLD_PARK_WAIT_MS && !__atomic_load_n(&W.parked, __ATOMIC_ACQUIRE); ms++) {
+		struct timespec ts = { 0, 1000000 };
+
+		nanosleep(&ts, NULL);
+	}
+	if (!__atomic_load_n(&W.parked, __ATOMIC_ACQUIRE))
+		shd_log_error("world: the MPI communication thread did not park within %d ms (%s); "
+			      "failing its exchanges anyway", WORLD_PARK_WAIT_MS, ret ? strerror(ret) : "no signal taken");
+	for (struct world_xfer *x = W.inflight; x; x = x->inext)
+		world_open_nodes(x, any);
+	who[0] = '\0';
+	for (uint32_t k = 0; k < W.nodes && k < SHARDD_MAX_WORLD && off < sizeof(who); k++)
+		if (any[k])
+			off += (size_t)snprintf(who + off, sizeof(who) - off, "%s%u", off ? "," : "", k);
+	snprintf(W.dead_why, sizeof(W.dead_why),
+		 "the daemon world of this node is dead: its MPI communication thread has not returned from MPI "
+		 "for %.1f s after node%s %s stopped answering (Open MPI's own words are in this daemon's log); "
+		 "ops that stay on this node go on, exchanges among nodes need a new world (relaunch the daemons)",
+		 (double)stuck_ns / 1e9, strchr(who, ',') ? "s" : "", who[0] ? who : "?");
+	shd_log_error("world: %s", W.dead_why);
+	while (W.inflight) {
+		struct world_xfer *x = W.inflight;
+
+		memset(x->missing, 0, W.nodes);
+		world_open_nodes(x, x->missing);
+		snprintf(x->err, x->errlen, "%s", W.dead_why);
+		xfer_done_locked(x, -SHARDD_E_PEER_DIED);
+	}
+}
+
+/*
+ * The watch thread: wakes at the earliest deadline (plus WORLD_GRACE_NS)
+ * of the exchanges in flight and calls world_die when the communication
+ * thread has let one pass it without a turn for as long.
+ */
+static void *world_watch(void *arg)
+{
+	(void)arg;
+	pthread_mutex_lock(&W.lock);
+	while (!W.stop && !W.dead) {
+		uint64_t first = UINT64_MAX, now = shd_now_ns(), turn;
+		struct timespec until;
+
+		for (struct world_xfer *x = W.inflight; x; x = x->inext)
+			if (x->deadline_ns < first)
+				first = x->deadline_ns;
+		if (first == UINT64_MAX) {
+			pthread_cond_wait(&W.watch_cv, &W.lock);
+			continue;
+		}
+		turn = __atomic_load_n(&W.turn_ns, __ATOMIC_RELAXED);
+		if (now >= first + WORLD_GRACE_NS && now - turn >= WORLD_GRACE_NS) {
+			world_die(now - turn);
+			break;
+		}
+		/* Again at the deadline's grace, or a grace after the last turn, whichever is later. */
+		first += WORLD_GRACE_NS;
+		if (first < turn + WORLD_GRACE_NS)
+			first = turn + WORLD_GRACE_NS;
+		until.tv_sec = (time_t)(first / 1000000000ull);
+		until.tv_nsec = (long)(first % 1000000000ull);
+		pthread_cond_timedwait(&W.watch_cv, &W.lock, &until);
+	}
+	pthread_mutex_unlock(&W.lock);
+	return NULL;
+}
+
+/* Under W.lock: hand x over (queue and in flight) and wake both threads. */
+static void xfer_hand_over(struct world_xfer *x)
+{
+	x->next = W.queue;
+	W.queue = x;
+	x->inext = W.inflight;
+	x->iprev = &W.inflight;
+	if (W.inflight)
+		W.inflight->iprev = &x->inext;
+	W.inflight = x;
+	pthread_cond_broadcast(&W.cv);
+	pthread_cond_signal(&W.watch_cv);
+}
+
+/* x's request array, every entry MPI_REQUEST_NULL; NULL when out of memory. */
+static MPI_Request *xfer_reqs(void)
+{
+	MPI_Request *req = malloc(4 * (size_t)W.nodes * sizeof(*req));
+
+	for (uint32_t i = 0; req && i < 4 * W.nodes; i++)
+		req[i] = MPI_REQUEST_NULL;
+	return req;
+}
+
+int shd_world_dead(char *why, size_t len)
+{
+	int dead;
+
+	pthread_mutex_lock(&W.lock);
+	dead = W.dead;
+	if (dead && why)
+		snprintf(why, len, "%s", W.dead_why);
+	pthread_mutex_unlock(&W.lock);
+	return dead;
+}
+
 static void *world_thread(void *arg)
 {
 	int provided = 0, rank = 0, size = 0, flag = 0, rc;
@@ -504,6 +701,7 @@ static void *world_thread(void *arg)
 	void *ub = NULL;
 
 	(void)arg;
+	world_park_unblock();
 	/* Sleep what is asked between polls, not the default 50 us slack on top. */
 	prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
 	rc = MPI_Init_thread(NULL, NULL, MPI_THREAD_FUNNELED, &provided);
@@ -541,6 +739,7 @@ static void *world_thread(void *arg)
 		uint64_t now;
 		int stream;
 
+		__atomic_store_n(&W.turn_ns, shd_now_ns(), __ATOMIC_RELAXED);
 		pthread_mutex_lock(&W.lock);
 		while (!W.stop && !W.queue && !W.active && !W.held) {
 			if (shd_now_ns() - busy_ns < WORLD_LINGER_NS) {
@@ -633,9 +832,17 @@ static void *world_thread(void *arg)
 
 int shd_world_start(uint32_t internode_dtype, char *err, size_t errlen)
 {
+	struct sigaction sa = { .sa_handler = world_park };
+	pthread_condattr_t ca;
 	int ret;
 
 	W.dtype = internode_dtype;
+	pthread_condattr_init(&ca);
+	pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+	pthread_cond_init(&W.watch_cv, &ca);
+	pthread_condattr_destroy(&ca);
+	sigemptyset(&sa.sa_mask);
+	sigaction(WORLD_PARK_SIG, &sa, NULL);
 	ret = pthread_create(&W.thread, NULL, world_thread, NULL);
 	if (ret) {
 		snprintf(err, errlen, "cannot start the MPI communication thread: %s", strerror(ret));
@@ -651,6 +858,11 @@ int shd_world_start(uint32_t internode_dtype, char *err, size_t errlen)
 		return -EIO;
 	}
 	W.started = 1;
+	ret = pthread_create(&W.watch, NULL, world_watch, NULL);
+	if (ret)
+		shd_log_warn("world: cannot start the watch thread (%s): an exchange is bounded only while "
+			     "MPI returns", strerror(ret));
+	W.watching = !ret;
 	shd_log_info("world: node %u of %u nodes (MPI_THREAD_FUNNELED, inter-node dtype %s)", W.node,
 		     W.nodes, W.dtype == SHD_INTERNODE_REDUCE ? "reduce" : "fp32");
 	return 0;
@@ -661,11 +873,20 @@ void shd_world_stop(void)
 	if (!W.started)
 		return;
 	struct timespec until;
+	int dead;
 
 	pthread_mutex_lock(&W.lock);
 	W.stop = 1;
+	dead = W.dead;
 	pthread_cond_broadcast(&W.cv);
+	pthread_cond_broadcast(&W.watch_cv);
 	pthread_mutex_unlock(&W.lock);
+	if (W.watching)
+		pthread_join(W.watch, NULL);
+	W.watching = 0;
+	/* A parked communication thread never returns (world_die). */
+	if (dead)
+		return;
 	/* MPI_Finalize may wait for nodes that are not stopping: bounded, the daemon still exits. */
 	clock_gettime(CLOCK_REALTIME, &until);
 	until.tv_sec += WORLD_STOP_WAIT_S;
@@ -691,13 +912,27 @@ int shd_world_xchg(uint64_t key, uint64_t seq, uint64_t check, struct shd_world_
 	err[0] = '\0';
 	if (W.nodes == 1)
 		return 0;
+	x.req = xfer_reqs();
+	if (!x.req) {
+		snprintf(err, errlen, "out of memory for the requests of an inter-node exchange");
+		return -SHARDD_E_NOMEM;
+	}
 	pthread_mutex_lock(&W.lock);
-	x.next = W.queue;
-	W.queue = &x;
-	pthread_cond_broadcast(&W.cv);
-	while (!x.done)
-		pthread_cond_wait(&W.cv, &W.lock);
+	if (W.dead) {
+		/* Every other node: this one cannot reach any of them any more. */
+		for (uint32_t k = 0; k < W.nodes; k++)
+			missing[k] = k != W.node;
+		snprintf(err, errlen, "%s", W.dead_why);
+		x.res = -SHARDD_E_PEER_DIED;
+	} else {
+		xfer_hand_over(&x);
+		/* Bounded: the communication thread ends x by its deadline, or world_watch does. */
+		while (!x.done)
+			pthread_cond_wait(&W.cv, &W.lock);
+	}
 	pthread_mutex_unlock(&W.lock);
+	/* A request of x MPI still holds is on the held list by now, or stays MPI's (world_die). */
+	free(x.req);
 	return x.res;
 }
 
@@ -726,10 +961,20 @@ int shd_world_gather_start(uint64_t key, uint64_t seq, uint64_t check, const voi
 	};
 	memcpy(op->b->data, mine, bytes);
 	memcpy(op->b->data + bytes + (size_t)W.node * bytes, mine, bytes);
+	op->x.req = xfer_reqs();
+	if (!op->x.req) {
+		op_free(op);
+		snprintf(err, errlen, "out of memory for the requests of an inter-node gather");
+		return -SHARDD_E_NOMEM;
+	}
 	pthread_mutex_lock(&W.lock);
-	op->x.next = W.queue;
-	W.queue = &op->x;
-	pthread_cond_broadcast(&W.cv);
+	if (W.dead) {
+		pthread_mutex_unlock(&W.lock);
+		op_free(op);
+		snprintf(err, errlen, "%s", W.dead_why);
+		return -SHARDD_E_PEER_DIED;
+	}
+	xfer_hand_over(&op->x);
 	pthread_mutex_unlock(&W.lock);
 	*out = op;
 	return 0;
@@ -753,8 +998,7 @@ int shd_world_op_end(struct shd_world_op *op, void *recv, uint8_t *missing, char
 	snprintf(err, errlen, "%s", op->err);
 	if (!ret)
 		memcpy(recv, op->b->data + op->x.bytes, (size_t)W.nodes * op->x.bytes);
-	shd_world_buf_put(op->b);
-	free(op);
+	op_free(op);
 	return ret;
 }
 
@@ -766,8 +1010,6 @@ void shd_world_op_abandon(struct shd_world_op *op)
 	op->abandoned = 1;
 	done = op->x.done;
 	pthread_mutex_unlock(&W.lock);
-	if (done) {
-		shd_world_buf_put(op->b);
-		free(op);
-	}
+	if (done)
+		op_free(op);
 }

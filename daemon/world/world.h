@@ -12,6 +12,14 @@
  * task hands its exchange to the communication thread and waits, bounded
  * by the collective timeout.
  *
+ * Bounded even when MPI never returns (Open MPI can spin inside MPI_Test
+ * for good once a peer's socket broke): a watch thread that finds an
+ * exchange a second past its deadline while the communication thread has
+ * not finished a turn for as long declares the world dead. It parks that
+ * thread (a signal whose handler never returns), fails every exchange in
+ * flight naming the nodes it still waited for, and from then on every
+ * exchange fails at once; the node's own jobs go on (docs/RELIABILITY.md).
+ *
  * Without --world the daemon never calls shd_world_start, and MPI is not
  * initialised: single-node use needs no mpirun.
  */
@@ -37,6 +45,15 @@ int shd_world_start(uint32_t internode_dtype, char *err, size_t errlen);
 /* Fail exchanges in flight, finalise MPI (unless a peer failed) and join the thread. */
 void shd_world_stop(void);
 
+/*
+ * 1 once the world is dead (its communication thread stuck in MPI and
+ * parked, world.c), with `why` (may be NULL) saying so and naming the
+ * nodes; 0 while it lives or without --world. Dead, every exchange fails
+ * at once with -SHARDD_E_PEER_DIED and that text, and the process must not
+ * call exit() (Open MPI's destructors could wait for the parked thread).
+ */
+int shd_world_dead(char *why, size_t len);
+
 /* Number of nodes of the world; 0 when the daemon runs without --world. */
 uint32_t shd_world_nodes(void);
 /* This daemon's node index (its MPI rank). */
@@ -52,7 +69,8 @@ uint32_t shd_world_internode_dtype(void);
  * its position in that stream; `check` what must be equal on every node (a
  * digest of the group's params, the op and its step): a node's message for another key, seq or
  * check is an error, not data. Waits until every node's bytes arrived, an MPI error,
- * or `deadline_ns` (shd_now_ns clock). 0; or -SHARDD_E_TIMEOUT /
+ * or `deadline_ns` (shd_now_ns clock), or a second after it when MPI does
+ * not return (the world dies: shd_world_dead). 0; or -SHARDD_E_TIMEOUT /
  * -SHARDD_E_PEER_DIED / -SHARDD_E_MISMATCH / -SHARDD_E_NOMEM with `err`
  * saying why and missing[k] = 1 for each node k whose bytes did not arrive
  * (missing has nodes entries).

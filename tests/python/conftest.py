@@ -95,7 +95,8 @@ class Daemon(_Stderr):
         self.proc = subprocess.Popen(
             [shardd_bin(), "--socket", self.socket, "--foreground", "--log-level", "warn",
              "--collective-timeout", "20", *extra_args],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            env={**os.environ, "SHARDD_LOOP_WATCHDOG_MS": str(LOOP_WATCHDOG_MS)})
         want = f"shardd: ready on {self.socket}"
         self._await_ready(lambda buf: want.encode() in buf, READY_TIMEOUT_S,
                           f"shardd did not print {want!r} within {READY_TIMEOUT_S} s",
@@ -182,6 +183,9 @@ def run_ranks(fn, n, timeout=40):
 
 WORLD_TIMEOUT_S = 4          # --collective-timeout of a World's daemons
 WORLD_READY_TIMEOUT_S = 60   # mpirun's start on a loaded 2-core machine
+# The event loop's watchdog (daemon/core/loop.c) in every daemon of the suite:
+# a callback over this logs, naming it; in a World's daemons one that waited aborts.
+LOOP_WATCHDOG_MS = 100
 
 needs_mpirun = pytest.mark.skipif(shutil.which("mpirun") is None,
                                   reason="mpirun (openmpi-bin) is not installed: make deps")
@@ -189,9 +193,10 @@ needs_mpirun = pytest.mark.skipif(shutil.which("mpirun") is None,
 
 class World(_Stderr):
     """`nodes` shardd daemons under one mpirun (`--world mpi`, docs/MULTINODE.md),
-    node k on socket dir/node.k; a context manager that stops them on exit."""
+    node k on socket dir/node.k, with a collective timeout of timeout_s and the
+    loop watchdog aborting on a wait; a context manager that stops them on exit."""
 
-    def __init__(self, nodes, extra_args=()):
+    def __init__(self, nodes, extra_args=(), timeout_s=WORLD_TIMEOUT_S):
         self.nodes = nodes
         self.dir = tempfile.TemporaryDirectory(prefix="shardd-world-")
         self.lines = []
@@ -200,9 +205,10 @@ class World(_Stderr):
         # Survivors keep running when a daemon dies (the failure tests kill one).
         cmd = ["mpirun", *root, "--oversubscribe", "--mca", "btl", "tcp,self",
                "--mca", "orte_enable_recovery", "1", "--mca", "orte_abort_on_non_zero_status", "0",
+               "-x", f"SHARDD_LOOP_WATCHDOG_MS={LOOP_WATCHDOG_MS}", "-x", "SHARDD_LOOP_WATCHDOG_ABORT=1",
                "-np", str(nodes), "sh", "-c",
                'd="$1"; shift; exec "$0" --world mpi --socket "$d/node.$OMPI_COMM_WORLD_RANK" '
-               f'--collective-timeout {WORLD_TIMEOUT_S} --log-level info "$@"',
+               f'--collective-timeout {timeout_s:g} --log-level info "$@"',
                shardd_bin(), self.dir.name, *extra_args]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, start_new_session=True)

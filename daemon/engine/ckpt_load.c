@@ -687,6 +687,36 @@ static int confine_path(struct eng_group *eg, struct confine *cf, char *out, siz
 	return ret;
 }
 
+/*
+ * Whether each rank shard takes its own saved update count
+ * (cg->shard_optim_steps, where a rank skipped a step alone): at the saved
+ * shard count with every param sharded on the saved dim, each rank shard
+ * holds the rows it saved. At another layout a rank shard's rows come from
+ * several saved ones with different counts, and one count per rank shard
+ * cannot say that: each takes the highest (optim_steps), which changes
+ * only AdamW's bias correction of the rows that skipped, and the log says so.
+ */
+static int restore_counts(const struct eng_group *eg, const struct shd_ckpt_manifest *m,
+			  const struct shd_ckpt_group *cg, const char *dir)
+{
+	const struct shd_group *g = eg->g;
+	int same = m->shard == g->shard;
+
+	if (!cg->shard_optim_steps)
+		return 0;
+	for (uint32_t i = 0; same && i < g->hdr.nparams; i++)
+		for (uint32_t k = 0; k < cg->hdr.nparams; k++)
+			if (!strcmp(g->specs[i].name, cg->specs[k].name))
+				same = g->specs[i].shard_dim == cg->specs[k].shard_dim;
+	if (!same)
+		shd_log_warn("job '%s': group '%s': in %s its %u rank shards applied different numbers of updates "
+			     "(a rank skipped a step alone); at shard %u each rank shard resumes at %llu updates, "
+			     "the most; restore at shard %u with the saved shard dims to keep each one's count",
+			     eg->j->name, g->name, dir, m->shard, g->shard, (unsigned long long)cg->optim_steps,
+			     m->shard);
+	return same;
+}
+
 void eng_restore_exec(struct eng_task *t)
 {
 	struct eng_group *eg = t->eg;
@@ -757,8 +787,10 @@ void eng_restore_exec(struct eng_task *t)
 	if (!ret && ns)
 		ret = load_file(eg, &cf, dir, shd_ckpt_manifest_file(&m, cg->optim_file), 1, msg, len);
 	if (!ret) {
+		int own = restore_counts(eg, &m, cg, dir);
+
 		for (uint32_t r = 0; r < g->world; r++) {
-			g->optim_steps[r] = cg->optim_steps;
+			g->optim_steps[r] = own ? cg->shard_optim_steps[r % g->shard] : cg->optim_steps;
 			__atomic_store_n(&g->last_step[r], cg->last_step, __ATOMIC_RELAXED);
 		}
 		shd_log_info("job '%s': group '%s' restored from %s (saved at mesh %ux%u, step %llu; now %ux%u)",

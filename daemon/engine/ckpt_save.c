@@ -512,6 +512,55 @@ int shd_engine_job_checkpointing(const struct shd_engine_job *j)
 	return j->ckpt != NULL;
 }
 
+/*
+ * 1 when every rank of optimizer group `g` applied or skipped the same last
+ * step; else 0 with `err` naming a rank behind and the step to wait for.
+ * Update counts may differ: a rank whose grad was non-finite skipped a step
+ * alone (SHARDD_STEP_SKIP_NONFINITE), and the manifest keeps each rank
+ * shard's count (shard_steps).
+ */
+static int at_one_step(const struct shd_group *g, char *err, size_t errlen)
+{
+	uint32_t hi = 0, lo = 0;
+
+	for (uint32_t r = 1; r < g->world; r++) {
+		if (g->last_step[r] > g->last_step[hi])
+			hi = r;
+		if (g->last_step[r] < g->last_step[lo])
+			lo = r;
+	}
+	if (g->last_step[hi] == g->last_step[lo])
+		return 1;
+	eng_fmt(err, errlen, "group '%s' is not at a step boundary: rank %u applied step %llu, rank %u only step "
+		"%llu; submit checkpoint after the completions of every rank's step %llu (a restarted rank "
+		"catches up with SHARDD_STEP_REPLAY)", g->name, hi, (unsigned long long)g->last_step[hi], lo,
+		(unsigned long long)g->last_step[lo], (unsigned long long)g->last_step[hi]);
+	return 0;
+}
+
+/*
+ * The manifest's update counts of group `g`: optim_steps the highest of
+ * replica 0's rank shards (whose state is written), and each rank shard's
+ * in shard_optim_steps when they differ. 0 or -ENOMEM.
+ */
+static int shard_steps(const struct shd_group *g, struct shd_ckpt_group *cg)
+{
+	int differ = 0;
+
+	cg->optim_steps = 0;
+	for (uint32_t s = 0; s < g->shard; s++) {
+		differ |= g->optim_steps[s] != g->optim_steps[0];
+		cg->optim_steps = g->optim_steps[s] > cg->optim_steps ? g->optim_steps[s] : cg->optim_steps;
+	}
+	if (!differ)
+		return 0;
+	cg->shard_optim_steps = malloc(g->shard * sizeof(*cg->shard_optim_steps));
+	if (!cg->shard_optim_steps)
+		return -ENOMEM;
+	memcpy(cg->shard_optim_steps, g->optim_steps, g->shard * sizeof(*cg->shard_optim_steps));
+	return 0;
+}
+
 /* Check the job can be saved now and fill c->m, c->egs, c->file_of. */
 static int ckpt_plan(struct shd_engine_job *j, struct eng_ckpt *c, uint64_t step, char *err, size_t errlen)
 {
@@ -533,21 +582,13 @@ static int ckpt_plan(struct shd_engine_job *j, struct eng_ckpt *c, uint64_t step
 				shd_op_info((eg->running ? eg->running : eg->qhead)->ops[0].sqe.op)->name);
 			return -SHARDD_E_STATE;
 		}
-		for (uint32_t r = 1; eg->g->optim.kind != SHARDD_OPTIM_NONE && r < eg->g->world; r++)
-			if (eg->g->last_step[r] != eg->g->last_step[0] ||
-			    eg->g->optim_steps[r] != eg->g->optim_steps[0]) {
-				eng_fmt(err, errlen, "group '%s' is not at a step boundary: rank 0 applied step %llu "
-					"(%llu updates), rank %u step %llu (%llu updates); checkpoint after every "
-					"rank's step", eg->g->name, (unsigned long long)eg->g->last_step[0],
-					(unsigned long long)eg->g->optim_steps[0], r,
-					(unsigned long long)eg->g->last_step[r],
-					(unsigned long long)eg->g->optim_steps[r]);
-				return -SHARDD_E_STATE;
-			}
+		if (eg->g->optim.kind != SHARDD_OPTIM_NONE && !at_one_step(eg->g, err, errlen))
+			return -SHARDD_E_STATE;
 		n++;
 	}
 	if (!n) {
-		eng_fmt(err, errlen, "job '%s' has no registered group to checkpoint", j->name);
+		eng_fmt(err, errlen, "job '%s' has no registered group to checkpoint; register its groups first",
+			j->name);
 		return -SHARDD_E_STATE;
 	}
 	c->m.version = SHD_CKPT_VERSION;
@@ -579,7 +620,8 @@ static int ckpt_plan(struct shd_engine_job *j, struct eng_ckpt *c, uint64_t step
 		memcpy(cg->specs, g->specs, g->hdr.nparams * sizeof(*cg->specs));
 		cg->optim = g->optim;
 		cg->last_step = g->optim.kind != SHARDD_OPTIM_NONE ? g->last_step[0] : 0;
-		cg->optim_steps = g->optim.kind != SHARDD_OPTIM_NONE ? g->optim_steps[0] : 0;
+		if (g->optim.kind != SHARDD_OPTIM_NONE && shard_steps(g, cg))
+			return -ENOMEM;
 		shd_ckpt_file_names(c->m.ngroups, n, cg->file, cg->optim_file);
 		c->file_of[2 * c->m.ngroups] = (int32_t)nf;
 		snprintf(c->m.files[nf++].name, SHD_CKPT_FILE_NAME_MAX, "%s", cg->file);

@@ -76,3 +76,85 @@ def test_a_rank_that_skipped_a_step_alone_stays_checkpointable(state_daemon, req
         g = one.register_group("layer", SPECS, optimizer=opt, restore=ckpt)
         assert g.last_step == 2
     assert any("applied different numbers of updates" in line for line in state_daemon.lines)
+
+
+def two_checkpoints(request, daemon, opt):
+    """A job that checkpointed steps 1 and 2 into the state dir: its root and
+    the full tensors of each rank's shards at step 1."""
+    rng = np.random.default_rng(11)
+    with attached(request, daemon, 1, WORLD) as clients:
+        gs = run_ranks(lambda r: clients[r].register_group("layer", SPECS, optimizer=opt), WORLD)
+        fill(gs, rng, "shard")
+        train(clients, gs, [1], seed=12)
+        run_ranks(lambda r: clients[r].checkpoint(1), WORLD)
+        at1 = [[gs[r].shard(i).copy() for i in range(len(SPECS))] for r in range(WORLD)]
+        train(clients, gs, [2], seed=13)
+        run_ranks(lambda r: clients[r].checkpoint(2), WORLD)
+    return os.path.join(daemon.state, job_name(request)), at1
+
+
+def resume_falls_back_to_step_1(request, daemon, opt, root, at1, damage):
+    """A copy of the job's checkpoints under another job name, its step 2
+    damaged by `damage`, restored with restore="": step 1 comes back, step 2
+    is moved aside (the log says why), and step 2 can be checkpointed again."""
+    back = root + "-back"
+    shutil.copytree(root, back)
+    damage(step_dir(back, 2))
+    with attached(request, daemon, 1, WORLD, suffix="-back") as clients:
+        gs = run_ranks(lambda r: clients[r].register_group("layer", SPECS, optimizer=opt, restore=""), WORLD)
+        assert [g.last_step for g in gs] == [1, 1]
+        for r in range(WORLD):
+            for i in range(len(SPECS)):
+                assert np.array_equal(gs[r].shard(i), at1[r][i]), (r, SPECS[i][0])
+        assert not os.path.exists(step_dir(back, 2))
+        assert os.path.isdir(step_dir(back, 2) + ".damaged")
+        assert any(f"skipped damaged checkpoint {step_dir(back, 2)}" in line and "moved it aside" in line
+                   for line in daemon.lines)
+        train(clients, gs, [2], seed=13)
+        run_ranks(lambda r: clients[r].checkpoint(2), WORLD)
+    assert os.path.isfile(os.path.join(step_dir(back, 2), "manifest.json"))
+
+
+def test_a_newest_checkpoint_without_manifest_is_damaged_not_imported(state_daemon, request):
+    opt = shardd.Optimizer.adamw(weight_decay=0.0)
+    root, at1 = two_checkpoints(request, state_daemon, opt)
+    os.unlink(os.path.join(step_dir(root, 2), "manifest.json"))
+    # Named, it is refused as damaged rather than imported as plain weights.
+    with attached(request, state_daemon, 1, WORLD, suffix="-named") as clients:
+        with pytest.raises(shardd.ShardError, match=r"is a damaged checkpoint: it has no manifest\.json"):
+            run_ranks(lambda r: clients[r].register_group("layer", SPECS, optimizer=opt,
+                                                          restore=step_dir(root, 2)), WORLD)
+    # The copy lacks the manifest already.
+    resume_falls_back_to_step_1(request, state_daemon, opt, root, at1, lambda d: None)
+
+
+def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(state_daemon, request):
+    opt = shardd.Optimizer.adamw(weight_decay=0.0)
+    root, at1 = two_checkpoints(request, state_daemon, opt)
+
+    def truncate(d):
+        os.truncate(os.path.join(d, "optim.safetensors"), 100)
+    resume_falls_back_to_step_1(request, state_daemon, opt, root, at1, truncate)
+
+
+def test_a_newest_checkpoint_failing_its_crc_is_moved_aside_and_the_next_restore_falls_back(state_daemon,
+                                                                                             request):
+    opt = shardd.Optimizer.adamw(weight_decay=0.0)
+    root, at1 = two_checkpoints(request, state_daemon, opt)
+    back = root + "-back"
+    shutil.copytree(root, back)
+    model = os.path.join(step_dir(back, 2), "model.safetensors")
+    with open(model, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+    with attached(request, state_daemon, 1, WORLD, suffix="-back") as clients:
+        with pytest.raises(shardd.ShardError, match=r"CRC-32 .*moved it aside to .*step-000000000002\.damaged"):
+            run_ranks(lambda r: clients[r].register_group("layer", SPECS, optimizer=opt, restore=""), WORLD)
+        assert any("CRC-32" in line and "register group 'layer'" in line for line in state_daemon.lines)
+        gs = run_ranks(lambda r: clients[r].register_group("layer", SPECS, optimizer=opt, restore=""), WORLD)
+        assert [g.last_step for g in gs] == [1, 1]
+        for r in range(WORLD):
+            for i in range(len(SPECS)):
+                assert np.array_equal(gs[r].shard(i), at1[r][i]), (r, SPECS[i][0])

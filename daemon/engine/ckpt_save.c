@@ -58,6 +58,35 @@ static struct eng_task *ckpt_task_new(struct eng_group *eg, uint32_t kind)
 /* Pool thread: files                                                  */
 /* ------------------------------------------------------------------ */
 
+/* What an operator does about write error `e` (an errno), or "". */
+static const char *write_advice(int e)
+{
+	if (e == ENOSPC || e == EDQUOT)
+		return ": free space there or lower shardd --keep, then checkpoint again; earlier checkpoints are intact";
+	if (e == EIO)
+		return ": the disk reported an I/O error; check it (dmesg) before the next checkpoint";
+	return "";
+}
+
+/*
+ * The message of a failed write of `file` (group `group`) through `f`
+ * with `ret`: the errno text, the file, the byte offset and what to do
+ * first, as a rank's error text holds SHARDD_RING_MSG_SIZE bytes; then
+ * the checkpoint's directory, for the log and `shardctl checkpoints`.
+ */
+static void write_error(const struct eng_ckpt *c, const char *file, const char *group, const struct dio_file *f,
+			int ret, char *err, size_t errlen)
+{
+	int e = ret < 0 && ret > -SHARDD_E_BASE ? -ret : 0;
+	char at[48] = "";
+
+	if (f->failed)
+		snprintf(at, sizeof(at), " at byte %llu", (unsigned long long)f->failed_at);
+	eng_fmt(err, errlen, "%s writing %s of group '%s'%s%s (checkpoint %s, in %s)",
+		e ? strerror(e) : "the backend's read of the group's buffers failed", file, group, at,
+		write_advice(e), c->dir, c->tmp);
+}
+
 struct save_out {
 	struct dio_file f;
 	uint64_t off;
@@ -171,8 +200,7 @@ static int save_file(struct eng_ckpt *c, uint32_t gi, int optim, uint8_t *bounce
 	fe->crc32 = (uint32_t)o.crc;
 out:
 	if (ret && !err[0])
-		eng_fmt(err, errlen, "checkpoint %s: writing %s of group '%s': %s", c->dir, fe->name, g->name,
-			ret > -SHARDD_E_BASE ? strerror(-ret) : "backend read failed");
+		write_error(c, fe->name, g->name, &o.f, ret, err, errlen);
 	ckpt_dio_close(&o.f);
 	free(hdr);
 	free(t);
@@ -275,9 +303,11 @@ static int write_staged(struct eng_ckpt *c, uint32_t gi, char *err, size_t errle
 			ret = ckpt_dio_finish(&f);
 		fe->bytes = hlen + dsize;
 		fe->crc32 = (uint32_t)crc;
-		if (ret)
+		if (ret == -SHARDD_E_INVALID)
 			eng_fmt(err, errlen, "checkpoint %s: writing %s of group '%s': %s", c->dir, fe->name,
-				cg->hdr.name, ret == -SHARDD_E_INVALID ? why : strerror(ret < 0 ? -ret : EIO));
+				cg->hdr.name, why);
+		else if (ret)
+			write_error(c, fe->name, cg->hdr.name, &f, ret, err, errlen);
 		ckpt_dio_close(&f);
 		free(hdr);
 		free(t);
@@ -296,8 +326,9 @@ static int save_final(struct eng_ckpt *c, char *err, size_t errlen)
 	int ret, pfd;
 
 	if (c->res) {
-		/* A group's save failed: nothing of this checkpoint stays. */
+		/* A group's save failed: nothing of this checkpoint stays, and its message is the checkpoint's. */
 		ckpt_remove_dir(AT_FDCWD, c->tmp);
+		eng_fmt(err, errlen, "%s", c->msg);
 		return c->res;
 	}
 	ret = shd_ckpt_manifest_dump(&c->m, &json, why, sizeof(why));
@@ -344,8 +375,10 @@ static int save_final(struct eng_ckpt *c, char *err, size_t errlen)
 			close(pfd);
 	}
 	if (ret) {
-		eng_fmt(err, errlen, "checkpoint %s: writing %s: %s", c->dir, what,
-			why[0] ? why : strerror(ret < 0 && ret > -SHARDD_E_BASE ? -ret : EIO));
+		int e = ret < 0 && ret > -SHARDD_E_BASE ? -ret : EIO;
+
+		eng_fmt(err, errlen, "checkpoint %s: writing %s: %s%s", c->dir, what, why[0] ? why : strerror(e),
+			why[0] ? "" : write_advice(e));
 		ckpt_remove_dir(AT_FDCWD, c->tmp);
 		return ret;
 	}
@@ -768,6 +801,23 @@ fail:
 	return ret;
 }
 
+void eng_ckpt_record_failure(struct shd_engine_job *j, uint64_t id, int res, const char *msg, const char *dir,
+			     uint64_t step)
+{
+	struct shd_engine_ckpt_status *l = &j->ckpt_last;
+
+	shd_log_warn("job '%s': checkpoint %llu of step %llu: %s", j->name, (unsigned long long)id,
+		     (unsigned long long)step, msg);
+	l->last_id = id;
+	l->last_res = res;
+	snprintf(l->last_msg, sizeof(l->last_msg), "%s", msg);
+	snprintf(l->last_dir, sizeof(l->last_dir), "%s", dir ? dir : "");
+	l->last_step = step;
+	l->last_bytes = 0;
+	l->last_s = 0;
+	l->last_staged = 0;
+}
+
 int shd_engine_job_checkpoint(struct shd_engine_job *j, const struct shd_engine_ckpt_target *tg,
 			      shd_engine_ckpt_fn done, void *ctx, char *err, size_t errlen)
 {
@@ -779,7 +829,8 @@ int shd_engine_job_checkpoint(struct shd_engine_job *j, const struct shd_engine_
 	}
 	int ret = eng_ckpt_start(j, tg, j->ckpt_seq + 1, done, ctx, err, errlen);
 
-	if (!ret)
-		j->ckpt_seq++;
+	j->ckpt_seq++;
+	if (ret)
+		eng_ckpt_record_failure(j, j->ckpt_seq, ret, err, tg->dir, tg->step);
 	return ret;
 }

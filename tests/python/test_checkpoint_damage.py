@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 
 import numpy as np
 import pytest
@@ -23,6 +24,17 @@ SPECS = [("w", "float32", (9, 5)), ("b", "float32", (7,))]
 
 def step_dir(root, step):
     return os.path.join(root, f"step-{step:012d}")
+
+
+def logged(daemon, pred, timeout=10):
+    """Whether a line of the daemon's stderr satisfies pred within timeout s
+    (it is read by a thread, so a line may come after the reply it precedes)."""
+    deadline = time.monotonic() + timeout
+    while not any(pred(line) for line in list(daemon.lines)):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def fill(gs, rng, what):
@@ -75,7 +87,7 @@ def test_a_rank_that_skipped_a_step_alone_stays_checkpointable(state_daemon, req
     with attach(state_daemon, request, 0, 1, 1, suffix="-one") as one:
         g = one.register_group("layer", SPECS, optimizer=opt, restore=ckpt)
         assert g.last_step == 2
-    assert any("applied different numbers of updates" in line for line in state_daemon.lines)
+    assert logged(state_daemon, lambda line: "applied different numbers of updates" in line)
 
 
 def two_checkpoints(request, daemon, opt):
@@ -108,8 +120,8 @@ def resume_falls_back_to_step_1(request, daemon, opt, root, at1, damage):
                 assert np.array_equal(gs[r].shard(i), at1[r][i]), (r, SPECS[i][0])
         assert not os.path.exists(step_dir(back, 2))
         assert os.path.isdir(step_dir(back, 2) + ".damaged")
-        assert any(f"skipped damaged checkpoint {step_dir(back, 2)}" in line and "moved it aside" in line
-                   for line in daemon.lines)
+        assert logged(daemon, lambda line: f"skipped damaged checkpoint {step_dir(back, 2)}" in line and
+                      "moved it aside" in line)
         train(clients, gs, [2], seed=13)
         run_ranks(lambda r: clients[r].checkpoint(2), WORLD)
     assert os.path.isfile(os.path.join(step_dir(back, 2), "manifest.json"))
@@ -152,9 +164,49 @@ def test_a_newest_checkpoint_failing_its_crc_is_moved_aside_and_the_next_restore
     with attached(request, state_daemon, 1, WORLD, suffix="-back") as clients:
         with pytest.raises(shardd.ShardError, match=r"CRC-32 .*moved it aside to .*step-000000000002\.damaged"):
             run_ranks(lambda r: clients[r].register_group("layer", SPECS, optimizer=opt, restore=""), WORLD)
-        assert any("CRC-32" in line and "register group 'layer'" in line for line in state_daemon.lines)
+        assert logged(state_daemon, lambda line: "CRC-32" in line and "register group 'layer'" in line)
         gs = run_ranks(lambda r: clients[r].register_group("layer", SPECS, optimizer=opt, restore=""), WORLD)
         assert [g.last_step for g in gs] == [1, 1]
         for r in range(WORLD):
             for i in range(len(SPECS)):
                 assert np.array_equal(gs[r].shard(i), at1[r][i]), (r, SPECS[i][0])
+
+
+@pytest.fixture
+def tiny_fs():
+    """A 256 KiB tmpfs (root only: skipped where it cannot be mounted)."""
+    with tempfile.TemporaryDirectory(prefix="shardd-py-tiny-") as mnt:
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", mnt], capture_output=True,
+                           text=True)
+        if r.returncode:
+            pytest.skip(f"cannot mount a tmpfs to fill: {r.stderr.strip()}")
+        try:
+            yield mnt
+        finally:
+            subprocess.run(["umount", mnt], check=True)
+
+
+@pytest.mark.parametrize("extra", [(), ("--max-memory", "2M")], ids=["snapshot", "in_place"])
+def test_a_full_disk_fails_the_checkpoint_with_its_whole_message_everywhere(tiny_fs, request, extra):
+    big = [("w", "float32", (300, 300))]  # 360 000 bytes: more than the filesystem holds
+    with Daemon(("--state-dir", tiny_fs, "--log-level", "info", *extra)) as d:
+        job = job_name(request)
+        with attached(request, d, 1, WORLD) as clients:
+            run_ranks(lambda r: clients[r].register_group("layer", big), WORLD)
+            with pytest.raises(shardd.ShardError) as e:
+                run_ranks(lambda r: clients[r].checkpoint(1), WORLD)
+            # A rank's error text holds 256 bytes: what failed, where and what to do come first.
+            msg = str(e.value)
+            why = "No space left on device writing model.safetensors of group 'layer' at byte "
+            assert why in msg, msg
+            assert ": free space there or lower shardd --keep, then checkpoint again; earlier checkpoints " \
+                   "are intact (checkpoint " in msg, msg
+            last = shardctl_json(d.socket, "checkpoints", job)["last"]
+            assert last["code"] != 0 and why in last["error"], last
+            assert last["staged"] == (extra == ()), last
+            metrics = subprocess.run([os.path.join(os.environ.get("SHARDD_BUILD", "build"), "shardctl"),
+                                      "--socket", d.socket, "metrics"], capture_output=True, text=True,
+                                     timeout=30).stdout
+            assert f'shardd_checkpoint_last_error{{job="{job}",error="' in metrics, metrics
+            assert logged(d, lambda line: f"job '{job}'" in line and why in line), d.lines
+        assert os.listdir(os.path.join(tiny_fs, job)) == []

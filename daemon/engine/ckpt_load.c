@@ -293,7 +293,8 @@ static int step_cmp_desc(const void *a, const void *b)
  * `out`, skipping newer damaged ones (skip_damaged; with `aside` they are
  * moved aside). 0; -ENOENT with *nsteps 0 when root holds no step-N, or
  * with *nsteps > 0 and `err` (the newest one's damage) when none of them
- * is complete; or -errno.
+ * is complete; or, when a checkpoint could not be read (not damage: it is
+ * neither skipped nor moved), that error with `err`.
  */
 static int newest_checkpoint(const struct eng_group *eg, const struct confine *cf, const char *root, int aside,
 			     char *out, size_t len, uint32_t *nsteps, char *err, size_t errlen)
@@ -333,10 +334,18 @@ static int newest_checkpoint(const struct eng_group *eg, const struct confine *c
 	*nsteps = (uint32_t)n;
 	for (size_t i = 0; i < n && ret == -ENOENT; i++) {
 		char dir[LOAD_PATH], why[ENGINE_MSG_MAX] = "";
+		int bad;
 
 		if (join(dir, sizeof(dir), root, names[i]) || strlen(dir) >= len)
 			continue;
-		if (check_complete(cf, dir, why, sizeof(why))) {
+		bad = check_complete(cf, dir, why, sizeof(why));
+		/* Only damage skips a checkpoint: after a failure to read (EMFILE, EACCES, EIO) it may be sound. */
+		if (bad && bad != -SHARDD_E_MALFORMED && bad != -ENOENT && bad != -SHARDD_E_INVALID) {
+			eng_fmt(err, errlen, "%s", why);
+			ret = bad;
+			break;
+		}
+		if (bad) {
 			if (!first[0])
 				snprintf(first, sizeof(first), "%s", why);
 			skip_damaged(eg, dir, why, aside);

@@ -192,6 +192,20 @@ static void render_checkpoints(struct text *t)
 			emit(t, "%s{job=\"%s\"} %.17g\n", gauges[k].name, name, v[k]);
 		}
 	}
+	/* The failure's text, so an alert can say what to do without a shell on the node. */
+	header(t, "shardd_checkpoint_last_error", "gauge",
+	       "1 with the job's last failed checkpoint's message in the error label; absent when it succeeded.");
+	for (struct shd_job *j = shd_state_jobs(); j; j = j->next) {
+		struct shd_engine_ckpt_status st;
+		char name[2 * SHARDD_NAME_MAX + 1], msg[2 * sizeof(st.last_msg) + 1];
+
+		shd_engine_job_checkpoint_status(j->ejob, &st);
+		if (!st.last_id || !st.last_res)
+			continue;
+		label_escape(j->name, name, sizeof(name));
+		label_escape(st.last_msg, msg, sizeof(msg));
+		emit(t, "shardd_checkpoint_last_error{job=\"%s\",error=\"%s\"} 1\n", name, msg);
+	}
 }
 
 char *shd_admin_metrics_render(void)

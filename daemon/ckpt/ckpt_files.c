@@ -46,6 +46,16 @@ int ckpt_dio_open(struct dio_file *f, int dirfd, const char *name, uint8_t *buf)
 	return 0;
 }
 
+/* A failed write at file offset `at`: kept for its message (the first one). Returns ret. */
+static int dio_failed(struct dio_file *f, int ret, uint64_t at)
+{
+	if (ret && !f->failed) {
+		f->failed = 1;
+		f->failed_at = at;
+	}
+	return ret;
+}
+
 /*
  * Wait for buffer i's write in flight, if any (taking the others' as they
  * complete first). A write the filesystem refused direct (EINVAL), or cut
@@ -82,7 +92,7 @@ static int dio_wait(struct dio_file *f, uint32_t i)
 		if (!err && done < f->len[k])
 			err = ckpt_write_all(f->fd, f->bufs[k] + done, f->len[k] - done, f->at[k] + done);
 		if (err && !ret)
-			ret = err;
+			ret = dio_failed(f, err, f->at[k] + done);
 		f->len[k] = 0;
 	}
 	return ret;
@@ -94,14 +104,14 @@ static int dio_put(struct dio_file *f, size_t n, int last)
 	int ret;
 
 	if (f->dfd < 0 || n % CKPT_DIO_ALIGN || f->base % CKPT_DIO_ALIGN)
-		return ckpt_write_all(f->fd, f->buf, n, f->base);
+		return dio_failed(f, ckpt_write_all(f->fd, f->buf, n, f->base), f->base);
 	if (!f->ring_ok) {
 		ret = ckpt_write_all(f->dfd, f->buf, n, f->base);
 		if (ret != -EINVAL)
-			return ret;
+			return dio_failed(f, ret, f->base);
 		close(f->dfd);
 		f->dfd = -1;
-		return ckpt_write_all(f->fd, f->buf, n, f->base);
+		return dio_failed(f, ckpt_write_all(f->fd, f->buf, n, f->base), f->base);
 	}
 	{
 		struct io_uring_sqe *sqe = io_uring_get_sqe(&f->ring);
@@ -115,7 +125,7 @@ static int dio_put(struct dio_file *f, size_t n, int last)
 		ret = io_uring_submit(&f->ring);
 		if (ret < 0) {
 			f->len[f->cur] = 0;
-			return ret;
+			return dio_failed(f, ret, f->base);
 		}
 	}
 	if (last)
@@ -176,9 +186,10 @@ int ckpt_dio_finish(struct dio_file *f)
 	if (!ret && head)
 		ret = dio_put(f, head, 1);
 	if (!ret && f->fill > head)
-		ret = ckpt_write_all(f->fd, f->buf + head, f->fill - head, f->base + head);
+		ret = dio_failed(f, ckpt_write_all(f->fd, f->buf + head, f->fill - head, f->base + head),
+				 f->base + head);
 	if (!ret && fsync(f->fd))
-		ret = -errno;
+		ret = dio_failed(f, -errno, f->base + f->fill);
 	return ret;
 }
 

@@ -111,7 +111,9 @@ struct shd_ckpt_group {
 	struct shardd_param_spec *specs;   /* hdr.nparams */
 	struct shardd_optim_config optim;  /* kind NONE: no optimizer */
 	uint64_t last_step;                /* last step applied or skipped on every rank */
-	uint64_t optim_steps;              /* updates applied (torch's state['step']) */
+	uint64_t optim_steps;              /* updates applied (torch's state['step']); the most of any rank shard */
+	uint64_t *shard_optim_steps;       /* [manifest's shard]: each rank shard's updates, when a rank skipped
+					      a step alone (SHARDD_STEP_SKIP_NONFINITE); NULL: all optim_steps */
 	char     file[SHD_CKPT_FILE_NAME_MAX];       /* its params */
 	char     optim_file[SHD_CKPT_FILE_NAME_MAX]; /* its optimizer state; "" when it keeps none */
 };

@@ -407,7 +407,37 @@ static int parse_file_field(json_t *g, const char *key, const char *path, char *
 	return 0;
 }
 
-static int parse_group(json_t *jg, uint32_t gi, struct shd_ckpt_group *g, char *err, size_t errlen)
+/*
+ * "shard_optim_steps" (optional): each rank shard's update count, `shard`
+ * of them, none above optim_steps and the highest equal to it.
+ */
+static int parse_shard_steps(json_t *v, const char *path, uint32_t shard, struct shd_ckpt_group *g, char *err,
+			     size_t errlen)
+{
+	uint64_t hi = 0;
+
+	if (!v || json_is_null(v))
+		return 0;
+	if (!json_is_array(v) || json_array_size(v) != shard)
+		return MF_ERR("%s.shard_optim_steps must be an array of %u integers, one per rank shard of the mesh",
+			      path, shard);
+	g->shard_optim_steps = calloc(shard, sizeof(*g->shard_optim_steps));
+	if (!g->shard_optim_steps)
+		return -ENOMEM;
+	for (uint32_t s = 0; s < shard; s++) {
+		if (json_u64(json_array_get(v, s), g->optim_steps, &g->shard_optim_steps[s]))
+			return MF_ERR("%s.shard_optim_steps[%u] is not an integer in 0..optim_steps (%llu)", path, s,
+				      (unsigned long long)g->optim_steps);
+		hi = g->shard_optim_steps[s] > hi ? g->shard_optim_steps[s] : hi;
+	}
+	if (hi != g->optim_steps)
+		return MF_ERR("%s: optim_steps %llu is not the highest of shard_optim_steps (%llu)", path,
+			      (unsigned long long)g->optim_steps, (unsigned long long)hi);
+	return 0;
+}
+
+static int parse_group(json_t *jg, uint32_t gi, uint32_t shard, struct shd_ckpt_group *g, char *err,
+		       size_t errlen)
 {
 	json_t *name = json_object_get(jg, "name"), *params = json_object_get(jg, "params");
 	json_t *pdt = json_object_get(jg, "param_dtype"), *rdt = json_object_get(jg, "reduce_dtype");
@@ -459,7 +489,9 @@ static int parse_group(json_t *jg, uint32_t gi, struct shd_ckpt_group *g, char *
 	if (g->optim_steps > g->last_step)
 		return MF_ERR("%s: optim_steps %llu > last_step %llu: a step applies at most one update", path,
 			      (unsigned long long)g->optim_steps, (unsigned long long)g->last_step);
-	rc = parse_file_field(jg, "file", path, g->file, 0, err, errlen);
+	rc = parse_shard_steps(json_object_get(jg, "shard_optim_steps"), path, shard, g, err, errlen);
+	if (!rc)
+		rc = parse_file_field(jg, "file", path, g->file, 0, err, errlen);
 	if (!rc)
 		rc = parse_file_field(jg, "optim_file", path, g->optim_file, 1, err, errlen);
 	return rc;
@@ -575,7 +607,7 @@ int shd_ckpt_manifest_parse(const char *buf, size_t len, struct shd_ckpt_manifes
 	for (uint32_t i = 0; i < out->ngroups; i++) {
 		struct shd_ckpt_group *g = &out->groups[i];
 
-		rc = parse_group(json_array_get(groups, i), i, g, err, errlen);
+		rc = parse_group(json_array_get(groups, i), i, out->shard, g, err, errlen);
 		if (rc)
 			goto fail;
 		if (!shd_ckpt_manifest_file(out, g->file) ||
@@ -604,8 +636,10 @@ fail:
 
 void shd_ckpt_manifest_free(struct shd_ckpt_manifest *m)
 {
-	for (uint32_t i = 0; m->groups && i < m->ngroups; i++)
+	for (uint32_t i = 0; m->groups && i < m->ngroups; i++) {
 		free(m->groups[i].specs);
+		free(m->groups[i].shard_optim_steps);
+	}
 	free(m->groups);
 	free(m->files);
 	memset(m, 0, sizeof(*m));

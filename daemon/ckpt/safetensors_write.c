@@ -126,7 +126,8 @@ static const char *optim_kind_name(uint32_t kind)
 	}
 }
 
-static json_t *dump_group(const struct shd_ckpt_group *g)
+/* A group's entry; `shard` rank shards in the mesh (the length of shard_optim_steps). */
+static json_t *dump_group(const struct shd_ckpt_group *g, uint32_t shard)
 {
 	json_t *params = json_array(), *jg = NULL, *opt = NULL;
 
@@ -165,6 +166,19 @@ static json_t *dump_group(const struct shd_ckpt_group *g)
 		       shardd_dtype_name(g->hdr.reduce_dtype), "optimizer", opt, "params", params,
 		       "last_step", (json_int_t)g->last_step, "optim_steps", (json_int_t)g->optim_steps,
 		       "file", g->file, "optim_file", g->optim_file[0] ? g->optim_file : NULL);
+	if (jg && g->shard_optim_steps) {
+		json_t *steps = json_array();
+
+		for (uint32_t s = 0; steps && s < shard; s++)
+			if (json_array_append_new(steps, json_integer((json_int_t)g->shard_optim_steps[s]))) {
+				json_decref(steps);
+				steps = NULL;
+			}
+		if (!steps || json_object_set_new(jg, "shard_optim_steps", steps)) {
+			json_decref(jg);
+			return NULL;
+		}
+	}
 	return jg;
 fail:
 	json_decref(params);
@@ -180,7 +194,7 @@ int shd_ckpt_manifest_dump(const struct shd_ckpt_manifest *m, char **json, char 
 	if (!groups || !files)
 		goto out;
 	for (uint32_t i = 0; i < m->ngroups; i++) {
-		json_t *g = dump_group(&m->groups[i]);
+		json_t *g = dump_group(&m->groups[i], m->shard);
 
 		if (!g) {
 			rc = ckpt_fmt_error(-SHARDD_E_INVALID, err, errlen,

@@ -58,23 +58,6 @@ static int at_boundary(const struct shd_engine_job *j, uint64_t *step)
 	return 1;
 }
 
-/* Record a checkpoint that could not start as the job's last one. */
-static void record_failure(struct shd_engine_job *j, uint64_t id, int res, const char *msg, const char *dir,
-			   uint64_t step)
-{
-	struct shd_engine_ckpt_status *l = &j->ckpt_last;
-
-	shd_log_warn("job '%s': checkpoint %llu: %s", j->name, (unsigned long long)id, msg);
-	l->last_id = id;
-	l->last_res = res;
-	snprintf(l->last_msg, sizeof(l->last_msg), "%s", msg);
-	snprintf(l->last_dir, sizeof(l->last_dir), "%s", dir ? dir : "");
-	l->last_step = step;
-	l->last_bytes = 0;
-	l->last_s = 0;
-	l->last_staged = 0;
-}
-
 /* --checkpoint-every: at a step boundary that is a multiple of it, once per step. */
 static void try_periodic(struct shd_engine_job *j)
 {
@@ -98,7 +81,7 @@ static void try_periodic(struct shd_engine_job *j)
 		eng_fmt(msg, sizeof(msg), "out of memory");
 	j->ckpt_seq++;
 	if (ret)
-		record_failure(j, j->ckpt_seq, ret, msg, dir, t.step);
+		eng_ckpt_record_failure(j, j->ckpt_seq, ret, msg, dir, t.step);
 	free(dir);
 	free(root);
 }
@@ -124,7 +107,7 @@ void eng_ckpt_try_armed(struct shd_engine_job *j)
 	if (ret) {
 		if (!t.dir)
 			eng_fmt(msg, sizeof(msg), "out of memory");
-		record_failure(j, r->id, ret, msg, t.dir, t.step);
+		eng_ckpt_record_failure(j, r->id, ret, msg, t.dir, t.step);
 	}
 	free(dir);
 	eng_ckpt_req_free(r);

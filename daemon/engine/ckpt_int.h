@@ -51,6 +51,12 @@ struct eng_ckpt {
  */
 int eng_ckpt_start(struct shd_engine_job *j, const struct shd_engine_ckpt_target *tg, uint64_t id,
 		   shd_engine_ckpt_fn done, void *ctx, char *err, size_t errlen);
+/*
+ * Loop thread: a checkpoint that could not start (or failed) as the job's
+ * last one, read by `shardctl checkpoints` and the metrics; logged.
+ */
+void eng_ckpt_record_failure(struct shd_engine_job *j, uint64_t id, int res, const char *msg, const char *dir,
+			     uint64_t step);
 /* Release an armed request; safe on NULL. */
 void eng_ckpt_req_free(struct eng_ckpt_req *r);
 

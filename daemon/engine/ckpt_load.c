@@ -151,37 +151,6 @@ static int open_regular(const struct confine *cf, const char *path, struct stat 
 	return fd;
 }
 
-/* The newest step-<N> directory of `root` holding a manifest.json, into `out`. 0, -ENOENT or -errno. */
-static int newest_checkpoint(const char *root, char *out, size_t len)
-{
-	DIR *d = opendir(root);
-	unsigned long long best = 0;
-	struct dirent *e;
-	int found = 0;
-
-	if (!d)
-		return -errno;
-	while ((e = readdir(d))) {
-		char probe[LOAD_PATH];
-		unsigned long long n;
-		char *end;
-		struct stat st;
-
-		if (strncmp(e->d_name, "step-", 5) || !e->d_name[5] ||
-		    strspn(e->d_name + 5, "0123456789") != strlen(e->d_name + 5))
-			continue;
-		n = strtoull(e->d_name + 5, &end, 10);
-		if (join(probe, sizeof(probe), root, e->d_name) ||
-		    join(probe + strlen(probe), sizeof(probe) - strlen(probe), "", SHD_CKPT_MANIFEST) ||
-		    stat(probe, &st) || (found && n < best) || join(out, len, root, e->d_name))
-			continue;
-		best = n;
-		found = 1;
-	}
-	closedir(d);
-	return found ? 0 : -ENOENT;
-}
-
 static int read_manifest(const struct confine *cf, const char *dir, struct shd_ckpt_manifest *m, char *err,
 			 size_t errlen)
 {
@@ -218,6 +187,206 @@ static int read_manifest(const struct confine *cf, const char *dir, struct shd_c
 		eng_fmt(err, errlen, "%s: %s", path, why);
 	free(buf);
 	return ret;
+}
+
+/* 1 for a checkpoint's directory name, "step-<digits>". */
+static int is_step_name(const char *s)
+{
+	return !strncmp(s, "step-", 5) && s[5] && strspn(s + 5, "0123456789") == strlen(s + 5);
+}
+
+/*
+ * Is checkpoint `dir` complete as far as can be told without reading its
+ * tensors: manifest.json parses, and every file it lists is there, a
+ * regular file of the recorded size with a valid safetensors header. (The
+ * CRC-32s are checked as the files are read.) 0, or the error with `err`.
+ */
+static int check_complete(const struct confine *cf, const char *dir, char *err, size_t errlen)
+{
+	struct shd_ckpt_manifest m = { 0 };
+	int ret = read_manifest(cf, dir, &m, err, errlen);
+
+	for (uint32_t i = 0; !ret && i < m.nfiles; i++) {
+		struct shd_safetensors_file f = { 0 };
+		char path[LOAD_PATH], why[512];
+		struct stat st;
+		int fd;
+
+		if (join(path, sizeof(path), dir, m.files[i].name)) {
+			eng_fmt(err, errlen, "checkpoint path '%.200s...' is too long", dir);
+			ret = -SHARDD_E_INVALID;
+			break;
+		}
+		fd = open_regular(cf, path, &st, err, errlen);
+		if (fd < 0) {
+			ret = fd;
+			break;
+		}
+		if ((uint64_t)st.st_size != m.files[i].bytes) {
+			eng_fmt(err, errlen, "%s is %lld bytes, the manifest records %llu: the file changed or is "
+				"truncated", path, (long long)st.st_size, (unsigned long long)m.files[i].bytes);
+			ret = -SHARDD_E_MALFORMED;
+		} else if ((ret = shd_safetensors_read(fd, path, &f, why, sizeof(why)))) {
+			eng_fmt(err, errlen, "%s", why);
+		}
+		shd_safetensors_free(&f);
+		close(fd);
+	}
+	shd_ckpt_manifest_free(&m);
+	return ret;
+}
+
+/*
+ * Move damaged checkpoint `dir` aside to "<dir>.damaged" (or ".damaged-K"
+ * when that exists), so that the next checkpoint of its step can be
+ * written under its name. Another group's restore of the same job may have
+ * moved it first. The new name into `to` ("" when it was gone already);
+ * 0 or -errno.
+ */
+static int move_aside(const char *dir, char *to, size_t tolen)
+{
+	for (unsigned k = 0; k < 100; k++) {
+		int n = k ? snprintf(to, tolen, "%s.damaged-%u", dir, k) : snprintf(to, tolen, "%s.damaged", dir);
+
+		if (n < 0 || (size_t)n >= tolen)
+			return -ENAMETOOLONG;
+		if (!renameat2(AT_FDCWD, dir, AT_FDCWD, to, RENAME_NOREPLACE))
+			return 0;
+		if (errno == ENOENT) {
+			to[0] = '\0';
+			return 0;
+		}
+		if (errno != EEXIST && errno != ENOTEMPTY)
+			return -errno;
+	}
+	return -EEXIST;
+}
+
+/* Skipping damaged checkpoint `dir` (why: `why`): logged, and with `aside`, moved aside. */
+static void skip_damaged(const struct eng_group *eg, const char *dir, const char *why, int aside)
+{
+	char to[LOAD_PATH];
+	int ret = aside ? move_aside(dir, to, sizeof(to)) : 0;
+
+	if (!aside)
+		shd_log_warn("job '%s': group '%s': skipped damaged checkpoint %s: %s", eg->j->name, eg->g->name,
+			     dir, why);
+	else if (ret)
+		shd_log_warn("job '%s': group '%s': skipped damaged checkpoint %s: %s; moving it aside failed (%s): "
+			     "remove it, or the next checkpoint of its step cannot be written", eg->j->name,
+			     eg->g->name, dir, why, strerror(-ret));
+	else if (to[0])
+		shd_log_warn("job '%s': group '%s': skipped damaged checkpoint %s: %s; moved it aside to %s",
+			     eg->j->name, eg->g->name, dir, why, to);
+}
+
+static int step_cmp_desc(const void *a, const void *b)
+{
+	unsigned long long x = strtoull(*(char *const *)a + 5, NULL, 10);
+	unsigned long long y = strtoull(*(char *const *)b + 5, NULL, 10);
+
+	return x < y ? 1 : x > y ? -1 : 0;
+}
+
+/*
+ * The newest complete step-<N> directory of `root` (check_complete) into
+ * `out`, skipping newer damaged ones (skip_damaged; with `aside` they are
+ * moved aside). 0; -ENOENT with *nsteps 0 when root holds no step-N, or
+ * with *nsteps > 0 and `err` (the newest one's damage) when none of them
+ * is complete; or, when a checkpoint could not be read (not damage: it is
+ * neither skipped nor moved), that error with `err`.
+ */
+static int newest_checkpoint(const struct eng_group *eg, const struct confine *cf, const char *root, int aside,
+			     char *out, size_t len, uint32_t *nsteps, char *err, size_t errlen)
+{
+	DIR *d = opendir(root);
+	char **names = NULL, first[ENGINE_MSG_MAX] = "";
+	size_t n = 0, cap = 0;
+	struct dirent *e;
+	int ret = -ENOENT;
+
+	*nsteps = 0;
+	if (!d)
+		return -errno;
+	while (ret == -ENOENT && (e = readdir(d))) {
+		if (!is_step_name(e->d_name))
+			continue;
+		if (n == cap) {
+			char **bigger = realloc(names, (cap = cap ? 2 * cap : 16) * sizeof(*names));
+
+			if (!bigger) {
+				ret = -ENOMEM;
+				break;
+			}
+			names = bigger;
+		}
+		if (!(names[n] = strdup(e->d_name)))
+			ret = -ENOMEM;
+		else
+			n++;
+	}
+	closedir(d);
+	if (ret == -ENOMEM) {
+		eng_fmt(err, errlen, "out of memory to list %s", root);
+		goto out;
+	}
+	qsort(names, n, sizeof(*names), step_cmp_desc);
+	*nsteps = (uint32_t)n;
+	for (size_t i = 0; i < n && ret == -ENOENT; i++) {
+		char dir[LOAD_PATH], why[ENGINE_MSG_MAX] = "";
+		int bad;
+
+		if (join(dir, sizeof(dir), root, names[i]) || strlen(dir) >= len)
+			continue;
+		bad = check_complete(cf, dir, why, sizeof(why));
+		/* Only damage skips a checkpoint: after a failure to read (EMFILE, EACCES, EIO) it may be sound. */
+		if (bad && bad != -SHARDD_E_MALFORMED && bad != -ENOENT && bad != -SHARDD_E_INVALID) {
+			eng_fmt(err, errlen, "%s", why);
+			ret = bad;
+			break;
+		}
+		if (bad) {
+			if (!first[0])
+				snprintf(first, sizeof(first), "%s", why);
+			skip_damaged(eg, dir, why, aside);
+			continue;
+		}
+		memcpy(out, dir, strlen(dir) + 1);
+		ret = 0;
+	}
+	if (ret == -ENOENT && n)
+		eng_fmt(err, errlen, "%s", first);
+out:
+	for (size_t i = 0; i < n; i++)
+		free(names[i]);
+	free(names);
+	return ret;
+}
+
+/*
+ * Is directory `src` (no manifest.json in it) a checkpoint all the same:
+ * named step-N, under --state-dir, or holding an optimizer-state file?
+ * Then it is a damaged one, never plain weights to import.
+ */
+static int looks_like_checkpoint(const struct shd_engine_config *cfg, const char *src)
+{
+	char *real = realpath(src, NULL), *state = cfg->state_dir ? realpath(cfg->state_dir, NULL) : NULL;
+	const char *base = strrchr(src, '/');
+	int yes = is_step_name(base ? base + 1 : src) || (real && state && path_under(state, real));
+	DIR *d = yes ? NULL : opendir(src);
+	struct dirent *e;
+
+	while (d && !yes && (e = readdir(d))) {
+		size_t n = strlen(e->d_name);
+
+		yes = !strcmp(e->d_name, "optim.safetensors") ||
+		      (!strncmp(e->d_name, "optim-", 6) && n > 12 && !strcmp(e->d_name + n - 12, ".safetensors"));
+	}
+	if (d)
+		closedir(d);
+	free(real);
+	free(state);
+	return yes;
 }
 
 /* A file read front to back, its CRC-32 kept as it goes. */
@@ -589,30 +758,44 @@ out:
 /*
  * Where to restore from, into `dir`: 0 a checkpoint, 1 nothing (start from
  * zero), 2 a directory of plain weights, 3 a plain .safetensors file; or an
- * error with err. `src`: the restore path, or "" for the job's newest checkpoint.
+ * error with err. `src`: the restore path, or "" for the job's newest
+ * checkpoint. A newer damaged checkpoint is skipped for the newest complete
+ * one (in --state-dir also moved aside); a directory that is a checkpoint
+ * but has no manifest is damaged, never plain weights.
  */
-static int restore_dir(struct eng_group *eg, const char *src, char *dir, size_t dlen, char *err, size_t errlen)
+static int restore_dir(struct eng_group *eg, const struct confine *cf, const char *src, char *dir, size_t dlen,
+		       char *err, size_t errlen)
 {
-	const char *state = eg->j->e->cfg.state_dir;
+	const struct shd_engine_config *cfg = &eg->j->e->cfg;
 	char probe[LOAD_PATH], root[LOAD_PATH];
+	uint32_t nsteps;
 	struct stat st;
 	int ret;
 
 	if (!src[0]) {
-		if (!state) {
+		if (!cfg->state_dir) {
 			eng_fmt(err, errlen, "the job's newest checkpoint needs shardd --state-dir; start shardd "
 				"with it, or name a checkpoint directory");
 			return -SHARDD_E_INVALID;
 		}
-		ret = join(root, sizeof(root), state, eg->j->name);
+		ret = join(root, sizeof(root), cfg->state_dir, eg->j->name);
 		if (!ret)
-			ret = newest_checkpoint(root, dir, dlen);
-		if (ret == -ENOENT) {
+			ret = newest_checkpoint(eg, cf, root, 1, dir, dlen, &nsteps, err, errlen);
+		if (ret == -ENOENT && !nsteps) {
 			shd_log_info("job '%s': group '%s': no checkpoint in %s; it starts from zero",
 				     eg->j->name, eg->g->name, root);
 			return 1;
 		}
-		if (ret)
+		if (ret == -ENOENT) {
+			char why[ENGINE_MSG_MAX];
+
+			eng_fmt(why, sizeof(why), "%s", err);
+			eng_fmt(err, errlen, "every checkpoint in %s is damaged (%u, each moved aside to "
+				"step-N.damaged; the newest: %s); register again to start from zero, or restore a "
+				"copy by its path", root, nsteps, why);
+			return -SHARDD_E_MALFORMED;
+		}
+		if (ret && !err[0])
 			eng_fmt(err, errlen, "cannot list %s: %s", root, strerror(-ret));
 		return ret;
 	}
@@ -621,9 +804,27 @@ static int restore_dir(struct eng_group *eg, const char *src, char *dir, size_t 
 		memcpy(dir, src, strlen(src) + 1);
 		return 0;
 	}
-	ret = newest_checkpoint(src, dir, dlen);
+	ret = newest_checkpoint(eg, cf, src, 0, dir, dlen, &nsteps, err, errlen);
 	if (!ret)
 		return 0;
+	if (ret == -ENOENT && nsteps) {
+		char why[ENGINE_MSG_MAX];
+
+		eng_fmt(why, sizeof(why), "%s", err);
+		eng_fmt(err, errlen, "'%s' holds %u step-N checkpoints and every one is damaged (the newest: %s); "
+			"restore another copy by its path", src, nsteps, why);
+		return -SHARDD_E_MALFORMED;
+	}
+	if (ret == -ENOMEM)
+		return -SHARDD_E_NOMEM;
+	err[0] = '\0';
+	if (!stat(src, &st) && S_ISDIR(st.st_mode) && looks_like_checkpoint(cfg, src)) {
+		eng_fmt(err, errlen, "'%s' is a damaged checkpoint: it has no %s (a copy cut short, or the manifest "
+			"deleted), so its optimizer state and step cannot be trusted; restore an older checkpoint "
+			"(restore its parent folder for the newest complete one), or copy its model*.safetensors "
+			"into a folder of their own to import the weights alone", src, SHD_CKPT_MANIFEST);
+		return -SHARDD_E_MALFORMED;
+	}
 	/* No checkpoint: plain weights to import, a .safetensors file or a model's directory. */
 	if (strlen(src) < dlen && !stat(src, &st) &&
 	    (S_ISREG(st.st_mode) ||
@@ -687,7 +888,37 @@ static int confine_path(struct eng_group *eg, struct confine *cf, char *out, siz
 	return ret;
 }
 
-void eng_restore_exec(struct eng_task *t)
+/*
+ * Whether each rank shard takes its own saved update count
+ * (cg->shard_optim_steps, where a rank skipped a step alone): at the saved
+ * shard count with every param sharded on the saved dim, each rank shard
+ * holds the rows it saved. At another layout a rank shard's rows come from
+ * several saved ones with different counts, and one count per rank shard
+ * cannot say that: each takes the highest (optim_steps), which changes
+ * only AdamW's bias correction of the rows that skipped, and the log says so.
+ */
+static int restore_counts(const struct eng_group *eg, const struct shd_ckpt_manifest *m,
+			  const struct shd_ckpt_group *cg, const char *dir)
+{
+	const struct shd_group *g = eg->g;
+	int same = m->shard == g->shard;
+
+	if (!cg->shard_optim_steps)
+		return 0;
+	for (uint32_t i = 0; same && i < g->hdr.nparams; i++)
+		for (uint32_t k = 0; k < cg->hdr.nparams; k++)
+			if (!strcmp(g->specs[i].name, cg->specs[k].name))
+				same = g->specs[i].shard_dim == cg->specs[k].shard_dim;
+	if (!same)
+		shd_log_warn("job '%s': group '%s': in %s its %u rank shards applied different numbers of updates "
+			     "(a rank skipped a step alone); at shard %u each rank shard resumes at %llu updates, "
+			     "the most; restore at shard %u with the saved shard dims to keep each one's count",
+			     eg->j->name, g->name, dir, m->shard, g->shard, (unsigned long long)cg->optim_steps,
+			     m->shard);
+	return same;
+}
+
+static void restore_run(struct eng_task *t)
 {
 	struct eng_group *eg = t->eg;
 	struct shd_group *g = eg->g;
@@ -719,7 +950,7 @@ void eng_restore_exec(struct eng_task *t)
 	} else {
 		snprintf(src, sizeof(src), "%s", eg->restore);
 	}
-	ret = restore_dir(eg, src, dir, sizeof(dir), msg, len);
+	ret = restore_dir(eg, &cf, src, dir, sizeof(dir), msg, len);
 	if (ret == 1) {
 		t->res = 0;
 		goto out;
@@ -757,17 +988,25 @@ void eng_restore_exec(struct eng_task *t)
 	if (!ret && ns)
 		ret = load_file(eg, &cf, dir, shd_ckpt_manifest_file(&m, cg->optim_file), 1, msg, len);
 	if (!ret) {
+		int own = restore_counts(eg, &m, cg, dir);
+
 		for (uint32_t r = 0; r < g->world; r++) {
-			g->optim_steps[r] = cg->optim_steps;
+			g->optim_steps[r] = own ? cg->shard_optim_steps[r % g->shard] : cg->optim_steps;
 			__atomic_store_n(&g->last_step[r], cg->last_step, __ATOMIC_RELAXED);
 		}
 		shd_log_info("job '%s': group '%s' restored from %s (saved at mesh %ux%u, step %llu; now %ux%u)",
 			     eg->j->name, g->name, dir, m.replicate, m.shard, (unsigned long long)cg->last_step,
 			     g->replicate, g->shard);
 	} else {
-		char full[ENGINE_MSG_MAX];
+		char full[ENGINE_MSG_MAX], to[LOAD_PATH] = "";
 
-		eng_fmt(full, sizeof(full), "shardd: register group '%s': restore: %s", g->name, msg);
+		/* Damage only reading the tensors shows (a CRC-32): the job's own checkpoint goes aside too. */
+		if (!src[0] && ret == -SHARDD_E_MALFORMED && !move_aside(dir, to, sizeof(to)) && to[0])
+			shd_log_warn("job '%s': group '%s': checkpoint %s is damaged: %s; moved it aside to %s",
+				     eg->j->name, g->name, dir, msg, to);
+		eng_fmt(full, sizeof(full), "shardd: register group '%s': restore: %s%s%s%s", g->name, msg,
+			to[0] ? "; moved it aside to " : "", to,
+			to[0] ? ": register again (restore \"\") to resume from the newest complete one before it" : "");
 		eng_fmt(msg, len, "%s", full);
 	}
 	shd_ckpt_manifest_free(&m);
@@ -775,4 +1014,12 @@ void eng_restore_exec(struct eng_task *t)
 out:
 	if (cf.fd >= 0)
 		close(cf.fd);
+}
+
+void eng_restore_exec(struct eng_task *t)
+{
+	restore_run(t);
+	/* The ranks get it in their registration's reply; the operator reads it here. */
+	if (t->res)
+		shd_log_warn("job '%s': %s", t->eg->j->name, t->msg);
 }

@@ -58,6 +58,35 @@ static struct eng_task *ckpt_task_new(struct eng_group *eg, uint32_t kind)
 /* Pool thread: files                                                  */
 /* ------------------------------------------------------------------ */
 
+/* What an operator does about write error `e` (an errno), or "". */
+static const char *write_advice(int e)
+{
+	if (e == ENOSPC || e == EDQUOT)
+		return ": free space there or lower shardd --keep, then checkpoint again; earlier checkpoints are intact";
+	if (e == EIO)
+		return ": the disk reported an I/O error; check it (dmesg) before the next checkpoint";
+	return "";
+}
+
+/*
+ * The message of a failed write of `file` (group `group`) through `f`
+ * with `ret`: the errno text, the file, the byte offset and what to do
+ * first, as a rank's error text holds SHARDD_RING_MSG_SIZE bytes; then
+ * the checkpoint's directory, for the log and `shardctl checkpoints`.
+ */
+static void write_error(const struct eng_ckpt *c, const char *file, const char *group, const struct dio_file *f,
+			int ret, char *err, size_t errlen)
+{
+	int e = ret < 0 && ret > -SHARDD_E_BASE ? -ret : 0;
+	char at[48] = "";
+
+	if (f->failed)
+		snprintf(at, sizeof(at), " at byte %llu", (unsigned long long)f->failed_at);
+	eng_fmt(err, errlen, "%s writing %s of group '%s'%s%s (checkpoint %s, in %s)",
+		e ? strerror(e) : "the backend's read of the group's buffers failed", file, group, at,
+		write_advice(e), c->dir, c->tmp);
+}
+
 struct save_out {
 	struct dio_file f;
 	uint64_t off;
@@ -171,8 +200,7 @@ static int save_file(struct eng_ckpt *c, uint32_t gi, int optim, uint8_t *bounce
 	fe->crc32 = (uint32_t)o.crc;
 out:
 	if (ret && !err[0])
-		eng_fmt(err, errlen, "checkpoint %s: writing %s of group '%s': %s", c->dir, fe->name, g->name,
-			ret > -SHARDD_E_BASE ? strerror(-ret) : "backend read failed");
+		write_error(c, fe->name, g->name, &o.f, ret, err, errlen);
 	ckpt_dio_close(&o.f);
 	free(hdr);
 	free(t);
@@ -275,9 +303,11 @@ static int write_staged(struct eng_ckpt *c, uint32_t gi, char *err, size_t errle
 			ret = ckpt_dio_finish(&f);
 		fe->bytes = hlen + dsize;
 		fe->crc32 = (uint32_t)crc;
-		if (ret)
+		if (ret == -SHARDD_E_INVALID)
 			eng_fmt(err, errlen, "checkpoint %s: writing %s of group '%s': %s", c->dir, fe->name,
-				cg->hdr.name, ret == -SHARDD_E_INVALID ? why : strerror(ret < 0 ? -ret : EIO));
+				cg->hdr.name, why);
+		else if (ret)
+			write_error(c, fe->name, cg->hdr.name, &f, ret, err, errlen);
 		ckpt_dio_close(&f);
 		free(hdr);
 		free(t);
@@ -296,8 +326,9 @@ static int save_final(struct eng_ckpt *c, char *err, size_t errlen)
 	int ret, pfd;
 
 	if (c->res) {
-		/* A group's save failed: nothing of this checkpoint stays. */
+		/* A group's save failed: nothing of this checkpoint stays, and its message is the checkpoint's. */
 		ckpt_remove_dir(AT_FDCWD, c->tmp);
+		eng_fmt(err, errlen, "%s", c->msg);
 		return c->res;
 	}
 	ret = shd_ckpt_manifest_dump(&c->m, &json, why, sizeof(why));
@@ -344,8 +375,10 @@ static int save_final(struct eng_ckpt *c, char *err, size_t errlen)
 			close(pfd);
 	}
 	if (ret) {
-		eng_fmt(err, errlen, "checkpoint %s: writing %s: %s", c->dir, what,
-			why[0] ? why : strerror(ret < 0 && ret > -SHARDD_E_BASE ? -ret : EIO));
+		int e = ret < 0 && ret > -SHARDD_E_BASE ? -ret : EIO;
+
+		eng_fmt(err, errlen, "checkpoint %s: writing %s: %s%s", c->dir, what, why[0] ? why : strerror(e),
+			why[0] ? "" : write_advice(e));
 		ckpt_remove_dir(AT_FDCWD, c->tmp);
 		return ret;
 	}
@@ -512,6 +545,55 @@ int shd_engine_job_checkpointing(const struct shd_engine_job *j)
 	return j->ckpt != NULL;
 }
 
+/*
+ * 1 when every rank of optimizer group `g` applied or skipped the same last
+ * step; else 0 with `err` naming a rank behind and the step to wait for.
+ * Update counts may differ: a rank whose grad was non-finite skipped a step
+ * alone (SHARDD_STEP_SKIP_NONFINITE), and the manifest keeps each rank
+ * shard's count (shard_steps).
+ */
+static int at_one_step(const struct shd_group *g, char *err, size_t errlen)
+{
+	uint32_t hi = 0, lo = 0;
+
+	for (uint32_t r = 1; r < g->world; r++) {
+		if (g->last_step[r] > g->last_step[hi])
+			hi = r;
+		if (g->last_step[r] < g->last_step[lo])
+			lo = r;
+	}
+	if (g->last_step[hi] == g->last_step[lo])
+		return 1;
+	eng_fmt(err, errlen, "group '%s' is not at a step boundary: rank %u applied step %llu, rank %u only step "
+		"%llu; submit checkpoint after the completions of every rank's step %llu (a restarted rank "
+		"catches up with SHARDD_STEP_REPLAY)", g->name, hi, (unsigned long long)g->last_step[hi], lo,
+		(unsigned long long)g->last_step[lo], (unsigned long long)g->last_step[hi]);
+	return 0;
+}
+
+/*
+ * The manifest's update counts of group `g`: optim_steps the highest of
+ * replica 0's rank shards (whose state is written), and each rank shard's
+ * in shard_optim_steps when they differ. 0 or -ENOMEM.
+ */
+static int shard_steps(const struct shd_group *g, struct shd_ckpt_group *cg)
+{
+	int differ = 0;
+
+	cg->optim_steps = 0;
+	for (uint32_t s = 0; s < g->shard; s++) {
+		differ |= g->optim_steps[s] != g->optim_steps[0];
+		cg->optim_steps = g->optim_steps[s] > cg->optim_steps ? g->optim_steps[s] : cg->optim_steps;
+	}
+	if (!differ)
+		return 0;
+	cg->shard_optim_steps = malloc(g->shard * sizeof(*cg->shard_optim_steps));
+	if (!cg->shard_optim_steps)
+		return -ENOMEM;
+	memcpy(cg->shard_optim_steps, g->optim_steps, g->shard * sizeof(*cg->shard_optim_steps));
+	return 0;
+}
+
 /* Check the job can be saved now and fill c->m, c->egs, c->file_of. */
 static int ckpt_plan(struct shd_engine_job *j, struct eng_ckpt *c, uint64_t step, char *err, size_t errlen)
 {
@@ -533,21 +615,13 @@ static int ckpt_plan(struct shd_engine_job *j, struct eng_ckpt *c, uint64_t step
 				shd_op_info((eg->running ? eg->running : eg->qhead)->ops[0].sqe.op)->name);
 			return -SHARDD_E_STATE;
 		}
-		for (uint32_t r = 1; eg->g->optim.kind != SHARDD_OPTIM_NONE && r < eg->g->world; r++)
-			if (eg->g->last_step[r] != eg->g->last_step[0] ||
-			    eg->g->optim_steps[r] != eg->g->optim_steps[0]) {
-				eng_fmt(err, errlen, "group '%s' is not at a step boundary: rank 0 applied step %llu "
-					"(%llu updates), rank %u step %llu (%llu updates); checkpoint after every "
-					"rank's step", eg->g->name, (unsigned long long)eg->g->last_step[0],
-					(unsigned long long)eg->g->optim_steps[0], r,
-					(unsigned long long)eg->g->last_step[r],
-					(unsigned long long)eg->g->optim_steps[r]);
-				return -SHARDD_E_STATE;
-			}
+		if (eg->g->optim.kind != SHARDD_OPTIM_NONE && !at_one_step(eg->g, err, errlen))
+			return -SHARDD_E_STATE;
 		n++;
 	}
 	if (!n) {
-		eng_fmt(err, errlen, "job '%s' has no registered group to checkpoint", j->name);
+		eng_fmt(err, errlen, "job '%s' has no registered group to checkpoint; register its groups first",
+			j->name);
 		return -SHARDD_E_STATE;
 	}
 	c->m.version = SHD_CKPT_VERSION;
@@ -579,7 +653,8 @@ static int ckpt_plan(struct shd_engine_job *j, struct eng_ckpt *c, uint64_t step
 		memcpy(cg->specs, g->specs, g->hdr.nparams * sizeof(*cg->specs));
 		cg->optim = g->optim;
 		cg->last_step = g->optim.kind != SHARDD_OPTIM_NONE ? g->last_step[0] : 0;
-		cg->optim_steps = g->optim.kind != SHARDD_OPTIM_NONE ? g->optim_steps[0] : 0;
+		if (g->optim.kind != SHARDD_OPTIM_NONE && shard_steps(g, cg))
+			return -ENOMEM;
 		shd_ckpt_file_names(c->m.ngroups, n, cg->file, cg->optim_file);
 		c->file_of[2 * c->m.ngroups] = (int32_t)nf;
 		snprintf(c->m.files[nf++].name, SHD_CKPT_FILE_NAME_MAX, "%s", cg->file);
@@ -726,6 +801,23 @@ fail:
 	return ret;
 }
 
+void eng_ckpt_record_failure(struct shd_engine_job *j, uint64_t id, int res, const char *msg, const char *dir,
+			     uint64_t step)
+{
+	struct shd_engine_ckpt_status *l = &j->ckpt_last;
+
+	shd_log_warn("job '%s': checkpoint %llu of step %llu: %s", j->name, (unsigned long long)id,
+		     (unsigned long long)step, msg);
+	l->last_id = id;
+	l->last_res = res;
+	snprintf(l->last_msg, sizeof(l->last_msg), "%s", msg);
+	snprintf(l->last_dir, sizeof(l->last_dir), "%s", dir ? dir : "");
+	l->last_step = step;
+	l->last_bytes = 0;
+	l->last_s = 0;
+	l->last_staged = 0;
+}
+
 int shd_engine_job_checkpoint(struct shd_engine_job *j, const struct shd_engine_ckpt_target *tg,
 			      shd_engine_ckpt_fn done, void *ctx, char *err, size_t errlen)
 {
@@ -737,7 +829,8 @@ int shd_engine_job_checkpoint(struct shd_engine_job *j, const struct shd_engine_
 	}
 	int ret = eng_ckpt_start(j, tg, j->ckpt_seq + 1, done, ctx, err, errlen);
 
-	if (!ret)
-		j->ckpt_seq++;
+	j->ckpt_seq++;
+	if (ret)
+		eng_ckpt_record_failure(j, j->ckpt_seq, ret, err, tg->dir, tg->step);
 	return ret;
 }

@@ -188,7 +188,9 @@ def test_installed_units_pass_systemd_analyze_verify(prefix):
         pytest.skip("systemd-analyze is missing: install the Debian package systemd to verify the units")
     units = os.path.join(prefix, "lib", "systemd", "system")
     service = open(os.path.join(units, "shardd.service")).read()
-    assert f"ExecStart={prefix}/bin/shardd " in service, service
+    assert f"ExecStart={prefix}/bin/shardd --state-dir ${{STATE_DIRECTORY}} " in service, service
+    # Under ProtectSystem=strict the state dir is the one path shardd may write.
+    assert "ProtectSystem=strict" in service and "\nStateDirectory=shardd\n" in service, service
     # verify runs man for Documentation=man:shardd(8): point it at the prefix.
     env = dict(os.environ, MANPATH=os.path.join(prefix, "share", "man"))
     p = run([tool, "verify", os.path.join(units, "shardd.socket"),

@@ -413,6 +413,35 @@ Test(ckpt_format, manifest_rejects_each_bad_field, .timeout = 10)
 			 "is listed twice in files");
 	manifest_rejects("\"bytes\": 99", "\"bytes\": 9.5", "files[1].bytes must be a non-negative integer");
 	manifest_rejects("{", "[", "JSON, byte");
+	manifest_rejects("\"optim_steps\": 11", "\"optim_steps\": 11, \"shard_optim_steps\": [11]",
+			 "groups[0].shard_optim_steps must be an array of 2 integers");
+	manifest_rejects("\"optim_steps\": 11", "\"optim_steps\": 11, \"shard_optim_steps\": [12, 11]",
+			 "groups[0].shard_optim_steps[0] is not an integer in 0..optim_steps (11)");
+	manifest_rejects("\"optim_steps\": 11", "\"optim_steps\": 11, \"shard_optim_steps\": [10, 9]",
+			 "groups[0]: optim_steps 11 is not the highest of shard_optim_steps (10)");
+}
+
+Test(ckpt_format, manifest_keeps_each_rank_shards_update_count_when_they_differ, .timeout = 10)
+{
+	struct shd_ckpt_manifest m, back;
+	struct shd_ckpt_group g[2];
+	struct shardd_param_spec s[3];
+	struct shd_ckpt_file f[3];
+	uint64_t counts[2] = { 11, 10 };
+	char err[256] = "", *json;
+
+	sample(&m, g, s, f);
+	g[0].shard_optim_steps = counts;
+	cr_assert_eq(shd_ckpt_manifest_dump(&m, &json, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(shd_ckpt_manifest_parse(json, strlen(json), &back, err, sizeof(err)), 0, "%s\n%s", err, json);
+	cr_assert_not_null(back.groups[0].shard_optim_steps, "%s", json);
+	cr_assert_eq(back.groups[0].shard_optim_steps[0], 11);
+	cr_assert_eq(back.groups[0].shard_optim_steps[1], 10);
+	/* Equal counts write no list: the manifest of every other checkpoint is unchanged. */
+	cr_assert_null(back.groups[1].shard_optim_steps);
+	cr_assert(!strstr(strstr(json, "shard_optim_steps") + 1, "shard_optim_steps"), "%s", json);
+	shd_ckpt_manifest_free(&back);
+	free(json);
 }
 
 Test(ckpt_format, group_tensors_name_optimizer_state_after_the_param, .timeout = 10)

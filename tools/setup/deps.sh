@@ -13,6 +13,7 @@ PACKAGES=(
 	libmicrohttpd-dev   # shardd --metrics-listen (Prometheus over HTTP)
 	scdoc man-db        # man pages: built from man/*.scd, rendered by the install test
 	clang libclang-rt-dev  # libFuzzer targets (tests/fuzz/): clang and its matching runtimes
+	clang-format        # the C style (.clang-format): make format, checked by make test
 	libopenmpi-dev openmpi-bin   # shardd --world mpi (daemon/world/world.c), shardbench's Open MPI comparator
 	python3 python3-numpy python3-pytest python3-torch   # Python client tests (/usr/bin/python3)
 	python3-venv        # the virtual environment of the PyPI test packages below

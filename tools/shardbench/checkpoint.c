@@ -409,6 +409,8 @@ int bench_checkpoint_run(const struct bench_opts *o, const char *socket_path, co
 		job_close(&plain);
 		job_close(&back);
 		job_close(&src);
+		/* The job's folder too (the daemon made it for the checkpoints): nothing of the run stays. */
+		snprintf(dir, sizeof(dir), "%s/%s", state_dir, src.name);
 		nftw(dir, rm_entry, 8, FTW_DEPTH | FTW_PHYS);
 		if (failed)
 			break;

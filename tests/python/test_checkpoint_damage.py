@@ -1,0 +1,212 @@
+# SPDX-License-Identifier: MIT
+"""Checkpoints an operator meets off the happy path (docs/CHECKPOINTS.md,
+issue 30): a rank that skipped a step alone, a damaged or manifest-less
+newest checkpoint (restore falls back and moves it aside), and a full disk
+whose message reaches the ranks, the log and `shardctl checkpoints`."""
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+
+import numpy as np
+import pytest
+
+import shardd
+import shardd.proto as P
+from conftest import Daemon, attach, attached, job_name, run_ranks, shardctl_json
+
+WORLD = 2
+SPECS = [("w", "float32", (9, 5)), ("b", "float32", (7,))]
+
+
+def step_dir(root, step):
+    return os.path.join(root, f"step-{step:012d}")
+
+
+def logged(daemon, pred, timeout=10):
+    """Whether a line of the daemon's stderr satisfies pred within timeout s
+    (it is read by a thread, so a line may come after the reply it precedes)."""
+    deadline = time.monotonic() + timeout
+    while not any(pred(line) for line in list(daemon.lines)):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def fill(gs, rng, what):
+    for g in gs:
+        for i in range(len(SPECS)):
+            buf = getattr(g, what)(i)
+            buf[...] = rng.standard_normal(buf.shape).astype(np.float32)
+
+
+def train(clients, gs, steps, seed):
+    """Steps `steps` of the group on every rank with grads from `seed`."""
+    rng = np.random.default_rng(seed)
+    for s in steps:
+        fill(gs, rng, "grad")
+        run_ranks(lambda r: gs[r].reduce(s), WORLD)
+        run_ranks(lambda r: gs[r].step(s, 0.01), WORLD)
+
+
+def test_a_rank_that_skipped_a_step_alone_stays_checkpointable(state_daemon, request):
+    job = job_name(request)
+    rng = np.random.default_rng(3)
+    opt = shardd.Optimizer.adamw(weight_decay=0.0)
+    with attached(request, state_daemon, 1, WORLD) as clients:
+        gs = run_ranks(lambda r: clients[r].register_group("layer", SPECS, optimizer=opt), WORLD)
+        fill(gs, rng, "shard")
+        train(clients, gs, [1], seed=4)
+        fill(gs, rng, "grad")
+        gs[0].grad(0)[8] = np.nan  # row 8 of w: in rank 1's shard (rows 5-8) only
+        run_ranks(lambda r: gs[r].reduce(2), WORLD)
+        outcomes = run_ranks(lambda r: gs[r].step(2, 0.01, skip_nonfinite=True), WORLD)
+        assert outcomes == [P.STEP_APPLIED, P.STEP_SKIPPED]
+        run_ranks(lambda r: clients[r].checkpoint(2), WORLD)
+        ckpt = step_dir(os.path.join(state_daemon.state, job), 2)
+        with open(os.path.join(ckpt, "manifest.json")) as f:
+            g = json.load(f)["groups"][0]
+        assert (g["last_step"], g["optim_steps"], g["shard_optim_steps"]) == (2, 2, [2, 1])
+        train(clients, gs, [3, 4], seed=5)
+        want = [[gs[r].shard(i).copy() for i in range(len(SPECS))] for r in range(WORLD)]
+    # Each rank shard resumes at its own update count: AdamW's bias correction
+    # of the next steps matches the run that went on, bit for bit.
+    with attached(request, state_daemon, 1, WORLD, suffix="-back") as clients:
+        gs = run_ranks(lambda r: clients[r].register_group("layer", SPECS, optimizer=opt, restore=ckpt),
+                       WORLD)
+        assert [g.last_step for g in gs] == [2, 2]
+        train(clients, gs, [3, 4], seed=5)
+        for r in range(WORLD):
+            for i in range(len(SPECS)):
+                assert np.array_equal(gs[r].shard(i), want[r][i]), (r, SPECS[i][0])
+    # At another mesh every rank shard takes the most updates, and the log says so.
+    with attach(state_daemon, request, 0, 1, 1, suffix="-one") as one:
+        g = one.register_group("layer", SPECS, optimizer=opt, restore=ckpt)
+        assert g.last_step == 2
+    assert logged(state_daemon, lambda line: "applied different numbers of updates" in line)
+
+
+def two_checkpoints(request, daemon, opt):
+    """A job that checkpointed steps 1 and 2 into the state dir: its root and
+    the full tensors of each rank's shards at step 1."""
+    rng = np.random.default_rng(11)
+    with attached(request, daemon, 1, WORLD) as clients:
+        gs = run_ranks(lambda r: clients[r].register_group("layer", SPECS, optimizer=opt), WORLD)
+        fill(gs, rng, "shard")
+        train(clients, gs, [1], seed=12)
+        run_ranks(lambda r: clients[r].checkpoint(1), WORLD)
+        at1 = [[gs[r].shard(i).copy() for i in range(len(SPECS))] for r in range(WORLD)]
+        train(clients, gs, [2], seed=13)
+        run_ranks(lambda r: clients[r].checkpoint(2), WORLD)
+    return os.path.join(daemon.state, job_name(request)), at1
+
+
+def resume_falls_back_to_step_1(request, daemon, opt, root, at1, damage):
+    """A copy of the job's checkpoints under another job name, its step 2
+    damaged by `damage`, restored with restore="": step 1 comes back, step 2
+    is moved aside (the log says why), and step 2 can be checkpointed again."""
+    back = root + "-back"
+    shutil.copytree(root, back)
+    damage(step_dir(back, 2))
+    with attached(request, daemon, 1, WORLD, suffix="-back") as clients:
+        gs = run_ranks(lambda r: clients[r].register_group("layer", SPECS, optimizer=opt, restore=""), WORLD)
+        assert [g.last_step for g in gs] == [1, 1]
+        for r in range(WORLD):
+            for i in range(len(SPECS)):
+                assert np.array_equal(gs[r].shard(i), at1[r][i]), (r, SPECS[i][0])
+        assert not os.path.exists(step_dir(back, 2))
+        assert os.path.isdir(step_dir(back, 2) + ".damaged")
+        assert logged(daemon, lambda line: f"skipped damaged checkpoint {step_dir(back, 2)}" in line and
+                      "moved it aside" in line)
+        train(clients, gs, [2], seed=13)
+        run_ranks(lambda r: clients[r].checkpoint(2), WORLD)
+    assert os.path.isfile(os.path.join(step_dir(back, 2), "manifest.json"))
+
+
+def test_a_newest_checkpoint_without_manifest_is_damaged_not_imported(state_daemon, request):
+    opt = shardd.Optimizer.adamw(weight_decay=0.0)
+    root, at1 = two_checkpoints(request, state_daemon, opt)
+    os.unlink(os.path.join(step_dir(root, 2), "manifest.json"))
+    # Named, it is refused as damaged rather than imported as plain weights.
+    with attached(request, state_daemon, 1, WORLD, suffix="-named") as clients:
+        with pytest.raises(shardd.ShardError, match=r"is a damaged checkpoint: it has no manifest\.json"):
+            run_ranks(lambda r: clients[r].register_group("layer", SPECS, optimizer=opt,
+                                                          restore=step_dir(root, 2)), WORLD)
+    # The copy lacks the manifest already.
+    resume_falls_back_to_step_1(request, state_daemon, opt, root, at1, lambda d: None)
+
+
+def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(state_daemon, request):
+    opt = shardd.Optimizer.adamw(weight_decay=0.0)
+    root, at1 = two_checkpoints(request, state_daemon, opt)
+
+    def truncate(d):
+        os.truncate(os.path.join(d, "optim.safetensors"), 100)
+    resume_falls_back_to_step_1(request, state_daemon, opt, root, at1, truncate)
+
+
+def test_a_newest_checkpoint_failing_its_crc_is_moved_aside_and_the_next_restore_falls_back(state_daemon,
+                                                                                             request):
+    opt = shardd.Optimizer.adamw(weight_decay=0.0)
+    root, at1 = two_checkpoints(request, state_daemon, opt)
+    back = root + "-back"
+    shutil.copytree(root, back)
+    model = os.path.join(step_dir(back, 2), "model.safetensors")
+    with open(model, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+    with attached(request, state_daemon, 1, WORLD, suffix="-back") as clients:
+        with pytest.raises(shardd.ShardError, match=r"CRC-32 .*moved it aside to .*step-000000000002\.damaged"):
+            run_ranks(lambda r: clients[r].register_group("layer", SPECS, optimizer=opt, restore=""), WORLD)
+        assert logged(state_daemon, lambda line: "CRC-32" in line and "register group 'layer'" in line)
+        gs = run_ranks(lambda r: clients[r].register_group("layer", SPECS, optimizer=opt, restore=""), WORLD)
+        assert [g.last_step for g in gs] == [1, 1]
+        for r in range(WORLD):
+            for i in range(len(SPECS)):
+                assert np.array_equal(gs[r].shard(i), at1[r][i]), (r, SPECS[i][0])
+
+
+@pytest.fixture
+def tiny_fs():
+    """A 256 KiB tmpfs (root only: skipped where it cannot be mounted)."""
+    with tempfile.TemporaryDirectory(prefix="shardd-py-tiny-") as mnt:
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", mnt], capture_output=True,
+                           text=True)
+        if r.returncode:
+            pytest.skip(f"cannot mount a tmpfs to fill: {r.stderr.strip()}")
+        try:
+            yield mnt
+        finally:
+            subprocess.run(["umount", mnt], check=True)
+
+
+@pytest.mark.parametrize("extra", [(), ("--max-memory", "2M")], ids=["snapshot", "in_place"])
+def test_a_full_disk_fails_the_checkpoint_with_its_whole_message_everywhere(tiny_fs, request, extra):
+    big = [("w", "float32", (300, 300))]  # 360 000 bytes: more than the filesystem holds
+    with Daemon(("--state-dir", tiny_fs, "--log-level", "info", *extra)) as d:
+        job = job_name(request)
+        with attached(request, d, 1, WORLD) as clients:
+            run_ranks(lambda r: clients[r].register_group("layer", big), WORLD)
+            with pytest.raises(shardd.ShardError) as e:
+                run_ranks(lambda r: clients[r].checkpoint(1), WORLD)
+            # A rank's error text holds 256 bytes: what failed, where and what to do come first.
+            msg = str(e.value)
+            why = "No space left on device writing model.safetensors of group 'layer' at byte "
+            assert why in msg, msg
+            assert ": free space there or lower shardd --keep, then checkpoint again; earlier checkpoints " \
+                   "are intact (checkpoint " in msg, msg
+            last = shardctl_json(d.socket, "checkpoints", job)["last"]
+            assert last["code"] != 0 and why in last["error"], last
+            assert last["staged"] == (extra == ()), last
+            metrics = subprocess.run([os.path.join(os.environ.get("SHARDD_BUILD", "build"), "shardctl"),
+                                      "--socket", d.socket, "metrics"], capture_output=True, text=True,
+                                     timeout=30).stdout
+            assert f'shardd_checkpoint_last_error{{job="{job}",error="' in metrics, metrics
+            assert logged(d, lambda line: f"job '{job}'" in line and why in line), d.lines
+        assert os.listdir(os.path.join(tiny_fs, job)) == []

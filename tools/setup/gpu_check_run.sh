@@ -82,9 +82,15 @@ overlap_mps() {
 	"$here/build/shardd" --backend cuda --socket "$mps/shardd.sock" 2> "$out/overlap-mps-shardd.log" &
 	pid=$!
 	if wait_log "$out/overlap-mps-shardd.log" "ready on" "$pid"; then
-		grep "cuda backend: device" "$out/overlap-mps-shardd.log"
+		# The daemon must have found itself an MPS client (docs/CUDA.md, "MPS").
+		if ! "$here/build/shardctl" --socket "$mps/shardd.sock" status | tee "$out/overlap-mps-status.txt" |
+			grep '^gpu      MPS: '; then
+			echo "shardd does not report MPS under its own control daemon: see overlap-mps-status.txt"
+			ret=1
+		fi
 		CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=90 "$here/build/shardbench" gpu --load "${SIZES[@]}" -n 20 \
 			--socket "$mps/shardd.sock" || ret=1
+		"$here/build/tests/gpu/test_cuda_sharing" --jobs 1 --verbose || ret=1
 	else
 		echo "shardd under MPS did not start: see overlap-mps-shardd.log"
 		ret=1

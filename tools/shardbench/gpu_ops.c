@@ -358,7 +358,7 @@ static int rank_size(struct rank_ctx *x, uint64_t bytes, uint64_t *step)
 			     cudaMemcpyHostToDevice));
 	/* A pageable copy may still be in flight when cudaMemcpy returns. */
 	RANK_CUDA(cudaDeviceSynchronize());
-	/* The first registration returned on every rank: their loads start together. */
+	/* Once, after the first registration: the ranks reach it about together, so their loads overlap. */
 	if (x->load && x->load->alone_per_s == 0 && load_measure_alone(x))
 		ret = -1;
 	for (int mode = 0; mode < NMODES && !ret; mode++) {

@@ -4,6 +4,8 @@
 #   make test            install missing packages (make deps), build, run every suite
 #   make train           the main job: a real training run through the daemon (README)
 #   make test-gpu        CUDA kernel and cuda-backend tests (skip cleanly without a GPU)
+#   make gpu-check       build/gpu-check/: a bundle to copy to a bare GPU machine and
+#                        run there (build/gpu-check/run OUTDIR; docs/CUDA.md)
 #   make install PREFIX=/usr/local DESTDIR=    (make uninstall with the same PREFIX)
 #   make SANITIZE=1      ASan + UBSan build (out of tree in build-san/)
 #   make CUDA=auto|0|1   build the cuda backend when nvcc and nccl.h are found (auto)
@@ -130,7 +132,7 @@ UNIT_BIN    := $(patsubst tests/%.c,$(BUILD)/tests/%,$(UNIT_SRC))
 INTEG_BIN   := $(patsubst tests/%.c,$(BUILD)/tests/%,$(INTEG_SRC))
 GPU_BIN     := $(patsubst tests/%.c,$(BUILD)/tests/%,$(GPU_SRC))
 
-.PHONY: all test test-c test-python test-gpu train deps deps-check install clean
+.PHONY: all test test-c test-python test-gpu gpu-check test-gpu-check train deps deps-check install clean
 # Keep objects that pattern chains would delete as intermediates (and rebuild every time).
 .SECONDARY:
 all: $(SHARDD) $(LIBCLIENT_A) $(LIBCLIENT_SO) $(SHARDCTL) $(SHARDBENCH) $(EXAMPLES)
@@ -189,7 +191,7 @@ deps-check:
 # The GPU suites are built here too, so a change that breaks them fails without a GPU.
 test: deps-check
 	$(MAKE) all $(UNIT_BIN) $(INTEG_BIN) $(GPU_BIN)
-	$(MAKE) test-c test-python
+	$(MAKE) test-c test-python test-gpu-check
 
 test-c: all $(UNIT_BIN) $(INTEG_BIN)
 	@set -e; for t in $(UNIT_BIN) $(INTEG_BIN); do \
@@ -212,6 +214,15 @@ test-python: $(PYDRV_BIN)
 
 test-gpu: all $(GPU_BIN)
 	SHARDD_BIN=$(abspath $(SHARDD)) tools/setup/test_gpu.sh $(abspath $(BUILD)) $(HAVE_CUDA) $(GPU_BIN)
+
+# The GPU check bundle (tools/setup/gpu_check.sh), and its script run as CI
+# runs it: without a GPU it must skip every step and succeed, fast.
+GPU_CHECK := $(BUILD)/gpu-check
+gpu-check: all $(GPU_BIN)
+	tools/setup/gpu_check.sh $(BUILD) $(HAVE_CUDA) $(GPU_CHECK) $(GPU_BIN)
+
+test-gpu-check: gpu-check
+	@d=$$(mktemp -d) && { $(GPU_CHECK)/run $$d; rc=$$?; rm -rf $$d; exit $$rc; }
 
 train: deps-check
 	$(MAKE) all

@@ -34,6 +34,7 @@
 #include <cudaTypedefs.h>
 #include <dlfcn.h>
 #include <pthread.h>
+#include <stdatomic.h>
 
 /*
  * The driver's entry points libshardd calls, asked of cuGetProcAddress at
@@ -57,7 +58,9 @@
 	X(type, stream_wait_event,   cuStreamWaitEvent, 3020)               \
 	X(type, event_synchronize,   cuEventSynchronize, 2000)              \
 	X(type, memcpy_htod,         cuMemcpyHtoD, 3020)                    \
-	X(type, ctx_synchronize,     cuCtxSynchronize, 2000)
+	X(type, ctx_synchronize,     cuCtxSynchronize, 2000)                \
+	X(type, device_get_attribute, cuDeviceGetAttribute, 2000)           \
+	X(type, ctx_get_exec_affinity, cuCtxGetExecAffinity, 11040)
 
 struct cuda_driver {
 	CUDA_IMPORT_DRIVER(SHARDD_CUDA_DRIVER_FIELD, struct cuda_driver)
@@ -132,6 +135,42 @@ static int drv_fail(CUresult r, const char *what, int device, uint64_t bytes)
 			      (unsigned long long)bytes, device, what, s, (int)r);
 }
 
+static void primary_ctx_pop(CUdevice dev);
+static CUresult primary_ctx_push(CUdevice dev);
+
+/*
+ * A trainer that is an MPS client with every SM to itself: its GEMMs'
+ * persistent kernels hold all of them, and the daemon's ops (MPS clients
+ * of the same server) wait behind them. Measured on an H100 (docs/CUDA.md,
+ * "MPS"): p90 ~1.4 ms per op uncapped, against 0.1-0.2 ms with the trainer
+ * at 90 %. Said once per process, on stderr, when this process's context on
+ * `device` is an MPS client that may use every SM of the device.
+ */
+static void mps_advise(int device)
+{
+	static atomic_int advised;
+	CUexecAffinityParam aff;
+	CUdevice dev;
+	int mps = 0, sms = 0;
+
+	if (atomic_exchange(&advised, 1) || drv.device_get(&dev, device) != CUDA_SUCCESS ||
+	    drv.device_get_attribute(&mps, CU_DEVICE_ATTRIBUTE_MPS_ENABLED, dev) != CUDA_SUCCESS || !mps ||
+	    drv.device_get_attribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev) != CUDA_SUCCESS)
+		return;
+	/* The context's own share: the environment's percentage or the control daemon's default. */
+	if (primary_ctx_push(dev) != CUDA_SUCCESS)
+		return;
+	if (drv.ctx_get_exec_affinity(&aff, CU_EXEC_AFFINITY_TYPE_SM_COUNT) != CUDA_SUCCESS)
+		aff.param.smCount.val = 0;
+	primary_ctx_pop(dev);
+	if (aff.param.smCount.val == 0 || aff.param.smCount.val < (unsigned)sms)
+		return;
+	fprintf(stderr,
+		"libshardd: this process is a CUDA MPS client that may use all %d SMs of device %d: its "
+		"kernels can hold every SM and shardd's ops then wait behind them; start it with "
+		"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=90 (docs/CUDA.md, \"MPS\")\n", sms, device);
+}
+
 /* 0 when a buffer of `bytes` can be imported on `device`: the arguments and the driver. */
 static int import_check(int device, uint64_t bytes)
 {
@@ -143,6 +182,7 @@ static int import_check(int device, uint64_t bytes)
 	pthread_once(&drv_once, drv_load);
 	if (drv_status)
 		return shardd_err_set(drv_status, "the daemon runs the cuda backend: %s", drv_error);
+	mps_advise(device);
 	return 0;
 }
 

@@ -37,6 +37,7 @@ enum flag_id {
 	FLAG_SOCKET = 256,
 	FLAG_BACKEND,
 	FLAG_CUDA_EXPORT,
+	FLAG_MPS_SM_PERCENT,
 	FLAG_COLLECTIVE_TIMEOUT,
 	FLAG_HANDSHAKE_TIMEOUT,
 	FLAG_JOB_LINGER,
@@ -81,6 +82,12 @@ static const struct flag flags[] = {
 	  "ipc (cudaMalloc, legacy CUDA IPC handles), or\n"
 	  "auto: fd where the device supports it, else ipc,\n"
 	  "chosen per device (default auto; --backend cuda only)" },
+	{ "mps-sm-percent", FLAG_MPS_SM_PERCENT, "PCT", 0,
+	  "under MPS, the share of each GPU's SMs the daemon's\n"
+	  "kernels may use, 1 to 100: sets its own\n"
+	  "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE before CUDA starts\n"
+	  "(default: the environment's, else uncapped;\n"
+	  "--backend cuda only; docs/CUDA.md)" },
 	{ "collective-timeout", FLAG_COLLECTIVE_TIMEOUT, "SECS", SHD_TIMEOUT_DEFAULT_S,
 	  "fail a collective or barrier that waits longer\n"
 	  "than SECS, naming the missing ranks (default %g)" },
@@ -307,9 +314,9 @@ static int parse_bytes(const char *flag, const char *val, uint64_t *out)
 
 /*
  * Apply flag `id` with its value (NULL for flags without). 0, or 2 after a
- * usage error. *cuda_export_given is set when --cuda-export is seen.
+ * usage error. *cuda_only names the last flag seen that needs --backend cuda.
  */
-static int apply_flag(struct shd_config *cfg, enum flag_id id, const char *val, int *cuda_export_given)
+static int apply_flag(struct shd_config *cfg, enum flag_id id, const char *val, const char **cuda_only)
 {
 	unsigned long v;
 	char *end;
@@ -336,9 +343,17 @@ static int apply_flag(struct shd_config *cfg, enum flag_id id, const char *val, 
 	case FLAG_BACKEND:
 		return parse_choice("--backend", val, backends, NCHOICES(backends), &cfg->backend);
 	case FLAG_CUDA_EXPORT:
-		*cuda_export_given = 1;
+		*cuda_only = "--cuda-export";
 		return parse_choice("--cuda-export", val, cuda_exports, NCHOICES(cuda_exports),
 				    &cfg->cuda_export);
+	case FLAG_MPS_SM_PERCENT:
+		*cuda_only = "--mps-sm-percent";
+		if (parse_uint(val, 1, 100, &v) < 0)
+			return usage_error("--mps-sm-percent: '%s' is not a percentage in [1, 100]", val);
+		/* The driver reads it when CUDA initialises, which the backend does after the flags. */
+		if (setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", val, 1))
+			return usage_error("--mps-sm-percent: setenv: %s", strerror(errno));
+		break;
 	case FLAG_COLLECTIVE_TIMEOUT:
 		return parse_seconds("--collective-timeout", val, &cfg->collective_timeout_s);
 	case FLAG_HANDSHAKE_TIMEOUT:
@@ -501,7 +516,7 @@ static void print_version(void)
 static int parse_flags(int argc, char **argv, struct shd_config *cfg)
 {
 	struct option longopts[NFLAGS + 1];
-	int cuda_export_given = 0;
+	const char *cuda_only = NULL;
 
 	for (size_t i = 0; i < NFLAGS; i++)
 		longopts[i] = (struct option){ flags[i].name,
@@ -540,13 +555,13 @@ static int parse_flags(int argc, char **argv, struct shd_config *cfg)
 			print_version();
 			return 0;
 		}
-		ret = apply_flag(cfg, c, optarg, &cuda_export_given);
+		ret = apply_flag(cfg, c, optarg, &cuda_only);
 		if (ret)
 			return ret;
 	}
 	/* Flags come in any order: only now is the backend known. */
-	if (cuda_export_given && cfg->backend != SHARDD_BACKEND_CUDA)
-		return usage_error("--cuda-export applies to --backend cuda only; the backend is %s",
+	if (cuda_only && cfg->backend != SHARDD_BACKEND_CUDA)
+		return usage_error("%s applies to --backend cuda only; the backend is %s", cuda_only,
 				   shd_backend_name(cfg->backend));
 	return FLAGS_RUN;
 }

@@ -218,9 +218,33 @@ struct chunk_args {
 };
 
 /*
+ * `count` (1 or VEC) elements of `dtype` from src[si] to dst[di], as bits:
+ * a same-dtype copy never goes through fp32, whose widening quiets a
+ * signalling NaN (bf16 0xff81 would come back 0xffc1) where the CPU
+ * kernel's memcpy keeps every bit. VEC elements are 16-byte aligned.
+ */
+__device__ __forceinline__ void dev_copy_bits(void *dst, size_t di, const void *src, size_t si, uint32_t dtype,
+					      size_t count)
+{
+	if (dtype == SHARDD_DTYPE_FP32 && count == VEC) {
+		const uint4 *s = (const uint4 *)((const uint32_t *)src + si);
+		uint4 *d = (uint4 *)((uint32_t *)dst + di);
+
+		d[0] = s[0];
+		d[1] = s[1];
+	} else if (count == VEC) {
+		*(uint4 *)((uint16_t *)dst + di) = *(const uint4 *)((const uint16_t *)src + si);
+	} else if (dtype == SHARDD_DTYPE_FP32) {
+		((uint32_t *)dst)[di] = ((const uint32_t *)src)[si];
+	} else {
+		((uint16_t *)dst)[di] = ((const uint16_t *)src)[si];
+	}
+}
+
+/*
  * dst[(o * nchunks + first + r) * inner + k] = cast(src[r][o * inner + k]),
  * walked in steps of `step` elements (VEC when every row start is 16-byte
- * aligned, else 1).
+ * aligned, else 1); the same dtype on both sides copies the bits.
  */
 __global__ void chunk_cat_kernel(const __grid_constant__ struct chunk_args a, size_t step)
 {
@@ -236,7 +260,9 @@ __global__ void chunk_cat_kernel(const __grid_constant__ struct chunk_args a, si
 		size_t si = o * a.inner + k;
 		size_t di = (o * a.nchunks + a.first + r) * a.inner + k;
 
-		if (step == VEC) {
+		if (a.src_dtype == a.dst_dtype) {
+			dev_copy_bits(a.dst, di, a.src[r], si, a.dst_dtype, step);
+		} else if (step == VEC) {
 			float v[VEC];
 
 			dev_load8(a.src[r], a.src_dtype, si, v);

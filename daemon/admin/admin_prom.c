@@ -11,6 +11,7 @@
 #include <stdlib.h>
 
 #include "admin.h"
+#include "backend.h"
 #include "engine.h"
 #include "group.h"
 #include "job.h"
@@ -161,6 +162,22 @@ static void render_state(struct text *t)
 	}
 }
 
+/* A GPU backend's sharing of the GPUs with the trainers (docs/CUDA.md, "MPS"); nothing for host. */
+static void render_gpu(struct text *t)
+{
+	const struct shd_backend_ctx *b = shd_engine_backend(shd_state_engine());
+
+	if (!b->gpu_sharing)
+		return;
+	header(t, "shardd_cuda_mps", "gauge",
+	       "1 when the daemon's CUDA contexts are MPS clients (ops run beside the trainers' compute), "
+	       "0 when time-sliced (ops wait for it).");
+	emit(t, "shardd_cuda_mps %d\n", b->gpu_mps);
+	header(t, "shardd_cuda_mps_sm_percent", "gauge",
+	       "Under MPS, the percentage of SMs the daemon's kernels may use (100: uncapped).");
+	emit(t, "shardd_cuda_mps_sm_percent %d\n", b->gpu_sm_percent);
+}
+
 static void render_checkpoints(struct text *t)
 {
 	static const struct {
@@ -217,6 +234,7 @@ char *shd_admin_metrics_render(void)
 		return NULL;
 	render_ops(&t);
 	render_state(&t);
+	render_gpu(&t);
 	render_checkpoints(&t);
 	if (t.oom) {
 		free(t.buf);

@@ -111,7 +111,8 @@ json_t *admin_cmd_status(const json_t *req)
 	    admin_put(r, "ranks_attached", json_integer(nattached)) ||
 	    admin_put(r, "connections", json_integer(shd_state_connections())) ||
 	    admin_put(r, "memory", json_memory(&m)) ||
-	    admin_put(r, "memory_limits", json_memory_limits())) {
+	    admin_put(r, "memory_limits", json_memory_limits()) ||
+	    (b->gpu_sharing && admin_put(r, "gpu_sharing", json_string(b->gpu_sharing)))) {
 		json_decref(r);
 		return NULL;
 	}

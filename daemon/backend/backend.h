@@ -297,6 +297,14 @@ struct shd_backend_ops {
 /* Every backend's state begins with this (enum shardd_backend names the kinds). */
 struct shd_backend_ctx {
 	const struct shd_backend_ops *ops;
+	/*
+	 * How the daemon's GPU work shares the GPUs with the trainers' compute,
+	 * for shardctl status and the metrics: "MPS ..." or "time-sliced: ...";
+	 * NULL for a backend without a GPU (host).
+	 */
+	const char *gpu_sharing;
+	int gpu_mps;         /* 1 when every device runs the daemon's contexts as MPS clients */
+	int gpu_sm_percent;  /* under MPS: the daemon's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, 100 uncapped */
 };
 
 /* The host backend: memfd buffers, CPU kernels split across `pool`. 0 or -ENOMEM. */

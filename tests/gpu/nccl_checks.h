@@ -16,6 +16,16 @@
 #ifndef SHARDD_TESTS_NCCL_CHECKS_H
 #define SHARDD_TESTS_NCCL_CHECKS_H
 
+/*
+ * Why a test that needs more GPUs than the machine has skips: NCCL (2.28
+ * on the machines lent to us) refuses two ranks of a communicator on one
+ * GPU, so a collective across ranks needs a GPU each.
+ */
+#define NCCL_ONE_RANK_PER_GPU                                                              \
+	"NCCL before 2.30 refuses two ranks of a communicator on one GPU (NCCL 2.30's "   \
+	"experimental NCCL_MULTI_RANK_GPU_ENABLE lifts that); test_nccl_one_gpu runs what " \
+	"one GPU can"
+
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdio.h>

@@ -57,7 +57,8 @@ static void start_daemon(int need)
 	int n = harness_cuda_devices();
 
 	if (n < need)
-		cr_skip_test("needs %d GPU%s, %d visible", need, need > 1 ? "s" : "", n);
+		cr_skip_test("needs %d GPU%s, %d visible%s", need, need > 1 ? "s" : "", n,
+			     need > 1 && n > 0 ? ": " NCCL_ONE_RANK_PER_GPU : "");
 	signal(SIGPIPE, SIG_IGN);
 	cr_assert_eq(harness_daemon_start(&daemon_, extra), 0, "shardd --backend cuda did not start");
 }

@@ -94,7 +94,8 @@ static void start_world(int need_gpus)
 	char line[192];
 
 	if (n < need_gpus)
-		cr_skip_test("needs %d GPUs (one node's daemon per GPU, 2 nodes), %d visible", need_gpus, n);
+		cr_skip_test("needs %d GPUs (one node's daemon per GPU, 2 nodes), %d visible: " NCCL_ONE_RANK_PER_GPU,
+			     need_gpus, n);
 	if (system("command -v mpirun >/dev/null 2>&1") != 0)
 		cr_skip_test("mpirun (openmpi-bin) is not installed: make deps");
 	cr_assert(real && real[0] == '/', "SHARDD_BIN must be the daemon's absolute path; run through make test-gpu");

@@ -112,6 +112,24 @@ Test(backend_cuda, cuda_export_without_the_cuda_backend_is_a_usage_error, .timeo
 	}
 }
 
+Test(backend_cuda, mps_sm_percent_out_of_range_or_without_the_cuda_backend_is_a_usage_error, .timeout = 30)
+{
+	const char *zero[] = { "--backend", "cuda", "--mps-sm-percent", "0", NULL };
+	const char *over[] = { "--backend", "cuda", "--mps-sm-percent", "101", NULL };
+	const char *host[] = { "--mps-sm-percent", "50", NULL };
+	char out[8192];
+
+	expect_exit(zero, 2, out, sizeof(out));
+	cr_expect_not_null(strstr(out, "--mps-sm-percent: '0' is not a percentage in [1, 100]"),
+			   "the error does not name the flag, the value and the range: %s", out);
+	expect_exit(over, 2, out, sizeof(out));
+	cr_expect_not_null(strstr(out, "--mps-sm-percent: '101' is not a percentage in [1, 100]"),
+			   "the error does not name the flag, the value and the range: %s", out);
+	expect_exit(host, 2, out, sizeof(out));
+	cr_expect_not_null(strstr(out, "--mps-sm-percent applies to --backend cuda only; the backend is host"),
+			   "the error does not name the flag and the backend: %s", out);
+}
+
 Test(backend_cuda, help_lists_cuda_export, .timeout = 30)
 {
 	const char *bin = getenv("SHARDD_BIN");

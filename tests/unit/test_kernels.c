@@ -427,6 +427,70 @@ Test(chunk_cat, interleaves_chunks_like_index_loops, .timeout = 10)
 	}
 }
 
+/*
+ * Every bit pattern of a dtype, NaN payloads (quiet and signalling, both
+ * signs) included, wherever the element count reaches: the sources of the
+ * same-dtype copies below.
+ */
+static void fill_every_pattern(uint32_t dtype, void *buf, size_t n)
+{
+	/* fp32's signalling and quiet NaNs, payload low and high, both signs; then any bits. */
+	static const uint32_t nan32[] = { 0x7f800001u, 0xff800001u, 0x7fa00000u, 0x7fc00001u,
+					  0xffffffffu, 0x7fbfffffu };
+
+	for (size_t i = 0; i < n; i++) {
+		if (dtype != SHARDD_DTYPE_FP32) {
+			((uint16_t *)buf)[i] = (uint16_t)(i * 40503u);
+		} else {
+			uint32_t u = i < sizeof(nan32) / sizeof(nan32[0]) ? nan32[i] : (uint32_t)rng();
+
+			memcpy((uint32_t *)buf + i, &u, sizeof(u));
+		}
+	}
+}
+
+/*
+ * A same-dtype chunk_cat and cast (plain and streaming) are copies: every
+ * bit survives, a NaN's payload and its signalling bit too. bf16 and fp16
+ * run all 65536 patterns (i * 40503 mod 2^16 is a permutation); the GPU
+ * test compares the CUDA kernels with these bits (tests/gpu/test_cuda_kernels.c).
+ */
+Test(chunk_cat, same_dtype_keeps_every_bit_including_nan_payloads, .timeout = 10)
+{
+	const size_t n = 65536 + 3, half = n / 2 + 1;
+
+	for (size_t a = 0; a < 3; a++) {
+		uint32_t dt = dtypes[a];
+		size_t sz = shardd_dtype_size(dt);
+		char *src = malloc(n * sz), *got = malloc(n * sz + 1), *want = malloc(n * sz);
+		const void *chunks[2] = { src, src + half * sz };
+		const void *one[1] = { src };
+
+		fill_every_pattern(dt, src, n);
+		/* Two chunks of `half` rows of one element: dst interleaves them. */
+		for (size_t o = 0; o < n - half; o++) {
+			memcpy(want + (2 * o) * sz, src + o * sz, sz);
+			memcpy(want + (2 * o + 1) * sz, src + (half + o) * sz, sz);
+		}
+		shardd_k_chunk_cat(got, dt, chunks, dt, 2, n - half, 1);
+		cr_assert_eq(memcmp(got, want, 2 * (n - half) * sz), 0, "chunk_cat %s->%s, 2 chunks: bits changed",
+			     shardd_dtype_name(dt), shardd_dtype_name(dt));
+		shardd_k_chunk_cat(got, dt, one, dt, 1, 1, n);
+		cr_assert_eq(memcmp(got, src, n * sz), 0, "chunk_cat %s->%s, 1 chunk: bits changed",
+			     shardd_dtype_name(dt), shardd_dtype_name(dt));
+		shardd_k_cast(got, dt, src, dt, n);
+		cr_assert_eq(memcmp(got, src, n * sz), 0, "cast %s->%s: bits changed", shardd_dtype_name(dt),
+			     shardd_dtype_name(dt));
+		/* The streaming copy from a misaligned destination. */
+		shardd_k_cast_stream(got + 1, dt, src, dt, n);
+		cr_assert_eq(memcmp(got + 1, src, n * sz), 0, "cast_stream %s->%s: bits changed",
+			     shardd_dtype_name(dt), shardd_dtype_name(dt));
+		free(src);
+		free(got);
+		free(want);
+	}
+}
+
 /* ------------------------------------------------------------ reduce --- */
 
 /*

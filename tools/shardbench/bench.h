@@ -31,6 +31,7 @@ struct bench_opts {
 	uint32_t    ranks;       /* -r: rank processes (world: ranks per node) */
 	uint32_t    nodes;       /* --nodes: daemons of `shardbench world` */
 	uint64_t    idle_us;     /* --idle-us: gap before each sleeping ring sample */
+	int         load;        /* --load: gpu: also time the ops beside a compute load */
 	const char *socket_path; /* --socket: a running daemon, or NULL */
 	const char *shardd_path; /* --shardd: daemon binary to start */
 	const char *mpi_path;    /* --mpi: the shardbench_mpi comparator */
@@ -241,9 +242,10 @@ int bench_gpu_run(const struct bench_opts *o);
 
 /*
  * Unshard and reduce latency through `shardd --backend cuda` (started
- * here) with o->ranks rank processes on device 0: submit to "the trainer's
- * stream may proceed", with and without a stream set. 0 and a "skipped"
- * line without CUDA or a GPU. It forks rank processes that use CUDA, so
+ * here, or the one at o->socket_path) with o->ranks rank processes on
+ * device 0: submit to "the trainer's stream may proceed", with and without
+ * a stream set; with o->load, also beside a compute load in the rank
+ * processes (gpu_load.cu). 0 and a "skipped" line without CUDA or a GPU. It forks rank processes that use CUDA, so
  * it must run before this process touches CUDA (bench_gpu_run).
  */
 int bench_gpu_ops_run(const struct bench_opts *o);

@@ -22,3 +22,9 @@ $(BUILD)/tools/shardbench/mpi/%.o: tools/shardbench/mpi/%.c
 $(BUILD)/shardbench_mpi: $(BENCH_MPI_OBJ) $(BUILD)/tools/shardbench/measure.o
 	$(MPICC) $(LDFLAGS) -o $@ $^ -lm
 endif
+
+# `shardbench gpu --load`'s compute load (gpu_load.cu), a kernel of
+# shardbench's own: linked into shardbench only, never into the daemon.
+ifeq ($(HAVE_CUDA),1)
+$(BUILD)/shardbench: $(BUILD)/tools/shardbench/gpu_load.cu.o
+endif

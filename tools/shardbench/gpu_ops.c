@@ -13,6 +13,15 @@
  *   through an event recorded on the trainer's stream after the op.
  * Every rank checks the gathered values (unshard) and the averaged
  * gradient (reduce) of its last iteration.
+ *
+ * --load: each rank process also runs a trainer's compute, a kernel that
+ * keeps every SM busy for ~1.5 ms per launch (gpu_load.cu), launched back
+ * to back from a thread of its own on a stream of its own. Every row is
+ * then measured twice, idle and busy (the load running), and a busy row
+ * adds the load's throughput during its ops as a percentage of the load
+ * alone (rank 0's launches per second, measured while every rank's load
+ * ran and no op did). Time-sliced, each op of the daemon's context waits
+ * for the GPU's slice; under MPS it runs beside the load (docs/CUDA.md).
  */
 #include <stdio.h>
 
@@ -21,7 +30,9 @@
 #ifdef SHARDD_HAVE_CUDA
 
 #include <errno.h>
+#include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
@@ -30,12 +41,31 @@
 
 #include <cuda_runtime.h>
 
+#include "gpu_load.h"
 #include "shardd.h"
 
 #define RANK_TIMEOUT_MS 600000
+#define LOAD_LAUNCH_NS  1500000ull /* one launch of the load, alone: a GEMM's order */
+#define LOAD_DEPTH      2          /* launches queued: the next always waits behind the running one */
+#define LOAD_ALONE_NS   500000000ull
+#define LOAD_SETTLE_US  20000
 
 enum { MODE_CPU, MODE_STREAM, NMODES };
 enum { OP_UNSHARD, OP_REDUCE, NOPS };
+
+/* The trainer-like load of one rank process (--load). */
+struct load {
+	pthread_t thread;
+	cudaStream_t s;
+	cudaEvent_t ev[LOAD_DEPTH];
+	float *sink;
+	int blocks, threads;
+	uint64_t iters;           /* per launch: LOAD_LAUNCH_NS on an idle GPU */
+	atomic_int stop;
+	atomic_uint_fast64_t done; /* launches completed */
+	atomic_int err;           /* a cudaError_t of the load's thread */
+	double alone_per_s;       /* launches per second with no op running */
+};
 
 struct rank_ctx {
 	const struct bench_opts *o;
@@ -45,6 +75,7 @@ struct rank_ctx {
 	cudaEvent_t ev;
 	uint64_t *proceed, *done; /* [iters] ns */
 	float *host;              /* staging for fills and checks */
+	struct load *load;        /* --load, else NULL */
 };
 
 #define RANK_CUDA(call)                                                                    \
@@ -65,6 +96,115 @@ struct rank_ctx {
 			return -1;                                                         \
 		}                                                                          \
 	} while (0)
+
+static void *load_main(void *arg)
+{
+	struct load *l = arg;
+	cudaError_t e = cudaSetDevice(0);
+
+	for (uint64_t i = 0; e == cudaSuccess && !atomic_load(&l->stop); i++) {
+		int slot = (int)(i % LOAD_DEPTH);
+
+		if (i >= LOAD_DEPTH) {
+			e = cudaEventSynchronize(l->ev[slot]);
+			atomic_fetch_add(&l->done, 1);
+		}
+		if (e == cudaSuccess)
+			e = bench_load_launch(l->blocks, l->threads, l->iters, l->sink, l->s);
+		if (e == cudaSuccess)
+			e = cudaEventRecord(l->ev[slot], l->s);
+	}
+	if (e == cudaSuccess)
+		e = cudaStreamSynchronize(l->s);
+	atomic_store(&l->err, (int)e);
+	return NULL;
+}
+
+static int load_begin(struct rank_ctx *x)
+{
+	struct load *l = x->load;
+
+	atomic_store(&l->stop, 0);
+	atomic_store(&l->done, 0);
+	if (pthread_create(&l->thread, NULL, load_main, l)) {
+		fprintf(stderr, "shardbench gpu: rank %u: pthread_create for the load failed\n", x->rank);
+		return -1;
+	}
+	/* Past the first launch: the load runs back to back before the ops start. */
+	usleep(LOAD_SETTLE_US);
+	return 0;
+}
+
+static int load_end(struct rank_ctx *x)
+{
+	struct load *l = x->load;
+
+	atomic_store(&l->stop, 1);
+	pthread_join(l->thread, NULL);
+	RANK_CUDA((cudaError_t)atomic_load(&l->err));
+	return 0;
+}
+
+/* Launches per second between (t0, n0) and now. */
+static double load_rate(const struct load *l, uint64_t t0, uint64_t n0)
+{
+	uint64_t dt = bench_now_ns() - t0;
+
+	return dt ? (double)(atomic_load(&l->done) - n0) * 1e9 / (double)dt : 0;
+}
+
+/* The load's shape, its iterations per launch (timed alone), its stream and events. */
+static int load_setup(struct rank_ctx *x, struct load *l)
+{
+	cudaEvent_t a, b;
+	float ms = 0;
+	const uint64_t probe = 4096;
+
+	x->load = l;
+	RANK_CUDA(bench_load_shape(&l->blocks, &l->threads));
+	RANK_CUDA(cudaMalloc((void **)&l->sink, (size_t)l->threads * sizeof(float)));
+	RANK_CUDA(cudaStreamCreateWithFlags(&l->s, cudaStreamNonBlocking));
+	for (int i = 0; i < LOAD_DEPTH; i++)
+		RANK_CUDA(cudaEventCreateWithFlags(&l->ev[i], cudaEventDisableTiming | cudaEventBlockingSync));
+	RANK_CUDA(cudaEventCreate(&a));
+	RANK_CUDA(cudaEventCreate(&b));
+	RANK_CUDA(bench_load_launch(l->blocks, l->threads, probe, l->sink, l->s));
+	RANK_CUDA(cudaEventRecord(a, l->s));
+	RANK_CUDA(bench_load_launch(l->blocks, l->threads, probe, l->sink, l->s));
+	RANK_CUDA(cudaEventRecord(b, l->s));
+	RANK_CUDA(cudaEventSynchronize(b));
+	RANK_CUDA(cudaEventElapsedTime(&ms, a, b));
+	cudaEventDestroy(a);
+	cudaEventDestroy(b);
+	l->iters = ms > 0 ? (uint64_t)((double)probe * (double)LOAD_LAUNCH_NS / (ms * 1e6)) : probe;
+	if (l->iters < 1)
+		l->iters = 1;
+	return 0;
+}
+
+/* The load alone: every rank's load running, no op. */
+static int load_measure_alone(struct rank_ctx *x)
+{
+	struct load *l = x->load;
+	uint64_t t0, n0;
+
+	if (load_begin(x))
+		return -1;
+	t0 = bench_now_ns();
+	n0 = atomic_load(&l->done);
+	usleep(LOAD_ALONE_NS / 1000);
+	l->alone_per_s = load_rate(l, t0, n0);
+	if (load_end(x))
+		return -1;
+	if (x->rank == 0) {
+		printf("# load: %d blocks x %d threads, %llu FMA rounds per launch (%.2f ms alone), "
+		       "%.1f launches/s alone (rank 0, every rank's load running)\n",
+		       l->blocks, l->threads, (unsigned long long)l->iters,
+		       l->alone_per_s > 0 ? 1e3 / l->alone_per_s : 0.0, l->alone_per_s);
+		fflush(stdout);
+	}
+	return 0;
+}
 
 /* One timed op; on return the results are in device memory and the stream is idle. */
 static int rank_op(struct rank_ctx *x, struct shardd_group *g, int op, uint64_t step, int i)
@@ -120,19 +260,80 @@ static int rank_check(struct rank_ctx *x, struct shardd_group *g, int op, uint64
 	return 0;
 }
 
-static void print_row(const struct rank_ctx *x, uint64_t bytes, int op, int mode)
+/* load_pct: the load's throughput during the row, % of alone; < 0 for an idle row. */
+static void print_row(const struct rank_ctx *x, uint64_t bytes, int op, int mode, double load_pct)
 {
 	int n = x->o->iters;
 
 	bench_sort_u64(x->proceed, (size_t)n);
 	bench_sort_u64(x->done, (size_t)n);
-	printf("%12llu %8s %7s %12.1f %12.1f %12.1f %12.1f\n", (unsigned long long)bytes,
+	printf("%12llu %8s %7s %12.1f %12.1f %12.1f %12.1f", (unsigned long long)bytes,
 	       op == OP_UNSHARD ? "unshard" : "reduce", mode == MODE_CPU ? "cpu" : "stream",
 	       bench_percentile(x->proceed, (size_t)n, 50) / 1e3,
 	       bench_percentile(x->proceed, (size_t)n, 99) / 1e3,
 	       bench_percentile(x->done, (size_t)n, 50) / 1e3,
 	       bench_percentile(x->done, (size_t)n, 99) / 1e3);
+	if (x->load && load_pct < 0)
+		printf(" %5s %8s", "idle", "-");
+	else if (x->load)
+		printf(" %5s %8.1f", "busy", load_pct);
+	printf("\n");
 	fflush(stdout);
+}
+
+/* Warm-up and o->iters timed ops, then one more that leaves the result for the check. */
+static int rank_row(struct rank_ctx *x, struct shardd_group *g, int op, uint64_t *step)
+{
+	int ret = 0;
+
+	for (int i = 0; i < x->o->warmup && !ret; i++)
+		ret = rank_op(x, g, op, ++*step, 0);
+	for (int i = 0; i < x->o->iters && !ret; i++)
+		ret = rank_op(x, g, op, ++*step, i);
+	if (ret)
+		return ret;
+	/* Measured reduces each followed a zero_grad, unshards a reshard: one more leaves the last result. */
+	if (op == OP_REDUCE)
+		RANK_SHARDD(shardd_reduce(g, ++*step, 0));
+	else
+		RANK_SHARDD(shardd_unshard(g, ++*step));
+	RANK_CUDA(cudaStreamSynchronize(x->s));
+	return 0;
+}
+
+/* One row idle and, with --load, one busy: timed ops then the check of the last. */
+static int rank_rows(struct rank_ctx *x, struct shardd_group *g, uint64_t bytes, int op, int mode,
+		     uint64_t numel, uint64_t *step)
+{
+	for (int busy = 0; busy <= (x->load != NULL); busy++) {
+		uint64_t t0 = 0, n0 = 0;
+		double pct = -1;
+		int ret;
+
+		if (busy) {
+			if (load_begin(x))
+				return -1;
+			t0 = bench_now_ns();
+			n0 = atomic_load(&x->load->done);
+		}
+		ret = rank_row(x, g, op, step);
+		if (busy) {
+			pct = x->load->alone_per_s > 0 ? 100.0 * load_rate(x->load, t0, n0) / x->load->alone_per_s
+						       : 0;
+			ret |= load_end(x);
+		}
+		if (!ret && x->o->check)
+			ret = rank_check(x, g, op, numel);
+		if (!ret && op == OP_UNSHARD)
+			RANK_SHARDD(shardd_reshard(g, *step));
+		if (!ret && op == OP_REDUCE)
+			RANK_SHARDD(shardd_zero_grad(g));
+		if (ret)
+			return ret;
+		if (x->rank == 0)
+			print_row(x, bytes, op, mode, pct);
+	}
+	return 0;
 }
 
 /* One size: a group of one fp32 param, both ops, both modes. */
@@ -157,34 +358,16 @@ static int rank_size(struct rank_ctx *x, uint64_t bytes, uint64_t *step)
 			     cudaMemcpyHostToDevice));
 	/* A pageable copy may still be in flight when cudaMemcpy returns. */
 	RANK_CUDA(cudaDeviceSynchronize());
+	/* Once, after the first registration: the ranks reach it about together, so their loads overlap. */
+	if (x->load && x->load->alone_per_s == 0 && load_measure_alone(x))
+		ret = -1;
 	for (int mode = 0; mode < NMODES && !ret; mode++) {
 		if (mode == MODE_STREAM)
 			RANK_SHARDD(shardd_stream_set(x->c, x->s));
 		else
 			shardd_stream_clear(x->c);
-		for (int op = 0; op < NOPS && !ret; op++) {
-			for (int i = 0; i < o->warmup && !ret; i++)
-				ret = rank_op(x, g, op, ++*step, 0);
-			for (int i = 0; i < o->iters && !ret; i++)
-				ret = rank_op(x, g, op, ++*step, i);
-			if (!ret && op == OP_REDUCE) {
-				/* Measured reduces each followed a zero_grad: one more leaves the last result. */
-				RANK_SHARDD(shardd_reduce(g, ++*step, 0));
-				RANK_CUDA(cudaStreamSynchronize(x->s));
-			}
-			if (!ret && op == OP_UNSHARD) {
-				RANK_SHARDD(shardd_unshard(g, ++*step));
-				RANK_CUDA(cudaStreamSynchronize(x->s));
-			}
-			if (!ret && o->check)
-				ret = rank_check(x, g, op, numel);
-			if (!ret && op == OP_UNSHARD)
-				RANK_SHARDD(shardd_reshard(g, *step));
-			if (!ret && op == OP_REDUCE)
-				RANK_SHARDD(shardd_zero_grad(g));
-			if (!ret && x->rank == 0)
-				print_row(x, bytes, op, mode);
-		}
+		for (int op = 0; op < NOPS && !ret; op++)
+			ret = rank_rows(x, g, bytes, op, mode, numel, step);
 	}
 	shardd_stream_clear(x->c);
 	shardd_group_close(g);
@@ -198,6 +381,7 @@ static int rank_main(const struct bench_opts *o, const char *socket_path, uint32
 		.shard = o->ranks, .device = 0,
 	};
 	struct rank_ctx ctx = { .o = o, .rank = rank }, *x = &ctx;
+	struct load load = { 0 };
 	uint64_t step = 0;
 	int ret = 0;
 
@@ -209,6 +393,8 @@ static int rank_main(const struct bench_opts *o, const char *socket_path, uint32
 	RANK_CUDA(cudaStreamCreateWithFlags(&x->s, cudaStreamNonBlocking));
 	RANK_CUDA(cudaEventCreateWithFlags(&x->ev, cudaEventDisableTiming));
 	RANK_CUDA(cudaMallocHost((void **)&x->host, o->max_bytes));
+	if (o->load && load_setup(x, &load))
+		return -1;
 	RANK_SHARDD(shardd_connect(&ao, &x->c));
 	for (uint64_t bytes = o->min_bytes; bytes <= o->max_bytes && !ret; bytes *= o->factor) {
 		if (bytes % (o->ranks * sizeof(float)) == 0)
@@ -241,7 +427,8 @@ static int visible_gpus(void)
 
 int bench_gpu_ops_run(const struct bench_opts *o)
 {
-	struct bench_daemon d;
+	struct bench_daemon d = { 0 };
+	const char *socket_path = o->socket_path;
 	pid_t pids[64];
 	uint32_t started = 0;
 	int failed = 0;
@@ -255,16 +442,24 @@ int bench_gpu_ops_run(const struct bench_opts *o)
 			sizeof(pids) / sizeof(pids[0]));
 		return -1;
 	}
-	if (bench_daemon_start(o->shardd_path, "cuda", &d))
-		return -1;
-	printf("#\n# shardbench gpu ops: shardd --backend cuda, %u ranks on device 0, fp32, "
-	       "warm-up %d, iterations %d\n", o->ranks, o->warmup, o->iters);
+	if (!socket_path) {
+		if (bench_daemon_start(o->shardd_path, "cuda", &d))
+			return -1;
+		socket_path = d.socket_path;
+	}
+	printf("#\n# shardbench gpu ops: shardd --backend cuda%s%s, %u ranks on device 0, fp32, "
+	       "warm-up %d, iterations %d\n", o->socket_path ? " at " : "", o->socket_path ? o->socket_path : "",
+	       o->ranks, o->warmup, o->iters);
 	printf("# proceed: submit -> the sync call returns (the trainer may queue dependent work); "
 	       "done: submit -> results in device memory\n");
 	printf("# mode cpu: no stream (the daemon syncs before completing); stream: "
 	       "shardd_stream_set (fences)\n");
-	printf("# %10s %8s %7s %12s %12s %12s %12s\n", "size(B)", "op", "mode", "proceed_p50",
-	       "proceed_p99", "done_p50", "done_p99");
+	if (o->load)
+		printf("# --load: each row idle, then busy with every rank's compute load running; "
+		       "load%%: its throughput during the row, %% of the load alone\n");
+	printf("# %10s %8s %7s %12s %12s %12s %12s%s\n", "size(B)", "op", "mode", "proceed_p50",
+	       "proceed_p99", "done_p50", "done_p99", o->load ? "  load    load%" : "");
+	printf("# %10s %8s %7s %12s %12s %12s %12s\n", "", "", "", "(us)", "(us)", "(us)", "(us)");
 	fflush(stdout);
 	for (; started < o->ranks; started++) {
 		pid_t parent = getpid();
@@ -277,7 +472,7 @@ int bench_gpu_ops_run(const struct bench_opts *o)
 		if (pids[started] == 0) {
 			/* A shardbench killed mid-run takes its ranks along. */
 			prctl(PR_SET_PDEATHSIG, SIGKILL);
-			_exit(getppid() == parent && rank_main(o, d.socket_path, started) == 0 ? 0 : 1);
+			_exit(getppid() == parent && rank_main(o, socket_path, started) == 0 ? 0 : 1);
 		}
 	}
 	for (uint32_t r = 0; r < started; r++) {
@@ -288,7 +483,8 @@ int bench_gpu_ops_run(const struct bench_opts *o)
 			failed = 1;
 		}
 	}
-	bench_daemon_stop(&d);
+	if (!o->socket_path)
+		bench_daemon_stop(&d);
 	return failed ? -1 : 0;
 }
 

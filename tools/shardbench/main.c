@@ -71,6 +71,9 @@ static void usage(FILE *f)
 "  --torch PYTHON checkpoint: compare with torch.distributed.checkpoint run by\n"
 "                 PYTHON (needs torch >= 2.4; default: $SHARDBENCH_TORCH, else none)\n"
 "  --gpu          same as the gpu subcommand\n"
+"  --load         gpu: also time unshard and reduce beside a trainer-like compute\n"
+"                 load in the rank processes (every SM busy ~1.5 ms per launch),\n"
+"                 and report the load's throughput during them\n"
 "  --version      print the version and exit\n"
 "  -h, --help     this text\n");
 }
@@ -130,7 +133,7 @@ static int parse_cmd(const char *s, enum bench_cmd *cmd)
 static int parse_args(int argc, char **argv, struct bench_opts *o, enum bench_cmd *cmd)
 {
 	enum { OPT_SOCKET = 256, OPT_SHARDD, OPT_MPI, OPT_IDLE, OPT_GPU, OPT_VERSION, OPT_TRACE, OPT_DIR,
-	       OPT_NODES, OPT_TORCH };
+	       OPT_NODES, OPT_TORCH, OPT_LOAD };
 	static const struct option longopts[] = {
 		{ "socket", required_argument, NULL, OPT_SOCKET },
 		{ "shardd", required_argument, NULL, OPT_SHARDD },
@@ -141,6 +144,7 @@ static int parse_args(int argc, char **argv, struct bench_opts *o, enum bench_cm
 		{ "dir", required_argument, NULL, OPT_DIR },
 		{ "nodes", required_argument, NULL, OPT_NODES },
 		{ "torch", required_argument, NULL, OPT_TORCH },
+		{ "load", no_argument, NULL, OPT_LOAD },
 		{ "help", no_argument, NULL, 'h' },
 		{ "version", no_argument, NULL, OPT_VERSION },
 		{ NULL, 0, NULL, 0 },
@@ -205,6 +209,9 @@ static int parse_args(int argc, char **argv, struct bench_opts *o, enum bench_cm
 			break;
 		case OPT_GPU:
 			gpu = 1;
+			break;
+		case OPT_LOAD:
+			o->load = 1;
 			break;
 		case OPT_DIR:
 			o->ckpt_dir = optarg;

@@ -167,6 +167,9 @@ void shardctl_render_status(FILE *f, const json_t *r)
 	memory_line(f, json_object_get(r, "memory"));
 	fputc('\n', f);
 	limits_line(f, json_object_get(r, "memory_limits"));
+	/* A daemon whose backend has no GPU, or one older than the field, leaves it out. */
+	if (json_is_string(json_object_get(r, "gpu_sharing")))
+		fprintf(f, "gpu      %s\n", str(r, "gpu_sharing"));
 }
 
 void shardctl_render_jobs(FILE *f, const json_t *r)

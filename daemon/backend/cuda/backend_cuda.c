@@ -30,6 +30,7 @@
 #include <stdlib.h>
 
 #include "backend_cuda_int.h"
+#include "log.h"
 #include "placement.h"
 #include "shardd_cuda_kernels.h"
 
@@ -227,6 +228,49 @@ static const struct shd_backend_ops cuda_ops = {
 	.span_reduce = cuda_span_reduce,
 };
 
+/*
+ * Whether this process's CUDA contexts are MPS clients: the driver connects
+ * to an MPS control daemon (CUDA_MPS_PIPE_DIRECTORY's, else the system's)
+ * when CUDA initialises, before any context exists, and reports it per
+ * device (cudaDevAttrMpsEnabled). Fills cb->base's gpu_* fields and logs
+ * the outcome once. Time-sliced, each op waits for the GPU's slice while
+ * a trainer computes; under MPS it runs beside, on the SMs left to it.
+ */
+static void cuda_sharing_detect(struct cuda_backend *cb)
+{
+	const char *pct = getenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE");
+	int on = 0, v;
+
+	for (int i = 0; i < cb->ndevices; i++) {
+		/* A driver older than the attribute answers an error: no MPS known. */
+		if (cudaDeviceGetAttribute(&v, cudaDevAttrMpsEnabled, i) == cudaSuccess && v)
+			on++;
+	}
+	cb->base.gpu_mps = cb->ndevices > 0 && on == cb->ndevices;
+	cb->base.gpu_sm_percent = 100;
+	if (cb->base.gpu_mps && pct && *pct) {
+		v = atoi(pct);
+		if (v > 0 && v < 100)
+			cb->base.gpu_sm_percent = v;
+	}
+	if (cb->base.gpu_mps && cb->base.gpu_sm_percent < 100)
+		snprintf(cb->gpu_sharing, sizeof(cb->gpu_sharing),
+			 "MPS: ops run beside the trainers' compute on up to %d%% of the SMs "
+			 "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE)", cb->base.gpu_sm_percent);
+	else if (cb->base.gpu_mps)
+		snprintf(cb->gpu_sharing, sizeof(cb->gpu_sharing),
+			 "MPS: ops run beside the trainers' compute (SM share uncapped; the trainers "
+			 "need CUDA_MPS_ACTIVE_THREAD_PERCENTAGE below 100, docs/CUDA.md)");
+	else
+		snprintf(cb->gpu_sharing, sizeof(cb->gpu_sharing),
+			 "time-sliced: ops wait for the trainers' compute, docs/CUDA.md");
+	cb->base.gpu_sharing = cb->gpu_sharing;
+	if (on && on < cb->ndevices)
+		shd_log_warn("cuda backend: only %d of %d devices run this daemon's contexts under MPS; "
+			     "the others are time-sliced", on, cb->ndevices);
+	shd_log_info("cuda backend: %s", cb->gpu_sharing);
+}
+
 int shd_backend_cuda_create(uint32_t mode, uint64_t timeout_ns, struct shd_backend_ctx **out,
 			       char *err, size_t errlen)
 {
@@ -263,6 +307,7 @@ int shd_backend_cuda_create(uint32_t mode, uint64_t timeout_ns, struct shd_backe
 	cb->ndevices = n;
 	pthread_mutex_init(&cb->lock, NULL);
 	pthread_mutex_init(&cb->nccl_lock, NULL);
+	cuda_sharing_detect(cb);
 	*out = &cb->base;
 	return 0;
 

@@ -26,7 +26,7 @@
 /* Rank arithmetic                                                     */
 /* ------------------------------------------------------------------ */
 
-Test(span_boot, hsdp_takes_one_communicator_per_local_index_over_the_nodes, .timeout = 5)
+Test(world_boot, hsdp_takes_one_communicator_per_local_index_over_the_nodes, .timeout = 5)
 {
 	struct shd_world_boot s = { .layout = SHD_WORLD_HSDP, .nodes = 3, .node = 2, .local = 2 };
 	uint32_t comm, rank, nranks;
@@ -38,7 +38,7 @@ Test(span_boot, hsdp_takes_one_communicator_per_local_index_over_the_nodes, .tim
 	cr_assert_eq(shd_world_boot_member(&s, 2, &comm, &rank, &nranks), -SHARDD_E_INVALID);
 }
 
-Test(span_boot, fsdp_takes_one_communicator_over_every_rank_in_global_order, .timeout = 5)
+Test(world_boot, fsdp_takes_one_communicator_over_every_rank_in_global_order, .timeout = 5)
 {
 	struct shd_world_boot s = { .layout = SHD_WORLD_FSDP, .nodes = 3, .node = 1, .local = 4 };
 	uint32_t comm, rank, nranks;
@@ -51,7 +51,7 @@ Test(span_boot, fsdp_takes_one_communicator_over_every_rank_in_global_order, .ti
 	cr_assert_eq(shd_world_boot_member(&s, 0, &comm, &rank, &nranks), -SHARDD_E_INVALID);
 }
 
-Test(span_boot, who_names_each_marked_node_with_its_global_ranks, .timeout = 5)
+Test(world_boot, who_names_each_marked_node_with_its_global_ranks, .timeout = 5)
 {
 	struct shd_world_boot s = { .layout = SHD_WORLD_HSDP, .nodes = 3, .node = 0, .local = 2 };
 	const uint8_t marked[3] = { 0, 1, 1 }, none[3] = { 0 };
@@ -207,7 +207,7 @@ static void run(struct board *b, struct node *nodes, uint32_t world, uint32_t ru
 
 #define SECOND 1000000000ull
 
-Test(span_boot, a_fresh_world_makes_every_node_take_node_0s_ids, .timeout = 10)
+Test(world_boot, a_fresh_world_makes_every_node_take_node_0s_ids, .timeout = 10)
 {
 	static struct board b;
 	static struct node n[3];
@@ -226,7 +226,7 @@ Test(span_boot, a_fresh_world_makes_every_node_take_node_0s_ids, .timeout = 10)
 	}
 }
 
-Test(span_boot, live_communicators_on_every_node_are_kept, .timeout = 10)
+Test(world_boot, live_communicators_on_every_node_are_kept, .timeout = 10)
 {
 	static struct board b;
 	static struct node n[2];
@@ -241,7 +241,7 @@ Test(span_boot, live_communicators_on_every_node_are_kept, .timeout = 10)
 	}
 }
 
-Test(span_boot, one_node_without_communicators_makes_every_node_remake_them, .timeout = 10)
+Test(world_boot, one_node_without_communicators_makes_every_node_remake_them, .timeout = 10)
 {
 	static struct board b;
 	static struct node n[3];
@@ -257,7 +257,7 @@ Test(span_boot, one_node_without_communicators_makes_every_node_remake_them, .ti
 	}
 }
 
-Test(span_boot, a_node_whose_set_up_fails_fails_every_node_naming_it, .timeout = 10)
+Test(world_boot, a_node_whose_set_up_fails_fails_every_node_naming_it, .timeout = 10)
 {
 	static struct board b;
 	static struct node n[3];
@@ -274,7 +274,7 @@ Test(span_boot, a_node_whose_set_up_fails_fails_every_node_naming_it, .timeout =
 	cr_assert(strstr(n[2].err, "on this node: ncclCommInitRankConfig"), "node 2 says why: %s", n[2].err);
 }
 
-Test(span_boot, a_node_that_never_answers_is_named_within_the_timeout, .timeout = 10)
+Test(world_boot, a_node_that_never_answers_is_named_within_the_timeout, .timeout = 10)
 {
 	static struct board b;
 	static struct node n[3];

@@ -23,16 +23,26 @@
 static const char *msg_type_name(uint32_t type)
 {
 	switch (type) {
-	case SHARDD_MSG_HELLO: return "HELLO";
-	case SHARDD_MSG_WELCOME: return "WELCOME";
-	case SHARDD_MSG_ERROR: return "ERROR";
-	case SHARDD_MSG_GOODBYE: return "GOODBYE";
-	case SHARDD_MSG_REGISTER_GROUP: return "REGISTER_GROUP";
-	case SHARDD_MSG_OPEN_GROUP: return "OPEN_GROUP";
-	case SHARDD_MSG_GROUP: return "GROUP";
-	case SHARDD_MSG_ADMIN: return "ADMIN";
-	case SHARDD_MSG_ADMIN_REPLY: return "ADMIN_REPLY";
-	default: return "unknown";
+	case SHARDD_MSG_HELLO:
+		return "HELLO";
+	case SHARDD_MSG_WELCOME:
+		return "WELCOME";
+	case SHARDD_MSG_ERROR:
+		return "ERROR";
+	case SHARDD_MSG_GOODBYE:
+		return "GOODBYE";
+	case SHARDD_MSG_REGISTER_GROUP:
+		return "REGISTER_GROUP";
+	case SHARDD_MSG_OPEN_GROUP:
+		return "OPEN_GROUP";
+	case SHARDD_MSG_GROUP:
+		return "GROUP";
+	case SHARDD_MSG_ADMIN:
+		return "ADMIN";
+	case SHARDD_MSG_ADMIN_REPLY:
+		return "ADMIN_REPLY";
+	default:
+		return "unknown";
 	}
 }
 
@@ -45,9 +55,10 @@ static int parse_error_msg(const struct shardd_ctrl_rx *rx, struct shardd_error_
 			   const char **text)
 {
 	if (rx->hdr.length < sizeof(*em))
-		return shardd_err_set(-SHARDD_E_MALFORMED,
-				      "daemon sent an ERROR of %u bytes, shorter than its %zu-byte header",
-				      rx->hdr.length, sizeof(*em));
+		return shardd_err_set(
+			-SHARDD_E_MALFORMED,
+			"daemon sent an ERROR of %u bytes, shorter than its %zu-byte header",
+			rx->hdr.length, sizeof(*em));
 	memcpy(em, rx->payload, sizeof(*em));
 	if (em->msg_len != rx->hdr.length - sizeof(*em))
 		return shardd_err_set(-SHARDD_E_MALFORMED,
@@ -85,14 +96,15 @@ static void remember_daemon_text(struct shardd_client *c, const struct shardd_ct
 static int connection_closed(struct shardd_client *c)
 {
 	if (c->daemon_code)
-		return shardd_err_set(c->daemon_code, "daemon: %s (it closed this client's connection)",
+		return shardd_err_set(c->daemon_code,
+				      "daemon: %s (it closed this client's connection)",
 				      c->daemon_text);
 	return shardd_err_set(-ECONNRESET,
 			      "daemon closed the connection (stopped or crashed; see its log)");
 }
 
-int shardd_client_request(struct shardd_client *c, uint16_t type, const void *payload,
-			  uint32_t len, int timeout_ms, uint16_t want, struct shardd_ctrl_rx *rx)
+int shardd_client_request(struct shardd_client *c, uint16_t type, const void *payload, uint32_t len,
+			  int timeout_ms, uint16_t want, struct shardd_ctrl_rx *rx)
 {
 	int64_t deadline = timeout_ms < 0 ? -1 : shardd_client_now_ms() + timeout_ms;
 	uint32_t seq = ++c->seq;
@@ -129,7 +141,8 @@ int shardd_client_request(struct shardd_client *c, uint16_t type, const void *pa
 		if (ret == -ECONNRESET)
 			return connection_closed(c);
 		if (ret == -ETIMEDOUT)
-			return shardd_err_set(-ETIMEDOUT, "no reply to %s from the daemon within %d ms",
+			return shardd_err_set(-ETIMEDOUT,
+					      "no reply to %s from the daemon within %d ms",
 					      msg_type_name(type), timeout_ms);
 		if (ret < 0)
 			return shardd_err_set(ret, "receive the reply to %s: %s",
@@ -144,15 +157,17 @@ int shardd_client_request(struct shardd_client *c, uint16_t type, const void *pa
 		if (rx->hdr.type == SHARDD_MSG_ERROR) {
 			ret = parse_error_msg(rx, &em, &text);
 			if (ret == 0)
-				ret = shardd_err_set(em.code, "daemon: %.*s", (int)em.msg_len, text);
+				ret = shardd_err_set(em.code, "daemon: %.*s", (int)em.msg_len,
+						     text);
 			shardd_ctrl_rx_reset(rx);
 			return ret;
 		}
 		if (rx->hdr.type != want) {
-			ret = shardd_err_set(-SHARDD_E_MALFORMED,
-					     "daemon answered %s with message type %u (%s), want %s",
-					     msg_type_name(type), rx->hdr.type,
-					     msg_type_name(rx->hdr.type), msg_type_name(want));
+			ret = shardd_err_set(
+				-SHARDD_E_MALFORMED,
+				"daemon answered %s with message type %u (%s), want %s",
+				msg_type_name(type), rx->hdr.type, msg_type_name(rx->hdr.type),
+				msg_type_name(want));
 			shardd_ctrl_rx_reset(rx);
 			return ret;
 		}
@@ -184,13 +199,14 @@ int shardd_client_check_alive(struct shardd_client *c)
 		return connection_closed(c);
 	/* The notice sent before the detach (e.g. the job was ended) says why, with its code. */
 	if ((flags & SHARDD_RING_DEAD) && c->daemon_code)
-		return shardd_err_set(c->daemon_code,
-				      "daemon: %s (it detached this client: client id %u, job '%s' rank %u)",
-				      c->daemon_text, c->welcome.client_id, c->job, c->rank);
+		return shardd_err_set(
+			c->daemon_code,
+			"daemon: %s (it detached this client: client id %u, job '%s' rank %u)",
+			c->daemon_text, c->welcome.client_id, c->job, c->rank);
 	if (flags & SHARDD_RING_DEAD)
-		return shardd_err_set(-ECONNRESET,
-				      "daemon detached this client (client id %u, job '%s' rank %u)",
-				      c->welcome.client_id, c->job, c->rank);
+		return shardd_err_set(
+			-ECONNRESET, "daemon detached this client (client id %u, job '%s' rank %u)",
+			c->welcome.client_id, c->job, c->rank);
 	return 0;
 }
 
@@ -203,9 +219,10 @@ static int resolve_socket_path(const char *given, char *out, size_t len)
 	int n = shardd_socket_path_resolve(given, out, len);
 
 	if (n < 0 || (size_t)n >= len)
-		return shardd_err_set(-ENAMETOOLONG,
-				      "socket path '%s' is %d bytes, the limit is %zu; use a shorter path",
-				      out, n, len - 1);
+		return shardd_err_set(
+			-ENAMETOOLONG,
+			"socket path '%s' is %d bytes, the limit is %zu; use a shorter path", out,
+			n, len - 1);
 	return 0;
 }
 
@@ -229,27 +246,32 @@ static int connect_denied(const struct shardd_client *c, int err)
 	else
 		*slash = '\0';
 	if (stat(dir, &dst) < 0)
-		return shardd_err_set(err, "connect to %s: %s: a directory on the way to %s does "
-				      "not let uid %u (gid %u) through (%s); run as shardd's user, or "
-				      "start shardd with --allow-gid %u and a socket path whose "
-				      "directories group %u may search", c->socket_path,
-				      strerror(-err), dir, uid, gid, strerror(errno), gid, gid);
+		return shardd_err_set(
+			err,
+			"connect to %s: %s: a directory on the way to %s does "
+			"not let uid %u (gid %u) through (%s); run as shardd's user, or "
+			"start shardd with --allow-gid %u and a socket path whose "
+			"directories group %u may search",
+			c->socket_path, strerror(-err), dir, uid, gid, strerror(errno), gid, gid);
 	if (stat(c->socket_path, &st) < 0)
-		return shardd_err_set(err, "connect to %s: %s: its directory %s belongs to uid %u "
-				      "gid %u, mode %04o, and does not let uid %u (gid %u) in; start "
-				      "shardd with --allow-gid %u (it then makes the directory and "
-				      "the socket group-accessible) or run as uid %u", c->socket_path,
-				      strerror(-err), dir, (unsigned)dst.st_uid, (unsigned)dst.st_gid,
-				      (unsigned)(dst.st_mode & 07777), uid, gid, gid,
-				      (unsigned)dst.st_uid);
-	return shardd_err_set(err, "connect to %s: %s: the socket belongs to uid %u gid %u, mode "
-			      "%04o (its directory %s: uid %u gid %u, mode %04o), and this process "
-			      "runs as uid %u gid %u; start shardd with --allow-gid %u (it then makes "
-			      "the socket and its directory group-accessible) or run as uid %u",
-			      c->socket_path, strerror(-err), (unsigned)st.st_uid,
-			      (unsigned)st.st_gid, (unsigned)(st.st_mode & 07777), dir,
-			      (unsigned)dst.st_uid, (unsigned)dst.st_gid,
-			      (unsigned)(dst.st_mode & 07777), uid, gid, gid, (unsigned)st.st_uid);
+		return shardd_err_set(
+			err,
+			"connect to %s: %s: its directory %s belongs to uid %u "
+			"gid %u, mode %04o, and does not let uid %u (gid %u) in; start "
+			"shardd with --allow-gid %u (it then makes the directory and "
+			"the socket group-accessible) or run as uid %u",
+			c->socket_path, strerror(-err), dir, (unsigned)dst.st_uid,
+			(unsigned)dst.st_gid, (unsigned)(dst.st_mode & 07777), uid, gid, gid,
+			(unsigned)dst.st_uid);
+	return shardd_err_set(
+		err,
+		"connect to %s: %s: the socket belongs to uid %u gid %u, mode "
+		"%04o (its directory %s: uid %u gid %u, mode %04o), and this process "
+		"runs as uid %u gid %u; start shardd with --allow-gid %u (it then makes "
+		"the socket and its directory group-accessible) or run as uid %u",
+		c->socket_path, strerror(-err), (unsigned)st.st_uid, (unsigned)st.st_gid,
+		(unsigned)(st.st_mode & 07777), dir, (unsigned)dst.st_uid, (unsigned)dst.st_gid,
+		(unsigned)(dst.st_mode & 07777), uid, gid, gid, (unsigned)st.st_uid);
 }
 
 static int open_socket(struct shardd_client *c, int timeout_ms)
@@ -272,7 +294,8 @@ static int open_socket(struct shardd_client *c, int timeout_ms)
 	if (ret == -ENOENT || ret == -ECONNREFUSED)
 		return shardd_err_set(ret,
 				      "connect to %s: %s (is shardd running? start it, or point "
-				      "SHARDD_SOCKET at its socket)", c->socket_path, strerror(-ret));
+				      "SHARDD_SOCKET at its socket)",
+				      c->socket_path, strerror(-ret));
 	if (ret == -EACCES || ret == -EPERM)
 		return connect_denied(c, ret);
 	return shardd_err_set(ret, "connect to %s: %s", c->socket_path, shardd_strerror(ret));
@@ -297,23 +320,25 @@ static int map_ring(struct shardd_client *c, struct shardd_ctrl_rx *rx)
 	if (w->major != SHARDD_PROTO_MAJOR)
 		return shardd_err_set(-SHARDD_E_VERSION,
 				      "daemon speaks protocol %u.%u, this libshardd %u.%u; "
-				      "use a matching libshardd", w->major, w->minor,
-				      SHARDD_PROTO_MAJOR, SHARDD_PROTO_MINOR);
+				      "use a matching libshardd",
+				      w->major, w->minor, SHARDD_PROTO_MAJOR, SHARDD_PROTO_MINOR);
 	if (!shardd_is_pow2(w->sq_entries) || !shardd_is_pow2(w->cq_entries) ||
 	    w->cq_entries < w->sq_entries)
-		return shardd_err_set(-SHARDD_E_MALFORMED,
-				      "WELCOME sq_entries %u cq_entries %u: want powers of two, cq >= sq",
-				      w->sq_entries, w->cq_entries);
+		return shardd_err_set(
+			-SHARDD_E_MALFORMED,
+			"WELCOME sq_entries %u cq_entries %u: want powers of two, cq >= sq",
+			w->sq_entries, w->cq_entries);
 	if (fstat(rx->fds[0], &st) < 0)
 		return shardd_err_set(-errno, "fstat ring fd: %s", strerror(errno));
 	if (w->ring_size < shardd_ring_region_size(w->sq_entries, w->cq_entries) ||
 	    w->ring_size > (uint64_t)st.st_size || w->ring_size > SIZE_MAX)
-		return shardd_err_set(-SHARDD_E_MALFORMED,
-				      "WELCOME ring_size %llu: the ring fd has %lld bytes and %u/%u "
-				      "entries need %llu", (unsigned long long)w->ring_size,
-				      (long long)st.st_size, w->sq_entries, w->cq_entries,
-				      (unsigned long long)shardd_ring_region_size(w->sq_entries,
-										 w->cq_entries));
+		return shardd_err_set(
+			-SHARDD_E_MALFORMED,
+			"WELCOME ring_size %llu: the ring fd has %lld bytes and %u/%u "
+			"entries need %llu",
+			(unsigned long long)w->ring_size, (long long)st.st_size, w->sq_entries,
+			w->cq_entries,
+			(unsigned long long)shardd_ring_region_size(w->sq_entries, w->cq_entries));
 	/* Without the shrink seal the daemon could truncate the ring under us (SIGBUS). */
 	seals = fcntl(rx->fds[0], F_GET_SEALS);
 	if (seals < 0 || !(seals & F_SEAL_SHRINK))
@@ -363,7 +388,8 @@ int shardd_connect(const struct shardd_attach_opts *o, struct shardd_client **ou
 	if (!o || !out)
 		return shardd_err_set(-EINVAL, "connect: NULL %s", o ? "out" : "opts");
 	if (!o->job || strnlen(o->job, SHARDD_NAME_MAX) >= SHARDD_NAME_MAX)
-		return shardd_err_set(-EINVAL, "connect: job name %s; give a name shorter than %d bytes",
+		return shardd_err_set(-EINVAL,
+				      "connect: job name %s; give a name shorter than %d bytes",
 				      o->job ? "too long" : "missing", SHARDD_NAME_MAX);
 	if (o->timeout_ms < 0)
 		return shardd_err_set(-EINVAL, "connect: timeout_ms %d is negative", o->timeout_ms);

@@ -40,26 +40,26 @@
  * The driver's entry points libshardd calls, asked of cuGetProcAddress at
  * SHARDD_CUDA_DRIVER_ABI: those the daemon calls too, then its own.
  */
-#define CUDA_IMPORT_DRIVER(X, type)                                         \
-	SHARDD_CUDA_DRIVER_SHARED(X, type)                                  \
-	X(type, init,                cuInit, 2000)                          \
-	X(type, primary_ctx_retain,  cuDevicePrimaryCtxRetain, 7000)        \
-	X(type, primary_ctx_release, cuDevicePrimaryCtxRelease, 11000)      \
-	X(type, ctx_push,            cuCtxPushCurrent, 4000)                \
-	X(type, ctx_pop,             cuCtxPopCurrent, 4000)                 \
-	X(type, ipc_open,            cuIpcOpenMemHandle, 11000)             \
-	X(type, ipc_close,           cuIpcCloseMemHandle, 4010)             \
-	X(type, import_handle,       cuMemImportFromShareableHandle, 10020) \
-	X(type, event_create,        cuEventCreate, 2000)                   \
-	X(type, event_destroy,       cuEventDestroy, 4000)                  \
-	X(type, ipc_get_event,       cuIpcGetEventHandle, 4010)             \
-	X(type, ipc_open_event,      cuIpcOpenEventHandle, 4010)            \
-	X(type, event_record,        cuEventRecord, 2000)                   \
-	X(type, stream_wait_event,   cuStreamWaitEvent, 3020)               \
-	X(type, event_synchronize,   cuEventSynchronize, 2000)              \
-	X(type, memcpy_htod,         cuMemcpyHtoD, 3020)                    \
-	X(type, ctx_synchronize,     cuCtxSynchronize, 2000)                \
-	X(type, device_get_attribute, cuDeviceGetAttribute, 2000)           \
+#define CUDA_IMPORT_DRIVER(X, type)                                    \
+	SHARDD_CUDA_DRIVER_SHARED(X, type)                             \
+	X(type, init, cuInit, 2000)                                    \
+	X(type, primary_ctx_retain, cuDevicePrimaryCtxRetain, 7000)    \
+	X(type, primary_ctx_release, cuDevicePrimaryCtxRelease, 11000) \
+	X(type, ctx_push, cuCtxPushCurrent, 4000)                      \
+	X(type, ctx_pop, cuCtxPopCurrent, 4000)                        \
+	X(type, ipc_open, cuIpcOpenMemHandle, 11000)                   \
+	X(type, ipc_close, cuIpcCloseMemHandle, 4010)                  \
+	X(type, import_handle, cuMemImportFromShareableHandle, 10020)  \
+	X(type, event_create, cuEventCreate, 2000)                     \
+	X(type, event_destroy, cuEventDestroy, 4000)                   \
+	X(type, ipc_get_event, cuIpcGetEventHandle, 4010)              \
+	X(type, ipc_open_event, cuIpcOpenEventHandle, 4010)            \
+	X(type, event_record, cuEventRecord, 2000)                     \
+	X(type, stream_wait_event, cuStreamWaitEvent, 3020)            \
+	X(type, event_synchronize, cuEventSynchronize, 2000)           \
+	X(type, memcpy_htod, cuMemcpyHtoD, 3020)                       \
+	X(type, ctx_synchronize, cuCtxSynchronize, 2000)               \
+	X(type, device_get_attribute, cuDeviceGetAttribute, 2000)      \
 	X(type, ctx_get_exec_affinity, cuCtxGetExecAffinity, 11040)
 
 struct cuda_driver {
@@ -68,13 +68,12 @@ struct cuda_driver {
 
 static struct cuda_driver drv;
 
-static const struct shardd_cuda_symbol drv_symbols[] = {
-	CUDA_IMPORT_DRIVER(SHARDD_CUDA_DRIVER_SYMBOL, struct cuda_driver)
-};
+static const struct shardd_cuda_symbol drv_symbols[] = { CUDA_IMPORT_DRIVER(
+	SHARDD_CUDA_DRIVER_SYMBOL, struct cuda_driver) };
 
 static pthread_once_t drv_once = PTHREAD_ONCE_INIT;
-static int  drv_status;         /* 0 once every entry point resolved and cuInit succeeded */
-static char drv_error[256];     /* why not, when drv_status < 0 */
+static int drv_status;      /* 0 once every entry point resolved and cuInit succeeded */
+static char drv_error[256]; /* why not, when drv_status < 0 */
 
 /* A shardd_cuda_lookup_fn: the driver's cuGetProcAddress, at `ctx` (a PFN_cuGetProcAddress_v12000 *). */
 static int drv_lookup(void *ctx, const char *name, void **fn, char *err, size_t errlen)
@@ -86,8 +85,8 @@ static int drv_lookup(void *ctx, const char *name, void **fn, char *err, size_t 
 	r = get_proc(name, fn, SHARDD_CUDA_DRIVER_ABI, CU_GET_PROC_ADDRESS_DEFAULT, &found);
 	if (r == CUDA_SUCCESS && found == CU_GET_PROC_ADDRESS_SUCCESS && *fn)
 		return 0;
-	snprintf(err, errlen, "the NVIDIA driver does not provide %s (CUresult %d, status %d)", name, (int)r,
-		 (int)found);
+	snprintf(err, errlen, "the NVIDIA driver does not provide %s (CUresult %d, status %d)",
+		 name, (int)r, (int)found);
 	return -SHARDD_E_BACKEND;
 }
 
@@ -100,20 +99,22 @@ static void drv_load(void)
 	drv_status = -SHARDD_E_BACKEND;
 	lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
 	if (!lib) {
-		snprintf(drv_error, sizeof(drv_error), "no NVIDIA driver: dlopen libcuda.so.1: %s", dlerror());
+		snprintf(drv_error, sizeof(drv_error), "no NVIDIA driver: dlopen libcuda.so.1: %s",
+			 dlerror());
 		return;
 	}
 	/* cuda.h maps cuGetProcAddress to this name, so every driver from 12.0 on exports it. */
 	fn = dlsym(lib, "cuGetProcAddress_v2");
 	if (!fn) {
-		snprintf(drv_error, sizeof(drv_error),
-			 "the NVIDIA driver is older than CUDA 12.0 (no cuGetProcAddress_v2); update it");
+		snprintf(
+			drv_error, sizeof(drv_error),
+			"the NVIDIA driver is older than CUDA 12.0 (no cuGetProcAddress_v2); update it");
 		return;
 	}
 	/* dlsym's void * becomes a function pointer as POSIX specifies. */
 	get_proc = (PFN_cuGetProcAddress_v12000)fn;
-	if (shardd_cuda_resolve(&drv, drv_symbols, sizeof(drv_symbols) / sizeof(drv_symbols[0]), drv_lookup,
-				&get_proc, drv_error, sizeof(drv_error)))
+	if (shardd_cuda_resolve(&drv, drv_symbols, sizeof(drv_symbols) / sizeof(drv_symbols[0]),
+				drv_lookup, &get_proc, drv_error, sizeof(drv_error)))
 		return;
 	r = drv.init(0);
 	if (r != CUDA_SUCCESS) {
@@ -130,9 +131,10 @@ static int drv_fail(CUresult r, const char *what, int device, uint64_t bytes)
 
 	if (drv.get_error_string(r, &s) != CUDA_SUCCESS || !s)
 		s = "unknown driver error";
-	return shardd_err_set(r == CUDA_ERROR_OUT_OF_MEMORY ? -ENOMEM : -SHARDD_E_BACKEND,
-			      "import a cuda buffer of %llu bytes on device %d: %s: %s (CUresult %d)",
-			      (unsigned long long)bytes, device, what, s, (int)r);
+	return shardd_err_set(
+		r == CUDA_ERROR_OUT_OF_MEMORY ? -ENOMEM : -SHARDD_E_BACKEND,
+		"import a cuda buffer of %llu bytes on device %d: %s: %s (CUresult %d)",
+		(unsigned long long)bytes, device, what, s, (int)r);
 }
 
 static void primary_ctx_pop(CUdevice dev);
@@ -154,8 +156,10 @@ static void mps_advise(int device)
 	int mps = 0, sms = 0;
 
 	if (atomic_exchange(&advised, 1) || drv.device_get(&dev, device) != CUDA_SUCCESS ||
-	    drv.device_get_attribute(&mps, CU_DEVICE_ATTRIBUTE_MPS_ENABLED, dev) != CUDA_SUCCESS || !mps ||
-	    drv.device_get_attribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev) != CUDA_SUCCESS)
+	    drv.device_get_attribute(&mps, CU_DEVICE_ATTRIBUTE_MPS_ENABLED, dev) != CUDA_SUCCESS ||
+	    !mps ||
+	    drv.device_get_attribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev) !=
+		    CUDA_SUCCESS)
 		return;
 	/* The context's own share: the environment's percentage or the control daemon's default. */
 	if (primary_ctx_push(dev) != CUDA_SUCCESS)
@@ -168,20 +172,23 @@ static void mps_advise(int device)
 	fprintf(stderr,
 		"libshardd: this process is a CUDA MPS client that may use all %d SMs of device %d: its "
 		"kernels can hold every SM and shardd's ops then wait behind them; start it with "
-		"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=90 (docs/CUDA.md, \"MPS\")\n", sms, device);
+		"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=90 (docs/CUDA.md, \"MPS\")\n",
+		sms, device);
 }
 
 /* 0 when a buffer of `bytes` can be imported on `device`: the arguments and the driver. */
 static int import_check(int device, uint64_t bytes)
 {
 	if (device < 0 || bytes == 0 || bytes > SIZE_MAX / 2)
-		return shardd_err_set(-EINVAL, "import a cuda buffer of %llu bytes on device %d: %s",
-				      (unsigned long long)bytes, device,
-				      device < 0 ? "the client attached without a CUDA device (hello.device)"
-						 : "bad size");
+		return shardd_err_set(
+			-EINVAL, "import a cuda buffer of %llu bytes on device %d: %s",
+			(unsigned long long)bytes, device,
+			device < 0 ? "the client attached without a CUDA device (hello.device)"
+				   : "bad size");
 	pthread_once(&drv_once, drv_load);
 	if (drv_status)
-		return shardd_err_set(drv_status, "the daemon runs the cuda backend: %s", drv_error);
+		return shardd_err_set(drv_status, "the daemon runs the cuda backend: %s",
+				      drv_error);
 	mps_advise(device);
 	return 0;
 }
@@ -237,12 +244,13 @@ int shardd_cuda_import(int fd, int device, uint64_t bytes, struct shardd_cuda_ma
 	if (r != CUDA_SUCCESS)
 		return drv_fail(r, "cuMemGetAllocationGranularity", device, bytes);
 	if (gran == 0)
-		return shardd_err_set(-SHARDD_E_BACKEND, "device %d reports an allocation granularity of 0",
-				      device);
+		return shardd_err_set(-SHARDD_E_BACKEND,
+				      "device %d reports an allocation granularity of 0", device);
 	size = (size_t)shardd_cuda_alloc_size(bytes, gran);
 
 	/* A POSIX fd handle travels as the fd's value in the pointer argument. */
-	r = drv.import_handle(&handle, (void *)(uintptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+	r = drv.import_handle(&handle, (void *)(uintptr_t)fd,
+			      CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
 	if (r != CUDA_SUCCESS)
 		return drv_fail(r, "cuMemImportFromShareableHandle", device, bytes);
 	r = drv.address_reserve(&ptr, size, gran, 0, 0);
@@ -383,12 +391,12 @@ int shardd_cuda_copy_in(int device, uint64_t dst, const void *src, uint64_t byte
  * stream (a NULL stream) is the current context's.
  */
 struct shardd_cuda_fences {
-	int       device;
-	CUcontext ctx;       /* the device's primary context, retained */
-	uint32_t  nrecord;   /* ours, one per SQ slot */
-	uint32_t  nwait;     /* the daemon's, one per CQ slot; 0 until opened */
-	CUevent  *record;
-	CUevent  *wait;
+	int device;
+	CUcontext ctx;    /* the device's primary context, retained */
+	uint32_t nrecord; /* ours, one per SQ slot */
+	uint32_t nwait;   /* the daemon's, one per CQ slot; 0 until opened */
+	CUevent *record;
+	CUevent *wait;
 };
 
 static int fence_fail(CUresult r, const char *what, int device)
@@ -398,7 +406,8 @@ static int fence_fail(CUresult r, const char *what, int device)
 	if (drv.get_error_string(r, &s) != CUDA_SUCCESS || !s)
 		s = "unknown driver error";
 	return shardd_err_set(r == CUDA_ERROR_OUT_OF_MEMORY ? -ENOMEM : -SHARDD_E_BACKEND,
-			      "stream fences on device %d: %s: %s (CUresult %d)", device, what, s, (int)r);
+			      "stream fences on device %d: %s: %s (CUresult %d)", device, what, s,
+			      (int)r);
 }
 
 static int fence_push(struct shardd_cuda_fences *f)
@@ -452,7 +461,8 @@ int shardd_cuda_fences_create(int device, uint32_t nrecord, struct shardd_cuda_i
 		       "an event handle travels as struct shardd_cuda_ipc_handle");
 	*out = NULL;
 	if (device < 0)
-		return shardd_err_set(-EINVAL, "stream fences: this client attached without a CUDA "
+		return shardd_err_set(-EINVAL,
+				      "stream fences: this client attached without a CUDA "
 				      "device (opts.device = %d); attach with its stream's device",
 				      device);
 	pthread_once(&drv_once, drv_load);
@@ -463,7 +473,8 @@ int shardd_cuda_fences_create(int device, uint32_t nrecord, struct shardd_cuda_i
 		f->record = calloc(nrecord, sizeof(*f->record));
 	if (!f || !f->record) {
 		shardd_cuda_fences_free(f);
-		return shardd_err_set(-ENOMEM, "stream fences: out of memory for %u events", nrecord);
+		return shardd_err_set(-ENOMEM, "stream fences: out of memory for %u events",
+				      nrecord);
 	}
 	f->device = device;
 	r = drv.device_get(&dev, device);
@@ -480,7 +491,8 @@ int shardd_cuda_fences_create(int device, uint32_t nrecord, struct shardd_cuda_i
 	for (uint32_t i = 0; i < nrecord; i++) {
 		CUipcEventHandle h;
 
-		r = drv.event_create(&f->record[i], CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING);
+		r = drv.event_create(&f->record[i],
+				     CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING);
 		if (r != CUDA_SUCCESS) {
 			f->record[i] = NULL;
 			ret = fence_fail(r, "cuEventCreate", device);
@@ -524,7 +536,8 @@ int shardd_cuda_fences_open(struct shardd_cuda_fences *f, uint32_t nwait,
 		r = drv.ipc_open_event(&f->wait[i], h);
 		if (r != CUDA_SUCCESS) {
 			f->wait[i] = NULL;
-			ret = fence_fail(r, "cuIpcOpenEventHandle of the daemon's event", f->device);
+			ret = fence_fail(r, "cuIpcOpenEventHandle of the daemon's event",
+					 f->device);
 		}
 		f->nwait = i + 1;
 	}
@@ -541,7 +554,8 @@ int shardd_cuda_fence_record(struct shardd_cuda_fences *f, uint32_t slot, void *
 		return ret;
 	r = drv.event_record(f->record[slot], (CUstream)stream);
 	fence_pop();
-	return r == CUDA_SUCCESS ? 0 : fence_fail(r, "cuEventRecord on the client's stream", f->device);
+	return r == CUDA_SUCCESS ? 0
+				 : fence_fail(r, "cuEventRecord on the client's stream", f->device);
 }
 
 int shardd_cuda_fence_wait(struct shardd_cuda_fences *f, uint32_t slot, int on_stream, void *stream)
@@ -550,8 +564,10 @@ int shardd_cuda_fence_wait(struct shardd_cuda_fences *f, uint32_t slot, int on_s
 	int ret;
 
 	if (slot >= f->nwait || !f->wait[slot])
-		return shardd_err_set(-EPROTO, "stream fences: the daemon fenced CQ slot %u, which has "
-				      "no event (%u opened)", slot, f->nwait);
+		return shardd_err_set(-EPROTO,
+				      "stream fences: the daemon fenced CQ slot %u, which has "
+				      "no event (%u opened)",
+				      slot, f->nwait);
 	ret = fence_push(f);
 	if (ret)
 		return ret;
@@ -560,8 +576,10 @@ int shardd_cuda_fence_wait(struct shardd_cuda_fences *f, uint32_t slot, int on_s
 	else
 		r = drv.event_synchronize(f->wait[slot]);
 	fence_pop();
-	return r == CUDA_SUCCESS ? 0 : fence_fail(r, on_stream ? "cuStreamWaitEvent" : "cuEventSynchronize",
-						  f->device);
+	return r == CUDA_SUCCESS
+		       ? 0
+		       : fence_fail(r, on_stream ? "cuStreamWaitEvent" : "cuEventSynchronize",
+				    f->device);
 }
 
 #else /* !SHARDD_HAVE_CUDA */
@@ -569,10 +587,11 @@ int shardd_cuda_fence_wait(struct shardd_cuda_fences *f, uint32_t slot, int on_s
 static int no_cuda(int device, uint64_t bytes, struct shardd_cuda_mapping *out)
 {
 	memset(out, 0, sizeof(*out));
-	return shardd_err_set(-ENOTSUP,
-			      "import a cuda buffer of %llu bytes on device %d: the daemon runs the cuda "
-			      "backend but this libshardd was built without CUDA (rebuild with make CUDA=1)",
-			      (unsigned long long)bytes, device);
+	return shardd_err_set(
+		-ENOTSUP,
+		"import a cuda buffer of %llu bytes on device %d: the daemon runs the cuda "
+		"backend but this libshardd was built without CUDA (rebuild with make CUDA=1)",
+		(unsigned long long)bytes, device);
 }
 
 int shardd_cuda_import(int fd, int device, uint64_t bytes, struct shardd_cuda_mapping *out)
@@ -597,9 +616,10 @@ int shardd_cuda_copy_in(int device, uint64_t dst, const void *src, uint64_t byte
 {
 	(void)dst;
 	(void)src;
-	return shardd_err_set(-ENOTSUP, "copy %llu bytes to device %d: this libshardd was built "
-			      "without CUDA (rebuild with make CUDA=1)", (unsigned long long)bytes,
-			      device);
+	return shardd_err_set(-ENOTSUP,
+			      "copy %llu bytes to device %d: this libshardd was built "
+			      "without CUDA (rebuild with make CUDA=1)",
+			      (unsigned long long)bytes, device);
 }
 
 /* Fences are never made in this build, so only their creation can be called. */
@@ -609,9 +629,11 @@ int shardd_cuda_fences_create(int device, uint32_t nrecord, struct shardd_cuda_i
 	(void)nrecord;
 	(void)handles;
 	*out = NULL;
-	return shardd_err_set(-ENOTSUP, "stream fences on device %d: the daemon runs the cuda "
+	return shardd_err_set(-ENOTSUP,
+			      "stream fences on device %d: the daemon runs the cuda "
 			      "backend but this libshardd was built without CUDA (rebuild with "
-			      "make CUDA=1)", device);
+			      "make CUDA=1)",
+			      device);
 }
 
 void shardd_cuda_fences_free(struct shardd_cuda_fences *f)

@@ -20,11 +20,11 @@
 
 /* One imported buffer. */
 struct shardd_cuda_mapping {
-	uint64_t ptr;    /* device address (a CUdeviceptr); 0 when nothing is mapped */
-	uint64_t size;   /* FD: bytes reserved and mapped, the buffer's size rounded up to the
+	uint64_t ptr;   /* device address (a CUdeviceptr); 0 when nothing is mapped */
+	uint64_t size;  /* FD: bytes reserved and mapped, the buffer's size rounded up to the
 			    granularity; CUDA_IPC: the buffer's size (the driver maps the allocation) */
-	uint32_t kind;   /* enum shardd_export_kind: how it was imported, so how it is unmapped */
-	int32_t  device; /* CUDA_IPC: the device whose primary context opened it */
+	uint32_t kind;  /* enum shardd_export_kind: how it was imported, so how it is unmapped */
+	int32_t device; /* CUDA_IPC: the device whose primary context opened it */
 };
 
 /*
@@ -33,7 +33,8 @@ struct shardd_cuda_mapping {
  * errno / -SHARDD_E_BACKEND with the error context set: no driver, a build
  * without CUDA headers, or the driver's refusal.
  */
-SHARDD_HIDDEN int shardd_cuda_import(int fd, int device, uint64_t bytes, struct shardd_cuda_mapping *out);
+SHARDD_HIDDEN int shardd_cuda_import(int fd, int device, uint64_t bytes,
+				     struct shardd_cuda_mapping *out);
 
 /*
  * Open a legacy CUDA IPC handle (another process's cudaIpcGetMemHandle) of
@@ -75,7 +76,8 @@ SHARDD_HIDDEN int shardd_cuda_fences_open(struct shardd_cuda_fences *f, uint32_t
 /* Also takes NULL. */
 SHARDD_HIDDEN void shardd_cuda_fences_free(struct shardd_cuda_fences *f);
 /* Record our event of SQ slot `slot` on `stream` (a CUstream; NULL: the legacy default stream). */
-SHARDD_HIDDEN int shardd_cuda_fence_record(struct shardd_cuda_fences *f, uint32_t slot, void *stream);
+SHARDD_HIDDEN int shardd_cuda_fence_record(struct shardd_cuda_fences *f, uint32_t slot,
+					   void *stream);
 /*
  * The daemon's event of CQ slot `slot`: make `stream` wait on it
  * (on_stream), or wait for it on this thread.

@@ -18,22 +18,22 @@ static __thread char last_error[SHARDD_ERR_LEN];
 static __thread char unknown_text[48];
 
 static const char *const shardd_error_text[SHARDD_E_MAX - SHARDD_E_BASE] = {
-	[SHARDD_E_MAGIC - SHARDD_E_BASE]      = "wrong magic number in a message or ring",
-	[SHARDD_E_VERSION - SHARDD_E_BASE]    = "protocol major version differs",
-	[SHARDD_E_MALFORMED - SHARDD_E_BASE]  = "truncated or malformed message",
-	[SHARDD_E_PERM - SHARDD_E_BASE]       = "peer credentials not allowed",
+	[SHARDD_E_MAGIC - SHARDD_E_BASE] = "wrong magic number in a message or ring",
+	[SHARDD_E_VERSION - SHARDD_E_BASE] = "protocol major version differs",
+	[SHARDD_E_MALFORMED - SHARDD_E_BASE] = "truncated or malformed message",
+	[SHARDD_E_PERM - SHARDD_E_BASE] = "peer credentials not allowed",
 	[SHARDD_E_RANK_TAKEN - SHARDD_E_BASE] = "another live client holds this rank",
-	[SHARDD_E_MESH - SHARDD_E_BASE]       = "mesh differs from the job's",
-	[SHARDD_E_INVALID - SHARDD_E_BASE]    = "a field has an invalid value",
-	[SHARDD_E_TIMEOUT - SHARDD_E_BASE]    = "collective timeout: ranks missing",
-	[SHARDD_E_PEER_DIED - SHARDD_E_BASE]  = "a rank of the rendezvous died",
-	[SHARDD_E_MISMATCH - SHARDD_E_BASE]   = "ranks disagree on step, flags or spec",
-	[SHARDD_E_SHUTDOWN - SHARDD_E_BASE]   = "the daemon is shutting down",
-	[SHARDD_E_NOGROUP - SHARDD_E_BASE]    = "unknown group",
-	[SHARDD_E_STATE - SHARDD_E_BASE]      = "op not allowed in this state",
-	[SHARDD_E_NOMEM - SHARDD_E_BASE]      = "daemon could not allocate memory",
-	[SHARDD_E_BACKEND - SHARDD_E_BASE]    = "backend failure",
-	[SHARDD_E_NOJOB - SHARDD_E_BASE]      = "unknown job",
+	[SHARDD_E_MESH - SHARDD_E_BASE] = "mesh differs from the job's",
+	[SHARDD_E_INVALID - SHARDD_E_BASE] = "a field has an invalid value",
+	[SHARDD_E_TIMEOUT - SHARDD_E_BASE] = "collective timeout: ranks missing",
+	[SHARDD_E_PEER_DIED - SHARDD_E_BASE] = "a rank of the rendezvous died",
+	[SHARDD_E_MISMATCH - SHARDD_E_BASE] = "ranks disagree on step, flags or spec",
+	[SHARDD_E_SHUTDOWN - SHARDD_E_BASE] = "the daemon is shutting down",
+	[SHARDD_E_NOGROUP - SHARDD_E_BASE] = "unknown group",
+	[SHARDD_E_STATE - SHARDD_E_BASE] = "op not allowed in this state",
+	[SHARDD_E_NOMEM - SHARDD_E_BASE] = "daemon could not allocate memory",
+	[SHARDD_E_BACKEND - SHARDD_E_BASE] = "backend failure",
+	[SHARDD_E_NOJOB - SHARDD_E_BASE] = "unknown job",
 };
 
 const char *shardd_strerror(int err)

@@ -104,28 +104,27 @@ static int geometry(const struct shardd_param_spec *p, uint32_t world, uint32_t 
 /* Checking and mapping a GROUP reply                                    */
 /* --------------------------------------------------------------------- */
 
-static int check_range(const struct shardd_group *g, uint32_t i, const char *field,
-		       uint64_t off, uint64_t bytes, enum shardd_group_buf b)
+static int check_range(const struct shardd_group *g, uint32_t i, const char *field, uint64_t off,
+		       uint64_t bytes, enum shardd_group_buf b)
 {
 	uint64_t size = g->buf[b].size;
 
 	if (off % SHARDD_ALIGN || off > size || bytes > size - off)
 		return shardd_err_set(-SHARDD_E_MALFORMED,
 				      "param %u: %s_offset %llu + %llu bytes does not fit the "
-				      "%llu-byte %s buffer at %d-byte alignment", i, field,
-				      (unsigned long long)off, (unsigned long long)bytes,
+				      "%llu-byte %s buffer at %d-byte alignment",
+				      i, field, (unsigned long long)off, (unsigned long long)bytes,
 				      (unsigned long long)size, buf_name[b], SHARDD_ALIGN);
 	return 0;
 }
 
-static int check_bytes(uint32_t i, const char *name, const char *field, uint64_t got,
-		       uint64_t want)
+static int check_bytes(uint32_t i, const char *name, const char *field, uint64_t got, uint64_t want)
 {
 	if (got != want)
-		return shardd_err_set(-SHARDD_E_MALFORMED,
-				      "param %u '%s': daemon's %s is %llu, FSDP2 sharding gives %llu",
-				      i, name, field, (unsigned long long)got,
-				      (unsigned long long)want);
+		return shardd_err_set(
+			-SHARDD_E_MALFORMED,
+			"param %u '%s': daemon's %s is %llu, FSDP2 sharding gives %llu", i, name,
+			field, (unsigned long long)got, (unsigned long long)want);
 	return 0;
 }
 
@@ -135,8 +134,8 @@ static int check_against_spec(const struct shardd_group *g, uint32_t i)
 	const struct shardd_param_spec *p = &g->specs[i];
 	const struct shardd_param_layout *l = &g->layouts[i];
 	uint32_t world = g->info.shard_world;
-	uint32_t full_dtype = g->info.param_dtype != SHARDD_DTYPE_NONE ? g->info.param_dtype
-								      : p->dtype;
+	uint32_t full_dtype =
+		g->info.param_dtype != SHARDD_DTYPE_NONE ? g->info.param_dtype : p->dtype;
 	size_t esz = shardd_dtype_size(p->dtype), full_esz = shardd_dtype_size(full_dtype);
 	struct shardd_shard_geometry geo;
 	int ret;
@@ -144,14 +143,15 @@ static int check_against_spec(const struct shardd_group *g, uint32_t i)
 	if (!esz || !full_esz)
 		return shardd_err_set(-SHARDD_E_MALFORMED,
 				      "param %u '%s': daemon accepted dtype %u / param_dtype %u, "
-				      "which this libshardd does not know", i, p->name, p->dtype,
-				      g->info.param_dtype);
+				      "which this libshardd does not know",
+				      i, p->name, p->dtype, g->info.param_dtype);
 	ret = geometry(p, world, g->client->rank % world, &geo);
 	if (ret < 0)
 		return shardd_err_set(-SHARDD_E_MALFORMED,
 				      "param %u '%s': daemon accepted a shape that %s", i, p->name,
-				      ret == -EOVERFLOW ? "overflows 64 bits"
-				      : "does not split evenly along its shard dim");
+				      ret == -EOVERFLOW
+					      ? "overflows 64 bits"
+					      : "does not split evenly along its shard dim");
 	ret = check_bytes(i, p->name, "unsharded_bytes", l->unsharded_bytes, geo.numel * full_esz);
 	if (!ret)
 		ret = check_bytes(i, p->name, "grad_bytes", l->grad_bytes, geo.numel * full_esz);
@@ -217,10 +217,11 @@ static int map_buffer(struct shardd_group *g, enum shardd_group_buf b, int fd, u
 				      buf_name[b], seals);
 	/* A read-only buffer that one rank could reopen O_RDWR would let it rewrite every rank's params. */
 	if (b == SHARDD_BUF_UNSHARDED && !(seals & F_SEAL_FUTURE_WRITE))
-		return shardd_err_set(-SHARDD_E_MALFORMED,
-				      "%s fd is lent read-only but is not sealed against writes "
-				      "(F_SEAL_FUTURE_WRITE missing from seals 0x%x): upgrade shardd",
-				      buf_name[b], (unsigned)seals);
+		return shardd_err_set(
+			-SHARDD_E_MALFORMED,
+			"%s fd is lent read-only but is not sealed against writes "
+			"(F_SEAL_FUTURE_WRITE missing from seals 0x%x): upgrade shardd",
+			buf_name[b], (unsigned)seals);
 	addr = mmap(NULL, (size_t)size, prot, MAP_SHARED, fd, 0);
 	if (addr == MAP_FAILED)
 		return shardd_err_set(-errno, "mmap %s buffer of %llu bytes: %s", buf_name[b],
@@ -244,22 +245,26 @@ static int specs_from_reply(struct shardd_group *g, const uint8_t *at)
 	for (uint32_t i = 0; i < n; i++) {
 		const struct shardd_param_spec *p = &specs[i];
 
-		if (strnlen(p->name, sizeof(p->name)) == sizeof(p->name) || !shardd_dtype_size(p->dtype) ||
-		    p->ndim > SHARDD_MAX_DIMS ||
+		if (strnlen(p->name, sizeof(p->name)) == sizeof(p->name) ||
+		    !shardd_dtype_size(p->dtype) || p->ndim > SHARDD_MAX_DIMS ||
 		    (p->ndim ? p->shard_dim >= p->ndim : p->shard_dim != 0)) {
 			free(specs);
-			return shardd_err_set(-SHARDD_E_MALFORMED,
-					      "GROUP reply: param %u spec is invalid (dtype %u, ndim %u, "
-					      "shard_dim %u)", i, p->dtype, p->ndim, p->shard_dim);
+			return shardd_err_set(
+				-SHARDD_E_MALFORMED,
+				"GROUP reply: param %u spec is invalid (dtype %u, ndim %u, "
+				"shard_dim %u)",
+				i, p->dtype, p->ndim, p->shard_dim);
 		}
 		/* Bytes past a name's NUL are not part of the spec: another rank may differ there. */
-		if (g->specs && (strcmp(p->name, g->specs[i].name) != 0 ||
-				 memcmp(&p->dtype, &g->specs[i].dtype,
-					sizeof(*p) - offsetof(struct shardd_param_spec, dtype)) != 0)) {
+		if (g->specs &&
+		    (strcmp(p->name, g->specs[i].name) != 0 ||
+		     memcmp(&p->dtype, &g->specs[i].dtype,
+			    sizeof(*p) - offsetof(struct shardd_param_spec, dtype)) != 0)) {
 			free(specs);
-			return shardd_err_set(-SHARDD_E_MALFORMED,
-					      "GROUP reply: param %u ('%s') differs from the registered spec",
-					      i, p->name);
+			return shardd_err_set(
+				-SHARDD_E_MALFORMED,
+				"GROUP reply: param %u ('%s') differs from the registered spec", i,
+				p->name);
 		}
 	}
 	free(g->specs);
@@ -276,32 +281,36 @@ int shardd_group_check_exports(const struct shardd_group_reply *info, uint32_t b
 		uint32_t kind = info->export_kind[b];
 
 		if (kind >= SHARDD_EXPORT_COUNT)
-			return shardd_err_set(-SHARDD_E_MALFORMED,
-					      "GROUP reply: export_kind[%d] = %u is not an export kind "
-					      "(fd = %d, cuda ipc = %d)", b, kind, SHARDD_EXPORT_FD,
-					      SHARDD_EXPORT_CUDA_IPC);
+			return shardd_err_set(
+				-SHARDD_E_MALFORMED,
+				"GROUP reply: export_kind[%d] = %u is not an export kind "
+				"(fd = %d, cuda ipc = %d)",
+				b, kind, SHARDD_EXPORT_FD, SHARDD_EXPORT_CUDA_IPC);
 		if (kind == SHARDD_EXPORT_CUDA_IPC && backend != SHARDD_BACKEND_CUDA)
-			return shardd_err_set(-SHARDD_E_MALFORMED,
-					      "GROUP reply: export_kind[%d] = %u (cuda ipc) for the %s "
-					      "buffer, but the daemon's backend is %u, not cuda (%d)", b, kind,
-					      buf_name[b], backend, SHARDD_BACKEND_CUDA);
+			return shardd_err_set(
+				-SHARDD_E_MALFORMED,
+				"GROUP reply: export_kind[%d] = %u (cuda ipc) for the %s "
+				"buffer, but the daemon's backend is %u, not cuda (%d)",
+				b, kind, buf_name[b], backend, SHARDD_BACKEND_CUDA);
 		if (kind == SHARDD_EXPORT_FD)
 			want_fds++;
 		else
 			nipc++;
 	}
 	if (nfds != want_fds)
-		return shardd_err_set(-SHARDD_E_MALFORMED,
-				      "GROUP reply carries %d fds, but its export_kind {%u, %u, %u, %u} "
-				      "says %d buffers travel as fds", nfds, info->export_kind[0],
-				      info->export_kind[1], info->export_kind[2], info->export_kind[3],
-				      want_fds);
+		return shardd_err_set(
+			-SHARDD_E_MALFORMED,
+			"GROUP reply carries %d fds, but its export_kind {%u, %u, %u, %u} "
+			"says %d buffers travel as fds",
+			nfds, info->export_kind[0], info->export_kind[1], info->export_kind[2],
+			info->export_kind[3], want_fds);
 	if (tail != (size_t)nipc * sizeof(struct shardd_cuda_ipc_handle))
-		return shardd_err_set(-SHARDD_E_MALFORMED,
-				      "GROUP reply has %zu bytes after its param specs, but its export_kind "
-				      "{%u, %u, %u, %u} says %d CUDA IPC handles of %zu bytes follow", tail,
-				      info->export_kind[0], info->export_kind[1], info->export_kind[2],
-				      info->export_kind[3], nipc, sizeof(struct shardd_cuda_ipc_handle));
+		return shardd_err_set(
+			-SHARDD_E_MALFORMED,
+			"GROUP reply has %zu bytes after its param specs, but its export_kind "
+			"{%u, %u, %u, %u} says %d CUDA IPC handles of %zu bytes follow",
+			tail, info->export_kind[0], info->export_kind[1], info->export_kind[2],
+			info->export_kind[3], nipc, sizeof(struct shardd_cuda_ipc_handle));
 	return nipc;
 }
 
@@ -318,20 +327,23 @@ static int group_from_reply(struct shardd_group *g, const struct shardd_ctrl_rx 
 	int ret, fi = 0, hi = 0;
 
 	if (rx->hdr.length < isize)
-		return shardd_err_set(-SHARDD_E_MALFORMED, "GROUP reply of %u bytes, want at least %zu",
-				      rx->hdr.length, isize);
+		return shardd_err_set(-SHARDD_E_MALFORMED,
+				      "GROUP reply of %u bytes, want at least %zu", rx->hdr.length,
+				      isize);
 	memset(info, 0, sizeof(*info));
 	memcpy(info, rx->payload, isize);
 	if (!info->nparams || info->nparams > SHARDD_MAX_PARAMS ||
 	    (want_nparams && info->nparams != want_nparams))
 		return shardd_err_set(-SHARDD_E_MALFORMED, "GROUP reply has %u params, want %u",
-				      info->nparams, want_nparams ? want_nparams : SHARDD_MAX_PARAMS);
-	specs_end = isize + (size_t)info->nparams *
-		    (sizeof(struct shardd_param_layout) + sizeof(struct shardd_param_spec));
+				      info->nparams,
+				      want_nparams ? want_nparams : SHARDD_MAX_PARAMS);
+	specs_end = isize + (size_t)info->nparams * (sizeof(struct shardd_param_layout) +
+						     sizeof(struct shardd_param_spec));
 	if (rx->hdr.length < specs_end)
-		return shardd_err_set(-SHARDD_E_MALFORMED,
-				      "GROUP reply of %u bytes, %u params need %zu before any CUDA IPC handle",
-				      rx->hdr.length, info->nparams, specs_end);
+		return shardd_err_set(
+			-SHARDD_E_MALFORMED,
+			"GROUP reply of %u bytes, %u params need %zu before any CUDA IPC handle",
+			rx->hdr.length, info->nparams, specs_end);
 	if (!info->group_id)
 		return shardd_err_set(-SHARDD_E_MALFORMED, "GROUP reply has group id 0");
 	if (!info->shard_world || info->shard_world != g->client->shard)
@@ -347,8 +359,7 @@ static int group_from_reply(struct shardd_group *g, const struct shardd_ctrl_rx 
 	if (!g->layouts)
 		return shardd_err_set(-ENOMEM, "%u param layouts: out of memory", info->nparams);
 	memcpy(g->layouts, rx->payload + isize, sizeof(*g->layouts) * info->nparams);
-	ret = specs_from_reply(g, rx->payload + isize +
-				  sizeof(*g->layouts) * info->nparams);
+	ret = specs_from_reply(g, rx->payload + isize + sizeof(*g->layouts) * info->nparams);
 	if (ret < 0)
 		return ret;
 	sizes[SHARDD_BUF_UNSHARDED] = info->unsharded_size;
@@ -375,7 +386,8 @@ static int group_from_reply(struct shardd_group *g, const struct shardd_ctrl_rx 
 		ret = check_range(g, i, "unsharded", l->unsharded_offset, l->unsharded_bytes,
 				  SHARDD_BUF_UNSHARDED);
 		if (!ret)
-			ret = check_range(g, i, "grad", l->grad_offset, l->grad_bytes, SHARDD_BUF_GRAD);
+			ret = check_range(g, i, "grad", l->grad_offset, l->grad_bytes,
+					  SHARDD_BUF_GRAD);
 		if (!ret)
 			ret = check_range(g, i, "shard", l->shard_offset, l->shard_bytes,
 					  SHARDD_BUF_SHARD);
@@ -450,8 +462,8 @@ static int check_name(const char *name, size_t max, const char *what)
 
 int shardd_group_register(struct shardd_client *c, const char *name,
 			  const struct shardd_param_desc *params, uint32_t nparams,
-			  const struct shardd_precision *precision, const struct shardd_group_opts *opts,
-			  struct shardd_group **out)
+			  const struct shardd_precision *precision,
+			  const struct shardd_group_opts *opts, struct shardd_group **out)
 {
 	uint32_t ct = c->welcome.collective_timeout_ms;
 	struct shardd_register_group *reg = NULL;
@@ -475,13 +487,14 @@ int shardd_group_register(struct shardd_client *c, const char *name,
 		len += sizeof(*opts->optimizer);
 	if (opts && opts->restore) {
 		/* The daemon runs elsewhere: a relative path is made absolute here, where it means something. */
-		if (opts->restore[0] && opts->restore[0] != '/' && realpath(opts->restore, restore_abs))
+		if (opts->restore[0] && opts->restore[0] != '/' &&
+		    realpath(opts->restore, restore_abs))
 			restore = restore_abs;
 		else
 			restore = opts->restore;
 		if (strlen(restore) >= SHARDD_RESTORE_PATH_MAX) {
-			ret = shardd_err_set(-EINVAL, "restore path of %zu bytes; at most %d", strlen(restore),
-					     SHARDD_RESTORE_PATH_MAX - 1);
+			ret = shardd_err_set(-EINVAL, "restore path of %zu bytes; at most %d",
+					     strlen(restore), SHARDD_RESTORE_PATH_MAX - 1);
 			goto err;
 		}
 		len += sizeof(struct shardd_restore) + strlen(restore);
@@ -519,9 +532,10 @@ int shardd_group_register(struct shardd_client *c, const char *name,
 		if (shape_overflow_dim(p) >= 0) {
 			int bad = shape_overflow_dim(p);
 
-			ret = shardd_err_set(-EINVAL, "param %u '%s': shape[%d] = %llu takes the product of "
-					     "the nonzero dims past 64 bits of bytes", i, d->name, bad,
-					     (unsigned long long)d->shape[bad]);
+			ret = shardd_err_set(-EINVAL,
+					     "param %u '%s': shape[%d] = %llu takes the product of "
+					     "the nonzero dims past 64 bits of bytes",
+					     i, d->name, bad, (unsigned long long)d->shape[bad]);
 			goto err;
 		}
 	}
@@ -599,8 +613,7 @@ const struct shardd_group_reply *shardd_group_info(const struct shardd_group *g)
 	return &g->info;
 }
 
-const struct shardd_param_layout *shardd_group_layout(const struct shardd_group *g,
-						      uint32_t param)
+const struct shardd_param_layout *shardd_group_layout(const struct shardd_group *g, uint32_t param)
 {
 	return param < g->info.nparams ? &g->layouts[param] : NULL;
 }
@@ -624,25 +637,27 @@ static void *at(const struct shardd_group *g, enum shardd_group_buf b, uint64_t 
 const void *shardd_group_unsharded(const struct shardd_group *g, uint32_t param)
 {
 	return param < g->info.nparams
-		? at(g, SHARDD_BUF_UNSHARDED, g->layouts[param].unsharded_offset) : NULL;
+		       ? at(g, SHARDD_BUF_UNSHARDED, g->layouts[param].unsharded_offset)
+		       : NULL;
 }
 
 void *shardd_group_grad(const struct shardd_group *g, uint32_t param)
 {
-	return param < g->info.nparams
-		? at(g, SHARDD_BUF_GRAD, g->layouts[param].grad_offset) : NULL;
+	return param < g->info.nparams ? at(g, SHARDD_BUF_GRAD, g->layouts[param].grad_offset)
+				       : NULL;
 }
 
 void *shardd_group_shard(const struct shardd_group *g, uint32_t param)
 {
-	return param < g->info.nparams
-		? at(g, SHARDD_BUF_SHARD, g->layouts[param].shard_offset) : NULL;
+	return param < g->info.nparams ? at(g, SHARDD_BUF_SHARD, g->layouts[param].shard_offset)
+				       : NULL;
 }
 
 void *shardd_group_shard_grad(const struct shardd_group *g, uint32_t param)
 {
 	return param < g->info.nparams
-		? at(g, SHARDD_BUF_SHARD_GRAD, g->layouts[param].shard_offset) : NULL;
+		       ? at(g, SHARDD_BUF_SHARD_GRAD, g->layouts[param].shard_offset)
+		       : NULL;
 }
 
 int shardd_group_load_full(struct shardd_group *g, uint32_t param, const void *full)
@@ -671,8 +686,10 @@ int shardd_group_load_full(struct shardd_group *g, uint32_t param, const void *f
 	/* Device memory: the rows are laid out in host memory first, then copied in one go. */
 	dst = m->cuda_size ? malloc(geo.outer * chunk) : shard;
 	if (!dst)
-		return shardd_err_set(-ENOMEM, "load param %u of group '%s': out of memory for "
-				      "%zu bytes of staging", param, g->name, (size_t)(geo.outer * chunk));
+		return shardd_err_set(-ENOMEM,
+				      "load param %u of group '%s': out of memory for "
+				      "%zu bytes of staging",
+				      param, g->name, (size_t)(geo.outer * chunk));
 	for (uint64_t o = 0; o < geo.outer; o++) {
 		size_t have = (size_t)(geo.valid * geo.inner * esz);
 

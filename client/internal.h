@@ -22,40 +22,41 @@ struct shardd_stash {
 	struct shardd_completion *v; /* cap slots */
 	uint32_t head;               /* index of the oldest */
 	uint32_t count;
-	uint32_t cap;                /* 0 or a power of two */
+	uint32_t cap; /* 0 or a power of two */
 };
 
 struct shardd_cuda_fences;
 
 struct shardd_client {
-	int                   sock;      /* SOCK_SEQPACKET control connection */
-	int                   doorbell;  /* eventfd the daemon sleeps on */
-	void                 *ring_mem;  /* welcome.ring_size bytes, MAP_SHARED rw */
-	struct shardd_ring    ring;
+	int sock;       /* SOCK_SEQPACKET control connection */
+	int doorbell;   /* eventfd the daemon sleeps on */
+	void *ring_mem; /* welcome.ring_size bytes, MAP_SHARED rw */
+	struct shardd_ring ring;
 	struct shardd_welcome welcome;
-	uint32_t              seq;       /* last control request number */
-	int                   send_timeout_ms; /* SO_SNDTIMEO of sock */
-	uint64_t              next_sync; /* counter of sync wrappers' user_data */
-	struct shardd_stash   stash;
-	int32_t               daemon_code; /* unsolicited ERROR's code, 0 when none came */
-	char                  daemon_text[SHARDD_RING_MSG_SIZE]; /* and its text */
-	char                  job[SHARDD_NAME_MAX];
-	uint32_t              rank;
-	uint32_t              shard;
-	int32_t               device;    /* hello.device: where cuda-backend buffers are mapped */
-	struct shardd_cuda_fences *fences; /* stream.c: events of both rings, NULL until a stream is set */
-	void                 *stream;    /* the CUstream ops are ordered with, while stream_set */
-	int                   stream_set;
-	char                  socket_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
+	uint32_t seq;        /* last control request number */
+	int send_timeout_ms; /* SO_SNDTIMEO of sock */
+	uint64_t next_sync;  /* counter of sync wrappers' user_data */
+	struct shardd_stash stash;
+	int32_t daemon_code;                    /* unsolicited ERROR's code, 0 when none came */
+	char daemon_text[SHARDD_RING_MSG_SIZE]; /* and its text */
+	char job[SHARDD_NAME_MAX];
+	uint32_t rank;
+	uint32_t shard;
+	int32_t device; /* hello.device: where cuda-backend buffers are mapped */
+	struct shardd_cuda_fences
+		*fences; /* stream.c: events of both rings, NULL until a stream is set */
+	void *stream;    /* the CUstream ops are ordered with, while stream_set */
+	int stream_set;
+	char socket_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
 };
 
 /* One mapped buffer of a group. */
 struct shardd_mapping {
-	void    *addr;      /* NULL when size is 0; a device address under the cuda backend */
+	void *addr; /* NULL when size is 0; a device address under the cuda backend */
 	uint64_t size;
-	uint64_t cuda_size; /* cuda backend: shardd_cuda_mapping.size; 0: a host mmap */
-	uint32_t cuda_kind; /* cuda backend: how it was imported (enum shardd_export_kind) */
-	int32_t  cuda_device; /* cuda backend: the device it was imported on */
+	uint64_t cuda_size;  /* cuda backend: shardd_cuda_mapping.size; 0: a host mmap */
+	uint32_t cuda_kind;  /* cuda backend: how it was imported (enum shardd_export_kind) */
+	int32_t cuda_device; /* cuda backend: the device it was imported on */
 };
 
 enum shardd_group_buf {
@@ -67,12 +68,12 @@ enum shardd_group_buf {
 };
 
 struct shardd_group {
-	struct shardd_client       *client;
-	char                        name[SHARDD_NAME_MAX];
-	struct shardd_group_reply   info;
+	struct shardd_client *client;
+	char name[SHARDD_NAME_MAX];
+	struct shardd_group_reply info;
 	struct shardd_param_layout *layouts; /* info.nparams */
-	struct shardd_param_spec   *specs;   /* info.nparams, from the GROUP reply */
-	struct shardd_mapping       buf[SHARDD_BUF_COUNT];
+	struct shardd_param_spec *specs;     /* info.nparams, from the GROUP reply */
+	struct shardd_mapping buf[SHARDD_BUF_COUNT];
 };
 
 /* CLOCK_MONOTONIC, for the deadlines of waits. */
@@ -106,9 +107,9 @@ SHARDD_HIDDEN int shardd_err_wrap(int err, const char *fmt, ...)
  * with "daemon: <text>" as the error context. On success `rx` holds a
  * reply of type `want` (payload and fds owned by the caller).
  */
-SHARDD_HIDDEN int shardd_client_request(struct shardd_client *c, uint16_t type,
-					const void *payload, uint32_t len, int timeout_ms,
-					uint16_t want, struct shardd_ctrl_rx *rx);
+SHARDD_HIDDEN int shardd_client_request(struct shardd_client *c, uint16_t type, const void *payload,
+					uint32_t len, int timeout_ms, uint16_t want,
+					struct shardd_ctrl_rx *rx);
 
 /*
  * client.c: is the daemon still there? 0, or -ECONNRESET with the reason

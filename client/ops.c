@@ -28,7 +28,7 @@
  * an idle core sched_yield() returns at once.
  */
 #define SHARDD_SPIN_NS       150000
-#define SHARDD_SPIN_CHECK    8      /* iterations between clock reads and yields */
+#define SHARDD_SPIN_CHECK    8 /* iterations between clock reads and yields */
 #define SHARDD_WAIT_SLICE_MS 50
 /* Sync ops wait this much past the daemon's collective timeout, which fails them first. */
 #define SHARDD_SYNC_GRACE_MS 10000
@@ -63,7 +63,8 @@ static int stash_push(struct shardd_stash *s, const struct shardd_completion *cp
 
 		if (!v || cap < s->cap) {
 			free(v);
-			return shardd_err_set(-ENOMEM, "keep %u unreaped completions: out of memory",
+			return shardd_err_set(-ENOMEM,
+					      "keep %u unreaped completions: out of memory",
 					      s->count + 1);
 		}
 		for (uint32_t i = 0; i < s->count; i++)
@@ -113,14 +114,18 @@ static int corrupt_cq(struct shardd_client *c)
 	shardd_ring_indices(&c->ring, &sq_head, &sq_tail, &cq_head, &cq_tail);
 	return shardd_err_set(-EBADMSG,
 			      "completion queue corrupt: cq_tail %u runs more than %u entries "
-			      "ahead of cq_head %u", cq_tail, c->ring.cq_mask + 1, cq_head);
+			      "ahead of cq_head %u",
+			      cq_tail, c->ring.cq_mask + 1, cq_head);
 }
 
 static int submit_sqe(struct shardd_client *c, uint32_t op, uint32_t group, uint64_t step,
 		      uint32_t flags, const uint64_t *args, uint64_t user_data)
 {
 	struct shardd_sqe sqe = {
-		.op = (uint8_t)op, .group = group, .step = step, .user_data = user_data,
+		.op = (uint8_t)op,
+		.group = group,
+		.step = step,
+		.user_data = user_data,
 		.flags = flags,
 	};
 
@@ -137,7 +142,8 @@ static int submit_sqe(struct shardd_client *c, uint32_t op, uint32_t group, uint
 	if (slot < 0)
 		return shardd_err_set(-EAGAIN,
 				      "submission queue full (%u entries waiting for the daemon); "
-				      "reap completions, then submit again", c->ring.sq_mask + 1);
+				      "reap completions, then submit again",
+				      c->ring.sq_mask + 1);
 	/* The slot is free, so the daemon is done with its event: record it for this entry. */
 	ret = shardd_client_fence_submit(c, (uint32_t)slot, &sqe);
 	if (ret < 0)
@@ -262,8 +268,10 @@ static void ring_where(struct shardd_client *c, char *buf, size_t len)
 		snprintf(buf, len, "ring counters corrupt");
 		return;
 	}
-	snprintf(buf, len, "the daemon last took %s step %llu from this ring; %u submissions "
-		 "not taken yet", st.daemon_last_op ? op_name(st.daemon_last_op) : "nothing",
+	snprintf(buf, len,
+		 "the daemon last took %s step %llu from this ring; %u submissions "
+		 "not taken yet",
+		 st.daemon_last_op ? op_name(st.daemon_last_op) : "nothing",
 		 (unsigned long long)st.daemon_last_step, st.sq_pending);
 }
 
@@ -279,8 +287,8 @@ static int submit_user(struct shardd_client *c, uint32_t op, uint32_t group, uin
 	if (user_data & SHARDD_USER_DATA_RESERVED)
 		return shardd_err_set(-EINVAL,
 				      "submit %s: user_data %#llx has bit 63 set, which libshardd "
-				      "reserves for its sync calls", op_name(op),
-				      (unsigned long long)user_data);
+				      "reserves for its sync calls",
+				      op_name(op), (unsigned long long)user_data);
 	return submit_sqe(c, op, group, step, flags, NULL, user_data);
 }
 
@@ -381,7 +389,8 @@ int shardd_client_op_sync(struct shardd_client *c, uint32_t op, uint32_t group, 
 }
 
 static int op_sync_cp(struct shardd_client *c, uint32_t op, uint32_t group, uint64_t step,
-		      uint32_t flags, const uint64_t *args, const char *what, struct shardd_completion *out);
+		      uint32_t flags, const uint64_t *args, const char *what,
+		      struct shardd_completion *out);
 
 int shardd_client_op_sync_args(struct shardd_client *c, uint32_t op, uint32_t group, uint64_t step,
 			       uint32_t flags, const uint64_t *args, const char *what)
@@ -393,7 +402,8 @@ int shardd_client_op_sync_args(struct shardd_client *c, uint32_t op, uint32_t gr
 
 /* shardd_client_op_sync_args, with the op's completion in *out when it came. */
 static int op_sync_cp(struct shardd_client *c, uint32_t op, uint32_t group, uint64_t step,
-		      uint32_t flags, const uint64_t *args, const char *what, struct shardd_completion *out)
+		      uint32_t flags, const uint64_t *args, const char *what,
+		      struct shardd_completion *out)
 {
 	uint32_t ct = c->welcome.collective_timeout_ms;
 	int64_t deadline = ct ? shardd_client_now_ms() + ct + SHARDD_SYNC_GRACE_MS : -1;
@@ -436,9 +446,10 @@ static int op_sync_cp(struct shardd_client *c, uint32_t op, uint32_t group, uint
 err:
 	if (ret == -ETIMEDOUT) {
 		ring_where(c, where, sizeof(where));
-		shardd_err_set(ret, "no completion within %u ms (the daemon's collective timeout "
-			       "+ %d s); %s", ct + SHARDD_SYNC_GRACE_MS,
-			       SHARDD_SYNC_GRACE_MS / 1000, where);
+		shardd_err_set(ret,
+			       "no completion within %u ms (the daemon's collective timeout "
+			       "+ %d s); %s",
+			       ct + SHARDD_SYNC_GRACE_MS, SHARDD_SYNC_GRACE_MS / 1000, where);
 	}
 	return shardd_err_wrap(ret, "%s", what);
 }
@@ -493,7 +504,8 @@ int shardd_zero_grad(struct shardd_group *g)
 	return group_op(g, SHARDD_OP_ZERO_GRAD, 0, 0);
 }
 
-static void step_args(uint64_t args[2], double lr, uint32_t flags, double clip_coef, double max_norm)
+static void step_args(uint64_t args[2], double lr, uint32_t flags, double clip_coef,
+		      double max_norm)
 {
 	args[0] = args[1] = 0;
 	if (flags & SHARDD_STEP_REPLAY)
@@ -506,8 +518,8 @@ static void step_args(uint64_t args[2], double lr, uint32_t flags, double clip_c
 		memcpy(&args[SHARDD_SQE_STEP_CLIP], &max_norm, sizeof(max_norm));
 }
 
-int shardd_step_submit(struct shardd_group *g, uint64_t step, double lr, uint32_t flags, double clip_coef,
-		       double max_norm, uint64_t user_data)
+int shardd_step_submit(struct shardd_group *g, uint64_t step, double lr, uint32_t flags,
+		       double clip_coef, double max_norm, uint64_t user_data)
 {
 	uint64_t args[2];
 
@@ -515,7 +527,8 @@ int shardd_step_submit(struct shardd_group *g, uint64_t step, double lr, uint32_
 		return shardd_err_set(-EINVAL, "user_data 0x%llx has SHARDD_USER_DATA_RESERVED set",
 				      (unsigned long long)user_data);
 	step_args(args, lr, flags, clip_coef, max_norm);
-	return submit_sqe(g->client, SHARDD_OP_STEP, g->info.group_id, step, flags, args, user_data);
+	return submit_sqe(g->client, SHARDD_OP_STEP, g->info.group_id, step, flags, args,
+			  user_data);
 }
 
 int shardd_reduce_step_submit(struct shardd_group *g, uint64_t step, uint32_t flags, double lr,
@@ -527,8 +540,8 @@ int shardd_reduce_step_submit(struct shardd_group *g, uint64_t step, uint32_t fl
 		return shardd_err_set(-EINVAL, "user_data 0x%llx has SHARDD_USER_DATA_RESERVED set",
 				      (unsigned long long)user_data);
 	step_args(args, lr, 0, 0, 0);
-	return submit_sqe(g->client, SHARDD_OP_REDUCE, g->info.group_id, step, flags | SHARDD_REDUCE_STEP, args,
-			  user_data);
+	return submit_sqe(g->client, SHARDD_OP_REDUCE, g->info.group_id, step,
+			  flags | SHARDD_REDUCE_STEP, args, user_data);
 }
 
 int shardd_step(struct shardd_group *g, uint64_t step, double lr, uint32_t flags, double clip_coef,
@@ -540,19 +553,22 @@ int shardd_step(struct shardd_group *g, uint64_t step, double lr, uint32_t flags
 	step_args(args, lr, flags, clip_coef, max_norm);
 	snprintf(what, sizeof(what), "step group '%s' (id %u) step %llu", g->name, g->info.group_id,
 		 (unsigned long long)step);
-	return shardd_client_op_sync_args(g->client, SHARDD_OP_STEP, g->info.group_id, step, flags, args, what);
+	return shardd_client_op_sync_args(g->client, SHARDD_OP_STEP, g->info.group_id, step, flags,
+					  args, what);
 }
 
 static int grad_norm_args(uint64_t args[1], double norm_type)
 {
 	if (norm_type != 2.0 && !(isinf(norm_type) && norm_type > 0))
-		return shardd_err_set(-EINVAL, "grad_norm: norm_type %g is not supported: use 2.0 or INFINITY",
-				      norm_type);
+		return shardd_err_set(
+			-EINVAL, "grad_norm: norm_type %g is not supported: use 2.0 or INFINITY",
+			norm_type);
 	memcpy(&args[SHARDD_SQE_GRAD_NORM_TYPE], &norm_type, sizeof(norm_type));
 	return 0;
 }
 
-int shardd_grad_norm_submit(struct shardd_client *c, uint64_t step, double norm_type, uint64_t user_data)
+int shardd_grad_norm_submit(struct shardd_client *c, uint64_t step, double norm_type,
+			    uint64_t user_data)
 {
 	uint64_t args[2] = { 0 };
 	int ret;
@@ -584,7 +600,8 @@ int shardd_grad_norm(struct shardd_client *c, uint64_t step, double norm_type, d
 	ret = grad_norm_args(args, norm_type);
 	if (ret < 0)
 		return ret;
-	snprintf(what, sizeof(what), "grad_norm step %llu norm_type %g", (unsigned long long)step, norm_type);
+	snprintf(what, sizeof(what), "grad_norm step %llu norm_type %g", (unsigned long long)step,
+		 norm_type);
 	ret = op_sync_cp(c, SHARDD_OP_GRAD_NORM, 0, step, 0, args, what, &cp);
 	if (ret < 0)
 		return ret;

@@ -71,11 +71,11 @@ struct shardd_attach_opts {
 
 /* One param of a group to register. */
 struct shardd_param_desc {
-	const char *name;   /* unique in the group, shorter than SHARDD_PARAM_NAME_MAX */
-	uint32_t dtype;     /* enum shardd_dtype: the param's original dtype */
-	uint32_t ndim;      /* 0..SHARDD_MAX_DIMS */
+	const char *name; /* unique in the group, shorter than SHARDD_PARAM_NAME_MAX */
+	uint32_t dtype;   /* enum shardd_dtype: the param's original dtype */
+	uint32_t ndim;    /* 0..SHARDD_MAX_DIMS */
 	uint64_t shape[SHARDD_MAX_DIMS]; /* first ndim used */
-	uint32_t shard_dim; /* FSDP2 Shard(i); 0 for the default dim-0 sharding */
+	uint32_t shard_dim;              /* FSDP2 Shard(i); 0 for the default dim-0 sharding */
 };
 
 /*
@@ -111,26 +111,27 @@ struct shardd_group_opts {
 /* One reaped completion. */
 struct shardd_completion {
 	uint64_t user_data; /* as submitted */
-	int32_t  res;       /* 0 or a negative error code */
+	int32_t res;        /* 0 or a negative error code */
 	uint32_t op;        /* enum shardd_op */
 	uint32_t group;     /* group id, 0 for nop and barrier */
 	uint64_t step;      /* as submitted */
-	uint64_t result[2]; /* the cqe's result words: grad_norm's (shardd_grad_norm_result); a barrier
+	uint64_t result
+		[2]; /* the cqe's result words: grad_norm's (shardd_grad_norm_result); a barrier
 			       mismatch's other barrier number in [0]; else 0 */
-	char     msg[SHARDD_RING_MSG_SIZE]; /* daemon's error text, "" when none */
+	char msg[SHARDD_RING_MSG_SIZE]; /* daemon's error text, "" when none */
 };
 
 /* Snapshot of a client's ring, for diagnosing who is behind. */
 struct shardd_ring_status {
-	uint32_t sq_entries;        /* SQ capacity */
-	uint32_t cq_entries;        /* CQ capacity */
-	uint32_t sq_pending;        /* submitted, not yet taken by the daemon */
-	uint32_t cq_ready;          /* completed, not yet reaped */
-	uint32_t flags;             /* SHARDD_RING_* as the daemon last wrote them */
-	uint32_t daemon_last_op;    /* last op the daemon took from this SQ */
+	uint32_t sq_entries;     /* SQ capacity */
+	uint32_t cq_entries;     /* CQ capacity */
+	uint32_t sq_pending;     /* submitted, not yet taken by the daemon */
+	uint32_t cq_ready;       /* completed, not yet reaped */
+	uint32_t flags;          /* SHARDD_RING_* as the daemon last wrote them */
+	uint32_t daemon_last_op; /* last op the daemon took from this SQ */
 	uint64_t daemon_last_step;
 	uint64_t daemon_heartbeat_ns; /* CLOCK_MONOTONIC of the daemon's last loop turn */
-	uint32_t client_last_op;    /* last op this client submitted */
+	uint32_t client_last_op;      /* last op this client submitted */
 	uint64_t client_last_step;
 };
 
@@ -183,8 +184,8 @@ int shardd_client_ring_status(const struct shardd_client *c, struct shardd_ring_
  */
 int shardd_group_register(struct shardd_client *c, const char *name,
 			  const struct shardd_param_desc *params, uint32_t nparams,
-			  const struct shardd_precision *precision, const struct shardd_group_opts *opts,
-			  struct shardd_group **out);
+			  const struct shardd_precision *precision,
+			  const struct shardd_group_opts *opts, struct shardd_group **out);
 
 /*
  * Open a group some rank registered, by name, and map its buffers (a rank
@@ -202,8 +203,7 @@ uint32_t shardd_group_nparams(const struct shardd_group *g);
 const struct shardd_group_reply *shardd_group_info(const struct shardd_group *g);
 
 /* Layout of param `param`, or NULL when out of range. */
-const struct shardd_param_layout *shardd_group_layout(const struct shardd_group *g,
-						      uint32_t param);
+const struct shardd_param_layout *shardd_group_layout(const struct shardd_group *g, uint32_t param);
 
 /* Index of the param named `param_name`, or -ENOENT. */
 int shardd_group_find(const struct shardd_group *g, const char *param_name);
@@ -309,8 +309,8 @@ int shardd_zero_grad(struct shardd_group *g);
 int shardd_step(struct shardd_group *g, uint64_t step, double lr, uint32_t flags, double clip_coef,
 		double max_norm);
 /* The same queued without waiting, as shardd_group_submit: its completion's res is the step's result. */
-int shardd_step_submit(struct shardd_group *g, uint64_t step, double lr, uint32_t flags, double clip_coef,
-		       double max_norm, uint64_t user_data);
+int shardd_step_submit(struct shardd_group *g, uint64_t step, double lr, uint32_t flags,
+		       double clip_coef, double max_norm, uint64_t user_data);
 
 /*
  * Queue the reduce of `step` with SHARDD_REDUCE_STEP (added to `flags`):
@@ -336,7 +336,8 @@ int shardd_reduce_step_submit(struct shardd_group *g, uint64_t step, uint32_t fl
 int shardd_grad_norm(struct shardd_client *c, uint64_t step, double norm_type, double *norm,
 		     int *nonfinite);
 /* The same queued without waiting; shardd_grad_norm_result reads its completion. */
-int shardd_grad_norm_submit(struct shardd_client *c, uint64_t step, double norm_type, uint64_t user_data);
+int shardd_grad_norm_submit(struct shardd_client *c, uint64_t step, double norm_type,
+			    uint64_t user_data);
 /* The norm and the non-finite flag of a grad_norm completion with res 0. */
 void shardd_grad_norm_result(const struct shardd_completion *cp, double *norm, int *nonfinite);
 

@@ -36,7 +36,8 @@ static int stream_fences_setup(struct shardd_client *c)
 	if (!req)
 		return shardd_err_set(-ENOMEM, "out of memory for %u event handles", nsq);
 	req->nevents = nsq;
-	ret = shardd_cuda_fences_create(c->device, nsq, (struct shardd_cuda_ipc_handle *)(req + 1), &f);
+	ret = shardd_cuda_fences_create(c->device, nsq, (struct shardd_cuda_ipc_handle *)(req + 1),
+					&f);
 	if (ret == 0)
 		ret = shardd_client_request(c, SHARDD_MSG_STREAM, req, (uint32_t)len,
 					    SHARDD_STREAM_TIMEOUT_MS, SHARDD_MSG_STREAM_REPLY, &rx);
@@ -50,12 +51,14 @@ static int stream_fences_setup(struct shardd_client *c)
 	}
 	memcpy(&rep, rx.payload, sizeof(rep));
 	if (rep.nevents != ncq || rx.hdr.length != sizeof(rep) + ncq * hsz) {
-		ret = shardd_err_set(-EPROTO, "STREAM_REPLY carries %u events in %u bytes; the CQ "
-				     "has %u slots", rep.nevents, rx.hdr.length, ncq);
+		ret = shardd_err_set(-EPROTO,
+				     "STREAM_REPLY carries %u events in %u bytes; the CQ "
+				     "has %u slots",
+				     rep.nevents, rx.hdr.length, ncq);
 		goto err;
 	}
-	ret = shardd_cuda_fences_open(f, ncq,
-				      (const struct shardd_cuda_ipc_handle *)(rx.payload + sizeof(rep)));
+	ret = shardd_cuda_fences_open(
+		f, ncq, (const struct shardd_cuda_ipc_handle *)(rx.payload + sizeof(rep)));
 	if (ret < 0)
 		goto err;
 	shardd_ctrl_rx_reset(&rx);
@@ -74,9 +77,11 @@ int shardd_stream_set(struct shardd_client *c, void *stream)
 
 	shardd_err_clear();
 	if (c->welcome.backend != SHARDD_BACKEND_CUDA)
-		return shardd_err_set(-ENOTSUP, "set a stream: the daemon runs the %s backend, whose "
+		return shardd_err_set(-ENOTSUP,
+				      "set a stream: the daemon runs the %s backend, whose "
 				      "completions already mean the results are in memory",
-				      c->welcome.backend == SHARDD_BACKEND_HOST ? "host" : "unknown");
+				      c->welcome.backend == SHARDD_BACKEND_HOST ? "host"
+										: "unknown");
 	if (!c->fences) {
 		ret = stream_fences_setup(c);
 		if (ret < 0)
@@ -112,14 +117,16 @@ void shardd_client_fence_reap(struct shardd_client *c, uint32_t slot, struct sha
 
 	if (!c->fences) {
 		ret = shardd_err_set(-EPROTO, "the daemon fenced a completion of this client, "
-				     "which set up no stream");
+					      "which set up no stream");
 	} else {
 		/* A stream cleared since the submission: the CPU waits, as for an unfenced op. */
 		ret = shardd_cuda_fence_wait(c->fences, slot, c->stream_set, c->stream);
 	}
 	if (ret < 0 && cp->res >= 0) {
 		cp->res = ret;
-		snprintf(cp->msg, sizeof(cp->msg), "the op completed but its results cannot be "
-			 "ordered: %s", shardd_last_error());
+		snprintf(cp->msg, sizeof(cp->msg),
+			 "the op completed but its results cannot be "
+			 "ordered: %s",
+			 shardd_last_error());
 	}
 }

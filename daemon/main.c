@@ -63,9 +63,9 @@ enum flag_id {
 /* One flag of the command line: getopt_long's row of it, and its --help entry. */
 struct flag {
 	const char *name;  /* after the "--" */
-	int         id;    /* enum flag_id */
+	int id;            /* enum flag_id */
 	const char *value; /* the value's name in --help; NULL: the flag takes none */
-	double      dflt;  /* the number a "%g" in `help` stands for */
+	double dflt;       /* the number a "%g" in `help` stands for */
 	const char *help;  /* --help's text, one line a "\n"; --socket's "%s" is its default path */
 };
 
@@ -150,7 +150,8 @@ static const struct flag flags[] = {
 	  "how HSDP partials travel between nodes\n"
 	  "(default fp32; reduce: the group's reduce dtype)" },
 	{ "log-level", FLAG_LOG_LEVEL, "LEVEL", 0, "error, warn, info or debug (default info)" },
-	{ "foreground", FLAG_FOREGROUND, NULL, 0, "accepted for supervisors; shardd never daemonizes" },
+	{ "foreground", FLAG_FOREGROUND, NULL, 0,
+	  "accepted for supervisors; shardd never daemonizes" },
 	{ "version", FLAG_VERSION, NULL, 0, "print the version and exit" },
 	{ "help", FLAG_HELP, NULL, 0, "print this help and exit" },
 };
@@ -175,7 +176,8 @@ static void usage(FILE *f)
 	      "and shuts down cleanly on SIGTERM or SIGINT. Under systemd socket activation\n"
 	      "(LISTEN_FDS=1, see shardd.socket) it serves the socket passed as fd 3.\n"
 	      "\n"
-	      "Options:\n", f);
+	      "Options:\n",
+	      f);
 	for (const struct flag *fl = flags; fl < flags + NFLAGS; fl++) {
 		char name[64], text[1024];
 
@@ -262,7 +264,7 @@ static int parse_seconds(const char *flag, const char *val, double *out)
 /* One word a flag takes, and what it stands for. */
 struct choice {
 	const char *word;
-	uint32_t    value;
+	uint32_t value;
 };
 
 /*
@@ -281,8 +283,8 @@ static int parse_choice(const char *flag, const char *val, const struct choice *
 			return 0;
 		}
 		if (off < sizeof(words))
-			off += (size_t)snprintf(words + off, sizeof(words) - off, "%s%s", i ? ", " : "",
-						choices[i].word);
+			off += (size_t)snprintf(words + off, sizeof(words) - off, "%s%s",
+						i ? ", " : "", choices[i].word);
 	}
 	return usage_error("%s: '%s' is not one of %s", flag, val, words);
 }
@@ -295,11 +297,11 @@ static const struct choice backends[] = {
 };
 static const struct choice cuda_exports[] = {
 	{ "auto", SHD_CUDA_EXPORT_AUTO },
-	{ "fd",   SHD_CUDA_EXPORT_FD },
-	{ "ipc",  SHD_CUDA_EXPORT_IPC },
+	{ "fd", SHD_CUDA_EXPORT_FD },
+	{ "ipc", SHD_CUDA_EXPORT_IPC },
 };
 static const struct choice internode_dtypes[] = {
-	{ "fp32",   SHD_INTERNODE_FP32 },
+	{ "fp32", SHD_INTERNODE_FP32 },
 	{ "reduce", SHD_INTERNODE_REDUCE },
 };
 
@@ -308,7 +310,8 @@ static int parse_bytes(const char *flag, const char *val, uint64_t *out)
 {
 	if (shd_memlimit_parse(val, out) < 0 || *out == 0)
 		return usage_error("%s: '%s' is not a byte count above 0 (digits, then "
-				   "optionally K, M, G or T)", flag, val);
+				   "optionally K, M, G or T)",
+				   flag, val);
 	return 0;
 }
 
@@ -316,7 +319,8 @@ static int parse_bytes(const char *flag, const char *val, uint64_t *out)
  * Apply flag `id` with its value (NULL for flags without). 0, or 2 after a
  * usage error. *cuda_only names the last flag seen that needs --backend cuda.
  */
-static int apply_flag(struct shd_config *cfg, enum flag_id id, const char *val, const char **cuda_only)
+static int apply_flag(struct shd_config *cfg, enum flag_id id, const char *val,
+		      const char **cuda_only)
 {
 	unsigned long v;
 	char *end;
@@ -335,8 +339,8 @@ static int apply_flag(struct shd_config *cfg, enum flag_id id, const char *val, 
 		int level = shd_log_level_parse(val);
 
 		if (level < 0)
-			return usage_error("--log-level: '%s' is not one of error, warn, info, debug",
-					   val);
+			return usage_error(
+				"--log-level: '%s' is not one of error, warn, info, debug", val);
 		cfg->log_level = level;
 		break;
 	}
@@ -349,7 +353,8 @@ static int apply_flag(struct shd_config *cfg, enum flag_id id, const char *val, 
 	case FLAG_MPS_SM_PERCENT:
 		*cuda_only = "--mps-sm-percent";
 		if (parse_uint(val, 1, 100, &v) < 0)
-			return usage_error("--mps-sm-percent: '%s' is not a percentage in [1, 100]", val);
+			return usage_error("--mps-sm-percent: '%s' is not a percentage in [1, 100]",
+					   val);
 		/* The driver reads it when CUDA initialises, which the backend does after the flags. */
 		if (setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", val, 1))
 			return usage_error("--mps-sm-percent: setenv: %s", strerror(errno));
@@ -369,7 +374,8 @@ static int apply_flag(struct shd_config *cfg, enum flag_id id, const char *val, 
 
 		if (parse_gid(val, &gid) < 0)
 			return usage_error("--allow-gid: '%s' is neither a gid nor a group "
-					   "name", val);
+					   "name",
+					   val);
 		if (cfg->nallow_gids == SHD_MAX_ALLOW_GIDS)
 			return usage_error("--allow-gid: more than %d groups (at '%s')",
 					   SHD_MAX_ALLOW_GIDS, val);
@@ -384,9 +390,10 @@ static int apply_flag(struct shd_config *cfg, enum flag_id id, const char *val, 
 		errno = 0;
 		t = strtod(val, &end);
 		if (errno || end == val || *end || !(t >= 0) || t > SHD_JOB_LINGER_MAX_S)
-			return usage_error("--job-linger: '%s' is not a number of seconds in [0, %g] "
-					   "(0 keeps a job without ranks forever)", val,
-					   SHD_JOB_LINGER_MAX_S);
+			return usage_error(
+				"--job-linger: '%s' is not a number of seconds in [0, %g] "
+				"(0 keeps a job without ranks forever)",
+				val, SHD_JOB_LINGER_MAX_S);
 		cfg->job_linger_s = t;
 		break;
 	case FLAG_SOCKET_MODE:
@@ -394,8 +401,10 @@ static int apply_flag(struct shd_config *cfg, enum flag_id id, const char *val, 
 		v = strtoul(val, &end, 8);
 		if (errno || end == val || *end || *val == '-' || *val == '+' || v > 0777 ||
 		    (v & 0600) != 0600)
-			return usage_error("--socket-mode: '%s' is not an octal mode in [0600, 0777] "
-					   "that keeps the owner's rw (e.g. 0660)", val);
+			return usage_error(
+				"--socket-mode: '%s' is not an octal mode in [0600, 0777] "
+				"that keeps the owner's rw (e.g. 0660)",
+				val);
 		cfg->socket_mode = (unsigned)v;
 		break;
 	case FLAG_SOCKET_GROUP:
@@ -409,16 +418,17 @@ static int apply_flag(struct shd_config *cfg, enum flag_id id, const char *val, 
 
 		if (strlen(val) >= sizeof(cfg->metrics_listen) ||
 		    shd_metrics_http_parse(val, host, sizeof(host), port, sizeof(port), why,
-					      sizeof(why)) < 0)
-			return usage_error("--metrics-listen %s", strlen(val) >=
-					   sizeof(cfg->metrics_listen) ? "is too long" : why);
+					   sizeof(why)) < 0)
+			return usage_error(
+				"--metrics-listen %s",
+				strlen(val) >= sizeof(cfg->metrics_listen) ? "is too long" : why);
 		snprintf(cfg->metrics_listen, sizeof(cfg->metrics_listen), "%s", val);
 		break;
 	}
 	case FLAG_STATE_DIR:
 		if (!val[0] || strlen(val) >= sizeof(cfg->state_dir) - 200)
-			return usage_error("--state-dir: '%.64s' is empty or longer than %zu bytes", val,
-					   sizeof(cfg->state_dir) - 201);
+			return usage_error("--state-dir: '%.64s' is empty or longer than %zu bytes",
+					   val, sizeof(cfg->state_dir) - 201);
 		snprintf(cfg->state_dir, sizeof(cfg->state_dir), "%s", val);
 		break;
 	case FLAG_IMPORT_DIR: {
@@ -434,8 +444,10 @@ static int apply_flag(struct shd_config *cfg, enum flag_id id, const char *val, 
 			int err = !val[0] ? ENOENT : real ? ENOTDIR : errno;
 
 			free(real);
-			return usage_error("--import-dir: '%s' is not a directory (%s); create it or "
-					   "name an existing one", val, strerror(err));
+			return usage_error(
+				"--import-dir: '%s' is not a directory (%s); create it or "
+				"name an existing one",
+				val, strerror(err));
 		}
 		cfg->import_dirs[cfg->nimport_dirs++] = real;
 		break;
@@ -444,26 +456,30 @@ static int apply_flag(struct shd_config *cfg, enum flag_id id, const char *val, 
 		errno = 0;
 		v = strtoul(val, &end, 10);
 		if (errno || end == val || *end || *val == '-' || v == 0 || v > UINT32_MAX)
-			return usage_error("--checkpoint-every: '%s' is not a step count in [1, %u]", val,
-					   UINT32_MAX);
+			return usage_error(
+				"--checkpoint-every: '%s' is not a step count in [1, %u]", val,
+				UINT32_MAX);
 		cfg->checkpoint_every = (uint32_t)v;
 		break;
 	case FLAG_KEEP:
 		errno = 0;
 		v = strtoul(val, &end, 10);
 		if (errno || end == val || *end || *val == '-' || v > 1000000)
-			return usage_error("--keep: '%s' is not a count in [0, 1000000] (0 keeps every "
-					   "checkpoint)", val);
+			return usage_error(
+				"--keep: '%s' is not a count in [0, 1000000] (0 keeps every "
+				"checkpoint)",
+				val);
 		cfg->keep = (uint32_t)v;
 		break;
 	case FLAG_WORLD:
 		if (strcmp(val, "mpi") != 0)
-			return usage_error("--world: '%s' is not mpi (the only world there is)", val);
+			return usage_error("--world: '%s' is not mpi (the only world there is)",
+					   val);
 		world_mpi = 1;
 		break;
 	case FLAG_INTERNODE_DTYPE:
-		return parse_choice("--internode-dtype", val, internode_dtypes, NCHOICES(internode_dtypes),
-				    &internode_dtype);
+		return parse_choice("--internode-dtype", val, internode_dtypes,
+				    NCHOICES(internode_dtypes), &internode_dtype);
 	case FLAG_FOREGROUND:
 		/* shardd never forks into the background; the flag is for supervisors' habits. */
 		break;
@@ -496,14 +512,14 @@ static int flag_named_whole(const char *arg)
 
 static void print_version(void)
 {
-	printf("shardd %s (protocol %d.%d, backends: host%s)\n", SHARDD_VERSION,
-	       SHARDD_PROTO_MAJOR, SHARDD_PROTO_MINOR,
+	printf("shardd %s (protocol %d.%d, backends: host%s)\n", SHARDD_VERSION, SHARDD_PROTO_MAJOR,
+	       SHARDD_PROTO_MINOR,
 #ifdef SHARDD_HAVE_CUDA
 	       ", cuda"
 #else
 	       ""
 #endif
-	       );
+	);
 }
 
 /* parse_flags' answer when the flags are good and shardd is to run (not an exit status). */
@@ -520,8 +536,8 @@ static int parse_flags(int argc, char **argv, struct shd_config *cfg)
 
 	for (size_t i = 0; i < NFLAGS; i++)
 		longopts[i] = (struct option){ flags[i].name,
-					       flags[i].value ? required_argument : no_argument, NULL,
-					       flags[i].id };
+					       flags[i].value ? required_argument : no_argument,
+					       NULL, flags[i].id };
 	longopts[NFLAGS] = (struct option){ 0 };
 	opterr = 0;
 	for (;;) {
@@ -561,8 +577,8 @@ static int parse_flags(int argc, char **argv, struct shd_config *cfg)
 	}
 	/* Flags come in any order: only now is the backend known. */
 	if (cuda_only && cfg->backend != SHARDD_BACKEND_CUDA)
-		return usage_error("%s applies to --backend cuda only; the backend is %s", cuda_only,
-				   shd_backend_name(cfg->backend));
+		return usage_error("%s applies to --backend cuda only; the backend is %s",
+				   cuda_only, shd_backend_name(cfg->backend));
 	return FLAGS_RUN;
 }
 
@@ -583,11 +599,13 @@ static void raise_fd_limit(void)
 	was = rl.rlim_cur;
 	rl.rlim_cur = rl.rlim_max;
 	if (setrlimit(RLIMIT_NOFILE, &rl) < 0)
-		shd_log_warn("cannot raise the descriptor limit (RLIMIT_NOFILE) from %llu to %llu: %s",
-			     (unsigned long long)was, (unsigned long long)rl.rlim_max, strerror(errno));
+		shd_log_warn(
+			"cannot raise the descriptor limit (RLIMIT_NOFILE) from %llu to %llu: %s",
+			(unsigned long long)was, (unsigned long long)rl.rlim_max, strerror(errno));
 	else
-		shd_log_info("raised the descriptor limit (RLIMIT_NOFILE) from %llu to its hard limit %llu",
-			     (unsigned long long)was, (unsigned long long)rl.rlim_max);
+		shd_log_info(
+			"raised the descriptor limit (RLIMIT_NOFILE) from %llu to its hard limit %llu",
+			(unsigned long long)was, (unsigned long long)rl.rlim_max);
 }
 
 int main(int argc, char **argv)
@@ -603,7 +621,8 @@ int main(int argc, char **argv)
 
 #ifndef SHARDD_HAVE_CUDA
 	if (cfg.backend == SHARDD_BACKEND_CUDA) {
-		fprintf(stderr, "shardd: --backend cuda: this shardd was built without CUDA "
+		fprintf(stderr,
+			"shardd: --backend cuda: this shardd was built without CUDA "
 			"(rebuild where nvcc and NCCL are installed, e.g. make CUDA=1), or use "
 			"--backend host\n");
 		return 1;
@@ -614,8 +633,10 @@ int main(int argc, char **argv)
 		char why[320];
 
 		if (shd_world_start(internode_dtype, why, sizeof(why)) < 0) {
-			fprintf(stderr, "shardd: --world mpi: %s (start one daemon per node with "
-				"mpirun -np NODES --map-by ppr:1:node shardd --world mpi, or srun)\n", why);
+			fprintf(stderr,
+				"shardd: --world mpi: %s (start one daemon per node with "
+				"mpirun -np NODES --map-by ppr:1:node shardd --world mpi, or srun)\n",
+				why);
 			return 1;
 		}
 	}

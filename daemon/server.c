@@ -41,8 +41,9 @@ struct shd_server server = { .listen_fd = -1, .signal_fd = -1, .accept_reserve_f
 
 const char *shd_backend_name(uint32_t backend)
 {
-	return backend == SHARDD_BACKEND_HOST ? "host" :
-	       backend == SHARDD_BACKEND_CUDA ? "cuda" : "unknown";
+	return backend == SHARDD_BACKEND_HOST   ? "host"
+	       : backend == SHARDD_BACKEND_CUDA ? "cuda"
+						: "unknown";
 }
 
 void shd_config_defaults(struct shd_config *cfg)
@@ -81,8 +82,7 @@ static void server_signal(void *arg, int fd, uint32_t revents)
 	(void)revents;
 	if (read(fd, &si, sizeof(si)) != sizeof(si))
 		return;
-	shd_log_info("received %s, shutting down",
-			si.ssi_signo == SIGINT ? "SIGINT" : "SIGTERM");
+	shd_log_info("received %s, shutting down", si.ssi_signo == SIGINT ? "SIGINT" : "SIGTERM");
 	shd_loop_stop(server.loop);
 }
 
@@ -316,14 +316,15 @@ static int socket_dir_prepare(const struct shd_config *cfg)
 		if (gid != (gid_t)-1 && chown(dir, (uid_t)-1, gid) < 0) {
 			ret = -errno;
 			shd_log_error("shardd: cannot give the socket directory %s group %u: %s "
-				"(shardd's uid %u must be root or a member of group %u)", dir,
-				(unsigned)gid, strerror(-ret), (unsigned)getuid(), (unsigned)gid);
+				      "(shardd's uid %u must be root or a member of group %u)",
+				      dir, (unsigned)gid, strerror(-ret), (unsigned)getuid(),
+				      (unsigned)gid);
 			return ret;
 		}
 		if (chmod(dir, mode) < 0) {
 			ret = -errno;
 			shd_log_error("shardd: cannot set mode %04o on the socket directory %s: %s",
-				mode, dir, strerror(-ret));
+				      mode, dir, strerror(-ret));
 			return ret;
 		}
 		return 0;
@@ -331,7 +332,7 @@ static int socket_dir_prepare(const struct shd_config *cfg)
 	if (errno != EEXIST) {
 		ret = -errno;
 		shd_log_error("shardd: cannot create the socket directory %s: %s", dir,
-			strerror(-ret));
+			      strerror(-ret));
 		return ret;
 	}
 	if (stat(dir, &st) < 0) {
@@ -341,15 +342,16 @@ static int socket_dir_prepare(const struct shd_config *cfg)
 	}
 	if (!S_ISDIR(st.st_mode)) {
 		shd_log_error("shardd: %s exists and is not a directory; remove it or pass "
-			"--socket elsewhere", dir);
+			      "--socket elsewhere",
+			      dir);
 		return -ENOTDIR;
 	}
 	if (gid != (gid_t)-1 && !(st.st_mode & 0001) && !(st.st_gid == gid && (st.st_mode & 0010)))
 		shd_log_warn("the socket directory %s (mode %04o, group %u) cannot be searched by "
-				"group %u, so its members cannot connect: remove the directory so "
-				"shardd creates it with mode %04o, or chgrp %u and chmod g+x it",
-				dir, (unsigned)(st.st_mode & 07777), (unsigned)st.st_gid,
-				(unsigned)gid, mode, (unsigned)gid);
+			     "group %u, so its members cannot connect: remove the directory so "
+			     "shardd creates it with mode %04o, or chgrp %u and chmod g+x it",
+			     dir, (unsigned)(st.st_mode & 07777), (unsigned)st.st_gid,
+			     (unsigned)gid, mode, (unsigned)gid);
 	return 0;
 }
 
@@ -373,7 +375,8 @@ static int socket_check_live(const char *path)
 	}
 	if (!S_ISSOCK(st.st_mode)) {
 		shd_log_error("shardd: %s exists and is not a socket; remove it or pass --socket "
-			"elsewhere", path);
+			      "elsewhere",
+			      path);
 		return -ENOTSOCK;
 	}
 	fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
@@ -386,7 +389,8 @@ static int socket_check_live(const char *path)
 	if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0) {
 		struct ucred cred;
 		socklen_t len = sizeof(cred);
-		int have_pid = getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0 && cred.pid > 0;
+		int have_pid =
+			getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0 && cred.pid > 0;
 
 		if (have_pid && kill(cred.pid, 0) < 0 && errno == ESRCH) {
 			/*
@@ -397,15 +401,17 @@ static int socket_check_live(const char *path)
 			 */
 			if (unlink(path) < 0 && errno != ENOENT) {
 				live = -errno;
-				shd_log_error("shardd: cannot remove the socket %s of the exited daemon "
-					"(pid %d): %s", path, (int)cred.pid, strerror(-live));
+				shd_log_error(
+					"shardd: cannot remove the socket %s of the exited daemon "
+					"(pid %d): %s",
+					path, (int)cred.pid, strerror(-live));
 			} else {
-				shd_log_info("removed the socket %s of the exited daemon (pid %d)", path,
-					(int)cred.pid);
+				shd_log_info("removed the socket %s of the exited daemon (pid %d)",
+					     path, (int)cred.pid);
 			}
 		} else if (have_pid) {
 			shd_log_error("shardd: another daemon already serves %s (pid %d)", path,
-				(int)cred.pid);
+				      (int)cred.pid);
 			live = 1;
 		} else {
 			shd_log_error("shardd: another daemon already serves %s", path);
@@ -416,7 +422,7 @@ static int socket_check_live(const char *path)
 		if (unlink(path) < 0 && errno != ENOENT) {
 			live = -errno;
 			shd_log_error("shardd: cannot remove the stale socket %s: %s", path,
-				strerror(-live));
+				      strerror(-live));
 		} else {
 			shd_log_info("removed stale socket %s", path);
 		}
@@ -454,21 +460,23 @@ static int socket_listen(const struct shd_config *cfg)
 	umask(old_umask);
 	if (ret < 0) {
 		shd_log_error("shardd: cannot bind %s: %s%s", path, strerror(-ret),
-			ret == -EADDRINUSE ? " (another daemon started at the same time?)" : "");
+			      ret == -EADDRINUSE ? " (another daemon started at the same time?)"
+						 : "");
 		goto err;
 	}
 	server.socket_bound = 1;
 	if (gid != (gid_t)-1 && chown(path, (uid_t)-1, gid) < 0) {
 		ret = -errno;
 		shd_log_error("shardd: cannot give the socket %s group %u: %s (shardd's uid %u "
-			"must be root or a member of group %u)", path, (unsigned)gid,
-			strerror(-ret), (unsigned)getuid(), (unsigned)gid);
+			      "must be root or a member of group %u)",
+			      path, (unsigned)gid, strerror(-ret), (unsigned)getuid(),
+			      (unsigned)gid);
 		goto err;
 	}
 	if (chmod(path, mode) < 0) {
 		ret = -errno;
 		shd_log_error("shardd: cannot set mode %04o on the socket %s: %s", mode, path,
-			strerror(-ret));
+			      strerror(-ret));
 		goto err;
 	}
 	if (listen(fd, SOMAXCONN) < 0) {
@@ -511,14 +519,17 @@ static int socket_from_systemd(char *cfg_path, size_t path_len)
 	unsetenv("LISTEN_FDNAMES");
 	if (errno || *end || nfds != 1) {
 		shd_log_error("shardd: LISTEN_FDS='%s': shardd takes exactly one socket from "
-			"systemd; give its .socket unit a single ListenSequentialPacket=", fds_s);
+			      "systemd; give its .socket unit a single ListenSequentialPacket=",
+			      fds_s);
 		return -EINVAL;
 	}
 	if (getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &len) < 0 || type != SOCK_SEQPACKET ||
-	    (len = sizeof(listening), getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len)) < 0 ||
+	    (len = sizeof(listening), getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len)) <
+		    0 ||
 	    !listening || getsockname(fd, (struct sockaddr *)&sa, &alen) < 0 ||
 	    sa.sun_family != AF_UNIX) {
-		shd_log_error("shardd: fd %d from systemd (LISTEN_FDS=1) is not a listening Unix "
+		shd_log_error(
+			"shardd: fd %d from systemd (LISTEN_FDS=1) is not a listening Unix "
 			"SOCK_SEQPACKET socket; use ListenSequentialPacket=PATH in the .socket unit",
 			fd);
 		return -EINVAL;
@@ -560,10 +571,12 @@ static void log_memory_limits(void)
 	char all[32], job[32];
 
 	shd_log_info("memory limits: %s of buffers in all (%s), %s per job%s",
-			shd_memlimit_str(server.cfg.max_memory, all, sizeof(all)), server.cfg.max_memory_from,
-			shd_memlimit_str(server.cfg.max_job_memory, job, sizeof(job)),
-			server.cfg.backend == SHARDD_BACKEND_HOST ? ""
-			: " (host backend only: device memory is not counted)");
+		     shd_memlimit_str(server.cfg.max_memory, all, sizeof(all)),
+		     server.cfg.max_memory_from,
+		     shd_memlimit_str(server.cfg.max_job_memory, job, sizeof(job)),
+		     server.cfg.backend == SHARDD_BACKEND_HOST
+			     ? ""
+			     : " (host backend only: device memory is not counted)");
 }
 
 int shd_server_init(const struct shd_config *cfg)
@@ -574,14 +587,16 @@ int shd_server_init(const struct shd_config *cfg)
 	server.cfg = *cfg;
 	if (!server.cfg.max_memory) {
 		ret = shd_memlimit_default(&server.cfg.max_memory, server.cfg.max_memory_from,
-					    sizeof(server.cfg.max_memory_from));
+					   sizeof(server.cfg.max_memory_from));
 		if (ret < 0) {
-			shd_log_error("shardd: cannot read the physical memory size for the default "
+			shd_log_error(
+				"shardd: cannot read the physical memory size for the default "
 				"--max-memory; pass --max-memory BYTES");
 			return ret;
 		}
 	} else {
-		snprintf(server.cfg.max_memory_from, sizeof(server.cfg.max_memory_from), "--max-memory");
+		snprintf(server.cfg.max_memory_from, sizeof(server.cfg.max_memory_from),
+			 "--max-memory");
 	}
 	if (!server.cfg.max_job_memory)
 		server.cfg.max_job_memory = server.cfg.max_memory;
@@ -610,10 +625,11 @@ int shd_server_init(const struct shd_config *cfg)
 		if (strcmp(server.cfg.socket_path, cfg->socket_path) != 0 &&
 		    strcmp(cfg->socket_path, def) != 0)
 			shd_log_warn("--socket %s ignored: systemd passed the socket %s",
-					cfg->socket_path, server.cfg.socket_path);
+				     cfg->socket_path, server.cfg.socket_path);
 		if (cfg->socket_mode || cfg->socket_group_set)
-			shd_log_warn("--socket-mode and --socket-group are ignored under socket "
-					"activation: set SocketMode= and SocketGroup= in shardd.socket");
+			shd_log_warn(
+				"--socket-mode and --socket-group are ignored under socket "
+				"activation: set SocketMode= and SocketGroup= in shardd.socket");
 	} else {
 		ret = socket_dir_prepare(cfg);
 		if (ret < 0)
@@ -642,7 +658,7 @@ int shd_server_init(const struct shd_config *cfg)
 	ret = shd_engine_create(&ecfg, &server.engine);
 	if (ret < 0) {
 		shd_log_error("shardd: cannot start the %s backend (see the error above)",
-			shd_backend_name(cfg->backend));
+			      shd_backend_name(cfg->backend));
 		return ret;
 	}
 	shd_jobs_init(&(struct shd_jobs_env){
@@ -704,30 +720,31 @@ int shd_server_init(const struct shd_config *cfg)
 		.jobs = &server.jobs,
 		.sessions = &server.sessions,
 	});
-	if ((ret = shd_loop_add_fd(server.loop, server.listen_fd, POLLIN,
-				      shd_session_accept, NULL, NULL)) < 0 ||
-	    (ret = shd_loop_add_fd(server.loop, server.signal_fd, POLLIN, server_signal,
-				      NULL, NULL)) < 0 ||
+	if ((ret = shd_loop_add_fd(server.loop, server.listen_fd, POLLIN, shd_session_accept, NULL,
+				   NULL)) < 0 ||
+	    (ret = shd_loop_add_fd(server.loop, server.signal_fd, POLLIN, server_signal, NULL,
+				   NULL)) < 0 ||
 	    (ret = shd_loop_add_fd(server.loop, shd_engine_event_fd(server.engine), POLLIN,
-				      server_engine_ready, NULL, NULL)) < 0 ||
-	    (ret = shd_loop_add_timer(server.loop, SHD_CRON_PERIOD_MS, server_cron, NULL,
-					 NULL)) < 0) {
+				   server_engine_ready, NULL, NULL)) < 0 ||
+	    (ret = shd_loop_add_timer(server.loop, SHD_CRON_PERIOD_MS, server_cron, NULL, NULL)) <
+		    0) {
 		shd_log_error("shardd: cannot register with the event loop: %s", strerror(-ret));
 		return ret;
 	}
 	shd_loop_set_sleep_hooks(server.loop, server_before_sleep, server_after_sleep, NULL);
 	if (cfg->metrics_listen[0]) {
 		ret = shd_metrics_http_start(cfg->metrics_listen, server.loop,
-						&server.metrics_http);
+					     &server.metrics_http);
 		if (ret < 0)
 			return ret;
 		shd_log_info("serving Prometheus metrics on %s",
-				shd_metrics_http_url(server.metrics_http));
+			     shd_metrics_http_url(server.metrics_http));
 	}
 	shd_log_info("shardd %s (protocol %d.%d), pid %d, backend %s, collective timeout %g s, "
-			"handshake timeout %g s", SHARDD_VERSION, SHARDD_PROTO_MAJOR,
-			SHARDD_PROTO_MINOR, (int)server.pid, shd_backend_name(cfg->backend),
-			cfg->collective_timeout_s, cfg->handshake_timeout_s);
+		     "handshake timeout %g s",
+		     SHARDD_VERSION, SHARDD_PROTO_MAJOR, SHARDD_PROTO_MINOR, (int)server.pid,
+		     shd_backend_name(cfg->backend), cfg->collective_timeout_s,
+		     cfg->handshake_timeout_s);
 	log_memory_limits();
 	/* Tests and supervisors wait for exactly this line. */
 	fprintf(stderr, "shardd: ready on %s\n", server.cfg.socket_path);

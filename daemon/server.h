@@ -24,27 +24,27 @@ struct shd_metrics_http;
 struct shd_server {
 	struct shd_config cfg;
 	uint64_t collective_timeout_ns;
-	uint64_t handshake_timeout_ns;  /* a connection with no complete message by then is closed */
-	uid_t    uid;                  /* clients must run as this uid (or an allowed gid) */
-	pid_t    pid;
-	uint64_t start_ns;             /* CLOCK_MONOTONIC at init: uptime */
-	int      listen_fd;            /* -1 when not listening */
-	int      signal_fd;            /* SIGTERM, SIGINT */
-	int      socket_bound;         /* we created socket_path: unlink it on exit */
-	int      accept_reserve_fd;    /* /dev/null held back to answer a connection at the fd
+	uint64_t handshake_timeout_ns; /* a connection with no complete message by then is closed */
+	uid_t uid;                     /* clients must run as this uid (or an allowed gid) */
+	pid_t pid;
+	uint64_t start_ns;     /* CLOCK_MONOTONIC at init: uptime */
+	int listen_fd;         /* -1 when not listening */
+	int signal_fd;         /* SIGTERM, SIGINT */
+	int socket_bound;      /* we created socket_path: unlink it on exit */
+	int accept_reserve_fd; /* /dev/null held back to answer a connection at the fd
 					* limit (shd_session_accept); -1 while spent */
-	int      socket_activated;     /* listen_fd came from systemd (LISTEN_FDS) */
+	int socket_activated;  /* listen_fd came from systemd (LISTEN_FDS) */
 	struct shd_metrics_http *metrics_http; /* --metrics-listen; NULL without */
-	struct shd_loop   *loop;
+	struct shd_loop *loop;
 	struct shd_engine *engine;
-	struct shd_session *sessions;  /* every connected client, dead ones until reaped */
-	struct shd_job     *jobs;
-	uint64_t last_work_ns;         /* the last time a ring had work: spin window */
-	uint64_t last_yield_ns;        /* the spin window's last sched_yield() */
+	struct shd_session *sessions; /* every connected client, dead ones until reaped */
+	struct shd_job *jobs;
+	uint64_t last_work_ns;  /* the last time a ring had work: spin window */
+	uint64_t last_yield_ns; /* the spin window's last sched_yield() */
 	uint64_t last_heartbeat_ns;
-	int      need_reap;            /* some session is dead and waits to be freed */
-	int      need_close;           /* some session is marked closing (shd_session_close_later) */
-	uint64_t job_linger_ns;        /* --job-linger; 0 = forever */
+	int need_reap;          /* some session is dead and waits to be freed */
+	int need_close;         /* some session is marked closing (shd_session_close_later) */
+	uint64_t job_linger_ns; /* --job-linger; 0 = forever */
 };
 
 extern struct shd_server server;

@@ -10,8 +10,9 @@
 
 #include <immintrin.h>
 
-#define BF16_AVX512_INLINE \
-	__attribute__((target("avx512f,avx512bw,avx512vl"))) static inline __attribute__((always_inline))
+#define BF16_AVX512_INLINE                                                 \
+	__attribute__((target("avx512f,avx512bw,avx512vl"))) static inline \
+		__attribute__((always_inline))
 
 /* Lanes that hold a NaN. */
 BF16_AVX512_INLINE __mmask16 bf16_nan_lanes_512(__m512i u)
@@ -35,8 +36,8 @@ BF16_AVX512_INLINE __m512 bf16_widen_512(__m256i h)
 {
 	__m512i u = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
 
-	return _mm512_castsi512_ps(_mm512_mask_or_epi32(u, bf16_nan_lanes_512(u), u,
-							_mm512_set1_epi32(0x00400000)));
+	return _mm512_castsi512_ps(
+		_mm512_mask_or_epi32(u, bf16_nan_lanes_512(u), u, _mm512_set1_epi32(0x00400000)));
 }
 
 /* x rounded to bf16 and widened back (shardd_round_to on 16 lanes). */
@@ -48,7 +49,8 @@ BF16_AVX512_INLINE __m512 bf16_round_512(__m512 x)
 /* x rounded to bf16: the 16-bit values. */
 BF16_AVX512_INLINE __m256i bf16_narrow_512(__m512 x)
 {
-	return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_round_bits_512(_mm512_castps_si512(x)), 16));
+	return _mm512_cvtepi32_epi16(
+		_mm512_srli_epi32(bf16_round_bits_512(_mm512_castps_si512(x)), 16));
 }
 
 #endif /* SHARDD_BF16_AVX512_H */

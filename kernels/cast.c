@@ -35,21 +35,21 @@
  * Run fn(dst + i, src + i, len) over n elements: whole blocks with a
  * constant length (vectorised), then the tail.
  */
-#define BLOCKED(fn, dst, src, n)                                               \
-	do {                                                                   \
-		size_t i_ = 0;                                                 \
-		for (; i_ + SHARDD_K_BLOCK <= (n); i_ += SHARDD_K_BLOCK)       \
-			fn((dst) + i_, (src) + i_, SHARDD_K_BLOCK);            \
-		fn((dst) + i_, (src) + i_, (n) - i_);                          \
+#define BLOCKED(fn, dst, src, n)                                         \
+	do {                                                             \
+		size_t i_ = 0;                                           \
+		for (; i_ + SHARDD_K_BLOCK <= (n); i_ += SHARDD_K_BLOCK) \
+			fn((dst) + i_, (src) + i_, SHARDD_K_BLOCK);      \
+		fn((dst) + i_, (src) + i_, (n)-i_);                      \
 	} while (0)
 
 /* BLOCKED for an in-place fn(x + i, len). */
-#define BLOCKED_INPLACE(fn, x, n)                                              \
-	do {                                                                   \
-		size_t i_ = 0;                                                 \
-		for (; i_ + SHARDD_K_BLOCK <= (n); i_ += SHARDD_K_BLOCK)       \
-			fn((x) + i_, SHARDD_K_BLOCK);                          \
-		fn((x) + i_, (n) - i_);                                        \
+#define BLOCKED_INPLACE(fn, x, n)                                        \
+	do {                                                             \
+		size_t i_ = 0;                                           \
+		for (; i_ + SHARDD_K_BLOCK <= (n); i_ += SHARDD_K_BLOCK) \
+			fn((x) + i_, SHARDD_K_BLOCK);                    \
+		fn((x) + i_, (n)-i_);                                    \
 	} while (0)
 
 /* ------------------------------------------------------------- bf16 --- */
@@ -100,20 +100,18 @@ ALWAYS_INLINE void bf16_round_n(float *restrict x, size_t n)
  * The bf16 block loops, built twice: for the baseline ISA and for AVX2
  * (twice the vector width), picked at run time.
  */
-#define BF16_BLOCKS(isa, attr)                                                     \
-	attr static void bf16_load_##isa(float *restrict d, const uint16_t *restrict s, \
-					 size_t n)                                       \
-	{                                                                          \
-		BLOCKED(bf16_load_n, d, s, n);                                     \
-	}                                                                          \
-	attr static void bf16_store_##isa(uint16_t *restrict d, const float *restrict s, \
-					  size_t n)                                      \
-	{                                                                          \
-		BLOCKED(bf16_store_n, d, s, n);                                    \
-	}                                                                          \
-	attr static void bf16_round_##isa(float *x, size_t n)                      \
-	{                                                                          \
-		BLOCKED_INPLACE(bf16_round_n, x, n);                               \
+#define BF16_BLOCKS(isa, attr)                                                                     \
+	attr static void bf16_load_##isa(float *restrict d, const uint16_t *restrict s, size_t n)  \
+	{                                                                                          \
+		BLOCKED(bf16_load_n, d, s, n);                                                     \
+	}                                                                                          \
+	attr static void bf16_store_##isa(uint16_t *restrict d, const float *restrict s, size_t n) \
+	{                                                                                          \
+		BLOCKED(bf16_store_n, d, s, n);                                                    \
+	}                                                                                          \
+	attr static void bf16_round_##isa(float *x, size_t n)                                      \
+	{                                                                                          \
+		BLOCKED_INPLACE(bf16_round_n, x, n);                                               \
 	}
 
 BF16_BLOCKS(base, )
@@ -145,13 +143,15 @@ AVX2_TARGET static inline __m256i bf16_narrow_bits_256(__m256i u)
 AVX2_TARGET static inline __m256i bf16_narrow16_avx2(const float *s)
 {
 	__m256i a = bf16_narrow_bits_256(_mm256_loadu_si256((const __m256i *)(const void *)s));
-	__m256i b = bf16_narrow_bits_256(_mm256_loadu_si256((const __m256i *)(const void *)(s + 8)));
+	__m256i b =
+		bf16_narrow_bits_256(_mm256_loadu_si256((const __m256i *)(const void *)(s + 8)));
 
 	/* packus works per 128-bit lane: a0-3 b0-3 a4-7 b4-7, put back in order. */
 	return _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xd8);
 }
 
-AVX2_TARGET static void bf16_store_avx2_hand(uint16_t *restrict d, const float *restrict s, size_t n)
+AVX2_TARGET static void bf16_store_avx2_hand(uint16_t *restrict d, const float *restrict s,
+					     size_t n)
 {
 	size_t i = 0;
 
@@ -296,7 +296,7 @@ static void f16_round_portable(float *x, size_t n)
  * quiets NaNs. Tails go through the portable code.
  */
 #define F16C_TARGET __attribute__((target("avx,f16c")))
-#define F16C_ROUND (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define F16C_ROUND  (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 
 F16C_TARGET static void f16_load_f16c(float *restrict d, const uint16_t *restrict s, size_t n)
 {
@@ -445,7 +445,8 @@ static void f16_round(float *x, size_t n)
 /* Elements of `size` bytes before p reaches a STREAM_LINE boundary, at most n. */
 ALWAYS_INLINE size_t stream_head(const void *p, size_t size, size_t n)
 {
-	size_t head = ((STREAM_LINE - ((uintptr_t)p & (STREAM_LINE - 1))) & (STREAM_LINE - 1)) / size;
+	size_t head =
+		((STREAM_LINE - ((uintptr_t)p & (STREAM_LINE - 1))) & (STREAM_LINE - 1)) / size;
 
 	return head < n ? head : n;
 }
@@ -455,27 +456,31 @@ AVX512_TARGET ALWAYS_INLINE __m512i join_256(__m256i lo, __m256i hi)
 	return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
 }
 
-AVX512_TARGET static void bf16_store_stream_avx512(uint16_t *restrict d, const float *restrict s, size_t n)
+AVX512_TARGET static void bf16_store_stream_avx512(uint16_t *restrict d, const float *restrict s,
+						   size_t n)
 {
 	size_t i = stream_head(d, sizeof(*d), n);
 
 	bf16_store_avx512(d, s, i);
 	for (; i + 32 <= n; i += 32)
-		_mm512_stream_si512((void *)(d + i), join_256(bf16_narrow_512(_mm512_loadu_ps(s + i)),
-							      bf16_narrow_512(_mm512_loadu_ps(s + i + 16))));
+		_mm512_stream_si512((void *)(d + i),
+				    join_256(bf16_narrow_512(_mm512_loadu_ps(s + i)),
+					     bf16_narrow_512(_mm512_loadu_ps(s + i + 16))));
 	bf16_store_avx512(d + i, s + i, n - i);
 }
 
 /* vcvtps2ph with the F16C loops' rounding immediate: the same bits. */
-AVX512_TARGET static void f16_store_stream_avx512(uint16_t *restrict d, const float *restrict s, size_t n)
+AVX512_TARGET static void f16_store_stream_avx512(uint16_t *restrict d, const float *restrict s,
+						  size_t n)
 {
 	size_t i = stream_head(d, sizeof(*d), n);
 
 	f16_store(d, s, i);
 	for (; i + 32 <= n; i += 32)
-		_mm512_stream_si512((void *)(d + i), join_256(_mm512_cvtps_ph(_mm512_loadu_ps(s + i), F16C_ROUND),
-							      _mm512_cvtps_ph(_mm512_loadu_ps(s + i + 16),
-									      F16C_ROUND)));
+		_mm512_stream_si512(
+			(void *)(d + i),
+			join_256(_mm512_cvtps_ph(_mm512_loadu_ps(s + i), F16C_ROUND),
+				 _mm512_cvtps_ph(_mm512_loadu_ps(s + i + 16), F16C_ROUND)));
 	f16_store(d + i, s + i, n - i);
 }
 
@@ -497,14 +502,16 @@ AVX512_TARGET static void copy_stream_avx512(char *restrict d, const char *restr
  */
 #define AVX2_F16C_TARGET __attribute__((target("avx2,f16c")))
 
-AVX2_TARGET static void bf16_store_stream_avx2(uint16_t *restrict d, const float *restrict s, size_t n)
+AVX2_TARGET static void bf16_store_stream_avx2(uint16_t *restrict d, const float *restrict s,
+					       size_t n)
 {
 	size_t i = stream_head(d, sizeof(*d), n);
 
 	bf16_store(d, s, i);
 	for (; i + 32 <= n; i += 32) {
 		_mm256_stream_si256((__m256i *)(void *)(d + i), bf16_narrow16_avx2(s + i));
-		_mm256_stream_si256((__m256i *)(void *)(d + i + 16), bf16_narrow16_avx2(s + i + 16));
+		_mm256_stream_si256((__m256i *)(void *)(d + i + 16),
+				    bf16_narrow16_avx2(s + i + 16));
 	}
 	bf16_store(d + i, s + i, n - i);
 }
@@ -516,7 +523,8 @@ AVX2_F16C_TARGET static inline __m256i f16_narrow16_f16c(const float *s)
 				_mm256_cvtps_ph(_mm256_loadu_ps(s), F16C_ROUND));
 }
 
-AVX2_F16C_TARGET static void f16_store_stream_f16c(uint16_t *restrict d, const float *restrict s, size_t n)
+AVX2_F16C_TARGET static void f16_store_stream_f16c(uint16_t *restrict d, const float *restrict s,
+						   size_t n)
 {
 	size_t i = stream_head(d, sizeof(*d), n);
 
@@ -534,9 +542,11 @@ AVX2_TARGET static void copy_stream_avx2(char *restrict d, const char *restrict 
 
 	memcpy(d, s, i);
 	for (; i + STREAM_LINE <= bytes; i += STREAM_LINE) {
-		_mm256_stream_si256((__m256i *)(void *)(d + i), _mm256_loadu_si256((const __m256i *)(const void *)(s + i)));
-		_mm256_stream_si256((__m256i *)(void *)(d + i + 32),
-				    _mm256_loadu_si256((const __m256i *)(const void *)(s + i + 32)));
+		_mm256_stream_si256((__m256i *)(void *)(d + i),
+				    _mm256_loadu_si256((const __m256i *)(const void *)(s + i)));
+		_mm256_stream_si256(
+			(__m256i *)(void *)(d + i + 32),
+			_mm256_loadu_si256((const __m256i *)(const void *)(s + i + 32)));
 	}
 	memcpy(d + i, s + i, bytes - i);
 }
@@ -567,9 +577,12 @@ float shardd_f16_to_f32(uint16_t h)
 float shardd_round_to(uint32_t dtype, float f)
 {
 	switch (dtype) {
-	case SHARDD_DTYPE_BF16: return shardd_bf16_to_f32(shardd_f32_to_bf16(f));
-	case SHARDD_DTYPE_FP16: return shardd_f16_to_f32(shardd_f32_to_f16(f));
-	default: return f;
+	case SHARDD_DTYPE_BF16:
+		return shardd_bf16_to_f32(shardd_f32_to_bf16(f));
+	case SHARDD_DTYPE_FP16:
+		return shardd_f16_to_f32(shardd_f32_to_f16(f));
+	default:
+		return f;
 	}
 }
 
@@ -652,7 +665,8 @@ void shardd_k_cast(void *dst, uint32_t dst_dtype, const void *src, uint32_t src_
  * is rarely the large side of an op; x86 without AVX2).
  */
 #ifdef SHARDD_HAVE_X86
-static int cast_stream_x86(void *dst, uint32_t dst_dtype, const void *src, uint32_t src_dtype, size_t n)
+static int cast_stream_x86(void *dst, uint32_t dst_dtype, const void *src, uint32_t src_dtype,
+			   size_t n)
 {
 	int wide = have_avx512();
 
@@ -660,10 +674,12 @@ static int cast_stream_x86(void *dst, uint32_t dst_dtype, const void *src, uint3
 		return 0;
 	if (dst_dtype == src_dtype) {
 		if (dst != src)
-			(wide ? copy_stream_avx512 : copy_stream_avx2)(dst, src, n * shardd_dtype_size(dst_dtype));
+			(wide ? copy_stream_avx512
+			      : copy_stream_avx2)(dst, src, n * shardd_dtype_size(dst_dtype));
 	} else if (src_dtype == SHARDD_DTYPE_FP32 && dst_dtype == SHARDD_DTYPE_BF16) {
 		(wide ? bf16_store_stream_avx512 : bf16_store_stream_avx2)(dst, src, n);
-	} else if (src_dtype == SHARDD_DTYPE_FP32 && dst_dtype == SHARDD_DTYPE_FP16 && (wide || have_f16c())) {
+	} else if (src_dtype == SHARDD_DTYPE_FP32 && dst_dtype == SHARDD_DTYPE_FP16 &&
+		   (wide || have_f16c())) {
 		(wide ? f16_store_stream_avx512 : f16_store_stream_f16c)(dst, src, n);
 	} else {
 		return 0;
@@ -678,7 +694,8 @@ static int cast_stream_x86(void *dst, uint32_t dst_dtype, const void *src, uint3
 }
 #endif
 
-void shardd_k_cast_stream(void *dst, uint32_t dst_dtype, const void *src, uint32_t src_dtype, size_t n)
+void shardd_k_cast_stream(void *dst, uint32_t dst_dtype, const void *src, uint32_t src_dtype,
+			  size_t n)
 {
 #ifdef SHARDD_HAVE_X86
 	if (cast_stream_x86(dst, dst_dtype, src, src_dtype, n))

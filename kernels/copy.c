@@ -14,8 +14,8 @@ void shardd_k_zero(void *dst, size_t bytes)
 	memset(dst, 0, bytes);
 }
 
-void shardd_k_chunk_cat(void *dst, uint32_t dst_dtype, const void *const *src,
-			uint32_t src_dtype, uint32_t nchunks, size_t outer, size_t inner)
+void shardd_k_chunk_cat(void *dst, uint32_t dst_dtype, const void *const *src, uint32_t src_dtype,
+			uint32_t nchunks, size_t outer, size_t inner)
 {
 	size_t dsz = shardd_dtype_size(dst_dtype), ssz = shardd_dtype_size(src_dtype);
 	char *d = dst;

@@ -18,8 +18,8 @@
 #include "shardd_cuda_kernels.h"
 #include "shardd_proto.h"
 
-#define VEC 8          /* elements per vector step */
-#define THREADS 256
+#define VEC        8 /* elements per vector step */
+#define THREADS    256
 #define MAX_BLOCKS 4096 /* grid-stride loops cover the rest */
 
 /* ------------------------------------------------------- conversions --- */
@@ -95,8 +95,14 @@ __device__ __forceinline__ void dev_load8(const void *p, uint32_t dtype, size_t 
 		const float4 *q = (const float4 *)((const float *)p + i);
 		float4 a = q[0], b = q[1];
 
-		v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
-		v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+		v[0] = a.x;
+		v[1] = a.y;
+		v[2] = a.z;
+		v[3] = a.w;
+		v[4] = b.x;
+		v[5] = b.y;
+		v[6] = b.z;
+		v[7] = b.w;
 		return;
 	}
 	uint4 w = *(const uint4 *)((const uint16_t *)p + i);
@@ -163,8 +169,8 @@ static int launch_result(void)
 
 /* -------------------------------------------------------------- cast --- */
 
-__global__ void cast_kernel(void *dst, uint32_t dst_dtype, const void *src, uint32_t src_dtype, size_t n,
-			    bool vec)
+__global__ void cast_kernel(void *dst, uint32_t dst_dtype, const void *src, uint32_t src_dtype,
+			    size_t n, bool vec)
 {
 	size_t stride = (size_t)gridDim.x * blockDim.x;
 	size_t tid = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -180,8 +186,8 @@ __global__ void cast_kernel(void *dst, uint32_t dst_dtype, const void *src, uint
 		dev_store1(dst, dst_dtype, i, dev_load1(src, src_dtype, i));
 }
 
-extern "C" int shardd_cuda_cast(void *dst, uint32_t dst_dtype, const void *src, uint32_t src_dtype, size_t n,
-				void *stream)
+extern "C" int shardd_cuda_cast(void *dst, uint32_t dst_dtype, const void *src, uint32_t src_dtype,
+				size_t n, void *stream)
 {
 	cudaStream_t s = (cudaStream_t)stream;
 	bool vec = aligned16(dst) && aligned16(src);
@@ -191,10 +197,12 @@ extern "C" int shardd_cuda_cast(void *dst, uint32_t dst_dtype, const void *src, 
 	if (n == 0 || (dst == src && dst_dtype == src_dtype))
 		return 0;
 	if (dst_dtype == src_dtype)
-		return cudaMemcpyAsync(dst, src, n * shardd_dtype_size(dst_dtype), cudaMemcpyDeviceToDevice, s) ==
-		       cudaSuccess ? 0 : -SHARDD_E_BACKEND;
-	cast_kernel<<<grid_for(vec ? n / VEC + n % VEC : n), THREADS, 0, s>>>(dst, dst_dtype, src, src_dtype, n,
-									       vec);
+		return cudaMemcpyAsync(dst, src, n * shardd_dtype_size(dst_dtype),
+				       cudaMemcpyDeviceToDevice, s) == cudaSuccess
+			       ? 0
+			       : -SHARDD_E_BACKEND;
+	cast_kernel<<<grid_for(vec ? n / VEC + n % VEC : n), THREADS, 0, s>>>(dst, dst_dtype, src,
+									      src_dtype, n, vec);
 	return launch_result();
 }
 
@@ -202,7 +210,9 @@ extern "C" int shardd_cuda_zero(void *dst, size_t bytes, void *stream)
 {
 	if (bytes == 0)
 		return 0;
-	return cudaMemsetAsync(dst, 0, bytes, (cudaStream_t)stream) == cudaSuccess ? 0 : -SHARDD_E_BACKEND;
+	return cudaMemsetAsync(dst, 0, bytes, (cudaStream_t)stream) == cudaSuccess
+		       ? 0
+		       : -SHARDD_E_BACKEND;
 }
 
 /* --------------------------------------------------------- chunk-cat --- */
@@ -211,9 +221,9 @@ struct chunk_args {
 	const void *src[SHARDD_CUDA_MAX_INPUTS];
 	void *dst;
 	size_t outer, inner;
-	uint32_t nchunks;  /* of the whole param: dst's stride */
-	uint32_t first;    /* first chunk of this batch */
-	uint32_t nbatch;   /* chunks in this batch */
+	uint32_t nchunks; /* of the whole param: dst's stride */
+	uint32_t first;   /* first chunk of this batch */
+	uint32_t nbatch;  /* chunks in this batch */
 	uint32_t dst_dtype, src_dtype;
 };
 
@@ -223,8 +233,8 @@ struct chunk_args {
  * signalling NaN (bf16 0xff81 would come back 0xffc1) where the CPU
  * kernel's memcpy keeps every bit. VEC elements are 16-byte aligned.
  */
-__device__ __forceinline__ void dev_copy_bits(void *dst, size_t di, const void *src, size_t si, uint32_t dtype,
-					      size_t count)
+__device__ __forceinline__ void dev_copy_bits(void *dst, size_t di, const void *src, size_t si,
+					      uint32_t dtype, size_t count)
 {
 	if (dtype == SHARDD_DTYPE_FP32 && count == VEC) {
 		const uint4 *s = (const uint4 *)((const uint32_t *)src + si);
@@ -273,8 +283,9 @@ __global__ void chunk_cat_kernel(const __grid_constant__ struct chunk_args a, si
 	}
 }
 
-extern "C" int shardd_cuda_chunk_cat(void *dst, uint32_t dst_dtype, const void *const *src, uint32_t src_dtype,
-				     uint32_t nchunks, size_t outer, size_t inner, void *stream)
+extern "C" int shardd_cuda_chunk_cat(void *dst, uint32_t dst_dtype, const void *const *src,
+				     uint32_t src_dtype, uint32_t nchunks, size_t outer,
+				     size_t inner, void *stream)
 {
 	struct chunk_args a;
 	bool vec = aligned16(dst) && inner % VEC == 0;
@@ -294,7 +305,8 @@ extern "C" int shardd_cuda_chunk_cat(void *dst, uint32_t dst_dtype, const void *
 	a.dst_dtype = dst_dtype;
 	a.src_dtype = src_dtype;
 	for (a.first = 0; a.first < nchunks; a.first += a.nbatch) {
-		a.nbatch = nchunks - a.first < SHARDD_CUDA_MAX_INPUTS ? nchunks - a.first : SHARDD_CUDA_MAX_INPUTS;
+		a.nbatch = nchunks - a.first < SHARDD_CUDA_MAX_INPUTS ? nchunks - a.first
+								      : SHARDD_CUDA_MAX_INPUTS;
 		for (uint32_t r = 0; r < a.nbatch; r++)
 			a.src[r] = src[a.first + r];
 		chunk_cat_kernel<<<grid_for(outer * a.nbatch * (inner / step)), THREADS, 0,
@@ -318,7 +330,8 @@ struct reduce_args {
 };
 
 /* The formula of shardd_k_reduce for one element, given its inputs' values. */
-__device__ __forceinline__ float reduce_one(const struct reduce_args &a, float acc, float addend, float old)
+__device__ __forceinline__ float reduce_one(const struct reduce_args &a, float acc, float addend,
+					    float old)
 {
 	if (a.avg != 1.0f)
 		acc = acc / a.avg;
@@ -380,9 +393,9 @@ __global__ void reduce_kernel(const __grid_constant__ struct reduce_args a, bool
 	}
 }
 
-extern "C" int shardd_cuda_reduce(void *out, uint32_t out_dtype, int accumulate, const void *const *in,
-				  uint32_t nin, uint32_t in_dtype, size_t n, const struct shardd_reduce_math *m,
-				  void *stream)
+extern "C" int shardd_cuda_reduce(void *out, uint32_t out_dtype, int accumulate,
+				  const void *const *in, uint32_t nin, uint32_t in_dtype, size_t n,
+				  const struct shardd_reduce_math *m, void *stream)
 {
 	struct reduce_args a;
 	bool vec;
@@ -409,6 +422,7 @@ extern "C" int shardd_cuda_reduce(void *out, uint32_t out_dtype, int accumulate,
 	a.pre = m->pre;
 	a.avg = m->avg;
 	a.post = m->post;
-	reduce_kernel<<<grid_for(vec ? n / VEC + n % VEC : n), THREADS, 0, (cudaStream_t)stream>>>(a, vec);
+	reduce_kernel<<<grid_for(vec ? n / VEC + n % VEC : n), THREADS, 0, (cudaStream_t)stream>>>(
+		a, vec);
 	return launch_result();
 }

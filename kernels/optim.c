@@ -106,8 +106,8 @@ ALWAYS_INLINE void sgd_one(const struct shardd_sgd_coefs *c, float *p, float g, 
  *   p = p + (-step_size * m) / (sqrt(v) / sqrt(bc2) + eps)
  * The max is MAXPS's (old > v ? old : v): the vector loops' bits.
  */
-ALWAYS_INLINE void adamw_one(const struct shardd_adamw_coefs *c, float *p, float g, float *m, float *v,
-			     float *vmax_state)
+ALWAYS_INLINE void adamw_one(const struct shardd_adamw_coefs *c, float *p, float g, float *m,
+			     float *v, float *vmax_state)
 {
 	float gi = g * c->grad_mul, pi = *p * c->decay, mi = *m, vi = *v, den;
 
@@ -123,15 +123,16 @@ ALWAYS_INLINE void adamw_one(const struct shardd_adamw_coefs *c, float *p, float
 	*p = pi + (c->neg_step_size * mi) / den;
 }
 
-static void sgd_f32_portable(const struct shardd_sgd_coefs *c, float *restrict p, const float *restrict g,
-			     float *restrict b, size_t n)
+static void sgd_f32_portable(const struct shardd_sgd_coefs *c, float *restrict p,
+			     const float *restrict g, float *restrict b, size_t n)
 {
 	for (size_t i = 0; i < n; i++)
 		sgd_one(c, p + i, g[i], b ? b + i : NULL);
 }
 
-static void adamw_f32_portable(const struct shardd_adamw_coefs *c, float *restrict p, const float *restrict g,
-			       float *restrict m, float *restrict v, float *restrict vmax_state, size_t n)
+static void adamw_f32_portable(const struct shardd_adamw_coefs *c, float *restrict p,
+			       const float *restrict g, float *restrict m, float *restrict v,
+			       float *restrict vmax_state, size_t n)
 {
 	for (size_t i = 0; i < n; i++)
 		adamw_one(c, p + i, g[i], m + i, v + i, vmax_state ? vmax_state + i : NULL);
@@ -190,8 +191,8 @@ static void norm_f32_portable(const float *g, size_t n, double lanes[NORM_LANES]
  * (AVX2: four 4-double accumulators; AVX-512: two of 8). A square of an
  * fp32 value is exact in fp64, so mul + add is the portable loop's sum.
  */
-__attribute__((target("avx2"))) static void norm_f32_avx2(const float *g, size_t n, double lanes[NORM_LANES],
-							    float *max_abs)
+__attribute__((target("avx2"))) static void norm_f32_avx2(const float *g, size_t n,
+							  double lanes[NORM_LANES], float *max_abs)
 {
 	const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
 	__m256d a0 = _mm256_loadu_pd(lanes), a1 = _mm256_loadu_pd(lanes + 4);
@@ -226,8 +227,8 @@ __attribute__((target("avx2"))) static void norm_f32_avx2(const float *g, size_t
 	norm_f32_portable(g + i, n - i, lanes, max_abs);
 }
 
-__attribute__((target("avx512f"))) static void norm_f32_avx512(const float *g, size_t n,
-								double lanes[NORM_LANES], float *max_abs)
+__attribute__((target("avx512f"))) static void
+norm_f32_avx512(const float *g, size_t n, double lanes[NORM_LANES], float *max_abs)
 {
 	__m512d a0 = _mm512_loadu_pd(lanes), a1 = _mm512_loadu_pd(lanes + 8);
 	__m512 mx = _mm512_set1_ps(*max_abs);
@@ -236,7 +237,8 @@ __attribute__((target("avx512f"))) static void norm_f32_avx512(const float *g, s
 	for (; i + NORM_LANES <= n; i += NORM_LANES) {
 		__m512 x = _mm512_loadu_ps(g + i);
 		__m512d d0 = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
-		__m512d d1 = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+		__m512d d1 = _mm512_cvtps_pd(
+			_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
 
 		a0 = _mm512_add_pd(a0, _mm512_mul_pd(d0, d0));
 		a1 = _mm512_add_pd(a1, _mm512_mul_pd(d1, d1));
@@ -266,22 +268,30 @@ static int have_avx512(void)
 const char *shardd_k_isa_name(enum shardd_k_isa isa)
 {
 	switch (isa) {
-	case SHARDD_K_ISA_PORTABLE: return "portable";
-	case SHARDD_K_ISA_AVX2: return "avx2";
-	case SHARDD_K_ISA_AVX512: return "avx512";
-	default: return "unknown";
+	case SHARDD_K_ISA_PORTABLE:
+		return "portable";
+	case SHARDD_K_ISA_AVX2:
+		return "avx2";
+	case SHARDD_K_ISA_AVX512:
+		return "avx512";
+	default:
+		return "unknown";
 	}
 }
 
 int shardd_k_isa_available(enum shardd_k_isa isa)
 {
 	switch (isa) {
-	case SHARDD_K_ISA_PORTABLE: return 1;
+	case SHARDD_K_ISA_PORTABLE:
+		return 1;
 #ifdef SHARDD_HAVE_X86
-	case SHARDD_K_ISA_AVX2: return have_avx2();
-	case SHARDD_K_ISA_AVX512: return have_avx512();
+	case SHARDD_K_ISA_AVX2:
+		return have_avx2();
+	case SHARDD_K_ISA_AVX512:
+		return have_avx512();
 #endif
-	default: return 0;
+	default:
+		return 0;
 	}
 }
 
@@ -294,38 +304,57 @@ enum shardd_k_isa shardd_k_isa_best(void)
 	return SHARDD_K_ISA_PORTABLE;
 }
 
-static void sgd_f32(enum shardd_k_isa isa, const struct shardd_sgd_coefs *c, float *p, const float *g, float *b,
-		    size_t n)
+static void sgd_f32(enum shardd_k_isa isa, const struct shardd_sgd_coefs *c, float *p,
+		    const float *g, float *b, size_t n)
 {
 	switch (isa) {
 #ifdef SHARDD_HAVE_X86
-	case SHARDD_K_ISA_AVX512: sgd_f32_avx512(c, p, g, b, n); break;
-	case SHARDD_K_ISA_AVX2: sgd_f32_avx2(c, p, g, b, n); break;
+	case SHARDD_K_ISA_AVX512:
+		sgd_f32_avx512(c, p, g, b, n);
+		break;
+	case SHARDD_K_ISA_AVX2:
+		sgd_f32_avx2(c, p, g, b, n);
+		break;
 #endif
-	default: sgd_f32_portable(c, p, g, b, n); break;
+	default:
+		sgd_f32_portable(c, p, g, b, n);
+		break;
 	}
 }
 
-static void adamw_f32(enum shardd_k_isa isa, const struct shardd_adamw_coefs *c, float *p, const float *g,
-		      float *m, float *v, float *vmax_state, size_t n)
+static void adamw_f32(enum shardd_k_isa isa, const struct shardd_adamw_coefs *c, float *p,
+		      const float *g, float *m, float *v, float *vmax_state, size_t n)
 {
 	switch (isa) {
 #ifdef SHARDD_HAVE_X86
-	case SHARDD_K_ISA_AVX512: adamw_f32_avx512(c, p, g, m, v, vmax_state, n); break;
-	case SHARDD_K_ISA_AVX2: adamw_f32_avx2(c, p, g, m, v, vmax_state, n); break;
+	case SHARDD_K_ISA_AVX512:
+		adamw_f32_avx512(c, p, g, m, v, vmax_state, n);
+		break;
+	case SHARDD_K_ISA_AVX2:
+		adamw_f32_avx2(c, p, g, m, v, vmax_state, n);
+		break;
 #endif
-	default: adamw_f32_portable(c, p, g, m, v, vmax_state, n); break;
+	default:
+		adamw_f32_portable(c, p, g, m, v, vmax_state, n);
+		break;
 	}
 }
 
-static void norm_f32(enum shardd_k_isa isa, const float *g, size_t n, double lanes[NORM_LANES], float *max_abs)
+static void norm_f32(enum shardd_k_isa isa, const float *g, size_t n, double lanes[NORM_LANES],
+		     float *max_abs)
 {
 	switch (isa) {
 #ifdef SHARDD_HAVE_X86
-	case SHARDD_K_ISA_AVX512: norm_f32_avx512(g, n, lanes, max_abs); break;
-	case SHARDD_K_ISA_AVX2: norm_f32_avx2(g, n, lanes, max_abs); break;
+	case SHARDD_K_ISA_AVX512:
+		norm_f32_avx512(g, n, lanes, max_abs);
+		break;
+	case SHARDD_K_ISA_AVX2:
+		norm_f32_avx2(g, n, lanes, max_abs);
+		break;
 #endif
-	default: norm_f32_portable(g, n, lanes, max_abs); break;
+	default:
+		norm_f32_portable(g, n, lanes, max_abs);
+		break;
 	}
 }
 
@@ -345,7 +374,8 @@ void shardd_k_sgd_isa(enum shardd_k_isa isa, const struct shardd_sgd *a, size_t 
 		return;
 	shardd_k_sgd_coefs(a, &c);
 	if (a->grad_dtype == SHARDD_DTYPE_FP32) {
-		sgd_f32(isa, &c, a->param + begin, (const float *)a->grad + begin, b ? b + begin : NULL, end - begin);
+		sgd_f32(isa, &c, a->param + begin, (const float *)a->grad + begin,
+			b ? b + begin : NULL, end - begin);
 		return;
 	}
 	for (size_t i = begin; i < end; i += SHARDD_K_BLOCK) {
@@ -356,7 +386,8 @@ void shardd_k_sgd_isa(enum shardd_k_isa isa, const struct shardd_sgd *a, size_t 
 	}
 }
 
-void shardd_k_adamw_isa(enum shardd_k_isa isa, const struct shardd_adamw *a, size_t begin, size_t end)
+void shardd_k_adamw_isa(enum shardd_k_isa isa, const struct shardd_adamw *a, size_t begin,
+			size_t end)
 {
 	struct shardd_adamw_coefs c;
 	float buf[SHARDD_K_BLOCK];
@@ -366,8 +397,9 @@ void shardd_k_adamw_isa(enum shardd_k_isa isa, const struct shardd_adamw *a, siz
 		return;
 	shardd_k_adamw_coefs(a, &c);
 	if (a->grad_dtype == SHARDD_DTYPE_FP32) {
-		adamw_f32(isa, &c, a->param + begin, (const float *)a->grad + begin, a->exp_avg + begin,
-			  a->exp_avg_sq + begin, vmax_state ? vmax_state + begin : NULL, end - begin);
+		adamw_f32(isa, &c, a->param + begin, (const float *)a->grad + begin,
+			  a->exp_avg + begin, a->exp_avg_sq + begin,
+			  vmax_state ? vmax_state + begin : NULL, end - begin);
 		return;
 	}
 	for (size_t i = begin; i < end; i += SHARDD_K_BLOCK) {
@@ -379,8 +411,8 @@ void shardd_k_adamw_isa(enum shardd_k_isa isa, const struct shardd_adamw *a, siz
 	}
 }
 
-void shardd_k_grad_norm_part_isa(enum shardd_k_isa isa, const void *grad, uint32_t dtype, size_t begin,
-				 size_t end, struct shardd_grad_norm_part *out)
+void shardd_k_grad_norm_part_isa(enum shardd_k_isa isa, const void *grad, uint32_t dtype,
+				 size_t begin, size_t end, struct shardd_grad_norm_part *out)
 {
 	double lanes[NORM_LANES] = { 0 }, sum = 0.0;
 	float buf[SHARDD_K_BLOCK], max_abs = 0.0f;
@@ -420,7 +452,8 @@ void shardd_k_grad_norm_part(const void *grad, uint32_t dtype, size_t begin, siz
 	shardd_k_grad_norm_part_isa(shardd_k_isa_best(), grad, dtype, begin, end, out);
 }
 
-void shardd_k_grad_norm_merge(struct shardd_grad_norm_part *into, const struct shardd_grad_norm_part *part)
+void shardd_k_grad_norm_merge(struct shardd_grad_norm_part *into,
+			      const struct shardd_grad_norm_part *part)
 {
 	into->sumsq += part->sumsq;
 	into->max_abs = part->max_abs > into->max_abs ? part->max_abs : into->max_abs;
@@ -430,7 +463,8 @@ void shardd_k_grad_norm_merge(struct shardd_grad_norm_part *into, const struct s
 /* ---------------------------------------------------------- arguments --- */
 
 /* -SHARDD_E_INVALID with "optimizer: field value: rule" in why. */
-static int bad(char *why, size_t len, const char *opt, const char *field, double value, const char *rule)
+static int bad(char *why, size_t len, const char *opt, const char *field, double value,
+	       const char *rule)
 {
 	snprintf(why, len, "%s: %s %g %s", opt, field, value, rule);
 	return -SHARDD_E_INVALID;
@@ -438,26 +472,33 @@ static int bad(char *why, size_t len, const char *opt, const char *field, double
 
 static int grad_dtype_ok(uint32_t dtype)
 {
-	return dtype == SHARDD_DTYPE_FP32 || dtype == SHARDD_DTYPE_BF16 || dtype == SHARDD_DTYPE_FP16;
+	return dtype == SHARDD_DTYPE_FP32 || dtype == SHARDD_DTYPE_BF16 ||
+	       dtype == SHARDD_DTYPE_FP16;
 }
 
 int shardd_k_sgd_check(const struct shardd_sgd *a, char *why, size_t len)
 {
 	if (!grad_dtype_ok(a->grad_dtype))
-		return bad(why, len, "sgd", "grad_dtype", a->grad_dtype, "is not fp32, bf16 or fp16 (codes 1-3)");
+		return bad(why, len, "sgd", "grad_dtype", a->grad_dtype,
+			   "is not fp32, bf16 or fp16 (codes 1-3)");
 	if (!(a->lr >= 0.0) || isinf(a->lr))
-		return bad(why, len, "sgd", "lr", a->lr, "is invalid: use a finite value >= 0, as torch.optim.SGD");
+		return bad(why, len, "sgd", "lr", a->lr,
+			   "is invalid: use a finite value >= 0, as torch.optim.SGD");
 	if (!(a->momentum >= 0.0) || isinf(a->momentum))
-		return bad(why, len, "sgd", "momentum", a->momentum, "is invalid: use a finite value >= 0");
+		return bad(why, len, "sgd", "momentum", a->momentum,
+			   "is invalid: use a finite value >= 0");
 	if (!isfinite(a->dampening))
-		return bad(why, len, "sgd", "dampening", a->dampening, "is invalid: use a finite value");
+		return bad(why, len, "sgd", "dampening", a->dampening,
+			   "is invalid: use a finite value");
 	if (!(a->weight_decay >= 0.0) || isinf(a->weight_decay))
-		return bad(why, len, "sgd", "weight_decay", a->weight_decay, "is invalid: use a finite value >= 0");
+		return bad(why, len, "sgd", "weight_decay", a->weight_decay,
+			   "is invalid: use a finite value >= 0");
 	if (a->nesterov && (a->momentum <= 0.0 || a->dampening != 0.0))
 		return bad(why, len, "sgd", "nesterov with momentum", a->momentum,
 			   "needs momentum > 0 and dampening 0 (torch.optim.SGD's rule)");
 	if (!isfinite(a->grad_scale))
-		return bad(why, len, "sgd", "grad_scale", a->grad_scale, "is invalid: use a finite value (1 = none)");
+		return bad(why, len, "sgd", "grad_scale", a->grad_scale,
+			   "is invalid: use a finite value (1 = none)");
 	if (a->step < 1)
 		return bad(why, len, "sgd", "step", 0, "is invalid: the first update is step 1");
 	if (!a->param || !a->grad || (a->momentum != 0.0 && !a->momentum_buffer))
@@ -469,23 +510,32 @@ int shardd_k_sgd_check(const struct shardd_sgd *a, char *why, size_t len)
 int shardd_k_adamw_check(const struct shardd_adamw *a, char *why, size_t len)
 {
 	if (!grad_dtype_ok(a->grad_dtype))
-		return bad(why, len, "adamw", "grad_dtype", a->grad_dtype, "is not fp32, bf16 or fp16 (codes 1-3)");
+		return bad(why, len, "adamw", "grad_dtype", a->grad_dtype,
+			   "is not fp32, bf16 or fp16 (codes 1-3)");
 	if (!(a->lr >= 0.0) || isinf(a->lr))
-		return bad(why, len, "adamw", "lr", a->lr, "is invalid: use a finite value >= 0, as torch.optim.AdamW");
+		return bad(why, len, "adamw", "lr", a->lr,
+			   "is invalid: use a finite value >= 0, as torch.optim.AdamW");
 	if (!(a->beta1 >= 0.0 && a->beta1 < 1.0))
-		return bad(why, len, "adamw", "betas[0]", a->beta1, "is outside [0, 1): use a value such as 0.9");
+		return bad(why, len, "adamw", "betas[0]", a->beta1,
+			   "is outside [0, 1): use a value such as 0.9");
 	if (!(a->beta2 >= 0.0 && a->beta2 < 1.0))
-		return bad(why, len, "adamw", "betas[1]", a->beta2, "is outside [0, 1): use a value such as 0.999");
+		return bad(why, len, "adamw", "betas[1]", a->beta2,
+			   "is outside [0, 1): use a value such as 0.999");
 	if (!(a->eps >= 0.0) || isinf(a->eps))
-		return bad(why, len, "adamw", "eps", a->eps, "is invalid: use a finite value >= 0 such as 1e-8");
+		return bad(why, len, "adamw", "eps", a->eps,
+			   "is invalid: use a finite value >= 0 such as 1e-8");
 	if (!(a->weight_decay >= 0.0) || isinf(a->weight_decay))
-		return bad(why, len, "adamw", "weight_decay", a->weight_decay, "is invalid: use a finite value >= 0");
+		return bad(why, len, "adamw", "weight_decay", a->weight_decay,
+			   "is invalid: use a finite value >= 0");
 	if (!isfinite(a->grad_scale))
-		return bad(why, len, "adamw", "grad_scale", a->grad_scale, "is invalid: use a finite value (1 = none)");
+		return bad(why, len, "adamw", "grad_scale", a->grad_scale,
+			   "is invalid: use a finite value (1 = none)");
 	if (a->step < 1)
 		return bad(why, len, "adamw", "step", 0, "is invalid: the first update is step 1");
-	if (!a->param || !a->grad || !a->exp_avg || !a->exp_avg_sq || (a->amsgrad && !a->max_exp_avg_sq))
-		return bad(why, len, "adamw", "amsgrad", a->amsgrad,
-			   "needs param, grad, exp_avg, exp_avg_sq and (amsgrad) max_exp_avg_sq, one is missing");
+	if (!a->param || !a->grad || !a->exp_avg || !a->exp_avg_sq ||
+	    (a->amsgrad && !a->max_exp_avg_sq))
+		return bad(
+			why, len, "adamw", "amsgrad", a->amsgrad,
+			"needs param, grad, exp_avg, exp_avg_sq and (amsgrad) max_exp_avg_sq, one is missing");
 	return 0;
 }

@@ -28,8 +28,8 @@ extern "C" {
 #include "shardd_cuda_kernels.h"
 #include "shardd_proto.h"
 
-#define THREADS 256
-#define MAX_BLOCKS 4096
+#define THREADS     256
+#define MAX_BLOCKS  4096
 #define NORM_BLOCKS 256 /* fixed: the sum's order must not depend on the range */
 
 /* Exact widening of a grad element, as kernels/cast.c (a NaN stays NaN). */
@@ -51,7 +51,8 @@ static unsigned int grid_for(size_t n)
 
 static bool grad_dtype_ok(uint32_t dtype)
 {
-	return dtype == SHARDD_DTYPE_FP32 || dtype == SHARDD_DTYPE_BF16 || dtype == SHARDD_DTYPE_FP16;
+	return dtype == SHARDD_DTYPE_FP32 || dtype == SHARDD_DTYPE_BF16 ||
+	       dtype == SHARDD_DTYPE_FP16;
 }
 
 static int launch_result(void)
@@ -74,14 +75,16 @@ __global__ void sgd_kernel(const __grid_constant__ struct sgd_dev_args a)
 {
 	size_t stride = (size_t)gridDim.x * blockDim.x;
 
-	for (size_t i = a.begin + (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < a.end; i += stride) {
+	for (size_t i = a.begin + (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < a.end;
+	     i += stride) {
 		float p = a.param[i], d = __fmul_rn(grad_at(a.grad, a.grad_dtype, i), a.c.grad_mul);
 
 		if (a.c.use_wd)
 			d = __fadd_rn(d, __fmul_rn(a.c.weight_decay, p));
 		if (a.c.use_momentum) {
 			float b = a.c.first ? d
-					    : __fadd_rn(__fmul_rn(a.buf[i], a.c.momentum), __fmul_rn(a.c.damp_c, d));
+					    : __fadd_rn(__fmul_rn(a.buf[i], a.c.momentum),
+							__fmul_rn(a.c.damp_c, d));
 
 			a.buf[i] = b;
 			d = a.c.nesterov ? __fadd_rn(d, __fmul_rn(a.c.momentum, b)) : b;
@@ -94,7 +97,8 @@ extern "C" int shardd_cuda_sgd(const struct shardd_sgd *a, size_t begin, size_t 
 {
 	struct sgd_dev_args d;
 
-	if (!grad_dtype_ok(a->grad_dtype) || a->step < 1 || (a->momentum != 0.0 && !a->momentum_buffer))
+	if (!grad_dtype_ok(a->grad_dtype) || a->step < 1 ||
+	    (a->momentum != 0.0 && !a->momentum_buffer))
 		return -SHARDD_E_INVALID;
 	if (end <= begin)
 		return 0;
@@ -124,7 +128,8 @@ __global__ void adamw_kernel(const __grid_constant__ struct adamw_dev_args a)
 {
 	size_t stride = (size_t)gridDim.x * blockDim.x;
 
-	for (size_t i = a.begin + (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < a.end; i += stride) {
+	for (size_t i = a.begin + (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < a.end;
+	     i += stride) {
 		float g = __fmul_rn(grad_at(a.grad, a.grad_dtype, i), a.c.grad_mul);
 		float p = __fmul_rn(a.param[i], a.c.decay), m = a.m[i], v = a.v[i], den;
 
@@ -144,7 +149,8 @@ __global__ void adamw_kernel(const __grid_constant__ struct adamw_dev_args a)
 	}
 }
 
-extern "C" int shardd_cuda_adamw(const struct shardd_adamw *a, size_t begin, size_t end, void *stream)
+extern "C" int shardd_cuda_adamw(const struct shardd_adamw *a, size_t begin, size_t end,
+				 void *stream)
 {
 	struct adamw_dev_args d;
 
@@ -174,20 +180,24 @@ __device__ __forceinline__ void block_reduce(double *sum, double *mx)
 	for (unsigned int s = THREADS / 2; s > 0; s >>= 1) {
 		if (threadIdx.x < s) {
 			sum[threadIdx.x] += sum[threadIdx.x + s];
-			mx[threadIdx.x] = mx[threadIdx.x + s] > mx[threadIdx.x] ? mx[threadIdx.x + s] : mx[threadIdx.x];
+			mx[threadIdx.x] = mx[threadIdx.x + s] > mx[threadIdx.x]
+						  ? mx[threadIdx.x + s]
+						  : mx[threadIdx.x];
 		}
 		__syncthreads();
 	}
 }
 
 /* Block b's (sum of squares, max |g|) into ws[2 + 2b], ws[3 + 2b]; NaNs skipped by the max. */
-__global__ void norm_blocks_kernel(const void *grad, uint32_t dtype, size_t begin, size_t end, double *ws)
+__global__ void norm_blocks_kernel(const void *grad, uint32_t dtype, size_t begin, size_t end,
+				   double *ws)
 {
 	__shared__ double sum[THREADS], mx[THREADS];
 	size_t stride = (size_t)gridDim.x * blockDim.x;
 	double s = 0.0, m = 0.0;
 
-	for (size_t i = begin + (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < end; i += stride) {
+	for (size_t i = begin + (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < end;
+	     i += stride) {
 		double g = (double)grad_at(grad, dtype, i), a = fabs(g);
 
 		s = __dadd_rn(s, __dmul_rn(g, g));
@@ -217,8 +227,8 @@ __global__ void norm_final_kernel(double *ws)
 	}
 }
 
-extern "C" int shardd_cuda_grad_norm_part(const void *grad, uint32_t dtype, size_t begin, size_t end, double *ws,
-					  void *stream)
+extern "C" int shardd_cuda_grad_norm_part(const void *grad, uint32_t dtype, size_t begin,
+					  size_t end, double *ws, void *stream)
 {
 	cudaStream_t s = (cudaStream_t)stream;
 
@@ -226,7 +236,8 @@ extern "C" int shardd_cuda_grad_norm_part(const void *grad, uint32_t dtype, size
 	static_assert(SHARDD_CUDA_NORM_WS == 2 + 2 * NORM_BLOCKS, "workspace size");
 	if (!grad_dtype_ok(dtype))
 		return -SHARDD_E_INVALID;
-	norm_blocks_kernel<<<NORM_BLOCKS, THREADS, 0, s>>>(grad, dtype, begin, end > begin ? end : begin, ws);
+	norm_blocks_kernel<<<NORM_BLOCKS, THREADS, 0, s>>>(grad, dtype, begin,
+							   end > begin ? end : begin, ws);
 	if (launch_result())
 		return -SHARDD_E_BACKEND;
 	norm_final_kernel<<<1, THREADS, 0, s>>>(ws);
@@ -248,15 +259,16 @@ __global__ void nonfinite_kernel(const __grid_constant__ struct nonfinite_dev_ar
 	size_t stride = (size_t)gridDim.x * blockDim.x;
 	bool bad = false;
 
-	for (size_t i = a.begin + (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < a.end; i += stride)
+	for (size_t i = a.begin + (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < a.end;
+	     i += stride)
 		bad |= !isfinite(grad_at(a.grad, a.grad_dtype, i));
 	/* Every writer stores the same value: no atomic needed. */
 	if (bad)
 		*a.flag = 1;
 }
 
-extern "C" int shardd_cuda_nonfinite(const void *grad, uint32_t dtype, size_t begin, size_t end, uint32_t *flag,
-				     void *stream)
+extern "C" int shardd_cuda_nonfinite(const void *grad, uint32_t dtype, size_t begin, size_t end,
+				     uint32_t *flag, void *stream)
 {
 	struct nonfinite_dev_args d;
 

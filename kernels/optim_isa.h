@@ -15,8 +15,8 @@
 
 enum shardd_k_isa {
 	SHARDD_K_ISA_PORTABLE = 0, /* plain C, any CPU */
-	SHARDD_K_ISA_AVX2     = 1, /* 8 lanes; x86 with AVX2 */
-	SHARDD_K_ISA_AVX512   = 2, /* 16 lanes; x86 with AVX-512F */
+	SHARDD_K_ISA_AVX2 = 1,     /* 8 lanes; x86 with AVX2 */
+	SHARDD_K_ISA_AVX512 = 2,   /* 16 lanes; x86 with AVX-512F */
 	SHARDD_K_ISA_COUNT
 };
 
@@ -29,8 +29,9 @@ enum shardd_k_isa shardd_k_isa_best(void);
 
 /* The kernels on one path; `isa` must be available. */
 void shardd_k_sgd_isa(enum shardd_k_isa isa, const struct shardd_sgd *a, size_t begin, size_t end);
-void shardd_k_adamw_isa(enum shardd_k_isa isa, const struct shardd_adamw *a, size_t begin, size_t end);
-void shardd_k_grad_norm_part_isa(enum shardd_k_isa isa, const void *grad, uint32_t dtype, size_t begin,
-				 size_t end, struct shardd_grad_norm_part *out);
+void shardd_k_adamw_isa(enum shardd_k_isa isa, const struct shardd_adamw *a, size_t begin,
+			size_t end);
+void shardd_k_grad_norm_part_isa(enum shardd_k_isa isa, const void *grad, uint32_t dtype,
+				 size_t begin, size_t end, struct shardd_grad_norm_part *out);
 
 #endif /* SHARDD_OPTIM_ISA_H */

@@ -43,8 +43,8 @@ OPT_TARGET static void OPT_FN(sgd_f32)(const struct shardd_sgd_coefs *c, float *
 }
 
 OPT_TARGET static void OPT_FN(adamw_f32)(const struct shardd_adamw_coefs *c, float *restrict p,
-					 const float *restrict g, float *restrict m, float *restrict v,
-					 float *restrict vmax_state, size_t n)
+					 const float *restrict g, float *restrict m,
+					 float *restrict v, float *restrict vmax_state, size_t n)
 {
 	const V gm = vset1(c->grad_mul), decay = vset1(c->decay), w = vset1(c->lerp_w);
 	const V wc = vset1(c->lerp_wc), b2 = vset1(c->beta2), b2c = vset1(c->beta2c);
@@ -56,7 +56,8 @@ OPT_TARGET static void OPT_FN(adamw_f32)(const struct shardd_adamw_coefs *c, flo
 		V pi = vmul(vload(p + i), decay);
 		V mi = vload(m + i), vi = vload(v + i), den;
 
-		mi = c->lerp_small ? vadd(mi, vmul(w, vsub(gi, mi))) : vsub(gi, vmul(vsub(gi, mi), wc));
+		mi = c->lerp_small ? vadd(mi, vmul(w, vsub(gi, mi)))
+				   : vsub(gi, vmul(vsub(gi, mi), wc));
 		vi = vadd(vmul(vi, b2), vmul(vmul(b2c, gi), gi));
 		vstore(m + i, mi);
 		vstore(v + i, vi);

@@ -71,7 +71,8 @@ static void divide_round(float *x, float by, uint32_t rd, size_t n)
 }
 
 static void reduce_portable(void *out, uint32_t out_dtype, int accumulate, const void *const *in,
-			    uint32_t nin, uint32_t in_dtype, size_t n, const struct shardd_reduce_math *m)
+			    uint32_t nin, uint32_t in_dtype, size_t n,
+			    const struct shardd_reduce_math *m)
 {
 	size_t isz = shardd_dtype_size(in_dtype), osz = shardd_dtype_size(out_dtype);
 	size_t rsz = shardd_dtype_size(m->reduce_dtype);
@@ -240,8 +241,8 @@ AVX512_INLINE __m512 divide_512(__m512 x, float by, int mul)
 }
 
 /* Input k's 16 lanes at element i, rounded and pre-divided as the formula says. */
-AVX512_INLINE __m512 input_512(const struct rv_args *a, uint32_t k, size_t i, uint32_t idt, uint32_t rd,
-			       unsigned f, __mmask16 mk)
+AVX512_INLINE __m512 input_512(const struct rv_args *a, uint32_t k, size_t i, uint32_t idt,
+			       uint32_t rd, unsigned f, __mmask16 mk)
 {
 	__m512 x = load_512((const char *)a->in[k] + i * shardd_dtype_size(idt), idt, mk);
 
@@ -258,8 +259,8 @@ AVX512_INLINE __m512 input_512(const struct rv_args *a, uint32_t k, size_t i, ui
  * portable code rounds. `stream`: a streaming store (mk all ones, out
  * aligned to the vector).
  */
-AVX512_INLINE void reduce_16(const struct rv_args *a, size_t i, uint32_t idt, uint32_t rd, uint32_t odt,
-			     unsigned f, uint32_t nin, __mmask16 mk, int stream)
+AVX512_INLINE void reduce_16(const struct rv_args *a, size_t i, uint32_t idt, uint32_t rd,
+			     uint32_t odt, unsigned f, uint32_t nin, __mmask16 mk, int stream)
 {
 	char *out = (char *)a->out + i * shardd_dtype_size(odt);
 	/* The sum starts from x_0, not from +0, so that inputs that are all -0 sum to -0. */
@@ -294,7 +295,7 @@ AVX512_INLINE void reduce_16(const struct rv_args *a, size_t i, uint32_t idt, ui
  * A prefetch never faults, so the one past the end of an input is harmless;
  * its address is formed as an integer, as it may lie outside the object.
  */
-#define PREFETCH_AHEAD 2048
+#define PREFETCH_AHEAD      2048
 #define PREFETCH_MIN_INPUTS 2
 
 AVX512_INLINE void prefetch_inputs(const struct rv_args *a, size_t byte, uint32_t nin)
@@ -331,8 +332,8 @@ AVX512_INLINE void reduce_loop_512(const struct rv_args *a, uint32_t idt, uint32
 }
 
 /* Both store modes of one specialisation. */
-AVX512_INLINE void reduce_loop_2(const struct rv_args *a, uint32_t idt, uint32_t rd, uint32_t odt, unsigned f,
-				 uint32_t nin, int stream)
+AVX512_INLINE void reduce_loop_2(const struct rv_args *a, uint32_t idt, uint32_t rd, uint32_t odt,
+				 unsigned f, uint32_t nin, int stream)
 {
 	if (stream)
 		reduce_loop_512(a, idt, rd, odt, f, nin, 1);
@@ -345,15 +346,16 @@ AVX512_TARGET static void reduce_bf16_avg_f32(const struct rv_args *a, unsigned 
 {
 	switch (f) {
 	case RV_AVG | RV_AVG_MUL:
-		reduce_loop_2(a, SHARDD_DTYPE_BF16, SHARDD_DTYPE_BF16, SHARDD_DTYPE_FP32, RV_AVG | RV_AVG_MUL,
-			      a->nin, stream);
+		reduce_loop_2(a, SHARDD_DTYPE_BF16, SHARDD_DTYPE_BF16, SHARDD_DTYPE_FP32,
+			      RV_AVG | RV_AVG_MUL, a->nin, stream);
 		break;
 	case RV_AVG | RV_AVG_MUL | RV_ACC:
 		reduce_loop_2(a, SHARDD_DTYPE_BF16, SHARDD_DTYPE_BF16, SHARDD_DTYPE_FP32,
 			      RV_AVG | RV_AVG_MUL | RV_ACC, a->nin, stream);
 		break;
 	default:
-		reduce_loop_2(a, SHARDD_DTYPE_BF16, SHARDD_DTYPE_BF16, SHARDD_DTYPE_FP32, f, a->nin, stream);
+		reduce_loop_2(a, SHARDD_DTYPE_BF16, SHARDD_DTYPE_BF16, SHARDD_DTYPE_FP32, f, a->nin,
+			      stream);
 		break;
 	}
 }
@@ -362,22 +364,23 @@ AVX512_TARGET static void reduce_f32_avg_f32(const struct rv_args *a, unsigned f
 {
 	switch (f) {
 	case RV_AVG | RV_AVG_MUL:
-		reduce_loop_2(a, SHARDD_DTYPE_FP32, SHARDD_DTYPE_FP32, SHARDD_DTYPE_FP32, RV_AVG | RV_AVG_MUL,
-			      a->nin, stream);
+		reduce_loop_2(a, SHARDD_DTYPE_FP32, SHARDD_DTYPE_FP32, SHARDD_DTYPE_FP32,
+			      RV_AVG | RV_AVG_MUL, a->nin, stream);
 		break;
 	case RV_AVG | RV_AVG_MUL | RV_ACC:
 		reduce_loop_2(a, SHARDD_DTYPE_FP32, SHARDD_DTYPE_FP32, SHARDD_DTYPE_FP32,
 			      RV_AVG | RV_AVG_MUL | RV_ACC, a->nin, stream);
 		break;
 	default:
-		reduce_loop_2(a, SHARDD_DTYPE_FP32, SHARDD_DTYPE_FP32, SHARDD_DTYPE_FP32, f, a->nin, stream);
+		reduce_loop_2(a, SHARDD_DTYPE_FP32, SHARDD_DTYPE_FP32, SHARDD_DTYPE_FP32, f, a->nin,
+			      stream);
 		break;
 	}
 }
 
 /* Every other combination: the same body with the dtypes and flags tested in the loop. */
-AVX512_TARGET static void reduce_any_512(const struct rv_args *a, uint32_t idt, uint32_t rd, uint32_t odt,
-					 unsigned f, int stream)
+AVX512_TARGET static void reduce_any_512(const struct rv_args *a, uint32_t idt, uint32_t rd,
+					 uint32_t odt, unsigned f, int stream)
 {
 	reduce_loop_2(a, idt, rd, odt, f, a->nin, stream);
 }
@@ -406,10 +409,11 @@ AVX2_INLINE __m256i nan_lanes_256(__m256i u)
 /* 8 bf16 widened to fp32 (exact); a NaN comes back quiet (bf16_to_bits). */
 AVX2_INLINE __m256 bf16_load_256(const void *p)
 {
-	__m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+	__m256i u =
+		_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
 
-	return _mm256_castsi256_ps(
-		_mm256_or_si256(u, _mm256_and_si256(nan_lanes_256(u), _mm256_set1_epi32(0x00400000))));
+	return _mm256_castsi256_ps(_mm256_or_si256(
+		u, _mm256_and_si256(nan_lanes_256(u), _mm256_set1_epi32(0x00400000))));
 }
 
 /* x rounded to bf16 to nearest even and widened back (bf16_round_n: a NaN truncated, quiet). */
@@ -432,8 +436,8 @@ AVX2_INLINE __m256 load_256(const void *base, size_t i, int bf16)
 }
 
 /* The fused loop over the first n & ~7 elements; `mul`: by the exact reciprocal `by`, else divide. */
-AVX2_INLINE void reduce_loop_256(float *out, const void *const *in, uint32_t nin, size_t n, int bf16,
-				 int avg, int mul, float by, int acc, int stream)
+AVX2_INLINE void reduce_loop_256(float *out, const void *const *in, uint32_t nin, size_t n,
+				 int bf16, int avg, int mul, float by, int acc, int stream)
 {
 	__m256 vby = _mm256_set1_ps(by);
 
@@ -447,7 +451,8 @@ AVX2_INLINE void reduce_loop_256(float *out, const void *const *in, uint32_t nin
 		 */
 		if (nin > PREFETCH_MIN_INPUTS && !(i & (bf16 ? 31 : 15)))
 			for (uint32_t k = 0; k < nin; k++)
-				_mm_prefetch((const char *)((uintptr_t)in[k] + i * (bf16 ? 2 : 4) + PREFETCH_AHEAD),
+				_mm_prefetch((const char *)((uintptr_t)in[k] + i * (bf16 ? 2 : 4) +
+							    PREFETCH_AHEAD),
 					     _MM_HINT_T0);
 		s = load_256(in[0], i, bf16);
 
@@ -484,12 +489,12 @@ static int reduce_avx2_fits(uint32_t out_dtype, uint32_t nin, uint32_t in_dtype,
 {
 	return __builtin_cpu_supports("avx2") && nin >= 1 && nin <= SHARDD_MAX_WORLD &&
 	       out_dtype == SHARDD_DTYPE_FP32 && m->reduce_dtype == in_dtype &&
-	       (in_dtype == SHARDD_DTYPE_BF16 || in_dtype == SHARDD_DTYPE_FP32) && !(m->pre > 1.0f) &&
-	       !(m->post > 1.0f) && !m->add;
+	       (in_dtype == SHARDD_DTYPE_BF16 || in_dtype == SHARDD_DTYPE_FP32) &&
+	       !(m->pre > 1.0f) && !(m->post > 1.0f) && !m->add;
 }
 
-static void reduce_avx2(void *out, int accumulate, const void *const *in, uint32_t nin, uint32_t in_dtype,
-			size_t n, const struct shardd_reduce_math *m, int stream)
+static void reduce_avx2(void *out, int accumulate, const void *const *in, uint32_t nin,
+			uint32_t in_dtype, size_t n, const struct shardd_reduce_math *m, int stream)
 {
 	size_t done = n & ~(size_t)7, isz = shardd_dtype_size(in_dtype);
 	const void *tail[SHARDD_MAX_WORLD];
@@ -508,7 +513,8 @@ static void reduce_avx2(void *out, int accumulate, const void *const *in, uint32
 		return;
 	for (uint32_t k = 0; k < nin; k++)
 		tail[k] = (const char *)in[k] + done * isz;
-	reduce_portable((float *)out + done, SHARDD_DTYPE_FP32, accumulate, tail, nin, in_dtype, n - done, m);
+	reduce_portable((float *)out + done, SHARDD_DTYPE_FP32, accumulate, tail, nin, in_dtype,
+			n - done, m);
 }
 
 static int have_avx512(void)
@@ -519,13 +525,19 @@ static int have_avx512(void)
 }
 
 /* Set up and run the AVX-512 reduce; `stream`: with streaming stores, fenced. */
-AVX512_TARGET static void reduce_avx512(void *out, uint32_t out_dtype, int accumulate, const void *const *in,
-					uint32_t nin, uint32_t in_dtype, size_t n,
-					const struct shardd_reduce_math *m, int stream)
+AVX512_TARGET static void reduce_avx512(void *out, uint32_t out_dtype, int accumulate,
+					const void *const *in, uint32_t nin, uint32_t in_dtype,
+					size_t n, const struct shardd_reduce_math *m, int stream)
 {
 	uint32_t rd = m->reduce_dtype;
-	struct rv_args a = { .out = out, .in = in, .add = m->add, .n = n, .nin = nin,
-			     .pre = m->pre, .avg = m->avg, .post = m->post };
+	struct rv_args a = { .out = out,
+			     .in = in,
+			     .add = m->add,
+			     .n = n,
+			     .nin = nin,
+			     .pre = m->pre,
+			     .avg = m->avg,
+			     .post = m->post };
 	unsigned f = 0;
 
 	if (rd != SHARDD_DTYPE_FP32 && rd != in_dtype)
@@ -553,9 +565,11 @@ AVX512_TARGET static void reduce_avx512(void *out, uint32_t out_dtype, int accum
 		a.post = 1.0f / a.post;
 	}
 
-	if (in_dtype == SHARDD_DTYPE_BF16 && rd == SHARDD_DTYPE_BF16 && out_dtype == SHARDD_DTYPE_FP32)
+	if (in_dtype == SHARDD_DTYPE_BF16 && rd == SHARDD_DTYPE_BF16 &&
+	    out_dtype == SHARDD_DTYPE_FP32)
 		reduce_bf16_avg_f32(&a, f, stream);
-	else if (in_dtype == SHARDD_DTYPE_FP32 && rd == SHARDD_DTYPE_FP32 && out_dtype == SHARDD_DTYPE_FP32)
+	else if (in_dtype == SHARDD_DTYPE_FP32 && rd == SHARDD_DTYPE_FP32 &&
+		 out_dtype == SHARDD_DTYPE_FP32)
 		reduce_f32_avg_f32(&a, f, stream);
 	else
 		reduce_any_512(&a, in_dtype, rd, out_dtype, f, stream);
@@ -586,7 +600,8 @@ void shardd_k_reduce(void *out, uint32_t out_dtype, int accumulate, const void *
 }
 
 void shardd_k_reduce_stream(void *out, uint32_t out_dtype, int accumulate, const void *const *in,
-			    uint32_t nin, uint32_t in_dtype, size_t n, const struct shardd_reduce_math *m)
+			    uint32_t nin, uint32_t in_dtype, size_t n,
+			    const struct shardd_reduce_math *m)
 {
 #if defined(__x86_64__) || defined(__i386__)
 	if (have_avx512()) {

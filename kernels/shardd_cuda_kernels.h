@@ -36,8 +36,8 @@ int shardd_cuda_chunk_cat(void *dst, uint32_t dst_dtype, const void *const *src,
 			  uint32_t nchunks, size_t outer, size_t inner, void *stream);
 
 int shardd_cuda_reduce(void *out, uint32_t out_dtype, int accumulate, const void *const *in,
-		       uint32_t nin, uint32_t in_dtype, size_t n, const struct shardd_reduce_math *m,
-		       void *stream);
+		       uint32_t nin, uint32_t in_dtype, size_t n,
+		       const struct shardd_reduce_math *m, void *stream);
 
 /*
  * The optimizer kernels of shardd_kernels.h on device memory: the pointers
@@ -57,8 +57,8 @@ int shardd_cuda_adamw(const struct shardd_adamw *a, size_t begin, size_t end, vo
  * range; equal to shardd_k_grad_norm_part within fp64 rounding.
  */
 #define SHARDD_CUDA_NORM_WS 514
-int shardd_cuda_grad_norm_part(const void *grad, uint32_t dtype, size_t begin, size_t end, double *ws,
-			       void *stream);
+int shardd_cuda_grad_norm_part(const void *grad, uint32_t dtype, size_t begin, size_t end,
+			       double *ws, void *stream);
 
 /*
  * The skip-on-non-finite check of a step: when the stream gets there,
@@ -67,8 +67,8 @@ int shardd_cuda_grad_norm_part(const void *grad, uint32_t dtype, size_t begin, s
  * may share one flag. The same answer as shardd_k_grad_norm_part's
  * `nonfinite`, without the sum.
  */
-int shardd_cuda_nonfinite(const void *grad, uint32_t dtype, size_t begin, size_t end, uint32_t *flag,
-			  void *stream);
+int shardd_cuda_nonfinite(const void *grad, uint32_t dtype, size_t begin, size_t end,
+			  uint32_t *flag, void *stream);
 
 #ifdef __cplusplus
 }

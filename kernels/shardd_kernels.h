@@ -27,9 +27,9 @@
 
 /* Scalar conversions (round to nearest even, NaN and Inf kept). */
 uint16_t shardd_f32_to_bf16(float f);
-float    shardd_bf16_to_f32(uint16_t h);
+float shardd_bf16_to_f32(uint16_t h);
 uint16_t shardd_f32_to_f16(float f);
-float    shardd_f16_to_f32(uint16_t h);
+float shardd_f16_to_f32(uint16_t h);
 
 /*
  * Bit-casts, the terms bf16 is written in (bf16 is the top half of an
@@ -89,8 +89,8 @@ void shardd_k_zero(void *dst, size_t bytes);
  * r < nchunks, k < inner:
  *   dst[(o * nchunks + r) * inner + k] = cast(src[r][o * inner + k]).
  */
-void shardd_k_chunk_cat(void *dst, uint32_t dst_dtype, const void *const *src,
-			uint32_t src_dtype, uint32_t nchunks, size_t outer, size_t inner);
+void shardd_k_chunk_cat(void *dst, uint32_t dst_dtype, const void *const *src, uint32_t src_dtype,
+			uint32_t nchunks, size_t outer, size_t inner);
 
 /*
  * The arithmetic of one collective reduction, host numerics (docs/DESIGN.md):
@@ -104,11 +104,11 @@ void shardd_k_chunk_cat(void *dst, uint32_t dst_dtype, const void *const *src,
  * where round_rd rounds to reduce_dtype.
  */
 struct shardd_reduce_math {
-	uint32_t    reduce_dtype; /* dtype values travel and are rounded in */
-	float       pre;          /* FSDP2 pre-divide factor, 1 = none */
-	float       avg;          /* divide of the sum: group size for AVG, 1 for SUM */
-	const void *add;          /* optional addend in reduce_dtype (HSDP partial), or NULL */
-	float       post;         /* FSDP2 post-divide factor, 1 = none */
+	uint32_t reduce_dtype; /* dtype values travel and are rounded in */
+	float pre;             /* FSDP2 pre-divide factor, 1 = none */
+	float avg;             /* divide of the sum: group size for AVG, 1 for SUM */
+	const void *add;       /* optional addend in reduce_dtype (HSDP partial), or NULL */
+	float post;            /* FSDP2 post-divide factor, 1 = none */
 };
 
 /*
@@ -127,9 +127,11 @@ void shardd_k_reduce(void *out, uint32_t out_dtype, int accumulate, const void *
  * as the plain calls. Each call ends with a store fence, so its writes are
  * ordered before anything the caller publishes afterwards. CPU only.
  */
-void shardd_k_cast_stream(void *dst, uint32_t dst_dtype, const void *src, uint32_t src_dtype, size_t n);
+void shardd_k_cast_stream(void *dst, uint32_t dst_dtype, const void *src, uint32_t src_dtype,
+			  size_t n);
 void shardd_k_reduce_stream(void *out, uint32_t out_dtype, int accumulate, const void *const *in,
-			    uint32_t nin, uint32_t in_dtype, size_t n, const struct shardd_reduce_math *m);
+			    uint32_t nin, uint32_t in_dtype, size_t n,
+			    const struct shardd_reduce_math *m);
 
 /*
  * FSDP2's _get_gradient_divide_factors for a data-parallel size n and a
@@ -165,35 +167,35 @@ void shardd_divide_factors(uint32_t n, uint32_t reduce_dtype, double *pre, doubl
  * disjoint ranges may run concurrently; split on SHARDD_K_BLOCK multiples.
  */
 struct shardd_sgd {
-	float      *param;           /* fp32 master shard */
-	const void *grad;            /* sharded grad, grad_dtype */
-	float      *momentum_buffer; /* fp32; NULL when momentum == 0 */
-	uint32_t    grad_dtype;      /* SHARDD_DTYPE_FP32, _BF16 or _FP16 */
-	uint64_t    step;            /* updates so far, this one included: 1 sets the buffer to the grad */
-	double      lr;
-	double      momentum;
-	double      dampening;
-	double      weight_decay;    /* L2, added to the grad */
-	int         nesterov;
-	int         maximize;
-	float       grad_scale;      /* multiplied into the grad; 1 = none */
+	float *param;           /* fp32 master shard */
+	const void *grad;       /* sharded grad, grad_dtype */
+	float *momentum_buffer; /* fp32; NULL when momentum == 0 */
+	uint32_t grad_dtype;    /* SHARDD_DTYPE_FP32, _BF16 or _FP16 */
+	uint64_t step; /* updates so far, this one included: 1 sets the buffer to the grad */
+	double lr;
+	double momentum;
+	double dampening;
+	double weight_decay; /* L2, added to the grad */
+	int nesterov;
+	int maximize;
+	float grad_scale; /* multiplied into the grad; 1 = none */
 };
 
 struct shardd_adamw {
-	float      *param;           /* fp32 master shard */
-	const void *grad;            /* sharded grad, grad_dtype */
-	float      *exp_avg;         /* fp32, zeroed before step 1 */
-	float      *exp_avg_sq;      /* fp32, zeroed before step 1 */
-	float      *max_exp_avg_sq;  /* fp32, zeroed before step 1; NULL unless amsgrad */
-	uint32_t    grad_dtype;      /* SHARDD_DTYPE_FP32, _BF16 or _FP16 */
-	uint64_t    step;            /* torch's state['step'] after this update: 1 on the first */
-	double      lr;
-	double      beta1, beta2;    /* torch's betas */
-	double      eps;
-	double      weight_decay;    /* decoupled: param *= 1 - lr * weight_decay */
-	int         amsgrad;
-	int         maximize;
-	float       grad_scale;      /* multiplied into the grad; 1 = none */
+	float *param;          /* fp32 master shard */
+	const void *grad;      /* sharded grad, grad_dtype */
+	float *exp_avg;        /* fp32, zeroed before step 1 */
+	float *exp_avg_sq;     /* fp32, zeroed before step 1 */
+	float *max_exp_avg_sq; /* fp32, zeroed before step 1; NULL unless amsgrad */
+	uint32_t grad_dtype;   /* SHARDD_DTYPE_FP32, _BF16 or _FP16 */
+	uint64_t step;         /* torch's state['step'] after this update: 1 on the first */
+	double lr;
+	double beta1, beta2; /* torch's betas */
+	double eps;
+	double weight_decay; /* decoupled: param *= 1 - lr * weight_decay */
+	int amsgrad;
+	int maximize;
+	float grad_scale; /* multiplied into the grad; 1 = none */
 };
 
 /*
@@ -214,31 +216,31 @@ void shardd_k_adamw(const struct shardd_adamw *a, size_t begin, size_t end);
  * what every path (and the CUDA kernel) multiplies by.
  */
 struct shardd_adamw_coefs {
-	float grad_mul;      /* grad_scale, negated when maximize */
-	float decay;         /* 1 - lr * weight_decay */
-	float lerp_w;        /* 1 - beta1: exp_avg.lerp_(grad, lerp_w) */
-	float lerp_wc;       /* 1 - lerp_w in fp32, lerp's form for lerp_w >= 0.5 */
+	float grad_mul; /* grad_scale, negated when maximize */
+	float decay;    /* 1 - lr * weight_decay */
+	float lerp_w;   /* 1 - beta1: exp_avg.lerp_(grad, lerp_w) */
+	float lerp_wc;  /* 1 - lerp_w in fp32, lerp's form for lerp_w >= 0.5 */
 	float beta2;
-	float beta2c;        /* 1 - beta2 */
-	float bc2_sqrt;      /* sqrt(1 - beta2^step) */
+	float beta2c;   /* 1 - beta2 */
+	float bc2_sqrt; /* sqrt(1 - beta2^step) */
 	float eps;
 	float neg_step_size; /* -lr / (1 - beta1^step) */
-	int   lerp_small;    /* lerp_w < 0.5 */
-	int   amsgrad;
+	int lerp_small;      /* lerp_w < 0.5 */
+	int amsgrad;
 };
 void shardd_k_adamw_coefs(const struct shardd_adamw *a, struct shardd_adamw_coefs *c);
 
 /* The same for SGD. */
 struct shardd_sgd_coefs {
-	float grad_mul;      /* grad_scale, negated when maximize */
+	float grad_mul; /* grad_scale, negated when maximize */
 	float weight_decay;
 	float momentum;
-	float damp_c;        /* 1 - dampening */
-	float neg_lr;        /* -lr */
-	int   use_wd;        /* weight_decay != 0 */
-	int   use_momentum;  /* momentum != 0 */
-	int   first;         /* step == 1: the buffer becomes the grad */
-	int   nesterov;
+	float damp_c;     /* 1 - dampening */
+	float neg_lr;     /* -lr */
+	int use_wd;       /* weight_decay != 0 */
+	int use_momentum; /* momentum != 0 */
+	int first;        /* step == 1: the buffer becomes the grad */
+	int nesterov;
 };
 void shardd_k_sgd_coefs(const struct shardd_sgd *a, struct shardd_sgd_coefs *c);
 
@@ -252,15 +254,16 @@ void shardd_k_sgd_coefs(const struct shardd_sgd *a, struct shardd_sgd_coefs *c);
  * fp64 sum, so nonfinite is exactly "some element is NaN or Inf".
  */
 struct shardd_grad_norm_part {
-	double sumsq;     /* sum of grad^2 */
-	float  max_abs;   /* max |grad| (NaN elements skipped) */
-	int    nonfinite; /* some element is NaN or +-Inf */
+	double sumsq;  /* sum of grad^2 */
+	float max_abs; /* max |grad| (NaN elements skipped) */
+	int nonfinite; /* some element is NaN or +-Inf */
 };
 
 /* *out = the part of grad[begin, end) (fp32, bf16 or fp16). */
 void shardd_k_grad_norm_part(const void *grad, uint32_t dtype, size_t begin, size_t end,
 			     struct shardd_grad_norm_part *out);
 /* Fold `part` into `into` (sum, max, or). */
-void shardd_k_grad_norm_merge(struct shardd_grad_norm_part *into, const struct shardd_grad_norm_part *part);
+void shardd_k_grad_norm_merge(struct shardd_grad_norm_part *into,
+			      const struct shardd_grad_norm_part *part);
 
 #endif /* SHARDD_KERNELS_H */

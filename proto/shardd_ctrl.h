@@ -69,7 +69,11 @@ static inline int shardd_ctrl_send(int sock, uint16_t type, uint32_t seq, const 
 				   uint32_t len, const int *fds, int nfds)
 {
 	struct shardd_msg_hdr hdr = {
-		.magic = SHARDD_MAGIC, .type = type, .flags = 0, .length = len, .seq = seq,
+		.magic = SHARDD_MAGIC,
+		.type = type,
+		.flags = 0,
+		.length = len,
+		.seq = seq,
 	};
 	const uint8_t *p = payload;
 	uint32_t sent = 0;
@@ -90,7 +94,8 @@ static inline int shardd_ctrl_send(int sock, uint16_t type, uint32_t seq, const 
 			iov[iovcnt++] = (struct iovec){ &hdr, sizeof(hdr) };
 		if (n)
 			iov[iovcnt++] = (struct iovec){ (void *)(p + sent), n };
-		r = shardd_ctrl_send_dgram(sock, iov, iovcnt, first ? fds : NULL, first ? nfds : 0, 0);
+		r = shardd_ctrl_send_dgram(sock, iov, iovcnt, first ? fds : NULL, first ? nfds : 0,
+					   0);
 		if (r < 0)
 			return (int)r;
 		sent += n;
@@ -101,13 +106,13 @@ static inline int shardd_ctrl_send(int sock, uint16_t type, uint32_t seq, const 
 
 /* Reassembly state of one incoming message. */
 struct shardd_ctrl_rx {
-	struct shardd_msg_hdr hdr;  /* valid once a message started */
-	uint8_t *payload;           /* malloc'd; hdr.length bytes, owned by the caller once complete */
-	uint32_t have;              /* payload bytes received so far */
-	uint32_t cap;               /* bytes allocated at payload: grows with have, <= hdr.length */
-	int      started;           /* 1 while a message is being reassembled */
-	int      fds[SHARDD_CTRL_MAX_FDS]; /* received with the first datagram */
-	int      nfds;
+	struct shardd_msg_hdr hdr; /* valid once a message started */
+	uint8_t *payload; /* malloc'd; hdr.length bytes, owned by the caller once complete */
+	uint32_t have;    /* payload bytes received so far */
+	uint32_t cap;     /* bytes allocated at payload: grows with have, <= hdr.length */
+	int started;      /* 1 while a message is being reassembled */
+	int fds[SHARDD_CTRL_MAX_FDS]; /* received with the first datagram */
+	int nfds;
 };
 
 /* Release whatever `rx` holds (payload and unclaimed fds) and reset it. */
@@ -202,16 +207,17 @@ static inline int shardd_ctrl_rx_feed(struct shardd_ctrl_rx *rx, const uint8_t *
  * that report is taken and the read retried, so a reply sent just before
  * a close (a refusal's ERROR) is never lost.
  */
-static inline ssize_t shardd_ctrl_recv_dgram(int sock, uint8_t *buf, int *fds, int *nfds,
-					     int flags)
+static inline ssize_t shardd_ctrl_recv_dgram(int sock, uint8_t *buf, int *fds, int *nfds, int flags)
 {
 	union {
 		char buf[CMSG_SPACE(sizeof(int) * SHARDD_CTRL_MAX_FDS)];
 		struct cmsghdr align;
 	} ctl;
 	struct iovec iov = { buf, SHARDD_CTRL_CHUNK };
-	struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1,
-			     .msg_control = ctl.buf, .msg_controllen = sizeof(ctl.buf) };
+	struct msghdr mh = { .msg_iov = &iov,
+			     .msg_iovlen = 1,
+			     .msg_control = ctl.buf,
+			     .msg_controllen = sizeof(ctl.buf) };
 	int reset_seen = 0;
 	ssize_t r;
 

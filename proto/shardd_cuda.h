@@ -53,10 +53,13 @@ static inline uint64_t shardd_cuda_alloc_size(uint64_t bytes, uint64_t granulari
 /* One entry point of a caller's table: its name, and where its pointer goes. */
 struct shardd_cuda_symbol {
 	const char *name;
-	size_t      offset; /* offsetof(the caller's struct of function pointers, the field) */
+	size_t offset; /* offsetof(the caller's struct of function pointers, the field) */
 };
 
-#define SHARDD_CUDA_SYMBOL(type, field, sym) { sym, offsetof(type, field) }
+#define SHARDD_CUDA_SYMBOL(type, field, sym) \
+	{                                    \
+		sym, offsetof(type, field)   \
+	}
 
 /*
  * The driver's entry points that the cuda backend and libshardd both call,
@@ -68,16 +71,16 @@ struct shardd_cuda_symbol {
  * with SHARDD_CUDA_DRIVER_SYMBOL into the table shardd_cuda_resolve fills
  * the struct from, so every field has its name.
  */
-#define SHARDD_CUDA_DRIVER_SHARED(X, type)                              \
-	X(type, get_error_string, cuGetErrorString, 6000)               \
-	X(type, device_get,       cuDeviceGet, 2000)                    \
-	X(type, granularity,      cuMemGetAllocationGranularity, 10020) \
-	X(type, release,          cuMemRelease, 10020)                  \
-	X(type, address_reserve,  cuMemAddressReserve, 10020)           \
-	X(type, address_free,     cuMemAddressFree, 10020)              \
-	X(type, map,              cuMemMap, 10020)                      \
-	X(type, unmap,            cuMemUnmap, 10020)                    \
-	X(type, set_access,       cuMemSetAccess, 10020)
+#define SHARDD_CUDA_DRIVER_SHARED(X, type)                         \
+	X(type, get_error_string, cuGetErrorString, 6000)          \
+	X(type, device_get, cuDeviceGet, 2000)                     \
+	X(type, granularity, cuMemGetAllocationGranularity, 10020) \
+	X(type, release, cuMemRelease, 10020)                      \
+	X(type, address_reserve, cuMemAddressReserve, 10020)       \
+	X(type, address_free, cuMemAddressFree, 10020)             \
+	X(type, map, cuMemMap, 10020)                              \
+	X(type, unmap, cuMemUnmap, 10020)                          \
+	X(type, set_access, cuMemSetAccess, 10020)
 
 #define SHARDD_CUDA_DRIVER_FIELD(type, field, sym, version)  PFN_##sym##_v##version field;
 #define SHARDD_CUDA_DRIVER_SYMBOL(type, field, sym, version) SHARDD_CUDA_SYMBOL(type, field, #sym),
@@ -106,7 +109,8 @@ _Static_assert(sizeof(void *) == sizeof(void (*)(void)),
  * checks that n * sizeof(void *) == sizeof(*table).
  */
 static inline int shardd_cuda_resolve(void *table, const struct shardd_cuda_symbol *syms, size_t n,
-				      shardd_cuda_lookup_fn lookup, void *ctx, char *err, size_t errlen)
+				      shardd_cuda_lookup_fn lookup, void *ctx, char *err,
+				      size_t errlen)
 {
 	for (size_t i = 0; i < n; i++) {
 		void *fn = NULL;

@@ -22,17 +22,17 @@
 /* Constants                                                           */
 /* ------------------------------------------------------------------ */
 
-#define SHARDD_MAGIC        0x44524853u /* "SHRD" as little-endian bytes */
-#define SHARDD_RING_MAGIC   0x474e4952u /* "RING" */
-#define SHARDD_PROTO_MAJOR  1           /* incompatible changes bump this */
-#define SHARDD_PROTO_MINOR  4           /* compatible additions bump this */
+#define SHARDD_MAGIC       0x44524853u /* "SHRD" as little-endian bytes */
+#define SHARDD_RING_MAGIC  0x474e4952u /* "RING" */
+#define SHARDD_PROTO_MAJOR 1           /* incompatible changes bump this */
+#define SHARDD_PROTO_MINOR 4           /* compatible additions bump this */
 
-#define SHARDD_NAME_MAX      64  /* job and group names, NUL included */
-#define SHARDD_PARAM_NAME_MAX 80 /* param names, NUL included */
-#define SHARDD_MAX_DIMS      8   /* param rank */
-#define SHARDD_MAX_WORLD     1024 /* replicate * shard */
-#define SHARDD_MAX_PARAMS    65536 /* params in one group */
-#define SHARDD_ALIGN         64  /* every param offset in every buffer */
+#define SHARDD_NAME_MAX       64    /* job and group names, NUL included */
+#define SHARDD_PARAM_NAME_MAX 80    /* param names, NUL included */
+#define SHARDD_MAX_DIMS       8     /* param rank */
+#define SHARDD_MAX_WORLD      1024  /* replicate * shard */
+#define SHARDD_MAX_PARAMS     65536 /* params in one group */
+#define SHARDD_ALIGN          64    /* every param offset in every buffer */
 
 /*
  * A control message larger than one datagram is split: the first datagram
@@ -40,8 +40,8 @@
  * holds only payload bytes, every datagram at most SHARDD_CTRL_CHUNK bytes.
  * Receivers reassemble until hdr.length payload bytes have arrived.
  */
-#define SHARDD_CTRL_CHUNK    (60u * 1024u)
-#define SHARDD_CTRL_MAX      (64u * 1024u * 1024u) /* payload limit */
+#define SHARDD_CTRL_CHUNK (60u * 1024u)
+#define SHARDD_CTRL_MAX   (64u * 1024u * 1024u) /* payload limit */
 
 #define SHARDD_RING_ENTRIES_DEFAULT 1024 /* SQ and CQ each, power of two */
 #define SHARDD_RING_MSG_SIZE        256  /* error text slot per CQ entry */
@@ -56,7 +56,7 @@ enum shardd_dtype {
 	SHARDD_DTYPE_FP32 = 1,
 	SHARDD_DTYPE_BF16 = 2,
 	SHARDD_DTYPE_FP16 = 3,
-	SHARDD_DTYPE_COUNT     /* codes >= this are invalid */
+	SHARDD_DTYPE_COUNT /* codes >= this are invalid */
 };
 
 enum shardd_backend {
@@ -65,15 +65,16 @@ enum shardd_backend {
 };
 
 enum shardd_op {
-	SHARDD_OP_NOP       = 1, /* completes at once: latency probe */
-	SHARDD_OP_BARRIER   = 2, /* job-wide, keyed by sqe.step */
-	SHARDD_OP_UNSHARD   = 3, /* collective over the shard group, by step */
-	SHARDD_OP_REDUCE    = 4, /* collective over the shard group (+replicas) */
-	SHARDD_OP_RESHARD   = 5, /* drop this rank's hold on the unsharded copy */
+	SHARDD_OP_NOP = 1,       /* completes at once: latency probe */
+	SHARDD_OP_BARRIER = 2,   /* job-wide, keyed by sqe.step */
+	SHARDD_OP_UNSHARD = 3,   /* collective over the shard group, by step */
+	SHARDD_OP_REDUCE = 4,    /* collective over the shard group (+replicas) */
+	SHARDD_OP_RESHARD = 5,   /* drop this rank's hold on the unsharded copy */
 	SHARDD_OP_ZERO_GRAD = 6, /* this rank's sharded grads: zero, "absent" */
-	SHARDD_OP_STEP      = 7, /* the group's optimizer on this rank's shard, once per step */
+	SHARDD_OP_STEP = 7,      /* the group's optimizer on this rank's shard, once per step */
 	SHARDD_OP_GRAD_NORM = 8, /* job-wide: total norm of every group's sharded grads (minor 3) */
-	SHARDD_OP_CHECKPOINT = 9, /* job-wide: save every group to the daemon's --state-dir (minor 4) */
+	SHARDD_OP_CHECKPOINT =
+		9, /* job-wide: save every group to the daemon's --state-dir (minor 4) */
 	SHARDD_OP_COUNT
 };
 
@@ -97,21 +98,30 @@ enum shardd_op {
  * Other arg words stay zero. The completion's res is one of enum
  * shardd_step_result or a negative error.
  */
-#define SHARDD_STEP_SKIP_NONFINITE     (1u << 0) /* skip (no update) when this rank's sharded grad holds a NaN or Inf */
-#define SHARDD_STEP_CLIP               (1u << 1) /* arg[SHARDD_SQE_STEP_CLIP] holds a clip coefficient */
-#define SHARDD_STEP_CLIP_JOB           (1u << 2) /* arg[SHARDD_SQE_STEP_CLIP] holds max_norm; the job's grad_norm gives the coefficient (minor 4) */
-#define SHARDD_STEP_SKIP_JOB_NONFINITE (1u << 3) /* skip on every rank when the job's grad_norm of this step was non-finite (minor 4) */
-#define SHARDD_STEP_REPLAY             (1u << 4) /* as another rank of the group submitted this step (minor 4) */
-#define SHARDD_STEP_FLAGS_MASK     (SHARDD_STEP_SKIP_NONFINITE | SHARDD_STEP_CLIP | SHARDD_STEP_CLIP_JOB | \
-				    SHARDD_STEP_SKIP_JOB_NONFINITE | SHARDD_STEP_REPLAY)
+#define SHARDD_STEP_SKIP_NONFINITE \
+	(1u << 0) /* skip (no update) when this rank's sharded grad holds a NaN or Inf */
+#define SHARDD_STEP_CLIP (1u << 1) /* arg[SHARDD_SQE_STEP_CLIP] holds a clip coefficient */
+#define SHARDD_STEP_CLIP_JOB \
+	(1u                  \
+	 << 2) /* arg[SHARDD_SQE_STEP_CLIP] holds max_norm; the job's grad_norm gives the coefficient (minor 4) */
+#define SHARDD_STEP_SKIP_JOB_NONFINITE \
+	(1u                            \
+	 << 3) /* skip on every rank when the job's grad_norm of this step was non-finite (minor 4) */
+#define SHARDD_STEP_REPLAY \
+	(1u << 4) /* as another rank of the group submitted this step (minor 4) */
+#define SHARDD_STEP_FLAGS_MASK                                                  \
+	(SHARDD_STEP_SKIP_NONFINITE | SHARDD_STEP_CLIP | SHARDD_STEP_CLIP_JOB | \
+	 SHARDD_STEP_SKIP_JOB_NONFINITE | SHARDD_STEP_REPLAY)
 #define SHARDD_GRAD_NORM_KEPT 2 /* grad_norm results the daemon keeps per job, by step number */
-#define SHARDD_SQE_STEP_LR   0
-#define SHARDD_SQE_STEP_CLIP 1
+#define SHARDD_SQE_STEP_LR    0
+#define SHARDD_SQE_STEP_CLIP  1
 
 enum shardd_step_result {
 	SHARDD_STEP_APPLIED = 0, /* the update was applied; the sharded grad is cleared */
-	SHARDD_STEP_SKIPPED = 1, /* SKIP_NONFINITE and a non-finite grad: params and state unchanged, grad cleared */
-	SHARDD_STEP_ALREADY = 2, /* a step >= this one was applied or skipped before: nothing changed */
+	SHARDD_STEP_SKIPPED =
+		1, /* SKIP_NONFINITE and a non-finite grad: params and state unchanged, grad cleared */
+	SHARDD_STEP_ALREADY =
+		2, /* a step >= this one was applied or skipped before: nothing changed */
 };
 
 /*
@@ -140,12 +150,12 @@ enum shardd_step_result {
  * against (the newcomer's for the ranks that waited, the waiting ranks'
  * for the newcomer), so a client can tell whose barrier it met (minor 4).
  */
-#define SHARDD_CQE_BARRIER_OTHER       0
+#define SHARDD_CQE_BARRIER_OTHER 0
 
 /* Optimizers (struct shardd_optim_config.kind). */
 enum shardd_optim {
-	SHARDD_OPTIM_NONE  = 0,
-	SHARDD_OPTIM_SGD   = 1, /* torch.optim.SGD */
+	SHARDD_OPTIM_NONE = 0,
+	SHARDD_OPTIM_SGD = 1,   /* torch.optim.SGD */
 	SHARDD_OPTIM_ADAMW = 2, /* torch.optim.AdamW */
 	SHARDD_OPTIM_COUNT
 };
@@ -154,7 +164,8 @@ enum shardd_optim {
 #define SHARDD_OPTIM_NESTEROV (1u << 0) /* SGD */
 #define SHARDD_OPTIM_MAXIMIZE (1u << 1) /* both */
 #define SHARDD_OPTIM_AMSGRAD  (1u << 2) /* AdamW */
-#define SHARDD_OPTIM_FLAGS_MASK (SHARDD_OPTIM_NESTEROV | SHARDD_OPTIM_MAXIMIZE | SHARDD_OPTIM_AMSGRAD)
+#define SHARDD_OPTIM_FLAGS_MASK \
+	(SHARDD_OPTIM_NESTEROV | SHARDD_OPTIM_MAXIMIZE | SHARDD_OPTIM_AMSGRAD)
 
 /* sqe.flags for SHARDD_OP_REDUCE */
 #define SHARDD_REDUCE_ALL_REDUCE (1u << 0) /* HSDP: all-reduce across replicas now */
@@ -172,23 +183,23 @@ enum shardd_optim {
  * -errno or -SHARDD_E*. Project codes start at 1000, above every errno.
  */
 enum shardd_error {
-	SHARDD_E_BASE       = 1000,
-	SHARDD_E_MAGIC      = 1001, /* wrong magic in a message or ring */
-	SHARDD_E_VERSION    = 1002, /* protocol major version differs */
-	SHARDD_E_MALFORMED  = 1003, /* truncated or malformed message */
-	SHARDD_E_PERM       = 1004, /* peer credentials not allowed */
+	SHARDD_E_BASE = 1000,
+	SHARDD_E_MAGIC = 1001,      /* wrong magic in a message or ring */
+	SHARDD_E_VERSION = 1002,    /* protocol major version differs */
+	SHARDD_E_MALFORMED = 1003,  /* truncated or malformed message */
+	SHARDD_E_PERM = 1004,       /* peer credentials not allowed */
 	SHARDD_E_RANK_TAKEN = 1005, /* another live client holds this rank */
-	SHARDD_E_MESH       = 1006, /* mesh differs from the job's */
-	SHARDD_E_INVALID    = 1007, /* a field has an invalid value */
-	SHARDD_E_TIMEOUT    = 1008, /* collective timeout: ranks missing */
-	SHARDD_E_PEER_DIED  = 1009, /* a rank of the rendezvous died */
-	SHARDD_E_MISMATCH   = 1010, /* ranks disagree on step, flags or spec */
-	SHARDD_E_SHUTDOWN   = 1011, /* the daemon is shutting down */
-	SHARDD_E_NOGROUP    = 1012, /* unknown group id or name */
-	SHARDD_E_STATE      = 1013, /* op not allowed in this state */
-	SHARDD_E_NOMEM      = 1014, /* daemon could not allocate */
-	SHARDD_E_BACKEND    = 1015, /* backend failure (message says which) */
-	SHARDD_E_NOJOB      = 1016, /* unknown job (admin) */
+	SHARDD_E_MESH = 1006,       /* mesh differs from the job's */
+	SHARDD_E_INVALID = 1007,    /* a field has an invalid value */
+	SHARDD_E_TIMEOUT = 1008,    /* collective timeout: ranks missing */
+	SHARDD_E_PEER_DIED = 1009,  /* a rank of the rendezvous died */
+	SHARDD_E_MISMATCH = 1010,   /* ranks disagree on step, flags or spec */
+	SHARDD_E_SHUTDOWN = 1011,   /* the daemon is shutting down */
+	SHARDD_E_NOGROUP = 1012,    /* unknown group id or name */
+	SHARDD_E_STATE = 1013,      /* op not allowed in this state */
+	SHARDD_E_NOMEM = 1014,      /* daemon could not allocate */
+	SHARDD_E_BACKEND = 1015,    /* backend failure (message says which) */
+	SHARDD_E_NOJOB = 1016,      /* unknown job (admin) */
 	SHARDD_E_MAX
 };
 
@@ -198,24 +209,24 @@ enum shardd_error {
  * zero means what it meant before the field existed: four fds.
  */
 enum shardd_export_kind {
-	SHARDD_EXPORT_FD       = 0, /* an fd in the message's SCM_RIGHTS: a memfd, or a cuda VMM fd */
+	SHARDD_EXPORT_FD = 0, /* an fd in the message's SCM_RIGHTS: a memfd, or a cuda VMM fd */
 	SHARDD_EXPORT_CUDA_IPC = 1, /* no fd: a struct shardd_cuda_ipc_handle in the payload */
 	SHARDD_EXPORT_COUNT         /* codes >= this are invalid */
 };
 
 /* Control message types */
 enum shardd_msg_type {
-	SHARDD_MSG_HELLO          = 1,  /* client -> daemon */
-	SHARDD_MSG_WELCOME        = 2,  /* daemon -> client, fds: ring, doorbell */
-	SHARDD_MSG_ERROR          = 3,  /* daemon -> client */
-	SHARDD_MSG_GOODBYE        = 4,  /* client -> daemon, no reply */
-	SHARDD_MSG_REGISTER_GROUP = 5,  /* client -> daemon */
-	SHARDD_MSG_OPEN_GROUP     = 6,  /* client -> daemon */
-	SHARDD_MSG_GROUP          = 7,  /* daemon -> client, fds: 4 buffers */
-	SHARDD_MSG_ADMIN          = 8,  /* client -> daemon, JSON payload */
-	SHARDD_MSG_ADMIN_REPLY    = 9,  /* daemon -> client, JSON payload */
-	SHARDD_MSG_STREAM         = 10, /* client -> daemon: its fence events (cuda backend) */
-	SHARDD_MSG_STREAM_REPLY   = 11, /* daemon -> client: the daemon's fence events */
+	SHARDD_MSG_HELLO = 1,          /* client -> daemon */
+	SHARDD_MSG_WELCOME = 2,        /* daemon -> client, fds: ring, doorbell */
+	SHARDD_MSG_ERROR = 3,          /* daemon -> client */
+	SHARDD_MSG_GOODBYE = 4,        /* client -> daemon, no reply */
+	SHARDD_MSG_REGISTER_GROUP = 5, /* client -> daemon */
+	SHARDD_MSG_OPEN_GROUP = 6,     /* client -> daemon */
+	SHARDD_MSG_GROUP = 7,          /* daemon -> client, fds: 4 buffers */
+	SHARDD_MSG_ADMIN = 8,          /* client -> daemon, JSON payload */
+	SHARDD_MSG_ADMIN_REPLY = 9,    /* daemon -> client, JSON payload */
+	SHARDD_MSG_STREAM = 10,        /* client -> daemon: its fence events (cuda backend) */
+	SHARDD_MSG_STREAM_REPLY = 11,  /* daemon -> client: the daemon's fence events */
 	SHARDD_MSG_COUNT
 };
 
@@ -235,42 +246,42 @@ struct shardd_msg_hdr {
 #define SHARDD_HELLO_DEVICE_HOST (-1)
 
 struct shardd_hello {
-	uint16_t major;      /* SHARDD_PROTO_MAJOR of the client */
-	uint16_t minor;      /* SHARDD_PROTO_MINOR of the client */
-	uint32_t pid;        /* client pid, for pidfd liveness */
-	char     job[SHARDD_NAME_MAX]; /* NUL-terminated job name */
-	uint32_t rank;       /* global rank = replica * shard + shard_rank */
-	uint32_t replicate;  /* mesh rows (1 for plain FSDP) */
-	uint32_t shard;      /* mesh columns: shard group size */
-	int32_t  device;     /* CUDA device ordinal; SHARDD_HELLO_DEVICE_HOST */
-	uint32_t sq_entries; /* requested SQ/CQ size; 0 = default */
-	uint32_t flags;      /* zero */
-	uint8_t  rsvd[16];   /* zero */
+	uint16_t major;            /* SHARDD_PROTO_MAJOR of the client */
+	uint16_t minor;            /* SHARDD_PROTO_MINOR of the client */
+	uint32_t pid;              /* client pid, for pidfd liveness */
+	char job[SHARDD_NAME_MAX]; /* NUL-terminated job name */
+	uint32_t rank;             /* global rank = replica * shard + shard_rank */
+	uint32_t replicate;        /* mesh rows (1 for plain FSDP) */
+	uint32_t shard;            /* mesh columns: shard group size */
+	int32_t device;            /* CUDA device ordinal; SHARDD_HELLO_DEVICE_HOST */
+	uint32_t sq_entries;       /* requested SQ/CQ size; 0 = default */
+	uint32_t flags;            /* zero */
+	uint8_t rsvd[16];          /* zero */
 };
 
 struct shardd_welcome {
-	uint16_t major;       /* daemon's SHARDD_PROTO_MAJOR */
-	uint16_t minor;       /* daemon's SHARDD_PROTO_MINOR */
-	uint32_t client_id;   /* daemon-wide id of this connection */
-	uint32_t backend;     /* enum shardd_backend */
-	uint32_t sq_entries;  /* SQ capacity, power of two */
-	uint32_t cq_entries;  /* CQ capacity, power of two, >= sq_entries */
+	uint16_t major;      /* daemon's SHARDD_PROTO_MAJOR */
+	uint16_t minor;      /* daemon's SHARDD_PROTO_MINOR */
+	uint32_t client_id;  /* daemon-wide id of this connection */
+	uint32_t backend;    /* enum shardd_backend */
+	uint32_t sq_entries; /* SQ capacity, power of two */
+	uint32_t cq_entries; /* CQ capacity, power of two, >= sq_entries */
 	uint32_t daemon_pid;
-	uint64_t ring_size;   /* bytes of the ring memfd (fd 0) */
+	uint64_t ring_size; /* bytes of the ring memfd (fd 0) */
 	uint32_t collective_timeout_ms;
 	uint32_t rsvd0;
-	uint8_t  rsvd[24];
+	uint8_t rsvd[24];
 };
 
 /* SHARDD_MSG_ERROR payload: code, then msg_len bytes of UTF-8 text. */
 struct shardd_error_msg {
-	int32_t  code;     /* negative: -SHARDD_E* or -errno */
-	uint32_t msg_len;  /* bytes of text following, no NUL */
+	int32_t code;     /* negative: -SHARDD_E* or -errno */
+	uint32_t msg_len; /* bytes of text following, no NUL */
 };
 
 /* Initial values of a group's params: who writes them. */
 enum shardd_init {
-	SHARDD_INIT_ZERO  = 0, /* shards start zeroed; each rank writes its own */
+	SHARDD_INIT_ZERO = 0,    /* shards start zeroed; each rank writes its own */
 	SHARDD_INIT_RESTORE = 1, /* params and optimizer state from a checkpoint (minor 4): a
 				    struct shardd_restore and its path follow the payload */
 };
@@ -286,21 +297,21 @@ enum shardd_init {
 #define SHARDD_RESTORE_PATH_MAX 4096 /* path_len < this */
 struct shardd_restore {
 	uint32_t path_len;
-	uint32_t rsvd;     /* zero */
+	uint32_t rsvd; /* zero */
 };
 
 /* One param of a group, as registered. */
 struct shardd_param_spec {
-	char     name[SHARDD_PARAM_NAME_MAX]; /* NUL-terminated, unique */
-	uint32_t dtype;     /* enum shardd_dtype, the param's original dtype */
-	uint32_t ndim;      /* 0..SHARDD_MAX_DIMS */
-	uint32_t shard_dim; /* FSDP2 Shard(i): 0 by default, < ndim */
-	uint32_t flags;     /* zero */
-	uint64_t shape[SHARDD_MAX_DIMS]; /* first ndim used, rest zero */
+	char name[SHARDD_PARAM_NAME_MAX]; /* NUL-terminated, unique */
+	uint32_t dtype;                   /* enum shardd_dtype, the param's original dtype */
+	uint32_t ndim;                    /* 0..SHARDD_MAX_DIMS */
+	uint32_t shard_dim;               /* FSDP2 Shard(i): 0 by default, < ndim */
+	uint32_t flags;                   /* zero */
+	uint64_t shape[SHARDD_MAX_DIMS];  /* first ndim used, rest zero */
 };
 
 /* shardd_register_group.flags */
-#define SHARDD_REGISTER_OPTIMIZER (1u << 0) /* a struct shardd_optim_config follows the specs */
+#define SHARDD_REGISTER_OPTIMIZER  (1u << 0) /* a struct shardd_optim_config follows the specs */
 #define SHARDD_REGISTER_FLAGS_MASK (SHARDD_REGISTER_OPTIMIZER)
 
 /*
@@ -311,15 +322,15 @@ struct shardd_param_spec {
  * does not read must be zero. Every rank registers the same config.
  */
 struct shardd_optim_config {
-	uint32_t kind;         /* enum shardd_optim, not NONE */
-	uint32_t flags;        /* SHARDD_OPTIM_* */
-	double   momentum;
-	double   dampening;
-	double   weight_decay;
-	double   beta1;
-	double   beta2;
-	double   eps;
-	uint64_t rsvd[2];      /* zero */
+	uint32_t kind;  /* enum shardd_optim, not NONE */
+	uint32_t flags; /* SHARDD_OPTIM_* */
+	double momentum;
+	double dampening;
+	double weight_decay;
+	double beta1;
+	double beta2;
+	double eps;
+	uint64_t rsvd[2]; /* zero */
 };
 
 /*
@@ -327,18 +338,18 @@ struct shardd_optim_config {
  * with SHARDD_REGISTER_OPTIMIZER in flags one struct shardd_optim_config.
  */
 struct shardd_register_group {
-	char     name[SHARDD_NAME_MAX]; /* NUL-terminated group name */
-	uint32_t nparams;      /* 1..SHARDD_MAX_PARAMS */
-	uint32_t param_dtype;  /* MixedPrecisionPolicy.param_dtype or NONE */
-	uint32_t reduce_dtype; /* MixedPrecisionPolicy.reduce_dtype or NONE */
-	uint32_t init;         /* enum shardd_init */
-	uint32_t flags;        /* SHARDD_REGISTER_* */
+	char name[SHARDD_NAME_MAX]; /* NUL-terminated group name */
+	uint32_t nparams;           /* 1..SHARDD_MAX_PARAMS */
+	uint32_t param_dtype;       /* MixedPrecisionPolicy.param_dtype or NONE */
+	uint32_t reduce_dtype;      /* MixedPrecisionPolicy.reduce_dtype or NONE */
+	uint32_t init;              /* enum shardd_init */
+	uint32_t flags;             /* SHARDD_REGISTER_* */
 	uint32_t rsvd;
 };
 
 /* SHARDD_MSG_OPEN_GROUP payload. */
 struct shardd_open_group {
-	char     name[SHARDD_NAME_MAX];
+	char name[SHARDD_NAME_MAX];
 };
 
 /* Buffers of a GROUP reply: unsharded, grad, flat shard, sharded grad, in this order. */
@@ -365,7 +376,7 @@ struct shardd_cuda_ipc_handle {
  */
 struct shardd_stream_req {
 	uint32_t nevents;
-	uint32_t rsvd;    /* zero */
+	uint32_t rsvd; /* zero */
 };
 
 /*
@@ -377,7 +388,7 @@ struct shardd_stream_req {
  */
 struct shardd_stream_reply {
 	uint32_t nevents;
-	uint32_t rsvd;    /* zero */
+	uint32_t rsvd; /* zero */
 };
 
 /* Where one param lives in each buffer, for the receiving rank. */
@@ -402,19 +413,20 @@ struct shardd_param_layout {
  * Sizes below are the mapping sizes.
  */
 struct shardd_group_reply {
-	uint32_t group_id;        /* nonzero, used in sqe.group */
+	uint32_t group_id; /* nonzero, used in sqe.group */
 	uint32_t nparams;
-	uint32_t param_dtype;     /* dtype of the unsharded buffer, per param if NONE */
-	uint32_t reduce_dtype;    /* as registered */
-	uint32_t grad_dtype;      /* dtype of the grad buffer; NONE if params differ */
-	uint32_t shard_world;     /* shard group size used for the layout */
-	uint64_t unsharded_size;  /* bytes */
-	uint64_t grad_size;       /* bytes */
-	uint64_t shard_size;      /* bytes of the flat shard, also of the sharded grad */
-	uint8_t  export_kind[SHARDD_GROUP_BUFS]; /* per buffer, enum shardd_export_kind */
-	uint32_t optimizer;       /* enum shardd_optim registered with the group */
-	uint64_t last_step;       /* the last step applied or skipped on the receiving rank's shard; 0: none */
-	uint64_t peer_last_step;  /* the highest last_step of any rank of the group (minor 4) */
+	uint32_t param_dtype;    /* dtype of the unsharded buffer, per param if NONE */
+	uint32_t reduce_dtype;   /* as registered */
+	uint32_t grad_dtype;     /* dtype of the grad buffer; NONE if params differ */
+	uint32_t shard_world;    /* shard group size used for the layout */
+	uint64_t unsharded_size; /* bytes */
+	uint64_t grad_size;      /* bytes */
+	uint64_t shard_size;     /* bytes of the flat shard, also of the sharded grad */
+	uint8_t export_kind[SHARDD_GROUP_BUFS]; /* per buffer, enum shardd_export_kind */
+	uint32_t optimizer;                     /* enum shardd_optim registered with the group */
+	uint64_t
+		last_step; /* the last step applied or skipped on the receiving rank's shard; 0: none */
+	uint64_t peer_last_step; /* the highest last_step of any rank of the group (minor 4) */
 };
 
 /* Bytes of struct shardd_group_reply sent to a client of minor < 4 (no peer_last_step). */
@@ -431,9 +443,9 @@ struct shardd_group_reply {
 #define SHARDD_FENCE_MASK   (SHARDD_FENCE_WAIT | SHARDD_FENCE_SIGNAL)
 
 struct shardd_sqe {
-	uint8_t  op;        /* enum shardd_op */
-	uint8_t  fence;     /* SHARDD_FENCE_*; zero: ordered by the CPU */
-	uint8_t  rsvd0[2];  /* zero */
+	uint8_t op;         /* enum shardd_op */
+	uint8_t fence;      /* SHARDD_FENCE_*; zero: ordered by the CPU */
+	uint8_t rsvd0[2];   /* zero */
 	uint32_t group;     /* group id; zero for nop and barrier */
 	uint64_t step;      /* step number (barrier number for barrier) */
 	uint64_t user_data; /* echoed in the completion */
@@ -446,12 +458,12 @@ struct shardd_sqe {
 /* Completion queue entry: daemon -> client. */
 struct shardd_cqe {
 	uint64_t user_data; /* from the sqe */
-	int32_t  res;       /* 0 or negative error */
-	uint8_t  op;        /* from the sqe */
-	uint8_t  has_msg;   /* 1: error text in the message slot of this index */
-	uint8_t  fence;     /* 1: the daemon recorded its event of this CQ slot after the op */
-	uint8_t  rsvd0;
-	uint32_t group;     /* from the sqe */
+	int32_t res;        /* 0 or negative error */
+	uint8_t op;         /* from the sqe */
+	uint8_t has_msg;    /* 1: error text in the message slot of this index */
+	uint8_t fence;      /* 1: the daemon recorded its event of this CQ slot after the op */
+	uint8_t rsvd0;
+	uint32_t group; /* from the sqe */
 	uint32_t rsvd1;
 	uint64_t step;      /* from the sqe */
 	uint64_t result[4]; /* the op's results: SHARDD_CQE_* words (GRAD_NORM, a BARRIER
@@ -468,44 +480,44 @@ struct shardd_cqe {
  */
 struct shardd_ring_hdr {
 	/* line 0: immutable once version is published (daemon) */
-	uint32_t magic;       /* SHARDD_RING_MAGIC */
-	uint32_t version;     /* major << 16 | minor; written last, release */
+	uint32_t magic;   /* SHARDD_RING_MAGIC */
+	uint32_t version; /* major << 16 | minor; written last, release */
 	uint32_t sq_entries;
 	uint32_t cq_entries;
-	uint32_t sq_off;      /* bytes from the region start to SQ entries */
+	uint32_t sq_off; /* bytes from the region start to SQ entries */
 	uint32_t cq_off;
-	uint32_t msg_off;     /* cq_entries * SHARDD_RING_MSG_SIZE bytes */
-	uint32_t msg_size;    /* SHARDD_RING_MSG_SIZE */
+	uint32_t msg_off;  /* cq_entries * SHARDD_RING_MSG_SIZE bytes */
+	uint32_t msg_size; /* SHARDD_RING_MSG_SIZE */
 	uint64_t region_size;
 	uint32_t daemon_pid;
 	uint32_t client_id;
-	uint8_t  pad0[16];
+	uint8_t pad0[16];
 	/* line 1 (daemon) */
-	uint32_t sq_head;     /* SQ entries consumed */
-	uint8_t  pad1[60];
+	uint32_t sq_head; /* SQ entries consumed */
+	uint8_t pad1[60];
 	/* line 2 (client) */
-	uint32_t sq_tail;     /* SQ entries published */
-	uint8_t  pad2[60];
+	uint32_t sq_tail; /* SQ entries published */
+	uint8_t pad2[60];
 	/* line 3 (client) */
-	uint32_t cq_head;     /* CQ entries consumed */
-	uint32_t cq_waiters;  /* client threads futex-waiting on cq_tail */
-	uint8_t  pad3[56];
+	uint32_t cq_head;    /* CQ entries consumed */
+	uint32_t cq_waiters; /* client threads futex-waiting on cq_tail */
+	uint8_t pad3[56];
 	/* line 4 (daemon): cq_tail is the futex word */
-	uint32_t cq_tail;     /* CQ entries published */
-	uint8_t  pad4[60];
+	uint32_t cq_tail; /* CQ entries published */
+	uint8_t pad4[60];
 	/* line 5 (daemon) */
-	uint32_t flags;       /* SHARDD_RING_* */
-	uint32_t daemon_last_op;   /* last op the daemon took from this SQ */
-	uint64_t daemon_last_step; /* its step */
+	uint32_t flags;               /* SHARDD_RING_* */
+	uint32_t daemon_last_op;      /* last op the daemon took from this SQ */
+	uint64_t daemon_last_step;    /* its step */
 	uint64_t daemon_heartbeat_ns; /* CLOCK_MONOTONIC of the last loop turn */
-	uint8_t  pad5[40];
+	uint8_t pad5[40];
 	/* line 6 (client) */
-	uint32_t client_last_op;   /* last op the client submitted */
+	uint32_t client_last_op; /* last op the client submitted */
 	uint32_t rsvd6;
 	uint64_t client_last_step;
-	uint8_t  pad6[48];
+	uint8_t pad6[48];
 	/* line 7: spare */
-	uint8_t  pad7[64];
+	uint8_t pad7[64];
 };
 
 /* ------------------------------------------------------------------ */
@@ -526,7 +538,8 @@ _Static_assert(sizeof(struct shardd_register_group) == 88, "register_group");
 _Static_assert(sizeof(struct shardd_open_group) == 64, "open_group");
 _Static_assert(sizeof(struct shardd_param_layout) == 64, "param_layout");
 _Static_assert(sizeof(struct shardd_group_reply) == 72, "group_reply");
-_Static_assert(offsetof(struct shardd_group_reply, unsharded_size) == 24, "group_reply.unsharded_size");
+_Static_assert(offsetof(struct shardd_group_reply, unsharded_size) == 24,
+	       "group_reply.unsharded_size");
 _Static_assert(offsetof(struct shardd_group_reply, export_kind) == 48, "group_reply.export_kind");
 _Static_assert(offsetof(struct shardd_group_reply, optimizer) == 52, "group_reply.optimizer");
 _Static_assert(offsetof(struct shardd_group_reply, last_step) == 56, "group_reply.last_step");
@@ -549,21 +562,30 @@ _Static_assert(sizeof(struct shardd_stream_reply) == 8, "stream_reply");
 _Static_assert(offsetof(struct shardd_cqe, group) == 16, "cqe.group");
 _Static_assert(offsetof(struct shardd_cqe, step) == 24, "cqe.step");
 _Static_assert(sizeof(struct shardd_ring_hdr) == 8 * SHARDD_CACHELINE, "ring_hdr");
-_Static_assert(offsetof(struct shardd_ring_hdr, sq_head) == 1 * SHARDD_CACHELINE, "ring_hdr.sq_head");
-_Static_assert(offsetof(struct shardd_ring_hdr, sq_tail) == 2 * SHARDD_CACHELINE, "ring_hdr.sq_tail");
-_Static_assert(offsetof(struct shardd_ring_hdr, cq_head) == 3 * SHARDD_CACHELINE, "ring_hdr.cq_head");
-_Static_assert(offsetof(struct shardd_ring_hdr, cq_tail) == 4 * SHARDD_CACHELINE, "ring_hdr.cq_tail");
+_Static_assert(offsetof(struct shardd_ring_hdr, sq_head) == 1 * SHARDD_CACHELINE,
+	       "ring_hdr.sq_head");
+_Static_assert(offsetof(struct shardd_ring_hdr, sq_tail) == 2 * SHARDD_CACHELINE,
+	       "ring_hdr.sq_tail");
+_Static_assert(offsetof(struct shardd_ring_hdr, cq_head) == 3 * SHARDD_CACHELINE,
+	       "ring_hdr.cq_head");
+_Static_assert(offsetof(struct shardd_ring_hdr, cq_tail) == 4 * SHARDD_CACHELINE,
+	       "ring_hdr.cq_tail");
 _Static_assert(offsetof(struct shardd_ring_hdr, flags) == 5 * SHARDD_CACHELINE, "ring_hdr.flags");
-_Static_assert(offsetof(struct shardd_ring_hdr, client_last_op) == 6 * SHARDD_CACHELINE, "ring_hdr.client_last_op");
+_Static_assert(offsetof(struct shardd_ring_hdr, client_last_op) == 6 * SHARDD_CACHELINE,
+	       "ring_hdr.client_last_op");
 
 /* Bytes of one element of a dtype; 0 for NONE and unknown codes. */
 static inline size_t shardd_dtype_size(uint32_t dtype)
 {
 	switch (dtype) {
-	case SHARDD_DTYPE_FP32: return 4;
-	case SHARDD_DTYPE_BF16: return 2;
-	case SHARDD_DTYPE_FP16: return 2;
-	default: return 0;
+	case SHARDD_DTYPE_FP32:
+		return 4;
+	case SHARDD_DTYPE_BF16:
+		return 2;
+	case SHARDD_DTYPE_FP16:
+		return 2;
+	default:
+		return 0;
 	}
 }
 
@@ -571,11 +593,16 @@ static inline size_t shardd_dtype_size(uint32_t dtype)
 static inline const char *shardd_dtype_name(uint32_t dtype)
 {
 	switch (dtype) {
-	case SHARDD_DTYPE_NONE: return "none";
-	case SHARDD_DTYPE_FP32: return "fp32";
-	case SHARDD_DTYPE_BF16: return "bf16";
-	case SHARDD_DTYPE_FP16: return "fp16";
-	default: return NULL;
+	case SHARDD_DTYPE_NONE:
+		return "none";
+	case SHARDD_DTYPE_FP32:
+		return "fp32";
+	case SHARDD_DTYPE_BF16:
+		return "bf16";
+	case SHARDD_DTYPE_FP16:
+		return "fp16";
+	default:
+		return NULL;
 	}
 }
 
@@ -583,16 +610,26 @@ static inline const char *shardd_dtype_name(uint32_t dtype)
 static inline const char *shardd_op_name(uint32_t op)
 {
 	switch (op) {
-	case SHARDD_OP_NOP: return "nop";
-	case SHARDD_OP_BARRIER: return "barrier";
-	case SHARDD_OP_UNSHARD: return "unshard";
-	case SHARDD_OP_REDUCE: return "reduce";
-	case SHARDD_OP_RESHARD: return "reshard";
-	case SHARDD_OP_ZERO_GRAD: return "zero_grad";
-	case SHARDD_OP_STEP: return "step";
-	case SHARDD_OP_GRAD_NORM: return "grad_norm";
-	case SHARDD_OP_CHECKPOINT: return "checkpoint";
-	default: return NULL;
+	case SHARDD_OP_NOP:
+		return "nop";
+	case SHARDD_OP_BARRIER:
+		return "barrier";
+	case SHARDD_OP_UNSHARD:
+		return "unshard";
+	case SHARDD_OP_REDUCE:
+		return "reduce";
+	case SHARDD_OP_RESHARD:
+		return "reshard";
+	case SHARDD_OP_ZERO_GRAD:
+		return "zero_grad";
+	case SHARDD_OP_STEP:
+		return "step";
+	case SHARDD_OP_GRAD_NORM:
+		return "grad_norm";
+	case SHARDD_OP_CHECKPOINT:
+		return "checkpoint";
+	default:
+		return NULL;
 	}
 }
 

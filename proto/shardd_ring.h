@@ -28,12 +28,12 @@
 /* Process-local view of a mapped ring region. */
 struct shardd_ring {
 	struct shardd_ring_hdr *hdr;
-	struct shardd_sqe      *sq;
-	struct shardd_cqe      *cq;
-	char                   *msg;     /* cq_entries slots of msg_size bytes */
-	uint32_t                sq_mask;
-	uint32_t                cq_mask;
-	uint32_t                msg_size;
+	struct shardd_sqe *sq;
+	struct shardd_cqe *cq;
+	char *msg; /* cq_entries slots of msg_size bytes */
+	uint32_t sq_mask;
+	uint32_t cq_mask;
+	uint32_t msg_size;
 };
 
 /*
@@ -49,16 +49,22 @@ struct shardd_ring {
  * a full barrier. shardd_fetch_or / _and / _add / _sub: relaxed
  * read-modify-writes of `var`.
  */
-#define SHARDD_ATOMIC_OF(p)         ((_Atomic __typeof__(*(p)) *)(void *)(p))
-#define SHARDD_READ_ONCE(var)       atomic_load_explicit(SHARDD_ATOMIC_OF(&(var)), memory_order_relaxed)
-#define SHARDD_WRITE_ONCE(var, val) atomic_store_explicit(SHARDD_ATOMIC_OF(&(var)), (val), memory_order_relaxed)
-#define shardd_load_acquire(p)      atomic_load_explicit(SHARDD_ATOMIC_OF(p), memory_order_acquire)
-#define shardd_store_release(p, v)  atomic_store_explicit(SHARDD_ATOMIC_OF(p), (v), memory_order_release)
-#define shardd_smp_mb()             atomic_thread_fence(memory_order_seq_cst)
-#define shardd_fetch_or(var, v)     atomic_fetch_or_explicit(SHARDD_ATOMIC_OF(&(var)), (v), memory_order_relaxed)
-#define shardd_fetch_and(var, v)    atomic_fetch_and_explicit(SHARDD_ATOMIC_OF(&(var)), (v), memory_order_relaxed)
-#define shardd_fetch_add(var, v)    atomic_fetch_add_explicit(SHARDD_ATOMIC_OF(&(var)), (v), memory_order_relaxed)
-#define shardd_fetch_sub(var, v)    atomic_fetch_sub_explicit(SHARDD_ATOMIC_OF(&(var)), (v), memory_order_relaxed)
+#define SHARDD_ATOMIC_OF(p)   ((_Atomic __typeof__(*(p)) *)(void *)(p))
+#define SHARDD_READ_ONCE(var) atomic_load_explicit(SHARDD_ATOMIC_OF(&(var)), memory_order_relaxed)
+#define SHARDD_WRITE_ONCE(var, val) \
+	atomic_store_explicit(SHARDD_ATOMIC_OF(&(var)), (val), memory_order_relaxed)
+#define shardd_load_acquire(p) atomic_load_explicit(SHARDD_ATOMIC_OF(p), memory_order_acquire)
+#define shardd_store_release(p, v) \
+	atomic_store_explicit(SHARDD_ATOMIC_OF(p), (v), memory_order_release)
+#define shardd_smp_mb() atomic_thread_fence(memory_order_seq_cst)
+#define shardd_fetch_or(var, v) \
+	atomic_fetch_or_explicit(SHARDD_ATOMIC_OF(&(var)), (v), memory_order_relaxed)
+#define shardd_fetch_and(var, v) \
+	atomic_fetch_and_explicit(SHARDD_ATOMIC_OF(&(var)), (v), memory_order_relaxed)
+#define shardd_fetch_add(var, v) \
+	atomic_fetch_add_explicit(SHARDD_ATOMIC_OF(&(var)), (v), memory_order_relaxed)
+#define shardd_fetch_sub(var, v) \
+	atomic_fetch_sub_explicit(SHARDD_ATOMIC_OF(&(var)), (v), memory_order_relaxed)
 
 static inline int shardd_is_pow2(uint32_t v)
 {
@@ -68,10 +74,9 @@ static inline int shardd_is_pow2(uint32_t v)
 /* Bytes needed for a region with the given capacities. */
 static inline uint64_t shardd_ring_region_size(uint32_t sq_entries, uint32_t cq_entries)
 {
-	return sizeof(struct shardd_ring_hdr)
-		+ (uint64_t)sq_entries * sizeof(struct shardd_sqe)
-		+ (uint64_t)cq_entries * sizeof(struct shardd_cqe)
-		+ (uint64_t)cq_entries * SHARDD_RING_MSG_SIZE;
+	return sizeof(struct shardd_ring_hdr) + (uint64_t)sq_entries * sizeof(struct shardd_sqe) +
+	       (uint64_t)cq_entries * sizeof(struct shardd_cqe) +
+	       (uint64_t)cq_entries * SHARDD_RING_MSG_SIZE;
 }
 
 /*
@@ -79,8 +84,7 @@ static inline uint64_t shardd_ring_region_size(uint32_t sq_entries, uint32_t cq_
  * Returns 0 or -EINVAL (capacities not powers of two, or size too small).
  */
 static inline int shardd_ring_format(void *region, uint64_t size, uint32_t sq_entries,
-				     uint32_t cq_entries, uint32_t daemon_pid,
-				     uint32_t client_id)
+				     uint32_t cq_entries, uint32_t daemon_pid, uint32_t client_id)
 {
 	struct shardd_ring_hdr *h = region;
 
@@ -158,7 +162,8 @@ static inline int64_t shardd_sq_next_slot(const struct shardd_ring *r)
  * since, and publish it. For a client that must act on the slot first
  * (record its fence event); shardd_sq_push() does both steps.
  */
-static inline void shardd_sq_publish(struct shardd_ring *r, uint32_t slot, const struct shardd_sqe *sqe)
+static inline void shardd_sq_publish(struct shardd_ring *r, uint32_t slot,
+				     const struct shardd_sqe *sqe)
 {
 	struct shardd_ring_hdr *h = r->hdr;
 	uint32_t tail = SHARDD_READ_ONCE(h->sq_tail);
@@ -192,8 +197,7 @@ static inline int shardd_sq_push(struct shardd_ring *r, const struct shardd_sqe 
 static inline int shardd_ring_needs_wakeup(struct shardd_ring *r)
 {
 	shardd_smp_mb();
-	return SHARDD_READ_ONCE(r->hdr->flags) &
-	       SHARDD_RING_NEED_WAKEUP;
+	return SHARDD_READ_ONCE(r->hdr->flags) & SHARDD_RING_NEED_WAKEUP;
 }
 
 /* ---------------- daemon: consumption of the SQ ---------------- */
@@ -293,8 +297,7 @@ static inline long shardd_futex(uint32_t *word, int op, uint32_t val,
 /* The CQ slot the daemon's next shardd_cq_push() fills (only the daemon pushes). */
 static inline uint32_t shardd_cq_next_slot(const struct shardd_ring *r)
 {
-	return SHARDD_READ_ONCE(r->hdr->cq_tail) &
-	       r->cq_mask;
+	return SHARDD_READ_ONCE(r->hdr->cq_tail) & r->cq_mask;
 }
 
 /*
@@ -347,8 +350,8 @@ static inline int64_t shardd_cq_ready(const struct shardd_ring *r)
  * (`msg_len` bytes, may be 0) and return its slot index; the slot stays the
  * client's until shardd_cq_release(). Call only when shardd_cq_ready() > 0.
  */
-static inline uint32_t shardd_cq_peek(const struct shardd_ring *r, struct shardd_cqe *out, char *msg,
-				      size_t msg_len)
+static inline uint32_t shardd_cq_peek(const struct shardd_ring *r, struct shardd_cqe *out,
+				      char *msg, size_t msg_len)
 {
 	uint32_t head = SHARDD_READ_ONCE(r->hdr->cq_head);
 	uint32_t slot = head & r->cq_mask;
@@ -397,8 +400,7 @@ static inline int shardd_cq_wait(struct shardd_ring *r, uint32_t seen,
 	/* Waiter count before the tail re-check; pairs with shardd_cq_push(). */
 	shardd_smp_mb();
 	if (shardd_load_acquire(&h->cq_tail) == seen &&
-	    shardd_futex(&h->cq_tail, FUTEX_WAIT, seen, timeout) < 0 &&
-	    errno != EAGAIN)
+	    shardd_futex(&h->cq_tail, FUTEX_WAIT, seen, timeout) < 0 && errno != EAGAIN)
 		ret = -errno;
 	shardd_fetch_sub(h->cq_waiters, 1);
 	return ret;

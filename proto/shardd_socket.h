@@ -13,7 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#define SHARDD_SOCKET_ENV    "SHARDD_SOCKET"           /* clients' override; the daemon ignores it */
+#define SHARDD_SOCKET_ENV    "SHARDD_SOCKET" /* clients' override; the daemon ignores it */
 #define SHARDD_SOCKET_SYSTEM "/run/shardd/shardd.sock" /* no $XDG_RUNTIME_DIR: a system service */
 
 /*

@@ -117,7 +117,8 @@ int main(int argc, char **argv)
 	struct shardd_client *c = NULL;
 	struct shardd_group *g = NULL;
 	struct shardd_attach_opts o = { 0 };
-	struct shardd_precision precision = { .param_dtype = SHARDD_DTYPE_NONE, .reduce_dtype = SHARDD_DTYPE_NONE };
+	struct shardd_precision precision = { .param_dtype = SHARDD_DTYPE_NONE,
+					      .reduce_dtype = SHARDD_DTYPE_NONE };
 	uint64_t steps;
 	int ret;
 

@@ -44,7 +44,8 @@ static json_t *cmd_end(const json_t *req)
 	snprintf(name, sizeof(name), "%s", j->name);
 	nattached = j->nattached;
 	if (admin_peer_pid > 0)
-		snprintf(why, sizeof(why), "was ended by an admin request (shardctl end from pid %d)",
+		snprintf(why, sizeof(why),
+			 "was ended by an admin request (shardctl end from pid %d)",
 			 (int)admin_peer_pid);
 	else
 		snprintf(why, sizeof(why), "was ended by an admin request (shardctl end)");
@@ -67,11 +68,13 @@ static json_t *cmd_checkpoint(const json_t *req)
 
 	if (!json_is_string(v)) {
 		admin_job_names(names, sizeof(names));
-		return admin_reply_err(-SHARDD_E_INVALID, "checkpoint: \"job\" must name the job; jobs: %s",
+		return admin_reply_err(-SHARDD_E_INVALID,
+				       "checkpoint: \"job\" must name the job; jobs: %s",
 				       shd_state_jobs() ? names : "none");
 	}
 	if (d && !json_is_string(d))
-		return admin_reply_err(-SHARDD_E_INVALID, "checkpoint: \"dir\" must be a string (an absolute path)");
+		return admin_reply_err(-SHARDD_E_INVALID,
+				       "checkpoint: \"dir\" must be a string (an absolute path)");
 	j = shd_job_find(json_string_value(v));
 	if (!j)
 		return admin_no_job(json_string_value(v));
@@ -91,22 +94,23 @@ static json_t *cmd_checkpoints(const json_t *req)
 
 	if (!json_is_string(v)) {
 		admin_job_names(names, sizeof(names));
-		return admin_reply_err(-SHARDD_E_INVALID, "checkpoints: \"job\" must name the job; jobs: %s",
+		return admin_reply_err(-SHARDD_E_INVALID,
+				       "checkpoints: \"job\" must name the job; jobs: %s",
 				       shd_state_jobs() ? names : "none");
 	}
 	j = shd_job_find(json_string_value(v));
 	if (!j)
 		return admin_no_job(json_string_value(v));
 	shd_engine_job_checkpoint_status(j->ejob, &st);
-	return json_pack("{s:b, s:s, s:{s:I, s:s}, s:{s:I, s:I, s:s, s:I, s:I, s:f}, s:{s:I, s:i, s:s, s:s, s:I, s:I, s:f, s:b}}",
-			 "ok", 1, "job", j->name,
-			 "armed", "id", (json_int_t)st.armed_id, "dir", st.armed_dir,
-			 "writing", "id", (json_int_t)st.writing_id, "step", (json_int_t)st.writing_step,
-			 "dir", st.writing_dir, "bytes", (json_int_t)st.writing_bytes,
-			 "total", (json_int_t)st.writing_total, "seconds", st.writing_s,
-			 "last", "id", (json_int_t)st.last_id, "code", st.last_res, "error", st.last_msg,
-			 "dir", st.last_dir, "step", (json_int_t)st.last_step, "bytes", (json_int_t)st.last_bytes,
-			 "seconds", st.last_s, "staged", st.last_staged);
+	return json_pack(
+		"{s:b, s:s, s:{s:I, s:s}, s:{s:I, s:I, s:s, s:I, s:I, s:f}, s:{s:I, s:i, s:s, s:s, s:I, s:I, s:f, s:b}}",
+		"ok", 1, "job", j->name, "armed", "id", (json_int_t)st.armed_id, "dir",
+		st.armed_dir, "writing", "id", (json_int_t)st.writing_id, "step",
+		(json_int_t)st.writing_step, "dir", st.writing_dir, "bytes",
+		(json_int_t)st.writing_bytes, "total", (json_int_t)st.writing_total, "seconds",
+		st.writing_s, "last", "id", (json_int_t)st.last_id, "code", st.last_res, "error",
+		st.last_msg, "dir", st.last_dir, "step", (json_int_t)st.last_step, "bytes",
+		(json_int_t)st.last_bytes, "seconds", st.last_s, "staged", st.last_staged);
 }
 
 /* ------------------------------------------------------------------ */
@@ -139,17 +143,19 @@ static json_t *admin_exec(const void *payload, size_t len, uid_t peer_uid)
 	json_t *req, *r = NULL;
 
 	if (peer_uid != uid)
-		return admin_reply_err(-SHARDD_E_PERM, "admin requests need shardd's uid %u; this "
+		return admin_reply_err(-SHARDD_E_PERM,
+				       "admin requests need shardd's uid %u; this "
 				       "client runs as uid %u (--allow-gid lets ranks attach, not "
-				       "inspect): run shardctl as uid %u", (unsigned)uid,
-				       (unsigned)peer_uid, (unsigned)uid);
+				       "inspect): run shardctl as uid %u",
+				       (unsigned)uid, (unsigned)peer_uid, (unsigned)uid);
 	req = json_loadb(payload, len, JSON_REJECT_DUPLICATES, &jerr);
 	if (!req)
-		return admin_reply_err(-SHARDD_E_MALFORMED, "admin request is not JSON: %s at byte %d",
-				       jerr.text, jerr.position);
+		return admin_reply_err(-SHARDD_E_MALFORMED,
+				       "admin request is not JSON: %s at byte %d", jerr.text,
+				       jerr.position);
 	if (!json_is_object(req) || !json_is_string(json_object_get(req, "cmd"))) {
 		r = admin_reply_err(-SHARDD_E_MALFORMED, "admin request must be an object with a "
-				    "\"cmd\" string");
+							 "\"cmd\" string");
 		goto out;
 	}
 	cmd = json_string_value(json_object_get(req, "cmd"));
@@ -159,15 +165,18 @@ static json_t *admin_exec(const void *payload, size_t len, uid_t peer_uid)
 			goto out;
 		}
 	}
-	r = admin_reply_err(-SHARDD_E_INVALID, "unknown admin command '%s'; commands: status, jobs, "
-			    "ranks, groups, show, dump, stats, metrics, end, checkpoint, checkpoints", cmd);
+	r = admin_reply_err(
+		-SHARDD_E_INVALID,
+		"unknown admin command '%s'; commands: status, jobs, "
+		"ranks, groups, show, dump, stats, metrics, end, checkpoint, checkpoints",
+		cmd);
 out:
 	json_decref(req);
 	return r;
 }
 
 void shd_admin_handle(const void *payload, size_t len, uid_t peer_uid, pid_t peer_pid,
-			 struct shd_admin_reply *out)
+		      struct shd_admin_reply *out)
 {
 	char *text;
 	size_t n;
@@ -184,12 +193,13 @@ void shd_admin_handle(const void *payload, size_t len, uid_t peer_uid, pid_t pee
 	out->len = n;
 	if (!text || n > SHARDD_CTRL_MAX) {
 		/* Built without jansson: no memory was left for the reply, or it is too big to send. */
-		out->len = (size_t)snprintf(out->fallback, sizeof(out->fallback),
-					    "{\"ok\":false,\"error\":\"%s\",\"code\":%d}",
-					    text ? "reply exceeds the 64 MiB message limit: ask for "
-						   "fewer values"
-						 : "shardd is out of memory for the reply",
-					    text ? -SHARDD_E_INVALID : -SHARDD_E_NOMEM);
+		out->len =
+			(size_t)snprintf(out->fallback, sizeof(out->fallback),
+					 "{\"ok\":false,\"error\":\"%s\",\"code\":%d}",
+					 text ? "reply exceeds the 64 MiB message limit: ask for "
+						"fewer values"
+					      : "shardd is out of memory for the reply",
+					 text ? -SHARDD_E_INVALID : -SHARDD_E_NOMEM);
 		out->text = out->fallback;
 	}
 }

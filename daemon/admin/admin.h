@@ -19,15 +19,15 @@
 #include <stdint.h>
 #include <sys/types.h>
 
-#define SHD_ADMIN_DUMP_LIMIT_DEFAULT 64     /* values a dump returns unless asked */
-#define SHD_ADMIN_DUMP_LIMIT_MAX     65536  /* most values one dump returns */
+#define SHD_ADMIN_DUMP_LIMIT_DEFAULT 64    /* values a dump returns unless asked */
+#define SHD_ADMIN_DUMP_LIMIT_MAX     65536 /* most values one dump returns */
 
 /* One reply, ready to send as SHARDD_MSG_ADMIN_REPLY: `len` bytes of JSON at `text`. */
 struct shd_admin_reply {
-	const char *text;   /* owned, or fallback */
-	size_t      len;
-	char       *owned;  /* the JSON jansson wrote; NULL when the fallback is sent */
-	char        fallback[160]; /* the reply built without jansson: out of memory, too big */
+	const char *text; /* owned, or fallback */
+	size_t len;
+	char *owned;        /* the JSON jansson wrote; NULL when the fallback is sent */
+	char fallback[160]; /* the reply built without jansson: out of memory, too big */
 };
 
 /*
@@ -38,7 +38,7 @@ struct shd_admin_reply {
  * frees it with shd_admin_reply_free.
  */
 void shd_admin_handle(const void *payload, size_t len, uid_t peer_uid, pid_t peer_pid,
-			 struct shd_admin_reply *out);
+		      struct shd_admin_reply *out);
 void shd_admin_reply_free(struct shd_admin_reply *r);
 
 /*

@@ -31,7 +31,6 @@ static json_t *json_float(double v)
 	return json_real(v);
 }
 
-
 struct dump_stats {
 	double min, max, sum, sumsq;
 	uint64_t n, finite, nan, inf;
@@ -71,7 +70,8 @@ static json_t *json_stats(const struct dump_stats *st)
 	    admin_put(o, "inf", admin_json_u64(st->inf)) ||
 	    admin_put(o, "min", st->finite ? json_float(st->min) : json_null()) ||
 	    admin_put(o, "max", st->finite ? json_float(st->max) : json_null()) ||
-	    admin_put(o, "mean", st->finite ? json_float(st->sum / (double)st->finite) : json_null()) ||
+	    admin_put(o, "mean",
+		      st->finite ? json_float(st->sum / (double)st->finite) : json_null()) ||
 	    admin_put(o, "l2", json_float(sqrt(st->sumsq)))) {
 		json_decref(o);
 		return NULL;
@@ -83,12 +83,12 @@ static json_t *json_stats(const struct dump_stats *st)
 struct dump_view {
 	const char *what;
 	const struct shd_buf *buf;
-	uint64_t offset;      /* bytes into buf */
+	uint64_t offset; /* bytes into buf */
 	uint32_t dtype;
-	uint64_t nrows;       /* leading-dim rows readable (padding included) */
-	uint64_t valid_rows;  /* default range: rows of real data */
-	uint64_t row_elems;   /* elements per row */
-	json_t  *shape;       /* shape of the tensor the rows belong to */
+	uint64_t nrows;      /* leading-dim rows readable (padding included) */
+	uint64_t valid_rows; /* default range: rows of real data */
+	uint64_t row_elems;  /* elements per row */
+	json_t *shape;       /* shape of the tensor the rows belong to */
 };
 
 /* Which optimizer state buffer `what` names (momentum, exp_avg, ...): its index, or -ENOENT. */
@@ -135,16 +135,23 @@ static int dump_view(const struct shd_group *g, uint32_t pi, uint32_t rank, cons
 		if (sp->ndim)
 			shape[lp->shard_dim] = lp->rows;
 	} else {
-		*err = admin_reply_err(-SHARDD_E_INVALID,
-				       "\"what\" = '%s': one of param (the rank's shard), grad (its "
-				       "sharded grad), unsharded (the unsharded copy it reads), or a state of "
-				       "the group's optimizer (%s: %s)", what,
-				       g->optim.kind == SHARDD_OPTIM_SGD ? "sgd" :
-				       g->optim.kind == SHARDD_OPTIM_ADAMW ? "adamw" : "none",
-				       g->optim.kind == SHARDD_OPTIM_SGD ? (g->optim.momentum != 0 ? "momentum" :
-					"no state without momentum") : g->optim.kind == SHARDD_OPTIM_ADAMW ?
-				       ((g->optim.flags & SHARDD_OPTIM_AMSGRAD) ? "exp_avg, exp_avg_sq, max_exp_avg_sq" :
-					"exp_avg, exp_avg_sq") : "no state");
+		*err = admin_reply_err(
+			-SHARDD_E_INVALID,
+			"\"what\" = '%s': one of param (the rank's shard), grad (its "
+			"sharded grad), unsharded (the unsharded copy it reads), or a state of "
+			"the group's optimizer (%s: %s)",
+			what,
+			g->optim.kind == SHARDD_OPTIM_SGD     ? "sgd"
+			: g->optim.kind == SHARDD_OPTIM_ADAMW ? "adamw"
+							      : "none",
+			g->optim.kind == SHARDD_OPTIM_SGD
+				? (g->optim.momentum != 0 ? "momentum"
+							  : "no state without momentum")
+			: g->optim.kind == SHARDD_OPTIM_ADAMW
+				? ((g->optim.flags & SHARDD_OPTIM_AMSGRAD)
+					   ? "exp_avg, exp_avg_sq, max_exp_avg_sq"
+					   : "exp_avg, exp_avg_sq")
+				: "no state");
 		return -SHARDD_E_INVALID;
 	}
 	v->nrows = sp->ndim ? shape[0] : 1;
@@ -178,8 +185,10 @@ static int dump_read(const struct dump_view *v, uint64_t a, uint64_t end, uint64
 	struct shd_backend_ctx *b = shd_engine_backend(shd_state_engine());
 
 	if (!shd_buf_allocated(v->buf)) {
-		*err = admin_reply_err(-SHARDD_E_STATE, "the %s buffer is not allocated yet: every "
-				       "rank must register the group first", v->what);
+		*err = admin_reply_err(-SHARDD_E_STATE,
+				       "the %s buffer is not allocated yet: every "
+				       "rank must register the group first",
+				       v->what);
 		return -SHARDD_E_STATE;
 	}
 	while (done < n) {
@@ -188,10 +197,13 @@ static int dump_read(const struct dump_view *v, uint64_t a, uint64_t end, uint64
 		int ret = b->ops->read(b, v->buf, off, k * esz, raw);
 
 		if (ret) {
-			*err = admin_reply_err(ret, "cannot read the %s buffer at byte %" PRIu64 ": %s "
-					       "(%s backend)", v->what, off,
-					       ret > -SHARDD_E_BASE ? strerror(-ret)
-								    : "the backend failed: see shardd's log",
+			*err = admin_reply_err(ret,
+					       "cannot read the %s buffer at byte %" PRIu64 ": %s "
+					       "(%s backend)",
+					       v->what, off,
+					       ret > -SHARDD_E_BASE
+						       ? strerror(-ret)
+						       : "the backend failed: see shardd's log",
 					       b->ops->name);
 			return ret;
 		}
@@ -235,8 +247,9 @@ json_t *admin_cmd_dump(const json_t *req)
 		for (uint32_t i = 0; i < g->hdr.nparams && n < sizeof(names); i++)
 			n += (size_t)snprintf(names + n, sizeof(names) - n, "%s'%s'", i ? ", " : "",
 					      g->specs[i].name);
-		return admin_reply_err(-SHARDD_E_INVALID, "group '%s' has no param '%s'; params: %s",
-				       g->name, pname, names);
+		return admin_reply_err(-SHARDD_E_INVALID,
+				       "group '%s' has no param '%s'; params: %s", g->name, pname,
+				       names);
 	}
 	if (wv && !json_is_null(wv)) {
 		if (!json_is_string(wv))
@@ -251,11 +264,14 @@ json_t *admin_cmd_dump(const json_t *req)
 				       "\"rank\" = %" PRIu64 ": job '%s' has ranks 0..%u", rank,
 				       j->name, g->world - 1);
 	if (limit > SHD_ADMIN_DUMP_LIMIT_MAX)
-		return admin_reply_err(-SHARDD_E_INVALID, "\"limit\" = %" PRIu64 ": at most %d values",
-				       limit, SHD_ADMIN_DUMP_LIMIT_MAX);
+		return admin_reply_err(-SHARDD_E_INVALID,
+				       "\"limit\" = %" PRIu64 ": at most %d values", limit,
+				       SHD_ADMIN_DUMP_LIMIT_MAX);
 	if (!g->allocated)
-		return admin_reply_err(-SHARDD_E_STATE, "group '%s' has no buffers yet: not every "
-				       "rank has registered it", g->name);
+		return admin_reply_err(-SHARDD_E_STATE,
+				       "group '%s' has no buffers yet: not every "
+				       "rank has registered it",
+				       g->name);
 	if (dump_view(g, pi, (uint32_t)rank, what, &v, &err))
 		return err;
 	a = 0;
@@ -273,9 +289,10 @@ json_t *admin_cmd_dump(const json_t *req)
 		a = (uint64_t)json_integer_value(json_array_get(rows, 0));
 		b = (uint64_t)json_integer_value(json_array_get(rows, 1));
 		if (a > b || b > v.nrows) {
-			err = admin_reply_err(-SHARDD_E_INVALID, "\"rows\" = %" PRIu64 ":%" PRIu64
-					      ": the %s of '%s' has rows 0:%" PRIu64 " (A <= B)", a, b,
-					      what, pname, v.nrows);
+			err = admin_reply_err(-SHARDD_E_INVALID,
+					      "\"rows\" = %" PRIu64 ":%" PRIu64
+					      ": the %s of '%s' has rows 0:%" PRIu64 " (A <= B)",
+					      a, b, what, pname, v.nrows);
 			goto out;
 		}
 	}
@@ -286,17 +303,15 @@ json_t *admin_cmd_dump(const json_t *req)
 	if (admin_put(r, "job", json_string(j->name)) ||
 	    admin_put(r, "group", admin_json_name(g->name)) ||
 	    admin_put(r, "param", json_string(pname)) ||
-	    admin_put(r, "rank", admin_json_u64(rank)) ||
-	    admin_put(r, "what", json_string(what)) ||
+	    admin_put(r, "rank", admin_json_u64(rank)) || admin_put(r, "what", json_string(what)) ||
 	    admin_put(r, "dtype", admin_json_dtype(v.dtype)) ||
 	    admin_put(r, "shape", json_incref(v.shape)) ||
 	    admin_put(r, "rows", json_pack("[I, I]", (json_int_t)a, (json_int_t)b)) ||
 	    admin_put(r, "row_elems", admin_json_u64(v.row_elems)) ||
-	    admin_put(r, "grad_present", json_boolean(what[0] != 'g' || !g->grad_present ||
-						      __atomic_load_n(&g->grad_present[rank],
-								      __ATOMIC_RELAXED))) ||
-	    admin_put(r, "stats", json_stats(&st)) ||
-	    admin_put(r, "values", json_incref(vals)) ||
+	    admin_put(r, "grad_present",
+		      json_boolean(what[0] != 'g' || !g->grad_present ||
+				   __atomic_load_n(&g->grad_present[rank], __ATOMIC_RELAXED))) ||
+	    admin_put(r, "stats", json_stats(&st)) || admin_put(r, "values", json_incref(vals)) ||
 	    admin_put(r, "truncated", json_boolean(st.n > limit))) {
 		json_decref(r);
 		r = NULL;

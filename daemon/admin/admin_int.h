@@ -48,8 +48,8 @@ struct shd_job *admin_arg_job(const json_t *req, json_t **err);
  * The group of req's "group" (and optional "job"): its job, with *g and
  * *id; NULL with *err when none fits.
  */
-struct shd_job *admin_arg_group(const json_t *req, const struct shd_group **g,
-				   uint32_t *id, json_t **err);
+struct shd_job *admin_arg_group(const json_t *req, const struct shd_group **g, uint32_t *id,
+				json_t **err);
 /*
  * req's optional non-negative integer `key` into *out (def when absent). 0, or
  * -SHARDD_E_INVALID with *err.

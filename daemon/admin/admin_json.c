@@ -113,7 +113,6 @@ json_t *admin_json_u64(uint64_t v)
 	return json_integer((json_int_t)(v > INT64_MAX ? INT64_MAX : v));
 }
 
-
 json_t *admin_json_dtype(uint32_t d)
 {
 	const char *n = shardd_dtype_name(d);
@@ -140,7 +139,8 @@ json_t *admin_no_job(const char *name)
 
 	if (!shd_state_jobs())
 		return admin_reply_err(-SHARDD_E_NOJOB,
-				       "no job '%s': shardd has no jobs (no rank attached yet)", name);
+				       "no job '%s': shardd has no jobs (no rank attached yet)",
+				       name);
 	admin_job_names(names, sizeof(names));
 	return admin_reply_err(-SHARDD_E_NOJOB, "no job '%s'; jobs: %s", name, names);
 }
@@ -182,8 +182,8 @@ struct shd_job *admin_arg_job(const json_t *req, json_t **err)
  * The group named `name` in job `j`, or in the only job that has one by that
  * name when `j` is NULL. NULL with *err otherwise.
  */
-static struct shd_job *find_group(struct shd_job *j, const char *name,
-				     const struct shd_group **g, uint32_t *id, json_t **err)
+static struct shd_job *find_group(struct shd_job *j, const char *name, const struct shd_group **g,
+				  uint32_t *id, json_t **err)
 {
 	char names[ADMIN_NAMES_MAX];
 	struct shd_job *found = NULL;
@@ -208,9 +208,10 @@ static struct shd_job *find_group(struct shd_job *j, const char *name,
 		if (!kg)
 			continue;
 		if (found) {
-			*err = admin_reply_err(-SHARDD_E_INVALID,
-					       "group '%s' exists in jobs '%s' and '%s': pass --job NAME",
-					       name, found->name, k->name);
+			*err = admin_reply_err(
+				-SHARDD_E_INVALID,
+				"group '%s' exists in jobs '%s' and '%s': pass --job NAME", name,
+				found->name, k->name);
 			return NULL;
 		}
 		found = k;
@@ -220,12 +221,14 @@ static struct shd_job *find_group(struct shd_job *j, const char *name,
 	if (found)
 		return found;
 	for (struct shd_job *k = shd_state_jobs(); k && n < sizeof(names); k = k->next) {
-		for (uint32_t i = 1; i <= shd_engine_job_ngroups(k->ejob) && n < sizeof(names); i++) {
+		for (uint32_t i = 1; i <= shd_engine_job_ngroups(k->ejob) && n < sizeof(names);
+		     i++) {
 			const struct shd_group *kg = shd_engine_job_group(k->ejob, i);
 
 			if (kg)
-				n += (size_t)snprintf(names + n, sizeof(names) - n, "%s'%s' (job '%s')",
-						      n ? ", " : "", kg->name, k->name);
+				n += (size_t)snprintf(names + n, sizeof(names) - n,
+						      "%s'%s' (job '%s')", n ? ", " : "", kg->name,
+						      k->name);
 		}
 	}
 	*err = admin_reply_err(-SHARDD_E_NOGROUP, "no group '%s'; groups: %s", name,
@@ -234,8 +237,8 @@ static struct shd_job *find_group(struct shd_job *j, const char *name,
 }
 
 /* The group of req's "group" (and optional "job"). */
-struct shd_job *admin_arg_group(const json_t *req, const struct shd_group **g,
-				   uint32_t *id, json_t **err)
+struct shd_job *admin_arg_group(const json_t *req, const struct shd_group **g, uint32_t *id,
+				json_t **err)
 {
 	const json_t *v = json_object_get(req, "group");
 	struct shd_job *j = admin_arg_job(req, err);

@@ -18,7 +18,6 @@
 #include "metrics.h"
 #include "state.h"
 
-
 struct text {
 	char *buf;
 	size_t len, cap;
@@ -183,8 +182,10 @@ static void render_checkpoints(struct text *t)
 	static const struct {
 		const char *name, *help;
 	} gauges[] = {
-		{ "shardd_checkpoint_writing_bytes", "Bytes written so far of the checkpoint being written, by job (0: none)." },
-		{ "shardd_checkpoint_writing_total_bytes", "Bytes of the tensors of the checkpoint being written, by job." },
+		{ "shardd_checkpoint_writing_bytes",
+		  "Bytes written so far of the checkpoint being written, by job (0: none)." },
+		{ "shardd_checkpoint_writing_total_bytes",
+		  "Bytes of the tensors of the checkpoint being written, by job." },
 		{ "shardd_checkpoint_last_step", "Step of the job's last checkpoint that ended." },
 		{ "shardd_checkpoint_last_bytes", "Bytes the job's last checkpoint wrote." },
 		{ "shardd_checkpoint_last_seconds", "Seconds the job's last checkpoint took." },

@@ -54,15 +54,11 @@ static json_t *json_op_step(uint32_t op, uint64_t step)
 
 static json_t *json_memory(const struct shd_group_memory *m)
 {
-	return json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I}",
-			 "shards", (json_int_t)m->shards,
-			 "sharded_grads", (json_int_t)m->sharded_grads,
-			 "unsharded", (json_int_t)m->unsharded,
-			 "grads", (json_int_t)m->grads,
-			 "partials", (json_int_t)m->partials,
-			 "optimizer", (json_int_t)m->optimizer,
-			 "internode", (json_int_t)m->internode,
-			 "total", (json_int_t)m->total);
+	return json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I}", "shards",
+			 (json_int_t)m->shards, "sharded_grads", (json_int_t)m->sharded_grads,
+			 "unsharded", (json_int_t)m->unsharded, "grads", (json_int_t)m->grads,
+			 "partials", (json_int_t)m->partials, "optimizer", (json_int_t)m->optimizer,
+			 "internode", (json_int_t)m->internode, "total", (json_int_t)m->total);
 }
 
 /* --max-memory, --max-job-memory, and the bytes committed against them. */
@@ -70,13 +66,11 @@ static json_t *json_memory_limits(void)
 {
 	const struct shd_config *cfg = shd_state_config();
 
-	return json_pack("{s:o, s:s, s:o, s:o, s:b}",
-			 "max_memory", admin_json_u64(cfg->max_memory),
-			 "max_memory_from", cfg->max_memory_from,
-			 "max_job_memory", admin_json_u64(cfg->max_job_memory),
-			 "committed",
-			 admin_json_u64(shd_engine_memory_committed(shd_state_engine())),
-			 "counted", cfg->backend == SHARDD_BACKEND_HOST);
+	return json_pack("{s:o, s:s, s:o, s:o, s:b}", "max_memory", admin_json_u64(cfg->max_memory),
+			 "max_memory_from", cfg->max_memory_from, "max_job_memory",
+			 admin_json_u64(cfg->max_job_memory), "committed",
+			 admin_json_u64(shd_engine_memory_committed(shd_state_engine())), "counted",
+			 cfg->backend == SHARDD_BACKEND_HOST);
 }
 
 /* ------------------------------------------------------------------ */
@@ -128,11 +122,12 @@ static int put_span(json_t *o, const struct shd_job *j)
 {
 	if (!j->span_nodes)
 		return 0;
-	return admin_put(o, "span", json_pack("{s:i, s:i, s:i, s:i, s:i, s:i}",
-					      "replicate", (int)j->span_replicate,
-					      "shard", (int)j->span_shard, "nodes", (int)j->span_nodes,
-					      "node", (int)j->span_node, "first_rank", (int)j->rank_base,
-					      "last_rank", (int)(j->rank_base + j->world - 1)));
+	return admin_put(o, "span",
+			 json_pack("{s:i, s:i, s:i, s:i, s:i, s:i}", "replicate",
+				   (int)j->span_replicate, "shard", (int)j->span_shard, "nodes",
+				   (int)j->span_nodes, "node", (int)j->span_node, "first_rank",
+				   (int)j->rank_base, "last_rank",
+				   (int)(j->rank_base + j->world - 1)));
 }
 
 /* no_ranks_s: how long the job has had no attached rank; ends_in_s: when --job-linger ends it. */
@@ -142,7 +137,8 @@ static int put_linger(json_t *o, const struct shd_job *j, uint64_t now_ns)
 	int orphaned = !j->nattached && j->orphaned_ns;
 
 	return admin_put(o, "no_ranks_s",
-			 orphaned ? json_real((double)(now_ns - j->orphaned_ns) / 1e9) : json_null()) ||
+			 orphaned ? json_real((double)(now_ns - j->orphaned_ns) / 1e9)
+				  : json_null()) ||
 	       admin_put(o, "ends_in_s", ends < 0 ? json_null() : json_real(ends));
 }
 
@@ -180,11 +176,10 @@ static json_t *json_job(const struct shd_job *j, uint64_t now_ns)
 
 	shd_job_memory_held(j, &m);
 	o = json_pack("{s:s, s:i, s:i, s:i, s:i, s:i, s:o*, s:o, s:o}", "name", j->name,
-		      "replicate", (int)j->replicate, "shard", (int)j->shard,
-		      "world", (int)j->world, "attached", (int)j->nattached,
-		      "groups", (int)shd_engine_job_ngroups(j->ejob), "memory", json_memory(&m),
-		      "memory_committed",
-		      admin_json_u64(shd_engine_job_memory_committed(j->ejob)),
+		      "replicate", (int)j->replicate, "shard", (int)j->shard, "world",
+		      (int)j->world, "attached", (int)j->nattached, "groups",
+		      (int)shd_engine_job_ngroups(j->ejob), "memory", json_memory(&m),
+		      "memory_committed", admin_json_u64(shd_engine_job_memory_committed(j->ejob)),
 		      "memory_limit", admin_json_u64(shd_state_config()->max_job_memory));
 	if (o && (put_linger(o, j, now_ns) || put_span(o, j))) {
 		json_decref(o);
@@ -203,7 +198,6 @@ json_t *admin_cmd_jobs(const json_t *req)
 /* ------------------------------------------------------------------ */
 /* Rendezvous in progress                                             */
 /* ------------------------------------------------------------------ */
-
 
 /* {"op", "group", "step", "flags", "arrived": [..], "missing": [..], "waiting_s"} */
 static json_t *json_rdv(const char *what, const char *group, const struct shd_rdv *rdv,
@@ -224,8 +218,10 @@ static json_t *json_rdv(const char *what, const char *group, const struct shd_rd
 	    admin_put(o, "missing", json_incref(missing)))
 		goto err;
 	/* deadline = first arrival + timeout: how long the first rank has waited. */
-	if (admin_put(o, "waiting_s", json_real(rdv->deadline_ns > now_ns + timeout_ns ? 0 :
-			(double)(now_ns + timeout_ns - rdv->deadline_ns) / 1e9)))
+	if (admin_put(o, "waiting_s",
+		      json_real(rdv->deadline_ns > now_ns + timeout_ns
+					? 0
+					: (double)(now_ns + timeout_ns - rdv->deadline_ns) / 1e9)))
 		goto err;
 	json_decref(arrived);
 	json_decref(missing);
@@ -255,7 +251,8 @@ static json_t *job_pending(const struct shd_job *j, uint64_t now_ns)
 		const struct shd_rdv *rdv;
 		uint32_t op;
 
-		for (uint32_t i = 0; g && shd_engine_group_pending(j->ejob, id, i, &op, &rdv) == 0; i++)
+		for (uint32_t i = 0; g && shd_engine_group_pending(j->ejob, id, i, &op, &rdv) == 0;
+		     i++)
 			if (admin_append(arr, json_rdv(pending_what(op), g->name, rdv, now_ns)))
 				goto err;
 	}
@@ -276,12 +273,15 @@ static json_t *rank_waiting(const json_t *pending, uint32_t rank)
 	size_t i;
 	json_t *p;
 
-	json_array_foreach(pending, i, p) {
+	json_array_foreach(pending, i, p)
+	{
 		size_t k;
 		json_t *a;
 
-		json_array_foreach(json_object_get(p, "arrived"), k, a) {
-			if ((uint32_t)json_integer_value(a) == rank && admin_append(arr, json_incref(p))) {
+		json_array_foreach(json_object_get(p, "arrived"), k, a)
+		{
+			if ((uint32_t)json_integer_value(a) == rank &&
+			    admin_append(arr, json_incref(p))) {
 				json_decref(arr);
 				return NULL;
 			}
@@ -341,17 +341,19 @@ static json_t *json_rank(const struct shd_job *j, uint32_t r, const json_t *pend
 		clock_gettime(CLOCK_REALTIME, &wall);
 		if (admin_put(o, "client_id", json_integer(s->id)) ||
 		    admin_put(o, "attached_s", json_real(since)) ||
-		    admin_put(o, "attached_at", json_real((double)wall.tv_sec + wall.tv_nsec / 1e9 - since)) ||
+		    admin_put(o, "attached_at",
+			      json_real((double)wall.tv_sec + wall.tv_nsec / 1e9 - since)) ||
 		    admin_put(o, "submitted", json_op_step(cop, cstep)) ||
-		    admin_put(o, "taken", json_op_step(s->stats.last_taken_op, s->stats.last_taken_step)) ||
+		    admin_put(o, "taken",
+			      json_op_step(s->stats.last_taken_op, s->stats.last_taken_step)) ||
 		    admin_put(o, "completed", json_op_step(s->clock.done.op, s->clock.done.step)) ||
 		    admin_put(o, "step", has_step ? admin_json_u64(step) : json_null()) ||
 		    admin_put(o, "ops_taken", admin_json_u64(s->stats.ops_taken)) ||
 		    admin_put(o, "ops_completed", admin_json_u64(s->stats.ops_completed)) ||
 		    admin_put(o, "ops_failed", admin_json_u64(s->stats.ops_failed)) ||
 		    admin_put(o, "inflight", json_integer(s->inflight)) ||
-		    admin_put(o, "sq_pending", sq_pending < 0 ? json_string("corrupt") :
-			json_integer(sq_pending)) ||
+		    admin_put(o, "sq_pending",
+			      sq_pending < 0 ? json_string("corrupt") : json_integer(sq_pending)) ||
 		    admin_put(o, "behind", admin_json_u64(max_step > step ? max_step - step : 0)) ||
 		    admin_put(o, "waiting", rank_waiting(pending, j->rank_base + r)))
 			goto err;
@@ -414,7 +416,8 @@ static json_t *json_group(const struct shd_job *j, uint32_t id, const struct shd
 
 	shd_group_memory_held(g, &m);
 	for (uint32_t r = 0; r < g->world; r++) {
-		if (g->holds && g->holds[r] && admin_append(holders, json_integer(j->rank_base + r)))
+		if (g->holds && g->holds[r] &&
+		    admin_append(holders, json_integer(j->rank_base + r)))
 			goto err;
 		/* Written by pool threads: a snapshot. */
 		if (g->partial_present &&
@@ -426,8 +429,8 @@ static json_t *json_group(const struct shd_job *j, uint32_t id, const struct shd
 		if (admin_append(pending, json_rdv(pending_what(op), g->name, rdv, now_ns)))
 			goto err;
 	bytes = json_pack("{s:I, s:I, s:I}", "unsharded", (json_int_t)g->layout.unsharded_size,
-			  "grad", (json_int_t)g->layout.grad_size,
-			  "shard", (json_int_t)g->layout.shard_size);
+			  "grad", (json_int_t)g->layout.grad_size, "shard",
+			  (json_int_t)g->layout.shard_size);
 	if (admin_put(o, "id", json_integer(id)) ||
 	    admin_put(o, "name", admin_json_name(g->name)) ||
 	    admin_put(o, "job", json_string(j->name)) ||
@@ -436,10 +439,10 @@ static json_t *json_group(const struct shd_job *j, uint32_t id, const struct shd
 	    admin_put(o, "param_dtype", admin_json_dtype(g->hdr.param_dtype)) ||
 	    admin_put(o, "reduce_dtype", admin_json_dtype(g->reduce_dtype)) ||
 	    admin_put(o, "grad_dtype", admin_json_dtype(g->grad_dtype)) ||
-	    admin_put(o, "shard_world", json_integer(g->shard)) ||
-	    admin_put(o, "bytes", bytes) ||
+	    admin_put(o, "shard_world", json_integer(g->shard)) || admin_put(o, "bytes", bytes) ||
 	    admin_put(o, "memory", json_memory(&m)) ||
-	    admin_put(o, "unsharded_refcount", json_integer((json_int_t)json_array_size(holders))) ||
+	    admin_put(o, "unsharded_refcount",
+		      json_integer((json_int_t)json_array_size(holders))) ||
 	    admin_put(o, "unsharded_holders", json_incref(holders)) ||
 	    admin_put(o, "partials_present", json_incref(partials)) ||
 	    admin_put(o, "pending", json_incref(pending)))
@@ -510,7 +513,8 @@ static json_t *json_param(const struct shd_group *g, uint32_t i)
 	json_t *o = json_object(), *valid = json_array();
 
 	for (uint32_t r = 0; r < g->shard; r++)
-		if (admin_append(valid, admin_json_u64(shd_layout_rows_valid(lp, shd_group_shard_rank(g, r)))))
+		if (admin_append(valid, admin_json_u64(shd_layout_rows_valid(
+						lp, shd_group_shard_rank(g, r)))))
 			goto err;
 	if (admin_put(o, "index", json_integer(i)) ||
 	    admin_put(o, "name", admin_json_name(sp->name)) ||
@@ -572,22 +576,23 @@ json_t *admin_cmd_stats(const json_t *req)
 	for (uint32_t op = 1; op < SHARDD_OP_COUNT; op++) {
 		const struct shd_op_metrics *m = &shd_op_metrics[op];
 
-		if (admin_append(arr, json_pack("{s:s, s:I, s:I, s:I, s:f, s:f, s:f, s:f}",
-					  "op", shardd_op_name(op),
-					  "count", (json_int_t)m->count,
-					  "failed", (json_int_t)m->failed,
-					  "bytes", (json_int_t)m->bytes,
-					  "mean_us", m->count ? (double)m->lat_sum_ns / m->count / 1e3 : 0.0,
-					  "p50_us", shd_metrics_quantile(m, 0.50) / 1e3,
-					  "p99_us", shd_metrics_quantile(m, 0.99) / 1e3,
-					  "max_us", m->lat_max_ns / 1e3))) {
+		if (admin_append(arr,
+				 json_pack("{s:s, s:I, s:I, s:I, s:f, s:f, s:f, s:f}", "op",
+					   shardd_op_name(op), "count", (json_int_t)m->count,
+					   "failed", (json_int_t)m->failed, "bytes",
+					   (json_int_t)m->bytes, "mean_us",
+					   m->count ? (double)m->lat_sum_ns / m->count / 1e3 : 0.0,
+					   "p50_us", shd_metrics_quantile(m, 0.50) / 1e3, "p99_us",
+					   shd_metrics_quantile(m, 0.99) / 1e3, "max_us",
+					   m->lat_max_ns / 1e3))) {
 			json_decref(arr);
 			json_decref(r);
 			return NULL;
 		}
 	}
-	if (admin_put(r, "latency", json_string("SQE taken to completion pushed, in a log2 histogram; "
-					  "p50/p99 are the upper edge of their bucket")) ||
+	if (admin_put(r, "latency",
+		      json_string("SQE taken to completion pushed, in a log2 histogram; "
+				  "p50/p99 are the upper edge of their bucket")) ||
 	    admin_put(r, "ops", arr)) {
 		json_decref(r);
 		return NULL;

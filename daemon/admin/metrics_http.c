@@ -35,11 +35,12 @@
 #include "loop.h"
 #include "metrics_http.h"
 
-#define METRICS_HTTP_CONNECTIONS 256  /* open at once; a new one shuts down the oldest */
-#define METRICS_HTTP_EXCHANGE_MS 500  /* a request in and its response out, from the connection's
+#define METRICS_HTTP_CONNECTIONS 256 /* open at once; a new one shuts down the oldest */
+#define METRICS_HTTP_EXCHANGE_MS \
+	500                      /* a request in and its response out, from the connection's
 					 start or its previous response; past it: shut down */
-#define METRICS_HTTP_TICK_MS     100  /* deadlines are checked this often */
-#define METRICS_HTTP_RUNS        64   /* MHD_runs at most per event, while MHD has more to do at once */
+#define METRICS_HTTP_TICK_MS 100 /* deadlines are checked this often */
+#define METRICS_HTTP_RUNS    64  /* MHD_runs at most per event, while MHD has more to do at once */
 /*
  * libmicrohttpd's messages are mostly about one connection (one closed by
  * its peer or at its deadline): a flood of connections must not become a
@@ -48,31 +49,31 @@
  */
 #define METRICS_HTTP_LOG_BURST     10
 #define METRICS_HTTP_LOG_WINDOW_NS (10ull * 1000 * 1000 * 1000)
-#define METRICS_CONTENT_TYPE     "text/plain; version=0.0.4; charset=utf-8"
+#define METRICS_CONTENT_TYPE       "text/plain; version=0.0.4; charset=utf-8"
 
 /* One TCP connection MHD holds: its socket context. */
 struct metrics_conn {
 	struct metrics_conn *next, *prev;
-	int      fd;
-	uint64_t deadline_ns;  /* its request must be in and answered by then */
-	int      shut;         /* shut down at its deadline; MHD closes it next */
+	int fd;
+	uint64_t deadline_ns; /* its request must be in and answered by then */
+	int shut;             /* shut down at its deadline; MHD closes it next */
 };
 
 struct shd_metrics_http {
-	struct MHD_Daemon        *mhd;
-	int                       listen_fd;
+	struct MHD_Daemon *mhd;
+	int listen_fd;
 	struct shd_loop_event *listen_ev; /* a connection to accept */
-	struct shd_loop_event *fd_ev;    /* MHD's epoll fd: a connection is ready */
-	struct shd_loop_event *tick_ev;  /* connection deadlines */
-	struct metrics_conn       conns;    /* the open connections, newest first */
-	uint64_t                  log_window_ns; /* start of the current log window */
-	unsigned                  log_lines;     /* logged in it */
-	unsigned long             log_dropped;   /* not logged in it */
-	char                      url[128];
+	struct shd_loop_event *fd_ev;     /* MHD's epoll fd: a connection is ready */
+	struct shd_loop_event *tick_ev;   /* connection deadlines */
+	struct metrics_conn conns;        /* the open connections, newest first */
+	uint64_t log_window_ns;           /* start of the current log window */
+	unsigned log_lines;               /* logged in it */
+	unsigned long log_dropped;        /* not logged in it */
+	char url[128];
 };
 
 int shd_metrics_http_parse(const char *spec, char *host, size_t host_len, char *port,
-			      size_t port_len, char *err, size_t errlen)
+			   size_t port_len, char *err, size_t errlen)
 {
 	const char *colon, *p;
 	size_t hl;
@@ -97,8 +98,10 @@ int shd_metrics_http_parse(const char *spec, char *host, size_t host_len, char *
 	} else if ((colon = strrchr(spec, ':')) != NULL) {
 		hl = (size_t)(colon - spec);
 		if (hl == 0 || hl >= host_len || memchr(spec, ':', hl)) {
-			snprintf(err, errlen, "'%s' is not [ADDR:]PORT (an IPv6 address goes in "
-				 "brackets: [::1]:9464)", spec);
+			snprintf(err, errlen,
+				 "'%s' is not [ADDR:]PORT (an IPv6 address goes in "
+				 "brackets: [::1]:9464)",
+				 spec);
 			return -EINVAL;
 		}
 		memcpy(host, spec, hl);
@@ -132,9 +135,11 @@ static void metrics_vlog(struct shd_metrics_http *h, const char *fmt, va_list ap
 
 	if (now - h->log_window_ns >= METRICS_HTTP_LOG_WINDOW_NS) {
 		if (h->log_dropped)
-			shd_log_warn("metrics http: %lu more messages in %.0f s not logged (at most %d "
-				     "a window)", h->log_dropped, (double)(now - h->log_window_ns) / 1e9,
-				     METRICS_HTTP_LOG_BURST);
+			shd_log_warn(
+				"metrics http: %lu more messages in %.0f s not logged (at most %d "
+				"a window)",
+				h->log_dropped, (double)(now - h->log_window_ns) / 1e9,
+				METRICS_HTTP_LOG_BURST);
 		h->log_window_ns = now;
 		h->log_lines = 0;
 		h->log_dropped = 0;
@@ -151,8 +156,8 @@ static void metrics_vlog(struct shd_metrics_http *h, const char *fmt, va_list ap
 	shd_log_warn("metrics http: %s", line);
 }
 
-static void __attribute__((format(printf, 2, 3))) metrics_warn(struct shd_metrics_http *h,
-								 const char *fmt, ...)
+static void __attribute__((format(printf, 2, 3)))
+metrics_warn(struct shd_metrics_http *h, const char *fmt, ...)
 {
 	va_list ap;
 
@@ -171,11 +176,10 @@ static void mhd_log(void *cls, const char *fmt, va_list ap)
 /* Requests                                                            */
 /* ------------------------------------------------------------------ */
 
-static enum MHD_Result respond_text(struct MHD_Connection *conn, unsigned status,
-				    const char *text)
+static enum MHD_Result respond_text(struct MHD_Connection *conn, unsigned status, const char *text)
 {
-	struct MHD_Response *r = MHD_create_response_from_buffer(strlen(text), (void *)text,
-								 MHD_RESPMEM_PERSISTENT);
+	struct MHD_Response *r =
+		MHD_create_response_from_buffer(strlen(text), (void *)text, MHD_RESPMEM_PERSISTENT);
 	enum MHD_Result ret;
 
 	if (!r)
@@ -206,8 +210,9 @@ static enum MHD_Result metrics_request(void *cls, struct MHD_Connection *conn, c
 		return respond_text(conn, MHD_HTTP_METHOD_NOT_ALLOWED,
 				    "shardd serves GET /metrics only\n");
 	if (strcmp(url, "/metrics") != 0)
-		return respond_text(conn, MHD_HTTP_NOT_FOUND,
-				    "not found: shardd serves its Prometheus metrics at /metrics\n");
+		return respond_text(
+			conn, MHD_HTTP_NOT_FOUND,
+			"not found: shardd serves its Prometheus metrics at /metrics\n");
 	text = shd_admin_metrics_render();
 	if (!text)
 		return respond_text(conn, MHD_HTTP_INTERNAL_SERVER_ERROR,
@@ -396,27 +401,25 @@ static void metrics_http_tick(void *arg)
  */
 static int listen_tcp(const char *spec, const char *host, const char *port, int *family)
 {
-	struct addrinfo hints = { .ai_socktype = SOCK_STREAM, .ai_flags = AI_NUMERICSERV |
-								    AI_PASSIVE };
+	struct addrinfo hints = { .ai_socktype = SOCK_STREAM,
+				  .ai_flags = AI_NUMERICSERV | AI_PASSIVE };
 	struct addrinfo *res = NULL;
 	int fd = -1, err, one = 1, ret;
 
 	err = getaddrinfo(host, port, &hints, &res);
 	if (err) {
 		shd_log_error("shardd: --metrics-listen %s: cannot resolve '%s': %s", spec, host,
-			gai_strerror(err));
+			      gai_strerror(err));
 		return -EINVAL;
 	}
 	fd = socket(res->ai_family, res->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK,
 		    res->ai_protocol);
-	if (fd < 0 ||
-	    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) < 0 ||
-	    bind(fd, res->ai_addr, res->ai_addrlen) < 0 ||
-	    listen(fd, SOMAXCONN) < 0) {
+	if (fd < 0 || setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) < 0 ||
+	    bind(fd, res->ai_addr, res->ai_addrlen) < 0 || listen(fd, SOMAXCONN) < 0) {
 		ret = -errno;
 		shd_log_error("shardd: --metrics-listen %s: cannot listen on %s port %s: %s%s",
-			spec, host, port, strerror(-ret),
-			ret == -EADDRINUSE ? " (pick another port)" : "");
+			      spec, host, port, strerror(-ret),
+			      ret == -EADDRINUSE ? " (pick another port)" : "");
 		if (fd >= 0)
 			close(fd);
 		freeaddrinfo(res);
@@ -440,12 +443,12 @@ static void url_of(int fd, char *url, size_t len)
 		snprintf(url, len, "(unknown address)");
 		return;
 	}
-	snprintf(url, len, ss.ss_family == AF_INET6 ? "http://[%s]:%s/metrics" :
-		 "http://%s:%s/metrics", host, port);
+	snprintf(url, len,
+		 ss.ss_family == AF_INET6 ? "http://[%s]:%s/metrics" : "http://%s:%s/metrics", host,
+		 port);
 }
 
-int shd_metrics_http_start(const char *spec, struct shd_loop *loop,
-			      struct shd_metrics_http **out)
+int shd_metrics_http_start(const char *spec, struct shd_loop *loop, struct shd_metrics_http **out)
 {
 	char host[NI_MAXHOST], port[16], why[256];
 	struct shd_metrics_http *h;
@@ -453,8 +456,8 @@ int shd_metrics_http_start(const char *spec, struct shd_loop *loop,
 	int fd, family = AF_INET, ret;
 
 	*out = NULL;
-	if (shd_metrics_http_parse(spec, host, sizeof(host), port, sizeof(port), why,
-				      sizeof(why)) < 0) {
+	if (shd_metrics_http_parse(spec, host, sizeof(host), port, sizeof(port), why, sizeof(why)) <
+	    0) {
 		shd_log_error("shardd: --metrics-listen %s", why);
 		return -EINVAL;
 	}
@@ -475,25 +478,24 @@ int shd_metrics_http_start(const char *spec, struct shd_loop *loop,
 	 * each connection. Its limit leaves room for the connections shut down
 	 * but not yet closed.
 	 */
-	h->mhd = MHD_start_daemon(MHD_USE_EPOLL | MHD_USE_ERROR_LOG | MHD_USE_NO_LISTEN_SOCKET |
-				  (family == AF_INET6 ? MHD_USE_IPv6 : 0),
-				  0, NULL, NULL, metrics_request, h,
-				  MHD_OPTION_EXTERNAL_LOGGER, mhd_log, h,
-				  MHD_OPTION_CONNECTION_LIMIT, (unsigned)(2 * METRICS_HTTP_CONNECTIONS),
-				  MHD_OPTION_NOTIFY_CONNECTION, metrics_conn_notify, h,
-				  MHD_OPTION_NOTIFY_COMPLETED, metrics_request_done, h,
-				  MHD_OPTION_END);
+	h->mhd = MHD_start_daemon(
+		MHD_USE_EPOLL | MHD_USE_ERROR_LOG | MHD_USE_NO_LISTEN_SOCKET |
+			(family == AF_INET6 ? MHD_USE_IPv6 : 0),
+		0, NULL, NULL, metrics_request, h, MHD_OPTION_EXTERNAL_LOGGER, mhd_log, h,
+		MHD_OPTION_CONNECTION_LIMIT, (unsigned)(2 * METRICS_HTTP_CONNECTIONS),
+		MHD_OPTION_NOTIFY_CONNECTION, metrics_conn_notify, h, MHD_OPTION_NOTIFY_COMPLETED,
+		metrics_request_done, h, MHD_OPTION_END);
 	if (!h->mhd) {
 		shd_log_error("shardd: --metrics-listen %s: libmicrohttpd did not start (see "
-			"the line above)", spec);
+			      "the line above)",
+			      spec);
 		close(fd);
 		free(h);
 		return -EIO;
 	}
 	info = MHD_get_daemon_info(h->mhd, MHD_DAEMON_INFO_EPOLL_FD);
 	if (!info) {
-		shd_log_error("shardd: --metrics-listen %s: libmicrohttpd has no epoll fd",
-			spec);
+		shd_log_error("shardd: --metrics-listen %s: libmicrohttpd has no epoll fd", spec);
 		shd_metrics_http_stop(h, loop);
 		return -EIO;
 	}
@@ -502,10 +504,11 @@ int shd_metrics_http_start(const char *spec, struct shd_loop *loop,
 		ret = shd_loop_add_fd(loop, fd, POLLIN, metrics_http_accept, h, &h->listen_ev);
 	if (ret == 0)
 		ret = shd_loop_add_timer(loop, METRICS_HTTP_TICK_MS, metrics_http_tick, h,
-					    &h->tick_ev);
+					 &h->tick_ev);
 	if (ret < 0) {
 		shd_log_error("shardd: --metrics-listen %s: cannot register with the event loop: "
-			"%s", spec, strerror(-ret));
+			      "%s",
+			      spec, strerror(-ret));
 		shd_metrics_http_stop(h, loop);
 		return ret;
 	}

@@ -20,14 +20,13 @@ struct shd_metrics_http;
  * host and port. Returns 0, or -EINVAL with a sentence for the user in err.
  */
 int shd_metrics_http_parse(const char *spec, char *host, size_t host_len, char *port,
-			      size_t port_len, char *err, size_t errlen);
+			   size_t port_len, char *err, size_t errlen);
 
 /*
  * Listen on `spec` and serve from `loop`. Returns 0 and *out, or a negative
  * errno after printing why on stderr.
  */
-int shd_metrics_http_start(const char *spec, struct shd_loop *loop,
-			      struct shd_metrics_http **out);
+int shd_metrics_http_start(const char *spec, struct shd_loop *loop, struct shd_metrics_http **out);
 
 /* "http://127.0.0.1:9464/metrics": where it listens (the port picked for 0). */
 const char *shd_metrics_http_url(const struct shd_metrics_http *h);

@@ -26,13 +26,13 @@ struct shd_session;
  */
 struct shd_state_source {
 	const struct shd_config *cfg;
-	pid_t    pid;
-	uid_t    uid;
-	uint64_t start_ns;                    /* CLOCK_MONOTONIC at the daemon's start */
+	pid_t pid;
+	uid_t uid;
+	uint64_t start_ns; /* CLOCK_MONOTONIC at the daemon's start */
 	uint64_t collective_timeout_ns;
-	struct shd_engine  *const *engine;
-	struct shd_job     *const *jobs;      /* head of the daemon's list of jobs */
-	struct shd_session *const *sessions;  /* head of the daemon's list of sessions */
+	struct shd_engine *const *engine;
+	struct shd_job *const *jobs;         /* head of the daemon's list of jobs */
+	struct shd_session *const *sessions; /* head of the daemon's list of sessions */
 };
 
 void shd_state_init(const struct shd_state_source *src);

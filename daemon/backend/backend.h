@@ -39,8 +39,8 @@ struct shd_pool;
  */
 struct shd_buf {
 	uint64_t bytes; /* size as allocated (and as a client maps it) */
-	int      fd;    /* exported as an fd: clients receive duplicates of it; else -1 */
-	void    *priv;  /* the backend's own state (a host mapping, a device buffer); NULL: unallocated */
+	int fd;         /* exported as an fd: clients receive duplicates of it; else -1 */
+	void *priv; /* the backend's own state (a host mapping, a device buffer); NULL: unallocated */
 };
 
 static inline int shd_buf_allocated(const struct shd_buf *buf)
@@ -68,13 +68,13 @@ static inline void shd_buf_forget(struct shd_buf *buf)
  */
 struct shd_shard_view {
 	struct shd_buf *buf;
-	const uint64_t    *offsets; /* per param: bytes into buf where its shard starts */
-	uint32_t           dtype;   /* elements' dtype; SHARDD_DTYPE_NONE: each param's own dtype */
+	const uint64_t *offsets; /* per param: bytes into buf where its shard starts */
+	uint32_t dtype;          /* elements' dtype; SHARDD_DTYPE_NONE: each param's own dtype */
 };
 
 /* The dtype of param `p`'s elements in view `v`. */
 static inline uint32_t shd_shard_view_dtype(const struct shd_shard_view *v,
-					       const struct shd_layout_param *p)
+					    const struct shd_layout_param *p)
 {
 	return v->dtype != SHARDD_DTYPE_NONE ? v->dtype : p->dtype;
 }
@@ -94,17 +94,18 @@ struct shd_backend_job;
 struct shd_unshard_args {
 	struct shd_backend_job *job;
 	const struct shd_layout *layout;
-	uint32_t nshards;                    /* S: shard ranks 0..S-1 in order */
-	struct shd_buf *const *shards;    /* [S] flat shards, layout shard offsets, params' dtypes */
-	struct shd_buf *const *unsharded; /* [S] out: each param in its unsharded dtype, padding dropped */
-	char *err;                           /* out: why the call failed, for the op's completion; */
-	size_t errlen;                       /* the backend may leave it empty */
+	uint32_t nshards;              /* S: shard ranks 0..S-1 in order */
+	struct shd_buf *const *shards; /* [S] flat shards, layout shard offsets, params' dtypes */
+	struct shd_buf *const
+		*unsharded; /* [S] out: each param in its unsharded dtype, padding dropped */
+	char *err;          /* out: why the call failed, for the op's completion; */
+	size_t errlen;      /* the backend may leave it empty */
 };
 
 enum shd_reduce_src {
 	/* Inputs are unsharded grad buffers (layout grad offsets, grad dtype): a
 	   reduce-scatter; member k's output is shard k's rows of the result. */
-	SHD_REDUCE_SRC_GRAD  = 1,
+	SHD_REDUCE_SRC_GRAD = 1,
 	/* Inputs are shard views: the HSDP all-reduce across replicas; every
 	   member's output is the whole result (shard `shard_rank`'s rows). */
 	SHD_REDUCE_SRC_SHARD = 2,
@@ -121,23 +122,23 @@ enum shd_reduce_src {
 struct shd_reduce_args {
 	struct shd_backend_job *job;
 	const struct shd_layout *layout;
-	uint32_t src;                          /* enum shd_reduce_src */
-	uint32_t n;                            /* members */
+	uint32_t src;                       /* enum shd_reduce_src */
+	uint32_t n;                         /* members */
 	struct shd_buf *const *grads;       /* SRC_GRAD: [n] grad buffers of shard ranks 0..n-1 */
 	const struct shd_shard_view *views; /* SRC_SHARD: [n] */
-	uint32_t shard_rank;                   /* SRC_SHARD: which shard's rows the views hold */
-	uint32_t in_dtype;                     /* SRC_SHARD: dtype of the views (reduce dtype) */
+	uint32_t shard_rank;                /* SRC_SHARD: which shard's rows the views hold */
+	uint32_t in_dtype;                  /* SRC_SHARD: dtype of the views (reduce dtype) */
 	const struct shd_shard_view *outs;  /* [n] */
 	const struct shd_shard_view *adds;  /* [n] addends in math.reduce_dtype (buf NULL: none; may
 						  equal the output), or NULL: none at all */
-	const uint8_t *accumulate;             /* [n]: add into out_k instead of assigning */
+	const uint8_t *accumulate;          /* [n]: add into out_k instead of assigning */
 	/* SRC_GRAD: one shard in math.reduce_dtype (shd_placement_reduce_shard), the block
 	   a backend that reduces through a staging buffer lays each shard out as. */
 	const uint64_t *reduce_offsets;
 	uint64_t reduce_shard_size;
-	struct shardd_reduce_math math;        /* math.add is ignored: `adds` says where */
-	char *err;                             /* out: why the call failed, for the op's completion; */
-	size_t errlen;                         /* the backend may leave it empty */
+	struct shardd_reduce_math math; /* math.add is ignored: `adds` says where */
+	char *err;                      /* out: why the call failed, for the op's completion; */
+	size_t errlen;                  /* the backend may leave it empty */
 };
 
 /*
@@ -151,24 +152,24 @@ struct shd_reduce_args {
  */
 struct shd_step_args {
 	const struct shd_layout *layout;
-	uint32_t shard_rank;                 /* which shard's rows are valid */
-	uint32_t kind;                       /* SHARDD_OPTIM_SGD or SHARDD_OPTIM_ADAMW */
-	struct shd_buf *shard;            /* fp32 params, layout shard offsets */
-	struct shd_buf *grad;             /* sharded grad, same offsets */
-	struct shd_buf *state[3];         /* SGD: momentum buffer or NULL; AdamW: exp_avg, exp_avg_sq,
+	uint32_t shard_rank;       /* which shard's rows are valid */
+	uint32_t kind;             /* SHARDD_OPTIM_SGD or SHARDD_OPTIM_ADAMW */
+	struct shd_buf *shard;     /* fp32 params, layout shard offsets */
+	struct shd_buf *grad;      /* sharded grad, same offsets */
+	struct shd_buf *state[3];  /* SGD: momentum buffer or NULL; AdamW: exp_avg, exp_avg_sq,
 						max_exp_avg_sq or NULL */
-	struct shardd_sgd sgd;               /* kind SGD: all but the pointers */
-	struct shardd_adamw adamw;           /* kind ADAMW: all but the pointers */
+	struct shardd_sgd sgd;     /* kind SGD: all but the pointers */
+	struct shardd_adamw adamw; /* kind ADAMW: all but the pointers */
 	int skip_nonfinite;
-	int *skipped;                        /* out */
+	int *skipped; /* out */
 	char *err;
 	size_t errlen;
 };
 
 /* How one buffer travels to a client (a GROUP reply's export_kind and what goes with it). */
 struct shd_buf_export {
-	uint32_t kind;                     /* enum shardd_export_kind */
-	int      fd;                       /* SHARDD_EXPORT_FD: a new fd the caller closes; else -1 */
+	uint32_t kind; /* enum shardd_export_kind */
+	int fd;        /* SHARDD_EXPORT_FD: a new fd the caller closes; else -1 */
 	struct shardd_cuda_ipc_handle ipc; /* SHARDD_EXPORT_CUDA_IPC: the handle */
 };
 
@@ -188,8 +189,8 @@ struct shd_backend_ops {
 	 * named; the host backend ignores it); `what` names it in errors
 	 * ("grad of rank 3").
 	 */
-	int  (*alloc)(struct shd_backend_ctx *b, uint64_t bytes, int32_t device, const char *what,
-		      struct shd_buf *out);
+	int (*alloc)(struct shd_backend_ctx *b, uint64_t bytes, int32_t device, const char *what,
+		     struct shd_buf *out);
 	/* Also takes a buffer never allocated (priv NULL, fd -1): a no-op. */
 	void (*free)(struct shd_backend_ctx *b, struct shd_buf *buf);
 	/*
@@ -197,12 +198,12 @@ struct shd_backend_ops {
 	 * client cannot write through it, where the backend can enforce that)
 	 * or a CUDA IPC handle. 0 or -errno; out->fd is -1 unless 0 and kind FD.
 	 */
-	int  (*export_buf)(struct shd_backend_ctx *b, const struct shd_buf *buf, int readonly,
-			   struct shd_buf_export *out);
-	int  (*unshard)(struct shd_backend_ctx *b, const struct shd_unshard_args *a);
-	int  (*reduce)(struct shd_backend_ctx *b, const struct shd_reduce_args *a);
+	int (*export_buf)(struct shd_backend_ctx *b, const struct shd_buf *buf, int readonly,
+			  struct shd_buf_export *out);
+	int (*unshard)(struct shd_backend_ctx *b, const struct shd_unshard_args *a);
+	int (*reduce)(struct shd_backend_ctx *b, const struct shd_reduce_args *a);
 	/* The optimizer step of one rank's shard; NULL in a backend without one (registration refuses it). */
-	int  (*step)(struct shd_backend_ctx *b, const struct shd_step_args *a);
+	int (*step)(struct shd_backend_ctx *b, const struct shd_step_args *a);
 	/*
 	 * The grad-norm part (shardd_kernels.h) of the valid rows of every
 	 * param of shard `shard_rank` in `grad`, an fp32 sharded grad at the
@@ -212,33 +213,34 @@ struct shd_backend_ops {
 	 * may say why it failed. NULL: the engine reads the buffer back
 	 * (`read`) and runs the CPU kernel.
 	 */
-	int  (*grad_norm)(struct shd_backend_ctx *b, const struct shd_layout *l, uint32_t shard_rank,
-			  const struct shd_buf *grad, struct shardd_grad_norm_part *out, char *err, size_t errlen);
+	int (*grad_norm)(struct shd_backend_ctx *b, const struct shd_layout *l, uint32_t shard_rank,
+			 const struct shd_buf *grad, struct shardd_grad_norm_part *out, char *err,
+			 size_t errlen);
 	/* Zero `bytes` bytes at `offset`. */
-	int  (*zero)(struct shd_backend_ctx *b, struct shd_buf *buf, uint64_t offset,
-		     uint64_t bytes);
+	int (*zero)(struct shd_backend_ctx *b, struct shd_buf *buf, uint64_t offset,
+		    uint64_t bytes);
 	/*
 	 * Copy `bytes` bytes at `offset` of an allocated `buf` into `dst`, host
 	 * memory (shardctl dump). Called from the loop thread while ops may be
 	 * writing the buffer: a snapshot, not a consistent one. -EINVAL past the
 	 * buffer's end.
 	 */
-	int  (*read)(struct shd_backend_ctx *b, const struct shd_buf *buf, uint64_t offset,
-		     uint64_t bytes, void *dst);
+	int (*read)(struct shd_backend_ctx *b, const struct shd_buf *buf, uint64_t offset,
+		    uint64_t bytes, void *dst);
 	/*
 	 * Copy `bytes` bytes of host memory `src` to `offset` of an allocated
 	 * `buf`: a checkpoint's restore, from a pool thread, while no op uses
 	 * the buffer. -EINVAL past the buffer's end.
 	 */
-	int  (*write)(struct shd_backend_ctx *b, struct shd_buf *buf, uint64_t offset, uint64_t bytes,
-		      const void *src);
+	int (*write)(struct shd_backend_ctx *b, struct shd_buf *buf, uint64_t offset,
+		     uint64_t bytes, const void *src);
 	/*
 	 * Wait until the work queued so far on every device that holds one of
 	 * the `n` buffers `on` has finished; on failure `err` may say why.
 	 * NULL in a backend whose calls finish before returning.
 	 */
-	int  (*sync)(struct shd_backend_ctx *b, const struct shd_buf *const *on, uint32_t n, char *err,
-		     size_t errlen);
+	int (*sync)(struct shd_backend_ctx *b, const struct shd_buf *const *on, uint32_t n,
+		    char *err, size_t errlen);
 	/*
 	 * Fences order the backend's device work with one client stream
 	 * (SHARDD_MSG_STREAM), with no CPU wait on either side. Open: import
@@ -247,14 +249,14 @@ struct shd_backend_ops {
 	 * `signal_events`. 0, or a negative code with the reason in `err`.
 	 * All four are NULL in a backend without devices.
 	 */
-	int  (*fences_open)(struct shd_backend_ctx *b, int32_t device, uint32_t nwait,
-			    const struct shardd_cuda_ipc_handle *wait_events, uint32_t nsignal,
-			    struct shardd_cuda_ipc_handle *signal_events, struct shd_fences **out,
-			    char *err, size_t errlen);
+	int (*fences_open)(struct shd_backend_ctx *b, int32_t device, uint32_t nwait,
+			   const struct shardd_cuda_ipc_handle *wait_events, uint32_t nsignal,
+			   struct shardd_cuda_ipc_handle *signal_events, struct shd_fences **out,
+			   char *err, size_t errlen);
 	/* Work queued on the device from now on waits for the client's last record of event `slot`. */
-	int  (*fence_wait)(struct shd_backend_ctx *b, struct shd_fences *f, uint32_t slot);
+	int (*fence_wait)(struct shd_backend_ctx *b, struct shd_fences *f, uint32_t slot);
 	/* Record our event `slot` after all work queued on the device so far. */
-	int  (*fence_signal)(struct shd_backend_ctx *b, struct shd_fences *f, uint32_t slot);
+	int (*fence_signal)(struct shd_backend_ctx *b, struct shd_fences *f, uint32_t slot);
 	/* Also takes NULL. Work already queued that uses the events still completes. */
 	void (*fences_close)(struct shd_backend_ctx *b, struct shd_fences *f);
 	/*
@@ -263,13 +265,13 @@ struct shd_backend_ops {
 	 * backend can run them, else -SHARDD_E_BACKEND with `err` saying why
 	 * and what to do. NULL in a backend that ignores devices (host).
 	 */
-	int  (*multi_device)(struct shd_backend_ctx *b, char *err, size_t errlen);
+	int (*multi_device)(struct shd_backend_ctx *b, char *err, size_t errlen);
 	/*
 	 * A job's state, passed with its collectives (`job` of the args) and
 	 * closed when the job ends, after its groups' buffers were freed.
 	 * Both NULL in a backend that keeps none (host: the args' job is NULL).
 	 */
-	int  (*job_open)(struct shd_backend_ctx *b, const char *job, struct shd_backend_job **out);
+	int (*job_open)(struct shd_backend_ctx *b, const char *job, struct shd_backend_job **out);
 	void (*job_close)(struct shd_backend_ctx *b, struct shd_backend_job *bj);
 	void (*destroy)(struct shd_backend_ctx *b);
 	/*
@@ -288,10 +290,10 @@ struct shd_backend_ops {
 	 * Both NULL where the engine moves the bytes between nodes itself
 	 * (host: world_collective.c over the world).
 	 */
-	int  (*span_unshard)(struct shd_backend_ctx *b, const struct shd_world_boot *span,
-			     const struct shd_unshard_args *a);
-	int  (*span_reduce)(struct shd_backend_ctx *b, const struct shd_world_boot *span,
-			    const struct shd_reduce_args *a);
+	int (*span_unshard)(struct shd_backend_ctx *b, const struct shd_world_boot *span,
+			    const struct shd_unshard_args *a);
+	int (*span_reduce)(struct shd_backend_ctx *b, const struct shd_world_boot *span,
+			   const struct shd_reduce_args *a);
 };
 
 /* Every backend's state begins with this (enum shardd_backend names the kinds). */
@@ -303,8 +305,8 @@ struct shd_backend_ctx {
 	 * NULL for a backend without a GPU (host).
 	 */
 	const char *gpu_sharing;
-	int gpu_mps;         /* 1 when every device runs the daemon's contexts as MPS clients */
-	int gpu_sm_percent;  /* under MPS: the daemon's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, 100 uncapped */
+	int gpu_mps;        /* 1 when every device runs the daemon's contexts as MPS clients */
+	int gpu_sm_percent; /* under MPS: the daemon's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, 100 uncapped */
 };
 
 /* The host backend: memfd buffers, CPU kernels split across `pool`. 0 or -ENOMEM. */

@@ -19,8 +19,8 @@
 /* --cuda-export: how the cuda backend allocates and exports buffers. */
 enum shd_cuda_export {
 	SHD_CUDA_EXPORT_AUTO = 0, /* per device at its set-up: fd where it can, else ipc */
-	SHD_CUDA_EXPORT_FD   = 1, /* cuMemCreate with POSIX fd handles; the fd travels */
-	SHD_CUDA_EXPORT_IPC  = 2, /* cudaMalloc + cudaIpcGetMemHandle; the handle travels */
+	SHD_CUDA_EXPORT_FD = 1,   /* cuMemCreate with POSIX fd handles; the fd travels */
+	SHD_CUDA_EXPORT_IPC = 2,  /* cudaMalloc + cudaIpcGetMemHandle; the handle travels */
 };
 
 /*
@@ -32,7 +32,7 @@ enum shd_cuda_export {
  * first collective across devices.
  */
 int shd_backend_cuda_create(uint32_t mode, uint64_t timeout_ns, struct shd_backend_ctx **out,
-			       char *err, size_t errlen);
+			    char *err, size_t errlen);
 
 /* The daemon's device address of a buffer this backend allocated, or NULL (tools and tests). */
 void *shd_backend_cuda_ptr(const struct shd_buf *buf);

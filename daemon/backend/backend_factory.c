@@ -24,7 +24,7 @@ static int backend_cuda(uint32_t cuda_export, uint64_t timeout_ns, struct shd_ba
 #endif
 
 int shd_backend_create(uint32_t kind, uint32_t cuda_export, uint64_t timeout_ns,
-			  struct shd_pool *pool, struct shd_backend_ctx **out)
+		       struct shd_pool *pool, struct shd_backend_ctx **out)
 {
 	switch (kind) {
 	case SHARDD_BACKEND_HOST:
@@ -35,12 +35,13 @@ int shd_backend_create(uint32_t kind, uint32_t cuda_export, uint64_t timeout_ns,
 #else
 		(void)cuda_export;
 		(void)timeout_ns;
-		shd_log_error("shardd: the cuda backend is not available in this build; use --backend host");
+		shd_log_error(
+			"shardd: the cuda backend is not available in this build; use --backend host");
 		return -SHARDD_E_BACKEND;
 #endif
 	default:
-		shd_log_error("shardd: backend %u is not a backend (host = %d, cuda = %d)",
-				 kind, SHARDD_BACKEND_HOST, SHARDD_BACKEND_CUDA);
+		shd_log_error("shardd: backend %u is not a backend (host = %d, cuda = %d)", kind,
+			      SHARDD_BACKEND_HOST, SHARDD_BACKEND_CUDA);
 		return -SHARDD_E_BACKEND;
 	}
 }

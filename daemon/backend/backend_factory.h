@@ -21,6 +21,6 @@
  * backend's own words (which flag, why, the fix).
  */
 int shd_backend_create(uint32_t kind, uint32_t cuda_export, uint64_t timeout_ns,
-			  struct shd_pool *pool, struct shd_backend_ctx **out);
+		       struct shd_pool *pool, struct shd_backend_ctx **out);
 
 #endif /* SHD_BACKEND_FACTORY_H */

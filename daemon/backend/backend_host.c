@@ -72,7 +72,7 @@
 struct host_backend {
 	struct shd_backend_ctx base;
 	struct shd_pool *pool;
-	unsigned colors;  /* buffers mapped so far: the next one's colour (host_map_colored) */
+	unsigned colors; /* buffers mapped so far: the next one's colour (host_map_colored) */
 };
 
 enum host_piece_kind {
@@ -80,7 +80,7 @@ enum host_piece_kind {
 	PIECE_CHUNK_CAT, /* unshard, Shard(i > 0): outer indices [begin, begin + n) */
 	PIECE_REDUCE,    /* reduce: elements [begin, begin + n) of the valid rows of every outer
 			    index of the output shard, outer index by outer index */
-	PIECE_ZERO,      /* reduce: elements [begin, begin + n) of the output shard (its padding rows) */
+	PIECE_ZERO, /* reduce: elements [begin, begin + n) of the output shard (its padding rows) */
 };
 
 struct host_piece {
@@ -108,7 +108,7 @@ struct host_op {
 	/* The output this run writes: an unshard's (distinct) unsharded buffer, or member k of a reduce. */
 	struct shd_buf *unsharded;
 	const struct shd_shard_view *out, *add; /* add: NULL for none */
-	uint32_t shard_rank;                       /* reduce: the rows of out */
+	uint32_t shard_rank;                    /* reduce: the rows of out */
 	int accumulate;
 };
 
@@ -214,13 +214,14 @@ static void host_run_piece_unshard(const struct host_op *op, const struct host_p
 
 	if (pc->kind == PIECE_CAST) {
 		/* Dim 0: element e of the param is element e % chunk of shard e / chunk. */
-		for (uint64_t e = pc->begin, end = pc->begin + pc->n; e < end; ) {
+		for (uint64_t e = pc->begin, end = pc->begin + pc->n; e < end;) {
 			uint64_t s = e / chunk, off = e % chunk;
 			uint64_t n = end - e < chunk - off ? end - e : chunk - off;
 			const uint8_t *src = host_ptr(a->shards[s]) + p->shard_offset + off * ds;
 
 			if (op->stream)
-				shardd_k_cast_stream(dst + e * us, p->unsharded_dtype, src, p->dtype, n);
+				shardd_k_cast_stream(dst + e * us, p->unsharded_dtype, src,
+						     p->dtype, n);
 			else
 				shardd_k_cast(dst + e * us, p->unsharded_dtype, src, p->dtype, n);
 			e += n;
@@ -230,26 +231,28 @@ static void host_run_piece_unshard(const struct host_op *op, const struct host_p
 
 		for (uint32_t r = 0; r < a->nshards; r++)
 			src[r] = host_ptr(a->shards[r]) + p->shard_offset + pc->begin * chunk * ds;
-		shardd_k_chunk_cat(dst + pc->begin * a->nshards * chunk * us, p->unsharded_dtype, src,
-				   p->dtype, a->nshards, pc->n, chunk);
+		shardd_k_chunk_cat(dst + pc->begin * a->nshards * chunk * us, p->unsharded_dtype,
+				   src, p->dtype, a->nshards, pc->n, chunk);
 	}
 }
 
 /* Reduce `n` elements from element `off` of outer index `o`'s valid rows of the output shard. */
-static void host_reduce_run(const struct host_op *op, const struct shd_layout_param *p, uint32_t param,
-			    uint64_t o, uint64_t off, uint64_t n)
+static void host_reduce_run(const struct host_op *op, const struct shd_layout_param *p,
+			    uint32_t param, uint64_t o, uint64_t off, uint64_t n)
 {
 	const struct shd_reduce_args *a = op->reduce;
 	uint32_t odt = shd_shard_view_dtype(op->out, p);
 	uint64_t at = o * p->rows * p->inner + off; /* element in the output shard */
-	uint8_t *out = host_ptr(op->out->buf) + op->out->offsets[param] + at * shardd_dtype_size(odt);
+	uint8_t *out =
+		host_ptr(op->out->buf) + op->out->offsets[param] + at * shardd_dtype_size(odt);
 	const void *in[SHARDD_MAX_WORLD];
 	struct shardd_reduce_math m = a->math;
 	uint32_t idt;
 
 	if (a->src == SHD_REDUCE_SRC_GRAD) {
 		/* Shard s of the unsharded grad: rows [s*rows, s*rows + valid) of shard_dim, per outer index. */
-		uint64_t e = o * p->dim * p->inner + (uint64_t)op->shard_rank * p->rows * p->inner + off;
+		uint64_t e =
+			o * p->dim * p->inner + (uint64_t)op->shard_rank * p->rows * p->inner + off;
 		size_t gs = shardd_dtype_size(p->grad_dtype);
 
 		idt = p->grad_dtype;
@@ -286,7 +289,7 @@ static void host_run_piece_reduce(const struct host_op *op, const struct host_pi
 			      pc->n * os);
 		return;
 	}
-	for (uint64_t e = pc->begin, end = pc->begin + pc->n; e < end; ) {
+	for (uint64_t e = pc->begin, end = pc->begin + pc->n; e < end;) {
 		uint64_t o = e / block, off = e % block;
 		uint64_t n = end - e < block - off ? end - e : block - off;
 
@@ -341,7 +344,8 @@ static int host_unshard(struct shd_backend_ctx *b, const struct shd_unshard_args
 			ret = plan_split(&pl, pc, 0, p->numel, 1);
 		} else {
 			pc.kind = PIECE_CHUNK_CAT;
-			ret = plan_split(&pl, pc, 0, p->outer, (uint64_t)a->nshards * p->rows * p->inner);
+			ret = plan_split(&pl, pc, 0, p->outer,
+					 (uint64_t)a->nshards * p->rows * p->inner);
 		}
 	}
 	if (!ret) {
@@ -368,7 +372,9 @@ static int host_reduce_one(struct host_backend *hb, const struct shd_reduce_args
 {
 	struct host_plan pl;
 	struct host_op op = {
-		.reduce = a, .plan = &pl, .out = &a->outs[k],
+		.reduce = a,
+		.plan = &pl,
+		.out = &a->outs[k],
 		.add = a->adds && a->adds[k].buf ? &a->adds[k] : NULL,
 		.shard_rank = a->src == SHD_REDUCE_SRC_GRAD ? k : a->shard_rank,
 		.accumulate = a->accumulate[k],
@@ -392,7 +398,8 @@ static int host_reduce_one(struct host_backend *hb, const struct shd_reduce_args
 		if (!ret && valid < p->rows) {
 			/* Padding rows exist for dim 0 only, where outer == 1. */
 			pc.kind = PIECE_ZERO;
-			ret = plan_split(&pl, pc, valid * p->inner, (p->rows - valid) * p->inner, 1);
+			ret = plan_split(&pl, pc, valid * p->inner, (p->rows - valid) * p->inner,
+					 1);
 		}
 	}
 	if (!ret) {
@@ -460,7 +467,8 @@ static int host_step(struct shd_backend_ctx *b, const struct shd_step_args *a)
 
 			if (!n)
 				continue;
-			shardd_k_grad_norm_part(host_ptr(a->grad) + p->shard_offset, SHARDD_DTYPE_FP32, 0, n, &part);
+			shardd_k_grad_norm_part(host_ptr(a->grad) + p->shard_offset,
+						SHARDD_DTYPE_FP32, 0, n, &part);
 			*a->skipped = part.nonfinite;
 		}
 		if (*a->skipped)
@@ -493,7 +501,8 @@ static void host_zero_range(void *arg, size_t begin, size_t end)
 	shardd_k_zero((uint8_t *)arg + begin, end - begin);
 }
 
-static int host_zero(struct shd_backend_ctx *b, struct shd_buf *buf, uint64_t offset, uint64_t bytes)
+static int host_zero(struct shd_backend_ctx *b, struct shd_buf *buf, uint64_t offset,
+		     uint64_t bytes)
 {
 	struct host_backend *hb = (struct host_backend *)b;
 
@@ -514,8 +523,8 @@ static int host_read(struct shd_backend_ctx *b, const struct shd_buf *buf, uint6
 	return 0;
 }
 
-static int host_write(struct shd_backend_ctx *b, struct shd_buf *buf, uint64_t offset, uint64_t bytes,
-		      const void *src)
+static int host_write(struct shd_backend_ctx *b, struct shd_buf *buf, uint64_t offset,
+		      uint64_t bytes, const void *src)
 {
 	(void)b;
 	if (offset > buf->bytes || bytes > buf->bytes - offset)

@@ -31,7 +31,6 @@ int ckpt_write_all(int fd, const void *buf, size_t n, uint64_t off)
 	return 0;
 }
 
-
 /* Create `name` in dirfd (O_EXCL). 0 or -errno; buf is the caller's CKPT_DIO_BYTES aligned bytes. */
 int ckpt_dio_open(struct dio_file *f, int dirfd, const char *name, uint8_t *buf)
 {
@@ -90,7 +89,8 @@ static int dio_wait(struct dio_file *f, uint32_t i)
 			done = (uint32_t)res;
 		}
 		if (!err && done < f->len[k])
-			err = ckpt_write_all(f->fd, f->bufs[k] + done, f->len[k] - done, f->at[k] + done);
+			err = ckpt_write_all(f->fd, f->bufs[k] + done, f->len[k] - done,
+					     f->at[k] + done);
 		if (err && !ret)
 			ret = dio_failed(f, err, f->at[k] + done);
 		f->len[k] = 0;
@@ -186,8 +186,9 @@ int ckpt_dio_finish(struct dio_file *f)
 	if (!ret && head)
 		ret = dio_put(f, head, 1);
 	if (!ret && f->fill > head)
-		ret = dio_failed(f, ckpt_write_all(f->fd, f->buf + head, f->fill - head, f->base + head),
-				 f->base + head);
+		ret = dio_failed(
+			f, ckpt_write_all(f->fd, f->buf + head, f->fill - head, f->base + head),
+			f->base + head);
 	if (!ret && fsync(f->fd))
 		ret = dio_failed(f, -errno, f->base + f->fill);
 	return ret;
@@ -285,11 +286,11 @@ void ckpt_retention(const char *keep_root, uint32_t keep)
 		int ret = ckpt_remove_dir(fd, steps[i]);
 
 		if (ret)
-			shd_log_warn("checkpoint retention (--keep %u): cannot remove %s/%s: %s", keep,
-				     keep_root, steps[i], strerror(-ret));
+			shd_log_warn("checkpoint retention (--keep %u): cannot remove %s/%s: %s",
+				     keep, keep_root, steps[i], strerror(-ret));
 		else
-			shd_log_info("checkpoint retention (--keep %u): removed %s/%s", keep, keep_root,
-				     steps[i]);
+			shd_log_info("checkpoint retention (--keep %u): removed %s/%s", keep,
+				     keep_root, steps[i]);
 	}
 	for (size_t i = 0; i < n; i++)
 		free(steps[i]);

@@ -11,9 +11,10 @@
 #include <stdint.h>
 #include <liburing.h>
 
-#define CKPT_DIO_ALIGN 4096u   /* O_DIRECT offsets, lengths and buffers: any logical block size up to it */
+#define CKPT_DIO_ALIGN \
+	4096u /* O_DIRECT offsets, lengths and buffers: any logical block size up to it */
 #define CKPT_DIO_CHUNK (4u << 20) /* bytes per direct write */
-#define CKPT_DIO_BUFS  4u      /* direct writes in flight at most, one buffer each */
+#define CKPT_DIO_BUFS  4u         /* direct writes in flight at most, one buffer each */
 #define CKPT_DIO_BYTES (CKPT_DIO_BUFS * CKPT_DIO_CHUNK) /* a writer's buffers */
 
 /*
@@ -29,19 +30,20 @@
  * io_uring the direct writes are synchronous.
  */
 struct dio_file {
-	int fd;              /* buffered */
-	int dfd;             /* O_DIRECT on the same file, or -1 */
-	int ring_ok;         /* ring is set up */
+	int fd;      /* buffered */
+	int dfd;     /* O_DIRECT on the same file, or -1 */
+	int ring_ok; /* ring is set up */
 	struct io_uring ring;
 	uint8_t *bufs[CKPT_DIO_BUFS]; /* CKPT_DIO_CHUNK bytes each, CKPT_DIO_ALIGN-aligned */
-	uint32_t cur;        /* the buffer being filled */
-	uint8_t *buf;        /* bufs[cur] */
-	uint32_t fill;       /* bytes in buf, from file offset base */
+	uint32_t cur;                 /* the buffer being filled */
+	uint8_t *buf;                 /* bufs[cur] */
+	uint32_t fill;                /* bytes in buf, from file offset base */
 	uint64_t base;
 	uint32_t len[CKPT_DIO_BUFS]; /* a buffer's write in flight: its bytes (0: none) */
 	uint64_t at[CKPT_DIO_BUFS];  /* and its file offset */
-	int failed;          /* a write failed: */
-	uint64_t failed_at;  /* the file offset of the first one (fsync: the file's end), for its message */
+	int failed;                  /* a write failed: */
+	uint64_t
+		failed_at; /* the file offset of the first one (fsync: the file's end), for its message */
 };
 
 /* pwrite all n bytes at off, retrying short writes and EINTR. 0 or -errno. */

@@ -28,10 +28,14 @@ int ckpt_fmt_error(int rc, char *err, size_t errlen, const char *fmt, ...)
 const char *shd_safetensors_dtype_name(uint32_t dtype)
 {
 	switch (dtype) {
-	case SHARDD_DTYPE_FP32: return "F32";
-	case SHARDD_DTYPE_BF16: return "BF16";
-	case SHARDD_DTYPE_FP16: return "F16";
-	default: return NULL;
+	case SHARDD_DTYPE_FP32:
+		return "F32";
+	case SHARDD_DTYPE_BF16:
+		return "BF16";
+	case SHARDD_DTYPE_FP16:
+		return "F16";
+	default:
+		return NULL;
 	}
 }
 

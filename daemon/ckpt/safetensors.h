@@ -27,19 +27,19 @@
 
 #include "shardd_proto.h"
 
-#define SHD_CKPT_VERSION        1                 /* manifest "version" this daemon writes and reads */
-#define SHD_CKPT_MANIFEST       "manifest.json"
-#define SHD_CKPT_INDEX          "model.safetensors.index.json" /* Hugging Face's, when split */
-#define SHD_SAFETENSORS_HEADER_MAX       (64u << 20)       /* bytes of a safetensors JSON header */
-#define SHD_SAFETENSORS_TENSORS_MAX      (1u << 20)        /* tensors in one safetensors file */
-#define SHD_CKPT_MANIFEST_MAX   (64u << 20)       /* bytes of a manifest */
-#define SHD_CKPT_GROUPS_MAX     65536             /* groups in a manifest */
-#define SHD_CKPT_NAME_MAX       128               /* tensor names, NUL included */
-#define SHD_CKPT_FILE_NAME_MAX  64                /* file names in a checkpoint, NUL included */
+#define SHD_CKPT_VERSION            1 /* manifest "version" this daemon writes and reads */
+#define SHD_CKPT_MANIFEST           "manifest.json"
+#define SHD_CKPT_INDEX              "model.safetensors.index.json" /* Hugging Face's, when split */
+#define SHD_SAFETENSORS_HEADER_MAX  (64u << 20) /* bytes of a safetensors JSON header */
+#define SHD_SAFETENSORS_TENSORS_MAX (1u << 20)  /* tensors in one safetensors file */
+#define SHD_CKPT_MANIFEST_MAX       (64u << 20) /* bytes of a manifest */
+#define SHD_CKPT_GROUPS_MAX         65536       /* groups in a manifest */
+#define SHD_CKPT_NAME_MAX           128         /* tensor names, NUL included */
+#define SHD_CKPT_FILE_NAME_MAX      64          /* file names in a checkpoint, NUL included */
 
 /* One tensor of a safetensors file. */
 struct shd_safetensors_tensor {
-	char     name[SHD_CKPT_NAME_MAX];
+	char name[SHD_CKPT_NAME_MAX];
 	uint32_t dtype;                  /* enum shardd_dtype: F32, BF16, F16 */
 	uint32_t ndim;                   /* 0..SHARDD_MAX_DIMS */
 	uint64_t shape[SHARDD_MAX_DIMS]; /* first ndim used, rest zero */
@@ -48,11 +48,11 @@ struct shd_safetensors_tensor {
 
 /* A parsed safetensors header. */
 struct shd_safetensors_file {
-	uint64_t data_start;             /* 8 + header length: file offset of the data */
-	uint64_t data_size;              /* bytes of data: the sum of the tensors' */
+	uint64_t data_start; /* 8 + header length: file offset of the data */
+	uint64_t data_size;  /* bytes of data: the sum of the tensors' */
 	uint32_t ntensors;
-	struct shd_safetensors_tensor *tensors;   /* ascending begin (file order) */
-	uint32_t *by_name;               /* indices into tensors, names ascending (shd_safetensors_find) */
+	struct shd_safetensors_tensor *tensors; /* ascending begin (file order) */
+	uint32_t *by_name; /* indices into tensors, names ascending (shd_safetensors_find) */
 };
 
 /* The safetensors dtype string of a shardd dtype ("F32", "BF16", "F16"), or NULL. */
@@ -71,8 +71,8 @@ uint64_t shd_safetensors_numel(const struct shd_safetensors_tensor *t);
  * that is not UTF-8, a dtype, a duplicate name, bytes past the limits),
  * or -ENOMEM.
  */
-int shd_safetensors_build(struct shd_safetensors_tensor *t, uint32_t n, uint8_t **hdr, size_t *hdrlen,
-		 uint64_t *data_size, char *err, size_t errlen);
+int shd_safetensors_build(struct shd_safetensors_tensor *t, uint32_t n, uint8_t **hdr,
+			  size_t *hdrlen, uint64_t *data_size, char *err, size_t errlen);
 
 /*
  * Parse the start of a safetensors file of `file_size` bytes: `buf` holds
@@ -81,17 +81,19 @@ int shd_safetensors_build(struct shd_safetensors_tensor *t, uint32_t n, uint8_t 
  * with `err` naming the field, the value and the rule (file name prefixed
  * by the caller), or -ENOMEM. On error *out holds no allocation.
  */
-int shd_safetensors_parse(const uint8_t *buf, size_t len, uint64_t file_size, struct shd_safetensors_file *out,
-		 char *err, size_t errlen);
+int shd_safetensors_parse(const uint8_t *buf, size_t len, uint64_t file_size,
+			  struct shd_safetensors_file *out, char *err, size_t errlen);
 
 /*
  * Read and parse the header of the safetensors file open at `fd`, named
  * `path` in errors. 0, -SHARDD_E_MALFORMED, -ENOMEM or -errno, with `err`.
  */
-int shd_safetensors_read(int fd, const char *path, struct shd_safetensors_file *out, char *err, size_t errlen);
+int shd_safetensors_read(int fd, const char *path, struct shd_safetensors_file *out, char *err,
+			 size_t errlen);
 
 /* The tensor named `name`, or NULL. */
-const struct shd_safetensors_tensor *shd_safetensors_find(const struct shd_safetensors_file *f, const char *name);
+const struct shd_safetensors_tensor *shd_safetensors_find(const struct shd_safetensors_file *f,
+							  const char *name);
 
 /* Release what shd_safetensors_parse allocated; safe on a zeroed file. */
 void shd_safetensors_free(struct shd_safetensors_file *f);
@@ -101,39 +103,44 @@ void shd_safetensors_free(struct shd_safetensors_file *f);
 /* ------------------------------------------------------------------ */
 
 struct shd_ckpt_file {
-	char     name[SHD_CKPT_FILE_NAME_MAX]; /* a plain file name: no '/', not "." or "..", no leading '.' */
+	char name
+		[SHD_CKPT_FILE_NAME_MAX]; /* a plain file name: no '/', not "." or "..", no leading '.' */
 	uint64_t bytes;
-	uint32_t crc32;                        /* zlib crc32 of the whole file */
+	uint32_t crc32; /* zlib crc32 of the whole file */
 };
 
 struct shd_ckpt_group {
-	struct shardd_register_group hdr;  /* name, nparams, param_dtype, reduce_dtype, flags; init 0 */
-	struct shardd_param_spec *specs;   /* hdr.nparams */
-	struct shardd_optim_config optim;  /* kind NONE: no optimizer */
-	uint64_t last_step;                /* last step applied or skipped on every rank */
-	uint64_t optim_steps;              /* updates applied (torch's state['step']); the most of any rank shard */
-	uint64_t *shard_optim_steps;       /* [manifest's shard]: each rank shard's updates, when a rank skipped
+	struct shardd_register_group
+		hdr; /* name, nparams, param_dtype, reduce_dtype, flags; init 0 */
+	struct shardd_param_spec *specs;  /* hdr.nparams */
+	struct shardd_optim_config optim; /* kind NONE: no optimizer */
+	uint64_t last_step;               /* last step applied or skipped on every rank */
+	uint64_t
+		optim_steps; /* updates applied (torch's state['step']); the most of any rank shard */
+	uint64_t *
+		shard_optim_steps; /* [manifest's shard]: each rank shard's updates, when a rank skipped
 					      a step alone (SHARDD_STEP_SKIP_NONFINITE); NULL: all optim_steps */
-	char     file[SHD_CKPT_FILE_NAME_MAX];       /* its params */
-	char     optim_file[SHD_CKPT_FILE_NAME_MAX]; /* its optimizer state; "" when it keeps none */
+	char file[SHD_CKPT_FILE_NAME_MAX];       /* its params */
+	char optim_file[SHD_CKPT_FILE_NAME_MAX]; /* its optimizer state; "" when it keeps none */
 };
 
 struct shd_ckpt_manifest {
-	uint32_t version;                  /* SHD_CKPT_VERSION */
-	char     job[SHARDD_NAME_MAX];
-	uint64_t step;                     /* the step boundary it was taken at */
-	uint32_t replicate, shard;         /* the mesh that saved it */
+	uint32_t version; /* SHD_CKPT_VERSION */
+	char job[SHARDD_NAME_MAX];
+	uint64_t step;             /* the step boundary it was taken at */
+	uint32_t replicate, shard; /* the mesh that saved it */
 	uint32_t ngroups;
 	struct shd_ckpt_group *groups;
 	uint32_t nfiles;
-	struct shd_ckpt_file *files;       /* every safetensors file, each once */
+	struct shd_ckpt_file *files; /* every safetensors file, each once */
 };
 
 /*
  * The manifest as JSON text (malloc'd, NUL-terminated, the caller frees).
  * 0, -SHARDD_E_INVALID with `err` (a name that is not UTF-8), or -ENOMEM.
  */
-int shd_ckpt_manifest_dump(const struct shd_ckpt_manifest *m, char **json, char *err, size_t errlen);
+int shd_ckpt_manifest_dump(const struct shd_ckpt_manifest *m, char **json, char *err,
+			   size_t errlen);
 
 /*
  * Parse and validate a manifest (`len` bytes, untrusted) into *out (free
@@ -150,7 +157,8 @@ int shd_ckpt_manifest_parse(const char *buf, size_t len, struct shd_ckpt_manifes
 void shd_ckpt_manifest_free(struct shd_ckpt_manifest *m);
 
 /* The file entry named `name`, or NULL. */
-const struct shd_ckpt_file *shd_ckpt_manifest_file(const struct shd_ckpt_manifest *m, const char *name);
+const struct shd_ckpt_file *shd_ckpt_manifest_file(const struct shd_ckpt_manifest *m,
+						   const char *name);
 
 /*
  * Names of group `i`'s files in a checkpoint of `n` groups: "model.safetensors"
@@ -168,7 +176,8 @@ void shd_ckpt_file_names(uint32_t i, uint32_t n, char model[SHD_CKPT_FILE_NAME_M
  * 0 or -ENOMEM.
  */
 int shd_ckpt_group_tensors(const struct shd_ckpt_group *g, int optim, uint32_t nstates,
-			   const char *const *states, struct shd_safetensors_tensor **out, uint32_t *n);
+			   const char *const *states, struct shd_safetensors_tensor **out,
+			   uint32_t *n);
 
 /*
  * The Hugging Face index (model.safetensors.index.json) of a manifest's

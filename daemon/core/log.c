@@ -36,8 +36,8 @@ static void journal_detect(void)
 	if (!env || sscanf(env, "%llu:%llu%c", &dev, &ino, &tail) != 2 ||
 	    fstat(STDERR_FILENO, &st) < 0)
 		return;
-	journal_stderr = (unsigned long long)st.st_dev == dev &&
-			 (unsigned long long)st.st_ino == ino;
+	journal_stderr =
+		(unsigned long long)st.st_dev == dev && (unsigned long long)st.st_ino == ino;
 }
 
 int shd_log_to_journal(void)
@@ -74,14 +74,16 @@ void shd_vlog(int level, const char *fmt, va_list ap)
 	if (shd_log_to_journal()) {
 		/* The journal stamps time and pid; "<N>" sets the line's priority (sd-daemon(3)). */
 		off = (size_t)snprintf(line, sizeof(line), "<%d>",
-				       level_priorities[level < 0 ? 0 : level > SHD_LOG_DEBUG ?
-							SHD_LOG_DEBUG : level]);
+				       level_priorities[level < 0               ? 0
+							: level > SHD_LOG_DEBUG ? SHD_LOG_DEBUG
+										: level]);
 	} else {
 		gettimeofday(&tv, NULL);
 		localtime_r(&tv.tv_sec, &tm);
 		off = strftime(line, sizeof(line), "%Y-%m-%d %H:%M:%S", &tm);
-		n = snprintf(line + off, sizeof(line) - off, ".%03ld shardd[%d] %s: ",
-			     (long)(tv.tv_usec / 1000), (int)getpid(), shd_log_level_name(level));
+		n = snprintf(line + off, sizeof(line) - off,
+			     ".%03ld shardd[%d] %s: ", (long)(tv.tv_usec / 1000), (int)getpid(),
+			     shd_log_level_name(level));
 		if (n > 0)
 			off += (size_t)n;
 	}

@@ -13,8 +13,8 @@
 
 enum shd_log_level {
 	SHD_LOG_ERROR = 0,
-	SHD_LOG_WARN  = 1,
-	SHD_LOG_INFO  = 2, /* default */
+	SHD_LOG_WARN = 1,
+	SHD_LOG_INFO = 2, /* default */
 	SHD_LOG_DEBUG = 3,
 };
 

@@ -27,30 +27,30 @@
 
 struct shd_loop_event {
 	struct shd_loop_event *next, *prev; /* every live or draining event */
-	int            fd;
-	uint32_t       events;
+	int fd;
+	uint32_t events;
 	shd_file_fn fn;
-	void          *arg;
+	void *arg;
 	shd_timer_fn timer_fn; /* timers: fd is our timerfd */
-	void          *timer_arg;
-	int            armed;     /* a poll request is in the kernel */
-	int            multishot; /* that request is multishot */
-	int            dead;      /* deleted: free once the request and its cancels are gone */
-	unsigned       cancels;   /* cancels of the poll in the kernel: their completions name us */
-	int            in_call;   /* its callback is running */
+	void *timer_arg;
+	int armed;        /* a poll request is in the kernel */
+	int multishot;    /* that request is multishot */
+	int dead;         /* deleted: free once the request and its cancels are gone */
+	unsigned cancels; /* cancels of the poll in the kernel: their completions name us */
+	int in_call;      /* its callback is running */
 };
 
 struct shd_loop {
 	struct io_uring ring;
 	struct shd_loop_event *events;
-	int      stop;
-	int      no_multishot;   /* the kernel refused IORING_POLL_ADD_MULTI once */
-	unsigned setup_flags;    /* IORING_SETUP_* the kernel accepted */
+	int stop;
+	int no_multishot;     /* the kernel refused IORING_POLL_ADD_MULTI once */
+	unsigned setup_flags; /* IORING_SETUP_* the kernel accepted */
 	shd_before_sleep_fn before_sleep;
-	shd_after_sleep_fn  after_sleep;
-	void    *hook_arg;
-	uint64_t watchdog_ns;    /* SHARDD_LOOP_WATCHDOG_MS: 0, off (loop_call) */
-	int      watchdog_abort; /* SHARDD_LOOP_WATCHDOG_ABORT=1 */
+	shd_after_sleep_fn after_sleep;
+	void *hook_arg;
+	uint64_t watchdog_ns; /* SHARDD_LOOP_WATCHDOG_MS: 0, off (loop_call) */
+	int watchdog_abort;   /* SHARDD_LOOP_WATCHDOG_ABORT=1 */
 };
 
 /* An SQE, submitting queued ones first when the SQ is full. */
@@ -145,13 +145,15 @@ static const unsigned loop_setup_flags[] = {
  */
 static void loop_watchdog_setup(struct shd_loop *l)
 {
-	const char *ms = getenv("SHARDD_LOOP_WATCHDOG_MS"), *ab = getenv("SHARDD_LOOP_WATCHDOG_ABORT");
+	const char *ms = getenv("SHARDD_LOOP_WATCHDOG_MS"),
+		   *ab = getenv("SHARDD_LOOP_WATCHDOG_ABORT");
 
 	l->watchdog_ns = ms ? strtoull(ms, NULL, 10) * 1000000ull : 0;
 	l->watchdog_abort = ab && strcmp(ab, "1") == 0;
 	if (l->watchdog_ns)
 		shd_log_info("loop watchdog: callbacks over %llu ms are logged%s",
-			     (unsigned long long)(l->watchdog_ns / 1000000), l->watchdog_abort ? ", waits abort" : "");
+			     (unsigned long long)(l->watchdog_ns / 1000000),
+			     l->watchdog_abort ? ", waits abort" : "");
 }
 
 static uint64_t loop_now_ns(void)
@@ -175,7 +177,8 @@ static uint64_t loop_watch_start(const struct shd_loop *l, long *nvcsw)
 }
 
 /* The watchdog's end of a call of `fn` (`what`: its kind and fd) that started at t0. */
-static void loop_watch_end(const struct shd_loop *l, uint64_t t0, long nvcsw, void *fn, const char *what)
+static void loop_watch_end(const struct shd_loop *l, uint64_t t0, long nvcsw, void *fn,
+			   const char *what)
 {
 	uint64_t ns;
 	struct rusage ru;
@@ -189,10 +192,14 @@ static void loop_watch_end(const struct shd_loop *l, uint64_t t0, long nvcsw, vo
 	dladdr(fn, &info);
 	shd_log(waited ? SHD_LOG_ERROR : SHD_LOG_WARN,
 		"loop watchdog: %s callback %s+0x%lx%s%s ran %.0f ms (limit %llu ms) %s", what,
-		info.dli_fname ? strrchr(info.dli_fname, '/') ? strrchr(info.dli_fname, '/') + 1 : info.dli_fname : "?",
-		(unsigned long)((uintptr_t)fn - (uintptr_t)info.dli_fbase), info.dli_sname ? " near " : "",
-		info.dli_sname ? info.dli_sname : "", (double)ns / 1e6, (unsigned long long)(l->watchdog_ns / 1000000),
-		waited ? "and blocked in a wait: nothing on the loop thread may wait" : "without waiting (preempted or computing)");
+		info.dli_fname ? strrchr(info.dli_fname, '/') ? strrchr(info.dli_fname, '/') + 1
+							      : info.dli_fname
+			       : "?",
+		(unsigned long)((uintptr_t)fn - (uintptr_t)info.dli_fbase),
+		info.dli_sname ? " near " : "", info.dli_sname ? info.dli_sname : "",
+		(double)ns / 1e6, (unsigned long long)(l->watchdog_ns / 1000000),
+		waited ? "and blocked in a wait: nothing on the loop thread may wait"
+		       : "without waiting (preempted or computing)");
 	if (waited && l->watchdog_abort)
 		abort();
 }
@@ -216,7 +223,8 @@ int shd_loop_create(struct shd_loop **out)
 	}
 	if (ret < 0) {
 		shd_log_error("io_uring_queue_init: %s (is io_uring disabled? see "
-				 "/proc/sys/kernel/io_uring_disabled)", strerror(-ret));
+			      "/proc/sys/kernel/io_uring_disabled)",
+			      strerror(-ret));
 		free(l);
 		return ret;
 	}
@@ -237,8 +245,8 @@ void shd_loop_destroy(struct shd_loop *l)
 	free(l);
 }
 
-int shd_loop_add_fd(struct shd_loop *l, int fd, uint32_t events, shd_file_fn fn,
-		       void *arg, struct shd_loop_event **out)
+int shd_loop_add_fd(struct shd_loop *l, int fd, uint32_t events, shd_file_fn fn, void *arg,
+		    struct shd_loop_event **out)
 {
 	struct shd_loop_event *ev = calloc(1, sizeof(*ev));
 
@@ -270,12 +278,12 @@ static void loop_timer_fired(void *arg, int fd, uint32_t revents)
 	ev->timer_fn(ev->timer_arg);
 }
 
-int shd_loop_add_timer(struct shd_loop *l, unsigned period_ms, shd_timer_fn fn,
-			  void *arg, struct shd_loop_event **out)
+int shd_loop_add_timer(struct shd_loop *l, unsigned period_ms, shd_timer_fn fn, void *arg,
+		       struct shd_loop_event **out)
 {
 	struct itimerspec its = {
 		.it_interval = { period_ms / 1000, (long)(period_ms % 1000) * 1000000L },
-		.it_value    = { period_ms / 1000, (long)(period_ms % 1000) * 1000000L },
+		.it_value = { period_ms / 1000, (long)(period_ms % 1000) * 1000000L },
 	};
 	struct shd_loop_event *ev;
 	int fd, ret;
@@ -316,7 +324,7 @@ void shd_loop_del(struct shd_loop *l, struct shd_loop_event *ev)
 }
 
 void shd_loop_set_sleep_hooks(struct shd_loop *l, shd_before_sleep_fn before,
-				 shd_after_sleep_fn after, void *arg)
+			      shd_after_sleep_fn after, void *arg)
 {
 	l->before_sleep = before;
 	l->after_sleep = after;
@@ -356,8 +364,10 @@ static void loop_dispatch(struct shd_loop *l, struct shd_loop_event *ev, int32_t
 		ev->in_call = 0;
 		if (t0) {
 			/* ev lives on until loop_dispatch's end, even when the callback deleted it. */
-			snprintf(what, sizeof(what), "%s of fd %d", ev->timer_fn ? "timer" : "file", ev->fd);
-			loop_watch_end(l, t0, nvcsw, ev->timer_fn ? (void *)ev->timer_fn : (void *)ev->fn, what);
+			snprintf(what, sizeof(what), "%s of fd %d", ev->timer_fn ? "timer" : "file",
+				 ev->fd);
+			loop_watch_end(l, t0, nvcsw,
+				       ev->timer_fn ? (void *)ev->timer_fn : (void *)ev->fn, what);
 		}
 	}
 	if (ev->dead) {
@@ -393,7 +403,11 @@ static void loop_process(struct shd_loop *l)
 {
 	for (;;) {
 		struct io_uring_cqe *cqes[LOOP_BATCH];
-		struct { void *data; int32_t res; uint32_t flags; } done[LOOP_BATCH];
+		struct {
+			void *data;
+			int32_t res;
+			uint32_t flags;
+		} done[LOOP_BATCH];
 		unsigned n = io_uring_peek_batch_cqe(&l->ring, cqes, LOOP_BATCH);
 
 		if (!n)
@@ -409,10 +423,12 @@ static void loop_process(struct shd_loop *l)
 			uintptr_t data = (uintptr_t)done[i].data;
 
 			if (data & LOOP_TAG_CANCEL)
-				loop_cancel_done(l, (struct shd_loop_event *)(data & ~LOOP_TAG_CANCEL),
+				loop_cancel_done(l,
+						 (struct shd_loop_event *)(data & ~LOOP_TAG_CANCEL),
 						 done[i].res);
 			else if (data)
-				loop_dispatch(l, (struct shd_loop_event *)data, done[i].res, done[i].flags);
+				loop_dispatch(l, (struct shd_loop_event *)data, done[i].res,
+					      done[i].flags);
 		}
 	}
 }

@@ -37,11 +37,11 @@ void shd_loop_destroy(struct shd_loop *l);
  * ...; POLLHUP and POLLERR are always reported). `*out` (may be NULL) is the
  * handle for shd_loop_del(). Returns 0 or -ENOMEM.
  */
-int shd_loop_add_fd(struct shd_loop *l, int fd, uint32_t events, shd_file_fn fn,
-		       void *arg, struct shd_loop_event **out);
+int shd_loop_add_fd(struct shd_loop *l, int fd, uint32_t events, shd_file_fn fn, void *arg,
+		    struct shd_loop_event **out);
 /* Call fn(arg) every `period_ms` milliseconds. Returns 0 or -errno. */
-int shd_loop_add_timer(struct shd_loop *l, unsigned period_ms, shd_timer_fn fn,
-			  void *arg, struct shd_loop_event **out);
+int shd_loop_add_timer(struct shd_loop *l, unsigned period_ms, shd_timer_fn fn, void *arg,
+		       struct shd_loop_event **out);
 /*
  * Stop delivering the event; the callback is never called again, even for
  * an event already queued. The caller may close the fd right after.
@@ -49,7 +49,7 @@ int shd_loop_add_timer(struct shd_loop *l, unsigned period_ms, shd_timer_fn fn,
 void shd_loop_del(struct shd_loop *l, struct shd_loop_event *ev);
 
 void shd_loop_set_sleep_hooks(struct shd_loop *l, shd_before_sleep_fn before,
-				 shd_after_sleep_fn after, void *arg);
+			      shd_after_sleep_fn after, void *arg);
 
 /*
  * Run until a callback calls shd_loop_stop(); a later call runs again.

@@ -126,8 +126,9 @@ uint64_t shd_memlimit_cgroup_max(const char *proc_cgroup, const char *cgroup_roo
 		if (strcmp(line, "0") == 0 && !ctrl[0]) {
 			/* cgroup v2: "0::/path" */
 			v = lowest_limit(cgroup_root, path, "memory.max");
-		} else if (strstr(ctrl, "memory") && (size_t)snprintf(root, sizeof(root), "%s/memory",
-								      cgroup_root) < sizeof(root)) {
+		} else if (strstr(ctrl, "memory") &&
+			   (size_t)snprintf(root, sizeof(root), "%s/memory", cgroup_root) <
+				   sizeof(root)) {
 			/* cgroup v1: "4:memory:/path" (the controller may be listed with others) */
 			v = lowest_limit(root, path, "memory.limit_in_bytes");
 		} else {

@@ -12,7 +12,7 @@
 
 struct shd_pool {
 	pthread_mutex_t lock;
-	pthread_cond_t work;       /* a task was queued, or stop */
+	pthread_cond_t work;        /* a task was queued, or stop */
 	pthread_cond_t helper_done; /* a parallel-for helper finished */
 	struct shd_pool_task *head, *tail;
 	int stop;
@@ -32,8 +32,8 @@ struct pool_for {
 	void (*fn)(void *arg, size_t begin, size_t end);
 	void *arg;
 	size_t n, grain, nranges;
-	atomic_size_t next;     /* next range to claim */
-	unsigned outstanding;   /* helpers queued or running; under pool->lock */
+	atomic_size_t next;   /* next range to claim */
+	unsigned outstanding; /* helpers queued or running; under pool->lock */
 	struct pool_helper helpers[POOL_FOR_MAX_HELPERS];
 };
 
@@ -194,7 +194,7 @@ static void pool_helper_fn(struct shd_pool_task *t)
 }
 
 void shd_pool_for(struct shd_pool *p, size_t n, size_t grain,
-		     void (*fn)(void *arg, size_t begin, size_t end), void *arg)
+		  void (*fn)(void *arg, size_t begin, size_t end), void *arg)
 {
 	/* On the stack: this call returns only once no helper touches it. */
 	struct pool_for pf;

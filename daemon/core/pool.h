@@ -17,7 +17,7 @@ struct shd_pool;
 /* A unit of work, embedded in its owner's struct (no allocation to queue it). */
 struct shd_pool_task {
 	struct shd_pool_task *next, *prev; /* queue links, owned by the pool */
-	int queued;                           /* on the queue, not yet taken */
+	int queued;                        /* on the queue, not yet taken */
 	void (*fn)(struct shd_pool_task *t);
 };
 
@@ -35,6 +35,6 @@ void shd_pool_submit(struct shd_pool *p, struct shd_pool_task *t);
  * range is done. Ranges never overlap and cover [0, n) exactly.
  */
 void shd_pool_for(struct shd_pool *p, size_t n, size_t grain,
-		     void (*fn)(void *arg, size_t begin, size_t end), void *arg);
+		  void (*fn)(void *arg, size_t begin, size_t end), void *arg);
 
 #endif /* SHD_POOL_H */

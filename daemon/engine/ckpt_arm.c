@@ -17,7 +17,8 @@
 #include "log.h"
 
 /* An armed checkpoint's end: its outcome is in ckpt_last, read by `shardctl checkpoints`. */
-static void armed_done(void *ctx, int res, const char *msg, const char *dir, uint64_t bytes, double seconds)
+static void armed_done(void *ctx, int res, const char *msg, const char *dir, uint64_t bytes,
+		       double seconds)
 {
 	(void)ctx;
 	(void)res;
@@ -66,8 +67,9 @@ static void try_periodic(struct shd_engine_job *j)
 	char msg[ENGINE_MSG_MAX], *root = NULL, *dir = NULL;
 	int ret;
 
-	if (!cfg->checkpoint_every || !cfg->state_dir || j->ckpt || j->ending || !at_boundary(j, &t.step) ||
-	    !t.step || t.step % cfg->checkpoint_every || t.step <= j->ckpt_every_last)
+	if (!cfg->checkpoint_every || !cfg->state_dir || j->ckpt || j->ending ||
+	    !at_boundary(j, &t.step) || !t.step || t.step % cfg->checkpoint_every ||
+	    t.step <= j->ckpt_every_last)
 		return;
 	j->ckpt_every_last = t.step;
 	if (asprintf(&root, "%s/%s", cfg->state_dir, j->name) < 0)
@@ -76,7 +78,8 @@ static void try_periodic(struct shd_engine_job *j)
 		dir = NULL;
 	t.dir = dir;
 	t.keep_root = root;
-	ret = dir ? eng_ckpt_start(j, &t, j->ckpt_seq + 1, armed_done, NULL, msg, sizeof(msg)) : -SHARDD_E_NOMEM;
+	ret = dir ? eng_ckpt_start(j, &t, j->ckpt_seq + 1, armed_done, NULL, msg, sizeof(msg))
+		  : -SHARDD_E_NOMEM;
 	if (!dir)
 		eng_fmt(msg, sizeof(msg), "out of memory");
 	j->ckpt_seq++;
@@ -89,7 +92,8 @@ static void try_periodic(struct shd_engine_job *j)
 void eng_ckpt_try_armed(struct shd_engine_job *j)
 {
 	struct eng_ckpt_req *r = j->ckpt_armed;
-	struct shd_engine_ckpt_target t = { .keep_root = r ? r->keep_root : NULL, .keep = r ? r->keep : 0 };
+	struct shd_engine_ckpt_target t = { .keep_root = r ? r->keep_root : NULL,
+					    .keep = r ? r->keep : 0 };
 	char msg[ENGINE_MSG_MAX], *dir = NULL;
 	int ret;
 
@@ -100,10 +104,12 @@ void eng_ckpt_try_armed(struct shd_engine_job *j)
 	if (j->ckpt || j->ending || !at_boundary(j, &t.step))
 		return;
 	j->ckpt_armed = NULL;
-	if (!r->dir && asprintf(&dir, "%s/step-%012llu", r->keep_root, (unsigned long long)t.step) < 0)
+	if (!r->dir &&
+	    asprintf(&dir, "%s/step-%012llu", r->keep_root, (unsigned long long)t.step) < 0)
 		dir = NULL;
 	t.dir = r->dir ? r->dir : dir;
-	ret = t.dir ? eng_ckpt_start(j, &t, r->id, armed_done, NULL, msg, sizeof(msg)) : -SHARDD_E_NOMEM;
+	ret = t.dir ? eng_ckpt_start(j, &t, r->id, armed_done, NULL, msg, sizeof(msg))
+		    : -SHARDD_E_NOMEM;
 	if (ret) {
 		if (!t.dir)
 			eng_fmt(msg, sizeof(msg), "out of memory");
@@ -119,13 +125,17 @@ int shd_engine_job_checkpoint_arm(struct shd_engine_job *j, const char *dir, con
 	struct eng_ckpt_req *r;
 
 	if (j->ckpt_armed || j->ckpt) {
-		eng_fmt(err, errlen, "checkpoint %llu of job '%s' is %s; wait for it (shardctl checkpoints %s)",
-			(unsigned long long)(j->ckpt_armed ? j->ckpt_armed->id : j->ckpt->id), j->name,
-			j->ckpt_armed ? "armed for the next step boundary" : "being written", j->name);
+		eng_fmt(err, errlen,
+			"checkpoint %llu of job '%s' is %s; wait for it (shardctl checkpoints %s)",
+			(unsigned long long)(j->ckpt_armed ? j->ckpt_armed->id : j->ckpt->id),
+			j->name,
+			j->ckpt_armed ? "armed for the next step boundary" : "being written",
+			j->name);
 		return -SHARDD_E_STATE;
 	}
 	r = calloc(1, sizeof(*r));
-	if (!r || (dir && !(r->dir = strdup(dir))) || (keep_root && !(r->keep_root = strdup(keep_root)))) {
+	if (!r || (dir && !(r->dir = strdup(dir))) ||
+	    (keep_root && !(r->keep_root = strdup(keep_root)))) {
 		eng_ckpt_req_free(r);
 		eng_fmt(err, errlen, "out of memory");
 		return -SHARDD_E_NOMEM;
@@ -140,7 +150,8 @@ int shd_engine_job_checkpoint_arm(struct shd_engine_job *j, const char *dir, con
 	return 0;
 }
 
-void shd_engine_job_checkpoint_status(const struct shd_engine_job *j, struct shd_engine_ckpt_status *st)
+void shd_engine_job_checkpoint_status(const struct shd_engine_job *j,
+				      struct shd_engine_ckpt_status *st)
 {
 	*st = j->ckpt_last;
 	st->armed_id = j->ckpt_armed ? j->ckpt_armed->id : 0;

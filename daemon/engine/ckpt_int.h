@@ -17,7 +17,7 @@
 /* A checkpoint armed for the next step boundary (shd_engine_job_checkpoint_arm). */
 struct eng_ckpt_req {
 	uint64_t id;
-	char *dir;        /* NULL: keep_root/step-N */
+	char *dir; /* NULL: keep_root/step-N */
 	char *keep_root;
 	uint32_t keep;
 };
@@ -25,20 +25,21 @@ struct eng_ckpt_req {
 struct eng_ckpt {
 	struct shd_engine_job *j;
 	uint64_t id;
-	struct shd_ckpt_manifest m;      /* groups and files; file sizes and CRCs filled by the tasks */
-	struct eng_group **egs;          /* [m.ngroups] */
-	int32_t *file_of;                /* [2 * m.ngroups]: group i's params and optimizer file in m.files, or -1 */
+	struct shd_ckpt_manifest m; /* groups and files; file sizes and CRCs filled by the tasks */
+	struct eng_group **egs;     /* [m.ngroups] */
+	int32_t *
+		file_of; /* [2 * m.ngroups]: group i's params and optimizer file in m.files, or -1 */
 	char *dir, *tmp, *parent, *keep_root;
 	uint32_t keep;
-	int dirfd;                       /* the temporary directory */
-	uint32_t pending;                /* SAVE and SAVE_WRITE tasks not yet delivered */
-	uint64_t staged;                 /* bytes of staging memory committed (0: written in place) */
-	uint8_t **stage;                 /* [2 * m.ngroups]: a file's tensors snapshot, until written */
-	struct eng_task **wtasks;        /* [m.ngroups]: a group's SAVE_WRITE on the pool, or NULL */
-	int res;                         /* the first failure */
+	int dirfd;                /* the temporary directory */
+	uint32_t pending;         /* SAVE and SAVE_WRITE tasks not yet delivered */
+	uint64_t staged;          /* bytes of staging memory committed (0: written in place) */
+	uint8_t **stage;          /* [2 * m.ngroups]: a file's tensors snapshot, until written */
+	struct eng_task **wtasks; /* [m.ngroups]: a group's SAVE_WRITE on the pool, or NULL */
+	int res;                  /* the first failure */
 	char msg[ENGINE_MSG_MAX];
-	uint64_t bytes;                  /* written, all files (atomic: pool threads add as they write) */
-	uint64_t total;                  /* the tensors' bytes of all files (headers not counted) */
+	uint64_t bytes; /* written, all files (atomic: pool threads add as they write) */
+	uint64_t total; /* the tensors' bytes of all files (headers not counted) */
 	uint64_t start_ns;
 	shd_engine_ckpt_fn done;
 	void *ctx;
@@ -55,8 +56,8 @@ int eng_ckpt_start(struct shd_engine_job *j, const struct shd_engine_ckpt_target
  * Loop thread: a checkpoint that could not start (or failed) as the job's
  * last one, read by `shardctl checkpoints` and the metrics; logged.
  */
-void eng_ckpt_record_failure(struct shd_engine_job *j, uint64_t id, int res, const char *msg, const char *dir,
-			     uint64_t step);
+void eng_ckpt_record_failure(struct shd_engine_job *j, uint64_t id, int res, const char *msg,
+			     const char *dir, uint64_t step);
 /* Release an armed request; safe on NULL. */
 void eng_ckpt_req_free(struct eng_ckpt_req *r);
 

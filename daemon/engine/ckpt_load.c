@@ -47,9 +47,9 @@ static int join(char *buf, size_t len, const char *a, const char *b)
  * own checkpoints in --state-dir).
  */
 struct confine {
-	int fd;                  /* root, O_PATH | O_DIRECTORY; -1: none */
-	char root[LOAD_PATH];    /* resolved */
-	uid_t uid;               /* the client's, for messages */
+	int fd;               /* root, O_PATH | O_DIRECTORY; -1: none */
+	char root[LOAD_PATH]; /* resolved */
+	uid_t uid;            /* the client's, for messages */
 };
 
 /* Is `path` `root` or below it? Both resolved (no "..", no "//"). */
@@ -93,7 +93,8 @@ static int open_beneath(const struct confine *cf, const char *path)
 			break;
 		}
 		if (last) {
-			fd = openat(dfd, comp, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY | O_NOFOLLOW);
+			fd = openat(dfd, comp,
+				    O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY | O_NOFOLLOW);
 			break;
 		}
 		nfd = openat(dfd, comp, O_PATH | O_CLOEXEC | O_NOFOLLOW);
@@ -122,7 +123,8 @@ static int open_beneath(const struct confine *cf, const char *path)
  * a confined client's (open_beneath), or NULL. fd (its size in *st), or
  * -errno with err naming the path.
  */
-static int open_regular(const struct confine *cf, const char *path, struct stat *st, char *err, size_t errlen)
+static int open_regular(const struct confine *cf, const char *path, struct stat *st, char *err,
+			size_t errlen)
 {
 	int fd, ret;
 
@@ -133,26 +135,29 @@ static int open_regular(const struct confine *cf, const char *path, struct stat 
 	ret = fd < 0 ? fd : fstat(fd, st) ? -errno : 0;
 	if (ret < 0) {
 		if (cf && cf->fd >= 0 && (ret == -ELOOP || ret == -ENOTDIR || ret == -EACCES))
-			eng_fmt(err, errlen, "cannot read %s for client uid %u: %s (below %s shardd follows no "
-				"symlink for a client of another uid)", path, (unsigned)cf->uid, strerror(-ret),
-				cf->root);
+			eng_fmt(err, errlen,
+				"cannot read %s for client uid %u: %s (below %s shardd follows no "
+				"symlink for a client of another uid)",
+				path, (unsigned)cf->uid, strerror(-ret), cf->root);
 		else
 			eng_fmt(err, errlen, "cannot read %s: %s", path, strerror(-ret));
 		if (fd >= 0)
 			close(fd);
-		return cf && cf->fd >= 0 && (ret == -ELOOP || ret == -EACCES) ? -SHARDD_E_PERM : ret;
+		return cf && cf->fd >= 0 && (ret == -ELOOP || ret == -EACCES) ? -SHARDD_E_PERM
+									      : ret;
 	}
 	if (!S_ISREG(st->st_mode)) {
 		close(fd);
-		eng_fmt(err, errlen, "cannot read %s: not a regular file (mode 0%o); a checkpoint holds files only",
+		eng_fmt(err, errlen,
+			"cannot read %s: not a regular file (mode 0%o); a checkpoint holds files only",
 			path, (unsigned)st->st_mode);
 		return -SHARDD_E_INVALID;
 	}
 	return fd;
 }
 
-static int read_manifest(const struct confine *cf, const char *dir, struct shd_ckpt_manifest *m, char *err,
-			 size_t errlen)
+static int read_manifest(const struct confine *cf, const char *dir, struct shd_ckpt_manifest *m,
+			 char *err, size_t errlen)
 {
 	char path[LOAD_PATH], why[400];
 	struct stat st;
@@ -168,8 +173,8 @@ static int read_manifest(const struct confine *cf, const char *dir, struct shd_c
 		return fd;
 	if ((uint64_t)st.st_size > SHD_CKPT_MANIFEST_MAX) {
 		close(fd);
-		eng_fmt(err, errlen, "%s is %lld bytes; a manifest is at most %u", path, (long long)st.st_size,
-			SHD_CKPT_MANIFEST_MAX);
+		eng_fmt(err, errlen, "%s is %lld bytes; a manifest is at most %u", path,
+			(long long)st.st_size, SHD_CKPT_MANIFEST_MAX);
 		return -SHARDD_E_MALFORMED;
 	}
 	buf = malloc((size_t)st.st_size + 1);
@@ -223,8 +228,10 @@ static int check_complete(const struct confine *cf, const char *dir, char *err, 
 			break;
 		}
 		if ((uint64_t)st.st_size != m.files[i].bytes) {
-			eng_fmt(err, errlen, "%s is %lld bytes, the manifest records %llu: the file changed or is "
-				"truncated", path, (long long)st.st_size, (unsigned long long)m.files[i].bytes);
+			eng_fmt(err, errlen,
+				"%s is %lld bytes, the manifest records %llu: the file changed or is "
+				"truncated",
+				path, (long long)st.st_size, (unsigned long long)m.files[i].bytes);
 			ret = -SHARDD_E_MALFORMED;
 		} else if ((ret = shd_safetensors_read(fd, path, &f, why, sizeof(why)))) {
 			eng_fmt(err, errlen, "%s", why);
@@ -246,7 +253,8 @@ static int check_complete(const struct confine *cf, const char *dir, char *err, 
 static int move_aside(const char *dir, char *to, size_t tolen)
 {
 	for (unsigned k = 0; k < 100; k++) {
-		int n = k ? snprintf(to, tolen, "%s.damaged-%u", dir, k) : snprintf(to, tolen, "%s.damaged", dir);
+		int n = k ? snprintf(to, tolen, "%s.damaged-%u", dir, k)
+			  : snprintf(to, tolen, "%s.damaged", dir);
 
 		if (n < 0 || (size_t)n >= tolen)
 			return -ENAMETOOLONG;
@@ -269,15 +277,17 @@ static void skip_damaged(const struct eng_group *eg, const char *dir, const char
 	int ret = aside ? move_aside(dir, to, sizeof(to)) : 0;
 
 	if (!aside)
-		shd_log_warn("job '%s': group '%s': skipped damaged checkpoint %s: %s", eg->j->name, eg->g->name,
-			     dir, why);
+		shd_log_warn("job '%s': group '%s': skipped damaged checkpoint %s: %s", eg->j->name,
+			     eg->g->name, dir, why);
 	else if (ret)
-		shd_log_warn("job '%s': group '%s': skipped damaged checkpoint %s: %s; moving it aside failed (%s): "
-			     "remove it, or the next checkpoint of its step cannot be written", eg->j->name,
-			     eg->g->name, dir, why, strerror(-ret));
+		shd_log_warn(
+			"job '%s': group '%s': skipped damaged checkpoint %s: %s; moving it aside failed (%s): "
+			"remove it, or the next checkpoint of its step cannot be written",
+			eg->j->name, eg->g->name, dir, why, strerror(-ret));
 	else if (to[0])
-		shd_log_warn("job '%s': group '%s': skipped damaged checkpoint %s: %s; moved it aside to %s",
-			     eg->j->name, eg->g->name, dir, why, to);
+		shd_log_warn(
+			"job '%s': group '%s': skipped damaged checkpoint %s: %s; moved it aside to %s",
+			eg->j->name, eg->g->name, dir, why, to);
 }
 
 static int step_cmp_desc(const void *a, const void *b)
@@ -296,8 +306,9 @@ static int step_cmp_desc(const void *a, const void *b)
  * is complete; or, when a checkpoint could not be read (not damage: it is
  * neither skipped nor moved), that error with `err`.
  */
-static int newest_checkpoint(const struct eng_group *eg, const struct confine *cf, const char *root, int aside,
-			     char *out, size_t len, uint32_t *nsteps, char *err, size_t errlen)
+static int newest_checkpoint(const struct eng_group *eg, const struct confine *cf, const char *root,
+			     int aside, char *out, size_t len, uint32_t *nsteps, char *err,
+			     size_t errlen)
 {
 	DIR *d = opendir(root);
 	char **names = NULL, first[ENGINE_MSG_MAX] = "";
@@ -340,7 +351,8 @@ static int newest_checkpoint(const struct eng_group *eg, const struct confine *c
 			continue;
 		bad = check_complete(cf, dir, why, sizeof(why));
 		/* Only damage skips a checkpoint: after a failure to read (EMFILE, EACCES, EIO) it may be sound. */
-		if (bad && bad != -SHARDD_E_MALFORMED && bad != -ENOENT && bad != -SHARDD_E_INVALID) {
+		if (bad && bad != -SHARDD_E_MALFORMED && bad != -ENOENT &&
+		    bad != -SHARDD_E_INVALID) {
 			eng_fmt(err, errlen, "%s", why);
 			ret = bad;
 			break;
@@ -370,7 +382,8 @@ out:
  */
 static int looks_like_checkpoint(const struct shd_engine_config *cfg, const char *src)
 {
-	char *real = realpath(src, NULL), *state = cfg->state_dir ? realpath(cfg->state_dir, NULL) : NULL;
+	char *real = realpath(src, NULL),
+	     *state = cfg->state_dir ? realpath(cfg->state_dir, NULL) : NULL;
 	const char *base = strrchr(src, '/');
 	int yes = is_step_name(base ? base + 1 : src) || (real && state && path_under(state, real));
 	DIR *d = yes ? NULL : opendir(src);
@@ -380,7 +393,8 @@ static int looks_like_checkpoint(const struct shd_engine_config *cfg, const char
 		size_t n = strlen(e->d_name);
 
 		yes = !strcmp(e->d_name, "optim.safetensors") ||
-		      (!strncmp(e->d_name, "optim-", 6) && n > 12 && !strcmp(e->d_name + n - 12, ".safetensors"));
+		      (!strncmp(e->d_name, "optim-", 6) && n > 12 &&
+		       !strcmp(e->d_name + n - 12, ".safetensors"));
 	}
 	if (d)
 		closedir(d);
@@ -398,21 +412,22 @@ struct loader {
 	uLong crc;
 	uint8_t *bounce;
 	const char *path;
-	char *err;           /* the restore's error text */
+	char *err; /* the restore's error text */
 	size_t errlen;
 };
 
 /* Read the next `n` (<= LOAD_BOUNCE) bytes into the bounce buffer. */
 static int ld_read(struct loader *l, uint64_t n)
 {
-	for (uint64_t got = 0; got < n; ) {
+	for (uint64_t got = 0; got < n;) {
 		ssize_t r = pread(l->fd, l->bounce + got, n - got, (off_t)(l->off + got));
 
 		if (r <= 0) {
 			if (r < 0 && errno == EINTR)
 				continue;
 			eng_fmt(l->err, l->errlen, "%s: read at byte %llu: %s", l->path,
-				(unsigned long long)(l->off + got), r < 0 ? strerror(errno) : "the file ends early");
+				(unsigned long long)(l->off + got),
+				r < 0 ? strerror(errno) : "the file ends early");
 			return r < 0 ? -errno : -SHARDD_E_MALFORMED;
 		}
 		got += (uint64_t)r;
@@ -449,7 +464,8 @@ static int ld_scatter(struct loader *l, struct shd_buf *bufs, uint32_t s, uint64
 			ret = l->b->ops->write(l->b, &bufs[u * g->shard + s], dst, k, l->bounce);
 		if (ret) {
 			if (!l->err[0])
-				eng_fmt(l->err, l->errlen, "%s: writing into group '%s''s buffers failed in the %s backend (%d)",
+				eng_fmt(l->err, l->errlen,
+					"%s: writing into group '%s''s buffers failed in the %s backend (%d)",
 					l->path, g->name, l->b->ops->name, ret);
 			return ret;
 		}
@@ -461,10 +477,12 @@ static int ld_scatter(struct loader *l, struct shd_buf *bufs, uint32_t s, uint64
 
 static void shape_text(uint32_t dtype, uint32_t ndim, const uint64_t *shape, char *buf, size_t len)
 {
-	size_t o = (size_t)snprintf(buf, len, "%s [", shardd_dtype_name(dtype) ? shardd_dtype_name(dtype) : "?");
+	size_t o = (size_t)snprintf(buf, len, "%s [",
+				    shardd_dtype_name(dtype) ? shardd_dtype_name(dtype) : "?");
 
 	for (uint32_t d = 0; d < ndim && o < len; d++)
-		o += (size_t)snprintf(buf + o, len - o, "%s%llu", d ? ", " : "", (unsigned long long)shape[d]);
+		o += (size_t)snprintf(buf + o, len - o, "%s%llu", d ? ", " : "",
+				      (unsigned long long)shape[d]);
 	if (o < len)
 		snprintf(buf + o, len - o, "]");
 }
@@ -473,14 +491,19 @@ static void shape_text(uint32_t dtype, uint32_t ndim, const uint64_t *shape, cha
  * Read file `name` of checkpoint `dir` (manifest entry `fe`) into the group:
  * its params (optim 0) or its optimizer state (optim 1).
  */
-static int load_file(struct eng_group *eg, const struct confine *cf, const char *dir, const struct shd_ckpt_file *fe,
-		     int optim, char *err, size_t errlen)
+static int load_file(struct eng_group *eg, const struct confine *cf, const char *dir,
+		     const struct shd_ckpt_file *fe, int optim, char *err, size_t errlen)
 {
 	struct shd_group *g = eg->g;
 	uint32_t ns = optim ? shd_group_optim_states(&g->optim) : 1;
 	char path[LOAD_PATH], why[512], want[160], found[160];
-	struct loader l = { .g = g, .b = eg->j->e->backend, .fd = -1, .crc = crc32(0L, Z_NULL, 0),
-			    .path = path, .err = err, .errlen = errlen };
+	struct loader l = { .g = g,
+			    .b = eg->j->e->backend,
+			    .fd = -1,
+			    .crc = crc32(0L, Z_NULL, 0),
+			    .path = path,
+			    .err = err,
+			    .errlen = errlen };
 	struct shd_safetensors_file f = { 0 };
 	int32_t *need = NULL;
 	struct stat st;
@@ -496,7 +519,8 @@ static int load_file(struct eng_group *eg, const struct confine *cf, const char 
 		goto out;
 	}
 	if ((uint64_t)st.st_size != fe->bytes) {
-		eng_fmt(err, errlen, "%s is %lld bytes, the manifest records %llu: the file changed or is truncated",
+		eng_fmt(err, errlen,
+			"%s is %lld bytes, the manifest records %llu: the file changed or is truncated",
 			path, (long long)st.st_size, (unsigned long long)fe->bytes);
 		ret = -SHARDD_E_MALFORMED;
 		goto out;
@@ -525,20 +549,23 @@ static int load_file(struct eng_group *eg, const struct confine *cf, const char 
 			uint32_t dtype = optim ? SHARDD_DTYPE_FP32 : s->dtype;
 
 			if (optim)
-				snprintf(name, sizeof(name), "%s.%s", s->name, shd_group_optim_state_name(&g->optim, k));
+				snprintf(name, sizeof(name), "%s.%s", s->name,
+					 shd_group_optim_state_name(&g->optim, k));
 			else
 				snprintf(name, sizeof(name), "%s", s->name);
 			t = shd_safetensors_find(&f, name);
 			shape_text(dtype, s->ndim, s->shape, want, sizeof(want));
 			if (!t) {
-				eng_fmt(err, errlen, "tensor '%s' (%s) of group '%s' is not in %s", name, want, g->name, path);
+				eng_fmt(err, errlen, "tensor '%s' (%s) of group '%s' is not in %s",
+					name, want, g->name, path);
 				ret = -SHARDD_E_MISMATCH;
 				goto out;
 			}
 			if (t->dtype != dtype || t->ndim != s->ndim ||
 			    memcmp(t->shape, s->shape, s->ndim * sizeof(s->shape[0]))) {
 				shape_text(t->dtype, t->ndim, t->shape, found, sizeof(found));
-				eng_fmt(err, errlen, "tensor '%s' in %s: the group registers %s, the file holds %s",
+				eng_fmt(err, errlen,
+					"tensor '%s' in %s: the group registers %s, the file holds %s",
 					name, path, want, found);
 				ret = -SHARDD_E_MISMATCH;
 				goto out;
@@ -569,7 +596,8 @@ static int load_file(struct eng_group *eg, const struct confine *cf, const char 
 						 shd_layout_rows_valid(p, s) * p->inner * esz);
 	}
 	if (!ret && (uint32_t)l.crc != fe->crc32) {
-		eng_fmt(err, errlen, "%s: CRC-32 %08x, the manifest records %08x: the file changed or is damaged",
+		eng_fmt(err, errlen,
+			"%s: CRC-32 %08x, the manifest records %08x: the file changed or is damaged",
 			path, (uint32_t)l.crc, fe->crc32);
 		ret = -SHARDD_E_MALFORMED;
 	}
@@ -591,37 +619,44 @@ out:
  * `fd` (header `f`), converted from the file's dtype to the param's, into
  * every replica's shards.
  */
-static int import_tensor(struct eng_group *eg, uint32_t i, int fd, const struct shd_safetensors_file *f,
-			 const struct shd_safetensors_tensor *t, const char *path, uint8_t *in, uint8_t *out,
-			 char *err, size_t errlen)
+static int import_tensor(struct eng_group *eg, uint32_t i, int fd,
+			 const struct shd_safetensors_file *f,
+			 const struct shd_safetensors_tensor *t, const char *path, uint8_t *in,
+			 uint8_t *out, char *err, size_t errlen)
 {
 	struct shd_group *g = eg->g;
 	struct shd_backend_ctx *b = eg->j->e->backend;
 	const struct shd_layout_param *p = &g->layout.params[i];
 	uint64_t ies = shardd_dtype_size(t->dtype), oes = shardd_dtype_size(p->dtype);
-	uint64_t chunk = LOAD_BOUNCE / 4, src = f->data_start + t->begin; /* elements; 4: the largest dtype */
+	uint64_t chunk = LOAD_BOUNCE / 4,
+		 src = f->data_start + t->begin; /* elements; 4: the largest dtype */
 
 	for (uint64_t x = 0; p->numel && x < p->outer; x++)
 		for (uint32_t s = 0; s < g->shard; s++) {
 			uint64_t n = shd_layout_rows_valid(p, s) * p->inner;
 			uint64_t dst = p->shard_offset + x * p->rows * p->inner * oes;
 
-			for (uint64_t done = 0; done < n; ) {
+			for (uint64_t done = 0; done < n;) {
 				uint64_t k = n - done < chunk ? n - done : chunk;
 				ssize_t r = pread(fd, in, k * ies, (off_t)src);
 
 				if (r != (ssize_t)(k * ies)) {
-					eng_fmt(err, errlen, "%s: tensor '%s': read at byte %llu: %s", path, t->name,
-						(unsigned long long)src, r < 0 ? strerror(errno) : "the file ends early");
+					eng_fmt(err, errlen,
+						"%s: tensor '%s': read at byte %llu: %s", path,
+						t->name, (unsigned long long)src,
+						r < 0 ? strerror(errno) : "the file ends early");
 					return r < 0 ? -errno : -SHARDD_E_MALFORMED;
 				}
 				shardd_k_cast(out, p->dtype, in, t->dtype, k);
 				for (uint32_t u = 0; u < g->replicate; u++) {
-					int ret = b->ops->write(b, &g->shards[u * g->shard + s], dst + done * oes, k * oes, out);
+					int ret = b->ops->write(b, &g->shards[u * g->shard + s],
+								dst + done * oes, k * oes, out);
 
 					if (ret) {
-						eng_fmt(err, errlen, "%s: writing tensor '%s' into group '%s' failed in the %s "
-							"backend (%d)", path, t->name, g->name, b->ops->name, ret);
+						eng_fmt(err, errlen,
+							"%s: writing tensor '%s' into group '%s' failed in the %s "
+							"backend (%d)",
+							path, t->name, g->name, b->ops->name, ret);
 						return ret;
 					}
 				}
@@ -633,8 +668,8 @@ static int import_tensor(struct eng_group *eg, uint32_t i, int fd, const struct 
 }
 
 /* The file of param `name` from a Hugging Face index's weight_map, checked as a plain file name. */
-static int index_file(json_t *map, const char *name, const char *ipath, char *out, size_t olen, char *err,
-		      size_t errlen)
+static int index_file(json_t *map, const char *name, const char *ipath, char *out, size_t olen,
+		      char *err, size_t errlen)
 {
 	json_t *v = json_object_get(map, name);
 	const char *s = json_string_value(v);
@@ -644,7 +679,8 @@ static int index_file(json_t *map, const char *name, const char *ipath, char *ou
 		return -SHARDD_E_MISMATCH;
 	}
 	if (!s[0] || strchr(s, '/') || s[0] == '.' || strlen(s) >= olen) {
-		eng_fmt(err, errlen, "%s: weight_map['%s'] = \"%.64s\" is not a plain file name", ipath, name, s);
+		eng_fmt(err, errlen, "%s: weight_map['%s'] = \"%.64s\" is not a plain file name",
+			ipath, name, s);
 		return -SHARDD_E_MALFORMED;
 	}
 	memcpy(out, s, strlen(s) + 1);
@@ -658,11 +694,12 @@ static int index_file(json_t *map, const char *name, const char *ipath, char *ou
  * must be the param's; its dtype (F32, BF16, F16) is converted to the
  * param's. No optimizer state: it starts at zero, at step 0.
  */
-static int import_weights(struct eng_group *eg, const struct confine *cf, const char *src, int is_file, char *err,
-			  size_t errlen)
+static int import_weights(struct eng_group *eg, const struct confine *cf, const char *src,
+			  int is_file, char *err, size_t errlen)
 {
 	struct shd_group *g = eg->g;
-	char ipath[LOAD_PATH], path[LOAD_PATH], file[SHD_CKPT_FILE_NAME_MAX * 4] = "", open_file[sizeof(file)] = "";
+	char ipath[LOAD_PATH], path[LOAD_PATH],
+		file[SHD_CKPT_FILE_NAME_MAX * 4] = "", open_file[sizeof(file)] = "";
 	char want[160], found[160], why[512];
 	struct shd_safetensors_file f = { 0 };
 	json_t *index = NULL, *map = NULL;
@@ -687,9 +724,11 @@ static int import_weights(struct eng_group *eg, const struct confine *cf, const 
 			index = json_loadfd(ifd, JSON_REJECT_DUPLICATES, &jerr);
 		close(ifd);
 		if (!index || !json_is_object(map = json_object_get(index, "weight_map"))) {
-			eng_fmt(err, errlen, "%s: not a Hugging Face index (a JSON object with a \"weight_map\" "
-				"object of at most %u bytes)%s%s", ipath, SHD_CKPT_MANIFEST_MAX,
-				index ? "" : ": ", index ? "" : jerr.text);
+			eng_fmt(err, errlen,
+				"%s: not a Hugging Face index (a JSON object with a \"weight_map\" "
+				"object of at most %u bytes)%s%s",
+				ipath, SHD_CKPT_MANIFEST_MAX, index ? "" : ": ",
+				index ? "" : jerr.text);
 			ret = -SHARDD_E_MALFORMED;
 			goto out;
 		}
@@ -699,10 +738,12 @@ static int import_weights(struct eng_group *eg, const struct confine *cf, const 
 		const struct shd_safetensors_tensor *t;
 
 		if (is_file)
-			ret = snprintf(path, sizeof(path), "%s", src) >= (int)sizeof(path) ? -ENAMETOOLONG : 0;
+			ret = snprintf(path, sizeof(path), "%s", src) >= (int)sizeof(path)
+				      ? -ENAMETOOLONG
+				      : 0;
 		else if (map)
-			ret = index_file(map, s->name, ipath, file, sizeof(file), err, errlen) ? :
-			      join(path, sizeof(path), src, file);
+			ret = index_file(map, s->name, ipath, file, sizeof(file), err, errlen)
+				      ?: join(path, sizeof(path), src, file);
 		else
 			ret = join(path, sizeof(path), src, "model.safetensors");
 		if (ret) {
@@ -724,27 +765,32 @@ static int import_weights(struct eng_group *eg, const struct confine *cf, const 
 				eng_fmt(err, errlen, "%s", why);
 				break;
 			}
-			snprintf(open_file, sizeof(open_file), "%.*s", (int)sizeof(open_file) - 1, path);
+			snprintf(open_file, sizeof(open_file), "%.*s", (int)sizeof(open_file) - 1,
+				 path);
 		}
 		t = shd_safetensors_find(&f, s->name);
 		shape_text(s->dtype, s->ndim, s->shape, want, sizeof(want));
 		if (!t) {
-			eng_fmt(err, errlen, "param '%s' (%s) of group '%s' is not in %s", s->name, want, g->name, path);
+			eng_fmt(err, errlen, "param '%s' (%s) of group '%s' is not in %s", s->name,
+				want, g->name, path);
 			ret = -SHARDD_E_MISMATCH;
 			break;
 		}
-		if (t->ndim != s->ndim || memcmp(t->shape, s->shape, s->ndim * sizeof(s->shape[0]))) {
+		if (t->ndim != s->ndim ||
+		    memcmp(t->shape, s->shape, s->ndim * sizeof(s->shape[0]))) {
 			shape_text(t->dtype, t->ndim, t->shape, found, sizeof(found));
-			eng_fmt(err, errlen, "tensor '%s' in %s: the group registers %s, the file holds %s", s->name,
-				path, want, found);
+			eng_fmt(err, errlen,
+				"tensor '%s' in %s: the group registers %s, the file holds %s",
+				s->name, path, want, found);
 			ret = -SHARDD_E_MISMATCH;
 			break;
 		}
 		ret = import_tensor(eg, i, fd, &f, t, path, in, out, err, errlen);
 	}
 	if (!ret)
-		shd_log_info("job '%s': group '%s' imported from %s (weights only: optimizer state from zero)",
-			     eg->j->name, g->name, src);
+		shd_log_info(
+			"job '%s': group '%s' imported from %s (weights only: optimizer state from zero)",
+			eg->j->name, g->name, src);
 out:
 	if (fd >= 0)
 		close(fd);
@@ -763,8 +809,8 @@ out:
  * one (in --state-dir also moved aside); a directory that is a checkpoint
  * but has no manifest is damaged, never plain weights.
  */
-static int restore_dir(struct eng_group *eg, const struct confine *cf, const char *src, char *dir, size_t dlen,
-		       char *err, size_t errlen)
+static int restore_dir(struct eng_group *eg, const struct confine *cf, const char *src, char *dir,
+		       size_t dlen, char *err, size_t errlen)
 {
 	const struct shd_engine_config *cfg = &eg->j->e->cfg;
 	char probe[LOAD_PATH], root[LOAD_PATH];
@@ -774,7 +820,8 @@ static int restore_dir(struct eng_group *eg, const struct confine *cf, const cha
 
 	if (!src[0]) {
 		if (!cfg->state_dir) {
-			eng_fmt(err, errlen, "the job's newest checkpoint needs shardd --state-dir; start shardd "
+			eng_fmt(err, errlen,
+				"the job's newest checkpoint needs shardd --state-dir; start shardd "
 				"with it, or name a checkpoint directory");
 			return -SHARDD_E_INVALID;
 		}
@@ -782,17 +829,20 @@ static int restore_dir(struct eng_group *eg, const struct confine *cf, const cha
 		if (!ret)
 			ret = newest_checkpoint(eg, cf, root, 1, dir, dlen, &nsteps, err, errlen);
 		if (ret == -ENOENT && !nsteps) {
-			shd_log_info("job '%s': group '%s': no checkpoint in %s; it starts from zero",
-				     eg->j->name, eg->g->name, root);
+			shd_log_info(
+				"job '%s': group '%s': no checkpoint in %s; it starts from zero",
+				eg->j->name, eg->g->name, root);
 			return 1;
 		}
 		if (ret == -ENOENT) {
 			char why[ENGINE_MSG_MAX];
 
 			eng_fmt(why, sizeof(why), "%s", err);
-			eng_fmt(err, errlen, "every checkpoint in %s is damaged (%u, each moved aside to "
+			eng_fmt(err, errlen,
+				"every checkpoint in %s is damaged (%u, each moved aside to "
 				"step-N.damaged; the newest: %s); register again to start from zero, or restore a "
-				"copy by its path", root, nsteps, why);
+				"copy by its path",
+				root, nsteps, why);
 			return -SHARDD_E_MALFORMED;
 		}
 		if (ret && !err[0])
@@ -811,18 +861,22 @@ static int restore_dir(struct eng_group *eg, const struct confine *cf, const cha
 		char why[ENGINE_MSG_MAX];
 
 		eng_fmt(why, sizeof(why), "%s", err);
-		eng_fmt(err, errlen, "'%s' holds %u step-N checkpoints and every one is damaged (the newest: %s); "
-			"restore another copy by its path", src, nsteps, why);
+		eng_fmt(err, errlen,
+			"'%s' holds %u step-N checkpoints and every one is damaged (the newest: %s); "
+			"restore another copy by its path",
+			src, nsteps, why);
 		return -SHARDD_E_MALFORMED;
 	}
 	if (ret == -ENOMEM)
 		return -SHARDD_E_NOMEM;
 	err[0] = '\0';
 	if (!stat(src, &st) && S_ISDIR(st.st_mode) && looks_like_checkpoint(cfg, src)) {
-		eng_fmt(err, errlen, "'%s' is a damaged checkpoint: it has no %s (a copy cut short, or the manifest "
+		eng_fmt(err, errlen,
+			"'%s' is a damaged checkpoint: it has no %s (a copy cut short, or the manifest "
 			"deleted), so its optimizer state and step cannot be trusted; restore an older checkpoint "
 			"(restore its parent folder for the newest complete one), or copy its model*.safetensors "
-			"into a folder of their own to import the weights alone", src, SHD_CKPT_MANIFEST);
+			"into a folder of their own to import the weights alone",
+			src, SHD_CKPT_MANIFEST);
 		return -SHARDD_E_MALFORMED;
 	}
 	/* No checkpoint: plain weights to import, a .safetensors file or a model's directory. */
@@ -835,8 +889,9 @@ static int restore_dir(struct eng_group *eg, const struct confine *cf, const cha
 		memcpy(dir, src, strlen(src) + 1);
 		return !stat(src, &self) && S_ISREG(self.st_mode) ? 3 : 2;
 	}
-	eng_fmt(err, errlen, "'%s' holds no %s, no step-N checkpoint, no %s and no model.safetensors (%s)",
-		src, SHD_CKPT_MANIFEST, SHD_CKPT_INDEX, strerror(-ret));
+	eng_fmt(err, errlen,
+		"'%s' holds no %s, no step-N checkpoint, no %s and no model.safetensors (%s)", src,
+		SHD_CKPT_MANIFEST, SHD_CKPT_INDEX, strerror(-ret));
 	return ret;
 }
 
@@ -853,10 +908,12 @@ static int restore_dir(struct eng_group *eg, const struct confine *cf, const cha
  * this check; they read no file's content, and every file read is opened by
  * open_beneath.
  */
-static int confine_path(struct eng_group *eg, struct confine *cf, char *out, size_t olen, char *err, size_t errlen)
+static int confine_path(struct eng_group *eg, struct confine *cf, char *out, size_t olen, char *err,
+			size_t errlen)
 {
 	const struct shd_engine_config *c = &eg->j->e->cfg;
-	char *real = realpath(eg->restore, NULL), *state = c->state_dir ? realpath(c->state_dir, NULL) : NULL;
+	char *real = realpath(eg->restore, NULL),
+	     *state = c->state_dir ? realpath(c->state_dir, NULL) : NULL;
 	const char *root = NULL;
 	int ret = 0;
 
@@ -867,11 +924,14 @@ static int confine_path(struct eng_group *eg, struct confine *cf, char *out, siz
 		if (path_under(c->import_dirs[i], real))
 			root = c->import_dirs[i];
 	if (!root) {
-		eng_fmt(err, errlen, "policy.restore '%s' of client uid %u %s: a client of another uid than "
+		eng_fmt(err, errlen,
+			"policy.restore '%s' of client uid %u %s: a client of another uid than "
 			"shardd's (%u) restores only from under --state-dir%s%s or an --import-dir (%u given); "
-			"let it in with --import-dir DIR, or restore as shardd's uid", eg->restore,
-			(unsigned)cf->uid, real ? "resolves outside them" : "does not resolve to a path",
-			(unsigned)c->uid, state ? " " : " (not set)", state ? state : "", c->nimport_dirs);
+			"let it in with --import-dir DIR, or restore as shardd's uid",
+			eg->restore, (unsigned)cf->uid,
+			real ? "resolves outside them" : "does not resolve to a path",
+			(unsigned)c->uid, state ? " " : " (not set)", state ? state : "",
+			c->nimport_dirs);
 		ret = -SHARDD_E_PERM;
 	} else if (strlen(real) >= olen || strlen(root) >= sizeof(cf->root)) {
 		eng_fmt(err, errlen, "policy.restore '%.200s...' is too long", eg->restore);
@@ -910,11 +970,12 @@ static int restore_counts(const struct eng_group *eg, const struct shd_ckpt_mani
 			if (!strcmp(g->specs[i].name, cg->specs[k].name))
 				same = g->specs[i].shard_dim == cg->specs[k].shard_dim;
 	if (!same)
-		shd_log_warn("job '%s': group '%s': in %s its %u rank shards applied different numbers of updates "
-			     "(a rank skipped a step alone); at shard %u each rank shard resumes at %llu updates, "
-			     "the most; restore at shard %u with the saved shard dims to keep each one's count",
-			     eg->j->name, g->name, dir, m->shard, g->shard, (unsigned long long)cg->optim_steps,
-			     m->shard);
+		shd_log_warn(
+			"job '%s': group '%s': in %s its %u rank shards applied different numbers of updates "
+			"(a rank skipped a step alone); at shard %u each rank shard resumes at %llu updates, "
+			"the most; restore at shard %u with the saved shard dims to keep each one's count",
+			eg->j->name, g->name, dir, m->shard, g->shard,
+			(unsigned long long)cg->optim_steps, m->shard);
 	return same;
 }
 
@@ -932,7 +993,8 @@ static void restore_run(struct eng_task *t)
 
 	msg[0] = '\0';
 	if (!eg->j->e->backend->ops->write) {
-		eng_fmt(msg, len, "shardd: register group '%s': the %s backend cannot restore a checkpoint",
+		eng_fmt(msg, len,
+			"shardd: register group '%s': the %s backend cannot restore a checkpoint",
 			g->name, eg->j->e->backend->ops->name);
 		t->res = -ENOTSUP;
 		return;
@@ -942,7 +1004,8 @@ static void restore_run(struct eng_task *t)
 		if (ret) {
 			char full[ENGINE_MSG_MAX];
 
-			eng_fmt(full, sizeof(full), "shardd: register group '%s': %s", g->name, msg);
+			eng_fmt(full, sizeof(full), "shardd: register group '%s': %s", g->name,
+				msg);
 			eng_fmt(msg, len, "%s", full);
 			t->res = ret;
 			return;
@@ -960,7 +1023,8 @@ static void restore_run(struct eng_task *t)
 		if (ret) {
 			char full[ENGINE_MSG_MAX];
 
-			eng_fmt(full, sizeof(full), "shardd: register group '%s': import: %s", g->name, msg);
+			eng_fmt(full, sizeof(full), "shardd: register group '%s': import: %s",
+				g->name, msg);
 			eng_fmt(msg, len, "%s", full);
 		}
 		t->res = ret < 0 ? ret : 0;
@@ -972,41 +1036,51 @@ static void restore_run(struct eng_task *t)
 		if (!strcmp(m.groups[i].hdr.name, g->name))
 			cg = &m.groups[i];
 	if (!ret && !cg) {
-		size_t o = (size_t)snprintf(msg, len, "checkpoint %s has no group '%s'; its groups:", dir, g->name);
+		size_t o = (size_t)snprintf(
+			msg, len, "checkpoint %s has no group '%s'; its groups:", dir, g->name);
 
 		for (uint32_t i = 0; i < m.ngroups && o < len; i++)
-			o += (size_t)snprintf(msg + o, len - o, "%s '%s'", i ? "," : "", m.groups[i].hdr.name);
+			o += (size_t)snprintf(msg + o, len - o, "%s '%s'", i ? "," : "",
+					      m.groups[i].hdr.name);
 		ret = -SHARDD_E_MISMATCH;
 	}
 	if (!ret && ns && !cg->optim_file[0]) {
-		eng_fmt(msg, len, "checkpoint %s holds no optimizer state for group '%s', which registers %s",
-			dir, g->name, g->optim.kind == SHARDD_OPTIM_SGD ? "SGD with momentum" : "AdamW");
+		eng_fmt(msg, len,
+			"checkpoint %s holds no optimizer state for group '%s', which registers %s",
+			dir, g->name,
+			g->optim.kind == SHARDD_OPTIM_SGD ? "SGD with momentum" : "AdamW");
 		ret = -SHARDD_E_MISMATCH;
 	}
 	if (!ret)
 		ret = load_file(eg, &cf, dir, shd_ckpt_manifest_file(&m, cg->file), 0, msg, len);
 	if (!ret && ns)
-		ret = load_file(eg, &cf, dir, shd_ckpt_manifest_file(&m, cg->optim_file), 1, msg, len);
+		ret = load_file(eg, &cf, dir, shd_ckpt_manifest_file(&m, cg->optim_file), 1, msg,
+				len);
 	if (!ret) {
 		int own = restore_counts(eg, &m, cg, dir);
 
 		for (uint32_t r = 0; r < g->world; r++) {
-			g->optim_steps[r] = own ? cg->shard_optim_steps[r % g->shard] : cg->optim_steps;
+			g->optim_steps[r] =
+				own ? cg->shard_optim_steps[r % g->shard] : cg->optim_steps;
 			__atomic_store_n(&g->last_step[r], cg->last_step, __ATOMIC_RELAXED);
 		}
-		shd_log_info("job '%s': group '%s' restored from %s (saved at mesh %ux%u, step %llu; now %ux%u)",
-			     eg->j->name, g->name, dir, m.replicate, m.shard, (unsigned long long)cg->last_step,
-			     g->replicate, g->shard);
+		shd_log_info(
+			"job '%s': group '%s' restored from %s (saved at mesh %ux%u, step %llu; now %ux%u)",
+			eg->j->name, g->name, dir, m.replicate, m.shard,
+			(unsigned long long)cg->last_step, g->replicate, g->shard);
 	} else {
 		char full[ENGINE_MSG_MAX], to[LOAD_PATH] = "";
 
 		/* Damage only reading the tensors shows (a CRC-32): the job's own checkpoint goes aside too. */
-		if (!src[0] && ret == -SHARDD_E_MALFORMED && !move_aside(dir, to, sizeof(to)) && to[0])
-			shd_log_warn("job '%s': group '%s': checkpoint %s is damaged: %s; moved it aside to %s",
-				     eg->j->name, g->name, dir, msg, to);
-		eng_fmt(full, sizeof(full), "shardd: register group '%s': restore: %s%s%s%s", g->name, msg,
-			to[0] ? "; moved it aside to " : "", to,
-			to[0] ? ": register again (restore \"\") to resume from the newest complete one before it" : "");
+		if (!src[0] && ret == -SHARDD_E_MALFORMED && !move_aside(dir, to, sizeof(to)) &&
+		    to[0])
+			shd_log_warn(
+				"job '%s': group '%s': checkpoint %s is damaged: %s; moved it aside to %s",
+				eg->j->name, g->name, dir, msg, to);
+		eng_fmt(full, sizeof(full), "shardd: register group '%s': restore: %s%s%s%s",
+			g->name, msg, to[0] ? "; moved it aside to " : "", to,
+			to[0] ? ": register again (restore \"\") to resume from the newest complete one before it"
+			      : "");
 		eng_fmt(msg, len, "%s", full);
 	}
 	shd_ckpt_manifest_free(&m);

@@ -42,7 +42,8 @@
 
 #define CKPT_BOUNCE (8u << 20) /* bytes read from the backend per write */
 
-static const struct eng_task_ops ckpt_hooks = { .exec = eng_ckpt_exec, .delivered = eng_ckpt_delivered };
+static const struct eng_task_ops ckpt_hooks = { .exec = eng_ckpt_exec,
+						.delivered = eng_ckpt_delivered };
 
 /* A task of the checkpoint (SAVE, SAVE_FINAL, SAVE_WRITE) that task.c runs through ckpt_hooks, or NULL. */
 static struct eng_task *ckpt_task_new(struct eng_group *eg, uint32_t kind)
@@ -74,8 +75,8 @@ static const char *write_advice(int e)
  * first, as a rank's error text holds SHARDD_RING_MSG_SIZE bytes; then
  * the checkpoint's directory, for the log and `shardctl checkpoints`.
  */
-static void write_error(const struct eng_ckpt *c, const char *file, const char *group, const struct dio_file *f,
-			int ret, char *err, size_t errlen)
+static void write_error(const struct eng_ckpt *c, const char *file, const char *group,
+			const struct dio_file *f, int ret, char *err, size_t errlen)
 {
 	int e = ret < 0 && ret > -SHARDD_E_BASE ? -ret : 0;
 	char at[48] = "";
@@ -83,8 +84,8 @@ static void write_error(const struct eng_ckpt *c, const char *file, const char *
 	if (f->failed)
 		snprintf(at, sizeof(at), " at byte %llu", (unsigned long long)f->failed_at);
 	eng_fmt(err, errlen, "%s writing %s of group '%s'%s%s (checkpoint %s, in %s)",
-		e ? strerror(e) : "the backend's read of the group's buffers failed", file, group, at,
-		write_advice(e), c->dir, c->tmp);
+		e ? strerror(e) : "the backend's read of the group's buffers failed", file, group,
+		at, write_advice(e), c->dir, c->tmp);
 }
 
 struct save_out {
@@ -92,12 +93,13 @@ struct save_out {
 	uint64_t off;
 	uLong crc;
 	struct shd_backend_ctx *b;
-	uint64_t *progress;              /* the checkpoint's bytes written */
-	uint8_t *stage;                  /* snapshot mode: the tensors go here (off from 0), not to the file */
+	uint64_t *progress; /* the checkpoint's bytes written */
+	uint8_t *stage;     /* snapshot mode: the tensors go here (off from 0), not to the file */
 };
 
 /* Append `bytes` at `offset` of `src` to the file, read into its buffer (or to the snapshot). */
-static int save_range(struct save_out *o, const struct shd_buf *src, uint64_t offset, uint64_t bytes)
+static int save_range(struct save_out *o, const struct shd_buf *src, uint64_t offset,
+		      uint64_t bytes)
 {
 	if (o->stage) {
 		int ret = bytes ? o->b->ops->read(o->b, src, offset, bytes, o->stage + o->off) : 0;
@@ -132,7 +134,8 @@ static int save_range(struct save_out *o, const struct shd_buf *src, uint64_t of
  * index before its shard dim, the valid rows of shard 0, 1, ..., S-1 in
  * turn: each rank's shard is a row range of the tensor.
  */
-static int save_file(struct eng_ckpt *c, uint32_t gi, int optim, uint8_t *bounce, char *err, size_t errlen)
+static int save_file(struct eng_ckpt *c, uint32_t gi, int optim, uint8_t *bounce, char *err,
+		     size_t errlen)
 {
 	uint8_t **stage = c->staged ? &c->stage[2 * gi + optim] : NULL;
 	const struct shd_group *g = c->egs[gi]->g;
@@ -140,7 +143,9 @@ static int save_file(struct eng_ckpt *c, uint32_t gi, int optim, uint8_t *bounce
 	uint32_t ns = optim ? shd_group_optim_states(&g->optim) : 1, n;
 	const char *states[SHD_OPTIM_STATES];
 	struct shd_safetensors_tensor *t = NULL;
-	struct save_out o = { .f = { .fd = -1, .dfd = -1 }, .crc = crc32(0L, Z_NULL, 0), .b = c->j->e->backend,
+	struct save_out o = { .f = { .fd = -1, .dfd = -1 },
+			      .crc = crc32(0L, Z_NULL, 0),
+			      .b = c->j->e->backend,
 			      .progress = &c->bytes };
 	uint8_t *hdr = NULL;
 	size_t hlen;
@@ -179,14 +184,17 @@ static int save_file(struct eng_ckpt *c, uint32_t gi, int optim, uint8_t *bounce
 		for (uint32_t k = 0; k < ns; k++, ti++) {
 			for (uint64_t x = 0; p->numel && x < p->outer && !ret; x++)
 				for (uint32_t s = 0; s < g->shard && !ret; s++)
-					ret = save_range(&o, optim ? &g->optim_state[k][s] : &g->shards[s],
-							 p->shard_offset + x * p->rows * p->inner * esz,
-							 shd_layout_rows_valid(p, s) * p->inner * esz);
+					ret = save_range(
+						&o, optim ? &g->optim_state[k][s] : &g->shards[s],
+						p->shard_offset + x * p->rows * p->inner * esz,
+						shd_layout_rows_valid(p, s) * p->inner * esz);
 			if (ret)
 				goto out;
 			if (o.off != hlen + t[ti].end) {
-				eng_fmt(err, errlen, "checkpoint %s: tensor '%s' took %llu bytes, its header says %llu",
-					c->dir, t[ti].name, (unsigned long long)(o.off - hlen - t[ti].begin),
+				eng_fmt(err, errlen,
+					"checkpoint %s: tensor '%s' took %llu bytes, its header says %llu",
+					c->dir, t[ti].name,
+					(unsigned long long)(o.off - hlen - t[ti].begin),
 					(unsigned long long)(t[ti].end - t[ti].begin));
 				ret = -EIO;
 				goto out;
@@ -227,16 +235,16 @@ static int save_group(struct eng_ckpt *c, uint32_t gi, char *err, size_t errlen)
 		}
 		ret = b->ops->sync(b, on, n, why, sizeof(why));
 		if (ret) {
-			eng_fmt(err, errlen, "checkpoint %s: group '%s': the %s backend failed: %s", c->dir,
-				g->name, b->ops->name, why);
+			eng_fmt(err, errlen, "checkpoint %s: group '%s': the %s backend failed: %s",
+				c->dir, g->name, b->ops->name, why);
 			return ret;
 		}
 	}
 	if (posix_memalign((void **)&bounce, CKPT_DIO_ALIGN, CKPT_DIO_BYTES))
 		bounce = NULL;
 	if (!bounce) {
-		eng_fmt(err, errlen, "checkpoint %s: out of memory for the %u-byte write buffers", c->dir,
-			CKPT_DIO_BYTES);
+		eng_fmt(err, errlen, "checkpoint %s: out of memory for the %u-byte write buffers",
+			c->dir, CKPT_DIO_BYTES);
 		return -SHARDD_E_NOMEM;
 	}
 	ret = save_file(c, gi, 0, bounce, err, errlen);
@@ -258,8 +266,8 @@ static int write_staged(struct eng_ckpt *c, uint32_t gi, char *err, size_t errle
 	int ret = 0;
 
 	if (posix_memalign((void **)&buf, CKPT_DIO_ALIGN, CKPT_DIO_BYTES)) {
-		eng_fmt(err, errlen, "checkpoint %s: out of memory for the %u-byte write buffers", c->dir,
-			CKPT_DIO_BYTES);
+		eng_fmt(err, errlen, "checkpoint %s: out of memory for the %u-byte write buffers",
+			c->dir, CKPT_DIO_BYTES);
 		ret = -SHARDD_E_NOMEM;
 	}
 	for (int optim = 0; optim < 2 && !ret; optim++) {
@@ -291,7 +299,7 @@ static int write_staged(struct eng_ckpt *c, uint32_t gi, char *err, size_t errle
 			crc = crc32(crc, hdr, (uInt)hlen);
 			__atomic_add_fetch(&c->bytes, hlen, __ATOMIC_RELAXED);
 		}
-		for (uint64_t off = 0; !ret && off < dsize; ) {
+		for (uint64_t off = 0; !ret && off < dsize;) {
 			uint64_t k = dsize - off < CKPT_BOUNCE ? dsize - off : CKPT_BOUNCE;
 
 			ret = ckpt_dio_append(&f, *stage + off, k);
@@ -304,8 +312,8 @@ static int write_staged(struct eng_ckpt *c, uint32_t gi, char *err, size_t errle
 		fe->bytes = hlen + dsize;
 		fe->crc32 = (uint32_t)crc;
 		if (ret == -SHARDD_E_INVALID)
-			eng_fmt(err, errlen, "checkpoint %s: writing %s of group '%s': %s", c->dir, fe->name,
-				cg->hdr.name, why);
+			eng_fmt(err, errlen, "checkpoint %s: writing %s of group '%s': %s", c->dir,
+				fe->name, cg->hdr.name, why);
 		else if (ret)
 			write_error(c, fe->name, cg->hdr.name, &f, ret, err, errlen);
 		ckpt_dio_close(&f);
@@ -377,8 +385,8 @@ static int save_final(struct eng_ckpt *c, char *err, size_t errlen)
 	if (ret) {
 		int e = ret < 0 && ret > -SHARDD_E_BASE ? -ret : EIO;
 
-		eng_fmt(err, errlen, "checkpoint %s: writing %s: %s%s", c->dir, what, why[0] ? why : strerror(e),
-			why[0] ? "" : write_advice(e));
+		eng_fmt(err, errlen, "checkpoint %s: writing %s: %s%s", c->dir, what,
+			why[0] ? why : strerror(e), why[0] ? "" : write_advice(e));
 		ckpt_remove_dir(AT_FDCWD, c->tmp);
 		return ret;
 	}
@@ -440,11 +448,14 @@ static void ckpt_finish(struct eng_ckpt *c, int res, const char *msg)
 	l->last_s = secs;
 	l->last_staged = c->staged != 0;
 	if (!res)
-		shd_log_info("job '%s': checkpoint of step %llu written to %s: %llu bytes in %.3f s (%.2f GB/s; %s)",
-			     c->j->name, (unsigned long long)c->m.step, c->dir, (unsigned long long)bytes, secs,
-			     secs > 0 ? (double)bytes / secs / 1e9 : 0.0,
-			     c->staged ? "snapshot in memory, the groups' ops went on while it was written" :
-			     "written in place, the groups' ops waited");
+		shd_log_info(
+			"job '%s': checkpoint of step %llu written to %s: %llu bytes in %.3f s (%.2f GB/s; %s)",
+			c->j->name, (unsigned long long)c->m.step, c->dir,
+			(unsigned long long)bytes, secs,
+			secs > 0 ? (double)bytes / secs / 1e9 : 0.0,
+			c->staged
+				? "snapshot in memory, the groups' ops went on while it was written"
+				: "written in place, the groups' ops waited");
 	else
 		shd_log_warn("job '%s': %s", c->j->name, msg);
 	c->done(c->ctx, res, res ? msg : NULL, c->dir, bytes, secs);
@@ -481,7 +492,8 @@ void eng_ckpt_delivered(struct eng_task *t)
 			shd_pool_submit(c->j->e->pool, &w->pt);
 		} else {
 			c->res = -SHARDD_E_NOMEM;
-			snprintf(c->msg, sizeof(c->msg), "checkpoint %s: out of memory for a write task", c->dir);
+			snprintf(c->msg, sizeof(c->msg),
+				 "checkpoint %s: out of memory for a write task", c->dir);
 		}
 	}
 	if (--c->pending)
@@ -536,7 +548,8 @@ void eng_ckpt_job_end(struct shd_engine_job *j, const char *why)
 	j->ckpt_armed = NULL;
 	if (!j->ckpt)
 		return;
-	eng_fmt(msg, sizeof(msg), "job '%s' %s while its checkpoint was written", j->name, why ? why : "ended");
+	eng_fmt(msg, sizeof(msg), "job '%s' %s while its checkpoint was written", j->name,
+		why ? why : "ended");
 	ckpt_finish(j->ckpt, -SHARDD_E_SHUTDOWN, msg);
 }
 
@@ -564,9 +577,11 @@ static int at_one_step(const struct shd_group *g, char *err, size_t errlen)
 	}
 	if (g->last_step[hi] == g->last_step[lo])
 		return 1;
-	eng_fmt(err, errlen, "group '%s' is not at a step boundary: rank %u applied step %llu, rank %u only step "
+	eng_fmt(err, errlen,
+		"group '%s' is not at a step boundary: rank %u applied step %llu, rank %u only step "
 		"%llu; submit checkpoint after the completions of every rank's step %llu (a restarted rank "
-		"catches up with SHARDD_STEP_REPLAY)", g->name, hi, (unsigned long long)g->last_step[hi], lo,
+		"catches up with SHARDD_STEP_REPLAY)",
+		g->name, hi, (unsigned long long)g->last_step[hi], lo,
 		(unsigned long long)g->last_step[lo], (unsigned long long)g->last_step[hi]);
 	return 0;
 }
@@ -583,7 +598,8 @@ static int shard_steps(const struct shd_group *g, struct shd_ckpt_group *cg)
 	cg->optim_steps = 0;
 	for (uint32_t s = 0; s < g->shard; s++) {
 		differ |= g->optim_steps[s] != g->optim_steps[0];
-		cg->optim_steps = g->optim_steps[s] > cg->optim_steps ? g->optim_steps[s] : cg->optim_steps;
+		cg->optim_steps =
+			g->optim_steps[s] > cg->optim_steps ? g->optim_steps[s] : cg->optim_steps;
 	}
 	if (!differ)
 		return 0;
@@ -595,7 +611,8 @@ static int shard_steps(const struct shd_group *g, struct shd_ckpt_group *cg)
 }
 
 /* Check the job can be saved now and fill c->m, c->egs, c->file_of. */
-static int ckpt_plan(struct shd_engine_job *j, struct eng_ckpt *c, uint64_t step, char *err, size_t errlen)
+static int ckpt_plan(struct shd_engine_job *j, struct eng_ckpt *c, uint64_t step, char *err,
+		     size_t errlen)
 {
 	uint32_t n = 0, nf = 0;
 
@@ -605,14 +622,18 @@ static int ckpt_plan(struct shd_engine_job *j, struct eng_ckpt *c, uint64_t step
 		if (!eg)
 			continue;
 		if (!eg->complete) {
-			eng_fmt(err, errlen, "group '%s' is still registering; checkpoint once every rank registered it",
+			eng_fmt(err, errlen,
+				"group '%s' is still registering; checkpoint once every rank registered it",
 				eg->g->name);
 			return -SHARDD_E_STATE;
 		}
 		if (eg->running || eg->qhead) {
-			eng_fmt(err, errlen, "group '%s' still has a %s in flight; submit checkpoint after the "
-				"completions of the step's ops", eg->g->name,
-				shd_op_info((eg->running ? eg->running : eg->qhead)->ops[0].sqe.op)->name);
+			eng_fmt(err, errlen,
+				"group '%s' still has a %s in flight; submit checkpoint after the "
+				"completions of the step's ops",
+				eg->g->name,
+				shd_op_info((eg->running ? eg->running : eg->qhead)->ops[0].sqe.op)
+					->name);
 			return -SHARDD_E_STATE;
 		}
 		if (eg->g->optim.kind != SHARDD_OPTIM_NONE && !at_one_step(eg->g, err, errlen))
@@ -620,7 +641,8 @@ static int ckpt_plan(struct shd_engine_job *j, struct eng_ckpt *c, uint64_t step
 		n++;
 	}
 	if (!n) {
-		eng_fmt(err, errlen, "job '%s' has no registered group to checkpoint; register its groups first",
+		eng_fmt(err, errlen,
+			"job '%s' has no registered group to checkpoint; register its groups first",
 			j->name);
 		return -SHARDD_E_STATE;
 	}
@@ -660,7 +682,8 @@ static int ckpt_plan(struct shd_engine_job *j, struct eng_ckpt *c, uint64_t step
 		snprintf(c->m.files[nf++].name, SHD_CKPT_FILE_NAME_MAX, "%s", cg->file);
 		if (shd_group_optim_states(&g->optim)) {
 			c->file_of[2 * c->m.ngroups + 1] = (int32_t)nf;
-			snprintf(c->m.files[nf++].name, SHD_CKPT_FILE_NAME_MAX, "%s", cg->optim_file);
+			snprintf(c->m.files[nf++].name, SHD_CKPT_FILE_NAME_MAX, "%s",
+				 cg->optim_file);
 		} else {
 			c->file_of[2 * c->m.ngroups + 1] = -1;
 			cg->optim_file[0] = '\0';
@@ -668,8 +691,9 @@ static int ckpt_plan(struct shd_engine_job *j, struct eng_ckpt *c, uint64_t step
 		for (uint32_t i = 0; i < g->layout.nparams; i++) {
 			const struct shd_layout_param *p = &g->layout.params[i];
 
-			c->total += p->numel * (shardd_dtype_size(p->dtype) +
-						 sizeof(float) * (uint64_t)shd_group_optim_states(&g->optim));
+			c->total += p->numel *
+				    (shardd_dtype_size(p->dtype) +
+				     sizeof(float) * (uint64_t)shd_group_optim_states(&g->optim));
 		}
 		c->m.ngroups++;
 	}
@@ -702,8 +726,10 @@ int eng_ckpt_start(struct shd_engine_job *j, const struct shd_engine_ckpt_target
 	int ret;
 
 	if (j->ckpt) {
-		eng_fmt(err, errlen, "the checkpoint of step %llu into %s is still being written; wait for its "
-			"completion", (unsigned long long)j->ckpt->m.step, j->ckpt->dir);
+		eng_fmt(err, errlen,
+			"the checkpoint of step %llu into %s is still being written; wait for its "
+			"completion",
+			(unsigned long long)j->ckpt->m.step, j->ckpt->dir);
 		return -SHARDD_E_STATE;
 	}
 	c = calloc(1, sizeof(*c));
@@ -753,15 +779,18 @@ int eng_ckpt_start(struct shd_engine_job *j, const struct shd_engine_ckpt_target
 		goto nomem;
 	c->tmp = tmpl;
 	if (!stat(tg->dir, &st)) {
-		eng_fmt(err, errlen, "checkpoint directory %s exists; name a new one (a checkpoint is never "
-			"written over another)", tg->dir);
+		eng_fmt(err, errlen,
+			"checkpoint directory %s exists; name a new one (a checkpoint is never "
+			"written over another)",
+			tg->dir);
 		ret = -SHARDD_E_INVALID;
 		goto fail;
 	}
 	ret = ckpt_mkdir_p(c->parent);
-	if (ret || !mkdtemp(c->tmp) || (c->dirfd = open(c->tmp, O_RDONLY | O_DIRECTORY | O_CLOEXEC)) < 0) {
-		eng_fmt(err, errlen, "checkpoint %s: cannot create %s: %s", tg->dir, ret ? c->parent : c->tmp,
-			strerror(ret ? -ret : errno));
+	if (ret || !mkdtemp(c->tmp) ||
+	    (c->dirfd = open(c->tmp, O_RDONLY | O_DIRECTORY | O_CLOEXEC)) < 0) {
+		eng_fmt(err, errlen, "checkpoint %s: cannot create %s: %s", tg->dir,
+			ret ? c->parent : c->tmp, strerror(ret ? -ret : errno));
 		ret = -SHARDD_E_INVALID;
 		goto fail;
 	}
@@ -801,8 +830,8 @@ fail:
 	return ret;
 }
 
-void eng_ckpt_record_failure(struct shd_engine_job *j, uint64_t id, int res, const char *msg, const char *dir,
-			     uint64_t step)
+void eng_ckpt_record_failure(struct shd_engine_job *j, uint64_t id, int res, const char *msg,
+			     const char *dir, uint64_t step)
 {
 	struct shd_engine_ckpt_status *l = &j->ckpt_last;
 
@@ -822,7 +851,8 @@ int shd_engine_job_checkpoint(struct shd_engine_job *j, const struct shd_engine_
 			      shd_engine_ckpt_fn done, void *ctx, char *err, size_t errlen)
 {
 	if (j->ckpt_armed) {
-		eng_fmt(err, errlen, "a checkpoint armed by an admin request (id %llu) waits for the next step "
+		eng_fmt(err, errlen,
+			"a checkpoint armed by an admin request (id %llu) waits for the next step "
 			"boundary; wait for it (shardctl checkpoints %s)",
 			(unsigned long long)j->ckpt_armed->id, j->name);
 		return -SHARDD_E_STATE;

@@ -105,27 +105,29 @@ static int coll_arrive(struct eng_group *eg, struct eng_coll *c, const struct en
 	uint64_t now = shd_now_ns();
 	int ret;
 
-	ret = shd_rdv_arrive(&c->rdv, op->rank, op->sqe.step, op->sqe.flags, now, e->timeout_ns, why,
-			     sizeof(why));
+	ret = shd_rdv_arrive(&c->rdv, op->rank, op->sqe.step, op->sqe.flags, now, e->timeout_ns,
+			     why, sizeof(why));
 	if (ret == SHD_RDV_LATE) {
 		char did[192];
 
-		eng_fmt(did, sizeof(did), "submitted %s(group '%s', step %llu)", shd_op_info(c->op)->name,
-			eg->g->name, (unsigned long long)op->sqe.step);
+		eng_fmt(did, sizeof(did), "submitted %s(group '%s', step %llu)",
+			shd_op_info(c->op)->name, eg->g->name, (unsigned long long)op->sqe.step);
 		eng_late_msg(e, &c->rdv, op->rank, did, now, msg, sizeof(msg));
 		eng_complete(eg->j, op, -SHARDD_E_TIMEOUT, msg);
 		return 0;
 	}
 	if (ret < 0) {
 		eng_fmt(msg, sizeof(msg), "shardd: %s(group '%s', step %llu): %s",
-			shd_op_info(c->op)->name, eg->g->name, (unsigned long long)op->sqe.step, why);
+			shd_op_info(c->op)->name, eg->g->name, (unsigned long long)op->sqe.step,
+			why);
 		eng_complete(eg->j, op, -SHARDD_E_INVALID, msg);
 		return 0;
 	}
 	if (ret == SHD_RDV_MISMATCH) {
 		shd_rdv_present(&c->rdv, ranks, sizeof(ranks));
 		eng_fmt(msg, sizeof(msg), "shardd: %s(group '%s'): %s; failed for ranks %s,%u",
-			shd_op_info(c->op)->name, eg->g->name, why, ranks, eng_rank_shown(eg->j, op->rank));
+			shd_op_info(c->op)->name, eg->g->name, why, ranks,
+			eng_rank_shown(eg->j, op->rank));
 		coll_fail(eg, c, -SHARDD_E_MISMATCH, msg, UINT32_MAX);
 		eng_complete(eg->j, op, -SHARDD_E_MISMATCH, msg);
 		return 0;
@@ -230,9 +232,10 @@ static int reduce_cross_check(struct eng_group *eg, const struct eng_op *op, str
 	shd_rdv_present(&mine->rdv, ranks2, sizeof(ranks2));
 	eng_fmt(msg, sizeof(msg),
 		"shardd: reduce(group '%s'): rank %u submitted step %llu flags 0x%x but rank %u submitted step %llu flags 0x%x; failed for ranks %s%s%s,%u",
-		g->name, eng_rank_shown(eg->j, op->rank), (unsigned long long)op->sqe.step, op->sqe.flags,
-		eng_rank_shown(eg->j, first), (unsigned long long)other->rdv.step, other->rdv.flags, ranks,
-		ranks2[0] ? "," : "", ranks2, eng_rank_shown(eg->j, op->rank));
+		g->name, eng_rank_shown(eg->j, op->rank), (unsigned long long)op->sqe.step,
+		op->sqe.flags, eng_rank_shown(eg->j, first), (unsigned long long)other->rdv.step,
+		other->rdv.flags, ranks, ranks2[0] ? "," : "", ranks2,
+		eng_rank_shown(eg->j, op->rank));
 	coll_fail(eg, other, -SHARDD_E_MISMATCH, msg, UINT32_MAX);
 	coll_fail(eg, mine, -SHARDD_E_MISMATCH, msg, UINT32_MAX);
 	eng_complete(eg->j, op, -SHARDD_E_MISMATCH, msg);
@@ -254,8 +257,10 @@ void eng_coll_reduce(struct eng_group *eg, const struct eng_op *op)
 	}
 	if (g->replicate == 1) {
 		/* HSDP across nodes: this node's ranks are one replica; ALL_REDUCE crosses nodes. */
-		uint32_t kind = eng_mesh_replicate(eg->j) > 1 && !(op->sqe.flags & SHARDD_REDUCE_ALL_REDUCE)
-					? TASK_REDUCE_PARTIAL : TASK_REDUCE;
+		uint32_t kind =
+			eng_mesh_replicate(eg->j) > 1 && !(op->sqe.flags & SHARDD_REDUCE_ALL_REDUCE)
+				? TASK_REDUCE_PARTIAL
+				: TASK_REDUCE;
 
 		if (coll_arrive(eg, &eg->rs[0], op))
 			coll_launch(eg, &eg->rs[0], kind, 0);
@@ -295,7 +300,8 @@ static void coll_rank_gone(struct eng_group *eg, struct eng_coll *c, uint32_t ra
 		return;
 	coll_what(eg, c, what, sizeof(what));
 	shd_rdv_who_present_but(&c->rdv, rank, who, sizeof(who));
-	eng_fmt(msg, sizeof(msg), "shardd: rank %u left (its client is gone) during %s; failed for %s",
+	eng_fmt(msg, sizeof(msg),
+		"shardd: rank %u left (its client is gone) during %s; failed for %s",
 		eng_rank_shown(eg->j, rank), what, who);
 	coll_fail(eg, c, -SHARDD_E_PEER_DIED, msg, rank);
 }

@@ -20,8 +20,8 @@ void eng_fmt(char *buf, size_t len, const char *f, ...)
 	va_end(ap);
 }
 
-void eng_reply_err(struct shd_engine_job *j, uint32_t rank, uint64_t token, uint32_t seq,
-		   int res, const char *msg)
+void eng_reply_err(struct shd_engine_job *j, uint32_t rank, uint64_t token, uint32_t seq, int res,
+		   const char *msg)
 {
 	j->e->cfg.reply(j->ctx, rank, token, seq, res, msg, NULL, NULL, NULL, NULL, 0, NULL, 0);
 }
@@ -51,8 +51,8 @@ void eng_expired_msg(const struct shd_engine *e, const struct shd_rdv *rdv, cons
 	eng_fmt(err, errlen, "shardd: %s", late);
 }
 
-void eng_late_msg(const struct shd_engine *e, const struct shd_rdv *rdv, uint32_t rank, const char *did,
-		  uint64_t now_ns, char *err, size_t errlen)
+void eng_late_msg(const struct shd_engine *e, const struct shd_rdv *rdv, uint32_t rank,
+		  const char *did, uint64_t now_ns, char *err, size_t errlen)
 {
 	char within[32], late[ENGINE_MSG_MAX];
 

@@ -54,7 +54,8 @@ int shd_engine_create(const struct shd_engine_config *cfg, struct shd_engine **o
 	e->cfg = *cfg;
 	e->at_boundary = eng_ckpt_try_armed;
 	e->timeout_ns = (uint64_t)(cfg->collective_timeout_ms ? cfg->collective_timeout_ms
-							      : ENGINE_TIMEOUT_DEFAULT_MS) * 1000000u;
+							      : ENGINE_TIMEOUT_DEFAULT_MS) *
+			1000000u;
 	pthread_mutex_init(&e->lock, NULL);
 	pthread_cond_init(&e->finished, NULL);
 	e->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -65,7 +66,8 @@ int shd_engine_create(const struct shd_engine_config *cfg, struct shd_engine **o
 	ret = shd_pool_create(cfg->workers, &e->pool);
 	if (ret)
 		goto err_efd;
-	ret = shd_backend_create(cfg->backend, cfg->cuda_export, e->timeout_ns, e->pool, &e->backend);
+	ret = shd_backend_create(cfg->backend, cfg->cuda_export, e->timeout_ns, e->pool,
+				 &e->backend);
 	if (ret)
 		goto err_pool;
 	*out = e;
@@ -118,7 +120,7 @@ int shd_engine_event_fd(struct shd_engine *e)
 /* ------------------------------------------------------------------ */
 
 int shd_engine_job_create(struct shd_engine *e, void *job_ctx, const char *job_name,
-			     uint32_t replicate, uint32_t shard, struct shd_engine_job **out)
+			  uint32_t replicate, uint32_t shard, struct shd_engine_job **out)
 {
 	struct shd_backend_ctx *b = e->backend;
 	struct shd_engine_job *j;
@@ -126,8 +128,8 @@ int shd_engine_job_create(struct shd_engine *e, void *job_ctx, const char *job_n
 
 	if (replicate == 0 || shard == 0 || replicate > SHARDD_MAX_WORLD ||
 	    shard > SHARDD_MAX_WORLD / replicate) {
-		shd_log_error("shardd: job '%s': mesh %u x %u is outside 1..%d ranks",
-				 job_name, replicate, shard, SHARDD_MAX_WORLD);
+		shd_log_error("shardd: job '%s': mesh %u x %u is outside 1..%d ranks", job_name,
+			      replicate, shard, SHARDD_MAX_WORLD);
 		return -SHARDD_E_INVALID;
 	}
 	j = calloc(1, sizeof(*j));
@@ -180,7 +182,8 @@ static int group_shutdown(struct eng_group *eg, const char *why)
 		eng_tasks_stop(eg, -SHARDD_E_SHUTDOWN, msg);
 		for (uint32_t r = 0; r < j->world; r++)
 			if (shd_rdv_has_arrived(&eg->reg, r))
-				eng_reply_err(j, r, eg->regs[r].token, eg->regs[r].seq, -SHARDD_E_SHUTDOWN, msg);
+				eng_reply_err(j, r, eg->regs[r].token, eg->regs[r].seq,
+					      -SHARDD_E_SHUTDOWN, msg);
 		return 0;
 	}
 	lingers = eng_tasks_stop(eg, -SHARDD_E_SHUTDOWN, msg);
@@ -313,7 +316,8 @@ static void submit_reshard(struct eng_group *eg, const struct eng_op *op)
 	char msg[ENGINE_MSG_MAX];
 
 	if (!eg->g->holds[op->rank]) {
-		eng_fmt(msg, sizeof(msg), "shardd: rank %u has no unsharded copy of group '%s' to reshard",
+		eng_fmt(msg, sizeof(msg),
+			"shardd: rank %u has no unsharded copy of group '%s' to reshard",
 			eng_rank_shown(eg->j, op->rank), eg->g->name);
 		eng_complete(eg->j, op, -SHARDD_E_STATE, msg);
 		return;
@@ -328,7 +332,8 @@ static void submit_zero_grad(struct eng_group *eg, const struct eng_op *op)
 	char msg[ENGINE_MSG_MAX];
 
 	if (!t) {
-		eng_fmt(msg, sizeof(msg), "shardd: zero_grad(group '%s'): the daemon is out of memory", eg->g->name);
+		eng_fmt(msg, sizeof(msg),
+			"shardd: zero_grad(group '%s'): the daemon is out of memory", eg->g->name);
 		eng_complete(eg->j, op, -SHARDD_E_NOMEM, msg);
 		return;
 	}
@@ -350,7 +355,8 @@ static void submit_step(struct eng_group *eg, const struct eng_op *in)
 	}
 	t = eng_task_new(eg, TASK_STEP, 1);
 	if (!t) {
-		eng_fmt(msg, sizeof(msg), "shardd: step(group '%s'): the daemon is out of memory", eg->g->name);
+		eng_fmt(msg, sizeof(msg), "shardd: step(group '%s'): the daemon is out of memory",
+			eg->g->name);
 		eng_complete(eg->j, op, -SHARDD_E_NOMEM, msg);
 		return;
 	}
@@ -427,7 +433,7 @@ static void group_flush(struct eng_group *eg)
 }
 
 void shd_engine_submit(struct shd_engine_job *j, uint32_t rank, uint64_t token,
-			  const struct shardd_sqe *sqe)
+		       const struct shardd_sqe *sqe)
 {
 	struct eng_op op = { .rank = rank, .token = token, .sqe = *sqe };
 	const struct shd_op_info *info = shd_op_info(sqe->op);
@@ -440,28 +446,33 @@ void shd_engine_submit(struct shd_engine_job *j, uint32_t rank, uint64_t token,
 	assert(info && info->scope == SHD_OP_SCOPE_GROUP);
 	name = info->name;
 	if (rank >= j->world) {
-		eng_fmt(msg, sizeof(msg), "shardd: rank %u is outside job '%s' of %u ranks", rank, j->name, j->world);
+		eng_fmt(msg, sizeof(msg), "shardd: rank %u is outside job '%s' of %u ranks", rank,
+			j->name, j->world);
 		eng_complete(j, &op, -SHARDD_E_INVALID, msg);
 		return;
 	}
 	eg = group_by_id(j, sqe->group);
 	if (!eg || !eg->complete) {
-		eng_fmt(msg, sizeof(msg), "shardd: %s: group id %u is not a registered group of job '%s'",
-			name, sqe->group, j->name);
+		eng_fmt(msg, sizeof(msg),
+			"shardd: %s: group id %u is not a registered group of job '%s'", name,
+			sqe->group, j->name);
 		eng_complete(j, &op, -SHARDD_E_NOGROUP, msg);
 		return;
 	}
 	unknown = sqe->flags & ~info->flags;
 	if (unknown) {
-		eng_fmt(msg, sizeof(msg), "shardd: %s(group '%s'): flags = 0x%x has unknown bits 0x%x",
-			name, eg->g->name, sqe->flags, unknown);
+		eng_fmt(msg, sizeof(msg),
+			"shardd: %s(group '%s'): flags = 0x%x has unknown bits 0x%x", name,
+			eg->g->name, sqe->flags, unknown);
 		eng_complete(j, &op, -SHARDD_E_INVALID, msg);
 		return;
 	}
 	/* Kept back: a zero_grad or reshard behind its rank's collective, and any op behind a kept one. */
 	if (eg->dhead[rank] || op_must_wait(eg, rank, sqe->op)) {
 		if (deferred_push(eg, &op)) {
-			eng_fmt(msg, sizeof(msg), "shardd: %s(group '%s'): the daemon is out of memory", name, eg->g->name);
+			eng_fmt(msg, sizeof(msg),
+				"shardd: %s(group '%s'): the daemon is out of memory", name,
+				eg->g->name);
 			eng_complete(j, &op, -SHARDD_E_NOMEM, msg);
 		}
 		return;
@@ -492,7 +503,8 @@ void shd_engine_rank_gone(struct shd_engine_job *j, uint32_t rank, uint64_t toke
 		}
 		eg->g->holds[rank] = 0;
 		eng_coll_rank_gone(eg, rank, token);
-		eng_fmt(msg, sizeof(msg), "shardd: rank %u left (its client is gone) before this op on group '%s' ran",
+		eng_fmt(msg, sizeof(msg),
+			"shardd: rank %u left (its client is gone) before this op on group '%s' ran",
 			eng_rank_shown(j, rank), eg->g->name);
 		deferred_fail(eg, rank, -SHARDD_E_PEER_DIED, msg);
 		group_flush(eg);
@@ -543,8 +555,7 @@ const struct shd_group *shd_engine_job_group(const struct shd_engine_job *j, uin
 	return eg ? eg->g : NULL;
 }
 
-const struct shd_group *shd_engine_job_group_named(const struct shd_engine_job *j,
-							  const char *name)
+const struct shd_group *shd_engine_job_group_named(const struct shd_engine_job *j, const char *name)
 {
 	const struct eng_group *eg = eng_group_by_name(j, name);
 
@@ -558,8 +569,8 @@ int shd_engine_group_complete(const struct shd_engine_job *j, uint32_t id)
 	return eg && eg->complete;
 }
 
-int shd_engine_group_pending(const struct shd_engine_job *j, uint32_t id, uint32_t i,
-				uint32_t *op, const struct shd_rdv **rdv)
+int shd_engine_group_pending(const struct shd_engine_job *j, uint32_t id, uint32_t i, uint32_t *op,
+			     const struct shd_rdv **rdv)
 {
 	const struct eng_group *eg = group_by_id(j, id);
 	uint32_t seen = 0;
@@ -576,7 +587,8 @@ int shd_engine_group_pending(const struct shd_engine_job *j, uint32_t id, uint32
 	/* Collectives in a fixed order: unshard and reduce per replica, then the all-reduce. */
 	for (uint32_t k = 0; k < 2 * j->replicate + 1; k++) {
 		const struct eng_coll *c = k == 2 * j->replicate ? &eg->ar
-					 : k % 2 ? &eg->rs[k / 2] : &eg->unshard[k / 2];
+					   : k % 2               ? &eg->rs[k / 2]
+								 : &eg->unshard[k / 2];
 
 		if (!c->ops || !c->rdv.active)
 			continue;

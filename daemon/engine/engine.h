@@ -21,8 +21,8 @@
 
 #include "shardd_proto.h"
 
-struct shd_engine;       /* one per daemon: backend, worker pool, finished-op queue */
-struct shd_engine_job;   /* one per job: its groups and their rendezvous */
+struct shd_engine;     /* one per daemon: backend, worker pool, finished-op queue */
+struct shd_engine_job; /* one per job: its groups and their rendezvous */
 
 /*
  * Callbacks run on the loop thread, from inside engine calls (submit,
@@ -31,50 +31,52 @@ struct shd_engine_job;   /* one per job: its groups and their rendezvous */
  */
 /* Deliver a completion for an op submitted with engine_submit (loop thread only). */
 typedef void (*shd_engine_complete_fn)(void *job_ctx, uint32_t rank, uint64_t token,
-		const struct shardd_sqe *sqe, int res, const char *msg);
+				       const struct shardd_sqe *sqe, int res, const char *msg);
 /* Deliver a register/open reply (loop thread only). On success res == 0, reply/layouts/specs/fds/ipc
    valid for the duration of the call (the callee sends them; fds are closed by the engine
    after the call returns): the fds and CUDA IPC handles of the buffers, each in buffer
    order, as reply->export_kind says. On failure res < 0 and msg says why; the pointers are NULL. */
 typedef void (*shd_engine_reply_fn)(void *job_ctx, uint32_t rank, uint64_t token, uint32_t seq,
-		int res, const char *msg, const struct shardd_group_reply *reply,
-		const struct shardd_param_layout *layouts, const struct shardd_param_spec *specs,
-		const int *fds, int nfds, const struct shardd_cuda_ipc_handle *ipc, int nipc);
+				    int res, const char *msg,
+				    const struct shardd_group_reply *reply,
+				    const struct shardd_param_layout *layouts,
+				    const struct shardd_param_spec *specs, const int *fds, int nfds,
+				    const struct shardd_cuda_ipc_handle *ipc, int nipc);
 
 struct shd_engine_config {
-	uint32_t backend;                 /* enum shardd_backend */
-	uint32_t cuda_export;             /* cuda backend: enum shd_cuda_export (backend_cuda.h) */
+	uint32_t backend;     /* enum shardd_backend */
+	uint32_t cuda_export; /* cuda backend: enum shd_cuda_export (backend_cuda.h) */
 	uint32_t collective_timeout_ms;
-	unsigned workers;                 /* worker threads; 0 = number of online cores */
-	uint64_t max_memory;              /* host backend: bytes of buffers of all jobs; 0 = no limit */
-	uint64_t max_job_memory;          /* host backend: bytes of one job's buffers; 0 = no limit */
-	const char *state_dir;            /* --state-dir (checkpoints of job J in state_dir/J), or NULL */
-	uint32_t keep;                    /* --keep: checkpoints kept per job in the state dir; 0 = all */
-	uint32_t checkpoint_every;        /* --checkpoint-every: a checkpoint at every step boundary that
+	unsigned workers;          /* worker threads; 0 = number of online cores */
+	uint64_t max_memory;       /* host backend: bytes of buffers of all jobs; 0 = no limit */
+	uint64_t max_job_memory;   /* host backend: bytes of one job's buffers; 0 = no limit */
+	const char *state_dir;     /* --state-dir (checkpoints of job J in state_dir/J), or NULL */
+	uint32_t keep;             /* --keep: checkpoints kept per job in the state dir; 0 = all */
+	uint32_t checkpoint_every; /* --checkpoint-every: a checkpoint at every step boundary that
 					     is a multiple of it (needs state_dir); 0 = none */
-	uid_t uid;                        /* shardd's uid: a registration of another uid restores
+	uid_t uid;                 /* shardd's uid: a registration of another uid restores
 					     only from under state_dir or import_dirs */
-	const char *const *import_dirs;   /* --import-dir, each resolved (realpath) */
+	const char *const *import_dirs; /* --import-dir, each resolved (realpath) */
 	unsigned nimport_dirs;
 	shd_engine_complete_fn complete;
 	shd_engine_reply_fn reply;
 };
 
 /* 0 or -errno / -SHARDD_E_BACKEND (logged with shd_log). */
-int  shd_engine_create(const struct shd_engine_config *cfg, struct shd_engine **out);
+int shd_engine_create(const struct shd_engine_config *cfg, struct shd_engine **out);
 void shd_engine_destroy(struct shd_engine *e);
 /* The backend that holds every job's buffers (sessions open their fences through it). */
 struct shd_backend_ctx *shd_engine_backend(struct shd_engine *e);
 /* Readable when finished ops wait: the loop then calls drain. */
-int  shd_engine_event_fd(struct shd_engine *e);
+int shd_engine_event_fd(struct shd_engine *e);
 /* Loop thread: deliver finished ops via the callbacks. */
 void shd_engine_drain(struct shd_engine *e);
 /* Fail rendezvous past their deadline (call every ~100 ms). */
 void shd_engine_cron(struct shd_engine *e, uint64_t now_ns);
 
 /* 0, -ENOMEM or -SHARDD_E_INVALID (mesh out of range). */
-int  shd_engine_job_create(struct shd_engine *e, void *job_ctx, const char *job_name,
-		uint32_t replicate, uint32_t shard, struct shd_engine_job **out);
+int shd_engine_job_create(struct shd_engine *e, void *job_ctx, const char *job_name,
+			  uint32_t replicate, uint32_t shard, struct shd_engine_job **out);
 /*
  * The job spans the daemon world (docs/MULTINODE.md): its engine mesh is
  * this node's ranks, node `node` of `nodes`, and the whole mesh is
@@ -94,9 +96,9 @@ void shd_engine_job_end(struct shd_engine_job *j, const char *why);
 /* Control plane: payload of SHARDD_MSG_REGISTER_GROUP / OPEN_GROUP (untrusted, validated
    here). Reply via the reply cb, now or later. `uid`: the registering client's (SO_PEERCRED). */
 void shd_engine_register_group(struct shd_engine_job *j, uint32_t rank, uint64_t token,
-		uint32_t seq, const void *payload, size_t len, uid_t uid);
-void shd_engine_open_group(struct shd_engine_job *j, uint32_t rank, uint64_t token,
-		uint32_t seq, const void *payload, size_t len);
+			       uint32_t seq, const void *payload, size_t len, uid_t uid);
+void shd_engine_open_group(struct shd_engine_job *j, uint32_t rank, uint64_t token, uint32_t seq,
+			   const void *payload, size_t len);
 /*
  * Data plane: `sqe`, copied into daemon memory and checked against the op
  * table (shd_op_check), of an op of group scope (op_table.h); the engine
@@ -104,7 +106,7 @@ void shd_engine_open_group(struct shd_engine_job *j, uint32_t rank, uint64_t tok
  * flags. Completes via the complete cb, now or later.
  */
 void shd_engine_submit(struct shd_engine_job *j, uint32_t rank, uint64_t token,
-		const struct shardd_sqe *sqe);
+		       const struct shardd_sqe *sqe);
 /* The rank's client (this token) is gone (EOF, death, goodbye): fail rendezvous it was part
    of (others get -SHARDD_E_PEER_DIED naming it), drop its holds. Its shards stay. */
 void shd_engine_rank_gone(struct shd_engine_job *j, uint32_t rank, uint64_t token);
@@ -140,7 +142,8 @@ int shd_engine_job_grad_norm(struct shd_engine_job *j, int inf, double *norm, in
  * result of the same step, else the oldest of the SHARDD_GRAD_NORM_KEPT
  * kept. Loop thread.
  */
-void shd_engine_job_grad_norm_keep(struct shd_engine_job *j, uint64_t step, double norm, int nonfinite);
+void shd_engine_job_grad_norm_keep(struct shd_engine_job *j, uint64_t step, double norm,
+				   int nonfinite);
 /*
  * grad_norm of an FSDP job across nodes (shd_engine_job_spans_fsdp): _span
  * computes this node's part and starts summing the nodes' parts without
@@ -150,9 +153,11 @@ void shd_engine_job_grad_norm_keep(struct shd_engine_job *j, uint64_t step, doub
  * job ends). Loop thread.
  */
 int shd_engine_job_spans_fsdp(const struct shd_engine_job *j);
-int shd_engine_job_grad_norm_span(struct shd_engine_job *j, int inf, uint64_t step, char *err, size_t errlen);
+int shd_engine_job_grad_norm_span(struct shd_engine_job *j, int inf, uint64_t step, char *err,
+				  size_t errlen);
 int shd_engine_job_grad_norm_pending(const struct shd_engine_job *j);
-int shd_engine_job_grad_norm_poll(struct shd_engine_job *j, double *norm, int *nonfinite, char *err, size_t errlen);
+int shd_engine_job_grad_norm_poll(struct shd_engine_job *j, double *norm, int *nonfinite, char *err,
+				  size_t errlen);
 void shd_engine_job_grad_norm_abandon(struct shd_engine_job *j);
 /*
  * clip_grad_norm_'s coefficient as torch computes it on a 0-d fp32 norm:
@@ -201,23 +206,24 @@ int shd_engine_job_checkpoint_arm(struct shd_engine_job *j, const char *dir, con
 #define SHD_ENGINE_CKPT_TEXT 512
 /* A job's checkpoints now (admin `checkpoints`): armed, being written, the last one ended. */
 struct shd_engine_ckpt_status {
-	uint64_t armed_id;                /* 0: none armed */
-	char     armed_dir[SHD_ENGINE_CKPT_TEXT]; /* "" when it goes to keep_root/step-N */
-	uint64_t writing_id;              /* 0: none being written */
+	uint64_t armed_id;                    /* 0: none armed */
+	char armed_dir[SHD_ENGINE_CKPT_TEXT]; /* "" when it goes to keep_root/step-N */
+	uint64_t writing_id;                  /* 0: none being written */
 	uint64_t writing_step;
-	char     writing_dir[SHD_ENGINE_CKPT_TEXT];
-	uint64_t writing_bytes;           /* written so far */
-	uint64_t writing_total;           /* bytes of its tensors: about what it will write */
-	double   writing_s;               /* since it started */
-	uint64_t last_id;                 /* 0: none ended yet */
-	int      last_res;                /* 0 or the failure's code */
-	char     last_msg[SHD_ENGINE_CKPT_TEXT];
-	char     last_dir[SHD_ENGINE_CKPT_TEXT];
+	char writing_dir[SHD_ENGINE_CKPT_TEXT];
+	uint64_t writing_bytes; /* written so far */
+	uint64_t writing_total; /* bytes of its tensors: about what it will write */
+	double writing_s;       /* since it started */
+	uint64_t last_id;       /* 0: none ended yet */
+	int last_res;           /* 0 or the failure's code */
+	char last_msg[SHD_ENGINE_CKPT_TEXT];
+	char last_dir[SHD_ENGINE_CKPT_TEXT];
 	uint64_t last_step, last_bytes;
-	double   last_s;
-	int      last_staged;             /* 1: written from a snapshot in memory (the groups' ops went on) */
+	double last_s;
+	int last_staged; /* 1: written from a snapshot in memory (the groups' ops went on) */
 };
-void shd_engine_job_checkpoint_status(const struct shd_engine_job *j, struct shd_engine_ckpt_status *st);
+void shd_engine_job_checkpoint_status(const struct shd_engine_job *j,
+				      struct shd_engine_ckpt_status *st);
 /* 1 while a checkpoint of the job is being written. */
 int shd_engine_job_checkpointing(const struct shd_engine_job *j);
 
@@ -227,7 +233,7 @@ uint32_t shd_engine_job_ngroups(const struct shd_engine_job *j);
 const struct shd_group *shd_engine_job_group(const struct shd_engine_job *j, uint32_t id);
 /* The group named `name` (its id is g->id), or NULL. */
 const struct shd_group *shd_engine_job_group_named(const struct shd_engine_job *j,
-							  const char *name);
+						   const char *name);
 /* 1 when every rank registered group `id` and its buffers exist, else 0. */
 int shd_engine_group_complete(const struct shd_engine_job *j, uint32_t id);
 /*
@@ -235,7 +241,7 @@ int shd_engine_group_complete(const struct shd_engine_job *j, uint32_t id);
  * *op is 0 for the registration, else SHARDD_OP_UNSHARD or SHARDD_OP_REDUCE.
  * 0, or -ENOENT past the last one (or no such group).
  */
-int shd_engine_group_pending(const struct shd_engine_job *j, uint32_t id, uint32_t i,
-				uint32_t *op, const struct shd_rdv **rdv);
+int shd_engine_group_pending(const struct shd_engine_job *j, uint32_t id, uint32_t i, uint32_t *op,
+			     const struct shd_rdv **rdv);
 
 #endif /* SHD_ENGINE_H */

@@ -44,16 +44,16 @@ struct eng_op {
 	uint32_t rank;
 	uint64_t token;
 	struct shardd_sqe sqe;
-	int res;                     /* a task's result of this op when the task's res is 0 (a step's outcome) */
+	int res; /* a task's result of this op when the task's res is 0 (a step's outcome) */
 	/* A step's job-wide decisions, taken at submission from the job's grad_norm (step.c). */
-	uint8_t job_skip;            /* SHARDD_STEP_SKIP_JOB_NONFINITE and the norm was non-finite */
-	uint8_t job_clip_set;        /* SHARDD_STEP_CLIP_JOB: job_clip is the coefficient */
-	float   job_clip;
+	uint8_t job_skip;     /* SHARDD_STEP_SKIP_JOB_NONFINITE and the norm was non-finite */
+	uint8_t job_clip_set; /* SHARDD_STEP_CLIP_JOB: job_clip is the coefficient */
+	float job_clip;
 };
 
 /* The result of one grad_norm of the job, kept for the steps that clip or skip by it. */
 struct eng_gnorm_rec {
-	uint64_t step;               /* 0: empty slot */
+	uint64_t step; /* 0: empty slot */
 	int nonfinite;
 	double norm;
 };
@@ -65,15 +65,15 @@ struct eng_reg {
 };
 
 enum eng_task_kind {
-	TASK_UNSHARD = 1,     /* all-gather of one replica's shard group */
-	TASK_REDUCE_PARTIAL,  /* HSDP, no all-reduce: one replica's reduce-scatter into partials */
-	TASK_REDUCE,          /* reduce-scatter (+ HSDP all-reduce) into sharded grads */
-	TASK_ZERO_GRAD,       /* one rank's sharded grads become absent */
-	TASK_STEP,            /* one rank's optimizer step on its shard */
-	TASK_SAVE,            /* checkpoint: write the group's params and optimizer state (ckpt_save.c) */
-	TASK_SAVE_FINAL,      /* checkpoint: manifest, fsync, rename, retention (ckpt_save.c) */
-	TASK_SAVE_WRITE,      /* checkpoint: a group's snapshot to its files, off the group's queue */
-	TASK_RESTORE,         /* registration: params and optimizer state from a checkpoint (ckpt_load.c) */
+	TASK_UNSHARD = 1,    /* all-gather of one replica's shard group */
+	TASK_REDUCE_PARTIAL, /* HSDP, no all-reduce: one replica's reduce-scatter into partials */
+	TASK_REDUCE,         /* reduce-scatter (+ HSDP all-reduce) into sharded grads */
+	TASK_ZERO_GRAD,      /* one rank's sharded grads become absent */
+	TASK_STEP,           /* one rank's optimizer step on its shard */
+	TASK_SAVE, /* checkpoint: write the group's params and optimizer state (ckpt_save.c) */
+	TASK_SAVE_FINAL, /* checkpoint: manifest, fsync, rename, retention (ckpt_save.c) */
+	TASK_SAVE_WRITE, /* checkpoint: a group's snapshot to its files, off the group's queue */
+	TASK_RESTORE, /* registration: params and optimizer state from a checkpoint (ckpt_load.c) */
 };
 
 struct eng_ckpt;
@@ -94,22 +94,22 @@ struct eng_task_ops {
 };
 
 struct eng_task {
-	struct shd_pool_task pt;  /* first member: the pool hands it back */
-	struct eng_task *next;       /* group queue, then the engine's finished list */
+	struct shd_pool_task pt; /* first member: the pool hands it back */
+	struct eng_task *next;   /* group queue, then the engine's finished list */
 	struct eng_group *eg;
-	uint32_t kind;               /* enum eng_task_kind */
+	uint32_t kind;                    /* enum eng_task_kind */
 	const struct eng_task_ops *hooks; /* SAVE, SAVE_FINAL, SAVE_WRITE, RESTORE; else NULL */
-	uint32_t replica;            /* UNSHARD, REDUCE_PARTIAL */
-	uint32_t rank;               /* ZERO_GRAD, STEP */
-	struct eng_ckpt *ckpt;       /* SAVE, SAVE_FINAL: the checkpoint it is part of */
-	uint32_t gindex;             /* SAVE: the group's index in the checkpoint's manifest */
-	int finished;                /* on the finished list; under engine lock */
-	int abandoned;               /* loop: its job ended while it waited for other nodes (eng_tasks_stop) */
+	uint32_t replica;                 /* UNSHARD, REDUCE_PARTIAL */
+	uint32_t rank;                    /* ZERO_GRAD, STEP */
+	struct eng_ckpt *ckpt;            /* SAVE, SAVE_FINAL: the checkpoint it is part of */
+	uint32_t gindex;                  /* SAVE: the group's index in the checkpoint's manifest */
+	int finished;                     /* on the finished list; under engine lock */
+	int abandoned; /* loop: its job ended while it waited for other nodes (eng_tasks_stop) */
 	int res;
 	char msg[ENGINE_MSG_MAX];
-	char why[320];               /* the backend's reason of a failure, or empty */
+	char why[320]; /* the backend's reason of a failure, or empty */
 	uint32_t nops;
-	struct eng_op ops[];         /* completions to deliver */
+	struct eng_op ops[]; /* completions to deliver */
 };
 
 /* An op of a rank kept back so that the rank's ops on a group apply in the order it submitted them. */
@@ -122,23 +122,24 @@ struct eng_deferred {
 struct eng_coll {
 	struct shd_rdv rdv;
 	uint32_t base;
-	uint32_t op;                 /* SHARDD_OP_UNSHARD or SHARDD_OP_REDUCE */
-	struct eng_op *ops;          /* [rdv.nexpected], valid where arrived */
+	uint32_t op;        /* SHARDD_OP_UNSHARD or SHARDD_OP_REDUCE */
+	struct eng_op *ops; /* [rdv.nexpected], valid where arrived */
 };
 
 struct eng_group {
 	struct shd_group *g;
 	struct shd_engine_job *j;
-	int complete;                /* buffers allocated, every rank got its reply */
-	uint64_t mem_committed;      /* bytes counted in its job's and the engine's mem_committed */
-	uint64_t fds_committed;      /* descriptors of its buffers, counted in the engine's fds_committed */
-	struct shd_rdv reg;       /* registration over all ranks */
-	struct eng_reg *regs;        /* [world] */
-	uint32_t first_rank;         /* whose spec defines the group */
-	struct eng_coll *unshard;    /* [replicate]: over each shard group */
-	struct eng_coll *rs;         /* [replicate]: reduce (R > 1: without ALL_REDUCE) */
-	struct eng_coll ar;          /* R > 1: reduce with ALL_REDUCE, over all ranks */
-	struct eng_task *running;    /* on the pool or finished, not yet drained */
+	int complete;           /* buffers allocated, every rank got its reply */
+	uint64_t mem_committed; /* bytes counted in its job's and the engine's mem_committed */
+	uint64_t
+		fds_committed; /* descriptors of its buffers, counted in the engine's fds_committed */
+	struct shd_rdv reg;    /* registration over all ranks */
+	struct eng_reg *regs;     /* [world] */
+	uint32_t first_rank;      /* whose spec defines the group */
+	struct eng_coll *unshard; /* [replicate]: over each shard group */
+	struct eng_coll *rs;      /* [replicate]: reduce (R > 1: without ALL_REDUCE) */
+	struct eng_coll ar;       /* R > 1: reduce with ALL_REDUCE, over all ranks */
+	struct eng_task *running; /* on the pool or finished, not yet drained */
 	struct eng_task *qhead, *qtail;
 	/*
 	 * Per rank: ops submitted while the rank waits in a collective of this
@@ -152,15 +153,16 @@ struct eng_group {
 	 * REDUCE with SHARDD_REDUCE_STEP) and its entry, for SHARDD_STEP_REPLAY
 	 * (step.c).
 	 */
-	struct shardd_sqe last_sub;  /* last_sub.step 0: none yet */
-	char *restore;               /* SHARDD_INIT_RESTORE: the path every rank registered; else NULL */
-	int restore_confined;        /* a rank of another uid than shardd's registered a non-empty
+	struct shardd_sqe last_sub; /* last_sub.step 0: none yet */
+	char *restore;        /* SHARDD_INIT_RESTORE: the path every rank registered; else NULL */
+	int restore_confined; /* a rank of another uid than shardd's registered a non-empty
 					restore path: it must lie under --state-dir or an --import-dir */
-	uid_t restore_uid;           /* the first such rank's uid, for the refusal */
-	int restoring;               /* its TASK_RESTORE runs: the registration completes when it ends */
-	int restore_fail;            /* a rank left or the job ended meanwhile: the registration fails */
+	uid_t restore_uid;    /* the first such rank's uid, for the refusal */
+	int restoring;        /* its TASK_RESTORE runs: the registration completes when it ends */
+	int restore_fail;     /* a rank left or the job ended meanwhile: the registration fails */
 	char restore_msg[ENGINE_MSG_MAX];
-	uint64_t span_seq;           /* exchanges among nodes so far (world_collective.c); its running task's */
+	uint64_t
+		span_seq; /* exchanges among nodes so far (world_collective.c); its running task's */
 	/*
 	 * A job across nodes (world_collective.c): the buffer MPI sends from and
 	 * receives into, and FSDP's reduce scratch, sized and committed at
@@ -169,11 +171,14 @@ struct eng_group {
 	 */
 	struct shd_world_buf *span_buf;
 	uint64_t span_buf_bytes;
-	uint8_t *span_scratch;       /* FSDP reduce: fp32 node sums (wire dtype not fp32), total, prepared inputs */
-	uint64_t span_sums_at, span_tot_at, span_tmp_at; /* offsets in span_scratch (span_sums_at: UINT64_MAX = in span_buf) */
-	uint64_t *span_off32;        /* FSDP reduce: each param's offset in an fp32 reduce shard [nparams + 1] */
-	uint64_t span_F;             /* FSDP reduce: bytes of such an fp32 shard */
-	int span_nobuf;              /* loop: no buffer for the next task (MPI holds the old one, no room for another) */
+	uint8_t *
+		span_scratch; /* FSDP reduce: fp32 node sums (wire dtype not fp32), total, prepared inputs */
+	uint64_t span_sums_at, span_tot_at,
+		span_tmp_at; /* offsets in span_scratch (span_sums_at: UINT64_MAX = in span_buf) */
+	uint64_t *
+		span_off32; /* FSDP reduce: each param's offset in an fp32 reduce shard [nparams + 1] */
+	uint64_t span_F; /* FSDP reduce: bytes of such an fp32 shard */
+	int span_nobuf; /* loop: no buffer for the next task (MPI holds the old one, no room for another) */
 	char span_nobuf_msg[ENGINE_MSG_MAX];
 };
 
@@ -182,19 +187,22 @@ struct shd_engine_job {
 	void *ctx;
 	char name[SHARDD_NAME_MAX];
 	uint32_t replicate, shard, world;
-	int32_t *devices;            /* [world]: each rank's hello.device, where its buffers go */
-	struct shd_backend_job *bj; /* the backend's state of the job (NCCL communicators), or NULL */
-	uint8_t *gone;               /* [world]: the rank's client left and it has not attached again */
-	struct eng_group **groups;   /* index = group id - 1; NULL once a registration failed */
+	int32_t *devices; /* [world]: each rank's hello.device, where its buffers go */
+	struct shd_backend_job
+		*bj;   /* the backend's state of the job (NCCL communicators), or NULL */
+	uint8_t *gone; /* [world]: the rank's client left and it has not attached again */
+	struct eng_group **groups; /* index = group id - 1; NULL once a registration failed */
 	uint32_t ngroups, cap;
-	uint64_t mem_committed;      /* its groups' eg->mem_committed, summed */
+	uint64_t mem_committed; /* its groups' eg->mem_committed, summed */
 	struct eng_gnorm_rec gnorm[SHARDD_GRAD_NORM_KEPT]; /* grad_norm results by step (step.c) */
-	struct eng_ckpt *ckpt;       /* the checkpoint being written, or NULL (ckpt_save.c) */
-	struct eng_ckpt_req *ckpt_armed; /* a checkpoint waiting for the next step boundary, or NULL */
-	uint64_t ckpt_seq;           /* ids given to checkpoints so far */
-	uint64_t ckpt_every_last;    /* the last step --checkpoint-every took (or tried) */
-	struct shd_engine_ckpt_status ckpt_last; /* the last_* fields: the last checkpoint that ended */
-	int ending;                  /* shd_engine_job_end runs: start no task */
+	struct eng_ckpt *ckpt; /* the checkpoint being written, or NULL (ckpt_save.c) */
+	struct eng_ckpt_req
+		*ckpt_armed;      /* a checkpoint waiting for the next step boundary, or NULL */
+	uint64_t ckpt_seq;        /* ids given to checkpoints so far */
+	uint64_t ckpt_every_last; /* the last step --checkpoint-every took (or tried) */
+	struct shd_engine_ckpt_status
+		ckpt_last; /* the last_* fields: the last checkpoint that ended */
+	int ending;        /* shd_engine_job_end runs: start no task */
 	/*
 	 * Groups of an ended job whose task waiting for other nodes still runs
 	 * (eng_tasks_stop left it): the job, out of the engine's list, is freed
@@ -222,13 +230,14 @@ struct shd_engine {
 	struct shd_pool *pool;
 	struct shd_backend_ctx *backend;
 	int efd;
-	pthread_mutex_t lock;        /* the finished list */
-	pthread_cond_t finished;     /* a task reached the finished list */
+	pthread_mutex_t lock;    /* the finished list */
+	pthread_cond_t finished; /* a task reached the finished list */
 	struct eng_task *fin_head, *fin_tail;
 	struct shd_engine_job *jobs;
-	uint64_t mem_committed;      /* its jobs' mem_committed, summed */
-	uint64_t fds_committed;      /* its groups' eg->fds_committed, summed (registry.c) */
-	uint32_t span_threads;       /* threads running inter-node tasks (world_collective.c); under lock */
+	uint64_t mem_committed; /* its jobs' mem_committed, summed */
+	uint64_t fds_committed; /* its groups' eg->fds_committed, summed (registry.c) */
+	uint32_t
+		span_threads; /* threads running inter-node tasks (world_collective.c); under lock */
 	/*
 	 * Loop thread: exchange buffers that MPI still held when their group
 	 * let go of them (a send to a node that stopped answering), counted in
@@ -250,19 +259,18 @@ void eng_job_reap(struct eng_group *eg);
 
 /* ---- delivery.c: messages and delivery ---- */
 
-__attribute__((format(printf, 3, 4)))
-void eng_fmt(char *buf, size_t len, const char *f, ...);
+__attribute__((format(printf, 3, 4))) void eng_fmt(char *buf, size_t len, const char *f, ...);
 /* A register/open reply that failed: (res, msg) to `rank`. */
-void eng_reply_err(struct shd_engine_job *j, uint32_t rank, uint64_t token, uint32_t seq,
-		   int res, const char *msg);
+void eng_reply_err(struct shd_engine_job *j, uint32_t rank, uint64_t token, uint32_t seq, int res,
+		   const char *msg);
 /* The completion of `op` (msg only on failure). */
 void eng_complete(struct shd_engine_job *j, const struct eng_op *op, int res, const char *msg);
 /* "shardd: ranks 2,3 <did> within 30 s; rank 0 is waiting" for an expired rendezvous. */
 void eng_expired_msg(const struct shd_engine *e, const struct shd_rdv *rdv, const char *did,
 		     char *err, size_t errlen);
 /* "shardd: rank 2 <did> 0.84 s after ranks 0,1 gave up waiting for it ..." for an SHD_RDV_LATE arrival. */
-void eng_late_msg(const struct shd_engine *e, const struct shd_rdv *rdv, uint32_t rank, const char *did,
-		  uint64_t now_ns, char *err, size_t errlen);
+void eng_late_msg(const struct shd_engine *e, const struct shd_rdv *rdv, uint32_t rank,
+		  const char *did, uint64_t now_ns, char *err, size_t errlen);
 
 /* ---- registry.c: registration ---- */
 
@@ -278,7 +286,7 @@ void eng_reg_cron(struct eng_group *eg, uint64_t now_ns);
 /* ---- collective.c: collectives ---- */
 
 /* Expect ranks base..base+n-1 for `op`. 0, -EINVAL or -ENOMEM. */
-int  eng_coll_init(struct eng_coll *c, uint32_t base, uint32_t n, uint32_t op);
+int eng_coll_init(struct eng_coll *c, uint32_t base, uint32_t n, uint32_t op);
 /* Also takes one never initialised (zeroed). */
 void eng_coll_free(struct eng_coll *c);
 /* Fail every collective of the group that ops arrived at with (res, msg). */
@@ -287,7 +295,7 @@ void eng_colls_fail(struct eng_group *eg, int res, const char *msg);
 void eng_coll_unshard(struct eng_group *eg, const struct eng_op *op);
 void eng_coll_reduce(struct eng_group *eg, const struct eng_op *op);
 /* 1 when `rank` waits in a collective of the group. */
-int  eng_coll_rank_waits(const struct eng_group *eg, uint32_t rank);
+int eng_coll_rank_waits(const struct eng_group *eg, uint32_t rank);
 /* `rank` (this token) left: fail the collectives of the group it is part of. */
 void eng_coll_rank_gone(struct eng_group *eg, uint32_t rank, uint64_t token);
 /* Fail the collectives of the group past their deadline. */

@@ -28,12 +28,16 @@ static int grad_norm_shard(struct shd_backend_ctx *b, const struct shd_group *g,
 
 	for (uint32_t i = 0; i < l->nparams; i++) {
 		const struct shd_layout_param *p = &l->params[i];
-		uint64_t n = p->numel ? p->outer * shd_layout_rows_valid(p, shd_group_shard_rank(g, r)) * p->inner : 0;
+		uint64_t n =
+			p->numel ? p->outer * shd_layout_rows_valid(p, shd_group_shard_rank(g, r)) *
+					   p->inner
+				 : 0;
 
-		for (uint64_t done = 0; done < n; ) {
+		for (uint64_t done = 0; done < n;) {
 			uint64_t k = n - done < GRAD_NORM_CHUNK ? n - done : GRAD_NORM_CHUNK;
 			struct shardd_grad_norm_part part;
-			int ret = b->ops->read(b, &g->sharded_grads[r], p->shard_offset + done * sizeof(float),
+			int ret = b->ops->read(b, &g->sharded_grads[r],
+					       p->shard_offset + done * sizeof(float),
 					       k * sizeof(float), tmp);
 
 			if (ret)
@@ -47,7 +51,8 @@ static int grad_norm_shard(struct shd_backend_ctx *b, const struct shd_group *g,
 }
 
 /* The part of this node's sharded grads into *acc. 0, or a negative code with `err` saying why. */
-static int grad_norm_local(struct shd_engine_job *j, struct shardd_grad_norm_part *acc, char *err, size_t errlen)
+static int grad_norm_local(struct shd_engine_job *j, struct shardd_grad_norm_part *acc, char *err,
+			   size_t errlen)
 {
 	struct shd_backend_ctx *b = j->e->backend;
 	float *tmp;
@@ -58,15 +63,19 @@ static int grad_norm_local(struct shd_engine_job *j, struct shardd_grad_norm_par
 		struct eng_group *eg = j->groups[i];
 
 		if (eg && eg->complete && (eg->running || eg->qhead)) {
-			eng_fmt(err, errlen, "group '%s' still has a %s in flight; submit grad_norm after the "
-				"completions of the step's reduces", eg->g->name,
-				shd_op_info((eg->running ? eg->running : eg->qhead)->ops[0].sqe.op)->name);
+			eng_fmt(err, errlen,
+				"group '%s' still has a %s in flight; submit grad_norm after the "
+				"completions of the step's reduces",
+				eg->g->name,
+				shd_op_info((eg->running ? eg->running : eg->qhead)->ops[0].sqe.op)
+					->name);
 			return -SHARDD_E_STATE;
 		}
 	}
 	tmp = malloc(GRAD_NORM_CHUNK * sizeof(float));
 	if (!tmp) {
-		eng_fmt(err, errlen, "out of memory for the %u-element read buffer", GRAD_NORM_CHUNK);
+		eng_fmt(err, errlen, "out of memory for the %u-element read buffer",
+			GRAD_NORM_CHUNK);
 		return -SHARDD_E_NOMEM;
 	}
 	for (uint32_t i = 0; i < j->ngroups && !ret; i++) {
@@ -83,21 +92,25 @@ static int grad_norm_local(struct shd_engine_job *j, struct shardd_grad_norm_par
 			if (!b->ops->grad_norm) {
 				ret = grad_norm_shard(b, eg->g, r, tmp, acc);
 			} else {
-				ret = b->ops->grad_norm(b, &eg->g->layout, shd_group_shard_rank(eg->g, r),
-							&eg->g->sharded_grads[r], &part, why, sizeof(why));
+				ret = b->ops->grad_norm(
+					b, &eg->g->layout, shd_group_shard_rank(eg->g, r),
+					&eg->g->sharded_grads[r], &part, why, sizeof(why));
 				if (!ret)
 					shardd_k_grad_norm_merge(acc, &part);
 			}
 			if (ret)
-				eng_fmt(err, errlen, "reading rank %u's sharded grad of group '%s' failed in the %s "
-					"backend (%d)%s%s", r, eg->g->name, b->ops->name, ret, why[0] ? ": " : "", why);
+				eng_fmt(err, errlen,
+					"reading rank %u's sharded grad of group '%s' failed in the %s "
+					"backend (%d)%s%s",
+					r, eg->g->name, b->ops->name, ret, why[0] ? ": " : "", why);
 		}
 	}
 	free(tmp);
 	return ret ? (ret < 0 ? ret : -SHARDD_E_BACKEND) : 0;
 }
 
-static void grad_norm_final(const struct shardd_grad_norm_part *acc, int inf, double *norm, int *nonfinite)
+static void grad_norm_final(const struct shardd_grad_norm_part *acc, int inf, double *norm,
+			    int *nonfinite)
 {
 	*nonfinite = acc->nonfinite;
 	*norm = inf ? (double)acc->max_abs : sqrt(acc->sumsq);
@@ -113,7 +126,8 @@ int shd_engine_job_grad_norm(struct shd_engine_job *j, int inf, double *norm, in
 	int ret;
 
 	if (eng_world_fsdp(j)) {
-		eng_fmt(err, errlen, "grad_norm of job '%s', sharded over %u nodes: use shd_engine_job_grad_norm_span",
+		eng_fmt(err, errlen,
+			"grad_norm of job '%s', sharded over %u nodes: use shd_engine_job_grad_norm_span",
 			j->name, j->span_nodes);
 		return -SHARDD_E_STATE;
 	}
@@ -133,10 +147,12 @@ int shd_engine_job_spans_fsdp(const struct shd_engine_job *j)
 	return eng_world_fsdp(j);
 }
 
-int shd_engine_job_grad_norm_span(struct shd_engine_job *j, int inf, uint64_t step, char *err, size_t errlen)
+int shd_engine_job_grad_norm_span(struct shd_engine_job *j, int inf, uint64_t step, char *err,
+				  size_t errlen)
 {
 	struct shardd_grad_norm_part acc;
-	uint64_t key = 0xcbf29ce484222325ull, check = 0xcbf29ce484222325ull, v[2] = { step, (uint64_t)inf };
+	uint64_t key = 0xcbf29ce484222325ull, check = 0xcbf29ce484222325ull,
+		 v[2] = { step, (uint64_t)inf };
 	char why[256];
 	int ret;
 
@@ -150,8 +166,9 @@ int shd_engine_job_grad_norm_span(struct shd_engine_job *j, int inf, uint64_t st
 	key = (key ^ 0xfe) * 0x100000001b3ull;
 	for (size_t i = 0; i < sizeof(v); i++)
 		check = (check ^ ((const uint8_t *)v)[i]) * 0x100000001b3ull;
-	ret = shd_world_gather_start(key, j->gnorm_seq++, check, &acc, sizeof(acc), shd_now_ns() + j->e->timeout_ns,
-				     j->e->efd, &j->gnorm_op, why, sizeof(why));
+	ret = shd_world_gather_start(key, j->gnorm_seq++, check, &acc, sizeof(acc),
+				     shd_now_ns() + j->e->timeout_ns, j->e->efd, &j->gnorm_op, why,
+				     sizeof(why));
 	if (ret) {
 		eng_fmt(err, errlen, "%s", why);
 		return ret;
@@ -166,7 +183,8 @@ int shd_engine_job_grad_norm_pending(const struct shd_engine_job *j)
 	return j->gnorm_op != NULL;
 }
 
-int shd_engine_job_grad_norm_poll(struct shd_engine_job *j, double *norm, int *nonfinite, char *err, size_t errlen)
+int shd_engine_job_grad_norm_poll(struct shd_engine_job *j, double *norm, int *nonfinite, char *err,
+				  size_t errlen)
 {
 	struct shardd_grad_norm_part parts[SHARDD_MAX_WORLD], acc = { 0 };
 	uint8_t missing[SHARDD_MAX_WORLD];
@@ -182,9 +200,12 @@ int shd_engine_job_grad_norm_poll(struct shd_engine_job *j, double *norm, int *n
 		who[0] = '\0';
 		for (uint32_t k = 0; k < j->span_nodes && off < sizeof(who); k++)
 			if (missing[k])
-				off += (size_t)snprintf(who + off, sizeof(who) - off, "%snode %u (ranks %u..%u)",
-							off ? ", " : "", k, k * j->world, k * j->world + j->world - 1);
-		eng_fmt(err, errlen, "the sum of the norms among the %u nodes failed on node %u: %s%s%s",
+				off += (size_t)snprintf(who + off, sizeof(who) - off,
+							"%snode %u (ranks %u..%u)", off ? ", " : "",
+							k, k * j->world,
+							k * j->world + j->world - 1);
+		eng_fmt(err, errlen,
+			"the sum of the norms among the %u nodes failed on node %u: %s%s%s",
 			j->span_nodes, j->span_node, why, who[0] ? "; missing " : "", who);
 		return ret;
 	}

@@ -9,8 +9,8 @@
 #include "group.h"
 #include "step.h"
 
-__attribute__((format(printf, 4, 5)))
-static int group_error(int code, char *err, size_t errlen, const char *fmt, ...)
+__attribute__((format(printf, 4, 5))) static int group_error(int code, char *err, size_t errlen,
+							     const char *fmt, ...)
 {
 	va_list ap;
 
@@ -32,10 +32,14 @@ static const char *dtype_str(uint32_t dtype)
 static const char *optim_str(uint32_t kind)
 {
 	switch (kind) {
-	case SHARDD_OPTIM_NONE: return "none";
-	case SHARDD_OPTIM_SGD: return "sgd";
-	case SHARDD_OPTIM_ADAMW: return "adamw";
-	default: return "unknown";
+	case SHARDD_OPTIM_NONE:
+		return "none";
+	case SHARDD_OPTIM_SGD:
+		return "sgd";
+	case SHARDD_OPTIM_ADAMW:
+		return "adamw";
+	default:
+		return "unknown";
 	}
 }
 
@@ -55,45 +59,55 @@ static int optim_zero(const char *group, const char *opt, const char *field, dou
 {
 	if (v == 0)
 		return 0;
-	return group_error(-SHARDD_E_INVALID, err, errlen,
-			   "register group '%s': optimizer %s: %s = %g is not one of its hyperparameters; "
-			   "leave it 0", group, opt, field, v);
+	return group_error(
+		-SHARDD_E_INVALID, err, errlen,
+		"register group '%s': optimizer %s: %s = %g is not one of its hyperparameters; "
+		"leave it 0",
+		group, opt, field, v);
 }
 
 int shd_group_optim_check(const char *group, const struct shardd_optim_config *o, char *err,
-			     size_t errlen)
+			  size_t errlen)
 {
 	const char *n = optim_str(o->kind);
 	uint32_t bad_flags;
 	int ret = 0;
 
 	if (o->kind != SHARDD_OPTIM_SGD && o->kind != SHARDD_OPTIM_ADAMW)
-		return group_error(-SHARDD_E_INVALID, err, errlen,
-				   "register group '%s': optimizer kind = %u is not an optimizer (sgd = %d, adamw = %d)",
-				   group, o->kind, SHARDD_OPTIM_SGD, SHARDD_OPTIM_ADAMW);
+		return group_error(
+			-SHARDD_E_INVALID, err, errlen,
+			"register group '%s': optimizer kind = %u is not an optimizer (sgd = %d, adamw = %d)",
+			group, o->kind, SHARDD_OPTIM_SGD, SHARDD_OPTIM_ADAMW);
 	bad_flags = o->flags & ~(uint32_t)(SHARDD_OPTIM_MAXIMIZE |
-					   (o->kind == SHARDD_OPTIM_SGD ? SHARDD_OPTIM_NESTEROV : SHARDD_OPTIM_AMSGRAD));
+					   (o->kind == SHARDD_OPTIM_SGD ? SHARDD_OPTIM_NESTEROV
+									: SHARDD_OPTIM_AMSGRAD));
 	if (bad_flags)
-		return group_error(-SHARDD_E_INVALID, err, errlen,
-				   "register group '%s': optimizer %s: flags = 0x%x has bits 0x%x it does not take "
-				   "(nesterov = 0x%x: sgd, maximize = 0x%x, amsgrad = 0x%x: adamw)",
-				   group, n, o->flags, bad_flags, SHARDD_OPTIM_NESTEROV, SHARDD_OPTIM_MAXIMIZE,
-				   SHARDD_OPTIM_AMSGRAD);
+		return group_error(
+			-SHARDD_E_INVALID, err, errlen,
+			"register group '%s': optimizer %s: flags = 0x%x has bits 0x%x it does not take "
+			"(nesterov = 0x%x: sgd, maximize = 0x%x, amsgrad = 0x%x: adamw)",
+			group, n, o->flags, bad_flags, SHARDD_OPTIM_NESTEROV, SHARDD_OPTIM_MAXIMIZE,
+			SHARDD_OPTIM_AMSGRAD);
 	if (o->rsvd[0] || o->rsvd[1])
-		return group_error(-SHARDD_E_INVALID, err, errlen,
-				   "register group '%s': optimizer rsvd = {0x%llx, 0x%llx}: reserved, must be 0",
-				   group, (unsigned long long)o->rsvd[0], (unsigned long long)o->rsvd[1]);
+		return group_error(
+			-SHARDD_E_INVALID, err, errlen,
+			"register group '%s': optimizer rsvd = {0x%llx, 0x%llx}: reserved, must be 0",
+			group, (unsigned long long)o->rsvd[0], (unsigned long long)o->rsvd[1]);
 	ret = optim_range(group, n, "weight_decay", o->weight_decay, 0, 1e300, 0, err, errlen);
 	if (o->kind == SHARDD_OPTIM_SGD) {
 		if (!ret)
-			ret = optim_range(group, n, "momentum", o->momentum, 0, 1e300, 0, err, errlen);
+			ret = optim_range(group, n, "momentum", o->momentum, 0, 1e300, 0, err,
+					  errlen);
 		if (!ret)
-			ret = optim_range(group, n, "dampening", o->dampening, -1e300, 1e300, 0, err, errlen);
-		if (!ret && (o->flags & SHARDD_OPTIM_NESTEROV) && (o->momentum <= 0 || o->dampening != 0))
-			ret = group_error(-SHARDD_E_INVALID, err, errlen,
-					  "register group '%s': optimizer sgd: nesterov needs momentum > 0 and "
-					  "dampening 0, got momentum = %g, dampening = %g",
-					  group, o->momentum, o->dampening);
+			ret = optim_range(group, n, "dampening", o->dampening, -1e300, 1e300, 0,
+					  err, errlen);
+		if (!ret && (o->flags & SHARDD_OPTIM_NESTEROV) &&
+		    (o->momentum <= 0 || o->dampening != 0))
+			ret = group_error(
+				-SHARDD_E_INVALID, err, errlen,
+				"register group '%s': optimizer sgd: nesterov needs momentum > 0 and "
+				"dampening 0, got momentum = %g, dampening = %g",
+				group, o->momentum, o->dampening);
 		if (!ret)
 			ret = optim_zero(group, n, "beta1", o->beta1, err, errlen);
 		if (!ret)
@@ -116,8 +130,8 @@ int shd_group_optim_check(const char *group, const struct shardd_optim_config *o
 }
 
 int shd_group_parse(const void *payload, size_t len, struct shardd_register_group *hdr,
-		       struct shardd_param_spec **specs, struct shardd_optim_config *optim,
-		       char restore[SHARDD_RESTORE_PATH_MAX], char *err, size_t errlen)
+		    struct shardd_param_spec **specs, struct shardd_optim_config *optim,
+		    char restore[SHARDD_RESTORE_PATH_MAX], char *err, size_t errlen)
 {
 	struct shardd_param_spec *s;
 	struct shardd_restore rs = { 0 };
@@ -128,9 +142,10 @@ int shd_group_parse(const void *payload, size_t len, struct shardd_register_grou
 	restore[0] = '\0';
 	memset(optim, 0, sizeof(*optim));
 	if (!payload || len < sizeof(*hdr))
-		return group_error(-SHARDD_E_MALFORMED, err, errlen,
-				   "register group: payload is %zu bytes, shorter than its %zu-byte header",
-				   len, sizeof(*hdr));
+		return group_error(
+			-SHARDD_E_MALFORMED, err, errlen,
+			"register group: payload is %zu bytes, shorter than its %zu-byte header",
+			len, sizeof(*hdr));
 	/* The payload may sit at any alignment: copy before reading fields. */
 	memcpy(hdr, payload, sizeof(*hdr));
 	if (!memchr(hdr->name, '\0', sizeof(hdr->name)))
@@ -144,56 +159,67 @@ int shd_group_parse(const void *payload, size_t len, struct shardd_register_grou
 				   "register group '%s': nparams = %u; a group holds 1..%d params",
 				   hdr->name, hdr->nparams, SHARDD_MAX_PARAMS);
 	if ((hdr->flags & ~(uint32_t)SHARDD_REGISTER_FLAGS_MASK) || hdr->rsvd)
-		return group_error(-SHARDD_E_INVALID, err, errlen,
-				   "register group '%s': flags = 0x%x (known: optimizer = 0x%x), rsvd = %u; "
-				   "unknown bits and rsvd must be 0",
-				   hdr->name, hdr->flags, SHARDD_REGISTER_OPTIMIZER, hdr->rsvd);
+		return group_error(
+			-SHARDD_E_INVALID, err, errlen,
+			"register group '%s': flags = 0x%x (known: optimizer = 0x%x), rsvd = %u; "
+			"unknown bits and rsvd must be 0",
+			hdr->name, hdr->flags, SHARDD_REGISTER_OPTIMIZER, hdr->rsvd);
 	want = sizeof(*hdr) + (size_t)hdr->nparams * sizeof(struct shardd_param_spec);
 	if (hdr->flags & SHARDD_REGISTER_OPTIMIZER)
 		want += sizeof(*optim);
 	if (hdr->init == SHARDD_INIT_RESTORE) {
 		if (len < want + sizeof(rs))
-			return group_error(-SHARDD_E_MALFORMED, err, errlen,
-					   "register group '%s': init = restore, but the payload of %zu bytes ends "
-					   "before its %zu-byte struct shardd_restore at byte %zu",
-					   hdr->name, len, sizeof(rs), want);
+			return group_error(
+				-SHARDD_E_MALFORMED, err, errlen,
+				"register group '%s': init = restore, but the payload of %zu bytes ends "
+				"before its %zu-byte struct shardd_restore at byte %zu",
+				hdr->name, len, sizeof(rs), want);
 		memcpy(&rs, (const uint8_t *)payload + want, sizeof(rs));
 		if (rs.path_len >= SHARDD_RESTORE_PATH_MAX || rs.rsvd)
-			return group_error(-SHARDD_E_INVALID, err, errlen,
-					   "register group '%s': restore path_len = %u (at most %d), rsvd = %u (must be 0)",
-					   hdr->name, rs.path_len, SHARDD_RESTORE_PATH_MAX - 1, rs.rsvd);
+			return group_error(
+				-SHARDD_E_INVALID, err, errlen,
+				"register group '%s': restore path_len = %u (at most %d), rsvd = %u (must be 0)",
+				hdr->name, rs.path_len, SHARDD_RESTORE_PATH_MAX - 1, rs.rsvd);
 		memcpy(restore, (const uint8_t *)payload + want + sizeof(rs),
 		       len >= want + sizeof(rs) + rs.path_len ? rs.path_len : 0);
 		restore[len >= want + sizeof(rs) + rs.path_len ? rs.path_len : 0] = '\0';
 		want += sizeof(rs) + rs.path_len;
 		if (len == want && strlen(restore) != rs.path_len)
 			return group_error(-SHARDD_E_INVALID, err, errlen,
-					   "register group '%s': the restore path holds a NUL byte", hdr->name);
+					   "register group '%s': the restore path holds a NUL byte",
+					   hdr->name);
 	}
 	if (len != want)
-		return group_error(-SHARDD_E_MALFORMED, err, errlen,
-				   "register group '%s': payload is %zu bytes but nparams = %u%s needs %zu",
-				   hdr->name, len, hdr->nparams,
-				   hdr->flags & SHARDD_REGISTER_OPTIMIZER ? " and an optimizer config" : "", want);
+		return group_error(
+			-SHARDD_E_MALFORMED, err, errlen,
+			"register group '%s': payload is %zu bytes but nparams = %u%s needs %zu",
+			hdr->name, len, hdr->nparams,
+			hdr->flags & SHARDD_REGISTER_OPTIMIZER ? " and an optimizer config" : "",
+			want);
 	if (hdr->flags & SHARDD_REGISTER_OPTIMIZER) {
-		memcpy(optim, (const uint8_t *)payload + sizeof(*hdr) +
-		       (size_t)hdr->nparams * sizeof(struct shardd_param_spec), sizeof(*optim));
+		memcpy(optim,
+		       (const uint8_t *)payload + sizeof(*hdr) +
+			       (size_t)hdr->nparams * sizeof(struct shardd_param_spec),
+		       sizeof(*optim));
 		ret = shd_group_optim_check(hdr->name, optim, err, errlen);
 		if (ret)
 			return ret;
 	}
 	if (hdr->param_dtype >= SHARDD_DTYPE_COUNT)
-		return group_error(-SHARDD_E_INVALID, err, errlen,
-				   "register group '%s': param_dtype = %u is not a dtype (none = 0, fp32 = 1, bf16 = 2, fp16 = 3)",
-				   hdr->name, hdr->param_dtype);
+		return group_error(
+			-SHARDD_E_INVALID, err, errlen,
+			"register group '%s': param_dtype = %u is not a dtype (none = 0, fp32 = 1, bf16 = 2, fp16 = 3)",
+			hdr->name, hdr->param_dtype);
 	if (hdr->reduce_dtype >= SHARDD_DTYPE_COUNT)
-		return group_error(-SHARDD_E_INVALID, err, errlen,
-				   "register group '%s': reduce_dtype = %u is not a dtype (none = 0, fp32 = 1, bf16 = 2, fp16 = 3)",
-				   hdr->name, hdr->reduce_dtype);
+		return group_error(
+			-SHARDD_E_INVALID, err, errlen,
+			"register group '%s': reduce_dtype = %u is not a dtype (none = 0, fp32 = 1, bf16 = 2, fp16 = 3)",
+			hdr->name, hdr->reduce_dtype);
 	if (hdr->init != SHARDD_INIT_ZERO && hdr->init != SHARDD_INIT_RESTORE)
-		return group_error(-SHARDD_E_INVALID, err, errlen,
-				   "register group '%s': init = %u; known: SHARDD_INIT_ZERO (0), SHARDD_INIT_RESTORE (1)",
-				   hdr->name, hdr->init);
+		return group_error(
+			-SHARDD_E_INVALID, err, errlen,
+			"register group '%s': init = %u; known: SHARDD_INIT_ZERO (0), SHARDD_INIT_RESTORE (1)",
+			hdr->name, hdr->init);
 	s = malloc((size_t)hdr->nparams * sizeof(*s));
 	if (!s)
 		return -ENOMEM;
@@ -226,8 +252,8 @@ static void group_grad_dtypes(struct shd_group *g)
 }
 
 int shd_group_create(uint32_t id, const struct shardd_register_group *hdr,
-			struct shardd_param_spec *specs, uint32_t replicate, uint32_t shard,
-			struct shd_group **out, char *err, size_t errlen)
+		     struct shardd_param_spec *specs, uint32_t replicate, uint32_t shard,
+		     struct shd_group **out, char *err, size_t errlen)
 {
 	struct shd_group *g;
 	uint32_t world = replicate * shard;
@@ -238,7 +264,7 @@ int shd_group_create(uint32_t id, const struct shardd_register_group *hdr,
 	if (!g)
 		return -ENOMEM;
 	ret = shd_layout_build(specs, hdr->nparams, shard, hdr->param_dtype, &g->layout, lerr,
-				  sizeof(lerr));
+			       sizeof(lerr));
 	if (ret) {
 		if (ret == -ENOMEM)
 			snprintf(lerr, sizeof(lerr), "out of memory");
@@ -253,7 +279,8 @@ int shd_group_create(uint32_t id, const struct shardd_register_group *hdr,
 	g->shard = shard;
 	g->world = world;
 	group_grad_dtypes(g);
-	g->reduce_dtype = hdr->reduce_dtype != SHARDD_DTYPE_NONE ? hdr->reduce_dtype : g->grad_dtype;
+	g->reduce_dtype =
+		hdr->reduce_dtype != SHARDD_DTYPE_NONE ? hdr->reduce_dtype : g->grad_dtype;
 
 	g->shard_offsets = calloc(hdr->nparams, sizeof(*g->shard_offsets));
 	g->reduce_offsets = calloc(hdr->nparams, sizeof(*g->reduce_offsets));
@@ -268,8 +295,8 @@ int shd_group_create(uint32_t id, const struct shardd_register_group *hdr,
 	g->holds = calloc(world, 1);
 	g->last_step = calloc(world, sizeof(*g->last_step));
 	g->optim_steps = calloc(world, sizeof(*g->optim_steps));
-	if (!g->shard_offsets || !g->reduce_offsets || !g->unsharded_own || !g->unsharded || !g->shards ||
-	    !g->sharded_grads || !g->grads || !g->partials || !g->grad_present ||
+	if (!g->shard_offsets || !g->reduce_offsets || !g->unsharded_own || !g->unsharded ||
+	    !g->shards || !g->sharded_grads || !g->grads || !g->partials || !g->grad_present ||
 	    !g->partial_present || !g->holds || !g->last_step || !g->optim_steps) {
 		g->specs = NULL;
 		shd_group_destroy(g, NULL);
@@ -283,8 +310,8 @@ int shd_group_create(uint32_t id, const struct shardd_register_group *hdr,
 		g->shard_offsets[i] = g->layout.params[i].shard_offset;
 	/* One shard in the reduce dtype: the layout of HSDP partials and of reduce-scatter staging. */
 	if (g->reduce_dtype != SHARDD_DTYPE_NONE)
-		g->reduce_shard_size = shd_placement_reduce_shard(&g->layout, g->reduce_dtype,
-								     g->reduce_offsets);
+		g->reduce_shard_size =
+			shd_placement_reduce_shard(&g->layout, g->reduce_dtype, g->reduce_offsets);
 	/* Partials exist only with a replicate dim and a uniform grad dtype (else reduce fails). */
 	if (replicate > 1)
 		g->partial_size = g->reduce_shard_size;
@@ -313,7 +340,7 @@ uint32_t shd_group_optim_states(const struct shardd_optim_config *o)
 }
 
 int shd_group_set_optim(struct shd_group *g, const struct shardd_optim_config *o, char *err,
-			   size_t errlen)
+			size_t errlen)
 {
 	uint32_t n = shd_group_optim_states(o);
 
@@ -321,11 +348,12 @@ int shd_group_set_optim(struct shd_group *g, const struct shardd_optim_config *o
 		return 0;
 	for (uint32_t i = 0; i < g->layout.nparams; i++)
 		if (g->layout.params[i].dtype != SHARDD_DTYPE_FP32)
-			return group_error(-SHARDD_E_INVALID, err, errlen,
-					   "register group '%s': param '%s' is %s, but the daemon's optimizer "
-					   "updates fp32 master params only: register it as fp32 (param_dtype "
-					   "bf16 keeps the unsharded copy in bf16), or register no optimizer",
-					   g->name, g->specs[i].name, dtype_str(g->layout.params[i].dtype));
+			return group_error(
+				-SHARDD_E_INVALID, err, errlen,
+				"register group '%s': param '%s' is %s, but the daemon's optimizer "
+				"updates fp32 master params only: register it as fp32 (param_dtype "
+				"bf16 keeps the unsharded copy in bf16), or register no optimizer",
+				g->name, g->specs[i].name, dtype_str(g->layout.params[i].dtype));
 	for (uint32_t k = 0; k < n; k++) {
 		g->optim_state[k] = calloc(g->world, sizeof(*g->optim_state[k]));
 		if (!g->optim_state[k])
@@ -349,8 +377,9 @@ static void shape_str(const struct shardd_param_spec *s, char *buf, size_t len)
 }
 
 int shd_group_compare(const struct shd_group *g, const struct shardd_register_group *hdr,
-			 const struct shardd_param_spec *specs, const struct shardd_optim_config *optim,
-			 uint32_t rank, uint32_t first_rank, char *err, size_t errlen)
+		      const struct shardd_param_spec *specs,
+		      const struct shardd_optim_config *optim, uint32_t rank, uint32_t first_rank,
+		      char *err, size_t errlen)
 {
 	const char *field = NULL;
 	char mine[128], theirs[128];
@@ -360,11 +389,11 @@ int shd_group_compare(const struct shd_group *g, const struct shardd_register_gr
  * The first field `f` of this rank's `a` that differs from the first
  * rank's `b`: its name (after `prefix`) and both values, through `conv`.
  */
-#define FIELD_DIFF(prefix, a, b, f, fmt, conv)                                           \
-	if (!field && (a)->f != (b)->f) {                                                \
-		field = prefix #f;                                                       \
-		snprintf(mine, sizeof(mine), fmt, conv((a)->f));                         \
-		snprintf(theirs, sizeof(theirs), fmt, conv((b)->f));                     \
+#define FIELD_DIFF(prefix, a, b, f, fmt, conv)                       \
+	if (!field && (a)->f != (b)->f) {                            \
+		field = prefix #f;                                   \
+		snprintf(mine, sizeof(mine), fmt, conv((a)->f));     \
+		snprintf(theirs, sizeof(theirs), fmt, conv((b)->f)); \
 	}
 #define AS_IS(x) (x)
 	FIELD_DIFF("", hdr, &g->hdr, nparams, "%u", AS_IS)
@@ -412,9 +441,10 @@ int shd_group_compare(const struct shd_group *g, const struct shardd_register_gr
 			snprintf(theirs, sizeof(theirs), "0x%x", b->flags);
 		}
 		if (field) {
-			snprintf(err, errlen,
-				 "register group '%s': param #%u '%s' differs in %s: %s from rank %u but %s from rank %u",
-				 g->name, i, b->name, field, mine, rank, theirs, first_rank);
+			snprintf(
+				err, errlen,
+				"register group '%s': param #%u '%s' differs in %s: %s from rank %u but %s from rank %u",
+				g->name, i, b->name, field, mine, rank, theirs, first_rank);
 			return 1;
 		}
 	}
@@ -434,8 +464,8 @@ void shd_group_memory_need(const struct shd_group *g, struct shd_group_memory *m
 	m->partials = (uint64_t)g->world * g->partial_size;
 	m->optimizer = (uint64_t)g->world * shd_group_optim_states(&g->optim) * l->shard_size;
 	m->internode = g->internode_size;
-	m->total = m->unsharded + m->shards + m->sharded_grads + m->grads + m->partials + m->optimizer +
-		   m->internode;
+	m->total = m->unsharded + m->shards + m->sharded_grads + m->grads + m->partials +
+		   m->optimizer + m->internode;
 }
 
 static uint64_t bufs_bytes(const struct shd_buf *b, uint32_t n)
@@ -473,7 +503,7 @@ void shd_group_memory_held(const struct shd_group *g, struct shd_group_memory *m
 }
 
 int shd_group_alloc(struct shd_group *g, struct shd_backend_ctx *b, const int32_t *devices,
-		       const struct shd_placement *pl, char *err, size_t errlen)
+		    const struct shd_placement *pl, char *err, size_t errlen)
 {
 	const struct shd_backend_ops *ops = b->ops;
 	char what[160];
@@ -506,7 +536,8 @@ int shd_group_alloc(struct shd_group *g, struct shd_backend_ctx *b, const int32_
 		for (uint32_t k = 0; k < shd_group_optim_states(&g->optim) && !ret; k++) {
 			snprintf(what, sizeof(what), "%s.%s.%u", g->name,
 				 shd_group_optim_state_name(&g->optim, k), r);
-			ret = ops->alloc(b, g->layout.shard_size, devices[r], what, &g->optim_state[k][r]);
+			ret = ops->alloc(b, g->layout.shard_size, devices[r], what,
+					 &g->optim_state[k][r]);
 		}
 		if (ret || !g->partial_size)
 			continue;
@@ -516,24 +547,30 @@ int shd_group_alloc(struct shd_group *g, struct shd_backend_ctx *b, const int32_
 	g->allocated = 1;
 	if ((ret == -ENOMEM || ret == -ENOSPC) && strcmp(ops->name, "host") == 0) {
 		/* Within the limits, but the node has less memory free than they allow. */
-		ret = group_error(-ENOMEM, err, errlen,
-				  "register group '%s': the %s backend could not commit the memory of buffer %s: %s; "
-				  "the node has less memory free than --max-memory allows: free memory, or lower "
-				  "--max-memory", g->name, ops->name, what, strerror(-ret));
+		ret = group_error(
+			-ENOMEM, err, errlen,
+			"register group '%s': the %s backend could not commit the memory of buffer %s: %s; "
+			"the node has less memory free than --max-memory allows: free memory, or lower "
+			"--max-memory",
+			g->name, ops->name, what, strerror(-ret));
 	} else if (ret) {
 		group_error(ret, err, errlen,
 			    "register group '%s': the %s backend could not allocate buffer %s: %s",
-			    g->name, ops->name, what, ret > -SHARDD_E_BASE ? strerror(-ret) : "backend error");
+			    g->name, ops->name, what,
+			    ret > -SHARDD_E_BASE ? strerror(-ret) : "backend error");
 	}
 	return ret;
 }
 
 int shd_group_reply(const struct shd_group *g, struct shd_backend_ctx *b, uint32_t rank,
-		       struct shardd_group_reply *reply, struct shardd_param_layout *layouts,
-		       struct shd_group_export *ex)
+		    struct shardd_group_reply *reply, struct shardd_param_layout *layouts,
+		    struct shd_group_export *ex)
 {
 	const struct shd_buf *bufs[SHARDD_GROUP_BUFS] = {
-		shd_group_unsharded(g, rank), &g->grads[rank], &g->shards[rank], &g->sharded_grads[rank],
+		shd_group_unsharded(g, rank),
+		&g->grads[rank],
+		&g->shards[rank],
+		&g->sharded_grads[rank],
 	};
 	uint32_t shard_rank = shd_group_shard_rank(g, rank);
 	struct shd_buf_export one;

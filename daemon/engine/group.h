@@ -33,48 +33,51 @@ struct shd_group_export {
 #define SHD_OPTIM_STATES 3
 
 struct shd_group {
-	uint32_t id;                        /* nonzero; sqe.group */
-	char     name[SHARDD_NAME_MAX];
-	struct shardd_register_group hdr;   /* the first registration's header */
-	struct shardd_param_spec *specs;    /* its params (hdr.nparams) */
-	uint32_t replicate, shard, world;   /* mesh R x S, world = R * S */
-	uint32_t shard_base;                /* FSDP across nodes: the shard rank of this node's rank 0
+	uint32_t id; /* nonzero; sqe.group */
+	char name[SHARDD_NAME_MAX];
+	struct shardd_register_group hdr; /* the first registration's header */
+	struct shardd_param_spec *specs;  /* its params (hdr.nparams) */
+	uint32_t replicate, shard, world; /* mesh R x S, world = R * S */
+	uint32_t shard_base;              /* FSDP across nodes: the shard rank of this node's rank 0
 					       (layout.world is the whole shard group's); else 0 */
-	struct shd_layout layout;        /* built for the shard group size S */
-	uint32_t grad_dtype;                /* uniform grad dtype, NONE when params differ */
-	uint32_t reduce_dtype;              /* policy reduce_dtype, else grad_dtype */
-	char     grad_dtypes[64];           /* "{fp32, bf16}": the distinct grad dtypes, in order */
-	uint64_t *shard_offsets;            /* per param: bytes into a flat shard / sharded grad */
-	uint64_t *reduce_offsets;           /* per param: bytes into one shard in the reduce dtype
+	struct shd_layout layout;         /* built for the shard group size S */
+	uint32_t grad_dtype;              /* uniform grad dtype, NONE when params differ */
+	uint32_t reduce_dtype;            /* policy reduce_dtype, else grad_dtype */
+	char grad_dtypes[64];             /* "{fp32, bf16}": the distinct grad dtypes, in order */
+	uint64_t *shard_offsets;          /* per param: bytes into a flat shard / sharded grad */
+	uint64_t *reduce_offsets;         /* per param: bytes into one shard in the reduce dtype
 					       (shd_placement_reduce_shard): an HSDP partial, a staging block */
-	uint64_t reduce_shard_size;         /* bytes of such a shard; 0 without a uniform reduce dtype */
-	uint64_t partial_size;              /* bytes of one partial: reduce_shard_size with a replicate dim, else 0 */
-	uint64_t internode_size;            /* bytes of the inter-node exchange buffers (world_collective.c): 0 unless the job spans nodes */
-	uint64_t internode_held;            /* of those, allocated now */
+	uint64_t reduce_shard_size; /* bytes of such a shard; 0 without a uniform reduce dtype */
+	uint64_t
+		partial_size; /* bytes of one partial: reduce_shard_size with a replicate dim, else 0 */
+	uint64_t
+		internode_size; /* bytes of the inter-node exchange buffers (world_collective.c): 0 unless the job spans nodes */
+	uint64_t internode_held; /* of those, allocated now */
 
-	int allocated;                      /* buffers below were allocated (each: shd_buf_allocated) */
-	uint8_t *unsharded_own;             /* [replicate]: each rank of the replica has its own unsharded
+	int allocated;             /* buffers below were allocated (each: shd_buf_allocated) */
+	uint8_t *unsharded_own;    /* [replicate]: each rank of the replica has its own unsharded
 					       buffer (its shard group runs NCCL), else all share one */
-	struct shd_buf *unsharded;       /* [world], lent read-only: allocated for every rank of a replica
+	struct shd_buf *unsharded; /* [world], lent read-only: allocated for every rank of a replica
 					       with unsharded_own, else only for its first rank (shared) */
-	struct shd_buf *shards;          /* [world]: flat shards, params' dtypes */
-	struct shd_buf *sharded_grads;   /* [world]: reduce outputs, params' dtypes */
-	struct shd_buf *grads;           /* [world]: unsharded grads, grad dtype */
-	struct shd_buf *partials;        /* [world] when replicate > 1: reduce-scatter sums kept for the all-reduce */
+	struct shd_buf *shards;    /* [world]: flat shards, params' dtypes */
+	struct shd_buf *sharded_grads; /* [world]: reduce outputs, params' dtypes */
+	struct shd_buf *grads;         /* [world]: unsharded grads, grad dtype */
+	struct shd_buf *
+		partials; /* [world] when replicate > 1: reduce-scatter sums kept for the all-reduce */
 
 	/* Written only by the group's running task: tasks of a group run one at a time. */
-	uint8_t *grad_present;              /* [world]: sharded grad holds a value (accumulate into it) */
-	uint8_t *partial_present;           /* [world]: partial holds a reduce-scatter output */
+	uint8_t *grad_present;    /* [world]: sharded grad holds a value (accumulate into it) */
+	uint8_t *partial_present; /* [world]: partial holds a reduce-scatter output */
 
 	/* The optimizer (kind NONE: none) and its fp32 state per rank, each like a flat shard. */
 	struct shardd_optim_config optim;
 	struct shd_buf *optim_state[SHD_OPTIM_STATES]; /* [k][world]: shd_group_optim_state_name */
 	/* Written by the group's running task (step), read atomically by GROUP replies. */
-	uint64_t *last_step;                /* [world]: last step applied or skipped on the rank's shard */
-	uint64_t *optim_steps;              /* [world]: updates applied (torch's state['step']) */
+	uint64_t *last_step;   /* [world]: last step applied or skipped on the rank's shard */
+	uint64_t *optim_steps; /* [world]: updates applied (torch's state['step']) */
 
 	/* Loop thread only. */
-	uint8_t *holds;                     /* [world]: rank holds its replica's unsharded copy */
+	uint8_t *holds; /* [world]: rank holds its replica's unsharded copy */
 };
 
 /*
@@ -87,19 +90,19 @@ struct shd_group {
  * value, or -ENOMEM.
  */
 int shd_group_parse(const void *payload, size_t len, struct shardd_register_group *hdr,
-		       struct shardd_param_spec **specs, struct shardd_optim_config *optim,
-		       char restore[SHARDD_RESTORE_PATH_MAX], char *err, size_t errlen);
+		    struct shardd_param_spec **specs, struct shardd_optim_config *optim,
+		    char restore[SHARDD_RESTORE_PATH_MAX], char *err, size_t errlen);
 
 /* 0, or -SHARDD_E_INVALID with `err` naming the optimizer config's field, value and rule. */
 int shd_group_optim_check(const char *group, const struct shardd_optim_config *o, char *err,
-			     size_t errlen);
+			  size_t errlen);
 
 /*
  * Give a created group (no buffers yet) its optimizer `o` (kind NONE: none):
  * every param must be fp32. 0, -SHARDD_E_INVALID with `err`, or -ENOMEM.
  */
 int shd_group_set_optim(struct shd_group *g, const struct shardd_optim_config *o, char *err,
-			   size_t errlen);
+			size_t errlen);
 
 /* State buffers per rank the optimizer keeps (SGD: momentum when momentum != 0), and their names. */
 uint32_t shd_group_optim_states(const struct shardd_optim_config *o);
@@ -111,8 +114,8 @@ const char *shd_group_optim_state_name(const struct shardd_optim_config *o, uint
  * on success. No buffers yet. 0, -SHARDD_E_INVALID or -ENOMEM.
  */
 int shd_group_create(uint32_t id, const struct shardd_register_group *hdr,
-			struct shardd_param_spec *specs, uint32_t replicate, uint32_t shard,
-			struct shd_group **out, char *err, size_t errlen);
+		     struct shardd_param_spec *specs, uint32_t replicate, uint32_t shard,
+		     struct shd_group **out, char *err, size_t errlen);
 
 /*
  * 0 when `hdr`/`specs` (registered by `rank`) equal the group's spec
@@ -120,8 +123,9 @@ int shd_group_create(uint32_t id, const struct shardd_register_group *hdr,
  * param, the field, both values and both ranks.
  */
 int shd_group_compare(const struct shd_group *g, const struct shardd_register_group *hdr,
-			 const struct shardd_param_spec *specs, const struct shardd_optim_config *optim,
-			 uint32_t rank, uint32_t first_rank, char *err, size_t errlen);
+		      const struct shardd_param_spec *specs,
+		      const struct shardd_optim_config *optim, uint32_t rank, uint32_t first_rank,
+		      char *err, size_t errlen);
 
 /*
  * Bytes of every buffer a group will ever hold in host memory (the host
@@ -129,14 +133,16 @@ int shd_group_compare(const struct shd_group *g, const struct shardd_register_gr
  * --max-memory and --max-job-memory when the group is registered.
  */
 struct shd_group_memory {
-	uint64_t unsharded;      /* one copy per replica */
-	uint64_t shards;         /* flat shards (the master params), one per rank */
-	uint64_t sharded_grads;  /* reduce outputs, one per rank */
-	uint64_t grads;          /* unsharded grad buffers (reduce inputs), one per rank */
-	uint64_t partials;       /* HSDP reduce-scatter outputs, one per rank with a replicate dim */
-	uint64_t optimizer;      /* optimizer state the daemon keeps per rank shard (fp32, shard-sized) */
-	uint64_t internode;      /* a job across nodes: the group's inter-node exchange buffers and scratch */
-	uint64_t total;          /* the sum */
+	uint64_t unsharded;     /* one copy per replica */
+	uint64_t shards;        /* flat shards (the master params), one per rank */
+	uint64_t sharded_grads; /* reduce outputs, one per rank */
+	uint64_t grads;         /* unsharded grad buffers (reduce inputs), one per rank */
+	uint64_t partials;      /* HSDP reduce-scatter outputs, one per rank with a replicate dim */
+	uint64_t
+		optimizer; /* optimizer state the daemon keeps per rank shard (fp32, shard-sized) */
+	uint64_t
+		internode; /* a job across nodes: the group's inter-node exchange buffers and scratch */
+	uint64_t total; /* the sum */
 };
 
 /* What the group's buffers take once allocated (host backend: no unsharded_own). */
@@ -156,7 +162,7 @@ void shd_group_memory_held(const struct shd_group *g, struct shd_group_memory *m
  * the backend's error, with `err` naming the buffer.
  */
 int shd_group_alloc(struct shd_group *g, struct shd_backend_ctx *b, const int32_t *devices,
-		       const struct shd_placement *pl, char *err, size_t errlen);
+		    const struct shd_placement *pl, char *err, size_t errlen);
 
 /* The unsharded buffer `rank` reads: its own, or the one its replica shares. */
 static inline struct shd_buf *shd_group_unsharded(const struct shd_group *g, uint32_t rank)
@@ -174,8 +180,8 @@ static inline struct shd_buf *shd_group_unsharded(const struct shd_group *g, uin
  * left open).
  */
 int shd_group_reply(const struct shd_group *g, struct shd_backend_ctx *b, uint32_t rank,
-		       struct shardd_group_reply *reply, struct shardd_param_layout *layouts,
-		       struct shd_group_export *ex);
+		    struct shardd_group_reply *reply, struct shardd_param_layout *layouts,
+		    struct shd_group_export *ex);
 
 /* Close the fds of a reply's export. */
 void shd_group_export_close(struct shd_group_export *ex);

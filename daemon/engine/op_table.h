@@ -29,10 +29,10 @@ enum shd_op_executor {
 
 struct shd_op_info {
 	const char *name;       /* as shardd_op_name spells it, for every message */
-	uint8_t  scope;         /* enum shd_op_scope */
-	uint8_t  executor;      /* enum shd_op_executor */
-	uint8_t  rendezvous;    /* runs when every rank of its set arrived with the same key */
-	uint8_t  training_step; /* sqe.step is the training step the rank is at (what the
+	uint8_t scope;          /* enum shd_op_scope */
+	uint8_t executor;       /* enum shd_op_executor */
+	uint8_t rendezvous;     /* runs when every rank of its set arrived with the same key */
+	uint8_t training_step;  /* sqe.step is the training step the rank is at (what the
 				   reports show as its progress); other ops carry 0, their own
 				   number (barrier) or a step they act on */
 	uint32_t flags;         /* the sqe.flags bits it takes */

@@ -84,7 +84,8 @@ void eng_group_free(struct eng_group *eg)
  * the pages themselves when it allocates (fallocate), so an op never finds
  * memory missing. Device memory (cuda) is not counted.
  */
-static int group_commit_memory(struct shd_engine_job *j, struct eng_group *eg, char *err, size_t errlen)
+static int group_commit_memory(struct shd_engine_job *j, struct eng_group *eg, char *err,
+			       size_t errlen)
 {
 	struct shd_engine *e = j->e;
 	struct shd_group_memory m;
@@ -113,9 +114,10 @@ static int group_commit_memory(struct shd_engine_job *j, struct eng_group *eg, c
 		char span[128] = "";
 
 		if (m.internode)
-			eng_fmt(span, sizeof(span), ", of which %s (%llu bytes) inter-node buffers across %u nodes",
-				shd_memlimit_str(m.internode, held, sizeof(held)), (unsigned long long)m.internode,
-				j->span_nodes);
+			eng_fmt(span, sizeof(span),
+				", of which %s (%llu bytes) inter-node buffers across %u nodes",
+				shd_memlimit_str(m.internode, held, sizeof(held)),
+				(unsigned long long)m.internode, j->span_nodes);
 		eng_fmt(err, errlen,
 			"register group '%s' of job '%s': its buffers need %s (%llu bytes%s), but %s holds %s "
 			"(%llu bytes) of its limit of %s (%llu bytes); raise %s, or end jobs or register smaller groups",
@@ -159,7 +161,8 @@ static uint64_t max_map_count(void)
  * counts only 64 bytes against --max-memory). 0 with the count committed
  * in eg and the engine, or -EMFILE with `err`.
  */
-static int group_commit_fds(struct shd_engine_job *j, struct eng_group *eg, char *err, size_t errlen)
+static int group_commit_fds(struct shd_engine_job *j, struct eng_group *eg, char *err,
+			    size_t errlen)
 {
 	struct shd_engine *e = j->e;
 	const struct shd_group *g = eg->g;
@@ -168,7 +171,8 @@ static int group_commit_fds(struct shd_engine_job *j, struct eng_group *eg, char
 	struct rlimit rl;
 
 	/* Per rank: its unsharded copy (at most), shard, sharded grad, grad, optimizer states, partial. */
-	need = (uint64_t)g->world * (4 + shd_group_optim_states(&g->optim) + (g->partial_size ? 1 : 0));
+	need = (uint64_t)g->world *
+	       (4 + shd_group_optim_states(&g->optim) + (g->partial_size ? 1 : 0));
 	if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY)
 		limit = rl.rlim_cur;
 	if (maps && maps < limit) {
@@ -179,17 +183,18 @@ static int group_commit_fds(struct shd_engine_job *j, struct eng_group *eg, char
 	if (limit == UINT64_MAX)
 		goto commit;
 	reserve = limit / 4;
-	reserve = reserve < GROUP_FDS_RESERVE_MIN ? GROUP_FDS_RESERVE_MIN :
-		  reserve > GROUP_FDS_RESERVE_MAX ? GROUP_FDS_RESERVE_MAX : reserve;
+	reserve = reserve < GROUP_FDS_RESERVE_MIN   ? GROUP_FDS_RESERVE_MIN
+		  : reserve > GROUP_FDS_RESERVE_MAX ? GROUP_FDS_RESERVE_MAX
+						    : reserve;
 	budget = limit > reserve ? limit - reserve : 0;
 	if (need > budget || e->fds_committed > budget - need) {
 		eng_fmt(err, errlen,
 			"register group '%s' of job '%s': its buffers need up to %llu file descriptors and mappings, "
 			"but the groups of all jobs hold %llu of the %llu that shardd gives them (%s = %llu, less "
-			"%llu kept for connections); %s, or end jobs or register fewer, larger groups", g->name,
-			j->name, (unsigned long long)need, (unsigned long long)e->fds_committed,
-			(unsigned long long)budget, what, (unsigned long long)limit, (unsigned long long)reserve,
-			fix);
+			"%llu kept for connections); %s, or end jobs or register fewer, larger groups",
+			g->name, j->name, (unsigned long long)need,
+			(unsigned long long)e->fds_committed, (unsigned long long)budget, what,
+			(unsigned long long)limit, (unsigned long long)reserve, fix);
 		return -EMFILE;
 	}
 commit:
@@ -200,8 +205,8 @@ commit:
 
 /* A pending group for the first registration of `hdr`; takes `specs` on success. */
 static int group_new(struct shd_engine_job *j, const struct shardd_register_group *hdr,
-		     struct shardd_param_spec *specs, const struct shardd_optim_config *optim, uint32_t rank,
-		     struct eng_group **out, char *err, size_t errlen)
+		     struct shardd_param_spec *specs, const struct shardd_optim_config *optim,
+		     uint32_t rank, struct eng_group **out, char *err, size_t errlen)
 {
 	struct eng_group *eg;
 	uint32_t *all = NULL;
@@ -221,7 +226,8 @@ static int group_new(struct shd_engine_job *j, const struct shardd_register_grou
 		goto err_msg;
 	eg->j = j;
 	eg->first_rank = rank;
-	ret = shd_group_create(j->ngroups + 1, hdr, specs, j->replicate, j->shard, &eg->g, err, errlen);
+	ret = shd_group_create(j->ngroups + 1, hdr, specs, j->replicate, j->shard, &eg->g, err,
+			       errlen);
 	if (ret) {
 		free(eg);
 		return ret;
@@ -238,9 +244,11 @@ static int group_new(struct shd_engine_job *j, const struct shardd_register_grou
 		}
 	}
 	if (optim->kind != SHARDD_OPTIM_NONE && !j->e->backend->ops->step) {
-		eng_fmt(err, errlen, "register group '%s': the %s backend has no optimizer step; register the "
+		eng_fmt(err, errlen,
+			"register group '%s': the %s backend has no optimizer step; register the "
 			"group without an optimizer and update the shards in the trainer, or run the daemon with "
-			"--backend host", hdr->name, j->e->backend->ops->name);
+			"--backend host",
+			hdr->name, j->e->backend->ops->name);
 		ret = -ENOTSUP;
 	} else {
 		ret = shd_group_set_optim(eg->g, optim, err, errlen);
@@ -328,14 +336,16 @@ static void reply_group(struct eng_group *eg, uint32_t rank, uint64_t token, uin
 
 	layouts = malloc((size_t)eg->g->hdr.nparams * sizeof(*layouts));
 	if (!layouts) {
-		eng_fmt(msg, sizeof(msg), "shardd: group '%s': the daemon is out of memory", eg->g->name);
+		eng_fmt(msg, sizeof(msg), "shardd: group '%s': the daemon is out of memory",
+			eg->g->name);
 		eng_reply_err(j, rank, token, seq, -SHARDD_E_NOMEM, msg);
 		return;
 	}
 	ret = shd_group_reply(eg->g, j->e->backend, rank, &reply, layouts, &ex);
 	if (ret) {
-		eng_fmt(msg, sizeof(msg), "shardd: group '%s': cannot export its buffers to rank %u: %s",
-			eg->g->name, rank, strerror(-ret));
+		eng_fmt(msg, sizeof(msg),
+			"shardd: group '%s': cannot export its buffers to rank %u: %s", eg->g->name,
+			rank, strerror(-ret));
 		eng_reply_err(j, rank, token, seq, ret, msg);
 	} else {
 		j->e->cfg.reply(j->ctx, rank, token, seq, 0, NULL, &reply, layouts, eg->g->specs,
@@ -371,7 +381,8 @@ static int reg_place(struct eng_group *eg, struct shd_placement *pl, int *planne
 		return 0;
 	ret = b->ops->multi_device(b, why, sizeof(why));
 	if (ret)
-		eng_fmt(err, errlen, "register group '%s': its ranks sit on different GPUs, where collectives need NCCL: %s",
+		eng_fmt(err, errlen,
+			"register group '%s': its ranks sit on different GPUs, where collectives need NCCL: %s",
 			eg->g->name, why);
 	return ret;
 }
@@ -385,13 +396,15 @@ static void reg_finish(struct eng_group *eg)
 
 	pl = malloc(sizeof(*pl));
 	if (!pl) {
-		eng_fmt(msg, sizeof(msg), "shardd: register group '%s': the daemon is out of memory", eg->g->name);
+		eng_fmt(msg, sizeof(msg),
+			"shardd: register group '%s': the daemon is out of memory", eg->g->name);
 		reg_fail(eg, -SHARDD_E_NOMEM, msg, UINT32_MAX);
 		return;
 	}
 	ret = reg_place(eg, pl, &planned, err, sizeof(err));
 	if (!ret)
-		ret = shd_group_alloc(eg->g, j->e->backend, j->devices, planned ? pl : NULL, err, sizeof(err));
+		ret = shd_group_alloc(eg->g, j->e->backend, j->devices, planned ? pl : NULL, err,
+				      sizeof(err));
 	if (!ret && j->span_nodes > 1)
 		ret = eng_world_group_alloc(eg, err, sizeof(err));
 	free(pl);
@@ -401,13 +414,15 @@ static void reg_finish(struct eng_group *eg)
 		return;
 	}
 	if (eg->restore) {
-		static const struct eng_task_ops restore_hooks = {
-			.exec = eng_restore_exec, .delivered = eng_restore_delivered
-		};
+		static const struct eng_task_ops restore_hooks = { .exec = eng_restore_exec,
+								   .delivered =
+									   eng_restore_delivered };
 		struct eng_task *t = eng_task_new(eg, TASK_RESTORE, 1);
 
 		if (!t) {
-			eng_fmt(msg, sizeof(msg), "shardd: register group '%s': the daemon is out of memory", eg->g->name);
+			eng_fmt(msg, sizeof(msg),
+				"shardd: register group '%s': the daemon is out of memory",
+				eg->g->name);
 			reg_fail(eg, -SHARDD_E_NOMEM, msg, UINT32_MAX);
 			return;
 		}
@@ -444,7 +459,7 @@ void eng_restore_delivered(struct eng_task *t)
 }
 
 void shd_engine_register_group(struct shd_engine_job *j, uint32_t rank, uint64_t token,
-				  uint32_t seq, const void *payload, size_t len, uid_t uid)
+			       uint32_t seq, const void *payload, size_t len, uid_t uid)
 {
 	struct shardd_register_group hdr;
 	struct shardd_param_spec *specs = NULL;
@@ -455,14 +470,16 @@ void shd_engine_register_group(struct shd_engine_job *j, uint32_t rank, uint64_t
 	int ret;
 
 	if (rank >= j->world) {
-		eng_fmt(msg, sizeof(msg), "shardd: register group: rank %u is outside job '%s' of %u ranks",
-			rank, j->name, j->world);
+		eng_fmt(msg, sizeof(msg),
+			"shardd: register group: rank %u is outside job '%s' of %u ranks", rank,
+			j->name, j->world);
 		eng_reply_err(j, rank, token, seq, -SHARDD_E_INVALID, msg);
 		return;
 	}
 	ret = shd_group_parse(payload, len, &hdr, &specs, &optim, restore, err, sizeof(err));
 	if (ret) {
-		eng_fmt(msg, sizeof(msg), "shardd: %s", ret == -ENOMEM ? "register group: out of memory" : err);
+		eng_fmt(msg, sizeof(msg), "shardd: %s",
+			ret == -ENOMEM ? "register group: out of memory" : err);
 		eng_reply_err(j, rank, token, seq, ret, msg);
 		return;
 	}
@@ -483,22 +500,24 @@ void shd_engine_register_group(struct shd_engine_job *j, uint32_t rank, uint64_t
 		}
 		specs = NULL; /* the group owns them */
 		if (hdr.init == SHARDD_INIT_RESTORE && !(eg->restore = strdup(restore))) {
-			eng_fmt(msg, sizeof(msg), "shardd: register group '%s': out of memory", hdr.name);
+			eng_fmt(msg, sizeof(msg), "shardd: register group '%s': out of memory",
+				hdr.name);
 			reg_fail(eg, -SHARDD_E_NOMEM, msg, UINT32_MAX);
 			eng_reply_err(j, rank, token, seq, -SHARDD_E_NOMEM, msg);
 			goto out;
 		}
 	} else if (shd_rdv_has_arrived(&eg->reg, rank)) {
 		shd_rdv_who_missing(&eg->reg, who, sizeof(who));
-		eng_fmt(msg, sizeof(msg), "shardd: rank %u already registered group '%s'; it waits for %s to register it",
+		eng_fmt(msg, sizeof(msg),
+			"shardd: rank %u already registered group '%s'; it waits for %s to register it",
 			eng_rank_shown(j, rank), hdr.name, who);
 		eng_reply_err(j, rank, token, seq, -SHARDD_E_STATE, msg);
 		goto out;
 	} else if (shd_group_compare(eg->g, &hdr, specs, &optim, eng_rank_shown(j, rank),
 				     eng_rank_shown(j, eg->first_rank), why, sizeof(why))) {
 		shd_rdv_present(&eg->reg, ranks, sizeof(ranks));
-		eng_fmt(msg, sizeof(msg), "shardd: %s; registration failed for ranks %s,%u", why, ranks,
-			eng_rank_shown(j, rank));
+		eng_fmt(msg, sizeof(msg), "shardd: %s; registration failed for ranks %s,%u", why,
+			ranks, eng_rank_shown(j, rank));
 		/*
 		 * The group is failed before this rank is answered: a reply that
 		 * cannot be sent drops the rank, and its departure must not find
@@ -509,9 +528,12 @@ void shd_engine_register_group(struct shd_engine_job *j, uint32_t rank, uint64_t
 		goto out;
 	} else if (eg->restore && strcmp(eg->restore, restore)) {
 		shd_rdv_present(&eg->reg, ranks, sizeof(ranks));
-		eng_fmt(msg, sizeof(msg), "shardd: group '%s': rank %u restores from '%s' but rank %u from '%s'; "
-			"registration failed for ranks %s,%u", hdr.name, eng_rank_shown(j, rank), restore,
-			eng_rank_shown(j, eg->first_rank), eg->restore, ranks, eng_rank_shown(j, rank));
+		eng_fmt(msg, sizeof(msg),
+			"shardd: group '%s': rank %u restores from '%s' but rank %u from '%s'; "
+			"registration failed for ranks %s,%u",
+			hdr.name, eng_rank_shown(j, rank), restore,
+			eng_rank_shown(j, eg->first_rank), eg->restore, ranks,
+			eng_rank_shown(j, rank));
 		reg_fail(eg, -SHARDD_E_MISMATCH, msg, UINT32_MAX);
 		eng_reply_err(j, rank, token, seq, -SHARDD_E_MISMATCH, msg);
 		goto out;
@@ -521,7 +543,8 @@ void shd_engine_register_group(struct shd_engine_job *j, uint32_t rank, uint64_t
 		eg->restore_confined = 1;
 		eg->restore_uid = uid;
 	}
-	ret = shd_rdv_arrive(&eg->reg, rank, 0, 0, shd_now_ns(), j->e->timeout_ns, why, sizeof(why));
+	ret = shd_rdv_arrive(&eg->reg, rank, 0, 0, shd_now_ns(), j->e->timeout_ns, why,
+			     sizeof(why));
 	eg->regs[rank] = (struct eng_reg){ .token = token, .seq = seq };
 	if (ret == SHD_RDV_COMPLETE)
 		reg_finish(eg);
@@ -529,8 +552,8 @@ out:
 	free(specs);
 }
 
-void shd_engine_open_group(struct shd_engine_job *j, uint32_t rank, uint64_t token,
-			      uint32_t seq, const void *payload, size_t len)
+void shd_engine_open_group(struct shd_engine_job *j, uint32_t rank, uint64_t token, uint32_t seq,
+			   const void *payload, size_t len)
 {
 	struct shardd_open_group req;
 	struct eng_group *eg;
@@ -538,19 +561,22 @@ void shd_engine_open_group(struct shd_engine_job *j, uint32_t rank, uint64_t tok
 	size_t off;
 
 	if (rank >= j->world) {
-		eng_fmt(msg, sizeof(msg), "shardd: open group: rank %u is outside job '%s' of %u ranks",
-			rank, j->name, j->world);
+		eng_fmt(msg, sizeof(msg),
+			"shardd: open group: rank %u is outside job '%s' of %u ranks", rank,
+			j->name, j->world);
 		eng_reply_err(j, rank, token, seq, -SHARDD_E_INVALID, msg);
 		return;
 	}
 	if (!payload || len != sizeof(req)) {
-		eng_fmt(msg, sizeof(msg), "shardd: open group: payload is %zu bytes, expected %zu", len, sizeof(req));
+		eng_fmt(msg, sizeof(msg), "shardd: open group: payload is %zu bytes, expected %zu",
+			len, sizeof(req));
 		eng_reply_err(j, rank, token, seq, -SHARDD_E_MALFORMED, msg);
 		return;
 	}
 	memcpy(&req, payload, sizeof(req));
 	if (!memchr(req.name, '\0', sizeof(req.name))) {
-		eng_fmt(msg, sizeof(msg), "shardd: open group: name is not NUL-terminated within %d bytes",
+		eng_fmt(msg, sizeof(msg),
+			"shardd: open group: name is not NUL-terminated within %d bytes",
 			SHARDD_NAME_MAX);
 		eng_reply_err(j, rank, token, seq, -SHARDD_E_INVALID, msg);
 		return;
@@ -562,17 +588,19 @@ void shd_engine_open_group(struct shd_engine_job *j, uint32_t rank, uint64_t tok
 	}
 	if (eg) {
 		shd_rdv_who_missing(&eg->reg, who, sizeof(who));
-		eng_fmt(msg, sizeof(msg), "shardd: group '%s' of job '%s' is still being registered: %s have not registered it",
+		eng_fmt(msg, sizeof(msg),
+			"shardd: group '%s' of job '%s' is still being registered: %s have not registered it",
 			req.name, j->name, who);
 		eng_reply_err(j, rank, token, seq, -SHARDD_E_NOGROUP, msg);
 		return;
 	}
-	off = (size_t)snprintf(msg, sizeof(msg), "shardd: no group '%s' in job '%s'; registered groups:",
-			       req.name, j->name);
+	off = (size_t)snprintf(msg, sizeof(msg),
+			       "shardd: no group '%s' in job '%s'; registered groups:", req.name,
+			       j->name);
 	for (uint32_t i = 0, n = 0; i < j->ngroups && off < sizeof(msg); i++) {
 		if (j->groups[i] && j->groups[i]->complete)
-			off += (size_t)snprintf(msg + off, sizeof(msg) - off, "%s '%s'", n++ ? "," : "",
-						j->groups[i]->g->name);
+			off += (size_t)snprintf(msg + off, sizeof(msg) - off, "%s '%s'",
+						n++ ? "," : "", j->groups[i]->g->name);
 	}
 	if (off < sizeof(msg) && msg[off - 1] == ':')
 		snprintf(msg + off, sizeof(msg) - off, " none");
@@ -589,7 +617,8 @@ void eng_reg_rank_gone(struct eng_group *eg, uint32_t rank, uint64_t token)
 		/* The restore reads into the buffers: the registration fails when it ends. */
 		if (!eg->restore_fail) {
 			eg->restore_fail = -SHARDD_E_PEER_DIED;
-			eng_fmt(eg->restore_msg, sizeof(eg->restore_msg), "shardd: rank %u left (its client is "
+			eng_fmt(eg->restore_msg, sizeof(eg->restore_msg),
+				"shardd: rank %u left (its client is "
 				"gone) while group '%s' was restored from its checkpoint; the registration failed",
 				eng_rank_shown(eg->j, rank), eg->g->name);
 		}

@@ -90,20 +90,23 @@ int shd_rdv_has_arrived(const struct shd_rdv *r, uint32_t rank)
 	return i >= 0 && r->arrived[i];
 }
 
-int shd_rdv_arrive(struct shd_rdv *r, uint32_t rank, uint64_t step, uint32_t flags,
-		      uint64_t now_ns, uint64_t timeout_ns, char *err, size_t errlen)
+int shd_rdv_arrive(struct shd_rdv *r, uint32_t rank, uint64_t step, uint32_t flags, uint64_t now_ns,
+		   uint64_t timeout_ns, char *err, size_t errlen)
 {
 	int64_t i = rdv_index(r, rank);
 
 	if (errlen)
 		err[0] = '\0';
 	if (i < 0) {
-		snprintf(err, errlen, "rank %u is not part of this rendezvous", r->shown_base + rank);
+		snprintf(err, errlen, "rank %u is not part of this rendezvous",
+			 r->shown_base + rank);
 		return -EINVAL;
 	}
 	if (r->arrived[i]) {
-		snprintf(err, errlen, "rank %u submitted step %llu while its step %llu is still waiting",
-			 r->shown_base + rank, (unsigned long long)step, (unsigned long long)r->step);
+		snprintf(err, errlen,
+			 "rank %u submitted step %llu while its step %llu is still waiting",
+			 r->shown_base + rank, (unsigned long long)step,
+			 (unsigned long long)r->step);
 		return -EINVAL;
 	}
 	if (r->gave_up[i] == SHD_RDV_GAVE_UP_LATE) {
@@ -119,12 +122,14 @@ int shd_rdv_arrive(struct shd_rdv *r, uint32_t rank, uint64_t step, uint32_t fla
 		r->step = step;
 		r->flags = flags;
 		r->first_rank = rank;
-		r->deadline_ns = timeout_ns > UINT64_MAX - now_ns ? UINT64_MAX : now_ns + timeout_ns;
+		r->deadline_ns =
+			timeout_ns > UINT64_MAX - now_ns ? UINT64_MAX : now_ns + timeout_ns;
 	} else if (r->step != step || r->flags != flags) {
-		snprintf(err, errlen,
-			 "rank %u submitted step %llu flags 0x%x but rank %u submitted step %llu flags 0x%x",
-			 r->shown_base + rank, (unsigned long long)step, flags, r->shown_base + r->first_rank,
-			 (unsigned long long)r->step, r->flags);
+		snprintf(
+			err, errlen,
+			"rank %u submitted step %llu flags 0x%x but rank %u submitted step %llu flags 0x%x",
+			r->shown_base + rank, (unsigned long long)step, flags,
+			r->shown_base + r->first_rank, (unsigned long long)r->step, r->flags);
 		return SHD_RDV_MISMATCH;
 	}
 	r->arrived[i] = 1;
@@ -161,8 +166,8 @@ void shd_rdv_expire(struct shd_rdv *r, uint64_t now_ns)
 #define RDV_WHO_MAX 1024
 
 /* Comma-separated list of expected ranks whose state in `of` (arrived or gave_up) is `want`, but `skip`. */
-static void rdv_list(const struct shd_rdv *r, const uint8_t *of, uint8_t want, uint32_t skip, char *buf,
-		     size_t len)
+static void rdv_list(const struct shd_rdv *r, const uint8_t *of, uint8_t want, uint32_t skip,
+		     char *buf, size_t len)
 {
 	size_t off = 0;
 
@@ -174,7 +179,8 @@ static void rdv_list(const struct shd_rdv *r, const uint8_t *of, uint8_t want, u
 
 		if (of[i] != want || r->ranks[i] == skip)
 			continue;
-		n = snprintf(buf + off, len - off, "%s%u", off ? "," : "", r->shown_base + r->ranks[i]);
+		n = snprintf(buf + off, len - off, "%s%u", off ? "," : "",
+			     r->shown_base + r->ranks[i]);
 		if (n < 0 || (size_t)n >= len - off) {
 			/* Truncated: end with "..." where it fits, so a reader sees the list is longer. */
 			if (len >= 4)
@@ -209,8 +215,8 @@ void shd_rdv_failing(const struct shd_rdv *r, uint32_t rank, char *buf, size_t l
 }
 
 /* "rank 3" / "ranks 3,5" / "no rank": the `n` ranks whose state in `of` is `want`, but `skip`. */
-static void rdv_who(const struct shd_rdv *r, const uint8_t *of, uint8_t want, uint32_t skip, uint32_t n,
-		    char *buf, size_t len)
+static void rdv_who(const struct shd_rdv *r, const uint8_t *of, uint8_t want, uint32_t skip,
+		    uint32_t n, char *buf, size_t len)
 {
 	int off;
 
@@ -235,11 +241,12 @@ void shd_rdv_who_present(const struct shd_rdv *r, char *buf, size_t len)
 
 void shd_rdv_who_present_but(const struct shd_rdv *r, uint32_t rank, char *buf, size_t len)
 {
-	rdv_who(r, r->arrived, 1, rank, r->narrived - (uint32_t)shd_rdv_has_arrived(r, rank), buf, len);
+	rdv_who(r, r->arrived, 1, rank, r->narrived - (uint32_t)shd_rdv_has_arrived(r, rank), buf,
+		len);
 }
 
-void shd_rdv_missing_msg(const struct shd_rdv *r, const char *did, const char *within,
-			    char *buf, size_t len)
+void shd_rdv_missing_msg(const struct shd_rdv *r, const char *did, const char *within, char *buf,
+			 size_t len)
 {
 	char missing[RDV_WHO_MAX] = "", present[RDV_WHO_MAX] = "";
 	size_t part = len / 3 < sizeof(missing) ? len / 3 : sizeof(missing);
@@ -251,7 +258,7 @@ void shd_rdv_missing_msg(const struct shd_rdv *r, const char *did, const char *w
 }
 
 void shd_rdv_late_msg(const struct shd_rdv *r, uint32_t rank, const char *did, const char *within,
-			 uint64_t now_ns, char *buf, size_t len)
+		      uint64_t now_ns, char *buf, size_t len)
 {
 	char waited[RDV_WHO_MAX] = "";
 	size_t part = len / 2 < sizeof(waited) ? len / 2 : sizeof(waited);
@@ -260,8 +267,11 @@ void shd_rdv_late_msg(const struct shd_rdv *r, uint32_t rank, const char *did, c
 	for (uint32_t i = 0; i < r->nexpected; i++)
 		n += r->gave_up[i] == SHD_RDV_GAVE_UP_WAITED;
 	rdv_who(r, r->gave_up, SHD_RDV_GAVE_UP_WAITED, UINT32_MAX, n, waited, part);
-	snprintf(buf, len,
-		 "rank %u %s %.2f s after %s gave up waiting for it (the collective timeout, %s); failed at once: "
-		 "retry with the others", r->shown_base + rank, did,
-		 (double)(now_ns > r->gave_up_ns ? now_ns - r->gave_up_ns : 0) / 1e9, waited, within);
+	snprintf(
+		buf, len,
+		"rank %u %s %.2f s after %s gave up waiting for it (the collective timeout, %s); failed at once: "
+		"retry with the others",
+		r->shown_base + rank, did,
+		(double)(now_ns > r->gave_up_ns ? now_ns - r->gave_up_ns : 0) / 1e9, waited,
+		within);
 }

@@ -23,36 +23,37 @@
 #include "clock.h"
 
 struct shd_rdv {
-	uint32_t  nexpected;   /* ranks expected */
-	uint32_t *ranks;       /* expected ranks, ascending (owned) */
-	uint8_t  *arrived;     /* per expected index: 1 if arrived */
-	uint32_t  narrived;
-	uint64_t  step;        /* key of the first arrival */
-	uint32_t  flags;       /* flags of the first arrival */
-	uint32_t  first_rank;  /* who set the key */
-	uint64_t  deadline_ns; /* first arrival + timeout (CLOCK_MONOTONIC) */
-	int       active;      /* at least one arrival */
-	uint32_t  shown_base;  /* added to every rank its messages name: a job across nodes shows global
+	uint32_t nexpected; /* ranks expected */
+	uint32_t *ranks;    /* expected ranks, ascending (owned) */
+	uint8_t *arrived;   /* per expected index: 1 if arrived */
+	uint32_t narrived;
+	uint64_t step;        /* key of the first arrival */
+	uint32_t flags;       /* flags of the first arrival */
+	uint32_t first_rank;  /* who set the key */
+	uint64_t deadline_ns; /* first arrival + timeout (CLOCK_MONOTONIC) */
+	int active;           /* at least one arrival */
+	uint32_t
+		shown_base; /* added to every rank its messages name: a job across nodes shows global
 				  ranks (its node's first rank; 0 on one node) */
 	/* The last expiry (shd_rdv_expire). */
-	uint8_t  *gave_up;     /* per expected index: SHD_RDV_GAVE_UP_* */
-	uint64_t  gave_up_step;  /* its key */
-	uint32_t  gave_up_flags;
-	uint64_t  gave_up_ns;  /* when it expired (CLOCK_MONOTONIC) */
+	uint8_t *gave_up;      /* per expected index: SHD_RDV_GAVE_UP_* */
+	uint64_t gave_up_step; /* its key */
+	uint32_t gave_up_flags;
+	uint64_t gave_up_ns; /* when it expired (CLOCK_MONOTONIC) */
 };
 
 /* A rank's part in the last expiry (shd_rdv.gave_up). */
 enum {
-	SHD_RDV_GAVE_UP_NONE   = 0, /* not there, or arrived again since */
+	SHD_RDV_GAVE_UP_NONE = 0,   /* not there, or arrived again since */
 	SHD_RDV_GAVE_UP_WAITED = 1, /* waited and gave up */
-	SHD_RDV_GAVE_UP_LATE   = 2, /* never came, and has not arrived since */
+	SHD_RDV_GAVE_UP_LATE = 2,   /* never came, and has not arrived since */
 };
 
 enum {
-	SHD_RDV_WAIT     = 0, /* arrival recorded, others still missing */
+	SHD_RDV_WAIT = 0,     /* arrival recorded, others still missing */
 	SHD_RDV_COMPLETE = 1, /* every expected rank arrived with the key */
 	SHD_RDV_MISMATCH = 2, /* key differs from the first arrival's */
-	SHD_RDV_LATE     = 3, /* the rank comes with the key the last expiry gave up on it for */
+	SHD_RDV_LATE = 3,     /* the rank comes with the key the last expiry gave up on it for */
 };
 
 /*
@@ -74,8 +75,8 @@ void shd_rdv_reset(struct shd_rdv *r);
  * not expected, or arrived twice; `err` says which). The owner resets the
  * rendezvous after COMPLETE or MISMATCH.
  */
-int shd_rdv_arrive(struct shd_rdv *r, uint32_t rank, uint64_t step, uint32_t flags,
-		      uint64_t now_ns, uint64_t timeout_ns, char *err, size_t errlen);
+int shd_rdv_arrive(struct shd_rdv *r, uint32_t rank, uint64_t step, uint32_t flags, uint64_t now_ns,
+		   uint64_t timeout_ns, char *err, size_t errlen);
 /*
  * Forget the arrival of `rank` (its client is gone), so that present/missing
  * lists no longer count it. Returns 1 when it had arrived, else 0.
@@ -115,8 +116,8 @@ void shd_rdv_who_present_but(const struct shd_rdv *r, uint32_t rank, char *buf, 
  * timeout as its owner words it ("30 s"). Each list takes at most a third
  * of `len` (ending in "..." when cut), so the sentence keeps its end.
  */
-void shd_rdv_missing_msg(const struct shd_rdv *r, const char *did, const char *within,
-			    char *buf, size_t len);
+void shd_rdv_missing_msg(const struct shd_rdv *r, const char *did, const char *within, char *buf,
+			 size_t len);
 /*
  * The error of `rank`'s arrival that returned SHD_RDV_LATE, at `now_ns`:
  * "rank 2 <did> 0.84 s after rank 0 gave up waiting for it (the collective
@@ -124,6 +125,6 @@ void shd_rdv_missing_msg(const struct shd_rdv *r, const char *did, const char *w
  * the rank did late ("submitted unshard(group 'g', step 5)").
  */
 void shd_rdv_late_msg(const struct shd_rdv *r, uint32_t rank, const char *did, const char *within,
-			 uint64_t now_ns, char *buf, size_t len);
+		      uint64_t now_ns, char *buf, size_t len);
 
 #endif /* SHD_RENDEZVOUS_H */

@@ -14,14 +14,16 @@
 
 int eng_step_asked(const struct shardd_sqe *sqe)
 {
-	return sqe->op == SHARDD_OP_STEP || (sqe->op == SHARDD_OP_REDUCE && (sqe->flags & SHARDD_REDUCE_STEP));
+	return sqe->op == SHARDD_OP_STEP ||
+	       (sqe->op == SHARDD_OP_REDUCE && (sqe->flags & SHARDD_REDUCE_STEP));
 }
 
 /* ------------------------------------------------------------------ */
 /* The job's grad_norm results, kept for its steps                     */
 /* ------------------------------------------------------------------ */
 
-void shd_engine_job_grad_norm_keep(struct shd_engine_job *j, uint64_t step, double norm, int nonfinite)
+void shd_engine_job_grad_norm_keep(struct shd_engine_job *j, uint64_t step, double norm,
+				   int nonfinite)
 {
 	struct eng_gnorm_rec *slot = &j->gnorm[0];
 
@@ -66,7 +68,8 @@ float shd_clip_coefficient(double norm, double max_norm)
  * was applied before and whether a grad is there, its task decides, in
  * the group's order.
  */
-static int step_check(const struct eng_group *eg, const struct shardd_sqe *sqe, char *err, size_t errlen)
+static int step_check(const struct eng_group *eg, const struct shardd_sqe *sqe, char *err,
+		      size_t errlen)
 {
 	const char *name = shd_op_info(sqe->op)->name;
 	double lr, clip = 1, max_norm = 1;
@@ -77,39 +80,52 @@ static int step_check(const struct eng_group *eg, const struct shardd_sqe *sqe, 
 	if (sqe->op == SHARDD_OP_STEP && (sqe->flags & SHARDD_STEP_CLIP_JOB))
 		memcpy(&max_norm, &sqe->arg[SHARDD_SQE_STEP_CLIP], sizeof(max_norm));
 	if (eg->g->optim.kind == SHARDD_OPTIM_NONE) {
-		eng_fmt(err, errlen, "shardd: %s(group '%s'): the group was registered without an optimizer; "
+		eng_fmt(err, errlen,
+			"shardd: %s(group '%s'): the group was registered without an optimizer; "
 			"register it with one (SHARDD_REGISTER_OPTIMIZER) or update its shards in the trainer",
 			name, eg->g->name);
 		return -SHARDD_E_STATE;
 	}
 	if (sqe->step == 0)
-		eng_fmt(err, errlen, "shardd: %s(group '%s'): step = 0; steps are numbered from 1", name, eg->g->name);
+		eng_fmt(err, errlen, "shardd: %s(group '%s'): step = 0; steps are numbered from 1",
+			name, eg->g->name);
 	else if (!(lr >= 0) || lr > 1e300)
-		eng_fmt(err, errlen, "shardd: %s(group '%s', step %llu): lr = %g; the learning rate must be "
-			"finite and >= 0", name, eg->g->name, (unsigned long long)sqe->step, lr);
+		eng_fmt(err, errlen,
+			"shardd: %s(group '%s', step %llu): lr = %g; the learning rate must be "
+			"finite and >= 0",
+			name, eg->g->name, (unsigned long long)sqe->step, lr);
 	else if ((sqe->flags & SHARDD_STEP_CLIP) && (sqe->flags & SHARDD_STEP_CLIP_JOB))
-		eng_fmt(err, errlen, "shardd: %s(group '%s', step %llu): flags = 0x%x has both SHARDD_STEP_CLIP "
-			"(a coefficient) and SHARDD_STEP_CLIP_JOB (max_norm): give one", name, eg->g->name,
-			(unsigned long long)sqe->step, sqe->flags);
+		eng_fmt(err, errlen,
+			"shardd: %s(group '%s', step %llu): flags = 0x%x has both SHARDD_STEP_CLIP "
+			"(a coefficient) and SHARDD_STEP_CLIP_JOB (max_norm): give one",
+			name, eg->g->name, (unsigned long long)sqe->step, sqe->flags);
 	else if ((sqe->flags & SHARDD_STEP_CLIP_JOB) && !(max_norm > 0 && isfinite(max_norm)))
-		eng_fmt(err, errlen, "shardd: %s(group '%s', step %llu): max_norm = %g (sqe.arg[%d] with "
-			"SHARDD_STEP_CLIP_JOB); it must be finite and > 0", name, eg->g->name,
-			(unsigned long long)sqe->step, max_norm, SHARDD_SQE_STEP_CLIP);
+		eng_fmt(err, errlen,
+			"shardd: %s(group '%s', step %llu): max_norm = %g (sqe.arg[%d] with "
+			"SHARDD_STEP_CLIP_JOB); it must be finite and > 0",
+			name, eg->g->name, (unsigned long long)sqe->step, max_norm,
+			SHARDD_SQE_STEP_CLIP);
 	else if (!(clip >= 0) || clip > 1e30)
-		eng_fmt(err, errlen, "shardd: %s(group '%s', step %llu): clip coefficient = %g; it must be "
+		eng_fmt(err, errlen,
+			"shardd: %s(group '%s', step %llu): clip coefficient = %g; it must be "
 			"finite and >= 0 (clip_grad_norm_'s max_norm / (total_norm + 1e-6), at most 1)",
 			name, eg->g->name, (unsigned long long)sqe->step, clip);
-	else if (sqe->op == SHARDD_OP_STEP && !(sqe->flags & (SHARDD_STEP_CLIP | SHARDD_STEP_CLIP_JOB)) &&
+	else if (sqe->op == SHARDD_OP_STEP &&
+		 !(sqe->flags & (SHARDD_STEP_CLIP | SHARDD_STEP_CLIP_JOB)) &&
 		 sqe->arg[SHARDD_SQE_STEP_CLIP])
-		eng_fmt(err, errlen, "shardd: %s(group '%s', step %llu): sqe.arg[%d] = 0x%llx without "
-			"SHARDD_STEP_CLIP or SHARDD_STEP_CLIP_JOB: set a flag or leave it 0", name, eg->g->name,
-			(unsigned long long)sqe->step, SHARDD_SQE_STEP_CLIP,
+		eng_fmt(err, errlen,
+			"shardd: %s(group '%s', step %llu): sqe.arg[%d] = 0x%llx without "
+			"SHARDD_STEP_CLIP or SHARDD_STEP_CLIP_JOB: set a flag or leave it 0",
+			name, eg->g->name, (unsigned long long)sqe->step, SHARDD_SQE_STEP_CLIP,
 			(unsigned long long)sqe->arg[SHARDD_SQE_STEP_CLIP]);
-	else if (sqe->op == SHARDD_OP_REDUCE && eng_mesh_replicate(eg->j) > 1 && !(sqe->flags & SHARDD_REDUCE_ALL_REDUCE))
-		eng_fmt(err, errlen, "shardd: reduce(group '%s', step %llu): flags = 0x%x: SHARDD_REDUCE_STEP without "
+	else if (sqe->op == SHARDD_OP_REDUCE && eng_mesh_replicate(eg->j) > 1 &&
+		 !(sqe->flags & SHARDD_REDUCE_ALL_REDUCE))
+		eng_fmt(err, errlen,
+			"shardd: reduce(group '%s', step %llu): flags = 0x%x: SHARDD_REDUCE_STEP without "
 			"SHARDD_REDUCE_ALL_REDUCE under HSDP (replicate %u): the grads are not final until the "
-			"all-reduce; step with the reduce that all-reduces", eg->g->name,
-			(unsigned long long)sqe->step, sqe->flags, eng_mesh_replicate(eg->j));
+			"all-reduce; step with the reduce that all-reduces",
+			eg->g->name, (unsigned long long)sqe->step, sqe->flags,
+			eng_mesh_replicate(eg->j));
 	else
 		return 0;
 	return -SHARDD_E_INVALID;
@@ -124,26 +140,30 @@ static int step_replay(const struct eng_group *eg, struct eng_op *op, char *err,
 {
 	const struct shardd_sqe *sqe = &op->sqe, *rec = &eg->last_sub;
 
-	if (sqe->flags != SHARDD_STEP_REPLAY || sqe->arg[SHARDD_SQE_STEP_LR] || sqe->arg[SHARDD_SQE_STEP_CLIP]) {
-		eng_fmt(err, errlen, "shardd: step(group '%s', step %llu): flags = 0x%x, sqe.arg[%d] = 0x%llx, "
+	if (sqe->flags != SHARDD_STEP_REPLAY || sqe->arg[SHARDD_SQE_STEP_LR] ||
+	    sqe->arg[SHARDD_SQE_STEP_CLIP]) {
+		eng_fmt(err, errlen,
+			"shardd: step(group '%s', step %llu): flags = 0x%x, sqe.arg[%d] = 0x%llx, "
 			"sqe.arg[%d] = 0x%llx: SHARDD_STEP_REPLAY takes no other flag, lr or clip word (it "
-			"applies those another rank of the group submitted)", eg->g->name,
-			(unsigned long long)sqe->step, sqe->flags, SHARDD_SQE_STEP_LR,
+			"applies those another rank of the group submitted)",
+			eg->g->name, (unsigned long long)sqe->step, sqe->flags, SHARDD_SQE_STEP_LR,
 			(unsigned long long)sqe->arg[SHARDD_SQE_STEP_LR], SHARDD_SQE_STEP_CLIP,
 			(unsigned long long)sqe->arg[SHARDD_SQE_STEP_CLIP]);
 		return -SHARDD_E_INVALID;
 	}
 	if (rec->step != sqe->step) {
-		eng_fmt(err, errlen, "shardd: step(group '%s', step %llu) with SHARDD_STEP_REPLAY on rank %u: no "
+		eng_fmt(err, errlen,
+			"shardd: step(group '%s', step %llu) with SHARDD_STEP_REPLAY on rank %u: no "
 			"rank of the group submitted step %llu (the last step submitted to it is %llu); replay "
-			"only the step the other ranks took (the GROUP reply's peer_last_step)", eg->g->name,
-			(unsigned long long)sqe->step, op->rank, (unsigned long long)sqe->step,
-			(unsigned long long)rec->step);
+			"only the step the other ranks took (the GROUP reply's peer_last_step)",
+			eg->g->name, (unsigned long long)sqe->step, op->rank,
+			(unsigned long long)sqe->step, (unsigned long long)rec->step);
 		return -SHARDD_E_STATE;
 	}
 	op->sqe.flags = rec->op == SHARDD_OP_STEP ? rec->flags : 0;
 	op->sqe.arg[SHARDD_SQE_STEP_LR] = rec->arg[SHARDD_SQE_STEP_LR];
-	op->sqe.arg[SHARDD_SQE_STEP_CLIP] = rec->op == SHARDD_OP_STEP ? rec->arg[SHARDD_SQE_STEP_CLIP] : 0;
+	op->sqe.arg[SHARDD_SQE_STEP_CLIP] =
+		rec->op == SHARDD_OP_STEP ? rec->arg[SHARDD_SQE_STEP_CLIP] : 0;
 	return 0;
 }
 
@@ -168,13 +188,16 @@ static int step_job(const struct eng_group *eg, struct eng_op *op, char *err, si
 
 		for (uint32_t i = 0; i < SHARDD_GRAD_NORM_KEPT; i++)
 			if (eg->j->gnorm[i].step && off < sizeof(kept))
-				off += (size_t)snprintf(kept + off, sizeof(kept) - off, "%s%llu", off ? ", " : "",
+				off += (size_t)snprintf(kept + off, sizeof(kept) - off, "%s%llu",
+							off ? ", " : "",
 							(unsigned long long)eg->j->gnorm[i].step);
-		eng_fmt(err, errlen, "shardd: step(group '%s', step %llu): flags = 0x%x need the job's grad_norm of "
+		eng_fmt(err, errlen,
+			"shardd: step(group '%s', step %llu): flags = 0x%x need the job's grad_norm of "
 			"step %llu, and the daemon holds none (it keeps the last %d: %s); every rank calls "
-			"grad_norm(step %llu) after the step's reduces, then steps", eg->g->name,
-			(unsigned long long)sqe->step, sqe->flags, (unsigned long long)sqe->step,
-			SHARDD_GRAD_NORM_KEPT, off ? kept : "none", (unsigned long long)sqe->step);
+			"grad_norm(step %llu) after the step's reduces, then steps",
+			eg->g->name, (unsigned long long)sqe->step, sqe->flags,
+			(unsigned long long)sqe->step, SHARDD_GRAD_NORM_KEPT, off ? kept : "none",
+			(unsigned long long)sqe->step);
 		return -SHARDD_E_STATE;
 	}
 	op->job_skip = (sqe->flags & SHARDD_STEP_SKIP_JOB_NONFINITE) && rec->nonfinite;
@@ -184,10 +207,12 @@ static int step_job(const struct eng_group *eg, struct eng_op *op, char *err, si
 	op->job_clip = shd_clip_coefficient(rec->norm, max_norm);
 	op->job_clip_set = 1;
 	if (isnan(op->job_clip)) {
-		eng_fmt(err, errlen, "shardd: step(group '%s', step %llu): the job's grad_norm of step %llu is %g, "
+		eng_fmt(err, errlen,
+			"shardd: step(group '%s', step %llu): the job's grad_norm of step %llu is %g, "
 			"so the clip coefficient is NaN and would turn every param into NaN; add "
-			"SHARDD_STEP_SKIP_JOB_NONFINITE to skip such a step on every rank", eg->g->name,
-			(unsigned long long)sqe->step, (unsigned long long)sqe->step, rec->norm);
+			"SHARDD_STEP_SKIP_JOB_NONFINITE to skip such a step on every rank",
+			eg->g->name, (unsigned long long)sqe->step, (unsigned long long)sqe->step,
+			rec->norm);
 		return -SHARDD_E_INVALID;
 	}
 	return 0;
@@ -203,7 +228,8 @@ static void step_remember(struct eng_group *eg, const struct shardd_sqe *sqe)
 int eng_step_admit(struct eng_group *eg, struct eng_op *op, char *err, size_t errlen)
 {
 	int step = op->sqe.op == SHARDD_OP_STEP;
-	int ret = step && (op->sqe.flags & SHARDD_STEP_REPLAY) ? step_replay(eg, op, err, errlen) : 0;
+	int ret =
+		step && (op->sqe.flags & SHARDD_STEP_REPLAY) ? step_replay(eg, op, err, errlen) : 0;
 
 	if (!ret)
 		ret = step_check(eg, &op->sqe, err, errlen);

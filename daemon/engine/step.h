@@ -43,15 +43,15 @@ int eng_step_admit(struct eng_group *eg, struct eng_op *op, char *err, size_t er
 
 enum eng_step_verdict {
 	ENG_STEP_APPLY = 1, /* run the optimizer on the shard as the plan says */
-	ENG_STEP_SKIP_JOB,  /* the job's grad_norm of the step was non-finite: no update, the grad cleared */
-	ENG_STEP_ALREADY,   /* a step at or above this one was applied or skipped: nothing changes */
+	ENG_STEP_SKIP_JOB, /* the job's grad_norm of the step was non-finite: no update, the grad cleared */
+	ENG_STEP_ALREADY, /* a step at or above this one was applied or skipped: nothing changes */
 };
 
 /* What one rank's step does, decided in its group's task. */
 struct eng_step_plan {
 	enum eng_step_verdict verdict;
 	double lr;
-	float grad_scale;   /* the clip coefficient: the rank's (SHARDD_STEP_CLIP), the job's, or 1 */
+	float grad_scale; /* the clip coefficient: the rank's (SHARDD_STEP_CLIP), the job's, or 1 */
 	int skip_nonfinite; /* SHARDD_STEP_SKIP_NONFINITE: the kernel skips on a non-finite grad */
 	uint64_t update;    /* the number of the update it applies (torch's state['step']) */
 };

@@ -161,7 +161,9 @@ static void reduce_math(const struct eng_group *eg, uint32_t n, struct shardd_re
 	double pre, post;
 
 	shardd_divide_factors(n, g->reduce_dtype, &pre, &post);
-	*rs = (struct shardd_reduce_math){ .reduce_dtype = g->reduce_dtype, .pre = 1, .avg = 1, .post = 1 };
+	*rs = (struct shardd_reduce_math){
+		.reduce_dtype = g->reduce_dtype, .pre = 1, .avg = 1, .post = 1
+	};
 	*ar = *rs;
 	if (pre == 0) {
 		rs->avg = (float)eng_mesh_shard(eg->j);
@@ -184,10 +186,19 @@ static int task_reduce_scatter(struct eng_task *t, uint32_t u, const struct shd_
 	struct shd_backend_ctx *b = t->eg->j->e->backend;
 	struct shd_buf *grads[SHARDD_MAX_WORLD];
 	struct shd_reduce_args a = {
-		.job = t->eg->j->bj, .layout = &g->layout, .src = SHD_REDUCE_SRC_GRAD, .n = g->shard,
-		.grads = grads, .outs = outs, .adds = adds, .accumulate = accumulate,
-		.reduce_offsets = g->reduce_offsets, .reduce_shard_size = g->reduce_shard_size, .math = *m,
-		.err = t->why, .errlen = sizeof(t->why),
+		.job = t->eg->j->bj,
+		.layout = &g->layout,
+		.src = SHD_REDUCE_SRC_GRAD,
+		.n = g->shard,
+		.grads = grads,
+		.outs = outs,
+		.adds = adds,
+		.accumulate = accumulate,
+		.reduce_offsets = g->reduce_offsets,
+		.reduce_shard_size = g->reduce_shard_size,
+		.math = *m,
+		.err = t->why,
+		.errlen = sizeof(t->why),
 	};
 
 	for (uint32_t k = 0; k < g->shard; k++)
@@ -206,7 +217,8 @@ static int task_partials(struct eng_task *t, uint32_t u, const struct shardd_red
 	for (uint32_t s = 0; s < g->shard; s++) {
 		uint32_t r = u * g->shard + s;
 
-		outs[s] = (struct shd_shard_view){ &g->partials[r], g->reduce_offsets, g->reduce_dtype };
+		outs[s] = (struct shd_shard_view){ &g->partials[r], g->reduce_offsets,
+						   g->reduce_dtype };
 		/* partial = round(rs + partial): FSDP2 accumulates in the reduce dtype before any all-reduce. */
 		adds[s] = g->partial_present[r] ? outs[s] : (struct shd_shard_view){ 0 };
 	}
@@ -236,7 +248,8 @@ static int task_reduce(struct eng_task *t)
 			return ret;
 		}
 		for (uint32_t s = 0; s < g->shard; s++)
-			outs[s] = (struct shd_shard_view){ &g->sharded_grads[s], g->shard_offsets, SHARDD_DTYPE_NONE };
+			outs[s] = (struct shd_shard_view){ &g->sharded_grads[s], g->shard_offsets,
+							   SHARDD_DTYPE_NONE };
 		ret = task_reduce_scatter(t, 0, outs, NULL, g->grad_present, &rs);
 		if (!ret)
 			memset(g->grad_present, 1, g->shard);
@@ -257,18 +270,29 @@ static int task_reduce(struct eng_task *t)
 	/* The all-reduce of each shard index over its replicate group: every replica gets the sum. */
 	for (uint32_t s = 0; s < g->shard && !ret; s++) {
 		struct shd_reduce_args a = {
-			.job = t->eg->j->bj, .layout = &g->layout, .src = SHD_REDUCE_SRC_SHARD,
-			.n = g->replicate, .views = views, .shard_rank = s, .in_dtype = g->reduce_dtype,
-			.outs = outs, .accumulate = accumulate, .reduce_offsets = g->reduce_offsets,
-			.reduce_shard_size = g->reduce_shard_size, .math = ar, .err = t->why,
+			.job = t->eg->j->bj,
+			.layout = &g->layout,
+			.src = SHD_REDUCE_SRC_SHARD,
+			.n = g->replicate,
+			.views = views,
+			.shard_rank = s,
+			.in_dtype = g->reduce_dtype,
+			.outs = outs,
+			.accumulate = accumulate,
+			.reduce_offsets = g->reduce_offsets,
+			.reduce_shard_size = g->reduce_shard_size,
+			.math = ar,
+			.err = t->why,
 			.errlen = sizeof(t->why),
 		};
 
 		for (uint32_t u = 0; u < g->replicate; u++) {
 			uint32_t r = u * g->shard + s;
 
-			views[u] = (struct shd_shard_view){ &g->partials[r], g->reduce_offsets, g->reduce_dtype };
-			outs[u] = (struct shd_shard_view){ &g->sharded_grads[r], g->shard_offsets, SHARDD_DTYPE_NONE };
+			views[u] = (struct shd_shard_view){ &g->partials[r], g->reduce_offsets,
+							    g->reduce_dtype };
+			outs[u] = (struct shd_shard_view){ &g->sharded_grads[r], g->shard_offsets,
+							   SHARDD_DTYPE_NONE };
 			accumulate[u] = g->grad_present[r];
 		}
 		ret = b->ops->reduce(b, &a);
@@ -286,8 +310,13 @@ static int task_unshard(struct eng_task *t)
 	struct shd_backend_ctx *b = t->eg->j->e->backend;
 	struct shd_buf *shards[SHARDD_MAX_WORLD], *unsharded[SHARDD_MAX_WORLD];
 	struct shd_unshard_args a = {
-		.job = t->eg->j->bj, .layout = &g->layout, .nshards = g->shard, .shards = shards,
-		.unsharded = unsharded, .err = t->why, .errlen = sizeof(t->why),
+		.job = t->eg->j->bj,
+		.layout = &g->layout,
+		.nshards = g->shard,
+		.shards = shards,
+		.unsharded = unsharded,
+		.err = t->why,
+		.errlen = sizeof(t->why),
 	};
 
 	if (eng_world_fsdp(t->eg->j))
@@ -317,8 +346,14 @@ static int task_step(struct eng_task *t, struct eng_op *op)
 	struct eng_step_plan p;
 	int skipped = 0, ret;
 	struct shd_step_args a = {
-		.layout = &g->layout, .shard_rank = shd_group_shard_rank(g, r), .kind = o->kind, .shard = &g->shards[r],
-		.grad = &g->sharded_grads[r], .skipped = &skipped, .err = t->why, .errlen = sizeof(t->why),
+		.layout = &g->layout,
+		.shard_rank = shd_group_shard_rank(g, r),
+		.kind = o->kind,
+		.shard = &g->shards[r],
+		.grad = &g->sharded_grads[r],
+		.skipped = &skipped,
+		.err = t->why,
+		.errlen = sizeof(t->why),
 	};
 
 	ret = eng_step_plan(g, op, &p, t->msg, sizeof(t->msg));
@@ -334,17 +369,26 @@ static int task_step(struct eng_task *t, struct eng_op *op)
 			a.state[k] = &g->optim_state[k][r];
 		if (o->kind == SHARDD_OPTIM_SGD)
 			a.sgd = (struct shardd_sgd){
-				.step = p.update, .lr = p.lr, .momentum = o->momentum,
-				.dampening = o->dampening, .weight_decay = o->weight_decay,
+				.step = p.update,
+				.lr = p.lr,
+				.momentum = o->momentum,
+				.dampening = o->dampening,
+				.weight_decay = o->weight_decay,
 				.nesterov = !!(o->flags & SHARDD_OPTIM_NESTEROV),
-				.maximize = !!(o->flags & SHARDD_OPTIM_MAXIMIZE), .grad_scale = p.grad_scale,
+				.maximize = !!(o->flags & SHARDD_OPTIM_MAXIMIZE),
+				.grad_scale = p.grad_scale,
 			};
 		else
 			a.adamw = (struct shardd_adamw){
-				.step = p.update, .lr = p.lr, .beta1 = o->beta1, .beta2 = o->beta2,
-				.eps = o->eps, .weight_decay = o->weight_decay,
+				.step = p.update,
+				.lr = p.lr,
+				.beta1 = o->beta1,
+				.beta2 = o->beta2,
+				.eps = o->eps,
+				.weight_decay = o->weight_decay,
 				.amsgrad = !!(o->flags & SHARDD_OPTIM_AMSGRAD),
-				.maximize = !!(o->flags & SHARDD_OPTIM_MAXIMIZE), .grad_scale = p.grad_scale,
+				.maximize = !!(o->flags & SHARDD_OPTIM_MAXIMIZE),
+				.grad_scale = p.grad_scale,
 			};
 		ret = b->ops->step(b, &a);
 		if (ret)
@@ -443,7 +487,8 @@ static int task_compute(struct eng_task *t)
 	case TASK_STEP:
 		return task_step(t, &t->ops[0]);
 	case TASK_ZERO_GRAD:
-		ret = b->ops->zero(b, &g->sharded_grads[t->rank], 0, g->sharded_grads[t->rank].bytes);
+		ret = b->ops->zero(b, &g->sharded_grads[t->rank], 0,
+				   g->sharded_grads[t->rank].bytes);
 		if (!ret)
 			g->grad_present[t->rank] = 0;
 		return ret;
@@ -482,9 +527,13 @@ static void task_exec(struct eng_task *t)
 	}
 	t->res = ret;
 	if (ret)
-		eng_fmt(t->msg, sizeof(t->msg), "shardd: %s(group '%s', step %llu): the %s backend failed: %s",
-			shd_op_info(t->ops[0].sqe.op)->name, g->name, (unsigned long long)t->ops[0].sqe.step,
-			b->ops->name, t->why[0] ? t->why : ret > -SHARDD_E_BASE ? strerror(-ret) : "backend error");
+		eng_fmt(t->msg, sizeof(t->msg),
+			"shardd: %s(group '%s', step %llu): the %s backend failed: %s",
+			shd_op_info(t->ops[0].sqe.op)->name, g->name,
+			(unsigned long long)t->ops[0].sqe.step, b->ops->name,
+			t->why[0]              ? t->why
+			: ret > -SHARDD_E_BASE ? strerror(-ret)
+					       : "backend error");
 }
 
 /* ------------------------------------------------------------------ */
@@ -572,7 +621,7 @@ void eng_task_wait_finished(struct shd_engine *e, struct eng_task *t)
 	while (!t->finished)
 		pthread_cond_wait(&e->finished, &e->lock);
 	e->fin_tail = NULL;
-	for (pp = &e->fin_head; *pp; ) {
+	for (pp = &e->fin_head; *pp;) {
 		if (*pp == t) {
 			*pp = t->next;
 		} else {

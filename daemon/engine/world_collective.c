@@ -107,9 +107,14 @@ static struct shd_world_boot span_of(struct eng_task *t)
 	struct eng_group *eg = t->eg;
 	const struct shd_engine_job *j = eg->j;
 	struct shd_world_boot s = {
-		.layout = eng_world_fsdp(j) ? SHD_WORLD_FSDP : SHD_WORLD_HSDP, .nodes = j->span_nodes,
-		.node = j->span_node, .local = j->world, .key = eng_world_key(eg), .seq = eg->span_seq,
-		.check = eng_world_check(t), .timeout_ns = j->e->timeout_ns,
+		.layout = eng_world_fsdp(j) ? SHD_WORLD_FSDP : SHD_WORLD_HSDP,
+		.nodes = j->span_nodes,
+		.node = j->span_node,
+		.local = j->world,
+		.key = eng_world_key(eg),
+		.seq = eg->span_seq,
+		.check = eng_world_check(t),
+		.timeout_ns = j->e->timeout_ns,
 	};
 
 	eg->span_seq += SHD_WORLD_SEQS;
@@ -125,16 +130,27 @@ static int span_backend_allreduce(struct eng_task *t, const struct shardd_reduce
 	uint8_t accumulate[SHARDD_MAX_WORLD];
 	struct shd_world_boot span = span_of(t);
 	struct shd_reduce_args a = {
-		.job = t->eg->j->bj, .layout = &g->layout, .src = SHD_REDUCE_SRC_SHARD, .n = g->shard,
-		.views = views, .in_dtype = g->reduce_dtype, .outs = outs, .accumulate = accumulate,
-		.reduce_offsets = g->reduce_offsets, .reduce_shard_size = g->reduce_shard_size, .math = *ar,
-		.err = t->why, .errlen = sizeof(t->why),
+		.job = t->eg->j->bj,
+		.layout = &g->layout,
+		.src = SHD_REDUCE_SRC_SHARD,
+		.n = g->shard,
+		.views = views,
+		.in_dtype = g->reduce_dtype,
+		.outs = outs,
+		.accumulate = accumulate,
+		.reduce_offsets = g->reduce_offsets,
+		.reduce_shard_size = g->reduce_shard_size,
+		.math = *ar,
+		.err = t->why,
+		.errlen = sizeof(t->why),
 	};
 	int ret;
 
 	for (uint32_t s = 0; s < g->shard; s++) {
-		views[s] = (struct shd_shard_view){ &g->partials[s], g->reduce_offsets, g->reduce_dtype };
-		outs[s] = (struct shd_shard_view){ &g->sharded_grads[s], g->shard_offsets, SHARDD_DTYPE_NONE };
+		views[s] = (struct shd_shard_view){ &g->partials[s], g->reduce_offsets,
+						    g->reduce_dtype };
+		outs[s] = (struct shd_shard_view){ &g->sharded_grads[s], g->shard_offsets,
+						   SHARDD_DTYPE_NONE };
 		accumulate[s] = g->grad_present[s];
 	}
 	ret = b->ops->span_reduce(b, &span, &a);
@@ -151,8 +167,13 @@ static int span_backend_unshard(struct eng_task *t)
 	struct shd_buf *shards[SHARDD_MAX_WORLD], *unsharded[SHARDD_MAX_WORLD];
 	struct shd_world_boot span = span_of(t);
 	struct shd_unshard_args a = {
-		.job = t->eg->j->bj, .layout = &g->layout, .nshards = g->shard, .shards = shards,
-		.unsharded = unsharded, .err = t->why, .errlen = sizeof(t->why),
+		.job = t->eg->j->bj,
+		.layout = &g->layout,
+		.nshards = g->shard,
+		.shards = shards,
+		.unsharded = unsharded,
+		.err = t->why,
+		.errlen = sizeof(t->why),
 	};
 
 	for (uint32_t s = 0; s < g->shard; s++) {
@@ -171,14 +192,24 @@ static int span_backend_reduce_scatter(struct eng_task *t, const struct shardd_r
 	struct shd_shard_view outs[SHARDD_MAX_WORLD];
 	struct shd_world_boot span = span_of(t);
 	struct shd_reduce_args a = {
-		.job = t->eg->j->bj, .layout = &g->layout, .src = SHD_REDUCE_SRC_GRAD, .n = g->shard,
-		.grads = grads, .outs = outs, .accumulate = g->grad_present, .reduce_offsets = g->reduce_offsets,
-		.reduce_shard_size = g->reduce_shard_size, .math = *rs, .err = t->why, .errlen = sizeof(t->why),
+		.job = t->eg->j->bj,
+		.layout = &g->layout,
+		.src = SHD_REDUCE_SRC_GRAD,
+		.n = g->shard,
+		.grads = grads,
+		.outs = outs,
+		.accumulate = g->grad_present,
+		.reduce_offsets = g->reduce_offsets,
+		.reduce_shard_size = g->reduce_shard_size,
+		.math = *rs,
+		.err = t->why,
+		.errlen = sizeof(t->why),
 	};
 
 	for (uint32_t s = 0; s < g->shard; s++) {
 		grads[s] = &g->grads[s];
-		outs[s] = (struct shd_shard_view){ &g->sharded_grads[s], g->shard_offsets, SHARDD_DTYPE_NONE };
+		outs[s] = (struct shd_shard_view){ &g->sharded_grads[s], g->shard_offsets,
+						   SHARDD_DTYPE_NONE };
 	}
 	return b->ops->span_reduce(b, &span, &a);
 }

@@ -66,7 +66,7 @@ static void span_orphan_add(struct shd_engine *e, struct shd_world_buf *b, uint6
 
 void eng_world_orphans_sweep(struct shd_engine *e)
 {
-	for (struct eng_world_orphan **pp = &e->span_orphans; *pp; ) {
+	for (struct eng_world_orphan **pp = &e->span_orphans; *pp;) {
 		struct eng_world_orphan *o = *pp;
 
 		if (shd_world_buf_busy(o->b)) {
@@ -121,7 +121,8 @@ void eng_world_buf_ready(struct eng_group *eg)
 		"MPI still holds this group's inter-node buffer (%s), sent to a node that stopped answering, "
 		"and another does not fit (%s of --max-memory %s held); retry once that node answers, "
 		"or raise --max-memory",
-		shd_memlimit_str(bytes, need, sizeof(need)), shd_memlimit_str(e->mem_committed, used, sizeof(used)),
+		shd_memlimit_str(bytes, need, sizeof(need)),
+		shd_memlimit_str(e->mem_committed, used, sizeof(used)),
 		shd_memlimit_str(max, lim, sizeof(lim)));
 	eg->span_nobuf = 1;
 }
@@ -177,8 +178,8 @@ static void span_who(const struct shd_engine_job *j, const uint8_t *missing, cha
 	for (uint32_t k = 0; k < j->span_nodes && off < len; k++) {
 		if (!missing[k])
 			continue;
-		off += (size_t)snprintf(buf + off, len - off, "%snode %u (ranks %u..%u)", off ? ", " : "", k,
-					k * L, k * L + L - 1);
+		off += (size_t)snprintf(buf + off, len - off, "%snode %u (ranks %u..%u)",
+					off ? ", " : "", k, k * L, k * L + L - 1);
 	}
 }
 
@@ -188,8 +189,8 @@ static void span_who(const struct shd_engine_job *j, const uint8_t *missing, cha
  * of this node get it, the nodes whose part is missing (died, stalled) or
  * disagreed, with their global ranks, and why (MPI's or the world's words).
  */
-void eng_world_fail(struct eng_task *t, const char *what, int ret, const uint8_t *missing, const char *why,
-		      const char *lost)
+void eng_world_fail(struct eng_task *t, const char *what, int ret, const uint8_t *missing,
+		    const char *why, const char *lost)
 {
 	const struct shd_engine_job *j = t->eg->j;
 	uint32_t L = j->world, n = j->span_node;
@@ -207,21 +208,26 @@ void eng_world_fail(struct eng_task *t, const char *what, int ret, const uint8_t
 		eng_fmt(detail, sizeof(detail), "%s is lost: %s", who, why);
 	else
 		eng_fmt(detail, sizeof(detail), "%s", why); /* the world's words name the node */
-	eng_fmt(t->msg, sizeof(t->msg), "shardd: %s(group '%s', step %llu): %s among %u nodes failed for ranks %u..%u "
-		"(node %u): %s%s%s", shardd_op_name(t->ops[0].sqe.op), t->eg->g->name,
-		(unsigned long long)t->ops[0].sqe.step, what, j->span_nodes, n * L, n * L + L - 1, n, detail,
-		ret == -SHARDD_E_TIMEOUT || ret == -SHARDD_E_PEER_DIED ? lost : "",
+	eng_fmt(t->msg, sizeof(t->msg),
+		"shardd: %s(group '%s', step %llu): %s among %u nodes failed for ranks %u..%u "
+		"(node %u): %s%s%s",
+		shardd_op_name(t->ops[0].sqe.op), t->eg->g->name,
+		(unsigned long long)t->ops[0].sqe.step, what, j->span_nodes, n * L, n * L + L - 1,
+		n, detail, ret == -SHARDD_E_TIMEOUT || ret == -SHARDD_E_PEER_DIED ? lost : "",
 		ret == -SHARDD_E_TIMEOUT || ret == -SHARDD_E_PEER_DIED
-			? "; check its daemon (dead: relaunch the world)" : "");
+			? "; check its daemon (dead: relaunch the world)"
+			: "");
 }
 
 /* The error of an op that found no inter-node buffer (eng_world_buf_ready) into t->msg. */
 int eng_world_nobuf(struct eng_task *t)
 {
 	eng_fmt(t->msg, sizeof(t->msg), "shardd: %s(group '%s', step %llu): %s",
-		shardd_op_name(t->ops[0].sqe.op), t->eg->g->name, (unsigned long long)t->ops[0].sqe.step,
-		t->eg->span_nobuf ? t->eg->span_nobuf_msg
-				  : "the group has no inter-node buffer (registered without a reduce dtype)");
+		shardd_op_name(t->ops[0].sqe.op), t->eg->g->name,
+		(unsigned long long)t->ops[0].sqe.step,
+		t->eg->span_nobuf
+			? t->eg->span_nobuf_msg
+			: "the group has no inter-node buffer (registered without a reduce dtype)");
 	return -SHARDD_E_NOMEM;
 }
 
@@ -253,9 +259,12 @@ int eng_world_mpi_allreduce(struct eng_task *t, const struct shardd_reduce_math 
 	struct shd_backend_ctx *b = j->e->backend;
 	uint32_t N = j->span_nodes, L = g->shard, rdt = g->reduce_dtype, me = j->span_node;
 	uint32_t wire = span_wire(rdt);
-	size_t P = g->reduce_shard_size, rsz = shardd_dtype_size(rdt), wsz = shardd_dtype_size(wire);
+	size_t P = g->reduce_shard_size, rsz = shardd_dtype_size(rdt),
+	       wsz = shardd_dtype_size(wire);
 	size_t E = P / rsz, T = (size_t)L * E, C;
-	const struct shardd_reduce_math sum = { .reduce_dtype = rdt, .pre = ar->pre, .avg = ar->avg, .post = 1 };
+	const struct shardd_reduce_math sum = {
+		.reduce_dtype = rdt, .pre = ar->pre, .avg = ar->avg, .post = 1
+	};
 	uint64_t seq = eg->span_seq, check = eng_world_check(t);
 	uint8_t *d1, *d2, missing[SHARDD_MAX_WORLD];
 	const void *in[SHARDD_MAX_WORLD];
@@ -283,8 +292,9 @@ int eng_world_mpi_allreduce(struct eng_task *t, const struct shardd_reduce_math 
 			shardd_k_cast(d1 + s * E * wsz, wire, src, rdt, E);
 	}
 	memset(d1 + T * wsz, 0, ((size_t)N * C - T) * wsz);
-	ret = shd_world_xchg(eng_world_key(eg), seq, check, eg->span_buf, 0, C * wsz, (size_t)N * C * wsz,
-			     C * wsz, shd_now_ns() + j->e->timeout_ns, missing, why, sizeof(why));
+	ret = shd_world_xchg(eng_world_key(eg), seq, check, eg->span_buf, 0, C * wsz,
+			     (size_t)N * C * wsz, C * wsz, shd_now_ns() + j->e->timeout_ns, missing,
+			     why, sizeof(why));
 	if (ret) {
 		eng_world_fail(t, "all-reduce", ret, missing, why, "; sharded grads not reduced");
 		return ret;
@@ -302,9 +312,9 @@ int eng_world_mpi_allreduce(struct eng_task *t, const struct shardd_reduce_math 
 	 * them and sent from there.
 	 */
 	shardd_k_reduce(d2 + (size_t)me * C * rsz, rdt, 0, in, N, wire, C, &sum);
-	ret = shd_world_xchg(eng_world_key(eg), seq + 1, check, eg->span_buf, (size_t)(d2 - d1) + (size_t)me * C * rsz,
-			     0, (size_t)(d2 - d1), C * rsz, shd_now_ns() + j->e->timeout_ns, missing, why,
-			     sizeof(why));
+	ret = shd_world_xchg(eng_world_key(eg), seq + 1, check, eg->span_buf,
+			     (size_t)(d2 - d1) + (size_t)me * C * rsz, 0, (size_t)(d2 - d1),
+			     C * rsz, shd_now_ns() + j->e->timeout_ns, missing, why, sizeof(why));
 	if (ret) {
 		eng_world_fail(t, "all-reduce", ret, missing, why, "; sharded grads not reduced");
 		return ret;
@@ -317,15 +327,28 @@ int eng_world_mpi_allreduce(struct eng_task *t, const struct shardd_reduce_math 
 	for (uint32_t s = 0; s < L && !ret; s++) {
 		struct shd_buf buf = { .bytes = P, .fd = -1, .priv = d2 + s * E * rsz };
 		struct shd_shard_view view = { &buf, g->reduce_offsets, rdt },
-				      out = { &g->sharded_grads[s], g->shard_offsets, SHARDD_DTYPE_NONE };
+				      out = { &g->sharded_grads[s], g->shard_offsets,
+					      SHARDD_DTYPE_NONE };
 		uint8_t accumulate = g->grad_present[s];
 		struct shd_reduce_args a = {
-			.job = j->bj, .layout = &g->layout, .src = SHD_REDUCE_SRC_SHARD, .n = 1,
-			.views = &view, .shard_rank = s, .in_dtype = rdt, .outs = &out,
-			.accumulate = &accumulate, .reduce_offsets = g->reduce_offsets,
+			.job = j->bj,
+			.layout = &g->layout,
+			.src = SHD_REDUCE_SRC_SHARD,
+			.n = 1,
+			.views = &view,
+			.shard_rank = s,
+			.in_dtype = rdt,
+			.outs = &out,
+			.accumulate = &accumulate,
+			.reduce_offsets = g->reduce_offsets,
 			.reduce_shard_size = g->reduce_shard_size,
-			.math = { .reduce_dtype = rdt, .pre = 1, .avg = 1, .add = ar->add, .post = ar->post },
-			.err = t->why, .errlen = sizeof(t->why),
+			.math = { .reduce_dtype = rdt,
+				  .pre = 1,
+				  .avg = 1,
+				  .add = ar->add,
+				  .post = ar->post },
+			.err = t->why,
+			.errlen = sizeof(t->why),
 		};
 
 		ret = b->ops->reduce(b, &a);
@@ -370,7 +393,8 @@ int eng_world_mpi_allreduce(struct eng_task *t, const struct shardd_reduce_math 
  * dtype, the fp32 total of one shard, and one param's grads of the node's
  * ranks rounded to the reduce dtype. *msg: the largest message.
  */
-static int span_fsdp_size(struct eng_group *eg, uint32_t wire, uint64_t *buf, uint64_t *scratch, uint64_t *msg)
+static int span_fsdp_size(struct eng_group *eg, uint32_t wire, uint64_t *buf, uint64_t *scratch,
+			  uint64_t *msg)
 {
 	struct shd_group *g = eg->g;
 	uint32_t L = g->shard, S = eg->j->span_shard, rdt = g->reduce_dtype;
@@ -415,8 +439,8 @@ int eng_world_group_init(struct eng_group *eg, char *err, size_t errlen)
 	int ret;
 
 	if (eng_world_fsdp(j)) {
-		ret = shd_layout_build(g->specs, g->hdr.nparams, j->span_shard, g->hdr.param_dtype, &l, err,
-				       errlen);
+		ret = shd_layout_build(g->specs, g->hdr.nparams, j->span_shard, g->hdr.param_dtype,
+				       &l, err, errlen);
 		if (ret)
 			return ret;
 		shd_layout_free(&g->layout);
@@ -425,8 +449,8 @@ int eng_world_group_init(struct eng_group *eg, char *err, size_t errlen)
 		for (uint32_t i = 0; i < g->hdr.nparams; i++)
 			g->shard_offsets[i] = l.params[i].shard_offset;
 		if (g->reduce_dtype != SHARDD_DTYPE_NONE)
-			g->reduce_shard_size = shd_placement_reduce_shard(&g->layout, g->reduce_dtype,
-									     g->reduce_offsets);
+			g->reduce_shard_size = shd_placement_reduce_shard(
+				&g->layout, g->reduce_dtype, g->reduce_offsets);
 	}
 	/* A backend that crosses nodes itself (cuda: NCCL) needs no host exchange buffers. */
 	if (j->e->backend->ops->span_reduce) {
@@ -449,7 +473,8 @@ int eng_world_group_init(struct eng_group *eg, char *err, size_t errlen)
 			"group would be %s (%llu bytes), past MPI's count limit of %s (%d bytes); register "
 			"smaller groups (split the params over more groups)",
 			g->name, j->name, j->span_nodes, shd_memlimit_str(msg, a, sizeof(a)),
-			(unsigned long long)msg, shd_memlimit_str(INT32_MAX, b, sizeof(b)), INT32_MAX);
+			(unsigned long long)msg, shd_memlimit_str(INT32_MAX, b, sizeof(b)),
+			INT32_MAX);
 		return -EINVAL;
 	}
 	eg->span_buf_bytes = buf;
@@ -478,8 +503,8 @@ int eng_world_group_alloc(struct eng_group *eg, char *err, size_t errlen)
 	g->internode_held = g->internode_size;
 	return 0;
 nomem:
-	eng_fmt(err, errlen, "register group '%s': out of memory for its %s of inter-node buffers", g->name,
-		shd_memlimit_str(g->internode_size, need, sizeof(need)));
+	eng_fmt(err, errlen, "register group '%s': out of memory for its %s of inter-node buffers",
+		g->name, shd_memlimit_str(g->internode_size, need, sizeof(need)));
 	return -ENOMEM;
 }
 
@@ -507,11 +532,17 @@ int eng_world_mpi_unshard(struct eng_task *t)
 	struct shd_backend_ctx *b = j->e->backend;
 	uint32_t L = g->shard, S = j->span_shard;
 	size_t Z = g->layout.shard_size, bytes = (size_t)L * Z;
-	struct shd_buf bufs[SHARDD_MAX_WORLD], *shards[SHARDD_MAX_WORLD], *unsharded[SHARDD_MAX_WORLD];
+	struct shd_buf bufs[SHARDD_MAX_WORLD], *shards[SHARDD_MAX_WORLD],
+		*unsharded[SHARDD_MAX_WORLD];
 	uint8_t missing[SHARDD_MAX_WORLD], *chunks, *mine;
 	struct shd_unshard_args a = {
-		.job = j->bj, .layout = &g->layout, .nshards = S, .shards = shards,
-		.unsharded = unsharded, .err = t->why, .errlen = sizeof(t->why),
+		.job = j->bj,
+		.layout = &g->layout,
+		.nshards = S,
+		.shards = shards,
+		.unsharded = unsharded,
+		.err = t->why,
+		.errlen = sizeof(t->why),
 	};
 	uint64_t seq = eg->span_seq++;
 	char why[384];
@@ -524,8 +555,9 @@ int eng_world_mpi_unshard(struct eng_task *t)
 	mine = chunks + (size_t)j->span_node * bytes;
 	for (uint32_t s = 0; s < L; s++)
 		memcpy(mine + s * Z, g->shards[s].priv, Z);
-	ret = shd_world_xchg(eng_world_key(eg), seq, eng_world_check(t), eg->span_buf, (size_t)(mine - chunks), 0, 0,
-			     bytes, shd_now_ns() + j->e->timeout_ns, missing, why, sizeof(why));
+	ret = shd_world_xchg(eng_world_key(eg), seq, eng_world_check(t), eg->span_buf,
+			     (size_t)(mine - chunks), 0, 0, bytes, shd_now_ns() + j->e->timeout_ns,
+			     missing, why, sizeof(why));
 	if (ret) {
 		eng_world_fail(t, "exchange", ret, missing, why, "");
 		return ret;
@@ -544,13 +576,17 @@ int eng_world_mpi_unshard(struct eng_task *t)
  * and pre-divided (math.pre) first, as one daemon would, in `tmp` (room
  * for the node's ranks' grads of the largest param in the reduce dtype).
  */
-static void span_node_sums(struct eng_task *t, const struct shardd_reduce_math *rs, const uint64_t *off32,
-			   size_t F, uint8_t *sums, uint8_t *tmp)
+static void span_node_sums(struct eng_task *t, const struct shardd_reduce_math *rs,
+			   const uint64_t *off32, size_t F, uint8_t *sums, uint8_t *tmp)
 {
 	struct shd_group *g = t->eg->g;
 	uint32_t L = g->shard, S = t->eg->j->span_shard, rdt = g->reduce_dtype;
-	const struct shardd_reduce_math sum = { .reduce_dtype = SHARDD_DTYPE_FP32, .pre = 1, .avg = 1, .post = 1 };
-	const struct shardd_reduce_math prep = { .reduce_dtype = rdt, .pre = rs->pre, .avg = 1, .post = 1 };
+	const struct shardd_reduce_math sum = {
+		.reduce_dtype = SHARDD_DTYPE_FP32, .pre = 1, .avg = 1, .post = 1
+	};
+	const struct shardd_reduce_math prep = {
+		.reduce_dtype = rdt, .pre = rs->pre, .avg = 1, .post = 1
+	};
 
 	/* Padding rows and the gaps between params are zero, as in a fresh buffer. */
 	memset(sums, 0, (size_t)S * F);
@@ -569,7 +605,8 @@ static void span_node_sums(struct eng_task *t, const struct shardd_reduce_math *
 			for (uint32_t k = 0; k < L; k++) {
 				const void *src = in[k];
 
-				shardd_k_reduce(tmp + k * p->numel * rsz, rdt, 0, &src, 1, p->grad_dtype, p->numel, &prep);
+				shardd_k_reduce(tmp + k * p->numel * rsz, rdt, 0, &src, 1,
+						p->grad_dtype, p->numel, &prep);
 				in[k] = tmp + k * p->numel * rsz;
 			}
 			idt = rdt;
@@ -579,14 +616,16 @@ static void span_node_sums(struct eng_task *t, const struct shardd_reduce_math *
 			uint64_t valid = shd_layout_rows_valid(p, r);
 
 			for (uint64_t o = 0; o < p->outer && valid; o++) {
-				uint64_t e = o * p->dim * p->inner + (uint64_t)r * p->rows * p->inner;
+				uint64_t e =
+					o * p->dim * p->inner + (uint64_t)r * p->rows * p->inner;
 				uint64_t at = o * p->rows * p->inner;
 				const void *src[SHARDD_MAX_WORLD];
 
 				for (uint32_t k = 0; k < L; k++)
 					src[k] = (const uint8_t *)in[k] + e * gs;
-				shardd_k_reduce(sums + r * F + off32[i] + at * sizeof(float), SHARDD_DTYPE_FP32, 0,
-						src, L, idt, valid * p->inner, &sum);
+				shardd_k_reduce(sums + r * F + off32[i] + at * sizeof(float),
+						SHARDD_DTYPE_FP32, 0, src, L, idt, valid * p->inner,
+						&sum);
 			}
 		}
 	}
@@ -602,7 +641,8 @@ int eng_world_mpi_reduce_scatter(struct eng_task *t, const struct shardd_reduce_
 	uint32_t N = j->span_nodes, L = g->shard, S = j->span_shard, rdt = g->reduce_dtype;
 	uint32_t wire = span_wire(rdt);
 	const uint64_t *off32 = eg->span_off32;
-	size_t F = eg->span_F, E = F / sizeof(float), wsz = E * shardd_dtype_size(wire), bytes = (size_t)L * wsz;
+	size_t F = eg->span_F, E = F / sizeof(float), wsz = E * shardd_dtype_size(wire),
+	       bytes = (size_t)L * wsz;
 	uint8_t *send, *recv, *sums, *tot, missing[SHARDD_MAX_WORLD];
 	uint64_t seq = eg->span_seq++;
 	struct shd_buf tot_buf;
@@ -620,8 +660,9 @@ int eng_world_mpi_reduce_scatter(struct eng_task *t, const struct shardd_reduce_
 	if (send != sums)
 		shardd_k_cast(send, wire, sums, SHARDD_DTYPE_FP32, (size_t)S * E);
 	/* Node k gets this node's sums of its shards k*L .. k*L+L-1. */
-	ret = shd_world_xchg(eng_world_key(eg), seq, eng_world_check(t), eg->span_buf, 0, bytes, (size_t)(recv - send),
-			     bytes, shd_now_ns() + j->e->timeout_ns, missing, why, sizeof(why));
+	ret = shd_world_xchg(eng_world_key(eg), seq, eng_world_check(t), eg->span_buf, 0, bytes,
+			     (size_t)(recv - send), bytes, shd_now_ns() + j->e->timeout_ns, missing,
+			     why, sizeof(why));
 	if (ret) {
 		eng_world_fail(t, "exchange", ret, missing, why, "");
 		return ret;
@@ -629,24 +670,36 @@ int eng_world_mpi_reduce_scatter(struct eng_task *t, const struct shardd_reduce_
 	tot_buf = (struct shd_buf){ .bytes = F, .fd = -1, .priv = tot };
 	for (uint32_t s = 0; s < L && !ret; s++) {
 		/* The nodes' sums of shard s in node order, in fp32, divided: what one daemon's fp32 sum is. */
-		const struct shardd_reduce_math add = { .reduce_dtype = SHARDD_DTYPE_FP32, .pre = 1, .avg = rs->avg, .post = 1 };
+		const struct shardd_reduce_math add = {
+			.reduce_dtype = SHARDD_DTYPE_FP32, .pre = 1, .avg = rs->avg, .post = 1
+		};
 		struct shd_shard_view view = { &tot_buf, off32, SHARDD_DTYPE_FP32 }, out;
 		uint8_t accumulate = g->grad_present[s];
 		const void *in[SHARDD_MAX_WORLD];
 		struct shd_reduce_args a = {
-			.job = j->bj, .layout = &g->layout, .src = SHD_REDUCE_SRC_SHARD, .n = 1,
-			.views = &view, .shard_rank = g->shard_base + s, .in_dtype = SHARDD_DTYPE_FP32,
-			.outs = &out, .accumulate = &accumulate, .reduce_offsets = off32,
+			.job = j->bj,
+			.layout = &g->layout,
+			.src = SHD_REDUCE_SRC_SHARD,
+			.n = 1,
+			.views = &view,
+			.shard_rank = g->shard_base + s,
+			.in_dtype = SHARDD_DTYPE_FP32,
+			.outs = &out,
+			.accumulate = &accumulate,
+			.reduce_offsets = off32,
 			.reduce_shard_size = F,
 			.math = { .reduce_dtype = rdt, .pre = 1, .avg = 1, .post = rs->post },
-			.err = t->why, .errlen = sizeof(t->why),
+			.err = t->why,
+			.errlen = sizeof(t->why),
 		};
 
 		/* This node's own sums are read where they were sent from (the exchange leaves that slot empty). */
 		for (uint32_t k = 0; k < N; k++)
-			in[k] = (k == j->span_node ? send : recv) + (size_t)k * bytes + (size_t)s * wsz;
+			in[k] = (k == j->span_node ? send : recv) + (size_t)k * bytes +
+				(size_t)s * wsz;
 		shardd_k_reduce(tot, SHARDD_DTYPE_FP32, 0, in, N, wire, E, &add);
-		out = (struct shd_shard_view){ &g->sharded_grads[s], g->shard_offsets, SHARDD_DTYPE_NONE };
+		out = (struct shd_shard_view){ &g->sharded_grads[s], g->shard_offsets,
+					       SHARDD_DTYPE_NONE };
 		/* One rounding to the reduce dtype, the post-divide, the cast to the param's dtype, the accumulate. */
 		ret = b->ops->reduce(b, &a);
 	}

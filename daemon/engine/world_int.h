@@ -22,8 +22,8 @@ uint64_t eng_world_check(const struct eng_task *t);
  * into t->msg: this node's ranks that get it, the nodes missing, and why;
  * `lost` is appended when a node died or stalled.
  */
-void eng_world_fail(struct eng_task *t, const char *what, int ret, const uint8_t *missing, const char *why,
-		   const char *lost);
+void eng_world_fail(struct eng_task *t, const char *what, int ret, const uint8_t *missing,
+		    const char *why, const char *lost);
 /* The error of an op that found no inter-node buffer into t->msg; -SHARDD_E_NOMEM. */
 int eng_world_nobuf(struct eng_task *t);
 /*

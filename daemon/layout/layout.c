@@ -17,8 +17,8 @@ struct name_ref {
 	uint32_t index;
 };
 
-__attribute__((format(printf, 3, 4)))
-static int layout_error(char *err, size_t errlen, const char *fmt, ...)
+__attribute__((format(printf, 3, 4))) static int layout_error(char *err, size_t errlen,
+							      const char *fmt, ...)
 {
 	va_list ap;
 
@@ -73,34 +73,43 @@ static int check_spec(const struct shardd_param_spec *s, uint32_t i, uint32_t wo
 	const char *name = s->name;
 
 	if (!memchr(s->name, '\0', sizeof(s->name)))
-		return layout_error(err, errlen,
-				    "param #%u: name is not NUL-terminated within %d bytes; names are at most %d characters",
-				    i, SHARDD_PARAM_NAME_MAX, SHARDD_PARAM_NAME_MAX - 1);
+		return layout_error(
+			err, errlen,
+			"param #%u: name is not NUL-terminated within %d bytes; names are at most %d characters",
+			i, SHARDD_PARAM_NAME_MAX, SHARDD_PARAM_NAME_MAX - 1);
 	if (!name[0])
-		return layout_error(err, errlen, "param #%u: name is empty; every param needs a unique name", i);
+		return layout_error(err, errlen,
+				    "param #%u: name is empty; every param needs a unique name", i);
 	if (s->dtype == SHARDD_DTYPE_NONE || s->dtype >= SHARDD_DTYPE_COUNT)
-		return layout_error(err, errlen, "param '%s': dtype = %u is not a dtype (fp32 = 1, bf16 = 2, fp16 = 3)",
-				    name, s->dtype);
+		return layout_error(
+			err, errlen,
+			"param '%s': dtype = %u is not a dtype (fp32 = 1, bf16 = 2, fp16 = 3)",
+			name, s->dtype);
 	if (s->ndim > SHARDD_MAX_DIMS)
-		return layout_error(err, errlen, "param '%s': ndim = %u is above the limit of %d dims",
-				    name, s->ndim, SHARDD_MAX_DIMS);
+		return layout_error(err, errlen,
+				    "param '%s': ndim = %u is above the limit of %d dims", name,
+				    s->ndim, SHARDD_MAX_DIMS);
 	if (s->ndim == 0 ? s->shard_dim != 0 : s->shard_dim >= s->ndim)
-		return layout_error(err, errlen, "param '%s': shard_dim = %u is not a dim of a %u-d param",
-				    name, s->shard_dim, s->ndim);
+		return layout_error(err, errlen,
+				    "param '%s': shard_dim = %u is not a dim of a %u-d param", name,
+				    s->shard_dim, s->ndim);
 	if (s->flags)
-		return layout_error(err, errlen, "param '%s': flags = 0x%x; no flags are defined, send 0",
-				    name, s->flags);
+		return layout_error(err, errlen,
+				    "param '%s': flags = 0x%x; no flags are defined, send 0", name,
+				    s->flags);
 	for (uint32_t d = s->ndim; d < SHARDD_MAX_DIMS; d++) {
 		if (s->shape[d])
-			return layout_error(err, errlen,
-					    "param '%s': shape[%u] = %llu past ndim = %u; unused dims must be 0",
-					    name, d, (unsigned long long)s->shape[d], s->ndim);
+			return layout_error(
+				err, errlen,
+				"param '%s': shape[%u] = %llu past ndim = %u; unused dims must be 0",
+				name, d, (unsigned long long)s->shape[d], s->ndim);
 	}
 	if (s->shard_dim > 0 && s->shape[s->shard_dim] % world)
-		return layout_error(err, errlen,
-				    "param '%s': shape[%u] = %llu is not divisible by the shard group size %u; Shard(%u) needs even sharding",
-				    name, s->shard_dim, (unsigned long long)s->shape[s->shard_dim], world,
-				    s->shard_dim);
+		return layout_error(
+			err, errlen,
+			"param '%s': shape[%u] = %llu is not divisible by the shard group size %u; Shard(%u) needs even sharding",
+			name, s->shard_dim, (unsigned long long)s->shape[s->shard_dim], world,
+			s->shard_dim);
 	p->dtype = s->dtype;
 	p->unsharded_dtype = param_dtype != SHARDD_DTYPE_NONE ? param_dtype : s->dtype;
 	p->grad_dtype = p->unsharded_dtype;
@@ -133,10 +142,12 @@ static int count_elements(const struct shardd_param_spec *s, uint32_t world,
 		uint64_t n = s->shape[d];
 
 		if (n && (__builtin_mul_overflow(extent, n, &extent) || extent >= max_numel))
-			return layout_error(err, errlen,
-					    "param '%s': shape[%u] = 0x%llx overflows the buffer size (limit %llu bytes per buffer: the nonzero dims must multiply to less than %llu)",
-					    s->name, d, (unsigned long long)n,
-					    (unsigned long long)SHD_LAYOUT_MAX_BYTES, (unsigned long long)max_numel);
+			return layout_error(
+				err, errlen,
+				"param '%s': shape[%u] = 0x%llx overflows the buffer size (limit %llu bytes per buffer: the nonzero dims must multiply to less than %llu)",
+				s->name, d, (unsigned long long)n,
+				(unsigned long long)SHD_LAYOUT_MAX_BYTES,
+				(unsigned long long)max_numel);
 		numel *= n;
 		if (d < s->shard_dim)
 			p->outer *= n;
@@ -151,15 +162,16 @@ static int count_elements(const struct shardd_param_spec *s, uint32_t world,
 	if (__builtin_mul_overflow(p->outer, p->rows, &p->shard_numel) ||
 	    __builtin_mul_overflow(p->shard_numel, p->inner, &p->shard_numel) ||
 	    p->shard_numel >= max_numel)
-		return layout_error(err, errlen,
-				    "param '%s': shape[%u] = 0x%llx overflows the shard size (limit %llu bytes per buffer)",
-				    s->name, s->shard_dim, (unsigned long long)p->dim,
-				    (unsigned long long)SHD_LAYOUT_MAX_BYTES);
+		return layout_error(
+			err, errlen,
+			"param '%s': shape[%u] = 0x%llx overflows the shard size (limit %llu bytes per buffer)",
+			s->name, s->shard_dim, (unsigned long long)p->dim,
+			(unsigned long long)SHD_LAYOUT_MAX_BYTES);
 	return 0;
 }
 
-static int check_unique_names(const struct shardd_param_spec *specs, uint32_t nparams,
-			      char *err, size_t errlen)
+static int check_unique_names(const struct shardd_param_spec *specs, uint32_t nparams, char *err,
+			      size_t errlen)
 {
 	struct name_ref *refs = malloc((size_t)nparams * sizeof(*refs));
 	int ret = 0;
@@ -174,9 +186,10 @@ static int check_unique_names(const struct shardd_param_spec *specs, uint32_t np
 	qsort(refs, nparams, sizeof(*refs), name_ref_cmp);
 	for (uint32_t i = 1; i < nparams; i++) {
 		if (!strcmp(refs[i - 1].name, refs[i].name)) {
-			ret = layout_error(err, errlen,
-					   "param '%s': name is used by params #%u and #%u; names must be unique in a group",
-					   refs[i].name, refs[i - 1].index, refs[i].index);
+			ret = layout_error(
+				err, errlen,
+				"param '%s': name is used by params #%u and #%u; names must be unique in a group",
+				refs[i].name, refs[i - 1].index, refs[i].index);
 			break;
 		}
 	}
@@ -185,22 +198,23 @@ static int check_unique_names(const struct shardd_param_spec *specs, uint32_t np
 }
 
 int shd_layout_build(const struct shardd_param_spec *specs, uint32_t nparams, uint32_t world,
-			uint32_t param_dtype, struct shd_layout *out, char *err, size_t errlen)
+		     uint32_t param_dtype, struct shd_layout *out, char *err, size_t errlen)
 {
 	struct shd_layout l = { .nparams = nparams, .world = world };
 	int ret;
 
 	memset(out, 0, sizeof(*out));
 	if (world == 0 || world > SHARDD_MAX_WORLD)
-		return layout_error(err, errlen, "shard group size = %u; it must be 1..%d",
-				    world, SHARDD_MAX_WORLD);
+		return layout_error(err, errlen, "shard group size = %u; it must be 1..%d", world,
+				    SHARDD_MAX_WORLD);
 	if (nparams == 0 || nparams > SHARDD_MAX_PARAMS)
 		return layout_error(err, errlen, "nparams = %u; a group holds 1..%d params",
 				    nparams, SHARDD_MAX_PARAMS);
 	if (param_dtype >= SHARDD_DTYPE_COUNT)
-		return layout_error(err, errlen,
-				    "param_dtype = %u is not a dtype (none = 0, fp32 = 1, bf16 = 2, fp16 = 3)",
-				    param_dtype);
+		return layout_error(
+			err, errlen,
+			"param_dtype = %u is not a dtype (none = 0, fp32 = 1, bf16 = 2, fp16 = 3)",
+			param_dtype);
 
 	l.params = calloc(nparams, sizeof(*l.params));
 	if (!l.params)
@@ -218,11 +232,14 @@ int shd_layout_build(const struct shardd_param_spec *specs, uint32_t nparams, ui
 		/* Counts are below 2^38 and sizes at most 4: no product overflows. */
 		if (!place(&l.unsharded_size, p->numel * shardd_dtype_size(p->unsharded_dtype),
 			   &p->unsharded_offset) ||
-		    !place(&l.grad_size, p->numel * shardd_dtype_size(p->grad_dtype), &p->grad_offset) ||
-		    !place(&l.shard_size, p->shard_numel * shardd_dtype_size(p->dtype), &p->shard_offset)) {
-			ret = layout_error(err, errlen,
-					   "param '%s': adding it takes a buffer of the group past the limit of %llu bytes; split the group",
-					   s->name, (unsigned long long)SHD_LAYOUT_MAX_BYTES);
+		    !place(&l.grad_size, p->numel * shardd_dtype_size(p->grad_dtype),
+			   &p->grad_offset) ||
+		    !place(&l.shard_size, p->shard_numel * shardd_dtype_size(p->dtype),
+			   &p->shard_offset)) {
+			ret = layout_error(
+				err, errlen,
+				"param '%s': adding it takes a buffer of the group past the limit of %llu bytes; split the group",
+				s->name, (unsigned long long)SHD_LAYOUT_MAX_BYTES);
 			goto err;
 		}
 	}

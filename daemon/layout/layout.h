@@ -26,24 +26,25 @@
 #define SHD_LAYOUT_MAX_BYTES (1ull << 40)
 
 struct shd_layout_param {
-	uint32_t dtype;            /* the param's original dtype */
-	uint32_t unsharded_dtype;  /* policy param_dtype if set, else dtype */
-	uint32_t grad_dtype;       /* same rule as unsharded_dtype */
-	uint32_t shard_dim;        /* 0 for 0-d params */
-	uint64_t numel;            /* elements of the full param (1 for 0-d; 0 if a dim is 0) */
-	uint64_t outer;            /* product of dims before shard_dim (1 when shard_dim == 0) */
-	uint64_t dim;              /* size of shard_dim (1 for 0-d) */
-	uint64_t inner;            /* product of dims after shard_dim (1 if none) */
-	uint64_t rows;             /* shard_dim rows per shard: ceil(dim/S) for dim 0; dim/S for Shard(i>0) */
+	uint32_t dtype;           /* the param's original dtype */
+	uint32_t unsharded_dtype; /* policy param_dtype if set, else dtype */
+	uint32_t grad_dtype;      /* same rule as unsharded_dtype */
+	uint32_t shard_dim;       /* 0 for 0-d params */
+	uint64_t numel;           /* elements of the full param (1 for 0-d; 0 if a dim is 0) */
+	uint64_t outer;           /* product of dims before shard_dim (1 when shard_dim == 0) */
+	uint64_t dim;             /* size of shard_dim (1 for 0-d) */
+	uint64_t inner;           /* product of dims after shard_dim (1 if none) */
+	uint64_t rows; /* shard_dim rows per shard: ceil(dim/S) for dim 0; dim/S for Shard(i>0) */
 	uint64_t shard_numel;      /* outer * rows * inner (padding included) */
 	uint64_t unsharded_offset; /* bytes; multiples of SHARDD_ALIGN */
 	uint64_t grad_offset;      /* bytes */
-	uint64_t shard_offset;     /* bytes, same for every rank (shards are padded to equal size) */
+	uint64_t shard_offset; /* bytes, same for every rank (shards are padded to equal size) */
 };
 
 struct shd_layout {
-	uint32_t nparams, world;    /* world = shard group size S */
-	uint64_t unsharded_size, grad_size, shard_size; /* bytes, each rounded up to SHARDD_ALIGN, at least SHARDD_ALIGN */
+	uint32_t nparams, world; /* world = shard group size S */
+	uint64_t unsharded_size, grad_size,
+		shard_size; /* bytes, each rounded up to SHARDD_ALIGN, at least SHARDD_ALIGN */
 	struct shd_layout_param *params;
 };
 
@@ -55,7 +56,7 @@ struct shd_layout {
  * the value, or -ENOMEM. On error `out` holds no allocation.
  */
 int shd_layout_build(const struct shardd_param_spec *specs, uint32_t nparams, uint32_t world,
-			uint32_t param_dtype, struct shd_layout *out, char *err, size_t errlen);
+		     uint32_t param_dtype, struct shd_layout *out, char *err, size_t errlen);
 
 /* Release what shd_layout_build allocated; safe on a zeroed layout. */
 void shd_layout_free(struct shd_layout *l);

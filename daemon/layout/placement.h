@@ -25,22 +25,24 @@
 /* How the members of one collective (a shard group or a replicate group) sit on devices. */
 enum shd_placement_kind {
 	SHD_PLACE_SHARED = 1, /* all on one device (or one member): device copies and kernels */
-	SHD_PLACE_NCCL   = 2, /* two or more members, on pairwise distinct devices: NCCL */
-	SHD_PLACE_MIXED  = 3, /* some share a device and some do not: refused */
+	SHD_PLACE_NCCL = 2,   /* two or more members, on pairwise distinct devices: NCCL */
+	SHD_PLACE_MIXED = 3,  /* some share a device and some do not: refused */
 };
 
 /* A group's plan for a mesh R x S. */
 struct shd_placement {
 	uint32_t replicate, shard;
-	uint8_t  shard_nccl[SHARDD_MAX_WORLD];     /* [replicate]: replica u's shard group runs NCCL */
-	uint8_t  replicate_nccl[SHARDD_MAX_WORLD]; /* [shard]: shard index s's replicate group runs NCCL */
-	uint32_t nccl;                             /* how many of those groups run NCCL */
+	uint8_t shard_nccl[SHARDD_MAX_WORLD]; /* [replicate]: replica u's shard group runs NCCL */
+	uint8_t replicate_nccl
+		[SHARDD_MAX_WORLD]; /* [shard]: shard index s's replicate group runs NCCL */
+	uint32_t nccl;              /* how many of those groups run NCCL */
 };
 
 /* The device that holds a rank's buffers: the one its hello named, else the default. */
 static inline int32_t shd_placement_device(int32_t hello_device)
 {
-	return hello_device == SHARDD_HELLO_DEVICE_HOST ? SHD_PLACEMENT_DEFAULT_DEVICE : hello_device;
+	return hello_device == SHARDD_HELLO_DEVICE_HOST ? SHD_PLACEMENT_DEFAULT_DEVICE
+							: hello_device;
 }
 
 /* enum shd_placement_kind of `n` members on `devices` (devices as buffers sit, already resolved). */
@@ -54,7 +56,7 @@ uint32_t shd_placement_classify(const int32_t *devices, uint32_t n);
  * group, the ranks, their devices and the fix when one of them is MIXED.
  */
 int shd_placement_plan(const char *group, const int32_t *hello_devices, uint32_t replicate,
-			  uint32_t shard, struct shd_placement *out, char *err, size_t errlen);
+		       uint32_t shard, struct shd_placement *out, char *err, size_t errlen);
 
 /*
  * One shard of every param of layout `l` in `reduce_dtype`: an HSDP
@@ -65,7 +67,7 @@ int shd_placement_plan(const char *group, const int32_t *hello_devices, uint32_t
  * SHARDD_ALIGN.
  */
 uint64_t shd_placement_reduce_shard(const struct shd_layout *l, uint32_t reduce_dtype,
-				       uint64_t *offsets);
+				    uint64_t *offsets);
 
 /*
  * Bytes of a device's staging buffer for the NCCL collectives of a shard
@@ -76,6 +78,7 @@ uint64_t shd_placement_reduce_shard(const struct shd_layout *l, uint32_t reduce_
  * grad rows for every destination shard). The larger of the two; 0
  * when either product would not fit in 64 bits.
  */
-uint64_t shd_placement_staging_bytes(uint32_t shard, uint64_t shard_size, uint64_t reduce_shard_size);
+uint64_t shd_placement_staging_bytes(uint32_t shard, uint64_t shard_size,
+				     uint64_t reduce_shard_size);
 
 #endif /* SHD_PLACEMENT_H */

@@ -62,7 +62,7 @@ static void session_new(int fd)
 		return;
 	if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0) {
 		shd_log_error("client %u: SO_PEERCRED: %s; closing its connection", s->id,
-				 strerror(errno));
+			      strerror(errno));
 		shd_session_close(s, "has no peer credentials");
 		return;
 	}
@@ -70,20 +70,21 @@ static void session_new(int fd)
 	s->cred.uid = cred.uid;
 	s->cred.gid = cred.gid;
 	if (!cred_allowed(s)) {
-		shd_session_reject(s, 0, -SHARDD_E_PERM,
-			       "uid %u is not allowed: shardd runs as uid %u; start the client as "
-			       "uid %u or run shardd with --allow-gid %u",
-			       (unsigned)s->cred.uid, (unsigned)shd_session_env.uid, (unsigned)shd_session_env.uid,
-			       (unsigned)s->cred.gid);
+		shd_session_reject(
+			s, 0, -SHARDD_E_PERM,
+			"uid %u is not allowed: shardd runs as uid %u; start the client as "
+			"uid %u or run shardd with --allow-gid %u",
+			(unsigned)s->cred.uid, (unsigned)shd_session_env.uid,
+			(unsigned)shd_session_env.uid, (unsigned)s->cred.gid);
 		return;
 	}
 	if (shd_loop_add_fd(shd_session_env.loop, fd, POLLIN | POLLRDHUP, session_readable, s,
-			       &s->sock_ev) < 0) {
+			    &s->sock_ev) < 0) {
 		shd_session_close(s, "could not be registered with the event loop");
 		return;
 	}
 	shd_log_debug("client %u connected: pid %d uid %u", s->id, (int)s->cred.pid,
-			 (unsigned)s->cred.uid);
+		      (unsigned)s->cred.uid);
 }
 
 /*
@@ -114,16 +115,20 @@ static int accept_at_fd_limit(int listen_fd, int err)
 		c = accept4(listen_fd, NULL, NULL, SOCK_CLOEXEC);
 		if (c >= 0) {
 			struct iovec iov = { &m, 0 };
-			int n = snprintf(m.text, sizeof(m.text),
-					 "shardd (pid %d) is out of file descriptors (%s: %s) and "
-					 "cannot take this connection; raise its limit (ulimit -n, or "
-					 "LimitNOFILE= in its service) or end the jobs that hold them",
-					 (int)shd_session_env.pid, strerror(err), lim);
+			int n = snprintf(
+				m.text, sizeof(m.text),
+				"shardd (pid %d) is out of file descriptors (%s: %s) and "
+				"cannot take this connection; raise its limit (ulimit -n, or "
+				"LimitNOFILE= in its service) or end the jobs that hold them",
+				(int)shd_session_env.pid, strerror(err), lim);
 
 			m.em.code = -err;
-			m.em.msg_len = (uint32_t)(n < (int)sizeof(m.text) ? n : (int)sizeof(m.text) - 1);
-			m.hdr = (struct shardd_msg_hdr){ .magic = SHARDD_MAGIC, .type = SHARDD_MSG_ERROR,
-							 .length = (uint32_t)sizeof(m.em) + m.em.msg_len };
+			m.em.msg_len =
+				(uint32_t)(n < (int)sizeof(m.text) ? n : (int)sizeof(m.text) - 1);
+			m.hdr = (struct shardd_msg_hdr){ .magic = SHARDD_MAGIC,
+							 .type = SHARDD_MSG_ERROR,
+							 .length = (uint32_t)sizeof(m.em) +
+								   m.em.msg_len };
 			iov.iov_len = sizeof(m.hdr) + sizeof(m.em) + m.em.msg_len;
 			/* Best effort and never waiting: the client's buffer is empty. */
 			shardd_ctrl_send_dgram(c, &iov, 1, NULL, 0, MSG_DONTWAIT);
@@ -151,10 +156,12 @@ static int accept_at_fd_limit(int listen_fd, int err)
 	if (now - logged_ns >= 1000000000ull || !logged_ns) {
 		logged_ns = now;
 		shd_log_error("accept on %s: %s: shardd is at its fd limit (%s); %u connection(s) "
-				 "refused with an error since the last report%s; raise the limit "
-				 "(ulimit -n, LimitNOFILE=)", shd_session_env.socket_path, strerror(err), lim,
-				 refused, *shd_session_env.accept_reserve_fd < 0 ?
-				 ", others wait in the backlog (no reserve descriptor)" : "");
+			      "refused with an error since the last report%s; raise the limit "
+			      "(ulimit -n, LimitNOFILE=)",
+			      shd_session_env.socket_path, strerror(err), lim, refused,
+			      *shd_session_env.accept_reserve_fd < 0
+				      ? ", others wait in the backlog (no reserve descriptor)"
+				      : "");
 		refused = 0;
 	}
 	return answered;
@@ -175,7 +182,7 @@ void shd_session_accept(void *arg, int fd, uint32_t revents)
 			if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EMFILE &&
 			    errno != ENFILE)
 				shd_log_error("accept on %s: %s", shd_session_env.socket_path,
-						 strerror(errno));
+					      strerror(errno));
 			return;
 		}
 		session_new(c);
@@ -189,13 +196,14 @@ static void session_dispatch(struct shd_session *s, const struct shardd_msg_hdr 
 
 	if (hdr->flags) {
 		shd_session_reject(s, hdr->seq, -SHARDD_E_MALFORMED,
-			       "message header flags = 0x%x: reserved, must be 0", hdr->flags);
+				   "message header flags = 0x%x: reserved, must be 0", hdr->flags);
 		return;
 	}
 	if (nfds) {
-		shd_session_reject(s, hdr->seq, -SHARDD_E_MALFORMED,
-			       "message type %u carries %d file descriptor(s); clients send none",
-			       hdr->type, nfds);
+		shd_session_reject(
+			s, hdr->seq, -SHARDD_E_MALFORMED,
+			"message type %u carries %d file descriptor(s); clients send none",
+			hdr->type, nfds);
 		return;
 	}
 	if (hdr->type == SHARDD_MSG_ADMIN) {
@@ -204,23 +212,24 @@ static void session_dispatch(struct shd_session *s, const struct shardd_msg_hdr 
 	}
 	if (!attached && hdr->type != SHARDD_MSG_HELLO) {
 		shd_session_reject(s, hdr->seq, -SHARDD_E_STATE,
-			       "message type %u before HELLO: send HELLO (type %d) first", hdr->type,
-			       SHARDD_MSG_HELLO);
+				   "message type %u before HELLO: send HELLO (type %d) first",
+				   hdr->type, SHARDD_MSG_HELLO);
 		return;
 	}
 	switch (hdr->type) {
 	case SHARDD_MSG_HELLO:
 		if (attached)
-			shd_session_reply_error(s, hdr->seq, -SHARDD_E_STATE,
-					    "already attached as job '%s' rank %u; HELLO is sent once",
-					    s->job ? s->job->name : "?", s->rank);
+			shd_session_reply_error(
+				s, hdr->seq, -SHARDD_E_STATE,
+				"already attached as job '%s' rank %u; HELLO is sent once",
+				s->job ? s->job->name : "?", s->rank);
 		else
 			shd_session_hello(s, hdr, payload, len);
 		return;
 	case SHARDD_MSG_REGISTER_GROUP:
 		if (s->job)
-			shd_engine_register_group(s->job->ejob, s->rank, s->id, hdr->seq,
-						     payload, len, s->cred.uid);
+			shd_engine_register_group(s->job->ejob, s->rank, s->id, hdr->seq, payload,
+						  len, s->cred.uid);
 		return;
 	case SHARDD_MSG_OPEN_GROUP:
 		if (s->job)
@@ -234,7 +243,8 @@ static void session_dispatch(struct shd_session *s, const struct shardd_msg_hdr 
 		return;
 	default:
 		shd_session_reply_error(s, hdr->seq, -SHARDD_E_INVALID,
-				    "message type %u is not a request a client can send", hdr->type);
+					"message type %u is not a request a client can send",
+					hdr->type);
 		return;
 	}
 }
@@ -250,8 +260,10 @@ static void feed_error(char *buf, size_t len, int err, int started, uint32_t mis
 		snprintf(buf, len, "message magic 0x%08x is not SHARDD_MAGIC 0x%08x", rx->hdr.magic,
 			 SHARDD_MAGIC);
 	else if (err == -EMSGSIZE)
-		snprintf(buf, len, "hdr.length = %u exceeds the limit of %u bytes (1 MiB before "
-			 "the WELCOME, 64 MiB after)", rx->hdr.length, max_len);
+		snprintf(buf, len,
+			 "hdr.length = %u exceeds the limit of %u bytes (1 MiB before "
+			 "the WELCOME, 64 MiB after)",
+			 rx->hdr.length, max_len);
 	else if (err == -ENOMEM)
 		snprintf(buf, len, "shardd is out of memory for a %u-byte message", rx->hdr.length);
 	else if (!started && n < sizeof(struct shardd_msg_hdr))
@@ -260,8 +272,10 @@ static void feed_error(char *buf, size_t len, int err, int started, uint32_t mis
 	else if (started && nfds)
 		snprintf(buf, len, "%d file descriptor(s) on a continuation datagram", nfds);
 	else
-		snprintf(buf, len, "datagram carries more payload than hdr.length announced "
-			 "(%u bytes were still missing)", started ? missing : rx->hdr.length);
+		snprintf(buf, len,
+			 "datagram carries more payload than hdr.length announced "
+			 "(%u bytes were still missing)",
+			 started ? missing : rx->hdr.length);
 }
 
 /*
@@ -302,23 +316,25 @@ static void session_read(struct shd_session *s)
 		if (n == -EAGAIN || n == -EWOULDBLOCK)
 			return;
 		if (n == -EBADMSG) {
-			shd_session_reject(s, 0, -SHARDD_E_MALFORMED,
-				       "zero-length datagram: a datagram carries a message header "
-				       "or a continuation of its payload (any file descriptors on it "
-				       "were closed)");
+			shd_session_reject(
+				s, 0, -SHARDD_E_MALFORMED,
+				"zero-length datagram: a datagram carries a message header "
+				"or a continuation of its payload (any file descriptors on it "
+				"were closed)");
 			break;
 		}
 		if (n == -EMSGSIZE) {
 			shd_session_reject(s, 0, -SHARDD_E_MALFORMED,
-				       "datagram larger than %u bytes (SHARDD_CTRL_CHUNK)",
-				       SHARDD_CTRL_CHUNK);
+					   "datagram larger than %u bytes (SHARDD_CTRL_CHUNK)",
+					   SHARDD_CTRL_CHUNK);
 			break;
 		}
 		if (n == -ETOOMANYREFS) {
-			shd_session_reject(s, 0, -SHARDD_E_MALFORMED,
-				       "datagram carries more than %d file descriptors (the kernel "
-				       "dropped the rest; they were closed); clients send none",
-				       SHARDD_CTRL_MAX_FDS);
+			shd_session_reject(
+				s, 0, -SHARDD_E_MALFORMED,
+				"datagram carries more than %d file descriptors (the kernel "
+				"dropped the rest; they were closed); clients send none",
+				SHARDD_CTRL_MAX_FDS);
 			break;
 		}
 		if (n == -EMFILE) {
@@ -326,13 +342,15 @@ static void session_read(struct shd_session *s)
 
 			shd_fd_limit_describe(lim, sizeof(lim));
 			shd_log_error("%s: control data truncated: file descriptors dropped by the "
-					 "kernel (process at its fd limit? %s); raise the limit "
-					 "(ulimit -n, LimitNOFILE=)", shd_session_name(s, name, sizeof(name)),
-					 lim);
-			shd_session_reject(s, 0, -SHARDD_E_MALFORMED,
-				       "control data truncated: shardd could not take the file "
-				       "descriptors of a datagram (at its fd limit? %s); clients "
-				       "send none", lim);
+				      "kernel (process at its fd limit? %s); raise the limit "
+				      "(ulimit -n, LimitNOFILE=)",
+				      shd_session_name(s, name, sizeof(name)), lim);
+			shd_session_reject(
+				s, 0, -SHARDD_E_MALFORMED,
+				"control data truncated: shardd could not take the file "
+				"descriptors of a datagram (at its fd limit? %s); clients "
+				"send none",
+				lim);
 			break;
 		}
 		if (n < 0) {
@@ -345,18 +363,19 @@ static void session_read(struct shd_session *s)
 		started = s->rx.started;
 		missing = s->rx.hdr.length - s->rx.have;
 		/* Before the handshake only HELLO and small ADMIN requests make sense. */
-		max_len = s->state == SHD_SESSION_ATTACHED ? SHARDD_CTRL_MAX :
-			  SHD_HANDSHAKE_MSG_MAX;
+		max_len =
+			s->state == SHD_SESSION_ATTACHED ? SHARDD_CTRL_MAX : SHD_HANDSHAKE_MSG_MAX;
 		ret = shardd_ctrl_rx_feed(&s->rx, dgram_buf, (size_t)n, fds, nfds, max_len);
 		if (ret < 0) {
 			char why[256];
 
-			feed_error(why, sizeof(why), ret, started, missing, max_len, &s->rx, (size_t)n,
-				   nfds);
+			feed_error(why, sizeof(why), ret, started, missing, max_len, &s->rx,
+				   (size_t)n, nfds);
 			shd_session_reject(s, s->rx.started ? s->rx.hdr.seq : 0,
-				       ret == -ENOMEM ? -SHARDD_E_NOMEM :
-				       ret == -SHARDD_E_MAGIC ? ret : -SHARDD_E_MALFORMED,
-				       "bad control message: %s", why);
+					   ret == -ENOMEM           ? -SHARDD_E_NOMEM
+					   : ret == -SHARDD_E_MAGIC ? ret
+								    : -SHARDD_E_MALFORMED,
+					   "bad control message: %s", why);
 			break;
 		}
 		if (ret == 0 && s->rx.nfds) {
@@ -366,9 +385,10 @@ static void session_read(struct shd_session *s)
 			 * socket passed to us would hold its connection open, and its
 			 * hang-up would never reach us.
 			 */
-			shd_session_reject(s, s->rx.hdr.seq, -SHARDD_E_MALFORMED,
-				       "message type %u carries %d file descriptor(s); clients send none",
-				       s->rx.hdr.type, s->rx.nfds);
+			shd_session_reject(
+				s, s->rx.hdr.seq, -SHARDD_E_MALFORMED,
+				"message type %u carries %d file descriptor(s); clients send none",
+				s->rx.hdr.type, s->rx.nfds);
 			break;
 		}
 		if (ret == 0)
@@ -408,7 +428,8 @@ void shd_session_cron(uint64_t now_ns)
 		char name[160], why[128];
 
 		if (s->state == SHD_SESSION_LINGER && !s->closing && now_ns >= s->linger_until_ns) {
-			snprintf(why, sizeof(why), "kept its connection open %d ms after its refusal",
+			snprintf(why, sizeof(why),
+				 "kept its connection open %d ms after its refusal",
 				 SHD_SESSION_LINGER_MS);
 			shd_session_close(s, why);
 			continue;
@@ -416,10 +437,12 @@ void shd_session_cron(uint64_t now_ns)
 		if (s->state != SHD_SESSION_HANDSHAKE || s->closing || s->spoke ||
 		    now_ns - s->connected_ns < shd_session_env.handshake_timeout_ns)
 			continue;
-		snprintf(why, sizeof(why), "sent no complete message (HELLO or an admin request) "
-			 "within %g s of connecting", shd_session_env.handshake_timeout_s);
+		snprintf(why, sizeof(why),
+			 "sent no complete message (HELLO or an admin request) "
+			 "within %g s of connecting",
+			 shd_session_env.handshake_timeout_s);
 		shd_log_warn("%s %s: closing it (see --handshake-timeout)",
-				shd_session_name(s, name, sizeof(name)), why);
+			     shd_session_name(s, name, sizeof(name)), why);
 		/* Closing never frees (that is the reap), so the list stays walkable. */
 		shd_session_close(s, why);
 	}
@@ -430,4 +453,3 @@ void shd_session_cron(uint64_t now_ns)
 			shd_session_accept(NULL, shd_session_env.listen_fd, 0);
 	}
 }
-

@@ -42,7 +42,8 @@ static int hello_job_ok(struct shd_session *s, uint32_t seq, const struct shardd
 
 	if (n == sizeof(h->job)) {
 		shd_session_reject(s, seq, -SHARDD_E_INVALID,
-			       "hello.job is not NUL-terminated within %d bytes", SHARDD_NAME_MAX);
+				   "hello.job is not NUL-terminated within %d bytes",
+				   SHARDD_NAME_MAX);
 		return 0;
 	}
 	if (n == 0) {
@@ -53,17 +54,19 @@ static int hello_job_ok(struct shd_session *s, uint32_t seq, const struct shardd
 		unsigned char c = (unsigned char)h->job[i];
 
 		if (c < 0x20 || c > 0x7e) {
-			shd_session_reject(s, seq, -SHARDD_E_INVALID,
-				       "hello.job byte %zu = 0x%02x: job names are printable ASCII",
-				       i, c);
+			shd_session_reject(
+				s, seq, -SHARDD_E_INVALID,
+				"hello.job byte %zu = 0x%02x: job names are printable ASCII", i, c);
 			return 0;
 		}
 	}
 	/* The name is a directory under --state-dir (checkpoints, --keep retention). */
 	if (memchr(h->job, '/', n) || strcmp(h->job, ".") == 0 || strcmp(h->job, "..") == 0) {
-		shd_session_reject(s, seq, -SHARDD_E_INVALID,
-			       "hello.job = '%s': a job name is one directory name under --state-dir, "
-			       "not '.', '..' or one with '/'", h->job);
+		shd_session_reject(
+			s, seq, -SHARDD_E_INVALID,
+			"hello.job = '%s': a job name is one directory name under --state-dir, "
+			"not '.', '..' or one with '/'",
+			h->job);
 		return 0;
 	}
 	return 1;
@@ -78,50 +81,54 @@ static int hello_fields_ok(struct shd_session *s, uint32_t seq, const struct sha
 		return 0;
 	if (h->pid != (uint32_t)s->cred.pid) {
 		shd_session_reject(s, seq, -SHARDD_E_INVALID,
-			       "hello.pid = %u but the socket's peer is pid %d", h->pid,
-			       (int)s->cred.pid);
+				   "hello.pid = %u but the socket's peer is pid %d", h->pid,
+				   (int)s->cred.pid);
 		return 0;
 	}
 	if (h->replicate == 0 || h->shard == 0) {
 		shd_session_reject(s, seq, -SHARDD_E_INVALID, "hello.%s = 0: must be at least 1",
-			       h->replicate == 0 ? "replicate" : "shard");
+				   h->replicate == 0 ? "replicate" : "shard");
 		return 0;
 	}
 	if (world > SHARDD_MAX_WORLD) {
 		shd_session_reject(s, seq, -SHARDD_E_INVALID,
-			       "hello mesh %ux%u = %llu ranks exceeds the limit of %d", h->replicate,
-			       h->shard, (unsigned long long)world, SHARDD_MAX_WORLD);
+				   "hello mesh %ux%u = %llu ranks exceeds the limit of %d",
+				   h->replicate, h->shard, (unsigned long long)world,
+				   SHARDD_MAX_WORLD);
 		return 0;
 	}
 	if (h->rank >= world) {
 		shd_session_reject(s, seq, -SHARDD_E_INVALID,
-			       "hello.rank = %u: mesh %ux%u has ranks 0..%llu", h->rank, h->replicate,
-			       h->shard, (unsigned long long)world - 1);
+				   "hello.rank = %u: mesh %ux%u has ranks 0..%llu", h->rank,
+				   h->replicate, h->shard, (unsigned long long)world - 1);
 		return 0;
 	}
-	if (h->sq_entries != 0 && (!shardd_is_pow2(h->sq_entries) ||
-				   h->sq_entries < SQ_ENTRIES_MIN || h->sq_entries > SQ_ENTRIES_MAX)) {
-		shd_session_reject(s, seq, -SHARDD_E_INVALID,
-			       "hello.sq_entries = %u: must be 0 (default %d) or a power of two in "
-			       "[%d, %d]", h->sq_entries, SHARDD_RING_ENTRIES_DEFAULT, SQ_ENTRIES_MIN,
-			       SQ_ENTRIES_MAX);
+	if (h->sq_entries != 0 &&
+	    (!shardd_is_pow2(h->sq_entries) || h->sq_entries < SQ_ENTRIES_MIN ||
+	     h->sq_entries > SQ_ENTRIES_MAX)) {
+		shd_session_reject(
+			s, seq, -SHARDD_E_INVALID,
+			"hello.sq_entries = %u: must be 0 (default %d) or a power of two in "
+			"[%d, %d]",
+			h->sq_entries, SHARDD_RING_ENTRIES_DEFAULT, SQ_ENTRIES_MIN, SQ_ENTRIES_MAX);
 		return 0;
 	}
 	if (h->device < SHARDD_HELLO_DEVICE_HOST) {
 		shd_session_reject(s, seq, -SHARDD_E_INVALID,
-			       "hello.device = %d: must be %d (host) or a CUDA device ordinal",
-			       h->device, SHARDD_HELLO_DEVICE_HOST);
+				   "hello.device = %d: must be %d (host) or a CUDA device ordinal",
+				   h->device, SHARDD_HELLO_DEVICE_HOST);
 		return 0;
 	}
 	if (h->flags) {
-		shd_session_reject(s, seq, -SHARDD_E_INVALID, "hello.flags = 0x%x: reserved, must be 0",
-			       h->flags);
+		shd_session_reject(s, seq, -SHARDD_E_INVALID,
+				   "hello.flags = 0x%x: reserved, must be 0", h->flags);
 		return 0;
 	}
 	for (size_t i = 0; i < sizeof(h->rsvd); i++) {
 		if (h->rsvd[i]) {
 			shd_session_reject(s, seq, -SHARDD_E_INVALID,
-				       "hello.rsvd[%zu] = 0x%x: reserved, must be 0", i, h->rsvd[i]);
+					   "hello.rsvd[%zu] = 0x%x: reserved, must be 0", i,
+					   h->rsvd[i]);
 			return 0;
 		}
 	}
@@ -130,8 +137,9 @@ static int hello_fields_ok(struct shd_session *s, uint32_t seq, const struct sha
 
 uint64_t shd_session_rings_limit(uint64_t max_memory)
 {
-	return !max_memory ? 0 : max_memory / 8 > SHD_SESSION_RINGS_MIN ? max_memory / 8 :
-	       SHD_SESSION_RINGS_MIN;
+	return !max_memory                              ? 0
+	       : max_memory / 8 > SHD_SESSION_RINGS_MIN ? max_memory / 8
+							: SHD_SESSION_RINGS_MIN;
 }
 
 /*
@@ -147,13 +155,14 @@ static int hello_ring_fits(struct shd_session *s, uint32_t seq, uint32_t sq_entr
 
 	if (!limit || (size <= limit && shd_session_rings_bytes <= limit - size))
 		return 1;
-	shd_session_reject(s, seq, -SHARDD_E_NOMEM,
-		       "hello.sq_entries = %u: its ring needs %s (%llu bytes), but the rings of all "
-		       "connected clients hold %s of their limit of %s (--max-memory / 8, at least "
-		       "256 MiB); ask for fewer entries (0: the default %d), or raise --max-memory",
-		       sq_entries, shd_memlimit_str(size, need, sizeof(need)), (unsigned long long)size,
-		       shd_memlimit_str(shd_session_rings_bytes, held, sizeof(held)),
-		       shd_memlimit_str(limit, lim, sizeof(lim)), SHARDD_RING_ENTRIES_DEFAULT);
+	shd_session_reject(
+		s, seq, -SHARDD_E_NOMEM,
+		"hello.sq_entries = %u: its ring needs %s (%llu bytes), but the rings of all "
+		"connected clients hold %s of their limit of %s (--max-memory / 8, at least "
+		"256 MiB); ask for fewer entries (0: the default %d), or raise --max-memory",
+		sq_entries, shd_memlimit_str(size, need, sizeof(need)), (unsigned long long)size,
+		shd_memlimit_str(shd_session_rings_bytes, held, sizeof(held)),
+		shd_memlimit_str(limit, lim, sizeof(lim)), SHARDD_RING_ENTRIES_DEFAULT);
 	return 0;
 }
 
@@ -251,41 +260,46 @@ static int hello_world(struct shd_session *s, uint32_t seq, struct shardd_hello 
 	/* Every mesh of a world spans its nodes: none can run once the world is dead. */
 	if (shd_world_dead(dead, sizeof(dead))) {
 		shd_session_reject(s, seq, -SHARDD_E_PEER_DIED,
-			       "mesh %ux%u spans the %u nodes of this world, and %s", h->replicate, h->shard,
-			       nodes, dead);
+				   "mesh %ux%u spans the %u nodes of this world, and %s",
+				   h->replicate, h->shard, nodes, dead);
 		return 0;
 	}
 	if (world % nodes) {
-		shd_session_reject(s, seq, -SHARDD_E_MESH,
-			       "mesh %ux%u (%llu ranks) does not split over the %u nodes of this world: "
-			       "each node must hold the same number of ranks (replicate x shard a "
-			       "multiple of %u)", h->replicate, h->shard, (unsigned long long)world,
-			       nodes, nodes);
+		shd_session_reject(
+			s, seq, -SHARDD_E_MESH,
+			"mesh %ux%u (%llu ranks) does not split over the %u nodes of this world: "
+			"each node must hold the same number of ranks (replicate x shard a "
+			"multiple of %u)",
+			h->replicate, h->shard, (unsigned long long)world, nodes, nodes);
 		return 0;
 	}
 	L = (uint32_t)(world / nodes);
 	owner = h->rank / L;
 	if (owner != node) {
-		shd_session_reject(s, seq, -SHARDD_E_INVALID,
-			       "hello.rank = %u belongs to node %u (ranks %u..%u of mesh %ux%u over %u "
-			       "nodes, %u per node); this daemon is node %u: attach to node %u's daemon",
-			       h->rank, owner, owner * L, owner * L + L - 1, h->replicate, h->shard,
-			       nodes, L, node, owner);
+		shd_session_reject(
+			s, seq, -SHARDD_E_INVALID,
+			"hello.rank = %u belongs to node %u (ranks %u..%u of mesh %ux%u over %u "
+			"nodes, %u per node); this daemon is node %u: attach to node %u's daemon",
+			h->rank, owner, owner * L, owner * L + L - 1, h->replicate, h->shard, nodes,
+			L, node, owner);
 		return 0;
 	}
 	if ((h->replicate != nodes || h->shard != L) && (h->replicate != 1 || h->shard != world)) {
-		shd_session_reject(s, seq, -SHARDD_E_MESH,
-			       "mesh %ux%u spans %u nodes in a layout shardd does not run: across nodes "
-			       "it runs HSDP with replicate = nodes and shard = ranks per node (mesh "
-			       "%ux%u here), or FSDP with one shard group over every rank (mesh 1x%llu)",
-			       h->replicate, h->shard, nodes, nodes, L, (unsigned long long)world);
+		shd_session_reject(
+			s, seq, -SHARDD_E_MESH,
+			"mesh %ux%u spans %u nodes in a layout shardd does not run: across nodes "
+			"it runs HSDP with replicate = nodes and shard = ranks per node (mesh "
+			"%ux%u here), or FSDP with one shard group over every rank (mesh 1x%llu)",
+			h->replicate, h->shard, nodes, nodes, L, (unsigned long long)world);
 		return 0;
 	}
 	/* Both layouts run on both backends: host over the world, cuda with NCCL over the nodes. */
-	if (shd_session_env.backend != SHARDD_BACKEND_HOST && shd_session_env.backend != SHARDD_BACKEND_CUDA) {
-		shd_session_reject(s, seq, -SHARDD_E_MESH,
-			       "mesh %ux%u spans %u nodes: jobs across nodes run on --backend host or cuda",
-			       h->replicate, h->shard, nodes);
+	if (shd_session_env.backend != SHARDD_BACKEND_HOST &&
+	    shd_session_env.backend != SHARDD_BACKEND_CUDA) {
+		shd_session_reject(
+			s, seq, -SHARDD_E_MESH,
+			"mesh %ux%u spans %u nodes: jobs across nodes run on --backend host or cuda",
+			h->replicate, h->shard, nodes);
 		return 0;
 	}
 	h->rank -= node * L;
@@ -296,7 +310,7 @@ static int hello_world(struct shd_session *s, uint32_t seq, struct shardd_hello 
 }
 
 void shd_session_hello(struct shd_session *s, const struct shardd_msg_hdr *hdr,
-			  const uint8_t *payload, uint32_t len)
+		       const uint8_t *payload, uint32_t len)
 {
 	struct shardd_hello h;
 	struct shardd_welcome w;
@@ -314,14 +328,14 @@ void shd_session_hello(struct shd_session *s, const struct shardd_msg_hdr *hdr,
 		memcpy(&minor, payload + 2, sizeof(minor));
 		if (major != SHARDD_PROTO_MAJOR) {
 			shd_session_reject(s, hdr->seq, -SHARDD_E_VERSION,
-				       "client speaks protocol %u.%u, shardd speaks %d.%d", major,
-				       minor, SHARDD_PROTO_MAJOR, SHARDD_PROTO_MINOR);
+					   "client speaks protocol %u.%u, shardd speaks %d.%d",
+					   major, minor, SHARDD_PROTO_MAJOR, SHARDD_PROTO_MINOR);
 			return;
 		}
 	}
 	if (len != sizeof(h)) {
 		shd_session_reject(s, hdr->seq, -SHARDD_E_MALFORMED,
-			       "hello is %u bytes, expected %zu", len, sizeof(h));
+				   "hello is %u bytes, expected %zu", len, sizeof(h));
 		return;
 	}
 	memcpy(&h, payload, sizeof(h));
@@ -339,17 +353,19 @@ void shd_session_hello(struct shd_session *s, const struct shardd_msg_hdr *hdr,
 		return;
 	}
 	/* Across nodes the node-local meshes of 2x2 and 1x4 are both 1x2: the whole meshes must match. */
-	if (job && span && (job->span_replicate != mesh_replicate || job->span_shard != mesh_shard)) {
+	if (job && span &&
+	    (job->span_replicate != mesh_replicate || job->span_shard != mesh_shard)) {
 		shd_session_reject(s, hdr->seq, -SHARDD_E_MESH,
-			       "job '%s' has mesh %ux%u over %u nodes, hello asked for %ux%u", job->name,
-			       job->span_replicate, job->span_shard, job->span_nodes, mesh_replicate, mesh_shard);
+				   "job '%s' has mesh %ux%u over %u nodes, hello asked for %ux%u",
+				   job->name, job->span_replicate, job->span_shard, job->span_nodes,
+				   mesh_replicate, mesh_shard);
 		return;
 	}
 
 	ret = pidfd_open_pid(s->cred.pid);
 	if (ret < 0 && ret != -ENOSYS) {
 		shd_session_reject(s, hdr->seq, ret, "pidfd_open(%d): %s", (int)s->cred.pid,
-			       strerror(-ret));
+				   strerror(-ret));
 		return;
 	}
 	s->pidfd = ret < 0 ? -1 : ret;
@@ -363,35 +379,40 @@ void shd_session_hello(struct shd_session *s, const struct shardd_msg_hdr *hdr,
 
 		if (ringfd == -EMFILE || ringfd == -ENFILE)
 			shd_fd_limit_describe(lim, sizeof(lim));
-		shd_session_reject(s, hdr->seq, -SHARDD_E_NOMEM, "cannot create the ring (%u entries): %s%s%s%s",
-			       sq_entries, strerror(-ringfd), lim[0] ? " (shardd is at its fd limit: " : "",
-			       lim, lim[0] ? "; raise it with ulimit -n or LimitNOFILE=)" : "");
+		shd_session_reject(s, hdr->seq, -SHARDD_E_NOMEM,
+				   "cannot create the ring (%u entries): %s%s%s%s", sq_entries,
+				   strerror(-ringfd), lim[0] ? " (shardd is at its fd limit: " : "",
+				   lim, lim[0] ? "; raise it with ulimit -n or LimitNOFILE=)" : "");
 		return;
 	}
 	/* Every taken entry holds a CQ slot, so at most cq_entries are timed at once. */
 	if (shd_op_clock_init(&s->clock, sq_entries * CQ_PER_SQ) < 0) {
-		shd_session_reject(s, hdr->seq, -SHARDD_E_NOMEM, "out of memory for the op clock of "
-			       "%u entries", sq_entries * CQ_PER_SQ);
+		shd_session_reject(s, hdr->seq, -SHARDD_E_NOMEM,
+				   "out of memory for the op clock of "
+				   "%u entries",
+				   sq_entries * CQ_PER_SQ);
 		goto out;
 	}
 	s->doorbell_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
 	if (s->doorbell_fd < 0) {
 		ret = -errno;
 		shd_session_reject(s, hdr->seq, ret, "cannot create the doorbell eventfd: %s",
-			       strerror(-ret));
+				   strerror(-ret));
 		goto out;
 	}
 	if (!job) {
 		ret = shd_job_create(h.job, h.replicate, h.shard, &job);
 		if (ret < 0) {
 			shd_session_reject(s, hdr->seq, ret == -ENOMEM ? -SHARDD_E_NOMEM : ret,
-				       "cannot create job '%s': %s", h.job,
-				       ret == -ENOMEM ? "out of memory" : "the engine refused it");
+					   "cannot create job '%s': %s", h.job,
+					   ret == -ENOMEM ? "out of memory"
+							  : "the engine refused it");
 			goto out;
 		}
 		created = 1;
 		if (span)
-			shd_job_span(job, mesh_replicate, mesh_shard, shd_world_nodes(), shd_world_node());
+			shd_job_span(job, mesh_replicate, mesh_shard, shd_world_nodes(),
+				     shd_world_node());
 	}
 
 	memset(&w, 0, sizeof(w));
@@ -419,25 +440,27 @@ void shd_session_hello(struct shd_session *s, const struct shardd_msg_hdr *hdr,
 	s->device = h.device;
 	s->minor = h.minor;
 	s->stats.attached_ns = shd_now_ns();
-	shd_job_attach(job, h.rank, (uint32_t)s->cred.pid, h.device,
-			  &(struct shd_rank_sink){ .ops = &shd_session_sink_ops, .ctx = s,
-						      .token = s->id });
+	shd_job_attach(
+		job, h.rank, (uint32_t)s->cred.pid, h.device,
+		&(struct shd_rank_sink){ .ops = &shd_session_sink_ops, .ctx = s, .token = s->id });
 	if (shd_loop_add_fd(shd_session_env.loop, s->doorbell_fd, POLLIN, session_doorbell, s,
-			       &s->doorbell_ev) < 0 ||
+			    &s->doorbell_ev) < 0 ||
 	    (s->pidfd >= 0 && shd_loop_add_fd(shd_session_env.loop, s->pidfd, POLLIN,
-						 session_pidfd_readable, s, &s->pidfd_ev) < 0)) {
+					      session_pidfd_readable, s, &s->pidfd_ev) < 0)) {
 		shd_session_close(s, "could not be registered with the event loop");
 		goto out;
 	}
 	if (span)
-		shd_log_info("%s attached: rank %u of mesh %ux%u over %u nodes (node-local rank %u of "
-			     "1x%u), ring %u/%u entries", shd_session_name(s, name, sizeof(name)),
-			     shd_world_node() * h.shard + h.rank, mesh_replicate, mesh_shard,
-			     shd_world_nodes(), h.rank, h.shard, sq_entries, sq_entries * CQ_PER_SQ);
+		shd_log_info(
+			"%s attached: rank %u of mesh %ux%u over %u nodes (node-local rank %u of "
+			"1x%u), ring %u/%u entries",
+			shd_session_name(s, name, sizeof(name)),
+			shd_world_node() * h.shard + h.rank, mesh_replicate, mesh_shard,
+			shd_world_nodes(), h.rank, h.shard, sq_entries, sq_entries * CQ_PER_SQ);
 	else
 		shd_log_info("%s attached: mesh %ux%u, ring %u/%u entries, device %d",
-				shd_session_name(s, name, sizeof(name)), h.replicate, h.shard, sq_entries,
-				sq_entries * CQ_PER_SQ, h.device);
+			     shd_session_name(s, name, sizeof(name)), h.replicate, h.shard,
+			     sq_entries, sq_entries * CQ_PER_SQ, h.device);
 	/* The client may have submitted already; serve its ring before sleeping. */
 	shd_session_env.note_work(shd_now_ns());
 out:
@@ -453,8 +476,7 @@ out:
  * SHARDD_MSG_STREAM: import the client's per-SQ-slot events and answer
  * with ours, one per CQ slot (shardd_proto.h). Once per connection.
  */
-void shd_session_stream(struct shd_session *s, uint32_t seq, const uint8_t *payload,
-			   uint32_t len)
+void shd_session_stream(struct shd_session *s, uint32_t seq, const uint8_t *payload, uint32_t len)
 {
 	struct shd_backend_ctx *b = shd_engine_backend(shd_session_env.engine);
 	uint32_t nsq = s->ring.sq_mask + 1, ncq = s->ring.cq_mask + 1;
@@ -465,52 +487,58 @@ void shd_session_stream(struct shd_session *s, uint32_t seq, const uint8_t *payl
 	size_t rlen;
 
 	if (!b->ops->fences_open) {
-		shd_session_reply_error(s, seq, -ENOTSUP,
-				    "stream fences need --backend cuda; this shardd runs --backend %s, "
-				    "whose completions already mean the results are in memory",
-				    b->ops->name);
+		shd_session_reply_error(
+			s, seq, -ENOTSUP,
+			"stream fences need --backend cuda; this shardd runs --backend %s, "
+			"whose completions already mean the results are in memory",
+			b->ops->name);
 		return;
 	}
 	if (s->fences) {
-		shd_session_reply_error(s, seq, -SHARDD_E_STATE,
-				    "this connection set up its stream fences already; STREAM is sent once");
+		shd_session_reply_error(
+			s, seq, -SHARDD_E_STATE,
+			"this connection set up its stream fences already; STREAM is sent once");
 		return;
 	}
 	if (s->device < 0) {
-		shd_session_reply_error(s, seq, -SHARDD_E_INVALID,
-				    "stream fences: this rank attached with hello.device = %d; attach "
-				    "with the CUDA device its stream runs on", s->device);
+		shd_session_reply_error(
+			s, seq, -SHARDD_E_INVALID,
+			"stream fences: this rank attached with hello.device = %d; attach "
+			"with the CUDA device its stream runs on",
+			s->device);
 		return;
 	}
 	if (len < sizeof(req)) {
-		shd_session_reply_error(s, seq, -SHARDD_E_MALFORMED,
-				    "STREAM payload of %u bytes is shorter than its %zu-byte header", len,
-				    sizeof(req));
+		shd_session_reply_error(
+			s, seq, -SHARDD_E_MALFORMED,
+			"STREAM payload of %u bytes is shorter than its %zu-byte header", len,
+			sizeof(req));
 		return;
 	}
 	memcpy(&req, payload, sizeof(req));
 	if (req.rsvd) {
 		shd_session_reply_error(s, seq, -SHARDD_E_INVALID,
-				    "stream.rsvd = 0x%x: reserved, must be 0", req.rsvd);
+					"stream.rsvd = 0x%x: reserved, must be 0", req.rsvd);
 		return;
 	}
 	if (req.nevents != nsq) {
 		shd_session_reply_error(s, seq, -SHARDD_E_INVALID,
-				    "stream.nevents = %u: must be %u, one event per SQ slot", req.nevents,
-				    nsq);
+					"stream.nevents = %u: must be %u, one event per SQ slot",
+					req.nevents, nsq);
 		return;
 	}
 	if (len != sizeof(req) + (uint64_t)nsq * hsz) {
-		shd_session_reply_error(s, seq, -SHARDD_E_MALFORMED,
-				    "STREAM payload of %u bytes: a header and %u event handles take %zu",
-				    len, nsq, sizeof(req) + nsq * hsz);
+		shd_session_reply_error(
+			s, seq, -SHARDD_E_MALFORMED,
+			"STREAM payload of %u bytes: a header and %u event handles take %zu", len,
+			nsq, sizeof(req) + nsq * hsz);
 		return;
 	}
 	rlen = sizeof(*rep) + ncq * hsz;
 	rep = calloc(1, rlen);
 	if (!rep) {
 		shd_session_reply_error(s, seq, -SHARDD_E_NOMEM,
-				    "stream fences: out of memory for %u event handles", ncq);
+					"stream fences: out of memory for %u event handles", ncq);
 		return;
 	}
 	err[0] = '\0';
@@ -519,7 +547,7 @@ void shd_session_stream(struct shd_session *s, uint32_t seq, const uint8_t *payl
 				(struct shardd_cuda_ipc_handle *)(rep + 1), &s->fences, err,
 				sizeof(err)) < 0) {
 		shd_session_reply_error(s, seq, -SHARDD_E_BACKEND, "stream fences on device %d: %s",
-				    s->device, err[0] ? err : "the backend failed");
+					s->device, err[0] ? err : "the backend failed");
 		free(rep);
 		return;
 	}
@@ -527,4 +555,3 @@ void shd_session_stream(struct shd_session *s, uint32_t seq, const uint8_t *payl
 	shd_session_send(s, SHARDD_MSG_STREAM_REPLY, seq, rep, (uint32_t)rlen, NULL, 0);
 	free(rep);
 }
-

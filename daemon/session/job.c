@@ -28,7 +28,7 @@ struct shd_job *shd_job_find(const char *name)
 }
 
 int shd_job_claim(const char *name, uint32_t replicate, uint32_t shard, uint32_t rank,
-		     struct shd_job **out, char *err, size_t errlen)
+		  struct shd_job **out, char *err, size_t errlen)
 {
 	struct shd_job *job = shd_job_find(name);
 	struct shd_job_rank *jr;
@@ -44,7 +44,8 @@ int shd_job_claim(const char *name, uint32_t replicate, uint32_t shard, uint32_t
 	jr = &job->ranks[rank];
 	/* A restarted trainer may be faster than the old one's EOF: look now. */
 	if (jr->client.ops && jr->client.ops->gone(jr->client.ctx)) {
-		jr->client.ops->close(jr->client.ctx, "died (found gone when the rank re-attached)");
+		jr->client.ops->close(jr->client.ctx,
+				      "died (found gone when the rank re-attached)");
 		/* A job that held no group ended with its last rank (shd_job_detach): a new one starts. */
 		job = *out = shd_job_find(name);
 		if (!job)
@@ -53,14 +54,14 @@ int shd_job_claim(const char *name, uint32_t replicate, uint32_t shard, uint32_t
 	}
 	if (jr->client.ops) {
 		snprintf(err, errlen, "job '%s' rank %u is already attached (client %llu, pid %u)",
-			 job->name, job->rank_base + rank, (unsigned long long)jr->client.token, jr->pid);
+			 job->name, job->rank_base + rank, (unsigned long long)jr->client.token,
+			 jr->pid);
 		return -SHARDD_E_RANK_TAKEN;
 	}
 	return 0;
 }
 
-int shd_job_create(const char *name, uint32_t replicate, uint32_t shard,
-		      struct shd_job **out)
+int shd_job_create(const char *name, uint32_t replicate, uint32_t shard, struct shd_job **out)
 {
 	uint32_t all[SHARDD_MAX_WORLD];
 	struct shd_job *j;
@@ -162,21 +163,23 @@ static void rdv_finish(struct shd_job *j, enum shd_job_rdv_kind k, int res, cons
  * now waits; with SHD_RDV_MISMATCH the caller fails it (rdv_mismatch).
  */
 static int rdv_arrive(struct shd_job *j, enum shd_job_rdv_kind k, uint32_t rank,
-		      const struct shardd_sqe *sqe, uint32_t flags, int busy, char *err, size_t errlen)
+		      const struct shardd_sqe *sqe, uint32_t flags, int busy, char *err,
+		      size_t errlen)
 {
 	struct shd_job_rank *jr = &j->ranks[rank];
 	struct shd_job_wait *w = &jr->wait[k];
 	struct shd_rdv *rdv = &j->rdv[k];
 	static const char *const did[SHD_JOB_NRDV] = {
 		[SHD_JOB_BARRIER] = "arrived",
-		[SHD_JOB_GNORM]   = "submitted grad_norm",
-		[SHD_JOB_CKPT]    = "submitted checkpoint",
+		[SHD_JOB_GNORM] = "submitted grad_norm",
+		[SHD_JOB_CKPT] = "submitted checkpoint",
 	};
 	char mine[64], theirs[64], within[32], late[1024], msg[1400];
 	uint64_t now = shd_now_ns();
 	int ret;
 
-	ret = shd_rdv_arrive(rdv, rank, sqe->step, flags, now, env.collective_timeout_ns, err, errlen);
+	ret = shd_rdv_arrive(rdv, rank, sqe->step, flags, now, env.collective_timeout_ns, err,
+			     errlen);
 	if (ret == SHD_RDV_LATE && !busy) {
 		rdv_label(mine, sizeof(mine), k, sqe->step);
 		snprintf(within, sizeof(within), "%g s", env.collective_timeout_s);
@@ -189,7 +192,8 @@ static int rdv_arrive(struct shd_job *j, enum shd_job_rdv_kind k, uint32_t rank,
 	if (ret == -EINVAL || busy) {
 		rdv_label(mine, sizeof(mine), k, sqe->step);
 		rdv_label(theirs, sizeof(theirs), k, busy ? w->sqe.step : rdv->step);
-		snprintf(msg, sizeof(msg), "%s: rank %u already waits in %s", mine, j->rank_base + rank, theirs);
+		snprintf(msg, sizeof(msg), "%s: rank %u already waits in %s", mine,
+			 j->rank_base + rank, theirs);
 		if (ret != -EINVAL)
 			shd_rdv_leave(rdv, rank);
 		shd_job_op_done(j, rank, jr->client.token, sqe, -SHARDD_E_STATE, msg);
@@ -238,8 +242,8 @@ static void rdv_departure(const struct shd_job *j, const struct shd_rdv *rdv, ui
 			how = d->left_why;
 		else
 			continue;
-		snprintf(buf, len, "rank %u (pid %u) %s; rank %u (pid %u) %s", j->rank_base + rdv->ranks[i],
-			 d->pid, how, j->rank_base + rank, pid, why);
+		snprintf(buf, len, "rank %u (pid %u) %s; rank %u (pid %u) %s",
+			 j->rank_base + rdv->ranks[i], d->pid, how, j->rank_base + rank, pid, why);
 		return;
 	}
 	snprintf(buf, len, "rank %u (pid %u) %s", j->rank_base + rank, pid, why);
@@ -287,7 +291,8 @@ static void ckpt_written(void *ctx, int res, const char *msg, const char *dir, u
 		if (!jr->ckpt_waits)
 			continue;
 		jr->ckpt_waits = 0;
-		shd_job_op_done(j, r, jr->wait[SHD_JOB_CKPT].token, &jr->wait[SHD_JOB_CKPT].sqe, res, msg);
+		shd_job_op_done(j, r, jr->wait[SHD_JOB_CKPT].token, &jr->wait[SHD_JOB_CKPT].sqe,
+				res, msg);
 	}
 }
 
@@ -324,7 +329,8 @@ static void job_destroy(struct shd_job *j, const char *why)
 	free(j);
 }
 
-int shd_job_span(struct shd_job *j, uint32_t replicate, uint32_t shard, uint32_t nodes, uint32_t node)
+int shd_job_span(struct shd_job *j, uint32_t replicate, uint32_t shard, uint32_t nodes,
+		 uint32_t node)
 {
 	int ret = shd_engine_job_span(j->ejob, replicate, shard, nodes, node);
 
@@ -370,11 +376,12 @@ uint64_t shd_job_end(struct shd_job *j, const char *why)
 		attached[i].ops->close_later(attached[i].ctx, notice);
 	if (n)
 		shd_log_warn("job '%s' %s: its %u attached rank%s told, %llu bytes of buffers "
-				"freed (%.1f MiB)", name, why, n, n == 1 ? " was" : "s were",
-				(unsigned long long)bytes, (double)bytes / (1024.0 * 1024.0));
+			     "freed (%.1f MiB)",
+			     name, why, n, n == 1 ? " was" : "s were", (unsigned long long)bytes,
+			     (double)bytes / (1024.0 * 1024.0));
 	else
 		shd_log_warn("job '%s' %s: %llu bytes of buffers freed (%.1f MiB)", name, why,
-				(unsigned long long)bytes, (double)bytes / (1024.0 * 1024.0));
+			     (unsigned long long)bytes, (double)bytes / (1024.0 * 1024.0));
 	return bytes;
 }
 
@@ -389,7 +396,7 @@ double shd_job_ends_in_s(const struct shd_job *j, uint64_t now_ns)
 }
 
 void shd_job_attach(struct shd_job *j, uint32_t rank, uint32_t pid, int32_t device,
-		       const struct shd_rank_sink *client)
+		    const struct shd_rank_sink *client)
 {
 	struct shd_job_rank *jr = &j->ranks[rank];
 
@@ -400,16 +407,15 @@ void shd_job_attach(struct shd_job *j, uint32_t rank, uint32_t pid, int32_t devi
 	j->nattached++;
 	if (j->orphaned_ns) {
 		shd_log_info("job '%s': rank %u re-attached after %.1f s without ranks; the job "
-				"no longer ends (--job-linger)", j->name, rank,
-				(double)(shd_now_ns() - j->orphaned_ns) / 1e9);
+			     "no longer ends (--job-linger)",
+			     j->name, rank, (double)(shd_now_ns() - j->orphaned_ns) / 1e9);
 		j->orphaned_ns = 0;
 	}
 	shd_engine_rank_attached(j->ejob, rank, device);
 }
 
 /* The sink of `rank` if its client is `token`, else NULL (a stale completion). */
-static const struct shd_rank_sink *job_client(struct shd_job *j, uint32_t rank,
-						 uint64_t token)
+static const struct shd_rank_sink *job_client(struct shd_job *j, uint32_t rank, uint64_t token)
 {
 	const struct shd_rank_sink *c;
 
@@ -419,34 +425,35 @@ static const struct shd_rank_sink *job_client(struct shd_job *j, uint32_t rank,
 	return c->ops && c->token == token ? c : NULL;
 }
 
-void shd_job_op_done(void *job_ctx, uint32_t rank, uint64_t token,
-			const struct shardd_sqe *sqe, int res, const char *msg)
+void shd_job_op_done(void *job_ctx, uint32_t rank, uint64_t token, const struct shardd_sqe *sqe,
+		     int res, const char *msg)
 {
 	struct shd_job *j = job_ctx;
 	const struct shd_rank_sink *c = job_client(j, rank, token);
 
 	if (!c) {
 		shd_log_debug("job '%s' rank %u: dropping the completion of %s (step %llu): "
-				 "its client %llu is gone", j->name, rank,
-				 shardd_op_name(sqe->op) ? shardd_op_name(sqe->op) : "?",
-				 (unsigned long long)sqe->step, (unsigned long long)token);
+			      "its client %llu is gone",
+			      j->name, rank,
+			      shardd_op_name(sqe->op) ? shardd_op_name(sqe->op) : "?",
+			      (unsigned long long)sqe->step, (unsigned long long)token);
 		return;
 	}
 	c->ops->complete(c->ctx, sqe, res, msg);
 }
 
-void shd_job_group_reply(void *job_ctx, uint32_t rank, uint64_t token, uint32_t seq,
-			    int res, const char *msg, const struct shardd_group_reply *reply,
-			    const struct shardd_param_layout *layouts,
-			    const struct shardd_param_spec *specs, const int *fds, int nfds,
-			    const struct shardd_cuda_ipc_handle *ipc, int nipc)
+void shd_job_group_reply(void *job_ctx, uint32_t rank, uint64_t token, uint32_t seq, int res,
+			 const char *msg, const struct shardd_group_reply *reply,
+			 const struct shardd_param_layout *layouts,
+			 const struct shardd_param_spec *specs, const int *fds, int nfds,
+			 const struct shardd_cuda_ipc_handle *ipc, int nipc)
 {
 	struct shd_job *j = job_ctx;
 	const struct shd_rank_sink *c = job_client(j, rank, token);
 
 	if (!c) {
 		shd_log_debug("job '%s' rank %u: dropping a group reply: its client %llu is gone",
-				 j->name, rank, (unsigned long long)token);
+			      j->name, rank, (unsigned long long)token);
 		return;
 	}
 	c->ops->group_reply(c->ctx, seq, res, msg, reply, layouts, specs, fds, nfds, ipc, nipc);
@@ -499,10 +506,12 @@ void shd_job_detach(struct shd_job *j, uint32_t rank, int goodbye, const char *w
 		j->orphaned_ns = shd_now_ns();
 		if (env.linger_ns)
 			shd_log_info("job '%s': no rank attached; it ends in %g s unless one "
-					"re-attaches (--job-linger)", j->name, env.linger_s);
+				     "re-attaches (--job-linger)",
+				     j->name, env.linger_s);
 		else
 			shd_log_info("job '%s': no rank attached; kept until one re-attaches "
-					"(--job-linger 0)", j->name);
+				     "(--job-linger 0)",
+				     j->name);
 	}
 }
 
@@ -520,15 +529,16 @@ static void job_barrier(struct shd_job *j, uint32_t rank, const struct shardd_sq
 		snprintf(msg, sizeof(msg),
 			 "barrier mismatch: rank %u submitted barrier %llu but rank %u submitted "
 			 "barrier %llu; failing ranks %s",
-			 j->rank_base + rank, (unsigned long long)sqe->step, j->rank_base + rdv->first_rank,
-			 (unsigned long long)rdv->step, failing);
+			 j->rank_base + rank, (unsigned long long)sqe->step,
+			 j->rank_base + rdv->first_rank, (unsigned long long)rdv->step, failing);
 		/* Each failing rank's completion names the barrier number it met (cqe.result[0]). */
 		mine = *sqe;
 		mine.arg[SHARDD_CQE_BARRIER_OTHER] = rdv->step;
 		for (uint32_t i = 0; i < rdv->nexpected; i++)
 			if (rdv->arrived[i])
-				j->ranks[rdv->ranks[i]].wait[SHD_JOB_BARRIER].sqe.arg[SHARDD_CQE_BARRIER_OTHER] =
-					sqe->step;
+				j->ranks[rdv->ranks[i]]
+					.wait[SHD_JOB_BARRIER]
+					.sqe.arg[SHARDD_CQE_BARRIER_OTHER] = sqe->step;
 		rdv_mismatch(j, SHD_JOB_BARRIER, rank, &mine, msg);
 		return;
 	}
@@ -562,21 +572,24 @@ static void job_grad_norm(struct shd_job *j, uint32_t rank, const struct shardd_
 	} else if (isinf(type) && type > 0) {
 		code = 1;
 	} else {
-		snprintf(msg, sizeof(msg), "grad_norm(step %llu): norm_type %g (sqe.arg[%d] = 0x%llx) is "
-			 "not supported: use 2.0 or inf", (unsigned long long)sqe->step, type,
-			 SHARDD_SQE_GRAD_NORM_TYPE, (unsigned long long)sqe->arg[SHARDD_SQE_GRAD_NORM_TYPE]);
+		snprintf(msg, sizeof(msg),
+			 "grad_norm(step %llu): norm_type %g (sqe.arg[%d] = 0x%llx) is "
+			 "not supported: use 2.0 or inf",
+			 (unsigned long long)sqe->step, type, SHARDD_SQE_GRAD_NORM_TYPE,
+			 (unsigned long long)sqe->arg[SHARDD_SQE_GRAD_NORM_TYPE]);
 		shd_job_op_done(j, rank, token, sqe, -SHARDD_E_INVALID, msg);
 		return;
 	}
 	ret = rdv_arrive(j, SHD_JOB_GNORM, rank, sqe, code, 0, why, sizeof(why));
 	if (ret == SHD_RDV_MISMATCH) {
 		shd_rdv_failing(rdv, rank, failing, sizeof(failing));
-		snprintf(msg, sizeof(msg),
-			 "grad_norm mismatch: rank %u submitted grad_norm(step %llu, norm_type %s) but rank %u "
-			 "submitted grad_norm(step %llu, norm_type %s); failing ranks %s",
-			 j->rank_base + rank, (unsigned long long)sqe->step, gnorm_type_name(code),
-			 j->rank_base + rdv->first_rank,
-			 (unsigned long long)rdv->step, gnorm_type_name(rdv->flags), failing);
+		snprintf(
+			msg, sizeof(msg),
+			"grad_norm mismatch: rank %u submitted grad_norm(step %llu, norm_type %s) but rank %u "
+			"submitted grad_norm(step %llu, norm_type %s); failing ranks %s",
+			j->rank_base + rank, (unsigned long long)sqe->step, gnorm_type_name(code),
+			j->rank_base + rdv->first_rank, (unsigned long long)rdv->step,
+			gnorm_type_name(rdv->flags), failing);
 		rdv_mismatch(j, SHD_JOB_GNORM, rank, sqe, msg);
 		return;
 	}
@@ -584,16 +597,19 @@ static void job_grad_norm(struct shd_job *j, uint32_t rank, const struct shardd_
 		return;
 	if (shd_engine_job_spans_fsdp(j->ejob)) {
 		/* Each node holds its ranks' shards: the nodes' parts are summed off the loop (shd_job_gnorm_poll). */
-		ret = shd_engine_job_grad_norm_span(j->ejob, (int)code, sqe->step, why, sizeof(why));
+		ret = shd_engine_job_grad_norm_span(j->ejob, (int)code, sqe->step, why,
+						    sizeof(why));
 		if (ret < 0) {
-			snprintf(msg, sizeof(msg), "grad_norm(step %llu): %s", (unsigned long long)sqe->step, why);
+			snprintf(msg, sizeof(msg), "grad_norm(step %llu): %s",
+				 (unsigned long long)sqe->step, why);
 			rdv_finish(j, SHD_JOB_GNORM, ret, msg, 0, 0);
 		}
 		return;
 	}
 	ret = shd_engine_job_grad_norm(j->ejob, (int)code, &norm, &nonfinite, why, sizeof(why));
 	if (ret < 0) {
-		snprintf(msg, sizeof(msg), "grad_norm(step %llu): %s", (unsigned long long)sqe->step, why);
+		snprintf(msg, sizeof(msg), "grad_norm(step %llu): %s",
+			 (unsigned long long)sqe->step, why);
 		rdv_finish(j, SHD_JOB_GNORM, ret, msg, 0, 0);
 		return;
 	}
@@ -612,7 +628,8 @@ void shd_job_gnorm_poll(struct shd_job *j)
 	if (ret > 0)
 		return;
 	if (ret < 0) {
-		snprintf(msg, sizeof(msg), "grad_norm(step %llu): %s", (unsigned long long)step, why);
+		snprintf(msg, sizeof(msg), "grad_norm(step %llu): %s", (unsigned long long)step,
+			 why);
 		shd_log_warn("job '%s': %s", j->name, msg);
 		rdv_finish(j, SHD_JOB_GNORM, ret, msg, 0, 0);
 		return;
@@ -637,19 +654,22 @@ static void job_checkpoint(struct shd_job *j, uint32_t rank, const struct shardd
 	int ret;
 
 	if (!env.state_dir) {
-		snprintf(msg, sizeof(msg), "checkpoint(step %llu): shardd has no --state-dir to write it to; "
-			 "restart shardd with --state-dir DIR, or take it with `shardctl checkpoint %s DIR`",
-			 (unsigned long long)sqe->step, j->name);
+		snprintf(
+			msg, sizeof(msg),
+			"checkpoint(step %llu): shardd has no --state-dir to write it to; "
+			"restart shardd with --state-dir DIR, or take it with `shardctl checkpoint %s DIR`",
+			(unsigned long long)sqe->step, j->name);
 		shd_job_op_done(j, rank, token, sqe, -SHARDD_E_INVALID, msg);
 		return;
 	}
 	ret = rdv_arrive(j, SHD_JOB_CKPT, rank, sqe, 0, jr->ckpt_waits, why, sizeof(why));
 	if (ret == SHD_RDV_MISMATCH) {
-		snprintf(msg, sizeof(msg),
-			 "checkpoint mismatch: rank %u submitted checkpoint(step %llu) but rank %u submitted "
-			 "checkpoint(step %llu); every rank checkpoints the same step",
-			 j->rank_base + rank, (unsigned long long)sqe->step, j->rank_base + rdv->first_rank,
-			 (unsigned long long)rdv->step);
+		snprintf(
+			msg, sizeof(msg),
+			"checkpoint mismatch: rank %u submitted checkpoint(step %llu) but rank %u submitted "
+			"checkpoint(step %llu); every rank checkpoints the same step",
+			j->rank_base + rank, (unsigned long long)sqe->step,
+			j->rank_base + rdv->first_rank, (unsigned long long)rdv->step);
 		rdv_mismatch(j, SHD_JOB_CKPT, rank, sqe, msg);
 		return;
 	}
@@ -667,7 +687,8 @@ static void job_checkpoint(struct shd_job *j, uint32_t rank, const struct shardd
 	free(dir);
 	free(root);
 	if (ret < 0) {
-		snprintf(msg, sizeof(msg), "checkpoint(step %llu): %s", (unsigned long long)sqe->step, why);
+		snprintf(msg, sizeof(msg), "checkpoint(step %llu): %s",
+			 (unsigned long long)sqe->step, why);
 		rdv_finish(j, SHD_JOB_CKPT, ret, msg, 0, 0);
 		return;
 	}
@@ -693,42 +714,50 @@ void shd_job_submit(struct shd_job *j, uint32_t rank, const struct shardd_sqe *s
 	}
 }
 
-int shd_job_checkpoint_arm(struct shd_job *j, const char *dir, uint64_t *id, char *err, size_t errlen)
+int shd_job_checkpoint_arm(struct shd_job *j, const char *dir, uint64_t *id, char *err,
+			   size_t errlen)
 {
 	char *root = NULL;
 	int ret;
 
 	if (dir && dir[0] != '/') {
-		snprintf(err, errlen, "checkpoint: directory '%s' is relative; the daemon needs an absolute path",
-			 dir);
+		snprintf(
+			err, errlen,
+			"checkpoint: directory '%s' is relative; the daemon needs an absolute path",
+			dir);
 		return -SHARDD_E_INVALID;
 	}
 	if (!dir && !env.state_dir) {
-		snprintf(err, errlen, "checkpoint: shardd has no --state-dir; name the directory (shardctl "
-			 "checkpoint %s DIR) or restart shardd with --state-dir DIR", j->name);
+		snprintf(err, errlen,
+			 "checkpoint: shardd has no --state-dir; name the directory (shardctl "
+			 "checkpoint %s DIR) or restart shardd with --state-dir DIR",
+			 j->name);
 		return -SHARDD_E_INVALID;
 	}
 	if (env.state_dir && asprintf(&root, "%s/%s", env.state_dir, j->name) < 0) {
 		snprintf(err, errlen, "checkpoint: out of memory");
 		return -SHARDD_E_NOMEM;
 	}
-	ret = shd_engine_job_checkpoint_arm(j->ejob, dir, root, dir ? 0 : env.keep, id, err, errlen);
+	ret = shd_engine_job_checkpoint_arm(j->ejob, dir, root, dir ? 0 : env.keep, id, err,
+					    errlen);
 	free(root);
 	return ret;
 }
 
 void shd_job_cron(struct shd_job *j, uint64_t now_ns)
 {
-	static const enum shd_job_rdv_kind order[] = { SHD_JOB_GNORM, SHD_JOB_CKPT, SHD_JOB_BARRIER };
+	static const enum shd_job_rdv_kind order[] = { SHD_JOB_GNORM, SHD_JOB_CKPT,
+						       SHD_JOB_BARRIER };
 	static const char *const did[SHD_JOB_NRDV] = {
 		[SHD_JOB_BARRIER] = "did not arrive",
-		[SHD_JOB_GNORM]   = "did not submit grad_norm",
-		[SHD_JOB_CKPT]    = "did not submit checkpoint",
+		[SHD_JOB_GNORM] = "did not submit grad_norm",
+		[SHD_JOB_CKPT] = "did not submit checkpoint",
 	};
 	char within[32], label[64], late[2300], msg[2400];
 
 	if (shd_job_ends_in_s(j, now_ns) == 0) {
-		snprintf(msg, sizeof(msg), "ended after %.1f s without an attached rank (--job-linger %g)",
+		snprintf(msg, sizeof(msg),
+			 "ended after %.1f s without an attached rank (--job-linger %g)",
 			 (double)(now_ns - j->orphaned_ns) / 1e9, env.linger_s);
 		shd_job_end(j, msg);
 		return;

@@ -43,7 +43,7 @@ struct shd_rank_sink_ops {
 	/* Tell the client something it did not ask about (an ERROR with seq 0). */
 	void (*notify)(void *ctx, int code, const char *text);
 	/* Is the client gone (socket hung up, process exited)? Never waits. */
-	int  (*gone)(void *ctx);
+	int (*gone)(void *ctx);
 	/* Close the client now; `why` is logged. Detaches the rank (shd_job_detach). */
 	void (*close)(void *ctx, const char *why);
 	/* Stop using the client and close it at the loop's next safe point. */
@@ -54,20 +54,20 @@ struct shd_rank_sink_ops {
 
 struct shd_rank_sink {
 	const struct shd_rank_sink_ops *ops; /* NULL: no client attached */
-	void    *ctx;                           /* the client (its session) */
-	uint64_t token;                         /* its client id: the engine's token for its ops */
+	void *ctx;                           /* the client (its session) */
+	uint64_t token;                      /* its client id: the engine's token for its ops */
 };
 
 /* What every job needs from the daemon, given once at start (shd_jobs_init). */
 struct shd_jobs_env {
-	struct shd_job **list;        /* head of the daemon's list of jobs */
+	struct shd_job **list; /* head of the daemon's list of jobs */
 	struct shd_engine *engine;
-	uint64_t collective_timeout_ns;  /* a barrier fails after this */
-	double   collective_timeout_s;   /* the same, as given (--collective-timeout) */
-	uint64_t linger_ns;              /* --job-linger; 0 = forever */
-	double   linger_s;
-	const char *state_dir;           /* --state-dir, or NULL: where the checkpoint op writes */
-	uint32_t keep;                   /* --keep */
+	uint64_t collective_timeout_ns; /* a barrier fails after this */
+	double collective_timeout_s;    /* the same, as given (--collective-timeout) */
+	uint64_t linger_ns;             /* --job-linger; 0 = forever */
+	double linger_s;
+	const char *state_dir; /* --state-dir, or NULL: where the checkpoint op writes */
+	uint32_t keep;         /* --keep */
 };
 
 /* The job-wide rendezvous ops, each over every rank of the job. */
@@ -80,32 +80,32 @@ enum shd_job_rdv_kind {
 
 /* A rank waiting in one job-wide rendezvous op. */
 struct shd_job_wait {
-	uint64_t token;         /* session that waits */
-	struct shardd_sqe sqe;  /* its entry, for the completion */
+	uint64_t token;        /* session that waits */
+	struct shardd_sqe sqe; /* its entry, for the completion */
 };
 
 struct shd_job_rank {
-	struct shd_rank_sink client; /* attached client; client.ops NULL when none */
-	uint32_t pid;                   /* pid of the latest client of this rank */
-	int      attached_once;         /* some client has held this rank */
-	int      goodbye;               /* said goodbye since its last attach */
-	char     left_why[96];          /* why its last client left without a goodbye ("died
+	struct shd_rank_sink client;            /* attached client; client.ops NULL when none */
+	uint32_t pid;                           /* pid of the latest client of this rank */
+	int attached_once;                      /* some client has held this rank */
+	int goodbye;                            /* said goodbye since its last attach */
+	char left_why[96];                      /* why its last client left without a goodbye ("died
 					   (connection closed)"); rendezvous failures name it */
 	struct shd_job_wait wait[SHD_JOB_NRDV]; /* per rendezvous op (shd_job_rdv_kind) */
-	int      ckpt_waits;            /* its checkpoint op waits for the write to end */
+	int ckpt_waits;                         /* its checkpoint op waits for the write to end */
 };
 
 struct shd_job {
 	struct shd_job *next, *prev; /* shd_jobs_env.list */
-	char     name[SHARDD_NAME_MAX];
-	uint32_t replicate;             /* mesh rows */
-	uint32_t shard;                 /* mesh columns: shard group size */
-	uint32_t world;                 /* replicate * shard */
-	uint32_t nattached;             /* ranks with a client now */
-	struct shd_job_rank *ranks;  /* world entries */
+	char name[SHARDD_NAME_MAX];
+	uint32_t replicate;         /* mesh rows */
+	uint32_t shard;             /* mesh columns: shard group size */
+	uint32_t world;             /* replicate * shard */
+	uint32_t nattached;         /* ranks with a client now */
+	struct shd_job_rank *ranks; /* world entries */
 	struct shd_engine_job *ejob;
 	struct shd_rdv rdv[SHD_JOB_NRDV]; /* barrier, grad_norm, checkpoint (shd_job_rdv_kind) */
-	uint64_t orphaned_ns;           /* CLOCK_MONOTONIC when its last attached rank left; 0 while
+	uint64_t orphaned_ns; /* CLOCK_MONOTONIC when its last attached rank left; 0 while
 					   one is attached: --job-linger counts from here */
 	/*
 	 * A job across nodes (shd_job_span): the whole mesh, this node, and
@@ -128,16 +128,16 @@ struct shd_job *shd_job_find(const char *name);
  * it), or -SHARDD_E_MESH / -SHARDD_E_RANK_TAKEN with `err` saying so.
  */
 int shd_job_claim(const char *name, uint32_t replicate, uint32_t shard, uint32_t rank,
-		     struct shd_job **out, char *err, size_t errlen);
+		  struct shd_job **out, char *err, size_t errlen);
 /*
  * The job spans the daemon world: node `node` of `nodes` holds its ranks,
  * of the whole mesh replicate x shard (shd_engine_job_span); its messages
  * and views name global ranks from now on. Right after shd_job_create.
  */
-int shd_job_span(struct shd_job *j, uint32_t replicate, uint32_t shard, uint32_t nodes, uint32_t node);
+int shd_job_span(struct shd_job *j, uint32_t replicate, uint32_t shard, uint32_t nodes,
+		 uint32_t node);
 /* Create the job and its engine job; 0, -ENOMEM or the engine's error. */
-int shd_job_create(const char *name, uint32_t replicate, uint32_t shard,
-		      struct shd_job **out);
+int shd_job_create(const char *name, uint32_t replicate, uint32_t shard, struct shd_job **out);
 /* Fail its barrier with -SHARDD_E_SHUTDOWN, destroy the engine job, free it. */
 void shd_job_destroy(struct shd_job *j);
 
@@ -147,7 +147,7 @@ void shd_job_destroy(struct shd_job *j);
  * slot must be free (shd_job_claim).
  */
 void shd_job_attach(struct shd_job *j, uint32_t rank, uint32_t pid, int32_t device,
-		       const struct shd_rank_sink *client);
+		    const struct shd_rank_sink *client);
 /*
  * The client of `rank` is gone: `goodbye` says whether it said so, `why` is
  * how it went ("died", "said goodbye", ...). Fails a barrier in progress and
@@ -161,14 +161,14 @@ void shd_job_detach(struct shd_job *j, uint32_t rank, int goodbye, const char *w
  * job_ctx; the barrier uses it too). Goes out through the rank's sink;
  * dropped when that client is gone (a stale token).
  */
-void shd_job_op_done(void *job_ctx, uint32_t rank, uint64_t token,
-			const struct shardd_sqe *sqe, int res, const char *msg);
+void shd_job_op_done(void *job_ctx, uint32_t rank, uint64_t token, const struct shardd_sqe *sqe,
+		     int res, const char *msg);
 /* The engine's reply callback (shd_engine_reply_fn): the same path for group replies. */
-void shd_job_group_reply(void *job_ctx, uint32_t rank, uint64_t token, uint32_t seq,
-			    int res, const char *msg, const struct shardd_group_reply *reply,
-			    const struct shardd_param_layout *layouts,
-			    const struct shardd_param_spec *specs, const int *fds, int nfds,
-			    const struct shardd_cuda_ipc_handle *ipc, int nipc);
+void shd_job_group_reply(void *job_ctx, uint32_t rank, uint64_t token, uint32_t seq, int res,
+			 const char *msg, const struct shardd_group_reply *reply,
+			 const struct shardd_param_layout *layouts,
+			 const struct shardd_param_spec *specs, const int *fds, int nfds,
+			 const struct shardd_cuda_ipc_handle *ipc, int nipc);
 
 /*
  * An entry of job scope (op_table.h: barrier, grad_norm, checkpoint) from
@@ -189,7 +189,8 @@ void shd_job_gnorm_poll(struct shd_job *j);
  * <--state-dir>/<job>/step-<step>. 0 with *id its id, or a negative code
  * with `err` naming the fix (no --state-dir, a relative dir, one armed).
  */
-int shd_job_checkpoint_arm(struct shd_job *j, const char *dir, uint64_t *id, char *err, size_t errlen);
+int shd_job_checkpoint_arm(struct shd_job *j, const char *dir, uint64_t *id, char *err,
+			   size_t errlen);
 /*
  * Fail a barrier or grad_norm waiting past the collective timeout; end the job when it
  * has had no attached rank for --job-linger seconds (then `j` is freed).

@@ -34,8 +34,7 @@ void shd_op_clock_free(struct shd_op_clock *c)
 	memset(c, 0, sizeof(*c));
 }
 
-void shd_op_clock_start(struct shd_op_clock *c, const struct shardd_sqe *sqe,
-			   uint64_t now_ns)
+void shd_op_clock_start(struct shd_op_clock *c, const struct shardd_sqe *sqe, uint64_t now_ns)
 {
 	c->taken++;
 	if (shd_op_carries_step(sqe->op) && (!c->has_step || sqe->step > c->step)) {
@@ -45,13 +44,16 @@ void shd_op_clock_start(struct shd_op_clock *c, const struct shardd_sqe *sqe,
 	if (c->n >= c->cap)
 		return;
 	c->v[c->n++] = (struct shd_op_timing){
-		.user_data = sqe->user_data, .step = sqe->step, .taken_ns = now_ns,
-		.seq = c->taken, .op = sqe->op, .group = sqe->group,
+		.user_data = sqe->user_data,
+		.step = sqe->step,
+		.taken_ns = now_ns,
+		.seq = c->taken,
+		.op = sqe->op,
+		.group = sqe->group,
 	};
 }
 
-uint64_t shd_op_clock_stop(struct shd_op_clock *c, const struct shardd_sqe *sqe,
-			      uint64_t now_ns)
+uint64_t shd_op_clock_stop(struct shd_op_clock *c, const struct shardd_sqe *sqe, uint64_t now_ns)
 {
 	/*
 	 * Completions of one session come out of order across groups, and a
@@ -79,7 +81,7 @@ uint64_t shd_op_clock_stop(struct shd_op_clock *c, const struct shardd_sqe *sqe,
 		if (c->v[best].seq > c->done_seq) {
 			c->done_seq = c->v[best].seq;
 			c->done = (struct shd_op_progress){ .op = c->v[best].op,
-							       .step = c->v[best].step };
+							    .step = c->v[best].step };
 		}
 		c->v[best] = c->v[--c->n];
 		return now_ns > taken ? now_ns - taken : 1;

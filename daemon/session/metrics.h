@@ -21,9 +21,9 @@
 #define SHD_LAT_BUCKETS 40 /* 2^39 ns = 9 minutes: past any collective timeout we allow */
 
 struct shd_op_metrics {
-	uint64_t count;                       /* completions pushed */
-	uint64_t failed;                      /* of those, with res < 0 */
-	uint64_t bytes;                       /* bytes moved by the successful ones */
+	uint64_t count;  /* completions pushed */
+	uint64_t failed; /* of those, with res < 0 */
+	uint64_t bytes;  /* bytes moved by the successful ones */
 	uint64_t lat_sum_ns;
 	uint64_t lat_max_ns;
 	uint64_t lat_buckets[SHD_LAT_BUCKETS];
@@ -37,7 +37,7 @@ struct shd_op_timing {
 	uint64_t user_data;
 	uint64_t step;
 	uint64_t taken_ns;
-	uint64_t seq;       /* take order within the session, from 1 */
+	uint64_t seq; /* take order within the session, from 1 */
 	uint32_t op;
 	uint32_t group;
 };
@@ -56,25 +56,23 @@ struct shd_op_progress {
 struct shd_op_clock {
 	struct shd_op_timing *v;
 	uint32_t n, cap;
-	uint64_t taken;                  /* entries taken: the last one's seq */
-	uint64_t done_seq;               /* seq of `done` */
-	struct shd_op_progress done;  /* the latest-taken entry whose completion is pushed */
-	int      has_step;               /* some step-carrying entry was taken */
-	uint64_t step;                   /* the furthest step of those */
+	uint64_t taken;              /* entries taken: the last one's seq */
+	uint64_t done_seq;           /* seq of `done` */
+	struct shd_op_progress done; /* the latest-taken entry whose completion is pushed */
+	int has_step;                /* some step-carrying entry was taken */
+	uint64_t step;               /* the furthest step of those */
 };
 
 /* 0 or -ENOMEM. */
-int  shd_op_clock_init(struct shd_op_clock *c, uint32_t cap);
+int shd_op_clock_init(struct shd_op_clock *c, uint32_t cap);
 void shd_op_clock_free(struct shd_op_clock *c);
 /* The entry was taken at now_ns. */
-void shd_op_clock_start(struct shd_op_clock *c, const struct shardd_sqe *sqe,
-			   uint64_t now_ns);
+void shd_op_clock_start(struct shd_op_clock *c, const struct shardd_sqe *sqe, uint64_t now_ns);
 /*
  * The entry's completion is being pushed: forget it and return how long it
  * was in flight, or 0 when it was never started (then it is not timed).
  */
-uint64_t shd_op_clock_stop(struct shd_op_clock *c, const struct shardd_sqe *sqe,
-			      uint64_t now_ns);
+uint64_t shd_op_clock_stop(struct shd_op_clock *c, const struct shardd_sqe *sqe, uint64_t now_ns);
 
 struct shd_job;
 /*

@@ -29,9 +29,10 @@ static void session_ring_corrupt(struct shd_session *s, const char *which)
 
 	/* Snapshot for the message only; the client may be rewriting them as we read. */
 	shardd_ring_indices(&s->ring, &sq_head, &sq_tail, &cq_head, &cq_tail);
-	snprintf(why, sizeof(why),
-		 "was disconnected: ring %s index is corrupt (sq head %u tail %u, cq head %u tail %u)",
-		 which, sq_head, sq_tail, cq_head, cq_tail);
+	snprintf(
+		why, sizeof(why),
+		"was disconnected: ring %s index is corrupt (sq head %u tail %u, cq head %u tail %u)",
+		which, sq_head, sq_tail, cq_head, cq_tail);
 	shd_log_error("%s %s", shd_session_name(s, name, sizeof(name)), why);
 	shd_session_close_later(s, why);
 }
@@ -51,7 +52,7 @@ static int64_t session_cq_room(struct shd_session *s)
 }
 
 void shd_session_complete(struct shd_session *s, const struct shardd_sqe *sqe, int res,
-			     const char *msg)
+			  const char *msg)
 {
 	const struct shd_op_info *info = shd_op_info(sqe->op);
 	struct shardd_cqe cqe;
@@ -61,9 +62,10 @@ void shd_session_complete(struct shd_session *s, const struct shardd_sqe *sqe, i
 	if (s->state != SHD_SESSION_ATTACHED || s->closing)
 		return;
 	if (s->inflight == 0) {
-		shd_log_error("%s: completion of %s (step %llu) without a reserved CQ slot; dropped",
-				 shd_session_name(s, name, sizeof(name)), info ? info->name : "?",
-				 (unsigned long long)sqe->step);
+		shd_log_error(
+			"%s: completion of %s (step %llu) without a reserved CQ slot; dropped",
+			shd_session_name(s, name, sizeof(name)), info ? info->name : "?",
+			(unsigned long long)sqe->step);
 		return;
 	}
 	if (shardd_cq_space(&s->ring) <= 0) {
@@ -99,7 +101,7 @@ void shd_session_complete(struct shd_session *s, const struct shardd_sqe *sqe, i
 		msg = res <= -SHARDD_E_BASE ? "shardd error" : strerror(-res);
 	shardd_cq_push(&s->ring, &cqe, res < 0 ? msg : NULL);
 	shd_metrics_op_done(sqe->op, res, shd_metrics_op_bytes(s->job, sqe),
-			       shd_op_clock_stop(&s->clock, sqe, shd_now_ns()));
+			    shd_op_clock_stop(&s->clock, sqe, shd_now_ns()));
 	s->inflight--;
 	s->stats.ops_completed++;
 	if (res < 0)
@@ -126,8 +128,8 @@ session_fail_sqe(struct shd_session *s, const struct shardd_sqe *sqe, const char
  * after that. 0, or -SHARDD_E_INVALID (a bad fence field) or -SHARDD_E_BACKEND
  * (the backend's wait failed) with `err` naming the field and value.
  */
-static int session_fence_wait(struct shd_session *s, const struct shardd_sqe *sqe,
-			      uint32_t slot, char *err, size_t errlen)
+static int session_fence_wait(struct shd_session *s, const struct shardd_sqe *sqe, uint32_t slot,
+			      char *err, size_t errlen)
 {
 	struct shd_backend_ctx *b;
 
@@ -139,16 +141,20 @@ static int session_fence_wait(struct shd_session *s, const struct shardd_sqe *sq
 		return -SHARDD_E_INVALID;
 	}
 	if (!s->fences) {
-		snprintf(err, errlen, "sqe.fence = 0x%x, but this connection has no stream fences "
-			 "(send SHARDD_MSG_STREAM first)", sqe->fence);
+		snprintf(err, errlen,
+			 "sqe.fence = 0x%x, but this connection has no stream fences "
+			 "(send SHARDD_MSG_STREAM first)",
+			 sqe->fence);
 		return -SHARDD_E_INVALID;
 	}
 	if (!(sqe->fence & SHARDD_FENCE_WAIT))
 		return 0;
 	b = shd_engine_backend(shd_session_env.engine);
 	if (b->ops->fence_wait(b, s->fences, slot) < 0) {
-		snprintf(err, errlen, "sqe.fence: waiting on the stream event of SQ slot %u failed in "
-			 "the %s backend (see the daemon's log)", slot, b->ops->name);
+		snprintf(err, errlen,
+			 "sqe.fence: waiting on the stream event of SQ slot %u failed in "
+			 "the %s backend (see the daemon's log)",
+			 slot, b->ops->name);
 		return -SHARDD_E_BACKEND;
 	}
 	return 0;
@@ -218,7 +224,8 @@ unsigned shd_session_service(struct shd_session *s)
 		}
 		if (room == 0)
 			break;
-		fenced = session_fence_wait(s, &sqe, shardd_sq_peek(&s->ring, &sqe), why, sizeof(why));
+		fenced = session_fence_wait(s, &sqe, shardd_sq_peek(&s->ring, &sqe), why,
+					    sizeof(why));
 		shardd_sq_release(&s->ring);
 		shd_op_clock_start(&s->clock, &sqe, shd_now_ns());
 		s->inflight++;

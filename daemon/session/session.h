@@ -33,7 +33,7 @@ struct shd_session_out;
  * Bytes of replies a session may have queued because its client does not
  * read them (the largest message is 64 MiB); past this the client is dropped.
  */
-#define SHD_SESSION_OUT_MAX     (64ull * 1024 * 1024)
+#define SHD_SESSION_OUT_MAX (64ull * 1024 * 1024)
 /*
  * Descriptors a session's queued replies may hold (duplicated, 4 per GROUP
  * reply): a client that asks for group after group and reads none of the
@@ -47,7 +47,7 @@ struct shd_session_out;
  * enough for the client to read the reply (its EOF usually comes first),
  * short enough that refused connections do not pile up.
  */
-#define SHD_SESSION_LINGER_MS   2000
+#define SHD_SESSION_LINGER_MS 2000
 
 /* The client's credentials, from SO_PEERCRED. */
 struct shd_peer {
@@ -58,56 +58,56 @@ struct shd_peer {
 
 enum shd_session_state {
 	SHD_SESSION_HANDSHAKE = 0, /* connected, no HELLO accepted yet */
-	SHD_SESSION_ATTACHED  = 1, /* welcomed: rank of a job, ring live */
-	SHD_SESSION_DEAD      = 2, /* closed; freed at the next reap */
-	SHD_SESSION_LINGER    = 3, /* refused: detached, its ERROR sent, our side shut for
+	SHD_SESSION_ATTACHED = 1,  /* welcomed: rank of a job, ring live */
+	SHD_SESSION_DEAD = 2,      /* closed; freed at the next reap */
+	SHD_SESSION_LINGER = 3,    /* refused: detached, its ERROR sent, our side shut for
 				       * writing; closed at the client's EOF or linger_until_ns */
 };
 
 /* Per-session counters, for shardctl. */
 struct shd_session_stats {
-	uint64_t ops_taken;          /* SQ entries taken */
-	uint64_t ops_completed;      /* CQ entries pushed */
-	uint64_t ops_failed;         /* of those, with res < 0 */
+	uint64_t ops_taken;     /* SQ entries taken */
+	uint64_t ops_completed; /* CQ entries pushed */
+	uint64_t ops_failed;    /* of those, with res < 0 */
 	uint32_t last_taken_op;
 	uint64_t last_taken_step;
-	uint64_t attached_ns;        /* CLOCK_MONOTONIC of the welcome */
+	uint64_t attached_ns; /* CLOCK_MONOTONIC of the welcome */
 };
 
 struct shd_session {
 	struct shd_session *next, *prev; /* shd_sessions_env.list */
-	uint32_t id;                 /* client_id of the welcome; the engine token */
-	int      state;              /* enum shd_session_state */
-	int      fd;                 /* control socket */
-	struct shd_peer cred;     /* SO_PEERCRED at accept */
+	uint32_t id;                     /* client_id of the welcome; the engine token */
+	int state;                       /* enum shd_session_state */
+	int fd;                          /* control socket */
+	struct shd_peer cred;            /* SO_PEERCRED at accept */
 	struct shd_loop_event *sock_ev;
-	struct shardd_ctrl_rx rx;    /* control message being reassembled */
-	int      read_backlog;       /* the last read stopped at the budget: read on next turn */
-	uint64_t connected_ns;       /* CLOCK_MONOTONIC of the accept: handshake timeout */
-	int      spoke;              /* a complete message arrived: no handshake timeout */
+	struct shardd_ctrl_rx rx; /* control message being reassembled */
+	int read_backlog;         /* the last read stopped at the budget: read on next turn */
+	uint64_t connected_ns;    /* CLOCK_MONOTONIC of the accept: handshake timeout */
+	int spoke;                /* a complete message arrived: no handshake timeout */
 	struct shd_session_out *out_head, *out_tail; /* replies not sent yet, in order */
-	uint64_t out_bytes;          /* their unsent bytes, <= SHD_SESSION_OUT_MAX */
-	int      out_fds;            /* descriptors they hold, <= SHD_SESSION_OUT_MAX_FDS */
+	uint64_t out_bytes;            /* their unsent bytes, <= SHD_SESSION_OUT_MAX */
+	int out_fds;                   /* descriptors they hold, <= SHD_SESSION_OUT_MAX_FDS */
 	struct shd_loop_event *out_ev; /* POLLOUT, registered while out_head is set */
 	/* attached state */
 	struct shd_job *job;
 	uint32_t rank;
-	int32_t  device;             /* hello.device */
-	uint16_t minor;              /* hello.minor: what the client's replies may hold */
+	int32_t device;            /* hello.device */
+	uint16_t minor;            /* hello.minor: what the client's replies may hold */
 	struct shd_fences *fences; /* SHARDD_MSG_STREAM's events, NULL until then */
-	int      pidfd;              /* -1 when the kernel has no pidfd_open */
+	int pidfd;                 /* -1 when the kernel has no pidfd_open */
 	struct shd_loop_event *pidfd_ev;
-	int      doorbell_fd;        /* eventfd the client writes when we sleep */
+	int doorbell_fd; /* eventfd the client writes when we sleep */
 	struct shd_loop_event *doorbell_ev;
-	void    *ring_mem;           /* our mapping of the ring memfd */
+	void *ring_mem; /* our mapping of the ring memfd */
 	uint64_t ring_size;
 	struct shardd_ring ring;
-	uint32_t inflight;           /* taken entries whose completion is not pushed yet */
+	uint32_t inflight;         /* taken entries whose completion is not pushed yet */
 	struct shd_op_clock clock; /* take times of those entries: op latency */
 	struct shd_session_stats stats;
-	int      closing;            /* found broken mid-push: closed at the loop's next safe point */
-	char     closing_why[256];   /* why, logged when it is closed */
-	uint64_t linger_until_ns;    /* SHD_SESSION_LINGER: close by then (CLOCK_MONOTONIC) */
+	int closing;              /* found broken mid-push: closed at the loop's next safe point */
+	char closing_why[256];    /* why, logged when it is closed */
+	uint64_t linger_until_ns; /* SHD_SESSION_LINGER: close by then (CLOCK_MONOTONIC) */
 };
 
 /*
@@ -115,29 +115,29 @@ struct shd_session {
  * (shd_sessions_init): the session files never read the daemon's global.
  */
 struct shd_sessions_env {
-	struct shd_session **list;    /* head of the daemon's list of sessions */
-	struct shd_loop   *loop;
+	struct shd_session **list; /* head of the daemon's list of sessions */
+	struct shd_loop *loop;
 	struct shd_engine *engine;
-	uid_t    uid;                    /* clients must run as this uid (or an allowed gid) */
-	pid_t    pid;                    /* the daemon's */
-	const gid_t *allow_gids;         /* --allow-gid */
+	uid_t uid;               /* clients must run as this uid (or an allowed gid) */
+	pid_t pid;               /* the daemon's */
+	const gid_t *allow_gids; /* --allow-gid */
 	unsigned nallow_gids;
-	const char *socket_path;         /* --socket, for messages */
-	int      listen_fd;              /* the listening socket */
-	int     *accept_reserve_fd;      /* /dev/null held back to answer a connection at the
+	const char *socket_path;        /* --socket, for messages */
+	int listen_fd;                  /* the listening socket */
+	int *accept_reserve_fd;         /* /dev/null held back to answer a connection at the
 					  * fd limit (shd_session_accept); -1 while spent */
-	uint32_t backend;                /* --backend: enum shardd_backend, for the welcome */
-	uint64_t collective_timeout_ns;  /* for the welcome */
-	uint64_t handshake_timeout_ns;   /* a connection with no complete message by then is closed */
-	double   handshake_timeout_s;    /* the same, as given (--handshake-timeout) */
-	uint64_t rings_limit;            /* bytes the rings of all sessions may hold; 0: no limit */
-	void   (*schedule_close)(void);  /* a session was marked closing: close it at the next safe point */
-	void   (*schedule_reap)(void);   /* a session died: free it at the next safe point */
-	void   (*note_work)(uint64_t now_ns); /* some ring had work now (spin window) */
+	uint32_t backend;               /* --backend: enum shardd_backend, for the welcome */
+	uint64_t collective_timeout_ns; /* for the welcome */
+	uint64_t handshake_timeout_ns; /* a connection with no complete message by then is closed */
+	double handshake_timeout_s;    /* the same, as given (--handshake-timeout) */
+	uint64_t rings_limit;          /* bytes the rings of all sessions may hold; 0: no limit */
+	void (*schedule_close)(
+		void); /* a session was marked closing: close it at the next safe point */
+	void (*schedule_reap)(void);        /* a session died: free it at the next safe point */
+	void (*note_work)(uint64_t now_ns); /* some ring had work now (spin window) */
 	/* Answer the SHARDD_MSG_ADMIN request `payload` (`len` bytes, untrusted) of session s,
 	 * sequence seq: the server hands it to the admin requests (admin.h) and sends the reply. */
-	void   (*admin_request)(struct shd_session *s, uint32_t seq, const void *payload,
-				size_t len);
+	void (*admin_request)(struct shd_session *s, uint32_t seq, const void *payload, size_t len);
 };
 
 /* Set the environment of every session; before the first accept. */
@@ -174,7 +174,7 @@ int shd_session_prepare_sleep(struct shd_session *s);
  * dropped.
  */
 void shd_session_complete(struct shd_session *s, const struct shardd_sqe *sqe, int res,
-			     const char *msg);
+			  const char *msg);
 
 /*
  * Send a control message to the session's client without ever blocking:
@@ -186,8 +186,8 @@ void shd_session_complete(struct shd_session *s, const struct shardd_sqe *sqe, i
  * let more than SHD_SESSION_OUT_MAX bytes of replies pile up (logged,
  * naming it).
  */
-int shd_session_send(struct shd_session *s, uint16_t type, uint32_t seq,
-			const void *payload, uint32_t len, const int *fds, int nfds);
+int shd_session_send(struct shd_session *s, uint16_t type, uint32_t seq, const void *payload,
+		     uint32_t len, const int *fds, int nfds);
 
 /*
  * Tell the client something it did not ask about: an ERROR (code, text)
@@ -202,10 +202,10 @@ void shd_session_notify(struct shd_session *s, int code, const char *text);
  * CUDA IPC ones; or SHARDD_MSG_ERROR when res < 0 (shd_session_send).
  */
 void shd_session_send_group(struct shd_session *s, uint32_t seq, int res, const char *msg,
-			       const struct shardd_group_reply *reply,
-			       const struct shardd_param_layout *layouts,
-			       const struct shardd_param_spec *specs, const int *fds, int nfds,
-			       const struct shardd_cuda_ipc_handle *ipc, int nipc);
+			    const struct shardd_group_reply *reply,
+			    const struct shardd_param_layout *layouts,
+			    const struct shardd_param_spec *specs, const int *fds, int nfds,
+			    const struct shardd_cuda_ipc_handle *ipc, int nipc);
 
 /*
  * End the session: detach it from its job (the engine and the barrier learn

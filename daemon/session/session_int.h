@@ -21,11 +21,11 @@
  */
 struct shd_session_out {
 	struct shd_session_out *next;
-	uint32_t len;                      /* framed bytes: header + payload */
-	uint32_t off;                      /* bytes sent so far, at a datagram boundary */
-	int      fds[SHARDD_CTRL_MAX_FDS]; /* ours (duplicated); ride on the first datagram */
-	int      nfds;                     /* 0 once the first datagram is sent */
-	uint8_t  buf[];
+	uint32_t len;                 /* framed bytes: header + payload */
+	uint32_t off;                 /* bytes sent so far, at a datagram boundary */
+	int fds[SHARDD_CTRL_MAX_FDS]; /* ours (duplicated); ride on the first datagram */
+	int nfds;                     /* 0 once the first datagram is sent */
+	uint8_t buf[];
 };
 
 /* ---- session.c ---- */
@@ -94,12 +94,11 @@ extern const struct shd_rank_sink_ops shd_session_sink_ops;
 
 /* SHARDD_MSG_HELLO from a session in the handshake: attach it or refuse it. */
 void shd_session_hello(struct shd_session *s, const struct shardd_msg_hdr *hdr,
-			  const uint8_t *payload, uint32_t len);
+		       const uint8_t *payload, uint32_t len);
 /*
  * SHARDD_MSG_STREAM: import the client's per-SQ-slot events and answer
  * with ours, one per CQ slot (shardd_proto.h). Once per connection.
  */
-void shd_session_stream(struct shd_session *s, uint32_t seq, const uint8_t *payload,
-			   uint32_t len);
+void shd_session_stream(struct shd_session *s, uint32_t seq, const uint8_t *payload, uint32_t len);
 
 #endif /* SHD_SESSION_INT_H */

@@ -67,7 +67,7 @@ static void session_flush(struct shd_session *s)
 	}
 	if (s->out_head && !s->out_ev) {
 		if (shd_loop_add_fd(shd_session_env.loop, s->fd, POLLOUT, session_writable, s,
-				       &s->out_ev) < 0)
+				    &s->out_ev) < 0)
 			shd_session_close_later(s, "could not be registered with the event loop "
 						   "for its replies");
 	} else if (!s->out_head && s->out_ev) {
@@ -90,11 +90,15 @@ static void session_writable(void *arg, int fd, uint32_t revents)
 		session_flush(s);
 }
 
-int shd_session_send(struct shd_session *s, uint16_t type, uint32_t seq,
-			const void *payload, uint32_t len, const int *fds, int nfds)
+int shd_session_send(struct shd_session *s, uint16_t type, uint32_t seq, const void *payload,
+		     uint32_t len, const int *fds, int nfds)
 {
 	struct shardd_msg_hdr hdr = {
-		.magic = SHARDD_MAGIC, .type = type, .flags = 0, .length = len, .seq = seq,
+		.magic = SHARDD_MAGIC,
+		.type = type,
+		.flags = 0,
+		.length = len,
+		.seq = seq,
 	};
 	uint64_t total = sizeof(hdr) + (uint64_t)len;
 	struct shd_session_out *m;
@@ -107,7 +111,8 @@ int shd_session_send(struct shd_session *s, uint16_t type, uint32_t seq,
 	if (len > SHARDD_CTRL_MAX || nfds < 0 || nfds > SHARDD_CTRL_MAX_FDS)
 		return -EINVAL;
 	if (s->out_bytes + total > SHD_SESSION_OUT_MAX) {
-		snprintf(why, sizeof(why), "does not read its replies: %llu bytes wait to be sent "
+		snprintf(why, sizeof(why),
+			 "does not read its replies: %llu bytes wait to be sent "
 			 "and a %llu-byte reply would pass the limit of %llu",
 			 (unsigned long long)s->out_bytes, (unsigned long long)total,
 			 SHD_SESSION_OUT_MAX);
@@ -116,9 +121,10 @@ int shd_session_send(struct shd_session *s, uint16_t type, uint32_t seq,
 		return -ENOBUFS;
 	}
 	if (s->out_fds + nfds > SHD_SESSION_OUT_MAX_FDS) {
-		snprintf(why, sizeof(why), "does not read its replies: %d file descriptors wait to be "
-			 "sent and a reply with %d more would pass the limit of %d", s->out_fds, nfds,
-			 SHD_SESSION_OUT_MAX_FDS);
+		snprintf(why, sizeof(why),
+			 "does not read its replies: %d file descriptors wait to be "
+			 "sent and a reply with %d more would pass the limit of %d",
+			 s->out_fds, nfds, SHD_SESSION_OUT_MAX_FDS);
 		shd_log_warn("%s %s; dropping it", shd_session_name(s, name, sizeof(name)), why);
 		shd_session_close_later(s, why);
 		return -ENOBUFS;
@@ -195,7 +201,8 @@ static void session_linger(struct shd_session *s, const char *why);
  * until the client has read the error (session_linger).
  */
 static void __attribute__((format(printf, 5, 0)))
-session_error(struct shd_session *s, uint32_t seq, int code, int reject, const char *fmt, va_list ap)
+session_error(struct shd_session *s, uint32_t seq, int code, int reject, const char *fmt,
+	      va_list ap)
 {
 	char text[1024], name[160];
 
@@ -222,10 +229,10 @@ shd_session_reply_error(struct shd_session *s, uint32_t seq, int code, const cha
 }
 
 void shd_session_send_group(struct shd_session *s, uint32_t seq, int res, const char *msg,
-			       const struct shardd_group_reply *reply,
-			       const struct shardd_param_layout *layouts,
-			       const struct shardd_param_spec *specs, const int *fds, int nfds,
-			       const struct shardd_cuda_ipc_handle *ipc, int nipc)
+			    const struct shardd_group_reply *reply,
+			    const struct shardd_param_layout *layouts,
+			    const struct shardd_param_spec *specs, const int *fds, int nfds,
+			    const struct shardd_cuda_ipc_handle *ipc, int nipc)
 {
 	/* A client of minor < 4 reads the reply without peer_last_step (PROTOCOL.md 3.7). */
 	size_t rsize = s->minor >= 4 ? sizeof(*reply) : SHARDD_GROUP_REPLY_SIZE_V3;
@@ -235,21 +242,24 @@ void shd_session_send_group(struct shd_session *s, uint32_t seq, int res, const 
 	if (s->state != SHD_SESSION_ATTACHED || s->closing)
 		return;
 	if (res < 0) {
-		shd_session_reply_error(s, seq, res, "%s", msg && *msg ? msg : "group request failed");
+		shd_session_reply_error(s, seq, res, "%s",
+					msg && *msg ? msg : "group request failed");
 		return;
 	}
 	len = rsize + (uint64_t)reply->nparams * (sizeof(*layouts) + sizeof(*specs)) +
 	      (uint64_t)nipc * sizeof(*ipc);
 	if (len > SHARDD_CTRL_MAX) {
-		shd_session_reply_error(s, seq, -SHARDD_E_INVALID,
-				    "group reply of %u params is %llu bytes, over the %u-byte message limit",
-				    reply->nparams, (unsigned long long)len, SHARDD_CTRL_MAX);
+		shd_session_reply_error(
+			s, seq, -SHARDD_E_INVALID,
+			"group reply of %u params is %llu bytes, over the %u-byte message limit",
+			reply->nparams, (unsigned long long)len, SHARDD_CTRL_MAX);
 		return;
 	}
 	buf = malloc(len);
 	if (!buf) {
-		shd_session_reply_error(s, seq, -SHARDD_E_NOMEM, "shardd is out of memory (%llu bytes)",
-				    (unsigned long long)len);
+		shd_session_reply_error(s, seq, -SHARDD_E_NOMEM,
+					"shardd is out of memory (%llu bytes)",
+					(unsigned long long)len);
 		return;
 	}
 	memcpy(buf, reply, rsize);
@@ -317,7 +327,7 @@ static void session_linger(struct shd_session *s, const char *why)
 	s->linger_until_ns = shd_now_ns() + SHD_SESSION_LINGER_MS * 1000000ull;
 	/* Refused at accept, before its socket was watched. */
 	if (!s->sock_ev && shd_loop_add_fd(shd_session_env.loop, s->fd, POLLIN | POLLRDHUP,
-					      session_linger_readable, s, &s->sock_ev) < 0) {
+					   session_linger_readable, s, &s->sock_ev) < 0) {
 		shd_session_end(s, 0, why);
 		return;
 	}

@@ -81,10 +81,10 @@ struct world_hdr {
  * when its caller and every request MPI still holds on it let go.
  */
 struct shd_world_buf {
-	int refs;                    /* atomic */
+	int refs; /* atomic */
 	size_t cap;
 	uint8_t *data;
-	struct world_hdr *hdr;       /* [nodes + 1]: node k's received header at k, ours at nodes */
+	struct world_hdr *hdr; /* [nodes + 1]: node k's received header at k, ours at nodes */
 };
 
 /* One exchange: the caller's part (first block) and the thread's (second). */
@@ -97,11 +97,12 @@ struct world_xfer {
 	char *err;
 	size_t errlen;
 	int done, res;
-	struct shd_world_op *op;     /* an async exchange's: woken through its fd, or freed when abandoned */
+	struct shd_world_op
+		*op; /* an async exchange's: woken through its fd, or freed when abandoned */
 	struct world_xfer *inext, **iprev; /* W.inflight, under W.lock, until done */
 
-	int streaming;               /* a peer's header is in and payloads are still open */
-	uint64_t last_event_ns;      /* a request of x completed (or x was posted) */
+	int streaming;          /* a peer's header is in and payloads are still open */
+	uint64_t last_event_ns; /* a request of x completed (or x was posted) */
 
 	/*
 	 * [4 * nodes]: header recv, payload recv, header send, payload send of
@@ -115,30 +116,31 @@ struct world_xfer {
 struct world_held {
 	struct world_held *next;
 	MPI_Request req;
-	struct shd_world_buf *b;     /* a reference, or NULL */
-	void *raw;                   /* freed, or NULL */
+	struct shd_world_buf *b; /* a reference, or NULL */
+	void *raw;               /* freed, or NULL */
 };
 
 static struct {
 	pthread_t thread;
-	int started;                 /* the thread runs */
+	int started; /* the thread runs */
 	pthread_mutex_t lock;
-	pthread_cond_t cv;           /* ready, new work, an exchange done */
-	int ready;                   /* MPI initialised (or failed: init_err) */
+	pthread_cond_t cv; /* ready, new work, an exchange done */
+	int ready;         /* MPI initialised (or failed: init_err) */
 	char init_err[256];
 	int stop;
 	uint32_t nodes, node, dtype;
 	int tag_ub;
-	int peer_failed;             /* some exchange failed: MPI_Finalize could wait forever */
-	struct world_xfer *queue;    /* handed over, not posted yet */
-	struct world_xfer *inflight; /* every exchange handed over and not done (queued or posted) */
-	int dead;                    /* world_die ran: every exchange fails at once with dead_why */
+	int peer_failed;          /* some exchange failed: MPI_Finalize could wait forever */
+	struct world_xfer *queue; /* handed over, not posted yet */
+	struct world_xfer
+		*inflight; /* every exchange handed over and not done (queued or posted) */
+	int dead;          /* world_die ran: every exchange fails at once with dead_why */
 	char dead_why[320];
-	pthread_t watch;             /* world_watch */
-	int watching;                /* the watch thread runs */
-	pthread_cond_t watch_cv;     /* CLOCK_MONOTONIC: an exchange handed over, or stop */
-	uint64_t turn_ns;            /* atomic: when the communication thread last began a turn */
-	int parked;                  /* atomic: the communication thread is parked (world_park) */
+	pthread_t watch;         /* world_watch */
+	int watching;            /* the watch thread runs */
+	pthread_cond_t watch_cv; /* CLOCK_MONOTONIC: an exchange handed over, or stop */
+	uint64_t turn_ns;        /* atomic: when the communication thread last began a turn */
+	int parked;              /* atomic: the communication thread is parked (world_park) */
 	/* communication thread only */
 	MPI_Comm comm;
 	struct world_xfer *active;
@@ -244,7 +246,7 @@ static void held_add(MPI_Request req, struct shd_world_buf *b, void *raw)
 
 static void held_poll(void)
 {
-	for (struct world_held **pp = &W.held; *pp; ) {
+	for (struct world_held **pp = &W.held; *pp;) {
 		struct world_held *h = *pp;
 		int flag = 0;
 
@@ -277,7 +279,7 @@ struct shd_world_op {
 	struct world_xfer x;
 	struct shd_world_buf *b;
 	int wake_fd;
-	int abandoned;               /* under W.lock */
+	int abandoned; /* under W.lock */
 	uint8_t missing[SHARDD_MAX_WORLD];
 	char err[384];
 };
@@ -341,18 +343,20 @@ static int xfer_post_one(struct world_xfer *x, uint32_t k, int i)
 
 	switch (i) {
 	case 0:
-		rc = MPI_Irecv(&x->b->hdr[k], (int)sizeof(struct world_hdr), MPI_BYTE, (int)k, tag, W.comm, r);
-		break;
-	case 1:
-		rc = MPI_Irecv(x->b->data + x->recv_off + k * x->bytes, (int)x->bytes, MPI_BYTE, (int)k, tag + 1,
+		rc = MPI_Irecv(&x->b->hdr[k], (int)sizeof(struct world_hdr), MPI_BYTE, (int)k, tag,
 			       W.comm, r);
 		break;
+	case 1:
+		rc = MPI_Irecv(x->b->data + x->recv_off + k * x->bytes, (int)x->bytes, MPI_BYTE,
+			       (int)k, tag + 1, W.comm, r);
+		break;
 	case 2:
-		rc = MPI_Isend(&x->b->hdr[W.nodes], (int)sizeof(struct world_hdr), MPI_BYTE, (int)k, tag, W.comm, r);
+		rc = MPI_Isend(&x->b->hdr[W.nodes], (int)sizeof(struct world_hdr), MPI_BYTE, (int)k,
+			       tag, W.comm, r);
 		break;
 	default:
-		rc = MPI_Isend(x->b->data + x->send_off + k * x->send_stride, (int)x->bytes, MPI_BYTE, (int)k,
-			       tag + 1, W.comm, r);
+		rc = MPI_Isend(x->b->data + x->send_off + k * x->send_stride, (int)x->bytes,
+			       MPI_BYTE, (int)k, tag + 1, W.comm, r);
 		break;
 	}
 	if (rc == MPI_SUCCESS) {
@@ -363,7 +367,8 @@ static int xfer_post_one(struct world_xfer *x, uint32_t k, int i)
 		*r = MPI_REQUEST_NULL;
 		mpi_errstr(rc, s, sizeof(s));
 		x->missing[k] = 1;
-		snprintf(x->err, x->errlen, "%s node %u failed: %s", i < 2 ? "receiving from" : "sending to", k, s);
+		snprintf(x->err, x->errlen, "%s node %u failed: %s",
+			 i < 2 ? "receiving from" : "sending to", k, s);
 	}
 	return rc == MPI_SUCCESS ? 0 : -SHARDD_E_PEER_DIED;
 }
@@ -374,7 +379,8 @@ static int xfer_post(struct world_xfer *x)
 	int rc;
 
 	if (x->bytes > (size_t)INT32_MAX) {
-		snprintf(x->err, x->errlen, "an inter-node message of %zu bytes exceeds MPI's count limit of %d",
+		snprintf(x->err, x->errlen,
+			 "an inter-node message of %zu bytes exceeds MPI's count limit of %d",
 			 x->bytes, INT32_MAX);
 		return -SHARDD_E_INVALID;
 	}
@@ -407,25 +413,28 @@ static int xfer_check(struct world_xfer *x, uint32_t k, const MPI_Status *st)
 
 	MPI_Get_count(st, MPI_BYTE, &count);
 	if ((size_t)count != sizeof(h)) {
-		snprintf(x->err, x->errlen, "node %u sent a header of %d bytes where %zu are expected", k, count,
+		snprintf(x->err, x->errlen,
+			 "node %u sent a header of %d bytes where %zu are expected", k, count,
 			 sizeof(h));
 		return -SHARDD_E_MISMATCH;
 	}
 	if (h.key == x->key && h.seq < x->seq)
 		return XFER_STALE;
 	if (h.key == x->key && h.seq == x->seq && (h.check != x->check || h.bytes != x->bytes)) {
-		snprintf(x->err, x->errlen,
-			 "node %u sent exchange %llu of this group as %llu bytes, digest %016llx (here %zu, %016llx): the nodes disagree on the group's params or the op's step; register the same params and submit the same ops on every node",
-			 k, (unsigned long long)h.seq, (unsigned long long)h.bytes,
-			 (unsigned long long)h.check, x->bytes, (unsigned long long)x->check);
+		snprintf(
+			x->err, x->errlen,
+			"node %u sent exchange %llu of this group as %llu bytes, digest %016llx (here %zu, %016llx): the nodes disagree on the group's params or the op's step; register the same params and submit the same ops on every node",
+			k, (unsigned long long)h.seq, (unsigned long long)h.bytes,
+			(unsigned long long)h.check, x->bytes, (unsigned long long)x->check);
 		return -SHARDD_E_MISMATCH;
 	}
 	if (h.key != x->key || h.seq != x->seq) {
-		snprintf(x->err, x->errlen,
-			 "node %u sent exchange %llu of stream %016llx with %llu bytes where this node expects exchange %llu of stream %016llx with %zu bytes: the nodes ran different ops (register the same groups and submit the same ops on every node)",
-			 k, (unsigned long long)h.seq, (unsigned long long)h.key,
-			 (unsigned long long)h.bytes, (unsigned long long)x->seq,
-			 (unsigned long long)x->key, x->bytes);
+		snprintf(
+			x->err, x->errlen,
+			"node %u sent exchange %llu of stream %016llx with %llu bytes where this node expects exchange %llu of stream %016llx with %zu bytes: the nodes ran different ops (register the same groups and submit the same ops on every node)",
+			k, (unsigned long long)h.seq, (unsigned long long)h.key,
+			(unsigned long long)h.bytes, (unsigned long long)x->seq,
+			(unsigned long long)x->key, x->bytes);
 		return -SHARDD_E_MISMATCH;
 	}
 	return 0;
@@ -445,7 +454,8 @@ static int xfer_drop_stale(struct world_xfer *x, uint32_t k)
 	if (n && n <= (uint64_t)INT32_MAX) {
 		void *raw = malloc(n);
 
-		if (raw && MPI_Irecv(raw, (int)n, MPI_BYTE, (int)k, xfer_tag(x) + 1, W.comm, &r) == MPI_SUCCESS)
+		if (raw && MPI_Irecv(raw, (int)n, MPI_BYTE, (int)k, xfer_tag(x) + 1, W.comm, &r) ==
+				   MPI_SUCCESS)
 			held_add(r, NULL, raw);
 		else
 			free(raw);
@@ -514,7 +524,8 @@ static int xfer_poll(struct world_xfer *x, uint64_t now)
 	if (now >= x->deadline_ns) {
 		int n = 0, off;
 
-		off = snprintf(x->err, x->errlen, "no answer within the collective timeout from node");
+		off = snprintf(x->err, x->errlen,
+			       "no answer within the collective timeout from node");
 		for (uint32_t k = 0; k < W.nodes; k++) {
 			int open = 0;
 
@@ -524,7 +535,8 @@ static int xfer_poll(struct world_xfer *x, uint64_t now)
 				continue;
 			x->missing[k] = 1;
 			if (off >= 0 && (size_t)off < x->errlen)
-				off += snprintf(x->err + off, x->errlen - off, "%s %u", n++ ? "," : "", k);
+				off += snprintf(x->err + off, x->errlen - off, "%s %u",
+						n++ ? "," : "", k);
 		}
 		xfer_finish(x, -SHARDD_E_TIMEOUT);
 		return 1;
@@ -591,25 +603,30 @@ static void world_die(uint64_t stuck_ns)
 	W.dead = 1;
 	W.peer_failed = 1;
 	ret = pthread_kill(W.thread, WORLD_PARK_SIG);
-	for (int ms = 0; !ret && ms < WORLD_PARK_WAIT_MS && !__atomic_load_n(&W.parked, __ATOMIC_ACQUIRE); ms++) {
+	for (int ms = 0;
+	     !ret && ms < WORLD_PARK_WAIT_MS && !__atomic_load_n(&W.parked, __ATOMIC_ACQUIRE);
+	     ms++) {
 		struct timespec ts = { 0, 1000000 };
 
 		nanosleep(&ts, NULL);
 	}
 	if (!__atomic_load_n(&W.parked, __ATOMIC_ACQUIRE))
 		shd_log_error("world: the MPI communication thread did not park within %d ms (%s); "
-			      "failing its exchanges anyway", WORLD_PARK_WAIT_MS, ret ? strerror(ret) : "no signal taken");
+			      "failing its exchanges anyway",
+			      WORLD_PARK_WAIT_MS, ret ? strerror(ret) : "no signal taken");
 	for (struct world_xfer *x = W.inflight; x; x = x->inext)
 		world_open_nodes(x, any);
 	who[0] = '\0';
 	for (uint32_t k = 0; k < W.nodes && k < SHARDD_MAX_WORLD && off < sizeof(who); k++)
 		if (any[k])
-			off += (size_t)snprintf(who + off, sizeof(who) - off, "%s%u", off ? "," : "", k);
-	snprintf(W.dead_why, sizeof(W.dead_why),
-		 "the daemon world of this node is dead: its MPI communication thread has not returned from MPI "
-		 "for %.1f s after node%s %s stopped answering (Open MPI's own words are in this daemon's log); "
-		 "ops that stay on this node go on, exchanges among nodes need a new world (relaunch the daemons)",
-		 (double)stuck_ns / 1e9, strchr(who, ',') ? "s" : "", who[0] ? who : "?");
+			off += (size_t)snprintf(who + off, sizeof(who) - off, "%s%u",
+						off ? "," : "", k);
+	snprintf(
+		W.dead_why, sizeof(W.dead_why),
+		"the daemon world of this node is dead: its MPI communication thread has not returned from MPI "
+		"for %.1f s after node%s %s stopped answering (Open MPI's own words are in this daemon's log); "
+		"ops that stay on this node go on, exchanges among nodes need a new world (relaunch the daemons)",
+		(double)stuck_ns / 1e9, strchr(who, ',') ? "s" : "", who[0] ? who : "?");
 	shd_log_error("world: %s", W.dead_why);
 	while (W.inflight) {
 		struct world_xfer *x = W.inflight;
@@ -697,7 +714,7 @@ int shd_world_dead(char *why, size_t len)
 static void *world_thread(void *arg)
 {
 	int provided = 0, rank = 0, size = 0, flag = 0, rc;
-	uint64_t busy_ns = 0;        /* the last turn with an exchange in flight */
+	uint64_t busy_ns = 0; /* the last turn with an exchange in flight */
 	void *ub = NULL;
 
 	(void)arg;
@@ -776,7 +793,7 @@ static void *world_thread(void *arg)
 		if (W.active)
 			busy_ns = now;
 		stream = 0;
-		for (struct world_xfer **pp = &W.active; *pp; ) {
+		for (struct world_xfer **pp = &W.active; *pp;) {
 			/* x lives on its caller's stack: once finished it may be gone. */
 			struct world_xfer *x = *pp, *next = x->next;
 
@@ -787,7 +804,8 @@ static void *world_thread(void *arg)
 			} else if (xfer_poll(x, now)) {
 				*pp = next;
 			} else {
-				stream |= (x->streaming && now - x->last_event_ns < WORLD_STREAM_IDLE_NS) ||
+				stream |= (x->streaming &&
+					   now - x->last_event_ns < WORLD_STREAM_IDLE_NS) ||
 					  now - x->last_event_ns < WORLD_LINGER_NS;
 				pp = &x->next;
 			}
@@ -845,7 +863,8 @@ int shd_world_start(uint32_t internode_dtype, char *err, size_t errlen)
 	sigaction(WORLD_PARK_SIG, &sa, NULL);
 	ret = pthread_create(&W.thread, NULL, world_thread, NULL);
 	if (ret) {
-		snprintf(err, errlen, "cannot start the MPI communication thread: %s", strerror(ret));
+		snprintf(err, errlen, "cannot start the MPI communication thread: %s",
+			 strerror(ret));
 		return -ret;
 	}
 	pthread_mutex_lock(&W.lock);
@@ -860,11 +879,13 @@ int shd_world_start(uint32_t internode_dtype, char *err, size_t errlen)
 	W.started = 1;
 	ret = pthread_create(&W.watch, NULL, world_watch, NULL);
 	if (ret)
-		shd_log_warn("world: cannot start the watch thread (%s): an exchange is bounded only while "
-			     "MPI returns", strerror(ret));
+		shd_log_warn(
+			"world: cannot start the watch thread (%s): an exchange is bounded only while "
+			"MPI returns",
+			strerror(ret));
 	W.watching = !ret;
-	shd_log_info("world: node %u of %u nodes (MPI_THREAD_FUNNELED, inter-node dtype %s)", W.node,
-		     W.nodes, W.dtype == SHD_INTERNODE_REDUCE ? "reduce" : "fp32");
+	shd_log_info("world: node %u of %u nodes (MPI_THREAD_FUNNELED, inter-node dtype %s)",
+		     W.node, W.nodes, W.dtype == SHD_INTERNODE_REDUCE ? "reduce" : "fp32");
 	return 0;
 }
 
@@ -891,21 +912,32 @@ void shd_world_stop(void)
 	clock_gettime(CLOCK_REALTIME, &until);
 	until.tv_sec += WORLD_STOP_WAIT_S;
 	if (pthread_timedjoin_np(W.thread, NULL, &until)) {
-		shd_log_warn("world: MPI_Finalize did not return within %d s (other nodes still run); "
-			     "exiting without it", WORLD_STOP_WAIT_S);
+		shd_log_warn(
+			"world: MPI_Finalize did not return within %d s (other nodes still run); "
+			"exiting without it",
+			WORLD_STOP_WAIT_S);
 		return;
 	}
 	W.started = 0;
 }
 
-int shd_world_xchg(uint64_t key, uint64_t seq, uint64_t check, struct shd_world_buf *b, size_t send_off,
-		   size_t send_stride, size_t recv_off, size_t bytes, uint64_t deadline_ns, uint8_t *missing,
-		   char *err, size_t errlen)
+int shd_world_xchg(uint64_t key, uint64_t seq, uint64_t check, struct shd_world_buf *b,
+		   size_t send_off, size_t send_stride, size_t recv_off, size_t bytes,
+		   uint64_t deadline_ns, uint8_t *missing, char *err, size_t errlen)
 {
 	struct world_xfer x = {
-		.key = key, .seq = seq, .check = check, .deadline_ns = deadline_ns, .bytes = bytes,
-		.send_off = send_off, .send_stride = send_stride, .recv_off = recv_off, .b = b,
-		.missing = missing, .err = err, .errlen = errlen,
+		.key = key,
+		.seq = seq,
+		.check = check,
+		.deadline_ns = deadline_ns,
+		.bytes = bytes,
+		.send_off = send_off,
+		.send_stride = send_stride,
+		.recv_off = recv_off,
+		.b = b,
+		.missing = missing,
+		.err = err,
+		.errlen = errlen,
 	};
 
 	memset(missing, 0, W.nodes);
@@ -936,13 +968,15 @@ int shd_world_xchg(uint64_t key, uint64_t seq, uint64_t check, struct shd_world_
 	return x.res;
 }
 
-int shd_world_gather_start(uint64_t key, uint64_t seq, uint64_t check, const void *mine, size_t bytes,
-			   uint64_t deadline_ns, int wake_fd, struct shd_world_op **out, char *err, size_t errlen)
+int shd_world_gather_start(uint64_t key, uint64_t seq, uint64_t check, const void *mine,
+			   size_t bytes, uint64_t deadline_ns, int wake_fd,
+			   struct shd_world_op **out, char *err, size_t errlen)
 {
 	struct shd_world_op *op;
 
 	if (W.nodes > SHARDD_MAX_WORLD) {
-		snprintf(err, errlen, "a world of %u nodes exceeds the %d an op can name", W.nodes, SHARDD_MAX_WORLD);
+		snprintf(err, errlen, "a world of %u nodes exceeds the %d an op can name", W.nodes,
+			 SHARDD_MAX_WORLD);
 		return -SHARDD_E_INVALID;
 	}
 	op = calloc(1, sizeof(*op));
@@ -950,14 +984,25 @@ int shd_world_gather_start(uint64_t key, uint64_t seq, uint64_t check, const voi
 		op->b = shd_world_buf_new((size_t)(W.nodes + 1) * bytes);
 	if (!op || !op->b) {
 		free(op);
-		snprintf(err, errlen, "out of memory for an inter-node gather of %zu bytes per node", bytes);
+		snprintf(err, errlen,
+			 "out of memory for an inter-node gather of %zu bytes per node", bytes);
 		return -SHARDD_E_NOMEM;
 	}
 	op->wake_fd = wake_fd;
 	op->x = (struct world_xfer){
-		.key = key, .seq = seq, .check = check, .deadline_ns = deadline_ns, .bytes = bytes,
-		.send_off = 0, .send_stride = 0, .recv_off = bytes, .b = op->b, .missing = op->missing,
-		.err = op->err, .errlen = sizeof(op->err), .op = op,
+		.key = key,
+		.seq = seq,
+		.check = check,
+		.deadline_ns = deadline_ns,
+		.bytes = bytes,
+		.send_off = 0,
+		.send_stride = 0,
+		.recv_off = bytes,
+		.b = op->b,
+		.missing = op->missing,
+		.err = op->err,
+		.errlen = sizeof(op->err),
+		.op = op,
 	};
 	memcpy(op->b->data, mine, bytes);
 	memcpy(op->b->data + bytes + (size_t)W.node * bytes, mine, bytes);
@@ -990,7 +1035,8 @@ int shd_world_op_done(struct shd_world_op *op)
 	return done;
 }
 
-int shd_world_op_end(struct shd_world_op *op, void *recv, uint8_t *missing, char *err, size_t errlen)
+int shd_world_op_end(struct shd_world_op *op, void *recv, uint8_t *missing, char *err,
+		     size_t errlen)
 {
 	int ret = op->x.res;
 

@@ -103,9 +103,9 @@ void shd_world_buf_put(struct shd_world_buf *b);
  * them there, or make the two places one).
  * Same results and errors as shd_world_exchange.
  */
-int shd_world_xchg(uint64_t key, uint64_t seq, uint64_t check, struct shd_world_buf *b, size_t send_off,
-		   size_t send_stride, size_t recv_off, size_t bytes, uint64_t deadline_ns, uint8_t *missing,
-		   char *err, size_t errlen);
+int shd_world_xchg(uint64_t key, uint64_t seq, uint64_t check, struct shd_world_buf *b,
+		   size_t send_off, size_t send_stride, size_t recv_off, size_t bytes,
+		   uint64_t deadline_ns, uint8_t *missing, char *err, size_t errlen);
 
 /*
  * An all-gather that does not wait (for the loop thread): `bytes` of
@@ -117,10 +117,12 @@ int shd_world_xchg(uint64_t key, uint64_t seq, uint64_t check, struct shd_world_
  * go). 0, or -SHARDD_E_NOMEM with `err` written.
  */
 struct shd_world_op;
-int shd_world_gather_start(uint64_t key, uint64_t seq, uint64_t check, const void *mine, size_t bytes,
-			   uint64_t deadline_ns, int wake_fd, struct shd_world_op **out, char *err, size_t errlen);
+int shd_world_gather_start(uint64_t key, uint64_t seq, uint64_t check, const void *mine,
+			   size_t bytes, uint64_t deadline_ns, int wake_fd,
+			   struct shd_world_op **out, char *err, size_t errlen);
 int shd_world_op_done(struct shd_world_op *op);
-int shd_world_op_end(struct shd_world_op *op, void *recv, uint8_t *missing, char *err, size_t errlen);
+int shd_world_op_end(struct shd_world_op *op, void *recv, uint8_t *missing, char *err,
+		     size_t errlen);
 void shd_world_op_abandon(struct shd_world_op *op);
 
 #endif /* SHD_WORLD_H */

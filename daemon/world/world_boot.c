@@ -18,8 +18,8 @@ uint32_t shd_world_boot_comms(const struct shd_world_boot *s)
 	return s->layout == SHD_WORLD_HSDP ? s->local : 1;
 }
 
-int shd_world_boot_member(const struct shd_world_boot *s, uint32_t k, uint32_t *comm, uint32_t *rank,
-		    uint32_t *nranks)
+int shd_world_boot_member(const struct shd_world_boot *s, uint32_t k, uint32_t *comm,
+			  uint32_t *rank, uint32_t *nranks)
 {
 	if (s->nodes < 2 || s->node >= s->nodes || !s->local || k >= s->local ||
 	    (uint64_t)s->nodes * s->local > SHARDD_MAX_WORLD)
@@ -40,7 +40,8 @@ int shd_world_boot_member(const struct shd_world_boot *s, uint32_t k, uint32_t *
 	return -SHARDD_E_INVALID;
 }
 
-void shd_world_boot_who(const struct shd_world_boot *s, const uint8_t *marked, char *buf, size_t len)
+void shd_world_boot_who(const struct shd_world_boot *s, const uint8_t *marked, char *buf,
+			size_t len)
 {
 	size_t off = 0;
 
@@ -49,14 +50,16 @@ void shd_world_boot_who(const struct shd_world_boot *s, const uint8_t *marked, c
 	for (uint32_t k = 0; k < s->nodes && off < len; k++) {
 		if (!marked[k])
 			continue;
-		off += (size_t)snprintf(buf + off, len - off, "%snode %u (ranks %u..%u)", off ? ", " : "", k,
-					k * s->local, k * s->local + s->local - 1);
+		off += (size_t)snprintf(buf + off, len - off, "%snode %u (ranks %u..%u)",
+					off ? ", " : "", k, k * s->local,
+					k * s->local + s->local - 1);
 	}
 }
 
 /* What a node sends in the first and last exchanges. */
 struct boot_word {
-	uint32_t value; /* the agreement: its generation; the outcome: 1 when its set-up succeeded */
+	uint32_t
+		value; /* the agreement: its generation; the outcome: 1 when its set-up succeeded */
 	uint32_t pad;
 };
 
@@ -64,22 +67,22 @@ struct boot_word {
 struct boot_ids {
 	uint32_t ok;
 	uint32_t pad;
-	uint8_t  ids[]; /* comms * SHD_WORLD_ID_BYTES */
+	uint8_t ids[]; /* comms * SHD_WORLD_ID_BYTES */
 };
 
 /* err = "<what>: <why>; missing <who>" of a failed exchange. */
-static void boot_exchange_failed(const struct shd_world_boot *s, const char *what, const uint8_t *missing,
-				 const char *why, char *err, size_t errlen)
+static void boot_exchange_failed(const struct shd_world_boot *s, const char *what,
+				 const uint8_t *missing, const char *why, char *err, size_t errlen)
 {
 	char who[256];
 
 	shd_world_boot_who(s, missing, who, sizeof(who));
-	snprintf(err, errlen, "%s among the %u nodes failed on node %u: %s%s%s", what, s->nodes, s->node, why,
-		 who[0] ? "; missing " : "", who);
+	snprintf(err, errlen, "%s among the %u nodes failed on node %u: %s%s%s", what, s->nodes,
+		 s->node, why, who[0] ? "; missing " : "", who);
 }
 
-int shd_world_bootstrap(const struct shd_world_boot *s, const struct shd_world_boot_ops *ops, uint32_t *gen,
-		       char *err, size_t errlen)
+int shd_world_bootstrap(const struct shd_world_boot *s, const struct shd_world_boot_ops *ops,
+			uint32_t *gen, char *err, size_t errlen)
 {
 	uint32_t N = s->nodes, comms = shd_world_boot_comms(s), maxgen = 0, same = 1;
 	size_t idbytes = sizeof(struct boot_ids) + (size_t)comms * SHD_WORLD_ID_BYTES;
@@ -90,15 +93,18 @@ int shd_world_bootstrap(const struct shd_world_boot *s, const struct shd_world_b
 	int ret;
 
 	if (!words || !ids || !all || !missing || !failed) {
-		snprintf(err, errlen, "out of memory for the bootstrap of NCCL communicators across %u nodes", N);
+		snprintf(err, errlen,
+			 "out of memory for the bootstrap of NCCL communicators across %u nodes",
+			 N);
 		ret = -SHARDD_E_NOMEM;
 		goto out_drop;
 	}
 	/* 1. Does every node hold the same live communicators? */
-	ret = ops->exchange(ops->ctx, s->seq, &mine, words, sizeof(mine), shd_now_ns() + s->timeout_ns,
-			    missing, why, sizeof(why));
+	ret = ops->exchange(ops->ctx, s->seq, &mine, words, sizeof(mine),
+			    shd_now_ns() + s->timeout_ns, missing, why, sizeof(why));
 	if (ret) {
-		boot_exchange_failed(s, "agreeing on the NCCL communicators", missing, why, err, errlen);
+		boot_exchange_failed(s, "agreeing on the NCCL communicators", missing, why, err,
+				     errlen);
 		goto out_drop;
 	}
 	for (uint32_t k = 0; k < N; k++) {
@@ -117,23 +123,26 @@ int shd_world_bootstrap(const struct shd_world_boot *s, const struct shd_world_b
 		ret = ops->make_ids(ops->ctx, ids->ids, comms, here, sizeof(here));
 		ids->ok = ret == 0;
 	}
-	ret = ops->exchange(ops->ctx, s->seq + 1, ids, all, idbytes, shd_now_ns() + s->timeout_ns, missing, why,
-			    sizeof(why));
+	ret = ops->exchange(ops->ctx, s->seq + 1, ids, all, idbytes, shd_now_ns() + s->timeout_ns,
+			    missing, why, sizeof(why));
 	if (ret) {
-		boot_exchange_failed(s, "handing out node 0's NCCL unique ids", missing, why, err, errlen);
+		boot_exchange_failed(s, "handing out node 0's NCCL unique ids", missing, why, err,
+				     errlen);
 		goto out_drop;
 	}
 	if (!all->ok) {
-		snprintf(err, errlen, "node 0 could not make the NCCL unique ids of the communicators across %u nodes%s%s",
-			 N, here[0] ? ": " : " (see its log)", here);
+		snprintf(
+			err, errlen,
+			"node 0 could not make the NCCL unique ids of the communicators across %u nodes%s%s",
+			N, here[0] ? ": " : " (see its log)", here);
 		ret = -SHARDD_E_BACKEND;
 		goto out_drop;
 	}
 	ret = ops->init(ops->ctx, all->ids, shd_now_ns() + s->timeout_ns, here, sizeof(here));
 	/* 3. Did every node's set-up succeed? One that failed leaves the others' useless. */
 	mine = (struct boot_word){ ret == 0, 0 };
-	ret = ops->exchange(ops->ctx, s->seq + 2, &mine, words, sizeof(mine), shd_now_ns() + s->timeout_ns,
-			    missing, why, sizeof(why));
+	ret = ops->exchange(ops->ctx, s->seq + 2, &mine, words, sizeof(mine),
+			    shd_now_ns() + s->timeout_ns, missing, why, sizeof(why));
 	if (ret) {
 		boot_exchange_failed(s, "reporting the NCCL set-up", missing, why, err, errlen);
 		goto out_drop;
@@ -142,9 +151,11 @@ int shd_world_bootstrap(const struct shd_world_boot *s, const struct shd_world_b
 		failed[k] = !words[k].value;
 	shd_world_boot_who(s, failed, who, sizeof(who));
 	if (who[0]) {
-		snprintf(err, errlen, "the NCCL communicators across the %u nodes were not made: %s did not join "
-			 "within the collective timeout or failed to set up%s%s", N, who,
-			 here[0] ? "; on this node: " : "", here);
+		snprintf(
+			err, errlen,
+			"the NCCL communicators across the %u nodes were not made: %s did not join "
+			"within the collective timeout or failed to set up%s%s",
+			N, who, here[0] ? "; on this node: " : "", here);
 		ret = -SHARDD_E_BACKEND;
 		goto out_drop;
 	}
@@ -163,7 +174,8 @@ out:
 	return ret;
 }
 
-void shd_world_boot_probe(const struct shd_world_boot *s, const struct shd_world_boot_ops *ops, char *who, size_t len)
+void shd_world_boot_probe(const struct shd_world_boot *s, const struct shd_world_boot_ops *ops,
+			  char *who, size_t len)
 {
 	struct boot_word mine = { 1, 0 }, *words = calloc(s->nodes, sizeof(*words));
 	uint8_t *missing = calloc(s->nodes, 1);
@@ -172,8 +184,8 @@ void shd_world_boot_probe(const struct shd_world_boot *s, const struct shd_world
 	if (len)
 		who[0] = '\0';
 	if (words && missing &&
-	    ops->exchange(ops->ctx, s->seq + 3, &mine, words, sizeof(mine), shd_now_ns() + s->timeout_ns, missing,
-			  why, sizeof(why)))
+	    ops->exchange(ops->ctx, s->seq + 3, &mine, words, sizeof(mine),
+			  shd_now_ns() + s->timeout_ns, missing, why, sizeof(why)))
 		shd_world_boot_who(s, missing, who, len);
 	free(words);
 	free(missing);

@@ -40,13 +40,13 @@ enum shd_world_boot_layout {
 
 /* One op of a job spanning the world, as the engine hands it to a backend that crosses nodes. */
 struct shd_world_boot {
-	uint32_t layout;         /* enum shd_world_boot_layout */
-	uint32_t nodes, node;    /* the world's nodes, this daemon's index */
-	uint32_t local;          /* L: ranks per node; this node's are n*L .. n*L+L-1 */
-	uint64_t key;            /* the group's stream of world exchanges (equal on every node) */
-	uint64_t seq;            /* the first of the SHD_WORLD_SEQS numbers this op owns */
-	uint64_t check;          /* what every node's messages must agree on (the group and the op) */
-	uint64_t timeout_ns;     /* the collective timeout: bounds every wait */
+	uint32_t layout;      /* enum shd_world_boot_layout */
+	uint32_t nodes, node; /* the world's nodes, this daemon's index */
+	uint32_t local;       /* L: ranks per node; this node's are n*L .. n*L+L-1 */
+	uint64_t key;         /* the group's stream of world exchanges (equal on every node) */
+	uint64_t seq;         /* the first of the SHD_WORLD_SEQS numbers this op owns */
+	uint64_t check;       /* what every node's messages must agree on (the group and the op) */
+	uint64_t timeout_ns;  /* the collective timeout: bounds every wait */
 };
 
 /* Communicators a node holds for one group: L under HSDP, 1 under FSDP. */
@@ -57,11 +57,12 @@ uint32_t shd_world_boot_comms(const struct shd_world_boot *s);
  * (0 .. shd_world_boot_comms - 1), its NCCL rank there and the communicator's
  * size. -SHARDD_E_INVALID for a k or a span out of range.
  */
-int shd_world_boot_member(const struct shd_world_boot *s, uint32_t k, uint32_t *comm, uint32_t *rank,
-		    uint32_t *nranks);
+int shd_world_boot_member(const struct shd_world_boot *s, uint32_t k, uint32_t *comm,
+			  uint32_t *rank, uint32_t *nranks);
 
 /* "node 1 (ranks 2..3), node 2 (ranks 4..5)" of the nodes with marked[k] != 0; "" when none. */
-void shd_world_boot_who(const struct shd_world_boot *s, const uint8_t *marked, char *buf, size_t len);
+void shd_world_boot_who(const struct shd_world_boot *s, const uint8_t *marked, char *buf,
+			size_t len);
 
 /* How the bootstrap reaches the other nodes and makes communicators. */
 struct shd_world_boot_ops {
@@ -72,17 +73,17 @@ struct shd_world_boot_ops {
 	 * `deadline_ns` (shd_now_ns clock). 0, or a negative code with `err`
 	 * written and missing[k] = 1 for each node whose bytes did not come.
 	 */
-	int  (*exchange)(void *ctx, uint64_t seq, const void *mine, void *all, size_t bytes,
-			 uint64_t deadline_ns, uint8_t *missing, char *err, size_t errlen);
+	int (*exchange)(void *ctx, uint64_t seq, const void *mine, void *all, size_t bytes,
+			uint64_t deadline_ns, uint8_t *missing, char *err, size_t errlen);
 	/* Node 0 only: `n` new unique ids into ids (n * SHD_WORLD_ID_BYTES). 0 or a negative code with `err`. */
-	int  (*make_ids)(void *ctx, uint8_t *ids, uint32_t n, char *err, size_t errlen);
+	int (*make_ids)(void *ctx, uint8_t *ids, uint32_t n, char *err, size_t errlen);
 	/*
 	 * Make this node's members of every communicator from node 0's `ids`
 	 * (communicator c from ids + c * SHD_WORLD_ID_BYTES), waiting for the
 	 * other nodes to join until `deadline_ns`. 0, or a negative code with
 	 * `err`, nothing left made.
 	 */
-	int  (*init)(void *ctx, const uint8_t *ids, uint64_t deadline_ns, char *err, size_t errlen);
+	int (*init)(void *ctx, const uint8_t *ids, uint64_t deadline_ns, char *err, size_t errlen);
 	/* Abort and forget this node's communicators of the group, if any. */
 	void (*drop)(void *ctx);
 };
@@ -100,14 +101,15 @@ struct shd_world_boot_ops {
  * code with `err` naming the nodes that did not join and why; *gen is
  * then 0.
  */
-int shd_world_bootstrap(const struct shd_world_boot *s, const struct shd_world_boot_ops *ops, uint32_t *gen,
-		       char *err, size_t errlen);
+int shd_world_bootstrap(const struct shd_world_boot *s, const struct shd_world_boot_ops *ops,
+			uint32_t *gen, char *err, size_t errlen);
 
 /*
  * After a collective failed on this node: ask every node (seq + 3) to
  * answer within the collective timeout, and write the ones that did not
  * into `who` (shd_world_boot_who; "" when every node answered).
  */
-void shd_world_boot_probe(const struct shd_world_boot *s, const struct shd_world_boot_ops *ops, char *who, size_t len);
+void shd_world_boot_probe(const struct shd_world_boot *s, const struct shd_world_boot_ops *ops,
+			  char *who, size_t len);
 
 #endif /* SHD_WORLD_BOOT_H */

@@ -31,17 +31,20 @@ int shd_world_exchange(uint64_t key, uint64_t seq, uint64_t check, const void *c
 	b = shd_world_buf_new(sent + nb);
 	if (!b) {
 		memset(missing, 0, nodes);
-		snprintf(err, errlen, "out of memory for inter-node buffers of %zu bytes", sent + nb);
+		snprintf(err, errlen, "out of memory for inter-node buffers of %zu bytes",
+			 sent + nb);
 		return -SHARDD_E_NOMEM;
 	}
 	for (uint32_t k = 0; k < nodes; k++)
 		if (k != me && (stride || k == other))
 			memcpy(shd_world_buf_data(b) + k * stride, send[k], bytes);
-	ret = shd_world_xchg(key, seq, check, b, 0, stride, sent, bytes, deadline_ns, missing, err, errlen);
+	ret = shd_world_xchg(key, seq, check, b, 0, stride, sent, bytes, deadline_ns, missing, err,
+			     errlen);
 	if (!ret) {
 		for (uint32_t k = 0; k < nodes; k++)
 			if (k != me)
-				memcpy((uint8_t *)recv + k * bytes, shd_world_buf_data(b) + sent + k * bytes, bytes);
+				memcpy((uint8_t *)recv + k * bytes,
+				       shd_world_buf_data(b) + sent + k * bytes, bytes);
 		memmove((uint8_t *)recv + me * bytes, send[me], bytes);
 	}
 	shd_world_buf_put(b);

@@ -33,13 +33,15 @@ static void check_safetensors(const uint8_t *data, size_t size)
 	if (at != f.data_size || f.data_start + f.data_size != size)
 		abort();
 	/* The writer, given the tensors in file order, puts each at the same offsets. */
-	if (shd_safetensors_build(f.tensors, f.ntensors, &hdr, &hdrlen, &bytes, err, sizeof(err)) || bytes != at)
+	if (shd_safetensors_build(f.tensors, f.ntensors, &hdr, &hdrlen, &bytes, err, sizeof(err)) ||
+	    bytes != at)
 		abort();
 	file = calloc(1, hdrlen);
 	if (!file)
 		abort();
 	memcpy(file, hdr, hdrlen);
-	if (shd_safetensors_parse(file, hdrlen, hdrlen + bytes, &again, err, sizeof(err)) || again.ntensors != f.ntensors)
+	if (shd_safetensors_parse(file, hdrlen, hdrlen + bytes, &again, err, sizeof(err)) ||
+	    again.ntensors != f.ntensors)
 		abort();
 	for (uint32_t i = 0; i < f.ntensors; i++)
 		if (memcmp(&again.tensors[i], &f.tensors[i], sizeof(f.tensors[i])))

@@ -81,7 +81,8 @@ static void check_closed(void)
 	for (unsigned i = 0; i < st.nclients; i++)
 		if (st.c[i].fd >= 0 && !st.c[i].eof)
 			fail("client %u: its session is closed, but the connection never reached EOF "
-			     "after %d loop turns: the daemon still holds the socket", i, FZ_SETTLE);
+			     "after %d loop turns: the daemon still holds the socket",
+			     i, FZ_SETTLE);
 }
 
 static void input_end(void)
@@ -105,11 +106,14 @@ static void input_end(void)
 			     c->npending, c->pending[0].seq, c->pending[0].type);
 		for (unsigned k = 0; k < st.nops; k++)
 			if (st.ops[k].client == (int)i && !st.ops[k].done)
-				fail("client %u: %s (group %u step %" PRIu64 ", user_data 0x%" PRIx64
-				     ") never completed", i,
-				     shardd_op_name(st.ops[k].sqe.op) ? shardd_op_name(st.ops[k].sqe.op)
-								      : "?",
-				     st.ops[k].sqe.group, st.ops[k].sqe.step, st.ops[k].sqe.user_data);
+				fail("client %u: %s (group %u step %" PRIu64
+				     ", user_data 0x%" PRIx64 ") never completed",
+				     i,
+				     shardd_op_name(st.ops[k].sqe.op)
+					     ? shardd_op_name(st.ops[k].sqe.op)
+					     : "?",
+				     st.ops[k].sqe.group, st.ops[k].sqe.step,
+				     st.ops[k].sqe.user_data);
 	}
 	for (struct shd_session *s = server.sessions; s; s = s->next)
 		shd_session_close(s, "the fuzz input ended");
@@ -136,25 +140,62 @@ static int fuzz_run(const struct fuzz_target *t, const uint8_t *data, size_t siz
 		setup_jobs(&in, t->attach_jobs);
 	while (in.n) {
 		switch (t->actions[in_u8(&in) % t->nactions]) {
-		case FZ_CONNECT: client_connect(); break;
-		case FZ_HELLO: act_hello(&in); break;
-		case FZ_MSG: act_msg(&in); break;
-		case FZ_RAW: act_raw(&in); break;
-		case FZ_SPLIT: act_split(&in); break;
-		case FZ_REGISTER: act_register(&in); break;
-		case FZ_REGISTER_ALL: act_register_all(&in); break;
-		case FZ_OPEN: act_open(&in); break;
-		case FZ_ADMIN: act_admin(&in); break;
-		case FZ_GOODBYE: act_goodbye(&in); break;
-		case FZ_CLOSE: act_close(&in); break;
-		case FZ_SHUT_WR: act_shut_wr(&in); break;
-		case FZ_SQE: act_sqe(&in); break;
-		case FZ_SQE_BURST: act_sqe_burst(&in); break;
-		case FZ_REATTACH: act_reattach(&in); break;
-		case FZ_WRITE_BUF: act_write_buf(&in); break;
-		case FZ_TURN: act_turn(&in); break;
-		case FZ_CRON: act_cron(&in); break;
-		case FZ_ACTION_COUNT: break;
+		case FZ_CONNECT:
+			client_connect();
+			break;
+		case FZ_HELLO:
+			act_hello(&in);
+			break;
+		case FZ_MSG:
+			act_msg(&in);
+			break;
+		case FZ_RAW:
+			act_raw(&in);
+			break;
+		case FZ_SPLIT:
+			act_split(&in);
+			break;
+		case FZ_REGISTER:
+			act_register(&in);
+			break;
+		case FZ_REGISTER_ALL:
+			act_register_all(&in);
+			break;
+		case FZ_OPEN:
+			act_open(&in);
+			break;
+		case FZ_ADMIN:
+			act_admin(&in);
+			break;
+		case FZ_GOODBYE:
+			act_goodbye(&in);
+			break;
+		case FZ_CLOSE:
+			act_close(&in);
+			break;
+		case FZ_SHUT_WR:
+			act_shut_wr(&in);
+			break;
+		case FZ_SQE:
+			act_sqe(&in);
+			break;
+		case FZ_SQE_BURST:
+			act_sqe_burst(&in);
+			break;
+		case FZ_REATTACH:
+			act_reattach(&in);
+			break;
+		case FZ_WRITE_BUF:
+			act_write_buf(&in);
+			break;
+		case FZ_TURN:
+			act_turn(&in);
+			break;
+		case FZ_CRON:
+			act_cron(&in);
+			break;
+		case FZ_ACTION_COUNT:
+			break;
 		}
 	}
 	input_end();

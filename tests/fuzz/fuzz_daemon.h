@@ -34,24 +34,24 @@
 
 /* The actions an input may use; each target enables its own set. */
 enum fuzz_action {
-	FZ_CONNECT,     /* a new client connects */
-	FZ_HELLO,       /* a HELLO, valid or with one field mutated */
-	FZ_MSG,         /* a framed message of any type with a fuzzed payload */
-	FZ_RAW,         /* one raw datagram, with or without fds */
-	FZ_SPLIT,       /* a message over several datagrams, maybe malformed */
-	FZ_REGISTER,    /* REGISTER_GROUP with fuzzed specs */
+	FZ_CONNECT,      /* a new client connects */
+	FZ_HELLO,        /* a HELLO, valid or with one field mutated */
+	FZ_MSG,          /* a framed message of any type with a fuzzed payload */
+	FZ_RAW,          /* one raw datagram, with or without fds */
+	FZ_SPLIT,        /* a message over several datagrams, maybe malformed */
+	FZ_REGISTER,     /* REGISTER_GROUP with fuzzed specs */
 	FZ_REGISTER_ALL, /* the same REGISTER_GROUP from every live rank of a job */
-	FZ_OPEN,        /* OPEN_GROUP */
-	FZ_ADMIN,       /* an admin request (templates or raw JSON) */
-	FZ_GOODBYE,     /* GOODBYE */
-	FZ_CLOSE,       /* the client dies (its socket closes) */
-	FZ_SHUT_WR,     /* the client half-closes its socket */
-	FZ_SQE,         /* one ring entry with fuzzed fields */
-	FZ_SQE_BURST,   /* the same collective op from every live rank of a job */
-	FZ_REATTACH,    /* a dead rank comes back: connect and HELLO as it */
-	FZ_WRITE_BUF,   /* a client writes fuzzed bytes into a grad or shard buffer */
-	FZ_TURN,        /* the daemon's loop turns */
-	FZ_CRON,        /* the daemon's cron runs as if some seconds had passed */
+	FZ_OPEN,         /* OPEN_GROUP */
+	FZ_ADMIN,        /* an admin request (templates or raw JSON) */
+	FZ_GOODBYE,      /* GOODBYE */
+	FZ_CLOSE,        /* the client dies (its socket closes) */
+	FZ_SHUT_WR,      /* the client half-closes its socket */
+	FZ_SQE,          /* one ring entry with fuzzed fields */
+	FZ_SQE_BURST,    /* the same collective op from every live rank of a job */
+	FZ_REATTACH,     /* a dead rank comes back: connect and HELLO as it */
+	FZ_WRITE_BUF,    /* a client writes fuzzed bytes into a grad or shard buffer */
+	FZ_TURN,         /* the daemon's loop turns */
+	FZ_CRON,         /* the daemon's cron runs as if some seconds had passed */
 	FZ_ACTION_COUNT
 };
 

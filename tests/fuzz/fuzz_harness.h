@@ -16,7 +16,6 @@
 #include "shardd_proto.h"
 #include "shardd_ring.h"
 
-
 /*
  * The daemon runs with small memory limits, so that the fuzzer reaches its
  * own refusal (registry.c group_commit_memory) rather than a harness filter,
@@ -25,14 +24,14 @@
 #define FUZZ_MAX_MEMORY     ((uint64_t)32 << 20) /* --max-memory */
 #define FUZZ_MAX_JOB_MEMORY ((uint64_t)16 << 20) /* --max-job-memory */
 /* Heap the process may hold above its level at the start of an input. */
-#define FUZZ_HEAP_CAP     ((size_t)256 << 20)
+#define FUZZ_HEAP_CAP ((size_t)256 << 20)
 
-#define FZ_CLIENTS   32  /* connections per input: 3 jobs of 6 ranks and re-attaches */
-#define FZ_PENDING   256 /* requests awaiting a reply, per client */
-#define FZ_OPS       4096 /* ring entries per input */
-#define FZ_GROUPS    16  /* group ids a client remembers */
-#define FZ_JOBS      3   /* job names "fz0".."fz2" */
-#define FZ_SETTLE    64  /* loop turns to let the daemon take everything sent */
+#define FZ_CLIENTS 32   /* connections per input: 3 jobs of 6 ranks and re-attaches */
+#define FZ_PENDING 256  /* requests awaiting a reply, per client */
+#define FZ_OPS     4096 /* ring entries per input */
+#define FZ_GROUPS  16   /* group ids a client remembers */
+#define FZ_JOBS    3    /* job names "fz0".."fz2" */
+#define FZ_SETTLE  64   /* loop turns to let the daemon take everything sent */
 
 struct fz_in {
 	const uint8_t *p;
@@ -45,29 +44,29 @@ struct fz_request {
 };
 
 struct fz_client {
-	int      fd;             /* our end of the connection; -1 once we closed it */
-	int      eof;            /* the daemon closed the connection */
-	int      loose;          /* sent unframed or malformed bytes: replies are not matched */
-	int      attached;       /* welcomed */
-	int      job;            /* index of the job named in its HELLO, -1 before */
+	int fd;       /* our end of the connection; -1 once we closed it */
+	int eof;      /* the daemon closed the connection */
+	int loose;    /* sent unframed or malformed bytes: replies are not matched */
+	int attached; /* welcomed */
+	int job;      /* index of the job named in its HELLO, -1 before */
 	uint32_t rank;
 	struct shardd_ctrl_rx rx;
-	void    *ring_mem;
+	void *ring_mem;
 	uint64_t ring_size;
 	struct shardd_ring ring;
-	int      doorbell;
+	int doorbell;
 	struct fz_request pending[FZ_PENDING];
 	unsigned npending;
 	uint32_t groups[FZ_GROUPS];
 	unsigned ngroups;
-	int      buf_fd[2];      /* grad and flat shard of its last GROUP reply, or -1 */
+	int buf_fd[2]; /* grad and flat shard of its last GROUP reply, or -1 */
 	uint64_t buf_size[2];
 };
 
 struct fz_op {
-	int      client;
-	int      done;
-	int      res;            /* the completion's */
+	int client;
+	int done;
+	int res; /* the completion's */
 	struct shardd_sqe sqe;
 };
 
@@ -82,12 +81,12 @@ struct fz_state {
 	unsigned nops;
 	struct fz_job jobs[FZ_JOBS];
 	uint32_t seq;
-	size_t   heap0;
+	size_t heap0;
 };
 
 extern struct fz_state st;
-extern int trace;                      /* SHARDD_FUZZ_TRACE: print replies and completions */
-extern int stop_fd;                    /* written before each loop turn: ends it */
+extern int trace;   /* SHARDD_FUZZ_TRACE: print replies and completions */
+extern int stop_fd; /* written before each loop turn: ends it */
 extern char sock_dir[64];
 extern uint8_t dgram[SHARDD_CTRL_CHUNK];
 extern const char *target_name;

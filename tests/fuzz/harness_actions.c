@@ -119,23 +119,44 @@ void act_hello(struct fz_in *in)
 
 	hello_fill(&h, job, rank, replicate, shard, sq_entries);
 	switch (in_u8(in) % 16) {
-	case 0: h.major = in_u16(in); break;
-	case 1: h.pid = in_u32(in); break;
-	case 2: in_bytes(in, h.job, in_u8(in) % (sizeof(h.job) + 1)); break;
-	case 3: h.rank = in_u32(in); break;
-	case 4: h.replicate = in_u32(in); break;
-	case 5: h.shard = in_u32(in); break;
-	case 6: h.device = (int32_t)in_u32(in); break;
-	case 7: h.sq_entries = in_u32(in); break;
-	case 8: h.flags = in_u32(in); break;
+	case 0:
+		h.major = in_u16(in);
+		break;
+	case 1:
+		h.pid = in_u32(in);
+		break;
+	case 2:
+		in_bytes(in, h.job, in_u8(in) % (sizeof(h.job) + 1));
+		break;
+	case 3:
+		h.rank = in_u32(in);
+		break;
+	case 4:
+		h.replicate = in_u32(in);
+		break;
+	case 5:
+		h.shard = in_u32(in);
+		break;
+	case 6:
+		h.device = (int32_t)in_u32(in);
+		break;
+	case 7:
+		h.sq_entries = in_u32(in);
+		break;
+	case 8:
+		h.flags = in_u32(in);
+		break;
 	case 9: {
 		uint8_t at = in_u8(in) % sizeof(h.rsvd);
 
 		h.rsvd[at] = in_u8(in);
 		break;
 	}
-	case 10: len = in_u8(in) % (sizeof(h) + 16); break;
-	default: break;
+	case 10:
+		len = in_u8(in) % (sizeof(h) + 16);
+		break;
+	default:
+		break;
 	}
 	if (!c)
 		return;
@@ -242,7 +263,8 @@ void act_split(struct fz_in *in)
 			iov[k++] = (struct iovec){ buf + sent, n };
 		if (fault == 1 && sent)
 			fd = some_fd(c, fill[0]);
-		if (shardd_ctrl_send_dgram(c->fd, iov, k, fd >= 0 ? &fd : NULL, fd >= 0, MSG_DONTWAIT) < 0)
+		if (shardd_ctrl_send_dgram(c->fd, iov, k, fd >= 0 ? &fd : NULL, fd >= 0,
+					   MSG_DONTWAIT) < 0)
 			ok = 0;
 		if (fd >= 0)
 			close(fd);
@@ -298,17 +320,26 @@ static uint32_t register_build(struct fz_in *in, uint8_t *buf)
 		for (uint32_t d = 0; d < s.ndim; d++)
 			s.shape[d] = dims[in_u8(in) % 16];
 		switch (sel & 7) {
-		case 1: s.dtype = in_u32(in); break;
-		case 2: s.ndim = in_u32(in); break;
-		case 3: s.flags = in_u32(in); break;
+		case 1:
+			s.dtype = in_u32(in);
+			break;
+		case 2:
+			s.ndim = in_u32(in);
+			break;
+		case 3:
+			s.flags = in_u32(in);
+			break;
 		case 4: {
 			uint8_t at = in_u8(in) % SHARDD_MAX_DIMS;
 
 			s.shape[at] = in_u64(in);
 			break;
 		}
-		case 5: in_bytes(in, s.name, sizeof(s.name)); break;
-		default: break;
+		case 5:
+			in_bytes(in, s.name, sizeof(s.name));
+			break;
+		default:
+			break;
 		}
 		memcpy(buf + sizeof(g) + i * sizeof(s), &s, sizeof(s));
 	}
@@ -385,27 +416,41 @@ void act_admin(struct fz_in *in)
 	int len;
 
 	switch (sel) {
-	case 0: len = snprintf(text, sizeof(text), "{\"cmd\":\"status\"}"); break;
-	case 1: len = snprintf(text, sizeof(text), "{\"cmd\":\"jobs\"}"); break;
-	case 2: len = snprintf(text, sizeof(text), "{\"cmd\":\"ranks\",\"job\":\"%s\"}", job); break;
-	case 3: len = snprintf(text, sizeof(text), "{\"cmd\":\"groups\",\"job\":\"%s\"}", job); break;
+	case 0:
+		len = snprintf(text, sizeof(text), "{\"cmd\":\"status\"}");
+		break;
+	case 1:
+		len = snprintf(text, sizeof(text), "{\"cmd\":\"jobs\"}");
+		break;
+	case 2:
+		len = snprintf(text, sizeof(text), "{\"cmd\":\"ranks\",\"job\":\"%s\"}", job);
+		break;
+	case 3:
+		len = snprintf(text, sizeof(text), "{\"cmd\":\"groups\",\"job\":\"%s\"}", job);
+		break;
 	case 4:
-		len = snprintf(text, sizeof(text), "{\"cmd\":\"show\",\"job\":\"%s\",\"group\":\"g%u\"}",
-			       job, group);
+		len = snprintf(text, sizeof(text),
+			       "{\"cmd\":\"show\",\"job\":\"%s\",\"group\":\"g%u\"}", job, group);
 		break;
 	case 5: {
 		int64_t a = (int8_t)in_u8(in), b = in_u16(in), lim = (int16_t)in_u16(in);
 		const char *what = whats[in_u8(in) % 4];
 		unsigned rank = in_u8(in) % 9;
 
-		len = snprintf(text, sizeof(text),
-			       "{\"cmd\":\"dump\",\"job\":\"%s\",\"group\":\"g%u\",\"param\":\"p%u\","
-			       "\"what\":\"%s\",\"rank\":%u,\"rows\":[%" PRId64 ",%" PRId64 "],"
-			       "\"limit\":%" PRId64 "}", job, group, param, what, rank, a, b, lim);
+		len = snprintf(
+			text, sizeof(text),
+			"{\"cmd\":\"dump\",\"job\":\"%s\",\"group\":\"g%u\",\"param\":\"p%u\","
+			"\"what\":\"%s\",\"rank\":%u,\"rows\":[%" PRId64 ",%" PRId64 "],"
+			"\"limit\":%" PRId64 "}",
+			job, group, param, what, rank, a, b, lim);
 		break;
 	}
-	case 6: len = snprintf(text, sizeof(text), "{\"cmd\":\"stats\"}"); break;
-	case 7: len = snprintf(text, sizeof(text), "{\"cmd\":\"metrics\"}"); break;
+	case 6:
+		len = snprintf(text, sizeof(text), "{\"cmd\":\"stats\"}");
+		break;
+	case 7:
+		len = snprintf(text, sizeof(text), "{\"cmd\":\"metrics\"}");
+		break;
 	default:
 		len = in_u8(in);
 		in_bytes(in, text, (size_t)len);
@@ -491,22 +536,29 @@ void act_sqe(struct fz_in *in)
 	sqe.step = mut & 0x80 ? in_u64(in) : in_u8(in) % 4;
 	sqe.flags = mut & 0x40 ? in_u32(in) : in_u8(in) % 2 && sqe.op == SHARDD_OP_REDUCE;
 	switch (mut & 15) {
-	case 1: sqe.fence = in_u8(in); break;
+	case 1:
+		sqe.fence = in_u8(in);
+		break;
 	case 2: {
 		uint8_t at = in_u8(in) % 2;
 
 		sqe.rsvd0[at] = in_u8(in);
 		break;
 	}
-	case 3: sqe.rsvd1 = in_u32(in); break;
+	case 3:
+		sqe.rsvd1 = in_u32(in);
+		break;
 	case 4: {
 		uint8_t at = in_u8(in) % 4;
 
 		sqe.arg[at] = in_u64(in);
 		break;
 	}
-	case 5: sqe.group = in_u32(in); break;
-	default: break;
+	case 5:
+		sqe.group = in_u32(in);
+		break;
+	default:
+		break;
 	}
 	push_sqe(c, &sqe, tag);
 	turn();
@@ -516,8 +568,8 @@ void act_sqe(struct fz_in *in)
 void act_sqe_burst(struct fz_in *in)
 {
 	static const uint8_t ops[] = {
-		SHARDD_OP_UNSHARD, SHARDD_OP_REDUCE, SHARDD_OP_RESHARD, SHARDD_OP_ZERO_GRAD,
-		SHARDD_OP_BARRIER, SHARDD_OP_UNSHARD, SHARDD_OP_REDUCE, SHARDD_OP_NOP,
+		SHARDD_OP_UNSHARD, SHARDD_OP_REDUCE,  SHARDD_OP_RESHARD, SHARDD_OP_ZERO_GRAD,
+		SHARDD_OP_BARRIER, SHARDD_OP_UNSHARD, SHARDD_OP_REDUCE,  SHARDD_OP_NOP,
 	};
 	int job = in_u8(in) % FZ_JOBS;
 	uint8_t op = ops[in_u8(in) % 8], gsel = in_u8(in), skip = in_u8(in);

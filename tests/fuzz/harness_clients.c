@@ -70,7 +70,8 @@ static void client_answered(struct fz_client *c, uint32_t seq, uint16_t reply_ty
 	*req_type = 0;
 	if (!c->loose)
 		fail("client %td got a reply (type %u) to seq %u, which it never sent or which "
-		     "was answered already", c - st.c, reply_type, seq);
+		     "was answered already",
+		     c - st.c, reply_type, seq);
 }
 
 static void client_welcome(struct fz_client *c, const uint8_t *p, uint32_t len)
@@ -170,8 +171,8 @@ static void client_message(struct fz_client *c)
 		break;
 	}
 	default:
-		fail("daemon message of type %u (%u bytes) to a client of the host backend", h->type,
-		     len);
+		fail("daemon message of type %u (%u bytes) to a client of the host backend",
+		     h->type, len);
 	}
 	if (req && !c->loose && req != SHARDD_MSG_ADMIN && h->type == SHARDD_MSG_ADMIN_REPLY)
 		fail("an ADMIN_REPLY answered a request of type %u", req);
@@ -184,23 +185,25 @@ static void op_done(struct fz_client *c, const struct shardd_cqe *cqe, const cha
 
 	if (!op || op->sqe.user_data != cqe->user_data || op->client != c - st.c)
 		fail("client %td got a completion for user_data 0x%" PRIx64 ", which it never "
-		     "submitted", c - st.c, cqe->user_data);
+		     "submitted",
+		     c - st.c, cqe->user_data);
 	if (op->done)
-		fail("client %td got a second completion for user_data 0x%" PRIx64 " (%s, step %"
-		     PRIu64 ")", c - st.c, cqe->user_data,
+		fail("client %td got a second completion for user_data 0x%" PRIx64
+		     " (%s, step %" PRIu64 ")",
+		     c - st.c, cqe->user_data,
 		     shardd_op_name(cqe->op) ? shardd_op_name(cqe->op) : "?", cqe->step);
 	if (cqe->op != op->sqe.op || cqe->group != op->sqe.group || cqe->step != op->sqe.step)
 		fail("completion echoes op %u group %u step %" PRIu64 " for an entry of op %u "
-		     "group %u step %" PRIu64, cqe->op, cqe->group, cqe->step, op->sqe.op,
-		     op->sqe.group, op->sqe.step);
+		     "group %u step %" PRIu64,
+		     cqe->op, cqe->group, cqe->step, op->sqe.op, op->sqe.group, op->sqe.step);
 	if (cqe->res < 0 && (!cqe->has_msg || !msg[0]))
 		fail("error completion %d of op %u without a message", cqe->res, cqe->op);
 	op->done = 1;
 	op->res = cqe->res;
 	if (trace)
 		fprintf(stderr, "shardd fuzz: client %td: %s group %u step %" PRIu64 " -> %d %s\n",
-			c - st.c, shardd_op_name(cqe->op) ? shardd_op_name(cqe->op) : "?", cqe->group,
-			cqe->step, cqe->res, cqe->res < 0 ? msg : "");
+			c - st.c, shardd_op_name(cqe->op) ? shardd_op_name(cqe->op) : "?",
+			cqe->group, cqe->step, cqe->res, cqe->res < 0 ? msg : "");
 }
 
 /* Read every reply and completion waiting for the client. */
@@ -350,7 +353,7 @@ void expect_reply(struct fz_client *c, uint32_t seq, uint16_t type)
 
 /* Send a framed message; a reply is expected unless it is GOODBYE. */
 void client_send(struct fz_client *c, uint16_t type, uint16_t flags, const void *payload,
-			uint32_t len)
+		 uint32_t len)
 {
 	uint32_t seq = ++st.seq;
 	int ret;

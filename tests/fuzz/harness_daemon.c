@@ -63,8 +63,8 @@ void fail(const char *fmt, ...)
 
 struct fz_state st;
 
-int trace;                      /* SHARDD_FUZZ_TRACE: print replies and completions */
-int stop_fd = -1;               /* written before each loop turn: ends it */
+int trace;        /* SHARDD_FUZZ_TRACE: print replies and completions */
+int stop_fd = -1; /* written before each loop turn: ends it */
 char sock_dir[64];
 uint8_t dgram[SHARDD_CTRL_CHUNK];
 
@@ -125,7 +125,8 @@ void check_memory(void)
 		fail("the heap grew by %zu bytes within one input (cap %zu)", heap - st.heap0,
 		     FUZZ_HEAP_CAP);
 	if (bufs > FUZZ_MAX_MEMORY)
-		fail("the daemon holds %" PRIu64 " bytes of buffers, past its --max-memory of %" PRIu64,
+		fail("the daemon holds %" PRIu64
+		     " bytes of buffers, past its --max-memory of %" PRIu64,
 		     bufs, FUZZ_MAX_MEMORY);
 }
 

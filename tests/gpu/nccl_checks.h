@@ -21,8 +21,8 @@
  * on the machines lent to us) refuses two ranks of a communicator on one
  * GPU, so a collective across ranks needs a GPU each.
  */
-#define NCCL_ONE_RANK_PER_GPU                                                              \
-	"NCCL before 2.30 refuses two ranks of a communicator on one GPU (NCCL 2.30's "   \
+#define NCCL_ONE_RANK_PER_GPU                                                               \
+	"NCCL before 2.30 refuses two ranks of a communicator on one GPU (NCCL 2.30's "     \
 	"experimental NCCL_MULTI_RANK_GPU_ENABLE lifts that); test_nccl_one_gpu runs what " \
 	"one GPU can"
 
@@ -61,8 +61,9 @@ static inline double grad_value(uint32_t pi, uint32_t r, uint64_t i, uint32_t dt
 }
 
 /* Group `name` of `params` registered on `c` in `precision` (NULL: none), every param loaded with its values. */
-static inline int register_loaded(struct shardd_client *c, const char *name, const struct shardd_param_desc *params,
-				  uint32_t nparams, const struct shardd_precision *precision, struct shardd_group **g)
+static inline int register_loaded(struct shardd_client *c, const char *name,
+				  const struct shardd_param_desc *params, uint32_t nparams,
+				  const struct shardd_precision *precision, struct shardd_group **g)
 {
 	static float full[MAX_NUMEL];
 
@@ -79,13 +80,15 @@ static inline int register_loaded(struct shardd_client *c, const char *name, con
 }
 
 /* Every element of param `pi` (`p`) as gathered at `dev`: the registered value, cast to `udt`. */
-static inline int check_unsharded_param(const char *who, uint32_t pi, const struct shardd_param_desc *p,
-					uint32_t udt, const struct shardd_param_layout *l, const void *dev)
+static inline int check_unsharded_param(const char *who, uint32_t pi,
+					const struct shardd_param_desc *p, uint32_t udt,
+					const struct shardd_param_layout *l, const void *dev)
 {
 	static uint8_t host[MAX_NUMEL * 4];
 	uint64_t n = inproc_numel(p);
 
-	CHILD_CHECK(l->unsharded_bytes == n * ref_dtype_size(udt) && l->unsharded_bytes <= sizeof(host),
+	CHILD_CHECK(l->unsharded_bytes == n * ref_dtype_size(udt) &&
+			    l->unsharded_bytes <= sizeof(host),
 		    "param %u: %llu unsharded bytes", pi, (unsigned long long)l->unsharded_bytes);
 	CHILD_CHECK_CUDA(cudaMemcpy(host, dev, l->unsharded_bytes, cudaMemcpyDeviceToHost));
 	for (uint64_t i = 0; i < n; i++) {
@@ -99,8 +102,8 @@ static inline int check_unsharded_param(const char *who, uint32_t pi, const stru
 }
 
 /* Rank `rank`'s grads of param `pi` (`p`) in `gdt`, written to its grad buffer at `dev`. */
-static inline int write_grad_param(uint32_t rank, uint32_t pi, const struct shardd_param_desc *p, uint32_t gdt,
-				   void *dev)
+static inline int write_grad_param(uint32_t rank, uint32_t pi, const struct shardd_param_desc *p,
+				   uint32_t gdt, void *dev)
 {
 	static uint8_t host[MAX_NUMEL * 4];
 	uint64_t n = inproc_numel(p);
@@ -118,9 +121,11 @@ static inline int write_grad_param(uint32_t rank, uint32_t pi, const struct shar
  * grads of `world` ranks: steps x the average over every rank, within the
  * tolerance above; padding rows zero.
  */
-static inline int check_shard_grad_param(const char *who, uint32_t pi, const struct shardd_param_desc *p,
-					 uint32_t gdt, uint32_t rd, uint32_t shard, uint32_t s, uint32_t world,
-					 uint32_t steps, const struct shardd_param_layout *l, const void *dev)
+static inline int check_shard_grad_param(const char *who, uint32_t pi,
+					 const struct shardd_param_desc *p, uint32_t gdt,
+					 uint32_t rd, uint32_t shard, uint32_t s, uint32_t world,
+					 uint32_t steps, const struct shardd_param_layout *l,
+					 const void *dev)
 {
 	static double sum[MAX_NUMEL], mag[MAX_NUMEL], want[MAX_NUMEL], wmag[MAX_NUMEL];
 	static float got[MAX_NUMEL];
@@ -147,11 +152,12 @@ static inline int check_shard_grad_param(const char *who, uint32_t pi, const str
 		double w = pad ? 0 : steps * want[j] / world;
 		double tol = pad ? 0
 				 : (double)world * steps * ref_ulp(steps * wmag[j], rd) +
-				   steps * ref_ulp(fabs(w), SHARDD_DTYPE_FP32);
+					     steps * ref_ulp(fabs(w), SHARDD_DTYPE_FP32);
 
 		CHILD_CHECK(fabs((double)got[j] - w) <= tol,
-			    "%s param %u shard element %llu%s: %.9g, want %.9g within %.3g", who, pi,
-			    (unsigned long long)j, pad ? " (padding)" : "", (double)got[j], w, tol);
+			    "%s param %u shard element %llu%s: %.9g, want %.9g within %.3g", who,
+			    pi, (unsigned long long)j, pad ? " (padding)" : "", (double)got[j], w,
+			    tol);
 	}
 	return 0;
 }

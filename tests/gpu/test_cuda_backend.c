@@ -88,7 +88,8 @@ static void pair_expect_same(const struct cudapair *p, const char *what)
 	for (uint64_t i = 0; i < p->bytes; i++)
 		if (got[i] != p->host[i])
 			cr_assert_fail("%s: byte %llu of %llu: cpu 0x%02x, cuda 0x%02x", what,
-				       (unsigned long long)i, (unsigned long long)p->bytes, p->host[i], got[i]);
+				       (unsigned long long)i, (unsigned long long)p->bytes,
+				       p->host[i], got[i]);
 	free(got);
 }
 
@@ -98,7 +99,8 @@ static void fill_values(void *dst, uint32_t dtype, uint64_t n)
 	for (uint64_t i = 0; i < n; i++) {
 		float v = ldexpf((float)((int64_t)(rng() % 20001) - 10000), -6);
 
-		shardd_k_cast((char *)dst + i * shardd_dtype_size(dtype), dtype, &v, SHARDD_DTYPE_FP32, 1);
+		shardd_k_cast((char *)dst + i * shardd_dtype_size(dtype), dtype, &v,
+			      SHARDD_DTYPE_FP32, 1);
 	}
 }
 
@@ -128,7 +130,8 @@ static void build_layout(struct shd_layout *l, uint32_t param_dtype)
 	specs[2].shape[0] = 4;
 	specs[2].shape[1] = 6;
 	specs[2].shape[2] = 5;
-	cr_assert_eq(shd_layout_build(specs, 3, WORLD, param_dtype, l, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(shd_layout_build(specs, 3, WORLD, param_dtype, l, err, sizeof(err)), 0, "%s",
+		     err);
 }
 
 Test(cuda_backend, exported_buffer_imports_with_the_daemons_bytes, .timeout = 60, .init = setup_fd,
@@ -155,14 +158,16 @@ Test(cuda_backend, exported_buffer_imports_with_the_daemons_bytes, .timeout = 60
 	/* New buffers are zero, seen through the client's mapping. */
 	CUDA_OK(cudaMemcpy(got, (void *)(uintptr_t)m.ptr, bytes, cudaMemcpyDeviceToHost));
 	for (uint64_t i = 0; i < bytes; i++)
-		cr_assert_eq(got[i], 0, "byte %llu of a new buffer is 0x%02x", (unsigned long long)i, got[i]);
+		cr_assert_eq(got[i], 0, "byte %llu of a new buffer is 0x%02x",
+			     (unsigned long long)i, got[i]);
 
 	/* The daemon writes, the client reads. */
 	for (uint64_t i = 0; i < bytes; i++)
 		want[i] = (uint8_t)rng();
 	CUDA_OK(cudaMemcpy(shd_backend_cuda_ptr(&buf), want, bytes, cudaMemcpyHostToDevice));
 	CUDA_OK(cudaMemcpy(got, (void *)(uintptr_t)m.ptr, bytes, cudaMemcpyDeviceToHost));
-	cr_assert_eq(memcmp(want, got, bytes), 0, "the client's mapping does not show the daemon's bytes");
+	cr_assert_eq(memcmp(want, got, bytes), 0,
+		     "the client's mapping does not show the daemon's bytes");
 
 	/* The client writes (its grads), the daemon reads. */
 	for (uint64_t i = 0; i < bytes; i++)
@@ -177,7 +182,8 @@ Test(cuda_backend, exported_buffer_imports_with_the_daemons_bytes, .timeout = 60
 	cr_assert_eq(cuda_sync_one(&buf), 0);
 	memset(want + 4096, 0, 100000);
 	CUDA_OK(cudaMemcpy(got, (void *)(uintptr_t)m.ptr, bytes, cudaMemcpyDeviceToHost));
-	cr_assert_eq(memcmp(want, got, bytes), 0, "zero(4096, 100000) changed other bytes or missed some");
+	cr_assert_eq(memcmp(want, got, bytes), 0,
+		     "zero(4096, 100000) changed other bytes or missed some");
 	cr_assert_eq(cuda_be->ops->zero(cuda_be, &buf, bytes - 10, 11), -EINVAL);
 
 	shardd_cuda_unmap(&m);
@@ -207,8 +213,12 @@ static void unshard_case(uint32_t param_dtype)
 	/* Every shard rank reads the one unsharded buffer, as ranks on one device do. */
 	struct shd_buf *hu[WORLD] = { &unsharded.h, &unsharded.h, &unsharded.h };
 	struct shd_buf *du[WORLD] = { &unsharded.d, &unsharded.d, &unsharded.d };
-	struct shd_unshard_args ha = { .layout = &l, .nshards = WORLD, .shards = hs, .unsharded = hu };
-	struct shd_unshard_args da = { .layout = &l, .nshards = WORLD, .shards = ds, .unsharded = du };
+	struct shd_unshard_args ha = {
+		.layout = &l, .nshards = WORLD, .shards = hs, .unsharded = hu
+	};
+	struct shd_unshard_args da = {
+		.layout = &l, .nshards = WORLD, .shards = ds, .unsharded = du
+	};
 
 	cr_assert_eq(host_be->ops->unshard(host_be, &ha), 0);
 	cr_assert_eq(cuda_be->ops->unshard(cuda_be, &da), 0);
@@ -262,14 +272,17 @@ static void reduce_scatter_case(uint32_t param_dtype, const struct shardd_reduce
 		struct shd_shard_view hv[WORLD], dv[WORLD];
 		uint8_t accumulate[WORLD] = { round, round, round };
 		struct shd_reduce_args a = {
-			.layout = &l, .src = SHD_REDUCE_SRC_GRAD, .n = WORLD, .accumulate = accumulate,
+			.layout = &l,
+			.src = SHD_REDUCE_SRC_GRAD,
+			.n = WORLD,
+			.accumulate = accumulate,
 			.math = *math,
 		};
 
 		for (int r = 0; r < WORLD; r++) {
 			for (uint32_t i = 0; i < l.nparams; i++)
-				fill_values(grads[r].host + l.params[i].grad_offset, l.params[i].grad_dtype,
-					    l.params[i].numel);
+				fill_values(grads[r].host + l.params[i].grad_offset,
+					    l.params[i].grad_dtype, l.params[i].numel);
 			cudapair_to_device(cuda_be, &grads[r]);
 			hv[r] = (struct shd_shard_view){ &out[r].h, offsets, SHARDD_DTYPE_NONE };
 			dv[r] = (struct shd_shard_view){ &out[r].d, offsets, SHARDD_DTYPE_NONE };
@@ -281,7 +294,8 @@ static void reduce_scatter_case(uint32_t param_dtype, const struct shardd_reduce
 		a.outs = dv;
 		cr_assert_eq(cuda_be->ops->reduce(cuda_be, &a), 0);
 		for (int s = 0; s < WORLD; s++)
-			pair_expect_same(&out[s], round ? "accumulated sharded grad" : "sharded grad");
+			pair_expect_same(&out[s],
+					 round ? "accumulated sharded grad" : "sharded grad");
 	}
 	for (int r = 0; r < WORLD; r++) {
 		cudapair_free(cuda_be, host_be, &grads[r]);
@@ -293,13 +307,15 @@ static void reduce_scatter_case(uint32_t param_dtype, const struct shardd_reduce
 Test(cuda_backend, reduce_scatter_fp32_average_matches_host_backend, .timeout = 60, .init = setup,
      .fini = teardown)
 {
-	struct shardd_reduce_math m = { .reduce_dtype = SHARDD_DTYPE_FP32, .pre = 1, .avg = WORLD, .post = 1 };
+	struct shardd_reduce_math m = {
+		.reduce_dtype = SHARDD_DTYPE_FP32, .pre = 1, .avg = WORLD, .post = 1
+	};
 
 	reduce_scatter_case(SHARDD_DTYPE_NONE, &m);
 }
 
-Test(cuda_backend, reduce_scatter_fp16_divide_factors_match_host_backend, .timeout = 60, .init = setup,
-     .fini = teardown)
+Test(cuda_backend, reduce_scatter_fp16_divide_factors_match_host_backend, .timeout = 60,
+     .init = setup, .fini = teardown)
 {
 	double pre, post;
 	struct shardd_reduce_math m = { .reduce_dtype = SHARDD_DTYPE_FP16, .avg = 1 };
@@ -317,13 +333,17 @@ Test(cuda_backend, reduce_scatter_fp16_divide_factors_match_host_backend, .timeo
 Test(cuda_backend, all_reduce_of_shard_views_with_addend_matches_host_backend, .timeout = 60,
      .init = setup, .fini = teardown)
 {
-	enum { NIN = 2 };
+	enum {
+		NIN = 2
+	};
 	struct shd_layout l;
 	struct cudapair views[NIN], add, out[NIN];
 	uint64_t offsets[3], out_offsets[3], vbytes = 0;
 	struct shd_shard_view hv[NIN], dv[NIN], hadd[NIN], dadd[NIN], hout[NIN], dout[NIN];
 	uint8_t accumulate[NIN] = { 0, 0 };
-	struct shardd_reduce_math m = { .reduce_dtype = SHARDD_DTYPE_FP32, .pre = 1, .avg = 2, .post = 1 };
+	struct shardd_reduce_math m = {
+		.reduce_dtype = SHARDD_DTYPE_FP32, .pre = 1, .avg = 2, .post = 1
+	};
 
 	build_layout(&l, SHARDD_DTYPE_NONE);
 	for (uint32_t i = 0; i < l.nparams; i++) {
@@ -336,7 +356,8 @@ Test(cuda_backend, all_reduce_of_shard_views_with_addend_matches_host_backend, .
 
 		cudapair_alloc(cuda_be, host_be, p, vbytes, "partial");
 		for (uint32_t i = 0; i < l.nparams; i++)
-			fill_values(p->host + offsets[i], SHARDD_DTYPE_FP32, l.params[i].shard_numel);
+			fill_values(p->host + offsets[i], SHARDD_DTYPE_FP32,
+				    l.params[i].shard_numel);
 		cudapair_to_device(cuda_be, p);
 		if (k < NIN) {
 			hv[k] = (struct shd_shard_view){ &p->h, offsets, SHARDD_DTYPE_FP32 };
@@ -353,9 +374,15 @@ Test(cuda_backend, all_reduce_of_shard_views_with_addend_matches_host_backend, .
 	}
 
 	struct shd_reduce_args a = {
-		.layout = &l, .src = SHD_REDUCE_SRC_SHARD, .n = NIN, .shard_rank = WORLD - 1,
-		.in_dtype = SHARDD_DTYPE_FP32, .accumulate = accumulate, .reduce_offsets = offsets,
-		.reduce_shard_size = vbytes, .math = m,
+		.layout = &l,
+		.src = SHD_REDUCE_SRC_SHARD,
+		.n = NIN,
+		.shard_rank = WORLD - 1,
+		.in_dtype = SHARDD_DTYPE_FP32,
+		.accumulate = accumulate,
+		.reduce_offsets = offsets,
+		.reduce_shard_size = vbytes,
+		.math = m,
 	};
 
 	a.views = hv;
@@ -408,18 +435,21 @@ struct ipc_offer {
 };
 
 struct ipc_pipes {
-	int in;         /* child reads the offer and the parent's go bytes */
-	int out;        /* child writes one byte per step done */
-	int parents[2]; /* the parent's ends: closed in the child, so each side sees the other's EOF */
+	int in;  /* child reads the offer and the parent's go bytes */
+	int out; /* child writes one byte per step done */
+	int parents
+		[2]; /* the parent's ends: closed in the child, so each side sees the other's EOF */
 };
 
 /* In the child: the device bytes at `ptr` are what `expected` says; 0, else the first bad index + 1. */
-static uint64_t child_mismatch(uint64_t ptr, uint64_t n, unsigned salt, uint64_t zero_at, uint64_t zero_n)
+static uint64_t child_mismatch(uint64_t ptr, uint64_t n, unsigned salt, uint64_t zero_at,
+			       uint64_t zero_n)
 {
 	uint8_t *got = malloc(n);
 	uint64_t bad = 0;
 
-	if (!got || cudaMemcpy(got, (void *)(uintptr_t)ptr, n, cudaMemcpyDeviceToHost) != cudaSuccess) {
+	if (!got ||
+	    cudaMemcpy(got, (void *)(uintptr_t)ptr, n, cudaMemcpyDeviceToHost) != cudaSuccess) {
 		free(got);
 		return n + 1;
 	}
@@ -470,14 +500,16 @@ static int ipc_child(void *arg)
 	/* The daemon writes, the client reads. */
 	CHILD_CHECK(child_await(p->in, 'w') == 0, "no go after the daemon's write");
 	bad = child_mismatch(m.ptr, n, 1, 0, 0);
-	CHILD_CHECK(bad == 0, "byte %llu differs from the daemon's write", (unsigned long long)bad - 1);
+	CHILD_CHECK(bad == 0, "byte %llu differs from the daemon's write",
+		    (unsigned long long)bad - 1);
 
 	/* The client writes (its grads), the daemon reads. */
 	mine = malloc(n);
 	CHILD_CHECK(mine != NULL, "malloc");
 	for (uint64_t i = 0; i < n; i++)
 		mine[i] = pattern(i, 2);
-	CHILD_CHECK(cudaMemcpy((void *)(uintptr_t)m.ptr, mine, n, cudaMemcpyHostToDevice) == cudaSuccess,
+	CHILD_CHECK(cudaMemcpy((void *)(uintptr_t)m.ptr, mine, n, cudaMemcpyHostToDevice) ==
+			    cudaSuccess,
 		    "write through the mapping");
 	/* A copy from pageable memory may return before its DMA lands: wait before telling the daemon. */
 	CHILD_CHECK(cudaDeviceSynchronize() == cudaSuccess, "synchronize after the write");
@@ -517,8 +549,8 @@ static void expect_step(int fd, pid_t child, char want, const char *step)
 	if (harness_read_full(fd, &c, 1, IPC_WAIT_MS) == 0 && c == want)
 		return;
 	cr_assert_eq(harness_wait_or_kill(child, IPC_WAIT_MS, &status), 0);
-	cr_assert_fail("the importing child did not finish '%s': it %s (its check is on stderr)", step,
-		       harness_status_str(status));
+	cr_assert_fail("the importing child did not finish '%s': it %s (its check is on stderr)",
+		       step, harness_status_str(status));
 }
 
 Test(cuda_backend, ipc_exported_buffer_imports_in_another_process_with_the_daemons_bytes,

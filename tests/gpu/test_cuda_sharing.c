@@ -44,7 +44,9 @@ static void status_sharing(char *out, size_t len, int *mps)
 	snprintf(out, len, "%s", s);
 	json_decref(r);
 	*mps = strncmp(out, "MPS: ", 5) == 0;
-	cr_assert(*mps || strcmp(out, "time-sliced: ops wait for the trainers' compute, docs/CUDA.md") == 0,
+	cr_assert(*mps || strcmp(out,
+				 "time-sliced: ops wait for the trainers' compute, docs/CUDA.md") ==
+				  0,
 		  "gpu_sharing is neither MPS nor time-sliced: '%s'", out);
 }
 
@@ -59,8 +61,10 @@ Test(cuda_sharing, status_says_mps_or_time_sliced)
 
 	harness_daemon_start_or_fail(&daemon_, extra);
 	status_sharing(s, sizeof(s), &mps);
-	cr_assert_eq(harness_shardctl(daemon_.socket, args, CTL_TIMEOUT_MS, ctl, sizeof(ctl)), 0, "%s", ctl);
-	cr_expect_not_null(strstr(ctl, "\ngpu      "), "shardctl status prints no gpu line: %s", ctl);
+	cr_assert_eq(harness_shardctl(daemon_.socket, args, CTL_TIMEOUT_MS, ctl, sizeof(ctl)), 0,
+		     "%s", ctl);
+	cr_expect_not_null(strstr(ctl, "\ngpu      "), "shardctl status prints no gpu line: %s",
+			   ctl);
 	cr_expect_not_null(strstr(ctl, s), "shardctl status does not print '%s': %s", s, ctl);
 	if (mps)
 		cr_expect_not_null(strstr(s, "SM share uncapped") || strstr(s, "% of the SMs"),
@@ -76,5 +80,6 @@ Test(cuda_sharing, mps_sm_percent_is_the_daemons_share_under_mps)
 	harness_daemon_start_or_fail(&daemon_, extra);
 	status_sharing(s, sizeof(s), &mps);
 	if (mps)
-		cr_expect_not_null(strstr(s, "up to 50% of the SMs"), "--mps-sm-percent 50, but: %s", s);
+		cr_expect_not_null(strstr(s, "up to 50% of the SMs"),
+				   "--mps-sm-percent 50, but: %s", s);
 }

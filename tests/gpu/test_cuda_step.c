@@ -81,8 +81,10 @@ static void pair_expect_same(const struct cudapair *p, const char *what)
 			memcpy(&c, got + i, 4);
 			memcpy(&hb, p->host + i, 4);
 			memcpy(&cb, got + i, 4);
-			cr_assert_fail("%s: fp32 element %llu of %llu: cpu %.9g (0x%08x), cuda %.9g (0x%08x)", what,
-				       (unsigned long long)(i / 4), (unsigned long long)(p->bytes / 4), h, hb, c, cb);
+			cr_assert_fail(
+				"%s: fp32 element %llu of %llu: cpu %.9g (0x%08x), cuda %.9g (0x%08x)",
+				what, (unsigned long long)(i / 4),
+				(unsigned long long)(p->bytes / 4), h, hb, c, cb);
 		}
 	free(got);
 }
@@ -109,13 +111,14 @@ static void fill_f32(uint8_t *dst, uint64_t bytes)
  */
 static void build_layout(struct shd_layout *l)
 {
-	static const struct { const char *name; uint32_t ndim, shard_dim; uint64_t shape[3]; } p[NPARAMS] = {
-		{ "w", 2, 0, { 7, 33 } },
-		{ "empty", 2, 0, { 0, 4 } },
-		{ "b", 1, 0, { 1001 } },
-		{ "s", 0, 0, { 0 } },
-		{ "c", 3, 1, { 4, 6, 5 } },
-		{ "big", 1, 0, { (1u << 18) + 5 } },
+	static const struct {
+		const char *name;
+		uint32_t ndim, shard_dim;
+		uint64_t shape[3];
+	} p[NPARAMS] = {
+		{ "w", 2, 0, { 7, 33 } },   { "empty", 2, 0, { 0, 4 } },
+		{ "b", 1, 0, { 1001 } },    { "s", 0, 0, { 0 } },
+		{ "c", 3, 1, { 4, 6, 5 } }, { "big", 1, 0, { (1u << 18) + 5 } },
 	};
 	struct shardd_param_spec specs[NPARAMS];
 	char err[256];
@@ -128,7 +131,9 @@ static void build_layout(struct shd_layout *l)
 		specs[i].shard_dim = p[i].shard_dim;
 		memcpy(specs[i].shape, p[i].shape, sizeof(p[i].shape));
 	}
-	cr_assert_eq(shd_layout_build(specs, NPARAMS, WORLD, SHARDD_DTYPE_NONE, l, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(
+		shd_layout_build(specs, NPARAMS, WORLD, SHARDD_DTYPE_NONE, l, err, sizeof(err)), 0,
+		"%s", err);
 }
 
 static uint64_t valid_numel(const struct shd_layout_param *p, uint32_t shard_rank)
@@ -149,13 +154,18 @@ static const struct optim_case cases[] = {
 	{ "sgd plain", SHARDD_OPTIM_SGD, 0, .sgd = { .momentum = 0 } },
 	{ "sgd momentum dampening weight_decay", SHARDD_OPTIM_SGD, 1,
 	  .sgd = { .momentum = 0.9, .dampening = 0.25, .weight_decay = 0.01 } },
-	{ "sgd nesterov maximize", SHARDD_OPTIM_SGD, 1, .sgd = { .momentum = 0.8, .nesterov = 1, .maximize = 1 } },
+	{ "sgd nesterov maximize", SHARDD_OPTIM_SGD, 1,
+	  .sgd = { .momentum = 0.8, .nesterov = 1, .maximize = 1 } },
 	{ "adamw weight_decay", SHARDD_OPTIM_ADAMW, 2,
 	  .adamw = { .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01 } },
 	{ "adamw beta1 0.3 maximize", SHARDD_OPTIM_ADAMW, 2,
 	  .adamw = { .beta1 = 0.3, .beta2 = 0.99, .eps = 1e-6, .maximize = 1 } },
 	{ "adamw amsgrad", SHARDD_OPTIM_ADAMW, 3,
-	  .adamw = { .beta1 = 0.8, .beta2 = 0.99, .eps = 1e-6, .weight_decay = 0.1, .amsgrad = 1 } },
+	  .adamw = { .beta1 = 0.8,
+		     .beta2 = 0.99,
+		     .eps = 1e-6,
+		     .weight_decay = 0.1,
+		     .amsgrad = 1 } },
 };
 
 /* One shard rank's buffers on both backends. */
@@ -188,13 +198,20 @@ static void rank_free(struct rank_bufs *rb)
 }
 
 /* Args of step k (1-based) of case c on shard rank r; host or cuda buffers. */
-static struct shd_step_args step_args(const struct shd_layout *l, const struct optim_case *c, uint32_t r,
-				      struct rank_bufs *rb, int cuda, uint64_t k, int *skipped)
+static struct shd_step_args step_args(const struct shd_layout *l, const struct optim_case *c,
+				      uint32_t r, struct rank_bufs *rb, int cuda, uint64_t k,
+				      int *skipped)
 {
 	struct shd_step_args a = {
-		.layout = l, .shard_rank = r, .kind = c->kind, .shard = cuda ? &rb->shard.d : &rb->shard.h,
-		.grad = cuda ? &rb->grad.d : &rb->grad.h, .sgd = c->sgd, .adamw = c->adamw,
-		.skip_nonfinite = (int)(k % 2), .skipped = skipped,
+		.layout = l,
+		.shard_rank = r,
+		.kind = c->kind,
+		.shard = cuda ? &rb->shard.d : &rb->shard.h,
+		.grad = cuda ? &rb->grad.d : &rb->grad.h,
+		.sgd = c->sgd,
+		.adamw = c->adamw,
+		.skip_nonfinite = (int)(k % 2),
+		.skipped = skipped,
 	};
 	double lr = (c->kind == SHARDD_OPTIM_SGD ? 0.05 : 0.01) / (double)k;
 	float scale = k % 3 == 2 ? 0.37f : 1.0f;
@@ -220,17 +237,18 @@ static void expect_rank_same(const struct rank_bufs *rb, uint32_t nstate, const 
 }
 
 /* Padding elements of every param of rank r's shard still hold their initial bytes. */
-static void expect_padding_untouched(const struct shd_layout *l, uint32_t r, const struct rank_bufs *rb,
-				     const char *what)
+static void expect_padding_untouched(const struct shd_layout *l, uint32_t r,
+				     const struct rank_bufs *rb, const char *what)
 {
 	for (uint32_t i = 0; i < l->nparams; i++) {
 		const struct shd_layout_param *p = &l->params[i];
 		uint64_t off = p->shard_offset, n = valid_numel(p, r);
 
 		for (uint64_t e = n; e < p->shard_numel; e++)
-			cr_assert_eq(memcmp(rb->shard.host + off + e * 4, rb->initial + off + e * 4, 4), 0,
-				     "%s: rank %u param %u padding element %llu was written", what, r, i,
-				     (unsigned long long)e);
+			cr_assert_eq(
+				memcmp(rb->shard.host + off + e * 4, rb->initial + off + e * 4, 4),
+				0, "%s: rank %u param %u padding element %llu was written", what, r,
+				i, (unsigned long long)e);
 	}
 }
 
@@ -258,12 +276,14 @@ Test(cuda_step, sgd_adamw_and_amsgrad_match_the_host_backend_bit_for_bit_over_k_
 				fill_f32(rb.grad.host, rb.grad.bytes);
 				cudapair_to_device(cuda_be, &rb.grad);
 				cr_assert_eq(host_be->ops->step(host_be, &ha), 0);
-				cr_assert_eq(cuda_be->ops->step(cuda_be, &da), 0, "%s rank %u step %llu: %s", c->name, r,
+				cr_assert_eq(cuda_be->ops->step(cuda_be, &da), 0,
+					     "%s rank %u step %llu: %s", c->name, r,
 					     (unsigned long long)k, err);
 				cr_assert_eq(hs, 0);
-				cr_assert_eq(ds, 0, "%s rank %u step %llu: skipped on finite grads", c->name, r,
-					     (unsigned long long)k);
-				snprintf(what, sizeof(what), "%s, rank %u, step %llu", c->name, r, (unsigned long long)k);
+				cr_assert_eq(ds, 0, "%s rank %u step %llu: skipped on finite grads",
+					     c->name, r, (unsigned long long)k);
+				snprintf(what, sizeof(what), "%s, rank %u, step %llu", c->name, r,
+					 (unsigned long long)k);
 				expect_rank_same(&rb, c->nstate, what);
 			}
 			expect_padding_untouched(&l, r, &rb, c->name);
@@ -274,8 +294,8 @@ Test(cuda_step, sgd_adamw_and_amsgrad_match_the_host_backend_bit_for_bit_over_k_
 }
 
 /* Rank r's step k of case c with skip-on-non-finite; both backends' `skipped` must be `want`. */
-static void skip_case(const struct shd_layout *l, const struct optim_case *c, uint32_t r, struct rank_bufs *rb,
-		      uint64_t k, int want, const char *what)
+static void skip_case(const struct shd_layout *l, const struct optim_case *c, uint32_t r,
+		      struct rank_bufs *rb, uint64_t k, int want, const char *what)
 {
 	int hs = -1, ds = -1;
 	struct shd_step_args ha = step_args(l, c, r, rb, 0, k, &hs);
@@ -318,7 +338,8 @@ Test(cuda_step, a_nonfinite_valid_grad_skips_the_step_and_padding_is_not_looked_
 	fill_f32(rb.grad.host, rb.grad.bytes);
 	put(&rb.grad, &l, 2, 5, NAN);
 	skip_case(&l, c, 2, &rb, 2, 1, "NaN in 'b'");
-	cr_assert_eq(memcmp(before, rb.shard.host, rb.shard.bytes), 0, "the host backend changed a skipped shard");
+	cr_assert_eq(memcmp(before, rb.shard.host, rb.shard.bytes), 0,
+		     "the host backend changed a skipped shard");
 
 	fill_f32(rb.grad.host, rb.grad.bytes);
 	put(&rb.grad, &l, 5, valid_numel(&l.params[5], 2) - 1, -INFINITY);
@@ -346,13 +367,15 @@ static void norm_ref(const struct shd_layout *l, uint32_t r, const uint8_t *host
 		struct shardd_grad_norm_part part;
 		uint64_t n = valid_numel(&l->params[i], r);
 
-		shardd_k_grad_norm_part(host + l->params[i].shard_offset, SHARDD_DTYPE_FP32, 0, n, &part);
+		shardd_k_grad_norm_part(host + l->params[i].shard_offset, SHARDD_DTYPE_FP32, 0, n,
+					&part);
 		shardd_k_grad_norm_merge(out, &part);
 		*n_total += n;
 	}
 }
 
-static void norm_expect(const struct shd_layout *l, uint32_t r, struct cudapair *g, const char *what)
+static void norm_expect(const struct shd_layout *l, uint32_t r, struct cudapair *g,
+			const char *what)
 {
 	struct shardd_grad_norm_part want, got = { .sumsq = -1 };
 	uint64_t n;
@@ -360,8 +383,10 @@ static void norm_expect(const struct shd_layout *l, uint32_t r, struct cudapair 
 
 	cudapair_to_device(cuda_be, g);
 	norm_ref(l, r, g->host, &want, &n);
-	cr_assert_eq(cuda_be->ops->grad_norm(cuda_be, l, r, &g->d, &got, err, sizeof(err)), 0, "%s: %s", what, err);
-	cr_assert_eq(got.nonfinite, want.nonfinite, "%s: nonfinite %d, cpu %d", what, got.nonfinite, want.nonfinite);
+	cr_assert_eq(cuda_be->ops->grad_norm(cuda_be, l, r, &g->d, &got, err, sizeof(err)), 0,
+		     "%s: %s", what, err);
+	cr_assert_eq(got.nonfinite, want.nonfinite, "%s: nonfinite %d, cpu %d", what, got.nonfinite,
+		     want.nonfinite);
 	if (want.nonfinite) {
 		cr_assert(!isfinite(got.sumsq), "%s: sumsq %.17g is finite", what, got.sumsq);
 	} else {
@@ -370,7 +395,8 @@ static void norm_expect(const struct shd_layout *l, uint32_t r, struct cudapair 
 			  "%s: sumsq %.17g, cpu %.17g (%llu elements)", what, got.sumsq, want.sumsq,
 			  (unsigned long long)n);
 	}
-	cr_assert(got.max_abs == want.max_abs, "%s: max_abs %.9g, cpu %.9g", what, got.max_abs, want.max_abs);
+	cr_assert(got.max_abs == want.max_abs, "%s: max_abs %.9g, cpu %.9g", what, got.max_abs,
+		  want.max_abs);
 }
 
 Test(cuda_step, grad_norm_part_matches_the_cpu_kernel_over_valid_rows)
@@ -385,7 +411,8 @@ Test(cuda_step, grad_norm_part_matches_the_cpu_kernel_over_valid_rows)
 		fill_f32(g.host, g.bytes);
 		/* Padding rows hold values far above any valid one: counted, they would show in sum and max. */
 		for (uint32_t i = 0; i < l.nparams; i++)
-			for (uint64_t e = valid_numel(&l.params[i], r); e < l.params[i].shard_numel; e++)
+			for (uint64_t e = valid_numel(&l.params[i], r); e < l.params[i].shard_numel;
+			     e++)
 				put(&g, &l, i, e, 1e30f);
 		snprintf(what, sizeof(what), "rank %u finite", r);
 		norm_expect(&l, r, &g, what);
@@ -410,14 +437,17 @@ Test(cuda_step, grad_norm_of_a_rank_holding_only_padding_is_zero)
 	struct cudapair g;
 	char err[256] = "";
 
-	cr_assert_eq(shd_layout_build(&spec, 1, WORLD, SHARDD_DTYPE_NONE, &l, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(shd_layout_build(&spec, 1, WORLD, SHARDD_DTYPE_NONE, &l, err, sizeof(err)), 0,
+		     "%s", err);
 	cudapair_alloc(cuda_be, host_be, &g, l.shard_size, "sharded grad");
 	for (uint64_t i = 0; i < g.bytes / 4; i++)
 		put(&g, &l, 0, i, NAN);
 	cudapair_to_device(cuda_be, &g);
-	cr_assert_eq(cuda_be->ops->grad_norm(cuda_be, &l, 1, &g.d, &got, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(cuda_be->ops->grad_norm(cuda_be, &l, 1, &g.d, &got, err, sizeof(err)), 0, "%s",
+		     err);
 	cr_assert(got.sumsq == 0.0 && got.max_abs == 0.0f && got.nonfinite == 0,
-		  "rank 1 of a 0-d param: sumsq %g max_abs %g nonfinite %d", got.sumsq, got.max_abs, got.nonfinite);
+		  "rank 1 of a 0-d param: sumsq %g max_abs %g nonfinite %d", got.sumsq, got.max_abs,
+		  got.nonfinite);
 	cudapair_free(cuda_be, host_be, &g);
 	shd_layout_free(&l);
 }

@@ -27,9 +27,9 @@
 #include "optim_isa.h"
 #include "shardd.h"
 
-#define NP 5
+#define NP      5
 #define K_STEPS 4
-#define WORLD 2
+#define WORLD   2
 
 static const struct shardd_param_desc params[NP] = {
 	{ .name = "w", .dtype = SHARDD_DTYPE_FP32, .ndim = 2, .shape = { 5, 3 } },
@@ -47,7 +47,8 @@ struct fixture {
 
 static void start(struct fixture *f, const struct shardd_optim_config *o)
 {
-	static const char *const extra[] = { "--backend", "cuda", "--collective-timeout", "20", NULL };
+	static const char *const extra[] = { "--backend", "cuda", "--collective-timeout", "20",
+					     NULL };
 	const struct shardd_group_opts opts = { .optimizer = o };
 
 	/* Counted in a child: the daemon must be forked before this process touches CUDA. */
@@ -102,8 +103,8 @@ static void write_grads(struct fixture *f, int poison)
 			if (poison && r == 0 && i == 2)
 				h[1] = NAN;
 			if (n)
-				CUDA_OK(cudaMemcpy(shardd_group_grad(f->g[r], i), h, n * sizeof(float),
-						   cudaMemcpyHostToDevice));
+				CUDA_OK(cudaMemcpy(shardd_group_grad(f->g[r], i), h,
+						   n * sizeof(float), cudaMemcpyHostToDevice));
 			free(h);
 		}
 }
@@ -128,14 +129,14 @@ static void ref_init(struct inproc_ref *ref, struct fixture *f)
 			for (uint64_t e = 0; e < n; e++)
 				ref->p[r][i][e] = rnd();
 			if (n)
-				CUDA_OK(cudaMemcpy(shardd_group_shard(f->g[r], i), ref->p[r][i], n * sizeof(float),
-						   cudaMemcpyHostToDevice));
+				CUDA_OK(cudaMemcpy(shardd_group_shard(f->g[r], i), ref->p[r][i],
+						   n * sizeof(float), cudaMemcpyHostToDevice));
 		}
 }
 
 /* The reference step of rank r on the sharded grads as the daemon holds them now (read from the device). */
-static void ref_step(struct inproc_ref *ref, struct fixture *f, int r, const struct shardd_optim_config *o, double lr,
-		     float scale)
+static void ref_step(struct inproc_ref *ref, struct fixture *f, int r,
+		     const struct shardd_optim_config *o, double lr, float scale)
 {
 	ref->nsteps[r]++;
 	for (uint32_t i = 0; i < NP; i++) {
@@ -183,14 +184,16 @@ static void parity_run(const struct shardd_optim_config *o, const char *what)
 	for (uint64_t step = 1; step <= K_STEPS; step++) {
 		double lr = 0.05 / (double)step;
 		/* Step 2 clips (the grad times 0.25); odd steps ask to skip on non-finite grads (finite here). */
-		uint32_t flags = (step == 2 ? SHARDD_STEP_CLIP : 0) | (step % 2 ? SHARDD_STEP_SKIP_NONFINITE : 0);
+		uint32_t flags = (step == 2 ? SHARDD_STEP_CLIP : 0) |
+				 (step % 2 ? SHARDD_STEP_SKIP_NONFINITE : 0);
 		float scale = step == 2 ? 0.25f : 1.0f;
 
 		reduce_step(&f, step, 0);
 		for (int r = 0; r < WORLD; r++) {
 			ref_step(&ref, &f, r, o, lr, scale);
-			cr_assert_eq(shardd_step(f.g[r], step, lr, flags, 0.25, 0), SHARDD_STEP_APPLIED, "%s step %llu: %s",
-				     what, (unsigned long long)step, shardd_last_error());
+			cr_assert_eq(shardd_step(f.g[r], step, lr, flags, 0.25, 0),
+				     SHARDD_STEP_APPLIED, "%s step %llu: %s", what,
+				     (unsigned long long)step, shardd_last_error());
 			expect_shard(&ref, &f, r, what);
 		}
 	}
@@ -198,30 +201,33 @@ static void parity_run(const struct shardd_optim_config *o, const char *what)
 	reduce_step(&f, K_STEPS + 1, 0);
 	size = shardd_group_info(f.g[0])->shard_size;
 	before = snapshot(&f, 0);
-	cr_assert_eq(shardd_step(f.g[0], K_STEPS, 0.5, 0, 0, 0), SHARDD_STEP_ALREADY, "%s", shardd_last_error());
+	cr_assert_eq(shardd_step(f.g[0], K_STEPS, 0.5, 0, 0, 0), SHARDD_STEP_ALREADY, "%s",
+		     shardd_last_error());
 	after = snapshot(&f, 0);
-	cr_assert_eq(memcmp(before, after, size), 0, "%s: a step already applied changed rank 0's shard", what);
+	cr_assert_eq(memcmp(before, after, size), 0,
+		     "%s: a step already applied changed rank 0's shard", what);
 	free(before);
 	free(after);
 	/* Step K+1 goes on from the daemon's state. */
 	for (int r = 0; r < WORLD; r++) {
 		ref_step(&ref, &f, r, o, 0.01, 1.0f);
-		cr_assert_eq(shardd_step(f.g[r], K_STEPS + 1, 0.01, 0, 0, 0), SHARDD_STEP_APPLIED, "%s",
-			     shardd_last_error());
+		cr_assert_eq(shardd_step(f.g[r], K_STEPS + 1, 0.01, 0, 0, 0), SHARDD_STEP_APPLIED,
+			     "%s", shardd_last_error());
 		expect_shard(&ref, &f, r, what);
 	}
 	/* A NaN in rank 0's valid rows: rank 0 skips, rank 1 applies. */
 	reduce_step(&f, K_STEPS + 2, 1);
 	before = snapshot(&f, 0);
-	cr_assert_eq(shardd_step(f.g[0], K_STEPS + 2, 0.01, SHARDD_STEP_SKIP_NONFINITE, 0, 0), SHARDD_STEP_SKIPPED,
-		     "%s: %s", what, shardd_last_error());
+	cr_assert_eq(shardd_step(f.g[0], K_STEPS + 2, 0.01, SHARDD_STEP_SKIP_NONFINITE, 0, 0),
+		     SHARDD_STEP_SKIPPED, "%s: %s", what, shardd_last_error());
 	after = snapshot(&f, 0);
-	cr_assert_eq(memcmp(before, after, size), 0, "%s: a skipped step changed rank 0's shard", what);
+	cr_assert_eq(memcmp(before, after, size), 0, "%s: a skipped step changed rank 0's shard",
+		     what);
 	free(before);
 	free(after);
 	ref_step(&ref, &f, 1, o, 0.01, 1.0f);
-	cr_assert_eq(shardd_step(f.g[1], K_STEPS + 2, 0.01, SHARDD_STEP_SKIP_NONFINITE, 0, 0), SHARDD_STEP_APPLIED,
-		     "%s: %s", what, shardd_last_error());
+	cr_assert_eq(shardd_step(f.g[1], K_STEPS + 2, 0.01, SHARDD_STEP_SKIP_NONFINITE, 0, 0),
+		     SHARDD_STEP_APPLIED, "%s: %s", what, shardd_last_error());
 	expect_shard(&ref, &f, 0, "skipped");
 	expect_shard(&ref, &f, 1, "finite");
 	inproc_ref_free(&ref);
@@ -230,16 +236,21 @@ static void parity_run(const struct shardd_optim_config *o, const char *what)
 
 Test(cuda_step_daemon, adamw_amsgrad_matches_the_cpu_kernels_and_applies_once, .timeout = 120)
 {
-	struct shardd_optim_config o = { .kind = SHARDD_OPTIM_ADAMW, .flags = SHARDD_OPTIM_AMSGRAD, .beta1 = 0.9,
-					 .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01 };
+	struct shardd_optim_config o = { .kind = SHARDD_OPTIM_ADAMW,
+					 .flags = SHARDD_OPTIM_AMSGRAD,
+					 .beta1 = 0.9,
+					 .beta2 = 0.999,
+					 .eps = 1e-8,
+					 .weight_decay = 0.01 };
 
 	parity_run(&o, "adamw amsgrad");
 }
 
 Test(cuda_step_daemon, sgd_momentum_matches_the_cpu_kernels_and_applies_once, .timeout = 120)
 {
-	struct shardd_optim_config o = { .kind = SHARDD_OPTIM_SGD, .momentum = 0.9, .dampening = 0.1,
-					 .weight_decay = 0.01 };
+	struct shardd_optim_config o = {
+		.kind = SHARDD_OPTIM_SGD, .momentum = 0.9, .dampening = 0.1, .weight_decay = 0.01
+	};
 
 	parity_run(&o, "sgd momentum dampening weight_decay");
 }
@@ -258,7 +269,8 @@ static void *norm_main(void *p)
 	return NULL;
 }
 
-Test(cuda_step_daemon, grad_norm_matches_the_cpu_kernels_and_reduce_step_applies_once, .timeout = 120)
+Test(cuda_step_daemon, grad_norm_matches_the_cpu_kernels_and_reduce_step_applies_once,
+     .timeout = 120)
 {
 	struct shardd_optim_config o = { .kind = SHARDD_OPTIM_SGD };
 	struct shardd_grad_norm_part acc = { 0 };
@@ -272,7 +284,8 @@ Test(cuda_step_daemon, grad_norm_matches_the_cpu_kernels_and_reduce_step_applies
 	for (int r = 0; r < WORLD; r++)
 		for (uint32_t i = 0; i < NP; i++) {
 			uint64_t n = valid_numel(f.g[r], i);
-			float *g = from_device(shardd_group_shard_grad(f.g[r], i), n * sizeof(float));
+			float *g =
+				from_device(shardd_group_shard_grad(f.g[r], i), n * sizeof(float));
 			struct shardd_grad_norm_part part;
 
 			shardd_k_grad_norm_part(g, SHARDD_DTYPE_FP32, 0, n, &part);
@@ -294,32 +307,39 @@ Test(cuda_step_daemon, grad_norm_matches_the_cpu_kernels_and_reduce_step_applies
 			cr_assert_eq(a[r].ret, 0, "rank %d grad_norm: %s", r, shardd_last_error());
 			cr_assert_eq(a[r].nonfinite, 0);
 			if (t)
-				cr_assert_eq(a[r].norm, want, "inf-norm %.17g, cpu %.17g", a[r].norm, want);
+				cr_assert_eq(a[r].norm, want, "inf-norm %.17g, cpu %.17g",
+					     a[r].norm, want);
 			else /* ~4100 exact squares summed in two orders: n * 2^-52 < 1e-12 relative */
-				cr_assert(fabs(a[r].norm - want) <= 1e-12 * want, "2-norm %.17g, cpu %.17g", a[r].norm,
-					  want);
+				cr_assert(fabs(a[r].norm - want) <= 1e-12 * want,
+					  "2-norm %.17g, cpu %.17g", a[r].norm, want);
 		}
 	}
 	/* The grads of step 1 were never stepped: step 1, then step 2 by the reduce's flag. */
 	for (int r = 0; r < WORLD; r++) {
 		ref_step(&ref, &f, r, &o, 0.1, 1.0f);
-		cr_assert_eq(shardd_step(f.g[r], 1, 0.1, 0, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
+		cr_assert_eq(shardd_step(f.g[r], 1, 0.1, 0, 0, 0), SHARDD_STEP_APPLIED, "%s",
+			     shardd_last_error());
 		expect_shard(&ref, &f, r, "step 1");
 	}
 	write_grads(&f, 0);
 	for (int r = 0; r < WORLD; r++)
-		cr_assert_eq(shardd_reduce_step_submit(f.g[r], 2, 0, 0.1, 200 + r), 0, "%s", shardd_last_error());
+		cr_assert_eq(shardd_reduce_step_submit(f.g[r], 2, 0, 0.1, 200 + r), 0, "%s",
+			     shardd_last_error());
 	for (int r = 0; r < WORLD; r++) {
 		cr_assert_eq(shardd_wait(f.c[r], &cp, 30000), 0, "%s", shardd_last_error());
-		cr_assert_eq(cp.res, SHARDD_STEP_APPLIED, "rank %d reduce+step 2: %d %s", r, cp.res, cp.msg);
+		cr_assert_eq(cp.res, SHARDD_STEP_APPLIED, "rank %d reduce+step 2: %d %s", r, cp.res,
+			     cp.msg);
 	}
 	for (int r = 0; r < WORLD; r++) {
 		float *before = snapshot(&f, r), *after;
 
-		cr_assert_eq(shardd_step(f.g[r], 2, 0.1, 0, 0, 0), SHARDD_STEP_ALREADY, "%s", shardd_last_error());
+		cr_assert_eq(shardd_step(f.g[r], 2, 0.1, 0, 0, 0), SHARDD_STEP_ALREADY, "%s",
+			     shardd_last_error());
 		after = snapshot(&f, r);
-		cr_assert_eq(memcmp(before, after, shardd_group_info(f.g[r])->shard_size), 0,
-			     "rank %d: re-submitting a step applied by REDUCE_STEP changed the shard", r);
+		cr_assert_eq(
+			memcmp(before, after, shardd_group_info(f.g[r])->shard_size), 0,
+			"rank %d: re-submitting a step applied by REDUCE_STEP changed the shard",
+			r);
 		free(before);
 		free(after);
 	}

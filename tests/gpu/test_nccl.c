@@ -60,7 +60,8 @@ static void start_daemon(int need)
 		cr_skip_test("needs %d GPU%s, %d visible%s", need, need > 1 ? "s" : "", n,
 			     need > 1 && n > 0 ? ": " NCCL_ONE_RANK_PER_GPU : "");
 	signal(SIGPIPE, SIG_IGN);
-	cr_assert_eq(harness_daemon_start(&daemon_, extra), 0, "shardd --backend cuda did not start");
+	cr_assert_eq(harness_daemon_start(&daemon_, extra), 0,
+		     "shardd --backend cuda did not start");
 }
 
 static void start_1(void)
@@ -116,19 +117,21 @@ struct rank_args {
 	const char *job;
 	uint32_t rank, replicate, shard;
 	int32_t device;
-	int hsdp;                 /* reduce step 1 without the all-reduce, step 2 with it */
+	int hsdp; /* reduce step 1 without the all-reduce, step 2 with it */
 	const struct tgroup *groups[2];
 	uint32_t ngroups;
 };
 
 /* Every element of every param of `g` as gathered: the registered values, cast to the unsharded dtype. */
-static int check_unsharded(const struct rank_args *a, const struct tgroup *tg, struct shardd_group *g)
+static int check_unsharded(const struct rank_args *a, const struct tgroup *tg,
+			   struct shardd_group *g)
 {
 	char who[96];
 
 	snprintf(who, sizeof(who), "rank %u group '%s'", a->rank, tg->name);
 	for (uint32_t pi = 0; pi < tg->nparams; pi++) {
-		uint32_t udt = tg->precision.param_dtype ? tg->precision.param_dtype : tg->params[pi].dtype;
+		uint32_t udt = tg->precision.param_dtype ? tg->precision.param_dtype
+							 : tg->params[pi].dtype;
 
 		if (check_unsharded_param(who, pi, &tg->params[pi], udt, shardd_group_layout(g, pi),
 					  shardd_group_unsharded(g, pi)))
@@ -141,7 +144,8 @@ static int check_unsharded(const struct rank_args *a, const struct tgroup *tg, s
 static int write_grads(const struct rank_args *a, const struct tgroup *tg, struct shardd_group *g)
 {
 	for (uint32_t pi = 0; pi < tg->nparams; pi++) {
-		uint32_t gdt = tg->precision.param_dtype ? tg->precision.param_dtype : tg->params[pi].dtype;
+		uint32_t gdt = tg->precision.param_dtype ? tg->precision.param_dtype
+							 : tg->params[pi].dtype;
 
 		if (write_grad_param(a->rank, pi, &tg->params[pi], gdt, shardd_group_grad(g, pi)))
 			return 1;
@@ -154,18 +158,20 @@ static int write_grads(const struct rank_args *a, const struct tgroup *tg, struc
  * x the average over every rank, within the tolerance of the file comment;
  * padding rows zero.
  */
-static int check_sharded_grads(const struct rank_args *a, const struct tgroup *tg, struct shardd_group *g,
-			       uint32_t steps)
+static int check_sharded_grads(const struct rank_args *a, const struct tgroup *tg,
+			       struct shardd_group *g, uint32_t steps)
 {
 	char who[96];
 
 	snprintf(who, sizeof(who), "rank %u group '%s'", a->rank, tg->name);
 	for (uint32_t pi = 0; pi < tg->nparams; pi++) {
-		uint32_t gdt = tg->precision.param_dtype ? tg->precision.param_dtype : tg->params[pi].dtype;
+		uint32_t gdt = tg->precision.param_dtype ? tg->precision.param_dtype
+							 : tg->params[pi].dtype;
 		uint32_t rd = tg->precision.reduce_dtype ? tg->precision.reduce_dtype : gdt;
 
-		if (check_shard_grad_param(who, pi, &tg->params[pi], gdt, rd, a->shard, a->rank % a->shard,
-					   a->replicate * a->shard, steps, shardd_group_layout(g, pi),
+		if (check_shard_grad_param(who, pi, &tg->params[pi], gdt, rd, a->shard,
+					   a->rank % a->shard, a->replicate * a->shard, steps,
+					   shardd_group_layout(g, pi),
 					   shardd_group_shard_grad(g, pi)))
 			return 1;
 	}
@@ -176,8 +182,12 @@ static int rank_main(void *arg)
 {
 	const struct rank_args *a = arg;
 	struct shardd_attach_opts o = {
-		.socket_path = daemon_.socket, .job = a->job, .rank = a->rank, .replicate = a->replicate,
-		.shard = a->shard, .device = a->device,
+		.socket_path = daemon_.socket,
+		.job = a->job,
+		.rank = a->rank,
+		.replicate = a->replicate,
+		.shard = a->shard,
+		.device = a->device,
 	};
 	struct shardd_group *g[2] = { NULL, NULL };
 	struct shardd_client *c = NULL;
@@ -225,14 +235,19 @@ static void run_ranks(struct rank_args *args, uint32_t n)
 	harness_run_children(rank_main, args, sizeof(*args), n, CHILD_WAIT_MS, &daemon_);
 }
 
-Test(nccl, two_ranks_on_two_gpus_gather_and_average_through_nccl, .init = start_2, .fini = stop_daemon,
-     .timeout = 240)
+Test(nccl, two_ranks_on_two_gpus_gather_and_average_through_nccl, .init = start_2,
+     .fini = stop_daemon, .timeout = 240)
 {
 	struct rank_args args[2];
 
 	for (uint32_t r = 0; r < 2; r++)
-		args[r] = (struct rank_args){ .job = "nccl2", .rank = r, .replicate = 1, .shard = 2,
-					      .device = (int32_t)r, .groups = { &dense, &half }, .ngroups = 2 };
+		args[r] = (struct rank_args){ .job = "nccl2",
+					      .rank = r,
+					      .replicate = 1,
+					      .shard = 2,
+					      .device = (int32_t)r,
+					      .groups = { &dense, &half },
+					      .ngroups = 2 };
 	run_ranks(args, 2);
 }
 
@@ -242,14 +257,19 @@ static void hsdp_case(const char *job, const int32_t *devices)
 	struct rank_args args[4];
 
 	for (uint32_t r = 0; r < 4; r++)
-		args[r] = (struct rank_args){ .job = job, .rank = r, .replicate = 2, .shard = 2,
-					      .device = devices[r], .hsdp = 1, .groups = { &dense },
+		args[r] = (struct rank_args){ .job = job,
+					      .rank = r,
+					      .replicate = 2,
+					      .shard = 2,
+					      .device = devices[r],
+					      .hsdp = 1,
+					      .groups = { &dense },
 					      .ngroups = 1 };
 	run_ranks(args, 4);
 }
 
-Test(nccl, hsdp_2x2_on_four_gpus_keeps_the_partial_then_all_reduces_across_replicas, .init = start_4,
-     .fini = stop_daemon, .timeout = 240)
+Test(nccl, hsdp_2x2_on_four_gpus_keeps_the_partial_then_all_reduces_across_replicas,
+     .init = start_4, .fini = stop_daemon, .timeout = 240)
 {
 	const int32_t devices[4] = { 0, 1, 2, 3 };
 
@@ -264,8 +284,8 @@ Test(nccl, hsdp_2x2_with_each_replica_across_two_gpus_gathers_through_nccl, .ini
 	hsdp_case("hsdp_across", devices);
 }
 
-Test(nccl, hsdp_2x2_with_a_gpu_per_replica_all_reduces_through_nccl, .init = start_2, .fini = stop_daemon,
-     .timeout = 240)
+Test(nccl, hsdp_2x2_with_a_gpu_per_replica_all_reduces_through_nccl, .init = start_2,
+     .fini = stop_daemon, .timeout = 240)
 {
 	const int32_t devices[4] = { 0, 0, 1, 1 };
 
@@ -281,7 +301,11 @@ static int mixed_main(void *arg)
 {
 	uint32_t rank = *(const uint32_t *)arg;
 	struct shardd_attach_opts o = {
-		.socket_path = daemon_.socket, .job = "mixed", .rank = rank, .replicate = 1, .shard = 3,
+		.socket_path = daemon_.socket,
+		.job = "mixed",
+		.rank = rank,
+		.replicate = 1,
+		.shard = 3,
 		.device = rank == 2 ? 1 : 0,
 	};
 	struct shardd_client *c = NULL;
@@ -293,15 +317,16 @@ static int mixed_main(void *arg)
 	ret = shardd_group_register(c, dense.name, dense.params, dense.nparams, NULL, NULL, &g);
 	why = shardd_last_error();
 	CHILD_CHECK(ret < 0, "rank %u: a shard group on devices 0,0,1 was registered", rank);
-	CHILD_CHECK(strstr(why, "ranks 0 and 1 share device 0") && strstr(why, "rank 2 is on device 1") &&
-			    strstr(why, "opts.device"),
-		    "rank %u: the refusal must name the ranks, their devices and the fix: %s", rank, why);
+	CHILD_CHECK(strstr(why, "ranks 0 and 1 share device 0") &&
+			    strstr(why, "rank 2 is on device 1") && strstr(why, "opts.device"),
+		    "rank %u: the refusal must name the ranks, their devices and the fix: %s", rank,
+		    why);
 	shardd_close(c);
 	return 0;
 }
 
-Test(nccl, shard_group_partly_sharing_a_gpu_is_refused_at_registration, .init = start_1, .fini = stop_daemon,
-     .timeout = 120)
+Test(nccl, shard_group_partly_sharing_a_gpu_is_refused_at_registration, .init = start_1,
+     .fini = stop_daemon, .timeout = 120)
 {
 	uint32_t ranks[3] = { 0, 1, 2 };
 

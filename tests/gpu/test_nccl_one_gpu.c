@@ -81,7 +81,8 @@ Test(nccl_one_gpu, one_rank_communicator_is_made_runs_an_all_reduce_and_is_destr
 	cr_assert_eq(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
 	cr_assert_eq(cudaMalloc((void **)&send, COUNT * sizeof(float)), cudaSuccess);
 	cr_assert_eq(cudaMalloc((void **)&recv, COUNT * sizeof(float)), cudaSuccess);
-	cr_assert_eq(cudaMemcpy(send, host, COUNT * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
+	cr_assert_eq(cudaMemcpy(send, host, COUNT * sizeof(float), cudaMemcpyHostToDevice),
+		     cudaSuccess);
 	cr_assert_eq(cudaMemset(recv, 0xff, COUNT * sizeof(float)), cudaSuccess);
 	cr_assert_eq(shd_nccl_collective(nc, c, SHD_NCCL_ALL_REDUCE, (void *const[]){ send },
 					 (void *const[]){ recv }, COUNT, SHARDD_DTYPE_FP32,
@@ -89,13 +90,15 @@ Test(nccl_one_gpu, one_rank_communicator_is_made_runs_an_all_reduce_and_is_destr
 		     0, "all-reduce on one rank: %s", err);
 	cr_assert_eq(cudaStreamSynchronize(s), cudaSuccess);
 	memset(host, 0, COUNT * sizeof(float));
-	cr_assert_eq(cudaMemcpy(host, recv, COUNT * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+	cr_assert_eq(cudaMemcpy(host, recv, COUNT * sizeof(float), cudaMemcpyDeviceToHost),
+		     cudaSuccess);
 	for (size_t i = 0; i < COUNT; i++)
 		cr_assert_eq(host[i], (float)i * 0.5f - 7.0f, "element %zu: %g", i, host[i]);
 	cr_expect_eq(shd_nccl_check_device(nc, 0, 0, err, sizeof(err)), 0,
 		     "a healthy communicator was aborted: %s", err);
 	shd_nccl_job_end(nc, &job);
-	cr_expect_null(shd_nccl_span_find(nc, &job, 1, 0), "the job ended but its communicator is kept");
+	cr_expect_null(shd_nccl_span_find(nc, &job, 1, 0),
+		       "the job ended but its communicator is kept");
 	cudaFree(send);
 	cudaFree(recv);
 	cudaStreamDestroy(s);

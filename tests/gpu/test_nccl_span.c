@@ -88,22 +88,26 @@ static void write_wrapper(const char *real)
 
 static void start_world(int need_gpus)
 {
-	const char *extra[] = { "--backend", "cuda", "--log-level", "info", "--collective-timeout", "10", NULL };
+	const char *extra[] = { "--backend", "cuda", "--log-level", "info", "--collective-timeout",
+				"10",        NULL };
 	const char *real = getenv("SHARDD_BIN");
 	int n = harness_cuda_devices();
 	char line[192];
 
 	if (n < need_gpus)
-		cr_skip_test("needs %d GPUs (one node's daemon per GPU, 2 nodes), %d visible: " NCCL_ONE_RANK_PER_GPU,
-			     need_gpus, n);
+		cr_skip_test(
+			"needs %d GPUs (one node's daemon per GPU, 2 nodes), %d visible: " NCCL_ONE_RANK_PER_GPU,
+			need_gpus, n);
 	if (system("command -v mpirun >/dev/null 2>&1") != 0)
 		cr_skip_test("mpirun (openmpi-bin) is not installed: make deps");
-	cr_assert(real && real[0] == '/', "SHARDD_BIN must be the daemon's absolute path; run through make test-gpu");
+	cr_assert(real && real[0] == '/',
+		  "SHARDD_BIN must be the daemon's absolute path; run through make test-gpu");
 	signal(SIGPIPE, SIG_IGN);
 	snprintf(bin_saved, sizeof(bin_saved), "%s", real);
 	write_wrapper(bin_saved);
 	setenv("SHARDD_BIN", wrapper, 1);
-	cr_assert_eq(harness_daemon_start(&world_, extra), 0, "mpirun of 2 shardd --backend cuda did not start");
+	cr_assert_eq(harness_daemon_start(&world_, extra), 0,
+		     "mpirun of 2 shardd --backend cuda did not start");
 	setenv("SHARDD_BIN", bin_saved, 1);
 	snprintf(node1_socket, sizeof(node1_socket), "%s.1", world_.socket);
 	/* The harness saw a ready line holding S, which node 1's S.1 holds too: wait for each exactly. */
@@ -161,7 +165,8 @@ static int check_unsharded(const struct rank_args *a, struct shardd_group *g)
 
 	snprintf(who, sizeof(who), "rank %u", a->rank);
 	for (uint32_t pi = 0; pi < NPARAMS; pi++)
-		if (check_unsharded_param(who, pi, &params[pi], SHARDD_DTYPE_FP32, shardd_group_layout(g, pi),
+		if (check_unsharded_param(who, pi, &params[pi], SHARDD_DTYPE_FP32,
+					  shardd_group_layout(g, pi),
 					  shardd_group_unsharded(g, pi)))
 			return 1;
 	return 0;
@@ -170,7 +175,8 @@ static int check_unsharded(const struct rank_args *a, struct shardd_group *g)
 static int write_grads(const struct rank_args *a, struct shardd_group *g)
 {
 	for (uint32_t pi = 0; pi < NPARAMS; pi++)
-		if (write_grad_param(a->rank, pi, &params[pi], SHARDD_DTYPE_FP32, shardd_group_grad(g, pi)))
+		if (write_grad_param(a->rank, pi, &params[pi], SHARDD_DTYPE_FP32,
+				     shardd_group_grad(g, pi)))
 			return 1;
 	return 0;
 }
@@ -182,9 +188,10 @@ static int check_sharded_grads(const struct rank_args *a, struct shardd_group *g
 
 	snprintf(who, sizeof(who), "rank %u", a->rank);
 	for (uint32_t pi = 0; pi < NPARAMS; pi++)
-		if (check_shard_grad_param(who, pi, &params[pi], SHARDD_DTYPE_FP32, SHARDD_DTYPE_FP32, a->shard,
-					   a->rank % a->shard, a->replicate * a->shard, steps,
-					   shardd_group_layout(g, pi), shardd_group_shard_grad(g, pi)))
+		if (check_shard_grad_param(
+			    who, pi, &params[pi], SHARDD_DTYPE_FP32, SHARDD_DTYPE_FP32, a->shard,
+			    a->rank % a->shard, a->replicate * a->shard, steps,
+			    shardd_group_layout(g, pi), shardd_group_shard_grad(g, pi)))
 			return 1;
 	return 0;
 }
@@ -193,8 +200,12 @@ static int rank_main(void *arg)
 {
 	const struct rank_args *a = arg;
 	struct shardd_attach_opts o = {
-		.socket_path = a->rank / a->local ? node1_socket : world_.socket, .job = a->job, .rank = a->rank,
-		.replicate = a->replicate, .shard = a->shard, .device = a->device,
+		.socket_path = a->rank / a->local ? node1_socket : world_.socket,
+		.job = a->job,
+		.rank = a->rank,
+		.replicate = a->replicate,
+		.shard = a->shard,
+		.device = a->device,
 	};
 	struct shardd_group *g = NULL;
 	struct shardd_client *c = NULL;
@@ -237,8 +248,13 @@ static void run_mesh(const char *job, uint32_t replicate, uint32_t shard, const 
 	uint32_t n = replicate * shard;
 
 	for (uint32_t r = 0; r < n; r++)
-		args[r] = (struct rank_args){ .job = job, .rank = r, .replicate = replicate, .shard = shard,
-					      .local = n / 2, .device = devices[r], .hsdp = replicate > 1 };
+		args[r] = (struct rank_args){ .job = job,
+					      .rank = r,
+					      .replicate = replicate,
+					      .shard = shard,
+					      .local = n / 2,
+					      .device = devices[r],
+					      .hsdp = replicate > 1 };
 	harness_run_children(rank_main, args, sizeof(args[0]), n, CHILD_WAIT_MS, &world_);
 	/* Both nodes made their communicators from node 0's unique id. */
 	harness_wait_log(&world_, "across nodes ready", 10000);
@@ -252,8 +268,8 @@ Test(nccl_span, hsdp_2x1_across_two_nodes_all_reduces_each_shard_through_nccl, .
 	run_mesh("hsdp2x1", 2, 1, devices);
 }
 
-Test(nccl_span, hsdp_2x2_across_two_nodes_keeps_partials_then_all_reduces_per_local_index, .init = start_2,
-     .fini = stop_world, .timeout = 300)
+Test(nccl_span, hsdp_2x2_across_two_nodes_keeps_partials_then_all_reduces_per_local_index,
+     .init = start_2, .fini = stop_world, .timeout = 300)
 {
 	/* Node 0's ranks on GPU 0, node 1's on GPU 1: the reduce-scatter on one GPU, the all-reduce across. */
 	const int32_t devices[4] = { 0, 0, 1, 1 };
@@ -283,17 +299,21 @@ Test(nccl_span, fsdp_1x4_across_two_nodes_of_two_gpus_runs_one_communicator_over
 
 struct dying_args {
 	uint32_t rank;
-	int ready_fd;  /* write end: one byte once the first unshard (and the set-up) is done */
-	int go_fd;     /* read end: one byte (rank 0: reduce now) or EOF (rank 1: exit) */
-	int go_write;  /* the test's end of go_fd's pipe, closed in the child so that EOF can come */
+	int ready_fd; /* write end: one byte once the first unshard (and the set-up) is done */
+	int go_fd;    /* read end: one byte (rank 0: reduce now) or EOF (rank 1: exit) */
+	int go_write; /* the test's end of go_fd's pipe, closed in the child so that EOF can come */
 };
 
 static int dying_main(void *arg)
 {
 	const struct dying_args *a = arg;
 	struct shardd_attach_opts o = {
-		.socket_path = a->rank ? node1_socket : world_.socket, .job = "dying", .rank = a->rank,
-		.replicate = 1, .shard = 2, .device = (int32_t)a->rank,
+		.socket_path = a->rank ? node1_socket : world_.socket,
+		.job = "dying",
+		.rank = a->rank,
+		.replicate = 1,
+		.shard = 2,
+		.device = (int32_t)a->rank,
 	};
 	struct shardd_group *g = NULL;
 	struct shardd_client *c = NULL;
@@ -315,7 +335,8 @@ static int dying_main(void *arg)
 	ret = shardd_reduce(g, 1, 0);
 	why = shardd_last_error();
 	CHILD_CHECK(ret < 0, "the reduce with node 1 dead completed");
-	CHILD_CHECK(strstr(why, "node 1 (ranks 1..1)"), "the error must name node 1 and its ranks: %s", why);
+	CHILD_CHECK(strstr(why, "node 1 (ranks 1..1)"),
+		    "the error must name node 1 and its ranks: %s", why);
 	shardd_group_close(g);
 	shardd_close(c);
 	return 0;
@@ -374,8 +395,9 @@ Test(nccl_span, a_dead_node_fails_the_next_reduce_on_the_other_node_naming_it, .
 	for (uint32_t r = 0; r < 2; r++) {
 		cr_assert_eq(pipe(ready[r]), 0);
 		cr_assert_eq(pipe(go[r]), 0);
-		args[r] = (struct dying_args){ .rank = r, .ready_fd = ready[r][1], .go_fd = go[r][0],
-					       .go_write = go[r][1] };
+		args[r] = (struct dying_args){
+			.rank = r, .ready_fd = ready[r][1], .go_fd = go[r][0], .go_write = go[r][1]
+		};
 		pids[r] = harness_fork(dying_main, &args[r]);
 		cr_assert_gt(pids[r], 0);
 		close(ready[r][1]);
@@ -384,7 +406,8 @@ Test(nccl_span, a_dead_node_fails_the_next_reduce_on_the_other_node_naming_it, .
 	for (uint32_t r = 0; r < 2; r++) {
 		struct pollfd pfd = { ready[r][0], POLLIN, 0 };
 
-		cr_assert_eq(poll(&pfd, 1, CHILD_WAIT_MS), 1, "rank %u did not finish its first unshard", r);
+		cr_assert_eq(poll(&pfd, 1, CHILD_WAIT_MS), 1,
+			     "rank %u did not finish its first unshard", r);
 		if (read(ready[r][0], &byte, 1) != 1) {
 			harness_daemon_dump_log(&world_);
 			cr_assert_fail("rank %u failed before the kill (its log is above)", r);
@@ -398,18 +421,20 @@ Test(nccl_span, a_dead_node_fails_the_next_reduce_on_the_other_node_naming_it, .
 	for (uint32_t r = 0; r < 2; r++) {
 		int status = 0;
 
-		cr_assert_eq(harness_wait_or_kill(pids[r], CHILD_WAIT_MS, &status), 0, "rank %u did not finish", r);
+		cr_assert_eq(harness_wait_or_kill(pids[r], CHILD_WAIT_MS, &status), 0,
+			     "rank %u did not finish", r);
 		if (!WIFEXITED(status) || WEXITSTATUS(status))
 			harness_daemon_dump_log(&world_);
-		cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "rank %u %s", r, harness_status_str(status));
+		cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "rank %u %s", r,
+			  harness_status_str(status));
 		close(ready[r][0]);
 	}
 	/* Node 0's daemon is still there: its socket takes a new rank. */
 	{
 		struct shardd_client *c = NULL;
 
-		cr_assert_eq(harness_attach(&world_, "after", 0, 1, 2, &c), 0, "node 0's daemon stopped serving: %s",
-			     shardd_last_error());
+		cr_assert_eq(harness_attach(&world_, "after", 0, 1, 2, &c), 0,
+			     "node 0's daemon stopped serving: %s", shardd_last_error());
 		shardd_close(c);
 	}
 }

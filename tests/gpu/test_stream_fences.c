@@ -27,11 +27,11 @@
 #include "harness.h"
 #include "shardd.h"
 
-#define WORLD        2
-#define NUMEL        (1u << 20)           /* fp32 elements of the param: 4 MiB */
-#define DELAY_BYTES  ((size_t)256 << 20)  /* each delay memset: ~0.1 ms at H100 bandwidth */
-#define DELAYS       32                   /* a few ms in all: far longer than an op's round trip */
-#define STEPS        4
+#define WORLD         2
+#define NUMEL         (1u << 20)          /* fp32 elements of the param: 4 MiB */
+#define DELAY_BYTES   ((size_t)256 << 20) /* each delay memset: ~0.1 ms at H100 bandwidth */
+#define DELAYS        32                  /* a few ms in all: far longer than an op's round trip */
+#define STEPS         4
 #define CHILD_WAIT_MS 60000
 
 static struct harness_daemon daemon_;
@@ -44,7 +44,8 @@ static void start_daemon(void)
 	if (harness_cuda_devices() == 0)
 		cr_skip_test("no CUDA device visible");
 	signal(SIGPIPE, SIG_IGN);
-	cr_assert_eq(harness_daemon_start(&daemon_, extra), 0, "shardd --backend cuda did not start");
+	cr_assert_eq(harness_daemon_start(&daemon_, extra), 0,
+		     "shardd --backend cuda did not start");
 }
 
 static void stop_daemon(void)
@@ -56,8 +57,8 @@ TestSuite(stream_fences, .init = start_daemon, .fini = stop_daemon, .timeout = 1
 
 struct rank_args {
 	const char *job;
-	uint32_t    rank;
-	int         use_stream;
+	uint32_t rank;
+	int use_stream;
 };
 
 /* The first element of `got` (n floats) that is not `want`, or -1. */
@@ -88,11 +89,16 @@ static int rank_main(void *arg)
 {
 	const struct rank_args *a = arg;
 	struct shardd_attach_opts o = {
-		.socket_path = daemon_.socket, .job = a->job, .rank = a->rank, .replicate = 1,
-		.shard = WORLD, .device = 0,
+		.socket_path = daemon_.socket,
+		.job = a->job,
+		.rank = a->rank,
+		.replicate = 1,
+		.shard = WORLD,
+		.device = 0,
 	};
-	struct shardd_param_desc p = { .name = "w", .dtype = SHARDD_DTYPE_FP32, .ndim = 1,
-				       .shape = { NUMEL } };
+	struct shardd_param_desc p = {
+		.name = "w", .dtype = SHARDD_DTYPE_FP32, .ndim = 1, .shape = { NUMEL }
+	};
 	const uint64_t half = NUMEL / WORLD;
 	struct shardd_client *c = NULL;
 	struct shardd_group *g = NULL;
@@ -117,19 +123,21 @@ static int rank_main(void *arg)
 		if (delay(scratch, s, step))
 			return 1;
 		fill(host, half, mine);
-		CHILD_CHECK_CUDA(cudaMemcpyAsync(shardd_group_shard(g, 0), host, half * sizeof(float),
-					         cudaMemcpyHostToDevice, s));
+		CHILD_CHECK_CUDA(cudaMemcpyAsync(shardd_group_shard(g, 0), host,
+						 half * sizeof(float), cudaMemcpyHostToDevice, s));
 		if (!a->use_stream)
 			CHILD_CHECK_CUDA(cudaStreamSynchronize(s));
 		CHILD_CHECK_SHARDD(shardd_unshard(g, (uint64_t)step));
-		CHILD_CHECK_CUDA(cudaMemcpyAsync(host, shardd_group_unsharded(g, 0), NUMEL * sizeof(float),
-					         cudaMemcpyDeviceToHost, s));
+		CHILD_CHECK_CUDA(cudaMemcpyAsync(host, shardd_group_unsharded(g, 0),
+						 NUMEL * sizeof(float), cudaMemcpyDeviceToHost, s));
 		CHILD_CHECK_CUDA(cudaStreamSynchronize(s));
 		for (uint32_t r = 0; r < WORLD; r++) {
 			bad = first_bad(host + r * half, half, (float)(100 * r + step));
 			if (bad >= 0) {
-				fprintf(stderr, "rank %u step %d: unsharded element %lu is %g, want %g "
-					"(rank %u's shard)\n", a->rank, step, (unsigned long)(r * half + bad),
+				fprintf(stderr,
+					"rank %u step %d: unsharded element %lu is %g, want %g "
+					"(rank %u's shard)\n",
+					a->rank, step, (unsigned long)(r * half + bad),
 					host[r * half + bad], (double)(100 * r + step), r);
 				return 1;
 			}
@@ -139,19 +147,20 @@ static int rank_main(void *arg)
 		if (delay(scratch, s, step))
 			return 1;
 		fill(host, NUMEL, (float)((a->rank + 1) * step));
-		CHILD_CHECK_CUDA(cudaMemcpyAsync(shardd_group_grad(g, 0), host, NUMEL * sizeof(float),
-					         cudaMemcpyHostToDevice, s));
+		CHILD_CHECK_CUDA(cudaMemcpyAsync(shardd_group_grad(g, 0), host,
+						 NUMEL * sizeof(float), cudaMemcpyHostToDevice, s));
 		if (!a->use_stream)
 			CHILD_CHECK_CUDA(cudaStreamSynchronize(s));
 		CHILD_CHECK_SHARDD(shardd_zero_grad(g));
 		CHILD_CHECK_SHARDD(shardd_reduce(g, (uint64_t)step, 0));
-		CHILD_CHECK_CUDA(cudaMemcpyAsync(host, shardd_group_shard_grad(g, 0), half * sizeof(float),
-					         cudaMemcpyDeviceToHost, s));
+		CHILD_CHECK_CUDA(cudaMemcpyAsync(host, shardd_group_shard_grad(g, 0),
+						 half * sizeof(float), cudaMemcpyDeviceToHost, s));
 		CHILD_CHECK_CUDA(cudaStreamSynchronize(s));
 		/* (1 * step + 2 * step) / 2: exact in fp32. */
 		bad = first_bad(host, half, 1.5f * (float)step);
 		if (bad >= 0) {
-			fprintf(stderr, "rank %u step %d: sharded grad element %ld is %g, want %g\n",
+			fprintf(stderr,
+				"rank %u step %d: sharded grad element %ld is %g, want %g\n",
 				a->rank, step, bad, host[bad], 1.5 * step);
 			return 1;
 		}

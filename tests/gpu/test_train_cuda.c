@@ -27,7 +27,8 @@ Test(train_cuda, two_ranks_on_one_gpu_match_reference)
 
 	train_parity(2, 1, args, "0", a, b);
 	train_expect_losses_match(a, b, "cuda, fd export, world 2");
-	cr_expect(a[TRAIN_STEPS - 1] < a[0] / 2, "loss went from %.6f to %.6f", a[0], a[TRAIN_STEPS - 1]);
+	cr_expect(a[TRAIN_STEPS - 1] < a[0] / 2, "loss went from %.6f to %.6f", a[0],
+		  a[TRAIN_STEPS - 1]);
 }
 
 Test(train_cuda, three_ranks_uneven_shards_through_ipc_handles_match_reference)

@@ -40,8 +40,12 @@ static struct shardd_hello good_hello(const char *job, uint32_t rank, uint32_t r
 				      uint32_t shard)
 {
 	struct shardd_hello h = {
-		.major = SHARDD_PROTO_MAJOR, .minor = SHARDD_PROTO_MINOR,
-		.pid = (uint32_t)getpid(), .rank = rank, .replicate = replicate, .shard = shard,
+		.major = SHARDD_PROTO_MAJOR,
+		.minor = SHARDD_PROTO_MINOR,
+		.pid = (uint32_t)getpid(),
+		.rank = rank,
+		.replicate = replicate,
+		.shard = shard,
 		.device = SHARDD_HELLO_DEVICE_HOST,
 	};
 
@@ -100,7 +104,10 @@ static void expect_rejection(const void *dgram, size_t len, int32_t code,
 static size_t hello_dgram(void *buf, uint32_t magic, const struct shardd_hello *h, uint32_t len)
 {
 	struct shardd_msg_hdr hdr = {
-		.magic = magic, .type = SHARDD_MSG_HELLO, .length = len, .seq = 1,
+		.magic = magic,
+		.type = SHARDD_MSG_HELLO,
+		.length = len,
+		.seq = 1,
 	};
 
 	memcpy(buf, &hdr, sizeof(hdr));
@@ -141,8 +148,7 @@ Test(attach, truncated_hello_is_rejected_naming_its_size, .timeout = 30)
 	const char *needles[] = { "50", "112", NULL };
 	char buf[256];
 
-	expect_rejection(buf, hello_dgram(buf, SHARDD_MAGIC, &h, 50), -SHARDD_E_MALFORMED,
-			 needles);
+	expect_rejection(buf, hello_dgram(buf, SHARDD_MAGIC, &h, 50), -SHARDD_E_MALFORMED, needles);
 	assert_daemon_still_serves("after-truncated");
 }
 
@@ -229,8 +235,7 @@ Test(attach, rank_is_free_again_after_its_client_says_goodbye, .timeout = 30)
 	cr_assert_eq(harness_attach(&daemon_, "again", 0, 1, 2, &c), 0);
 	shardd_close(c);
 	c = NULL;
-	cr_assert_eq(harness_attach(&daemon_, "again", 0, 1, 2, &c), 0, "%s",
-		     shardd_last_error());
+	cr_assert_eq(harness_attach(&daemon_, "again", 0, 1, 2, &c), 0, "%s", shardd_last_error());
 	cr_assert_eq(shardd_nop(c), 0);
 	shardd_close(c);
 }
@@ -292,8 +297,13 @@ Test(attach, client_of_another_uid_is_refused, .timeout = 30)
 Test(attach, good_client_gets_a_ring_and_its_nops_answered, .timeout = 30)
 {
 	struct shardd_attach_opts o = {
-		.socket_path = daemon_.socket, .job = "ok", .rank = 2, .replicate = 2, .shard = 2,
-		.device = SHARDD_HELLO_DEVICE_HOST, .ring_entries = 64,
+		.socket_path = daemon_.socket,
+		.job = "ok",
+		.rank = 2,
+		.replicate = 2,
+		.shard = 2,
+		.device = SHARDD_HELLO_DEVICE_HOST,
+		.ring_entries = 64,
 	};
 	struct shardd_client *c = NULL, *d = NULL;
 	struct shardd_ring_status st;
@@ -323,8 +333,13 @@ Test(attach, good_client_gets_a_ring_and_its_nops_answered, .timeout = 30)
 Test(attach, deprecated_accessors_answer_as_the_client_ones, .timeout = 30)
 {
 	struct shardd_attach_opts o = {
-		.socket_path = daemon_.socket, .job = "oldnames", .rank = 0, .replicate = 1, .shard = 1,
-		.device = SHARDD_HELLO_DEVICE_HOST, .ring_entries = 32,
+		.socket_path = daemon_.socket,
+		.job = "oldnames",
+		.rank = 0,
+		.replicate = 1,
+		.shard = 1,
+		.device = SHARDD_HELLO_DEVICE_HOST,
+		.ring_entries = 32,
 	};
 	struct shardd_ring_status st, old;
 	struct shardd_client *c = NULL;
@@ -348,7 +363,11 @@ Test(attach, deprecated_accessors_answer_as_the_client_ones, .timeout = 30)
 Test(attach, stream_ordering_is_refused_on_the_host_backend_and_ops_go_on, .timeout = 30)
 {
 	struct shardd_attach_opts o = {
-		.socket_path = daemon_.socket, .job = "nostream", .rank = 0, .replicate = 1, .shard = 1,
+		.socket_path = daemon_.socket,
+		.job = "nostream",
+		.rank = 0,
+		.replicate = 1,
+		.shard = 1,
 		.device = 0,
 	};
 	struct shardd_client *c = NULL;
@@ -368,7 +387,10 @@ Test(attach, stream_ordering_is_refused_on_the_host_backend_and_ops_go_on, .time
 Test(attach, socket_from_the_environment_is_used_when_no_path_is_given, .timeout = 30)
 {
 	struct shardd_attach_opts o = {
-		.job = "env", .rank = 0, .replicate = 1, .shard = 1,
+		.job = "env",
+		.rank = 0,
+		.replicate = 1,
+		.shard = 1,
 		.device = SHARDD_HELLO_DEVICE_HOST,
 	};
 	struct shardd_client *c = NULL;

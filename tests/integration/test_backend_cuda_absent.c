@@ -56,8 +56,9 @@ static void expect_exit(const char *const *argv_tail, int code, char *out, size_
 	}
 	argv[n] = NULL;
 	cr_assert_eq(harness_run(argv, RUN_TIMEOUT_MS, &status, out, len), 0);
-	cr_expect(WIFEXITED(status) && WEXITSTATUS(status) == code, "shardd %s %s (want exit %d); output: %s",
-		  argv_tail[0], harness_status_str(status), code, out);
+	cr_expect(WIFEXITED(status) && WEXITSTATUS(status) == code,
+		  "shardd %s %s (want exit %d); output: %s", argv_tail[0],
+		  harness_status_str(status), code, out);
 	cr_expect_null(strstr(out, "ready on"), "shardd reported ready: %s", out);
 	cr_expect_neq(access(sock, F_OK), 0, "shardd created its socket %s", sock);
 	unlink(sock);
@@ -79,11 +80,14 @@ Test(backend_cuda, unusable_cuda_backend_exits_1_with_the_reason, .timeout = 30)
 #endif
 	for (size_t r = 0; r < sizeof(runs) / sizeof(runs[0]); r++) {
 		expect_exit(runs[r], 1, out, sizeof(out));
-		cr_expect_not_null(strstr(out, "--backend cuda"), "the error does not name the flag: %s", out);
+		cr_expect_not_null(strstr(out, "--backend cuda"),
+				   "the error does not name the flag: %s", out);
 #ifdef SHARDD_HAVE_CUDA
-		cr_expect_not_null(strstr(out, "no CUDA device usable"), "the error does not say why: %s", out);
+		cr_expect_not_null(strstr(out, "no CUDA device usable"),
+				   "the error does not say why: %s", out);
 #else
-		cr_expect_not_null(strstr(out, "built without CUDA"), "the error does not say why: %s", out);
+		cr_expect_not_null(strstr(out, "built without CUDA"),
+				   "the error does not say why: %s", out);
 #endif
 	}
 }
@@ -107,12 +111,15 @@ Test(backend_cuda, cuda_export_without_the_cuda_backend_is_a_usage_error, .timeo
 
 	for (size_t r = 0; r < sizeof(runs) / sizeof(runs[0]); r++) {
 		expect_exit(runs[r], 2, out, sizeof(out));
-		cr_expect_not_null(strstr(out, "--cuda-export applies to --backend cuda only; the backend is host"),
-				   "the error does not name the flag and the backend: %s", out);
+		cr_expect_not_null(
+			strstr(out,
+			       "--cuda-export applies to --backend cuda only; the backend is host"),
+			"the error does not name the flag and the backend: %s", out);
 	}
 }
 
-Test(backend_cuda, mps_sm_percent_out_of_range_or_without_the_cuda_backend_is_a_usage_error, .timeout = 30)
+Test(backend_cuda, mps_sm_percent_out_of_range_or_without_the_cuda_backend_is_a_usage_error,
+     .timeout = 30)
 {
 	const char *zero[] = { "--backend", "cuda", "--mps-sm-percent", "0", NULL };
 	const char *over[] = { "--backend", "cuda", "--mps-sm-percent", "101", NULL };
@@ -126,8 +133,9 @@ Test(backend_cuda, mps_sm_percent_out_of_range_or_without_the_cuda_backend_is_a_
 	cr_expect_not_null(strstr(out, "--mps-sm-percent: '101' is not a percentage in [1, 100]"),
 			   "the error does not name the flag, the value and the range: %s", out);
 	expect_exit(host, 2, out, sizeof(out));
-	cr_expect_not_null(strstr(out, "--mps-sm-percent applies to --backend cuda only; the backend is host"),
-			   "the error does not name the flag and the backend: %s", out);
+	cr_expect_not_null(
+		strstr(out, "--mps-sm-percent applies to --backend cuda only; the backend is host"),
+		"the error does not name the flag and the backend: %s", out);
 }
 
 Test(backend_cuda, help_lists_cuda_export, .timeout = 30)
@@ -139,6 +147,8 @@ Test(backend_cuda, help_lists_cuda_export, .timeout = 30)
 
 	cr_assert_not_null(bin, "SHARDD_BIN is not set");
 	cr_assert_eq(harness_run(argv, RUN_TIMEOUT_MS, &status, out, sizeof(out)), 0);
-	cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "--help %s", harness_status_str(status));
-	cr_expect_not_null(strstr(out, "--cuda-export auto|fd|ipc"), "--help does not list it: %s", out);
+	cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "--help %s",
+		  harness_status_str(status));
+	cr_expect_not_null(strstr(out, "--cuda-export auto|fd|ipc"), "--help does not list it: %s",
+			   out);
 }

@@ -18,11 +18,11 @@
 
 #include "harness.h"
 
-#define NOPS_PER_RANK   100000u
-#define CHILD_WAIT_MS   30000
-#define COLLECTIVE_S    "5"
+#define NOPS_PER_RANK 100000u
+#define CHILD_WAIT_MS 30000
+#define COLLECTIVE_S  "5"
 /* Death is seen through socket EOF / pidfd: far below the 5 s collective timeout. */
-#define DEATH_BOUND_MS  2500
+#define DEATH_BOUND_MS 2500
 
 static struct harness_daemon daemon_;
 
@@ -44,10 +44,10 @@ static void start_daemon(const char *collective_timeout_s)
 
 struct rank_args {
 	const char *job;
-	uint32_t    rank;
-	uint32_t    world;
-	int         report_fd; /* write end: the child says where it is */
-	int         hold_fd;   /* read end: the child blocks on it until killed */
+	uint32_t rank;
+	uint32_t world;
+	int report_fd; /* write end: the child says where it is */
+	int hold_fd;   /* read end: the child blocks on it until killed */
 };
 
 static void wait_children(const pid_t *pids, int n, const char *what)
@@ -129,8 +129,8 @@ static int nop_stream_rank(void *arg)
 		CHILD_CHECK(idx < submitted, "completion %llu was never submitted",
 			    (unsigned long long)idx);
 		CHILD_CHECK(!seen[idx], "completion %llu arrived twice", (unsigned long long)idx);
-		CHILD_CHECK(cp.step == idx, "completion %llu has step %llu", (unsigned long long)idx,
-			    (unsigned long long)cp.step);
+		CHILD_CHECK(cp.step == idx, "completion %llu has step %llu",
+			    (unsigned long long)idx, (unsigned long long)cp.step);
 		seen[idx] = 1;
 		done++;
 		inflight--;
@@ -194,8 +194,8 @@ static int survivor_rank(void *arg)
 	t0 = harness_now_ms();
 	ret = shardd_wait(c, &cp, 10000);
 	CHILD_CHECK(ret == 0, "waiting in the barrier: %s", shardd_last_error());
-	CHILD_CHECK(harness_now_ms() - t0 < DEATH_BOUND_MS,
-		    "the barrier failed only after %lld ms", (long long)(harness_now_ms() - t0));
+	CHILD_CHECK(harness_now_ms() - t0 < DEATH_BOUND_MS, "the barrier failed only after %lld ms",
+		    (long long)(harness_now_ms() - t0));
 	CHILD_CHECK(cp.user_data == 77 && cp.op == SHARDD_OP_BARRIER && cp.step == 1,
 		    "completion user_data %llu op %u step %llu", (unsigned long long)cp.user_data,
 		    cp.op, (unsigned long long)cp.step);
@@ -233,8 +233,11 @@ Test(barrier_nop, rank_killed_in_a_barrier_fails_the_others_fast_and_can_come_ba
 	cr_assert_eq(pipe(report), 0);
 	cr_assert_eq(pipe(hold), 0);
 	for (uint32_t r = 0; r < 4; r++)
-		args[r] = (struct rank_args){ .job = "dies", .rank = r, .world = 4,
-					      .report_fd = report[1], .hold_fd = hold[0] };
+		args[r] = (struct rank_args){ .job = "dies",
+					      .rank = r,
+					      .world = 4,
+					      .report_fd = report[1],
+					      .hold_fd = hold[0] };
 	victim = harness_fork(victim_rank, &args[3]);
 	cr_assert_gt(victim, 0);
 	cr_assert_eq(harness_read_full(report[0], &b, 1, 10000), 0, "rank 3 did not attach");
@@ -326,8 +329,8 @@ static int waiter_rank(void *arg)
 	CHILD_CHECK(ret == -ECONNRESET, "nop on a stopped daemon gave %d: %s", ret,
 		    shardd_last_error());
 	CHILD_CHECK(strstr(shardd_last_error(), "daemon closed the connection") ||
-		    strstr(shardd_last_error(), "daemon detached this client"), "%s",
-		    shardd_last_error());
+			    strstr(shardd_last_error(), "daemon detached this client"),
+		    "%s", shardd_last_error());
 	shardd_close(c);
 	return 0;
 }
@@ -342,8 +345,9 @@ Test(barrier_nop, sigterm_while_clients_wait_ends_their_waits, .timeout = 60)
 	start_daemon(COLLECTIVE_S);
 	cr_assert_eq(pipe(report), 0);
 	for (uint32_t r = 0; r < 3; r++) {
-		args[r] = (struct rank_args){ .job = "term", .rank = r, .world = 4,
-					      .report_fd = report[1] };
+		args[r] = (struct rank_args){
+			.job = "term", .rank = r, .world = 4, .report_fd = report[1]
+		};
 		pids[r] = harness_fork(waiter_rank, &args[r]);
 		cr_assert_gt(pids[r], 0);
 	}

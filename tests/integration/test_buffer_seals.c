@@ -26,8 +26,8 @@
 #include "reference.h"
 #include "shardd_ctrl.h"
 
-#define WORLD      2
-#define SIGNAL_MS  20000
+#define WORLD     2
+#define SIGNAL_MS 20000
 
 static struct harness_daemon daemon_;
 
@@ -86,9 +86,9 @@ static int check_unsharded(struct shardd_group *g, uint32_t rank, uint64_t step)
 			double want = ref_round(value(p, i, step), SHARDD_DTYPE_BF16);
 			double got = ref_load(u + i * 2, SHARDD_DTYPE_BF16);
 
-			CHILD_CHECK(got == want, "rank %u step %llu: param %s[%llu] = %g, want %g", rank,
-				    (unsigned long long)step, params[p].name, (unsigned long long)i, got,
-				    want);
+			CHILD_CHECK(got == want, "rank %u step %llu: param %s[%llu] = %g, want %g",
+				    rank, (unsigned long long)step, params[p].name,
+				    (unsigned long long)i, got, want);
 		}
 	}
 	return 0;
@@ -206,8 +206,8 @@ static int rank_main(void *p)
 	char byte;
 
 	CHILD_CHECK(harness_attach(&daemon_, "seals", a->rank, 1, WORLD, &c) == 0, "attach");
-	CHILD_CHECK(shardd_group_register(c, "g", params, NPARAMS, &prec, NULL, &g) == 0, "register: %s",
-		    shardd_last_error());
+	CHILD_CHECK(shardd_group_register(c, "g", params, NPARAMS, &prec, NULL, &g) == 0,
+		    "register: %s", shardd_last_error());
 	if (load_step(g, 1))
 		return 1;
 	CHILD_CHECK(shardd_unshard(g, 1) == 0, "unshard 1: %s", shardd_last_error());
@@ -257,8 +257,8 @@ static int reopen_rank(void *p)
 	int seals;
 
 	CHILD_CHECK(harness_attach(&daemon_, "seals-fresh", a->rank, 1, 1, &c) == 0, "attach");
-	CHILD_CHECK(shardd_group_register(c, "g", params, NPARAMS, NULL, NULL, &g) == 0, "register: %s",
-		    shardd_last_error());
+	CHILD_CHECK(shardd_group_register(c, "g", params, NPARAMS, NULL, NULL, &g) == 0,
+		    "register: %s", shardd_last_error());
 	if (open_group_fds(c, "g", fds))
 		return 1;
 	seals = fcntl(fds[0], F_GET_SEALS);

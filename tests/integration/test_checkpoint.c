@@ -26,7 +26,7 @@
 #include "inproc.h"
 #include "shardd.h"
 
-#define NP 5
+#define NP    5
 #define WORLD 4
 
 static const struct shardd_param_desc params[NP] = {
@@ -38,7 +38,11 @@ static const struct shardd_param_desc params[NP] = {
 };
 
 static const struct shardd_optim_config adamw = {
-	.kind = SHARDD_OPTIM_ADAMW, .flags = SHARDD_OPTIM_AMSGRAD, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,
+	.kind = SHARDD_OPTIM_ADAMW,
+	.flags = SHARDD_OPTIM_AMSGRAD,
+	.beta1 = 0.9,
+	.beta2 = 0.999,
+	.eps = 1e-8,
 	.weight_decay = 0.01,
 };
 
@@ -113,7 +117,8 @@ static void ref_step(struct inproc_ref *ref, struct fixture *f)
 			uint64_t n = valid_numel(f->g[r], i);
 
 			if (n)
-				inproc_ref_step(&adamw, ref->p[r][i], shardd_group_shard_grad(f->g[r], i), ref->s[r][i],
+				inproc_ref_step(&adamw, ref->p[r][i],
+						shardd_group_shard_grad(f->g[r], i), ref->s[r][i],
 						ref->nsteps[r], 0.01, 1.0f, n);
 		}
 	}
@@ -133,8 +138,8 @@ static void train_step(struct fixture *f, struct inproc_ref *ref, uint64_t step)
 	inproc_reduce(f->c, f->g, WORLD, step, 0);
 	ref_step(ref, f);
 	for (int r = 0; r < WORLD; r++)
-		cr_assert_eq(shardd_step(f->g[r], step, 0.01, 0, 0, 0), SHARDD_STEP_APPLIED, "step %llu: %s",
-			     (unsigned long long)step, shardd_last_error());
+		cr_assert_eq(shardd_step(f->g[r], step, 0.01, 0, 0, 0), SHARDD_STEP_APPLIED,
+			     "step %llu: %s", (unsigned long long)step, shardd_last_error());
 }
 
 /* Every rank submits checkpoint(step); each completion's res into res[]. */
@@ -143,9 +148,11 @@ static void checkpoint_all(struct fixture *f, uint64_t step, int res[WORLD], cha
 	struct shardd_completion cp;
 
 	for (int r = 0; r < WORLD; r++)
-		cr_assert_eq(shardd_client_submit(f->c[r], SHARDD_OP_CHECKPOINT, step, 0, 7), 0, "%s", shardd_last_error());
+		cr_assert_eq(shardd_client_submit(f->c[r], SHARDD_OP_CHECKPOINT, step, 0, 7), 0,
+			     "%s", shardd_last_error());
 	for (int r = 0; r < WORLD; r++) {
-		cr_assert_eq(shardd_wait(f->c[r], &cp, 30000), 0, "rank %d: %s", r, shardd_last_error());
+		cr_assert_eq(shardd_wait(f->c[r], &cp, 30000), 0, "rank %d: %s", r,
+			     shardd_last_error());
 		cr_assert_eq(cp.op, SHARDD_OP_CHECKPOINT);
 		res[r] = cp.res;
 		snprintf(msg[r], 256, "%s", cp.msg);
@@ -195,7 +202,8 @@ static const float *st_tensor(struct st *s, const char *name, const struct shard
 	shape = json_object_get(e, "shape");
 	cr_assert_eq(json_array_size(shape), d->ndim, "%s", name);
 	for (uint32_t k = 0; k < d->ndim; k++)
-		cr_assert_eq((uint64_t)json_integer_value(json_array_get(shape, k)), d->shape[k], "%s dim %u", name, k);
+		cr_assert_eq((uint64_t)json_integer_value(json_array_get(shape, k)), d->shape[k],
+			     "%s dim %u", name, k);
 	off = json_object_get(e, "data_offsets");
 	b = (uint64_t)json_integer_value(json_array_get(off, 0));
 	en = (uint64_t)json_integer_value(json_array_get(off, 1));
@@ -235,7 +243,8 @@ static float full_elem(uint32_t i, float *const sh[WORLD], uint64_t e, const str
 	return 0;
 }
 
-static void expect_checkpoint(struct fixture *f, struct inproc_ref *ref, const char *dir, uint64_t step)
+static void expect_checkpoint(struct fixture *f, struct inproc_ref *ref, const char *dir,
+			      uint64_t step)
 {
 	static const char *const states[3] = { "exp_avg", "exp_avg_sq", "max_exp_avg_sq" };
 	char path[512];
@@ -247,13 +256,17 @@ static void expect_checkpoint(struct fixture *f, struct inproc_ref *ref, const c
 	man = json_load_file(path, 0, &jerr);
 	cr_assert(man, "%s: %s", path, jerr.text);
 	cr_assert_eq(json_integer_value(json_object_get(man, "step")), (json_int_t)step);
-	cr_assert_eq(json_integer_value(json_object_get(json_object_get(man, "mesh"), "shard")), WORLD);
+	cr_assert_eq(json_integer_value(json_object_get(json_object_get(man, "mesh"), "shard")),
+		     WORLD);
 	g = json_array_get(json_object_get(man, "groups"), 0);
 	cr_assert_str_eq(json_string_value(json_object_get(g, "name")), "layer");
 	cr_assert_eq(json_integer_value(json_object_get(g, "last_step")), (json_int_t)step);
 	cr_assert_eq(json_integer_value(json_object_get(g, "optim_steps")), (json_int_t)step);
-	cr_assert_str_eq(json_string_value(json_object_get(json_object_get(g, "optimizer"), "kind")), "adamw");
-	cr_assert_eq(json_real_value(json_object_get(json_object_get(g, "optimizer"), "beta2")), 0.999);
+	cr_assert_str_eq(
+		json_string_value(json_object_get(json_object_get(g, "optimizer"), "kind")),
+		"adamw");
+	cr_assert_eq(json_real_value(json_object_get(json_object_get(g, "optimizer"), "beta2")),
+		     0.999);
 	/* Each file's size and CRC-32 as the manifest says, computed here with zlib. */
 	files = json_object_get(man, "files");
 	cr_assert_eq(json_array_size(files), 2);
@@ -262,10 +275,13 @@ static void expect_checkpoint(struct fixture *f, struct inproc_ref *ref, const c
 		struct st s;
 		char crc[16];
 
-		snprintf(path, sizeof(path), "%s/%s", dir, json_string_value(json_object_get(fe, "name")));
+		snprintf(path, sizeof(path), "%s/%s", dir,
+			 json_string_value(json_object_get(fe, "name")));
 		st_open(&s, path);
-		cr_assert_eq((uint64_t)json_integer_value(json_object_get(fe, "bytes")), s.len, "%s", path);
-		snprintf(crc, sizeof(crc), "%08lx", crc32(crc32(0L, Z_NULL, 0), s.bytes, (uInt)s.len));
+		cr_assert_eq((uint64_t)json_integer_value(json_object_get(fe, "bytes")), s.len,
+			     "%s", path);
+		snprintf(crc, sizeof(crc), "%08lx",
+			 crc32(crc32(0L, Z_NULL, 0), s.bytes, (uInt)s.len));
 		cr_assert_str_eq(json_string_value(json_object_get(fe, "crc32")), crc, "%s", path);
 		st_close(&s);
 	}
@@ -281,9 +297,11 @@ static void expect_checkpoint(struct fixture *f, struct inproc_ref *ref, const c
 		for (int r = 0; r < WORLD; r++)
 			sh[r] = shardd_group_shard(f->g[r], i);
 		for (uint64_t e = 0; e < inproc_numel(&params[i]); e++)
-			cr_assert_eq(memcmp(&t[e], &(float){ full_elem(i, sh, e, f) }, 4), 0,
-				     "param '%s'[%llu] = %.9g in the file, %.9g in the ranks' shards", params[i].name,
-				     (unsigned long long)e, t[e], full_elem(i, sh, e, f));
+			cr_assert_eq(
+				memcmp(&t[e], &(float){ full_elem(i, sh, e, f) }, 4), 0,
+				"param '%s'[%llu] = %.9g in the file, %.9g in the ranks' shards",
+				params[i].name, (unsigned long long)e, t[e],
+				full_elem(i, sh, e, f));
 		for (int k = 0; k < 3; k++) {
 			char name[128];
 
@@ -292,9 +310,10 @@ static void expect_checkpoint(struct fixture *f, struct inproc_ref *ref, const c
 			for (int r = 0; r < WORLD; r++)
 				sh[r] = ref->s[r][i][k];
 			for (uint64_t e = 0; e < inproc_numel(&params[i]); e++)
-				cr_assert_eq(memcmp(&t[e], &(float){ full_elem(i, sh, e, f) }, 4), 0,
-					     "'%s'[%llu] = %.9g in the file, reference %.9g", name,
-					     (unsigned long long)e, t[e], full_elem(i, sh, e, f));
+				cr_assert_eq(memcmp(&t[e], &(float){ full_elem(i, sh, e, f) }, 4),
+					     0, "'%s'[%llu] = %.9g in the file, reference %.9g",
+					     name, (unsigned long long)e, t[e],
+					     full_elem(i, sh, e, f));
 		}
 	}
 	cr_assert_eq(json_object_size(model.hdr), NP + 1, "params and __metadata__");
@@ -339,8 +358,8 @@ Test(checkpoint, writes_full_params_and_optimizer_state_as_safetensors, .timeout
 		char path[512], out[65536], want[160];
 		struct stat a, b;
 
-		cr_assert_eq(harness_shardctl(f.hd.socket, (const char *const[]){ "metrics", NULL }, 10000, out,
-					      sizeof(out)),
+		cr_assert_eq(harness_shardctl(f.hd.socket, (const char *const[]){ "metrics", NULL },
+					      10000, out, sizeof(out)),
 			     0, "shardctl metrics: %s", out);
 		cr_assert(strstr(out, "shardd_checkpoint_last_step{job=\"ck\"} 2\n"), "%s", out);
 		cr_assert(strstr(out, "shardd_checkpoint_last_failed{job=\"ck\"} 0\n"), "%s", out);
@@ -377,7 +396,8 @@ Test(checkpoint, keep_removes_the_oldest_checkpoints, .timeout = 60)
 		train_step(&f, &ref, step);
 		checkpoint_all(&f, step, res, msg);
 		for (int r = 0; r < WORLD; r++)
-			cr_assert_eq(res[r], 0, "step %llu rank %d: %s", (unsigned long long)step, r, msg[r]);
+			cr_assert_eq(res[r], 0, "step %llu rank %d: %s", (unsigned long long)step,
+				     r, msg[r]);
 	}
 	snprintf(dir, sizeof(dir), "%s/ck/step-000000000001", f.state);
 	cr_assert_neq(stat(dir, &st), 0, "%s survived --keep 2", dir);
@@ -399,7 +419,8 @@ Test(checkpoint, without_state_dir_fails_naming_the_flag, .timeout = 60)
 	for (int r = 0; r < WORLD; r++) {
 		struct shardd_completion cp;
 
-		cr_assert_eq(shardd_client_submit(f.c[r], SHARDD_OP_CHECKPOINT, 1, 0, 7), 0, "%s", shardd_last_error());
+		cr_assert_eq(shardd_client_submit(f.c[r], SHARDD_OP_CHECKPOINT, 1, 0, 7), 0, "%s",
+			     shardd_last_error());
 		cr_assert_eq(shardd_wait(f.c[r], &cp, 30000), 0, "%s", shardd_last_error());
 		res[r] = cp.res;
 		snprintf(msg[r], 256, "%s", cp.msg);
@@ -421,13 +442,16 @@ Test(checkpoint, refuses_a_cut_between_ranks_steps, .timeout = 60)
 	train_step(&f, &ref, 1);
 	/* Step 2's reduce on every rank, then only rank 0 steps. */
 	inproc_reduce(f.c, f.g, WORLD, 2, 0);
-	cr_assert_eq(shardd_step(f.g[0], 2, 0.01, 0, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
+	cr_assert_eq(shardd_step(f.g[0], 2, 0.01, 0, 0, 0), SHARDD_STEP_APPLIED, "%s",
+		     shardd_last_error());
 	checkpoint_all(&f, 2, res, msg);
 	for (int r = 0; r < WORLD; r++) {
 		cr_assert_eq(res[r], -SHARDD_E_STATE, "rank %d: %s", r, msg[r]);
-		cr_assert(strstr(msg[r], "group 'layer' is not at a step boundary: rank 0 applied step 2, rank 1 "
-				 "only step 1; submit checkpoint after the completions of every rank's step 2"),
-			  "%s", msg[r]);
+		cr_assert(
+			strstr(msg[r],
+			       "group 'layer' is not at a step boundary: rank 0 applied step 2, rank 1 "
+			       "only step 1; submit checkpoint after the completions of every rank's step 2"),
+			"%s", msg[r]);
 	}
 	inproc_ref_free(&ref);
 	finish(&f);
@@ -458,7 +482,8 @@ static json_t *ctl_checkpoints(const struct fixture *f)
 {
 	char out[8192];
 
-	return harness_shardctl_json(f->hd.socket, (const char *const[]){ "checkpoints", "ck", NULL }, 10000, out,
+	return harness_shardctl_json(f->hd.socket,
+				     (const char *const[]){ "checkpoints", "ck", NULL }, 10000, out,
 				     sizeof(out));
 }
 
@@ -481,7 +506,8 @@ Test(checkpoint, shardctl_checkpoint_waits_for_the_next_step_boundary, .timeout 
 	/* Step 2 half done: reduced everywhere, applied on rank 0 only. */
 	inproc_reduce(f.c, f.g, WORLD, 2, 0);
 	ref_step(&ref, &f);
-	cr_assert_eq(shardd_step(f.g[0], 2, 0.01, 0, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
+	cr_assert_eq(shardd_step(f.g[0], 2, 0.01, 0, 0, 0), SHARDD_STEP_APPLIED, "%s",
+		     shardd_last_error());
 
 	snprintf(dir, sizeof(dir), "%s/by-shardctl", f.state);
 	cr_assert_eq(pipe(pipefd), 0);
@@ -501,7 +527,8 @@ Test(checkpoint, shardctl_checkpoint_waits_for_the_next_step_boundary, .timeout 
 	}
 	cr_assert_neq(stat(dir, &st), 0, "%s was written before the step boundary", dir);
 	for (int r2 = 1; r2 < WORLD; r2++)
-		cr_assert_eq(shardd_step(f.g[r2], 2, 0.01, 0, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
+		cr_assert_eq(shardd_step(f.g[r2], 2, 0.01, 0, 0, 0), SHARDD_STEP_APPLIED, "%s",
+			     shardd_last_error());
 	cr_assert_eq(harness_wait_pid(pid, 30000, &status), 0, "shardctl checkpoint did not end");
 	n = read(pipefd[0], out, sizeof(out) - 1);
 	out[n > 0 ? n : 0] = '\0';
@@ -511,7 +538,8 @@ Test(checkpoint, shardctl_checkpoint_waits_for_the_next_step_boundary, .timeout 
 	cr_assert(strstr(out, "checkpoint of job 'ck' at step 2 written to"), "%s", out);
 	expect_checkpoint(&f, &ref, dir, 2);
 	r = ctl_checkpoints(&f);
-	cr_assert_str_eq(json_string_value(json_object_get(json_object_get(r, "last"), "dir")), dir);
+	cr_assert_str_eq(json_string_value(json_object_get(json_object_get(r, "last"), "dir")),
+			 dir);
 	json_decref(r);
 	inproc_ref_free(&ref);
 	finish(&f);
@@ -534,7 +562,8 @@ Test(checkpoint, checkpoint_every_saves_each_multiple_step_boundary, .timeout = 
 		/* Taken at the step's boundary, written on the pool: wait until it is reported. */
 		for (int64_t until = harness_now_ms() + 20000;;) {
 			json_t *r = ctl_checkpoints(&f);
-			json_int_t last = json_integer_value(json_object_get(json_object_get(r, "last"), "step"));
+			json_int_t last = json_integer_value(
+				json_object_get(json_object_get(r, "last"), "step"));
 
 			json_decref(r);
 			if (last == (json_int_t)step)
@@ -584,11 +613,14 @@ Test(checkpoint, snapshot_holds_the_boundary_while_the_next_step_runs, .timeout 
 		cr_assert_eq(shardd_group_submit(f.g[rk], SHARDD_OP_REDUCE, 3, 0, 8), 0);
 	for (int rk = 0; rk < WORLD; rk++)
 		for (int k = 0; k < 2; k++) {
-			cr_assert_eq(shardd_wait(f.c[rk], &cp, 30000), 0, "%s", shardd_last_error());
-			cr_assert_eq(cp.res, 0, "rank %d %s: %s", rk, shardd_op_name(cp.op), cp.msg);
+			cr_assert_eq(shardd_wait(f.c[rk], &cp, 30000), 0, "%s",
+				     shardd_last_error());
+			cr_assert_eq(cp.res, 0, "rank %d %s: %s", rk, shardd_op_name(cp.op),
+				     cp.msg);
 		}
 	for (int rk = 0; rk < WORLD; rk++)
-		cr_assert_eq(shardd_step(f.g[rk], 3, 0.01, 0, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
+		cr_assert_eq(shardd_step(f.g[rk], 3, 0.01, 0, 0, 0), SHARDD_STEP_APPLIED, "%s",
+			     shardd_last_error());
 	/* The files hold step 2's params, which step 3 has moved since. */
 	snprintf(dir, sizeof(dir), "%s/ck/step-000000000002", f.state);
 	snprintf(path, sizeof(path), "%s/model.safetensors", dir);
@@ -603,13 +635,16 @@ Test(checkpoint, snapshot_holds_the_boundary_while_the_next_step_runs, .timeout 
 		for (uint64_t e = 0; e < inproc_numel(&params[i]); e++) {
 			float want = full_elem(i, sh, e, &f);
 
-			cr_assert_eq(memcmp(&t[e], &want, 4), 0, "param '%s'[%llu] = %.9g, at step 2 %.9g",
-				     params[i].name, (unsigned long long)e, t[e], want);
+			cr_assert_eq(memcmp(&t[e], &want, 4), 0,
+				     "param '%s'[%llu] = %.9g, at step 2 %.9g", params[i].name,
+				     (unsigned long long)e, t[e], want);
 		}
 		for (int rk = 0; rk < WORLD; rk++)
 			for (uint64_t e = 0; e < valid_numel(f.g[rk], i); e++)
-				moved |= ((float *)shardd_group_shard(f.g[rk], i))[e] != before[rk][i][e];
-		cr_assert(moved || !inproc_numel(&params[i]), "step 3 did not move param '%s'", params[i].name);
+				moved |= ((float *)shardd_group_shard(f.g[rk], i))[e] !=
+					 before[rk][i][e];
+		cr_assert(moved || !inproc_numel(&params[i]), "step 3 did not move param '%s'",
+			  params[i].name);
 	}
 	st_close(&model);
 	r = ctl_checkpoints(&f);

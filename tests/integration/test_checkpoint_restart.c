@@ -27,7 +27,7 @@
 #include "inproc.h"
 #include "shardd.h"
 
-#define NP 3
+#define NP    3
 #define WORLD 2
 #define STEPS 6
 #define EVERY 2
@@ -39,7 +39,11 @@ static const struct shardd_param_desc params[NP] = {
 };
 
 static const struct shardd_optim_config adamw = {
-	.kind = SHARDD_OPTIM_ADAMW, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01,
+	.kind = SHARDD_OPTIM_ADAMW,
+	.beta1 = 0.9,
+	.beta2 = 0.999,
+	.eps = 1e-8,
+	.weight_decay = 0.01,
 };
 
 struct run {
@@ -47,15 +51,22 @@ struct run {
 	const char *state;
 	const struct shardd_param_desc *params;
 	uint32_t np;
-	const char *max_memory;      /* --max-memory, or NULL */
+	const char *max_memory; /* --max-memory, or NULL */
 	struct shardd_client *c[WORLD];
 	struct shardd_group *g[WORLD];
 };
 
 static void daemon_start(struct run *run)
 {
-	const char *extra[] = { "--collective-timeout", "20", "--state-dir", run->state, "--keep", "2",
-				run->max_memory ? "--max-memory" : NULL, run->max_memory, NULL };
+	const char *extra[] = { "--collective-timeout",
+				"20",
+				"--state-dir",
+				run->state,
+				"--keep",
+				"2",
+				run->max_memory ? "--max-memory" : NULL,
+				run->max_memory,
+				NULL };
 
 	cr_assert_eq(harness_daemon_start(&run->hd, extra), 0, "shardd did not start");
 }
@@ -66,7 +77,8 @@ static uint64_t attach(struct run *run)
 	const struct shardd_group_opts opts = { .optimizer = &adamw, .restore = "" };
 
 	for (uint32_t r = 0; r < WORLD; r++)
-		cr_assert_eq(harness_attach(&run->hd, "train", r, 1, WORLD, &run->c[r]), 0, "%s", shardd_last_error());
+		cr_assert_eq(harness_attach(&run->hd, "train", r, 1, WORLD, &run->c[r]), 0, "%s",
+			     shardd_last_error());
 	inproc_register_ok(run->c, WORLD, "layer", run->params, run->np, NULL, &opts, run->g);
 	cr_assert_eq(shardd_group_last_step(run->g[0]), shardd_group_last_step(run->g[1]));
 	return shardd_group_last_step(run->g[0]);
@@ -83,8 +95,8 @@ static void detach(struct run *run)
 /* A value in [-1, 1) from its coordinates: the same in every run. */
 static float value(uint64_t a, uint64_t b, uint64_t c, uint64_t d)
 {
-	uint64_t x = a * 0x9e3779b97f4a7c15ull ^ b * 0xc2b2ae3d27d4eb4full ^ c * 0x165667b19e3779f9ull ^
-		     (d + 1) * 0xd6e8feb86659fd93ull;
+	uint64_t x = a * 0x9e3779b97f4a7c15ull ^ b * 0xc2b2ae3d27d4eb4full ^
+		     c * 0x165667b19e3779f9ull ^ (d + 1) * 0xd6e8feb86659fd93ull;
 
 	x ^= x >> 31;
 	x *= 0xbf58476d1ce4e5b9ull;
@@ -125,13 +137,14 @@ static void train_step_every(struct run *run, uint64_t step, uint64_t every)
 		for (uint32_t i = 0; i < run->np; i++) {
 			float *gr = shardd_group_grad(run->g[r], i);
 
-			for (uint64_t e = 0; e < shardd_group_layout(run->g[r], i)->grad_bytes / 4; e++)
+			for (uint64_t e = 0; e < shardd_group_layout(run->g[r], i)->grad_bytes / 4;
+			     e++)
 				gr[e] = value(step, r, i, e);
 		}
 	inproc_reduce(run->c, run->g, WORLD, step, 0);
 	for (uint32_t r = 0; r < WORLD; r++)
-		cr_assert_eq(shardd_step(run->g[r], step, 0.01 / (double)step, 0, 0, 0), SHARDD_STEP_APPLIED, "%s",
-			     shardd_last_error());
+		cr_assert_eq(shardd_step(run->g[r], step, 0.01 / (double)step, 0, 0, 0),
+			     SHARDD_STEP_APPLIED, "%s", shardd_last_error());
 	if (!every || step % every)
 		return;
 	inproc_checkpoint(run->c, WORLD, step);
@@ -166,7 +179,8 @@ static float *snapshot(struct run *run, size_t *n)
 Test(restart, killed_daemon_resumes_from_its_last_checkpoint_bit_identical, .timeout = 120)
 {
 	char sa[64], sb[64], junk[200];
-	struct run a = { .state = sa, .params = params, .np = NP }, b = { .state = sb, .params = params, .np = NP };
+	struct run a = { .state = sa, .params = params, .np = NP },
+		   b = { .state = sb, .params = params, .np = NP };
 	float *want, *got;
 	size_t nw, ng;
 	struct stat st;
@@ -195,7 +209,8 @@ Test(restart, killed_daemon_resumes_from_its_last_checkpoint_bit_identical, .tim
 	{
 		int st9 = harness_daemon_stop_sig(&b.hd, SIGKILL, 10000);
 
-		cr_assert(st9 >= 0 && WIFSIGNALED(st9) && WTERMSIG(st9) == SIGKILL, "SIGKILL did not end shardd");
+		cr_assert(st9 >= 0 && WIFSIGNALED(st9) && WTERMSIG(st9) == SIGKILL,
+			  "SIGKILL did not end shardd");
 	}
 	detach(&b);
 	/* What a kill during the checkpoint of step 4 leaves: a temporary directory, no step-4. */
@@ -216,7 +231,8 @@ Test(restart, killed_daemon_resumes_from_its_last_checkpoint_bit_identical, .tim
 	cr_assert_eq(ng, nw);
 	for (size_t e = 0; e < nw; e++)
 		cr_assert_eq(memcmp(&got[e], &want[e], sizeof(float)), 0,
-			     "element %zu: %.9g after the restart, %.9g uninterrupted", e, got[e], want[e]);
+			     "element %zu: %.9g after the restart, %.9g uninterrupted", e, got[e],
+			     want[e]);
 	/* --keep 2 and the cleanup of the cut-short checkpoint's directory. */
 	junk[strlen(junk) - strlen("/model.safetensors")] = '\0';
 	cr_assert_neq(stat(junk, &st), 0, "%s survived the next checkpoint", junk);
@@ -242,8 +258,9 @@ static const struct shardd_param_desc big[2] = {
 static void ctl_status(struct run *run, json_int_t *writing, json_int_t *last_step, int *staged)
 {
 	char out[8192];
-	json_t *r = harness_shardctl_json(run->hd.socket, (const char *const[]){ "checkpoints", "train", NULL }, 10000,
-					  out, sizeof(out));
+	json_t *r = harness_shardctl_json(run->hd.socket,
+					  (const char *const[]){ "checkpoints", "train", NULL },
+					  10000, out, sizeof(out));
 
 	*writing = json_integer_value(json_object_get(json_object_get(r, "writing"), "id"));
 	*last_step = json_integer_value(json_object_get(json_object_get(r, "last"), "step"));
@@ -251,7 +268,8 @@ static void ctl_status(struct run *run, json_int_t *writing, json_int_t *last_st
 	json_decref(r);
 }
 
-Test(restart, killed_while_a_checkpoint_is_written_resumes_from_the_last_complete_one, .timeout = 240)
+Test(restart, killed_while_a_checkpoint_is_written_resumes_from_the_last_complete_one,
+     .timeout = 240)
 {
 	char sa[64], sb[64], dir[200];
 	/*
@@ -289,8 +307,8 @@ Test(restart, killed_while_a_checkpoint_is_written_resumes_from_the_last_complet
 	init_params(&b);
 	train_step_every(&b, 1, 1);
 	ctl_status(&b, &writing, &last, &staged);
-	cr_assert(last == 1 && !staged, "the checkpoint of step 1 (last %lld) was %s", (long long)last,
-		  staged ? "staged in memory past --max-memory" : "not reported");
+	cr_assert(last == 1 && !staged, "the checkpoint of step 1 (last %lld) was %s",
+		  (long long)last, staged ? "staged in memory past --max-memory" : "not reported");
 	writing = 0;
 	train_step_every(&b, 2, 0);
 	checkpoint_submit(&b, 2);
@@ -303,7 +321,8 @@ Test(restart, killed_while_a_checkpoint_is_written_resumes_from_the_last_complet
 	{
 		int st9 = harness_daemon_stop_sig(&b.hd, SIGKILL, 10000);
 
-		cr_assert(st9 >= 0 && WIFSIGNALED(st9) && WTERMSIG(st9) == SIGKILL, "SIGKILL did not end shardd");
+		cr_assert(st9 >= 0 && WIFSIGNALED(st9) && WTERMSIG(st9) == SIGKILL,
+			  "SIGKILL did not end shardd");
 	}
 	detach(&b);
 	snprintf(dir, sizeof(dir), "%s/train/step-000000000002", sb);
@@ -315,19 +334,22 @@ Test(restart, killed_while_a_checkpoint_is_written_resumes_from_the_last_complet
 	memset(&b.hd, 0, sizeof(b.hd));
 	daemon_start(&b);
 	resume = attach(&b);
-	cr_assert(resume == 1 || resume == 2, "resumed after step %llu", (unsigned long long)resume);
+	cr_assert(resume == 1 || resume == 2, "resumed after step %llu",
+		  (unsigned long long)resume);
 	cr_assert(!writing || resume == 1 || stat(dir, &st) == 0,
 		  "resumed after step 2 although its checkpoint was cut short");
-	cr_log_info("shardd killed %s the checkpoint of step 2 was written; resumed after step %llu",
-		    writing ? "while" : "after", (unsigned long long)resume);
+	cr_log_info(
+		"shardd killed %s the checkpoint of step 2 was written; resumed after step %llu",
+		writing ? "while" : "after", (unsigned long long)resume);
 	for (uint64_t s = resume + 1; s <= 3; s++)
 		train_step_every(&b, s, 1);
 	got = snapshot(&b, &ng);
 	cr_assert_eq(ng, nw);
 	for (size_t e = 0; e < nw; e++)
-		cr_assert_eq(memcmp(&got[e], &want[e], sizeof(float)), 0,
-			     "element %zu: %.9g after the restart (resumed after step %llu), %.9g uninterrupted", e,
-			     got[e], (unsigned long long)resume, want[e]);
+		cr_assert_eq(
+			memcmp(&got[e], &want[e], sizeof(float)), 0,
+			"element %zu: %.9g after the restart (resumed after step %llu), %.9g uninterrupted",
+			e, got[e], (unsigned long long)resume, want[e]);
 	free(want);
 	free(got);
 	detach(&b);

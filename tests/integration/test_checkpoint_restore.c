@@ -25,7 +25,7 @@
 #include "inproc.h"
 #include "shardd.h"
 
-#define NP 5
+#define NP   5
 #define MAXW 4
 
 static const struct shardd_param_desc saved[NP] = {
@@ -37,7 +37,11 @@ static const struct shardd_param_desc saved[NP] = {
 };
 
 static const struct shardd_optim_config adamw = {
-	.kind = SHARDD_OPTIM_ADAMW, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01,
+	.kind = SHARDD_OPTIM_ADAMW,
+	.beta1 = 0.9,
+	.beta2 = 0.999,
+	.eps = 1e-8,
+	.weight_decay = 0.01,
 };
 
 struct job {
@@ -57,10 +61,13 @@ static void job_start(struct harness_daemon *hd, struct job *j, const char *rest
 
 	j->world = j->replicate * j->shard;
 	for (uint32_t r = 0; r < j->world; r++)
-		cr_assert_eq(harness_attach(hd, j->name, r, j->replicate, j->shard, &j->c[r]), 0, "%s",
-			     shardd_last_error());
+		cr_assert_eq(harness_attach(hd, j->name, r, j->replicate, j->shard, &j->c[r]), 0,
+			     "%s", shardd_last_error());
 	for (uint32_t r = 0; r < j->world; r++)
-		reg[r] = (struct inproc_reg){ .c = j->c[r], .name = "layer", .params = j->params, .nparams = NP,
+		reg[r] = (struct inproc_reg){ .c = j->c[r],
+					      .name = "layer",
+					      .params = j->params,
+					      .nparams = NP,
 					      .opts = { .optimizer = &adamw, .restore = restore } };
 	inproc_register(reg, j->world);
 	for (uint32_t r = 0; r < j->world; r++) {
@@ -101,12 +108,14 @@ static void train_and_save(struct job *j)
 			for (uint32_t i = 0; i < NP; i++) {
 				float *gr = shardd_group_grad(j->g[r], i);
 
-				for (uint64_t e = 0; e < shardd_group_layout(j->g[r], i)->grad_bytes / 4; e++)
+				for (uint64_t e = 0;
+				     e < shardd_group_layout(j->g[r], i)->grad_bytes / 4; e++)
 					gr[e] = inproc_rnd(&rng_state);
 			}
 		inproc_reduce(j->c, j->g, j->world, step, 0);
 		for (uint32_t r = 0; r < j->world; r++)
-			cr_assert_eq(shardd_step(j->g[r], step, 0.01, 0, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
+			cr_assert_eq(shardd_step(j->g[r], step, 0.01, 0, 0, 0), SHARDD_STEP_APPLIED,
+				     "%s", shardd_last_error());
 	}
 	inproc_checkpoint(j->c, j->world, 2);
 }
@@ -150,9 +159,11 @@ static float full_elem(const struct job *j, uint32_t u, uint32_t i, uint64_t e)
 	const struct shardd_param_desc *d = &j->params[i];
 
 	if (d->ndim && d->shard_dim == 1) {
-		uint64_t cols = d->shape[1] / j->shard, row = e / d->shape[1], col = e % d->shape[1];
+		uint64_t cols = d->shape[1] / j->shard, row = e / d->shape[1],
+			 col = e % d->shape[1];
 
-		return ((float *)shardd_group_shard(j->g[u * j->shard + col / cols], i))[row * cols + col % cols];
+		return ((float *)shardd_group_shard(j->g[u * j->shard + col / cols],
+						    i))[row * cols + col % cols];
 	}
 	for (uint32_t s = 0; s < j->shard; s++) {
 		uint64_t n = valid_numel(j, u * j->shard + s, i);
@@ -187,12 +198,15 @@ static void expect_restored(const struct job *j, const char *dir)
 
 				nonzero += got != 0.0f;
 
-				cr_assert_eq(memcmp(&got, &t[e], 4), 0, "job %ux%u replica %u param '%s'[%llu]: %.9g, "
-					     "checkpoint %.9g", j->replicate, j->shard, u, j->params[i].name,
+				cr_assert_eq(memcmp(&got, &t[e], 4), 0,
+					     "job %ux%u replica %u param '%s'[%llu]: %.9g, "
+					     "checkpoint %.9g",
+					     j->replicate, j->shard, u, j->params[i].name,
 					     (unsigned long long)e, got, t[e]);
 			}
 		}
-	cr_assert_gt(nonzero, 40 * j->replicate, "only %llu nonzero elements restored", (unsigned long long)nonzero);
+	cr_assert_gt(nonzero, 40 * j->replicate, "only %llu nonzero elements restored",
+		     (unsigned long long)nonzero);
 	free(model);
 }
 
@@ -288,7 +302,8 @@ static void restore_fails(struct fixture *f, const char *name, const char *dir,
 	job_start(&f->hd, &j, dir);
 	for (uint32_t r = 0; r < j.world; r++) {
 		cr_assert_lt(j.ret[r], 0, "%s rank %u registered", name, r);
-		cr_assert(strstr(j.err[r], want), "%s rank %u: '%s' does not say '%s'", name, r, j.err[r], want);
+		cr_assert(strstr(j.err[r], want), "%s rank %u: '%s' does not say '%s'", name, r,
+			  j.err[r], want);
 	}
 	job_stop(&j);
 }
@@ -303,8 +318,10 @@ Test(restore, errors_name_the_tensor_the_file_and_both_shapes, .timeout = 90)
 	setup(&f);
 	memcpy(bad, saved, sizeof(bad));
 	bad[0].shape[1] = 4;
-	snprintf(want, sizeof(want), "tensor 'w' in %s/model.safetensors: the group registers fp32 [10, 4], "
-		 "the file holds fp32 [10, 3]", f.saved_dir);
+	snprintf(want, sizeof(want),
+		 "tensor 'w' in %s/model.safetensors: the group registers fp32 [10, 4], "
+		 "the file holds fp32 [10, 3]",
+		 f.saved_dir);
 	restore_fails(&f, "shape", f.saved_dir, bad, want);
 	/* A damaged copy: one data byte flipped, the size kept. */
 	snprintf(copy, sizeof(copy), "%s/damaged", f.state);
@@ -325,7 +342,8 @@ Test(restore, errors_name_the_tensor_the_file_and_both_shapes, .timeout = 90)
 	close(fd);
 	snprintf(want, sizeof(want), "%s/model.safetensors: CRC-32", copy);
 	restore_fails(&f, "damaged", copy, saved, want);
-	snprintf(want, sizeof(want), "holds no manifest.json, no step-N checkpoint, "
+	snprintf(want, sizeof(want),
+		 "holds no manifest.json, no step-N checkpoint, "
 		 "no model.safetensors.index.json and no model.safetensors");
 	restore_fails(&f, "nowhere", "/nonexistent-shardd-checkpoint", saved, want);
 	teardown(&f);

@@ -36,11 +36,11 @@
 #include "harness.h"
 #include "shardd_ctrl.h"
 
-#define REPLY_MS     5000
-#define FLOOD        200   /* connections each sending a zero-length datagram with 8 fds */
-#define REFUSALS     200   /* refused connections that must each get their ERROR */
-#define NOBODY       65534 /* the uid and gid of the refused children */
-#define LINGER_MS    2000  /* shardd's SHD_SESSION_LINGER_MS: a refused socket's last wait */
+#define REPLY_MS  5000
+#define FLOOD     200   /* connections each sending a zero-length datagram with 8 fds */
+#define REFUSALS  200   /* refused connections that must each get their ERROR */
+#define NOBODY    65534 /* the uid and gid of the refused children */
+#define LINGER_MS 2000  /* shardd's SHD_SESSION_LINGER_MS: a refused socket's last wait */
 
 static struct harness_daemon daemon_;
 
@@ -125,7 +125,9 @@ static struct shardd_hello make_hello(const char *job, uint16_t major)
 static ssize_t send_msg_fds(int sock, uint16_t type, uint32_t seq, const void *payload,
 			    uint32_t len, const int *fds, int nfds)
 {
-	struct shardd_msg_hdr h = { .magic = SHARDD_MAGIC, .type = type, .length = len, .seq = seq };
+	struct shardd_msg_hdr h = {
+		.magic = SHARDD_MAGIC, .type = type, .length = len, .seq = seq
+	};
 	uint8_t buf[sizeof(h) + 512];
 
 	cr_assert_leq(len, 512);
@@ -196,7 +198,8 @@ static int64_t admin_connections(int sock, uint32_t seq)
 	int64_t n;
 	json_t *r;
 
-	cr_assert_eq(shardd_ctrl_send(sock, SHARDD_MSG_ADMIN, seq, req, sizeof(req) - 1, NULL, 0), 0);
+	cr_assert_eq(shardd_ctrl_send(sock, SHARDD_MSG_ADMIN, seq, req, sizeof(req) - 1, NULL, 0),
+		     0);
 	cr_assert_eq(shardd_ctrl_recv(sock, &rx, REPLY_MS), 0, "no admin reply");
 	cr_assert_eq(rx.hdr.type, SHARDD_MSG_ADMIN_REPLY);
 	r = json_loadb((const char *)rx.payload, rx.hdr.length, 0, &jerr);
@@ -218,8 +221,8 @@ static void wait_connections(int sock, int64_t want)
 
 	while ((n = admin_connections(sock, seq++)) != want && harness_now_ms() < deadline)
 		sched_yield();
-	cr_assert_eq(n, want, "the daemon still counts %lld connections, want %lld",
-		     (long long)n, (long long)want);
+	cr_assert_eq(n, want, "the daemon still counts %lld connections, want %lld", (long long)n,
+		     (long long)want);
 }
 
 /*
@@ -272,7 +275,8 @@ Test(control_hardening, zero_length_datagrams_carrying_fds_are_refused_and_leak_
 	open_eight(fds);
 	for (int i = 0; i < FLOOD; i++) {
 		fd = raw_connect();
-		cr_assert_eq(harness_send_fds(fd, NULL, 0, fds, 8), 0, "sendmsg: %s", strerror(errno));
+		cr_assert_eq(harness_send_fds(fd, NULL, 0, fds, 8), 0, "sendmsg: %s",
+			     strerror(errno));
 		expect_refusal(fd, -SHARDD_E_MALFORMED, "zero-length datagram",
 			       "zero-length datagram with 8 fds");
 		close(fd);
@@ -287,7 +291,8 @@ Test(control_hardening, zero_length_datagrams_carrying_fds_are_refused_and_leak_
 	wait_connections(admin, base);
 	cr_assert_eq(daemon_fd_count(), base_fds,
 		     "the daemon holds %d fds after %d zero-length datagrams with 8 fds each, "
-		     "%d before", daemon_fd_count(), FLOOD, base_fds);
+		     "%d before",
+		     daemon_fd_count(), FLOOD, base_fds);
 	cr_assert(!log_contains("larger than"), "the log blames the datagram's size");
 	close(admin);
 	assert_others_served("after-flood");
@@ -330,8 +335,8 @@ Test(control_hardening, fds_dropped_at_the_fd_limit_are_logged_with_the_real_cau
 	old = daemon_set_nofile((rlim_t)third_free + 1);
 	open_eight(fds);
 	fd = raw_connect();
-	cr_assert_gt(send_msg_fds(fd, SHARDD_MSG_HELLO, 1, &h, sizeof(h), fds, 8), 0,
-		     "sendmsg: %s", strerror(errno));
+	cr_assert_gt(send_msg_fds(fd, SHARDD_MSG_HELLO, 1, &h, sizeof(h), fds, 8), 0, "sendmsg: %s",
+		     strerror(errno));
 	expect_refusal(fd, -SHARDD_E_MALFORMED, "fd limit", "HELLO with 8 fds at the fd limit");
 	close(fd);
 	close_all(fds, 8);
@@ -501,8 +506,12 @@ static int refused_client_child(void *arg)
 	CHILD_CHECK(become_nobody() == 0, "setuid");
 	for (int i = 0; i < REFUSALS / 4; i++) {
 		struct shardd_attach_opts o = {
-			.socket_path = daemon_.socket, .job = "nobody", .replicate = 1, .shard = 1,
-			.device = SHARDD_HELLO_DEVICE_HOST, .timeout_ms = REPLY_MS,
+			.socket_path = daemon_.socket,
+			.job = "nobody",
+			.replicate = 1,
+			.shard = 1,
+			.device = SHARDD_HELLO_DEVICE_HOST,
+			.timeout_ms = REPLY_MS,
 		};
 		struct shardd_client *c = NULL;
 		int ret = shardd_connect(&o, &c);
@@ -510,7 +519,7 @@ static int refused_client_child(void *arg)
 		CHILD_CHECK(ret == -SHARDD_E_PERM, "attempt %d: attach gave %d: %s", i, ret,
 			    shardd_last_error());
 		CHILD_CHECK(strstr(shardd_last_error(), "uid 65534 is not allowed") &&
-			    strstr(shardd_last_error(), "--allow-gid 65534"),
+				    strstr(shardd_last_error(), "--allow-gid 65534"),
 			    "attempt %d: %s", i, shardd_last_error());
 	}
 	return 0;
@@ -563,8 +572,12 @@ static int denied_child(void *arg)
 	int ret;
 
 	struct shardd_attach_opts o = {
-		.socket_path = daemon_.socket, .job = "denied", .replicate = 1, .shard = 1,
-		.device = SHARDD_HELLO_DEVICE_HOST, .timeout_ms = REPLY_MS,
+		.socket_path = daemon_.socket,
+		.job = "denied",
+		.replicate = 1,
+		.shard = 1,
+		.device = SHARDD_HELLO_DEVICE_HOST,
+		.timeout_ms = REPLY_MS,
 	};
 
 	CHILD_CHECK(become_nobody() == 0, "setuid");
@@ -579,11 +592,16 @@ static int denied_child(void *arg)
 Test(control_hardening, eacces_on_connect_names_the_socket_owner_and_the_flag)
 {
 	static const char *const socket_needles[] = {
-		"the socket belongs to uid 0 gid 0, mode 0755", "runs as uid 65534 gid 65534",
-		"--allow-gid 65534", "group-accessible", NULL,
+		"the socket belongs to uid 0 gid 0, mode 0755",
+		"runs as uid 65534 gid 65534",
+		"--allow-gid 65534",
+		"group-accessible",
+		NULL,
 	};
 	static const char *const dir_needles[] = {
-		"belongs to uid 0 gid 0, mode 0700", "--allow-gid 65534", NULL,
+		"belongs to uid 0 gid 0, mode 0700",
+		"--allow-gid 65534",
+		NULL,
 	};
 
 	if (geteuid() != 0)

@@ -44,10 +44,10 @@ static void stop_daemon(void)
 TestSuite(departures, .fini = stop_daemon, .timeout = 120);
 
 struct rank_arg {
-	char     job[32];
+	char job[32];
 	uint32_t rank;
-	int      ready_fd; /* the child writes one byte once attached */
-	int      go_fd;    /* the leaver says goodbye on a byte; the victim waits to be killed */
+	int ready_fd; /* the child writes one byte once attached */
+	int go_fd;    /* the leaver says goodbye on a byte; the victim waits to be killed */
 };
 
 /* Rank 1: attach, then hold the rank until killed. */
@@ -80,7 +80,7 @@ static int leaver(void *p)
 }
 
 struct round {
-	int   ready[2], go_victim[2], go_leaver[2];
+	int ready[2], go_victim[2], go_leaver[2];
 	pid_t victim, leaver;
 	struct rank_arg va, la;
 	struct shardd_client *c; /* rank 0, this process */
@@ -95,8 +95,12 @@ static void round_start(struct round *r, const char *job)
 	cr_assert_eq(pipe(r->ready), 0);
 	cr_assert_eq(pipe(r->go_victim), 0);
 	cr_assert_eq(pipe(r->go_leaver), 0);
-	r->va = (struct rank_arg){ .rank = VICTIM, .ready_fd = r->ready[1], .go_fd = r->go_victim[0] };
-	r->la = (struct rank_arg){ .rank = LEAVER, .ready_fd = r->ready[1], .go_fd = r->go_leaver[0] };
+	r->va = (struct rank_arg){ .rank = VICTIM,
+				   .ready_fd = r->ready[1],
+				   .go_fd = r->go_victim[0] };
+	r->la = (struct rank_arg){ .rank = LEAVER,
+				   .ready_fd = r->ready[1],
+				   .go_fd = r->go_leaver[0] };
 	snprintf(r->va.job, sizeof(r->va.job), "%s", job);
 	snprintf(r->la.job, sizeof(r->la.job), "%s", job);
 	r->victim = harness_fork(victim, &r->va);
@@ -106,7 +110,8 @@ static void round_start(struct round *r, const char *job)
 	for (int i = 0; i < 2; i++)
 		cr_assert_eq(harness_read_full(r->ready[0], &b, 1, CHILD_WAIT_MS), 0,
 			     "ranks 1 and 2 did not attach");
-	cr_assert_eq(harness_attach(&daemon_, job, 0, 1, WORLD, &r->c), 0, "%s", shardd_last_error());
+	cr_assert_eq(harness_attach(&daemon_, job, 0, 1, WORLD, &r->c), 0, "%s",
+		     shardd_last_error());
 }
 
 /* Submit barrier 1 as rank 0 and wait, without sleeping, until the daemon took it. */
@@ -158,8 +163,10 @@ static void barrier_names_the_dead_rank(struct round *r, int round)
 	cr_assert(cp.user_data == 11 && cp.res == -SHARDD_E_PEER_DIED,
 		  "round %d: barrier completed with %d (%s): %s", round, cp.res,
 		  shardd_strerror(cp.res), cp.msg);
-	cr_assert_not_null(strstr(cp.msg, died), "round %d: the error does not name the death of "
-			   "rank 1 (pid %d): %s", round, (int)r->victim, cp.msg);
+	cr_assert_not_null(strstr(cp.msg, died),
+			   "round %d: the error does not name the death of "
+			   "rank 1 (pid %d): %s",
+			   round, (int)r->victim, cp.msg);
 	cr_assert_null(strstr(cp.msg, leaver_died), "round %d: rank 2 said goodbye, yet: %s", round,
 		       cp.msg);
 }
@@ -201,15 +208,17 @@ static void wait_attached(const char *name, int attached)
 	char out[4096];
 
 	while (harness_now_ms() < deadline) {
-		json_t *reply = harness_shardctl_json(daemon_.socket, args, ERR_WAIT_MS, out, sizeof(out));
+		json_t *reply =
+			harness_shardctl_json(daemon_.socket, args, ERR_WAIT_MS, out, sizeof(out));
 		const json_t *j;
 		size_t i;
 		int done = 0;
 
 		cr_assert_not_null(reply, "shardctl --json jobs: %s", out);
-		json_array_foreach(json_object_get(reply, "jobs"), i, j)
-			if (strcmp(json_string_value(json_object_get(j, "name")), name) == 0)
-				done = json_integer_value(json_object_get(j, "attached")) == attached;
+		json_array_foreach(
+			json_object_get(reply, "jobs"), i,
+			j) if (strcmp(json_string_value(json_object_get(j, "name")), name) == 0)
+			done = json_integer_value(json_object_get(j, "attached")) == attached;
 		json_decref(reply);
 		if (done)
 			return;

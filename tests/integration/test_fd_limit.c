@@ -31,9 +31,11 @@ Test(fd_limit, daemon_started_with_a_low_soft_limit_runs_with_the_hard_one)
 	ret = harness_daemon_start(&hd, NULL);
 	cr_assert_eq(setrlimit(RLIMIT_NOFILE, &mine), 0, "setrlimit back: %s", strerror(errno));
 	cr_assert_eq(ret, 0, "shardd did not start");
-	cr_assert_eq(prlimit(hd.pid, RLIMIT_NOFILE, NULL, &theirs), 0, "prlimit: %s", strerror(errno));
-	cr_expect_eq(theirs.rlim_cur, mine.rlim_max,
-		     "shardd's soft RLIMIT_NOFILE is %llu, started from 256: want the hard limit %llu",
-		     (unsigned long long)theirs.rlim_cur, (unsigned long long)mine.rlim_max);
+	cr_assert_eq(prlimit(hd.pid, RLIMIT_NOFILE, NULL, &theirs), 0, "prlimit: %s",
+		     strerror(errno));
+	cr_expect_eq(
+		theirs.rlim_cur, mine.rlim_max,
+		"shardd's soft RLIMIT_NOFILE is %llu, started from 256: want the hard limit %llu",
+		(unsigned long long)theirs.rlim_cur, (unsigned long long)mine.rlim_max);
 	harness_daemon_stop_expect_clean(&hd);
 }

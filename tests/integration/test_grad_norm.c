@@ -25,8 +25,8 @@
 #include "inproc.h"
 #include "shardd.h"
 
-#define NP 4
-#define NG 2
+#define NP   4
+#define NG   2
 #define MAXW 4
 
 /* Shard(0) params: padding rows (5 rows over 2 ranks), zero elements, a vector, a 0-d scalar. */
@@ -120,23 +120,28 @@ static void reduce_all(struct fixture *f, uint64_t step, int poison, struct ref_
 		((float *)shardd_group_grad(f->g[0][0], 0))[0] = NAN;
 	for (int k = 0; k < NG; k++) {
 		for (uint32_t r = 0; r < f->world; r++)
-			cr_assert_eq(shardd_group_submit(f->g[r][k], SHARDD_OP_REDUCE, step, flags, 100 + r),
+			cr_assert_eq(shardd_group_submit(f->g[r][k], SHARDD_OP_REDUCE, step, flags,
+							 100 + r),
 				     0, "%s", shardd_last_error());
 		for (uint32_t r = 0; r < f->world; r++) {
-			cr_assert_eq(shardd_wait(f->c[r], &cp, 30000), 0, "%s", shardd_last_error());
-			cr_assert_eq(cp.res, 0, "rank %u reduce of %s: %s", r, group_names[k], cp.msg);
+			cr_assert_eq(shardd_wait(f->c[r], &cp, 30000), 0, "%s",
+				     shardd_last_error());
+			cr_assert_eq(cp.res, 0, "rank %u reduce of %s: %s", r, group_names[k],
+				     cp.msg);
 		}
 	}
 	for (uint32_t r = 0; r < f->world; r++)
 		for (int k = 0; k < NG; k++)
 			for (uint32_t i = 0; i < NP; i++) {
-				const struct shardd_param_layout *l = shardd_group_layout(f->g[r][k], i);
+				const struct shardd_param_layout *l =
+					shardd_group_layout(f->g[r][k], i);
 				float *sg = shardd_group_shard_grad(f->g[r][k], i);
 				uint64_t per_row = 1;
 
 				for (uint32_t d = 1; d < params[i].ndim; d++)
 					per_row *= params[i].shape[d];
-				for (uint64_t e = l->shard_rows_valid * per_row; e < l->shard_bytes / sizeof(float); e++)
+				for (uint64_t e = l->shard_rows_valid * per_row;
+				     e < l->shard_bytes / sizeof(float); e++)
 					sg[e] = 1000.0f;
 			}
 }
@@ -175,8 +180,8 @@ static void expect_norm(struct fixture *f, uint64_t step, double type, double wa
 		shardd_grad_norm_result(&cps[r], &norm, &nonfinite);
 		cr_assert_eq(nonfinite, 0, "rank %u", r);
 		/* The reduce rounds each mean to fp32: a relative 2^-23 per element bounds the norm's error. */
-		cr_assert(fabs(norm - want) <= 1e-6 * want, "rank %u: norm_type %g: %.17g, reference %.17g", r,
-			  type, norm, want);
+		cr_assert(fabs(norm - want) <= 1e-6 * want,
+			  "rank %u: norm_type %g: %.17g, reference %.17g", r, type, norm, want);
 	}
 }
 
@@ -232,8 +237,8 @@ Test(grad_norm, sync_call_returns_the_norm_and_absent_grads_count_zero, .timeout
 	for (int r = 0; r < 2; r++) {
 		pthread_join(th[r], NULL);
 		cr_assert_eq(a[r].ret, 0, "rank %d: %s", r, shardd_last_error());
-		cr_assert(fabs(a[r].norm - sqrt(ref.sumsq)) <= 1e-6 * sqrt(ref.sumsq), "rank %d: %.17g vs %.17g",
-			  r, a[r].norm, sqrt(ref.sumsq));
+		cr_assert(fabs(a[r].norm - sqrt(ref.sumsq)) <= 1e-6 * sqrt(ref.sumsq),
+			  "rank %d: %.17g vs %.17g", r, a[r].norm, sqrt(ref.sumsq));
 	}
 	finish(&f);
 }
@@ -283,16 +288,20 @@ Test(grad_norm, mismatched_step_or_norm_type_fails_every_rank, .timeout = 60)
 	start(&f, 1, 2, "20");
 	grad_norm_all(&f, steps, types, cps);
 	for (int r = 0; r < 2; r++) {
-		cr_assert_eq(cps[r].res, -SHARDD_E_MISMATCH, "rank %d: res %d %s", r, cps[r].res, cps[r].msg);
+		cr_assert_eq(cps[r].res, -SHARDD_E_MISMATCH, "rank %d: res %d %s", r, cps[r].res,
+			     cps[r].msg);
 		cr_assert(strstr(cps[r].msg, "rank 1 submitted grad_norm(step 6, norm_type 2)") &&
-			  strstr(cps[r].msg, "rank 0 submitted grad_norm(step 5, norm_type 2)") &&
-			  strstr(cps[r].msg, "failing ranks 0,1"), "rank %d: %s", r, cps[r].msg);
+				  strstr(cps[r].msg,
+					 "rank 0 submitted grad_norm(step 5, norm_type 2)") &&
+				  strstr(cps[r].msg, "failing ranks 0,1"),
+			  "rank %d: %s", r, cps[r].msg);
 	}
 	grad_norm_all(&f, same, mixed, cps);
 	for (int r = 0; r < 2; r++) {
-		cr_assert_eq(cps[r].res, -SHARDD_E_MISMATCH, "rank %d: res %d %s", r, cps[r].res, cps[r].msg);
-		cr_assert(strstr(cps[r].msg, "norm_type inf") && strstr(cps[r].msg, "norm_type 2"), "rank %d: %s",
-			  r, cps[r].msg);
+		cr_assert_eq(cps[r].res, -SHARDD_E_MISMATCH, "rank %d: res %d %s", r, cps[r].res,
+			     cps[r].msg);
+		cr_assert(strstr(cps[r].msg, "norm_type inf") && strstr(cps[r].msg, "norm_type 2"),
+			  "rank %d: %s", r, cps[r].msg);
 	}
 	/* The rendezvous is free again: a matching call succeeds. */
 	expect_norm(&f, 5, 2.0, 0.0);
@@ -309,9 +318,11 @@ Test(grad_norm, bad_norm_type_is_rejected_by_name, .timeout = 60)
 	start(&f, 1, 2, "20");
 	/* The library refuses it before it reaches the daemon. */
 	cr_assert_eq(shardd_grad_norm(f.c[0], 1, 1.0, &norm, &nonfinite), -EINVAL);
-	cr_assert(strstr(shardd_last_error(), "norm_type 1 is not supported"), "%s", shardd_last_error());
+	cr_assert(strstr(shardd_last_error(), "norm_type 1 is not supported"), "%s",
+		  shardd_last_error());
 	/* The daemon refuses it too: a raw entry carries norm_type 0.0. */
-	cr_assert_eq(shardd_client_submit(f.c[0], SHARDD_OP_GRAD_NORM, 1, 0, 9), 0, "%s", shardd_last_error());
+	cr_assert_eq(shardd_client_submit(f.c[0], SHARDD_OP_GRAD_NORM, 1, 0, 9), 0, "%s",
+		     shardd_last_error());
 	cr_assert_eq(shardd_wait(f.c[0], &cp, 30000), 0, "%s", shardd_last_error());
 	cr_assert_eq(cp.res, -SHARDD_E_INVALID, "res %d %s", cp.res, cp.msg);
 	cr_assert(strstr(cp.msg, "norm_type 0") && strstr(cp.msg, "use 2.0 or inf"), "%s", cp.msg);
@@ -327,8 +338,10 @@ Test(grad_norm, timeout_names_the_missing_rank, .timeout = 60)
 	cr_assert_eq(shardd_grad_norm_submit(f.c[0], 4, 2.0, 11), 0, "%s", shardd_last_error());
 	cr_assert_eq(shardd_wait(f.c[0], &cp, 30000), 0, "%s", shardd_last_error());
 	cr_assert_eq(cp.res, -SHARDD_E_TIMEOUT, "res %d %s", cp.res, cp.msg);
-	cr_assert(strstr(cp.msg, "grad_norm(step 4): rank 1 did not submit grad_norm within 1 s; rank 0 is waiting"),
-		  "%s", cp.msg);
+	cr_assert(
+		strstr(cp.msg,
+		       "grad_norm(step 4): rank 1 did not submit grad_norm within 1 s; rank 0 is waiting"),
+		"%s", cp.msg);
 	finish(&f);
 }
 
@@ -347,7 +360,8 @@ Test(grad_norm, rank_leaving_fails_the_waiting_ranks_by_name, .timeout = 60)
 	f.c[1] = NULL;
 	cr_assert_eq(shardd_wait(f.c[0], &cp, 30000), 0, "%s", shardd_last_error());
 	cr_assert_eq(cp.res, -SHARDD_E_PEER_DIED, "res %d %s", cp.res, cp.msg);
-	cr_assert(strstr(cp.msg, "grad_norm(step 2): rank 1") && strstr(cp.msg, "rank 0 was waiting"), "%s",
-		  cp.msg);
+	cr_assert(strstr(cp.msg, "grad_norm(step 2): rank 1") &&
+			  strstr(cp.msg, "rank 0 was waiting"),
+		  "%s", cp.msg);
 	finish(&f);
 }

@@ -35,8 +35,9 @@ TestSuite(hostile, .init = start_daemon, .fini = stop_daemon, .timeout = 30);
  */
 Test(hostile, job_name_that_is_a_path_is_refused_at_hello)
 {
-	static const char *const names[] = { ".", "..", "../escaped", "a/b", "/abs", "x/..",
-					      "job/" };
+	static const char *const names[] = {
+		".", "..", "../escaped", "a/b", "/abs", "x/..", "job/"
+	};
 
 	for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
 		struct shardd_hello h = make_hello(names[i], 0, 1, 1, 0);
@@ -95,8 +96,10 @@ Test(hostile, registering_groups_without_end_is_refused_before_the_fd_limit)
 			shardd_ctrl_rx_reset(&rx);
 		}
 	}
-	cr_assert(refused, "%d groups of one element each were all registered under a limit of "
-		  "512 descriptors", n);
+	cr_assert(refused,
+		  "%d groups of one element each were all registered under a limit of "
+		  "512 descriptors",
+		  n);
 	/* The job still works, and the daemon still takes connections and attaches. */
 	raw_nop_ok(&r, 2);
 	{
@@ -156,8 +159,10 @@ Test(hostile, jobs_attached_and_left_without_a_group_are_not_kept)
 	raw_close(&r);
 	/* Every EOF above is processed once only our admin connection is left. */
 	wait_connections(fd, 1);
-	cr_assert_eq(admin_jobs(fd), 1, "the daemon still holds %lld jobs; want only 'kept', which "
-		     "holds a group", (long long)admin_jobs(fd));
+	cr_assert_eq(admin_jobs(fd), 1,
+		     "the daemon still holds %lld jobs; want only 'kept', which "
+		     "holds a group",
+		     (long long)admin_jobs(fd));
 	{
 		static const char req[] = "{\"cmd\":\"jobs\"}";
 		json_t *rep = admin_call(fd, 3, req, sizeof(req) - 1);
@@ -179,7 +184,8 @@ Test(hostile, jobs_attached_and_left_without_a_group_are_not_kept)
 static int64_t http_exchange(int port, const char *req, size_t len, char *out, size_t outlen,
 			     int within_ms)
 {
-	struct sockaddr_in sa = { .sin_family = AF_INET, .sin_port = htons((uint16_t)port),
+	struct sockaddr_in sa = { .sin_family = AF_INET,
+				  .sin_port = htons((uint16_t)port),
 				  .sin_addr = { htonl(INADDR_LOOPBACK) } };
 	int64_t start = harness_now_ms();
 	size_t have = 0, sent = 0;
@@ -250,8 +256,9 @@ Test(hostile, metrics_request_line_past_the_buffer_gets_414_not_a_hang)
 	cr_assert_not_null(strstr(resp, "HTTP/1.1 414"), "%.300s", resp);
 	free(req);
 	/* And the scrape after it is served. */
-	cr_assert_geq(http_exchange(port, "GET /metrics HTTP/1.0\r\n\r\n", 25, resp, sizeof(resp),
-				    5000), 0, "no answer to a scrape");
+	cr_assert_geq(
+		http_exchange(port, "GET /metrics HTTP/1.0\r\n\r\n", 25, resp, sizeof(resp), 5000),
+		0, "no answer to a scrape");
 	cr_assert_not_null(strstr(resp, "HTTP/1.1 200"), "%.300s", resp);
 	harness_daemon_stop_expect_clean(&d);
 	assert_others_served();
@@ -277,8 +284,10 @@ Test(hostile, open_group_flood_without_reading_replies_is_dropped_early)
 	before = daemon_fd_count();
 	snprintf(og.name, sizeof(og.name), "g");
 	for (sent = 0; sent < 2000; sent++) {
-		struct shardd_msg_hdr h = { .magic = SHARDD_MAGIC, .type = SHARDD_MSG_OPEN_GROUP,
-					    .length = sizeof(og), .seq = 100u + (uint32_t)sent };
+		struct shardd_msg_hdr h = { .magic = SHARDD_MAGIC,
+					    .type = SHARDD_MSG_OPEN_GROUP,
+					    .length = sizeof(og),
+					    .seq = 100u + (uint32_t)sent };
 		struct iovec iov[2] = { { &h, sizeof(h) }, { &og, sizeof(og) } };
 		struct msghdr mh = { .msg_iov = iov, .msg_iovlen = 2 };
 		int now;
@@ -290,10 +299,14 @@ Test(hostile, open_group_flood_without_reading_replies_is_dropped_early)
 			peak = now > peak ? now : peak;
 		}
 	}
-	cr_assert_lt(peak - before, 600, "%d unread GROUP replies made the daemon hold %d more "
-		     "descriptors", sent, peak - before);
-	cr_assert_lt(sent, 2000, "the daemon never dropped a client that reads none of its "
-		     "replies (%d sent)", sent);
+	cr_assert_lt(peak - before, 600,
+		     "%d unread GROUP replies made the daemon hold %d more "
+		     "descriptors",
+		     sent, peak - before);
+	cr_assert_lt(sent, 2000,
+		     "the daemon never dropped a client that reads none of its "
+		     "replies (%d sent)",
+		     sent);
 	raw_close(&r);
 	/* Its queue was freed with it: every descriptor of the flood is back. */
 	fd = raw_connect();
@@ -329,7 +342,8 @@ static void raw_send_register_restore(struct raw *r, const char *name, const cha
 	memcpy(p, base, len);
 	memcpy(p + len, &rs, sizeof(rs));
 	memcpy(p + len + sizeof(rs), path, rs.path_len);
-	send_msg(r->fd, SHARDD_MSG_REGISTER_GROUP, ++r->seq, p, len + (uint32_t)sizeof(rs) + rs.path_len);
+	send_msg(r->fd, SHARDD_MSG_REGISTER_GROUP, ++r->seq, p,
+		 len + (uint32_t)sizeof(rs) + rs.path_len);
 	free(p);
 	free(base);
 }
@@ -356,8 +370,8 @@ Test(hostile, restore_from_a_fifo_is_refused_not_a_blocked_worker, .init = start
 		raw_send_register_restore(&r[i], "g", dir);
 	}
 	for (int i = 0; i < 3; i++) {
-		expect_error(r[i].fd, r[i].seq, -SHARDD_E_INVALID, NEEDLES(fifo, "not a regular file"),
-			     "restore from a FIFO");
+		expect_error(r[i].fd, r[i].seq, -SHARDD_E_INVALID,
+			     NEEDLES(fifo, "not a regular file"), "restore from a FIFO");
 		raw_close(&r[i]);
 	}
 	assert_others_served();
@@ -397,13 +411,15 @@ Test(hostile, largest_rings_on_many_connections_are_refused_past_a_bound, .init 
 		send_msg(r[n].fd, SHARDD_MSG_HELLO, 1, &h, sizeof(h));
 		recv_msg(r[n].fd, &rx);
 		if (rx.hdr.type == SHARDD_MSG_ERROR) {
-			check_error(&rx, 1, -SHARDD_E_NOMEM, NEEDLES("hello.sq_entries = 65536", "--max-memory"),
+			check_error(&rx, 1, -SHARDD_E_NOMEM,
+				    NEEDLES("hello.sq_entries = 65536", "--max-memory"),
 				    "one ring too many");
 			refused = 1;
 		}
 		shardd_ctrl_rx_reset(&rx);
 	}
-	cr_assert(refused, "16 rings of 65536 entries (%d MiB) were all created under --max-memory 64M",
+	cr_assert(refused,
+		  "16 rings of 65536 entries (%d MiB) were all created under --max-memory 64M",
 		  16 * 44);
 	cr_assert_geq(n, 4, "refused at ring %d already: the bound is 256 MiB", n);
 	assert_others_served();

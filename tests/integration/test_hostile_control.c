@@ -312,13 +312,12 @@ Test(hostile, bad_registrations_are_refused_naming_the_field_and_value)
 	expect_spec_error(&r, &h, &s, 1, -SHARDD_E_INVALID, NEEDLES("0xffffffffffffffff"),
 			  "shape 2^64-1");
 	s = pspec("w", SHARDD_DTYPE_BF16, 2, (uint64_t[]){ 1ull << 20, 1ull << 20 });
-	expect_spec_error(&r, &h, &s, 1, -SHARDD_E_INVALID, NEEDLES("overflows"),
-			  "a 2 TiB param");
+	expect_spec_error(&r, &h, &s, 1, -SHARDD_E_INVALID, NEEDLES("overflows"), "a 2 TiB param");
 	h = reg_hdr("g", 2);
 	two[0] = ok;
 	two[1] = ok;
-	expect_spec_error(&r, &h, two, 2, -SHARDD_E_INVALID,
-			  NEEDLES("'w'", "params #0 and #1"), "duplicate param names");
+	expect_spec_error(&r, &h, two, 2, -SHARDD_E_INVALID, NEEDLES("'w'", "params #0 and #1"),
+			  "duplicate param names");
 
 	/* A large registration over many datagrams whose last param is bad. */
 	many = calloc(2000, sizeof(*many));
@@ -331,8 +330,8 @@ Test(hostile, bad_registrations_are_refused_naming_the_field_and_value)
 	}
 	many[1999].ndim = 12;
 	h = reg_hdr("many", 2000);
-	expect_spec_error(&r, &h, many, 2000, -SHARDD_E_INVALID, NEEDLES("layer.1999.w", "ndim = 12"),
-			  "bad last param of 2000");
+	expect_spec_error(&r, &h, many, 2000, -SHARDD_E_INVALID,
+			  NEEDLES("layer.1999.w", "ndim = 12"), "bad last param of 2000");
 	many[1999].ndim = 1;
 	p = reg_payload(&h, many, 2000, &len);
 	send_msg(r.fd, SHARDD_MSG_REGISTER_GROUP, ++r.seq, p, len);
@@ -411,8 +410,7 @@ Test(hostile, bad_admin_requests_get_ok_false_naming_the_field)
 	json_decref(reply);
 	expect_admin_error(fd, "{\"cmd\":\"show\",\"group\":\"zz\"}", -SHARDD_E_NOGROUP,
 			   "no group 'zz'");
-	expect_admin_error(fd, "{\"cmd\":\"show\",\"group\":[]}", -SHARDD_E_INVALID,
-			   "\"group\"");
+	expect_admin_error(fd, "{\"cmd\":\"show\",\"group\":[]}", -SHARDD_E_INVALID, "\"group\"");
 
 	/* Argument types of dump, on the attached connection. */
 	expect_admin_error(r.fd, "{\"cmd\":\"dump\",\"group\":\"zz\",\"param\":\"w\"}",
@@ -421,23 +419,15 @@ Test(hostile, bad_admin_requests_get_ok_false_naming_the_field)
 	raw_attach(&r, "adm1", 0, 1, 1, 0);
 	raw_register_small(&r, "d");
 #define DUMP(extra) "{\"cmd\":\"dump\",\"group\":\"d\",\"param\":\"w\"" extra "}"
-	expect_admin_error(r.fd, DUMP(",\"rank\":\"x\""),
-			   -SHARDD_E_INVALID, "\"rank\"");
-	expect_admin_error(r.fd, DUMP(",\"rank\":99"),
-			   -SHARDD_E_INVALID, "\"rank\" = 99");
-	expect_admin_error(r.fd, DUMP(",\"limit\":-1"),
-			   -SHARDD_E_INVALID, "\"limit\"");
-	expect_admin_error(r.fd, DUMP(",\"limit\":1e300"),
-			   -SHARDD_E_INVALID, "\"limit\"");
-	expect_admin_error(r.fd, DUMP(",\"rows\":\"a\""),
-			   -SHARDD_E_INVALID, "\"rows\"");
-	expect_admin_error(r.fd, DUMP(",\"rows\":[3,1]"),
-			   -SHARDD_E_INVALID, "\"rows\" = 3:1");
-	expect_admin_error(r.fd, DUMP(",\"rows\":[0,9999999999]"), -SHARDD_E_INVALID,
-			   "\"rows\"");
+	expect_admin_error(r.fd, DUMP(",\"rank\":\"x\""), -SHARDD_E_INVALID, "\"rank\"");
+	expect_admin_error(r.fd, DUMP(",\"rank\":99"), -SHARDD_E_INVALID, "\"rank\" = 99");
+	expect_admin_error(r.fd, DUMP(",\"limit\":-1"), -SHARDD_E_INVALID, "\"limit\"");
+	expect_admin_error(r.fd, DUMP(",\"limit\":1e300"), -SHARDD_E_INVALID, "\"limit\"");
+	expect_admin_error(r.fd, DUMP(",\"rows\":\"a\""), -SHARDD_E_INVALID, "\"rows\"");
+	expect_admin_error(r.fd, DUMP(",\"rows\":[3,1]"), -SHARDD_E_INVALID, "\"rows\" = 3:1");
+	expect_admin_error(r.fd, DUMP(",\"rows\":[0,9999999999]"), -SHARDD_E_INVALID, "\"rows\"");
 	expect_admin_error(r.fd, DUMP(",\"what\":\"secrets\""), -SHARDD_E_INVALID, "'secrets'");
-	expect_admin_error(r.fd, DUMP(",\"what\":7"),
-			   -SHARDD_E_INVALID, "\"what\"");
+	expect_admin_error(r.fd, DUMP(",\"what\":7"), -SHARDD_E_INVALID, "\"what\"");
 	expect_admin_error(r.fd, "{\"cmd\":\"dump\",\"group\":\"d\",\"param\":\"nope\"}",
 			   -SHARDD_E_INVALID, "no param 'nope'");
 #undef DUMP
@@ -523,8 +513,9 @@ static void raw_register_arrived(struct raw *r, const char *name, uint64_t d0)
 static void send_register_w(struct raw *r, uint64_t rows)
 {
 	raw_send_register(r, (struct shardd_register_group[]){ reg_hdr("g", 1) },
-			  (struct shardd_param_spec[]){ pspec("w", SHARDD_DTYPE_FP32, 1,
-							      (uint64_t[]){ rows }) }, 1);
+			  (struct shardd_param_spec[]){
+				  pspec("w", SHARDD_DTYPE_FP32, 1, (uint64_t[]){ rows }) },
+			  1);
 }
 
 /* Ranks a and b register the same "g" ([6]), get the same group id, and close. */

@@ -49,7 +49,8 @@ static int half_register_child(void *arg)
 	struct shardd_register_group rg = reg_hdr("big", HALF_PARAMS);
 	struct shardd_ctrl_rx rx = { 0 };
 	struct shardd_msg_hdr mh = {
-		.magic = SHARDD_MAGIC, .type = SHARDD_MSG_REGISTER_GROUP,
+		.magic = SHARDD_MAGIC,
+		.type = SHARDD_MSG_REGISTER_GROUP,
 		.length = (uint32_t)(sizeof(rg) + HALF_PARAMS * sizeof(struct shardd_param_spec)),
 		.seq = 2,
 	};
@@ -58,7 +59,8 @@ static int half_register_child(void *arg)
 	int fd = harness_raw_connect(hostile_daemon.socket);
 
 	CHILD_CHECK(fd >= 0 && first, "connect");
-	CHILD_CHECK(shardd_ctrl_send(fd, SHARDD_MSG_HELLO, 1, &h, sizeof(h), NULL, 0) == 0, "hello");
+	CHILD_CHECK(shardd_ctrl_send(fd, SHARDD_MSG_HELLO, 1, &h, sizeof(h), NULL, 0) == 0,
+		    "hello");
 	CHILD_CHECK(shardd_ctrl_recv(fd, &rx, REPLY_MS) == 0 && rx.hdr.type == SHARDD_MSG_WELCOME,
 		    "no welcome");
 	shardd_ctrl_rx_reset(&rx);
@@ -144,7 +146,10 @@ static void hold_full(float *full)
 }
 
 static const struct shardd_param_desc hold_param = {
-	.name = "w", .dtype = SHARDD_DTYPE_FP32, .ndim = 2, .shape = { 6, 2 },
+	.name = "w",
+	.dtype = SHARDD_DTYPE_FP32,
+	.ndim = 2,
+	.shape = { 6, 2 },
 };
 
 /* Rank 0 of "hold": register, write its shard, unshard step 1, report, hold it until killed. */
@@ -158,8 +163,8 @@ static int holder_child(void *arg)
 
 	hold_full(full);
 	CHILD_CHECK(harness_attach(&hostile_daemon, "hold", 0, 1, 2, &c) == 0, "attach");
-	CHILD_CHECK(shardd_group_register(c, "g", &hold_param, 1, NULL, NULL, &g) == 0, "register: %s",
-		    shardd_last_error());
+	CHILD_CHECK(shardd_group_register(c, "g", &hold_param, 1, NULL, NULL, &g) == 0,
+		    "register: %s", shardd_last_error());
 	CHILD_CHECK(shardd_group_load_full(g, 0, full) == 0, "load");
 	CHILD_CHECK(shardd_unshard(g, 1) == 0, "unshard: %s", shardd_last_error());
 	CHILD_CHECK(memcmp(shardd_group_unsharded(g, 0), full, sizeof(full)) == 0, "values");
@@ -296,8 +301,8 @@ Test(hostile, fifty_clients_connecting_and_leaving_leak_no_descriptors)
 		switch (i % 4) {
 		case 0: /* a full life: register a group (memfds), unshard, goodbye */
 			cr_assert_eq(harness_attach(&hostile_daemon, "churn", 0, 1, 1, &c), 0);
-			cr_assert_eq(shardd_group_register(c, "g", &hold_param, 1, NULL, NULL, &g), 0,
-				     "%s", shardd_last_error());
+			cr_assert_eq(shardd_group_register(c, "g", &hold_param, 1, NULL, NULL, &g),
+				     0, "%s", shardd_last_error());
 			cr_assert_eq(shardd_unshard(g, 1), 0, "%s", shardd_last_error());
 			shardd_group_close(g);
 			shardd_close(c);

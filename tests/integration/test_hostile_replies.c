@@ -91,8 +91,9 @@ Test(hostile, replies_a_client_does_not_read_are_queued_while_others_are_served)
 		cr_assert_eq(rx.hdr.seq, first_seq + (uint32_t)i, "reply %d: seq %u, want %u", i,
 			     rx.hdr.seq, first_seq + (uint32_t)i);
 		cr_assert_eq(rx.nfds, 4, "reply %d carries %d fds", i, rx.nfds);
-		cr_assert_eq(rx.hdr.length, sizeof(g) + (size_t)BIG_PARAMS *
-			     (sizeof(struct shardd_param_layout) + sizeof(struct shardd_param_spec)));
+		cr_assert_eq(rx.hdr.length,
+			     sizeof(g) + (size_t)BIG_PARAMS * (sizeof(struct shardd_param_layout) +
+							       sizeof(struct shardd_param_spec)));
 		memcpy(&g, rx.payload, sizeof(g));
 		cr_assert_eq(g.nparams, BIG_PARAMS);
 		if (i)
@@ -140,8 +141,10 @@ Test(hostile, client_letting_replies_pile_past_the_bound_is_dropped_and_named)
 	raw_register_big(&a, "big");
 	raw_open_unread(&a, "big", OVERFLOW_OPENS);
 	p = (struct pollfd){ .fd = a.fd, .events = POLLRDHUP };
-	cr_assert_eq(poll(&p, 1, REPLY_MS), 1, "the daemon kept a client with %d unread 2 MB "
-		     "replies", OVERFLOW_OPENS);
+	cr_assert_eq(poll(&p, 1, REPLY_MS), 1,
+		     "the daemon kept a client with %d unread 2 MB "
+		     "replies",
+		     OVERFLOW_OPENS);
 	cr_assert(p.revents & (POLLHUP | POLLRDHUP), "revents 0x%x", p.revents);
 	snprintf(needle, sizeof(needle), "pid %d) does not read its replies", (int)getpid());
 	wait_log(&hostile_daemon, needle);
@@ -194,9 +197,10 @@ Test(hostile, announced_length_is_not_allocated_before_the_bytes_arrive)
 	json_decref(admin_call(admin, 2, "{\"cmd\":\"status\"}", 16));
 	size1 = daemon_vm("VmSize");
 	rss1 = daemon_vm("VmRSS");
-	cr_assert_lt(size1, size0 + VM_SLACK, "VmSize grew by %llu bytes for one %u-byte datagram "
-		     "of a message announcing %u", (unsigned long long)(size1 - size0),
-		     SHARDD_CTRL_CHUNK, ANNOUNCED_BYTES);
+	cr_assert_lt(size1, size0 + VM_SLACK,
+		     "VmSize grew by %llu bytes for one %u-byte datagram "
+		     "of a message announcing %u",
+		     (unsigned long long)(size1 - size0), SHARDD_CTRL_CHUNK, ANNOUNCED_BYTES);
 	cr_assert_lt(rss1, rss0 + VM_SLACK, "VmRSS grew by %llu bytes for one %u-byte datagram",
 		     (unsigned long long)(rss1 - rss0), SHARDD_CTRL_CHUNK);
 	assert_daemon_alive();
@@ -252,9 +256,9 @@ Test(hostile, connections_that_never_complete_a_message_are_closed_after_the_tim
 
 	cr_assert_eq(harness_expect_eof(silent, REPLY_MS), 0,
 		     "a silent connection stayed open past --handshake-timeout " HANDSHAKE_S);
-	cr_assert_eq(harness_expect_eof(half, REPLY_MS), 0,
-		     "a connection with half a HELLO stayed open past --handshake-timeout "
-		     HANDSHAKE_S);
+	cr_assert_eq(
+		harness_expect_eof(half, REPLY_MS), 0,
+		"a connection with half a HELLO stayed open past --handshake-timeout " HANDSHAKE_S);
 	snprintf(needle, sizeof(needle), "pid %d) sent no complete message", (int)getpid());
 	wait_log(&d, needle);
 

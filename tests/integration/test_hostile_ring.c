@@ -153,12 +153,14 @@ Test(hostile, extreme_step_values_round_trip_and_mismatches_name_both_steps)
 	cr_assert_eq(c.user_data, 1);
 	cr_assert_eq(c.res, -SHARDD_E_MISMATCH, "rank 0's barrier: %d %s", c.res, msg);
 
-	raw_send_register(&a, (struct shardd_register_group[]){ reg_hdr("g", 1) },
-			  (struct shardd_param_spec[]){ pspec("w", SHARDD_DTYPE_BF16, 1,
-							      (uint64_t[]){ 6 }) }, 1);
-	raw_send_register(&b, (struct shardd_register_group[]){ reg_hdr("g", 1) },
-			  (struct shardd_param_spec[]){ pspec("w", SHARDD_DTYPE_BF16, 1,
-							      (uint64_t[]){ 6 }) }, 1);
+	raw_send_register(
+		&a, (struct shardd_register_group[]){ reg_hdr("g", 1) },
+		(struct shardd_param_spec[]){ pspec("w", SHARDD_DTYPE_BF16, 1, (uint64_t[]){ 6 }) },
+		1);
+	raw_send_register(
+		&b, (struct shardd_register_group[]){ reg_hdr("g", 1) },
+		(struct shardd_param_spec[]){ pspec("w", SHARDD_DTYPE_BF16, 1, (uint64_t[]){ 6 }) },
+		1);
 	gid = raw_recv_group(&a);
 	cr_assert_eq(raw_recv_group(&b), gid);
 	raw_push(&a, (struct shardd_sqe[]){ sqe_of(SHARDD_OP_UNSHARD, gid, UINT64_MAX, 0, 4) });
@@ -190,16 +192,16 @@ Test(hostile, all_reduce_flag_on_a_1xW_mesh_is_accepted_alike_and_mismatches_fai
 	cr_assert_eq(raw_recv_group(&b), gid);
 
 	/* No replicate dim: the all-reduce is across one replica; both ranks asking is fine. */
-	raw_push(&a, (struct shardd_sqe[]){ sqe_of(SHARDD_OP_REDUCE, gid, 1,
-						     SHARDD_REDUCE_ALL_REDUCE, 1) });
+	raw_push(&a, (struct shardd_sqe[]){
+			     sqe_of(SHARDD_OP_REDUCE, gid, 1, SHARDD_REDUCE_ALL_REDUCE, 1) });
 	c = raw_op(&b, sqe_of(SHARDD_OP_REDUCE, gid, 1, SHARDD_REDUCE_ALL_REDUCE, 2), msg);
 	cr_assert_eq(c.res, 0, "rank 1 reduce with ALL_REDUCE: %s", msg);
 	raw_reap_ok(&a, &c, msg, "rank 0 reduce");
 	cr_assert_eq(c.res, 0, "rank 0 reduce with ALL_REDUCE: %s", msg);
 
 	/* Ranks of the shard group disagreeing on the flag: both fail, both flags named. */
-	raw_push(&a, (struct shardd_sqe[]){ sqe_of(SHARDD_OP_REDUCE, gid, 2,
-						     SHARDD_REDUCE_ALL_REDUCE, 3) });
+	raw_push(&a, (struct shardd_sqe[]){
+			     sqe_of(SHARDD_OP_REDUCE, gid, 2, SHARDD_REDUCE_ALL_REDUCE, 3) });
 	raw_nop_ok(&a, 4);
 	c = raw_op(&b, sqe_of(SHARDD_OP_REDUCE, gid, 2, 0, 5), msg);
 	cr_assert_eq(c.res, -SHARDD_E_MISMATCH, "flag mismatch: %d %s", c.res, msg);
@@ -371,8 +373,7 @@ Test(hostile, client_that_never_reaps_stalls_only_itself_and_its_cq_never_overfl
 			pushed++;
 		raw_kick(&r);
 	}
-	cr_assert_eq(pushed, cq_cap + sq_cap, "the daemon took only %u entries",
-		     pushed - sq_cap);
+	cr_assert_eq(pushed, cq_cap + sq_cap, "the daemon took only %u entries", pushed - sq_cap);
 	deadline = harness_now_ms() + REPLY_MS;
 	while (shardd_cq_ready(&r.ring) < cq_cap && harness_now_ms() < deadline)
 		sched_yield();
@@ -417,15 +418,17 @@ Test(hostile, collective_failing_while_a_member_is_dropped_completes_each_op_onc
 		raw_attach(&r[k], "trio", k, 1, 3, 0);
 	for (uint32_t k = 0; k < 3; k++)
 		raw_send_register(&r[k], (struct shardd_register_group[]){ reg_hdr("g1", 1) },
-				  (struct shardd_param_spec[]){ pspec("w", SHARDD_DTYPE_FP32, 1,
-								      (uint64_t[]){ 6 }) }, 1);
+				  (struct shardd_param_spec[]){
+					  pspec("w", SHARDD_DTYPE_FP32, 1, (uint64_t[]){ 6 }) },
+				  1);
 	g1 = raw_recv_group(&r[0]);
 	cr_assert_eq(raw_recv_group(&r[1]), g1);
 	cr_assert_eq(raw_recv_group(&r[2]), g1);
 	for (uint32_t k = 0; k < 3; k++)
 		raw_send_register(&r[k], (struct shardd_register_group[]){ reg_hdr("g2", 1) },
-				  (struct shardd_param_spec[]){ pspec("w", SHARDD_DTYPE_FP32, 1,
-								      (uint64_t[]){ 6 }) }, 1);
+				  (struct shardd_param_spec[]){
+					  pspec("w", SHARDD_DTYPE_FP32, 1, (uint64_t[]){ 6 }) },
+				  1);
 	g2 = raw_recv_group(&r[0]);
 	cr_assert_eq(raw_recv_group(&r[1]), g2);
 	cr_assert_eq(raw_recv_group(&r[2]), g2);
@@ -445,14 +448,15 @@ Test(hostile, collective_failing_while_a_member_is_dropped_completes_each_op_onc
 	/* Rank 0: its g1 unshard failed once, its g2 unshard failed once (rank 1 left). */
 	for (int k = 0; k < 2; k++) {
 		raw_reap_ok(&r[0], &c, msg, "rank 0");
-		cr_assert(c.user_data == 101 || c.user_data == 104, "unexpected completion %llu (%s)",
-			  (unsigned long long)c.user_data, msg);
-		cr_assert_lt(c.res, 0, "completion %llu succeeded", (unsigned long long)c.user_data);
+		cr_assert(c.user_data == 101 || c.user_data == 104,
+			  "unexpected completion %llu (%s)", (unsigned long long)c.user_data, msg);
+		cr_assert_lt(c.res, 0, "completion %llu succeeded",
+			     (unsigned long long)c.user_data);
 		/* Dropped after the push that found it broken, rank 1 is still named as gone. */
 		if (c.user_data == 104) {
 			cr_assert_eq(c.res, -SHARDD_E_PEER_DIED, "unshard(g2): %d %s", c.res, msg);
-			cr_assert(strstr(msg, "rank 1 left"), "unshard(g2) does not name rank 1: %s",
-				  msg);
+			cr_assert(strstr(msg, "rank 1 left"),
+				  "unshard(g2) does not name rank 1: %s", msg);
 		}
 		got101 += c.user_data == 101;
 		got104 += c.user_data == 104;
@@ -483,8 +487,9 @@ Test(hostile, rank_leaving_after_arriving_is_not_listed_among_the_failed)
 		raw_attach(&r[k], "gone", k, 1, 3, 0);
 	for (uint32_t k = 0; k < 3; k++)
 		raw_send_register(&r[k], (struct shardd_register_group[]){ reg_hdr("g", 1) },
-				  (struct shardd_param_spec[]){ pspec("w", SHARDD_DTYPE_FP32, 1,
-								      (uint64_t[]){ 6 }) }, 1);
+				  (struct shardd_param_spec[]){
+					  pspec("w", SHARDD_DTYPE_FP32, 1, (uint64_t[]){ 6 }) },
+				  1);
 	g = raw_recv_group(&r[0]);
 	cr_assert_eq(raw_recv_group(&r[1]), g);
 	cr_assert_eq(raw_recv_group(&r[2]), g);
@@ -496,9 +501,11 @@ Test(hostile, rank_leaving_after_arriving_is_not_listed_among_the_failed)
 	raw_close(&r[1]);
 
 	raw_reap_ok(&r[0], &c, msg, "rank 0");
-	cr_assert_eq(c.user_data, 11, "unexpected completion %llu (%s)", (unsigned long long)c.user_data, msg);
+	cr_assert_eq(c.user_data, 11, "unexpected completion %llu (%s)",
+		     (unsigned long long)c.user_data, msg);
 	cr_assert_eq(c.res, -SHARDD_E_PEER_DIED, "unshard: %d %s", c.res, msg);
-	cr_assert(strstr(msg, "rank 1 left") && strstr(msg, "; failed for rank 0") && !strstr(msg, "0,1"),
+	cr_assert(strstr(msg, "rank 1 left") && strstr(msg, "; failed for rank 0") &&
+			  !strstr(msg, "0,1"),
 		  "want rank 1 named as gone and the op failed for rank 0 only: %s", msg);
 	raw_close(&r[0]);
 	raw_close(&r[2]);

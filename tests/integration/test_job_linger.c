@@ -47,8 +47,9 @@ TestSuite(job_linger, .fini = stop_daemon, .timeout = 60);
 /* shardd with `--job-linger linger` (and the collective timeout tests do not reach). */
 static void start_daemon(const char *linger)
 {
-	const char *const extra[] = { "--job-linger", linger, "--collective-timeout", "60",
-				      "--log-level", "info", NULL };
+	const char *const extra[] = {
+		"--job-linger", linger, "--collective-timeout", "60", "--log-level", "info", NULL
+	};
 
 	signal(SIGPIPE, SIG_IGN);
 	cr_assert_eq(harness_daemon_start(&daemon_, extra), 0, "shardd did not start");
@@ -86,9 +87,8 @@ static const json_t *job_entry(const char *name, json_t **reply)
 	*reply = json_loads(ctl_out, 0, &err);
 	cr_assert(*reply, "shardctl --json jobs does not parse (%s):\n%s", err.text, ctl_out);
 	jobs = json_object_get(*reply, "jobs");
-	json_array_foreach(jobs, i, j)
-		if (strcmp(json_string_value(json_object_get(j, "name")), name) == 0)
-			return j;
+	json_array_foreach(jobs, i, j) if (strcmp(json_string_value(json_object_get(j, "name")),
+						  name) == 0) return j;
 	return NULL;
 }
 
@@ -100,8 +100,9 @@ static void wait_job(const char *name, int attached)
 	while (harness_now_ms() < deadline) {
 		json_t *r;
 		const json_t *j = job_entry(name, &r);
-		int done = attached < 0 ? !j :
-			   j && json_integer_value(json_object_get(j, "attached")) == attached;
+		int done = attached < 0 ? !j
+					: j && json_integer_value(json_object_get(j, "attached")) ==
+							  attached;
 
 		json_decref(r);
 		if (done)
@@ -182,8 +183,9 @@ static void wait_fds(int want)
 #define D0    5
 #define D1    3
 
-static const struct ref_param ref_w = { .ndim = 2, .shard_dim = 0, .dtype = SHARDD_DTYPE_FP32,
-					.shape = { D0, D1 } };
+static const struct ref_param ref_w = {
+	.ndim = 2, .shard_dim = 0, .dtype = SHARDD_DTYPE_FP32, .shape = { D0, D1 }
+};
 
 static double w_value(uint64_t i, uint64_t step)
 {
@@ -193,9 +195,9 @@ static double w_value(uint64_t i, uint64_t step)
 struct rank_arg {
 	const char *job, *group;
 	uint32_t rank, world;
-	uint64_t step;  /* the values the rank loads (and, re-attached, expects) */
-	int ready_fd;   /* the rank writes one byte when it reached its point */
-	int go_fd;      /* and reads one before it goes on */
+	uint64_t step; /* the values the rank loads (and, re-attached, expects) */
+	int ready_fd;  /* the rank writes one byte when it reached its point */
+	int go_fd;     /* and reads one before it goes on */
 };
 
 static int attach(const struct rank_arg *a, struct shardd_client **c)
@@ -207,8 +209,9 @@ static int attach(const struct rank_arg *a, struct shardd_client **c)
 
 static int register_w(struct shardd_client *c, const struct rank_arg *a, struct shardd_group **g)
 {
-	struct shardd_param_desc p = { .name = "w", .dtype = SHARDD_DTYPE_FP32, .ndim = 2,
-				       .shape = { D0, D1 } };
+	struct shardd_param_desc p = {
+		.name = "w", .dtype = SHARDD_DTYPE_FP32, .ndim = 2, .shape = { D0, D1 }
+	};
 
 	CHILD_CHECK(shardd_group_register(c, a->group, &p, 1, NULL, NULL, g) == 0, "register: %s",
 		    shardd_last_error());
@@ -238,8 +241,8 @@ static int check_shard(struct shardd_group *g, uint32_t rank, uint64_t step)
 		full[i] = w_value(i, step);
 	ref_shard(&d, rank, full, want);
 	for (uint64_t i = 0; i < d.shard_numel; i++)
-		CHILD_CHECK(s[i] == (float)want[i], "rank %u shard w[%llu] = %g, reference %g", rank,
-			    (unsigned long long)i, s[i], want[i]);
+		CHILD_CHECK(s[i] == (float)want[i], "rank %u shard w[%llu] = %g, reference %g",
+			    rank, (unsigned long long)i, s[i], want[i]);
 	return 0;
 }
 
@@ -307,8 +310,12 @@ static void ranks_start(struct ranks *r, const char *job, const char *group, uin
 	cr_assert_eq(pipe2(r->ready, O_CLOEXEC), 0);
 	cr_assert_eq(pipe2(r->go, O_CLOEXEC), 0);
 	for (uint32_t i = 0; i < WORLD; i++) {
-		r->arg[i] = (struct rank_arg){ .job = job, .group = group, .rank = i, .world = WORLD,
-					       .step = step, .ready_fd = r->ready[1],
+		r->arg[i] = (struct rank_arg){ .job = job,
+					       .group = group,
+					       .rank = i,
+					       .world = WORLD,
+					       .step = step,
+					       .ready_fd = r->ready[1],
 					       .go_fd = r->go[0] };
 		r->pid[i] = harness_fork(fn, &r->arg[i]);
 		cr_assert_gt(r->pid[i], 0, "fork rank %u", i);
@@ -393,7 +400,8 @@ Test(job_linger, killed_ranks_job_ends_after_linger_and_its_memfds_leave_the_dae
 	cr_assert(log_has("job 'abandoned' ended after", STATE_WAIT), "no log line for the end");
 	cr_assert(log_has("without an attached rank (--job-linger 1)", STATE_WAIT),
 		  "the log does not say how long it lingered");
-	cr_assert(log_has("bytes of buffers freed", STATE_WAIT), "the log does not say what was freed");
+	cr_assert(log_has("bytes of buffers freed", STATE_WAIT),
+		  "the log does not say what was freed");
 }
 
 Test(job_linger, rank_reattaching_before_expiry_keeps_the_job_and_its_params)
@@ -418,7 +426,8 @@ Test(job_linger, rank_reattaching_before_expiry_keeps_the_job_and_its_params)
 	ranks_start(&r, "comeback", "comeback_g", 3, rank_reattach);
 	j = job_entry("comeback", &reply);
 	cr_assert_not_null(j, "the job ended while its ranks re-attached");
-	cr_assert(json_is_null(json_object_get(j, "ends_in_s")), "re-attach did not cancel the end");
+	cr_assert(json_is_null(json_object_get(j, "ends_in_s")),
+		  "re-attach did not cancel the end");
 	cr_assert(json_is_null(json_object_get(j, "no_ranks_s")));
 	json_decref(reply);
 	cr_assert_eq(ctl("jobs", NULL), 0);
@@ -465,10 +474,10 @@ Test(job_linger, linger_zero_keeps_a_job_without_ranks)
  * -SHARDD_E_SHUTDOWN and the end's text, naming the job; never -ECONNRESET,
  * which says the daemon is gone.
  */
-#define CHECK_ENDED(ret, what)                                                                 \
-	CHILD_CHECK((ret) == -SHARDD_E_SHUTDOWN &&                                             \
-			    strstr(shardd_last_error(), "job 'ended' " END_NEEDLE),            \
-		    "%s after the end gave %d (%s): %s", what, ret, shardd_strerror(ret),      \
+#define CHECK_ENDED(ret, what)                                                            \
+	CHILD_CHECK((ret) == -SHARDD_E_SHUTDOWN &&                                        \
+			    strstr(shardd_last_error(), "job 'ended' " END_NEEDLE),       \
+		    "%s after the end gave %d (%s): %s", what, ret, shardd_strerror(ret), \
 		    shardd_last_error())
 
 /*
@@ -488,10 +497,11 @@ static int rank_ended(void *p)
 	if (attach(a, &c) || register_w(c, a, &g))
 		return 1;
 	if (a->rank == 0) {
-		CHILD_CHECK(shardd_group_submit(g, SHARDD_OP_UNSHARD, 1, 0, 5) == 0,
-			    "submit: %s", shardd_last_error());
+		CHILD_CHECK(shardd_group_submit(g, SHARDD_OP_UNSHARD, 1, 0, 5) == 0, "submit: %s",
+			    shardd_last_error());
 		CHILD_CHECK(harness_signal(a->ready_fd, 'S') == 0, "signal");
-		CHILD_CHECK(shardd_wait(c, &comp, STEP_TIMEOUT) == 0, "wait: %s", shardd_last_error());
+		CHILD_CHECK(shardd_wait(c, &comp, STEP_TIMEOUT) == 0, "wait: %s",
+			    shardd_last_error());
 		CHILD_CHECK(comp.user_data == 5 && comp.res == -SHARDD_E_SHUTDOWN,
 			    "in-flight unshard completed with %d (%s)", comp.res, comp.msg);
 		CHILD_CHECK(strstr(comp.msg, END_NEEDLE) && strstr(comp.msg, "'ended'"),
@@ -587,8 +597,8 @@ Test(job_linger, end_of_a_job_without_ranks_frees_it_at_once)
 	cr_assert_not_null(reply, "%s", ctl_out);
 	cr_assert_eq(json_integer_value(json_object_get(reply, "ranks_attached")), 0);
 	cr_assert_eq(json_integer_value(json_object_get(reply, "memory_freed")), held,
-		     "memory_freed %lld, the job held %lld", (long long)json_integer_value(
-		     json_object_get(reply, "memory_freed")), held);
+		     "memory_freed %lld, the job held %lld",
+		     (long long)json_integer_value(json_object_get(reply, "memory_freed")), held);
 	json_decref(reply);
 	cr_assert_eq(daemon_fds("shardd:idle_g."), 0);
 	wait_job("idle", -1);

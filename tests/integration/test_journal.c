@@ -32,7 +32,8 @@ static int journal_lines(const struct opd *d, const char *pri)
 		size_t len = nl ? (size_t)(nl - line) : strlen(line);
 
 		if (strncmp(line, "shardd: ", 8) != 0) {
-			cr_assert(len > 3 && line[0] == '<' && strchr("3467", line[1]) && line[2] == '>',
+			cr_assert(len > 3 && line[0] == '<' && strchr("3467", line[1]) &&
+					  line[2] == '>',
 				  "not a journal line: '%.*s'", (int)len, line);
 			cr_assert(!(len > 7 && line[7] == '-' && line[3] >= '0' && line[3] <= '9'),
 				  "a timestamp in a journal line: '%.*s'", (int)len, line);
@@ -56,10 +57,11 @@ Test(operations, journal_stderr_gets_syslog_priorities_and_no_timestamps)
 	cr_assert_eq(mkdir(dir, 0700), 0);
 	{
 		/* The kept private directory gives a warning; start-up gives info lines. */
-		const char *args[] = { "--socket", sock, "--allow-gid", gid, "--log-level", "info",
-				       NULL };
+		const char *args[] = { "--socket",    sock,   "--allow-gid", gid,
+				       "--log-level", "info", NULL };
 
-		cr_assert_eq(opd_start(&d, args, -1, 1, sock), 0, "shardd did not start:\n%s", d.log);
+		cr_assert_eq(opd_start(&d, args, -1, 1, sock), 0, "shardd did not start:\n%s",
+			     d.log);
 	}
 	opd_stop_clean(&d);
 	cr_assert_geq(journal_lines(&d, "<4>"), 1, "no warning at priority 4:\n%s", d.log);
@@ -77,11 +79,12 @@ Test(operations, stderr_that_is_not_the_journal_keeps_timestamps)
 	snprintf(sock, sizeof(sock), "%s/shardd.sock", base);
 	/* JOURNAL_STREAM naming another stream (a child inherited it) must not count. */
 	setenv("JOURNAL_STREAM", "1:1", 1);
-	opd_start_or_fail(&d, (const char *const[]){ "--socket", sock, "--log-level", "info",
-						NULL }, sock);
+	opd_start_or_fail(
+		&d, (const char *const[]){ "--socket", sock, "--log-level", "info", NULL }, sock);
 	unsetenv("JOURNAL_STREAM");
 	opd_stop_clean(&d);
-	cr_assert_not_null(strstr(d.log, " info: shardd " SHARDD_VERSION " (protocol"), "%s", d.log);
+	cr_assert_not_null(strstr(d.log, " info: shardd " SHARDD_VERSION " (protocol"), "%s",
+			   d.log);
 	cr_assert_null(strstr(d.log, "<6>"), "%s", d.log);
 	/* "YYYY-MM-DD hh:mm:ss.mmm shardd[pid] info: " */
 	cr_assert(d.log[4] == '-' && d.log[7] == '-' && d.log[13] == ':', "%s", d.log);

@@ -26,17 +26,22 @@
 #include "harness.h"
 #include "shardd_ctrl.h"
 
-#define MIB          (1ull << 20)
-#define MAX_MEMORY   (64 * MIB)
-#define MAX_JOB      (40 * MIB)
-#define WAIT_MS      5000
+#define MIB        (1ull << 20)
+#define MAX_MEMORY (64 * MIB)
+#define MAX_JOB    (40 * MIB)
+#define WAIT_MS    5000
 
 static struct harness_daemon daemon_;
 
 static void start_daemon(void)
 {
-	const char *extra[] = { "--collective-timeout", "5", "--max-memory", "64M",
-				"--max-job-memory", "40MiB", NULL };
+	const char *extra[] = { "--collective-timeout",
+				"5",
+				"--max-memory",
+				"64M",
+				"--max-job-memory",
+				"40MiB",
+				NULL };
 
 	signal(SIGPIPE, SIG_IGN);
 	cr_assert_eq(harness_daemon_start(&daemon_, extra), 0, "shardd did not start");
@@ -60,7 +65,8 @@ static json_t *admin(const char *cmd)
 
 	cr_assert_geq(fd, 0, "connect: %s", strerror(-fd));
 	snprintf(req, sizeof(req), "{\"cmd\": \"%s\"}", cmd);
-	cr_assert_eq(shardd_ctrl_send(fd, SHARDD_MSG_ADMIN, 1, req, (uint32_t)strlen(req), NULL, 0), 0);
+	cr_assert_eq(shardd_ctrl_send(fd, SHARDD_MSG_ADMIN, 1, req, (uint32_t)strlen(req), NULL, 0),
+		     0);
 	memset(&rx, 0, sizeof(rx));
 	cr_assert_eq(shardd_ctrl_recv(fd, &rx, WAIT_MS), 0, "no reply to admin '%s'", cmd);
 	cr_assert_eq(rx.hdr.type, SHARDD_MSG_ADMIN_REPLY, "admin '%s' answered with type %u", cmd,
@@ -94,10 +100,12 @@ static long long job_committed(const char *job)
 	long long v = -1;
 	size_t i;
 
-	json_array_foreach(json_object_get(j, "jobs"), i, o) {
+	json_array_foreach(json_object_get(j, "jobs"), i, o)
+	{
 		if (!strcmp(json_string_value(json_object_get(o, "name")), job)) {
 			v = json_integer_value(json_object_get(o, "memory_committed"));
-			cr_assert_eq(json_integer_value(json_object_get(o, "memory_limit")), (json_int_t)MAX_JOB);
+			cr_assert_eq(json_integer_value(json_object_get(o, "memory_limit")),
+				     (json_int_t)MAX_JOB);
 		}
 	}
 	json_decref(j);
@@ -107,8 +115,8 @@ static long long job_committed(const char *job)
 /* A 1x1 job's client, its group of one fp32 param of `n` elements (16n bytes of buffers). */
 struct rank1 {
 	struct shardd_client *c;
-	struct shardd_group *g;       /* the last group registered */
-	struct shardd_group *all[4];  /* every group registered, closed by rank1_close */
+	struct shardd_group *g;      /* the last group registered */
+	struct shardd_group *all[4]; /* every group registered, closed by rank1_close */
 	int nall;
 };
 
@@ -122,11 +130,13 @@ static void rank1_close(struct rank1 *r)
 
 static int try_register(struct rank1 *r, const char *job, const char *group, uint64_t n)
 {
-	struct shardd_param_desc p = { .name = "w", .dtype = SHARDD_DTYPE_FP32, .ndim = 1, .shape = { n } };
+	struct shardd_param_desc p = {
+		.name = "w", .dtype = SHARDD_DTYPE_FP32, .ndim = 1, .shape = { n }
+	};
 
 	if (!r->c)
-		cr_assert_eq(harness_attach(&daemon_, job, 0, 1, 1, &r->c), 0, "attach '%s': %s", job,
-			     shardd_last_error());
+		cr_assert_eq(harness_attach(&daemon_, job, 0, 1, 1, &r->c), 0, "attach '%s': %s",
+			     job, shardd_last_error());
 	return shardd_group_register(r->c, group, &p, 1, NULL, NULL, &r->g);
 }
 
@@ -153,8 +163,8 @@ static void expect_usable(struct rank1 *r, uint64_t n)
 	cr_assert_eq(shardd_unshard(r->g, 1), 0, "unshard: %s", shardd_last_error());
 	u = shardd_group_unsharded(r->g, 0);
 	for (uint64_t i = 0; i < n; i++)
-		cr_assert_eq(u[i], full[i], "unsharded element %llu: %g, want %g", (unsigned long long)i,
-			     (double)u[i], (double)full[i]);
+		cr_assert_eq(u[i], full[i], "unsharded element %llu: %g, want %g",
+			     (unsigned long long)i, (double)u[i], (double)full[i]);
 	cr_assert_eq(shardd_reshard(r->g, 1), 0, "reshard: %s", shardd_last_error());
 	cr_assert_eq(shardd_zero_grad(r->g), 0, "zero_grad: %s", shardd_last_error());
 	free(full);
@@ -181,10 +191,12 @@ Test(limits, group_past_max_job_memory_is_refused_naming_job_group_bytes_limit_a
 	cr_assert_eq(job_committed("a"), (long long)(32 * MIB));
 	/* 1 Mi elements more would take the job to 48 MiB. */
 	ret = try_register(&a, "a", "g2", MIB);
-	cr_assert_eq(ret, -ENOMEM, "register past --max-job-memory: %d (%s)", ret, shardd_last_error());
+	cr_assert_eq(ret, -ENOMEM, "register past --max-job-memory: %d (%s)", ret,
+		     shardd_last_error());
 	expect_text(shardd_last_error(),
-		    NEEDLES("group 'g2'", "job 'a'", "16.0 MiB (16777216 bytes)", "holds 32.0 MiB (33554432 bytes)",
-			    "limit of 40.0 MiB (41943040 bytes)", "--max-job-memory"));
+		    NEEDLES("group 'g2'", "job 'a'", "16.0 MiB (16777216 bytes)",
+			    "holds 32.0 MiB (33554432 bytes)", "limit of 40.0 MiB (41943040 bytes)",
+			    "--max-job-memory"));
 	/* Nothing of the refused group stays counted, and exactly the rest of the limit fits. */
 	cr_assert_eq(committed(), 32 * MIB);
 	must_register(&a, "a", "g3", MIB / 2);
@@ -213,8 +225,8 @@ Test(limits, jobs_together_past_max_memory_are_refused_and_an_ended_job_frees_it
 	struct rank1 a = { 0 }, b = { 0 }, c = { 0 };
 	int ret;
 
-	must_register(&a, "a", "g", 2 * MIB);        /* 32 MiB */
-	must_register(&b, "b", "g", 3 * MIB / 2);    /* 24 MiB: 56 of 64 */
+	must_register(&a, "a", "g", 2 * MIB);     /* 32 MiB */
+	must_register(&b, "b", "g", 3 * MIB / 2); /* 24 MiB: 56 of 64 */
 	/* 16 MiB is within job c's own 40, but takes the daemon to 72. */
 	ret = try_register(&c, "c", "g", MIB);
 	cr_assert_eq(ret, -ENOMEM, "register past --max-memory: %d (%s)", ret, shardd_last_error());
@@ -245,8 +257,9 @@ Test(limits, a_1_tib_param_is_refused_and_the_daemon_serves_another_client)
 
 	ret = try_register(&big, "big", "huge", n);
 	cr_assert_eq(ret, -ENOMEM, "a 1 TiB param: %d (%s)", ret, shardd_last_error());
-	expect_text(shardd_last_error(), NEEDLES("group 'huge'", "job 'big'", "4.0 TiB (4398046510848 bytes)",
-						 "--max-job-memory"));
+	expect_text(shardd_last_error(),
+		    NEEDLES("group 'huge'", "job 'big'", "4.0 TiB (4398046510848 bytes)",
+			    "--max-job-memory"));
 	cr_assert_eq(committed(), 0);
 	/* The daemon is alive, and the refused rank and another job go on. */
 	must_register(&big, "big", "small", 1024);
@@ -263,13 +276,17 @@ Test(limits, status_shows_the_limits_and_what_is_committed)
 	struct rank1 a = { 0 };
 
 	must_register(&a, "a", "g", MIB);
-	cr_assert_eq(harness_shardctl(daemon_.socket, (const char *const[]){ "status", NULL }, WAIT_MS, out,
-				      sizeof(out)),
+	cr_assert_eq(harness_shardctl(daemon_.socket, (const char *const[]){ "status", NULL },
+				      WAIT_MS, out, sizeof(out)),
 		     0, "shardctl status: %s", out);
-	cr_expect(strstr(out, "limits   committed 16.0 MiB of 64.0 MiB (--max-memory), per job 40.0 MiB"),
-		  "shardctl status must show the limits:\n%s", out);
-	harness_shardctl(daemon_.socket, (const char *const[]){ "jobs", NULL }, WAIT_MS, out, sizeof(out));
-	cr_expect(strstr(out, "16.0 MiB/40.0 MiB"), "shardctl jobs must show committed/limit:\n%s", out);
+	cr_expect(
+		strstr(out,
+		       "limits   committed 16.0 MiB of 64.0 MiB (--max-memory), per job 40.0 MiB"),
+		"shardctl status must show the limits:\n%s", out);
+	harness_shardctl(daemon_.socket, (const char *const[]){ "jobs", NULL }, WAIT_MS, out,
+			 sizeof(out));
+	cr_expect(strstr(out, "16.0 MiB/40.0 MiB"), "shardctl jobs must show committed/limit:\n%s",
+		  out);
 	rank1_close(&a);
 }
 
@@ -285,9 +302,9 @@ Test(limits, memory_flags_take_suffixes_and_refuse_bad_values)
 		const char *argv[] = { bin, "--max-memory", bad[i], NULL };
 
 		cr_assert_eq(harness_run(argv, WAIT_MS, &status, out, sizeof(out)), 0);
-		cr_expect(WIFEXITED(status) && WEXITSTATUS(status) == 2, "--max-memory '%s': %s", bad[i],
-			  harness_status_str(status));
-		cr_expect(strstr(out, "--max-memory") && strstr(out, "byte count"), "--max-memory '%s': %s",
-			  bad[i], out);
+		cr_expect(WIFEXITED(status) && WEXITSTATUS(status) == 2, "--max-memory '%s': %s",
+			  bad[i], harness_status_str(status));
+		cr_expect(strstr(out, "--max-memory") && strstr(out, "byte count"),
+			  "--max-memory '%s': %s", bad[i], out);
 	}
 }

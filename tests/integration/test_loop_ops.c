@@ -21,8 +21,8 @@
 
 #include "harness.h"
 
-#define CHILD_WAIT_MS 60000
-#define WORLD         2
+#define CHILD_WAIT_MS  60000
+#define WORLD          2
 #define DEATH_BOUND_MS 2500
 
 static struct harness_daemon daemon_;
@@ -45,8 +45,8 @@ struct rank_args {
 	const char *job;
 	uint64_t numel; /* of the one 1-D fp32 param */
 	uint32_t rank;
-	int report_fd;  /* write end: the child says where it is */
-	int go_fd;      /* read end: the survivor waits here for the test's go */
+	int report_fd; /* write end: the child says where it is */
+	int go_fd;     /* read end: the survivor waits here for the test's go */
 };
 
 static float param_value(uint64_t e)
@@ -61,8 +61,11 @@ static float grad_value(uint32_t rank, uint64_t e)
 
 static int open_group(const struct rank_args *a, struct shardd_client **c, struct shardd_group **g)
 {
-	struct shardd_param_desc d = { .name = "w", .dtype = SHARDD_DTYPE_FP32, .ndim = 1,
-				       .shard_dim = 0, .shape = { a->numel } };
+	struct shardd_param_desc d = { .name = "w",
+				       .dtype = SHARDD_DTYPE_FP32,
+				       .ndim = 1,
+				       .shard_dim = 0,
+				       .shape = { a->numel } };
 
 	CHILD_CHECK(harness_attach(&daemon_, a->job, a->rank, 1, WORLD, c) == 0, "attach: %s",
 		    shardd_last_error());
@@ -77,8 +80,9 @@ static int no_extra_completion(struct shardd_client *c, const char *after)
 	struct shardd_completion cp;
 	int ret = shardd_poll(c, &cp);
 
-	CHILD_CHECK(ret == -EAGAIN, "after %s: a second completion (poll %d, op %u step %llu res %d)",
-		    after, ret, cp.op, (unsigned long long)cp.step, cp.res);
+	CHILD_CHECK(ret == -EAGAIN,
+		    "after %s: a second completion (poll %d, op %u step %llu res %d)", after, ret,
+		    cp.op, (unsigned long long)cp.step, cp.res);
 	return 0;
 }
 
@@ -94,9 +98,9 @@ static int check_reduced(const struct rank_args *a, struct shardd_group *g)
 	for (uint64_t e = 0; e < n; e++) {
 		float want = (grad_value(0, base + e) + grad_value(1, base + e)) / 2.0f;
 
-		CHILD_CHECK(sg[e] == want, "rank %u numel %llu: sharded grad %llu is %g, want %g", a->rank,
-			    (unsigned long long)a->numel, (unsigned long long)e, (double)sg[e],
-			    (double)want);
+		CHILD_CHECK(sg[e] == want, "rank %u numel %llu: sharded grad %llu is %g, want %g",
+			    a->rank, (unsigned long long)a->numel, (unsigned long long)e,
+			    (double)sg[e], (double)want);
 	}
 	return 0;
 }
@@ -105,7 +109,8 @@ static int fill_grads(const struct rank_args *a, struct shardd_group *g)
 {
 	float *grad = shardd_group_grad(g, 0);
 
-	CHILD_CHECK(shardd_group_layout(g, 0)->grad_bytes == a->numel * sizeof(float), "grad bytes");
+	CHILD_CHECK(shardd_group_layout(g, 0)->grad_bytes == a->numel * sizeof(float),
+		    "grad bytes");
 	for (uint64_t e = 0; e < a->numel; e++)
 		grad[e] = grad_value(a->rank, e);
 	return 0;
@@ -128,21 +133,22 @@ static int rank_ops(void *arg)
 	for (uint64_t step = 1; step <= 3; step++) {
 		const float *u;
 
-		CHILD_CHECK(shardd_unshard(g, step) == 0, "unshard %llu: %s", (unsigned long long)step,
-			    shardd_last_error());
+		CHILD_CHECK(shardd_unshard(g, step) == 0, "unshard %llu: %s",
+			    (unsigned long long)step, shardd_last_error());
 		if (no_extra_completion(c, "unshard"))
 			return 1;
 		u = shardd_group_unsharded(g, 0);
 		for (uint64_t e = 0; e < a->numel; e++)
-			CHILD_CHECK(u[e] == param_value(e), "numel %llu step %llu: unsharded %llu is %g, want %g",
+			CHILD_CHECK(u[e] == param_value(e),
+				    "numel %llu step %llu: unsharded %llu is %g, want %g",
 				    (unsigned long long)a->numel, (unsigned long long)step,
 				    (unsigned long long)e, (double)u[e], (double)param_value(e));
 		CHILD_CHECK(shardd_reshard(g, step) == 0, "reshard: %s", shardd_last_error());
 		if (fill_grads(a, g))
 			return 1;
 		CHILD_CHECK(shardd_zero_grad(g) == 0, "zero_grad: %s", shardd_last_error());
-		CHILD_CHECK(shardd_reduce(g, step, 0) == 0, "reduce %llu: %s", (unsigned long long)step,
-			    shardd_last_error());
+		CHILD_CHECK(shardd_reduce(g, step, 0) == 0, "reduce %llu: %s",
+			    (unsigned long long)step, shardd_last_error());
 		if (no_extra_completion(c, "reduce") || check_reduced(a, g))
 			return 1;
 	}
@@ -206,8 +212,8 @@ static int rank_survives(void *arg)
 	CHILD_CHECK(ret == 0, "wait: %s", shardd_last_error());
 	CHILD_CHECK(harness_now_ms() - t0 < DEATH_BOUND_MS, "the reduce failed only after %lld ms",
 		    (long long)(harness_now_ms() - t0));
-	CHILD_CHECK(cp.user_data == 9 && cp.op == SHARDD_OP_REDUCE, "completion user_data %llu op %u",
-		    (unsigned long long)cp.user_data, cp.op);
+	CHILD_CHECK(cp.user_data == 9 && cp.op == SHARDD_OP_REDUCE,
+		    "completion user_data %llu op %u", (unsigned long long)cp.user_data, cp.op);
 	CHILD_CHECK(cp.res == -SHARDD_E_PEER_DIED, "reduce res %d (%s): %s", cp.res,
 		    shardd_strerror(cp.res), cp.msg);
 	CHILD_CHECK(strstr(cp.msg, "rank 1"), "the error does not name rank 1: %s", cp.msg);
@@ -216,7 +222,8 @@ static int rank_survives(void *arg)
 	CHILD_CHECK(harness_signal(a->report_fd, 'f') == 0, "report");
 	CHILD_CHECK(harness_read_full(a->go_fd, &go, 1, 20000) == 0 && go == 'g', "no second go");
 	/* Rank 1 came back: the same step works, with exact values, once. */
-	CHILD_CHECK(shardd_reduce(g, 1, 0) == 0, "reduce after the return: %s", shardd_last_error());
+	CHILD_CHECK(shardd_reduce(g, 1, 0) == 0, "reduce after the return: %s",
+		    shardd_last_error());
 	if (no_extra_completion(c, "reduce") || check_reduced(a, g))
 		return 1;
 	shardd_group_close(g);
@@ -251,7 +258,8 @@ static void wait_ok(pid_t pid, const char *what)
 	if (ret < 0 || !WIFEXITED(status) || WEXITSTATUS(status) != 0)
 		harness_daemon_dump_log(&daemon_);
 	cr_assert_eq(ret, 0, "%s did not finish: %s", what, strerror(-ret));
-	cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "%s %s", what, harness_status_str(status));
+	cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "%s %s", what,
+		  harness_status_str(status));
 }
 
 /* 512 Ki elements: the reduce (8 MiB moved) runs on the loop thread with the pool's help. */
@@ -265,8 +273,11 @@ Test(loop_ops, rank_gone_before_a_loop_thread_reduce_fails_the_other_naming_it_t
 	cr_assert_eq(pipe(report), 0);
 	cr_assert_eq(pipe(go), 0);
 	for (uint32_t r = 0; r < WORLD; r++)
-		args[r] = (struct rank_args){ .job = "leaves", .numel = (uint64_t)512 << 10, .rank = r,
-					      .report_fd = report[1], .go_fd = go[0] };
+		args[r] = (struct rank_args){ .job = "leaves",
+					      .numel = (uint64_t)512 << 10,
+					      .rank = r,
+					      .report_fd = report[1],
+					      .go_fd = go[0] };
 	survivor = harness_fork(rank_survives, &args[0]);
 	cr_assert_gt(survivor, 0);
 	leaver = harness_fork(rank_leaves, &args[1]);
@@ -275,7 +286,8 @@ Test(loop_ops, rank_gone_before_a_loop_thread_reduce_fails_the_other_naming_it_t
 	cr_assert_eq(harness_read_full(report[0], &b, 1, 20000), 0, "rank 0 did not register");
 	cr_assert_eq(b, 'r');
 	cr_assert_eq(harness_signal(go[1], 'g'), 0);
-	cr_assert_eq(harness_read_full(report[0], &b, 1, 20000), 0, "rank 0 never saw its reduce fail");
+	cr_assert_eq(harness_read_full(report[0], &b, 1, 20000), 0,
+		     "rank 0 never saw its reduce fail");
 	cr_assert_eq(b, 'f');
 	returner = harness_fork(rank_returns, &args[1]);
 	cr_assert_gt(returner, 0);

@@ -42,26 +42,26 @@ TestSuite(operations, .timeout = 60);
 struct expo_family {
 	char name[128];
 	char type[16];
-	int  help, typed, closed; /* seen HELP, TYPE; its samples ended (another family came) */
+	int help, typed, closed; /* seen HELP, TYPE; its samples ended (another family came) */
 };
 
 struct expo_series {
-	char   key[512];   /* name{labels without le} */
-	double le_last;    /* histogram: last le seen */
-	double cum_last;   /* histogram: last bucket count */
-	int    buckets, inf, sum, count;
+	char key[512];   /* name{labels without le} */
+	double le_last;  /* histogram: last le seen */
+	double cum_last; /* histogram: last bucket count */
+	int buckets, inf, sum, count;
 	double inf_value, count_value;
 };
 
 struct expo {
 	struct expo_family fam[EXPO_FAMILIES];
-	int    nfam;
+	int nfam;
 	struct expo_series ser[EXPO_SERIES];
-	int    nser;
-	char   seen[EXPO_SERIES][512]; /* every full series key, for duplicates */
-	int    nseen;
-	int    current;                /* family of the samples being read, -1 none */
-	char   why[512];
+	int nser;
+	char seen[EXPO_SERIES][512]; /* every full series key, for duplicates */
+	int nseen;
+	int current; /* family of the samples being read, -1 none */
+	char why[512];
 };
 
 static int expo_fail(struct expo *e, int lineno, const char *fmt, ...)
@@ -171,7 +171,8 @@ static int expo_comment(struct expo *e, const char *line, int lineno)
 			return expo_fail(e, lineno, "second HELP for %s", e->fam[f].name);
 		for (; *p; p++)
 			if (*p == '\\' && p[1] != '\\' && p[1] != 'n')
-				return expo_fail(e, lineno, "bad escape in HELP of %s", e->fam[f].name);
+				return expo_fail(e, lineno, "bad escape in HELP of %s",
+						 e->fam[f].name);
 			else if (*p == '\\')
 				p++;
 		return 0;
@@ -261,19 +262,21 @@ static int expo_sample(struct expo *e, const char *line, int lineno)
 			for (p = vstart; *p && *p != '"'; p++)
 				if (*p == '\\') {
 					if (p[1] != '\\' && p[1] != '"' && p[1] != 'n')
-						return expo_fail(e, lineno, "bad escape in '%s'", line);
+						return expo_fail(e, lineno, "bad escape in '%s'",
+								 line);
 					p++;
 				} else if (*p == '\n') {
 					return expo_fail(e, lineno, "raw newline in a label value");
 				}
 			if (*p != '"')
-				return expo_fail(e, lineno, "unterminated label value in '%s'", line);
+				return expo_fail(e, lineno, "unterminated label value in '%s'",
+						 line);
 			if (strcmp(names[nl - 1], "le") == 0) {
 				snprintf(le, sizeof(le), "%.*s", (int)(p - vstart), vstart);
 			} else {
 				/* name="value" as written, closing quote included. */
-				int w = snprintf(labels + ll, sizeof(labels) - ll, "%s%.*s", ll ? "," : "",
-						 (int)(p + 1 - lstart), lstart);
+				int w = snprintf(labels + ll, sizeof(labels) - ll, "%s%.*s",
+						 ll ? "," : "", (int)(p + 1 - lstart), lstart);
 
 				if (w < 0 || (size_t)w >= sizeof(labels) - ll)
 					return expo_fail(e, lineno, "labels too long");
@@ -326,7 +329,8 @@ static int expo_sample(struct expo *e, const char *line, int lineno)
 			if (s->inf || !(lev > s->le_last))
 				return expo_fail(e, lineno, "le %s not increasing in %s", le, key);
 			if (v < s->cum_last)
-				return expo_fail(e, lineno, "bucket counts not cumulative in %s", key);
+				return expo_fail(e, lineno, "bucket counts not cumulative in %s",
+						 key);
 			s->le_last = lev;
 			s->cum_last = v;
 			s->buckets++;
@@ -374,11 +378,12 @@ static int expo_check(struct expo *e, const char *text)
 		const struct expo_series *s = &e->ser[i];
 
 		if (!s->inf || !s->count || !s->sum || s->count != 1 || s->sum != 1)
-			return expo_fail(e, lineno, "histogram %s lacks a +Inf bucket, _sum or _count",
+			return expo_fail(e, lineno,
+					 "histogram %s lacks a +Inf bucket, _sum or _count",
 					 s->key);
 		if (s->inf_value != s->count_value)
-			return expo_fail(e, lineno, "histogram %s: +Inf bucket %g != _count %g", s->key,
-					 s->inf_value, s->count_value);
+			return expo_fail(e, lineno, "histogram %s: +Inf bucket %g != _count %g",
+					 s->key, s->inf_value, s->count_value);
 	}
 	return 0;
 }
@@ -400,23 +405,24 @@ static struct expo expo_;
 Test(operations, exposition_check_rejects_what_promtool_rejects)
 {
 	static const char *const bad[] = {
-		"x 1",                                              /* no final newline */
-		"x 1\n",                                            /* no TYPE */
-		"# TYPE x counter\nx -1\n",                          /* negative counter */
-		"# TYPE x gauge\nx{a=\"1\",a=\"2\"} 1\n",            /* label twice */
-		"# TYPE x gauge\nx{a=\"\\q\"} 1\n",                  /* bad escape */
-		"# TYPE x gauge\nx abc\n",                           /* value */
-		"# TYPE x gauge\n# TYPE x gauge\nx 1\n",             /* second TYPE */
+		"x 1",                                                      /* no final newline */
+		"x 1\n",                                                    /* no TYPE */
+		"# TYPE x counter\nx -1\n",                                 /* negative counter */
+		"# TYPE x gauge\nx{a=\"1\",a=\"2\"} 1\n",                   /* label twice */
+		"# TYPE x gauge\nx{a=\"\\q\"} 1\n",                         /* bad escape */
+		"# TYPE x gauge\nx abc\n",                                  /* value */
+		"# TYPE x gauge\n# TYPE x gauge\nx 1\n",                    /* second TYPE */
 		"# TYPE x gauge\nx 1\n# TYPE y gauge\ny 1\nx{a=\"b\"} 2\n", /* not contiguous */
-		"# TYPE x gauge\nx 1\nx 2\n",                        /* duplicate series */
+		"# TYPE x gauge\nx 1\nx 2\n",                               /* duplicate series */
 		"# TYPE h histogram\nh_bucket{le=\"1\"} 2\nh_bucket{le=\"+Inf\"} 1\n"
-		"h_sum 1\nh_count 1\n",                              /* not cumulative */
+		"h_sum 1\nh_count 1\n", /* not cumulative */
 		"# TYPE h histogram\nh_bucket{le=\"+Inf\"} 3\nh_sum 1\nh_count 2\n", /* count */
 		"# TYPE h histogram\nh_bucket{le=\"1\"} 1\nh_sum 1\nh_count 1\n",    /* no +Inf */
 	};
-	const char *good = "# HELP h A \\\\ help.\n# TYPE h histogram\n"
-			   "h_bucket{op=\"a\\\"b\",le=\"0.5\"} 1\nh_bucket{op=\"a\\\"b\",le=\"+Inf\"} 2\n"
-			   "h_sum{op=\"a\\\"b\"} 0.75\nh_count{op=\"a\\\"b\"} 2\n# TYPE g gauge\ng 1e3\n";
+	const char *good =
+		"# HELP h A \\\\ help.\n# TYPE h histogram\n"
+		"h_bucket{op=\"a\\\"b\",le=\"0.5\"} 1\nh_bucket{op=\"a\\\"b\",le=\"+Inf\"} 2\n"
+		"h_sum{op=\"a\\\"b\"} 0.75\nh_count{op=\"a\\\"b\"} 2\n# TYPE g gauge\ng 1e3\n";
 
 	for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++)
 		cr_assert_eq(expo_check(&expo_, bad[i]), -1, "accepted bad exposition %zu:\n%s", i,
@@ -427,7 +433,8 @@ Test(operations, exposition_check_rejects_what_promtool_rejects)
 /* GET path from 127.0.0.1:port; the whole response (headers and body) into out. */
 static void http_get(int port, const char *path, char *out, size_t len)
 {
-	struct sockaddr_in sa = { .sin_family = AF_INET, .sin_port = htons((uint16_t)port),
+	struct sockaddr_in sa = { .sin_family = AF_INET,
+				  .sin_port = htons((uint16_t)port),
 				  .sin_addr = { htonl(INADDR_LOOPBACK) } };
 	int64_t deadline = harness_now_ms() + CTL_MS;
 	char req[256];
@@ -437,8 +444,8 @@ static void http_get(int port, const char *path, char *out, size_t len)
 	cr_assert_geq(fd, 0);
 	cr_assert_eq(connect(fd, (struct sockaddr *)&sa, sizeof(sa)), 0, "connect to port %d: %s",
 		     port, strerror(errno));
-	snprintf(req, sizeof(req), "GET %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
-		 path);
+	snprintf(req, sizeof(req),
+		 "GET %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n", path);
 	cr_assert_eq(write(fd, req, strlen(req)), (ssize_t)strlen(req));
 	for (;;) {
 		struct pollfd p = { .fd = fd, .events = POLLIN };
@@ -462,7 +469,8 @@ static void http_get(int port, const char *path, char *out, size_t len)
 /* A TCP connection to 127.0.0.1:port, or -1 when refused. */
 static int tcp_connect(int port)
 {
-	struct sockaddr_in sa = { .sin_family = AF_INET, .sin_port = htons((uint16_t)port),
+	struct sockaddr_in sa = { .sin_family = AF_INET,
+				  .sin_port = htons((uint16_t)port),
 				  .sin_addr = { htonl(INADDR_LOOPBACK) } };
 	int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
 
@@ -496,14 +504,16 @@ Test(operations, metrics_listen_serves_a_valid_exposition_with_the_ops_run)
 	{
 		/* Port 0: the kernel picks a free one, and the log names it. */
 		const char *args[] = { "--socket", sock, "--metrics-listen", "0", "--log-level",
-				       "info", NULL };
+				       "info",     NULL };
 
-		cr_assert_eq(opd_start(&d, args, -1, 0, sock), 0, "shardd did not start:\n%s", d.log);
+		cr_assert_eq(opd_start(&d, args, -1, 0, sock), 0, "shardd did not start:\n%s",
+			     d.log);
 	}
 	port = metrics_port(&d);
 	/* A scraper that connects and says nothing must hold up neither clients nor scrapes. */
 	{
-		struct sockaddr_in sa = { .sin_family = AF_INET, .sin_port = htons((uint16_t)port),
+		struct sockaddr_in sa = { .sin_family = AF_INET,
+					  .sin_port = htons((uint16_t)port),
 					  .sin_addr = { htonl(INADDR_LOOPBACK) } };
 
 		idle = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -512,7 +522,11 @@ Test(operations, metrics_listen_serves_a_valid_exposition_with_the_ops_run)
 	cr_assert_eq(client_run_ops(sock, "scraped"), 0, "a client failed");
 	{
 		struct shardd_attach_opts o = {
-			.socket_path = sock, .job = "live", .rank = 0, .replicate = 1, .shard = 2,
+			.socket_path = sock,
+			.job = "live",
+			.rank = 0,
+			.replicate = 1,
+			.shard = 2,
 			.device = SHARDD_HELLO_DEVICE_HOST,
 		};
 
@@ -550,17 +564,17 @@ Test(operations, metrics_listen_serves_a_valid_exposition_with_the_ops_run)
  * FLOOD_BYTE_MS. The flood keeps itself up: a connection the daemon closed
  * is opened again at once, for as long as the test scrapes.
  */
-#define FLOOD_IDLE     300   /* with the trickling ones, more than the daemon keeps open */
-#define FLOOD_TRICKLE  40
-#define FLOOD_BYTE_MS  100
-#define FLOOD_SCRAPES  5
-#define SCRAPE_MAX_MS  3000   /* the bound asserted; the design is one 500 ms deadline */
+#define FLOOD_IDLE    300 /* with the trickling ones, more than the daemon keeps open */
+#define FLOOD_TRICKLE 40
+#define FLOOD_BYTE_MS 100
+#define FLOOD_SCRAPES 5
+#define SCRAPE_MAX_MS 3000 /* the bound asserted; the design is one 500 ms deadline */
 
 struct flood {
 	int port;
 	int fds[FLOOD_IDLE + FLOOD_TRICKLE];
-	volatile int stop;     /* written by the test thread before joining */
-	unsigned reopened;     /* connections the daemon closed and the flood opened again */
+	volatile int stop; /* written by the test thread before joining */
+	unsigned reopened; /* connections the daemon closed and the flood opened again */
 };
 
 static void *flood_main(void *arg)
@@ -610,9 +624,10 @@ Test(operations, metrics_scrapes_are_answered_through_a_flood_of_idle_and_trickl
 	snprintf(sock, sizeof(sock), "%s/shardd.sock", base);
 	{
 		const char *args[] = { "--socket", sock, "--metrics-listen", "0", "--log-level",
-				       "info", NULL };
+				       "info",     NULL };
 
-		cr_assert_eq(opd_start(&d, args, -1, 0, sock), 0, "shardd did not start:\n%s", d.log);
+		cr_assert_eq(opd_start(&d, args, -1, 0, sock), 0, "shardd did not start:\n%s",
+			     d.log);
 	}
 	f.port = metrics_port(&d);
 	for (int i = 0; i < FLOOD_IDLE + FLOOD_TRICKLE; i++) {
@@ -627,8 +642,10 @@ Test(operations, metrics_scrapes_are_answered_through_a_flood_of_idle_and_trickl
 		took = harness_now_ms() - t0;
 		cr_assert_not_null(strstr(resp, "HTTP/1.1 200"), "scrape %d: %.300s", i, resp);
 		cr_assert_not_null(strstr(resp, "shardd_jobs "), "scrape %d: %.300s", i, resp);
-		cr_assert_leq(took, SCRAPE_MAX_MS, "scrape %d took %lld ms behind %d idle and %d "
-			      "trickling connections", i, (long long)took, FLOOD_IDLE, FLOOD_TRICKLE);
+		cr_assert_leq(took, SCRAPE_MAX_MS,
+			      "scrape %d took %lld ms behind %d idle and %d "
+			      "trickling connections",
+			      i, (long long)took, FLOOD_IDLE, FLOOD_TRICKLE);
 		if (took > worst)
 			worst = took;
 	}
@@ -637,8 +654,8 @@ Test(operations, metrics_scrapes_are_answered_through_a_flood_of_idle_and_trickl
 	/* The daemon did close the flood's connections, not merely serve beside them. */
 	cr_assert_gt(f.reopened, 0, "no flood connection was ever closed by the daemon");
 	cr_log_info("%d scrapes through %d idle and %d trickling connections: slowest %lld ms, "
-		    "%u flood connections closed and reopened", FLOOD_SCRAPES, FLOOD_IDLE,
-		    FLOOD_TRICKLE, (long long)worst, f.reopened);
+		    "%u flood connections closed and reopened",
+		    FLOOD_SCRAPES, FLOOD_IDLE, FLOOD_TRICKLE, (long long)worst, f.reopened);
 	for (int i = 0; i < FLOOD_IDLE + FLOOD_TRICKLE; i++)
 		if (f.fds[i] >= 0)
 			close(f.fds[i]);

@@ -27,9 +27,9 @@
 #include "optim_isa.h"
 #include "shardd.h"
 
-#define NP 5
+#define NP      5
 #define K_STEPS 5
-#define WORLD 2
+#define WORLD   2
 
 static const struct shardd_param_desc params[NP] = {
 	{ .name = "w", .dtype = SHARDD_DTYPE_FP32, .ndim = 2, .shape = { 5, 3 } },
@@ -59,7 +59,10 @@ static void register_both(struct fixture *f, const char *name, const struct shar
 {
 	for (int r = 0; r < WORLD; r++)
 		f->reg[r] = (struct inproc_reg){
-			.c = f->c[r], .name = name, .params = params, .nparams = NP,
+			.c = f->c[r],
+			.name = name,
+			.params = params,
+			.nparams = NP,
 			.opts = { .optimizer = r ? o1 : o0 },
 		};
 	inproc_register(f->reg, WORLD);
@@ -100,7 +103,8 @@ static void write_grads(struct fixture *f, int poison)
 	for (int r = 0; r < WORLD; r++)
 		for (uint32_t i = 0; i < NP; i++) {
 			float *gr = shardd_group_grad(f->reg[r].g, i);
-			uint64_t n = shardd_group_layout(f->reg[r].g, i)->grad_bytes / sizeof(float);
+			uint64_t n =
+				shardd_group_layout(f->reg[r].g, i)->grad_bytes / sizeof(float);
 
 			for (uint64_t e = 0; e < n; e++)
 				gr[e] = rnd();
@@ -138,8 +142,8 @@ static void ref_init(struct inproc_ref *ref, struct fixture *f)
 }
 
 /* The reference step of rank r on the sharded grads as the daemon holds them now. */
-static void ref_step(struct inproc_ref *ref, struct fixture *f, int r, const struct shardd_optim_config *o, double lr,
-		     float scale)
+static void ref_step(struct inproc_ref *ref, struct fixture *f, int r,
+		     const struct shardd_optim_config *o, double lr, float scale)
 {
 	ref->nsteps[r]++;
 	for (uint32_t i = 0; i < NP; i++) {
@@ -171,14 +175,15 @@ static void expect_shard(struct inproc_ref *ref, struct fixture *f, int r, const
  * under SHARDD_STEP_CLIP); then, when `what` names the check, each rank's
  * shard against the reference.
  */
-static void step_every_rank(struct inproc_ref *ref, struct fixture *f, const struct shardd_optim_config *o,
-			    uint64_t step, double lr, uint32_t flags, double clip_coef, const char *what)
+static void step_every_rank(struct inproc_ref *ref, struct fixture *f,
+			    const struct shardd_optim_config *o, uint64_t step, double lr,
+			    uint32_t flags, double clip_coef, const char *what)
 {
 	for (int r = 0; r < WORLD; r++) {
 		ref_step(ref, f, r, o, lr, flags & SHARDD_STEP_CLIP ? (float)clip_coef : 1.0f);
-		cr_assert_eq(shardd_step(f->reg[r].g, step, lr, flags, clip_coef, 0), SHARDD_STEP_APPLIED,
-			     "%s step %llu rank %d: %s", what ? what : "", (unsigned long long)step, r,
-			     shardd_last_error());
+		cr_assert_eq(shardd_step(f->reg[r].g, step, lr, flags, clip_coef, 0),
+			     SHARDD_STEP_APPLIED, "%s step %llu rank %d: %s", what ? what : "",
+			     (unsigned long long)step, r, shardd_last_error());
 		if (what)
 			expect_shard(ref, f, r, what);
 	}
@@ -204,11 +209,14 @@ static void parity_run(const struct shardd_optim_config *o, const char *what)
 
 Test(optim_daemon, sgd_matches_the_kernels_reference_over_k_steps, .timeout = 60)
 {
-	struct shardd_optim_config o = { .kind = SHARDD_OPTIM_SGD, .momentum = 0.9, .dampening = 0.1,
-					 .weight_decay = 0.01 };
-	struct shardd_optim_config n = { .kind = SHARDD_OPTIM_SGD, .flags = SHARDD_OPTIM_NESTEROV,
+	struct shardd_optim_config o = {
+		.kind = SHARDD_OPTIM_SGD, .momentum = 0.9, .dampening = 0.1, .weight_decay = 0.01
+	};
+	struct shardd_optim_config n = { .kind = SHARDD_OPTIM_SGD,
+					 .flags = SHARDD_OPTIM_NESTEROV,
 					 .momentum = 0.8 };
-	struct shardd_optim_config plain = { .kind = SHARDD_OPTIM_SGD, .flags = SHARDD_OPTIM_MAXIMIZE };
+	struct shardd_optim_config plain = { .kind = SHARDD_OPTIM_SGD,
+					     .flags = SHARDD_OPTIM_MAXIMIZE };
 
 	parity_run(&o, "sgd momentum dampening weight_decay");
 	parity_run(&n, "sgd nesterov");
@@ -217,10 +225,16 @@ Test(optim_daemon, sgd_matches_the_kernels_reference_over_k_steps, .timeout = 60
 
 Test(optim_daemon, adamw_matches_the_kernels_reference_over_k_steps, .timeout = 60)
 {
-	struct shardd_optim_config o = { .kind = SHARDD_OPTIM_ADAMW, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,
+	struct shardd_optim_config o = { .kind = SHARDD_OPTIM_ADAMW,
+					 .beta1 = 0.9,
+					 .beta2 = 0.999,
+					 .eps = 1e-8,
 					 .weight_decay = 0.01 };
-	struct shardd_optim_config ams = { .kind = SHARDD_OPTIM_ADAMW, .flags = SHARDD_OPTIM_AMSGRAD,
-					   .beta1 = 0.8, .beta2 = 0.99, .eps = 1e-6 };
+	struct shardd_optim_config ams = { .kind = SHARDD_OPTIM_ADAMW,
+					   .flags = SHARDD_OPTIM_AMSGRAD,
+					   .beta1 = 0.8,
+					   .beta2 = 0.99,
+					   .eps = 1e-6 };
 
 	parity_run(&o, "adamw");
 	parity_run(&ams, "adamw amsgrad");
@@ -233,7 +247,9 @@ static void snapshot(struct fixture *f, int r, float *out)
 
 Test(optim_daemon, a_step_is_applied_once_and_reattach_learns_the_last_step, .timeout = 60)
 {
-	struct shardd_optim_config o = { .kind = SHARDD_OPTIM_ADAMW, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8 };
+	struct shardd_optim_config o = {
+		.kind = SHARDD_OPTIM_ADAMW, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8
+	};
 	struct fixture f;
 	struct inproc_ref ref;
 	size_t size;
@@ -253,19 +269,24 @@ Test(optim_daemon, a_step_is_applied_once_and_reattach_learns_the_last_step, .ti
 	/* Re-submitted, with a new grad there even: nothing changes, the grad stays. */
 	reduce_step(&f, 4, 0);
 	snapshot(&f, 0, before);
-	cr_assert_eq(shardd_step(f.reg[0].g, 3, 0.01, 0, 0, 0), SHARDD_STEP_ALREADY, "%s", shardd_last_error());
-	cr_assert_eq(shardd_step(f.reg[0].g, 1, 0.5, 0, 0, 0), SHARDD_STEP_ALREADY, "%s", shardd_last_error());
+	cr_assert_eq(shardd_step(f.reg[0].g, 3, 0.01, 0, 0, 0), SHARDD_STEP_ALREADY, "%s",
+		     shardd_last_error());
+	cr_assert_eq(shardd_step(f.reg[0].g, 1, 0.5, 0, 0, 0), SHARDD_STEP_ALREADY, "%s",
+		     shardd_last_error());
 	snapshot(&f, 0, after);
-	cr_assert_eq(memcmp(before, after, size), 0, "a step already applied changed rank 0's shard");
+	cr_assert_eq(memcmp(before, after, size), 0,
+		     "a step already applied changed rank 0's shard");
 
 	/* Rank 0 leaves and comes back: the daemon says step 3 was its last. */
 	shardd_group_close(f.reg[0].g);
 	shardd_close(f.c[0]);
-	cr_assert_eq(harness_attach(&f.hd, "optim", 0, 1, WORLD, &f.c[0]), 0, "%s", shardd_last_error());
+	cr_assert_eq(harness_attach(&f.hd, "optim", 0, 1, WORLD, &f.c[0]), 0, "%s",
+		     shardd_last_error());
 	cr_assert_eq(shardd_group_open(f.c[0], "layer", &f.reg[0].g), 0, "%s", shardd_last_error());
 	cr_assert_eq(shardd_group_last_step(f.reg[0].g), 3);
 	cr_assert_eq(shardd_group_info(f.reg[0].g)->optimizer, SHARDD_OPTIM_ADAMW);
-	cr_assert_eq(shardd_group_last_step(f.reg[1].g), 0, "rank 1's reply was taken at registration");
+	cr_assert_eq(shardd_group_last_step(f.reg[1].g), 0,
+		     "rank 1's reply was taken at registration");
 	/* Step 4 then goes on from the daemon's state. */
 	step_every_rank(&ref, &f, &o, 4, 0.01, 0, 0, "after re-attach");
 	free(before);
@@ -289,18 +310,20 @@ Test(optim_daemon, clip_scales_the_grad_and_nonfinite_grads_skip_the_step, .time
 	after = malloc(size);
 	ref_init(&ref, &f);
 	reduce_step(&f, 1, 0);
-	step_every_rank(&ref, &f, &o, 1, 0.1, SHARDD_STEP_CLIP | SHARDD_STEP_SKIP_NONFINITE, 0.25, "clip 0.25");
+	step_every_rank(&ref, &f, &o, 1, 0.1, SHARDD_STEP_CLIP | SHARDD_STEP_SKIP_NONFINITE, 0.25,
+			"clip 0.25");
 	/* Rank 0's grad of 'w' is NaN, so its reduced row 0 is NaN on rank 0 only. */
 	reduce_step(&f, 2, 1);
 	snapshot(&f, 0, before);
-	cr_assert_eq(shardd_step(f.reg[0].g, 2, 0.1, SHARDD_STEP_SKIP_NONFINITE, 0, 0), SHARDD_STEP_SKIPPED, "%s",
-		     shardd_last_error());
+	cr_assert_eq(shardd_step(f.reg[0].g, 2, 0.1, SHARDD_STEP_SKIP_NONFINITE, 0, 0),
+		     SHARDD_STEP_SKIPPED, "%s", shardd_last_error());
 	snapshot(&f, 0, after);
 	cr_assert_eq(memcmp(before, after, size), 0, "a skipped step changed rank 0's shard");
-	cr_assert_eq(shardd_step(f.reg[0].g, 2, 0.1, 0, 0, 0), SHARDD_STEP_ALREADY, "%s", shardd_last_error());
-	ref_step(&ref, &f, 1, &o, 0.1, 1.0f);
-	cr_assert_eq(shardd_step(f.reg[1].g, 2, 0.1, SHARDD_STEP_SKIP_NONFINITE, 0, 0), SHARDD_STEP_APPLIED, "%s",
+	cr_assert_eq(shardd_step(f.reg[0].g, 2, 0.1, 0, 0, 0), SHARDD_STEP_ALREADY, "%s",
 		     shardd_last_error());
+	ref_step(&ref, &f, 1, &o, 0.1, 1.0f);
+	cr_assert_eq(shardd_step(f.reg[1].g, 2, 0.1, SHARDD_STEP_SKIP_NONFINITE, 0, 0),
+		     SHARDD_STEP_APPLIED, "%s", shardd_last_error());
 	expect_shard(&ref, &f, 0, "skipped");
 	expect_shard(&ref, &f, 1, "finite");
 	/* The skipped step is no update: rank 0's next one is its second (momentum buffer already set). */
@@ -314,8 +337,8 @@ Test(optim_daemon, clip_scales_the_grad_and_nonfinite_grads_skip_the_step, .time
 
 static void expect_err(int ret, int want, const char *text, const char *what)
 {
-	cr_assert_eq(ret, want, "%s: got %d (%s), expected %d: %s", what, ret, shardd_strerror(ret), want,
-		     shardd_last_error());
+	cr_assert_eq(ret, want, "%s: got %d (%s), expected %d: %s", what, ret, shardd_strerror(ret),
+		     want, shardd_last_error());
 	cr_assert_not_null(strstr(shardd_last_error(), text), "%s: '%s' does not say '%s'", what,
 			   shardd_last_error(), text);
 }
@@ -328,41 +351,50 @@ Test(optim_daemon, bad_steps_fail_naming_the_field_and_value, .timeout = 60)
 
 	start(&f);
 	register_ok(&f, "layer", &o);
-	expect_err(shardd_step(f.reg[0].g, 1, 0.1, 0, 0, 0), -SHARDD_E_STATE, "sharded grad is absent",
-		   "step before any reduce");
+	expect_err(shardd_step(f.reg[0].g, 1, 0.1, 0, 0, 0), -SHARDD_E_STATE,
+		   "sharded grad is absent", "step before any reduce");
 	reduce_step(&f, 1, 0);
-	expect_err(shardd_step(f.reg[0].g, 1, -0.5, 0, 0, 0), -SHARDD_E_INVALID, "lr = -0.5", "negative lr");
-	expect_err(shardd_step(f.reg[0].g, 1, NAN, 0, 0, 0), -SHARDD_E_INVALID, "lr = nan", "NaN lr");
-	expect_err(shardd_step(f.reg[0].g, 0, 0.1, 0, 0, 0), -SHARDD_E_INVALID, "step = 0", "step 0");
+	expect_err(shardd_step(f.reg[0].g, 1, -0.5, 0, 0, 0), -SHARDD_E_INVALID, "lr = -0.5",
+		   "negative lr");
+	expect_err(shardd_step(f.reg[0].g, 1, NAN, 0, 0, 0), -SHARDD_E_INVALID, "lr = nan",
+		   "NaN lr");
+	expect_err(shardd_step(f.reg[0].g, 0, 0.1, 0, 0, 0), -SHARDD_E_INVALID, "step = 0",
+		   "step 0");
 	expect_err(shardd_step(f.reg[0].g, 1, 0.1, SHARDD_STEP_CLIP, -1, 0), -SHARDD_E_INVALID,
 		   "clip coefficient = -1", "negative clip");
-	expect_err(shardd_step(f.reg[0].g, 1, 0.1, 0x80, 0, 0), -SHARDD_E_INVALID, "unknown bits 0x80", "bad flags");
+	expect_err(shardd_step(f.reg[0].g, 1, 0.1, 0x80, 0, 0), -SHARDD_E_INVALID,
+		   "unknown bits 0x80", "bad flags");
 	/* Only the deprecated shardd_submit takes a raw group id: the daemon's check of it. */
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
-	cr_assert_eq(shardd_submit(f.c[0], SHARDD_OP_STEP, 999, 1, 0, 7), 0, "%s", shardd_last_error());
+	cr_assert_eq(shardd_submit(f.c[0], SHARDD_OP_STEP, 999, 1, 0, 7), 0, "%s",
+		     shardd_last_error());
 #pragma GCC diagnostic pop
 	cr_assert_eq(shardd_wait(f.c[0], &cp, 10000), 0, "%s", shardd_last_error());
 	cr_assert_eq(cp.res, -SHARDD_E_NOGROUP, "step on group 999: %d %s", cp.res, cp.msg);
 	cr_assert_not_null(strstr(cp.msg, "group id 999"), "%s", cp.msg);
 	/* The valid step still applies after the refusals. */
-	cr_assert_eq(shardd_step(f.reg[0].g, 1, 0.1, 0, 0, 0), SHARDD_STEP_APPLIED, "%s", shardd_last_error());
+	cr_assert_eq(shardd_step(f.reg[0].g, 1, 0.1, 0, 0, 0), SHARDD_STEP_APPLIED, "%s",
+		     shardd_last_error());
 
 	/* A group without an optimizer refuses the step. */
 	for (int r = 0; r < WORLD; r++)
 		shardd_group_close(f.reg[r].g);
 	register_ok(&f, "plain", NULL);
 	reduce_step(&f, 1, 0);
-	expect_err(shardd_step(f.reg[0].g, 1, 0.1, 0, 0, 0), -SHARDD_E_STATE, "without an optimizer",
-		   "no optimizer");
+	expect_err(shardd_step(f.reg[0].g, 1, 0.1, 0, 0, 0), -SHARDD_E_STATE,
+		   "without an optimizer", "no optimizer");
 	finish(&f);
 }
 
 Test(optim_daemon, bad_optimizer_configs_fail_registration, .timeout = 60)
 {
 	struct shardd_optim_config unknown = { .kind = 7 };
-	struct shardd_optim_config badbeta = { .kind = SHARDD_OPTIM_ADAMW, .beta1 = 1.5, .beta2 = 0.999 };
-	struct shardd_optim_config nest = { .kind = SHARDD_OPTIM_SGD, .flags = SHARDD_OPTIM_NESTEROV };
+	struct shardd_optim_config badbeta = { .kind = SHARDD_OPTIM_ADAMW,
+					       .beta1 = 1.5,
+					       .beta2 = 0.999 };
+	struct shardd_optim_config nest = { .kind = SHARDD_OPTIM_SGD,
+					    .flags = SHARDD_OPTIM_NESTEROV };
 	struct shardd_optim_config m9 = { .kind = SHARDD_OPTIM_SGD, .momentum = 0.9 };
 	struct shardd_optim_config m8 = { .kind = SHARDD_OPTIM_SGD, .momentum = 0.8 };
 	struct fixture f;
@@ -379,9 +411,11 @@ Test(optim_daemon, bad_optimizer_configs_fail_registration, .timeout = 60)
 	register_both(&f, "d", &m9, &m8);
 	for (int r = 0; r < WORLD; r++) {
 		cr_assert_eq(f.reg[r].ret, -SHARDD_E_MISMATCH, "rank %d: %s", r, f.reg[r].err);
-		cr_assert_not_null(strstr(f.reg[r].err, "optimizer momentum differs"), "%s", f.reg[r].err);
+		cr_assert_not_null(strstr(f.reg[r].err, "optimizer momentum differs"), "%s",
+				   f.reg[r].err);
 	}
-	cr_assert(strstr(f.reg[0].err, "0.90000000000000002") || strstr(f.reg[1].err, "0.90000000000000002"),
+	cr_assert(strstr(f.reg[0].err, "0.90000000000000002") ||
+			  strstr(f.reg[1].err, "0.90000000000000002"),
 		  "%s / %s", f.reg[0].err, f.reg[1].err);
 	register_both(&f, "e", &m9, NULL);
 	cr_assert_eq(f.reg[0].ret, -SHARDD_E_MISMATCH, "%s", f.reg[0].err);
@@ -404,19 +438,22 @@ Test(optim_daemon, bad_optimizer_configs_fail_registration, .timeout = 60)
  * step (zero_grad) and goes on from the next one. The final params must be
  * bit-identical to an uninterrupted run's.
  */
-#define K_KILL 6
+#define K_KILL     6
 #define KILL_NUMEL 37
-#define KILL_RUNS 6
+#define KILL_RUNS  6
 
 static const struct shardd_param_desc kill_param = {
-	.name = "w", .dtype = SHARDD_DTYPE_FP32, .ndim = 2, .shape = { KILL_NUMEL, 1 },
+	.name = "w",
+	.dtype = SHARDD_DTYPE_FP32,
+	.ndim = 2,
+	.shape = { KILL_NUMEL, 1 },
 };
 
 struct kill_rank {
 	const char *socket;
 	char job[32];
-	int recover;  /* open the group and resume, instead of registering it */
-	int to_test;  /* checkpoints and, at the end, the final params */
+	int recover;   /* open the group and resume, instead of registering it */
+	int to_test;   /* checkpoints and, at the end, the final params */
 	int from_test; /* go bytes */
 };
 
@@ -425,19 +462,28 @@ static int checkpoint(const struct kill_rank *k, char what)
 	char go;
 
 	CHILD_CHECK(harness_signal(k->to_test, what) == 0, "signal %c", what);
-	CHILD_CHECK(harness_read_full(k->from_test, &go, 1, 30000) == 0, "no go byte after %c", what);
+	CHILD_CHECK(harness_read_full(k->from_test, &go, 1, 30000) == 0, "no go byte after %c",
+		    what);
 	return 0;
 }
 
 static int kill_rank_main(void *p)
 {
 	const struct kill_rank *k = p;
-	struct shardd_optim_config o = { .kind = SHARDD_OPTIM_ADAMW, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,
+	struct shardd_optim_config o = { .kind = SHARDD_OPTIM_ADAMW,
+					 .beta1 = 0.9,
+					 .beta2 = 0.999,
+					 .eps = 1e-8,
 					 .weight_decay = 0.01 };
 	struct shardd_group_opts opts = { .optimizer = &o };
 	struct shardd_attach_opts ao = {
-		.socket_path = k->socket, .job = k->job, .rank = 0, .replicate = 1, .shard = 1,
-		.device = SHARDD_HELLO_DEVICE_HOST, .timeout_ms = 10000,
+		.socket_path = k->socket,
+		.job = k->job,
+		.rank = 0,
+		.replicate = 1,
+		.shard = 1,
+		.device = SHARDD_HELLO_DEVICE_HOST,
+		.timeout_ms = 10000,
 	};
 	struct shardd_client *c = NULL;
 	struct shardd_group *g = NULL;
@@ -468,7 +514,8 @@ static int kill_rank_main(void *p)
 		for (int i = 0; i < KILL_NUMEL; i++)
 			gr[i] = sinf((float)(s + (uint64_t)i)) + 0.5f * w[i];
 		ret = shardd_reduce(g, s, 0);
-		CHILD_CHECK(ret == 0, "reduce %llu: %s", (unsigned long long)s, shardd_last_error());
+		CHILD_CHECK(ret == 0, "reduce %llu: %s", (unsigned long long)s,
+			    shardd_last_error());
 		if (checkpoint(k, 'R'))
 			return 1;
 		ret = shardd_step_submit(g, s, 1e-2, 0, 0, 0, 500 + s);
@@ -482,7 +529,8 @@ static int kill_rank_main(void *p)
 			return 1;
 	}
 	CHILD_CHECK(harness_signal(k->to_test, 'F') == 0, "final");
-	CHILD_CHECK(write(k->to_test, w, KILL_NUMEL * sizeof(float)) == (ssize_t)(KILL_NUMEL * sizeof(float)),
+	CHILD_CHECK(write(k->to_test, w, KILL_NUMEL * sizeof(float)) ==
+			    (ssize_t)(KILL_NUMEL * sizeof(float)),
 		    "write params");
 	shardd_group_close(g);
 	shardd_close(c);
@@ -529,7 +577,8 @@ static char kill_run(struct harness_daemon *hd, const char *job, int kill_at, fl
 	kill_proc_start(&kp, hd->socket, job, 0);
 	for (;;) {
 		cr_assert_eq(harness_read_full(kp.to_test[0], &what, 1, 30000), 0,
-			     "job %s: the rank sent nothing after checkpoint %d; daemon log:\n%s", job, n, hd->log);
+			     "job %s: the rank sent nothing after checkpoint %d; daemon log:\n%s",
+			     job, n, hd->log);
 		if (what == 'F')
 			break;
 		if (n++ == kill_at) {
@@ -544,8 +593,8 @@ static char kill_run(struct harness_daemon *hd, const char *job, int kill_at, fl
 	}
 	cr_assert_eq(harness_read_full(kp.to_test[0], out, KILL_NUMEL * sizeof(float), 30000), 0);
 	cr_assert_eq(harness_wait_or_kill(kp.pid, 30000, &status), 0);
-	cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "job %s: rank %s; daemon log:\n%s", job,
-		  harness_status_str(status), hd->log);
+	cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "job %s: rank %s; daemon log:\n%s",
+		  job, harness_status_str(status), hd->log);
 	kill_proc_close(&kp);
 	return killed;
 }
@@ -562,23 +611,25 @@ Test(optim_daemon, a_rank_killed_between_reduce_and_step_resumes_bit_identical, 
 	/* Checkpoints 0 .. 3 * K_KILL - 1; a fixed seed picks KILL_RUNS of them, the first and last included. */
 	rng_state = 0x9e3779b97f4a7c15ull;
 	for (int run = 0; run < KILL_RUNS; run++) {
-		int at = run == 0 ? 0 : run == 1 ? 3 * K_KILL - 1 :
-			 (int)((rnd() * 0.5f + 0.5f) * (float)(3 * K_KILL - 1));
+		int at = run == 0   ? 0
+			 : run == 1 ? 3 * K_KILL - 1
+				    : (int)((rnd() * 0.5f + 0.5f) * (float)(3 * K_KILL - 1));
 		char killed;
 
 		snprintf(job, sizeof(job), "kill%d", run);
 		killed = kill_run(&hd, job, at, got);
 		for (int i = 0; i < KILL_NUMEL; i++)
-			cr_assert_eq(memcmp(&got[i], &want[i], sizeof(float)), 0,
-				     "killed at checkpoint %d (%c of step %d): w[%d] = %.9g, uninterrupted %.9g", at,
-				     killed, at / 3 + 1, i, got[i], want[i]);
+			cr_assert_eq(
+				memcmp(&got[i], &want[i], sizeof(float)), 0,
+				"killed at checkpoint %d (%c of step %d): w[%d] = %.9g, uninterrupted %.9g",
+				at, killed, at / 3 + 1, i, got[i], want[i]);
 	}
 	harness_daemon_stop_expect_clean(&hd);
 }
 
 /* Grads of every rank, then the reduce with SHARDD_REDUCE_STEP on both rings; the results. */
-static void reduce_and_step(struct fixture *f, struct inproc_ref *ref, const struct shardd_optim_config *o, uint64_t step,
-			    double lr, int *res)
+static void reduce_and_step(struct fixture *f, struct inproc_ref *ref,
+			    const struct shardd_optim_config *o, uint64_t step, double lr, int *res)
 {
 	struct shardd_completion cp;
 	float *sum[WORLD][NP];
@@ -612,7 +663,8 @@ static void reduce_and_step(struct fixture *f, struct inproc_ref *ref, const str
 			}
 		}
 	for (int r = 0; r < WORLD; r++)
-		cr_assert_eq(shardd_reduce_step_submit(f->reg[r].g, step, 0, lr, 200 + r), 0, "%s", shardd_last_error());
+		cr_assert_eq(shardd_reduce_step_submit(f->reg[r].g, step, 0, lr, 200 + r), 0, "%s",
+			     shardd_last_error());
 	for (int r = 0; r < WORLD; r++) {
 		cr_assert_eq(shardd_wait(f->c[r], &cp, 30000), 0, "%s", shardd_last_error());
 		res[cp.user_data - 200] = cp.res;
@@ -627,9 +679,14 @@ static void reduce_and_step(struct fixture *f, struct inproc_ref *ref, const str
 		for (uint32_t i = 0; i < NP; i++) {
 			uint64_t n = valid_numel(f->reg[r].g, i);
 			struct shardd_sgd a = {
-				.param = ref->p[r][i], .grad = sum[r][i], .momentum_buffer = ref->s[r][i][0],
-				.grad_dtype = SHARDD_DTYPE_FP32, .step = ref->nsteps[r], .lr = lr,
-				.momentum = oo.momentum, .grad_scale = 1.0f,
+				.param = ref->p[r][i],
+				.grad = sum[r][i],
+				.momentum_buffer = ref->s[r][i][0],
+				.grad_dtype = SHARDD_DTYPE_FP32,
+				.step = ref->nsteps[r],
+				.lr = lr,
+				.momentum = oo.momentum,
+				.grad_scale = 1.0f,
 			};
 
 			if (n)
@@ -656,8 +713,8 @@ Test(optim_daemon, a_reduce_with_the_step_flag_steps_each_shard_after_reducing, 
 			cr_assert_eq(res[r], SHARDD_STEP_APPLIED, "rank %d step %llu: res %d", r,
 				     (unsigned long long)step, res[r]);
 			expect_shard(&ref, &f, r, "reduce with step");
-			cr_assert_eq(shardd_step(f.reg[r].g, step, 0.1, 0, 0, 0), SHARDD_STEP_ALREADY, "%s",
-				     shardd_last_error());
+			cr_assert_eq(shardd_step(f.reg[r].g, step, 0.1, 0, 0, 0),
+				     SHARDD_STEP_ALREADY, "%s", shardd_last_error());
 		}
 	}
 	inproc_ref_free(&ref);
@@ -665,7 +722,8 @@ Test(optim_daemon, a_reduce_with_the_step_flag_steps_each_shard_after_reducing, 
 		shardd_group_close(f.reg[r].g);
 	/* Without an optimizer the reduce is refused before it gathers. */
 	register_ok(&f, "plain", NULL);
-	cr_assert_eq(shardd_reduce_step_submit(f.reg[0].g, 1, 0, 0.1, 9), 0, "%s", shardd_last_error());
+	cr_assert_eq(shardd_reduce_step_submit(f.reg[0].g, 1, 0, 0.1, 9), 0, "%s",
+		     shardd_last_error());
 	cr_assert_eq(shardd_wait(f.c[0], &cp, 10000), 0, "%s", shardd_last_error());
 	cr_assert_eq(cp.res, -SHARDD_E_STATE, "%d %s", cp.res, cp.msg);
 	cr_assert_not_null(strstr(cp.msg, "without an optimizer"), "%s", cp.msg);
@@ -673,11 +731,11 @@ Test(optim_daemon, a_reduce_with_the_step_flag_steps_each_shard_after_reducing, 
 }
 
 /* shardctl --json dump GROUP PARAM --rank R --what WHAT: the reply's values. */
-static json_t *dump_json(struct fixture *f, const char *param, const char *rank, const char *what, char *out,
-			 size_t len)
+static json_t *dump_json(struct fixture *f, const char *param, const char *rank, const char *what,
+			 char *out, size_t len)
 {
-	const char *args[] = { "--json", "dump", "layer", param, "--rank", rank, "--what", what, "--limit", "100",
-			       NULL };
+	const char *args[] = { "--json", "dump", "layer",   param, "--rank", rank,
+			       "--what", what,   "--limit", "100", NULL };
 	json_error_t jerr;
 	json_t *j;
 
@@ -690,7 +748,9 @@ static json_t *dump_json(struct fixture *f, const char *param, const char *rank,
 
 Test(optim_daemon, shardctl_dumps_the_optimizer_state_of_a_shard, .timeout = 60)
 {
-	struct shardd_optim_config o = { .kind = SHARDD_OPTIM_ADAMW, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8 };
+	struct shardd_optim_config o = {
+		.kind = SHARDD_OPTIM_ADAMW, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8
+	};
 	static const char *const names[] = { "exp_avg", "exp_avg_sq" };
 	static char out[1 << 16];
 	struct fixture f;
@@ -713,10 +773,11 @@ Test(optim_daemon, shardctl_dumps_the_optimizer_state_of_a_shard, .timeout = 60)
 		vals = json_object_get(j, "values");
 		cr_assert_eq(json_array_size(vals), valid_numel(f.reg[1].g, 0), "%s", out);
 		for (size_t e = 0; e < json_array_size(vals); e++) {
-			double got = json_number_value(json_array_get(vals, e)), want = ref.s[1][0][k][e];
+			double got = json_number_value(json_array_get(vals, e)),
+			       want = ref.s[1][0][k][e];
 
-			cr_assert(fabs(got - want) <= 1e-6 * fmax(1e-30, fabs(want)), "%s[%zu] = %.9g, reference %.9g",
-				  names[k], e, got, want);
+			cr_assert(fabs(got - want) <= 1e-6 * fmax(1e-30, fabs(want)),
+				  "%s[%zu] = %.9g, reference %.9g", names[k], e, got, want);
 		}
 		json_decref(j);
 	}
@@ -728,8 +789,10 @@ Test(optim_daemon, shardctl_dumps_the_optimizer_state_of_a_shard, .timeout = 60)
 	{
 		uint64_t want = WORLD * 2 * shardd_group_info(f.reg[0].g)->shard_size;
 
-		j = harness_shardctl_json(f.hd.socket, (const char *const[]){ "status", NULL }, 20000, out, sizeof(out));
-		cr_assert_eq((uint64_t)json_integer_value(json_object_get(json_object_get(j, "memory"), "optimizer")),
+		j = harness_shardctl_json(f.hd.socket, (const char *const[]){ "status", NULL },
+					  20000, out, sizeof(out));
+		cr_assert_eq((uint64_t)json_integer_value(
+				     json_object_get(json_object_get(j, "memory"), "optimizer")),
 			     want, "%s", out);
 		json_decref(j);
 	}

@@ -15,7 +15,7 @@
 #include "harness.h"
 #include "shardd.h"
 
-#define CTL_MS          10000
+#define CTL_MS 10000
 
 TestSuite(operations, .timeout = 60);
 
@@ -30,7 +30,8 @@ static json_t *ranks_json(const char *sock, json_t **root)
 {
 	json_t *job;
 
-	*root = harness_shardctl_json(sock, (const char *const[]){ "ranks", NULL }, CTL_MS, ctl_out, sizeof(ctl_out));
+	*root = harness_shardctl_json(sock, (const char *const[]){ "ranks", NULL }, CTL_MS, ctl_out,
+				      sizeof(ctl_out));
 	job = json_array_get(json_object_get(*root, "jobs"), 0);
 	cr_assert_not_null(job, "no job in:\n%s", ctl_out);
 	return job;
@@ -39,7 +40,8 @@ static json_t *ranks_json(const char *sock, json_t **root)
 /* Run shardctl --socket SOCK ranks (text) into ctl_out. */
 static void ranks_text(const char *sock)
 {
-	int rc = harness_shardctl(sock, (const char *const[]){ "ranks", NULL }, CTL_MS, ctl_out, sizeof(ctl_out));
+	int rc = harness_shardctl(sock, (const char *const[]){ "ranks", NULL }, CTL_MS, ctl_out,
+				  sizeof(ctl_out));
 
 	cr_assert_eq(rc, 0, "shardctl ranks exited with %d:\n%s", rc, ctl_out);
 }
@@ -70,18 +72,19 @@ static const char *jop(const json_t *o, const char *key)
 
 struct reg_arg {
 	struct shardd_client *c;
-	struct shardd_group  *g;
-	int                   ret;
-	char                  err[512];
+	struct shardd_group *g;
+	int ret;
+	char err[512];
 };
 
 /* Registration is collective and blocks until both ranks registered: one thread per rank. */
 static void *register_main(void *p)
 {
 	struct reg_arg *a = p;
-	struct shardd_param_desc d = { .name = "w", .dtype = SHARDD_DTYPE_FP32, .ndim = 1,
-				       .shape = { 8 } };
-	
+	struct shardd_param_desc d = {
+		.name = "w", .dtype = SHARDD_DTYPE_FP32, .ndim = 1, .shape = { 8 }
+	};
+
 	a->ret = shardd_group_register(a->c, "layer", &d, 1, NULL, NULL, &a->g);
 	if (a->ret < 0)
 		snprintf(a->err, sizeof(a->err), "%s", shardd_last_error());
@@ -89,8 +92,8 @@ static void *register_main(void *p)
 }
 
 /* Submit op on rank 0 without waiting. */
-static void submit0(struct shardd_client *c, uint32_t op, struct shardd_group *g,
-		    uint64_t step, uint64_t ud)
+static void submit0(struct shardd_client *c, uint32_t op, struct shardd_group *g, uint64_t step,
+		    uint64_t ud)
 {
 	int ret = g ? shardd_group_submit(g, op, step, 0, ud)
 		    : shardd_client_submit(c, op, step, 0, ud);
@@ -115,11 +118,11 @@ static void assert_completed_matches_taken(const json_t *rk)
 {
 	if (jint(rk, "inflight") != 0)
 		return;
-	cr_assert_str_eq(jop(rk, "completed"), jop(rk, "taken"), "rank %lld:\n%s",
-			 jint(rk, "rank"), ctl_out);
+	cr_assert_str_eq(jop(rk, "completed"), jop(rk, "taken"), "rank %lld:\n%s", jint(rk, "rank"),
+			 ctl_out);
 	cr_assert_eq(jint(json_object_get(rk, "completed"), "step"),
-		     jint(json_object_get(rk, "taken"), "step"), "rank %lld:\n%s",
-		     jint(rk, "rank"), ctl_out);
+		     jint(json_object_get(rk, "taken"), "step"), "rank %lld:\n%s", jint(rk, "rank"),
+		     ctl_out);
 }
 
 Test(operations, ranks_view_counts_only_step_carrying_ops)

@@ -28,29 +28,35 @@
 #include "shardd.h"
 
 #define CHILD_MS 20000
-#define NOBODY   65534u  /* the unprivileged uid the clients switch to */
-#define NUMEL    15      /* param "w", fp32 [5, 3] */
+#define NOBODY   65534u /* the unprivileged uid the clients switch to */
+#define NUMEL    15     /* param "w", fp32 [5, 3] */
 
 struct rst_arg {
 	const char *socket;
 	const char *job;
-	const char *restore;       /* shardd_group_opts.restore; NULL: register without restoring */
-	int         other_uid;     /* become NOBODY in group ALLOWED_GID first */
-	const char *unreadable;    /* a file the client must not be able to open itself, or NULL */
-	int         want;          /* 0: the registration succeeds; else the error it must give */
-	const char *want_text[4];  /* with want != 0: strings the error must hold */
-	const float *expect;       /* want 0: the values the shard must hold */
-	int         save;          /* load `expect` into the group and checkpoint it (step 1) */
+	const char *restore;      /* shardd_group_opts.restore; NULL: register without restoring */
+	int other_uid;            /* become NOBODY in group ALLOWED_GID first */
+	const char *unreadable;   /* a file the client must not be able to open itself, or NULL */
+	int want;                 /* 0: the registration succeeds; else the error it must give */
+	const char *want_text[4]; /* with want != 0: strings the error must hold */
+	const float *expect;      /* want 0: the values the shard must hold */
+	int save;                 /* load `expect` into the group and checkpoint it (step 1) */
 };
 
 static int restore_client_main(void *p)
 {
 	const struct rst_arg *a = p;
 	struct shardd_attach_opts o = {
-		.socket_path = a->socket, .job = a->job, .rank = 0, .replicate = 1, .shard = 1,
+		.socket_path = a->socket,
+		.job = a->job,
+		.rank = 0,
+		.replicate = 1,
+		.shard = 1,
 		.device = SHARDD_HELLO_DEVICE_HOST,
 	};
-	struct shardd_param_desc pd = { .name = "w", .dtype = SHARDD_DTYPE_FP32, .ndim = 2, .shape = { 5, 3 } };
+	struct shardd_param_desc pd = {
+		.name = "w", .dtype = SHARDD_DTYPE_FP32, .ndim = 2, .shape = { 5, 3 }
+	};
 	struct shardd_group_opts opts = { .restore = a->restore };
 	struct shardd_client *c = NULL;
 	struct shardd_group *g = NULL;
@@ -63,36 +69,38 @@ static int restore_client_main(void *p)
 	if (a->unreadable) {
 		int fd = open(a->unreadable, O_RDONLY);
 
-		CHILD_CHECK(fd < 0 && errno == EACCES, "uid %u can open %s itself (fd %d, %s): the test "
-			    "proves nothing", (unsigned)getuid(), a->unreadable, fd, strerror(errno));
+		CHILD_CHECK(fd < 0 && errno == EACCES,
+			    "uid %u can open %s itself (fd %d, %s): the test "
+			    "proves nothing",
+			    (unsigned)getuid(), a->unreadable, fd, strerror(errno));
 	}
 	CHILD_CHECK_SHARDD(shardd_connect(&o, &c));
 	ret = shardd_group_register(c, "layer", &pd, 1, NULL, &opts, &g);
 	if (a->want) {
-		CHILD_CHECK(ret == a->want, "register gave %d (%s), expected %d: %s", ret, shardd_strerror(ret),
-			    a->want, shardd_last_error());
+		CHILD_CHECK(ret == a->want, "register gave %d (%s), expected %d: %s", ret,
+			    shardd_strerror(ret), a->want, shardd_last_error());
 		for (int i = 0; i < 4 && a->want_text[i]; i++)
-			CHILD_CHECK(strstr(shardd_last_error(), a->want_text[i]), "'%s' does not say '%s'",
-				    shardd_last_error(), a->want_text[i]);
+			CHILD_CHECK(strstr(shardd_last_error(), a->want_text[i]),
+				    "'%s' does not say '%s'", shardd_last_error(), a->want_text[i]);
 		shardd_close(c);
 		return 0;
 	}
-	CHILD_CHECK(ret == 0, "register restoring from '%s': %s", a->restore ? a->restore : "(none)",
-		    shardd_last_error());
+	CHILD_CHECK(ret == 0, "register restoring from '%s': %s",
+		    a->restore ? a->restore : "(none)", shardd_last_error());
 	if (a->save) {
 		struct shardd_completion cp;
 
 		CHILD_CHECK_SHARDD(shardd_group_load_full(g, 0, a->expect));
 		CHILD_CHECK_SHARDD(shardd_client_submit(c, SHARDD_OP_CHECKPOINT, 1, 0, 77));
 		CHILD_CHECK_SHARDD(shardd_wait(c, &cp, 30000));
-		CHILD_CHECK(cp.op == SHARDD_OP_CHECKPOINT && cp.res == 0, "checkpoint: %s gave %d: %s",
-			    shardd_op_name(cp.op), cp.res, cp.msg);
+		CHILD_CHECK(cp.op == SHARDD_OP_CHECKPOINT && cp.res == 0,
+			    "checkpoint: %s gave %d: %s", shardd_op_name(cp.op), cp.res, cp.msg);
 	} else {
 		const float *sh = shardd_group_shard(g, 0);
 
 		for (int i = 0; i < NUMEL; i++)
-			CHILD_CHECK(sh[i] == a->expect[i], "restored w[%d] = %g, the file holds %g", i, sh[i],
-				    a->expect[i]);
+			CHILD_CHECK(sh[i] == a->expect[i], "restored w[%d] = %g, the file holds %g",
+				    i, sh[i], a->expect[i]);
 	}
 	shardd_group_close(g);
 	shardd_close(c);
@@ -106,8 +114,10 @@ static void run_client(struct rst_arg *a, struct opd *d)
 
 	cr_assert_gt(pid, 0);
 	cr_assert_eq(harness_wait_or_kill(pid, CHILD_MS, &status), 0);
-	cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "the %s client of job '%s' %s; shardd's output:\n%s",
-		  a->other_uid ? "uid 65534" : "same-uid", a->job, harness_status_str(status), d->log);
+	cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0,
+		  "the %s client of job '%s' %s; shardd's output:\n%s",
+		  a->other_uid ? "uid 65534" : "same-uid", a->job, harness_status_str(status),
+		  d->log);
 }
 
 /* A safetensors file holding tensor "w", F32 [5, 3] = v, with `mode`. */
@@ -115,7 +125,8 @@ static void write_weights(const char *path, const float *v, mode_t mode)
 {
 	char hdr[96];
 	uint8_t len8[8];
-	int n = snprintf(hdr, sizeof(hdr), "{\"w\":{\"dtype\":\"F32\",\"shape\":[5,3],\"data_offsets\":[0,%d]}}",
+	int n = snprintf(hdr, sizeof(hdr),
+			 "{\"w\":{\"dtype\":\"F32\",\"shape\":[5,3],\"data_offsets\":[0,%d]}}",
 			 NUMEL * 4);
 	FILE *f = fopen(path, "wb");
 
@@ -167,12 +178,16 @@ static void fixture_start(struct fixture *f, int import)
 	write_weights(f->in_file, f->v, 0600);
 	snprintf(gid, sizeof(gid), "%u", ALLOWED_GID);
 	if (import)
-		opd_start_or_fail(&f->d, (const char *const[]){ "--socket", f->sock, "--allow-gid", gid,
-								"--state-dir", f->state, "--import-dir",
-								f->imports, NULL }, f->sock);
+		opd_start_or_fail(&f->d,
+				  (const char *const[]){ "--socket", f->sock, "--allow-gid", gid,
+							 "--state-dir", f->state, "--import-dir",
+							 f->imports, NULL },
+				  f->sock);
 	else
-		opd_start_or_fail(&f->d, (const char *const[]){ "--socket", f->sock, "--allow-gid", gid,
-								"--state-dir", f->state, NULL }, f->sock);
+		opd_start_or_fail(&f->d,
+				  (const char *const[]){ "--socket", f->sock, "--allow-gid", gid,
+							 "--state-dir", f->state, NULL },
+				  f->sock);
 }
 
 static void fixture_stop(struct fixture *f)
@@ -189,10 +204,16 @@ Test(restore_access, other_uid_restore_from_outside_the_allowed_dirs_is_refused_
 
 	fixture_start(&f, 1);
 	{
-		struct rst_arg a = { .socket = f.sock, .job = "out", .restore = f.out_file, .other_uid = 1,
-				     .unreadable = f.out_file, .want = -SHARDD_E_PERM,
-				     .want_text = { "policy.restore", f.out_file, "uid 65534",
-						    "let it in with --import-dir DIR, or restore as shardd's uid" } };
+		struct rst_arg a = {
+			.socket = f.sock,
+			.job = "out",
+			.restore = f.out_file,
+			.other_uid = 1,
+			.unreadable = f.out_file,
+			.want = -SHARDD_E_PERM,
+			.want_text = { "policy.restore", f.out_file, "uid 65534",
+				       "let it in with --import-dir DIR, or restore as shardd's uid" }
+		};
 
 		run_client(&a, &f.d);
 	}
@@ -205,9 +226,13 @@ Test(restore_access, without_import_dir_other_uid_cannot_restore_plain_weights_a
 
 	fixture_start(&f, 0);
 	{
-		struct rst_arg a = { .socket = f.sock, .job = "noimp", .restore = f.in_file, .other_uid = 1,
+		struct rst_arg a = { .socket = f.sock,
+				     .job = "noimp",
+				     .restore = f.in_file,
+				     .other_uid = 1,
 				     .want = -SHARDD_E_PERM,
-				     .want_text = { "policy.restore", f.in_file, "--import-dir (0 given)" } };
+				     .want_text = { "policy.restore", f.in_file,
+						    "--import-dir (0 given)" } };
 
 		run_client(&a, &f.d);
 	}
@@ -222,9 +247,16 @@ Test(restore_access, other_uid_restores_weights_under_an_import_dir_and_reads_th
 	{
 		/* The file, and a model directory holding model.safetensors. */
 		char model[224];
-		struct rst_arg a = { .socket = f.sock, .job = "imp", .restore = f.in_file, .other_uid = 1,
-				     .unreadable = f.in_file, .expect = f.v };
-		struct rst_arg b = { .socket = f.sock, .job = "impdir", .restore = f.in_dir, .other_uid = 1,
+		struct rst_arg a = { .socket = f.sock,
+				     .job = "imp",
+				     .restore = f.in_file,
+				     .other_uid = 1,
+				     .unreadable = f.in_file,
+				     .expect = f.v };
+		struct rst_arg b = { .socket = f.sock,
+				     .job = "impdir",
+				     .restore = f.in_dir,
+				     .other_uid = 1,
 				     .expect = f.v };
 
 		snprintf(model, sizeof(model), "%s/model.safetensors", f.in_dir);
@@ -241,17 +273,34 @@ Test(restore_access, symlinks_and_dotdot_inside_an_import_dir_do_not_lead_outsid
 
 	fixture_start(&f, 1);
 	{
-		char link[128], linkdir[128], via_dir[192], dotdot[192], model[128], model_file[192];
-		struct rst_arg a = { .socket = f.sock, .job = "lnk", .restore = link, .other_uid = 1,
+		char link[128], linkdir[128], via_dir[192], dotdot[192], model[128],
+			model_file[192];
+		struct rst_arg a = { .socket = f.sock,
+				     .job = "lnk",
+				     .restore = link,
+				     .other_uid = 1,
 				     .want = -SHARDD_E_PERM,
-				     .want_text = { "policy.restore", link, "resolves outside", "uid 65534" } };
-		struct rst_arg b = { .socket = f.sock, .job = "lnkdir", .restore = via_dir, .other_uid = 1,
-				     .want = -SHARDD_E_PERM, .want_text = { "policy.restore", via_dir } };
-		struct rst_arg c = { .socket = f.sock, .job = "dotdot", .restore = dotdot, .other_uid = 1,
-				     .want = -SHARDD_E_PERM, .want_text = { "policy.restore", dotdot } };
+				     .want_text = { "policy.restore", link, "resolves outside",
+						    "uid 65534" } };
+		struct rst_arg b = { .socket = f.sock,
+				     .job = "lnkdir",
+				     .restore = via_dir,
+				     .other_uid = 1,
+				     .want = -SHARDD_E_PERM,
+				     .want_text = { "policy.restore", via_dir } };
+		struct rst_arg c = { .socket = f.sock,
+				     .job = "dotdot",
+				     .restore = dotdot,
+				     .other_uid = 1,
+				     .want = -SHARDD_E_PERM,
+				     .want_text = { "policy.restore", dotdot } };
 		/* A real directory inside whose model.safetensors is a symlink out: the file is refused. */
-		struct rst_arg d = { .socket = f.sock, .job = "inner", .restore = model, .other_uid = 1,
-				     .want = -SHARDD_E_PERM, .want_text = { model_file, "follows no symlink" } };
+		struct rst_arg d = { .socket = f.sock,
+				     .job = "inner",
+				     .restore = model,
+				     .other_uid = 1,
+				     .want = -SHARDD_E_PERM,
+				     .want_text = { model_file, "follows no symlink" } };
 
 		snprintf(link, sizeof(link), "%s/link.safetensors", f.imports);
 		snprintf(linkdir, sizeof(linkdir), "%s/out", f.imports);
@@ -278,8 +327,12 @@ Test(restore_access, same_uid_client_restores_from_anywhere_as_before)
 	fixture_start(&f, 0);
 	{
 		char link[128];
-		struct rst_arg a = { .socket = f.sock, .job = "self", .restore = f.out_file, .expect = f.v };
-		struct rst_arg b = { .socket = f.sock, .job = "selflink", .restore = link, .expect = f.v };
+		struct rst_arg a = {
+			.socket = f.sock, .job = "self", .restore = f.out_file, .expect = f.v
+		};
+		struct rst_arg b = {
+			.socket = f.sock, .job = "selflink", .restore = link, .expect = f.v
+		};
 
 		snprintf(link, sizeof(link), "%s/link.safetensors", f.base);
 		cr_assert_eq(symlink(f.out_file, link), 0);
@@ -295,16 +348,22 @@ Test(restore_access, other_uid_restores_its_jobs_own_checkpoint_with_an_empty_pa
 
 	fixture_start(&f, 0);
 	{
-		struct rst_arg save = { .socket = f.sock, .job = "own", .other_uid = 1, .expect = f.v, .save = 1 };
-		struct rst_arg a = { .socket = f.sock, .job = "own", .restore = "", .other_uid = 1, .expect = f.v };
+		struct rst_arg save = {
+			.socket = f.sock, .job = "own", .other_uid = 1, .expect = f.v, .save = 1
+		};
+		struct rst_arg a = {
+			.socket = f.sock, .job = "own", .restore = "", .other_uid = 1, .expect = f.v
+		};
 		char gid[16];
 
 		run_client(&save, &f.d);
 		/* A new daemon on the same state dir: the job's newest checkpoint is all there is. */
 		opd_stop_clean(&f.d);
 		snprintf(gid, sizeof(gid), "%u", ALLOWED_GID);
-		opd_start_or_fail(&f.d, (const char *const[]){ "--socket", f.sock, "--allow-gid", gid,
-							       "--state-dir", f.state, NULL }, f.sock);
+		opd_start_or_fail(&f.d,
+				  (const char *const[]){ "--socket", f.sock, "--allow-gid", gid,
+							 "--state-dir", f.state, NULL },
+				  f.sock);
 		run_client(&a, &f.d);
 	}
 	fixture_stop(&f);
@@ -312,6 +371,7 @@ Test(restore_access, other_uid_restores_its_jobs_own_checkpoint_with_an_empty_pa
 
 Test(restore_access, import_dir_that_is_not_a_directory_is_a_usage_error)
 {
-	expect_usage_error("--import-dir", "/nonexistent/shardd-imports", "--import-dir: '/nonexistent/shardd-imports'");
+	expect_usage_error("--import-dir", "/nonexistent/shardd-imports",
+			   "--import-dir: '/nonexistent/shardd-imports'");
 	expect_usage_error("--import-dir", "/dev/null", "is not a directory");
 }

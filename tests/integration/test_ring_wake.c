@@ -21,17 +21,17 @@
 
 TestSuite(ring_wake, .init = start_daemon, .fini = stop_daemon, .timeout = 60);
 
-#define ROUNDS     300
-#define ASLEEP_MS  5000 /* the spin window is ~50 us; the periodic turn 100 ms */
-#define REAP_MS    5000
+#define ROUNDS    300
+#define ASLEEP_MS 5000 /* the spin window is ~50 us; the periodic turn 100 ms */
+#define REAP_MS   5000
 /*
  * Without its wake-up the daemon would still serve a ring at its next cron
  * turn (SHD_CRON_PERIOD_MS, 100 ms): a lost doorbell costs 50 ms on average
  * and never fails a reap. So the rounds' median must stay far below that
  * (25 ms); a woken daemon answers in tens of us, ms on a loaded machine.
  */
-#define CRON_MS        100
-#define MEDIAN_MAX_MS  (CRON_MS / 4)
+#define CRON_MS       100
+#define MEDIAN_MAX_MS (CRON_MS / 4)
 
 /* Wait until the daemon has set NEED_WAKEUP on r's ring: it will sleep until a doorbell. */
 static void wait_asleep(struct raw *r, const char *who, unsigned round)
@@ -42,7 +42,8 @@ static void wait_asleep(struct raw *r, const char *who, unsigned round)
 		cr_assert(!raw_gone(r), "%s round %u: the daemon dropped the client", who, round);
 		cr_assert(harness_now_ms() < deadline,
 			  "%s round %u: the daemon did not set NEED_WAKEUP within %d ms of an idle "
-			  "ring", who, round, ASLEEP_MS);
+			  "ring",
+			  who, round, ASLEEP_MS);
 		sched_yield();
 	}
 }
@@ -54,16 +55,17 @@ static void reap_nop(struct raw *r, uint64_t user_data, const char *who)
 	struct shardd_cqe c;
 	int ret = raw_reap(r, &c, msg, REAP_MS);
 
-	cr_assert_eq(ret, 0, "%s: no completion of nop user_data %llu within %d ms after the "
-		     "doorbell (%d): a lost wake-up", who, (unsigned long long)user_data, REAP_MS,
-		     ret);
+	cr_assert_eq(ret, 0,
+		     "%s: no completion of nop user_data %llu within %d ms after the "
+		     "doorbell (%d): a lost wake-up",
+		     who, (unsigned long long)user_data, REAP_MS, ret);
 	cr_assert_eq(c.user_data, user_data, "%s: completion for user_data %llu, want %llu", who,
 		     (unsigned long long)c.user_data, (unsigned long long)user_data);
-	cr_assert_eq(c.res, 0, "%s: nop %llu failed: %d %s", who,
-		     (unsigned long long)user_data, c.res, msg);
+	cr_assert_eq(c.res, 0, "%s: nop %llu failed: %d %s", who, (unsigned long long)user_data,
+		     c.res, msg);
 	cr_assert_eq(c.op, SHARDD_OP_NOP, "%s: completion op %u, want nop", who, c.op);
-	cr_assert_eq(shardd_cq_ready(&r->ring), 0, "%s: more than one completion for nop %llu",
-		     who, (unsigned long long)user_data);
+	cr_assert_eq(shardd_cq_ready(&r->ring), 0, "%s: more than one completion for nop %llu", who,
+		     (unsigned long long)user_data);
 }
 
 static int cmp_i64(const void *a, const void *b)
@@ -115,9 +117,10 @@ Test(ring_wake, entry_without_doorbell_beside_one_that_rang_both_complete_once)
 		wait_asleep(&b, "client b", i);
 		/* An entry on the quiet ring without a doorbell, then one on the other ring with it. */
 		ms[i] = harness_now_ms();
-		cr_assert_eq(shardd_sq_push(&quiet->ring,
-					    &(struct shardd_sqe){ .op = SHARDD_OP_NOP,
-								  .user_data = 2 * i }), 0);
+		cr_assert_eq(
+			shardd_sq_push(&quiet->ring, &(struct shardd_sqe){ .op = SHARDD_OP_NOP,
+									   .user_data = 2 * i }),
+			0);
 		raw_push(ring, &(struct shardd_sqe){ .op = SHARDD_OP_NOP, .user_data = 2 * i + 1 });
 		reap_nop(ring, 2 * i + 1, i % 2 ? "client a" : "client b");
 		reap_nop(quiet, 2 * i, i % 2 ? "client b (no doorbell)" : "client a (no doorbell)");

@@ -81,8 +81,9 @@ static int check_reduce(const struct rank_args *a, struct shardd_group *g)
 
 	for (uint32_t i = 0; i < sc->nparams; i++) {
 		struct ref_param p = ref_of(&sc->params[i]);
-		struct ref_reduce_cfg cfg = { .R = 1, .S = sc->shard, .grad_dtype = p.dtype,
-					      .reduce_dtype = p.dtype };
+		struct ref_reduce_cfg cfg = {
+			.R = 1, .S = sc->shard, .grad_dtype = p.dtype, .reduce_dtype = p.dtype
+		};
 		struct ref_grad_state st[MAX_RANKS];
 		const double *grads[MAX_RANKS];
 		const float *got = shardd_group_shard_grad(g, i);
@@ -112,10 +113,11 @@ static int check_reduce(const struct rank_args *a, struct shardd_group *g)
 		for (uint64_t e = 0; e < d.shard_numel; e++) {
 			struct ref_val w = st[a->rank].sgrad[e];
 
-			CHILD_CHECK(fabs((double)got[e] - w.v) <= w.err,
-				    "rank %u param %u '%s' sharded grad element %llu: %.9g, want %.9g within %.3g",
-				    a->rank, i, sc->params[i].name, (unsigned long long)e, (double)got[e], w.v,
-				    w.err);
+			CHILD_CHECK(
+				fabs((double)got[e] - w.v) <= w.err,
+				"rank %u param %u '%s' sharded grad element %llu: %.9g, want %.9g within %.3g",
+				a->rank, i, sc->params[i].name, (unsigned long long)e,
+				(double)got[e], w.v, w.err);
 		}
 		for (uint32_t r = 0; r < sc->shard; r++) {
 			free((void *)grads[r]);
@@ -164,9 +166,9 @@ static int rank_main(void *arg)
 			    (unsigned long long)(d.numel * sizeof(float)));
 		for (uint64_t e = 0; e < d.numel; e++)
 			CHILD_CHECK((double)u[e] == param_value(i, e),
-				    "rank %u param %u '%s' unsharded element %llu: %g, want %g", a->rank, i,
-				    sc->params[i].name, (unsigned long long)e, (double)u[e],
-				    param_value(i, e));
+				    "rank %u param %u '%s' unsharded element %llu: %g, want %g",
+				    a->rank, i, sc->params[i].name, (unsigned long long)e,
+				    (double)u[e], param_value(i, e));
 	}
 	CHILD_CHECK(shardd_reshard(g, 1) == 0, "reshard: %s", shardd_last_error());
 	for (uint32_t i = 0; i < sc->nparams; i++) {
@@ -186,7 +188,8 @@ static int rank_main(void *arg)
 		const float *sg = shardd_group_shard_grad(g, i);
 
 		for (uint64_t e = 0; e < l->shard_bytes / sizeof(float); e++)
-			CHILD_CHECK(sg[e] == 0.0f, "param %u sharded grad element %llu after zero_grad: %g", i,
+			CHILD_CHECK(sg[e] == 0.0f,
+				    "param %u sharded grad element %llu after zero_grad: %g", i,
 				    (unsigned long long)e, (double)sg[e]);
 	}
 	CHILD_CHECK(shardd_reduce(g, 2, 0) == 0, "second reduce: %s", shardd_last_error());
@@ -208,8 +211,12 @@ static void run_case(const struct shape_case *sc)
 	harness_run_children(rank_main, args, sizeof(args[0]), sc->shard, CHILD_WAIT_MS, &daemon_);
 }
 
-#define P(n, nd, sd, ...) \
-	{ .name = n, .dtype = SHARDD_DTYPE_FP32, .ndim = nd, .shard_dim = sd, .shape = { __VA_ARGS__ } }
+#define P(n, nd, sd, ...)                                                                      \
+	{                                                                                      \
+		.name = n, .dtype = SHARDD_DTYPE_FP32, .ndim = nd, .shard_dim = sd, .shape = { \
+			__VA_ARGS__                                                            \
+		}                                                                              \
+	}
 
 Test(shapes, zero_width_param_sharded_on_dim1_goes_through_every_op_beside_ordinary_params)
 {
@@ -265,16 +272,21 @@ Test(shapes, single_rank_group_of_only_zero_numel_params_completes)
  * shapes before sending) from rank 0 of a fresh 1x1 job; the daemon must
  * answer with an ERROR whose text names both words.
  */
-static void expect_daemon_refuses(const char *job, const struct shardd_param_desc *d, const char *want1,
-				  const char *want2)
+static void expect_daemon_refuses(const char *job, const struct shardd_param_desc *d,
+				  const char *want1, const char *want2)
 {
 	struct {
 		struct shardd_register_group hdr;
 		struct shardd_param_spec spec;
 	} reg;
 	struct shardd_hello h = {
-		.major = SHARDD_PROTO_MAJOR, .minor = SHARDD_PROTO_MINOR, .pid = (uint32_t)getpid(),
-		.rank = 0, .replicate = 1, .shard = 1, .device = SHARDD_HELLO_DEVICE_HOST,
+		.major = SHARDD_PROTO_MAJOR,
+		.minor = SHARDD_PROTO_MINOR,
+		.pid = (uint32_t)getpid(),
+		.rank = 0,
+		.replicate = 1,
+		.shard = 1,
+		.device = SHARDD_HELLO_DEVICE_HOST,
 	};
 	struct shardd_ctrl_rx rx;
 	struct shardd_error_msg em;
@@ -297,23 +309,25 @@ static void expect_daemon_refuses(const char *job, const struct shardd_param_des
 	reg.spec.ndim = d->ndim;
 	reg.spec.shard_dim = d->shard_dim;
 	memcpy(reg.spec.shape, d->shape, sizeof(reg.spec.shape[0]) * d->ndim);
-	cr_assert_eq(shardd_ctrl_send(fd, SHARDD_MSG_REGISTER_GROUP, 2, &reg, sizeof(reg), NULL, 0), 0);
+	cr_assert_eq(shardd_ctrl_send(fd, SHARDD_MSG_REGISTER_GROUP, 2, &reg, sizeof(reg), NULL, 0),
+		     0);
 	memset(&rx, 0, sizeof(rx));
 	ret = shardd_ctrl_recv(fd, &rx, 5000);
 	cr_assert_eq(ret, 0, "no reply to the registration of '%s': %s", d->name, strerror(-ret));
 	if (rx.hdr.type == SHARDD_MSG_ERROR && rx.hdr.length >= sizeof(em)) {
-		size_t n = rx.hdr.length - sizeof(em) < sizeof(text) - 1 ? rx.hdr.length - sizeof(em)
-									 : sizeof(text) - 1;
+		size_t n = rx.hdr.length - sizeof(em) < sizeof(text) - 1
+				   ? rx.hdr.length - sizeof(em)
+				   : sizeof(text) - 1;
 
 		memcpy(&em, rx.payload, sizeof(em));
 		memcpy(text, rx.payload + sizeof(em), n);
 		text[n] = '\0';
 		cr_expect_eq(em.code, -SHARDD_E_INVALID, "code %d (%s)", em.code, text);
 	}
-	cr_expect_eq(rx.hdr.type, SHARDD_MSG_ERROR, "registering '%s' answered with type %u, want ERROR",
-		     d->name, rx.hdr.type);
-	cr_expect(strstr(text, want1) && strstr(text, want2), "error '%s' must name '%s' and '%s'", text,
-		  want1, want2);
+	cr_expect_eq(rx.hdr.type, SHARDD_MSG_ERROR,
+		     "registering '%s' answered with type %u, want ERROR", d->name, rx.hdr.type);
+	cr_expect(strstr(text, want1) && strstr(text, want2), "error '%s' must name '%s' and '%s'",
+		  text, want1, want2);
 	shardd_ctrl_rx_reset(&rx);
 	close(fd);
 }
@@ -341,7 +355,8 @@ Test(shapes, dims_whose_product_wraps_are_refused_naming_param_and_dim)
 	cr_expect(strstr(shardd_last_error(), "param 0 'wrap': shape[3]"), "libshardd's error: %s",
 		  shardd_last_error());
 	/* The daemon is alive and serves the next group. */
-	cr_assert_eq(shardd_group_register(c, "g", &ok, 1, NULL, NULL, &g), 0, "register: %s", shardd_last_error());
+	cr_assert_eq(shardd_group_register(c, "g", &ok, 1, NULL, NULL, &g), 0, "register: %s",
+		     shardd_last_error());
 	cr_assert_eq(shardd_unshard(g, 1), 0, "unshard: %s", shardd_last_error());
 	shardd_group_close(g);
 	shardd_close(c);

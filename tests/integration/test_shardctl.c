@@ -146,9 +146,9 @@ struct rank_arg {
 	const struct harness_daemon *d;
 	const char *job;
 	uint32_t rank, world;
-	int ready_fd;   /* child writes one byte when it has reached its point */
-	int go_fd;      /* child reads one byte to go on */
-	int hold_back;  /* ranks test: this rank stops after step 1 until told to go */
+	int ready_fd;  /* child writes one byte when it has reached its point */
+	int go_fd;     /* child reads one byte to go on */
+	int hold_back; /* ranks test: this rank stops after step 1 until told to go */
 };
 
 /* param_dtype: NONE keeps each param's dtype; FP32 makes the grads uniform for reduce. */
@@ -158,7 +158,8 @@ static int register_blocks(struct shardd_client *c, uint32_t param_dtype, struct
 		{ .name = "w", .dtype = SHARDD_DTYPE_FP32, .ndim = 2, .shape = { W_D0, W_D1 } },
 		{ .name = "b", .dtype = SHARDD_DTYPE_BF16, .ndim = 1, .shape = { B_D0 } },
 	};
-	struct shardd_precision prec = { .param_dtype = param_dtype, .reduce_dtype = SHARDD_DTYPE_NONE };
+	struct shardd_precision prec = { .param_dtype = param_dtype,
+					 .reduce_dtype = SHARDD_DTYPE_NONE };
 
 	return shardd_group_register(c, "blocks.0", p, 2, &prec, NULL, g);
 }
@@ -221,8 +222,7 @@ static int rank_step_main(void *p)
 		CHILD_CHECK(harness_read_full(a->go_fd, &go, 1, STEP_TIMEOUT) == 0, "go");
 		CHILD_CHECK(shardd_unshard(g, 2) == 0, "unshard 2: %s", shardd_last_error());
 	} else {
-		CHILD_CHECK(shardd_group_submit(g, SHARDD_OP_UNSHARD, 2, 0, 7) == 0,
-			    "submit");
+		CHILD_CHECK(shardd_group_submit(g, SHARDD_OP_UNSHARD, 2, 0, 7) == 0, "submit");
 		CHILD_CHECK(harness_signal(a->ready_fd, 'W') == 0, "signal");
 		CHILD_CHECK(shardd_wait(c, &comp, STEP_TIMEOUT) == 0, "wait");
 		CHILD_CHECK(comp.res == 0 && comp.user_data == 7, "unshard 2: %d %s", comp.res,
@@ -248,8 +248,12 @@ static void ranks_start(struct ranks *r, const struct harness_daemon *d, uint32_
 	cr_assert_eq(pipe(r->go), 0);
 	r->world = world;
 	for (uint32_t i = 0; i < world; i++) {
-		r->arg[i] = (struct rank_arg){ .d = d, .job = "train", .rank = i, .world = world,
-					       .ready_fd = r->ready[1], .go_fd = r->go[0],
+		r->arg[i] = (struct rank_arg){ .d = d,
+					       .job = "train",
+					       .rank = i,
+					       .world = world,
+					       .ready_fd = r->ready[1],
+					       .go_fd = r->go[0],
 					       .hold_back = (int)i == hold_back_rank };
 		r->pid[i] = harness_fork(fn, &r->arg[i]);
 		cr_assert_gt(r->pid[i], 0, "fork rank %u", i);
@@ -342,11 +346,12 @@ Test(shardctl, no_daemon_at_socket_says_how_to_start_one, .timeout = 15)
 	int rc = ctl("/tmp/shardctl-test-no-such-dir/shardd.sock", "status", NULL);
 
 	cr_assert_eq(rc, 1, "exit %d:\n%s", rc, ctl_out);
-	cr_assert(strstr(ctl_out, "shardctl: no shardd at /tmp/shardctl-test-no-such-dir/shardd.sock "
+	cr_assert(strstr(ctl_out,
+			 "shardctl: no shardd at /tmp/shardctl-test-no-such-dir/shardd.sock "
 			 "(connect: No such file or directory); start one with `shardd --socket "),
 		  "message:\n%s", ctl_out);
-	json_decref(ctl_json(1, "/tmp/shardctl-test-no-such-dir/shardd.sock", "--json", "jobs",
-			     NULL));
+	json_decref(
+		ctl_json(1, "/tmp/shardctl-test-no-such-dir/shardd.sock", "--json", "jobs", NULL));
 }
 
 Test(shardctl, dump_statistics_equal_the_values_the_ranks_wrote, .timeout = 60)
@@ -395,8 +400,8 @@ Test(shardctl, dump_statistics_equal_the_values_the_ranks_wrote, .timeout = 60)
 	assert_stats(j, &b0);
 	cr_assert_str_eq(json_string_value(json_object_get(j, "dtype")), "bf16");
 	json_decref(j);
-	j = ctl_json(0, d.socket, "--json", "dump", "blocks.0", "b", "--rows", "1:3", "--limit", "1",
-		     NULL);
+	j = ctl_json(0, d.socket, "--json", "dump", "blocks.0", "b", "--rows", "1:3", "--limit",
+		     "1", NULL);
 	assert_stats(j, &b0_rows);
 	cr_assert_eq(json_array_size(json_object_get(j, "values")), 1);
 	cr_assert(json_is_true(json_object_get(j, "truncated")));
@@ -450,7 +455,8 @@ Test(shardctl, show_and_groups_report_the_registered_layout, .timeout = 60)
 
 	/* Both ranks unsharded step 1 and hold the copy; no reduce is pending. */
 	j = ctl_json(0, d.socket, "--json", "groups", NULL);
-	g = json_array_get(json_object_get(json_array_get(json_object_get(j, "jobs"), 0), "groups"), 0);
+	g = json_array_get(json_object_get(json_array_get(json_object_get(j, "jobs"), 0), "groups"),
+			   0);
 	cr_assert_str_eq(json_string_value(json_object_get(g, "name")), "blocks.0");
 	cr_assert(json_is_true(json_object_get(g, "complete")));
 	cr_assert_eq((long long)jnum(g, "nparams"), 2);
@@ -519,13 +525,15 @@ Test(shardctl, ranks_shows_the_rank_held_back, .timeout = 60)
 			/* Its last submission was step 1's reduce; it waits in nothing. */
 			cr_assert_eq((long long)jnum(rk, "behind"), 1);
 			cr_assert_str_eq(json_string_value(json_object_get(
-				json_object_get(rk, "submitted"), "op")), "reduce");
+						 json_object_get(rk, "submitted"), "op")),
+					 "reduce");
 			cr_assert_eq((long long)jnum(rk, "inflight"), 0);
 			cr_assert_eq(json_array_size(json_object_get(rk, "waiting")), 0);
 		} else {
 			cr_assert_eq((long long)jnum(rk, "behind"), 0);
 			cr_assert_str_eq(json_string_value(json_object_get(
-				json_object_get(rk, "submitted"), "op")), "unshard");
+						 json_object_get(rk, "submitted"), "op")),
+					 "unshard");
 			cr_assert_eq((long long)jnum(rk, "inflight"), 1);
 			cr_assert_eq(json_array_size(json_object_get(rk, "waiting")), 1);
 		}
@@ -573,9 +581,16 @@ Test(shardctl, unknown_names_list_the_existing_ones, .timeout = 60)
 Test(shardctl, json_output_parses_for_every_command, .timeout = 60)
 {
 	static const char *const cmds[][4] = {
-		{ "status" }, { "jobs" }, { "ranks" }, { "ranks", "train" }, { "groups" },
-		{ "groups", "train" }, { "show", "blocks.0" }, { "dump", "blocks.0", "b" },
-		{ "stats" }, { "metrics" },
+		{ "status" },
+		{ "jobs" },
+		{ "ranks" },
+		{ "ranks", "train" },
+		{ "groups" },
+		{ "groups", "train" },
+		{ "show", "blocks.0" },
+		{ "dump", "blocks.0", "b" },
+		{ "stats" },
+		{ "metrics" },
 	};
 	struct harness_daemon d = { 0 };
 	struct ranks r;
@@ -604,7 +619,8 @@ Test(shardctl, json_output_parses_for_every_command, .timeout = 60)
 		     ctl_out);
 	cr_assert_null(strchr(ctl_out, '\033'), "escape codes on a pipe:\n%s", ctl_out);
 	cr_assert(strstr(ctl_out, "job 'train'"), "%s", ctl_out);
-	cr_assert_eq(ctl(d.socket, "--json", "watch", "--count", "2", "--interval", "0.01", NULL), 0);
+	cr_assert_eq(ctl(d.socket, "--json", "watch", "--count", "2", "--interval", "0.01", NULL),
+		     0);
 	{
 		char *nl = strchr(ctl_out, '\n');
 		json_error_t err;
@@ -625,8 +641,9 @@ Test(shardctl, json_output_parses_for_every_command, .timeout = 60)
 Test(shardctl, stats_and_metrics_count_the_ops_a_rank_ran, .timeout = 60)
 {
 	struct harness_daemon d = { 0 };
-	struct shardd_param_desc p = { .name = "w", .dtype = SHARDD_DTYPE_FP32, .ndim = 1,
-				       .shape = { 100 } };
+	struct shardd_param_desc p = {
+		.name = "w", .dtype = SHARDD_DTYPE_FP32, .ndim = 1, .shape = { 100 }
+	};
 	struct shardd_client *c;
 	struct shardd_group *g;
 	const json_t *op;
@@ -636,7 +653,8 @@ Test(shardctl, stats_and_metrics_count_the_ops_a_rank_ran, .timeout = 60)
 
 	daemon_start(&d);
 	cr_assert_eq(harness_attach(&d, "metrics", 0, 1, 1, &c), 0);
-	cr_assert_eq(shardd_group_register(c, "g", &p, 1, NULL, NULL, &g), 0, "%s", shardd_last_error());
+	cr_assert_eq(shardd_group_register(c, "g", &p, 1, NULL, NULL, &g), 0, "%s",
+		     shardd_last_error());
 	for (int k = 0; k < 10; k++)
 		cr_assert_eq(shardd_nop(c), 0);
 	cr_assert_eq(shardd_unshard(g, 1), 0, "%s", shardd_last_error());
@@ -644,11 +662,14 @@ Test(shardctl, stats_and_metrics_count_the_ops_a_rank_ran, .timeout = 60)
 	cr_assert_eq(shardd_reduce(g, 1, 0), 0, "%s", shardd_last_error());
 
 	j = ctl_json(0, d.socket, "--json", "stats", NULL);
-	json_array_foreach(json_object_get(j, "ops"), i, op) {
+	json_array_foreach(json_object_get(j, "ops"), i, op)
+	{
 		const char *name = json_string_value(json_object_get(op, "op"));
-		long long want = strcmp(name, "nop") == 0 ? 10 :
-			strcmp(name, "unshard") == 0 || strcmp(name, "reshard") == 0 ||
-			strcmp(name, "reduce") == 0 ? 1 : 0;
+		long long want = strcmp(name, "nop") == 0 ? 10
+				 : strcmp(name, "unshard") == 0 || strcmp(name, "reshard") == 0 ||
+						 strcmp(name, "reduce") == 0
+					 ? 1
+					 : 0;
 
 		cr_assert_eq((long long)jnum(op, "count"), want, "op %s", name);
 		cr_assert_eq((long long)jnum(op, "failed"), 0, "op %s", name);
@@ -687,8 +708,9 @@ static json_t *raw_admin(int fd, const char *text, uint16_t *type)
 	struct shardd_ctrl_rx rx = { 0 };
 	json_t *j;
 
-	cr_assert_eq(shardd_ctrl_send(fd, SHARDD_MSG_ADMIN, 9, text, (uint32_t)strlen(text), NULL,
-				      0), 0);
+	cr_assert_eq(
+		shardd_ctrl_send(fd, SHARDD_MSG_ADMIN, 9, text, (uint32_t)strlen(text), NULL, 0),
+		0);
 	cr_assert_eq(shardd_ctrl_recv(fd, &rx, CTL_TIMEOUT), 0, "no reply to %s", text);
 	*type = rx.hdr.type;
 	cr_assert_eq(rx.hdr.seq, 9);

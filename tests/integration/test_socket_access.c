@@ -22,15 +22,15 @@
 #include "opsd.h"
 #include "shardd.h"
 
-#define CHILD_MS        20000
-#define OTHER_GID       4343u
-#define NOBODY          65534u  /* the unprivileged uid the clients switch to */
+#define CHILD_MS  20000
+#define OTHER_GID 4343u
+#define NOBODY    65534u /* the unprivileged uid the clients switch to */
 
 struct client_arg {
 	const char *socket;
-	gid_t       group;       /* supplementary group of the client */
-	int         want;        /* 0: attach and run ops; else the attach error expected */
-	const char *want_text;   /* with want != 0: a string the error must hold */
+	gid_t group;           /* supplementary group of the client */
+	int want;              /* 0: attach and run ops; else the attach error expected */
+	const char *want_text; /* with want != 0: a string the error must hold */
 };
 
 /* Become uid NOBODY with `group` as its only supplementary group, then attach. */
@@ -38,7 +38,11 @@ static int other_uid_client_main(void *p)
 {
 	const struct client_arg *a = p;
 	struct shardd_attach_opts o = {
-		.socket_path = a->socket, .job = "othr", .rank = 0, .replicate = 1, .shard = 1,
+		.socket_path = a->socket,
+		.job = "othr",
+		.rank = 0,
+		.replicate = 1,
+		.shard = 1,
 		.device = SHARDD_HELLO_DEVICE_HOST,
 	};
 	struct shardd_client *c = NULL;
@@ -65,8 +69,8 @@ static void run_other_uid_client(struct client_arg *a, struct opd *d)
 	cr_assert_gt(pid, 0);
 	cr_assert_eq(harness_wait_or_kill(pid, CHILD_MS, &status), 0);
 	cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0,
-		  "the uid %u client %s; shardd's output:\n%s", NOBODY,
-		  harness_status_str(status), d->log);
+		  "the uid %u client %s; shardd's output:\n%s", NOBODY, harness_status_str(status),
+		  d->log);
 }
 
 /* run_other_uid_client, then the daemon stopped (exit 0) and the base directory removed. */
@@ -105,8 +109,8 @@ Test(operations, allowed_group_client_of_another_uid_attaches_and_runs_ops)
 	snprintf(dir, sizeof(dir), "%s/run", base);
 	snprintf(sock, sizeof(sock), "%s/shardd.sock", dir);
 	snprintf(gid, sizeof(gid), "%u", ALLOWED_GID);
-	opd_start_or_fail(&d, (const char *const[]){ "--socket", sock, "--allow-gid", gid,
-						NULL }, sock);
+	opd_start_or_fail(&d, (const char *const[]){ "--socket", sock, "--allow-gid", gid, NULL },
+			  sock);
 	/* The directory shardd created lets the group search it; the socket lets it connect. */
 	assert_mode(dir, 0750, ALLOWED_GID);
 	assert_mode(sock, 0660, ALLOWED_GID);
@@ -116,8 +120,9 @@ Test(operations, allowed_group_client_of_another_uid_attaches_and_runs_ops)
 Test(operations, other_uid_without_allow_gid_cannot_reach_the_socket)
 {
 	char base[64], dir[96], sock[128];
-	struct client_arg a = { .socket = sock, .group = ALLOWED_GID, .want = -EACCES,
-				.want_text = sock };
+	struct client_arg a = {
+		.socket = sock, .group = ALLOWED_GID, .want = -EACCES, .want_text = sock
+	};
 	struct opd d;
 
 	require_root();
@@ -134,15 +139,17 @@ Test(operations, other_uid_without_allow_gid_cannot_reach_the_socket)
 Test(operations, open_socket_mode_still_refuses_a_uid_not_allowed_naming_the_flag)
 {
 	char base[64], sock[128];
-	struct client_arg a = { .socket = sock, .group = OTHER_GID, .want = -SHARDD_E_PERM,
+	struct client_arg a = { .socket = sock,
+				.group = OTHER_GID,
+				.want = -SHARDD_E_PERM,
 				.want_text = "--allow-gid" };
 	struct opd d;
 
 	require_root();
 	make_base(base, sizeof(base));
 	snprintf(sock, sizeof(sock), "%s/run/shardd.sock", base);
-	opd_start_or_fail(&d, (const char *const[]){ "--socket", sock, "--socket-mode", "0666",
-						NULL }, sock);
+	opd_start_or_fail(
+		&d, (const char *const[]){ "--socket", sock, "--socket-mode", "0666", NULL }, sock);
 	/* The socket is open to all, so the daemon's own check answers, in words. */
 	assert_mode(sock, 0666, getgid());
 	other_uid_client_then_stop(&a, &d, base);
@@ -160,9 +167,10 @@ Test(operations, socket_group_flag_picks_the_group_among_several_allowed)
 	snprintf(sock, sizeof(sock), "%s/shardd.sock", dir);
 	snprintf(g1, sizeof(g1), "%u", ALLOWED_GID);
 	snprintf(g2, sizeof(g2), "%u", OTHER_GID);
-	opd_start_or_fail(&d, (const char *const[]){ "--socket", sock, "--allow-gid", g1,
-						"--allow-gid", g2, "--socket-group", g2,
-						NULL }, sock);
+	opd_start_or_fail(&d,
+			  (const char *const[]){ "--socket", sock, "--allow-gid", g1, "--allow-gid",
+						 g2, "--socket-group", g2, NULL },
+			  sock);
 	assert_mode(dir, 0750, OTHER_GID);
 	assert_mode(sock, 0660, OTHER_GID);
 	other_uid_client_then_stop(&a, &d, base);
@@ -179,8 +187,8 @@ Test(operations, existing_private_directory_is_kept_and_warned_about)
 	snprintf(gid, sizeof(gid), "%u", ALLOWED_GID);
 	cr_assert_eq(mkdir(dir, 0700), 0);
 	cr_assert_eq(chmod(dir, 0700), 0);
-	opd_start_or_fail(&d, (const char *const[]){ "--socket", sock, "--allow-gid", gid,
-						NULL }, sock);
+	opd_start_or_fail(&d, (const char *const[]){ "--socket", sock, "--allow-gid", gid, NULL },
+			  sock);
 	/* Not shardd's to change (it may be a home or /tmp), but the log says why clients fail. */
 	assert_mode(dir, 0700, getgid());
 	cr_assert_not_null(strstr(d.log, "cannot be searched by group 4242"), "%s", d.log);

@@ -50,7 +50,8 @@ Test(operations, socket_activated_daemon_serves_the_passed_socket)
 		/* No --socket: the passed socket's own path is the one served and announced. */
 		const char *args[] = { "--log-level", "info", NULL };
 
-		cr_assert_eq(opd_start(&d, args, fd, 0, sock), 0, "shardd did not start:\n%s", d.log);
+		cr_assert_eq(opd_start(&d, args, fd, 0, sock), 0, "shardd did not start:\n%s",
+			     d.log);
 	}
 	cr_assert_eq(client_run_ops(sock, "act"), 0, "a client of the activated daemon failed");
 	opd_stop_clean(&d);

@@ -28,7 +28,7 @@
 #include "shardd.h"
 
 #define WORLD 2
-#define NP 2
+#define NP    2
 
 /* Padding rows (5 over 2 ranks) and a vector. */
 static const struct shardd_param_desc params[NP] = {
@@ -98,14 +98,16 @@ static double grad_norm(struct fixture *f, uint64_t step, int *nonfinite)
 	int nf[WORLD];
 
 	for (int r = 0; r < WORLD; r++)
-		cr_assert_eq(shardd_grad_norm_submit(f->c[r], step, 2.0, 200 + r), 0, "%s", shardd_last_error());
+		cr_assert_eq(shardd_grad_norm_submit(f->c[r], step, 2.0, 200 + r), 0, "%s",
+			     shardd_last_error());
 	for (int r = 0; r < WORLD; r++) {
 		cr_assert_eq(shardd_wait(f->c[r], &cp, 30000), 0, "%s", shardd_last_error());
-		cr_assert_eq(cp.res, 0, "rank %d grad_norm %llu: %s", r, (unsigned long long)step, cp.msg);
+		cr_assert_eq(cp.res, 0, "rank %d grad_norm %llu: %s", r, (unsigned long long)step,
+			     cp.msg);
 		shardd_grad_norm_result(&cp, &norm[r], &nf[r]);
 	}
-	cr_assert_eq(memcmp(&norm[0], &norm[1], sizeof(double)), 0, "the ranks got norms %.17g and %.17g",
-		     norm[0], norm[1]);
+	cr_assert_eq(memcmp(&norm[0], &norm[1], sizeof(double)), 0,
+		     "the ranks got norms %.17g and %.17g", norm[0], norm[1]);
 	*nonfinite = nf[0];
 	return norm[0];
 }
@@ -130,15 +132,20 @@ static void ref_take(struct ref *ref, struct fixture *f)
 {
 	for (int r = 0; r < WORLD; r++)
 		for (uint32_t i = 0; i < NP; i++)
-			memcpy(ref->p[r][i], shardd_group_shard(f->g[r], i), valid_numel(f->g[r], i) * sizeof(float));
+			memcpy(ref->p[r][i], shardd_group_shard(f->g[r], i),
+			       valid_numel(f->g[r], i) * sizeof(float));
 }
 
 static void ref_step(struct ref *ref, struct fixture *f, int r, double lr, float scale)
 {
 	for (uint32_t i = 0; i < NP; i++) {
 		struct shardd_sgd a = {
-			.param = ref->p[r][i], .grad = shardd_group_shard_grad(f->g[r], i),
-			.grad_dtype = SHARDD_DTYPE_FP32, .step = 1, .lr = lr, .grad_scale = scale,
+			.param = ref->p[r][i],
+			.grad = shardd_group_shard_grad(f->g[r], i),
+			.grad_dtype = SHARDD_DTYPE_FP32,
+			.step = 1,
+			.lr = lr,
+			.grad_scale = scale,
 		};
 
 		shardd_k_sgd_isa(SHARDD_K_ISA_PORTABLE, &a, 0, valid_numel(f->g[r], i));
@@ -152,14 +159,15 @@ static void expect_shard(const struct ref *ref, struct fixture *f, int r, const 
 
 		for (uint64_t e = 0; e < valid_numel(f->g[r], i); e++)
 			cr_assert_eq(memcmp(&sh[e], &ref->p[r][i][e], sizeof(float)), 0,
-				     "%s: rank %d param '%s'[%llu] = %.9g, reference %.9g", what, r, params[i].name,
-				     (unsigned long long)e, sh[e], ref->p[r][i][e]);
+				     "%s: rank %d param '%s'[%llu] = %.9g, reference %.9g", what, r,
+				     params[i].name, (unsigned long long)e, sh[e], ref->p[r][i][e]);
 	}
 }
 
 static void expect_err(int ret, int code, const char *needle, const char *what)
 {
-	cr_assert_eq(ret, code, "%s: returned %d, want %d (%s)", what, ret, code, shardd_last_error());
+	cr_assert_eq(ret, code, "%s: returned %d, want %d (%s)", what, ret, code,
+		     shardd_last_error());
 	cr_assert(strstr(shardd_last_error(), needle), "%s: error '%s' does not say '%s'", what,
 		  shardd_last_error(), needle);
 }
@@ -195,16 +203,21 @@ Test(step_job, clip_job_applies_clip_grad_norm_coefficient_of_the_job_norm, .tim
 		ref_take(&ref, &f);
 		for (int r = 0; r < WORLD; r++) {
 			ref_step(&ref, &f, r, 0.5, coef);
-			cr_assert_eq(shardd_step(f.g[r], step, 0.5, SHARDD_STEP_CLIP_JOB | SHARDD_STEP_SKIP_JOB_NONFINITE, 0,
-						 max_norm), SHARDD_STEP_APPLIED, "rank %d step %llu: %s", r,
-				     (unsigned long long)step, shardd_last_error());
+			cr_assert_eq(
+				shardd_step(f.g[r], step, 0.5,
+					    SHARDD_STEP_CLIP_JOB | SHARDD_STEP_SKIP_JOB_NONFINITE,
+					    0, max_norm),
+				SHARDD_STEP_APPLIED, "rank %d step %llu: %s", r,
+				(unsigned long long)step, shardd_last_error());
 			expect_shard(&ref, &f, r, "clip by the job's norm");
 		}
 		/* The last max_norm leaves the grads as they are: coefficient 1. */
 		if (step == 4)
-			cr_assert_eq(coef, 1.0f, "norm %g, max_norm %g: coefficient %.9g", norm, max_norm, coef);
+			cr_assert_eq(coef, 1.0f, "norm %g, max_norm %g: coefficient %.9g", norm,
+				     max_norm, coef);
 		else
-			cr_assert_lt(coef, 1.0f, "norm %g, max_norm %g: coefficient %.9g", norm, max_norm, coef);
+			cr_assert_lt(coef, 1.0f, "norm %g, max_norm %g: coefficient %.9g", norm,
+				     max_norm, coef);
 	}
 	finish(&f);
 }
@@ -228,7 +241,9 @@ Test(step_job, skip_job_nonfinite_skips_every_rank_when_one_grad_is_nan, .timeou
 	expect_shard(&ref, &f, 0, "refused step");
 	/* Rank 0's own shard is finite: the job-wide flag skips it all the same. */
 	for (int r = 0; r < WORLD; r++) {
-		cr_assert_eq(shardd_step(f.g[r], 1, 0.5, SHARDD_STEP_CLIP_JOB | SHARDD_STEP_SKIP_JOB_NONFINITE, 0, 1.0),
+		cr_assert_eq(shardd_step(f.g[r], 1, 0.5,
+					 SHARDD_STEP_CLIP_JOB | SHARDD_STEP_SKIP_JOB_NONFINITE, 0,
+					 1.0),
 			     SHARDD_STEP_SKIPPED, "rank %d: %s", r, shardd_last_error());
 		expect_shard(&ref, &f, r, "skipped step");
 		for (uint32_t i = 0; i < NP; i++)
@@ -269,8 +284,8 @@ Test(step_job, replay_applies_the_step_as_the_other_rank_submitted_it, .timeout 
 	expect_err(shardd_step(f.g[1], 1, 0, SHARDD_STEP_REPLAY, 0, 0), -SHARDD_E_STATE,
 		   "no rank of the group submitted step 1", "replay before any step");
 	ref_step(&ref, &f, 0, 0.75, coef);
-	cr_assert_eq(shardd_step(f.g[0], 1, 0.75, SHARDD_STEP_CLIP_JOB, 0, 0.25), SHARDD_STEP_APPLIED, "%s",
-		     shardd_last_error());
+	cr_assert_eq(shardd_step(f.g[0], 1, 0.75, SHARDD_STEP_CLIP_JOB, 0, 0.25),
+		     SHARDD_STEP_APPLIED, "%s", shardd_last_error());
 	expect_shard(&ref, &f, 0, "rank 0's step");
 	/* Rank 1 lags: it learns so from the GROUP reply and replays with rank 0's lr and max_norm. */
 	expect_steps(&f, 0, 1);
@@ -297,8 +312,8 @@ Test(step_job, bad_job_step_input_fails_naming_field_and_value, .timeout = 60)
 	reduce_step(&f, 1, 1.0f, -1);
 	expect_err(shardd_step(f.g[0], 1, 0.5, SHARDD_STEP_CLIP_JOB, 0, 1.0), -SHARDD_E_STATE,
 		   "need the job's grad_norm of step 1, and the daemon holds none", "no grad_norm");
-	expect_err(shardd_step(f.g[0], 1, 0.5, SHARDD_STEP_SKIP_JOB_NONFINITE, 0, 0), -SHARDD_E_STATE,
-		   "grad_norm(step 1)", "skip without grad_norm");
+	expect_err(shardd_step(f.g[0], 1, 0.5, SHARDD_STEP_SKIP_JOB_NONFINITE, 0, 0),
+		   -SHARDD_E_STATE, "grad_norm(step 1)", "skip without grad_norm");
 	grad_norm(&f, 1, &nonfinite);
 	expect_err(shardd_step(f.g[0], 2, 0.5, SHARDD_STEP_CLIP_JOB, 0, 1.0), -SHARDD_E_STATE,
 		   "it keeps the last 2: 1", "grad_norm of another step");
@@ -306,19 +321,19 @@ Test(step_job, bad_job_step_input_fails_naming_field_and_value, .timeout = 60)
 		   "max_norm = 0", "max_norm 0");
 	expect_err(shardd_step(f.g[0], 1, 0.5, SHARDD_STEP_CLIP_JOB, 0, -2), -SHARDD_E_INVALID,
 		   "max_norm = -2", "negative max_norm");
-	expect_err(shardd_step(f.g[0], 1, 0.5, SHARDD_STEP_CLIP_JOB, 0, INFINITY), -SHARDD_E_INVALID,
-		   "max_norm = inf", "infinite max_norm");
+	expect_err(shardd_step(f.g[0], 1, 0.5, SHARDD_STEP_CLIP_JOB, 0, INFINITY),
+		   -SHARDD_E_INVALID, "max_norm = inf", "infinite max_norm");
 	expect_err(shardd_step(f.g[0], 1, 0.5, SHARDD_STEP_CLIP_JOB, 0, NAN), -SHARDD_E_INVALID,
 		   "max_norm = nan", "NaN max_norm");
-	expect_err(shardd_step(f.g[0], 1, 0.5, SHARDD_STEP_CLIP_JOB | SHARDD_STEP_CLIP, 1.0, 1.0), -SHARDD_E_INVALID,
-		   "flags = 0x6 has both SHARDD_STEP_CLIP", "both clip flags");
-	expect_err(shardd_step(f.g[0], 1, 0.5, SHARDD_STEP_REPLAY | SHARDD_STEP_CLIP_JOB, 0, 1.0), -SHARDD_E_INVALID,
-		   "flags = 0x14", "replay with another flag");
-	expect_err(shardd_step(f.g[0], 1, 0.5, 1u << 5, 0, 0), -SHARDD_E_INVALID, "unknown bits 0x20",
-		   "unknown step flag");
+	expect_err(shardd_step(f.g[0], 1, 0.5, SHARDD_STEP_CLIP_JOB | SHARDD_STEP_CLIP, 1.0, 1.0),
+		   -SHARDD_E_INVALID, "flags = 0x6 has both SHARDD_STEP_CLIP", "both clip flags");
+	expect_err(shardd_step(f.g[0], 1, 0.5, SHARDD_STEP_REPLAY | SHARDD_STEP_CLIP_JOB, 0, 1.0),
+		   -SHARDD_E_INVALID, "flags = 0x14", "replay with another flag");
+	expect_err(shardd_step(f.g[0], 1, 0.5, 1u << 5, 0, 0), -SHARDD_E_INVALID,
+		   "unknown bits 0x20", "unknown step flag");
 	/* None of it moved anything: the step still applies, once. */
-	cr_assert_eq(shardd_step(f.g[0], 1, 0.5, SHARDD_STEP_CLIP_JOB, 0, 1.0), SHARDD_STEP_APPLIED, "%s",
-		     shardd_last_error());
+	cr_assert_eq(shardd_step(f.g[0], 1, 0.5, SHARDD_STEP_CLIP_JOB, 0, 1.0), SHARDD_STEP_APPLIED,
+		     "%s", shardd_last_error());
 	finish(&f);
 }
 
@@ -336,8 +351,8 @@ static uint32_t raw_group_reply_len(uint16_t minor, const char *job, struct shar
 	h.minor = minor;
 	send_msg(fd, SHARDD_MSG_HELLO, 1, &h, sizeof(h));
 	recv_msg(fd, &rx);
-	cr_assert_eq(rx.hdr.type, SHARDD_MSG_WELCOME, "hello of minor %u answered with type %u", minor,
-		     rx.hdr.type);
+	cr_assert_eq(rx.hdr.type, SHARDD_MSG_WELCOME, "hello of minor %u answered with type %u",
+		     minor, rx.hdr.type);
 	shardd_ctrl_rx_reset(&rx);
 	payload = reg_payload(&hdr, &spec, 1, &len);
 	send_msg(fd, SHARDD_MSG_REGISTER_GROUP, 2, payload, len);
@@ -354,7 +369,8 @@ static uint32_t raw_group_reply_len(uint16_t minor, const char *job, struct shar
 
 Test(step_job, group_reply_of_a_minor_3_client_has_no_peer_last_step, .timeout = 30)
 {
-	const size_t per_param = sizeof(struct shardd_param_layout) + sizeof(struct shardd_param_spec);
+	const size_t per_param =
+		sizeof(struct shardd_param_layout) + sizeof(struct shardd_param_spec);
 	struct harness_daemon hd = { 0 };
 	struct shardd_group_reply reply;
 	uint32_t len;
@@ -362,10 +378,12 @@ Test(step_job, group_reply_of_a_minor_3_client_has_no_peer_last_step, .timeout =
 	harness_daemon_start_or_fail(&hd, NULL);
 	rawproto_use(&hd);
 	len = raw_group_reply_len(3, "old", &reply);
-	cr_assert_eq(len, SHARDD_GROUP_REPLY_SIZE_V3 + per_param, "minor 3: GROUP reply of %u bytes", len);
+	cr_assert_eq(len, SHARDD_GROUP_REPLY_SIZE_V3 + per_param,
+		     "minor 3: GROUP reply of %u bytes", len);
 	cr_assert_eq(reply.nparams, 1);
 	len = raw_group_reply_len(SHARDD_PROTO_MINOR, "new", &reply);
-	cr_assert_eq(len, sizeof(reply) + per_param, "minor %d: GROUP reply of %u bytes", SHARDD_PROTO_MINOR, len);
+	cr_assert_eq(len, sizeof(reply) + per_param, "minor %d: GROUP reply of %u bytes",
+		     SHARDD_PROTO_MINOR, len);
 	cr_assert_eq(reply.nparams, 1);
 	cr_assert_eq(reply.peer_last_step, 0);
 	harness_daemon_stop_expect_clean(&hd);
@@ -379,8 +397,8 @@ Test(step_job, barrier_mismatch_completion_names_the_barrier_met, .timeout = 30)
 
 	start(&f);
 	for (int r = 0; r < WORLD; r++) {
-		cr_assert_eq(shardd_client_submit(f.c[r], SHARDD_OP_BARRIER, number[r], 0, 300 + r), 0, "%s",
-			     shardd_last_error());
+		cr_assert_eq(shardd_client_submit(f.c[r], SHARDD_OP_BARRIER, number[r], 0, 300 + r),
+			     0, "%s", shardd_last_error());
 		/* Rank 0 waits in its barrier before rank 1 arrives with another number. */
 		if (r == 0)
 			cr_assert_eq(shardd_nop(f.c[0]), 0, "%s", shardd_last_error());
@@ -388,8 +406,9 @@ Test(step_job, barrier_mismatch_completion_names_the_barrier_met, .timeout = 30)
 	for (int r = 0; r < WORLD; r++) {
 		cr_assert_eq(shardd_wait(f.c[r], &cp, 30000), 0, "%s", shardd_last_error());
 		cr_assert_eq(cp.res, -SHARDD_E_MISMATCH, "rank %d: res %d (%s)", r, cp.res, cp.msg);
-		cr_assert_eq(cp.result[0], number[1 - r], "rank %d met barrier 0x%llx, want 0x%llx", r,
-			     (unsigned long long)cp.result[0], (unsigned long long)number[1 - r]);
+		cr_assert_eq(cp.result[0], number[1 - r], "rank %d met barrier 0x%llx, want 0x%llx",
+			     r, (unsigned long long)cp.result[0],
+			     (unsigned long long)number[1 - r]);
 	}
 	finish(&f);
 }

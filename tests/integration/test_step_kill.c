@@ -51,7 +51,8 @@ static uint64_t kill_seed(void)
 	if (env && *env)
 		return strtoull(env, NULL, 0);
 	clock_gettime(CLOCK_REALTIME, &ts);
-	return ((uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec) ^ ((uint64_t)getpid() << 32);
+	return ((uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec) ^
+	       ((uint64_t)getpid() << 32);
 }
 
 /* splitmix64: each draw is a function of the seed and the number of draws before it. */
@@ -72,7 +73,7 @@ struct kill_cfg {
 struct kill_env {
 	struct harness_daemon d;
 	struct kill_cfg cfg;
-	char ref[160];   /* the uninterrupted run's dump */
+	char ref[160]; /* the uninterrupted run's dump */
 	char got[160];
 	char world[16], replicate[16], steps[16];
 };
@@ -85,7 +86,8 @@ static void read_all(const char *path, float *v)
 	cr_assert(f, "dump '%s' missing", path);
 	n = fread(v, sizeof(float), TRAIN_NPARAMS + 1, f);
 	fclose(f);
-	cr_assert_eq(n, (size_t)TRAIN_NPARAMS, "dump '%s' holds %zu floats, expected %d", path, n, TRAIN_NPARAMS);
+	cr_assert_eq(n, (size_t)TRAIN_NPARAMS, "dump '%s' holds %zu floats, expected %d", path, n,
+		     TRAIN_NPARAMS);
 }
 
 /* Start the daemon and train the uninterrupted run of cfg. */
@@ -98,16 +100,17 @@ static void kill_env_start(struct kill_env *e, struct kill_cfg cfg)
 	snprintf(e->world, sizeof(e->world), "%u", cfg.world);
 	snprintf(e->replicate, sizeof(e->replicate), "%u", cfg.replicate);
 	snprintf(e->steps, sizeof(e->steps), "%d", KILL_STEPS);
-	cr_assert_eq(harness_daemon_start(&e->d, daemon_args), 0, "shardd did not start (log above)");
+	cr_assert_eq(harness_daemon_start(&e->d, daemon_args), 0,
+		     "shardd did not start (log above)");
 	snprintf(e->ref, sizeof(e->ref), "%s/uninterrupted.bin", e->d.dir);
 	snprintf(e->got, sizeof(e->got), "%s/killed.bin", e->d.dir);
-	train_run(&r, (const char *const[]){ "--spawn", e->world, "--replicate", e->replicate, "--steps", e->steps,
-					     "--socket", e->d.socket, "--job", "uninterrupted", "--dump", e->ref,
-					     NULL });
+	train_run(&r, (const char *const[]){ "--spawn", e->world, "--replicate", e->replicate,
+					     "--steps", e->steps, "--socket", e->d.socket, "--job",
+					     "uninterrupted", "--dump", e->ref, NULL });
 	if (!train_run_ok(&r))
 		harness_daemon_dump_log(&e->d);
-	cr_assert(train_run_ok(&r), "uninterrupted %ux%u run %s:\n%s", cfg.replicate, cfg.world / cfg.replicate,
-		  harness_status_str(r.status), r.out);
+	cr_assert(train_run_ok(&r), "uninterrupted %ux%u run %s:\n%s", cfg.replicate,
+		  cfg.world / cfg.replicate, harness_status_str(r.status), r.out);
 }
 
 /*
@@ -115,8 +118,8 @@ static void kill_env_start(struct kill_env *e, struct kill_cfg cfg)
  * *r. Asserts the run succeeded, the kill happened and the params equal the
  * uninterrupted run's. `what` names the case in messages (the seed).
  */
-static void kill_run(struct kill_env *e, struct train_run *r, const char *job, unsigned rank, unsigned point,
-		     const char *what)
+static void kill_run(struct kill_env *e, struct train_run *r, const char *job, unsigned rank,
+		     unsigned point, const char *what)
 {
 	static float want[TRAIN_NPARAMS], got[TRAIN_NPARAMS];
 	char rk[16], pt[16], said[64];
@@ -124,23 +127,27 @@ static void kill_run(struct kill_env *e, struct train_run *r, const char *job, u
 	snprintf(rk, sizeof(rk), "%u", rank);
 	snprintf(pt, sizeof(pt), "%u", point);
 	unlink(e->got);
-	train_run_faults(r, (const char *const[]){ "--spawn", e->world, "--replicate", e->replicate, "--steps",
-						   e->steps, "--socket", e->d.socket, "--job", job, "--dump", e->got,
-						   "--kill-rank", rk, "--kill-point", pt, NULL });
+	train_run_faults(r, (const char *const[]){ "--spawn", e->world, "--replicate", e->replicate,
+						   "--steps", e->steps, "--socket", e->d.socket,
+						   "--job", job, "--dump", e->got, "--kill-rank",
+						   rk, "--kill-point", pt, NULL });
 	if (!train_run_ok(r))
 		harness_daemon_dump_log(&e->d);
-	cr_assert(train_run_ok(r), "%s: %ux%u, rank %u killed at point %u: train_mlp_faults %s; its output:\n%s",
+	cr_assert(train_run_ok(r),
+		  "%s: %ux%u, rank %u killed at point %u: train_mlp_faults %s; its output:\n%s",
 		  what, e->cfg.replicate, e->cfg.world / e->cfg.replicate, rank, point,
 		  harness_status_str(r->status), r->out);
 	snprintf(said, sizeof(said), "rank %u: raising SIGKILL at point %u:", rank, point);
-	cr_assert(strstr(r->out, said), "%s: rank %u was not killed at point %u:\n%s", what, rank, point, r->out);
+	cr_assert(strstr(r->out, said), "%s: rank %u was not killed at point %u:\n%s", what, rank,
+		  point, r->out);
 	read_all(e->ref, want);
 	read_all(e->got, got);
 	for (int i = 0; i < TRAIN_NPARAMS; i++)
-		cr_assert_eq(memcmp(&got[i], &want[i], sizeof(float)), 0,
-			     "%s: %ux%u, rank %u killed at point %u: param %d is %.9g, uninterrupted %.9g; output:\n%s",
-			     what, e->cfg.replicate, e->cfg.world / e->cfg.replicate, rank, point, i,
-			     (double)got[i], (double)want[i], r->out);
+		cr_assert_eq(
+			memcmp(&got[i], &want[i], sizeof(float)), 0,
+			"%s: %ux%u, rank %u killed at point %u: param %d is %.9g, uninterrupted %.9g; output:\n%s",
+			what, e->cfg.replicate, e->cfg.world / e->cfg.replicate, rank, point, i,
+			(double)got[i], (double)want[i], r->out);
 }
 
 /* KILL_RUNS runs of cfg, each killing a random rank at a random point of the whole run. */
@@ -200,14 +207,14 @@ Test(step_kill, each_kind_of_kill_point_resumes_where_the_others_retry, .timeout
 		unsigned step, at;    /* at: index within the step (trainer.h, schedule order) */
 		unsigned resume, alt; /* the step the others retry; alt: or that one */
 	} cases[] = {
-		{ 2, 0, 2, 2 },   /* the forward unshard of fc0 */
-		{ 2, 3, 2, 2 },   /* the backward unshard of fc2 */
-		{ 2, 5, 2, 2 },   /* the reduce of fc2 */
+		{ 2, 0, 2, 2 }, /* the forward unshard of fc0 */
+		{ 2, 3, 2, 2 }, /* the backward unshard of fc2 */
+		{ 2, 5, 2, 2 }, /* the reduce of fc2 */
 		/* The reduce of fc0, the step's last: the daemon may have taken it before the death. */
 		{ 2, 8, 2, 3 },
-		{ 2, 9, 3, 3 },   /* between the last reduce and the step */
-		{ 2, 11, 3, 3 },  /* in the step of fc1 */
-		{ 2, 13, 3, 3 },  /* after the steps, before the loss report */
+		{ 2, 9, 3, 3 },  /* between the last reduce and the step */
+		{ 2, 11, 3, 3 }, /* in the step of fc1 */
+		{ 2, 13, 3, 3 }, /* after the steps, before the loss report */
 		/* The last step: the others retry the final unshard. */
 		{ KILL_STEPS - 1, 9, KILL_STEPS, KILL_STEPS },
 	};
@@ -220,10 +227,12 @@ Test(step_kill, each_kind_of_kill_point_resumes_where_the_others_retry, .timeout
 
 		snprintf(job, sizeof(job), "planned%zu", i);
 		kill_run(&e, &r, job, 1, point, "planned");
-		snprintf(said, sizeof(said), "restarting rank 1 into attempt 1 of step %u\n", cases[i].resume);
-		snprintf(alt, sizeof(alt), "restarting rank 1 into attempt 1 of step %u\n", cases[i].alt);
-		cr_expect(strstr(r.out, said) || strstr(r.out, alt), "killed at point %u: expected '%s' in:\n%s",
-			  point, said, r.out);
+		snprintf(said, sizeof(said), "restarting rank 1 into attempt 1 of step %u\n",
+			 cases[i].resume);
+		snprintf(alt, sizeof(alt), "restarting rank 1 into attempt 1 of step %u\n",
+			 cases[i].alt);
+		cr_expect(strstr(r.out, said) || strstr(r.out, alt),
+			  "killed at point %u: expected '%s' in:\n%s", point, said, r.out);
 	}
 	harness_daemon_stop_expect_clean(&e.d);
 }

@@ -36,11 +36,13 @@
 #include "train.h"
 #include "trainer.h"
 
-#define PAUSE_STEPS   6    /* steps of every run: 6 x RANK_POINTS_PER_STEP points per rank */
-#define PAUSE_RUNS    4    /* random pauses per test; each takes about its pause (1.5 to 2.9 s) */
-#define TIMEOUT_MS    1000 /* the daemon's --collective-timeout */
-#define PAUSE_MIN_MS  1500 /* past the timeout, with room for the others' lag behind the stopped rank */
-#define PAUSE_SPAN_MS 1400 /* to 2.9 s: the continued rank meets the first retry's barrier or the next one's */
+#define PAUSE_STEPS 6    /* steps of every run: 6 x RANK_POINTS_PER_STEP points per rank */
+#define PAUSE_RUNS  4    /* random pauses per test; each takes about its pause (1.5 to 2.9 s) */
+#define TIMEOUT_MS  1000 /* the daemon's --collective-timeout */
+#define PAUSE_MIN_MS \
+	1500 /* past the timeout, with room for the others' lag behind the stopped rank */
+#define PAUSE_SPAN_MS \
+	1400 /* to 2.9 s: the continued rank meets the first retry's barrier or the next one's */
 /* Beyond the pause, a run may take the uninterrupted run's time and load; a timeout of its own is a fault. */
 #define PAUSE_EXTRA_MS TIMEOUT_MS
 
@@ -56,7 +58,8 @@ static uint64_t pause_seed(void)
 	if (env && *env)
 		return strtoull(env, NULL, 0);
 	clock_gettime(CLOCK_REALTIME, &ts);
-	return ((uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec) ^ ((uint64_t)getpid() << 32);
+	return ((uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec) ^
+	       ((uint64_t)getpid() << 32);
 }
 
 /* splitmix64: each draw is a function of the seed and the number of draws before it. */
@@ -77,7 +80,8 @@ static void read_all(const char *path, float *v)
 	cr_assert(f, "dump '%s' missing", path);
 	n = fread(v, sizeof(float), TRAIN_NPARAMS + 1, f);
 	fclose(f);
-	cr_assert_eq(n, (size_t)TRAIN_NPARAMS, "dump '%s' holds %zu floats, expected %d", path, n, TRAIN_NPARAMS);
+	cr_assert_eq(n, (size_t)TRAIN_NPARAMS, "dump '%s' holds %zu floats, expected %d", path, n,
+		     TRAIN_NPARAMS);
 }
 
 /* PAUSE_RUNS runs of a world x replicate job, each pausing a random rank at a random point. */
@@ -100,8 +104,9 @@ static void random_pauses(unsigned world, unsigned replicate)
 	snprintf(ref, sizeof(ref), "%s/uninterrupted.bin", d.dir);
 	snprintf(dump, sizeof(dump), "%s/paused.bin", d.dir);
 	t0 = harness_now_ms();
-	train_run(&r, (const char *const[]){ "--spawn", w, "--replicate", rep, "--steps", steps, "--socket",
-					     d.socket, "--job", "uninterrupted", "--dump", ref, NULL });
+	train_run(&r, (const char *const[]){ "--spawn", w, "--replicate", rep, "--steps", steps,
+					     "--socket", d.socket, "--job", "uninterrupted",
+					     "--dump", ref, NULL });
 	base_ms = harness_now_ms() - t0;
 	if (!train_run_ok(&r))
 		harness_daemon_dump_log(&d);
@@ -121,37 +126,51 @@ static void random_pauses(unsigned world, unsigned replicate)
 		snprintf(pms, sizeof(pms), "%u", ms);
 		unlink(dump);
 		t0 = harness_now_ms();
-		train_run_faults(&r, (const char *const[]){ "--spawn", w, "--replicate", rep, "--steps", steps,
-							    "--socket", d.socket, "--job", job, "--dump", dump,
-							    "--pause-rank", rk, "--pause-point", pt, "--pause-ms", pms,
-							    NULL });
+		train_run_faults(&r, (const char *const[]){ "--spawn", w, "--replicate", rep,
+							    "--steps", steps, "--socket", d.socket,
+							    "--job", job, "--dump", dump,
+							    "--pause-rank", rk, "--pause-point", pt,
+							    "--pause-ms", pms, NULL });
 		took = harness_now_ms() - t0;
 		if (!train_run_ok(&r))
 			harness_daemon_dump_log(&d);
-		cr_assert(train_run_ok(&r), "%s: %ux%u, rank %u stopped %u ms at point %u: train_mlp_faults %s; "
-			  "its output:\n%s", what, replicate, world / replicate, rank, ms, point,
+		cr_assert(train_run_ok(&r),
+			  "%s: %ux%u, rank %u stopped %u ms at point %u: train_mlp_faults %s; "
+			  "its output:\n%s",
+			  what, replicate, world / replicate, rank, ms, point,
 			  harness_status_str(r.status), r.out);
-		snprintf(said, sizeof(said), "rank %u: SIGSTOP for %u ms at point %u:", rank, ms, point);
-		cr_assert(strstr(r.out, said), "%s: rank %u was not stopped at point %u:\n%s", what, rank, point, r.out);
+		snprintf(said, sizeof(said), "rank %u: SIGSTOP for %u ms at point %u:", rank, ms,
+			 point);
+		cr_assert(strstr(r.out, said), "%s: rank %u was not stopped at point %u:\n%s", what,
+			  rank, point, r.out);
 		/* The others gave up on it; it learned so from the daemon at once, not from a timeout of its own. */
-		cr_assert(strstr(r.out, "within 1 s;"), "%s: no rank timed out on rank %u:\n%s", what, rank, r.out);
+		cr_assert(strstr(r.out, "within 1 s;"), "%s: no rank timed out on rank %u:\n%s",
+			  what, rank, r.out);
 		snprintf(said, sizeof(said), "rank %u submitted ", rank);
 		snprintf(late, sizeof(late), "rank %u arrived ", rank);
-		cr_assert((strstr(r.out, said) || strstr(r.out, late)) &&
-			  strstr(r.out, " gave up waiting for it (the collective timeout, 1 s); failed at once"),
-			  "%s: rank %u was never told the others gave up on it:\n%s", what, rank, r.out);
+		cr_assert(
+			(strstr(r.out, said) || strstr(r.out, late)) &&
+				strstr(r.out,
+				       " gave up waiting for it (the collective timeout, 1 s); failed at once"),
+			"%s: rank %u was never told the others gave up on it:\n%s", what, rank,
+			r.out);
 		cr_assert_lt(took, (int64_t)ms + base_ms + PAUSE_EXTRA_MS,
-			     "%s: %ux%u, rank %u stopped %u ms at point %u: the run took %" PRId64 " ms:\n%s", what,
-			     replicate, world / replicate, rank, ms, point, took, r.out);
+			     "%s: %ux%u, rank %u stopped %u ms at point %u: the run took %" PRId64
+			     " ms:\n%s",
+			     what, replicate, world / replicate, rank, ms, point, took, r.out);
 		read_all(dump, got);
 		for (int i = 0; i < TRAIN_NPARAMS; i++)
-			cr_assert_eq(memcmp(&got[i], &want[i], sizeof(float)), 0,
-				     "%s: %ux%u, rank %u stopped %u ms at point %u: param %d is %.9g, uninterrupted "
-				     "%.9g; output:\n%s", what, replicate, world / replicate, rank, ms, point, i,
-				     (double)got[i], (double)want[i], r.out);
-		fprintf(stderr, "# pause %ux%u rank %u point %u: stopped %u ms, run %" PRId64 " ms (uninterrupted %"
-			PRId64 " ms), %" PRId64 " ms beyond the pause; params bit-identical\n", replicate,
-			world / replicate, rank, point, ms, took, base_ms, took - ms);
+			cr_assert_eq(
+				memcmp(&got[i], &want[i], sizeof(float)), 0,
+				"%s: %ux%u, rank %u stopped %u ms at point %u: param %d is %.9g, uninterrupted "
+				"%.9g; output:\n%s",
+				what, replicate, world / replicate, rank, ms, point, i,
+				(double)got[i], (double)want[i], r.out);
+		fprintf(stderr,
+			"# pause %ux%u rank %u point %u: stopped %u ms, run %" PRId64
+			" ms (uninterrupted %" PRId64 " ms), %" PRId64
+			" ms beyond the pause; params bit-identical\n",
+			replicate, world / replicate, rank, point, ms, took, base_ms, took - ms);
 	}
 	harness_daemon_stop_expect_clean(&d);
 }

@@ -37,7 +37,8 @@ Test(train, loss_falls_below_half_in_20_steps, .timeout = 60)
 
 	train_parity(4, 1, NULL, NULL, a, b);
 	/* Measured: 2.32 -> 0.14 with this seed; half is a wide margin, a broken update fails it. */
-	cr_expect(a[TRAIN_STEPS - 1] < a[0] / 2, "loss went from %.6f to %.6f", a[0], a[TRAIN_STEPS - 1]);
+	cr_expect(a[TRAIN_STEPS - 1] < a[0] / 2, "loss went from %.6f to %.6f", a[0],
+		  a[TRAIN_STEPS - 1]);
 }
 
 Test(train, one_rank_matches_reference, .timeout = 60)
@@ -84,18 +85,22 @@ Test(train, rank_killed_mid_reduce_restarts_and_run_matches_reference, .timeout 
 
 	cr_assert_eq(harness_daemon_start(&d, NULL), 0, "shardd did not start (log above)");
 	train_paths_make(&p, &d);
-	train_run_faults(&r, (const char *const[]){ "--spawn", "4", "--steps", "20", "--socket", d.socket,
-						    "--kill-rank", "2", "--kill-step", "7", "--dump", p.got,
-						    NULL });
+	train_run_faults(&r, (const char *const[]){ "--spawn", "4", "--steps", "20", "--socket",
+						    d.socket, "--kill-rank", "2", "--kill-step",
+						    "7", "--dump", p.got, NULL });
 	if (!train_run_ok(&r))
 		harness_daemon_dump_log(&d);
-	cr_assert(train_run_ok(&r), "train_mlp_faults with rank 2 killed at step 7 %s; its output:\n%s",
+	cr_assert(train_run_ok(&r),
+		  "train_mlp_faults with rank 2 killed at step 7 %s; its output:\n%s",
 		  harness_status_str(r.status), r.out);
-	cr_assert_eq(train_parse_losses(r.out, loss, TRAIN_STEPS), TRAIN_STEPS, "stdout:\n%s", r.out);
+	cr_assert_eq(train_parse_losses(r.out, loss, TRAIN_STEPS), TRAIN_STEPS, "stdout:\n%s",
+		     r.out);
 	cr_expect(strstr(r.out, "rank 2 killed itself (SIGKILL) at step 7"), "output:\n%s", r.out);
-	cr_expect(strstr(r.out, "rank 2: re-attached; joining attempt 1 of step 7"), "output:\n%s", r.out);
+	cr_expect(strstr(r.out, "rank 2: re-attached; joining attempt 1 of step 7"), "output:\n%s",
+		  r.out);
 	/* A survivor's failed op carries the daemon's text, which must name the dead rank. */
-	for (line = r.out; line && *line; line = strchr(line, '\n') ? strchr(line, '\n') + 1 : NULL) {
+	for (line = r.out; line && *line;
+	     line = strchr(line, '\n') ? strchr(line, '\n') + 1 : NULL) {
 		const char *f = strstr(line, ") failed: ");
 		const char *eol = strchr(line, '\n');
 		const char *who = f ? strstr(f, "rank 2") : NULL;
@@ -107,7 +112,8 @@ Test(train, rank_killed_mid_reduce_restarts_and_run_matches_reference, .timeout 
 
 	train_run(&r, (const char *const[]){ "--reference", "--world", "4", "--steps", "20",
 					     "--dump", p.ref, NULL });
-	cr_assert(train_run_ok(&r), "train_mlp --reference %s:\n%s", harness_status_str(r.status), r.out);
+	cr_assert(train_run_ok(&r), "train_mlp --reference %s:\n%s", harness_status_str(r.status),
+		  r.out);
 	cr_assert_eq(train_parse_losses(r.out, ref_loss, TRAIN_STEPS), TRAIN_STEPS);
 	train_expect_params_match(p.got, p.ref, "world 4, rank 2 killed at step 7");
 	train_expect_losses_match(loss, ref_loss, "world 4, rank 2 killed at step 7");

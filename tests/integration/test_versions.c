@@ -12,7 +12,7 @@
 #include "harness.h"
 #include "shardd.h"
 
-#define CTL_MS          10000
+#define CTL_MS 10000
 
 TestSuite(operations, .timeout = 60);
 
@@ -52,7 +52,8 @@ Test(operations, libshardd_reports_the_version_of_its_header)
 	snprintf(numbers, sizeof(numbers), "%d.%d.%d", SHARDD_VERSION_MAJOR, SHARDD_VERSION_MINOR,
 		 SHARDD_VERSION_PATCH);
 	cr_assert_str_eq(SHARDD_VERSION_STRING, numbers);
-	cr_assert_str_eq(shardd_version(), SHARDD_VERSION_STRING,
-			 "the library says %s, shardd.h %s: the Makefile's VERSION and shardd.h differ",
-			 shardd_version(), SHARDD_VERSION_STRING);
+	cr_assert_str_eq(
+		shardd_version(), SHARDD_VERSION_STRING,
+		"the library says %s, shardd.h %s: the Makefile's VERSION and shardd.h differ",
+		shardd_version(), SHARDD_VERSION_STRING);
 }

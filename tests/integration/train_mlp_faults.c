@@ -45,19 +45,21 @@
 #include "trainer.h"
 
 struct faults {
-	int64_t kill_rank;     /* --kill-rank R; -1: not given */
-	int64_t kill_step;     /* --kill-step T; -1: not given */
-	int64_t kill_point;    /* --kill-point P; -1: not given */
-	int64_t pause_rank;    /* --pause-rank R; -1: not given */
-	int64_t pause_point;   /* --pause-point P */
-	int64_t pause_ms;      /* --pause-ms M */
-	int64_t points;        /* in a rank's process: the points it passed */
-	int restarted;         /* rank R was restarted (the replacement inherits it: no second kill) */
+	int64_t kill_rank;   /* --kill-rank R; -1: not given */
+	int64_t kill_step;   /* --kill-step T; -1: not given */
+	int64_t kill_point;  /* --kill-point P; -1: not given */
+	int64_t pause_rank;  /* --pause-rank R; -1: not given */
+	int64_t pause_point; /* --pause-point P */
+	int64_t pause_ms;    /* --pause-ms M */
+	int64_t points;      /* in a rank's process: the points it passed */
+	int restarted; /* rank R was restarted (the replacement inherits it: no second kill) */
 };
 
 static const char *const point_names[] = {
-	[RANK_AT_UNSHARD] = "in the unshard", [RANK_AT_REDUCE] = "in the reduce",
-	[RANK_AT_BEFORE_STEP] = "between the last reduce and the step", [RANK_AT_STEP] = "in the step",
+	[RANK_AT_UNSHARD] = "in the unshard",
+	[RANK_AT_REDUCE] = "in the reduce",
+	[RANK_AT_BEFORE_STEP] = "between the last reduce and the step",
+	[RANK_AT_STEP] = "in the step",
 	[RANK_AT_STEP_DONE] = "after the steps",
 };
 
@@ -77,7 +79,8 @@ static void pause_self(int64_t ms)
 
 	fflush(NULL);
 	if (pipe(sync) < 0 || (helper = fork()) < 0) {
-		fprintf(stderr, "train_mlp_faults: starting the pause helper failed: %s\n", strerror(errno));
+		fprintf(stderr, "train_mlp_faults: starting the pause helper failed: %s\n",
+			strerror(errno));
 		exit(1);
 	}
 	if (helper == 0) {
@@ -97,22 +100,28 @@ static void pause_self(int64_t ms)
 }
 
 /* Rank R's P-th point: SIGKILL, in its first life only; or a pause of M ms. */
-static void fault_at(struct rank *rk, uint32_t point, uint64_t t, uint32_t attempt, uint32_t layer, void *arg)
+static void fault_at(struct rank *rk, uint32_t point, uint64_t t, uint32_t attempt, uint32_t layer,
+		     void *arg)
 {
 	struct faults *f = arg;
 
 	if ((int64_t)rank_id(rk) == f->pause_rank && f->points++ == f->pause_point) {
-		fprintf(stderr, "train_mlp: rank %u: SIGSTOP for %" PRId64 " ms at point %" PRId64 ": %s of layer %u,"
-			" step %" PRIu64 " attempt %u\n", rank_id(rk), f->pause_ms, f->pause_point,
-			point_names[point], layer, t, attempt);
+		fprintf(stderr,
+			"train_mlp: rank %u: SIGSTOP for %" PRId64 " ms at point %" PRId64
+			": %s of layer %u,"
+			" step %" PRIu64 " attempt %u\n",
+			rank_id(rk), f->pause_ms, f->pause_point, point_names[point], layer, t,
+			attempt);
 		pause_self(f->pause_ms);
 		return;
 	}
 	if ((int64_t)rank_id(rk) != f->kill_rank || f->restarted || f->kill_point < 0 ||
 	    f->points++ != f->kill_point)
 		return;
-	fprintf(stderr, "train_mlp: rank %u: raising SIGKILL at point %" PRId64 ": %s of layer %u, step %"
-		PRIu64 " attempt %u\n", rank_id(rk), f->kill_point, point_names[point], layer, t, attempt);
+	fprintf(stderr,
+		"train_mlp: rank %u: raising SIGKILL at point %" PRId64
+		": %s of layer %u, step %" PRIu64 " attempt %u\n",
+		rank_id(rk), f->kill_point, point_names[point], layer, t, attempt);
 	fflush(NULL);
 	raise(SIGKILL);
 }
@@ -140,7 +149,9 @@ static int kill_point(struct rank *rk, uint64_t t, uint32_t attempt, uint32_t la
 	if (rank_sync_op(rk, SHARDD_OP_BARRIER, MLP_LAYERS, key) < 0)
 		return -1;
 	if (armed) {
-		fprintf(stderr, "train_mlp: rank %u: raising SIGKILL instead of reduce(group '%s', step %" PRIu64 ")\n",
+		fprintf(stderr,
+			"train_mlp: rank %u: raising SIGKILL instead of reduce(group '%s', step %" PRIu64
+			")\n",
 			rank_id(rk), mlp_group_names[0], key);
 		fflush(NULL);
 		raise(SIGKILL);
@@ -159,11 +170,15 @@ static int restart_killed(void *arg, uint32_t rank, int status, struct trainer_o
 		return 0;
 	f->restarted = 1;
 	if (f->kill_step >= 0)
-		fprintf(stderr, "train_mlp: rank %u killed itself (SIGKILL) at step %" PRId64
-			" as planned; restarting it\n", rank, f->kill_step);
+		fprintf(stderr,
+			"train_mlp: rank %u killed itself (SIGKILL) at step %" PRId64
+			" as planned; restarting it\n",
+			rank, f->kill_step);
 	else
-		fprintf(stderr, "train_mlp: rank %u killed itself (SIGKILL) at point %" PRId64
-			" as planned; restarting it\n", rank, f->kill_point);
+		fprintf(stderr,
+			"train_mlp: rank %u killed itself (SIGKILL) at point %" PRId64
+			" as planned; restarting it\n",
+			rank, f->kill_point);
 	return 1;
 }
 
@@ -185,8 +200,12 @@ static int parse_flag(const char *s, const char *what, uint64_t max, int64_t *ou
 
 int main(int argc, char **argv)
 {
-	struct faults f = { .kill_rank = -1, .kill_step = -1, .kill_point = -1, .pause_rank = -1,
-			    .pause_point = -1, .pause_ms = -1 };
+	struct faults f = { .kill_rank = -1,
+			    .kill_step = -1,
+			    .kill_point = -1,
+			    .pause_rank = -1,
+			    .pause_point = -1,
+			    .pause_ms = -1 };
 	const struct rank_hooks rh = { .before_reduce = kill_point, .at = fault_at, .arg = &f };
 	const struct launch_hooks lh = { .rank = &rh, .restart = restart_killed, .arg = &f };
 	struct launch_opts o;
@@ -201,7 +220,8 @@ int main(int argc, char **argv)
 	rest[nrest++] = argv[0];
 	for (int i = 1; i < argc; i++) {
 		if (!strcmp(argv[i], "--kill-rank") && i + 1 < argc) {
-			if (parse_flag(argv[++i], "--kill-rank", SHARDD_MAX_WORLD - 1, &f.kill_rank))
+			if (parse_flag(argv[++i], "--kill-rank", SHARDD_MAX_WORLD - 1,
+				       &f.kill_rank))
 				goto out;
 		} else if (!strcmp(argv[i], "--kill-step") && i + 1 < argc) {
 			if (parse_flag(argv[++i], "--kill-step", 1u << 24, &f.kill_step))
@@ -210,7 +230,8 @@ int main(int argc, char **argv)
 			if (parse_flag(argv[++i], "--kill-point", 1u << 30, &f.kill_point))
 				goto out;
 		} else if (!strcmp(argv[i], "--pause-rank") && i + 1 < argc) {
-			if (parse_flag(argv[++i], "--pause-rank", SHARDD_MAX_WORLD - 1, &f.pause_rank))
+			if (parse_flag(argv[++i], "--pause-rank", SHARDD_MAX_WORLD - 1,
+				       &f.pause_rank))
 				goto out;
 		} else if (!strcmp(argv[i], "--pause-point") && i + 1 < argc) {
 			if (parse_flag(argv[++i], "--pause-point", 1u << 30, &f.pause_point))
@@ -225,9 +246,11 @@ int main(int argc, char **argv)
 	if (launch_opts_parse(nrest, rest, &o) < 0)
 		goto out;
 	if (f.pause_rank >= 0) {
-		if (f.kill_rank >= 0 || f.kill_step >= 0 || f.kill_point >= 0 || f.pause_point < 0 ||
-		    f.pause_ms < 0 || f.pause_rank >= (int64_t)o.t.world || !o.spawn) {
-			fprintf(stderr, "train_mlp_faults: give --pause-rank R (below --spawn N), --pause-point P"
+		if (f.kill_rank >= 0 || f.kill_step >= 0 || f.kill_point >= 0 ||
+		    f.pause_point < 0 || f.pause_ms < 0 || f.pause_rank >= (int64_t)o.t.world ||
+		    !o.spawn) {
+			fprintf(stderr,
+				"train_mlp_faults: give --pause-rank R (below --spawn N), --pause-point P"
 				" and --pause-ms M, and no --kill-*\n");
 			goto out;
 		}
@@ -235,12 +258,15 @@ int main(int argc, char **argv)
 		goto out;
 	}
 	if (f.kill_rank < 0 || (f.kill_step < 0) == (f.kill_point < 0) || !o.spawn) {
-		fprintf(stderr, "train_mlp_faults: give --kill-rank R and one of --kill-step T, --kill-point P"
+		fprintf(stderr,
+			"train_mlp_faults: give --kill-rank R and one of --kill-step T, --kill-point P"
 			" with --spawn N, or --pause-rank R --pause-point P --pause-ms M\n");
 		goto out;
 	}
-	if (f.kill_rank >= (int64_t)o.t.world || (f.kill_step >= 0 && (uint64_t)f.kill_step >= o.t.steps)) {
-		fprintf(stderr, "train_mlp_faults: --kill-rank %" PRId64 " --kill-step %" PRId64
+	if (f.kill_rank >= (int64_t)o.t.world ||
+	    (f.kill_step >= 0 && (uint64_t)f.kill_step >= o.t.steps)) {
+		fprintf(stderr,
+			"train_mlp_faults: --kill-rank %" PRId64 " --kill-step %" PRId64
 			" must name a rank below %u and a step below --steps %" PRIu64 "\n",
 			f.kill_rank, f.kill_step, o.t.world, o.t.steps);
 		goto out;

@@ -17,7 +17,8 @@ void cudapair_backends(uint32_t mode, uint64_t timeout_ns, struct shd_backend_ct
 
 	if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0)
 		cr_skip_test("no CUDA device visible");
-	cr_assert_eq(shd_backend_cuda_create(mode, timeout_ns, cuda, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(shd_backend_cuda_create(mode, timeout_ns, cuda, err, sizeof(err)), 0, "%s",
+		     err);
 	cr_assert_eq(shd_pool_create(2, pool), 0);
 	cr_assert_eq(shd_backend_host_create(*pool, host), 0);
 }

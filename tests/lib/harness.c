@@ -338,8 +338,10 @@ int harness_daemon_start(struct harness_daemon *d, const char *const *extra)
 		pthread_condattr_destroy(&ca);
 	}
 	if (!bin || bin[0] != '/') {
-		fprintf(stderr, "harness: SHARDD_BIN must be the daemon's absolute path (got '%s'); "
-			"run the suite through 'make test'\n", bin ? bin : "");
+		fprintf(stderr,
+			"harness: SHARDD_BIN must be the daemon's absolute path (got '%s'); "
+			"run the suite through 'make test'\n",
+			bin ? bin : "");
 		return -ENOENT;
 	}
 	snprintf(d->dir, sizeof(d->dir), "/tmp/shardd-test-XXXXXX");
@@ -413,7 +415,10 @@ int harness_daemon_start(struct harness_daemon *d, const char *const *extra)
 const char *harness_daemon_sanitizer_report(struct harness_daemon *d)
 {
 	static const char *const marks[] = {
-		"ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "runtime error:", NULL,
+		"ERROR: AddressSanitizer",
+		"ERROR: LeakSanitizer",
+		"runtime error:",
+		NULL,
 	};
 	const char *hit = NULL;
 
@@ -464,8 +469,8 @@ static int daemon_stop(struct harness_daemon *d, int sig, int timeout_ms, int ex
 	if (expect_clean && !exited_zero(ret)) {
 		harness_daemon_dump_log(d);
 		dumped = 1;
-		cr_expect_fail("shardd (pid %d) did not exit cleanly on signal %d: %s", (int)pid, sig,
-			       ret < 0 ? strerror(-ret) : harness_status_str(ret));
+		cr_expect_fail("shardd (pid %d) did not exit cleanly on signal %d: %s", (int)pid,
+			       sig, ret < 0 ? strerror(-ret) : harness_status_str(ret));
 	}
 	/*
 	 * Under SANITIZE=1 the daemon reports memory errors and leaks on its
@@ -476,8 +481,9 @@ static int daemon_stop(struct harness_daemon *d, int sig, int timeout_ms, int ex
 	if (report) {
 		if (!dumped)
 			harness_daemon_dump_log(d);
-		cr_assert_fail("shardd (pid %d) reported a sanitizer error ('%s'): its log is above",
-			       (int)pid, report);
+		cr_assert_fail(
+			"shardd (pid %d) reported a sanitizer error ('%s'): its log is above",
+			(int)pid, report);
 	}
 	free(d->log);
 	d->log = NULL;
@@ -569,8 +575,13 @@ int harness_attach(const struct harness_daemon *d, const char *job, uint32_t ran
 		   uint32_t replicate, uint32_t shard, struct shardd_client **out)
 {
 	struct shardd_attach_opts o = {
-		.socket_path = d->socket, .job = job, .rank = rank, .replicate = replicate,
-		.shard = shard, .device = SHARDD_HELLO_DEVICE_HOST, .timeout_ms = 10000,
+		.socket_path = d->socket,
+		.job = job,
+		.rank = rank,
+		.replicate = replicate,
+		.shard = shard,
+		.device = SHARDD_HELLO_DEVICE_HOST,
+		.timeout_ms = 10000,
 	};
 	int ret = shardd_connect(&o, out);
 
@@ -724,7 +735,8 @@ void harness_rm_tree(const char *path)
 	nftw(path, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
 }
 
-int harness_shardctl(const char *socket, const char *const *args, int timeout_ms, char *out, size_t len)
+int harness_shardctl(const char *socket, const char *const *args, int timeout_ms, char *out,
+		     size_t len)
 {
 	const char *argv[32], *build = getenv("SHARDD_BUILD");
 	static char path[4096];
@@ -742,12 +754,13 @@ int harness_shardctl(const char *socket, const char *const *args, int timeout_ms
 	argv[n] = NULL;
 	ret = harness_run(argv, timeout_ms, &status, out, len);
 	cr_assert_eq(ret, 0, "running %s: %s", path, strerror(-ret));
-	cr_assert(WIFEXITED(status), "shardctl %s: %s", argv[3] ? argv[3] : "", harness_status_str(status));
+	cr_assert(WIFEXITED(status), "shardctl %s: %s", argv[3] ? argv[3] : "",
+		  harness_status_str(status));
 	return WEXITSTATUS(status);
 }
 
-struct json_t *harness_shardctl_json(const char *socket, const char *const *args, int timeout_ms, char *out,
-				     size_t len)
+struct json_t *harness_shardctl_json(const char *socket, const char *const *args, int timeout_ms,
+				     char *out, size_t len)
 {
 	const char *argv[32] = { "--json" };
 	json_error_t err;
@@ -760,9 +773,10 @@ struct json_t *harness_shardctl_json(const char *socket, const char *const *args
 	}
 	argv[n] = NULL;
 	rc = harness_shardctl(socket, argv, timeout_ms, out, len);
-	cr_assert_eq(rc, 0, "shardctl --json %s exited with %d:\n%s", argv[1] ? argv[1] : "", rc, out);
+	cr_assert_eq(rc, 0, "shardctl --json %s exited with %d:\n%s", argv[1] ? argv[1] : "", rc,
+		     out);
 	j = json_loads(out, 0, &err);
-	cr_assert_not_null(j, "shardctl --json %s: output does not parse (%s):\n%s", argv[1] ? argv[1] : "",
-			   err.text, out);
+	cr_assert_not_null(j, "shardctl --json %s: output does not parse (%s):\n%s",
+			   argv[1] ? argv[1] : "", err.text, out);
 	return j;
 }

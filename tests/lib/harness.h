@@ -25,20 +25,20 @@
 #define HARNESS_STOP_TIMEOUT_MS  10000
 
 struct harness_daemon {
-	int             started;      /* start ran: lock, cond and log are initialised */
-	pid_t           pid;
-	char            dir[64];      /* temporary directory, removed by stop */
-	char            socket[96];   /* dir/shardd.sock */
-	int             out_fd;       /* read end of the daemon's stdout and stderr */
-	pthread_t       drain;        /* copies out_fd into log until EOF */
-	int             drain_live;
+	int started; /* start ran: lock, cond and log are initialised */
+	pid_t pid;
+	char dir[64];    /* temporary directory, removed by stop */
+	char socket[96]; /* dir/shardd.sock */
+	int out_fd;      /* read end of the daemon's stdout and stderr */
+	pthread_t drain; /* copies out_fd into log until EOF */
+	int drain_live;
 	pthread_mutex_t lock;
-	pthread_cond_t  cond;
-	char           *log;          /* everything the daemon printed, NUL-terminated */
-	size_t          log_len;
-	size_t          log_cap;
-	int             ready;        /* the readiness line was seen */
-	int             eof;          /* the daemon closed its output */
+	pthread_cond_t cond;
+	char *log; /* everything the daemon printed, NUL-terminated */
+	size_t log_len;
+	size_t log_cap;
+	int ready; /* the readiness line was seen */
+	int eof;   /* the daemon closed its output */
 };
 
 /*
@@ -176,36 +176,37 @@ void harness_rm_tree(const char *path);
  * with stdout and stderr into `out` (as harness_run), waiting up to
  * timeout_ms. Asserts that it ran and exited; returns its exit code.
  */
-int harness_shardctl(const char *socket, const char *const *args, int timeout_ms, char *out, size_t len);
+int harness_shardctl(const char *socket, const char *const *args, int timeout_ms, char *out,
+		     size_t len);
 
 struct json_t;
 /*
  * harness_shardctl of `shardctl --socket socket --json args...`, asserting
  * exit code 0 and output that parses: the parsed reply (json_decref it).
  */
-struct json_t *harness_shardctl_json(const char *socket, const char *const *args, int timeout_ms, char *out,
-				     size_t len);
+struct json_t *harness_shardctl_json(const char *socket, const char *const *args, int timeout_ms,
+				     char *out, size_t len);
 
 /*
  * In a forked child: report a failed check on stderr and return 1 from
  * the child's function (its exit status).
  */
-#define CHILD_CHECK(cond, ...)                                                           \
-	do {                                                                             \
-		if (!(cond)) {                                                           \
+#define CHILD_CHECK(cond, ...)                                                                \
+	do {                                                                                  \
+		if (!(cond)) {                                                                \
 			fprintf(stderr, "child %d: %s:%d: check failed: %s: ", (int)getpid(), \
-				__FILE__, __LINE__, #cond);                              \
-			fprintf(stderr, __VA_ARGS__);                                    \
-			fputc('\n', stderr);                                             \
-			return 1;                                                        \
-		}                                                                        \
+				__FILE__, __LINE__, #cond);                                   \
+			fprintf(stderr, __VA_ARGS__);                                         \
+			fputc('\n', stderr);                                                  \
+			return 1;                                                             \
+		}                                                                             \
 	} while (0)
 
 /* CHILD_CHECK of a libshardd call (>= 0), naming the call and shardd_last_error(). */
-#define CHILD_CHECK_SHARDD(call)                                                         \
-	do {                                                                             \
-		int r_ = (call);                                                         \
-		CHILD_CHECK(r_ >= 0, "%s: %d %s", #call, r_, shardd_last_error());       \
+#define CHILD_CHECK_SHARDD(call)                                                   \
+	do {                                                                       \
+		int r_ = (call);                                                   \
+		CHILD_CHECK(r_ >= 0, "%s: %d %s", #call, r_, shardd_last_error()); \
 	} while (0)
 
 #ifdef SHARDD_HAVE_CUDA

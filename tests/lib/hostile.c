@@ -48,8 +48,8 @@ void assert_daemon_alive(void)
 	cr_assert_eq(waitid(P_PID, (id_t)hostile_daemon.pid, &si, WEXITED | WNOHANG | WNOWAIT), 0);
 	if (si.si_pid != 0)
 		harness_daemon_dump_log(&hostile_daemon);
-	cr_assert_eq(si.si_pid, 0, "shardd (pid %d) died: code %d status %d", (int)hostile_daemon.pid,
-		     si.si_code, si.si_status);
+	cr_assert_eq(si.si_pid, 0, "shardd (pid %d) died: code %d status %d",
+		     (int)hostile_daemon.pid, si.si_code, si.si_status);
 	report = harness_daemon_sanitizer_report(&hostile_daemon);
 	if (report)
 		harness_daemon_dump_log(&hostile_daemon);
@@ -64,7 +64,10 @@ void assert_others_served(void)
 {
 	static int n;
 	struct shardd_param_desc p = {
-		.name = "w", .dtype = SHARDD_DTYPE_FP32, .ndim = 2, .shape = { 5, 3 },
+		.name = "w",
+		.dtype = SHARDD_DTYPE_FP32,
+		.ndim = 2,
+		.shape = { 5, 3 },
 	};
 	struct shardd_client *c = NULL;
 	struct shardd_group *g = NULL;

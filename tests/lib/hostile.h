@@ -15,7 +15,7 @@
 #include "harness.h"
 #include "rawproto.h"
 
-#define COLLECTIVE_S  "5"
+#define COLLECTIVE_S "5"
 
 extern struct harness_daemon hostile_daemon;
 
@@ -24,7 +24,7 @@ void start_daemon(void);
 /* The harness fails the suite on a sanitizer report in the daemon's log. */
 void stop_daemon(void);
 /* hostile_daemon's log holds `needle` now. */
-int  log_contains(const char *needle);
+int log_contains(const char *needle);
 /* Wait up to REPLY_MS for `d` to have logged `needle`. */
 void wait_log(struct harness_daemon *d, const char *needle);
 /* The daemon process has not exited (looked at without reaping it) and logged no sanitizer report. */
@@ -35,6 +35,6 @@ void assert_daemon_alive(void);
  */
 void assert_others_served(void);
 /* Open descriptors of the daemon process. */
-int  daemon_fd_count(void);
+int daemon_fd_count(void);
 
 #endif /* SHARDD_TEST_HOSTILE_H */

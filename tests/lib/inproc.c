@@ -15,8 +15,13 @@ void inproc_start(struct harness_daemon *hd, const char *const *extra, const cha
 	cr_assert_eq(harness_daemon_start(hd, extra), 0, "shardd did not start");
 	for (uint32_t r = 0; r < replicate * shard; r++) {
 		struct shardd_attach_opts ao = {
-			.socket_path = hd->socket, .job = job, .rank = r, .replicate = replicate,
-			.shard = shard, .device = device, .timeout_ms = 10000,
+			.socket_path = hd->socket,
+			.job = job,
+			.rank = r,
+			.replicate = replicate,
+			.shard = shard,
+			.device = device,
+			.timeout_ms = 10000,
 		};
 
 		cr_assert_eq(shardd_connect(&ao, &c[r]), 0, "%s", shardd_last_error());
@@ -27,8 +32,8 @@ static void *register_main(void *p)
 {
 	struct inproc_reg *a = p;
 
-	a->ret = shardd_group_register(a->c, a->name, a->params, a->nparams, &a->precision, &a->opts,
-				       &a->g);
+	a->ret = shardd_group_register(a->c, a->name, a->params, a->nparams, &a->precision,
+				       &a->opts, &a->g);
 	if (a->ret)
 		snprintf(a->err, sizeof(a->err), "%s", shardd_last_error());
 	return NULL;
@@ -47,8 +52,8 @@ void inproc_register(struct inproc_reg *reg, uint32_t n)
 
 void inproc_register_ok(struct shardd_client **c, uint32_t n, const char *name,
 			const struct shardd_param_desc *params, uint32_t nparams,
-			const struct shardd_precision *precision, const struct shardd_group_opts *opts,
-			struct shardd_group **g)
+			const struct shardd_precision *precision,
+			const struct shardd_group_opts *opts, struct shardd_group **g)
 {
 	static const struct shardd_precision plain = { .param_dtype = SHARDD_DTYPE_NONE,
 						       .reduce_dtype = SHARDD_DTYPE_NONE };
@@ -57,7 +62,10 @@ void inproc_register_ok(struct shardd_client **c, uint32_t n, const char *name,
 
 	cr_assert_leq(n, SHARDD_MAX_WORLD);
 	for (uint32_t r = 0; r < n; r++)
-		reg[r] = (struct inproc_reg){ .c = c[r], .name = name, .params = params, .nparams = nparams,
+		reg[r] = (struct inproc_reg){ .c = c[r],
+					      .name = name,
+					      .params = params,
+					      .nparams = nparams,
 					      .precision = precision ? *precision : plain,
 					      .opts = opts ? *opts : none };
 	inproc_register(reg, n);
@@ -73,11 +81,12 @@ void inproc_reduce(struct shardd_client **c, struct shardd_group *const *g, uint
 	struct shardd_completion cp;
 
 	for (uint32_t r = 0; r < n; r++)
-		cr_assert_eq(shardd_group_submit(g[r], SHARDD_OP_REDUCE, step, flags, 100 + r),
-			     0, "%s", shardd_last_error());
+		cr_assert_eq(shardd_group_submit(g[r], SHARDD_OP_REDUCE, step, flags, 100 + r), 0,
+			     "%s", shardd_last_error());
 	for (uint32_t r = 0; r < n; r++) {
 		cr_assert_eq(shardd_wait(c[r], &cp, 30000), 0, "%s", shardd_last_error());
-		cr_assert_eq(cp.res, 0, "rank %u reduce %llu: %s", r, (unsigned long long)step, cp.msg);
+		cr_assert_eq(cp.res, 0, "rank %u reduce %llu: %s", r, (unsigned long long)step,
+			     cp.msg);
 	}
 }
 
@@ -86,13 +95,14 @@ void inproc_checkpoint(struct shardd_client **c, uint32_t n, uint64_t step)
 	struct shardd_completion cp;
 
 	for (uint32_t r = 0; r < n; r++)
-		cr_assert_eq(shardd_client_submit(c[r], SHARDD_OP_CHECKPOINT, step, 0, 200 + r), 0, "%s",
-			     shardd_last_error());
+		cr_assert_eq(shardd_client_submit(c[r], SHARDD_OP_CHECKPOINT, step, 0, 200 + r), 0,
+			     "%s", shardd_last_error());
 	for (uint32_t r = 0; r < n; r++) {
 		cr_assert_eq(shardd_wait(c[r], &cp, 30000), 0, "%s", shardd_last_error());
-		cr_assert_eq(cp.op, SHARDD_OP_CHECKPOINT, "rank %u: %s completed, not the checkpoint", r,
-			     shardd_op_name(cp.op));
-		cr_assert_eq(cp.res, 0, "rank %u checkpoint %llu: %s", r, (unsigned long long)step, cp.msg);
+		cr_assert_eq(cp.op, SHARDD_OP_CHECKPOINT,
+			     "rank %u: %s completed, not the checkpoint", r, shardd_op_name(cp.op));
+		cr_assert_eq(cp.res, 0, "rank %u checkpoint %llu: %s", r, (unsigned long long)step,
+			     cp.msg);
 	}
 }
 
@@ -135,8 +145,8 @@ uint64_t inproc_valid_numel(const struct shardd_group *g, const struct shardd_pa
 
 void inproc_ref_alloc(struct inproc_ref *ref, int r, uint32_t i, uint64_t n)
 {
-	cr_assert(r >= 0 && r < INPROC_REF_RANKS && i < INPROC_REF_PARAMS, "reference of rank %d param %u",
-		  r, i);
+	cr_assert(r >= 0 && r < INPROC_REF_RANKS && i < INPROC_REF_PARAMS,
+		  "reference of rank %d param %u", r, i);
 	ref->p[r][i] = calloc(n + 1, sizeof(float));
 	cr_assert_not_null(ref->p[r][i]);
 	for (int k = 0; k < 3; k++) {
@@ -160,21 +170,37 @@ void inproc_ref_step(const struct shardd_optim_config *o, float *param, const fl
 {
 	if (o->kind == SHARDD_OPTIM_SGD) {
 		struct shardd_sgd a = {
-			.param = param, .grad = grad, .momentum_buffer = o->momentum ? state[0] : NULL,
-			.grad_dtype = SHARDD_DTYPE_FP32, .step = step, .lr = lr, .momentum = o->momentum,
-			.dampening = o->dampening, .weight_decay = o->weight_decay,
+			.param = param,
+			.grad = grad,
+			.momentum_buffer = o->momentum ? state[0] : NULL,
+			.grad_dtype = SHARDD_DTYPE_FP32,
+			.step = step,
+			.lr = lr,
+			.momentum = o->momentum,
+			.dampening = o->dampening,
+			.weight_decay = o->weight_decay,
 			.nesterov = !!(o->flags & SHARDD_OPTIM_NESTEROV),
-			.maximize = !!(o->flags & SHARDD_OPTIM_MAXIMIZE), .grad_scale = scale,
+			.maximize = !!(o->flags & SHARDD_OPTIM_MAXIMIZE),
+			.grad_scale = scale,
 		};
 		shardd_k_sgd_isa(SHARDD_K_ISA_PORTABLE, &a, 0, n);
 	} else {
 		struct shardd_adamw a = {
-			.param = param, .grad = grad, .exp_avg = state[0], .exp_avg_sq = state[1],
+			.param = param,
+			.grad = grad,
+			.exp_avg = state[0],
+			.exp_avg_sq = state[1],
 			.max_exp_avg_sq = (o->flags & SHARDD_OPTIM_AMSGRAD) ? state[2] : NULL,
-			.grad_dtype = SHARDD_DTYPE_FP32, .step = step, .lr = lr, .beta1 = o->beta1,
-			.beta2 = o->beta2, .eps = o->eps, .weight_decay = o->weight_decay,
+			.grad_dtype = SHARDD_DTYPE_FP32,
+			.step = step,
+			.lr = lr,
+			.beta1 = o->beta1,
+			.beta2 = o->beta2,
+			.eps = o->eps,
+			.weight_decay = o->weight_decay,
 			.amsgrad = !!(o->flags & SHARDD_OPTIM_AMSGRAD),
-			.maximize = !!(o->flags & SHARDD_OPTIM_MAXIMIZE), .grad_scale = scale,
+			.maximize = !!(o->flags & SHARDD_OPTIM_MAXIMIZE),
+			.grad_scale = scale,
 		};
 		shardd_k_adamw_isa(SHARDD_K_ISA_PORTABLE, &a, 0, n);
 	}
@@ -185,12 +211,13 @@ void inproc_expect_shard(const char *what, int rank, const char *name, const flo
 {
 	for (uint64_t e = 0; e < n; e++)
 		cr_assert_eq(memcmp(&shard[e], &ref[e], sizeof(float)), 0,
-			     "%s: rank %d param '%s'[%llu] = %.9g, reference %.9g", what, rank, name,
-			     (unsigned long long)e, shard[e], ref[e]);
+			     "%s: rank %d param '%s'[%llu] = %.9g, reference %.9g", what, rank,
+			     name, (unsigned long long)e, shard[e], ref[e]);
 	for (uint64_t e = n; e < all; e++)
-		cr_assert_eq(shard[e], 0.0f, "%s: rank %d param '%s' padding [%llu] = %g", what, rank,
-			     name, (unsigned long long)e, shard[e]);
+		cr_assert_eq(shard[e], 0.0f, "%s: rank %d param '%s' padding [%llu] = %g", what,
+			     rank, name, (unsigned long long)e, shard[e]);
 	for (uint64_t e = 0; e < all; e++)
-		cr_assert_eq(grad[e], 0.0f, "%s: rank %d param '%s' sharded grad [%llu] = %g after the step",
-			     what, rank, name, (unsigned long long)e, grad[e]);
+		cr_assert_eq(grad[e], 0.0f,
+			     "%s: rank %d param '%s' sharded grad [%llu] = %g after the step", what,
+			     rank, name, (unsigned long long)e, grad[e]);
 }

@@ -31,9 +31,9 @@ struct inproc_reg {
 	uint32_t nparams;
 	struct shardd_precision precision;
 	struct shardd_group_opts opts;
-	struct shardd_group *g;   /* the group, when ret is 0 */
-	int ret;                  /* shardd_group_register's result */
-	char err[1024];           /* shardd_last_error() when ret is not 0 */
+	struct shardd_group *g; /* the group, when ret is 0 */
+	int ret;                /* shardd_group_register's result */
+	char err[1024];         /* shardd_last_error() when ret is not 0 */
 };
 
 /* Run the `n` registrations at once, each on its own thread, and wait for all of them. */
@@ -45,8 +45,8 @@ void inproc_register(struct inproc_reg *reg, uint32_t n);
  */
 void inproc_register_ok(struct shardd_client **c, uint32_t n, const char *name,
 			const struct shardd_param_desc *params, uint32_t nparams,
-			const struct shardd_precision *precision, const struct shardd_group_opts *opts,
-			struct shardd_group **g);
+			const struct shardd_precision *precision,
+			const struct shardd_group_opts *opts, struct shardd_group **g);
 /*
  * Submit the reduce of `step` (with `flags`) of g[r] on every client c[r]
  * before reaping any, then assert each completed ("rank R reduce STEP: MSG").

@@ -52,7 +52,7 @@ static int opd_read(struct opd *d, int timeout_ms)
  * d->log), -ETIMEDOUT.
  */
 int opd_start(struct opd *d, const char *const *args, int listen_fd, int journal,
-		     const char *ready_path)
+	      const char *ready_path)
 {
 	const char *bin = getenv("SHARDD_BIN");
 	const char *argv[32];
@@ -130,8 +130,9 @@ int opd_stop(struct opd *d)
 	kill(d->pid, SIGTERM);
 	while (harness_now_ms() < deadline && opd_read(d, 100) != -EPIPE)
 		;
-	ret = harness_wait_or_kill(d->pid, (int)(deadline > harness_now_ms() ?
-						 deadline - harness_now_ms() : 0), &status);
+	ret = harness_wait_or_kill(
+		d->pid, (int)(deadline > harness_now_ms() ? deadline - harness_now_ms() : 0),
+		&status);
 	close(d->out_fd);
 	d->pid = 0;
 	return ret < 0 ? ret : status;
@@ -181,12 +182,18 @@ void require_root(void)
 int client_run_ops(const char *socket, const char *job)
 {
 	struct shardd_attach_opts o = {
-		.socket_path = socket, .job = job, .rank = 0, .replicate = 1, .shard = 1,
+		.socket_path = socket,
+		.job = job,
+		.rank = 0,
+		.replicate = 1,
+		.shard = 1,
 		.device = SHARDD_HELLO_DEVICE_HOST,
 	};
-	struct shardd_param_desc p = { .name = "w", .dtype = SHARDD_DTYPE_FP32, .ndim = 2,
-				       .shape = { 5, 3 } };
-	struct shardd_precision prec = { .param_dtype = SHARDD_DTYPE_NONE, .reduce_dtype = SHARDD_DTYPE_NONE };
+	struct shardd_param_desc p = {
+		.name = "w", .dtype = SHARDD_DTYPE_FP32, .ndim = 2, .shape = { 5, 3 }
+	};
+	struct shardd_precision prec = { .param_dtype = SHARDD_DTYPE_NONE,
+					 .reduce_dtype = SHARDD_DTYPE_NONE };
 	struct shardd_client *c = NULL;
 	struct shardd_group *g = NULL;
 	float full[15];

@@ -13,16 +13,16 @@
 #include <stddef.h>
 #include <sys/types.h>
 
-#define OPD_LOG_MAX     (1 << 16)
-#define OPD_READY_MS    10000
-#define OPD_STOP_MS     10000
-#define CTL_MS          10000
-#define ALLOWED_GID     4242u   /* a group no other test uses; needs no /etc/group entry */
+#define OPD_LOG_MAX  (1 << 16)
+#define OPD_READY_MS 10000
+#define OPD_STOP_MS  10000
+#define CTL_MS       10000
+#define ALLOWED_GID  4242u /* a group no other test uses; needs no /etc/group entry */
 
 struct opd {
-	pid_t  pid;
-	int    out_fd;              /* read end of the daemon's stdout and stderr */
-	char   log[OPD_LOG_MAX];    /* everything it printed, NUL-terminated */
+	pid_t pid;
+	int out_fd;            /* read end of the daemon's stdout and stderr */
+	char log[OPD_LOG_MAX]; /* everything it printed, NUL-terminated */
 	size_t len;
 };
 
@@ -33,10 +33,10 @@ struct opd {
  * "shardd: ready on <ready_path>". 0, -EPIPE (it exited: its output is in
  * d->log), -ETIMEDOUT.
  */
-int  opd_start(struct opd *d, const char *const *args, int listen_fd, int journal,
-	       const char *ready_path);
+int opd_start(struct opd *d, const char *const *args, int listen_fd, int journal,
+	      const char *ready_path);
 /* SIGTERM, then read its output to EOF; the wait status, or -ETIMEDOUT (then killed). */
-int  opd_stop(struct opd *d);
+int opd_stop(struct opd *d);
 /* opd_start, asserting the daemon started (its log in the message when not). */
 void opd_start_or_fail(struct opd *d, const char *const *args, const char *sock);
 /* opd_stop, expecting exit 0 (its log in the message when not). */
@@ -52,7 +52,7 @@ void require_root(void);
  * its shard, unshard step 1 and read the unsharded copy back. Runs in a
  * child (CHILD_CHECK); 0 when all of it worked.
  */
-int  client_run_ops(const char *socket, const char *job);
+int client_run_ops(const char *socket, const char *job);
 /* `shardd FLAG VALUE` exits 2 (usage) and its output holds `needle`. */
 void expect_usage_error(const char *flag, const char *value, const char *needle);
 

@@ -39,7 +39,8 @@ void send_dgram(int sock, const void *buf, size_t len, int passfd)
 {
 	ssize_t n = harness_send_fds(sock, buf, len, passfd >= 0 ? &passfd : NULL, passfd >= 0);
 
-	cr_assert_eq(n, (ssize_t)len, "sendmsg of %zu bytes: %s", len, strerror(n < 0 ? (int)-n : 0));
+	cr_assert_eq(n, (ssize_t)len, "sendmsg of %zu bytes: %s", len,
+		     strerror(n < 0 ? (int)-n : 0));
 }
 
 /* A header (and `len` payload bytes of `payload`) as one datagram. */
@@ -48,7 +49,11 @@ void send_hdr(int sock, uint32_t magic, uint16_t type, uint16_t flags, uint32_t 
 {
 	uint8_t *buf = malloc(sizeof(struct shardd_msg_hdr) + len);
 	struct shardd_msg_hdr h = {
-		.magic = magic, .type = type, .flags = flags, .length = length, .seq = seq,
+		.magic = magic,
+		.type = type,
+		.flags = flags,
+		.length = length,
+		.seq = seq,
 	};
 
 	cr_assert_not_null(buf);
@@ -78,8 +83,8 @@ void recv_msg(int sock, struct shardd_ctrl_rx *rx)
 }
 
 /* rx is an ERROR with `code` whose text holds every needle; rx is reset. */
-void check_error(struct shardd_ctrl_rx *rx, uint32_t seq, int32_t code,
-		 const char *const *needles, const char *what)
+void check_error(struct shardd_ctrl_rx *rx, uint32_t seq, int32_t code, const char *const *needles,
+		 const char *what)
 {
 	struct shardd_error_msg em;
 	char text[1100];
@@ -96,8 +101,8 @@ void check_error(struct shardd_ctrl_rx *rx, uint32_t seq, int32_t code,
 	text[n] = '\0';
 	cr_assert_eq(rx->hdr.seq, seq, "%s: ERROR seq %u, want %u (%s)", what, rx->hdr.seq, seq,
 		     text);
-	cr_assert_eq(em.code, code, "%s: ERROR code %d (%s), want %d (%s); text: %s", what,
-		     em.code, shardd_strerror(em.code), code, shardd_strerror(code), text);
+	cr_assert_eq(em.code, code, "%s: ERROR code %d (%s), want %d (%s); text: %s", what, em.code,
+		     shardd_strerror(em.code), code, shardd_strerror(code), text);
 	for (int i = 0; needles && needles[i]; i++)
 		cr_assert_not_null(strstr(text, needles[i]), "%s: ERROR text '%s' lacks '%s'", what,
 				   text, needles[i]);
@@ -117,11 +122,11 @@ void expect_eof(int sock, const char *what)
 {
 	int ret = harness_expect_eof(sock, REPLY_MS);
 
-	cr_assert_eq(ret, 0, "%s: the daemon must close the connection (%s)", what,
-		     strerror(-ret));
+	cr_assert_eq(ret, 0, "%s: the daemon must close the connection (%s)", what, strerror(-ret));
 }
 
-void expect_refused(int sock, uint32_t seq, int32_t code, const char *const *needles, const char *what)
+void expect_refused(int sock, uint32_t seq, int32_t code, const char *const *needles,
+		    const char *what)
 {
 	expect_error(sock, seq, code, needles, what);
 	expect_eof(sock, what);
@@ -182,29 +187,34 @@ void wait_connections(int sock, int64_t want)
 
 	while ((n = admin_connections(sock)) != want && harness_now_ms() < deadline)
 		sched_yield();
-	cr_assert_eq(n, want, "the daemon still counts %lld connections, want %lld",
-		     (long long)n, (long long)want);
+	cr_assert_eq(n, want, "the daemon still counts %lld connections, want %lld", (long long)n,
+		     (long long)want);
 }
 
 /* ------------------------------------------------------------------ */
 /* Raw attached clients: HELLO by hand, the ring mapped directly       */
 /* ------------------------------------------------------------------ */
 
-struct shardd_hello make_hello(const char *job, uint32_t rank, uint32_t replicate,
-			       uint32_t shard, uint32_t sq_entries)
+struct shardd_hello make_hello(const char *job, uint32_t rank, uint32_t replicate, uint32_t shard,
+			       uint32_t sq_entries)
 {
 	struct shardd_hello h = {
-		.major = SHARDD_PROTO_MAJOR, .minor = SHARDD_PROTO_MINOR,
-		.pid = (uint32_t)getpid(), .rank = rank, .replicate = replicate, .shard = shard,
-		.device = SHARDD_HELLO_DEVICE_HOST, .sq_entries = sq_entries,
+		.major = SHARDD_PROTO_MAJOR,
+		.minor = SHARDD_PROTO_MINOR,
+		.pid = (uint32_t)getpid(),
+		.rank = rank,
+		.replicate = replicate,
+		.shard = shard,
+		.device = SHARDD_HELLO_DEVICE_HOST,
+		.sq_entries = sq_entries,
 	};
 
 	snprintf(h.job, sizeof(h.job), "%s", job);
 	return h;
 }
 
-void raw_attach(struct raw *r, const char *job, uint32_t rank, uint32_t replicate,
-		uint32_t shard, uint32_t sq_entries)
+void raw_attach(struct raw *r, const char *job, uint32_t rank, uint32_t replicate, uint32_t shard,
+		uint32_t sq_entries)
 {
 	struct shardd_hello h = make_hello(job, rank, replicate, shard, sq_entries);
 	struct shardd_welcome w;
@@ -322,7 +332,11 @@ struct shardd_sqe sqe_of(uint8_t op, uint32_t group, uint64_t step, uint32_t fla
 			 uint64_t user_data)
 {
 	struct shardd_sqe s = {
-		.op = op, .group = group, .step = step, .flags = flags, .user_data = user_data,
+		.op = op,
+		.group = group,
+		.step = step,
+		.flags = flags,
+		.user_data = user_data,
 	};
 
 	return s;
@@ -373,8 +387,8 @@ struct shardd_register_group reg_hdr(const char *name, uint32_t nparams)
 }
 
 /* hdr then nspecs specs; *len its size. */
-uint8_t *reg_payload(const struct shardd_register_group *hdr,
-		     const struct shardd_param_spec *specs, uint32_t nspecs, uint32_t *len)
+uint8_t *reg_payload(const struct shardd_register_group *hdr, const struct shardd_param_spec *specs,
+		     uint32_t nspecs, uint32_t *len)
 {
 	uint8_t *p;
 

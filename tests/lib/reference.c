@@ -22,17 +22,20 @@
 #include "reference.h"
 
 struct fmt {
-	int p;       /* significand bits, implicit bit included */
-	int emin;    /* exponent of the smallest normal */
-	double max;  /* largest finite */
+	int p;      /* significand bits, implicit bit included */
+	int emin;   /* exponent of the smallest normal */
+	double max; /* largest finite */
 };
 
 static struct fmt dtype_fmt(uint32_t dtype)
 {
 	switch (dtype) {
-	case 2: return (struct fmt){ 8, -126, ldexp(255.0, 120) };   /* (2 - 2^-7) * 2^127 */
-	case 3: return (struct fmt){ 11, -14, 65504.0 };
-	default: return (struct fmt){ 24, -126, ldexp(16777215.0, 104) }; /* (2 - 2^-23) * 2^127 */
+	case 2:
+		return (struct fmt){ 8, -126, ldexp(255.0, 120) }; /* (2 - 2^-7) * 2^127 */
+	case 3:
+		return (struct fmt){ 11, -14, 65504.0 };
+	default:
+		return (struct fmt){ 24, -126, ldexp(16777215.0, 104) }; /* (2 - 2^-23) * 2^127 */
 	}
 }
 
@@ -97,7 +100,8 @@ void ref_store(void *dst, uint32_t dtype, double x)
 		} else if (a != 0) {
 			frexp(a, &e);
 			if (e - 1 >= -14) /* normal: 1.m * 2^(e-1) */
-				h |= (uint16_t)(((e - 1 + 15) << 10) | (uint16_t)(ldexp(a, -(e - 1)) * 1024.0 - 1024.0));
+				h |= (uint16_t)(((e - 1 + 15) << 10) |
+						(uint16_t)(ldexp(a, -(e - 1)) * 1024.0 - 1024.0));
 			else
 				h |= (uint16_t)ldexp(a, 24); /* subnormal: m * 2^-24 */
 		}
@@ -189,7 +193,8 @@ void ref_shard(const struct ref_dims *d, uint32_t s, const double *full, double 
 				uint64_t row = (uint64_t)s * d->rows + r;
 
 				out[(o * d->rows + r) * d->inner + i] =
-					row < d->dim ? full[(o * d->dim + row) * d->inner + i] : 0.0;
+					row < d->dim ? full[(o * d->dim + row) * d->inner + i]
+						     : 0.0;
 			}
 }
 
@@ -273,11 +278,12 @@ static struct ref_val rs_input(double g, uint32_t rd, double pre)
 	return x;
 }
 
-void ref_reduce(const struct ref_param *p, const struct ref_reduce_cfg *c, const double *const *grads,
-		struct ref_grad_state *state)
+void ref_reduce(const struct ref_param *p, const struct ref_reduce_cfg *c,
+		const double *const *grads, struct ref_grad_state *state)
 {
 	uint32_t R = c->R, S = c->S, W = R * S, rd = c->reduce_dtype;
-	uint32_t n = R == 1 ? S : W; /* FSDP2 passes the replicate group whenever the mesh has one */
+	uint32_t n =
+		R == 1 ? S : W; /* FSDP2 passes the replicate group whenever the mesh has one */
 	struct ref_dims d;
 	double pre, post;
 	int sum_op;
@@ -292,7 +298,8 @@ void ref_reduce(const struct ref_param *p, const struct ref_reduce_cfg *c, const
 		struct ref_grad_state *st = &state[r];
 
 		for (uint64_t e = 0; e < d.shard_numel; e++) {
-			uint64_t o = e / (d.rows * d.inner), row = e / d.inner % d.rows, i = e % d.inner;
+			uint64_t o = e / (d.rows * d.inner), row = e / d.inner % d.rows,
+				 i = e % d.inner;
 			struct ref_val x[64], y;
 
 			if (row >= valid) {
@@ -306,7 +313,8 @@ void ref_reduce(const struct ref_param *p, const struct ref_reduce_cfg *c, const
 				continue;
 			}
 			for (uint32_t k = 0; k < S; k++)
-				x[k] = rs_input(grads[u * S + k][(o * d.dim + s * d.rows + row) * d.inner + i],
+				x[k] = rs_input(grads[u * S + k]
+						     [(o * d.dim + s * d.rows + row) * d.inner + i],
 						rd, sum_op ? pre : 1);
 			if (R == 1) {
 				y = collective(x, S, rd, sum_op ? 1 : S, NULL, sum_op ? post : 1);
@@ -314,7 +322,8 @@ void ref_reduce(const struct ref_param *p, const struct ref_reduce_cfg *c, const
 				continue;
 			}
 			/* HSDP reduce-scatter: the partial is added before any all-reduce. */
-			y = collective(x, S, rd, sum_op ? 1 : S, st->partial_present ? &st->partial[e] : NULL, 1);
+			y = collective(x, S, rd, sum_op ? 1 : S,
+				       st->partial_present ? &st->partial[e] : NULL, 1);
 			st->partial[e] = y;
 		}
 	}

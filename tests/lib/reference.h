@@ -23,7 +23,7 @@ double ref_round(double x, uint32_t dtype);
 /* Spacing of the dtype's values at magnitude |x|. */
 double ref_ulp(double x, uint32_t dtype);
 /* Encode x (representable in dtype) into 2 or 4 bytes; decode. */
-void   ref_store(void *dst, uint32_t dtype, double x);
+void ref_store(void *dst, uint32_t dtype, double x);
 double ref_load(const void *src, uint32_t dtype);
 size_t ref_dtype_size(uint32_t dtype);
 
@@ -38,15 +38,15 @@ struct ref_param {
 
 /* FSDP2 chunking of a param over S ranks. */
 struct ref_dims {
-	uint64_t numel;       /* elements of the full param */
+	uint64_t numel;             /* elements of the full param */
 	uint64_t outer, dim, inner; /* the shape around shard_dim (a 0-d param is 1 x 1 x 1) */
-	uint64_t rows;        /* rows of shard_dim per shard: ceil(dim / S) (dim 0), dim / S (Shard(i)) */
+	uint64_t rows; /* rows of shard_dim per shard: ceil(dim / S) (dim 0), dim / S (Shard(i)) */
 	uint64_t shard_numel; /* outer * rows * inner, padding included */
 };
-void     ref_dims(const struct ref_param *p, uint32_t S, struct ref_dims *d);
+void ref_dims(const struct ref_param *p, uint32_t S, struct ref_dims *d);
 uint64_t ref_rows_valid(const struct ref_dims *d, uint32_t s);
 /* Shard s of the full tensor `full` (numel values): shard_numel values, zero past the last row. */
-void     ref_shard(const struct ref_dims *d, uint32_t s, const double *full, double *out);
+void ref_shard(const struct ref_dims *d, uint32_t s, const double *full, double *out);
 
 /* A value and how far a correct fp32-accumulating implementation may be from it. */
 struct ref_val {
@@ -63,10 +63,10 @@ struct ref_grad_state {
 };
 
 struct ref_reduce_cfg {
-	uint32_t R, S;          /* mesh */
-	uint32_t grad_dtype;    /* dtype of the unsharded grads */
-	uint32_t reduce_dtype;  /* resolved: policy or grad dtype */
-	int all_reduce;         /* HSDP: all-reduce this call (FSDP2 all_reduce_grads) */
+	uint32_t R, S;         /* mesh */
+	uint32_t grad_dtype;   /* dtype of the unsharded grads */
+	uint32_t reduce_dtype; /* resolved: policy or grad dtype */
+	int all_reduce;        /* HSDP: all-reduce this call (FSDP2 all_reduce_grads) */
 };
 
 /*
@@ -74,7 +74,7 @@ struct ref_reduce_cfg {
  * unsharded grad (values representable in grad_dtype), state[R * S] is
  * updated as FSDP2 updates sharded grads and HSDP partials.
  */
-void ref_reduce(const struct ref_param *p, const struct ref_reduce_cfg *c, const double *const *grads,
-		struct ref_grad_state *state);
+void ref_reduce(const struct ref_param *p, const struct ref_reduce_cfg *c,
+		const double *const *grads, struct ref_grad_state *state);
 
 #endif /* SHARDD_TEST_REFERENCE_H */

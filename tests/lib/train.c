@@ -22,7 +22,8 @@ static void run_built(struct train_run *r, const char *rel, const char *const *a
 	char bin[512];
 	int n = 0, ret;
 
-	cr_assert(build && *build, "SHARDD_BUILD must name the build directory (make test sets it)");
+	cr_assert(build && *build,
+		  "SHARDD_BUILD must name the build directory (make test sets it)");
 	snprintf(bin, sizeof(bin), "%s/%s", build, rel);
 	argv[n++] = bin;
 	for (int i = 0; args[i] && n < 31; i++)
@@ -52,12 +53,14 @@ int train_parse_losses(const char *out, double *loss, int max)
 {
 	int n = 0;
 
-	for (const char *p = out; p && *p && n < max; p = strchr(p, '\n') ? strchr(p, '\n') + 1 : NULL) {
+	for (const char *p = out; p && *p && n < max;
+	     p = strchr(p, '\n') ? strchr(p, '\n') + 1 : NULL) {
 		unsigned long step;
 		double v;
 
 		if (sscanf(p, "step %lu loss %lf", &step, &v) == 2) {
-			cr_assert_eq(step, (unsigned long)n, "loss lines out of order at step %lu:\n%s", step, out);
+			cr_assert_eq(step, (unsigned long)n,
+				     "loss lines out of order at step %lu:\n%s", step, out);
 			loss[n++] = v;
 		}
 	}
@@ -97,11 +100,12 @@ void train_expect_params_match(const char *got_path, const char *ref_path, const
 		}
 	}
 	cr_log_info("%s: max relative difference to the reference %.3g at param %d (%.9g vs %.9g), "
-		    "%d of %d params bit-identical", what, worst, at, (double)got[at], (double)ref[at],
-		    exact, TRAIN_NPARAMS);
-	cr_expect(worst <= TRAIN_PARITY_RTOL, "%s: param %d is %.9g, the reference has %.9g: relative "
-		  "difference %.3g > %.1g", what, at, (double)got[at], (double)ref[at], worst,
-		  TRAIN_PARITY_RTOL);
+		    "%d of %d params bit-identical",
+		    what, worst, at, (double)got[at], (double)ref[at], exact, TRAIN_NPARAMS);
+	cr_expect(worst <= TRAIN_PARITY_RTOL,
+		  "%s: param %d is %.9g, the reference has %.9g: relative "
+		  "difference %.3g > %.1g",
+		  what, at, (double)got[at], (double)ref[at], worst, TRAIN_PARITY_RTOL);
 }
 
 void train_expect_losses_match(const double *a, const double *b, const char *what)
@@ -123,8 +127,8 @@ void train_paths_remove(const struct train_paths *p)
 	unlink(p->ref);
 }
 
-void train_parity(unsigned world, unsigned replicate, const char *const *daemon_args, const char *device,
-		  double *fsdp_loss, double *ref_loss)
+void train_parity(unsigned world, unsigned replicate, const char *const *daemon_args,
+		  const char *device, double *fsdp_loss, double *ref_loss)
 {
 	static struct train_run r;
 	struct harness_daemon d = { 0 };
@@ -137,21 +141,25 @@ void train_parity(unsigned world, unsigned replicate, const char *const *daemon_
 	cr_assert_eq(harness_daemon_start(&d, daemon_args), 0, "shardd did not start (log above)");
 	train_paths_make(&p, &d);
 
-	train_run(&r, (const char *const[]){ "--spawn", w, "--replicate", rep, "--steps", steps, "--socket",
-					     d.socket, "--dump", p.got, device ? "--device" : NULL, device, NULL });
+	train_run(&r, (const char *const[]){ "--spawn", w, "--replicate", rep, "--steps", steps,
+					     "--socket", d.socket, "--dump", p.got,
+					     device ? "--device" : NULL, device, NULL });
 	if (!train_run_ok(&r))
 		harness_daemon_dump_log(&d);
-	cr_assert(train_run_ok(&r), "train_mlp --spawn %u --replicate %u %s; its output:\n%s", world, replicate,
-		  harness_status_str(r.status), r.out);
-	cr_assert_eq(train_parse_losses(r.out, fsdp_loss, TRAIN_STEPS), TRAIN_STEPS, "stdout:\n%s", r.out);
+	cr_assert(train_run_ok(&r), "train_mlp --spawn %u --replicate %u %s; its output:\n%s",
+		  world, replicate, harness_status_str(r.status), r.out);
+	cr_assert_eq(train_parse_losses(r.out, fsdp_loss, TRAIN_STEPS), TRAIN_STEPS, "stdout:\n%s",
+		     r.out);
 
 	train_run(&r, (const char *const[]){ "--reference", "--world", w, "--steps", steps,
 					     "--dump", p.ref, NULL });
-	cr_assert(train_run_ok(&r), "train_mlp --reference %s:\n%s", harness_status_str(r.status), r.out);
-	cr_assert_eq(train_parse_losses(r.out, ref_loss, TRAIN_STEPS), TRAIN_STEPS, "stdout:\n%s", r.out);
+	cr_assert(train_run_ok(&r), "train_mlp --reference %s:\n%s", harness_status_str(r.status),
+		  r.out);
+	cr_assert_eq(train_parse_losses(r.out, ref_loss, TRAIN_STEPS), TRAIN_STEPS, "stdout:\n%s",
+		     r.out);
 
-	snprintf(what, sizeof(what), "world %u, replicate %u, %d steps%s%s", world, replicate, TRAIN_STEPS,
-		 device ? ", device " : "", device ? device : "");
+	snprintf(what, sizeof(what), "world %u, replicate %u, %d steps%s%s", world, replicate,
+		 TRAIN_STEPS, device ? ", device " : "", device ? device : "");
 	train_expect_params_match(p.got, p.ref, what);
 	train_paths_remove(&p);
 	harness_daemon_stop_expect_clean(&d);

@@ -24,10 +24,10 @@
 
 #include "harness.h"
 
-#define TRAIN_PARITY_RTOL  1e-5
-#define TRAIN_PARITY_FLOOR 0.1
-#define TRAIN_STEPS        20
-#define TRAIN_NPARAMS      (32 * 64 + 64 + 64 * 64 + 64 + 64 * 1 + 1) /* dump floats */
+#define TRAIN_PARITY_RTOL    1e-5
+#define TRAIN_PARITY_FLOOR   0.1
+#define TRAIN_STEPS          20
+#define TRAIN_NPARAMS        (32 * 64 + 64 + 64 * 64 + 64 + 64 * 1 + 1) /* dump floats */
 #define TRAIN_RUN_TIMEOUT_MS 25000 /* one train_mlp run; measured under 0.2 s on the host */
 
 struct train_run {
@@ -45,9 +45,9 @@ struct train_paths {
 void train_run(struct train_run *r, const char *const *args);
 /* The same with train_mlp_faults, its launcher with a planned crash (--kill-rank, --kill-step). */
 void train_run_faults(struct train_run *r, const char *const *args);
-int  train_run_ok(const struct train_run *r);
+int train_run_ok(const struct train_run *r);
 /* The "step N loss X" lines of a run, in order; how many (asserts they are in order). */
-int  train_parse_losses(const char *out, double *loss, int max);
+int train_parse_losses(const char *out, double *loss, int max);
 /* Largest relative difference over every param of two dumps, expected within TRAIN_PARITY_RTOL. */
 void train_expect_params_match(const char *got_path, const char *ref_path, const char *what);
 /* Per-step mean losses within TRAIN_PARITY_RTOL of the reference's. */
@@ -62,7 +62,7 @@ void train_paths_remove(const struct train_paths *p);
  * reference, compare the params; the losses go to fsdp_loss and ref_loss.
  * Stops the daemon.
  */
-void train_parity(unsigned world, unsigned replicate, const char *const *daemon_args, const char *device,
-		  double *fsdp_loss, double *ref_loss);
+void train_parity(unsigned world, unsigned replicate, const char *const *daemon_args,
+		  const char *device, double *fsdp_loss, double *ref_loss);
 
 #endif /* SHARDD_TEST_TRAIN_H */

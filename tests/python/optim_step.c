@@ -29,7 +29,10 @@ struct params {
 
 static int parse_kv(const char *kv, struct params *p)
 {
-	static const struct { const char *key; size_t off; } keys[] = {
+	static const struct {
+		const char *key;
+		size_t off;
+	} keys[] = {
 		{ "lr", offsetof(struct params, lr) },
 		{ "momentum", offsetof(struct params, momentum) },
 		{ "dampening", offsetof(struct params, dampening) },
@@ -47,7 +50,8 @@ static int parse_kv(const char *kv, struct params *p)
 	char *end;
 
 	for (size_t i = 0; eq && i < sizeof(keys) / sizeof(keys[0]); i++) {
-		if (strlen(keys[i].key) == (size_t)(eq - kv) && !strncmp(kv, keys[i].key, (size_t)(eq - kv))) {
+		if (strlen(keys[i].key) == (size_t)(eq - kv) &&
+		    !strncmp(kv, keys[i].key, (size_t)(eq - kv))) {
 			double v = strtod(eq + 1, &end);
 
 			if (end == eq + 1 || *end)
@@ -56,7 +60,8 @@ static int parse_kv(const char *kv, struct params *p)
 			return 0;
 		}
 	}
-	fprintf(stderr, "optim_step: argument '%s': expected key=number with a key of struct shardd_sgd/adamw\n",
+	fprintf(stderr,
+		"optim_step: argument '%s': expected key=number with a key of struct shardd_sgd/adamw\n",
 		kv);
 	return -EINVAL;
 }
@@ -90,8 +95,10 @@ int main(int argc, char **argv)
 		return 1;
 	}
 	f = fopen(argv[4], "rb");
-	if (!f || fread(param, sizeof(float), n, f) != n || fread(grads, sizeof(float), n * k, f) != n * k) {
-		fprintf(stderr, "optim_step: %s: cannot read %zu fp32 values\n", argv[4], n * (k + 1));
+	if (!f || fread(param, sizeof(float), n, f) != n ||
+	    fread(grads, sizeof(float), n * k, f) != n * k) {
+		fprintf(stderr, "optim_step: %s: cannot read %zu fp32 values\n", argv[4],
+			n * (k + 1));
 		return 1;
 	}
 	fclose(f);
@@ -103,10 +110,20 @@ int main(int argc, char **argv)
 
 		if (adamw) {
 			struct shardd_adamw a = {
-				.param = param, .grad = g, .grad_dtype = SHARDD_DTYPE_FP32, .exp_avg = state[0],
-				.exp_avg_sq = state[1], .max_exp_avg_sq = p.amsgrad != 0 ? state[2] : NULL,
-				.step = step, .lr = lr, .beta1 = p.beta1, .beta2 = p.beta2, .eps = p.eps,
-				.weight_decay = p.weight_decay, .amsgrad = p.amsgrad != 0, .maximize = p.maximize != 0,
+				.param = param,
+				.grad = g,
+				.grad_dtype = SHARDD_DTYPE_FP32,
+				.exp_avg = state[0],
+				.exp_avg_sq = state[1],
+				.max_exp_avg_sq = p.amsgrad != 0 ? state[2] : NULL,
+				.step = step,
+				.lr = lr,
+				.beta1 = p.beta1,
+				.beta2 = p.beta2,
+				.eps = p.eps,
+				.weight_decay = p.weight_decay,
+				.amsgrad = p.amsgrad != 0,
+				.maximize = p.maximize != 0,
 				.grad_scale = (float)p.grad_scale,
 			};
 
@@ -115,10 +132,17 @@ int main(int argc, char **argv)
 				shardd_k_adamw(&a, 0, n);
 		} else {
 			struct shardd_sgd a = {
-				.param = param, .grad = g, .grad_dtype = SHARDD_DTYPE_FP32,
-				.momentum_buffer = p.momentum != 0 ? state[0] : NULL, .step = step, .lr = lr,
-				.momentum = p.momentum, .dampening = p.dampening, .weight_decay = p.weight_decay,
-				.nesterov = p.nesterov != 0, .maximize = p.maximize != 0,
+				.param = param,
+				.grad = g,
+				.grad_dtype = SHARDD_DTYPE_FP32,
+				.momentum_buffer = p.momentum != 0 ? state[0] : NULL,
+				.step = step,
+				.lr = lr,
+				.momentum = p.momentum,
+				.dampening = p.dampening,
+				.weight_decay = p.weight_decay,
+				.nesterov = p.nesterov != 0,
+				.maximize = p.maximize != 0,
 				.grad_scale = (float)p.grad_scale,
 			};
 

@@ -27,7 +27,8 @@ static void setup(void)
 	s.dtype = SHARDD_DTYPE_FP32;
 	s.ndim = 1;
 	s.shape[0] = 4;
-	cr_assert_eq(shd_layout_build(&s, 1, 2, SHARDD_DTYPE_NONE, &layout, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(shd_layout_build(&s, 1, 2, SHARDD_DTYPE_NONE, &layout, err, sizeof(err)), 0,
+		     "%s", err);
 	cr_assert_eq(shd_pool_create(1, &pool), 0);
 	cr_assert_eq(shd_backend_host_create(pool, &be), 0);
 }
@@ -73,7 +74,8 @@ Test(backend_host, unshard_writes_each_distinct_output_once_and_all_of_them)
 	cr_assert_eq(be->ops->unshard(be, &a), 0);
 	for (int i = 0; i < 4; i++)
 		cr_assert_eq(f32(&mine, p->unsharded_offset)[i], (float)(10 * (i / 2) + i % 2 + 1));
-	cr_assert_eq(f32(&theirs, p->unsharded_offset)[0], 0.0f, "a buffer no rank names stays untouched");
+	cr_assert_eq(f32(&theirs, p->unsharded_offset)[0], 0.0f,
+		     "a buffer no rank names stays untouched");
 
 	/* A buffer per rank: both get the whole gathered param. */
 	memset(f32(&mine, p->unsharded_offset), 0, 4 * sizeof(float));
@@ -81,7 +83,8 @@ Test(backend_host, unshard_writes_each_distinct_output_once_and_all_of_them)
 	cr_assert_eq(be->ops->unshard(be, &a), 0);
 	for (int i = 0; i < 4; i++) {
 		cr_assert_eq(f32(&mine, p->unsharded_offset)[i], (float)(10 * (i / 2) + i % 2 + 1));
-		cr_assert_eq(f32(&theirs, p->unsharded_offset)[i], (float)(10 * (i / 2) + i % 2 + 1));
+		cr_assert_eq(f32(&theirs, p->unsharded_offset)[i],
+			     (float)(10 * (i / 2) + i % 2 + 1));
 	}
 	for (int s = 0; s < 2; s++)
 		be->ops->free(be, &shards[s]);
@@ -95,11 +98,18 @@ Test(backend_host, reduce_gives_member_k_shard_k_with_its_own_accumulate_and_add
 	struct shd_buf grads[2], outs[2], add;
 	struct shd_buf *gp[2] = { &grads[0], &grads[1] };
 	uint64_t off[1] = { p->shard_offset };
-	struct shd_shard_view ov[2] = { { &outs[0], off, SHARDD_DTYPE_NONE }, { &outs[1], off, SHARDD_DTYPE_NONE } };
-	struct shd_shard_view av[2] = { { NULL, NULL, SHARDD_DTYPE_NONE }, { &add, off, SHARDD_DTYPE_FP32 } };
+	struct shd_shard_view ov[2] = { { &outs[0], off, SHARDD_DTYPE_NONE },
+					{ &outs[1], off, SHARDD_DTYPE_NONE } };
+	struct shd_shard_view av[2] = { { NULL, NULL, SHARDD_DTYPE_NONE },
+					{ &add, off, SHARDD_DTYPE_FP32 } };
 	uint8_t accumulate[2] = { 0, 1 };
 	struct shd_reduce_args a = {
-		.layout = &layout, .src = SHD_REDUCE_SRC_GRAD, .n = 2, .grads = gp, .outs = ov, .adds = av,
+		.layout = &layout,
+		.src = SHD_REDUCE_SRC_GRAD,
+		.n = 2,
+		.grads = gp,
+		.outs = ov,
+		.adds = av,
 		.accumulate = accumulate,
 		.math = { .reduce_dtype = SHARDD_DTYPE_FP32, .pre = 1, .avg = 2, .post = 1 },
 	};

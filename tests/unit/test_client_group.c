@@ -79,8 +79,9 @@ Test(client_group, fds_that_do_not_number_the_fd_buffers_are_malformed, .timeout
 {
 	struct shardd_group_reply r = reply_with(SHARDD_EXPORT_CUDA_IPC, 0, 0, 0);
 
-	expect_malformed(shardd_group_check_exports(&r, SHARDD_BACKEND_CUDA, 4, HANDLE),
-			 "carries 4 fds, but its export_kind {1, 0, 0, 0} says 3 buffers travel as fds");
+	expect_malformed(
+		shardd_group_check_exports(&r, SHARDD_BACKEND_CUDA, 4, HANDLE),
+		"carries 4 fds, but its export_kind {1, 0, 0, 0} says 3 buffers travel as fds");
 	r = reply_with(0, 0, 0, 0);
 	expect_malformed(shardd_group_check_exports(&r, SHARDD_BACKEND_HOST, 0, 0),
 			 "carries 0 fds");
@@ -88,11 +89,13 @@ Test(client_group, fds_that_do_not_number_the_fd_buffers_are_malformed, .timeout
 
 Test(client_group, handle_bytes_that_do_not_match_the_ipc_buffers_are_malformed, .timeout = 5)
 {
-	struct shardd_group_reply r = reply_with(SHARDD_EXPORT_CUDA_IPC, SHARDD_EXPORT_CUDA_IPC, 0, 0);
+	struct shardd_group_reply r =
+		reply_with(SHARDD_EXPORT_CUDA_IPC, SHARDD_EXPORT_CUDA_IPC, 0, 0);
 
-	expect_malformed(shardd_group_check_exports(&r, SHARDD_BACKEND_CUDA, 2, HANDLE),
-			 "64 bytes after its param specs, but its export_kind {1, 1, 0, 0} says 2 CUDA "
-			 "IPC handles of 64 bytes follow");
+	expect_malformed(
+		shardd_group_check_exports(&r, SHARDD_BACKEND_CUDA, 2, HANDLE),
+		"64 bytes after its param specs, but its export_kind {1, 1, 0, 0} says 2 CUDA "
+		"IPC handles of 64 bytes follow");
 	expect_malformed(shardd_group_check_exports(&r, SHARDD_BACKEND_CUDA, 2, 2 * HANDLE + 1),
 			 "129 bytes after");
 	/* A host reply with trailing bytes is as malformed as one with handles it cannot use. */

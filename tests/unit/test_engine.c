@@ -26,11 +26,16 @@
 #include "shardd_kernels.h"
 #include "shardd_proto.h"
 
-#define MAXW 16 /* ranks a test job may have */
-#define MAXG 32 /* group ids a test may see */
+#define MAXW    16 /* ranks a test job may have */
+#define MAXG    32 /* group ids a test may see */
 #define WAIT_MS 10000
 
-enum { FP32 = SHARDD_DTYPE_FP32, BF16 = SHARDD_DTYPE_BF16, FP16 = SHARDD_DTYPE_FP16, NONE = SHARDD_DTYPE_NONE };
+enum {
+	FP32 = SHARDD_DTYPE_FP32,
+	BF16 = SHARDD_DTYPE_BF16,
+	FP16 = SHARDD_DTYPE_FP16,
+	NONE = SHARDD_DTYPE_NONE
+};
 
 struct t_map {
 	uint8_t *unsharded, *grad, *shard, *sgrad;
@@ -99,8 +104,9 @@ static int has_seals(int fd)
 	return s >= 0 && (s & want) == want;
 }
 
-static void on_reply(void *ctx, uint32_t rank, uint64_t token, uint32_t seq, int res, const char *msg,
-		     const struct shardd_group_reply *reply, const struct shardd_param_layout *layouts,
+static void on_reply(void *ctx, uint32_t rank, uint64_t token, uint32_t seq, int res,
+		     const char *msg, const struct shardd_group_reply *reply,
+		     const struct shardd_param_layout *layouts,
 		     const struct shardd_param_spec *specs, const int *fds, int nfds,
 		     const struct shardd_cuda_ipc_handle *ipc, int nipc)
 {
@@ -141,16 +147,18 @@ static void on_reply(void *ctx, uint32_t rank, uint64_t token, uint32_t seq, int
 	m->shard = mmap(NULL, m->ssz, PROT_READ | PROT_WRITE, MAP_SHARED, fds[2], 0);
 	m->sgrad = mmap(NULL, m->ssz, PROT_READ | PROT_WRITE, MAP_SHARED, fds[3], 0);
 	cr_assert(m->unsharded != MAP_FAILED && m->grad != MAP_FAILED && m->shard != MAP_FAILED &&
-		  m->sgrad != MAP_FAILED, "map the reply's buffers: %s", strerror(errno));
+			  m->sgrad != MAP_FAILED,
+		  "map the reply's buffers: %s", strerror(errno));
 	w = mmap(NULL, m->usz, PROT_READ | PROT_WRITE, MAP_SHARED, fds[0], 0);
 	g->read_only[rank] = (fcntl(fds[0], F_GETFL) & O_ACCMODE) == O_RDONLY && w == MAP_FAILED;
 	if (w != MAP_FAILED)
 		munmap(w, m->usz);
-	g->sealed[rank] = has_seals(fds[0]) && has_seals(fds[1]) && has_seals(fds[2]) && has_seals(fds[3]);
+	g->sealed[rank] =
+		has_seals(fds[0]) && has_seals(fds[1]) && has_seals(fds[2]) && has_seals(fds[3]);
 }
 
-static void on_complete(void *ctx, uint32_t rank, uint64_t token, const struct shardd_sqe *sqe, int res,
-			const char *msg)
+static void on_complete(void *ctx, uint32_t rank, uint64_t token, const struct shardd_sqe *sqe,
+			int res, const char *msg)
 {
 	struct t_env *env = ctx;
 	struct t_cqe *c;
@@ -176,8 +184,12 @@ static struct t_env *env_new(uint32_t R, uint32_t S, uint32_t timeout_ms)
 {
 	struct t_env *env = calloc(1, sizeof(*env));
 	struct shd_engine_config cfg = {
-		.backend = SHARDD_BACKEND_HOST, .collective_timeout_ms = timeout_ms, .workers = 2,
-		.uid = getuid(), .complete = on_complete, .reply = on_reply,
+		.backend = SHARDD_BACKEND_HOST,
+		.collective_timeout_ms = timeout_ms,
+		.workers = 2,
+		.uid = getuid(),
+		.complete = on_complete,
+		.reply = on_reply,
 	};
 
 	cr_assert_not_null(env);
@@ -220,9 +232,13 @@ static int wait_cq(struct t_env *env, size_t n, int timeout_ms)
 	return 0;
 }
 
-static void submit(struct t_env *env, uint32_t rank, uint32_t op, uint32_t group, uint64_t step, uint32_t flags)
+static void submit(struct t_env *env, uint32_t rank, uint32_t op, uint32_t group, uint64_t step,
+		   uint32_t flags)
 {
-	struct shardd_sqe sqe = { .op = (uint8_t)op, .group = group, .step = step, .flags = flags,
+	struct shardd_sqe sqe = { .op = (uint8_t)op,
+				  .group = group,
+				  .step = step,
+				  .flags = flags,
 				  .user_data = ++env->ud };
 
 	shd_engine_submit(env->j, rank, 100 + rank, &sqe);
@@ -233,7 +249,8 @@ static void submit(struct t_env *env, uint32_t rank, uint32_t op, uint32_t group
  * there with the table's text, else handed to the engine (ops of group
  * scope only: the test submits nothing else).
  */
-static void ring_submit(struct t_env *env, uint32_t rank, uint64_t token, const struct shardd_sqe *sqe)
+static void ring_submit(struct t_env *env, uint32_t rank, uint64_t token,
+			const struct shardd_sqe *sqe)
 {
 	char why[SHARDD_RING_MSG_SIZE];
 
@@ -241,7 +258,8 @@ static void ring_submit(struct t_env *env, uint32_t rank, uint64_t token, const 
 		on_complete(env, rank, token, sqe, -SHARDD_E_INVALID, why);
 		return;
 	}
-	cr_assert_eq(shd_op_info(sqe->op)->scope, SHD_OP_SCOPE_GROUP, "%s is a group op", shd_op_info(sqe->op)->name);
+	cr_assert_eq(shd_op_info(sqe->op)->scope, SHD_OP_SCOPE_GROUP, "%s is a group op",
+		     shd_op_info(sqe->op)->name);
 	shd_engine_submit(env->j, rank, token, sqe);
 }
 
@@ -255,8 +273,8 @@ static void all_ranks(struct t_env *env, uint32_t op, uint32_t group, uint64_t s
 	cr_assert_eq(wait_cq(env, base + env->W, WAIT_MS), 0, "%s on every rank completes",
 		     shardd_op_name(op));
 	for (size_t i = base; i < base + env->W; i++)
-		cr_assert_eq(env->cq[i].res, 0, "%s of rank %u: %d %s", shardd_op_name(op), env->cq[i].rank,
-			     env->cq[i].res, env->cq[i].msg);
+		cr_assert_eq(env->cq[i].res, 0, "%s of rank %u: %d %s", shardd_op_name(op),
+			     env->cq[i].rank, env->cq[i].res, env->cq[i].msg);
 }
 
 /* ------------------------------------------------------------------ */
@@ -268,8 +286,8 @@ struct t_spec {
 	struct shardd_param_spec *specs;
 };
 
-static struct shardd_param_spec pspec(const char *name, uint32_t dtype, uint32_t ndim, uint32_t shard_dim,
-				      const uint64_t *shape)
+static struct shardd_param_spec pspec(const char *name, uint32_t dtype, uint32_t ndim,
+				      uint32_t shard_dim, const uint64_t *shape)
 {
 	struct shardd_param_spec s;
 
@@ -301,7 +319,8 @@ static void *payload(const char *name, const struct t_spec *sp, size_t *len)
 	return p;
 }
 
-static void register_rank(struct t_env *env, uint32_t rank, const char *name, const struct t_spec *sp)
+static void register_rank(struct t_env *env, uint32_t rank, const char *name,
+			  const struct t_spec *sp)
 {
 	size_t len;
 	void *p = payload(name, sp, &len);
@@ -416,8 +435,10 @@ static void check_layouts(struct t_env *env, uint32_t id, const struct t_spec *s
 			struct ref_dims d;
 
 			ref_dims(&p, env->S, &d);
-			cr_assert_eq(l->shard_row_begin, (r % env->S) * d.rows, "param %u rank %u row begin", i, r);
-			cr_assert_eq(l->shard_rows_valid, ref_rows_valid(&d, r % env->S), "param %u rank %u rows", i, r);
+			cr_assert_eq(l->shard_row_begin, (r % env->S) * d.rows,
+				     "param %u rank %u row begin", i, r);
+			cr_assert_eq(l->shard_rows_valid, ref_rows_valid(&d, r % env->S),
+				     "param %u rank %u rows", i, r);
 			cr_assert_eq(l->shard_bytes, d.shard_numel * ref_dtype_size(p.dtype));
 			cr_assert_eq(l->unsharded_bytes, d.numel * ref_dtype_size(udt));
 			cr_assert_eq(l->grad_bytes, d.numel * ref_dtype_size(udt));
@@ -425,7 +446,8 @@ static void check_layouts(struct t_env *env, uint32_t id, const struct t_spec *s
 			cr_assert_eq(l->unsharded_offset % SHARDD_ALIGN, 0);
 			cr_assert_eq(l->grad_offset % SHARDD_ALIGN, 0);
 			cr_assert_leq(l->shard_offset + l->shard_bytes, g->reply.shard_size);
-			cr_assert_leq(l->unsharded_offset + l->unsharded_bytes, g->reply.unsharded_size);
+			cr_assert_leq(l->unsharded_offset + l->unsharded_bytes,
+				      g->reply.unsharded_size);
 		}
 	}
 }
@@ -445,7 +467,8 @@ static void write_shards(struct t_env *env, uint32_t id, const struct t_spec *sp
 			sh = calloc(d.shard_numel + 1, sizeof(*sh));
 			ref_shard(&d, r % env->S, full[(r / env->S) * sp->nparams + i], sh);
 			for (uint64_t e = 0; e < d.shard_numel; e++)
-				ref_store(g->map[r].shard + g->layouts[r][i].shard_offset + e * ref_dtype_size(p.dtype),
+				ref_store(g->map[r].shard + g->layouts[r][i].shard_offset +
+						  e * ref_dtype_size(p.dtype),
 					  p.dtype, sh[e]);
 			free(sh);
 		}
@@ -460,7 +483,8 @@ static void check_unsharded(struct t_env *env, uint32_t id, const struct t_spec 
 	for (uint32_t r = 0; r < env->W; r++) {
 		for (uint32_t i = 0; i < sp->nparams; i++) {
 			uint32_t udt = sp->param_dtype ? sp->param_dtype : sp->specs[i].dtype;
-			const uint8_t *base = g->map[r].unsharded + g->layouts[r][i].unsharded_offset;
+			const uint8_t *base =
+				g->map[r].unsharded + g->layouts[r][i].unsharded_offset;
 			const double *f = full[(r / env->S) * sp->nparams + i];
 			uint64_t n = numel_of(&sp->specs[i]);
 
@@ -468,12 +492,14 @@ static void check_unsharded(struct t_env *env, uint32_t id, const struct t_spec 
 				double got = ref_load(base + e * ref_dtype_size(udt), udt);
 				double want = ref_round(f[e], udt);
 
-				cr_assert(got == want, "rank %u param %u elem %llu: got %.9g want %.9g", r, i,
+				cr_assert(got == want,
+					  "rank %u param %u elem %llu: got %.9g want %.9g", r, i,
 					  (unsigned long long)e, got, want);
 				if (udt == FP32) {
 					float w = (float)want;
 
-					cr_assert_eq(memcmp(base + e * 4, &w, 4), 0, "fp32 unshard is bit-exact");
+					cr_assert_eq(memcmp(base + e * 4, &w, 4), 0,
+						     "fp32 unshard is bit-exact");
 				}
 			}
 		}
@@ -486,7 +512,8 @@ static double **alloc_full(const struct t_spec *sp, uint32_t copies)
 
 	for (uint32_t c = 0; c < copies; c++)
 		for (uint32_t i = 0; i < sp->nparams; i++)
-			full[c * sp->nparams + i] = calloc(numel_of(&sp->specs[i]) + 1, sizeof(double));
+			full[c * sp->nparams + i] =
+				calloc(numel_of(&sp->specs[i]) + 1, sizeof(double));
 	return full;
 }
 
@@ -501,7 +528,8 @@ static void free_full(const struct t_spec *sp, uint32_t copies, double **full)
 /* Unshard                                                             */
 /* ------------------------------------------------------------------ */
 
-static void unshard_case(uint32_t R, uint32_t S, uint32_t nparams, uint32_t dtype, uint32_t param_dtype)
+static void unshard_case(uint32_t R, uint32_t S, uint32_t nparams, uint32_t dtype,
+			 uint32_t param_dtype)
 {
 	struct t_env *env = env_new(R, S, 5000);
 	struct shardd_param_spec specs[16];
@@ -606,7 +634,8 @@ static void tr_init(struct t_reduce *t, uint32_t R, uint32_t S, struct t_spec sp
 		ref_dims(&p, S, &d);
 		for (uint32_t r = 0; r < W; r++) {
 			t->st[i * W + r].sgrad = calloc(d.shard_numel + 1, sizeof(struct ref_val));
-			t->st[i * W + r].partial = calloc(d.shard_numel + 1, sizeof(struct ref_val));
+			t->st[i * W + r].partial =
+				calloc(d.shard_numel + 1, sizeof(struct ref_val));
 		}
 	}
 }
@@ -646,13 +675,16 @@ static void tr_check(struct t_reduce *t, const char *when)
 			ref_dims(&p, env->S, &d);
 			for (uint64_t e = 0; e < d.shard_numel; e++) {
 				double got = ref_load(base + e * ref_dtype_size(p.dtype), p.dtype);
-				struct ref_val want = st->present ? st->sgrad[e] : (struct ref_val){ 0, 0 };
+				struct ref_val want =
+					st->present ? st->sgrad[e] : (struct ref_val){ 0, 0 };
 
-				cr_assert(fabs(got - want.v) <= want.err,
-					  "%s: mesh %ux%u rank %u param %u (%s) elem %llu: got %.9g want %.9g +- %.3g (grad %s, reduce %s)",
-					  when, env->R, env->S, r, i, t->sp.specs[i].name, (unsigned long long)e, got,
-					  want.v, want.err, shardd_dtype_name(t->grad_dtype),
-					  shardd_dtype_name(t->reduce_dtype));
+				cr_assert(
+					fabs(got - want.v) <= want.err,
+					"%s: mesh %ux%u rank %u param %u (%s) elem %llu: got %.9g want %.9g +- %.3g (grad %s, reduce %s)",
+					when, env->R, env->S, r, i, t->sp.specs[i].name,
+					(unsigned long long)e, got, want.v, want.err,
+					shardd_dtype_name(t->grad_dtype),
+					shardd_dtype_name(t->reduce_dtype));
 			}
 		}
 	}
@@ -673,7 +705,8 @@ static void tr_reduce(struct t_reduce *t, uint64_t step, int all_reduce)
 
 			for (uint64_t e = 0; e < n; e++) {
 				gr[e] = rnd_val(t->grad_dtype);
-				ref_store(g->map[r].grad + g->layouts[r][i].grad_offset + e * ref_dtype_size(t->grad_dtype),
+				ref_store(g->map[r].grad + g->layouts[r][i].grad_offset +
+						  e * ref_dtype_size(t->grad_dtype),
 					  t->grad_dtype, gr[e]);
 			}
 		}
@@ -702,8 +735,8 @@ static void tr_zero_grad(struct t_reduce *t)
  * every one; the second step accumulates into present grads, the third
  * starts after zero_grad.
  */
-static void reduce_case(uint32_t R, uint32_t S, uint32_t dtype, uint32_t param_dtype, uint32_t reduce_dtype,
-			int all_reduce_every_microbatch)
+static void reduce_case(uint32_t R, uint32_t S, uint32_t dtype, uint32_t param_dtype,
+			uint32_t reduce_dtype, int all_reduce_every_microbatch)
 {
 	struct shardd_param_spec specs[6];
 	struct t_spec sp = { 6, param_dtype, reduce_dtype, specs };
@@ -725,7 +758,8 @@ static void reduce_case(uint32_t R, uint32_t S, uint32_t dtype, uint32_t param_d
 			int last = mb + 1 == nmb;
 
 			tr_reduce(&t, ++step, last || all_reduce_every_microbatch);
-			snprintf(when, sizeof(when), "optimizer step %d microbatch %u of %u", opt_step, mb + 1, nmb);
+			snprintf(when, sizeof(when), "optimizer step %d microbatch %u of %u",
+				 opt_step, mb + 1, nmb);
 			tr_check(&t, when);
 		}
 	}
@@ -752,27 +786,29 @@ Test(engine, reduce_matches_fsdp2_reference_on_hsdp_meshes, .timeout = 120)
 	for (size_t m = 0; m < sizeof(meshes) / sizeof(meshes[0]); m++)
 		for (size_t k = 0; k < sizeof(policies) / sizeof(policies[0]); k++)
 			for (int every = 0; every < 2; every++)
-				reduce_case(meshes[m][0], meshes[m][1], policies[k][0], policies[k][1],
-					    policies[k][2], every);
+				reduce_case(meshes[m][0], meshes[m][1], policies[k][0],
+					    policies[k][1], policies[k][2], every);
 }
 
 Test(engine, reduce_fp16_uses_runtime_divide_factors, .timeout = 60)
 {
 	/* Worked from the seed's loop by hand: factor doubles while N % f == 0 and N / f > f. */
 	static const double known[][3] = {
-		{ 1, 1, 1 }, { 2, 2, 1 }, { 3, 2, 1.5 }, { 4, 2, 2 }, { 6, 4, 1.5 }, { 8, 4, 2 },
-		{ 12, 4, 3 }, { 16, 4, 4 }, { 32, 8, 4 }, { 64, 8, 8 }, { 48, 8, 6 },
+		{ 1, 1, 1 },  { 2, 2, 1 },  { 3, 2, 1.5 }, { 4, 2, 2 },  { 6, 4, 1.5 }, { 8, 4, 2 },
+		{ 12, 4, 3 }, { 16, 4, 4 }, { 32, 8, 4 },  { 64, 8, 8 }, { 48, 8, 6 },
 	};
 	double pre, post, rpre, rpost;
 
 	for (size_t k = 0; k < sizeof(known) / sizeof(known[0]); k++) {
 		ref_divide_factors((uint32_t)known[k][0], FP16, &rpre, &rpost);
-		cr_assert(rpre == known[k][1] && rpost == known[k][2], "reference N=%g", known[k][0]);
+		cr_assert(rpre == known[k][1] && rpost == known[k][2], "reference N=%g",
+			  known[k][0]);
 	}
 	for (uint32_t n = 1; n <= 64; n++) {
 		shardd_divide_factors(n, FP16, &pre, &post);
 		ref_divide_factors(n, FP16, &rpre, &rpost);
-		cr_assert(pre == rpre && post == rpost, "N=%u: kernels %g/%g, seed %g/%g", n, pre, post, rpre, rpost);
+		cr_assert(pre == rpre && post == rpost, "N=%u: kernels %g/%g, seed %g/%g", n, pre,
+			  post, rpre, rpost);
 		shardd_divide_factors(n, BF16, &pre, &post);
 		cr_assert(pre == 0 && post == 0, "bf16 averages");
 		shardd_divide_factors(n, FP32, &pre, &post);
@@ -791,7 +827,8 @@ Test(engine, reduce_rejects_mixed_grad_dtypes, .timeout = 30)
 {
 	struct t_env *env = env_new(1, 2, 5000);
 	uint64_t shape[1] = { 4 };
-	struct shardd_param_spec specs[2] = { pspec("a", FP32, 1, 0, shape), pspec("b", BF16, 1, 0, shape) };
+	struct shardd_param_spec specs[2] = { pspec("a", FP32, 1, 0, shape),
+					      pspec("b", BF16, 1, 0, shape) };
 	struct t_spec sp = { 2, NONE, NONE, specs };
 	uint32_t id = register_all(env, "mixed", &sp);
 
@@ -799,7 +836,8 @@ Test(engine, reduce_rejects_mixed_grad_dtypes, .timeout = 30)
 	submit(env, 0, SHARDD_OP_REDUCE, id, 1, 0);
 	cr_assert_eq(wait_cq(env, 1, WAIT_MS), 0);
 	cr_assert_eq(env->cq[0].res, -SHARDD_E_INVALID);
-	cr_assert(strstr(env->cq[0].msg, "FSDP reduce-scatter expects uniform gradient dtype but got {fp32, bf16}"),
+	cr_assert(strstr(env->cq[0].msg,
+			 "FSDP reduce-scatter expects uniform gradient dtype but got {fp32, bf16}"),
 		  "%s", env->cq[0].msg);
 	/* With a param_dtype policy the grads are uniform and reduce runs. */
 	sp.param_dtype = BF16;
@@ -825,7 +863,9 @@ Test(engine, zero_grad_runs_after_earlier_ops_of_the_group, .timeout = 30)
 	for (uint32_t r = 0; r < 2; r++) {
 		for (uint32_t i = 0; i < 2; i++)
 			for (uint64_t e = 0; e < numel_of(&specs[i]); e++)
-				ref_store(t.env->grp[t.id].map[r].grad + t.env->grp[t.id].layouts[r][i].grad_offset + e * 4,
+				ref_store(t.env->grp[t.id].map[r].grad +
+						  t.env->grp[t.id].layouts[r][i].grad_offset +
+						  e * 4,
 					  FP32, 1.0);
 	}
 	for (uint32_t r = 0; r < 2; r++) {
@@ -906,28 +946,56 @@ static void expect_mismatch(void (*mutate)(struct shardd_param_spec *specs, stru
 	register_rank(env, 1, "g", &sb);
 	for (uint32_t r = 0; r < 3; r++) {
 		cr_assert_eq(env->rep[r].got, 1);
-		cr_assert_eq(env->rep[r].res, -SHARDD_E_MISMATCH, "rank %u: %s", r, env->rep[r].msg);
-		cr_assert(strstr(env->rep[r].msg, w1) && strstr(env->rep[r].msg, w2) && strstr(env->rep[r].msg, w3),
+		cr_assert_eq(env->rep[r].res, -SHARDD_E_MISMATCH, "rank %u: %s", r,
+			     env->rep[r].msg);
+		cr_assert(strstr(env->rep[r].msg, w1) && strstr(env->rep[r].msg, w2) &&
+				  strstr(env->rep[r].msg, w3),
 			  "'%s' names '%s', '%s', '%s'", env->rep[r].msg, w1, w2, w3);
 		cr_assert(strstr(env->rep[r].msg, "rank 1") && strstr(env->rep[r].msg, "rank 0"),
 			  "names the ranks: %s", env->rep[r].msg);
-		cr_assert(strstr(env->rep[r].msg, "0,2,1"), "lists the failed ranks: %s", env->rep[r].msg);
+		cr_assert(strstr(env->rep[r].msg, "0,2,1"), "lists the failed ranks: %s",
+			  env->rep[r].msg);
 	}
 	/* The failed registration is forgotten: a consistent one succeeds. */
 	register_all(env, "g", &sg);
 	env_free(env);
 }
 
-static void bad_dtype(struct shardd_param_spec *s, struct t_spec *sp) { (void)sp; s[1].dtype = BF16; }
-static void bad_shape(struct shardd_param_spec *s, struct t_spec *sp) { (void)sp; s[2].shape[2] = 5; }
-static void bad_dim(struct shardd_param_spec *s, struct t_spec *sp) { (void)sp; s[0].shard_dim = 1; }
-static void bad_name(struct shardd_param_spec *s, struct t_spec *sp) { (void)sp; snprintf(s[1].name, 8, "bb"); }
-static void bad_count(struct shardd_param_spec *s, struct t_spec *sp) { (void)s; sp->nparams = 2; }
-static void bad_policy(struct shardd_param_spec *s, struct t_spec *sp) { (void)s; sp->reduce_dtype = BF16; }
+static void bad_dtype(struct shardd_param_spec *s, struct t_spec *sp)
+{
+	(void)sp;
+	s[1].dtype = BF16;
+}
+static void bad_shape(struct shardd_param_spec *s, struct t_spec *sp)
+{
+	(void)sp;
+	s[2].shape[2] = 5;
+}
+static void bad_dim(struct shardd_param_spec *s, struct t_spec *sp)
+{
+	(void)sp;
+	s[0].shard_dim = 1;
+}
+static void bad_name(struct shardd_param_spec *s, struct t_spec *sp)
+{
+	(void)sp;
+	snprintf(s[1].name, 8, "bb");
+}
+static void bad_count(struct shardd_param_spec *s, struct t_spec *sp)
+{
+	(void)s;
+	sp->nparams = 2;
+}
+static void bad_policy(struct shardd_param_spec *s, struct t_spec *sp)
+{
+	(void)s;
+	sp->reduce_dtype = BF16;
+}
 
 Test(engine, register_spec_mismatch_names_param_field_values_and_ranks, .timeout = 30)
 {
-	expect_mismatch(bad_dtype, "param #1 'b'", "dtype", "bf16 from rank 1 but fp32 from rank 0");
+	expect_mismatch(bad_dtype, "param #1 'b'", "dtype",
+			"bf16 from rank 1 but fp32 from rank 0");
 	expect_mismatch(bad_shape, "param #2 'c'", "shape", "[2, 4, 5] from rank 1 but [2, 4, 3]");
 	expect_mismatch(bad_dim, "param #0 'a'", "shard_dim", "1 from rank 1 but 0");
 	expect_mismatch(bad_name, "param #1", "name", "'bb' from rank 1 but 'b'");
@@ -935,7 +1003,8 @@ Test(engine, register_spec_mismatch_names_param_field_values_and_ranks, .timeout
 	expect_mismatch(bad_policy, "reduce_dtype", "bf16 from rank 1", "none from rank 0");
 }
 
-static void expect_reg_error(struct t_env *env, const void *p, size_t len, int code, const char *want)
+static void expect_reg_error(struct t_env *env, const void *p, size_t len, int code,
+			     const char *want)
 {
 	env->rep[0].got = 0;
 	shd_engine_register_group(env->j, 0, 100, 1, p, len, getuid());
@@ -998,7 +1067,8 @@ Test(engine, register_again_is_an_error_and_open_reattaches, .timeout = 30)
 	register_rank(env, 0, "blocks.0", &sp);
 	cr_assert_eq(env->rep[0].res, -EEXIST);
 	cr_assert(strstr(env->rep[0].msg, "group 'blocks.0' is already registered") &&
-		  strstr(env->rep[0].msg, "OPEN_GROUP"), "%s", env->rep[0].msg);
+			  strstr(env->rep[0].msg, "OPEN_GROUP"),
+		  "%s", env->rep[0].msg);
 
 	memset(&og, 0, sizeof(og));
 	snprintf(og.name, sizeof(og.name), "blocks.0");
@@ -1008,13 +1078,15 @@ Test(engine, register_again_is_an_error_and_open_reattaches, .timeout = 30)
 	cr_assert_eq(env->rep[1].got, 1);
 	cr_assert_eq(env->rep[1].res, 0, "%s", env->rep[1].msg);
 	cr_assert_eq(env->rep[1].group_id, id);
-	cr_assert_eq(memcmp(env->grp[id].map[1].shard, &v, 4), 0, "re-attached to the same flat shard");
+	cr_assert_eq(memcmp(env->grp[id].map[1].shard, &v, 4), 0,
+		     "re-attached to the same flat shard");
 	cr_assert_eq(env->grp[id].layouts[1][2].shard_row_begin, 2, "c: Shard(1), 4 / 2 rows each");
 
 	snprintf(og.name, sizeof(og.name), "blocks.9");
 	shd_engine_open_group(env->j, 1, 101, 4, &og, sizeof(og));
 	cr_assert_eq(env->rep[1].res, -SHARDD_E_NOGROUP);
-	cr_assert(strstr(env->rep[1].msg, "no group 'blocks.9'") && strstr(env->rep[1].msg, "'blocks.0'"),
+	cr_assert(strstr(env->rep[1].msg, "no group 'blocks.9'") &&
+			  strstr(env->rep[1].msg, "'blocks.0'"),
 		  "lists the groups: %s", env->rep[1].msg);
 	shd_engine_open_group(env->j, 1, 101, 5, &og, 3);
 	cr_assert_eq(env->rep[1].res, -SHARDD_E_MALFORMED);
@@ -1023,7 +1095,9 @@ Test(engine, register_again_is_an_error_and_open_reattaches, .timeout = 30)
 
 Test(engine, register_10000_params, .timeout = 60)
 {
-	enum { N = 10000 };
+	enum {
+		N = 10000
+	};
 	struct t_env *env = env_new(1, 2, 5000);
 	struct shardd_param_spec *specs = calloc(N, sizeof(*specs));
 	struct t_spec sp = { N, NONE, NONE, specs };
@@ -1079,8 +1153,9 @@ Test(engine, step_mismatch_fails_every_rank_naming_them, .timeout = 30)
 	for (size_t k = 0; k < 3; k++) {
 		cr_assert_eq(env->cq[k].res, -SHARDD_E_MISMATCH);
 		cr_assert(strstr(env->cq[k].msg, "rank 2 submitted step 6") &&
-			  strstr(env->cq[k].msg, "rank 0 submitted step 5") &&
-			  strstr(env->cq[k].msg, "ranks 0,1,2"), "%s", env->cq[k].msg);
+				  strstr(env->cq[k].msg, "rank 0 submitted step 5") &&
+				  strstr(env->cq[k].msg, "ranks 0,1,2"),
+			  "%s", env->cq[k].msg);
 	}
 	/* The rendezvous is clean again: the next step runs. */
 	all_ranks(env, SHARDD_OP_UNSHARD, id, 7, 0);
@@ -1097,8 +1172,10 @@ Test(engine, hsdp_flag_mismatch_within_a_shard_group_fails, .timeout = 30)
 	cr_assert_eq(wait_cq(env, 2, WAIT_MS), 0);
 	for (size_t k = 0; k < 2; k++) {
 		cr_assert_eq(env->cq[k].res, -SHARDD_E_MISMATCH, "%s", env->cq[k].msg);
-		cr_assert(strstr(env->cq[k].msg, "rank 1 submitted step 3 flags 0x0 but rank 0 submitted step 3 flags 0x1"),
-			  "%s", env->cq[k].msg);
+		cr_assert(
+			strstr(env->cq[k].msg,
+			       "rank 1 submitted step 3 flags 0x0 but rank 0 submitted step 3 flags 0x1"),
+			"%s", env->cq[k].msg);
 	}
 	env_free(env);
 }
@@ -1113,13 +1190,16 @@ Test(engine, collective_timeout_names_missing_ranks, .timeout = 30)
 	cr_assert_eq(wait_cq(env, 2, WAIT_MS), 0, "the timeout fires");
 	for (size_t k = 0; k < 2; k++) {
 		cr_assert_eq(env->cq[k].res, -SHARDD_E_TIMEOUT);
-		cr_assert(strstr(env->cq[k].msg,
-				 "ranks 2,3 never submitted reduce(group 'blocks.7', step 12) within 0.05 s; ranks 0,1 are waiting"),
-			  "%s", env->cq[k].msg);
+		cr_assert(
+			strstr(env->cq[k].msg,
+			       "ranks 2,3 never submitted reduce(group 'blocks.7', step 12) within 0.05 s; ranks 0,1 are waiting"),
+			"%s", env->cq[k].msg);
 	}
 	/* Registration waits time out too, naming who never came. */
-	register_rank(env, 3, "late", &(struct t_spec){ 1, NONE, NONE, (struct shardd_param_spec[]){
-		pspec("w", FP32, 0, 0, NULL) } });
+	register_rank(
+		env, 3, "late",
+		&(struct t_spec){ 1, NONE, NONE,
+				  (struct shardd_param_spec[]){ pspec("w", FP32, 0, 0, NULL) } });
 	cr_assert_eq(env->rep[3].got, 1, "rank 3's earlier reply only");
 	env->rep[3].got = 0;
 	{
@@ -1132,7 +1212,8 @@ Test(engine, collective_timeout_names_missing_ranks, .timeout = 30)
 		}
 	}
 	cr_assert_eq(env->rep[3].res, -SHARDD_E_TIMEOUT);
-	cr_assert(strstr(env->rep[3].msg, "ranks 0,1,2 never registered group 'late'"), "%s", env->rep[3].msg);
+	cr_assert(strstr(env->rep[3].msg, "ranks 0,1,2 never registered group 'late'"), "%s",
+		  env->rep[3].msg);
 	env_free(env);
 }
 
@@ -1151,7 +1232,8 @@ Test(engine, rank_gone_fails_others_naming_it_and_keeps_shards, .timeout = 30)
 	cr_assert_eq(wait_cq(env, 3 + 2, WAIT_MS), 0);
 	for (size_t k = 3; k < 5; k++) {
 		cr_assert_eq(env->cq[k].res, -SHARDD_E_PEER_DIED);
-		cr_assert(strstr(env->cq[k].msg, "rank 2 left") && strstr(env->cq[k].msg, "unshard(group 'g', step 2)"),
+		cr_assert(strstr(env->cq[k].msg, "rank 2 left") &&
+				  strstr(env->cq[k].msg, "unshard(group 'g', step 2)"),
 			  "%s", env->cq[k].msg);
 	}
 	/* Its hold is gone with it; its shard stays for the restarted rank. */
@@ -1178,8 +1260,10 @@ Test(engine, collective_after_a_rank_left_fails_at_once_until_it_attaches_again,
 	submit(env, 0, SHARDD_OP_REDUCE, id, 7, 0);
 	cr_assert_eq(wait_cq(env, 1, WAIT_MS), 0);
 	cr_assert_eq(env->cq[0].res, -SHARDD_E_PEER_DIED);
-	cr_assert(strstr(env->cq[0].msg, "rank 1 left") && strstr(env->cq[0].msg, "reduce(group 'g', step 7)") &&
-		  strstr(env->cq[0].msg, "failed for rank 0"), "%s", env->cq[0].msg);
+	cr_assert(strstr(env->cq[0].msg, "rank 1 left") &&
+			  strstr(env->cq[0].msg, "reduce(group 'g', step 7)") &&
+			  strstr(env->cq[0].msg, "failed for rank 0"),
+		  "%s", env->cq[0].msg);
 	/* Once it attached again the collective waits for it and completes. */
 	shd_engine_rank_attached(env->j, 1, SHARDD_HELLO_DEVICE_HOST);
 	all_ranks(env, SHARDD_OP_REDUCE, id, 7, 0);
@@ -1198,7 +1282,8 @@ Test(engine, rank_gone_fails_a_pending_registration_and_the_all_reduce, .timeout
 	shd_engine_rank_gone(env->j, 3, 103);
 	for (uint32_t r = 0; r < 2; r++) {
 		cr_assert_eq(env->rep[r].res, -SHARDD_E_PEER_DIED);
-		cr_assert(strstr(env->rep[r].msg, "rank 3 left") && strstr(env->rep[r].msg, "ranks 0,1"),
+		cr_assert(strstr(env->rep[r].msg, "rank 3 left") &&
+				  strstr(env->rep[r].msg, "ranks 0,1"),
 			  "%s", env->rep[r].msg);
 	}
 	shd_engine_rank_attached(env->j, 3, SHARDD_HELLO_DEVICE_HOST);
@@ -1210,7 +1295,8 @@ Test(engine, rank_gone_fails_a_pending_registration_and_the_all_reduce, .timeout
 	cr_assert_eq(wait_cq(env, 2, WAIT_MS), 0);
 	for (size_t k = 0; k < 2; k++) {
 		cr_assert_eq(env->cq[k].res, -SHARDD_E_PEER_DIED);
-		cr_assert(strstr(env->cq[k].msg, "rank 2 left") && strstr(env->cq[k].msg, "reduce(group 'g', step 1)"),
+		cr_assert(strstr(env->cq[k].msg, "rank 2 left") &&
+				  strstr(env->cq[k].msg, "reduce(group 'g', step 1)"),
 			  "%s", env->cq[k].msg);
 	}
 	env_free(env);
@@ -1227,7 +1313,8 @@ Test(engine, reshard_submitted_during_its_unshard_waits_for_it, .timeout = 30)
 	submit(env, 1, SHARDD_OP_UNSHARD, id, 1, 0);
 	cr_assert_eq(wait_cq(env, 3, WAIT_MS), 0);
 	for (size_t k = 0; k < 3; k++)
-		cr_assert_eq(env->cq[k].res, 0, "%s %s", shardd_op_name(env->cq[k].sqe.op), env->cq[k].msg);
+		cr_assert_eq(env->cq[k].res, 0, "%s %s", shardd_op_name(env->cq[k].sqe.op),
+			     env->cq[k].msg);
 	/* Rank 0 let go of the copy, rank 1 still holds it. */
 	submit(env, 0, SHARDD_OP_RESHARD, id, 1, 0);
 	submit(env, 1, SHARDD_OP_RESHARD, id, 1, 0);
@@ -1244,7 +1331,9 @@ Test(engine, reduce_of_large_params_splits_across_workers, .timeout = 60)
 	for (size_t m = 0; m < 2; m++) {
 		uint64_t big[1] = { 200003 }, wide[3] = { 300, 8, 41 }, tall[2] = { 5000, 7 };
 		struct shardd_param_spec specs[3] = {
-			pspec("big", BF16, 1, 0, big), pspec("wide", BF16, 3, 1, wide), pspec("tall", BF16, 2, 0, tall),
+			pspec("big", BF16, 1, 0, big),
+			pspec("wide", BF16, 3, 1, wide),
+			pspec("tall", BF16, 2, 0, tall),
 		};
 		struct t_reduce t;
 
@@ -1266,7 +1355,8 @@ Test(engine, reshard_drops_the_hold_once, .timeout = 30)
 	submit(env, 1, SHARDD_OP_RESHARD, id, 1, 0);
 	cr_assert_eq(wait_cq(env, 5, WAIT_MS), 0);
 	cr_assert_eq(env->cq[4].res, -SHARDD_E_STATE);
-	cr_assert(strstr(env->cq[4].msg, "rank 1 has no unsharded copy of group 'g' to reshard"), "%s", env->cq[4].msg);
+	cr_assert(strstr(env->cq[4].msg, "rank 1 has no unsharded copy of group 'g' to reshard"),
+		  "%s", env->cq[4].msg);
 	env_free(env);
 }
 
@@ -1280,7 +1370,8 @@ Test(engine, op_table_has_every_shardd_op_under_its_protocol_name, .timeout = 10
 
 		cr_assert_not_null(o, "op %u has an entry", op);
 		cr_assert_str_eq(o->name, shardd_op_name(op), "op %u", op);
-		cr_assert(o->scope >= SHD_OP_SCOPE_RING && o->scope <= SHD_OP_SCOPE_GROUP, "op %u", op);
+		cr_assert(o->scope >= SHD_OP_SCOPE_RING && o->scope <= SHD_OP_SCOPE_GROUP, "op %u",
+			  op);
 		cr_assert_eq(o->executor, SHD_OP_EXEC_DAEMON, "op %u", op);
 		/* An op outside a group takes no flags: the ring says so (shd_op_check). */
 		if (o->scope != SHD_OP_SCOPE_GROUP)
@@ -1299,22 +1390,29 @@ Test(engine, bad_ops_are_rejected_naming_the_field, .timeout = 30)
 		int res;
 		const char *want;
 	} cases[] = {
-		{ SHARDD_OP_UNSHARD, 9, 0, 0, -SHARDD_E_NOGROUP, "group id 9 is not a registered group of job 'job'" },
+		{ SHARDD_OP_UNSHARD, 9, 0, 0, -SHARDD_E_NOGROUP,
+		  "group id 9 is not a registered group of job 'job'" },
 		{ SHARDD_OP_UNSHARD, 0, 0, 0, -SHARDD_E_NOGROUP, "group id 0" },
 		{ 77, 1, 0, 0, -SHARDD_E_INVALID, "op 77 is not a shardd op" },
 		{ SHARDD_OP_NOP, 1, 0, 0, -SHARDD_E_INVALID, "sqe.group = 1: must be 0 for nop" },
-		{ SHARDD_OP_REDUCE, 1, 0x5, 0, -SHARDD_E_INVALID, "flags = 0x5 has unknown bits 0x4" },
-		{ SHARDD_OP_UNSHARD, 1, 0x1, 0, -SHARDD_E_INVALID, "flags = 0x1 has unknown bits 0x1" },
-		{ SHARDD_OP_UNSHARD, 1, 0, 5, -SHARDD_E_INVALID, "rank 5 is outside job 'job' of 2 ranks" },
+		{ SHARDD_OP_REDUCE, 1, 0x5, 0, -SHARDD_E_INVALID,
+		  "flags = 0x5 has unknown bits 0x4" },
+		{ SHARDD_OP_UNSHARD, 1, 0x1, 0, -SHARDD_E_INVALID,
+		  "flags = 0x1 has unknown bits 0x1" },
+		{ SHARDD_OP_UNSHARD, 1, 0, 5, -SHARDD_E_INVALID,
+		  "rank 5 is outside job 'job' of 2 ranks" },
 	};
 
 	for (size_t k = 0; k < sizeof(cases) / sizeof(cases[0]); k++) {
-		struct shardd_sqe s = { .op = (uint8_t)cases[k].op, .group = cases[k].group, .flags = cases[k].flags };
+		struct shardd_sqe s = { .op = (uint8_t)cases[k].op,
+					.group = cases[k].group,
+					.flags = cases[k].flags };
 
 		ring_submit(env, cases[k].rank, 1, &s);
 		cr_assert_eq(env->ncq, k + 1, "rejected at once");
 		cr_assert_eq(env->cq[k].res, cases[k].res, "%s", env->cq[k].msg);
-		cr_assert(strstr(env->cq[k].msg, cases[k].want), "'%s' names '%s'", env->cq[k].msg, cases[k].want);
+		cr_assert(strstr(env->cq[k].msg, cases[k].want), "'%s' names '%s'", env->cq[k].msg,
+			  cases[k].want);
 	}
 	sqe.rsvd1 = 3;
 	ring_submit(env, 0, 100, &sqe);
@@ -1323,7 +1421,8 @@ Test(engine, bad_ops_are_rejected_naming_the_field, .timeout = 30)
 	submit(env, 0, SHARDD_OP_UNSHARD, id, 1, 0);
 	submit(env, 0, SHARDD_OP_UNSHARD, id, 2, 0);
 	cr_assert_eq(env->cq[env->ncq - 1].res, -SHARDD_E_INVALID);
-	cr_assert(strstr(env->cq[env->ncq - 1].msg, "still waiting"), "%s", env->cq[env->ncq - 1].msg);
+	cr_assert(strstr(env->cq[env->ncq - 1].msg, "still waiting"), "%s",
+		  env->cq[env->ncq - 1].msg);
 	base = env->ncq;
 	submit(env, 1, SHARDD_OP_UNSHARD, id, 1, 0);
 	cr_assert_eq(wait_cq(env, base + 2, WAIT_MS), 0);
@@ -1395,7 +1494,9 @@ Test(engine, job_destroy_fails_pending_ops_with_shutdown, .timeout = 30)
 Test(engine, cuda_backend_is_reported_unavailable, .timeout = 10)
 {
 	struct shd_engine *e = NULL;
-	struct shd_engine_config cfg = { .backend = SHARDD_BACKEND_CUDA, .complete = on_complete, .reply = on_reply };
+	struct shd_engine_config cfg = { .backend = SHARDD_BACKEND_CUDA,
+					 .complete = on_complete,
+					 .reply = on_reply };
 
 	cr_assert_eq(shd_engine_create(&cfg, &e), -SHARDD_E_BACKEND);
 	cr_assert_null(e);

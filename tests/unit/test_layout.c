@@ -41,8 +41,8 @@ static struct shd_layout build_one(struct shardd_param_spec s, uint32_t world)
 }
 
 /* Build that must fail with -SHARDD_E_INVALID and an error containing each of the given words. */
-static void expect_invalid(const struct shardd_param_spec *specs, uint32_t n, uint32_t world, uint32_t param_dtype,
-			   const char *want1, const char *want2)
+static void expect_invalid(const struct shardd_param_spec *specs, uint32_t n, uint32_t world,
+			   uint32_t param_dtype, const char *want1, const char *want2)
 {
 	struct shd_layout l;
 	char err[256] = "";
@@ -104,13 +104,16 @@ Test(layout, rows_valid_sums_to_d0_for_many_shapes, .timeout = 5)
 {
 	for (uint32_t world = 1; world <= 17; world++) {
 		for (uint64_t d0 = 0; d0 <= 40; d0++) {
-			struct shd_layout l = build_one(spec("w", SHARDD_DTYPE_FP16, 2, d0, 2ull), world);
+			struct shd_layout l =
+				build_one(spec("w", SHARDD_DTYPE_FP16, 2, d0, 2ull), world);
 			const struct shd_layout_param *p = &l.params[0];
 			uint64_t rows = (d0 + world - 1) / world;
 
-			cr_assert_eq(p->rows, rows, "d0=%llu world=%u", (unsigned long long)d0, world);
+			cr_assert_eq(p->rows, rows, "d0=%llu world=%u", (unsigned long long)d0,
+				     world);
 			cr_assert_eq(p->shard_numel, rows * 2);
-			cr_assert_eq(rows_valid_sum(p, world), d0, "d0=%llu world=%u", (unsigned long long)d0, world);
+			cr_assert_eq(rows_valid_sum(p, world), d0, "d0=%llu world=%u",
+				     (unsigned long long)d0, world);
 			for (uint32_t r = 0; r < world; r++)
 				cr_assert_leq(shd_layout_rows_valid(p, r), rows);
 			shd_layout_free(&l);
@@ -153,7 +156,8 @@ Test(layout, empty_params_take_no_bytes_but_buffers_stay_mappable, .timeout = 5)
 	struct shd_layout l;
 	char err[256];
 
-	cr_assert_eq(shd_layout_build(s, 2, 2, SHARDD_DTYPE_NONE, &l, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(shd_layout_build(s, 2, 2, SHARDD_DTYPE_NONE, &l, err, sizeof(err)), 0, "%s",
+		     err);
 	cr_expect_eq(l.params[0].numel, 0);
 	cr_expect_eq(l.params[0].rows, 0);
 	cr_expect_eq(l.params[0].shard_numel, 0);
@@ -184,7 +188,8 @@ Test(layout, offsets_are_aligned_running_sums, .timeout = 5)
 	struct shd_layout l;
 	char err[256];
 
-	cr_assert_eq(shd_layout_build(s, 3, 4, SHARDD_DTYPE_BF16, &l, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(shd_layout_build(s, 3, 4, SHARDD_DTYPE_BF16, &l, err, sizeof(err)), 0, "%s",
+		     err);
 	cr_expect_eq(l.nparams, 3);
 	cr_expect_eq(l.world, 4);
 	cr_expect_eq(l.params[0].unsharded_offset, 0);
@@ -207,7 +212,8 @@ Test(layout, offsets_are_aligned_running_sums, .timeout = 5)
 	shd_layout_free(&l);
 
 	/* Without a policy each param keeps its dtype: a fp32 60 B, b bf16 60 B, c fp16 2 B. */
-	cr_assert_eq(shd_layout_build(s, 3, 4, SHARDD_DTYPE_NONE, &l, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(shd_layout_build(s, 3, 4, SHARDD_DTYPE_NONE, &l, err, sizeof(err)), 0, "%s",
+		     err);
 	cr_expect_eq(l.params[0].unsharded_dtype, SHARDD_DTYPE_FP32);
 	cr_expect_eq(l.params[2].grad_dtype, SHARDD_DTYPE_FP16);
 	cr_expect_eq(l.params[1].unsharded_offset, 64);
@@ -316,13 +322,17 @@ Test(layout, bad_fields_are_refused_with_their_value, .timeout = 5)
 	s = spec("ok", SHARDD_DTYPE_FP32, 1, 4ull);
 	expect_invalid(&s, 1, 2, 9, "param_dtype = 9", NULL);
 	expect_invalid(&s, 1, 0, SHARDD_DTYPE_NONE, "shard group size = 0", NULL);
-	expect_invalid(&s, 1, SHARDD_MAX_WORLD + 1, SHARDD_DTYPE_NONE, "shard group size = 1025", NULL);
+	expect_invalid(&s, 1, SHARDD_MAX_WORLD + 1, SHARDD_DTYPE_NONE, "shard group size = 1025",
+		       NULL);
 	expect_invalid(&s, 0, 2, SHARDD_DTYPE_NONE, "nparams = 0", NULL);
 }
 
 Test(layout, ten_thousand_params_build_fast_with_aligned_offsets, .timeout = 5)
 {
-	enum { N = 10000, WORLD = 8 };
+	enum {
+		N = 10000,
+		WORLD = 8
+	};
 	static const uint32_t dts[3] = { SHARDD_DTYPE_FP32, SHARDD_DTYPE_BF16, SHARDD_DTYPE_FP16 };
 	struct shardd_param_spec *s = calloc(N, sizeof(*s));
 	uint64_t un = 0, sh = 0;
@@ -336,7 +346,8 @@ Test(layout, ten_thousand_params_build_fast_with_aligned_offsets, .timeout = 5)
 		s[i].shape[0] = i % 13 + 1;
 		s[i].shape[1] = i % 5 + 1;
 	}
-	cr_assert_eq(shd_layout_build(s, N, WORLD, SHARDD_DTYPE_NONE, &l, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(shd_layout_build(s, N, WORLD, SHARDD_DTYPE_NONE, &l, err, sizeof(err)), 0,
+		     "%s", err);
 	for (uint32_t i = 0; i < N; i++) {
 		const struct shd_layout_param *p = &l.params[i];
 		uint64_t esz = s[i].dtype == SHARDD_DTYPE_FP32 ? 4 : 2;
@@ -366,10 +377,12 @@ Test(layout, ten_thousand_params_build_fast_with_aligned_offsets, .timeout = 5)
 Test(layout, zero_dim_does_not_hide_dims_whose_product_wraps, .timeout = 5)
 {
 	/* Shard(1) of [3, 3, 0, 2^63, 8]: numel is 0, but inner = 0 * 2^63 * 8 would wrap. */
-	struct shardd_param_spec s = spec("wrap", SHARDD_DTYPE_FP32, 5, 3ull, 3ull, 0ull, 1ull << 63, 8ull);
+	struct shardd_param_spec s =
+		spec("wrap", SHARDD_DTYPE_FP32, 5, 3ull, 3ull, 0ull, 1ull << 63, 8ull);
 
 	s.shard_dim = 1;
-	expect_invalid(&s, 1, 1, SHARDD_DTYPE_NONE, "param 'wrap'", "shape[3] = 0x8000000000000000");
+	expect_invalid(&s, 1, 1, SHARDD_DTYPE_NONE, "param 'wrap'",
+		       "shape[3] = 0x8000000000000000");
 	/* [0, 2^32, 2^33]: inner of dim 0 would wrap to 0. */
 	s = spec("inner", SHARDD_DTYPE_FP32, 3, 0ull, 1ull << 32, 1ull << 33);
 	expect_invalid(&s, 1, 2, SHARDD_DTYPE_NONE, "param 'inner'", "shape[2] = 0x200000000");
@@ -392,7 +405,8 @@ Test(layout, zero_width_param_sharded_on_dim1_takes_no_bytes, .timeout = 5)
 	char err[256];
 
 	s[1].shard_dim = 1;
-	cr_assert_eq(shd_layout_build(s, 3, 2, SHARDD_DTYPE_NONE, &l, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(shd_layout_build(s, 3, 2, SHARDD_DTYPE_NONE, &l, err, sizeof(err)), 0, "%s",
+		     err);
 	cr_expect_eq(l.params[1].numel, 0);
 	cr_expect_eq(l.params[1].outer, 2);
 	cr_expect_eq(l.params[1].dim, 0);

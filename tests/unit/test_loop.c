@@ -23,7 +23,7 @@ struct pipe_ev {
 	int fds[2];
 	int calls;
 	int bytes;
-	int stop_after;                   /* stop the loop after this many calls */
+	int stop_after; /* stop the loop after this many calls */
 	int del_self;
 };
 

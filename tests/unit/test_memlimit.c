@@ -23,13 +23,21 @@ Test(limits, byte_counts_take_binary_suffixes, .timeout = 5)
 		const char *s;
 		uint64_t v;
 	} ok[] = {
-		{ "0", 0 }, { "4096", 4096 }, { "64K", 64ull << 10 }, { "64k", 64ull << 10 },
-		{ "64M", 64ull << 20 }, { "64MiB", 64ull << 20 }, { "3G", 3ull << 30 }, { "2GB", 2ull << 30 },
-		{ "1T", 1ull << 40 }, { "16777215T", 16777215ull << 40 }, { "18446744073709551615", UINT64_MAX },
+		{ "0", 0 },
+		{ "4096", 4096 },
+		{ "64K", 64ull << 10 },
+		{ "64k", 64ull << 10 },
+		{ "64M", 64ull << 20 },
+		{ "64MiB", 64ull << 20 },
+		{ "3G", 3ull << 30 },
+		{ "2GB", 2ull << 30 },
+		{ "1T", 1ull << 40 },
+		{ "16777215T", 16777215ull << 40 },
+		{ "18446744073709551615", UINT64_MAX },
 	};
 	static const char *const bad[] = {
-		"", "M", "-1", "+5", " 5", "5 ", "1.5G", "12Q", "5KK", "5KiBs", "16777216T",
-		"18446744073709551616",
+		"",     "M",   "-1",  "+5",    " 5",        "5 ",
+		"1.5G", "12Q", "5KK", "5KiBs", "16777216T", "18446744073709551616",
 	};
 	uint64_t v;
 
@@ -39,7 +47,8 @@ Test(limits, byte_counts_take_binary_suffixes, .timeout = 5)
 			     (unsigned long long)ok[i].v);
 	}
 	for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++)
-		cr_expect_eq(shd_memlimit_parse(bad[i], &v), -EINVAL, "'%s' must be refused", bad[i]);
+		cr_expect_eq(shd_memlimit_parse(bad[i], &v), -EINVAL, "'%s' must be refused",
+			     bad[i]);
 }
 
 Test(limits, byte_counts_read_with_binary_units, .timeout = 5)
@@ -114,8 +123,8 @@ static uint64_t cgroup_limit(void)
 	return shd_memlimit_cgroup_max(proc, root);
 }
 
-Test(limits, cgroup_v2_limit_is_the_lowest_memory_max_up_the_tree, .init = make_tmp, .fini = remove_tmp,
-     .timeout = 5)
+Test(limits, cgroup_v2_limit_is_the_lowest_memory_max_up_the_tree, .init = make_tmp,
+     .fini = remove_tmp, .timeout = 5)
 {
 	make_cgroup("a/b", "0::/a/b\n");
 	cr_expect_eq(cgroup_limit(), UINT64_MAX, "no memory.max anywhere: no limit");
@@ -134,7 +143,8 @@ Test(limits, cgroup_v1_memory_controller_limit_is_read_too, .init = make_tmp, .f
 {
 	make_cgroup("memory/job", "5:cpu,cpuacct:/job\n4:memory:/job\n0::/\n");
 	write_file("cg/memory/job/memory.limit_in_bytes", "9223372036854771712\n");
-	cr_expect_eq(cgroup_limit(), 9223372036854771712ull, "v1's 'unlimited' is just a large number");
+	cr_expect_eq(cgroup_limit(), 9223372036854771712ull,
+		     "v1's 'unlimited' is just a large number");
 	write_file("cg/memory/job/memory.limit_in_bytes", "2147483648\n");
 	cr_expect_eq(cgroup_limit(), 2ull << 30);
 	write_file("proc_cgroup", "garbage\n4:memory\n");

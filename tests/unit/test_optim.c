@@ -73,7 +73,8 @@ static uint16_t exact_f16(float f)
 	if (f == 0.0f)
 		return sign;
 	fr = frexp(fabs((double)f), &e); /* |f| = fr * 2^e, fr in [0.5, 1) */
-	return (uint16_t)(sign | (uint16_t)((e - 1 + 15) << 10) | (uint16_t)((fr * 2.0 - 1.0) * 1024.0));
+	return (uint16_t)(sign | (uint16_t)((e - 1 + 15) << 10) |
+			  (uint16_t)((fr * 2.0 - 1.0) * 1024.0));
 }
 
 static void *alloc_zero(size_t n, size_t size)
@@ -87,7 +88,7 @@ static void *alloc_zero(size_t n, size_t size)
 /* Grads for K steps: grads_f32[k][i] are the values, grads[k] the buffer in dtype. */
 struct grads {
 	float *vals[K];
-	void  *buf[K];
+	void *buf[K];
 };
 
 static void grads_make(struct grads *g, size_t n, uint32_t dtype)
@@ -126,40 +127,45 @@ static double lr_at(double lr, int k)
 /* What variant 1 of a case is: the path, or the dispatching call on a split range. */
 static const char *variant_name(enum shardd_k_isa isa)
 {
-	return isa == SHARDD_K_ISA_PORTABLE ? "dispatching call on a split range" : shardd_k_isa_name(isa);
+	return isa == SHARDD_K_ISA_PORTABLE ? "dispatching call on a split range"
+					    : shardd_k_isa_name(isa);
 }
 
 static void require_isa(enum shardd_k_isa isa)
 {
 	if (!shardd_k_isa_available(isa))
-		cr_skip_test("this CPU has no %s: that path cannot run here", shardd_k_isa_name(isa));
+		cr_skip_test("this CPU has no %s: that path cannot run here",
+			     shardd_k_isa_name(isa));
 }
 
 /* got within TOL_ULPS roundings of the magnitude mag from want. */
-static void expect_close(const char *what, size_t i, size_t n, int step, double want, float got, double mag)
+static void expect_close(const char *what, size_t i, size_t n, int step, double want, float got,
+			 double mag)
 {
 	double tol = TOL_ULPS * HALF_ULP * mag;
 
-	cr_assert(fabs((double)got - want) <= tol,
-		  "%s[%zu] of %zu after step %d: kernel %.9g, reference %.9g, |diff| %.3g > tolerance %.3g",
-		  what, i, n, step, (double)got, want, fabs((double)got - want), tol);
+	cr_assert(
+		fabs((double)got - want) <= tol,
+		"%s[%zu] of %zu after step %d: kernel %.9g, reference %.9g, |diff| %.3g > tolerance %.3g",
+		what, i, n, step, (double)got, want, fabs((double)got - want), tol);
 }
 
-static void expect_same_bits(const char *what, const char *path, const float *want, const float *got, size_t n,
-			     int step)
+static void expect_same_bits(const char *what, const char *path, const float *want,
+			     const float *got, size_t n, int step)
 {
 	for (size_t i = 0; i < n; i++)
-		cr_assert(!memcmp(want + i, got + i, sizeof(float)),
-			  "%s[%zu] of %zu after step %d: %s %a, portable path %a (must be the same bits)", what, i, n,
-			  step, path, (double)got[i], (double)want[i]);
+		cr_assert(
+			!memcmp(want + i, got + i, sizeof(float)),
+			"%s[%zu] of %zu after step %d: %s %a, portable path %a (must be the same bits)",
+			what, i, n, step, path, (double)got[i], (double)want[i]);
 }
 
 /* ---------------------------------------------------------------- SGD --- */
 
 struct sgd_case {
 	double momentum, dampening, weight_decay;
-	int    nesterov, maximize;
-	float  grad_scale;
+	int nesterov, maximize;
+	float grad_scale;
 };
 
 /* One variant of the kernel under test: a path, or the dispatching call on a split range. */
@@ -185,8 +191,8 @@ struct sgd_ref {
 	double *p, *b, *pmag, *bmag;
 };
 
-static void sgd_ref_step(const struct sgd_case *c, struct sgd_ref *r, const float *grad, size_t n, double lr,
-			 int step)
+static void sgd_ref_step(const struct sgd_case *c, struct sgd_ref *r, const float *grad, size_t n,
+			 double lr, int step)
 {
 	for (size_t i = 0; i < n; i++) {
 		double g = (double)grad[i] * (double)c->grad_scale, gmag;
@@ -204,7 +210,8 @@ static void sgd_ref_step(const struct sgd_case *c, struct sgd_ref *r, const floa
 				r->bmag[i] = gmag;
 			} else {
 				r->b[i] = c->momentum * r->b[i] + (1 - c->dampening) * g;
-				r->bmag[i] = c->momentum * r->bmag[i] + fabs(1 - c->dampening) * gmag;
+				r->bmag[i] =
+					c->momentum * r->bmag[i] + fabs(1 - c->dampening) * gmag;
 			}
 			if (c->nesterov) {
 				g += c->momentum * r->b[i];
@@ -219,10 +226,12 @@ static void sgd_ref_step(const struct sgd_case *c, struct sgd_ref *r, const floa
 	}
 }
 
-static void sgd_case_run(const struct sgd_case *c, enum shardd_k_isa isa, size_t n, uint32_t grad_dtype)
+static void sgd_case_run(const struct sgd_case *c, enum shardd_k_isa isa, size_t n,
+			 uint32_t grad_dtype)
 {
 	const double lr = 0.05;
-	int variants[2] = { SHARDD_K_ISA_PORTABLE, isa == SHARDD_K_ISA_PORTABLE ? SHARDD_K_ISA_COUNT : (int)isa };
+	int variants[2] = { SHARDD_K_ISA_PORTABLE,
+			    isa == SHARDD_K_ISA_PORTABLE ? SHARDD_K_ISA_COUNT : (int)isa };
 	struct sgd_run run[2];
 	struct sgd_ref r;
 	struct grads g;
@@ -253,10 +262,17 @@ static void sgd_case_run(const struct sgd_case *c, enum shardd_k_isa isa, size_t
 
 		for (int v = 0; v < 2; v++) {
 			struct shardd_sgd a = {
-				.param = run[v].p, .grad = g.buf[k - 1], .grad_dtype = grad_dtype,
-				.momentum_buffer = c->momentum != 0 ? run[v].buf : NULL, .step = (uint64_t)k,
-				.lr = lrk, .momentum = c->momentum, .dampening = c->dampening,
-				.weight_decay = c->weight_decay, .nesterov = c->nesterov, .maximize = c->maximize,
+				.param = run[v].p,
+				.grad = g.buf[k - 1],
+				.grad_dtype = grad_dtype,
+				.momentum_buffer = c->momentum != 0 ? run[v].buf : NULL,
+				.step = (uint64_t)k,
+				.lr = lrk,
+				.momentum = c->momentum,
+				.dampening = c->dampening,
+				.weight_decay = c->weight_decay,
+				.nesterov = c->nesterov,
+				.maximize = c->maximize,
 				.grad_scale = c->grad_scale,
 			};
 			char why[256];
@@ -267,11 +283,13 @@ static void sgd_case_run(const struct sgd_case *c, enum shardd_k_isa isa, size_t
 		sgd_ref_step(c, &r, g.vals[k - 1], n, lrk, k);
 		expect_same_bits("param", variant_name(isa), run[0].p, run[1].p, n, k);
 		if (c->momentum != 0)
-			expect_same_bits("momentum_buffer", variant_name(isa), run[0].buf, run[1].buf, n, k);
+			expect_same_bits("momentum_buffer", variant_name(isa), run[0].buf,
+					 run[1].buf, n, k);
 		for (size_t i = 0; i < n; i++) {
 			expect_close("param", i, n, k, r.p[i], run[0].p[i], r.pmag[i]);
 			if (c->momentum != 0)
-				expect_close("momentum_buffer", i, n, k, r.b[i], run[0].buf[i], r.bmag[i]);
+				expect_close("momentum_buffer", i, n, k, r.b[i], run[0].buf[i],
+					     r.bmag[i]);
 		}
 	}
 
@@ -294,18 +312,23 @@ static void sgd_all_cases(enum shardd_k_isa isa, uint32_t grad_dtype)
 	static const float scales[] = { 1.0f, 0.37f };
 
 	for (int mi = 0; mi < 2; mi++)
-	for (int di = 0; di < 2; di++)
-	for (int nest = 0; nest < 2; nest++)
-	for (int wi = 0; wi < 2; wi++)
-	for (int max = 0; max < 2; max++)
-	for (int si = 0; si < 2; si++) {
-		struct sgd_case c = { moms[mi], damps[di], wds[wi], nest, max, scales[si] };
+		for (int di = 0; di < 2; di++)
+			for (int nest = 0; nest < 2; nest++)
+				for (int wi = 0; wi < 2; wi++)
+					for (int max = 0; max < 2; max++)
+						for (int si = 0; si < 2; si++) {
+							struct sgd_case c = {
+								moms[mi], damps[di], wds[wi],
+								nest,     max,       scales[si]
+							};
 
-		if (nest && (c.momentum == 0 || c.dampening != 0))
-			continue;
-		for (size_t s = 0; s < NSIZES; s++)
-			sgd_case_run(&c, isa, sizes[s], grad_dtype);
-	}
+							if (nest &&
+							    (c.momentum == 0 || c.dampening != 0))
+								continue;
+							for (size_t s = 0; s < NSIZES; s++)
+								sgd_case_run(&c, isa, sizes[s],
+									     grad_dtype);
+						}
 }
 
 Test(optim_sgd, portable_matches_torch_reference_for_every_option_and_size, .timeout = 60)
@@ -343,8 +366,8 @@ Test(optim_sgd, bf16_and_fp16_grads_are_widened_exactly, .timeout = 60)
 
 struct adamw_case {
 	double beta1, beta2, weight_decay;
-	int    amsgrad, maximize;
-	float  grad_scale;
+	int amsgrad, maximize;
+	float grad_scale;
 };
 
 struct adamw_run {
@@ -366,8 +389,8 @@ struct adamw_ref {
 	double *p, *m, *v, *vmax, *pmag, *mmag;
 };
 
-static void adamw_ref_step(const struct adamw_case *c, struct adamw_ref *r, const float *grad, size_t n,
-			   double lr, double eps, int step)
+static void adamw_ref_step(const struct adamw_case *c, struct adamw_ref *r, const float *grad,
+			   size_t n, double lr, double eps, int step)
 {
 	double bc1 = 1 - pow(c->beta1, step), bc2 = 1 - pow(c->beta2, step);
 
@@ -392,10 +415,12 @@ static void adamw_ref_step(const struct adamw_case *c, struct adamw_ref *r, cons
 	}
 }
 
-static void adamw_case_run(const struct adamw_case *c, enum shardd_k_isa isa, size_t n, uint32_t grad_dtype)
+static void adamw_case_run(const struct adamw_case *c, enum shardd_k_isa isa, size_t n,
+			   uint32_t grad_dtype)
 {
 	const double lr = 0.01, eps = 1e-8;
-	int variants[2] = { SHARDD_K_ISA_PORTABLE, isa == SHARDD_K_ISA_PORTABLE ? SHARDD_K_ISA_COUNT : (int)isa };
+	int variants[2] = { SHARDD_K_ISA_PORTABLE,
+			    isa == SHARDD_K_ISA_PORTABLE ? SHARDD_K_ISA_COUNT : (int)isa };
 	struct adamw_run run[2];
 	struct adamw_ref r;
 	struct grads g;
@@ -427,11 +452,21 @@ static void adamw_case_run(const struct adamw_case *c, enum shardd_k_isa isa, si
 
 		for (int v = 0; v < 2; v++) {
 			struct shardd_adamw a = {
-				.param = run[v].p, .grad = g.buf[k - 1], .grad_dtype = grad_dtype,
-				.exp_avg = run[v].m, .exp_avg_sq = run[v].v,
-				.max_exp_avg_sq = c->amsgrad ? run[v].vmax : NULL, .step = (uint64_t)k, .lr = lrk,
-				.beta1 = c->beta1, .beta2 = c->beta2, .eps = eps, .weight_decay = c->weight_decay,
-				.amsgrad = c->amsgrad, .maximize = c->maximize, .grad_scale = c->grad_scale,
+				.param = run[v].p,
+				.grad = g.buf[k - 1],
+				.grad_dtype = grad_dtype,
+				.exp_avg = run[v].m,
+				.exp_avg_sq = run[v].v,
+				.max_exp_avg_sq = c->amsgrad ? run[v].vmax : NULL,
+				.step = (uint64_t)k,
+				.lr = lrk,
+				.beta1 = c->beta1,
+				.beta2 = c->beta2,
+				.eps = eps,
+				.weight_decay = c->weight_decay,
+				.amsgrad = c->amsgrad,
+				.maximize = c->maximize,
+				.grad_scale = c->grad_scale,
 			};
 			char why[256];
 
@@ -443,13 +478,15 @@ static void adamw_case_run(const struct adamw_case *c, enum shardd_k_isa isa, si
 		expect_same_bits("exp_avg", variant_name(isa), run[0].m, run[1].m, n, k);
 		expect_same_bits("exp_avg_sq", variant_name(isa), run[0].v, run[1].v, n, k);
 		if (c->amsgrad)
-			expect_same_bits("max_exp_avg_sq", variant_name(isa), run[0].vmax, run[1].vmax, n, k);
+			expect_same_bits("max_exp_avg_sq", variant_name(isa), run[0].vmax,
+					 run[1].vmax, n, k);
 		for (size_t i = 0; i < n; i++) {
 			expect_close("param", i, n, k, r.p[i], run[0].p[i], r.pmag[i]);
 			expect_close("exp_avg", i, n, k, r.m[i], run[0].m[i], r.mmag[i]);
 			expect_close("exp_avg_sq", i, n, k, r.v[i], run[0].v[i], r.v[i]);
 			if (c->amsgrad)
-				expect_close("max_exp_avg_sq", i, n, k, r.vmax[i], run[0].vmax[i], r.vmax[i]);
+				expect_close("max_exp_avg_sq", i, n, k, r.vmax[i], run[0].vmax[i],
+					     r.vmax[i]);
 		}
 	}
 
@@ -476,15 +513,19 @@ static void adamw_all_cases(enum shardd_k_isa isa, uint32_t grad_dtype)
 	static const float scales[] = { 1.0f, 0.37f };
 
 	for (int bi = 0; bi < 2; bi++)
-	for (int ams = 0; ams < 2; ams++)
-	for (int wi = 0; wi < 2; wi++)
-	for (int max = 0; max < 2; max++)
-	for (int si = 0; si < 2; si++) {
-		struct adamw_case c = { b1s[bi], b2s[bi], wds[wi], ams, max, scales[si] };
+		for (int ams = 0; ams < 2; ams++)
+			for (int wi = 0; wi < 2; wi++)
+				for (int max = 0; max < 2; max++)
+					for (int si = 0; si < 2; si++) {
+						struct adamw_case c = {
+							b1s[bi], b2s[bi], wds[wi],
+							ams,     max,     scales[si]
+						};
 
-		for (size_t s = 0; s < NSIZES; s++)
-			adamw_case_run(&c, isa, sizes[s], grad_dtype);
-	}
+						for (size_t s = 0; s < NSIZES; s++)
+							adamw_case_run(&c, isa, sizes[s],
+								       grad_dtype);
+					}
 }
 
 Test(optim_adamw, portable_matches_torch_reference_for_every_option_and_size, .timeout = 60)
@@ -520,11 +561,22 @@ Test(optim_adamw, bf16_and_fp16_grads_are_widened_exactly, .timeout = 60)
 
 Test(optim_adamw, range_updates_only_its_elements, .timeout = 10)
 {
-	enum { N = 100 };
+	enum {
+		N = 100
+	};
 	float p[N], gr[N], m[N], v[N];
 	struct shardd_adamw a = {
-		.param = p, .grad = gr, .grad_dtype = SHARDD_DTYPE_FP32, .exp_avg = m, .exp_avg_sq = v,
-		.step = 1, .lr = 0.1, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01,
+		.param = p,
+		.grad = gr,
+		.grad_dtype = SHARDD_DTYPE_FP32,
+		.exp_avg = m,
+		.exp_avg_sq = v,
+		.step = 1,
+		.lr = 0.1,
+		.beta1 = 0.9,
+		.beta2 = 0.999,
+		.eps = 1e-8,
+		.weight_decay = 0.01,
 		.grad_scale = 1.0f,
 	};
 
@@ -563,7 +615,9 @@ Test(optim_grad_norm, every_path_gives_the_same_bits_and_matches_double_sum, .ti
 	static const size_t more[] = { 31, 33, 512, 513, 100003 };
 
 	for (int dt = 0; dt < 3; dt++) {
-		uint32_t dtype = dt == 0 ? SHARDD_DTYPE_FP32 : dt == 1 ? SHARDD_DTYPE_BF16 : SHARDD_DTYPE_FP16;
+		uint32_t dtype = dt == 0   ? SHARDD_DTYPE_FP32
+				 : dt == 1 ? SHARDD_DTYPE_BF16
+					   : SHARDD_DTYPE_FP16;
 
 		for (size_t s = 0; s < NSIZES + 5; s++) {
 			size_t n = s < NSIZES ? sizes[s] : more[s - NSIZES];
@@ -573,7 +627,8 @@ Test(optim_grad_norm, every_path_gives_the_same_bits_and_matches_double_sum, .ti
 			double sumsq, max_abs;
 
 			for (size_t i = 0; i < n; i++) {
-				vals[i] = dtype == SHARDD_DTYPE_FP32 ? rand_f32() * 1e3f : rand_grid();
+				vals[i] = dtype == SHARDD_DTYPE_FP32 ? rand_f32() * 1e3f
+								     : rand_grid();
 				if (dtype == SHARDD_DTYPE_FP32)
 					((float *)buf)[i] = vals[i];
 				else if (dtype == SHARDD_DTYPE_BF16)
@@ -584,18 +639,22 @@ Test(optim_grad_norm, every_path_gives_the_same_bits_and_matches_double_sum, .ti
 			norm_ref(vals, n, &sumsq, &max_abs);
 			shardd_k_grad_norm_part_isa(SHARDD_K_ISA_PORTABLE, buf, dtype, 0, n, &want);
 			cr_assert(fabs(want.sumsq - sumsq) <= (double)n * DBL_EPSILON * sumsq,
-				  "%s n %zu: sumsq %.17g, reference %.17g", shardd_dtype_name(dtype), n, want.sumsq,
-				  sumsq);
-			cr_assert_eq((double)want.max_abs, max_abs, "%s n %zu: max_abs", shardd_dtype_name(dtype), n);
+				  "%s n %zu: sumsq %.17g, reference %.17g",
+				  shardd_dtype_name(dtype), n, want.sumsq, sumsq);
+			cr_assert_eq((double)want.max_abs, max_abs, "%s n %zu: max_abs",
+				     shardd_dtype_name(dtype), n);
 			cr_assert_eq(want.nonfinite, 0);
 			for (int isa = 1; isa < SHARDD_K_ISA_COUNT; isa++) {
 				if (!shardd_k_isa_available((enum shardd_k_isa)isa))
 					continue;
-				shardd_k_grad_norm_part_isa((enum shardd_k_isa)isa, buf, dtype, 0, n, &got);
-				cr_assert(!memcmp(&got.sumsq, &want.sumsq, sizeof(double)) && got.max_abs == want.max_abs,
+				shardd_k_grad_norm_part_isa((enum shardd_k_isa)isa, buf, dtype, 0,
+							    n, &got);
+				cr_assert(!memcmp(&got.sumsq, &want.sumsq, sizeof(double)) &&
+						  got.max_abs == want.max_abs,
 					  "%s n %zu: %s path sumsq %a max %a, portable %a %a",
-					  shardd_dtype_name(dtype), n, shardd_k_isa_name((enum shardd_k_isa)isa),
-					  got.sumsq, (double)got.max_abs, want.sumsq, (double)want.max_abs);
+					  shardd_dtype_name(dtype), n,
+					  shardd_k_isa_name((enum shardd_k_isa)isa), got.sumsq,
+					  (double)got.max_abs, want.sumsq, (double)want.max_abs);
 			}
 			free(vals);
 			free(buf);
@@ -605,7 +664,9 @@ Test(optim_grad_norm, every_path_gives_the_same_bits_and_matches_double_sum, .ti
 
 Test(optim_grad_norm, parts_of_a_split_range_merge_to_the_whole, .timeout = 10)
 {
-	enum { N = 5000 };
+	enum {
+		N = 5000
+	};
 	float g[N];
 	struct shardd_grad_norm_part total = { 0 }, part, whole;
 	double sumsq, max_abs;
@@ -614,7 +675,8 @@ Test(optim_grad_norm, parts_of_a_split_range_merge_to_the_whole, .timeout = 10)
 		g[i] = rand_f32();
 	norm_ref(g, N, &sumsq, &max_abs);
 	for (size_t lo = 0; lo < N; lo += 1536) {
-		shardd_k_grad_norm_part(g, SHARDD_DTYPE_FP32, lo, lo + 1536 < N ? lo + 1536 : N, &part);
+		shardd_k_grad_norm_part(g, SHARDD_DTYPE_FP32, lo, lo + 1536 < N ? lo + 1536 : N,
+					&part);
 		shardd_k_grad_norm_merge(&total, &part);
 	}
 	shardd_k_grad_norm_part(g, SHARDD_DTYPE_FP32, 0, N, &whole);
@@ -626,7 +688,9 @@ Test(optim_grad_norm, parts_of_a_split_range_merge_to_the_whole, .timeout = 10)
 
 Test(optim_grad_norm, nan_or_inf_anywhere_sets_nonfinite_and_max_skips_nan, .timeout = 10)
 {
-	enum { N = 1000 };
+	enum {
+		N = 1000
+	};
 	static const size_t where[] = { 0, 15, 16, 511, 512, 999 };
 	float g[N];
 
@@ -640,12 +704,15 @@ Test(optim_grad_norm, nan_or_inf_anywhere_sets_nonfinite_and_max_skips_nan, .tim
 			for (int isa = 0; isa < SHARDD_K_ISA_COUNT; isa++) {
 				if (!shardd_k_isa_available((enum shardd_k_isa)isa))
 					continue;
-				shardd_k_grad_norm_part_isa((enum shardd_k_isa)isa, g, SHARDD_DTYPE_FP32, 0, N, &part);
+				shardd_k_grad_norm_part_isa((enum shardd_k_isa)isa, g,
+							    SHARDD_DTYPE_FP32, 0, N, &part);
 				cr_assert_eq(part.nonfinite, 1, "%s: element %zu = %g not flagged",
-					     shardd_k_isa_name((enum shardd_k_isa)isa), where[w], (double)g[where[w]]);
-				cr_assert_eq(part.max_abs, bad == 0 ? 0.5f : INFINITY, "%s: max_abs %g with %g at %zu",
-					     shardd_k_isa_name((enum shardd_k_isa)isa), (double)part.max_abs,
-					     (double)g[where[w]], where[w]);
+					     shardd_k_isa_name((enum shardd_k_isa)isa), where[w],
+					     (double)g[where[w]]);
+				cr_assert_eq(part.max_abs, bad == 0 ? 0.5f : INFINITY,
+					     "%s: max_abs %g with %g at %zu",
+					     shardd_k_isa_name((enum shardd_k_isa)isa),
+					     (double)part.max_abs, (double)g[where[w]], where[w]);
 			}
 		}
 	}
@@ -657,12 +724,27 @@ Test(optim_check, bad_hyperparameters_are_named_with_their_value, .timeout = 5)
 {
 	float p[1], g[1], m[1], v[1];
 	struct shardd_adamw ok_adamw = {
-		.param = p, .grad = g, .grad_dtype = SHARDD_DTYPE_FP32, .exp_avg = m, .exp_avg_sq = v,
-		.step = 1, .lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .grad_scale = 1.0f,
+		.param = p,
+		.grad = g,
+		.grad_dtype = SHARDD_DTYPE_FP32,
+		.exp_avg = m,
+		.exp_avg_sq = v,
+		.step = 1,
+		.lr = 1e-3,
+		.beta1 = 0.9,
+		.beta2 = 0.999,
+		.eps = 1e-8,
+		.grad_scale = 1.0f,
 	};
 	struct shardd_sgd ok_sgd = {
-		.param = p, .grad = g, .grad_dtype = SHARDD_DTYPE_FP32, .momentum_buffer = m, .step = 1,
-		.lr = 0.1, .momentum = 0.9, .grad_scale = 1.0f,
+		.param = p,
+		.grad = g,
+		.grad_dtype = SHARDD_DTYPE_FP32,
+		.momentum_buffer = m,
+		.step = 1,
+		.lr = 0.1,
+		.momentum = 0.9,
+		.grad_scale = 1.0f,
 	};
 	struct shardd_adamw a;
 	struct shardd_sgd s;

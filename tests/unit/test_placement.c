@@ -15,7 +15,8 @@
 #define NONE SHARDD_HELLO_DEVICE_HOST
 
 /* Plan that must succeed. */
-static void plan_ok(const int32_t *hello, uint32_t replicate, uint32_t shard, struct shd_placement *pl)
+static void plan_ok(const int32_t *hello, uint32_t replicate, uint32_t shard,
+		    struct shd_placement *pl)
 {
 	char err[512] = "";
 
@@ -24,7 +25,8 @@ static void plan_ok(const int32_t *hello, uint32_t replicate, uint32_t shard, st
 }
 
 /* Plan that must be refused with a message holding each non-NULL `want`. */
-static void plan_refused(const int32_t *hello, uint32_t replicate, uint32_t shard, const char *const *want)
+static void plan_refused(const int32_t *hello, uint32_t replicate, uint32_t shard,
+			 const char *const *want)
 {
 	struct shd_placement pl;
 	char err[1024] = "";
@@ -58,7 +60,8 @@ Test(placement, a_rank_that_named_no_device_sits_on_device_0, .timeout = 5)
 	cr_assert_eq(shd_placement_device(NONE), 0);
 	cr_assert_eq(shd_placement_device(5), 5);
 	plan_ok(with_zero, 1, 2, &pl);
-	cr_assert_eq(pl.shard_nccl[0], 0, "a rank with no device shares device 0 with one that named it");
+	cr_assert_eq(pl.shard_nccl[0], 0,
+		     "a rank with no device shares device 0 with one that named it");
 	plan_ok(with_one, 1, 2, &pl);
 	cr_assert_eq(pl.shard_nccl[0], 1);
 }
@@ -109,7 +112,8 @@ Test(placement, hsdp_plans_shard_and_replicate_groups_apart, .timeout = 5)
 	cr_assert_eq(pl.nccl, 2);
 
 	plan_ok(four, 2, 2, &pl);
-	cr_assert(pl.shard_nccl[0] && pl.shard_nccl[1] && pl.replicate_nccl[0] && pl.replicate_nccl[1]);
+	cr_assert(pl.shard_nccl[0] && pl.shard_nccl[1] && pl.replicate_nccl[0] &&
+		  pl.replicate_nccl[1]);
 	cr_assert_eq(pl.nccl, 4);
 }
 
@@ -117,9 +121,13 @@ Test(placement, shard_group_partly_sharing_a_gpu_is_refused_naming_ranks_and_dev
 {
 	const int32_t hello[] = { 0, 0, 1, 2 };
 	const char *want[] = {
-		"register group 'blk'", "the shard group of replica 0 (ranks 0-3)", "ranks 0 and 1 share device 0",
-		"rank 2 is on device 1", "rank 0 on 0, rank 1 on 0, rank 2 on 1, rank 3 on 2",
-		"each sit on their own GPU (NCCL collectives) or all on one GPU (device copies)", "opts.device",
+		"register group 'blk'",
+		"the shard group of replica 0 (ranks 0-3)",
+		"ranks 0 and 1 share device 0",
+		"rank 2 is on device 1",
+		"rank 0 on 0, rank 1 on 0, rank 2 on 1, rank 3 on 2",
+		"each sit on their own GPU (NCCL collectives) or all on one GPU (device copies)",
+		"opts.device",
 		NULL,
 	};
 
@@ -131,8 +139,11 @@ Test(placement, second_replica_partly_sharing_is_refused_with_its_own_ranks, .ti
 	/* Replica 0 fine (GPUs 0,1,2), replica 1 (ranks 3-5) has ranks 4 and 5 on GPU 5. */
 	const int32_t hello[] = { 0, 1, 2, 3, 5, 5 };
 	const char *want[] = {
-		"the shard group of replica 1 (ranks 3-5)", "ranks 4 and 5 share device 5",
-		"rank 3 is on device 3", "rank 3 on 3, rank 4 on 5, rank 5 on 5", NULL,
+		"the shard group of replica 1 (ranks 3-5)",
+		"ranks 4 and 5 share device 5",
+		"rank 3 is on device 3",
+		"rank 3 on 3, rank 4 on 5, rank 5 on 5",
+		NULL,
 	};
 
 	plan_refused(hello, 2, 3, want);
@@ -143,8 +154,11 @@ Test(placement, replicate_group_partly_sharing_a_gpu_is_refused, .timeout = 5)
 	/* 3 x 1: each replica one rank; the replicate group of shard 0 is ranks 0,1,2 on GPUs 0,1,1. */
 	const int32_t hello[] = { 0, 1, 1 };
 	const char *want[] = {
-		"the replicate group of shard index 0", "ranks 1 and 2 share device 1", "rank 0 is on device 0",
-		"rank 0 on 0, rank 1 on 1, rank 2 on 1", NULL,
+		"the replicate group of shard index 0",
+		"ranks 1 and 2 share device 1",
+		"rank 0 is on device 0",
+		"rank 0 on 0, rank 1 on 1, rank 2 on 1",
+		NULL,
 	};
 
 	plan_refused(hello, 3, 1, want);
@@ -153,7 +167,8 @@ Test(placement, replicate_group_partly_sharing_a_gpu_is_refused, .timeout = 5)
 Test(placement, refusal_says_which_rank_named_no_device, .timeout = 5)
 {
 	const int32_t hello[] = { NONE, 0, 1 };
-	const char *want[] = { "ranks 0 and 1 share device 0", "rank 0 on 0 (it named none), rank 1 on 0,", NULL };
+	const char *want[] = { "ranks 0 and 1 share device 0",
+			       "rank 0 on 0 (it named none), rank 1 on 0,", NULL };
 
 	plan_refused(hello, 1, 3, want);
 }
@@ -164,7 +179,8 @@ Test(placement, mesh_outside_the_world_is_refused, .timeout = 5)
 	struct shd_placement pl;
 	char err[256] = "";
 
-	cr_assert_eq(shd_placement_plan("blk", hello, 0, 1, &pl, err, sizeof(err)), -SHARDD_E_INVALID);
+	cr_assert_eq(shd_placement_plan("blk", hello, 0, 1, &pl, err, sizeof(err)),
+		     -SHARDD_E_INVALID);
 	cr_assert(strstr(err, "mesh 0 x 1"), "%s", err);
 	cr_assert_eq(shd_placement_plan("blk", hello, 2, SHARDD_MAX_WORLD, &pl, err, sizeof(err)),
 		     -SHARDD_E_INVALID);
@@ -192,7 +208,8 @@ static struct shd_layout three_params(void)
 	s[2].ndim = 2;
 	s[2].shape[0] = 100;
 	s[2].shape[1] = 8;
-	cr_assert_eq(shd_layout_build(s, 3, 4, SHARDD_DTYPE_NONE, &l, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(shd_layout_build(s, 3, 4, SHARDD_DTYPE_NONE, &l, err, sizeof(err)), 0, "%s",
+		     err);
 	cr_assert_eq(l.params[0].shard_numel, 9);
 	cr_assert_eq(l.params[1].shard_numel, 10);
 	cr_assert_eq(l.params[2].shard_numel, 200);
@@ -227,7 +244,8 @@ Test(placement, reduce_shard_of_empty_params_still_takes_one_alignment_unit, .ti
 	s.dtype = SHARDD_DTYPE_FP32;
 	s.ndim = 1;
 	s.shape[0] = 0;
-	cr_assert_eq(shd_layout_build(&s, 1, 2, SHARDD_DTYPE_NONE, &l, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(shd_layout_build(&s, 1, 2, SHARDD_DTYPE_NONE, &l, err, sizeof(err)), 0, "%s",
+		     err);
 	cr_assert_eq(shd_placement_reduce_shard(&l, SHARDD_DTYPE_FP32, off), SHARDD_ALIGN);
 	cr_assert_eq(off[0], 0);
 	shd_layout_free(&l);

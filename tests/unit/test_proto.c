@@ -227,8 +227,8 @@ Test(proto, dtype_sizes_and_names, .timeout = 5)
 Test(proto, op_names, .timeout = 5)
 {
 	static const char *const want[] = {
-		NULL, "nop", "barrier", "unshard", "reduce", "reshard", "zero_grad", "step",
-		"grad_norm", "checkpoint",
+		NULL,      "nop",       "barrier", "unshard",   "reduce",
+		"reshard", "zero_grad", "step",    "grad_norm", "checkpoint",
 	};
 
 	cr_assert_eq(SHARDD_OP_STEP, 7);
@@ -281,7 +281,10 @@ Test(proto, strerror_of_errno_and_of_unknown_codes, .timeout = 5)
 Test(proto, last_error_starts_empty_and_keeps_context, .timeout = 5)
 {
 	struct shardd_attach_opts o = { .socket_path = "/nonexistent/dir/shardd.sock",
-					.job = "j", .rank = 0, .replicate = 1, .shard = 1,
+					.job = "j",
+					.rank = 0,
+					.replicate = 1,
+					.shard = 1,
 					.device = SHARDD_HELLO_DEVICE_HOST };
 	struct shardd_client *c = NULL;
 
@@ -289,7 +292,7 @@ Test(proto, last_error_starts_empty_and_keeps_context, .timeout = 5)
 	cr_assert_eq(shardd_connect(&o, &c), -ENOENT);
 	cr_assert_null(c);
 	cr_assert_not_null(strstr(shardd_last_error(), "attach job 'j' rank 0 (mesh 1x1) at "
-					"/nonexistent/dir/shardd.sock: connect to"),
+						       "/nonexistent/dir/shardd.sock: connect to"),
 			   "%s", shardd_last_error());
 	cr_assert_not_null(strstr(shardd_last_error(), "is shardd running?"), "%s",
 			   shardd_last_error());

@@ -17,7 +17,8 @@ Test(proto_cuda, alloc_size_rounds_up_to_the_granularity, .timeout = 5)
 {
 	/* 2 MiB, the granularity of current GPUs. */
 	cr_assert_eq(shardd_cuda_alloc_size(1, 2 * MIB), 2 * MIB);
-	cr_assert_eq(shardd_cuda_alloc_size(2 * MIB, 2 * MIB), 2 * MIB, "a multiple stays as it is");
+	cr_assert_eq(shardd_cuda_alloc_size(2 * MIB, 2 * MIB), 2 * MIB,
+		     "a multiple stays as it is");
 	cr_assert_eq(shardd_cuda_alloc_size(2 * MIB + 1, 2 * MIB), 4 * MIB);
 	/* 3 x 64 + 1 = 193 bytes at 64: 4 x 64. */
 	cr_assert_eq(shardd_cuda_alloc_size(193, 64), 256);
@@ -58,7 +59,7 @@ static const struct shardd_cuda_symbol fake_symbols[] = {
 /* The library: the names it has, and how many lookups it was asked. */
 struct fake_lib {
 	const char *missing; /* NULL: it has all three */
-	int         asked;
+	int asked;
 };
 
 static int fake_lookup(void *ctx, const char *name, void **fn, char *err, size_t errlen)
@@ -84,8 +85,8 @@ Test(proto_cuda, resolve_puts_each_entry_point_in_its_field, .timeout = 5)
 	char err[128] = "";
 
 	memset(&t, 0, sizeof(t));
-	cr_assert_eq(shardd_cuda_resolve(&t, fake_symbols, 3, fake_lookup, &lib, err, sizeof(err)), 0, "%s",
-		     err);
+	cr_assert_eq(shardd_cuda_resolve(&t, fake_symbols, 3, fake_lookup, &lib, err, sizeof(err)),
+		     0, "%s", err);
 	cr_assert_eq(lib.asked, 3);
 	cr_assert(t.one && t.two && t.three);
 	cr_assert_eq(t.one(), 1);
@@ -93,7 +94,8 @@ Test(proto_cuda, resolve_puts_each_entry_point_in_its_field, .timeout = 5)
 	cr_assert_eq(t.three(), 3);
 }
 
-Test(proto_cuda, resolve_stops_at_the_first_missing_entry_point_with_its_lookups_reason, .timeout = 5)
+Test(proto_cuda, resolve_stops_at_the_first_missing_entry_point_with_its_lookups_reason,
+     .timeout = 5)
 {
 	struct fake_table t;
 	struct fake_lib lib = { "two", 0 };

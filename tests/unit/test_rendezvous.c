@@ -30,8 +30,7 @@ Test(rendezvous, completes_when_every_expected_rank_arrived_with_the_same_key, .
 	cr_assert_eq(shd_rdv_arrive(&r, 0, 7, 1, 200, SEC, why, sizeof(why)), SHD_RDV_WAIT);
 	cr_assert_eq(shd_rdv_arrive(&r, 3, 7, 1, 300, SEC, why, sizeof(why)), SHD_RDV_WAIT);
 	cr_assert_eq(r.narrived, 3);
-	cr_assert_eq(shd_rdv_arrive(&r, 1, 7, 1, 400, SEC, why, sizeof(why)),
-		     SHD_RDV_COMPLETE);
+	cr_assert_eq(shd_rdv_arrive(&r, 1, 7, 1, 400, SEC, why, sizeof(why)), SHD_RDV_COMPLETE);
 	cr_assert_eq(r.step, 7);
 	cr_assert_eq(r.flags, 1);
 	cr_assert_eq(r.first_rank, 2);
@@ -46,8 +45,7 @@ Test(rendezvous, key_and_deadline_come_from_the_first_arrival, .timeout = 5)
 
 	rdv_of(&r, ranks, 2);
 	cr_assert_eq(r.active, 0);
-	cr_assert_eq(shd_rdv_arrive(&r, 5, 12, 0, 1000, 30 * SEC, why, sizeof(why)),
-		     SHD_RDV_WAIT);
+	cr_assert_eq(shd_rdv_arrive(&r, 5, 12, 0, 1000, 30 * SEC, why, sizeof(why)), SHD_RDV_WAIT);
 	cr_assert_eq(r.active, 1);
 	cr_assert_eq(r.first_rank, 5);
 	cr_assert_eq(r.step, 12);
@@ -80,9 +78,9 @@ Test(rendezvous, different_step_is_a_mismatch_naming_both_ranks_and_keys, .timeo
 
 	rdv_of(&r, ranks, 3);
 	cr_assert_eq(shd_rdv_arrive(&r, 0, 5, 1, 0, SEC, why, sizeof(why)), SHD_RDV_WAIT);
-	cr_assert_eq(shd_rdv_arrive(&r, 2, 6, 0, 0, SEC, why, sizeof(why)),
-		     SHD_RDV_MISMATCH);
-	cr_assert_str_eq(why, "rank 2 submitted step 6 flags 0x0 but rank 0 submitted step 5 flags 0x1");
+	cr_assert_eq(shd_rdv_arrive(&r, 2, 6, 0, 0, SEC, why, sizeof(why)), SHD_RDV_MISMATCH);
+	cr_assert_str_eq(why,
+			 "rank 2 submitted step 6 flags 0x0 but rank 0 submitted step 5 flags 0x1");
 	/* The mismatching arrival is not recorded: the owner fails and resets. */
 	cr_assert_eq(r.narrived, 1);
 	cr_assert_eq(shd_rdv_has_arrived(&r, 2), 0);
@@ -97,9 +95,9 @@ Test(rendezvous, same_step_with_different_flags_is_a_mismatch, .timeout = 5)
 
 	rdv_of(&r, ranks, 2);
 	cr_assert_eq(shd_rdv_arrive(&r, 1, 3, 0, 0, SEC, why, sizeof(why)), SHD_RDV_WAIT);
-	cr_assert_eq(shd_rdv_arrive(&r, 0, 3, 1, 0, SEC, why, sizeof(why)),
-		     SHD_RDV_MISMATCH);
-	cr_assert_str_eq(why, "rank 0 submitted step 3 flags 0x1 but rank 1 submitted step 3 flags 0x0");
+	cr_assert_eq(shd_rdv_arrive(&r, 0, 3, 1, 0, SEC, why, sizeof(why)), SHD_RDV_MISMATCH);
+	cr_assert_str_eq(why,
+			 "rank 0 submitted step 3 flags 0x1 but rank 1 submitted step 3 flags 0x0");
 	shd_rdv_free(&r);
 }
 
@@ -220,15 +218,13 @@ Test(rendezvous, reset_keeps_the_expected_set_for_the_next_round, .timeout = 5)
 
 	rdv_of(&r, ranks, 2);
 	shd_rdv_arrive(&r, 0, 1, 0, 0, SEC, why, sizeof(why));
-	cr_assert_eq(shd_rdv_arrive(&r, 1, 1, 0, 0, SEC, why, sizeof(why)),
-		     SHD_RDV_COMPLETE);
+	cr_assert_eq(shd_rdv_arrive(&r, 1, 1, 0, 0, SEC, why, sizeof(why)), SHD_RDV_COMPLETE);
 	shd_rdv_reset(&r);
 	cr_assert_eq(r.narrived, 0);
 	cr_assert_eq(r.active, 0);
 	cr_assert_eq(shd_rdv_arrive(&r, 1, 2, 0, 0, SEC, why, sizeof(why)), SHD_RDV_WAIT);
 	cr_assert_eq(r.first_rank, 1);
-	cr_assert_eq(shd_rdv_arrive(&r, 0, 2, 0, 0, SEC, why, sizeof(why)),
-		     SHD_RDV_COMPLETE);
+	cr_assert_eq(shd_rdv_arrive(&r, 0, 2, 0, 0, SEC, why, sizeof(why)), SHD_RDV_COMPLETE);
 	shd_rdv_free(&r);
 }
 
@@ -247,8 +243,11 @@ Test(rendezvous, missing_msg_names_late_and_waiting_ranks_in_number, .timeout = 
 
 	rdv_of(&r, two, 2);
 	shd_rdv_arrive(&r, 0, 5, 0, 0, SEC, why, sizeof(why));
-	shd_rdv_missing_msg(&r, "never submitted reduce(group 'g', step 5)", "0.05 s", msg, sizeof(msg));
-	cr_assert_str_eq(msg, "rank 1 never submitted reduce(group 'g', step 5) within 0.05 s; rank 0 is waiting");
+	shd_rdv_missing_msg(&r, "never submitted reduce(group 'g', step 5)", "0.05 s", msg,
+			    sizeof(msg));
+	cr_assert_str_eq(
+		msg,
+		"rank 1 never submitted reduce(group 'g', step 5) within 0.05 s; rank 0 is waiting");
 	shd_rdv_who_missing(&r, msg, sizeof(msg));
 	cr_assert_str_eq(msg, "rank 1");
 	shd_rdv_who_present(&r, msg, sizeof(msg));
@@ -331,8 +330,10 @@ Test(rendezvous, rank_missing_at_an_expiry_is_told_at_once_when_it_comes_late, .
 	cr_assert_eq(shd_rdv_arrive(&r, 2, 9, 0, 3 * SEC / 2, SEC, why, sizeof(why)), SHD_RDV_LATE);
 	cr_assert_eq(r.active, 0, "a late arrival starts no wait");
 	shd_rdv_late_msg(&r, 2, "submitted x(step 9)", "1 s", 3 * SEC / 2, msg, sizeof(msg));
-	cr_assert_str_eq(msg, "rank 2 submitted x(step 9) 0.50 s after ranks 0,1 gave up waiting for it (the "
-			 "collective timeout, 1 s); failed at once: retry with the others");
+	cr_assert_str_eq(
+		msg,
+		"rank 2 submitted x(step 9) 0.50 s after ranks 0,1 gave up waiting for it (the "
+		"collective timeout, 1 s); failed at once: retry with the others");
 	/* Told once: its next arrival, whatever the key, is an ordinary one. */
 	cr_assert_eq(shd_rdv_arrive(&r, 2, 9, 0, 2 * SEC, SEC, why, sizeof(why)), SHD_RDV_WAIT);
 	shd_rdv_free(&r);

@@ -23,7 +23,7 @@
 #include "shardd_ring.h"
 
 struct region {
-	void    *mem;
+	void *mem;
 	uint64_t size;
 };
 
@@ -52,16 +52,22 @@ static void ring_new(struct region *reg, struct shardd_ring *r, uint32_t sq, uin
 static struct shardd_sqe sqe_for(uint64_t i)
 {
 	return (struct shardd_sqe){
-		.op = (uint8_t)(1 + i % 6), .group = (uint32_t)(i * 7), .step = i * 3,
-		.user_data = i, .flags = (uint32_t)(i & 1),
+		.op = (uint8_t)(1 + i % 6),
+		.group = (uint32_t)(i * 7),
+		.step = i * 3,
+		.user_data = i,
+		.flags = (uint32_t)(i & 1),
 	};
 }
 
 static struct shardd_cqe cqe_for(uint64_t i)
 {
 	return (struct shardd_cqe){
-		.user_data = i, .res = i % 5 ? 0 : -SHARDD_E_TIMEOUT, .op = (uint8_t)(1 + i % 6),
-		.group = (uint32_t)(i * 7), .step = i * 3,
+		.user_data = i,
+		.res = i % 5 ? 0 : -SHARDD_E_TIMEOUT,
+		.op = (uint8_t)(1 + i % 6),
+		.group = (uint32_t)(i * 7),
+		.step = i * 3,
 	};
 }
 
@@ -412,10 +418,10 @@ Test(ring, completion_text_travels_in_the_slot_of_its_entry, .timeout = 5)
 struct transfer {
 	struct shardd_ring *r;
 	uint64_t n;
-	uint64_t got;       /* entries consumed */
-	uint64_t bad_at;    /* first sequence number that arrived wrong, or UINT64_MAX */
+	uint64_t got;    /* entries consumed */
+	uint64_t bad_at; /* first sequence number that arrived wrong, or UINT64_MAX */
 	uint64_t bad_value;
-	int64_t  corrupt;   /* a negative ready count seen */
+	int64_t corrupt; /* a negative ready count seen */
 };
 
 /* Spin a little, then yield: the other thread may share our core on a busy machine. */
@@ -536,7 +542,8 @@ static void *cq_consumer(void *arg)
 			 (unsigned long long)t->got);
 		if (t->bad_at == UINT64_MAX &&
 		    (out.user_data != want.user_data || out.res != want.res ||
-		     out.has_msg != (want.res != 0) || strcmp(msg, want.res ? want_msg : "") != 0)) {
+		     out.has_msg != (want.res != 0) ||
+		     strcmp(msg, want.res ? want_msg : "") != 0)) {
 			t->bad_at = t->got;
 			t->bad_value = out.user_data;
 		}
@@ -613,15 +620,15 @@ Test(ring, cq_wait_returns_at_once_on_news_and_times_out_without, .timeout = 5)
 
 struct pingpong {
 	struct shardd_ring *r;
-	int       doorbell;   /* eventfd */
-	uint64_t  served;     /* daemon: SQEs answered */
-	uint64_t  sleeps;     /* daemon: times it blocked on the doorbell */
-	uint64_t  rings;      /* client: doorbells written */
-	uint64_t  futex_waits;/* client: times it slept on cq_tail */
-	uint64_t  answered;   /* client: completions matched */
-	uint64_t  bad_at;     /* client: first wrong completion, or UINT64_MAX */
-	int       daemon_err; /* lost doorbell (poll timeout), or a full CQ */
-	int       client_err; /* lost CQ wake-up (futex timeout) */
+	int doorbell;         /* eventfd */
+	uint64_t served;      /* daemon: SQEs answered */
+	uint64_t sleeps;      /* daemon: times it blocked on the doorbell */
+	uint64_t rings;       /* client: doorbells written */
+	uint64_t futex_waits; /* client: times it slept on cq_tail */
+	uint64_t answered;    /* client: completions matched */
+	uint64_t bad_at;      /* client: first wrong completion, or UINT64_MAX */
+	int daemon_err;       /* lost doorbell (poll timeout), or a full CQ */
+	int client_err;       /* lost CQ wake-up (futex timeout) */
 };
 
 /* The daemon's loop reduced to the ring protocol: serve, else prepare to sleep, else sleep. */
@@ -641,7 +648,8 @@ static void *pingpong_daemon(void *arg)
 				pp->daemon_err = -ENOSPC;
 				return NULL;
 			}
-			out = (struct shardd_cqe){ .user_data = in.user_data, .op = in.op,
+			out = (struct shardd_cqe){ .user_data = in.user_data,
+						   .op = in.op,
 						   .step = in.step };
 			shardd_cq_push(pp->r, &out, NULL);
 			pp->served++;
@@ -716,8 +724,8 @@ Test(ring, doorbell_and_futex_round_trips_lose_no_wakeup, .timeout = 60)
 	/* A client that failed stops ringing: the daemon's bounded poll ends it. */
 	pthread_join(c, NULL);
 	pthread_join(d, NULL);
-	cr_assert_eq(pp.client_err, 0, "client: %s after %llu round trips", strerror(-pp.client_err),
-		     (unsigned long long)pp.answered);
+	cr_assert_eq(pp.client_err, 0, "client: %s after %llu round trips",
+		     strerror(-pp.client_err), (unsigned long long)pp.answered);
 	cr_assert_eq(pp.daemon_err, 0, "daemon: %s after %llu served", strerror(-pp.daemon_err),
 		     (unsigned long long)pp.served);
 	cr_assert_eq(pp.bad_at, UINT64_MAX, "completion %llu matched the wrong submission",

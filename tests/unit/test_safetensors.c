@@ -46,7 +46,8 @@ static void rejects(const char *json, size_t data, const char *want)
 	free(b);
 }
 
-static struct shd_safetensors_tensor tensor(const char *name, uint32_t dtype, uint32_t ndim, uint64_t d0, uint64_t d1)
+static struct shd_safetensors_tensor tensor(const char *name, uint32_t dtype, uint32_t ndim,
+					    uint64_t d0, uint64_t d1)
 {
 	struct shd_safetensors_tensor t;
 
@@ -73,7 +74,8 @@ Test(ckpt_format, build_packs_tensors_back_to_back_after_a_padded_header, .timeo
 	json_t *root, *e;
 	json_error_t jerr;
 
-	cr_assert_eq(shd_safetensors_build(t, 3, &hdr, &hdrlen, &data, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(shd_safetensors_build(t, 3, &hdr, &hdrlen, &data, err, sizeof(err)), 0, "%s",
+		     err);
 	cr_assert_eq(data, 36);
 	cr_assert_eq(hdrlen % 8, 0, "data must start 8-byte aligned, header is %zu bytes", hdrlen);
 	for (int i = 0; i < 8; i++)
@@ -88,7 +90,9 @@ Test(ckpt_format, build_packs_tensors_back_to_back_after_a_padded_header, .timeo
 	cr_assert_eq(json_integer_value(json_array_get(json_object_get(e, "shape"), 0)), 5);
 	e = json_object_get(root, "scale");
 	cr_assert_eq(json_array_size(json_object_get(e, "shape")), 0);
-	cr_assert_str_eq(json_string_value(json_object_get(json_object_get(root, "__metadata__"), "format")), "pt");
+	cr_assert_str_eq(
+		json_string_value(json_object_get(json_object_get(root, "__metadata__"), "format")),
+		"pt");
 	cr_assert_eq(t[2].begin, 34);
 	cr_assert_eq(t[2].end, 36);
 	json_decref(root);
@@ -109,11 +113,14 @@ Test(ckpt_format, parse_reads_back_what_build_wrote, .timeout = 10)
 	uint64_t data;
 	char err[256] = "";
 
-	cr_assert_eq(shd_safetensors_build(t, 3, &hdr, &hdrlen, &data, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(shd_safetensors_build(t, 3, &hdr, &hdrlen, &data, err, sizeof(err)), 0, "%s",
+		     err);
 	cr_assert_eq(data, 28 + 0 + 16);
 	file = calloc(1, hdrlen + data);
 	memcpy(file, hdr, hdrlen);
-	cr_assert_eq(shd_safetensors_parse(file, hdrlen + data, hdrlen + data, &f, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(
+		shd_safetensors_parse(file, hdrlen + data, hdrlen + data, &f, err, sizeof(err)), 0,
+		"%s", err);
 	cr_assert_eq(f.ntensors, 3);
 	cr_assert_eq(f.data_start, hdrlen);
 	cr_assert_eq(f.data_size, 44);
@@ -155,7 +162,8 @@ Test(ckpt_format, parse_accepts_a_hand_written_file_with_trailing_spaces, .timeo
 	free(b);
 }
 
-#define T(name, dt, shape, b, e) "\"" name "\":{\"dtype\":\"" dt "\",\"shape\":" shape ",\"data_offsets\":[" #b "," #e "]}"
+#define T(name, dt, shape, b, e) \
+	"\"" name "\":{\"dtype\":\"" dt "\",\"shape\":" shape ",\"data_offsets\":[" #b "," #e "]}"
 
 Test(ckpt_format, parse_rejects_a_header_length_past_the_file, .timeout = 10)
 {
@@ -163,7 +171,8 @@ Test(ckpt_format, parse_rejects_a_header_length_past_the_file, .timeout = 10)
 	uint8_t b[16] = { 0xe8, 0x03 }; /* 1000 */
 	char err[256] = "";
 
-	cr_assert_eq(shd_safetensors_parse(b, sizeof(b), sizeof(b), &f, err, sizeof(err)), -SHARDD_E_MALFORMED);
+	cr_assert_eq(shd_safetensors_parse(b, sizeof(b), sizeof(b), &f, err, sizeof(err)),
+		     -SHARDD_E_MALFORMED);
 	cr_assert(strstr(err, "header length 1000 out of range"), "%s", err);
 }
 
@@ -173,7 +182,8 @@ Test(ckpt_format, parse_rejects_a_header_length_past_the_limit, .timeout = 10)
 	uint8_t b[16] = { 0, 0, 0, 0, 0, 0, 0, 0x80 };
 	char err[256] = "";
 
-	cr_assert_eq(shd_safetensors_parse(b, sizeof(b), UINT64_MAX, &f, err, sizeof(err)), -SHARDD_E_MALFORMED);
+	cr_assert_eq(shd_safetensors_parse(b, sizeof(b), UINT64_MAX, &f, err, sizeof(err)),
+		     -SHARDD_E_MALFORMED);
 	cr_assert(strstr(err, "header length 9223372036854775808 out of range"), "%s", err);
 }
 
@@ -183,7 +193,8 @@ Test(ckpt_format, parse_rejects_a_file_shorter_than_the_length, .timeout = 10)
 	uint8_t b[4] = { 0 };
 	char err[256] = "";
 
-	cr_assert_eq(shd_safetensors_parse(b, sizeof(b), sizeof(b), &f, err, sizeof(err)), -SHARDD_E_MALFORMED);
+	cr_assert_eq(shd_safetensors_parse(b, sizeof(b), sizeof(b), &f, err, sizeof(err)),
+		     -SHARDD_E_MALFORMED);
 	cr_assert(strstr(err, "file of 4 bytes"), "%s", err);
 }
 
@@ -192,30 +203,41 @@ Test(ckpt_format, parse_rejects_each_malformed_header, .timeout = 10)
 	rejects("[1,2]", 0, "does not start with '{'");
 	rejects("{\"x\":", 0, "header JSON");
 	rejects("{" T("x", "F64", "[1]", 0, 8) "}", 8, "dtype \"F64\" is not one shardd reads");
-	rejects("{\"x\":{\"dtype\":1,\"shape\":[1],\"data_offsets\":[0,4]}}", 4, "tensor 'x': dtype is not a string");
-	rejects("{" T("x", "F32", "[1,1,1,1,1,1,1,1,1]", 0, 4) "}", 4, "tensor 'x': shape must be an array of at most 8");
-	rejects("{" T("x", "F32", "[-1]", 0, 4) "}", 4, "tensor 'x': shape[0] is not a non-negative integer");
+	rejects("{\"x\":{\"dtype\":1,\"shape\":[1],\"data_offsets\":[0,4]}}", 4,
+		"tensor 'x': dtype is not a string");
+	rejects("{" T("x", "F32", "[1,1,1,1,1,1,1,1,1]", 0, 4) "}", 4,
+		"tensor 'x': shape must be an array of at most 8");
+	rejects("{" T("x", "F32", "[-1]", 0, 4) "}", 4,
+		"tensor 'x': shape[0] is not a non-negative integer");
 	rejects("{" T("x", "F32", "[1.5]", 0, 4) "}", 4, "shape[0]");
-	rejects("{\"x\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0]}}", 4, "data_offsets must be [begin, end]");
-	rejects("{" T("x", "F32", "[25]", 0, 100) "}", 8, "tensor 'x': data_offsets [0, 100] out of range: need begin <= end <= 8");
+	rejects("{\"x\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0]}}", 4,
+		"data_offsets must be [begin, end]");
+	rejects("{" T("x", "F32", "[25]", 0, 100) "}", 8,
+		"tensor 'x': data_offsets [0, 100] out of range: need begin <= end <= 8");
 	rejects("{" T("x", "F32", "[0]", 4, 0) "}", 8, "data_offsets [4, 0] out of range");
-	rejects("{" T("x", "F32", "[3]", 0, 8) "}", 8, "tensor 'x': data_offsets [0, 8] hold 8 bytes, but F32 shape [3] needs 12");
+	rejects("{" T("x", "F32", "[3]", 0, 8) "}", 8,
+		"tensor 'x': data_offsets [0, 8] hold 8 bytes, but F32 shape [3] needs 12");
 	rejects("{" T("x", "BF16", "[4294967296,4294967296]", 0, 8) "}", 8, "needs more than");
 	rejects("{" T("x", "F32", "[2]", 0, 8) "," T("y", "F32", "[2]", 4, 12) "}", 12,
 		"tensor 'y': data_offsets begin 4, but the previous tensor ends at 8");
 	rejects("{" T("x", "F32", "[1]", 0, 4) "," T("y", "F32", "[1]", 8, 12) "}", 12,
 		"tensor 'y': data_offsets begin 8, but the previous tensor ends at 4");
-	rejects("{" T("x", "F32", "[1]", 0, 4) "}", 12, "tensors end at data byte 4, but the file holds 12 data bytes");
-	rejects("{" T("x", "F32", "[1]", 0, 4) "," T("x", "F32", "[1]", 4, 8) "}", 8, "duplicate object key");
+	rejects("{" T("x", "F32", "[1]", 0, 4) "}", 12,
+		"tensors end at data byte 4, but the file holds 12 data bytes");
+	rejects("{" T("x", "F32", "[1]", 0, 4) "," T("x", "F32", "[1]", 4, 8) "}", 8,
+		"duplicate object key");
 	rejects("{\"x\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4],\"extra\":1}}", 4,
 		"tensor 'x': entry must be an object of exactly");
 	rejects("{\"x\":[1]}", 0, "tensor 'x': entry must be an object");
 	rejects("{\"__metadata__\":{\"format\":1}}", 0, "__metadata__ \"format\" is not a string");
 	rejects("{\"__metadata__\":[]}", 0, "__metadata__ is not an object");
-	rejects("{\"\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}", 4, "names are 1..127 bytes");
-	rejects("{\"" "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
+	rejects("{\"\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}", 4,
+		"names are 1..127 bytes");
+	rejects("{\""
+		"aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
 		"aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\":{\"dtype\":\"F32\",\"shape\":[1],"
-		"\"data_offsets\":[0,4]}}", 4, "of 143 bytes");
+		"\"data_offsets\":[0,4]}}",
+		4, "of 143 bytes");
 }
 
 Test(ckpt_format, read_parses_the_header_of_a_file, .timeout = 10)
@@ -229,38 +251,47 @@ Test(ckpt_format, read_parses_the_header_of_a_file, .timeout = 10)
 	char err[256] = "";
 	int fd = memfd_create("st", 0);
 
-	cr_assert_eq(shd_safetensors_build(t, 1, &hdr, &hdrlen, &data, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(shd_safetensors_build(t, 1, &hdr, &hdrlen, &data, err, sizeof(err)), 0, "%s",
+		     err);
 	cr_assert_eq(write(fd, hdr, hdrlen), (ssize_t)hdrlen);
 	cr_assert_eq(write(fd, vals, sizeof(vals)), (ssize_t)sizeof(vals));
 	cr_assert_eq(shd_safetensors_read(fd, "w.safetensors", &f, err, sizeof(err)), 0, "%s", err);
-	cr_assert_eq(pread(fd, back, sizeof(back), (off_t)(f.data_start + shd_safetensors_find(&f, "w")->begin)),
+	cr_assert_eq(pread(fd, back, sizeof(back),
+			   (off_t)(f.data_start + shd_safetensors_find(&f, "w")->begin)),
 		     (ssize_t)sizeof(back));
 	cr_assert_eq(memcmp(back, vals, sizeof(vals)), 0);
 	shd_safetensors_free(&f);
 	/* One byte short: the error names the file and the byte counts. */
 	cr_assert_eq(ftruncate(fd, (off_t)(hdrlen + data - 1)), 0);
-	cr_assert_eq(shd_safetensors_read(fd, "w.safetensors", &f, err, sizeof(err)), -SHARDD_E_MALFORMED);
-	cr_assert(strstr(err, "w.safetensors: tensor 'w': data_offsets [0, 12] out of range: need begin <= end <= 11"),
-		  "%s", err);
+	cr_assert_eq(shd_safetensors_read(fd, "w.safetensors", &f, err, sizeof(err)),
+		     -SHARDD_E_MALFORMED);
+	cr_assert(
+		strstr(err,
+		       "w.safetensors: tensor 'w': data_offsets [0, 12] out of range: need begin <= end <= 11"),
+		"%s", err);
 	close(fd);
 	free(hdr);
 }
 
 Test(ckpt_format, build_rejects_duplicate_and_bad_names, .timeout = 10)
 {
-	struct shd_safetensors_tensor t[2] = { tensor("w", SHARDD_DTYPE_FP32, 1, 1, 0), tensor("w", SHARDD_DTYPE_FP32, 1, 1, 0) };
+	struct shd_safetensors_tensor t[2] = { tensor("w", SHARDD_DTYPE_FP32, 1, 1, 0),
+					       tensor("w", SHARDD_DTYPE_FP32, 1, 1, 0) };
 	uint8_t *hdr;
 	size_t hdrlen;
 	uint64_t data;
 	char err[256] = "";
 
-	cr_assert_eq(shd_safetensors_build(t, 2, &hdr, &hdrlen, &data, err, sizeof(err)), -SHARDD_E_INVALID);
+	cr_assert_eq(shd_safetensors_build(t, 2, &hdr, &hdrlen, &data, err, sizeof(err)),
+		     -SHARDD_E_INVALID);
 	cr_assert(strstr(err, "tensor 'w' appears twice"), "%s", err);
 	snprintf(t[1].name, sizeof(t[1].name), "bad\xff");
-	cr_assert_eq(shd_safetensors_build(t, 2, &hdr, &hdrlen, &data, err, sizeof(err)), -SHARDD_E_INVALID);
+	cr_assert_eq(shd_safetensors_build(t, 2, &hdr, &hdrlen, &data, err, sizeof(err)),
+		     -SHARDD_E_INVALID);
 	cr_assert(strstr(err, "is not UTF-8"), "%s", err);
 	t[1] = tensor("v", SHARDD_DTYPE_NONE, 1, 1, 0);
-	cr_assert_eq(shd_safetensors_build(t, 2, &hdr, &hdrlen, &data, err, sizeof(err)), -SHARDD_E_INVALID);
+	cr_assert_eq(shd_safetensors_build(t, 2, &hdr, &hdrlen, &data, err, sizeof(err)),
+		     -SHARDD_E_INVALID);
 	cr_assert(strstr(err, "tensor 'v': dtype 0"), "%s", err);
 }
 
@@ -268,7 +299,8 @@ Test(ckpt_format, build_rejects_duplicate_and_bad_names, .timeout = 10)
 /* Manifest                                                            */
 /* ------------------------------------------------------------------ */
 
-static struct shardd_param_spec pspec(const char *name, uint32_t dtype, uint32_t ndim, uint64_t d0, uint64_t d1)
+static struct shardd_param_spec pspec(const char *name, uint32_t dtype, uint32_t ndim, uint64_t d0,
+				      uint64_t d1)
 {
 	struct shardd_param_spec s;
 
@@ -282,8 +314,8 @@ static struct shardd_param_spec pspec(const char *name, uint32_t dtype, uint32_t
 }
 
 /* A two-group manifest: "blocks" with AdamW (amsgrad), "head" without an optimizer. */
-static void sample(struct shd_ckpt_manifest *m, struct shd_ckpt_group g[2], struct shardd_param_spec s[3],
-		   struct shd_ckpt_file f[3])
+static void sample(struct shd_ckpt_manifest *m, struct shd_ckpt_group g[2],
+		   struct shardd_param_spec s[3], struct shd_ckpt_file f[3])
 {
 	memset(m, 0, sizeof(*m));
 	memset(g, 0, 2 * sizeof(*g));
@@ -302,8 +334,12 @@ static void sample(struct shd_ckpt_manifest *m, struct shd_ckpt_group g[2], stru
 	g[0].hdr.param_dtype = SHARDD_DTYPE_BF16;
 	g[0].hdr.flags = SHARDD_REGISTER_OPTIMIZER;
 	g[0].specs = &s[0];
-	g[0].optim = (struct shardd_optim_config){ .kind = SHARDD_OPTIM_ADAMW, .flags = SHARDD_OPTIM_AMSGRAD,
-						   .weight_decay = 0.1, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8 };
+	g[0].optim = (struct shardd_optim_config){ .kind = SHARDD_OPTIM_ADAMW,
+						   .flags = SHARDD_OPTIM_AMSGRAD,
+						   .weight_decay = 0.1,
+						   .beta1 = 0.9,
+						   .beta2 = 0.999,
+						   .eps = 1e-8 };
 	g[0].last_step = 12;
 	g[0].optim_steps = 11;
 	shd_ckpt_file_names(0, 2, g[0].file, g[0].optim_file);
@@ -338,17 +374,22 @@ Test(ckpt_format, manifest_round_trips_every_field, .timeout = 10)
 	sample(&m, g, s, f);
 	cr_assert_eq(shd_ckpt_manifest_dump(&m, &json, err, sizeof(err)), 0, "%s", err);
 	cr_assert(strstr(json, "\"crc32\": \"deadbeef\""), "%s", json);
-	cr_assert_eq(shd_ckpt_manifest_parse(json, strlen(json), &back, err, sizeof(err)), 0, "%s\n%s", err, json);
+	cr_assert_eq(shd_ckpt_manifest_parse(json, strlen(json), &back, err, sizeof(err)), 0,
+		     "%s\n%s", err, json);
 	cr_assert_str_eq(back.job, "train");
 	cr_assert_eq(back.step, 12);
 	cr_assert_eq(back.replicate, 2);
 	cr_assert_eq(back.shard, 2);
 	cr_assert_eq(back.ngroups, 2);
 	for (uint32_t i = 0; i < 2; i++) {
-		cr_assert_eq(memcmp(&back.groups[i].hdr, &g[i].hdr, sizeof(g[i].hdr)), 0, "group %u header", i);
-		cr_assert_eq(memcmp(back.groups[i].specs, g[i].specs, g[i].hdr.nparams * sizeof(*s)), 0, "group %u specs", i);
+		cr_assert_eq(memcmp(&back.groups[i].hdr, &g[i].hdr, sizeof(g[i].hdr)), 0,
+			     "group %u header", i);
+		cr_assert_eq(
+			memcmp(back.groups[i].specs, g[i].specs, g[i].hdr.nparams * sizeof(*s)), 0,
+			"group %u specs", i);
 		/* Bit-exact doubles: 0.1, 0.999 and 1e-8 survive the text. */
-		cr_assert_eq(memcmp(&back.groups[i].optim, &g[i].optim, sizeof(g[i].optim)), 0, "group %u optimizer", i);
+		cr_assert_eq(memcmp(&back.groups[i].optim, &g[i].optim, sizeof(g[i].optim)), 0,
+			     "group %u optimizer", i);
 		cr_assert_eq(back.groups[i].last_step, g[i].last_step);
 		cr_assert_eq(back.groups[i].optim_steps, g[i].optim_steps);
 		cr_assert_str_eq(back.groups[i].file, g[i].file);
@@ -358,7 +399,8 @@ Test(ckpt_format, manifest_round_trips_every_field, .timeout = 10)
 	cr_assert_str_eq(back.groups[0].optim_file, "optim-00001-of-00002.safetensors");
 	cr_assert_eq(back.nfiles, 3);
 	cr_assert_eq(memcmp(back.files, f, sizeof(f)), 0);
-	cr_assert_eq(shd_ckpt_manifest_file(&back, "model-00002-of-00002.safetensors"), &back.files[2]);
+	cr_assert_eq(shd_ckpt_manifest_file(&back, "model-00002-of-00002.safetensors"),
+		     &back.files[2]);
 	shd_ckpt_manifest_free(&back);
 	free(json);
 }
@@ -380,7 +422,8 @@ static void manifest_rejects(const char *from, const char *to, const char *want)
 	cr_assert(asprintf(&edited, "%.*s%s%s", (int)(at - json), json, to, at + strlen(from)) > 0);
 	rc = shd_ckpt_manifest_parse(edited, strlen(edited), &back, err, sizeof(err));
 	cr_assert_eq(rc, -SHARDD_E_MALFORMED, "%s -> %s: rc %d", from, to, rc);
-	cr_assert(strstr(err, want), "%s -> %s: error '%s' does not name '%s'", from, to, err, want);
+	cr_assert(strstr(err, want), "%s -> %s: error '%s' does not name '%s'", from, to, err,
+		  want);
 	cr_assert_null(back.groups);
 	free(edited);
 	free(json);
@@ -394,30 +437,45 @@ Test(ckpt_format, manifest_rejects_each_bad_field, .timeout = 10)
 	manifest_rejects("\"step\": 12", "\"step\": -1", "step must be a non-negative integer");
 	manifest_rejects("\"replicate\": 2", "\"replicate\": 0", "mesh must be {replicate, shard}");
 	manifest_rejects("\"replicate\": 2", "\"replicate\": 1024", "their product at most 1024");
-	manifest_rejects("\"name\": \"head\"", "\"name\": \"blocks\"", "group 'blocks' appears twice");
-	manifest_rejects("\"name\": \"blocks.0.b\"", "\"name\": \"blocks.0.w\"", "groups[0] 'blocks': param 'blocks.0.w'");
-	manifest_rejects("\"dtype\": \"bf16\"", "\"dtype\": \"int8\"", "groups[1].params[0].dtype \"int8\"");
-	manifest_rejects("\"shard_dim\": 1", "\"shard_dim\": 2", "groups[1] 'head': param 'head.w'");
-	manifest_rejects("\"param_dtype\": \"bf16\"", "\"param_dtype\": \"x\"", "groups[0]: param_dtype \"x\"");
-	manifest_rejects("\"kind\": \"adamw\"", "\"kind\": \"lion\"", "groups[0].optimizer.kind \"lion\"");
-	manifest_rejects("\"amsgrad\": true", "\"amsgrad\": 1", "groups[0].optimizer.amsgrad must be true or false");
-	manifest_rejects("\"eps\": 1e-8", "\"eps\": \"x\"", "groups[0].optimizer.eps must be a number");
-	manifest_rejects("\"optim_steps\": 11", "\"optim_steps\": 13", "optim_steps 13 > last_step 12");
-	manifest_rejects("\"file\": \"model-00001-of-00002.safetensors\"", "\"file\": \"../etc/passwd\"",
-			 "groups[0].file must be a plain file name");
-	manifest_rejects("\"file\": \"model-00001-of-00002.safetensors\"", "\"file\": \"other.safetensors\"",
+	manifest_rejects("\"name\": \"head\"", "\"name\": \"blocks\"",
+			 "group 'blocks' appears twice");
+	manifest_rejects("\"name\": \"blocks.0.b\"", "\"name\": \"blocks.0.w\"",
+			 "groups[0] 'blocks': param 'blocks.0.w'");
+	manifest_rejects("\"dtype\": \"bf16\"", "\"dtype\": \"int8\"",
+			 "groups[1].params[0].dtype \"int8\"");
+	manifest_rejects("\"shard_dim\": 1", "\"shard_dim\": 2",
+			 "groups[1] 'head': param 'head.w'");
+	manifest_rejects("\"param_dtype\": \"bf16\"", "\"param_dtype\": \"x\"",
+			 "groups[0]: param_dtype \"x\"");
+	manifest_rejects("\"kind\": \"adamw\"", "\"kind\": \"lion\"",
+			 "groups[0].optimizer.kind \"lion\"");
+	manifest_rejects("\"amsgrad\": true", "\"amsgrad\": 1",
+			 "groups[0].optimizer.amsgrad must be true or false");
+	manifest_rejects("\"eps\": 1e-8", "\"eps\": \"x\"",
+			 "groups[0].optimizer.eps must be a number");
+	manifest_rejects("\"optim_steps\": 11", "\"optim_steps\": 13",
+			 "optim_steps 13 > last_step 12");
+	manifest_rejects("\"file\": \"model-00001-of-00002.safetensors\"",
+			 "\"file\": \"../etc/passwd\"", "groups[0].file must be a plain file name");
+	manifest_rejects("\"file\": \"model-00001-of-00002.safetensors\"",
+			 "\"file\": \"other.safetensors\"",
 			 "file \"other.safetensors\" or optim_file");
-	manifest_rejects("\"crc32\": \"deadbeef\"", "\"crc32\": \"DEADBEEF\"", "files[0].crc32 must be 8 lower-case hex digits");
+	manifest_rejects("\"crc32\": \"deadbeef\"", "\"crc32\": \"DEADBEEF\"",
+			 "files[0].crc32 must be 8 lower-case hex digits");
 	manifest_rejects("\"crc32\": \"deadbeef\"", "\"crc32\": \"+eadbeef\"", "files[0].crc32");
-	manifest_rejects("\"name\": \"optim-00001-of-00002.safetensors\"", "\"name\": \"model-00001-of-00002.safetensors\"",
+	manifest_rejects("\"name\": \"optim-00001-of-00002.safetensors\"",
+			 "\"name\": \"model-00001-of-00002.safetensors\"",
 			 "is listed twice in files");
-	manifest_rejects("\"bytes\": 99", "\"bytes\": 9.5", "files[1].bytes must be a non-negative integer");
+	manifest_rejects("\"bytes\": 99", "\"bytes\": 9.5",
+			 "files[1].bytes must be a non-negative integer");
 	manifest_rejects("{", "[", "JSON, byte");
 	manifest_rejects("\"optim_steps\": 11", "\"optim_steps\": 11, \"shard_optim_steps\": [11]",
 			 "groups[0].shard_optim_steps must be an array of 2 integers");
-	manifest_rejects("\"optim_steps\": 11", "\"optim_steps\": 11, \"shard_optim_steps\": [12, 11]",
+	manifest_rejects("\"optim_steps\": 11",
+			 "\"optim_steps\": 11, \"shard_optim_steps\": [12, 11]",
 			 "groups[0].shard_optim_steps[0] is not an integer in 0..optim_steps (11)");
-	manifest_rejects("\"optim_steps\": 11", "\"optim_steps\": 11, \"shard_optim_steps\": [10, 9]",
+	manifest_rejects("\"optim_steps\": 11",
+			 "\"optim_steps\": 11, \"shard_optim_steps\": [10, 9]",
 			 "groups[0]: optim_steps 11 is not the highest of shard_optim_steps (10)");
 }
 
@@ -433,7 +491,8 @@ Test(ckpt_format, manifest_keeps_each_rank_shards_update_count_when_they_differ,
 	sample(&m, g, s, f);
 	g[0].shard_optim_steps = counts;
 	cr_assert_eq(shd_ckpt_manifest_dump(&m, &json, err, sizeof(err)), 0, "%s", err);
-	cr_assert_eq(shd_ckpt_manifest_parse(json, strlen(json), &back, err, sizeof(err)), 0, "%s\n%s", err, json);
+	cr_assert_eq(shd_ckpt_manifest_parse(json, strlen(json), &back, err, sizeof(err)), 0,
+		     "%s\n%s", err, json);
 	cr_assert_not_null(back.groups[0].shard_optim_steps, "%s", json);
 	cr_assert_eq(back.groups[0].shard_optim_steps[0], 11);
 	cr_assert_eq(back.groups[0].shard_optim_steps[1], 10);
@@ -483,17 +542,23 @@ Test(ckpt_format, index_maps_every_param_to_its_file, .timeout = 10)
 	cr_assert_eq(shd_ckpt_index_dump(&m, 100, &json, err, sizeof(err)), 0, "%s", err);
 	root = json_loads(json, 0, NULL);
 	cr_assert(root);
-	cr_assert_eq(json_integer_value(json_object_get(json_object_get(root, "metadata"), "total_size")), 100);
+	cr_assert_eq(json_integer_value(
+			     json_object_get(json_object_get(root, "metadata"), "total_size")),
+		     100);
 	map = json_object_get(root, "weight_map");
 	cr_assert_eq(json_object_size(map), 3);
-	cr_assert_str_eq(json_string_value(json_object_get(map, "blocks.0.b")), "model-00001-of-00002.safetensors");
-	cr_assert_str_eq(json_string_value(json_object_get(map, "head.w")), "model-00002-of-00002.safetensors");
+	cr_assert_str_eq(json_string_value(json_object_get(map, "blocks.0.b")),
+			 "model-00001-of-00002.safetensors");
+	cr_assert_str_eq(json_string_value(json_object_get(map, "head.w")),
+			 "model-00002-of-00002.safetensors");
 	json_decref(root);
 	free(json);
 	snprintf(s[2].name, sizeof(s[2].name), "blocks.0.w");
 	cr_assert_eq(shd_ckpt_index_dump(&m, 100, &json, err, sizeof(err)), -SHARDD_E_INVALID);
-	cr_assert(strstr(err, "param 'blocks.0.w' is in file model-00001-of-00002.safetensors and in group 'head'"),
-		  "%s", err);
+	cr_assert(
+		strstr(err,
+		       "param 'blocks.0.w' is in file model-00001-of-00002.safetensors and in group 'head'"),
+		"%s", err);
 }
 
 Test(ckpt_format, file_names_follow_the_hugging_face_split_convention, .timeout = 10)

@@ -34,7 +34,8 @@ Test(world_boot, hsdp_takes_one_communicator_per_local_index_over_the_nodes, .ti
 	cr_assert_eq(shd_world_boot_comms(&s), 2);
 	/* Global rank 2*2+1 = 5 is shard 1 of replica (node) 2: rank 2 of shard 1's 3 replicas. */
 	cr_assert_eq(shd_world_boot_member(&s, 1, &comm, &rank, &nranks), 0);
-	cr_assert(comm == 1 && rank == 2 && nranks == 3, "comm %u rank %u of %u", comm, rank, nranks);
+	cr_assert(comm == 1 && rank == 2 && nranks == 3, "comm %u rank %u of %u", comm, rank,
+		  nranks);
 	cr_assert_eq(shd_world_boot_member(&s, 2, &comm, &rank, &nranks), -SHARDD_E_INVALID);
 }
 
@@ -46,7 +47,8 @@ Test(world_boot, fsdp_takes_one_communicator_over_every_rank_in_global_order, .t
 	cr_assert_eq(shd_world_boot_comms(&s), 1);
 	/* Local rank 3 of node 1 is global rank 1*4+3 = 7 of 12. */
 	cr_assert_eq(shd_world_boot_member(&s, 3, &comm, &rank, &nranks), 0);
-	cr_assert(comm == 0 && rank == 7 && nranks == 12, "comm %u rank %u of %u", comm, rank, nranks);
+	cr_assert(comm == 0 && rank == 7 && nranks == 12, "comm %u rank %u of %u", comm, rank,
+		  nranks);
 	s.node = 3;
 	cr_assert_eq(shd_world_boot_member(&s, 0, &comm, &rank, &nranks), -SHARDD_E_INVALID);
 }
@@ -73,15 +75,15 @@ struct board {
 	uint32_t nodes;
 	uint8_t posted[SEQS][NODES_MAX];
 	uint8_t msg[SEQS][NODES_MAX][MSG_MAX];
-	uint32_t made_ids;                 /* make_ids calls, all nodes */
+	uint32_t made_ids; /* make_ids calls, all nodes */
 };
 
 struct node {
 	struct board *b;
 	struct shd_world_boot s;
-	uint32_t gen;                      /* in: live generation; out: after the bootstrap */
-	int fail_init;                     /* this node's set-up fails */
-	int holds;                         /* it holds communicators (init succeeded, not dropped) */
+	uint32_t gen;  /* in: live generation; out: after the bootstrap */
+	int fail_init; /* this node's set-up fails */
+	int holds;     /* it holds communicators (init succeeded, not dropped) */
 	uint8_t ids[4 * SHD_WORLD_ID_BYTES]; /* what its last init was given */
 	uint32_t inits, drops;
 	int ret;
@@ -93,10 +95,12 @@ static int fake_exchange(void *ctx, uint64_t seq, const void *mine, void *all, s
 {
 	struct node *n = ctx;
 	struct board *b = n->b;
-	struct timespec until = { (time_t)(deadline_ns / 1000000000ull), (long)(deadline_ns % 1000000000ull) };
+	struct timespec until = { (time_t)(deadline_ns / 1000000000ull),
+				  (long)(deadline_ns % 1000000000ull) };
 	uint32_t have = 0;
 
-	cr_assert(seq < SEQS && bytes <= MSG_MAX, "exchange %llu of %zu bytes", (unsigned long long)seq, bytes);
+	cr_assert(seq < SEQS && bytes <= MSG_MAX, "exchange %llu of %zu bytes",
+		  (unsigned long long)seq, bytes);
 	pthread_mutex_lock(&b->lock);
 	memcpy(b->msg[seq][n->s.node], mine, bytes);
 	b->posted[seq][n->s.node] = 1;
@@ -161,7 +165,8 @@ static void fake_drop(void *ctx)
 static void *node_main(void *arg)
 {
 	struct node *n = arg;
-	const struct shd_world_boot_ops ops = { n, fake_exchange, fake_make_ids, fake_init, fake_drop };
+	const struct shd_world_boot_ops ops = { n, fake_exchange, fake_make_ids, fake_init,
+						fake_drop };
 
 	n->ret = shd_world_bootstrap(&n->s, &ops, &n->gen, n->err, sizeof(n->err));
 	return NULL;
@@ -171,8 +176,8 @@ static void *node_main(void *arg)
  * Run the bootstrap on nodes 0..nodes-1 of a world of `world` nodes (the
  * rest never answer), node k starting at generation gens[k].
  */
-static void run(struct board *b, struct node *nodes, uint32_t world, uint32_t running, uint32_t layout,
-		const uint32_t *gens, uint64_t timeout_ns)
+static void run(struct board *b, struct node *nodes, uint32_t world, uint32_t running,
+		uint32_t layout, const uint32_t *gens, uint64_t timeout_ns)
 {
 	pthread_t th[NODES_MAX];
 
@@ -192,9 +197,18 @@ static void run(struct board *b, struct node *nodes, uint32_t world, uint32_t ru
 
 		memset(&nodes[k], 0, sizeof(nodes[k]));
 		nodes[k] = (struct node){
-			.b = b, .gen = gens[k], .holds = gens[k] != 0, .fail_init = fail,
-			.s = { .layout = layout, .nodes = world, .node = k, .local = 2, .key = 7, .seq = 0,
-			       .check = 9, .timeout_ns = timeout_ns },
+			.b = b,
+			.gen = gens[k],
+			.holds = gens[k] != 0,
+			.fail_init = fail,
+			.s = { .layout = layout,
+			       .nodes = world,
+			       .node = k,
+			       .local = 2,
+			       .key = 7,
+			       .seq = 0,
+			       .check = 9,
+			       .timeout_ns = timeout_ns },
 		};
 	}
 	for (uint32_t k = 0; k < running; k++)
@@ -222,7 +236,8 @@ Test(world_boot, a_fresh_world_makes_every_node_take_node_0s_ids, .timeout = 10)
 		cr_assert_eq(n[k].gen, 1, "node %u: generation %u", k, n[k].gen);
 		cr_assert(n[k].holds && n[k].inits == 1, "node %u: %u inits", k, n[k].inits);
 		/* Both communicators of the HSDP layout, each from its own id of node 0's. */
-		cr_assert_eq(memcmp(n[k].ids, want, sizeof(want)), 0, "node %u was not given node 0's ids", k);
+		cr_assert_eq(memcmp(n[k].ids, want, sizeof(want)), 0,
+			     "node %u was not given node 0's ids", k);
 	}
 }
 
@@ -237,7 +252,8 @@ Test(world_boot, live_communicators_on_every_node_are_kept, .timeout = 10)
 	for (uint32_t k = 0; k < 2; k++) {
 		cr_assert_eq(n[k].ret, 0, "node %u: %s", k, n[k].err);
 		cr_assert(n[k].gen == 4 && n[k].inits == 0 && n[k].drops == 0 && n[k].holds,
-			  "node %u: generation %u, %u inits, %u drops", k, n[k].gen, n[k].inits, n[k].drops);
+			  "node %u: generation %u, %u inits, %u drops", k, n[k].gen, n[k].inits,
+			  n[k].drops);
 	}
 }
 
@@ -252,7 +268,8 @@ Test(world_boot, one_node_without_communicators_makes_every_node_remake_them, .t
 		cr_assert_eq(n[k].ret, 0, "node %u: %s", k, n[k].err);
 		/* Dropped first (node 1 aborted its own), then made from node 0's one id; one past the largest seen. */
 		cr_assert(n[k].gen == 3 && n[k].drops >= 1 && n[k].inits == 1 && n[k].holds,
-			  "node %u: generation %u, %u drops, %u inits", k, n[k].gen, n[k].drops, n[k].inits);
+			  "node %u: generation %u, %u drops, %u inits", k, n[k].gen, n[k].drops,
+			  n[k].inits);
 		cr_assert_eq(memcmp(n[k].ids, n[0].ids, SHD_WORLD_ID_BYTES), 0);
 	}
 }
@@ -268,10 +285,13 @@ Test(world_boot, a_node_whose_set_up_fails_fails_every_node_naming_it, .timeout 
 	run(&b, n, 3, 3, SHD_WORLD_HSDP, gens, 5 * SECOND);
 	for (uint32_t k = 0; k < 3; k++) {
 		cr_assert_eq(n[k].ret, -SHARDD_E_BACKEND, "node %u: %d", k, n[k].ret);
-		cr_assert(n[k].gen == 0 && !n[k].holds, "node %u kept communicators the others gave up", k);
-		cr_assert(strstr(n[k].err, "node 2 (ranks 4..5) did not join"), "node %u: %s", k, n[k].err);
+		cr_assert(n[k].gen == 0 && !n[k].holds,
+			  "node %u kept communicators the others gave up", k);
+		cr_assert(strstr(n[k].err, "node 2 (ranks 4..5) did not join"), "node %u: %s", k,
+			  n[k].err);
 	}
-	cr_assert(strstr(n[2].err, "on this node: ncclCommInitRankConfig"), "node 2 says why: %s", n[2].err);
+	cr_assert(strstr(n[2].err, "on this node: ncclCommInitRankConfig"), "node 2 says why: %s",
+		  n[2].err);
 }
 
 Test(world_boot, a_node_that_never_answers_is_named_within_the_timeout, .timeout = 10)
@@ -287,6 +307,7 @@ Test(world_boot, a_node_that_never_answers_is_named_within_the_timeout, .timeout
 	for (uint32_t k = 0; k < 2; k++) {
 		cr_assert_eq(n[k].ret, -SHARDD_E_TIMEOUT, "node %u: %d %s", k, n[k].ret, n[k].err);
 		cr_assert(n[k].gen == 0 && !n[k].holds, "node %u kept its communicators", k);
-		cr_assert(strstr(n[k].err, "missing node 2 (ranks 4..5)"), "node %u: %s", k, n[k].err);
+		cr_assert(strstr(n[k].err, "missing node 2 (ranks 4..5)"), "node %u: %s", k,
+			  n[k].err);
 	}
 }

@@ -20,40 +20,41 @@
 
 /* Command-line options shared by every benchmark (nccl-tests' letters). */
 struct bench_opts {
-	uint64_t    min_bytes;   /* -b: first size of the sweep */
-	uint64_t    max_bytes;   /* -e: last size of the sweep */
-	uint64_t    factor;      /* -f: size multiplication factor, >= 2 */
-	int         warmup;      /* -w: untimed iterations per size */
-	int         iters;       /* -n: timed iterations per size (ring: samples) */
-	int         iters_set;   /* -n was given (the ring picks its own default) */
-	int         check;       /* -c: check results (1) or not (0) */
-	uint32_t    dtype;       /* -d: param_dtype of the benchmark group */
-	uint32_t    ranks;       /* -r: rank processes (world: ranks per node) */
-	uint32_t    nodes;       /* --nodes: daemons of `shardbench world` */
-	uint64_t    idle_us;     /* --idle-us: gap before each sleeping ring sample */
-	int         load;        /* --load: gpu: also time the ops beside a compute load */
-	const char *socket_path; /* --socket: a running daemon, or NULL */
-	const char *shardd_path; /* --shardd: daemon binary to start */
-	const char *mpi_path;    /* --mpi: the shardbench_mpi comparator */
-	const char *trace_path;  /* --trace: latency's samples, one line each */
-	const char *ckpt_dir;    /* --dir: checkpoint's folder on the disk it measures, or NULL */
+	uint64_t min_bytes;       /* -b: first size of the sweep */
+	uint64_t max_bytes;       /* -e: last size of the sweep */
+	uint64_t factor;          /* -f: size multiplication factor, >= 2 */
+	int warmup;               /* -w: untimed iterations per size */
+	int iters;                /* -n: timed iterations per size (ring: samples) */
+	int iters_set;            /* -n was given (the ring picks its own default) */
+	int check;                /* -c: check results (1) or not (0) */
+	uint32_t dtype;           /* -d: param_dtype of the benchmark group */
+	uint32_t ranks;           /* -r: rank processes (world: ranks per node) */
+	uint32_t nodes;           /* --nodes: daemons of `shardbench world` */
+	uint64_t idle_us;         /* --idle-us: gap before each sleeping ring sample */
+	int load;                 /* --load: gpu: also time the ops beside a compute load */
+	const char *socket_path;  /* --socket: a running daemon, or NULL */
+	const char *shardd_path;  /* --shardd: daemon binary to start */
+	const char *mpi_path;     /* --mpi: the shardbench_mpi comparator */
+	const char *trace_path;   /* --trace: latency's samples, one line each */
+	const char *ckpt_dir;     /* --dir: checkpoint's folder on the disk it measures, or NULL */
 	const char *torch_python; /* --torch: checkpoint's python for the DCP comparison, or NULL */
-	const char *self_dir;    /* directory of this binary */
+	const char *self_dir;     /* directory of this binary */
 };
 
 /* Memory rooflines measured in the same run (roofline.c). */
 #define BENCH_MEM_MAX_IN 8
 
 enum bench_store {
-	BENCH_STORE_PLAIN = 0, /* temporal stores: each output line is read first (write-allocate) */
-	BENCH_STORE_NT    = 1, /* non-temporal stores: written around the caches */
+	BENCH_STORE_PLAIN =
+		0,          /* temporal stores: each output line is read first (write-allocate) */
+	BENCH_STORE_NT = 1, /* non-temporal stores: written around the caches */
 };
 
 /* The order a multi-input kernel reads its inputs in. */
 enum bench_mem_order {
-	BENCH_MEM_STREAMS  = 0, /* one vector of each input in turn */
+	BENCH_MEM_STREAMS = 0,  /* one vector of each input in turn */
 	BENCH_MEM_PREFETCH = 1, /* the same, with software prefetch 2 KiB ahead */
-	BENCH_MEM_BLOCKED  = 2, /* 512 elements of one input after the other */
+	BENCH_MEM_BLOCKED = 2,  /* 512 elements of one input after the other */
 	BENCH_MEM_NORDERS
 };
 
@@ -68,43 +69,49 @@ struct bench_mem_pattern {
 struct bench_mem_best {
 	uint64_t ns;      /* best time of one pass; UINT64_MAX when not measured */
 	uint64_t bytes;   /* count * (nin * in_size + out_size): each element once */
-	int      store;   /* enum bench_store of that pass */
-	int      order;   /* enum bench_mem_order of that pass */
+	int store;        /* enum bench_store of that pass */
+	int order;        /* enum bench_mem_order of that pass */
 	unsigned threads; /* and its threads */
 	uint64_t wrong;   /* output elements that were wrong after a pass */
 };
 
 /* The machine table of `shardbench roofline`. */
-enum { BENCH_ROOF_READ, BENCH_ROOF_WRITE, BENCH_ROOF_COPY, BENCH_ROOF_ADD, BENCH_ROOF_NKERNELS };
+enum {
+	BENCH_ROOF_READ,
+	BENCH_ROOF_WRITE,
+	BENCH_ROOF_COPY,
+	BENCH_ROOF_ADD,
+	BENCH_ROOF_NKERNELS
+};
 
 struct bench_roofline {
 	struct bench_mem_best kernel[BENCH_ROOF_NKERNELS];
-	unsigned threads;   /* one per online core, as the daemon's worker pool */
+	unsigned threads; /* one per online core, as the daemon's worker pool */
 	uint64_t array_bytes;
 	uint64_t wrong;
 };
 
 /* One row of the Open MPI comparator's output (mpi_compare.c). */
 struct bench_mpi_row {
-	uint64_t bytes;    /* size(B) as shardbench counts it */
-	double   time_us;  /* mean over iterations of (last end - first start) */
+	uint64_t bytes; /* size(B) as shardbench counts it */
+	double time_us; /* mean over iterations of (last end - first start) */
 	uint64_t wrong;
 };
 
 struct bench_mpi_table {
 	struct bench_mpi_row *rows;
-	size_t                nrows;
-	char                  dtype[8];  /* the MPI datatype it moved: fp32, u16 */
-	int                   available; /* 0: not built or mpirun missing */
-	char                  why[256];  /* when not available or failed */
+	size_t nrows;
+	char dtype[8]; /* the MPI datatype it moved: fp32, u16 */
+	int available; /* 0: not built or mpirun missing */
+	char why[256]; /* when not available or failed */
 };
 
 /* The daemon the benchmarks talk to (daemon_proc.c). */
 struct bench_daemon {
-	pid_t pid;              /* > 0 when shardbench started it */
-	char  dir[64];          /* its temporary directory */
-	char  socket_path[128]; /* where clients connect */
-	char  log_path[128];    /* its stdout and stderr */
+	pid_t pid;             /* > 0 when shardbench started it */
+	char dir[64];          /* its temporary directory */
+	char socket_path[128]; /* where clients connect */
+	char log_path[128];    /* its stdout and stderr */
 };
 
 /* ---- measure.c ------------------------------------------------------- */
@@ -137,7 +144,7 @@ float bench_param_value(uint64_t i, uint32_t seed);
 /* Element i of rank `rank`'s gradient: in [-8, 7], so means over <= 8 ranks are exact. */
 float bench_grad_value(uint64_t i, uint32_t rank, uint32_t seed);
 /* Element codecs for values exact in `dtype` (zero or normal), independent of kernels/. */
-void  bench_store_exact(void *buf, uint32_t dtype, uint64_t i, float v);
+void bench_store_exact(void *buf, uint32_t dtype, uint64_t i, float v);
 float bench_load_exact(const void *buf, uint32_t dtype, uint64_t i);
 
 /* ---- roofline.c ------------------------------------------------------ */
@@ -182,7 +189,8 @@ unsigned bench_worker_threads(void);
  */
 int bench_daemon_start(const char *shardd_path, const char *backend, struct bench_daemon *d);
 /* The same with a checkpoint folder: shardd --state-dir state_dir. */
-int bench_daemon_start_state(const char *shardd_path, const char *state_dir, struct bench_daemon *d);
+int bench_daemon_start_state(const char *shardd_path, const char *state_dir,
+			     struct bench_daemon *d);
 /* Stop a daemon bench_daemon_start() started; a no-op for --socket. */
 void bench_daemon_stop(struct bench_daemon *d);
 
@@ -201,7 +209,7 @@ void bench_mpi_free(struct bench_mpi_table *t);
 
 enum bench_collective {
 	BENCH_UNSHARD = 0,
-	BENCH_REDUCE  = 1,
+	BENCH_REDUCE = 1,
 };
 
 /*
@@ -258,7 +266,8 @@ int bench_gpu_ops_run(const struct bench_opts *o);
  * against O_DIRECT sequential write and read of the same bytes in
  * `state_dir`; prints its table. 0, or a negative code (printed).
  */
-int bench_checkpoint_run(const struct bench_opts *o, const char *socket_path, const char *state_dir);
+int bench_checkpoint_run(const struct bench_opts *o, const char *socket_path,
+			 const char *state_dir);
 
 /* ---- step.c --------------------------------------------------------- */
 

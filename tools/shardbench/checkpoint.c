@@ -38,18 +38,18 @@
 #include "bench.h"
 #include "shardd.h"
 
-#define CKPT_COLS     1024          /* fp32 elements per row of the param */
-#define CKPT_IO_CHUNK (8u << 20)    /* bytes per direct I/O call */
+#define CKPT_COLS      1024       /* fp32 elements per row of the param */
+#define CKPT_IO_CHUNK  (8u << 20) /* bytes per direct I/O call */
 #define CKPT_MAX_RANKS 8
 #define CKPT_MAX_SIZES 64
-#define DCP_LIMIT_S   1900          /* the script kills its ranks after 1800 s */
+#define DCP_LIMIT_S    1900 /* the script kills its ranks after 1800 s */
 
 struct ckpt_job {
 	const char *socket;
 	char name[64];
 	uint32_t ranks;
 	struct shardd_param_desc param;
-	const char *restore;        /* NULL: plain registration */
+	const char *restore; /* NULL: plain registration */
 	struct shardd_client *c[CKPT_MAX_RANKS];
 	struct shardd_group *g[CKPT_MAX_RANKS];
 	int ret[CKPT_MAX_RANKS];
@@ -62,7 +62,10 @@ struct reg_arg {
 };
 
 static const struct shardd_optim_config adamw = {
-	.kind = SHARDD_OPTIM_ADAMW, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,
+	.kind = SHARDD_OPTIM_ADAMW,
+	.beta1 = 0.9,
+	.beta2 = 0.999,
+	.eps = 1e-8,
 };
 
 static void *register_main(void *p)
@@ -71,7 +74,8 @@ static void *register_main(void *p)
 	struct ckpt_job *j = a->j;
 	struct shardd_group_opts opts = { .optimizer = &adamw, .restore = j->restore };
 
-	j->ret[a->r] = shardd_group_register(j->c[a->r], "state", &j->param, 1, NULL, &opts, &j->g[a->r]);
+	j->ret[a->r] =
+		shardd_group_register(j->c[a->r], "state", &j->param, 1, NULL, &opts, &j->g[a->r]);
 	if (j->ret[a->r])
 		snprintf(j->err[a->r], sizeof(j->err[a->r]), "%s", shardd_last_error());
 	return NULL;
@@ -86,11 +90,16 @@ static uint64_t job_register(struct ckpt_job *j)
 	int failed = 0;
 
 	for (uint32_t r = 0; r < j->ranks; r++) {
-		struct shardd_attach_opts ao = { .socket_path = j->socket, .job = j->name, .rank = r, .replicate = 1,
-						 .shard = j->ranks, .device = SHARDD_HELLO_DEVICE_HOST };
+		struct shardd_attach_opts ao = { .socket_path = j->socket,
+						 .job = j->name,
+						 .rank = r,
+						 .replicate = 1,
+						 .shard = j->ranks,
+						 .device = SHARDD_HELLO_DEVICE_HOST };
 
 		if (shardd_connect(&ao, &j->c[r]) < 0) {
-			fprintf(stderr, "shardbench: checkpoint: attach rank %u: %s\n", r, shardd_last_error());
+			fprintf(stderr, "shardbench: checkpoint: attach rank %u: %s\n", r,
+				shardd_last_error());
 			return 0;
 		}
 	}
@@ -104,7 +113,8 @@ static uint64_t job_register(struct ckpt_job *j)
 	t0 = bench_now_ns() - t0;
 	for (uint32_t r = 0; r < j->ranks; r++)
 		if (j->ret[r]) {
-			fprintf(stderr, "shardbench: checkpoint: register rank %u: %s\n", r, j->err[r]);
+			fprintf(stderr, "shardbench: checkpoint: register rank %u: %s\n", r,
+				j->err[r]);
 			failed = 1;
 		}
 	return failed ? 0 : t0;
@@ -127,12 +137,14 @@ static uint64_t job_checkpoint(struct ckpt_job *j, uint64_t step)
 
 	for (uint32_t r = 0; r < j->ranks; r++)
 		if (shardd_client_submit(j->c[r], SHARDD_OP_CHECKPOINT, step, 0, step) < 0) {
-			fprintf(stderr, "shardbench: checkpoint: submit: %s\n", shardd_last_error());
+			fprintf(stderr, "shardbench: checkpoint: submit: %s\n",
+				shardd_last_error());
 			return 0;
 		}
 	for (uint32_t r = 0; r < j->ranks; r++) {
 		if (shardd_wait(j->c[r], &cp, 600000) < 0 || cp.res < 0) {
-			fprintf(stderr, "shardbench: checkpoint(step %llu) rank %u: %s\n", (unsigned long long)step, r,
+			fprintf(stderr, "shardbench: checkpoint(step %llu) rank %u: %s\n",
+				(unsigned long long)step, r,
 				cp.res < 0 ? cp.msg : shardd_last_error());
 			return 0;
 		}
@@ -143,11 +155,14 @@ static uint64_t job_checkpoint(struct ckpt_job *j, uint64_t step)
 /* Sequential direct I/O of `bytes` to (write 1) or from `path`; ns, or 0 with the error printed. */
 static uint64_t disk_pass(const char *path, uint64_t bytes, int write_it, void *buf)
 {
-	int fd = open(path, (write_it ? O_WRONLY | O_CREAT | O_TRUNC : O_RDONLY) | O_DIRECT | O_CLOEXEC, 0600);
+	int fd = open(path,
+		      (write_it ? O_WRONLY | O_CREAT | O_TRUNC : O_RDONLY) | O_DIRECT | O_CLOEXEC,
+		      0600);
 	uint64_t t0 = bench_now_ns(), done = 0;
 
 	if (fd < 0) {
-		fprintf(stderr, "shardbench: checkpoint: %s with O_DIRECT: %s\n", path, strerror(errno));
+		fprintf(stderr, "shardbench: checkpoint: %s with O_DIRECT: %s\n", path,
+			strerror(errno));
 		return 0;
 	}
 	while (done < bytes) {
@@ -157,7 +172,8 @@ static uint64_t disk_pass(const char *path, uint64_t bytes, int write_it, void *
 		k = (k + 4095) & ~(size_t)4095; /* direct I/O moves whole blocks */
 		n = write_it ? pwrite(fd, buf, k, (off_t)done) : pread(fd, buf, k, (off_t)done);
 		if (n <= 0) {
-			fprintf(stderr, "shardbench: checkpoint: %s %s: %s\n", write_it ? "write" : "read", path,
+			fprintf(stderr, "shardbench: checkpoint: %s %s: %s\n",
+				write_it ? "write" : "read", path,
 				n < 0 ? strerror(errno) : "short");
 			close(fd);
 			return 0;
@@ -201,7 +217,8 @@ static int rm_entry(const char *path, const struct stat *st, int flag, struct FT
 struct dcp_results {
 	int available;
 	char why[256];
-	uint64_t asked[CKPT_MAX_SIZES], save_ns[CKPT_MAX_SIZES], load_ns[CKPT_MAX_SIZES], wrong[CKPT_MAX_SIZES];
+	uint64_t asked[CKPT_MAX_SIZES], save_ns[CKPT_MAX_SIZES], load_ns[CKPT_MAX_SIZES],
+		wrong[CKPT_MAX_SIZES];
 	size_t n;
 };
 
@@ -218,7 +235,8 @@ static void dcp_run(const struct bench_opts *o, const char *python, const char *
 	memset(d, 0, sizeof(*d));
 	snprintf(script, sizeof(script), "%s/../tools/bench_dcp.py", o->self_dir);
 	if (access(script, R_OK)) {
-		snprintf(d->why, sizeof(d->why), "%.200s: %s (it runs from a build tree)", script, strerror(errno));
+		snprintf(d->why, sizeof(d->why), "%.200s: %s (it runs from a build tree)", script,
+			 strerror(errno));
 		return;
 	}
 	argv[argc++] = (char *)python;
@@ -252,7 +270,8 @@ static void dcp_run(const struct bench_opts *o, const char *python, const char *
 		close(pipefd[0]);
 		close(pipefd[1]);
 		execvp(argv[0], argv);
-		printf("unavailable exec %s: %s (--torch names a python)\n", argv[0], strerror(errno));
+		printf("unavailable exec %s: %s (--torch names a python)\n", argv[0],
+		       strerror(errno));
 		_exit(127);
 	}
 	close(pipefd[1]);
@@ -273,10 +292,11 @@ static void dcp_run(const struct bench_opts *o, const char *python, const char *
 			snprintf(d->why, sizeof(d->why), "%.240s", line + 12);
 			d->available = 0;
 		} else if (!strncmp(line, "torch ", 6)) {
-			printf("# DCP: torch %.64s (%s), FileSystemWriter/Reader, %u gloo ranks\n", line + 6, python,
-			       ranks);
+			printf("# DCP: torch %.64s (%s), FileSystemWriter/Reader, %u gloo ranks\n",
+			       line + 6, python, ranks);
 			d->available = 1;
-		} else if (sscanf(line, "dcp %llu %llu %llu %llu %llu", &asked, &bytes, &save, &load, &wrong) == 5 &&
+		} else if (sscanf(line, "dcp %llu %llu %llu %llu %llu", &asked, &bytes, &save,
+				  &load, &wrong) == 5 &&
 			   d->n < CKPT_MAX_SIZES) {
 			d->asked[d->n] = asked;
 			d->save_ns[d->n] = save;
@@ -320,10 +340,12 @@ int bench_checkpoint_run(const struct bench_opts *o, const char *socket_path, co
 	}
 	memset(buf, 0x5a, CKPT_IO_CHUNK);
 	snprintf(probe, sizeof(probe), "%s/disk-probe", state_dir);
-	printf("# checkpoint: AdamW state (fp32 param, exp_avg, exp_avg_sq) over %u ranks, in %s\n", ranks, state_dir);
+	printf("# checkpoint: AdamW state (fp32 param, exp_avg, exp_avg_sq) over %u ranks, in %s\n",
+	       ranks, state_dir);
 	printf("# disk_w/disk_r: O_DIRECT sequential write (+ fsync) and read of the same bytes there\n");
 	printf("# load: a registration restoring from the checkpoint minus the same registration without a restore\n");
-	for (uint64_t size = o->min_bytes; size <= o->max_bytes && nsizes < CKPT_MAX_SIZES; size *= o->factor)
+	for (uint64_t size = o->min_bytes; size <= o->max_bytes && nsizes < CKPT_MAX_SIZES;
+	     size *= o->factor)
 		sizes[nsizes++] = size;
 	if (python && *python) {
 		dcp_run(o, python, state_dir, ranks, sizes, nsizes, dcp);
@@ -335,21 +357,24 @@ int bench_checkpoint_run(const struct bench_opts *o, const char *socket_path, co
 	} else {
 		printf("# torch.distributed.checkpoint: not compared (--torch PYTHON with torch >= 2.4 compares it)\n");
 	}
-	printf("#%13s %12s %12s %9s %12s %12s %9s", "size(B)", "disk_w(GB/s)", "save(GB/s)", "save/disk",
-	       "disk_r(GB/s)", "load(GB/s)", "load/disk");
+	printf("#%13s %12s %12s %9s %12s %12s %9s", "size(B)", "disk_w(GB/s)", "save(GB/s)",
+	       "save/disk", "disk_r(GB/s)", "load(GB/s)", "load/disk");
 	if (dcp->available)
 		printf(" %11s %9s %11s %9s", "dcp_w(GB/s)", "save/DCP", "dcp_r(GB/s)", "load/DCP");
 	printf(" %7s\n", "#wrong");
 	for (size_t si = 0; si < nsizes; si++) {
 		uint64_t size = sizes[si];
 		struct ckpt_job src = { .socket = socket_path, .ranks = ranks }, plain, back;
-		uint64_t rows = size / 3 / (CKPT_COLS * sizeof(float)), bytes, t_save = UINT64_MAX, t_w = UINT64_MAX;
+		uint64_t rows = size / 3 / (CKPT_COLS * sizeof(float)), bytes, t_save = UINT64_MAX,
+			 t_w = UINT64_MAX;
 		uint64_t t_r = UINT64_MAX, t_plain, t_back, wrong = 0;
 
 		if (!rows)
 			rows = 1;
 		bytes = 3 * rows * CKPT_COLS * sizeof(float);
-		src.param = (struct shardd_param_desc){ .name = "w", .dtype = SHARDD_DTYPE_FP32, .ndim = 2,
+		src.param = (struct shardd_param_desc){ .name = "w",
+							.dtype = SHARDD_DTYPE_FP32,
+							.ndim = 2,
 							.shape = { rows, CKPT_COLS } };
 		snprintf(src.name, sizeof(src.name), "ckpt-src-%llu", (unsigned long long)size);
 		if (!job_register(&src)) {
@@ -370,8 +395,8 @@ int bench_checkpoint_run(const struct bench_opts *o, const char *socket_path, co
 			uint64_t t;
 
 			if (seq) {
-				snprintf(dir, sizeof(dir), "%s/%s/step-%012llu", state_dir, src.name,
-					 (unsigned long long)seq);
+				snprintf(dir, sizeof(dir), "%s/%s/step-%012llu", state_dir,
+					 src.name, (unsigned long long)seq);
 				nftw(dir, rm_entry, 8, FTW_DEPTH | FTW_PHYS);
 			}
 			t = job_checkpoint(&src, ++seq);
@@ -388,10 +413,14 @@ int bench_checkpoint_run(const struct bench_opts *o, const char *socket_path, co
 				t_r = t;
 		}
 		unlink(probe);
-		snprintf(dir, sizeof(dir), "%s/%s/step-%012llu", state_dir, src.name, (unsigned long long)seq);
-		plain = (struct ckpt_job){ .socket = socket_path, .ranks = ranks, .param = src.param };
+		snprintf(dir, sizeof(dir), "%s/%s/step-%012llu", state_dir, src.name,
+			 (unsigned long long)seq);
+		plain = (struct ckpt_job){ .socket = socket_path,
+					   .ranks = ranks,
+					   .param = src.param };
 		back = plain;
-		snprintf(plain.name, sizeof(plain.name), "ckpt-plain-%llu", (unsigned long long)size);
+		snprintf(plain.name, sizeof(plain.name), "ckpt-plain-%llu",
+			 (unsigned long long)size);
 		snprintf(back.name, sizeof(back.name), "ckpt-back-%llu", (unsigned long long)size);
 		back.restore = dir;
 		nftw(dir, drop_entry, 8, FTW_PHYS);
@@ -415,13 +444,15 @@ int bench_checkpoint_run(const struct bench_opts *o, const char *socket_path, co
 		if (failed)
 			break;
 		{
-			double save = (double)bytes / (double)t_save, w = (double)bytes / (double)t_w;
+			double save = (double)bytes / (double)t_save,
+			       w = (double)bytes / (double)t_w;
 			double rd = (double)bytes / (double)t_r;
-			double load = t_back > t_plain ? (double)bytes / (double)(t_back - t_plain) : 0;
+			double load =
+				t_back > t_plain ? (double)bytes / (double)(t_back - t_plain) : 0;
 			int k = dcp_find(dcp, size);
 
-			printf(" %13llu %12.2f %12.2f %8.0f%% %12.2f", (unsigned long long)bytes, w, save,
-			       100 * save / w, rd);
+			printf(" %13llu %12.2f %12.2f %8.0f%% %12.2f", (unsigned long long)bytes, w,
+			       save, 100 * save / w, rd);
 			/* A restore within the noise of the registration itself is not a measurement. */
 			if (load > 0)
 				printf(" %12.2f %8.0f%%", load, 100 * load / rd);
@@ -439,7 +470,8 @@ int bench_checkpoint_run(const struct bench_opts *o, const char *socket_path, co
 			} else if (dcp->available) {
 				printf(" %11s %9s %11s %9s", "-", "-", "-", "-");
 			}
-			printf(" %7llu\n", (unsigned long long)(wrong + (k >= 0 ? dcp->wrong[k] : 0)));
+			printf(" %7llu\n",
+			       (unsigned long long)(wrong + (k >= 0 ? dcp->wrong[k] : 0)));
 			fflush(stdout);
 		}
 		failed |= wrong != 0;

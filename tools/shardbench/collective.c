@@ -29,10 +29,10 @@
 
 /* A size with no word from some rank for this long is declared stuck. */
 #define COLL_PROGRESS_TIMEOUT_MS (300 * 1000)
-#define COLL_MSG_MAX 512
-#define COLL_TARGET_MIN_BYTES (64 * BENCH_MIB)
-#define COLL_TARGET_ROOF 85.0
-#define COLL_TARGET_MPI  5.0
+#define COLL_MSG_MAX             512
+#define COLL_TARGET_MIN_BYTES    (64 * BENCH_MIB)
+#define COLL_TARGET_ROOF         85.0
+#define COLL_TARGET_MPI          5.0
 /* Extra roofline measurements of a size whose op beat it, before the row says so. */
 #define COLL_ROOF_RETRIES 3
 /*
@@ -51,39 +51,39 @@ struct coll_sample {
 };
 
 struct coll_rank_state {
-	int32_t err;                /* 0, or the code of the call that failed */
-	char    msg[COLL_MSG_MAX];  /* what failed, with the daemon's text */
+	int32_t err;            /* 0, or the code of the call that failed */
+	char msg[COLL_MSG_MAX]; /* what failed, with the daemon's text */
 };
 
 /* Results the rank processes write; one MAP_SHARED region, laid out once before fork. */
 struct coll_shared {
-	uint32_t                nranks;
-	uint32_t                nsizes;
-	uint32_t                total;   /* warm-up + timed iterations */
-	struct coll_rank_state *state;   /* [rank] */
-	uint64_t               *wrong;   /* [size][rank] */
-	struct coll_sample     *samples; /* [size][rank][iter] */
-	uint8_t                *interleave; /* [size]: a gate byte before each iteration but the first */
-	void                   *base;
-	size_t                  len;
+	uint32_t nranks;
+	uint32_t nsizes;
+	uint32_t total;                /* warm-up + timed iterations */
+	struct coll_rank_state *state; /* [rank] */
+	uint64_t *wrong;               /* [size][rank] */
+	struct coll_sample *samples;   /* [size][rank][iter] */
+	uint8_t *interleave;           /* [size]: a gate byte before each iteration but the first */
+	void *base;
+	size_t len;
 };
 
 /* What a rank tells the parent after an iteration or a size; one atomic pipe write. */
 struct coll_note {
 	uint16_t rank;
 	uint16_t size_index;
-	int32_t  iter; /* iterations done, for an interleaved size's iteration; -1: the size is done */
-	int32_t  ok;
+	int32_t iter; /* iterations done, for an interleaved size's iteration; -1: the size is done */
+	int32_t ok;
 };
 
 /* One rank's group for one size, as the per-op inputs and checks see it. */
 struct coll_io {
-	struct shardd_group              *g;
+	struct shardd_group *g;
 	const struct shardd_param_layout *l;
-	uint32_t                          dtype;
-	uint64_t                          count;  /* elements of the param */
-	uint32_t                          rank;
-	uint32_t                          nranks;
+	uint32_t dtype;
+	uint64_t count; /* elements of the param */
+	uint32_t rank;
+	uint32_t nranks;
 };
 
 /*
@@ -113,16 +113,15 @@ struct coll_op {
 
 struct coll_rank_ctx {
 	const struct bench_opts *o;
-	const struct coll_op    *op;
-	const char              *socket_path;
-	const uint64_t          *sizes;
-	struct coll_shared      *sh;
-	uint32_t                 rank;
-	pid_t                    parent;
-	int                      go_fd;  /* one byte per size, and per interleaved iteration, from the parent */
-	int                      notify_fd;
+	const struct coll_op *op;
+	const char *socket_path;
+	const uint64_t *sizes;
+	struct coll_shared *sh;
+	uint32_t rank;
+	pid_t parent;
+	int go_fd; /* one byte per size, and per interleaved iteration, from the parent */
+	int notify_fd;
 };
-
 
 /* ---- inputs and checks (values in values.c) --------------------------- */
 
@@ -134,7 +133,8 @@ static void write_shard(const struct coll_io *io, uint32_t seed)
 	uint64_t j, n = l->shard_bytes / sizeof(float);
 
 	for (j = 0; j < n; j++)
-		shard[j] = j < l->shard_rows_valid ? bench_param_value(l->shard_row_begin + j, seed) : 0.0f;
+		shard[j] = j < l->shard_rows_valid ? bench_param_value(l->shard_row_begin + j, seed)
+						   : 0.0f;
 }
 
 static void write_grad(const struct coll_io *io, uint32_t seed)
@@ -151,7 +151,8 @@ static uint64_t check_unsharded(const struct coll_io *io, uint32_t seed)
 {
 	const void *u = shardd_group_unsharded(io->g, 0);
 	uint64_t i, lo = io->count / io->nranks * io->rank;
-	uint64_t hi = io->rank + 1 == io->nranks ? io->count : lo + io->count / io->nranks, wrong = 0;
+	uint64_t hi = io->rank + 1 == io->nranks ? io->count : lo + io->count / io->nranks,
+		 wrong = 0;
 
 	for (i = lo; i < hi; i++)
 		wrong += bench_load_exact(u, io->dtype, i) != bench_param_value(i, seed);
@@ -193,14 +194,16 @@ static int unshard_undo(struct shardd_group *g, uint64_t step)
 static struct bench_mem_pattern unshard_pattern(uint32_t dtype, uint32_t S)
 {
 	(void)S;
-	return (struct bench_mem_pattern){ .nin = 1, .in_size = 4, .out_size = (uint32_t)shardd_dtype_size(dtype) };
+	return (struct bench_mem_pattern){ .nin = 1,
+					   .in_size = 4,
+					   .out_size = (uint32_t)shardd_dtype_size(dtype) };
 }
 
 static void unshard_print_moves(uint32_t dtype)
 {
 	printf("# moves: S fp32 shards in + the unsharded %s copy out = count*(4+%zu) B; roofline: a kernel"
-	       " reading count 4-byte\n#   and writing count %zu-byte elements\n", shardd_dtype_name(dtype),
-	       shardd_dtype_size(dtype), shardd_dtype_size(dtype));
+	       " reading count 4-byte\n#   and writing count %zu-byte elements\n",
+	       shardd_dtype_name(dtype), shardd_dtype_size(dtype), shardd_dtype_size(dtype));
 }
 
 static int reduce_run(struct shardd_group *g, uint64_t step)
@@ -218,7 +221,9 @@ static int reduce_undo(struct shardd_group *g, uint64_t step)
 /* Read S grad buffers, write S fp32 sharded grads: per output element, S inputs. */
 static struct bench_mem_pattern reduce_pattern(uint32_t dtype, uint32_t S)
 {
-	return (struct bench_mem_pattern){ .nin = S, .in_size = (uint32_t)shardd_dtype_size(dtype), .out_size = 4 };
+	return (struct bench_mem_pattern){ .nin = S,
+					   .in_size = (uint32_t)shardd_dtype_size(dtype),
+					   .out_size = 4 };
 }
 
 static void reduce_print_moves(uint32_t dtype)
@@ -261,8 +266,8 @@ static int rank_fail(struct coll_rank_ctx *x, int err, const char *what, uint64_
 }
 
 /* The op of this benchmark, then what undoes it for the next iteration. */
-static int run_op(struct coll_rank_ctx *x, struct shardd_group *g, uint64_t step,
-		  uint64_t *t0, uint64_t *t1, uint64_t bytes)
+static int run_op(struct coll_rank_ctx *x, struct shardd_group *g, uint64_t step, uint64_t *t0,
+		  uint64_t *t1, uint64_t bytes)
 {
 	char what[96];
 	int ret;
@@ -278,8 +283,7 @@ static int run_op(struct coll_rank_ctx *x, struct shardd_group *g, uint64_t step
 	return 0;
 }
 
-static int undo_op(struct coll_rank_ctx *x, struct shardd_group *g, uint64_t step,
-		   uint64_t bytes)
+static int undo_op(struct coll_rank_ctx *x, struct shardd_group *g, uint64_t step, uint64_t bytes)
 {
 	char what[96];
 	int ret;
@@ -296,7 +300,9 @@ static int undo_op(struct coll_rank_ctx *x, struct shardd_group *g, uint64_t ste
 /* Tell the parent: iteration `iter` of size k done (or, iter -1, the size). 0 or -EPIPE. */
 static int rank_note(struct coll_rank_ctx *x, uint32_t k, int32_t iter, int ok)
 {
-	struct coll_note note = { .rank = (uint16_t)x->rank, .size_index = (uint16_t)k, .iter = iter, .ok = ok };
+	struct coll_note note = {
+		.rank = (uint16_t)x->rank, .size_index = (uint16_t)k, .iter = iter, .ok = ok
+	};
 
 	/* A note is smaller than PIPE_BUF: one write, never interleaved with another rank's. */
 	if (write(x->notify_fd, &note, sizeof(note)) != (ssize_t)sizeof(note))
@@ -339,8 +345,8 @@ static int rank_size(struct coll_rank_ctx *x, uint32_t k)
 	snprintf(job, sizeof(job), "shardbench.%d.%s.%u", (int)x->parent, x->op->name, k);
 	ret = shardd_connect(&ao, &c);
 	if (ret) {
-		snprintf(what, sizeof(what), "attach to %s as rank %u of job '%s'",
-			 x->socket_path, x->rank, job);
+		snprintf(what, sizeof(what), "attach to %s as rank %u of job '%s'", x->socket_path,
+			 x->rank, job);
 		return rank_fail(x, ret, what, bytes);
 	}
 	ret = shardd_group_register(c, "bench", &param, 1, &precision, NULL, &g);
@@ -349,8 +355,12 @@ static int rank_size(struct coll_rank_ctx *x, uint32_t k)
 		goto out;
 	}
 	io = (struct coll_io){
-		.g = g, .l = shardd_group_layout(g, 0), .dtype = o->dtype, .count = count,
-		.rank = x->rank, .nranks = o->ranks,
+		.g = g,
+		.l = shardd_group_layout(g, 0),
+		.dtype = o->dtype,
+		.count = count,
+		.rank = x->rank,
+		.nranks = o->ranks,
 	};
 	x->op->write_inputs(&io, 1);
 
@@ -359,7 +369,8 @@ static int rank_size(struct coll_rank_ctx *x, uint32_t k)
 
 		/* The parent's roofline pass runs between interleaved iterations (EOF: it is gone). */
 		if (it > 0 && sh->interleave[k] && read(x->go_fd, &go, 1) != 1) {
-			ret = rank_fail(x, -EPIPE, "waiting for the parent between iterations", bytes);
+			ret = rank_fail(x, -EPIPE, "waiting for the parent between iterations",
+					bytes);
 			goto out;
 		}
 		/* Every rank starts the iteration together: the first submit starts the clock. */
@@ -449,7 +460,8 @@ static double size_time_ns(const struct coll_shared *sh, const struct bench_opts
 		uint64_t first = UINT64_MAX, last = 0;
 
 		for (r = 0; r < sh->nranks; r++) {
-			const struct coll_sample *s = &sh->samples[((size_t)k * sh->nranks + r) * sh->total + it];
+			const struct coll_sample *s =
+				&sh->samples[((size_t)k * sh->nranks + r) * sh->total + it];
 
 			first = s->t0 < first ? s->t0 : first;
 			last = s->t1 > last ? s->t1 : last;
@@ -460,11 +472,11 @@ static double size_time_ns(const struct coll_shared *sh, const struct bench_opts
 }
 
 struct coll_summary {
-	double   busbw_sum;
+	double busbw_sum;
 	uint32_t rows;
-	double   worst_roof;  /* over sizes >= COLL_TARGET_MIN_BYTES */
-	double   worst_mpi;
-	double   highest_roof; /* over every row: above 100 is a roofline bug */
+	double worst_roof; /* over sizes >= COLL_TARGET_MIN_BYTES */
+	double worst_mpi;
+	double highest_roof; /* over every row: above 100 is a roofline bug */
 	uint32_t roof_rows;
 	uint32_t roof_retried; /* sizes whose roofline was measured again */
 	uint32_t target_rows;
@@ -480,8 +492,8 @@ struct coll_summary {
  * pattern's arrays, opened here and left open when `keep` and there is
  * room for them beside the op's buffers (about as large), else NULL.
  */
-static void size_roofline(const struct bench_opts *o, const struct coll_op *op, uint64_t bytes, int keep,
-			  struct bench_mem_ctx **ctx, struct bench_mem_best *best)
+static void size_roofline(const struct bench_opts *o, const struct coll_op *op, uint64_t bytes,
+			  int keep, struct bench_mem_ctx **ctx, struct bench_mem_best *best)
 {
 	struct bench_mem_pattern p = op->pattern(o->dtype, o->ranks);
 	uint64_t count = bytes / shardd_dtype_size(o->dtype), avail = bench_mem_available();
@@ -507,7 +519,8 @@ static void print_row(const struct bench_opts *o, const struct coll_shared *sh, 
 	double algbw = (double)bytes / ns;
 	double busbw = algbw * (double)(o->ranks - 1) / (double)o->ranks;
 	const struct bench_mpi_row *m = bench_mpi_find(mpi, bytes);
-	char mpi_us[24] = "-", vs[24] = "-", wr[24] = "-", roof_gbs[24] = "-", pct_s[24] = "-", by[24] = "-";
+	char mpi_us[24] = "-", vs[24] = "-", wr[24] = "-", roof_gbs[24] = "-", pct_s[24] = "-",
+	     by[24] = "-";
 	double pct = 0;
 	uint32_t r;
 
@@ -516,12 +529,16 @@ static void print_row(const struct bench_opts *o, const struct coll_shared *sh, 
 	if (roof->ns != UINT64_MAX) {
 		/* Same bytes on both sides: the ratio of the times. */
 		pct = (double)roof->ns / ns * 100.0;
-		snprintf(roof_gbs, sizeof(roof_gbs), "%.2f", (double)roof->bytes / (double)roof->ns);
+		snprintf(roof_gbs, sizeof(roof_gbs), "%.2f",
+			 (double)roof->bytes / (double)roof->ns);
 		snprintf(pct_s, sizeof(pct_s), "%.1f", pct);
 		snprintf(by, sizeof(by), "%s%s/%u", bench_store_name(roof->store),
-			 roof->order == BENCH_MEM_PREFETCH ? "+pf" : roof->order == BENCH_MEM_BLOCKED ? "+blk" : "",
+			 roof->order == BENCH_MEM_PREFETCH  ? "+pf"
+			 : roof->order == BENCH_MEM_BLOCKED ? "+blk"
+							    : "",
 			 roof->threads);
-		sum->highest_roof = sum->roof_rows && sum->highest_roof > pct ? sum->highest_roof : pct;
+		sum->highest_roof =
+			sum->roof_rows && sum->highest_roof > pct ? sum->highest_roof : pct;
 		sum->roof_rows++;
 	}
 	if (m) {
@@ -563,7 +580,8 @@ static void print_header(const struct bench_opts *o, const struct coll_op *op,
 	       " of its best variant\n#   between every two of them (no rank works then); roof(GB/s): its best"
 	       " pass of\n#   %splain stores, inputs streamed, prefetched (+pf) or"
 	       " blocked (+blk), on 1 and %u\n#   threads; by: which (store[+order]/threads); %%roof: its"
-	       " time / the op's mean time\n", bench_mem_have_nt() ? "non-temporal and " : "", bench_worker_threads());
+	       " time / the op's mean time\n",
+	       bench_mem_have_nt() ? "non-temporal and " : "", bench_worker_threads());
 	if (mpi->available)
 		printf("# vsMPI: Open MPI %s among %u processes, same sizes, MPI datatype %s\n",
 		       op->mpi_call, o->ranks, mpi->dtype);
@@ -571,9 +589,9 @@ static void print_header(const struct bench_opts *o, const struct coll_op *op,
 		printf("# Open MPI comparator not built (%s)\n", mpi->why);
 	printf("# target: >= %.0f %%roof and >= %.0fx vsMPI for sizes >= 64 MiB\n",
 	       COLL_TARGET_ROOF, COLL_TARGET_MPI);
-	printf("#\n# %10s %12s %6s %12s %12s %12s %10s %8s %7s %12s %7s %7s\n", "size(B)", "count", "type",
-	       "time(us)", "algbw(GB/s)", "busbw(GB/s)", "roof(GB/s)", "by", "%roof", "mpi(us)", "vsMPI",
-	       "#wrong");
+	printf("#\n# %10s %12s %6s %12s %12s %12s %10s %8s %7s %12s %7s %7s\n", "size(B)", "count",
+	       "type", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "roof(GB/s)", "by", "%roof",
+	       "mpi(us)", "vsMPI", "#wrong");
 	fflush(stdout);
 }
 
@@ -583,10 +601,13 @@ static void print_summary(const struct coll_summary *s)
 		printf("# Avg bus bandwidth    : %.3f GB/s\n", s->busbw_sum / s->rows);
 	if (s->roof_rows)
 		printf("# highest %%roof: %.1f%s\n", s->highest_roof,
-		       s->highest_roof > 100.0 ? " (above 100: the roofline is wrong, a benchmark bug)" : "");
+		       s->highest_roof > 100.0
+			       ? " (above 100: the roofline is wrong, a benchmark bug)"
+			       : "");
 	if (s->roof_retried)
 		printf("# roofline measured again for %u size(s) whose op beat it (other load disturbed"
-		       " the first two)\n", s->roof_retried);
+		       " the first two)\n",
+		       s->roof_retried);
 	if (s->target_rows) {
 		int roof_ok = s->worst_roof >= COLL_TARGET_ROOF;
 		int mpi_ok = s->mpi_rows && s->worst_mpi >= COLL_TARGET_MPI;
@@ -614,7 +635,8 @@ static int build_sizes(const struct bench_opts *o, uint64_t **out, uint32_t *n)
 	uint64_t b, *v = NULL;
 	uint32_t cnt = 0;
 
-	for (b = o->min_bytes; b <= o->max_bytes; b = b > UINT64_MAX / o->factor ? UINT64_MAX : b * o->factor) {
+	for (b = o->min_bytes; b <= o->max_bytes;
+	     b = b > UINT64_MAX / o->factor ? UINT64_MAX : b * o->factor) {
 		uint64_t *nv;
 
 		if (b % (esize * o->ranks)) {
@@ -648,8 +670,9 @@ struct coll_progress {
  * of size k: 1; or a rank failed or went silent for COLL_PROGRESS_TIMEOUT_MS
  * (a negative code, printed with who).
  */
-static int wait_ranks(const struct bench_opts *o, const struct coll_op *op, const struct coll_shared *sh,
-		      int fd, uint32_t k, int32_t iter, uint64_t bytes, struct coll_progress *pg)
+static int wait_ranks(const struct bench_opts *o, const struct coll_op *op,
+		      const struct coll_shared *sh, int fd, uint32_t k, int32_t iter,
+		      uint64_t bytes, struct coll_progress *pg)
 {
 	for (;;) {
 		struct pollfd pfd = { .fd = fd, .events = POLLIN };
@@ -658,7 +681,9 @@ static int wait_ranks(const struct bench_opts *o, const struct coll_op *op, cons
 		ssize_t n;
 		int rc;
 
-		for (r = 0; r < o->ranks && (iter < 0 ? pg->sizes[r] > k : pg->iters[r] >= (uint32_t)iter); r++)
+		for (r = 0;
+		     r < o->ranks && (iter < 0 ? pg->sizes[r] > k : pg->iters[r] >= (uint32_t)iter);
+		     r++)
 			;
 		if (r == o->ranks)
 			return 1;
@@ -666,7 +691,8 @@ static int wait_ranks(const struct bench_opts *o, const struct coll_op *op, cons
 		if (rc < 0 && errno == EINTR)
 			continue;
 		if (rc == 0) {
-			printf("# %s stuck: no rank finished size %llu", op->name, (unsigned long long)bytes);
+			printf("# %s stuck: no rank finished size %llu", op->name,
+			       (unsigned long long)bytes);
 			if (iter >= 0)
 				printf(" iteration %d", iter);
 			printf(" within %d s; missing ranks:", COLL_PROGRESS_TIMEOUT_MS / 1000);
@@ -705,8 +731,8 @@ static int open_gate(const struct bench_opts *o, int fd)
  * Size k: its roofline, the ranks' iterations (with a roofline pass between
  * two when interleaved), its roofline again, its row. 0 or a negative code.
  */
-static int run_size(const struct bench_opts *o, const struct coll_op *op, struct coll_shared *sh, int go_fd,
-		    int notify_fd, uint32_t k, uint64_t bytes, struct coll_progress *pg,
+static int run_size(const struct bench_opts *o, const struct coll_op *op, struct coll_shared *sh,
+		    int go_fd, int notify_fd, uint32_t k, uint64_t bytes, struct coll_progress *pg,
 		    const struct bench_mpi_table *mpi, struct coll_summary *sum)
 {
 	struct bench_mem_best roof = { .ns = UINT64_MAX };
@@ -737,7 +763,9 @@ static int run_size(const struct bench_opts *o, const struct coll_op *op, struct
 	 * than the op was disturbed (other load during both
 	 * measurements). Measure again; the row shows what remains.
 	 */
-	for (r = 0; r < COLL_ROOF_RETRIES && roof.ns != UINT64_MAX && (double)roof.ns > size_time_ns(sh, o, k); r++)
+	for (r = 0; r < COLL_ROOF_RETRIES && roof.ns != UINT64_MAX &&
+		    (double)roof.ns > size_time_ns(sh, o, k);
+	     r++)
 		size_roofline(o, op, bytes, 1, &ctx, &roof);
 	bench_mem_close(ctx);
 	sum->roof_retried += r > 0;
@@ -760,9 +788,8 @@ int bench_collective_run(const struct bench_opts *o, enum bench_collective which
 
 	ret = build_sizes(o, &sizes, &nsizes);
 	if (ret || nsizes == 0) {
-		fprintf(stderr, "shardbench: %s: no size to run in -b %llu -e %llu\n",
-			op->name, (unsigned long long)o->min_bytes,
-			(unsigned long long)o->max_bytes);
+		fprintf(stderr, "shardbench: %s: no size to run in -b %llu -e %llu\n", op->name,
+			(unsigned long long)o->min_bytes, (unsigned long long)o->max_bytes);
 		ret = ret ? ret : -EINVAL;
 		goto out;
 	}
@@ -782,8 +809,14 @@ int bench_collective_run(const struct bench_opts *o, enum bench_collective which
 	print_header(o, op, &mpi);
 	for (r = 0; r < o->ranks; r++) {
 		struct coll_rank_ctx x = {
-			.o = o, .op = op, .socket_path = socket_path, .sizes = sizes,
-			.sh = &sh, .rank = r, .parent = getpid(), .go_fd = go[0],
+			.o = o,
+			.op = op,
+			.socket_path = socket_path,
+			.sizes = sizes,
+			.sh = &sh,
+			.rank = r,
+			.parent = getpid(),
+			.go_fd = go[0],
 		};
 
 		/* Unflushed stdio would be printed again by every child. */

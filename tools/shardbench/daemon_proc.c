@@ -89,7 +89,8 @@ static int daemon_start(const char *shardd_path, const char *backend, const char
 	snprintf(d->log_path, sizeof(d->log_path), "%s/shardd.log", d->dir);
 	if (access(shardd_path, X_OK) != 0) {
 		ret = -errno;
-		fprintf(stderr, "shardbench: daemon binary %s: %s; build it (make) or pass "
+		fprintf(stderr,
+			"shardbench: daemon binary %s: %s; build it (make) or pass "
 			"--shardd PATH or --socket PATH of a running daemon\n",
 			shardd_path, strerror(errno));
 		goto err_dir;
@@ -134,8 +135,10 @@ static int daemon_start(const char *shardd_path, const char *backend, const char
 
 		if (waitpid(pid, &status, WNOHANG) == pid) {
 			d->pid = 0;
-			fprintf(stderr, "shardbench: %s exited (status %d) before accepting on %s\n",
-				shardd_path, WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status),
+			fprintf(stderr,
+				"shardbench: %s exited (status %d) before accepting on %s\n",
+				shardd_path,
+				WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status),
 				d->socket_path);
 			print_log_tail(d);
 			ret = -ECHILD;
@@ -167,7 +170,8 @@ void bench_daemon_stop(struct bench_daemon *d)
 		kill(d->pid, SIGTERM);
 		status = bench_wait_pid(d->pid, DAEMON_STOP_TIMEOUT_MS);
 		if (status == -ETIMEDOUT) {
-			fprintf(stderr, "shardbench: daemon pid %d ignored SIGTERM for %d s; killing it\n",
+			fprintf(stderr,
+				"shardbench: daemon pid %d ignored SIGTERM for %d s; killing it\n",
 				(int)d->pid, DAEMON_STOP_TIMEOUT_MS / 1000);
 			kill(d->pid, SIGKILL);
 			status = bench_wait_pid(d->pid, DAEMON_STOP_TIMEOUT_MS);

@@ -20,24 +20,30 @@
 
 #include "shardd_cuda_kernels.h"
 
-enum { GPU_MEMCPY, GPU_CAST, GPU_CHUNK_CAT, GPU_REDUCE, GPU_NKERNELS };
-
-struct gpu_bufs {
-	float    *src;      /* n fp32: the shards, concatenated */
-	void     *dst;      /* n fp32 (every dtype fits) */
-	void     *in[8];    /* reduce inputs: ranks x n elements of dtype */
-	void     *host;     /* n fp32 staging for inputs and checks */
-	uint32_t  nin;
+enum {
+	GPU_MEMCPY,
+	GPU_CAST,
+	GPU_CHUNK_CAT,
+	GPU_REDUCE,
+	GPU_NKERNELS
 };
 
-#define CUDA_TRY(call, what)                                                            \
-	do {                                                                            \
-		cudaError_t e_ = (call);                                                \
-		if (e_ != cudaSuccess) {                                                \
-			printf("# gpu: %s: %s\n", (what), cudaGetErrorString(e_));      \
-			ret = -1;                                                       \
-			goto out;                                                       \
-		}                                                                       \
+struct gpu_bufs {
+	float *src;  /* n fp32: the shards, concatenated */
+	void *dst;   /* n fp32 (every dtype fits) */
+	void *in[8]; /* reduce inputs: ranks x n elements of dtype */
+	void *host;  /* n fp32 staging for inputs and checks */
+	uint32_t nin;
+};
+
+#define CUDA_TRY(call, what)                                                       \
+	do {                                                                       \
+		cudaError_t e_ = (call);                                           \
+		if (e_ != cudaSuccess) {                                           \
+			printf("# gpu: %s: %s\n", (what), cudaGetErrorString(e_)); \
+			ret = -1;                                                  \
+			goto out;                                                  \
+		}                                                                  \
 	} while (0)
 
 /* Queue one kernel of the table for n elements of the benchmark dtype. */
@@ -46,14 +52,19 @@ static int gpu_launch(int k, const struct bench_opts *o, struct gpu_bufs *b, uin
 {
 	const void *chunks[8];
 	struct shardd_reduce_math m = {
-		.reduce_dtype = o->dtype, .pre = 1.0f, .avg = (float)b->nin, .post = 1.0f,
+		.reduce_dtype = o->dtype,
+		.pre = 1.0f,
+		.avg = (float)b->nin,
+		.post = 1.0f,
 	};
 	uint32_t r;
 
 	switch (k) {
 	case GPU_MEMCPY:
 		return cudaMemcpyAsync(b->dst, b->src, n * shardd_dtype_size(o->dtype),
-				       cudaMemcpyDeviceToDevice, s) == cudaSuccess ? 0 : -1;
+				       cudaMemcpyDeviceToDevice, s) == cudaSuccess
+			       ? 0
+			       : -1;
 	case GPU_CAST:
 		return shardd_cuda_cast(b->dst, o->dtype, b->src, SHARDD_DTYPE_FP32, n, s);
 	case GPU_CHUNK_CAT:
@@ -74,10 +85,13 @@ static double gpu_moved(int k, const struct bench_opts *o, uint32_t nin, uint64_
 	double d = (double)shardd_dtype_size(o->dtype) * (double)n;
 
 	switch (k) {
-	case GPU_MEMCPY: return 2 * d;
+	case GPU_MEMCPY:
+		return 2 * d;
 	case GPU_CAST:
-	case GPU_CHUNK_CAT: return 4.0 * (double)n + d;
-	default: return (double)nin * d + 4.0 * (double)n;
+	case GPU_CHUNK_CAT:
+		return 4.0 * (double)n + d;
+	default:
+		return (double)nin * d + 4.0 * (double)n;
 	}
 }
 
@@ -90,8 +104,8 @@ static uint64_t gpu_check(int k, const struct bench_opts *o, struct gpu_bufs *b,
 
 	if (k == GPU_MEMCPY)
 		return 0; /* the baseline: bytes of the fp32 source, not a dtype */
-	if (cudaMemcpy(b->host, b->dst, n * shardd_dtype_size(out_dtype),
-		       cudaMemcpyDeviceToHost) != cudaSuccess)
+	if (cudaMemcpy(b->host, b->dst, n * shardd_dtype_size(out_dtype), cudaMemcpyDeviceToHost) !=
+	    cudaSuccess)
 		return n;
 	for (i = 0; i < n; i++) {
 		float want = 0.0f;
@@ -129,7 +143,8 @@ static int gpu_fill(const struct bench_opts *o, struct gpu_bufs *b, uint64_t n)
 
 int bench_gpu_run(const struct bench_opts *o)
 {
-	static const char *const names[GPU_NKERNELS] = { "memcpy_d2d", "cast", "chunk_cat", "reduce" };
+	static const char *const names[GPU_NKERNELS] = { "memcpy_d2d", "cast", "chunk_cat",
+							 "reduce" };
 	struct gpu_bufs b = { .nin = o->ranks };
 	struct cudaDeviceProp prop;
 	cudaEvent_t ev0 = NULL, ev1 = NULL;
@@ -150,15 +165,16 @@ int bench_gpu_run(const struct bench_opts *o)
 	CUDA_TRY(cudaMalloc((void **)&b.src, nmax * sizeof(float)), "cudaMalloc source");
 	CUDA_TRY(cudaMalloc(&b.dst, nmax * sizeof(float)), "cudaMalloc destination");
 	for (r = 0; r < b.nin; r++)
-		CUDA_TRY(cudaMalloc(&b.in[r], nmax * shardd_dtype_size(o->dtype)), "cudaMalloc input");
+		CUDA_TRY(cudaMalloc(&b.in[r], nmax * shardd_dtype_size(o->dtype)),
+			 "cudaMalloc input");
 	b.host = malloc(nmax * sizeof(float));
 	if (!b.host) {
 		ret = -1;
 		goto out;
 	}
 	printf("#\n# shardbench gpu: %s, dtype %s, %u inputs (reduce) / chunks (chunk_cat),"
-	       " warm-up %d, iterations %d\n", prop.name, shardd_dtype_name(o->dtype), b.nin,
-	       o->warmup, o->iters);
+	       " warm-up %d, iterations %d\n",
+	       prop.name, shardd_dtype_name(o->dtype), b.nin, o->warmup, o->iters);
 	printf("# moves: memcpy_d2d 2*size; cast, chunk_cat count*(4+%zu); reduce count*(%u*%zu+4);"
 	       " %%memcpy = GB/s over memcpy_d2d's at the same size\n",
 	       shardd_dtype_size(o->dtype), b.nin, shardd_dtype_size(o->dtype));
@@ -171,7 +187,8 @@ int bench_gpu_run(const struct bench_opts *o)
 		if (n % b.nin)
 			continue;
 		if (gpu_fill(o, &b, n)) {
-			printf("# gpu: copying inputs of %llu bytes failed\n", (unsigned long long)bytes);
+			printf("# gpu: copying inputs of %llu bytes failed\n",
+			       (unsigned long long)bytes);
 			ret = -1;
 			goto out;
 		}

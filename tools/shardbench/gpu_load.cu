@@ -32,16 +32,18 @@ extern "C" cudaError_t bench_load_shape(int *blocks, int *threads)
 	cudaError_t e;
 
 	if ((e = cudaGetDevice(&dev)) != cudaSuccess ||
-	    (e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess ||
-	    (e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, bench_load_kernel, LOAD_THREADS, 0)) !=
-		    cudaSuccess)
+	    (e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) !=
+		    cudaSuccess ||
+	    (e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, bench_load_kernel,
+							       LOAD_THREADS, 0)) != cudaSuccess)
 		return e;
 	*blocks = sms * (per_sm > 0 ? per_sm : 1);
 	*threads = LOAD_THREADS;
 	return cudaSuccess;
 }
 
-extern "C" cudaError_t bench_load_launch(int blocks, int threads, uint64_t iters, float *sink, cudaStream_t s)
+extern "C" cudaError_t bench_load_launch(int blocks, int threads, uint64_t iters, float *sink,
+					 cudaStream_t s)
 {
 	bench_load_kernel<<<blocks, threads, 0, s>>>(iters, sink);
 	return cudaGetLastError();

@@ -46,12 +46,20 @@
 
 #define RANK_TIMEOUT_MS 600000
 #define LOAD_LAUNCH_NS  1500000ull /* one launch of the load, alone: a GEMM's order */
-#define LOAD_DEPTH      2          /* launches queued: the next always waits behind the running one */
+#define LOAD_DEPTH      2 /* launches queued: the next always waits behind the running one */
 #define LOAD_ALONE_NS   500000000ull
 #define LOAD_SETTLE_US  20000
 
-enum { MODE_CPU, MODE_STREAM, NMODES };
-enum { OP_UNSHARD, OP_REDUCE, NOPS };
+enum {
+	MODE_CPU,
+	MODE_STREAM,
+	NMODES
+};
+enum {
+	OP_UNSHARD,
+	OP_REDUCE,
+	NOPS
+};
 
 /* The trainer-like load of one rank process (--load). */
 struct load {
@@ -60,11 +68,11 @@ struct load {
 	cudaEvent_t ev[LOAD_DEPTH];
 	float *sink;
 	int blocks, threads;
-	uint64_t iters;           /* per launch: LOAD_LAUNCH_NS on an idle GPU */
+	uint64_t iters; /* per launch: LOAD_LAUNCH_NS on an idle GPU */
 	atomic_int stop;
 	atomic_uint_fast64_t done; /* launches completed */
-	atomic_int err;           /* a cudaError_t of the load's thread */
-	double alone_per_s;       /* launches per second with no op running */
+	atomic_int err;            /* a cudaError_t of the load's thread */
+	double alone_per_s;        /* launches per second with no op running */
 };
 
 struct rank_ctx {
@@ -78,23 +86,23 @@ struct rank_ctx {
 	struct load *load;        /* --load, else NULL */
 };
 
-#define RANK_CUDA(call)                                                                    \
-	do {                                                                               \
-		cudaError_t e_ = (call);                                                   \
-		if (e_ != cudaSuccess) {                                                   \
+#define RANK_CUDA(call)                                                                      \
+	do {                                                                                 \
+		cudaError_t e_ = (call);                                                     \
+		if (e_ != cudaSuccess) {                                                     \
 			fprintf(stderr, "shardbench gpu: rank %u: %s: %s\n", x->rank, #call, \
-				cudaGetErrorString(e_));                                   \
-			return -1;                                                         \
-		}                                                                          \
+				cudaGetErrorString(e_));                                     \
+			return -1;                                                           \
+		}                                                                            \
 	} while (0)
 
-#define RANK_SHARDD(call)                                                                  \
-	do {                                                                               \
-		if ((call) < 0) {                                                          \
+#define RANK_SHARDD(call)                                                                    \
+	do {                                                                                 \
+		if ((call) < 0) {                                                            \
 			fprintf(stderr, "shardbench gpu: rank %u: %s: %s\n", x->rank, #call, \
-				shardd_last_error());                                      \
-			return -1;                                                         \
-		}                                                                          \
+				shardd_last_error());                                        \
+			return -1;                                                           \
+		}                                                                            \
 	} while (0)
 
 static void *load_main(void *arg)
@@ -127,7 +135,8 @@ static int load_begin(struct rank_ctx *x)
 	atomic_store(&l->stop, 0);
 	atomic_store(&l->done, 0);
 	if (pthread_create(&l->thread, NULL, load_main, l)) {
-		fprintf(stderr, "shardbench gpu: rank %u: pthread_create for the load failed\n", x->rank);
+		fprintf(stderr, "shardbench gpu: rank %u: pthread_create for the load failed\n",
+			x->rank);
 		return -1;
 	}
 	/* Past the first launch: the load runs back to back before the ops start. */
@@ -165,7 +174,8 @@ static int load_setup(struct rank_ctx *x, struct load *l)
 	RANK_CUDA(cudaMalloc((void **)&l->sink, (size_t)l->threads * sizeof(float)));
 	RANK_CUDA(cudaStreamCreateWithFlags(&l->s, cudaStreamNonBlocking));
 	for (int i = 0; i < LOAD_DEPTH; i++)
-		RANK_CUDA(cudaEventCreateWithFlags(&l->ev[i], cudaEventDisableTiming | cudaEventBlockingSync));
+		RANK_CUDA(cudaEventCreateWithFlags(&l->ev[i],
+						   cudaEventDisableTiming | cudaEventBlockingSync));
 	RANK_CUDA(cudaEventCreate(&a));
 	RANK_CUDA(cudaEventCreate(&b));
 	RANK_CUDA(bench_load_launch(l->blocks, l->threads, probe, l->sink, l->s));
@@ -239,7 +249,8 @@ static int rank_check(struct rank_ctx *x, struct shardd_group *g, int op, uint64
 		for (uint64_t i = 0; i < numel; i++) {
 			want = (float)(i / per + 1);
 			if (x->host[i] != want) {
-				fprintf(stderr, "shardbench gpu: rank %u: unsharded[%llu] = %g, want %g\n",
+				fprintf(stderr,
+					"shardbench gpu: rank %u: unsharded[%llu] = %g, want %g\n",
 					x->rank, (unsigned long long)i, x->host[i], want);
 				return -1;
 			}
@@ -252,7 +263,8 @@ static int rank_check(struct rank_ctx *x, struct shardd_group *g, int op, uint64
 	want = (float)(world + 1) / 2.0f;
 	for (uint64_t i = 0; i < per; i++) {
 		if (x->host[i] != want) {
-			fprintf(stderr, "shardbench gpu: rank %u: sharded grad[%llu] = %g, want %g\n",
+			fprintf(stderr,
+				"shardbench gpu: rank %u: sharded grad[%llu] = %g, want %g\n",
 				x->rank, (unsigned long long)i, x->host[i], want);
 			return -1;
 		}
@@ -318,8 +330,9 @@ static int rank_rows(struct rank_ctx *x, struct shardd_group *g, uint64_t bytes,
 		}
 		ret = rank_row(x, g, op, step);
 		if (busy) {
-			pct = x->load->alone_per_s > 0 ? 100.0 * load_rate(x->load, t0, n0) / x->load->alone_per_s
-						       : 0;
+			pct = x->load->alone_per_s > 0
+				      ? 100.0 * load_rate(x->load, t0, n0) / x->load->alone_per_s
+				      : 0;
 			ret |= load_end(x);
 		}
 		if (!ret && x->o->check)
@@ -341,8 +354,9 @@ static int rank_size(struct rank_ctx *x, uint64_t bytes, uint64_t *step)
 {
 	const struct bench_opts *o = x->o;
 	uint64_t numel = bytes / sizeof(float), per = numel / o->ranks;
-	struct shardd_param_desc p = { .name = "w", .dtype = SHARDD_DTYPE_FP32, .ndim = 1,
-				       .shape = { numel } };
+	struct shardd_param_desc p = {
+		.name = "w", .dtype = SHARDD_DTYPE_FP32, .ndim = 1, .shape = { numel }
+	};
 	struct shardd_group *g = NULL;
 	char name[32];
 	int ret = 0;
@@ -377,8 +391,12 @@ static int rank_size(struct rank_ctx *x, uint64_t bytes, uint64_t *step)
 static int rank_main(const struct bench_opts *o, const char *socket_path, uint32_t rank)
 {
 	struct shardd_attach_opts ao = {
-		.socket_path = socket_path, .job = "shardbench-gpu", .rank = rank, .replicate = 1,
-		.shard = o->ranks, .device = 0,
+		.socket_path = socket_path,
+		.job = "shardbench-gpu",
+		.rank = rank,
+		.replicate = 1,
+		.shard = o->ranks,
+		.device = 0,
 	};
 	struct rank_ctx ctx = { .o = o, .rank = rank }, *x = &ctx;
 	struct load load = { 0 };
@@ -448,8 +466,9 @@ int bench_gpu_ops_run(const struct bench_opts *o)
 		socket_path = d.socket_path;
 	}
 	printf("#\n# shardbench gpu ops: shardd --backend cuda%s%s, %u ranks on device 0, fp32, "
-	       "warm-up %d, iterations %d\n", o->socket_path ? " at " : "", o->socket_path ? o->socket_path : "",
-	       o->ranks, o->warmup, o->iters);
+	       "warm-up %d, iterations %d\n",
+	       o->socket_path ? " at " : "", o->socket_path ? o->socket_path : "", o->ranks,
+	       o->warmup, o->iters);
 	printf("# proceed: submit -> the sync call returns (the trainer may queue dependent work); "
 	       "done: submit -> results in device memory\n");
 	printf("# mode cpu: no stream (the daemon syncs before completing); stream: "
@@ -472,14 +491,16 @@ int bench_gpu_ops_run(const struct bench_opts *o)
 		if (pids[started] == 0) {
 			/* A shardbench killed mid-run takes its ranks along. */
 			prctl(PR_SET_PDEATHSIG, SIGKILL);
-			_exit(getppid() == parent && rank_main(o, socket_path, started) == 0 ? 0 : 1);
+			_exit(getppid() == parent && rank_main(o, socket_path, started) == 0 ? 0
+											     : 1);
 		}
 	}
 	for (uint32_t r = 0; r < started; r++) {
 		int status = bench_reap_pid(pids[r], RANK_TIMEOUT_MS);
 
 		if (status < 0 || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-			fprintf(stderr, "shardbench gpu ops: rank %u failed (status %d)\n", r, status);
+			fprintf(stderr, "shardbench gpu ops: rank %u failed (status %d)\n", r,
+				status);
 			failed = 1;
 		}
 	}

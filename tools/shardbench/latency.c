@@ -31,9 +31,9 @@
 #include "bench.h"
 #include "shardd.h"
 
-#define LAT_WAIT_MS      30000 /* a completion later than this fails the run, naming the op */
-#define LAT_STEP_BASE    1000000 /* reduce steps start here, unshard steps at 1: distinct in a trace */
-#define LAT_REAP_MS      (600 * 1000) /* a rank process still running after this is killed */
+#define LAT_WAIT_MS   30000   /* a completion later than this fails the run, naming the op */
+#define LAT_STEP_BASE 1000000 /* reduce steps start here, unshard steps at 1: distinct in a trace */
+#define LAT_REAP_MS   (600 * 1000) /* a rank process still running after this is killed */
 
 struct lat_sample {
 	uint64_t t0; /* before shardd_submit */
@@ -42,9 +42,9 @@ struct lat_sample {
 };
 
 struct lat_shared {
-	uint32_t           nranks, total;
-	int32_t            err[SHARDD_MAX_WORLD];
-	char               msg[SHARDD_MAX_WORLD][512];
+	uint32_t nranks, total;
+	int32_t err[SHARDD_MAX_WORLD];
+	char msg[SHARDD_MAX_WORLD][512];
 	struct lat_sample *samples; /* [op][rank][iter] */
 };
 
@@ -66,14 +66,15 @@ static int lat_fail(struct lat_shared *sh, uint32_t rank, int err, const char *w
 }
 
 /* One op of the run: submit, wait for its completion, check it, undo it. */
-static int lat_one(struct lat_shared *sh, uint32_t rank, struct shardd_client *c, struct shardd_group *g,
-		   uint32_t opi, uint64_t step, struct lat_sample *s)
+static int lat_one(struct lat_shared *sh, uint32_t rank, struct shardd_client *c,
+		   struct shardd_group *g, uint32_t opi, uint64_t step, struct lat_sample *s)
 {
 	struct shardd_completion cqe;
 	char what[96];
 	int ret;
 
-	snprintf(what, sizeof(what), "%s(step %llu)", shardd_op_name(lat_ops[opi]), (unsigned long long)step);
+	snprintf(what, sizeof(what), "%s(step %llu)", shardd_op_name(lat_ops[opi]),
+		 (unsigned long long)step);
 	s->t0 = bench_now_ns();
 	ret = shardd_group_submit(g, lat_ops[opi], step, 0, step);
 	s->t1 = bench_now_ns();
@@ -84,8 +85,10 @@ static int lat_one(struct lat_shared *sh, uint32_t rank, struct shardd_client *c
 	if (ret)
 		return lat_fail(sh, rank, ret, what);
 	if (cqe.user_data != step || cqe.res) {
-		snprintf(sh->msg[rank], sizeof(sh->msg[rank]), "rank %u: %s: completion of user_data %llu,"
-			 " res %d (%.200s)", rank, what, (unsigned long long)cqe.user_data, cqe.res, cqe.msg);
+		snprintf(sh->msg[rank], sizeof(sh->msg[rank]),
+			 "rank %u: %s: completion of user_data %llu,"
+			 " res %d (%.200s)",
+			 rank, what, (unsigned long long)cqe.user_data, cqe.res, cqe.msg);
 		sh->err[rank] = cqe.res ? cqe.res : -EPROTO;
 		return sh->err[rank];
 	}
@@ -104,10 +107,16 @@ static int lat_rank(const struct bench_opts *o, struct lat_shared *sh, const cha
 	uint64_t barrier = 1;
 	int ret;
 	struct shardd_attach_opts ao = {
-		.socket_path = socket_path, .job = job, .rank = rank, .replicate = 1, .shard = o->ranks,
+		.socket_path = socket_path,
+		.job = job,
+		.rank = rank,
+		.replicate = 1,
+		.shard = o->ranks,
 		.device = SHARDD_HELLO_DEVICE_HOST,
 	};
-	struct shardd_param_desc param = { .name = "w", .dtype = SHARDD_DTYPE_FP32, .ndim = 1, .shape = { count } };
+	struct shardd_param_desc param = {
+		.name = "w", .dtype = SHARDD_DTYPE_FP32, .ndim = 1, .shape = { count }
+	};
 	struct shardd_precision precision = {
 		.param_dtype = o->dtype == SHARDD_DTYPE_FP32 ? SHARDD_DTYPE_NONE : o->dtype,
 		.reduce_dtype = SHARDD_DTYPE_NONE,
@@ -171,9 +180,12 @@ static void lat_report(const struct bench_opts *o, struct lat_shared *sh, FILE *
 				last2 = s->t2 > last2 ? s->t2 : last2;
 				sub[(size_t)i * sh->nranks + r] = s->t1 - s->t0;
 				if (trace)
-					fprintf(trace, "%s %llu %u %llu %llu %llu\n", shardd_op_name(lat_ops[opi]),
-						(unsigned long long)((opi ? LAT_STEP_BASE : 1) + it), r,
-						(unsigned long long)s->t0, (unsigned long long)s->t1,
+					fprintf(trace, "%s %llu %u %llu %llu %llu\n",
+						shardd_op_name(lat_ops[opi]),
+						(unsigned long long)((opi ? LAT_STEP_BASE : 1) +
+								     it),
+						r, (unsigned long long)s->t0,
+						(unsigned long long)s->t1,
 						(unsigned long long)s->t2);
 			}
 			skew[i] = last0 - first0;
@@ -181,14 +193,16 @@ static void lat_report(const struct bench_opts *o, struct lat_shared *sh, FILE *
 			reap[i] = last2 - first2;
 			total[i] = last2 - first0;
 		}
-		printf("# %s: %u ranks, %llu bytes, %d samples\n", shardd_op_name(lat_ops[opi]), sh->nranks,
-		       (unsigned long long)o->min_bytes, o->iters);
+		printf("# %s: %u ranks, %llu bytes, %d samples\n", shardd_op_name(lat_ops[opi]),
+		       sh->nranks, (unsigned long long)o->min_bytes, o->iters);
 		printf("# %-22s %9s %9s %9s\n", "stage", "p50(us)", "p90(us)", "p99(us)");
-		lat_print_stage("arrival skew", skew, n, "first rank's submit -> last rank's submit");
+		lat_print_stage("arrival skew", skew, n,
+				"first rank's submit -> last rank's submit");
 		lat_print_stage("submit call", sub, n * sh->nranks, "shardd_submit, each rank");
 		lat_print_stage("last submit->first reap", after, n,
 				"the daemon's part, the last client's wake-up included");
-		lat_print_stage("first reap->last reap", reap, n, "the other ranks' completions and wake-ups");
+		lat_print_stage("first reap->last reap", reap, n,
+				"the other ranks' completions and wake-ups");
 		lat_print_stage("total", total, n, "first submit -> last reaped completion");
 	}
 	fflush(stdout);
@@ -210,11 +224,13 @@ int bench_latency_run(const struct bench_opts *o, const char *socket_path, const
 	int ret = 0, failed = 0;
 
 	if (count == 0 || count % o->ranks || o->ranks > SHARDD_MAX_WORLD) {
-		fprintf(stderr, "shardbench: latency: -b %llu is not a multiple of %u %s elements\n",
+		fprintf(stderr,
+			"shardbench: latency: -b %llu is not a multiple of %u %s elements\n",
 			(unsigned long long)o->min_bytes, o->ranks, shardd_dtype_name(o->dtype));
 		return -EINVAL;
 	}
-	len = sizeof(*sh) + sizeof(struct lat_sample) * 2 * o->ranks * (size_t)(o->warmup + o->iters);
+	len = sizeof(*sh) +
+	      sizeof(struct lat_sample) * 2 * o->ranks * (size_t)(o->warmup + o->iters);
 	/* Shared, not private: the rank processes write here after fork. */
 	sh = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
 	if (sh == MAP_FAILED)
@@ -224,14 +240,16 @@ int bench_latency_run(const struct bench_opts *o, const char *socket_path, const
 	sh->samples = (struct lat_sample *)(sh + 1);
 	printf("#\n# shardbench latency: %u rank processes, one 1-D fp32 param of %llu bytes in %s;"
 	       " per iteration a barrier,\n#   then each rank: t0 submit t1 wait t2 (the undo off the clock);"
-	       " warm-up %d, samples %d\n", o->ranks, (unsigned long long)o->min_bytes,
-	       shardd_dtype_name(o->dtype), o->warmup, o->iters);
+	       " warm-up %d, samples %d\n",
+	       o->ranks, (unsigned long long)o->min_bytes, shardd_dtype_name(o->dtype), o->warmup,
+	       o->iters);
 	fflush(NULL);
 	for (uint32_t r = 0; r < o->ranks; r++) {
 		pids[r] = fork();
 		if (pids[r] < 0) {
 			ret = -errno;
-			fprintf(stderr, "shardbench: latency: fork of rank %u: %s\n", r, strerror(errno));
+			fprintf(stderr, "shardbench: latency: fork of rank %u: %s\n", r,
+				strerror(errno));
 			break;
 		}
 		if (pids[r] == 0)
@@ -246,12 +264,14 @@ int bench_latency_run(const struct bench_opts *o, const char *socket_path, const
 		st = bench_reap_pid(pids[r], LAT_REAP_MS);
 		if (st < 0 || !WIFEXITED(st) || WEXITSTATUS(st)) {
 			failed = 1;
-			printf("# latency: rank %u failed: %s\n", r, sh->msg[r][0] ? sh->msg[r] : "killed or stuck");
+			printf("# latency: rank %u failed: %s\n", r,
+			       sh->msg[r][0] ? sh->msg[r] : "killed or stuck");
 		}
 	}
 	if (!ret && !failed) {
 		if (trace_path && !(trace = fopen(trace_path, "w")))
-			fprintf(stderr, "shardbench: latency: --trace %s: %s\n", trace_path, strerror(errno));
+			fprintf(stderr, "shardbench: latency: --trace %s: %s\n", trace_path,
+				strerror(errno));
 		lat_report(o, sh, trace);
 		if (trace)
 			fclose(trace);

@@ -24,58 +24,68 @@
 /* Roofline arrays: 8x the 32 MiB L3 of the machines this runs on, and over any L3 we know. */
 #define ROOF_ARRAY_BYTES (256 * BENCH_MIB)
 
-enum bench_cmd { CMD_ALL, CMD_ROOFLINE, CMD_UNSHARD, CMD_REDUCE, CMD_RING, CMD_GPU, CMD_STEP, CMD_LATENCY,
-		 CMD_CHECKPOINT, CMD_WORLD };
+enum bench_cmd {
+	CMD_ALL,
+	CMD_ROOFLINE,
+	CMD_UNSHARD,
+	CMD_REDUCE,
+	CMD_RING,
+	CMD_GPU,
+	CMD_STEP,
+	CMD_LATENCY,
+	CMD_CHECKPOINT,
+	CMD_WORLD
+};
 
 static void usage(FILE *f)
 {
 	fprintf(f,
-"usage: shardbench [options] roofline|unshard|reduce|ring|latency|gpu|step|checkpoint|world|all\n"
-"       (default: all)\n"
-"\n"
-"  roofline   memory kernels (read, write, copy, add), plain and non-temporal stores\n"
-"  unshard    all-gather + cast through the daemon, against its pattern's roofline and\n"
-"             MPI_Allgather\n"
-"  reduce     reduce-scatter of grads, against its pattern's roofline and\n"
-"             MPI_Reduce_scatter_block\n"
-"  ring       nop round trip through the ring (spinning, sleeping) against a socket\n"
-"  latency    one small unshard and reduce (-b bytes), per stage, from the clients\n"
-"  gpu        CUDA kernels against cudaMemcpy device-to-device, and unshard/reduce\n"
-"             latency through shardd --backend cuda (also: --gpu)\n"
-"  step       AdamW and SGD updates against a same-run roofline and torch's CPU AdamW\n"
-"  checkpoint save and restore of an AdamW state through the daemon (docs/CHECKPOINTS.md)\n"
-"             against O_DIRECT write and read of the same bytes (-b 256M -e 8G: the\n"
-"             issue's sweep; --dir DIR: where, default /var/tmp; --torch PYTHON:\n"
-"             also torch.distributed.checkpoint through tools/bench_dcp.py)\n"
-"  world      HSDP reduce, FSDP unshard and reduce across --nodes daemons under\n"
-"             mpirun (-r ranks each): the inter-node part against MPI_Allreduce,\n"
-"             MPI_Allgather, MPI_Reduce_scatter_block among the daemons, the whole\n"
-"             op against MPI among all ranks (docs/MULTINODE.md)\n"
-"  all        roofline, unshard, reduce, ring (and gpu when built with CUDA)\n"
-"\n"
-"  -b SIZE        first size (default 1M); K, M, G suffixes\n"
-"  -e SIZE        last size (default 256M; the full sweep is -e 1G)\n"
-"  -f FACTOR      size multiplication factor (default 2)\n"
-"  -w N           warm-up iterations per size (default 1)\n"
-"  -n N           timed iterations per size (default 5; ring: samples)\n"
-"  -c 0|1         check every result (default 1)\n"
-"  -d DTYPE       param_dtype: fp32, bf16 or fp16 (default bf16; shards are fp32)\n"
-"  -r N           rank processes: 1, 2, 4 or 8 (default 2)\n"
-"  --socket PATH  use the daemon listening there instead of starting one\n"
-"  --shardd PATH  daemon binary to start (default: shardd next to shardbench)\n"
-"  --mpi PATH     Open MPI comparator (default: shardbench_mpi next to shardbench)\n"
-"  --idle-us N    ring: idle gap before each sleeping sample (default 2000)\n"
-"  --nodes N      world: daemons under mpirun, 2 to 8 (default 2)\n"
-"  --trace FILE   latency: also write every sample to FILE (trace_latency.py)\n"
-"  --dir DIR      checkpoint: the folder whose disk is measured (default /var/tmp)\n"
-"  --torch PYTHON checkpoint: compare with torch.distributed.checkpoint run by\n"
-"                 PYTHON (needs torch >= 2.4; default: $SHARDBENCH_TORCH, else none)\n"
-"  --gpu          same as the gpu subcommand\n"
-"  --load         gpu: also time unshard and reduce beside a trainer-like compute\n"
-"                 load in the rank processes (every SM busy ~1.5 ms per launch),\n"
-"                 and report the load's throughput during them\n"
-"  --version      print the version and exit\n"
-"  -h, --help     this text\n");
+		"usage: shardbench [options] roofline|unshard|reduce|ring|latency|gpu|step|checkpoint|world|all\n"
+		"       (default: all)\n"
+		"\n"
+		"  roofline   memory kernels (read, write, copy, add), plain and non-temporal stores\n"
+		"  unshard    all-gather + cast through the daemon, against its pattern's roofline and\n"
+		"             MPI_Allgather\n"
+		"  reduce     reduce-scatter of grads, against its pattern's roofline and\n"
+		"             MPI_Reduce_scatter_block\n"
+		"  ring       nop round trip through the ring (spinning, sleeping) against a socket\n"
+		"  latency    one small unshard and reduce (-b bytes), per stage, from the clients\n"
+		"  gpu        CUDA kernels against cudaMemcpy device-to-device, and unshard/reduce\n"
+		"             latency through shardd --backend cuda (also: --gpu)\n"
+		"  step       AdamW and SGD updates against a same-run roofline and torch's CPU AdamW\n"
+		"  checkpoint save and restore of an AdamW state through the daemon (docs/CHECKPOINTS.md)\n"
+		"             against O_DIRECT write and read of the same bytes (-b 256M -e 8G: the\n"
+		"             issue's sweep; --dir DIR: where, default /var/tmp; --torch PYTHON:\n"
+		"             also torch.distributed.checkpoint through tools/bench_dcp.py)\n"
+		"  world      HSDP reduce, FSDP unshard and reduce across --nodes daemons under\n"
+		"             mpirun (-r ranks each): the inter-node part against MPI_Allreduce,\n"
+		"             MPI_Allgather, MPI_Reduce_scatter_block among the daemons, the whole\n"
+		"             op against MPI among all ranks (docs/MULTINODE.md)\n"
+		"  all        roofline, unshard, reduce, ring (and gpu when built with CUDA)\n"
+		"\n"
+		"  -b SIZE        first size (default 1M); K, M, G suffixes\n"
+		"  -e SIZE        last size (default 256M; the full sweep is -e 1G)\n"
+		"  -f FACTOR      size multiplication factor (default 2)\n"
+		"  -w N           warm-up iterations per size (default 1)\n"
+		"  -n N           timed iterations per size (default 5; ring: samples)\n"
+		"  -c 0|1         check every result (default 1)\n"
+		"  -d DTYPE       param_dtype: fp32, bf16 or fp16 (default bf16; shards are fp32)\n"
+		"  -r N           rank processes: 1, 2, 4 or 8 (default 2)\n"
+		"  --socket PATH  use the daemon listening there instead of starting one\n"
+		"  --shardd PATH  daemon binary to start (default: shardd next to shardbench)\n"
+		"  --mpi PATH     Open MPI comparator (default: shardbench_mpi next to shardbench)\n"
+		"  --idle-us N    ring: idle gap before each sleeping sample (default 2000)\n"
+		"  --nodes N      world: daemons under mpirun, 2 to 8 (default 2)\n"
+		"  --trace FILE   latency: also write every sample to FILE (trace_latency.py)\n"
+		"  --dir DIR      checkpoint: the folder whose disk is measured (default /var/tmp)\n"
+		"  --torch PYTHON checkpoint: compare with torch.distributed.checkpoint run by\n"
+		"                 PYTHON (needs torch >= 2.4; default: $SHARDBENCH_TORCH, else none)\n"
+		"  --gpu          same as the gpu subcommand\n"
+		"  --load         gpu: also time unshard and reduce beside a trainer-like compute\n"
+		"                 load in the rank processes (every SM busy ~1.5 ms per launch),\n"
+		"                 and report the load's throughput during them\n"
+		"  --version      print the version and exit\n"
+		"  -h, --help     this text\n");
 }
 
 static int parse_int(const char *s, int lo, int hi, int *out)
@@ -112,10 +122,19 @@ static int bad_option(const char *opt, const char *value, const char *want)
 
 static int parse_cmd(const char *s, enum bench_cmd *cmd)
 {
-	static const struct { const char *name; enum bench_cmd cmd; } cmds[] = {
-		{ "all", CMD_ALL }, { "roofline", CMD_ROOFLINE }, { "unshard", CMD_UNSHARD },
-		{ "reduce", CMD_REDUCE }, { "ring", CMD_RING }, { "gpu", CMD_GPU },
-		{ "step", CMD_STEP }, { "latency", CMD_LATENCY }, { "checkpoint", CMD_CHECKPOINT },
+	static const struct {
+		const char *name;
+		enum bench_cmd cmd;
+	} cmds[] = {
+		{ "all", CMD_ALL },
+		{ "roofline", CMD_ROOFLINE },
+		{ "unshard", CMD_UNSHARD },
+		{ "reduce", CMD_REDUCE },
+		{ "ring", CMD_RING },
+		{ "gpu", CMD_GPU },
+		{ "step", CMD_STEP },
+		{ "latency", CMD_LATENCY },
+		{ "checkpoint", CMD_CHECKPOINT },
 		{ "world", CMD_WORLD },
 	};
 	size_t i;
@@ -132,8 +151,19 @@ static int parse_cmd(const char *s, enum bench_cmd *cmd)
 /* Parse argv into *o and *cmd. Returns 0, 1 (--help or --version printed) or 2 (usage error). */
 static int parse_args(int argc, char **argv, struct bench_opts *o, enum bench_cmd *cmd)
 {
-	enum { OPT_SOCKET = 256, OPT_SHARDD, OPT_MPI, OPT_IDLE, OPT_GPU, OPT_VERSION, OPT_TRACE, OPT_DIR,
-	       OPT_NODES, OPT_TORCH, OPT_LOAD };
+	enum {
+		OPT_SOCKET = 256,
+		OPT_SHARDD,
+		OPT_MPI,
+		OPT_IDLE,
+		OPT_GPU,
+		OPT_VERSION,
+		OPT_TRACE,
+		OPT_DIR,
+		OPT_NODES,
+		OPT_TORCH,
+		OPT_LOAD
+	};
 	static const struct option longopts[] = {
 		{ "socket", required_argument, NULL, OPT_SOCKET },
 		{ "shardd", required_argument, NULL, OPT_SHARDD },
@@ -226,8 +256,8 @@ static int parse_args(int argc, char **argv, struct bench_opts *o, enum bench_cm
 			usage(stdout);
 			return 1;
 		case OPT_VERSION:
-			printf("shardbench %s (protocol %d.%d)\n", SHARDD_VERSION, SHARDD_PROTO_MAJOR,
-			       SHARDD_PROTO_MINOR);
+			printf("shardbench %s (protocol %d.%d)\n", SHARDD_VERSION,
+			       SHARDD_PROTO_MAJOR, SHARDD_PROTO_MINOR);
 			return 1;
 		default:
 			usage(stderr);
@@ -279,9 +309,8 @@ static void print_machine(const struct bench_opts *o)
 	}
 	if (f)
 		fclose(f);
-	printf("# shardbench: %s, %u online cores, %.1f GiB memory; ranks %u, dtype %s\n",
-	       model, bench_worker_threads(),
-	       (double)pages * (double)psize / (double)BENCH_GIB, o->ranks,
+	printf("# shardbench: %s, %u online cores, %.1f GiB memory; ranks %u, dtype %s\n", model,
+	       bench_worker_threads(), (double)pages * (double)psize / (double)BENCH_GIB, o->ranks,
 	       shardd_dtype_name(o->dtype));
 }
 
@@ -334,14 +363,17 @@ int main(int argc, char **argv)
 	if (cmd == CMD_CHECKPOINT) {
 		char state[PATH_MAX];
 
-		snprintf(state, sizeof(state), "%s/shardbench-ckpt.XXXXXX", o.ckpt_dir ? o.ckpt_dir : "/var/tmp");
+		snprintf(state, sizeof(state), "%s/shardbench-ckpt.XXXXXX",
+			 o.ckpt_dir ? o.ckpt_dir : "/var/tmp");
 		if (!mkdtemp(state)) {
-			fprintf(stderr, "shardbench: checkpoint: mkdtemp %s: %s\n", state, strerror(errno));
+			fprintf(stderr, "shardbench: checkpoint: mkdtemp %s: %s\n", state,
+				strerror(errno));
 			return 1;
 		}
 		ret = bench_daemon_start_state(o.shardd_path, state, &d);
 		if (!ret) {
-			printf("# daemon: %s --state-dir %s (started by shardbench)\n", o.shardd_path, state);
+			printf("# daemon: %s --state-dir %s (started by shardbench)\n",
+			       o.shardd_path, state);
 			failed = bench_checkpoint_run(&o, d.socket_path, state) != 0;
 			bench_daemon_stop(&d);
 		}

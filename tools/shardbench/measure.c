@@ -52,11 +52,25 @@ int bench_parse_size(const char *s, uint64_t *out)
 	if (errno || end == s)
 		return -EINVAL;
 	switch (*end) {
-	case '\0': break;
-	case 'k': case 'K': mult = 1024ull; end++; break;
-	case 'm': case 'M': mult = BENCH_MIB; end++; break;
-	case 'g': case 'G': mult = BENCH_GIB; end++; break;
-	default: return -EINVAL;
+	case '\0':
+		break;
+	case 'k':
+	case 'K':
+		mult = 1024ull;
+		end++;
+		break;
+	case 'm':
+	case 'M':
+		mult = BENCH_MIB;
+		end++;
+		break;
+	case 'g':
+	case 'G':
+		mult = BENCH_GIB;
+		end++;
+		break;
+	default:
+		return -EINVAL;
 	}
 	if (*end == 'i' || *end == 'B')
 		end += (*end == 'i' && end[1] == 'B') ? 2 : 1;

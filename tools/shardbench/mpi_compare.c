@@ -89,8 +89,10 @@ void bench_mpi_run(const struct bench_opts *o, const char *op, struct bench_mpi_
 	else
 		snprintf(path, sizeof(path), "%s/shardbench_mpi", o->self_dir);
 	if (access(path, X_OK) != 0) {
-		snprintf(t->why, sizeof(t->why), "%.160s: %s; install Open MPI (tools/setup/deps.sh) "
-			 "and rebuild", path, strerror(errno));
+		snprintf(t->why, sizeof(t->why),
+			 "%.160s: %s; install Open MPI (tools/setup/deps.sh) "
+			 "and rebuild",
+			 path, strerror(errno));
 		return;
 	}
 	if (!in_path("mpirun")) {
@@ -124,8 +126,8 @@ void bench_mpi_run(const struct bench_opts *o, const char *op, struct bench_mpi_
 		dup2(fds[1], STDOUT_FILENO);
 		dup2(fds[1], STDERR_FILENO);
 		execlp("mpirun", "mpirun", "--allow-run-as-root", "--oversubscribe", "-np", np,
-		       path, op, "-b", b, "-e", e, "-f", f, "-w", w, "-n", n, "-c", c,
-		       "-d", shardd_dtype_name(o->dtype), (char *)NULL);
+		       path, op, "-b", b, "-e", e, "-f", f, "-w", w, "-n", n, "-c", c, "-d",
+		       shardd_dtype_name(o->dtype), (char *)NULL);
 		fprintf(stderr, "exec mpirun: %s\n", strerror(errno));
 		_exit(127);
 	}
@@ -175,8 +177,9 @@ void bench_mpi_run(const struct bench_opts *o, const char *op, struct bench_mpi_
 		snprintf(t->why, sizeof(t->why), "mpirun took more than %d s; killed",
 			 MPI_RUN_TIMEOUT_MS / 1000);
 	else if (status < 0 || !WIFEXITED(status) || WEXITSTATUS(status) != 0)
-		snprintf(t->why, sizeof(t->why), "mpirun -np %u %.80s %s failed (status 0x%x): %.100s",
-			 o->ranks, path, op, (unsigned)status, noise[0] ? noise : "no output");
+		snprintf(t->why, sizeof(t->why),
+			 "mpirun -np %u %.80s %s failed (status 0x%x): %.100s", o->ranks, path, op,
+			 (unsigned)status, noise[0] ? noise : "no output");
 	else if (t->nrows == 0)
 		snprintf(t->why, sizeof(t->why), "mpirun printed no rows: %.200s", noise);
 	t->available = t->why[0] == '\0';

@@ -25,19 +25,25 @@
 #include "bench.h"
 #include "shardd.h"
 
-#define RING_SPIN_SAMPLES   20000
-#define RING_SLEEP_SAMPLES  1000
-#define RING_WARMUP         200
-#define RING_OP_TIMEOUT_NS  (5ull * 1000000000ull)
-#define RING_MSG_BYTES      64
+#define RING_SPIN_SAMPLES  20000
+#define RING_SLEEP_SAMPLES 1000
+#define RING_WARMUP        200
+#define RING_OP_TIMEOUT_NS (5ull * 1000000000ull)
+#define RING_MSG_BYTES     64
 
-enum ring_mode { MODE_RING_SPIN, MODE_SOCKET, MODE_RING_SLEEP, MODE_SOCKET_IDLE, MODE_COUNT };
+enum ring_mode {
+	MODE_RING_SPIN,
+	MODE_SOCKET,
+	MODE_RING_SLEEP,
+	MODE_SOCKET_IDLE,
+	MODE_COUNT
+};
 
 struct ring_result {
-	uint64_t *ns;      /* samples */
-	size_t    n;
-	uint64_t  wrong;
-	int       err;     /* 0, or why the mode did not finish */
+	uint64_t *ns; /* samples */
+	size_t n;
+	uint64_t wrong;
+	int err; /* 0, or why the mode did not finish */
 };
 
 static void idle_gap(uint64_t us)
@@ -58,11 +64,11 @@ static void idle_gap(uint64_t us)
  * only that thread, so the worker pool keeps every core.
  */
 struct ring_pin {
-	int       active;
-	pid_t     daemon_pid;
+	int active;
+	pid_t daemon_pid;
 	cpu_set_t self_saved;
 	cpu_set_t daemon_saved;
-	unsigned  self_cpu, daemon_cpu;
+	unsigned self_cpu, daemon_cpu;
 };
 
 static void ring_pin(struct ring_pin *p, pid_t daemon_pid)
@@ -162,7 +168,7 @@ static void socket_echo(int fd)
 
 /* A socketpair to an echo process. */
 struct ring_echo {
-	int   fd;
+	int fd;
 	pid_t pid;
 };
 
@@ -330,16 +336,18 @@ int bench_ring_run(const struct bench_opts *o, const char *socket_path, pid_t da
 
 	snprintf(pacing, sizeof(pacing), "idle %lluus", (unsigned long long)o->idle_us);
 	printf("#\n# shardbench ring: nop round trip, submit to reaped completion; samples:"
-	       " %zu back-to-back, %zu after an idle gap of %llu us\n", nspin, nsleep,
-	       (unsigned long long)o->idle_us);
+	       " %zu back-to-back, %zu after an idle gap of %llu us\n",
+	       nspin, nsleep, (unsigned long long)o->idle_us);
 	printf("# ring-spin: client spins on shardd_poll; ring-sleep: daemon asleep after the"
 	       " gap (doorbell), client in shardd_wait (spin, then futex)\n");
 	printf("# socket: Unix SOCK_SEQPACKET %d-byte request/response between two processes;"
-	       " socket-idle and ring-sleep samples alternate\n", RING_MSG_BYTES);
+	       " socket-idle and ring-sleep samples alternate\n",
+	       RING_MSG_BYTES);
 	if (pin.daemon_pid)
 		printf("# ring-spin: client on cpu %u, daemon loop thread on cpu %u (a spinner"
 		       " per core; docs/BENCHMARKS.md); ring-sleep unpinned, as the socket"
-		       " baselines\n", pin.self_cpu, pin.daemon_cpu);
+		       " baselines\n",
+		       pin.self_cpu, pin.daemon_cpu);
 	else
 		printf("# ring modes: not pinned (daemon not started by shardbench, or one core);"
 		       " client and daemon on one core make ring-spin ~the daemon's spin window\n");

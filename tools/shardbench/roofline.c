@@ -72,10 +72,10 @@ typedef uint16_t mem_v16 __attribute__((vector_size(16)));
 
 struct mem_args {
 	const void *in[BENCH_MEM_MAX_IN];
-	void       *out;
-	uint32_t    nin, in_size, out_size;
-	int         nt;
-	int         order;    /* enum bench_mem_order */
+	void *out;
+	uint32_t nin, in_size, out_size;
+	int nt;
+	int order; /* enum bench_mem_order */
 };
 
 unsigned bench_worker_threads(void)
@@ -105,12 +105,14 @@ const char *bench_order_name(int order)
 /* ---- the kernel ------------------------------------------------------- */
 
 /* Store `bytes` (16 or 32) of v at p; nt: bypassing the caches (whole lines are written in order). */
-static inline __attribute__((always_inline)) void mem_store(void *p, const void *v, size_t bytes, int nt)
+static inline __attribute__((always_inline)) void mem_store(void *p, const void *v, size_t bytes,
+							    int nt)
 {
 #if MEM_HAVE_NT
 	if (nt) {
 		for (size_t o = 0; o < bytes; o += 16)
-			_mm_stream_si128((__m128i *)((char *)p + o), _mm_loadu_si128((const __m128i *)((const char *)v + o)));
+			_mm_stream_si128((__m128i *)((char *)p + o),
+					 _mm_loadu_si128((const __m128i *)((const char *)v + o)));
 		return;
 	}
 #endif
@@ -123,8 +125,8 @@ static inline __attribute__((always_inline)) void mem_store(void *p, const void 
  * loop of vector loads, xors and stores.
  */
 /* Output step b of x: out_size bytes per lane, plain or non-temporal. */
-static inline __attribute__((always_inline)) void mem_put(const struct mem_args *a, size_t b, const mem_v32 *x,
-							   uint32_t out_size, int nt)
+static inline __attribute__((always_inline)) void
+mem_put(const struct mem_args *a, size_t b, const mem_v32 *x, uint32_t out_size, int nt)
 {
 	if (out_size == 4) {
 		mem_store((char *)a->out + b * sizeof(*x), x, sizeof(*x), nt);
@@ -140,9 +142,9 @@ static inline __attribute__((always_inline)) void mem_put(const struct mem_args 
  * out_size, nin, nt and order into mem_pass's cases, so each case is a
  * straight loop of vector loads, xors and stores.
  */
-static inline __attribute__((always_inline)) uint32_t mem_blocks(const struct mem_args *a, size_t lo, size_t hi,
-								  uint32_t in_size, uint32_t out_size, uint32_t nin,
-								  int nt, int order)
+static inline __attribute__((always_inline)) uint32_t
+mem_blocks(const struct mem_args *a, size_t lo, size_t hi, uint32_t in_size, uint32_t out_size,
+	   uint32_t nin, int nt, int order)
 {
 	mem_v32 acc = { 0 };
 
@@ -159,7 +161,9 @@ static inline __attribute__((always_inline)) uint32_t mem_blocks(const struct me
 					if (in_size == 4)
 						x = ((const mem_v32 *)a->in[k])[c + j];
 					else
-						x = __builtin_convertvector(((const mem_v16 *)a->in[k])[c + j], mem_v32);
+						x = __builtin_convertvector(
+							((const mem_v16 *)a->in[k])[c + j],
+							mem_v32);
 					buf[j] = k ? buf[j] ^ x : x;
 				}
 			}
@@ -176,7 +180,8 @@ static inline __attribute__((always_inline)) uint32_t mem_blocks(const struct me
 
 		/* A prefetch never faults: one past an input's end is harmless, its address an integer. */
 		for (uint32_t k = 0; order == BENCH_MEM_PREFETCH && k < nin; k++)
-			__builtin_prefetch((const void *)((uintptr_t)a->in[k] + b * MEM_LANES * in_size +
+			__builtin_prefetch((const void *)((uintptr_t)a->in[k] +
+							  b * MEM_LANES * in_size +
 							  MEM_PREFETCH_AHEAD));
 		if (nin == 0)
 			x += 0x3f803f80u;
@@ -184,7 +189,8 @@ static inline __attribute__((always_inline)) uint32_t mem_blocks(const struct me
 			if (in_size == 4)
 				x ^= ((const mem_v32 *)a->in[k])[b];
 			else
-				x ^= __builtin_convertvector(((const mem_v16 *)a->in[k])[b], mem_v32);
+				x ^= __builtin_convertvector(((const mem_v16 *)a->in[k])[b],
+							     mem_v32);
 		}
 		if (out_size == 0)
 			acc ^= x;
@@ -200,30 +206,32 @@ static inline __attribute__((always_inline)) uint32_t mem_blocks(const struct me
 	return acc[0];
 }
 
-#define MEM_ORDERS(IN, OUT, NIN, NT)                                                      \
-	(a->order == BENCH_MEM_BLOCKED    ? mem_blocks(a, lo, hi, IN, OUT, NIN, NT, BENCH_MEM_BLOCKED)  \
-	 : a->order == BENCH_MEM_PREFETCH ? mem_blocks(a, lo, hi, IN, OUT, NIN, NT, BENCH_MEM_PREFETCH) \
-					  : mem_blocks(a, lo, hi, IN, OUT, NIN, NT, BENCH_MEM_STREAMS))
-#define MEM_CASE(IN, OUT, NIN)                                                            \
-	case ((IN) << 16 | (OUT) << 8 | (NIN)):                                           \
+#define MEM_ORDERS(IN, OUT, NIN, NT)                                           \
+	(a->order == BENCH_MEM_BLOCKED                                         \
+		 ? mem_blocks(a, lo, hi, IN, OUT, NIN, NT, BENCH_MEM_BLOCKED)  \
+	 : a->order == BENCH_MEM_PREFETCH                                      \
+		 ? mem_blocks(a, lo, hi, IN, OUT, NIN, NT, BENCH_MEM_PREFETCH) \
+		 : mem_blocks(a, lo, hi, IN, OUT, NIN, NT, BENCH_MEM_STREAMS))
+#define MEM_CASE(IN, OUT, NIN)                  \
+	case ((IN) << 16 | (OUT) << 8 | (NIN)): \
 		return a->nt ? MEM_ORDERS(IN, OUT, NIN, 1) : MEM_ORDERS(IN, OUT, NIN, 0)
 
 /* The kernel's blocks [lo, hi), one clone per ISA; the patterns of mem_supported(). */
-__attribute__((target_clones("avx512f", "avx2", "default")))
-static uint32_t mem_pass(const struct mem_args *a, size_t lo, size_t hi)
+__attribute__((target_clones("avx512f", "avx2", "default"))) static uint32_t
+mem_pass(const struct mem_args *a, size_t lo, size_t hi)
 {
 	switch (a->in_size << 16 | a->out_size << 8 | a->nin) {
-	MEM_CASE(4, 0, 1); /* read */
-	MEM_CASE(4, 4, 0); /* write */
-	MEM_CASE(4, 4, 1); /* copy */
-	MEM_CASE(4, 4, 2); /* add */
-	MEM_CASE(4, 2, 1); /* unshard to a 16-bit dtype */
-	MEM_CASE(4, 4, 4);
-	MEM_CASE(4, 4, 8);
-	MEM_CASE(2, 4, 1); /* reduce of 16-bit grads */
-	MEM_CASE(2, 4, 2);
-	MEM_CASE(2, 4, 4);
-	MEM_CASE(2, 4, 8);
+		MEM_CASE(4, 0, 1); /* read */
+		MEM_CASE(4, 4, 0); /* write */
+		MEM_CASE(4, 4, 1); /* copy */
+		MEM_CASE(4, 4, 2); /* add */
+		MEM_CASE(4, 2, 1); /* unshard to a 16-bit dtype */
+		MEM_CASE(4, 4, 4);
+		MEM_CASE(4, 4, 8);
+		MEM_CASE(2, 4, 1); /* reduce of 16-bit grads */
+		MEM_CASE(2, 4, 2);
+		MEM_CASE(2, 4, 4);
+		MEM_CASE(2, 4, 8);
 	default:
 		return 0;
 	}
@@ -234,10 +242,17 @@ static int mem_supported(const struct bench_mem_pattern *p)
 	struct mem_args a = { .nin = p->nin, .in_size = p->in_size, .out_size = p->out_size };
 
 	switch (a.in_size << 16 | a.out_size << 8 | a.nin) {
-	case 4 << 16 | 0 << 8 | 1: case 4 << 16 | 4 << 8 | 0: case 4 << 16 | 4 << 8 | 1:
-	case 4 << 16 | 4 << 8 | 2: case 4 << 16 | 2 << 8 | 1: case 4 << 16 | 4 << 8 | 4:
-	case 4 << 16 | 4 << 8 | 8: case 2 << 16 | 4 << 8 | 1: case 2 << 16 | 4 << 8 | 2:
-	case 2 << 16 | 4 << 8 | 4: case 2 << 16 | 4 << 8 | 8:
+	case 4 << 16 | 0 << 8 | 1:
+	case 4 << 16 | 4 << 8 | 0:
+	case 4 << 16 | 4 << 8 | 1:
+	case 4 << 16 | 4 << 8 | 2:
+	case 4 << 16 | 2 << 8 | 1:
+	case 4 << 16 | 4 << 8 | 4:
+	case 4 << 16 | 4 << 8 | 8:
+	case 2 << 16 | 4 << 8 | 1:
+	case 2 << 16 | 4 << 8 | 2:
+	case 2 << 16 | 4 << 8 | 4:
+	case 2 << 16 | 4 << 8 | 8:
 		return 1;
 	default:
 		return 0;
@@ -266,23 +281,23 @@ uint64_t bench_mem_pattern_bytes(const struct bench_mem_pattern *p, uint64_t cou
 /* ---- threads ---------------------------------------------------------- */
 
 struct mem_run {
-	struct mem_args    args;
-	size_t             nblocks;
-	unsigned           threads;  /* taking part in the current pass */
-	unsigned           pool;     /* threads of the pool, the caller included */
-	unsigned           started;  /* worker threads created (besides the caller) */
-	pthread_t         *tid;
-	uint32_t          *sink;     /* [thread]: read-only passes' xor, so their loads stay */
-	pthread_barrier_t  go, done;
-	pthread_mutex_t    gate_lock;
-	pthread_cond_t     gate_cond;
-	int                gate;     /* 0: wait, 1: run, -1: a thread failed to start, leave */
-	int                quit;
+	struct mem_args args;
+	size_t nblocks;
+	unsigned threads; /* taking part in the current pass */
+	unsigned pool;    /* threads of the pool, the caller included */
+	unsigned started; /* worker threads created (besides the caller) */
+	pthread_t *tid;
+	uint32_t *sink; /* [thread]: read-only passes' xor, so their loads stay */
+	pthread_barrier_t go, done;
+	pthread_mutex_t gate_lock;
+	pthread_cond_t gate_cond;
+	int gate; /* 0: wait, 1: run, -1: a thread failed to start, leave */
+	int quit;
 };
 
 struct mem_thread {
 	struct mem_run *run;
-	unsigned        id;
+	unsigned id;
 };
 
 /* Thread id's blocks of nblocks, starting on MEM_SLICE_ALIGN elements. */
@@ -375,8 +390,8 @@ static int mem_start(struct mem_run *r, unsigned threads)
 		ret = -pthread_create(&r->tid[i], NULL, mem_worker, t);
 		if (ret) {
 			free(t);
-			fprintf(stderr, "shardbench: roofline: starting thread %u of %u: %s\n", i + 1, threads,
-				strerror(-ret));
+			fprintf(stderr, "shardbench: roofline: starting thread %u of %u: %s\n",
+				i + 1, threads, strerror(-ret));
 		} else {
 			r->started++;
 		}
@@ -417,10 +432,10 @@ static void mem_stop(struct mem_run *r)
 #define MEM_STAGGER (4096 + 64)
 
 struct mem_arrays {
-	void  *in[BENCH_MEM_MAX_IN];
-	void  *out;
+	void *in[BENCH_MEM_MAX_IN];
+	void *out;
 	size_t in_bytes, out_bytes;
-	void  *base; /* one mapping holds every stream */
+	void *base; /* one mapping holds every stream */
 	size_t len;
 };
 
@@ -507,10 +522,10 @@ static uint64_t mem_best_variant(struct mem_run *r, unsigned threads, int min_ru
 /* A pattern's arrays, filled, and its threads, kept between measurements. */
 struct bench_mem_ctx {
 	struct bench_mem_pattern p;
-	struct mem_arrays        m;
-	struct mem_run           r;
-	size_t                   n;
-	unsigned                 tcounts[2]; /* 1 and one per online core */
+	struct mem_arrays m;
+	struct mem_run r;
+	size_t n;
+	unsigned tcounts[2]; /* 1 and one per online core */
 };
 
 void bench_mem_close(struct bench_mem_ctx *c)
@@ -585,7 +600,8 @@ void bench_mem_measure(struct bench_mem_ctx *c, int all, struct bench_mem_best *
 {
 	best->bytes = bench_mem_pattern_bytes(&c->p, c->n);
 	if (!all && best->ns != UINT64_MAX) {
-		mem_measure_variant(c, best->store == BENCH_STORE_NT, best->order, best->threads, best);
+		mem_measure_variant(c, best->store == BENCH_STORE_NT, best->order, best->threads,
+				    best);
 		return;
 	}
 	/* Every combination: store kind, input order (for 2 or more inputs), threads. */
@@ -618,10 +634,10 @@ static const struct {
 	struct bench_mem_pattern p;
 	const char *what;
 } mem_kernels[BENCH_ROOF_NKERNELS] = {
-	{ "read",  { 1, 4, 0 }, "s ^= b[i]" },
+	{ "read", { 1, 4, 0 }, "s ^= b[i]" },
 	{ "write", { 0, 4, 4 }, "a[i] = k" },
-	{ "copy",  { 1, 4, 4 }, "a[i] = b[i]" },
-	{ "add",   { 2, 4, 4 }, "a[i] = b[i] ^ c[i] (STREAM add/triad traffic)" },
+	{ "copy", { 1, 4, 4 }, "a[i] = b[i]" },
+	{ "add", { 2, 4, 4 }, "a[i] = b[i] ^ c[i] (STREAM add/triad traffic)" },
 };
 
 int bench_roofline_measure(uint64_t array_bytes, int print, struct bench_roofline *out)
@@ -638,9 +654,10 @@ int bench_roofline_measure(uint64_t array_bytes, int print, struct bench_rooflin
 		printf("# roofline: memory kernels over arrays of %s of 32-bit elements, best pass of plain and"
 		       " non-temporal stores,\n#   inputs streamed, prefetched or blocked (2+ inputs), on 1 and %u"
 		       " threads (one per online core, as the daemon's\n#   pool); bytes: each element read or"
-		       " written once\n", human, out->threads);
-		printf("# %8s %16s %12s %7s %9s %5s %8s  %s\n", "kernel", "bytes/pass(B)", "best(GB/s)", "store",
-		       "order", "thr", "#wrong", "pass");
+		       " written once\n",
+		       human, out->threads);
+		printf("# %8s %16s %12s %7s %9s %5s %8s  %s\n", "kernel", "bytes/pass(B)",
+		       "best(GB/s)", "store", "order", "thr", "#wrong", "pass");
 	}
 	for (int k = 0; k < BENCH_ROOF_NKERNELS && !ret; k++) {
 		struct bench_mem_best *b = &out->kernel[k];

@@ -37,9 +37,15 @@
 
 #define STEP_MIN_NS   (20 * 1000 * 1000ull) /* time each row for at least this long */
 #define STEP_SAMPLES  4096
-#define TORCH_LIMIT_S 900                    /* the torch script stops itself after this */
+#define TORCH_LIMIT_S 900 /* the torch script stops itself after this */
 
-enum step_op { OP_ADAMW = 0, OP_ADAMW_ROOF, OP_SGD, OP_SGD_ROOF, OP_COUNT };
+enum step_op {
+	OP_ADAMW = 0,
+	OP_ADAMW_ROOF,
+	OP_SGD,
+	OP_SGD_ROOF,
+	OP_COUNT
+};
 
 /* ---------------------------------------------------------- the pool --- */
 
@@ -47,24 +53,24 @@ struct step_pool;
 
 struct step_job {
 	enum step_op op;
-	float       *p, *g, *m, *v; /* SGD: m is the momentum buffer */
-	size_t       n;
-	uint64_t     step;
-	float        zero;          /* 0: the rooflines' grad factor */
+	float *p, *g, *m, *v; /* SGD: m is the momentum buffer */
+	size_t n;
+	uint64_t step;
+	float zero; /* 0: the rooflines' grad factor */
 };
 
 struct step_pool {
-	unsigned           threads;  /* workers taking part in the current job */
-	unsigned           started;  /* worker threads created (besides the caller) */
-	pthread_t         *tid;
-	pthread_barrier_t  go, done;
-	struct step_job    job;
-	int                quit;
+	unsigned threads; /* workers taking part in the current job */
+	unsigned started; /* worker threads created (besides the caller) */
+	pthread_t *tid;
+	pthread_barrier_t go, done;
+	struct step_job job;
+	int quit;
 };
 
 struct step_worker {
 	struct step_pool *pool;
-	unsigned          id;
+	unsigned id;
 };
 
 /* Thread id's slice of n elements, split on SHARDD_K_BLOCK multiples. */
@@ -91,9 +97,9 @@ static void slice(size_t n, unsigned threads, unsigned id, size_t *lo, size_t *h
 typedef float step_vec __attribute__((vector_size(32)));
 #define VEC_F (sizeof(step_vec) / sizeof(float))
 
-__attribute__((target_clones("avx512f", "avx2", "default")))
-static void roof_adamw(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, size_t n,
-		       float zero)
+__attribute__((target_clones("avx512f", "avx2", "default"))) static void
+roof_adamw(float *restrict p, const float *restrict g, float *restrict m, float *restrict v,
+	   size_t n, float zero)
 {
 	size_t nv = n / VEC_F;
 	step_vec *restrict pv = (step_vec *)(void *)p, *restrict mv = (step_vec *)(void *)m;
@@ -114,8 +120,8 @@ static void roof_adamw(float *restrict p, const float *restrict g, float *restri
 	}
 }
 
-__attribute__((target_clones("avx512f", "avx2", "default")))
-static void roof_sgd(float *restrict p, const float *restrict g, float *restrict b, size_t n, float zero)
+__attribute__((target_clones("avx512f", "avx2", "default"))) static void
+roof_sgd(float *restrict p, const float *restrict g, float *restrict b, size_t n, float zero)
 {
 	size_t nv = n / VEC_F;
 	step_vec *restrict pv = (step_vec *)(void *)p, *restrict bv = (step_vec *)(void *)b;
@@ -137,9 +143,18 @@ static void roof_sgd(float *restrict p, const float *restrict g, float *restrict
 static struct shardd_adamw adamw_args(const struct step_job *j)
 {
 	struct shardd_adamw a = {
-		.param = j->p, .grad = j->g, .grad_dtype = SHARDD_DTYPE_FP32, .exp_avg = j->m,
-		.exp_avg_sq = j->v, .step = j->step, .lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,
-		.weight_decay = 0.01, .grad_scale = 1.0f,
+		.param = j->p,
+		.grad = j->g,
+		.grad_dtype = SHARDD_DTYPE_FP32,
+		.exp_avg = j->m,
+		.exp_avg_sq = j->v,
+		.step = j->step,
+		.lr = 1e-3,
+		.beta1 = 0.9,
+		.beta2 = 0.999,
+		.eps = 1e-8,
+		.weight_decay = 0.01,
+		.grad_scale = 1.0f,
 	};
 
 	return a;
@@ -148,8 +163,15 @@ static struct shardd_adamw adamw_args(const struct step_job *j)
 static struct shardd_sgd sgd_args(const struct step_job *j)
 {
 	struct shardd_sgd a = {
-		.param = j->p, .grad = j->g, .grad_dtype = SHARDD_DTYPE_FP32, .momentum_buffer = j->m,
-		.step = j->step, .lr = 1e-3, .momentum = 0.9, .weight_decay = 1e-4, .grad_scale = 1.0f,
+		.param = j->p,
+		.grad = j->g,
+		.grad_dtype = SHARDD_DTYPE_FP32,
+		.momentum_buffer = j->m,
+		.step = j->step,
+		.lr = 1e-3,
+		.momentum = 0.9,
+		.weight_decay = 1e-4,
+		.grad_scale = 1.0f,
 	};
 
 	return a;
@@ -231,8 +253,8 @@ static int pool_start(struct step_pool *pool, unsigned threads)
 		pool_workers[i].id = i;
 		ret = -pthread_create(&pool->tid[i], NULL, pool_worker, &pool_workers[i]);
 		if (ret) {
-			fprintf(stderr, "shardbench: step: starting thread %u of %u: %s\n", i + 1, threads,
-				strerror(-ret));
+			fprintf(stderr, "shardbench: step: starting thread %u of %u: %s\n", i + 1,
+				threads, strerror(-ret));
 			return ret;
 		}
 		pool->started++;
@@ -258,11 +280,11 @@ static void pool_stop(struct step_pool *pool)
 
 /* The fastest torch.optim.AdamW time per size and thread count, 0 when not measured. */
 struct torch_results {
-	int       available;
-	char      why[256];   /* when not available */
-	char      impls[128]; /* the implementations it ran */
-	uint64_t *best_ns;    /* [size index][0: 1 thread, 1: all cores] */
-	char     (*best_impl)[16];
+	int available;
+	char why[256];     /* when not available */
+	char impls[128];   /* the implementations it ran */
+	uint64_t *best_ns; /* [size index][0: 1 thread, 1: all cores] */
+	char (*best_impl)[16];
 };
 
 /*
@@ -270,36 +292,36 @@ struct torch_results {
  * measurement, "impls a,b,c", and "skip impl reason" for one it cannot run.
  */
 static const char torch_script[] =
-"import signal, sys, time\n"
-"signal.alarm(int(sys.argv[1]))\n"
-"try:\n"
-"    import torch\n"
-"except Exception as e:\n"
-"    print('unavailable', type(e).__name__, e, flush=True); sys.exit(0)\n"
-"iters, warm, tall = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])\n"
-"sizes = [int(s) for s in sys.argv[5:]]\n"
-"impls = {'single': dict(foreach=False), 'foreach': dict(foreach=True), 'fused': dict(fused=True)}\n"
-"ok = []\n"
-"for name, kw in impls.items():\n"
-"    try:\n"
-"        p = torch.nn.Parameter(torch.zeros(16)); p.grad = torch.ones(16)\n"
-"        torch.optim.AdamW([p], lr=1e-3, weight_decay=0.01, **kw).step(); ok.append(name)\n"
-"    except Exception as e:\n"
-"        print('skip', name, type(e).__name__, str(e).replace(chr(10), ' ')[:120], flush=True)\n"
-"print('impls', ','.join(ok), 'torch', torch.__version__, flush=True)\n"
-"for n in sizes:\n"
-"    for threads in (1, tall):\n"
-"        torch.set_num_threads(threads)\n"
-"        for name in ok:\n"
-"            p = torch.nn.Parameter(torch.randn(n)); p.grad = torch.randn(n)\n"
-"            opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.01, **impls[name])\n"
-"            for _ in range(warm): opt.step()\n"
-"            best = None; t_all = time.perf_counter(); i = 0\n"
-"            while i < iters or time.perf_counter() - t_all < 0.02:\n"
-"                t0 = time.perf_counter_ns(); opt.step(); t = time.perf_counter_ns() - t0\n"
-"                best = t if best is None or t < best else best; i += 1\n"
-"            print(name, threads, n, best, flush=True)\n"
-"            del opt, p\n";
+	"import signal, sys, time\n"
+	"signal.alarm(int(sys.argv[1]))\n"
+	"try:\n"
+	"    import torch\n"
+	"except Exception as e:\n"
+	"    print('unavailable', type(e).__name__, e, flush=True); sys.exit(0)\n"
+	"iters, warm, tall = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])\n"
+	"sizes = [int(s) for s in sys.argv[5:]]\n"
+	"impls = {'single': dict(foreach=False), 'foreach': dict(foreach=True), 'fused': dict(fused=True)}\n"
+	"ok = []\n"
+	"for name, kw in impls.items():\n"
+	"    try:\n"
+	"        p = torch.nn.Parameter(torch.zeros(16)); p.grad = torch.ones(16)\n"
+	"        torch.optim.AdamW([p], lr=1e-3, weight_decay=0.01, **kw).step(); ok.append(name)\n"
+	"    except Exception as e:\n"
+	"        print('skip', name, type(e).__name__, str(e).replace(chr(10), ' ')[:120], flush=True)\n"
+	"print('impls', ','.join(ok), 'torch', torch.__version__, flush=True)\n"
+	"for n in sizes:\n"
+	"    for threads in (1, tall):\n"
+	"        torch.set_num_threads(threads)\n"
+	"        for name in ok:\n"
+	"            p = torch.nn.Parameter(torch.randn(n)); p.grad = torch.randn(n)\n"
+	"            opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.01, **impls[name])\n"
+	"            for _ in range(warm): opt.step()\n"
+	"            best = None; t_all = time.perf_counter(); i = 0\n"
+	"            while i < iters or time.perf_counter() - t_all < 0.02:\n"
+	"                t0 = time.perf_counter_ns(); opt.step(); t = time.perf_counter_ns() - t0\n"
+	"                best = t if best is None or t < best else best; i += 1\n"
+	"            print(name, threads, n, best, flush=True)\n"
+	"            del opt, p\n";
 
 /* The first of /usr/bin/python3 and python3 (PATH) that exists. */
 static const char *find_python(void)
@@ -307,11 +329,11 @@ static const char *find_python(void)
 	return access("/usr/bin/python3", X_OK) == 0 ? "/usr/bin/python3" : "python3";
 }
 
-static void torch_run(const struct bench_opts *o, const uint64_t *counts, size_t nsizes, unsigned tall,
-		      struct torch_results *t)
+static void torch_run(const struct bench_opts *o, const uint64_t *counts, size_t nsizes,
+		      unsigned tall, struct torch_results *t)
 {
 	char **argv = calloc(nsizes + 8, sizeof(char *));
-	char (*nums)[32] = calloc(nsizes + 4, sizeof(*nums));
+	char(*nums)[32] = calloc(nsizes + 4, sizeof(*nums));
 	char line[512];
 	int pipefd[2] = { -1, -1 }, status;
 	pid_t pid;
@@ -383,7 +405,8 @@ static void torch_run(const struct bench_opts *o, const uint64_t *counts, size_t
 					continue;
 				if (!t->best_ns[k] || ns < t->best_ns[k]) {
 					t->best_ns[k] = ns;
-					snprintf(t->best_impl[k], sizeof(t->best_impl[k]), "%.15s", impl);
+					snprintf(t->best_impl[k], sizeof(t->best_impl[k]), "%.15s",
+						 impl);
 				}
 			}
 		}
@@ -438,8 +461,8 @@ static void fill_slice(float *p, float *g, float *m, float *v, size_t lo, size_t
  * recomputed from value_at: one AdamW step (step 3) or SGD step (step 2,
  * so the buffer is read).
  */
-static uint64_t count_wrong(enum step_op op, const float *p, const float *m, const float *v, size_t n,
-			    unsigned threads)
+static uint64_t count_wrong(enum step_op op, const float *p, const float *m, const float *v,
+			    size_t n, unsigned threads)
 {
 	uint64_t wrong = 0;
 
@@ -467,7 +490,8 @@ static uint64_t count_wrong(enum step_op op, const float *p, const float *m, con
 			j.step = 3;
 			a = adamw_args(&j);
 			shardd_k_adamw_isa(SHARDD_K_ISA_PORTABLE, &a, 0, 1);
-			wrong += memcmp(&ep, p + i, 4) || memcmp(&em, m + i, 4) || memcmp(&ev, v + i, 4);
+			wrong += memcmp(&ep, p + i, 4) || memcmp(&em, m + i, 4) ||
+				 memcmp(&ev, v + i, 4);
 		} else {
 			struct shardd_sgd a;
 
@@ -498,7 +522,8 @@ static uint64_t mem_available(void)
 
 static void *map_floats(size_t n)
 {
-	void *p = mmap(NULL, n * sizeof(float) + 64, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+	void *p = mmap(NULL, n * sizeof(float) + 64, PROT_READ | PROT_WRITE,
+		       MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
 
 	return p == MAP_FAILED ? NULL : p;
 }
@@ -508,8 +533,8 @@ static void *map_floats(size_t n)
  * the same machine: other load, clocks) max(iters, STEP_MIN_NS worth)
  * times each after `warmup` pairs.
  */
-static void time_pair(struct step_pool *pool, struct step_job *roof, struct step_job *kern, unsigned threads,
-		      int warmup, int iters, uint64_t *roof_ns, uint64_t *kern_ns)
+static void time_pair(struct step_pool *pool, struct step_job *roof, struct step_job *kern,
+		      unsigned threads, int warmup, int iters, uint64_t *roof_ns, uint64_t *kern_ns)
 {
 	uint64_t total = 0;
 
@@ -530,15 +555,15 @@ static void time_pair(struct step_pool *pool, struct step_job *roof, struct step
 }
 
 struct step_row_stats {
-	double worst_roof;       /* lowest %roof of a kernel row */
-	double best_roof;        /* highest: above 100 means the roofline is wrong */
-	double worst_vs_torch;   /* lowest torch/ours among all-core AdamW rows */
+	double worst_roof;     /* lowest %roof of a kernel row */
+	double best_roof;      /* highest: above 100 means the roofline is wrong */
+	double worst_vs_torch; /* lowest torch/ours among all-core AdamW rows */
 	uint64_t wrong;
 };
 
 static void print_row(uint64_t bytes, size_t n, const char *name, unsigned threads, uint64_t ns,
-		      unsigned streams, uint64_t roof_ns, uint64_t torch_ns, const char *torch_impl, uint64_t wrong,
-		      struct step_row_stats *st, int is_adamw_all)
+		      unsigned streams, uint64_t roof_ns, uint64_t torch_ns, const char *torch_impl,
+		      uint64_t wrong, struct step_row_stats *st, int is_adamw_all)
 {
 	double gbs = (double)streams * 4.0 * (double)n / (double)ns;
 	double roof = (double)streams * 4.0 * (double)n / (double)roof_ns;
@@ -556,8 +581,9 @@ static void print_row(uint64_t bytes, size_t n, const char *name, unsigned threa
 	if (pct > st->best_roof)
 		st->best_roof = pct;
 	printf("  %12llu %11zu %6s %4u %11.1f %9.1f %9.2f %9.2f %7.1f %10s %8s %8s %6llu\n",
-	       (unsigned long long)bytes, n, name, threads, (double)ns / 1e3, (double)n / (double)ns * 1e3, gbs,
-	       roof, pct, torch_us, torch_ns ? torch_impl : "-", vs, (unsigned long long)wrong);
+	       (unsigned long long)bytes, n, name, threads, (double)ns / 1e3,
+	       (double)n / (double)ns * 1e3, gbs, roof, pct, torch_us, torch_ns ? torch_impl : "-",
+	       vs, (unsigned long long)wrong);
 }
 
 int bench_step_run(const struct bench_opts *o)
@@ -576,8 +602,8 @@ int bench_step_run(const struct bench_opts *o)
 			char h[32];
 
 			bench_format_size(b, h, sizeof(h));
-			printf("# step: %s skipped: AdamW needs 4 x %s and MemAvailable is %.1f GiB\n", h, h,
-			       (double)avail / (double)BENCH_GIB);
+			printf("# step: %s skipped: AdamW needs 4 x %s and MemAvailable is %.1f GiB\n",
+			       h, h, (double)avail / (double)BENCH_GIB);
 			continue;
 		}
 		bytes_of[nsizes] = b;
@@ -588,10 +614,12 @@ int bench_step_run(const struct bench_opts *o)
 	       "#   AdamW (lr 1e-3, betas 0.9/0.999, wd 0.01) moves 28 B per element, SGD (momentum 0.9,\n"
 	       "#   wd 1e-4) 20 B; roof(GB/s): the same traffic as p += g, m += g, v += g (SGD: p, buf)\n"
 	       "#   on the same arrays and threads, this run; best of -n %d (at least %llu ms) after -w %d\n",
-	       shardd_k_isa_name(shardd_k_isa_best()), o->iters, STEP_MIN_NS / 1000000ull, o->warmup);
+	       shardd_k_isa_name(shardd_k_isa_best()), o->iters, STEP_MIN_NS / 1000000ull,
+	       o->warmup);
 	torch_run(o, counts, nsizes, tall, &torch);
 	if (torch.available)
-		printf("# torch: %s; torch(us): the fastest of them at the same size and threads\n", torch.impls);
+		printf("# torch: %s; torch(us): the fastest of them at the same size and threads\n",
+		       torch.impls);
 	else
 		printf("# torch: not installed (%s) via %s\n", torch.why, find_python());
 	fflush(stdout);
@@ -601,11 +629,13 @@ int bench_step_run(const struct bench_opts *o)
 		torch_free(&torch);
 		return ret;
 	}
-	printf("# %12s %11s %6s %4s %11s %9s %9s %9s %7s %10s %8s %8s %6s\n", "size(B)", "count", "opt", "thr",
-	       "time(us)", "Mupd/s", "GB/s", "roof(GB/s)", "%roof", "torch(us)", "torch", "vsTorch", "#wrong");
+	printf("# %12s %11s %6s %4s %11s %9s %9s %9s %7s %10s %8s %8s %6s\n", "size(B)", "count",
+	       "opt", "thr", "time(us)", "Mupd/s", "GB/s", "roof(GB/s)", "%roof", "torch(us)",
+	       "torch", "vsTorch", "#wrong");
 	for (size_t si = 0; si < nsizes; si++) {
 		size_t n = counts[si];
-		float *p = map_floats(n), *g = map_floats(n), *m = map_floats(n), *v = map_floats(n);
+		float *p = map_floats(n), *g = map_floats(n), *m = map_floats(n),
+		      *v = map_floats(n);
 
 		if (!p || !g || !m || !v) {
 			fprintf(stderr, "shardbench: step: cannot map 4 arrays of %zu floats\n", n);
@@ -614,7 +644,8 @@ int bench_step_run(const struct bench_opts *o)
 		for (int ti = 0; ti < 2 && !ret; ti++) {
 			unsigned threads = tcounts[ti];
 			uint64_t wrong_a, wrong_s, t_a, t_ar, t_s, t_sr;
-			uint64_t torch_ns = torch.best_ns ? torch.best_ns[si * 2 + (unsigned)ti] : 0;
+			uint64_t torch_ns =
+				torch.best_ns ? torch.best_ns[si * 2 + (unsigned)ti] : 0;
 			struct step_job j = { .p = p, .g = g, .m = m, .v = v, .n = n }, roof;
 			size_t lo, hi;
 
@@ -648,8 +679,10 @@ int bench_step_run(const struct bench_opts *o)
 			j.step = 2; /* step 1 does not read the buffer */
 			time_pair(&pool, &roof, &j, threads, o->warmup, o->iters, &t_sr, &t_s);
 			print_row(bytes_of[si], n, "adamw", threads, t_a, 7, t_ar, torch_ns,
-				  torch_ns ? torch.best_impl[si * 2 + (unsigned)ti] : "-", wrong_a, &st, ti == 1);
-			print_row(bytes_of[si], n, "sgd", threads, t_s, 5, t_sr, 0, "-", wrong_s, &st, 0);
+				  torch_ns ? torch.best_impl[si * 2 + (unsigned)ti] : "-", wrong_a,
+				  &st, ti == 1);
+			print_row(bytes_of[si], n, "sgd", threads, t_s, 5, t_sr, 0, "-", wrong_s,
+				  &st, 0);
 			st.wrong += wrong_a + wrong_s;
 			fflush(stdout);
 		}
@@ -664,12 +697,14 @@ int bench_step_run(const struct bench_opts *o)
 	}
 	pool_stop(&pool);
 	if (!ret && nsizes) {
-		printf("# roofline fraction: worst %.1f %% (target >= 85: %s), highest %.1f %%%s\n", st.worst_roof,
-		       st.worst_roof >= 85.0 ? "met" : "MISSED", st.best_roof,
-		       st.best_roof > 105.0 ? " (above 100: the roofline kernel is slower than it should be)" : "");
+		printf("# roofline fraction: worst %.1f %% (target >= 85: %s), highest %.1f %%%s\n",
+		       st.worst_roof, st.worst_roof >= 85.0 ? "met" : "MISSED", st.best_roof,
+		       st.best_roof > 105.0
+			       ? " (above 100: the roofline kernel is slower than it should be)"
+			       : "");
 		if (st.worst_vs_torch < 1e9)
-			printf("# vs torch AdamW (all cores): worst %.2fx (target >= 3x: %s)\n", st.worst_vs_torch,
-			       st.worst_vs_torch >= 3.0 ? "met" : "MISSED");
+			printf("# vs torch AdamW (all cores): worst %.2fx (target >= 3x: %s)\n",
+			       st.worst_vs_torch, st.worst_vs_torch >= 3.0 ? "met" : "MISSED");
 		else
 			printf("# vs torch AdamW: not measured\n");
 	}

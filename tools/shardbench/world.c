@@ -43,9 +43,9 @@
 
 /* The jobs one size runs, each on its own rank threads, in this order. */
 enum world_kind {
-	WORLD_HSDP = 0,   /* mesh NODES x L on the world: reduce without, then with the all-reduce */
-	WORLD_LOCAL = 1,  /* mesh 1 x L on each of NODES plain daemons: unshard, then reduce */
-	WORLD_FSDP = 2,   /* mesh 1 x NODES*L on the world: unshard, then reduce */
+	WORLD_HSDP = 0,  /* mesh NODES x L on the world: reduce without, then with the all-reduce */
+	WORLD_LOCAL = 1, /* mesh 1 x L on each of NODES plain daemons: unshard, then reduce */
+	WORLD_FSDP = 2,  /* mesh 1 x NODES*L on the world: unshard, then reduce */
 	WORLD_KINDS
 };
 
@@ -53,20 +53,20 @@ struct world_run {
 	const struct bench_opts *o;
 	uint32_t nodes, L, n;
 	char dir[64];
-	struct bench_daemon *plain;    /* [nodes]: WORLD_LOCAL's daemons */
+	struct bench_daemon *plain; /* [nodes]: WORLD_LOCAL's daemons */
 	pthread_barrier_t bar;
-	enum world_kind kind;          /* the job being measured */
-	uint64_t bytes;                /* the size being measured */
-	uint64_t *t0, *t1;             /* [n][warmup + iters]: each rank's start and end */
-	uint64_t wrong[2];             /* under lock: wrong elements of op 0 and op 1 */
-	int failed;                    /* under lock */
+	enum world_kind kind; /* the job being measured */
+	uint64_t bytes;       /* the size being measured */
+	uint64_t *t0, *t1;    /* [n][warmup + iters]: each rank's start and end */
+	uint64_t wrong[2];    /* under lock: wrong elements of op 0 and op 1 */
+	int failed;           /* under lock */
 	pthread_mutex_t lock;
 };
 
 struct world_rank {
 	struct world_run *w;
-	uint32_t rank;                 /* global: node rank / L */
-	double us[2];                  /* rank 0, per the kind's two ops (see enum world_kind) */
+	uint32_t rank; /* global: node rank / L */
+	double us[2];  /* rank 0, per the kind's two ops (see enum world_kind) */
 };
 
 static int world_failed(struct world_run *w)
@@ -78,8 +78,8 @@ static void world_fail(struct world_run *w, uint32_t rank, const char *what, int
 {
 	pthread_mutex_lock(&w->lock);
 	if (!w->failed)
-		fprintf(stderr, "shardbench world: rank %u: %s: %s (%s)\n", rank, what, shardd_strerror(err),
-			shardd_last_error());
+		fprintf(stderr, "shardbench world: rank %u: %s: %s (%s)\n", rank, what,
+			shardd_strerror(err), shardd_last_error());
 	__atomic_store_n(&w->failed, 1, __ATOMIC_RELAXED);
 	pthread_mutex_unlock(&w->lock);
 }
@@ -160,7 +160,8 @@ static uint64_t world_check_unsharded(const struct world_run *w, uint32_t r, str
 				      uint64_t count)
 {
 	const float *u = shardd_group_unsharded(g, 0);
-	uint64_t lo = count / w->L * (r % w->L), hi = r % w->L + 1 == w->L ? count : lo + count / w->L, bad = 0;
+	uint64_t lo = count / w->L * (r % w->L),
+		 hi = r % w->L + 1 == w->L ? count : lo + count / w->L, bad = 0;
 
 	for (uint64_t i = lo; i < hi; i++)
 		bad += u[i] != bench_param_value(i, 3);
@@ -177,15 +178,22 @@ static void *world_rank_main(void *arg)
 	static const char *const kind_name[WORLD_KINDS] = { "hsdp", "local", "fsdp" };
 	char job[64], sock[128];
 	struct shardd_attach_opts ao = {
-		.job = job, .socket_path = sock, .rank = r, .replicate = w->nodes, .shard = w->L,
+		.job = job,
+		.socket_path = sock,
+		.rank = r,
+		.replicate = w->nodes,
+		.shard = w->L,
 		.device = SHARDD_HELLO_DEVICE_HOST,
 	};
-	struct shardd_param_desc p = { .name = "g", .dtype = SHARDD_DTYPE_FP32, .ndim = 1, .shape = { count } };
+	struct shardd_param_desc p = {
+		.name = "g", .dtype = SHARDD_DTYPE_FP32, .ndim = 1, .shape = { count }
+	};
 	struct shardd_client *c = NULL;
 	struct shardd_group *g = NULL;
 	int err = 0;
 
-	snprintf(job, sizeof(job), "bench-world-%s-%llu", kind_name[w->kind], (unsigned long long)w->bytes);
+	snprintf(job, sizeof(job), "bench-world-%s-%llu", kind_name[w->kind],
+		 (unsigned long long)w->bytes);
 	if (w->kind == WORLD_LOCAL) {
 		snprintf(sock, sizeof(sock), "%s", w->plain[node].socket_path);
 		ao.rank = r % w->L;
@@ -209,7 +217,9 @@ static void *world_rank_main(void *arg)
 		for (uint64_t i = 0; i < count; i++)
 			grad[i] = bench_grad_value(i, r, 3);
 		for (uint64_t k = 0; k < l->shard_bytes / sizeof(float); k++)
-			shard[k] = k < l->shard_rows_valid ? bench_param_value(l->shard_row_begin + k, 3) : 0.0f;
+			shard[k] = k < l->shard_rows_valid
+					   ? bench_param_value(l->shard_row_begin + k, 3)
+					   : 0.0f;
 	}
 	for (int mode = 0; mode < 2; mode++) {
 		for (uint32_t it = 0; it < total; it++) {
@@ -218,12 +228,16 @@ static void *world_rank_main(void *arg)
 			if (g && !world_failed(w)) {
 				err = world_op(w, g, mode, 1 + it);
 				if (err)
-					world_fail(w, r, w->kind == WORLD_HSDP ?
-						   (mode ? "reduce with the all-reduce" : "reduce") :
-						   (mode ? "reduce" : "unshard"), err);
+					world_fail(w, r,
+						   w->kind == WORLD_HSDP
+							   ? (mode ? "reduce with the all-reduce"
+								   : "reduce")
+							   : (mode ? "reduce" : "unshard"),
+						   err);
 			}
 			w->t1[(size_t)r * total + it] = bench_now_ns();
-			if (g && !world_failed(w) && it + 1 < total && (err = world_undo(w, g, mode, 1 + it)))
+			if (g && !world_failed(w) && it + 1 < total &&
+			    (err = world_undo(w, g, mode, 1 + it)))
 				world_fail(w, r, mode ? "zero_grad" : "reshard", err);
 		}
 		pthread_barrier_wait(&w->bar);
@@ -239,7 +253,8 @@ static void *world_rank_main(void *arg)
 	if (g && !world_failed(w) && w->o->check) {
 		uint64_t bad = 0;
 
-		uint64_t bad_unsharded = w->kind != WORLD_HSDP ? world_check_unsharded(w, r, g, count) : 0;
+		uint64_t bad_unsharded =
+			w->kind != WORLD_HSDP ? world_check_unsharded(w, r, g, count) : 0;
 
 		err = shardd_zero_grad(g);
 		pthread_barrier_wait(&w->bar);
@@ -283,8 +298,8 @@ static pid_t world_start(const struct bench_opts *o, struct world_run *w)
 			dup2(fd, STDOUT_FILENO);
 			dup2(fd, STDERR_FILENO);
 		}
-		execlp("mpirun", "mpirun", "--allow-run-as-root", "--oversubscribe", "--mca", "btl", "tcp,self",
-		       "-np", np, "sh", "-c",
+		execlp("mpirun", "mpirun", "--allow-run-as-root", "--oversubscribe", "--mca", "btl",
+		       "tcp,self", "-np", np, "sh", "-c",
 		       "d=\"$1\"; shift; exec \"$0\" --world mpi --socket \"$d/node.$OMPI_COMM_WORLD_RANK\" "
 		       "--log-level warn --collective-timeout 60",
 		       o->shardd_path, w->dir, (char *)NULL);
@@ -329,11 +344,11 @@ static void world_stop(pid_t pid)
 
 /* The Open MPI comparators, in the order of enum world_mpi. */
 enum world_mpi {
-	MPI_AR_NODES,     /* MPI_Allreduce among NODES processes over tcp,self */
-	MPI_AG_NODES,     /* MPI_Allgather among NODES over tcp,self */
-	MPI_RS_NODES,     /* MPI_Reduce_scatter_block among NODES over tcp,self */
-	MPI_AG_ALL,       /* MPI_Allgather among all NODES*L ranks, default transports */
-	MPI_RS_ALL,       /* MPI_Reduce_scatter_block among all NODES*L ranks, default transports */
+	MPI_AR_NODES, /* MPI_Allreduce among NODES processes over tcp,self */
+	MPI_AG_NODES, /* MPI_Allgather among NODES over tcp,self */
+	MPI_RS_NODES, /* MPI_Reduce_scatter_block among NODES over tcp,self */
+	MPI_AG_ALL,   /* MPI_Allgather among all NODES*L ranks, default transports */
+	MPI_RS_ALL,   /* MPI_Reduce_scatter_block among all NODES*L ranks, default transports */
 	MPI_TABLES
 };
 
@@ -345,8 +360,8 @@ struct world_row {
 };
 
 /* Run every rank thread of one kind at w->bytes. 0, or 1 when a rank failed. */
-static int world_measure(struct world_run *w, enum world_kind kind, struct world_rank *wr, pthread_t *th,
-			 struct world_row *row)
+static int world_measure(struct world_run *w, enum world_kind kind, struct world_rank *wr,
+			 pthread_t *th, struct world_row *row)
 {
 	uint32_t started = 0;
 
@@ -391,24 +406,27 @@ static void world_print(const struct world_run *w, const struct world_row *rows,
 			const struct bench_mpi_table *mpi)
 {
 	printf("\n# world: %u nodes x %u ranks, fp32 grads, %u daemons under mpirun --mca btl tcp,self on this "
-	       "machine; times in us, mean over -n\n", w->nodes, w->L, w->nodes);
+	       "machine; times in us, mean over -n\n",
+	       w->nodes, w->L, w->nodes);
 	printf("# MPI(n): Open MPI among %u processes over the daemons' transport (--mca btl tcp,self unless\n"
 	       "#   OMPI_MCA_btl is set), the bytes of the inter-node part; MPI(all): among all %u ranks with\n"
 	       "#   Open MPI's default transports (shared memory on one machine), the whole op's bytes;\n"
 	       "#   each the faster of two runs, before the daemons start and after they stop\n"
-	       "# vs = MPI time / shardd time: above 1, shardd is faster\n", w->nodes, w->n);
+	       "# vs = MPI time / shardd time: above 1, shardd is faster\n",
+	       w->nodes, w->n);
 
 	printf("\n# HSDP reduce (mesh %ux%u): local = reduce without SHARDD_REDUCE_ALL_REDUCE (the node's\n"
 	       "#   reduce-scatter into the partials), whole = with it, inter = whole - local;\n"
-	       "#   MPI(n) = MPI_Allreduce, MPI(all) = MPI_Reduce_scatter_block\n", w->nodes, w->L);
+	       "#   MPI(n) = MPI_Allreduce, MPI(all) = MPI_Reduce_scatter_block\n",
+	       w->nodes, w->L);
 	printf("%12s %10s %10s %10s %13s %9s %13s %9s %7s\n", "size(B)", "local", "whole", "inter",
 	       "Allreduce(n)", "vsInter", "RS(all)", "vsWhole", "#wrong");
 	for (size_t i = 0; i < nrows; i++) {
 		const struct world_row *x = &rows[i];
 		double inter = x->us[WORLD_HSDP][1] - x->us[WORLD_HSDP][0];
 
-		printf("%12llu %10.1f %10.1f %10.1f", (unsigned long long)x->bytes, x->us[WORLD_HSDP][0],
-		       x->us[WORLD_HSDP][1], inter);
+		printf("%12llu %10.1f %10.1f %10.1f", (unsigned long long)x->bytes,
+		       x->us[WORLD_HSDP][0], x->us[WORLD_HSDP][1], inter);
 		world_print_vs(&mpi[MPI_AR_NODES], x->bytes, inter);
 		world_print_vs(&mpi[MPI_RS_ALL], x->bytes, x->us[WORLD_HSDP][1]);
 		printf(" %7llu\n", (unsigned long long)x->wrong[WORLD_HSDP][1]);
@@ -421,27 +439,32 @@ static void world_print(const struct world_run *w, const struct world_row *rows,
 		       "#   MPI(all) = %s among all %u ranks\n",
 		       op ? "reduce" : "unshard", w->n, w->nodes, w->L,
 		       op ? "MPI_Reduce_scatter_block" : "MPI_Allgather", w->nodes,
-		       op ? "fp32 sums of every shard in, its ranks' shards out" : "ranks' shards in, every shard out",
+		       op ? "fp32 sums of every shard in, its ranks' shards out"
+			  : "ranks' shards in, every shard out",
 		       op ? "MPI_Reduce_scatter_block" : "MPI_Allgather", w->n);
-		printf("%12s %10s %10s %10s %13s %9s %13s %9s %7s\n", "size(B)", "local", "whole", "inter",
-		       op ? "RS(n)" : "Allgather(n)", "vsInter", op ? "RS(all)" : "Allgather(all)", "vsWhole",
-		       "#wrong");
+		printf("%12s %10s %10s %10s %13s %9s %13s %9s %7s\n", "size(B)", "local", "whole",
+		       "inter", op ? "RS(n)" : "Allgather(n)", "vsInter",
+		       op ? "RS(all)" : "Allgather(all)", "vsWhole", "#wrong");
 		for (size_t i = 0; i < nrows; i++) {
 			const struct world_row *x = &rows[i];
 			double inter = x->us[WORLD_FSDP][op] - x->us[WORLD_LOCAL][op];
 
-			printf("%12llu %10.1f %10.1f %10.1f", (unsigned long long)x->bytes, x->us[WORLD_LOCAL][op],
-			       x->us[WORLD_FSDP][op], inter);
+			printf("%12llu %10.1f %10.1f %10.1f", (unsigned long long)x->bytes,
+			       x->us[WORLD_LOCAL][op], x->us[WORLD_FSDP][op], inter);
 			world_print_vs(&mpi[op ? MPI_RS_NODES : MPI_AG_NODES], x->bytes, inter);
-			world_print_vs(&mpi[op ? MPI_RS_ALL : MPI_AG_ALL], x->bytes, x->us[WORLD_FSDP][op]);
-			printf(" %7llu\n",
-			       (unsigned long long)(x->wrong[WORLD_FSDP][op] + x->wrong[WORLD_LOCAL][op]));
+			world_print_vs(&mpi[op ? MPI_RS_ALL : MPI_AG_ALL], x->bytes,
+				       x->us[WORLD_FSDP][op]);
+			printf(" %7llu\n", (unsigned long long)(x->wrong[WORLD_FSDP][op] +
+								x->wrong[WORLD_LOCAL][op]));
 		}
 	}
 	{
 		static const char *const name[MPI_TABLES] = {
-			"MPI_Allreduce(n)", "MPI_Allgather(n)", "MPI_Reduce_scatter_block(n)",
-			"MPI_Allgather(all)", "MPI_Reduce_scatter_block(all)",
+			"MPI_Allreduce(n)",
+			"MPI_Allgather(n)",
+			"MPI_Reduce_scatter_block(n)",
+			"MPI_Allgather(all)",
+			"MPI_Reduce_scatter_block(all)",
 		};
 
 		for (int m = 0; m < MPI_TABLES; m++) {
@@ -452,14 +475,15 @@ static void world_print(const struct world_run *w, const struct world_row *rows,
 			for (size_t i = 0; i < mpi[m].nrows; i++)
 				wrong += mpi[m].rows[i].wrong;
 			if (wrong)
-				printf("# %s comparator got %llu elements wrong: its times are suspect\n", name[m],
-				       (unsigned long long)wrong);
+				printf("# %s comparator got %llu elements wrong: its times are suspect\n",
+				       name[m], (unsigned long long)wrong);
 		}
 	}
 }
 
 /* Every comparator once, into mpi[MPI_TABLES]. */
-static void world_mpi_runs(const struct bench_opts *o, const struct world_run *w, struct bench_mpi_table *mpi)
+static void world_mpi_runs(const struct bench_opts *o, const struct world_run *w,
+			   struct bench_mpi_table *mpi)
 {
 	struct bench_opts mo = *o;
 	/* Among the daemons' count, over their own transport, unless the caller picked one for Open MPI. */
@@ -540,8 +564,10 @@ int bench_world_run(const struct bench_opts *o)
 
 	for (uint32_t k = 0; k < w.nodes; k++) {
 		if (bench_daemon_start(o->shardd_path, "host", &w.plain[k])) {
-			fprintf(stderr, "shardbench world: plain daemon %u (the node-local FSDP reference) did not "
-				"start\n", k);
+			fprintf(stderr,
+				"shardbench world: plain daemon %u (the node-local FSDP reference) did not "
+				"start\n",
+				k);
 			ret = 1;
 			goto out;
 		}
@@ -551,8 +577,10 @@ int bench_world_run(const struct bench_opts *o)
 		char log[160];
 
 		snprintf(log, sizeof(log), "%s/daemons.log", w.dir);
-		fprintf(stderr, "shardbench world: %u daemons under mpirun were not ready (%s); their output "
-			"is in %s\n", w.nodes, strerror(pid < 0 ? (int)-pid : -ret), log);
+		fprintf(stderr,
+			"shardbench world: %u daemons under mpirun were not ready (%s); their output "
+			"is in %s\n",
+			w.nodes, strerror(pid < 0 ? (int)-pid : -ret), log);
 		if (pid > 0)
 			world_stop(pid);
 		ret = 1;
@@ -560,15 +588,18 @@ int bench_world_run(const struct bench_opts *o)
 	}
 
 	/* Per size the three jobs one after another: they see the same machine. */
-	for (w.bytes = o->min_bytes; w.bytes <= o->max_bytes && !world_failed(&w); w.bytes *= o->factor) {
+	for (w.bytes = o->min_bytes; w.bytes <= o->max_bytes && !world_failed(&w);
+	     w.bytes *= o->factor) {
 		struct world_row *x = &rows[nrows];
 
 		x->bytes = w.bytes;
-		if (world_measure(&w, WORLD_HSDP, wr, th, x) || world_measure(&w, WORLD_LOCAL, wr, th, x) ||
+		if (world_measure(&w, WORLD_HSDP, wr, th, x) ||
+		    world_measure(&w, WORLD_LOCAL, wr, th, x) ||
 		    world_measure(&w, WORLD_FSDP, wr, th, x))
 			break;
 		nrows++;
-		fprintf(stderr, "shardbench world: %llu bytes measured\n", (unsigned long long)w.bytes);
+		fprintf(stderr, "shardbench world: %llu bytes measured\n",
+			(unsigned long long)w.bytes);
 	}
 	world_stop(pid);
 	for (uint32_t k = 0; k < w.nodes; k++)

@@ -84,7 +84,8 @@ static const char *rank_list(const json_t *arr, char *buf, size_t len)
 	json_t *v;
 
 	buf[0] = 0;
-	json_array_foreach(arr, i, v) {
+	json_array_foreach(arr, i, v)
+	{
 		if (n >= len)
 			break;
 		n += (size_t)snprintf(buf + n, len - n, "%s%lld", i ? "," : "",
@@ -135,7 +136,8 @@ static void limits_line(FILE *f, const json_t *l)
 		bytes_str(num(l, "committed"), used, sizeof(used)),
 		bytes_str(num(l, "max_memory"), all, sizeof(all)), str(l, "max_memory_from"),
 		bytes_str(num(l, "max_job_memory"), job, sizeof(job)),
-		json_is_false(json_object_get(l, "counted")) ? " (not counted: device memory)" : "");
+		json_is_false(json_object_get(l, "counted")) ? " (not counted: device memory)"
+							     : "");
 }
 
 /* "running", "no ranks, ends in 12 s" (--job-linger), "no ranks, kept" (--job-linger 0). */
@@ -182,14 +184,16 @@ void shardctl_render_jobs(FILE *f, const json_t *r)
 		fprintf(f, "no jobs\n");
 		return;
 	}
-	fprintf(f, "%-24s %-9s %-9s %-7s %-11s %-21s %s\n", "JOB", "MESH", "ATTACHED", "GROUPS", "MEMORY",
-		"COMMITTED/LIMIT", "STATE");
-	json_array_foreach(jobs, i, j) {
+	fprintf(f, "%-24s %-9s %-9s %-7s %-11s %-21s %s\n", "JOB", "MESH", "ATTACHED", "GROUPS",
+		"MEMORY", "COMMITTED/LIMIT", "STATE");
+	json_array_foreach(jobs, i, j)
+	{
 		char mesh[32], att[32], mem[32], used[32], lim[32], cl[72], state[64];
 
 		snprintf(mesh, sizeof(mesh), "%lldx%lld", num(j, "replicate"), num(j, "shard"));
 		snprintf(att, sizeof(att), "%lld/%lld", num(j, "attached"), num(j, "world"));
-		snprintf(cl, sizeof(cl), "%s/%s", bytes_str(num(j, "memory_committed"), used, sizeof(used)),
+		snprintf(cl, sizeof(cl), "%s/%s",
+			 bytes_str(num(j, "memory_committed"), used, sizeof(used)),
 			 bytes_str(num(j, "memory_limit"), lim, sizeof(lim)));
 		fprintf(f, "%-24s %-9s %-9s %-7lld %-11s %-21s %s\n", str(j, "name"), mesh, att,
 			num(j, "groups"),
@@ -218,26 +222,31 @@ void shardctl_render_ranks(FILE *f, const json_t *r)
 		fprintf(f, "no jobs\n");
 		return;
 	}
-	json_array_foreach(jobs, i, j) {
+	json_array_foreach(jobs, i, j)
+	{
 		if (i)
 			fputc('\n', f);
 		const json_t *span = json_object_get(j, "span");
 
 		if (span)
 			/* A job across nodes: this daemon holds one node's ranks; RANK is global. */
-			fprintf(f, "job '%s': mesh %lldx%lld over %lld nodes, node %lld holds ranks %lld..%lld, "
-				"%lld of %lld attached, furthest step %lld\n", str(j, "name"),
-				num(span, "replicate"), num(span, "shard"), num(span, "nodes"), num(span, "node"),
-				num(span, "first_rank"), num(span, "last_rank"), num(j, "attached"),
-				num(j, "world"), num(j, "max_step"));
+			fprintf(f,
+				"job '%s': mesh %lldx%lld over %lld nodes, node %lld holds ranks %lld..%lld, "
+				"%lld of %lld attached, furthest step %lld\n",
+				str(j, "name"), num(span, "replicate"), num(span, "shard"),
+				num(span, "nodes"), num(span, "node"), num(span, "first_rank"),
+				num(span, "last_rank"), num(j, "attached"), num(j, "world"),
+				num(j, "max_step"));
 		else
-			fprintf(f, "job '%s': mesh %lldx%lld, %lld of %lld ranks attached, furthest step %lld\n",
-				str(j, "name"), num(j, "replicate"), num(j, "shard"), num(j, "attached"),
-				num(j, "world"), num(j, "max_step"));
+			fprintf(f,
+				"job '%s': mesh %lldx%lld, %lld of %lld ranks attached, furthest step %lld\n",
+				str(j, "name"), num(j, "replicate"), num(j, "shard"),
+				num(j, "attached"), num(j, "world"), num(j, "max_step"));
 		fprintf(f, "%-5s %-8s %-9s %-16s %-16s %-16s %-8s %-6s %-7s %s\n", "RANK", "PID",
 			"ATTACHED", "SUBMITTED", "TAKEN", "COMPLETED", "INFLIGHT", "STEP", "BEHIND",
 			"WAITING IN");
-		json_array_foreach(json_object_get(j, "ranks"), k, rk) {
+		json_array_foreach(json_object_get(j, "ranks"), k, rk)
+		{
 			char a[32], b[32], c[32], d[32], w[512], pid[24], st[24];
 			const json_t *waiting = json_object_get(rk, "waiting");
 
@@ -247,11 +256,11 @@ void shardctl_render_ranks(FILE *f, const json_t *r)
 				snprintf(pid, sizeof(pid), "-");
 			if (!json_is_true(json_object_get(rk, "attached"))) {
 				fprintf(f, "%-5lld %-8s %s\n", num(rk, "rank"), pid,
-					json_is_true(json_object_get(rk, "goodbye")) ?
-					"detached (said goodbye)" :
-					json_is_integer(json_object_get(rk, "pid")) ?
-					"detached (client gone; the rank may re-attach)" :
-					"never attached");
+					json_is_true(json_object_get(rk, "goodbye"))
+						? "detached (said goodbye)"
+					: json_is_integer(json_object_get(rk, "pid"))
+						? "detached (client gone; the rank may re-attach)"
+						: "never attached");
 				continue;
 			}
 			if (json_array_size(waiting))
@@ -263,13 +272,15 @@ void shardctl_render_ranks(FILE *f, const json_t *r)
 			else
 				snprintf(st, sizeof(st), "-");
 			fprintf(f, "%-5lld %-8s %-9s %-16s %-16s %-16s %-8lld %-6s %-7lld %s\n",
-				num(rk, "rank"), pid, duration_str(real(rk, "attached_s"), a, sizeof(a)),
+				num(rk, "rank"), pid,
+				duration_str(real(rk, "attached_s"), a, sizeof(a)),
 				opstep(json_object_get(rk, "submitted"), b, sizeof(b)),
 				opstep(json_object_get(rk, "taken"), c, sizeof(c)),
 				opstep(json_object_get(rk, "completed"), d, sizeof(d)),
 				num(rk, "inflight"), st, num(rk, "behind"), w);
 		}
-		json_array_foreach(json_object_get(j, "pending"), k, p) {
+		json_array_foreach(json_object_get(j, "pending"), k, p)
+		{
 			char w[512];
 
 			fprintf(f, "pending: %s\n", pending_str(p, w, sizeof(w)));
@@ -287,7 +298,8 @@ void shardctl_render_groups(FILE *f, const json_t *r)
 		fprintf(f, "no jobs\n");
 		return;
 	}
-	json_array_foreach(jobs, i, j) {
+	json_array_foreach(jobs, i, j)
+	{
 		if (i)
 			fputc('\n', f);
 		fprintf(f, "job '%s': mesh %lldx%lld\n", str(j, "name"), num(j, "replicate"),
@@ -296,21 +308,24 @@ void shardctl_render_groups(FILE *f, const json_t *r)
 			fprintf(f, "no groups registered\n");
 			continue;
 		}
-		fprintf(f, "%-4s %-20s %-7s %-11s %-11s %-11s %-11s %-10s %s\n", "ID", "GROUP", "PARAMS",
-			"STATE", "SHARD", "UNSHARDED", "GRAD", "HOLDERS", "PARTIALS");
-		json_array_foreach(json_object_get(j, "groups"), k, g) {
+		fprintf(f, "%-4s %-20s %-7s %-11s %-11s %-11s %-11s %-10s %s\n", "ID", "GROUP",
+			"PARAMS", "STATE", "SHARD", "UNSHARDED", "GRAD", "HOLDERS", "PARTIALS");
+		json_array_foreach(json_object_get(j, "groups"), k, g)
+		{
 			const json_t *b = json_object_get(g, "bytes");
 			char s1[32], s2[32], s3[32], h[128], pa[128];
 
-			fprintf(f, "%-4lld %-20s %-7lld %-11s %-11s %-11s %-11s %-10s %s\n", num(g, "id"),
-				str(g, "name"), num(g, "nparams"),
-				json_is_true(json_object_get(g, "complete")) ? "ready" : "registering",
+			fprintf(f, "%-4lld %-20s %-7lld %-11s %-11s %-11s %-11s %-10s %s\n",
+				num(g, "id"), str(g, "name"), num(g, "nparams"),
+				json_is_true(json_object_get(g, "complete")) ? "ready"
+									     : "registering",
 				bytes_str(num(b, "shard"), s1, sizeof(s1)),
 				bytes_str(num(b, "unsharded"), s2, sizeof(s2)),
 				bytes_str(num(b, "grad"), s3, sizeof(s3)),
 				rank_list(json_object_get(g, "unsharded_holders"), h, sizeof(h)),
 				rank_list(json_object_get(g, "partials_present"), pa, sizeof(pa)));
-			json_array_foreach(json_object_get(g, "pending"), n, p) {
+			json_array_foreach(json_object_get(g, "pending"), n, p)
+			{
 				char w[512];
 
 				fprintf(f, "     pending: %s\n", pending_str(p, w, sizeof(w)));
@@ -325,7 +340,8 @@ static const char *shape_str(const json_t *shape, char *buf, size_t len)
 	json_t *v;
 
 	n += (size_t)snprintf(buf, len, "[");
-	json_array_foreach(shape, i, v) {
+	json_array_foreach(shape, i, v)
+	{
 		if (n >= len)
 			break;
 		n += (size_t)snprintf(buf + n, len - n, "%s%lld", i ? ", " : "",
@@ -341,14 +357,16 @@ void shardctl_render_show(FILE *f, const json_t *r)
 	size_t i;
 	json_t *p;
 
-	fprintf(f, "group '%s' (id %lld) of job '%s': %lld params, param_dtype %s, reduce_dtype %s, "
-		"shard group of %lld, %s\n", str(r, "name"), num(r, "id"), str(r, "job"),
-		num(r, "nparams"), str(r, "param_dtype"), str(r, "reduce_dtype"),
-		num(r, "shard_world"),
+	fprintf(f,
+		"group '%s' (id %lld) of job '%s': %lld params, param_dtype %s, reduce_dtype %s, "
+		"shard group of %lld, %s\n",
+		str(r, "name"), num(r, "id"), str(r, "job"), num(r, "nparams"),
+		str(r, "param_dtype"), str(r, "reduce_dtype"), num(r, "shard_world"),
 		json_is_true(json_object_get(r, "complete")) ? "ready" : "registering");
 	fprintf(f, "%-4s %-28s %-6s %-18s %-4s %-8s %-12s %-12s %-12s %s\n", "#", "PARAM", "DTYPE",
 		"SHAPE", "DIM", "ROWS", "UNSH_OFF", "GRAD_OFF", "SHARD_OFF", "VALID ROWS/SHARD");
-	json_array_foreach(json_object_get(r, "params"), i, p) {
+	json_array_foreach(json_object_get(r, "params"), i, p)
+	{
 		char shape[128], valid[256];
 
 		fprintf(f, "%-4lld %-28s %-6s %-18s %-4lld %-8lld %-12lld %-12lld %-12lld %s\n",
@@ -378,14 +396,14 @@ void shardctl_render_dump(FILE *f, const json_t *r)
 	size_t i;
 	json_t *v;
 
-	fprintf(f, "job '%s' group '%s' param '%s': %s of rank %lld, %s %s, rows %lld:%lld "
-		"(%lld elements a row)%s\n", str(r, "job"), str(r, "group"), str(r, "param"),
-		str(r, "what"), num(r, "rank"), str(r, "dtype"),
-		shape_str(json_object_get(r, "shape"), shape, sizeof(shape)),
+	fprintf(f,
+		"job '%s' group '%s' param '%s': %s of rank %lld, %s %s, rows %lld:%lld "
+		"(%lld elements a row)%s\n",
+		str(r, "job"), str(r, "group"), str(r, "param"), str(r, "what"), num(r, "rank"),
+		str(r, "dtype"), shape_str(json_object_get(r, "shape"), shape, sizeof(shape)),
 		(long long)json_integer_value(json_array_get(rows, 0)),
 		(long long)json_integer_value(json_array_get(rows, 1)), num(r, "row_elems"),
-		json_is_false(json_object_get(r, "grad_present")) ?
-		" [no grad yet: zeros]" : "");
+		json_is_false(json_object_get(r, "grad_present")) ? " [no grad yet: zeros]" : "");
 	fprintf(f, "count %lld  finite %lld  nan %lld  inf %lld\nmin ", num(st, "count"),
 		num(st, "finite"), num(st, "nan"), num(st, "inf"));
 	stat_val(f, json_object_get(st, "min"));
@@ -396,13 +414,13 @@ void shardctl_render_dump(FILE *f, const json_t *r)
 	fputs("  l2 ", f);
 	stat_val(f, json_object_get(st, "l2"));
 	fputs("\nvalues:", f);
-	json_array_foreach(json_object_get(r, "values"), i, v) {
+	json_array_foreach(json_object_get(r, "values"), i, v)
+	{
 		fputs(i % 8 ? " " : "\n ", f);
 		stat_val(f, v);
 	}
 	if (json_is_true(json_object_get(r, "truncated")))
-		fprintf(f, "\n ... (%lld values in all; --limit shows more)",
-			num(st, "count"));
+		fprintf(f, "\n ... (%lld values in all; --limit shows more)", num(st, "count"));
 	fputc('\n', f);
 }
 
@@ -411,14 +429,16 @@ void shardctl_render_stats(FILE *f, const json_t *r)
 	size_t i;
 	json_t *o;
 
-	fprintf(f, "%-10s %-10s %-8s %-12s %-10s %-10s %-10s %s\n", "OP", "COUNT", "FAILED", "BYTES",
-		"MEAN(us)", "P50(us)", "P99(us)", "MAX(us)");
-	json_array_foreach(json_object_get(r, "ops"), i, o) {
+	fprintf(f, "%-10s %-10s %-8s %-12s %-10s %-10s %-10s %s\n", "OP", "COUNT", "FAILED",
+		"BYTES", "MEAN(us)", "P50(us)", "P99(us)", "MAX(us)");
+	json_array_foreach(json_object_get(r, "ops"), i, o)
+	{
 		char b[32];
 
-		fprintf(f, "%-10s %-10lld %-8lld %-12s %-10.1f %-10.1f %-10.1f %.1f\n", str(o, "op"),
-			num(o, "count"), num(o, "failed"), bytes_str(num(o, "bytes"), b, sizeof(b)),
-			real(o, "mean_us"), real(o, "p50_us"), real(o, "p99_us"), real(o, "max_us"));
+		fprintf(f, "%-10s %-10lld %-8lld %-12s %-10.1f %-10.1f %-10.1f %.1f\n",
+			str(o, "op"), num(o, "count"), num(o, "failed"),
+			bytes_str(num(o, "bytes"), b, sizeof(b)), real(o, "mean_us"),
+			real(o, "p50_us"), real(o, "p99_us"), real(o, "max_us"));
 	}
 	fprintf(f, "latency: %s\n", str(r, "latency"));
 }

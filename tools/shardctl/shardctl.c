@@ -148,21 +148,25 @@ static int connect_daemon(const struct opts *o)
 		unsigned uid = (unsigned)geteuid(), gid = (unsigned)getegid();
 
 		if (stat(o->socket, &st) == 0)
-			fail(o, -err, "permission denied at %s (connect: %s): the socket belongs to "
+			fail(o, -err,
+			     "permission denied at %s (connect: %s): the socket belongs to "
 			     "uid %u gid %u, mode %04o, and shardctl runs as uid %u gid %u; run "
 			     "shardctl as uid %u, or start shardd with --allow-gid %u (it then "
-			     "makes the socket and its directory group-accessible)", o->socket,
-			     strerror(err), (unsigned)st.st_uid, (unsigned)st.st_gid,
+			     "makes the socket and its directory group-accessible)",
+			     o->socket, strerror(err), (unsigned)st.st_uid, (unsigned)st.st_gid,
 			     (unsigned)(st.st_mode & 07777), uid, gid, (unsigned)st.st_uid, gid);
 		else
-			fail(o, -err, "permission denied at %s (connect: %s): a directory on the "
+			fail(o, -err,
+			     "permission denied at %s (connect: %s): a directory on the "
 			     "path does not let uid %u gid %u through; run shardctl as shardd's "
 			     "user, or start shardd with --allow-gid %u (it then makes the "
-			     "socket's directory group-accessible)", o->socket, strerror(err), uid,
-			     gid, gid);
+			     "socket's directory group-accessible)",
+			     o->socket, strerror(err), uid, gid, gid);
 	} else {
-		fail(o, -err, "no shardd at %s (connect: %s); start one with `shardd --socket %s` "
-		     "or pass --socket", o->socket, strerror(err), o->socket);
+		fail(o, -err,
+		     "no shardd at %s (connect: %s); start one with `shardd --socket %s` "
+		     "or pass --socket",
+		     o->socket, strerror(err), o->socket);
 	}
 	return -1;
 }
@@ -214,9 +218,10 @@ static json_t *request(const struct opts *o, json_t *req)
 		goto out;
 	}
 	if (rx.hdr.type != SHARDD_MSG_ADMIN_REPLY) {
-		fail(o, -SHARDD_E_MALFORMED, "shardd at %s answered with message type %u, not an "
-		     "admin reply (%d): is it an older shardd?", o->socket, rx.hdr.type,
-		     SHARDD_MSG_ADMIN_REPLY);
+		fail(o, -SHARDD_E_MALFORMED,
+		     "shardd at %s answered with message type %u, not an "
+		     "admin reply (%d): is it an older shardd?",
+		     o->socket, rx.hdr.type, SHARDD_MSG_ADMIN_REPLY);
 		goto out;
 	}
 	reply = json_loadb((const char *)rx.payload, rx.have, 0, &jerr);
@@ -239,8 +244,9 @@ static int reply_failed(const json_t *r)
 	if (json_is_true(json_object_get(r, "ok")))
 		return 0;
 	fprintf(stderr, "shardctl: %s\n",
-		json_string_value(json_object_get(r, "error")) ?
-		json_string_value(json_object_get(r, "error")) : "shardd reported a failure");
+		json_string_value(json_object_get(r, "error"))
+			? json_string_value(json_object_get(r, "error"))
+			: "shardd reported a failure");
 	return 1;
 }
 
@@ -278,8 +284,10 @@ static int run_one(const struct opts *o, json_t *req, render_fn render)
 	else if (!ret && render)
 		render(stdout, r);
 	else if (!ret)
-		fputs(json_string_value(json_object_get(r, "text")) ?
-		      json_string_value(json_object_get(r, "text")) : "", stdout);
+		fputs(json_string_value(json_object_get(r, "text"))
+			      ? json_string_value(json_object_get(r, "text"))
+			      : "",
+		      stdout);
 	json_decref(r);
 	return ret;
 }
@@ -314,10 +322,13 @@ static void render_checkpoints(FILE *f, const json_t *r)
 		double secs = json_number_value(json_object_get(w, "seconds"));
 		double rate = secs > 0 ? bytes / secs : 0;
 
-		fprintf(f, "  writing: checkpoint %lld of step %lld to %s: %.0f of about %.0f bytes in %.1f s "
-			"(%.2f GB/s", (long long)json_integer_value(json_object_get(w, "id")),
+		fprintf(f,
+			"  writing: checkpoint %lld of step %lld to %s: %.0f of about %.0f bytes in %.1f s "
+			"(%.2f GB/s",
+			(long long)json_integer_value(json_object_get(w, "id")),
 			(long long)json_integer_value(json_object_get(w, "step")),
-			json_string_value(json_object_get(w, "dir")), bytes, total, secs, rate / 1e9);
+			json_string_value(json_object_get(w, "dir")), bytes, total, secs,
+			rate / 1e9);
 		if (rate > 0 && total > bytes)
 			fprintf(f, ", about %.1f s left", (total - bytes) / rate);
 		fprintf(f, ")\n");
@@ -325,7 +336,8 @@ static void render_checkpoints(FILE *f, const json_t *r)
 	if (!json_integer_value(json_object_get(l, "id")))
 		fprintf(f, "  last:    none\n");
 	else if (json_integer_value(json_object_get(l, "code")))
-		fprintf(f, "  last:    checkpoint %lld failed: %s\n", (long long)json_integer_value(json_object_get(l, "id")),
+		fprintf(f, "  last:    checkpoint %lld failed: %s\n",
+			(long long)json_integer_value(json_object_get(l, "id")),
 			json_string_value(json_object_get(l, "error")));
 	else
 		fprintf(f, "  last:    checkpoint %lld of step %lld in %s: %lld bytes in %.3f s\n",
@@ -369,7 +381,8 @@ static int cmd_checkpoint(const struct opts *o, const char *job, const char *dir
 
 	if (dir && dir[0] != '/') {
 		if (!getcwd(abs, sizeof(abs) - 1) || strlen(abs) + strlen(dir) + 2 > sizeof(abs))
-			return usage_error("checkpoint directory '%s': cannot make it absolute", dir);
+			return usage_error("checkpoint directory '%s': cannot make it absolute",
+					   dir);
 		strcat(abs, "/");
 		strcat(abs, dir);
 		dir = abs;
@@ -396,10 +409,12 @@ static int cmd_checkpoint(const struct opts *o, const char *job, const char *dir
 		/* Every 10 s, where it is: it waits for the job's ranks, or for the disk. */
 		w = json_object_get(r, "writing");
 		if (polls % 100 == 0)
-			fprintf(stderr, "shardctl: checkpoint %lld of job '%s': %s (%lld of about %lld bytes)\n",
+			fprintf(stderr,
+				"shardctl: checkpoint %lld of job '%s': %s (%lld of about %lld bytes)\n",
 				(long long)id, job,
-				json_integer_value(json_object_get(w, "id")) == id ?
-				"being written" : "armed, waiting for the job's next step boundary",
+				json_integer_value(json_object_get(w, "id")) == id
+					? "being written"
+					: "armed, waiting for the job's next step boundary",
 				(long long)json_integer_value(json_object_get(w, "bytes")),
 				(long long)json_integer_value(json_object_get(w, "total")));
 		json_decref(r);
@@ -413,8 +428,8 @@ static int cmd_checkpoint(const struct opts *o, const char *job, const char *dir
 		if (o->json)
 			print_json(last, JSON_INDENT(2));
 		else
-			printf("checkpoint of job '%s' at step %lld written to %s: %lld bytes in %.3f s\n", job,
-			       (long long)json_integer_value(json_object_get(last, "step")),
+			printf("checkpoint of job '%s' at step %lld written to %s: %lld bytes in %.3f s\n",
+			       job, (long long)json_integer_value(json_object_get(last, "step")),
 			       json_string_value(json_object_get(last, "dir")),
 			       (long long)json_integer_value(json_object_get(last, "bytes")),
 			       json_number_value(json_object_get(last, "seconds")));
@@ -440,11 +455,11 @@ static int parse_rows(const char *s, long long *a, long long *b)
 
 static int cmd_dump(const struct opts *o, const char *group, const char *param)
 {
-	json_t *req = with_job(json_pack("{s:s, s:s, s:s, s:s, s:I, s:I}", "cmd", "dump",
-					 "group", group, "param", param,
-					 "what", o->what ? o->what : "param",
-					 "rank", (json_int_t)o->rank, "limit", (json_int_t)o->limit),
-			       o->job);
+	json_t *req =
+		with_job(json_pack("{s:s, s:s, s:s, s:s, s:I, s:I}", "cmd", "dump", "group", group,
+				   "param", param, "what", o->what ? o->what : "param", "rank",
+				   (json_int_t)o->rank, "limit", (json_int_t)o->limit),
+			 o->job);
 
 	if (req && o->rows) {
 		long long a, b;
@@ -453,8 +468,8 @@ static int cmd_dump(const struct opts *o, const char *group, const char *param)
 			json_decref(req);
 			return usage_error("--rows '%s': expected A:B with 0 <= A <= B", o->rows);
 		}
-		if (json_object_set_new(req, "rows", json_pack("[I, I]", (json_int_t)a,
-							       (json_int_t)b))) {
+		if (json_object_set_new(req, "rows",
+					json_pack("[I, I]", (json_int_t)a, (json_int_t)b))) {
 			json_decref(req);
 			req = NULL;
 		}
@@ -517,8 +532,19 @@ static int cmd_watch(const struct opts *o)
 /* main                                                                */
 /* ------------------------------------------------------------------ */
 
-enum { OPT_SOCKET = 256, OPT_JSON, OPT_JOB, OPT_RANK, OPT_WHAT, OPT_ROWS, OPT_LIMIT,
-       OPT_INTERVAL, OPT_COUNT, OPT_HELP, OPT_VERSION };
+enum {
+	OPT_SOCKET = 256,
+	OPT_JSON,
+	OPT_JOB,
+	OPT_RANK,
+	OPT_WHAT,
+	OPT_ROWS,
+	OPT_LIMIT,
+	OPT_INTERVAL,
+	OPT_COUNT,
+	OPT_HELP,
+	OPT_VERSION
+};
 
 static int parse_ll(const char *flag, const char *s, long long lo, long long hi, long long *out)
 {
@@ -527,8 +553,10 @@ static int parse_ll(const char *flag, const char *s, long long lo, long long hi,
 	errno = 0;
 	*out = strtoll(s, &end, 10);
 	if (errno || end == s || *end || *out < lo || *out > hi) {
-		fprintf(stderr, "shardctl: %s '%s': expected an integer in [%lld, %lld]\n"
-			"Try 'shardctl --help'.\n", flag, s, lo, hi);
+		fprintf(stderr,
+			"shardctl: %s '%s': expected an integer in [%lld, %lld]\n"
+			"Try 'shardctl --help'.\n",
+			flag, s, lo, hi);
 		return -1;
 	}
 	return 0;
@@ -563,14 +591,24 @@ int main(int argc, char **argv)
 		switch (c) {
 		case OPT_SOCKET:
 			if (!*optarg || strlen(optarg) >= sizeof(o.socket))
-				return usage_error("--socket '%s': empty or longer than the 107 bytes "
-						   "a Unix socket path may have", optarg);
+				return usage_error(
+					"--socket '%s': empty or longer than the 107 bytes "
+					"a Unix socket path may have",
+					optarg);
 			snprintf(o.socket, sizeof(o.socket), "%s", optarg);
 			break;
-		case OPT_JSON: o.json = 1; break;
-		case OPT_JOB: o.job = optarg; break;
-		case OPT_WHAT: o.what = optarg; break;
-		case OPT_ROWS: o.rows = optarg; break;
+		case OPT_JSON:
+			o.json = 1;
+			break;
+		case OPT_JOB:
+			o.job = optarg;
+			break;
+		case OPT_WHAT:
+			o.what = optarg;
+			break;
+		case OPT_ROWS:
+			o.rows = optarg;
+			break;
 		case OPT_RANK:
 			if (parse_ll("--rank", optarg, 0, SHARDD_MAX_WORLD - 1, &o.rank) < 0)
 				return 2;
@@ -588,8 +626,9 @@ int main(int argc, char **argv)
 			o.interval = strtod(optarg, &end);
 			if (errno || end == optarg || *end || !(o.interval >= 0.01) ||
 			    o.interval > 86400)
-				return usage_error("--interval '%s': expected seconds in [0.01, 86400]",
-						   optarg);
+				return usage_error(
+					"--interval '%s': expected seconds in [0.01, 86400]",
+					optarg);
 			break;
 		case 'h':
 		case OPT_HELP:
@@ -607,7 +646,8 @@ int main(int argc, char **argv)
 	    shardd_socket_path_resolve(NULL, o.socket, sizeof(o.socket)) >= (int)sizeof(o.socket))
 		return usage_error("default socket path '%s...' ($SHARDD_SOCKET, else "
 				   "$XDG_RUNTIME_DIR) is longer than the 107 bytes a Unix socket "
-				   "path may have; pass a shorter --socket", o.socket);
+				   "path may have; pass a shorter --socket",
+				   o.socket);
 	if (optind >= argc)
 		return usage_error("%s", "no command given");
 	cmd = argv[optind];
@@ -625,8 +665,10 @@ int main(int argc, char **argv)
 		return run_one(&o, with_job(cmd_req("groups"), npos ? pos[0] : o.job),
 			       shardctl_render_groups);
 	if (strcmp(cmd, "show") == 0 && npos == 1)
-		return run_one(&o, with_job(json_pack("{s:s, s:s}", "cmd", "show", "group", pos[0]),
-					    o.job), shardctl_render_show);
+		return run_one(
+			&o,
+			with_job(json_pack("{s:s, s:s}", "cmd", "show", "group", pos[0]), o.job),
+			shardctl_render_show);
 	if (strcmp(cmd, "dump") == 0 && npos == 2)
 		return cmd_dump(&o, pos[0], pos[1]);
 	if (strcmp(cmd, "stats") == 0 && npos == 0)
@@ -644,7 +686,8 @@ int main(int argc, char **argv)
 	if (strcmp(cmd, "status") == 0 || strcmp(cmd, "jobs") == 0 || strcmp(cmd, "ranks") == 0 ||
 	    strcmp(cmd, "groups") == 0 || strcmp(cmd, "show") == 0 || strcmp(cmd, "dump") == 0 ||
 	    strcmp(cmd, "stats") == 0 || strcmp(cmd, "metrics") == 0 || strcmp(cmd, "watch") == 0 ||
-	    strcmp(cmd, "end") == 0 || strcmp(cmd, "checkpoint") == 0 || strcmp(cmd, "checkpoints") == 0)
+	    strcmp(cmd, "end") == 0 || strcmp(cmd, "checkpoint") == 0 ||
+	    strcmp(cmd, "checkpoints") == 0)
 		return usage_error("wrong number of arguments for '%s'", cmd);
 	return usage_error("unknown command '%s'", cmd);
 }

@@ -21,49 +21,49 @@
 static void usage(FILE *f)
 {
 	fprintf(f,
-"usage: train_mlp --spawn N [--replicate R] [--steps K] [--socket PATH] [--job NAME]\n"
-"                 [--dump FILE] [--device N] [--checkpoint-every N] [--resume]\n"
-"       train_mlp --rank R --world N [--replicate R] [--steps K] [--socket PATH] [--job NAME]\n"
-"                 [--dump FILE] [--device N] [--resume-step T [--attempt A]] [--trainer-sgd]\n"
-"                 [--checkpoint-every N] [--resume]\n"
-"       train_mlp --reference --world N [--steps K] [--dump FILE]\n"
-"\n"
-"Trains a 32-64-64-1 tanh MLP on a fixed random teacher, FSDP2-style, through\n"
-"a running shardd daemon: one parameter group per layer, unshard with prefetch,\n"
-"reshard after forward, reduce after each layer's backward, the daemon's SGD on\n"
-"each rank's own shard (shardd_step). Prints 'step N loss X time_us T compute_us C\n"
-"shardd_us S' per step: the loss, the step's wall time, and its split into compute\n"
-"and time spent in shardd_submit/shardd_wait (each the mean over the ranks).\n"
-"\n"
-"  --spawn N         fork N rank processes and supervise them\n"
-"  --rank R          run rank R of --world N (prints 'rank R step N loss X ...')\n"
-"  --replicate R     HSDP: R replicas of N / R shards, reduces all-reduced over\n"
-"                    every rank (default 1: FSDP over the N ranks)\n"
-"  --reference       train the same model in this process, no daemon, on the\n"
-"                    union of the N ranks' batches\n"
-"  --steps K         training steps (default %d)\n"
-"  --socket PATH     daemon socket (default: $SHARDD_SOCKET, else the default path)\n"
-"  --job NAME        job name (default '%s')\n"
-"  --device N        attach on CUDA device N: needed when the daemon runs\n"
-"                    --backend cuda (the buffers are then device memory)\n"
-"  --dump FILE       write the final params as raw little-endian fp32: per layer\n"
-"                    fc0, fc1, fc2 the weight (out x in, row-major) then the bias;\n"
-"                    with --rank, rank 0 writes it\n"
-"  --resume-step T   re-attach to a running job (groups opened, not registered)\n"
-"                    and join the retry of step T (T = K: the final unshard),\n"
-"                    as the other ranks print when they wait for this one\n"
-"  --attempt A       with --resume-step: the attempt number of the retry (default 1)\n"
-"  --trainer-sgd     run SGD in the trainer on the flat shard instead of the\n"
-"                    daemon's step op\n"
-"  --checkpoint-every N\n"
-"                    after each step whose number (counted from 1) is a multiple\n"
-"                    of N, every rank asks the daemon for a checkpoint of the job\n"
-"                    and waits until it is written to <--state-dir>/<job>/step-<n>\n"
-"                    (the daemon needs --state-dir; docs/CHECKPOINTS.md)\n"
-"  --resume          register from the job's newest checkpoint in the daemon's\n"
-"                    --state-dir and train from its step to --steps (prints\n"
-"                    'resume at step N'); with none, start afresh at step 0\n"
-"  --version         print the version and exit\n",
+		"usage: train_mlp --spawn N [--replicate R] [--steps K] [--socket PATH] [--job NAME]\n"
+		"                 [--dump FILE] [--device N] [--checkpoint-every N] [--resume]\n"
+		"       train_mlp --rank R --world N [--replicate R] [--steps K] [--socket PATH] [--job NAME]\n"
+		"                 [--dump FILE] [--device N] [--resume-step T [--attempt A]] [--trainer-sgd]\n"
+		"                 [--checkpoint-every N] [--resume]\n"
+		"       train_mlp --reference --world N [--steps K] [--dump FILE]\n"
+		"\n"
+		"Trains a 32-64-64-1 tanh MLP on a fixed random teacher, FSDP2-style, through\n"
+		"a running shardd daemon: one parameter group per layer, unshard with prefetch,\n"
+		"reshard after forward, reduce after each layer's backward, the daemon's SGD on\n"
+		"each rank's own shard (shardd_step). Prints 'step N loss X time_us T compute_us C\n"
+		"shardd_us S' per step: the loss, the step's wall time, and its split into compute\n"
+		"and time spent in shardd_submit/shardd_wait (each the mean over the ranks).\n"
+		"\n"
+		"  --spawn N         fork N rank processes and supervise them\n"
+		"  --rank R          run rank R of --world N (prints 'rank R step N loss X ...')\n"
+		"  --replicate R     HSDP: R replicas of N / R shards, reduces all-reduced over\n"
+		"                    every rank (default 1: FSDP over the N ranks)\n"
+		"  --reference       train the same model in this process, no daemon, on the\n"
+		"                    union of the N ranks' batches\n"
+		"  --steps K         training steps (default %d)\n"
+		"  --socket PATH     daemon socket (default: $SHARDD_SOCKET, else the default path)\n"
+		"  --job NAME        job name (default '%s')\n"
+		"  --device N        attach on CUDA device N: needed when the daemon runs\n"
+		"                    --backend cuda (the buffers are then device memory)\n"
+		"  --dump FILE       write the final params as raw little-endian fp32: per layer\n"
+		"                    fc0, fc1, fc2 the weight (out x in, row-major) then the bias;\n"
+		"                    with --rank, rank 0 writes it\n"
+		"  --resume-step T   re-attach to a running job (groups opened, not registered)\n"
+		"                    and join the retry of step T (T = K: the final unshard),\n"
+		"                    as the other ranks print when they wait for this one\n"
+		"  --attempt A       with --resume-step: the attempt number of the retry (default 1)\n"
+		"  --trainer-sgd     run SGD in the trainer on the flat shard instead of the\n"
+		"                    daemon's step op\n"
+		"  --checkpoint-every N\n"
+		"                    after each step whose number (counted from 1) is a multiple\n"
+		"                    of N, every rank asks the daemon for a checkpoint of the job\n"
+		"                    and waits until it is written to <--state-dir>/<job>/step-<n>\n"
+		"                    (the daemon needs --state-dir; docs/CHECKPOINTS.md)\n"
+		"  --resume          register from the job's newest checkpoint in the daemon's\n"
+		"                    --state-dir and train from its step to --steps (prints\n"
+		"                    'resume at step N'); with none, start afresh at step 0\n"
+		"  --version         print the version and exit\n",
 		MLP_DEFAULT_STEPS, MLP_DEFAULT_JOB);
 }
 
@@ -75,7 +75,8 @@ static int parse_u64(const char *s, const char *what, uint64_t max, uint64_t *ou
 	errno = 0;
 	v = strtoull(s, &end, 10);
 	if (errno || end == s || *end || s[0] == '-' || v > max) {
-		fprintf(stderr, "train_mlp: %s '%s' is not an integer in 0..%" PRIu64 "\n", what, s, max);
+		fprintf(stderr, "train_mlp: %s '%s' is not an integer in 0..%" PRIu64 "\n", what, s,
+			max);
 		return -EINVAL;
 	}
 	*out = v;
@@ -143,12 +144,24 @@ int launch_opts_parse(int argc, char **argv, struct launch_opts *lo)
 				goto bad;
 			o->steps = v;
 			break;
-		case 'S': o->socket = optarg; break;
-		case 'j': o->job = optarg; break;
-		case 'd': o->dump = optarg; break;
-		case 'R': lo->reference = 1; break;
-		case 'T': o->trainer_sgd = 1; break;
-		case 'e': o->resume = 1; break;
+		case 'S':
+			o->socket = optarg;
+			break;
+		case 'j':
+			o->job = optarg;
+			break;
+		case 'd':
+			o->dump = optarg;
+			break;
+		case 'R':
+			lo->reference = 1;
+			break;
+		case 'T':
+			o->trainer_sgd = 1;
+			break;
+		case 'e':
+			o->resume = 1;
+			break;
 		case 'C':
 			if (parse_u64(optarg, "--checkpoint-every", 1u << 24, &v) || v == 0)
 				goto bad;
@@ -185,7 +198,8 @@ int launch_opts_parse(int argc, char **argv, struct launch_opts *lo)
 		goto bad;
 	}
 	if (!!lo->spawn + !!lo->reference + (lo->rank >= 0) != 1) {
-		fprintf(stderr, "train_mlp: give exactly one of --spawn N, --rank R --world N, --reference --world N\n");
+		fprintf(stderr,
+			"train_mlp: give exactly one of --spawn N, --rank R --world N, --reference --world N\n");
 		goto bad;
 	}
 	if (lo->spawn)
@@ -195,7 +209,8 @@ int launch_opts_parse(int argc, char **argv, struct launch_opts *lo)
 		goto bad;
 	}
 	if (lo->rank >= (int64_t)o->world) {
-		fprintf(stderr, "train_mlp: --rank %" PRId64 " is not below --world %u\n", lo->rank, o->world);
+		fprintf(stderr, "train_mlp: --rank %" PRId64 " is not below --world %u\n", lo->rank,
+			o->world);
 		goto bad;
 	}
 	if (o->world % o->replicate) {
@@ -204,17 +219,20 @@ int launch_opts_parse(int argc, char **argv, struct launch_opts *lo)
 		goto bad;
 	}
 	if (o->trainer_sgd && (o->checkpoint_every || o->resume)) {
-		fprintf(stderr, "train_mlp: --checkpoint-every and --resume need the daemon's SGD (a checkpoint"
+		fprintf(stderr,
+			"train_mlp: --checkpoint-every and --resume need the daemon's SGD (a checkpoint"
 			" records the step it applied last): drop --trainer-sgd\n");
 		goto bad;
 	}
 	if (lo->reference && (o->checkpoint_every || o->resume)) {
-		fprintf(stderr, "train_mlp: --reference runs without a daemon: it takes no --checkpoint-every"
+		fprintf(stderr,
+			"train_mlp: --reference runs without a daemon: it takes no --checkpoint-every"
 			" nor --resume\n");
 		goto bad;
 	}
 	if (o->resume_step > (int64_t)o->steps) {
-		fprintf(stderr, "train_mlp: --resume-step %" PRId64 " is above --steps %" PRIu64 "\n",
+		fprintf(stderr,
+			"train_mlp: --resume-step %" PRId64 " is above --steps %" PRIu64 "\n",
 			o->resume_step, o->steps);
 		goto bad;
 	}
@@ -228,16 +246,17 @@ bad:
 /* Supervisor: --spawn N                                               */
 /* ------------------------------------------------------------------ */
 
-#define MLP_RESTART_WAIT_MS 330000 /* the others' retry reports: past the default collective timeout */
+#define MLP_RESTART_WAIT_MS \
+	330000 /* the others' retry reports: past the default collective timeout */
 
 struct child {
-	pid_t pid;         /* 0: not running */
+	pid_t pid; /* 0: not running */
 	int pidfd;
-	int pending;       /* died, to be restarted once every other rank reported its retry */
-	int restarted;     /* restarted at least once: its reports of the steps before may be lost */
+	int pending;   /* died, to be restarted once every other rank reported its retry */
+	int restarted; /* restarted at least once: its reports of the steps before may be lost */
 	uint64_t pending_ns; /* CLOCK_MONOTONIC when it died */
-	int owed;          /* retry reports still expected from it (a rank died); below 0: early */
-	int has_retry;     /* retry_step and retry_attempt hold its latest retry report */
+	int owed;      /* retry reports still expected from it (a rank died); below 0: early */
+	int has_retry; /* retry_step and retry_attempt hold its latest retry report */
 	uint64_t retry_step;
 	uint32_t retry_attempt;
 	struct trainer_opts ro; /* pending: the options it restarts with */
@@ -249,13 +268,13 @@ struct sup {
 	const struct launch_hooks *hooks;
 	struct child *ch;
 	struct loss_report *reps; /* [step * world + rank] */
-	uint8_t *seen;            /* the same: 0 none yet, 1 reported, 2 lost with a rank that died */
-	uint32_t *have;           /* per step: reports seen or lost */
-	uint64_t next;            /* the first step not printed */
-	uint64_t start;           /* the step the ranks train from (their MLP_REPORT_START) */
-	int started;              /* a rank sent its MLP_REPORT_START */
+	uint8_t *seen;  /* the same: 0 none yet, 1 reported, 2 lost with a rank that died */
+	uint32_t *have; /* per step: reports seen or lost */
+	uint64_t next;  /* the first step not printed */
+	uint64_t start; /* the step the ranks train from (their MLP_REPORT_START) */
+	int started;    /* a rank sent its MLP_REPORT_START */
 	int report_rd, report_wr;
-	uint32_t live;            /* children running */
+	uint32_t live; /* children running */
 	int failed;
 };
 
@@ -337,30 +356,37 @@ static int take_reports(struct sup *s)
 	ssize_t n;
 
 	while ((n = read(s->report_rd, &rep, sizeof(rep))) == (ssize_t)sizeof(rep)) {
-		if (rep.rank < o->world && rep.step <= o->steps && rep.attempt == MLP_REPORT_START) {
+		if (rep.rank < o->world && rep.step <= o->steps &&
+		    rep.attempt == MLP_REPORT_START) {
 			if (!s->started) {
 				s->started = 1;
 				s->start = rep.step;
 				if (s->next < rep.step)
 					s->next = rep.step;
 				if (o->resume && rep.step)
-					printf("resume at step %" PRIu64 " of %" PRIu64 "\n", rep.step, o->steps);
+					printf("resume at step %" PRIu64 " of %" PRIu64 "\n",
+					       rep.step, o->steps);
 				else if (o->resume)
-					printf("start at step 0 of %" PRIu64 " (no checkpoint to resume from)\n",
+					printf("start at step 0 of %" PRIu64
+					       " (no checkpoint to resume from)\n",
 					       o->steps);
 				fflush(stdout);
 			} else if (rep.step != s->start) {
-				fprintf(stderr, "train_mlp: rank %u trains from step %" PRIu64 ", another rank"
-					" from step %" PRIu64 ": their checkpoints differ\n", rep.rank, rep.step,
-					s->start);
+				fprintf(stderr,
+					"train_mlp: rank %u trains from step %" PRIu64
+					", another rank"
+					" from step %" PRIu64 ": their checkpoints differ\n",
+					rep.rank, rep.step, s->start);
 				return -EPROTO;
 			}
 			continue;
 		}
-		if (rep.rank >= o->world || rep.step > o->steps || (rep.step == o->steps && !rep.attempt) ||
+		if (rep.rank >= o->world || rep.step > o->steps ||
+		    (rep.step == o->steps && !rep.attempt) ||
 		    (!rep.attempt && rep.step < s->start) ||
 		    (!rep.attempt && s->seen[rep.step * o->world + rep.rank])) {
-			fprintf(stderr, "train_mlp: bad report (rank %u, step %" PRIu64 ", attempt %u)\n",
+			fprintf(stderr,
+				"train_mlp: bad report (rank %u, step %" PRIu64 ", attempt %u)\n",
 				rep.rank, rep.step, rep.attempt);
 			return -EPROTO;
 		}
@@ -405,8 +431,10 @@ static void sup_print_ready(struct sup *s)
 			k++;
 		}
 		if (k)
-			printf("step %" PRIu64 " loss %.6f time_us %.1f compute_us %.1f shardd_us %.1f\n", s->next,
-			       sum / k, step_ns / k / 1e3, (step_ns - shardd_ns) / k / 1e3, shardd_ns / k / 1e3);
+			printf("step %" PRIu64
+			       " loss %.6f time_us %.1f compute_us %.1f shardd_us %.1f\n",
+			       s->next, sum / k, step_ns / k / 1e3, (step_ns - shardd_ns) / k / 1e3,
+			       shardd_ns / k / 1e3);
 		fflush(stdout);
 		s->next++;
 	}
@@ -418,7 +446,8 @@ static void sup_mark_lost(struct sup *s, uint32_t r, uint64_t t)
 	for (uint64_t k = s->start; k < t && k < s->o->steps; k++) {
 		if (s->seen[k * s->o->world + r])
 			continue;
-		fprintf(stderr, "train_mlp: rank %u's loss of step %" PRIu64 " was lost with it\n", r, k);
+		fprintf(stderr, "train_mlp: rank %u's loss of step %" PRIu64 " was lost with it\n",
+			r, k);
 		s->seen[k * s->o->world + r] = 2;
 		s->have[k]++;
 	}
@@ -443,16 +472,21 @@ static int sup_try_restart(struct sup *s, uint32_t r)
 		if (cq->owed > 0 || !cq->has_retry) {
 			if (mono_ns() - c->pending_ns < (uint64_t)MLP_RESTART_WAIT_MS * 1000000)
 				return 0;
-			fprintf(stderr, "train_mlp: rank %u died and rank %u has not reported the retry of its step"
-				" within %d s; giving up\n", r, q, MLP_RESTART_WAIT_MS / 1000);
+			fprintf(stderr,
+				"train_mlp: rank %u died and rank %u has not reported the retry of its step"
+				" within %d s; giving up\n",
+				r, q, MLP_RESTART_WAIT_MS / 1000);
 			sup_fail(s);
 			return -1;
 		}
-		if (first && (first->retry_step != cq->retry_step || first->retry_attempt != cq->retry_attempt)) {
-			fprintf(stderr, "train_mlp: rank %u died; the others retry different steps (rank %u: step %"
-				PRIu64 " attempt %u, rank %u: step %" PRIu64 " attempt %u): cannot restart it\n", r,
-				(uint32_t)(first - s->ch), first->retry_step, first->retry_attempt, q,
-				cq->retry_step, cq->retry_attempt);
+		if (first && (first->retry_step != cq->retry_step ||
+			      first->retry_attempt != cq->retry_attempt)) {
+			fprintf(stderr,
+				"train_mlp: rank %u died; the others retry different steps (rank %u: step %" PRIu64
+				" attempt %u, rank %u: step %" PRIu64
+				" attempt %u): cannot restart it\n",
+				r, (uint32_t)(first - s->ch), first->retry_step,
+				first->retry_attempt, q, cq->retry_step, cq->retry_attempt);
 			sup_fail(s);
 			return -1;
 		}
@@ -461,10 +495,12 @@ static int sup_try_restart(struct sup *s, uint32_t r)
 	c->ro.resume_step = first ? (int64_t)first->retry_step : MLP_RESUME_OWN;
 	c->ro.attempt = first ? first->retry_attempt : 1;
 	if (first)
-		fprintf(stderr, "train_mlp: restarting rank %u into attempt %u of step %" PRIu64 "\n", r,
+		fprintf(stderr,
+			"train_mlp: restarting rank %u into attempt %u of step %" PRIu64 "\n", r,
 			c->ro.attempt, first->retry_step);
 	else
-		fprintf(stderr, "train_mlp: restarting rank %u after its last step in the daemon\n", r);
+		fprintf(stderr, "train_mlp: restarting rank %u after its last step in the daemon\n",
+			r);
 	/* Steps it completed but died before reporting: their losses went with it (alone: at the end). */
 	if (first)
 		sup_mark_lost(s, r, first->retry_step);
@@ -487,7 +523,8 @@ static void sup_reap(struct sup *s, uint32_t r, int st)
 	if (WIFEXITED(st) && WEXITSTATUS(st) == 0)
 		return;
 	c->ro = *s->o;
-	if (!s->failed && s->hooks && s->hooks->restart && s->hooks->restart(s->hooks->arg, r, st, &c->ro)) {
+	if (!s->failed && s->hooks && s->hooks->restart &&
+	    s->hooks->restart(s->hooks->arg, r, st, &c->ro)) {
 		c->pending = 1;
 		c->pending_ns = mono_ns();
 		/* Each rank still running fails its step once and reports the retry. */
@@ -508,7 +545,10 @@ int launch_spawn(const struct trainer_opts *o, const struct launch_hooks *hooks)
 	uint32_t n = o->world;
 	size_t cells = (size_t)(o->steps ? o->steps : 1) * n;
 	struct sup s = {
-		.o = o, .hooks = hooks, .report_rd = -1, .report_wr = -1,
+		.o = o,
+		.hooks = hooks,
+		.report_rd = -1,
+		.report_wr = -1,
 		.ch = calloc(n, sizeof(*s.ch)),
 		.reps = calloc(cells, sizeof(*s.reps)),
 		.seen = calloc(cells, 1),
@@ -548,7 +588,8 @@ int launch_spawn(const struct trainer_opts *o, const struct launch_hooks *hooks)
 			break;
 		pfd[0] = (struct pollfd){ .fd = s.report_rd, .events = POLLIN };
 		for (uint32_t r = 0; r < n; r++)
-			pfd[r + 1] = (struct pollfd){ .fd = s.ch[r].pid > 0 ? s.ch[r].pidfd : -1, .events = POLLIN };
+			pfd[r + 1] = (struct pollfd){ .fd = s.ch[r].pid > 0 ? s.ch[r].pidfd : -1,
+						      .events = POLLIN };
 		if (poll(pfd, n + 1, pending ? 1000 : -1) < 0) {
 			if (errno == EINTR)
 				continue;
@@ -564,7 +605,8 @@ int launch_spawn(const struct trainer_opts *o, const struct launch_hooks *hooks)
 			if (s.ch[r].pid <= 0 || !pfd[r + 1].revents)
 				continue;
 			if (waitpid(s.ch[r].pid, &st, 0) < 0) {
-				fprintf(stderr, "train_mlp: waitpid(rank %u): %s\n", r, strerror(errno));
+				fprintf(stderr, "train_mlp: waitpid(rank %u): %s\n", r,
+					strerror(errno));
 				st = 0xff00;
 			}
 			sup_reap(&s, r, st);
@@ -587,7 +629,9 @@ int launch_spawn(const struct trainer_opts *o, const struct launch_hooks *hooks)
 			sup_mark_lost(&s, r, o->steps);
 	sup_print_ready(&s);
 	if (!s.failed && s.next != o->steps) {
-		fprintf(stderr, "train_mlp: only %" PRIu64 " of %" PRIu64 " steps were reported by every rank\n",
+		fprintf(stderr,
+			"train_mlp: only %" PRIu64 " of %" PRIu64
+			" steps were reported by every rank\n",
 			s.next, o->steps);
 		s.failed = 1;
 	}

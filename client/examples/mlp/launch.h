@@ -15,7 +15,7 @@
 #include "trainer.h"
 
 #define MLP_DEFAULT_STEPS 20
-#define MLP_DEFAULT_JOB "train_mlp"
+#define MLP_DEFAULT_JOB   "train_mlp"
 
 struct launch_opts {
 	uint32_t spawn;        /* --spawn N: supervisor of N ranks; 0: not */

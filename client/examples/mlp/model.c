@@ -13,7 +13,11 @@ const uint32_t mlp_dims[MLP_LAYERS + 1] = { 32, 64, 64, 1 };
 const char *const mlp_group_names[MLP_LAYERS] = { "fc0", "fc1", "fc2" };
 
 /* PRNG stream tags: distinct streams for init, teacher and data. */
-enum { STREAM_INIT = 1, STREAM_TEACHER = 2, STREAM_DATA = 3 };
+enum {
+	STREAM_INIT = 1,
+	STREAM_TEACHER = 2,
+	STREAM_DATA = 3
+};
 
 /* ------------------------------------------------------------------ */
 /* PRNG: splitmix64 seeds xoshiro256**                                 */
@@ -76,7 +80,10 @@ static float rng_uniform(struct rng *r, float a)
 /* The model: forward, loss, backward, in fp32 with a fixed order      */
 /* ------------------------------------------------------------------ */
 
-static int layer_act(uint32_t l) { return l + 1 < MLP_LAYERS; } /* tanh on hidden layers */
+static int layer_act(uint32_t l)
+{
+	return l + 1 < MLP_LAYERS;
+} /* tanh on hidden layers */
 
 void mlp_init(struct mlp_params *p, uint64_t seed)
 {
@@ -213,22 +220,24 @@ int mlp_dump_write(const char *path, const float *const w[MLP_LAYERS],
 
 	if (!f) {
 		ret = -errno;
-		fprintf(stderr, "train_mlp: cannot create dump file '%s': %s\n", path, strerror(errno));
+		fprintf(stderr, "train_mlp: cannot create dump file '%s': %s\n", path,
+			strerror(errno));
 		return ret;
 	}
 	for (uint32_t l = 0; l < MLP_LAYERS; l++) {
 		size_t nw = (size_t)layer_out(l) * layer_in(l), nb = layer_out(l);
 
-		if (fwrite(w[l], sizeof(float), nw, f) != nw || fwrite(b[l], sizeof(float), nb, f) != nb)
+		if (fwrite(w[l], sizeof(float), nw, f) != nw ||
+		    fwrite(b[l], sizeof(float), nb, f) != nb)
 			ret = -EIO;
 	}
 	if (fclose(f) != 0 && ret == 0)
 		ret = -errno;
 	if (ret)
-		fprintf(stderr, "train_mlp: writing dump file '%s' failed: %s\n", path, strerror(-ret));
+		fprintf(stderr, "train_mlp: writing dump file '%s' failed: %s\n", path,
+			strerror(-ret));
 	return ret;
 }
-
 
 /* ------------------------------------------------------------------ */
 /* Reference: the same training in one process, no daemon              */

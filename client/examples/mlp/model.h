@@ -22,7 +22,7 @@
 #include <stdint.h>
 
 #define MLP_LAYERS      3
-#define MLP_BATCH       32          /* samples per rank per step */
+#define MLP_BATCH       32 /* samples per rank per step */
 #define MLP_MAX_DIM     64
 #define MLP_TEACHER_HID 16
 #define MLP_LR          0.1f
@@ -33,8 +33,14 @@ extern const uint32_t mlp_dims[MLP_LAYERS + 1];
 /* One parameter group per layer, params "<group>.weight" [out x in] and "<group>.bias" [out]. */
 extern const char *const mlp_group_names[MLP_LAYERS];
 
-static inline uint32_t layer_in(uint32_t l) { return mlp_dims[l]; }
-static inline uint32_t layer_out(uint32_t l) { return mlp_dims[l + 1]; }
+static inline uint32_t layer_in(uint32_t l)
+{
+	return mlp_dims[l];
+}
+static inline uint32_t layer_out(uint32_t l)
+{
+	return mlp_dims[l + 1];
+}
 
 /* Params of the whole model, for initialisation and the reference. */
 struct mlp_params {
@@ -44,10 +50,10 @@ struct mlp_params {
 
 /* One rank's batch and the activations of one forward/backward pass. */
 struct mlp_work {
-	float x[MLP_BATCH * MLP_MAX_DIM];                   /* inputs */
+	float x[MLP_BATCH * MLP_MAX_DIM]; /* inputs */
 	float target[MLP_BATCH];
-	float act[MLP_LAYERS][MLP_BATCH * MLP_MAX_DIM];     /* output of layer l */
-	float delta[2][MLP_BATCH * MLP_MAX_DIM];            /* dL/d(output), ping-pong */
+	float act[MLP_LAYERS][MLP_BATCH * MLP_MAX_DIM]; /* output of layer l */
+	float delta[2][MLP_BATCH * MLP_MAX_DIM];        /* dL/d(output), ping-pong */
 };
 
 /* The teacher: 32 -> 16 tanh -> 1, fixed by the seed. */

@@ -18,7 +18,7 @@
 #include <cuda_runtime.h>
 #endif
 
-#define MLP_RECONNECT_MS 10000      /* restarted rank: wait for the daemon to drop its old session */
+#define MLP_RECONNECT_MS 10000 /* restarted rank: wait for the daemon to drop its old session */
 
 static uint64_t op_key(uint64_t t, uint32_t attempt, uint32_t phase)
 {
@@ -32,28 +32,28 @@ struct inflight {
 	int done;
 	int res;
 	uint32_t op;
-	uint32_t layer;   /* MLP_LAYERS for barrier */
+	uint32_t layer; /* MLP_LAYERS for barrier */
 	uint64_t step;
 };
 
 struct rank {
 	const struct trainer_opts *o;
 	uint32_t rank;
-	int report_fd;                /* the launcher's pipe; -1: print */
+	int report_fd;                  /* the launcher's pipe; -1: print */
 	const struct rank_hooks *hooks; /* NULL: none */
 	struct shardd_client *c;
 	struct shardd_group *g[MLP_LAYERS];
 	struct inflight ops[RANK_INFLIGHT];
-	int wait_ms;                  /* per completion: collective timeout + slack */
-	int failed;                   /* first error of this attempt, 0 if none */
-	int trainer_sgd;              /* SGD in the trainer (--trainer-sgd), not shardd_step */
+	int wait_ms;     /* per completion: collective timeout + slack */
+	int failed;      /* first error of this attempt, 0 if none */
+	int trainer_sgd; /* SGD in the trainer (--trainer-sgd), not shardd_step */
 	char fail_msg[512];
 	struct teacher tc;
 	struct mlp_work wk;
-	int cuda;                     /* the daemon runs the cuda backend */
-	void *unsharded[MLP_LAYERS];  /* cuda: host copies of the unsharded buffers */
-	void *grad[MLP_LAYERS];       /* cuda: host copies of the grad buffers */
-	uint64_t shardd_ns;           /* this step's time in shardd_submit and shardd_wait */
+	int cuda;                    /* the daemon runs the cuda backend */
+	void *unsharded[MLP_LAYERS]; /* cuda: host copies of the unsharded buffers */
+	void *grad[MLP_LAYERS];      /* cuda: host copies of the grad buffers */
+	uint64_t shardd_ns;          /* this step's time in shardd_submit and shardd_wait */
 };
 
 /* CLOCK_MONOTONIC in ns, for the per-step time split. */
@@ -124,21 +124,24 @@ static void rank_fail(struct rank *rk, int res, const char *fmt, ...)
 static int rank_copy(struct rank *rk, void *dst, const void *src, size_t n, int to_device)
 {
 #ifdef SHARDD_HAVE_CUDA
-	cudaError_t e = cudaMemcpy(dst, src, n, to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost);
+	cudaError_t e = cudaMemcpy(dst, src, n,
+				   to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost);
 
 	/* A copy to the device from pageable memory may return before its DMA lands; one from it may not. */
 	if (e == cudaSuccess && to_device)
 		e = cudaDeviceSynchronize();
 	if (e == cudaSuccess)
 		return 0;
-	rank_fail(rk, -EIO, "copying %zu bytes %s the device failed: %s", n, to_device ? "to" : "from",
-		  cudaGetErrorString(e));
+	rank_fail(rk, -EIO, "copying %zu bytes %s the device failed: %s", n,
+		  to_device ? "to" : "from", cudaGetErrorString(e));
 #else
 	(void)dst;
 	(void)src;
 	(void)to_device;
-	rank_fail(rk, -ENOTSUP, "copying %zu bytes of device memory: this train_mlp was built "
-		  "without CUDA", n);
+	rank_fail(rk, -ENOTSUP,
+		  "copying %zu bytes of device memory: this train_mlp was built "
+		  "without CUDA",
+		  n);
 #endif
 	return rk->failed;
 }
@@ -167,7 +170,8 @@ static int rank_fetch_unsharded(struct rank *rk, uint32_t l)
 
 	if (!rk->cuda)
 		return 0;
-	return rank_copy(rk, rk->unsharded[l], dev - shardd_group_layout(rk->g[l], 0)->unsharded_offset,
+	return rank_copy(rk, rk->unsharded[l],
+			 dev - shardd_group_layout(rk->g[l], 0)->unsharded_offset,
 			 (size_t)shardd_group_info(rk->g[l])->unsharded_size, 0);
 }
 
@@ -200,15 +204,18 @@ static int rank_reap(struct rank *rk)
 
 		for (unsigned i = 0; i < RANK_INFLIGHT && n < sizeof(pending) - 64; i++)
 			if (rk->ops[i].used && !rk->ops[i].done)
-				n += snprintf(pending + n, sizeof(pending) - n, "%s%s", n ? ", " : "",
+				n += snprintf(pending + n, sizeof(pending) - n, "%s%s",
+					      n ? ", " : "",
 					      op_what(&rk->ops[i], what, sizeof(what)));
-		rank_fail(rk, ret, "waiting up to %d ms for %s: %s",
-			  rk->wait_ms, pending, shardd_last_error()[0] ? shardd_last_error() : shardd_strerror(ret));
+		rank_fail(rk, ret, "waiting up to %d ms for %s: %s", rk->wait_ms, pending,
+			  shardd_last_error()[0] ? shardd_last_error() : shardd_strerror(ret));
 		return ret;
 	}
 	if (cqe.user_data == 0 || cqe.user_data > RANK_INFLIGHT ||
 	    !rk->ops[cqe.user_data - 1].used || rk->ops[cqe.user_data - 1].done) {
-		rank_fail(rk, -EPROTO, "completion with unexpected user_data %" PRIu64 " (op %u, step %" PRIu64 ")",
+		rank_fail(rk, -EPROTO,
+			  "completion with unexpected user_data %" PRIu64 " (op %u, step %" PRIu64
+			  ")",
 			  cqe.user_data, cqe.op, cqe.step);
 		return -EPROTO;
 	}
@@ -219,7 +226,8 @@ static int rank_reap(struct rank *rk)
 		rank_fail(rk, cqe.res, "%s failed: %s", op_what(f, what, sizeof(what)),
 			  cqe.msg[0] ? cqe.msg : shardd_strerror(cqe.res));
 	else if (f->op == SHARDD_OP_STEP && cqe.res == SHARDD_STEP_SKIPPED)
-		rank_fail(rk, -EIO, "%s was skipped: its grad is not finite", op_what(f, what, sizeof(what)));
+		rank_fail(rk, -EIO, "%s was skipped: its grad is not finite",
+			  op_what(f, what, sizeof(what)));
 	return 0;
 }
 
@@ -245,9 +253,11 @@ int rank_submit(struct rank *rk, uint32_t op, uint32_t layer, uint64_t step, uin
 		uint64_t t0 = now_ns();
 
 		if (op == SHARDD_OP_STEP)
-			ret = shardd_step_submit(rk->g[layer], step, (double)MLP_LR, flags, 0, 0, (uint64_t)slot + 1);
+			ret = shardd_step_submit(rk->g[layer], step, (double)MLP_LR, flags, 0, 0,
+						 (uint64_t)slot + 1);
 		else if (layer < MLP_LAYERS)
-			ret = shardd_group_submit(rk->g[layer], op, step, flags, (uint64_t)slot + 1);
+			ret = shardd_group_submit(rk->g[layer], op, step, flags,
+						  (uint64_t)slot + 1);
 		else
 			ret = shardd_client_submit(rk->c, op, step, flags, (uint64_t)slot + 1);
 		rk->shardd_ns += now_ns() - t0;
@@ -258,7 +268,8 @@ int rank_submit(struct rank *rk, uint32_t op, uint32_t layer, uint64_t step, uin
 			goto err;
 	}
 	if (ret < 0) {
-		rank_fail(rk, ret, "submit %s: %s", op_what(f, what, sizeof(what)), shardd_last_error());
+		rank_fail(rk, ret, "submit %s: %s", op_what(f, what, sizeof(what)),
+			  shardd_last_error());
 		goto err;
 	}
 	return slot;
@@ -328,7 +339,8 @@ static int rank_sgd(struct rank *rk)
 			hg = malloc(bytes);
 			if (!hp || !hg)
 				rank_fail(rk, -ENOMEM, "out of memory for a %zu-byte shard", bytes);
-			else if (!rank_copy(rk, hp, p, bytes, 0) && !rank_copy(rk, hg, gr, bytes, 0)) {
+			else if (!rank_copy(rk, hp, p, bytes, 0) &&
+				 !rank_copy(rk, hg, gr, bytes, 0)) {
 				sgd(hp, hg, bytes / sizeof(float));
 				rank_copy(rk, p, hp, bytes, 1);
 			}
@@ -404,8 +416,10 @@ static int rank_step(struct rank *rk, uint64_t t, uint32_t attempt, double *loss
 		slot = l > 0 ? rank_submit(rk, SHARDD_OP_UNSHARD, l - 1, kb, 0) : 0;
 		if (slot >= 0 && l > 0)
 			rank_at(rk, RANK_AT_UNSHARD, t, attempt, l - 1);
-		layer_backward(wk, l, rank_unsharded(rk, l, 0), rank_grad(rk, l, 0), rank_grad(rk, l, 1));
-		if (rank_put_grad(rk, l) || rank_submit(rk, SHARDD_OP_RESHARD, l, kb, 0) < 0 || rk->failed)
+		layer_backward(wk, l, rank_unsharded(rk, l, 0), rank_grad(rk, l, 0),
+			       rank_grad(rk, l, 1));
+		if (rank_put_grad(rk, l) || rank_submit(rk, SHARDD_OP_RESHARD, l, kb, 0) < 0 ||
+		    rk->failed)
 			break;
 		if (rk->hooks && rk->hooks->before_reduce) {
 			int took = rk->hooks->before_reduce(rk, t, attempt, l, kb, rk->hooks->arg);
@@ -454,15 +468,21 @@ static int rank_resync(struct rank *rk, uint64_t t, uint32_t attempt)
 static int rank_report(struct rank *rk, uint64_t t, uint32_t attempt, double loss, uint64_t step_ns)
 {
 	struct loss_report rep = {
-		.rank = rk->rank, .attempt = attempt, .step = t, .loss = loss, .step_ns = step_ns,
+		.rank = rk->rank,
+		.attempt = attempt,
+		.step = t,
+		.loss = loss,
+		.step_ns = step_ns,
 		.shardd_ns = rk->shardd_ns,
 	};
 
 	if (rk->report_fd < 0 && attempt > 0)
 		return 0; /* rank_main printed the retry */
 	if (rk->report_fd < 0) {
-		printf("rank %u step %" PRIu64 " loss %.6f time_us %.1f compute_us %.1f shardd_us %.1f\n",
-		       rk->rank, t, loss, step_ns / 1e3, (step_ns - rk->shardd_ns) / 1e3, rk->shardd_ns / 1e3);
+		printf("rank %u step %" PRIu64
+		       " loss %.6f time_us %.1f compute_us %.1f shardd_us %.1f\n",
+		       rk->rank, t, loss, step_ns / 1e3, (step_ns - rk->shardd_ns) / 1e3,
+		       rk->shardd_ns / 1e3);
 		fflush(stdout);
 		return 0;
 	}
@@ -492,9 +512,11 @@ static int rank_retry(struct rank *rk, uint64_t t, uint32_t *attempt)
 		if (*attempt + 1 >= MLP_MAX_ATTEMPTS)
 			return rk->failed;
 		++*attempt;
-		fprintf(stderr, "train_mlp: rank %u: step %" PRIu64 " failed (%s); nothing applied,"
+		fprintf(stderr,
+			"train_mlp: rank %u: step %" PRIu64 " failed (%s); nothing applied,"
 			" retrying it as attempt %u once every rank is back (--resume-step %" PRIu64
-			" --attempt %u)\n", rk->rank, t, rk->fail_msg, *attempt, t, *attempt);
+			" --attempt %u)\n",
+			rk->rank, t, rk->fail_msg, *attempt, t, *attempt);
 		ret = rank_report(rk, t, *attempt, 0.0, 0);
 		if (ret < 0)
 			return ret;
@@ -519,25 +541,28 @@ static int rank_connect(struct rank *rk)
 
 	for (int waited = 0;; waited += 10) {
 		ret = shardd_connect(&ao, &rk->c);
-		if (ret != -SHARDD_E_RANK_TAKEN || rk->o->resume_step == -1 || waited >= MLP_RECONNECT_MS)
+		if (ret != -SHARDD_E_RANK_TAKEN || rk->o->resume_step == -1 ||
+		    waited >= MLP_RECONNECT_MS)
 			break;
 		nanosleep(&pause, NULL);
 	}
 	if (ret < 0) {
-		fprintf(stderr, "train_mlp: rank %u: attach to job '%s' failed: %s\n",
-			rk->rank, rk->o->job, shardd_last_error());
+		fprintf(stderr, "train_mlp: rank %u: attach to job '%s' failed: %s\n", rk->rank,
+			rk->o->job, shardd_last_error());
 		return ret;
 	}
 	rk->cuda = shardd_client_backend(rk->c) == SHARDD_BACKEND_CUDA;
 	rk->trainer_sgd = rk->o->trainer_sgd;
 	if (rk->cuda && rk->o->device < 0) {
-		fprintf(stderr, "train_mlp: rank %u: the daemon runs --backend cuda: give --device N\n",
+		fprintf(stderr,
+			"train_mlp: rank %u: the daemon runs --backend cuda: give --device N\n",
 			rk->rank);
 		return -EINVAL;
 	}
 #ifdef SHARDD_HAVE_CUDA
 	if (rk->cuda && cudaSetDevice(rk->o->device) != cudaSuccess) {
-		fprintf(stderr, "train_mlp: rank %u: cudaSetDevice(%d) failed\n", rk->rank, rk->o->device);
+		fprintf(stderr, "train_mlp: rank %u: cudaSetDevice(%d) failed\n", rk->rank,
+			rk->o->device);
 		return -ENODEV;
 	}
 #endif
@@ -551,7 +576,8 @@ static int rank_host_copies(struct rank *rk)
 		rk->unsharded[l] = malloc((size_t)shardd_group_info(rk->g[l])->unsharded_size);
 		rk->grad[l] = malloc((size_t)shardd_group_info(rk->g[l])->grad_size);
 		if (!rk->unsharded[l] || !rk->grad[l]) {
-			fprintf(stderr, "train_mlp: rank %u: out of memory for host copies\n", rk->rank);
+			fprintf(stderr, "train_mlp: rank %u: out of memory for host copies\n",
+				rk->rank);
 			return -ENOMEM;
 		}
 	}
@@ -580,9 +606,13 @@ static int rank_groups(struct rank *rk, uint64_t *start)
 	for (uint32_t l = 0; l < MLP_LAYERS; l++) {
 		char wname[SHARDD_PARAM_NAME_MAX], bname[SHARDD_PARAM_NAME_MAX];
 		struct shardd_param_desc pd[2] = {
-			{ .name = wname, .dtype = SHARDD_DTYPE_FP32, .ndim = 2,
+			{ .name = wname,
+			  .dtype = SHARDD_DTYPE_FP32,
+			  .ndim = 2,
 			  .shape = { layer_out(l), layer_in(l) } },
-			{ .name = bname, .dtype = SHARDD_DTYPE_FP32, .ndim = 1,
+			{ .name = bname,
+			  .dtype = SHARDD_DTYPE_FP32,
+			  .ndim = 1,
 			  .shape = { layer_out(l) } },
 		};
 		static const struct shardd_optim_config sgd_cfg = { .kind = SHARDD_OPTIM_SGD };
@@ -596,12 +626,14 @@ static int rank_groups(struct rank *rk, uint64_t *start)
 			/* Re-attached: the daemon kept this rank's shards. */
 			ret = shardd_group_open(rk->c, mlp_group_names[l], &rk->g[l]);
 		} else {
-			ret = shardd_group_register(rk->c, mlp_group_names[l], pd, 2, NULL, &opts, &rk->g[l]);
+			ret = shardd_group_register(rk->c, mlp_group_names[l], pd, 2, NULL, &opts,
+						    &rk->g[l]);
 			if (ret == 0 && l > 0 && shardd_group_last_step(rk->g[l]) != *start) {
-				fprintf(stderr, "train_mlp: rank %u: the job's checkpoint has group '%s' at step %"
-					PRIu64 " and group '%s' at step %" PRIu64 "; it was not written by"
-					" train_mlp --checkpoint-every: use another --job name\n", rk->rank,
-					mlp_group_names[0], *start, mlp_group_names[l],
+				fprintf(stderr,
+					"train_mlp: rank %u: the job's checkpoint has group '%s' at step %" PRIu64
+					" and group '%s' at step %" PRIu64 "; it was not written by"
+					" train_mlp --checkpoint-every: use another --job name\n",
+					rk->rank, mlp_group_names[0], *start, mlp_group_names[l],
 					shardd_group_last_step(rk->g[l]));
 				ret = -SHARDD_E_MISMATCH;
 				break;
@@ -620,11 +652,15 @@ static int rank_groups(struct rank *rk, uint64_t *start)
 			break;
 		}
 		if (shardd_group_nparams(rk->g[l]) != 2 ||
-		    shardd_group_layout(rk->g[l], 0)->unsharded_bytes != sizeof(float) * layer_out(l) * layer_in(l) ||
-		    shardd_group_layout(rk->g[l], 1)->unsharded_bytes != sizeof(float) * layer_out(l)) {
-			fprintf(stderr, "train_mlp: rank %u: group '%s' in the daemon does not have this"
+		    shardd_group_layout(rk->g[l], 0)->unsharded_bytes !=
+			    sizeof(float) * layer_out(l) * layer_in(l) ||
+		    shardd_group_layout(rk->g[l], 1)->unsharded_bytes !=
+			    sizeof(float) * layer_out(l)) {
+			fprintf(stderr,
+				"train_mlp: rank %u: group '%s' in the daemon does not have this"
 				" model's shape (%ux%u weight, %u bias); use a fresh --job name\n",
-				rk->rank, mlp_group_names[l], layer_out(l), layer_in(l), layer_out(l));
+				rk->rank, mlp_group_names[l], layer_out(l), layer_in(l),
+				layer_out(l));
 			ret = -SHARDD_E_MISMATCH;
 			break;
 		}
@@ -639,7 +675,8 @@ static int rank_groups(struct rank *rk, uint64_t *start)
  */
 static int rank_final_all_reduce(struct rank *rk, uint32_t l, uint32_t attempt)
 {
-	int slot = rank_submit(rk, SHARDD_OP_REDUCE, l, op_key(rk->o->steps, attempt, 1), rank_reduce_flags(rk));
+	int slot = rank_submit(rk, SHARDD_OP_REDUCE, l, op_key(rk->o->steps, attempt, 1),
+			       rank_reduce_flags(rk));
 
 	if (slot < 0 || rank_wait(rk, slot) < 0 || rank_sync_op(rk, SHARDD_OP_ZERO_GRAD, l, 0) < 0)
 		return rk->failed;
@@ -728,8 +765,10 @@ static int rank_rejoin(struct rank *rk, uint64_t *t, uint32_t *attempt)
 	for (uint32_t l = 0; l < MLP_LAYERS && !rk->trainer_sgd && *t > 0; l++) {
 		if (shardd_group_last_step(rk->g[l]) >= *t)
 			continue;
-		fprintf(stderr, "train_mlp: rank %u: layer %u: the daemon applied step %" PRIu64
-			" last; applying step %" PRIu64 "\n", rk->rank, l, shardd_group_last_step(rk->g[l]), *t);
+		fprintf(stderr,
+			"train_mlp: rank %u: layer %u: the daemon applied step %" PRIu64
+			" last; applying step %" PRIu64 "\n",
+			rk->rank, l, shardd_group_last_step(rk->g[l]), *t);
 		ret = rank_daemon_sgd(rk, *t, *attempt);
 		if (ret < 0)
 			return ret;
@@ -752,17 +791,23 @@ static int rank_start(struct rank *rk, uint64_t start)
 	struct loss_report rep = { .rank = rk->rank, .attempt = MLP_REPORT_START, .step = start };
 
 	if (start > rk->o->steps) {
-		fprintf(stderr, "train_mlp: rank %u: the job's checkpoint is of step %" PRIu64 ", past --steps %"
-			PRIu64 ": give more --steps, or another --job name to start afresh\n", rk->rank, start,
-			rk->o->steps);
+		fprintf(stderr,
+			"train_mlp: rank %u: the job's checkpoint is of step %" PRIu64
+			", past --steps %" PRIu64
+			": give more --steps, or another --job name to start afresh\n",
+			rk->rank, start, rk->o->steps);
 		return -EINVAL;
 	}
 	if (rk->o->resume && start)
-		fprintf(stderr, "train_mlp: rank %u: restored the job's checkpoint of step %" PRIu64
-			" from the daemon's --state-dir\n", rk->rank, start);
+		fprintf(stderr,
+			"train_mlp: rank %u: restored the job's checkpoint of step %" PRIu64
+			" from the daemon's --state-dir\n",
+			rk->rank, start);
 	if (rk->o->resume && !start)
-		fprintf(stderr, "train_mlp: rank %u: no checkpoint of job '%s' in the daemon's --state-dir:"
-			" starting afresh\n", rk->rank, rk->o->job);
+		fprintf(stderr,
+			"train_mlp: rank %u: no checkpoint of job '%s' in the daemon's --state-dir:"
+			" starting afresh\n",
+			rk->rank, rk->o->job);
 	if (rk->report_fd < 0) {
 		if (rk->o->resume)
 			printf("rank %u resume at step %" PRIu64 "\n", rk->rank, start);
@@ -790,8 +835,10 @@ static int rank_checkpoint(struct rank *rk, uint64_t n)
 	if (ret < 0)
 		return ret;
 	if (rk->rank == 0)
-		fprintf(stderr, "train_mlp: checkpoint of step %" PRIu64 " written to the daemon's"
-			" --state-dir (job '%s')\n", n, rk->o->job);
+		fprintf(stderr,
+			"train_mlp: checkpoint of step %" PRIu64 " written to the daemon's"
+			" --state-dir (job '%s')\n",
+			n, rk->o->job);
 	return 0;
 }
 

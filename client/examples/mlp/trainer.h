@@ -68,22 +68,23 @@
 
 #include "model.h"
 
-#define MLP_MAX_ATTEMPTS 4          /* tries of one step; attempt < 8 fits op_key */
+#define MLP_MAX_ATTEMPTS 4 /* tries of one step; attempt < 8 fits op_key */
 
 /* What one rank needs to train (the launcher's flags of the same names). */
 struct trainer_opts {
-	uint32_t world;        /* --world N */
-	uint64_t steps;        /* --steps K */
-	const char *socket;    /* --socket PATH; NULL: library default */
-	const char *job;       /* --job NAME */
-	const char *dump;      /* --dump FILE */
-	uint32_t replicate;    /* --replicate R: HSDP, R replicas of world / R shards; 1: FSDP */
-	int64_t resume_step;   /* --resume-step T; -1: fresh start; MLP_RESUME_OWN: see below */
-	uint32_t attempt;      /* --attempt A: with --resume-step, the attempt to join */
-	int32_t device;        /* --device N; SHARDD_HELLO_DEVICE_HOST: none */
-	int trainer_sgd;       /* --trainer-sgd: SGD in the trainer, not the daemon's step */
-	uint64_t checkpoint_every; /* --checkpoint-every N: checkpoint after each step n % N == 0; 0: never */
-	int resume;            /* --resume: register from the job's newest checkpoint, if any */
+	uint32_t world;      /* --world N */
+	uint64_t steps;      /* --steps K */
+	const char *socket;  /* --socket PATH; NULL: library default */
+	const char *job;     /* --job NAME */
+	const char *dump;    /* --dump FILE */
+	uint32_t replicate;  /* --replicate R: HSDP, R replicas of world / R shards; 1: FSDP */
+	int64_t resume_step; /* --resume-step T; -1: fresh start; MLP_RESUME_OWN: see below */
+	uint32_t attempt;    /* --attempt A: with --resume-step, the attempt to join */
+	int32_t device;      /* --device N; SHARDD_HELLO_DEVICE_HOST: none */
+	int trainer_sgd;     /* --trainer-sgd: SGD in the trainer, not the daemon's step */
+	uint64_t
+		checkpoint_every; /* --checkpoint-every N: checkpoint after each step n % N == 0; 0: never */
+	int resume;               /* --resume: register from the job's newest checkpoint, if any */
 };
 
 /*
@@ -146,11 +147,11 @@ struct rank_hooks {
  * the step (9), the steps of fc0, fc1, fc2 (10-12), after them (13).
  */
 enum rank_point {
-	RANK_AT_UNSHARD,      /* the unshard of `layer` (forward or backward) submitted, not reaped */
-	RANK_AT_REDUCE,       /* the reduce of `layer` submitted, not reaped */
-	RANK_AT_BEFORE_STEP,  /* every reduce of the step completed, no step submitted */
-	RANK_AT_STEP,         /* the daemon's step of `layer` submitted, not reaped */
-	RANK_AT_STEP_DONE,    /* every step completed, the loss not yet reported */
+	RANK_AT_UNSHARD, /* the unshard of `layer` (forward or backward) submitted, not reaped */
+	RANK_AT_REDUCE,  /* the reduce of `layer` submitted, not reaped */
+	RANK_AT_BEFORE_STEP, /* every reduce of the step completed, no step submitted */
+	RANK_AT_STEP,        /* the daemon's step of `layer` submitted, not reaped */
+	RANK_AT_STEP_DONE,   /* every step completed, the loss not yet reported */
 };
 #define RANK_POINTS_PER_STEP (2 * MLP_LAYERS + MLP_LAYERS + 1 + MLP_LAYERS + 1)
 

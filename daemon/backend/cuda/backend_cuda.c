@@ -57,8 +57,8 @@ static int cuda_unshard(struct shd_backend_ctx *b, const struct shd_unshard_args
 	if (kind == SHD_PLACE_NCCL)
 		return cuda_unshard_nccl(cb, a, devices);
 	for (uint32_t s = 0; s < a->nshards && !ret; s++)
-		ret = cuda_on_device(a->unsharded[s], devices[0], s, "unsharded buffer", a->err, a->errlen,
-				     "unshard");
+		ret = cuda_on_device(a->unsharded[s], devices[0], s, "unsharded buffer", a->err,
+				     a->errlen, "unshard");
 	if (!ret)
 		ret = cuda_device_get(cb, devices[0], &d);
 	if (ret)
@@ -88,7 +88,8 @@ static int cuda_reduce(struct shd_backend_ctx *b, const struct shd_reduce_args *
 	if (a->n == 0 || a->n > SHARDD_MAX_WORLD)
 		return -EINVAL;
 	for (uint32_t k = 0; k < a->n; k++)
-		devices[k] = cbuf(a->src == SHD_REDUCE_SRC_GRAD ? a->grads[k] : a->views[k].buf)->device;
+		devices[k] =
+			cbuf(a->src == SHD_REDUCE_SRC_GRAD ? a->grads[k] : a->views[k].buf)->device;
 	ret = cuda_placement(devices, a->n, "reduce", a->err, a->errlen, &kind);
 	if (ret)
 		return ret;
@@ -96,11 +97,14 @@ static int cuda_reduce(struct shd_backend_ctx *b, const struct shd_reduce_args *
 		return cuda_reduce_nccl(cb, a, devices);
 	if (a->n > SHARDD_CUDA_MAX_INPUTS)
 		return cuda_op_fail(-EINVAL, a->err, a->errlen, "reduce",
-				    "%u inputs on one device: the kernels take 1 to %d", a->n, SHARDD_CUDA_MAX_INPUTS);
+				    "%u inputs on one device: the kernels take 1 to %d", a->n,
+				    SHARDD_CUDA_MAX_INPUTS);
 	for (uint32_t k = 0; k < a->n && !ret; k++) {
-		ret = cuda_on_device(a->outs[k].buf, devices[0], k, "output", a->err, a->errlen, "reduce");
+		ret = cuda_on_device(a->outs[k].buf, devices[0], k, "output", a->err, a->errlen,
+				     "reduce");
 		if (!ret && cuda_reduce_add(a, k))
-			ret = cuda_on_device(a->adds[k].buf, devices[0], k, "addend", a->err, a->errlen, "reduce");
+			ret = cuda_on_device(a->adds[k].buf, devices[0], k, "addend", a->err,
+					     a->errlen, "reduce");
 	}
 	if (!ret)
 		ret = cuda_device_get(cb, devices[0], &d);
@@ -110,7 +114,8 @@ static int cuda_reduce(struct shd_backend_ctx *b, const struct shd_reduce_args *
 	return cuda_queued(ret, "reduce");
 }
 
-static int cuda_zero(struct shd_backend_ctx *b, struct shd_buf *buf, uint64_t offset, uint64_t bytes)
+static int cuda_zero(struct shd_backend_ctx *b, struct shd_buf *buf, uint64_t offset,
+		     uint64_t bytes)
 {
 	struct cuda_backend *cb = (struct cuda_backend *)b;
 	struct cuda_device *d;
@@ -124,8 +129,8 @@ static int cuda_zero(struct shd_backend_ctx *b, struct shd_buf *buf, uint64_t of
 	return cuda_queued(shardd_cuda_zero(dptr(buf, offset), (size_t)bytes, d->stream), "zero");
 }
 
-static int cuda_sync(struct shd_backend_ctx *b, const struct shd_buf *const *on, uint32_t n, char *err,
-		     size_t errlen)
+static int cuda_sync(struct shd_backend_ctx *b, const struct shd_buf *const *on, uint32_t n,
+		     char *err, size_t errlen)
 {
 	struct cuda_backend *cb = (struct cuda_backend *)b;
 	struct cuda_device *d;
@@ -142,7 +147,8 @@ static int cuda_sync(struct shd_backend_ctx *b, const struct shd_buf *const *on,
 			continue;
 		ret = cuda_device_get(cb, device, &d);
 		if (!ret)
-			ret = cuda_device_wait(cb, device, d, "wait for an op's kernels", err, errlen);
+			ret = cuda_device_wait(cb, device, d, "wait for an op's kernels", err,
+					       errlen);
 	}
 	return ret;
 }
@@ -256,37 +262,46 @@ static void cuda_sharing_detect(struct cuda_backend *cb)
 	if (cb->base.gpu_mps && cb->base.gpu_sm_percent < 100)
 		snprintf(cb->gpu_sharing, sizeof(cb->gpu_sharing),
 			 "MPS: ops run beside the trainers' compute on up to %d%% of the SMs "
-			 "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE)", cb->base.gpu_sm_percent);
+			 "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE)",
+			 cb->base.gpu_sm_percent);
 	else if (cb->base.gpu_mps)
-		snprintf(cb->gpu_sharing, sizeof(cb->gpu_sharing),
-			 "MPS: ops run beside the trainers' compute (SM share uncapped; the trainers "
-			 "need CUDA_MPS_ACTIVE_THREAD_PERCENTAGE below 100, docs/CUDA.md)");
+		snprintf(
+			cb->gpu_sharing, sizeof(cb->gpu_sharing),
+			"MPS: ops run beside the trainers' compute (SM share uncapped; the trainers "
+			"need CUDA_MPS_ACTIVE_THREAD_PERCENTAGE below 100, docs/CUDA.md)");
 	else
 		snprintf(cb->gpu_sharing, sizeof(cb->gpu_sharing),
 			 "time-sliced: ops wait for the trainers' compute, docs/CUDA.md");
 	cb->base.gpu_sharing = cb->gpu_sharing;
 	if (on && on < cb->ndevices)
-		shd_log_warn("cuda backend: only %d of %d devices run this daemon's contexts under MPS; "
-			     "the others are time-sliced", on, cb->ndevices);
+		shd_log_warn(
+			"cuda backend: only %d of %d devices run this daemon's contexts under MPS; "
+			"the others are time-sliced",
+			on, cb->ndevices);
 	shd_log_info("cuda backend: %s", cb->gpu_sharing);
 }
 
 int shd_backend_cuda_create(uint32_t mode, uint64_t timeout_ns, struct shd_backend_ctx **out,
-			       char *err, size_t errlen)
+			    char *err, size_t errlen)
 {
 	struct cuda_backend *cb;
 	cudaError_t e;
 	int n = 0, ret;
 
-	if (mode != SHD_CUDA_EXPORT_AUTO && mode != SHD_CUDA_EXPORT_FD && mode != SHD_CUDA_EXPORT_IPC) {
-		snprintf(err, errlen, "shardd: --cuda-export: mode %u is not one of auto (%d), fd (%d), ipc (%d)",
-			 mode, SHD_CUDA_EXPORT_AUTO, SHD_CUDA_EXPORT_FD, SHD_CUDA_EXPORT_IPC);
+	if (mode != SHD_CUDA_EXPORT_AUTO && mode != SHD_CUDA_EXPORT_FD &&
+	    mode != SHD_CUDA_EXPORT_IPC) {
+		snprintf(
+			err, errlen,
+			"shardd: --cuda-export: mode %u is not one of auto (%d), fd (%d), ipc (%d)",
+			mode, SHD_CUDA_EXPORT_AUTO, SHD_CUDA_EXPORT_FD, SHD_CUDA_EXPORT_IPC);
 		return -SHARDD_E_BACKEND;
 	}
 	e = cudaGetDeviceCount(&n);
 	if (e != cudaSuccess || n <= 0) {
-		snprintf(err, errlen, "shardd: --backend cuda: no CUDA device usable (cudaGetDeviceCount: %s); "
-			 "use --backend host", e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
+		snprintf(err, errlen,
+			 "shardd: --backend cuda: no CUDA device usable (cudaGetDeviceCount: %s); "
+			 "use --backend host",
+			 e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
 		return -SHARDD_E_BACKEND;
 	}
 	cb = calloc(1, sizeof(*cb));
@@ -312,7 +327,8 @@ int shd_backend_cuda_create(uint32_t mode, uint64_t timeout_ns, struct shd_backe
 	return 0;
 
 err_nomem:
-	snprintf(err, errlen, "shardd: --backend cuda: out of memory for the backend of %d devices", n);
+	snprintf(err, errlen, "shardd: --backend cuda: out of memory for the backend of %d devices",
+		 n);
 	ret = -ENOMEM;
 err_free:
 	if (cb) {

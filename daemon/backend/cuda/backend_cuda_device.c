@@ -48,9 +48,8 @@ void cuda_nccl_unlock(struct cuda_backend *cb)
 /* The driver                                                          */
 /* ------------------------------------------------------------------ */
 
-static const struct shardd_cuda_symbol cuda_driver_symbols[] = {
-	CUDA_DRIVER_ENTRY_POINTS(SHARDD_CUDA_DRIVER_SYMBOL, struct cuda_driver)
-};
+static const struct shardd_cuda_symbol cuda_driver_symbols[] = { CUDA_DRIVER_ENTRY_POINTS(
+	SHARDD_CUDA_DRIVER_SYMBOL, struct cuda_driver) };
 
 /* A shardd_cuda_lookup_fn: the runtime's own lookup of a driver entry point. */
 static int cuda_driver_lookup(void *ctx, const char *name, void **fn, char *err, size_t errlen)
@@ -59,13 +58,15 @@ static int cuda_driver_lookup(void *ctx, const char *name, void **fn, char *err,
 	cudaError_t e;
 
 	(void)ctx;
-	e = cudaGetDriverEntryPointByVersion(name, fn, SHARDD_CUDA_DRIVER_ABI, cudaEnableDefault, &status);
+	e = cudaGetDriverEntryPointByVersion(name, fn, SHARDD_CUDA_DRIVER_ABI, cudaEnableDefault,
+					     &status);
 	if (e == cudaSuccess && status == cudaDriverEntryPointSuccess && *fn)
 		return 0;
-	snprintf(err, errlen,
-		 "shardd: --backend cuda: the CUDA driver does not provide %s (%s, query status %d); "
-		 "update the NVIDIA driver or use --backend host",
-		 name, e == cudaSuccess ? "no such symbol" : cudaGetErrorString(e), (int)status);
+	snprintf(
+		err, errlen,
+		"shardd: --backend cuda: the CUDA driver does not provide %s (%s, query status %d); "
+		"update the NVIDIA driver or use --backend host",
+		name, e == cudaSuccess ? "no such symbol" : cudaGetErrorString(e), (int)status);
 	return -SHARDD_E_BACKEND;
 }
 
@@ -83,7 +84,7 @@ int cuda_driver_resolve(struct cuda_driver *drv, char *err, size_t errlen)
 int cuda_rt_fail(const char *what, cudaError_t e)
 {
 	shd_log_error("shardd: cuda backend: %s: %s (%s)", what, cudaGetErrorString(e),
-			 cudaGetErrorName(e));
+		      cudaGetErrorName(e));
 	return e == cudaErrorMemoryAllocation ? -ENOMEM : -SHARDD_E_BACKEND;
 }
 
@@ -153,19 +154,22 @@ static int cuda_export_choose(const struct cuda_backend *cb, int device, const c
 		return 0;
 	}
 	if (cb->mode == SHD_CUDA_EXPORT_FD)
-		shd_log_error("shardd: cuda backend: device %d (%s) cannot export memory as file "
-				 "descriptors (virtual memory management %s, POSIX fd handles %s); use "
-				 "--cuda-export auto or ipc, or --backend host", device, name, yes_no(vmm),
-				 yes_no(posix_fd));
+		shd_log_error(
+			"shardd: cuda backend: device %d (%s) cannot export memory as file "
+			"descriptors (virtual memory management %s, POSIX fd handles %s); use "
+			"--cuda-export auto or ipc, or --backend host",
+			device, name, yes_no(vmm), yes_no(posix_fd));
 	else if (cb->mode == SHD_CUDA_EXPORT_IPC)
 		shd_log_error("shardd: cuda backend: device %d (%s) cannot export legacy CUDA IPC "
-				 "handles (no unified addressing); use --cuda-export auto or fd, or "
-				 "--backend host", device, name);
+			      "handles (no unified addressing); use --cuda-export auto or fd, or "
+			      "--backend host",
+			      device, name);
 	else
-		shd_log_error("shardd: cuda backend: device %d (%s) can export memory neither as file "
-				 "descriptors (virtual memory management %s, POSIX fd handles %s) nor as "
-				 "legacy CUDA IPC handles (unified addressing no); use --backend host",
-				 device, name, yes_no(vmm), yes_no(posix_fd));
+		shd_log_error(
+			"shardd: cuda backend: device %d (%s) can export memory neither as file "
+			"descriptors (virtual memory management %s, POSIX fd handles %s) nor as "
+			"legacy CUDA IPC handles (unified addressing no); use --backend host",
+			device, name, yes_no(vmm), yes_no(posix_fd));
 	return -SHARDD_E_BACKEND;
 }
 
@@ -190,12 +194,12 @@ static int cuda_device_setup(struct cuda_backend *cb, int device, struct cuda_de
 	if (r == CUDA_SUCCESS)
 		r = cb->drv.device_get_name(name, (int)sizeof(name), dev);
 	if (r == CUDA_SUCCESS)
-		r = cb->drv.device_get_attribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
-						 dev);
+		r = cb->drv.device_get_attribute(
+			&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev);
 	if (r == CUDA_SUCCESS)
-		r = cb->drv.device_get_attribute(&posix_fd,
-						 CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
-						 dev);
+		r = cb->drv.device_get_attribute(
+			&posix_fd, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+			dev);
 	if (r == CUDA_SUCCESS)
 		r = cb->drv.device_get_attribute(&uva, CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING, dev);
 	if (r != CUDA_SUCCESS)
@@ -211,8 +215,9 @@ static int cuda_device_setup(struct cuda_backend *cb, int device, struct cuda_de
 		if (r != CUDA_SUCCESS)
 			return cuda_drv_fail(cb, what, r);
 		if (d->granularity == 0) {
-			shd_log_error("shardd: cuda backend: device %d reports an allocation granularity of 0",
-					 device);
+			shd_log_error(
+				"shardd: cuda backend: device %d reports an allocation granularity of 0",
+				device);
 			return -SHARDD_E_BACKEND;
 		}
 	}
@@ -222,11 +227,12 @@ static int cuda_device_setup(struct cuda_backend *cb, int device, struct cuda_de
 		return cuda_rt_fail(what, e);
 	d->ready = 1;
 	shd_log_info("cuda backend: device %d (%s) exports its buffers as %s (--cuda-export %s; "
-			"virtual memory management %s, POSIX fd handles %s, unified addressing %s)",
-			device, name,
-			d->export_kind == SHARDD_EXPORT_FD ? "POSIX file descriptors of cuMemCreate allocations"
-							   : "legacy CUDA IPC handles of cudaMalloc allocations",
-			cuda_export_mode_name(cb->mode), yes_no(vmm), yes_no(posix_fd), yes_no(uva));
+		     "virtual memory management %s, POSIX fd handles %s, unified addressing %s)",
+		     device, name,
+		     d->export_kind == SHARDD_EXPORT_FD
+			     ? "POSIX file descriptors of cuMemCreate allocations"
+			     : "legacy CUDA IPC handles of cudaMalloc allocations",
+		     cuda_export_mode_name(cb->mode), yes_no(vmm), yes_no(posix_fd), yes_no(uva));
 	return 0;
 }
 
@@ -239,7 +245,7 @@ int cuda_device_get(struct cuda_backend *cb, int device, struct cuda_device **ou
 
 	if (device < 0 || device >= cb->ndevices) {
 		shd_log_error("shardd: cuda backend: device %d does not exist (%d visible)", device,
-				 cb->ndevices);
+			      cb->ndevices);
 		return -SHARDD_E_BACKEND;
 	}
 	d = &cb->devices[device];
@@ -310,14 +316,21 @@ int cuda_device_wait(struct cuda_backend *cb, int device, struct cuda_device *d,
 			if (!nccl_lock_held)
 				pthread_mutex_unlock(&cb->nccl_lock);
 			if (aborted) {
-				shd_log_error("shardd: cuda backend: %s: device %d: %s; aborted %u NCCL "
-						 "communicator set(s): %s", what, device,
-						 late ? "its work did not finish within the collective timeout"
-						      : "NCCL reported an error", aborted, why);
+				shd_log_error(
+					"shardd: cuda backend: %s: device %d: %s; aborted %u NCCL "
+					"communicator set(s): %s",
+					what, device,
+					late ? "its work did not finish within the collective timeout"
+					     : "NCCL reported an error",
+					aborted, why);
 				if (err)
-					snprintf(err, errlen, "device %d %s; its NCCL communicators were aborted: %s",
-						 device, late ? "did not finish within the collective timeout"
-							      : "reported an NCCL error", why);
+					snprintf(
+						err, errlen,
+						"device %d %s; its NCCL communicators were aborted: %s",
+						device,
+						late ? "did not finish within the collective timeout"
+						     : "reported an NCCL error",
+						why);
 				return -SHARDD_E_BACKEND;
 			}
 			/* No collective left on the device: what remains are kernels, which end. */

@@ -18,8 +18,8 @@
 
 /* One session's fences (backend.h): events on the session's device, indexed by ring slot. */
 struct shd_fences {
-	int          device;
-	uint32_t     nwait, nsignal;
+	int device;
+	uint32_t nwait, nsignal;
 	cudaEvent_t *wait;   /* [nwait]: the client's events, opened; NULL where not (yet) opened */
 	cudaEvent_t *signal; /* [nsignal]: ours, exported to the client */
 };
@@ -93,7 +93,8 @@ int cuda_fences_open(struct shd_backend_ctx *b, int32_t device, uint32_t nwait,
 	for (i = 0; i < nsignal && e == cudaSuccess; i++) {
 		cudaIpcEventHandle_t h;
 
-		e = cudaEventCreateWithFlags(&f->signal[i], cudaEventInterprocess | cudaEventDisableTiming);
+		e = cudaEventCreateWithFlags(&f->signal[i],
+					     cudaEventInterprocess | cudaEventDisableTiming);
 		if (e != cudaSuccess)
 			f->signal[i] = NULL;
 		else

@@ -42,9 +42,11 @@ int cuda_on_device(const struct shd_buf *b, int device, uint32_t k, const char *
 {
 	if (cbuf(b)->device == device)
 		return 0;
-	return cuda_op_fail(-SHARDD_E_BACKEND, err, errlen, op,
-			    "member %u's %s is on device %d but its input on device %d: an op's buffers of "
-			    "one rank must share its device", k, role, cbuf(b)->device, device);
+	return cuda_op_fail(
+		-SHARDD_E_BACKEND, err, errlen, op,
+		"member %u's %s is on device %d but its input on device %d: an op's buffers of "
+		"one rank must share its device",
+		k, role, cbuf(b)->device, device);
 }
 
 /*
@@ -58,9 +60,11 @@ int cuda_placement(const int32_t *devices, uint32_t n, const char *op, char *err
 	*kind = shd_placement_classify(devices, n);
 	if (*kind != SHD_PLACE_MIXED)
 		return 0;
-	return cuda_op_fail(-SHARDD_E_BACKEND, err, errlen, op,
-			    "its %u ranks' buffers partly share GPUs (devices %d and %d, ...): all must be on "
-			    "one GPU or each on its own", n, devices[0], devices[1]);
+	return cuda_op_fail(
+		-SHARDD_E_BACKEND, err, errlen, op,
+		"its %u ranks' buffers partly share GPUs (devices %d and %d, ...): all must be on "
+		"one GPU or each on its own",
+		n, devices[0], devices[1]);
 }
 
 /* Member k's addend view, or NULL. */
@@ -92,14 +96,16 @@ int cuda_copy_out(const struct shd_layout *l, uint32_t nshards, uint8_t *const *
 		if (p->shard_dim == 0) {
 			/* Shard s is rows [s*rows, s*rows + valid) of the param: one cast, padding dropped. */
 			for (uint32_t s = 0; s < nshards && !ret; s++)
-				ret = shardd_cuda_cast(dptr(out, p->unsharded_offset + s * chunk * us),
-						       p->unsharded_dtype, src[s] + p->shard_offset, p->dtype,
-						       shd_layout_rows_valid(p, s) * p->inner, stream);
+				ret = shardd_cuda_cast(
+					dptr(out, p->unsharded_offset + s * chunk * us),
+					p->unsharded_dtype, src[s] + p->shard_offset, p->dtype,
+					shd_layout_rows_valid(p, s) * p->inner, stream);
 		} else {
 			for (uint32_t s = 0; s < nshards; s++)
 				chunks[s] = src[s] + p->shard_offset;
-			ret = shardd_cuda_chunk_cat(dptr(out, p->unsharded_offset), p->unsharded_dtype, chunks,
-						    p->dtype, nshards, p->outer, chunk, stream);
+			ret = shardd_cuda_chunk_cat(dptr(out, p->unsharded_offset),
+						    p->unsharded_dtype, chunks, p->dtype, nshards,
+						    p->outer, chunk, stream);
 		}
 	}
 	return ret;
@@ -129,7 +135,8 @@ int cuda_reduce_param(const struct shd_reduce_args *a, uint32_t k, uint32_t i, c
 
 		if (a->src == SHD_REDUCE_SRC_GRAD) {
 			/* Shard s of the unsharded grad: rows [s*rows, s*rows + valid) of shard_dim. */
-			uint64_t e = o * p->dim * p->inner + (uint64_t)shard_rank * p->rows * p->inner;
+			uint64_t e =
+				o * p->dim * p->inner + (uint64_t)shard_rank * p->rows * p->inner;
 
 			for (uint32_t j = 0; j < a->n; j++)
 				in[j] = dptr(a->grads[j], p->grad_offset + e * is);
@@ -138,8 +145,9 @@ int cuda_reduce_param(const struct shd_reduce_args *a, uint32_t k, uint32_t i, c
 				in[j] = dptr(a->views[j].buf, a->views[j].offsets[i] + at * is);
 		}
 		m.add = add ? dptr(add->buf, add->offsets[i] + at * rs) : NULL;
-		ret = shardd_cuda_reduce(dptr(out->buf, out->offsets[i] + at * os), odt, a->accumulate[k], in,
-					 a->n, idt, valid * p->inner, &m, stream);
+		ret = shardd_cuda_reduce(dptr(out->buf, out->offsets[i] + at * os), odt,
+					 a->accumulate[k], in, a->n, idt, valid * p->inner, &m,
+					 stream);
 	}
 	/* Padding rows exist for dim 0 only, where outer == 1. */
 	if (!ret && valid < p->rows)
@@ -155,11 +163,14 @@ int cuda_reduce_param(const struct shd_reduce_args *a, uint32_t k, uint32_t i, c
  * fp16 factor), into block s of its staging buffer (rank-major: the block
  * NCCL rank s receives the sum of).
  */
-int cuda_reduce_copy_in(const struct shd_reduce_args *a, uint32_t k, uint32_t nshards, uint8_t *staging,
-			cudaStream_t stream)
+int cuda_reduce_copy_in(const struct shd_reduce_args *a, uint32_t k, uint32_t nshards,
+			uint8_t *staging, cudaStream_t stream)
 {
 	const struct shardd_reduce_math pre = {
-		.reduce_dtype = a->math.reduce_dtype, .pre = a->math.pre, .avg = 1, .post = 1,
+		.reduce_dtype = a->math.reduce_dtype,
+		.pre = a->math.pre,
+		.avg = 1,
+		.post = 1,
 	};
 	uint32_t rd = a->math.reduce_dtype;
 	size_t rs = shardd_dtype_size(rd);
@@ -172,16 +183,20 @@ int cuda_reduce_copy_in(const struct shd_reduce_args *a, uint32_t k, uint32_t ns
 			size_t gs = shardd_dtype_size(p->grad_dtype);
 
 			for (uint64_t o = 0; o < p->outer && !ret; o++) {
-				uint8_t *dst = staging + s * a->reduce_shard_size + a->reduce_offsets[i] +
-					       o * p->rows * p->inner * rs;
-				const void *src = dptr(a->grads[k], p->grad_offset +
-							   (o * p->dim + (uint64_t)s * p->rows) * p->inner * gs);
+				uint8_t *dst = staging + s * a->reduce_shard_size +
+					       a->reduce_offsets[i] + o * p->rows * p->inner * rs;
+				const void *src =
+					dptr(a->grads[k],
+					     p->grad_offset + (o * p->dim + (uint64_t)s * p->rows) *
+								      p->inner * gs);
 
 				/* x = round(round(g) / pre), as every input of the host's reduce. */
 				if (pre.pre > 1)
-					ret = shardd_cuda_reduce(dst, rd, 0, &src, 1, p->grad_dtype, n, &pre, stream);
+					ret = shardd_cuda_reduce(dst, rd, 0, &src, 1, p->grad_dtype,
+								 n, &pre, stream);
 				else
-					ret = shardd_cuda_cast(dst, rd, src, p->grad_dtype, n, stream);
+					ret = shardd_cuda_cast(dst, rd, src, p->grad_dtype, n,
+							       stream);
 			}
 		}
 	}
@@ -216,12 +231,14 @@ int cuda_reduce_post(const struct shd_reduce_args *a, uint32_t k, const uint8_t 
 			const void *in = sum + offsets[i] + at * rs;
 
 			m.add = add ? dptr(add->buf, add->offsets[i] + at * rs) : NULL;
-			ret = shardd_cuda_reduce(dptr(out->buf, out->offsets[i] + at * os), odt, a->accumulate[k],
-						 &in, 1, m.reduce_dtype, valid * p->inner, &m, stream);
+			ret = shardd_cuda_reduce(dptr(out->buf, out->offsets[i] + at * os), odt,
+						 a->accumulate[k], &in, 1, m.reduce_dtype,
+						 valid * p->inner, &m, stream);
 		}
 		if (!ret && valid < p->rows)
-			ret = shardd_cuda_zero(dptr(out->buf, out->offsets[i] + valid * p->inner * os),
-					       (p->rows - valid) * p->inner * os, stream);
+			ret = shardd_cuda_zero(
+				dptr(out->buf, out->offsets[i] + valid * p->inner * os),
+				(p->rows - valid) * p->inner * os, stream);
 	}
 	return ret;
 }

@@ -79,7 +79,8 @@ static int cuda_alloc_vmm(struct cuda_backend *cb, struct cuda_device *d, const 
 	access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
 	r = cb->drv.set_access(cu->ptr, cu->size, &access, 1);
 	if (r == CUDA_SUCCESS)
-		r = cb->drv.export_handle(fd, cu->handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+		r = cb->drv.export_handle(fd, cu->handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+					  0);
 	if (r != CUDA_SUCCESS) {
 		ret = cuda_drv_fail(cb, ctx, r);
 		goto err_unmap;
@@ -158,8 +159,8 @@ static void cuda_release(struct cuda_backend *cb, struct cuda_buf *cu)
 	 */
 	e = cudaFree((void *)(uintptr_t)cu->ptr);
 	if (e != cudaSuccess) {
-		shd_log_warn("shardd: cuda backend: cudaFree of a buffer on device %d: %s", cu->device,
-				cudaGetErrorString(e));
+		shd_log_warn("shardd: cuda backend: cudaFree of a buffer on device %d: %s",
+			     cu->device, cudaGetErrorString(e));
 		(void)cudaGetLastError();
 	}
 }
@@ -285,8 +286,8 @@ static int cuda_copy(const struct shd_buf *buf, uint64_t offset, uint64_t bytes,
 	if (e == cudaSuccess)
 		return 0;
 	snprintf(ctx, sizeof(ctx), "%s %llu bytes of a buffer on device %d",
-		 kind == cudaMemcpyDeviceToHost ? "read" : "write",
-		 (unsigned long long)bytes, cu->device);
+		 kind == cudaMemcpyDeviceToHost ? "read" : "write", (unsigned long long)bytes,
+		 cu->device);
 	ret = cuda_rt_fail(ctx, e);
 	/* The runtime keeps a failed call as this thread's last error: the next launch check must not see it. */
 	(void)cudaGetLastError();
@@ -298,8 +299,8 @@ static int cuda_copy(const struct shd_buf *buf, uint64_t offset, uint64_t bytes,
  * op queued on the device's own stream, so the bytes are a snapshot like
  * the host backend's (backend.h).
  */
-int cuda_read(struct shd_backend_ctx *b, const struct shd_buf *buf, uint64_t offset,
-	      uint64_t bytes, void *dst)
+int cuda_read(struct shd_backend_ctx *b, const struct shd_buf *buf, uint64_t offset, uint64_t bytes,
+	      void *dst)
 {
 	(void)b;
 	return cuda_copy(buf, offset, bytes, cudaMemcpyDeviceToHost, dst, NULL);

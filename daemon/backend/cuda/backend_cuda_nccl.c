@@ -36,20 +36,20 @@
 #define NCCL_POLL_NS 20000
 
 struct nccl_api {
-	__typeof__(ncclGetVersion)         *get_version;
-	__typeof__(ncclGetErrorString)     *get_error_string;
-	__typeof__(ncclGetLastError)       *get_last_error;
-	__typeof__(ncclGetUniqueId)        *get_unique_id;
+	__typeof__(ncclGetVersion) *get_version;
+	__typeof__(ncclGetErrorString) *get_error_string;
+	__typeof__(ncclGetLastError) *get_last_error;
+	__typeof__(ncclGetUniqueId) *get_unique_id;
 	__typeof__(ncclCommInitRankConfig) *comm_init_rank_config;
-	__typeof__(ncclCommGetAsyncError)  *comm_get_async_error;
-	__typeof__(ncclCommFinalize)       *comm_finalize;
-	__typeof__(ncclCommDestroy)        *comm_destroy;
-	__typeof__(ncclCommAbort)          *comm_abort;
-	__typeof__(ncclGroupStart)         *group_start;
-	__typeof__(ncclGroupEnd)           *group_end;
-	__typeof__(ncclAllGather)          *all_gather;
-	__typeof__(ncclReduceScatter)      *reduce_scatter;
-	__typeof__(ncclAllReduce)          *all_reduce;
+	__typeof__(ncclCommGetAsyncError) *comm_get_async_error;
+	__typeof__(ncclCommFinalize) *comm_finalize;
+	__typeof__(ncclCommDestroy) *comm_destroy;
+	__typeof__(ncclCommAbort) *comm_abort;
+	__typeof__(ncclGroupStart) *group_start;
+	__typeof__(ncclGroupEnd) *group_end;
+	__typeof__(ncclAllGather) *all_gather;
+	__typeof__(ncclReduceScatter) *reduce_scatter;
+	__typeof__(ncclAllReduce) *all_reduce;
 };
 
 static struct nccl_api api;
@@ -72,28 +72,30 @@ static const struct shardd_cuda_symbol api_symbols[] = {
 	API(all_reduce, "ncclAllReduce"),
 };
 #undef API
-_Static_assert(sizeof(api_symbols) / sizeof(api_symbols[0]) * sizeof(void *) == sizeof(struct nccl_api),
+_Static_assert(sizeof(api_symbols) / sizeof(api_symbols[0]) * sizeof(void *) ==
+		       sizeof(struct nccl_api),
 	       "every entry point of struct nccl_api has its name");
 
-_Static_assert(sizeof(ncclUniqueId) == SHD_WORLD_ID_BYTES, "world_boot.c moves ncclUniqueIds as SHD_WORLD_ID_BYTES");
+_Static_assert(sizeof(ncclUniqueId) == SHD_WORLD_ID_BYTES,
+	       "world_boot.c moves ncclUniqueIds as SHD_WORLD_ID_BYTES");
 
 static pthread_once_t api_once = PTHREAD_ONCE_INIT;
-static int  api_status;      /* 0 once every entry point resolved and the version is new enough */
-static char api_error[320];  /* why not, when api_status < 0 */
+static int api_status;      /* 0 once every entry point resolved and the version is new enough */
+static char api_error[320]; /* why not, when api_status < 0 */
 
 struct shd_nccl_clique {
 	struct shd_nccl_clique *next;
 	const void *job;
 	char job_name[SHARDD_NAME_MAX];
 	uint32_t n;
-	int32_t *devices;   /* [n]: member k's device (NCCL rank k, but across nodes ranks[k]) */
-	ncclComm_t *comms;  /* [n]: NULL where not made */
+	int32_t *devices;  /* [n]: member k's device (NCCL rank k, but across nodes ranks[k]) */
+	ncclComm_t *comms; /* [n]: NULL where not made */
 	/* Across nodes (shd_nccl_span_make): members of one communicator of nranks, made from node 0's id. */
 	int span;
-	uint64_t key;       /* the group's stream (world_boot.h) */
-	uint32_t index;     /* which of the group's communicators */
-	uint32_t nranks;    /* its size over every node */
-	int32_t *ranks;     /* [n]: member k's NCCL rank */
+	uint64_t key;    /* the group's stream (world_boot.h) */
+	uint32_t index;  /* which of the group's communicators */
+	uint32_t nranks; /* its size over every node */
+	int32_t *ranks;  /* [n]: member k's NCCL rank */
 };
 
 struct shd_nccl {
@@ -123,22 +125,26 @@ static void api_load(void)
 	api_status = -SHARDD_E_BACKEND;
 	lib = dlopen("libnccl.so.2", RTLD_NOW | RTLD_LOCAL);
 	if (!lib) {
-		snprintf(api_error, sizeof(api_error),
-			 "NCCL is not installed (dlopen libnccl.so.2: %s); install NCCL 2.14 or later "
-			 "where the loader finds it, or put every rank of a group on one GPU", dlerror());
+		snprintf(
+			api_error, sizeof(api_error),
+			"NCCL is not installed (dlopen libnccl.so.2: %s); install NCCL 2.14 or later "
+			"where the loader finds it, or put every rank of a group on one GPU",
+			dlerror());
 		return;
 	}
-	if (shardd_cuda_resolve(&api, api_symbols, sizeof(api_symbols) / sizeof(api_symbols[0]), api_lookup,
-				lib, api_error, sizeof(api_error)))
+	if (shardd_cuda_resolve(&api, api_symbols, sizeof(api_symbols) / sizeof(api_symbols[0]),
+				api_lookup, lib, api_error, sizeof(api_error)))
 		return;
 	if (api.get_version(&version) != ncclSuccess || version < NCCL_MIN_VERSION) {
-		snprintf(api_error, sizeof(api_error),
-			 "libnccl.so.2 is version code %d; non-blocking communicators need NCCL 2.14 "
-			 "(version code %d) or later", version, NCCL_MIN_VERSION);
+		snprintf(
+			api_error, sizeof(api_error),
+			"libnccl.so.2 is version code %d; non-blocking communicators need NCCL 2.14 "
+			"(version code %d) or later",
+			version, NCCL_MIN_VERSION);
 		return;
 	}
-	shd_log_info("cuda backend: NCCL %d.%d.%d loaded for collectives across GPUs", version / 10000,
-			version / 100 % 100, version % 100);
+	shd_log_info("cuda backend: NCCL %d.%d.%d loaded for collectives across GPUs",
+		     version / 10000, version / 100 % 100, version % 100);
 	/* The library stays loaded for the life of the process: communicators live in it. */
 	api_status = 0;
 }
@@ -176,7 +182,8 @@ static void nccl_error(const struct shd_nccl_clique *c, const char *what, ncclRe
 
 		snprintf(devs + off, sizeof(devs) - off, " (NCCL rank%s", c->n > 1 ? "s" : "");
 		for (uint32_t k = 0; k < c->n && (off = strlen(devs)) < sizeof(devs); k++)
-			snprintf(devs + off, sizeof(devs) - off, "%s%d", k ? "," : " ", c->ranks[k]);
+			snprintf(devs + off, sizeof(devs) - off, "%s%d", k ? "," : " ",
+				 c->ranks[k]);
 		off = strlen(devs);
 		snprintf(devs + off, sizeof(devs) - off, " of %u across nodes)", c->nranks);
 	}
@@ -243,8 +250,9 @@ static void clique_free(struct shd_nccl_clique *c)
 }
 
 /* A clique of job's communicators on `devices` (n), none made yet; with_ranks: room for their NCCL ranks. */
-static struct shd_nccl_clique *clique_new(const void *job, const char *job_name, const int32_t *devices, uint32_t n,
-					  int with_ranks, char *err, size_t errlen)
+static struct shd_nccl_clique *clique_new(const void *job, const char *job_name,
+					  const int32_t *devices, uint32_t n, int with_ranks,
+					  char *err, size_t errlen)
 {
 	struct shd_nccl_clique *c = calloc(1, sizeof(*c));
 
@@ -254,7 +262,8 @@ static struct shd_nccl_clique *clique_new(const void *job, const char *job_name,
 		c->comms = calloc(n, sizeof(*c->comms));
 	}
 	if (!c || !c->devices || (with_ranks && !c->ranks) || !c->comms) {
-		snprintf(err, errlen, "out of memory for the NCCL communicators of job '%s'", job_name);
+		snprintf(err, errlen, "out of memory for the NCCL communicators of job '%s'",
+			 job_name);
 		if (c)
 			clique_free(c);
 		return NULL;
@@ -323,8 +332,11 @@ static void clique_destroy(struct shd_nccl *nc, struct shd_nccl_clique *c)
 			api.comm_destroy(c->comms[k]);
 	} else {
 		shd_nccl_devices_str(c->devices, c->n, devs, sizeof(devs));
-		shd_log_warn("shardd: cuda backend: NCCL communicators on %s of job '%s' did not finalize (%s); "
-				"aborted", devs, c->job_name, r == ncclInProgress ? "timed out" : api.get_error_string(r));
+		shd_log_warn(
+			"shardd: cuda backend: NCCL communicators on %s of job '%s' did not finalize (%s); "
+			"aborted",
+			devs, c->job_name,
+			r == ncclInProgress ? "timed out" : api.get_error_string(r));
 		clique_abort(c);
 	}
 	clique_free(c);
@@ -335,8 +347,8 @@ static void clique_destroy(struct shd_nccl *nc, struct shd_nccl_clique *c)
  * else from an id made here. Waits until `deadline_ns`. 0, or an error
  * with nothing left made.
  */
-static int clique_init(struct shd_nccl_clique *c, const uint8_t *span_id, uint64_t deadline_ns, char *err,
-		       size_t errlen)
+static int clique_init(struct shd_nccl_clique *c, const uint8_t *span_id, uint64_t deadline_ns,
+		       char *err, size_t errlen)
 {
 	ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
 	ncclResult_t calls = ncclSuccess, r;
@@ -366,8 +378,8 @@ static int clique_init(struct shd_nccl_clique *c, const uint8_t *span_id, uint64
 		e = cudaSetDevice(c->devices[k]);
 		if (e != cudaSuccess)
 			break;
-		one = api.comm_init_rank_config(&c->comms[k], c->span ? (int)c->nranks : (int)c->n, id,
-						c->span ? c->ranks[k] : (int)k, &config);
+		one = api.comm_init_rank_config(&c->comms[k], c->span ? (int)c->nranks : (int)c->n,
+						id, c->span ? c->ranks[k] : (int)k, &config);
 		if (one != ncclSuccess && one != ncclInProgress) {
 			calls = one;
 			break;
@@ -376,7 +388,8 @@ static int clique_init(struct shd_nccl_clique *c, const uint8_t *span_id, uint64
 	/* A group that was started ends, whatever happened inside it. */
 	r = group_result(calls, api.group_end());
 	if (e != cudaSuccess) {
-		snprintf(err, errlen, "cudaSetDevice before making NCCL communicators of job '%s': %s",
+		snprintf(err, errlen,
+			 "cudaSetDevice before making NCCL communicators of job '%s': %s",
 			 c->job_name, cudaGetErrorString(e));
 		clique_abort(c);
 		return -SHARDD_E_BACKEND;
@@ -384,7 +397,9 @@ static int clique_init(struct shd_nccl_clique *c, const uint8_t *span_id, uint64
 	if (r == ncclSuccess || r == ncclInProgress)
 		r = clique_wait(c, deadline_ns);
 	if (r != ncclSuccess) {
-		nccl_error(c, r == ncclInProgress ? "communicator set-up timed out" : "ncclCommInitRankConfig",
+		nccl_error(c,
+			   r == ncclInProgress ? "communicator set-up timed out"
+					       : "ncclCommInitRankConfig",
 			   r, err, errlen);
 		clique_abort(c);
 		return -SHARDD_E_BACKEND;
@@ -417,15 +432,16 @@ void shd_nccl_destroy(struct shd_nccl *nc)
 }
 
 int shd_nccl_clique(struct shd_nccl *nc, const void *job, const char *job_name,
-		       const int32_t *devices, uint32_t n, struct shd_nccl_clique **out, char *err,
-		       size_t errlen)
+		    const int32_t *devices, uint32_t n, struct shd_nccl_clique **out, char *err,
+		    size_t errlen)
 {
 	struct shd_nccl_clique *c;
 	char devs[128];
 	int ret;
 
 	for (c = nc->cliques; c; c = c->next) {
-		if (!c->span && c->job == job && c->n == n && !memcmp(c->devices, devices, n * sizeof(*devices))) {
+		if (!c->span && c->job == job && c->n == n &&
+		    !memcmp(c->devices, devices, n * sizeof(*devices))) {
 			*out = c;
 			return 0;
 		}
@@ -465,14 +481,15 @@ static ncclDataType_t nccl_dtype(uint32_t dtype)
 
 static const char *coll_name(uint32_t coll)
 {
-	return coll == SHD_NCCL_ALL_GATHER ? "ncclAllGather"
-	       : coll == SHD_NCCL_REDUCE_SCATTER ? "ncclReduceScatter" : "ncclAllReduce";
+	return coll == SHD_NCCL_ALL_GATHER       ? "ncclAllGather"
+	       : coll == SHD_NCCL_REDUCE_SCATTER ? "ncclReduceScatter"
+						 : "ncclAllReduce";
 }
 
 /* Queue one collective on every member of `c`, waiting until `deadline_ns` for NCCL to have queued it. */
-static int clique_collective(struct shd_nccl_clique *c, uint32_t coll, void *const *send, void *const *recv,
-			     size_t count, uint32_t dtype, void *const *streams, uint64_t deadline_ns, char *err,
-			     size_t errlen)
+static int clique_collective(struct shd_nccl_clique *c, uint32_t coll, void *const *send,
+			     void *const *recv, size_t count, uint32_t dtype, void *const *streams,
+			     uint64_t deadline_ns, char *err, size_t errlen)
 {
 	ncclDataType_t dt = nccl_dtype(dtype);
 	ncclResult_t calls = ncclSuccess, r;
@@ -490,9 +507,11 @@ static int clique_collective(struct shd_nccl_clique *c, uint32_t coll, void *con
 		if (coll == SHD_NCCL_ALL_GATHER)
 			calls = api.all_gather(send[k], recv[k], count, dt, c->comms[k], s);
 		else if (coll == SHD_NCCL_REDUCE_SCATTER)
-			calls = api.reduce_scatter(send[k], recv[k], count, dt, ncclSum, c->comms[k], s);
+			calls = api.reduce_scatter(send[k], recv[k], count, dt, ncclSum,
+						   c->comms[k], s);
 		else
-			calls = api.all_reduce(send[k], recv[k], count, dt, ncclSum, c->comms[k], s);
+			calls = api.all_reduce(send[k], recv[k], count, dt, ncclSum, c->comms[k],
+					       s);
 	}
 	r = group_result(calls, api.group_end());
 	if (r == ncclSuccess || r == ncclInProgress)
@@ -506,26 +525,27 @@ static int clique_collective(struct shd_nccl_clique *c, uint32_t coll, void *con
 }
 
 int shd_nccl_collective(struct shd_nccl *nc, struct shd_nccl_clique *c, uint32_t coll,
-			   void *const *send, void *const *recv, size_t count, uint32_t dtype,
-			   void *const *streams, char *err, size_t errlen)
+			void *const *send, void *const *recv, size_t count, uint32_t dtype,
+			void *const *streams, char *err, size_t errlen)
 {
-	int ret = clique_collective(c, coll, send, recv, count, dtype, streams, shd_now_ns() + nc->timeout_ns, err,
-				    errlen);
+	int ret = clique_collective(c, coll, send, recv, count, dtype, streams,
+				    shd_now_ns() + nc->timeout_ns, err, errlen);
 
 	if (ret)
 		shd_nccl_drop(nc, c);
 	return ret;
 }
 
-int shd_nccl_span_collective(struct shd_nccl_clique *c, uint32_t coll, void *const *send, void *const *recv,
-			     size_t count, uint32_t dtype, void *const *streams, uint64_t deadline_ns, char *err,
-			     size_t errlen)
+int shd_nccl_span_collective(struct shd_nccl_clique *c, uint32_t coll, void *const *send,
+			     void *const *recv, size_t count, uint32_t dtype, void *const *streams,
+			     uint64_t deadline_ns, char *err, size_t errlen)
 {
-	return clique_collective(c, coll, send, recv, count, dtype, streams, deadline_ns, err, errlen);
+	return clique_collective(c, coll, send, recv, count, dtype, streams, deadline_ns, err,
+				 errlen);
 }
 
 uint32_t shd_nccl_check_device(struct shd_nccl *nc, int32_t device, int abort_all, char *err,
-				  size_t errlen)
+			       size_t errlen)
 {
 	struct shd_nccl_clique **pp = &nc->cliques;
 	uint32_t aborted = 0;
@@ -541,7 +561,8 @@ uint32_t shd_nccl_check_device(struct shd_nccl *nc, int32_t device, int abort_al
 		for (uint32_t k = 0; k < c->n && !c->span; k++)
 			member |= c->devices[k] == device;
 		for (uint32_t k = 0; member && k < c->n && bad == ncclSuccess; k++) {
-			ncclResult_t state = ncclSuccess, r = api.comm_get_async_error(c->comms[k], &state);
+			ncclResult_t state = ncclSuccess,
+				     r = api.comm_get_async_error(c->comms[k], &state);
 
 			bad = r != ncclSuccess ? r : state == ncclInProgress ? ncclSuccess : state;
 		}
@@ -556,7 +577,8 @@ uint32_t shd_nccl_check_device(struct shd_nccl *nc, int32_t device, int abort_al
 				nccl_error(c, "communicators failed", bad, one, sizeof(one));
 			else
 				shd_nccl_devices_str(c->devices, c->n, one, sizeof(one));
-			off += (size_t)snprintf(err + off, errlen - off, "%s%s", aborted ? "; " : "", one);
+			off += (size_t)snprintf(err + off, errlen - off, "%s%s",
+						aborted ? "; " : "", one);
 		}
 		*pp = c->next;
 		clique_abort(c);
@@ -595,8 +617,11 @@ int shd_nccl_unique_ids(uint8_t *ids, uint32_t n, char *err, size_t errlen)
 		ncclResult_t r = api.get_unique_id(&id);
 
 		if (r != ncclSuccess) {
-			snprintf(err, errlen, "ncclGetUniqueId: %s (%d); NCCL picks the network interface that the "
-				 "other nodes reach it on with NCCL_SOCKET_IFNAME", api.get_error_string(r), (int)r);
+			snprintf(
+				err, errlen,
+				"ncclGetUniqueId: %s (%d); NCCL picks the network interface that the "
+				"other nodes reach it on with NCCL_SOCKET_IFNAME",
+				api.get_error_string(r), (int)r);
 			return -SHARDD_E_BACKEND;
 		}
 		memcpy(ids + (size_t)i * sizeof(id), &id, sizeof(id));
@@ -604,7 +629,8 @@ int shd_nccl_unique_ids(uint8_t *ids, uint32_t n, char *err, size_t errlen)
 	return ret;
 }
 
-struct shd_nccl_clique *shd_nccl_span_find(struct shd_nccl *nc, const void *job, uint64_t key, uint32_t index)
+struct shd_nccl_clique *shd_nccl_span_find(struct shd_nccl *nc, const void *job, uint64_t key,
+					   uint32_t index)
 {
 	for (struct shd_nccl_clique *c = nc->cliques; c; c = c->next)
 		if (c->span && c->job == job && c->key == key && c->index == index)
@@ -613,8 +639,9 @@ struct shd_nccl_clique *shd_nccl_span_find(struct shd_nccl *nc, const void *job,
 }
 
 int shd_nccl_span_make(const void *job, const char *job_name, uint64_t key, uint32_t index,
-		       const int32_t *devices, uint32_t n, const uint32_t *ranks, uint32_t nranks, const uint8_t *id,
-		       uint64_t deadline_ns, struct shd_nccl_clique **out, char *err, size_t errlen)
+		       const int32_t *devices, uint32_t n, const uint32_t *ranks, uint32_t nranks,
+		       const uint8_t *id, uint64_t deadline_ns, struct shd_nccl_clique **out,
+		       char *err, size_t errlen)
 {
 	struct shd_nccl_clique *c;
 	char devs[128];
@@ -638,8 +665,9 @@ int shd_nccl_span_make(const void *job, const char *job_name, uint64_t key, uint
 		return ret;
 	}
 	shd_nccl_devices_str(devices, n, devs, sizeof(devs));
-	shd_log_info("cuda backend: NCCL communicator %u of job '%s' across nodes ready: %s, NCCL rank%s %d%s of %u",
-		     index, job_name, devs, n > 1 ? "s" : "", c->ranks[0], n > 1 ? ".." : "", nranks);
+	shd_log_info(
+		"cuda backend: NCCL communicator %u of job '%s' across nodes ready: %s, NCCL rank%s %d%s of %u",
+		index, job_name, devs, n > 1 ? "s" : "", c->ranks[0], n > 1 ? ".." : "", nranks);
 	*out = c;
 	return 0;
 }
@@ -671,7 +699,9 @@ int shd_nccl_clique_failed(struct shd_nccl_clique *c, char *err, size_t errlen)
 {
 	for (uint32_t k = 0; k < c->n; k++) {
 		ncclResult_t state = ncclSuccess, r = api.comm_get_async_error(c->comms[k], &state);
-		ncclResult_t bad = r != ncclSuccess ? r : state == ncclInProgress ? ncclSuccess : state;
+		ncclResult_t bad = r != ncclSuccess          ? r
+				   : state == ncclInProgress ? ncclSuccess
+							     : state;
 
 		if (bad != ncclSuccess) {
 			nccl_error(c, "communicator failed", bad, err, errlen);

@@ -36,9 +36,10 @@ struct shd_nccl;        /* every clique of every job */
 struct shd_nccl_clique; /* one communicator per device of a device list */
 
 enum shd_nccl_coll {
-	SHD_NCCL_ALL_GATHER = 1,     /* recv[k] = send[0] .. send[n-1], `count` elements each */
-	SHD_NCCL_REDUCE_SCATTER = 2, /* recv[k] = sum over members of block k of send (`count` each) */
-	SHD_NCCL_ALL_REDUCE = 3,     /* recv[k] = sum over members of send (`count`) */
+	SHD_NCCL_ALL_GATHER = 1, /* recv[k] = send[0] .. send[n-1], `count` elements each */
+	SHD_NCCL_REDUCE_SCATTER =
+		2,               /* recv[k] = sum over members of block k of send (`count` each) */
+	SHD_NCCL_ALL_REDUCE = 3, /* recv[k] = sum over members of send (`count`) */
 };
 
 /*
@@ -48,7 +49,7 @@ enum shd_nccl_coll {
 int shd_nccl_load(char *err, size_t errlen);
 
 /* `timeout_ns`: the deadline of every wait on NCCL (the daemon's collective timeout). 0 or -ENOMEM. */
-int  shd_nccl_create(uint64_t timeout_ns, struct shd_nccl **out);
+int shd_nccl_create(uint64_t timeout_ns, struct shd_nccl **out);
 /* Destroys every clique left (as shd_nccl_job_end does). Also takes NULL. */
 void shd_nccl_destroy(struct shd_nccl *nc);
 
@@ -60,8 +61,8 @@ void shd_nccl_destroy(struct shd_nccl *nc);
  * and the cause.
  */
 int shd_nccl_clique(struct shd_nccl *nc, const void *job, const char *job_name,
-		       const int32_t *devices, uint32_t n, struct shd_nccl_clique **out, char *err,
-		       size_t errlen);
+		    const int32_t *devices, uint32_t n, struct shd_nccl_clique **out, char *err,
+		    size_t errlen);
 
 /*
  * Queue one collective on every member k of `c`: send[k] -> recv[k] on
@@ -72,8 +73,8 @@ int shd_nccl_clique(struct shd_nccl *nc, const void *job, const char *job_name,
  * aborted and forgotten (`c` is gone).
  */
 int shd_nccl_collective(struct shd_nccl *nc, struct shd_nccl_clique *c, uint32_t coll,
-			   void *const *send, void *const *recv, size_t count, uint32_t dtype,
-			   void *const *streams, char *err, size_t errlen);
+			void *const *send, void *const *recv, size_t count, uint32_t dtype,
+			void *const *streams, char *err, size_t errlen);
 
 /*
  * Cliques with a member on `device` whose communicators report an
@@ -82,7 +83,7 @@ int shd_nccl_collective(struct shd_nccl *nc, struct shd_nccl_clique *c, uint32_t
  * itself. Returns how many; `err` names their devices and causes.
  */
 uint32_t shd_nccl_check_device(struct shd_nccl *nc, int32_t device, int abort_all, char *err,
-				  size_t errlen);
+			       size_t errlen);
 
 /* The job ended: destroy its cliques (ncclCommFinalize, then ncclCommDestroy; abort past the deadline). */
 void shd_nccl_job_end(struct shd_nccl *nc, const void *job);
@@ -110,15 +111,17 @@ int shd_nccl_unique_ids(uint8_t *ids, uint32_t n, char *err, size_t errlen);
  * cause; nothing is left made.
  */
 int shd_nccl_span_make(const void *job, const char *job_name, uint64_t key, uint32_t index,
-		       const int32_t *devices, uint32_t n, const uint32_t *ranks, uint32_t nranks, const uint8_t *id,
-		       uint64_t deadline_ns, struct shd_nccl_clique **out, char *err, size_t errlen);
+		       const int32_t *devices, uint32_t n, const uint32_t *ranks, uint32_t nranks,
+		       const uint8_t *id, uint64_t deadline_ns, struct shd_nccl_clique **out,
+		       char *err, size_t errlen);
 /* Keep a clique of shd_nccl_span_make (replacing one of the same job, key and index). */
 void shd_nccl_span_add(struct shd_nccl *nc, struct shd_nccl_clique *c);
 /* Abort and free a clique of shd_nccl_span_make never added. No lock needed. */
 void shd_nccl_span_abort(struct shd_nccl_clique *c);
 
 /* The span clique (job, key, index), or NULL. */
-struct shd_nccl_clique *shd_nccl_span_find(struct shd_nccl *nc, const void *job, uint64_t key, uint32_t index);
+struct shd_nccl_clique *shd_nccl_span_find(struct shd_nccl *nc, const void *job, uint64_t key,
+					   uint32_t index);
 
 /*
  * shd_nccl_collective on a span clique, waiting until `deadline_ns` for
@@ -126,9 +129,9 @@ struct shd_nccl_clique *shd_nccl_span_find(struct shd_nccl *nc, const void *job,
  * group's op (no other thread uses or frees a span clique while its
  * group's op runs). On failure `c` stays: the caller drops it.
  */
-int shd_nccl_span_collective(struct shd_nccl_clique *c, uint32_t coll, void *const *send, void *const *recv,
-			     size_t count, uint32_t dtype, void *const *streams, uint64_t deadline_ns, char *err,
-			     size_t errlen);
+int shd_nccl_span_collective(struct shd_nccl_clique *c, uint32_t coll, void *const *send,
+			     void *const *recv, size_t count, uint32_t dtype, void *const *streams,
+			     uint64_t deadline_ns, char *err, size_t errlen);
 
 /* Abort and forget `c` (its communicators stop what still runs on the devices). */
 void shd_nccl_drop(struct shd_nccl *nc, struct shd_nccl_clique *c);

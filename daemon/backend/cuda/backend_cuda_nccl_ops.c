@@ -27,11 +27,11 @@
 /* The members of one NCCL op: their devices, NCCL streams and staging buffers. */
 struct cuda_nccl_op {
 	struct shd_nccl_clique *clique;
-	const int32_t *devices;                     /* [n]: member k's device, NCCL rank k */
+	const int32_t *devices; /* [n]: member k's device, NCCL rank k */
 	uint32_t n;
 	struct cuda_device *d[SHARDD_MAX_WORLD];
-	uint8_t *staging[SHARDD_MAX_WORLD];         /* NULL without staging */
-	void *streams[SHARDD_MAX_WORLD];            /* NCCL streams */
+	uint8_t *staging[SHARDD_MAX_WORLD]; /* NULL without staging */
+	void *streams[SHARDD_MAX_WORLD];    /* NCCL streams */
 };
 
 /* ------------------------------------------------------------------ */
@@ -62,14 +62,16 @@ static int cuda_staging(struct cuda_backend *cb, int device, struct cuda_device 
  * each device ready for NCCL with a staging buffer of `staging` bytes (0:
  * none), and the job's clique over the devices. 0, or an error with `err`.
  */
-static int nccl_op_begin(struct cuda_backend *cb, struct shd_backend_job *job, const int32_t *devices,
-			 uint32_t n, uint64_t staging, struct cuda_nccl_op *op, char *err, size_t errlen)
+static int nccl_op_begin(struct cuda_backend *cb, struct shd_backend_job *job,
+			 const int32_t *devices, uint32_t n, uint64_t staging,
+			 struct cuda_nccl_op *op, char *err, size_t errlen)
 {
 	int ret;
 
 	/* Communicators belong to a job: a call without one (tools, tests) has none to use. */
 	if (!job) {
-		snprintf(err, errlen, "a collective across devices needs the job its communicators belong to");
+		snprintf(err, errlen,
+			 "a collective across devices needs the job its communicators belong to");
 		return -EINVAL;
 	}
 	op->devices = devices;
@@ -82,8 +84,10 @@ static int nccl_op_begin(struct cuda_backend *cb, struct shd_backend_job *job, c
 		if (!ret && staging)
 			ret = cuda_staging(cb, devices[k], op->d[k], staging, &op->staging[k]);
 		if (ret) {
-			snprintf(err, errlen, "device %d cannot take part in NCCL collectives (see the daemon's log)",
-				 devices[k]);
+			snprintf(
+				err, errlen,
+				"device %d cannot take part in NCCL collectives (see the daemon's log)",
+				devices[k]);
 			return ret;
 		}
 		op->streams[k] = op->d[k]->nccl_stream;
@@ -111,7 +115,8 @@ static int nccl_op_handover(struct cuda_nccl_op *op, int to_nccl)
 		if (e == cudaSuccess)
 			e = cudaStreamWaitEvent(to_nccl ? d->nccl_stream : d->stream, ev, 0);
 	}
-	return e == cudaSuccess ? 0 : cuda_rt_fail("order a device's stream with its NCCL stream", e);
+	return e == cudaSuccess ? 0
+				: cuda_rt_fail("order a device's stream with its NCCL stream", e);
 }
 
 /* ------------------------------------------------------------------ */
@@ -123,7 +128,8 @@ static int nccl_op_handover(struct cuda_nccl_op *op, int to_nccl)
  * shards all-gathered as bytes into each device's staging buffer, then
  * copied out into each rank's own unsharded buffer on its device.
  */
-int cuda_unshard_nccl(struct cuda_backend *cb, const struct shd_unshard_args *a, const int32_t *devices)
+int cuda_unshard_nccl(struct cuda_backend *cb, const struct shd_unshard_args *a,
+		      const int32_t *devices)
 {
 	const struct shd_layout *l = a->layout;
 	uint32_t n = a->nshards;
@@ -134,13 +140,14 @@ int cuda_unshard_nccl(struct cuda_backend *cb, const struct shd_unshard_args *a,
 	int ret = 0;
 
 	for (uint32_t k = 0; k < n && !ret; k++)
-		ret = cuda_on_device(a->unsharded[k], devices[k], k, "unsharded buffer", a->err, a->errlen,
-				     "unshard");
+		ret = cuda_on_device(a->unsharded[k], devices[k], k, "unsharded buffer", a->err,
+				     a->errlen, "unshard");
 	if (ret)
 		return ret;
 	cuda_nccl_lock(cb);
-	ret = nccl_op_begin(cb, a->job, devices, n, shd_placement_staging_bytes(n, l->shard_size, 0), &op,
-			    why, sizeof(why));
+	ret = nccl_op_begin(cb, a->job, devices, n,
+			    shd_placement_staging_bytes(n, l->shard_size, 0), &op, why,
+			    sizeof(why));
 	if (!ret)
 		ret = nccl_op_handover(&op, 1);
 	for (uint32_t k = 0; k < n && !ret; k++) {
@@ -149,7 +156,8 @@ int cuda_unshard_nccl(struct cuda_backend *cb, const struct shd_unshard_args *a,
 	}
 	if (!ret)
 		ret = shd_nccl_collective(cb->nccl, op.clique, SHD_NCCL_ALL_GATHER, send, recv,
-					     l->shard_size, SHARDD_DTYPE_NONE, op.streams, why, sizeof(why));
+					  l->shard_size, SHARDD_DTYPE_NONE, op.streams, why,
+					  sizeof(why));
 	if (!ret)
 		ret = nccl_op_handover(&op, 0);
 	/* Each device copies out of its own staging buffer, where shard s sits at s x shard_size. */
@@ -158,7 +166,9 @@ int cuda_unshard_nccl(struct cuda_backend *cb, const struct shd_unshard_args *a,
 			src[s] = op.staging[k] + s * l->shard_size;
 		ret = cudaSetDevice(devices[k]) == cudaSuccess ? 0 : -SHARDD_E_BACKEND;
 		if (!ret)
-			ret = cuda_queued(cuda_copy_out(l, n, src, a->unsharded[k], op.d[k]->stream), "unshard");
+			ret = cuda_queued(
+				cuda_copy_out(l, n, src, a->unsharded[k], op.d[k]->stream),
+				"unshard");
 	}
 	cuda_nccl_unlock(cb);
 	if (ret) {
@@ -178,7 +188,8 @@ int cuda_unshard_nccl(struct cuda_backend *cb, const struct shd_unshard_args *a,
  * view buffer, then the post kernel. Summation order and rounding are
  * NCCL's (in the reduce dtype), not the host's (docs/CUDA.md).
  */
-int cuda_reduce_nccl(struct cuda_backend *cb, const struct shd_reduce_args *a, const int32_t *devices)
+int cuda_reduce_nccl(struct cuda_backend *cb, const struct shd_reduce_args *a,
+		     const int32_t *devices)
 {
 	uint32_t rd = a->math.reduce_dtype, n = a->n, grad = a->src == SHD_REDUCE_SRC_GRAD;
 	size_t rs = shardd_dtype_size(rd);
@@ -190,29 +201,37 @@ int cuda_reduce_nccl(struct cuda_backend *cb, const struct shd_reduce_args *a, c
 
 	if (!rs || !a->reduce_offsets || !shard_bytes || shard_bytes % rs ||
 	    (!grad && (a->in_dtype != rd || a->math.pre > 1)))
-		return cuda_op_fail(-EINVAL, a->err, a->errlen, "reduce",
-				    "NCCL reduce of %u members: reduce dtype %u, shard of %llu bytes, inputs in "
-				    "dtype %u with pre-divide %g: the shard must hold whole elements, and an "
-				    "all-reduce takes shards in the reduce dtype, divided before", n, rd,
-				    (unsigned long long)shard_bytes, a->in_dtype, (double)a->math.pre);
+		return cuda_op_fail(
+			-EINVAL, a->err, a->errlen, "reduce",
+			"NCCL reduce of %u members: reduce dtype %u, shard of %llu bytes, inputs in "
+			"dtype %u with pre-divide %g: the shard must hold whole elements, and an "
+			"all-reduce takes shards in the reduce dtype, divided before",
+			n, rd, (unsigned long long)shard_bytes, a->in_dtype, (double)a->math.pre);
 	for (uint32_t k = 0; k < n && !ret; k++) {
-		ret = cuda_on_device(a->outs[k].buf, devices[k], k, "output", a->err, a->errlen, "reduce");
+		ret = cuda_on_device(a->outs[k].buf, devices[k], k, "output", a->err, a->errlen,
+				     "reduce");
 		if (!ret && cuda_reduce_add(a, k))
-			ret = cuda_on_device(a->adds[k].buf, devices[k], k, "addend", a->err, a->errlen, "reduce");
+			ret = cuda_on_device(a->adds[k].buf, devices[k], k, "addend", a->err,
+					     a->errlen, "reduce");
 		if (!ret && !grad && a->views[k].buf->bytes < shard_bytes)
-			ret = cuda_op_fail(-EINVAL, a->err, a->errlen, "reduce",
-					   "member %u's view buffer holds %llu bytes, less than a shard's %llu", k,
-					   (unsigned long long)a->views[k].buf->bytes, (unsigned long long)shard_bytes);
+			ret = cuda_op_fail(
+				-EINVAL, a->err, a->errlen, "reduce",
+				"member %u's view buffer holds %llu bytes, less than a shard's %llu",
+				k, (unsigned long long)a->views[k].buf->bytes,
+				(unsigned long long)shard_bytes);
 	}
 	if (ret)
 		return ret;
 	cuda_nccl_lock(cb);
 	ret = nccl_op_begin(cb, a->job, devices, n,
-			    grad ? shd_placement_staging_bytes(n, 0, shard_bytes) : 0, &op, why, sizeof(why));
+			    grad ? shd_placement_staging_bytes(n, 0, shard_bytes) : 0, &op, why,
+			    sizeof(why));
 	for (uint32_t k = 0; k < n && !ret && grad; k++) {
 		ret = cudaSetDevice(devices[k]) == cudaSuccess ? 0 : -SHARDD_E_BACKEND;
 		if (!ret)
-			ret = cuda_queued(cuda_reduce_copy_in(a, k, n, op.staging[k], op.d[k]->stream), "reduce");
+			ret = cuda_queued(
+				cuda_reduce_copy_in(a, k, n, op.staging[k], op.d[k]->stream),
+				"reduce");
 	}
 	if (!ret)
 		ret = nccl_op_handover(&op, 1);
@@ -222,18 +241,19 @@ int cuda_reduce_nccl(struct cuda_backend *cb, const struct shd_reduce_args *a, c
 		recv[k] = grad ? (void *)(op.staging[k] + k * shard_bytes) : send[k];
 	}
 	if (!ret)
-		ret = shd_nccl_collective(cb->nccl, op.clique,
-					     grad ? SHD_NCCL_REDUCE_SCATTER : SHD_NCCL_ALL_REDUCE, send, recv,
-					     shard_bytes / rs, rd, op.streams, why, sizeof(why));
+		ret = shd_nccl_collective(
+			cb->nccl, op.clique, grad ? SHD_NCCL_REDUCE_SCATTER : SHD_NCCL_ALL_REDUCE,
+			send, recv, shard_bytes / rs, rd, op.streams, why, sizeof(why));
 	if (!ret)
 		ret = nccl_op_handover(&op, 0);
 	for (uint32_t k = 0; k < n && !ret; k++) {
 		ret = cudaSetDevice(devices[k]) == cudaSuccess ? 0 : -SHARDD_E_BACKEND;
 		if (!ret)
-			ret = cuda_queued(grad ? cuda_reduce_post(a, k, recv[k], a->reduce_offsets, k,
-								  op.d[k]->stream)
-					       : cuda_reduce_post(a, k, recv[k], a->views[k].offsets, a->shard_rank,
-								  op.d[k]->stream),
+			ret = cuda_queued(grad ? cuda_reduce_post(a, k, recv[k], a->reduce_offsets,
+								  k, op.d[k]->stream)
+					       : cuda_reduce_post(a, k, recv[k],
+								  a->views[k].offsets,
+								  a->shard_rank, op.d[k]->stream),
 					  "reduce");
 	}
 	cuda_nccl_unlock(cb);

@@ -37,15 +37,17 @@ static uint64_t valid_numel(const struct shd_layout_param *p, uint32_t shard_ran
 }
 
 /* Stream-ordered device scratch of `bytes`; 0 or the error in err. */
-static int scratch_alloc(void **out, size_t bytes, cudaStream_t stream, const char *op, char *err, size_t errlen)
+static int scratch_alloc(void **out, size_t bytes, cudaStream_t stream, const char *op, char *err,
+			 size_t errlen)
 {
 	cudaError_t e = cudaMallocAsync(out, bytes, stream);
 
 	if (e == cudaSuccess)
 		return 0;
 	(void)cudaGetLastError();
-	return cuda_op_fail(e == cudaErrorMemoryAllocation ? -ENOMEM : -SHARDD_E_BACKEND, err, errlen, op,
-			    "cudaMallocAsync of %zu bytes of scratch failed: %s", bytes, cudaGetErrorString(e));
+	return cuda_op_fail(e == cudaErrorMemoryAllocation ? -ENOMEM : -SHARDD_E_BACKEND, err,
+			    errlen, op, "cudaMallocAsync of %zu bytes of scratch failed: %s", bytes,
+			    cudaGetErrorString(e));
 }
 
 /*
@@ -53,8 +55,9 @@ static int scratch_alloc(void **out, size_t bytes, cudaStream_t stream, const ch
  * then copy `bytes` of `src` into `dst` (each of `rows` rows of `width`
  * bytes, `pitch` apart in `src`), and free `src`. 0 or the error in err.
  */
-static int scratch_collect(struct cuda_backend *cb, int device, struct cuda_device *d, void *src, size_t width,
-			   size_t pitch, size_t rows, void *dst, const char *op, char *err, size_t errlen)
+static int scratch_collect(struct cuda_backend *cb, int device, struct cuda_device *d, void *src,
+			   size_t width, size_t pitch, size_t rows, void *dst, const char *op,
+			   char *err, size_t errlen)
 {
 	cudaError_t e;
 	int ret;
@@ -65,16 +68,20 @@ static int scratch_collect(struct cuda_backend *cb, int device, struct cuda_devi
 		e = cudaMemcpy2D(dst, width, src, pitch, width, rows, cudaMemcpyDeviceToHost);
 		if (e != cudaSuccess) {
 			(void)cudaGetLastError();
-			ret = cuda_op_fail(-SHARDD_E_BACKEND, err, errlen, op, "copying %zu bytes of its result back "
-					   "from device %d failed: %s", width * rows, device, cudaGetErrorString(e));
+			ret = cuda_op_fail(-SHARDD_E_BACKEND, err, errlen, op,
+					   "copying %zu bytes of its result back "
+					   "from device %d failed: %s",
+					   width * rows, device, cudaGetErrorString(e));
 		}
 	}
 	e = cudaFreeAsync(src, d->stream);
 	if (e != cudaSuccess) {
 		(void)cudaGetLastError();
 		if (!ret)
-			ret = cuda_op_fail(-SHARDD_E_BACKEND, err, errlen, op, "cudaFreeAsync of its scratch on "
-					   "device %d failed: %s", device, cudaGetErrorString(e));
+			ret = cuda_op_fail(-SHARDD_E_BACKEND, err, errlen, op,
+					   "cudaFreeAsync of its scratch on "
+					   "device %d failed: %s",
+					   device, cudaGetErrorString(e));
 	}
 	return ret;
 }
@@ -82,12 +89,15 @@ static int scratch_collect(struct cuda_backend *cb, int device, struct cuda_devi
 /* 0 when the step's buffers all sit on `device`, the shard's; else the error. */
 static int step_buffers_on(const struct shd_step_args *a, int device)
 {
-	static const char *const roles[3] = { "optimizer state 0", "optimizer state 1", "optimizer state 2" };
-	int ret = cuda_on_device(a->grad, device, a->shard_rank, "sharded grad", a->err, a->errlen, "step");
+	static const char *const roles[3] = { "optimizer state 0", "optimizer state 1",
+					      "optimizer state 2" };
+	int ret = cuda_on_device(a->grad, device, a->shard_rank, "sharded grad", a->err, a->errlen,
+				 "step");
 
 	for (uint32_t k = 0; k < 3 && !ret; k++)
 		if (a->state[k])
-			ret = cuda_on_device(a->state[k], device, a->shard_rank, roles[k], a->err, a->errlen, "step");
+			ret = cuda_on_device(a->state[k], device, a->shard_rank, roles[k], a->err,
+					     a->errlen, "step");
 	return ret;
 }
 
@@ -113,11 +123,13 @@ static int step_nonfinite(struct cuda_backend *cb, const struct shd_step_args *a
 	if (ret) {
 		(void)cudaGetLastError();
 		(void)cudaFreeAsync(flag, d->stream);
-		return cuda_op_fail(ret, a->err, a->errlen, "step", "queueing the non-finite check of rank %u's "
-				    "grad on device %d failed", a->shard_rank, device);
+		return cuda_op_fail(ret, a->err, a->errlen, "step",
+				    "queueing the non-finite check of rank %u's "
+				    "grad on device %d failed",
+				    a->shard_rank, device);
 	}
-	ret = scratch_collect(cb, device, d, flag, sizeof(host), sizeof(host), 1, &host, "step", a->err,
-			      a->errlen);
+	ret = scratch_collect(cb, device, d, flag, sizeof(host), sizeof(host), 1, &host, "step",
+			      a->err, a->errlen);
 	*skipped = host != 0;
 	return ret;
 }
@@ -159,8 +171,10 @@ int cuda_step(struct shd_backend_ctx *b, const struct shd_step_args *a)
 
 	*a->skipped = 0;
 	if (a->kind != SHARDD_OPTIM_SGD && a->kind != SHARDD_OPTIM_ADAMW)
-		return cuda_op_fail(-EINVAL, a->err, a->errlen, "step", "optimizer kind %u is neither SGD (%d) nor "
-				    "AdamW (%d)", a->kind, SHARDD_OPTIM_SGD, SHARDD_OPTIM_ADAMW);
+		return cuda_op_fail(-EINVAL, a->err, a->errlen, "step",
+				    "optimizer kind %u is neither SGD (%d) nor "
+				    "AdamW (%d)",
+				    a->kind, SHARDD_OPTIM_SGD, SHARDD_OPTIM_ADAMW);
 	ret = step_buffers_on(a, device);
 	if (!ret)
 		ret = cuda_device_get(cb, device, &d);
@@ -171,14 +185,17 @@ int cuda_step(struct shd_backend_ctx *b, const struct shd_step_args *a)
 	for (uint32_t i = 0; i < a->layout->nparams && !ret; i++) {
 		ret = step_param(a, i, d->stream);
 		if (ret == -SHARDD_E_INVALID)
-			return cuda_op_fail(ret, a->err, a->errlen, "step", "param %u of rank %u: the kernel refused "
-					    "its arguments (an optimizer state buffer is missing)", i, a->shard_rank);
+			return cuda_op_fail(ret, a->err, a->errlen, "step",
+					    "param %u of rank %u: the kernel refused "
+					    "its arguments (an optimizer state buffer is missing)",
+					    i, a->shard_rank);
 	}
 	return cuda_queued(ret, "step");
 }
 
 int cuda_grad_norm(struct shd_backend_ctx *b, const struct shd_layout *l, uint32_t shard_rank,
-		   const struct shd_buf *grad, struct shardd_grad_norm_part *out, char *err, size_t errlen)
+		   const struct shd_buf *grad, struct shardd_grad_norm_part *out, char *err,
+		   size_t errlen)
 {
 	struct cuda_backend *cb = (struct cuda_backend *)b;
 	int device = cbuf(grad)->device, ret;
@@ -196,10 +213,11 @@ int cuda_grad_norm(struct shd_backend_ctx *b, const struct shd_layout *l, uint32
 		return ret;
 	parts = calloc(nonempty, sizeof(*parts));
 	if (!parts)
-		return cuda_op_fail(-ENOMEM, err, errlen, "grad_norm", "out of memory for %u parts", nonempty);
+		return cuda_op_fail(-ENOMEM, err, errlen, "grad_norm", "out of memory for %u parts",
+				    nonempty);
 	/* One workspace per param with elements; ws[0] and ws[1] of each are its part. */
-	ret = scratch_alloc((void **)&ws, (size_t)nonempty * SHARDD_CUDA_NORM_WS * sizeof(double), d->stream,
-			    "grad_norm", err, errlen);
+	ret = scratch_alloc((void **)&ws, (size_t)nonempty * SHARDD_CUDA_NORM_WS * sizeof(double),
+			    d->stream, "grad_norm", err, errlen);
 	if (ret) {
 		free(parts);
 		return ret;
@@ -209,22 +227,28 @@ int cuda_grad_norm(struct shd_backend_ctx *b, const struct shd_layout *l, uint32
 		uint64_t n = valid_numel(p, shard_rank);
 
 		if (n)
-			ret = shardd_cuda_grad_norm_part(dptr(grad, p->shard_offset), SHARDD_DTYPE_FP32, 0, (size_t)n,
-							 ws + (size_t)k++ * SHARDD_CUDA_NORM_WS, d->stream);
+			ret = shardd_cuda_grad_norm_part(
+				dptr(grad, p->shard_offset), SHARDD_DTYPE_FP32, 0, (size_t)n,
+				ws + (size_t)k++ * SHARDD_CUDA_NORM_WS, d->stream);
 	}
 	if (ret) {
 		(void)cudaGetLastError();
 		(void)cudaFreeAsync(ws, d->stream);
 		free(parts);
-		return cuda_op_fail(ret, err, errlen, "grad_norm", "queueing the norm of rank %u's grad on device "
-				    "%d failed", shard_rank, device);
+		return cuda_op_fail(ret, err, errlen, "grad_norm",
+				    "queueing the norm of rank %u's grad on device "
+				    "%d failed",
+				    shard_rank, device);
 	}
-	ret = scratch_collect(cb, device, d, ws, sizeof(parts[0]), SHARDD_CUDA_NORM_WS * sizeof(double), nonempty,
-			      parts, "grad_norm", err, errlen);
+	ret = scratch_collect(cb, device, d, ws, sizeof(parts[0]),
+			      SHARDD_CUDA_NORM_WS * sizeof(double), nonempty, parts, "grad_norm",
+			      err, errlen);
 	for (uint32_t i = 0; i < nonempty && !ret; i++) {
 		/* The max of fp32 magnitudes, widened exactly: narrowing it back is exact too. */
 		struct shardd_grad_norm_part part = {
-			.sumsq = parts[i][0], .max_abs = (float)parts[i][1], .nonfinite = !isfinite(parts[i][0]),
+			.sumsq = parts[i][0],
+			.max_abs = (float)parts[i][1],
+			.nonfinite = !isfinite(parts[i][0]),
 		};
 
 		shardd_k_grad_norm_merge(out, &part);

@@ -54,22 +54,22 @@
 
 /* One of this node's ranks in a group's communicators. */
 struct cuda_span_member {
-	int32_t      device;
-	int          ready;      /* stream and events made */
-	cudaStream_t stream;     /* this group's collectives on the device */
-	cudaEvent_t  staged;     /* on the device's stream: the op's inputs are ready */
-	cudaEvent_t  collected;  /* on `stream`: the collective finished */
-	struct shd_buf staging;  /* FSDP: all-gather / reduce-scatter blocks */
+	int32_t device;
+	int ready;              /* stream and events made */
+	cudaStream_t stream;    /* this group's collectives on the device */
+	cudaEvent_t staged;     /* on the device's stream: the op's inputs are ready */
+	cudaEvent_t collected;  /* on `stream`: the collective finished */
+	struct shd_buf staging; /* FSDP: all-gather / reduce-scatter blocks */
 };
 
 /* A group's members across nodes: made at its first op, freed with its job. */
 struct cuda_span {
 	struct cuda_span *next;
 	const struct shd_backend_job *job;
-	uint64_t key;            /* the group's stream of exchanges (shd_world_boot.key) */
-	uint32_t layout;         /* enum shd_world_boot_layout */
-	uint32_t n;              /* L members */
-	uint32_t gen;            /* generation of its communicators (world_boot.h); 0: none */
+	uint64_t key;    /* the group's stream of exchanges (shd_world_boot.key) */
+	uint32_t layout; /* enum shd_world_boot_layout */
+	uint32_t n;      /* L members */
+	uint32_t gen;    /* generation of its communicators (world_boot.h); 0: none */
 	struct cuda_span_member m[];
 };
 
@@ -79,22 +79,24 @@ struct span_op {
 	const struct shd_world_boot *s;
 	struct shd_backend_job *job;
 	struct cuda_span *sp;
-	uint32_t coll;           /* enum shd_nccl_coll */
-	const char *op;          /* "unshard" or "reduce", for messages */
+	uint32_t coll;  /* enum shd_nccl_coll */
+	const char *op; /* "unshard" or "reduce", for messages */
 	const struct shd_unshard_args *u;
 	const struct shd_reduce_args *r;
 	uint32_t n;
 	int32_t devices[SHARDD_MAX_WORLD];
 	struct cuda_device *d[SHARDD_MAX_WORLD];
-	struct shd_nccl_clique *cliques[SHARDD_MAX_WORLD]; /* the group's communicators, found at staging */
+	struct shd_nccl_clique
+		*cliques[SHARDD_MAX_WORLD]; /* the group's communicators, found at staging */
 	char *err;
 	size_t errlen;
 };
 
 static const char *coll_what(uint32_t coll)
 {
-	return coll == SHD_NCCL_ALL_GATHER ? "all-gather" : coll == SHD_NCCL_REDUCE_SCATTER ? "reduce-scatter"
-											 : "all-reduce";
+	return coll == SHD_NCCL_ALL_GATHER       ? "all-gather"
+	       : coll == SHD_NCCL_REDUCE_SCATTER ? "reduce-scatter"
+						 : "all-reduce";
 }
 
 /* ------------------------------------------------------------------ */
@@ -145,7 +147,8 @@ static int member_setup(struct cuda_span_member *m)
 }
 
 /* Drop every communicator of `sp` this node holds. */
-static void span_drop_comms(struct cuda_backend *cb, struct cuda_span *sp, const struct shd_world_boot *s)
+static void span_drop_comms(struct cuda_backend *cb, struct cuda_span *sp,
+			    const struct shd_world_boot *s)
 {
 	for (uint32_t c = 0; c < shd_world_boot_comms(s); c++) {
 		struct shd_nccl_clique *q = shd_nccl_span_find(cb->nccl, sp->job, sp->key, c);
@@ -187,8 +190,10 @@ static int span_get(struct span_op *o)
 	if (!sp) {
 		sp = calloc(1, sizeof(*sp) + o->n * sizeof(sp->m[0]));
 		if (!sp)
-			return cuda_op_fail(-SHARDD_E_NOMEM, o->err, o->errlen, o->op,
-					    "out of memory for the collectives across nodes of job '%s'", o->job->name);
+			return cuda_op_fail(
+				-SHARDD_E_NOMEM, o->err, o->errlen, o->op,
+				"out of memory for the collectives across nodes of job '%s'",
+				o->job->name);
 		sp->job = o->job;
 		sp->key = o->s->key;
 		sp->layout = o->s->layout;
@@ -241,7 +246,8 @@ static int boot_exchange(void *ctx, uint64_t seq, const void *mine, void *all, s
 	}
 	for (uint32_t k = 0; k < o->s->nodes; k++)
 		sends[k] = mine;
-	ret = shd_world_exchange(o->s->key, seq, o->s->check, sends, all, bytes, deadline_ns, missing, err, errlen);
+	ret = shd_world_exchange(o->s->key, seq, o->s->check, sends, all, bytes, deadline_ns,
+				 missing, err, errlen);
 	free(sends);
 	return ret;
 }
@@ -283,7 +289,8 @@ static int boot_init(void *ctx, const uint8_t *ids, uint64_t deadline_ns, char *
 			ranks[n++] = rank;
 		}
 		ret = shd_nccl_span_make(o->job, o->job->name, o->s->key, q, devs, n, ranks, nranks,
-					 ids + (size_t)q * SHD_WORLD_ID_BYTES, deadline_ns, &c[q], err, errlen);
+					 ids + (size_t)q * SHD_WORLD_ID_BYTES, deadline_ns, &c[q],
+					 err, errlen);
 		if (!ret)
 			made++;
 	}
@@ -326,37 +333,47 @@ static int span_check_args(struct span_op *o)
 	uint32_t comm, rank, nranks;
 	int ret = 0;
 
-	if (o->n != s->local || o->n > SHARDD_MAX_WORLD || shd_world_boot_member(s, 0, &comm, &rank, &nranks))
-		return cuda_op_fail(-EINVAL, o->err, o->errlen, o->op,
-				    "%u members of a job across %u nodes with %u ranks each: each node's ranks are "
-				    "the members", o->n, s->nodes, s->local);
+	if (o->n != s->local || o->n > SHARDD_MAX_WORLD ||
+	    shd_world_boot_member(s, 0, &comm, &rank, &nranks))
+		return cuda_op_fail(
+			-EINVAL, o->err, o->errlen, o->op,
+			"%u members of a job across %u nodes with %u ranks each: each node's ranks are "
+			"the members",
+			o->n, s->nodes, s->local);
 	if (!o->job)
-		return cuda_op_fail(-EINVAL, o->err, o->errlen, o->op,
-				    "a collective across nodes needs the job its communicators belong to");
+		return cuda_op_fail(
+			-EINVAL, o->err, o->errlen, o->op,
+			"a collective across nodes needs the job its communicators belong to");
 	/* One communicator over every rank: NCCL takes one rank per GPU. */
 	for (uint32_t k = 0; k < o->n && s->layout == SHD_WORLD_FSDP; k++)
 		for (uint32_t j = 0; j < k; j++)
 			if (o->devices[j] == o->devices[k])
-				return cuda_op_fail(-SHARDD_E_INVALID, o->err, o->errlen, o->op,
-						    "FSDP across nodes on --backend cuda runs one NCCL communicator "
-						    "over every rank, one rank per GPU: ranks %u and %u of node %u "
-						    "share device %d; have each rank of a node name its own GPU in "
-						    "shardd_connect (opts.device)", s->node * s->local + j,
-						    s->node * s->local + k, s->node, o->devices[k]);
+				return cuda_op_fail(
+					-SHARDD_E_INVALID, o->err, o->errlen, o->op,
+					"FSDP across nodes on --backend cuda runs one NCCL communicator "
+					"over every rank, one rank per GPU: ranks %u and %u of node %u "
+					"share device %d; have each rank of a node name its own GPU in "
+					"shardd_connect (opts.device)",
+					s->node * s->local + j, s->node * s->local + k, s->node,
+					o->devices[k]);
 	for (uint32_t k = 0; k < o->n && !ret; k++) {
 		if (o->u) {
-			ret = cuda_on_device(o->u->unsharded[k], o->devices[k], k, "unsharded buffer", o->err,
-					     o->errlen, o->op);
+			ret = cuda_on_device(o->u->unsharded[k], o->devices[k], k,
+					     "unsharded buffer", o->err, o->errlen, o->op);
 			continue;
 		}
-		ret = cuda_on_device(o->r->outs[k].buf, o->devices[k], k, "output", o->err, o->errlen, o->op);
+		ret = cuda_on_device(o->r->outs[k].buf, o->devices[k], k, "output", o->err,
+				     o->errlen, o->op);
 		if (!ret && cuda_reduce_add(o->r, k))
-			ret = cuda_on_device(o->r->adds[k].buf, o->devices[k], k, "addend", o->err, o->errlen, o->op);
-		if (!ret && o->coll == SHD_NCCL_ALL_REDUCE && o->r->views[k].buf->bytes < o->r->reduce_shard_size)
-			ret = cuda_op_fail(-EINVAL, o->err, o->errlen, o->op,
-					   "member %u's partial holds %llu bytes, less than a shard's %llu", k,
-					   (unsigned long long)o->r->views[k].buf->bytes,
-					   (unsigned long long)o->r->reduce_shard_size);
+			ret = cuda_on_device(o->r->adds[k].buf, o->devices[k], k, "addend", o->err,
+					     o->errlen, o->op);
+		if (!ret && o->coll == SHD_NCCL_ALL_REDUCE &&
+		    o->r->views[k].buf->bytes < o->r->reduce_shard_size)
+			ret = cuda_op_fail(
+				-EINVAL, o->err, o->errlen, o->op,
+				"member %u's partial holds %llu bytes, less than a shard's %llu", k,
+				(unsigned long long)o->r->views[k].buf->bytes,
+				(unsigned long long)o->r->reduce_shard_size);
 	}
 	if (!ret && o->r) {
 		uint32_t rd = o->r->math.reduce_dtype;
@@ -364,13 +381,15 @@ static int span_check_args(struct span_op *o)
 		uint64_t P = o->r->reduce_shard_size;
 
 		if (!rs || !o->r->reduce_offsets || !P || P % rs ||
-		    (o->coll == SHD_NCCL_ALL_REDUCE && (o->r->in_dtype != rd || o->r->math.pre > 1)))
-			ret = cuda_op_fail(-EINVAL, o->err, o->errlen, o->op,
-					   "NCCL %s across nodes: reduce dtype %u, shard of %llu bytes, inputs in "
-					   "dtype %u with pre-divide %g: the shard must hold whole elements, and an "
-					   "all-reduce takes partials in the reduce dtype, divided before",
-					   coll_what(o->coll), rd, (unsigned long long)P, o->r->in_dtype,
-					   (double)o->r->math.pre);
+		    (o->coll == SHD_NCCL_ALL_REDUCE &&
+		     (o->r->in_dtype != rd || o->r->math.pre > 1)))
+			ret = cuda_op_fail(
+				-EINVAL, o->err, o->errlen, o->op,
+				"NCCL %s across nodes: reduce dtype %u, shard of %llu bytes, inputs in "
+				"dtype %u with pre-divide %g: the shard must hold whole elements, and an "
+				"all-reduce takes partials in the reduce dtype, divided before",
+				coll_what(o->coll), rd, (unsigned long long)P, o->r->in_dtype,
+				(double)o->r->math.pre);
 	}
 	return ret;
 }
@@ -386,7 +405,9 @@ static int span_handover(struct span_op *o, uint32_t k, int to_span)
 		e = cudaEventRecord(ev, to_span ? o->d[k]->stream : m->stream);
 	if (e == cudaSuccess)
 		e = cudaStreamWaitEvent(to_span ? m->stream : o->d[k]->stream, ev, 0);
-	return e == cudaSuccess ? 0 : cuda_rt_fail("order a device's stream with its stream across nodes", e);
+	return e == cudaSuccess
+		       ? 0
+		       : cuda_rt_fail("order a device's stream with its stream across nodes", e);
 }
 
 /*
@@ -403,14 +424,18 @@ static int span_stage(struct span_op *o, char *err, size_t errlen)
 	uint32_t S = s->nodes * s->local;
 	uint64_t Z = o->u ? o->u->layout->shard_size : 0, P = o->r ? o->r->reduce_shard_size : 0;
 	uint64_t staging = o->coll == SHD_NCCL_ALL_GATHER ? shd_placement_staging_bytes(S, Z, 0)
-			   : o->coll == SHD_NCCL_REDUCE_SCATTER ? shd_placement_staging_bytes(S, 0, P) : 0;
+			   : o->coll == SHD_NCCL_REDUCE_SCATTER
+				   ? shd_placement_staging_bytes(S, 0, P)
+				   : 0;
 	int ret = 0;
 
 	for (uint32_t c = 0; c < shd_world_boot_comms(s) && !ret; c++) {
 		o->cliques[c] = shd_nccl_span_find(cb->nccl, o->job, s->key, c);
 		if (!o->cliques[c]) {
-			snprintf(err, errlen, "communicator %u of the group was aborted on this node before its "
-				 "collective (see the daemon's log)", c);
+			snprintf(err, errlen,
+				 "communicator %u of the group was aborted on this node before its "
+				 "collective (see the daemon's log)",
+				 c);
 			ret = -SHARDD_E_BACKEND;
 		}
 	}
@@ -428,17 +453,21 @@ static int span_stage(struct span_op *o, char *err, size_t errlen)
 
 			/* Waits for the device's work, the last op's copy-out from the old buffer with it. */
 			cuda_free(&cb->base, &m->staging);
-			snprintf(what, sizeof(what), "the staging buffer across nodes of device %d", o->devices[k]);
+			snprintf(what, sizeof(what), "the staging buffer across nodes of device %d",
+				 o->devices[k]);
 			ret = cuda_alloc(&cb->base, staging, o->devices[k], what, &m->staging);
 		}
 		if (!ret && o->coll == SHD_NCCL_REDUCE_SCATTER)
-			ret = cuda_queued(cuda_reduce_copy_in(o->r, k, S, dptr(&m->staging, 0), o->d[k]->stream),
+			ret = cuda_queued(cuda_reduce_copy_in(o->r, k, S, dptr(&m->staging, 0),
+							      o->d[k]->stream),
 					  "reduce across nodes");
 		if (!ret)
 			ret = span_handover(o, k, 1);
 		if (ret)
-			snprintf(err, errlen, "device %d could not stage its part of the %s (see the daemon's log)",
-				 o->devices[k], coll_what(o->coll));
+			snprintf(
+				err, errlen,
+				"device %d could not stage its part of the %s (see the daemon's log)",
+				o->devices[k], coll_what(o->coll));
 	}
 	return ret;
 }
@@ -478,14 +507,15 @@ static int span_collective(struct span_op *o, void **send, void **recv, char *er
 	if (o->coll == SHD_NCCL_ALL_REDUCE) {
 		/* HSDP: member k alone in communicator k (shard k's replicas are on the other nodes). */
 		for (uint32_t k = 0; k < o->n && !ret; k++)
-			ret = shd_nccl_span_collective(o->cliques[k], o->coll, &send[k], &recv[k], P / rs, rd,
-						       &streams[k], deadline, err, errlen);
+			ret = shd_nccl_span_collective(o->cliques[k], o->coll, &send[k], &recv[k],
+						       P / rs, rd, &streams[k], deadline, err,
+						       errlen);
 	} else if (o->coll == SHD_NCCL_ALL_GATHER) {
-		ret = shd_nccl_span_collective(o->cliques[0], o->coll, send, recv, Z, SHARDD_DTYPE_NONE, streams,
-					       deadline, err, errlen);
+		ret = shd_nccl_span_collective(o->cliques[0], o->coll, send, recv, Z,
+					       SHARDD_DTYPE_NONE, streams, deadline, err, errlen);
 	} else {
-		ret = shd_nccl_span_collective(o->cliques[0], o->coll, send, recv, P / rs, rd, streams, deadline,
-					       err, errlen);
+		ret = shd_nccl_span_collective(o->cliques[0], o->coll, send, recv, P / rs, rd,
+					       streams, deadline, err, errlen);
 	}
 	for (uint32_t k = 0; k < o->n && !ret; k++) {
 		cudaError_t e = cudaSetDevice(o->devices[k]);
@@ -493,8 +523,8 @@ static int span_collective(struct span_op *o, void **send, void **recv, char *er
 		if (e == cudaSuccess)
 			e = cudaEventRecord(o->sp->m[k].collected, o->sp->m[k].stream);
 		if (e != cudaSuccess) {
-			snprintf(err, errlen, "recording the end of the %s on device %d: %s", coll_what(o->coll),
-				 o->devices[k], cudaGetErrorString(e));
+			snprintf(err, errlen, "recording the end of the %s on device %d: %s",
+				 coll_what(o->coll), o->devices[k], cudaGetErrorString(e));
 			ret = -SHARDD_E_BACKEND;
 		}
 	}
@@ -512,7 +542,8 @@ static int span_collective(struct span_op *o, void **send, void **recv, char *er
 static int span_wait(struct span_op *o, char *err, size_t errlen)
 {
 	struct timespec pause = { 0, WORLD_COMM_POLL_NS };
-	uint64_t now = shd_now_ns(), deadline = now + o->s->timeout_ns, check = now + WORLD_COMM_CHECK_NS;
+	uint64_t now = shd_now_ns(), deadline = now + o->s->timeout_ns,
+		 check = now + WORLD_COMM_CHECK_NS;
 
 	for (;;) {
 		uint32_t done = 0;
@@ -525,8 +556,8 @@ static int span_wait(struct span_op *o, char *err, size_t errlen)
 				continue;
 			}
 			if (e != cudaErrorNotReady) {
-				snprintf(err, errlen, "waiting for the %s on device %d: %s", coll_what(o->coll), o->devices[k],
-					 cudaGetErrorString(e));
+				snprintf(err, errlen, "waiting for the %s on device %d: %s",
+					 coll_what(o->coll), o->devices[k], cudaGetErrorString(e));
 				return -SHARDD_E_BACKEND;
 			}
 			/* Not ready is no failure: leave no trace of it for the next launch check. */
@@ -540,8 +571,10 @@ static int span_wait(struct span_op *o, char *err, size_t errlen)
 				if (shd_nccl_clique_failed(o->cliques[c], err, errlen))
 					return -SHARDD_E_PEER_DIED;
 			if (now >= deadline) {
-				snprintf(err, errlen, "the %s did not finish within the collective timeout (%.3g s)",
-					 coll_what(o->coll), (double)o->s->timeout_ns / 1e9);
+				snprintf(
+					err, errlen,
+					"the %s did not finish within the collective timeout (%.3g s)",
+					coll_what(o->coll), (double)o->s->timeout_ns / 1e9);
 				return -SHARDD_E_TIMEOUT;
 			}
 			check = now + WORLD_COMM_CHECK_NS;
@@ -569,19 +602,23 @@ static int span_finish(struct span_op *o, void *const *recv, char *err, size_t e
 			/* Shard q of every rank in global order at q x shard_size of this member's staging. */
 			for (uint32_t q = 0; q < S; q++)
 				src[q] = (uint8_t *)recv[k] + (uint64_t)q * Z;
-			ret = cuda_queued(cuda_copy_out(o->u->layout, S, src, o->u->unsharded[k], o->d[k]->stream),
+			ret = cuda_queued(cuda_copy_out(o->u->layout, S, src, o->u->unsharded[k],
+							o->d[k]->stream),
 					  "unshard across nodes");
 		} else if (o->coll == SHD_NCCL_REDUCE_SCATTER) {
-			ret = cuda_queued(cuda_reduce_post(o->r, k, recv[k], o->r->reduce_offsets, rank, o->d[k]->stream),
+			ret = cuda_queued(cuda_reduce_post(o->r, k, recv[k], o->r->reduce_offsets,
+							   rank, o->d[k]->stream),
 					  "reduce across nodes");
 		} else {
 			/* Member k's partial is shard k's rows: its own shard under HSDP. */
-			ret = cuda_queued(cuda_reduce_post(o->r, k, recv[k], o->r->views[k].offsets, k, o->d[k]->stream),
+			ret = cuda_queued(cuda_reduce_post(o->r, k, recv[k], o->r->views[k].offsets,
+							   k, o->d[k]->stream),
 					  "reduce across nodes");
 		}
 	}
 	if (ret)
-		snprintf(err, errlen, "a CUDA call failed after the %s (see the daemon's log)", coll_what(o->coll));
+		snprintf(err, errlen, "a CUDA call failed after the %s (see the daemon's log)",
+			 coll_what(o->coll));
 	return ret;
 }
 
@@ -603,8 +640,9 @@ static int span_run(struct span_op *o)
 	/* No lock held across an exchange: it may wait for the other nodes up to the collective timeout. */
 	ret = shd_world_bootstrap(o->s, boot_ops(o, &ops), &o->sp->gen, why, sizeof(why));
 	if (ret)
-		return cuda_op_fail(ret, o->err, o->errlen, o->op, "%s across nodes of job '%s': %s",
-				    coll_what(o->coll), o->job->name, why);
+		return cuda_op_fail(ret, o->err, o->errlen, o->op,
+				    "%s across nodes of job '%s': %s", coll_what(o->coll),
+				    o->job->name, why);
 	cuda_nccl_lock(o->cb);
 	ret = span_stage(o, why, sizeof(why));
 	cuda_nccl_unlock(o->cb);
@@ -630,43 +668,63 @@ static int span_run(struct span_op *o)
 		shd_world_boot_probe(o->s, &ops, who, sizeof(who));
 	if (ret != -SHARDD_E_TIMEOUT && ret != -SHARDD_E_PEER_DIED)
 		ret = -SHARDD_E_BACKEND;
-	return cuda_op_fail(ret, o->err, o->errlen, o->op,
-			    "the %s among the %u nodes failed on node %u: %s%s%s; its communicators were aborted "
-			    "and the next op makes them again", coll_what(o->coll), o->s->nodes, o->s->node, why,
-			    who[0] ? "; no answer from " : "", who);
+	return cuda_op_fail(
+		ret, o->err, o->errlen, o->op,
+		"the %s among the %u nodes failed on node %u: %s%s%s; its communicators were aborted "
+		"and the next op makes them again",
+		coll_what(o->coll), o->s->nodes, o->s->node, why, who[0] ? "; no answer from " : "",
+		who);
 }
 
-int cuda_span_unshard(struct shd_backend_ctx *b, const struct shd_world_boot *span, const struct shd_unshard_args *a)
+int cuda_span_unshard(struct shd_backend_ctx *b, const struct shd_world_boot *span,
+		      const struct shd_unshard_args *a)
 {
 	struct span_op o = {
-		.cb = (struct cuda_backend *)b, .s = span, .job = a->job, .coll = SHD_NCCL_ALL_GATHER,
-		.op = "unshard", .u = a, .n = a->nshards, .err = a->err, .errlen = a->errlen,
+		.cb = (struct cuda_backend *)b,
+		.s = span,
+		.job = a->job,
+		.coll = SHD_NCCL_ALL_GATHER,
+		.op = "unshard",
+		.u = a,
+		.n = a->nshards,
+		.err = a->err,
+		.errlen = a->errlen,
 	};
 
 	if (span->layout != SHD_WORLD_FSDP || !a->nshards || a->nshards > SHARDD_MAX_WORLD)
-		return cuda_op_fail(-EINVAL, a->err, a->errlen, "unshard",
-				    "an unshard across nodes runs under FSDP across nodes only (layout %u, %u shards)",
-				    span->layout, a->nshards);
+		return cuda_op_fail(
+			-EINVAL, a->err, a->errlen, "unshard",
+			"an unshard across nodes runs under FSDP across nodes only (layout %u, %u shards)",
+			span->layout, a->nshards);
 	for (uint32_t k = 0; k < o.n; k++)
 		o.devices[k] = cbuf(a->shards[k])->device;
 	return span_run(&o);
 }
 
-int cuda_span_reduce(struct shd_backend_ctx *b, const struct shd_world_boot *span, const struct shd_reduce_args *a)
+int cuda_span_reduce(struct shd_backend_ctx *b, const struct shd_world_boot *span,
+		     const struct shd_reduce_args *a)
 {
 	int grad = a->src == SHD_REDUCE_SRC_GRAD;
 	struct span_op o = {
-		.cb = (struct cuda_backend *)b, .s = span, .job = a->job,
-		.coll = grad ? SHD_NCCL_REDUCE_SCATTER : SHD_NCCL_ALL_REDUCE, .op = "reduce", .r = a, .n = a->n,
-		.err = a->err, .errlen = a->errlen,
+		.cb = (struct cuda_backend *)b,
+		.s = span,
+		.job = a->job,
+		.coll = grad ? SHD_NCCL_REDUCE_SCATTER : SHD_NCCL_ALL_REDUCE,
+		.op = "reduce",
+		.r = a,
+		.n = a->n,
+		.err = a->err,
+		.errlen = a->errlen,
 	};
 
 	if (!a->n || a->n > SHARDD_MAX_WORLD ||
-	    (grad ? span->layout != SHD_WORLD_FSDP : span->layout != SHD_WORLD_HSDP || a->src != SHD_REDUCE_SRC_SHARD))
-		return cuda_op_fail(-EINVAL, a->err, a->errlen, "reduce",
-				    "a reduce across nodes is the reduce-scatter of FSDP across nodes or the "
-				    "all-reduce of HSDP across nodes (layout %u, source %u, %u members)",
-				    span->layout, a->src, a->n);
+	    (grad ? span->layout != SHD_WORLD_FSDP
+		  : span->layout != SHD_WORLD_HSDP || a->src != SHD_REDUCE_SRC_SHARD))
+		return cuda_op_fail(
+			-EINVAL, a->err, a->errlen, "reduce",
+			"a reduce across nodes is the reduce-scatter of FSDP across nodes or the "
+			"all-reduce of HSDP across nodes (layout %u, source %u, %u members)",
+			span->layout, a->src, a->n);
 	for (uint32_t k = 0; k < o.n; k++)
 		o.devices[k] = cbuf(grad ? a->grads[k] : a->views[k].buf)->device;
 	return span_run(&o);

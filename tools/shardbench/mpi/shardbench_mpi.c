@@ -32,9 +32,9 @@
 
 struct mpi_opts {
 	const char *op;
-	uint64_t    min_bytes, max_bytes, factor;
-	int         warmup, iters, check;
-	size_t      dsize; /* bytes per element of the benchmark dtype */
+	uint64_t min_bytes, max_bytes, factor;
+	int warmup, iters, check;
+	size_t dsize; /* bytes per element of the benchmark dtype */
 };
 
 static int parse_args(int argc, char **argv, struct mpi_opts *o)
@@ -44,7 +44,8 @@ static int parse_args(int argc, char **argv, struct mpi_opts *o)
 	if (argc < 2)
 		return -EINVAL;
 	o->op = argv[1];
-	if (strcmp(o->op, "allgather") && strcmp(o->op, "reduce_scatter") && strcmp(o->op, "allreduce"))
+	if (strcmp(o->op, "allgather") && strcmp(o->op, "reduce_scatter") &&
+	    strcmp(o->op, "allreduce"))
 		return -EINVAL;
 	for (i = 2; i + 1 < argc; i += 2) {
 		const char *f = argv[i], *v = argv[i + 1];
@@ -63,7 +64,9 @@ static int parse_args(int argc, char **argv, struct mpi_opts *o)
 		else if (!strcmp(f, "-c"))
 			o->check = atoi(v);
 		else if (!strcmp(f, "-d"))
-			o->dsize = !strcmp(v, "fp32") ? 4 : (!strcmp(v, "bf16") || !strcmp(v, "fp16")) ? 2 : 0;
+			o->dsize = !strcmp(v, "fp32")                           ? 4
+				   : (!strcmp(v, "bf16") || !strcmp(v, "fp16")) ? 2
+										: 0;
 		else
 			bad = -EINVAL;
 		if (bad)
@@ -82,8 +85,8 @@ static float pattern(uint64_t i, int seed)
 }
 
 /* Time one size: returns mean us over iterations; *wrong from the check. */
-static double run_size(const struct mpi_opts *o, int rank, int np, uint64_t bytes,
-		       void *send, void *recv, uint64_t *t0, uint64_t *t1, uint64_t *wrong)
+static double run_size(const struct mpi_opts *o, int rank, int np, uint64_t bytes, void *send,
+		       void *recv, uint64_t *t0, uint64_t *t1, uint64_t *wrong)
 {
 	int ag = !strcmp(o->op, "allgather"), ar = !strcmp(o->op, "allreduce");
 	uint64_t count = bytes / o->dsize, chunk = count / (uint64_t)np, i, sum = 0;
@@ -111,11 +114,13 @@ static double run_size(const struct mpi_opts *o, int rank, int np, uint64_t byte
 		MPI_Barrier(MPI_COMM_WORLD);
 		t0[it] = bench_now_ns();
 		if (ag)
-			MPI_Allgather(send, (int)chunk, type, recv, (int)chunk, type, MPI_COMM_WORLD);
+			MPI_Allgather(send, (int)chunk, type, recv, (int)chunk, type,
+				      MPI_COMM_WORLD);
 		else if (ar)
 			MPI_Allreduce(send, recv, (int)count, type, MPI_SUM, MPI_COMM_WORLD);
 		else
-			MPI_Reduce_scatter_block(send, recv, (int)chunk, type, MPI_SUM, MPI_COMM_WORLD);
+			MPI_Reduce_scatter_block(send, recv, (int)chunk, type, MPI_SUM,
+						 MPI_COMM_WORLD);
 		t1[it] = bench_now_ns();
 	}
 	/* First start and last end of every iteration, over all ranks. */
@@ -131,7 +136,8 @@ static double run_size(const struct mpi_opts *o, int rank, int np, uint64_t byte
 				if (esize == 4)
 					*wrong += ((float *)recv)[i] != pattern(i, 1);
 				else
-					*wrong += ((uint16_t *)recv)[i] != (uint16_t)(i * 2654435761u);
+					*wrong += ((uint16_t *)recv)[i] !=
+						  (uint16_t)(i * 2654435761u);
 			}
 		} else if (ar) {
 			for (i = 0; i < count; i++) {
@@ -179,7 +185,8 @@ int main(int argc, char **argv)
 	MPI_Comm_size(MPI_COMM_WORLD, &np);
 	if (parse_args(argc, argv, &o)) {
 		if (rank == 0)
-			fprintf(stderr, "usage: mpirun -np N shardbench_mpi allgather|reduce_scatter|allreduce "
+			fprintf(stderr,
+				"usage: mpirun -np N shardbench_mpi allgather|reduce_scatter|allreduce "
 				"-b MIN -e MAX -f FACTOR -w WARMUP -n ITERS -c 0|1 -d fp32|bf16|fp16\n");
 		ret = 2;
 		goto out;
@@ -187,8 +194,10 @@ int main(int argc, char **argv)
 	max_count = o.max_bytes / o.dsize;
 	if (max_count / (uint64_t)np > INT_MAX) {
 		if (rank == 0)
-			fprintf(stderr, "shardbench_mpi: -e %llu is %llu elements per process; MPI "
-				"counts are int, at most %d\n", (unsigned long long)o.max_bytes,
+			fprintf(stderr,
+				"shardbench_mpi: -e %llu is %llu elements per process; MPI "
+				"counts are int, at most %d\n",
+				(unsigned long long)o.max_bytes,
 				(unsigned long long)(max_count / (uint64_t)np), INT_MAX);
 		ret = 2;
 		goto out;

@@ -1,4 +1,4 @@
-# The C style of .clang-format: applied by make format, checked by make test-format.
+# The C style of .clang-format: applied by make format, checked by make test (test-format).
 # clang-format is Debian's (tools/setup/deps.sh); every C, CUDA and header
 # file git tracks under these folders is formatted.
 .PHONY: format test-format
@@ -17,3 +17,5 @@ test-format:
 		{ echo "test-format: run 'make format' (.clang-format)"; exit 1; }
 	@echo "test-format: every C file is formatted as .clang-format says"
 
+
+test: test-format

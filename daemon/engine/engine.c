@@ -94,7 +94,7 @@ void shd_engine_destroy(struct shd_engine *e)
 	while (e->jobs)
 		shd_engine_job_destroy(e->jobs);
 	eng_world_threads_wait(e);
-	/* The groups of ended jobs whose task across nodes still ran go with it (eng_job_reap). */
+	/* The groups of ended jobs whose task across nodes still ran go with it (job_reap). */
 	shd_engine_drain(e);
 	eng_world_orphans_free(e);
 	shd_pool_destroy(e->pool);
@@ -205,13 +205,33 @@ static void job_free(struct shd_engine_job *j)
 	free(j);
 }
 
-void eng_job_reap(struct eng_group *eg)
+/* The group of an ended job whose task across nodes ran on; the job's last state with its last such group. */
+static void job_reap(struct eng_group *eg)
 {
 	struct shd_engine_job *j = eg->j;
 
 	eng_group_free(eg);
 	if (--j->lingering == 0)
 		job_free(j);
+}
+
+void shd_engine_drain(struct shd_engine *e)
+{
+	struct eng_task *t = eng_tasks_take_finished(e), *next;
+
+	for (; t; t = next) {
+		next = t->next;
+		/* Its job ended while it ran: nothing to deliver, and its group goes now. */
+		if (t->abandoned) {
+			struct eng_group *eg = t->eg;
+
+			eg->running = NULL;
+			free(t);
+			job_reap(eg);
+			continue;
+		}
+		eng_task_finished(t);
+	}
 }
 
 void shd_engine_job_destroy(struct shd_engine_job *j)

@@ -206,7 +206,7 @@ struct shd_engine_job {
 	/*
 	 * Groups of an ended job whose task waiting for other nodes still runs
 	 * (eng_tasks_stop left it): the job, out of the engine's list, is freed
-	 * with the last of them (eng_job_reap).
+	 * with the last of them (job_reap in engine.c).
 	 */
 	uint32_t lingering;
 	/*
@@ -251,11 +251,6 @@ struct eng_world_orphan {
 	struct shd_world_buf *b;
 	uint64_t bytes;
 };
-
-/* ---- engine.c ---- */
-
-/* Loop thread: the task eng_tasks_stop left running has finished: free eg, and its job after its last group. */
-void eng_job_reap(struct eng_group *eg);
 
 /* ---- delivery.c: messages and delivery ---- */
 
@@ -307,6 +302,14 @@ void eng_coll_cron(struct eng_group *eg, uint64_t now_ns);
 struct eng_task *eng_task_new(struct eng_group *eg, uint32_t kind, uint32_t nops);
 /* Loop thread: wait until a task queued on the pool has finished, and take it off the finished list. */
 void eng_task_wait_finished(struct shd_engine *e, struct eng_task *t);
+/*
+ * Loop thread, for shd_engine_drain (engine.c): the tasks finished since the
+ * last call, linked by next (the event fd's counter reset first), and one
+ * such task's delivery: its completions and its group's next task. An
+ * abandoned task (its job ended while it ran) is the drain's, not this.
+ */
+struct eng_task *eng_tasks_take_finished(struct shd_engine *e);
+void eng_task_finished(struct eng_task *t);
 /* Queue `t` on its group and start the group's next task if none runs. */
 void eng_group_enqueue(struct eng_group *eg, struct eng_task *t);
 /*
@@ -315,7 +318,7 @@ void eng_group_enqueue(struct eng_group *eg, struct eng_task *t);
  * that waits for other nodes (eng_world_task) is not waited for: its ops
  * fail now with (res, msg), and it is left to finish on its thread (its
  * exchanges are bounded, world.h); returns 1 then, and the group must
- * outlive it (drain hands it to eng_job_reap), else 0.
+ * outlive it (shd_engine_drain reaps it), else 0.
  */
 int eng_tasks_stop(struct eng_group *eg, int res, const char *msg);
 

@@ -563,9 +563,9 @@ static void task_run(struct shd_pool_task *pt)
 	(void)w;
 }
 
-void shd_engine_drain(struct shd_engine *e)
+struct eng_task *eng_tasks_take_finished(struct shd_engine *e)
 {
-	struct eng_task *t, *next;
+	struct eng_task *t;
 	uint64_t v;
 	ssize_t r;
 
@@ -576,41 +576,36 @@ void shd_engine_drain(struct shd_engine *e)
 	t = e->fin_head;
 	e->fin_head = e->fin_tail = NULL;
 	pthread_mutex_unlock(&e->lock);
-	for (; t; t = next) {
-		struct eng_group *eg = t->eg;
+	return t;
+}
 
-		next = t->next;
-		/* Its job ended while it ran: nothing to deliver, and its group goes now. */
-		if (t->abandoned) {
-			eg->running = NULL;
-			free(t);
-			eng_job_reap(eg);
-			continue;
-		}
-		/* Not its group's running task: a checkpoint's write off the group's queue. */
-		if (t->kind == TASK_SAVE_WRITE) {
-			t->hooks->delivered(t);
-			free(t);
-			continue;
-		}
-		eg->running = NULL;
-		/* A restore's end may fail the registration and free the group: nothing runs after it. */
-		if (t->kind == TASK_RESTORE) {
-			t->hooks->delivered(t);
-			free(t);
-			continue;
-		}
-		/*
-		 * A next task for the pool starts before these completions go
-		 * out, so it overlaps them; a small one runs after them, so the
-		 * group's completions keep their order.
-		 */
-		if (eg->qhead && !task_inline(eg->qhead))
-			group_kick(eg);
-		task_deliver(t);
+void eng_task_finished(struct eng_task *t)
+{
+	struct eng_group *eg = t->eg;
+
+	/* Not its group's running task: a checkpoint's write off the group's queue. */
+	if (t->kind == TASK_SAVE_WRITE) {
+		t->hooks->delivered(t);
 		free(t);
-		group_kick(eg);
+		return;
 	}
+	eg->running = NULL;
+	/* A restore's end may fail the registration and free the group: nothing runs after it. */
+	if (t->kind == TASK_RESTORE) {
+		t->hooks->delivered(t);
+		free(t);
+		return;
+	}
+	/*
+	 * A next task for the pool starts before these completions go
+	 * out, so it overlaps them; a small one runs after them, so the
+	 * group's completions keep their order.
+	 */
+	if (eg->qhead && !task_inline(eg->qhead))
+		group_kick(eg);
+	task_deliver(t);
+	free(t);
+	group_kick(eg);
 }
 
 void eng_task_wait_finished(struct shd_engine *e, struct eng_task *t)

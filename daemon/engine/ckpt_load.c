@@ -341,7 +341,9 @@ static int newest_checkpoint(const struct eng_group *eg, const struct confine *c
 		eng_fmt(err, errlen, "out of memory to list %s", root);
 		goto out;
 	}
-	qsort(names, n, sizeof(*names), step_cmp_desc);
+	/* qsort's base must not be NULL, even for no element (UBSan holds it to that). */
+	if (n)
+		qsort(names, n, sizeof(*names), step_cmp_desc);
 	*nsteps = (uint32_t)n;
 	for (size_t i = 0; i < n && ret == -ENOENT; i++) {
 		char dir[LOAD_PATH], why[ENGINE_MSG_MAX] = "";

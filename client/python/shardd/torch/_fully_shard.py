@@ -8,9 +8,8 @@ import gc
 import torch
 
 from .. import proto as P
-from ..client import Client
 from ._api import MixedPrecisionPolicy
-from ._mesh import mesh_state
+from ._mesh import mesh_state, resolve_mesh
 from ._param import FSDPParam
 from ._param_group import FSDPParamGroup, register
 from ._state import lazy_init, post_forward, pre_forward
@@ -152,12 +151,14 @@ def _fsdp_class(cls):
     return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
 
 
-def fully_shard(module, *, mesh, reshard_after_forward=None, shard_placement_fn=None,
+def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placement_fn=None,
                 mp_policy=None):
     """Shard `module`'s parameters (those no nested fully_shard manages)
     through shardd; returns the module, now also an FSDPModule.
 
-    mesh: the shardd.Client of this rank (init_device_mesh). reshard_after_forward:
+    mesh: the shardd.Client of this rank (init_device_mesh), torch's
+    DeviceMesh (torch >= 2.2), or None: the process's mesh from torchrun's
+    environment (see init_device_mesh), attached once. reshard_after_forward:
     True frees the unsharded params after forward and gathers them again in
     backward; False keeps them; None: True except for the root module.
     shard_placement_fn(param) -> Shard(dim) / int dim / None (dim 0).
@@ -166,9 +167,7 @@ def fully_shard(module, *, mesh, reshard_after_forward=None, shard_placement_fn=
     (each rank keeps its own rows of them). The daemon knows each param by
     its fully qualified name in the root model (``layers.3.attention_norm.weight``),
     the name checkpoints and shardctl use."""
-    if not isinstance(mesh, Client):
-        raise TypeError(f"fully_shard: mesh must be the shardd.Client of this rank "
-                        f"(shardd.torch.init_device_mesh), not {type(mesh).__name__}")
+    mesh = resolve_mesh(mesh, "fully_shard")
     if isinstance(module, FSDPModule):
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
     mp = mp_policy or MixedPrecisionPolicy()

@@ -227,8 +227,10 @@ def _root_prefix(module):
     scripts do, so the names cannot wait for the root's call)."""
     parents = {}
     for o in gc.get_objects():
-        if issubclass(type(o), torch.nn.Module):   # type(): no __class__ property runs
-            for attr, child in o._modules.items():
+        # type() and vars(): no __class__ property or __getattr__ runs, and a module
+        # whose __init__ failed (or that is being torn down) may hold no _modules.
+        if issubclass(type(o), torch.nn.Module):
+            for attr, child in vars(o).get("_modules", {}).items():
                 if child is not None:
                     parents.setdefault(id(child), {}).setdefault(id(o), (o, attr))
     parts, seen, m = [], {id(module)}, module

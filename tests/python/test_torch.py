@@ -62,9 +62,9 @@ def test_torch_module_params_are_views_of_the_shared_buffers(daemon, request):
         st.fully_shard(model[0], mesh=mesh)
         st.fully_shard(model, mesh=mesh)
         g = model[0]._shardd_state.group
-        np.testing.assert_array_equal(g.shard("weight"), w0.numpy())
+        np.testing.assert_array_equal(g.shard("0.weight"), w0.numpy())
         sharded = model[0].weight
-        assert sharded.data_ptr() == g.tensor("shard", "weight").data_ptr()
+        assert sharded.data_ptr() == g.tensor("shard", "0.weight").data_ptr()
         model(torch.ones(1, 3))        # forward unshards, the root keeps model[1] unsharded
         assert model[0].weight is sharded      # resharded after forward (not the root)
         assert model[1].weight.data_ptr() == model._shardd_state.group.tensor(

@@ -101,7 +101,7 @@ def test_bf16_params_cast_inputs_and_outputs_and_reduce_in_fp32(daemon, request)
             out = m(x[r * 4:(r + 1) * 4])         # fp32 input: cast to bf16 by the policy
             out.sum().backward()
             g = m.fc1._shardd_state.group
-            assert g.tensor("unsharded", "weight").dtype == torch.bfloat16
+            assert g.tensor("unsharded", "fc1.weight").dtype == torch.bfloat16
             assert g.reduce_dtype == shardd.DTYPE_FP32
             return out.dtype, [(n, t.grad.clone(), d, f) for n, t, d, f in st.local_shards(m)
                                if t.grad is not None]

@@ -5,6 +5,7 @@ requests, ops through the ring and their synchronous wrappers. Groups are
 group.py, errors error.py, ops in flight pending.py: the same protocol
 libshardd speaks, no C extension."""
 
+import atexit
 import collections
 import errno
 import mmap
@@ -14,6 +15,7 @@ import socket
 import struct
 import threading
 import time
+import weakref
 
 from . import ctrl
 from . import dtypes as D
@@ -36,6 +38,7 @@ SPIN_ITERATIONS = 200          # cq_ready checks before sleeping; Python spins s
 SPIN_YIELD_EVERY = 8           # checks between sched_yield()s, as libshardd's spin (PROTOCOL.md)
 SLEEP_SLICE_S = 0.05           # longest futex sleep between daemon liveness checks
 SYNC_GRACE_S = 10.0            # sync ops wait the collective timeout plus this
+EXIT_LOCK_TIMEOUT_S = 1.0      # at exit, how long GOODBYE waits for a Client's lock
 
 
 def default_socket_path():
@@ -90,11 +93,39 @@ def _parse_error(payload):
 
 
 
+# Every attached Client of this process: at exit each says GOODBYE (_close_at_exit).
+_attached = weakref.WeakSet()
+
+
+def _close_at_exit():
+    """atexit: every Client still attached says GOODBYE for its rank, so a
+    process that ends (normally, by sys.exit or by an uncaught exception)
+    without close() leaves no job lingering in the daemon, and a rerun of
+    the job starts fresh. A process killed by a signal or ended by os._exit
+    runs no atexit handler: its ranks' job lingers (--job-linger) for a
+    restarted rank to re-attach."""
+    for c in list(_attached):
+        # A thread left waiting in the daemon holds the lock: say GOODBYE anyway (one
+        # SEQPACKET message does not interleave with its request) rather than hang the exit.
+        locked = c._lock.acquire(timeout=EXIT_LOCK_TIMEOUT_S)
+        try:
+            c._goodbye()
+        except Exception:
+            pass
+        finally:
+            if locked:
+                c._lock.release()
+
+
+atexit.register(_close_at_exit)
+
+
 class Client:
     """One attachment of one rank to the daemon (shardd_connect).
 
     Thread-safe: calls are serialised by a lock. Use as a context manager or
-    call close()."""
+    call close(); a Client not closed says GOODBYE when it is collected or
+    the process exits (not one killed by a signal or ended by os._exit)."""
 
     def __init__(self, job, rank, shard, replicate=1, socket_path=None, device=P.HELLO_DEVICE_HOST,
                  ring_entries=0, timeout=CONNECT_TIMEOUT_S, _major=P.PROTO_MAJOR):
@@ -117,11 +148,13 @@ class Client:
         self.daemon_text = ""      # and its text
         self.groups = []
         self.mesh_state = None     # shardd.torch's per-mesh state when this client is a mesh
+        self._pid = os.getpid()    # a forked child shares the socket: only this process says GOODBYE
         try:
             self._connect(device, ring_entries, timeout, _major)
         except BaseException:
             self._teardown()
             raise
+        _attached.add(self)
 
     def _connect(self, device, ring_entries, timeout, major):
         where = f"attach job '{self.job}' rank {self.rank} to {self.socket_path}"
@@ -455,12 +488,16 @@ class Client:
         """Say GOODBYE and release the ring and the connection. Group buffers
         stay mapped until their groups (and numpy views) are gone."""
         with self._lock:
-            if self._sock is not None:
-                try:
-                    ctrl.send_msg(self._sock, P.MSG_GOODBYE, 0)
-                except ctrl.CtrlError:
-                    pass
+            self._goodbye()
             self._teardown()
+
+    def _goodbye(self):
+        _attached.discard(self)
+        if self._sock is not None and os.getpid() == self._pid:
+            try:
+                ctrl.send_msg(self._sock, P.MSG_GOODBYE, 0)
+            except ctrl.CtrlError:
+                pass
 
     def _teardown(self):
         if self.ring is not None:
@@ -484,6 +521,7 @@ class Client:
 
     def __del__(self):
         try:
+            self._goodbye()
             self._teardown()
         except Exception:
             pass

@@ -3,6 +3,7 @@
 
     import shardd.torch as st
     mesh = st.init_device_mesh("run1", rank, (replicate, shard))   # a shardd.Client
+    # (under torchrun: st.init_device_mesh(), or no mesh= at all)
     mp = st.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.blocks:
         st.fully_shard(block, mesh=mesh, mp_policy=mp)
@@ -19,7 +20,8 @@ What lives where:
   that no nested ``fully_shard`` manages (registered at once: every rank must
   call ``fully_shard`` on the same modules in the same order; the daemon
   checks each param's name, dtype and shape across ranks). Its name is
-  ``"<n>.<ClassName>"``, n counting the mesh's groups.
+  ``"<n>.<ClassName>"``, n counting the mesh's groups; its params' names are
+  their fully qualified names in the root model.
 * Outside forward and backward the module's parameters are this rank's
   shards: ``nn.Parameter`` views of the daemon's flat shard holding only the
   real rows along the shard dim (FSDP2's local tensor; no padding), with
@@ -42,19 +44,16 @@ each parameter's original dtype (fp32 for fp32 params with bf16
 ``param_dtype``); older torch, and FSDP1, reduce in ``param_dtype``
 (:func:`default_reduce_dtype`).
 
-Differences from FSDP2: parameters are plain tensors (no DTensor), every
-rank is a CPU process of one node served by the daemon's host backend,
-``set_requires_gradient_sync(False)`` accumulates unsynchronised gradients
-in ``param_dtype`` (torch 2.15 uses the original dtype), and an
-FSDPModule's ``state_dict()`` holds full tensors, gathered by the daemon
-(collective: every rank calls it, as FSDP1's FULL_STATE_DICT; FSDP2's
-default gives DTensor shards), and its ``load_state_dict()`` takes full
-tensors, each rank loading its rows, so both work with an unsharded
-model's state dicts; :func:`local_shards` gives the rank's shards, and
-:func:`full_state_dict`/:func:`load_full_state_dict` the params alone.
-Checkpoints are the
-daemon's: :func:`checkpoint` saves every group (full tensors, safetensors)
-and ``init_device_mesh(..., restore=...)`` starts from one at any mesh.
+Where shardd.torch differs from FSDP2 on purpose (plain-tensor params, no
+DTensor; full-tensor state dicts gathered by the daemon; the daemon's
+checkpoints and optimizer; one node's CPU ranks; ...): the table in the
+repository's README.md, "Python and PyTorch". An FSDPModule's
+``state_dict()`` holds full tensors (collective: every rank calls it) and
+its ``load_state_dict()`` takes them; :func:`local_shards` gives the
+rank's shards, and :func:`full_state_dict`/:func:`load_full_state_dict`
+the params alone. Checkpoints are the daemon's: :func:`checkpoint` saves
+every group (full tensors, safetensors) and ``init_device_mesh(...,
+restore=...)`` starts from one at any mesh.
 
 The daemon's optimizer: :class:`DaemonSGD` / :class:`DaemonAdamW`, constructed
 over the model before ``fully_shard``, are ``torch.optim.Optimizer`` objects

@@ -3,13 +3,13 @@
 module (FSDP2's _fully_shard.py)."""
 
 import functools
+import gc
 
 import torch
 
 from .. import proto as P
-from ..client import Client
 from ._api import MixedPrecisionPolicy
-from ._mesh import mesh_state
+from ._mesh import mesh_state, resolve_mesh
 from ._param import FSDPParam
 from ._param_group import FSDPParamGroup, register
 from ._state import lazy_init, post_forward, pre_forward
@@ -151,21 +151,23 @@ def _fsdp_class(cls):
     return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
 
 
-def fully_shard(module, *, mesh, reshard_after_forward=None, shard_placement_fn=None,
+def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placement_fn=None,
                 mp_policy=None):
     """Shard `module`'s parameters (those no nested fully_shard manages)
     through shardd; returns the module, now also an FSDPModule.
 
-    mesh: the shardd.Client of this rank (init_device_mesh). reshard_after_forward:
+    mesh: the shardd.Client of this rank (init_device_mesh), torch's
+    DeviceMesh (torch >= 2.2), or None: the process's mesh from torchrun's
+    environment (see init_device_mesh), attached once. reshard_after_forward:
     True frees the unsharded params after forward and gathers them again in
     backward; False keeps them; None: True except for the root module.
     shard_placement_fn(param) -> Shard(dim) / int dim / None (dim 0).
     mp_policy: MixedPrecisionPolicy. Collective: every rank calls it on the
     same modules in the same order, with the same initial parameter values
-    (each rank keeps its own rows of them)."""
-    if not isinstance(mesh, Client):
-        raise TypeError(f"fully_shard: mesh must be the shardd.Client of this rank "
-                        f"(shardd.torch.init_device_mesh), not {type(mesh).__name__}")
+    (each rank keeps its own rows of them). The daemon knows each param by
+    its fully qualified name in the root model (``layers.3.attention_norm.weight``),
+    the name checkpoints and shardctl use."""
+    mesh = resolve_mesh(mesh, "fully_shard")
     if isinstance(module, FSDPModule):
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
     mp = mp_policy or MixedPrecisionPolicy()
@@ -184,14 +186,17 @@ def fully_shard(module, *, mesh, reshard_after_forward=None, shard_placement_fn=
                 order.append(p)
             places[id(p)].append((m, attr))
     opt = _optimizer_of(module, places, names)
+    prefix = "" if opt is not None else _root_prefix(module)
     ms = mesh_state(mesh)
     count = ms.groups_named
     ms.groups_named = count + 1
     name = f"{count}.{type(module).__name__}"[:P.NAME_MAX - 1]
-    # Under a DaemonOptimizer the daemon knows each param by its name in the model the optimizer
-    # was constructed over (torch's state_dict key): unique across the job's groups, as a
-    # checkpoint needs, and what an unsharded model loads. Else by its name under `module`.
-    params = [FSDPParam(names[id(p)], i, places[id(p)], opt._names.get(id(p)) if opt else None)
+    # The daemon knows each param by its fully qualified name in the root model (torch's
+    # state_dict key): unique across the job's groups, as a checkpoint needs, and what an
+    # unsharded model loads. Under a DaemonOptimizer the root is the model it was constructed
+    # over; else the outermost module holding `module`.
+    params = [FSDPParam(names[id(p)], i, places[id(p)],
+                        opt._names.get(id(p)) if opt else prefix + names[id(p)])
               for i, p in enumerate(order)]
     state = FSDPParamGroup(module, mesh, params, name, mp, reshard_after_forward)
     if params:
@@ -211,6 +216,38 @@ def fully_shard(module, *, mesh, reshard_after_forward=None, shard_placement_fn=
         module.register_forward_pre_hook(lambda _m, args: pre_forward(state, args, {})[0])
     module.register_forward_hook(lambda _m, _args, output: post_forward(state, output))
     return module
+
+
+def _root_prefix(module):
+    """`module`'s name in the outermost module holding it, with a trailing
+    dot ("layers.3."; "" for a module no other one holds): the prefix that
+    makes its params' names the root model's fully qualified names. A
+    module knows no parent, so the parents are found among the live modules
+    (fully_shard on blocks runs before fully_shard on the root, as FSDP2's
+    scripts do, so the names cannot wait for the root's call)."""
+    parents = {}
+    for o in gc.get_objects():
+        # type() and vars(): no __class__ property or __getattr__ runs, and a module
+        # whose __init__ failed (or that is being torn down) may hold no _modules.
+        if issubclass(type(o), torch.nn.Module):
+            for attr, child in vars(o).get("_modules", {}).items():
+                if child is not None:
+                    parents.setdefault(id(child), {}).setdefault(id(o), (o, attr))
+    parts, seen, m = [], {id(module)}, module
+    while id(m) in parents:
+        held = list(parents[id(m)].values())
+        if len(held) > 1:
+            raise ValueError(
+                f"fully_shard({type(module).__name__}): {type(m).__name__} is a submodule of "
+                f"{len(held)} modules ({', '.join(type(o).__name__ for o, _ in held)}), so its "
+                f"params have no single fully qualified name for the daemon and a checkpoint: "
+                f"keep each module in one model")
+        m, attr = held[0]
+        if id(m) in seen:
+            break
+        seen.add(id(m))
+        parts.append(attr)
+    return "".join(a + "." for a in reversed(parts))
 
 
 def _optimizer_of(module, places, names):

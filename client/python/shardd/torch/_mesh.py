@@ -1,10 +1,13 @@
 # SPDX-License-Identifier: MIT
 """The mesh: init_device_mesh attaches a rank to shardd and returns the
 shardd.Client that fully_shard takes as its mesh (FSDP2's 1-D or 2-D
-DeviceMesh), and what shardd.torch keeps per mesh (MeshState), held by the
-Client itself so that it lives and dies with it."""
+DeviceMesh), reading torchrun's environment for what it is not given;
+the mesh fully_shard attaches by itself (resolve_mesh: none given, or
+torch's own DeviceMesh); and what shardd.torch keeps per mesh (MeshState),
+held by the Client itself so that it lives and dies with it."""
 
 import dataclasses
+import os
 from typing import Optional
 
 from ..client import Client
@@ -29,12 +32,25 @@ def mesh_state(mesh):
     return mesh.mesh_state
 
 
-def init_device_mesh(job, rank, mesh_shape, *, socket_path=None, timeout=None, resume=False,
-                     restore=None):
+def _from_env(name, what):
+    value = os.environ.get(name)
+    if not value:
+        raise ValueError(f"init_device_mesh: no {what} given and ${name} is not set (torchrun "
+                         f"sets it): pass {what}, or launch the script with torchrun")
+    return value
+
+
+def init_device_mesh(job=None, rank=None, mesh_shape=None, *, socket_path=None, timeout=None,
+                     resume=False, restore=None):
     """Attach rank `rank` of job `job` to shardd and return the Client that
     fully_shard takes as its mesh. mesh_shape: (shard,) for FSDP or
     (replicate, shard) for HSDP, as FSDP2's 1-D and 2-D DeviceMesh; the
     global rank is replica * shard + shard rank.
+
+    What is not given comes from torchrun's environment: job from
+    $TORCHELASTIC_RUN_ID (torchrun's --rdzv-id), rank from $RANK,
+    mesh_shape (world size,) from $WORLD_SIZE, and the daemon's socket from
+    $SHARDD_SOCKET (then $XDG_RUNTIME_DIR/shardd/shardd.sock).
 
     resume=True: a restarted rank re-attaches to the job it left: each
     fully_shard opens the group it would register (same name, checked
@@ -48,6 +64,12 @@ def init_device_mesh(job, rank, mesh_shape, *, socket_path=None, timeout=None, r
     daemon's --state-dir (zeros when it has none: give restore only to
     resume). A DaemonOptimizer then goes on from the checkpoint's step (its
     step_number)."""
+    if job is None:
+        job = _from_env("TORCHELASTIC_RUN_ID", "job")
+    if rank is None:
+        rank = int(_from_env("RANK", "rank"))
+    if mesh_shape is None:
+        mesh_shape = (int(_from_env("WORLD_SIZE", "mesh_shape")),)
     shape = tuple(mesh_shape)
     if len(shape) == 1:
         replicate, shard = 1, shape[0]
@@ -60,3 +82,33 @@ def init_device_mesh(job, rank, mesh_shape, *, socket_path=None, timeout=None, r
                     **kw)
     client.mesh_state = MeshState(resume=bool(resume), restore=restore)
     return client
+
+
+_env_mesh = {}    # {pid: the Client fully_shard attached from torchrun's environment}
+
+
+def resolve_mesh(mesh, where):
+    """The shardd.Client fully_shard works through, from its mesh argument:
+    a Client (init_device_mesh) as it is; None: this process's mesh from
+    torchrun's environment, attached on first use (init_device_mesh());
+    torch's own DeviceMesh (torch >= 2.2, duck-typed: ndim, size(dim),
+    get_rank()), 1-D or 2-D (replicate, shard): a Client of the same shape
+    and rank, the job from $TORCHELASTIC_RUN_ID, attached once per mesh."""
+    if isinstance(mesh, Client):
+        return mesh
+    if mesh is None:
+        client = _env_mesh.get(os.getpid())
+        if client is None or client.ring is None:
+            client = _env_mesh[os.getpid()] = init_device_mesh()
+        return client
+    if all(callable(getattr(mesh, a, None)) for a in ("size", "get_rank")) and \
+            isinstance(getattr(mesh, "ndim", None), int):
+        client = getattr(mesh, "_shardd_client", None)
+        if client is None or client.ring is None:
+            shape = tuple(mesh.size(d) for d in range(mesh.ndim))
+            client = init_device_mesh(rank=mesh.get_rank(), mesh_shape=shape)
+            mesh._shardd_client = client
+        return client
+    raise TypeError(f"{where}: mesh must be the shardd.Client of this rank "
+                    f"(shardd.torch.init_device_mesh), torch's DeviceMesh or None (torchrun's "
+                    f"environment), not {type(mesh).__name__}")

@@ -11,7 +11,7 @@ class FSDPParam:
 
     def __init__(self, fqn, index, places, name=None):
         self.fqn = fqn              # its name under the fully_shard'ed module
-        self.name = name or fqn     # its name in the daemon's group (and a checkpoint's files)
+        self.name = name or fqn     # its name in the root model: the daemon's and a checkpoint's
         self.index = index          # param index in the group
         self.places = places        # [(module, attribute name)]: tied params sit in several
         self.sharded = None

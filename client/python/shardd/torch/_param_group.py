@@ -268,8 +268,15 @@ def register(state, tensors, shard_placement_fn, optimizer=None):
     except ShardError as e:
         fix = ""
         if e.code == -errno.EEXIST:
-            fix = (": the group already exists in the daemon; a restarted rank re-attaches with "
-                   "init_device_mesh(..., resume=True)")
+            job = state.client.job
+            fix = (f": job '{job}' still holds this group from an earlier run, whose processes "
+                   f"ended without saying goodbye (killed, or os._exit): such a job lingers in "
+                   f"the daemon (shardd --job-linger; shardctl jobs shows it). To start this run "
+                   f"fresh, end the old job with `shardctl end {job}` and run again (the job also "
+                   f"ends once every rank of this run has said goodbye, as each does at exit), "
+                   f"or give this run another job name. Only a rank restarted into a run whose "
+                   f"other ranks are still attached re-attaches instead, with "
+                   f"init_device_mesh(..., resume=True)")
         raise type(e)(e.code, f"{state.where('registration')}: {e.text}{fix}") from None
     state.group = g
     if resume:

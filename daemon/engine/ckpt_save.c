@@ -31,9 +31,9 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
-#include <zlib.h>
 
 #include "ckpt_files.h"
+#include "ckpt_crc.h"
 #include "safetensors.h"
 #include "ckpt_int.h"
 #include "clock.h"
@@ -91,7 +91,7 @@ static void write_error(const struct eng_ckpt *c, const char *file, const char *
 struct save_out {
 	struct dio_file f;
 	uint64_t off;
-	uLong crc;
+	uint32_t crc;
 	struct shd_backend_ctx *b;
 	uint64_t *progress; /* the checkpoint's bytes written */
 	uint8_t *stage;     /* snapshot mode: the tensors go here (off from 0), not to the file */
@@ -119,7 +119,7 @@ static int save_range(struct save_out *o, const struct shd_buf *src, uint64_t of
 		if (ret)
 			return ret < 0 ? ret : -EIO;
 		o->f.fill += (uint32_t)k;
-		o->crc = crc32(o->crc, at, (uInt)k);
+		o->crc = ckpt_crc32(o->crc, at, k);
 		__atomic_add_fetch(o->progress, k, __ATOMIC_RELAXED);
 		o->off += k;
 		offset += k;
@@ -144,7 +144,6 @@ static int save_file(struct eng_ckpt *c, uint32_t gi, int optim, uint8_t *bounce
 	const char *states[SHD_OPTIM_STATES];
 	struct shd_safetensors_tensor *t = NULL;
 	struct save_out o = { .f = { .fd = -1, .dfd = -1 },
-			      .crc = crc32(0L, Z_NULL, 0),
 			      .b = c->j->e->backend,
 			      .progress = &c->bytes };
 	uint8_t *hdr = NULL;
@@ -173,7 +172,7 @@ static int save_file(struct eng_ckpt *c, uint32_t gi, int optim, uint8_t *bounce
 			ret = ckpt_dio_append(&o.f, hdr, hlen);
 		if (ret)
 			goto out;
-		o.crc = crc32(o.crc, hdr, (uInt)hlen);
+		o.crc = ckpt_crc32(o.crc, hdr, hlen);
 		__atomic_add_fetch(&c->bytes, hlen, __ATOMIC_RELAXED);
 	}
 	o.off = hlen;
@@ -205,7 +204,7 @@ static int save_file(struct eng_ckpt *c, uint32_t gi, int optim, uint8_t *bounce
 		goto out;
 	ret = ckpt_dio_finish(&o.f);
 	fe->bytes = o.off;
-	fe->crc32 = (uint32_t)o.crc;
+	fe->crc32 = o.crc;
 out:
 	if (ret && !err[0])
 		write_error(c, fe->name, g->name, &o.f, ret, err, errlen);
@@ -277,7 +276,7 @@ static int write_staged(struct eng_ckpt *c, uint32_t gi, char *err, size_t errle
 		struct shd_ckpt_file *fe;
 		struct shd_safetensors_tensor *t = NULL;
 		uint8_t *hdr = NULL;
-		uLong crc = crc32(0L, Z_NULL, 0);
+		uint32_t crc = 0;
 		size_t hlen;
 		uint64_t dsize;
 		char why[256];
@@ -296,21 +295,21 @@ static int write_staged(struct eng_ckpt *c, uint32_t gi, char *err, size_t errle
 		if (!ret)
 			ret = ckpt_dio_append(&f, hdr, hlen);
 		if (!ret) {
-			crc = crc32(crc, hdr, (uInt)hlen);
+			crc = ckpt_crc32(crc, hdr, hlen);
 			__atomic_add_fetch(&c->bytes, hlen, __ATOMIC_RELAXED);
 		}
 		for (uint64_t off = 0; !ret && off < dsize;) {
 			uint64_t k = dsize - off < CKPT_BOUNCE ? dsize - off : CKPT_BOUNCE;
 
 			ret = ckpt_dio_append(&f, *stage + off, k);
-			crc = crc32(crc, *stage + off, (uInt)k);
+			crc = ckpt_crc32(crc, *stage + off, k);
 			__atomic_add_fetch(&c->bytes, k, __ATOMIC_RELAXED);
 			off += k;
 		}
 		if (!ret)
 			ret = ckpt_dio_finish(&f);
 		fe->bytes = hlen + dsize;
-		fe->crc32 = (uint32_t)crc;
+		fe->crc32 = crc;
 		if (ret == -SHARDD_E_INVALID)
 			eng_fmt(err, errlen, "checkpoint %s: writing %s of group '%s': %s", c->dir,
 				fe->name, cg->hdr.name, why);

@@ -1,5 +1,5 @@
 /* SPDX-License-Identifier: MIT */
-/* A checkpoint on disk (ckpt_files.h): its file writer (O_DIRECT through io_uring, a buffered tail) and its directories. */
+/* A checkpoint on disk (ckpt_files.h): its file writer and reader (O_DIRECT through io_uring) and its directories. */
 #define _GNU_SOURCE
 #include <dirent.h>
 #include <errno.h>
@@ -209,6 +209,166 @@ void ckpt_dio_close(struct dio_file *f)
 	if (f->fd >= 0)
 		close(f->fd);
 	f->fd = f->dfd = -1;
+}
+
+/* From now on buffer reads: the filesystem refused a direct one, or one came back short. */
+static void rd_buffered(struct dio_reader *r)
+{
+	int fl = fcntl(r->fd, F_GETFL);
+
+	if (fl >= 0 && !fcntl(r->fd, F_SETFL, fl & ~O_DIRECT))
+		r->direct = 0;
+}
+
+/* Bytes to ask for the rest of buffer i: whole blocks when direct (the file ends within the last). */
+static uint32_t rd_ask(struct dio_reader *r, uint32_t i)
+{
+	uint32_t n = r->want[i] - r->got[i];
+
+	if (r->direct && r->got[i] % CKPT_DIO_ALIGN)
+		rd_buffered(r);
+	return r->direct ? (n + CKPT_DIO_ALIGN - 1) / CKPT_DIO_ALIGN * CKPT_DIO_ALIGN : n;
+}
+
+/* The file's next chunk into free buffer i, if it has one left: in flight through the ring, else read when needed. */
+static void rd_submit(struct dio_reader *r, uint32_t i)
+{
+	uint64_t left = r->size - r->next;
+	struct io_uring_sqe *sqe;
+	int ret;
+
+	r->want[i] = left < CKPT_DIO_CHUNK ? (uint32_t)left : CKPT_DIO_CHUNK;
+	r->at[i] = r->next;
+	r->got[i] = 0;
+	r->err[i] = 0;
+	r->next += r->want[i];
+	if (!r->want[i] || !r->ring_ok)
+		return;
+	sqe = io_uring_get_sqe(&r->ring);
+	if (!sqe)
+		return; /* a ring as deep as the buffers: never; read when needed */
+	io_uring_prep_read(sqe, r->fd, r->bufs[i], rd_ask(r, i), r->at[i]);
+	io_uring_sqe_set_data64(sqe, i);
+	r->busy[i] = 1;
+	ret = io_uring_submit(&r->ring);
+	if (ret < 0) {
+		r->busy[i] = 0;
+		r->err[i] = ret;
+	}
+}
+
+/* Wait for buffer i's read in flight, if any (taking the others' as they complete first). 0 or -errno. */
+static int rd_wait(struct dio_reader *r, uint32_t i)
+{
+	while (r->busy[i]) {
+		struct io_uring_cqe *cqe;
+		uint32_t k;
+		int res = io_uring_wait_cqe(&r->ring, &cqe);
+
+		if (res == -EINTR)
+			continue;
+		if (res)
+			return res;
+		k = (uint32_t)io_uring_cqe_get_data64(cqe);
+		res = cqe->res;
+		io_uring_cqe_seen(&r->ring, cqe);
+		if (k >= CKPT_DIO_BUFS || !r->busy[k])
+			return -EIO;
+		r->busy[k] = 0;
+		/* Refused direct: the rest is read buffered when it is needed (rd_finish). */
+		if (res == -EINVAL && r->direct)
+			rd_buffered(r);
+		else if (res < 0)
+			r->err[k] = res;
+		else
+			r->got[k] += (uint32_t)res < r->want[k] - r->got[k]
+					     ? (uint32_t)res
+					     : r->want[k] - r->got[k];
+	}
+	return 0;
+}
+
+/* Read what buffer i still lacks (no ring, a short read, a refused direct one) synchronously. 0, -ENODATA or -errno. */
+static int rd_finish(struct dio_reader *r, uint32_t i)
+{
+	while (r->got[i] < r->want[i]) {
+		ssize_t n = pread(r->fd, r->bufs[i] + r->got[i], rd_ask(r, i),
+				  (off_t)(r->at[i] + r->got[i]));
+
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n < 0 && errno == EINVAL && r->direct) {
+			rd_buffered(r);
+			continue;
+		}
+		if (n <= 0)
+			return n < 0 ? -errno : -ENODATA;
+		r->got[i] +=
+			(uint32_t)n < r->want[i] - r->got[i] ? (uint32_t)n : r->want[i] - r->got[i];
+	}
+	return 0;
+}
+
+int ckpt_dio_read_open(struct dio_reader *r, int fd, uint64_t size, uint8_t *buf)
+{
+	int fl = fcntl(fd, F_GETFL);
+
+	*r = (struct dio_reader){ .fd = fd, .size = size };
+	for (uint32_t i = 0; i < CKPT_DIO_BUFS; i++)
+		r->bufs[i] = buf + (size_t)i * CKPT_DIO_CHUNK;
+	if (fl < 0)
+		return -errno;
+	/* O_NONBLOCK guarded the open against a FIFO; a regular file's reads may block. */
+	fl &= ~O_NONBLOCK;
+	r->direct = !fcntl(fd, F_SETFL, fl | O_DIRECT);
+	if (!r->direct && fcntl(fd, F_SETFL, fl))
+		return -errno;
+	r->ring_ok = io_uring_queue_init(CKPT_DIO_BUFS, &r->ring, 0) == 0;
+	for (uint32_t i = 0; i < CKPT_DIO_BUFS; i++)
+		rd_submit(r, i);
+	return 0;
+}
+
+int ckpt_dio_read(struct dio_reader *r, size_t max, const uint8_t **at, size_t *len)
+{
+	uint32_t i = r->head;
+	size_t n;
+	int ret;
+
+	/* The buffer handed out last time is consumed: it goes back for the chunk CKPT_DIO_BUFS on. */
+	if (r->want[i] && r->pos == r->want[i]) {
+		r->pos = 0;
+		rd_submit(r, i);
+		i = r->head = (i + 1) % CKPT_DIO_BUFS;
+	}
+	if (!r->want[i])
+		return -ENODATA;
+	ret = r->ring_ok ? rd_wait(r, i) : 0;
+	if (!ret)
+		ret = r->err[i];
+	if (!ret)
+		ret = rd_finish(r, i);
+	if (ret) {
+		r->failed_at = r->at[i] + r->got[i];
+		return ret;
+	}
+	n = r->want[i] - r->pos;
+	n = n < max ? n : max;
+	*at = r->bufs[i] + r->pos;
+	*len = n;
+	r->pos += (uint32_t)n;
+	return 0;
+}
+
+void ckpt_dio_read_close(struct dio_reader *r)
+{
+	if (!r->ring_ok)
+		return;
+	for (uint32_t i = 0; i < CKPT_DIO_BUFS; i++)
+		if (r->busy[i])
+			rd_wait(r, i);
+	io_uring_queue_exit(&r->ring);
+	r->ring_ok = 0;
 }
 
 /* Remove the files of directory `path` (no subdirectories in a checkpoint), then it. */

@@ -78,7 +78,7 @@ struct dio_reader {
 
 /* pwrite all n bytes at off, retrying short writes and EINTR. 0 or -errno. */
 int ckpt_write_all(int fd, const void *buf, size_t n, uint64_t off);
-/* Create `name` in dirfd (O_EXCL). 0 or -errno; buf is the caller's CKPT_DIO_BYTES aligned bytes. */
+/* Create `name` in dirfd (O_EXCL). 0 or -errno; buf is the caller's CKPT_DIO_BYTES aligned bytes (NULL: an image's). */
 int ckpt_dio_open(struct dio_file *f, int dirfd, const char *name, uint8_t *buf);
 /* Room at the end of the buffer (after making some: a full buffer goes out). 0 or -errno. */
 int ckpt_dio_room(struct dio_file *f, uint8_t **at, size_t *len);
@@ -86,6 +86,25 @@ int ckpt_dio_room(struct dio_file *f, uint8_t **at, size_t *len);
 int ckpt_dio_append(struct dio_file *f, const uint8_t *p, size_t n);
 /* Write out what the buffers hold (the aligned head direct, the tail buffered), then fsync. 0 or -errno. */
 int ckpt_dio_finish(struct dio_file *f);
+/*
+ * A file written from its whole image in memory (a snapshot), with no
+ * buffers of its own: ckpt_dio_open with buf NULL, then ckpt_dio_push as
+ * the image fills, then ckpt_dio_write_image. The image is
+ * CKPT_DIO_ALIGN-aligned and stays until ckpt_dio_close.
+ */
+/* Anonymous memory of n bytes, mapped whole now (one call, not a fault per page), or NULL. */
+uint8_t *ckpt_image_alloc(uint64_t n);
+/* Release ckpt_image_alloc's n bytes; safe on NULL. */
+void ckpt_image_free(uint8_t *img, uint64_t n);
+/*
+ * Its first `ready` bytes are final: submit the direct writes of the whole
+ * chunks among them that free slots allow, without waiting (the rest go
+ * out in ckpt_dio_write_image). 0 or -errno.
+ */
+int ckpt_dio_push(struct dio_file *f, uint8_t *img, uint64_t ready);
+/* Write all n bytes of img (what push left), CRC-32 into *crc as they go out, then fsync. 0 or -errno. */
+int ckpt_dio_write_image(struct dio_file *f, uint8_t *img, uint64_t n, uint32_t *crc,
+			 uint64_t *progress);
 /* Close; a write still in flight (after a failure) is waited for before the buffers are freed. */
 void ckpt_dio_close(struct dio_file *f);
 /*

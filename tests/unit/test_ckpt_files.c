@@ -14,6 +14,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "ckpt_crc.h"
 #include "ckpt_files.h"
 
 /* A file of n pseudo-random bytes in folder `dir`, opened for reading; its bytes in *bytes. */
@@ -99,4 +100,52 @@ Test(ckpt_files, reader_says_a_file_shorter_than_its_size_ends_early, .timeout =
 	close(fd);
 	free(buf);
 	free(want);
+}
+
+/* An image of n bytes written as a snapshot is: pushed as it fills, then the rest; the file and CRC-32 must match. */
+static void image_writes(const char *dir, uint64_t n)
+{
+	char path[256], name[64];
+	uint8_t *img = ckpt_image_alloc(n), *back = malloc(n ? n : 1);
+	struct dio_file f;
+	uint64_t progress = 0;
+	uint32_t crc = 1;
+	int dirfd = open(dir, O_RDONLY | O_DIRECTORY), fd;
+
+	cr_assert(img && back && dirfd >= 0);
+	for (uint64_t i = 0; i < n; i++)
+		img[i] = (uint8_t)(i * 2246822519u >> 11);
+	snprintf(name, sizeof(name), "ckpt-image-%d-%llu", getpid(), (unsigned long long)n);
+	unlinkat(dirfd, name, 0);
+	cr_assert_eq(ckpt_dio_open(&f, dirfd, name, NULL), 0);
+	for (uint64_t ready = 0; ready < n; ready += CKPT_DIO_CHUNK / 3)
+		cr_assert_eq(ckpt_dio_push(&f, img, ready), 0, "pushing %llu bytes",
+			     (unsigned long long)ready);
+	{
+		int r = ckpt_dio_write_image(&f, img, n, &crc, &progress);
+
+		cr_assert_eq(r, 0, "%s: %llu bytes: %s (failed at %llu)", dir,
+			     (unsigned long long)n, strerror(-r), (unsigned long long)f.failed_at);
+	}
+	ckpt_dio_close(&f);
+	cr_assert_eq(progress, n);
+	cr_assert_eq(crc, ckpt_crc32(0, img, n));
+	snprintf(path, sizeof(path), "%s/%s", dir, name);
+	fd = open(path, O_RDONLY);
+	cr_assert(fd >= 0);
+	cr_assert_eq(pread(fd, back, n, 0), (ssize_t)n);
+	cr_assert_eq(memcmp(back, img, n), 0);
+	close(fd);
+	unlinkat(dirfd, name, 0);
+	close(dirfd);
+	ckpt_image_free(img, n);
+	free(back);
+}
+
+Test(ckpt_files, image_is_written_whole_as_it_fills_on_a_disk_and_on_tmpfs, .timeout = 60)
+{
+	image_writes("/var/tmp", 7 * (uint64_t)CKPT_DIO_CHUNK + 777);
+	image_writes("/var/tmp", 2 * (uint64_t)CKPT_DIO_CHUNK);
+	image_writes("/var/tmp", 100);
+	image_writes("/dev/shm", 3 * (uint64_t)CKPT_DIO_CHUNK + 5);
 }

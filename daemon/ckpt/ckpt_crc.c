@@ -20,7 +20,7 @@
 
 /* The CRC register (not inverted) over n bytes, n >= CRC_FOLD_MIN and a multiple of 16. */
 __attribute__((target("pclmul,sse4.1"))) static uint32_t crc_fold(uint32_t crc, const uint8_t *p,
-								   size_t n)
+								  size_t n)
 {
 	const __m128i k1k2 = _mm_set_epi64x(0x01c6e41596, 0x0154442bd4);
 	const __m128i k3k4 = _mm_set_epi64x(0x00ccaa009e, 0x01751997d0);

@@ -209,10 +209,23 @@ int ckpt_dio_finish(struct dio_file *f)
 
 uint8_t *ckpt_image_alloc(uint64_t n)
 {
-	void *p = mmap(NULL, n ? n : 1, PROT_READ | PROT_WRITE,
-		       MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+	void *p = mmap(NULL, n ? n : 1, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
 
 	return p == MAP_FAILED ? NULL : p;
+}
+
+void ckpt_image_populate(uint8_t *img, uint64_t off, uint64_t n)
+{
+#ifdef MADV_POPULATE_WRITE
+	uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE), from = off / page * page;
+
+	if (n)
+		madvise(img + from, (size_t)(off + n - from), MADV_POPULATE_WRITE);
+#else
+	(void)img;
+	(void)off;
+	(void)n;
+#endif
 }
 
 void ckpt_image_free(uint8_t *img, uint64_t n)

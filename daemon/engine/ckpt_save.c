@@ -101,15 +101,24 @@ struct save_out {
 static int save_range(struct save_out *o, const struct shd_buf *src, uint64_t offset,
 		      uint64_t bytes)
 {
-	if (o->stage) {
-		int ret = bytes ? o->b->ops->read(o->b, src, offset, bytes, o->stage + o->off) : 0;
+	/* A chunk at a time, each pushed to the disk while the rest of the image is assembled. */
+	while (o->stage && bytes) {
+		uint64_t k = bytes < CKPT_DIO_CHUNK ? bytes : CKPT_DIO_CHUNK;
+		int ret;
 
-		o->off += bytes;
+		ckpt_image_populate(o->stage, o->off, k);
+		ret = o->b->ops->read(o->b, src, offset, k, o->stage + o->off);
 		if (ret)
 			return ret < 0 ? ret : -EIO;
-		/* The disk starts on the image while the rest of it is assembled. */
-		return ckpt_dio_push(o->f, o->stage, o->off);
+		o->off += k;
+		offset += k;
+		bytes -= k;
+		ret = ckpt_dio_push(o->f, o->stage, o->off);
+		if (ret)
+			return ret;
 	}
+	if (o->stage)
+		return 0;
 	while (bytes) {
 		uint8_t *at;
 		size_t k;
@@ -177,6 +186,7 @@ static int save_file(struct eng_ckpt *c, uint32_t gi, int optim, uint8_t *bounce
 			*stage = NULL;
 			goto out;
 		}
+		ckpt_image_populate(*stage, 0, hlen);
 		memcpy(*stage, hdr, hlen);
 		o.stage = *stage;
 	} else {

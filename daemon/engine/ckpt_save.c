@@ -180,12 +180,9 @@ static int save_file(struct eng_ckpt *c, uint32_t gi, int optim, uint8_t *bounce
 	if (stage && (*stage = ckpt_image_alloc(hlen + dsize))) {
 		o.f = &c->sfiles[2 * gi + optim];
 		c->stage_len[2 * gi + optim] = hlen + dsize;
-		ret = ckpt_dio_open(o.f, c->dirfd, fe->name, NULL);
-		if (ret) {
-			ckpt_image_free(*stage, hlen + dsize);
-			*stage = NULL;
-			goto out;
-		}
+		/* Its file now, to write as the image fills; short of descriptors, once it is whole. */
+		if (ckpt_dio_open(o.f, c->dirfd, fe->name, NULL))
+			ckpt_dio_close(o.f);
 		ckpt_image_populate(*stage, 0, hlen);
 		memcpy(*stage, hdr, hlen);
 		o.stage = *stage;
@@ -294,8 +291,11 @@ static int write_staged(struct eng_ckpt *c, uint32_t gi, char *err, size_t errle
 			continue;
 		fe = &c->m.files[c->file_of[i]];
 		if (!ret) {
-			ret = ckpt_dio_write_image(&c->sfiles[i], c->stage[i], c->stage_len[i],
-						   &crc, &c->bytes);
+			if (c->sfiles[i].fd < 0)
+				ret = ckpt_dio_open(&c->sfiles[i], c->dirfd, fe->name, NULL);
+			if (!ret)
+				ret = ckpt_dio_write_image(&c->sfiles[i], c->stage[i],
+							   c->stage_len[i], &crc, &c->bytes);
 			fe->bytes = c->stage_len[i];
 			fe->crc32 = crc;
 			if (ret)

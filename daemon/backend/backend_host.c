@@ -614,6 +614,15 @@ static int host_alloc(struct shd_backend_ctx *b, uint64_t bytes, int32_t device,
 	map = host_map_colored(hb, fd, (size_t)bytes);
 	if (map == MAP_FAILED)
 		goto err_errno;
+		/*
+	 * Map every page now, in one call: a fallocated memfd page is zeroed
+	 * and mapped at its first touch, one fault per 4 KiB, which held a
+	 * restore writing into fresh buffers (and a group's first op) to
+	 * under 1 GB/s on a VM. Before Linux 5.14 (EINVAL) they fault as before.
+	 */
+#ifdef MADV_POPULATE_WRITE
+	madvise(map, (size_t)bytes, MADV_POPULATE_WRITE);
+#endif
 	out->fd = fd;
 	out->priv = map;
 	out->bytes = bytes;

@@ -1,14 +1,16 @@
 /* SPDX-License-Identifier: MIT */
-/* A checkpoint on disk (ckpt_files.h): its file writer (O_DIRECT through io_uring, a buffered tail) and its directories. */
+/* A checkpoint on disk (ckpt_files.h): its file writer and reader (O_DIRECT through io_uring) and its directories. */
 #define _GNU_SOURCE
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "ckpt_crc.h"
 #include "ckpt_files.h"
 #include "log.h"
 
@@ -35,7 +37,7 @@ int ckpt_write_all(int fd, const void *buf, size_t n, uint64_t off)
 int ckpt_dio_open(struct dio_file *f, int dirfd, const char *name, uint8_t *buf)
 {
 	*f = (struct dio_file){ .fd = -1, .dfd = -1, .buf = buf };
-	for (uint32_t i = 0; i < CKPT_DIO_BUFS; i++)
+	for (uint32_t i = 0; buf && i < CKPT_DIO_BUFS; i++)
 		f->bufs[i] = buf + (size_t)i * CKPT_DIO_CHUNK;
 	f->fd = openat(dirfd, name, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
 	if (f->fd < 0)
@@ -56,10 +58,34 @@ static int dio_failed(struct dio_file *f, int ret, uint64_t at)
 }
 
 /*
+ * A write's completion: one the filesystem refused direct (EINVAL), or cut
+ * short, is finished buffered (its buffer is still intact). 0 or -errno.
+ */
+static int dio_complete(struct dio_file *f, struct io_uring_cqe *cqe)
+{
+	uint32_t k = (uint32_t)io_uring_cqe_get_data64(cqe), done = 0;
+	int res = cqe->res, err = 0;
+
+	io_uring_cqe_seen(&f->ring, cqe);
+	if (k >= CKPT_DIO_BUFS || !f->len[k])
+		return -EIO;
+	if (res == -EINVAL && f->dfd >= 0) {
+		close(f->dfd);
+		f->dfd = -1;
+	} else if (res < 0) {
+		err = res;
+	} else {
+		done = (uint32_t)res;
+	}
+	if (!err && done < f->len[k])
+		err = ckpt_write_all(f->fd, f->bufs[k] + done, f->len[k] - done, f->at[k] + done);
+	f->len[k] = 0;
+	return err ? dio_failed(f, err, f->at[k] + done) : 0;
+}
+
+/*
  * Wait for buffer i's write in flight, if any (taking the others' as they
- * complete first). A write the filesystem refused direct (EINVAL), or cut
- * short, is finished buffered: the buffer is still intact. 0 or -errno; a
- * failed wait leaves len set.
+ * complete first). 0 or -errno; a failed wait leaves len set.
  */
 static int dio_wait(struct dio_file *f, uint32_t i)
 {
@@ -67,39 +93,26 @@ static int dio_wait(struct dio_file *f, uint32_t i)
 
 	while (f->len[i]) {
 		struct io_uring_cqe *cqe;
-		uint32_t k, done = 0;
-		int res, err = 0;
+		int res = io_uring_wait_cqe(&f->ring, &cqe);
 
-		res = io_uring_wait_cqe(&f->ring, &cqe);
 		if (res == -EINTR)
 			continue;
 		if (res)
 			return res;
-		k = (uint32_t)io_uring_cqe_get_data64(cqe);
-		res = cqe->res;
-		io_uring_cqe_seen(&f->ring, cqe);
-		if (k >= CKPT_DIO_BUFS || !f->len[k])
-			return -EIO;
-		if (res == -EINVAL && f->dfd >= 0) {
-			close(f->dfd);
-			f->dfd = -1;
-		} else if (res < 0) {
-			err = res;
-		} else {
-			done = (uint32_t)res;
-		}
-		if (!err && done < f->len[k])
-			err = ckpt_write_all(f->fd, f->bufs[k] + done, f->len[k] - done,
-					     f->at[k] + done);
-		if (err && !ret)
-			ret = dio_failed(f, err, f->at[k] + done);
-		f->len[k] = 0;
+		res = dio_complete(f, cqe);
+		ret = ret ? ret : res;
 	}
 	return ret;
 }
 
+enum {
+	PUT_WAIT_NEXT,
+	PUT_WAIT_THIS,
+	PUT_NO_WAIT
+}; /* dio_put: what to wait for after the submission */
+
 /* Write out n bytes of buf at base: direct (through the ring when there is one) when it can, else buffered. */
-static int dio_put(struct dio_file *f, size_t n, int last)
+static int dio_put(struct dio_file *f, size_t n, int wait)
 {
 	int ret;
 
@@ -128,19 +141,19 @@ static int dio_put(struct dio_file *f, size_t n, int last)
 			return dio_failed(f, ret, f->base);
 		}
 	}
-	if (last)
+	if (wait == PUT_WAIT_THIS)
 		return dio_wait(f, f->cur);
 	/* Fill the next buffer (once its own write is done) while this one is written. */
 	f->cur = (f->cur + 1) % CKPT_DIO_BUFS;
 	f->buf = f->bufs[f->cur];
-	return dio_wait(f, f->cur);
+	return wait == PUT_NO_WAIT ? 0 : dio_wait(f, f->cur);
 }
 
 /* Room at the end of the buffer (after making some: a full buffer goes out). */
 int ckpt_dio_room(struct dio_file *f, uint8_t **at, size_t *len)
 {
 	if (f->fill == CKPT_DIO_CHUNK) {
-		int ret = dio_put(f, CKPT_DIO_CHUNK, 0);
+		int ret = dio_put(f, CKPT_DIO_CHUNK, PUT_WAIT_NEXT);
 
 		f->base += CKPT_DIO_CHUNK;
 		f->fill = 0;
@@ -184,7 +197,7 @@ int ckpt_dio_finish(struct dio_file *f)
 	}
 
 	if (!ret && head)
-		ret = dio_put(f, head, 1);
+		ret = dio_put(f, head, PUT_WAIT_THIS);
 	if (!ret && f->fill > head)
 		ret = dio_failed(
 			f, ckpt_write_all(f->fd, f->buf + head, f->fill - head, f->base + head),
@@ -192,6 +205,79 @@ int ckpt_dio_finish(struct dio_file *f)
 	if (!ret && fsync(f->fd))
 		ret = dio_failed(f, -errno, f->base + f->fill);
 	return ret;
+}
+
+uint8_t *ckpt_image_alloc(uint64_t n)
+{
+	void *p = mmap(NULL, n ? n : 1, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+
+	return p == MAP_FAILED ? NULL : p;
+}
+
+void ckpt_image_populate(uint8_t *img, uint64_t off, uint64_t n)
+{
+#ifdef MADV_POPULATE_WRITE
+	uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE), from = off / page * page;
+
+	if (n)
+		madvise(img + from, (size_t)(off + n - from), MADV_POPULATE_WRITE);
+#else
+	(void)img;
+	(void)off;
+	(void)n;
+#endif
+}
+
+void ckpt_image_free(uint8_t *img, uint64_t n)
+{
+	if (img)
+		munmap(img, n ? n : 1);
+}
+
+int ckpt_dio_push(struct dio_file *f, uint8_t *img, uint64_t ready)
+{
+	struct io_uring_cqe *cqe;
+	int ret = 0;
+
+	if (!f->ring_ok || f->dfd < 0)
+		return 0;
+	while (!ret && ready - f->base >= CKPT_DIO_CHUNK) {
+		/* The next write's slot: its last write reaped if it completed, else later. */
+		while (!ret && f->len[f->cur] && !io_uring_peek_cqe(&f->ring, &cqe))
+			ret = dio_complete(f, cqe);
+		if (ret || f->len[f->cur] || f->dfd < 0)
+			break;
+		f->buf = f->bufs[f->cur] = img + f->base;
+		ret = dio_put(f, CKPT_DIO_CHUNK, PUT_NO_WAIT);
+		f->base += CKPT_DIO_CHUNK;
+	}
+	return ret;
+}
+
+int ckpt_dio_write_image(struct dio_file *f, uint8_t *img, uint64_t n, uint32_t *crc,
+			 uint64_t *progress)
+{
+	uint32_t c = 0;
+	int ret = 0;
+
+	for (uint64_t at = 0, k; !ret && at < n; at += k) {
+		k = n - at < CKPT_DIO_CHUNK ? n - at : CKPT_DIO_CHUNK;
+		/* Submitted (in a free slot: push leaves the next one busy), then its CRC while it is written. */
+		if (at == f->base && k == CKPT_DIO_CHUNK) {
+			ret = f->ring_ok ? dio_wait(f, f->cur) : 0;
+			f->buf = f->bufs[f->cur] = img + at;
+			ret = ret ? ret : dio_put(f, CKPT_DIO_CHUNK, PUT_WAIT_NEXT);
+			f->base += CKPT_DIO_CHUNK;
+		}
+		c = ckpt_crc32(c, img + at, k);
+		__atomic_add_fetch(progress, k, __ATOMIC_RELAXED);
+	}
+	if (ret)
+		return ret;
+	f->buf = f->bufs[f->cur] = img + f->base;
+	f->fill = (uint32_t)(n - f->base);
+	*crc = c;
+	return ckpt_dio_finish(f);
 }
 
 /* Close; a write still in flight (after a failure) is waited for before the buffers are freed. */
@@ -209,6 +295,166 @@ void ckpt_dio_close(struct dio_file *f)
 	if (f->fd >= 0)
 		close(f->fd);
 	f->fd = f->dfd = -1;
+}
+
+/* From now on buffer reads: the filesystem refused a direct one, or one came back short. */
+static void rd_buffered(struct dio_reader *r)
+{
+	int fl = fcntl(r->fd, F_GETFL);
+
+	if (fl >= 0 && !fcntl(r->fd, F_SETFL, fl & ~O_DIRECT))
+		r->direct = 0;
+}
+
+/* Bytes to ask for the rest of buffer i: whole blocks when direct (the file ends within the last). */
+static uint32_t rd_ask(struct dio_reader *r, uint32_t i)
+{
+	uint32_t n = r->want[i] - r->got[i];
+
+	if (r->direct && r->got[i] % CKPT_DIO_ALIGN)
+		rd_buffered(r);
+	return r->direct ? (n + CKPT_DIO_ALIGN - 1) / CKPT_DIO_ALIGN * CKPT_DIO_ALIGN : n;
+}
+
+/* The file's next chunk into free buffer i, if it has one left: in flight through the ring, else read when needed. */
+static void rd_submit(struct dio_reader *r, uint32_t i)
+{
+	uint64_t left = r->size - r->next;
+	struct io_uring_sqe *sqe;
+	int ret;
+
+	r->want[i] = left < CKPT_DIO_CHUNK ? (uint32_t)left : CKPT_DIO_CHUNK;
+	r->at[i] = r->next;
+	r->got[i] = 0;
+	r->err[i] = 0;
+	r->next += r->want[i];
+	if (!r->want[i] || !r->ring_ok)
+		return;
+	sqe = io_uring_get_sqe(&r->ring);
+	if (!sqe)
+		return; /* a ring as deep as the buffers: never; read when needed */
+	io_uring_prep_read(sqe, r->fd, r->bufs[i], rd_ask(r, i), r->at[i]);
+	io_uring_sqe_set_data64(sqe, i);
+	r->busy[i] = 1;
+	ret = io_uring_submit(&r->ring);
+	if (ret < 0) {
+		r->busy[i] = 0;
+		r->err[i] = ret;
+	}
+}
+
+/* Wait for buffer i's read in flight, if any (taking the others' as they complete first). 0 or -errno. */
+static int rd_wait(struct dio_reader *r, uint32_t i)
+{
+	while (r->busy[i]) {
+		struct io_uring_cqe *cqe;
+		uint32_t k;
+		int res = io_uring_wait_cqe(&r->ring, &cqe);
+
+		if (res == -EINTR)
+			continue;
+		if (res)
+			return res;
+		k = (uint32_t)io_uring_cqe_get_data64(cqe);
+		res = cqe->res;
+		io_uring_cqe_seen(&r->ring, cqe);
+		if (k >= CKPT_DIO_BUFS || !r->busy[k])
+			return -EIO;
+		r->busy[k] = 0;
+		/* Refused direct: the rest is read buffered when it is needed (rd_finish). */
+		if (res == -EINVAL && r->direct)
+			rd_buffered(r);
+		else if (res < 0)
+			r->err[k] = res;
+		else
+			r->got[k] += (uint32_t)res < r->want[k] - r->got[k]
+					     ? (uint32_t)res
+					     : r->want[k] - r->got[k];
+	}
+	return 0;
+}
+
+/* Read what buffer i still lacks (no ring, a short read, a refused direct one) synchronously. 0, -ENODATA or -errno. */
+static int rd_finish(struct dio_reader *r, uint32_t i)
+{
+	while (r->got[i] < r->want[i]) {
+		ssize_t n = pread(r->fd, r->bufs[i] + r->got[i], rd_ask(r, i),
+				  (off_t)(r->at[i] + r->got[i]));
+
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n < 0 && errno == EINVAL && r->direct) {
+			rd_buffered(r);
+			continue;
+		}
+		if (n <= 0)
+			return n < 0 ? -errno : -ENODATA;
+		r->got[i] +=
+			(uint32_t)n < r->want[i] - r->got[i] ? (uint32_t)n : r->want[i] - r->got[i];
+	}
+	return 0;
+}
+
+int ckpt_dio_read_open(struct dio_reader *r, int fd, uint64_t size, uint8_t *buf)
+{
+	int fl = fcntl(fd, F_GETFL);
+
+	*r = (struct dio_reader){ .fd = fd, .size = size };
+	for (uint32_t i = 0; i < CKPT_DIO_BUFS; i++)
+		r->bufs[i] = buf + (size_t)i * CKPT_DIO_CHUNK;
+	if (fl < 0)
+		return -errno;
+	/* O_NONBLOCK guarded the open against a FIFO; a regular file's reads may block. */
+	fl &= ~O_NONBLOCK;
+	r->direct = !fcntl(fd, F_SETFL, fl | O_DIRECT);
+	if (!r->direct && fcntl(fd, F_SETFL, fl))
+		return -errno;
+	r->ring_ok = io_uring_queue_init(CKPT_DIO_BUFS, &r->ring, 0) == 0;
+	for (uint32_t i = 0; i < CKPT_DIO_BUFS; i++)
+		rd_submit(r, i);
+	return 0;
+}
+
+int ckpt_dio_read(struct dio_reader *r, size_t max, const uint8_t **at, size_t *len)
+{
+	uint32_t i = r->head;
+	size_t n;
+	int ret;
+
+	/* The buffer handed out last time is consumed: it goes back for the chunk CKPT_DIO_BUFS on. */
+	if (r->want[i] && r->pos == r->want[i]) {
+		r->pos = 0;
+		rd_submit(r, i);
+		i = r->head = (i + 1) % CKPT_DIO_BUFS;
+	}
+	if (!r->want[i])
+		return -ENODATA;
+	ret = r->ring_ok ? rd_wait(r, i) : 0;
+	if (!ret)
+		ret = r->err[i];
+	if (!ret)
+		ret = rd_finish(r, i);
+	if (ret) {
+		r->failed_at = r->at[i] + r->got[i];
+		return ret;
+	}
+	n = r->want[i] - r->pos;
+	n = n < max ? n : max;
+	*at = r->bufs[i] + r->pos;
+	*len = n;
+	r->pos += (uint32_t)n;
+	return 0;
+}
+
+void ckpt_dio_read_close(struct dio_reader *r)
+{
+	if (!r->ring_ok)
+		return;
+	for (uint32_t i = 0; i < CKPT_DIO_BUFS; i++)
+		if (r->busy[i])
+			rd_wait(r, i);
+	io_uring_queue_exit(&r->ring);
+	r->ring_ok = 0;
 }
 
 /* Remove the files of directory `path` (no subdirectories in a checkpoint), then it. */

@@ -11,6 +11,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "ckpt_files.h"
 #include "safetensors.h"
 #include "engine_int.h"
 
@@ -31,10 +32,12 @@ struct eng_ckpt {
 		file_of; /* [2 * m.ngroups]: group i's params and optimizer file in m.files, or -1 */
 	char *dir, *tmp, *parent, *keep_root;
 	uint32_t keep;
-	int dirfd;                /* the temporary directory */
-	uint32_t pending;         /* SAVE and SAVE_WRITE tasks not yet delivered */
-	uint64_t staged;          /* bytes of staging memory committed (0: written in place) */
-	uint8_t **stage;          /* [2 * m.ngroups]: a file's tensors snapshot, until written */
+	int dirfd;           /* the temporary directory */
+	uint32_t pending;    /* SAVE and SAVE_WRITE tasks not yet delivered */
+	uint64_t staged;     /* bytes of staging memory committed (0: written in place) */
+	uint8_t **stage;     /* [2 * m.ngroups]: a file's image (header, tensors), until written */
+	uint64_t *stage_len; /* [2 * m.ngroups]: its bytes */
+	struct dio_file *sfiles;  /* [2 * m.ngroups]: its file, open while stage is set */
 	struct eng_task **wtasks; /* [m.ngroups]: a group's SAVE_WRITE on the pool, or NULL */
 	int res;                  /* the first failure */
 	char msg[ENGINE_MSG_MAX];

@@ -3,7 +3,8 @@
  * Restoring a group from a checkpoint (SHARDD_INIT_RESTORE, docs/CHECKPOINTS.md),
  * at any mesh: the registration's TASK_RESTORE, on the worker pool, once
  * every rank registered and the buffers exist, before any rank gets its
- * reply. Each file is read once, front to back: its CRC-32 is checked
+ * reply. Each file is read once, front to back (ckpt_dio_read: direct
+ * reads, CKPT_DIO_BUFS of them in flight): its CRC-32 is checked
  * against the manifest's while every tensor it needs is scattered, row
  * range by row range, into the shards of the new mesh (every replica gets
  * a copy), and the optimizer state the same way. The manifest and every
@@ -19,16 +20,17 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
-#include <zlib.h>
 
 #include <jansson.h>
 
+#include "ckpt_crc.h"
+#include "ckpt_files.h"
 #include "safetensors.h"
 #include "engine_int.h"
 #include "log.h"
 #include "shardd_kernels.h"
 
-#define LOAD_BOUNCE (8u << 20) /* bytes read from a file per call */
+#define LOAD_BOUNCE (8u << 20) /* bytes of a plain weights file read per call */
 #define LOAD_PATH   4200
 
 /* "a/b" into buf; -ENAMETOOLONG when it does not fit. */
@@ -405,37 +407,29 @@ static int looks_like_checkpoint(const struct shd_engine_config *cfg, const char
 	return yes;
 }
 
-/* A file read front to back, its CRC-32 kept as it goes. */
+/* A file read front to back (ckpt_files.h), its CRC-32 kept as it goes. */
 struct loader {
 	struct shd_group *g;
 	struct shd_backend_ctx *b;
-	int fd;
-	uint64_t off;
-	uLong crc;
-	uint8_t *bounce;
+	struct dio_reader rd;
+	uint32_t crc;
 	const char *path;
 	char *err; /* the restore's error text */
 	size_t errlen;
 };
 
-/* Read the next `n` (<= LOAD_BOUNCE) bytes into the bounce buffer. */
-static int ld_read(struct loader *l, uint64_t n)
+/* The next bytes of the file, at most n, at *at (*len of them), counted in the CRC. */
+static int ld_next(struct loader *l, uint64_t n, const uint8_t **at, size_t *len)
 {
-	for (uint64_t got = 0; got < n;) {
-		ssize_t r = pread(l->fd, l->bounce + got, n - got, (off_t)(l->off + got));
+	int ret = ckpt_dio_read(&l->rd, n < SIZE_MAX ? (size_t)n : SIZE_MAX, at, len);
 
-		if (r <= 0) {
-			if (r < 0 && errno == EINTR)
-				continue;
-			eng_fmt(l->err, l->errlen, "%s: read at byte %llu: %s", l->path,
-				(unsigned long long)(l->off + got),
-				r < 0 ? strerror(errno) : "the file ends early");
-			return r < 0 ? -errno : -SHARDD_E_MALFORMED;
-		}
-		got += (uint64_t)r;
+	if (ret) {
+		eng_fmt(l->err, l->errlen, "%s: read at byte %llu: %s", l->path,
+			(unsigned long long)l->rd.failed_at,
+			ret == -ENODATA ? "the file ends early" : strerror(-ret));
+		return ret == -ENODATA ? -SHARDD_E_MALFORMED : ret;
 	}
-	l->crc = crc32(l->crc, l->bounce, (uInt)n);
-	l->off += n;
+	l->crc = ckpt_crc32(l->crc, *at, *len);
 	return 0;
 }
 
@@ -443,8 +437,9 @@ static int ld_read(struct loader *l, uint64_t n)
 static int ld_skip(struct loader *l, uint64_t n)
 {
 	while (n) {
-		uint64_t k = n < LOAD_BOUNCE ? n : LOAD_BOUNCE;
-		int ret = ld_read(l, k);
+		const uint8_t *at;
+		size_t k;
+		int ret = ld_next(l, n, &at, &k);
 
 		if (ret)
 			return ret;
@@ -459,11 +454,12 @@ static int ld_scatter(struct loader *l, struct shd_buf *bufs, uint32_t s, uint64
 	const struct shd_group *g = l->g;
 
 	while (n) {
-		uint64_t k = n < LOAD_BOUNCE ? n : LOAD_BOUNCE;
-		int ret = ld_read(l, k);
+		const uint8_t *at;
+		size_t k;
+		int ret = ld_next(l, n, &at, &k);
 
 		for (uint32_t u = 0; !ret && u < g->replicate; u++)
-			ret = l->b->ops->write(l->b, &bufs[u * g->shard + s], dst, k, l->bounce);
+			ret = l->b->ops->write(l->b, &bufs[u * g->shard + s], dst, k, at);
 		if (ret) {
 			if (!l->err[0])
 				eng_fmt(l->err, l->errlen,
@@ -499,27 +495,22 @@ static int load_file(struct eng_group *eg, const struct confine *cf, const char 
 	struct shd_group *g = eg->g;
 	uint32_t ns = optim ? shd_group_optim_states(&g->optim) : 1;
 	char path[LOAD_PATH], why[512], want[160], found[160];
-	struct loader l = { .g = g,
-			    .b = eg->j->e->backend,
-			    .fd = -1,
-			    .crc = crc32(0L, Z_NULL, 0),
-			    .path = path,
-			    .err = err,
-			    .errlen = errlen };
+	struct loader l = {
+		.g = g, .b = eg->j->e->backend, .path = path, .err = err, .errlen = errlen
+	};
 	struct shd_safetensors_file f = { 0 };
 	int32_t *need = NULL;
+	uint8_t *buf = NULL;
 	struct stat st;
-	int ret;
+	int fd, reading = 0, ret;
 
 	if (join(path, sizeof(path), dir, fe->name)) {
 		eng_fmt(err, errlen, "checkpoint path '%.200s...' is too long", dir);
 		return -SHARDD_E_INVALID;
 	}
-	l.fd = open_regular(cf, path, &st, err, errlen);
-	if (l.fd < 0) {
-		ret = l.fd;
-		goto out;
-	}
+	fd = open_regular(cf, path, &st, err, errlen);
+	if (fd < 0)
+		return fd;
 	if ((uint64_t)st.st_size != fe->bytes) {
 		eng_fmt(err, errlen,
 			"%s is %lld bytes, the manifest records %llu: the file changed or is truncated",
@@ -527,14 +518,15 @@ static int load_file(struct eng_group *eg, const struct confine *cf, const char 
 		ret = -SHARDD_E_MALFORMED;
 		goto out;
 	}
-	ret = shd_safetensors_read(l.fd, path, &f, why, sizeof(why));
+	ret = shd_safetensors_read(fd, path, &f, why, sizeof(why));
 	if (ret) {
 		eng_fmt(err, errlen, "%s", why);
 		goto out;
 	}
 	need = malloc((f.ntensors ? f.ntensors : 1) * sizeof(*need));
-	l.bounce = malloc(LOAD_BOUNCE);
-	if (!need || !l.bounce) {
+	if (posix_memalign((void **)&buf, CKPT_DIO_ALIGN, CKPT_DIO_BYTES))
+		buf = NULL;
+	if (!need || !buf) {
 		eng_fmt(err, errlen, "out of memory to read %s", path);
 		ret = -SHARDD_E_NOMEM;
 		goto out;
@@ -576,7 +568,12 @@ static int load_file(struct eng_group *eg, const struct confine *cf, const char 
 		}
 	}
 	/* The header for the CRC, then each tensor in file order. */
-	l.off = 0;
+	ret = ckpt_dio_read_open(&l.rd, fd, fe->bytes, buf);
+	if (ret) {
+		eng_fmt(err, errlen, "cannot read %s: %s", path, strerror(-ret));
+		goto out;
+	}
+	reading = 1;
 	ret = ld_skip(&l, f.data_start);
 	for (uint32_t ti = 0; !ret && ti < f.ntensors; ti++) {
 		const struct shd_safetensors_tensor *t = &f.tensors[ti];
@@ -597,16 +594,17 @@ static int load_file(struct eng_group *eg, const struct confine *cf, const char 
 						 p->shard_offset + x * p->rows * p->inner * esz,
 						 shd_layout_rows_valid(p, s) * p->inner * esz);
 	}
-	if (!ret && (uint32_t)l.crc != fe->crc32) {
+	if (!ret && l.crc != fe->crc32) {
 		eng_fmt(err, errlen,
 			"%s: CRC-32 %08x, the manifest records %08x: the file changed or is damaged",
-			path, (uint32_t)l.crc, fe->crc32);
+			path, l.crc, fe->crc32);
 		ret = -SHARDD_E_MALFORMED;
 	}
 out:
-	if (l.fd >= 0)
-		close(l.fd);
-	free(l.bounce);
+	if (reading)
+		ckpt_dio_read_close(&l.rd);
+	close(fd);
+	free(buf);
 	free(need);
 	shd_safetensors_free(&f);
 	return ret;

@@ -7,9 +7,11 @@
  *     --> one TASK_SAVE per group, in the group's queue (pool): each tensor
  *         of its params file and optimizer-state file assembled from replica
  *         0's shards row range by row range, into a snapshot in memory when
- *         --max-memory leaves room for it (then a TASK_SAVE_WRITE per group,
- *         off the group's queue, writes the files while its ops go on), else
- *         into the files in place; CRC-32 as written, fsync
+ *         --max-memory leaves room for it (each file's image, the header
+ *         first; its whole chunks go to the disk as they fill, then a
+ *         TASK_SAVE_WRITE per group, off the group's queue, writes the rest
+ *         straight from the image while its ops go on), else into the files
+ *         in place; CRC-32 as written, fsync
  *     --> all delivered (loop): one TASK_SAVE_FINAL (pool): manifest.json
  *         and the Hugging Face index, fsync of the files and the directory,
  *         rename to the target, fsync of its parent, --keep retention
@@ -31,16 +33,14 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
-#include <zlib.h>
 
 #include "ckpt_files.h"
+#include "ckpt_crc.h"
 #include "safetensors.h"
 #include "ckpt_int.h"
 #include "clock.h"
 #include "engine_int.h"
 #include "log.h"
-
-#define CKPT_BOUNCE (8u << 20) /* bytes read from the backend per write */
 
 static const struct eng_task_ops ckpt_hooks = { .exec = eng_ckpt_exec,
 						.delivered = eng_ckpt_delivered };
@@ -89,28 +89,40 @@ static void write_error(const struct eng_ckpt *c, const char *file, const char *
 }
 
 struct save_out {
-	struct dio_file f;
+	struct dio_file *f;
 	uint64_t off;
-	uLong crc;
+	uint32_t crc;
 	struct shd_backend_ctx *b;
 	uint64_t *progress; /* the checkpoint's bytes written */
-	uint8_t *stage;     /* snapshot mode: the tensors go here (off from 0), not to the file */
+	uint8_t *stage;     /* snapshot mode: the file's image, written from there (f->bufs none) */
 };
 
 /* Append `bytes` at `offset` of `src` to the file, read into its buffer (or to the snapshot). */
 static int save_range(struct save_out *o, const struct shd_buf *src, uint64_t offset,
 		      uint64_t bytes)
 {
-	if (o->stage) {
-		int ret = bytes ? o->b->ops->read(o->b, src, offset, bytes, o->stage + o->off) : 0;
+	/* A chunk at a time, each pushed to the disk while the rest of the image is assembled. */
+	while (o->stage && bytes) {
+		uint64_t k = bytes < CKPT_DIO_CHUNK ? bytes : CKPT_DIO_CHUNK;
+		int ret;
 
-		o->off += bytes;
-		return ret < 0 ? ret : ret ? -EIO : 0;
+		ckpt_image_populate(o->stage, o->off, k);
+		ret = o->b->ops->read(o->b, src, offset, k, o->stage + o->off);
+		if (ret)
+			return ret < 0 ? ret : -EIO;
+		o->off += k;
+		offset += k;
+		bytes -= k;
+		ret = ckpt_dio_push(o->f, o->stage, o->off);
+		if (ret)
+			return ret;
 	}
+	if (o->stage)
+		return 0;
 	while (bytes) {
 		uint8_t *at;
 		size_t k;
-		int ret = ckpt_dio_room(&o->f, &at, &k);
+		int ret = ckpt_dio_room(o->f, &at, &k);
 
 		if (ret)
 			return ret;
@@ -118,8 +130,8 @@ static int save_range(struct save_out *o, const struct shd_buf *src, uint64_t of
 		ret = o->b->ops->read(o->b, src, offset, k, at);
 		if (ret)
 			return ret < 0 ? ret : -EIO;
-		o->f.fill += (uint32_t)k;
-		o->crc = crc32(o->crc, at, (uInt)k);
+		o->f->fill += (uint32_t)k;
+		o->crc = ckpt_crc32(o->crc, at, k);
 		__atomic_add_fetch(o->progress, k, __ATOMIC_RELAXED);
 		o->off += k;
 		offset += k;
@@ -143,10 +155,8 @@ static int save_file(struct eng_ckpt *c, uint32_t gi, int optim, uint8_t *bounce
 	uint32_t ns = optim ? shd_group_optim_states(&g->optim) : 1, n;
 	const char *states[SHD_OPTIM_STATES];
 	struct shd_safetensors_tensor *t = NULL;
-	struct save_out o = { .f = { .fd = -1, .dfd = -1 },
-			      .crc = crc32(0L, Z_NULL, 0),
-			      .b = c->j->e->backend,
-			      .progress = &c->bytes };
+	struct dio_file own = { .fd = -1, .dfd = -1 };
+	struct save_out o = { .f = &own, .b = c->j->e->backend, .progress = &c->bytes };
 	uint8_t *hdr = NULL;
 	size_t hlen;
 	uint64_t dsize;
@@ -163,17 +173,26 @@ static int save_file(struct eng_ckpt *c, uint32_t gi, int optim, uint8_t *bounce
 		eng_fmt(err, errlen, "checkpoint %s: group '%s': %s", c->dir, g->name, why);
 		goto out;
 	}
-	/* Snapshot: the tensors into memory now, the file later (write_staged); in place without memory. */
-	if (stage && (*stage = malloc(dsize ? dsize : 1))) {
+	/*
+	 * Snapshot: the file's image into memory now, written as it fills and
+	 * finished off the group's queue (write_staged); in place without memory.
+	 */
+	if (stage && (*stage = ckpt_image_alloc(hlen + dsize))) {
+		o.f = &c->sfiles[2 * gi + optim];
+		c->stage_len[2 * gi + optim] = hlen + dsize;
+		/* Its file now, to write as the image fills; short of descriptors, once it is whole. */
+		if (ckpt_dio_open(o.f, c->dirfd, fe->name, NULL))
+			ckpt_dio_close(o.f);
+		ckpt_image_populate(*stage, 0, hlen);
+		memcpy(*stage, hdr, hlen);
 		o.stage = *stage;
-		hlen = 0;
 	} else {
-		ret = ckpt_dio_open(&o.f, c->dirfd, fe->name, bounce);
+		ret = ckpt_dio_open(o.f, c->dirfd, fe->name, bounce);
 		if (!ret)
-			ret = ckpt_dio_append(&o.f, hdr, hlen);
+			ret = ckpt_dio_append(o.f, hdr, hlen);
 		if (ret)
 			goto out;
-		o.crc = crc32(o.crc, hdr, (uInt)hlen);
+		o.crc = ckpt_crc32(o.crc, hdr, hlen);
 		__atomic_add_fetch(&c->bytes, hlen, __ATOMIC_RELAXED);
 	}
 	o.off = hlen;
@@ -203,13 +222,13 @@ static int save_file(struct eng_ckpt *c, uint32_t gi, int optim, uint8_t *bounce
 	}
 	if (o.stage)
 		goto out;
-	ret = ckpt_dio_finish(&o.f);
+	ret = ckpt_dio_finish(o.f);
 	fe->bytes = o.off;
-	fe->crc32 = (uint32_t)o.crc;
+	fe->crc32 = o.crc;
 out:
 	if (ret && !err[0])
-		write_error(c, fe->name, g->name, &o.f, ret, err, errlen);
-	ckpt_dio_close(&o.f);
+		write_error(c, fe->name, g->name, o.f, ret, err, errlen);
+	ckpt_dio_close(&own);
 	free(hdr);
 	free(t);
 	return ret;
@@ -255,74 +274,38 @@ static int save_group(struct eng_ckpt *c, uint32_t gi, char *err, size_t errlen)
 }
 
 /*
- * Write group `gi`'s snapshot files (SAVE_WRITE, off its group's queue):
- * the header, the snapshot, CRC-32 as written, fsync; the snapshot is freed.
- * Reads nothing of the group: only the manifest's copy of its spec.
+ * Write the rest of group `gi`'s snapshot files (SAVE_WRITE, off its
+ * group's queue) from their images: CRC-32 as written, fsync; the images
+ * are freed. Reads nothing of the group.
  */
 static int write_staged(struct eng_ckpt *c, uint32_t gi, char *err, size_t errlen)
 {
 	const struct shd_ckpt_group *cg = &c->m.groups[gi];
-	uint8_t *buf = NULL;
 	int ret = 0;
 
-	if (posix_memalign((void **)&buf, CKPT_DIO_ALIGN, CKPT_DIO_BYTES)) {
-		eng_fmt(err, errlen, "checkpoint %s: out of memory for the %u-byte write buffers",
-			c->dir, CKPT_DIO_BYTES);
-		ret = -SHARDD_E_NOMEM;
-	}
-	for (int optim = 0; optim < 2 && !ret; optim++) {
-		uint8_t **stage = &c->stage[2 * gi + optim];
-		uint32_t ns = optim ? shd_group_optim_states(&cg->optim) : 1, n;
-		const char *states[SHD_OPTIM_STATES];
+	for (int optim = 0; optim < 2; optim++) {
+		uint32_t i = 2 * gi + (uint32_t)optim, crc = 0;
 		struct shd_ckpt_file *fe;
-		struct shd_safetensors_tensor *t = NULL;
-		uint8_t *hdr = NULL;
-		uLong crc = crc32(0L, Z_NULL, 0);
-		size_t hlen;
-		uint64_t dsize;
-		char why[256];
-		struct dio_file f = { .fd = -1, .dfd = -1 };
 
-		if (!*stage)
+		if (!c->stage[i])
 			continue;
-		fe = &c->m.files[c->file_of[2 * gi + optim]];
-		for (uint32_t k = 0; optim && k < ns; k++)
-			states[k] = shd_group_optim_state_name(&cg->optim, k);
-		ret = shd_ckpt_group_tensors(cg, optim, ns, states, &t, &n);
-		if (!ret)
-			ret = shd_safetensors_build(t, n, &hdr, &hlen, &dsize, why, sizeof(why));
-		if (!ret)
-			ret = ckpt_dio_open(&f, c->dirfd, fe->name, buf);
-		if (!ret)
-			ret = ckpt_dio_append(&f, hdr, hlen);
+		fe = &c->m.files[c->file_of[i]];
 		if (!ret) {
-			crc = crc32(crc, hdr, (uInt)hlen);
-			__atomic_add_fetch(&c->bytes, hlen, __ATOMIC_RELAXED);
+			if (c->sfiles[i].fd < 0)
+				ret = ckpt_dio_open(&c->sfiles[i], c->dirfd, fe->name, NULL);
+			if (!ret)
+				ret = ckpt_dio_write_image(&c->sfiles[i], c->stage[i],
+							   c->stage_len[i], &crc, &c->bytes);
+			fe->bytes = c->stage_len[i];
+			fe->crc32 = crc;
+			if (ret)
+				write_error(c, fe->name, cg->hdr.name, &c->sfiles[i], ret, err,
+					    errlen);
 		}
-		for (uint64_t off = 0; !ret && off < dsize;) {
-			uint64_t k = dsize - off < CKPT_BOUNCE ? dsize - off : CKPT_BOUNCE;
-
-			ret = ckpt_dio_append(&f, *stage + off, k);
-			crc = crc32(crc, *stage + off, (uInt)k);
-			__atomic_add_fetch(&c->bytes, k, __ATOMIC_RELAXED);
-			off += k;
-		}
-		if (!ret)
-			ret = ckpt_dio_finish(&f);
-		fe->bytes = hlen + dsize;
-		fe->crc32 = (uint32_t)crc;
-		if (ret == -SHARDD_E_INVALID)
-			eng_fmt(err, errlen, "checkpoint %s: writing %s of group '%s': %s", c->dir,
-				fe->name, cg->hdr.name, why);
-		else if (ret)
-			write_error(c, fe->name, cg->hdr.name, &f, ret, err, errlen);
-		ckpt_dio_close(&f);
-		free(hdr);
-		free(t);
-		free(*stage);
-		*stage = NULL;
+		ckpt_dio_close(&c->sfiles[i]);
+		ckpt_image_free(c->stage[i], c->stage_len[i]);
+		c->stage[i] = NULL;
 	}
-	free(buf);
 	return ret;
 }
 
@@ -415,9 +398,15 @@ static void ckpt_free(struct eng_ckpt *c)
 	/* The snapshot's memory leaves the limits (--max-memory, --max-job-memory). */
 	c->j->mem_committed -= c->staged;
 	c->j->e->mem_committed -= c->staged;
+	/* A snapshot not written (the job ended, a group failed): its writes in flight end first. */
 	for (uint32_t i = 0; c->stage && i < 2 * c->m.ngroups; i++)
-		free(c->stage[i]);
+		if (c->stage[i]) {
+			ckpt_dio_close(&c->sfiles[i]);
+			ckpt_image_free(c->stage[i], c->stage_len[i]);
+		}
 	free(c->stage);
+	free(c->stage_len);
+	free(c->sfiles);
 	free(c->wtasks);
 	if (c->dirfd >= 0)
 		close(c->dirfd);
@@ -699,8 +688,10 @@ static int ckpt_plan(struct shd_engine_job *j, struct eng_ckpt *c, uint64_t step
 	}
 	c->m.nfiles = nf;
 	c->stage = calloc(2 * (size_t)n, sizeof(*c->stage));
+	c->stage_len = calloc(2 * (size_t)n, sizeof(*c->stage_len));
+	c->sfiles = calloc(2 * (size_t)n, sizeof(*c->sfiles));
 	c->wtasks = calloc(n, sizeof(*c->wtasks));
-	if (!c->stage || !c->wtasks)
+	if (!c->stage || !c->stage_len || !c->sfiles || !c->wtasks)
 		return -ENOMEM;
 	/* A snapshot in memory when the limits leave room for it; else the files are written in place. */
 	{

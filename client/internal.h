@@ -43,9 +43,9 @@ struct shardd_client {
 	uint32_t rank;
 	uint32_t shard;
 	int32_t device; /* hello.device: where cuda-backend buffers are mapped */
-	struct shardd_cuda_fences
-		*fences; /* stream.c: events of both rings, NULL until a stream is set */
-	void *stream;    /* the CUstream ops are ordered with, while stream_set */
+	/* stream.c: events of both rings, NULL until a stream is set */
+	struct shardd_cuda_fences *fences;
+	void *stream; /* the CUstream ops are ordered with, while stream_set */
 	int stream_set;
 	char socket_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
 };

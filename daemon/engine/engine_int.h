@@ -188,16 +188,16 @@ struct shd_engine_job {
 	char name[SHARDD_NAME_MAX];
 	uint32_t replicate, shard, world;
 	int32_t *devices; /* [world]: each rank's hello.device, where its buffers go */
-	struct shd_backend_job
-		*bj;   /* the backend's state of the job (NCCL communicators), or NULL */
+	/* the backend's state of the job (NCCL communicators), or NULL */
+	struct shd_backend_job *bj;
 	uint8_t *gone; /* [world]: the rank's client left and it has not attached again */
 	struct eng_group **groups; /* index = group id - 1; NULL once a registration failed */
 	uint32_t ngroups, cap;
 	uint64_t mem_committed; /* its groups' eg->mem_committed, summed */
 	struct eng_gnorm_rec gnorm[SHARDD_GRAD_NORM_KEPT]; /* grad_norm results by step (step.c) */
 	struct eng_ckpt *ckpt; /* the checkpoint being written, or NULL (ckpt_save.c) */
-	struct eng_ckpt_req
-		*ckpt_armed;      /* a checkpoint waiting for the next step boundary, or NULL */
+	/* a checkpoint waiting for the next step boundary, or NULL */
+	struct eng_ckpt_req *ckpt_armed;
 	uint64_t ckpt_seq;        /* ids given to checkpoints so far */
 	uint64_t ckpt_every_last; /* the last step --checkpoint-every took (or tried) */
 	struct shd_engine_ckpt_status

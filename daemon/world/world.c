@@ -97,8 +97,8 @@ struct world_xfer {
 	char *err;
 	size_t errlen;
 	int done, res;
-	struct shd_world_op
-		*op; /* an async exchange's: woken through its fd, or freed when abandoned */
+	/* an async exchange's: woken through its fd, or freed when abandoned */
+	struct shd_world_op *op;
 	struct world_xfer *inext, **iprev; /* W.inflight, under W.lock, until done */
 
 	int streaming;          /* a peer's header is in and payloads are still open */
@@ -132,9 +132,9 @@ static struct {
 	int tag_ub;
 	int peer_failed;          /* some exchange failed: MPI_Finalize could wait forever */
 	struct world_xfer *queue; /* handed over, not posted yet */
-	struct world_xfer
-		*inflight; /* every exchange handed over and not done (queued or posted) */
-	int dead;          /* world_die ran: every exchange fails at once with dead_why */
+	/* every exchange handed over and not done (queued or posted) */
+	struct world_xfer *inflight;
+	int dead; /* world_die ran: every exchange fails at once with dead_why */
 	char dead_why[320];
 	pthread_t watch;         /* world_watch */
 	int watching;            /* the watch thread runs */

@@ -89,8 +89,8 @@ struct cuda_backend {
 	 */
 	pthread_mutex_t nccl_lock;
 	struct shd_nccl *nccl; /* the communicators of every job */
-	struct cuda_span
-		*spans; /* groups' members across nodes (backend_cuda_world.c); under nccl_lock */
+	/* groups' members across nodes (backend_cuda_world.c); under nccl_lock */
+	struct cuda_span *spans;
 	char gpu_sharing[192]; /* base.gpu_sharing points here */
 };
 

@@ -86,8 +86,8 @@ struct span_op {
 	uint32_t n;
 	int32_t devices[SHARDD_MAX_WORLD];
 	struct cuda_device *d[SHARDD_MAX_WORLD];
-	struct shd_nccl_clique
-		*cliques[SHARDD_MAX_WORLD]; /* the group's communicators, found at staging */
+	/* the group's communicators, found at staging */
+	struct shd_nccl_clique *cliques[SHARDD_MAX_WORLD];
 	char *err;
 	size_t errlen;
 };

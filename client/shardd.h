@@ -115,9 +115,9 @@ struct shardd_completion {
 	uint32_t op;        /* enum shardd_op */
 	uint32_t group;     /* group id, 0 for nop and barrier */
 	uint64_t step;      /* as submitted */
-	uint64_t result
-		[2]; /* the cqe's result words: grad_norm's (shardd_grad_norm_result); a barrier
-			       mismatch's other barrier number in [0]; else 0 */
+	/* the cqe's result words: grad_norm's (shardd_grad_norm_result); a barrier
+	 * mismatch's other barrier number in [0]; else 0 */
+	uint64_t result[2];
 	char msg[SHARDD_RING_MSG_SIZE]; /* daemon's error text, "" when none */
 };
 

@@ -424,8 +424,8 @@ struct shardd_group_reply {
 	uint64_t shard_size;     /* bytes of the flat shard, also of the sharded grad */
 	uint8_t export_kind[SHARDD_GROUP_BUFS]; /* per buffer, enum shardd_export_kind */
 	uint32_t optimizer;                     /* enum shardd_optim registered with the group */
-	uint64_t
-		last_step; /* the last step applied or skipped on the receiving rank's shard; 0: none */
+	/* the last step applied or skipped on the receiving rank's shard; 0: none */
+	uint64_t last_step;
 	uint64_t peer_last_step; /* the highest last_step of any rank of the group (minor 4) */
 };
 

@@ -43,8 +43,8 @@ struct dio_file {
 	uint32_t len[CKPT_DIO_BUFS]; /* a buffer's write in flight: its bytes (0: none) */
 	uint64_t at[CKPT_DIO_BUFS];  /* and its file offset */
 	int failed;                  /* a write failed: */
-	uint64_t
-		failed_at; /* the file offset of the first one (fsync: the file's end), for its message */
+	/* the file offset of the first one (fsync: the file's end), for its message */
+	uint64_t failed_at;
 };
 
 /*

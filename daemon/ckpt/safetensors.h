@@ -103,23 +103,25 @@ void shd_safetensors_free(struct shd_safetensors_file *f);
 /* ------------------------------------------------------------------ */
 
 struct shd_ckpt_file {
-	char name
-		[SHD_CKPT_FILE_NAME_MAX]; /* a plain file name: no '/', not "." or "..", no leading '.' */
+	/* a plain file name: no '/', not "." or "..", no leading '.' */
+	char name[SHD_CKPT_FILE_NAME_MAX];
 	uint64_t bytes;
 	uint32_t crc32; /* zlib crc32 of the whole file */
 };
 
 struct shd_ckpt_group {
-	struct shardd_register_group
-		hdr; /* name, nparams, param_dtype, reduce_dtype, flags; init 0 */
+	/* name, nparams, param_dtype, reduce_dtype, flags; init 0 */
+	struct shardd_register_group hdr;
 	struct shardd_param_spec *specs;  /* hdr.nparams */
 	struct shardd_optim_config optim; /* kind NONE: no optimizer */
 	uint64_t last_step;               /* last step applied or skipped on every rank */
-	uint64_t
-		optim_steps; /* updates applied (torch's state['step']); the most of any rank shard */
-	uint64_t *
-		shard_optim_steps; /* [manifest's shard]: each rank shard's updates, when a rank skipped
-					      a step alone (SHARDD_STEP_SKIP_NONFINITE); NULL: all optim_steps */
+	/* updates applied (torch's state['step']); the most of any rank shard */
+	uint64_t optim_steps;
+	/*
+	 * [manifest's shard]: each rank shard's updates, when a rank skipped a step alone
+	 * (SHARDD_STEP_SKIP_NONFINITE); NULL: all optim_steps
+	 */
+	uint64_t *shard_optim_steps;
 	char file[SHD_CKPT_FILE_NAME_MAX];       /* its params */
 	char optim_file[SHD_CKPT_FILE_NAME_MAX]; /* its optimizer state; "" when it keeps none */
 };

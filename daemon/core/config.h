@@ -42,8 +42,8 @@ struct shd_config {
 	uint64_t max_memory;     /* --max-memory: bytes of buffers of all jobs; 0 = the default
 					   (memlimit.h), set by shd_server_init */
 	uint64_t max_job_memory; /* --max-job-memory: bytes of one job's buffers; 0 = max_memory */
-	char max_memory_from
-		[96]; /* where max_memory comes from: "--max-memory" or the default's basis */
+	/* where max_memory comes from: "--max-memory" or the default's basis */
+	char max_memory_from[96];
 	double job_linger_s;      /* --job-linger; 0 = a job without ranks is kept forever */
 	unsigned socket_mode;     /* --socket-mode; 0: 0660 with --allow-gid, else 0600 */
 	gid_t socket_group;       /* --socket-group; else the first --allow-gid */

@@ -28,8 +28,8 @@ struct eng_ckpt {
 	uint64_t id;
 	struct shd_ckpt_manifest m; /* groups and files; file sizes and CRCs filled by the tasks */
 	struct eng_group **egs;     /* [m.ngroups] */
-	int32_t *
-		file_of; /* [2 * m.ngroups]: group i's params and optimizer file in m.files, or -1 */
+	/* [2 * m.ngroups]: group i's params and optimizer file in m.files, or -1 */
+	int32_t *file_of;
 	char *dir, *tmp, *parent, *keep_root;
 	uint32_t keep;
 	int dirfd;           /* the temporary directory */

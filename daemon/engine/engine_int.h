@@ -131,9 +131,9 @@ struct eng_group {
 	struct shd_engine_job *j;
 	int complete;           /* buffers allocated, every rank got its reply */
 	uint64_t mem_committed; /* bytes counted in its job's and the engine's mem_committed */
-	uint64_t
-		fds_committed; /* descriptors of its buffers, counted in the engine's fds_committed */
-	struct shd_rdv reg;    /* registration over all ranks */
+	/* descriptors of its buffers, counted in the engine's fds_committed */
+	uint64_t fds_committed;
+	struct shd_rdv reg;       /* registration over all ranks */
 	struct eng_reg *regs;     /* [world] */
 	uint32_t first_rank;      /* whose spec defines the group */
 	struct eng_coll *unshard; /* [replicate]: over each shard group */
@@ -161,8 +161,8 @@ struct eng_group {
 	int restoring;        /* its TASK_RESTORE runs: the registration completes when it ends */
 	int restore_fail;     /* a rank left or the job ended meanwhile: the registration fails */
 	char restore_msg[ENGINE_MSG_MAX];
-	uint64_t
-		span_seq; /* exchanges among nodes so far (world_collective.c); its running task's */
+	/* exchanges among nodes so far (world_collective.c); its running task's */
+	uint64_t span_seq;
 	/*
 	 * A job across nodes (world_collective.c): the buffer MPI sends from and
 	 * receives into, and FSDP's reduce scratch, sized and committed at
@@ -171,12 +171,12 @@ struct eng_group {
 	 */
 	struct shd_world_buf *span_buf;
 	uint64_t span_buf_bytes;
-	uint8_t *
-		span_scratch; /* FSDP reduce: fp32 node sums (wire dtype not fp32), total, prepared inputs */
-	uint64_t span_sums_at, span_tot_at,
-		span_tmp_at; /* offsets in span_scratch (span_sums_at: UINT64_MAX = in span_buf) */
-	uint64_t *
-		span_off32; /* FSDP reduce: each param's offset in an fp32 reduce shard [nparams + 1] */
+	/* FSDP reduce: fp32 node sums (wire dtype not fp32), total, prepared inputs */
+	uint8_t *span_scratch;
+	/* offsets in span_scratch (span_sums_at: UINT64_MAX = in span_buf) */
+	uint64_t span_sums_at, span_tot_at, span_tmp_at;
+	/* FSDP reduce: each param's offset in an fp32 reduce shard [nparams + 1] */
+	uint64_t *span_off32;
 	uint64_t span_F; /* FSDP reduce: bytes of such an fp32 shard */
 	int span_nobuf; /* loop: no buffer for the next task (MPI holds the old one, no room for another) */
 	char span_nobuf_msg[ENGINE_MSG_MAX];
@@ -200,9 +200,9 @@ struct shd_engine_job {
 	struct eng_ckpt_req *ckpt_armed;
 	uint64_t ckpt_seq;        /* ids given to checkpoints so far */
 	uint64_t ckpt_every_last; /* the last step --checkpoint-every took (or tried) */
-	struct shd_engine_ckpt_status
-		ckpt_last; /* the last_* fields: the last checkpoint that ended */
-	int ending;        /* shd_engine_job_end runs: start no task */
+	/* the last_* fields: the last checkpoint that ended */
+	struct shd_engine_ckpt_status ckpt_last;
+	int ending; /* shd_engine_job_end runs: start no task */
 	/*
 	 * Groups of an ended job whose task waiting for other nodes still runs
 	 * (eng_tasks_stop left it): the job, out of the engine's list, is freed
@@ -236,8 +236,8 @@ struct shd_engine {
 	struct shd_engine_job *jobs;
 	uint64_t mem_committed; /* its jobs' mem_committed, summed */
 	uint64_t fds_committed; /* its groups' eg->fds_committed, summed (registry.c) */
-	uint32_t
-		span_threads; /* threads running inter-node tasks (world_collective.c); under lock */
+	/* threads running inter-node tasks (world_collective.c); under lock */
+	uint32_t span_threads;
 	/*
 	 * Loop thread: exchange buffers that MPI still held when their group
 	 * let go of them (a send to a node that stopped answering), counted in

@@ -48,10 +48,13 @@ struct shd_group {
 	uint64_t *reduce_offsets;         /* per param: bytes into one shard in the reduce dtype
 					       (shd_placement_reduce_shard): an HSDP partial, a staging block */
 	uint64_t reduce_shard_size; /* bytes of such a shard; 0 without a uniform reduce dtype */
-	uint64_t
-		partial_size; /* bytes of one partial: reduce_shard_size with a replicate dim, else 0 */
-	uint64_t
-		internode_size; /* bytes of the inter-node exchange buffers (world_collective.c): 0 unless the job spans nodes */
+	/* bytes of one partial: reduce_shard_size with a replicate dim, else 0 */
+	uint64_t partial_size;
+	/*
+	 * bytes of the inter-node exchange buffers (world_collective.c): 0 unless the job spans
+	 * nodes
+	 */
+	uint64_t internode_size;
 	uint64_t internode_held; /* of those, allocated now */
 
 	int allocated;             /* buffers below were allocated (each: shd_buf_allocated) */
@@ -62,8 +65,8 @@ struct shd_group {
 	struct shd_buf *shards;    /* [world]: flat shards, params' dtypes */
 	struct shd_buf *sharded_grads; /* [world]: reduce outputs, params' dtypes */
 	struct shd_buf *grads;         /* [world]: unsharded grads, grad dtype */
-	struct shd_buf *
-		partials; /* [world] when replicate > 1: reduce-scatter sums kept for the all-reduce */
+	/* [world] when replicate > 1: reduce-scatter sums kept for the all-reduce */
+	struct shd_buf *partials;
 
 	/* Written only by the group's running task: tasks of a group run one at a time. */
 	uint8_t *grad_present;    /* [world]: sharded grad holds a value (accumulate into it) */
@@ -138,10 +141,10 @@ struct shd_group_memory {
 	uint64_t sharded_grads; /* reduce outputs, one per rank */
 	uint64_t grads;         /* unsharded grad buffers (reduce inputs), one per rank */
 	uint64_t partials;      /* HSDP reduce-scatter outputs, one per rank with a replicate dim */
-	uint64_t
-		optimizer; /* optimizer state the daemon keeps per rank shard (fp32, shard-sized) */
-	uint64_t
-		internode; /* a job across nodes: the group's inter-node exchange buffers and scratch */
+	/* optimizer state the daemon keeps per rank shard (fp32, shard-sized) */
+	uint64_t optimizer;
+	/* a job across nodes: the group's inter-node exchange buffers and scratch */
+	uint64_t internode;
 	uint64_t total; /* the sum */
 };
 

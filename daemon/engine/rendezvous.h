@@ -32,9 +32,11 @@ struct shd_rdv {
 	uint32_t first_rank;  /* who set the key */
 	uint64_t deadline_ns; /* first arrival + timeout (CLOCK_MONOTONIC) */
 	int active;           /* at least one arrival */
-	uint32_t
-		shown_base; /* added to every rank its messages name: a job across nodes shows global
-				  ranks (its node's first rank; 0 on one node) */
+	/*
+	 * added to every rank its messages name: a job across nodes shows global ranks (its node's
+	 * first rank; 0 on one node)
+	 */
+	uint32_t shown_base;
 	/* The last expiry (shd_rdv_expire). */
 	uint8_t *gave_up;      /* per expected index: SHD_RDV_GAVE_UP_* */
 	uint64_t gave_up_step; /* its key */

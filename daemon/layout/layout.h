@@ -43,8 +43,8 @@ struct shd_layout_param {
 
 struct shd_layout {
 	uint32_t nparams, world; /* world = shard group size S */
-	uint64_t unsharded_size, grad_size,
-		shard_size; /* bytes, each rounded up to SHARDD_ALIGN, at least SHARDD_ALIGN */
+	/* bytes, each rounded up to SHARDD_ALIGN, at least SHARDD_ALIGN */
+	uint64_t unsharded_size, grad_size, shard_size;
 	struct shd_layout_param *params;
 };
 

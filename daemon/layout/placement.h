@@ -33,9 +33,9 @@ enum shd_placement_kind {
 struct shd_placement {
 	uint32_t replicate, shard;
 	uint8_t shard_nccl[SHARDD_MAX_WORLD]; /* [replicate]: replica u's shard group runs NCCL */
-	uint8_t replicate_nccl
-		[SHARDD_MAX_WORLD]; /* [shard]: shard index s's replicate group runs NCCL */
-	uint32_t nccl;              /* how many of those groups run NCCL */
+	/* [shard]: shard index s's replicate group runs NCCL */
+	uint8_t replicate_nccl[SHARDD_MAX_WORLD];
+	uint32_t nccl; /* how many of those groups run NCCL */
 };
 
 /* The device that holds a rank's buffers: the one its hello named, else the default. */

@@ -58,8 +58,8 @@ void shd_world_boot_who(const struct shd_world_boot *s, const uint8_t *marked, c
 
 /* What a node sends in the first and last exchanges. */
 struct boot_word {
-	uint32_t
-		value; /* the agreement: its generation; the outcome: 1 when its set-up succeeded */
+	/* the agreement: its generation; the outcome: 1 when its set-up succeeded */
+	uint32_t value;
 	uint32_t pad;
 };
 

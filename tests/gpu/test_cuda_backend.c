@@ -437,8 +437,8 @@ struct ipc_offer {
 struct ipc_pipes {
 	int in;  /* child reads the offer and the parent's go bytes */
 	int out; /* child writes one byte per step done */
-	int parents
-		[2]; /* the parent's ends: closed in the child, so each side sees the other's EOF */
+	/* the parent's ends: closed in the child, so each side sees the other's EOF */
+	int parents[2];
 };
 
 /* In the child: the device bytes at `ptr` are what `expected` says; 0, else the first bad index + 1. */

@@ -82,9 +82,9 @@ struct trainer_opts {
 	uint32_t attempt;    /* --attempt A: with --resume-step, the attempt to join */
 	int32_t device;      /* --device N; SHARDD_HELLO_DEVICE_HOST: none */
 	int trainer_sgd;     /* --trainer-sgd: SGD in the trainer, not the daemon's step */
-	uint64_t
-		checkpoint_every; /* --checkpoint-every N: checkpoint after each step n % N == 0; 0: never */
-	int resume;               /* --resume: register from the job's newest checkpoint, if any */
+	/* --checkpoint-every N: checkpoint after each step n % N == 0; 0: never */
+	uint64_t checkpoint_every;
+	int resume; /* --resume: register from the job's newest checkpoint, if any */
 };
 
 /*

@@ -41,30 +41,6 @@
 /* Daemon flags: a lost rendezvous fails in seconds, well inside the test's timeout. */
 static const char *const daemon_args[] = { "--collective-timeout", "10", NULL };
 
-static uint64_t seed_state;
-
-static uint64_t kill_seed(void)
-{
-	const char *env = getenv("SHARDD_KILL_SEED");
-	struct timespec ts;
-
-	if (env && *env)
-		return strtoull(env, NULL, 0);
-	clock_gettime(CLOCK_REALTIME, &ts);
-	return ((uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec) ^
-	       ((uint64_t)getpid() << 32);
-}
-
-/* splitmix64: each draw is a function of the seed and the number of draws before it. */
-static uint64_t draw(void)
-{
-	uint64_t z = (seed_state += 0x9e3779b97f4a7c15ull);
-
-	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-	z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-	return z ^ (z >> 31);
-}
-
 struct kill_cfg {
 	unsigned world;
 	unsigned replicate;
@@ -77,18 +53,6 @@ struct kill_env {
 	char got[160];
 	char world[16], replicate[16], steps[16];
 };
-
-static void read_all(const char *path, float *v)
-{
-	FILE *f = fopen(path, "rb");
-	size_t n;
-
-	cr_assert(f, "dump '%s' missing", path);
-	n = fread(v, sizeof(float), TRAIN_NPARAMS + 1, f);
-	fclose(f);
-	cr_assert_eq(n, (size_t)TRAIN_NPARAMS, "dump '%s' holds %zu floats, expected %d", path, n,
-		     TRAIN_NPARAMS);
-}
 
 /* Start the daemon and train the uninterrupted run of cfg. */
 static void kill_env_start(struct kill_env *e, struct kill_cfg cfg)
@@ -140,8 +104,8 @@ static void kill_run(struct kill_env *e, struct train_run *r, const char *job, u
 	snprintf(said, sizeof(said), "rank %u: raising SIGKILL at point %u:", rank, point);
 	cr_assert(strstr(r->out, said), "%s: rank %u was not killed at point %u:\n%s", what, rank,
 		  point, r->out);
-	read_all(e->ref, want);
-	read_all(e->got, got);
+	train_read_dump(e->ref, want);
+	train_read_dump(e->got, got);
 	for (int i = 0; i < TRAIN_NPARAMS; i++)
 		cr_assert_eq(
 			memcmp(&got[i], &want[i], sizeof(float)), 0,
@@ -155,16 +119,15 @@ static void random_kills(struct kill_cfg cfg)
 {
 	static struct train_run r;
 	struct kill_env e;
-	uint64_t seed = kill_seed();
+	uint64_t seed = train_seed("SHARDD_KILL_SEED"), rng = seed;
 	char what[64], job[32];
 
-	seed_state = seed;
 	snprintf(what, sizeof(what), "SHARDD_KILL_SEED=%" PRIu64, seed);
 	cr_log_info("%s", what);
 	kill_env_start(&e, cfg);
 	for (int run = 0; run < KILL_RUNS; run++) {
-		unsigned rank = (unsigned)(draw() % cfg.world);
-		unsigned point = (unsigned)(draw() % (KILL_STEPS * RANK_POINTS_PER_STEP));
+		unsigned rank = (unsigned)(train_draw(&rng) % cfg.world);
+		unsigned point = (unsigned)(train_draw(&rng) % (KILL_STEPS * RANK_POINTS_PER_STEP));
 
 		snprintf(job, sizeof(job), "kill%d", run);
 		kill_run(&e, &r, job, rank, point, what);

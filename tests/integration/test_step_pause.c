@@ -48,53 +48,16 @@
 
 static const char *const daemon_args[] = { "--collective-timeout", "1", NULL };
 
-static uint64_t seed_state;
-
-static uint64_t pause_seed(void)
-{
-	const char *env = getenv("SHARDD_PAUSE_SEED");
-	struct timespec ts;
-
-	if (env && *env)
-		return strtoull(env, NULL, 0);
-	clock_gettime(CLOCK_REALTIME, &ts);
-	return ((uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec) ^
-	       ((uint64_t)getpid() << 32);
-}
-
-/* splitmix64: each draw is a function of the seed and the number of draws before it. */
-static uint64_t draw(void)
-{
-	uint64_t z = (seed_state += 0x9e3779b97f4a7c15ull);
-
-	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-	z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-	return z ^ (z >> 31);
-}
-
-static void read_all(const char *path, float *v)
-{
-	FILE *f = fopen(path, "rb");
-	size_t n;
-
-	cr_assert(f, "dump '%s' missing", path);
-	n = fread(v, sizeof(float), TRAIN_NPARAMS + 1, f);
-	fclose(f);
-	cr_assert_eq(n, (size_t)TRAIN_NPARAMS, "dump '%s' holds %zu floats, expected %d", path, n,
-		     TRAIN_NPARAMS);
-}
-
 /* PAUSE_RUNS runs of a world x replicate job, each pausing a random rank at a random point. */
 static void random_pauses(unsigned world, unsigned replicate)
 {
 	static struct train_run r;
 	static float want[TRAIN_NPARAMS], got[TRAIN_NPARAMS];
 	struct harness_daemon d = { 0 };
-	uint64_t seed = pause_seed();
+	uint64_t seed = train_seed("SHARDD_PAUSE_SEED"), rng = seed;
 	char what[64], ref[160], dump[160], w[16], rep[16], steps[16];
 	int64_t t0, base_ms;
 
-	seed_state = seed;
 	snprintf(what, sizeof(what), "SHARDD_PAUSE_SEED=%" PRIu64, seed);
 	cr_log_info("%s", what);
 	snprintf(w, sizeof(w), "%u", world);
@@ -112,11 +75,12 @@ static void random_pauses(unsigned world, unsigned replicate)
 		harness_daemon_dump_log(&d);
 	cr_assert(train_run_ok(&r), "uninterrupted %ux%u run %s:\n%s", replicate, world / replicate,
 		  harness_status_str(r.status), r.out);
-	read_all(ref, want);
+	train_read_dump(ref, want);
 	for (int run = 0; run < PAUSE_RUNS; run++) {
-		unsigned rank = (unsigned)(draw() % world);
-		unsigned point = (unsigned)(draw() % (PAUSE_STEPS * RANK_POINTS_PER_STEP));
-		unsigned ms = PAUSE_MIN_MS + (unsigned)(draw() % PAUSE_SPAN_MS);
+		unsigned rank = (unsigned)(train_draw(&rng) % world);
+		unsigned point =
+			(unsigned)(train_draw(&rng) % (PAUSE_STEPS * RANK_POINTS_PER_STEP));
+		unsigned ms = PAUSE_MIN_MS + (unsigned)(train_draw(&rng) % PAUSE_SPAN_MS);
 		char job[32], rk[16], pt[16], pms[16], said[96], late[96];
 		int64_t took;
 
@@ -158,7 +122,7 @@ static void random_pauses(unsigned world, unsigned replicate)
 			     "%s: %ux%u, rank %u stopped %u ms at point %u: the run took %" PRId64
 			     " ms:\n%s",
 			     what, replicate, world / replicate, rank, ms, point, took, r.out);
-		read_all(dump, got);
+		train_read_dump(dump, got);
 		for (int i = 0; i < TRAIN_NPARAMS; i++)
 			cr_assert_eq(
 				memcmp(&got[i], &want[i], sizeof(float)), 0,

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <criterion/criterion.h>
@@ -67,7 +68,28 @@ int train_parse_losses(const char *out, double *loss, int max)
 	return n;
 }
 
-static void read_dump(const char *path, float *v)
+uint64_t train_seed(const char *env)
+{
+	const char *v = getenv(env);
+	struct timespec ts;
+
+	if (v && *v)
+		return strtoull(v, NULL, 0);
+	clock_gettime(CLOCK_REALTIME, &ts);
+	return ((uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec) ^
+	       ((uint64_t)getpid() << 32);
+}
+
+uint64_t train_draw(uint64_t *state)
+{
+	uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
+
+	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+	z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+	return z ^ (z >> 31);
+}
+
+void train_read_dump(const char *path, float *v)
 {
 	FILE *f = fopen(path, "rb");
 	size_t n;
@@ -85,8 +107,8 @@ void train_expect_params_match(const char *got_path, const char *ref_path, const
 	double worst = 0.0;
 	int at = 0, exact = 0;
 
-	read_dump(got_path, got);
-	read_dump(ref_path, ref);
+	train_read_dump(got_path, got);
+	train_read_dump(ref_path, ref);
 	for (int i = 0; i < TRAIN_NPARAMS; i++) {
 		double scale = fabs((double)ref[i]) > TRAIN_PARITY_FLOOR ? fabs((double)ref[i])
 									 : TRAIN_PARITY_FLOOR;

@@ -49,6 +49,15 @@ int train_run_ok(const struct train_run *r);
 /* The "step N loss X" lines of a run, in order; how many (asserts they are in order). */
 int train_parse_losses(const char *out, double *loss, int max);
 /* Largest relative difference over every param of two dumps, expected within TRAIN_PARITY_RTOL. */
+/* A dump of train_mlp --dump (TRAIN_NPARAMS floats) into v, asserting its size. */
+void train_read_dump(const char *path, float *v);
+/*
+ * A fault suite's seed: $env when set (to replay a failure), else from the
+ * clock and pid. train_draw: splitmix64, each draw a function of the seed
+ * and the number of draws before it.
+ */
+uint64_t train_seed(const char *env);
+uint64_t train_draw(uint64_t *state);
 void train_expect_params_match(const char *got_path, const char *ref_path, const char *what);
 /* Per-step mean losses within TRAIN_PARITY_RTOL of the reference's. */
 void train_expect_losses_match(const double *a, const double *b, const char *what);

@@ -490,6 +490,25 @@ static int metrics_port(const struct opd *d)
 	return atoi(p + strlen("metrics on http://127.0.0.1:"));
 }
 
+/*
+ * shardd on a socket in a fresh directory (base, sock) with --metrics-listen
+ * on port 0, which the kernel picks and the log names: that port.
+ */
+static int metrics_daemon_start(struct opd *d, char *base, size_t baselen, char *sock,
+				size_t socklen)
+{
+	make_base(base, baselen);
+	snprintf(sock, socklen, "%s/shardd.sock", base);
+	{
+		const char *args[] = { "--socket", sock, "--metrics-listen", "0", "--log-level",
+				       "info",     NULL };
+
+		cr_assert_eq(opd_start(d, args, -1, 0, sock), 0, "shardd did not start:\n%s",
+			     d->log);
+	}
+	return metrics_port(d);
+}
+
 Test(operations, metrics_listen_serves_a_valid_exposition_with_the_ops_run)
 {
 	static char resp[1 << 17];
@@ -499,17 +518,7 @@ Test(operations, metrics_listen_serves_a_valid_exposition_with_the_ops_run)
 	struct opd d;
 	int port, idle;
 
-	make_base(base, sizeof(base));
-	snprintf(sock, sizeof(sock), "%s/shardd.sock", base);
-	{
-		/* Port 0: the kernel picks a free one, and the log names it. */
-		const char *args[] = { "--socket", sock, "--metrics-listen", "0", "--log-level",
-				       "info",     NULL };
-
-		cr_assert_eq(opd_start(&d, args, -1, 0, sock), 0, "shardd did not start:\n%s",
-			     d.log);
-	}
-	port = metrics_port(&d);
+	port = metrics_daemon_start(&d, base, sizeof(base), sock, sizeof(sock));
 	/* A scraper that connects and says nothing must hold up neither clients nor scrapes. */
 	{
 		struct sockaddr_in sa = { .sin_family = AF_INET,
@@ -620,16 +629,7 @@ Test(operations, metrics_scrapes_are_answered_through_a_flood_of_idle_and_trickl
 	pthread_t th;
 	struct opd d;
 
-	make_base(base, sizeof(base));
-	snprintf(sock, sizeof(sock), "%s/shardd.sock", base);
-	{
-		const char *args[] = { "--socket", sock, "--metrics-listen", "0", "--log-level",
-				       "info",     NULL };
-
-		cr_assert_eq(opd_start(&d, args, -1, 0, sock), 0, "shardd did not start:\n%s",
-			     d.log);
-	}
-	f.port = metrics_port(&d);
+	f.port = metrics_daemon_start(&d, base, sizeof(base), sock, sizeof(sock));
 	for (int i = 0; i < FLOOD_IDLE + FLOOD_TRICKLE; i++) {
 		f.fds[i] = tcp_connect(f.port);
 		cr_assert_geq(f.fds[i], 0, "flood connection %d: %s", i, strerror(errno));

@@ -106,6 +106,18 @@ overlap_mps() {
 case ${1:-} in
 __train) train_compare "$2"; exit ;;
 __mps) overlap_mps "$2"; exit ;;
+-h | --help)
+	echo "usage: $0 OUTDIR"
+	echo "Run shardd's GPU check (every GPU suite, compute-sanitizer, train_mlp cuda"
+	echo "against host, shardbench gpu, the overlap under load with and without MPS) in"
+	echo "at most 5 minutes; full logs in OUTDIR, the summary table last (docs/CUDA.md)."
+	echo "Without a GPU every step is skipped, with exit status 0."
+	exit 0
+	;;
+-*)
+	echo "$0: unknown option '$1' (usage: $0 OUTDIR)" >&2
+	exit 2
+	;;
 esac
 if [ $# -ne 1 ]; then
 	echo "usage: $0 OUTDIR" >&2

@@ -9,12 +9,13 @@
  * not read. A connection past its deadline is shut down, which MHD sees
  * as the peer's end and closes. The daemon accepts connections itself
  * (MHD_add_connection), all that are pending at each event, so none waits
- * in the listen backlog behind a flood. When METRICS_HTTP_CONNECTIONS are
- * open, a new one shuts down the oldest whose request bytes are not waiting
- * unread in the kernel (a request not yet served); only when all of them
- * have some is the new one closed instead. So a scraper, which sends its
- * request as soon as it connects, is answered however many others keep
- * connecting, and at the latest within one deadline.
+ * in the listen backlog behind a flood. Above METRICS_HTTP_CONNECTIONS
+ * open, each tick shuts down the oldest whose request bytes are not waiting
+ * unread in the kernel (not served, and not about to be) until that many
+ * are left; only at twice as many is a new connection closed at once. A
+ * scraper, which sends its request as soon as it connects, has its bytes
+ * read before any tick can take it for an idle one, so it is answered
+ * however many others keep connecting.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -35,7 +36,7 @@
 #include "loop.h"
 #include "metrics_http.h"
 
-#define METRICS_HTTP_CONNECTIONS 256 /* open at once; a new one shuts down the oldest */
+#define METRICS_HTTP_CONNECTIONS 256 /* kept open past a tick; the oldest idle ones above go */
 #define METRICS_HTTP_EXCHANGE_MS \
 	500                      /* a request in and its response out, from the connection's
 					 start or its previous response; past it: shut down */
@@ -281,42 +282,47 @@ static void metrics_request_done(void *cls, struct MHD_Connection *conn, void **
 		c->deadline_ns = shd_now_ns() + METRICS_HTTP_EXCHANGE_MS * 1000000ull;
 }
 
-/* Shut down every connection past its deadline: MHD reads the end and closes it. */
-static void metrics_conns_expire(struct shd_metrics_http *h, uint64_t now_ns)
+/* Shut down c: MHD reads the end and closes it. */
+static void metrics_conn_shut(struct metrics_conn *c)
 {
-	for (struct metrics_conn *c = h->conns.next; c != &h->conns; c = c->next) {
-		if (c->shut || now_ns < c->deadline_ns)
-			continue;
-		c->shut = 1;
-		shutdown(c->fd, SHUT_RDWR);
-	}
+	c->shut = 1;
+	shutdown(c->fd, SHUT_RDWR);
+}
+
+/* Connections not shut down yet. */
+static unsigned metrics_conns_open(const struct shd_metrics_http *h)
+{
+	unsigned open = 0;
+
+	for (const struct metrics_conn *c = h->conns.next; c != &h->conns; c = c->next)
+		open += !c->shut;
+	return open;
 }
 
 /*
- * Make room for one more connection: at the limit, shut down the oldest
- * open one with no request bytes waiting unread (FIONREAD), which MHD has
- * not served yet. Returns 0, or -EAGAIN when every open connection has
- * some: the new connection is to be closed instead.
+ * Each tick, before MHD runs: shut down every connection past its
+ * deadline, then, while more than METRICS_HTTP_CONNECTIONS are open, the
+ * oldest with no request bytes waiting unread (FIONREAD): idle, or
+ * trickling bytes MHD took already. One whose request is in is kept, and
+ * MHD serves it next.
  */
-static int metrics_conns_make_room(struct shd_metrics_http *h)
+static void metrics_conns_trim(struct shd_metrics_http *h, uint64_t now_ns)
 {
-	struct metrics_conn *c;
-	unsigned open = 0;
+	unsigned open;
 
-	for (c = h->conns.next; c != &h->conns; c = c->next)
-		open += !c->shut;
-	if (open < METRICS_HTTP_CONNECTIONS)
-		return 0;
-	for (c = h->conns.prev; c != &h->conns; c = c->prev) {
+	for (struct metrics_conn *c = h->conns.next; c != &h->conns; c = c->next)
+		if (!c->shut && now_ns >= c->deadline_ns)
+			metrics_conn_shut(c);
+	open = metrics_conns_open(h);
+	for (struct metrics_conn *c = h->conns.prev;
+	     c != &h->conns && open > METRICS_HTTP_CONNECTIONS; c = c->prev) {
 		int unread = 0;
 
 		if (c->shut || (ioctl(c->fd, FIONREAD, &unread) == 0 && unread > 0))
 			continue;
-		c->shut = 1;
-		shutdown(c->fd, SHUT_RDWR);
-		return 0;
+		metrics_conn_shut(c);
+		open--;
 	}
-	return -EAGAIN;
 }
 
 static void metrics_http_run(struct shd_metrics_http *h);
@@ -340,7 +346,8 @@ static void metrics_http_accept(void *arg, int fd, uint32_t revents)
 				metrics_warn(h, "accept: %s", strerror(errno));
 			break;
 		}
-		if (metrics_conns_make_room(h) < 0) {
+		/* Twice the limit open: the ticks have not kept up with the flood; refuse. */
+		if (metrics_conns_open(h) >= 2 * METRICS_HTTP_CONNECTIONS) {
 			close(c);
 			continue;
 		}
@@ -387,7 +394,7 @@ static void metrics_http_tick(void *arg)
 {
 	struct shd_metrics_http *h = arg;
 
-	metrics_conns_expire(h, shd_now_ns());
+	metrics_conns_trim(h, shd_now_ns());
 	metrics_http_run(h);
 }
 

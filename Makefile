@@ -86,7 +86,7 @@ INC_daemon/session   := -iquote daemon/session $(INC_daemon/engine)
 INC_daemon/admin     := -iquote daemon/admin $(INC_daemon/session)
 INC_daemon           := -iquote daemon $(INC_daemon/admin)
 DAEMON_DIRS  := core layout world ckpt backend backend/cuda engine session admin
-INC_client   := -iquote client -iquote proto
+INC_client   := -iquote client -iquote kernels -iquote proto
 INC_tools    := -iquote client -iquote proto
 # shardbench also measures the kernels (`shardbench gpu`); mpi/ shares bench.h.
 INC_tools/shardbench := -iquote tools/shardbench -iquote client -iquote proto -iquote kernels
@@ -153,13 +153,16 @@ $(LIBKERNELS): $(KERNEL_OBJ)
 $(LIBDAEMON): $(DAEMON_OBJ)
 	rm -f $@ && $(AR) rcs $@ $^
 
-$(LIBCLIENT_A): $(CLIENT_OBJ)
+# The CPU kernels go with the client: a rank-executed group's ops run in the rank
+# (client/exec.c) with the daemon's own arithmetic.
+$(LIBCLIENT_A): $(CLIENT_OBJ) $(call obj,$(KERNEL_SRC))
 	rm -f $@ && $(AR) rcs $@ $^
 
-# client/libshardd.map: only shardd_* is exported, versioned SHARDD_0.1.
-$(LIBCLIENT_SO): $(CLIENT_OBJ) client/libshardd.map
+# client/libshardd.map: only shardd_* is exported, versioned SHARDD_0.1; the
+# kernels' shardd_k_* stay inside (--exclude-libs).
+$(LIBCLIENT_SO): $(CLIENT_OBJ) $(LIBKERNELS) client/libshardd.map
 	$(CC) $(LDFLAGS) -shared -Wl,-soname,libshardd.so.0 -Wl,--version-script,client/libshardd.map \
-		-o $@ $(CLIENT_OBJ) -lpthread
+		-Wl,--exclude-libs,libshardd_kernels.a -o $@ $(CLIENT_OBJ) $(LIBKERNELS) -lpthread -lm
 
 $(SHARDD): $(BUILD)/daemon/main.o $(LIBDAEMON) $(LIBKERNELS)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS) $(MPI_LIBS) $(CUDA_LDLIBS)
@@ -193,9 +196,20 @@ test: deps-check
 	$(MAKE) all $(UNIT_BIN) $(INTEG_BIN) $(GPU_BIN)
 	$(MAKE) test-c test-python $(if $(filter 1,$(SANITIZE)),,test-gpu-check)
 
+# The numerics and recovery suites, run a second time with their small
+# groups rank-executed (shardd --rank-exec-max 4M; the default, 0, leaves
+# every group to the daemon), so both executors pass the same tests.
+EXEC_BOTH_BIN := $(addprefix $(BUILD)/tests/integration/,test_shapes test_train \
+	test_step_job test_optim_daemon test_grad_norm test_checkpoint \
+	test_checkpoint_restore test_checkpoint_restart)
+
 test-c: all $(UNIT_BIN) $(INTEG_BIN)
 	@set -e; for t in $(UNIT_BIN) $(INTEG_BIN); do \
 		echo "== $$t"; SHARDD_BIN=$(abspath $(SHARDD)) SHARDD_BUILD=$(abspath $(BUILD)) $$t --jobs 1; \
+	done; \
+	for t in $(EXEC_BOTH_BIN); do \
+		echo "== $$t (small groups rank-executed)"; SHARDD_TEST_RANK_EXEC_MAX=4M \
+		SHARDD_BIN=$(abspath $(SHARDD)) SHARDD_BUILD=$(abspath $(BUILD)) $$t --jobs 1; \
 	done
 
 test-python: all

@@ -18,6 +18,7 @@
 
 #include "cuda_import.h"
 #include "internal.h"
+#include "shardd_exec.h"
 
 _Static_assert(SHARDD_BUF_COUNT == SHARDD_GROUP_BUFS, "a group maps every buffer of a GROUP reply");
 
@@ -26,23 +27,6 @@ static const char *const buf_name[SHARDD_BUF_COUNT] = {
 	[SHARDD_BUF_GRAD] = "grad",
 	[SHARDD_BUF_SHARD] = "flat shard",
 	[SHARDD_BUF_SHARD_GRAD] = "sharded grad",
-};
-
-/*
- * Where one param's shard sits in the full tensor, by FSDP2's padded
- * chunking along shard_dim: the tensor is outer x dim x inner elements,
- * this rank holds rows [begin, begin + rows) of dim, of which `valid`
- * are real data (dim-0 padding; Shard(i > 0) is even, so always all).
- */
-struct shardd_shard_geometry {
-	uint64_t numel;
-	uint64_t outer;
-	uint64_t dim;
-	uint64_t inner;
-	uint64_t rows;
-	uint64_t begin;
-	uint64_t valid;
-	uint64_t shard_numel;
 };
 
 /*
@@ -63,8 +47,8 @@ static int shape_overflow_dim(const struct shardd_param_spec *p)
 }
 
 /* `p` passed specs_from_reply(): ndim and shard_dim are in range. */
-static int geometry(const struct shardd_param_spec *p, uint32_t world, uint32_t shard_rank,
-		    struct shardd_shard_geometry *geo)
+int shardd_group_geometry(const struct shardd_param_spec *p, uint32_t world, uint32_t shard_rank,
+			  struct shardd_shard_geometry *geo)
 {
 	memset(geo, 0, sizeof(*geo));
 	/* Bounded so, no product of some of the dims below overflows. */
@@ -145,7 +129,7 @@ static int check_against_spec(const struct shardd_group *g, uint32_t i)
 				      "param %u '%s': daemon accepted dtype %u / param_dtype %u, "
 				      "which this libshardd does not know",
 				      i, p->name, p->dtype, g->info.param_dtype);
-	ret = geometry(p, world, g->client->rank % world, &geo);
+	ret = shardd_group_geometry(p, world, g->client->rank % world, &geo);
 	if (ret < 0)
 		return shardd_err_set(-SHARDD_E_MALFORMED,
 				      "param %u '%s': daemon accepted a shape that %s", i, p->name,
@@ -192,7 +176,9 @@ static int map_cuda_buffer(struct shardd_group *g, enum shardd_group_buf b, int 
 
 static int map_buffer(struct shardd_group *g, enum shardd_group_buf b, int fd, uint64_t size)
 {
-	int prot = b == SHARDD_BUF_UNSHARDED ? PROT_READ : PROT_READ | PROT_WRITE;
+	/* Daemon-executed: the unsharded copy is the daemon's output. Rank-executed: this rank's. */
+	int lent_ro = b == SHARDD_BUF_UNSHARDED && g->info.exec != SHARDD_EXEC_RANKS;
+	int prot;
 	struct stat st;
 	int seals;
 	void *addr;
@@ -216,7 +202,17 @@ static int map_buffer(struct shardd_group *g, enum shardd_group_buf b, int fd, u
 				      "%s fd is not a memfd sealed against shrinking (seals %d)",
 				      buf_name[b], seals);
 	/* A read-only buffer that one rank could reopen O_RDWR would let it rewrite every rank's params. */
-	if (b == SHARDD_BUF_UNSHARDED && !(seals & F_SEAL_FUTURE_WRITE))
+	/*
+	 * A rank-executed group's shard and grad buffer come sealed when this
+	 * client opens the group a second time: this handle only reads them.
+	 */
+	if (g->info.exec == SHARDD_EXEC_RANKS && (b == SHARDD_BUF_GRAD || b == SHARDD_BUF_SHARD) &&
+	    (seals & F_SEAL_FUTURE_WRITE))
+		g->exec_second = 1;
+	prot = lent_ro || ((b == SHARDD_BUF_GRAD || b == SHARDD_BUF_SHARD) && g->exec_second)
+		       ? PROT_READ
+		       : PROT_READ | PROT_WRITE;
+	if (lent_ro && !(seals & F_SEAL_FUTURE_WRITE))
 		return shardd_err_set(
 			-SHARDD_E_MALFORMED,
 			"%s fd is lent read-only but is not sealed against writes "
@@ -319,8 +315,11 @@ static int group_from_reply(struct shardd_group *g, const struct shardd_ctrl_rx 
 			    uint32_t want_nparams)
 {
 	struct shardd_group_reply *info = &g->info;
-	/* A daemon of minor < 4 sends the reply without peer_last_step (then 0). */
-	size_t isize = g->client->welcome.minor >= 4 ? sizeof(*info) : SHARDD_GROUP_REPLY_SIZE_V3;
+	/* An older daemon sends the reply without exec (< 5) or peer_last_step (< 4): then 0. */
+	size_t isize = g->client->welcome.minor >= 5   ? sizeof(*info)
+		       : g->client->welcome.minor == 4 ? SHARDD_GROUP_REPLY_SIZE_V4
+						       : SHARDD_GROUP_REPLY_SIZE_V3;
+	int ranks, nfds;
 	uint64_t sizes[SHARDD_BUF_COUNT];
 	const uint8_t *handles;
 	size_t specs_end;
@@ -350,7 +349,19 @@ static int group_from_reply(struct shardd_group *g, const struct shardd_ctrl_rx 
 		return shardd_err_set(-SHARDD_E_MALFORMED,
 				      "GROUP reply has shard_world %u, the mesh's shard size is %u",
 				      info->shard_world, g->client->shard);
-	ret = shardd_group_check_exports(info, g->client->welcome.backend, rx->nfds,
+	if (info->exec != SHARDD_EXEC_DAEMON && info->exec != SHARDD_EXEC_RANKS &&
+	    !(isize < sizeof(*info) && info->exec == 0))
+		return shardd_err_set(
+			-SHARDD_E_MALFORMED,
+			"GROUP reply has exec = %u, neither daemon (%d) nor ranks (%d)", info->exec,
+			SHARDD_EXEC_DAEMON, SHARDD_EXEC_RANKS);
+	/* A rank-executed group's sync page travels after the buffers' fds. */
+	ranks = info->exec == SHARDD_EXEC_RANKS;
+	nfds = rx->nfds - ranks;
+	if (nfds < 0)
+		return shardd_err_set(-SHARDD_E_MALFORMED,
+				      "GROUP reply of a rank-executed group carries no fd");
+	ret = shardd_group_check_exports(info, g->client->welcome.backend, nfds,
 					 rx->hdr.length - specs_end);
 	if (ret < 0)
 		return ret;
@@ -363,7 +374,8 @@ static int group_from_reply(struct shardd_group *g, const struct shardd_ctrl_rx 
 	if (ret < 0)
 		return ret;
 	sizes[SHARDD_BUF_UNSHARDED] = info->unsharded_size;
-	sizes[SHARDD_BUF_GRAD] = info->grad_size;
+	sizes[SHARDD_BUF_GRAD] =
+		ranks ? shardd_exec_grad_map_size(info->grad_size) : info->grad_size;
 	sizes[SHARDD_BUF_SHARD] = info->shard_size;
 	sizes[SHARDD_BUF_SHARD_GRAD] = info->shard_size;
 	/* fds and handles each come in buffer order, for the buffers of their kind. */
@@ -396,13 +408,14 @@ static int group_from_reply(struct shardd_group *g, const struct shardd_ctrl_rx 
 		if (ret < 0)
 			return ret;
 	}
-	return 0;
+	return ranks ? shardd_exec_attach(g, rx->fds[nfds]) : 0;
 }
 
 void shardd_group_close(struct shardd_group *g)
 {
 	if (!g)
 		return;
+	shardd_exec_detach(g);
 	for (int b = 0; b < SHARDD_BUF_COUNT; b++) {
 		if (g->buf[b].cuda_size) {
 			struct shardd_cuda_mapping m = { (uint64_t)(uintptr_t)g->buf[b].addr,
@@ -510,6 +523,13 @@ int shardd_group_register(struct shardd_client *c, const char *name,
 	reg->param_dtype = precision ? precision->param_dtype : SHARDD_DTYPE_NONE;
 	reg->reduce_dtype = precision ? precision->reduce_dtype : SHARDD_DTYPE_NONE;
 	reg->init = SHARDD_INIT_ZERO;
+	reg->exec = opts ? opts->exec : SHARDD_EXEC_AUTO;
+	if (reg->exec >= SHARDD_EXEC_COUNT) {
+		ret = shardd_err_set(-EINVAL, "exec = %u; known: auto %d, daemon %d, ranks %d",
+				     reg->exec, SHARDD_EXEC_AUTO, SHARDD_EXEC_DAEMON,
+				     SHARDD_EXEC_RANKS);
+		goto err;
+	}
 	for (uint32_t i = 0; i < nparams; i++) {
 		const struct shardd_param_desc *d = &params[i];
 		struct shardd_param_spec *p = &specs[i];
@@ -676,7 +696,7 @@ int shardd_group_load_full(struct shardd_group *g, uint32_t param, const void *f
 				      g->name, g->info.nparams, full ? "" : ": no data");
 	p = &g->specs[param];
 	/* Registration checked the shape and the layout against each other. */
-	geometry(p, g->info.shard_world, g->client->rank % g->info.shard_world, &geo);
+	shardd_group_geometry(p, g->info.shard_world, g->client->rank % g->info.shard_world, &geo);
 	esz = shardd_dtype_size(p->dtype);
 	shard = shardd_group_shard(g, param);
 	/* A zero-numel param has no shard bytes, however many outer indices it has. */

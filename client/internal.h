@@ -26,6 +26,9 @@ struct shardd_stash {
 };
 
 struct shardd_cuda_fences;
+struct shardd_xop;
+struct shardd_exec_slot;
+struct shardd_exec_sync;
 
 struct shardd_client {
 	int sock;       /* SOCK_SEQPACKET control connection */
@@ -48,6 +51,17 @@ struct shardd_client {
 	void *stream; /* the CUstream ops are ordered with, while stream_set */
 	int stream_set;
 	char socket_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
+	/* exec.c: ops of rank-executed groups not complete yet, in submission order */
+	struct shardd_xop *xhead, *xtail;
+	struct {
+		/* what the first of them waits for (shardd_exec_progress): a peer's word, or the
+		   sync page's change counter (word NULL); mine NULL: none */
+		struct shardd_exec_slot *mine;
+		uint64_t *word;
+		uint64_t seen;
+		struct shardd_exec_sync *sync;
+		uint32_t changes;
+	} xwait;
 };
 
 /* One mapped buffer of a group. */
@@ -57,6 +71,23 @@ struct shardd_mapping {
 	uint64_t cuda_size;  /* cuda backend: shardd_cuda_mapping.size; 0: a host mmap */
 	uint32_t cuda_kind;  /* cuda backend: how it was imported (enum shardd_export_kind) */
 	int32_t cuda_device; /* cuda backend: the device it was imported on */
+};
+
+/*
+ * Where one param's shard sits in the full tensor, by FSDP2's padded
+ * chunking along shard_dim: the tensor is outer x dim x inner elements,
+ * this rank holds rows [begin, begin + rows) of dim, of which `valid`
+ * are real data (dim-0 padding; Shard(i > 0) is even, so always all).
+ */
+struct shardd_shard_geometry {
+	uint64_t numel;
+	uint64_t outer;
+	uint64_t dim;
+	uint64_t inner;
+	uint64_t rows;
+	uint64_t begin;
+	uint64_t valid;
+	uint64_t shard_numel;
 };
 
 enum shardd_group_buf {
@@ -74,7 +105,23 @@ struct shardd_group {
 	struct shardd_param_layout *layouts; /* info.nparams */
 	struct shardd_param_spec *specs;     /* info.nparams, from the GROUP reply */
 	struct shardd_mapping buf[SHARDD_BUF_COUNT];
+	struct shardd_exec_state *x; /* rank-executed (exec.c); NULL for a daemon-executed group */
+	/* rank-executed, opened again by the client that holds it: its shard and grad buffer
+	   are mapped read-only here, and its ops run through the first handle */
+	int exec_second;
 };
+
+/* One iteration of a spin-wait: let the sibling hyperthread run. */
+static inline void shardd_cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+	__builtin_ia32_pause();
+#elif defined(__aarch64__)
+	__asm__ __volatile__("yield" ::: "memory");
+#else
+	atomic_signal_fence(memory_order_seq_cst);
+#endif
+}
 
 /* CLOCK_MONOTONIC, for the deadlines of waits. */
 static inline int64_t shardd_client_now_ns(void)
@@ -141,6 +188,57 @@ SHARDD_HIDDEN void shardd_client_fence_reap(struct shardd_client *c, uint32_t sl
  */
 SHARDD_HIDDEN int shardd_group_check_exports(const struct shardd_group_reply *info,
 					     uint32_t backend, int nfds, size_t tail);
+
+/*
+ * group.c: param `p`'s geometry for shard rank `shard_rank` of `world`
+ * (ndim and shard_dim checked). 0, -EOVERFLOW or -EINVAL (Shard(i > 0)
+ * that does not split evenly).
+ */
+SHARDD_HIDDEN int shardd_group_geometry(const struct shardd_param_spec *p, uint32_t world,
+					uint32_t shard_rank, struct shardd_shard_geometry *geo);
+
+/*
+ * exec.c: a rank-executed group (info.exec RANKS) after its GROUP reply was
+ * mapped: map the sync page (`sync_fd`, still the caller's), check the slot, and
+ * publish this rank's buffers to its peers (EXEC_MAP). 0 or a code with
+ * context.
+ */
+SHARDD_HIDDEN int shardd_exec_attach(struct shardd_group *g, int sync_fd);
+SHARDD_HIDDEN void shardd_exec_detach(struct shardd_group *g);
+/*
+ * exec.c: submit unshard, reduce or reshard of a rank-executed group. Its
+ * inputs are final now: the op is published to the peers, and runs in
+ * this process as they arrive, when the client polls or waits
+ * (shardd_exec_progress), with the daemon's numbers and errors. Its
+ * completion goes to the stash, or with `out` there (and *finished set),
+ * for a sync call. A reduce with SHARDD_REDUCE_STEP (`args`: its lr) then
+ * submits its step to the daemon, whose completion is the op's. 0, or a
+ * code with context (nothing was submitted).
+ */
+SHARDD_HIDDEN int shardd_exec_submit(struct shardd_group *g, uint32_t op, uint64_t step,
+				     uint32_t flags, const uint64_t *args, uint64_t user_data,
+				     struct shardd_completion *out, int *finished);
+/* Some op of a rank-executed group is pending. */
+SHARDD_HIDDEN int shardd_exec_pending(const struct shardd_client *c);
+/*
+ * Advance every pending op as far as it goes without waiting: the number
+ * completed, or a negative code (a completion could not be queued).
+ */
+SHARDD_HIDDEN int shardd_exec_progress(struct shardd_client *c);
+/* Sleep up to max_ns on what the first pending op waits for (after a progress pass). */
+SHARDD_HIDDEN void shardd_exec_nap(struct shardd_client *c, int64_t max_ns);
+/* Drop the group's pending ops (it is being closed). */
+SHARDD_HIDDEN void shardd_exec_forget(struct shardd_client *c, const struct shardd_group *g);
+
+/* ops.c: queue a completion for poll and wait. 0 or -ENOMEM with context. */
+SHARDD_HIDDEN int shardd_client_stash(struct shardd_client *c, const struct shardd_completion *cp);
+/*
+ * ops.c: submit the daemon's REDUCE entry of a rank-executed reduce with
+ * SHARDD_REDUCE_STEP (the step only), waiting out a full SQ. 0 or a code.
+ */
+SHARDD_HIDDEN int shardd_client_submit_step(struct shardd_client *c, struct shardd_group *g,
+					    uint64_t step, uint32_t flags, const uint64_t *args,
+					    uint64_t user_data);
 
 /* ops.c: submit one op and wait for its own completion; returns its res. */
 SHARDD_HIDDEN int shardd_client_op_sync(struct shardd_client *c, uint32_t op, uint32_t group,

@@ -30,19 +30,10 @@
 #define SHARDD_SPIN_NS       150000
 #define SHARDD_SPIN_CHECK    8 /* iterations between clock reads and yields */
 #define SHARDD_WAIT_SLICE_MS 50
+/* Longest sleep on a peer's word while a rank-executed op waits, between looks at the CQ. */
+#define SHARDD_EXEC_NAP_MS 1
 /* Sync ops wait this much past the daemon's collective timeout, which fails them first. */
 #define SHARDD_SYNC_GRACE_MS 10000
-
-static inline void cpu_relax(void)
-{
-#if defined(__x86_64__) || defined(__i386__)
-	__builtin_ia32_pause();
-#elif defined(__aarch64__)
-	__asm__ __volatile__("yield" ::: "memory");
-#else
-	atomic_signal_fence(memory_order_seq_cst);
-#endif
-}
 
 static const char *op_name(uint32_t op)
 {
@@ -205,13 +196,16 @@ static int spin_cq(struct shardd_client *c)
 			return corrupt_cq(c);
 		if (n > 0)
 			return 1;
+		/* A rank-executed op that completed here counts as one that came. */
+		if (shardd_exec_pending(c) && shardd_exec_progress(c) != 0)
+			return 1;
 		if (i % SHARDD_SPIN_CHECK == 0) {
 			if (shardd_client_now_ns() >= until)
 				return 0;
 			sched_yield();
 			continue;
 		}
-		cpu_relax();
+		shardd_cpu_relax();
 	}
 }
 
@@ -246,7 +240,17 @@ static int sleep_cq(struct shardd_client *c, int64_t deadline)
 		return 0;
 	ts.tv_sec = slice / 1000;
 	ts.tv_nsec = slice % 1000 * 1000000;
-	ret = shardd_cq_wait(&c->ring, seen, &ts);
+	if (shardd_exec_pending(c)) {
+		/*
+		 * A rank-executed op waits for a peer: sleep on the peer's word (it
+		 * wakes us when it publishes) in short naps, so the CQ is looked at too.
+		 */
+		shardd_exec_nap(c, slice < SHARDD_EXEC_NAP_MS ? slice * 1000000
+							      : SHARDD_EXEC_NAP_MS * 1000000);
+		ret = 0;
+	} else {
+		ret = shardd_cq_wait(&c->ring, seen, &ts);
+	}
 	if (ret < 0 && ret != -ETIMEDOUT && ret != -EINTR)
 		return shardd_err_set(ret, "futex wait on the completion queue: %s",
 				      shardd_strerror(ret));
@@ -292,10 +296,25 @@ static int submit_user(struct shardd_client *c, uint32_t op, uint32_t group, uin
 	return submit_sqe(c, op, group, step, flags, NULL, user_data);
 }
 
+/* The ops a rank-executed group runs in this process (exec.c), not in the daemon. */
+static int exec_op(const struct shardd_group *g, uint32_t op)
+{
+	return g->x &&
+	       (op == SHARDD_OP_UNSHARD || op == SHARDD_OP_REDUCE || op == SHARDD_OP_RESHARD);
+}
+
 int shardd_group_submit(struct shardd_group *g, uint32_t op, uint64_t step, uint32_t flags,
 			uint64_t user_data)
 {
-	return submit_user(g->client, op, g->info.group_id, step, flags, user_data);
+	if (!exec_op(g, op))
+		return submit_user(g->client, op, g->info.group_id, step, flags, user_data);
+	shardd_err_clear();
+	if (user_data & SHARDD_USER_DATA_RESERVED)
+		return shardd_err_set(-EINVAL,
+				      "submit %s: user_data %#llx has bit 63 set, which libshardd "
+				      "reserves for its sync calls",
+				      op_name(op), (unsigned long long)user_data);
+	return shardd_exec_submit(g, op, step, flags, NULL, user_data, NULL, NULL);
 }
 
 int shardd_client_submit(struct shardd_client *c, uint32_t op, uint64_t step, uint32_t flags,
@@ -312,6 +331,12 @@ int shardd_submit(struct shardd_client *c, uint32_t op, uint32_t group, uint64_t
 
 static int poll_one(struct shardd_client *c, struct shardd_completion *out)
 {
+	if (shardd_exec_pending(c)) {
+		int ret = shardd_exec_progress(c);
+
+		if (ret < 0)
+			return ret;
+	}
 	for (;;) {
 		int ret;
 
@@ -380,6 +405,64 @@ static int reap_until(struct shardd_client *c, uint64_t want, struct shardd_comp
 		if (ret < 0)
 			return ret;
 	}
+}
+
+int shardd_client_stash(struct shardd_client *c, const struct shardd_completion *cp)
+{
+	return stash_push(&c->stash, cp);
+}
+
+int shardd_client_submit_step(struct shardd_client *c, struct shardd_group *g, uint64_t step,
+			      uint32_t flags, const uint64_t *args, uint64_t user_data)
+{
+	uint32_t ct = c->welcome.collective_timeout_ms;
+	int64_t deadline = ct ? shardd_client_now_ms() + ct + SHARDD_SYNC_GRACE_MS : -1;
+	struct shardd_completion cp;
+	int ret;
+
+	/* The reduce ran: only its step is left, so a full SQ is waited out, never retried from the top. */
+	while ((ret = submit_sqe(c, SHARDD_OP_REDUCE, g->info.group_id, step, flags, args,
+				 user_data)) == -EAGAIN) {
+		ret = reap_until(c, SHARDD_USER_DATA_RESERVED, &cp);
+		if (ret == 0)
+			ret = sleep_cq(c, deadline);
+		if (ret < 0)
+			return ret;
+	}
+	return ret;
+}
+
+/*
+ * A rank-executed group's op as a sync call: submitted, then advanced here
+ * (and any other pending op with it) until it completes; completions of
+ * other ops meanwhile go to the stash. Returns its res, with context.
+ */
+static int exec_sync(struct shardd_group *g, uint32_t op, uint64_t step, uint32_t flags,
+		     const char *what)
+{
+	struct shardd_client *c = g->client;
+	struct shardd_completion cp, other;
+	int finished = 0, ret;
+
+	ret = shardd_exec_submit(g, op, step, flags, NULL, 0, &cp, &finished);
+	while (!ret && !finished) {
+		ret = shardd_exec_progress(c);
+		if (ret >= 0 && !finished)
+			ret = reap_until(c, SHARDD_USER_DATA_RESERVED, &other);
+		if (ret >= 0 && !finished && spin_cq(c) == 0 && !finished)
+			ret = sleep_cq(c, -1);
+		ret = ret > 0 ? 0 : ret;
+	}
+	if (ret < 0)
+		return shardd_err_wrap(ret, "%s", what);
+	if (cp.res < 0) {
+		shardd_err_set(cp.res, "%s", cp.msg);
+		return shardd_err_wrap(cp.res, "%s", what);
+	}
+	/* The step a reduce asks for is the daemon's. */
+	if (op == SHARDD_OP_REDUCE && (flags & SHARDD_REDUCE_STEP))
+		return shardd_client_op_sync(c, op, g->info.group_id, step, flags, what);
+	return 0;
 }
 
 int shardd_client_op_sync(struct shardd_client *c, uint32_t op, uint32_t group, uint64_t step,
@@ -481,7 +564,10 @@ static int group_op(struct shardd_group *g, uint32_t op, uint64_t step, uint32_t
 
 	snprintf(what, sizeof(what), "%s group '%s' (id %u) step %llu", op_name(op), g->name,
 		 g->info.group_id, (unsigned long long)step);
-	return shardd_client_op_sync(g->client, op, g->info.group_id, step, flags, what);
+	if (!exec_op(g, op))
+		return shardd_client_op_sync(g->client, op, g->info.group_id, step, flags, what);
+	shardd_err_clear();
+	return exec_sync(g, op, step, flags, what);
 }
 
 int shardd_unshard(struct shardd_group *g, uint64_t step)
@@ -540,6 +626,9 @@ int shardd_reduce_step_submit(struct shardd_group *g, uint64_t step, uint32_t fl
 		return shardd_err_set(-EINVAL, "user_data 0x%llx has SHARDD_USER_DATA_RESERVED set",
 				      (unsigned long long)user_data);
 	step_args(args, lr, 0, 0, 0);
+	if (g->x)
+		return shardd_exec_submit(g, SHARDD_OP_REDUCE, step, flags | SHARDD_REDUCE_STEP,
+					  args, user_data, NULL, NULL);
 	return submit_sqe(g->client, SHARDD_OP_REDUCE, g->info.group_id, step,
 			  flags | SHARDD_REDUCE_STEP, args, user_data);
 }

@@ -106,6 +106,14 @@ struct shardd_group_opts {
 	 * shardd_group_last_step() then says the step to resume after.
 	 */
 	const char *restore;
+	/*
+	 * Who moves the group's bytes (enum shardd_exec, docs/DESIGN.md "Who
+	 * moves the bytes"): SHARDD_EXEC_AUTO (0: the daemon picks by size,
+	 * --rank-exec-max), SHARDD_EXEC_DAEMON, or SHARDD_EXEC_RANKS (this
+	 * library runs unshard, reduce and reshard in the submitting thread,
+	 * on the job's shared buffers). Every rank registers the same.
+	 */
+	uint32_t exec;
 };
 
 /* One reaped completion. */

@@ -48,6 +48,7 @@ enum flag_id {
 	FLAG_METRICS_LISTEN,
 	FLAG_MAX_MEMORY,
 	FLAG_MAX_JOB_MEMORY,
+	FLAG_RANK_EXEC_MAX,
 	FLAG_STATE_DIR,
 	FLAG_IMPORT_DIR,
 	FLAG_CHECKPOINT_EVERY,
@@ -128,6 +129,11 @@ static const struct flag flags[] = {
 	{ "max-job-memory", FLAG_MAX_JOB_MEMORY, "BYTES", 0,
 	  "the same limit for one job's buffers\n"
 	  "(default: --max-memory)" },
+	{ "rank-exec-max", FLAG_RANK_EXEC_MAX, "BYTES", 0,
+	  "a group registered exec=auto whose unsharded\n"
+	  "params take at most BYTES runs rank-executed:\n"
+	  "each rank moves its own bytes (host backend,\n"
+	  "no HSDP, one node); 0: never (the default)" },
 	{ "state-dir", FLAG_STATE_DIR, "DIR", 0,
 	  "keep each job's checkpoints in DIR/JOB/step-N\n"
 	  "(the checkpoint op; docs/CHECKPOINTS.md)" },
@@ -386,6 +392,13 @@ static int apply_flag(struct shd_config *cfg, enum flag_id id, const char *val,
 		return parse_bytes("--max-memory", val, &cfg->max_memory);
 	case FLAG_MAX_JOB_MEMORY:
 		return parse_bytes("--max-job-memory", val, &cfg->max_job_memory);
+	case FLAG_RANK_EXEC_MAX:
+		if (shd_memlimit_parse(val, &cfg->rank_exec_max) < 0)
+			return usage_error(
+				"--rank-exec-max: '%s' is not a byte count (digits, then "
+				"optionally K, M, G or T; 0: never)",
+				val);
+		return 0;
 	case FLAG_JOB_LINGER:
 		errno = 0;
 		t = strtod(val, &end);

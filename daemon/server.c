@@ -56,6 +56,7 @@ void shd_config_defaults(struct shd_config *cfg)
 	cfg->handshake_timeout_s = SHD_HANDSHAKE_TIMEOUT_DEFAULT_S;
 	cfg->workers = 0;
 	cfg->job_linger_s = SHD_JOB_LINGER_DEFAULT_S;
+	cfg->rank_exec_max = SHD_RANK_EXEC_MAX_DEFAULT;
 }
 
 /* ------------------------------------------------------------------ */
@@ -646,6 +647,7 @@ int shd_server_init(const struct shd_config *cfg)
 	ecfg.workers = cfg->workers;
 	ecfg.max_memory = server.cfg.max_memory;
 	ecfg.max_job_memory = server.cfg.max_job_memory;
+	ecfg.rank_exec_max = server.cfg.rank_exec_max;
 	ecfg.state_dir = server.cfg.state_dir[0] ? server.cfg.state_dir : NULL;
 	ecfg.keep = server.cfg.keep;
 	ecfg.checkpoint_every = server.cfg.checkpoint_every;

@@ -25,7 +25,7 @@
 #define SHARDD_MAGIC       0x44524853u /* "SHRD" as little-endian bytes */
 #define SHARDD_RING_MAGIC  0x474e4952u /* "RING" */
 #define SHARDD_PROTO_MAJOR 1           /* incompatible changes bump this */
-#define SHARDD_PROTO_MINOR 4           /* compatible additions bump this */
+#define SHARDD_PROTO_MINOR 5           /* compatible additions bump this */
 
 #define SHARDD_NAME_MAX       64    /* job and group names, NUL included */
 #define SHARDD_PARAM_NAME_MAX 80    /* param names, NUL included */
@@ -216,17 +216,19 @@ enum shardd_export_kind {
 
 /* Control message types */
 enum shardd_msg_type {
-	SHARDD_MSG_HELLO = 1,          /* client -> daemon */
-	SHARDD_MSG_WELCOME = 2,        /* daemon -> client, fds: ring, doorbell */
-	SHARDD_MSG_ERROR = 3,          /* daemon -> client */
-	SHARDD_MSG_GOODBYE = 4,        /* client -> daemon, no reply */
-	SHARDD_MSG_REGISTER_GROUP = 5, /* client -> daemon */
-	SHARDD_MSG_OPEN_GROUP = 6,     /* client -> daemon */
-	SHARDD_MSG_GROUP = 7,          /* daemon -> client, fds: 4 buffers */
-	SHARDD_MSG_ADMIN = 8,          /* client -> daemon, JSON payload */
-	SHARDD_MSG_ADMIN_REPLY = 9,    /* daemon -> client, JSON payload */
-	SHARDD_MSG_STREAM = 10,        /* client -> daemon: its fence events (cuda backend) */
-	SHARDD_MSG_STREAM_REPLY = 11,  /* daemon -> client: the daemon's fence events */
+	SHARDD_MSG_HELLO = 1,           /* client -> daemon */
+	SHARDD_MSG_WELCOME = 2,         /* daemon -> client, fds: ring, doorbell */
+	SHARDD_MSG_ERROR = 3,           /* daemon -> client */
+	SHARDD_MSG_GOODBYE = 4,         /* client -> daemon, no reply */
+	SHARDD_MSG_REGISTER_GROUP = 5,  /* client -> daemon */
+	SHARDD_MSG_OPEN_GROUP = 6,      /* client -> daemon */
+	SHARDD_MSG_GROUP = 7,           /* daemon -> client, fds: 4 buffers */
+	SHARDD_MSG_ADMIN = 8,           /* client -> daemon, JSON payload */
+	SHARDD_MSG_ADMIN_REPLY = 9,     /* daemon -> client, JSON payload */
+	SHARDD_MSG_STREAM = 10,         /* client -> daemon: its fence events (cuda backend) */
+	SHARDD_MSG_STREAM_REPLY = 11,   /* daemon -> client: the daemon's fence events */
+	SHARDD_MSG_EXEC_MAP = 12,       /* client -> daemon: rank-executed mappings (minor 5) */
+	SHARDD_MSG_EXEC_MAP_REPLY = 13, /* daemon -> client, fds: a peer's shard and grad buffer */
 	SHARDD_MSG_COUNT
 };
 
@@ -277,6 +279,18 @@ struct shardd_welcome {
 struct shardd_error_msg {
 	int32_t code;     /* negative: -SHARDD_E* or -errno */
 	uint32_t msg_len; /* bytes of text following, no NUL */
+};
+
+/*
+ * Who moves a group's bytes in unshard, reduce and reshard (minor 5;
+ * PROTOCOL.md "Rank-executed groups"). Chosen per group at registration:
+ * every rank registers the same value.
+ */
+enum shardd_exec {
+	SHARDD_EXEC_AUTO = 0,   /* the daemon picks: ranks below --rank-exec-max, else daemon */
+	SHARDD_EXEC_DAEMON = 1, /* the daemon runs the kernels (its worker pool) */
+	SHARDD_EXEC_RANKS = 2,  /* each rank runs them in its own process, on the job's buffers */
+	SHARDD_EXEC_COUNT       /* codes >= this are invalid */
 };
 
 /* Initial values of a group's params: who writes them. */
@@ -344,7 +358,7 @@ struct shardd_register_group {
 	uint32_t reduce_dtype;      /* MixedPrecisionPolicy.reduce_dtype or NONE */
 	uint32_t init;              /* enum shardd_init */
 	uint32_t flags;             /* SHARDD_REGISTER_* */
-	uint32_t rsvd;
+	uint32_t exec;              /* enum shardd_exec (minor 5; older clients send 0: daemon) */
 };
 
 /* SHARDD_MSG_OPEN_GROUP payload. */
@@ -427,6 +441,37 @@ struct shardd_group_reply {
 	/* the last step applied or skipped on the receiving rank's shard; 0: none */
 	uint64_t last_step;
 	uint64_t peer_last_step; /* the highest last_step of any rank of the group (minor 4) */
+	/* minor 5: SHARDD_EXEC_DAEMON or SHARDD_EXEC_RANKS, what the group runs as; with RANKS
+	   the message carries a fifth fd, the group's sync page (shardd_exec.h), read-only */
+	uint32_t exec;
+	uint32_t rsvd; /* zero */
+};
+
+/* Bytes of struct shardd_group_reply sent to a client of minor 4 (no exec). */
+#define SHARDD_GROUP_REPLY_SIZE_V4 72
+
+/*
+ * SHARDD_MSG_EXEC_MAP payload (minor 5), on a rank-executed group. `peer`
+ * is the sender's own rank: it has mapped its GROUP reply's buffers, and
+ * the daemon seals its flat shard and grad buffer against any new writable
+ * mapping and publishes them to its peers (sync page gen[rank]); the reply
+ * carries no fd. Another rank of the job: that rank's flat shard and grad
+ * buffer (its slot included), read-only, once it has published them. Answered
+ * by SHARDD_MSG_EXEC_MAP_REPLY or ERROR.
+ */
+struct shardd_exec_map {
+	uint32_t group_id;
+	uint32_t peer; /* global rank */
+};
+
+/* SHARDD_MSG_EXEC_MAP_REPLY payload; fds: none for the sender's own rank, else 2. */
+struct shardd_exec_map_reply {
+	uint32_t group_id;
+	uint32_t peer;
+	uint32_t gen;            /* the peer's generation: nonzero, as in the sync page when sent */
+	uint32_t nfds;           /* 0 or 2: the peer's flat shard, then its grad buffer */
+	uint64_t shard_map_size; /* bytes to map of each */
+	uint64_t grad_map_size;
 };
 
 /* Bytes of struct shardd_group_reply sent to a client of minor < 4 (no peer_last_step). */
@@ -537,7 +582,11 @@ _Static_assert(offsetof(struct shardd_param_spec, shape) == 96, "param_spec.shap
 _Static_assert(sizeof(struct shardd_register_group) == 88, "register_group");
 _Static_assert(sizeof(struct shardd_open_group) == 64, "open_group");
 _Static_assert(sizeof(struct shardd_param_layout) == 64, "param_layout");
-_Static_assert(sizeof(struct shardd_group_reply) == 72, "group_reply");
+_Static_assert(sizeof(struct shardd_group_reply) == 80, "group_reply");
+_Static_assert(offsetof(struct shardd_group_reply, exec) == SHARDD_GROUP_REPLY_SIZE_V4,
+	       "group_reply.exec");
+_Static_assert(sizeof(struct shardd_exec_map) == 8, "exec_map");
+_Static_assert(sizeof(struct shardd_exec_map_reply) == 32, "exec_map_reply");
 _Static_assert(offsetof(struct shardd_group_reply, unsharded_size) == 24,
 	       "group_reply.unsharded_size");
 _Static_assert(offsetof(struct shardd_group_reply, export_kind) == 48, "group_reply.export_kind");
@@ -601,6 +650,21 @@ static inline const char *shardd_dtype_name(uint32_t dtype)
 		return "bf16";
 	case SHARDD_DTYPE_FP16:
 		return "fp16";
+	default:
+		return NULL;
+	}
+}
+
+/* Lower-case name of an executor, or NULL for an unknown code. */
+static inline const char *shardd_exec_name(uint32_t exec)
+{
+	switch (exec) {
+	case SHARDD_EXEC_AUTO:
+		return "auto";
+	case SHARDD_EXEC_DAEMON:
+		return "daemon";
+	case SHARDD_EXEC_RANKS:
+		return "ranks";
 	default:
 		return NULL;
 	}

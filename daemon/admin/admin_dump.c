@@ -175,6 +175,22 @@ static int dump_view(const struct shd_group *g, uint32_t pi, uint32_t rank, cons
  * values into `vals`. 0; -SHARDD_E_STATE or the backend's negative code with
  * *err; -ENOMEM.
  */
+/*
+ * Whether a dump of `what` shows a present value: the sharded grad only
+ * after a reduce (the daemon's flag, or a rank-executed group's slot).
+ */
+static int dump_grad_present(const struct shd_engine_job *ej, const struct shd_group *g,
+			     const char *what, uint32_t rank)
+{
+	struct shd_engine_exec_rank er;
+
+	if (what[0] != 'g' || !g->grad_present)
+		return 1;
+	if (g->exec == SHARDD_EXEC_RANKS)
+		return !shd_engine_exec_rank(ej, g->id, rank, &er) && er.grad_present;
+	return __atomic_load_n(&g->grad_present[rank], __ATOMIC_RELAXED);
+}
+
 static int dump_read(const struct dump_view *v, uint64_t a, uint64_t end, uint64_t limit,
 		     struct dump_stats *st, json_t *vals, json_t **err)
 {
@@ -308,9 +324,7 @@ json_t *admin_cmd_dump(const json_t *req)
 	    admin_put(r, "shape", json_incref(v.shape)) ||
 	    admin_put(r, "rows", json_pack("[I, I]", (json_int_t)a, (json_int_t)b)) ||
 	    admin_put(r, "row_elems", admin_json_u64(v.row_elems)) ||
-	    admin_put(r, "grad_present",
-		      json_boolean(what[0] != 'g' || !g->grad_present ||
-				   __atomic_load_n(&g->grad_present[rank], __ATOMIC_RELAXED))) ||
+	    admin_put(r, "grad_present", json_boolean(dump_grad_present(j->ejob, g, what, rank))) ||
 	    admin_put(r, "stats", json_stats(&st)) || admin_put(r, "values", json_incref(vals)) ||
 	    admin_put(r, "truncated", json_boolean(st.n > limit))) {
 		json_decref(r);

@@ -54,11 +54,12 @@ static json_t *json_op_step(uint32_t op, uint64_t step)
 
 static json_t *json_memory(const struct shd_group_memory *m)
 {
-	return json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I}", "shards",
+	return json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I}", "shards",
 			 (json_int_t)m->shards, "sharded_grads", (json_int_t)m->sharded_grads,
 			 "unsharded", (json_int_t)m->unsharded, "grads", (json_int_t)m->grads,
 			 "partials", (json_int_t)m->partials, "optimizer", (json_int_t)m->optimizer,
-			 "internode", (json_int_t)m->internode, "total", (json_int_t)m->total);
+			 "internode", (json_int_t)m->internode, "exec", (json_int_t)m->exec,
+			 "total", (json_int_t)m->total);
 }
 
 /* --max-memory, --max-job-memory, and the bytes committed against them. */
@@ -405,6 +406,44 @@ static json_t *json_job_ranks(const struct shd_job *j, uint64_t now_ns)
 /* groups, show                                                       */
 /* ------------------------------------------------------------------ */
 
+/*
+ * A rank-executed group's ranks as their slots say: the ops each ran, and
+ * the one it waits in (which rank it waits for, since when): how a stuck
+ * collective is named without the daemon in its path.
+ */
+static json_t *json_exec_ranks(const struct shd_job *j, uint32_t id, const struct shd_group *g,
+			       uint64_t now_ns)
+{
+	json_t *arr = json_array();
+	struct shd_engine_exec_rank er;
+
+	for (uint32_t r = 0; arr && r < g->world; r++) {
+		json_t *o;
+
+		if (shd_engine_exec_rank(j->ejob, id, r, &er))
+			continue;
+		o = json_pack("{s:I, s:b, s:I, s:I, s:I, s:b}", "rank",
+			      (json_int_t)(j->rank_base + r), "published", er.gen != 0, "unshards",
+			      (json_int_t)er.unshards, "reduces", (json_int_t)er.reduces,
+			      "reshards", (json_int_t)er.reshards, "grad_present", er.grad_present);
+		if (o && er.wait_op &&
+		    admin_put(o, "waiting",
+			      json_pack("{s:s, s:I, s:f}", "op", shardd_op_name(er.wait_op),
+					"for_rank", (json_int_t)(er.wait_peer - 1), "for_s",
+					now_ns > er.wait_since_ns
+						? (double)(now_ns - er.wait_since_ns) / 1e9
+						: 0.0))) {
+			json_decref(o);
+			o = NULL;
+		}
+		if (admin_append(arr, o)) {
+			json_decref(arr);
+			return NULL;
+		}
+	}
+	return arr;
+}
+
 static json_t *json_group(const struct shd_job *j, uint32_t id, const struct shd_group *g,
 			  uint64_t now_ns)
 {
@@ -445,7 +484,11 @@ static json_t *json_group(const struct shd_job *j, uint32_t id, const struct shd
 		      json_integer((json_int_t)json_array_size(holders))) ||
 	    admin_put(o, "unsharded_holders", json_incref(holders)) ||
 	    admin_put(o, "partials_present", json_incref(partials)) ||
-	    admin_put(o, "pending", json_incref(pending)))
+	    admin_put(o, "pending", json_incref(pending)) ||
+	    admin_put(o, "exec", json_string(shardd_exec_name(g->exec))) ||
+	    admin_put(o, "exec_why", json_string(g->exec_why)) ||
+	    (g->exec == SHARDD_EXEC_RANKS &&
+	     admin_put(o, "exec_ranks", json_exec_ranks(j, id, g, now_ns))))
 		goto err;
 	json_decref(holders);
 	json_decref(partials);

@@ -173,6 +173,18 @@ struct shd_buf_export {
 	struct shardd_cuda_ipc_handle ipc; /* SHARDD_EXPORT_CUDA_IPC: the handle */
 };
 
+/* How a buffer is lent to a client (export_buf). */
+enum shd_export_mode {
+	SHD_EXPORT_RW = 0, /* read-write, sealed against resizing and any other seal */
+	SHD_EXPORT_RO = 1, /* read-only where the backend can enforce it */
+	/*
+	 * Read-write to its owner, and left open for seal_readonly: the rank's
+	 * flat shard and grad buffer of a rank-executed group, which its peers
+	 * read once it has mapped them.
+	 */
+	SHD_EXPORT_OWNER = 2,
+};
+
 struct shd_backend_ops {
 	const char *name;
 	/*
@@ -194,12 +206,27 @@ struct shd_backend_ops {
 	/* Also takes a buffer never allocated (priv NULL, fd -1): a no-op. */
 	void (*free)(struct shd_backend_ctx *b, struct shd_buf *buf);
 	/*
-	 * How a client receives an allocated `buf`: a new fd (readonly: the
-	 * client cannot write through it, where the backend can enforce that)
-	 * or a CUDA IPC handle. 0 or -errno; out->fd is -1 unless 0 and kind FD.
+	 * How a client receives an allocated `buf` (`mode`: enum
+	 * shd_export_mode): a new fd or a CUDA IPC handle. 0 or -errno
+	 * (-EPERM: the buffer was sealed for another mode); out->fd is -1
+	 * unless 0 and kind FD.
 	 */
-	int (*export_buf)(struct shd_backend_ctx *b, const struct shd_buf *buf, int readonly,
+	int (*export_buf)(struct shd_backend_ctx *b, const struct shd_buf *buf, int mode,
 			  struct shd_buf_export *out);
+	/*
+	 * Seal a buffer exported SHD_EXPORT_OWNER so that no descriptor of it
+	 * can map it writable or write it from now on (mappings made before
+	 * keep writing), and export it SHD_EXPORT_RO from then on. 0 or
+	 * -errno (-EPERM: its owner sealed it otherwise). NULL in a backend
+	 * that cannot: it has no rank-executed groups.
+	 */
+	int (*seal_readonly)(struct shd_backend_ctx *b, const struct shd_buf *buf);
+	/*
+	 * The daemon's own address of an allocated buffer in host memory (a
+	 * rank-executed group's slots and sync page), or NULL in a backend
+	 * whose buffers are not host memory.
+	 */
+	void *(*host_map)(struct shd_backend_ctx *b, const struct shd_buf *buf);
 	int (*unshard)(struct shd_backend_ctx *b, const struct shd_unshard_args *a);
 	int (*reduce)(struct shd_backend_ctx *b, const struct shd_reduce_args *a);
 	/* The optimizer step of one rank's shard; NULL in a backend without one (registration refuses it). */

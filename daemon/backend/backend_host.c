@@ -649,12 +649,17 @@ static void host_free(struct shd_backend_ctx *b, struct shd_buf *buf)
  * /proc/self/fd, can write it, punch a hole in it or map it writable. The
  * daemon goes on writing through the mapping host_alloc made before the
  * seal. A buffer keeps the role of its first export: exporting it the other
- * way later is -EPERM. 0 or -errno (-EINVAL: a kernel older than 5.1 has no
- * F_SEAL_FUTURE_WRITE).
+ * way later is -EPERM. SHD_EXPORT_OWNER leaves F_SEAL_SEAL off, so that
+ * host_seal_readonly can still add F_SEAL_FUTURE_WRITE once the owner has
+ * mapped it writable; until then the owner may seal it itself, which only
+ * makes that call fail. 0 or -errno (-EINVAL: a kernel older than 5.1 has
+ * no F_SEAL_FUTURE_WRITE).
  */
-static int host_seal_export(int fd, int readonly)
+static int host_seal_export(int fd, int mode)
 {
-	int want = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL | (readonly ? F_SEAL_FUTURE_WRITE : 0);
+	int readonly = mode == SHD_EXPORT_RO;
+	int want = F_SEAL_SHRINK | F_SEAL_GROW | (mode == SHD_EXPORT_OWNER ? 0 : F_SEAL_SEAL) |
+		   (readonly ? F_SEAL_FUTURE_WRITE : 0);
 	int seals = fcntl(fd, F_GET_SEALS);
 
 	if (seals < 0)
@@ -670,7 +675,7 @@ static int host_seal_export(int fd, int readonly)
 }
 
 /* Every host buffer travels as its memfd, sealed by host_seal_export. */
-static int host_export_buf(struct shd_backend_ctx *b, const struct shd_buf *buf, int readonly,
+static int host_export_buf(struct shd_backend_ctx *b, const struct shd_buf *buf, int mode,
 			   struct shd_buf_export *out)
 {
 	char path[64];
@@ -680,10 +685,10 @@ static int host_export_buf(struct shd_backend_ctx *b, const struct shd_buf *buf,
 	memset(out, 0, sizeof(*out));
 	out->kind = SHARDD_EXPORT_FD;
 	out->fd = -1;
-	ret = host_seal_export(buf->fd, readonly);
+	ret = host_seal_export(buf->fd, mode);
 	if (ret < 0)
 		return ret;
-	if (!readonly) {
+	if (mode != SHD_EXPORT_RO) {
 		fd = fcntl(buf->fd, F_DUPFD_CLOEXEC, 0);
 	} else {
 		/* A new open file description opened read-only as well: writes fail with EBADF. */
@@ -692,6 +697,18 @@ static int host_export_buf(struct shd_backend_ctx *b, const struct shd_buf *buf,
 	}
 	out->fd = fd;
 	return fd < 0 ? -errno : 0;
+}
+
+static int host_seal_readonly(struct shd_backend_ctx *b, const struct shd_buf *buf)
+{
+	(void)b;
+	return host_seal_export(buf->fd, SHD_EXPORT_RO);
+}
+
+static void *host_map(struct shd_backend_ctx *b, const struct shd_buf *buf)
+{
+	(void)b;
+	return host_ptr(buf);
 }
 
 static void host_destroy(struct shd_backend_ctx *b)
@@ -705,6 +722,8 @@ static const struct shd_backend_ops host_ops = {
 	.alloc = host_alloc,
 	.free = host_free,
 	.export_buf = host_export_buf,
+	.seal_readonly = host_seal_readonly,
+	.host_map = host_map,
 	.unshard = host_unshard,
 	.reduce = host_reduce,
 	.zero = host_zero,

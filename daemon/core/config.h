@@ -24,10 +24,17 @@
 #define SHD_TIMEOUT_MAX_S               604800.0 /* one week; fits the welcome's u32 ms */
 #define SHD_HANDSHAKE_TIMEOUT_DEFAULT_S 10.0     /* --handshake-timeout: first message due */
 #define SHD_JOB_LINGER_DEFAULT_S        3600.0 /* --job-linger: a job without ranks ends after this */
-#define SHD_JOB_LINGER_MAX_S            31536000.0 /* one year; 0 means forever */
-#define SHD_SOCKET_MODE_PRIVATE         0600       /* the socket without --allow-gid */
-#define SHD_SOCKET_MODE_GROUP           0660       /* with --allow-gid: the group may connect */
-#define SHD_LISTEN_FDS_START            3          /* systemd's first passed fd (sd_listen_fds) */
+/*
+ * --rank-exec-max: up to this many unsharded bytes an exec=auto group runs
+ * rank-executed. 0 (auto is always the daemon's) until rank-executed groups
+ * pass the random-kill and pause recovery suites (test_step_kill,
+ * test_step_pause): docs/BENCHMARKS.md, "Rank-executed collectives".
+ */
+#define SHD_RANK_EXEC_MAX_DEFAULT 0
+#define SHD_JOB_LINGER_MAX_S      31536000.0 /* one year; 0 means forever */
+#define SHD_SOCKET_MODE_PRIVATE   0600       /* the socket without --allow-gid */
+#define SHD_SOCKET_MODE_GROUP     0660       /* with --allow-gid: the group may connect */
+#define SHD_LISTEN_FDS_START      3          /* systemd's first passed fd (sd_listen_fds) */
 
 struct shd_config {
 	char socket_path[sizeof(((struct sockaddr_un *)0)->sun_path)]; /* --socket */
@@ -42,6 +49,9 @@ struct shd_config {
 	uint64_t max_memory;     /* --max-memory: bytes of buffers of all jobs; 0 = the default
 					   (memlimit.h), set by shd_server_init */
 	uint64_t max_job_memory; /* --max-job-memory: bytes of one job's buffers; 0 = max_memory */
+	/* --rank-exec-max: exec=auto groups of at most this many unsharded bytes are
+	   rank-executed where they can be; 0 = never */
+	uint64_t rank_exec_max;
 	/* where max_memory comes from: "--max-memory" or the default's basis */
 	char max_memory_from[96];
 	double job_linger_s;      /* --job-linger; 0 = a job without ranks is kept forever */

@@ -399,8 +399,39 @@ static void submit_reduce(struct eng_group *eg, const struct eng_op *in)
 	eng_coll_reduce(eg, &one);
 }
 
+/*
+ * A rank-executed group (exec.c): its ranks run unshard, reduce and reshard
+ * themselves; what reaches the daemon is a reduce's step
+ * (SHARDD_REDUCE_STEP, after the rank's reduce), and zero_grad and step.
+ * 1 when the op was handled here.
+ */
+static int dispatch_ranks(struct eng_group *eg, const struct eng_op *op)
+{
+	char msg[ENGINE_MSG_MAX];
+
+	if (eg->g->exec != SHARDD_EXEC_RANKS)
+		return 0;
+	if (op->sqe.op == SHARDD_OP_REDUCE && eng_step_asked(&op->sqe)) {
+		submit_step(eg, op);
+		return 1;
+	}
+	if (op->sqe.op != SHARDD_OP_UNSHARD && op->sqe.op != SHARDD_OP_REDUCE &&
+	    op->sqe.op != SHARDD_OP_RESHARD)
+		return 0;
+	eng_fmt(msg, sizeof(msg),
+		"shardd: %s(group '%s'): the group is rank-executed (%s): each rank runs its "
+		"%s itself (libshardd and the Python client do); a client that cannot must "
+		"register the group exec=daemon",
+		shd_op_info(op->sqe.op)->name, eg->g->name, eg->g->exec_why,
+		shd_op_info(op->sqe.op)->name);
+	eng_complete(eg->j, op, -SHARDD_E_STATE, msg);
+	return 1;
+}
+
 static void dispatch(struct eng_group *eg, const struct eng_op *op)
 {
+	if (dispatch_ranks(eg, op))
+		return;
 	switch (op->sqe.op) {
 	case SHARDD_OP_UNSHARD:
 		eng_coll_unshard(eg, op);
@@ -523,6 +554,7 @@ void shd_engine_rank_gone(struct shd_engine_job *j, uint32_t rank, uint64_t toke
 		}
 		eg->g->holds[rank] = 0;
 		eng_coll_rank_gone(eg, rank, token);
+		eng_exec_rank_gone(eg, rank);
 		eng_fmt(msg, sizeof(msg),
 			"shardd: rank %u left (its client is gone) before this op on group '%s' ran",
 			eng_rank_shown(j, rank), eg->g->name);

@@ -54,7 +54,10 @@ struct shd_engine_config {
 	uint32_t keep;             /* --keep: checkpoints kept per job in the state dir; 0 = all */
 	uint32_t checkpoint_every; /* --checkpoint-every: a checkpoint at every step boundary that
 					     is a multiple of it (needs state_dir); 0 = none */
-	uid_t uid;                 /* shardd's uid: a registration of another uid restores
+	/* --rank-exec-max: groups registered exec=auto of at most this many unsharded bytes run
+	   rank-executed where they can (exec.c) */
+	uint64_t rank_exec_max;
+	uid_t uid;                      /* shardd's uid: a registration of another uid restores
 					     only from under state_dir or import_dirs */
 	const char *const *import_dirs; /* --import-dir, each resolved (realpath) */
 	unsigned nimport_dirs;
@@ -94,11 +97,21 @@ void shd_engine_job_destroy(struct shd_engine_job *j);
 void shd_engine_job_end(struct shd_engine_job *j, const char *why);
 
 /* Control plane: payload of SHARDD_MSG_REGISTER_GROUP / OPEN_GROUP (untrusted, validated
-   here). Reply via the reply cb, now or later. `uid`: the registering client's (SO_PEERCRED). */
+   here). Reply via the reply cb, now or later. `uid`: the registering client's (SO_PEERCRED);
+   `minor`: its protocol minor (below 5 it runs no rank-executed group). */
 void shd_engine_register_group(struct shd_engine_job *j, uint32_t rank, uint64_t token,
-			       uint32_t seq, const void *payload, size_t len, uid_t uid);
+			       uint32_t seq, const void *payload, size_t len, uid_t uid,
+			       uint16_t minor);
 void shd_engine_open_group(struct shd_engine_job *j, uint32_t rank, uint64_t token, uint32_t seq,
-			   const void *payload, size_t len);
+			   const void *payload, size_t len, uint16_t minor);
+/*
+ * SHARDD_MSG_EXEC_MAP of `rank` (client `token`; payload untrusted): 0 with *rep and fds
+ * (-1 where none; the caller sends, then closes them), or a negative code
+ * with `err` saying why.
+ */
+int shd_engine_exec_map(struct shd_engine_job *j, uint32_t rank, uint64_t token,
+			const void *payload, size_t len, struct shardd_exec_map_reply *rep,
+			int fds[2], char *err, size_t errlen);
 /*
  * Data plane: `sqe`, copied into daemon memory and checked against the op
  * table (shd_op_check), of an op of group scope (op_table.h); the engine
@@ -116,6 +129,25 @@ void shd_engine_rank_gone(struct shd_engine_job *j, uint32_t rank, uint64_t toke
 void shd_engine_rank_attached(struct shd_engine_job *j, uint32_t rank, int32_t device);
 
 /* ---- Introspection for admin requests (loop thread only; results valid until the next engine call) ---- */
+
+/*
+ * A rank of a rank-executed group, as its slot and the sync page say
+ * (written by the rank itself: counts it reports, not ones the daemon
+ * checked).
+ */
+struct shd_engine_exec_rank {
+	uint64_t unshards, reduces, reshards; /* ops it ran */
+	uint32_t gen;                         /* its published buffers; 0: not published */
+	uint32_t epoch;                       /* the group's */
+	uint32_t wait_op;                     /* the op it waits in (enum shardd_op); 0: none */
+	uint32_t wait_peer;                   /* shown rank + 1 it waits for */
+	uint64_t wait_since_ns;               /* CLOCK_MONOTONIC */
+	int grad_present;                     /* its sharded grad holds a reduce's value */
+};
+
+/* 0 with *out, or -ENOENT: no such group, not rank-executed, or no such rank. */
+int shd_engine_exec_rank(const struct shd_engine_job *j, uint32_t id, uint32_t rank,
+			 struct shd_engine_exec_rank *out);
 
 struct shd_group;
 struct shd_rdv;

@@ -74,6 +74,7 @@ enum eng_task_kind {
 	TASK_SAVE_FINAL, /* checkpoint: manifest, fsync, rename, retention (ckpt_save.c) */
 	TASK_SAVE_WRITE, /* checkpoint: a group's snapshot to its files, off the group's queue */
 	TASK_RESTORE, /* registration: params and optimizer state from a checkpoint (ckpt_load.c) */
+	TASK_EXEC_RENEW, /* rank-executed: a rank that left gets buffers it can map again (exec.c) */
 };
 
 struct eng_ckpt;
@@ -98,10 +99,12 @@ struct eng_task {
 	struct eng_task *next;   /* group queue, then the engine's finished list */
 	struct eng_group *eg;
 	uint32_t kind;                    /* enum eng_task_kind */
-	const struct eng_task_ops *hooks; /* SAVE, SAVE_FINAL, SAVE_WRITE, RESTORE; else NULL */
+	const struct eng_task_ops *hooks; /* SAVE, SAVE_FINAL, SAVE_WRITE, RESTORE, EXEC_RENEW;
+					     else NULL */
 	uint32_t replica;                 /* UNSHARD, REDUCE_PARTIAL */
 	uint32_t rank;                    /* ZERO_GRAD, STEP */
 	struct eng_ckpt *ckpt;            /* SAVE, SAVE_FINAL: the checkpoint it is part of */
+	void *priv;                       /* EXEC_RENEW: its hooks' own state */
 	uint32_t gindex;                  /* SAVE: the group's index in the checkpoint's manifest */
 	int finished;                     /* on the finished list; under engine lock */
 	int abandoned; /* loop: its job ended while it waited for other nodes (eng_tasks_stop) */
@@ -180,6 +183,13 @@ struct eng_group {
 	uint64_t span_F; /* FSDP reduce: bytes of such an fp32 shard */
 	int span_nobuf; /* loop: no buffer for the next task (MPI holds the old one, no room for another) */
 	char span_nobuf_msg[ENGINE_MSG_MAX];
+	/*
+	 * Rank-executed (exec.c), per rank: its buffers are being renewed after
+	 * it left, and the OPEN_GROUP that waits for them (token 0: none).
+	 */
+	uint8_t *exec_renewing;    /* [world] */
+	struct eng_reg *exec_open; /* [world] */
+	uint64_t *exec_sealer;     /* [world]: the client whose EXEC_MAP sealed its buffers */
 };
 
 struct shd_engine_job {
@@ -252,6 +262,31 @@ struct eng_world_orphan {
 	uint64_t bytes;
 };
 
+/* ---- exec.c: rank-executed groups ---- */
+
+/*
+ * Pick the group's executor for the registered `asked` (enum shardd_exec;
+ * a client of minor < 5 asks DAEMON) and say why (g->exec_why): RANKS where
+ * asked, or with AUTO below --rank-exec-max where the backend and the mesh
+ * allow it. 0, or -SHARDD_E_INVALID with `err` when RANKS was asked where
+ * it cannot run. Before the group's memory is committed.
+ */
+int eng_exec_choose(struct eng_group *eg, uint32_t asked, char *err, size_t errlen);
+/* After the buffers were allocated: the sync page's header and first epoch. */
+void eng_exec_init(struct eng_group *eg);
+/* Rank r's sharded grad holds a value (its reduces since the daemon last cleared it). */
+int eng_exec_grad_present(const struct eng_group *eg, uint32_t r);
+/* The daemon zeroed rank r's sharded grad (a step, a zero_grad). */
+void eng_exec_grad_clear(struct eng_group *eg, uint32_t r);
+/* `rank` left: a new epoch whose ops wait for it again (exec RANKS; else nothing). */
+void eng_exec_rank_gone(struct eng_group *eg, uint32_t rank);
+/*
+ * Queue the renewal of `rank`'s sealed buffers (it attached again): the
+ * rank's OPEN_GROUP waiting in exec_open is answered when it is done.
+ * 0 or -SHARDD_E_NOMEM.
+ */
+int eng_exec_renew(struct eng_group *eg, uint32_t rank);
+
 /* ---- delivery.c: messages and delivery ---- */
 
 __attribute__((format(printf, 3, 4))) void eng_fmt(char *buf, size_t len, const char *f, ...);
@@ -274,6 +309,8 @@ struct eng_group *eng_group_by_name(const struct shd_engine_job *j, const char *
 /* Forget a group and free its state and buffers (job end). */
 void eng_group_free(struct eng_group *eg);
 /* `rank` (this token) left before every rank registered the group: the registration fails. */
+/* Send `rank` its GROUP reply (OPEN_GROUP of a registered group, or the registration's end). */
+void eng_reply_open(struct eng_group *eg, uint32_t rank, uint64_t token, uint32_t seq);
 void eng_reg_rank_gone(struct eng_group *eg, uint32_t rank, uint64_t token);
 /* Fail the registration when it is past its deadline. */
 void eng_reg_cron(struct eng_group *eg, uint64_t now_ns);

@@ -158,12 +158,17 @@ int shd_group_parse(const void *payload, size_t len, struct shardd_register_grou
 		return group_error(-SHARDD_E_INVALID, err, errlen,
 				   "register group '%s': nparams = %u; a group holds 1..%d params",
 				   hdr->name, hdr->nparams, SHARDD_MAX_PARAMS);
-	if ((hdr->flags & ~(uint32_t)SHARDD_REGISTER_FLAGS_MASK) || hdr->rsvd)
-		return group_error(
-			-SHARDD_E_INVALID, err, errlen,
-			"register group '%s': flags = 0x%x (known: optimizer = 0x%x), rsvd = %u; "
-			"unknown bits and rsvd must be 0",
-			hdr->name, hdr->flags, SHARDD_REGISTER_OPTIMIZER, hdr->rsvd);
+	if (hdr->flags & ~(uint32_t)SHARDD_REGISTER_FLAGS_MASK)
+		return group_error(-SHARDD_E_INVALID, err, errlen,
+				   "register group '%s': flags = 0x%x (known: optimizer = 0x%x); "
+				   "unknown bits must be 0",
+				   hdr->name, hdr->flags, SHARDD_REGISTER_OPTIMIZER);
+	if (hdr->exec >= SHARDD_EXEC_COUNT)
+		return group_error(-SHARDD_E_INVALID, err, errlen,
+				   "register group '%s': exec = %u; known: auto = %d, daemon = %d, "
+				   "ranks = %d",
+				   hdr->name, hdr->exec, SHARDD_EXEC_AUTO, SHARDD_EXEC_DAEMON,
+				   SHARDD_EXEC_RANKS);
 	want = sizeof(*hdr) + (size_t)hdr->nparams * sizeof(struct shardd_param_spec);
 	if (hdr->flags & SHARDD_REGISTER_OPTIMIZER)
 		want += sizeof(*optim);
@@ -293,11 +298,13 @@ int shd_group_create(uint32_t id, const struct shardd_register_group *hdr,
 	g->grad_present = calloc(world, 1);
 	g->partial_present = calloc(world, 1);
 	g->holds = calloc(world, 1);
+	g->exec_sealed = calloc(world, 1);
 	g->last_step = calloc(world, sizeof(*g->last_step));
 	g->optim_steps = calloc(world, sizeof(*g->optim_steps));
 	if (!g->shard_offsets || !g->reduce_offsets || !g->unsharded_own || !g->unsharded ||
 	    !g->shards || !g->sharded_grads || !g->grads || !g->partials || !g->grad_present ||
-	    !g->partial_present || !g->holds || !g->last_step || !g->optim_steps) {
+	    !g->partial_present || !g->holds || !g->exec_sealed || !g->last_step ||
+	    !g->optim_steps) {
 		g->specs = NULL;
 		shd_group_destroy(g, NULL);
 		return -ENOMEM;
@@ -306,6 +313,8 @@ int shd_group_create(uint32_t id, const struct shardd_register_group *hdr,
 	for (uint32_t r = 0; r < world; r++)
 		g->unsharded[r].fd = g->shards[r].fd = g->sharded_grads[r].fd = g->grads[r].fd =
 			g->partials[r].fd = -1;
+	g->sync.fd = -1;
+	g->exec = SHARDD_EXEC_DAEMON;
 	for (uint32_t i = 0; i < hdr->nparams; i++)
 		g->shard_offsets[i] = g->layout.params[i].shard_offset;
 	/* One shard in the reduce dtype: the layout of HSDP partials and of reduce-scatter staging. */
@@ -400,6 +409,7 @@ int shd_group_compare(const struct shd_group *g, const struct shardd_register_gr
 	FIELD_DIFF("", hdr, &g->hdr, param_dtype, "%s", dtype_str)
 	FIELD_DIFF("", hdr, &g->hdr, reduce_dtype, "%s", dtype_str)
 	FIELD_DIFF("", hdr, &g->hdr, init, "%u", AS_IS)
+	FIELD_DIFF("", hdr, &g->hdr, exec, "%s", shardd_exec_name)
 	FIELD_DIFF("optimizer ", optim, &g->optim, kind, "%s", optim_str)
 	FIELD_DIFF("optimizer ", optim, &g->optim, flags, "0x%x", AS_IS)
 	FIELD_DIFF("optimizer ", optim, &g->optim, momentum, "%.17g", AS_IS)
@@ -457,15 +467,20 @@ void shd_group_memory_need(const struct shd_group *g, struct shd_group_memory *m
 
 	/* Each size is below 2^40 (layout.h) and world at most 2^10: no product or sum overflows. */
 	memset(m, 0, sizeof(*m));
-	m->unsharded = (uint64_t)g->replicate * l->unsharded_size;
+	/* A rank-executed group: one unsharded copy per rank, and a slot after each grad buffer. */
+	m->unsharded = (uint64_t)(g->exec == SHARDD_EXEC_RANKS ? g->world : g->replicate) *
+		       l->unsharded_size;
 	m->shards = (uint64_t)g->world * l->shard_size;
 	m->sharded_grads = (uint64_t)g->world * l->shard_size;
 	m->grads = (uint64_t)g->world * l->grad_size;
+	if (g->exec == SHARDD_EXEC_RANKS)
+		m->exec = (uint64_t)g->world * (shd_group_grad_map_size(g) - l->grad_size) +
+			  shardd_exec_sync_size(g->world);
 	m->partials = (uint64_t)g->world * g->partial_size;
 	m->optimizer = (uint64_t)g->world * shd_group_optim_states(&g->optim) * l->shard_size;
 	m->internode = g->internode_size;
 	m->total = m->unsharded + m->shards + m->sharded_grads + m->grads + m->partials +
-		   m->optimizer + m->internode;
+		   m->optimizer + m->internode + m->exec;
 }
 
 static uint64_t bufs_bytes(const struct shd_buf *b, uint32_t n)
@@ -488,6 +503,14 @@ void shd_group_memory_held(const struct shd_group *g, struct shd_group_memory *m
 	h.sharded_grads = bufs_bytes(g->sharded_grads, g->world);
 	h.unsharded = bufs_bytes(g->unsharded, g->world);
 	h.grads = bufs_bytes(g->grads, g->world);
+	if (g->exec == SHARDD_EXEC_RANKS && h.grads) {
+		/* The grads' slots, counted apart as memory_need does. */
+		uint64_t slots =
+			(uint64_t)g->world * (shd_group_grad_map_size(g) - g->layout.grad_size);
+
+		h.grads -= slots;
+		h.exec = slots + bufs_bytes(&g->sync, 1);
+	}
 	h.partials = bufs_bytes(g->partials, g->world);
 	for (uint32_t k = 0; k < SHD_OPTIM_STATES; k++)
 		h.optimizer += bufs_bytes(g->optim_state[k], g->world);
@@ -498,8 +521,9 @@ void shd_group_memory_held(const struct shd_group *g, struct shd_group_memory *m
 	m->partials += h.partials;
 	m->optimizer += h.optimizer;
 	m->internode += g->internode_held;
+	m->exec += h.exec;
 	m->total += h.shards + h.sharded_grads + h.unsharded + h.grads + h.partials + h.optimizer +
-		    g->internode_held;
+		    g->internode_held + h.exec;
 }
 
 int shd_group_alloc(struct shd_group *g, struct shd_backend_ctx *b, const int32_t *devices,
@@ -510,7 +534,7 @@ int shd_group_alloc(struct shd_group *g, struct shd_backend_ctx *b, const int32_
 	int ret = 0;
 
 	for (uint32_t u = 0; u < g->replicate; u++)
-		g->unsharded_own[u] = pl && pl->shard_nccl[u];
+		g->unsharded_own[u] = (pl && pl->shard_nccl[u]) || g->exec == SHARDD_EXEC_RANKS;
 	for (uint32_t r = 0; r < g->world && !ret; r++) {
 		uint32_t u = r / g->shard;
 
@@ -532,7 +556,7 @@ int shd_group_alloc(struct shd_group *g, struct shd_backend_ctx *b, const int32_
 		if (ret)
 			break;
 		snprintf(what, sizeof(what), "%s.grad.%u", g->name, r);
-		ret = ops->alloc(b, g->layout.grad_size, devices[r], what, &g->grads[r]);
+		ret = ops->alloc(b, shd_group_grad_map_size(g), devices[r], what, &g->grads[r]);
 		for (uint32_t k = 0; k < shd_group_optim_states(&g->optim) && !ret; k++) {
 			snprintf(what, sizeof(what), "%s.%s.%u", g->name,
 				 shd_group_optim_state_name(&g->optim, k), r);
@@ -543,6 +567,10 @@ int shd_group_alloc(struct shd_group *g, struct shd_backend_ctx *b, const int32_
 			continue;
 		snprintf(what, sizeof(what), "%s.partial.%u", g->name, r);
 		ret = ops->alloc(b, g->partial_size, devices[r], what, &g->partials[r]);
+	}
+	if (!ret && g->exec == SHARDD_EXEC_RANKS) {
+		snprintf(what, sizeof(what), "%s.sync", g->name);
+		ret = ops->alloc(b, shardd_exec_sync_size(g->world), devices[0], what, &g->sync);
 	}
 	g->allocated = 1;
 	if ((ret == -ENOMEM || ret == -ENOSPC) && strcmp(ops->name, "host") == 0) {
@@ -572,6 +600,16 @@ int shd_group_reply(const struct shd_group *g, struct shd_backend_ctx *b, uint32
 		&g->shards[rank],
 		&g->sharded_grads[rank],
 	};
+	/*
+	 * Daemon-executed: the unsharded copy is the daemon's output, lent
+	 * read-only. Rank-executed: it is the rank's own output, and its flat
+	 * shard and grad buffer stay open for the seal its peers need.
+	 */
+	static const int daemon_modes[SHARDD_GROUP_BUFS] = { SHD_EXPORT_RO, SHD_EXPORT_RW,
+							     SHD_EXPORT_RW, SHD_EXPORT_RW };
+	static const int owner_modes[SHARDD_GROUP_BUFS] = { SHD_EXPORT_RW, SHD_EXPORT_OWNER,
+							    SHD_EXPORT_OWNER, SHD_EXPORT_RW };
+	int ranks = g->exec == SHARDD_EXEC_RANKS;
 	uint32_t shard_rank = shd_group_shard_rank(g, rank);
 	struct shd_buf_export one;
 	int ret;
@@ -603,8 +641,14 @@ int shd_group_reply(const struct shd_group *g, struct shd_backend_ctx *b, uint32
 			.shard_rows_valid = shd_layout_rows_valid(p, shard_rank),
 		};
 	}
+	reply->exec = g->exec;
 	for (int k = 0; k < SHARDD_GROUP_BUFS; k++) {
-		ret = b->ops->export_buf(b, bufs[k], k == 0, &one);
+		/* Sealed already: its owner opens it a second time, read-only (registry.c). */
+		int mode = !ranks                                       ? daemon_modes[k]
+			   : g->exec_sealed[rank] && (k == 1 || k == 2) ? SHD_EXPORT_RO
+									: owner_modes[k];
+
+		ret = b->ops->export_buf(b, bufs[k], mode, &one);
 		if (ret < 0)
 			goto err_close;
 		reply->export_kind[k] = (uint8_t)one.kind;
@@ -612,6 +656,13 @@ int shd_group_reply(const struct shd_group *g, struct shd_backend_ctx *b, uint32
 			ex->fds[ex->nfds++] = one.fd;
 		else
 			ex->ipc[ex->nipc++] = one.ipc;
+	}
+	if (ranks) {
+		/* The sync page travels after the buffers (PROTOCOL.md "Rank-executed groups"). */
+		ret = b->ops->export_buf(b, &g->sync, SHD_EXPORT_RO, &one);
+		if (ret < 0)
+			goto err_close;
+		ex->fds[ex->nfds++] = one.fd;
 	}
 	return 0;
 
@@ -642,6 +693,7 @@ void shd_group_destroy(struct shd_group *g, struct shd_backend_ctx *b)
 				if (g->optim_state[k])
 					b->ops->free(b, &g->optim_state[k][r]);
 		}
+		b->ops->free(b, &g->sync);
 	}
 	for (uint32_t k = 0; k < SHD_OPTIM_STATES; k++)
 		free(g->optim_state[k]);
@@ -660,5 +712,6 @@ void shd_group_destroy(struct shd_group *g, struct shd_backend_ctx *b)
 	free(g->grad_present);
 	free(g->partial_present);
 	free(g->holds);
+	free(g->exec_sealed);
 	free(g);
 }

@@ -15,6 +15,7 @@
 #include "backend.h"
 #include "layout.h"
 #include "placement.h"
+#include "shardd_exec.h"
 #include "shardd_proto.h"
 
 /*
@@ -23,7 +24,8 @@
  * as CUDA IPC handles, each in buffer order.
  */
 struct shd_group_export {
-	int fds[SHARDD_GROUP_BUFS]; /* new fds; shd_group_export_close closes them */
+	int fds[SHARDD_GROUP_BUFS + 1]; /* new fds (+ a rank-executed group's sync page);
+					   shd_group_export_close closes them */
 	int nfds;
 	struct shardd_cuda_ipc_handle ipc[SHARDD_GROUP_BUFS];
 	int nipc;
@@ -81,6 +83,20 @@ struct shd_group {
 
 	/* Loop thread only. */
 	uint8_t *holds; /* [world]: rank holds its replica's unsharded copy */
+
+	/*
+	 * Who moves the bytes of unshard, reduce and reshard (enum shardd_exec:
+	 * DAEMON or RANKS, never AUTO) and why, for shardctl groups. RANKS
+	 * (exec.c): every rank has its own unsharded copy, its grad buffer ends
+	 * with its slot (shardd_exec.h), `sync` is the group's sync page, and a
+	 * rank's flat shard and grad buffer are sealed read-only once it has
+	 * mapped them (exec_sealed), then lent to its peers. Loop thread only.
+	 */
+	uint32_t exec;
+	char exec_why[160];
+	struct shd_buf sync;
+	uint8_t *exec_sealed; /* [world] */
+	uint32_t exec_gen;    /* the last generation given to a rank's buffers */
 };
 
 /*
@@ -145,6 +161,8 @@ struct shd_group_memory {
 	uint64_t optimizer;
 	/* a job across nodes: the group's inter-node exchange buffers and scratch */
 	uint64_t internode;
+	/* rank-executed: each rank's slot page and the group's sync page */
+	uint64_t exec;
 	uint64_t total; /* the sum */
 };
 
@@ -191,6 +209,13 @@ void shd_group_export_close(struct shd_group_export *ex);
 
 /* Free the buffers and the group. */
 void shd_group_destroy(struct shd_group *g, struct shd_backend_ctx *b);
+
+/* Bytes of each rank's grad buffer: its grads, and a rank-executed group's slot after them. */
+static inline uint64_t shd_group_grad_map_size(const struct shd_group *g)
+{
+	return g->exec == SHARDD_EXEC_RANKS ? shardd_exec_grad_map_size(g->layout.grad_size)
+					    : g->layout.grad_size;
+}
 
 /* The shard rank of `rank` of the group: its rows in the layout (shard_base, across nodes). */
 static inline uint32_t shd_group_shard_rank(const struct shd_group *g, uint32_t rank)

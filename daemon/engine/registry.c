@@ -59,6 +59,9 @@ static void group_destroy(struct eng_group *eg, struct shd_engine_job *j)
 	free(eg->unshard);
 	free(eg->rs);
 	free(eg->regs);
+	free(eg->exec_renewing);
+	free(eg->exec_open);
+	free(eg->exec_sealer);
 	free(eg->restore);
 	eng_world_group_free(eg);
 	shd_group_destroy(eg->g, j->e->backend);
@@ -170,9 +173,13 @@ static int group_commit_fds(struct shd_engine_job *j, struct eng_group *eg, char
 	const char *what = "RLIMIT_NOFILE", *fix = "raise shardd's limit (ulimit -n, LimitNOFILE=)";
 	struct rlimit rl;
 
-	/* Per rank: its unsharded copy (at most), shard, sharded grad, grad, optimizer states, partial. */
+	/*
+	 * Per rank: its unsharded copy (at most), shard, sharded grad, grad,
+	 * optimizer states, partial; a rank-executed group's sync page.
+	 */
 	need = (uint64_t)g->world *
-	       (4 + shd_group_optim_states(&g->optim) + (g->partial_size ? 1 : 0));
+		       (4 + shd_group_optim_states(&g->optim) + (g->partial_size ? 1 : 0)) +
+	       (g->exec == SHARDD_EXEC_RANKS);
 	if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY)
 		limit = rl.rlim_cur;
 	if (maps && maps < limit) {
@@ -256,6 +263,8 @@ static int group_new(struct shd_engine_job *j, const struct shardd_register_grou
 			eng_fmt(err, errlen, "register group '%s': out of memory", hdr->name);
 	}
 	if (!ret)
+		ret = eng_exec_choose(eg, hdr->exec, err, errlen);
+	if (!ret)
 		ret = group_commit_memory(j, eg, err, errlen);
 	if (!ret)
 		ret = group_commit_fds(j, eg, err, errlen);
@@ -271,7 +280,11 @@ static int group_new(struct shd_engine_job *j, const struct shardd_register_grou
 	eg->rs = calloc(j->replicate, sizeof(*eg->rs));
 	eg->dhead = calloc(j->world, sizeof(*eg->dhead));
 	eg->dtail = calloc(j->world, sizeof(*eg->dtail));
-	if (!all || !eg->regs || !eg->unshard || !eg->rs || !eg->dhead || !eg->dtail)
+	eg->exec_renewing = calloc(j->world, 1);
+	eg->exec_open = calloc(j->world, sizeof(*eg->exec_open));
+	eg->exec_sealer = calloc(j->world, sizeof(*eg->exec_sealer));
+	if (!all || !eg->regs || !eg->unshard || !eg->rs || !eg->dhead || !eg->dtail ||
+	    !eg->exec_renewing || !eg->exec_open || !eg->exec_sealer)
 		goto err_group;
 	for (uint32_t r = 0; r < j->world; r++)
 		all[r] = r;
@@ -325,7 +338,7 @@ static void reg_fail(struct eng_group *eg, int res, const char *msg, uint32_t sk
 	group_destroy(eg, j);
 }
 
-static void reply_group(struct eng_group *eg, uint32_t rank, uint64_t token, uint32_t seq)
+void eng_reply_open(struct eng_group *eg, uint32_t rank, uint64_t token, uint32_t seq)
 {
 	struct shd_engine_job *j = eg->j;
 	struct shardd_group_reply reply;
@@ -407,6 +420,8 @@ static void reg_finish(struct eng_group *eg)
 				      sizeof(err));
 	if (!ret && j->span_nodes > 1)
 		ret = eng_world_group_alloc(eg, err, sizeof(err));
+	if (!ret)
+		eng_exec_init(eg);
 	free(pl);
 	if (ret) {
 		eng_fmt(msg, sizeof(msg), "shardd: %s", err);
@@ -434,7 +449,7 @@ static void reg_finish(struct eng_group *eg)
 	}
 	eg->complete = 1;
 	for (uint32_t r = 0; r < j->world; r++)
-		reply_group(eg, r, eg->regs[r].token, eg->regs[r].seq);
+		eng_reply_open(eg, r, eg->regs[r].token, eg->regs[r].seq);
 	shd_rdv_reset(&eg->reg);
 }
 
@@ -454,12 +469,13 @@ void eng_restore_delivered(struct eng_task *t)
 	}
 	eg->complete = 1;
 	for (uint32_t r = 0; r < j->world; r++)
-		reply_group(eg, r, eg->regs[r].token, eg->regs[r].seq);
+		eng_reply_open(eg, r, eg->regs[r].token, eg->regs[r].seq);
 	shd_rdv_reset(&eg->reg);
 }
 
 void shd_engine_register_group(struct shd_engine_job *j, uint32_t rank, uint64_t token,
-			       uint32_t seq, const void *payload, size_t len, uid_t uid)
+			       uint32_t seq, const void *payload, size_t len, uid_t uid,
+			       uint16_t minor)
 {
 	struct shardd_register_group hdr;
 	struct shardd_param_spec *specs = NULL;
@@ -483,6 +499,9 @@ void shd_engine_register_group(struct shd_engine_job *j, uint32_t rank, uint64_t
 		eng_reply_err(j, rank, token, seq, ret, msg);
 		return;
 	}
+	/* An older client sends 0 there (rsvd) and runs no op itself: its groups are the daemon's. */
+	if (minor < 5)
+		hdr.exec = SHARDD_EXEC_DAEMON;
 	eg = eng_group_by_name(j, hdr.name);
 	if (eg && eg->complete) {
 		eng_fmt(msg, sizeof(msg),
@@ -553,7 +572,7 @@ out:
 }
 
 void shd_engine_open_group(struct shd_engine_job *j, uint32_t rank, uint64_t token, uint32_t seq,
-			   const void *payload, size_t len)
+			   const void *payload, size_t len, uint16_t minor)
 {
 	struct shardd_open_group req;
 	struct eng_group *eg;
@@ -582,8 +601,39 @@ void shd_engine_open_group(struct shd_engine_job *j, uint32_t rank, uint64_t tok
 		return;
 	}
 	eg = eng_group_by_name(j, req.name);
+	if (eg && eg->complete && eg->g->exec == SHARDD_EXEC_RANKS && minor < 5) {
+		eng_fmt(msg, sizeof(msg),
+			"shardd: group '%s' is rank-executed (%s): this client (protocol minor %u) "
+			"cannot run its ops; upgrade it to minor 5 or later",
+			req.name, eg->g->exec_why, minor);
+		eng_reply_err(j, rank, token, seq, -SHARDD_E_VERSION, msg);
+		return;
+	}
+	if (eg && eg->complete &&
+	    (eg->exec_renewing[rank] ||
+	     (eg->g->exec_sealed[rank] && eg->exec_sealer[rank] != token))) {
+		/*
+		 * Rank-executed, attached again: its sealed buffers are renewed
+		 * first, and the reply waits for them (exec.c). The same client
+		 * opening it again gets them sealed (group.c), a read-only handle.
+		 */
+		if (eg->exec_open[rank].token) {
+			eng_fmt(msg, sizeof(msg),
+				"shardd: rank %u already waits to open group '%s'", rank, req.name);
+			eng_reply_err(j, rank, token, seq, -SHARDD_E_STATE, msg);
+			return;
+		}
+		if (!eg->exec_renewing[rank] && eng_exec_renew(eg, rank)) {
+			eng_fmt(msg, sizeof(msg), "shardd: open group '%s': out of memory",
+				req.name);
+			eng_reply_err(j, rank, token, seq, -SHARDD_E_NOMEM, msg);
+			return;
+		}
+		eg->exec_open[rank] = (struct eng_reg){ .token = token, .seq = seq };
+		return;
+	}
 	if (eg && eg->complete) {
-		reply_group(eg, rank, token, seq);
+		eng_reply_open(eg, rank, token, seq);
 		return;
 	}
 	if (eg) {

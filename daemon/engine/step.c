@@ -244,9 +244,10 @@ int eng_step_admit(struct eng_group *eg, struct eng_op *op, char *err, size_t er
 /* In the group's task                                                 */
 /* ------------------------------------------------------------------ */
 
-int eng_step_plan(const struct shd_group *g, const struct eng_op *op, struct eng_step_plan *p,
+int eng_step_plan(const struct eng_group *eg, const struct eng_op *op, struct eng_step_plan *p,
 		  char *err, size_t errlen)
 {
+	const struct shd_group *g = eg->g;
 	const struct shardd_sqe *sqe = &op->sqe;
 	uint32_t r = op->rank;
 	double clip = 1;
@@ -257,7 +258,7 @@ int eng_step_plan(const struct shd_group *g, const struct eng_op *op, struct eng
 		p->verdict = ENG_STEP_ALREADY;
 		return 0;
 	}
-	if (!g->grad_present[r]) {
+	if (!eng_exec_grad_present(eg, r)) {
 		eng_fmt(err, errlen,
 			"shardd: step(group '%s', step %llu) on rank %u: the rank's sharded grad is absent (no "
 			"reduce since its last step or zero_grad); reduce the step's grads before its step",

@@ -61,7 +61,7 @@ struct eng_step_plan {
  * shard. 0 with *p, or -SHARDD_E_STATE with `err` (the rank has no
  * sharded grad). Reads the record only the group's running task writes.
  */
-int eng_step_plan(const struct shd_group *g, const struct eng_op *op, struct eng_step_plan *p,
+int eng_step_plan(const struct eng_group *eg, const struct eng_op *op, struct eng_step_plan *p,
 		  char *err, size_t errlen);
 
 /*

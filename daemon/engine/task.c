@@ -64,9 +64,10 @@ static uint64_t task_bytes(const struct eng_task *t)
 	case TASK_SAVE_FINAL:
 	case TASK_SAVE_WRITE:
 	case TASK_RESTORE:
+	case TASK_EXEC_RENEW:
 		break;
 	}
-	/* File I/O: always on the pool, never on the loop thread. */
+	/* File I/O, or a copy of a whole shard: always on the pool, never on the loop thread. */
 	return UINT64_MAX;
 }
 
@@ -356,7 +357,7 @@ static int task_step(struct eng_task *t, struct eng_op *op)
 		.errlen = sizeof(t->why),
 	};
 
-	ret = eng_step_plan(g, op, &p, t->msg, sizeof(t->msg));
+	ret = eng_step_plan(t->eg, op, &p, t->msg, sizeof(t->msg));
 	if (ret)
 		return ret;
 	if (p.verdict == ENG_STEP_ALREADY) {
@@ -398,7 +399,7 @@ static int task_step(struct eng_task *t, struct eng_op *op)
 	ret = b->ops->zero(b, &g->sharded_grads[r], 0, g->sharded_grads[r].bytes);
 	if (ret)
 		return ret;
-	g->grad_present[r] = 0;
+	eng_exec_grad_clear(t->eg, r);
 	op->res = eng_step_record(g, r, op->sqe.step, p.verdict == ENG_STEP_APPLY && !skipped);
 	return 0;
 }
@@ -456,7 +457,8 @@ static uint32_t task_outputs(const struct eng_task *t, const struct shd_buf **bu
 	case TASK_SAVE_FINAL:
 	case TASK_SAVE_WRITE:
 	case TASK_RESTORE:
-		/* Their hooks run them (task_exec), and they write files, not these buffers. */
+	case TASK_EXEC_RENEW:
+		/* Their hooks run them (task_exec), and they write files or new buffers, not these. */
 		break;
 	}
 	return n;
@@ -490,12 +492,13 @@ static int task_compute(struct eng_task *t)
 		ret = b->ops->zero(b, &g->sharded_grads[t->rank], 0,
 				   g->sharded_grads[t->rank].bytes);
 		if (!ret)
-			g->grad_present[t->rank] = 0;
+			eng_exec_grad_clear(t->eg, t->rank);
 		return ret;
 	case TASK_SAVE:
 	case TASK_SAVE_FINAL:
 	case TASK_SAVE_WRITE:
 	case TASK_RESTORE:
+	case TASK_EXEC_RENEW:
 		break;
 	}
 	/* Those kinds always carry the hooks that compute them (task_exec runs those instead). */

@@ -189,6 +189,24 @@ void shd_session_accept(void *arg, int fd, uint32_t revents)
 	}
 }
 
+/* SHARDD_MSG_EXEC_MAP: answered at once, with a peer's buffers or an error. */
+static void control_exec_map(struct shd_session *s, uint32_t seq, const void *payload, uint32_t len)
+{
+	struct shardd_exec_map_reply rep;
+	char err[512];
+	int fds[2], ret;
+
+	ret = shd_engine_exec_map(s->job->ejob, s->rank, s->id, payload, len, &rep, fds, err,
+				  sizeof(err));
+	if (ret) {
+		shd_session_reply_error(s, seq, ret, "%s", err);
+		return;
+	}
+	shd_session_send(s, SHARDD_MSG_EXEC_MAP_REPLY, seq, &rep, sizeof(rep), fds, (int)rep.nfds);
+	for (uint32_t i = 0; i < rep.nfds; i++)
+		close(fds[i]);
+}
+
 static void session_dispatch(struct shd_session *s, const struct shardd_msg_hdr *hdr,
 			     const uint8_t *payload, uint32_t len, int nfds)
 {
@@ -229,11 +247,16 @@ static void session_dispatch(struct shd_session *s, const struct shardd_msg_hdr 
 	case SHARDD_MSG_REGISTER_GROUP:
 		if (s->job)
 			shd_engine_register_group(s->job->ejob, s->rank, s->id, hdr->seq, payload,
-						  len, s->cred.uid);
+						  len, s->cred.uid, s->minor);
 		return;
 	case SHARDD_MSG_OPEN_GROUP:
 		if (s->job)
-			shd_engine_open_group(s->job->ejob, s->rank, s->id, hdr->seq, payload, len);
+			shd_engine_open_group(s->job->ejob, s->rank, s->id, hdr->seq, payload, len,
+					      s->minor);
+		return;
+	case SHARDD_MSG_EXEC_MAP:
+		if (s->job)
+			control_exec_map(s, hdr->seq, payload, len);
 		return;
 	case SHARDD_MSG_STREAM:
 		shd_session_stream(s, hdr->seq, payload, len);

@@ -234,8 +234,10 @@ void shd_session_send_group(struct shd_session *s, uint32_t seq, int res, const 
 			    const struct shardd_param_spec *specs, const int *fds, int nfds,
 			    const struct shardd_cuda_ipc_handle *ipc, int nipc)
 {
-	/* A client of minor < 4 reads the reply without peer_last_step (PROTOCOL.md 3.7). */
-	size_t rsize = s->minor >= 4 ? sizeof(*reply) : SHARDD_GROUP_REPLY_SIZE_V3;
+	/* An older client reads the reply without exec (< 5) or peer_last_step (< 4): PROTOCOL.md 3.7. */
+	size_t rsize = s->minor >= 5   ? sizeof(*reply)
+		       : s->minor == 4 ? SHARDD_GROUP_REPLY_SIZE_V4
+				       : SHARDD_GROUP_REPLY_SIZE_V3;
 	uint64_t len;
 	uint8_t *buf;
 

@@ -9,7 +9,8 @@
  * /proc/self/fd); each must fail. Both ranks then read the gathered values
  * (checked against tests/lib/reference.c), the daemon rewrites the buffer
  * on the next unshard, and the rank's own grad and shard buffers stay
- * writable.
+ * writable. A rank-executed group's buffers, lent to a rank's peers, are
+ * tried the same way.
  */
 #define _GNU_SOURCE
 #include <criterion/criterion.h>
@@ -25,6 +26,7 @@
 #include "internal.h"
 #include "reference.h"
 #include "shardd_ctrl.h"
+#include "shardd_exec.h"
 
 #define WORLD     2
 #define SIGNAL_MS 20000
@@ -50,6 +52,9 @@ static const struct shardd_param_desc params[] = {
 };
 #define NPARAMS 2
 static const uint64_t numel[NPARAMS] = { 15, 7 };
+
+/* The unsharded buffer is the daemon's output, lent read-only, in a daemon-executed group. */
+static const struct shardd_group_opts daemon_exec = { .exec = SHARDD_EXEC_DAEMON };
 
 /* Value i of param p at step `step`: fp32 values that bf16 must round. */
 static float value(uint32_t p, uint64_t i, uint64_t step)
@@ -144,7 +149,7 @@ static int expect_no_write(int fd, size_t size, const char *what)
 	return 0;
 }
 
-/* Rank 0: every way to write the unsharded buffer through its fd. */
+/* Every way to write a read-only buffer through its fd, or one reopened from it. */
 static int attack_unsharded(int fd, size_t size)
 {
 	char path[64];
@@ -206,7 +211,7 @@ static int rank_main(void *p)
 	char byte;
 
 	CHILD_CHECK(harness_attach(&daemon_, "seals", a->rank, 1, WORLD, &c) == 0, "attach");
-	CHILD_CHECK(shardd_group_register(c, "g", params, NPARAMS, &prec, NULL, &g) == 0,
+	CHILD_CHECK(shardd_group_register(c, "g", params, NPARAMS, &prec, &daemon_exec, &g) == 0,
 		    "register: %s", shardd_last_error());
 	if (load_step(g, 1))
 		return 1;
@@ -257,7 +262,7 @@ static int reopen_rank(void *p)
 	int seals;
 
 	CHILD_CHECK(harness_attach(&daemon_, "seals-fresh", a->rank, 1, 1, &c) == 0, "attach");
-	CHILD_CHECK(shardd_group_register(c, "g", params, NPARAMS, NULL, NULL, &g) == 0,
+	CHILD_CHECK(shardd_group_register(c, "g", params, NPARAMS, NULL, &daemon_exec, &g) == 0,
 		    "register: %s", shardd_last_error());
 	if (open_group_fds(c, "g", fds))
 		return 1;
@@ -277,4 +282,80 @@ Test(buffer_seals, every_export_of_an_unsharded_buffer_is_sealed_and_others_stay
 	struct rank_arg a = { .rank = 0, .go_rd = -1, .go_wr = -1 };
 
 	harness_run_children(reopen_rank, &a, sizeof(a), 1, 30000, &daemon_);
+}
+
+/*
+ * A rank-executed group lends each rank's flat shard and grad buffer to its
+ * peers (EXEC_MAP): through those descriptors, and any reopened from them,
+ * no write path may reach the owner's buffers, which the owner still writes
+ * through the mappings it made before the seal.
+ */
+static int exec_peer_fds(struct shardd_client *c, uint32_t group, uint32_t peer, int fds[2],
+			 uint64_t sizes[2])
+{
+	struct shardd_exec_map req = { .group_id = group, .peer = peer };
+	struct shardd_exec_map_reply rep;
+	struct shardd_ctrl_rx rx = { 0 };
+	int ret;
+
+	ret = shardd_client_request(c, SHARDD_MSG_EXEC_MAP, &req, sizeof(req), 10000,
+				    SHARDD_MSG_EXEC_MAP_REPLY, &rx);
+	CHILD_CHECK(ret == 0, "EXEC_MAP of rank %u: %s", peer, shardd_last_error());
+	CHILD_CHECK(rx.nfds == 2 && rx.hdr.length == sizeof(rep), "EXEC_MAP reply: %d fds",
+		    rx.nfds);
+	memcpy(&rep, rx.payload, sizeof(rep));
+	sizes[0] = rep.shard_map_size;
+	sizes[1] = rep.grad_map_size;
+	for (int i = 0; i < 2; i++) {
+		fds[i] = rx.fds[i];
+		rx.fds[i] = -1;
+	}
+	rx.nfds = 0;
+	shardd_ctrl_rx_reset(&rx);
+	return 0;
+}
+
+static int exec_rank(void *p)
+{
+	const struct rank_arg *a = p;
+	const struct shardd_group_opts ranks = { .exec = SHARDD_EXEC_RANKS };
+	struct shardd_client *c = NULL;
+	struct shardd_group *g = NULL;
+	uint32_t peer = 1 - a->rank;
+	uint64_t sizes[2];
+	int fds[2];
+	const float *seen;
+
+	CHILD_CHECK(harness_attach(&daemon_, "seals-exec", a->rank, 1, WORLD, &c) == 0, "attach");
+	CHILD_CHECK(shardd_group_register(c, "g", params, NPARAMS, NULL, &ranks, &g) == 0,
+		    "register: %s", shardd_last_error());
+	/* Each rank's own shard is writable to it after its seal, and its peer reads the value. */
+	((volatile float *)shardd_group_shard(g, 0))[0] = 7.25f + (float)a->rank;
+	CHILD_CHECK(shardd_barrier(c, 1) == 0, "barrier: %s", shardd_last_error());
+	if (exec_peer_fds(c, shardd_group_id(g), peer, fds, sizes))
+		return 1;
+	if (attack_unsharded(fds[0], sizes[0]) || attack_unsharded(fds[1], sizes[1]))
+		return 1;
+	seen = mmap(NULL, sizes[0], PROT_READ, MAP_SHARED, fds[0], 0);
+	CHILD_CHECK(seen != MAP_FAILED, "map the peer's shard: %s", strerror(errno));
+	CHILD_CHECK(seen[shardd_group_layout(g, 0)->shard_offset / sizeof(float)] ==
+			    7.25f + (float)peer,
+		    "rank %u's shard reads %g here", peer,
+		    seen[shardd_group_layout(g, 0)->shard_offset / sizeof(float)]);
+	munmap((void *)seen, sizes[0]);
+	CHILD_CHECK(shardd_barrier(c, 2) == 0, "barrier: %s", shardd_last_error());
+	close(fds[0]);
+	close(fds[1]);
+	shardd_group_close(g);
+	shardd_close(c);
+	return 0;
+}
+
+Test(buffer_seals, a_peers_rank_executed_buffers_refuse_every_write_path)
+{
+	struct rank_arg args[WORLD];
+
+	for (uint32_t r = 0; r < WORLD; r++)
+		args[r] = (struct rank_arg){ .rank = r, .go_rd = -1, .go_wr = -1 };
+	harness_run_children(exec_rank, args, sizeof(args[0]), WORLD, 30000, &daemon_);
 }

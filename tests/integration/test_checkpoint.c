@@ -588,7 +588,7 @@ Test(checkpoint, snapshot_holds_the_boundary_while_the_next_step_runs, .timeout 
 {
 	struct fixture f;
 	struct inproc_ref ref;
-	struct shardd_completion cp;
+	struct shardd_completion cps[WORLD];
 	char dir[160], path[512];
 	float *before[WORLD][NP];
 	struct st model;
@@ -611,13 +611,12 @@ Test(checkpoint, snapshot_holds_the_boundary_while_the_next_step_runs, .timeout 
 		cr_assert_eq(shardd_client_submit(f.c[rk], SHARDD_OP_CHECKPOINT, 2, 0, 7), 0);
 	for (int rk = 0; rk < WORLD; rk++)
 		cr_assert_eq(shardd_group_submit(f.g[rk], SHARDD_OP_REDUCE, 3, 0, 8), 0);
-	for (int rk = 0; rk < WORLD; rk++)
-		for (int k = 0; k < 2; k++) {
-			cr_assert_eq(shardd_wait(f.c[rk], &cp, 30000), 0, "%s",
-				     shardd_last_error());
-			cr_assert_eq(cp.res, 0, "rank %d %s: %s", rk, shardd_op_name(cp.op),
-				     cp.msg);
-		}
+	for (int k = 0; k < 2; k++) {
+		inproc_wait_each(f.c, WORLD, cps, 30000);
+		for (int rk = 0; rk < WORLD; rk++)
+			cr_assert_eq(cps[rk].res, 0, "rank %d %s: %s", rk,
+				     shardd_op_name(cps[rk].op), cps[rk].msg);
+	}
 	for (int rk = 0; rk < WORLD; rk++)
 		cr_assert_eq(shardd_step(f.g[rk], 3, 0.01, 0, 0, 0), SHARDD_STEP_APPLIED, "%s",
 			     shardd_last_error());

@@ -95,7 +95,7 @@ struct ref_norm {
 static void reduce_all(struct fixture *f, uint64_t step, int poison, struct ref_norm *ref)
 {
 	uint32_t flags = f->replicate > 1 ? SHARDD_REDUCE_ALL_REDUCE : 0;
-	struct shardd_completion cp;
+	struct shardd_completion cps[SHARDD_MAX_WORLD];
 
 	memset(ref, 0, sizeof(*ref));
 	for (int k = 0; k < NG; k++)
@@ -123,12 +123,10 @@ static void reduce_all(struct fixture *f, uint64_t step, int poison, struct ref_
 			cr_assert_eq(shardd_group_submit(f->g[r][k], SHARDD_OP_REDUCE, step, flags,
 							 100 + r),
 				     0, "%s", shardd_last_error());
-		for (uint32_t r = 0; r < f->world; r++) {
-			cr_assert_eq(shardd_wait(f->c[r], &cp, 30000), 0, "%s",
-				     shardd_last_error());
-			cr_assert_eq(cp.res, 0, "rank %u reduce of %s: %s", r, group_names[k],
-				     cp.msg);
-		}
+		inproc_wait_each(f->c, f->world, cps, 30000);
+		for (uint32_t r = 0; r < f->world; r++)
+			cr_assert_eq(cps[r].res, 0, "rank %u reduce of %s: %s", r, group_names[k],
+				     cps[r].msg);
 	}
 	for (uint32_t r = 0; r < f->world; r++)
 		for (int k = 0; k < NG; k++)

@@ -270,8 +270,8 @@ Test(hostile, bad_registrations_are_refused_naming_the_field_and_value)
 	expect_spec_error(&r, &h, &ok, 1, -SHARDD_E_INVALID, NEEDLES("reduce_dtype = 77"),
 			  "reduce_dtype 77");
 	h = reg_hdr("g", 1);
-	h.rsvd = 3;
-	expect_spec_error(&r, &h, &ok, 1, -SHARDD_E_INVALID, NEEDLES("rsvd = 3"), "rsvd");
+	h.exec = 3;
+	expect_spec_error(&r, &h, &ok, 1, -SHARDD_E_INVALID, NEEDLES("exec = 3"), "exec");
 	h = reg_hdr("g", 1);
 	h.init = 5;
 	expect_spec_error(&r, &h, &ok, 1, -SHARDD_E_INVALID, NEEDLES("init = 5"), "init");

@@ -631,7 +631,7 @@ Test(optim_daemon, a_rank_killed_between_reduce_and_step_resumes_bit_identical, 
 static void reduce_and_step(struct fixture *f, struct inproc_ref *ref,
 			    const struct shardd_optim_config *o, uint64_t step, double lr, int *res)
 {
-	struct shardd_completion cp;
+	struct shardd_completion cps[WORLD];
 	float *sum[WORLD][NP];
 
 	write_grads(f, 0);
@@ -665,11 +665,11 @@ static void reduce_and_step(struct fixture *f, struct inproc_ref *ref,
 	for (int r = 0; r < WORLD; r++)
 		cr_assert_eq(shardd_reduce_step_submit(f->reg[r].g, step, 0, lr, 200 + r), 0, "%s",
 			     shardd_last_error());
+	inproc_wait_each(f->c, WORLD, cps, 30000);
 	for (int r = 0; r < WORLD; r++) {
-		cr_assert_eq(shardd_wait(f->c[r], &cp, 30000), 0, "%s", shardd_last_error());
-		res[cp.user_data - 200] = cp.res;
-		cr_assert_geq(cp.res, 0, "rank %d reduce+step %llu: %s", (int)(cp.user_data - 200),
-			      (unsigned long long)step, cp.msg);
+		res[cps[r].user_data - 200] = cps[r].res;
+		cr_assert_geq(cps[r].res, 0, "rank %d reduce+step %llu: %s",
+			      (int)(cps[r].user_data - 200), (unsigned long long)step, cps[r].msg);
 	}
 	/* The grads are cleared by now: the reference steps on the sums computed above. */
 	for (int r = 0; r < WORLD; r++) {

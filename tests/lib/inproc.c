@@ -1,5 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 #include <criterion/criterion.h>
+#include <errno.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -75,19 +76,45 @@ void inproc_register_ok(struct shardd_client **c, uint32_t n, const char *name,
 	}
 }
 
+void inproc_wait_each(struct shardd_client **c, uint32_t n, struct shardd_completion *cps,
+		      int timeout_ms)
+{
+	int64_t deadline = harness_now_ms() + timeout_ms;
+	uint8_t got[SHARDD_MAX_WORLD] = { 0 };
+	uint32_t left = n;
+
+	cr_assert_leq(n, SHARDD_MAX_WORLD);
+	while (left) {
+		for (uint32_t r = 0; r < n; r++) {
+			int ret;
+
+			if (got[r])
+				continue;
+			ret = shardd_poll(c[r], &cps[r]);
+			if (ret == -EAGAIN)
+				continue;
+			cr_assert_eq(ret, 0, "rank %u: %s", r, shardd_last_error());
+			got[r] = 1;
+			left--;
+		}
+		cr_assert_lt(harness_now_ms(), deadline, "%u ranks got no completion in %d ms",
+			     left, timeout_ms);
+	}
+}
+
 void inproc_reduce(struct shardd_client **c, struct shardd_group *const *g, uint32_t n,
 		   uint64_t step, uint32_t flags)
 {
-	struct shardd_completion cp;
+	struct shardd_completion cp[SHARDD_MAX_WORLD];
 
+	cr_assert_leq(n, SHARDD_MAX_WORLD);
 	for (uint32_t r = 0; r < n; r++)
 		cr_assert_eq(shardd_group_submit(g[r], SHARDD_OP_REDUCE, step, flags, 100 + r), 0,
 			     "%s", shardd_last_error());
-	for (uint32_t r = 0; r < n; r++) {
-		cr_assert_eq(shardd_wait(c[r], &cp, 30000), 0, "%s", shardd_last_error());
-		cr_assert_eq(cp.res, 0, "rank %u reduce %llu: %s", r, (unsigned long long)step,
-			     cp.msg);
-	}
+	inproc_wait_each(c, n, cp, 30000);
+	for (uint32_t r = 0; r < n; r++)
+		cr_assert_eq(cp[r].res, 0, "rank %u reduce %llu: %s", r, (unsigned long long)step,
+			     cp[r].msg);
 }
 
 void inproc_checkpoint(struct shardd_client **c, uint32_t n, uint64_t step)

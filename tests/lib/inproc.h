@@ -48,6 +48,15 @@ void inproc_register_ok(struct shardd_client **c, uint32_t n, const char *name,
 			const struct shardd_precision *precision,
 			const struct shardd_group_opts *opts, struct shardd_group **g);
 /*
+ * One completion of each of the n ranks' clients, into cps[r]: polled in
+ * turn, as one thread must drive several ranks (a rank-executed op runs
+ * when its client polls, and needs its peers to run theirs). Asserts
+ * within timeout_ms.
+ */
+void inproc_wait_each(struct shardd_client **c, uint32_t n, struct shardd_completion *cps,
+		      int timeout_ms);
+
+/*
  * Submit the reduce of `step` (with `flags`) of g[r] on every client c[r]
  * before reaping any, then assert each completed ("rank R reduce STEP: MSG").
  */

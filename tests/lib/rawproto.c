@@ -380,7 +380,8 @@ struct shardd_param_spec pspec(const char *name, uint32_t dtype, uint32_t ndim,
 
 struct shardd_register_group reg_hdr(const char *name, uint32_t nparams)
 {
-	struct shardd_register_group h = { .nparams = nparams };
+	/* These clients drive the daemon's ring: their groups are daemon-executed. */
+	struct shardd_register_group h = { .nparams = nparams, .exec = SHARDD_EXEC_DAEMON };
 
 	snprintf(h.name, sizeof(h.name), "%s", name);
 	return h;

@@ -325,7 +325,8 @@ static void register_rank(struct t_env *env, uint32_t rank, const char *name,
 	size_t len;
 	void *p = payload(name, sp, &len);
 
-	shd_engine_register_group(env->j, rank, 100 + rank, 7 + rank, p, len, getuid());
+	shd_engine_register_group(env->j, rank, 100 + rank, 7 + rank, p, len, getuid(),
+				  SHARDD_PROTO_MINOR);
 	free(p);
 }
 
@@ -1007,7 +1008,7 @@ static void expect_reg_error(struct t_env *env, const void *p, size_t len, int c
 			     const char *want)
 {
 	env->rep[0].got = 0;
-	shd_engine_register_group(env->j, 0, 100, 1, p, len, getuid());
+	shd_engine_register_group(env->j, 0, 100, 1, p, len, getuid(), SHARDD_PROTO_MINOR);
 	cr_assert_eq(env->rep[0].got, 1, "an invalid registration is answered at once");
 	cr_assert_eq(env->rep[0].res, code, "%s: %d %s", want, env->rep[0].res, env->rep[0].msg);
 	cr_assert(strstr(env->rep[0].msg, want), "'%s' names '%s'", env->rep[0].msg, want);
@@ -1074,7 +1075,7 @@ Test(engine, register_again_is_an_error_and_open_reattaches, .timeout = 30)
 	snprintf(og.name, sizeof(og.name), "blocks.0");
 	env->rep[1].got = 0;
 	unmap_rank(&env->grp[id], 1);
-	shd_engine_open_group(env->j, 1, 101, 3, &og, sizeof(og));
+	shd_engine_open_group(env->j, 1, 101, 3, &og, sizeof(og), SHARDD_PROTO_MINOR);
 	cr_assert_eq(env->rep[1].got, 1);
 	cr_assert_eq(env->rep[1].res, 0, "%s", env->rep[1].msg);
 	cr_assert_eq(env->rep[1].group_id, id);
@@ -1083,12 +1084,12 @@ Test(engine, register_again_is_an_error_and_open_reattaches, .timeout = 30)
 	cr_assert_eq(env->grp[id].layouts[1][2].shard_row_begin, 2, "c: Shard(1), 4 / 2 rows each");
 
 	snprintf(og.name, sizeof(og.name), "blocks.9");
-	shd_engine_open_group(env->j, 1, 101, 4, &og, sizeof(og));
+	shd_engine_open_group(env->j, 1, 101, 4, &og, sizeof(og), SHARDD_PROTO_MINOR);
 	cr_assert_eq(env->rep[1].res, -SHARDD_E_NOGROUP);
 	cr_assert(strstr(env->rep[1].msg, "no group 'blocks.9'") &&
 			  strstr(env->rep[1].msg, "'blocks.0'"),
 		  "lists the groups: %s", env->rep[1].msg);
-	shd_engine_open_group(env->j, 1, 101, 5, &og, 3);
+	shd_engine_open_group(env->j, 1, 101, 5, &og, 3, SHARDD_PROTO_MINOR);
 	cr_assert_eq(env->rep[1].res, -SHARDD_E_MALFORMED);
 	env_free(env);
 }
@@ -1244,7 +1245,7 @@ Test(engine, rank_gone_fails_others_naming_it_and_keeps_shards, .timeout = 30)
 	snprintf(og.name, sizeof(og.name), "g");
 	unmap_rank(&env->grp[id], 2);
 	shd_engine_rank_attached(env->j, 2, SHARDD_HELLO_DEVICE_HOST);
-	shd_engine_open_group(env->j, 2, 102, 1, &og, sizeof(og));
+	shd_engine_open_group(env->j, 2, 102, 1, &og, sizeof(og), SHARDD_PROTO_MINOR);
 	cr_assert_eq(memcmp(env->grp[id].map[2].shard, &v, 4), 0);
 	all_ranks(env, SHARDD_OP_UNSHARD, id, 2, 0);
 	env_free(env);

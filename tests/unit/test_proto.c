@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "shardd.h"
+#include "shardd_exec.h"
 #include "shardd_ring.h"
 
 #define OFF(type, field) offsetof(struct type, field)
@@ -78,7 +79,7 @@ Test(proto, group_messages_layout, .timeout = 5)
 	cr_assert_eq(OFF(shardd_register_group, reduce_dtype), 72);
 	cr_assert_eq(OFF(shardd_register_group, init), 76);
 	cr_assert_eq(OFF(shardd_register_group, flags), 80);
-	cr_assert_eq(OFF(shardd_register_group, rsvd), 84);
+	cr_assert_eq(OFF(shardd_register_group, exec), 84);
 
 	cr_assert_eq(sizeof(struct shardd_open_group), 64);
 
@@ -92,7 +93,7 @@ Test(proto, group_messages_layout, .timeout = 5)
 	cr_assert_eq(OFF(shardd_param_layout, shard_row_begin), 48);
 	cr_assert_eq(OFF(shardd_param_layout, shard_rows_valid), 56);
 
-	cr_assert_eq(sizeof(struct shardd_group_reply), 72);
+	cr_assert_eq(sizeof(struct shardd_group_reply), 80);
 	cr_assert_eq(OFF(shardd_group_reply, group_id), 0);
 	cr_assert_eq(OFF(shardd_group_reply, nparams), 4);
 	cr_assert_eq(OFF(shardd_group_reply, param_dtype), 8);
@@ -108,6 +109,33 @@ Test(proto, group_messages_layout, .timeout = 5)
 	cr_assert_eq(OFF(shardd_group_reply, last_step), 56);
 	cr_assert_eq(OFF(shardd_group_reply, peer_last_step), 64);
 	cr_assert_eq(SHARDD_GROUP_REPLY_SIZE_V3, 64);
+	cr_assert_eq(OFF(shardd_group_reply, exec), 72);
+	cr_assert_eq(SHARDD_GROUP_REPLY_SIZE_V4, 72);
+	cr_assert_eq(sizeof(struct shardd_exec_map), 8);
+	cr_assert_eq(sizeof(struct shardd_exec_map_reply), 32);
+	cr_assert_eq(OFF(shardd_exec_map_reply, shard_map_size), 16);
+	cr_assert_eq(OFF(shardd_exec_sync, epoch), 64);
+	cr_assert_eq(OFF(shardd_exec_sync, changes), 72);
+	cr_assert_eq(OFF(shardd_exec_sync, gen), 128);
+	cr_assert_eq(OFF(shardd_exec_slot, seq), 0);
+	cr_assert_eq(OFF(shardd_exec_slot, step), 8);
+	cr_assert_eq(OFF(shardd_exec_slot, op), 16);
+	cr_assert_eq(OFF(shardd_exec_slot, done), 64);
+	cr_assert_eq(OFF(shardd_exec_slot, unshards), 128);
+	cr_assert_eq(OFF(shardd_exec_slot, cleared), 192);
+	cr_assert_eq(OFF(shardd_exec_slot, wait_op), 256);
+	cr_assert_eq(OFF(shardd_exec_slot, wait_since_ns), 264);
+	cr_assert_eq(OFF(shardd_exec_slot, sleeping), 272);
+	cr_assert_eq(shardd_exec_sync_size(1), 4096);
+	cr_assert_eq(shardd_exec_sync_size(992), 4096);
+	cr_assert_eq(shardd_exec_sync_size(993), 8192);
+	cr_assert_eq(shardd_exec_slot_offset(1), 4096);
+	cr_assert_eq(shardd_exec_slot_offset(4096), 4096);
+	cr_assert_eq(shardd_exec_grad_map_size(4097), 12288);
+	cr_assert(shardd_exec_reached(shardd_exec_word(3, 7), 3, 7));
+	cr_assert(shardd_exec_reached(shardd_exec_word(3, 8), 3, 7), "a peer one op ahead");
+	cr_assert(!shardd_exec_reached(shardd_exec_word(3, 6), 3, 7));
+	cr_assert(!shardd_exec_reached(shardd_exec_word(2, 9), 3, 7), "another epoch");
 	cr_assert_eq(sizeof(struct shardd_optim_config), 72);
 	cr_assert_eq(sizeof(struct shardd_cuda_ipc_handle), 64);
 }

@@ -39,6 +39,10 @@ struct bench_opts {
 	const char *ckpt_dir;     /* --dir: checkpoint's folder on the disk it measures, or NULL */
 	const char *torch_python; /* --torch: checkpoint's python for the DCP comparison, or NULL */
 	const char *self_dir;     /* directory of this binary */
+	/* --exec: the executors unshard, reduce and latency run under, in turn (enum shardd_exec) */
+	uint32_t execs[2];
+	uint32_t nexecs;
+	uint32_t exec; /* the one running now: registered as each group's exec */
 };
 
 /* Memory rooflines measured in the same run (roofline.c). */

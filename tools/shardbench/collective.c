@@ -341,6 +341,7 @@ static int rank_size(struct coll_rank_ctx *x, uint32_t k)
 		.param_dtype = o->dtype == SHARDD_DTYPE_FP32 ? SHARDD_DTYPE_NONE : o->dtype,
 		.reduce_dtype = SHARDD_DTYPE_NONE,
 	};
+	struct shardd_group_opts gopts = { .exec = o->exec };
 
 	snprintf(job, sizeof(job), "shardbench.%d.%s.%u", (int)x->parent, x->op->name, k);
 	ret = shardd_connect(&ao, &c);
@@ -349,7 +350,7 @@ static int rank_size(struct coll_rank_ctx *x, uint32_t k)
 			 x->rank, job);
 		return rank_fail(x, ret, what, bytes);
 	}
-	ret = shardd_group_register(c, "bench", &param, 1, &precision, NULL, &g);
+	ret = shardd_group_register(c, "bench", &param, 1, &precision, &gopts, &g);
 	if (ret) {
 		rank_fail(x, ret, "register group 'bench'", bytes);
 		goto out;

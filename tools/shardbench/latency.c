@@ -121,12 +121,13 @@ static int lat_rank(const struct bench_opts *o, struct lat_shared *sh, const cha
 		.param_dtype = o->dtype == SHARDD_DTYPE_FP32 ? SHARDD_DTYPE_NONE : o->dtype,
 		.reduce_dtype = SHARDD_DTYPE_NONE,
 	};
+	struct shardd_group_opts gopts = { .exec = o->exec };
 
 	snprintf(job, sizeof(job), "shardbench.%d.latency", (int)getppid());
 	ret = shardd_connect(&ao, &c);
 	if (ret)
 		return lat_fail(sh, rank, ret, "attach");
-	ret = shardd_group_register(c, "latency", &param, 1, &precision, NULL, &g);
+	ret = shardd_group_register(c, "latency", &param, 1, &precision, &gopts, &g);
 	if (ret) {
 		lat_fail(sh, rank, ret, "register group 'latency'");
 		goto out;

@@ -75,6 +75,10 @@ static void usage(FILE *f)
 		"  --shardd PATH  daemon binary to start (default: shardd next to shardbench)\n"
 		"  --mpi PATH     Open MPI comparator (default: shardbench_mpi next to shardbench)\n"
 		"  --idle-us N    ring: idle gap before each sleeping sample (default 2000)\n"
+		"  --exec MODE    unshard, reduce, latency: who moves the bytes (docs/DESIGN.md,\n"
+		"                 \"Who moves the bytes\"): daemon, ranks, auto (the daemon's\n"
+		"                 --rank-exec-max picks), or both: daemon, then ranks, in one\n"
+		"                 run (default both)\n"
 		"  --nodes N      world: daemons under mpirun, 2 to 8 (default 2)\n"
 		"  --trace FILE   latency: also write every sample to FILE (trace_latency.py)\n"
 		"  --dir DIR      checkpoint: the folder whose disk is measured (default /var/tmp)\n"
@@ -162,7 +166,8 @@ static int parse_args(int argc, char **argv, struct bench_opts *o, enum bench_cm
 		OPT_DIR,
 		OPT_NODES,
 		OPT_TORCH,
-		OPT_LOAD
+		OPT_LOAD,
+		OPT_EXEC
 	};
 	static const struct option longopts[] = {
 		{ "socket", required_argument, NULL, OPT_SOCKET },
@@ -175,6 +180,7 @@ static int parse_args(int argc, char **argv, struct bench_opts *o, enum bench_cm
 		{ "nodes", required_argument, NULL, OPT_NODES },
 		{ "torch", required_argument, NULL, OPT_TORCH },
 		{ "load", no_argument, NULL, OPT_LOAD },
+		{ "exec", required_argument, NULL, OPT_EXEC },
 		{ "help", no_argument, NULL, 'h' },
 		{ "version", no_argument, NULL, OPT_VERSION },
 		{ NULL, 0, NULL, 0 },
@@ -239,6 +245,20 @@ static int parse_args(int argc, char **argv, struct bench_opts *o, enum bench_cm
 			break;
 		case OPT_GPU:
 			gpu = 1;
+			break;
+		case OPT_EXEC:
+			if (!strcmp(optarg, "both")) {
+				o->execs[0] = SHARDD_EXEC_DAEMON;
+				o->execs[1] = SHARDD_EXEC_RANKS;
+				o->nexecs = 2;
+				break;
+			}
+			o->nexecs = 1;
+			for (o->execs[0] = 0; o->execs[0] < SHARDD_EXEC_COUNT; o->execs[0]++)
+				if (!strcmp(optarg, shardd_exec_name(o->execs[0])))
+					break;
+			if (o->execs[0] == SHARDD_EXEC_COUNT)
+				return bad_option("--exec", optarg, "daemon, ranks, auto or both");
 			break;
 		case OPT_LOAD:
 			o->load = 1;
@@ -327,6 +347,8 @@ int main(int argc, char **argv)
 		.ranks = 2,
 		.idle_us = 2000,
 		.nodes = 2,
+		.execs = { SHARDD_EXEC_DAEMON, SHARDD_EXEC_RANKS },
+		.nexecs = 2,
 	};
 	struct bench_daemon d = { 0 };
 	struct bench_roofline roof = { 0 };
@@ -409,15 +431,21 @@ int main(int argc, char **argv)
 	}
 	fflush(stdout);
 
-	if (cmd == CMD_ALL || cmd == CMD_UNSHARD) {
+	for (uint32_t i = 0; i < o.nexecs && (cmd == CMD_ALL || cmd == CMD_UNSHARD); i++) {
+		o.exec = o.execs[i];
+		printf("#\n# exec: %s\n", shardd_exec_name(o.exec));
 		rc = bench_collective_run(&o, BENCH_UNSHARD, socket_path);
 		failed |= rc != 0;
 	}
-	if (cmd == CMD_ALL || cmd == CMD_REDUCE) {
+	for (uint32_t i = 0; i < o.nexecs && (cmd == CMD_ALL || cmd == CMD_REDUCE); i++) {
+		o.exec = o.execs[i];
+		printf("#\n# exec: %s\n", shardd_exec_name(o.exec));
 		rc = bench_collective_run(&o, BENCH_REDUCE, socket_path);
 		failed |= rc != 0;
 	}
-	if (cmd == CMD_LATENCY) {
+	for (uint32_t i = 0; i < o.nexecs && cmd == CMD_LATENCY; i++) {
+		o.exec = o.execs[i];
+		printf("#\n# exec: %s\n", shardd_exec_name(o.exec));
 		rc = bench_latency_run(&o, socket_path, o.trace_path);
 		failed |= rc != 0;
 	}

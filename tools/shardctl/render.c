@@ -308,22 +308,41 @@ void shardctl_render_groups(FILE *f, const json_t *r)
 			fprintf(f, "no groups registered\n");
 			continue;
 		}
-		fprintf(f, "%-4s %-20s %-7s %-11s %-11s %-11s %-11s %-10s %s\n", "ID", "GROUP",
-			"PARAMS", "STATE", "SHARD", "UNSHARDED", "GRAD", "HOLDERS", "PARTIALS");
+		fprintf(f, "%-4s %-20s %-7s %-11s %-7s %-11s %-11s %-11s %-10s %s\n", "ID", "GROUP",
+			"PARAMS", "STATE", "EXEC", "SHARD", "UNSHARDED", "GRAD", "HOLDERS",
+			"PARTIALS");
 		json_array_foreach(json_object_get(j, "groups"), k, g)
 		{
 			const json_t *b = json_object_get(g, "bytes");
 			char s1[32], s2[32], s3[32], h[128], pa[128];
 
-			fprintf(f, "%-4lld %-20s %-7lld %-11s %-11s %-11s %-11s %-10s %s\n",
+			fprintf(f, "%-4lld %-20s %-7lld %-11s %-7s %-11s %-11s %-11s %-10s %s\n",
 				num(g, "id"), str(g, "name"), num(g, "nparams"),
 				json_is_true(json_object_get(g, "complete")) ? "ready"
 									     : "registering",
-				bytes_str(num(b, "shard"), s1, sizeof(s1)),
+				str(g, "exec"), bytes_str(num(b, "shard"), s1, sizeof(s1)),
 				bytes_str(num(b, "unsharded"), s2, sizeof(s2)),
 				bytes_str(num(b, "grad"), s3, sizeof(s3)),
 				rank_list(json_object_get(g, "unsharded_holders"), h, sizeof(h)),
 				rank_list(json_object_get(g, "partials_present"), pa, sizeof(pa)));
+			fprintf(f, "     exec: %s\n", str(g, "exec_why"));
+			json_array_foreach(json_object_get(g, "exec_ranks"), n, p)
+			{
+				const json_t *w = json_object_get(p, "waiting");
+
+				fprintf(f,
+					"     rank %lld: %lld unshards, %lld reduces, %lld reshards%s",
+					num(p, "rank"), num(p, "unshards"), num(p, "reduces"),
+					num(p, "reshards"),
+					json_is_true(json_object_get(p, "published"))
+						? ""
+						: ", buffers not published");
+				if (w)
+					fprintf(f, "; waits in %s for rank %lld since %.1f s",
+						str(w, "op"), num(w, "for_rank"),
+						json_number_value(json_object_get(w, "for_s")));
+				fputc('\n', f);
+			}
 			json_array_foreach(json_object_get(g, "pending"), n, p)
 			{
 				char w[512];

@@ -156,7 +156,7 @@ void cuda_nccl_unlock(struct cuda_backend *cb);
 int cuda_alloc(struct shd_backend_ctx *b, uint64_t bytes, int32_t device, const char *what,
 	       struct shd_buf *out);
 void cuda_free(struct shd_backend_ctx *b, struct shd_buf *buf);
-int cuda_export_buf(struct shd_backend_ctx *b, const struct shd_buf *buf, int readonly,
+int cuda_export_buf(struct shd_backend_ctx *b, const struct shd_buf *buf, int mode,
 		    struct shd_buf_export *out);
 int cuda_write(struct shd_backend_ctx *b, struct shd_buf *buf, uint64_t offset, uint64_t bytes,
 	       const void *src);

@@ -240,17 +240,17 @@ void cuda_free(struct shd_backend_ctx *b, struct shd_buf *buf)
 /*
  * How a client receives a buffer: as its device's export kind says, a
  * duplicate of the exported fd or the IPC handle (which only another
- * process can open). `readonly` cannot be honoured by either: whoever holds
+ * process can open). SHD_EXPORT_RO cannot be honoured by either: whoever holds
  * the fd or the handle may map the allocation read-write (see the file
  * comment).
  */
-int cuda_export_buf(struct shd_backend_ctx *b, const struct shd_buf *buf, int readonly,
+int cuda_export_buf(struct shd_backend_ctx *b, const struct shd_buf *buf, int mode,
 		    struct shd_buf_export *out)
 {
 	const struct cuda_buf *cu = cbuf(buf);
 
 	(void)b;
-	(void)readonly;
+	(void)mode;
 	memset(out, 0, sizeof(*out));
 	out->kind = cu->kind;
 	out->fd = -1;

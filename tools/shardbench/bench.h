@@ -241,6 +241,16 @@ int bench_ring_run(const struct bench_opts *o, const char *socket_path, pid_t da
  */
 int bench_latency_run(const struct bench_opts *o, const char *socket_path, const char *trace_path);
 
+/* ---- reduce_step.c ------------------------------------------------- */
+
+/*
+ * A REDUCE with SHARDD_REDUCE_STEP (the fused pass) against REDUCE then
+ * STEP through the daemon at `socket_path`, o->ranks rank processes, AdamW
+ * on fp32 params of each size of the sweep; prints its table. 0, 1 when
+ * the two left different params (#wrong), or a negative code (printed).
+ */
+int bench_reduce_step_run(const struct bench_opts *o, const char *socket_path);
+
 /* ---- gpu.c ----------------------------------------------------------- */
 
 /* CUDA kernels against cudaMemcpy device-to-device; 0 and "# no GPU" without one. */

@@ -17,9 +17,10 @@
  *   script through --torch PYTHON ($SHARDBENCH_TORCH, else python3), each
  *   beside torch's own copy of the same bytes in the same process. A
  *   torch time is implausible, flagged and not divided, when that copy
- *   ran far below this run's roofline (the interpreter's threads were
- *   starved: another process held the cores, or its thread pool fought
- *   ours) or when the step took longer than STEP_TORCH_MAX_COPIES copies
+ *   ran far below this run's roofline or slower on all cores than on one
+ *   (the interpreter's threads were starved: another process held the
+ *   cores, or its thread pool fought ours) or when the step took longer
+ *   than STEP_TORCH_MAX_COPIES copies
  *   of its bytes (more passes over memory than any of torch's AdamW
  *   implementations makes: the time is not the optimizer's).
  *
@@ -507,12 +508,15 @@ static void torch_free(struct torch_results *t)
 /*
  * 1 when torch's step time `ns` is plausible (the header comment): its own
  * copy of the same bytes (copy_ns) ran within STEP_TORCH_MAX_COPY_ROOF of
- * this run's roofline time for them (roof_ns), and the step took at most
- * STEP_TORCH_MAX_COPIES copies.
+ * this run's roofline time for them (roof_ns) and, on more threads than
+ * one, no slower than on one (copy1_ns; 0 on one thread): more threads
+ * never make a memory-bound copy slower unless they wait for cores held by
+ * others. And the step took at most STEP_TORCH_MAX_COPIES copies.
  */
-static int torch_plausible(uint64_t ns, uint64_t copy_ns, uint64_t roof_ns)
+static int torch_plausible(uint64_t ns, uint64_t copy_ns, uint64_t copy1_ns, uint64_t roof_ns)
 {
 	return copy_ns && (double)copy_ns <= STEP_TORCH_MAX_COPY_ROOF * (double)roof_ns &&
+	       (!copy1_ns || copy_ns <= copy1_ns) &&
 	       (double)ns <= STEP_TORCH_MAX_COPIES * (double)copy_ns;
 }
 
@@ -669,10 +673,13 @@ static void torch_cell(char *buf, size_t len, uint64_t ns, int plausible)
 		snprintf(buf, len, "%.1f%s", (double)ns / 1e3, plausible ? "" : "?");
 }
 
-/* torch: the row's torch times (NULL for SGD), copy_ns torch's copy of the same bytes. */
+/*
+ * torch: the row's torch times (NULL for SGD), copy_ns torch's copy of the
+ * same bytes, copy1_ns the same on one thread (0 in a one-thread row).
+ */
 static void print_row(uint64_t bytes, size_t n, const char *name, unsigned threads, uint64_t ns,
 		      unsigned streams, uint64_t roof_ns, const uint64_t *torch, uint64_t copy_ns,
-		      uint64_t wrong, struct step_row_stats *st)
+		      uint64_t copy1_ns, uint64_t wrong, struct step_row_stats *st)
 {
 	double gbs = (double)streams * 4.0 * (double)n / (double)ns;
 	double roof = (double)streams * 4.0 * (double)n / (double)roof_ns;
@@ -682,7 +689,7 @@ static void print_row(uint64_t bytes, size_t n, const char *name, unsigned threa
 
 	for (int k = 0; k < TORCH_NIMPLS; k++) {
 		uint64_t t = torch ? torch[k] : 0;
-		int ok = t && torch_plausible(t, copy_ns, roof_ns);
+		int ok = t && torch_plausible(t, copy_ns, copy1_ns, roof_ns);
 
 		torch_cell(cells[k], sizeof(cells[k]), t, ok);
 		st->implausible += t && !ok;
@@ -740,8 +747,9 @@ int bench_step_run(const struct bench_opts *o)
 	if (torch.available)
 		printf("# torch (%s): %s; fused/foreach/single(us): torch.optim.AdamW at the same size and\n"
 		       "#   threads, copy(us): torch's copy_ of the same 28 B per element in the same process;\n"
-		       "#   '?': implausible, not divided (copy > %.0fx the roofline's time: the interpreter\n"
-		       "#   was starved; or step > %.0f copies); vsTorch: the fastest plausible one / ours\n",
+		       "#   '?': implausible, not divided (copy > %.0fx the roofline's time, or slower on all\n"
+		       "#   cores than on one: the interpreter was starved; or step > %.0f copies);\n"
+		       "#   vsTorch: the fastest plausible one / ours\n",
 		       torch.python, torch.impls, STEP_TORCH_MAX_COPY_ROOF, STEP_TORCH_MAX_COPIES);
 	else
 		printf("# torch: not installed (%s) via %s\n", torch.why, torch.python);
@@ -770,6 +778,7 @@ int bench_step_run(const struct bench_opts *o)
 			size_t k = si * 2 + (unsigned)ti;
 			const uint64_t *torch_ns = torch.step_ns ? torch.step_ns[k] : NULL;
 			uint64_t copy_ns = torch.copy_ns ? torch.copy_ns[k] : 0;
+			uint64_t copy1_ns = torch.copy_ns && ti ? torch.copy_ns[si * 2] : 0;
 			struct step_job j = { .p = p, .g = g, .m = m, .v = v, .n = n }, roof;
 			size_t lo, hi;
 
@@ -803,9 +812,10 @@ int bench_step_run(const struct bench_opts *o)
 			j.step = 2; /* step 1 does not read the buffer */
 			time_pair(&pool, &roof, &j, threads, o->warmup, o->iters, &t_sr, &t_s);
 			print_row(bytes_of[si], n, "adamw", threads, t_a, 7, t_ar,
-				  torch.available ? torch_ns : NULL, copy_ns, wrong_a, &st);
-			print_row(bytes_of[si], n, "sgd", threads, t_s, 5, t_sr, NULL, 0, wrong_s,
+				  torch.available ? torch_ns : NULL, copy_ns, copy1_ns, wrong_a,
 				  &st);
+			print_row(bytes_of[si], n, "sgd", threads, t_s, 5, t_sr, NULL, 0, 0,
+				  wrong_s, &st);
 			st.wrong += wrong_a + wrong_s;
 			fflush(stdout);
 		}

@@ -428,7 +428,7 @@ static int task_step(struct eng_task *t, struct eng_op *op)
  * A REDUCE with SHARDD_REDUCE_STEP as one pass (the backend's reduce_step):
  * the sum of each block of the ranks' grads goes straight into the
  * update, so the sharded grads are neither written nor read back nor
- * cleared: 20 of the 44 bytes per element (fp32, 2 ranks, AdamW) that
+ * cleared: 12 of the 44 bytes per element (fp32, 2 ranks, AdamW) that
  * reduce + step move. Only where that is exactly reduce + step: one
  * collective on this node (no replicate dim, no other nodes), every rank
  * of the shard group in the task, each rank's grad absent (the reduce

@@ -213,8 +213,9 @@ struct shd_backend_ops {
 	 * back. a->outs are left as they were (the caller's hold zeros and
 	 * stand for grads that are absent). Needs a->accumulate all 0,
 	 * a->adds NULL, fp32 outputs and no skip_nonfinite (-EINVAL
-	 * otherwise, before any write); steps[k].grad is not read. NULL in
-	 * a backend without it: the engine runs reduce, then step.
+	 * otherwise); steps[k].grad is not read. A failure comes before any
+	 * write: no member is stepped then. NULL in a backend without it:
+	 * the engine runs reduce, then step.
 	 */
 	int (*reduce_step)(struct shd_backend_ctx *b, const struct shd_reduce_args *a,
 			   const struct shd_step_args *steps);

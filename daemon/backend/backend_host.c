@@ -568,39 +568,38 @@ static int host_step(struct shd_backend_ctx *b, const struct shd_step_args *a)
 	return 0;
 }
 
-/* Plan and run member k's reduce_step: its valid elements in pieces, each summed and stepped. */
-static int host_reduce_step_one(struct host_backend *hb, const struct shd_reduce_args *a,
-				const struct shd_step_args *step, uint32_t k)
+/* Plan member k's reduce_step: its valid elements in pieces, each summed and stepped. */
+static int host_reduce_step_plan(const struct shd_reduce_args *a, uint32_t k, struct host_plan *pl)
 {
-	struct host_plan pl;
-	struct host_op op = { .reduce = a, .plan = &pl, .shard_rank = k, .step = step };
 	uint64_t work = 0;
 	int ret = 0;
 
-	*step->skipped = 0;
 	/* The reduce's n + 1 streams and the step's 6 (AdamW: param, exp_avg, exp_avg_sq read and written). */
 	for (uint32_t i = 0; i < a->layout->nparams; i++)
 		work += a->layout->params[i].shard_numel * (a->n + 6);
-	plan_init(&pl, work);
+	plan_init(pl, work);
 	for (uint32_t i = 0; i < a->layout->nparams && !ret; i++) {
 		const struct shd_layout_param *p = &a->layout->params[i];
 		struct host_piece pc = { .param = i, .kind = PIECE_REDUCE_STEP };
 
 		if (p->shard_numel)
-			ret = plan_split(&pl, pc, 0, host_valid_numel(p, k), a->n + 6);
+			ret = plan_split(pl, pc, 0, host_valid_numel(p, k), a->n + 6);
 	}
-	if (!ret) {
-		plan_close(&pl);
-		host_run_plan(hb, &op);
-	}
-	plan_free(&pl);
+	if (!ret)
+		plan_close(pl);
 	return ret;
 }
 
+/*
+ * Every member's plan is made before any runs: a failure (-ENOMEM) leaves
+ * every shard as it was, so no rank's step is half applied and none is
+ * applied without the engine's record of it.
+ */
 static int host_reduce_step(struct shd_backend_ctx *b, const struct shd_reduce_args *a,
 			    const struct shd_step_args *steps)
 {
 	struct host_backend *hb = (struct host_backend *)b;
+	struct host_plan *plans;
 	int ret = 0;
 
 	if (a->n == 0 || a->n > SHARDD_MAX_WORLD || a->src != SHD_REDUCE_SRC_GRAD || a->adds)
@@ -613,8 +612,22 @@ static int host_reduce_step(struct shd_backend_ctx *b, const struct shd_reduce_a
 			    SHARDD_DTYPE_FP32)
 				return -EINVAL;
 	}
+	plans = calloc(a->n, sizeof(*plans));
+	if (!plans)
+		return -ENOMEM;
 	for (uint32_t k = 0; k < a->n && !ret; k++)
-		ret = host_reduce_step_one(hb, a, &steps[k], k);
+		ret = host_reduce_step_plan(a, k, &plans[k]);
+	for (uint32_t k = 0; k < a->n && !ret; k++) {
+		struct host_op op = {
+			.reduce = a, .plan = &plans[k], .shard_rank = k, .step = &steps[k]
+		};
+
+		*steps[k].skipped = 0;
+		host_run_plan(hb, &op);
+	}
+	for (uint32_t k = 0; k < a->n; k++)
+		plan_free(&plans[k]);
+	free(plans);
 	return ret;
 }
 

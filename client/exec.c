@@ -37,10 +37,10 @@
 #define EXEC_SLEEP_NS 20000000LL
 
 struct exec_peer {
-	uint32_t gen;                 /* of the mappings below; 0: none */
-	const uint8_t *shard;         /* its flat shard (read-only), or this rank's own */
-	const uint8_t *grad;          /* its grad buffer (read-only), or this rank's own */
-	struct shardd_exec_slot *slot; /* at the end of grad */
+	uint32_t gen;                   /* of the mappings below; 0: none */
+	const uint8_t *shard;           /* its flat shard (read-only), or this rank's own */
+	const uint8_t *grad;            /* its grad buffer (read-only), or this rank's own */
+	struct shardd_exec_slot *slot;  /* at the end of grad */
 	uint64_t shard_size, grad_size; /* mapped bytes; 0 for this rank's own */
 };
 
@@ -48,11 +48,11 @@ struct shardd_exec_state {
 	struct shardd_exec_sync *sync; /* read-only */
 	uint64_t sync_size;
 	struct shardd_exec_slot *mine;
-	uint32_t world, rank;   /* shard group size, this rank (replicate is 1) */
-	uint32_t epoch, n;      /* the epoch of the last op, and its number in it */
-	int held;               /* an unsharded copy is held (unshard, no reshard yet) */
-	struct exec_peer *peer; /* [world] */
-	struct shardd_exec_slot **others; /* [world]: the peers' slots (NULL: own, unmapped) */
+	uint32_t world, rank;              /* shard group size, this rank (replicate is 1) */
+	uint32_t epoch, n;                 /* the epoch of the last op, and its number in it */
+	int held;                          /* an unsharded copy is held (unshard, no reshard yet) */
+	struct exec_peer *peer;            /* [world] */
+	struct shardd_exec_slot **others;  /* [world]: the peers' slots (NULL: own, unmapped) */
 	struct shardd_shard_geometry *geo; /* [nparams] for this rank's shard */
 	struct shardd_reduce_math math;
 };
@@ -147,15 +147,16 @@ static int exec_map(struct shardd_group *g, uint32_t peer)
 	memcpy(&rep, rx.payload, sizeof(rep));
 	if (rep.group_id != req.group_id || rep.peer != peer || !rep.gen ||
 	    rep.nfds != (peer == x->rank ? 0u : 2u) || (int)rep.nfds != rx.nfds ||
-	    (rep.nfds && (rep.shard_map_size != g->info.shard_size ||
-			  rep.grad_map_size != grad_map))) {
+	    (rep.nfds &&
+	     (rep.shard_map_size != g->info.shard_size || rep.grad_map_size != grad_map))) {
 		shardd_err_set(ret,
 			       "EXEC_MAP reply for group %u rank %u: group_id %u, peer %u, gen %u, "
 			       "%u fds (%d sent), sizes %llu/%llu (want %llu/%llu)",
-			       req.group_id, peer, rep.group_id, rep.peer, rep.gen, rep.nfds, rx.nfds,
-			       (unsigned long long)rep.shard_map_size,
+			       req.group_id, peer, rep.group_id, rep.peer, rep.gen, rep.nfds,
+			       rx.nfds, (unsigned long long)rep.shard_map_size,
 			       (unsigned long long)rep.grad_map_size,
-			       (unsigned long long)g->info.shard_size, (unsigned long long)grad_map);
+			       (unsigned long long)g->info.shard_size,
+			       (unsigned long long)grad_map);
 		goto out;
 	}
 	if (peer == x->rank) {
@@ -233,12 +234,13 @@ int shardd_exec_attach(struct shardd_group *g, int sync_fd)
 	if (shardd_load_acquire(&x->sync->magic) != SHARDD_EXEC_MAGIC ||
 	    x->sync->version != SHARDD_EXEC_VERSION || x->sync->world != world ||
 	    x->sync->group_id != g->info.group_id) {
-		ret = shardd_err_set(-SHARDD_E_MALFORMED,
-				     "group '%s': sync page magic 0x%x version %u world %u group %u, "
-				     "want 0x%x, %d, %u, %u",
-				     g->name, x->sync->magic, x->sync->version, x->sync->world,
-				     x->sync->group_id, SHARDD_EXEC_MAGIC, SHARDD_EXEC_VERSION, world,
-				     g->info.group_id);
+		ret = shardd_err_set(
+			-SHARDD_E_MALFORMED,
+			"group '%s': sync page magic 0x%x version %u world %u group %u, "
+			"want 0x%x, %d, %u, %u",
+			g->name, x->sync->magic, x->sync->version, x->sync->world,
+			x->sync->group_id, SHARDD_EXEC_MAGIC, SHARDD_EXEC_VERSION, world,
+			g->info.group_id);
 		goto err;
 	}
 	x->mine = (struct shardd_exec_slot *)(void *)((uint8_t *)g->buf[SHARDD_BUF_GRAD].addr +
@@ -493,8 +495,8 @@ static void run_reduce(struct shardd_group *g, int accumulate)
 
 			for (uint32_t k = 0; k < x->world; k++)
 				in[k] = x->peer[k].grad + l->grad_offset + e * gs;
-			shardd_k_reduce(out + l->shard_offset + o * geo->rows * geo->inner * os, odt,
-					accumulate, in, x->world, gdt, block, &x->math);
+			shardd_k_reduce(out + l->shard_offset + o * geo->rows * geo->inner * os,
+					odt, accumulate, in, x->world, gdt, block, &x->math);
 		}
 		/* Padding rows (dim 0, where outer is 1) read as zero. */
 		if (geo->valid < geo->rows)
@@ -516,8 +518,10 @@ static void run_reduce(struct shardd_group *g, int accumulate)
 static int step_refused(struct shardd_group *g, uint64_t step, const uint64_t *args,
 			uint64_t user_data, struct shardd_completion *out, int *finished)
 {
-	struct shardd_completion cp = { .user_data = user_data, .op = SHARDD_OP_REDUCE,
-					.group = g->info.group_id, .step = step };
+	struct shardd_completion cp = { .user_data = user_data,
+					.op = SHARDD_OP_REDUCE,
+					.group = g->info.group_id,
+					.step = step };
 	double lr = 0;
 
 	if (args)
@@ -558,11 +562,12 @@ int shardd_exec_submit(struct shardd_group *g, uint32_t op, uint64_t step, uint3
 	uint32_t epoch;
 
 	if (g->exec_second)
-		return shardd_err_set(-SHARDD_E_STATE,
-				      "%s(group '%s'): this handle is this client's second of the "
-				      "rank-executed group, which maps its buffers read-only; submit "
-				      "through the first",
-				      shardd_op_name(op), g->name);
+		return shardd_err_set(
+			-SHARDD_E_STATE,
+			"%s(group '%s'): this handle is this client's second of the "
+			"rank-executed group, which maps its buffers read-only; submit "
+			"through the first",
+			shardd_op_name(op), g->name);
 	if (flags & ~(uint32_t)(op == SHARDD_OP_REDUCE ? SHARDD_REDUCE_STEP : 0))
 		return shardd_err_set(-SHARDD_E_INVALID,
 				      "%s(group '%s'): flags = 0x%x: a rank-executed group takes "
@@ -579,14 +584,18 @@ int shardd_exec_submit(struct shardd_group *g, uint32_t op, uint64_t step, uint3
 	}
 	o = calloc(1, sizeof(*o));
 	if (!o)
-		return shardd_err_set(-ENOMEM, "%s(group '%s'): out of memory",
-				      shardd_op_name(op), g->name);
-	*o = (struct shardd_xop){ .g = g, .op = op, .flags = flags, .step = step,
-				  .user_data = user_data, .out = out, .finished = finished };
+		return shardd_err_set(-ENOMEM, "%s(group '%s'): out of memory", shardd_op_name(op),
+				      g->name);
+	*o = (struct shardd_xop){ .g = g,
+				  .op = op,
+				  .flags = flags,
+				  .step = step,
+				  .user_data = user_data,
+				  .out = out,
+				  .finished = finished };
 	if (args)
 		memcpy(o->args, args, sizeof(o->args));
-	o->deadline = shardd_client_now_ns() +
-		      (int64_t)c->welcome.collective_timeout_ms * 1000000;
+	o->deadline = shardd_client_now_ns() + (int64_t)c->welcome.collective_timeout_ms * 1000000;
 	if (op != SHARDD_OP_RESHARD) {
 		/* A rank left since this rank's last op: a new epoch, counted from 1 again. */
 		epoch = shardd_exec_epoch(x->sync);
@@ -625,7 +634,8 @@ static int xop_advance(struct shardd_xop *o, int *res, uint64_t **word, uint64_t
 	*res = 0;
 	if (o->op == SHARDD_OP_RESHARD) {
 		if (!x->held) {
-			msgf(msg, len, "shardd: rank %u has no unsharded copy of group '%s' to reshard",
+			msgf(msg, len,
+			     "shardd: rank %u has no unsharded copy of group '%s' to reshard",
 			     x->rank, g->name);
 			*res = -SHARDD_E_STATE;
 			return 1;
@@ -646,7 +656,8 @@ static int xop_advance(struct shardd_xop *o, int *res, uint64_t **word, uint64_t
 			shardd_store_release(&mine->unshards, mine->unshards + 1);
 			return 1;
 		}
-		run_reduce(g, shardd_load_acquire(&mine->reduces) != SHARDD_READ_ONCE(mine->cleared));
+		run_reduce(g,
+			   shardd_load_acquire(&mine->reduces) != SHARDD_READ_ONCE(mine->cleared));
 		/* The sharded grad holds the sum from here on, whatever the wait below says. */
 		shardd_store_release(&mine->reduces, mine->reduces + 1);
 		shardd_exec_publish(&mine->done, shardd_exec_word(o->epoch, o->n), x->others,
@@ -680,8 +691,10 @@ int shardd_exec_progress(struct shardd_client *c)
 	c->xwait.word = NULL;
 	c->xwait.mine = NULL;
 	for (; o; o = next) {
-		struct shardd_completion cp = { .user_data = o->user_data, .op = o->op,
-						.group = o->g->info.group_id, .step = o->step };
+		struct shardd_completion cp = { .user_data = o->user_data,
+						.op = o->op,
+						.group = o->g->info.group_id,
+						.step = o->step };
 		uint64_t *w = NULL, sn = 0;
 		int ret;
 

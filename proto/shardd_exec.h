@@ -72,10 +72,10 @@ struct shardd_exec_slot {
 	uint64_t cleared; /* `reduces` when the daemon last zeroed the sharded grad */
 	uint8_t pad3[SHARDD_CACHELINE - 8];
 	/* line 4: the op the rank waits in, for naming a stuck collective */
-	uint32_t wait_op;   /* enum shardd_op; 0: not waiting */
-	uint32_t wait_peer; /* rank + 1 it waits for */
+	uint32_t wait_op;       /* enum shardd_op; 0: not waiting */
+	uint32_t wait_peer;     /* rank + 1 it waits for */
 	uint64_t wait_since_ns; /* CLOCK_MONOTONIC */
-	uint32_t sleeping;  /* 1 while it sleeps on a peer's word: a publisher wakes it */
+	uint32_t sleeping;      /* 1 while it sleeps on a peer's word: a publisher wakes it */
 	uint8_t pad4[SHARDD_CACHELINE - 20];
 };
 
@@ -135,9 +135,8 @@ static inline void shardd_exec_publish(uint64_t *word, uint64_t value,
 {
 	atomic_store_explicit(SHARDD_ATOMIC_OF(word), value, memory_order_seq_cst);
 	for (uint32_t i = 0; i < npeers; i++) {
-		if (peers[i] &&
-		    atomic_load_explicit(SHARDD_ATOMIC_OF(&peers[i]->sleeping),
-					 memory_order_seq_cst)) {
+		if (peers[i] && atomic_load_explicit(SHARDD_ATOMIC_OF(&peers[i]->sleeping),
+						     memory_order_seq_cst)) {
 			shardd_futex(shardd_exec_futex(word), FUTEX_WAKE, INT32_MAX, NULL);
 			return;
 		}

@@ -232,6 +232,21 @@ struct shd_backend_ops {
 	/* The optimizer step of one rank's shard; NULL in a backend without one (registration refuses it). */
 	int (*step)(struct shd_backend_ctx *b, const struct shd_step_args *a);
 	/*
+	 * A reduce-scatter (SRC_GRAD) whose every member's output is the
+	 * grad of a step: the same params and state, bit for bit, as
+	 * `reduce` into a->outs followed by `step` of each member k with
+	 * steps[k] reading outs[k], but the sum of each block of elements
+	 * goes straight into the update, so no output is written and read
+	 * back. a->outs are left as they were (the caller's hold zeros and
+	 * stand for grads that are absent). Needs a->accumulate all 0,
+	 * a->adds NULL, fp32 outputs and no skip_nonfinite (-EINVAL
+	 * otherwise); steps[k].grad is not read. A failure comes before any
+	 * write: no member is stepped then. NULL in a backend without it:
+	 * the engine runs reduce, then step.
+	 */
+	int (*reduce_step)(struct shd_backend_ctx *b, const struct shd_reduce_args *a,
+			   const struct shd_step_args *steps);
+	/*
 	 * The grad-norm part (shardd_kernels.h) of the valid rows of every
 	 * param of shard `shard_rank` in `grad`, an fp32 sharded grad at the
 	 * layout's shard offsets: the params' parts merged in order, computed

@@ -81,6 +81,7 @@ enum host_piece_kind {
 	PIECE_REDUCE,    /* reduce: elements [begin, begin + n) of the valid rows of every outer
 			    index of the output shard, outer index by outer index */
 	PIECE_ZERO, /* reduce: elements [begin, begin + n) of the output shard (its padding rows) */
+	PIECE_REDUCE_STEP, /* reduce_step: as PIECE_REDUCE, the sum fed to the step's update */
 };
 
 struct host_piece {
@@ -110,6 +111,7 @@ struct host_op {
 	const struct shd_shard_view *out, *add; /* add: NULL for none */
 	uint32_t shard_rank;                    /* reduce: the rows of out */
 	int accumulate;
+	const struct shd_step_args *step; /* reduce_step: member k's step, fed from its sum */
 };
 
 static inline uint8_t *host_ptr(const struct shd_buf *b)
@@ -298,6 +300,75 @@ static void host_run_piece_reduce(const struct host_op *op, const struct host_pi
 	}
 }
 
+/*
+ * Elements summed at a time by a fused reduce-and-step: the sum waits in
+ * an 8 KiB stack buffer (L1) between the reduce kernel and the optimizer
+ * kernel, which reads it as the grad; a whole number of SHARDD_K_BLOCKs.
+ */
+#define HOST_FUSE_CHUNK 2048
+
+/* One chunk's update: member k's step on shard elements [e, e + n) of param p, `grad` its sum. */
+static void host_fuse_update(const struct shd_step_args *s, const struct shd_layout_param *p,
+			     uint64_t e, uint64_t n, const float *grad)
+{
+	uint64_t off = p->shard_offset + e * sizeof(float);
+	float *param = (float *)(host_ptr(s->shard) + off);
+
+	if (s->kind == SHARDD_OPTIM_SGD) {
+		struct shardd_sgd a = s->sgd;
+
+		a.param = param;
+		a.grad = grad;
+		a.grad_dtype = SHARDD_DTYPE_FP32;
+		a.momentum_buffer = s->state[0] ? (float *)(host_ptr(s->state[0]) + off) : NULL;
+		shardd_k_sgd(&a, 0, n);
+	} else {
+		struct shardd_adamw a = s->adamw;
+
+		a.param = param;
+		a.grad = grad;
+		a.grad_dtype = SHARDD_DTYPE_FP32;
+		a.exp_avg = (float *)(host_ptr(s->state[0]) + off);
+		a.exp_avg_sq = (float *)(host_ptr(s->state[1]) + off);
+		a.max_exp_avg_sq = s->state[2] ? (float *)(host_ptr(s->state[2]) + off) : NULL;
+		shardd_k_adamw(&a, 0, n);
+	}
+}
+
+/*
+ * A PIECE_REDUCE_STEP: the piece's valid elements of member k's shard in
+ * chunks, each summed as host_reduce_run sums it (assigning, no addend,
+ * into fp32) and stepped at once. The valid elements are a prefix of the
+ * shard in the output's order (padding rows exist only where outer is 1),
+ * so element e of the piece is element e of the shard, as the step sees it.
+ */
+static void host_run_piece_reduce_step(const struct host_op *op, const struct host_piece *pc)
+{
+	const struct shd_reduce_args *a = op->reduce;
+	const struct shd_layout_param *p = &a->layout->params[pc->param];
+	uint64_t block = shd_layout_rows_valid(p, op->shard_rank) * p->inner;
+	size_t gs = shardd_dtype_size(p->grad_dtype);
+	struct shardd_reduce_math m = a->math;
+	float sum[HOST_FUSE_CHUNK] __attribute__((aligned(64)));
+	const void *in[SHARDD_MAX_WORLD];
+
+	m.add = NULL;
+	for (uint64_t e = pc->begin, end = pc->begin + pc->n; e < end;) {
+		uint64_t o = e / block, off = e % block;
+		uint64_t n = end - e < block - off ? end - e : block - off;
+		/* Shard s of the unsharded grad: rows [s*rows, s*rows + valid) of shard_dim, per outer index. */
+		uint64_t at =
+			o * p->dim * p->inner + (uint64_t)op->shard_rank * p->rows * p->inner + off;
+
+		n = n < HOST_FUSE_CHUNK ? n : HOST_FUSE_CHUNK;
+		for (uint32_t k = 0; k < a->n; k++)
+			in[k] = host_ptr(a->grads[k]) + p->grad_offset + at * gs;
+		shardd_k_reduce(sum, SHARDD_DTYPE_FP32, 0, in, a->n, p->grad_dtype, n, &m);
+		host_fuse_update(op->step, p, e, n, sum);
+		e += n;
+	}
+}
+
 static void host_run_batches(void *arg, size_t begin, size_t end)
 {
 	const struct host_op *op = arg;
@@ -306,6 +377,8 @@ static void host_run_batches(void *arg, size_t begin, size_t end)
 		for (size_t i = op->plan->batches[b]; i < op->plan->batches[b + 1]; i++) {
 			if (op->unshard)
 				host_run_piece_unshard(op, &op->plan->pieces[i]);
+			else if (op->step)
+				host_run_piece_reduce_step(op, &op->plan->pieces[i]);
 			else
 				host_run_piece_reduce(op, &op->plan->pieces[i]);
 		}
@@ -493,6 +566,69 @@ static int host_step(struct shd_backend_ctx *b, const struct shd_step_args *a)
 			shd_pool_for(hb->pool, n, HOST_GRAIN, host_step_range, &sp);
 	}
 	return 0;
+}
+
+/* Plan member k's reduce_step: its valid elements in pieces, each summed and stepped. */
+static int host_reduce_step_plan(const struct shd_reduce_args *a, uint32_t k, struct host_plan *pl)
+{
+	uint64_t work = 0;
+	int ret = 0;
+
+	/* The reduce's n + 1 streams and the step's 6 (AdamW: param, exp_avg, exp_avg_sq read and written). */
+	for (uint32_t i = 0; i < a->layout->nparams; i++)
+		work += a->layout->params[i].shard_numel * (a->n + 6);
+	plan_init(pl, work);
+	for (uint32_t i = 0; i < a->layout->nparams && !ret; i++) {
+		const struct shd_layout_param *p = &a->layout->params[i];
+		struct host_piece pc = { .param = i, .kind = PIECE_REDUCE_STEP };
+
+		if (p->shard_numel)
+			ret = plan_split(pl, pc, 0, host_valid_numel(p, k), a->n + 6);
+	}
+	if (!ret)
+		plan_close(pl);
+	return ret;
+}
+
+/*
+ * Every member's plan is made before any runs: a failure (-ENOMEM) leaves
+ * every shard as it was, so no rank's step is half applied and none is
+ * applied without the engine's record of it.
+ */
+static int host_reduce_step(struct shd_backend_ctx *b, const struct shd_reduce_args *a,
+			    const struct shd_step_args *steps)
+{
+	struct host_backend *hb = (struct host_backend *)b;
+	struct host_plan *plans;
+	int ret = 0;
+
+	if (a->n == 0 || a->n > SHARDD_MAX_WORLD || a->src != SHD_REDUCE_SRC_GRAD || a->adds)
+		return -EINVAL;
+	for (uint32_t k = 0; k < a->n; k++) {
+		if (a->accumulate[k] || steps[k].skip_nonfinite)
+			return -EINVAL;
+		for (uint32_t i = 0; i < a->layout->nparams; i++)
+			if (shd_shard_view_dtype(&a->outs[k], &a->layout->params[i]) !=
+			    SHARDD_DTYPE_FP32)
+				return -EINVAL;
+	}
+	plans = calloc(a->n, sizeof(*plans));
+	if (!plans)
+		return -ENOMEM;
+	for (uint32_t k = 0; k < a->n && !ret; k++)
+		ret = host_reduce_step_plan(a, k, &plans[k]);
+	for (uint32_t k = 0; k < a->n && !ret; k++) {
+		struct host_op op = {
+			.reduce = a, .plan = &plans[k], .shard_rank = k, .step = &steps[k]
+		};
+
+		*steps[k].skipped = 0;
+		host_run_plan(hb, &op);
+	}
+	for (uint32_t k = 0; k < a->n; k++)
+		plan_free(&plans[k]);
+	free(plans);
+	return ret;
 }
 
 /* `arg`: the first byte to zero. */
@@ -730,6 +866,7 @@ static const struct shd_backend_ops host_ops = {
 	.read = host_read,
 	.write = host_write,
 	.step = host_step,
+	.reduce_step = host_reduce_step,
 	.destroy = host_destroy,
 };
 

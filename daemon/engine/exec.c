@@ -73,8 +73,8 @@ int eng_exec_choose(struct eng_group *eg, uint32_t asked, char *err, size_t errl
 		eng_fmt(g->exec_why, sizeof(g->exec_why), "auto: %s", no);
 	} else if (g->layout.unsharded_size <= max) {
 		g->exec = SHARDD_EXEC_RANKS;
-		eng_fmt(g->exec_why, sizeof(g->exec_why), "auto: unsharded %s <= --rank-exec-max %s",
-			size, limit);
+		eng_fmt(g->exec_why, sizeof(g->exec_why),
+			"auto: unsharded %s <= --rank-exec-max %s", size, limit);
 	} else {
 		g->exec = SHARDD_EXEC_DAEMON;
 		eng_fmt(g->exec_why, sizeof(g->exec_why), "auto: unsharded %s > --rank-exec-max %s",
@@ -89,8 +89,8 @@ static struct shardd_exec_slot *exec_slot(const struct eng_group *eg, uint32_t r
 	struct shd_backend_ctx *b = eg->j->e->backend;
 	uint8_t *grad = b->ops->host_map(b, &eg->g->grads[r]);
 
-	return (struct shardd_exec_slot *)(void *)(grad +
-						   shardd_exec_slot_offset(eg->g->layout.grad_size));
+	return (struct shardd_exec_slot *)(void *)(grad + shardd_exec_slot_offset(
+								  eg->g->layout.grad_size));
 }
 
 static struct shardd_exec_sync *exec_sync(const struct eng_group *eg)
@@ -172,8 +172,8 @@ int shd_engine_exec_rank(const struct shd_engine_job *j, uint32_t id, uint32_t r
 /* ------------------------------------------------------------------ */
 
 int shd_engine_exec_map(struct shd_engine_job *j, uint32_t rank, uint64_t token,
-			const void *payload, size_t len, struct shardd_exec_map_reply *rep, int fds[2],
-			char *err, size_t errlen)
+			const void *payload, size_t len, struct shardd_exec_map_reply *rep,
+			int fds[2], char *err, size_t errlen)
 {
 	struct shd_backend_ctx *b = j->e->backend;
 	struct shardd_exec_map req;
@@ -192,7 +192,8 @@ int shd_engine_exec_map(struct shd_engine_job *j, uint32_t rank, uint64_t token,
 	memcpy(&req, payload, sizeof(req));
 	eg = req.group_id >= 1 && req.group_id <= j->ngroups ? j->groups[req.group_id - 1] : NULL;
 	if (!eg || !eg->complete) {
-		eng_fmt(err, errlen, "exec map: group_id = %u is not a registered group of job '%s'",
+		eng_fmt(err, errlen,
+			"exec map: group_id = %u is not a registered group of job '%s'",
 			req.group_id, j->name);
 		return -SHARDD_E_NOGROUP;
 	}
@@ -354,8 +355,7 @@ static void renew_delivered(struct eng_task *t)
 	eg->exec_open[r] = (struct eng_reg){ 0 };
 }
 
-static const struct eng_task_ops renew_hooks = { .exec = renew_exec,
-						 .delivered = renew_delivered };
+static const struct eng_task_ops renew_hooks = { .exec = renew_exec, .delivered = renew_delivered };
 
 void eng_exec_rank_gone(struct eng_group *eg, uint32_t rank)
 {

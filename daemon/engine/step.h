@@ -65,6 +65,17 @@ int eng_step_plan(const struct eng_group *eg, const struct eng_op *op, struct en
 		  char *err, size_t errlen);
 
 /*
+ * The group's running task, before the reduce of a REDUCE with
+ * SHARDD_REDUCE_STEP: 1 when the step of `op` can take the reduce's sum
+ * straight into its update (the backend's reduce_step), *p its plan: the
+ * rank's sharded grad is absent, so the reduce would assign it rather than
+ * add into it, and the step then applies (not SHARDD_STEP_ALREADY) and
+ * reads exactly that sum. 0: the reduce, then eng_step_plan.
+ */
+int eng_step_plan_fused(const struct shd_group *g, const struct eng_op *op,
+			struct eng_step_plan *p);
+
+/*
  * The group's running task, after the step of `step` ran on `rank`'s
  * shard or was skipped: it is the rank's last step now, and `updated`
  * (the optimizer changed the shard) counts an update. Returns the op's

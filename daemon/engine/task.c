@@ -254,6 +254,13 @@ static int task_reduce(struct eng_task *t)
 		ret = task_reduce_scatter(t, 0, outs, NULL, g->grad_present, &rs);
 		if (!ret)
 			memset(g->grad_present, 1, g->shard);
+		/*
+		 * A reduce that failed part way may have assigned some: an absent
+		 * grad's bytes stay zero, which task_reduce_step_fused relies on.
+		 */
+		for (uint32_t s = 0; s < g->shard && ret; s++)
+			if (!g->grad_present[s])
+				b->ops->zero(b, &g->sharded_grads[s], 0, g->sharded_grads[s].bytes);
 		return ret;
 	}
 
@@ -332,6 +339,55 @@ static int task_unshard(struct eng_task *t)
 }
 
 /*
+ * The backend's step arguments for `op`'s rank as plan `p` (ENG_STEP_APPLY)
+ * says: its shard, sharded grad and states, the group's hyperparameters.
+ */
+static void task_step_args(struct eng_task *t, const struct eng_op *op,
+			   const struct eng_step_plan *p, int *skipped, struct shd_step_args *a)
+{
+	struct shd_group *g = t->eg->g;
+	const struct shardd_optim_config *o = &g->optim;
+	uint32_t r = op->rank;
+
+	*a = (struct shd_step_args){
+		.layout = &g->layout,
+		.shard_rank = shd_group_shard_rank(g, r),
+		.kind = o->kind,
+		.shard = &g->shards[r],
+		.grad = &g->sharded_grads[r],
+		.skip_nonfinite = p->skip_nonfinite,
+		.skipped = skipped,
+		.err = t->why,
+		.errlen = sizeof(t->why),
+	};
+	for (uint32_t k = 0; k < shd_group_optim_states(o); k++)
+		a->state[k] = &g->optim_state[k][r];
+	if (o->kind == SHARDD_OPTIM_SGD)
+		a->sgd = (struct shardd_sgd){
+			.step = p->update,
+			.lr = p->lr,
+			.momentum = o->momentum,
+			.dampening = o->dampening,
+			.weight_decay = o->weight_decay,
+			.nesterov = !!(o->flags & SHARDD_OPTIM_NESTEROV),
+			.maximize = !!(o->flags & SHARDD_OPTIM_MAXIMIZE),
+			.grad_scale = p->grad_scale,
+		};
+	else
+		a->adamw = (struct shardd_adamw){
+			.step = p->update,
+			.lr = p->lr,
+			.beta1 = o->beta1,
+			.beta2 = o->beta2,
+			.eps = o->eps,
+			.weight_decay = o->weight_decay,
+			.amsgrad = !!(o->flags & SHARDD_OPTIM_AMSGRAD),
+			.maximize = !!(o->flags & SHARDD_OPTIM_MAXIMIZE),
+			.grad_scale = p->grad_scale,
+		};
+}
+
+/*
  * The optimizer step of `op` (a STEP, or a REDUCE with SHARDD_REDUCE_STEP)
  * on its rank's shard, as the step's policy plans it (step.h): the kernel
  * through the backend, the sharded grad cleared, the record left. Returns
@@ -342,20 +398,10 @@ static int task_step(struct eng_task *t, struct eng_op *op)
 {
 	struct shd_group *g = t->eg->g;
 	struct shd_backend_ctx *b = t->eg->j->e->backend;
-	const struct shardd_optim_config *o = &g->optim;
 	uint32_t r = op->rank;
 	struct eng_step_plan p;
+	struct shd_step_args a;
 	int skipped = 0, ret;
-	struct shd_step_args a = {
-		.layout = &g->layout,
-		.shard_rank = shd_group_shard_rank(g, r),
-		.kind = o->kind,
-		.shard = &g->shards[r],
-		.grad = &g->sharded_grads[r],
-		.skipped = &skipped,
-		.err = t->why,
-		.errlen = sizeof(t->why),
-	};
 
 	ret = eng_step_plan(t->eg, op, &p, t->msg, sizeof(t->msg));
 	if (ret)
@@ -365,32 +411,7 @@ static int task_step(struct eng_task *t, struct eng_op *op)
 		return 0;
 	}
 	if (p.verdict == ENG_STEP_APPLY) {
-		a.skip_nonfinite = p.skip_nonfinite;
-		for (uint32_t k = 0; k < shd_group_optim_states(o); k++)
-			a.state[k] = &g->optim_state[k][r];
-		if (o->kind == SHARDD_OPTIM_SGD)
-			a.sgd = (struct shardd_sgd){
-				.step = p.update,
-				.lr = p.lr,
-				.momentum = o->momentum,
-				.dampening = o->dampening,
-				.weight_decay = o->weight_decay,
-				.nesterov = !!(o->flags & SHARDD_OPTIM_NESTEROV),
-				.maximize = !!(o->flags & SHARDD_OPTIM_MAXIMIZE),
-				.grad_scale = p.grad_scale,
-			};
-		else
-			a.adamw = (struct shardd_adamw){
-				.step = p.update,
-				.lr = p.lr,
-				.beta1 = o->beta1,
-				.beta2 = o->beta2,
-				.eps = o->eps,
-				.weight_decay = o->weight_decay,
-				.amsgrad = !!(o->flags & SHARDD_OPTIM_AMSGRAD),
-				.maximize = !!(o->flags & SHARDD_OPTIM_MAXIMIZE),
-				.grad_scale = p.grad_scale,
-			};
+		task_step_args(t, op, &p, &skipped, &a);
 		ret = b->ops->step(b, &a);
 		if (ret)
 			return ret;
@@ -401,6 +422,88 @@ static int task_step(struct eng_task *t, struct eng_op *op)
 		return ret;
 	eng_exec_grad_clear(t->eg, r);
 	op->res = eng_step_record(g, r, op->sqe.step, p.verdict == ENG_STEP_APPLY && !skipped);
+	return 0;
+}
+
+/*
+ * A REDUCE with SHARDD_REDUCE_STEP as one pass (the backend's reduce_step):
+ * the sum of each block of the ranks' grads goes straight into the
+ * update, so the sharded grads are neither written nor read back nor
+ * cleared: 12 of the 44 bytes per element (fp32, 2 ranks, AdamW) that
+ * reduce + step move. Only where that is exactly reduce + step: one
+ * collective on this node (no replicate dim, no other nodes), every rank
+ * of the shard group in the task, each rank's grad absent (the reduce
+ * would assign it; an absent grad's bytes are zero, as the separate
+ * step's clearing leaves them) and its step applying (eng_step_plan_fused).
+ * Returns 1 with *ret the result when it ran, 0 when the caller runs
+ * reduce, then the steps.
+ */
+static int task_reduce_step_fused(struct eng_task *t, int *ret)
+{
+	struct shd_group *g = t->eg->g;
+	struct shd_backend_ctx *b = t->eg->j->e->backend;
+	struct shd_shard_view outs[SHARDD_MAX_WORLD];
+	struct shd_buf *grads[SHARDD_MAX_WORLD];
+	uint8_t assign[SHARDD_MAX_WORLD] = { 0 };
+	struct shardd_reduce_math rs, ar;
+	/* Per shard rank, on the heap: up to 1024 of them, ~300 bytes of args each. */
+	struct fused {
+		struct eng_op *op;
+		int skipped;
+	} * f;
+	struct shd_step_args *steps;
+	uint32_t n = g->shard;
+
+	if (!b->ops->reduce_step || eng_mesh_replicate(t->eg->j) != 1 || eng_world_fsdp(t->eg->j) ||
+	    t->nops != n)
+		return 0;
+	f = calloc(n, sizeof(*f));
+	steps = calloc(n, sizeof(*steps));
+	/* Out of memory: the separate path still runs. */
+	if (!f || !steps)
+		goto fallback;
+	for (uint32_t i = 0; i < n; i++) {
+		struct eng_op *op = &t->ops[i];
+		uint32_t s = shd_group_shard_rank(g, op->rank);
+		struct eng_step_plan p;
+
+		if (s >= n || f[s].op || !eng_step_plan_fused(g, op, &p))
+			goto fallback;
+		f[s].op = op;
+		task_step_args(t, op, &p, &f[s].skipped, &steps[s]);
+	}
+	reduce_math(t->eg, eng_mesh_shard(t->eg->j), &rs, &ar);
+	rs.post = ar.post;
+	for (uint32_t s = 0; s < n; s++) {
+		grads[s] = &g->grads[s];
+		outs[s] = (struct shd_shard_view){ &g->sharded_grads[s], g->shard_offsets,
+						   SHARDD_DTYPE_NONE };
+	}
+	*ret = b->ops->reduce_step(b,
+				   &(struct shd_reduce_args){
+					   .job = t->eg->j->bj,
+					   .layout = &g->layout,
+					   .src = SHD_REDUCE_SRC_GRAD,
+					   .n = n,
+					   .grads = grads,
+					   .outs = outs,
+					   .accumulate = assign,
+					   .reduce_offsets = g->reduce_offsets,
+					   .reduce_shard_size = g->reduce_shard_size,
+					   .math = rs,
+					   .err = t->why,
+					   .errlen = sizeof(t->why),
+				   },
+				   steps);
+	for (uint32_t s = 0; s < n && !*ret; s++)
+		f[s].op->res = eng_step_record(g, f[s].op->rank, f[s].op->sqe.step, !f[s].skipped);
+	free(f);
+	free(steps);
+	return 1;
+
+fallback:
+	free(f);
+	free(steps);
 	return 0;
 }
 
@@ -484,6 +587,8 @@ static int task_compute(struct eng_task *t)
 		reduce_math(t->eg, g->shard * eng_mesh_replicate(t->eg->j), &rs, &ar);
 		return task_partials(t, t->replica, &rs);
 	case TASK_REDUCE:
+		if (task_reduce_step_fused(t, &ret))
+			return ret;
 		ret = task_reduce(t);
 		return ret ? ret : task_reduce_steps(t);
 	case TASK_STEP:

@@ -34,7 +34,7 @@ rules=(
 	"daemon/world|$INC_world|world.h world_boot.h clock.h log.h shardd_proto.h|layout.h backend.h engine.h session.h shardd_kernels.h"
 	"daemon/layout|$INC_layout|layout.h placement.h log.h shardd_proto.h|world.h backend.h engine.h shardd_kernels.h"
 	"daemon/core|$INC_core|log.h loop.h pool.h clock.h memlimit.h config.h shardd_proto.h|layout.h world.h backend.h engine.h session.h admin.h shardd_kernels.h"
-	"client|$INC_client|shardd.h internal.h shardd_proto.h shardd_ring.h|log.h engine.h shardd_kernels.h harness.h daemon/core/log.h"
+	"client|$INC_client|shardd.h internal.h shardd_proto.h shardd_ring.h shardd_exec.h shardd_kernels.h|log.h engine.h harness.h daemon/core/log.h"
 	"tools|$INC_tools|shardd.h shardd_proto.h shardd_socket.h|log.h engine.h shardd_kernels.h harness.h"
 	"tools/shardbench|$INC_shardbench|bench.h shardd.h shardd_cuda_kernels.h|log.h engine.h harness.h"
 	"tests|$INC_tests|harness.h engine.h shardd.h internal.h shardd_kernels.h shardd_proto.h launch.h|"

@@ -627,9 +627,16 @@ Test(optim_daemon, a_rank_killed_between_reduce_and_step_resumes_bit_identical, 
 	harness_daemon_stop_expect_clean(&hd);
 }
 
-/* Grads of every rank, then the reduce with SHARDD_REDUCE_STEP on both rings; the results. */
+/*
+ * Grads of every rank, then the reduce with SHARDD_REDUCE_STEP on both
+ * rings; the results. With `held`, each rank's sharded grad is present
+ * (an earlier reduce of the step's microbatches): the reduce adds into it
+ * and the step reads the total (the separate path); without, it is absent
+ * and the daemon fuses the two (backend reduce_step).
+ */
 static void reduce_and_step(struct fixture *f, struct inproc_ref *ref,
-			    const struct shardd_optim_config *o, uint64_t step, double lr, int *res)
+			    const struct shardd_optim_config *o, uint64_t step, double lr, int held,
+			    int *res)
 {
 	struct shardd_completion cps[WORLD];
 	float *sum[WORLD][NP];
@@ -661,6 +668,11 @@ static void reduce_and_step(struct fixture *f, struct inproc_ref *ref,
 					s += ((const float *)shardd_group_grad(f->reg[q].g, i))[at];
 				sum[r][i][e] = s / (float)WORLD;
 			}
+			/* out = out + avg: the daemon accumulates into a present grad in fp32. */
+			for (uint64_t e = 0; e < n && held; e++)
+				sum[r][i][e] = ((const float *)shardd_group_shard_grad(f->reg[r].g,
+										       i))[e] +
+					       sum[r][i][e];
 		}
 	for (int r = 0; r < WORLD; r++)
 		cr_assert_eq(shardd_reduce_step_submit(f->reg[r].g, step, 0, lr, 200 + r), 0, "%s",
@@ -673,24 +685,13 @@ static void reduce_and_step(struct fixture *f, struct inproc_ref *ref,
 	}
 	/* The grads are cleared by now: the reference steps on the sums computed above. */
 	for (int r = 0; r < WORLD; r++) {
-		struct shardd_optim_config oo = *o;
-
 		ref->nsteps[r]++;
 		for (uint32_t i = 0; i < NP; i++) {
 			uint64_t n = valid_numel(f->reg[r].g, i);
-			struct shardd_sgd a = {
-				.param = ref->p[r][i],
-				.grad = sum[r][i],
-				.momentum_buffer = ref->s[r][i][0],
-				.grad_dtype = SHARDD_DTYPE_FP32,
-				.step = ref->nsteps[r],
-				.lr = lr,
-				.momentum = oo.momentum,
-				.grad_scale = 1.0f,
-			};
 
 			if (n)
-				shardd_k_sgd_isa(SHARDD_K_ISA_PORTABLE, &a, 0, n);
+				inproc_ref_step(o, ref->p[r][i], sum[r][i], ref->s[r][i],
+						ref->nsteps[r], lr, 1.0f, n);
 			free(sum[r][i]);
 		}
 	}
@@ -708,7 +709,7 @@ Test(optim_daemon, a_reduce_with_the_step_flag_steps_each_shard_after_reducing, 
 	register_ok(&f, "layer", &o);
 	ref_init(&ref, &f);
 	for (uint64_t step = 1; step <= 3; step++) {
-		reduce_and_step(&f, &ref, &o, step, 0.1, res);
+		reduce_and_step(&f, &ref, &o, step, 0.1, 0, res);
 		for (int r = 0; r < WORLD; r++) {
 			cr_assert_eq(res[r], SHARDD_STEP_APPLIED, "rank %d step %llu: res %d", r,
 				     (unsigned long long)step, res[r]);
@@ -727,6 +728,42 @@ Test(optim_daemon, a_reduce_with_the_step_flag_steps_each_shard_after_reducing, 
 	cr_assert_eq(shardd_wait(f.c[0], &cp, 10000), 0, "%s", shardd_last_error());
 	cr_assert_eq(cp.res, -SHARDD_E_STATE, "%d %s", cp.res, cp.msg);
 	cr_assert_not_null(strstr(cp.msg, "without an optimizer"), "%s", cp.msg);
+	finish(&f);
+}
+
+Test(optim_daemon, a_reduce_with_the_step_flag_adds_into_a_present_grad_then_steps_the_total,
+     .timeout = 60)
+{
+	struct shardd_optim_config o = {
+		.kind = SHARDD_OPTIM_ADAMW,
+		.beta1 = 0.9,
+		.beta2 = 0.999,
+		.eps = 1e-8,
+		.weight_decay = 0.01,
+	};
+	struct fixture f;
+	struct inproc_ref ref;
+	int res[WORLD];
+
+	start(&f);
+	register_ok(&f, "layer", &o);
+	ref_init(&ref, &f);
+	for (uint64_t step = 1; step <= 3; step++) {
+		/* Step 2 fuses (no grad held); 1 and 3 reduce a first microbatch before. */
+		int held = step != 2;
+
+		if (held)
+			reduce_step(&f, step, 0);
+		reduce_and_step(&f, &ref, &o, step, 1e-2, held, res);
+		for (int r = 0; r < WORLD; r++) {
+			cr_assert_eq(res[r], SHARDD_STEP_APPLIED, "rank %d step %llu: res %d", r,
+				     (unsigned long long)step, res[r]);
+			expect_shard(&ref, &f, r,
+				     held ? "reduce with step onto a held grad"
+					  : "fused reduce with step");
+		}
+	}
+	inproc_ref_free(&ref);
 	finish(&f);
 }
 

@@ -116,8 +116,8 @@ static int same(const void *a, const void *b, uint64_t bytes, const char *what, 
 	return 0;
 }
 
-static int compare(struct shardd_group *d, struct shardd_group *r, uint32_t policy,
-		   uint32_t rank, int unsharded)
+static int compare(struct shardd_group *d, struct shardd_group *r, uint32_t policy, uint32_t rank,
+		   int unsharded)
 {
 	for (uint32_t p = 0; p < NPARAMS; p++) {
 		const struct shardd_param_layout *l = shardd_group_layout(d, p);
@@ -146,10 +146,10 @@ static int both_rank(void *arg)
 
 		snprintf(dn, sizeof(dn), "d%u", k);
 		snprintf(rn, sizeof(rn), "r%u", k);
-		CHILD_CHECK_SHARDD(
-			shardd_group_register(c, dn, params, NPARAMS, &policies[k], &daemon_opts, &d));
-		CHILD_CHECK_SHARDD(
-			shardd_group_register(c, rn, params, NPARAMS, &policies[k], &ranks_opts, &r));
+		CHILD_CHECK_SHARDD(shardd_group_register(c, dn, params, NPARAMS, &policies[k],
+							 &daemon_opts, &d));
+		CHILD_CHECK_SHARDD(shardd_group_register(c, rn, params, NPARAMS, &policies[k],
+							 &ranks_opts, &r));
 		CHILD_CHECK(shardd_group_info(d)->exec == SHARDD_EXEC_DAEMON &&
 				    shardd_group_info(r)->exec == SHARDD_EXEC_RANKS,
 			    "executors %u and %u", shardd_group_info(d)->exec,
@@ -236,12 +236,12 @@ static int choice_rank(void *arg)
 		const char *argv[] = { "groups", a->job, NULL };
 		char out[8192];
 		json_t *r = harness_shardctl_json(daemon_.socket, argv, 10000, out, sizeof(out));
-		json_t *groups = json_object_get(json_array_get(json_object_get(r, "jobs"), 0),
-						 "groups");
-		const char *ex0 = json_string_value(
-			json_object_get(json_array_get(groups, 0), "exec_why"));
-		const char *ex1 = json_string_value(
-			json_object_get(json_array_get(groups, 1), "exec_why"));
+		json_t *groups =
+			json_object_get(json_array_get(json_object_get(r, "jobs"), 0), "groups");
+		const char *ex0 =
+			json_string_value(json_object_get(json_array_get(groups, 0), "exec_why"));
+		const char *ex1 =
+			json_string_value(json_object_get(json_array_get(groups, 1), "exec_why"));
 
 		CHILD_CHECK(ex0 && strstr(ex0, "auto: unsharded") && strstr(ex0, "<="),
 			    "small group's exec_why: %s", ex0 ? ex0 : "(none)");
@@ -283,8 +283,8 @@ static int hsdp_rank(void *arg)
 			    strstr(shardd_last_error(), "HSDP"),
 		    "exec=ranks on an HSDP mesh: %d %s", ret, shardd_last_error());
 	ret = shardd_group_register(c, "g", params, NPARAMS, NULL, &bad, &g);
-	CHILD_CHECK(ret == -EINVAL && strstr(shardd_last_error(), "exec = 7"),
-		    "exec 7: %d %s", ret, shardd_last_error());
+	CHILD_CHECK(ret == -EINVAL && strstr(shardd_last_error(), "exec = 7"), "exec 7: %d %s", ret,
+		    shardd_last_error());
 	/* Both refusals left nothing behind; auto is the daemon's there. */
 	CHILD_CHECK_SHARDD(shardd_barrier(c, 1));
 	CHILD_CHECK_SHARDD(shardd_group_register(c, "g", params, NPARAMS, NULL, NULL, &g));
@@ -315,7 +315,11 @@ struct fault_arg {
 	int mode;  /* FAULT_* */
 };
 
-enum { FAULT_ABSENT, FAULT_DEAD, FAULT_GARBAGE };
+enum {
+	FAULT_ABSENT,
+	FAULT_DEAD,
+	FAULT_GARBAGE
+};
 
 static int fault_rank(void *arg)
 {
@@ -356,7 +360,8 @@ static int fault_rank(void *arg)
 		CHILD_CHECK(ret == -SHARDD_E_TIMEOUT && strstr(shardd_last_error(), "rank(s) 1"),
 			    "a missing rank times out, named: %d %s", ret, shardd_last_error());
 	else if (a->mode == FAULT_DEAD)
-		CHILD_CHECK(ret == -SHARDD_E_PEER_DIED && strstr(shardd_last_error(), "rank 1 left") &&
+		CHILD_CHECK(ret == -SHARDD_E_PEER_DIED &&
+				    strstr(shardd_last_error(), "rank 1 left") &&
 				    harness_now_ms() - t0 < 2500,
 			    "a dead rank fails the op at once, named: %d %s (%lld ms)", ret,
 			    shardd_last_error(), (long long)(harness_now_ms() - t0));
@@ -380,8 +385,10 @@ static void run_fault(const char *job, int mode)
 	cr_assert_eq(pipe2(to0, O_CLOEXEC), 0);
 	cr_assert_eq(pipe2(to1, O_CLOEXEC), 0);
 	/* Each reads its own pipe and writes the other's. */
-	args[0] = (struct fault_arg){ .rank = 0, .job = job, .go = { to0[0], to1[1] }, .mode = mode };
-	args[1] = (struct fault_arg){ .rank = 1, .job = job, .go = { to1[0], to0[1] }, .mode = mode };
+	args[0] =
+		(struct fault_arg){ .rank = 0, .job = job, .go = { to0[0], to1[1] }, .mode = mode };
+	args[1] =
+		(struct fault_arg){ .rank = 1, .job = job, .go = { to1[0], to0[1] }, .mode = mode };
 	for (int r = 0; r < 2; r++) {
 		pids[r] = harness_fork(fault_rank, &args[r]);
 		cr_assert(pids[r] > 0);

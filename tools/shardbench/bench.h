@@ -37,7 +37,7 @@ struct bench_opts {
 	const char *mpi_path;     /* --mpi: the shardbench_mpi comparator */
 	const char *trace_path;   /* --trace: latency's samples, one line each */
 	const char *ckpt_dir;     /* --dir: checkpoint's folder on the disk it measures, or NULL */
-	const char *torch_python; /* --torch: checkpoint's python for the DCP comparison, or NULL */
+	const char *torch_python; /* --torch: checkpoint's and step's python with torch, or NULL */
 	const char *self_dir;     /* directory of this binary */
 	/* --exec: the executors unshard, reduce and latency run under, in turn (enum shardd_exec) */
 	uint32_t execs[2];
@@ -245,6 +245,16 @@ int bench_ring_run(const struct bench_opts *o, const char *socket_path, pid_t da
  */
 int bench_latency_run(const struct bench_opts *o, const char *socket_path, const char *trace_path);
 
+/* ---- reduce_step.c ------------------------------------------------- */
+
+/*
+ * A REDUCE with SHARDD_REDUCE_STEP (the fused pass) against REDUCE then
+ * STEP through the daemon at `socket_path`, o->ranks rank processes, AdamW
+ * on fp32 params of each size of the sweep; prints its table. 0, 1 when
+ * the two left different params (#wrong), or a negative code (printed).
+ */
+int bench_reduce_step_run(const struct bench_opts *o, const char *socket_path);
+
 /* ---- gpu.c ----------------------------------------------------------- */
 
 /* CUDA kernels against cudaMemcpy device-to-device; 0 and "# no GPU" without one. */
@@ -278,7 +288,9 @@ int bench_checkpoint_run(const struct bench_opts *o, const char *socket_path,
 /*
  * The optimizer kernels (AdamW, SGD) over the size sweep on 1 thread and
  * on one per core, against a same-run roofline with their traffic and
- * against torch.optim.AdamW when python3 has torch; prints its table.
+ * against torch.optim.AdamW (fused, foreach, single-tensor) when the
+ * --torch interpreter (o->torch_python, else $SHARDBENCH_TORCH, else
+ * python3) has torch, implausible torch times flagged; prints its table.
  * Returns 0, 1 when a result was wrong, or -errno.
  */
 int bench_step_run(const struct bench_opts *o);

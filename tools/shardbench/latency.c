@@ -31,7 +31,14 @@
 #include "bench.h"
 #include "shardd.h"
 
-#define LAT_WAIT_MS   30000   /* a completion later than this fails the run, naming the op */
+#define LAT_WAIT_MS 30000 /* a completion later than this fails the run, naming the op */
+/*
+ * Samples per op without -n: p99 is then the 10th largest (nearest rank),
+ * so one preempted iteration moves it by one place instead of being it;
+ * with 100 it would sit on the largest two, with 5 (the sweep's -n) it is
+ * the maximum. 1000 iterations of a 4 KiB op take about a second.
+ */
+#define LAT_SAMPLES   1000
 #define LAT_STEP_BASE 1000000 /* reduce steps start here, unshard steps at 1: distinct in a trace */
 #define LAT_REAP_MS   (600 * 1000) /* a rank process still running after this is killed */
 
@@ -215,14 +222,20 @@ out:
 	free(sub);
 }
 
-int bench_latency_run(const struct bench_opts *o, const char *socket_path, const char *trace_path)
+int bench_latency_run(const struct bench_opts *opts, const char *socket_path,
+		      const char *trace_path)
 {
+	struct bench_opts with_samples = *opts;
+	const struct bench_opts *o = &with_samples;
 	uint64_t count = o->min_bytes / shardd_dtype_size(o->dtype);
 	struct lat_shared *sh;
 	size_t len;
 	pid_t pids[SHARDD_MAX_WORLD] = { 0 };
 	FILE *trace = NULL;
 	int ret = 0, failed = 0;
+
+	if (!opts->iters_set)
+		with_samples.iters = LAT_SAMPLES;
 
 	if (count == 0 || count % o->ranks || o->ranks > SHARDD_MAX_WORLD) {
 		fprintf(stderr,

@@ -2,7 +2,7 @@
 /*
  * shardbench: how fast shardd moves parameters, in nccl-tests' format.
  *
- *   shardbench [options] roofline|unshard|reduce|ring|latency|gpu|step|all
+ *   shardbench [options] roofline|unshard|reduce|ring|latency|reduce-step|gpu|step|all
  *
  * Without --socket it starts its own `shardd` (next to this binary, or
  * --shardd PATH) on a temporary socket and stops it at the end. Every
@@ -33,6 +33,7 @@ enum bench_cmd {
 	CMD_GPU,
 	CMD_STEP,
 	CMD_LATENCY,
+	CMD_REDUCE_STEP,
 	CMD_CHECKPOINT,
 	CMD_WORLD
 };
@@ -40,7 +41,7 @@ enum bench_cmd {
 static void usage(FILE *f)
 {
 	fprintf(f,
-		"usage: shardbench [options] roofline|unshard|reduce|ring|latency|gpu|step|checkpoint|world|all\n"
+		"usage: shardbench [options] roofline|unshard|reduce|ring|latency|reduce-step|gpu|step|checkpoint|world|all\n"
 		"       (default: all)\n"
 		"\n"
 		"  roofline   memory kernels (read, write, copy, add), plain and non-temporal stores\n"
@@ -52,7 +53,10 @@ static void usage(FILE *f)
 		"  latency    one small unshard and reduce (-b bytes), per stage, from the clients\n"
 		"  gpu        CUDA kernels against cudaMemcpy device-to-device, and unshard/reduce\n"
 		"             latency through shardd --backend cuda (also: --gpu)\n"
+		"  reduce-step  a reduce with SHARDD_REDUCE_STEP (the fused reduce-and-step) against\n"
+		"             reduce then step, AdamW on fp32 params, through the daemon\n"
 		"  step       AdamW and SGD updates against a same-run roofline and torch's CPU AdamW\n"
+		"             (fused, foreach and single-tensor, those the --torch PYTHON has)\n"
 		"  checkpoint save and restore of an AdamW state through the daemon (docs/CHECKPOINTS.md)\n"
 		"             against O_DIRECT write and read of the same bytes (-b 256M -e 8G: the\n"
 		"             issue's sweep; --dir DIR: where, default /var/tmp; --torch PYTHON:\n"
@@ -67,7 +71,9 @@ static void usage(FILE *f)
 		"  -e SIZE        last size (default 256M; the full sweep is -e 1G)\n"
 		"  -f FACTOR      size multiplication factor (default 2)\n"
 		"  -w N           warm-up iterations per size (default 1)\n"
-		"  -n N           timed iterations per size (default 5; ring: samples)\n"
+		"  -n N           timed iterations per size (default 5; ring: samples; latency:\n"
+		"                 samples per op, default 1000, so that p99 is the 10th largest\n"
+		"                 sample and not the maximum; reduce-step: default 20, a median)\n"
 		"  -c 0|1         check every result (default 1)\n"
 		"  -d DTYPE       param_dtype: fp32, bf16 or fp16 (default bf16; shards are fp32)\n"
 		"  -r N           rank processes: 1, 2, 4 or 8 (default 2)\n"
@@ -83,7 +89,9 @@ static void usage(FILE *f)
 		"  --trace FILE   latency: also write every sample to FILE (trace_latency.py)\n"
 		"  --dir DIR      checkpoint: the folder whose disk is measured (default /var/tmp)\n"
 		"  --torch PYTHON checkpoint: compare with torch.distributed.checkpoint run by\n"
-		"                 PYTHON (needs torch >= 2.4; default: $SHARDBENCH_TORCH, else none)\n"
+		"                 PYTHON (needs torch >= 2.4; default: $SHARDBENCH_TORCH, else none);\n"
+		"                 step: the interpreter whose torch.optim.AdamW is timed (default:\n"
+		"                 $SHARDBENCH_TORCH, else /usr/bin/python3, else python3 on PATH)\n"
 		"  --gpu          same as the gpu subcommand\n"
 		"  --load         gpu: also time unshard and reduce beside a trainer-like compute\n"
 		"                 load in the rank processes (every SM busy ~1.5 ms per launch),\n"
@@ -138,6 +146,7 @@ static int parse_cmd(const char *s, enum bench_cmd *cmd)
 		{ "gpu", CMD_GPU },
 		{ "step", CMD_STEP },
 		{ "latency", CMD_LATENCY },
+		{ "reduce-step", CMD_REDUCE_STEP },
 		{ "checkpoint", CMD_CHECKPOINT },
 		{ "world", CMD_WORLD },
 	};
@@ -286,8 +295,9 @@ static int parse_args(int argc, char **argv, struct bench_opts *o, enum bench_cm
 	}
 	*cmd = gpu ? CMD_GPU : CMD_ALL;
 	if (optind < argc && parse_cmd(argv[optind++], cmd))
-		return bad_option("subcommand", argv[optind - 1],
-				  "roofline, unshard, reduce, ring, latency, gpu, step or all");
+		return bad_option(
+			"subcommand", argv[optind - 1],
+			"roofline, unshard, reduce, ring, latency, reduce-step, gpu, step, checkpoint, world or all");
 	if (optind < argc)
 		return bad_option("argument", argv[optind], "one subcommand");
 	if (o->min_bytes > o->max_bytes) {
@@ -447,6 +457,10 @@ int main(int argc, char **argv)
 		o.exec = o.execs[i];
 		printf("#\n# exec: %s\n", shardd_exec_name(o.exec));
 		rc = bench_latency_run(&o, socket_path, o.trace_path);
+		failed |= rc != 0;
+	}
+	if (cmd == CMD_REDUCE_STEP) {
+		rc = bench_reduce_step_run(&o, socket_path);
 		failed |= rc != 0;
 	}
 	if (cmd == CMD_ALL || cmd == CMD_RING) {

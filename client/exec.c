@@ -283,8 +283,13 @@ struct shardd_xop {
 	uint64_t step, user_data;
 	uint64_t args[2]; /* a reduce's step: what the daemon's REDUCE entry carries */
 	uint32_t epoch, n;
-	int read;         /* a reduce read its inputs and published done */
-	int64_t deadline; /* CLOCK_MONOTONIC ns: the collective timeout from its submission */
+	/* this rank's slot before the op was published: put back if it fails unread (xop_retract) */
+	uint64_t prev_seq, prev_step;
+	uint32_t prev_op;
+	uint64_t prev_reduces; /* a reduce: the slot's count before it */
+	void *backup;          /* an accumulating reduce: the sharded grad before it, or NULL */
+	int read;              /* a reduce read its inputs and published done */
+	int64_t deadline;      /* CLOCK_MONOTONIC ns: the collective timeout from its submission */
 	struct shardd_completion *out; /* a sync call's: filled here instead of the stash */
 	int *finished;                 /* and set to 1 */
 };
@@ -343,10 +348,11 @@ static int peer_ready(const struct shardd_xop *o, uint32_t r, int *res, char *ms
  * *word and *seen say what to sleep on, *word NULL: the sync page), or an
  * error with msg.
  *
- * For `done` (a reduce that has written its output) a peer that left is
- * not waited for: a new generation never read this rank's grads, and the
- * ones still attached finish reading whatever the epoch says. So a reduce
- * that got past its inputs succeeds.
+ * For `done` (a reduce that has written its output): a peer that left
+ * before it stored its done never wrote its own output, so the reduce
+ * fails on every rank alike (-SHARDD_E_PEER_DIED: each sees the same
+ * final words in its mapping of the departed peer's slot) and is retried
+ * whole; one that stored it first counts.
  */
 static int peer_at(struct shardd_xop *o, uint32_t r, int done, uint64_t **word, uint64_t *seen,
 		   char *msg, size_t len)
@@ -357,10 +363,19 @@ static int peer_at(struct shardd_xop *o, uint32_t r, int done, uint64_t **word, 
 	int ret;
 
 	*word = NULL;
-	if (done)
-		return gen != x->peer[r].gen ||
-		       shardd_exec_reached(shardd_load_acquire(&x->peer[r].slot->done), o->epoch,
-					   o->n);
+	if (done) {
+		*word = &x->peer[r].slot->done;
+		*seen = shardd_load_acquire(*word);
+		if (shardd_exec_reached(*seen, o->epoch, o->n))
+			return 1;
+		if (gen == x->peer[r].gen)
+			return 0;
+		msgf(msg, len,
+		     "shardd: reduce(group '%s', step %llu): rank %u left (its client is gone) before "
+		     "it finished this rank-executed reduce; retry it once the rank is back",
+		     g->name, (unsigned long long)o->step, r);
+		return -SHARDD_E_PEER_DIED;
+	}
 	/*
 	 * A peer that reached the op before it left counts: its buffers stay
 	 * mapped here, and what it published cannot change any more.
@@ -605,6 +620,9 @@ int shardd_exec_submit(struct shardd_group *g, uint32_t op, uint64_t step, uint3
 		}
 		o->epoch = x->epoch;
 		o->n = ++x->n;
+		o->prev_seq = SHARDD_READ_ONCE(mine->seq);
+		o->prev_op = SHARDD_READ_ONCE(mine->op);
+		o->prev_step = SHARDD_READ_ONCE(mine->step);
 		/* The inputs are final now (the caller's contract): publish op, step, then seq. */
 		SHARDD_WRITE_ONCE(mine->op, op);
 		SHARDD_WRITE_ONCE(mine->step, step);
@@ -629,7 +647,7 @@ static int xop_advance(struct shardd_xop *o, int *res, uint64_t **word, uint64_t
 	struct shardd_group *g = o->g;
 	struct shardd_exec_state *x = g->x;
 	struct shardd_exec_slot *mine = x->mine;
-	int ret;
+	int accumulate, ret;
 
 	*res = 0;
 	if (o->op == SHARDD_OP_RESHARD) {
@@ -656,9 +674,24 @@ static int xop_advance(struct shardd_xop *o, int *res, uint64_t **word, uint64_t
 			shardd_store_release(&mine->unshards, mine->unshards + 1);
 			return 1;
 		}
-		run_reduce(g,
-			   shardd_load_acquire(&mine->reduces) != SHARDD_READ_ONCE(mine->cleared));
-		/* The sharded grad holds the sum from here on, whatever the wait below says. */
+		accumulate = shardd_load_acquire(&mine->reduces) != SHARDD_READ_ONCE(mine->cleared);
+		/* What an accumulating reduce adds to, kept until it completes (xop_retract). */
+		if (accumulate) {
+			o->backup = malloc(g->info.shard_size ? g->info.shard_size : 1);
+			if (!o->backup) {
+				msgf(msg, len, "shardd: reduce(group '%s'): out of memory",
+				     g->name);
+				*res = -SHARDD_E_NOMEM;
+				return 1;
+			}
+			memcpy(o->backup, g->buf[SHARDD_BUF_SHARD_GRAD].addr, g->info.shard_size);
+		}
+		run_reduce(g, accumulate);
+		/*
+		 * The sharded grad holds the sum: counted before done is stored, so
+		 * a renewed slot (this rank died past here) says so.
+		 */
+		o->prev_reduces = mine->reduces;
 		shardd_store_release(&mine->reduces, mine->reduces + 1);
 		shardd_exec_publish(&mine->done, shardd_exec_word(o->epoch, o->n), x->others,
 				    x->world);
@@ -681,6 +714,92 @@ static int xop_blocked(const struct shardd_client *c, const struct shardd_xop *o
 int shardd_exec_pending(const struct shardd_client *c)
 {
 	return c->xhead != NULL;
+}
+
+static void xop_free(struct shardd_xop *o)
+{
+	free(o->backup);
+	free(o);
+}
+
+/* Deliver a finished op's completion `cp` (its step to the daemon, a sync call's, or the stash) and free it. */
+static int xop_deliver(struct shardd_client *c, struct shardd_xop *o,
+		       const struct shardd_completion *cp)
+{
+	int ret = 0;
+
+	if (!cp->res && o->op == SHARDD_OP_REDUCE && (o->flags & SHARDD_REDUCE_STEP) && !o->out)
+		/* The reduce ran here; its step is the daemon's, whose completion is the op's. */
+		ret = shardd_client_submit_step(c, o->g, o->step, o->flags, o->args, o->user_data);
+	else if (o->out)
+		*o->out = *cp;
+	else
+		ret = shardd_client_stash(c, cp);
+	if (o->finished)
+		*o->finished = 1;
+	xop_free(o);
+	return ret;
+}
+
+/*
+ * Op `o` (unlinked, after `prev`) failed where no rank can have completed
+ * it: before it read anything (a peer had not reached it), or a reduce
+ * whose peer left before finishing it (peer_at). Its number is given back,
+ * so that this rank and its peers number the group's next ops alike, as a
+ * failed rendezvous of the daemon leaves no trace; a reduce's sharded grad
+ * and count are put back. The group's ops queued after it fail with it
+ * (they were published after it, and ops of a group run in order), then
+ * the slot is put back as it was before `o` was published. *next: the op
+ * after `o` that is still queued. 0, or the first delivery's error.
+ */
+static int xop_retract(struct shardd_client *c, struct shardd_xop *o, struct shardd_xop *prev,
+		       struct shardd_xop **next, const struct shardd_completion *cp)
+{
+	struct shardd_exec_state *x = o->g->x;
+	struct shardd_exec_slot *mine = x->mine;
+	struct shardd_xop *p = *next, *after;
+	int ret = 0;
+
+	for (; p; p = after) {
+		struct shardd_completion f = { .user_data = p->user_data,
+					       .op = p->op,
+					       .group = p->g->info.group_id,
+					       .step = p->step,
+					       .res = cp->res };
+
+		after = p->next;
+		if (p->g != o->g) {
+			prev = p;
+			continue;
+		}
+		if (prev)
+			prev->next = after;
+		else
+			c->xhead = after;
+		if (c->xtail == p)
+			c->xtail = prev;
+		if (*next == p)
+			*next = after;
+		msgf(f.msg, sizeof(f.msg), "shardd: %s(group '%s', step %llu): not run: %.180s",
+		     shardd_op_name(p->op), p->g->name, (unsigned long long)p->step, cp->msg);
+		if (!ret) {
+			ret = xop_deliver(c, p, &f);
+		} else {
+			xop_free(p);
+		}
+	}
+	if (o->read) {
+		if (o->backup)
+			memcpy(o->g->buf[SHARDD_BUF_SHARD_GRAD].addr, o->backup,
+			       o->g->info.shard_size);
+		shardd_store_release(&mine->reduces, o->prev_reduces);
+	}
+	if (o->epoch == x->epoch)
+		x->n = o->n - 1;
+	SHARDD_WRITE_ONCE(mine->op, o->prev_op);
+	SHARDD_WRITE_ONCE(mine->step, o->prev_step);
+	shardd_exec_publish(&mine->seq, o->prev_seq, x->others, x->world);
+	return ret;
 }
 
 int shardd_exec_progress(struct shardd_client *c)
@@ -718,19 +837,16 @@ int shardd_exec_progress(struct shardd_client *c)
 			c->xhead = next;
 		if (c->xtail == o)
 			c->xtail = prev;
-		ret = 0;
-		if (!cp.res && o->op == SHARDD_OP_REDUCE && (o->flags & SHARDD_REDUCE_STEP) &&
-		    !o->out)
-			/* The reduce ran here; its step is the daemon's, whose completion is the op's. */
-			ret = shardd_client_submit_step(c, o->g, o->step, o->flags, o->args,
-							o->user_data);
-		else if (o->out)
-			*o->out = cp;
-		else
-			ret = shardd_client_stash(c, &cp);
-		if (o->finished)
-			*o->finished = 1;
-		free(o);
+		/* A timeout after the reduce's output was written leaves it (and its number). */
+		ret = cp.res < 0 && o->op != SHARDD_OP_RESHARD &&
+				      (!o->read || cp.res == -SHARDD_E_PEER_DIED)
+			      ? xop_retract(c, o, prev, &next, &cp)
+			      : 0;
+		if (!ret) {
+			ret = xop_deliver(c, o, &cp);
+		} else {
+			xop_free(o);
+		}
 		if (ret < 0)
 			return ret;
 		done++;
@@ -764,6 +880,6 @@ void shardd_exec_forget(struct shardd_client *c, const struct shardd_group *g)
 		*at = o->next;
 		if (o->finished)
 			*o->finished = 1;
-		free(o);
+		xop_free(o);
 	}
 }

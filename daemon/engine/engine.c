@@ -277,6 +277,9 @@ void shd_engine_rank_attached(struct shd_engine_job *j, uint32_t rank, int32_t d
 		return;
 	j->devices[rank] = device;
 	j->gone[rank] = 0;
+	for (uint32_t i = 0; i < j->ngroups; i++)
+		if (j->groups[i] && j->groups[i]->complete)
+			eng_exec_rank_attached(j->groups[i], rank);
 }
 
 /* The group with this id (a sqe's or an admin request's: any value), or NULL. */

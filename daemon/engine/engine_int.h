@@ -278,8 +278,10 @@ void eng_exec_init(struct eng_group *eg);
 int eng_exec_grad_present(const struct eng_group *eg, uint32_t r);
 /* The daemon zeroed rank r's sharded grad (a step, a zero_grad). */
 void eng_exec_grad_clear(struct eng_group *eg, uint32_t r);
-/* `rank` left: a new epoch whose ops wait for it again (exec RANKS; else nothing). */
+/* `rank` left: a new epoch; ops that need it fail at once until it attaches again. */
 void eng_exec_rank_gone(struct eng_group *eg, uint32_t rank);
+/* `rank` attached again: ops wait for it to publish its buffers (exec RANKS; else nothing). */
+void eng_exec_rank_attached(struct eng_group *eg, uint32_t rank);
 /*
  * Queue the renewal of `rank`'s sealed buffers (it attached again): the
  * rank's OPEN_GROUP waiting in exec_open is answered when it is done.

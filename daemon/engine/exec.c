@@ -378,6 +378,19 @@ void eng_exec_rank_gone(struct eng_group *eg, uint32_t rank)
 	}
 }
 
+void eng_exec_rank_attached(struct eng_group *eg, uint32_t rank)
+{
+	struct shardd_exec_sync *s;
+
+	if (eg->g->exec != SHARDD_EXEC_RANKS || !eg->g->allocated)
+		return;
+	s = exec_sync(eg);
+	if (SHARDD_READ_ONCE(s->gen[rank]) != SHARDD_EXEC_GONE)
+		return;
+	shardd_store_release(&s->gen[rank], 0u);
+	shardd_exec_changed(s);
+}
+
 int eng_exec_renew(struct eng_group *eg, uint32_t rank)
 {
 	struct exec_renew *rn = calloc(1, sizeof(*rn));

@@ -9,8 +9,9 @@
  *         0's shards row range by row range, into a snapshot in memory when
  *         --max-memory leaves room for it (each file's image, the header
  *         first; its whole chunks go to the disk as they fill, then a
- *         TASK_SAVE_WRITE per group, off the group's queue, writes the rest
- *         straight from the image while its ops go on), else into the files
+ *         TASK_SAVE_WRITE per group, off the group's queue and on a niced
+ *         thread of its own (write_main), writes the rest straight from
+ *         the image while its ops go on), else into the files
  *         in place; CRC-32 as written, fsync
  *     --> all delivered (loop): one TASK_SAVE_FINAL (pool): manifest.json
  *         and the Hugging Face index, fsync of the files and the directory,
@@ -31,6 +32,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -41,6 +43,9 @@
 #include "clock.h"
 #include "engine_int.h"
 #include "log.h"
+
+/* The nice value of a snapshot's write thread: below the ops' (0), still running on an idle core. */
+#define CKPT_WRITE_NICE 10
 
 static const struct eng_task_ops ckpt_hooks = { .exec = eng_ckpt_exec,
 						.delivered = eng_ckpt_delivered };
@@ -408,6 +413,8 @@ static void ckpt_free(struct eng_ckpt *c)
 	free(c->stage_len);
 	free(c->sfiles);
 	free(c->wtasks);
+	free(c->wthreads);
+	free(c->wthread_on);
 	if (c->dirfd >= 0)
 		close(c->dirfd);
 	shd_ckpt_manifest_free(&c->m);
@@ -451,6 +458,35 @@ static void ckpt_finish(struct eng_ckpt *c, int res, const char *msg)
 	ckpt_free(c);
 }
 
+/*
+ * A SAVE_WRITE's thread. The write waits for the disk most of the time and
+ * checksums the rest: on a pool thread it would take a worker from the
+ * groups' ops for the whole write (on a 2-core host, half of every op's
+ * kernels), so it runs here, niced, and the ops it competes with for a
+ * core come first.
+ */
+static void *write_main(void *arg)
+{
+	struct eng_task *t = arg;
+
+	/* Best effort: at the same priority it still writes, only the ops may wait for it. */
+	if (setpriority(PRIO_PROCESS, (id_t)gettid(), CKPT_WRITE_NICE))
+		shd_log_debug("checkpoint write thread: setpriority: %s", strerror(errno));
+	/* task_run: writes, then hands the task to the loop, which joins this thread. */
+	t->pt.fn(&t->pt);
+	return NULL;
+}
+
+/* Run SAVE_WRITE `w` on a thread of its own (write_main), or on the pool without one. */
+static void write_spawn(struct eng_ckpt *c, struct eng_task *w)
+{
+	if (!pthread_create(&c->wthreads[w->gindex], NULL, write_main, w)) {
+		c->wthread_on[w->gindex] = 1;
+		return;
+	}
+	shd_pool_submit(c->j->e->pool, &w->pt);
+}
+
 void eng_ckpt_delivered(struct eng_task *t)
 {
 	struct eng_ckpt *c = t->ckpt;
@@ -460,8 +496,13 @@ void eng_ckpt_delivered(struct eng_task *t)
 		ckpt_finish(c, t->res, t->msg);
 		return;
 	}
-	if (t->kind == TASK_SAVE_WRITE)
+	if (t->kind == TASK_SAVE_WRITE) {
 		c->wtasks[t->gindex] = NULL;
+		/* Its thread handed the task over as its last act: the join waits for no disk. */
+		if (c->wthread_on[t->gindex])
+			pthread_join(c->wthreads[t->gindex], NULL);
+		c->wthread_on[t->gindex] = 0;
+	}
 	if (t->res && !c->res) {
 		c->res = t->res;
 		snprintf(c->msg, sizeof(c->msg), "%s", t->msg);
@@ -478,7 +519,7 @@ void eng_ckpt_delivered(struct eng_task *t)
 			w->ops[0].sqe.step = c->m.step;
 			c->wtasks[t->gindex] = w;
 			c->pending++;
-			shd_pool_submit(c->j->e->pool, &w->pt);
+			write_spawn(c, w);
 		} else {
 			c->res = -SHARDD_E_NOMEM;
 			snprintf(c->msg, sizeof(c->msg),
@@ -691,7 +732,10 @@ static int ckpt_plan(struct shd_engine_job *j, struct eng_ckpt *c, uint64_t step
 	c->stage_len = calloc(2 * (size_t)n, sizeof(*c->stage_len));
 	c->sfiles = calloc(2 * (size_t)n, sizeof(*c->sfiles));
 	c->wtasks = calloc(n, sizeof(*c->wtasks));
-	if (!c->stage || !c->stage_len || !c->sfiles || !c->wtasks)
+	c->wthreads = calloc(n, sizeof(*c->wthreads));
+	c->wthread_on = calloc(n, sizeof(*c->wthread_on));
+	if (!c->stage || !c->stage_len || !c->sfiles || !c->wtasks || !c->wthreads ||
+	    !c->wthread_on)
 		return -ENOMEM;
 	/* A snapshot in memory when the limits leave room for it; else the files are written in place. */
 	{

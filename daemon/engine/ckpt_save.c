@@ -86,6 +86,13 @@ static void write_error(const struct eng_ckpt *c, const char *file, const char *
 	int e = ret < 0 && ret > -SHARDD_E_BASE ? -ret : 0;
 	char at[48] = "";
 
+	if (f->reserve_failed) {
+		eng_fmt(err, errlen,
+			"%s allocating the %llu bytes of %s of group '%s'%s (checkpoint %s, in %s)",
+			strerror(e ? e : EIO), (unsigned long long)f->reserve_failed, file, group,
+			write_advice(e), c->dir, c->tmp);
+		return;
+	}
 	if (f->failed)
 		snprintf(at, sizeof(at), " at byte %llu", (unsigned long long)f->failed_at);
 	eng_fmt(err, errlen, "%s writing %s of group '%s'%s%s (checkpoint %s, in %s)",
@@ -188,11 +195,15 @@ static int save_file(struct eng_ckpt *c, uint32_t gi, int optim, uint8_t *bounce
 		/* Its file now, to write as the image fills; short of descriptors, once it is whole. */
 		if (ckpt_dio_open(o.f, c->dirfd, fe->name, NULL))
 			ckpt_dio_close(o.f);
+		else if ((ret = ckpt_dio_reserve(o.f, hlen + dsize)))
+			goto out;
 		ckpt_image_populate(*stage, 0, hlen);
 		memcpy(*stage, hdr, hlen);
 		o.stage = *stage;
 	} else {
 		ret = ckpt_dio_open(o.f, c->dirfd, fe->name, bounce);
+		if (!ret)
+			ret = ckpt_dio_reserve(o.f, hlen + dsize);
 		if (!ret)
 			ret = ckpt_dio_append(o.f, hdr, hlen);
 		if (ret)
@@ -296,8 +307,11 @@ static int write_staged(struct eng_ckpt *c, uint32_t gi, char *err, size_t errle
 			continue;
 		fe = &c->m.files[c->file_of[i]];
 		if (!ret) {
-			if (c->sfiles[i].fd < 0)
+			if (c->sfiles[i].fd < 0) {
 				ret = ckpt_dio_open(&c->sfiles[i], c->dirfd, fe->name, NULL);
+				if (!ret)
+					ret = ckpt_dio_reserve(&c->sfiles[i], c->stage_len[i]);
+			}
 			if (!ret)
 				ret = ckpt_dio_write_image(&c->sfiles[i], c->stage[i],
 							   c->stage_len[i], &crc, &c->bytes);

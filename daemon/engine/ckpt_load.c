@@ -669,6 +669,31 @@ out:
 	return ret;
 }
 
+/*
+ * A group's params file and its optimizer-state file, read at once: each
+ * one's CRC-32 and copy into the shards take about as long as the disk
+ * takes to read it, so one thread reading both in turn is held back by
+ * its own CPU, two keep the disk busy (shd_pool_for: on the restore's
+ * thread and an idle worker, else both in turn on the restore's).
+ */
+struct load_files {
+	struct eng_group *eg;
+	const struct confine *cf;
+	const char *dir;
+	const struct shd_ckpt_file *fe[2]; /* params, optimizer state (NULL: none) */
+	int ret[2];
+	char err[2][ENGINE_MSG_MAX];
+};
+
+static void load_files_run(void *arg, size_t begin, size_t end)
+{
+	struct load_files *lf = arg;
+
+	for (size_t i = begin; i < end; i++)
+		lf->ret[i] = load_file(lf->eg, lf->cf, lf->dir, lf->fe[i], (int)i, lf->err[i],
+				       sizeof(lf->err[i]));
+}
+
 /* ------------------------------------------------------------------ */
 /* Importing plain safetensors weights (no manifest)                   */
 /* ------------------------------------------------------------------ */
@@ -1134,11 +1159,16 @@ static void restore_run(struct eng_task *t)
 			g->optim.kind == SHARDD_OPTIM_SGD ? "SGD with momentum" : "AdamW");
 		ret = -SHARDD_E_MISMATCH;
 	}
-	if (!ret)
-		ret = load_file(eg, &cf, dir, shd_ckpt_manifest_file(&m, cg->file), 0, msg, len);
-	if (!ret && ns)
-		ret = load_file(eg, &cf, dir, shd_ckpt_manifest_file(&m, cg->optim_file), 1, msg,
-				len);
+	if (!ret) {
+		struct load_files lf = { .eg = eg, .cf = &cf, .dir = dir };
+
+		lf.fe[0] = shd_ckpt_manifest_file(&m, cg->file);
+		lf.fe[1] = ns ? shd_ckpt_manifest_file(&m, cg->optim_file) : NULL;
+		shd_pool_for(eg->j->e->pool, ns ? 2 : 1, 1, load_files_run, &lf);
+		ret = lf.ret[0] ? lf.ret[0] : lf.ret[1];
+		if (ret)
+			eng_fmt(msg, len, "%s", lf.err[lf.ret[0] ? 0 : 1]);
+	}
 	if (!ret) {
 		int own = restore_counts(eg, &m, cg, dir);
 

@@ -107,7 +107,40 @@ struct save_out {
 	struct shd_backend_ctx *b;
 	uint64_t *progress; /* the checkpoint's bytes written */
 	uint8_t *stage;     /* snapshot mode: the file's image, written from there (f->bufs none) */
+	struct shd_pool *pool;
 };
+
+/*
+ * A snapshot chunk's pieces, mapped and filled on the calling pool worker
+ * and idle ones: mapping (the kernel zeroes each page) and filling take a
+ * thread longer than the disk takes to write the chunk.
+ */
+#define SNAP_PIECE (1u << 20)
+
+struct snap_chunk {
+	const struct save_out *o;
+	const struct shd_buf *src;
+	uint64_t offset; /* in src */
+	uint64_t bytes;
+	int ret; /* a piece's failure */
+};
+
+static void snap_run(void *arg, size_t begin, size_t end)
+{
+	struct snap_chunk *sc = arg;
+	const struct save_out *o = sc->o;
+
+	for (size_t i = begin; i < end; i++) {
+		uint64_t at = (uint64_t)i * SNAP_PIECE,
+			 n = sc->bytes - at < SNAP_PIECE ? sc->bytes - at : SNAP_PIECE;
+		int ret;
+
+		ckpt_image_populate(o->stage, o->off + at, n);
+		ret = o->b->ops->read(o->b, sc->src, sc->offset + at, n, o->stage + o->off + at);
+		if (ret)
+			__atomic_store_n(&sc->ret, ret < 0 ? ret : -EIO, __ATOMIC_RELAXED);
+	}
+}
 
 /* Append `bytes` at `offset` of `src` to the file, read into its buffer (or to the snapshot). */
 static int save_range(struct save_out *o, const struct shd_buf *src, uint64_t offset,
@@ -116,12 +149,13 @@ static int save_range(struct save_out *o, const struct shd_buf *src, uint64_t of
 	/* A chunk at a time, each pushed to the disk while the rest of the image is assembled. */
 	while (o->stage && bytes) {
 		uint64_t k = bytes < CKPT_DIO_CHUNK ? bytes : CKPT_DIO_CHUNK;
+		struct snap_chunk sc = { .o = o, .src = src, .offset = offset, .bytes = k };
 		int ret;
 
-		ckpt_image_populate(o->stage, o->off, k);
-		ret = o->b->ops->read(o->b, src, offset, k, o->stage + o->off);
-		if (ret)
-			return ret < 0 ? ret : -EIO;
+		shd_pool_for(o->pool, (size_t)((k + SNAP_PIECE - 1) / SNAP_PIECE), 1, snap_run,
+			     &sc);
+		if (sc.ret)
+			return sc.ret;
 		o->off += k;
 		offset += k;
 		bytes -= k;
@@ -168,7 +202,9 @@ static int save_file(struct eng_ckpt *c, uint32_t gi, int optim, uint8_t *bounce
 	const char *states[SHD_OPTIM_STATES];
 	struct shd_safetensors_tensor *t = NULL;
 	struct dio_file own = { .fd = -1, .dfd = -1 };
-	struct save_out o = { .f = &own, .b = c->j->e->backend, .progress = &c->bytes };
+	struct save_out o = {
+		.f = &own, .b = c->j->e->backend, .progress = &c->bytes, .pool = c->j->e->pool
+	};
 	uint8_t *hdr = NULL;
 	size_t hlen;
 	uint64_t dsize;

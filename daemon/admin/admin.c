@@ -84,7 +84,33 @@ static json_t *cmd_checkpoint(const json_t *req)
 	return json_pack("{s:b, s:s, s:I}", "ok", 1, "job", j->name, "id", (json_int_t)id);
 }
 
-/* checkpoints: the job's armed, in-progress and last checkpoint. */
+/*
+ * The job's restores: counts, and the last failure and fallback (group,
+ * reason, whole message), each null when there was none.
+ */
+static json_t *restore_json(const struct shd_engine_ckpt_status *st)
+{
+	json_t *failed =
+		st->restore_failed_group[0]
+			? json_pack("{s:s, s:s, s:s}", "group", st->restore_failed_group, "reason",
+				    shd_engine_restore_reason_name(st->restore_failed_reason),
+				    "error", st->restore_failed_msg)
+			: json_null();
+	json_t *fallback =
+		st->restore_fallback_group[0]
+			? json_pack("{s:s, s:s, s:s}", "group", st->restore_fallback_group,
+				    "reason",
+				    shd_engine_restore_reason_name(st->restore_fallback_reason),
+				    "error", st->restore_fallback_msg)
+			: json_null();
+
+	return json_pack("{s:I, s:I, s:I, s:o, s:o}", "restored", (json_int_t)st->restored,
+			 "failed", (json_int_t)st->restore_failed, "fallbacks",
+			 (json_int_t)st->restore_fallbacks, "last_failed", failed, "last_fallback",
+			 fallback);
+}
+
+/* checkpoints: the job's armed, in-progress and last checkpoint, and its restores. */
 static json_t *cmd_checkpoints(const json_t *req)
 {
 	const json_t *v = json_object_get(req, "job");
@@ -103,14 +129,15 @@ static json_t *cmd_checkpoints(const json_t *req)
 		return admin_no_job(json_string_value(v));
 	shd_engine_job_checkpoint_status(j->ejob, &st);
 	return json_pack(
-		"{s:b, s:s, s:{s:I, s:s}, s:{s:I, s:I, s:s, s:I, s:I, s:f}, s:{s:I, s:i, s:s, s:s, s:I, s:I, s:f, s:b}}",
+		"{s:b, s:s, s:{s:I, s:s}, s:{s:I, s:I, s:s, s:I, s:I, s:f}, s:{s:I, s:i, s:s, s:s, s:I, s:I, s:f, s:b}, s:o}",
 		"ok", 1, "job", j->name, "armed", "id", (json_int_t)st.armed_id, "dir",
 		st.armed_dir, "writing", "id", (json_int_t)st.writing_id, "step",
 		(json_int_t)st.writing_step, "dir", st.writing_dir, "bytes",
 		(json_int_t)st.writing_bytes, "total", (json_int_t)st.writing_total, "seconds",
 		st.writing_s, "last", "id", (json_int_t)st.last_id, "code", st.last_res, "error",
 		st.last_msg, "dir", st.last_dir, "step", (json_int_t)st.last_step, "bytes",
-		(json_int_t)st.last_bytes, "seconds", st.last_s, "staged", st.last_staged);
+		(json_int_t)st.last_bytes, "seconds", st.last_s, "staged", st.last_staged,
+		"restore", restore_json(&st));
 }
 
 /* ------------------------------------------------------------------ */

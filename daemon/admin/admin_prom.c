@@ -226,6 +226,48 @@ static void render_checkpoints(struct text *t)
 	}
 }
 
+/*
+ * Restores since the daemon started, by reason: counters that outlive the
+ * job (one whose registration failed holds no group and ends with its
+ * ranks); the last failure's text while the job lives.
+ */
+static void render_restores(struct text *t)
+{
+	struct shd_engine_restore_counts c;
+
+	shd_engine_restore_counts(shd_state_engine(), &c);
+	header(t, "shardd_restores_total", "counter",
+	       "Group registrations filled from a checkpoint or plain weights.");
+	emit(t, "shardd_restores_total %llu\n", (unsigned long long)c.restored);
+	header(t, "shardd_restores_failed_total", "counter",
+	       "Group registrations whose restore failed, by reason.");
+	for (uint32_t r = 0; r < SHD_RESTORE_REASONS; r++)
+		emit(t, "shardd_restores_failed_total{reason=\"%s\"} %llu\n",
+		     shd_engine_restore_reason_name(r), (unsigned long long)c.failed[r]);
+	header(t, "shardd_restore_fallbacks_total", "counter",
+	       "Damaged checkpoints a restore skipped for an older one, by reason.");
+	for (uint32_t r = 0; r < SHD_RESTORE_REASONS; r++)
+		emit(t, "shardd_restore_fallbacks_total{reason=\"%s\"} %llu\n",
+		     shd_engine_restore_reason_name(r), (unsigned long long)c.fallbacks[r]);
+	header(t, "shardd_restore_last_error", "gauge",
+	       "1 with the job's last failed restore's group, reason and message in labels; absent when none failed.");
+	for (struct shd_job *j = shd_state_jobs(); j; j = j->next) {
+		struct shd_engine_ckpt_status st;
+		char name[2 * SHARDD_NAME_MAX + 1], group[2 * SHARDD_NAME_MAX + 1],
+			msg[2 * sizeof(st.restore_failed_msg) + 1];
+
+		shd_engine_job_checkpoint_status(j->ejob, &st);
+		if (!st.restore_failed_group[0])
+			continue;
+		label_escape(j->name, name, sizeof(name));
+		label_escape(st.restore_failed_group, group, sizeof(group));
+		label_escape(st.restore_failed_msg, msg, sizeof(msg));
+		emit(t,
+		     "shardd_restore_last_error{job=\"%s\",group=\"%s\",reason=\"%s\",error=\"%s\"} 1\n",
+		     name, group, shd_engine_restore_reason_name(st.restore_failed_reason), msg);
+	}
+}
+
 char *shd_admin_metrics_render(void)
 {
 	struct text t = { .cap = 16384 };
@@ -237,6 +279,7 @@ char *shd_admin_metrics_render(void)
 	render_state(&t);
 	render_gpu(&t);
 	render_checkpoints(&t);
+	render_restores(&t);
 	if (t.oom) {
 		free(t.buf);
 		return NULL;

@@ -47,6 +47,17 @@ int ckpt_dio_open(struct dio_file *f, int dirfd, const char *name, uint8_t *buf)
 	return 0;
 }
 
+int ckpt_dio_reserve(struct dio_file *f, uint64_t bytes)
+{
+	int ret = bytes && fallocate(f->fd, 0, 0, (off_t)bytes) ? -errno : 0;
+
+	if (ret == -EOPNOTSUPP || ret == -ENOSYS)
+		return 0;
+	if (ret)
+		f->reserve_failed = bytes;
+	return ret;
+}
+
 /* A failed write at file offset `at`: kept for its message (the first one). Returns ret. */
 static int dio_failed(struct dio_file *f, int ret, uint64_t at)
 {

@@ -45,6 +45,7 @@ struct dio_file {
 	int failed;                  /* a write failed: */
 	/* the file offset of the first one (fsync: the file's end), for its message */
 	uint64_t failed_at;
+	uint64_t reserve_failed; /* ckpt_dio_reserve failed: the bytes it asked for (0: none) */
 };
 
 /*
@@ -80,6 +81,15 @@ struct dio_reader {
 int ckpt_write_all(int fd, const void *buf, size_t n, uint64_t off);
 /* Create `name` in dirfd (O_EXCL). 0 or -errno; buf is the caller's CKPT_DIO_BYTES aligned bytes (NULL: an image's). */
 int ckpt_dio_open(struct dio_file *f, int dirfd, const char *name, uint8_t *buf);
+/*
+ * Allocate the file's `bytes` on the disk before it is written: a full
+ * disk fails here, before any byte of a checkpoint of many GiB is written,
+ * and nothing else can fill it half way through. (Not for speed: on the
+ * test host's ext4 direct writes into the allocated file and ones that
+ * extend it ran at the same speed.) 0 (also where the filesystem has no
+ * fallocate: the writes extend the file as before) or -errno.
+ */
+int ckpt_dio_reserve(struct dio_file *f, uint64_t bytes);
 /* Room at the end of the buffer (after making some: a full buffer goes out). 0 or -errno. */
 int ckpt_dio_room(struct dio_file *f, uint8_t **at, size_t *len);
 /* Append n bytes from memory. 0 or -errno. */

@@ -8,6 +8,7 @@
 #ifndef SHD_CKPT_INT_H
 #define SHD_CKPT_INT_H
 
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -38,7 +39,9 @@ struct eng_ckpt {
 	uint8_t **stage;     /* [2 * m.ngroups]: a file's image (header, tensors), until written */
 	uint64_t *stage_len; /* [2 * m.ngroups]: its bytes */
 	struct dio_file *sfiles;  /* [2 * m.ngroups]: its file, open while stage is set */
-	struct eng_task **wtasks; /* [m.ngroups]: a group's SAVE_WRITE on the pool, or NULL */
+	struct eng_task **wtasks; /* [m.ngroups]: a group's SAVE_WRITE being written, or NULL */
+	pthread_t *wthreads;      /* [m.ngroups]: the thread of its own that runs it */
+	uint8_t *wthread_on;      /* [m.ngroups]: 1 while wthreads[i] is to be joined */
 	int res;                  /* the first failure */
 	char msg[ENGINE_MSG_MAX];
 	uint64_t bytes; /* written, all files (atomic: pool threads add as they write) */

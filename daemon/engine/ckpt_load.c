@@ -272,24 +272,83 @@ static int move_aside(const char *dir, char *to, size_t tolen)
 	return -EEXIST;
 }
 
-/* Skipping damaged checkpoint `dir` (why: `why`): logged, and with `aside`, moved aside. */
-static void skip_damaged(const struct eng_group *eg, const char *dir, const char *why, int aside)
+/* A restore's failure code, or a skipped checkpoint's damage, as its kind. */
+static uint32_t restore_reason(int res)
 {
-	char to[LOAD_PATH];
+	switch (res) {
+	case -SHARDD_E_MALFORMED:
+		return SHD_RESTORE_DAMAGED;
+	case -ENOENT:
+		return SHD_RESTORE_MISSING;
+	case -SHARDD_E_MISMATCH:
+		return SHD_RESTORE_MISMATCH;
+	case -SHARDD_E_PERM:
+		return SHD_RESTORE_PERMISSION;
+	case -SHARDD_E_INVALID:
+		return SHD_RESTORE_INVALID;
+	case -SHARDD_E_NOMEM:
+	case -ENOMEM:
+		return SHD_RESTORE_MEMORY;
+	case -ENOTSUP:
+		return SHD_RESTORE_UNSUPPORTED;
+	default:
+		return SHD_RESTORE_IO;
+	}
+}
+
+const char *shd_engine_restore_reason_name(uint32_t reason)
+{
+	static const char *const names[SHD_RESTORE_REASONS] = {
+		[SHD_RESTORE_DAMAGED] = "damaged",
+		[SHD_RESTORE_MISSING] = "missing",
+		[SHD_RESTORE_MISMATCH] = "mismatch",
+		[SHD_RESTORE_PERMISSION] = "permission",
+		[SHD_RESTORE_IO] = "io",
+		[SHD_RESTORE_INVALID] = "invalid",
+		[SHD_RESTORE_MEMORY] = "memory",
+		[SHD_RESTORE_UNSUPPORTED] = "unsupported",
+	};
+
+	return reason < SHD_RESTORE_REASONS ? names[reason] : NULL;
+}
+
+void shd_engine_restore_counts(const struct shd_engine *e, struct shd_engine_restore_counts *c)
+{
+	*c = e->restores;
+}
+
+/*
+ * Skipping damaged checkpoint `dir` (its check failed with `bad`, why:
+ * `why`): logged, with `aside` moved aside, and kept in the group for
+ * eng_restore_record (the pool task owns the group until it is delivered).
+ */
+static void skip_damaged(struct eng_group *eg, const char *dir, int bad, const char *why, int aside)
+{
+	char to[LOAD_PATH], *m = eg->restore_skip_msg;
+	size_t mlen = sizeof(eg->restore_skip_msg);
 	int ret = aside ? move_aside(dir, to, sizeof(to)) : 0;
 
 	if (!aside)
-		shd_log_warn("job '%s': group '%s': skipped damaged checkpoint %s: %s", eg->j->name,
-			     eg->g->name, dir, why);
+		eng_fmt(m, mlen,
+			"skipped damaged checkpoint %s: %s; it stays in place (a restore path names "
+			"no folder shardd may change): remove it or move it aside",
+			dir, why);
 	else if (ret)
-		shd_log_warn(
-			"job '%s': group '%s': skipped damaged checkpoint %s: %s; moving it aside failed (%s): "
-			"remove it, or the next checkpoint of its step cannot be written",
-			eg->j->name, eg->g->name, dir, why, strerror(-ret));
+		eng_fmt(m, mlen,
+			"skipped damaged checkpoint %s: %s; moving it aside failed (%s): remove it, "
+			"or the next checkpoint of its step cannot be written",
+			dir, why, strerror(-ret));
 	else if (to[0])
-		shd_log_warn(
-			"job '%s': group '%s': skipped damaged checkpoint %s: %s; moved it aside to %s",
-			eg->j->name, eg->g->name, dir, why, to);
+		eng_fmt(m, mlen,
+			"skipped damaged checkpoint %s: %s; moved it aside to %s (inspect or delete it)",
+			dir, why, to);
+	else
+		eng_fmt(m, mlen,
+			"skipped damaged checkpoint %s: %s; another group's restore moved it aside",
+			dir, why);
+	eg->restore_skipped++;
+	eg->restore_skip_reason = restore_reason(bad);
+	shd_log_warn("job '%s': group '%s': %s", eg->j->name, eg->g->name, m);
 }
 
 static int step_cmp_desc(const void *a, const void *b)
@@ -308,7 +367,7 @@ static int step_cmp_desc(const void *a, const void *b)
  * is complete; or, when a checkpoint could not be read (not damage: it is
  * neither skipped nor moved), that error with `err`.
  */
-static int newest_checkpoint(const struct eng_group *eg, const struct confine *cf, const char *root,
+static int newest_checkpoint(struct eng_group *eg, const struct confine *cf, const char *root,
 			     int aside, char *out, size_t len, uint32_t *nsteps, char *err,
 			     size_t errlen)
 {
@@ -364,7 +423,7 @@ static int newest_checkpoint(const struct eng_group *eg, const struct confine *c
 		if (bad) {
 			if (!first[0])
 				snprintf(first, sizeof(first), "%s", why);
-			skip_damaged(eg, dir, why, aside);
+			skip_damaged(eg, dir, bad, why, aside);
 			continue;
 		}
 		memcpy(out, dir, strlen(dir) + 1);
@@ -608,6 +667,31 @@ out:
 	free(need);
 	shd_safetensors_free(&f);
 	return ret;
+}
+
+/*
+ * A group's params file and its optimizer-state file, read at once: each
+ * one's CRC-32 and copy into the shards take about as long as the disk
+ * takes to read it, so one thread reading both in turn is held back by
+ * its own CPU, two keep the disk busy (shd_pool_for: on the restore's
+ * thread and an idle worker, else both in turn on the restore's).
+ */
+struct load_files {
+	struct eng_group *eg;
+	const struct confine *cf;
+	const char *dir;
+	const struct shd_ckpt_file *fe[2]; /* params, optimizer state (NULL: none) */
+	int ret[2];
+	char err[2][ENGINE_MSG_MAX];
+};
+
+static void load_files_run(void *arg, size_t begin, size_t end)
+{
+	struct load_files *lf = arg;
+
+	for (size_t i = begin; i < end; i++)
+		lf->ret[i] = load_file(lf->eg, lf->cf, lf->dir, lf->fe[i], (int)i, lf->err[i],
+				       sizeof(lf->err[i]));
 }
 
 /* ------------------------------------------------------------------ */
@@ -979,6 +1063,29 @@ static int restore_counts(const struct eng_group *eg, const struct shd_ckpt_mani
 	return same;
 }
 
+/*
+ * What to do about a checkpoint that failed as it was read (restore_dir's
+ * own refusals say it themselves): appended to the message.
+ */
+static const char *restore_advice(int res)
+{
+	switch (restore_reason(res)) {
+	case SHD_RESTORE_DAMAGED:
+	case SHD_RESTORE_INVALID:
+		return "; move it aside, or restore an older checkpoint by its path, and register again";
+	case SHD_RESTORE_MISSING:
+		return "; a file went missing after the checkpoint was checked: restore another one";
+	case SHD_RESTORE_MISMATCH:
+		return "; register the group as it was saved (its names, dtypes and shapes), or "
+		       "restore a checkpoint of this group";
+	case SHD_RESTORE_MEMORY:
+		return "; free memory on the node, then register again";
+	default:
+		return "; check the file and its disk (permissions, the kernel log), then register "
+		       "again";
+	}
+}
+
 static void restore_run(struct eng_task *t)
 {
 	struct eng_group *eg = t->eg;
@@ -989,7 +1096,7 @@ static void restore_run(struct eng_task *t)
 	size_t len = sizeof(t->msg);
 	struct confine cf = { .fd = -1 };
 	uint32_t ns = shd_group_optim_states(&g->optim);
-	int ret;
+	int found, ret;
 
 	msg[0] = '\0';
 	if (!eg->j->e->backend->ops->write) {
@@ -1014,6 +1121,7 @@ static void restore_run(struct eng_task *t)
 		snprintf(src, sizeof(src), "%s", eg->restore);
 	}
 	ret = restore_dir(eg, &cf, src, dir, sizeof(dir), msg, len);
+	found = !ret;
 	if (ret == 1) {
 		t->res = 0;
 		goto out;
@@ -1051,11 +1159,16 @@ static void restore_run(struct eng_task *t)
 			g->optim.kind == SHARDD_OPTIM_SGD ? "SGD with momentum" : "AdamW");
 		ret = -SHARDD_E_MISMATCH;
 	}
-	if (!ret)
-		ret = load_file(eg, &cf, dir, shd_ckpt_manifest_file(&m, cg->file), 0, msg, len);
-	if (!ret && ns)
-		ret = load_file(eg, &cf, dir, shd_ckpt_manifest_file(&m, cg->optim_file), 1, msg,
-				len);
+	if (!ret) {
+		struct load_files lf = { .eg = eg, .cf = &cf, .dir = dir };
+
+		lf.fe[0] = shd_ckpt_manifest_file(&m, cg->file);
+		lf.fe[1] = ns ? shd_ckpt_manifest_file(&m, cg->optim_file) : NULL;
+		shd_pool_for(eg->j->e->pool, ns ? 2 : 1, 1, load_files_run, &lf);
+		ret = lf.ret[0] ? lf.ret[0] : lf.ret[1];
+		if (ret)
+			eng_fmt(msg, len, "%s", lf.err[lf.ret[0] ? 0 : 1]);
+	}
 	if (!ret) {
 		int own = restore_counts(eg, &m, cg, dir);
 
@@ -1069,18 +1182,24 @@ static void restore_run(struct eng_task *t)
 			eg->j->name, g->name, dir, m.replicate, m.shard,
 			(unsigned long long)cg->last_step, g->replicate, g->shard);
 	} else {
-		char full[ENGINE_MSG_MAX], to[LOAD_PATH] = "";
+		char full[ENGINE_MSG_MAX], to[LOAD_PATH] = "", todo[LOAD_PATH + 160] = "";
 
 		/* Damage only reading the tensors shows (a CRC-32): the job's own checkpoint goes aside too. */
 		if (!src[0] && ret == -SHARDD_E_MALFORMED && !move_aside(dir, to, sizeof(to)) &&
-		    to[0])
+		    to[0]) {
 			shd_log_warn(
 				"job '%s': group '%s': checkpoint %s is damaged: %s; moved it aside to %s",
 				eg->j->name, g->name, dir, msg, to);
-		eng_fmt(full, sizeof(full), "shardd: register group '%s': restore: %s%s%s%s",
-			g->name, msg, to[0] ? "; moved it aside to " : "", to,
-			to[0] ? ": register again (restore \"\") to resume from the newest complete one before it"
-			      : "");
+			snprintf(
+				todo, sizeof(todo),
+				"; moved it aside to %s: register again (restore \"\") to resume from "
+				"the newest complete one before it",
+				to);
+		} else if (found) {
+			snprintf(todo, sizeof(todo), "%s", restore_advice(ret));
+		}
+		eng_fmt(full, sizeof(full), "shardd: register group '%s': restore: %s%s", g->name,
+			msg, todo);
 		eng_fmt(msg, len, "%s", full);
 	}
 	shd_ckpt_manifest_free(&m);
@@ -1088,6 +1207,33 @@ static void restore_run(struct eng_task *t)
 out:
 	if (cf.fd >= 0)
 		close(cf.fd);
+}
+
+void eng_restore_record(const struct eng_task *t)
+{
+	const struct eng_group *eg = t->eg;
+	struct shd_engine_ckpt_status *l = &eg->j->ckpt_last;
+	struct shd_engine_restore_counts *c = &eg->j->e->restores;
+
+	if (eg->restore_skipped) {
+		c->fallbacks[eg->restore_skip_reason] += eg->restore_skipped;
+		l->restore_fallbacks += eg->restore_skipped;
+		snprintf(l->restore_fallback_group, sizeof(l->restore_fallback_group), "%s",
+			 eg->g->name);
+		l->restore_fallback_reason = eg->restore_skip_reason;
+		snprintf(l->restore_fallback_msg, sizeof(l->restore_fallback_msg), "%s",
+			 eg->restore_skip_msg);
+	}
+	if (!t->res) {
+		c->restored++;
+		l->restored++;
+		return;
+	}
+	c->failed[restore_reason(t->res)]++;
+	l->restore_failed++;
+	snprintf(l->restore_failed_group, sizeof(l->restore_failed_group), "%s", eg->g->name);
+	l->restore_failed_reason = restore_reason(t->res);
+	snprintf(l->restore_failed_msg, sizeof(l->restore_failed_msg), "%s", t->msg);
 }
 
 void eng_restore_exec(struct eng_task *t)

@@ -9,8 +9,9 @@
  *         0's shards row range by row range, into a snapshot in memory when
  *         --max-memory leaves room for it (each file's image, the header
  *         first; its whole chunks go to the disk as they fill, then a
- *         TASK_SAVE_WRITE per group, off the group's queue, writes the rest
- *         straight from the image while its ops go on), else into the files
+ *         TASK_SAVE_WRITE per group, off the group's queue and on a niced
+ *         thread of its own (write_main), writes the rest straight from
+ *         the image while its ops go on), else into the files
  *         in place; CRC-32 as written, fsync
  *     --> all delivered (loop): one TASK_SAVE_FINAL (pool): manifest.json
  *         and the Hugging Face index, fsync of the files and the directory,
@@ -31,6 +32,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -41,6 +43,9 @@
 #include "clock.h"
 #include "engine_int.h"
 #include "log.h"
+
+/* The nice value of a snapshot's write thread: below the ops' (0), still running on an idle core. */
+#define CKPT_WRITE_NICE 10
 
 static const struct eng_task_ops ckpt_hooks = { .exec = eng_ckpt_exec,
 						.delivered = eng_ckpt_delivered };
@@ -81,6 +86,13 @@ static void write_error(const struct eng_ckpt *c, const char *file, const char *
 	int e = ret < 0 && ret > -SHARDD_E_BASE ? -ret : 0;
 	char at[48] = "";
 
+	if (f->reserve_failed) {
+		eng_fmt(err, errlen,
+			"%s allocating the %llu bytes of %s of group '%s'%s (checkpoint %s, in %s)",
+			strerror(e ? e : EIO), (unsigned long long)f->reserve_failed, file, group,
+			write_advice(e), c->dir, c->tmp);
+		return;
+	}
 	if (f->failed)
 		snprintf(at, sizeof(at), " at byte %llu", (unsigned long long)f->failed_at);
 	eng_fmt(err, errlen, "%s writing %s of group '%s'%s%s (checkpoint %s, in %s)",
@@ -95,7 +107,40 @@ struct save_out {
 	struct shd_backend_ctx *b;
 	uint64_t *progress; /* the checkpoint's bytes written */
 	uint8_t *stage;     /* snapshot mode: the file's image, written from there (f->bufs none) */
+	struct shd_pool *pool;
 };
+
+/*
+ * A snapshot chunk's pieces, mapped and filled on the calling pool worker
+ * and idle ones: mapping (the kernel zeroes each page) and filling take a
+ * thread longer than the disk takes to write the chunk.
+ */
+#define SNAP_PIECE (1u << 20)
+
+struct snap_chunk {
+	const struct save_out *o;
+	const struct shd_buf *src;
+	uint64_t offset; /* in src */
+	uint64_t bytes;
+	int ret; /* a piece's failure */
+};
+
+static void snap_run(void *arg, size_t begin, size_t end)
+{
+	struct snap_chunk *sc = arg;
+	const struct save_out *o = sc->o;
+
+	for (size_t i = begin; i < end; i++) {
+		uint64_t at = (uint64_t)i * SNAP_PIECE,
+			 n = sc->bytes - at < SNAP_PIECE ? sc->bytes - at : SNAP_PIECE;
+		int ret;
+
+		ckpt_image_populate(o->stage, o->off + at, n);
+		ret = o->b->ops->read(o->b, sc->src, sc->offset + at, n, o->stage + o->off + at);
+		if (ret)
+			__atomic_store_n(&sc->ret, ret < 0 ? ret : -EIO, __ATOMIC_RELAXED);
+	}
+}
 
 /* Append `bytes` at `offset` of `src` to the file, read into its buffer (or to the snapshot). */
 static int save_range(struct save_out *o, const struct shd_buf *src, uint64_t offset,
@@ -104,12 +149,13 @@ static int save_range(struct save_out *o, const struct shd_buf *src, uint64_t of
 	/* A chunk at a time, each pushed to the disk while the rest of the image is assembled. */
 	while (o->stage && bytes) {
 		uint64_t k = bytes < CKPT_DIO_CHUNK ? bytes : CKPT_DIO_CHUNK;
+		struct snap_chunk sc = { .o = o, .src = src, .offset = offset, .bytes = k };
 		int ret;
 
-		ckpt_image_populate(o->stage, o->off, k);
-		ret = o->b->ops->read(o->b, src, offset, k, o->stage + o->off);
-		if (ret)
-			return ret < 0 ? ret : -EIO;
+		shd_pool_for(o->pool, (size_t)((k + SNAP_PIECE - 1) / SNAP_PIECE), 1, snap_run,
+			     &sc);
+		if (sc.ret)
+			return sc.ret;
 		o->off += k;
 		offset += k;
 		bytes -= k;
@@ -156,7 +202,9 @@ static int save_file(struct eng_ckpt *c, uint32_t gi, int optim, uint8_t *bounce
 	const char *states[SHD_OPTIM_STATES];
 	struct shd_safetensors_tensor *t = NULL;
 	struct dio_file own = { .fd = -1, .dfd = -1 };
-	struct save_out o = { .f = &own, .b = c->j->e->backend, .progress = &c->bytes };
+	struct save_out o = {
+		.f = &own, .b = c->j->e->backend, .progress = &c->bytes, .pool = c->j->e->pool
+	};
 	uint8_t *hdr = NULL;
 	size_t hlen;
 	uint64_t dsize;
@@ -183,11 +231,15 @@ static int save_file(struct eng_ckpt *c, uint32_t gi, int optim, uint8_t *bounce
 		/* Its file now, to write as the image fills; short of descriptors, once it is whole. */
 		if (ckpt_dio_open(o.f, c->dirfd, fe->name, NULL))
 			ckpt_dio_close(o.f);
+		else if ((ret = ckpt_dio_reserve(o.f, hlen + dsize)))
+			goto out;
 		ckpt_image_populate(*stage, 0, hlen);
 		memcpy(*stage, hdr, hlen);
 		o.stage = *stage;
 	} else {
 		ret = ckpt_dio_open(o.f, c->dirfd, fe->name, bounce);
+		if (!ret)
+			ret = ckpt_dio_reserve(o.f, hlen + dsize);
 		if (!ret)
 			ret = ckpt_dio_append(o.f, hdr, hlen);
 		if (ret)
@@ -291,8 +343,11 @@ static int write_staged(struct eng_ckpt *c, uint32_t gi, char *err, size_t errle
 			continue;
 		fe = &c->m.files[c->file_of[i]];
 		if (!ret) {
-			if (c->sfiles[i].fd < 0)
+			if (c->sfiles[i].fd < 0) {
 				ret = ckpt_dio_open(&c->sfiles[i], c->dirfd, fe->name, NULL);
+				if (!ret)
+					ret = ckpt_dio_reserve(&c->sfiles[i], c->stage_len[i]);
+			}
 			if (!ret)
 				ret = ckpt_dio_write_image(&c->sfiles[i], c->stage[i],
 							   c->stage_len[i], &crc, &c->bytes);
@@ -408,6 +463,8 @@ static void ckpt_free(struct eng_ckpt *c)
 	free(c->stage_len);
 	free(c->sfiles);
 	free(c->wtasks);
+	free(c->wthreads);
+	free(c->wthread_on);
 	if (c->dirfd >= 0)
 		close(c->dirfd);
 	shd_ckpt_manifest_free(&c->m);
@@ -451,6 +508,35 @@ static void ckpt_finish(struct eng_ckpt *c, int res, const char *msg)
 	ckpt_free(c);
 }
 
+/*
+ * A SAVE_WRITE's thread. The write waits for the disk most of the time and
+ * checksums the rest: on a pool thread it would take a worker from the
+ * groups' ops for the whole write (on a 2-core host, half of every op's
+ * kernels), so it runs here, niced, and the ops it competes with for a
+ * core come first.
+ */
+static void *write_main(void *arg)
+{
+	struct eng_task *t = arg;
+
+	/* Best effort: at the same priority it still writes, only the ops may wait for it. */
+	if (setpriority(PRIO_PROCESS, (id_t)gettid(), CKPT_WRITE_NICE))
+		shd_log_debug("checkpoint write thread: setpriority: %s", strerror(errno));
+	/* task_run: writes, then hands the task to the loop, which joins this thread. */
+	t->pt.fn(&t->pt);
+	return NULL;
+}
+
+/* Run SAVE_WRITE `w` on a thread of its own (write_main), or on the pool without one. */
+static void write_spawn(struct eng_ckpt *c, struct eng_task *w)
+{
+	if (!pthread_create(&c->wthreads[w->gindex], NULL, write_main, w)) {
+		c->wthread_on[w->gindex] = 1;
+		return;
+	}
+	shd_pool_submit(c->j->e->pool, &w->pt);
+}
+
 void eng_ckpt_delivered(struct eng_task *t)
 {
 	struct eng_ckpt *c = t->ckpt;
@@ -460,8 +546,13 @@ void eng_ckpt_delivered(struct eng_task *t)
 		ckpt_finish(c, t->res, t->msg);
 		return;
 	}
-	if (t->kind == TASK_SAVE_WRITE)
+	if (t->kind == TASK_SAVE_WRITE) {
 		c->wtasks[t->gindex] = NULL;
+		/* Its thread handed the task over as its last act: the join waits for no disk. */
+		if (c->wthread_on[t->gindex])
+			pthread_join(c->wthreads[t->gindex], NULL);
+		c->wthread_on[t->gindex] = 0;
+	}
 	if (t->res && !c->res) {
 		c->res = t->res;
 		snprintf(c->msg, sizeof(c->msg), "%s", t->msg);
@@ -478,7 +569,7 @@ void eng_ckpt_delivered(struct eng_task *t)
 			w->ops[0].sqe.step = c->m.step;
 			c->wtasks[t->gindex] = w;
 			c->pending++;
-			shd_pool_submit(c->j->e->pool, &w->pt);
+			write_spawn(c, w);
 		} else {
 			c->res = -SHARDD_E_NOMEM;
 			snprintf(c->msg, sizeof(c->msg),
@@ -691,7 +782,10 @@ static int ckpt_plan(struct shd_engine_job *j, struct eng_ckpt *c, uint64_t step
 	c->stage_len = calloc(2 * (size_t)n, sizeof(*c->stage_len));
 	c->sfiles = calloc(2 * (size_t)n, sizeof(*c->sfiles));
 	c->wtasks = calloc(n, sizeof(*c->wtasks));
-	if (!c->stage || !c->stage_len || !c->sfiles || !c->wtasks)
+	c->wthreads = calloc(n, sizeof(*c->wthreads));
+	c->wthread_on = calloc(n, sizeof(*c->wthread_on));
+	if (!c->stage || !c->stage_len || !c->sfiles || !c->wtasks || !c->wthreads ||
+	    !c->wthread_on)
 		return -ENOMEM;
 	/* A snapshot in memory when the limits leave room for it; else the files are written in place. */
 	{

@@ -235,6 +235,31 @@ int shd_engine_job_checkpoint(struct shd_engine_job *j, const struct shd_engine_
 int shd_engine_job_checkpoint_arm(struct shd_engine_job *j, const char *dir, const char *keep_root,
 				  uint32_t keep, uint64_t *id, char *err, size_t errlen);
 
+/*
+ * Why a restore failed, or skipped a damaged checkpoint for an older one:
+ * the reason label of the restore metrics and `shardctl checkpoints`.
+ */
+enum shd_engine_restore_reason {
+	SHD_RESTORE_DAMAGED,     /* a manifest, size, safetensors header or CRC-32 that fails */
+	SHD_RESTORE_MISSING,     /* the manifest, or a file it lists, is not there */
+	SHD_RESTORE_MISMATCH,    /* the checkpoint does not hold the group as registered */
+	SHD_RESTORE_PERMISSION,  /* a client of another uid named a path outside its roots */
+	SHD_RESTORE_IO,          /* reading failed (the errno text says how) */
+	SHD_RESTORE_INVALID,     /* a request that cannot be met (no --state-dir, not a file) */
+	SHD_RESTORE_MEMORY,      /* the daemon is out of memory */
+	SHD_RESTORE_UNSUPPORTED, /* the backend cannot restore */
+	SHD_RESTORE_REASONS
+};
+/* The reason's label ("damaged", "missing", ...); NULL past the last. */
+const char *shd_engine_restore_reason_name(uint32_t reason);
+/* Restores since the daemon started, every job's (ended ones too): loop thread. */
+struct shd_engine_restore_counts {
+	uint64_t restored;                       /* groups filled from a checkpoint or weights */
+	uint64_t failed[SHD_RESTORE_REASONS];    /* registrations a restore failed, by reason */
+	uint64_t fallbacks[SHD_RESTORE_REASONS]; /* damaged checkpoints skipped, by reason */
+};
+void shd_engine_restore_counts(const struct shd_engine *e, struct shd_engine_restore_counts *c);
+
 #define SHD_ENGINE_CKPT_TEXT 512
 /* A job's checkpoints now (admin `checkpoints`): armed, being written, the last one ended. */
 struct shd_engine_ckpt_status {
@@ -253,6 +278,18 @@ struct shd_engine_ckpt_status {
 	uint64_t last_step, last_bytes;
 	double last_s;
 	int last_staged; /* 1: written from a snapshot in memory (the groups' ops went on) */
+	/* Registrations of the job that restored (ckpt_load.c): how they ended */
+	uint64_t restored;          /* groups filled from a checkpoint or plain weights */
+	uint64_t restore_failed;    /* registrations a restore failed */
+	uint64_t restore_fallbacks; /* damaged checkpoints skipped for an older one */
+	/* the last failed restore: its group ("" none), reason and whole message */
+	char restore_failed_group[SHARDD_NAME_MAX];
+	uint32_t restore_failed_reason; /* enum shd_engine_restore_reason */
+	char restore_failed_msg[SHD_ENGINE_CKPT_TEXT];
+	/* the last fallback: its group ("" none), the damage's reason, what was skipped and why */
+	char restore_fallback_group[SHARDD_NAME_MAX];
+	uint32_t restore_fallback_reason;
+	char restore_fallback_msg[SHD_ENGINE_CKPT_TEXT];
 };
 void shd_engine_job_checkpoint_status(const struct shd_engine_job *j,
 				      struct shd_engine_ckpt_status *st);

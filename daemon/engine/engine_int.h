@@ -164,6 +164,9 @@ struct eng_group {
 	int restoring;        /* its TASK_RESTORE runs: the registration completes when it ends */
 	int restore_fail;     /* a rank left or the job ended meanwhile: the registration fails */
 	char restore_msg[ENGINE_MSG_MAX];
+	/* its TASK_RESTORE's damaged checkpoints skipped, the last one's reason and message (ckpt_load.c) */
+	uint32_t restore_skipped, restore_skip_reason;
+	char restore_skip_msg[ENGINE_MSG_MAX];
 	/* exchanges among nodes so far (world_collective.c); its running task's */
 	uint64_t span_seq;
 	/*
@@ -254,6 +257,7 @@ struct shd_engine {
 	 * mem_committed until MPI lets go (world_collective.c).
 	 */
 	struct eng_world_orphan *span_orphans;
+	struct shd_engine_restore_counts restores; /* loop thread (eng_restore_record) */
 };
 
 struct eng_world_orphan {
@@ -373,6 +377,12 @@ void eng_ckpt_try_armed(struct shd_engine_job *j);
 void eng_restore_exec(struct eng_task *t);
 /* Loop thread (registry.c): the TASK_RESTORE of a registration ended; reply to every rank. */
 void eng_restore_delivered(struct eng_task *t);
+/*
+ * Loop thread, as a restore task is delivered (before a rank's leaving
+ * may fail its registration): its outcome into the job's checkpoint status
+ * and the engine's restore counts (ckpt_load.c).
+ */
+void eng_restore_record(const struct eng_task *t);
 /* Loop thread, from shd_engine_job_end before any group stops: wait for the SAVE_WRITEs on the pool. */
 void eng_ckpt_job_wait(struct shd_engine_job *j);
 /* Loop thread, from shd_engine_job_end after every group stopped: fail a checkpoint still open. */

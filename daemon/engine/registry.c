@@ -459,6 +459,7 @@ void eng_restore_delivered(struct eng_task *t)
 	struct shd_engine_job *j = eg->j;
 
 	eg->restoring = 0;
+	eng_restore_record(t);
 	if (!t->res && eg->restore_fail) {
 		t->res = eg->restore_fail;
 		snprintf(t->msg, sizeof(t->msg), "%s", eg->restore_msg);

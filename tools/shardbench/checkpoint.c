@@ -17,6 +17,14 @@
  * leave the page cache (POSIX_FADV_DONTNEED) before the load. #wrong counts restored
  * param elements that differ from what was saved.
  *
+ * Then step time during a save: -r rank processes train group 'train'
+ * (fp32 [TRAIN_ROWS, 1024], AdamW) of a job whose group 'state' holds the
+ * sweep's largest state; each of -w + -n rounds times TRAIN_IDLE steps
+ * (unshard, reshard, reduce, step) with no save, then every step while a
+ * checkpoint of the job, which every rank submits without waiting, is
+ * written. idle and save columns: rank 0's step times, p50 and mean, and
+ * how much slower the steps during the save were.
+ *
  * With --torch PYTHON (or $SHARDBENCH_TORCH), tools/bench_dcp.py run by
  * that python saves and loads the same state with torch.distributed.checkpoint
  * (DTensor dim-0 shards over -r gloo ranks, same directory) first;
@@ -33,6 +41,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -44,6 +53,13 @@
 #define CKPT_MAX_RANKS 8
 #define CKPT_MAX_SIZES 64
 #define DCP_LIMIT_S    1900 /* the script kills its ranks after 1800 s */
+#define TRAIN_ROWS     4096 /* the trained group's param: 16 MiB of fp32 rows */
+#define TRAIN_IDLE     8    /* steps timed without a save, per round */
+#define TRAIN_MAX      4096 /* steps timed while one save runs, at most */
+#define TRAIN_WAIT_MS  600000
+#define TRAIN_CKPT_UD  (1ull << 40) /* user_data of a rank's checkpoint op */
+#define TRAIN_REAP_MS  (1800 * 1000)
+#define TRAIN_ROUNDS   64 /* -w + -n at most */
 
 struct ckpt_job {
 	const char *socket;
@@ -322,6 +338,248 @@ static int dcp_find(const struct dcp_results *d, uint64_t size)
 	return -1;
 }
 
+/*
+ * Step time during a save: rank processes train group 'train' of a job
+ * that also holds group 'state', each round TRAIN_IDLE steps with no save,
+ * then steps while a checkpoint of the job (the ranks' op, submitted
+ * without waiting, as a trainer does) is written, until it completes.
+ * Rank 0 times each step; results in shared memory.
+ */
+struct train_shared {
+	uint32_t ranks;
+	uint64_t state_rows;
+	uint64_t nidle, nsaving;
+	uint64_t idle_ns[TRAIN_IDLE * TRAIN_ROUNDS];
+	uint64_t saving_ns[TRAIN_MAX];
+	uint64_t save_ns[TRAIN_ROUNDS]; /* per timed round: the save's time */
+	uint64_t stop_after
+		[TRAIN_ROUNDS]; /* per round: the last step while saving, once rank 0 knows it */
+	int32_t err[CKPT_MAX_RANKS];
+	char msg[CKPT_MAX_RANKS][512];
+};
+
+static int train_fail(struct train_shared *sh, uint32_t rank, int err, const char *what)
+{
+	const char *why = shardd_last_error();
+
+	sh->err[rank] = err ? err : -EIO;
+	snprintf(sh->msg[rank], sizeof(sh->msg[rank]), "rank %u: %s: %s", rank, what,
+		 why && why[0] ? why : shardd_strerror(err));
+	return sh->err[rank];
+}
+
+/* One training step of the group: unshard, reshard, reduce, step; its ns, or 0 (failed). */
+static uint64_t train_step(struct train_shared *sh, uint32_t rank, struct shardd_group *g,
+			   uint64_t step)
+{
+	uint64_t t0 = bench_now_ns();
+	int ret;
+
+	if ((ret = shardd_unshard(g, step)) || (ret = shardd_reshard(g, step)) ||
+	    (ret = shardd_reduce(g, step, 0)) || (ret = shardd_step(g, step, 1e-3, 0, 0, 0))) {
+		train_fail(sh, rank, ret, "train step");
+		return 0;
+	}
+	return bench_now_ns() - t0;
+}
+
+/* A rank's checkpoint completion: 0, or its failure kept for the report. */
+static int train_ckpt_done(struct train_shared *sh, uint32_t rank,
+			   const struct shardd_completion *cp, uint64_t step)
+{
+	if (cp->user_data == TRAIN_CKPT_UD + step && !cp->res)
+		return 0;
+	snprintf(sh->msg[rank], sizeof(sh->msg[rank]), "rank %u: checkpoint(step %llu): %.400s",
+		 rank, (unsigned long long)step, cp->res ? cp->msg : "another completion");
+	sh->err[rank] = cp->res ? cp->res : -EPROTO;
+	return sh->err[rank];
+}
+
+static int train_rank(const struct bench_opts *o, struct train_shared *sh, const char *socket_path,
+		      const char *job, const char *state_dir, uint32_t rank)
+{
+	struct shardd_client *c = NULL;
+	struct shardd_group *state = NULL, *train = NULL;
+	struct shardd_group_opts opts = { .optimizer = &adamw };
+	struct shardd_attach_opts ao = { .socket_path = socket_path,
+					 .job = job,
+					 .rank = rank,
+					 .replicate = 1,
+					 .shard = sh->ranks,
+					 .device = SHARDD_HELLO_DEVICE_HOST };
+	struct shardd_param_desc sp = { .name = "state.w",
+					.dtype = SHARDD_DTYPE_FP32,
+					.ndim = 2,
+					.shape = { sh->state_rows, CKPT_COLS } };
+	struct shardd_param_desc tp = { .name = "train.w",
+					.dtype = SHARDD_DTYPE_FP32,
+					.ndim = 2,
+					.shape = { TRAIN_ROWS, CKPT_COLS } };
+	uint64_t step = 0, barrier = 0;
+	int ret;
+
+	ret = shardd_connect(&ao, &c);
+	if (ret)
+		return train_fail(sh, rank, ret, "attach");
+	if ((ret = shardd_group_register(c, "state", &sp, 1, NULL, &opts, &state)) ||
+	    (ret = shardd_group_register(c, "train", &tp, 1, NULL, &opts, &train))) {
+		train_fail(sh, rank, ret, "register");
+		goto out;
+	}
+	{
+		float *gr = shardd_group_grad(train, 0);
+
+		for (uint64_t e = 0; e < TRAIN_ROWS * CKPT_COLS; e++)
+			gr[e] = bench_grad_value(e, rank, 2);
+	}
+	for (int round = 0; !ret && round < o->warmup + o->iters; round++) {
+		struct shardd_completion cp;
+		uint64_t t0, n = 0, t;
+		int timed = round >= o->warmup, done = 0;
+		char dir[700];
+
+		for (int k = 0; k < TRAIN_IDLE && !ret; k++) {
+			t = train_step(sh, rank, train, ++step);
+			ret = t ? 0 : -EIO;
+			if (!ret && timed && rank == 0)
+				sh->idle_ns[sh->nidle++] = t;
+		}
+		if (ret || (ret = shardd_barrier(c, ++barrier))) {
+			if (ret != -EIO)
+				train_fail(sh, rank, ret, "barrier");
+			break;
+		}
+		t0 = bench_now_ns();
+		ret = shardd_client_submit(c, SHARDD_OP_CHECKPOINT, step, 0, TRAIN_CKPT_UD + step);
+		if (ret) {
+			train_fail(sh, rank, ret, "submit checkpoint");
+			break;
+		}
+		/*
+		 * Steps go on until rank 0's checkpoint completes (the save is
+		 * durable): it then names the next step as the last, which no
+		 * rank can have finished yet (a step is a collective), and every
+		 * rank stops after it.
+		 */
+		while (!ret && step != __atomic_load_n(&sh->stop_after[round], __ATOMIC_ACQUIRE)) {
+			t = train_step(sh, rank, train, ++step);
+			ret = t ? 0 : -EIO;
+			if (!ret && timed && rank == 0 && sh->nsaving < TRAIN_MAX)
+				sh->saving_ns[sh->nsaving++] = t;
+			n++;
+			if (!ret && !done && !shardd_poll(c, &cp)) {
+				ret = train_ckpt_done(sh, rank, &cp, step - n);
+				done = 1;
+				if (rank == 0)
+					__atomic_store_n(&sh->stop_after[round], step + 1,
+							 __ATOMIC_RELEASE);
+			}
+		}
+		if (!ret && !done) {
+			ret = shardd_wait(c, &cp, TRAIN_WAIT_MS);
+			ret = ret ? train_fail(sh, rank, ret, "checkpoint")
+				  : train_ckpt_done(sh, rank, &cp, step - n);
+		}
+		if (!ret && timed && rank == 0)
+			sh->save_ns[round - o->warmup] = bench_now_ns() - t0;
+		if (!ret && (ret = shardd_barrier(c, ++barrier)))
+			train_fail(sh, rank, ret, "barrier");
+		/* Rank 0 removes the checkpoint: the disk holds one at a time. */
+		if (!ret && rank == 0) {
+			snprintf(dir, sizeof(dir), "%s/%s/step-%012llu", state_dir, job,
+				 (unsigned long long)(step - n));
+			nftw(dir, rm_entry, 8, FTW_DEPTH | FTW_PHYS);
+		}
+	}
+out:
+	shardd_group_close(train);
+	shardd_group_close(state);
+	shardd_close(c);
+	return ret;
+}
+
+static uint64_t mean_ns(const uint64_t *v, uint64_t n)
+{
+	long double sum = 0;
+
+	for (uint64_t i = 0; i < n; i++)
+		sum += v[i];
+	return n ? (uint64_t)(sum / n) : 0;
+}
+
+/* The step-during-save table at state size `size` (bytes of param + AdamW state). */
+static int train_run(const struct bench_opts *o, const char *socket_path, const char *state_dir,
+		     uint32_t ranks, uint64_t size)
+{
+	struct train_shared *sh =
+		mmap(NULL, sizeof(*sh), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+	pid_t pids[CKPT_MAX_RANKS];
+	char job[64], dir[600];
+	uint64_t save_ns = 0;
+	int failed = 0;
+
+	if (sh == MAP_FAILED)
+		return -ENOMEM;
+	if (o->warmup + o->iters > TRAIN_ROUNDS) {
+		fprintf(stderr,
+			"shardbench: checkpoint: step during a save: -w + -n is %d, at most %d\n",
+			o->warmup + o->iters, TRAIN_ROUNDS);
+		munmap(sh, sizeof(*sh));
+		return -EINVAL;
+	}
+	memset(sh, 0, sizeof(*sh));
+	sh->ranks = ranks;
+	sh->state_rows = size / 3 / (CKPT_COLS * sizeof(float));
+	if (!sh->state_rows)
+		sh->state_rows = 1;
+	snprintf(job, sizeof(job), "ckpt-step-%llu", (unsigned long long)size);
+	fflush(stdout);
+	for (uint32_t r = 0; r < ranks; r++) {
+		pids[r] = fork();
+		if (pids[r] == 0)
+			_exit(train_rank(o, sh, socket_path, job, state_dir, r) ? 1 : 0);
+		if (pids[r] < 0) {
+			fprintf(stderr, "shardbench: checkpoint: fork: %s\n", strerror(errno));
+			failed = 1;
+			ranks = r;
+			break;
+		}
+	}
+	for (uint32_t r = 0; r < ranks; r++) {
+		int st = bench_reap_pid(pids[r], TRAIN_REAP_MS);
+
+		if (st < 0 || !WIFEXITED(st) || WEXITSTATUS(st)) {
+			fprintf(stderr, "shardbench: checkpoint: step during a save: %s\n",
+				sh->msg[r][0] ? sh->msg[r] : "a rank process failed");
+			failed = 1;
+		}
+	}
+	snprintf(dir, sizeof(dir), "%s/%s", state_dir, job);
+	nftw(dir, rm_entry, 8, FTW_DEPTH | FTW_PHYS);
+	if (!failed && sh->nidle && sh->nsaving) {
+		uint64_t ip50, sp50, im = mean_ns(sh->idle_ns, sh->nidle),
+				     sm = mean_ns(sh->saving_ns, sh->nsaving);
+
+		for (int i = 0; i < o->iters; i++)
+			save_ns += sh->save_ns[i];
+		bench_sort_u64(sh->idle_ns, sh->nidle);
+		bench_sort_u64(sh->saving_ns, sh->nsaving);
+		ip50 = bench_percentile(sh->idle_ns, sh->nidle, 50);
+		sp50 = bench_percentile(sh->saving_ns, sh->nsaving, 50);
+		printf(" %13llu %10llu %10.2f %10.2f %+8.1f%% %10.2f %10.2f %+8.1f%% %7llu %7llu %10.2f\n",
+		       (unsigned long long)(3 * sh->state_rows * CKPT_COLS * sizeof(float)),
+		       (unsigned long long)(3ull * TRAIN_ROWS * CKPT_COLS * sizeof(float)),
+		       ip50 / 1e6, sp50 / 1e6, 100.0 * ((double)sp50 / (double)ip50 - 1), im / 1e6,
+		       sm / 1e6, 100.0 * ((double)sm / (double)im - 1),
+		       (unsigned long long)sh->nidle, (unsigned long long)sh->nsaving,
+		       (double)(3 * (sh->state_rows + TRAIN_ROWS) * CKPT_COLS * sizeof(float)) *
+			       o->iters / (double)save_ns);
+		fflush(stdout);
+	}
+	munmap(sh, sizeof(*sh));
+	return failed ? -EIO : 0;
+}
+
 int bench_checkpoint_run(const struct bench_opts *o, const char *socket_path, const char *state_dir)
 {
 	void *buf = NULL;
@@ -488,6 +746,21 @@ int bench_checkpoint_run(const struct bench_opts *o, const char *socket_path, co
 			fflush(stdout);
 		}
 		failed |= wrong != 0;
+	}
+	if (!failed) {
+		printf("# step during a save: %u rank processes step group 'train' (fp32 [%u, %u], AdamW:\n"
+		       "# unshard, reshard, reduce, step) of a job whose group 'state' holds the sweep's\n"
+		       "# largest state; each of -w + -n rounds times %u steps with no save (idle), then the\n"
+		       "# steps while a checkpoint of the job, submitted by every rank without waiting, is\n"
+		       "# written (saving); rank 0's step times; save(GB/s): both groups' bytes over the\n"
+		       "# time from the checkpoint's submission to its completion\n",
+		       ranks, TRAIN_ROWS, CKPT_COLS, TRAIN_IDLE);
+		printf("#%13s %10s %10s %10s %9s %10s %10s %9s %7s %7s %10s\n", "state(B)",
+		       "train(B)", "idle_p50", "save_p50", "slower", "idle_mean", "save_mean",
+		       "slower", "n_idle", "n_save", "save(GB/s)");
+		printf("#%13s %10s %10s %10s %9s %10s %10s %9s %7s %7s %10s\n", "", "", "(ms)",
+		       "(ms)", "", "(ms)", "(ms)", "", "", "", "");
+		failed = train_run(o, socket_path, state_dir, ranks, sizes[nsizes - 1]) != 0;
 	}
 	free(buf);
 	free(dcp);

@@ -307,6 +307,30 @@ static json_t *with_job(json_t *req, const char *job)
 	return req;
 }
 
+/* The job's restores: counts, then the last failure and fallback with their whole messages. */
+static void render_restores(FILE *f, const json_t *x)
+{
+	const json_t *lf = json_object_get(x, "last_failed");
+	const json_t *fb = json_object_get(x, "last_fallback");
+
+	if (!x)
+		return;
+	fprintf(f, "  restores: %lld restored, %lld failed, %lld damaged checkpoints skipped\n",
+		(long long)json_integer_value(json_object_get(x, "restored")),
+		(long long)json_integer_value(json_object_get(x, "failed")),
+		(long long)json_integer_value(json_object_get(x, "fallbacks")));
+	if (json_is_object(lf))
+		fprintf(f, "  last failed restore: group '%s' (%s): %s\n",
+			json_string_value(json_object_get(lf, "group")),
+			json_string_value(json_object_get(lf, "reason")),
+			json_string_value(json_object_get(lf, "error")));
+	if (json_is_object(fb))
+		fprintf(f, "  last fallback: group '%s' (%s): %s\n",
+			json_string_value(json_object_get(fb, "group")),
+			json_string_value(json_object_get(fb, "reason")),
+			json_string_value(json_object_get(fb, "error")));
+}
+
 static void render_checkpoints(FILE *f, const json_t *r)
 {
 	const json_t *a = json_object_get(r, "armed"), *w = json_object_get(r, "writing");
@@ -346,6 +370,7 @@ static void render_checkpoints(FILE *f, const json_t *r)
 			json_string_value(json_object_get(l, "dir")),
 			(long long)json_integer_value(json_object_get(l, "bytes")),
 			json_number_value(json_object_get(l, "seconds")));
+	render_restores(f, json_object_get(r, "restore"));
 }
 
 /* The request's reply when it is ok, else NULL after printing why. */

@@ -8,9 +8,10 @@ resume from it), one rank of it. test_torch_dropin.py runs it as it is
 shardd.torch, under torchrun's environment (RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID; SHARDD_SOCKET for shardd).
 
-    fsdp2_train.py PRECISION STEPS SAVE_AT RESUME CKPT_DIR OUT_DIR
+    fsdp2_train.py PRECISION STEPS SAVE_AT RESUME CKPT_DIR OUT_DIR [REPLICATE]
 
-PRECISION fp32 or bf16 (param_dtype bf16, reduce_dtype fp32). RESUME 0:
+PRECISION fp32 or bf16 (param_dtype bf16, reduce_dtype fp32). REPLICATE
+(default 1): above 1, HSDP on a 2-D (replicate, shard) mesh. RESUME 0:
 train steps 0..STEPS-1, saving a DCP checkpoint to CKPT_DIR before step
 SAVE_AT; 1: load that checkpoint and train steps SAVE_AT..STEPS-1. Each
 rank writes OUT_DIR/rank<r>.json (per step: its loss and the clipped
@@ -130,9 +131,14 @@ def batch(step, rank):
 def main():
     precision, steps, save_at, resume, ckpt, out = sys.argv[1:7]
     steps, save_at, resume = int(steps), int(save_at), resume == "1"
+    replicate = int(sys.argv[7]) if len(sys.argv) > 7 else 1
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
+    if replicate > 1:
+        mesh = init_device_mesh("cpu", (replicate, world // replicate),
+                                mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
     with torch.device("meta"):
         model = Transformer()
     mp = MixedPrecisionPolicy()

@@ -4,9 +4,10 @@ FSDP2 script (fsdp2_train.py: a small transformer, fully_shard per block,
 meta-device init, explicit prefetch, mixed precision, torch's
 clip_grad_norm_, a DCP save at step k and a resume from it) runs once on
 torch's FSDP2 over gloo and once on shardd, only its import line changed,
-each as WORLD processes under torchrun's environment; the losses, the
-clipped grad norms, the DCP checkpoints and the final full state dicts
-(params and AdamW state) agree within TOLERANCE.
+each as WORLD processes under torchrun's environment (and as 2 x WORLD,
+HSDP on a 2-D mesh); the losses, the clipped grad norms, the DCP
+checkpoints and the final full state dicts (params and AdamW state)
+agree within TOLERANCE.
 
 The ranks run on a torch with FSDP2 (>= 2.6): $SHARDD_TORCH_VENV's python
 (default build/venv-torch; `make test-python` installs it). Where that
@@ -117,41 +118,47 @@ def launch(py, script, args, job, shardd_socket, out, world=WORLD):
                     "\n".join(tails))
 
 
-_runs = {}   # {precision: {(kind, resume): output folder}}, filled by the first test needing it
+# Runs by name: (precision, replicate, world, resumed too). HSDP: (Replicate(), Shard(0)) on 2 x 2.
+CONFIGS = {"fp32": ("fp32", 1, WORLD, True), "bf16": ("bf16", 1, WORLD, True),
+           "hsdp-fp32": ("fp32", 2, 2 * WORLD, False)}
+_runs = {}   # {config: {(kind, resume): output folder}}, filled by the first test needing it
 
 
-def trained(precision, py, daemon, tmp_path_factory):
-    """Both scripts, each trained from scratch (saving at SAVE_AT) and then
-    resumed from its checkpoint: {(kind, resume): output folder}, kind
-    "fsdp2" or "shardd"; each kind's DCP checkpoint is in <kind>-ckpt."""
-    if precision in _runs:
-        return _runs[precision]
-    root = tmp_path_factory.mktemp(f"dropin-{precision}")
+def trained(config, py, daemon, tmp_path_factory):
+    """Both scripts, each trained from scratch (saving at SAVE_AT) and then,
+    where the config says so, resumed from its checkpoint: {(kind, resume):
+    output folder}, kind "fsdp2" or "shardd"; each kind's DCP checkpoint
+    is in <kind>-ckpt."""
+    if config in _runs:
+        return _runs[config]
+    precision, replicate, world, resumed = CONFIGS[config]
+    root = tmp_path_factory.mktemp(f"dropin-{config}")
     scripts = {"fsdp2": SCRIPT, "shardd": str(root / "shardd_train.py")}
     with open(scripts["shardd"], "w") as f:
         f.write(shardd_variant()[1])
     runs = {}
     for kind in ("fsdp2", "shardd"):
-        for resume in (0, 1):
+        for resume in (0, 1) if resumed else (0,):
             out = root / f"{kind}-{'resume' if resume else 'train'}"
             out.mkdir()
-            job = f"dropin-{precision}-{kind}-{resume}-{os.getpid()}"
-            args = [precision, STEPS, SAVE_AT, resume, root / f"{kind}-ckpt", out]
-            launch(py, scripts[kind], args, job, daemon.socket, str(out))
+            job = f"dropin-{config}-{kind}-{resume}-{os.getpid()}"
+            args = [precision, STEPS, SAVE_AT, resume, root / f"{kind}-ckpt", out, replicate]
+            launch(py, scripts[kind], args, job, daemon.socket, str(out), world)
             runs[(kind, resume)] = out
     # Each rank said goodbye at exit: the daemon holds no job of these runs.
     left = [j["job"] for j in shardctl_json(daemon.socket, "jobs")["jobs"]
-            if j["job"].startswith(f"dropin-{precision}-")]
+            if j["job"].startswith(f"dropin-{config}-")]
     assert left == []
-    _runs[precision] = runs
+    _runs[config] = runs
     return runs
 
 
 def records(out):
     recs = []
-    for r in range(WORLD):
-        with open(os.path.join(out, f"rank{r}.json")) as f:
-            recs.append(json.load(f))
+    for name in sorted(os.listdir(out)):
+        if name.endswith(".json"):
+            with open(os.path.join(out, name)) as f:
+                recs.append(json.load(f))
     return recs
 
 
@@ -176,43 +183,44 @@ def assert_same_checkpoint(py, a, b, tol):
 
 
 @pytest.mark.timeout_s(400)
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_losses_and_grad_norms_match_fsdp2(precision, torch_python, daemon, tmp_path_factory):
-    runs = trained(precision, torch_python, daemon, tmp_path_factory)
-    for fsdp2, shardd in zip(records(runs[("fsdp2", 0)]), records(runs[("shardd", 0)])):
+@pytest.mark.parametrize("config", CONFIGS)
+def test_losses_and_grad_norms_match_fsdp2(config, torch_python, daemon, tmp_path_factory):
+    runs = trained(config, torch_python, daemon, tmp_path_factory)
+    fsdp2_recs, shardd_recs = records(runs[("fsdp2", 0)]), records(runs[("shardd", 0)])
+    assert len(fsdp2_recs) == len(shardd_recs) == CONFIGS[config][2]
+    for fsdp2, shardd in zip(fsdp2_recs, shardd_recs):
         assert fsdp2["fully_shard_from"].startswith("torch.distributed.fsdp")
         assert shardd["fully_shard_from"].startswith("shardd.torch")
         for rec in (fsdp2, shardd):
             assert rec["fsdp_modules"] and rec["dtensor_params"]
         assert [s[0] for s in shardd["steps"]] == list(range(STEPS))
-        assert_close_steps(shardd["steps"], fsdp2["steps"], TOLERANCE[precision],
-                           f"{precision}: shardd vs FSDP2")
+        assert_close_steps(shardd["steps"], fsdp2["steps"], TOLERANCE[CONFIGS[config][0]],
+                           f"{config}: shardd vs FSDP2")
 
 
 @pytest.mark.timeout_s(400)
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_checkpoints_match_fsdp2(precision, torch_python, daemon, tmp_path_factory):
-    runs = trained(precision, torch_python, daemon, tmp_path_factory)
+@pytest.mark.parametrize("config", CONFIGS)
+def test_checkpoints_match_fsdp2(config, torch_python, daemon, tmp_path_factory):
+    runs = trained(config, torch_python, daemon, tmp_path_factory)
     root = runs[("fsdp2", 0)].parent
-    tol = TOLERANCE[precision]
+    tol = TOLERANCE[CONFIGS[config][0]]
     assert_same_checkpoint(torch_python, root / "shardd-ckpt", root / "fsdp2-ckpt", tol)
     assert_same_checkpoint(torch_python, runs[("shardd", 0)] / "final.pt",
                            runs[("fsdp2", 0)] / "final.pt", tol)
 
 
 @pytest.mark.timeout_s(400)
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_resume_from_the_dcp_checkpoint_continues_the_run(precision, torch_python, daemon,
+@pytest.mark.parametrize("config", [c for c, (*_, resumed) in CONFIGS.items() if resumed])
+def test_resume_from_the_dcp_checkpoint_continues_the_run(config, torch_python, daemon,
                                                           tmp_path_factory):
-    runs = trained(precision, torch_python, daemon, tmp_path_factory)
-    tol = TOLERANCE[precision]
+    runs = trained(config, torch_python, daemon, tmp_path_factory)
+    tol = TOLERANCE[CONFIGS[config][0]]
     for kind in ("fsdp2", "shardd"):
         for resumed, whole in zip(records(runs[(kind, 1)]), records(runs[(kind, 0)])):
             assert_close_steps(resumed["steps"], whole["steps"][SAVE_AT:], tol,
-                               f"{precision}: {kind} resumed at step {SAVE_AT}")
+                               f"{config}: {kind} resumed at step {SAVE_AT}")
         assert_same_checkpoint(torch_python, runs[(kind, 1)] / "final.pt",
                                runs[(kind, 0)] / "final.pt", tol)
-
 
 DTENSOR_CALLS = """
 import json

@@ -61,7 +61,7 @@ def torch_python():
         why = "`make test-python` installs it (Makefile: TORCH_VENV)"
         if os.path.exists(failed):
             with open(failed) as f:
-                why = f.read().strip()
+                why = " ".join(f.read().split())
         pytest.skip(f"FSDP2 side-by-side tests: no python with torch's FSDP2 at {py}: {why}")
     r = subprocess.run([py, "-c", "import torch; print(torch.__version__)"], capture_output=True,
                        text=True, timeout=120)

@@ -185,7 +185,6 @@ def main():
         torch.save(final, os.path.join(out, "final.pt"))
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(record, f)
-    dist.barrier()    # no rank tears gloo down while another still talks to it
     dist.destroy_process_group()
 
 

@@ -13,7 +13,9 @@
 #                        default, so a newer compiler's new warning does not stop a build)
 #
 # Python: the tests and the Python client run under Debian's /usr/bin/python3
-# (python3-numpy, python3-pytest, python3-torch from apt, installed by make deps).
+# (python3-numpy, python3-pytest, python3-torch 1.13 from apt, installed by make
+# deps), but for the FSDP2 side-by-side tests, whose rank scripts run on PyPI's
+# torch in build/venv-torch (TORCH_VENV below).
 
 CC       ?= gcc
 CFLAGS   ?= -O2 -g -Wall -Wextra
@@ -212,9 +214,35 @@ test-c: all $(UNIT_BIN) $(INTEG_BIN)
 		SHARDD_BIN=$(abspath $(SHARDD)) SHARDD_BUILD=$(abspath $(BUILD)) $$t --jobs 1; \
 	done
 
-test-python: all
+# pytest and every suite run on $(PYTHON) (Debian's torch 1.13); the FSDP2
+# side-by-side tests (tests/python/test_torch_dropin.py) start their ranks with
+# $(TORCH_VENV)'s python, which has torch's FSDP2 (>= 2.6) and sees Debian's
+# packages (numpy). Installed once (one pip install of the pinned torch, about
+# 5 GB with its CUDA wheels) and reused; when the install fails, the venv is
+# removed and its reason left in $(TORCH_VENV).failed, make goes on and those
+# tests skip naming it (the next make tries again).
+TORCH_PIN  ?= torch==2.15.0
+TORCH_VENV ?= build/venv-torch
+# Named for the pin, so that a new pin installs afresh.
+TORCH_STAMP := $(TORCH_VENV)/.$(subst ==,-,$(TORCH_PIN))
+
+$(TORCH_STAMP):
+	@rm -rf $(TORCH_VENV) $(TORCH_VENV).failed && mkdir -p $(dir $(TORCH_VENV))
+	@echo "installing $(TORCH_PIN) into $(TORCH_VENV) for the FSDP2 tests (once; log: $(TORCH_VENV).log)"
+	@if $(PYTHON) -m venv --system-site-packages $(TORCH_VENV) > $(TORCH_VENV).log 2>&1 && \
+	    $(TORCH_VENV)/bin/pip install --no-cache-dir -q $(TORCH_PIN) >> $(TORCH_VENV).log 2>&1; then \
+		touch $@; \
+	else \
+		{ echo "installing $(TORCH_PIN) into $(TORCH_VENV) failed:"; tail -n 3 $(TORCH_VENV).log; } \
+			> $(TORCH_VENV).failed; \
+		cat $(TORCH_VENV).failed >&2; \
+		rm -rf $(TORCH_VENV); \
+	fi
+
+test-python: all $(TORCH_STAMP)
 	@if [ -d tests/python ]; then \
 		SHARDD_BIN=$(abspath $(SHARDD)) SHARDD_BUILD=$(abspath $(BUILD)) SHARDD_VENV=$(abspath build/venv) \
+		SHARDD_TORCH_VENV=$(abspath $(TORCH_VENV)) \
 		PYTHONPATH=$(abspath client/python) $(PYTHON) -m pytest -q tests/python; \
 	fi
 

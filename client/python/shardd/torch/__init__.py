@@ -2,8 +2,9 @@
 """PyTorch FSDP2 through shardd: ``fully_shard`` with FSDP2's names and meaning.
 
     import shardd.torch as st
-    mesh = st.init_device_mesh("run1", rank, (replicate, shard))   # a shardd.Client
-    # (under torchrun: st.init_device_mesh(), or no mesh= at all)
+    mesh = init_device_mesh("cpu", (world,))   # torch's (torch >= 2.6): DTensor params
+    # or st.init_device_mesh("run1", rank, (replicate, shard)): a shardd.Client,
+    # plain-tensor params, any torch (under torchrun: no arguments, or no mesh= at all)
     mp = st.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.blocks:
         st.fully_shard(block, mesh=mesh, mp_policy=mp)
@@ -23,10 +24,19 @@ What lives where:
   ``"<n>.<ClassName>"``, n counting the mesh's groups; its params' names are
   their fully qualified names in the root model.
 * Outside forward and backward the module's parameters are this rank's
-  shards: ``nn.Parameter`` views of the daemon's flat shard holding only the
-  real rows along the shard dim (FSDP2's local tensor; no padding), with
-  ``.grad`` a view of the sharded gradient, ``None`` until a gradient was
-  reduced into it. Any ``torch.optim`` optimizer updates them in place.
+  shards: views of the daemon's flat shard holding only the real rows
+  along the shard dim (FSDP2's local tensor; no padding), with ``.grad`` a
+  view of the sharded gradient, ``None`` until a gradient was reduced into
+  it. Any ``torch.optim`` optimizer updates them in place. Over torch's
+  DeviceMesh (torch >= 2.6) they are DTensors, Shard(dim) (HSDP:
+  Replicate(), Shard(dim)) whose local tensors are those views, grads
+  likewise, so torch's clip_grad_norm_, full_tensor() and
+  torch.distributed.checkpoint work as on FSDP2's (their small collectives
+  go through the mesh's process group); over a shardd.Client they are
+  plain ``nn.Parameter`` views.
+* A meta-device model: fully_shard registers its groups without values;
+  ``to_empty()`` and the model's init functions then write the shards
+  (FSDPModule._apply).
 * Between unshard and reshard the module holds the unsharded parameters:
   ``nn.Parameter`` views of the group's unsharded buffer (``param_dtype``),
   mapped read-only (forward and backward only read parameters).
@@ -44,13 +54,14 @@ each parameter's original dtype (fp32 for fp32 params with bf16
 ``param_dtype``); older torch, and FSDP1, reduce in ``param_dtype``
 (:func:`default_reduce_dtype`).
 
-Where shardd.torch differs from FSDP2 on purpose (plain-tensor params, no
-DTensor; full-tensor state dicts gathered by the daemon; the daemon's
-checkpoints and optimizer; one node's CPU ranks; ...): the table in the
-repository's README.md, "Python and PyTorch". An FSDPModule's
-``state_dict()`` holds full tensors (collective: every rank calls it) and
-its ``load_state_dict()`` takes them; :func:`local_shards` gives the
-rank's shards, and :func:`full_state_dict`/:func:`load_full_state_dict`
+Where shardd.torch differs from FSDP2 on purpose (plain-tensor params over
+a shardd.Client; the daemon's checkpoints and optimizer; one node's CPU
+ranks; ...): the table in the repository's README.md, "Python and
+PyTorch". With DTensor params an FSDPModule's ``state_dict()`` is
+torch's (DTensors); with plain params it holds full tensors (collective:
+every rank calls it) and its ``load_state_dict()`` takes them.
+:func:`local_shards` gives the rank's shards, and
+:func:`full_state_dict`/:func:`load_full_state_dict`
 the params alone. Checkpoints are the daemon's: :func:`checkpoint` saves
 every group (full tensors, safetensors) and ``init_device_mesh(...,
 restore=...)`` starts from one at any mesh.

@@ -5,6 +5,7 @@ norm (torch.nn.utils.clip_grad_norm_'s signature and meaning)."""
 import torch
 
 from ..error import ShardError
+from ._dtensor import local
 from ._fully_shard import FSDPModule
 from ._mesh import mesh_state
 
@@ -106,7 +107,7 @@ def clip_grad_norm_(model_or_params, max_norm, norm_type=2.0, error_if_nonfinite
             continue
         for p in st.params:
             if p.sharded.grad is not None:
-                p.sharded.grad.detach().mul_(coef)
+                local(p.sharded.grad).mul_(coef)
     for opt in opts:
         opt._clip = (key, max_norm, float(norm), bool(nonfinite))
     return total

@@ -4,11 +4,13 @@ module (FSDP2's _fully_shard.py)."""
 
 import functools
 import gc
+import sys
 
 import torch
 
 from .. import proto as P
 from ._api import MixedPrecisionPolicy
+from ._dtensor import TorchFSDPModule
 from ._mesh import mesh_state, resolve_mesh
 from ._param import FSDPParam
 from ._param_group import FSDPParamGroup, register
@@ -27,9 +29,36 @@ class UnshardHandle:
         self._state.wait_unshard()
 
 
-class FSDPModule:
+class FSDPModule(*((TorchFSDPModule,) if TorchFSDPModule is not None else ())):
     """Mixed into the class of every module fully_shard was applied to, as
-    FSDP2 does (``isinstance(m, FSDPModule)``)."""
+    FSDP2 does (``isinstance(m, FSDPModule)``); on a torch with FSDP2 it
+    derives from torch's FSDPModule, so torch's own isinstance checks hold."""
+
+    # torch's FSDPModule.__new__ builds the original class, found at this index of
+    # the MRO: [FSDP<Orig>, this class, torch's FSDPModule, Orig, ...].
+    _orig_cls_mro_index = 3
+
+    def _get_fsdp_state(self):
+        """torch's FSDPModule methods that shardd does not override reach here."""
+        caller = sys._getframe(1).f_code.co_name
+        raise NotImplementedError(
+            f"{type(self).__name__}.{caller}: shardd.torch's fully_shard does not implement this "
+            f"FSDP2 call (the README's table of differences lists what it has)")
+
+    def _apply(self, fn, *args, **kwargs):   # torch >= 2.1 passes recurse
+        """Module._apply (to_empty(), float(), ...) replaces the params'
+        tensors, but the daemon holds the shards: the new values are copied
+        into the shards and the shard params registered again (FSDP2's
+        reset_sharded_param), so to_empty() and init functions after
+        fully_shard on a meta-device model initialize what trains."""
+        st = self._shardd_state
+        if st.group is not None:
+            self.reshard()
+        # Past torch's FSDPModule._apply, which reads FSDP2's own state: the module's class.
+        ret = super(TorchFSDPModule or FSDPModule, self)._apply(fn, *args, **kwargs)
+        if st.group is not None:
+            st.reset_sharded()
+        return ret
 
     def _states(self, recurse):
         mods = self.modules() if recurse else [self]
@@ -101,12 +130,16 @@ class FSDPModule:
         unsharded model's state_dict() has; buffers and unmanaged params as
         torch gives them. A group whose MixedPrecisionPolicy casts its params
         is refused (checkpoint() saves the fp32 masters). local_shards()
-        gives this rank's shards instead."""
+        gives this rank's shards instead. With DTensor params (fully_shard
+        over torch's DeviceMesh): torch's own state_dict, the params as
+        DTensors, as FSDP2's (no collective)."""
         if args:
             raise TypeError(f"{type(self).__name__}.state_dict: pass destination, prefix and "
                             f"keep_vars by keyword")
         sd = super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
         st = self._shardd_state
+        if st.dmesh is not None:
+            return sd    # DTensor params: torch's sharded state dict, as FSDP2's
         own = {k: q for k, (_m, s2, q) in managed_keys(self).items() if s2 is st}
         if own:
             full = gather_full(self, st)
@@ -122,7 +155,15 @@ class FSDPModule:
         collective); buffers and unmanaged params go through torch. strict
         as torch's: missing or unexpected keys raise after the load. Call it
         between steps, with the modules resharded; the DaemonOptimizer's
-        state is the daemon's and not touched."""
+        state is the daemon's and not touched. With DTensor params: torch's
+        own load_state_dict, which takes DTensors, as FSDP2's (with
+        assign=True the loaded values are copied into the shards)."""
+        if self._shardd_state.dmesh is not None:
+            res = super().load_state_dict(state_dict, strict=strict, **kwargs)
+            for st in self._states(recurse=True):
+                if st.group is not None:
+                    st.reset_sharded()
+            return res
         keys = managed_keys(self)
         rest = {k: v for k, v in state_dict.items() if k not in keys}
         res = super().load_state_dict(rest, strict=False, **kwargs)
@@ -167,7 +208,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     (each rank keeps its own rows of them). The daemon knows each param by
     its fully qualified name in the root model (``layers.3.attention_norm.weight``),
     the name checkpoints and shardctl use."""
-    mesh = resolve_mesh(mesh, "fully_shard")
+    mesh, dmesh = resolve_mesh(mesh, "fully_shard")
     if isinstance(module, FSDPModule):
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
     mp = mp_policy or MixedPrecisionPolicy()
@@ -198,15 +239,13 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     params = [FSDPParam(names[id(p)], i, places[id(p)],
                         opt._names.get(id(p)) if opt else prefix + names[id(p)])
               for i, p in enumerate(order)]
-    state = FSDPParamGroup(module, mesh, params, name, mp, reshard_after_forward)
+    state = FSDPParamGroup(module, mesh, dmesh, params, name, mp, reshard_after_forward)
     if params:
         register(state, order, shard_placement_fn, opt)
         if opt is not None:
             opt._attach(state, order)
         state.optimizer = opt
         ms.states.append(state)
-        for p in params:
-            p.sharded._shardd_state = state
     module._shardd_state = state
     module.__class__ = _fsdp_class(type(module))
     try:

@@ -3,14 +3,16 @@
 shardd.Client that fully_shard takes as its mesh (FSDP2's 1-D or 2-D
 DeviceMesh), reading torchrun's environment for what it is not given;
 the mesh fully_shard attaches by itself (resolve_mesh: none given, or
-torch's own DeviceMesh); and what shardd.torch keeps per mesh (MeshState),
-held by the Client itself so that it lives and dies with it."""
+torch's own DeviceMesh, which it also returns for DTensor params); and
+what shardd.torch keeps per mesh (MeshState), held by the Client itself
+so that it lives and dies with it."""
 
 import dataclasses
 import os
 from typing import Optional
 
 from ..client import Client
+from ._dtensor import default_torch_mesh, is_torch_mesh
 
 
 @dataclasses.dataclass
@@ -88,27 +90,36 @@ _env_mesh = {}    # {pid: the Client fully_shard attached from torchrun's enviro
 
 
 def resolve_mesh(mesh, where):
-    """The shardd.Client fully_shard works through, from its mesh argument:
-    a Client (init_device_mesh) as it is; None: this process's mesh from
-    torchrun's environment, attached on first use (init_device_mesh());
-    torch's own DeviceMesh (torch >= 2.2, duck-typed: ndim, size(dim),
-    get_rank()), 1-D or 2-D (replicate, shard): a Client of the same shape
-    and rank, the job from $TORCHELASTIC_RUN_ID, attached once per mesh."""
+    """(the shardd.Client fully_shard works through, torch's DeviceMesh of
+    its DTensor params or None) from fully_shard's mesh argument: a Client
+    (init_device_mesh) as it is, plain-tensor params; torch's own
+    DeviceMesh, 1-D or 2-D (replicate, shard): a Client of the same shape
+    and rank, the job from $TORCHELASTIC_RUN_ID, attached once per mesh,
+    and DTensor params on that mesh where torch has them (>= 2.6); None:
+    FSDP2's default mesh (1-D over the world of the initialized process
+    group) where torch has DTensor, else this process's Client from
+    torchrun's environment alone, attached on first use (init_device_mesh())."""
     if isinstance(mesh, Client):
-        return mesh
+        return mesh, None
+    if mesh is None:
+        mesh = default_torch_mesh()
     if mesh is None:
         client = _env_mesh.get(os.getpid())
         if client is None or client.ring is None:
             client = _env_mesh[os.getpid()] = init_device_mesh()
-        return client
+        return client, None
+    # torch < 2.6 has no DTensor, but a DeviceMesh from torch 2.2 on (duck-typed here).
     if all(callable(getattr(mesh, a, None)) for a in ("size", "get_rank")) and \
             isinstance(getattr(mesh, "ndim", None), int):
+        if mesh.ndim not in (1, 2):
+            raise ValueError(f"{where}: a DeviceMesh of {mesh.ndim} dims; shardd takes 1-D "
+                             f"(shard) or 2-D (replicate, shard) meshes, as FSDP2")
         client = getattr(mesh, "_shardd_client", None)
         if client is None or client.ring is None:
             shape = tuple(mesh.size(d) for d in range(mesh.ndim))
             client = init_device_mesh(rank=mesh.get_rank(), mesh_shape=shape)
             mesh._shardd_client = client
-        return client
+        return client, (mesh if is_torch_mesh(mesh) else None)
     raise TypeError(f"{where}: mesh must be the shardd.Client of this rank "
                     f"(shardd.torch.init_device_mesh), torch's DeviceMesh or None (torchrun's "
                     f"environment), not {type(mesh).__name__}")

@@ -4,10 +4,13 @@
 
 class FSDPParam:
     """One managed parameter: where it sits in the modules, its shard and
-    unsharded Parameters, and the views of its grad buffers."""
+    unsharded Parameters, the views of its shard and grad buffers, and the
+    tensor its shard Parameter's .grad is set to (a DTensor over
+    shard_grad_view on a torch DeviceMesh, else that view)."""
 
     __slots__ = ("fqn", "name", "index", "places", "sharded", "unsharded", "grad_view",
-                 "shard_grad_view", "shard_dim", "has_grad", "partial_has_grad")
+                 "shard_view", "shard_grad_view", "shard_grad", "shard_dim", "has_grad",
+                 "partial_has_grad")
 
     def __init__(self, fqn, index, places, name=None):
         self.fqn = fqn              # its name under the fully_shard'ed module
@@ -17,7 +20,9 @@ class FSDPParam:
         self.sharded = None
         self.unsharded = None
         self.grad_view = None
+        self.shard_view = None
         self.shard_grad_view = None
+        self.shard_grad = None
         self.shard_dim = 0
         self.has_grad = False       # the sharded grad holds a reduced gradient
         self.partial_has_grad = False   # the unreduced grad buffer or an HSDP partial has one

@@ -13,6 +13,7 @@ from .. import proto as P
 from ..error import DaemonGone, ShardError
 from ..group import Param
 from ._api import TORCH_TO_SHARDD, default_reduce_dtype
+from ._dtensor import local, sharded
 from ._mesh import mesh_state
 
 
@@ -21,9 +22,10 @@ class FSDPParamGroup:
     group holding them, its ops in flight, and the policies and flags its
     module's hooks read (module._shardd_state)."""
 
-    def __init__(self, module, client, params, name, mp_policy, reshard_after_forward):
+    def __init__(self, module, client, dmesh, params, name, mp_policy, reshard_after_forward):
         self.module = module
         self.client = client
+        self.dmesh = dmesh               # torch's DeviceMesh of DTensor params, or None
         self.params = params
         self.name = name
         self.mp = mp_policy
@@ -142,9 +144,9 @@ class FSDPParamGroup:
                 if p.sharded.grad is None:
                     p.has_grad = False
                     p.shard_grad_view.zero_()
-                elif p.sharded.grad.data_ptr() != p.shard_grad_view.data_ptr():
+                elif local(p.sharded.grad).data_ptr() != p.shard_grad_view.data_ptr():
                     p.has_grad = True
-                    p.shard_grad_view.copy_(p.sharded.grad)
+                    p.shard_grad_view.copy_(local(p.sharded.grad))
             flags = P.REDUCE_ALL_REDUCE if self.client.replicate > 1 and self.requires_all_reduce else 0
             step = self.reduce_count
             self.reduce_count += 1
@@ -184,8 +186,44 @@ class FSDPParamGroup:
                                  f"shard group gave it one: every rank must use the same "
                                  f"parameters in backward")
             p.partial_has_grad = False
-            p.sharded.grad = p.shard_grad_view if p.has_grad else None
+            p.sharded.grad = p.shard_grad if p.has_grad else None
 
+    def shard_param(self, p, requires_grad):
+        """A new shard Parameter of p over its shard view: a DTensor on the
+        torch DeviceMesh, else the view itself."""
+        t = p.shard_view
+        if self.dmesh is not None:
+            t = sharded(t, self.dmesh, p.shard_dim, self.group.params[p.index].shape)
+        param = torch.nn.Parameter(t, requires_grad=requires_grad)
+        param._shardd_state = self
+        return param
+
+    def reset_sharded(self):
+        """After Module._apply replaced the shard Parameters (or their
+        tensors): copy their new values into the daemon's shards (not those
+        of a meta tensor: to_empty() on a meta model leaves them to the init
+        functions) and register shard Parameters over the shards again. A
+        new dtype or device is refused, the shards registered as they were."""
+        news = [p.places[0][0]._parameters[p.places[0][1]] for p in self.params]
+        bad = next(((p, local(t)) for p, t in zip(self.params, news)
+                    if local(t).dtype != p.shard_view.dtype
+                    or local(t).device.type not in ("cpu", "meta")), None)
+        with torch.no_grad():
+            for p, new in zip(self.params, news):
+                values = local(new)
+                if new is p.sharded and values.data_ptr() == p.shard_view.data_ptr():
+                    continue
+                if bad is None and not values.is_meta:
+                    p.shard_view.copy_(values)
+                p.sharded = self.shard_param(p, new.requires_grad)
+                for mod, a in p.places:
+                    mod._parameters[a] = p.sharded
+        if bad is not None:
+            p, values = bad
+            raise ValueError(f"{self.where('Module._apply')}: param '{p.name}' would become "
+                             f"{values.dtype} on {values.device}, but the daemon holds it as "
+                             f"{p.shard_view.dtype} in CPU memory: the params are left as they "
+                             f"were (cast for compute with MixedPrecisionPolicy)")
 
     def abandon(self, key_base):
         """After a failed collective: finish (or fail) what is in flight,
@@ -281,17 +319,24 @@ def register(state, tensors, shard_placement_fn, optimizer=None):
     state.group = g
     if resume:
         _check_reopened(state, g, specs, pd, rd, optimizer)
-    load = not resume and restore is None   # a restored group holds the checkpoint's values
+    # A restored group holds the checkpoint's values; a meta tensor has none (to_empty()
+    # and the model's init functions write the shards after fully_shard, as in FSDP2).
+    load = not resume and restore is None
     with torch.no_grad():
         for p, t in zip(state.params, tensors):
-            if load:
+            if load and not t.is_meta:
                 full = t.detach().cpu().contiguous()
                 if full.dtype == torch.bfloat16:
                     g.load_full(p.index, full.view(torch.int16).numpy().view("uint16"))
                 else:
                     g.load_full(p.index, full.numpy())
-            p.sharded = torch.nn.Parameter(g.tensor("shard", p.index), requires_grad=t.requires_grad)
+            p.shard_view = g.tensor("shard", p.index)
+            p.sharded = state.shard_param(p, t.requires_grad)
             p.shard_grad_view = g.tensor("shard_grad", p.index)
+            p.shard_grad = p.shard_grad_view
+            if state.dmesh is not None:
+                p.shard_grad = sharded(p.shard_grad_view, state.dmesh, p.shard_dim,
+                                       g.params[p.index].shape)
             p.unsharded = torch.nn.Parameter(g.tensor("unsharded", p.index),
                                              requires_grad=t.requires_grad)
             p.grad_view = g.tensor("grad", p.index)

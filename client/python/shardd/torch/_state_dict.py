@@ -6,6 +6,7 @@ of every group."""
 
 import torch
 
+from ._dtensor import local
 from ._mesh import mesh_state
 from ._state import module_state
 
@@ -20,7 +21,7 @@ def local_shards(module):
             st = getattr(m, "_shardd_state", None)
             hit = st and next((p for p in st.params if p.sharded is t), None)
             if hit:
-                out.append((name, t, hit.shard_dim, st.group.shard_rows(hit.index)[0]))
+                out.append((name, local(t), hit.shard_dim, st.group.shard_rows(hit.index)[0]))
                 break
     return out
 

@@ -36,6 +36,13 @@ json_t *admin_json_u64(uint64_t v);
 /* A dtype's name, or its number when it has none. */
 json_t *admin_json_dtype(uint32_t d);
 
+/*
+ * The unshards, reduces and reshards the ranks of `j`'s rank-executed
+ * groups ran (their slots' counts, summed), into counts[0..2]: what the
+ * ring's op counters do not see.
+ */
+void admin_exec_counts(const struct shd_job *j, uint64_t counts[3]);
+
 /* ---- admin_json.c: arguments ---- */
 
 /* "'a', 'b'": the names of every job, into buf. */

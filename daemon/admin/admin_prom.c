@@ -11,6 +11,7 @@
 #include <stdlib.h>
 
 #include "admin.h"
+#include "admin_int.h"
 #include "backend.h"
 #include "engine.h"
 #include "group.h"
@@ -151,6 +152,22 @@ static void render_state(struct text *t)
 
 		label_escape(j->name, name, sizeof(name));
 		emit(t, "shardd_ranks_attached{job=\"%s\"} %u\n", name, j->nattached);
+	}
+	header(t, "shardd_rank_executed_ops_total", "counter",
+	       "Unshards, reduces and reshards the ranks of the job's rank-executed groups ran "
+	       "themselves (their slots' counts), by job and op; ops through the daemon are in "
+	       "shardd_ops_total.");
+	for (struct shd_job *j = shd_state_jobs(); j; j = j->next) {
+		static const uint32_t ops[3] = { SHARDD_OP_UNSHARD, SHARDD_OP_REDUCE,
+						 SHARDD_OP_RESHARD };
+		char name[2 * SHARDD_NAME_MAX + 1];
+		uint64_t c[3];
+
+		label_escape(j->name, name, sizeof(name));
+		admin_exec_counts(j, c);
+		for (int k = 0; k < 3; k++)
+			emit(t, "shardd_rank_executed_ops_total{job=\"%s\",op=\"%s\"} %llu\n", name,
+			     shardd_op_name(ops[k]), (unsigned long long)c[k]);
 	}
 	header(t, "shardd_ranks", "gauge", "Ranks of the job's mesh, by job.");
 	for (struct shd_job *j = shd_state_jobs(); j; j = j->next) {

@@ -611,11 +611,32 @@ json_t *admin_cmd_show(const json_t *req)
 /* stats, metrics                                                     */
 /* ------------------------------------------------------------------ */
 
+void admin_exec_counts(const struct shd_job *j, uint64_t counts[3])
+{
+	struct shd_engine_exec_rank er;
+
+	counts[0] = counts[1] = counts[2] = 0;
+	for (uint32_t id = 1; id <= shd_engine_job_ngroups(j->ejob); id++)
+		for (uint32_t r = 0; shd_engine_exec_rank(j->ejob, id, r, &er) == 0; r++) {
+			counts[0] += er.unshards;
+			counts[1] += er.reduces;
+			counts[2] += er.reshards;
+		}
+}
+
 json_t *admin_cmd_stats(const json_t *req)
 {
 	json_t *r = admin_reply_ok(), *arr = json_array();
+	uint64_t exec[3] = { 0, 0, 0 };
 
 	(void)req;
+	for (struct shd_job *j = shd_state_jobs(); j; j = j->next) {
+		uint64_t c[3];
+
+		admin_exec_counts(j, c);
+		for (int k = 0; k < 3; k++)
+			exec[k] += c[k];
+	}
 	for (uint32_t op = 1; op < SHARDD_OP_COUNT; op++) {
 		const struct shd_op_metrics *m = &shd_op_metrics[op];
 
@@ -636,7 +657,10 @@ json_t *admin_cmd_stats(const json_t *req)
 	if (admin_put(r, "latency",
 		      json_string("SQE taken to completion pushed, in a log2 histogram; "
 				  "p50/p99 are the upper edge of their bucket")) ||
-	    admin_put(r, "ops", arr)) {
+	    admin_put(r, "ops", arr) ||
+	    admin_put(r, "rank_executed",
+		      json_pack("{s:I, s:I, s:I}", "unshard", (json_int_t)exec[0], "reduce",
+				(json_int_t)exec[1], "reshard", (json_int_t)exec[2]))) {
 		json_decref(r);
 		return NULL;
 	}

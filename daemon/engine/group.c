@@ -409,7 +409,6 @@ int shd_group_compare(const struct shd_group *g, const struct shardd_register_gr
 	FIELD_DIFF("", hdr, &g->hdr, param_dtype, "%s", dtype_str)
 	FIELD_DIFF("", hdr, &g->hdr, reduce_dtype, "%s", dtype_str)
 	FIELD_DIFF("", hdr, &g->hdr, init, "%u", AS_IS)
-	FIELD_DIFF("", hdr, &g->hdr, exec, "%s", shardd_exec_name)
 	FIELD_DIFF("optimizer ", optim, &g->optim, kind, "%s", optim_str)
 	FIELD_DIFF("optimizer ", optim, &g->optim, flags, "0x%x", AS_IS)
 	FIELD_DIFF("optimizer ", optim, &g->optim, momentum, "%.17g", AS_IS)

@@ -546,6 +546,22 @@ void shd_engine_register_group(struct shd_engine_job *j, uint32_t rank, uint64_t
 		reg_fail(eg, -SHARDD_E_MISMATCH, msg, UINT32_MAX);
 		eng_reply_err(j, rank, token, seq, -SHARDD_E_MISMATCH, msg);
 		goto out;
+	} else if (hdr.exec != SHARDD_EXEC_AUTO && hdr.exec != eg->g->exec) {
+		/* auto takes what the group runs as; an explicit ask must be it. */
+		shd_rdv_present(&eg->reg, ranks, sizeof(ranks));
+		eng_fmt(msg, sizeof(msg),
+			"shardd: register group '%s': exec differs: rank %u asks %s%s, but the group "
+			"runs %s (%s, as rank %u registered it); registration failed for ranks %s,%u",
+			hdr.name, eng_rank_shown(j, rank), shardd_exec_name(hdr.exec),
+			minor < 5
+				? " (its client, of protocol minor < 5, runs daemon-executed groups "
+				  "only)"
+				: "",
+			shardd_exec_name(eg->g->exec), eg->g->exec_why,
+			eng_rank_shown(j, eg->first_rank), ranks, eng_rank_shown(j, rank));
+		reg_fail(eg, -SHARDD_E_MISMATCH, msg, UINT32_MAX);
+		eng_reply_err(j, rank, token, seq, -SHARDD_E_MISMATCH, msg);
+		goto out;
 	} else if (eg->restore && strcmp(eg->restore, restore)) {
 		shd_rdv_present(&eg->reg, ranks, sizeof(ranks));
 		eng_fmt(msg, sizeof(msg),

@@ -13,7 +13,7 @@
 
 static const enum fuzz_action actions[] = {
 	FZ_CONNECT, FZ_HELLO, FZ_MSG,     FZ_RAW,  FZ_SPLIT, FZ_REGISTER, FZ_OPEN,  FZ_ADMIN,
-	FZ_GOODBYE, FZ_CLOSE, FZ_SHUT_WR, FZ_TURN, FZ_CRON,  FZ_CONNECT,  FZ_HELLO, FZ_MSG,
+	FZ_GOODBYE, FZ_CLOSE, FZ_SHUT_WR, FZ_TURN, FZ_CRON,  FZ_CONNECT,  FZ_HELLO, FZ_EXEC_MAP,
 };
 
 const struct fuzz_target fuzz_target = {

@@ -188,6 +188,9 @@ static int fuzz_run(const struct fuzz_target *t, const uint8_t *data, size_t siz
 		case FZ_WRITE_BUF:
 			act_write_buf(&in);
 			break;
+		case FZ_EXEC_MAP:
+			act_exec_map(&in);
+			break;
 		case FZ_TURN:
 			act_turn(&in);
 			break;

@@ -50,8 +50,9 @@ enum fuzz_action {
 	FZ_SQE_BURST,    /* the same collective op from every live rank of a job */
 	FZ_REATTACH,     /* a dead rank comes back: connect and HELLO as it */
 	FZ_WRITE_BUF,    /* a client writes fuzzed bytes into a grad or shard buffer */
-	FZ_TURN,         /* the daemon's loop turns */
-	FZ_CRON,         /* the daemon's cron runs as if some seconds had passed */
+	FZ_EXEC_MAP, /* EXEC_MAP of a (rank-executed) group: its own rank's, a peer's, or junk */
+	FZ_TURN,     /* the daemon's loop turns */
+	FZ_CRON,     /* the daemon's cron runs as if some seconds had passed */
 	FZ_ACTION_COUNT
 };
 

@@ -15,9 +15,9 @@
 #include "fuzz_daemon.h"
 
 static const enum fuzz_action actions[] = {
-	FZ_REGISTER_ALL, FZ_REGISTER,  FZ_OPEN,  FZ_SQE,      FZ_SQE,     FZ_SQE_BURST,
-	FZ_SQE_BURST,    FZ_SQE_BURST, FZ_CLOSE, FZ_REATTACH, FZ_GOODBYE, FZ_ADMIN,
-	FZ_WRITE_BUF,    FZ_TURN,      FZ_CRON,  FZ_MSG,
+	FZ_REGISTER_ALL, FZ_REGISTER, FZ_OPEN,  FZ_SQE,      FZ_SQE,     FZ_SQE_BURST,
+	FZ_SQE_BURST,    FZ_EXEC_MAP, FZ_CLOSE, FZ_REATTACH, FZ_GOODBYE, FZ_ADMIN,
+	FZ_WRITE_BUF,    FZ_TURN,     FZ_CRON,  FZ_MSG,
 };
 
 const struct fuzz_target fuzz_target = {

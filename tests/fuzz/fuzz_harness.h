@@ -132,6 +132,7 @@ void act_sqe_burst(struct fz_in *in);
 struct fz_client *attach_rank(int job, uint32_t rank);
 void act_reattach(struct fz_in *in);
 void act_write_buf(struct fz_in *in);
+void act_exec_map(struct fz_in *in);
 void act_turn(struct fz_in *in);
 void act_cron(struct fz_in *in);
 

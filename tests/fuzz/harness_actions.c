@@ -307,6 +307,8 @@ static uint32_t register_build(struct fz_in *in, uint8_t *buf)
 		g.nparams = in_u32(in);
 	if (mut == 4)
 		in_bytes(in, g.name, sizeof(g.name));
+	/* Rank-executed now and then (asked; the daemon's auto is the daemon's), or junk. */
+	g.exec = mut == 6 ? in_u32(in) : mut & 0x10 ? SHARDD_EXEC_RANKS : SHARDD_EXEC_AUTO;
 	memcpy(buf, &g, sizeof(g));
 	for (uint32_t i = 0; i < n; i++) {
 		struct shardd_param_spec s;
@@ -636,9 +638,35 @@ void act_write_buf(struct fz_in *in)
 	off %= c->buf_size[which];
 	if (len > c->buf_size[which] - off)
 		len = (uint8_t)(c->buf_size[which] - off);
-	/* NaN, Inf and denormal patterns come as they are: the kernels must take any bits. */
-	if (pwrite(c->buf_fd[which], bytes, len, off) < 0)
+	/*
+	 * NaN, Inf and denormal patterns come as they are: the kernels must take
+	 * any bits. A rank-executed group's buffer refuses writes once sealed
+	 * for its peers (EXEC_MAP): what the seal is for.
+	 */
+	if (pwrite(c->buf_fd[which], bytes, len, off) < 0 && errno != EPERM)
 		fail("writing a buffer the daemon lent: %s", strerror(errno));
+}
+
+/*
+ * EXEC_MAP: of the client's own rank (its buffers get sealed), of a peer,
+ * of a rank or group out of range, or a payload of the wrong length; the
+ * reply (a peer's fds included) is read and dropped by turn().
+ */
+void act_exec_map(struct fz_in *in)
+{
+	struct fz_client *c = client_pick(in);
+	uint8_t sel = in_u8(in);
+	struct shardd_exec_map m = { .group_id = in_u8(in) % 6, .peer = in_u8(in) % 5 };
+	uint32_t len = sizeof(m);
+
+	if (sel & 0x40)
+		m.peer = in_u32(in);
+	if (sel & 0x80)
+		len = in_u8(in) % sizeof(m);
+	if (!c)
+		return;
+	client_send(c, SHARDD_MSG_EXEC_MAP, 0, &m, len);
+	turn();
 }
 
 void act_turn(struct fz_in *in)

@@ -37,6 +37,7 @@
 #include "server.h"
 #include "session.h"
 #include "shardd_ctrl.h"
+#include "shardd_exec.h"
 #include "shardd_proto.h"
 #include "shardd_ring.h"
 
@@ -108,9 +109,12 @@ static void client_group(struct fz_client *c, const uint8_t *p, uint32_t len)
 	memcpy(&r, p, sizeof(r));
 	for (int i = 0; i < SHARDD_GROUP_BUFS; i++)
 		nfd += r.export_kind[i] == SHARDD_EXPORT_FD;
-	if (nfd != c->rx.nfds || nfd != SHARDD_GROUP_BUFS)
-		fail("GROUP reply with %d fds, export kinds say %d (host backend: 4)", c->rx.nfds,
-		     nfd);
+	if (r.exec != SHARDD_EXEC_DAEMON && r.exec != SHARDD_EXEC_RANKS)
+		fail("GROUP reply with exec %u", r.exec);
+	/* A rank-executed group's sync page comes after the buffers; rx's reset closes it. */
+	if (nfd + (r.exec == SHARDD_EXEC_RANKS) != c->rx.nfds || nfd != SHARDD_GROUP_BUFS)
+		fail("GROUP reply with %d fds, export kinds say %d (host backend: 4) and exec %u",
+		     c->rx.nfds, nfd, r.exec);
 	if (r.group_id == 0)
 		fail("GROUP reply with group id 0");
 	if (c->ngroups < FZ_GROUPS)
@@ -161,6 +165,19 @@ static void client_message(struct fz_client *c)
 		client_answered(c, h->seq, h->type, &req);
 		client_group(c, p, len);
 		break;
+	case SHARDD_MSG_EXEC_MAP_REPLY: {
+		struct shardd_exec_map_reply m;
+
+		client_answered(c, h->seq, h->type, &req);
+		if (len != sizeof(m))
+			fail("EXEC_MAP_REPLY of %u bytes", len);
+		memcpy(&m, p, sizeof(m));
+		if ((m.nfds != 0 && m.nfds != 2) || (int)m.nfds != c->rx.nfds || !m.gen ||
+		    m.gen == SHARDD_EXEC_GONE)
+			fail("EXEC_MAP_REPLY with %u fds (%d came), gen %u", m.nfds, c->rx.nfds,
+			     m.gen);
+		break;
+	}
 	case SHARDD_MSG_ADMIN_REPLY: {
 		json_t *j = json_loadb((const char *)p, len, 0, NULL);
 

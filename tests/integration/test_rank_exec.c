@@ -430,3 +430,118 @@ Test(rank_exec, garbage_in_a_slot_fails_only_its_own_job)
 		args[r] = (struct rank_arg){ .rank = r, .world = 2, .job = "after-liar" };
 	harness_run_children(choice_rank, args, sizeof(args[0]), 2, CHILD_MS, &daemon_);
 }
+
+/* ------------------------------------------------------------------ */
+/* EXEC_MAP from a hostile client                                      */
+/* ------------------------------------------------------------------ */
+
+/* EXEC_MAP with `len` bytes of `m`: its error code, with the daemon's text in `text`. */
+static int exec_map_err(struct shardd_client *c, const struct shardd_exec_map *m, uint32_t len,
+			char *text, size_t textlen)
+{
+	struct shardd_ctrl_rx rx = { 0 };
+	int ret = shardd_client_request(c, SHARDD_MSG_EXEC_MAP, m, len, 10000,
+					SHARDD_MSG_EXEC_MAP_REPLY, &rx);
+
+	snprintf(text, textlen, "%s", shardd_last_error());
+	shardd_ctrl_rx_reset(&rx);
+	return ret;
+}
+
+static int hostile_rank(void *arg)
+{
+	const struct rank_arg *a = arg;
+	const struct shardd_group_opts ranks = { .exec = SHARDD_EXEC_RANKS };
+	const struct shardd_group_opts daemon_opts = { .exec = SHARDD_EXEC_DAEMON };
+	struct shardd_client *c = NULL;
+	struct shardd_group *r = NULL, *d = NULL;
+	struct shardd_exec_map m;
+	char text[512];
+	int ret;
+
+	CHILD_CHECK(harness_attach(&daemon_, a->job, 0, 1, 1, &c) == 0, "attach");
+	CHILD_CHECK_SHARDD(shardd_group_register(c, "r", params, NPARAMS, NULL, &ranks, &r));
+	CHILD_CHECK_SHARDD(shardd_group_register(c, "d", params, NPARAMS, NULL, &daemon_opts, &d));
+	m = (struct shardd_exec_map){ .group_id = shardd_group_id(r), .peer = 0 };
+	ret = exec_map_err(c, &m, 5, text, sizeof(text));
+	CHILD_CHECK(ret == -SHARDD_E_MALFORMED && strstr(text, "payload is 5 bytes"),
+		    "a short payload: %d %s", ret, text);
+	m.group_id = 99;
+	ret = exec_map_err(c, &m, sizeof(m), text, sizeof(text));
+	CHILD_CHECK(ret == -SHARDD_E_NOGROUP && strstr(text, "group_id = 99"),
+		    "an unknown group: %d %s", ret, text);
+	m.group_id = shardd_group_id(d);
+	ret = exec_map_err(c, &m, sizeof(m), text, sizeof(text));
+	CHILD_CHECK(ret == -SHARDD_E_STATE && strstr(text, "daemon-executed"),
+		    "a daemon-executed group: %d %s", ret, text);
+	m = (struct shardd_exec_map){ .group_id = shardd_group_id(r), .peer = 7 };
+	ret = exec_map_err(c, &m, sizeof(m), text, sizeof(text));
+	CHILD_CHECK(ret == -SHARDD_E_INVALID && strstr(text, "peer = 7"),
+		    "a peer outside the job: %d %s", ret, text);
+	/* Its own again: already sealed, the same generation, no harm. */
+	m.peer = 0;
+	CHILD_CHECK(exec_map_err(c, &m, sizeof(m), text, sizeof(text)) == 0, "own again: %s", text);
+	/* The session and the group go on, and the metrics count what the rank ran. */
+	CHILD_CHECK_SHARDD(shardd_unshard(r, 1));
+	CHILD_CHECK_SHARDD(shardd_reshard(r, 1));
+	{
+		const char *argv[] = { "metrics", NULL };
+		char out[65536];
+		json_t *m = harness_shardctl_json(daemon_.socket, argv, 10000, out, sizeof(out));
+		const char *t = json_string_value(json_object_get(m, "text"));
+
+		CHILD_CHECK(t &&
+				    strstr(t, "shardd_rank_executed_ops_total{job=\"hostile-map\","
+					      "op=\"unshard\"} 1\n") &&
+				    strstr(t, "shardd_rank_executed_ops_total{job=\"hostile-map\","
+					      "op=\"reshard\"} 1\n"),
+			    "metrics count the rank's own ops:\n%s", t ? t : "(none)");
+		json_decref(m);
+	}
+	shardd_group_close(r);
+	shardd_group_close(d);
+	shardd_close(c);
+	return 0;
+}
+
+Test(rank_exec, bad_exec_map_requests_get_errors_naming_the_field)
+{
+	struct rank_arg arg = { .rank = 0, .world = 1, .job = "hostile-map" };
+
+	harness_run_children(hostile_rank, &arg, sizeof(arg), 1, CHILD_MS, &daemon_);
+}
+
+/* The first registration decides: auto joins it, an explicit other ask is a mismatch. */
+static int mixed_rank(void *arg)
+{
+	const struct rank_arg *a = arg;
+	const struct shardd_group_opts ranks = { .exec = SHARDD_EXEC_RANKS };
+	const struct shardd_group_opts daemon_opts = { .exec = SHARDD_EXEC_DAEMON };
+	struct shardd_client *c = NULL;
+	struct shardd_group *g = NULL;
+	int ret;
+
+	CHILD_CHECK(harness_attach(&daemon_, a->job, a->rank, 1, 2, &c) == 0, "attach");
+	/* Whichever registers first, the small group runs rank-executed (--rank-exec-max 4M). */
+	CHILD_CHECK_SHARDD(
+		shardd_group_register(c, "a", params, NPARAMS, NULL, a->rank ? NULL : &ranks, &g));
+	CHILD_CHECK(shardd_group_info(g)->exec == SHARDD_EXEC_RANKS, "rank %u: exec %u", a->rank,
+		    shardd_group_info(g)->exec);
+	CHILD_CHECK_SHARDD(shardd_unshard(g, 1));
+	shardd_group_close(g);
+	ret = shardd_group_register(c, "b", params, NPARAMS, NULL, a->rank ? &daemon_opts : &ranks,
+				    &g);
+	CHILD_CHECK(ret == -SHARDD_E_MISMATCH && strstr(shardd_last_error(), "exec differs"),
+		    "ranks against daemon: %d %s", ret, shardd_last_error());
+	shardd_close(c);
+	return 0;
+}
+
+Test(rank_exec, the_first_registration_decides_and_auto_follows_it)
+{
+	struct rank_arg args[2];
+
+	for (uint32_t r = 0; r < 2; r++)
+		args[r] = (struct rank_arg){ .rank = r, .world = 2, .job = "mixed" };
+	harness_run_children(mixed_rank, args, sizeof(args[0]), 2, CHILD_MS, &daemon_);
+}

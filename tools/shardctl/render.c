@@ -460,4 +460,13 @@ void shardctl_render_stats(FILE *f, const json_t *r)
 			real(o, "p50_us"), real(o, "p99_us"), real(o, "max_us"));
 	}
 	fprintf(f, "latency: %s\n", str(r, "latency"));
+	{
+		const json_t *x = json_object_get(r, "rank_executed");
+
+		if (x && (num(x, "unshard") || num(x, "reduce") || num(x, "reshard")))
+			fprintf(f,
+				"rank-executed (run in the ranks, not counted above): %lld unshard, "
+				"%lld reduce, %lld reshard\n",
+				num(x, "unshard"), num(x, "reduce"), num(x, "reshard"));
+	}
 }

@@ -563,7 +563,7 @@ static int step_refused(struct shardd_group *g, uint64_t step, const uint64_t *a
 		*finished = 1;
 		return 1;
 	}
-	return shardd_client_stash(g->client, &cp) < 0 ? -ENOMEM : 1;
+	return shardd_stash_push(&g->client->stash, &cp) < 0 ? -ENOMEM : 1;
 }
 
 int shardd_exec_submit(struct shardd_group *g, uint32_t op, uint64_t step, uint32_t flags,
@@ -728,13 +728,21 @@ static int xop_deliver(struct shardd_client *c, struct shardd_xop *o,
 {
 	int ret = 0;
 
-	if (!cp->res && o->op == SHARDD_OP_REDUCE && (o->flags & SHARDD_REDUCE_STEP) && !o->out)
-		/* The reduce ran here; its step is the daemon's, whose completion is the op's. */
-		ret = shardd_client_submit_step(c, o->g, o->step, o->flags, o->args, o->user_data);
-	else if (o->out)
+	if (!cp->res && o->op == SHARDD_OP_REDUCE && (o->flags & SHARDD_REDUCE_STEP) && !o->out) {
+		/* The reduce ran here; its step is the daemon's (ops.c submits it), whose
+		   completion is the op's. */
+		o->next = NULL;
+		if (c->xsteps_tail)
+			c->xsteps_tail->next = o;
+		else
+			c->xsteps = o;
+		c->xsteps_tail = o;
+		return 0;
+	}
+	if (o->out)
 		*o->out = *cp;
 	else
-		ret = shardd_client_stash(c, cp);
+		ret = shardd_stash_push(&c->stash, cp);
 	if (o->finished)
 		*o->finished = 1;
 	xop_free(o);
@@ -854,6 +862,24 @@ int shardd_exec_progress(struct shardd_client *c)
 	return done;
 }
 
+int shardd_exec_next_step(struct shardd_client *c, struct shardd_exec_step *out)
+{
+	struct shardd_xop *o = c->xsteps;
+
+	if (!o)
+		return 0;
+	c->xsteps = o->next;
+	if (!c->xsteps)
+		c->xsteps_tail = NULL;
+	*out = (struct shardd_exec_step){ .group_id = o->g->info.group_id,
+					  .flags = o->flags,
+					  .step = o->step,
+					  .user_data = o->user_data };
+	memcpy(out->args, o->args, sizeof(out->args));
+	xop_free(o);
+	return 1;
+}
+
 void shardd_exec_nap(struct shardd_client *c, int64_t max_ns)
 {
 	struct timespec ts = { max_ns / 1000000000, max_ns % 1000000000 };
@@ -866,14 +892,16 @@ void shardd_exec_nap(struct shardd_client *c, int64_t max_ns)
 		shardd_futex(&c->xwait.sync->changes, FUTEX_WAIT, c->xwait.changes, &ts);
 }
 
-void shardd_exec_forget(struct shardd_client *c, const struct shardd_group *g)
+/* Drop the ops of group `g` from the list at *head (and *tail). */
+static void xops_drop(struct shardd_xop **head, struct shardd_xop **tail,
+		      const struct shardd_group *g)
 {
-	struct shardd_xop **at = &c->xhead, *o;
+	struct shardd_xop **at = head, *o;
 
-	c->xtail = NULL;
+	*tail = NULL;
 	while ((o = *at)) {
 		if (o->g != g) {
-			c->xtail = o;
+			*tail = o;
 			at = &o->next;
 			continue;
 		}
@@ -882,4 +910,10 @@ void shardd_exec_forget(struct shardd_client *c, const struct shardd_group *g)
 			*o->finished = 1;
 		xop_free(o);
 	}
+}
+
+void shardd_exec_forget(struct shardd_client *c, const struct shardd_group *g)
+{
+	xops_drop(&c->xhead, &c->xtail, g);
+	xops_drop(&c->xsteps, &c->xsteps_tail, g);
 }

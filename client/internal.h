@@ -53,6 +53,8 @@ struct shardd_client {
 	char socket_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
 	/* exec.c: ops of rank-executed groups not complete yet, in submission order */
 	struct shardd_xop *xhead, *xtail;
+	/* exec.c: reduces that ran here and whose step ops.c has yet to submit, oldest first */
+	struct shardd_xop *xsteps, *xsteps_tail;
 	struct {
 		/* what the first of them waits for (shardd_exec_progress): a peer's word, or the
 		   sync page's change counter (word NULL); mine NULL: none */
@@ -190,9 +192,15 @@ SHARDD_HIDDEN int shardd_group_check_exports(const struct shardd_group_reply *in
 					     uint32_t backend, int nfds, size_t tail);
 
 /*
- * group.c: param `p`'s geometry for shard rank `shard_rank` of `world`
- * (ndim and shard_dim checked). 0, -EOVERFLOW or -EINVAL (Shard(i > 0)
- * that does not split evenly).
+ * geometry.c: the first dim (< ndim) at which the product of `p`'s nonzero
+ * dims stops fitting 64 bits as a byte count of up to 8-byte elements, or
+ * -1 when it fits.
+ */
+SHARDD_HIDDEN int shardd_shape_overflow_dim(const struct shardd_param_spec *p);
+/*
+ * geometry.c: param `p`'s geometry for shard rank `shard_rank` of `world`
+ * (`p` checked: ndim and shard_dim in range). 0, -EOVERFLOW or -EINVAL
+ * (Shard(i > 0) that does not split evenly).
  */
 SHARDD_HIDDEN int shardd_group_geometry(const struct shardd_param_spec *p, uint32_t world,
 					uint32_t shard_rank, struct shardd_shard_geometry *geo);
@@ -227,18 +235,26 @@ SHARDD_HIDDEN int shardd_exec_pending(const struct shardd_client *c);
 SHARDD_HIDDEN int shardd_exec_progress(struct shardd_client *c);
 /* Sleep up to max_ns on what the first pending op waits for (after a progress pass). */
 SHARDD_HIDDEN void shardd_exec_nap(struct shardd_client *c, int64_t max_ns);
-/* Drop the group's pending ops (it is being closed). */
+/* Drop the group's pending ops and unsubmitted steps (it is being closed). */
 SHARDD_HIDDEN void shardd_exec_forget(struct shardd_client *c, const struct shardd_group *g);
 
-/* ops.c: queue a completion for poll and wait. 0 or -ENOMEM with context. */
-SHARDD_HIDDEN int shardd_client_stash(struct shardd_client *c, const struct shardd_completion *cp);
 /*
- * ops.c: submit the daemon's REDUCE entry of a rank-executed reduce with
- * SHARDD_REDUCE_STEP (the step only), waiting out a full SQ. 0 or a code.
+ * A rank-executed reduce with SHARDD_REDUCE_STEP that ran here: the
+ * daemon's REDUCE entry that runs its step (ops.c submits it; its
+ * completion is the op's).
  */
-SHARDD_HIDDEN int shardd_client_submit_step(struct shardd_client *c, struct shardd_group *g,
-					    uint64_t step, uint32_t flags, const uint64_t *args,
-					    uint64_t user_data);
+struct shardd_exec_step {
+	uint32_t group_id, flags;
+	uint64_t step, user_data;
+	uint64_t args[2];
+};
+
+/* exec.c: the oldest such step not submitted yet, taken into *out: 1, or 0 when none. */
+SHARDD_HIDDEN int shardd_exec_next_step(struct shardd_client *c, struct shardd_exec_step *out);
+
+/* stash.c: queue a completion for poll and wait (0 or -ENOMEM with context); take the oldest (1, or 0). */
+SHARDD_HIDDEN int shardd_stash_push(struct shardd_stash *s, const struct shardd_completion *cp);
+SHARDD_HIDDEN int shardd_stash_pop(struct shardd_stash *s, struct shardd_completion *out);
 
 /* ops.c: submit one op and wait for its own completion; returns its res. */
 SHARDD_HIDDEN int shardd_client_op_sync(struct shardd_client *c, uint32_t op, uint32_t group,

@@ -35,49 +35,18 @@
 /* Sync ops wait this much past the daemon's collective timeout, which fails them first. */
 #define SHARDD_SYNC_GRACE_MS 10000
 
+/*
+ * Advance the pending ops of rank-executed groups (exec.c), then hand the
+ * daemon the steps of the reduces among them that asked for one. The
+ * number completed, or a negative code.
+ */
+static int exec_progress(struct shardd_client *c);
+
 static const char *op_name(uint32_t op)
 {
 	const char *n = shardd_op_name(op);
 
 	return n ? n : "unknown op";
-}
-
-/* --------------------------------------------------------------------- */
-/* Stash: completions reaped while a sync op waited for its own          */
-/* --------------------------------------------------------------------- */
-
-static int stash_push(struct shardd_stash *s, const struct shardd_completion *cp)
-{
-	if (s->count == s->cap) {
-		uint32_t cap = s->cap ? s->cap * 2 : 16;
-		struct shardd_completion *v = malloc(sizeof(*v) * cap);
-
-		if (!v || cap < s->cap) {
-			free(v);
-			return shardd_err_set(-ENOMEM,
-					      "keep %u unreaped completions: out of memory",
-					      s->count + 1);
-		}
-		for (uint32_t i = 0; i < s->count; i++)
-			v[i] = s->v[(s->head + i) & (s->cap - 1)];
-		free(s->v);
-		s->v = v;
-		s->head = 0;
-		s->cap = cap;
-	}
-	s->v[(s->head + s->count) & (s->cap - 1)] = *cp;
-	s->count++;
-	return 0;
-}
-
-static int stash_pop(struct shardd_stash *s, struct shardd_completion *out)
-{
-	if (!s->count)
-		return 0;
-	*out = s->v[s->head];
-	s->head = (s->head + 1) & (s->cap - 1);
-	s->count--;
-	return 1;
 }
 
 /* --------------------------------------------------------------------- */
@@ -197,7 +166,7 @@ static int spin_cq(struct shardd_client *c)
 		if (n > 0)
 			return 1;
 		/* A rank-executed op that completed here counts as one that came. */
-		if (shardd_exec_pending(c) && shardd_exec_progress(c) != 0)
+		if (shardd_exec_pending(c) && exec_progress(c) != 0)
 			return 1;
 		if (i % SHARDD_SPIN_CHECK == 0) {
 			if (shardd_client_now_ns() >= until)
@@ -284,8 +253,7 @@ static void ring_where(struct shardd_client *c, char *buf, size_t len)
 /* --------------------------------------------------------------------- */
 
 /* The public submissions' check: user_data's reserved bit belongs to the sync calls. */
-static int submit_user(struct shardd_client *c, uint32_t op, uint32_t group, uint64_t step,
-		       uint32_t flags, uint64_t user_data)
+static int check_user_data(uint32_t op, uint64_t user_data)
 {
 	shardd_err_clear();
 	if (user_data & SHARDD_USER_DATA_RESERVED)
@@ -293,7 +261,15 @@ static int submit_user(struct shardd_client *c, uint32_t op, uint32_t group, uin
 				      "submit %s: user_data %#llx has bit 63 set, which libshardd "
 				      "reserves for its sync calls",
 				      op_name(op), (unsigned long long)user_data);
-	return submit_sqe(c, op, group, step, flags, NULL, user_data);
+	return 0;
+}
+
+static int submit_user(struct shardd_client *c, uint32_t op, uint32_t group, uint64_t step,
+		       uint32_t flags, uint64_t user_data)
+{
+	int ret = check_user_data(op, user_data);
+
+	return ret ? ret : submit_sqe(c, op, group, step, flags, NULL, user_data);
 }
 
 /* The ops a rank-executed group runs in this process (exec.c), not in the daemon. */
@@ -306,15 +282,12 @@ static int exec_op(const struct shardd_group *g, uint32_t op)
 int shardd_group_submit(struct shardd_group *g, uint32_t op, uint64_t step, uint32_t flags,
 			uint64_t user_data)
 {
+	int ret;
+
 	if (!exec_op(g, op))
 		return submit_user(g->client, op, g->info.group_id, step, flags, user_data);
-	shardd_err_clear();
-	if (user_data & SHARDD_USER_DATA_RESERVED)
-		return shardd_err_set(-EINVAL,
-				      "submit %s: user_data %#llx has bit 63 set, which libshardd "
-				      "reserves for its sync calls",
-				      op_name(op), (unsigned long long)user_data);
-	return shardd_exec_submit(g, op, step, flags, NULL, user_data, NULL, NULL);
+	ret = check_user_data(op, user_data);
+	return ret ? ret : shardd_exec_submit(g, op, step, flags, NULL, user_data, NULL, NULL);
 }
 
 int shardd_client_submit(struct shardd_client *c, uint32_t op, uint64_t step, uint32_t flags,
@@ -332,7 +305,7 @@ int shardd_submit(struct shardd_client *c, uint32_t op, uint32_t group, uint64_t
 static int poll_one(struct shardd_client *c, struct shardd_completion *out)
 {
 	if (shardd_exec_pending(c)) {
-		int ret = shardd_exec_progress(c);
+		int ret = exec_progress(c);
 
 		if (ret < 0)
 			return ret;
@@ -340,7 +313,7 @@ static int poll_one(struct shardd_client *c, struct shardd_completion *out)
 	for (;;) {
 		int ret;
 
-		if (stash_pop(&c->stash, out))
+		if (shardd_stash_pop(&c->stash, out))
 			return 0;
 		ret = cq_take(c, out);
 		if (ret <= 0)
@@ -401,28 +374,27 @@ static int reap_until(struct shardd_client *c, uint64_t want, struct shardd_comp
 			return 1;
 		if (cp->user_data & SHARDD_USER_DATA_RESERVED)
 			continue;
-		ret = stash_push(&c->stash, cp);
+		ret = shardd_stash_push(&c->stash, cp);
 		if (ret < 0)
 			return ret;
 	}
 }
 
-int shardd_client_stash(struct shardd_client *c, const struct shardd_completion *cp)
-{
-	return stash_push(&c->stash, cp);
-}
-
-int shardd_client_submit_step(struct shardd_client *c, struct shardd_group *g, uint64_t step,
-			      uint32_t flags, const uint64_t *args, uint64_t user_data)
+/*
+ * The daemon's REDUCE entry of a rank-executed reduce with
+ * SHARDD_REDUCE_STEP that ran here (the step only; its completion is the
+ * op's), waiting out a full SQ: the reduce is done, so it is never retried
+ * from the top. 0 or a code.
+ */
+static int submit_exec_step(struct shardd_client *c, const struct shardd_exec_step *s)
 {
 	uint32_t ct = c->welcome.collective_timeout_ms;
 	int64_t deadline = ct ? shardd_client_now_ms() + ct + SHARDD_SYNC_GRACE_MS : -1;
 	struct shardd_completion cp;
 	int ret;
 
-	/* The reduce ran: only its step is left, so a full SQ is waited out, never retried from the top. */
-	while ((ret = submit_sqe(c, SHARDD_OP_REDUCE, g->info.group_id, step, flags, args,
-				 user_data)) == -EAGAIN) {
+	while ((ret = submit_sqe(c, SHARDD_OP_REDUCE, s->group_id, s->step, s->flags, s->args,
+				 s->user_data)) == -EAGAIN) {
 		ret = reap_until(c, SHARDD_USER_DATA_RESERVED, &cp);
 		if (ret == 0)
 			ret = sleep_cq(c, deadline);
@@ -430,6 +402,19 @@ int shardd_client_submit_step(struct shardd_client *c, struct shardd_group *g, u
 			return ret;
 	}
 	return ret;
+}
+
+static int exec_progress(struct shardd_client *c)
+{
+	struct shardd_exec_step s;
+	int done = shardd_exec_progress(c), ret;
+
+	while (done >= 0 && shardd_exec_next_step(c, &s)) {
+		ret = submit_exec_step(c, &s);
+		if (ret < 0)
+			return ret;
+	}
+	return done;
 }
 
 /*
@@ -446,7 +431,7 @@ static int exec_sync(struct shardd_group *g, uint32_t op, uint64_t step, uint32_
 
 	ret = shardd_exec_submit(g, op, step, flags, NULL, 0, &cp, &finished);
 	while (!ret && !finished) {
-		ret = shardd_exec_progress(c);
+		ret = exec_progress(c);
 		if (ret >= 0 && !finished)
 			ret = reap_until(c, SHARDD_USER_DATA_RESERVED, &other);
 		if (ret >= 0 && !finished && spin_cq(c) == 0 && !finished)

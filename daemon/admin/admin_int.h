@@ -36,13 +36,6 @@ json_t *admin_json_u64(uint64_t v);
 /* A dtype's name, or its number when it has none. */
 json_t *admin_json_dtype(uint32_t d);
 
-/*
- * The unshards, reduces and reshards the ranks of `j`'s rank-executed
- * groups ran (their slots' counts, summed), into counts[0..2]: what the
- * ring's op counters do not see.
- */
-void admin_exec_counts(const struct shd_job *j, uint64_t counts[3]);
-
 /* ---- admin_json.c: arguments ---- */
 
 /* "'a', 'b'": the names of every job, into buf. */
@@ -62,6 +55,12 @@ struct shd_job *admin_arg_group(const json_t *req, const struct shd_group **g, u
  * -SHARDD_E_INVALID with *err.
  */
 int admin_arg_u64(const json_t *req, const char *key, uint64_t def, uint64_t *out, json_t **err);
+/*
+ * The unshards, reduces and reshards the ranks of `j`'s rank-executed
+ * groups ran (their slots' counts, summed), into counts[0..2]: what the
+ * ring's op counters do not see.
+ */
+void admin_exec_counts(const struct shd_job *j, uint64_t counts[3]);
 
 /* ---- admin_views.c ---- */
 

@@ -268,3 +268,16 @@ int admin_arg_u64(const json_t *req, const char *key, uint64_t def, uint64_t *ou
 	*out = (uint64_t)json_integer_value(v);
 	return 0;
 }
+
+void admin_exec_counts(const struct shd_job *j, uint64_t counts[3])
+{
+	struct shd_engine_exec_rank er;
+
+	counts[0] = counts[1] = counts[2] = 0;
+	for (uint32_t id = 1; id <= shd_engine_job_ngroups(j->ejob); id++)
+		for (uint32_t r = 0; shd_engine_exec_rank(j->ejob, id, r, &er) == 0; r++) {
+			counts[0] += er.unshards;
+			counts[1] += er.reduces;
+			counts[2] += er.reshards;
+		}
+}

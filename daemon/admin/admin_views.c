@@ -611,19 +611,6 @@ json_t *admin_cmd_show(const json_t *req)
 /* stats, metrics                                                     */
 /* ------------------------------------------------------------------ */
 
-void admin_exec_counts(const struct shd_job *j, uint64_t counts[3])
-{
-	struct shd_engine_exec_rank er;
-
-	counts[0] = counts[1] = counts[2] = 0;
-	for (uint32_t id = 1; id <= shd_engine_job_ngroups(j->ejob); id++)
-		for (uint32_t r = 0; shd_engine_exec_rank(j->ejob, id, r, &er) == 0; r++) {
-			counts[0] += er.unshards;
-			counts[1] += er.reduces;
-			counts[2] += er.reshards;
-		}
-}
-
 json_t *admin_cmd_stats(const json_t *req)
 {
 	json_t *r = admin_reply_ok(), *arr = json_array();

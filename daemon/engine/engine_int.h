@@ -278,20 +278,17 @@ struct eng_world_orphan {
 int eng_exec_choose(struct eng_group *eg, uint32_t asked, char *err, size_t errlen);
 /* After the buffers were allocated: the sync page's header and first epoch. */
 void eng_exec_init(struct eng_group *eg);
-/* Rank r's sharded grad holds a value (its reduces since the daemon last cleared it). */
-int eng_exec_grad_present(const struct eng_group *eg, uint32_t r);
-/* The daemon zeroed rank r's sharded grad (a step, a zero_grad). */
-void eng_exec_grad_clear(struct eng_group *eg, uint32_t r);
 /* `rank` left: a new epoch; ops that need it fail at once until it attaches again. */
 void eng_exec_rank_gone(struct eng_group *eg, uint32_t rank);
 /* `rank` attached again: ops wait for it to publish its buffers (exec RANKS; else nothing). */
 void eng_exec_rank_attached(struct eng_group *eg, uint32_t rank);
 /*
- * Queue the renewal of `rank`'s sealed buffers (it attached again): the
- * rank's OPEN_GROUP waiting in exec_open is answered when it is done.
- * 0 or -SHARDD_E_NOMEM.
+ * Queue the renewal of `rank`'s sealed buffers (it attached again);
+ * `renewed` runs on the loop thread when it is done (or failed), to answer
+ * the rank's OPEN_GROUP waiting in exec_open. 0 or -SHARDD_E_NOMEM.
  */
-int eng_exec_renew(struct eng_group *eg, uint32_t rank);
+int eng_exec_renew(struct eng_group *eg, uint32_t rank,
+		   void (*renewed)(struct eng_group *eg, uint32_t rank));
 
 /* ---- delivery.c: messages and delivery ---- */
 
@@ -315,8 +312,6 @@ struct eng_group *eng_group_by_name(const struct shd_engine_job *j, const char *
 /* Forget a group and free its state and buffers (job end). */
 void eng_group_free(struct eng_group *eg);
 /* `rank` (this token) left before every rank registered the group: the registration fails. */
-/* Send `rank` its GROUP reply (OPEN_GROUP of a registered group, or the registration's end). */
-void eng_reply_open(struct eng_group *eg, uint32_t rank, uint64_t token, uint32_t seq);
 void eng_reg_rank_gone(struct eng_group *eg, uint32_t rank, uint64_t token);
 /* Fail the registration when it is past its deadline. */
 void eng_reg_cron(struct eng_group *eg, uint64_t now_ns);

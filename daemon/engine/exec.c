@@ -86,11 +86,7 @@ int eng_exec_choose(struct eng_group *eg, uint32_t asked, char *err, size_t errl
 /* The daemon's own view of rank r's slot (exec RANKS, buffers allocated). */
 static struct shardd_exec_slot *exec_slot(const struct eng_group *eg, uint32_t r)
 {
-	struct shd_backend_ctx *b = eg->j->e->backend;
-	uint8_t *grad = b->ops->host_map(b, &eg->g->grads[r]);
-
-	return (struct shardd_exec_slot *)(void *)(grad + shardd_exec_slot_offset(
-								  eg->g->layout.grad_size));
+	return shd_group_exec_slot(eg->g, eg->j->e->backend, r);
 }
 
 static struct shardd_exec_sync *exec_sync(const struct eng_group *eg)
@@ -114,28 +110,6 @@ void eng_exec_init(struct eng_group *eg)
 	shardd_store_release(&s->magic, SHARDD_EXEC_MAGIC);
 }
 
-int eng_exec_grad_present(const struct eng_group *eg, uint32_t r)
-{
-	const struct shardd_exec_slot *s;
-
-	if (eg->g->exec != SHARDD_EXEC_RANKS)
-		return eg->g->grad_present[r];
-	s = exec_slot(eg, r);
-	return shardd_load_acquire(&s->reduces) != SHARDD_READ_ONCE(s->cleared);
-}
-
-void eng_exec_grad_clear(struct eng_group *eg, uint32_t r)
-{
-	struct shardd_exec_slot *s;
-
-	if (eg->g->exec != SHARDD_EXEC_RANKS) {
-		eg->g->grad_present[r] = 0;
-		return;
-	}
-	s = exec_slot(eg, r);
-	shardd_store_release(&s->cleared, shardd_load_acquire(&s->reduces));
-}
-
 int shd_engine_exec_rank(const struct shd_engine_job *j, uint32_t id, uint32_t rank,
 			 struct shd_engine_exec_rank *out)
 {
@@ -155,7 +129,7 @@ int shd_engine_exec_rank(const struct shd_engine_job *j, uint32_t id, uint32_t r
 	out->wait_op = SHARDD_READ_ONCE(s->wait_op);
 	out->wait_peer = SHARDD_READ_ONCE(s->wait_peer);
 	out->wait_since_ns = SHARDD_READ_ONCE(s->wait_since_ns);
-	out->grad_present = eng_exec_grad_present(eg, rank);
+	out->grad_present = shd_group_grad_present(eg->g, eg->j->e->backend, rank);
 	/* The rank's own words: a wait is shown only when it names an op and a rank of the job. */
 	if (!out->wait_op || !shardd_op_name(out->wait_op) || !out->wait_peer ||
 	    out->wait_peer > eg->g->world) {
@@ -271,6 +245,7 @@ fail:
 struct exec_renew {
 	uint32_t rank;
 	struct shd_buf shard, grad;
+	void (*renewed)(struct eng_group *eg, uint32_t rank); /* the registry's, when done */
 };
 
 static struct exec_renew *renew_of(struct eng_task *t)
@@ -327,7 +302,7 @@ static void renew_exec(struct eng_task *t)
 	}
 }
 
-/* Loop thread: swap the renewed buffers in, and answer the rank's OPEN_GROUP that waited. */
+/* Loop thread: swap the renewed buffers in, then the registry answers the OPEN_GROUP that waited. */
 static void renew_delivered(struct eng_task *t)
 {
 	struct exec_renew *rn = renew_of(t);
@@ -348,11 +323,9 @@ static void renew_delivered(struct eng_task *t)
 		b->ops->free(b, &rn->grad);
 	}
 	eg->exec_renewing[r] = 0;
+	rn->renewed(eg, r);
 	free(rn);
 	t->priv = NULL;
-	if (eg->exec_open[r].token)
-		eng_reply_open(eg, r, eg->exec_open[r].token, eg->exec_open[r].seq);
-	eg->exec_open[r] = (struct eng_reg){ 0 };
 }
 
 static const struct eng_task_ops renew_hooks = { .exec = renew_exec, .delivered = renew_delivered };
@@ -391,7 +364,8 @@ void eng_exec_rank_attached(struct eng_group *eg, uint32_t rank)
 	shardd_exec_changed(s);
 }
 
-int eng_exec_renew(struct eng_group *eg, uint32_t rank)
+int eng_exec_renew(struct eng_group *eg, uint32_t rank,
+		   void (*renewed)(struct eng_group *eg, uint32_t rank))
 {
 	struct exec_renew *rn = calloc(1, sizeof(*rn));
 	struct eng_task *t = rn ? eng_task_new(eg, TASK_EXEC_RENEW, 1) : NULL;
@@ -401,6 +375,7 @@ int eng_exec_renew(struct eng_group *eg, uint32_t rank)
 		return -SHARDD_E_NOMEM;
 	}
 	rn->rank = rank;
+	rn->renewed = renewed;
 	rn->shard.fd = rn->grad.fd = -1;
 	t->hooks = &renew_hooks;
 	t->priv = rn;

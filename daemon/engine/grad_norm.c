@@ -87,7 +87,7 @@ static int grad_norm_local(struct shd_engine_job *j, struct shardd_grad_norm_par
 			struct shardd_grad_norm_part part;
 			char why[256] = "";
 
-			if (!eng_exec_grad_present(eg, r))
+			if (!shd_group_grad_present(eg->g, b, r))
 				continue;
 			if (!b->ops->grad_norm) {
 				ret = grad_norm_shard(b, eg->g, r, tmp, acc);

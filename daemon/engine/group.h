@@ -217,6 +217,45 @@ static inline uint64_t shd_group_grad_map_size(const struct shd_group *g)
 					    : g->layout.grad_size;
 }
 
+/* A rank-executed group's rank r's slot, as the daemon maps it (buffers allocated). */
+static inline struct shardd_exec_slot *shd_group_exec_slot(const struct shd_group *g,
+							   struct shd_backend_ctx *b, uint32_t r)
+{
+	uint8_t *grad = b->ops->host_map(b, &g->grads[r]);
+
+	return (struct shardd_exec_slot *)(void *)(grad +
+						   shardd_exec_slot_offset(g->layout.grad_size));
+}
+
+/*
+ * Rank r's sharded grad holds a value: the daemon's flag, or in a
+ * rank-executed group the rank's reduces since the daemon last cleared it
+ * (its slot, the rank's own word: only its own step trusts it).
+ */
+static inline int shd_group_grad_present(const struct shd_group *g, struct shd_backend_ctx *b,
+					 uint32_t r)
+{
+	const struct shardd_exec_slot *s;
+
+	if (g->exec != SHARDD_EXEC_RANKS)
+		return g->grad_present[r];
+	s = shd_group_exec_slot(g, b, r);
+	return shardd_load_acquire(&s->reduces) != SHARDD_READ_ONCE(s->cleared);
+}
+
+/* The daemon zeroed rank r's sharded grad (a step, a zero_grad). */
+static inline void shd_group_grad_clear(struct shd_group *g, struct shd_backend_ctx *b, uint32_t r)
+{
+	struct shardd_exec_slot *s;
+
+	if (g->exec != SHARDD_EXEC_RANKS) {
+		g->grad_present[r] = 0;
+		return;
+	}
+	s = shd_group_exec_slot(g, b, r);
+	shardd_store_release(&s->cleared, shardd_load_acquire(&s->reduces));
+}
+
 /* The shard rank of `rank` of the group: its rows in the layout (shard_base, across nodes). */
 static inline uint32_t shd_group_shard_rank(const struct shd_group *g, uint32_t rank)
 {

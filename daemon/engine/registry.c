@@ -338,7 +338,8 @@ static void reg_fail(struct eng_group *eg, int res, const char *msg, uint32_t sk
 	group_destroy(eg, j);
 }
 
-void eng_reply_open(struct eng_group *eg, uint32_t rank, uint64_t token, uint32_t seq)
+/* Send `rank` its GROUP reply (OPEN_GROUP of a registered group, or the registration's end). */
+static void reply_group(struct eng_group *eg, uint32_t rank, uint64_t token, uint32_t seq)
 {
 	struct shd_engine_job *j = eg->j;
 	struct shardd_group_reply reply;
@@ -449,7 +450,7 @@ static void reg_finish(struct eng_group *eg)
 	}
 	eg->complete = 1;
 	for (uint32_t r = 0; r < j->world; r++)
-		eng_reply_open(eg, r, eg->regs[r].token, eg->regs[r].seq);
+		reply_group(eg, r, eg->regs[r].token, eg->regs[r].seq);
 	shd_rdv_reset(&eg->reg);
 }
 
@@ -470,7 +471,7 @@ void eng_restore_delivered(struct eng_task *t)
 	}
 	eg->complete = 1;
 	for (uint32_t r = 0; r < j->world; r++)
-		eng_reply_open(eg, r, eg->regs[r].token, eg->regs[r].seq);
+		reply_group(eg, r, eg->regs[r].token, eg->regs[r].seq);
 	shd_rdv_reset(&eg->reg);
 }
 
@@ -588,6 +589,16 @@ out:
 	free(specs);
 }
 
+/* A rank-executed rank's buffers were renewed (exec.c): the OPEN_GROUP that waited gets its reply. */
+static void open_renewed(struct eng_group *eg, uint32_t rank)
+{
+	struct eng_reg pending = eg->exec_open[rank];
+
+	eg->exec_open[rank] = (struct eng_reg){ 0 };
+	if (pending.token)
+		reply_group(eg, rank, pending.token, pending.seq);
+}
+
 void shd_engine_open_group(struct shd_engine_job *j, uint32_t rank, uint64_t token, uint32_t seq,
 			   const void *payload, size_t len, uint16_t minor)
 {
@@ -640,7 +651,7 @@ void shd_engine_open_group(struct shd_engine_job *j, uint32_t rank, uint64_t tok
 			eng_reply_err(j, rank, token, seq, -SHARDD_E_STATE, msg);
 			return;
 		}
-		if (!eg->exec_renewing[rank] && eng_exec_renew(eg, rank)) {
+		if (!eg->exec_renewing[rank] && eng_exec_renew(eg, rank, open_renewed)) {
 			eng_fmt(msg, sizeof(msg), "shardd: open group '%s': out of memory",
 				req.name);
 			eng_reply_err(j, rank, token, seq, -SHARDD_E_NOMEM, msg);
@@ -650,7 +661,7 @@ void shd_engine_open_group(struct shd_engine_job *j, uint32_t rank, uint64_t tok
 		return;
 	}
 	if (eg && eg->complete) {
-		eng_reply_open(eg, rank, token, seq);
+		reply_group(eg, rank, token, seq);
 		return;
 	}
 	if (eg) {

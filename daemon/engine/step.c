@@ -244,9 +244,8 @@ int eng_step_admit(struct eng_group *eg, struct eng_op *op, char *err, size_t er
 /* In the group's task                                                 */
 /* ------------------------------------------------------------------ */
 
-/* eng_step_plan, with `grad_present` whether the rank's sharded grad is there when the step runs. */
-static int step_plan(const struct shd_group *g, const struct eng_op *op, int grad_present,
-		     struct eng_step_plan *p, char *err, size_t errlen)
+int eng_step_plan(const struct shd_group *g, const struct eng_op *op, int grad_present,
+		  struct eng_step_plan *p, char *err, size_t errlen)
 {
 	const struct shardd_sqe *sqe = &op->sqe;
 	uint32_t r = op->rank;
@@ -281,19 +280,13 @@ static int step_plan(const struct shd_group *g, const struct eng_op *op, int gra
 	return 0;
 }
 
-int eng_step_plan(const struct eng_group *eg, const struct eng_op *op, struct eng_step_plan *p,
-		  char *err, size_t errlen)
-{
-	return step_plan(eg->g, op, eng_exec_grad_present(eg, op->rank), p, err, errlen);
-}
-
 int eng_step_plan_fused(const struct shd_group *g, const struct eng_op *op, struct eng_step_plan *p)
 {
 	/* The reduce assigns an absent grad, and the step that follows reads exactly that. */
 	if (op->sqe.op != SHARDD_OP_REDUCE || !(op->sqe.flags & SHARDD_REDUCE_STEP) ||
 	    g->grad_present[op->rank])
 		return 0;
-	return step_plan(g, op, 1, p, NULL, 0) == 0 && p->verdict == ENG_STEP_APPLY;
+	return eng_step_plan(g, op, 1, p, NULL, 0) == 0 && p->verdict == ENG_STEP_APPLY;
 }
 
 int eng_step_record(struct shd_group *g, uint32_t rank, uint64_t step, int updated)

@@ -58,11 +58,13 @@ struct eng_step_plan {
 
 /*
  * The group's running task: what the step of `op` does on its rank's
- * shard. 0 with *p, or -SHARDD_E_STATE with `err` (the rank has no
- * sharded grad). Reads the record only the group's running task writes.
+ * shard, `grad_present` whether its sharded grad holds a value
+ * (shd_group_grad_present). 0 with *p, or -SHARDD_E_STATE with `err` (the
+ * rank has no sharded grad). Reads the record only the group's running
+ * task writes.
  */
-int eng_step_plan(const struct eng_group *eg, const struct eng_op *op, struct eng_step_plan *p,
-		  char *err, size_t errlen);
+int eng_step_plan(const struct shd_group *g, const struct eng_op *op, int grad_present,
+		  struct eng_step_plan *p, char *err, size_t errlen);
 
 /*
  * The group's running task, before the reduce of a REDUCE with

@@ -403,7 +403,7 @@ static int task_step(struct eng_task *t, struct eng_op *op)
 	struct shd_step_args a;
 	int skipped = 0, ret;
 
-	ret = eng_step_plan(t->eg, op, &p, t->msg, sizeof(t->msg));
+	ret = eng_step_plan(g, op, shd_group_grad_present(g, b, r), &p, t->msg, sizeof(t->msg));
 	if (ret)
 		return ret;
 	if (p.verdict == ENG_STEP_ALREADY) {
@@ -420,7 +420,7 @@ static int task_step(struct eng_task *t, struct eng_op *op)
 	ret = b->ops->zero(b, &g->sharded_grads[r], 0, g->sharded_grads[r].bytes);
 	if (ret)
 		return ret;
-	eng_exec_grad_clear(t->eg, r);
+	shd_group_grad_clear(g, b, r);
 	op->res = eng_step_record(g, r, op->sqe.step, p.verdict == ENG_STEP_APPLY && !skipped);
 	return 0;
 }
@@ -597,7 +597,7 @@ static int task_compute(struct eng_task *t)
 		ret = b->ops->zero(b, &g->sharded_grads[t->rank], 0,
 				   g->sharded_grads[t->rank].bytes);
 		if (!ret)
-			eng_exec_grad_clear(t->eg, t->rank);
+			shd_group_grad_clear(g, b, t->rank);
 		return ret;
 	case TASK_SAVE:
 	case TASK_SAVE_FINAL:

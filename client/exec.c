@@ -6,15 +6,16 @@
  * numbers are the daemon's bit for bit: ranks summed 0..N-1 in fp32,
  * rounded once.
  *
- * Order: each op of a group is numbered n within the group's epoch. A rank
- * publishes seq = (epoch, n) when its inputs are final (its flat shard for
- * an unshard, its grad buffer for a reduce), waits for every peer's seq to
- * reach n, then reads the peers' buffers. A reduce also publishes done =
- * (epoch, n) when it has read them, and returns only when every peer's done
- * reached n: the caller may then write its grad buffer again. A wait spins
- * a little, then sleeps on the peer's word (shardd_exec_sleep), bounded by
- * the collective timeout; a new epoch (a rank died) fails it at once,
- * naming that rank.
+ * Order: each op of a group is numbered n within the group's epoch.
+ * Submitting publishes seq = (epoch, n): the rank's inputs are final (its
+ * flat shard for an unshard, its grad buffer for a reduce). The op then
+ * runs when the client polls or waits (shardd_exec_progress, called by every
+ * wait loop of ops.c) and every peer's seq has reached n: it reads the
+ * peers' buffers and writes this rank's own. A reduce also publishes done =
+ * (epoch, n) and completes when every peer has stored its done: the caller
+ * may then write its grad buffer again. Each op is bounded by the
+ * collective timeout; a rank that leaves fails the ops waiting for it,
+ * naming it, and a failed op gives its number back (xop_retract).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -30,11 +31,6 @@
 #include "internal.h"
 #include "shardd_exec.h"
 #include "shardd_kernels.h"
-
-/* Polls of a peer's word before sleeping on it: about 20 us, a small op's worth. */
-#define EXEC_SPINS 2000
-/* Longest single sleep: the deadline and the epoch are looked at least this often. */
-#define EXEC_SLEEP_NS 20000000LL
 
 struct exec_peer {
 	uint32_t gen;                   /* of the mappings below; 0: none */
@@ -95,7 +91,11 @@ void shardd_exec_detach(struct shardd_group *g)
 	g->x = NULL;
 }
 
-/* Map `fd` read-only: `size` bytes, the fd sealed against writes (a peer cannot change it). */
+/*
+ * Map `fd` read-only: `size` bytes of a memfd sealed against shrinking
+ * (no SIGBUS under us) and against new writable mappings (no rank but its
+ * owner writes it).
+ */
 static int map_ro(int fd, uint64_t size, const char *what, void **out)
 {
 	struct stat st;
@@ -105,10 +105,11 @@ static int map_ro(int fd, uint64_t size, const char *what, void **out)
 	if (fstat(fd, &st) < 0 || (uint64_t)st.st_size < size || size > SIZE_MAX)
 		return shardd_err_set(-SHARDD_E_MALFORMED, "%s: fd of %lld bytes, reply says %llu",
 				      what, (long long)st.st_size, (unsigned long long)size);
-	if (seals < 0 || !(seals & F_SEAL_SHRINK))
+	if (seals < 0 || !(seals & F_SEAL_SHRINK) || !(seals & F_SEAL_FUTURE_WRITE))
 		return shardd_err_set(-SHARDD_E_MALFORMED,
-				      "%s: not a memfd sealed against shrinking (seals %d)", what,
-				      seals);
+				      "%s: not a memfd sealed against shrinking and writes "
+				      "(seals 0x%x)",
+				      what, (unsigned)seals);
 	p = mmap(NULL, (size_t)size, PROT_READ, MAP_SHARED, fd, 0);
 	if (p == MAP_FAILED)
 		return shardd_err_set(-errno, "%s: mmap of %llu bytes: %s", what,

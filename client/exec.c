@@ -383,6 +383,13 @@ static int peer_at(struct shardd_xop *o, uint32_t r, int done, uint64_t **word, 
 	 */
 	if (x->peer[r].gen && peer_ready(o, r, &ret, msg, len))
 		return ret;
+	/*
+	 * A peer that left may have reached the op in buffers this rank never
+	 * mapped (it attached again, ran, and left): the daemon still lends
+	 * what it published last.
+	 */
+	if (gen == SHARDD_EXEC_GONE && exec_map(g, r) == 0 && peer_ready(o, r, &ret, msg, len))
+		return ret;
 	if (gen == SHARDD_EXEC_GONE) {
 		msgf(msg, len,
 		     "shardd: %s(group '%s', step %llu): rank %u left (its client is gone) and has "
@@ -393,8 +400,8 @@ static int peer_at(struct shardd_xop *o, uint32_t r, int done, uint64_t **word, 
 	if (shardd_exec_epoch(x->sync) != o->epoch) {
 		dead = shardd_exec_dead_rank(x->sync);
 		msgf(msg, len,
-		     "shardd: %s(group '%s', step %llu): rank %u left (its client is gone) during "
-		     "this rank-executed op; retry it once the rank is back",
+		     "shardd: %s(group '%s', step %llu): rank %u left (its client is gone) and "
+		     "attached again during this rank-executed op; retry it",
 		     shardd_op_name(o->op), g->name, (unsigned long long)o->step,
 		     dead ? dead - 1 : 0);
 		return -SHARDD_E_PEER_DIED;
@@ -426,15 +433,32 @@ static int peers_at(struct shardd_xop *o, int done, uint64_t **word, uint64_t *s
 		    size_t len)
 {
 	struct shardd_exec_state *x = o->g->x;
+	uint64_t *w = NULL, sn = 0;
+	int waiting = 0;
 	char who[256];
 
+	/* Every peer, not only up to the first that is not there: one that left fails the op now. */
 	for (uint32_t r = 0; r < x->world; r++) {
-		int ret = r == x->rank ? 1 : peer_at(o, r, done, word, seen, msg, len);
+		int ret = r == x->rank ? 1 : peer_at(o, r, done, &w, &sn, msg, len);
 
-		if (ret == 1)
-			continue;
-		if (ret < 0 || shardd_client_now_ns() < o->deadline)
+		if (ret < 0)
 			return ret;
+		if (ret == 0 && !waiting) {
+			waiting = 1;
+			*word = w;
+			*seen = sn;
+			/* For shardctl: this op waits for rank r, since now (cleared when it ends). */
+			if (!SHARDD_READ_ONCE(x->mine->wait_op)) {
+				SHARDD_WRITE_ONCE(x->mine->wait_peer, r + 1);
+				SHARDD_WRITE_ONCE(x->mine->wait_since_ns,
+						  (uint64_t)shardd_client_now_ns());
+				shardd_store_release(&x->mine->wait_op, o->op);
+			}
+		}
+	}
+	if (waiting) {
+		if (shardd_client_now_ns() < o->deadline)
+			return 0;
 		missing(x, o, done, who, sizeof(who));
 		msgf(msg, len,
 		     "shardd: %s(group '%s', step %llu): timed out after %u ms waiting for rank(s) "
@@ -846,8 +870,14 @@ int shardd_exec_progress(struct shardd_client *c)
 			c->xhead = next;
 		if (c->xtail == o)
 			c->xtail = prev;
-		/* A timeout after the reduce's output was written leaves it (and its number). */
-		ret = cp.res < 0 && o->op != SHARDD_OP_RESHARD &&
+		if (SHARDD_READ_ONCE(o->g->x->mine->wait_op))
+			shardd_store_release(&o->g->x->mine->wait_op, 0u);
+		/*
+		 * A timeout after the reduce's output was written leaves it (and its
+		 * number), and so does a mismatch: every rank at this number fails
+		 * it alike, which it can only see while the others' words stay.
+		 */
+		ret = cp.res < 0 && o->op != SHARDD_OP_RESHARD && cp.res != -SHARDD_E_MISMATCH &&
 				      (!o->read || cp.res == -SHARDD_E_PEER_DIED)
 			      ? xop_retract(c, o, prev, &next, &cp)
 			      : 0;

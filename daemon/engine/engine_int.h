@@ -278,9 +278,12 @@ struct eng_world_orphan {
 int eng_exec_choose(struct eng_group *eg, uint32_t asked, char *err, size_t errlen);
 /* After the buffers were allocated: the sync page's header and first epoch. */
 void eng_exec_init(struct eng_group *eg);
-/* `rank` left: a new epoch; ops that need it fail at once until it attaches again. */
+/* `rank` left: ops that need it fail at once until it attaches again (exec RANKS; else nothing). */
 void eng_exec_rank_gone(struct eng_group *eg, uint32_t rank);
-/* `rank` attached again: ops wait for it to publish its buffers (exec RANKS; else nothing). */
+/*
+ * `rank` attached again: a new epoch (every rank numbers its ops from 1
+ * again), and ops wait for it to publish its buffers (exec RANKS; else nothing).
+ */
 void eng_exec_rank_attached(struct eng_group *eg, uint32_t rank);
 /*
  * Queue the renewal of `rank`'s sealed buffers (it attached again);

@@ -12,8 +12,10 @@
  *   flat shard and grad buffer are sealed against every new writable
  *   mapping and published (gen), and from then on its peers get them
  *   read-only through EXEC_MAP (eng_exec_map);
- * - a rank that leaves begins a new epoch (every op of the old one fails,
- *   naming it: eng_exec_rank_gone); when it opens the group again, its
+ * - a rank that leaves is marked gone: ops that need it and that it had not
+ *   reached fail, naming it (eng_exec_rank_gone); when it attaches again a
+ *   new epoch begins, in which every rank numbers its ops from 1 again
+ *   (eng_exec_rank_attached); when it opens the group again, its
  *   sealed buffers are renewed first: fresh memfds (the shard's contents
  *   copied) that it can map writable again (eng_exec_renew, a
  *   TASK_EXEC_RENEW in the group's queue, which the OPEN_GROUP reply waits
@@ -199,14 +201,14 @@ int shd_engine_exec_map(struct shd_engine_job *j, uint32_t rank, uint64_t token,
 					g->name, rank, strerror(-ret));
 				return ret;
 			}
-			g->exec_sealed[rank] = 1;
-			eg->exec_sealer[rank] = token;
 			/* Never 0 (not published) nor SHARDD_EXEC_GONE. */
 			g->exec_gen = g->exec_gen + 1 < SHARDD_EXEC_GONE ? g->exec_gen + 1 : 1;
+			g->exec_sealed[rank] = g->exec_gen;
+			eg->exec_sealer[rank] = token;
 			shardd_store_release(&exec_sync(eg)->gen[rank], g->exec_gen);
 			shardd_exec_changed(exec_sync(eg));
 		}
-		rep->gen = SHARDD_READ_ONCE(exec_sync(eg)->gen[rank]);
+		rep->gen = g->exec_sealed[rank];
 		return 0;
 	}
 	if (!g->exec_sealed[req.peer]) {
@@ -225,7 +227,8 @@ int shd_engine_exec_map(struct shd_engine_job *j, uint32_t rank, uint64_t token,
 		goto fail;
 	fds[1] = ex.fd;
 	rep->nfds = 2;
-	rep->gen = SHARDD_READ_ONCE(exec_sync(eg)->gen[req.peer]);
+	/* Also a rank that left: what it published before is final, and may still count. */
+	rep->gen = g->exec_sealed[req.peer];
 	return 0;
 
 fail:
@@ -330,6 +333,17 @@ static void renew_delivered(struct eng_task *t)
 
 static const struct eng_task_ops renew_hooks = { .exec = renew_exec, .delivered = renew_delivered };
 
+/* Wake every rank that sleeps on a peer's word of the group, to look at the sync page again. */
+static void exec_wake_all(const struct eng_group *eg)
+{
+	for (uint32_t r = 0; r < eg->g->world; r++) {
+		struct shardd_exec_slot *sl = exec_slot(eg, r);
+
+		shardd_futex(shardd_exec_futex(&sl->seq), FUTEX_WAKE, INT32_MAX, NULL);
+		shardd_futex(shardd_exec_futex(&sl->done), FUTEX_WAKE, INT32_MAX, NULL);
+	}
+}
+
 void eng_exec_rank_gone(struct eng_group *eg, uint32_t rank)
 {
 	struct shd_group *g = eg->g;
@@ -337,18 +351,14 @@ void eng_exec_rank_gone(struct eng_group *eg, uint32_t rank)
 
 	if (g->exec != SHARDD_EXEC_RANKS || !g->allocated)
 		return;
-	/* A new epoch: every op of the old one fails, naming this rank; sleepers wake to see it. */
+	/*
+	 * Ops that need it and that it had not reached fail (what it published
+	 * is final: an op it reached still counts); sleepers wake to see it.
+	 */
 	s = exec_sync(eg);
-	SHARDD_WRITE_ONCE(s->dead_rank, eng_rank_shown(eg->j, rank) + 1);
 	shardd_store_release(&s->gen[rank], SHARDD_EXEC_GONE);
-	shardd_store_release(&s->epoch, s->epoch + 1 ? s->epoch + 1 : 1);
 	shardd_exec_changed(s);
-	for (uint32_t r = 0; r < g->world; r++) {
-		struct shardd_exec_slot *sl = exec_slot(eg, r);
-
-		shardd_futex(shardd_exec_futex(&sl->seq), FUTEX_WAKE, INT32_MAX, NULL);
-		shardd_futex(shardd_exec_futex(&sl->done), FUTEX_WAKE, INT32_MAX, NULL);
-	}
+	exec_wake_all(eg);
 }
 
 void eng_exec_rank_attached(struct eng_group *eg, uint32_t rank)
@@ -360,8 +370,15 @@ void eng_exec_rank_attached(struct eng_group *eg, uint32_t rank)
 	s = exec_sync(eg);
 	if (SHARDD_READ_ONCE(s->gen[rank]) != SHARDD_EXEC_GONE)
 		return;
+	/*
+	 * It counts its ops from 1 again: a new epoch, in which every rank
+	 * does, from its next op on; an op of the old one still waiting fails.
+	 */
+	SHARDD_WRITE_ONCE(s->dead_rank, eng_rank_shown(eg->j, rank) + 1);
 	shardd_store_release(&s->gen[rank], 0u);
+	shardd_store_release(&s->epoch, s->epoch + 1 ? s->epoch + 1 : 1);
 	shardd_exec_changed(s);
+	exec_wake_all(eg);
 }
 
 int eng_exec_renew(struct eng_group *eg, uint32_t rank,

@@ -298,7 +298,7 @@ int shd_group_create(uint32_t id, const struct shardd_register_group *hdr,
 	g->grad_present = calloc(world, 1);
 	g->partial_present = calloc(world, 1);
 	g->holds = calloc(world, 1);
-	g->exec_sealed = calloc(world, 1);
+	g->exec_sealed = calloc(world, sizeof(*g->exec_sealed));
 	g->last_step = calloc(world, sizeof(*g->last_step));
 	g->optim_steps = calloc(world, sizeof(*g->optim_steps));
 	if (!g->shard_offsets || !g->reduce_offsets || !g->unsharded_own || !g->unsharded ||

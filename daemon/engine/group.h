@@ -95,8 +95,10 @@ struct shd_group {
 	uint32_t exec;
 	char exec_why[160];
 	struct shd_buf sync;
-	uint8_t *exec_sealed; /* [world] */
-	uint32_t exec_gen;    /* the last generation given to a rank's buffers */
+	/* [world]: the generation a rank's buffers were sealed and published under (it stays
+	   after the rank left: what it published is final); 0: not sealed */
+	uint32_t *exec_sealed;
+	uint32_t exec_gen; /* the last generation given to a rank's buffers */
 };
 
 /*

@@ -147,7 +147,7 @@ def test_group_reply_with_a_cuda_ipc_buffer_is_refused_naming_the_field():
     spec = P.PARAM_SPEC.pack(b"w", P.DTYPE_FP32, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0)
     kinds = bytes([P.EXPORT_CUDA_IPC, P.EXPORT_FD, P.EXPORT_FD, P.EXPORT_FD])
     header = P.GROUP_REPLY.pack(1, 1, P.DTYPE_NONE, P.DTYPE_NONE, P.DTYPE_FP32, 1,
-                                64, 64, 64, kinds, 0, 0, 0)
+                                64, 64, 64, kinds, 0, 0, 0, P.EXEC_DAEMON, 0)
     reply = header + layout + spec + bytes(P.CUDA_IPC_HANDLE_SIZE)
     fds = [os.memfd_create(f"buf{i}") for i in range(3)]
     for fd in fds:
@@ -165,7 +165,7 @@ def test_group_reply_with_a_cuda_ipc_buffer_is_refused_naming_the_field():
 
     # An unknown kind is a malformed reply, not a missing feature.
     header = P.GROUP_REPLY.pack(1, 1, P.DTYPE_NONE, P.DTYPE_NONE, P.DTYPE_FP32, 1,
-                                64, 64, 64, bytes([0, 0, 7, 0]), 0, 0, 0)
+                                64, 64, 64, bytes([0, 0, 7, 0]), 0, 0, 0, P.EXEC_DAEMON, 0)
     fds = [os.memfd_create(f"buf{i}") for i in range(4)]
     with pytest.raises(shardd.ShardError) as ei:
         shardd.Group(fake_client, "g", header + layout + spec, fds, None, "open group 'g'")

@@ -3,8 +3,9 @@
 3.8): the client's numpy unshard and reduce give the bytes the daemon's
 kernels give (exec="daemon", the reference) for every shape and precision
 policy, accumulation and zero_grad included; a reduce that asks for the step
-hands it to the daemon; a peer that dies fails the op naming it, and one
-that never comes fails it at the collective timeout naming it."""
+hands it to the daemon; a peer that dies fails the op naming it (and the
+ops queued behind it, giving their numbers back), and one that never comes
+fails it at the collective timeout naming it."""
 
 import os
 import signal
@@ -148,7 +149,7 @@ PEER = textwrap.dedent("""
 
 
 @pytest.mark.timeout_s(60)
-def test_a_peer_killed_mid_unshard_fails_it_with_peer_died_naming_the_rank(daemon, request):
+def test_a_peer_killed_mid_unshard_fails_it_and_the_next_op_with_peer_died_naming_it(daemon, request):
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "client", "python"))
     job = job_name(request)
     peer = subprocess.Popen([sys.executable, "-c", PEER, daemon.socket, job], env=env,
@@ -158,28 +159,32 @@ def test_a_peer_killed_mid_unshard_fails_it_with_peer_died_naming_the_rank(daemo
             g = c.register_group("g", [("w", "fp32", (6, 2))], exec="ranks")
             assert peer.stdout.readline().split() == ["ready", str(P.EXEC_RANKS)]
             assert g.submit(P.OP_UNSHARD, step=4, user_data=7)
-            assert c.poll() is None  # published; rank 1 never submits it
+            assert g.submit(P.OP_REDUCE, step=4, user_data=8)
+            assert c.poll() is None  # published; rank 1 never submits them
+            assert g.x.mine.word(P.XL_SEQ) == P.exec_word(1, 2)
             peer.send_signal(signal.SIGKILL)
             peer.wait(timeout=10)
-            comp = c.wait(timeout=15)
-            assert comp.user_data == 7 and comp.res == -P.E_PEER_DIED, comp
-            assert "rank 1 left" in comp.msg and "unshard(group 'g', step 4)" in comp.msg
+            comps = sorted((c.wait(timeout=15) for _ in range(2)), key=lambda cp: cp.user_data)
+            got = [(cp.user_data, cp.res) for cp in comps]
+            assert got == [(7, -P.E_PEER_DIED), (8, -P.E_PEER_DIED)], comps
+            assert "rank 1 left" in comps[0].msg and "unshard(group 'g', step 4)" in comps[0].msg
+            # The reduce queued behind it fails with it, and both numbers are given back.
+            assert comps[1].msg.startswith("shardd: reduce(group 'g', step 4): not run: shardd: unshard")
+            assert g.x.mine.word(P.XL_SEQ) == 0
     finally:
         peer.kill()
         peer.wait(timeout=10)
 
 
 @pytest.mark.timeout_s(30)
-def test_a_peer_that_never_submits_times_out_naming_it(request):
+def test_peers_that_never_submit_time_out_naming_them_and_the_next_op_pairs_up(request):
     with Daemon(("--collective-timeout", "1")) as d, attached(request, d, 1, 3) as clients:
         groups = run_ranks(lambda r: clients[r].register_group(
             "g", [("w", "fp32", (6,))], exec="ranks"), 3)
 
-        def reduce(r):
-            with pytest.raises(shardd.ShardError) as ei:
-                groups[r].reduce(2)
-            return ei.value
-
-        for e in run_ranks(reduce, 2, timeout=20):
-            assert e.code == -P.E_TIMEOUT, e
-            assert "timed out after 1000 ms waiting for rank(s) 2 to submit it" in e.text, e
+        with pytest.raises(shardd.ShardError) as ei:
+            groups[0].reduce(2)
+        assert ei.value.code == -P.E_TIMEOUT, ei.value
+        assert "timed out after 1000 ms waiting for rank(s) 1, 2 to submit it" in ei.value.text
+        # Its number was given back: the three ranks' next reduce pairs up.
+        run_ranks(lambda r: groups[r].reduce(3), 3)

@@ -16,7 +16,9 @@ again. Submission only publishes; the op runs when the client polls or
 waits (Client.poll/wait, Pending.wait, every sync call). Waits spin a
 little, then sleep on the peer's word (a shared futex) in short naps,
 bounded by the collective timeout; a new epoch (a rank left) fails them,
-naming that rank.
+naming that rank. An op that fails before it read anything (or a reduce
+whose peer left before finishing it) gives its number back, with the
+group's ops queued behind it, so that the ranks number their next ops alike.
 
 Memory ordering is ring.py's: the slot's and sync page's words are read
 and written through ``memoryview.cast`` items (one aligned load or store
@@ -41,11 +43,9 @@ from . import ring as R
 from .error import ShardError, shard_error
 from .ring import Completion
 
-EXEC_SPINS = 64           # progress passes before a waiting op sleeps (Python spins slowly)
 EXEC_NAP_S = 0.001        # longest sleep on a peer's word between looks at the CQ and the deadline
 
 _U32 = 0xFFFFFFFF
-_F32 = np.dtype(np.float32)
 _RAW = {P.DTYPE_FP32: np.dtype(np.uint32), P.DTYPE_BF16: np.dtype(np.uint16),
         P.DTYPE_FP16: np.dtype(np.uint16)}
 
@@ -255,7 +255,7 @@ class _Op:
     """One op submitted on a rank-executed group, not complete yet."""
 
     __slots__ = ("x", "op", "flags", "step", "user_data", "args", "epoch", "n", "read",
-                 "deadline", "ran")
+                 "deadline", "ran", "prev_seq", "prev_op", "prev_step", "prev_reduces", "backup")
 
     def __init__(self, x, op, flags, step, user_data, args, deadline):
         self.x, self.op, self.flags, self.step = x, op, flags, step
@@ -263,6 +263,10 @@ class _Op:
         self.epoch = self.n = 0
         self.read = False   # a reduce read its inputs and published done
         self.ran = False    # a reduce with REDUCE_STEP ran here: its step still goes to the daemon
+        # This rank's slot before the op was published: put back if it fails unread (retract).
+        self.prev_seq = self.prev_op = self.prev_step = 0
+        self.prev_reduces = 0   # a reduce: the slot's count before it
+        self.backup = None      # an accumulating reduce: the sharded grad before it
 
 
 # ---------------------------------------------------------------- one group
@@ -437,6 +441,8 @@ class ExecState:
                 self.epoch, self.n = epoch, 0
             self.n += 1
             o.epoch, o.n = self.epoch, self.n
+            o.prev_seq, o.prev_op = self.mine.word(P.XL_SEQ), self.mine.u32(P.XL_OP)
+            o.prev_step = self.mine.word(P.XL_STEP)
             # The inputs are final now (the caller's contract): op, step, then seq.
             self.mine.set_u32(P.XL_OP, op)
             self.mine.set_word(P.XL_STEP, step)
@@ -494,17 +500,26 @@ class ExecState:
         mapping its buffers first when its generation changed: (1, ""), (0, ""),
         or (code, text). Sets self.wait_on to what to sleep on.
 
-        For `done` (a reduce that has written its output) a peer that left is
-        not waited for: a new generation never read this rank's grads."""
+        For `done` (a reduce that has written its output): a peer that left
+        before it stored its done never wrote its own output, so the reduce
+        fails on every rank alike (SHARDD_E_PEER_DIED: each sees the same final
+        words in its mapping of the departed peer's slot) and is retried
+        whole; one that stored it first counts."""
         self.wait_on = None
         g = self.g
         gen = self._gen(r)
         p = self.peers[r]
         if done:
-            if gen != (p.gen if p else 0) or P.exec_reached(p.slot.word(P.XL_DONE), o.epoch, o.n):
+            seen = p.slot.word(P.XL_DONE)
+            if P.exec_reached(seen, o.epoch, o.n):
                 return 1, ""
-            self.wait_on = (p.slot, P.XL_DONE, p.slot.word(P.XL_DONE))
-            return 0, ""
+            if gen == p.gen:
+                self.wait_on = (p.slot, P.XL_DONE, seen)
+                return 0, ""
+            return (-P.E_PEER_DIED,
+                    f"shardd: reduce(group '{g.name}', step {o.step}): rank {r} left (its client is "
+                    f"gone) before it finished this rank-executed reduce; retry it once the rank is "
+                    f"back")
         # A peer that reached the op before it left counts: its buffers stay mapped here.
         if p is not None and p.gen:
             ready = self._peer_ready(o, r)
@@ -643,16 +658,42 @@ class ExecState:
                 R._release()
                 mine.set_word(P.XL_UNSHARDS, mine.word(P.XL_UNSHARDS) + 1)
                 return 0, ""
-            self.run_reduce(mine.word(P.XL_REDUCES) != mine.word(P.XL_CLEARED))
-            # The sharded grad holds the sum from here on, whatever the wait below says.
+            accumulate = mine.word(P.XL_REDUCES) != mine.word(P.XL_CLEARED)
+            # What an accumulating reduce adds to, kept until it completes (retract).
+            if accumulate and self.g.shard_size:
+                o.backup = bytes(self.g.maps[self.g.SHARD_GRAD])
+            self.run_reduce(accumulate)
+            # The sharded grad holds the sum: counted before done is stored, so a renewed
+            # slot (this rank died past here) says so.
             R._release()
-            mine.set_word(P.XL_REDUCES, mine.word(P.XL_REDUCES) + 1)
+            o.prev_reduces = mine.word(P.XL_REDUCES)
+            mine.set_word(P.XL_REDUCES, o.prev_reduces + 1)
             self.publish(P.XL_DONE, P.exec_word(o.epoch, o.n))
             o.read = True
         ret, msg = self._peers_at(o, True)
         if ret == 0:
             return None
         return (ret, msg) if ret < 0 else (0, "")
+
+    def retract(self, o):
+        """Op o failed where no rank can have completed it: before it read
+        anything (a peer had not reached it), or a reduce whose peer left
+        before finishing it. Its number is given back, so that this rank and
+        its peers number the group's next ops alike, as a failed rendezvous
+        of the daemon leaves no trace; a reduce's sharded grad and count are
+        put back, then the slot as it was before o was published."""
+        mine = self.mine
+        if o.read:
+            if o.backup is not None:
+                self.g.maps[self.g.SHARD_GRAD][:] = o.backup
+            R._release()
+            mine.set_word(P.XL_REDUCES, o.prev_reduces)
+        if o.epoch == self.epoch:
+            self.n = o.n - 1
+        mine.set_u32(P.XL_OP, o.prev_op)
+        mine.set_word(P.XL_STEP, o.prev_step)
+        R._release()
+        self.publish(P.XL_SEQ, o.prev_seq)
 
 
 def progress(client):
@@ -666,7 +707,10 @@ def progress(client):
     done = 0
     busy = set()
     left = []
-    for o in client._xops:
+    ops = client._xops
+    for i, o in enumerate(ops):
+        if o is None:
+            continue    # failed with an op of its group before it (retract)
         x = o.x
         res = None
         if id(x) not in busy:
@@ -687,6 +731,20 @@ def progress(client):
             if client._xwait is None:
                 client._xwait = (x, x.wait_on, x.changes())
             continue
+        # A timeout after the reduce's output was written leaves it (and its number).
+        if res[0] < 0 and o.op != P.OP_RESHARD and (not o.read or res[0] == -P.E_PEER_DIED):
+            # The group's ops queued after it fail with it: they were published after it,
+            # and ops of a group run in order.
+            for j in range(i + 1, len(ops)):
+                p = ops[j]
+                if p is None or p.x is not x:
+                    continue
+                ops[j] = None
+                client._file(Completion(p.user_data, res[0], p.op, x.g.id, p.step,
+                                        f"shardd: {_op_name(p.op)}(group '{x.g.name}', step "
+                                        f"{p.step}): not run: {res[1][:180]}"))
+                done += 1
+            x.retract(o)
         if not o.ran:
             client._file(Completion(o.user_data, res[0], o.op, x.g.id, o.step, res[1]))
         done += 1

@@ -324,7 +324,9 @@ class Client:
     # ------------------------------------------------------------ data plane
     def submit(self, op, group=0, step=0, flags=0, user_data=0):
         """Queue one op; its completion echoes user_data. Returns False when the
-        SQ is full (reap completions, then retry)."""
+        SQ is full (reap completions, then retry). The unshard, reduce or
+        reshard of a rank-executed group is published to its peers at once and
+        runs while this client waits or polls."""
         if op not in P.OP_NAMES:
             raise ValueError(f"op {op} is not a shardd op")
         if user_data & USER_DATA_RESERVED or not 0 <= user_data < 1 << 64:
@@ -361,7 +363,8 @@ class Client:
         return True
 
     def poll(self):
-        """Reap one completion without waiting, or None."""
+        """Reap one completion without waiting, or None; rank-executed ops
+        advance as far as they go without waiting."""
         with self._lock:
             if self._xops:
                 X.progress(self)

@@ -239,11 +239,22 @@ $(TORCH_STAMP):
 		rm -rf $(TORCH_VENV); \
 	fi
 
+# The Python numerics suites, run a second time with their small groups
+# rank-executed (tests/python/conftest.py passes SHARDD_TEST_RANK_EXEC_MAX
+# to shardd --rank-exec-max), as EXEC_BOTH_BIN for the C suites.
+PY_EXEC_BOTH := $(addprefix tests/python/,test_client.py test_shapes.py test_step.py \
+	test_step_job.py test_grad_norm.py test_checkpoint.py test_torch.py test_torch_fsdp.py \
+	test_torch_optim.py test_torch_clip.py test_torch_state_dict.py test_torch_names.py \
+	test_torch_checkpoint.py test_torch_train_checkpoint.py)
+
 test-python: all $(TORCH_STAMP)
 	@if [ -d tests/python ]; then \
 		SHARDD_BIN=$(abspath $(SHARDD)) SHARDD_BUILD=$(abspath $(BUILD)) SHARDD_VENV=$(abspath build/venv) \
 		SHARDD_TORCH_VENV=$(abspath $(TORCH_VENV)) \
-		PYTHONPATH=$(abspath client/python) $(PYTHON) -m pytest -q tests/python; \
+		PYTHONPATH=$(abspath client/python) $(PYTHON) -m pytest -q tests/python && \
+		echo "== $(PY_EXEC_BOTH) (small groups rank-executed)" && SHARDD_TEST_RANK_EXEC_MAX=4M \
+		SHARDD_BIN=$(abspath $(SHARDD)) SHARDD_BUILD=$(abspath $(BUILD)) SHARDD_VENV=$(abspath build/venv) \
+		PYTHONPATH=$(abspath client/python) $(PYTHON) -m pytest -q $(PY_EXEC_BOTH); \
 	fi
 
 # Plain programs the Python suites run (tests/python/*.c), on the kernels alone.

@@ -85,6 +85,14 @@ class _Stderr:
         self.stop()
 
 
+def rank_exec_args():
+    """`make test-python` runs the numerics suites a second time with their small
+    groups rank-executed (SHARDD_TEST_RANK_EXEC_MAX=4M: shardd --rank-exec-max),
+    as make test-c does with tests/lib/harness.c: both executors pass the same tests."""
+    limit = os.environ.get("SHARDD_TEST_RANK_EXEC_MAX")
+    return ("--rank-exec-max", limit) if limit else ()
+
+
 class Daemon(_Stderr):
     """A shardd process on a temporary socket; stderr is collected."""
 
@@ -94,7 +102,7 @@ class Daemon(_Stderr):
         self.lines = []
         self.proc = subprocess.Popen(
             [shardd_bin(), "--socket", self.socket, "--foreground", "--log-level", "warn",
-             "--collective-timeout", "20", *extra_args],
+             "--collective-timeout", "20", *extra_args, *rank_exec_args()],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             env={**os.environ, "SHARDD_LOOP_WATCHDOG_MS": str(LOOP_WATCHDOG_MS)})
         want = f"shardd: ready on {self.socket}"

@@ -32,6 +32,8 @@ def main():
     rank, world, steps = int(rank), int(world), int(steps)
     with shardd.Client(job=job, rank=rank, shard=world, socket_path=sock) as c:
         g = c.register_group("interop", PARAMS)
+        # The daemon picked the executor (exec auto, as the C ranks register): the test checks it.
+        print("exec", shardd.proto.EXEC_NAMES[g.exec], flush=True)
         for k, (_n, _d, shape) in enumerate(PARAMS):
             g.load_full(k, init_value(k, int(np.prod(shape))).reshape(shape))
         for s in range(steps):

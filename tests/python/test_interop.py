@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: MIT
 """One job, ranks from both clients: C ranks (client/examples/interop_rank.c,
 libshardd) and Python ranks (interop_py_rank.py) run the same sequence; every
-rank's dumps of unshard and reduce results are checked against numpy."""
+rank's dumps of unshard and reduce results are checked against numpy. The
+job runs daemon-executed, and rank-executed (a daemon with --rank-exec-max:
+each client runs its own rank's side of every op)."""
 
 import os
 import subprocess
@@ -10,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT, job_name, shardd_build
+from conftest import ROOT, Daemon, job_name, shardd_build
 from reference import shard_rows
 
 SHAPES = [(5, 3), (7,)]
@@ -34,9 +36,20 @@ def grad_full(k, rank, step):
     return g.reshape(SHAPES[k])
 
 
+@pytest.fixture(scope="module")
+def ranks_daemon():
+    """A shardd that runs groups up to 4 MiB rank-executed (exec auto)."""
+    with Daemon(("--rank-exec-max", "4M")) as d:
+        yield d
+
+
 @pytest.mark.timeout_s(90)
+@pytest.mark.parametrize("executor", ["daemon", "ranks"])
 @pytest.mark.parametrize("languages", ["CPC", "PCP"])
-def test_c_and_python_ranks_share_one_job(daemon, request, tmp_path, languages):
+def test_c_and_python_ranks_share_one_job(daemon, ranks_daemon, request, tmp_path, languages,
+                                          executor):
+    if executor == "ranks":
+        daemon = ranks_daemon
     binary = os.path.join(shardd_build(), "examples", "interop_rank")
     assert os.access(binary, os.X_OK), f"{binary} missing: build it with make"
     world = len(languages)
@@ -59,6 +72,8 @@ def test_c_and_python_ranks_share_one_job(daemon, request, tmp_path, languages):
         outs.append(out)
     for r, p in enumerate(procs):
         assert p.returncode == 0, f"rank {r} ({languages[r]}) failed:\n{outs[r]}"
+        if languages[r] == "P" and executor == "ranks":
+            assert "exec ranks" in outs[r].splitlines(), outs[r]
 
     full = [init_full(k) for k in range(len(SHAPES))]
     for s in range(STEPS):

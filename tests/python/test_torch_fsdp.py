@@ -212,8 +212,9 @@ def test_daemon_gone_names_the_group_and_the_rank(request):
     try:
         m = make_net()
         mesh = st.init_device_mesh(job_name(request), 0, (1,), socket_path=d.socket)
-        st.fully_shard(m.fc1, mesh=mesh)
-        st.fully_shard(m, mesh=mesh)
+        # Daemon-executed: a rank-executed unshard of one rank needs no daemon.
+        st.fully_shard(m.fc1, mesh=mesh, exec="daemon")
+        st.fully_shard(m, mesh=mesh, exec="daemon")
         d.proc.kill()
         d.proc.wait(timeout=10)
         with pytest.raises(shardd.DaemonGone) as ei:

@@ -19,6 +19,7 @@ import weakref
 
 from . import ctrl
 from . import dtypes as D
+from . import exec as X
 from . import proto as P
 from .error import DaemonGone, ShardError, shard_error
 from .group import F_SEAL_FUTURE_WRITE, Group, Optimizer, Param, numpy_to_tensor, step_flags_args
@@ -80,6 +81,14 @@ def _connect_denied(path, err):
             f"and its directory group-accessible) or run as uid {st.st_uid}")
 
 
+
+
+def _exec_code(exec):
+    """enum shardd_exec of "auto", "daemon", "ranks" (or the code)."""
+    for code, name in P.EXEC_NAMES.items():
+        if exec == name or (type(exec) is int and exec == code):
+            return code
+    raise ValueError(f"exec = {exec!r}: one of 'auto', 'daemon', 'ranks'")
 
 
 def _parse_error(payload):
@@ -147,6 +156,9 @@ class Client:
         self.daemon_code = 0       # the daemon's notice before a close (seq-0 ERROR), 0: none
         self.daemon_text = ""      # and its text
         self.groups = []
+        self._exec_groups = {}     # group id -> the Group whose ops this client runs (rank-executed)
+        self._xops = []            # ops of rank-executed groups not complete yet, in submission order
+        self._xwait = None         # what the first of them waits for (exec.progress)
         self.mesh_state = None     # shardd.torch's per-mesh state when this client is a mesh
         self._pid = os.getpid()    # a forked child shares the socket: only this process says GOODBYE
         try:
@@ -250,9 +262,15 @@ class Client:
         return None if not self.collective_timeout_ms else self.collective_timeout_ms / 1000 + SYNC_GRACE_S
 
     def register_group(self, name, params, param_dtype=None, reduce_dtype=None, optimizer=None,
-                       restore=None):
+                       restore=None, exec="auto"):
         """Register a group (collective over the job's ranks) and map its buffers.
         params: list of Param or (name, dtype, shape[, shard_dim]) tuples.
+        exec: who moves the group's bytes (docs/DESIGN.md "Who moves the
+        bytes"): "daemon" (its worker pool), "ranks" (each rank runs unshard,
+        reduce and reshard in its own process, on the job's shared buffers,
+        when it waits or polls: exec.py), or "auto" (the daemon picks by
+        size, shardd --rank-exec-max); every rank gives the same. Group.exec
+        says what the group runs as.
         optimizer: None, or an Optimizer (SGD/AdamW config) the daemon's step
         op runs on each rank's shard (every rank gives the same).
         restore: None (zeroed shards); "" (the job's newest checkpoint in the
@@ -263,6 +281,7 @@ class Client:
         if not 1 <= len(specs) <= P.MAX_PARAMS:
             raise ValueError(f"group {name!r}: {len(specs)} params, 1..{P.MAX_PARAMS} allowed")
         pd, rd = D.dtype_code(param_dtype), D.dtype_code(reduce_dtype)
+        exec_code = _exec_code(exec)
         tail = b""
         if restore is not None:
             path = os.path.abspath(restore).encode() if restore else b""
@@ -272,14 +291,12 @@ class Client:
             tail = P.RESTORE.pack(len(path), 0) + path
         payload = P.REGISTER_GROUP.pack(P.cstr(name, P.NAME_MAX, "group name"), len(specs), pd, rd,
                                         P.INIT_RESTORE if restore is not None else P.INIT_ZERO,
-                                        P.REGISTER_OPTIMIZER if optimizer else 0, 0) + \
+                                        P.REGISTER_OPTIMIZER if optimizer else 0, exec_code) + \
             b"".join(p.pack() for p in specs) + (optimizer.pack() if optimizer else b"") + tail
         where = f"register group '{name}'"
         _t, reply, fds = self._request(P.MSG_REGISTER_GROUP, payload, self._sync_timeout(),
                                        P.MSG_GROUP, where)
-        g = Group(self, name, reply, fds, specs, where)
-        self.groups.append(g)
-        return g
+        return self._add_group(Group(self, name, reply, fds, specs, where))
 
     def open_group(self, name):
         """Open a group some rank registered, by name (no param names or shapes)."""
@@ -287,14 +304,29 @@ class Client:
         payload = P.OPEN_GROUP.pack(P.cstr(name, P.NAME_MAX, "group name"))
         _t, reply, fds = self._request(P.MSG_OPEN_GROUP, payload, self._sync_timeout(),
                                        P.MSG_GROUP, where)
-        g = Group(self, name, reply, fds, None, where)
+        return self._add_group(Group(self, name, reply, fds, None, where))
+
+    def _add_group(self, g):
         self.groups.append(g)
+        # A rank-executed group's ops run through the handle that published its buffers.
+        if g.x is not None and not g.x.second:
+            self._exec_groups.setdefault(g.id, g)
         return g
+
+    def _exec_close(self, g):
+        """Group g (rank-executed) is being closed: its pending ops fail, and ops
+        on its id go to the daemon again (which refuses them)."""
+        with self._lock:
+            X.forget(self, g.x)
+            if self._exec_groups.get(g.id) is g:
+                del self._exec_groups[g.id]
 
     # ------------------------------------------------------------ data plane
     def submit(self, op, group=0, step=0, flags=0, user_data=0):
         """Queue one op; its completion echoes user_data. Returns False when the
-        SQ is full (reap completions, then retry)."""
+        SQ is full (reap completions, then retry). The unshard, reduce or
+        reshard of a rank-executed group is published to its peers at once and
+        runs while this client waits or polls."""
         if op not in P.OP_NAMES:
             raise ValueError(f"op {op} is not a shardd op")
         if user_data & USER_DATA_RESERVED or not 0 <= user_data < 1 << 64:
@@ -305,6 +337,22 @@ class Client:
     def _submit(self, op, group, step, flags, user_data, args=(0, 0)):
         if self.ring is None:
             raise shard_error(-errno.ENOTCONN, "submit: client is closed")
+        if op in (P.OP_UNSHARD, P.OP_REDUCE, P.OP_RESHARD):
+            g = self._exec_groups.get(group)
+            if g is None:
+                g = next((h for h in self.groups if h.id == group and h.x is not None), None)
+            if g is not None:
+                # Rank-executed: published to the peers now, run as this client waits or polls.
+                o = g.x.submit(op, step, flags, args, user_data)
+                if isinstance(o, X.Completion):
+                    self._file(o)
+                else:
+                    self._xops.append(o)
+                return True
+        return self._submit_ring(op, group, step, flags, user_data, args)
+
+    def _submit_ring(self, op, group, step, flags, user_data, args=(0, 0)):
+        """Push one entry to the daemon's ring: False when the SQ is full."""
         if not self.ring.sq_push(op, group, step, user_data, flags, args):
             return False
         if self.ring.needs_wakeup():
@@ -315,8 +363,11 @@ class Client:
         return True
 
     def poll(self):
-        """Reap one completion without waiting, or None."""
+        """Reap one completion without waiting, or None; rank-executed ops
+        advance as far as they go without waiting."""
         with self._lock:
+            if self._xops:
+                X.progress(self)
             while not self._stash:
                 c = self._pop()
                 if c is None:
@@ -377,12 +428,17 @@ class Client:
                                          "dropped this client")
 
     def _wait_one(self, timeout, what, total=None):
+        """One completion from the ring, waiting up to timeout s; None when an op
+        of a rank-executed group completed meanwhile (it is filed: the caller
+        looks again). Waiting drives those ops: they run here."""
         if self.ring is None:
             raise shard_error(-errno.ENOTCONN, f"{what}: client is closed")
         for i in range(1, SPIN_ITERATIONS + 1):
             c = self._pop()
             if c:
                 return c
+            if self._xops and X.progress(self):
+                return None
             if i % SPIN_YIELD_EVERY == 0:
                 # Give the CPU to the daemon or a rank woken onto it (more processes than cores).
                 os.sched_yield()
@@ -392,6 +448,8 @@ class Client:
             c = self._pop()
             if c:
                 return c
+            if self._xops and X.progress(self):
+                return None
             if not self._daemon_alive():
                 raise self._detached_error(what)
             left = SLEEP_SLICE_S
@@ -404,6 +462,11 @@ class Client:
                                       f"(daemon last took {P.OP_NAMES.get(st['daemon_last_op'], 'nothing')} "
                                       f"step {st['daemon_last_step']}, {st['sq_pending']} submissions "
                                       f"not yet taken)")
+            if self._xops:
+                # A rank-executed op waits for a peer: sleep on the peer's word (it wakes us
+                # when it publishes) in short naps, so that the CQ is looked at too.
+                X.nap(self, min(left, X.EXEC_NAP_S))
+                continue
             r = self.ring.cq_wait(seen, left)
             if r not in (0, -errno.ETIMEDOUT, -errno.EINTR):
                 raise shard_error(r, f"{what}: futex wait failed")
@@ -442,6 +505,8 @@ class Client:
         self._file(self._wait_one(timeout, what, total))
 
     def _file(self, c):
+        if c is None:
+            return
         if c.user_data & USER_DATA_RESERVED:
             if c.user_data in self._abandoned:
                 self._abandoned.discard(c.user_data)

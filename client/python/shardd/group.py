@@ -15,6 +15,7 @@ import numpy as np
 from . import dtypes as D
 from . import proto as P
 from .error import ShardError, shard_error
+from .exec import ExecState
 
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # <linux/fcntl.h>; Python lacks it
 
@@ -101,21 +102,30 @@ class Group:
         self.client = client
         self.name = name
         self.maps = [None] * 4
+        self.x = None   # exec.ExecState of a rank-executed group
         try:
             if client.backend != P.BACKEND_HOST:
                 raise shard_error(-errno.ENOTSUP, f"{where}: the daemon runs the cuda backend, whose "
                                                   f"buffers are device memory; the Python client maps "
                                                   f"host buffers only (use --backend host)")
-            # A daemon of minor < 4 sends no peer_last_step.
-            head = P.GROUP_REPLY if client.daemon_minor >= 4 else P.GROUP_REPLY_V3
+            # An older daemon sends the reply without exec (< 5) or peer_last_step (< 4).
+            head = P.GROUP_REPLY if client.daemon_minor >= 5 else \
+                P.GROUP_REPLY_V4 if client.daemon_minor == 4 else P.GROUP_REPLY_V3
             if len(reply) < head.size:
                 raise shard_error(-P.E_MALFORMED, f"{where}: GROUP reply of {len(reply)} bytes, "
                                                   f"expected >= {head.size}")
             (self.id, self.nparams, self.param_dtype, self.reduce_dtype, self.grad_dtype,
              self.shard_world, self.unsharded_size, self.grad_size, self.shard_size,
-             export_kind, self.optimizer, self.last_step, *peer) = head.unpack_from(reply)
+             export_kind, self.optimizer, self.last_step, *later) = head.unpack_from(reply)
             # The highest last_step of any rank of the group (0 from an older daemon).
-            self.peer_last_step = peer[0] if peer else 0
+            self.peer_last_step = later[0] if later else 0
+            # Who moves the group's bytes: daemon-executed from a daemon older than 1.5.
+            self.exec = later[1] if len(later) > 1 else P.EXEC_DAEMON
+            if self.exec not in (P.EXEC_DAEMON, P.EXEC_RANKS):
+                raise shard_error(-P.E_MALFORMED, f"{where}: GROUP reply has exec = {self.exec}, "
+                                                  f"neither daemon ({P.EXEC_DAEMON}) nor ranks "
+                                                  f"({P.EXEC_RANKS})")
+            ranks = self.exec == P.EXEC_RANKS
             # Every buffer must be an fd (kind 0): a CUDA IPC handle is device memory.
             for i, kind in enumerate(export_kind):
                 if kind != P.EXPORT_FD:
@@ -125,9 +135,10 @@ class Group:
                                       f"({P.EXPORT_NAMES.get(kind, 'unknown kind')}): the Python client "
                                       f"maps buffers that travel as fds (kind 0) only"
                                       + (", not device memory (use --backend host)" if known else ""))
-            if len(fds) != P.GROUP_BUFS:
+            # A rank-executed group's sync page travels after the buffers' fds.
+            if len(fds) != P.GROUP_BUFS + ranks:
                 raise shard_error(-P.E_MALFORMED, f"{where}: GROUP reply carries {len(fds)} fds, "
-                                                  f"expected {P.GROUP_BUFS}")
+                                                  f"expected {P.GROUP_BUFS + ranks}")
             # reply header, nparams layouts, then the nparams specs as registered
             specs_at = head.size + self.nparams * P.PARAM_LAYOUT.size
             want = specs_at + self.nparams * P.PARAM_SPEC.size
@@ -145,25 +156,36 @@ class Group:
                     [(p.name, p.dtype, p.shape, p.shard_dim) for p in self.params]:
                 raise shard_error(-P.E_MALFORMED, f"{where}: GROUP reply specs differ from the "
                                                   f"registered ones")
-            sizes = (self.unsharded_size, self.grad_size, self.shard_size, self.shard_size)
+            # Rank-executed: the grad buffer ends with this rank's slot (PROTOCOL.md 3.8).
+            sizes = (self.unsharded_size,
+                     P.exec_grad_map_size(self.grad_size) if ranks else self.grad_size,
+                     self.shard_size, self.shard_size)
+            # Rank-executed, opened again by the client that published it: its shard and grad
+            # buffer come sealed, this handle only reads them and the first one runs the ops.
+            second = False
             for i, (fd, size) in enumerate(zip(fds, sizes)):
                 if size == 0:
                     continue
                 if os.fstat(fd).st_size < size:
                     raise shard_error(-errno.EBADMSG, f"{where}: buffer {i} memfd is smaller than "
                                                       f"the {size} bytes the reply announces")
-                # A read-only buffer that one rank could reopen O_RDWR would let it rewrite
-                # every rank's params: the daemon seals it against writes.
-                if i == self.UNSHARDED:
-                    seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-                    if not seals & F_SEAL_FUTURE_WRITE:
-                        raise shard_error(-P.E_MALFORMED, f"{where}: the unsharded memfd is lent "
-                                                          f"read-only but is not sealed against writes "
-                                                          f"(F_SEAL_FUTURE_WRITE missing from seals "
-                                                          f"{seals:#x}): upgrade shardd")
-                prot = mmap.PROT_READ if i == self.UNSHARDED else mmap.PROT_READ | mmap.PROT_WRITE
+                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+                # Daemon-executed, the unsharded copy is the daemon's output, lent read-only: one
+                # rank that could reopen it O_RDWR would rewrite every rank's params, so the daemon
+                # seals it against writes. Rank-executed, it is this rank's own.
+                lent_ro = i == self.UNSHARDED and not ranks
+                if lent_ro and not seals & F_SEAL_FUTURE_WRITE:
+                    raise shard_error(-P.E_MALFORMED, f"{where}: the unsharded memfd is lent "
+                                                      f"read-only but is not sealed against writes "
+                                                      f"(F_SEAL_FUTURE_WRITE missing from seals "
+                                                      f"{seals:#x}): upgrade shardd")
+                if ranks and i in (self.GRAD, self.SHARD) and seals & F_SEAL_FUTURE_WRITE:
+                    second = True
+                ro = lent_ro or (second and i in (self.GRAD, self.SHARD))
+                prot = mmap.PROT_READ if ro else mmap.PROT_READ | mmap.PROT_WRITE
                 self.maps[i] = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
             self._check_layouts(where)
+            self.x = ExecState(self, fds[P.GROUP_BUFS], second, where) if ranks else None
         finally:
             for fd in fds:
                 os.close(fd)
@@ -211,11 +233,14 @@ class Group:
         return a
 
     def unsharded(self, param):
-        """Read-only view of the unsharded param (param_dtype; bf16: Bf16Array)."""
+        """Read-only view of the unsharded param (param_dtype; bf16: Bf16Array):
+        the unshard's output, whichever executor wrote it."""
         i = self._i(param)
         lay = self.layouts[i]
         shape = self.params[i].shape
-        return self._view(self.UNSHARDED, lay[0], lay[1], self._unsharded_dtype(i), shape)
+        a = self._view(self.UNSHARDED, lay[0], lay[1], self._unsharded_dtype(i), shape)
+        a.flags.writeable = False
+        return a
 
     def grad(self, param):
         """Writable view of this rank's unsharded gradient of the param (grad dtype)."""
@@ -342,7 +367,12 @@ class Group:
 
     def close(self):
         """Unmap the buffers; mappings still viewed by numpy arrays stay until
-        those arrays are gone."""
+        those arrays are gone. Ops of a rank-executed group still pending
+        complete with -ECANCELED."""
+        if self.x is not None:
+            self.client._exec_close(self)
+            self.x.detach()
+            self.x = None
         for i, m in enumerate(self.maps):
             if m is None:
                 continue

@@ -14,7 +14,7 @@ import struct
 MAGIC = 0x44524853        # "SHRD"
 RING_MAGIC = 0x474E4952   # "RING"
 PROTO_MAJOR = 1
-PROTO_MINOR = 4
+PROTO_MINOR = 5
 
 NAME_MAX = 64
 PARAM_NAME_MAX = 80
@@ -126,11 +126,21 @@ MSG_OPEN_GROUP = 6
 MSG_GROUP = 7
 MSG_ADMIN = 8
 MSG_ADMIN_REPLY = 9
+MSG_EXEC_MAP = 12        # minor 5: rank-executed groups' mappings (PROTOCOL.md 3.8)
+MSG_EXEC_MAP_REPLY = 13
 
 MSG_NAMES = {MSG_HELLO: "HELLO", MSG_WELCOME: "WELCOME", MSG_ERROR: "ERROR",
              MSG_GOODBYE: "GOODBYE", MSG_REGISTER_GROUP: "REGISTER_GROUP",
              MSG_OPEN_GROUP: "OPEN_GROUP", MSG_GROUP: "GROUP", MSG_ADMIN: "ADMIN",
-             MSG_ADMIN_REPLY: "ADMIN_REPLY"}
+             MSG_ADMIN_REPLY: "ADMIN_REPLY", MSG_EXEC_MAP: "EXEC_MAP",
+             MSG_EXEC_MAP_REPLY: "EXEC_MAP_REPLY"}
+
+# enum shardd_exec: who moves a group's bytes (register_group.exec, group_reply.exec; minor 5)
+EXEC_AUTO = 0     # the daemon picks: ranks up to shardd --rank-exec-max, else daemon
+EXEC_DAEMON = 1   # the daemon runs unshard, reduce and reshard on its worker pool
+EXEC_RANKS = 2    # each rank runs them in its own process, on the job's buffers (exec.py)
+EXEC_COUNT = 3
+EXEC_NAMES = {EXEC_AUTO: "auto", EXEC_DAEMON: "daemon", EXEC_RANKS: "ranks"}
 
 INIT_ZERO = 0
 INIT_RESTORE = 1
@@ -148,11 +158,14 @@ HELLO = struct.Struct("<HHI64sIIIiII16s")         # major minor pid job rank rep
 WELCOME = struct.Struct("<HHIIIIIQII24s")         # major minor client_id backend sq cq daemon_pid ring_size timeout rsvd0 rsvd
 ERROR_MSG = struct.Struct("<iI")                  # code msg_len
 PARAM_SPEC = struct.Struct("<80sIIII8Q")          # name dtype ndim shard_dim flags shape[8]
-REGISTER_GROUP = struct.Struct("<64sIIIIII")      # name nparams param_dtype reduce_dtype init flags rsvd
+REGISTER_GROUP = struct.Struct("<64sIIIIII")      # name nparams param_dtype reduce_dtype init flags exec
 OPEN_GROUP = struct.Struct("<64s")
 PARAM_LAYOUT = struct.Struct("<8Q")               # see ParamLayout
-GROUP_REPLY = struct.Struct("<IIIIIIQQQ4sIQQ")   # ... shard_size export_kind[4] optimizer last_step peer_last_step
-GROUP_REPLY_V3 = struct.Struct("<IIIIIIQQQ4sIQ")  # minor < 4: without peer_last_step
+GROUP_REPLY = struct.Struct("<IIIIIIQQQ4sIQQII")  # ... shard_size export_kind[4] optimizer last_step peer_last_step exec rsvd
+GROUP_REPLY_V4 = struct.Struct("<IIIIIIQQQ4sIQQ")   # minor 4: without exec
+GROUP_REPLY_V3 = struct.Struct("<IIIIIIQQQ4sIQ")    # minor < 4: without peer_last_step either
+EXEC_MAP = struct.Struct("<II")                     # group_id peer
+EXEC_MAP_REPLY = struct.Struct("<IIIIQQ")           # group_id peer gen nfds shard_map_size grad_map_size
 OPTIM_CONFIG = struct.Struct("<II6d2Q")           # kind flags momentum dampening weight_decay beta1 beta2 eps rsvd[2]
 SQE = struct.Struct("<B3xIQQII4Q")                # op (fence=0: no streams here, rsvd0) group step user_data flags rsvd1 arg[4]
 CQE = struct.Struct("<QiBBHIIQ4Q")                # user_data res op has_msg (fence, rsvd0: unused) group rsvd1 step result[4]
@@ -182,9 +195,39 @@ RH_DAEMON_HEARTBEAT_NS = 5 * CACHELINE + 16
 RH_CLIENT_LAST_OP = 6 * CACHELINE
 RH_CLIENT_LAST_STEP = 6 * CACHELINE + 8
 
+# Rank-executed groups (proto/shardd_exec.h): the daemon's sync page and each rank's slot.
+EXEC_MAGIC = 0x43455853     # "SXEC"
+EXEC_VERSION = 1
+EXEC_PAGE = 4096            # slot size and alignment; sync page granule
+EXEC_GONE = 0xFFFFFFFF      # gen[r] of a rank that left and has not attached again
+EXEC_SYNC_HDR = 2 * CACHELINE
+# Byte offsets in struct shardd_exec_sync.
+XS_MAGIC = 0
+XS_VERSION = 4
+XS_WORLD = 8
+XS_GROUP_ID = 12
+XS_EPOCH = CACHELINE
+XS_DEAD_RANK = CACHELINE + 4
+XS_CHANGES = CACHELINE + 8
+XS_GEN = EXEC_SYNC_HDR      # u32 [world]
+# Byte offsets in struct shardd_exec_slot.
+XL_SEQ = 0
+XL_STEP = 8
+XL_OP = 16
+XL_DONE = CACHELINE
+XL_UNSHARDS = 2 * CACHELINE
+XL_REDUCES = 2 * CACHELINE + 8
+XL_RESHARDS = 2 * CACHELINE + 16
+XL_CLEARED = 3 * CACHELINE
+XL_WAIT_OP = 4 * CACHELINE
+XL_WAIT_PEER = 4 * CACHELINE + 4
+XL_WAIT_SINCE_NS = 4 * CACHELINE + 8
+XL_SLEEPING = 4 * CACHELINE + 16
+
 for _s, _n in ((MSG_HDR, 16), (HELLO, 112), (WELCOME, 64), (ERROR_MSG, 8),
                (PARAM_SPEC, 160), (REGISTER_GROUP, 88), (OPTIM_CONFIG, 72), (OPEN_GROUP, 64),
-               (PARAM_LAYOUT, 64), (GROUP_REPLY, 72), (GROUP_REPLY_V3, 64), (SQE, 64), (CQE, 64)):
+               (PARAM_LAYOUT, 64), (GROUP_REPLY, 80), (GROUP_REPLY_V4, 72), (GROUP_REPLY_V3, 64),
+               (EXEC_MAP, 8), (EXEC_MAP_REPLY, 32), (SQE, 64), (CQE, 64)):
     if _s.size != _n:
         raise ImportError(f"shardd.proto: layout {_s.format!r} is {_s.size} bytes, "
                           f"shardd_proto.h says {_n}")
@@ -237,3 +280,29 @@ def error_text(code):
     """Short human description of a code, like shardd_strerror()."""
     c = -code if code < 0 else code
     return ERROR_TEXTS.get(c) or _os.strerror(c)
+
+
+def exec_sync_size(world):
+    """Bytes of a rank-executed group's sync page for `world` ranks: whole pages."""
+    b = EXEC_SYNC_HDR + world * 4
+    return -(-b // EXEC_PAGE) * EXEC_PAGE
+
+
+def exec_slot_offset(grad_size):
+    """Where a rank's slot begins in its grad buffer of grad_size bytes."""
+    return -(-grad_size // EXEC_PAGE) * EXEC_PAGE
+
+
+def exec_grad_map_size(grad_size):
+    """Bytes of a rank-executed group's grad buffer: its grads, then its slot."""
+    return exec_slot_offset(grad_size) + EXEC_PAGE
+
+
+def exec_word(epoch, n):
+    """A sequence word: op n of epoch."""
+    return (epoch << 32) | n
+
+
+def exec_reached(seen, epoch, n):
+    """A peer's sequence word `seen` says it reached op n of epoch (it may run one op ahead)."""
+    return seen >> 32 == epoch and seen & 0xFFFFFFFF >= n

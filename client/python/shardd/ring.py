@@ -107,12 +107,36 @@ else:
 _SYS_FUTEX = {"x86_64": 202, "AMD64": 202, "aarch64": 98, "arm64": 98, "riscv64": 98,
               "ppc64le": 221, "s390x": 238, "i686": 240, "i386": 240}.get(platform.machine())
 _FUTEX_WAIT = 0  # shared, not FUTEX_PRIVATE_FLAG: the word lives in another process's memory too
+_FUTEX_WAKE = 1
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 
 
 class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def futex_wait(addr, seen, timeout_s):
+    """Sleep while the u32 at address `addr` (shared memory) holds `seen`, at
+    most timeout_s: 0 (woken, or the word had moved: EAGAIN), -ETIMEDOUT or
+    -EINTR. Without a futex number for this machine, a short polling sleep."""
+    if _SYS_FUTEX is None:
+        time.sleep(min(timeout_s, 0.0005))
+        return 0
+    ts = _Timespec(int(timeout_s), int((timeout_s - int(timeout_s)) * 1e9))
+    r = _libc.syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(addr), ctypes.c_int(_FUTEX_WAIT),
+                      ctypes.c_uint32(seen), ctypes.byref(ts), None, ctypes.c_int(0))
+    if r < 0:
+        e = ctypes.get_errno()
+        return 0 if e == errno.EAGAIN else -e
+    return 0
+
+
+def futex_wake(addr):
+    """Wake every process sleeping on the u32 at address `addr` (shared memory)."""
+    if _SYS_FUTEX is not None:
+        _libc.syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(addr), ctypes.c_int(_FUTEX_WAKE),
+                      ctypes.c_int(0x7FFFFFFF), None, None, ctypes.c_int(0))
 
 
 class RingError(Exception):
@@ -287,19 +311,6 @@ class Ring:
             _full_fence()  # waiter count before the tail re-check; pairs with shardd_cq_push
             if h[P.RH_CQ_TAIL // 4] != seen:
                 return 0
-            if _SYS_FUTEX is None:
-                # No futex number for this machine: a short polling sleep.
-                time.sleep(min(timeout_s, 0.0005))
-                return 0
-            ts = _Timespec(int(timeout_s), int((timeout_s - int(timeout_s)) * 1e9))
-            r = _libc.syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(self._tail_addr),
-                              ctypes.c_int(_FUTEX_WAIT), ctypes.c_uint32(seen),
-                              ctypes.byref(ts), None, ctypes.c_int(0))
-            if r < 0:
-                e = ctypes.get_errno()
-                if e == errno.EAGAIN:
-                    return 0
-                return -e
-            return 0
+            return futex_wait(self._tail_addr, seen, timeout_s)
         finally:
             h[P.RH_CQ_WAITERS // 4] = (h[P.RH_CQ_WAITERS // 4] - 1) & _U32

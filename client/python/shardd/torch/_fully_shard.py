@@ -193,7 +193,7 @@ def _fsdp_class(cls):
 
 
 def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placement_fn=None,
-                mp_policy=None):
+                mp_policy=None, exec="auto"):
     """Shard `module`'s parameters (those no nested fully_shard manages)
     through shardd; returns the module, now also an FSDPModule.
 
@@ -207,7 +207,10 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     same modules in the same order, with the same initial parameter values
     (each rank keeps its own rows of them). The daemon knows each param by
     its fully qualified name in the root model (``layers.3.attention_norm.weight``),
-    the name checkpoints and shardctl use."""
+    the name checkpoints and shardctl use. exec: who moves the group's bytes
+    (Client.register_group's): "auto" (the daemon picks by size, shardd
+    --rank-exec-max), "daemon", or "ranks" (unshard, reduce and reshard run
+    in this process, on the job's shared buffers, as it waits for them)."""
     mesh, dmesh = resolve_mesh(mesh, "fully_shard")
     if isinstance(module, FSDPModule):
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
@@ -241,7 +244,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
               for i, p in enumerate(order)]
     state = FSDPParamGroup(module, mesh, dmesh, params, name, mp, reshard_after_forward)
     if params:
-        register(state, order, shard_placement_fn, opt)
+        register(state, order, shard_placement_fn, opt, exec)
         if opt is not None:
             opt._attach(state, order)
         state.optimizer = opt

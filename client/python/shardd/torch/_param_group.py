@@ -273,7 +273,7 @@ def _placement_dim(result, name):
     return dim
 
 
-def register(state, tensors, shard_placement_fn, optimizer=None):
+def register(state, tensors, shard_placement_fn, optimizer=None, exec="auto"):
     mp = state.mp
     specs = []
     for p, t in zip(state.params, tensors):
@@ -302,7 +302,7 @@ def register(state, tensors, shard_placement_fn, optimizer=None):
         else:
             g = state.client.register_group(state.name, specs, pd, rd,
                                             optimizer=optimizer.config if optimizer else None,
-                                            restore=restore)
+                                            restore=restore, exec=exec)
     except ShardError as e:
         fix = ""
         if e.code == -errno.EEXIST:

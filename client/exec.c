@@ -325,6 +325,18 @@ static int peer_ready(const struct shardd_xop *o, uint32_t r, int *res, char *ms
 	uint64_t seen = shardd_load_acquire(&s->seq);
 	uint32_t pop;
 
+	if (shardd_load_acquire(&s->gave_up) == shardd_exec_word(o->epoch, o->n) &&
+	    SHARDD_READ_ONCE(s->gave_up_step) == o->step) {
+		/* The daemon's words for a late arrival at a rendezvous that timed out. */
+		msgf(msg, len,
+		     "shardd: %s(group '%s', step %llu): rank %u arrived after rank %u gave up "
+		     "waiting for it (the collective timeout, %g s); failed at once: retry with the "
+		     "others",
+		     shardd_op_name(o->op), o->g->name, (unsigned long long)o->step, x->rank, r,
+		     o->g->client->welcome.collective_timeout_ms / 1e3);
+		*res = -SHARDD_E_TIMEOUT;
+		return 1;
+	}
 	if (!shardd_exec_reached(seen, o->epoch, o->n))
 		return 0;
 	*res = 1;
@@ -460,12 +472,13 @@ static int peers_at(struct shardd_xop *o, int done, uint64_t **word, uint64_t *s
 		if (shardd_client_now_ns() < o->deadline)
 			return 0;
 		missing(x, o, done, who, sizeof(who));
+		/* The daemon's words for a rendezvous that timed out. */
 		msgf(msg, len,
-		     "shardd: %s(group '%s', step %llu): timed out after %u ms waiting for rank(s) "
-		     "%s to %s",
+		     "shardd: %s(group '%s', step %llu): rank(s) %s did not %s within %g s; rank %u "
+		     "is waiting",
 		     shardd_op_name(o->op), o->g->name, (unsigned long long)o->step,
-		     o->g->client->welcome.collective_timeout_ms, who[0] ? who : "?",
-		     done ? "finish reading this rank's grads" : "submit it");
+		     who[0] ? who : "?", done ? "finish reading this rank's grads" : "submit it",
+		     o->g->client->welcome.collective_timeout_ms / 1e3, x->rank);
 		return -SHARDD_E_TIMEOUT;
 	}
 	return 1;
@@ -826,6 +839,11 @@ static int xop_retract(struct shardd_client *c, struct shardd_xop *o, struct sha
 			memcpy(o->g->buf[SHARDD_BUF_SHARD_GRAD].addr, o->backup,
 			       o->g->info.shard_size);
 		shardd_store_release(&mine->reduces, o->prev_reduces);
+	}
+	/* Given up on: a peer that comes to this op later fails it at once (peer_ready). */
+	if (cp->res == -SHARDD_E_TIMEOUT) {
+		SHARDD_WRITE_ONCE(mine->gave_up_step, o->step);
+		shardd_store_release(&mine->gave_up, shardd_exec_word(o->epoch, o->n));
 	}
 	if (o->epoch == x->epoch)
 		x->n = o->n - 1;

@@ -66,8 +66,12 @@ struct shardd_exec_slot {
 	uint64_t unshards;
 	uint64_t reduces;
 	uint64_t reshards;
-	uint64_t rsvd2;
-	uint8_t pad2[SHARDD_CACHELINE - 32];
+	/* the op (epoch << 32 | n) this rank gave up waiting for (the collective timeout), and
+	   its step: a peer that comes to it later fails it at once, as the daemon's late
+	   rendezvous does (a retry, another step at the same number, does not) */
+	uint64_t gave_up;
+	uint64_t gave_up_step;
+	uint8_t pad2[SHARDD_CACHELINE - 40];
 	/* line 3: written by the daemon only */
 	uint64_t cleared; /* `reduces` when the daemon last zeroed the sharded grad */
 	uint8_t pad3[SHARDD_CACHELINE - 8];

@@ -122,6 +122,8 @@ Test(proto, group_messages_layout, .timeout = 5)
 	cr_assert_eq(OFF(shardd_exec_slot, op), 16);
 	cr_assert_eq(OFF(shardd_exec_slot, done), 64);
 	cr_assert_eq(OFF(shardd_exec_slot, unshards), 128);
+	cr_assert_eq(OFF(shardd_exec_slot, gave_up), 152);
+	cr_assert_eq(OFF(shardd_exec_slot, gave_up_step), 160);
 	cr_assert_eq(OFF(shardd_exec_slot, cleared), 192);
 	cr_assert_eq(OFF(shardd_exec_slot, wait_op), 256);
 	cr_assert_eq(OFF(shardd_exec_slot, wait_since_ns), 264);

@@ -483,6 +483,14 @@ class ExecState:
         MISMATCH (code, text) when it is exactly at o with another op or step."""
         s = self.peers[r].slot
         seen = s.word(P.XL_SEQ)
+        if (s.word(P.XL_GAVE_UP) == P.exec_word(o.epoch, o.n) and
+                s.word(P.XL_GAVE_UP_STEP) == o.step):
+            # The daemon's words for a late arrival at a rendezvous that timed out.
+            return (-P.E_TIMEOUT,
+                    f"shardd: {_op_name(o.op)}(group '{self.g.name}', step {o.step}): rank "
+                    f"{self.rank} arrived after rank {r} gave up waiting for it (the collective "
+                    f"timeout, {self.client.collective_timeout_ms / 1e3:g} s); failed at once: retry "
+                    f"with the others")
         if not P.exec_reached(seen, o.epoch, o.n):
             return None
         R._acquire()
@@ -583,9 +591,11 @@ class ExecState:
                 return 0, ""
             who = self._missing(o, P.XL_DONE if done else P.XL_SEQ)
             to = "finish reading this rank's grads" if done else "submit it"
+            # The daemon's words for a rendezvous that timed out.
             return (-P.E_TIMEOUT,
-                    f"shardd: {_op_name(o.op)}(group '{self.g.name}', step {o.step}): timed out after "
-                    f"{self.client.collective_timeout_ms} ms waiting for rank(s) {who or '?'} to {to}")
+                    f"shardd: {_op_name(o.op)}(group '{self.g.name}', step {o.step}): rank(s) "
+                    f"{who or '?'} did not {to} within {self.client.collective_timeout_ms / 1e3:g} s; "
+                    f"rank {self.rank} is waiting")
         self.wait_on = None
         return 1, ""
 
@@ -692,7 +702,7 @@ class ExecState:
             return None
         return (ret, msg) if ret < 0 else (0, "")
 
-    def retract(self, o):
+    def retract(self, o, code):
         """Op o failed where no rank can have completed it: before it read
         anything (a peer had not reached it), or a reduce whose peer left
         before finishing it. Its number is given back, so that this rank and
@@ -700,6 +710,11 @@ class ExecState:
         of the daemon leaves no trace; a reduce's sharded grad and count are
         put back, then the slot as it was before o was published."""
         mine = self.mine
+        if code == -P.E_TIMEOUT:
+            # Given up on: a peer that comes to this op later fails it at once.
+            mine.set_word(P.XL_GAVE_UP_STEP, o.step)
+            R._release()
+            mine.set_word(P.XL_GAVE_UP, P.exec_word(o.epoch, o.n))
         if o.read:
             if o.backup is not None:
                 self.g.maps[self.g.SHARD_GRAD][:] = o.backup
@@ -763,7 +778,7 @@ def progress(client):
                                         f"shardd: {_op_name(p.op)}(group '{x.g.name}', step "
                                         f"{p.step}): not run: {res[1][:180]}"))
                 done += 1
-            x.retract(o)
+            x.retract(o, res[0])
         if not o.ran:
             client._file(Completion(o.user_data, res[0], o.op, x.g.id, o.step, res[1]))
         done += 1

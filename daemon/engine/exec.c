@@ -40,8 +40,8 @@ static const char *exec_obstacle(const struct eng_group *eg)
 	const struct shd_backend_ops *ops = j->e->backend->ops;
 
 	if (!ops->seal_readonly || !ops->host_map)
-		return ops->name[0] == 'c' ? "the cuda backend runs groups daemon-executed only"
-					   : "the backend cannot lend sealed host buffers";
+		return "the backend's buffers are not host memory it can seal for the ranks (the "
+		       "host backend's are)";
 	if (j->span_nodes > 1)
 		return "the job spans nodes";
 	if (eng_mesh_replicate(j) > 1)

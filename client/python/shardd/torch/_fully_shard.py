@@ -260,24 +260,43 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     return module
 
 
+def _parents(child):
+    """The modules that hold `child` in their _modules, as [(module, attr)]:
+    child <- a _modules dict <- the parent's __dict__ <- the parent."""
+    found = {}
+    for d in gc.get_referrers(child):
+        if not isinstance(d, dict):
+            continue
+        attrs = [a for a, c in list(d.items()) if c is child]
+        if not attrs:
+            continue
+        for holder in gc.get_referrers(d):
+            # type() and vars(): no __class__ property or __getattr__ runs.
+            owners = [holder] if issubclass(type(holder), torch.nn.Module) else [
+                o for o in gc.get_referrers(holder)
+                if issubclass(type(o), torch.nn.Module) and vars(o) is holder]
+            for o in owners:
+                if vars(o).get("_modules") is d:
+                    found.setdefault(id(o), (o, attrs[0]))
+    return list(found.values())
+
+
 def _root_prefix(module):
     """`module`'s name in the outermost module holding it, with a trailing
     dot ("layers.3."; "" for a module no other one holds): the prefix that
     makes its params' names the root model's fully qualified names. A
-    module knows no parent, so the parents are found among the live modules
-    (fully_shard on blocks runs before fully_shard on the root, as FSDP2's
-    scripts do, so the names cannot wait for the root's call)."""
-    parents = {}
-    for o in gc.get_objects():
-        # type() and vars(): no __class__ property or __getattr__ runs, and a module
-        # whose __init__ failed (or that is being torn down) may hold no _modules.
-        if issubclass(type(o), torch.nn.Module):
-            for attr, child in vars(o).get("_modules", {}).items():
-                if child is not None:
-                    parents.setdefault(id(child), {}).setdefault(id(o), (o, attr))
+    module knows no parent, so its parents are found through what refers to
+    it (fully_shard on blocks runs before fully_shard on the root, as FSDP2's
+    scripts do, so the names cannot wait for the root's call). Only the
+    referrers of the modules on the way up are looked at, never every live
+    object: gc.get_objects() can hand out a tuple another thread is still
+    building, which then fails to finish (CPython's "bad argument to internal
+    function")."""
     parts, seen, m = [], {id(module)}, module
-    while id(m) in parents:
-        held = list(parents[id(m)].values())
+    while True:
+        held = _parents(m)
+        if not held:
+            break
         if len(held) > 1:
             raise ValueError(
                 f"fully_shard({type(module).__name__}): {type(m).__name__} is a submodule of "

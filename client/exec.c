@@ -314,6 +314,31 @@ static void missing(const struct shardd_exec_state *x, const struct shardd_xop *
 }
 
 /*
+ * A reduce whose peer r (now at generation `gen`) left before it stored
+ * its done for op `o`: that peer never wrote its own output, so the reduce
+ * fails on every rank alike, -SHARDD_E_PEER_DIED with msg (each sees the
+ * same final words in its mapping of the departed peer's slot), and is
+ * retried whole, at once: waiting for the done phase would leave a rank
+ * still reading waiting for a peer that has already failed and given its
+ * number back. 0 when r is still the generation mapped here, the op is not
+ * a reduce, or r stored its done before it left.
+ */
+static int reduce_abandoned(const struct shardd_xop *o, uint32_t r, uint32_t gen, char *msg,
+			    size_t len)
+{
+	const struct shardd_exec_state *x = o->g->x;
+
+	if (o->op != SHARDD_OP_REDUCE || gen == x->peer[r].gen ||
+	    shardd_exec_reached(shardd_load_acquire(&x->peer[r].slot->done), o->epoch, o->n))
+		return 0;
+	msgf(msg, len,
+	     "shardd: reduce(group '%s', step %llu): rank %u left (its client is gone) before it "
+	     "finished this rank-executed reduce; retry it once the rank is back",
+	     o->g->name, (unsigned long long)o->step, r);
+	return -SHARDD_E_PEER_DIED;
+}
+
+/*
  * 1 when mapped peer r's seq says it reached op `o`, with *res 1, or
  * -SHARDD_E_MISMATCH (and msg) when it is exactly at this op but submitted
  * another op or step; 0 when it has not reached it.
@@ -355,17 +380,22 @@ static int peer_ready(const struct shardd_xop *o, uint32_t r, int *res, char *ms
 	return 1;
 }
 
+/* Peer r reached op `o`: 1, or the error of a reduce it abandoned. */
+static int reached(const struct shardd_xop *o, uint32_t r, uint32_t gen, char *msg, size_t len)
+{
+	int ret = reduce_abandoned(o, r, gen, msg, len);
+
+	return ret < 0 ? ret : 1;
+}
+
 /*
  * Whether peer r reached op `o` (its seq, or its done when `done`),
  * mapping its buffers first when its generation changed: 1, 0 (not yet;
  * *word and *seen say what to sleep on, *word NULL: the sync page), or an
  * error with msg.
  *
- * For `done` (a reduce that has written its output): a peer that left
- * before it stored its done never wrote its own output, so the reduce
- * fails on every rank alike (-SHARDD_E_PEER_DIED: each sees the same
- * final words in its mapping of the departed peer's slot) and is retried
- * whole; one that stored it first counts.
+ * A reduce whose peer left before it stored its done fails (see
+ * reduce_abandoned), whether this rank has written its output yet or not.
  */
 static int peer_at(struct shardd_xop *o, uint32_t r, int done, uint64_t **word, uint64_t *seen,
 		   char *msg, size_t len)
@@ -381,27 +411,21 @@ static int peer_at(struct shardd_xop *o, uint32_t r, int done, uint64_t **word, 
 		*seen = shardd_load_acquire(*word);
 		if (shardd_exec_reached(*seen, o->epoch, o->n))
 			return 1;
-		if (gen == x->peer[r].gen)
-			return 0;
-		msgf(msg, len,
-		     "shardd: reduce(group '%s', step %llu): rank %u left (its client is gone) before "
-		     "it finished this rank-executed reduce; retry it once the rank is back",
-		     g->name, (unsigned long long)o->step, r);
-		return -SHARDD_E_PEER_DIED;
+		return reduce_abandoned(o, r, gen, msg, len);
 	}
 	/*
 	 * A peer that reached the op before it left counts: its buffers stay
 	 * mapped here, and what it published cannot change any more.
 	 */
 	if (x->peer[r].gen && peer_ready(o, r, &ret, msg, len))
-		return ret;
+		return ret < 0 ? ret : reached(o, r, gen, msg, len);
 	/*
 	 * A peer that left may have reached the op in buffers this rank never
 	 * mapped (it attached again, ran, and left): the daemon still lends
 	 * what it published last.
 	 */
 	if (gen == SHARDD_EXEC_GONE && exec_map(g, r) == 0 && peer_ready(o, r, &ret, msg, len))
-		return ret;
+		return ret < 0 ? ret : reached(o, r, gen, msg, len);
 	if (gen == SHARDD_EXEC_GONE) {
 		msgf(msg, len,
 		     "shardd: %s(group '%s', step %llu): rank %u left (its client is gone) and has "

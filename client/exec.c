@@ -290,6 +290,7 @@ struct shardd_xop {
 	uint64_t prev_reduces; /* a reduce: the slot's count before it */
 	void *backup;          /* an accumulating reduce: the sharded grad before it, or NULL */
 	int read;              /* a reduce read its inputs and published done */
+	int keep;              /* failed where a peer that gave up on it kept its number: keep it too */
 	int64_t deadline;      /* CLOCK_MONOTONIC ns: the collective timeout from its submission */
 	struct shardd_completion *out; /* a sync call's: filled here instead of the stash */
 	int *finished;                 /* and set to 1 */
@@ -338,21 +339,34 @@ static int reduce_abandoned(const struct shardd_xop *o, uint32_t r, uint32_t gen
 	return -SHARDD_E_PEER_DIED;
 }
 
+/* Whether the peer whose slot is `s` gave up waiting on op `o` (its collective timeout). */
+static int peer_gave_up(const struct shardd_xop *o, const struct shardd_exec_slot *s)
+{
+	return shardd_load_acquire(&s->gave_up) == shardd_exec_word(o->epoch, o->n) &&
+	       SHARDD_READ_ONCE(s->gave_up_step) == o->step;
+}
+
 /*
  * 1 when mapped peer r's seq says it reached op `o`, with *res 1, or
  * -SHARDD_E_MISMATCH (and msg) when it is exactly at this op but submitted
  * another op or step; 0 when it has not reached it.
  */
-static int peer_ready(const struct shardd_xop *o, uint32_t r, int *res, char *msg, size_t len)
+static int peer_ready(struct shardd_xop *o, uint32_t r, int *res, char *msg, size_t len)
 {
 	const struct shardd_exec_state *x = o->g->x;
 	const struct shardd_exec_slot *s = x->peer[r].slot;
 	uint64_t seen = shardd_load_acquire(&s->seq);
 	uint32_t pop;
 
-	if (shardd_load_acquire(&s->gave_up) == shardd_exec_word(o->epoch, o->n) &&
-	    SHARDD_READ_ONCE(s->gave_up_step) == o->step) {
-		/* The daemon's words for a late arrival at a rendezvous that timed out. */
+	if (peer_gave_up(o, s)) {
+		/*
+		 * The daemon's words for a late arrival at a rendezvous that timed
+		 * out. A peer that gave up before it read had given its number
+		 * back, and so does this rank; one that gave up waiting for the
+		 * others to finish reading its grads kept it (xop_fail), and so
+		 * does this rank, so that their next ops are numbered alike.
+		 */
+		o->keep = shardd_exec_reached(shardd_load_acquire(&s->seq), o->epoch, o->n);
 		msgf(msg, len,
 		     "shardd: %s(group '%s', step %llu): rank %u arrived after rank %u gave up "
 		     "waiting for it (the collective timeout, %g s); failed at once: retry with the "
@@ -409,9 +423,19 @@ static int peer_at(struct shardd_xop *o, uint32_t r, int done, uint64_t **word, 
 	if (done) {
 		*word = &x->peer[r].slot->done;
 		*seen = shardd_load_acquire(*word);
-		if (shardd_exec_reached(*seen, o->epoch, o->n))
-			return 1;
-		return reduce_abandoned(o, r, gen, msg, len);
+		if (!shardd_exec_reached(*seen, o->epoch, o->n))
+			return reduce_abandoned(o, r, gen, msg, len);
+		/* It read this rank's grads, but too late: it has failed the reduce, and so does this rank. */
+		if (peer_gave_up(o, x->peer[r].slot)) {
+			msgf(msg, len,
+			     "shardd: reduce(group '%s', step %llu): rank %u finished reading after rank "
+			     "%u gave up waiting for it (the collective timeout, %g s); failed at once: "
+			     "retry with the others",
+			     g->name, (unsigned long long)o->step, x->rank, r,
+			     g->client->welcome.collective_timeout_ms / 1e3);
+			return -SHARDD_E_TIMEOUT;
+		}
+		return 1;
 	}
 	/*
 	 * A peer that reached the op before it left counts: its buffers stay
@@ -864,11 +888,6 @@ static int xop_retract(struct shardd_client *c, struct shardd_xop *o, struct sha
 			       o->g->info.shard_size);
 		shardd_store_release(&mine->reduces, o->prev_reduces);
 	}
-	/* Given up on: a peer that comes to this op later fails it at once (peer_ready). */
-	if (cp->res == -SHARDD_E_TIMEOUT) {
-		SHARDD_WRITE_ONCE(mine->gave_up_step, o->step);
-		shardd_store_release(&mine->gave_up, shardd_exec_word(o->epoch, o->n));
-	}
 	if (o->epoch == x->epoch)
 		x->n = o->n - 1;
 	SHARDD_WRITE_ONCE(mine->op, o->prev_op);
@@ -920,9 +939,19 @@ int shardd_exec_progress(struct shardd_client *c)
 		 * it alike, which it can only see while the others' words stay.
 		 */
 		ret = cp.res < 0 && o->op != SHARDD_OP_RESHARD && cp.res != -SHARDD_E_MISMATCH &&
-				      (!o->read || cp.res == -SHARDD_E_PEER_DIED)
+				      !o->keep && (!o->read || cp.res == -SHARDD_E_PEER_DIED)
 			      ? xop_retract(c, o, prev, &next, &cp)
 			      : 0;
+		/*
+		 * Given up on: a peer that comes to this op later fails it at once
+		 * (peer_ready, peer_at). Stored after the retraction, so that a
+		 * peer that sees it sees whether the number was given back.
+		 */
+		if (cp.res == -SHARDD_E_TIMEOUT && o->op != SHARDD_OP_RESHARD && !o->keep) {
+			SHARDD_WRITE_ONCE(o->g->x->mine->gave_up_step, o->step);
+			shardd_store_release(&o->g->x->mine->gave_up,
+					     shardd_exec_word(o->epoch, o->n));
+		}
 		if (!ret) {
 			ret = xop_deliver(c, o, &cp);
 		} else {

@@ -175,11 +175,19 @@ int shardd_client_request(struct shardd_client *c, uint16_t type, const void *pa
 	}
 }
 
+/* How long a detached client waits for the daemon's notice of why (it is sent as the ring is marked dead). */
+#define NOTICE_WAIT_MS 1000
+
 int shardd_client_check_alive(struct shardd_client *c)
 {
 	uint32_t flags = shardd_ring_flags(&c->ring);
 	struct pollfd p = { .fd = c->sock, .events = POLLIN };
-	int ready = poll(&p, 1, 0);
+	/*
+	 * A ring marked dead: the daemon detached this client, and its notice
+	 * (why) or the close follows on the socket, if not there yet. Waited
+	 * for a bounded while, so the error names why.
+	 */
+	int ready = poll(&p, 1, (flags & SHARDD_RING_DEAD) && !c->daemon_code ? NOTICE_WAIT_MS : 0);
 
 	/* A closed socket first: it tells a stopped daemon from a detached ring. */
 	if (ready > 0 && (p.revents & POLLIN)) {

@@ -290,8 +290,8 @@ struct shardd_xop {
 	uint64_t prev_reduces; /* a reduce: the slot's count before it */
 	void *backup;          /* an accumulating reduce: the sharded grad before it, or NULL */
 	int read;              /* a reduce read its inputs and published done */
-	int keep;              /* failed where a peer that gave up on it kept its number: keep it too */
-	int64_t deadline;      /* CLOCK_MONOTONIC ns: the collective timeout from its submission */
+	int keep;         /* failed where a peer that gave up on it kept its number: keep it too */
+	int64_t deadline; /* CLOCK_MONOTONIC ns: the collective timeout from its submission */
 	struct shardd_completion *out; /* a sync call's: filled here instead of the stash */
 	int *finished;                 /* and set to 1 */
 };
@@ -992,6 +992,43 @@ void shardd_exec_nap(struct shardd_client *c, int64_t max_ns)
 		shardd_exec_sleep(c->xwait.mine, c->xwait.word, c->xwait.seen, &ts);
 	else
 		shardd_futex(&c->xwait.sync->changes, FUTEX_WAIT, c->xwait.changes, &ts);
+}
+
+/* Fail every op of the list at *head with `res` and `msg`: the number failed, or the first delivery's error. */
+static int xops_fail(struct shardd_client *c, struct shardd_xop **head, int res, const char *msg)
+{
+	struct shardd_xop *o;
+	int n = 0, ret = 0;
+
+	while ((o = *head)) {
+		struct shardd_completion cp = { .user_data = o->user_data,
+						.op = o->op,
+						.group = o->g->info.group_id,
+						.step = o->step,
+						.res = res };
+
+		*head = o->next;
+		if (SHARDD_READ_ONCE(o->g->x->mine->wait_op))
+			shardd_store_release(&o->g->x->mine->wait_op, 0u);
+		msgf(cp.msg, sizeof(cp.msg), "%s", msg);
+		if (!ret) {
+			ret = xop_deliver(c, o, &cp);
+		} else {
+			xop_free(o);
+		}
+		n++;
+	}
+	return ret < 0 ? ret : n;
+}
+
+int shardd_exec_fail_all(struct shardd_client *c, int res, const char *msg)
+{
+	/* The pending ops, and the reduces whose step the daemon was to run. */
+	int pending = xops_fail(c, &c->xhead, res, msg);
+	int steps = xops_fail(c, &c->xsteps, res, msg);
+
+	c->xtail = c->xsteps_tail = NULL;
+	return pending < 0 ? pending : steps < 0 ? steps : pending + steps;
 }
 
 /* Drop the ops of group `g` from the list at *head (and *tail). */

@@ -235,6 +235,13 @@ SHARDD_HIDDEN int shardd_exec_pending(const struct shardd_client *c);
 SHARDD_HIDDEN int shardd_exec_progress(struct shardd_client *c);
 /* Sleep up to max_ns on what the first pending op waits for (after a progress pass). */
 SHARDD_HIDDEN void shardd_exec_nap(struct shardd_client *c, int64_t max_ns);
+/*
+ * The daemon detached this client (its job ended, or it is gone): every
+ * pending op fails with `res` and `msg` (no peer can finish it with this
+ * rank now), and the steps its reduces asked for are dropped. The number
+ * failed, or a negative code (a completion could not be queued).
+ */
+SHARDD_HIDDEN int shardd_exec_fail_all(struct shardd_client *c, int res, const char *msg);
 /* Drop the group's pending ops and unsubmitted steps (it is being closed). */
 SHARDD_HIDDEN void shardd_exec_forget(struct shardd_client *c, const struct shardd_group *g);
 

@@ -229,7 +229,14 @@ static int sleep_cq(struct shardd_client *c, int64_t deadline)
 	/* Completions pushed before a daemon died are still delivered first. */
 	if (n > 0)
 		return 0;
-	return shardd_client_check_alive(c);
+	ret = shardd_client_check_alive(c);
+	/* Rank-executed ops then fail with the reason, as completions, as the daemon's would. */
+	if (ret < 0 && shardd_exec_pending(c)) {
+		int failed = shardd_exec_fail_all(c, ret, shardd_last_error());
+
+		return failed < 0 ? failed : 0;
+	}
+	return ret;
 }
 
 /* Describe where the ring stands, for timeout messages. */

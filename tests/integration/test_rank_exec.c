@@ -318,8 +318,73 @@ struct fault_arg {
 enum {
 	FAULT_ABSENT,
 	FAULT_DEAD,
-	FAULT_GARBAGE
+	FAULT_GARBAGE,
+	FAULT_ENDED
 };
+
+#define END_NEEDLE "was ended by an admin request (shardctl end"
+
+/* Whether `shardctl groups JOB` shows rank 0 of group g waiting in an unshard for rank 1. */
+static int rank0_waits(const char *job)
+{
+	const char *argv[] = { "groups", job, NULL };
+	char out[8192];
+	json_t *r = harness_shardctl_json(daemon_.socket, argv, 10000, out, sizeof(out));
+	const json_t *g = json_array_get(
+		json_object_get(json_array_get(json_object_get(r, "jobs"), 0), "groups"), 0);
+	const json_t *w =
+		json_object_get(json_array_get(json_object_get(g, "exec_ranks"), 0), "waiting");
+	int found = w && strcmp(json_string_value(json_object_get(w, "op")), "unshard") == 0 &&
+		    json_integer_value(json_object_get(w, "for_rank")) == 1;
+
+	json_decref(r);
+	return found;
+}
+
+/*
+ * Rank 1 of FAULT_ENDED: once shardctl shows rank 0 waiting for it, end
+ * the job; its own next op fails naming the end.
+ */
+static int end_the_job(const struct fault_arg *a, struct shardd_group *g)
+{
+	const char *argv[] = { "end", a->job, NULL };
+	int64_t deadline = harness_now_ms() + CHILD_MS / 2;
+	char out[4096];
+	int ret;
+
+	while (!rank0_waits(a->job))
+		CHILD_CHECK(harness_now_ms() < deadline, "rank 0 never showed waiting for rank 1");
+	CHILD_CHECK(harness_shardctl(daemon_.socket, argv, 10000, out, sizeof(out)) == 0,
+		    "shardctl end: %s", out);
+	ret = shardd_unshard(g, 1);
+	CHILD_CHECK(ret == -SHARDD_E_SHUTDOWN && strstr(shardd_last_error(), END_NEEDLE),
+		    "rank 1's op after the end: %d %s", ret, shardd_last_error());
+	return 0;
+}
+
+/*
+ * Rank 0 of FAULT_ENDED: its unshard in flight, waiting for rank 1, when
+ * the job is ended completes with the daemon's words for it (not a
+ * timeout, not a bare "detached"), as a daemon-executed op's would; every
+ * later wait fails with them.
+ */
+static int ended_rank0(struct shardd_group *g, struct shardd_client *c)
+{
+	struct shardd_completion cp;
+	int ret;
+
+	CHILD_CHECK_SHARDD(shardd_group_submit(g, SHARDD_OP_UNSHARD, 1, 0, 5));
+	CHILD_CHECK_SHARDD(shardd_wait(c, &cp, CHILD_MS));
+	CHILD_CHECK(cp.user_data == 5 && cp.res == -SHARDD_E_SHUTDOWN &&
+			    strstr(cp.msg, END_NEEDLE) && strstr(cp.msg, "'ended'"),
+		    "the unshard in flight when the job ended: %d %s", cp.res, cp.msg);
+	ret = shardd_wait(c, &cp, CHILD_MS);
+	CHILD_CHECK(ret == -SHARDD_E_SHUTDOWN && strstr(shardd_last_error(), END_NEEDLE),
+		    "a wait after the end: %d %s", ret, shardd_last_error());
+	shardd_group_close(g);
+	shardd_close(c);
+	return 0;
+}
 
 static int fault_rank(void *arg)
 {
@@ -347,6 +412,12 @@ static int fault_rank(void *arg)
 		CHILD_CHECK(harness_signal(a->go[1], 'g') == 0, "signal rank 0");
 		if (a->mode == FAULT_DEAD)
 			raise(SIGKILL);
+		if (a->mode == FAULT_ENDED) {
+			ret = end_the_job(a, g);
+			shardd_group_close(g);
+			shardd_close(c);
+			return ret;
+		}
 		/* Absent or lying: it stays attached until rank 0 is done. */
 		CHILD_CHECK(harness_read_full(a->go[0], &byte, 1, CHILD_MS) == 0, "rank 0's end");
 		shardd_group_close(g);
@@ -355,6 +426,8 @@ static int fault_rank(void *arg)
 	}
 	CHILD_CHECK(harness_read_full(a->go[0], &byte, 1, CHILD_MS) == 0, "rank 1 never came");
 	t0 = harness_now_ms();
+	if (a->mode == FAULT_ENDED)
+		return ended_rank0(g, c);
 	ret = shardd_unshard(g, 1);
 	if (a->mode == FAULT_ABSENT)
 		CHILD_CHECK(ret == -SHARDD_E_TIMEOUT && strstr(shardd_last_error(), "rank(s) 1"),
@@ -418,6 +491,11 @@ Test(rank_exec, a_missing_rank_times_out_named)
 Test(rank_exec, a_dead_rank_fails_its_peers_at_once_named)
 {
 	run_fault("dead", FAULT_DEAD);
+}
+
+Test(rank_exec, a_job_ended_under_a_waiting_op_fails_it_naming_the_end)
+{
+	run_fault("ended", FAULT_ENDED);
 }
 
 /* The daemon and other jobs go on: a fresh job runs its ops after the lying one. */

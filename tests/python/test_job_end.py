@@ -24,14 +24,18 @@ def assert_ended(err, job):
 
 
 @pytest.mark.timeout_s(40)
-def test_end_fails_every_rank_with_the_admin_end_not_daemon_gone(daemon, request):
+@pytest.mark.parametrize("exec_", ["daemon", "ranks"])
+def test_end_fails_every_rank_with_the_admin_end_not_daemon_gone(daemon, request, exec_):
     job = job_name(request)
     with attached(request, daemon, 1, 3) as clients, \
             attach(daemon, request, 0, 1, 1, suffix="-other") as other:
-        groups = run_ranks(lambda r: clients[r].register_group("g", SPECS), 3)
-        # Rank 0's unshard waits in its rendezvous for ranks 1 and 2 when the job ends.
+        groups = run_ranks(lambda r: clients[r].register_group("g", SPECS, exec=exec_), 3)
+        # One op together first: every rank has mapped its peers' buffers (rank-executed).
+        run_ranks(lambda r: (groups[r].unshard(0), groups[r].reshard(0)), 3)
+        # Rank 0's unshard waits for ranks 1 and 2 when the job ends: in its rendezvous
+        # (daemon-executed), or published to them (rank-executed: the daemon never sees it).
         assert groups[0].submit(shardd.OP_UNSHARD, step=1, user_data=7)
-        while clients[0].ring_status()["sq_pending"]:
+        while exec_ == "daemon" and clients[0].ring_status()["sq_pending"]:
             pass
         out = run_shardctl(daemon.socket, "end", job)
         assert out.returncode == 0, out.stderr

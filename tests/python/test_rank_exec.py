@@ -188,3 +188,32 @@ def test_peers_that_never_submit_time_out_naming_them_and_the_next_op_pairs_up(r
         assert "rank(s) 1, 2 did not submit it within 1 s; rank 0 is waiting" in ei.value.text
         # Its number was given back: the three ranks' next reduce pairs up.
         run_ranks(lambda r: groups[r].reduce(3), 3)
+
+
+@pytest.mark.timeout_s(30)
+def test_a_rank_that_reads_after_its_peer_gave_up_fails_too_and_keeps_the_number(request):
+    """Rank 0 publishes a reduce but does not read until rank 1 timed out
+    waiting for it to finish reading rank 1's grads. Rank 1 has written its
+    output and keeps the op's number; rank 0 must fail the reduce as well
+    (the daemon fails a late arrival at once), keeping the number too, so
+    that their next reduce pairs up instead of mismatching."""
+    with Daemon(("--collective-timeout", "1")) as d, attached(request, d, 1, 2) as clients:
+        groups = run_ranks(lambda r: clients[r].register_group(
+            "g", [("w", "fp32", (6,))], exec="ranks"), 2)
+        assert groups[0].submit(P.OP_REDUCE, step=2, user_data=5)
+        with pytest.raises(shardd.ShardError) as ei:
+            groups[1].reduce(2)
+        assert ei.value.code == -P.E_TIMEOUT, ei.value
+        assert "rank(s) 0 did not finish reading this rank's grads within 1 s" in ei.value.text
+        comp = clients[0].wait(timeout=10)
+        assert comp.user_data == 5 and comp.res == -P.E_TIMEOUT, comp
+        assert "rank 0 arrived after rank 1 gave up waiting for it" in comp.msg, comp.msg
+        assert groups[0].x.mine.word(P.XL_SEQ) == groups[1].x.mine.word(P.XL_SEQ) == P.exec_word(1, 1)
+        # The next reduce pairs up: one op number on both ranks, the sum of both ranks' grads.
+        for r, g in enumerate(groups):
+            g.maps[g.GRAD][:24] = np.full(6, r + 1, np.float32).tobytes()
+            g.zero_grad()
+        run_ranks(lambda r: groups[r].reduce(3), 2)
+        for g in groups:
+            got = np.frombuffer(g.maps[g.SHARD_GRAD], np.float32, count=3)
+            assert (got == 1.5).all(), got

@@ -38,6 +38,7 @@ CONNECT_TIMEOUT_S = 10.0       # handshake timeout when none is given
 SPIN_ITERATIONS = 200          # cq_ready checks before sleeping; Python spins slowly
 SPIN_YIELD_EVERY = 8           # checks between sched_yield()s, as libshardd's spin (PROTOCOL.md)
 SLEEP_SLICE_S = 0.05           # longest futex sleep between daemon liveness checks
+NOTICE_WAIT_MS = 1000          # a detached client waits this long for the notice saying why
 SYNC_GRACE_S = 10.0            # sync ops wait the collective timeout plus this
 EXIT_LOCK_TIMEOUT_S = 1.0      # at exit, how long GOODBYE waits for a Client's lock
 
@@ -398,10 +399,14 @@ class Client:
     def _daemon_alive(self):
         """False when the control socket shows EOF/hangup or the ring says DEAD.
         A message waiting on the socket is read first, whatever the ring says:
-        a notice sent before a detach says why (self.daemon_code, daemon_text)."""
+        a notice sent before a detach says why (self.daemon_code, daemon_text).
+        With the ring marked dead, that notice (or the close) follows on the
+        socket if it is not there yet: waited for a bounded while, so the error
+        names why."""
         p = select.poll()
         p.register(self._sock, select.POLLIN | select.POLLHUP | select.POLLERR)
-        for _fd, ev in p.poll(0):
+        dead = self.ring.flags & P.RING_DEAD and not self.daemon_code
+        for _fd, ev in p.poll(NOTICE_WAIT_MS if dead else 0):
             if ev & select.POLLIN:
                 try:
                     _t, _s, payload, fds = ctrl.recv_msg(self._sock, 0)
@@ -451,7 +456,13 @@ class Client:
             if self._xops and X.progress(self):
                 return None
             if not self._daemon_alive():
-                raise self._detached_error(what)
+                err = self._detached_error(what)
+                if not self._xops:
+                    raise err
+                # Rank-executed ops then fail with the reason, as completions, as the
+                # daemon's would.
+                X.fail_all(self, err.code, err.text)
+                return None
             left = SLEEP_SLICE_S
             if deadline is not None:
                 left = min(left, deadline - time.monotonic())

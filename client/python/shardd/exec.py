@@ -255,7 +255,8 @@ class _Op:
     """One op submitted on a rank-executed group, not complete yet."""
 
     __slots__ = ("x", "op", "flags", "step", "user_data", "args", "epoch", "n", "read",
-                 "deadline", "ran", "prev_seq", "prev_op", "prev_step", "prev_reduces", "backup")
+                 "deadline", "ran", "keep", "prev_seq", "prev_op", "prev_step", "prev_reduces",
+                 "backup")
 
     def __init__(self, x, op, flags, step, user_data, args, deadline):
         self.x, self.op, self.flags, self.step = x, op, flags, step
@@ -263,6 +264,8 @@ class _Op:
         self.epoch = self.n = 0
         self.read = False   # a reduce read its inputs and published done
         self.ran = False    # a reduce with REDUCE_STEP ran here: its step still goes to the daemon
+        # Failed where a peer that gave up on it kept its number: keep it too.
+        self.keep = False
         # This rank's slot before the op was published: put back if it fails unread (retract).
         self.prev_seq = self.prev_op = self.prev_step = 0
         self.prev_reduces = 0   # a reduce: the slot's count before it
@@ -483,9 +486,12 @@ class ExecState:
         MISMATCH (code, text) when it is exactly at o with another op or step."""
         s = self.peers[r].slot
         seen = s.word(P.XL_SEQ)
-        if (s.word(P.XL_GAVE_UP) == P.exec_word(o.epoch, o.n) and
-                s.word(P.XL_GAVE_UP_STEP) == o.step):
-            # The daemon's words for a late arrival at a rendezvous that timed out.
+        if _gave_up(o, s):
+            # The daemon's words for a late arrival at a rendezvous that timed out. A peer
+            # that gave up before it read had given its number back, and so does this
+            # rank; one that gave up waiting for the others to finish reading its grads
+            # kept it, and so does this rank, so that their next ops are numbered alike.
+            o.keep = P.exec_reached(s.word(P.XL_SEQ), o.epoch, o.n)
             return (-P.E_TIMEOUT,
                     f"shardd: {_op_name(o.op)}(group '{self.g.name}', step {o.step}): rank "
                     f"{self.rank} arrived after rank {r} gave up waiting for it (the collective "
@@ -503,36 +509,54 @@ class ExecState:
                     f"{_op_name(pop)} step {pstep}")
         return 0, ""
 
+    def _reduce_abandoned(self, o, r, gen):
+        """(1, "") for a peer r (now at generation gen) that reached op o, or
+        SHARDD_E_PEER_DIED when o is a reduce that r left before it stored its
+        done: r never wrote its own output, so the reduce fails on every rank
+        alike (each sees the same final words in its mapping of the departed
+        peer's slot) and is retried whole, at once: waiting for the done phase
+        would leave a rank still reading waiting for a peer that has already
+        failed and given its number back."""
+        p = self.peers[r]
+        if (o.op != P.OP_REDUCE or gen == p.gen or
+                P.exec_reached(p.slot.word(P.XL_DONE), o.epoch, o.n)):
+            return 1, ""
+        return (-P.E_PEER_DIED,
+                f"shardd: reduce(group '{self.g.name}', step {o.step}): rank {r} left (its client "
+                f"is gone) before it finished this rank-executed reduce; retry it once the rank is "
+                f"back")
+
     def _peer_at(self, o, r, done):
         """Whether peer r reached op o (its seq, or its done when `done`),
         mapping its buffers first when its generation changed: (1, ""), (0, ""),
-        or (code, text). Sets self.wait_on to what to sleep on.
-
-        For `done` (a reduce that has written its output): a peer that left
-        before it stored its done never wrote its own output, so the reduce
-        fails on every rank alike (SHARDD_E_PEER_DIED: each sees the same final
-        words in its mapping of the departed peer's slot) and is retried
-        whole; one that stored it first counts."""
+        or (code, text). Sets self.wait_on to what to sleep on. A reduce whose
+        peer left before it stored its done fails (_reduce_abandoned), whether
+        this rank has written its output yet or not."""
         self.wait_on = None
         g = self.g
         gen = self._gen(r)
         p = self.peers[r]
         if done:
             seen = p.slot.word(P.XL_DONE)
-            if P.exec_reached(seen, o.epoch, o.n):
-                return 1, ""
-            if gen == p.gen:
-                self.wait_on = (p.slot, P.XL_DONE, seen)
-                return 0, ""
-            return (-P.E_PEER_DIED,
-                    f"shardd: reduce(group '{g.name}', step {o.step}): rank {r} left (its client is "
-                    f"gone) before it finished this rank-executed reduce; retry it once the rank is "
-                    f"back")
+            if not P.exec_reached(seen, o.epoch, o.n):
+                if gen == p.gen:
+                    self.wait_on = (p.slot, P.XL_DONE, seen)
+                    return 0, ""
+                return self._reduce_abandoned(o, r, gen)
+            if _gave_up(o, p.slot):
+                # It read this rank's grads, but too late: it has failed the reduce, and so
+                # does this rank.
+                return (-P.E_TIMEOUT,
+                        f"shardd: reduce(group '{g.name}', step {o.step}): rank {self.rank} "
+                        f"finished reading after rank {r} gave up waiting for it (the collective "
+                        f"timeout, {self.client.collective_timeout_ms / 1e3:g} s); failed at once: "
+                        f"retry with the others")
+            return 1, ""
         # A peer that reached the op before it left counts: its buffers stay mapped here.
         if p is not None and p.gen:
             ready = self._peer_ready(o, r)
             if ready is not None:
-                return ready if ready[0] else (1, "")
+                return ready if ready[0] else self._reduce_abandoned(o, r, gen)
         if gen == P.EXEC_GONE:
             # It may have reached the op in buffers this rank never mapped (it
             # attached again, ran, and left): the daemon still lends what it
@@ -541,7 +565,7 @@ class ExecState:
                 self._map(r, f"{_op_name(o.op)}(group '{g.name}')")
                 ready = self._peer_ready(o, r)
                 if ready is not None:
-                    return ready if ready[0] else (1, "")
+                    return ready if ready[0] else self._reduce_abandoned(o, r, gen)
             except ShardError:
                 pass
             return (-P.E_PEER_DIED,
@@ -702,7 +726,15 @@ class ExecState:
             return None
         return (ret, msg) if ret < 0 else (0, "")
 
-    def retract(self, o, code):
+    def give_up(self, o):
+        """Op o failed past its collective timeout: a peer that comes to it later
+        fails it at once. Stored after any retraction, so that a peer that sees
+        it sees whether the number was given back."""
+        self.mine.set_word(P.XL_GAVE_UP_STEP, o.step)
+        R._release()
+        self.mine.set_word(P.XL_GAVE_UP, P.exec_word(o.epoch, o.n))
+
+    def retract(self, o):
         """Op o failed where no rank can have completed it: before it read
         anything (a peer had not reached it), or a reduce whose peer left
         before finishing it. Its number is given back, so that this rank and
@@ -710,11 +742,6 @@ class ExecState:
         of the daemon leaves no trace; a reduce's sharded grad and count are
         put back, then the slot as it was before o was published."""
         mine = self.mine
-        if code == -P.E_TIMEOUT:
-            # Given up on: a peer that comes to this op later fails it at once.
-            mine.set_word(P.XL_GAVE_UP_STEP, o.step)
-            R._release()
-            mine.set_word(P.XL_GAVE_UP, P.exec_word(o.epoch, o.n))
         if o.read:
             if o.backup is not None:
                 self.g.maps[self.g.SHARD_GRAD][:] = o.backup
@@ -726,6 +753,22 @@ class ExecState:
         mine.set_word(P.XL_STEP, o.prev_step)
         R._release()
         self.publish(P.XL_SEQ, o.prev_seq)
+
+
+def _gave_up(o, slot):
+    """Whether the peer whose slot is `slot` gave up waiting on op o (its collective timeout)."""
+    return (slot.word(P.XL_GAVE_UP) == P.exec_word(o.epoch, o.n) and
+            slot.word(P.XL_GAVE_UP_STEP) == o.step)
+
+
+def fail_all(client, code, text):
+    """The daemon detached this client (its job ended, or it is gone): every
+    pending op completes with code and text (no peer can finish it with this
+    rank now), as the daemon's would."""
+    for o in client._xops:
+        if o is not None:
+            client._file(Completion(o.user_data, code, o.op, o.x.g.id, o.step, text))
+    client._xops = []
 
 
 def progress(client):
@@ -765,7 +808,7 @@ def progress(client):
             continue
         # A timeout after the reduce's output was written leaves it (and its number).
         # A mismatch keeps its number: the peers at that number see it too.
-        if (res[0] < 0 and o.op != P.OP_RESHARD and res[0] != -P.E_MISMATCH and
+        if (res[0] < 0 and o.op != P.OP_RESHARD and res[0] != -P.E_MISMATCH and not o.keep and
                 (not o.read or res[0] == -P.E_PEER_DIED)):
             # The group's ops queued after it fail with it: they were published after it,
             # and ops of a group run in order.
@@ -778,7 +821,9 @@ def progress(client):
                                         f"shardd: {_op_name(p.op)}(group '{x.g.name}', step "
                                         f"{p.step}): not run: {res[1][:180]}"))
                 done += 1
-            x.retract(o, res[0])
+            x.retract(o)
+        if res[0] == -P.E_TIMEOUT and o.op != P.OP_RESHARD and not o.keep:
+            x.give_up(o)
         if not o.ran:
             client._file(Completion(o.user_data, res[0], o.op, x.g.id, o.step, res[1]))
         done += 1

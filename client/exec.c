@@ -355,7 +355,7 @@ static int peer_ready(struct shardd_xop *o, uint32_t r, int *res, char *msg, siz
 {
 	const struct shardd_exec_state *x = o->g->x;
 	const struct shardd_exec_slot *s = x->peer[r].slot;
-	uint64_t seen = shardd_load_acquire(&s->seq);
+	uint64_t seen = shardd_load_acquire(&s->seq), pstep;
 	uint32_t pop;
 
 	if (peer_gave_up(o, s)) {
@@ -363,7 +363,7 @@ static int peer_ready(struct shardd_xop *o, uint32_t r, int *res, char *msg, siz
 		 * The daemon's words for a late arrival at a rendezvous that timed
 		 * out. A peer that gave up before it read had given its number
 		 * back, and so does this rank; one that gave up waiting for the
-		 * others to finish reading its grads kept it (xop_fail), and so
+		 * others to finish reading its grads kept it (shardd_exec_progress), and so
 		 * does this rank, so that their next ops are numbered alike.
 		 */
 		o->keep = shardd_exec_reached(shardd_load_acquire(&s->seq), o->epoch, o->n);
@@ -379,16 +379,14 @@ static int peer_ready(struct shardd_xop *o, uint32_t r, int *res, char *msg, siz
 	if (!shardd_exec_reached(seen, o->epoch, o->n))
 		return 0;
 	*res = 1;
-	pop = SHARDD_READ_ONCE(s->op);
-	/* Exactly at this op (not past it): it must be the same op and step. */
-	if ((uint32_t)seen == o->n && (pop != o->op || SHARDD_READ_ONCE(s->step) != o->step) &&
-	    shardd_load_acquire(&s->seq) == seen) {
+	/* Exactly at this op (not past it, nor writing a later one): the same op and step. */
+	if (shardd_exec_read_op(s, shardd_exec_word(o->epoch, o->n), &pop, &pstep) &&
+	    (pop != o->op || pstep != o->step)) {
 		msgf(msg, len,
 		     "shardd: group '%s': ranks disagree on op %u of the epoch: rank %u submitted "
 		     "%s step %llu, rank %u %s step %llu",
 		     o->g->name, o->n, x->rank, shardd_op_name(o->op), (unsigned long long)o->step,
-		     r, shardd_op_name(pop) ? shardd_op_name(pop) : "?",
-		     (unsigned long long)SHARDD_READ_ONCE(s->step));
+		     r, shardd_op_name(pop) ? shardd_op_name(pop) : "?", (unsigned long long)pstep);
 		*res = -SHARDD_E_MISMATCH;
 	}
 	return 1;
@@ -710,8 +708,7 @@ int shardd_exec_submit(struct shardd_group *g, uint32_t op, uint64_t step, uint3
 		o->prev_op = SHARDD_READ_ONCE(mine->op);
 		o->prev_step = SHARDD_READ_ONCE(mine->step);
 		/* The inputs are final now (the caller's contract): publish op, step, then seq. */
-		SHARDD_WRITE_ONCE(mine->op, op);
-		SHARDD_WRITE_ONCE(mine->step, step);
+		shardd_exec_write_op(mine, shardd_exec_word(o->epoch, o->n), op, step);
 		shardd_exec_publish(&mine->seq, shardd_exec_word(o->epoch, o->n), x->others,
 				    x->world);
 	}
@@ -890,8 +887,7 @@ static int xop_retract(struct shardd_client *c, struct shardd_xop *o, struct sha
 	}
 	if (o->epoch == x->epoch)
 		x->n = o->n - 1;
-	SHARDD_WRITE_ONCE(mine->op, o->prev_op);
-	SHARDD_WRITE_ONCE(mine->step, o->prev_step);
+	shardd_exec_write_op(mine, o->prev_seq, o->prev_op, o->prev_step);
 	shardd_exec_publish(&mine->seq, o->prev_seq, x->others, x->world);
 	return ret;
 }

@@ -29,7 +29,7 @@
 #include "shardd_ring.h"
 
 #define SHARDD_EXEC_MAGIC   0x43455853u /* "SXEC" as little-endian bytes */
-#define SHARDD_EXEC_VERSION 1
+#define SHARDD_EXEC_VERSION 2
 #define SHARDD_EXEC_PAGE    4096 /* slot size and alignment; sync page granule */
 /* gen[r] of a rank that left and has not attached again (0: not published yet) */
 #define SHARDD_EXEC_GONE 0xffffffffu
@@ -59,7 +59,11 @@ struct shardd_exec_slot {
 	uint64_t seq;
 	uint64_t step; /* the op's step, as submitted */
 	uint32_t op;   /* enum shardd_op */
-	uint8_t pad0[SHARDD_CACHELINE - 20];
+	uint32_t rsvd0;
+	/* the sequence word that op and step belong to: stored before them (a seqlock:
+	   shardd_exec_write_op, shardd_exec_read_op) */
+	uint64_t what;
+	uint8_t pad0[SHARDD_CACHELINE - 32];
 	uint64_t done; /* line 1: finished reading the peers' buffers for op (epoch << 32 | n) */
 	uint8_t pad1[SHARDD_CACHELINE - 8];
 	/* line 2: what the rank ran, for shardctl and the metrics (free-running counts) */
@@ -145,6 +149,38 @@ static inline void shardd_exec_publish(uint64_t *word, uint64_t value,
 			return;
 		}
 	}
+}
+
+/*
+ * Writer: the op and step of this rank's op `word` (published with seq
+ * after, or put back by a retraction). `what` is stored first, behind a
+ * release fence, so that a reader that finds it unchanged around its
+ * reads of op and step read those of op `word`, not halves of a later
+ * op's being written (shardd_exec_read_op).
+ */
+static inline void shardd_exec_write_op(struct shardd_exec_slot *s, uint64_t word, uint32_t op,
+					uint64_t step)
+{
+	SHARDD_WRITE_ONCE(s->what, word);
+	atomic_thread_fence(memory_order_release);
+	SHARDD_WRITE_ONCE(s->op, op);
+	SHARDD_WRITE_ONCE(s->step, step);
+}
+
+/*
+ * Reader: 1 with *op and *step when slot `s` holds those of op `word`,
+ * read whole; 0 when it holds another op's or is being rewritten for one
+ * (its rank has moved past `word`).
+ */
+static inline int shardd_exec_read_op(const struct shardd_exec_slot *s, uint64_t word, uint32_t *op,
+				      uint64_t *step)
+{
+	uint64_t before = atomic_load_explicit(SHARDD_ATOMIC_OF(&s->what), memory_order_acquire);
+
+	*op = SHARDD_READ_ONCE(s->op);
+	*step = SHARDD_READ_ONCE(s->step);
+	atomic_thread_fence(memory_order_acquire);
+	return before == word && SHARDD_READ_ONCE(s->what) == word;
 }
 
 /*

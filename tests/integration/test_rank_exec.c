@@ -400,11 +400,12 @@ static int fault_rank(void *arg)
 	CHILD_CHECK_SHARDD(shardd_group_register(c, "g", params, NPARAMS, NULL, &ranks, &g));
 	if (a->rank == 1) {
 		if (a->mode == FAULT_GARBAGE) {
-			/* Its own slot: op 77 at op 1 of the epoch, as if it ran another op. */
+			/* Its own slot: op 77 at op 1 of the epoch (said whole), as if it ran another op. */
 			struct shardd_exec_slot *s =
 				(void *)((uint8_t *)g->buf[SHARDD_BUF_GRAD].addr +
 					 shardd_exec_slot_offset(shardd_group_info(g)->grad_size));
 
+			s->what = shardd_exec_word(1, 1);
 			s->op = 77;
 			s->step = 123456;
 			__atomic_store_n(&s->seq, shardd_exec_word(1, 1), __ATOMIC_RELEASE);

@@ -120,6 +120,7 @@ Test(proto, group_messages_layout, .timeout = 5)
 	cr_assert_eq(OFF(shardd_exec_slot, seq), 0);
 	cr_assert_eq(OFF(shardd_exec_slot, step), 8);
 	cr_assert_eq(OFF(shardd_exec_slot, op), 16);
+	cr_assert_eq(OFF(shardd_exec_slot, what), 24);
 	cr_assert_eq(OFF(shardd_exec_slot, done), 64);
 	cr_assert_eq(OFF(shardd_exec_slot, unshards), 128);
 	cr_assert_eq(OFF(shardd_exec_slot, gave_up), 152);

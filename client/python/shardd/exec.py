@@ -418,6 +418,15 @@ class ExecState:
             self.mine.set_u32(P.XL_SLEEPING, 0)
 
     # ------------------------------------------------------------ submission
+    def _write_op(self, word, op, step):
+        """The op and step of this rank's op `word`, `what` first behind a
+        release fence (a seqlock, shardd_exec_write_op): a peer that finds
+        `what` unchanged around reading them read this op's."""
+        self.mine.set_word(P.XL_WHAT, word)
+        R._release()
+        self.mine.set_u32(P.XL_OP, op)
+        self.mine.set_word(P.XL_STEP, step)
+
     def submit(self, op, step, flags, args, user_data):
         """Publish op (unshard, reduce, reshard) as this rank's next: its inputs
         are final now. Returns the _Op, or a Completion when a reduce's step is
@@ -447,8 +456,7 @@ class ExecState:
             o.prev_seq, o.prev_op = self.mine.word(P.XL_SEQ), self.mine.u32(P.XL_OP)
             o.prev_step = self.mine.word(P.XL_STEP)
             # The inputs are final now (the caller's contract): op, step, then seq.
-            self.mine.set_u32(P.XL_OP, op)
-            self.mine.set_word(P.XL_STEP, step)
+            self._write_op(P.exec_word(o.epoch, o.n), op, step)
             R._release()
             self.publish(P.XL_SEQ, P.exec_word(o.epoch, o.n))
         return o
@@ -499,10 +507,14 @@ class ExecState:
                     f"with the others")
         if not P.exec_reached(seen, o.epoch, o.n):
             return None
+        # Exactly at this op (not past it, nor writing a later one): the same op and step,
+        # read whole (shardd_exec_read_op).
+        word = P.exec_word(o.epoch, o.n)
+        before = s.word(P.XL_WHAT)
         R._acquire()
         pop, pstep = s.u32(P.XL_OP), s.word(P.XL_STEP)
-        # Exactly at this op (not past it): it must be the same op and step.
-        if seen & _U32 == o.n and (pop != o.op or pstep != o.step) and s.word(P.XL_SEQ) == seen:
+        R._acquire()
+        if before == word and s.word(P.XL_WHAT) == word and (pop != o.op or pstep != o.step):
             return (-P.E_MISMATCH,
                     f"shardd: group '{self.g.name}': ranks disagree on op {o.n} of the epoch: rank "
                     f"{self.rank} submitted {_op_name(o.op)} step {o.step}, rank {r} "
@@ -749,8 +761,7 @@ class ExecState:
             mine.set_word(P.XL_REDUCES, o.prev_reduces)
         if o.epoch == self.epoch:
             self.n = o.n - 1
-        mine.set_u32(P.XL_OP, o.prev_op)
-        mine.set_word(P.XL_STEP, o.prev_step)
+        self._write_op(o.prev_seq, o.prev_op, o.prev_step)
         R._release()
         self.publish(P.XL_SEQ, o.prev_seq)
 

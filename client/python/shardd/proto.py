@@ -197,7 +197,7 @@ RH_CLIENT_LAST_STEP = 6 * CACHELINE + 8
 
 # Rank-executed groups (proto/shardd_exec.h): the daemon's sync page and each rank's slot.
 EXEC_MAGIC = 0x43455853     # "SXEC"
-EXEC_VERSION = 1
+EXEC_VERSION = 2
 EXEC_PAGE = 4096            # slot size and alignment; sync page granule
 EXEC_GONE = 0xFFFFFFFF      # gen[r] of a rank that left and has not attached again
 EXEC_SYNC_HDR = 2 * CACHELINE
@@ -214,6 +214,7 @@ XS_GEN = EXEC_SYNC_HDR      # u32 [world]
 XL_SEQ = 0
 XL_STEP = 8
 XL_OP = 16
+XL_WHAT = 24             # the sequence word op and step belong to (a seqlock)
 XL_DONE = CACHELINE
 XL_UNSHARDS = 2 * CACHELINE
 XL_REDUCES = 2 * CACHELINE + 8

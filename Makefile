@@ -134,7 +134,8 @@ UNIT_BIN    := $(patsubst tests/%.c,$(BUILD)/tests/%,$(UNIT_SRC))
 INTEG_BIN   := $(patsubst tests/%.c,$(BUILD)/tests/%,$(INTEG_SRC))
 GPU_BIN     := $(patsubst tests/%.c,$(BUILD)/tests/%,$(GPU_SRC))
 
-.PHONY: all test test-c test-python test-gpu gpu-check test-gpu-check train deps deps-check install clean
+.PHONY: all test test-c test-python test-gpu gpu-check test-gpu-check train deps deps-check \
+	deps-check-packages install clean
 # Keep objects that pattern chains would delete as intermediates (and rebuild every time).
 .SECONDARY:
 all: $(SHARDD) $(LIBCLIENT_A) $(LIBCLIENT_SO) $(SHARDCTL) $(SHARDBENCH) $(EXAMPLES)
@@ -190,6 +191,11 @@ deps:
 
 deps-check:
 	@tools/setup/deps.sh check || tools/setup/deps.sh install
+
+# make train needs the Debian packages only, never PyPI: it runs offline once
+# they are installed (the PyPI venv of deps-check is for tests that use it).
+deps-check-packages:
+	@tools/setup/deps.sh check packages || tools/setup/deps.sh install packages
 
 # ---------------------------------------------------------------- test ---
 # Each Criterion binary runs on its own; every test in it carries a timeout.
@@ -279,7 +285,7 @@ gpu-check: all $(GPU_BIN)
 test-gpu-check: gpu-check
 	@d=$$(mktemp -d) && { $(GPU_CHECK)/run $$d; rc=$$?; rm -rf $$d; exit $$rc; }
 
-train: deps-check
+train: deps-check-packages
 	$(MAKE) all
 	tools/train.sh $(BUILD)
 

@@ -2,7 +2,8 @@
 #
 #   make                 build the daemon, the client libraries, the tools, the examples
 #   make test            install missing packages (make deps), build, run every suite
-#   make train           the main job: a real training run through the daemon (README)
+#   make test-docs       the documents' runnable examples and the man pages' completeness
+#   make train           the main job: a real training run through the daemon (README.md)
 #   make test-gpu        CUDA kernel and cuda-backend tests (skip cleanly without a GPU)
 #   make gpu-check       build/gpu-check/: a bundle to copy to a bare GPU machine and
 #                        run there (build/gpu-check/run OUTDIR; docs/CUDA.md)
@@ -134,8 +135,8 @@ UNIT_BIN    := $(patsubst tests/%.c,$(BUILD)/tests/%,$(UNIT_SRC))
 INTEG_BIN   := $(patsubst tests/%.c,$(BUILD)/tests/%,$(INTEG_SRC))
 GPU_BIN     := $(patsubst tests/%.c,$(BUILD)/tests/%,$(GPU_SRC))
 
-.PHONY: all test test-c test-python test-gpu gpu-check test-gpu-check train deps deps-check \
-	deps-check-packages install clean
+.PHONY: all test test-c test-python test-docs test-gpu gpu-check test-gpu-check train deps \
+	deps-check deps-check-packages install clean
 # Keep objects that pattern chains would delete as intermediates (and rebuild every time).
 .SECONDARY:
 all: $(SHARDD) $(LIBCLIENT_A) $(LIBCLIENT_SO) $(SHARDCTL) $(SHARDBENCH) $(EXAMPLES)
@@ -262,6 +263,13 @@ test-python: all $(TORCH_STAMP)
 		SHARDD_BIN=$(abspath $(SHARDD)) SHARDD_BUILD=$(abspath $(BUILD)) SHARDD_VENV=$(abspath build/venv) \
 		PYTHONPATH=$(abspath client/python) $(PYTHON) -m pytest -q $(PY_EXEC_BOTH); \
 	fi
+
+# The documents' runnable examples and the man pages' completeness
+# (docs/README.md); part of test-python, here on their own.
+test-docs: all
+	SHARDD_BIN=$(abspath $(SHARDD)) SHARDD_BUILD=$(abspath $(BUILD)) \
+		PYTHONPATH=$(abspath client/python) $(PYTHON) -m pytest -q \
+		tests/python/test_docs.py tests/python/test_man_pages.py
 
 # Plain programs the Python suites run (tests/python/*.c), on the kernels alone.
 PYDRV_BIN := $(patsubst tests/python/%.c,$(BUILD)/tests/python/%,$(wildcard tests/python/*.c))

@@ -275,7 +275,7 @@ def test_dtensor_params_refuse_by_name_and_take_assigned_values(torch_python, da
     assert out["fsdp_module"] and all(out["dtensor"]) and len(out["dtensor"]) == 4
     assert out["divide"] == ["NotImplementedError", "FSDPSequential.set_gradient_divide_factor: "
                              "shardd.torch's fully_shard does not implement this FSDP2 call (the "
-                             "README's table of differences lists what it has)"]
+                             "docs/TORCH.md's table of differences lists what it has)"]
     assert out["double"][0] == "ValueError"
     assert "param '0.weight' would become torch.float64 on cpu, but the daemon holds it as " \
            "torch.float32" in out["double"][1]

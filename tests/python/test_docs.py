@@ -108,8 +108,12 @@ def build(example, tmp):
     with open(src, "w") as f:
         f.write(example.code)
     # The static library: the build tree has libshardd.so but not its soname link.
-    lib = os.path.join(shardd_build(), "libshardd.a")
-    cc = subprocess.run(["cc", "-std=gnu11", "-Wall", "-Wextra", "-Werror",
+    build_dir = shardd_build()
+    lib = os.path.join(build_dir, "libshardd.a")
+    # A sanitizer build's library (make SANITIZE=1 test) needs its runtimes in the program.
+    sanitize = ["-fsanitize=address,undefined"] if os.path.basename(os.path.abspath(build_dir)) \
+        == "build-san" else []
+    cc = subprocess.run(["cc", "-std=gnu11", "-Wall", "-Wextra", "-Werror", *sanitize,
                          "-I", os.path.join(ROOT, "client"), "-I", os.path.join(ROOT, "proto"),
                          src, "-o", exe, lib, "-lpthread", "-lm"],
                         capture_output=True, text=True, timeout=RUN_TIMEOUT_S)

@@ -2,7 +2,8 @@
 #
 #   make                 build the daemon, the client libraries, the tools, the examples
 #   make test            install missing packages (make deps), build, run every suite
-#   make train           the main job: a real training run through the daemon (README)
+#   make test-docs       the documents' runnable examples and the man pages' completeness
+#   make train           the main job: a real training run through the daemon (README.md)
 #   make test-gpu        CUDA kernel and cuda-backend tests (skip cleanly without a GPU)
 #   make gpu-check       build/gpu-check/: a bundle to copy to a bare GPU machine and
 #                        run there (build/gpu-check/run OUTDIR; docs/CUDA.md)
@@ -134,7 +135,8 @@ UNIT_BIN    := $(patsubst tests/%.c,$(BUILD)/tests/%,$(UNIT_SRC))
 INTEG_BIN   := $(patsubst tests/%.c,$(BUILD)/tests/%,$(INTEG_SRC))
 GPU_BIN     := $(patsubst tests/%.c,$(BUILD)/tests/%,$(GPU_SRC))
 
-.PHONY: all test test-c test-python test-gpu gpu-check test-gpu-check train deps deps-check install clean
+.PHONY: all test test-c test-python test-docs test-gpu gpu-check test-gpu-check train deps \
+	deps-check deps-check-packages install clean
 # Keep objects that pattern chains would delete as intermediates (and rebuild every time).
 .SECONDARY:
 all: $(SHARDD) $(LIBCLIENT_A) $(LIBCLIENT_SO) $(SHARDCTL) $(SHARDBENCH) $(EXAMPLES)
@@ -190,6 +192,11 @@ deps:
 
 deps-check:
 	@tools/setup/deps.sh check || tools/setup/deps.sh install
+
+# make train needs the Debian packages only, never PyPI: it runs offline once
+# they are installed (the PyPI venv of deps-check is for tests that use it).
+deps-check-packages:
+	@tools/setup/deps.sh check packages || tools/setup/deps.sh install packages
 
 # ---------------------------------------------------------------- test ---
 # Each Criterion binary runs on its own; every test in it carries a timeout.
@@ -257,6 +264,13 @@ test-python: all $(TORCH_STAMP)
 		PYTHONPATH=$(abspath client/python) $(PYTHON) -m pytest -q $(PY_EXEC_BOTH); \
 	fi
 
+# The documents' runnable examples and the man pages' completeness
+# (docs/README.md); part of test-python, here on their own.
+test-docs: all
+	SHARDD_BIN=$(abspath $(SHARDD)) SHARDD_BUILD=$(abspath $(BUILD)) \
+		PYTHONPATH=$(abspath client/python) $(PYTHON) -m pytest -q \
+		tests/python/test_docs.py tests/python/test_man_pages.py
+
 # Plain programs the Python suites run (tests/python/*.c), on the kernels alone.
 PYDRV_BIN := $(patsubst tests/python/%.c,$(BUILD)/tests/python/%,$(wildcard tests/python/*.c))
 
@@ -279,7 +293,7 @@ gpu-check: all $(GPU_BIN)
 test-gpu-check: gpu-check
 	@d=$$(mktemp -d) && { $(GPU_CHECK)/run $$d; rc=$$?; rm -rf $$d; exit $$rc; }
 
-train: deps-check
+train: deps-check-packages
 	$(MAKE) all
 	tools/train.sh $(BUILD)
 

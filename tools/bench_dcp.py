@@ -45,7 +45,7 @@ def torch_or_reason():
     ver = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
     if ver < (2, 4):
         return None, (f"torch {torch.__version__} at {sys.executable} is older than 2.4 (DCP of "
-                      f"DTensor shards); pass a newer torch's python (README, 'Python and PyTorch')")
+                      f"DTensor shards); pass a newer torch's python (docs/TORCH.md, 'Side by side with FSDP2')")
     try:
         import torch.distributed.checkpoint  # noqa: F401
         from torch.distributed.tensor import DTensor  # noqa: F401

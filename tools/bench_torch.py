@@ -63,7 +63,7 @@ def fsdp2_api(torch):
     from shardd.torch._api import torch_version
     if torch_version(torch.__version__) < (2, 4):
         return None, (f"torch {torch.__version__} < 2.4 has no FSDP2 fully_shard; install a "
-                      f"newer torch in a virtual environment (README, 'Python and PyTorch')")
+                      f"newer torch in a virtual environment (docs/TORCH.md, 'Side by side with FSDP2')")
     try:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     except ImportError:

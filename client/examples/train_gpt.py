@@ -371,8 +371,8 @@ def parse_args(argv=None):
     ap.add_argument("--socket", default=os.environ.get("SHARDD_SOCKET"),
                     help="a running shardd's socket (default $SHARDD_SOCKET)")
     ap.add_argument("--shardd", metavar="BIN", help="start this shardd binary on a private socket")
-    ap.add_argument("--ranks", type=int, default=2, help="rank processes, replicate x shard "
-                    "(default 2)")
+    ap.add_argument("--ranks", type=int, default=2, help="rank processes, replicate x shard, "
+                    "as in train_torch.py (default 2)")
     ap.add_argument("--replicate", type=int, default=1, help="replicas: HSDP when > 1 (default 1)")
     ap.add_argument("--shard", type=int, help="shard group size (default ranks / replicate)")
     ap.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")

@@ -10,9 +10,9 @@ daemon's optimizer (shardd.torch.DaemonSGD, constructed before fully_shard)
 updates the shards in the daemon, each step exactly once; with --torch-optim
 a stock torch.optim.SGD updates the shards in the rank instead (the
 trainer-side path: a rank that dies between its last reduce and its update
-loses that update, which the daemon's step cannot). With --replicate R the mesh is
-R x ranks (HSDP): each shard group reduce-scatters, then the replicas
-all-reduce. With --max-norm M the gradients are clipped to total norm M
+loses that update, which the daemon's step cannot). --ranks N is the number of
+rank processes, as in train_gpt.py; with --replicate R the mesh is R x N/R
+(HSDP): each shard group reduce-scatters, then the replicas all-reduce. With --max-norm M the gradients are clipped to total norm M
 (shardd.torch.clip_grad_norm_: the daemon's job-wide norm, its coefficient
 applied by the daemon's step; torch.nn.utils.clip_grad_norm_ in the
 reference). The reference trains the same model, from
@@ -49,7 +49,8 @@ is killed with SIGKILL, started again on the same --state-dir, and the ranks
 resume from the newest checkpoint to step K; the parity check then compares
 the resumed run with the uninterrupted reference.
 
-usage: train_torch.py --socket PATH [--ranks N] [--replicate R] [--steps K] [--reshard-after-forward]
+usage: train_torch.py --socket PATH [--ranks N] [--replicate R] [--shard S] [--steps K]
+                      [--reshard-after-forward]
                       [--torch-optim] [--max-norm M] [--checkpoint-every N] [--resume]
        train_torch.py --shardd BIN ... [--restart-at T]    start a private daemon
 """
@@ -132,9 +133,9 @@ def run_rank(a):
     torch.set_num_threads(1)
     waits = ShardWaitClock()
     model = make_model()
-    world = a.ranks * a.replicate
+    world = a.ranks
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    mesh = st.init_device_mesh(a.job, a.rank, (a.replicate, a.ranks), socket_path=a.socket,
+    mesh = st.init_device_mesh(a.job, a.rank, (a.replicate, a.shard), socket_path=a.socket,
                                restore="" if a.resume else None)
     with mesh:
         opt = None if a.torch_optim else make_daemon_optimizer(model)
@@ -178,7 +179,7 @@ def reference(a):
     model = make_model()
     opt = make_optimizer(model.parameters())
     for step in range(a.steps):
-        x, y = global_batch(step, a.ranks * a.replicate, a.batch)
+        x, y = global_batch(step, a.ranks, a.batch)
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         if a.max_norm is not None:
@@ -199,9 +200,9 @@ def start_daemon(binary, workdir, state):
 def run_ranks(a, tmp, steps, resume):
     """Every rank process for `steps` steps; the ranks that failed."""
     procs = []
-    for r in range(a.ranks * a.replicate):
+    for r in range(a.ranks):
         cmd = [sys.executable, os.path.abspath(__file__), "--socket", a.socket,
-               "--ranks", str(a.ranks), "--replicate", str(a.replicate),
+               "--ranks", str(a.ranks), "--replicate", str(a.replicate), "--shard", str(a.shard),
                "--steps", str(steps), "--batch", str(a.batch),
                "--job", a.job, "--rank", str(r), "--result", os.path.join(tmp, f"r{r}.npz")]
         if a.reshard_after_forward:
@@ -239,8 +240,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--socket", default=os.environ.get("SHARDD_SOCKET"))
     ap.add_argument("--shardd", help="start this daemon binary on a private socket")
-    ap.add_argument("--ranks", type=int, default=2, help="shard group size")
-    ap.add_argument("--replicate", type=int, default=1, help="replicas (HSDP when > 1)")
+    ap.add_argument("--ranks", type=int, default=2,
+                    help="rank processes, replicate x shard, as in train_gpt.py (default 2)")
+    ap.add_argument("--replicate", type=int, default=1, help="replicas: HSDP when > 1 (default 1)")
+    ap.add_argument("--shard", type=int, help="shard group size (default ranks / replicate)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--job", default=f"train_torch-{os.getpid()}")
@@ -260,6 +263,15 @@ def main():
     ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.ranks < 1 or a.replicate < 1:
+        ap.error(f"--ranks {a.ranks} --replicate {a.replicate}: both must be >= 1")
+    if a.shard is None:
+        if a.ranks % a.replicate:
+            ap.error(f"--ranks {a.ranks} is not a multiple of --replicate {a.replicate}")
+        a.shard = a.ranks // a.replicate
+    if a.replicate * a.shard != a.ranks:
+        ap.error(f"--replicate {a.replicate} x --shard {a.shard} = {a.replicate * a.shard} "
+                 f"ranks, but --ranks is {a.ranks}")
     if a.torch_optim and (a.checkpoint_every or a.resume):
         ap.error("--checkpoint-every and --resume need the daemon's optimizer: drop --torch-optim")
     if a.restart_at is not None and not (a.shardd and a.checkpoint_every and
@@ -289,7 +301,7 @@ def main():
                 return 1
             ref = reference(a)
             worst = 0.0
-            for r in range(a.ranks * a.replicate):
+            for r in range(a.ranks):
                 got = np.load(os.path.join(tmp, f"r{r}.npz"))
                 assert len(got.files) == len(ref)
                 for n, d in shard_diffs(got, ref):
@@ -300,7 +312,7 @@ def main():
                         return 1
             moved = max(float(np.max(np.abs(w - v.detach().numpy())))
                         for (n, w), (_m, v) in zip(ref.items(), make_model().named_parameters()))
-            print(f"train_torch: {a.replicate}x{a.ranks} ranks x {a.steps} steps "
+            print(f"train_torch: {a.replicate}x{a.shard} ranks x {a.steps} steps "
                   f"({'torch.optim' if a.torch_optim else 'daemon'} SGD"
                   f"{'' if a.max_norm is None else f', clipped to {a.max_norm:g}'}"
                   f"{'' if a.restart_at is None else f', daemon restarted after step {a.restart_at - 1}'}"

@@ -312,6 +312,34 @@ static uint64_t session_step(const struct shd_session *s, int *has)
 	return step;
 }
 
+/*
+ * The optimizer step rank `r` of job `j` is at: the highest step number the
+ * daemon's optimizer applied or skipped on its shards, over the job's groups
+ * that have one. A trainer numbers its unshards and reduces as it likes
+ * (shardd.torch: one unshard in forward and one in backward), but a STEP is
+ * numbered by the training step it applies, what a person calls the step.
+ * 0 and *has = 0 when no group has the daemon's optimizer or none stepped.
+ */
+static uint64_t rank_optim_step(const struct shd_job *j, uint32_t r, int *has)
+{
+	uint64_t step = 0;
+
+	*has = 0;
+	for (uint32_t id = 1; id <= shd_engine_job_ngroups(j->ejob); id++) {
+		const struct shd_group *g = shd_engine_job_group(j->ejob, id);
+		uint64_t s;
+
+		if (!g || g->optim.kind == SHARDD_OPTIM_NONE || r >= g->world)
+			continue;
+		/* A pool thread's step advances it while the loop thread reads. */
+		s = __atomic_load_n(&g->last_step[r], __ATOMIC_RELAXED);
+		if (s > step)
+			step = s;
+		*has = *has || s > 0;
+	}
+	return step;
+}
+
 static json_t *json_rank(const struct shd_job *j, uint32_t r, const json_t *pending,
 			 uint64_t max_step, uint64_t now_ns)
 {
@@ -334,8 +362,9 @@ static json_t *json_rank(const struct shd_job *j, uint32_t r, const json_t *pend
 		uint64_t cstep;
 		int64_t sq_pending = shardd_sq_ready((struct shardd_ring *)&s->ring);
 		double since = (double)(now_ns - s->stats.attached_ns) / 1e9;
-		int has_step;
+		int has_step, has_optim;
 		uint64_t step = session_step(s, &has_step);
+		uint64_t optim_step = rank_optim_step(j, r, &has_optim);
 
 		/* Written by the client: shown as-is, never trusted. */
 		shardd_ring_client_last(&s->ring, &cop, &cstep);
@@ -349,6 +378,8 @@ static json_t *json_rank(const struct shd_job *j, uint32_t r, const json_t *pend
 			      json_op_step(s->stats.last_taken_op, s->stats.last_taken_step)) ||
 		    admin_put(o, "completed", json_op_step(s->clock.done.op, s->clock.done.step)) ||
 		    admin_put(o, "step", has_step ? admin_json_u64(step) : json_null()) ||
+		    admin_put(o, "optim_step",
+			      has_optim ? admin_json_u64(optim_step) : json_null()) ||
 		    admin_put(o, "ops_taken", admin_json_u64(s->stats.ops_taken)) ||
 		    admin_put(o, "ops_completed", admin_json_u64(s->stats.ops_completed)) ||
 		    admin_put(o, "ops_failed", admin_json_u64(s->stats.ops_failed)) ||
@@ -368,15 +399,19 @@ err:
 static json_t *json_job_ranks(const struct shd_job *j, uint64_t now_ns)
 {
 	json_t *o = json_object(), *arr = json_array(), *pending = job_pending(j, now_ns);
-	uint64_t max_step = 0;
-	int ok;
+	uint64_t max_step = 0, max_optim = 0;
+	int ok, has_optim = 0;
 
 	/* "Behind" is against the rank that has submitted the furthest step. */
 	for (uint32_t r = 0; r < j->world; r++) {
 		const struct shd_session *s = shd_session_of_rank(j, r);
+		int has;
+		uint64_t optim = rank_optim_step(j, r, &has);
 
+		if (has && optim > max_optim)
+			max_optim = optim;
+		has_optim = has_optim || has;
 		if (s) {
-			int has;
 			uint64_t step = session_step(s, &has);
 
 			if (step > max_step)
@@ -392,6 +427,7 @@ static json_t *json_job_ranks(const struct shd_job *j, uint64_t now_ns)
 	    admin_put(o, "world", json_integer(j->world)) ||
 	    admin_put(o, "attached", json_integer(j->nattached)) ||
 	    admin_put(o, "max_step", admin_json_u64(max_step)) ||
+	    admin_put(o, "max_optim_step", has_optim ? admin_json_u64(max_optim) : json_null()) ||
 	    admin_put(o, "ranks", json_incref(arr)) ||
 	    admin_put(o, "pending", json_incref(pending)) || put_span(o, j)) {
 		json_decref(o);

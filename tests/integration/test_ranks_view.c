@@ -174,7 +174,7 @@ Test(operations, ranks_view_counts_only_step_carrying_ops)
 	cr_assert_not_null(strstr(ctl_out, "STEP"), "%s", ctl_out);
 	cr_assert_null(strstr(ctl_out, "nop@"), "nop shown with a step:\n%s", ctl_out);
 	cr_assert_null(strstr(ctl_out, "zero_grad@"), "zero_grad shown with a step:\n%s", ctl_out);
-	cr_assert_not_null(strstr(ctl_out, "furthest step 3"), "%s", ctl_out);
+	cr_assert_not_null(strstr(ctl_out, "furthest op step 3"), "%s", ctl_out);
 
 	/*
 	 * Rank 0 enters barrier 7, then a nop that completes first; rank 1's

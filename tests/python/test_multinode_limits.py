@@ -168,7 +168,7 @@ def test_spanning_job_names_global_ranks_in_views_and_node_errors(request):
                             f"{TIMEOUT_S} s; rank 2 is waiting"), comp.msg
         text = run_shardctl(world.socket(1), "ranks", name).stdout.splitlines()
         assert text[0].startswith(f"job '{name}': mesh 2x2 over 2 nodes, node 1 holds ranks 2..3, 2 of 2 "
-                                  "attached, furthest step "), text
+                                  "attached, furthest op step "), text
         assert [line.split()[0] for line in text[2:]] == ["2", "3"], text
         # node 0's views are its own ranks, 0 and 1
         view0 = shardctl_json(world.socket(0), "ranks", name)["jobs"][0]

@@ -45,7 +45,7 @@ def test_torch_mlp_resharding_after_forward_matches_reference(daemon, request):
 
 @pytest.mark.timeout_s(180)
 def test_torch_hsdp_two_replicas_of_two_shards_trains_like_single_process(daemon, request):
-    out = run_example(daemon, request, "--ranks", "2", "--replicate", "2", "--steps", "4")
+    out = run_example(daemon, request, "--ranks", "4", "--replicate", "2", "--steps", "4")
     assert "2x2 ranks" in out
 
 

@@ -240,7 +240,7 @@ def run_example(daemon, request, *args):
 @pytest.mark.timeout_s(180)
 def test_example_clipped_hsdp_training_matches_torch(daemon, request):
     """Processes, HSDP 2x2: the daemon's norm counts each replica once."""
-    run_example(daemon, request, "--ranks", "2", "--replicate", "2", "--steps", "4",
+    run_example(daemon, request, "--ranks", "4", "--replicate", "2", "--steps", "4",
                 "--max-norm", "0.05")
 
 

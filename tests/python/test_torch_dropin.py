@@ -274,8 +274,8 @@ def test_dtensor_params_refuse_by_name_and_take_assigned_values(torch_python, da
         out = json.loads(f.read().strip().splitlines()[-1])
     assert out["fsdp_module"] and all(out["dtensor"]) and len(out["dtensor"]) == 4
     assert out["divide"] == ["NotImplementedError", "FSDPSequential.set_gradient_divide_factor: "
-                             "shardd.torch's fully_shard does not implement this FSDP2 call (the "
-                             "README's table of differences lists what it has)"]
+                             "shardd.torch's fully_shard does not implement this FSDP2 call "
+                             "(docs/TORCH.md's table of differences lists what it has)"]
     assert out["double"][0] == "ValueError"
     assert "param '0.weight' would become torch.float64 on cpu, but the daemon holds it as " \
            "torch.float32" in out["double"][1]

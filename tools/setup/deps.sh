@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Debian packages shardd needs to build, test and benchmark.
-#   deps.sh check    exit 0 when everything is installed, else list what is missing
-#   deps.sh install  install what is missing with apt-get (root), or print the command
+#   deps.sh check [packages]    exit 0 when everything is installed, else list what is missing
+#   deps.sh install [packages]  install what is missing with apt-get (root), or print the command
+# With `packages`, only the Debian packages: what `make train` needs, so that it
+# runs offline once they are there. Without it, also the virtual environment of
+# the PyPI packages some tests use (below), which needs PyPI.
 set -euo pipefail
 
 PACKAGES=(
@@ -39,20 +42,29 @@ for p in "${PACKAGES[@]}"; do
 	dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
 done
 
+case "${2:-all}" in
+all) with_venv=1 ;;
+packages) with_venv=0 ;;
+*)
+	echo "usage: $0 check|install [packages]" >&2
+	exit 2
+	;;
+esac
+
 case "${1:-check}" in
 check)
 	if [ ${#missing[@]} -gt 0 ]; then
 		echo "shardd: missing Debian packages: ${missing[*]}" >&2
 		exit 1
 	fi
-	if ! venv_ok; then
+	if [ "$with_venv" -eq 1 ] && ! venv_ok; then
 		echo "shardd: missing the virtual environment $VENV with PyPI packages: ${PYPI[*]}" >&2
 		exit 1
 	fi
 	;;
 install)
 	if [ ${#missing[@]} -eq 0 ]; then
-		venv_install
+		[ "$with_venv" -eq 0 ] || venv_install
 		exit
 	fi
 	cmd="apt-get install -y --no-install-recommends ${missing[*]}"
@@ -64,10 +76,10 @@ install)
 	export DEBIAN_FRONTEND=noninteractive
 	apt-get update -qq
 	$cmd
-	venv_install
+	[ "$with_venv" -eq 0 ] || venv_install
 	;;
 *)
-	echo "usage: $0 check|install" >&2
+	echo "usage: $0 check|install [packages]" >&2
 	exit 2
 	;;
 esac

@@ -227,27 +227,34 @@ void shardctl_render_ranks(FILE *f, const json_t *r)
 		if (i)
 			fputc('\n', f);
 		const json_t *span = json_object_get(j, "span");
+		char optim[64] = "";
 
+		/* The optimizer's step is the training step; the ops' steps are however
+		   the trainer numbers them (shardd.torch: two unshards a step). */
+		if (json_is_integer(json_object_get(j, "max_optim_step")))
+			snprintf(optim, sizeof(optim), ", optimizer step %lld",
+				 num(j, "max_optim_step"));
 		if (span)
 			/* A job across nodes: this daemon holds one node's ranks; RANK is global. */
 			fprintf(f,
 				"job '%s': mesh %lldx%lld over %lld nodes, node %lld holds ranks %lld..%lld, "
-				"%lld of %lld attached, furthest step %lld\n",
+				"%lld of %lld attached%s, furthest op step %lld\n",
 				str(j, "name"), num(span, "replicate"), num(span, "shard"),
 				num(span, "nodes"), num(span, "node"), num(span, "first_rank"),
-				num(span, "last_rank"), num(j, "attached"), num(j, "world"),
+				num(span, "last_rank"), num(j, "attached"), num(j, "world"), optim,
 				num(j, "max_step"));
 		else
 			fprintf(f,
-				"job '%s': mesh %lldx%lld, %lld of %lld ranks attached, furthest step %lld\n",
+				"job '%s': mesh %lldx%lld, %lld of %lld ranks attached%s, furthest op step "
+				"%lld\n",
 				str(j, "name"), num(j, "replicate"), num(j, "shard"),
-				num(j, "attached"), num(j, "world"), num(j, "max_step"));
-		fprintf(f, "%-5s %-8s %-9s %-16s %-16s %-16s %-8s %-6s %-7s %s\n", "RANK", "PID",
-			"ATTACHED", "SUBMITTED", "TAKEN", "COMPLETED", "INFLIGHT", "STEP", "BEHIND",
-			"WAITING IN");
+				num(j, "attached"), num(j, "world"), optim, num(j, "max_step"));
+		fprintf(f, "%-5s %-8s %-9s %-16s %-16s %-16s %-8s %-6s %-7s %-7s %s\n", "RANK",
+			"PID", "ATTACHED", "SUBMITTED", "TAKEN", "COMPLETED", "INFLIGHT", "OPTIM",
+			"OP_STEP", "BEHIND", "WAITING IN");
 		json_array_foreach(json_object_get(j, "ranks"), k, rk)
 		{
-			char a[32], b[32], c[32], d[32], w[512], pid[24], st[24];
+			char a[32], b[32], c[32], d[32], w[512], pid[24], st[24], os[24];
 			const json_t *waiting = json_object_get(rk, "waiting");
 
 			if (json_is_integer(json_object_get(rk, "pid")))
@@ -271,13 +278,18 @@ void shardctl_render_ranks(FILE *f, const json_t *r)
 				snprintf(st, sizeof(st), "%lld", num(rk, "step"));
 			else
 				snprintf(st, sizeof(st), "-");
-			fprintf(f, "%-5lld %-8s %-9s %-16s %-16s %-16s %-8lld %-6s %-7lld %s\n",
+			if (json_is_integer(json_object_get(rk, "optim_step")))
+				snprintf(os, sizeof(os), "%lld", num(rk, "optim_step"));
+			else
+				snprintf(os, sizeof(os), "-");
+			fprintf(f,
+				"%-5lld %-8s %-9s %-16s %-16s %-16s %-8lld %-6s %-7s %-7lld %s\n",
 				num(rk, "rank"), pid,
 				duration_str(real(rk, "attached_s"), a, sizeof(a)),
 				opstep(json_object_get(rk, "submitted"), b, sizeof(b)),
 				opstep(json_object_get(rk, "taken"), c, sizeof(c)),
 				opstep(json_object_get(rk, "completed"), d, sizeof(d)),
-				num(rk, "inflight"), st, num(rk, "behind"), w);
+				num(rk, "inflight"), os, st, num(rk, "behind"), w);
 		}
 		json_array_foreach(json_object_get(j, "pending"), k, p)
 		{

@@ -56,8 +56,8 @@ each parameter's original dtype (fp32 for fp32 params with bf16
 
 Where shardd.torch differs from FSDP2 on purpose (plain-tensor params over
 a shardd.Client; the daemon's checkpoints and optimizer; one node's CPU
-ranks; ...): the table in the repository's README.md, "Python and
-PyTorch". With DTensor params an FSDPModule's ``state_dict()`` is
+ranks; ...): the table in the repository's docs/TORCH.md, "Where
+shardd.torch differs from FSDP2, on purpose". With DTensor params an FSDPModule's ``state_dict()`` is
 torch's (DTensors); with plain params it holds full tensors (collective:
 every rank calls it) and its ``load_state_dict()`` takes them.
 :func:`local_shards` gives the rank's shards, and

@@ -43,7 +43,7 @@ class FSDPModule(*((TorchFSDPModule,) if TorchFSDPModule is not None else ())):
         caller = sys._getframe(1).f_code.co_name
         raise NotImplementedError(
             f"{type(self).__name__}.{caller}: shardd.torch's fully_shard does not implement this "
-            f"FSDP2 call (the README's table of differences lists what it has)")
+            f"FSDP2 call (docs/TORCH.md's table of differences lists what it has)")
 
     def _apply(self, fn, *args, **kwargs):   # torch >= 2.1 passes recurse
         """Module._apply (to_empty(), float(), ...) replaces the params'

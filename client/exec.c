@@ -29,6 +29,7 @@
 #include <unistd.h>
 
 #include "internal.h"
+#include "shardd_step.h"
 #include "shardd_exec.h"
 #include "shardd_kernels.h"
 
@@ -610,9 +611,9 @@ static void run_reduce(struct shardd_group *g, int accumulate)
 
 /*
  * A reduce that asks for a step the daemon will refuse is refused before it
- * gathers, as the daemon refuses it before its rendezvous (step.c's
- * step_check, same words): its completion is queued now, with nothing
- * published. Returns 1 when refused so, else 0.
+ * gathers, as the daemon refuses it before its rendezvous (the same
+ * shardd_step_check): its completion is queued now, with nothing
+ * published. Returns 1 when refused so, else 0 (or -ENOMEM).
  */
 static int step_refused(struct shardd_group *g, uint64_t step, const uint64_t *args,
 			uint64_t user_data, struct shardd_completion *out, int *finished)
@@ -621,27 +622,12 @@ static int step_refused(struct shardd_group *g, uint64_t step, const uint64_t *a
 					.op = SHARDD_OP_REDUCE,
 					.group = g->info.group_id,
 					.step = step };
-	double lr = 0;
+	const uint64_t none[2] = { 0, 0 };
 
-	if (args)
-		memcpy(&lr, &args[SHARDD_SQE_STEP_LR], sizeof(lr));
-	if (g->info.optimizer == SHARDD_OPTIM_NONE)
-		msgf(cp.msg, sizeof(cp.msg),
-		     "shardd: reduce(group '%s'): the group was registered without an optimizer; "
-		     "register it with one (SHARDD_REGISTER_OPTIMIZER) or update its shards in the "
-		     "trainer",
-		     g->name);
-	else if (step == 0)
-		msgf(cp.msg, sizeof(cp.msg),
-		     "shardd: reduce(group '%s'): step = 0; steps are numbered from 1", g->name);
-	else if (!(lr >= 0) || lr > 1e300)
-		msgf(cp.msg, sizeof(cp.msg),
-		     "shardd: reduce(group '%s', step %llu): lr = %g; the learning rate must be "
-		     "finite and >= 0",
-		     g->name, (unsigned long long)step, lr);
-	else
+	cp.res = shardd_step_check(SHARDD_OP_REDUCE, g->name, g->info.optimizer, step,
+				   SHARDD_REDUCE_STEP, args ? args : none, cp.msg, sizeof(cp.msg));
+	if (!cp.res)
 		return 0;
-	cp.res = g->info.optimizer == SHARDD_OPTIM_NONE ? -SHARDD_E_STATE : -SHARDD_E_INVALID;
 	if (out) {
 		*out = cp;
 		*finished = 1;

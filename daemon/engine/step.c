@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "engine_int.h"
+#include "shardd_step.h"
 #include "step.h"
 
 int eng_step_asked(const struct shardd_sqe *sqe)
@@ -62,8 +63,9 @@ float shd_clip_coefficient(double norm, double max_norm)
 /* ------------------------------------------------------------------ */
 
 /*
- * A step's own fields (the group's optimizer, step number, lr, clip
- * coefficient; a REDUCE with SHARDD_REDUCE_STEP: the same but the clip),
+ * A step's own fields (shardd_step_check: the group's optimizer, step
+ * number, lr, clip; libshardd checks a rank-executed reduce's the same
+ * way), and under HSDP that a REDUCE with SHARDD_REDUCE_STEP all-reduces,
  * checked at submission: 0, or the error code with `msg`. Whether the step
  * was applied before and whether a grad is there, its task decides, in
  * the group's order.
@@ -71,64 +73,22 @@ float shd_clip_coefficient(double norm, double max_norm)
 static int step_check(const struct eng_group *eg, const struct shardd_sqe *sqe, char *err,
 		      size_t errlen)
 {
-	const char *name = shd_op_info(sqe->op)->name;
-	double lr, clip = 1, max_norm = 1;
+	int ret = shardd_step_check(sqe->op, eg->g->name, eg->g->optim.kind, sqe->step, sqe->flags,
+				    sqe->arg, err, errlen);
 
-	memcpy(&lr, &sqe->arg[SHARDD_SQE_STEP_LR], sizeof(lr));
-	if (sqe->op == SHARDD_OP_STEP && (sqe->flags & SHARDD_STEP_CLIP))
-		memcpy(&clip, &sqe->arg[SHARDD_SQE_STEP_CLIP], sizeof(clip));
-	if (sqe->op == SHARDD_OP_STEP && (sqe->flags & SHARDD_STEP_CLIP_JOB))
-		memcpy(&max_norm, &sqe->arg[SHARDD_SQE_STEP_CLIP], sizeof(max_norm));
-	if (eg->g->optim.kind == SHARDD_OPTIM_NONE) {
-		eng_fmt(err, errlen,
-			"shardd: %s(group '%s'): the group was registered without an optimizer; "
-			"register it with one (SHARDD_REGISTER_OPTIMIZER) or update its shards in the trainer",
-			name, eg->g->name);
-		return -SHARDD_E_STATE;
-	}
-	if (sqe->step == 0)
-		eng_fmt(err, errlen, "shardd: %s(group '%s'): step = 0; steps are numbered from 1",
-			name, eg->g->name);
-	else if (!(lr >= 0) || lr > 1e300)
-		eng_fmt(err, errlen,
-			"shardd: %s(group '%s', step %llu): lr = %g; the learning rate must be "
-			"finite and >= 0",
-			name, eg->g->name, (unsigned long long)sqe->step, lr);
-	else if ((sqe->flags & SHARDD_STEP_CLIP) && (sqe->flags & SHARDD_STEP_CLIP_JOB))
-		eng_fmt(err, errlen,
-			"shardd: %s(group '%s', step %llu): flags = 0x%x has both SHARDD_STEP_CLIP "
-			"(a coefficient) and SHARDD_STEP_CLIP_JOB (max_norm): give one",
-			name, eg->g->name, (unsigned long long)sqe->step, sqe->flags);
-	else if ((sqe->flags & SHARDD_STEP_CLIP_JOB) && !(max_norm > 0 && isfinite(max_norm)))
-		eng_fmt(err, errlen,
-			"shardd: %s(group '%s', step %llu): max_norm = %g (sqe.arg[%d] with "
-			"SHARDD_STEP_CLIP_JOB); it must be finite and > 0",
-			name, eg->g->name, (unsigned long long)sqe->step, max_norm,
-			SHARDD_SQE_STEP_CLIP);
-	else if (!(clip >= 0) || clip > 1e30)
-		eng_fmt(err, errlen,
-			"shardd: %s(group '%s', step %llu): clip coefficient = %g; it must be "
-			"finite and >= 0 (clip_grad_norm_'s max_norm / (total_norm + 1e-6), at most 1)",
-			name, eg->g->name, (unsigned long long)sqe->step, clip);
-	else if (sqe->op == SHARDD_OP_STEP &&
-		 !(sqe->flags & (SHARDD_STEP_CLIP | SHARDD_STEP_CLIP_JOB)) &&
-		 sqe->arg[SHARDD_SQE_STEP_CLIP])
-		eng_fmt(err, errlen,
-			"shardd: %s(group '%s', step %llu): sqe.arg[%d] = 0x%llx without "
-			"SHARDD_STEP_CLIP or SHARDD_STEP_CLIP_JOB: set a flag or leave it 0",
-			name, eg->g->name, (unsigned long long)sqe->step, SHARDD_SQE_STEP_CLIP,
-			(unsigned long long)sqe->arg[SHARDD_SQE_STEP_CLIP]);
-	else if (sqe->op == SHARDD_OP_REDUCE && eng_mesh_replicate(eg->j) > 1 &&
-		 !(sqe->flags & SHARDD_REDUCE_ALL_REDUCE))
+	if (ret)
+		return ret;
+	if (sqe->op == SHARDD_OP_REDUCE && eng_mesh_replicate(eg->j) > 1 &&
+	    !(sqe->flags & SHARDD_REDUCE_ALL_REDUCE)) {
 		eng_fmt(err, errlen,
 			"shardd: reduce(group '%s', step %llu): flags = 0x%x: SHARDD_REDUCE_STEP without "
 			"SHARDD_REDUCE_ALL_REDUCE under HSDP (replicate %u): the grads are not final until the "
 			"all-reduce; step with the reduce that all-reduces",
 			eg->g->name, (unsigned long long)sqe->step, sqe->flags,
 			eng_mesh_replicate(eg->j));
-	else
-		return 0;
-	return -SHARDD_E_INVALID;
+		return -SHARDD_E_INVALID;
+	}
+	return 0;
 }
 
 /*

@@ -210,7 +210,8 @@ test: deps-check
 # every group to the daemon), so both executors pass the same tests.
 EXEC_BOTH_BIN := $(addprefix $(BUILD)/tests/integration/,test_shapes test_train \
 	test_step_job test_optim_daemon test_grad_norm test_checkpoint \
-	test_checkpoint_restore test_checkpoint_restart)
+	test_checkpoint_restore test_checkpoint_restart test_train_checkpoint \
+	test_step_kill test_step_pause test_departures)
 
 test-c: all $(UNIT_BIN) $(INTEG_BIN)
 	@set -e; for t in $(UNIT_BIN) $(INTEG_BIN); do \
@@ -252,7 +253,7 @@ $(TORCH_STAMP):
 PY_EXEC_BOTH := $(addprefix tests/python/,test_client.py test_shapes.py test_step.py \
 	test_step_job.py test_grad_norm.py test_checkpoint.py test_torch.py test_torch_fsdp.py \
 	test_torch_optim.py test_torch_clip.py test_torch_state_dict.py test_torch_names.py \
-	test_torch_checkpoint.py test_torch_train_checkpoint.py)
+	test_torch_checkpoint.py test_torch_train_checkpoint.py test_torch_reattach.py)
 
 test-python: all $(TORCH_STAMP)
 	@if [ -d tests/python ]; then \

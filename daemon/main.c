@@ -133,7 +133,7 @@ static const struct flag flags[] = {
 	  "a group registered exec=auto whose unsharded\n"
 	  "params take at most BYTES runs rank-executed:\n"
 	  "each rank moves its own bytes (host backend,\n"
-	  "no HSDP, one node); 0: never (the default)" },
+	  "no HSDP, one node); 0: never (default 64K)" },
 	{ "state-dir", FLAG_STATE_DIR, "DIR", 0,
 	  "keep each job's checkpoints in DIR/JOB/step-N\n"
 	  "(the checkpoint op; docs/CHECKPOINTS.md)" },

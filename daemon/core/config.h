@@ -26,11 +26,11 @@
 #define SHD_JOB_LINGER_DEFAULT_S        3600.0 /* --job-linger: a job without ranks ends after this */
 /*
  * --rank-exec-max: up to this many unsharded bytes an exec=auto group runs
- * rank-executed. 0 (auto is always the daemon's) until rank-executed groups
- * pass the random-kill and pause recovery suites (test_step_kill,
- * test_step_pause): docs/BENCHMARKS.md, "Rank-executed collectives".
+ * rank-executed. 64 KiB: where the rank-executed unshard is no slower than
+ * the daemon's and the small ops' fixed cost is what it saves
+ * (docs/BENCHMARKS.md, "Rank-executed collectives").
  */
-#define SHD_RANK_EXEC_MAX_DEFAULT 0
+#define SHD_RANK_EXEC_MAX_DEFAULT (64 * 1024)
 #define SHD_JOB_LINGER_MAX_S      31536000.0 /* one year; 0 means forever */
 #define SHD_SOCKET_MODE_PRIVATE   0600       /* the socket without --allow-gid */
 #define SHD_SOCKET_MODE_GROUP     0660       /* with --allow-gid: the group may connect */

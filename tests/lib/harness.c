@@ -358,13 +358,15 @@ int harness_daemon_start(struct harness_daemon *d, const char *const *extra)
 	argv[argc++] = "--foreground";
 	argv[argc++] = "--log-level";
 	argv[argc++] = "warn";
+	/*
+	 * exec=auto is the daemon's here, whatever shardd's default: make test
+	 * runs the numerics and recovery suites again with their small groups
+	 * rank-executed (SHARDD_TEST_RANK_EXEC_MAX), and a suite's own flag wins.
+	 */
+	argv[argc++] = "--rank-exec-max";
+	argv[argc++] = getenv("SHARDD_TEST_RANK_EXEC_MAX") ? getenv("SHARDD_TEST_RANK_EXEC_MAX") : "0";
 	for (int i = 0; extra && extra[i] && argc < 29; i++)
 		argv[argc++] = extra[i];
-	/* make test runs the numerics suites again with their small groups rank-executed. */
-	if (getenv("SHARDD_TEST_RANK_EXEC_MAX")) {
-		argv[argc++] = "--rank-exec-max";
-		argv[argc++] = getenv("SHARDD_TEST_RANK_EXEC_MAX");
-	}
 	argv[argc] = NULL;
 
 	if (pipe2(out, O_CLOEXEC) < 0) {

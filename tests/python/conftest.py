@@ -86,11 +86,12 @@ class _Stderr:
 
 
 def rank_exec_args():
-    """`make test-python` runs the numerics suites a second time with their small
+    """exec=auto is the daemon's in these daemons, whatever shardd's default:
+    `make test-python` runs the numerics suites a second time with their small
     groups rank-executed (SHARDD_TEST_RANK_EXEC_MAX=4M: shardd --rank-exec-max),
-    as make test-c does with tests/lib/harness.c: both executors pass the same tests."""
-    limit = os.environ.get("SHARDD_TEST_RANK_EXEC_MAX")
-    return ("--rank-exec-max", limit) if limit else ()
+    as make test-c does with tests/lib/harness.c: both executors pass the same
+    tests. Given before a test's own arguments, which win."""
+    return ("--rank-exec-max", os.environ.get("SHARDD_TEST_RANK_EXEC_MAX", "0"))
 
 
 class Daemon(_Stderr):
@@ -102,7 +103,7 @@ class Daemon(_Stderr):
         self.lines = []
         self.proc = subprocess.Popen(
             [shardd_bin(), "--socket", self.socket, "--foreground", "--log-level", "warn",
-             "--collective-timeout", "20", *extra_args, *rank_exec_args()],
+             "--collective-timeout", "20", *rank_exec_args(), *extra_args],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             env={**os.environ, "SHARDD_LOOP_WATCHDOG_MS": str(LOOP_WATCHDOG_MS)})
         want = f"shardd: ready on {self.socket}"

@@ -23,8 +23,8 @@
  * -SHARDD_E_INVALID (the field and value named) with the message in err.
  */
 static inline int shardd_step_check(uint32_t op, const char *group, uint32_t optimizer,
-				    uint64_t step, uint32_t flags, const uint64_t arg[2],
-				    char *err, size_t errlen)
+				    uint64_t step, uint32_t flags, const uint64_t arg[2], char *err,
+				    size_t errlen)
 {
 	const char *name = shardd_op_name(op);
 	unsigned long long n = (unsigned long long)step;
@@ -52,10 +52,11 @@ static inline int shardd_step_check(uint32_t op, const char *group, uint32_t opt
 			 "finite and >= 0",
 			 name, group, n, lr);
 	else if ((flags & SHARDD_STEP_CLIP) && (flags & SHARDD_STEP_CLIP_JOB))
-		snprintf(err, errlen,
-			 "shardd: %s(group '%s', step %llu): flags = 0x%x has both SHARDD_STEP_CLIP "
-			 "(a coefficient) and SHARDD_STEP_CLIP_JOB (max_norm): give one",
-			 name, group, n, flags);
+		snprintf(
+			err, errlen,
+			"shardd: %s(group '%s', step %llu): flags = 0x%x has both SHARDD_STEP_CLIP "
+			"(a coefficient) and SHARDD_STEP_CLIP_JOB (max_norm): give one",
+			name, group, n, flags);
 	else if ((flags & SHARDD_STEP_CLIP_JOB) && !(max_norm > 0 && isfinite(max_norm)))
 		snprintf(err, errlen,
 			 "shardd: %s(group '%s', step %llu): max_norm = %g (sqe.arg[%d] with "

@@ -364,7 +364,8 @@ int harness_daemon_start(struct harness_daemon *d, const char *const *extra)
 	 * rank-executed (SHARDD_TEST_RANK_EXEC_MAX), and a suite's own flag wins.
 	 */
 	argv[argc++] = "--rank-exec-max";
-	argv[argc++] = getenv("SHARDD_TEST_RANK_EXEC_MAX") ? getenv("SHARDD_TEST_RANK_EXEC_MAX") : "0";
+	argv[argc++] =
+		getenv("SHARDD_TEST_RANK_EXEC_MAX") ? getenv("SHARDD_TEST_RANK_EXEC_MAX") : "0";
 	for (int i = 0; extra && extra[i] && argc < 29; i++)
 		argv[argc++] = extra[i];
 	argv[argc] = NULL;

@@ -226,6 +226,26 @@ def test_a_missing_driver_is_an_error_naming_the_library(tmp_path):
     assert ei.value.code == -P.E_BACKEND and "no NVIDIA driver: dlopen" in ei.value.text
 
 
+def test_the_process_driver_is_loaded_once_and_its_absence_said_each_time(monkeypatch):
+    """driver() loads libcuda.so.1 on first use, never at import, and keeps
+    a failure (as libshardd's pthread_once): every later call says it again."""
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        pytest.skip("this machine has libcuda.so.1: its absence cannot be shown here")
+    except OSError:
+        pass
+    monkeypatch.setattr(cuda, "_driver", None)
+    monkeypatch.setattr(cuda, "_driver_error", None)
+    texts = []
+    for _ in range(2):
+        with pytest.raises(shardd.ShardError) as ei:
+            cuda.driver()
+        texts.append(ei.value.text)
+    assert ei.value.code == -P.E_BACKEND and texts[0] == texts[1]
+    assert texts[0].startswith("the daemon runs the cuda backend: no NVIDIA driver: dlopen "
+                               "libcuda.so.1")
+
+
 def test_fd_buffer_is_imported_mapped_at_the_rounded_size_and_released_on_close(drv):
     fd = memfd(5 << 20)
     m = cuda.import_fd(fd, 0, (4 << 20) + 1)

@@ -37,7 +37,7 @@ import threading
 import weakref
 
 from . import proto as P
-from .error import shard_error
+from .error import ShardError, shard_error
 
 # proto/shardd_cuda.h: the driver ABI libshardd and the daemon ask for.
 DRIVER_ABI = 12000
@@ -220,7 +220,7 @@ def driver():
         if _driver is None and _driver_error is None:
             try:
                 _driver = Driver()
-            except Exception as e:
+            except ShardError as e:
                 _driver_error = e
         if _driver_error is not None:
             raise shard_error(_driver_error.code, f"the daemon runs the cuda backend: "

@@ -447,6 +447,24 @@ def test_a_failed_import_unmaps_the_buffers_imported_before_it(drv):
     assert sum(line.startswith("cuMemUnmap") for line in calls(drv)) == 2
 
 
+def test_a_dead_daemon_is_said_to_take_the_ipc_buffers_along(drv):
+    """fd-kind buffers outlive the daemon (the client's mapping holds them);
+    ipc-kind ones were its memory: a DaemonGone says so, naming the groups."""
+    fds = [memfd(2 << 20) for _ in range(4)]
+    fd_group = CudaGroup(cuda_client(), "fdg", reply((0, 0, 0, 0)), fds, None, "open group 'fdg'")
+    ipc_group = CudaGroup(cuda_client(), "ipcg", reply((0, 1, 0, 0)),
+                          [memfd(2 << 20) for _ in range(3)], None, "open group 'ipcg'")
+    c = types.SimpleNamespace(daemon_code=0, daemon_pid=4242, groups=[fd_group])
+    text = str(shardd.Client._detached_error(c, "unshard(step 3)"))
+    assert text.endswith("is gone or dropped this client [ECONNRESET]")
+    c.groups.append(ipc_group)
+    err = shardd.Client._detached_error(c, "unshard(step 3)")
+    assert isinstance(err, shardd.DaemonGone)
+    assert "the cuda ipc buffers of groups ['ipcg'] were the daemon's memory" in err.text
+    fd_group.close()
+    ipc_group.close()
+
+
 def test_a_cuda_group_needs_the_client_to_name_a_device(drv):
     with pytest.raises(shardd.ShardError) as ei:
         CudaGroup(cuda_client(-1), "g", reply((0, 0, 0, 0)), [memfd(64) for _ in range(4)], None,

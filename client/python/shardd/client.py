@@ -22,7 +22,7 @@ from . import dtypes as D
 from . import exec as X
 from . import proto as P
 from . import stream as S
-from .cuda_group import CudaGroup
+from .cuda_group import CudaGroup, ipc_gone_note
 from .error import DaemonGone, ShardError, shard_error
 from .group import F_SEAL_FUTURE_WRITE, Group, Optimizer, Param, numpy_to_tensor, step_flags_args
 from .pending import Pending
@@ -467,7 +467,7 @@ class Client:
                                             f"client: client id {self.client_id}, job '{self.job}' "
                                             f"rank {self.rank})")
         return shard_error(-errno.ECONNRESET, f"{what}: the daemon (pid {self.daemon_pid}) is gone or "
-                                         "dropped this client")
+                                         f"dropped this client{ipc_gone_note(self.groups)}")
 
     def _wait_one(self, timeout, what, total=None):
         """One completion from the ring, waiting up to timeout s; None when an op

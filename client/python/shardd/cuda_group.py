@@ -21,6 +21,18 @@ def _torch_dtype(code):
             P.DTYPE_FP16: torch.float16}[code]
 
 
+def ipc_gone_note(groups):
+    """What a daemon's death takes along: the ipc-kind buffers of `groups`
+    (their memory was the daemon's), said after a DaemonGone's text; fd-kind
+    buffers stay valid until closed."""
+    names = [g.name for g in groups if isinstance(g, CudaGroup) and
+             any(m is not None and m.kind == P.EXPORT_CUDA_IPC for m in g.maps)]
+    if not names:
+        return ""
+    return (f"; the cuda ipc buffers of groups {names} were the daemon's memory and are no longer "
+            f"valid: close those groups without touching their tensors (docs/CUDA.md)")
+
+
 class CudaGroup(Group):
     """A registered or opened group of the cuda backend. unsharded(),
     grad(), shard(), shard_grad() and tensor() are torch tensors on

@@ -167,11 +167,12 @@ class Group:
                 os.close(fd)
 
     def _check_backend(self, where):
+        """A Group maps the host backend's memfds; the Client makes a CudaGroup for the cuda one."""
         if self.client.backend != P.BACKEND_HOST:
-            raise shard_error(-errno.ENOTSUP, f"{where}: the daemon runs the cuda backend, whose "
-                                              f"buffers are device memory; this Group maps host "
-                                              f"buffers only (the Client makes a CudaGroup for "
-                                              f"them)")
+            raise shard_error(-errno.ENOTSUP, f"{where}: the daemon runs backend "
+                                              f"{self.client.backend}, whose buffers this client "
+                                              f"cannot map (host = {P.BACKEND_HOST}, cuda = "
+                                              f"{P.BACKEND_CUDA})")
 
     def _check_kinds(self, export_kind, ranks, where):
         """Every buffer of the host backend is an fd (kind 0): a CUDA IPC handle is device memory."""

@@ -289,7 +289,7 @@ test-gpu: all $(GPU_BIN)
 # most), and sanitized binaries are neither that small nor what it ships.
 GPU_CHECK := $(BUILD)/gpu-check
 gpu-check: all $(GPU_BIN)
-	tools/setup/gpu_check.sh $(BUILD) $(HAVE_CUDA) $(GPU_CHECK) $(GPU_BIN)
+	PYTHON=$(PYTHON) tools/setup/gpu_check.sh $(BUILD) $(HAVE_CUDA) $(GPU_CHECK) $(GPU_BIN)
 
 test-gpu-check: gpu-check
 	@d=$$(mktemp -d) && { $(GPU_CHECK)/run $$d; rc=$$?; rm -rf $$d; exit $$rc; }

@@ -11,7 +11,7 @@ import shardd.torch as st
 
 def save_shards(path, model):
     """Save this rank's shards of every param fully_shard manages under model."""
-    np.savez(path, **{f"{n}@{dim}@{first}": t.detach().float().numpy()
+    np.savez(path, **{f"{n}@{dim}@{first}": t.detach().float().cpu().numpy()
                       for n, t, dim, first in st.local_shards(model)})
 
 

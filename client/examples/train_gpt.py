@@ -37,6 +37,14 @@ stale shard changes updates by ~lr at the first step. (Adam is blind to a
 uniform gradient scale, so sum-versus-average is checked by the SGD
 examples and suites, train_torch.py and tests/python/test_torch*.py.)
 
+--device cuda trains on GPUs against a `shardd --backend cuda` daemon
+(--shardd starts one so): rank r computes on GPU r mod the visible GPUs
+(several ranks share one GPU when there are fewer), its params are CUDA
+tensors over the daemon's device buffers and every op is ordered on the
+rank's current CUDA stream (docs/CUDA.md, "Python on the GPU"); --check
+then runs the reference on GPU 0. Each step's time is taken after a
+torch.cuda.synchronize().
+
 Watching it: the launcher prints the daemon's socket; in another terminal
 `build/shardctl --socket SOCKET watch` shows the job's ranks, their last op
 and the per-op latencies while it trains.
@@ -93,7 +101,7 @@ class Attention(torch.nn.Module):
             y = sdpa(q, k, v, is_causal=True)
         else:   # torch < 2.0
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.shape[-1]))
-            mask = torch.ones(t, t, dtype=torch.bool).triu(1)
+            mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
             y = att.masked_fill(mask, float("-inf")).softmax(dim=-1) @ v
         return self.proj(y.transpose(1, 2).reshape(b, t, d))
 
@@ -133,7 +141,7 @@ class GPT(torch.nn.Module):
 
     def forward(self, idx):
         t = idx.shape[1]
-        x = self.tok(idx) + self.pos(torch.arange(t))
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
@@ -142,6 +150,22 @@ class GPT(torch.nn.Module):
 def make_model(a):
     torch.manual_seed(a.seed)
     return GPT(a.layers, a.dim, a.heads, a.context)
+
+
+def rank_device(a, rank):
+    """--device cuda: rank `rank`'s GPU (round-robin over the visible ones); None: the CPU."""
+    if a.device != "cuda":
+        return None
+    if not torch.cuda.is_available():
+        raise SystemExit("train_gpt: --device cuda, but torch sees no CUDA device "
+                         "(torch.cuda.is_available() is False)")
+    return torch.device("cuda", rank % torch.cuda.device_count())
+
+
+def sync(device):
+    """Wait for the GPU's work, so that a step's time counts it."""
+    if device is not None:
+        torch.cuda.synchronize(device)
 
 
 def make_optimizer(a, params):
@@ -188,13 +212,17 @@ def run_rank(a):
     torch.set_num_threads(a.threads)
     data, _ = load_corpus(a.text)
     world = a.replicate * a.shard
-    model = make_model(a)
+    dev = rank_device(a, a.rank)
+    if dev is not None:
+        torch.cuda.set_device(dev)
+    model = make_model(a).to(dev or "cpu")
     pd = DTYPES[a.param_dtype]
     mp = st.MixedPrecisionPolicy(param_dtype=None if pd == torch.float32 else pd,
                                  reduce_dtype=DTYPES[a.reduce_dtype])
     root_mp = st.MixedPrecisionPolicy(param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
                                       output_dtype=torch.float32)
-    with st.init_device_mesh(a.job, a.rank, (a.replicate, a.shard), socket_path=a.socket) as mesh:
+    with st.init_device_mesh(a.job, a.rank, (a.replicate, a.shard), socket_path=a.socket,
+                             device=dev) as mesh:
         for block in model.blocks:
             st.fully_shard(block, mesh=mesh, mp_policy=mp)
         st.fully_shard(model, mesh=mesh, mp_policy=root_mp)
@@ -202,11 +230,14 @@ def run_rank(a):
         lo, hi = a.rank * a.batch, (a.rank + 1) * a.batch
         for step in range(a.steps):
             x, y = global_batch(a, data, step, world)
+            x, y = x[lo:hi].to(dev or "cpu"), y[lo:hi].to(dev or "cpu")
+            sync(dev)
             t0 = time.perf_counter()
-            loss = loss_of(model(x[lo:hi]), y[lo:hi])
+            loss = loss_of(model(x), y)
             loss.backward()          # unshard, reduce, reshard: the daemon
             opt.step()
             opt.zero_grad()
+            sync(dev)
             ms = (time.perf_counter() - t0) * 1e3
             print(json.dumps({"step": step, "loss": loss.item(), "ms": ms}), flush=True)
         if a.result:
@@ -217,23 +248,26 @@ def run_rank(a):
 def reference(a, data):
     """The same training in one process on the union of the ranks' batches."""
     torch.set_num_threads(a.threads)
-    model = make_model(a)
+    dev = rank_device(a, 0) or torch.device("cpu")
+    model = make_model(a).to(dev)
     opt = make_optimizer(a, model.parameters())
     losses = []
     for step in range(a.steps):
         x, y = global_batch(a, data, step, a.ranks)
-        loss = loss_of(model(x), y)
+        loss = loss_of(model(x.to(dev)), y.to(dev))
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {n: p.detach().numpy() for n, p in model.named_parameters()}, losses
+    return {n: p.detach().cpu().numpy() for n, p in model.named_parameters()}, losses
 
 
 # ---------------------------------------------------------------- the launcher
-def start_daemon(binary, workdir):
+def start_daemon(binary, workdir, device):
+    backend = ("--backend", "cuda") if device == "cuda" else ()
     try:
-        proc, sock = shardd.launch.start_private(binary, workdir, "--collective-timeout", "60")
+        proc, sock = shardd.launch.start_private(binary, workdir, "--collective-timeout", "60",
+                                                 *backend)
     except shardd.launch.DaemonStartError as e:
         raise SystemExit(f"train_gpt: {e}") from None
     # Keep draining its stderr so the daemon never blocks on a full pipe.
@@ -257,7 +291,7 @@ def launch(a, tmp):
     print(f"train_gpt: {nparams / 1e6:.2f} M params ({a.layers} blocks, dim {a.dim}, "
           f"{a.heads} heads, context {a.context}); corpus {data.numel()} bytes from {where}; "
           f"{a.replicate} x {a.shard} ranks, batch {a.batch} per rank; params {a.param_dtype}, "
-          f"reduce {a.reduce_dtype}")
+          f"reduce {a.reduce_dtype}; on {a.device}")
     print(f"train_gpt: job '{a.job}' on {a.socket}; watch it: "
           f"shardctl --socket {a.socket} watch", flush=True)
     q = queue.Queue()
@@ -267,7 +301,7 @@ def launch(a, tmp):
                "--result", os.path.join(tmp, f"r{r}.npz")]
         for k in ("socket", "job", "ranks", "replicate", "shard", "steps", "batch", "layers",
                   "dim", "heads", "context", "lr", "seed", "threads", "param_dtype",
-                  "reduce_dtype"):
+                  "reduce_dtype", "device"):
             cmd += ["--" + k.replace("_", "-"), str(getattr(a, k))]
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
         threading.Thread(target=read_rank, args=(r, p.stdout, q), daemon=True).start()
@@ -388,6 +422,9 @@ def parse_args(argv=None):
     ap.add_argument("--reduce-dtype", choices=sorted(DTYPES), default="fp32",
                     help="gradient reduction dtype (default fp32)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the ranks compute: cpu (a host daemon) or cuda (a shardd "
+                         "--backend cuda; rank r on GPU r mod the GPUs) (default cpu)")
     ap.add_argument("--text", metavar="FILE", help="train on FILE's bytes instead of the Bible")
     ap.add_argument("--job", default=f"train_gpt-{os.getpid()}", help="shardd job name")
     ap.add_argument("--check", action="store_true", help="compare the final params with a "
@@ -425,7 +462,7 @@ def main():
     with tempfile.TemporaryDirectory(prefix="train_gpt-") as tmp:
         try:
             if a.shardd:
-                daemon, a.socket = start_daemon(a.shardd, tmp)
+                daemon, a.socket = start_daemon(a.shardd, tmp, a.device)
             if not a.socket:
                 ap.error("give --socket PATH (or SHARDD_SOCKET) or --shardd BIN")
             return launch(a, tmp)

@@ -11,7 +11,11 @@
 #   build/               shardd, shardctl, shardbench, examples/, tests/gpu/,
 #                        laid out as BUILD is, so SHARDD_BUILD=OUT/build works
 #   lib/                 every shared library they load that the target lacks
-#   python/              the Python client and the Python examples
+#   python/              the Python client (shardd/) and examples (examples/), the
+#                        Python GPU suites (tests/), the PyTorch benchmark
+#                        (gpu_torch_bench.py) and its corpus (corpus.txt: this
+#                        repository's docs), and vendor/: pytest and what it
+#                        imports, from $PYTHON, for a target python3 without it
 #   CUDA                 HAVE_CUDA of this build (1: built with the cuda backend)
 # Libraries left out come from the target, which must have its own: glibc
 # (the target's 2.39 is newer than this build's, and one process cannot mix
@@ -64,6 +68,25 @@ done
 cp -R "$src/client/python/shardd" "$out/python/"
 cp "$src/client/python/README.md" "$out/python/"
 cp "$src"/client/examples/*.py "$out/python/examples/"
+# The GPU suites with what they import; the benchmark and a corpus that needs no bible-kjv.
+mkdir -p "$out/python/tests"
+for f in conftest.py torch_net.py cuda_rank.py test_torch_cuda.py; do
+	cp "$src/tests/python/$f" "$out/python/tests/"
+done
+cp "$src/tools/setup/gpu_torch_bench.py" "$out/python/"
+cat "$src/README.md" "$src"/docs/*.md > "$out/python/corpus.txt"
+# pytest, pure Python, for a target whose python3 has torch but no pytest.
+python=${PYTHON:-python3}
+if vendor=$("$python" -c 'import sys, _pytest, pytest, pluggy, iniconfig, py, attr, packaging
+print(" ".join(m.__path__[0] for m in (_pytest, pytest, pluggy, iniconfig, py, attr, packaging)))' \
+	2>/dev/null); then
+	mkdir -p "$out/python/vendor"
+	# shellcheck disable=SC2086 # paths without spaces, one per package
+	cp -R $vendor "$out/python/vendor/"
+else
+	echo "gpu-check: $python has no pytest (python3-pytest): the bundle carries none, so the" \
+	     "Python GPU suites need the target's own" >&2
+fi
 find "$out/python" -name __pycache__ -prune -exec rm -rf {} +
 cp "$src/tools/setup/gpu_check_run.sh" "$out/run"
 chmod 755 "$out/run"

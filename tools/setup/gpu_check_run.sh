@@ -5,17 +5,20 @@
 #
 #   run OUTDIR
 #
-# On a machine with an NVIDIA GPU, in at most 5 minutes, every step bounded
+# On a machine with an NVIDIA GPU, in at most 7 minutes, every step bounded
 # by timeout(1) and by what is left of the whole:
 #   1. every GPU suite (in parallel: each starts its own daemons on its own
 #      sockets), compute-sanitizer memcheck on the in-process suites when
-#      it exists, and train_mlp on --backend cuda against --backend host
-#      (final params compared byte for byte);
-#   2. then alone on the GPU: shardbench gpu, and the overlap measurement
-#      (shardbench gpu --load) time-sliced and, when nvidia-cuda-mps-control
-#      exists, under MPS: its own control daemon in a private pipe
-#      directory, the ranks at CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=90 and the
-#      daemon uncapped. The system's GPU settings are never touched.
+#      it exists, train_mlp on --backend cuda against --backend host
+#      (final params compared byte for byte), and the Python GPU suites
+#      (python/tests, pytest under the machine's python3 and torch);
+#   2. then alone on the GPU: shardbench gpu, the overlap measurement
+#      (shardbench gpu --load) and the PyTorch benchmark (train_gpt with 2
+#      ranks on one GPU through shardd, and PyTorch's FSDP2) time-sliced
+#      and, when nvidia-cuda-mps-control exists, under MPS: its own control
+#      daemon in a private pipe directory, the ranks at
+#      CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=90 and the daemon uncapped. The
+#      system's GPU settings are never touched.
 # Full logs go to OUTDIR/<step>.log, the summary table last on stdout and
 # in OUTDIR/summary.txt. Exit status 0 when every step passed or skipped.
 # Without a GPU (no nvidia-smi, or it lists none), or in a bundle built
@@ -24,7 +27,7 @@ set -u
 
 here=$(cd "$(dirname "$0")" && pwd)
 self=$here/$(basename "$0")
-BUDGET_S=295
+BUDGET_S=420
 SIZES=(-b 4K -e 256M -f 16)
 
 # ---- internal steps (the script runs itself under timeout) ----------------
@@ -66,10 +69,9 @@ train_compare() {
 	return 1
 }
 
-# The overlap measurement under MPS: a private control daemon, shardd
-# uncapped, the ranks (the trainers) at 90 % of the SMs.
-overlap_mps() {
-	local out=$1 mps pid ret=0
+# A private MPS control daemon for this process and its children ($mps: its
+# directory, for mps_stop).
+mps_start() {
 	mps=$(mktemp -d "${TMPDIR:-/tmp}/shardd-mps.XXXXXX")
 	mkdir -p "$mps/pipe" "$mps/log"
 	export CUDA_MPS_PIPE_DIRECTORY=$mps/pipe CUDA_MPS_LOG_DIRECTORY=$mps/log
@@ -79,6 +81,40 @@ overlap_mps() {
 		rm -rf "$mps"
 		return 1
 	fi
+}
+
+# Quit it, keeping its log as $1.
+mps_stop() {
+	echo quit | nvidia-cuda-mps-control
+	cat "$mps"/log/*.log > "$1" 2>/dev/null
+	rm -rf "$mps"
+}
+
+# The PyTorch benchmark (python/gpu_torch_bench.py) with its step label $2
+# and any further arguments.
+torch_bench() {
+	local label=$1
+	shift
+	python3 "$here/python/gpu_torch_bench.py" --shardd "$here/build/shardd" \
+		--train-gpt "$here/python/examples/train_gpt.py" --text "$here/python/corpus.txt" \
+		--label "$label" "$@"
+}
+
+# train_gpt under MPS: the ranks at 90 % of the SMs, the daemon uncapped.
+torch_bench_mps() {
+	local out=$1 mps ret=0
+	mps_start || return 1
+	torch_bench "MPS, ranks at 90 % of the SMs" \
+		--rank-env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=90 || ret=1
+	mps_stop "$out/torch-bench-mps-server.log"
+	return $ret
+}
+
+# The overlap measurement under MPS: a private control daemon, shardd
+# uncapped, the ranks (the trainers) at 90 % of the SMs.
+overlap_mps() {
+	local out=$1 mps pid ret=0
+	mps_start || return 1
 	"$here/build/shardd" --backend cuda --socket "$mps/shardd.sock" 2> "$out/overlap-mps-shardd.log" &
 	pid=$!
 	if wait_log "$out/overlap-mps-shardd.log" "ready on" "$pid"; then
@@ -97,20 +133,30 @@ overlap_mps() {
 	fi
 	kill "$pid" 2>/dev/null
 	wait "$pid" 2>/dev/null
-	echo quit | nvidia-cuda-mps-control
-	cat "$mps"/log/*.log > "$out/overlap-mps-server.log" 2>/dev/null
-	rm -rf "$mps"
+	mps_stop "$out/overlap-mps-server.log"
 	return $ret
+}
+
+# The Python GPU suites under the machine's python3 and torch; pytest its
+# own, or the bundle's (python/vendor) when it has none.
+torch_pytest() {
+	local path=$here/python
+	python3 -c 'import pytest' 2> /dev/null || path=$path:$here/python/vendor
+	PYTHONPATH=$path python3 -m pytest -q -rs -p no:cacheprovider "$here/python/tests"
 }
 
 case ${1:-} in
 __train) train_compare "$2"; exit ;;
 __mps) overlap_mps "$2"; exit ;;
+__torch_pytest) torch_pytest; exit ;;
+__torch_bench) torch_bench time-sliced --fsdp2; exit ;;
+__torch_bench_mps) torch_bench_mps "$2"; exit ;;
 -h | --help)
 	echo "usage: $0 OUTDIR"
 	echo "Run shardd's GPU check (every GPU suite, compute-sanitizer, train_mlp cuda"
-	echo "against host, shardbench gpu, the overlap under load with and without MPS) in"
-	echo "at most 5 minutes; full logs in OUTDIR, the summary table last (docs/CUDA.md)."
+	echo "against host, the Python GPU suites, shardbench gpu, the overlap under load and"
+	echo "train_gpt against FSDP2, with and without MPS) in at most 7 minutes; full logs"
+	echo "in OUTDIR, the summary table last (docs/CUDA.md)."
 	echo "Without a GPU every step is skipped, with exit status 0."
 	exit 0
 	;;
@@ -130,7 +176,7 @@ mkdir -p "$1" || exit 1
 out=$(cd "$1" && pwd)
 start=$(date +%s)
 export LD_LIBRARY_PATH="$here/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export SHARDD_BIN=$here/build/shardd SHARDD_BUILD=$here/build
+export SHARDD_BIN=$here/build/shardd SHARDD_BUILD=$here/build PYTHONPATH=$here/python
 rm -f "$out/summary.tsv"
 
 suites=()
@@ -141,7 +187,8 @@ done
 memcheck=(test_cuda_kernels test_cuda_backend test_cuda_step)
 steps=("${suites[@]}")
 for t in "${memcheck[@]}"; do steps+=("memcheck:$t"); done
-steps+=(train_mlp_cuda_vs_host shardbench_gpu overlap_time_sliced overlap_mps)
+steps+=(train_mlp_cuda_vs_host torch_pytest shardbench_gpu overlap_time_sliced torch_bench
+	overlap_mps torch_bench_mps)
 
 record() {
 	printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >> "$out/summary.tsv"
@@ -213,7 +260,8 @@ step() {
 		note="$note | sanitizer: $(grep -a 'ERROR SUMMARY' "$log" | grep -avc ' 0 errors') of"
 		note="$note $(grep -ac 'ERROR SUMMARY' "$log") processes with errors"
 	fi
-	[ -z "$note" ] && note=$(grep -a -E 'bit-identical|differ|skipped' "$log" | tail -n 1)
+	[ -z "$note" ] && note=$(grep -a -E 'bit-identical|differ|skipped|passed|failed|^shardd [0-9]+ ranks' \
+		"$log" | tail -n 1)
 	[ "$st" = TIMEOUT ] && note="killed after $cap s; $note"
 	record "$name" "$st" "$(($(date +%s) - t0))" "${note:-rc $rc}"
 }
@@ -234,15 +282,34 @@ for t in "${memcheck[@]}"; do
 	fi
 done
 step train_mlp_cuda_vs_host 120 "$self" __train "$out" &
+# The machine's python3 must have torch and numpy (the bundle carries neither).
+if ! python3 -c 'import torch, numpy' > /dev/null 2>&1; then
+	no_torch="python3 lacks torch or numpy ($(command -v python3 || echo 'no python3'))"
+	record torch_pytest SKIP 0 "$no_torch"
+else
+	no_torch=
+	step torch_pytest 240 "$self" __torch_pytest &
+fi
 wait
 
 # 2. Measurements, one at a time on an otherwise idle GPU.
 step shardbench_gpu 45 "$here/build/shardbench" gpu "${SIZES[@]}" -n 20
 step overlap_time_sliced 45 "$here/build/shardbench" gpu --load "${SIZES[@]}" -n 20
+if [ -n "$no_torch" ]; then
+	record torch_bench SKIP 0 "$no_torch"
+else
+	step torch_bench 120 "$self" __torch_bench
+fi
 if command -v nvidia-cuda-mps-control > /dev/null 2>&1; then
 	step overlap_mps 60 "$self" __mps "$out"
+	if [ -n "$no_torch" ]; then
+		record torch_bench_mps SKIP 0 "$no_torch"
+	else
+		step torch_bench_mps 120 "$self" __torch_bench_mps "$out"
+	fi
 else
 	record overlap_mps SKIP 0 "nvidia-cuda-mps-control not found"
+	record torch_bench_mps SKIP 0 "nvidia-cuda-mps-control not found"
 fi
 
 summary

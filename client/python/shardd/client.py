@@ -21,6 +21,8 @@ from . import ctrl
 from . import dtypes as D
 from . import exec as X
 from . import proto as P
+from . import stream as S
+from .cuda_group import CudaGroup, ipc_gone_note
 from .error import DaemonGone, ShardError, shard_error
 from .group import F_SEAL_FUTURE_WRITE, Group, Optimizer, Param, numpy_to_tensor, step_flags_args
 from .pending import Pending
@@ -144,6 +146,9 @@ class Client:
         self.shard = shard
         self.replicate = replicate
         self.socket_path = socket_path or default_socket_path()
+        self.device = device       # the CUDA device this rank named in its HELLO (-1: none)
+        self._fences = None        # stream.setup's cuda.Fences once set_stream ran
+        self._stream = None        # the CUstream ops are ordered on; None: ordered by the CPU
         self._lock = threading.RLock()
         self._stash = collections.deque()
         self._sync_done = {}       # completions of sync/async wrapper ops, by user_data
@@ -297,7 +302,7 @@ class Client:
         where = f"register group '{name}'"
         _t, reply, fds = self._request(P.MSG_REGISTER_GROUP, payload, self._sync_timeout(),
                                        P.MSG_GROUP, where)
-        return self._add_group(Group(self, name, reply, fds, specs, where))
+        return self._add_group(self._group_class()(self, name, reply, fds, specs, where))
 
     def open_group(self, name):
         """Open a group some rank registered, by name (no param names or shapes)."""
@@ -305,7 +310,36 @@ class Client:
         payload = P.OPEN_GROUP.pack(P.cstr(name, P.NAME_MAX, "group name"))
         _t, reply, fds = self._request(P.MSG_OPEN_GROUP, payload, self._sync_timeout(),
                                        P.MSG_GROUP, where)
-        return self._add_group(Group(self, name, reply, fds, None, where))
+        return self._add_group(self._group_class()(self, name, reply, fds, None, where))
+
+    def _group_class(self):
+        """The cuda backend's buffers are device memory (cuda_group.py)."""
+        return CudaGroup if self.backend == P.BACKEND_CUDA else Group
+
+    def set_stream(self, stream):
+        """Cuda backend: order this client's ops with CUDA stream `stream` (a
+        torch.cuda.Stream or a CUstream as an int, 0 the legacy default
+        stream) instead of CPU waits, as libshardd's shardd_stream_set: each
+        submission records an event on it that the daemon's work waits for,
+        and reaping a completion makes it wait on the daemon's event
+        (docs/CUDA.md, "Ops and ordering"). The first call sets up the
+        events with the daemon (STREAM); later ones only switch streams."""
+        handle = S.stream_handle(stream)
+        with self._lock:
+            if self.backend != P.BACKEND_CUDA:
+                raise shard_error(-errno.ENOTSUP, f"set a stream: the daemon runs the "
+                                  f"{'host' if self.backend == P.BACKEND_HOST else 'unknown'} "
+                                  f"backend, whose completions already mean the results are in "
+                                  f"memory")
+            if self._fences is None:
+                self._fences = S.setup(self)
+            self._stream = handle
+
+    def clear_stream(self):
+        """Back to CPU ordering (shardd_stream_clear): a completion again means
+        the results are in device memory."""
+        with self._lock:
+            self._stream = None
 
     def _add_group(self, g):
         self.groups.append(g)
@@ -353,8 +387,16 @@ class Client:
         return self._submit_ring(op, group, step, flags, user_data, args)
 
     def _submit_ring(self, op, group, step, flags, user_data, args=(0, 0)):
-        """Push one entry to the daemon's ring: False when the SQ is full."""
-        if not self.ring.sq_push(op, group, step, user_data, flags, args):
+        """Push one entry to the daemon's ring: False when the SQ is full.
+        With a stream set, the event of the entry's slot is recorded on it first."""
+        fence = 0
+        if self._stream is not None:
+            slot = self.ring.sq_next_slot()
+            if slot is None:
+                return False
+            self._fences.record(slot, self._stream)
+            fence = P.FENCE_WAIT | P.FENCE_SIGNAL
+        if not self.ring.sq_push(op, group, step, user_data, flags, args, fence):
             return False
         if self.ring.needs_wakeup():
             try:
@@ -379,7 +421,7 @@ class Client:
     def _pop(self):
         try:
             if self.ring.cq_ready():
-                return self.ring.cq_pop()
+                return self.ring.cq_pop(lambda slot: S.reap(self, slot))
         except RingError as e:
             raise shard_error(e.code, str(e)) from None
         return None
@@ -430,7 +472,7 @@ class Client:
                                             f"client: client id {self.client_id}, job '{self.job}' "
                                             f"rank {self.rank})")
         return shard_error(-errno.ECONNRESET, f"{what}: the daemon (pid {self.daemon_pid}) is gone or "
-                                         "dropped this client")
+                                         f"dropped this client{ipc_gone_note(self.groups)}")
 
     def _wait_one(self, timeout, what, total=None):
         """One completion from the ring, waiting up to timeout s; None when an op
@@ -576,6 +618,9 @@ class Client:
                 pass
 
     def _teardown(self):
+        if self._fences is not None:
+            self._fences.close()
+            self._fences = self._stream = None
         if self.ring is not None:
             self.ring.release()
             self.ring = None

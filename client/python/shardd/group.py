@@ -104,10 +104,7 @@ class Group:
         self.maps = [None] * 4
         self.x = None   # exec.ExecState of a rank-executed group
         try:
-            if client.backend != P.BACKEND_HOST:
-                raise shard_error(-errno.ENOTSUP, f"{where}: the daemon runs the cuda backend, whose "
-                                                  f"buffers are device memory; the Python client maps "
-                                                  f"host buffers only (use --backend host)")
+            self._check_backend(where)
             # An older daemon sends the reply without exec (< 5) or peer_last_step (< 4).
             head = P.GROUP_REPLY if client.daemon_minor >= 5 else \
                 P.GROUP_REPLY_V4 if client.daemon_minor == 4 else P.GROUP_REPLY_V3
@@ -126,25 +123,24 @@ class Group:
                                                   f"neither daemon ({P.EXEC_DAEMON}) nor ranks "
                                                   f"({P.EXEC_RANKS})")
             ranks = self.exec == P.EXEC_RANKS
-            # Every buffer must be an fd (kind 0): a CUDA IPC handle is device memory.
-            for i, kind in enumerate(export_kind):
-                if kind != P.EXPORT_FD:
-                    known = kind in P.EXPORT_NAMES
-                    raise shard_error(-errno.ENOTSUP if known else -P.E_MALFORMED,
-                                      f"{where}: GROUP reply: export_kind[{i}] = {kind} "
-                                      f"({P.EXPORT_NAMES.get(kind, 'unknown kind')}): the Python client "
-                                      f"maps buffers that travel as fds (kind 0) only"
-                                      + (", not device memory (use --backend host)" if known else ""))
+            self._check_kinds(export_kind, ranks, where)
+            nipc = sum(kind == P.EXPORT_CUDA_IPC for kind in export_kind)
             # A rank-executed group's sync page travels after the buffers' fds.
-            if len(fds) != P.GROUP_BUFS + ranks:
+            want_fds = P.GROUP_BUFS - nipc + ranks
+            if len(fds) != want_fds:
                 raise shard_error(-P.E_MALFORMED, f"{where}: GROUP reply carries {len(fds)} fds, "
-                                                  f"expected {P.GROUP_BUFS + ranks}")
-            # reply header, nparams layouts, then the nparams specs as registered
+                                                  f"but its export_kind {list(export_kind)} "
+                                                  f"{'and exec = ranks ' if ranks else ''}"
+                                                  f"say {want_fds}")
+            # reply header, nparams layouts, the nparams specs as registered, then an IPC handle
+            # per CUDA_IPC buffer
             specs_at = head.size + self.nparams * P.PARAM_LAYOUT.size
-            want = specs_at + self.nparams * P.PARAM_SPEC.size
+            handles_at = specs_at + self.nparams * P.PARAM_SPEC.size
+            want = handles_at + nipc * P.CUDA_IPC_HANDLE_SIZE
             if len(reply) != want or (specs is not None and len(specs) != self.nparams):
                 raise shard_error(-P.E_MALFORMED, f"{where}: GROUP reply of {len(reply)} bytes for "
-                                                  f"{self.nparams} params, expected {want}")
+                                                  f"{self.nparams} params and {nipc} CUDA IPC "
+                                                  f"handles, expected {want}")
             self.layouts = [P.PARAM_LAYOUT.unpack_from(reply, head.size + i * P.PARAM_LAYOUT.size)
                             for i in range(self.nparams)]
             try:
@@ -156,39 +152,65 @@ class Group:
                     [(p.name, p.dtype, p.shape, p.shard_dim) for p in self.params]:
                 raise shard_error(-P.E_MALFORMED, f"{where}: GROUP reply specs differ from the "
                                                   f"registered ones")
+            self._check_layouts(where)
             # Rank-executed: the grad buffer ends with this rank's slot (PROTOCOL.md 3.8).
             sizes = (self.unsharded_size,
                      P.exec_grad_map_size(self.grad_size) if ranks else self.grad_size,
                      self.shard_size, self.shard_size)
-            # Rank-executed, opened again by the client that published it: its shard and grad
-            # buffer come sealed, this handle only reads them and the first one runs the ops.
-            second = False
-            for i, (fd, size) in enumerate(zip(fds, sizes)):
-                if size == 0:
-                    continue
-                if os.fstat(fd).st_size < size:
-                    raise shard_error(-errno.EBADMSG, f"{where}: buffer {i} memfd is smaller than "
-                                                      f"the {size} bytes the reply announces")
-                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-                # Daemon-executed, the unsharded copy is the daemon's output, lent read-only: one
-                # rank that could reopen it O_RDWR would rewrite every rank's params, so the daemon
-                # seals it against writes. Rank-executed, it is this rank's own.
-                lent_ro = i == self.UNSHARDED and not ranks
-                if lent_ro and not seals & F_SEAL_FUTURE_WRITE:
-                    raise shard_error(-P.E_MALFORMED, f"{where}: the unsharded memfd is lent "
-                                                      f"read-only but is not sealed against writes "
-                                                      f"(F_SEAL_FUTURE_WRITE missing from seals "
-                                                      f"{seals:#x}): upgrade shardd")
-                if ranks and i in (self.GRAD, self.SHARD) and seals & F_SEAL_FUTURE_WRITE:
-                    second = True
-                ro = lent_ro or (second and i in (self.GRAD, self.SHARD))
-                prot = mmap.PROT_READ if ro else mmap.PROT_READ | mmap.PROT_WRITE
-                self.maps[i] = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
-            self._check_layouts(where)
+            second = self._map_buffers(fds, reply[handles_at:], export_kind, sizes, ranks, where)
             self.x = ExecState(self, fds[P.GROUP_BUFS], second, where) if ranks else None
+        except BaseException:
+            self._unmap()
+            raise
         finally:
             for fd in fds:
                 os.close(fd)
+
+    def _check_backend(self, where):
+        """A Group maps the host backend's memfds; the Client makes a CudaGroup for the cuda one."""
+        if self.client.backend != P.BACKEND_HOST:
+            raise shard_error(-errno.ENOTSUP, f"{where}: the daemon runs backend "
+                                              f"{self.client.backend}, whose buffers this client "
+                                              f"cannot map (host = {P.BACKEND_HOST}, cuda = "
+                                              f"{P.BACKEND_CUDA})")
+
+    def _check_kinds(self, export_kind, ranks, where):
+        """Every buffer of the host backend is an fd (kind 0): a CUDA IPC handle is device memory."""
+        for i, kind in enumerate(export_kind):
+            if kind != P.EXPORT_FD:
+                known = kind in P.EXPORT_NAMES
+                raise shard_error(-errno.ENOTSUP if known else -P.E_MALFORMED,
+                                  f"{where}: GROUP reply: export_kind[{i}] = {kind} "
+                                  f"({P.EXPORT_NAMES.get(kind, 'unknown kind')}): the host "
+                                  f"backend's buffers travel as fds (kind 0) only"
+                                  + (", not device memory (use --backend host)" if known else ""))
+
+    def _map_buffers(self, fds, handles, export_kind, sizes, ranks, where):
+        """mmap the four memfds; True when this handle is a rank-executed
+        group's second opening (its shard and grad buffers come sealed)."""
+        second = False
+        for i, (fd, size) in enumerate(zip(fds, sizes)):
+            if size == 0:
+                continue
+            if os.fstat(fd).st_size < size:
+                raise shard_error(-errno.EBADMSG, f"{where}: buffer {i} memfd is smaller than "
+                                                  f"the {size} bytes the reply announces")
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            # Daemon-executed, the unsharded copy is the daemon's output, lent read-only: one
+            # rank that could reopen it O_RDWR would rewrite every rank's params, so the daemon
+            # seals it against writes. Rank-executed, it is this rank's own.
+            lent_ro = i == self.UNSHARDED and not ranks
+            if lent_ro and not seals & F_SEAL_FUTURE_WRITE:
+                raise shard_error(-P.E_MALFORMED, f"{where}: the unsharded memfd is lent "
+                                                  f"read-only but is not sealed against writes "
+                                                  f"(F_SEAL_FUTURE_WRITE missing from seals "
+                                                  f"{seals:#x}): upgrade shardd")
+            if ranks and i in (self.GRAD, self.SHARD) and seals & F_SEAL_FUTURE_WRITE:
+                second = True
+            ro = lent_ro or (second and i in (self.GRAD, self.SHARD))
+            prot = mmap.PROT_READ if ro else mmap.PROT_READ | mmap.PROT_WRITE
+            self.maps[i] = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
+        return second
 
     def _check_layouts(self, where):
         """Every view must lie inside its mapping: the reply is daemon input."""
@@ -373,6 +395,9 @@ class Group:
             self.client._exec_close(self)
             self.x.detach()
             self.x = None
+        self._unmap()
+
+    def _unmap(self):
         for i, m in enumerate(self.maps):
             if m is None:
                 continue

@@ -126,13 +126,16 @@ MSG_OPEN_GROUP = 6
 MSG_GROUP = 7
 MSG_ADMIN = 8
 MSG_ADMIN_REPLY = 9
+MSG_STREAM = 10         # cuda backend: the client's fence events (PROTOCOL.md 5.7)
+MSG_STREAM_REPLY = 11   # the daemon's fence events
 MSG_EXEC_MAP = 12        # minor 5: rank-executed groups' mappings (PROTOCOL.md 3.8)
 MSG_EXEC_MAP_REPLY = 13
 
 MSG_NAMES = {MSG_HELLO: "HELLO", MSG_WELCOME: "WELCOME", MSG_ERROR: "ERROR",
              MSG_GOODBYE: "GOODBYE", MSG_REGISTER_GROUP: "REGISTER_GROUP",
              MSG_OPEN_GROUP: "OPEN_GROUP", MSG_GROUP: "GROUP", MSG_ADMIN: "ADMIN",
-             MSG_ADMIN_REPLY: "ADMIN_REPLY", MSG_EXEC_MAP: "EXEC_MAP",
+             MSG_ADMIN_REPLY: "ADMIN_REPLY", MSG_STREAM: "STREAM",
+             MSG_STREAM_REPLY: "STREAM_REPLY", MSG_EXEC_MAP: "EXEC_MAP",
              MSG_EXEC_MAP_REPLY: "EXEC_MAP_REPLY"}
 
 # enum shardd_exec: who moves a group's bytes (register_group.exec, group_reply.exec; minor 5)
@@ -146,6 +149,10 @@ INIT_ZERO = 0
 INIT_RESTORE = 1
 RESTORE_PATH_MAX = 4096
 RESTORE = struct.Struct("<II")  # path_len rsvd, then the path
+
+# sqe.fence: ordering with the client's CUDA stream (after MSG_STREAM; PROTOCOL.md 5.7)
+FENCE_WAIT = 1 << 0     # the op waits on the client's event of its SQ slot
+FENCE_SIGNAL = 1 << 1   # complete when queued; the daemon records its event of the CQ slot
 
 # ring flags (written by the daemon)
 RING_NEED_WAKEUP = 1 << 0
@@ -167,8 +174,9 @@ GROUP_REPLY_V3 = struct.Struct("<IIIIIIQQQ4sIQ")    # minor < 4: without peer_la
 EXEC_MAP = struct.Struct("<II")                     # group_id peer
 EXEC_MAP_REPLY = struct.Struct("<IIIIQQ")           # group_id peer gen nfds shard_map_size grad_map_size
 OPTIM_CONFIG = struct.Struct("<II6d2Q")           # kind flags momentum dampening weight_decay beta1 beta2 eps rsvd[2]
-SQE = struct.Struct("<B3xIQQII4Q")                # op (fence=0: no streams here, rsvd0) group step user_data flags rsvd1 arg[4]
-CQE = struct.Struct("<QiBBHIIQ4Q")                # user_data res op has_msg (fence, rsvd0: unused) group rsvd1 step result[4]
+SQE = struct.Struct("<BB2xIQQII4Q")               # op fence (rsvd0) group step user_data flags rsvd1 arg[4]
+CQE = struct.Struct("<QiBBBxIIQ4Q")               # user_data res op has_msg fence (rsvd0) group rsvd1 step result[4]
+STREAM_REQ = struct.Struct("<II")                 # nevents rsvd (STREAM and STREAM_REPLY), then the handles
 RING_HDR_SIZE = 8 * CACHELINE
 
 # Byte offsets of the ring header fields (struct shardd_ring_hdr).
@@ -230,7 +238,7 @@ XL_SLEEPING = 4 * CACHELINE + 16
 for _s, _n in ((MSG_HDR, 16), (HELLO, 112), (WELCOME, 64), (ERROR_MSG, 8),
                (PARAM_SPEC, 160), (REGISTER_GROUP, 88), (OPTIM_CONFIG, 72), (OPEN_GROUP, 64),
                (PARAM_LAYOUT, 64), (GROUP_REPLY, 80), (GROUP_REPLY_V4, 72), (GROUP_REPLY_V3, 64),
-               (EXEC_MAP, 8), (EXEC_MAP_REPLY, 32), (SQE, 64), (CQE, 64)):
+               (EXEC_MAP, 8), (EXEC_MAP_REPLY, 32), (SQE, 64), (CQE, 64), (STREAM_REQ, 8)):
     if _s.size != _n:
         raise ImportError(f"shardd.proto: layout {_s.format!r} is {_s.size} bytes, "
                           f"shardd_proto.h says {_n}")

@@ -245,16 +245,25 @@ class Ring:
         }
 
     # ---------------------------------------------------------- submission
-    def sq_push(self, op, group, step, user_data, flags, args=(0, 0)):
-        """shardd_sq_push: returns True, or False when the SQ is full."""
+    def sq_next_slot(self):
+        """shardd_sq_next_slot: the SQ slot the next sq_push fills, or None
+        when the SQ is full (a stream fence records that slot's event first)."""
         h = self._u32
         tail = h[P.RH_SQ_TAIL // 4]
         head = h[P.RH_SQ_HEAD // 4]
         _acquire()  # head before reusing its slot: the daemon copied the entry out first
         if (tail - head) & _U32 >= self.sq_entries:
+            return None
+        return tail & self.sq_mask
+
+    def sq_push(self, op, group, step, user_data, flags, args=(0, 0), fence=0):
+        """shardd_sq_push: returns True, or False when the SQ is full."""
+        h = self._u32
+        tail = h[P.RH_SQ_TAIL // 4]
+        if self.sq_next_slot() is None:
             return False
         P.SQE.pack_into(self._mem, self.sq_off + (tail & self.sq_mask) * P.SQE.size,
-                        op, group, step, user_data, flags, 0, args[0], args[1], 0, 0)
+                        op, fence, group, step, user_data, flags, 0, args[0], args[1], 0, 0)
         h[P.RH_CLIENT_LAST_OP // 4] = op
         self._u64[P.RH_CLIENT_LAST_STEP // 8] = step
         _release()  # entry before the tail: the daemon reads tail with acquire
@@ -280,19 +289,28 @@ class Ring:
                                             f"cq_head {head}, capacity {self.cq_entries}")
         return n
 
-    def cq_pop(self):
-        """shardd_cq_pop: copy the next completion out, then release its slot.
-        Call only when cq_ready() > 0."""
+    def cq_pop(self, on_fence=None):
+        """shardd_cq_peek + shardd_cq_release: copy the next completion out,
+        then release its slot. Call only when cq_ready() > 0. A fenced
+        completion (cqe.fence) calls on_fence(slot) before the release (the
+        daemon records that slot's event again only after it): it returns
+        None, or (res, msg) that replace the completion's when the
+        ordering failed; without on_fence such a completion fails EPROTO."""
         h = self._u32
         head = h[P.RH_CQ_HEAD // 4]
         slot = head & self.cq_mask
-        user_data, res, op, has_msg, _r0, group, _r1, step, w0, w1, *_ = P.CQE.unpack_from(
+        user_data, res, op, has_msg, fence, group, _r1, step, w0, w1, *_ = P.CQE.unpack_from(
             self._mem, self.cq_off + slot * P.CQE.size)
         msg = ""
         if has_msg:
             off = self.msg_off + slot * self.msg_size
             raw = bytes(self._mem[off:off + self.msg_size - 1])
             msg = raw.split(b"\0", 1)[0].decode("utf-8", "replace")
+        if fence:
+            failed = on_fence(slot) if on_fence else (
+                -errno.EPROTO, "the daemon fenced a completion of this client, which set up no stream")
+            if failed is not None and res >= 0:
+                res, msg = failed
         _release()  # entry and text copied before the slot goes back to the daemon
         h[P.RH_CQ_HEAD // 4] = (head + 1) & _U32
         return Completion(user_data, res, op, group, step, msg, (w0, w1))

@@ -92,7 +92,8 @@ def clip_grad_norm_(model_or_params, max_norm, norm_type=2.0, error_if_nonfinite
     except ShardError as e:
         raise type(e)(e.code, f"clip_grad_norm_ on rank {mesh.rank} of job '{mesh.job}': "
                               f"{e.text}") from None
-    total = torch.tensor(norm, dtype=torch.float32)
+    # On the grads' device, as torch's clip_grad_norm_ returns it.
+    total = torch.tensor(norm, dtype=torch.float32, device=mesh_state(mesh).device)
     if error_if_nonfinite and (nonfinite or not torch.isfinite(total)):
         raise RuntimeError(
             f"The total norm of order {norm_type} for gradients from `parameters` is "

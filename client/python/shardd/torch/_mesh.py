@@ -9,8 +9,9 @@ so that it lives and dies with it."""
 
 import dataclasses
 import os
-from typing import Optional
+from typing import Any, Optional
 
+from .. import proto as P
 from ..client import Client
 from ._dtensor import default_torch_mesh, is_torch_mesh
 
@@ -24,6 +25,7 @@ class MeshState:
     groups_named: int = 0           # fully_shard calls so far: the n of group names "<n>.<Class>"
     states: list = dataclasses.field(default_factory=list)   # FSDPParamGroups with a group
     norm_count: int = 0             # the last grad_norm key clip_grad_norm_ took itself
+    device: Any = None              # torch.device("cuda", i) of a cuda daemon's mesh; None: host
 
 
 def mesh_state(mesh):
@@ -42,8 +44,32 @@ def _from_env(name, what):
     return value
 
 
+def _cuda_device(device):
+    """torch.device("cuda", i) of `device` (a torch.device, "cuda", "cuda:1"
+    or an ordinal; no index: the current device), None for the CPU."""
+    if device is None:
+        return None
+    import torch
+    d = torch.device(device)
+    if d.type == "cpu":
+        return None
+    if d.type != "cuda":
+        raise ValueError(f"init_device_mesh: device {device!r}: shardd's buffers live in host "
+                         f"memory (cpu) or on a CUDA device (cuda)")
+    return d if d.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def on_current_stream(client):
+    """A cuda mesh: order the ops submitted next on the trainer's current
+    stream of the mesh's device (Client.set_stream: no CPU wait on either
+    side), as FSDP2 orders its collectives with the compute stream."""
+    if client.backend == P.BACKEND_CUDA and client.device >= 0:
+        import torch
+        client.set_stream(torch.cuda.current_stream(client.device))
+
+
 def init_device_mesh(job=None, rank=None, mesh_shape=None, *, socket_path=None, timeout=None,
-                     resume=False, restore=None):
+                     resume=False, restore=None, device=None):
     """Attach rank `rank` of job `job` to shardd and return the Client that
     fully_shard takes as its mesh. mesh_shape: (shard,) for FSDP or
     (replicate, shard) for HSDP, as FSDP2's 1-D and 2-D DeviceMesh; the
@@ -65,7 +91,15 @@ def init_device_mesh(job=None, rank=None, mesh_shape=None, *, socket_path=None, 
     directory saved at any mesh, or "" for the job's newest one in the
     daemon's --state-dir (zeros when it has none: give restore only to
     resume). A DaemonOptimizer then goes on from the checkpoint's step (its
-    step_number)."""
+    step_number).
+
+    device: where the rank computes: None or "cpu" for a host daemon
+    (shardd --backend host); torch.device("cuda", i), "cuda:i" or "cuda"
+    (the current device) for a `shardd --backend cuda` daemon, whose
+    buffers are then imported on that device: the params are CUDA
+    tensors, and every op is ordered on the current CUDA stream (stream
+    fences, docs/CUDA.md), so prefetches and reduces run without the CPU
+    waiting for the GPU."""
     if job is None:
         job = _from_env("TORCHELASTIC_RUN_ID", "job")
     if rank is None:
@@ -80,9 +114,22 @@ def init_device_mesh(job=None, rank=None, mesh_shape=None, *, socket_path=None, 
     else:
         raise ValueError(f"mesh_shape {mesh_shape!r}: give (shard,) or (replicate, shard)")
     kw = {} if timeout is None else {"timeout": timeout}
+    dev = _cuda_device(device)
     client = Client(job=job, rank=rank, shard=shard, replicate=replicate, socket_path=socket_path,
-                    **kw)
-    client.mesh_state = MeshState(resume=bool(resume), restore=restore)
+                    device=P.HELLO_DEVICE_HOST if dev is None else dev.index, **kw)
+    try:
+        where = f"init_device_mesh: job '{job}' rank {rank} on {client.socket_path}"
+        if client.backend == P.BACKEND_CUDA and dev is None:
+            raise ValueError(f"{where}: the daemon runs --backend cuda (device memory): give "
+                             f"device=torch.device('cuda', i), the GPU this rank computes on")
+        if client.backend != P.BACKEND_CUDA and dev is not None:
+            raise ValueError(f"{where}: device {dev} asks for GPU buffers, but the daemon runs "
+                             f"the host backend: start shardd --backend cuda, or give device=None")
+        client.mesh_state = MeshState(resume=bool(resume), restore=restore, device=dev)
+        on_current_stream(client)
+    except BaseException:
+        client.close()
+        raise
     return client
 
 

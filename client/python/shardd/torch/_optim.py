@@ -12,7 +12,7 @@ from .. import proto as P
 from ..error import DaemonGone, ShardError
 from ..group import Optimizer, step_flags_args
 from ._fully_shard import FSDPModule
-from ._mesh import mesh_state
+from ._mesh import mesh_state, on_current_stream
 
 # DaemonOptimizer.recover's barrier numbers: bit 62 set; the first barrier
 # is that bit alone, the second adds bit 61 and the step every rank resumes after.
@@ -176,6 +176,7 @@ class DaemonOptimizer(torch.optim.Optimizer):
         flags, args = step_flags_args(lr, skip, clip, max_norm, skip and max_norm is not None)
         pending = []
         for st in self._states:
+            on_current_stream(st.client)
             where = f"step(group '{st.name}', step {number})"
             pending.append((st, st.client.start([(P.OP_STEP, st.group.id, number, flags, where,
                                                   args)])))

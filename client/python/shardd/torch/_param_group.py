@@ -14,7 +14,7 @@ from ..error import DaemonGone, ShardError
 from ..group import Param
 from ._api import TORCH_TO_SHARDD, default_reduce_dtype
 from ._dtensor import local, sharded
-from ._mesh import mesh_state
+from ._mesh import mesh_state, on_current_stream
 
 
 class FSDPParamGroup:
@@ -67,6 +67,7 @@ class FSDPParamGroup:
         self.wait_reduce()
         step = self.unshard_count
         self.unshard_count += 1
+        on_current_stream(self.client)
         self.unshard_pending = self.client.start(
             [(P.OP_UNSHARD, self.group.id, step, 0, f"unshard(group '{self.name}', step {step})")])
 
@@ -97,6 +98,7 @@ class FSDPParamGroup:
         if not self.unsharded:
             return None
         self.unsharded = False
+        on_current_stream(self.client)
         pending = self.client.start([(P.OP_RESHARD, self.group.id, 0, 0,
                                       f"reshard(group '{self.name}')")])
         if not wait:
@@ -162,6 +164,8 @@ class FSDPParamGroup:
         elif not self.reshard_after_backward:
             self.use(unsharded=True)
         if ops:
+            # On a GPU the reduce waits for the grad copies above on this stream, not the CPU.
+            on_current_stream(self.client)
             self.reduce_pending = (self.client.start(ops), self.requires_gradient_sync)
 
     def wait_reduce(self):
@@ -207,7 +211,7 @@ class FSDPParamGroup:
         news = [p.places[0][0]._parameters[p.places[0][1]] for p in self.params]
         bad = next(((p, local(t)) for p, t in zip(self.params, news)
                     if local(t).dtype != p.shard_view.dtype
-                    or local(t).device.type not in ("cpu", "meta")), None)
+                    or (local(t).device != p.shard_view.device and not local(t).is_meta)), None)
         with torch.no_grad():
             for p, new in zip(self.params, news):
                 values = local(new)
@@ -222,8 +226,9 @@ class FSDPParamGroup:
             p, values = bad
             raise ValueError(f"{self.where('Module._apply')}: param '{p.name}' would become "
                              f"{values.dtype} on {values.device}, but the daemon holds it as "
-                             f"{p.shard_view.dtype} in CPU memory: the params are left as they "
-                             f"were (cast for compute with MixedPrecisionPolicy)")
+                             f"{p.shard_view.dtype} on {p.shard_view.device}: the params are left "
+                             f"as they were (cast for compute with MixedPrecisionPolicy; the "
+                             f"device is init_device_mesh's)")
 
     def abandon(self, key_base):
         """After a failed collective: finish (or fail) what is in flight,

@@ -32,6 +32,13 @@
 
 #define READY_PREFIX "shardd: ready on "
 
+const char *harness_rank_exec_max(void)
+{
+	const char *v = getenv("SHARDD_TEST_RANK_EXEC_MAX");
+
+	return v ? v : "0";
+}
+
 int64_t harness_now_ms(void)
 {
 	struct timespec ts;
@@ -358,14 +365,8 @@ int harness_daemon_start(struct harness_daemon *d, const char *const *extra)
 	argv[argc++] = "--foreground";
 	argv[argc++] = "--log-level";
 	argv[argc++] = "warn";
-	/*
-	 * exec=auto is the daemon's here, whatever shardd's default: make test
-	 * runs the numerics and recovery suites again with their small groups
-	 * rank-executed (SHARDD_TEST_RANK_EXEC_MAX), and a suite's own flag wins.
-	 */
 	argv[argc++] = "--rank-exec-max";
-	argv[argc++] =
-		getenv("SHARDD_TEST_RANK_EXEC_MAX") ? getenv("SHARDD_TEST_RANK_EXEC_MAX") : "0";
+	argv[argc++] = harness_rank_exec_max();
 	for (int i = 0; extra && extra[i] && argc < 29; i++)
 		argv[argc++] = extra[i];
 	argv[argc] = NULL;

@@ -165,6 +165,14 @@ int harness_recv_error(int fd, int timeout_ms, uint16_t *type, int32_t *code, ch
 /* Wait up to timeout_ms for the peer to close a raw connection: 0, -ETIMEDOUT, -EPROTO (data came). */
 int harness_expect_eof(int fd, int timeout_ms);
 
+/*
+ * The --rank-exec-max every daemon a test starts gets before the test's own
+ * flags (which win): exec=auto is the daemon's there, whatever shardd's
+ * default, except when make test runs the numerics and recovery suites
+ * again with their small groups rank-executed (SHARDD_TEST_RANK_EXEC_MAX).
+ */
+const char *harness_rank_exec_max(void);
+
 /* Milliseconds on CLOCK_MONOTONIC. */
 int64_t harness_now_ms(void);
 

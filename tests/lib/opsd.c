@@ -62,6 +62,8 @@ int opd_start(struct opd *d, const char *const *args, int listen_fd, int journal
 
 	cr_assert(bin && bin[0] == '/', "SHARDD_BIN must be shardd's absolute path");
 	argv[argc++] = bin;
+	argv[argc++] = "--rank-exec-max";
+	argv[argc++] = harness_rank_exec_max();
 	for (int i = 0; args && args[i] && argc < 31; i++)
 		argv[argc++] = args[i];
 	argv[argc] = NULL;

@@ -425,8 +425,9 @@ int eng_world_mpi_allreduce(struct eng_task *t, const struct shardd_reduce_math 
  * shard ranks (shd_group_shard_rank).
  *
  * Unshard: every node sends its L flat shards (a node chunk) to every other
- * node; each node then runs the backend's unshard over all S shards, this
- * node's and the received ones, exactly as one daemon holding every rank.
+ * node; each node runs the backend's unshard over all S shards, this
+ * node's and the received ones, exactly as one daemon holding every rank:
+ * its own shards' part while the exchange runs, the others' after it.
  *
  * Reduce: each node sums its L ranks' grads (inputs rounded to the reduce
  * dtype and pre-divided as FSDP2 does, the sum kept in fp32) for every one
@@ -602,19 +603,21 @@ int eng_world_mpi_unshard(struct eng_task *t)
 		.errlen = sizeof(t->why),
 	};
 	uint64_t seq = eg->span_seq++;
+	uint32_t me = j->span_node;
+	struct shd_world_xchg *x;
 	char why[384];
-	int ret;
+	int ret, local;
 
 	if (eg->span_nobuf || !eg->span_buf)
 		return eng_world_nobuf(t);
 	/* Node k's chunk (shards k*L .. k*L+L-1) at k * bytes; this node's sent from its own place. */
 	chunks = shd_world_buf_data(eg->span_buf);
-	mine = chunks + (size_t)j->span_node * bytes;
+	mine = chunks + (size_t)me * bytes;
 	for (uint32_t s = 0; s < L; s++)
 		memcpy(mine + s * Z, g->shards[s].priv, Z);
-	ret = shd_world_xchg(eng_world_key(eg), seq, eng_world_check(t), eg->span_buf,
-			     (size_t)(mine - chunks), 0, 0, bytes, shd_now_ns() + j->e->timeout_ns,
-			     missing, why, sizeof(why));
+	ret = shd_world_xchg_start(eng_world_key(eg), seq, eng_world_check(t), eg->span_buf,
+				   (size_t)(mine - chunks), 0, 0, bytes,
+				   shd_now_ns() + j->e->timeout_ns, missing, why, sizeof(why), &x);
 	if (ret) {
 		eng_world_fail(t, "exchange", ret, missing, why, "");
 		return ret;
@@ -624,7 +627,32 @@ int eng_world_mpi_unshard(struct eng_task *t)
 		shards[r] = &bufs[r];
 		unsharded[r] = shd_group_unsharded(g, 0);
 	}
-	return b->ops->unshard(b, &a);
+	/*
+	 * This node's shards need no other node: gathered while the others'
+	 * travel (the sends read `mine` meanwhile, as this does). A failed
+	 * exchange leaves the unsharded copy part new: the op fails, and no
+	 * rank reads a copy its unshard did not complete.
+	 */
+	a.part_first = me * L;
+	a.part_count = L;
+	local = b->ops->unshard(b, &a);
+	ret = shd_world_xchg_wait(x);
+	if (ret) {
+		eng_world_fail(t, "exchange", ret, missing, why, "");
+		return ret;
+	}
+	if (local)
+		return local;
+	/* The other nodes' shards: those before this node's, then those after it. */
+	a.part_first = 0;
+	a.part_count = me * L;
+	if (a.part_count)
+		ret = b->ops->unshard(b, &a);
+	a.part_first = (me + 1) * L;
+	a.part_count = S - (me + 1) * L;
+	if (!ret && a.part_count)
+		ret = b->ops->unshard(b, &a);
+	return ret;
 }
 
 /*

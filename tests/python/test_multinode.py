@@ -340,6 +340,35 @@ def test_fsdp_across_nodes_unshards_and_reduces_over_every_rank(request, nodes, 
 
 
 @pytest.mark.timeout_s(120)
+def test_fsdp_unshard_gathers_its_own_node_while_the_others_travel(request):
+    """Mesh 1 x 6 over 3 nodes: each node gathers its own shards during the
+    exchange and the others' after it (node 1 has shards on both sides of
+    its own). Odd dim-0 rows whose last shards hold padding only, a param
+    without elements, a Shard(1) param with several outer indices; a second
+    unshard of new values rewrites every element of the copy."""
+    nodes, S = 3, 6
+    specs = [("w", "fp32", (13, 5)), ("e", "fp32", (0, 4)),
+             shardd.Param("t", "fp32", (3, 18), shard_dim=1), ("b", "bf16", (5,))]
+    rng = np.random.default_rng(33)
+    with World(nodes) as world, attached(request, world, 1, S) as clients:
+        groups = run_ranks(lambda r: clients[r].register_group("g", specs), S)
+        for step in (1, 2):
+            fulls = [rng.standard_normal(sh).astype(np.float32) for sh in ((13, 5), (0, 4), (3, 18))]
+            fulls.append(shardd.bf16_to_fp32(shardd.fp32_to_bf16(
+                rng.standard_normal(5).astype(np.float32))))
+            for g in groups:
+                for i, f in enumerate(fulls):
+                    g.load_full(i, f)
+            run_ranks(lambda r: groups[r].unshard(step), S)
+            for r, g in enumerate(groups):
+                for i, f in enumerate(fulls):
+                    got = g.unsharded(i)
+                    got = shardd.bf16_to_fp32(got) if i == 3 else got  # "b" is bf16
+                    np.testing.assert_array_equal(got, f, err_msg=f"step {step} rank {r} param {i}")
+            run_ranks(lambda r: groups[r].reshard(step), S)
+
+
+@pytest.mark.timeout_s(120)
 def test_fsdp_bf16_across_nodes_matches_one_daemon_within_one_rounding(request):
     """bf16 grads reduced in bf16 over a 1x4 mesh on 2 nodes against one
     daemon with the same mesh: only the order of the fp32 additions differs,

@@ -297,9 +297,9 @@ int shardd_k_isa_available(enum shardd_k_isa isa)
 
 enum shardd_k_isa shardd_k_isa_best(void)
 {
-	if (shardd_k_isa_available(SHARDD_K_ISA_AVX512))
+	if (shardd_k_isa_allows(SHARDD_K_ISA_AVX512) && shardd_k_isa_available(SHARDD_K_ISA_AVX512))
 		return SHARDD_K_ISA_AVX512;
-	if (shardd_k_isa_available(SHARDD_K_ISA_AVX2))
+	if (shardd_k_isa_allows(SHARDD_K_ISA_AVX2) && shardd_k_isa_available(SHARDD_K_ISA_AVX2))
 		return SHARDD_K_ISA_AVX2;
 	return SHARDD_K_ISA_PORTABLE;
 }

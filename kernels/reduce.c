@@ -28,6 +28,7 @@
  */
 #include <string.h>
 
+#include "optim_isa.h"
 #include "shardd_kernels.h"
 #include "shardd_proto.h"
 
@@ -292,11 +293,16 @@ AVX512_INLINE void reduce_16(const struct rv_args *a, size_t i, uint32_t idt, ui
  * prefetcher keeps up with a few streams per core, but with 8 interleaved
  * input streams it fell behind (measured on Zen 5, 2 threads, 8 bf16
  * inputs: ~30 GB/s without, up to ~40 with; 1 and 2 KiB ahead did best).
+ * On the Xeon host (issue 33) it fell behind with 2 already: a 2-thread
+ * streaming reduce of 2 bf16 inputs of 32 Mi elements into fp32 ran at
+ * 33 - 35 GB/s without, 42 - 44 with (the roofline's best, nt+pf, 45),
+ * and its AVX2 path at 13 - 15 without, 18 - 34 with; 1, 2 and 4 KiB
+ * ahead were alike there, 2 KiB the best for 2 inputs.
  * A prefetch never faults, so the one past the end of an input is harmless;
  * its address is formed as an integer, as it may lie outside the object.
  */
 #define PREFETCH_AHEAD      2048
-#define PREFETCH_MIN_INPUTS 2
+#define PREFETCH_MIN_INPUTS 1
 
 AVX512_INLINE void prefetch_inputs(const struct rv_args *a, size_t byte, uint32_t nin)
 {
@@ -487,8 +493,9 @@ AVX2_TARGET static void reduce_avx2_f32(float *out, const void *const *in, uint3
 static int reduce_avx2_fits(uint32_t out_dtype, uint32_t nin, uint32_t in_dtype,
 			    const struct shardd_reduce_math *m)
 {
-	return __builtin_cpu_supports("avx2") && nin >= 1 && nin <= SHARDD_MAX_WORLD &&
-	       out_dtype == SHARDD_DTYPE_FP32 && m->reduce_dtype == in_dtype &&
+	return __builtin_cpu_supports("avx2") && shardd_k_isa_allows(SHARDD_K_ISA_AVX2) &&
+	       nin >= 1 && nin <= SHARDD_MAX_WORLD && out_dtype == SHARDD_DTYPE_FP32 &&
+	       m->reduce_dtype == in_dtype &&
 	       (in_dtype == SHARDD_DTYPE_BF16 || in_dtype == SHARDD_DTYPE_FP32) &&
 	       !(m->pre > 1.0f) && !(m->post > 1.0f) && !m->add;
 }
@@ -521,7 +528,8 @@ static int have_avx512(void)
 {
 	/* __builtin_cpu_supports reads data set up by libgcc before main: no race. */
 	return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-	       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c");
+	       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c") &&
+	       shardd_k_isa_allows(SHARDD_K_ISA_AVX512);
 }
 
 /* Set up and run the AVX-512 reduce; `stream`: with streaming stores, fenced. */

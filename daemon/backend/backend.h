@@ -100,6 +100,14 @@ struct shd_unshard_args {
 		*unsharded; /* [S] out: each param in its unsharded dtype, padding dropped */
 	char *err;          /* out: why the call failed, for the op's completion; */
 	size_t errlen;      /* the backend may leave it empty */
+	/*
+	 * Only the elements that come from shards [part_first, part_first +
+	 * part_count), the rest of the unsharded copy left as it is; count 0:
+	 * every shard. The host backend's (across nodes, world_host.c gathers
+	 * a node's own shards while the others' travel); a backend that
+	 * crosses nodes itself (span_unshard) is never given a part.
+	 */
+	uint32_t part_first, part_count;
 };
 
 enum shd_reduce_src {

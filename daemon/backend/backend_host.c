@@ -228,13 +228,21 @@ static void host_run_piece_unshard(const struct host_op *op, const struct host_p
 				shardd_k_cast(dst + e * us, p->unsharded_dtype, src, p->dtype, n);
 			e += n;
 		}
-	} else {
+	} else if (!a->part_count) {
 		const void *src[SHARDD_MAX_WORLD];
 
 		for (uint32_t r = 0; r < a->nshards; r++)
 			src[r] = host_ptr(a->shards[r]) + p->shard_offset + pc->begin * chunk * ds;
 		shardd_k_chunk_cat(dst + pc->begin * a->nshards * chunk * us, p->unsharded_dtype,
 				   src, p->dtype, a->nshards, pc->n, chunk);
+	} else {
+		/* A part of the shards: their runs of each outer index, as the chunk-cat places them. */
+		for (uint64_t o = pc->begin; o < pc->begin + pc->n; o++)
+			for (uint32_t r = a->part_first; r < a->part_first + a->part_count; r++)
+				shardd_k_cast(
+					dst + (o * a->nshards + r) * chunk * us, p->unsharded_dtype,
+					host_ptr(a->shards[r]) + p->shard_offset + o * chunk * ds,
+					p->dtype, chunk);
 	}
 }
 
@@ -399,26 +407,35 @@ static int host_unshard(struct shd_backend_ctx *b, const struct shd_unshard_args
 	struct host_backend *hb = (struct host_backend *)b;
 	struct host_plan pl;
 	struct host_op op = { .unshard = a, .plan = &pl };
+	uint32_t first = a->part_count ? a->part_first : 0;
+	uint32_t count = a->part_count ? a->part_count : a->nshards;
 	uint64_t work = 0;
 	int ret = 0;
 
+	if (first > a->nshards || count > a->nshards - first)
+		return -EINVAL;
 	/* Layout counts are below 2^38 per param and 2^16 params: no sum overflows. */
 	for (uint32_t i = 0; i < a->layout->nparams; i++)
 		work += a->layout->params[i].numel;
 	plan_init(&pl, work);
 	for (uint32_t i = 0; i < a->layout->nparams && !ret; i++) {
 		const struct shd_layout_param *p = &a->layout->params[i];
+		uint64_t chunk = p->rows * p->inner;
 		struct host_piece pc = { .param = i };
 
 		if (!p->numel)
 			continue;
 		if (p->shard_dim == 0) {
+			/* Dim 0: shard s's elements are [s * chunk, (s + 1) * chunk), padding rows dropped. */
+			uint64_t lo = first * chunk < p->numel ? first * chunk : p->numel;
+			uint64_t hi = (first + count) * chunk < p->numel ? (first + count) * chunk
+									 : p->numel;
+
 			pc.kind = PIECE_CAST;
-			ret = plan_split(&pl, pc, 0, p->numel, 1);
+			ret = plan_split(&pl, pc, lo, hi - lo, 1);
 		} else {
 			pc.kind = PIECE_CHUNK_CAT;
-			ret = plan_split(&pl, pc, 0, p->outer,
-					 (uint64_t)a->nshards * p->rows * p->inner);
+			ret = plan_split(&pl, pc, 0, p->outer, (uint64_t)count * chunk);
 		}
 	}
 	if (!ret) {

@@ -13,7 +13,8 @@
  * node's ranks' partials (the reduce-scatter outputs, added to the
  * partials of earlier reduces, in the reduce dtype), in which node k sums
  * slice k of every node's partials in node order with the single-node
- * kernel's arithmetic, then an all-gather of the rounded sums, to which
+ * kernel's arithmetic (in chunks, each summed while the next one travels:
+ * HSDP_CHUNK_BYTES), then an all-gather of the rounded sums, to which
  * each node applies the rest of that arithmetic (addend, post-divide,
  * cast, accumulate: backend reduce, SHD_REDUCE_SRC_SHARD): the same
  * inputs, the same order and the same one rounding as one daemon holding
@@ -250,6 +251,33 @@ static uint64_t span_hsdp_bytes(const struct eng_group *eg, uint32_t wire, size_
 	return (uint64_t)2 * N * *C * wsz + (uint64_t)N * *C * rsz;
 }
 
+/*
+ * HSDP's reduce-scatter among the nodes goes in chunks of about this many
+ * bytes of each node's slice, at most HSDP_CHUNKS of them: chunk j is
+ * summed while chunk j + 1 travels, so the sum (about an eighth of the
+ * all-reduce's time at 64 MiB on the CI VM, docs/BENCHMARKS.md) hides
+ * behind the transfer instead of following it. Every chunk is one more
+ * hand-off to the communication thread and one more message header per
+ * node, so a slice smaller than two chunks goes whole, as before. The sum
+ * is per element, in node order, whatever the chunks: the same bits.
+ */
+#define HSDP_CHUNK_BYTES ((size_t)1 << 20)
+#define HSDP_CHUNKS      64u
+
+/* Elements per chunk of a slice of C elements of wsz bytes, and the number of chunks (>= 1). */
+static size_t span_hsdp_chunks(size_t C, size_t wsz, uint32_t *K)
+{
+	size_t per = HSDP_CHUNK_BYTES / wsz;
+
+	if (C < 2 * per)
+		per = C ? C : 1;
+	else if ((C + per - 1) / per > HSDP_CHUNKS)
+		per = (C + HSDP_CHUNKS - 1) / HSDP_CHUNKS;
+	*K = (uint32_t)((C + per - 1) / per);
+	*K = *K ? *K : 1;
+	return per;
+}
+
 /* HSDP's all-reduce among the nodes over the world, in host memory. */
 int eng_world_mpi_allreduce(struct eng_task *t, const struct shardd_reduce_math *ar)
 {
@@ -266,14 +294,22 @@ int eng_world_mpi_allreduce(struct eng_task *t, const struct shardd_reduce_math 
 		.reduce_dtype = rdt, .pre = ar->pre, .avg = ar->avg, .post = 1
 	};
 	uint64_t seq = eg->span_seq, check = eng_world_check(t);
-	uint8_t *d1, *d2, missing[SHARDD_MAX_WORLD];
+	uint8_t *d1, *d2, *recv, missing[SHARDD_MAX_WORLD];
 	const void *in[SHARDD_MAX_WORLD];
+	struct shd_world_xchg *x;
+	size_t per;
+	uint32_t K;
 	char why[384];
 	int ret = 0;
 
 	span_hsdp_bytes(eg, wire, &C);
-	/* Both exchanges' numbers are taken whatever happens, so the nodes' streams stay paired. */
-	eg->span_seq += 2;
+	per = span_hsdp_chunks(C, wsz, &K);
+	/*
+	 * Every chunk's number and the all-gather's are taken whatever happens
+	 * (HSDP_CHUNKS + 1, however many chunks), so the nodes' streams stay
+	 * paired even when a mismatched group cuts its slices differently.
+	 */
+	eg->span_seq += HSDP_CHUNKS + 1;
 	if (eg->span_nobuf || !eg->span_buf)
 		return eng_world_nobuf(t);
 	d1 = shd_world_buf_data(eg->span_buf);
@@ -292,27 +328,48 @@ int eng_world_mpi_allreduce(struct eng_task *t, const struct shardd_reduce_math 
 			shardd_k_cast(d1 + s * E * wsz, wire, src, rdt, E);
 	}
 	memset(d1 + T * wsz, 0, ((size_t)N * C - T) * wsz);
-	ret = shd_world_xchg(eng_world_key(eg), seq, check, eg->span_buf, 0, C * wsz,
-			     (size_t)N * C * wsz, C * wsz, shd_now_ns() + j->e->timeout_ns, missing,
-			     why, sizeof(why));
+	/*
+	 * Chunk c: elements [c * per, c * per + n) of every slice; node k's
+	 * land at recv + (c * per * N + k * n) * wsz, in the receive half.
+	 * One chunk in flight while the one before it is summed.
+	 */
+	recv = d1 + (size_t)N * C * wsz;
+	ret = shd_world_xchg_start(eng_world_key(eg), seq, check, eg->span_buf, 0, C * wsz,
+				   (size_t)(recv - d1), (per < C ? per : C) * wsz,
+				   shd_now_ns() + j->e->timeout_ns, missing, why, sizeof(why), &x);
+	for (uint32_t c = 0; c < K && !ret; c++) {
+		size_t at = (size_t)c * per, n = C - at < per ? C - at : per;
+
+		/* A failed chunk leaves nothing in flight: the next one starts only after it. */
+		ret = shd_world_xchg_wait(x);
+		if (!ret && c + 1 < K) {
+			size_t next = at + per, nn = C - next < per ? C - next : per;
+
+			ret = shd_world_xchg_start(
+				eng_world_key(eg), seq + 1 + c, check, eg->span_buf, next * wsz,
+				C * wsz, (size_t)(recv - d1) + next * N * wsz, nn * wsz,
+				shd_now_ns() + j->e->timeout_ns, missing, why, sizeof(why), &x);
+		}
+		if (ret)
+			break;
+		/*
+		 * Slice `me` summed over the nodes in node order: s =
+		 * round_rd(sum / avg), as one daemon. This node's own slice is
+		 * read where it was sent from (the exchange leaves its receive
+		 * slot empty); the all-gather below sends the sums from their
+		 * place among the reduce-dtype results.
+		 */
+		for (uint32_t k = 0; k < N; k++)
+			in[k] = k == me ? d1 + ((size_t)me * C + at) * wsz
+					: recv + (at * N + (size_t)k * n) * wsz;
+		shardd_k_reduce(d2 + ((size_t)me * C + at) * rsz, rdt, 0, in, N, wire, n, &sum);
+	}
 	if (ret) {
 		eng_world_fail(t, "all-reduce", ret, missing, why, "; sharded grads not reduced");
 		return ret;
 	}
-	/*
-	 * Slice `me` summed over the nodes in node order: s = round_rd(sum /
-	 * avg), as one daemon. This node's own slice is read where it was
-	 * sent from (the exchange leaves its receive slot empty).
-	 */
-	for (uint32_t k = 0; k < N; k++)
-		in[k] = d1 + (size_t)(k == me ? k : N + k) * C * wsz;
-	/*
-	 * All-gather of the summed slices, in the reduce dtype: every node
-	 * gets every shard's s; this node's is summed into its place among
-	 * them and sent from there.
-	 */
-	shardd_k_reduce(d2 + (size_t)me * C * rsz, rdt, 0, in, N, wire, C, &sum);
-	ret = shd_world_xchg(eng_world_key(eg), seq + 1, check, eg->span_buf,
+	/* All-gather of the summed slices, in the reduce dtype: every node gets every shard's s. */
+	ret = shd_world_xchg(eng_world_key(eg), seq + HSDP_CHUNKS, check, eg->span_buf,
 			     (size_t)(d2 - d1) + (size_t)me * C * rsz, 0, (size_t)(d2 - d1),
 			     C * rsz, shd_now_ns() + j->e->timeout_ns, missing, why, sizeof(why));
 	if (ret) {
@@ -368,8 +425,9 @@ int eng_world_mpi_allreduce(struct eng_task *t, const struct shardd_reduce_math 
  * shard ranks (shd_group_shard_rank).
  *
  * Unshard: every node sends its L flat shards (a node chunk) to every other
- * node; each node then runs the backend's unshard over all S shards, this
- * node's and the received ones, exactly as one daemon holding every rank.
+ * node; each node runs the backend's unshard over all S shards, this
+ * node's and the received ones, exactly as one daemon holding every rank:
+ * its own shards' part while the exchange runs, the others' after it.
  *
  * Reduce: each node sums its L ranks' grads (inputs rounded to the reduce
  * dtype and pre-divided as FSDP2 does, the sum kept in fp32) for every one
@@ -545,19 +603,21 @@ int eng_world_mpi_unshard(struct eng_task *t)
 		.errlen = sizeof(t->why),
 	};
 	uint64_t seq = eg->span_seq++;
+	uint32_t me = j->span_node;
+	struct shd_world_xchg *x;
 	char why[384];
-	int ret;
+	int ret, local;
 
 	if (eg->span_nobuf || !eg->span_buf)
 		return eng_world_nobuf(t);
 	/* Node k's chunk (shards k*L .. k*L+L-1) at k * bytes; this node's sent from its own place. */
 	chunks = shd_world_buf_data(eg->span_buf);
-	mine = chunks + (size_t)j->span_node * bytes;
+	mine = chunks + (size_t)me * bytes;
 	for (uint32_t s = 0; s < L; s++)
 		memcpy(mine + s * Z, g->shards[s].priv, Z);
-	ret = shd_world_xchg(eng_world_key(eg), seq, eng_world_check(t), eg->span_buf,
-			     (size_t)(mine - chunks), 0, 0, bytes, shd_now_ns() + j->e->timeout_ns,
-			     missing, why, sizeof(why));
+	ret = shd_world_xchg_start(eng_world_key(eg), seq, eng_world_check(t), eg->span_buf,
+				   (size_t)(mine - chunks), 0, 0, bytes,
+				   shd_now_ns() + j->e->timeout_ns, missing, why, sizeof(why), &x);
 	if (ret) {
 		eng_world_fail(t, "exchange", ret, missing, why, "");
 		return ret;
@@ -567,7 +627,32 @@ int eng_world_mpi_unshard(struct eng_task *t)
 		shards[r] = &bufs[r];
 		unsharded[r] = shd_group_unsharded(g, 0);
 	}
-	return b->ops->unshard(b, &a);
+	/*
+	 * This node's shards need no other node: gathered while the others'
+	 * travel (the sends read `mine` meanwhile, as this does). A failed
+	 * exchange leaves the unsharded copy part new: the op fails, and no
+	 * rank reads a copy its unshard did not complete.
+	 */
+	a.part_first = me * L;
+	a.part_count = L;
+	local = b->ops->unshard(b, &a);
+	ret = shd_world_xchg_wait(x);
+	if (ret) {
+		eng_world_fail(t, "exchange", ret, missing, why, "");
+		return ret;
+	}
+	if (local)
+		return local;
+	/* The other nodes' shards: those before this node's, then those after it. */
+	a.part_first = 0;
+	a.part_count = me * L;
+	if (a.part_count)
+		ret = b->ops->unshard(b, &a);
+	a.part_first = (me + 1) * L;
+	a.part_count = S - (me + 1) * L;
+	if (!ret && a.part_count)
+		ret = b->ops->unshard(b, &a);
+	return ret;
 }
 
 /*

@@ -921,11 +921,27 @@ void shd_world_stop(void)
 	W.started = 0;
 }
 
-int shd_world_xchg(uint64_t key, uint64_t seq, uint64_t check, struct shd_world_buf *b,
-		   size_t send_off, size_t send_stride, size_t recv_off, size_t bytes,
-		   uint64_t deadline_ns, uint8_t *missing, char *err, size_t errlen)
+/* An exchange handed to the communication thread, waited for later (shd_world_xchg_start). */
+struct shd_world_xchg {
+	struct world_xfer x;
+};
+
+int shd_world_xchg_start(uint64_t key, uint64_t seq, uint64_t check, struct shd_world_buf *b,
+			 size_t send_off, size_t send_stride, size_t recv_off, size_t bytes,
+			 uint64_t deadline_ns, uint8_t *missing, char *err, size_t errlen,
+			 struct shd_world_xchg **out)
 {
-	struct world_xfer x = {
+	struct shd_world_xchg *h;
+
+	*out = NULL;
+	memset(missing, 0, W.nodes);
+	err[0] = '\0';
+	h = calloc(1, sizeof(*h));
+	if (!h) {
+		snprintf(err, errlen, "out of memory for an inter-node exchange");
+		return -SHARDD_E_NOMEM;
+	}
+	h->x = (struct world_xfer){
 		.key = key,
 		.seq = seq,
 		.check = check,
@@ -939,13 +955,15 @@ int shd_world_xchg(uint64_t key, uint64_t seq, uint64_t check, struct shd_world_
 		.err = err,
 		.errlen = errlen,
 	};
-
-	memset(missing, 0, W.nodes);
-	err[0] = '\0';
-	if (W.nodes == 1)
+	*out = h;
+	if (W.nodes == 1) {
+		h->x.done = 1;
 		return 0;
-	x.req = xfer_reqs();
-	if (!x.req) {
+	}
+	h->x.req = xfer_reqs();
+	if (!h->x.req) {
+		free(h);
+		*out = NULL;
 		snprintf(err, errlen, "out of memory for the requests of an inter-node exchange");
 		return -SHARDD_E_NOMEM;
 	}
@@ -955,17 +973,40 @@ int shd_world_xchg(uint64_t key, uint64_t seq, uint64_t check, struct shd_world_
 		for (uint32_t k = 0; k < W.nodes; k++)
 			missing[k] = k != W.node;
 		snprintf(err, errlen, "%s", W.dead_why);
-		x.res = -SHARDD_E_PEER_DIED;
+		h->x.res = -SHARDD_E_PEER_DIED;
+		h->x.done = 1;
 	} else {
-		xfer_hand_over(&x);
-		/* Bounded: the communication thread ends x by its deadline, or world_watch does. */
-		while (!x.done)
-			pthread_cond_wait(&W.cv, &W.lock);
+		xfer_hand_over(&h->x);
 	}
 	pthread_mutex_unlock(&W.lock);
+	return 0;
+}
+
+int shd_world_xchg_wait(struct shd_world_xchg *h)
+{
+	int res;
+
+	pthread_mutex_lock(&W.lock);
+	/* Bounded: the communication thread ends x by its deadline, or world_watch does. */
+	while (!h->x.done)
+		pthread_cond_wait(&W.cv, &W.lock);
+	pthread_mutex_unlock(&W.lock);
 	/* A request of x MPI still holds is on the held list by now, or stays MPI's (world_die). */
-	free(x.req);
-	return x.res;
+	free(h->x.req);
+	res = h->x.res;
+	free(h);
+	return res;
+}
+
+int shd_world_xchg(uint64_t key, uint64_t seq, uint64_t check, struct shd_world_buf *b,
+		   size_t send_off, size_t send_stride, size_t recv_off, size_t bytes,
+		   uint64_t deadline_ns, uint8_t *missing, char *err, size_t errlen)
+{
+	struct shd_world_xchg *h;
+	int ret = shd_world_xchg_start(key, seq, check, b, send_off, send_stride, recv_off, bytes,
+				       deadline_ns, missing, err, errlen, &h);
+
+	return ret ? ret : shd_world_xchg_wait(h);
 }
 
 int shd_world_gather_start(uint64_t key, uint64_t seq, uint64_t check, const void *mine,

@@ -108,6 +108,23 @@ int shd_world_xchg(uint64_t key, uint64_t seq, uint64_t check, struct shd_world_
 		   uint64_t deadline_ns, uint8_t *missing, char *err, size_t errlen);
 
 /*
+ * shd_world_xchg in two halves, so that the caller works while the bytes
+ * travel (world_host.c sums one chunk of an all-reduce while the next one
+ * is exchanged): _start hands the exchange over and returns at once (0,
+ * *out set; or -SHARDD_E_NOMEM with err written and nothing started),
+ * _wait waits for it and gives shd_world_xchg's result. Every started
+ * exchange must be waited for, once; until then b's bytes, missing and
+ * err stay the exchange's. One exchange of a key in flight at a time: a
+ * second one started before the first ended could take its messages.
+ */
+struct shd_world_xchg;
+int shd_world_xchg_start(uint64_t key, uint64_t seq, uint64_t check, struct shd_world_buf *b,
+			 size_t send_off, size_t send_stride, size_t recv_off, size_t bytes,
+			 uint64_t deadline_ns, uint8_t *missing, char *err, size_t errlen,
+			 struct shd_world_xchg **out);
+int shd_world_xchg_wait(struct shd_world_xchg *h);
+
+/*
  * An all-gather that does not wait (for the loop thread): `bytes` of
  * `mine` to every node. When it ends (every node's bytes, an error, the
  * deadline) the communication thread adds 1 to the eventfd `wake_fd`;

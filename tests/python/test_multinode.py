@@ -121,6 +121,47 @@ def test_hsdp_bf16_across_nodes_gives_the_bits_of_one_daemon(request, nodes, dty
                                        err_msg=f"rank {r} param {i}")
 
 
+# The HSDP all-reduce goes among the nodes in chunks of 1 MiB of a node's
+# slice once a slice holds two (world_host.c, HSDP_CHUNK_BYTES): a slice is
+# a node's shards' elements / nodes, so "w" gives slices of 7 fp32 chunks
+# (2 nodes) and of 3 bf16 ones (3 nodes), the last one not whole either
+# way; "e" has no elements and "b" is odd, so neither lands on a boundary.
+CHUNK_SPECS = [("w", "fp32", (3300007,)), ("e", "fp32", (0, 4)), ("b", "fp32", (131,))]
+
+
+@pytest.mark.timeout_s(240)
+@pytest.mark.parametrize("nodes,dtype,param_dtype", [(2, "fp32", None), (3, "reduce", "bf16")])
+def test_hsdp_all_reduce_in_chunks_gives_the_bits_of_one_daemon(request, nodes, dtype, param_dtype):
+    """Chunks summed as they arrive add the same inputs in the same node
+    order as one daemon: the same bits, and (fp32 grads, exact values) the
+    reference's; bf16 within its roundings."""
+    R, S = nodes, 2
+    rng = np.random.default_rng(60 + nodes)
+
+    def grad(shape):
+        g = (rng.integers(-256, 256, size=shape) / 64).astype(np.float32)
+        return shardd.fp32_to_bf16(g) if param_dtype else g
+
+    grads = [[[grad(shape) for _, _, shape in CHUNK_SPECS] for _ in range(R * S)] for _ in range(2)]
+    multi, one = across_nodes_and_on_one_daemon(
+        request, nodes, R, S,
+        lambda clients: run_hsdp(clients, CHUNK_SPECS, grads, param_dtype=param_dtype),
+        ["--internode-dtype", dtype])
+    fgrads = grads if not param_dtype else [[[shardd.bf16_to_fp32(g) for g in rank] for rank in mb]
+                                            for mb in grads]
+    want = hsdp_reference(CHUNK_SPECS, fgrads, R, S)
+    for r in range(R * S):
+        for i in range(len(CHUNK_SPECS)):
+            np.testing.assert_array_equal(multi[r][i], one[r][i], err_msg=f"rank {r} param {i}")
+            if param_dtype:
+                # three bf16 roundings (rs, the partial's add, the all-reduce) of sums below 4
+                # in magnitude, each off by at most half a bf16 ulp there (2^-6)
+                np.testing.assert_allclose(multi[r][i], want[r][i], rtol=0, atol=3 * 2 ** -6,
+                                           err_msg=f"rank {r} param {i}")
+            else:
+                np.testing.assert_array_equal(multi[r][i], want[r][i], err_msg=f"rank {r} param {i}")
+
+
 @pytest.mark.timeout_s(60)
 def test_hsdp_unshard_gathers_each_node_replica_on_its_node(world2, request):
     R, S = 2, 2
@@ -296,6 +337,35 @@ def test_fsdp_across_nodes_unshards_and_reduces_over_every_rank(request, nodes, 
                 np.testing.assert_array_equal(np.array(g.shard_grad(i, padded=True)),
                                               shard_of(avg, S, r, dims[i]),
                                               err_msg=f"rank {r} param {i}")
+
+
+@pytest.mark.timeout_s(120)
+def test_fsdp_unshard_gathers_its_own_node_while_the_others_travel(request):
+    """Mesh 1 x 6 over 3 nodes: each node gathers its own shards during the
+    exchange and the others' after it (node 1 has shards on both sides of
+    its own). Odd dim-0 rows whose last shards hold padding only, a param
+    without elements, a Shard(1) param with several outer indices; a second
+    unshard of new values rewrites every element of the copy."""
+    nodes, S = 3, 6
+    specs = [("w", "fp32", (13, 5)), ("e", "fp32", (0, 4)),
+             shardd.Param("t", "fp32", (3, 18), shard_dim=1), ("b", "bf16", (5,))]
+    rng = np.random.default_rng(33)
+    with World(nodes) as world, attached(request, world, 1, S) as clients:
+        groups = run_ranks(lambda r: clients[r].register_group("g", specs), S)
+        for step in (1, 2):
+            fulls = [rng.standard_normal(sh).astype(np.float32) for sh in ((13, 5), (0, 4), (3, 18))]
+            fulls.append(shardd.bf16_to_fp32(shardd.fp32_to_bf16(
+                rng.standard_normal(5).astype(np.float32))))
+            for g in groups:
+                for i, f in enumerate(fulls):
+                    g.load_full(i, f)
+            run_ranks(lambda r: groups[r].unshard(step), S)
+            for r, g in enumerate(groups):
+                for i, f in enumerate(fulls):
+                    got = g.unsharded(i)
+                    got = shardd.bf16_to_fp32(got) if i == 3 else got  # "b" is bf16
+                    np.testing.assert_array_equal(got, f, err_msg=f"step {step} rank {r} param {i}")
+            run_ranks(lambda r: groups[r].reshard(step), S)
 
 
 @pytest.mark.timeout_s(120)

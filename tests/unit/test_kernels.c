@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "optim_isa.h"
 #include "shardd_kernels.h"
 #include "shardd_proto.h"
 #include "xorshift.h"
@@ -886,6 +887,108 @@ Test(reduce, stream_equals_plain_reduce_on_odd_lengths_and_misaligned_outputs, .
 }
 
 /* ---------------------------------------------------- divide factors --- */
+
+/* ---------------------------------------------------- isa limits --- */
+
+/*
+ * Casts of random fp32 patterns with a subnormal every `gap` elements (a
+ * few vectors without one, most with one: AVX512_BF16's conversion reads
+ * subnormals as zero, so those vectors take the integer steps), plain and
+ * streaming, against the scalar conversions and the double reference.
+ */
+static void check_casts_against_scalar(const char *path, size_t gap)
+{
+	enum {
+		N = 4099,
+		OFF = 3 /* dst off its vector alignment: heads and tails too */
+	};
+	float *f = malloc(N * sizeof(*f));
+	uint16_t *plain = malloc((N + OFF) * sizeof(*plain));
+	uint16_t *streamed = malloc((N + OFF) * sizeof(*streamed));
+	static const uint32_t narrow[] = { SHARDD_DTYPE_BF16, SHARDD_DTYPE_FP16 };
+
+	for (size_t i = 0; i < N; i++)
+		f[i] = i % gap == gap / 2 ? shardd_bits_f32((uint32_t)(rng() & 0x807fffffu) | 1u)
+					  : random_float();
+	for (size_t d = 0; d < 2; d++) {
+		uint32_t dt = narrow[d];
+
+		shardd_k_cast(plain + OFF, dt, f, SHARDD_DTYPE_FP32, N);
+		shardd_k_cast_stream(streamed + OFF, dt, f, SHARDD_DTYPE_FP32, N);
+		for (size_t i = 0; i < N; i++) {
+			uint16_t want = dt == SHARDD_DTYPE_BF16 ? shardd_f32_to_bf16(f[i])
+								: shardd_f32_to_f16(f[i]);
+
+			cr_assert_eq(plain[OFF + i], want,
+				     "%s: f32 0x%08x -> %s 0x%04x, scalar 0x%04x", path,
+				     shardd_f32_bits(f[i]), shardd_dtype_name(dt), plain[OFF + i],
+				     want);
+			cr_assert_eq(streamed[OFF + i], want,
+				     "%s: f32 0x%08x -> %s streamed 0x%04x, scalar 0x%04x", path,
+				     shardd_f32_bits(f[i]), shardd_dtype_name(dt),
+				     streamed[OFF + i], want);
+			if (!isnan(f[i]))
+				cr_assert_eq(want, ref_bits16(dt, f[i]),
+					     "f32 %a -> %s 0x%04x, reference 0x%04x", (double)f[i],
+					     shardd_dtype_name(dt), want, ref_bits16(dt, f[i]));
+		}
+	}
+	free(f);
+	free(plain);
+	free(streamed);
+}
+
+Test(isa_limit, every_path_casts_and_reduces_like_the_references, .timeout = 120)
+{
+	static const size_t gaps[] = { 5, 61, 1000000 };
+	static const struct {
+		uint32_t idt, rd, od;
+	} reduces[] = {
+		{ SHARDD_DTYPE_BF16, SHARDD_DTYPE_BF16, SHARDD_DTYPE_FP32 },
+		{ SHARDD_DTYPE_FP32, SHARDD_DTYPE_FP32, SHARDD_DTYPE_FP32 },
+		{ SHARDD_DTYPE_FP16, SHARDD_DTYPE_FP16, SHARDD_DTYPE_FP16 },
+		{ SHARDD_DTYPE_FP32, SHARDD_DTYPE_BF16, SHARDD_DTYPE_BF16 },
+	};
+
+	for (int isa = 0; isa < SHARDD_K_ISA_COUNT; isa++) {
+		if (!shardd_k_isa_available((enum shardd_k_isa)isa))
+			continue;
+		shardd_k_isa_set_limit((enum shardd_k_isa)isa);
+		cr_assert_eq(shardd_k_isa_limit(), (enum shardd_k_isa)isa);
+		cr_assert_eq(shardd_k_isa_best(), (enum shardd_k_isa)isa,
+			     "the optimizer's path under limit %s",
+			     shardd_k_isa_name((enum shardd_k_isa)isa));
+		for (size_t g = 0; g < sizeof(gaps) / sizeof(gaps[0]); g++)
+			check_casts_against_scalar(shardd_k_isa_name((enum shardd_k_isa)isa),
+						   gaps[g]);
+		/* The AVX2 reduce's cases (bf16 and fp32 into fp32, averaged), and two it leaves to the portable loop. */
+		for (size_t r = 0; r < sizeof(reduces) / sizeof(reduces[0]); r++)
+			for (uint32_t nin = 1; nin <= 8; nin++)
+				for (int acc = 0; acc < 2; acc++)
+					check_reduce(reduces[r].idt, reduces[r].rd, reduces[r].od,
+						     nin, 1029 + nin, 1, (float)nin, 1, 0, acc);
+	}
+}
+
+Test(isa_limit, the_environment_names_the_limit_at_the_first_call, .timeout = 5)
+{
+	/* Each test runs in a process of its own: no kernel has looked at the limit yet. */
+	cr_assert_eq(setenv("SHARDD_KERNEL_ISA", "portable", 1), 0);
+	cr_assert_eq(shardd_k_isa_limit(), SHARDD_K_ISA_PORTABLE);
+	cr_assert_eq(shardd_k_isa_best(), SHARDD_K_ISA_PORTABLE);
+	cr_assert(shardd_k_isa_allows(SHARDD_K_ISA_PORTABLE));
+	cr_assert(!shardd_k_isa_allows(SHARDD_K_ISA_AVX2));
+	/* Read once: a later change of the environment is not seen. */
+	cr_assert_eq(setenv("SHARDD_KERNEL_ISA", "avx512", 1), 0);
+	cr_assert_eq(shardd_k_isa_limit(), SHARDD_K_ISA_PORTABLE);
+}
+
+Test(isa_limit, an_unknown_name_leaves_the_kernels_unlimited, .timeout = 5)
+{
+	cr_assert_eq(setenv("SHARDD_KERNEL_ISA", "sse9", 1), 0);
+	cr_assert_eq(shardd_k_isa_limit(), SHARDD_K_ISA_COUNT - 1);
+	cr_assert(shardd_k_isa_allows(SHARDD_K_ISA_AVX512));
+}
 
 Test(divide, factors_match_the_seed_loop_for_n_1_to_64, .timeout = 5)
 {

@@ -75,6 +75,7 @@ struct bench_mem_best {
 	uint64_t bytes;   /* count * (nin * in_size + out_size): each element once */
 	int store;        /* enum bench_store of that pass */
 	int order;        /* enum bench_mem_order of that pass */
+	int wide;         /* 64-byte vectors and stores (AVX-512), else 32-byte ones */
 	unsigned threads; /* and its threads */
 	uint64_t wrong;   /* output elements that were wrong after a pass */
 };
@@ -168,6 +169,8 @@ int bench_mem_best(const struct bench_mem_pattern *p, uint64_t count, struct ben
  * with all == 0 of best's variant alone; close frees everything (NULL: no-op).
  */
 struct bench_mem_ctx;
+/* "nt+pf+zmm/2": a best pass's store, order, vector width and threads, for the tables. */
+void bench_mem_best_name(const struct bench_mem_best *b, char *buf, size_t len);
 int bench_mem_open(const struct bench_mem_pattern *p, uint64_t count, struct bench_mem_ctx **out);
 void bench_mem_measure(struct bench_mem_ctx *c, int all, struct bench_mem_best *best);
 void bench_mem_close(struct bench_mem_ctx *c);

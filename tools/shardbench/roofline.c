@@ -31,13 +31,14 @@
 #include <unistd.h>
 
 #if defined(__x86_64__) || defined(__i386__)
-#include <emmintrin.h>
+#include <immintrin.h>
 #define MEM_HAVE_NT 1
 #else
 #define MEM_HAVE_NT 0
 #endif
 
 #include "bench.h"
+#include "optim_isa.h"
 
 /*
  * Elements per vector step (32 bytes of 32-bit lanes: native registers in
@@ -76,6 +77,7 @@ struct mem_args {
 	uint32_t nin, in_size, out_size;
 	int nt;
 	int order; /* enum bench_mem_order */
+	int wide;  /* mem_pass_512: 64-byte vectors and stores */
 };
 
 unsigned bench_worker_threads(void)
@@ -103,6 +105,9 @@ const char *bench_order_name(int order)
 }
 
 /* ---- the kernel ------------------------------------------------------- */
+
+/* Elements per step of the 64-byte kernel: one 64-byte line of a 2-byte output. */
+#define MEM_WIDE_STEP 32
 
 /* Store `bytes` (16 or 32) of v at p; nt: bypassing the caches (whole lines are written in order). */
 static inline __attribute__((always_inline)) void mem_store(void *p, const void *v, size_t bytes,
@@ -237,6 +242,121 @@ mem_pass(const struct mem_args *a, size_t lo, size_t hi)
 	}
 }
 
+#if MEM_HAVE_NT
+/*
+ * The same patterns in 64-byte vectors with 64-byte (non-temporal or
+ * plain) stores, for CPUs with AVX-512: the daemon's kernels use them, and
+ * on the Xeon host (issue 33) a 2-thread fp32 -> bf16 unshard through them
+ * beat the 32-byte kernel's best pass (up to 101 %roof), so the roofline
+ * must try them too. Streams and prefetch orders; the blocked one is the
+ * 32-byte kernel's only.
+ */
+#define MEM_512        __attribute__((target("avx512f,avx512bw")))
+#define MEM_512_INLINE MEM_512 static inline __attribute__((always_inline))
+
+/* 16 elements of input k from element e, as 32-bit lanes (prefetched ahead when pf). */
+MEM_512_INLINE __m512i mem_load_512(const void *in, size_t e, uint32_t in_size, int pf)
+{
+	const char *p = (const char *)in + e * in_size;
+
+	if (pf)
+		_mm_prefetch((const char *)((uintptr_t)p + MEM_PREFETCH_AHEAD), _MM_HINT_T0);
+	if (in_size == 4)
+		return _mm512_loadu_si512((const void *)p);
+	return _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(const void *)p));
+}
+
+MEM_512_INLINE __m512i mem_in_512(const struct mem_args *a, size_t e, uint32_t in_size,
+				  uint32_t nin, int pf)
+{
+	__m512i x = nin ? _mm512_setzero_si512() : _mm512_set1_epi32(0x3f803f80);
+
+	for (uint32_t k = 0; k < nin; k++)
+		x = _mm512_xor_si512(x, mem_load_512(a->in[k], e, in_size, pf));
+	return x;
+}
+
+MEM_512_INLINE void mem_store_512(void *p, __m512i v, int nt)
+{
+	if (nt)
+		_mm512_stream_si512(p, v);
+	else
+		_mm512_storeu_si512(p, v);
+}
+
+/* Elements [lo, hi), whole MEM_WIDE_STEPs from a 64-element boundary (lines of every stream). */
+MEM_512_INLINE uint32_t mem_wide(const struct mem_args *a, size_t lo, size_t hi, uint32_t in_size,
+				 uint32_t out_size, uint32_t nin, int nt, int pf)
+{
+	__m512i acc = _mm512_setzero_si512();
+	uint32_t lanes[16];
+
+	for (size_t e = lo; e < hi; e += MEM_WIDE_STEP) {
+		__m512i x = mem_in_512(a, e, in_size, nin, pf);
+		__m512i y = mem_in_512(a, e + 16, in_size, nin, pf);
+		char *o = (char *)a->out + e * out_size;
+
+		if (out_size == 0) {
+			acc = _mm512_xor_si512(acc, _mm512_xor_si512(x, y));
+		} else if (out_size == 4) {
+			mem_store_512(o, x, nt);
+			mem_store_512(o + 64, y, nt);
+		} else {
+			mem_store_512(
+				o,
+				_mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(x)),
+						   _mm512_cvtepi32_epi16(y), 1),
+				nt);
+		}
+	}
+	if (nt)
+		_mm_sfence();
+	_mm512_storeu_si512(lanes, acc);
+	for (int i = 1; i < 16; i++)
+		lanes[0] ^= lanes[i];
+	return lanes[0];
+}
+
+#define MEM_WIDE(IN, OUT, NIN, NT)                                                 \
+	(a->order == BENCH_MEM_PREFETCH ? mem_wide(a, lo, hi, IN, OUT, NIN, NT, 1) \
+					: mem_wide(a, lo, hi, IN, OUT, NIN, NT, 0))
+#define MEM_WIDE_CASE(IN, OUT, NIN)             \
+	case ((IN) << 16 | (OUT) << 8 | (NIN)): \
+		return a->nt ? MEM_WIDE(IN, OUT, NIN, 1) : MEM_WIDE(IN, OUT, NIN, 0)
+
+/* mem_pass's patterns over elements [lo, hi) (as mem_wide) in 64-byte vectors. */
+MEM_512 static uint32_t mem_pass_512(const struct mem_args *a, size_t lo, size_t hi)
+{
+	switch (a->in_size << 16 | a->out_size << 8 | a->nin) {
+		MEM_WIDE_CASE(4, 0, 1);
+		MEM_WIDE_CASE(4, 4, 0);
+		MEM_WIDE_CASE(4, 4, 1);
+		MEM_WIDE_CASE(4, 4, 2);
+		MEM_WIDE_CASE(4, 2, 1);
+		MEM_WIDE_CASE(4, 4, 4);
+		MEM_WIDE_CASE(4, 4, 8);
+		MEM_WIDE_CASE(2, 4, 1);
+		MEM_WIDE_CASE(2, 4, 2);
+		MEM_WIDE_CASE(2, 4, 4);
+		MEM_WIDE_CASE(2, 4, 8);
+	default:
+		return 0;
+	}
+}
+
+/* 64-byte variants run where the CPU has AVX-512 and the kernels' limit allows it (optim_isa.h). */
+static int mem_have_wide(void)
+{
+	return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+	       shardd_k_isa_allows(SHARDD_K_ISA_AVX512);
+}
+#else
+static int mem_have_wide(void)
+{
+	return 0;
+}
+#endif
+
 static int mem_supported(const struct bench_mem_pattern *p)
 {
 	struct mem_args a = { .nin = p->nin, .in_size = p->in_size, .out_size = p->out_size };
@@ -314,9 +434,19 @@ static void mem_slice(size_t nblocks, unsigned threads, unsigned id, size_t *lo,
 static void mem_slice_run(struct mem_run *r, unsigned id)
 {
 	size_t lo, hi;
+	uint32_t x = 0;
 
 	mem_slice(r->nblocks, r->threads, id, &lo, &hi);
-	((volatile uint32_t *)r->sink)[id] = mem_pass(&r->args, lo, hi);
+#if MEM_HAVE_NT
+	if (r->args.wide) {
+		/* Whole steps in 64-byte vectors, the last slice's tail (a few blocks) in 32-byte ones. */
+		size_t whole = (hi - lo) * MEM_LANES / MEM_WIDE_STEP * MEM_WIDE_STEP;
+
+		x = mem_pass_512(&r->args, lo * MEM_LANES, lo * MEM_LANES + whole);
+		lo += whole / MEM_LANES;
+	}
+#endif
+	((volatile uint32_t *)r->sink)[id] = x ^ mem_pass(&r->args, lo, hi);
 }
 
 static void *mem_worker(void *arg)
@@ -577,13 +707,14 @@ int bench_mem_open(const struct bench_mem_pattern *p, uint64_t count, struct ben
 }
 
 /* One variant's best pass into *best when faster; its wrong elements counted. */
-static void mem_measure_variant(struct bench_mem_ctx *c, int nt, int ord, unsigned threads,
-				struct bench_mem_best *best)
+static void mem_measure_variant(struct bench_mem_ctx *c, int nt, int ord, int wide,
+				unsigned threads, struct bench_mem_best *best)
 {
 	uint64_t ns;
 
 	c->r.args.nt = nt;
 	c->r.args.order = ord;
+	c->r.args.wide = wide;
 	if (c->m.out)
 		memset(c->m.out, 0xff, c->m.out_bytes);
 	ns = mem_best_variant(&c->r, threads, MEM_MIN_RUNS);
@@ -592,23 +723,42 @@ static void mem_measure_variant(struct bench_mem_ctx *c, int nt, int ord, unsign
 		best->ns = ns;
 		best->store = nt ? BENCH_STORE_NT : BENCH_STORE_PLAIN;
 		best->order = ord;
+		best->wide = wide;
 		best->threads = threads;
 	}
+}
+
+void bench_mem_best_name(const struct bench_mem_best *b, char *buf, size_t len)
+{
+	snprintf(buf, len, "%s%s%s/%u", bench_store_name(b->store),
+		 b->order == BENCH_MEM_PREFETCH  ? "+pf"
+		 : b->order == BENCH_MEM_BLOCKED ? "+blk"
+						 : "",
+		 b->wide ? "+zmm" : "", b->threads);
 }
 
 void bench_mem_measure(struct bench_mem_ctx *c, int all, struct bench_mem_best *best)
 {
 	best->bytes = bench_mem_pattern_bytes(&c->p, c->n);
 	if (!all && best->ns != UINT64_MAX) {
-		mem_measure_variant(c, best->store == BENCH_STORE_NT, best->order, best->threads,
-				    best);
+		mem_measure_variant(c, best->store == BENCH_STORE_NT, best->order, best->wide,
+				    best->threads, best);
 		return;
 	}
-	/* Every combination: store kind, input order (for 2 or more inputs), threads. */
+	/*
+	 * Every combination: store kind, input order (blocked for 2 or more
+	 * inputs, in 32-byte vectors only), vector width, threads.
+	 */
 	for (int nt = 0; nt <= (c->p.out_size && MEM_HAVE_NT); nt++)
-		for (int ord = 0; ord < (c->p.nin >= 2 ? BENCH_MEM_NORDERS : 1); ord++)
-			for (int ti = 0; ti < (c->tcounts[1] > 1 ? 2 : 1); ti++)
-				mem_measure_variant(c, nt, ord, c->tcounts[ti], best);
+		for (int wide = 0; wide <= mem_have_wide(); wide++)
+			for (int ord = 0; ord < BENCH_MEM_NORDERS; ord++) {
+				if (ord == BENCH_MEM_BLOCKED && (c->p.nin < 2 || wide))
+					continue;
+				if (ord == BENCH_MEM_PREFETCH && c->p.nin == 0)
+					continue;
+				for (int ti = 0; ti < (c->tcounts[1] > 1 ? 2 : 1); ti++)
+					mem_measure_variant(c, nt, ord, wide, c->tcounts[ti], best);
+			}
 }
 
 int bench_mem_best(const struct bench_mem_pattern *p, uint64_t count, struct bench_mem_best *out)
@@ -652,12 +802,13 @@ int bench_roofline_measure(uint64_t array_bytes, int print, struct bench_rooflin
 	if (print) {
 		bench_format_size(out->array_bytes, human, sizeof(human));
 		printf("# roofline: memory kernels over arrays of %s of 32-bit elements, best pass of plain and"
-		       " non-temporal stores,\n#   inputs streamed, prefetched or blocked (2+ inputs), on 1 and %u"
+		       " non-temporal stores,\n#   inputs streamed, prefetched or blocked (2+ inputs), in 32- or"
+		       " (AVX-512) 64-byte vectors, on 1 and %u"
 		       " threads (one per online core, as the daemon's\n#   pool); bytes: each element read or"
 		       " written once\n",
 		       human, out->threads);
-		printf("# %8s %16s %12s %7s %9s %5s %8s  %s\n", "kernel", "bytes/pass(B)",
-		       "best(GB/s)", "store", "order", "thr", "#wrong", "pass");
+		printf("# %8s %16s %12s %7s %9s %6s %5s %8s  %s\n", "kernel", "bytes/pass(B)",
+		       "best(GB/s)", "store", "order", "vector", "thr", "#wrong", "pass");
 	}
 	for (int k = 0; k < BENCH_ROOF_NKERNELS && !ret; k++) {
 		struct bench_mem_best *b = &out->kernel[k];
@@ -667,9 +818,10 @@ int bench_roofline_measure(uint64_t array_bytes, int print, struct bench_rooflin
 			break;
 		out->wrong += b->wrong;
 		if (print)
-			printf("  %8s %16llu %12.2f %7s %9s %5u %8llu  %s\n", mem_kernels[k].name,
-			       (unsigned long long)b->bytes, (double)b->bytes / (double)b->ns,
-			       bench_store_name(b->store), bench_order_name(b->order), b->threads,
+			printf("  %8s %16llu %12.2f %7s %9s %6s %5u %8llu  %s\n",
+			       mem_kernels[k].name, (unsigned long long)b->bytes,
+			       (double)b->bytes / (double)b->ns, bench_store_name(b->store),
+			       bench_order_name(b->order), b->wide ? "64B" : "32B", b->threads,
 			       (unsigned long long)b->wrong, mem_kernels[k].what);
 	}
 	if (print)

@@ -434,15 +434,7 @@ def parse_args(argv=None):
     ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    if a.ranks < 1 or a.replicate < 1:
-        ap.error(f"--ranks {a.ranks} --replicate {a.replicate}: both must be >= 1")
-    if a.shard is None:
-        if a.ranks % a.replicate:
-            ap.error(f"--ranks {a.ranks} is not a multiple of --replicate {a.replicate}")
-        a.shard = a.ranks // a.replicate
-    if a.replicate * a.shard != a.ranks:
-        ap.error(f"--replicate {a.replicate} x --shard {a.shard} = {a.replicate * a.shard} "
-                 f"ranks, but --ranks is {a.ranks}")
+    a.shard = shardd.launch.mesh_shape(ap, a.ranks, a.replicate, a.shard)
     if a.check and (a.param_dtype != "fp32" or a.reduce_dtype != "fp32"):
         ap.error("--check compares with an fp32 single-process run: give --param-dtype fp32 "
                  "--reduce-dtype fp32")

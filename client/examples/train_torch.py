@@ -263,15 +263,7 @@ def main():
     ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    if a.ranks < 1 or a.replicate < 1:
-        ap.error(f"--ranks {a.ranks} --replicate {a.replicate}: both must be >= 1")
-    if a.shard is None:
-        if a.ranks % a.replicate:
-            ap.error(f"--ranks {a.ranks} is not a multiple of --replicate {a.replicate}")
-        a.shard = a.ranks // a.replicate
-    if a.replicate * a.shard != a.ranks:
-        ap.error(f"--replicate {a.replicate} x --shard {a.shard} = {a.replicate * a.shard} "
-                 f"ranks, but --ranks is {a.ranks}")
+    a.shard = shardd.launch.mesh_shape(ap, a.ranks, a.replicate, a.shard)
     if a.torch_optim and (a.checkpoint_every or a.resume):
         ap.error("--checkpoint-every and --resume need the daemon's optimizer: drop --torch-optim")
     if a.restart_at is not None and not (a.shardd and a.checkpoint_every and

@@ -73,3 +73,19 @@ def start_private(binary, workdir, *extra, timeout_s=15.0):
     proc, _path, _text = start_daemon([binary, "--socket", sock, "--foreground", "--log-level",
                                        "warn", *extra], timeout_s=timeout_s, socket=sock)
     return proc, sock
+
+
+def mesh_shape(ap, ranks, replicate, shard):
+    """The examples' --ranks N --replicate R [--shard S]: N rank processes in
+    R replicas of S shards (S defaults to N / R). Returns S; a shape that
+    does not add up is an argparse error (ap.error) naming the flags."""
+    if ranks < 1 or replicate < 1:
+        ap.error(f"--ranks {ranks} --replicate {replicate}: both must be >= 1")
+    if shard is None:
+        if ranks % replicate:
+            ap.error(f"--ranks {ranks} is not a multiple of --replicate {replicate}")
+        shard = ranks // replicate
+    if replicate * shard != ranks:
+        ap.error(f"--replicate {replicate} x --shard {shard} = {replicate * shard} "
+                 f"ranks, but --ranks is {ranks}")
+    return shard

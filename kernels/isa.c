@@ -11,6 +11,20 @@
 
 #include "optim_isa.h"
 
+const char *shardd_k_isa_name(enum shardd_k_isa isa)
+{
+	switch (isa) {
+	case SHARDD_K_ISA_PORTABLE:
+		return "portable";
+	case SHARDD_K_ISA_AVX2:
+		return "avx2";
+	case SHARDD_K_ISA_AVX512:
+		return "avx512";
+	default:
+		return "unknown";
+	}
+}
+
 /* -1 until the first look at SHARDD_KERNEL_ISA; then the limit. */
 static int isa_limit = -1;
 

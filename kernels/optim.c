@@ -265,20 +265,6 @@ static int have_avx512(void)
 
 /* ----------------------------------------------------------- dispatch --- */
 
-const char *shardd_k_isa_name(enum shardd_k_isa isa)
-{
-	switch (isa) {
-	case SHARDD_K_ISA_PORTABLE:
-		return "portable";
-	case SHARDD_K_ISA_AVX2:
-		return "avx2";
-	case SHARDD_K_ISA_AVX512:
-		return "avx512";
-	default:
-		return "unknown";
-	}
-}
-
 int shardd_k_isa_available(enum shardd_k_isa isa)
 {
 	switch (isa) {

@@ -222,7 +222,11 @@ uint8_t *ckpt_image_alloc(uint64_t n)
 {
 	void *p = mmap(NULL, n ? n : 1, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
 
-	return p == MAP_FAILED ? NULL : p;
+	if (p == MAP_FAILED)
+		return NULL;
+	/* Best effort: 2 MiB pages map in 512x fewer steps, and a direct write's DMA takes fewer segments. */
+	madvise(p, n ? n : 1, MADV_HUGEPAGE);
+	return p;
 }
 
 void ckpt_image_populate(uint8_t *img, uint64_t off, uint64_t n)
@@ -265,29 +269,24 @@ int ckpt_dio_push(struct dio_file *f, uint8_t *img, uint64_t ready)
 	return ret;
 }
 
-int ckpt_dio_write_image(struct dio_file *f, uint8_t *img, uint64_t n, uint32_t *crc,
-			 uint64_t *progress)
+int ckpt_dio_write_image(struct dio_file *f, uint8_t *img, uint64_t n, uint64_t *progress)
 {
-	uint32_t c = 0;
 	int ret = 0;
 
-	for (uint64_t at = 0, k; !ret && at < n; at += k) {
-		k = n - at < CKPT_DIO_CHUNK ? n - at : CKPT_DIO_CHUNK;
-		/* Submitted (in a free slot: push leaves the next one busy), then its CRC while it is written. */
-		if (at == f->base && k == CKPT_DIO_CHUNK) {
-			ret = f->ring_ok ? dio_wait(f, f->cur) : 0;
-			f->buf = f->bufs[f->cur] = img + at;
-			ret = ret ? ret : dio_put(f, CKPT_DIO_CHUNK, PUT_WAIT_NEXT);
-			f->base += CKPT_DIO_CHUNK;
-		}
-		c = ckpt_crc32(c, img + at, k);
-		__atomic_add_fetch(progress, k, __ATOMIC_RELAXED);
+	/* What push sent counts now; each chunk after it as it is submitted (in a free slot). */
+	__atomic_add_fetch(progress, f->base, __ATOMIC_RELAXED);
+	while (!ret && n - f->base >= CKPT_DIO_CHUNK) {
+		ret = f->ring_ok ? dio_wait(f, f->cur) : 0;
+		f->buf = f->bufs[f->cur] = img + f->base;
+		ret = ret ? ret : dio_put(f, CKPT_DIO_CHUNK, PUT_NO_WAIT);
+		f->base += CKPT_DIO_CHUNK;
+		__atomic_add_fetch(progress, CKPT_DIO_CHUNK, __ATOMIC_RELAXED);
 	}
 	if (ret)
 		return ret;
 	f->buf = f->bufs[f->cur] = img + f->base;
 	f->fill = (uint32_t)(n - f->base);
-	*crc = c;
+	__atomic_add_fetch(progress, f->fill, __ATOMIC_RELAXED);
 	return ckpt_dio_finish(f);
 }
 

@@ -118,9 +118,8 @@ void ckpt_image_free(uint8_t *img, uint64_t n);
  * out in ckpt_dio_write_image). 0 or -errno.
  */
 int ckpt_dio_push(struct dio_file *f, uint8_t *img, uint64_t ready);
-/* Write all n bytes of img (what push left), CRC-32 into *crc as they go out, then fsync. 0 or -errno. */
-int ckpt_dio_write_image(struct dio_file *f, uint8_t *img, uint64_t n, uint32_t *crc,
-			 uint64_t *progress);
+/* Write all n bytes of img (what push left), adding them to *progress, then fsync. 0 or -errno. */
+int ckpt_dio_write_image(struct dio_file *f, uint8_t *img, uint64_t n, uint64_t *progress);
 /* Close; a write still in flight (after a failure) is waited for before the buffers are freed. */
 void ckpt_dio_close(struct dio_file *f);
 /*

@@ -669,8 +669,8 @@ int bench_checkpoint_run(const struct bench_opts *o, const char *socket_path, co
 	if (python && *python) {
 		dcp_run(o, python, state_dir, ranks, sizes, nsizes, dcp);
 		if (dcp->available)
-			printf("# dcp_w/dcp_r: its save (files fsynced by DCP, + the directory) and load GB/s;\n"
-			       "# save/DCP, load/DCP: shardd's over DCP's\n");
+			printf("# dcp_w/dcp_r: its save (files fsynced by DCP, + the directory) and load GB/s,\n"
+			       "# dcpw/disk, dcpr/disk: over disk_w and disk_r; save/DCP, load/DCP: shardd's over DCP's\n");
 		else
 			printf("# torch.distributed.checkpoint: skipped: %s\n", dcp->why);
 	} else {
@@ -679,7 +679,8 @@ int bench_checkpoint_run(const struct bench_opts *o, const char *socket_path, co
 	printf("#%13s %12s %12s %9s %12s %12s %9s", "size(B)", "disk_w(GB/s)", "save(GB/s)",
 	       "save/disk", "disk_r(GB/s)", "load(GB/s)", "load/disk");
 	if (dcp->available)
-		printf(" %11s %9s %11s %9s", "dcp_w(GB/s)", "save/DCP", "dcp_r(GB/s)", "load/DCP");
+		printf(" %11s %9s %9s %11s %9s %9s", "dcp_w(GB/s)", "dcpw/disk", "save/DCP",
+		       "dcp_r(GB/s)", "dcpr/disk", "load/DCP");
 	printf(" %7s\n", "#wrong");
 	for (size_t si = 0; si < nsizes; si++) {
 		uint64_t size = sizes[si];
@@ -793,13 +794,14 @@ int bench_checkpoint_run(const struct bench_opts *o, const char *socket_path, co
 				double dw = (double)bytes / (double)dcp->save_ns[k];
 				double dr = (double)bytes / (double)dcp->load_ns[k];
 
-				printf(" %11.2f %8.2fx %11.2f", dw, save / dw, dr);
+				printf(" %11.2f %8.0f%% %8.2fx %11.2f %8.0f%%", dw, 100 * dw / w,
+				       save / dw, dr, 100 * dr / rd);
 				if (load > 0)
 					printf(" %8.2fx", load / dr);
 				else
 					printf(" %9s", "-");
 			} else if (dcp->available) {
-				printf(" %11s %9s %11s %9s", "-", "-", "-", "-");
+				printf(" %11s %9s %9s %11s %9s %9s", "-", "-", "-", "-", "-", "-");
 			}
 			printf(" %7llu\n",
 			       (unsigned long long)(wrong + (k >= 0 ? dcp->wrong[k] : 0)));

@@ -12,6 +12,7 @@
 
 #include "ckpt_crc.h"
 #include "ckpt_files.h"
+#include "clock.h"
 #include "log.h"
 
 int ckpt_write_all(int fd, const void *buf, size_t n, uint64_t off)
@@ -249,6 +250,41 @@ void ckpt_image_free(uint8_t *img, uint64_t n)
 		munmap(img, n ? n : 1);
 }
 
+/* When the pace lets `bytes` more go out: start_ns plus the time the bytes sent and these take at the rate. */
+static uint64_t pace_due(const struct ckpt_pace *p, uint64_t bytes)
+{
+	uint64_t sent = __atomic_load_n(&p->sent, __ATOMIC_RELAXED) + bytes;
+
+	return p->start_ns + (uint64_t)((long double)sent * 1e9L / (long double)p->bytes_per_s);
+}
+
+/* 1 when `bytes` may go out now (counted as sent), 0 when the pace wants them later. */
+static int pace_take(struct ckpt_pace *p, uint64_t bytes)
+{
+	if (!p || !p->bytes_per_s)
+		return 1;
+	if (shd_now_ns() < pace_due(p, bytes))
+		return 0;
+	__atomic_add_fetch(&p->sent, bytes, __ATOMIC_RELAXED);
+	return 1;
+}
+
+/* Count `bytes` as sent and sleep until the pace lets them go out. */
+static void pace_wait(struct ckpt_pace *p, uint64_t bytes)
+{
+	struct timespec ts;
+	uint64_t due;
+
+	if (!p || !p->bytes_per_s)
+		return;
+	due = pace_due(p, bytes);
+	__atomic_add_fetch(&p->sent, bytes, __ATOMIC_RELAXED);
+	ts.tv_sec = (time_t)(due / 1000000000u);
+	ts.tv_nsec = (long)(due % 1000000000u);
+	while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR)
+		;
+}
+
 int ckpt_dio_push(struct dio_file *f, uint8_t *img, uint64_t ready)
 {
 	struct io_uring_cqe *cqe;
@@ -260,7 +296,7 @@ int ckpt_dio_push(struct dio_file *f, uint8_t *img, uint64_t ready)
 		/* The next write's slot: its last write reaped if it completed, else later. */
 		while (!ret && f->len[f->cur] && !io_uring_peek_cqe(&f->ring, &cqe))
 			ret = dio_complete(f, cqe);
-		if (ret || f->len[f->cur] || f->dfd < 0)
+		if (ret || f->len[f->cur] || f->dfd < 0 || !pace_take(f->pace, CKPT_DIO_CHUNK))
 			break;
 		f->buf = f->bufs[f->cur] = img + f->base;
 		ret = dio_put(f, CKPT_DIO_CHUNK, PUT_NO_WAIT);
@@ -277,6 +313,7 @@ int ckpt_dio_write_image(struct dio_file *f, uint8_t *img, uint64_t n, uint64_t 
 	__atomic_add_fetch(progress, f->base, __ATOMIC_RELAXED);
 	while (!ret && n - f->base >= CKPT_DIO_CHUNK) {
 		ret = f->ring_ok ? dio_wait(f, f->cur) : 0;
+		pace_wait(f->pace, CKPT_DIO_CHUNK);
 		f->buf = f->bufs[f->cur] = img + f->base;
 		ret = ret ? ret : dio_put(f, CKPT_DIO_CHUNK, PUT_NO_WAIT);
 		f->base += CKPT_DIO_CHUNK;

@@ -19,6 +19,19 @@
 #define CKPT_DIO_BYTES (CKPT_DIO_BUFS * CKPT_DIO_CHUNK) /* a writer's buffers */
 
 /*
+ * A bound on the rate a checkpoint's snapshot files are written at, shared
+ * by its writers (a group's snapshot thread and write thread each): a
+ * direct write waits (or, pushed as the image fills, waits for a later
+ * push) until the bytes submitted before it and it are no more than
+ * bytes_per_s allows since start_ns.
+ */
+struct ckpt_pace {
+	uint64_t bytes_per_s; /* 0: no bound */
+	uint64_t start_ns;    /* CLOCK_MONOTONIC */
+	uint64_t sent;        /* bytes submitted (atomic: every writer adds) */
+};
+
+/*
  * A file written front to back through CKPT_DIO_BUFS aligned buffers of
  * CKPT_DIO_CHUNK bytes: a full buffer starts at a multiple of
  * CKPT_DIO_CHUNK, so it goes out with O_DIRECT (no page cache: the
@@ -46,6 +59,7 @@ struct dio_file {
 	/* the file offset of the first one (fsync: the file's end), for its message */
 	uint64_t failed_at;
 	uint64_t reserve_failed; /* ckpt_dio_reserve failed: the bytes it asked for (0: none) */
+	struct ckpt_pace *pace;  /* an image's writes: the checkpoint's bound, or NULL */
 };
 
 /*

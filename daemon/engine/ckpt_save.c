@@ -213,6 +213,7 @@ static int save_file(struct eng_ckpt *c, uint32_t gi, int optim, uint8_t *bounce
 			ckpt_dio_close(o.f);
 		else if ((ret = ckpt_dio_reserve(o.f, hlen + dsize)))
 			goto out;
+		o.f->pace = &c->pace;
 		ckpt_image_populate(*stage, 0, hlen);
 		memcpy(*stage, hdr, hlen);
 		o.stage = *stage;
@@ -327,6 +328,7 @@ static int write_staged(struct eng_ckpt *c, uint32_t gi, char *err, size_t errle
 				ret = ckpt_dio_open(&c->sfiles[i], c->dirfd, fe->name, NULL);
 				if (!ret)
 					ret = ckpt_dio_reserve(&c->sfiles[i], c->stage_len[i]);
+				c->sfiles[i].pace = &c->pace;
 			}
 			if (!ret)
 				ret = ckpt_dio_write_image(&c->sfiles[i], c->stage[i],
@@ -813,6 +815,8 @@ int eng_ckpt_start(struct shd_engine_job *j, const struct shd_engine_ckpt_target
 	c->done = done;
 	c->ctx = ctx;
 	c->start_ns = shd_now_ns();
+	c->pace.bytes_per_s = (uint64_t)j->e->cfg.checkpoint_rate * 1000000u;
+	c->pace.start_ns = c->start_ns;
 	ret = ckpt_plan(j, c, tg->step, err, errlen);
 	if (ret == -ENOMEM)
 		goto nomem;

@@ -46,10 +46,13 @@
 
 /*
  * The nice value of a checkpoint's own threads (a group's snapshot, then
- * its write): far below the ops' (0), so that a core an op wants is the
- * op's, while an idle one still takes the save at full speed.
+ * its write): below the ops' (0), so that a core an op wants is mostly the
+ * op's, while an idle one still takes the save at full speed. Not 19:
+ * beside training that kept both cores of the test host busy, a save at
+ * nice 19 got about 1/70 of a core and wrote 30 MB/s; at 10 it keeps about
+ * a tenth (--checkpoint-rate bounds the disk's share instead).
  */
-#define CKPT_THREAD_NICE 19
+#define CKPT_THREAD_NICE 10
 
 static int ckpt_spawn(struct eng_task *t);
 
@@ -494,7 +497,7 @@ static void ckpt_finish(struct eng_ckpt *c, int res, const char *msg)
  * half of every op's kernels), and a snapshot split across the pool put
  * its pieces ahead of their queued ops: the ops of the other groups, which
  * training goes on with, slowed while a save ran (docs/BENCHMARKS.md).
- * Here, at nice 19, a core that an op wants is the
+ * Here, niced (CKPT_THREAD_NICE), a core that an op wants is mostly the
  * op's; a core that none wants (training waits for this group, or computes
  * elsewhere) runs the save at full speed.
  */

@@ -258,10 +258,16 @@ static uint64_t pace_due(const struct ckpt_pace *p, uint64_t bytes)
 	return p->start_ns + (uint64_t)((long double)sent * 1e9L / (long double)p->bytes_per_s);
 }
 
+/* Whether the pace bounds writes now. */
+static int pace_on(const struct ckpt_pace *p)
+{
+	return p && p->bytes_per_s && !__atomic_load_n(&p->unbound, __ATOMIC_RELAXED);
+}
+
 /* 1 when `bytes` may go out now (counted as sent), 0 when the pace wants them later. */
 static int pace_take(struct ckpt_pace *p, uint64_t bytes)
 {
-	if (!p || !p->bytes_per_s)
+	if (!pace_on(p))
 		return 1;
 	if (shd_now_ns() < pace_due(p, bytes))
 		return 0;
@@ -269,20 +275,25 @@ static int pace_take(struct ckpt_pace *p, uint64_t bytes)
 	return 1;
 }
 
-/* Count `bytes` as sent and sleep until the pace lets them go out. */
+/* A pause of the pace at most: unbound (the job ends) is seen within it. */
+#define PACE_SLICE_NS 50000000ull
+
+/* Count `bytes` as sent and sleep until the pace lets them go out (or it is unbound). */
 static void pace_wait(struct ckpt_pace *p, uint64_t bytes)
 {
-	struct timespec ts;
-	uint64_t due;
+	uint64_t due, now;
 
-	if (!p || !p->bytes_per_s)
+	if (!pace_on(p))
 		return;
 	due = pace_due(p, bytes);
 	__atomic_add_fetch(&p->sent, bytes, __ATOMIC_RELAXED);
-	ts.tv_sec = (time_t)(due / 1000000000u);
-	ts.tv_nsec = (long)(due % 1000000000u);
-	while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR)
-		;
+	while (pace_on(p) && (now = shd_now_ns()) < due) {
+		uint64_t until = due - now > PACE_SLICE_NS ? now + PACE_SLICE_NS : due;
+		struct timespec ts = { .tv_sec = (time_t)(until / 1000000000u),
+				       .tv_nsec = (long)(until % 1000000000u) };
+
+		clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL);
+	}
 }
 
 int ckpt_dio_push(struct dio_file *f, uint8_t *img, uint64_t ready)

@@ -29,6 +29,7 @@ struct ckpt_pace {
 	uint64_t bytes_per_s; /* 0: no bound */
 	uint64_t start_ns;    /* CLOCK_MONOTONIC */
 	uint64_t sent;        /* bytes submitted (atomic: every writer adds) */
+	int unbound; /* atomic: set, the rest goes out at the disk's speed (the job ends) */
 };
 
 /*

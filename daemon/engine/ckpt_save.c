@@ -597,6 +597,9 @@ void eng_ckpt_req_free(struct eng_ckpt_req *r)
 
 void eng_ckpt_job_wait(struct shd_engine_job *j)
 {
+	/* The job ends: what is left of its snapshot goes out at the disk's speed, not at --checkpoint-rate. */
+	if (j->ckpt)
+		__atomic_store_n(&j->ckpt->pace.unbound, 1, __ATOMIC_RELAXED);
 	for (;;) {
 		struct eng_ckpt *c = j->ckpt;
 		struct eng_task *t = NULL;

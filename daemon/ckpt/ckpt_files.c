@@ -250,11 +250,9 @@ void ckpt_image_free(uint8_t *img, uint64_t n)
 		munmap(img, n ? n : 1);
 }
 
-/* When the pace lets `bytes` more go out: start_ns plus the time the bytes sent and these take at the rate. */
-static uint64_t pace_due(const struct ckpt_pace *p, uint64_t bytes)
+/* When the pace lets the write that brings the bytes sent to `sent` go out: start_ns plus their time at the rate. */
+static uint64_t pace_due(const struct ckpt_pace *p, uint64_t sent)
 {
-	uint64_t sent = __atomic_load_n(&p->sent, __ATOMIC_RELAXED) + bytes;
-
 	return p->start_ns + (uint64_t)((long double)sent * 1e9L / (long double)p->bytes_per_s);
 }
 
@@ -269,7 +267,7 @@ static int pace_take(struct ckpt_pace *p, uint64_t bytes)
 {
 	if (!pace_on(p))
 		return 1;
-	if (shd_now_ns() < pace_due(p, bytes))
+	if (shd_now_ns() < pace_due(p, __atomic_load_n(&p->sent, __ATOMIC_RELAXED) + bytes))
 		return 0;
 	__atomic_add_fetch(&p->sent, bytes, __ATOMIC_RELAXED);
 	return 1;
@@ -285,8 +283,8 @@ static void pace_wait(struct ckpt_pace *p, uint64_t bytes)
 
 	if (!pace_on(p))
 		return;
-	due = pace_due(p, bytes);
-	__atomic_add_fetch(&p->sent, bytes, __ATOMIC_RELAXED);
+	/* Its own place in the order: two writers at once never share a due time. */
+	due = pace_due(p, __atomic_add_fetch(&p->sent, bytes, __ATOMIC_RELAXED));
 	while (pace_on(p) && (now = shd_now_ns()) < due) {
 		uint64_t until = due - now > PACE_SLICE_NS ? now + PACE_SLICE_NS : due;
 		struct timespec ts = { .tv_sec = (time_t)(until / 1000000000u),

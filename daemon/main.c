@@ -53,6 +53,7 @@ enum flag_id {
 	FLAG_IMPORT_DIR,
 	FLAG_CHECKPOINT_EVERY,
 	FLAG_KEEP,
+	FLAG_CHECKPOINT_RATE,
 	FLAG_WORLD,
 	FLAG_INTERNODE_DTYPE,
 	FLAG_LOG_LEVEL,
@@ -148,6 +149,10 @@ static const struct flag flags[] = {
 	{ "keep", FLAG_KEEP, "N", 0,
 	  "keep the newest N checkpoints of each job in\n"
 	  "--state-dir, removing older ones (default 0: all)" },
+	{ "checkpoint-rate", FLAG_CHECKPOINT_RATE, "MBPS", 0,
+	  "write a checkpoint's snapshot, which training\n"
+	  "goes on beside, at most MBPS MB/s (default 0:\n"
+	  "the disk's speed)" },
 	{ "world", FLAG_WORLD, "mpi", 0,
 	  "one daemon per node started by mpirun or srun\n"
 	  "(MPI rank = node index); jobs may span the nodes\n"
@@ -483,6 +488,16 @@ static int apply_flag(struct shd_config *cfg, enum flag_id id, const char *val,
 				"checkpoint)",
 				val);
 		cfg->keep = (uint32_t)v;
+		break;
+	case FLAG_CHECKPOINT_RATE:
+		errno = 0;
+		v = strtoul(val, &end, 10);
+		if (errno || end == val || *end || *val == '-' || v > 1000000)
+			return usage_error(
+				"--checkpoint-rate: '%s' is not MB/s in [0, 1000000] (0 writes at "
+				"the disk's speed)",
+				val);
+		cfg->checkpoint_rate = (uint32_t)v;
 		break;
 	case FLAG_WORLD:
 		if (strcmp(val, "mpi") != 0)

@@ -651,6 +651,7 @@ int shd_server_init(const struct shd_config *cfg)
 	ecfg.state_dir = server.cfg.state_dir[0] ? server.cfg.state_dir : NULL;
 	ecfg.keep = server.cfg.keep;
 	ecfg.checkpoint_every = server.cfg.checkpoint_every;
+	ecfg.checkpoint_rate = server.cfg.checkpoint_rate;
 	ecfg.uid = server.uid;
 	ecfg.import_dirs = (const char *const *)server.cfg.import_dirs;
 	ecfg.nimport_dirs = server.cfg.nimport_dirs;

@@ -19,6 +19,20 @@
 #define CKPT_DIO_BYTES (CKPT_DIO_BUFS * CKPT_DIO_CHUNK) /* a writer's buffers */
 
 /*
+ * A bound on the rate a checkpoint's snapshot files are written at, shared
+ * by its writers (a group's snapshot thread and write thread each): a
+ * direct write waits (or, pushed as the image fills, waits for a later
+ * push) until the bytes submitted before it and it are no more than
+ * bytes_per_s allows since start_ns.
+ */
+struct ckpt_pace {
+	uint64_t bytes_per_s; /* 0: no bound */
+	uint64_t start_ns;    /* CLOCK_MONOTONIC */
+	uint64_t sent;        /* bytes submitted (atomic: every writer adds) */
+	int unbound; /* atomic: set, the rest goes out at the disk's speed (the job ends) */
+};
+
+/*
  * A file written front to back through CKPT_DIO_BUFS aligned buffers of
  * CKPT_DIO_CHUNK bytes: a full buffer starts at a multiple of
  * CKPT_DIO_CHUNK, so it goes out with O_DIRECT (no page cache: the
@@ -46,6 +60,7 @@ struct dio_file {
 	/* the file offset of the first one (fsync: the file's end), for its message */
 	uint64_t failed_at;
 	uint64_t reserve_failed; /* ckpt_dio_reserve failed: the bytes it asked for (0: none) */
+	struct ckpt_pace *pace;  /* an image's writes: the checkpoint's bound, or NULL */
 };
 
 /*
@@ -118,9 +133,8 @@ void ckpt_image_free(uint8_t *img, uint64_t n);
  * out in ckpt_dio_write_image). 0 or -errno.
  */
 int ckpt_dio_push(struct dio_file *f, uint8_t *img, uint64_t ready);
-/* Write all n bytes of img (what push left), CRC-32 into *crc as they go out, then fsync. 0 or -errno. */
-int ckpt_dio_write_image(struct dio_file *f, uint8_t *img, uint64_t n, uint32_t *crc,
-			 uint64_t *progress);
+/* Write all n bytes of img (what push left), adding them to *progress, then fsync. 0 or -errno. */
+int ckpt_dio_write_image(struct dio_file *f, uint8_t *img, uint64_t n, uint64_t *progress);
 /* Close; a write still in flight (after a failure) is waited for before the buffers are freed. */
 void ckpt_dio_close(struct dio_file *f);
 /*

@@ -62,6 +62,7 @@ struct shd_config {
 	char state_dir[3072];     /* --state-dir: checkpoints go to <state_dir>/<job>/; "" = none */
 	uint32_t keep;            /* --keep N: checkpoints kept per job in the state dir; 0 = all */
 	uint32_t checkpoint_every;              /* --checkpoint-every STEPS; 0 = none */
+	uint32_t checkpoint_rate;               /* --checkpoint-rate MB/s; 0 = the disk's speed */
 	char *import_dirs[SHD_MAX_IMPORT_DIRS]; /* --import-dir, resolved (realpath, malloc'd) */
 	unsigned nimport_dirs;
 };

@@ -39,10 +39,11 @@ struct eng_ckpt {
 	uint8_t **stage;     /* [2 * m.ngroups]: a file's image (header, tensors), until written */
 	uint64_t *stage_len; /* [2 * m.ngroups]: its bytes */
 	struct dio_file *sfiles;  /* [2 * m.ngroups]: its file, open while stage is set */
+	struct ckpt_pace pace;    /* --checkpoint-rate: the bound on the snapshot files' writes */
 	struct eng_task **wtasks; /* [m.ngroups]: a group's SAVE_WRITE being written, or NULL */
-	pthread_t *wthreads;      /* [m.ngroups]: the thread of its own that runs it */
-	uint8_t *wthread_on;      /* [m.ngroups]: 1 while wthreads[i] is to be joined */
-	int res;                  /* the first failure */
+	pthread_t *threads; /* [m.ngroups]: the thread of its own running its SAVE or SAVE_WRITE */
+	uint8_t *thread_on; /* [m.ngroups]: 1 while threads[i] is to be joined */
+	int res;            /* the first failure */
 	char msg[ENGINE_MSG_MAX];
 	uint64_t bytes; /* written, all files (atomic: pool threads add as they write) */
 	uint64_t total; /* the tensors' bytes of all files (headers not counted) */

@@ -4,15 +4,15 @@
  * own buffers, without routing bytes through trainers.
  *
  *   start (loop): checks, manifest, a temporary directory beside the target
- *     --> one TASK_SAVE per group, in the group's queue (pool): each tensor
- *         of its params file and optimizer-state file assembled from replica
- *         0's shards row range by row range, into a snapshot in memory when
- *         --max-memory leaves room for it (each file's image, the header
- *         first; its whole chunks go to the disk as they fill, then a
- *         TASK_SAVE_WRITE per group, off the group's queue and on a niced
- *         thread of its own (write_main), writes the rest straight from
- *         the image while its ops go on), else into the files
- *         in place; CRC-32 as written, fsync
+ *     --> one TASK_SAVE per group, in the group's queue, on a niced thread
+ *         of its own (ckpt_thread): each tensor of its params file and
+ *         optimizer-state file assembled from replica 0's shards row range
+ *         by row range, into a snapshot in memory when --max-memory leaves
+ *         room for it (each file's image, the header first, CRC-32 as it
+ *         fills; its whole chunks go to the disk as they fill, then a
+ *         TASK_SAVE_WRITE per group, off the group's queue and on the same
+ *         kind of thread, writes the rest straight from the image while
+ *         its ops go on), else into the files in place; fsync
  *     --> all delivered (loop): one TASK_SAVE_FINAL (pool): manifest.json
  *         and the Hugging Face index, fsync of the files and the directory,
  *         rename to the target, fsync of its parent, --keep retention
@@ -44,11 +44,21 @@
 #include "engine_int.h"
 #include "log.h"
 
-/* The nice value of a snapshot's write thread: below the ops' (0), still running on an idle core. */
-#define CKPT_WRITE_NICE 10
+/*
+ * The nice value of a checkpoint's own threads (a group's snapshot, then
+ * its write): below the ops' (0), so that a core an op wants is mostly the
+ * op's, while an idle one still takes the save at full speed. Not 19:
+ * beside training that kept both cores of the test host busy, a save at
+ * nice 19 got about 1/70 of a core and wrote 30 MB/s; at 10 it keeps about
+ * a tenth (--checkpoint-rate bounds the disk's share instead).
+ */
+#define CKPT_THREAD_NICE 10
+
+static int ckpt_spawn(struct eng_task *t);
 
 static const struct eng_task_ops ckpt_hooks = { .exec = eng_ckpt_exec,
-						.delivered = eng_ckpt_delivered };
+						.delivered = eng_ckpt_delivered,
+						.spawn = ckpt_spawn };
 
 /* A task of the checkpoint (SAVE, SAVE_FINAL, SAVE_WRITE) that task.c runs through ckpt_hooks, or NULL. */
 static struct eng_task *ckpt_task_new(struct eng_group *eg, uint32_t kind)
@@ -107,55 +117,30 @@ struct save_out {
 	struct shd_backend_ctx *b;
 	uint64_t *progress; /* the checkpoint's bytes written */
 	uint8_t *stage;     /* snapshot mode: the file's image, written from there (f->bufs none) */
-	struct shd_pool *pool;
 };
 
 /*
- * A snapshot chunk's pieces, mapped and filled on the calling pool worker
- * and idle ones: mapping (the kernel zeroes each page) and filling take a
- * thread longer than the disk takes to write the chunk.
+ * A snapshot is filled a piece at a time: mapped (the kernel zeroes its
+ * pages), copied from the shards and checksummed while it is still in the
+ * cache, so the write reads the image only for the disk's DMA.
  */
 #define SNAP_PIECE (1u << 20)
-
-struct snap_chunk {
-	const struct save_out *o;
-	const struct shd_buf *src;
-	uint64_t offset; /* in src */
-	uint64_t bytes;
-	int ret; /* a piece's failure */
-};
-
-static void snap_run(void *arg, size_t begin, size_t end)
-{
-	struct snap_chunk *sc = arg;
-	const struct save_out *o = sc->o;
-
-	for (size_t i = begin; i < end; i++) {
-		uint64_t at = (uint64_t)i * SNAP_PIECE,
-			 n = sc->bytes - at < SNAP_PIECE ? sc->bytes - at : SNAP_PIECE;
-		int ret;
-
-		ckpt_image_populate(o->stage, o->off + at, n);
-		ret = o->b->ops->read(o->b, sc->src, sc->offset + at, n, o->stage + o->off + at);
-		if (ret)
-			__atomic_store_n(&sc->ret, ret < 0 ? ret : -EIO, __ATOMIC_RELAXED);
-	}
-}
 
 /* Append `bytes` at `offset` of `src` to the file, read into its buffer (or to the snapshot). */
 static int save_range(struct save_out *o, const struct shd_buf *src, uint64_t offset,
 		      uint64_t bytes)
 {
-	/* A chunk at a time, each pushed to the disk while the rest of the image is assembled. */
+	/* Each whole chunk of the image goes to the disk while the rest is assembled. */
 	while (o->stage && bytes) {
-		uint64_t k = bytes < CKPT_DIO_CHUNK ? bytes : CKPT_DIO_CHUNK;
-		struct snap_chunk sc = { .o = o, .src = src, .offset = offset, .bytes = k };
+		uint64_t k = bytes < SNAP_PIECE ? bytes : SNAP_PIECE;
+		uint8_t *at = o->stage + o->off;
 		int ret;
 
-		shd_pool_for(o->pool, (size_t)((k + SNAP_PIECE - 1) / SNAP_PIECE), 1, snap_run,
-			     &sc);
-		if (sc.ret)
-			return sc.ret;
+		ckpt_image_populate(o->stage, o->off, k);
+		ret = o->b->ops->read(o->b, src, offset, k, at);
+		if (ret)
+			return ret < 0 ? ret : -EIO;
+		o->crc = ckpt_crc32(o->crc, at, k);
 		o->off += k;
 		offset += k;
 		bytes -= k;
@@ -202,9 +187,7 @@ static int save_file(struct eng_ckpt *c, uint32_t gi, int optim, uint8_t *bounce
 	const char *states[SHD_OPTIM_STATES];
 	struct shd_safetensors_tensor *t = NULL;
 	struct dio_file own = { .fd = -1, .dfd = -1 };
-	struct save_out o = {
-		.f = &own, .b = c->j->e->backend, .progress = &c->bytes, .pool = c->j->e->pool
-	};
+	struct save_out o = { .f = &own, .b = c->j->e->backend, .progress = &c->bytes };
 	uint8_t *hdr = NULL;
 	size_t hlen;
 	uint64_t dsize;
@@ -233,9 +216,11 @@ static int save_file(struct eng_ckpt *c, uint32_t gi, int optim, uint8_t *bounce
 			ckpt_dio_close(o.f);
 		else if ((ret = ckpt_dio_reserve(o.f, hlen + dsize)))
 			goto out;
+		o.f->pace = &c->pace;
 		ckpt_image_populate(*stage, 0, hlen);
 		memcpy(*stage, hdr, hlen);
 		o.stage = *stage;
+		o.crc = ckpt_crc32(o.crc, hdr, hlen);
 	} else {
 		ret = ckpt_dio_open(o.f, c->dirfd, fe->name, bounce);
 		if (!ret)
@@ -272,9 +257,8 @@ static int save_file(struct eng_ckpt *c, uint32_t gi, int optim, uint8_t *bounce
 			}
 		}
 	}
-	if (o.stage)
-		goto out;
-	ret = ckpt_dio_finish(o.f);
+	if (!o.stage)
+		ret = ckpt_dio_finish(o.f);
 	fe->bytes = o.off;
 	fe->crc32 = o.crc;
 out:
@@ -336,7 +320,7 @@ static int write_staged(struct eng_ckpt *c, uint32_t gi, char *err, size_t errle
 	int ret = 0;
 
 	for (int optim = 0; optim < 2; optim++) {
-		uint32_t i = 2 * gi + (uint32_t)optim, crc = 0;
+		uint32_t i = 2 * gi + (uint32_t)optim;
 		struct shd_ckpt_file *fe;
 
 		if (!c->stage[i])
@@ -347,12 +331,11 @@ static int write_staged(struct eng_ckpt *c, uint32_t gi, char *err, size_t errle
 				ret = ckpt_dio_open(&c->sfiles[i], c->dirfd, fe->name, NULL);
 				if (!ret)
 					ret = ckpt_dio_reserve(&c->sfiles[i], c->stage_len[i]);
+				c->sfiles[i].pace = &c->pace;
 			}
 			if (!ret)
 				ret = ckpt_dio_write_image(&c->sfiles[i], c->stage[i],
-							   c->stage_len[i], &crc, &c->bytes);
-			fe->bytes = c->stage_len[i];
-			fe->crc32 = crc;
+							   c->stage_len[i], &c->bytes);
 			if (ret)
 				write_error(c, fe->name, cg->hdr.name, &c->sfiles[i], ret, err,
 					    errlen);
@@ -463,8 +446,8 @@ static void ckpt_free(struct eng_ckpt *c)
 	free(c->stage_len);
 	free(c->sfiles);
 	free(c->wtasks);
-	free(c->wthreads);
-	free(c->wthread_on);
+	free(c->threads);
+	free(c->thread_on);
 	if (c->dirfd >= 0)
 		close(c->dirfd);
 	shd_ckpt_manifest_free(&c->m);
@@ -509,32 +492,40 @@ static void ckpt_finish(struct eng_ckpt *c, int res, const char *msg)
 }
 
 /*
- * A SAVE_WRITE's thread. The write waits for the disk most of the time and
- * checksums the rest: on a pool thread it would take a worker from the
- * groups' ops for the whole write (on a 2-core host, half of every op's
- * kernels), so it runs here, niced, and the ops it competes with for a
- * core come first.
+ * A SAVE's or SAVE_WRITE's thread. On a pool thread, a save took the
+ * groups' ops a worker for its whole snapshot or write (on a 2-core host,
+ * half of every op's kernels), and a snapshot split across the pool put
+ * its pieces ahead of their queued ops: the ops of the other groups, which
+ * training goes on with, slowed while a save ran (docs/BENCHMARKS.md).
+ * Here, niced (CKPT_THREAD_NICE), a core that an op wants is mostly the
+ * op's; a core that none wants (training waits for this group, or computes
+ * elsewhere) runs the save at full speed.
  */
-static void *write_main(void *arg)
+static void *ckpt_thread(void *arg)
 {
 	struct eng_task *t = arg;
 
-	/* Best effort: at the same priority it still writes, only the ops may wait for it. */
-	if (setpriority(PRIO_PROCESS, (id_t)gettid(), CKPT_WRITE_NICE))
-		shd_log_debug("checkpoint write thread: setpriority: %s", strerror(errno));
-	/* task_run: writes, then hands the task to the loop, which joins this thread. */
+	/* Best effort: at the same priority it still saves, only the ops may wait for it. */
+	if (setpriority(PRIO_PROCESS, (id_t)gettid(), CKPT_THREAD_NICE))
+		shd_log_debug("checkpoint thread: setpriority: %s", strerror(errno));
+	/* task_run: saves, then hands the task to the loop, which joins this thread. */
 	t->pt.fn(&t->pt);
 	return NULL;
 }
 
-/* Run SAVE_WRITE `w` on a thread of its own (write_main), or on the pool without one. */
-static void write_spawn(struct eng_ckpt *c, struct eng_task *w)
+/* Start SAVE or SAVE_WRITE `t` on a thread of its own (ckpt_thread). 0, or -1: none started. */
+static int thread_spawn(struct eng_ckpt *c, struct eng_task *t)
 {
-	if (!pthread_create(&c->wthreads[w->gindex], NULL, write_main, w)) {
-		c->wthread_on[w->gindex] = 1;
-		return;
-	}
-	shd_pool_submit(c->j->e->pool, &w->pt);
+	if (pthread_create(&c->threads[t->gindex], NULL, ckpt_thread, t))
+		return -1;
+	c->thread_on[t->gindex] = 1;
+	return 0;
+}
+
+/* Loop thread (task.c's group_kick): a SAVE on a thread of its own; else the pool runs the task. */
+static int ckpt_spawn(struct eng_task *t)
+{
+	return t->kind == TASK_SAVE ? thread_spawn(t->ckpt, t) : -1;
 }
 
 void eng_ckpt_delivered(struct eng_task *t)
@@ -546,12 +537,12 @@ void eng_ckpt_delivered(struct eng_task *t)
 		ckpt_finish(c, t->res, t->msg);
 		return;
 	}
-	if (t->kind == TASK_SAVE_WRITE) {
+	if (t->kind == TASK_SAVE_WRITE)
 		c->wtasks[t->gindex] = NULL;
-		/* Its thread handed the task over as its last act: the join waits for no disk. */
-		if (c->wthread_on[t->gindex])
-			pthread_join(c->wthreads[t->gindex], NULL);
-		c->wthread_on[t->gindex] = 0;
+	/* Its thread handed the task over as its last act: the join waits for no disk. */
+	if (t->kind != TASK_SAVE_FINAL && c->thread_on[t->gindex]) {
+		pthread_join(c->threads[t->gindex], NULL);
+		c->thread_on[t->gindex] = 0;
 	}
 	if (t->res && !c->res) {
 		c->res = t->res;
@@ -569,7 +560,8 @@ void eng_ckpt_delivered(struct eng_task *t)
 			w->ops[0].sqe.step = c->m.step;
 			c->wtasks[t->gindex] = w;
 			c->pending++;
-			write_spawn(c, w);
+			if (thread_spawn(c, w))
+				shd_pool_submit(c->j->e->pool, &w->pt);
 		} else {
 			c->res = -SHARDD_E_NOMEM;
 			snprintf(c->msg, sizeof(c->msg),
@@ -605,6 +597,9 @@ void eng_ckpt_req_free(struct eng_ckpt_req *r)
 
 void eng_ckpt_job_wait(struct shd_engine_job *j)
 {
+	/* The job ends: what is left of its snapshot goes out at the disk's speed, not at --checkpoint-rate. */
+	if (j->ckpt)
+		__atomic_store_n(&j->ckpt->pace.unbound, 1, __ATOMIC_RELAXED);
 	for (;;) {
 		struct eng_ckpt *c = j->ckpt;
 		struct eng_task *t = NULL;
@@ -782,10 +777,9 @@ static int ckpt_plan(struct shd_engine_job *j, struct eng_ckpt *c, uint64_t step
 	c->stage_len = calloc(2 * (size_t)n, sizeof(*c->stage_len));
 	c->sfiles = calloc(2 * (size_t)n, sizeof(*c->sfiles));
 	c->wtasks = calloc(n, sizeof(*c->wtasks));
-	c->wthreads = calloc(n, sizeof(*c->wthreads));
-	c->wthread_on = calloc(n, sizeof(*c->wthread_on));
-	if (!c->stage || !c->stage_len || !c->sfiles || !c->wtasks || !c->wthreads ||
-	    !c->wthread_on)
+	c->threads = calloc(n, sizeof(*c->threads));
+	c->thread_on = calloc(n, sizeof(*c->thread_on));
+	if (!c->stage || !c->stage_len || !c->sfiles || !c->wtasks || !c->threads || !c->thread_on)
 		return -ENOMEM;
 	/* A snapshot in memory when the limits leave room for it; else the files are written in place. */
 	{
@@ -827,6 +821,8 @@ int eng_ckpt_start(struct shd_engine_job *j, const struct shd_engine_ckpt_target
 	c->done = done;
 	c->ctx = ctx;
 	c->start_ns = shd_now_ns();
+	c->pace.bytes_per_s = (uint64_t)j->e->cfg.checkpoint_rate * 1000000u;
+	c->pace.start_ns = c->start_ns;
 	ret = ckpt_plan(j, c, tg->step, err, errlen);
 	if (ret == -ENOMEM)
 		goto nomem;

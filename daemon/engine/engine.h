@@ -54,6 +54,8 @@ struct shd_engine_config {
 	uint32_t keep;             /* --keep: checkpoints kept per job in the state dir; 0 = all */
 	uint32_t checkpoint_every; /* --checkpoint-every: a checkpoint at every step boundary that
 					     is a multiple of it (needs state_dir); 0 = none */
+	/* --checkpoint-rate: MB/s a snapshot's files are written at, at most; 0 = the disk's speed */
+	uint32_t checkpoint_rate;
 	/* --rank-exec-max: groups registered exec=auto of at most this many unsharded bytes run
 	   rank-executed where they can (exec.c) */
 	uint64_t rank_exec_max;

@@ -92,6 +92,8 @@ struct eng_task;
 struct eng_task_ops {
 	void (*exec)(struct eng_task *t);      /* pool (or loop) thread: sets res and msg */
 	void (*delivered)(struct eng_task *t); /* loop thread: it ended, or failed unrun with res */
+	/* Loop thread, optional: start a task due to run on a thread of its own (0), else the pool runs it. */
+	int (*spawn)(struct eng_task *t);
 };
 
 struct eng_task {

@@ -122,6 +122,9 @@ static void group_kick(struct eng_group *eg)
 		t->next = NULL;
 		eg->running = t;
 		if (!task_inline(t)) {
+			/* One whose hooks say so (a checkpoint's snapshot) starts on a thread of its own. */
+			if (t->hooks && t->hooks->spawn && !t->hooks->spawn(t))
+				return;
 			/* One that waits for other nodes gets a thread of its own (world_collective.c). */
 			if (!eng_world_task(t) || eng_world_spawn(t))
 				shd_pool_submit(eg->j->e->pool, &t->pt);

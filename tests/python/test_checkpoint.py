@@ -14,13 +14,14 @@ import json
 import os
 import subprocess
 import tempfile
+import time
 import zlib
 
 import numpy as np
 import pytest
 
 import shardd
-from conftest import ROOT, attach, attached, job_name, run_ranks
+from conftest import ROOT, Daemon, attach, attached, job_name, run_ranks, shardd_bin
 
 WORLD = 2
 SPECS = [("w", "float32", (9, 5)), ("b", "float32", (7,)), ("c", "float32", (3, 4), 1)]
@@ -185,3 +186,39 @@ def test_two_groups_write_split_files_with_an_index_and_restore_at_one_rank(stat
             g = one.register_group(name, specs, restore=ckpt)
             for i, s in enumerate(specs):
                 assert np.array_equal(g.shard(i), want[s[0]]), s[0]
+
+
+@pytest.mark.timeout_s(90)
+def test_checkpoint_rate_bounds_the_snapshot_write_and_what_it_wrote_restores(request):
+    """shardd --checkpoint-rate 8: a snapshot's whole 4 MiB chunks (2 of an
+    8 MiB param's model.safetensors, 4 of its AdamW optim.safetensors) go out
+    no faster than 8 MB/s over the checkpoint, so it completes no sooner than
+    their bytes over the rate (unbounded, the disk writes them in well under
+    a second); the files restore bit for bit (CRC-32 checked as read)."""
+    rate, chunk = 8, 4 << 20
+    spec = [("w", "float32", (2048, 1024))]
+    opt = shardd.Optimizer.adamw(weight_decay=0.0)
+    bad = subprocess.run([shardd_bin(), "--checkpoint-rate", "fast"], capture_output=True, text=True,
+                         timeout=30)
+    assert bad.returncode == 2 and "--checkpoint-rate: 'fast' is not MB/s" in bad.stderr, bad.stderr
+    with tempfile.TemporaryDirectory(prefix="shardd-py-state-") as state, \
+            Daemon(("--state-dir", state, "--checkpoint-rate", str(rate))) as d:
+        with attached(request, d, 1, WORLD) as clients:
+            gs = run_ranks(lambda r: clients[r].register_group("layer", spec, optimizer=opt), WORLD)
+            rng = np.random.default_rng(7)
+            for g in gs:
+                g.shard(0)[...] = rng.standard_normal(g.shard(0).shape).astype(np.float32)
+                g.grad(0)[...] = rng.standard_normal(g.grad(0).shape).astype(np.float32)
+            run_ranks(lambda r: gs[r].reduce(1), WORLD)
+            run_ranks(lambda r: gs[r].step(1, 0.01), WORLD)
+            want = [g.shard(0).copy() for g in gs]
+            t0 = time.monotonic()
+            run_ranks(lambda r: clients[r].checkpoint(1, timeout=60), WORLD)
+            took = time.monotonic() - t0
+        assert took >= 0.95 * 6 * chunk / (rate * 1e6), took
+        ckpt = os.path.join(state, job_name(request), "step-000000000001")
+        with attached(request, d, 1, WORLD, suffix="-back") as clients:
+            gs = run_ranks(lambda r: clients[r].register_group("layer", spec, optimizer=opt, restore=ckpt),
+                           WORLD)
+            for r in range(WORLD):
+                assert np.array_equal(gs[r].shard(0), want[r]), r

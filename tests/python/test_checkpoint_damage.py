@@ -296,3 +296,32 @@ def test_a_full_disk_fails_the_checkpoint_with_its_whole_message_everywhere(tiny
             assert f'shardd_checkpoint_last_error{{job="{job}",error="' in metrics, metrics
             assert logged(d, lambda line: f"job '{job}'" in line and why in line), d.lines
         assert os.listdir(os.path.join(tiny_fs, job)) == []
+
+
+@pytest.mark.timeout_s(90)
+def test_a_job_ended_during_a_bounded_write_does_not_wait_out_the_bound(request):
+    """shardd --checkpoint-rate 1: an 8 MiB AdamW param's files (24 MiB) would
+    take 25 s at the bound. `shardctl end` while they are written ends the job
+    at once instead (the rest of the snapshot goes out at the disk's speed),
+    the checkpoint fails naming the end, and no step folder is left."""
+    spec = [("w", "float32", (2048, 1024))]
+    opt = shardd.Optimizer.adamw(weight_decay=0.0)
+    with tempfile.TemporaryDirectory(prefix="shardd-py-state-") as state, \
+            Daemon(("--state-dir", state, "--checkpoint-rate", "1", "--log-level", "info")) as d:
+        job = job_name(request)
+        with attached(request, d, 1, WORLD) as clients:
+            gs = run_ranks(lambda r: clients[r].register_group("layer", spec, optimizer=opt), WORLD)
+            run_ranks(lambda r: gs[r].reduce(1), WORLD)
+            run_ranks(lambda r: gs[r].step(1, 0.01), WORLD)
+            for c in clients:
+                assert c.submit(P.OP_CHECKPOINT, 0, 1, 0, 7)
+            assert logged(d, lambda line: f"job '{job}': checkpoint of step 1 into" in line and
+                          "started" in line), d.lines
+            t0 = time.monotonic()
+            out = run_shardctl(d.socket, "end", job)
+            took = time.monotonic() - t0
+            assert out.returncode == 0, out.stderr
+            assert took < 10, took
+            assert logged(d, lambda line: f"job '{job}'" in line and
+                          "ended while its checkpoint was written" in line), d.lines
+        assert not os.path.exists(step_dir(os.path.join(state, job), 1))

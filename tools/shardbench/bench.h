@@ -20,23 +20,24 @@
 
 /* Command-line options shared by every benchmark (nccl-tests' letters). */
 struct bench_opts {
-	uint64_t min_bytes;       /* -b: first size of the sweep */
-	uint64_t max_bytes;       /* -e: last size of the sweep */
-	uint64_t factor;          /* -f: size multiplication factor, >= 2 */
-	int warmup;               /* -w: untimed iterations per size */
-	int iters;                /* -n: timed iterations per size (ring: samples) */
-	int iters_set;            /* -n was given (the ring picks its own default) */
-	int check;                /* -c: check results (1) or not (0) */
-	uint32_t dtype;           /* -d: param_dtype of the benchmark group */
-	uint32_t ranks;           /* -r: rank processes (world: ranks per node) */
-	uint32_t nodes;           /* --nodes: daemons of `shardbench world` */
-	uint64_t idle_us;         /* --idle-us: gap before each sleeping ring sample */
-	int load;                 /* --load: gpu: also time the ops beside a compute load */
-	const char *socket_path;  /* --socket: a running daemon, or NULL */
-	const char *shardd_path;  /* --shardd: daemon binary to start */
-	const char *mpi_path;     /* --mpi: the shardbench_mpi comparator */
-	const char *trace_path;   /* --trace: latency's samples, one line each */
-	const char *ckpt_dir;     /* --dir: checkpoint's folder on the disk it measures, or NULL */
+	uint64_t min_bytes;      /* -b: first size of the sweep */
+	uint64_t max_bytes;      /* -e: last size of the sweep */
+	uint64_t factor;         /* -f: size multiplication factor, >= 2 */
+	int warmup;              /* -w: untimed iterations per size */
+	int iters;               /* -n: timed iterations per size (ring: samples) */
+	int iters_set;           /* -n was given (the ring picks its own default) */
+	int check;               /* -c: check results (1) or not (0) */
+	uint32_t dtype;          /* -d: param_dtype of the benchmark group */
+	uint32_t ranks;          /* -r: rank processes (world: ranks per node) */
+	uint32_t nodes;          /* --nodes: daemons of `shardbench world` */
+	uint64_t idle_us;        /* --idle-us: gap before each sleeping ring sample */
+	int load;                /* --load: gpu: also time the ops beside a compute load */
+	const char *socket_path; /* --socket: a running daemon, or NULL */
+	const char *shardd_path; /* --shardd: daemon binary to start */
+	const char *mpi_path;    /* --mpi: the shardbench_mpi comparator */
+	const char *trace_path;  /* --trace: latency's samples, one line each */
+	const char *ckpt_dir;    /* --dir: checkpoint's folder on the disk it measures, or NULL */
+	unsigned ckpt_rate;      /* --checkpoint-rate: checkpoint's daemon's, MB/s; 0: none given */
 	const char *torch_python; /* --torch: checkpoint's and step's python with torch, or NULL */
 	const char *self_dir;     /* directory of this binary */
 	/* --exec: the executors unshard, reduce and latency run under, in turn (enum shardd_exec) */
@@ -195,8 +196,8 @@ unsigned bench_worker_threads(void);
  * wait until it accepts. 0 or -errno.
  */
 int bench_daemon_start(const char *shardd_path, const char *backend, struct bench_daemon *d);
-/* The same with a checkpoint folder: shardd --state-dir state_dir. */
-int bench_daemon_start_state(const char *shardd_path, const char *state_dir,
+/* The same with a checkpoint folder: shardd --state-dir state_dir [--checkpoint-rate rate]. */
+int bench_daemon_start_state(const char *shardd_path, const char *state_dir, unsigned rate,
 			     struct bench_daemon *d);
 /* Stop a daemon bench_daemon_start() started; a no-op for --socket. */
 void bench_daemon_stop(struct bench_daemon *d);

@@ -9,21 +9,23 @@
  * exp_avg_sq (three equal tensors) over -r ranks (1 x R). save(GB/s) is
  * those bytes over the time from the ranks' first checkpoint op submitted
  * to the last completion (files fsynced, renamed); disk_w(GB/s) writes the
- * same bytes with O_DIRECT and one fsync. load(GB/s) is the bytes over the
+ * same bytes with O_DIRECT (4 MiB I/Os, 4 in flight, as the daemon's) and
+ * one fsync. load(GB/s) is the bytes over the
  * time a registration restoring from it takes minus that of the same
  * registration without a restore (buffers are allocated in both; the best
  * of -n of each);
- * disk_r(GB/s) reads the bytes back with O_DIRECT; the checkpoint's files
+ * disk_r(GB/s) reads the bytes back the same way; the checkpoint's files
  * leave the page cache (POSIX_FADV_DONTNEED) before the load. #wrong counts restored
  * param elements that differ from what was saved.
  *
  * Then step time during a save: -r rank processes train group 'train'
  * (fp32 [TRAIN_ROWS, 1024], AdamW) of a job whose group 'state' holds the
- * sweep's largest state; each of -w + -n rounds times TRAIN_IDLE steps
- * (unshard, reshard, reduce, step) with no save, then every step while a
- * checkpoint of the job, which every rank submits without waiting, is
- * written. idle and save columns: rank 0's step times, p50 and mean, and
- * how much slower the steps during the save were.
+ * sweep's largest state; each of -w + -n rounds times every step
+ * (unshard, reshard, reduce, step) while a checkpoint of the job, which
+ * every rank submits without waiting, is written, then as many steps with
+ * no save: both windows sample the same minutes of a shared host. idle
+ * and save columns: rank 0's step times, p50 and mean, and how much slower
+ * the steps during the save were.
  *
  * With --torch PYTHON (or $SHARDBENCH_TORCH), tools/bench_dcp.py run by
  * that python saves and loads the same state with torch.distributed.checkpoint
@@ -44,18 +46,20 @@
 #include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <liburing.h>
 
 #include "bench.h"
 #include "shardd.h"
 
 #define CKPT_COLS      1024       /* fp32 elements per row of the param */
-#define CKPT_IO_CHUNK  (8u << 20) /* bytes per direct I/O call */
+#define CKPT_IO_CHUNK  (4u << 20) /* bytes per direct I/O, as the daemon's (ckpt_files.h) */
+#define CKPT_IO_DEPTH  4          /* direct I/Os in flight, as the daemon's */
 #define CKPT_MAX_RANKS 8
 #define CKPT_MAX_SIZES 64
 #define DCP_LIMIT_S    1900 /* the script kills its ranks after 1800 s */
 #define TRAIN_ROWS     4096 /* the trained group's param: 16 MiB of fp32 rows */
-#define TRAIN_IDLE     8    /* steps timed without a save, per round */
-#define TRAIN_MAX      4096 /* steps timed while one save runs, at most */
+#define TRAIN_LEAD     8 /* steps untimed before the first round: the group's first ops are cold */
+#define TRAIN_MAX      4096 /* steps timed while saving (and as many idle), at most */
 #define TRAIN_WAIT_MS  600000
 #define TRAIN_CKPT_UD  (1ull << 40) /* user_data of a rank's checkpoint op */
 #define TRAIN_REAP_MS  (1800 * 1000)
@@ -169,39 +173,97 @@ static uint64_t job_checkpoint(struct ckpt_job *j, uint64_t step)
 	return bench_now_ns() - t0;
 }
 
-/* Sequential direct I/O of `bytes` to (write 1) or from `path`; ns, or 0 with the error printed. */
-static uint64_t disk_pass(const char *path, uint64_t bytes, int write_it, void *buf)
+/*
+ * Sequential direct I/O of `bytes` to (write 1) or from `path`, with
+ * CKPT_IO_DEPTH chunks in flight through io_uring (each in its slot of
+ * buf): the disk as the daemon's writes and reads see it, not one request
+ * at a time. ns, or 0 with the error printed.
+ */
+static uint64_t disk_pass(const char *path, uint64_t bytes, int write_it, uint8_t *buf)
 {
 	int fd = open(path,
 		      (write_it ? O_WRONLY | O_CREAT | O_TRUNC : O_RDONLY) | O_DIRECT | O_CLOEXEC,
 		      0600);
-	uint64_t t0 = bench_now_ns(), done = 0;
+	uint32_t len[CKPT_IO_DEPTH] = { 0 };
+	uint64_t t0, next = 0, done = 0;
+	const char *what = write_it ? "write" : "read";
+	struct io_uring ring;
+	int ret;
 
 	if (fd < 0) {
 		fprintf(stderr, "shardbench: checkpoint: %s with O_DIRECT: %s\n", path,
 			strerror(errno));
 		return 0;
 	}
-	while (done < bytes) {
-		size_t k = bytes - done < CKPT_IO_CHUNK ? (size_t)(bytes - done) : CKPT_IO_CHUNK;
-		ssize_t n;
-
-		k = (k + 4095) & ~(size_t)4095; /* direct I/O moves whole blocks */
-		n = write_it ? pwrite(fd, buf, k, (off_t)done) : pread(fd, buf, k, (off_t)done);
-		if (n <= 0) {
-			fprintf(stderr, "shardbench: checkpoint: %s %s: %s\n",
-				write_it ? "write" : "read", path,
-				n < 0 ? strerror(errno) : "short");
-			close(fd);
-			return 0;
-		}
-		done += (uint64_t)n;
-	}
-	if (write_it && fsync(fd)) {
+	ret = io_uring_queue_init(CKPT_IO_DEPTH, &ring, 0);
+	if (ret) {
+		fprintf(stderr, "shardbench: checkpoint: io_uring: %s\n", strerror(-ret));
 		close(fd);
 		return 0;
 	}
+	t0 = bench_now_ns();
+	/*
+	 * Allocated first, as the daemon's files are (and fio's by default):
+	 * ext4 runs direct writes past the end of a file one at a time.
+	 */
+	if (write_it && fallocate(fd, 0, 0, (off_t)bytes) && errno != EOPNOTSUPP)
+		ret = -errno;
+	while (!ret && done < bytes) {
+		struct io_uring_cqe *cqe;
+		uint32_t i;
+
+		for (i = 0; i < CKPT_IO_DEPTH && next < bytes; i++) {
+			struct io_uring_sqe *sqe;
+
+			if (len[i])
+				continue;
+			/* Direct I/O moves whole blocks. */
+			len[i] = (uint32_t)((bytes - next < CKPT_IO_CHUNK ? bytes - next
+									  : CKPT_IO_CHUNK) +
+					    4095) &
+				 ~4095u;
+			sqe = io_uring_get_sqe(&ring);
+			if (write_it)
+				io_uring_prep_write(sqe, fd, buf + (size_t)i * CKPT_IO_CHUNK,
+						    len[i], next);
+			else
+				io_uring_prep_read(sqe, fd, buf + (size_t)i * CKPT_IO_CHUNK, len[i],
+						   next);
+			io_uring_sqe_set_data64(sqe, i);
+			next += len[i];
+		}
+		ret = io_uring_submit(&ring);
+		ret = ret < 0 ? ret : io_uring_wait_cqe(&ring, &cqe);
+		if (ret == -EINTR) {
+			ret = 0;
+			continue;
+		}
+		if (ret)
+			break;
+		i = (uint32_t)io_uring_cqe_get_data64(cqe);
+		ret = cqe->res < 0 ? cqe->res : cqe->res != (int)len[i] ? -ENODATA : 0;
+		done += len[i];
+		len[i] = 0;
+		io_uring_cqe_seen(&ring, cqe);
+	}
+	/* A failure may leave I/Os in flight on buf, which the caller frees: they end first. */
+	for (uint32_t i = 0; i < CKPT_IO_DEPTH; i++) {
+		struct io_uring_cqe *cqe;
+
+		while (len[i] && io_uring_wait_cqe(&ring, &cqe) == 0) {
+			len[io_uring_cqe_get_data64(cqe) % CKPT_IO_DEPTH] = 0;
+			io_uring_cqe_seen(&ring, cqe);
+		}
+	}
+	io_uring_queue_exit(&ring);
+	if (!ret && write_it && fsync(fd))
+		ret = -errno;
 	close(fd);
+	if (ret) {
+		fprintf(stderr, "shardbench: checkpoint: %s %s: %s\n", what, path,
+			ret == -ENODATA ? "short" : strerror(-ret));
+		return 0;
+	}
 	return bench_now_ns() - t0;
 }
 
@@ -340,16 +402,16 @@ static int dcp_find(const struct dcp_results *d, uint64_t size)
 
 /*
  * Step time during a save: rank processes train group 'train' of a job
- * that also holds group 'state', each round TRAIN_IDLE steps with no save,
- * then steps while a checkpoint of the job (the ranks' op, submitted
- * without waiting, as a trainer does) is written, until it completes.
- * Rank 0 times each step; results in shared memory.
+ * that also holds group 'state', each round the steps while a checkpoint
+ * of the job (the ranks' op, submitted without waiting, as a trainer does)
+ * is written, until it completes, then as many steps with no save. Rank 0
+ * times each step; results in shared memory.
  */
 struct train_shared {
 	uint32_t ranks;
 	uint64_t state_rows;
 	uint64_t nidle, nsaving;
-	uint64_t idle_ns[TRAIN_IDLE * TRAIN_ROUNDS];
+	uint64_t idle_ns[TRAIN_MAX];
 	uint64_t saving_ns[TRAIN_MAX];
 	uint64_t save_ns[TRAIN_ROUNDS]; /* per timed round: the save's time */
 	uint64_t stop_after
@@ -432,21 +494,16 @@ static int train_rank(const struct bench_opts *o, struct train_shared *sh, const
 		for (uint64_t e = 0; e < TRAIN_ROWS * CKPT_COLS; e++)
 			gr[e] = bench_grad_value(e, rank, 2);
 	}
+	for (int k = 0; k < TRAIN_LEAD && !ret; k++)
+		ret = train_step(sh, rank, train, ++step) ? 0 : -EIO;
 	for (int round = 0; !ret && round < o->warmup + o->iters; round++) {
 		struct shardd_completion cp;
 		uint64_t t0, n = 0, t;
 		int timed = round >= o->warmup, done = 0;
 		char dir[700];
 
-		for (int k = 0; k < TRAIN_IDLE && !ret; k++) {
-			t = train_step(sh, rank, train, ++step);
-			ret = t ? 0 : -EIO;
-			if (!ret && timed && rank == 0)
-				sh->idle_ns[sh->nidle++] = t;
-		}
-		if (ret || (ret = shardd_barrier(c, ++barrier))) {
-			if (ret != -EIO)
-				train_fail(sh, rank, ret, "barrier");
+		if ((ret = shardd_barrier(c, ++barrier))) {
+			train_fail(sh, rank, ret, "barrier");
 			break;
 		}
 		t0 = bench_now_ns();
@@ -484,10 +541,17 @@ static int train_rank(const struct bench_opts *o, struct train_shared *sh, const
 			sh->save_ns[round - o->warmup] = bench_now_ns() - t0;
 		if (!ret && (ret = shardd_barrier(c, ++barrier)))
 			train_fail(sh, rank, ret, "barrier");
+		/* As many steps with no save: every rank stopped at the same step, so n is every rank's. */
+		for (uint64_t k = 0; k < n && !ret; k++) {
+			t = train_step(sh, rank, train, ++step);
+			ret = t ? 0 : -EIO;
+			if (!ret && timed && rank == 0 && sh->nidle < TRAIN_MAX)
+				sh->idle_ns[sh->nidle++] = t;
+		}
 		/* Rank 0 removes the checkpoint: the disk holds one at a time. */
 		if (!ret && rank == 0) {
 			snprintf(dir, sizeof(dir), "%s/%s/step-%012llu", state_dir, job,
-				 (unsigned long long)(step - n));
+				 (unsigned long long)(step - 2 * n));
 			nftw(dir, rm_entry, 8, FTW_DEPTH | FTW_PHYS);
 		}
 	}
@@ -593,15 +657,17 @@ int bench_checkpoint_run(const struct bench_opts *o, const char *socket_path, co
 
 	if (ranks > CKPT_MAX_RANKS)
 		ranks = CKPT_MAX_RANKS;
-	if (!dcp || posix_memalign(&buf, 4096, CKPT_IO_CHUNK)) {
+	if (!dcp || posix_memalign(&buf, 4096, (size_t)CKPT_IO_DEPTH * CKPT_IO_CHUNK)) {
 		free(dcp);
 		return -ENOMEM;
 	}
-	memset(buf, 0x5a, CKPT_IO_CHUNK);
+	memset(buf, 0x5a, (size_t)CKPT_IO_DEPTH * CKPT_IO_CHUNK);
 	snprintf(probe, sizeof(probe), "%s/disk-probe", state_dir);
 	printf("# checkpoint: AdamW state (fp32 param, exp_avg, exp_avg_sq) over %u ranks, in %s\n",
 	       ranks, state_dir);
-	printf("# disk_w/disk_r: O_DIRECT sequential write (+ fsync) and read of the same bytes there\n");
+	printf("# disk_w/disk_r: O_DIRECT sequential write (+ fsync) and read of the same bytes there,\n"
+	       "# %u MiB I/Os, %u in flight (as the daemon's)\n",
+	       CKPT_IO_CHUNK >> 20, CKPT_IO_DEPTH);
 	printf("# load: a registration restoring from the checkpoint minus the same registration without a restore\n");
 	for (uint64_t size = o->min_bytes; size <= o->max_bytes && nsizes < CKPT_MAX_SIZES;
 	     size *= o->factor)
@@ -609,8 +675,8 @@ int bench_checkpoint_run(const struct bench_opts *o, const char *socket_path, co
 	if (python && *python) {
 		dcp_run(o, python, state_dir, ranks, sizes, nsizes, dcp);
 		if (dcp->available)
-			printf("# dcp_w/dcp_r: its save (files fsynced by DCP, + the directory) and load GB/s;\n"
-			       "# save/DCP, load/DCP: shardd's over DCP's\n");
+			printf("# dcp_w/dcp_r: its save (files fsynced by DCP, + the directory) and load GB/s,\n"
+			       "# dcpw/disk, dcpr/disk: over disk_w and disk_r; save/DCP, load/DCP: shardd's over DCP's\n");
 		else
 			printf("# torch.distributed.checkpoint: skipped: %s\n", dcp->why);
 	} else {
@@ -619,7 +685,8 @@ int bench_checkpoint_run(const struct bench_opts *o, const char *socket_path, co
 	printf("#%13s %12s %12s %9s %12s %12s %9s", "size(B)", "disk_w(GB/s)", "save(GB/s)",
 	       "save/disk", "disk_r(GB/s)", "load(GB/s)", "load/disk");
 	if (dcp->available)
-		printf(" %11s %9s %11s %9s", "dcp_w(GB/s)", "save/DCP", "dcp_r(GB/s)", "load/DCP");
+		printf(" %11s %9s %9s %11s %9s %9s", "dcp_w(GB/s)", "dcpw/disk", "save/DCP",
+		       "dcp_r(GB/s)", "dcpr/disk", "load/DCP");
 	printf(" %7s\n", "#wrong");
 	for (size_t si = 0; si < nsizes; si++) {
 		uint64_t size = sizes[si];
@@ -733,13 +800,14 @@ int bench_checkpoint_run(const struct bench_opts *o, const char *socket_path, co
 				double dw = (double)bytes / (double)dcp->save_ns[k];
 				double dr = (double)bytes / (double)dcp->load_ns[k];
 
-				printf(" %11.2f %8.2fx %11.2f", dw, save / dw, dr);
+				printf(" %11.2f %8.0f%% %8.2fx %11.2f %8.0f%%", dw, 100 * dw / w,
+				       save / dw, dr, 100 * dr / rd);
 				if (load > 0)
 					printf(" %8.2fx", load / dr);
 				else
 					printf(" %9s", "-");
 			} else if (dcp->available) {
-				printf(" %11s %9s %11s %9s", "-", "-", "-", "-");
+				printf(" %11s %9s %9s %11s %9s %9s", "-", "-", "-", "-", "-", "-");
 			}
 			printf(" %7llu\n",
 			       (unsigned long long)(wrong + (k >= 0 ? dcp->wrong[k] : 0)));
@@ -750,11 +818,11 @@ int bench_checkpoint_run(const struct bench_opts *o, const char *socket_path, co
 	if (!failed) {
 		printf("# step during a save: %u rank processes step group 'train' (fp32 [%u, %u], AdamW:\n"
 		       "# unshard, reshard, reduce, step) of a job whose group 'state' holds the sweep's\n"
-		       "# largest state; each of -w + -n rounds times %u steps with no save (idle), then the\n"
-		       "# steps while a checkpoint of the job, submitted by every rank without waiting, is\n"
-		       "# written (saving); rank 0's step times; save(GB/s): both groups' bytes over the\n"
-		       "# time from the checkpoint's submission to its completion\n",
-		       ranks, TRAIN_ROWS, CKPT_COLS, TRAIN_IDLE);
+		       "# largest state; each of -w + -n rounds times the steps while a checkpoint of the\n"
+		       "# job, submitted by every rank without waiting, is written (save), then as many\n"
+		       "# steps with no save (idle); rank 0's step times; save(GB/s): both groups' bytes\n"
+		       "# over the time from the checkpoint's submission to its completion\n",
+		       ranks, TRAIN_ROWS, CKPT_COLS);
 		printf("#%13s %10s %10s %10s %9s %10s %10s %9s %7s %7s %10s\n", "state(B)",
 		       "train(B)", "idle_p50", "save_p50", "slower", "idle_mean", "save_mean",
 		       "slower", "n_idle", "n_save", "save(GB/s)");

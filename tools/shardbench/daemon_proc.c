@@ -59,21 +59,24 @@ static int daemon_accepts(const char *path)
 }
 
 static int daemon_start(const char *shardd_path, const char *backend, const char *state_dir,
-			struct bench_daemon *d);
+			unsigned rate, struct bench_daemon *d);
 
 int bench_daemon_start(const char *shardd_path, const char *backend, struct bench_daemon *d)
 {
-	return daemon_start(shardd_path, backend, NULL, d);
+	return daemon_start(shardd_path, backend, NULL, 0, d);
 }
 
-int bench_daemon_start_state(const char *shardd_path, const char *state_dir, struct bench_daemon *d)
+int bench_daemon_start_state(const char *shardd_path, const char *state_dir, unsigned rate,
+			     struct bench_daemon *d)
 {
-	return daemon_start(shardd_path, NULL, state_dir, d);
+	return daemon_start(shardd_path, NULL, state_dir, rate, d);
 }
 
 static int daemon_start(const char *shardd_path, const char *backend, const char *state_dir,
-			struct bench_daemon *d)
+			unsigned rate, struct bench_daemon *d)
 {
+	char rate_arg[16];
+
 	uint64_t deadline;
 	int logfd, ret, status;
 	pid_t parent, pid;
@@ -116,7 +119,12 @@ static int daemon_start(const char *shardd_path, const char *backend, const char
 			_exit(127);
 		dup2(logfd, STDOUT_FILENO);
 		dup2(logfd, STDERR_FILENO);
-		if (state_dir)
+		snprintf(rate_arg, sizeof(rate_arg), "%u", rate);
+		if (state_dir && rate)
+			execl(shardd_path, shardd_path, "--socket", d->socket_path, "--backend",
+			      backend ? backend : "host", "--state-dir", state_dir,
+			      "--checkpoint-rate", rate_arg, (char *)NULL);
+		else if (state_dir)
 			execl(shardd_path, shardd_path, "--socket", d->socket_path, "--backend",
 			      backend ? backend : "host", "--state-dir", state_dir, (char *)NULL);
 		else

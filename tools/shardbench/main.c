@@ -88,6 +88,8 @@ static void usage(FILE *f)
 		"  --nodes N      world: daemons under mpirun, 2 to 8 (default 2)\n"
 		"  --trace FILE   latency: also write every sample to FILE (trace_latency.py)\n"
 		"  --dir DIR      checkpoint: the folder whose disk is measured (default /var/tmp)\n"
+		"  --checkpoint-rate MBPS  checkpoint: start the daemon with --checkpoint-rate MBPS\n"
+		"                 (a snapshot's write at most MBPS MB/s; default: the disk's speed)\n"
 		"  --torch PYTHON checkpoint: compare with torch.distributed.checkpoint run by\n"
 		"                 PYTHON (needs torch >= 2.4; default: $SHARDBENCH_TORCH, else none);\n"
 		"                 step: the interpreter whose torch.optim.AdamW is timed (default:\n"
@@ -175,6 +177,7 @@ static int parse_args(int argc, char **argv, struct bench_opts *o, enum bench_cm
 		OPT_DIR,
 		OPT_NODES,
 		OPT_TORCH,
+		OPT_CKPT_RATE,
 		OPT_LOAD,
 		OPT_EXEC
 	};
@@ -188,6 +191,7 @@ static int parse_args(int argc, char **argv, struct bench_opts *o, enum bench_cm
 		{ "dir", required_argument, NULL, OPT_DIR },
 		{ "nodes", required_argument, NULL, OPT_NODES },
 		{ "torch", required_argument, NULL, OPT_TORCH },
+		{ "checkpoint-rate", required_argument, NULL, OPT_CKPT_RATE },
 		{ "load", no_argument, NULL, OPT_LOAD },
 		{ "exec", required_argument, NULL, OPT_EXEC },
 		{ "help", no_argument, NULL, 'h' },
@@ -277,6 +281,12 @@ static int parse_args(int argc, char **argv, struct bench_opts *o, enum bench_cm
 			break;
 		case OPT_TORCH:
 			o->torch_python = optarg;
+			break;
+		case OPT_CKPT_RATE:
+			if (parse_int(optarg, 1, 1000000, &v))
+				return bad_option("--checkpoint-rate", optarg,
+						  "MB/s in [1, 1000000]");
+			o->ckpt_rate = (unsigned)v;
 			break;
 		case OPT_TRACE:
 			o->trace_path = optarg;
@@ -402,10 +412,15 @@ int main(int argc, char **argv)
 				strerror(errno));
 			return 1;
 		}
-		ret = bench_daemon_start_state(o.shardd_path, state, &d);
+		ret = bench_daemon_start_state(o.shardd_path, state, o.ckpt_rate, &d);
 		if (!ret) {
-			printf("# daemon: %s --state-dir %s (started by shardbench)\n",
-			       o.shardd_path, state);
+			if (o.ckpt_rate)
+				printf("# daemon: %s --state-dir %s --checkpoint-rate %u (started by "
+				       "shardbench)\n",
+				       o.shardd_path, state, o.ckpt_rate);
+			else
+				printf("# daemon: %s --state-dir %s (started by shardbench)\n",
+				       o.shardd_path, state);
 			failed = bench_checkpoint_run(&o, d.socket_path, state) != 0;
 			bench_daemon_stop(&d);
 		}

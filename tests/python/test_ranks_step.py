@@ -25,6 +25,22 @@ torch.set_num_threads(1)
 WORLD, STEPS, BATCH = 2, 5, 4
 
 
+def start_looking(daemon, job, trained, looked, views):
+    """A thread that, once the ranks have trained (`trained`), puts `shardctl
+    ranks JOB` (JSON and text) into views, then lets them go (`looked`)."""
+    def look():
+        trained.wait(timeout=30)
+        try:
+            views["json"] = shardctl_json(daemon.socket, "ranks", job)
+            views["text"] = run_shardctl(daemon.socket, "ranks", job)
+        finally:
+            looked.wait(timeout=30)
+
+    looker = threading.Thread(target=look)
+    looker.start()
+    return looker
+
+
 @pytest.mark.timeout_s(90)
 def test_ranks_show_the_optimizer_step_the_user_counts(daemon, request):
     job = job_name(request)
@@ -51,16 +67,7 @@ def test_ranks_show_the_optimizer_step_the_user_counts(daemon, request):
             looked.wait(timeout=30)
             return steps, opt.step_number
 
-    def look():
-        trained.wait(timeout=30)
-        try:
-            views["json"] = shardctl_json(daemon.socket, "ranks", job)
-            views["text"] = run_shardctl(daemon.socket, "ranks", job)
-        finally:
-            looked.wait(timeout=30)
-
-    looker = threading.Thread(target=look)
-    looker.start()
+    looker = start_looking(daemon, job, trained, looked, views)
     counted = run_ranks(rank, WORLD)
     looker.join(timeout=30)
     assert counted == [(STEPS, STEPS)] * WORLD, counted
@@ -101,16 +108,7 @@ def test_ranks_without_the_daemons_optimizer_show_no_optimizer_step(daemon, requ
             trained.wait(timeout=30)
             looked.wait(timeout=30)
 
-    def look():
-        trained.wait(timeout=30)
-        try:
-            views["json"] = shardctl_json(daemon.socket, "ranks", job)
-            views["text"] = run_shardctl(daemon.socket, "ranks", job)
-        finally:
-            looked.wait(timeout=30)
-
-    looker = threading.Thread(target=look)
-    looker.start()
+    looker = start_looking(daemon, job, trained, looked, views)
     run_ranks(rank, WORLD)
     looker.join(timeout=30)
 
